@@ -1,0 +1,34 @@
+# The two commands of the README: `make demo` and `make test`. Both create .venv when missing.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+DEMO_DIR := .packbench
+export RAY_AUTH_MODE ?= disabled
+
+.PHONY: demo test venv clean
+
+$(BIN)/python:
+	$(PY) -m venv $(VENV)
+
+# torch first and pinned: 2.13.0 is the CPU build on local disk; a bare "torch" would fetch CUDA wheels.
+$(STAMP): pyproject.toml | $(BIN)/python
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q torch==2.13.0
+	$(BIN)/python -m pip install -q -e '.[test]'
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/packbench model synth --shape tiny --dtype float32 --sparsity 0.94 --seed 0 --out $(DEMO_DIR)/models/tiny --force
+	$(BIN)/packbench db upgrade
+	$(BIN)/packbench submit protocols/quickstart.yaml --wait
+	$(BIN)/packbench audit latest
+	$(BIN)/packbench results --screen latest
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q
+
+clean:
+	rm -rf $(VENV) $(DEMO_DIR) packbench.db archives

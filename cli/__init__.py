@@ -1,0 +1,1 @@
+"""The `packbench` command line: one typer sub-app per noun, thin commands over library calls."""

@@ -1,0 +1,197 @@
+"""packbench: submit frozen protocol screens to Ray GPU workers, query results, audit archives."""
+
+import os
+import sys
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from cli.summary import episode_dicts, print_json, screen_summary, table, verdict_dicts, verdict_table
+from core.errors import PackbenchError
+
+app = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
+                  help=__doc__)
+model_app = typer.Typer(no_args_is_help=True, help="Synthetic checkpoints.")
+db_app = typer.Typer(no_args_is_help=True, help="The results database: migrations.")
+app.add_typer(model_app, name="model")
+app.add_typer(db_app, name="db")
+
+DbUrl = Annotated[Optional[str], typer.Option("--db", help="Database URL (default: $PACKBENCH_DB_URL or sqlite:///packbench.db).")]
+Json = Annotated[bool, typer.Option("--json", help="Print a machine-readable summary.")]
+ArchiveDir = Annotated[Path, typer.Option("--archive-dir", envvar="PACKBENCH_ARCHIVE_DIR", help="Where raw archives are written.")]
+
+
+def _store(url: str | None, *, at_head: bool = True):
+    from db.store import Store
+
+    store = Store(url)
+    if at_head:
+        store.check_head()
+    return store
+
+
+@model_app.command("synth")
+def model_synth(
+    out: Annotated[Path, typer.Option(help="Output directory (Hugging Face layout).")],
+    shape: Annotated[str, typer.Option(help="tiny, opt-125m, opt-1.3b, opt-2.7b, opt-6.7b or opt-13b.")] = "tiny",
+    dtype: Annotated[str, typer.Option(help="float32, float16 or bfloat16.")] = "float32",
+    sparsity: Annotated[float, typer.Option(help="Fraction of post-ReLU activations that are exactly zero.")] = 0.94,
+    seed: Annotated[int, typer.Option(help="Weights are a pure function of the seed.")] = 0,
+    force: Annotated[bool, typer.Option(help="Replace a checkpoint already in --out.")] = False,
+) -> None:
+    """Write a synthetic OPT checkpoint with real OPT shapes and a chosen activation sparsity."""
+    from engine.shapes import DTYPES, SHAPES
+    from engine.synth import synth_checkpoint
+
+    if shape not in SHAPES:
+        raise PackbenchError(f"unknown --shape {shape!r}; use one of {', '.join(SHAPES)}")
+    if dtype not in DTYPES:
+        raise PackbenchError(f"unknown --dtype {dtype!r}; use one of {', '.join(DTYPES)}")
+    if not 0.0 < sparsity < 1.0:
+        raise PackbenchError(f"--sparsity {sparsity} is outside (0, 1); pass e.g. 0.94")
+    path = synth_checkpoint(out, shape=shape, dtype=dtype, sparsity=sparsity, seed=seed, force=force)
+    typer.echo(f"wrote {shape} {dtype} checkpoint (sparsity {sparsity}, seed {seed}) to {path}")
+
+
+@db_app.command("upgrade")
+def db_upgrade(db: DbUrl = None) -> None:
+    """Create or migrate the database to the newest schema."""
+    store = _store(db, at_head=False)
+    store.upgrade()
+    typer.echo(f"database at {store.current()} (head)")
+
+
+@db_app.command("current")
+def db_current(db: DbUrl = None) -> None:
+    """Print the database's schema revision."""
+    store = _store(db, at_head=False)
+    current, head = store.current(), store.head()
+    typer.echo(f"{current or 'empty'}{' (head)' if current == head else f' (head is {head}: run `packbench db upgrade`)'}")
+
+
+@db_app.command("history")
+def db_history(db: DbUrl = None) -> None:
+    """List the schema revisions, newest first."""
+    for line in _store(db, at_head=False).history():
+        typer.echo(line)
+
+
+@app.command()
+def submit(
+    protocol: Annotated[Path, typer.Argument(help="Protocol YAML file.")],
+    wait: Annotated[bool, typer.Option("--wait", help="Run the screen now and wait for its verdicts.")] = False,
+    address: Annotated[Optional[str], typer.Option(help="Join this Ray cluster instead of an embedded local one.")] = None,
+    archive_dir: ArchiveDir = Path("archives"),
+    db: DbUrl = None,
+    json_out: Json = False,
+) -> None:
+    """Freeze a protocol and queue a screen; with --wait, run it on a GPU worker actor now."""
+    from cluster.submit import enqueue
+
+    store = _store(db)
+    screen_id = enqueue(store, protocol)
+    if not wait:
+        typer.echo(f"queued screen {screen_id}; run it with `packbench dispatch`")
+        return
+    _run(store, screen_id, archive_dir=archive_dir, address=address, json_out=json_out)
+
+
+@app.command()
+def dispatch(
+    address: Annotated[Optional[str], typer.Option(help="Join this Ray cluster instead of an embedded local one.")] = None,
+    archive_dir: ArchiveDir = Path("archives"),
+    db: DbUrl = None,
+    json_out: Json = False,
+) -> None:
+    """Run every queued screen, oldest first."""
+    store = _store(db)
+    queued = store.queued_screens()
+    if not queued:
+        typer.echo("no queued screens")
+    for screen in queued:
+        _run(store, screen.id, archive_dir=archive_dir, address=address, json_out=json_out)
+
+
+def _run(store, screen_id: int, *, archive_dir: Path, address: str | None, json_out: bool) -> None:
+    from cluster.screen import run_screen
+
+    progress = (lambda msg: None) if json_out else typer.echo
+    outcome = run_screen(store, screen_id, archive_dir=archive_dir, address=address, progress=progress)
+    summary = screen_summary(store, screen_id)
+    if json_out:
+        print_json(summary)
+    else:
+        typer.echo(verdict_table(summary["verdicts"]) if summary["verdicts"] else "no verdicts")
+        typer.echo(f"archive: {outcome.archive_path}")
+    if outcome.status != "done":
+        typer.echo(f"error: screen {screen_id} failed: {outcome.error}", err=True)
+        raise typer.Exit(1)
+
+
+@app.command()
+def audit(
+    screen: Annotated[str, typer.Argument(help="Screen id, or `latest`.")],
+    archive: Annotated[Optional[Path], typer.Option(help="Audit this archive file instead of the one the database names.")] = None,
+    db: DbUrl = None,
+    json_out: Json = False,
+) -> None:
+    """Re-read a screen's raw archive, recompute every verdict and compare with the database."""
+    import platform
+
+    from core.audit import audit_archive
+
+    store = _store(db)
+    row = store.screen(screen)
+    attempt = store.latest_attempt(row.id)
+    if attempt is None:
+        raise PackbenchError(f"screen {row.id} has not run yet; run `packbench dispatch` first")
+    started = datetime.now(timezone.utc)
+    report = audit_archive(Path(archive or attempt.archive_path), expected_sha256=attempt.archive_sha256,
+                           db_verdicts=verdict_dicts(store.verdicts(attempt.id)),
+                           db_episodes=episode_dicts(store.episodes(attempt.id)))
+    store.put_audit(attempt_id=attempt.id, archive_sha256=report.record["archive_sha256"], digest=report.digest,
+                    result=report.record["result"], problems=report.problems, machine=platform.node(),
+                    started_at=started, finished_at=datetime.now(timezone.utc))
+    if json_out:
+        print_json({"screen_id": row.id, "attempt": attempt.number, "archive_path": attempt.archive_path,
+                    "digest": report.digest, **report.record})
+    else:
+        typer.echo(verdict_table(report.record["verdicts"]))
+        for p in report.problems:
+            typer.echo(f"problem: {p}")
+        typer.echo(f"audit of screen {row.id}: {report.record['result'].upper()} "
+                   f"({report.record['episodes']} episodes, digest {report.digest[:16]})")
+    if not report.agrees:
+        raise typer.Exit(1)
+
+
+@app.command()
+def results(
+    screen: Annotated[str, typer.Option("--screen", help="Screen id, or `latest`.")] = "latest",
+    db: DbUrl = None,
+    json_out: Json = False,
+) -> None:
+    """Show a screen's verdicts and episodes from the database."""
+    summary = screen_summary(_store(db), screen)
+    if json_out:
+        print_json(summary)
+        return
+    typer.echo(f"screen {summary['screen_id']} ({summary['protocol']}, {summary['status']}) "
+               f"archive {summary['archive_path']}")
+    typer.echo(table(summary["episodes"], ["index", "condition", "role", "prompt", "status", "h2d_bytes",
+                                           "d2h_bytes", "wall_s"]))
+    typer.echo(verdict_table(summary["verdicts"]) if summary["verdicts"] else "no verdicts")
+
+
+def main() -> None:
+    """Console entry point: user errors print one line and exit 2, never a traceback."""
+    try:
+        app()
+    except PackbenchError as e:
+        typer.echo(f"error: {e}", err=True)
+        sys.exit(2)
+    except KeyboardInterrupt:
+        typer.echo("interrupted; the attempt is recorded as interrupted", err=True)
+        sys.exit(130)

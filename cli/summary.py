@@ -1,0 +1,61 @@
+"""Machine-readable and table views of a screen, built from the database."""
+
+import dataclasses
+import json
+
+
+def screen_summary(store, ref: str | int) -> dict:
+    """Screen id, archive path, verdicts and episodes of a screen's latest attempt."""
+    screen = store.screen(ref)
+    attempt = store.latest_attempt(screen.id)
+    protocol = store.protocol(screen.protocol_id)
+    out = {"screen_id": screen.id, "status": screen.status, "protocol": protocol.name,
+           "protocol_sha256": protocol.sha256, "attempt": None, "archive_path": None, "archive_sha256": None,
+           "error": None, "verdicts": [], "episodes": []}
+    if attempt is None:
+        return out
+    out.update(attempt=attempt.number, archive_path=attempt.archive_path, archive_sha256=attempt.archive_sha256,
+               error=attempt.error)
+    out["verdicts"] = [{"gate": v.gate, "condition": v.condition, "phase": v.phase, "passed": v.passed,
+                        "value": v.value, "threshold": v.threshold} for v in store.verdicts(attempt.id)]
+    out["episodes"] = [{"index": e.plan_index, "condition": e.condition, "role": e.role, "prompt": e.prompt,
+                        "status": e.status, "tokens": list(e.tokens),
+                        "h2d_bytes": e.h2d_weight_bytes + e.h2d_index_bytes, "d2h_bytes": e.d2h_bytes,
+                        "wall_s": e.wall_s} for e in store.episodes(attempt.id)]
+    return out
+
+
+def verdict_dicts(rows) -> list[dict]:
+    """VerdictRows in the gates' own dict form (what the auditor compares)."""
+    return [{"gate": v.gate, "condition": v.condition, "phase": v.phase, "passed": v.passed, "value": v.value,
+             "threshold": v.threshold, "interval": list(v.interval) if v.interval is not None else None}
+            for v in rows]
+
+
+def episode_dicts(rows) -> list[dict]:
+    return [{**dataclasses.asdict(e), "tokens": list(e.tokens)} for e in rows]
+
+
+def _fmt(value) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.6g}"
+    return str(value)
+
+
+def table(rows: list[dict], columns: list[str]) -> str:
+    cells = [[_fmt(r.get(c)) for c in columns] for r in rows]
+    widths = [max([len(c)] + [len(row[i]) for row in cells]) for i, c in enumerate(columns)]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(columns, widths))]
+    lines += ["  ".join(v.ljust(w) for v, w in zip(row, widths)) for row in cells]
+    return "\n".join(lines)
+
+
+def verdict_table(verdicts: list[dict]) -> str:
+    rows = [{**v, "passed": "PASS" if v["passed"] else "FAIL"} for v in verdicts]
+    return table(rows, ["gate", "condition", "phase", "passed", "value", "threshold"])
+
+
+def print_json(obj) -> None:
+    print(json.dumps(obj, indent=2, sort_keys=True, default=str))

@@ -1,0 +1,1 @@
+"""Ray side of packbench: the only package that imports ray."""

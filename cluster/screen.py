@@ -1,0 +1,113 @@
+"""Running a screen: place it on a GPU worker actor, persist each episode as it returns,
+write the raw archive as it goes, then seal it, compute the verdicts and store them.
+
+The database and the archive are written by this driver process only; the worker returns
+records. Failures are kept: an interrupted or failed attempt stays in the database with its
+cause, and its partial archive stays on disk.
+"""
+
+import getpass
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from cluster.runtime import ensure_ray
+from core.archive import ArchiveWriter
+from core.errors import PackbenchError
+from core.gates import compute_verdicts
+from core.plan import plan, prompts
+from core.source import source_freeze
+
+
+@dataclass(frozen=True)
+class ScreenOutcome:
+    screen_id: int
+    attempt_id: int
+    archive_path: Path
+    archive_sha256: str | None
+    status: str
+    error: str | None
+
+
+def episode_member(index: int) -> str:
+    return f"episodes/{index:05d}.json"
+
+
+def logits_member(index: int) -> str:
+    return f"logits/{index:05d}.npy"
+
+
+def run_screen(store, screen_id: int, *, archive_dir: Path, address: str | None = None,
+               progress=lambda msg: None) -> ScreenOutcome:
+    """Run one queued screen to its end (done or failed) and return what happened."""
+    screen = store.screen(screen_id)
+    proto = store.protocol(screen.protocol_id)
+    body = json.loads(proto.canonical_json)
+    model_dir = screen.model_dir
+    archive_dir.mkdir(parents=True, exist_ok=True)
+    number = len(store.attempts(screen_id)) + 1
+    archive_path = (archive_dir / f"screen-{screen_id:05d}-attempt-{number}.zip").resolve()
+
+    ray = ensure_ray(address)
+    from cluster.worker import start_worker
+
+    actor = start_worker()
+    env = ray.get(actor.describe.remote())
+    freeze = source_freeze()
+    attempt = store.start_attempt(
+        screen_id=screen_id, worker=str(actor._actor_id.hex()), node=env["host"], gpu_name=env["gpu"] or "cpu",
+        gpu_index=int((env["gpu_index"] or "-1").split(",")[0]), machine_id=store.put_machine(
+            host=env["host"], gpu_name=env["gpu"], driver=env["driver"], torch=env["torch"], cuda=env["cuda"]),
+        source_freeze=freeze, archive_path=str(archive_path))
+    writer = ArchiveWriter(archive_path)
+    episodes: list[dict] = []
+    try:
+        start = ray.get(actor.load.remote(body, model_dir))
+        vocab = start.pop("vocab")
+        entries = plan(body)
+        token_ids = prompts(body, vocab=vocab)
+        writer.add_json("protocol.json", body)
+        writer.add_json("plan.json", {"entries": entries, "prompts": token_ids})
+        writer.add_json("worker.json", {"environment": env, "start": start, "model_dir": model_dir})
+        progress(f"screen {screen_id} attempt {attempt.number}: {len(entries)} episodes on {env['device']}")
+        refs = [actor.run.remote(e, token_ids[e["prompt"]]) for e in entries]
+        for entry, ref in zip(entries, refs):
+            record = ray.get(ref)
+            logits = record.pop("logits")
+            writer.add_json(episode_member(entry["index"]), record)
+            if logits is not None:
+                writer.add_array(logits_member(entry["index"]), logits)
+            store.put_episode(attempt.id, record)
+            episodes.append({**record, "logits": logits})
+            progress(f"  episode {entry['index']:3d} {entry['condition']:>14} {entry['role']:6} "
+                     f"prompt {entry['prompt']} {record['status']}")
+        verdicts = compute_verdicts(body, episodes)
+        writer.add_json("verdicts.json", verdicts)
+        sha = writer.seal({"protocol_sha256": proto.sha256, "screen_id": screen_id, "attempt": attempt.number,
+                           "environment": env, "source_freeze": freeze})
+        store.put_verdicts(attempt.id, verdicts)
+        store.finish_attempt(attempt.id, status="done", archive_sha256=sha)
+        return ScreenOutcome(screen_id, attempt.id, archive_path, sha, "done", None)
+    except KeyboardInterrupt:
+        store.finish_attempt(attempt.id, status="interrupted", error="interrupted by the user")
+        raise
+    except PackbenchError as e:
+        store.finish_attempt(attempt.id, status="failed", error=str(e))
+        raise
+    except Exception as e:
+        cause = getattr(e, "cause", None) or e  # a RayTaskError carries the worker's exception
+        if isinstance(cause, PackbenchError):
+            store.finish_attempt(attempt.id, status="failed", error=str(cause))
+            raise cause from None
+        error = f"{type(cause).__name__}: {str(cause).splitlines()[0] if str(cause) else ''}"
+        store.finish_attempt(attempt.id, status="failed", error=error)
+        return ScreenOutcome(screen_id, attempt.id, archive_path, None, "failed", error)
+    finally:
+        ray.kill(actor)
+
+
+def submitter() -> str:
+    try:
+        return getpass.getuser()
+    except Exception:
+        return "unknown"

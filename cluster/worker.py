@@ -1,0 +1,17 @@
+"""The GPU worker actor: a thin Ray shell around engine.worker.Worker."""
+
+import os
+
+import ray
+
+from engine.worker import Worker
+
+# max_task_retries=0: retried calls ran out of submission order (shared/ray.md); a failed
+# attempt is recorded and a new attempt is the dispatcher's decision, never Ray's.
+GpuWorker = ray.remote(num_gpus=1, max_restarts=0, max_task_retries=0)(Worker)
+
+
+def start_worker():
+    """One worker actor with the host's cores for its gathers (OMP follows num_cpus otherwise)."""
+    threads = str(os.cpu_count() or 1)
+    return GpuWorker.options(num_cpus=1, runtime_env={"env_vars": {"OMP_NUM_THREADS": threads}}).remote()

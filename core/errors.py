@@ -1,0 +1,20 @@
+"""User-facing errors. Each message is one line that names the cause and the fix.
+
+The CLI prints `str(error)` and exits with code 2; no traceback is shown for these.
+"""
+
+
+class PackbenchError(Exception):
+    """Base for every error caused by input the user can correct."""
+
+
+class ProtocolError(PackbenchError):
+    """The protocol file is malformed, has unknown fields or bad values."""
+
+
+class CheckpointError(PackbenchError):
+    """A model directory is missing, incomplete or of an unsupported architecture."""
+
+
+class ArchiveError(PackbenchError):
+    """A raw archive is missing, unreadable or hostile."""

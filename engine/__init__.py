@@ -1,0 +1,1 @@
+"""torch + transformers side of packbench: CPU-first OPT, loader policies, ledger, episodes."""

@@ -1,0 +1,72 @@
+"""One episode: a prompt under the active policy, greedy prefill + decode calls, fully recorded."""
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from engine.ledger import CallLedger
+from engine.model import CpuFirstModel
+
+
+@dataclass
+class EpisodeOutput:
+    tokens: list[int]  # generated token ids, one per call
+    logits: np.ndarray  # (calls, vocab) float32: last-position logits of every call (exact upcast)
+    calls: list[CallLedger]
+    wall_s: float  # first call start to last logit on the host
+    kv_bytes: int
+    peak_allocated_bytes: int
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def run_episode(model: CpuFirstModel, prompt: list[int], *, continuation: int) -> EpisodeOutput:
+    """Greedy generation of `continuation` tokens: one prefill call, then continuation-1 decode calls.
+
+    Every call's logits are read back (charged as recording) and argmax'd on the host, so the
+    token fed to the next call is exactly the one the archive shows.
+    """
+    if continuation < 1:
+        raise ValueError("continuation must be >= 1")
+    device = model.device
+    recorder = model.recorder
+    recorder.calls = []
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    cache = model.new_cache()
+    ids = torch.tensor([prompt], dtype=torch.long, device=device)
+    tokens: list[int] = []
+    rows: list[np.ndarray] = []
+    _sync(device)
+    t_start = time.perf_counter()
+    for call in range(continuation):
+        recorder.begin(phase="prefill" if call == 0 else "decode", tokens=ids.shape[1])
+        t0 = time.perf_counter()
+        logits = model.forward(ids, cache).float().cpu()  # the .cpu() synchronises the call
+        recorder.end(wall_s=time.perf_counter() - t0, logits_d2h_bytes=logits.numel() * 4)
+        row = logits.numpy()
+        token = int(row.argmax())
+        tokens.append(token)
+        rows.append(row)
+        ids = torch.tensor([[token]], dtype=torch.long, device=device)
+    wall = time.perf_counter() - t_start
+    kv_bytes = sum(
+        t.numel() * t.element_size()
+        for layer in getattr(cache, "layers", [])
+        for t in (getattr(layer, "keys", None), getattr(layer, "values", None))
+        if t is not None
+    )
+    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
+    return EpisodeOutput(
+        tokens=tokens,
+        logits=np.stack(rows),
+        calls=list(recorder.calls),
+        wall_s=wall,
+        kv_bytes=kv_bytes,
+        peak_allocated_bytes=peak,
+    )

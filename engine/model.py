@@ -1,0 +1,91 @@
+"""The CPU-first model: OPT whose outgoing FFN weights stay on the host behind a loader policy."""
+
+import inspect
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from engine.checkpoint import build_model
+from engine.ledger import Recorder
+from engine.policies import POLICIES, HostWeights, OutgoingLinear, PolicySlot
+
+
+@dataclass(frozen=True)
+class StartStats:
+    """Cold start of a worker's model: read from disk, pin, move to the device."""
+
+    read_s: float
+    place_s: float
+    device_param_bytes: int  # everything but the outgoing weights (plus a resident policy's copy)
+    host_outgoing_bytes: int
+
+
+def _param_bytes(module: torch.nn.Module) -> int:
+    seen, total = set(), 0
+    for p in module.parameters():
+        if id(p) not in seen:
+            seen.add(id(p))
+            total += p.numel() * p.element_size()
+    return total
+
+
+class CpuFirstModel:
+    """Loads a checkpoint into host memory, keeps outgoing weights there, moves the rest.
+
+    `use(condition_policy)` activates one policy; `forward(ids, cache)` is one call.
+    """
+
+    def __init__(self, model_dir: Path, *, dtype: torch.dtype, device: torch.device) -> None:
+        t0 = time.perf_counter()
+        model = build_model(model_dir, dtype=dtype)
+        t1 = time.perf_counter()
+        self.device, self.dtype, self.model_dir = device, dtype, Path(model_dir)
+        self.slot = PolicySlot()
+        layers = model.model.decoder.layers
+        self.recorder = Recorder(len(layers))
+        outgoing = []
+        for i, layer in enumerate(layers):
+            outgoing.append(layer.fc2.weight.detach())
+            bias = None if layer.fc2.bias is None else layer.fc2.bias.detach()
+            layer.fc2 = OutgoingLinear(i, bias, self.slot)
+        self.host = HostWeights(outgoing, pin=device.type == "cuda")
+        self.model = model.to(device)  # fc2 weights are no longer parameters: they stay behind
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        self.start = StartStats(
+            read_s=t1 - t0,
+            place_s=time.perf_counter() - t1,
+            device_param_bytes=_param_bytes(self.model),
+            host_outgoing_bytes=self.host.host_bytes,
+        )
+        params = inspect.signature(self.model.forward).parameters
+        # transformers 5.2x renamed past_key_values to cache; accept either.
+        self._cache_kw = "cache" if "cache" in params else "past_key_values"
+        self.vocab = model.config.vocab_size
+        self.config = model.config
+
+    def use(self, policy_name: str) -> None:
+        """Make `policy_name` the active loader policy (deactivating the previous one)."""
+        if self.slot.policy is not None and self.slot.policy.name == policy_name:
+            return
+        if self.slot.policy is not None:
+            self.slot.policy.deactivate()
+            self.slot.policy = None
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+        policy = POLICIES[policy_name]()
+        policy.activate(self.host, self.device, self.recorder)
+        self.slot.policy = policy
+
+    def new_cache(self):
+        from transformers import DynamicCache
+
+        return DynamicCache()
+
+    @torch.inference_mode()
+    def forward(self, ids: torch.Tensor, cache) -> torch.Tensor:
+        """One call: (1, T) token ids in, (vocab,) last-position logits out (on the device)."""
+        out = self.model(input_ids=ids, use_cache=True, logits_to_keep=1, **{self._cache_kw: cache})
+        return out.logits[0, -1]
