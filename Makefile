@@ -28,7 +28,7 @@ demo: $(STAMP)
 	$(BIN)/packbench results --screen latest
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -m "not gpu"
 
 clean:
 	rm -rf $(VENV) $(DEMO_DIR) packbench.db archives

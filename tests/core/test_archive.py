@@ -1,0 +1,571 @@
+"""Raw archive v1: round trips, sealing, partial archives, tampering and hostile archives.
+
+Every test uses real zip files under tmp_path and runs in milliseconds (the zip-bomb test
+compresses 50 MB of zeros, about 0.1 s).
+"""
+
+import copy
+import io
+import json
+import os
+import pickle
+import random
+import stat
+import struct
+import zipfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from core.archive import (
+    MANIFEST_NAME,
+    ArchiveReader,
+    ArchiveWriter,
+    file_sha256,
+)
+from core.canonical import canonical_json, sha256_hex
+from core.errors import ArchiveError, PackbenchError
+
+# ----------------------------------------------------------------------------- fixtures
+
+PROTOCOL = {"name": "quickstart", "model": "tiny", "conditions": ["dense-stream", "packet"]}
+PLAN = {"episodes": [{"index": 0, "condition": "dense-stream"}, {"index": 1, "condition": "packet"}]}
+EPISODES = [
+    {"index": i, "condition": c, "tokens": [2, 7, 9], "ledger": [{"call": 0, "rows": 12}]}
+    for i, c in enumerate(["dense-stream", "packet"])
+]
+LOGITS = [
+    np.arange(12, dtype=np.float32).reshape(3, 4) / 7,
+    np.arange(12, dtype=np.float32).reshape(3, 4) / 7,
+]
+VERDICTS = {"faithfulness": "pass", "resources": "fail"}
+NOTES = b"free-form bytes \x00\x01\x02 " * 4
+MANIFEST = {
+    "protocol_sha256": "0" * 64,
+    "screen_id": 7,
+    "attempt": 1,
+    "environment": {"host": "h", "gpu": "none", "driver": "", "torch": "", "cuda": "", "python": "3.11"},
+    "source_freeze": {
+        "package_version": "0.1.0",
+        "git_commit": "abc",
+        "git_dirty": False,
+        "engine_sha256": "1" * 64,
+    },
+}
+# Every member of the small sealed archive, in write order, manifest last.
+MEMBERS = [
+    "protocol.json",
+    "plan.json",
+    "episodes/00000.json",
+    "logits/00000.npy",
+    "episodes/00001.json",
+    "logits/00001.npy",
+    "verdicts.json",
+    "notes.bin",
+    MANIFEST_NAME,
+]
+
+
+def write_screen(path: Path, *, seal: bool = True) -> ArchiveWriter:
+    w = ArchiveWriter(path)
+    w.add_json("protocol.json", PROTOCOL)
+    w.add_json("plan.json", PLAN)
+    for i, (episode, logits) in enumerate(zip(EPISODES, LOGITS)):
+        w.add_json(f"episodes/{i:05d}.json", episode)
+        w.add_array(f"logits/{i:05d}.npy", logits)
+    w.add_json("verdicts.json", VERDICTS)
+    w.add_bytes("notes.bin", NOTES)
+    if seal:
+        w.seal(MANIFEST)
+    return w
+
+
+@pytest.fixture
+def sealed(tmp_path: Path) -> Path:
+    path = tmp_path / "screen.zip"
+    write_screen(path)
+    return path
+
+
+def verify(path: Path, **bounds) -> list[str]:
+    with ArchiveReader(path, **bounds) as r:
+        return r.verify()
+
+
+def rewrite(path: Path, *, replace=None, drop=(), add=None) -> None:
+    """Rebuild the zip with members replaced/dropped/added; CRCs stay valid."""
+    replace, add = replace or {}, add or {}
+    tmp = path.with_name(path.name + ".rewrite")
+    with zipfile.ZipFile(path) as src, zipfile.ZipFile(tmp, "w") as dst:
+        for info in src.infolist():
+            if info.filename in drop:
+                continue
+            data = replace.get(info.filename, None)
+            if data is None:
+                data = src.read(info)
+            dst.writestr(copy.copy(info), data, compress_type=info.compress_type)
+        for name, data in add.items():
+            dst.writestr(name, data)
+    os.replace(tmp, path)
+
+
+def edit_manifest(path: Path, fn) -> None:
+    with zipfile.ZipFile(path) as zf:
+        manifest = json.loads(zf.read(MANIFEST_NAME))
+    fn(manifest)
+    rewrite(path, replace={MANIFEST_NAME: canonical_json(manifest)})
+
+
+def append_entry(path: Path, info: zipfile.ZipInfo | str, data: bytes, compress_type=None) -> None:
+    with zipfile.ZipFile(path, "a") as zf:
+        zf.writestr(info, data, compress_type=compress_type)
+
+
+def data_offset(raw: bytes, info: zipfile.ZipInfo) -> int:
+    off = info.header_offset
+    assert raw[off : off + 4] == b"PK\x03\x04"
+    name_len, extra_len = struct.unpack("<HH", raw[off + 26 : off + 30])
+    return off + 30 + name_len + extra_len
+
+
+def tree(root: Path) -> set[str]:
+    return {str(p.relative_to(root)) for p in root.rglob("*")}
+
+
+# ----------------------------------------------------------------------------- round trip
+
+
+def test_round_trip_json_arrays_bytes(tmp_path: Path):
+    path = tmp_path / "a.zip"
+    w = ArchiveWriter(path)
+    arrays = {
+        "f32.npy": np.array([[1.5, -0.0, np.inf], [np.nan, 3e-38, -7.25]], dtype=np.float32),
+        "f16.npy": np.array([0.1, -65504.0, 6e-8, np.nan], dtype=np.float16),
+        "i64.npy": np.array([-(2**63), 0, 2**63 - 1], dtype=np.int64),
+        "fortran.npy": np.asfortranarray(np.arange(6, dtype=np.float32).reshape(2, 3)),
+        "empty.npy": np.zeros((0, 5), dtype=np.float32),
+    }
+    obj = {"b": [1, 2.5, "é"], "a": None, "nested": {"z": True}}
+    w.add_json("x/obj.json", obj)
+    for name, arr in arrays.items():
+        w.add_array(name, arr)
+    w.add_bytes("raw.bin", b"\x00\xffabc")
+    w.add_bytes("empty.bin", b"")
+    w.seal({"screen_id": 1})
+
+    with ArchiveReader(path) as r:
+        assert r.complete and r.verify() == []
+        assert r.read_json("x/obj.json") == obj
+        assert r.read_bytes("x/obj.json") == canonical_json(obj)
+        for name, arr in arrays.items():
+            got = r.read_array(name)
+            assert got.dtype == arr.dtype and got.shape == arr.shape
+            assert got.tobytes() == np.ascontiguousarray(arr).tobytes()  # bit-exact, NaN included
+        assert r.read_bytes("raw.bin") == b"\x00\xffabc"
+        assert r.read_bytes("empty.bin") == b""
+        assert r.names[-1] == MANIFEST_NAME
+        assert set(r.names) == set(w.members) | {MANIFEST_NAME}
+        assert r.manifest["format_version"] == 1 and r.manifest["screen_id"] == 1
+
+
+def test_seal_hash_manifest_and_compression(sealed: Path, tmp_path: Path):
+    other = tmp_path / "again.zip"
+    w = write_screen(other, seal=False)
+    digest = w.seal(MANIFEST)
+    assert digest == file_sha256(other) == w.sha256
+    assert digest == file_sha256(sealed)  # same records, byte-identical archive
+    with ArchiveReader(other) as r:
+        assert r.names == MEMBERS
+        assert r.manifest == {**MANIFEST, "format_version": 1, "members": w.members}
+        assert r.read_bytes(MANIFEST_NAME) == canonical_json(r.manifest)
+    for name, entry in w.members.items():
+        assert set(entry) == {"sha256", "size"}
+    assert w.members["notes.bin"] == {"sha256": sha256_hex(NOTES), "size": len(NOTES)}
+    with zipfile.ZipFile(other) as zf:
+        for info in zf.infolist():
+            want = zipfile.ZIP_STORED if info.filename.endswith(".npy") else zipfile.ZIP_DEFLATED
+            assert info.compress_type == want, info.filename
+
+
+def test_seal_rejects_conflicting_keys_and_second_seal(tmp_path: Path):
+    w = write_screen(tmp_path / "a.zip", seal=False)
+    with pytest.raises(ArchiveError, match="members"):
+        w.seal({"members": {}})
+    with pytest.raises(ArchiveError, match="format_version"):
+        w.seal({"format_version": 2})
+    w.seal({**MANIFEST, "format_version": 1})
+    with pytest.raises(ArchiveError, match="already sealed"):
+        w.seal(MANIFEST)
+    with pytest.raises(ArchiveError, match="already sealed"):
+        w.add_json("late.json", {})
+    assert verify(tmp_path / "a.zip") == []
+
+
+# ----------------------------------------------------------------------------- writer refusals
+
+
+def test_duplicate_name_refused(tmp_path: Path):
+    w = ArchiveWriter(tmp_path / "a.zip")
+    w.add_json("episodes/00000.json", {"a": 1})
+    with pytest.raises(ArchiveError, match="episodes/00000.json is already in archive"):
+        w.add_bytes("episodes/00000.json", b"x")
+    with pytest.raises(ArchiveError, match="reserved"):
+        w.add_json(MANIFEST_NAME, {})
+    with zipfile.ZipFile(tmp_path / "a.zip") as zf:
+        assert zf.namelist() == ["episodes/00000.json"]
+
+
+@pytest.mark.parametrize(
+    "name", ["../evil", "a/../../b", "/etc/x", "a\\b", "C:/x", "a//b", "dir/", "./a", "sp ace", "", "ü.json"]
+)
+def test_bad_member_names_refused(tmp_path: Path, name: str):
+    w = ArchiveWriter(tmp_path / "a.zip")
+    with pytest.raises(ArchiveError, match="relative POSIX path"):
+        w.add_bytes(name, b"x")
+    assert w.members == {}
+
+
+def test_overwrite_refused(sealed: Path, tmp_path: Path):
+    before = file_sha256(sealed)
+    with pytest.raises(ArchiveError, match="never overwritten") as exc:
+        ArchiveWriter(sealed)
+    assert str(sealed) in str(exc.value) and "\n" not in str(exc.value)
+    assert isinstance(exc.value, PackbenchError)
+    assert file_sha256(sealed) == before
+    stray = tmp_path / "not-an-archive.txt"
+    stray.write_text("keep me")
+    with pytest.raises(ArchiveError, match="never overwritten"):
+        ArchiveWriter(stray)
+    assert stray.read_text() == "keep me"
+
+
+def test_writer_refuses_object_arrays_nan_and_wrong_types(tmp_path: Path):
+    w = ArchiveWriter(tmp_path / "a.zip")
+    with pytest.raises(ArchiveError, match="object dtype"):
+        w.add_array("o.npy", np.array([{"a": 1}], dtype=object))
+    with pytest.raises(ArchiveError, match="ndarray"):
+        w.add_array("l.npy", [1, 2])
+    with pytest.raises(ArchiveError, match="canonical JSON"):
+        w.add_json("n.json", {"x": float("nan")})
+    with pytest.raises(ArchiveError, match="bytes"):
+        w.add_bytes("s.bin", "text")
+    with pytest.raises(ArchiveError, match="format_version"):
+        ArchiveWriter(tmp_path / "b.zip", format_version=2)
+    assert w.members == {}
+    assert verify(tmp_path / "a.zip") == ["archive incomplete: no manifest.json (interrupted screen?)"]
+
+
+def test_writer_stops_when_the_file_changes_behind_it(tmp_path: Path):
+    path = tmp_path / "a.zip"
+    w = ArchiveWriter(path)
+    w.add_json("plan.json", PLAN)
+    append_entry(path, "intruder.json", b"{}")
+    with pytest.raises(ArchiveError, match="no longer holds exactly the members"):
+        w.add_json("episodes/00000.json", EPISODES[0])
+    with pytest.raises(ArchiveError, match="unusable after a failed write"):
+        w.seal(MANIFEST)
+    damaged = tmp_path / "b.zip"
+    w2 = ArchiveWriter(damaged)
+    w2.add_json("plan.json", PLAN)
+    raw = damaged.read_bytes()[:-10]  # torn tail: no end-of-central-directory record
+    damaged.write_bytes(raw)
+    with pytest.raises(ArchiveError, match="could not append member episodes/00000.json"):
+        w2.add_json("episodes/00000.json", EPISODES[0])
+    assert damaged.read_bytes() == raw  # no second zip appended to a damaged file
+
+
+# ----------------------------------------------------------------------------- partial archive
+
+
+def test_partial_archive_is_readable_and_incomplete(tmp_path: Path):
+    path = tmp_path / "partial.zip"
+    write_screen(path, seal=False)  # the screen "crashed" before sealing
+    with ArchiveReader(path) as r:
+        assert r.complete is False and r.manifest is None
+        assert r.names == MEMBERS[:-1]
+        assert r.read_json("episodes/00001.json") == EPISODES[1]
+        np.testing.assert_array_equal(r.read_array("logits/00000.npy"), LOGITS[0])
+        assert r.verify() == ["archive incomplete: no manifest.json (interrupted screen?)"]
+
+
+def test_empty_unsealed_archive(tmp_path: Path):
+    path = tmp_path / "empty.zip"
+    ArchiveWriter(path)
+    assert path.is_file()
+    with ArchiveReader(path) as r:
+        assert r.names == [] and not r.complete
+        assert r.verify() == ["archive incomplete: no manifest.json (interrupted screen?)"]
+
+
+def test_missing_file_and_not_a_zip(tmp_path: Path):
+    with pytest.raises(ArchiveError, match="no archive at .*nope.zip"):
+        ArchiveReader(tmp_path / "nope.zip")
+    junk = tmp_path / "junk.zip"
+    junk.write_bytes(b"this is not a zip file at all" * 10)
+    with pytest.raises(ArchiveError, match="not a readable zip"):
+        ArchiveReader(junk)
+
+
+# ----------------------------------------------------------------------------- tampering
+
+
+def test_tamper_replaced_content_same_size(sealed: Path):
+    forged = io.BytesIO()
+    np.save(forged, LOGITS[1] + 1, allow_pickle=False)
+    rewrite(sealed, replace={"logits/00001.npy": forged.getvalue()})
+    assert verify(sealed) == ["altered member logits/00001.npy (sha256 mismatch)"]
+
+
+def test_tamper_replaced_content_other_size(sealed: Path):
+    episode = {**EPISODES[0], "tokens": [2, 7, 8]}  # same length
+    longer = {**EPISODES[0], "tokens": [2, 7, 9, 11]}
+    rewrite(sealed, replace={"episodes/00000.json": canonical_json(episode)})
+    assert verify(sealed) == ["altered member episodes/00000.json (sha256 mismatch)"]
+    rewrite(sealed, replace={"episodes/00000.json": canonical_json(longer)})
+    (problem,) = verify(sealed)
+    assert problem.startswith("size mismatch for member episodes/00000.json: manifest says ")
+
+
+@pytest.mark.parametrize("name", MEMBERS)
+def test_tamper_flipped_byte_names_the_member(sealed: Path, name: str):
+    with zipfile.ZipFile(sealed) as zf:
+        info = zf.getinfo(name)
+    raw = bytearray(sealed.read_bytes())
+    start = data_offset(raw, info)
+    assert info.compress_size > 0
+    raw[start + info.compress_size // 2] ^= 0xFF
+    sealed.write_bytes(raw)
+
+    with ArchiveReader(sealed) as r:
+        problems = r.verify()
+        assert problems, name
+        assert any(name in p for p in problems), problems
+        assert all("\n" not in p for p in problems)
+        if name == MANIFEST_NAME:
+            assert not r.complete  # the manifest itself cannot be trusted
+        else:
+            assert r.complete
+            with pytest.raises(ArchiveError, match=name):
+                r.read_bytes(name)
+
+
+def test_tamper_extra_member(sealed: Path):
+    append_entry(sealed, "extra/x.json", b"{}")
+    assert verify(sealed) == ["extra member extra/x.json"]
+
+
+def test_tamper_member_removed(sealed: Path):
+    rewrite(sealed, drop={"logits/00000.npy"})
+    assert verify(sealed) == ["missing member logits/00000.npy"]
+
+
+def test_tamper_duplicate_member(sealed: Path):
+    with pytest.warns(UserWarning, match="Duplicate name"):
+        append_entry(sealed, "plan.json", b"{}")
+    with ArchiveReader(sealed) as r:
+        assert r.verify() == ["duplicate member plan.json"]
+        with pytest.raises(ArchiveError, match="plan.json appears 2 times"):
+            r.read_bytes("plan.json")
+
+
+def test_unparseable_and_malformed_manifest(sealed: Path):
+    rewrite(sealed, replace={MANIFEST_NAME: b'{"format_version": 1, "members": '})
+    with ArchiveReader(sealed) as r:
+        assert not r.complete and r.manifest is None
+        (problem,) = r.verify()
+        assert problem.startswith("unparseable member manifest.json")
+    rewrite(sealed, replace={MANIFEST_NAME: b"[" * 100_000 + b"]" * 100_000})
+    (problem,) = verify(sealed)
+    assert problem.startswith("unparseable member manifest.json")
+    edit_manifest_bytes = canonical_json({"format_version": 2, "members": {}})
+    rewrite(sealed, replace={MANIFEST_NAME: edit_manifest_bytes})
+    (problem,) = verify(sealed)
+    assert problem.startswith("malformed member manifest.json: format_version is 2")
+
+
+# ----------------------------------------------------------------------------- hostile archives
+
+
+@pytest.mark.parametrize("name", ["../evil", "/etc/x", "a/../../evil2", "a\\..\\evil3", "C:/evil4"])
+def test_hostile_unsafe_names(sealed: Path, tmp_path: Path, name: str):
+    targets = [tmp_path.parent / "evil", Path("/etc/x"), tmp_path.parent / "evil2"]
+    existed = {t: t.exists() for t in targets}
+    append_entry(sealed, name, b"pwned")
+    before = tree(tmp_path)
+    with ArchiveReader(sealed) as r:
+        assert name in r.names
+        problems = r.verify()
+        assert [p for p in problems if p.startswith(f"unsafe member name {name} ")] , problems
+        with pytest.raises(ArchiveError, match="unsafe member name"):
+            r.read_bytes(name)
+    assert tree(tmp_path) == before  # nothing extracted
+    assert {t: t.exists() for t in targets} == existed
+
+
+def test_hostile_unsafe_name_listed_in_manifest(sealed: Path):
+    edit_manifest(
+        sealed, lambda m: m["members"].update({"../evil": {"sha256": "0" * 64, "size": 1}})
+    )
+    (problem,) = verify(sealed)
+    assert problem.startswith("unsafe member name ../evil (listed in manifest.json")
+
+
+def test_hostile_symlink_entry(sealed: Path, tmp_path: Path):
+    info = zipfile.ZipInfo("link")
+    info.create_system = 3
+    info.external_attr = (stat.S_IFLNK | 0o777) << 16
+    append_entry(sealed, info, b"/etc/passwd")
+    before = tree(tmp_path)
+    with ArchiveReader(sealed) as r:
+        assert r.verify() == ["symlink member link"]
+        with pytest.raises(ArchiveError, match="symlink member link"):
+            r.read_bytes("link")
+    assert tree(tmp_path) == before
+
+
+def test_hostile_inflating_member(sealed: Path):
+    zeros = bytes(50 << 20)
+    append_entry(sealed, "bomb.bin", zeros, compress_type=zipfile.ZIP_DEFLATED)
+    assert sealed.stat().st_size < 1 << 20  # small on disk, 50 MB when inflated
+    with ArchiveReader(sealed, max_member_bytes=1 << 20) as r:
+        with pytest.raises(ArchiveError, match="bomb.bin .*over the bound"):
+            r.read_bytes("bomb.bin")
+        assert r.bytes_read == 0
+        problems = r.verify()
+    assert "extra member bomb.bin" in problems  # extra: not read at all
+
+
+def test_hostile_inflating_member_with_lying_header(tmp_path: Path):
+    """The zip entry claims 1000 bytes but inflates to 50 MB: refused after at most the bound."""
+    path = tmp_path / "bomb.zip"
+    w = ArchiveWriter(path)
+    w.add_bytes("bomb.bin", bytes(50 << 20))
+    w.seal({})
+    raw = bytearray(path.read_bytes())
+    with zipfile.ZipFile(path) as zf:
+        info = zf.getinfo("bomb.bin")
+        cd = zf.start_dir  # first central directory entry: bomb.bin
+    lie = struct.pack("<L", 1000)
+    raw[info.header_offset + 22 : info.header_offset + 26] = lie  # local header size
+    assert raw[cd : cd + 4] == b"PK\x01\x02"
+    assert raw[cd + 46 : cd + 54] == b"bomb.bin"
+    raw[cd + 24 : cd + 28] = lie  # central directory size
+    path.write_bytes(raw)
+    with ArchiveReader(path, max_member_bytes=1 << 20) as r:
+        with pytest.raises(ArchiveError, match="bomb.bin"):
+            r.read_bytes("bomb.bin")
+        assert r.bytes_read == 0
+        (problem,) = r.verify()
+    assert problem.startswith("size mismatch for member bomb.bin: manifest says 52428800, archive holds 1000")
+
+
+def test_hostile_total_bound(sealed: Path):
+    with ArchiveReader(sealed, max_total_bytes=100) as r:
+        r.read_bytes("protocol.json")
+        with pytest.raises(ArchiveError, match="total bound"):
+            r.read_bytes("logits/00000.npy")
+        assert r.verify()[-1].startswith("archive too large")
+
+
+def test_hostile_pickled_object_array_runs_no_code(tmp_path: Path):
+    marker = tmp_path / "pickle-ran"
+
+    class Evil:
+        def __reduce__(self):
+            return (os.mkdir, (str(marker),))
+
+    header = io.BytesIO()
+    np.lib.format.write_array_header_1_0(
+        header, {"descr": "|O", "fortran_order": False, "shape": (1,)}
+    )
+    payload = header.getvalue() + pickle.dumps([Evil()])
+    path = tmp_path / "p.zip"
+    w = ArchiveWriter(path)
+    w.add_bytes("logits/00000.npy", payload)
+    w.add_bytes("logits/00001.npy", np.lib.format.magic(1, 0) + b"garbage")
+    w.seal({})
+    with ArchiveReader(path) as r:
+        assert r.verify() == []  # hashes match what was written...
+        with pytest.raises(ArchiveError, match=r"logits/00000.npy .*pickled object array"):
+            r.read_array("logits/00000.npy")  # ...but it is never unpickled
+        with pytest.raises(ArchiveError, match="logits/00001.npy"):
+            r.read_array("logits/00001.npy")
+        with pytest.raises(ArchiveError, match="not valid JSON"):
+            r.read_json("logits/00001.npy")
+    assert not marker.exists()
+
+
+def test_hostile_npy_header_lies_about_shape(tmp_path: Path):
+    header = io.BytesIO()
+    np.lib.format.write_array_header_1_0(
+        header, {"descr": "<f4", "fortran_order": False, "shape": (10**15,)}
+    )
+    path = tmp_path / "s.zip"
+    w = ArchiveWriter(path)
+    w.add_bytes("logits/00000.npy", header.getvalue() + bytes(16))
+    w.seal({})
+    with ArchiveReader(path) as r, pytest.raises(ArchiveError, match="declares shape"):
+        r.read_array("logits/00000.npy")
+
+
+def test_hostile_manifest_lies_about_size(sealed: Path, monkeypatch):
+    true_size = len(canonical_json(EPISODES[0]))
+    edit_manifest(sealed, lambda m: m["members"]["episodes/00000.json"].update(size=10**12))
+    edit_manifest(sealed, lambda m: m["members"]["plan.json"].update(size=len(canonical_json(PLAN)) + 5))
+    with ArchiveReader(sealed) as r:
+        read = []
+        real_chunks = r._chunks
+        monkeypatch.setattr(r, "_chunks", lambda info, limit: (read.append(info.filename), real_chunks(info, limit))[1])
+        problems = r.verify()
+    assert f"size mismatch for member episodes/00000.json: manifest says {10**12}, archive holds {true_size}" in problems
+    assert f"size mismatch for member plan.json: manifest says {len(canonical_json(PLAN)) + 5}, archive holds {len(canonical_json(PLAN))}" in problems
+    assert len(problems) == 2
+    assert "episodes/00000.json" not in read and "plan.json" not in read  # named before reading
+
+
+def test_hostile_crc_error_is_archive_error(sealed: Path):
+    with zipfile.ZipFile(sealed) as zf:
+        info = zf.getinfo("logits/00000.npy")
+    raw = bytearray(sealed.read_bytes())
+    raw[data_offset(raw, info) + info.compress_size - 1] ^= 0x01  # STORED: only the CRC can tell
+    sealed.write_bytes(raw)
+    with ArchiveReader(sealed) as r:
+        with pytest.raises(ArchiveError, match="logits/00000.npy .*CRC"):
+            r.read_array("logits/00000.npy")
+        assert r.verify() == [
+            "unreadable member logits/00000.npy: BadZipFile: Bad CRC-32 for file 'logits/00000.npy'"
+        ]
+
+
+def test_reader_refuses_unknown_and_unsafe_lookups(sealed: Path):
+    with ArchiveReader(sealed) as r:
+        with pytest.raises(ArchiveError, match="no member nope.json"):
+            r.read_bytes("nope.json")
+        with pytest.raises(ArchiveError, match="unsafe member name"):
+            r.read_bytes("../protocol.json")
+
+
+def test_random_damage_never_crashes_the_reader(sealed: Path):
+    """Random byte damage anywhere (headers, central directory, data): ArchiveError or a report."""
+    orig = sealed.read_bytes()
+    rng = random.Random(1234)
+    for _ in range(300):
+        raw = bytearray(orig)
+        for _ in range(rng.choice([1, 3])):
+            raw[rng.randrange(len(raw))] = rng.randrange(256)
+        if rng.random() < 0.2:
+            raw = raw[: rng.randrange(len(raw))]
+        sealed.write_bytes(raw)
+        try:
+            r = ArchiveReader(sealed, max_member_bytes=1 << 20)
+        except ArchiveError:
+            continue
+        with r:
+            problems = r.verify()
+            assert all(isinstance(p, str) and "\n" not in p for p in problems)
+            for name in r.names:
+                try:
+                    r.read_bytes(name)
+                except ArchiveError:
+                    pass

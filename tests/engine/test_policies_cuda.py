@@ -1,0 +1,53 @@
+"""CUDA twins of test_policies.py: the same exactness and ledger claims on a real GPU.
+
+`make test` deselects these (-m "not gpu"); run them on a GPU machine with `pytest -m gpu`.
+Every exactness claim first checks that the reference reproduces itself run to run.
+"""
+
+import numpy as np
+import pytest
+import torch
+
+from engine.episode import run_episode
+from engine.model import CpuFirstModel
+from engine.policies import POLICIES
+from engine.shapes import SHAPES
+from engine.synth import synth_checkpoint
+
+pytestmark = pytest.mark.gpu
+
+PROMPT = [2] + list(range(10, 73))  # 64 tokens
+CONTINUATION = 8
+
+
+@pytest.fixture(scope="module")
+def checkpoint_125m(tmp_path_factory):
+    return synth_checkpoint(tmp_path_factory.mktemp("ck") / "opt-125m", shape="opt-125m", dtype="float16",
+                            sparsity=0.94, seed=0)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("which", ["tiny", "opt-125m"])
+def test_cuda_policies_bit_identical(dtype, which, checkpoints, checkpoint_125m):
+    path = checkpoints["float32"] if which == "tiny" else checkpoint_125m
+    model = CpuFirstModel(path, dtype=getattr(torch, dtype), device=torch.device("cuda"))
+    model.use("dense-stream")
+    ref = run_episode(model, PROMPT, continuation=CONTINUATION)
+    again = run_episode(model, PROMPT, continuation=CONTINUATION)
+    assert np.array_equal(ref.logits, again.logits), "the reference does not reproduce itself"
+    for name in POLICIES:
+        model.use(name)
+        out = run_episode(model, PROMPT, continuation=CONTINUATION)
+        assert np.array_equal(out.logits, ref.logits), name
+        assert out.tokens == ref.tokens, name
+    s = model.config
+    weight_bytes = s.hidden_size * s.ffn_dim * getattr(torch, dtype).itemsize
+    assert sum(sum(c.h2d_weight_bytes) for c in ref.calls) == CONTINUATION * s.num_hidden_layers * weight_bytes
+
+
+def test_cuda_outgoing_weights_stay_on_the_host(tiny):
+    model = CpuFirstModel(tiny, dtype=torch.float16, device=torch.device("cuda"))
+    assert all(w.device.type == "cpu" and w.is_pinned() for w in model.host.original)
+    assert all(p.device.type == "cuda" for p in model.model.parameters())
+    hidden, ffn, layers = (SHAPES["tiny"][k] for k in ("hidden", "ffn", "layers"))
+    assert model.start.host_outgoing_bytes == layers * hidden * ffn * 2
