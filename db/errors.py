@@ -1,0 +1,31 @@
+"""Errors raised by the database layer.
+
+Every message is one line naming the cause and the fix, because the CLI prints `str(error)`
+as it is (see `core.errors`). Nothing outside `db/` ever sees a SQLAlchemy or DBAPI exception:
+`db.session` translates them into `DatabaseError` in one place.
+"""
+
+from core.errors import PackbenchError
+
+
+class DatabaseError(PackbenchError):
+    """The database cannot be reached, opened, written or understood."""
+
+
+class SchemaNotAtHead(DatabaseError):
+    """The database schema is not the one this packbench was built for.
+
+    The message names the fix: `packbench db upgrade` for an empty or older database; for a
+    database written by a newer packbench (an unknown revision), installing that packbench.
+    """
+
+
+class NotFound(PackbenchError):
+    """A screen, attempt or protocol the caller named does not exist."""
+
+
+class Conflict(PackbenchError):
+    """The request contradicts stored state, e.g. finishing an attempt twice.
+
+    Finished attempts are history (failed ones included) and are never overwritten.
+    """

@@ -1,0 +1,366 @@
+"""The packbench schema: SQLAlchemy 2.0 typed models, one module, one `MetaData`.
+
+Conventions
+- Every constraint and index gets a deterministic name from `NAMING_CONVENTION`, so Alembic
+  can drop or alter it later on both SQLite and PostgreSQL.
+- Enumerations are short strings guarded by a named CHECK constraint (`ck_<table>_<name>`)
+  rather than database ENUM types: they migrate identically on both backends.
+- JSON payloads are stored as canonical JSON text (`core.canonical.canonical_json`), which
+  both backends store identically and `db/records.py` decodes.
+- Timestamps are `UtcDateTime`: timezone-aware UTC in and out on both backends.
+- Rows never leave `db/`: each model has `to_record()` returning a frozen dataclass.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import UTC, datetime
+from typing import Any
+
+from sqlalchemy import (
+    BigInteger,
+    Boolean,
+    CheckConstraint,
+    DateTime,
+    Dialect,
+    Float,
+    ForeignKey,
+    Integer,
+    MetaData,
+    String,
+    Text,
+    TypeDecorator,
+    UniqueConstraint,
+)
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+from core.canonical import canonical_json
+from db.records import (
+    AttemptRow,
+    AuditRow,
+    EpisodeRow,
+    MachineRow,
+    ProtocolRow,
+    ScreenRow,
+    VerdictRow,
+)
+
+NAMING_CONVENTION = {
+    "ix": "ix_%(table_name)s_%(column_0_N_name)s",
+    "uq": "uq_%(table_name)s_%(column_0_N_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+SCREEN_STATUSES = ("queued", "running", "done", "failed", "cancelled")
+ATTEMPT_STATUSES = ("running", "done", "failed", "interrupted")
+EPISODE_ROLES = ("warmup", "scored")
+EPISODE_STATUSES = ("ok", "failed")
+VERDICT_PHASES = ("all", "prefill", "decode")
+AUDIT_RESULTS = ("agree", "disagree")
+
+
+def _one_of(column: str, values: tuple[str, ...], name: str) -> CheckConstraint:
+    allowed = ", ".join(f"'{v}'" for v in values)
+    return CheckConstraint(f"{column} IN ({allowed})", name=name)
+
+
+def utcnow() -> datetime:
+    return datetime.now(UTC)
+
+
+class UtcDateTime(TypeDecorator[datetime]):
+    """`DateTime(timezone=True)` that only accepts and always returns aware UTC datetimes.
+
+    Why: SQLite has no time zone type; SQLAlchemy stores its datetimes as text and returns
+    them naive. PostgreSQL returns them in the session's time zone. Normalising here means
+    every timestamp that leaves `db/` is comparable, whatever the backend.
+    """
+
+    impl = DateTime(timezone=True)
+    cache_ok = True
+
+    def process_bind_param(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        if value is None:
+            return None
+        if value.tzinfo is None:
+            # A naive time is ambiguous; refusing it is cheaper than a wrong "UTC" guess.
+            raise ValueError(f"naive datetime {value!r}: pass an aware datetime (UTC)")
+        value = value.astimezone(UTC)
+        # SQLite's text format would silently drop the offset; store the UTC wall time.
+        return value.replace(tzinfo=None) if dialect.name == "sqlite" else value
+
+    def process_result_value(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        if value is None:
+            return None
+        if value.tzinfo is None:
+            return value.replace(tzinfo=UTC)
+        return value.astimezone(UTC)
+
+
+class Base(DeclarativeBase):
+    metadata = MetaData(naming_convention=NAMING_CONVENTION)
+
+
+class Protocol(Base):
+    """A frozen protocol: its canonical JSON and the SHA-256 that identifies it."""
+
+    __tablename__ = "protocols"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    sha256: Mapped[str] = mapped_column(String(64), unique=True)
+    name: Mapped[str] = mapped_column(String)
+    canonical_json: Mapped[str] = mapped_column(Text)
+    created_at: Mapped[datetime] = mapped_column(UtcDateTime, default=utcnow)
+
+    def to_record(self) -> ProtocolRow:
+        return ProtocolRow(
+            id=self.id,
+            sha256=self.sha256,
+            name=self.name,
+            canonical_json=self.canonical_json,
+            created_at=self.created_at,
+        )
+
+
+class Machine(Base):
+    """A machine fingerprint (host, GPU and software versions) that attempts ran on.
+
+    Unknown parts are stored as '' rather than NULL: SQL treats NULLs as distinct, so a
+    unique constraint over nullable columns would let duplicates in (on both backends).
+    """
+
+    __tablename__ = "machines"
+    __table_args__ = (UniqueConstraint("host", "gpu_name", "driver", "torch", "cuda"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    host: Mapped[str] = mapped_column(String, server_default="")
+    gpu_name: Mapped[str] = mapped_column(String, server_default="")
+    driver: Mapped[str] = mapped_column(String, server_default="")
+    torch: Mapped[str] = mapped_column(String, server_default="")
+    cuda: Mapped[str] = mapped_column(String, server_default="")
+
+    def to_record(self) -> MachineRow:
+        return MachineRow(
+            id=self.id,
+            host=self.host or None,
+            gpu_name=self.gpu_name or None,
+            driver=self.driver or None,
+            torch=self.torch or None,
+            cuda=self.cuda or None,
+        )
+
+
+class Screen(Base):
+    """One requested execution of a protocol; its attempts do the work."""
+
+    __tablename__ = "screens"
+    __table_args__ = (_one_of("status", SCREEN_STATUSES, "status"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    protocol_id: Mapped[int] = mapped_column(ForeignKey("protocols.id"), index=True)
+    # Indexed: the dispatcher polls for queued screens.
+    status: Mapped[str] = mapped_column(String(16), default="queued", index=True)
+    repetitions: Mapped[int] = mapped_column(Integer, default=1)
+    submitter: Mapped[str] = mapped_column(String)
+    # The checkpoint directory resolved at submit time, so every attempt loads the same one.
+    model_dir: Mapped[str | None] = mapped_column(String)
+    created_at: Mapped[datetime] = mapped_column(UtcDateTime, default=utcnow)
+    started_at: Mapped[datetime | None] = mapped_column(UtcDateTime)
+    finished_at: Mapped[datetime | None] = mapped_column(UtcDateTime)
+
+    def to_record(self) -> ScreenRow:
+        return ScreenRow(
+            id=self.id,
+            protocol_id=self.protocol_id,
+            status=self.status,
+            repetitions=self.repetitions,
+            submitter=self.submitter,
+            model_dir=self.model_dir,
+            created_at=self.created_at,
+            started_at=self.started_at,
+            finished_at=self.finished_at,
+        )
+
+
+class Attempt(Base):
+    """One placement of a screen on a GPU worker. Failed attempts are kept, never reused."""
+
+    __tablename__ = "attempts"
+    __table_args__ = (
+        UniqueConstraint("screen_id", "number"),
+        _one_of("status", ATTEMPT_STATUSES, "status"),
+    )
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    screen_id: Mapped[int] = mapped_column(ForeignKey("screens.id"))
+    number: Mapped[int] = mapped_column(Integer)
+    worker: Mapped[str] = mapped_column(String)
+    node: Mapped[str] = mapped_column(String)
+    gpu_name: Mapped[str] = mapped_column(String)
+    gpu_index: Mapped[int] = mapped_column(Integer)
+    machine_id: Mapped[int | None] = mapped_column(ForeignKey("machines.id"))
+    status: Mapped[str] = mapped_column(String(16), default="running")
+    error: Mapped[str | None] = mapped_column(Text)
+    archive_path: Mapped[str] = mapped_column(String)
+    archive_sha256: Mapped[str | None] = mapped_column(String(64))
+    source_freeze: Mapped[str] = mapped_column(Text)  # canonical JSON object
+    started_at: Mapped[datetime] = mapped_column(UtcDateTime, default=utcnow)
+    finished_at: Mapped[datetime | None] = mapped_column(UtcDateTime)
+
+    def to_record(self) -> AttemptRow:
+        return AttemptRow(
+            id=self.id,
+            screen_id=self.screen_id,
+            number=self.number,
+            worker=self.worker,
+            node=self.node,
+            gpu_name=self.gpu_name,
+            gpu_index=self.gpu_index,
+            machine_id=self.machine_id,
+            status=self.status,
+            error=self.error,
+            archive_path=self.archive_path,
+            archive_sha256=self.archive_sha256,
+            source_freeze=json.loads(self.source_freeze),
+            started_at=self.started_at,
+            finished_at=self.finished_at,
+        )
+
+
+class Episode(Base):
+    """One episode record as the worker reported it, flattened into columns.
+
+    (attempt_id, plan_index) is the natural key: a re-sent record is a no-op.
+    """
+
+    __tablename__ = "episodes"
+    __table_args__ = (
+        UniqueConstraint("attempt_id", "plan_index"),
+        _one_of("role", EPISODE_ROLES, "role"),
+        _one_of("status", EPISODE_STATUSES, "status"),
+    )
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    attempt_id: Mapped[int] = mapped_column(ForeignKey("attempts.id"))
+    plan_index: Mapped[int] = mapped_column(Integer)
+    condition: Mapped[str] = mapped_column(String, index=True)
+    role: Mapped[str] = mapped_column(String(16), index=True)
+    prompt: Mapped[int] = mapped_column(Integer)
+    status: Mapped[str] = mapped_column(String(16))
+    error: Mapped[str | None] = mapped_column(Text)
+    tokens_json: Mapped[str] = mapped_column(Text)  # canonical JSON list of token ids
+    n_tokens: Mapped[int] = mapped_column(Integer)
+    wall_s: Mapped[float] = mapped_column(Float)
+    call_s: Mapped[float] = mapped_column(Float)
+    h2d_weight_bytes: Mapped[int] = mapped_column(BigInteger)
+    h2d_index_bytes: Mapped[int] = mapped_column(BigInteger)
+    d2h_bytes: Mapped[int] = mapped_column(BigInteger)
+    prefill_h2d_bytes: Mapped[int] = mapped_column(BigInteger)
+    decode_h2d_bytes: Mapped[int] = mapped_column(BigInteger)
+    prefill_call_s: Mapped[float] = mapped_column(Float)
+    decode_call_s: Mapped[float] = mapped_column(Float)
+    peak_allocated_bytes: Mapped[int | None] = mapped_column(BigInteger)
+    peak_sampled_bytes: Mapped[int | None] = mapped_column(BigInteger)
+
+    def to_record(self) -> EpisodeRow:
+        return EpisodeRow(
+            id=self.id,
+            attempt_id=self.attempt_id,
+            plan_index=self.plan_index,
+            condition=self.condition,
+            role=self.role,
+            prompt=self.prompt,
+            status=self.status,
+            error=self.error,
+            tokens=tuple(json.loads(self.tokens_json)),
+            n_tokens=self.n_tokens,
+            wall_s=self.wall_s,
+            call_s=self.call_s,
+            h2d_weight_bytes=self.h2d_weight_bytes,
+            h2d_index_bytes=self.h2d_index_bytes,
+            d2h_bytes=self.d2h_bytes,
+            prefill_h2d_bytes=self.prefill_h2d_bytes,
+            decode_h2d_bytes=self.decode_h2d_bytes,
+            prefill_call_s=self.prefill_call_s,
+            decode_call_s=self.decode_call_s,
+            peak_allocated_bytes=self.peak_allocated_bytes,
+            peak_sampled_bytes=self.peak_sampled_bytes,
+        )
+
+
+class Verdict(Base):
+    """One gate verdict for one condition and phase of an attempt."""
+
+    __tablename__ = "verdicts"
+    __table_args__ = (
+        UniqueConstraint("attempt_id", "gate", "condition", "phase"),
+        _one_of("phase", VERDICT_PHASES, "phase"),
+    )
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    attempt_id: Mapped[int] = mapped_column(ForeignKey("attempts.id"))
+    gate: Mapped[str] = mapped_column(String)
+    condition: Mapped[str] = mapped_column(String)
+    phase: Mapped[str] = mapped_column(String(16))
+    value: Mapped[float | None] = mapped_column(Float)
+    threshold: Mapped[float | None] = mapped_column(Float)
+    interval_lo: Mapped[float | None] = mapped_column(Float)
+    interval_hi: Mapped[float | None] = mapped_column(Float)
+    passed: Mapped[bool] = mapped_column(Boolean)
+    episodes_json: Mapped[str] = mapped_column(Text)  # canonical JSON list of plan indexes
+    detail: Mapped[str] = mapped_column(Text)
+
+    def to_record(self) -> VerdictRow:
+        interval = None
+        if self.interval_lo is not None and self.interval_hi is not None:
+            interval = (self.interval_lo, self.interval_hi)
+        return VerdictRow(
+            id=self.id,
+            attempt_id=self.attempt_id,
+            gate=self.gate,
+            condition=self.condition,
+            phase=self.phase,
+            passed=self.passed,
+            value=self.value,
+            threshold=self.threshold,
+            interval=interval,
+            episodes=tuple(json.loads(self.episodes_json)),
+            detail=self.detail,
+        )
+
+
+class Audit(Base):
+    """One audit run over an attempt's archive. Append-only: every run is a new row."""
+
+    __tablename__ = "audits"
+    __table_args__ = (_one_of("result", AUDIT_RESULTS, "result"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    attempt_id: Mapped[int] = mapped_column(ForeignKey("attempts.id"), index=True)
+    archive_sha256: Mapped[str] = mapped_column(String(64))
+    digest: Mapped[str] = mapped_column(String)
+    result: Mapped[str] = mapped_column(String(16))
+    problems_json: Mapped[str] = mapped_column(Text)  # canonical JSON list of strings
+    machine: Mapped[str] = mapped_column(String)
+    started_at: Mapped[datetime] = mapped_column(UtcDateTime)
+    finished_at: Mapped[datetime] = mapped_column(UtcDateTime)
+
+    def to_record(self) -> AuditRow:
+        return AuditRow(
+            id=self.id,
+            attempt_id=self.attempt_id,
+            archive_sha256=self.archive_sha256,
+            digest=self.digest,
+            result=self.result,
+            problems=tuple(json.loads(self.problems_json)),
+            machine=self.machine,
+            started_at=self.started_at,
+            finished_at=self.finished_at,
+        )
+
+
+def json_text(obj: Any) -> str:
+    """Canonical JSON as text: the one form JSON columns are written in."""
+    return canonical_json(obj).decode("utf-8")

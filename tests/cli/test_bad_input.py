@@ -1,0 +1,81 @@
+"""Bad input: one line naming the cause and the fix, exit code 2, no traceback, nothing lost."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def cli(*args: str, cwd: Path, db: Path) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PACKBENCH_DB_URL=f"sqlite:///{db}", PYTHONPATH=str(ROOT), RAY_AUTH_MODE="disabled")
+    return subprocess.run([sys.executable, "-m", "cli", *args], cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=300)
+
+
+def assert_one_line_error(r: subprocess.CompletedProcess, *fragments: str) -> None:
+    assert r.returncode == 2, (r.returncode, r.stdout, r.stderr)
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in r.stderr, r.stderr
+    for f in fragments:
+        assert f in lines[0], lines[0]
+
+
+@pytest.fixture()
+def upgraded(tmp_path) -> Path:
+    db = tmp_path / "packbench.db"
+    r = cli("db", "upgrade", cwd=tmp_path, db=db)
+    assert r.returncode == 0, r.stderr
+    return db
+
+
+def write_protocol(tmp_path: Path, tiny: Path, **changes) -> Path:
+    body = yaml.safe_load((ROOT / "protocols" / "quickstart.yaml").read_text())
+    body["model"]["path"] = str(tiny)
+    body.update(changes)
+    path = tmp_path / "p.yaml"
+    path.write_text(yaml.safe_dump(body))
+    return path
+
+
+def test_missing_model_dir(tmp_path, upgraded):
+    p = write_protocol(tmp_path, tmp_path / "no-such-model")
+    r = cli("submit", str(p), cwd=tmp_path, db=upgraded)
+    assert_one_line_error(r, "does not exist", "packbench model synth")
+
+
+def test_unknown_protocol_field(tmp_path, upgraded, tiny):
+    r = cli("submit", str(write_protocol(tmp_path, tiny, colour="blue")), cwd=tmp_path, db=upgraded)
+    assert_one_line_error(r, "`colour`", "unknown field")
+
+
+def test_malformed_protocol(tmp_path, upgraded):
+    p = tmp_path / "bad.yaml"
+    p.write_text("name: [oops\n")
+    assert_one_line_error(cli("submit", str(p), cwd=tmp_path, db=upgraded), "not valid YAML")
+
+
+def test_database_not_at_head_names_the_command(tmp_path, tiny):
+    empty = tmp_path / "empty.db"
+    r = cli("submit", str(write_protocol(tmp_path, tiny)), cwd=tmp_path, db=empty)
+    assert_one_line_error(r, "packbench db upgrade")
+    assert_one_line_error(cli("results", cwd=tmp_path, db=empty), "packbench db upgrade")
+
+
+def test_bad_input_loses_nothing_already_stored(tmp_path, upgraded, tiny):
+    good = write_protocol(tmp_path, tiny)
+    assert cli("submit", str(good), cwd=tmp_path, db=upgraded).returncode == 0  # queued, not run
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: [oops\n")
+    assert cli("submit", str(bad), cwd=tmp_path, db=upgraded).returncode == 2
+    r = cli("results", "--screen", "latest", "--json", cwd=tmp_path, db=upgraded)
+    assert r.returncode == 0 and '"status": "queued"' in r.stdout
+
+
+def test_unknown_shape_for_synth(tmp_path, upgraded):
+    r = cli("model", "synth", "--shape", "opt-9b", "--out", str(tmp_path / "m"), cwd=tmp_path, db=upgraded)
+    assert_one_line_error(r, "unknown --shape 'opt-9b'", "opt-125m")

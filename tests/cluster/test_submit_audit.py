@@ -1,0 +1,109 @@
+"""Submit + audit end to end through a real local Ray, a real SQLite database and real archives."""
+
+import json
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+import yaml
+
+from core.archive import ArchiveReader
+
+pytestmark = pytest.mark.ray
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def cli(*args: str, cwd: Path, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "cli", *args], cwd=cwd, capture_output=True, text=True,
+                          env=env, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory, tiny) -> Path:
+    """A protocol pointing at the tiny checkpoint, in a folder with its own database."""
+    d = tmp_path_factory.mktemp("screen")
+    body = yaml.safe_load((ROOT / "protocols" / "quickstart.yaml").read_text())
+    body["model"]["path"] = str(tiny)
+    (d / "protocol.yaml").write_text(yaml.safe_dump(body))
+    return d
+
+
+@pytest.fixture(scope="module")
+def env(workdir):
+    import os
+
+    e = dict(os.environ, PACKBENCH_DB_URL=f"sqlite:///{workdir / 'packbench.db'}", RAY_AUTH_MODE="disabled",
+             PYTHONPATH=str(ROOT))
+    return e
+
+
+@pytest.fixture(scope="module")
+def screen(workdir, env) -> dict:
+    up = cli("db", "upgrade", cwd=workdir, env=env)
+    assert up.returncode == 0, up.stderr
+    out = cli("submit", "protocol.yaml", "--wait", "--json", cwd=workdir, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout)
+
+
+def test_submit_runs_every_planned_episode_and_passes(screen):
+    assert screen["status"] == "done"
+    assert {(v["gate"], v["condition"]) for v in screen["verdicts"]} == {
+        ("faithfulness", "dense-stream"), ("faithfulness", "packet"), ("acquisition", "packet")}
+    assert all(v["passed"] for v in screen["verdicts"])
+    eps = screen["episodes"]
+    assert [e["index"] for e in eps] == list(range(8))  # 2 warmups + 3 prompts x 2 conditions
+    assert all(e["status"] == "ok" and len(e["tokens"]) == 8 for e in eps)
+    packet = sum(e["h2d_bytes"] for e in eps if e["condition"] == "packet" and e["role"] == "scored")
+    dense = sum(e["h2d_bytes"] for e in eps if e["condition"] == "dense-stream" and e["role"] == "scored")
+    assert dense == 3 * 8 * 2 * 64 * 256 * 4  # prompts x calls x layers x outgoing bytes (float32)
+    assert 0 < packet < dense / 2
+
+
+def test_audit_agrees_and_repeats_its_digest(screen, workdir, env):
+    a = cli("audit", str(screen["screen_id"]), "--json", cwd=workdir, env=env)
+    b = cli("audit", "latest", "--json", cwd=workdir, env=env)
+    assert a.returncode == 0 and b.returncode == 0, a.stdout + a.stderr
+    ra, rb = json.loads(a.stdout), json.loads(b.stdout)
+    assert ra["result"] == "agree" and ra["problems"] == []
+    assert ra["digest"] == rb["digest"]
+
+
+def test_results_json_matches_submit(screen, workdir, env):
+    r = cli("results", "--screen", str(screen["screen_id"]), "--json", cwd=workdir, env=env)
+    assert r.returncode == 0
+    assert json.loads(r.stdout) == screen
+
+
+def test_flipped_byte_in_any_member_fails_audit_naming_it(screen, workdir, env, tmp_path):
+    archive = Path(screen["archive_path"])
+    with zipfile.ZipFile(archive) as z:
+        infos = [(i.filename, i.header_offset, i.compress_size) for i in z.infolist()]
+    for name, offset, size in infos:
+        copy = tmp_path / f"{name.replace('/', '_')}.zip"
+        shutil.copy(archive, copy)
+        data = bytearray(copy.read_bytes())
+        # The member's data starts after its 30-byte local header, name and extra field.
+        name_len = int.from_bytes(data[offset + 26:offset + 28], "little")
+        extra_len = int.from_bytes(data[offset + 28:offset + 30], "little")
+        at = offset + 30 + name_len + extra_len + size // 2
+        data[at] ^= 0x01
+        copy.write_bytes(bytes(data))
+        r = cli("audit", str(screen["screen_id"]), "--archive", str(copy), "--json", cwd=workdir, env=env)
+        assert r.returncode == 1, name
+        problems = json.loads(r.stdout)["problems"]
+        assert any(name in p for p in problems), (name, problems)
+
+
+def test_archive_is_complete_and_self_describing(screen):
+    reader = ArchiveReader(Path(screen["archive_path"]))
+    assert reader.complete and reader.verify() == []
+    names = set(reader.names)
+    assert {"protocol.json", "plan.json", "worker.json", "verdicts.json", "manifest.json"} <= names
+    assert sum(n.startswith("logits/") for n in names) == 8
+    m = reader.manifest
+    assert m["format_version"] == 1 and m["screen_id"] == screen["screen_id"]
+    assert set(m["source_freeze"]) == {"package_version", "git_commit", "git_dirty", "engine_sha256"}

@@ -1,0 +1,103 @@
+"""Bad URLs and unusable databases fail with one line that names the cause and the fix."""
+
+from __future__ import annotations
+
+
+import pytest
+from sqlalchemy import text
+from sqlalchemy.engine import make_url
+
+from core.errors import PackbenchError
+from db.errors import DatabaseError, SchemaNotAtHead
+from db.session import ENV_VAR, default_url, make_engine
+from db.store import Store
+
+
+def error_of(call) -> str:
+    """Run `call`, expect a DatabaseError, return its message after checking it is one line."""
+    with pytest.raises(DatabaseError) as info:
+        call()
+    message = str(info.value)
+    assert isinstance(info.value, PackbenchError)
+    assert message.strip() and "\n" not in message, repr(message)
+    return message
+
+
+def test_default_url_comes_from_the_environment(monkeypatch):
+    monkeypatch.delenv(ENV_VAR, raising=False)
+    assert default_url() == "sqlite:///packbench.db"
+    monkeypatch.setenv(ENV_VAR, "postgresql+psycopg://u@db:5432/pb")
+    assert default_url() == "postgresql+psycopg://u@db:5432/pb"
+    assert Store().dialect == "postgresql"  # no connection is made until first use
+
+
+@pytest.mark.parametrize("url", ["foo://x", "mysql://u@h/db", "not a url"])
+def test_unsupported_or_malformed_url(url):
+    message = error_of(lambda: Store(url))
+    assert ENV_VAR in message and "sqlite:///" in message
+
+
+def test_bare_postgresql_url_uses_psycopg():
+    store = Store("postgresql://postgres@127.0.0.1:1/test")
+    assert store.dialect == "postgresql"
+    assert "+psycopg" in store.url
+
+
+def test_postgres_server_not_listening():
+    store = Store("postgresql+psycopg://postgres:s3cret@127.0.0.1:1/test")
+    message = error_of(store.current)
+    assert message == (
+        "cannot connect to postgresql at 127.0.0.1:1 (connection refused); "
+        f"start the server or set {ENV_VAR}"
+    )
+    # Data methods go through the same translation (via the schema check).
+    assert error_of(store.queued_screens) == message
+    assert "s3cret" not in store.url
+
+
+def test_postgres_unknown_role_and_database(pg_server_url):
+    base = make_url(pg_server_url)
+    message = error_of(Store(base.set(username="pb_no_such_role")).current)
+    assert "pb_no_such_role" in message and ENV_VAR in message
+    message = error_of(Store(base.set(database="pb_no_such_database")).current)
+    assert "createdb pb_no_such_database" in message
+
+
+def test_sqlite_directory_missing(tmp_path):
+    store = Store(f"sqlite:///{tmp_path / 'missing' / 'packbench.db'}")
+    message = error_of(store.upgrade)
+    assert "create its directory" in message and ENV_VAR in message
+
+
+def test_sqlite_opened_read_only(tmp_path):
+    """A database opened read-only (here through SQLite's URI mode=ro) refuses writes clearly."""
+    path = tmp_path / "packbench.db"
+    with Store(f"sqlite:///{path}") as store:
+        store.upgrade()
+    with Store(f"sqlite:///file:{path}?mode=ro&uri=true") as store:
+        store.check_head()  # reading still works
+        message = error_of(lambda: store.put_protocol(sha256="a" * 64, name="x", canonical_json="{}"))
+    assert "read-only" in message and "writable" in message and ENV_VAR in message
+
+
+def test_sqlite_file_that_is_not_a_database(tmp_path):
+    path = tmp_path / "notes.txt"
+    path.write_text("hello, this is not SQLite\n" * 100)
+    message = error_of(Store(f"sqlite:///{path}").current)
+    assert "not a SQLite database" in message
+
+
+def test_schema_errors_are_database_errors():
+    assert issubclass(SchemaNotAtHead, DatabaseError)
+
+
+def test_sqlite_connections_are_configured(tmp_path):
+    engine = make_engine(f"sqlite:///{tmp_path / 'packbench.db'}")
+    try:
+        with engine.connect() as connection:
+            pragma = lambda name: connection.execute(text(f"PRAGMA {name}")).scalar_one()  # noqa: E731
+            assert pragma("journal_mode") == "wal"
+            assert pragma("foreign_keys") == 1
+            assert pragma("busy_timeout") == 30000
+    finally:
+        engine.dispose()

@@ -1,0 +1,153 @@
+"""The Alembic revisions are the schema: one head, equal to the models, reversible."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+from alembic.autogenerate import compare_metadata
+from alembic.runtime.migration import MigrationContext
+from sqlalchemy import inspect as inspect_db
+from sqlalchemy import text
+
+from db import migrate
+from db.errors import SchemaNotAtHead
+from db.models import Base
+from db.session import make_engine
+from db.store import Store
+
+TABLES = {"protocols", "machines", "screens", "attempts", "episodes", "verdicts", "audits"}
+
+
+def revisions_oldest_first() -> list[str]:
+    return [script.revision for script in reversed(list(migrate.script_directory().walk_revisions()))]
+
+
+def schema_diff(url: str) -> list:
+    engine = make_engine(url)
+    try:
+        with engine.connect() as connection:
+            return compare_metadata(MigrationContext.configure(connection), Base.metadata)
+    finally:
+        engine.dispose()
+
+
+def table_names(url: str) -> set[str]:
+    engine = make_engine(url)
+    try:
+        with engine.connect() as connection:
+            return set(inspect_db(connection).get_table_names())
+    finally:
+        engine.dispose()
+
+
+def test_there_is_exactly_one_head():
+    assert len(migrate.script_directory().get_heads()) == 1
+    assert Store.head() == revisions_oldest_first()[-1]
+
+
+def test_every_revision_documents_why_and_can_go_down():
+    for script in migrate.script_directory().walk_revisions():
+        assert script.longdoc.strip(), f"{script.revision} has no docstring"
+        assert "Why:" in script.longdoc, f"{script.revision}'s docstring does not say why"
+        assert "op." in inspect.getsource(script.module.downgrade), (
+            f"{script.revision} has an empty downgrade()"
+        )
+
+
+def test_history_is_newest_first_with_first_docstring_line():
+    history = Store.history()
+    assert [line.split(":", 1)[0] for line in history] == revisions_oldest_first()[::-1]
+    assert history[-1].startswith("0001_initial: Initial schema")
+    assert all("\n" not in line for line in history)
+
+
+def test_upgrade_head_equals_the_models(db_url):
+    with Store(db_url) as store:
+        assert store.current() is None
+        store.upgrade()
+        assert store.current() == store.head()
+    assert schema_diff(db_url) == []
+    assert TABLES <= table_names(db_url)
+
+
+def test_every_revision_round_trips_down_and_up(db_url):
+    with Store(db_url) as store:
+        previous = "base"
+        for revision in revisions_oldest_first():
+            store.upgrade(revision)
+            store.downgrade(previous)
+            assert store.current() == (None if previous == "base" else previous)
+            store.upgrade(revision)
+            assert store.current() == revision
+            previous = revision
+        assert schema_diff(db_url) == []
+        store.downgrade("base")
+        assert store.current() is None
+        # Alembic keeps its (now empty) version table; every packbench table is gone.
+        assert table_names(db_url) & TABLES == set()
+        store.upgrade()
+        assert schema_diff(db_url) == []
+
+
+def test_postgres_schema_holds_the_version_table(pg_url):
+    """The search_path schema, not `public`, gets alembic_version: tests stay isolated."""
+    with Store(pg_url) as store:
+        store.upgrade()
+    engine = make_engine(pg_url)
+    try:
+        with engine.connect() as connection:
+            schema = connection.execute(text("SELECT current_schema()")).scalar_one()
+            where = connection.execute(
+                text("SELECT table_schema FROM information_schema.tables WHERE table_name = 'alembic_version'")
+            ).scalars().all()
+    finally:
+        engine.dispose()
+    assert schema.startswith("pb_")
+    assert schema in where
+
+
+def assert_refused(store: Store, *fragments: str) -> None:
+    with pytest.raises(SchemaNotAtHead) as info:
+        store.check_head()
+    message = str(info.value)
+    assert "\n" not in message
+    for fragment in fragments:
+        assert fragment in message
+
+
+def test_empty_database_is_not_at_head(db_url):
+    with Store(db_url) as store:
+        assert_refused(store, "`packbench db upgrade`", "none", store.head())
+        # Data methods refuse too, before touching a missing table.
+        with pytest.raises(SchemaNotAtHead, match="packbench db upgrade"):
+            store.queued_screens()
+        store.upgrade()
+        store.check_head()
+        assert store.queued_screens() == []
+
+
+def test_old_database_is_not_at_head(db_url):
+    """Every revision older than head (and base) is refused with the upgrade command."""
+    with Store(db_url) as store:
+        store.upgrade()
+        for older in ["base", *revisions_oldest_first()[:-1]]:
+            store.downgrade(older)
+            assert_refused(store, "`packbench db upgrade`", store.head())
+        store.upgrade()
+        store.check_head()
+
+
+def test_database_from_a_newer_packbench_is_refused(db_url):
+    with Store(db_url) as store:
+        store.upgrade()
+    engine = make_engine(db_url)
+    try:
+        with engine.begin() as connection:
+            connection.execute(text("UPDATE alembic_version SET version_num = '9999_future'"))
+    finally:
+        engine.dispose()
+    with Store(db_url) as store:
+        assert_refused(store, "9999_future", "a newer packbench wrote it")
+        with pytest.raises(SchemaNotAtHead, match="a newer packbench wrote it"):
+            store.upgrade()
