@@ -1,6 +1,5 @@
 """packbench: submit frozen protocol screens to Ray GPU workers, query results, audit archives."""
 
-import os
 import sys
 from datetime import datetime, timezone
 from pathlib import Path
@@ -134,6 +133,8 @@ def _run(store, screen_id: int, *, archive_dir: Path, address: str | None, json_
 def audit(
     screen: Annotated[str, typer.Argument(help="Screen id, or `latest`.")],
     archive: Annotated[Optional[Path], typer.Option(help="Audit this archive file instead of the one the database names.")] = None,
+    on_ray: Annotated[bool, typer.Option("--ray", help="Run the audit as a Ray task (embedded, or --address).")] = False,
+    address: Annotated[Optional[str], typer.Option(help="Ray cluster to run the audit on (implies --ray).")] = None,
     db: DbUrl = None,
     json_out: Json = False,
 ) -> None:
@@ -148,9 +149,15 @@ def audit(
     if attempt is None:
         raise PackbenchError(f"screen {row.id} has not run yet; run `packbench dispatch` first")
     started = datetime.now(timezone.utc)
-    report = audit_archive(Path(archive or attempt.archive_path), expected_sha256=attempt.archive_sha256,
-                           db_verdicts=verdict_dicts(store.verdicts(attempt.id)),
-                           db_episodes=episode_dicts(store.episodes(attempt.id)))
+    compare = dict(expected_sha256=attempt.archive_sha256, db_verdicts=verdict_dicts(store.verdicts(attempt.id)),
+                   db_episodes=episode_dicts(store.episodes(attempt.id)))
+    path = Path(archive or attempt.archive_path)
+    if on_ray or address:
+        from cluster.audit import audit_on_cluster
+
+        report = audit_on_cluster(path, address=address, **compare)
+    else:
+        report = audit_archive(path, **compare)
     store.put_audit(attempt_id=attempt.id, archive_sha256=report.record["archive_sha256"], digest=report.digest,
                     result=report.record["result"], problems=report.problems, machine=platform.node(),
                     started_at=started, finished_at=datetime.now(timezone.utc))

@@ -1,7 +1,6 @@
 """Submit + audit end to end through a real local Ray, a real SQLite database and real archives."""
 
 import json
-import shutil
 import subprocess
 import sys
 import zipfile
@@ -65,7 +64,7 @@ def test_submit_runs_every_planned_episode_and_passes(screen):
 
 def test_audit_agrees_and_repeats_its_digest(screen, workdir, env):
     a = cli("audit", str(screen["screen_id"]), "--json", cwd=workdir, env=env)
-    b = cli("audit", "latest", "--json", cwd=workdir, env=env)
+    b = cli("audit", "latest", "--ray", "--json", cwd=workdir, env=env)  # as a Ray task
     assert a.returncode == 0 and b.returncode == 0, a.stdout + a.stderr
     ra, rb = json.loads(a.stdout), json.loads(b.stdout)
     assert ra["result"] == "agree" and ra["problems"] == []
@@ -78,24 +77,37 @@ def test_results_json_matches_submit(screen, workdir, env):
     assert json.loads(r.stdout) == screen
 
 
+def flip_byte_in_member(archive: Path, name: str, out: Path) -> Path:
+    """Copy `archive` to `out` with one bit flipped in the middle of member `name`'s stored data."""
+    with zipfile.ZipFile(archive) as z:
+        info = z.getinfo(name)
+    data = bytearray(archive.read_bytes())
+    offset = info.header_offset
+    # The member's data starts after its 30-byte local header, name and extra field.
+    name_len = int.from_bytes(data[offset + 26:offset + 28], "little")
+    extra_len = int.from_bytes(data[offset + 28:offset + 30], "little")
+    data[offset + 30 + name_len + extra_len + info.compress_size // 2] ^= 0x01
+    out.write_bytes(bytes(data))
+    return out
+
+
 def test_flipped_byte_in_any_member_fails_audit_naming_it(screen, workdir, env, tmp_path):
+    from core.audit import audit_archive
+
     archive = Path(screen["archive_path"])
     with zipfile.ZipFile(archive) as z:
-        infos = [(i.filename, i.header_offset, i.compress_size) for i in z.infolist()]
-    for name, offset, size in infos:
-        copy = tmp_path / f"{name.replace('/', '_')}.zip"
-        shutil.copy(archive, copy)
-        data = bytearray(copy.read_bytes())
-        # The member's data starts after its 30-byte local header, name and extra field.
-        name_len = int.from_bytes(data[offset + 26:offset + 28], "little")
-        extra_len = int.from_bytes(data[offset + 28:offset + 30], "little")
-        at = offset + 30 + name_len + extra_len + size // 2
-        data[at] ^= 0x01
-        copy.write_bytes(bytes(data))
-        r = cli("audit", str(screen["screen_id"]), "--archive", str(copy), "--json", cwd=workdir, env=env)
-        assert r.returncode == 1, name
-        problems = json.loads(r.stdout)["problems"]
-        assert any(name in p for p in problems), (name, problems)
+        names = z.namelist()
+    assert len(names) == 21
+    for name in names:
+        report = audit_archive(flip_byte_in_member(archive, name, tmp_path / "flipped.zip"),
+                               expected_sha256=screen["archive_sha256"])
+        assert not report.agrees, name
+        assert any(name in p for p in report.problems), (name, report.problems)
+    # And through the CLI: exit 1, the member named.
+    flipped = flip_byte_in_member(archive, "logits/00003.npy", tmp_path / "flipped.zip")
+    r = cli("audit", str(screen["screen_id"]), "--archive", str(flipped), "--json", cwd=workdir, env=env)
+    assert r.returncode == 1
+    assert any("logits/00003.npy" in p for p in json.loads(r.stdout)["problems"])
 
 
 def test_archive_is_complete_and_self_describing(screen):

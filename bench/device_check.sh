@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# One device call: CUDA twins of the engine tests, a whole screen through Ray on the GPU with
+# audit, then the policy benchmark. Run from the project root on the GPU machine, with .whl carried.
+set -uo pipefail
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site:$PWD RAY_AUTH_MODE=disabled
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+python3 -c "import torch, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'transformers', transformers.__version__)"
+
+echo "== CUDA tests"
+python3 -m pytest -q -m gpu -p no:cacheprovider tests/engine/test_policies_cuda.py 2>&1 | tail -5
+
+echo "== screen through Ray on the GPU"
+work=$(mktemp -d)
+python3 -m cli model synth --shape opt-125m --dtype float16 --out "$work/m125"
+cat > "$work/p.yaml" <<YAML
+name: gpu-check
+model: {path: m125}
+dtype: float16
+prompts: {generator: {seed: 0, count: 2}}
+prefix_tokens: 64
+continuation_tokens: 8
+conditions: [{policy: dense-stream}, {policy: packet}, {policy: resident}]
+reference: dense-stream
+warmups: 1
+allowance_mib: 4800
+gates: {faithfulness: {tolerance: 0.0}, acquisition: {control: dense-stream, max_ratio: 0.5}}
+YAML
+export PACKBENCH_DB_URL="sqlite:///$work/pb.db"
+python3 -m cli db upgrade
+python3 -m cli submit "$work/p.yaml" --wait --archive-dir "$work/archives" 2>&1 | tail -8
+python3 -m cli audit latest 2>&1 | tail -2
+python3 -m cli results --screen latest --json | python3 -c "import json,sys; d=json.load(sys.stdin); print([(e['condition'], e['h2d_bytes'], round(e['wall_s'],4)) for e in d['episodes']])"
+
+echo "== benchmark"
+python3 -m bench.engine "$@"
