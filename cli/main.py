@@ -7,7 +7,8 @@ from typing import Annotated, Optional
 
 import typer
 
-from cli.summary import episode_dicts, print_json, screen_summary, table, verdict_dicts, verdict_table
+from cli.common import ArchiveDir, DbUrl, Json, open_store
+from cli.summary import episode_dicts, print_json, screen_summary, verdict_dicts, verdict_table
 from core.errors import PackbenchError
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
@@ -17,18 +18,9 @@ db_app = typer.Typer(no_args_is_help=True, help="The results database: migration
 app.add_typer(model_app, name="model")
 app.add_typer(db_app, name="db")
 
-DbUrl = Annotated[Optional[str], typer.Option("--db", help="Database URL (default: $PACKBENCH_DB_URL or sqlite:///packbench.db).")]
-Json = Annotated[bool, typer.Option("--json", help="Print a machine-readable summary.")]
-ArchiveDir = Annotated[Path, typer.Option("--archive-dir", envvar="PACKBENCH_ARCHIVE_DIR", help="Where raw archives are written.")]
+from cli import query  # noqa: E402  (after the apps it registers on)
 
-
-def _store(url: str | None, *, at_head: bool = True):
-    from db.store import Store
-
-    store = Store(url)
-    if at_head:
-        store.check_head()
-    return store
+query.register(app)
 
 
 @model_app.command("synth")
@@ -57,7 +49,7 @@ def model_synth(
 @db_app.command("upgrade")
 def db_upgrade(db: DbUrl = None) -> None:
     """Create or migrate the database to the newest schema."""
-    store = _store(db, at_head=False)
+    store = open_store(db, at_head=False)
     store.upgrade()
     typer.echo(f"database at {store.current()} (head)")
 
@@ -65,7 +57,7 @@ def db_upgrade(db: DbUrl = None) -> None:
 @db_app.command("current")
 def db_current(db: DbUrl = None) -> None:
     """Print the database's schema revision."""
-    store = _store(db, at_head=False)
+    store = open_store(db, at_head=False)
     current, head = store.current(), store.head()
     typer.echo(f"{current or 'empty'}{' (head)' if current == head else f' (head is {head}: run `packbench db upgrade`)'}")
 
@@ -73,7 +65,7 @@ def db_current(db: DbUrl = None) -> None:
 @db_app.command("history")
 def db_history(db: DbUrl = None) -> None:
     """List the schema revisions, newest first."""
-    for line in _store(db, at_head=False).history():
+    for line in open_store(db, at_head=False).history():
         typer.echo(line)
 
 
@@ -89,7 +81,7 @@ def submit(
     """Freeze a protocol and queue a screen; with --wait, run it on a GPU worker actor now."""
     from cluster.submit import enqueue
 
-    store = _store(db)
+    store = open_store(db)
     screen_id = enqueue(store, protocol)
     if not wait:
         typer.echo(f"queued screen {screen_id}; run it with `packbench dispatch`")
@@ -105,7 +97,7 @@ def dispatch(
     json_out: Json = False,
 ) -> None:
     """Run every queued screen, oldest first."""
-    store = _store(db)
+    store = open_store(db)
     queued = store.queued_screens()
     if not queued:
         typer.echo("no queued screens")
@@ -143,7 +135,7 @@ def audit(
 
     from core.audit import audit_archive
 
-    store = _store(db)
+    store = open_store(db)
     row = store.screen(screen)
     attempt = store.latest_attempt(row.id)
     if attempt is None:
@@ -172,24 +164,6 @@ def audit(
                    f"({report.record['episodes']} episodes, digest {report.digest[:16]})")
     if not report.agrees:
         raise typer.Exit(1)
-
-
-@app.command()
-def results(
-    screen: Annotated[str, typer.Option("--screen", help="Screen id, or `latest`.")] = "latest",
-    db: DbUrl = None,
-    json_out: Json = False,
-) -> None:
-    """Show a screen's verdicts and episodes from the database."""
-    summary = screen_summary(_store(db), screen)
-    if json_out:
-        print_json(summary)
-        return
-    typer.echo(f"screen {summary['screen_id']} ({summary['protocol']}, {summary['status']}) "
-               f"archive {summary['archive_path']}")
-    typer.echo(table(summary["episodes"], ["index", "condition", "role", "prompt", "status", "h2d_bytes",
-                                           "d2h_bytes", "wall_s"]))
-    typer.echo(verdict_table(summary["verdicts"]) if summary["verdicts"] else "no verdicts")
 
 
 def main() -> None:

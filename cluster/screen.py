@@ -45,6 +45,7 @@ def run_screen(store, screen_id: int, *, archive_dir: Path, address: str | None 
     body = json.loads(proto.canonical_json)
     model_dir = screen.model_dir
     archive_dir.mkdir(parents=True, exist_ok=True)
+    # Racing dispatchers cannot clobber each other: ArchiveWriter refuses an existing file.
     number = len(store.attempts(screen_id)) + 1
     archive_path = (archive_dir / f"screen-{screen_id:05d}-attempt-{number}.zip").resolve()
 
@@ -55,18 +56,18 @@ def run_screen(store, screen_id: int, *, archive_dir: Path, address: str | None 
     env = ray.get(actor.describe.remote())
     freeze = source_freeze()
     attempt = store.start_attempt(
-        screen_id=screen_id, worker=str(actor._actor_id.hex()), node=env["host"], gpu_name=env["gpu"] or "cpu",
+        screen_id=screen_id, worker=f"GpuWorker pid {env['pid']}", node=env["host"], gpu_name=env["gpu"] or "cpu",
         gpu_index=int((env["gpu_index"] or "-1").split(",")[0]), machine_id=store.put_machine(
             host=env["host"], gpu_name=env["gpu"], driver=env["driver"], torch=env["torch"], cuda=env["cuda"]),
         source_freeze=freeze, archive_path=str(archive_path))
     writer = ArchiveWriter(archive_path)
     episodes: list[dict] = []
     try:
+        writer.add_json("protocol.json", body)
         start = ray.get(actor.load.remote(body, model_dir))
         vocab = start.pop("vocab")
         entries = plan(body)
         token_ids = prompts(body, vocab=vocab)
-        writer.add_json("protocol.json", body)
         writer.add_json("plan.json", {"entries": entries, "prompts": token_ids})
         writer.add_json("worker.json", {"environment": env, "start": start, "model_dir": model_dir})
         progress(f"screen {screen_id} attempt {attempt.number}: {len(entries)} episodes on {env['device']}")
@@ -91,11 +92,9 @@ def run_screen(store, screen_id: int, *, archive_dir: Path, address: str | None 
     except KeyboardInterrupt:
         store.finish_attempt(attempt.id, status="interrupted", error="interrupted by the user")
         raise
-    except PackbenchError as e:
-        store.finish_attempt(attempt.id, status="failed", error=str(e))
-        raise
     except Exception as e:
-        cause = getattr(e, "cause", None) or e  # a RayTaskError carries the worker's exception
+        # A RayTaskError wraps the worker's exception (and subclasses it): report the cause.
+        cause = getattr(e, "cause", None) or e
         if isinstance(cause, PackbenchError):
             store.finish_attempt(attempt.id, status="failed", error=str(cause))
             raise cause from None

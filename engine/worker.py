@@ -25,6 +25,7 @@ def environment(device: torch.device) -> dict:
     """What the archive manifest says about where a screen ran."""
     env = {
         "host": platform.node(),
+        "pid": os.getpid(),
         "python": platform.python_version(),
         "torch": torch.__version__,
         "cuda": torch.version.cuda or "",
@@ -48,7 +49,10 @@ def environment(device: torch.device) -> dict:
 class Worker:
     def __init__(self, device: str | None = None) -> None:
         self.t_entry = time.perf_counter()
-        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        # Under Ray, CUDA_VISIBLE_DEVICES holds only the assigned GPU: it is index 0 here.
+        self.device = torch.device(device or ("cuda:0" if torch.cuda.is_available() else "cpu"))
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", 0)
         self.model: CpuFirstModel | None = None
         self.conditions: dict[str, str] = {}
 

@@ -119,3 +119,26 @@ def test_archive_is_complete_and_self_describing(screen):
     m = reader.manifest
     assert m["format_version"] == 1 and m["screen_id"] == screen["screen_id"]
     assert set(m["source_freeze"]) == {"package_version", "git_commit", "git_dirty", "engine_sha256"}
+
+
+def test_a_worker_failure_is_recorded_with_its_partial_archive(workdir, env, tiny, tmp_path):
+    """A checkpoint that passes the driver's config check but lacks tensors fails on the worker:
+    one line, exit 2, the attempt kept as failed with its cause, its partial archive kept."""
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text((tiny / "config.json").read_text())
+    from safetensors.torch import load_file, save_file
+
+    sd = load_file(tiny / "model.safetensors")
+    sd.pop("model.decoder.layers.1.fc2.weight")
+    save_file(sd, broken / "model.safetensors")
+    body = yaml.safe_load((workdir / "protocol.yaml").read_text())
+    body["model"]["path"] = str(broken)
+    (workdir / "broken.yaml").write_text(yaml.safe_dump(body))
+    r = cli("submit", "broken.yaml", "--wait", cwd=workdir, env=env)
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert "lacks 1 tensors" in r.stderr
+    summary = json.loads(cli("results", "--screen", "latest", "--json", cwd=workdir, env=env).stdout)
+    assert summary["status"] == "failed" and "lacks 1 tensors" in summary["error"]
+    reader = ArchiveReader(Path(summary["archive_path"]))
+    assert not reader.complete and reader.names == ["protocol.json"]

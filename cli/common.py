@@ -1,0 +1,20 @@
+"""Options and helpers shared by the command modules."""
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+DbUrl = Annotated[Optional[str], typer.Option("--db", help="Database URL (default: $PACKBENCH_DB_URL or sqlite:///packbench.db).")]
+Json = Annotated[bool, typer.Option("--json", help="Print a machine-readable summary.")]
+ArchiveDir = Annotated[Path, typer.Option("--archive-dir", envvar="PACKBENCH_ARCHIVE_DIR", help="Where raw archives are written.")]
+
+
+def open_store(url: str | None, *, at_head: bool = True):
+    """The results store; refuses a database that is not at the migration head unless told not to."""
+    from db.store import Store
+
+    store = Store(url)
+    if at_head:
+        store.check_head()
+    return store
