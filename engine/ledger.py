@@ -20,7 +20,9 @@ class CallLedger:
     rows_copied: list[int] = field(default_factory=list)
     h2d_weight_bytes: list[int] = field(default_factory=list)
     h2d_index_bytes: list[int] = field(default_factory=list)
-    d2h_bytes: list[int] = field(default_factory=list)  # index readbacks
+    d2h_bytes: list[int] = field(default_factory=list)  # activity readbacks
+    rows_wasted: list[int] = field(default_factory=list)  # copied (forecast) but not active
+    copy_wait_s: list[float] = field(default_factory=list)  # host blocked on readbacks/copies
     logits_d2h_bytes: int = 0  # recording: the call's last-position logits read back
     wall_s: float = 0.0
 
@@ -31,6 +33,8 @@ class CallLedger:
         self.h2d_weight_bytes = self.h2d_weight_bytes or [0] * n
         self.h2d_index_bytes = self.h2d_index_bytes or [0] * n
         self.d2h_bytes = self.d2h_bytes or [0] * n
+        self.rows_wasted = self.rows_wasted or [0] * n
+        self.copy_wait_s = self.copy_wait_s or [0.0] * n
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -39,13 +43,18 @@ class CallLedger:
 class Recorder:
     """Collects CallLedgers; policies write into `current` during a forward call."""
 
-    def __init__(self, layers: int) -> None:
+    def __init__(self, layers: int, *, enabled: bool = True) -> None:
         self.layers = layers
+        self.enabled = enabled  # off: calls are timed, per-layer accounting is skipped
         self.calls: list[CallLedger] = []
         self.current: CallLedger | None = None
+        self.phase: str | None = None  # of the call in progress; policies may switch on it
+        self.serial = 0  # calls begun since the model was built: a clock for caches
 
     def begin(self, *, phase: str, tokens: int) -> CallLedger:
         self.current = CallLedger(index=len(self.calls), phase=phase, tokens=tokens, layers=self.layers)
+        self.phase = phase
+        self.serial += 1
         return self.current
 
     def end(self, *, wall_s: float, logits_d2h_bytes: int) -> None:
@@ -55,6 +64,7 @@ class Recorder:
         call.logits_d2h_bytes = logits_d2h_bytes
         self.calls.append(call)
         self.current = None
+        self.phase = None
 
     def add(
         self,
@@ -65,12 +75,17 @@ class Recorder:
         weight_bytes: int = 0,
         index_bytes: int = 0,
         d2h_bytes: int = 0,
+        wasted: int = 0,
+        wait_s: float = 0.0,
     ) -> None:
         call = self.current
-        if call is None:  # a forward pass outside an episode (e.g. a stock-model check): not charged
+        if call is None or not self.enabled:  # outside an episode, or recording off: not charged
             return
-        call.active_rows[layer] = active
+        if active is not None:
+            call.active_rows[layer] = active
         call.rows_copied[layer] += rows
         call.h2d_weight_bytes[layer] += weight_bytes
         call.h2d_index_bytes[layer] += index_bytes
         call.d2h_bytes[layer] += d2h_bytes
+        call.rows_wasted[layer] += wasted
+        call.copy_wait_s[layer] += wait_s

@@ -50,6 +50,8 @@ class CpuFirstModel:
             outgoing.append(layer.fc2.weight.detach())
             bias = None if layer.fc2.bias is None else layer.fc2.bias.detach()
             layer.fc2 = OutgoingLinear(i, bias, self.slot)
+            # Lets a policy start copies while fc1 runs (early-forecast); a no-op for the rest.
+            layer.fc1.register_forward_pre_hook(lambda module, args, i=i: self.slot.policy.before_layer(i))
         self.host = HostWeights(outgoing, pin=device.type == "cuda")
         self.model = model.to(device)  # fc2 weights are no longer parameters: they stay behind
         if device.type == "cuda":
@@ -66,16 +68,18 @@ class CpuFirstModel:
         self.vocab = model.config.vocab_size
         self.config = model.config
 
-    def use(self, policy_name: str) -> None:
-        """Make `policy_name` the active loader policy (deactivating the previous one)."""
-        if self.slot.policy is not None and self.slot.policy.name == policy_name:
-            return
+    def use(self, policy_name: str, **params) -> None:
+        """Make a fresh `policy_name` the active loader policy, releasing the previous one.
+
+        Always fresh, even for the same policy: every episode starts from the same state (an
+        LRU cache or a forecast never carries over from the episode before).
+        """
         if self.slot.policy is not None:
             self.slot.policy.deactivate()
             self.slot.policy = None
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
-        policy = POLICIES[policy_name]()
+        policy = POLICIES[policy_name](**params)
         policy.activate(self.host, self.device, self.recorder)
         self.slot.policy = policy
 

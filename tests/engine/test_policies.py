@@ -9,88 +9,134 @@ from engine.episode import run_episode
 from engine.model import CpuFirstModel
 from engine.policies import POLICIES
 from engine.shapes import SHAPES
+from engine.synth import synth_checkpoint
 
-PROMPT = [2] + list(range(10, 41))  # 32 tokens
-CONTINUATION = 6
+CONTINUATION = 5
+PREFILLS = (1, 64)
+PARAMS = {"sparse-extents": {"block_rows": 16}, "row-retention": {"rows_per_layer": 48}}
 
 
-@pytest.fixture(scope="module", params=["float32", "bfloat16"])
-def runs(request, checkpoints):
-    """One CPU-first model per dtype, every policy run on the same prompt."""
-    dtype = request.param
-    model = CpuFirstModel(checkpoints[dtype], dtype=getattr(torch, dtype), device=torch.device("cpu"))
+def prompt_of(length: int, vocab: int) -> list[int]:
+    return [2] + [(7 * i + 11) % (vocab - 4) + 4 for i in range(length - 1)]
+
+
+@pytest.fixture(scope="module")
+def checkpoint_125m(tmp_path_factory):
+    return synth_checkpoint(tmp_path_factory.mktemp("ck") / "opt-125m", shape="opt-125m", dtype="float32",
+                            sparsity=0.94, seed=0)
+
+
+CASES = [(shape, dtype) for shape in ("tiny", "opt-125m") for dtype in ("float32", "float16", "bfloat16")]
+
+
+@pytest.fixture(scope="module", params=CASES, ids=[f"{s}-{d}" for s, d in CASES])
+def runs(request, checkpoints, checkpoint_125m):
+    """Every policy on both prefill lengths, one CPU-first model per (shape, dtype)."""
+    shape, dtype = request.param
+    path = checkpoints["float32"] if shape == "tiny" else checkpoint_125m
+    model = CpuFirstModel(path, dtype=getattr(torch, dtype), device=torch.device("cpu"))
     outs = {}
-    for name in POLICIES:
-        model.use(name)
-        outs[name] = run_episode(model, PROMPT, continuation=CONTINUATION)
-    return dtype, model, outs
+    for n in PREFILLS:
+        prompt = prompt_of(n, model.vocab)
+        for name in POLICIES:
+            model.use(name, **PARAMS.get(name, {}))
+            outs[name, n] = run_episode(model, prompt, continuation=CONTINUATION)
+    return shape, dtype, path, model, outs
 
 
 def test_every_policy_is_bit_identical_to_dense_stream(runs):
-    _, _, outs = runs
-    ref = outs["dense-stream"]
-    assert ref.logits.shape == (CONTINUATION, SHAPES["tiny"]["vocab"])
-    for name, out in outs.items():
-        assert np.array_equal(out.logits, ref.logits), name
-        assert out.tokens == ref.tokens, name
+    shape, _, _, _, outs = runs
+    for n in PREFILLS:
+        ref = outs["dense-stream", n]
+        assert ref.logits.shape == (CONTINUATION, SHAPES[shape]["vocab"])
+        for name in POLICIES:
+            assert np.array_equal(outs[name, n].logits, ref.logits), (name, n)
+            assert outs[name, n].tokens == ref.tokens, (name, n)
 
 
-def test_tokens_match_stock_transformers_generate(runs, checkpoints):
-    dtype, _, outs = runs
-    stock = build_model(checkpoints[dtype], dtype=getattr(torch, dtype))
-    ids = stock.generate(torch.tensor([PROMPT]), max_new_tokens=CONTINUATION, do_sample=False, min_new_tokens=CONTINUATION)
-    assert outs["packet"].tokens == ids[0, len(PROMPT):].tolist()
+def test_tokens_match_stock_transformers_generate(runs):
+    _, dtype, path, model, outs = runs
+    stock = build_model(path, dtype=getattr(torch, dtype))
+    for n in PREFILLS:
+        prompt = prompt_of(n, model.vocab)
+        ids = stock.generate(torch.tensor([prompt]), max_new_tokens=CONTINUATION, min_new_tokens=CONTINUATION,
+                             do_sample=False)
+        assert outs["packet", n].tokens == ids[0, n:].tolist(), n
 
 
 def test_dense_stream_ledger_is_calls_x_layers_x_weight_bytes(runs):
-    dtype, model, outs = runs
-    s = SHAPES["tiny"]
+    shape, dtype, _, _, outs = runs
+    s = SHAPES[shape]
     weight_bytes = s["hidden"] * s["ffn"] * getattr(torch, dtype).itemsize
-    calls = outs["dense-stream"].calls
-    assert len(calls) == CONTINUATION
-    assert sum(sum(c.h2d_weight_bytes) for c in calls) == CONTINUATION * s["layers"] * weight_bytes
-    assert all(sum(c.h2d_index_bytes) == 0 and sum(c.d2h_bytes) == 0 for c in calls)
-    assert [c.phase for c in calls] == ["prefill"] + ["decode"] * (CONTINUATION - 1)
-    assert [c.tokens for c in calls] == [len(PROMPT)] + [1] * (CONTINUATION - 1)
+    for n in PREFILLS:
+        calls = outs["dense-stream", n].calls
+        assert sum(sum(c.h2d_weight_bytes) for c in calls) == CONTINUATION * s["layers"] * weight_bytes
+        assert all(sum(c.h2d_index_bytes) == 0 and sum(c.d2h_bytes) == 0 for c in calls)
+        assert [c.phase for c in calls] == ["prefill"] + ["decode"] * (CONTINUATION - 1)
+        assert [c.tokens for c in calls] == [n] + [1] * (CONTINUATION - 1)
+    assert all(sum(c.h2d_weight_bytes) == 0 for c in outs["resident", 1].calls)
 
 
-def test_resident_moves_nothing(runs):
-    _, _, outs = runs
-    assert all(sum(c.h2d_weight_bytes) == 0 for c in outs["resident"].calls)
-
-
-def test_packet_ledger_equals_independently_counted_active_rows(runs):
-    """Count active neurons with forward hooks on a stock model, independent of the policy code."""
-    dtype, model, outs = runs
-    out = outs["packet"]
-    stock = build_model(model_dir_of(model), dtype=getattr(torch, dtype))
-    counts: list[list[int]] = []
-    per_call: list[int] = []
-
-    def hook(module, args, output):  # fc2's input is the post-ReLU activation (n_tokens, ffn)
-        per_call.append(int((args[0] != 0).any(dim=0).sum()))
-
+def count_active_rows(path, dtype, prompt, tokens, cache_kw) -> list[list[int]]:
+    """Active neurons per call and layer, counted by hooks on a stock model (independent of policies)."""
+    stock = build_model(path, dtype=dtype)
+    counts, per_call = [], []
     for layer in stock.model.decoder.layers:
-        layer.fc2.register_forward_hook(hook)
-    ids = torch.tensor([PROMPT])
-    cache = model.new_cache()
+        # fc2's input is the post-ReLU activation (n_tokens, ffn): count columns with any non-zero.
+        layer.fc2.register_forward_hook(lambda m, args, out: per_call.append(int((args[0] != 0).any(dim=0).sum())))
+    from transformers import DynamicCache
+
+    cache = DynamicCache()
     with torch.inference_mode():
-        for token in [None] + out.tokens[:-1]:
+        for token in [None] + tokens[:-1]:
             per_call.clear()
-            feed = ids if token is None else torch.tensor([[token]])
-            stock(input_ids=feed, use_cache=True, **{model._cache_kw: cache})
+            feed = torch.tensor([prompt]) if token is None else torch.tensor([[token]])
+            stock(input_ids=feed, use_cache=True, **{cache_kw: cache})
             counts.append(list(per_call))
-    row_bytes = SHAPES["tiny"]["hidden"] * getattr(torch, dtype).itemsize
-    assert [c.active_rows for c in out.calls] == counts
-    assert [c.rows_copied for c in out.calls] == counts
-    for call, active in zip(out.calls, counts):
-        assert call.h2d_weight_bytes == [k * row_bytes for k in active]
-        assert call.h2d_index_bytes == [k * 8 for k in active]
-        assert call.d2h_bytes == [k * 8 for k in active]
-    # The synthetic sparsity is real: a decode token activates about 6 % of neurons.
-    decode = [k for c in counts[1:] for k in c]
-    assert 0 < np.mean(decode) / SHAPES["tiny"]["ffn"] < 0.15
+    return counts
 
 
-def model_dir_of(model: CpuFirstModel):
-    return model.model_dir
+def test_packet_ledgers_equal_independently_counted_active_rows(runs):
+    shape, dtype, path, model, outs = runs
+    s = SHAPES[shape]
+    row_bytes = s["hidden"] * getattr(torch, dtype).itemsize
+    for n in PREFILLS:
+        out = outs["packet", n]
+        counts = count_active_rows(path, getattr(torch, dtype), prompt_of(n, model.vocab), out.tokens, model._cache_kw)
+        for name in POLICIES:
+            if name in ("resident", "dense-stream"):
+                continue
+            calls = outs[name, n].calls
+            if name == "phase-switched":  # a dense prefill does not look at activity
+                assert calls[0].active_rows == [None] * s["layers"] and calls[0].d2h_bytes == [0] * s["layers"]
+                calls, expected = calls[1:], counts[1:]
+            else:
+                expected = counts
+            assert [c.active_rows for c in calls] == expected, name
+            assert all(c.d2h_bytes == [s["ffn"]] * s["layers"] for c in calls), name  # one bool mask per layer
+        for call, active in zip(out.calls, counts):
+            assert call.rows_copied == active
+            assert call.h2d_weight_bytes == [k * row_bytes for k in active]
+            assert call.h2d_index_bytes == [k * 8 for k in active]
+        # phase-switched: dense prefill, packet decode
+        ps = outs["phase-switched", n].calls
+        assert ps[0].h2d_weight_bytes == [s["ffn"] * row_bytes] * s["layers"]
+        assert [c.h2d_weight_bytes for c in ps[1:]] == [c.h2d_weight_bytes for c in out.calls[1:]]
+        # sparse-extents: whole 16-row blocks, never fewer rows than packet
+        for se, pk in zip(outs["sparse-extents", n].calls, out.calls):
+            assert all(r % 16 == 0 and r >= k for r, k in zip(se.rows_copied, pk.rows_copied))
+        # early-forecast: copied = demand + wasted; the first call has no forecast
+        for call, active in zip(outs["early-forecast", n].calls, counts):
+            assert [r - w for r, w in zip(call.rows_copied, call.rows_wasted)] == active
+        assert outs["early-forecast", n].calls[0].rows_wasted == [0] * s["layers"]
+    # decode sparsity is real: about 6 % of neurons per token
+    decode = [k for c in outs["packet", 1].calls[1:] for k in c.active_rows]
+    assert 0 < np.mean(decode) / s["ffn"] < 0.15
+
+
+def test_row_retention_copies_only_misses(runs):
+    shape, _, _, _, outs = runs
+    for n in PREFILLS:
+        rr, pk = outs["row-retention", n].calls, outs["packet", n].calls
+        assert rr[0].rows_copied == pk[0].rows_copied  # a cold cache misses everything
+        assert sum(sum(c.rows_copied) for c in rr) <= sum(sum(c.rows_copied) for c in pk)
