@@ -30,6 +30,8 @@ def model_synth(
     dtype: Annotated[str, typer.Option(help="float32, float16 or bfloat16.")] = "float32",
     sparsity: Annotated[float, typer.Option(help="Fraction of post-ReLU activations that are exactly zero.")] = 0.94,
     seed: Annotated[int, typer.Option(help="Weights are a pure function of the seed.")] = 0,
+    hot_fraction: Annotated[float, typer.Option(help="Fraction of neurons per layer that fire far more often.")] = 0.0,
+    hot_bias: Annotated[float, typer.Option(help="Their fc1 bias in units of std*sqrt(hidden) (0.0: ~50% active).")] = 0.0,
     force: Annotated[bool, typer.Option(help="Replace a checkpoint already in --out.")] = False,
 ) -> None:
     """Write a synthetic OPT checkpoint with real OPT shapes and a chosen activation sparsity."""
@@ -42,7 +44,10 @@ def model_synth(
         raise PackbenchError(f"unknown --dtype {dtype!r}; use one of {', '.join(DTYPES)}")
     if not 0.0 < sparsity < 1.0:
         raise PackbenchError(f"--sparsity {sparsity} is outside (0, 1); pass e.g. 0.94")
-    path = synth_checkpoint(out, shape=shape, dtype=dtype, sparsity=sparsity, seed=seed, force=force)
+    if not 0.0 <= hot_fraction < 1.0:
+        raise PackbenchError(f"--hot-fraction {hot_fraction} is outside [0, 1); pass e.g. 0.05")
+    path = synth_checkpoint(out, shape=shape, dtype=dtype, sparsity=sparsity, seed=seed,
+                            hot_fraction=hot_fraction, hot_bias=hot_bias, force=force)
     typer.echo(f"wrote {shape} {dtype} checkpoint (sparsity {sparsity}, seed {seed}) to {path}")
 
 

@@ -29,3 +29,11 @@ class Conflict(PackbenchError):
 
     Finished attempts are history (failed ones included) and are never overwritten.
     """
+
+
+class InvalidFilter(PackbenchError, ValueError):
+    """A query filter names something that cannot exist (an unknown gate, a malformed date).
+
+    Also a `ValueError`, so library callers can treat it as bad arguments; the message lists
+    the allowed values.
+    """

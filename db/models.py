@@ -104,14 +104,22 @@ class Base(DeclarativeBase):
 
 
 class Protocol(Base):
-    """A frozen protocol: its canonical JSON and the SHA-256 that identifies it."""
+    """A frozen protocol: its canonical JSON and the SHA-256 that identifies it.
+
+    `model` (the protocol's `model.path`) and `dtype` are copies of canonical JSON fields,
+    made at insert time, so `packbench results --model/--dtype` filter on indexed columns
+    instead of parsing JSON in SQL (which SQLite and PostgreSQL spell differently). None when
+    the JSON lacks the field.
+    """
 
     __tablename__ = "protocols"
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     sha256: Mapped[str] = mapped_column(String(64), unique=True)
-    name: Mapped[str] = mapped_column(String)
+    name: Mapped[str] = mapped_column(String, index=True)
     canonical_json: Mapped[str] = mapped_column(Text)
+    model: Mapped[str | None] = mapped_column(String, index=True)
+    dtype: Mapped[str | None] = mapped_column(String(16), index=True)
     created_at: Mapped[datetime] = mapped_column(UtcDateTime, default=utcnow)
 
     def to_record(self) -> ProtocolRow:
@@ -120,6 +128,8 @@ class Protocol(Base):
             sha256=self.sha256,
             name=self.name,
             canonical_json=self.canonical_json,
+            model=self.model,
+            dtype=self.dtype,
             created_at=self.created_at,
         )
 
@@ -200,13 +210,15 @@ class Attempt(Base):
     node: Mapped[str] = mapped_column(String)
     gpu_name: Mapped[str] = mapped_column(String)
     gpu_index: Mapped[int] = mapped_column(Integer)
-    machine_id: Mapped[int | None] = mapped_column(ForeignKey("machines.id"))
+    # Indexed: `results --machine` joins machines through it.
+    machine_id: Mapped[int | None] = mapped_column(ForeignKey("machines.id"), index=True)
     status: Mapped[str] = mapped_column(String(16), default="running")
     error: Mapped[str | None] = mapped_column(Text)
     archive_path: Mapped[str] = mapped_column(String)
     archive_sha256: Mapped[str | None] = mapped_column(String(64))
     source_freeze: Mapped[str] = mapped_column(Text)  # canonical JSON object
-    started_at: Mapped[datetime] = mapped_column(UtcDateTime, default=utcnow)
+    # Indexed: `results --since/--until` filter on when the attempt ran.
+    started_at: Mapped[datetime] = mapped_column(UtcDateTime, default=utcnow, index=True)
     finished_at: Mapped[datetime | None] = mapped_column(UtcDateTime)
 
     def to_record(self) -> AttemptRow:
@@ -248,7 +260,8 @@ class Episode(Base):
     condition: Mapped[str] = mapped_column(String, index=True)
     role: Mapped[str] = mapped_column(String(16), index=True)
     prompt: Mapped[int] = mapped_column(Integer)
-    status: Mapped[str] = mapped_column(String(16))
+    # Indexed: failed episodes are few and `results --status failed` finds them.
+    status: Mapped[str] = mapped_column(String(16), index=True)
     error: Mapped[str | None] = mapped_column(Text)
     tokens_json: Mapped[str] = mapped_column(Text)  # canonical JSON list of token ids
     n_tokens: Mapped[int] = mapped_column(Integer)
@@ -301,7 +314,8 @@ class Verdict(Base):
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     attempt_id: Mapped[int] = mapped_column(ForeignKey("attempts.id"))
-    gate: Mapped[str] = mapped_column(String)
+    # Indexed: `results --gate` across attempts (the unique key starts with attempt_id).
+    gate: Mapped[str] = mapped_column(String, index=True)
     condition: Mapped[str] = mapped_column(String)
     phase: Mapped[str] = mapped_column(String(16))
     value: Mapped[float | None] = mapped_column(Float)

@@ -19,6 +19,8 @@ class ProtocolRow:
     sha256: str
     name: str
     canonical_json: str
+    model: str | None  # the protocol's model.path, copied from canonical_json
+    dtype: str | None
     created_at: datetime
 
 

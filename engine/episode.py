@@ -18,6 +18,8 @@ class EpisodeOutput:
     wall_s: float  # first call start to last logit on the host
     kv_bytes: int
     peak_allocated_bytes: int
+    peak_reserved_bytes: int
+    first_logit_at: float  # time.perf_counter() when the first logit reached the host
 
 
 def _sync(device: torch.device) -> None:
@@ -48,7 +50,10 @@ def run_episode(model: CpuFirstModel, prompt: list[int], *, continuation: int) -
         recorder.begin(phase="prefill" if call == 0 else "decode", tokens=ids.shape[1])
         t0 = time.perf_counter()
         logits = model.forward(ids, cache).float().cpu()  # the .cpu() synchronises the call
-        recorder.end(wall_s=time.perf_counter() - t0, logits_d2h_bytes=logits.numel() * 4)
+        t1 = time.perf_counter()
+        recorder.end(wall_s=t1 - t0, logits_d2h_bytes=logits.numel() * 4)
+        if call == 0:
+            first_logit_at = t1
         row = logits.numpy()
         token = int(row.argmax())
         tokens.append(token)
@@ -61,12 +66,14 @@ def run_episode(model: CpuFirstModel, prompt: list[int], *, continuation: int) -
         for t in (getattr(layer, "keys", None), getattr(layer, "values", None))
         if t is not None
     )
-    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
+    cuda = device.type == "cuda"
     return EpisodeOutput(
         tokens=tokens,
         logits=np.stack(rows),
         calls=list(recorder.calls),
         wall_s=wall,
         kv_bytes=kv_bytes,
-        peak_allocated_bytes=peak,
+        peak_allocated_bytes=torch.cuda.max_memory_allocated(device) if cuda else 0,
+        peak_reserved_bytes=torch.cuda.max_memory_reserved(device) if cuda else 0,
+        first_logit_at=first_logit_at,
     )

@@ -61,13 +61,21 @@ def opt_config(shape: str, dtype: str) -> dict:
 
 
 def synth_checkpoint(
-    out: Path, *, shape: str, dtype: str, sparsity: float, seed: int, force: bool = False
+    out: Path, *, shape: str, dtype: str, sparsity: float, seed: int, hot_fraction: float = 0.0,
+    hot_bias: float = 0.0, force: bool = False
 ) -> Path:
     """Write config.json + model.safetensors for `shape` into `out`. Deterministic for a seed.
 
     Tensors are drawn in float32 from one seeded generator in a fixed order, then cast, so a
     seed gives the same weights whatever the output dtype.
+
+    Hot neurons: real OPT activity is heavy-tailed (a minority of neurons fire far more often),
+    which decides whether retention and forecasts can pay. A `hot_fraction` of each layer's
+    neurons (chosen by the seed) gets fc1 bias `hot_bias` x std x sqrt(hidden) instead: 0.0
+    makes them fire for about half the tokens, against 1 - sparsity for the rest.
     """
+    if not 0.0 <= hot_fraction < 1.0:
+        raise ValueError(f"hot_fraction must be in [0, 1), got {hot_fraction}")
     if shape not in SHAPES:
         raise CheckpointError(f"unknown shape {shape!r}; use one of {', '.join(SHAPES)}")
     torch_dtype = dtype_of(dtype)
@@ -87,6 +95,8 @@ def synth_checkpoint(
         return torch.full((n,), value, dtype=torch_dtype)
 
     bias = fc1_bias_for(sparsity, hidden=h)
+    hot_gen = torch.Generator().manual_seed(seed + 1)  # separate stream: weights stay the same
+    n_hot = int(round(hot_fraction * f))
     sd: dict[str, torch.Tensor] = {
         "model.decoder.embed_tokens.weight": normal(s["vocab"], h),
         # OPT's learned positions carry an offset of 2 rows.
@@ -103,13 +113,17 @@ def synth_checkpoint(
             sd[p + f"{norm}.weight"] = const(1.0, h)
             sd[p + f"{norm}.bias"] = const(0.0, h)
         sd[p + "fc1.weight"] = normal(f, h)
-        sd[p + "fc1.bias"] = const(bias, f)
+        fc1_bias = torch.full((f,), bias)
+        if n_hot:
+            fc1_bias[torch.randperm(f, generator=hot_gen)[:n_hot]] = hot_bias * INIT_STD * math.sqrt(h)
+        sd[p + "fc1.bias"] = fc1_bias.to(torch_dtype)
         sd[p + "fc2.weight"] = normal(h, f)
         sd[p + "fc2.bias"] = const(0.0, h)
 
     out.mkdir(parents=True, exist_ok=True)
     save_file(sd, str(out / "model.safetensors"), metadata={"format": "pt"})
     config = opt_config(shape, dtype)
-    config["packbench_synth"] = {"shape": shape, "sparsity": sparsity, "seed": seed, "fc1_bias": bias}
+    config["packbench_synth"] = {"shape": shape, "sparsity": sparsity, "seed": seed, "fc1_bias": bias,
+                                 "hot_fraction": hot_fraction, "hot_bias": hot_bias}
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     return out

@@ -7,16 +7,20 @@ the allowance, say) comes back as a failed record with its cause; the worker sta
 
 import os
 import platform
+import resource
 import time
 import traceback
 from pathlib import Path
 
 import torch
 
+from core.canonical import canonical_sha256
 from core.metrics import episode_totals
 from engine.episode import run_episode
 from engine.model import CpuFirstModel
+from engine.sampler import MemorySampler, nvml_handle
 from engine.shapes import dtype_of
+from engine.synth import synth_checkpoint
 
 MIB = 1 << 20
 
@@ -46,6 +50,27 @@ def environment(device: torch.device) -> dict:
     return env
 
 
+def synth_dir(spec: dict) -> Path:
+    """Where a synthetic model spec is generated on this node (one folder per spec)."""
+    root = Path(os.environ.get("PACKBENCH_MODEL_CACHE", Path.home() / ".cache" / "packbench" / "models"))
+    return root / canonical_sha256(spec)[:16]
+
+
+def model_dir_for(body: dict, model_dir: str | None) -> Path:
+    """The checkpoint directory: the submitted one, or a synthetic spec generated here once."""
+    spec = body["model"].get("synth")
+    if spec is None:
+        return Path(model_dir)
+    out = synth_dir(spec)
+    if not (out / "config.json").exists():
+        synth_checkpoint(out, **spec)
+    return out
+
+
+def host_rss_peak_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
 class Worker:
     def __init__(self, device: str | None = None) -> None:
         self.t_entry = time.perf_counter()
@@ -54,42 +79,83 @@ class Worker:
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", 0)
         self.model: CpuFirstModel | None = None
-        self.conditions: dict[str, str] = {}
+        self.conditions: dict[str, tuple[str, dict]] = {}
+        self.nvml = nvml_handle(self.device.index) if self.device.type == "cuda" else None
 
     def describe(self) -> dict:
         return environment(self.device)
 
-    def load(self, body: dict, model_dir: str) -> dict:
+    def _impose_allowance(self, allowance_bytes: int) -> int:
+        """Cap PyTorch's allocator so allocator + CUDA context stay inside the allowance.
+
+        `set_per_process_memory_fraction` caps the allocator only; the context (~0.5 GiB) is
+        measured here (NVML used minus what torch reserved) and charged against the allowance.
+        Returns the context bytes charged.
+        """
+        torch.zeros(1, device=self.device)  # create the context
+        context = 0
+        if self.nvml is not None:
+            import pynvml
+
+            context = max(0, pynvml.nvmlDeviceGetMemoryInfo(self.nvml).used - torch.cuda.memory_reserved(self.device))
+        total = torch.cuda.get_device_properties(self.device).total_memory
+        torch.cuda.set_per_process_memory_fraction(max(0.0, min(1.0, (allowance_bytes - context) / total)), self.device)
+        return context
+
+    def load(self, body: dict, model_dir: str | None) -> dict:
         """Build the CPU-first model for a frozen protocol and impose its allowance on CUDA."""
-        if self.device.type == "cuda":
-            total = torch.cuda.get_device_properties(self.device).total_memory
-            # Caps PyTorch's allocator only; the CUDA context (~0.5 GiB) comes on top (shared/ray.md).
-            torch.cuda.set_per_process_memory_fraction(min(1.0, body["allowance_mib"] * MIB / total), self.device)
-        self.model = CpuFirstModel(Path(model_dir), dtype=dtype_of(body["dtype"]), device=self.device)
-        self.conditions = {c["name"]: c["policy"] for c in body["conditions"]}
+        allowance = body["allowance_mib"] * MIB
+        context = self._impose_allowance(allowance) if self.device.type == "cuda" else 0
+        path = model_dir_for(body, model_dir)
+        self.model = CpuFirstModel(path, dtype=dtype_of(body["dtype"]), device=self.device)
+        self.model.recorder.enabled = body.get("recording", True)
+        self.conditions = {c["name"]: (c["policy"], c.get("params", {})) for c in body["conditions"]}
         self.continuation = body["continuation_tokens"]
         s = self.model.start
-        return {"read_s": s.read_s, "place_s": s.place_s, "device_param_bytes": s.device_param_bytes,
-                "host_outgoing_bytes": s.host_outgoing_bytes, "vocab": self.model.vocab,
+        return {"read_s": s.read_s, "pin_s": self.model.host.pin_s, "place_s": s.place_s,
+                "device_param_bytes": s.device_param_bytes, "host_outgoing_bytes": s.host_outgoing_bytes,
+                "param_bytes": s.device_param_bytes + s.host_outgoing_bytes,
+                "cpu_first": True,  # CpuFirstModel never places the outgoing weights on the device
+                "allowance_bytes": allowance, "context_bytes": context, "device": str(self.device),
+                "vocab": self.model.vocab, "model_dir": str(path),
                 "entry_to_loaded_s": time.perf_counter() - self.t_entry}
 
     def run(self, entry: dict, prompt: list[int]) -> dict:
         """One planned episode -> record (see core/gates.py for the fields the gates read)."""
         assert self.model is not None, "load() first"
+        policy, params = self.conditions[entry["condition"]]
         record = {"plan_index": entry["index"], "condition": entry["condition"], "role": entry["role"],
-                  "prompt": entry["prompt"], "policy": self.conditions[entry["condition"]]}
+                  "prompt": entry["prompt"], "policy": policy, "params": params}
         t0 = time.perf_counter()
+        sampler = MemorySampler(self.nvml)
         try:
-            self.model.use(record["policy"])
+            self.model.use(policy, **params)
+            sampler.start()
             out = run_episode(self.model, prompt, continuation=self.continuation)
+            sampled = sampler.stop()
         except Exception as e:  # recorded, never retried into a pass
-            return {**record, "status": "failed", "error": f"{type(e).__name__}: {e}",
+            sampler.stop()
+            if self.model.slot.policy is not None:
+                self.model.slot.policy.deactivate()
+                self.model.slot.policy = None
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()  # an OOM must not poison the next episode
+            return {**record, "status": "failed", "error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}",
                     "traceback": traceback.format_exc(limit=5), "episode_s": time.perf_counter() - t0,
                     "logits": None}
         calls = [c.to_dict() for c in out.calls]
+        p = self.model.slot.policy
         return {**record, "status": "ok", "error": None, "tokens": out.tokens, "wall_s": out.wall_s,
+                "first_logit_since_entry_s": out.first_logit_at - self.t_entry,
                 **episode_totals(calls),
-                "memory": {"peak_allocated_bytes": out.peak_allocated_bytes, "peak_sampled_bytes": None,
-                           "kv_bytes": out.kv_bytes, "policy_device_bytes": self.model.slot.policy.device_bytes(),
-                           "host_outgoing_bytes": self.model.host.host_bytes},
+                "memory": {"peak_allocated_bytes": out.peak_allocated_bytes,
+                           "peak_reserved_bytes": out.peak_reserved_bytes,
+                           "peak_sampled_bytes": sampled["peak_sampled_bytes"],
+                           "kv_bytes": out.kv_bytes, "policy_device_bytes": p.device_bytes(),
+                           "host_outgoing_bytes": self.model.host.host_bytes,
+                           "pinned_bytes": self.model.host.pinned_bytes + p.pinned_bytes(),
+                           "device_param_bytes": self.model.start.device_param_bytes,
+                           "host_rss_peak_bytes": host_rss_peak_bytes()},
+                "sampler": {k: sampled[k] for k in ("samples", "period_s", "sampler_overhead_s")},
+                "energy_j": sampled["energy_j"],
                 "calls": calls, "logits": out.logits}
