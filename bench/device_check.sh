@@ -20,7 +20,7 @@ dtype: float16
 prompts: {generator: {seed: 0, count: 2}}
 prefix_tokens: 64
 continuation_tokens: 8
-conditions: [{policy: dense-stream}, {policy: packet}, {policy: resident}]
+conditions: [{policy: dense-stream}, {policy: packet}, {policy: resident}, {policy: early-forecast}]
 reference: dense-stream
 warmups: 1
 allowance_mib: 4800

@@ -1,11 +1,13 @@
-"""Loader policies head to head on one synthetic checkpoint: time, bytes, memory, exactness.
+"""Every loader policy head to head on one synthetic checkpoint, plus accelerate's offload.
 
-Usage (GPU machine):  python -m bench.engine --shape opt-2.7b --dtype float16 --prefix 512 --continuation 16
+Usage (GPU machine):  python -m bench.engine --shape opt-2.7b --dtype float16 --allowance-mib 4800
 CPU timings are CPU timings: say so when quoting them.
 
-Method: one process, one CPU-first model; conditions alternate (rotated per prompt and round)
-so drift hits them alike; the reference (dense-stream) is first checked to reproduce itself;
-decode is reported as the median ms per decode call over all scored tokens.
+Method (shared/device METHOD.md): one process, one CPU-first model, the allowance imposed on
+PyTorch's allocator (minus the CUDA context); conditions alternate, rotated per prompt and
+round, so drift hits them alike; the reference (dense-stream) must first reproduce itself;
+decode is the median ms per decode call over every scored token. accelerate runs last, in its
+own phase (both models would not fit one allowance), on the same prompts.
 """
 
 import argparse
@@ -20,8 +22,13 @@ import torch
 from core.plan import BOS
 from engine.episode import run_episode
 from engine.model import CpuFirstModel
+from engine.policies import POLICIES
+from engine.sampler import MemorySampler, nvml_handle
 from engine.shapes import dtype_of
 from engine.synth import synth_checkpoint
+
+MIB = 1 << 20
+PARAMS = {"sparse-extents": {"block_rows": 128}, "row-retention": {"rows_per_layer": 1024}}
 
 
 def pinned_h2d_gbps(device: torch.device, mib: int = 256, reps: int = 10) -> float:
@@ -35,7 +42,58 @@ def pinned_h2d_gbps(device: torch.device, mib: int = 256, reps: int = 10) -> flo
     for _ in range(reps):
         dst.copy_(src, non_blocking=True)
     torch.cuda.synchronize()
-    return reps * src.numel() / (time.perf_counter() - t0) / 1e9
+    bw = reps * src.numel() / (time.perf_counter() - t0) / 1e9
+    del src, dst
+    torch.cuda.empty_cache()
+    return bw
+
+
+def impose_allowance(device: torch.device, allowance_mib: int, handle) -> int:
+    torch.zeros(1, device=device)
+    context = 0
+    if handle is not None:
+        import pynvml
+
+        context = pynvml.nvmlDeviceGetMemoryInfo(handle).used - torch.cuda.memory_reserved(device)
+    total = torch.cuda.get_device_properties(device).total_memory
+    torch.cuda.set_per_process_memory_fraction(max(0.0, (allowance_mib * MIB - context) / total), device)
+    return context
+
+
+def accelerate_episodes(model_dir: Path, dtype: torch.dtype, prompts, continuation: int, allowance_mib: int,
+                        handle) -> dict:
+    """Greedy decode through accelerate's device_map="auto" offload at the same max_memory."""
+    from transformers import AutoModelForCausalLM, DynamicCache
+
+    torch.cuda.set_per_process_memory_fraction(1.0)  # accelerate gets max_memory, as its users do
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, device_map="auto",
+                                                 max_memory={0: f"{allowance_mib}MiB", "cpu": "200GiB"},
+                                                 attn_implementation="eager")
+    model.eval()
+    out = {"decode_ms": [], "prefill_s": [], "logits": [], "tokens": [], "peak_sampled": 0, "peak_alloc": 0}
+    torch.cuda.reset_peak_memory_stats()
+    for prompt in prompts:
+        sampler = MemorySampler(handle).start()
+        cache, ids, rows, toks = DynamicCache(), torch.tensor([prompt], device="cuda"), [], []
+        with torch.inference_mode():
+            for call in range(continuation):
+                t0 = time.perf_counter()
+                logits = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[0, -1]
+                row = logits.float().cpu().numpy()
+                dt = time.perf_counter() - t0
+                (out["prefill_s"].append(dt) if call == 0 else out["decode_ms"].append(dt * 1e3))
+                toks.append(int(row.argmax()))
+                rows.append(row)
+                ids = torch.tensor([[toks[-1]]], device="cuda")
+        out["peak_sampled"] = max(out["peak_sampled"], sampler.stop()["peak_sampled_bytes"] or 0)
+        out["logits"].append(np.stack(rows))
+        out["tokens"].append(toks)
+    out["peak_alloc"] = torch.cuda.max_memory_allocated()
+    return out
+
+
+def oom(row: dict) -> str:
+    return f" ({len(row['failed'])} OOM)" if row["failed"] else ""
 
 
 def main() -> None:
@@ -43,72 +101,119 @@ def main() -> None:
     ap.add_argument("--shape", default="opt-125m")
     ap.add_argument("--dtype", default="float16")
     ap.add_argument("--sparsity", type=float, default=0.94)
+    ap.add_argument("--hot-fraction", type=float, default=0.05)
+    ap.add_argument("--hot-bias", type=float, default=0.0)
     ap.add_argument("--model-dir", type=Path, default=None, help="default: synthesise into a temp dir")
     ap.add_argument("--prompts", type=int, default=3)
     ap.add_argument("--prefix", type=int, default=512)
     ap.add_argument("--continuation", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--policies", default="resident,dense-stream,packet")
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--allowance-mib", type=int, default=4800)
+    ap.add_argument("--policies", default=",".join(POLICIES))
+    ap.add_argument("--accelerate", action="store_true", help="also run accelerate's device_map offload")
+    ap.add_argument("--device", default="cuda:0" if torch.cuda.is_available() else "cpu")
     args = ap.parse_args()
 
     device = torch.device(args.device)
+    cuda = device.type == "cuda"
+    handle = nvml_handle(device.index or 0) if cuda else None
+    bw = pinned_h2d_gbps(device)
+    context = impose_allowance(device, args.allowance_mib, handle) if cuda else 0
     model_dir = args.model_dir
     if model_dir is None:
-        model_dir = Path(tempfile.gettempdir()) / f"packbench-{args.shape}-{args.dtype}-{args.sparsity}"
+        model_dir = Path(tempfile.gettempdir()) / (f"packbench-{args.shape}-{args.dtype}-{args.sparsity}"
+                                                   f"-hot{args.hot_fraction}-{args.hot_bias}")
         if not (model_dir / "config.json").exists():
             t = time.perf_counter()
-            synth_checkpoint(model_dir, shape=args.shape, dtype=args.dtype, sparsity=args.sparsity, seed=0)
+            synth_checkpoint(model_dir, shape=args.shape, dtype=args.dtype, sparsity=args.sparsity, seed=0,
+                             hot_fraction=args.hot_fraction, hot_bias=args.hot_bias)
             print(f"synthesised {args.shape} in {time.perf_counter() - t:.1f} s")
     t = time.perf_counter()
     model = CpuFirstModel(model_dir, dtype=dtype_of(args.dtype), device=device)
-    print(f"cold start {time.perf_counter() - t:.1f} s: {model.start}")
-    vocab = model.vocab
+    print(f"cold start {time.perf_counter() - t:.1f} s: {model.start}; pin {model.host.pin_s:.1f} s")
     rng = np.random.Generator(np.random.PCG64(0))
-    prompts = [[BOS] + rng.integers(4, vocab, size=args.prefix - 1).tolist() for _ in range(args.prompts)]
+    prompts = [[BOS] + rng.integers(4, model.vocab, size=args.prefix - 1).tolist() for _ in range(args.prompts)]
     policies = args.policies.split(",")
 
     model.use("dense-stream")
     ref = [run_episode(model, p, continuation=args.continuation) for p in prompts]
     again = run_episode(model, prompts[0], continuation=args.continuation)
-    reproducible = np.array_equal(ref[0].logits, again.logits)
-    print(f"dense-stream reproduces itself: {reproducible}")
+    print(f"dense-stream reproduces itself: {np.array_equal(ref[0].logits, again.logits)}")
 
-    rows: dict[str, dict[str, list]] = {p: {"decode_ms": [], "prefill_s": [], "h2d": [], "peak": [], "exact": []}
-                                        for p in policies}
+    keys = ("decode_ms", "prefill_s", "decode_h2d", "prefill_h2d", "peak_sampled", "peak_alloc", "exact",
+            "failed", "wasted", "wait_ms", "device_bytes")
+    rows: dict[str, dict[str, list]] = {p: {k: [] for k in keys} for p in policies}
     for r in range(args.rounds):
         for i, prompt in enumerate(prompts):
             k = (r * len(prompts) + i) % len(policies)
             for name in policies[k:] + policies[:k]:  # rotate the order every episode
-                model.use(name)
-                out = run_episode(model, prompt, continuation=args.continuation)
                 row = rows[name]
+                sampler = MemorySampler(handle)
+                try:
+                    model.use(name, **PARAMS.get(name, {}))
+                    sampler.start()
+                    out = run_episode(model, prompt, continuation=args.continuation)
+                except torch.cuda.OutOfMemoryError as e:
+                    sampler.stop()
+                    row["failed"].append(str(e).splitlines()[0][:80])
+                    model.slot.policy = None
+                    torch.cuda.empty_cache()
+                    continue
+                row["peak_sampled"].append(sampler.stop()["peak_sampled_bytes"] or 0)
                 row["prefill_s"].append(out.calls[0].wall_s)
                 row["decode_ms"] += [c.wall_s * 1e3 for c in out.calls[1:]]
-                row["h2d"] += [sum(c.h2d_weight_bytes) + sum(c.h2d_index_bytes) for c in out.calls]
-                row["peak"].append(out.peak_allocated_bytes)
+                row["prefill_h2d"].append(sum(out.calls[0].h2d_weight_bytes) + sum(out.calls[0].h2d_index_bytes))
+                row["decode_h2d"] += [sum(c.h2d_weight_bytes) + sum(c.h2d_index_bytes) for c in out.calls[1:]]
+                row["wasted"] += [sum(c.rows_wasted) for c in out.calls[1:]]
+                row["wait_ms"] += [sum(c.copy_wait_s) * 1e3 for c in out.calls[1:]]
+                row["peak_alloc"].append(out.peak_allocated_bytes)
+                row["device_bytes"].append(model.slot.policy.device_bytes())
                 row["exact"].append(np.array_equal(out.logits, ref[i].logits) and out.tokens == ref[i].tokens)
 
-    bw = pinned_h2d_gbps(device)
-    print(f"\npinned H2D bandwidth: {bw:.1f} GB/s; device {device}"
-          f"{' ' + torch.cuda.get_device_name(device) if device.type == 'cuda' else ''}; torch {torch.__version__}")
-    print(f"{args.shape} {args.dtype} sparsity {args.sparsity}, {args.prompts} prompts x {args.prefix} + "
-          f"{args.continuation} tokens, {args.rounds} rounds, alternated\n")
-    head = f"{'policy':14} {'decode ms/tok':>13} {'p10-p90':>13} {'prefill s':>9} {'H2D/decode call':>16} {'H2D/prefill':>13} {'peak alloc MiB':>14} exact"
-    print(head)
+    acc = None
+    if args.accelerate and cuda:
+        model.slot.policy.deactivate()
+        del model
+        torch.cuda.empty_cache()
+        acc = accelerate_episodes(model_dir, dtype_of(args.dtype), prompts, args.continuation,
+                                  args.allowance_mib, handle)
+        acc["exact"] = [np.array_equal(a, r.logits) for a, r in zip(acc["logits"], ref)]
+
+    print(f"\npinned H2D bandwidth: {bw:.1f} GB/s; {device}"
+          f"{' ' + torch.cuda.get_device_name(device) if cuda else ''}; torch {torch.__version__}; "
+          f"allowance {args.allowance_mib} MiB (CUDA context {context / MIB:.0f} MiB charged)")
+    print(f"{args.shape} {args.dtype} sparsity {args.sparsity} hot {args.hot_fraction}@{args.hot_bias}, "
+          f"{args.prompts} prompts x {args.prefix} + {args.continuation} tokens, {args.rounds} rounds, alternated\n")
+    print(f"{'policy':15}{'decode ms':>10}{'p10-p90':>14}{'prefill s':>10}{'H2D/decode':>14}{'H2D/prefill':>15}"
+          f"{'wasted/dec':>11}{'wait ms':>8}{'peak smp MiB':>13}{'alloc MiB':>10} exact")
+    res = {}
     for name in policies:
         row = rows[name]
+        if not row["decode_ms"]:
+            print(f"{name:15} FAILED x{len(row['failed'])}: {row['failed'][0] if row['failed'] else ''}")
+            continue
         d = np.array(row["decode_ms"])
-        n_calls = args.continuation
-        prefill_h2d = row["h2d"][::n_calls]
-        decode_h2d = [h for j, h in enumerate(row["h2d"]) if j % n_calls]
-        print(f"{name:14} {np.median(d):13.2f} {np.percentile(d, 10):6.2f}-{np.percentile(d, 90):6.2f} "
-              f"{statistics.median(row['prefill_s']):9.3f} {statistics.mean(decode_h2d):16,.0f} "
-              f"{statistics.mean(prefill_h2d):13,.0f} {max(row['peak']) / 2**20:14.0f} {all(row['exact'])}")
-    if "dense-stream" in rows and device.type == "cuda":
-        d = statistics.median(rows["dense-stream"]["decode_ms"]) / 1e3
-        per_call = statistics.mean(rows["dense-stream"]["h2d"])
-        print(f"\ndense-stream decode achieves {per_call / d / 1e9:.1f} GB/s = {per_call / d / 1e9 / bw:.0%} of pinned copy bandwidth")
+        res[name] = float(np.median(d))
+        print(f"{name:15}{np.median(d):10.2f}{np.percentile(d, 10):7.2f}-{np.percentile(d, 90):6.2f}"
+              f"{statistics.median(row['prefill_s']):10.3f}{statistics.mean(row['decode_h2d']):14,.0f}"
+              f"{statistics.mean(row['prefill_h2d']):15,.0f}{statistics.mean(row['wasted']):11,.0f}"
+              f"{statistics.mean(row['wait_ms']):8.2f}{max(row['peak_sampled']) / MIB:13.0f}"
+              f"{max(row['peak_alloc']) / MIB:10.0f} {all(row['exact'])}"
+              f"{oom(row)}")
+    if acc is not None:
+        d = np.array(acc["decode_ms"])
+        res["accelerate"] = float(np.median(d))
+        print(f"{'accelerate':15}{np.median(d):10.2f}{np.percentile(d, 10):7.2f}-{np.percentile(d, 90):6.2f}"
+              f"{statistics.median(acc['prefill_s']):10.3f}{'-':>14}{'-':>15}{'-':>11}{'-':>8}"
+              f"{acc['peak_sampled'] / MIB:13.0f}{acc['peak_alloc'] / MIB:10.0f} {all(acc['exact'])}")
+    if cuda and "dense-stream" in res:
+        per_call = statistics.mean(rows["dense-stream"]["decode_h2d"])
+        gbps = per_call / (res["dense-stream"] / 1e3) / 1e9
+        print(f"\ndense-stream decode moves {gbps:.1f} GB/s = {gbps / bw:.0%} of the pinned copy bandwidth")
+    if "packet" in res and "resident" in res:
+        print(f"packet / resident decode: {res['packet'] / res['resident']:.2f}x")
+    if "packet" in res and "accelerate" in res:
+        print(f"accelerate / packet decode: {res['accelerate'] / res['packet']:.2f}x")
 
 
 if __name__ == "__main__":

@@ -1,43 +1,141 @@
-"""The plan: the ordered episode list of a screen, a pure function of the frozen protocol."""
+"""The plan: the ordered episode list of a screen, a pure function of the frozen protocol.
+
+Layout: every condition's declared warmups first (reference first when baseline_first), then
+`repetitions` x `prompts` scored blocks. A block runs every condition once on one prompt; the
+protocol's `order` arranges the conditions inside each block (see `arrange`). With
+baseline_first the reference opens every block and only the other conditions are arranged.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
+
+from core.errors import ProtocolError
+from core.protocol import expand, prompt_count, read_prompt_file
 
 BOS = 2  # OPT's beginning-of-sequence id
 
 
-def prompts(body: dict, *, vocab: int) -> list[list[int]]:
+# ----------------------------------------------------------------------------- prompts
+
+
+def prompts(body: dict, *, vocab: int, prompt_file: Path | None = None,
+            tokenize: Callable[[list[str]], list[list[int]]] | None = None) -> list[list[int]]:
     """The prompt token ids, each cut to prefix_tokens.
 
     A generator prompt is BOS followed by ids drawn uniformly from [4, vocab) (0-3 are OPT's
     special tokens) by numpy's PCG64 with the protocol's seed: identical on every machine.
+    token_file/text_file prompts are read from `prompt_file` (FrozenProtocol.prompt_file()),
+    whose SHA-256 must equal the frozen one; text is encoded by `tokenize` (the checkpoint's
+    tokenizer, engine.prompts.tokenizer_for).
     """
-    n = body["prefix_tokens"]
-    spec = body["prompts"]
+    full = expand(body)
+    n = full["prefix_tokens"]
+    spec = full["prompts"]
+    if "generator" in spec:
+        rng = np.random.Generator(np.random.PCG64(spec["generator"]["seed"]))
+        return [[BOS] + rng.integers(4, vocab, size=n - 1).tolist() for _ in range(spec["generator"]["count"])]
     if "token_ids" in spec:
-        out = [list(p[:n]) for p in spec["token_ids"]]
-        for p in out:
-            bad = [t for t in p if t >= vocab]
-            if bad:
-                raise ValueError(f"prompt token id {bad[0]} is outside the model's vocabulary of {vocab}")
-        return out
-    rng = np.random.Generator(np.random.PCG64(spec["generator"]["seed"]))
-    return [[BOS] + rng.integers(4, vocab, size=n - 1).tolist() for _ in range(spec["generator"]["count"])]
+        ids = spec["token_ids"]
+    else:
+        (kind, frozen), = spec.items()
+        field = f"prompts.{kind}"
+        if prompt_file is None:
+            raise ProtocolError(f"protocol field `{field}`: pass the file ({frozen['path']}) to read the prompts from")
+        data, items = read_prompt_file(kind, Path(prompt_file), field=field)
+        digest = hashlib.sha256(data).hexdigest()
+        if digest != frozen["sha256"]:
+            raise ProtocolError(f"protocol field `{field}`: {prompt_file} has sha256 {digest}, the protocol froze "
+                                f"{frozen['sha256']}; restore the file the protocol was frozen with")
+        if kind == "text_file":
+            if tokenize is None:
+                raise ProtocolError(f"protocol field `{field}`: text prompts need the checkpoint's tokenizer")
+            items = tokenize(items)
+        ids = items
+    out = []
+    for i, p in enumerate(ids):
+        if len(p) < n:
+            raise ProtocolError(f"protocol field `prompts`: prompt {i} has {len(p)} tokens, "
+                                f"fewer than prefix_tokens={n}; write a longer prompt")
+        out.append([int(t) for t in p[:n]])
+    for p in out:
+        bad = [t for t in p if t >= vocab]
+        if bad:
+            raise ValueError(f"prompt token id {bad[0]} is outside the model's vocabulary of {vocab}")
+    return out
+
+
+# ----------------------------------------------------------------------------- orders
+
+
+def williams(m: int) -> list[list[int]]:
+    """Rows of a Williams design for m conditions: each row is a Latin-square row, and over all
+    rows every condition immediately follows every other equally often (first-order carryover
+    balance). m rows for even m; for odd m the m mirrored rows follow (2m rows in all).
+    """
+    if m <= 0:
+        return [[]]
+    first, lo, hi = [0], 1, m - 1
+    while len(first) < m:
+        first.append(lo)
+        lo += 1
+        if len(first) < m:
+            first.append(hi)
+            hi -= 1
+    rows = [[(c + r) % m for c in first] for r in range(m)]
+    if m % 2:
+        rows += [row[::-1] for row in rows]
+    return rows
+
+
+def arrange(names: list[str], block: int, order: str) -> list[str]:
+    """The order of `names` in scored block `block`.
+
+    alternating: rotated by the block number (a cyclic Latin square: each condition takes each
+    position once every len(names) blocks). abba: forward in even blocks, reversed in odd ones
+    (each pair of blocks gives every condition the same mean position). latin-square: the rows of
+    a Williams design in turn (Latin and balanced for first-order carryover).
+    """
+    m = len(names)
+    if m == 0:
+        return []
+    if order == "alternating":
+        k = block % m
+        return names[k:] + names[:k]
+    if order == "abba":
+        return list(names) if block % 2 == 0 else list(reversed(names))
+    if order == "latin-square":
+        rows = williams(m)
+        return [names[i] for i in rows[block % len(rows)]]
+    raise ValueError(f"unknown order {order!r}")
 
 
 def plan(body: dict) -> list[dict]:
-    """Warmups first (reference first, then the other conditions in protocol order), then for
-    each prompt the reference (baseline-first) followed by the candidates rotated by the prompt
-    index, so each candidate takes each position equally often across prompts.
+    """Every planned episode, in run order: {index, condition, role, prompt, repetition}.
+
+    Warmup w of a condition uses prompt w mod prompts and has repetition None. Scored block
+    b = repetition * prompts + prompt.
     """
-    ref = body["reference"]
-    others = [c["name"] for c in body["conditions"] if c["name"] != ref]
-    n_prompts = (
-        len(body["prompts"]["token_ids"]) if "token_ids" in body["prompts"] else body["prompts"]["generator"]["count"]
-    )
-    entries: list[tuple[str, str, int]] = []
-    for cond in [ref] + others:
-        entries += [(cond, "warmup", w % n_prompts) for w in range(body["warmups"])]
-    for p in range(n_prompts):
-        rotated = others[p % len(others):] + others[: p % len(others)] if others else []
-        entries += [(cond, "scored", p) for cond in [ref] + rotated]
-    return [{"index": i, "condition": c, "role": r, "prompt": p} for i, (c, r, p) in enumerate(entries)]
+    full = expand(body)
+    ref = full["reference"]
+    names = [c["name"] for c in full["conditions"]]
+    others = [n for n in names if n != ref]
+    n_prompts = prompt_count(full)
+    first = [ref] + others if full["baseline_first"] else names
+    entries: list[tuple[str, str, int, int | None]] = []
+    for cond in first:
+        entries += [(cond, "warmup", w % n_prompts, None) for w in range(full["warmups"][cond])]
+    for rep in range(full["repetitions"]):
+        for p in range(n_prompts):
+            block = rep * n_prompts + p
+            if full["baseline_first"]:
+                seq = [ref] + arrange(others, block, full["order"])
+            else:
+                seq = arrange(names, block, full["order"])
+            entries += [(cond, "scored", p, rep) for cond in seq]
+    return [{"index": i, "condition": c, "role": r, "prompt": p, "repetition": rep}
+            for i, (c, r, p, rep) in enumerate(entries)]
