@@ -23,7 +23,7 @@ from core.plan import BOS
 from engine.episode import run_episode
 from engine.model import CpuFirstModel
 from engine.policies import POLICIES
-from engine.sampler import MemorySampler, nvml_handle
+from engine.sampler import MemorySampler, nvml_handle, process_used_bytes
 from engine.shapes import dtype_of
 from engine.synth import synth_checkpoint
 
@@ -52,9 +52,9 @@ def impose_allowance(device: torch.device, allowance_mib: int, handle) -> int:
     torch.zeros(1, device=device)
     context = 0
     if handle is not None:
-        import pynvml
-
-        context = pynvml.nvmlDeviceGetMemoryInfo(handle).used - torch.cuda.memory_reserved(device)
+        used, scope = process_used_bytes(handle)
+        context = max(0, used - torch.cuda.memory_reserved(device))
+        print(f"CUDA context and other non-allocator memory: {context / MIB:.0f} MiB (NVML scope: {scope})")
     total = torch.cuda.get_device_properties(device).total_memory
     torch.cuda.set_per_process_memory_fraction(max(0.0, (allowance_mib * MIB - context) / total), device)
     return context
@@ -129,7 +129,10 @@ def main() -> None:
                              hot_fraction=args.hot_fraction, hot_bias=args.hot_bias)
             print(f"synthesised {args.shape} in {time.perf_counter() - t:.1f} s")
     t = time.perf_counter()
-    model = CpuFirstModel(model_dir, dtype=dtype_of(args.dtype), device=device)
+    try:
+        model = CpuFirstModel(model_dir, dtype=dtype_of(args.dtype), device=device)
+    except torch.cuda.OutOfMemoryError as e:
+        raise SystemExit(f"the CPU-first model does not fit the allowance: {str(e).splitlines()[0]}")
     print(f"cold start {time.perf_counter() - t:.1f} s: {model.start}; pin {model.host.pin_s:.1f} s")
     rng = np.random.Generator(np.random.PCG64(0))
     prompts = [[BOS] + rng.integers(4, model.vocab, size=args.prefix - 1).tolist() for _ in range(args.prompts)]

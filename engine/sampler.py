@@ -1,10 +1,13 @@
 """Device memory and energy sampled by NVML on a thread, while an episode runs.
 
 The allocator's own peak misses what the allocator does not see (the CUDA context, cuBLAS
-workspaces, other libraries); the sampled value is what the device reports as used. The
-sampler measures its own cost per sample so the overhead can be charged and reported.
+workspaces, other libraries); the sampled value is what NVML reports this process as using on
+the device (context included). Where NVML cannot see the process (some containers), it falls
+back to the whole device's used memory, which also counts the driver's reservation, and says
+so in `scope`. The sampler measures its own cost per sample so the overhead can be reported.
 """
 
+import os
 import threading
 import time
 
@@ -23,6 +26,19 @@ def nvml_handle(device_index: int):
         return None
 
 
+def process_used_bytes(handle) -> tuple[int, str]:
+    """(bytes, scope): this process's device memory per NVML, else the device's used memory."""
+    import pynvml
+
+    try:
+        for p in pynvml.nvmlDeviceGetComputeRunningProcesses(handle):
+            if p.pid == os.getpid() and p.usedGpuMemory is not None:
+                return int(p.usedGpuMemory), "process"
+    except pynvml.NVMLError:
+        pass
+    return int(pynvml.nvmlDeviceGetMemoryInfo(handle).used), "device"
+
+
 class MemorySampler:
     """Samples device memory used every `period_s` (<= 5 ms) between start() and stop()."""
 
@@ -32,14 +48,13 @@ class MemorySampler:
         self.samples = 0
         self.sample_s = 0.0  # total time spent inside NVML calls: the sampler's own overhead
         self.energy_mj: int | None = None
+        self.scope: str | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
     def _used(self) -> int:
-        import pynvml
-
         t0 = time.perf_counter()
-        used = pynvml.nvmlDeviceGetMemoryInfo(self.handle).used
+        used, self.scope = process_used_bytes(self.handle)
         self.sample_s += time.perf_counter() - t0
         self.samples += 1
         return used
@@ -75,4 +90,4 @@ class MemorySampler:
             if end is not None and self._energy0 is not None:
                 self.energy_mj = end - self._energy0
         return {"peak_sampled_bytes": self.peak_bytes, "samples": self.samples, "period_s": self.period_s,
-                "sampler_overhead_s": self.sample_s, "energy_j": None if self.energy_mj is None else self.energy_mj / 1e3}
+                "sampler_overhead_s": self.sample_s, "scope": self.scope, "energy_j": None if self.energy_mj is None else self.energy_mj / 1e3}

@@ -18,7 +18,7 @@ from core.canonical import canonical_sha256
 from core.metrics import episode_totals
 from engine.episode import run_episode
 from engine.model import CpuFirstModel
-from engine.sampler import MemorySampler, nvml_handle
+from engine.sampler import MemorySampler, nvml_handle, process_used_bytes
 from engine.shapes import dtype_of
 from engine.synth import synth_checkpoint
 
@@ -95,9 +95,7 @@ class Worker:
         torch.zeros(1, device=self.device)  # create the context
         context = 0
         if self.nvml is not None:
-            import pynvml
-
-            context = max(0, pynvml.nvmlDeviceGetMemoryInfo(self.nvml).used - torch.cuda.memory_reserved(self.device))
+            context = max(0, process_used_bytes(self.nvml)[0] - torch.cuda.memory_reserved(self.device))
         total = torch.cuda.get_device_properties(self.device).total_memory
         torch.cuda.set_per_process_memory_fraction(max(0.0, min(1.0, (allowance_bytes - context) / total)), self.device)
         return context
@@ -156,6 +154,6 @@ class Worker:
                            "pinned_bytes": self.model.host.pinned_bytes + p.pinned_bytes(),
                            "device_param_bytes": self.model.start.device_param_bytes,
                            "host_rss_peak_bytes": host_rss_peak_bytes()},
-                "sampler": {k: sampled[k] for k in ("samples", "period_s", "sampler_overhead_s")},
+                "sampler": {k: sampled[k] for k in ("samples", "period_s", "sampler_overhead_s", "scope")},
                 "energy_j": sampled["energy_j"],
                 "calls": calls, "logits": out.logits}
