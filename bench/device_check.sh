@@ -20,7 +20,7 @@ dtype: float16
 prompts: {generator: {seed: 0, count: 2}}
 prefix_tokens: 64
 continuation_tokens: 8
-conditions: [{policy: dense-stream}, {policy: packet}, {policy: resident}, {policy: early-forecast}]
+conditions: [{policy: dense-stream}, {policy: packet}, {policy: resident}]
 reference: dense-stream
 warmups: 1
 allowance_mib: 4800
@@ -34,3 +34,6 @@ python3 -m cli results --screen latest --json | python3 -c "import json,sys; d=j
 
 echo "== benchmark"
 python3 -m bench.engine "$@"
+
+echo "== mapped gather"
+python3 -m bench.mapped_gather
