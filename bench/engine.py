@@ -23,12 +23,27 @@ from core.plan import BOS
 from engine.episode import run_episode
 from engine.model import CpuFirstModel
 from engine.policies import POLICIES
-from engine.sampler import MemorySampler, nvml_handle, process_used_bytes
+from engine.allowance import impose
+from engine.sampler import MemorySampler, nvml_handle
 from engine.shapes import dtype_of
 from engine.synth import synth_checkpoint
 
 MIB = 1 << 20
 PARAMS = {"sparse-extents": {"block_rows": 128}, "row-retention": {"rows_per_layer": 1024}}
+
+
+def parse_condition(spec: str) -> tuple[str, dict, bool]:
+    """`policy[+key=value...]` -> (policy, params, sampler on). `+sampler=off` runs the episode
+    without the NVML sampler thread, so its overhead shows up as a paired difference."""
+    policy, *pairs = spec.split("+")
+    params, sampler = dict(PARAMS.get(policy, {})), True
+    for pair in pairs:
+        key, value = pair.split("=")
+        if key == "sampler":
+            sampler = value != "off"
+        else:
+            params[key] = int(value) if value.isdigit() else value
+    return policy, params, sampler
 
 
 def pinned_h2d_gbps(device: torch.device, mib: int = 256, reps: int = 10) -> float:
@@ -46,18 +61,6 @@ def pinned_h2d_gbps(device: torch.device, mib: int = 256, reps: int = 10) -> flo
     del src, dst
     torch.cuda.empty_cache()
     return bw
-
-
-def impose_allowance(device: torch.device, allowance_mib: int, handle) -> int:
-    torch.zeros(1, device=device)
-    context = 0
-    if handle is not None:
-        used, scope = process_used_bytes(handle)
-        context = max(0, used - torch.cuda.memory_reserved(device))
-        print(f"CUDA context and other non-allocator memory: {context / MIB:.0f} MiB (NVML scope: {scope})")
-    total = torch.cuda.get_device_properties(device).total_memory
-    torch.cuda.set_per_process_memory_fraction(max(0.0, (allowance_mib * MIB - context) / total), device)
-    return context
 
 
 def accelerate_episodes(model_dir: Path, dtype: torch.dtype, prompts, continuation: int, allowance_mib: int,
@@ -109,7 +112,8 @@ def main() -> None:
     ap.add_argument("--continuation", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--allowance-mib", type=int, default=4800)
-    ap.add_argument("--policies", default=",".join(POLICIES))
+    ap.add_argument("--conditions", default=",".join(POLICIES),
+                    help="comma list of policy[+param=value...]; +sampler=off drops the NVML sampler")
     ap.add_argument("--accelerate", action="store_true", help="also run accelerate's device_map offload")
     ap.add_argument("--device", default="cuda:0" if torch.cuda.is_available() else "cpu")
     args = ap.parse_args()
@@ -118,7 +122,8 @@ def main() -> None:
     cuda = device.type == "cuda"
     handle = nvml_handle(device.index or 0) if cuda else None
     bw = pinned_h2d_gbps(device)
-    context = impose_allowance(device, args.allowance_mib, handle) if cuda else 0
+    context = impose(device, args.allowance_mib * MIB, handle) if cuda else 0
+    print(f"CUDA context and other non-allocator memory: {context / MIB:.0f} MiB")
     model_dir = args.model_dir
     if model_dir is None:
         model_dir = Path(tempfile.gettempdir()) / (f"packbench-{args.shape}-{args.dtype}-{args.sparsity}"
@@ -136,7 +141,7 @@ def main() -> None:
     print(f"cold start {time.perf_counter() - t:.1f} s: {model.start}; pin {model.host.pin_s:.1f} s")
     rng = np.random.Generator(np.random.PCG64(0))
     prompts = [[BOS] + rng.integers(4, model.vocab, size=args.prefix - 1).tolist() for _ in range(args.prompts)]
-    policies = args.policies.split(",")
+    policies = args.conditions.split(",")
 
     model.use("dense-stream")
     ref = [run_episode(model, p, continuation=args.continuation) for p in prompts]
@@ -151,9 +156,10 @@ def main() -> None:
             k = (r * len(prompts) + i) % len(policies)
             for name in policies[k:] + policies[:k]:  # rotate the order every episode
                 row = rows[name]
-                sampler = MemorySampler(handle)
+                policy, params, sampling = parse_condition(name)
+                sampler = MemorySampler(handle if sampling else None)
                 try:
-                    model.use(name, **PARAMS.get(name, {}))
+                    model.use(policy, **params)
                     sampler.start()
                     out = run_episode(model, prompt, continuation=args.continuation)
                 except torch.cuda.OutOfMemoryError as e:
@@ -172,6 +178,8 @@ def main() -> None:
                 row["peak_alloc"].append(out.peak_allocated_bytes)
                 row["device_bytes"].append(model.slot.policy.device_bytes())
                 row["exact"].append(np.array_equal(out.logits, ref[i].logits) and out.tokens == ref[i].tokens)
+                if cuda:
+                    context = max(context, impose(device, args.allowance_mib * MIB, handle))
 
     acc = None
     if args.accelerate and cuda:
@@ -184,10 +192,10 @@ def main() -> None:
 
     print(f"\npinned H2D bandwidth: {bw:.1f} GB/s; {device}"
           f"{' ' + torch.cuda.get_device_name(device) if cuda else ''}; torch {torch.__version__}; "
-          f"allowance {args.allowance_mib} MiB (CUDA context {context / MIB:.0f} MiB charged)")
+          f"allowance {args.allowance_mib} MiB (largest CUDA context seen {context / MIB:.0f} MiB, charged)")
     print(f"{args.shape} {args.dtype} sparsity {args.sparsity} hot {args.hot_fraction}@{args.hot_bias}, "
           f"{args.prompts} prompts x {args.prefix} + {args.continuation} tokens, {args.rounds} rounds, alternated\n")
-    print(f"{'policy':15}{'decode ms':>10}{'p10-p90':>14}{'prefill s':>10}{'H2D/decode':>14}{'H2D/prefill':>15}"
+    print(f"{'condition':15}{'decode ms':>10}{'p10-p90':>14}{'prefill s':>10}{'H2D/decode':>14}{'H2D/prefill':>15}"
           f"{'wasted/dec':>11}{'wait ms':>8}{'peak smp MiB':>13}{'alloc MiB':>10} exact")
     res = {}
     for name in policies:

@@ -11,20 +11,7 @@ import time
 
 import torch
 
-
-class _CudaView:
-    """Expose a pinned host tensor through __cuda_array_interface__ (same pointer, UVA)."""
-
-    def __init__(self, t: torch.Tensor) -> None:
-        assert t.is_pinned() and t.is_contiguous()
-        typestr = {torch.float16: "<f2", torch.float32: "<f4", torch.bfloat16: "<u2"}[t.dtype]
-        self.__cuda_array_interface__ = {"shape": tuple(t.shape), "typestr": typestr,
-                                         "data": (t.data_ptr(), False), "version": 3, "strides": None}
-
-
-def cuda_view(t: torch.Tensor) -> torch.Tensor:
-    v = torch.as_tensor(_CudaView(t), device="cuda")
-    return v.view(torch.bfloat16) if t.dtype == torch.bfloat16 else v
+from engine.mapped import cuda_view
 
 
 def timed(fn, reps=50) -> float:

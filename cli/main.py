@@ -84,9 +84,9 @@ def submit(
     json_out: Json = False,
 ) -> None:
     """Freeze a protocol and queue a screen; with --wait, run it on a GPU worker actor now."""
+    store = open_store(db)  # refuse an old database before importing the engine
     from cluster.submit import enqueue
 
-    store = open_store(db)
     screen_id = enqueue(store, protocol)
     if not wait:
         typer.echo(f"queued screen {screen_id}; run it with `packbench dispatch`")
@@ -128,44 +128,51 @@ def _run(store, screen_id: int, *, archive_dir: Path, address: str | None, json_
 
 @app.command()
 def audit(
-    screen: Annotated[str, typer.Argument(help="Screen id, or `latest`.")],
-    archive: Annotated[Optional[Path], typer.Option(help="Audit this archive file instead of the one the database names.")] = None,
+    screen: Annotated[Optional[str], typer.Argument(help="Screen id, or `latest`.")] = None,
+    archive: Annotated[Optional[Path], typer.Option(help="Audit this archive file (without a screen id: no database needed).")] = None,
     on_ray: Annotated[bool, typer.Option("--ray", help="Run the audit as a Ray task (embedded, or --address).")] = False,
     address: Annotated[Optional[str], typer.Option(help="Ray cluster to run the audit on (implies --ray).")] = None,
     db: DbUrl = None,
     json_out: Json = False,
 ) -> None:
-    """Re-read a screen's raw archive, recompute every verdict and compare with the database."""
+    """Re-read a raw archive, recompute every metric and verdict, compare with the database."""
     import platform
 
     from core.audit import audit_archive
 
-    store = open_store(db)
-    row = store.screen(screen)
-    attempt = store.latest_attempt(row.id)
-    if attempt is None:
-        raise PackbenchError(f"screen {row.id} has not run yet; run `packbench dispatch` first")
-    started = datetime.now(timezone.utc)
-    compare = dict(expected_sha256=attempt.archive_sha256, db_verdicts=verdict_dicts(store.verdicts(attempt.id)),
-                   db_episodes=episode_dicts(store.episodes(attempt.id)))
+    if screen is None and archive is None:
+        raise PackbenchError("give a screen id (or `latest`), or --archive FILE to audit an archive alone")
+    compare: dict = {}
+    store = row = attempt = None
+    if screen is not None:
+        store = open_store(db)
+        row = store.screen(screen)
+        attempt = store.latest_attempt(row.id)
+        if attempt is None:
+            raise PackbenchError(f"screen {row.id} has not run yet; run `packbench dispatch` first")
+        compare = dict(expected_sha256=attempt.archive_sha256, db_verdicts=verdict_dicts(store.verdicts(attempt.id)),
+                       db_episodes=episode_dicts(store.episodes(attempt.id)))
     path = Path(archive or attempt.archive_path)
+    started = datetime.now(timezone.utc)
     if on_ray or address:
         from cluster.audit import audit_on_cluster
 
         report = audit_on_cluster(path, address=address, **compare)
     else:
         report = audit_archive(path, **compare)
-    store.put_audit(attempt_id=attempt.id, archive_sha256=report.record["archive_sha256"], digest=report.digest,
-                    result=report.record["result"], problems=report.problems, machine=platform.node(),
-                    started_at=started, finished_at=datetime.now(timezone.utc))
+    if store is not None:
+        store.put_audit(attempt_id=attempt.id, archive_sha256=report.record["archive_sha256"], digest=report.digest,
+                        result=report.record["result"], problems=report.problems, machine=platform.node(),
+                        started_at=started, finished_at=datetime.now(timezone.utc))
+    what = f"screen {row.id}" if row is not None else str(path)
     if json_out:
-        print_json({"screen_id": row.id, "attempt": attempt.number, "archive_path": attempt.archive_path,
-                    "digest": report.digest, **report.record})
+        print_json({"screen_id": None if row is None else row.id, "attempt": None if attempt is None else attempt.number,
+                    "archive_path": str(path), "digest": report.digest, **report.record})
     else:
         typer.echo(verdict_table(report.record["verdicts"]))
         for p in report.problems:
             typer.echo(f"problem: {p}")
-        typer.echo(f"audit of screen {row.id}: {report.record['result'].upper()} "
+        typer.echo(f"audit of {what}: {report.record['result'].upper()} "
                    f"({report.record['episodes']} episodes, digest {report.digest[:16]})")
     if not report.agrees:
         raise typer.Exit(1)

@@ -1,24 +1,96 @@
-"""Query commands over the results database: results, screens, compare."""
+"""Query commands over the results database: results, screens list|show, compare.
 
-from typing import Annotated
+Thin: each command validates its options, makes one `Store` call (`db.queries` does the
+work) and formats the plain rows it gets back as a table, JSON or CSV.
+"""
+
+import csv
+import dataclasses
+import sys
+from datetime import datetime
+from typing import Annotated, Any, Optional
 
 import typer
 
 from cli.common import DbUrl, Json, open_store
 from cli.summary import print_json, screen_summary, table, verdict_table
+from core.errors import PackbenchError
+from core.protocol import DTYPE_NAMES, GATE_NAMES
+
+FORMATS = ("table", "json", "csv")
+GATE_HELP = ", ".join(GATE_NAMES)
+
+Format = Annotated[Optional[str], typer.Option("--format", help="Output: table, json or csv.")]
+Limit = Annotated[Optional[int], typer.Option("--limit", help="At most this many rows; 0 for all.")]
+ProtocolRef = Annotated[Optional[str], typer.Option("--protocol", help="Protocol name or SHA-256 prefix.")]
 
 
 def register(app: typer.Typer) -> None:
     app.command()(results)
+    screens_app = typer.Typer(no_args_is_help=True, help="Screens: list them, show one.")
+    screens_app.command("list")(screens_list)
+    screens_app.command("show")(screens_show)
+    app.add_typer(screens_app, name="screens")
+    app.command()(compare)
 
 
 def results(
-    screen: Annotated[str, typer.Option("--screen", help="Screen id, or `latest`.")] = "latest",
+    screen: Annotated[Optional[str], typer.Option(
+        "--screen", help="Screen id or `latest`. Without filters: that screen's verdicts and episodes "
+                         "(default: latest). With filters or --format: only that screen's episodes.")] = None,
+    protocol: ProtocolRef = None,
+    model: Annotated[Optional[str], typer.Option(
+        help="Substring of the model: its directory, or synth:<shape> for a synthetic one.")] = None,
+    dtype: Annotated[Optional[str], typer.Option(help=", ".join(DTYPE_NAMES) + ".")] = None,
+    condition: Annotated[Optional[str], typer.Option(help="Condition name, e.g. packet.")] = None,
+    gate: Annotated[Optional[str], typer.Option(
+        help=f"Add this gate's verdicts to each episode: {GATE_HELP}.")] = None,
+    passed: Annotated[Optional[bool], typer.Option(
+        "--passed/--failed", help="Only episodes whose condition passed (failed) --gate, or any gate "
+                                  "without --gate.")] = None,
+    status: Annotated[Optional[str], typer.Option(help="Episode status: ok or failed.")] = None,
+    since: Annotated[Optional[str], typer.Option(help="Attempts started on or after this ISO date/time (UTC).")] = None,
+    until: Annotated[Optional[str], typer.Option(
+        help="Attempts started before this ISO date/time; a bare date includes that day.")] = None,
+    machine: Annotated[Optional[str], typer.Option(help="Substring of the host, node or GPU name.")] = None,
+    limit: Limit = None,
+    fmt: Format = None,
     db: DbUrl = None,
     json_out: Json = False,
 ) -> None:
-    """Show a screen's verdicts and episodes from the database."""
-    summary = screen_summary(open_store(db), screen)
+    """List episodes matching filters, or show one screen's verdicts and episodes (no filters)."""
+    from db.queries import ResultFilter, parse_when
+
+    filters = dict(protocol=protocol, model=model, dtype=dtype, condition=condition, gate=gate, passed=passed,
+                   status=status, since=since, until=until, machine=machine)
+    if all(v is None for v in filters.values()) and fmt is None and limit is None:
+        _screen_view(open_store(db), screen or "latest", json_out=json_out)
+        return
+    out = _output_format(fmt, json_out)
+    limit = _limit(limit, default=1000)
+    # Validate everything (unknown gate, bad dates) before touching the database.
+    filters.update(since=None if since is None else parse_when(since, option="--since"),
+                   until=None if until is None else parse_when(until, option="--until", end=True))
+    ResultFilter(**filters)
+    store = open_store(db)
+    screen_id = store.screen(screen).id if screen is not None else None
+    rows = store.results(ResultFilter(**filters, screen_id=screen_id, limit=None if limit is None else limit + 1))
+    rows = _truncated(rows, limit)
+    records = [r._asdict() for r in rows]
+    if gate is None:
+        for record in records:
+            for key in ("gate", "phase", "passed", "value", "threshold"):
+                del record[key]
+    columns = ["screen_id", "attempt", "protocol", "dtype", "plan_index", "condition", "role", "prompt", "status",
+               "h2d_bytes", "d2h_bytes", "wall_s", "call_s", "peak_allocated_bytes"]
+    if gate is not None:
+        columns += ["gate", "phase", "passed", "value", "threshold"]
+    _emit(records, columns, out, empty="no episodes match")
+
+
+def _screen_view(store, ref: str, *, json_out: bool) -> None:
+    """One screen's latest attempt: the original `results --screen` output, unchanged."""
+    summary = screen_summary(store, ref)
     if json_out:
         print_json(summary)
         return
@@ -29,3 +101,156 @@ def results(
     typer.echo(verdict_table(summary["verdicts"]) if summary["verdicts"] else "no verdicts")
 
 
+def screens_list(
+    status: Annotated[Optional[str], typer.Option(
+        help="queued, running, done, failed or cancelled.")] = None,
+    protocol: ProtocolRef = None,
+    limit: Limit = None,
+    fmt: Format = None,
+    db: DbUrl = None,
+    json_out: Json = False,
+) -> None:
+    """List screens, newest first, with attempts and their latest attempt's verdict counts."""
+    out = _output_format(fmt, json_out)
+    limit = _limit(limit, default=50)
+    store = open_store(db)
+    rows = _truncated(store.list_screens(status=status, protocol=protocol,
+                                         limit=None if limit is None else limit + 1), limit)
+    records = [dataclasses.asdict(r) for r in rows]
+    if out == "table":
+        for record in records:
+            record["protocol_sha256"] = record["protocol_sha256"][:12]
+    _emit(records, ["id", "protocol", "protocol_sha256", "status", "created_at", "attempts", "passed", "failed"],
+          out, empty="no screens; submit one with `packbench submit`")
+
+
+def screens_show(
+    screen: Annotated[str, typer.Argument(help="Screen id, or `latest`.")],
+    db: DbUrl = None,
+    json_out: Json = False,
+) -> None:
+    """Show a screen: every attempt (failed ones too) with its error, archive, verdicts and audits."""
+    detail = open_store(db).screen_detail(screen)
+    if json_out:
+        print_json(_plain(dataclasses.asdict(detail)))
+        return
+    s, p = detail.screen, detail.protocol
+    typer.echo(f"screen {s.id}: {p.name} (protocol {p.sha256[:12]}, {p.model or '-'}, {p.dtype or '-'}), "
+               f"{s.status}, submitted by {s.submitter} at {_when(s.created_at)}")
+    typer.echo(f"model dir: {s.model_dir or '-'}; started {_when(s.started_at)}, finished {_when(s.finished_at)}")
+    if not detail.attempts:
+        typer.echo("no attempts yet; run it with `packbench dispatch`")
+        return
+    attempts, verdicts, audits = [], [], []
+    for d in detail.attempts:
+        a = d.attempt
+        attempts.append({"attempt": a.number, "status": a.status, "worker": a.worker, "node": a.node,
+                         "gpu": f"{a.gpu_name}:{a.gpu_index}", "started": _when(a.started_at),
+                         "finished": _when(a.finished_at), "episodes": d.episodes, "failed": d.failed_episodes,
+                         "archive": a.archive_path, "archive_sha256": (a.archive_sha256 or "")[:16] or None,
+                         "error": a.error})
+        verdicts += [{"attempt": a.number, **dataclasses.asdict(v), "passed": "PASS" if v.passed else "FAIL"}
+                     for v in d.verdicts]
+        audits += [{"attempt": a.number, "result": u.result, "digest": u.digest[:16], "machine": u.machine,
+                    "finished": _when(u.finished_at), "problems": len(u.problems)} for u in d.audits]
+    typer.echo("\nattempts")
+    typer.echo(table(attempts, list(attempts[0])))
+    typer.echo("\nverdicts")
+    typer.echo(table(verdicts, ["attempt", "gate", "condition", "phase", "passed", "value", "threshold"])
+               if verdicts else "none")
+    typer.echo("\naudits")
+    typer.echo(table(audits, ["attempt", "result", "digest", "machine", "finished", "problems"])
+               if audits else "none; run `packbench audit`")
+
+
+def compare(
+    screen_a: Annotated[str, typer.Argument(help="Screen id (or `latest`): the baseline A.")],
+    screen_b: Annotated[str, typer.Argument(help="Screen id (or `latest`): B, reported as B/A.")],
+    db: DbUrl = None,
+    json_out: Json = False,
+) -> None:
+    """Compare two screens' latest attempts: scored totals per condition with B/A ratios, and verdicts."""
+    c = open_store(db).compare(screen_a, screen_b)
+    if json_out:
+        print_json(_plain(dataclasses.asdict(c)))
+        return
+    for label, side in (("A", c.a), ("B", c.b)):
+        typer.echo(f"{label}: screen {side.screen_id} ({side.protocol}, protocol {side.protocol_sha256[:12]}), "
+                   f"attempt {side.attempt} {side.attempt_status}")
+    typer.echo("\nscored episodes per condition (totals over ok episodes; peaks are maxima)")
+    metrics = [{"condition": m.condition, "metric": m.metric, "A": m.a, "B": m.b, "B/A": m.ratio} for m in c.metrics]
+    typer.echo(table(metrics, ["condition", "metric", "A", "B", "B/A"]) if metrics else "no scored episodes")
+    typer.echo("\nverdicts")
+    verdicts = [{"gate": v.gate, "condition": v.condition, "phase": v.phase, "A": _verdict(v.a_passed, v.a_value),
+                 "B": _verdict(v.b_passed, v.b_value)} for v in c.verdicts]
+    typer.echo(table(verdicts, ["gate", "condition", "phase", "A", "B"]) if verdicts else "none")
+
+
+# -- formatting ------------------------------------------------------------------------------
+
+
+def _output_format(fmt: str | None, json_out: bool) -> str:
+    if fmt is not None and fmt not in FORMATS:
+        raise PackbenchError(f"unknown --format {fmt!r}; use one of {', '.join(FORMATS)}")
+    if json_out and fmt not in (None, "json"):
+        raise PackbenchError(f"--json and --format {fmt} disagree; give only one of them")
+    return "json" if json_out else fmt or "table"
+
+
+def _limit(limit: int | None, *, default: int) -> int | None:
+    """The row limit to apply: `default` when not given, None (all rows) for 0."""
+    if limit is None:
+        return default
+    if limit < 0:
+        raise PackbenchError(f"--limit {limit} is negative; give a row count, or 0 for all rows")
+    return limit or None
+
+
+def _truncated(rows: list, limit: int | None) -> list:
+    """Rows asked for with limit + 1: keep `limit`, and say on stderr that more matched."""
+    if limit is not None and len(rows) > limit:
+        typer.echo(f"note: showing the first {limit} rows; more match: pass --limit 0 for all, or narrow "
+                   f"the filters", err=True)
+        return rows[:limit]
+    return rows
+
+
+def _when(moment: datetime | None) -> str | None:
+    return moment.isoformat(timespec="seconds") if moment is not None else None
+
+
+def _plain(value: Any) -> Any:
+    """JSON-ready: datetimes as ISO 8601, tuples as lists."""
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, datetime):
+        return value.isoformat()
+    return value
+
+
+def _verdict(passed: bool | None, value: float | None) -> str:
+    if passed is None:
+        return "-"
+    return ("PASS" if passed else "FAIL") + (f" {value:.6g}" if value is not None else "")
+
+
+def _emit(records: list[dict], columns: list[str], out: str, *, empty: str) -> None:
+    """Records as a table of `columns`, or every field as JSON (a list) or CSV (with a header)."""
+    if out == "json":
+        print_json(_plain(records))
+    elif out == "csv":
+        fields = list(records[0]) if records else columns
+        writer = csv.DictWriter(sys.stdout, fieldnames=fields, lineterminator="\n")
+        writer.writeheader()
+        for record in records:
+            writer.writerow({k: _when(v) if isinstance(v, datetime) else v for k, v in record.items()})
+    elif not records:
+        typer.echo(empty)
+    else:
+        rows = [{**r, **{k: _when(v) for k, v in r.items() if isinstance(v, datetime)}} for r in records]
+        for row in rows:
+            if isinstance(row.get("passed"), bool):
+                row["passed"] = "PASS" if row["passed"] else "FAIL"
+        typer.echo(table(rows, columns))

@@ -37,6 +37,16 @@ def logits_member(index: int) -> str:
     return f"logits/{index:05d}.npy"
 
 
+def screen_prompts(body: dict, *, vocab: int, model_dir: Path | None, prompt_file: Path | None) -> list[list[int]]:
+    """The screen's prompt token ids; text prompts go through the checkpoint's own tokenizer."""
+    tokenize = None
+    if "text_file" in body["prompts"]:
+        from engine.prompts import tokenizer_for
+
+        tokenize = tokenizer_for(Path(model_dir))
+    return prompts(body, vocab=vocab, prompt_file=prompt_file, tokenize=tokenize)
+
+
 def run_screen(store, screen_id: int, *, archive_dir: Path, address: str | None = None,
                progress=lambda msg: None) -> ScreenOutcome:
     """Run one queued screen to its end (done or failed) and return what happened."""
@@ -67,7 +77,8 @@ def run_screen(store, screen_id: int, *, archive_dir: Path, address: str | None 
         start = ray.get(actor.load.remote(body, model_dir))
         vocab = start.pop("vocab")
         entries = plan(body)
-        token_ids = prompts(body, vocab=vocab)
+        token_ids = screen_prompts(body, vocab=vocab, model_dir=Path(start["model_dir"]),
+                                   prompt_file=Path(screen.prompt_file) if screen.prompt_file else None)
         writer.add_json("plan.json", {"entries": entries, "prompts": token_ids})
         writer.add_json("worker.json", {"environment": env, "start": start, "model_dir": model_dir})
         progress(f"screen {screen_id} attempt {attempt.number}: {len(entries)} episodes on {env['device']}")
@@ -82,7 +93,7 @@ def run_screen(store, screen_id: int, *, archive_dir: Path, address: str | None 
             episodes.append({**record, "logits": logits})
             progress(f"  episode {entry['index']:3d} {entry['condition']:>14} {entry['role']:6} "
                      f"prompt {entry['prompt']} {record['status']}")
-        verdicts = compute_verdicts(body, episodes)
+        verdicts = compute_verdicts(body, episodes, start=start)
         writer.add_json("verdicts.json", verdicts)
         sha = writer.seal({"protocol_sha256": proto.sha256, "screen_id": screen_id, "attempt": attempt.number,
                            "environment": env, "source_freeze": freeze})

@@ -1,30 +1,70 @@
 """The auditor: re-read a raw archive, recompute every metric and verdict from raw records
 alone (no inference), and compare with what the archive and the database say.
 
-The audit record excludes where and when it ran, so its digest (SHA-256 of its canonical
-JSON) is the same for every audit of the same archive against the same database rows.
+What is checked (each finding is one line in `problems`, naming the member or episode):
+
+- the archive file's SHA-256 against the database's, and every member against the manifest
+  (ArchiveReader.verify: missing, extra, altered, unreadable, unsafe members);
+- protocol.json is a frozen protocol (it re-validates to itself) whose hash the manifest holds;
+- plan.json is the plan of that protocol, and its prompts are the protocol's prompts;
+- every planned episode has a record that matches its plan entry; a finished one has a
+  well-formed call ledger, one call per continuation token (prefill first), totals equal to
+  those recomputed from the ledger, and tokens that are the argmax of its stored logits;
+- the verdicts recomputed from those records (with worker.json's start record) equal
+  verdicts.json and the database's; the database's episodes equal the archive's.
+
+An unsealed archive (an interrupted screen) is audited as far as it goes and reported as
+incomplete. The audit record holds no time, host or path, and every number in it is computed
+deterministically, so its digest (SHA-256 of its canonical JSON) is the same for every audit
+of the same archive against the same database rows, on any machine.
 """
+
+from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
+
+import numpy as np
 
 from core.archive import ArchiveReader, file_sha256
 from core.canonical import canonical_json, canonical_sha256
-from core.errors import ArchiveError
+from core.errors import ArchiveError, ProtocolError
 from core.gates import compute_verdicts
-from core.metrics import episode_totals
+from core.metrics import episode_totals, ledger_problems, stored_total_problems
+from core.plan import plan as make_plan
+from core.plan import prompts as make_prompts
+from core.protocol import expand, prompt_count, validate
 
+AUDIT_VERSION = 2  # bump when what an audit checks changes: the digest covers it
 VERDICT_KEYS = ("gate", "condition", "phase", "passed", "value", "threshold", "interval")
-EPISODE_KEYS = ("condition", "role", "prompt", "status", "tokens", "h2d_weight_bytes", "h2d_index_bytes", "d2h_bytes")
+PLAN_KEYS = ("index", "condition", "role", "prompt")
+# Database episode column -> where the archive record holds the same value.
+EPISODE_FIELDS: dict[str, tuple[str, ...]] = {
+    "condition": ("condition",), "role": ("role",), "prompt": ("prompt",), "status": ("status",),
+    "tokens": ("tokens",), "wall_s": ("wall_s",), "call_s": ("call_s",),
+    "h2d_weight_bytes": ("h2d_weight_bytes",), "h2d_index_bytes": ("h2d_index_bytes",), "d2h_bytes": ("d2h_bytes",),
+    "prefill_h2d_bytes": ("phases", "prefill", "h2d_bytes"), "decode_h2d_bytes": ("phases", "decode", "h2d_bytes"),
+    "prefill_call_s": ("phases", "prefill", "call_s"), "decode_call_s": ("phases", "decode", "call_s"),
+    "peak_allocated_bytes": ("memory", "peak_allocated_bytes"),
+    "peak_sampled_bytes": ("memory", "peak_sampled_bytes"),
+}
 
 
 @dataclass(frozen=True)
 class AuditReport:
-    record: dict  # archive_sha256, protocol_sha256, complete, problems, verdicts, result
+    """record: audit_version, archive_sha256, protocol_sha256, complete, planned, episodes,
+    verdicts, problems, result ("agree" only when complete and without problems)."""
+
+    record: dict
 
     @property
     def agrees(self) -> bool:
         return self.record["result"] == "agree"
+
+    @property
+    def complete(self) -> bool:
+        return self.record["complete"]
 
     @property
     def digest(self) -> str:
@@ -35,97 +75,271 @@ class AuditReport:
         return self.record["problems"]
 
 
+# ----------------------------------------------------------------------------- comparisons
+
+
 def _key(v: dict) -> tuple:
-    return (v["gate"], v["condition"], v["phase"])
+    return (str(v.get("gate")), str(v.get("condition")), str(v.get("phase")))
 
 
-def _compare_verdicts(mine: list[dict], theirs: list[dict], where: str) -> list[str]:
-    """Differences between recomputed verdicts and stored ones, one line each."""
-    a = {_key(v): {k: v.get(k) for k in VERDICT_KEYS} for v in mine}
-    b = {_key(v): {k: v.get(k) for k in VERDICT_KEYS} for v in theirs}
-    out = [f"{where} lacks verdict {'/'.join(k)}" for k in sorted(set(a) - set(b))]
+def _norm(value: Any) -> Any:
+    """Stored values as comparable plain data: tuples as lists (a database interval)."""
+    return list(value) if isinstance(value, tuple) else value
+
+
+def _compare_verdicts(mine: list[dict], theirs: Any, where: str) -> list[str]:
+    """Differences between recomputed verdicts and stored ones, one line each. `episodes` is
+    compared when the stored verdicts carry it (the archive's do)."""
+    if not isinstance(theirs, list) or not all(isinstance(v, dict) for v in theirs):
+        return [f"{where} verdicts are not a list of verdicts"]
+    a = {_key(v): v for v in mine}
+    b: dict[tuple, dict] = {}
+    out = []
+    for v in theirs:
+        if _key(v) in b:
+            out.append(f"{where} has verdict {'/'.join(_key(v))} twice")
+        b[_key(v)] = v
+    out += [f"{where} lacks verdict {'/'.join(k)}" for k in sorted(set(a) - set(b))]
     out += [f"{where} has an extra verdict {'/'.join(k)}" for k in sorted(set(b) - set(a))]
     for k in sorted(set(a) & set(b)):
-        if canonical_json(a[k]) != canonical_json(b[k]):
-            diff = [f for f in VERDICT_KEYS if a[k][f] != b[k][f]]
+        keys = VERDICT_KEYS + (("episodes",) if "episodes" in b[k] else ())
+        diff = [f for f in keys if _norm(a[k].get(f)) != _norm(b[k].get(f)) or
+                type(a[k].get(f)) is bool and type(b[k].get(f)) is not bool]
+        if diff:
             out.append(f"{where} verdict {'/'.join(k)} differs in {', '.join(diff)}: "
-                       f"recomputed {[a[k][f] for f in diff]} vs stored {[b[k][f] for f in diff]}")
+                       f"recomputed {[a[k].get(f) for f in diff]} vs stored {[_norm(b[k].get(f)) for f in diff]}")
     return out
 
 
-def _named_members(problems: list[str], names: list[str]) -> set[str]:
-    """Members that a verify() problem line names: they are not trusted for recomputation."""
-    words = {w.strip("(),:;") for p in problems for w in p.split()}
-    return {n for n in names if n in words}
+def _at(record: dict, path: tuple[str, ...]) -> Any:
+    for key in path:
+        if not isinstance(record, dict):
+            return None
+        record = record.get(key)
+    return record
+
+
+def _compare_episodes(episodes: list[dict], rows: Any) -> list[str]:
+    """Database episode rows against the archive's records; a column the rows lack is skipped."""
+    if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
+        return ["database episodes are not a list of rows"]
+    stored = {r.get("plan_index"): r for r in rows}
+    out = []
+    for e in episodes:
+        i = e["plan_index"]
+        row = stored.get(i)
+        if row is None:
+            out.append(f"database lacks episode {i}")
+            continue
+        for column, path in EPISODE_FIELDS.items():
+            mine = _at(e, path)
+            if column in row and mine is not None and _norm(row[column]) != mine:
+                out.append(f"database episode {i} {column} {row[column]!r} != archive {mine!r}")
+    for i in sorted(set(stored) - {e["plan_index"] for e in episodes}, key=repr):
+        out.append(f"database has episode {i} that the archive lacks")
+    return out
+
+
+# ----------------------------------------------------------------------------- one episode
+
+
+def _episode_problems(name: str, rec: dict, logits: np.ndarray | None, full: dict) -> list[str]:
+    """Recompute a finished episode's totals and tokens from its ledger and logits."""
+    calls = rec.get("calls")
+    bad = ledger_problems(calls)
+    if bad:
+        return [f"{name}: malformed call ledger: {'; '.join(bad[:3])}"]
+    out = [f"{name}: {p}" for p in stored_total_problems(rec, episode_totals(calls))]
+    n, prefix = full["continuation_tokens"], full["prefix_tokens"]
+    shape = [(c["phase"], c["tokens"]) for c in calls]
+    if shape != [("prefill", prefix)] + [("decode", 1)] * (n - 1):
+        out.append(f"{name}: calls are not one {prefix}-token prefill then {n - 1} one-token decode calls")
+    tokens = rec.get("tokens")
+    if not isinstance(tokens, list) or len(tokens) != len(calls):
+        out.append(f"{name}: tokens do not cover every call")
+    elif (logits is None or logits.ndim != 2 or logits.shape[0] != len(calls) or logits.shape[1] < 1
+          or logits.dtype.kind != "f"):
+        out.append(f"{name}: logits do not cover every call")
+    elif [int(t) for t in logits.argmax(axis=1)] != tokens:
+        out.append(f"{name}: tokens are not the argmax of the stored logits")
+    return out
+
+
+# ----------------------------------------------------------------------------- the audit
+
+
+class _Audit:
+    """One audit's state; `run` fills `record`."""
+
+    def __init__(self, path: Path, sha: str):
+        self.path = path
+        self.problems: list[str] = []
+        self.record: dict[str, Any] = {
+            "audit_version": AUDIT_VERSION, "archive_sha256": sha, "protocol_sha256": None, "complete": False,
+            "planned": 0, "episodes": 0, "verdicts": [], "problems": self.problems, "result": "disagree"}
+
+    def scrub(self, message: str) -> str:
+        """Messages name no path: the digest must not depend on where the archive lies."""
+        for p in {str(self.path), str(self.path.resolve())}:
+            message = message.replace(p, "the archive")
+        return message
+
+    def add(self, message: str) -> None:
+        self.problems.append(self.scrub(message))
+
+    def read(self, reader: ArchiveReader, name: str, kind: str) -> Any:
+        try:
+            return reader.read_array(name) if kind == "array" else reader.read_json(name)
+        except ArchiveError as e:
+            self.add(f"cannot read {name}: {e}")
+            return None
+
+    def run(self, reader: ArchiveReader, *, db_verdicts: list[dict] | None, db_episodes: list[dict] | None) -> None:
+        complete = reader.complete
+        self.record["complete"] = complete
+        for p in reader.verify():
+            self.add(p)
+        names = set(reader.names)
+        # A member that verify() names is not trusted for recomputation.
+        words = {w.strip("(),:;") for p in self.problems for w in p.split()}
+        readable = names - words
+
+        if "protocol.json" not in readable:
+            if complete or "protocol.json" in names:
+                self.add("cannot recompute: no readable protocol.json")
+            return
+        body = self.read(reader, "protocol.json", "json")
+        if body is None:
+            return
+        try:
+            full = expand(body)
+            if canonical_json(validate(body)) != canonical_json(body):
+                self.add("protocol.json is not in frozen form (it does not re-validate to itself)")
+        except ProtocolError as e:
+            self.add(f"cannot recompute: protocol.json is not a valid frozen protocol: {e}")
+            return
+        self.record["protocol_sha256"] = canonical_sha256(body)
+        if reader.manifest is not None and reader.manifest.get("protocol_sha256") != self.record["protocol_sha256"]:
+            self.add("manifest protocol_sha256 does not match protocol.json")
+        entries = make_plan(full)
+        self.record["planned"] = len(entries)
+
+        stored_plan = self.read(reader, "plan.json", "json") if "plan.json" in readable else None
+        if stored_plan is None and (complete or "plan.json" in names):
+            self.add("plan.json is missing or unreadable")
+        elif stored_plan is not None:
+            self.check_plan(stored_plan, entries, full)
+        worker = self.read(reader, "worker.json", "json") if "worker.json" in readable else None
+        start = worker.get("start") if isinstance(worker, dict) else None
+
+        episodes, recorded, vocab = [], [], None
+        for entry in entries:
+            i = entry["index"]
+            name, logits_name = f"episodes/{i:05d}.json", f"logits/{i:05d}.npy"
+            if name not in readable:
+                if complete or name in names:
+                    self.add(f"episode {i} has no readable record ({name})")
+                continue
+            rec = self.read(reader, name, "json")
+            if not isinstance(rec, dict):
+                if rec is not None:
+                    self.add(f"{name} is not a record")
+                continue
+            if rec.get("plan_index") != i or any(rec.get(k) != entry[k] for k in PLAN_KEYS[1:]):
+                self.add(f"{name} does not match plan entry {i}")
+            logits = self.read(reader, logits_name, "array") if logits_name in readable else None
+            if rec.get("status") == "ok" and logits is None and not complete and logits_name not in names:
+                continue  # interrupted between the record and its logits: not recorded yet
+            recorded.append(i)
+            if rec.get("status") == "ok":
+                for p in _episode_problems(name, rec, logits, full):
+                    self.add(p)
+                if logits is not None and logits.ndim == 2 and vocab is None:
+                    vocab = int(logits.shape[1])
+            elif rec.get("status") != "failed":
+                self.add(f"{name}: status {rec.get('status')!r} is neither ok nor failed")
+            episodes.append({**rec, "plan_index": i, "logits": logits})
+        self.record["episodes"] = len(episodes)
+        if not complete:
+            self.note_incomplete(recorded, len(entries))
+        if stored_plan is not None and vocab is not None:
+            self.check_prompts(stored_plan, full, vocab)
+
+        verdicts = compute_verdicts(full, episodes, start=start)
+        self.record["verdicts"] = [{k: v[k] for k in VERDICT_KEYS + ("episodes",)} for v in verdicts]
+        if "verdicts.json" in readable:
+            stored = self.read(reader, "verdicts.json", "json")
+            if stored is not None:
+                self.problems += [self.scrub(p) for p in _compare_verdicts(verdicts, stored, "archive")]
+        elif complete and "verdicts.json" not in names:
+            self.add("verdicts.json is missing")
+        if db_verdicts is not None and (complete or db_verdicts):
+            self.problems += _compare_verdicts(verdicts, db_verdicts, "database")
+        if db_episodes is not None:
+            self.problems += _compare_episodes(episodes, db_episodes)
+
+    def check_plan(self, stored: Any, entries: list[dict], full: dict) -> None:
+        got = stored.get("entries") if isinstance(stored, dict) else None
+        if not isinstance(got, list) or not all(isinstance(e, dict) for e in got):
+            self.add("plan.json has no list of entries")
+            return
+        want = [[e[k] for k in PLAN_KEYS] for e in entries]
+        have = [[e.get(k) for k in PLAN_KEYS] for e in got]
+        if have != want:
+            first = next((i for i, (a, b) in enumerate(zip(have, want)) if a != b), min(len(have), len(want)))
+            self.add(f"plan.json is not the plan of protocol.json (first difference at entry {first}; "
+                     f"{len(have)} entries, the protocol plans {len(want)})")
+        ids = stored.get("prompts")
+        n = full["prefix_tokens"]
+        if (not isinstance(ids, list) or len(ids) != prompt_count(full)
+                or not all(isinstance(p, list) and len(p) == n for p in ids)):
+            self.add(f"plan.json prompts are not {prompt_count(full)} prompts of {n} token ids")
+
+    def check_prompts(self, stored: dict, full: dict, vocab: int) -> None:
+        spec = full["prompts"]
+        if "generator" not in spec and "token_ids" not in spec:
+            return  # file prompts: the file is not in the archive; its SHA-256 is frozen in the protocol
+        ids = stored.get("prompts")
+        if not isinstance(ids, list) or len(ids) != prompt_count(full):
+            return  # already reported by check_plan; recomputing needs no more than what is stored
+        try:
+            want = make_prompts(full, vocab=vocab)
+        except (ValueError, ProtocolError) as e:
+            self.add(f"cannot recompute the prompts: {e}")
+            return
+        if stored.get("prompts") != want:
+            self.add("plan.json prompts are not the protocol's prompts")
+
+    def note_incomplete(self, recorded: list[int], planned: int) -> None:
+        if recorded != list(range(len(recorded))):
+            gaps = sorted(set(range(max(recorded) + 1)) - set(recorded))
+            self.add(f"archive incomplete and not a prefix of the plan: episodes {gaps[:10]} are missing "
+                     f"before later ones")
+        self.add(f"archive incomplete: {len(recorded)} of {planned} planned episodes recorded; "
+                 f"verdicts from a partial screen are not the screen's")
 
 
 def audit_archive(path: Path, *, expected_sha256: str | None = None, db_verdicts: list[dict] | None = None,
                   db_episodes: list[dict] | None = None) -> AuditReport:
     """Audit one archive. `expected_sha256`, `db_verdicts` and `db_episodes` come from the
     database when it is at hand; every one given must agree for the result to be "agree".
+
+    Raises ArchiveError only when there is no file at `path`; everything wrong with the file
+    itself is a problem line in the report.
     """
     path = Path(path)
-    problems: list[str] = []
-    sha = file_sha256(path) if path.is_file() else None
-    if sha is None:
+    if not path.is_file():
         raise ArchiveError(f"no archive at {path}; check the path (or the attempt's archive_path in the database)")
-    if expected_sha256 is not None and sha != expected_sha256:
-        problems.append(f"archive SHA-256 {sha} differs from the database's {expected_sha256}")
-    reader = ArchiveReader(path)
-    problems += reader.verify()
-    record = {"archive_sha256": sha, "protocol_sha256": None, "complete": reader.complete,
-              "episodes": 0, "verdicts": [], "problems": problems, "result": "disagree"}
-    readable = set(reader.names) - _named_members(problems, reader.names)
+    audit = _Audit(path, file_sha256(path))
+    if expected_sha256 is not None and audit.record["archive_sha256"] != expected_sha256:
+        audit.add(f"archive SHA-256 {audit.record['archive_sha256']} differs from the database's {expected_sha256}")
     try:
-        body = reader.read_json("protocol.json")
-        plan = reader.read_json("plan.json")
+        reader = ArchiveReader(path)
     except ArchiveError as e:
-        problems.append(f"cannot recompute: {e}")
-        return AuditReport(record)
-    record["protocol_sha256"] = canonical_sha256(body)
-    if reader.manifest is not None and reader.manifest.get("protocol_sha256") != record["protocol_sha256"]:
-        problems.append("manifest protocol_sha256 does not match protocol.json")
-    episodes: list[dict] = []
-    for entry in plan["entries"]:
-        i = entry["index"]
-        name, logits_name = f"episodes/{i:05d}.json", f"logits/{i:05d}.npy"
-        if name not in readable:
-            problems.append(f"episode {i} has no readable record ({name})")
-            continue
-        rec = reader.read_json(name)
-        if (rec["condition"], rec["role"], rec["prompt"]) != (entry["condition"], entry["role"], entry["prompt"]):
-            problems.append(f"{name} does not match plan entry {i}")
-        logits = reader.read_array(logits_name) if logits_name in readable else None
-        if rec.get("status") == "ok":
-            totals = episode_totals(rec["calls"])
-            for k, v in totals.items():
-                if rec.get(k) != v:
-                    problems.append(f"{name}: stored {k} {rec.get(k)!r} != {v!r} recomputed from its call ledger")
-            if logits is None or logits.shape[0] != len(rec["calls"]) or len(rec["tokens"]) != len(rec["calls"]):
-                problems.append(f"{name}: logits/tokens do not cover every call")
-            elif [int(t) for t in logits.argmax(axis=1)] != rec["tokens"]:
-                problems.append(f"{name}: tokens are not the argmax of the stored logits")
-        episodes.append({**rec, "logits": logits})
-    record["episodes"] = len(episodes)
-    verdicts = compute_verdicts(body, episodes)
-    record["verdicts"] = [{k: v[k] for k in VERDICT_KEYS} for v in verdicts]
-    if "verdicts.json" in readable:
-        problems += _compare_verdicts(verdicts, reader.read_json("verdicts.json"), "archive")
-    if db_verdicts is not None:
-        problems += _compare_verdicts(verdicts, db_verdicts, "database")
-    if db_episodes is not None:
-        stored = {e["plan_index"]: e for e in db_episodes}
-        for e in episodes:
-            row = stored.get(e["plan_index"])
-            if row is None:
-                problems.append(f"database lacks episode {e['plan_index']}")
-                continue
-            for k in EPISODE_KEYS:
-                if e.get(k) is not None and row.get(k) != e.get(k):
-                    problems.append(f"database episode {e['plan_index']} {k} {row.get(k)!r} != archive {e.get(k)!r}")
-        for i in sorted(set(stored) - {e["plan_index"] for e in episodes}):
-            problems.append(f"database has episode {i} that the archive lacks")
-    if not reader.complete:
-        problems.append("archive is incomplete: the screen did not seal it")
-    record["result"] = "agree" if not problems else "disagree"
+        audit.add(str(e))
+    else:
+        with reader:
+            audit.run(reader, db_verdicts=db_verdicts, db_episodes=db_episodes)
+    record = audit.record
+    record["result"] = "agree" if record["complete"] and not record["problems"] else "disagree"
     return AuditReport(record)

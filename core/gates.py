@@ -1,113 +1,442 @@
 """Gates: pure functions from episode records to verdicts. They fail closed on missing data.
 
-An episode, as the gates read it: a dict with plan_index, condition, role, prompt, status,
-tokens, h2d_weight_bytes, h2d_index_bytes and `logits` (a float32 (calls, vocab) array, or None
-when it is missing). A verdict is a plain dict (see `verdict`).
+An episode, as the gates read it, is the worker's record (engine/worker.py) plus `logits` (a
+float32 (calls, vocab) array, or None when missing): plan_index, condition, role, prompt,
+status, tokens, wall_s, first_logit_since_entry_s, h2d_weight_bytes, h2d_index_bytes,
+phases.{prefill,decode}.{calls, h2d_bytes, call_s}, memory.{peak_allocated_bytes,
+peak_reserved_bytes, peak_sampled_bytes, ...}. `compute_verdicts` adds `repetition` from the
+plan. Any field a gate needs that is missing, None or malformed makes that verdict FAIL and its
+detail say why; a gate never raises on a record.
+
+A verdict is a plain dict (see `verdict`): value, threshold and interval are floats (as a
+database column returns them), so stored and recomputed verdicts compare exactly.
 """
 
+from __future__ import annotations
+
+import math
 from fractions import Fraction
+from typing import Any
 
 import numpy as np
+
+from core.plan import plan
+from core.protocol import MIB, expand
+
+PEAKS = ("peak_allocated_bytes", "peak_reserved_bytes", "peak_sampled_bytes")
 
 
 def verdict(gate: str, condition: str, *, passed: bool, value: float | None, threshold: float | None,
             episodes: list[int], detail: str, phase: str = "all",
             interval: list[float] | None = None) -> dict:
     return {"gate": gate, "condition": condition, "phase": phase, "passed": bool(passed),
-            "value": value, "threshold": threshold, "interval": interval,
-            "episodes": sorted(episodes), "detail": detail}
+            "value": None if value is None else float(value),
+            "threshold": None if threshold is None else float(threshold),
+            "interval": None if interval is None else [float(interval[0]), float(interval[1])],
+            "episodes": sorted(set(episodes)), "detail": detail}
 
 
-def _ok(e: dict) -> bool:
-    return e.get("status") == "ok"
+# ----------------------------------------------------------------------------- record access
+
+
+def _ok(e: Any) -> bool:
+    return isinstance(e, dict) and e.get("status") == "ok"
+
+
+def _field(e: Any, *path: str) -> Any:
+    for key in path:
+        if not isinstance(e, dict):
+            return None
+        e = e.get(key)
+    return e
+
+
+def _count(e: Any, *path: str) -> int | None:
+    """An integer >= 0 at `path`, else None (bools are not counts)."""
+    v = _field(e, *path)
+    return v if isinstance(v, int) and not isinstance(v, bool) and v >= 0 else None
+
+
+def _seconds(e: Any, *path: str) -> float | None:
+    """A finite number >= 0 at `path`, else None."""
+    v = _field(e, *path)
+    ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0
+    return float(v) if ok else None
+
+
+def _index(e: dict) -> int:
+    i = e.get("plan_index")
+    return i if isinstance(i, int) else -1
+
+
+def _of(episodes: list[dict], condition: str) -> list[dict]:
+    """The condition's episodes (warmups included) in plan order."""
+    return sorted((e for e in episodes if isinstance(e, dict) and e.get("condition") == condition), key=_index)
+
+
+def _exact_le(value: float | Fraction, bound: float) -> bool:
+    """value <= bound in exact arithmetic; the bound is read as the decimal the protocol wrote."""
+    return Fraction(value) <= Fraction(str(bound))
+
+
+# ----------------------------------------------------------------------------- faithfulness
 
 
 def faithfulness(episodes: list[dict], *, reference: str, condition: str, tolerance: float = 0.0) -> dict:
-    """Logits and tokens of every episode of `condition` (warmups included) against the scored
-    reference episode of the same prompt. For the reference itself, its warmups are compared
-    with its scored episodes: the reference must first reproduce itself.
+    """Logits and tokens of every episode of `condition` (warmups included) against the first
+    scored reference episode of the same prompt. For the reference itself, its other episodes
+    (warmups, later repetitions) are compared with it: the reference must first reproduce itself.
 
     value = the largest absolute logit difference seen (0.0 means bit-identical values).
     """
-    refs = {e["prompt"]: e for e in episodes if e["condition"] == reference and e["role"] == "scored"}
+    refs: dict[Any, dict] = {}
+    for e in _of(episodes, reference):
+        if e.get("role") == "scored":
+            refs.setdefault(e.get("prompt"), e)
+    canonical = {id(e) for e in refs.values()}
     if condition == reference:
-        mine = [e for e in episodes if e["condition"] == reference and e["role"] == "warmup"]
+        mine = [e for e in _of(episodes, reference) if id(e) not in canonical]
     else:
-        mine = [e for e in episodes if e["condition"] == condition]
+        mine = _of(episodes, condition)
     if not mine:
-        what = "no reference warmup to repeat against" if condition == reference else "no episodes"
+        what = ("no reference warmup or repetition to repeat against" if condition == reference
+                else "no episodes")
         return verdict("faithfulness", condition, passed=False, value=None, threshold=tolerance,
                        episodes=[], detail=f"fail closed: {what}")
     worst, used, problems = 0.0, [], []
     for e in mine:
-        ref = refs.get(e["prompt"])
-        used.append(e["plan_index"])
+        ref = refs.get(e.get("prompt"))
+        used.append(_index(e))
         if ref is None or not _ok(ref):
-            problems.append(f"episode {e['plan_index']}: no usable reference for prompt {e['prompt']}")
+            problems.append(f"episode {_index(e)}: no usable reference for prompt {e.get('prompt')}")
             continue
-        used.append(ref["plan_index"])
+        used.append(_index(ref))
         if not _ok(e) or e.get("logits") is None or ref.get("logits") is None:
-            problems.append(f"episode {e['plan_index']}: failed or missing logits")
+            problems.append(f"episode {_index(e)}: failed or missing logits")
             continue
         a, b = np.asarray(e["logits"]), np.asarray(ref["logits"])
-        if a.shape != b.shape:
-            problems.append(f"episode {e['plan_index']}: logits shape {a.shape} != reference {b.shape}")
+        if a.shape != b.shape or a.ndim != 2 or a.dtype.kind != "f" or b.dtype.kind != "f":
+            problems.append(f"episode {_index(e)}: logits {a.dtype}{a.shape} vs reference {b.dtype}{b.shape}")
             continue
         if not (np.isfinite(a).all() and np.isfinite(b).all()):
-            problems.append(f"episode {e['plan_index']}: non-finite logits")
+            problems.append(f"episode {_index(e)}: non-finite logits")
             continue
         worst = max(worst, float(np.abs(a.astype(np.float64) - b.astype(np.float64)).max(initial=0.0)))
-        if list(e["tokens"]) != list(ref["tokens"]):
-            problems.append(f"episode {e['plan_index']}: tokens differ from reference episode {ref['plan_index']}")
+        tokens, ref_tokens = e.get("tokens"), ref.get("tokens")
+        if not isinstance(tokens, list) or not isinstance(ref_tokens, list):
+            problems.append(f"episode {_index(e)}: missing tokens")
+        elif tokens != ref_tokens:
+            problems.append(f"episode {_index(e)}: tokens differ from reference episode {_index(ref)}")
     passed = not problems and worst <= tolerance
     detail = "; ".join(problems) if problems else (
         f"{len(mine)} episodes, max |logit diff| {worst!r} <= {tolerance!r}" if passed
         else f"max |logit diff| {worst!r} > tolerance {tolerance!r}")
     return verdict("faithfulness", condition, passed=passed, value=None if problems else worst,
-                   threshold=tolerance, episodes=sorted(set(used)), detail=detail)
+                   threshold=tolerance, episodes=used, detail=detail)
 
 
-def _h2d(e: dict) -> int:
-    return int(e["h2d_weight_bytes"]) + int(e["h2d_index_bytes"])
+# ----------------------------------------------------------------------------- resources, capacity
 
 
-def acquisition(episodes: list[dict], *, condition: str, control: str, max_ratio: float) -> dict:
-    """Host-to-device bytes (weights + indices) of `condition` over `control`, scored episodes
-    paired by prompt. Passes when bytes <= max_ratio x control bytes, compared exactly in
-    integers and fractions (a float ratio at the boundary must not decide a verdict).
+def resources(episodes: list[dict], *, condition: str, allowance_bytes: int) -> dict:
+    """Every episode of `condition` (warmups included) kept its sampled, allocated and reserved
+    GPU peaks within the allowance. value = the largest peak. A missing peak fails closed (on
+    the CPU nothing samples a GPU, so no resource claim is made there).
     """
-    scored = [e for e in episodes if e["role"] == "scored"]
-    mine = {e["prompt"]: e for e in scored if e["condition"] == condition}
-    ctrl = {e["prompt"]: e for e in scored if e["condition"] == control}
-    prompts = sorted(set(mine) | set(ctrl))
-    bad = [p for p in prompts if p not in mine or p not in ctrl or not _ok(mine[p]) or not _ok(ctrl[p])]
-    used = [mine[p]["plan_index"] for p in prompts if p in mine] + [ctrl[p]["plan_index"] for p in prompts if p in ctrl]
-    if not prompts or bad:
-        return verdict("acquisition", condition, passed=False, value=None, threshold=max_ratio, episodes=used,
-                       detail=f"fail closed: prompts without a successful pair: {bad or 'no scored episodes'}")
-    num = sum(_h2d(mine[p]) for p in prompts)
-    den = sum(_h2d(ctrl[p]) for p in prompts)
+    mine = _of(episodes, condition)
+    if not mine:
+        return verdict("resources", condition, passed=False, value=None, threshold=allowance_bytes,
+                       episodes=[], detail="fail closed: no episodes")
+    worst, problems = 0, []
+    for e in mine:
+        if not _ok(e):
+            problems.append(f"episode {_index(e)} status {e.get('status')!r}")
+            continue
+        for key in PEAKS:
+            v = _count(e, "memory", key)
+            if v is None:
+                problems.append(f"episode {_index(e)} has no memory.{key}")
+            else:
+                worst = max(worst, v)
+    if problems:
+        return verdict("resources", condition, passed=False, value=None, threshold=allowance_bytes,
+                       episodes=[_index(e) for e in mine], detail="fail closed: " + "; ".join(problems[:5]))
+    passed = worst <= allowance_bytes  # integers: exact
+    return verdict("resources", condition, passed=passed, value=worst, threshold=allowance_bytes,
+                   episodes=[_index(e) for e in mine],
+                   detail=f"largest peak {worst} B {'<=' if passed else '>'} allowance {allowance_bytes} B "
+                          f"over {len(mine)} episodes")
+
+
+def capacity(episodes: list[dict], *, condition: str, start: dict | None, allowance_bytes: int) -> dict:
+    """`condition` served the model although its parameter bytes exceed the allowance, starting
+    CPU-first: start.param_bytes > allowance, start.cpu_first is true, the worker imposed the
+    protocol's allowance (start.allowance_bytes), and every episode of the condition is ok.
+    value = parameter bytes.
+    """
+    mine = _of(episodes, condition)
+    used = [_index(e) for e in mine]
+    problems = []
+    param = _count(start, "param_bytes")
+    cpu_first = _field(start, "cpu_first")
+    imposed = _count(start, "allowance_bytes")
+    if not isinstance(start, dict):
+        problems.append("no worker start record")
+    else:
+        if param is None:
+            problems.append("start has no param_bytes")
+        if not isinstance(cpu_first, bool):
+            problems.append("start has no cpu_first flag")
+        if imposed is None:
+            problems.append("start has no allowance_bytes")
+        elif imposed != allowance_bytes:
+            problems.append(f"the worker imposed {imposed} B, the protocol allows {allowance_bytes} B")
+    if not mine:
+        problems.append("no episodes")
+    bad = [_index(e) for e in mine if not _ok(e)]
+    if bad:
+        problems.append(f"episodes {bad} did not finish")
+    if problems:
+        return verdict("capacity", condition, passed=False, value=param, threshold=allowance_bytes,
+                       episodes=used, detail="fail closed: " + "; ".join(problems))
+    assert param is not None
+    if not cpu_first:
+        return verdict("capacity", condition, passed=False, value=param, threshold=allowance_bytes,
+                       episodes=used, detail="the start was not CPU-first: no capacity claim")
+    passed = param > allowance_bytes
+    return verdict("capacity", condition, passed=passed, value=param, threshold=allowance_bytes, episodes=used,
+                   detail=f"parameters {param} B {'exceed' if passed else 'fit'} the allowance {allowance_bytes} B; "
+                          f"CPU-first start; {len(mine)} episodes ok")
+
+
+# ----------------------------------------------------------------------------- paired comparisons
+
+
+def _pairs(episodes: list[dict], condition: str, control: str) -> tuple[list[tuple[dict, dict]], list[str], list[int]]:
+    """Scored episodes of `condition` and `control` paired by (repetition, prompt).
+
+    Returns the pairs in key order, the reasons some key has no usable pair, and every plan
+    index looked at.
+    """
+    def by_key(name: str) -> tuple[dict, set]:
+        out: dict[tuple, dict] = {}
+        dup: set = set()
+        for e in _of(episodes, name):
+            if e.get("role") != "scored":
+                continue
+            key = (e.get("repetition") or 0, e.get("prompt"))
+            if key in out:
+                dup.add(key)
+            out[key] = e
+        return out, dup
+
+    mine, dup_mine = by_key(condition)
+    ctrl, dup_ctrl = by_key(control)
+    used = [_index(e) for e in mine.values()] + [_index(e) for e in ctrl.values()]
+    bad, pairs = [], []
+    # Numeric (repetition, prompt) order: the bootstrap's draws are tied to this order.
+    for key in sorted(set(mine) | set(ctrl), key=lambda k: [(0, x) if isinstance(x, int) else (1, repr(x)) for x in k]):
+        a, b = mine.get(key), ctrl.get(key)
+        where = f"repetition {key[0]} prompt {key[1]}"
+        if key in dup_mine or key in dup_ctrl:
+            bad.append(f"{where}: more than one scored episode")
+        elif a is None or b is None:
+            bad.append(f"{where}: no {condition if a is None else control} episode")
+        elif not _ok(a) or not _ok(b):
+            bad.append(f"{where}: an episode did not finish")
+        else:
+            pairs.append((a, b))
+    if not mine and not ctrl:
+        bad.append("no scored episodes")
+    return pairs, bad, used
+
+
+def _h2d(e: dict, phase: str) -> int | None:
+    if phase == "all":
+        w, i = _count(e, "h2d_weight_bytes"), _count(e, "h2d_index_bytes")
+        return None if w is None or i is None else w + i
+    return _count(e, "phases", phase, "h2d_bytes")
+
+
+def _seconds_of(e: dict, phase: str) -> float | None:
+    """Whole-episode wall time, or one phase's forward-call time (its calls interleave with host
+    work, so a phase has no wall of its own; call_s is recomputed from the ledger on audit)."""
+    return _seconds(e, "wall_s") if phase == "all" else _seconds(e, "phases", phase, "call_s")
+
+
+def acquisition(episodes: list[dict], *, condition: str, control: str, max_ratio: float,
+                phase: str = "all") -> dict:
+    """Host-to-device bytes (weights + indices; one phase's with `phase`) of `condition` over
+    `control`, scored episodes paired by (repetition, prompt). Passes when bytes <= max_ratio x
+    control bytes, compared exactly in integers and fractions (a float ratio at the boundary
+    must not decide a verdict).
+    """
+    pairs, bad, used = _pairs(episodes, condition, control)
+    values = [(_h2d(a, phase), _h2d(b, phase)) for a, b in pairs]
+    missing = [f"episode {_index(a if x is None else b)} has no {phase} H2D byte count"
+               for (a, b), (x, y) in zip(pairs, values) if x is None or y is None]
+    if bad or missing:
+        return verdict("acquisition", condition, phase=phase, passed=False, value=None, threshold=max_ratio,
+                       episodes=used, detail=f"fail closed: {'; '.join(bad + missing)}")
+    num = sum(x for x, _ in values)
+    den = sum(y for _, y in values)
     if den == 0:
-        return verdict("acquisition", condition, passed=False, value=None, threshold=max_ratio, episodes=used,
-                       detail=f"fail closed: control {control} moved 0 bytes")
-    passed = Fraction(num) <= Fraction(str(max_ratio)) * den
-    return verdict("acquisition", condition, passed=passed, value=num / den, threshold=max_ratio, episodes=used,
-                   detail=f"{num} B / {den} B over {len(prompts)} prompts vs {control}")
+        return verdict("acquisition", condition, phase=phase, passed=False, value=None, threshold=max_ratio,
+                       episodes=used, detail=f"fail closed: control {control} moved 0 bytes")
+    passed = _exact_le(Fraction(num, den), max_ratio)
+    return verdict("acquisition", condition, phase=phase, passed=passed, value=num / den, threshold=max_ratio,
+                   episodes=used, detail=f"{num} B / {den} B over {len(pairs)} pairs vs {control}")
 
 
-def compute_verdicts(body: dict, episodes: list[dict]) -> list[dict]:
-    """Every verdict the frozen protocol declares, in a stable order."""
+def bootstrap_ratio(num: list[float], den: list[float], *, confidence: float, resamples: int,
+                    seed: int) -> tuple[float, float]:
+    """Percentile interval of sum(num*)/sum(den*) over `resamples` resamples of the pairs.
+
+    Deterministic on every machine: pair indices are PCG64(seed)'s raw 64-bit outputs modulo
+    the number of pairs (NumPy keeps bit-generator streams stable across versions), sums run
+    sequentially (cumsum, no reordering), and the bounds are order statistics, not interpolated:
+    lo = sorted[floor(a R)], hi = sorted[ceil((1 - a) R) - 1] with a = (1 - confidence) / 2.
+    """
+    n, r = len(num), int(resamples)
+    raw = np.random.PCG64(seed).random_raw(size=(r, n))
+    idx = (raw % np.uint64(n)).astype(np.intp)
+    a, b = np.asarray(num, dtype=np.float64), np.asarray(den, dtype=np.float64)
+    ratios = np.sort(np.cumsum(a[idx], axis=1)[:, -1] / np.cumsum(b[idx], axis=1)[:, -1])
+    alpha = (1 - Fraction(str(confidence))) / 2
+    lo = min(max(math.floor(alpha * r), 0), r - 1)
+    hi = min(max(math.ceil((1 - alpha) * r) - 1, 0), r - 1)
+    return float(ratios[lo]), float(ratios[hi])
+
+
+def runtime(episodes: list[dict], *, condition: str, control: str, max_ratio: float, phase: str = "all",
+            confidence: float = 0.95, resamples: int = 10000, seed: int = 0) -> dict:
+    """Time of `condition` over `control`, scored episodes paired by (repetition, prompt): the
+    whole episode's wall_s, or with `phase` that phase's forward-call seconds (phases.*.call_s).
+
+    value = sum of times / sum of control times; the verdict is decided on the UPPER bound of a
+    paired bootstrap interval (`bootstrap_ratio`): passed when hi <= max_ratio.
+    """
+    pairs, bad, used = _pairs(episodes, condition, control)
+    values = [(_seconds_of(a, phase), _seconds_of(b, phase)) for a, b in pairs]
+    missing = [f"episode {_index(a if x is None else b)} has no {'wall' if phase == 'all' else phase + ' call'} time"
+               for (a, b), (x, y) in zip(pairs, values) if x is None or y is None]
+    zero = [f"control episode {_index(b)} took 0 s" for (a, b), (x, y) in zip(pairs, values) if y == 0.0]
+    if bad or missing or zero:
+        return verdict("runtime", condition, phase=phase, passed=False, value=None, threshold=max_ratio,
+                       episodes=used, detail=f"fail closed: {'; '.join(bad + missing + zero)}")
+    num = [x for x, _ in values]
+    den = [y for _, y in values]
+    point = math.fsum(num) / math.fsum(den)
+    lo, hi = bootstrap_ratio(num, den, confidence=confidence, resamples=resamples, seed=seed)
+    passed = _exact_le(hi, max_ratio)
+    return verdict("runtime", condition, phase=phase, passed=passed, value=point, threshold=max_ratio,
+                   interval=[lo, hi], episodes=used,
+                   detail=f"{math.fsum(num)!r} s / {math.fsum(den)!r} s over {len(pairs)} pairs vs {control}; "
+                          f"{confidence:g} bootstrap upper bound {hi!r} {'<=' if passed else '>'} {max_ratio!r}")
+
+
+# ----------------------------------------------------------------------------- useful latency
+
+
+def useful_latency(episodes: list[dict], *, condition: str, max_first_episode_s: float,
+                   max_cold_start_s: float) -> dict:
+    """The condition's first episode (warmups included: the first use) took at most
+    max_first_episode_s (wall_s), and the worker's cold start (the smallest
+    first_logit_since_entry_s of any finished episode: worker entry to the first logit) took at
+    most max_cold_start_s. value = the first episode's seconds; the detail names the cold start
+    and which condition's episode gave it (it is not that condition's own cold latency).
+    """
+    mine = _of(episodes, condition)
+    problems: list[str] = []
+    first_s = None
+    used = []
+    if not mine:
+        problems.append("no episodes")
+    else:
+        first = mine[0]
+        used.append(_index(first))
+        first_s = _seconds(first, "wall_s") if _ok(first) else None
+        if first_s is None:
+            problems.append(f"first episode {_index(first)} did not finish or has no wall_s")
+    finished = sorted((e for e in episodes if _ok(e)), key=_index)
+    colds = [(_seconds(e, "first_logit_since_entry_s"), _index(e), e.get("condition")) for e in finished]
+    lacking = [i for s, i, _ in colds if s is None]
+    if lacking:
+        problems.append(f"episodes {lacking[:5]} have no first_logit_since_entry_s")
+    elif not colds:
+        problems.append("no finished episode gives a cold start")
+    if problems:
+        return verdict("useful_latency", condition, passed=False, value=first_s, threshold=max_first_episode_s,
+                       episodes=used, detail="fail closed: " + "; ".join(problems))
+    cold, cold_index, cold_condition = min(colds, key=lambda c: (c[0], c[1]))
+    used.append(cold_index)
+    first_ok = _exact_le(first_s, max_first_episode_s)
+    cold_ok = _exact_le(cold, max_cold_start_s)
+    return verdict("useful_latency", condition, passed=first_ok and cold_ok, value=first_s,
+                   threshold=max_first_episode_s, episodes=used,
+                   detail=f"first episode {first_s!r} s {'<=' if first_ok else '>'} {max_first_episode_s!r} s; "
+                          f"cold start {cold!r} s (worker entry to the first {cold_condition} logit, episode "
+                          f"{cold_index}) {'<=' if cold_ok else '>'} {max_cold_start_s!r} s")
+
+
+# ----------------------------------------------------------------------------- all of them
+
+
+def planned_episodes(body: dict, episodes: list[dict]) -> list[dict]:
+    """The records that are episodes of this protocol's plan, each with its `repetition`.
+
+    A record whose plan_index is not planned, whose condition/role/prompt differ from its plan
+    entry, or that shares its plan_index with another record is left out: the gates then see
+    missing data and fail closed (the auditor names such records separately).
+    """
+    entries = {e["index"]: e for e in plan(body)}
+    seen: dict[int, int] = {}
+    for rec in episodes:
+        if isinstance(rec, dict) and isinstance(rec.get("plan_index"), int):
+            seen[rec["plan_index"]] = seen.get(rec["plan_index"], 0) + 1
+    out = []
+    for rec in episodes:
+        if not isinstance(rec, dict):
+            continue
+        i = rec.get("plan_index")
+        entry = entries.get(i) if isinstance(i, int) and not isinstance(i, bool) else None
+        if entry is None or seen[i] > 1:
+            continue
+        if any(rec.get(k) != entry[k] for k in ("condition", "role", "prompt")):
+            continue
+        out.append({**rec, "repetition": entry["repetition"]})
+    return out
+
+
+def compute_verdicts(body: dict, episodes: list[dict], *, start: dict | None = None) -> list[dict]:
+    """Every verdict the frozen protocol declares, sorted by (gate, condition, phase).
+
+    `episodes` are the worker's records with `logits`; `start` is the worker's start record
+    (worker.json "start": param_bytes, cpu_first, allowance_bytes, ...), needed by capacity.
+    """
+    full = expand(body)
+    eps = planned_episodes(full, episodes)
+    names = [c["name"] for c in full["conditions"]]
+    gates = full["gates"]
+    allowance = full["allowance_mib"] * MIB
     out: list[dict] = []
-    names = [c["name"] for c in body["conditions"]]
-    gates = body["gates"]
     if "faithfulness" in gates:
         for name in names:
-            out.append(faithfulness(episodes, reference=body["reference"], condition=name,
+            out.append(faithfulness(eps, reference=full["reference"], condition=name,
                                     tolerance=gates["faithfulness"]["tolerance"]))
-    if "acquisition" in gates:
-        control = gates["acquisition"]["control"]
-        for name in names:
-            if name != control:
-                out.append(acquisition(episodes, condition=name, control=control,
-                                       max_ratio=gates["acquisition"]["max_ratio"]))
+    if "resources" in gates:
+        out += [resources(eps, condition=name, allowance_bytes=allowance) for name in names]
+    if "capacity" in gates:
+        out += [capacity(eps, condition=name, start=start, allowance_bytes=allowance) for name in names]
+    for g in gates.get("acquisition", []):
+        out += [acquisition(eps, condition=name, control=g["control"], max_ratio=g["max_ratio"], phase=g["phase"])
+                for name in names if name != g["control"]]
+    for g in gates.get("runtime", []):
+        out += [runtime(eps, condition=name, control=g["control"], max_ratio=g["max_ratio"], phase=g["phase"],
+                        confidence=g["confidence"], resamples=g["resamples"], seed=g["seed"])
+                for name in names if name != g["control"]]
+    if "useful_latency" in gates:
+        u = gates["useful_latency"]
+        out += [useful_latency(eps, condition=name, max_first_episode_s=u["max_first_episode_s"],
+                               max_cold_start_s=u["max_cold_start_s"]) for name in names]
     return sorted(out, key=lambda v: (v["gate"], v["condition"], v["phase"]))

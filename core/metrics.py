@@ -1,20 +1,134 @@
 """Episode metrics derived from the per-call ledger. The worker and the auditor both use this,
 so a stored total that disagrees with its own ledger is caught on audit.
+
+A call ledger (engine.ledger.CallLedger.to_dict()) holds, per call: index, phase, tokens,
+layers, the per-layer lists active_rows, rows_copied, h2d_weight_bytes, h2d_index_bytes,
+d2h_bytes (and, from newer engines, rows_wasted and copy_wait_s), then logits_d2h_bytes and
+wall_s. Sums run left to right in call and layer order, exactly as the worker summed them, so
+float totals recompute bit for bit.
 """
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+CALL_PHASES = ("prefill", "decode")
+INT_LISTS = ("rows_copied", "h2d_weight_bytes", "h2d_index_bytes", "d2h_bytes")
+OPTIONAL_INT_LISTS = ("rows_wasted",)
+OPTIONAL_FLOAT_LISTS = ("copy_wait_s",)
 
 
 def episode_totals(calls: list[dict]) -> dict:
-    """Totals and per-phase aggregates of an episode's call ledgers (CallLedger.to_dict() form)."""
-    totals = {"h2d_weight_bytes": 0, "h2d_index_bytes": 0, "d2h_bytes": 0, "call_s": 0.0,
-              "phases": {ph: {"calls": 0, "h2d_bytes": 0, "call_s": 0.0} for ph in ("prefill", "decode")}}
+    """Totals and per-phase aggregates of an episode's call ledgers.
+
+    Always: h2d_weight_bytes, h2d_index_bytes, d2h_bytes (activity readbacks), call_s,
+    logits_d2h_bytes (recording readbacks), rows_copied, and phases.{prefill,decode}.{calls,
+    h2d_bytes, call_s}. rows_wasted and copy_wait_s when the ledger carries them.
+    """
+    totals: dict[str, Any] = {
+        "h2d_weight_bytes": 0, "h2d_index_bytes": 0, "d2h_bytes": 0, "call_s": 0.0,
+        "logits_d2h_bytes": 0, "rows_copied": 0,
+        "phases": {ph: {"calls": 0, "h2d_bytes": 0, "call_s": 0.0} for ph in CALL_PHASES},
+    }
+    optional = [k for k in OPTIONAL_INT_LISTS + OPTIONAL_FLOAT_LISTS if any(k in c for c in calls)]
+    for key in optional:
+        totals[key] = 0 if key in OPTIONAL_INT_LISTS else 0.0
     for call in calls:
         w, i = sum(call["h2d_weight_bytes"]), sum(call["h2d_index_bytes"])
         totals["h2d_weight_bytes"] += w
         totals["h2d_index_bytes"] += i
         totals["d2h_bytes"] += sum(call["d2h_bytes"])
         totals["call_s"] += call["wall_s"]
+        totals["logits_d2h_bytes"] += call["logits_d2h_bytes"]
+        totals["rows_copied"] += sum(call["rows_copied"])
+        for key in optional:
+            totals[key] += sum(call.get(key, ()))
         phase = totals["phases"][call["phase"]]
         phase["calls"] += 1
         phase["h2d_bytes"] += w + i
         phase["call_s"] += call["wall_s"]
     return totals
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_time(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0
+
+
+def ledger_problems(calls: Any) -> list[str]:
+    """Why `calls` is not a well-formed ledger ([] when it is): episode_totals may then run.
+
+    Checked: a list of mappings; phase prefill|decode; tokens and layers integers >= 1; every
+    per-layer list of length `layers` holding integers >= 0 (active_rows may hold None; times
+    finite >= 0); logits_d2h_bytes an integer >= 0; wall_s a finite time >= 0.
+    """
+    if not isinstance(calls, list):
+        return ["calls is not a list"]
+    out: list[str] = []
+    for n, call in enumerate(calls):
+        where = f"call {n}"
+        if not isinstance(call, dict):
+            out.append(f"{where} is not a mapping")
+            continue
+        if call.get("phase") not in CALL_PHASES:
+            out.append(f"{where} phase {call.get('phase')!r} is not prefill or decode")
+        for key in ("tokens", "layers"):
+            if not _is_int(call.get(key)) or call[key] < 1:
+                out.append(f"{where} {key} {call.get(key)!r} is not an integer >= 1")
+        layers = call.get("layers") if _is_int(call.get("layers")) else None
+        for key in INT_LISTS + ("active_rows",) + OPTIONAL_INT_LISTS + OPTIONAL_FLOAT_LISTS:
+            if key not in call and key in OPTIONAL_INT_LISTS + OPTIONAL_FLOAT_LISTS:
+                continue
+            values = call.get(key)
+            if not isinstance(values, list) or (layers is not None and len(values) != layers):
+                out.append(f"{where} {key} is not a list of {layers} per-layer values")
+                continue
+            if key in OPTIONAL_FLOAT_LISTS:
+                ok = all(_is_time(v) for v in values)
+            else:
+                ok = all((_is_int(v) and v >= 0) or (v is None and key == "active_rows") for v in values)
+            if not ok:
+                out.append(f"{where} {key} holds a value that is not a count >= 0")
+        if not _is_int(call.get("logits_d2h_bytes")) or call["logits_d2h_bytes"] < 0:
+            out.append(f"{where} logits_d2h_bytes {call.get('logits_d2h_bytes')!r} is not an integer >= 0")
+        if not _is_time(call.get("wall_s")):
+            out.append(f"{where} wall_s {call.get('wall_s')!r} is not a finite time >= 0")
+    return out
+
+
+def stored_total_problems(record: dict, totals: dict) -> list[str]:
+    """Stored totals of `record` that differ from `totals` (recomputed from its ledger).
+
+    Only totals the record stores are compared (an older engine stored fewer; the gates fail
+    closed on what is missing); phase entries the ledger cannot give (wall_s) are not compared.
+    Integers and floats compare exactly: the worker summed in the same order.
+    """
+    out = []
+    for key, value in totals.items():
+        if key == "phases":
+            stored = record.get("phases")
+            if stored is None:
+                continue
+            if not isinstance(stored, dict):
+                out.append(f"stored phases {stored!r} is not a mapping")
+                continue
+            for ph, agg in value.items():
+                mine = stored.get(ph)
+                if not isinstance(mine, dict):
+                    out.append(f"stored phases.{ph} is missing or not a mapping")
+                    continue
+                for k, v in agg.items():
+                    if k in mine and not _same(mine[k], v):
+                        out.append(f"stored phases.{ph}.{k} {mine[k]!r} != {v!r} recomputed from the call ledger")
+        elif key in record and not _same(record[key], value):
+            out.append(f"stored {key} {record[key]!r} != {value!r} recomputed from the call ledger")
+    return out
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Exactly equal and of the same JSON type (an integer total stored as 1.0 is a difference)."""
+    return type(a) is type(b) and a == b

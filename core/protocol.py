@@ -28,6 +28,10 @@ from core.errors import ProtocolError
 
 SCHEMA_VERSION = 2  # the newest schema this packbench reads and writes
 MIB = 1 << 20
+# Bounds no real screen reaches: a hostile protocol.json must not make a plan or the generated
+# prompts exhaust an auditor's memory.
+MAX_TOKENS = 1 << 16  # prefix_tokens, continuation_tokens
+MAX_EPISODES = 100_000  # planned episodes, warmups included
 
 
 @dataclass(frozen=True)
@@ -38,12 +42,21 @@ class IntParam:
     default: int | None = None
 
 
+@dataclass(frozen=True)
+class ChoiceParam:
+    """A policy parameter taking one of `choices`; omitted, it is left out of the frozen form
+    (so protocols written before the parameter existed keep their hash)."""
+
+    choices: tuple[str, ...]
+    default: str
+
+
 # Loader policies and their parameters (a plain registry, as engine.policies.POLICIES).
-POLICY_PARAMS: dict[str, dict[str, IntParam]] = {
+POLICY_PARAMS: dict[str, dict[str, IntParam | ChoiceParam]] = {
     "resident": {},
     "dense-stream": {},
     "sparse-extents": {"block_rows": IntParam(minimum=1, default=128)},
-    "packet": {},
+    "packet": {"gather": ChoiceParam(choices=("host", "device"), default="host")},
     "phase-switched": {},
     "row-retention": {"rows_per_layer": IntParam(minimum=1)},
     "early-forecast": {},
@@ -97,9 +110,11 @@ def _show(value: Any) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-def _int(value: Any, path: str, *, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        _fail(path, f"{_show(value)} is not an integer >= {minimum}")
+def _int(value: Any, path: str, *, minimum: int, maximum: int | None = None) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum or (
+            maximum is not None and value > maximum):
+        bound = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
+        _fail(path, f"{_show(value)} is not an integer {bound}")
     return value
 
 
@@ -260,6 +275,10 @@ def _params(policy: str, value: Any, path: str) -> dict:
             _fail(_join(path, str(key)), f"unknown param; policy {policy} {takes}")
     out = {}
     for key, param in spec.items():
+        if isinstance(param, ChoiceParam):
+            if key in value:
+                out[key] = _choice(value[key], _join(path, key), param.choices)
+            continue
         if key not in value and param.default is None:
             _fail(_join(path, key), f"is required by policy {policy} (an integer >= {param.minimum})")
         out[key] = _int(value.get(key, param.default), _join(path, key), minimum=param.minimum)
@@ -331,7 +350,8 @@ def _gates(value: Any, names: tuple[str, ...]) -> dict:
     out: dict[str, Any] = {}
     if "faithfulness" in g:
         f = _optional_mapping(g["faithfulness"], "gates.faithfulness", allowed={"tolerance": False})
-        out["faithfulness"] = {"tolerance": _number(f.get("tolerance", 0.0), "gates.faithfulness.tolerance", minimum=0.0)}
+        tolerance = _number(f.get("tolerance", 0.0), "gates.faithfulness.tolerance", minimum=0.0)
+        out["faithfulness"] = {"tolerance": tolerance}
     for name in ("resources", "capacity"):
         if name in g:
             out[name] = dict(_optional_mapping(g[name], f"gates.{name}", allowed={}))
@@ -396,7 +416,7 @@ def _full(raw: Any, *, base_dir: Path | None) -> dict:
     declared = p.get("schema", SCHEMA_VERSION)
     if isinstance(declared, bool) or declared not in (1, 2):
         _fail("schema", f"{_show(declared)} is not supported; this packbench reads schema 1 and 2")
-    prefix = _int(p["prefix_tokens"], "prefix_tokens", minimum=1)
+    prefix = _int(p["prefix_tokens"], "prefix_tokens", minimum=1, maximum=MAX_TOKENS)
     conditions = _conditions(p["conditions"])
     names = tuple(c["name"] for c in conditions)
     full = {
@@ -406,7 +426,7 @@ def _full(raw: Any, *, base_dir: Path | None) -> dict:
         "dtype": _choice(p["dtype"], "dtype", DTYPE_NAMES),
         "prompts": _prompts(p["prompts"], base_dir=base_dir, prefix_tokens=prefix),
         "prefix_tokens": prefix,
-        "continuation_tokens": _int(p["continuation_tokens"], "continuation_tokens", minimum=1),
+        "continuation_tokens": _int(p["continuation_tokens"], "continuation_tokens", minimum=1, maximum=MAX_TOKENS),
         "conditions": conditions,
         "reference": _choice(p["reference"], "reference", names),
         "warmups": _warmups(p.get("warmups", 1), names),
@@ -432,9 +452,12 @@ def _cross_checks(full: dict) -> None:
     if "faithfulness" in gates and full["warmups"][ref] == 0 and full["repetitions"] == 1:
         _fail(f"warmups.{ref}", f"0 leaves the reference {ref!r} nothing to reproduce itself against; "
                                 f"declare >= 1 reference warmup or repetitions >= 2")
-    if not full["recording"]:
-        if "acquisition" in gates:
-            _fail("gates.acquisition", "needs recording: true (byte counts come from the per-call ledger)")
+    episodes = sum(full["warmups"].values()) + full["repetitions"] * _count(full["prompts"]) * len(full["conditions"])
+    if episodes > MAX_EPISODES:
+        _fail("repetitions", f"the plan would hold {episodes} episodes, more than {MAX_EPISODES}; "
+                             f"split the screen into shorter protocols")
+    if not full["recording"] and "acquisition" in gates:
+        _fail("gates.acquisition", "needs recording: true (byte counts come from the per-call ledger)")
 
 
 def validate(raw: Any, *, base_dir: Path | None = None) -> dict:
@@ -459,10 +482,13 @@ def expand(body: dict) -> dict:
 
 def prompt_count(body: dict) -> int:
     """How many distinct prompts the protocol declares (known without reading any file)."""
-    spec = expand(body)["prompts"]
+    return _count(expand(body)["prompts"])
+
+
+def _count(spec: dict) -> int:
     if "token_ids" in spec:
         return len(spec["token_ids"])
-    (kind, value), = spec.items()
+    (value,) = spec.values()
     return value["count"]
 
 
@@ -533,9 +559,10 @@ def load(path: Path) -> FrozenProtocol:
     """Read, validate and freeze a protocol YAML file."""
     path = Path(path)
     if not path.is_file():
-        raise ProtocolError(f"no protocol file at {path}; pass the path of a protocol YAML (see protocols/quickstart.yaml)")
+        raise ProtocolError(
+            f"no protocol file at {path}; pass the path of a protocol YAML (see protocols/quickstart.yaml)")
     try:
-        raw = yaml.load(path.read_text(), Loader=_UniqueKeyLoader)  # noqa: S506 (a SafeLoader subclass)
+        raw = yaml.load(path.read_text(), Loader=_UniqueKeyLoader)  # a SafeLoader subclass: no arbitrary objects
     except yaml.YAMLError as e:
         where = getattr(e, "problem_mark", None)
         at = f" at line {where.line + 1}" if where is not None else ""

@@ -106,7 +106,8 @@ class Base(DeclarativeBase):
 class Protocol(Base):
     """A frozen protocol: its canonical JSON and the SHA-256 that identifies it.
 
-    `model` (the protocol's `model.path`) and `dtype` are copies of canonical JSON fields,
+    `model` (the protocol's `model.path`, or 'synth:<shape>' for a synthetic model) and
+    `dtype` are copies of canonical JSON fields,
     made at insert time, so `packbench results --model/--dtype` filter on indexed columns
     instead of parsing JSON in SQL (which SQLite and PostgreSQL spell differently). None when
     the JSON lacks the field.
@@ -176,6 +177,8 @@ class Screen(Base):
     submitter: Mapped[str] = mapped_column(String)
     # The checkpoint directory resolved at submit time, so every attempt loads the same one.
     model_dir: Mapped[str | None] = mapped_column(String)
+    # The token_file/text_file resolved at submit time (its SHA-256 is in the frozen protocol).
+    prompt_file: Mapped[str | None] = mapped_column(String)
     created_at: Mapped[datetime] = mapped_column(UtcDateTime, default=utcnow)
     started_at: Mapped[datetime | None] = mapped_column(UtcDateTime)
     finished_at: Mapped[datetime | None] = mapped_column(UtcDateTime)
@@ -188,6 +191,7 @@ class Screen(Base):
             repetitions=self.repetitions,
             submitter=self.submitter,
             model_dir=self.model_dir,
+            prompt_file=self.prompt_file,
             created_at=self.created_at,
             started_at=self.started_at,
             finished_at=self.finished_at,

@@ -19,7 +19,7 @@ class ProtocolRow:
     sha256: str
     name: str
     canonical_json: str
-    model: str | None  # the protocol's model.path, copied from canonical_json
+    model: str | None  # model.path, or 'synth:<shape>'; copied from canonical_json
     dtype: str | None
     created_at: datetime
 
@@ -44,6 +44,7 @@ class ScreenRow:
     repetitions: int
     submitter: str
     model_dir: str | None
+    prompt_file: str | None
     created_at: datetime
     started_at: datetime | None
     finished_at: datetime | None

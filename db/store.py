@@ -11,20 +11,23 @@ Contract
   `current`, `history`, `head`, `check_head`) work on any database.
 - Writes that workers may repeat (episodes, verdicts, protocols, machines) are idempotent
   upserts on their natural key, safe under concurrent writers on both backends.
+- Queries for the CLI (`results`, `list_screens`, `screen_detail`, `compare`) live in
+  `db.queries`; the methods here give each one transaction.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+import json
+from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import Engine, func, select
+from sqlalchemy import Engine, func, select, text
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
-from db import migrate
+from db import migrate, queries
 from db.errors import Conflict, NotFound, SchemaNotAtHead
 from db.models import (
     Attempt,
@@ -37,6 +40,7 @@ from db.models import (
     json_text,
     utcnow,
 )
+from db.queries import Comparison, ResultFilter, ResultRow, ScreenDetail, ScreenSummary
 from db.records import (
     AttemptRow,
     AuditRow,
@@ -143,10 +147,14 @@ class Store:
     # -- protocols and machines --------------------------------------------------------
 
     def put_protocol(self, *, sha256: str, name: str, canonical_json: str) -> int:
-        """Store a frozen protocol; return its id. Idempotent on `sha256`."""
+        """Store a frozen protocol; return its id. Idempotent on `sha256`.
+
+        The model and dtype are copied from `canonical_json` into their own columns for the
+        query filters (see `protocol_columns`; None where the JSON lacks them).
+        """
         with self._session() as session:
             values = {"sha256": sha256, "name": name, "canonical_json": canonical_json,
-                      "created_at": utcnow()}
+                      **protocol_columns(canonical_json), "created_at": utcnow()}
             self._insert_ignore(session, Protocol, [values], ["sha256"])
             return session.scalars(select(Protocol.id).where(Protocol.sha256 == sha256)).one()
 
@@ -184,11 +192,13 @@ class Store:
         submitter: str,
         repetitions: int = 1,
         model_dir: str | None = None,
+        prompt_file: str | None = None,
     ) -> int:
         """Queue a new screen of a stored protocol; return its id.
 
         `model_dir` is the checkpoint directory resolved at submit time, kept so that every
-        attempt loads the same one (None if the caller does not record it).
+        attempt loads the same one (None for a synthetic model, generated on the worker);
+        `prompt_file` likewise for a token_file/text_file prompt source.
         """
         with self._session() as session:
             self._get(session, Protocol, protocol_id, "protocol")
@@ -197,6 +207,7 @@ class Store:
                 submitter=submitter,
                 repetitions=repetitions,
                 model_dir=model_dir,
+                prompt_file=prompt_file,
                 status="queued",
                 created_at=utcnow(),
             )
@@ -213,14 +224,7 @@ class Store:
     def screen(self, ref: int | str) -> ScreenRow:
         """The screen with id `ref` (an int or a string of digits), or 'latest' (highest id)."""
         with self._session() as session:
-            if ref == "latest":
-                screen = session.scalars(select(Screen).order_by(Screen.id.desc()).limit(1)).first()
-                if screen is None:
-                    raise NotFound("there is no screen yet; submit one with `packbench submit`")
-                return screen.to_record()
-            if isinstance(ref, str) and not ref.isdigit():
-                raise NotFound(f"no screen {ref!r}; give a screen id or 'latest'")
-            return self._get(session, Screen, int(ref), "screen").to_record()
+            return queries.find_screen(session, ref).to_record()
 
     # -- attempts ----------------------------------------------------------------------
 
@@ -335,6 +339,19 @@ class Store:
         with self._session() as session:
             return self._insert_ignore(session, Episode, [row], ["attempt_id", "plan_index"]) == 1
 
+    def put_episodes(self, attempt_id: int, records: Iterable[Mapping[str, Any]]) -> int:
+        """Store many episode records in ONE transaction; return how many were new.
+
+        Same idempotence as `put_episode` (a stored or repeated plan_index is skipped). For
+        bulk loads (imports, benchmarks): a worker streaming results calls `put_episode`, so
+        each record is durable the moment it is acknowledged.
+        """
+        rows = [_episode_columns(attempt_id, record) for record in records]
+        if not rows:
+            return 0
+        with self._session() as session:
+            return self._insert_ignore(session, Episode, rows, ["attempt_id", "plan_index"])
+
     def episodes(self, attempt_id: int) -> list[EpisodeRow]:
         """The attempt's episodes, by plan_index."""
         with self._session() as session:
@@ -406,6 +423,36 @@ class Store:
             query = select(Audit).where(Audit.attempt_id == attempt_id).order_by(Audit.id)
             return [audit.to_record() for audit in session.scalars(query)]
 
+    # -- queries (db.queries) ------------------------------------------------------------
+
+    def results(self, filters: ResultFilter) -> list[ResultRow]:
+        """Episodes matching `filters` (see `ResultFilter`), with screen, attempt, protocol."""
+        with self._session() as session:
+            return queries.results(session, filters)
+
+    def list_screens(
+        self, *, status: str | None = None, protocol: str | None = None, limit: int | None = None
+    ) -> list[ScreenSummary]:
+        """Screens, newest first, with attempt counts and their latest attempt's verdicts."""
+        with self._session() as session:
+            return queries.list_screens(session, status=status, protocol=protocol, limit=limit)
+
+    def screen_detail(self, ref: int | str) -> ScreenDetail:
+        """A screen (id or 'latest') with every attempt's verdicts, audits and episode counts."""
+        with self._session() as session:
+            return queries.screen_detail(session, ref)
+
+    def compare(self, ref_a: int | str, ref_b: int | str) -> Comparison:
+        """Per-condition scored totals and verdicts of two screens' latest attempts."""
+        with self._session() as session:
+            return queries.compare(session, ref_a, ref_b)
+
+    def analyze(self) -> None:
+        """Refresh the query planner's statistics (ANALYZE). Worth it after a bulk load;
+        PostgreSQL's autovacuum does it on its own schedule otherwise."""
+        with self._session() as session:
+            session.execute(text("ANALYZE"))
+
     # -- internals ---------------------------------------------------------------------
 
     @contextmanager
@@ -426,7 +473,7 @@ class Store:
     def _get(session: Session, model: type, key: int, noun: str, *, for_update: bool = False) -> Any:
         obj = session.get(model, key, with_for_update=True if for_update else None)
         if obj is None:
-            raise NotFound(f"no {noun} with id {key}; list them with `packbench results`")
+            raise NotFound(f"no {noun} with id {key}; list screens with `packbench screens list`")
         return obj
 
     def _insert_ignore(
@@ -437,16 +484,45 @@ class Store:
         The database decides atomically whether the key exists, so concurrent writers of the
         same key cannot both insert or fail; a read-then-insert could do either.
         """
+        table = model.__table__
         insert = postgresql.insert if self.dialect == "postgresql" else sqlite.insert
         statement = (
-            insert(model)
-            .values(rows)
+            insert(table)
             .on_conflict_do_nothing(index_elements=key)
             # RETURNING yields only the rows actually inserted; rowcount is not reliable
-            # for this statement across drivers (psycopg reports -1 through the ORM).
-            .returning(model.id)
+            # for this statement across drivers (psycopg reports -1).
+            .returning(table.c.id)
         )
-        return len(session.execute(statement).all())
+        # Rows go in as parameters, not `.values(rows)`: the compiled statement is then
+        # cached (an uncached compile cost ~4 ms per episode), and a list runs as one
+        # executemany that SQLAlchemy batches into multi-row INSERTs ("insertmanyvalues").
+        parameters = rows[0] if len(rows) == 1 else rows
+        return len(session.execute(statement, parameters).all())
+
+
+def protocol_columns(canonical_json: str) -> dict[str, str | None]:
+    """`model` and `dtype` from a protocol's canonical JSON.
+
+    `model` is model.path for a checkpoint directory, 'synth:<shape>' for a synthetic model
+    (e.g. 'synth:opt-125m'), so `results --model opt-125m` finds either kind.
+
+    Tolerant: a body without them (or not a JSON object) gives None; the protocol itself was
+    validated when it was frozen. Migration 0002 backfills with a copy of this function.
+    """
+    try:
+        body = json.loads(canonical_json)
+    except ValueError:
+        body = None
+    if not isinstance(body, dict):
+        return {"model": None, "dtype": None}
+    model = body.get("model")
+    if isinstance(model, dict):
+        # {"path": dir} for a checkpoint on disk, {"synth": {"shape": ...}} for a synthetic one.
+        synth = model.get("synth")
+        model = f"synth:{synth.get('shape')}" if isinstance(synth, dict) else model.get("path")
+    dtype = body.get("dtype")
+    return {"model": model if isinstance(model, str) else None,
+            "dtype": dtype if isinstance(dtype, str) else None}
 
 
 def _episode_columns(attempt_id: int, record: Mapping[str, Any]) -> dict[str, Any]:

@@ -58,7 +58,9 @@ class HostWeights:
 
     def transposed(self, layer: int) -> torch.Tensor:
         if self._transposed is None:
-            self._transposed = [w.t().contiguous() for w in self.original]
+            # Pinned too on CUDA: a device-side gather reads these rows straight over PCIe.
+            self._transposed = [w.t().contiguous().pin_memory() if self.pin else w.t().contiguous()
+                                for w in self.original]
         return self._transposed[layer]
 
     @property
@@ -68,7 +70,7 @@ class HostWeights:
 
     @property
     def pinned_bytes(self) -> int:
-        return sum(w.numel() * w.element_size() for w in self.original) if self.pin else 0
+        return self.host_bytes if self.pin else 0
 
 
 def _nbytes(*tensors: torch.Tensor) -> int:
@@ -154,13 +156,22 @@ class DenseStream:
 class Packet:
     """Exact active rows: the union over the call's tokens, plus their indices, in one copy.
 
-    Per layer: reduce h to an activity mask on the device, read the mask back (one sync), gather
-    the active outgoing rows on the host into one pinned staging buffer laid out as
-    [k int64 indices | k rows x hidden], copy it to the device in one transfer, and scatter the
-    rows into the dense workspace's columns. Subclasses change which rows are sent.
+    gather="host" (the default): reduce h to an activity mask on the device, read the mask back
+    (one sync), gather the active outgoing rows on the host into one pinned staging buffer laid
+    out as [k int64 indices | k rows x hidden], copy it to the device in one transfer, and
+    scatter the rows into the dense workspace's columns. Subclasses change which rows are sent.
+
+    gather="device" (CUDA only): the GPU finds the active indices itself and gathers the rows
+    straight from pinned host memory through a mapped view (UVA), so no host work, no index
+    readback and no staging copy; only nonzero's 8-byte count crosses back.
     """
 
     name = "packet"
+
+    def __init__(self, gather: str = "host") -> None:
+        if gather not in ("host", "device"):
+            raise ValueError(f"gather must be host or device, got {gather!r}")
+        self.gather = gather
 
     def activate(self, host: HostWeights, device: torch.device, recorder: Recorder) -> None:
         self.host, self.recorder, self.device = host, recorder, device
@@ -172,9 +183,16 @@ class Packet:
         self.workspace = torch.zeros(host.shape, dtype=host.dtype, device=device)
         for layer in range(host.layers):
             host.transposed(layer)  # build the gather layout before any episode is timed
+        if self.gather == "device":
+            if device.type != "cuda":
+                raise ValueError("gather=device needs CUDA (a mapped view of pinned host memory)")
+            from engine.mapped import cuda_view
+
+            self.mapped = [cuda_view(host.transposed(layer)) for layer in range(host.layers)]
 
     def deactivate(self) -> None:
         del self.staging, self.device_staging, self.workspace, self.mask_host
+        self.mapped = []
 
     def before_layer(self, layer: int) -> None:
         pass  # packet: demand is known only after fc1
@@ -212,9 +230,23 @@ class Packet:
         return index  # packet: the index is the row list itself
 
     def fetch(self, layer: int, h: torch.Tensor) -> torch.Tensor:
+        if self.gather == "device":
+            return self.fetch_mapped(layer, h)
         active = self.observe(layer, h)
         self.recorder.add(layer, active=active.numel())
         self.send(layer, active, active)
+        return self.workspace
+
+    def fetch_mapped(self, layer: int, h: torch.Tensor) -> torch.Tensor:
+        hidden, _ = self.host.shape
+        t0 = time.perf_counter()
+        index = (h != 0).any(dim=0).nonzero().squeeze(1)  # device int64; nonzero syncs for its size
+        wait = time.perf_counter() - t0
+        k = index.numel()
+        rows = self.device_staging[: k * self.host.row_bytes].view(self.host.dtype).view(k, hidden)
+        torch.index_select(self.mapped[layer], 0, index, out=rows)  # the GPU reads host rows over PCIe
+        self.workspace.index_copy_(1, index, rows.t())
+        self.recorder.add(layer, active=k, rows=k, weight_bytes=k * self.host.row_bytes, d2h_bytes=8, wait_s=wait)
         return self.workspace
 
     def device_bytes(self) -> int:
@@ -233,6 +265,7 @@ class SparseExtents(Packet):
     name = "sparse-extents"
 
     def __init__(self, block_rows: int = 128) -> None:
+        super().__init__()
         self.block_rows = block_rows
 
     def activate(self, host: HostWeights, device: torch.device, recorder: Recorder) -> None:
@@ -302,6 +335,7 @@ class RowRetention(Packet):
     name = "row-retention"
 
     def __init__(self, rows_per_layer: int = 1024) -> None:
+        super().__init__()
         self.rows_per_layer = rows_per_layer
 
     def activate(self, host: HostWeights, device: torch.device, recorder: Recorder) -> None:

@@ -16,9 +16,11 @@ import torch
 
 from core.canonical import canonical_sha256
 from core.metrics import episode_totals
+from core.protocol import expand
 from engine.episode import run_episode
 from engine.model import CpuFirstModel
-from engine.sampler import MemorySampler, nvml_handle, process_used_bytes
+from engine.allowance import impose
+from engine.sampler import MemorySampler, nvml_handle
 from engine.shapes import dtype_of
 from engine.synth import synth_checkpoint
 
@@ -85,25 +87,12 @@ class Worker:
     def describe(self) -> dict:
         return environment(self.device)
 
-    def _impose_allowance(self, allowance_bytes: int) -> int:
-        """Cap PyTorch's allocator so allocator + CUDA context stay inside the allowance.
-
-        `set_per_process_memory_fraction` caps the allocator only; the context (~0.5 GiB) is
-        measured here (NVML used minus what torch reserved) and charged against the allowance.
-        Returns the context bytes charged.
-        """
-        torch.zeros(1, device=self.device)  # create the context
-        context = 0
-        if self.nvml is not None:
-            context = max(0, process_used_bytes(self.nvml)[0] - torch.cuda.memory_reserved(self.device))
-        total = torch.cuda.get_device_properties(self.device).total_memory
-        torch.cuda.set_per_process_memory_fraction(max(0.0, min(1.0, (allowance_bytes - context) / total)), self.device)
-        return context
-
     def load(self, body: dict, model_dir: str | None) -> dict:
         """Build the CPU-first model for a frozen protocol and impose its allowance on CUDA."""
+        body = expand(body)  # any stored schema, defaults filled
         allowance = body["allowance_mib"] * MIB
-        context = self._impose_allowance(allowance) if self.device.type == "cuda" else 0
+        self.allowance = allowance
+        context = impose(self.device, allowance, self.nvml) if self.device.type == "cuda" else 0
         path = model_dir_for(body, model_dir)
         self.model = CpuFirstModel(path, dtype=dtype_of(body["dtype"]), device=self.device)
         self.model.recorder.enabled = body.get("recording", True)
@@ -143,6 +132,7 @@ class Worker:
                     "logits": None}
         calls = [c.to_dict() for c in out.calls]
         p = self.model.slot.policy
+        context = impose(self.device, self.allowance, self.nvml) if self.device.type == "cuda" else 0
         return {**record, "status": "ok", "error": None, "tokens": out.tokens, "wall_s": out.wall_s,
                 "first_logit_since_entry_s": out.first_logit_at - self.t_entry,
                 **episode_totals(calls),
@@ -153,7 +143,7 @@ class Worker:
                            "host_outgoing_bytes": self.model.host.host_bytes,
                            "pinned_bytes": self.model.host.pinned_bytes + p.pinned_bytes(),
                            "device_param_bytes": self.model.start.device_param_bytes,
-                           "host_rss_peak_bytes": host_rss_peak_bytes()},
+                           "host_rss_peak_bytes": host_rss_peak_bytes(), "context_bytes": context},
                 "sampler": {k: sampled[k] for k in ("samples", "period_s", "sampler_overhead_s", "scope")},
                 "energy_j": sampled["energy_j"],
                 "calls": calls, "logits": out.logits}

@@ -2,7 +2,8 @@
 
 Why: `packbench results` filters episodes by the protocol's model and dtype, by protocol
 name, gate, episode status, run time (since/until) and machine. The model and dtype live
-inside protocols.canonical_json, and JSON-in-SQL is spelled differently on SQLite and
+inside protocols.canonical_json (model.path, or model.synth.shape for a synthetic model,
+stored as 'synth:<shape>'), and JSON-in-SQL is spelled differently on SQLite and
 PostgreSQL and cannot use a plain index, so they are copied into their own columns (the
 Store fills them at insert; this revision backfills stored protocols). The indexes serve
 the filters that the existing ones did not: protocols(name, model, dtype),
@@ -50,7 +51,9 @@ def _model_and_dtype(canonical_json: str) -> tuple[str | None, str | None]:
         return None, None
     model = body.get("model")
     if isinstance(model, dict):
-        model = model.get("path")
+        # {"path": dir} for a checkpoint on disk, {"synth": {"shape": ...}} for a synthetic one.
+        synth = model.get("synth")
+        model = f"synth:{synth.get('shape')}" if isinstance(synth, dict) else model.get("path")
     dtype = body.get("dtype")
     return (model if isinstance(model, str) else None, dtype if isinstance(dtype, str) else None)
 

@@ -1,15 +1,37 @@
-"""Gates on hand-built records: pass, fail, boundary and missing data."""
+"""Gates on hand-built records: pass, fail, boundary and missing data for every gate."""
+
+import copy
 
 import numpy as np
 import pytest
 
-from core.gates import acquisition, compute_verdicts, faithfulness
+from core.gates import (
+    acquisition,
+    bootstrap_ratio,
+    capacity,
+    compute_verdicts,
+    faithfulness,
+    planned_episodes,
+    resources,
+    runtime,
+    useful_latency,
+)
+from core.protocol import MIB, freeze
+
+ALLOWANCE = 4800 * MIB
 
 
-def ep(i, cond, role, prompt, *, logits=None, tokens=(5, 6), h2d=100, status="ok"):
-    return {"plan_index": i, "condition": cond, "role": role, "prompt": prompt, "status": status,
-            "tokens": list(tokens), "logits": np.ones((2, 4), np.float32) if logits is None else logits,
-            "h2d_weight_bytes": h2d, "h2d_index_bytes": 0}
+def ep(i, cond, role, prompt, *, logits=None, tokens=(5, 6), h2d=100, status="ok", rep=0, wall=1.0,
+       phases=None, peaks=(10, 20, 30), first_logit=None):
+    e = {"plan_index": i, "condition": cond, "role": role, "prompt": prompt, "status": status,
+         "repetition": rep if role == "scored" else None,
+         "tokens": list(tokens), "logits": np.ones((2, 4), np.float32) if logits is None else logits,
+         "h2d_weight_bytes": h2d, "h2d_index_bytes": 0, "wall_s": wall,
+         "phases": phases or {"prefill": {"h2d_bytes": h2d // 2, "call_s": wall / 2},
+                              "decode": {"h2d_bytes": h2d - h2d // 2, "call_s": wall / 2}},
+         "memory": dict(zip(("peak_allocated_bytes", "peak_reserved_bytes", "peak_sampled_bytes"), peaks)),
+         "first_logit_since_entry_s": 10.0 + i if first_logit is None else first_logit}
+    return e
 
 
 def screen(packet_logits=None, packet_tokens=(5, 6), packet_h2d=10):
@@ -18,17 +40,31 @@ def screen(packet_logits=None, packet_tokens=(5, 6), packet_h2d=10):
                                                      tokens=packet_tokens, h2d=packet_h2d)]
 
 
+def paired(walls: list[tuple[float, float]], **kw) -> list[dict]:
+    """Scored dense/packet pairs, one per prompt, with the given (packet, dense) walls."""
+    out = []
+    for p, (mine, ctrl) in enumerate(walls):
+        out += [ep(2 * p, "dense", "scored", p, wall=ctrl, **kw), ep(2 * p + 1, "packet", "scored", p, wall=mine, **kw)]
+    return out
+
+
+# ----------------------------------------------------------------------------- faithfulness
+
+
 def test_faithfulness_passes_on_identical_logits_and_covers_warmups():
     v = faithfulness(screen(), reference="dense", condition="packet")
-    assert v["passed"] and v["value"] == 0.0 and v["episodes"] == [1, 2, 3]
+    assert v["passed"] and v["value"] == 0.0 and v["episodes"] == [1, 2, 3] and v["interval"] is None
 
 
-def test_faithfulness_fails_on_one_ulp():
+def test_faithfulness_fails_on_one_ulp_and_passes_at_the_tolerance_boundary():
     logits = np.ones((2, 4), np.float32)
     logits[1, 2] = np.nextafter(np.float32(1), np.float32(2))
     v = faithfulness(screen(packet_logits=logits), reference="dense", condition="packet")
     assert not v["passed"] and v["value"] == pytest.approx(1.1920929e-07)
-    assert faithfulness(screen(packet_logits=logits), reference="dense", condition="packet", tolerance=1e-6)["passed"]
+    ulp = float(np.float32(logits[1, 2]) - np.float32(1))
+    assert faithfulness(screen(packet_logits=logits), reference="dense", condition="packet", tolerance=ulp)["passed"]
+    assert not faithfulness(screen(packet_logits=logits), reference="dense", condition="packet",
+                            tolerance=ulp / 2)["passed"]
 
 
 def test_faithfulness_fails_on_tokens_even_with_equal_logits():
@@ -42,10 +78,20 @@ def test_faithfulness_fails_closed():
     assert not faithfulness(eps, reference="dense", condition="packet")["passed"]
     nan = np.full((2, 4), np.nan, np.float32)
     assert not faithfulness(screen(packet_logits=nan), reference="dense", condition="packet")["passed"]
-    assert not faithfulness([e for e in screen() if e["condition"] == "dense"], reference="dense", condition="packet")["passed"]
+    assert not faithfulness([e for e in screen() if e["condition"] == "dense"], reference="dense",
+                            condition="packet")["passed"]
     eps = screen()
     eps[2]["status"] = "failed"
     assert not faithfulness(eps, reference="dense", condition="packet")["passed"]
+    eps = screen()
+    eps[1]["status"] = "failed"  # a failed warmup is not exact
+    assert not faithfulness(eps, reference="dense", condition="packet")["passed"]
+    eps = screen()
+    del eps[3]["tokens"]
+    v = faithfulness(eps, reference="dense", condition="packet")
+    assert not v["passed"] and "missing tokens" in v["detail"] and v["value"] is None
+    short = screen(packet_logits=np.ones((1, 4), np.float32))
+    assert not faithfulness(short, reference="dense", condition="packet")["passed"]
 
 
 def test_reference_must_reproduce_itself():
@@ -56,6 +102,84 @@ def test_reference_must_reproduce_itself():
     no_warmup = [e for e in screen() if e["role"] == "scored"]
     v = faithfulness(no_warmup, reference="dense", condition="dense")
     assert not v["passed"] and "no reference warmup" in v["detail"]
+    # A second repetition reproduces the first without a warmup.
+    reps = no_warmup + [ep(4, "dense", "scored", 0, rep=1)]
+    v = faithfulness(reps, reference="dense", condition="dense")
+    assert v["passed"] and v["episodes"] == [2, 4]
+
+
+# ----------------------------------------------------------------------------- resources
+
+
+def test_resources_pass_boundary_and_fail():
+    at = [ep(0, "packet", "warmup", 0, peaks=(1, ALLOWANCE, 2)), ep(1, "packet", "scored", 0, peaks=(1, 2, 3))]
+    v = resources(at, condition="packet", allowance_bytes=ALLOWANCE)
+    assert v["passed"] and v["value"] == float(ALLOWANCE) and v["threshold"] == float(ALLOWANCE)
+    assert v["episodes"] == [0, 1]
+    over = copy.deepcopy(at)
+    over[0]["memory"]["peak_sampled_bytes"] = ALLOWANCE + 1  # one byte over, in a warmup
+    v = resources(over, condition="packet", allowance_bytes=ALLOWANCE)
+    assert not v["passed"] and v["value"] == ALLOWANCE + 1
+
+
+@pytest.mark.parametrize("damage", [
+    lambda e: e["memory"].update(peak_sampled_bytes=None),  # the CPU samples no GPU
+    lambda e: e["memory"].pop("peak_reserved_bytes"),
+    lambda e: e.pop("memory"),
+    lambda e: e["memory"].update(peak_allocated_bytes=-1),
+    lambda e: e["memory"].update(peak_allocated_bytes=True),
+    lambda e: e.update(status="failed"),
+])
+def test_resources_fail_closed(damage):
+    eps = [ep(0, "packet", "warmup", 0), ep(1, "packet", "scored", 0)]
+    damage(eps[1])
+    v = resources(eps, condition="packet", allowance_bytes=ALLOWANCE)
+    assert not v["passed"] and v["value"] is None and v["detail"].startswith("fail closed")
+    assert not resources([], condition="packet", allowance_bytes=ALLOWANCE)["passed"]
+
+
+# ----------------------------------------------------------------------------- capacity
+
+
+def start(**kw):
+    return {"param_bytes": ALLOWANCE + 1, "device_param_bytes": 10, "host_outgoing_bytes": 5, "cpu_first": True,
+            "allowance_bytes": ALLOWANCE, "device": "cuda:0", **kw}
+
+
+def test_capacity_pass_and_boundary():
+    eps = screen()
+    v = capacity(eps, condition="packet", start=start(), allowance_bytes=ALLOWANCE)
+    assert v["passed"] and v["value"] == float(ALLOWANCE + 1) and v["episodes"] == [1, 3]
+    v = capacity(eps, condition="packet", start=start(param_bytes=ALLOWANCE), allowance_bytes=ALLOWANCE)
+    assert not v["passed"] and "fit" in v["detail"]  # equal is not "exceeds"
+
+
+def test_capacity_fails_without_a_cpu_first_start():
+    v = capacity(screen(), condition="packet", start=start(cpu_first=False), allowance_bytes=ALLOWANCE)
+    assert not v["passed"] and "not CPU-first" in v["detail"]
+
+
+@pytest.mark.parametrize("start_record, fragment", [
+    (None, "no worker start record"),
+    (start(param_bytes=None), "no param_bytes"),
+    ({k: v for k, v in start().items() if k != "cpu_first"}, "no cpu_first"),
+    (start(cpu_first="yes"), "no cpu_first"),
+    (start(allowance_bytes=None), "no allowance_bytes"),
+    (start(allowance_bytes=ALLOWANCE * 2), "the worker imposed"),
+])
+def test_capacity_fails_closed_on_the_start_record(start_record, fragment):
+    v = capacity(screen(), condition="packet", start=start_record, allowance_bytes=ALLOWANCE)
+    assert not v["passed"] and fragment in v["detail"]
+
+
+def test_capacity_fails_closed_on_episodes():
+    eps = screen()
+    eps[1]["status"] = "failed"  # e.g. out of memory under the allowance
+    assert not capacity(eps, condition="packet", start=start(), allowance_bytes=ALLOWANCE)["passed"]
+    assert not capacity([], condition="packet", start=start(), allowance_bytes=ALLOWANCE)["passed"]
+
+
+# ----------------------------------------------------------------------------- acquisition
 
 
 def test_acquisition_ratio_and_exact_boundary():
@@ -65,6 +189,30 @@ def test_acquisition_ratio_and_exact_boundary():
     # 0.1 * 30 is 3.0000000000000004 in floats; 3 B out of 30 B must pass a 0.1 gate.
     eps = [ep(0, "dense", "scored", 0, h2d=30), ep(1, "packet", "scored", 0, h2d=3)]
     assert acquisition(eps, condition="packet", control="dense", max_ratio=0.1)["passed"]
+    eps = [ep(0, "dense", "scored", 0, h2d=30), ep(1, "packet", "scored", 0, h2d=0)]
+    assert acquisition(eps, condition="packet", control="dense", max_ratio=0.0)["passed"]  # "move nothing"
+
+
+def test_acquisition_per_phase():
+    phases = {"prefill": {"h2d_bytes": 90}, "decode": {"h2d_bytes": 5}}
+    eps = [ep(0, "dense", "scored", 0, h2d=200, phases={"prefill": {"h2d_bytes": 100}, "decode": {"h2d_bytes": 100}}),
+           ep(1, "packet", "scored", 0, h2d=95, phases=phases)]
+    pre = acquisition(eps, condition="packet", control="dense", max_ratio=0.5, phase="prefill")
+    dec = acquisition(eps, condition="packet", control="dense", max_ratio=0.5, phase="decode")
+    assert (pre["passed"], pre["value"], pre["phase"]) == (False, 0.9, "prefill")
+    assert (dec["passed"], dec["value"], dec["phase"]) == (True, 0.05, "decode")
+    del eps[1]["phases"]["decode"]
+    v = acquisition(eps, condition="packet", control="dense", max_ratio=0.5, phase="decode")
+    assert not v["passed"] and "no decode H2D byte count" in v["detail"]
+
+
+def test_acquisition_pairs_repetitions():
+    eps = [ep(0, "dense", "scored", 0, rep=0, h2d=100), ep(1, "packet", "scored", 0, rep=0, h2d=10),
+           ep(2, "dense", "scored", 0, rep=1, h2d=100), ep(3, "packet", "scored", 0, rep=1, h2d=30)]
+    v = acquisition(eps, condition="packet", control="dense", max_ratio=0.2)
+    assert v["passed"] and v["value"] == 0.2 and "2 pairs" in v["detail"]
+    eps[3]["repetition"] = 0  # two packet episodes claim the same pair
+    assert not acquisition(eps, condition="packet", control="dense", max_ratio=0.2)["passed"]
 
 
 def test_acquisition_fails_closed():
@@ -74,12 +222,172 @@ def test_acquisition_fails_closed():
     assert not acquisition([ep(0, "dense", "scored", 0, h2d=0), ep(1, "packet", "scored", 0, h2d=0)],
                            condition="packet", control="dense", max_ratio=1.0)["passed"]
     assert not acquisition([], condition="packet", control="dense", max_ratio=1.0)["passed"]
+    eps = screen()
+    eps[3]["h2d_index_bytes"] = None
+    v = acquisition(eps, condition="packet", control="dense", max_ratio=1.0)
+    assert not v["passed"] and v["value"] is None
+    unpaired = screen() + [ep(4, "packet", "scored", 1)]
+    v = acquisition(unpaired, condition="packet", control="dense", max_ratio=1.0)
+    assert not v["passed"] and "prompt 1: no dense episode" in v["detail"]
+
+
+# ----------------------------------------------------------------------------- runtime
+
+
+def test_runtime_passes_on_the_upper_bound_and_reports_the_point_estimate():
+    walls = [(0.30, 1.00), (0.35, 1.10), (0.28, 0.95), (0.40, 1.05)]
+    v = runtime(paired(walls), condition="packet", control="dense", max_ratio=0.5)
+    assert v["passed"] and v["value"] == pytest.approx(1.33 / 4.10)
+    lo, hi = v["interval"]
+    assert lo <= v["value"] <= hi < 0.5 and v["threshold"] == 0.5
+    assert v["episodes"] == list(range(8))
+
+
+def test_runtime_fails_when_the_upper_bound_crosses_even_if_the_point_estimate_does_not():
+    walls = [(0.2, 1.0), (0.2, 1.0), (1.6, 1.0), (0.2, 1.0)]  # point 0.55, one slow pair
+    v = runtime(paired(walls), condition="packet", control="dense", max_ratio=0.6, resamples=2000)
+    assert v["value"] == pytest.approx(0.55) and v["value"] <= 0.6
+    assert v["interval"][1] > 0.6 and not v["passed"]
+
+
+def test_runtime_boundary_is_exact():
+    walls = [(0.5, 1.0), (1.0, 2.0), (0.25, 0.5)]  # every resample is exactly 0.5
+    v = runtime(paired(walls), condition="packet", control="dense", max_ratio=0.5, resamples=500)
+    assert v["interval"] == [0.5, 0.5] and v["passed"]
+    assert not runtime(paired(walls), condition="packet", control="dense", max_ratio=0.4999999, resamples=500)["passed"]
+
+
+def test_runtime_bootstrap_is_deterministic_and_pinned():
+    num, den = [0.31, 0.35, 0.29, 0.44, 0.38, 0.52, 0.27, 0.33], [1.0, 1.1, 0.9, 1.2, 1.0, 1.3, 0.95, 1.05]
+    a = bootstrap_ratio(num, den, confidence=0.95, resamples=10000, seed=0)
+    assert a == bootstrap_ratio(num, den, confidence=0.95, resamples=10000, seed=0)
+    assert a != bootstrap_ratio(num, den, confidence=0.95, resamples=10000, seed=1)
+    # Golden values: a change in NumPy's PCG64 stream or in this method shows up here.
+    assert a == (0.31265822784810127, 0.3668508287292817)
+    lo90, hi90 = bootstrap_ratio(num, den, confidence=0.90, resamples=10000, seed=0)
+    assert a[0] <= lo90 <= hi90 <= a[1]
+
+
+def test_runtime_per_phase():
+    eps = paired([(0.2, 1.0), (0.3, 1.0)])
+    for e in eps:
+        if e["condition"] == "packet":
+            e["phases"]["prefill"]["call_s"] = 2.0  # prefill packets are slow
+    pre = runtime(eps, condition="packet", control="dense", max_ratio=1.0, phase="prefill", resamples=200)
+    dec = runtime(eps, condition="packet", control="dense", max_ratio=1.0, phase="decode", resamples=200)
+    assert not pre["passed"] and pre["value"] == 4.0 and pre["phase"] == "prefill"
+    assert dec["passed"] and dec["phase"] == "decode"
+    del eps[0]["phases"]["decode"]["call_s"]
+    v = runtime(eps, condition="packet", control="dense", max_ratio=1.0, phase="decode", resamples=200)
+    assert not v["passed"] and "episode 0 has no decode call time" in v["detail"]
+
+
+@pytest.mark.parametrize("damage, fragment", [
+    (lambda eps: eps[1].update(wall_s=None), "has no wall time"),
+    (lambda eps: eps[0].update(wall_s=float("nan")), "has no wall time"),
+    (lambda eps: eps[0].update(wall_s=-1.0), "has no wall time"),
+    (lambda eps: eps[0].update(wall_s=0.0), "took 0 s"),
+    (lambda eps: eps[1].update(status="failed"), "did not finish"),
+    (lambda eps: eps.pop(0), "no dense episode"),
+    (lambda eps: eps.clear(), "no scored episodes"),
+])
+def test_runtime_fails_closed(damage, fragment):
+    eps = paired([(0.2, 1.0), (0.3, 1.0)])
+    damage(eps)
+    v = runtime(eps, condition="packet", control="dense", max_ratio=1.0, resamples=200)
+    assert not v["passed"] and v["value"] is None and v["interval"] is None and fragment in v["detail"]
+
+
+# ----------------------------------------------------------------------------- useful latency
+
+
+def latency_screen(first_wall=2.0, cold=8.0):
+    eps = [ep(0, "dense", "warmup", 0, wall=7.0, first_logit=cold), ep(1, "packet", "warmup", 0, wall=first_wall),
+           ep(2, "dense", "scored", 0, wall=1.0), ep(3, "packet", "scored", 0, wall=0.1)]
+    return eps
+
+
+def test_useful_latency_pass_fail_and_boundary():
+    v = useful_latency(latency_screen(), condition="packet", max_first_episode_s=5.0, max_cold_start_s=10.0)
+    assert v["passed"] and v["value"] == 2.0 and v["episodes"] == [0, 1] and "dense logit" in v["detail"]
+    v = useful_latency(latency_screen(), condition="dense", max_first_episode_s=5.0, max_cold_start_s=10.0)
+    assert not v["passed"] and v["value"] == 7.0  # the first-use stall is preserved, not discarded
+    assert useful_latency(latency_screen(first_wall=5.0), condition="packet", max_first_episode_s=5.0,
+                          max_cold_start_s=10.0)["passed"]
+    assert useful_latency(latency_screen(cold=10.0), condition="packet", max_first_episode_s=5.0,
+                          max_cold_start_s=10.0)["passed"]
+    v = useful_latency(latency_screen(cold=10.5), condition="packet", max_first_episode_s=5.0, max_cold_start_s=10.0)
+    assert not v["passed"] and "cold start 10.5 s" in v["detail"]
+
+
+@pytest.mark.parametrize("damage, fragment", [
+    (lambda eps: eps[1].update(status="failed"), "first episode 1 did not finish"),
+    (lambda eps: eps[1].pop("wall_s"), "first episode 1 did not finish or has no wall_s"),
+    (lambda eps: eps[2].pop("first_logit_since_entry_s"), "have no first_logit_since_entry_s"),
+    (lambda eps: eps.__setitem__(slice(None), [e for e in eps if e["condition"] == "dense"]), "no episodes"),
+])
+def test_useful_latency_fails_closed(damage, fragment):
+    eps = latency_screen()
+    damage(eps)
+    v = useful_latency(eps, condition="packet", max_first_episode_s=5.0, max_cold_start_s=10.0)
+    assert not v["passed"] and fragment in v["detail"]
+
+
+# ----------------------------------------------------------------------------- compute_verdicts
+
+
+def protocol(**gates) -> dict:
+    return freeze({
+        "name": "t", "model": {"path": "m"}, "dtype": "float32", "prompts": {"generator": {"seed": 0, "count": 1}},
+        "prefix_tokens": 4, "continuation_tokens": 2,
+        "conditions": [{"name": "dense", "policy": "dense-stream"}, {"name": "packet", "policy": "packet"}],
+        "reference": "dense", "warmups": 1, "allowance_mib": 4800, "gates": gates}).body
+
+
+def records() -> list[dict]:
+    """screen() as the worker returns it: plan order of protocol(), no repetition field."""
+    eps = screen()
+    for e in eps:
+        del e["repetition"]
+    return eps
 
 
 def test_compute_verdicts_follows_the_protocol():
-    body = {"reference": "dense", "conditions": [{"name": "dense"}, {"name": "packet"}],
-            "gates": {"faithfulness": {"tolerance": 0.0}, "acquisition": {"control": "dense", "max_ratio": 0.5}}}
-    vs = compute_verdicts(body, screen())
+    body = protocol(faithfulness={"tolerance": 0.0}, acquisition={"control": "dense", "max_ratio": 0.5})
+    assert body["schema"] == 1
+    vs = compute_verdicts(body, records())
     assert [(v["gate"], v["condition"]) for v in vs] == [("acquisition", "packet"), ("faithfulness", "dense"),
                                                          ("faithfulness", "packet")]
     assert all(v["passed"] for v in vs)
+
+
+def test_compute_verdicts_every_gate():
+    body = protocol(faithfulness=None, resources=None, capacity=None,
+                    acquisition=[{"control": "dense", "max_ratio": 0.5, "phase": p} for p in ("all", "prefill", "decode")],
+                    runtime=[{"control": "dense", "max_ratio": 2.0, "resamples": 200},
+                             {"control": "dense", "max_ratio": 2.0, "phase": "decode", "resamples": 200}],
+                    useful_latency={"max_first_episode_s": 5, "max_cold_start_s": 60})
+    vs = compute_verdicts(body, records(), start=start())
+    keys = [(v["gate"], v["condition"], v["phase"]) for v in vs]
+    assert keys == [("acquisition", "packet", "all"), ("acquisition", "packet", "decode"),
+                    ("acquisition", "packet", "prefill"), ("capacity", "dense", "all"), ("capacity", "packet", "all"),
+                    ("faithfulness", "dense", "all"), ("faithfulness", "packet", "all"),
+                    ("resources", "dense", "all"), ("resources", "packet", "all"), ("runtime", "packet", "all"),
+                    ("runtime", "packet", "decode"), ("useful_latency", "dense", "all"),
+                    ("useful_latency", "packet", "all")]
+    assert all(v["passed"] for v in vs), [v["detail"] for v in vs if not v["passed"]]
+    assert all(isinstance(v["threshold"], float) for v in vs)
+    without_start = compute_verdicts(body, records())
+    assert [v["passed"] for v in without_start if v["gate"] == "capacity"] == [False, False]
+
+
+def test_compute_verdicts_ignores_records_that_are_not_the_plan():
+    body = protocol(faithfulness=None, acquisition={"control": "dense", "max_ratio": 0.5})
+    eps = records()
+    eps[3]["prompt"] = 7  # not what plan entry 3 says
+    vs = {(v["gate"], v["condition"]): v for v in compute_verdicts(body, eps)}
+    assert not vs[("acquisition", "packet")]["passed"] and vs[("faithfulness", "dense")]["passed"]
+    assert [e["plan_index"] for e in planned_episodes(body, eps)] == [0, 1, 2]
+    dup = records() + [records()[3]]
+    assert [e["plan_index"] for e in planned_episodes(body, dup)] == [0, 1, 2]  # 3 twice: neither counts
+    assert planned_episodes(body, [None, "x", {"plan_index": True}]) == []

@@ -1,24 +1,59 @@
+"""Protocol schema: validation, freezing, schema-1 stability, prompt sources."""
+
 import copy
+import hashlib
+import json
 from pathlib import Path
 
 import pytest
 import yaml
 
 from core.errors import ProtocolError
-from core.plan import plan, prompts
-from core.protocol import freeze, load
+from core.plan import prompts
+from core.protocol import (
+    SYNTH_SHAPES,
+    expand,
+    freeze,
+    load,
+    prompt_count,
+    split_texts,
+    validate,
+)
 
-QUICKSTART = Path(__file__).resolve().parents[2] / "protocols" / "quickstart.yaml"
+ROOT = Path(__file__).resolve().parents[2]
+QUICKSTART = ROOT / "protocols" / "quickstart.yaml"
+# Recorded when schema 2 arrived: schema-1 protocols keep the hash packbench 0.1 gave them.
+QUICKSTART_SHA256 = "a5e99a22153b3b16b0bc19775063c0b8c27cf0ad76952a072d4b438d5a539fdb"
 
 
 def raw() -> dict:
     return yaml.safe_load(QUICKSTART.read_text())
 
 
-def test_quickstart_freezes():
+def v2(**changes) -> dict:
+    """A schema-2 protocol mapping (quickstart plus `changes` at top level)."""
+    data = raw()
+    data["model"] = {"synth": {"shape": "tiny", "dtype": "float32", "sparsity": 0.94, "seed": 0}}
+    data.update(changes)
+    return data
+
+
+def set_path(data: dict, path: tuple, value) -> dict:
+    node = data
+    for key in path[:-1]:
+        node = node[key]
+    node[path[-1]] = value
+    return data
+
+
+# ----------------------------------------------------------------------------- freezing
+
+
+def test_quickstart_freezes_with_its_schema1_hash():
     p = load(QUICKSTART)
-    assert len(p.sha256) == 64 and p.name == "quickstart"
+    assert p.sha256 == QUICKSTART_SHA256 and p.name == "quickstart" and p.body["schema"] == 1
     assert p.model_dir() == (QUICKSTART.parent / "../.packbench/models/tiny").resolve()
+    assert p.prompt_file() is None
 
 
 def test_freeze_hash_is_stable_across_key_order_and_whitespace(tmp_path):
@@ -37,30 +72,161 @@ def test_defaults_are_part_of_the_frozen_form():
     assert freeze(data).body["warmups"] == 1 and freeze(data).sha256 == explicit.sha256
 
 
+def test_schema2_spelling_of_a_schema1_meaning_keeps_the_schema1_hash():
+    data = raw()
+    data.update(schema=2, repetitions=1, order="alternating", baseline_first=True, recording=True,
+                warmups={"dense-stream": 1, "packet": 1})
+    for c in data["conditions"]:
+        c["params"] = {}
+    data["gates"]["acquisition"] = [{"control": "dense-stream", "max_ratio": 0.5, "phase": "all"}]
+    assert freeze(data).sha256 == QUICKSTART_SHA256
+
+
 def test_any_change_of_meaning_changes_the_hash():
     base = freeze(raw()).sha256
-    for path, value in [(("continuation_tokens",), 9), (("dtype",), "bfloat16"),
-                        (("gates", "acquisition", "max_ratio"), 0.25), (("prompts", "generator", "seed"), 1)]:
-        data = raw()
-        node = data
-        for key in path[:-1]:
-            node = node[key]
-        node[path[-1]] = value
-        assert freeze(data).sha256 != base, path
+    changes = [
+        (("continuation_tokens",), 9), (("dtype",), "bfloat16"), (("gates", "acquisition", "max_ratio"), 0.25),
+        (("prompts", "generator", "seed"), 1), (("repetitions",), 2), (("order",), "abba"),
+        (("baseline_first",), False), (("warmups",), {"dense-stream": 1, "packet": 2}),
+        (("gates", "acquisition", "phase"), "decode"), (("gates", "resources"), {}),
+        (("model",), {"synth": {"shape": "tiny", "dtype": "float32", "sparsity": 0.94, "seed": 0}}),
+    ]
+    hashes = {base}
+    for path, value in changes:
+        h = freeze(set_path(raw(), path, value)).sha256
+        assert h not in hashes, path
+        hashes.add(h)
+
+
+def test_schema2_frozen_form_fills_every_default():
+    data = v2(conditions=[{"policy": "dense-stream"}, {"policy": "sparse-extents"},
+                          {"name": "lru", "policy": "row-retention", "params": {"rows_per_layer": 1024}}],
+              warmups={"dense-stream": 2, "sparse-extents": 1, "lru": 0})
+    data["gates"] = {"faithfulness": None, "resources": None, "capacity": {},
+                     "acquisition": [{"control": "dense-stream", "max_ratio": 0.5, "phase": "decode"},
+                                     {"control": "dense-stream", "max_ratio": 0.9, "phase": "prefill"}],
+                     "runtime": {"control": "dense-stream", "max_ratio": 0.8},
+                     "useful_latency": {"max_first_episode_s": 5, "max_cold_start_s": 20}}
+    body = freeze(data).body
+    assert body["schema"] == 2
+    assert body["model"]["synth"] == {"shape": "tiny", "dtype": "float32", "sparsity": 0.94, "seed": 0,
+                                      "hot_fraction": 0.0, "hot_bias": 0.0}
+    assert body["conditions"] == [
+        {"name": "dense-stream", "policy": "dense-stream", "params": {}},
+        {"name": "sparse-extents", "policy": "sparse-extents", "params": {"block_rows": 128}},
+        {"name": "lru", "policy": "row-retention", "params": {"rows_per_layer": 1024}}]
+    assert body["warmups"] == {"dense-stream": 2, "sparse-extents": 1, "lru": 0}
+    assert (body["repetitions"], body["order"], body["baseline_first"], body["recording"]) == (1, "alternating", True, True)
+    assert body["gates"] == {
+        "faithfulness": {"tolerance": 0.0}, "resources": {}, "capacity": {},
+        "acquisition": [{"control": "dense-stream", "max_ratio": 0.9, "phase": "prefill"},  # sorted by phase
+                        {"control": "dense-stream", "max_ratio": 0.5, "phase": "decode"}],
+        "runtime": [{"control": "dense-stream", "max_ratio": 0.8, "phase": "all", "confidence": 0.95,
+                     "resamples": 10000, "seed": 0}],
+        "useful_latency": {"max_first_episode_s": 5.0, "max_cold_start_s": 20.0}}
+    assert validate(body) == body  # a frozen body re-validates to itself
+    assert freeze(body).sha256 == freeze(data).sha256
+
+
+def test_expand_upgrades_schema1_to_the_full_form():
+    v1 = freeze(raw()).body
+    full = expand(v1)
+    assert full["schema"] == 2 and validate(v1) == v1
+    assert full["warmups"] == {"dense-stream": 1, "packet": 1}
+    assert full["gates"]["acquisition"] == [{"control": "dense-stream", "max_ratio": 0.5, "phase": "all"}]
+    assert all(c["params"] == {} for c in full["conditions"])
+    assert validate(full) == v1  # the lowest schema that says it
+    assert expand(full) == full
+
+
+def test_synth_shapes_match_the_engine():
+    from engine.shapes import SHAPES
+
+    assert set(SYNTH_SHAPES) == set(SHAPES)
+
+
+def test_synthetic_model_has_no_directory():
+    p = freeze(v2())
+    assert p.model_dir() is None and p.body["schema"] == 2
+
+
+# ----------------------------------------------------------------------------- errors
+
+
+def _runtime(d, **kw):
+    d["gates"]["runtime"] = {"control": "dense-stream", "max_ratio": 0.8, **kw}
 
 
 @pytest.mark.parametrize("mutate, fragment", [
     (lambda d: d.update(colour="blue"), "`colour`: unknown field"),
-    (lambda d: d["conditions"][1].update(policy="pakcet"), "`conditions[1].policy`: 'pakcet' is not allowed; use one of resident, dense-stream, packet"),
-    (lambda d: d.update(dtype="float8"), "`dtype`: 'float8' is not allowed"),
-    (lambda d: d.update(reference="nope"), "`reference`: 'nope' is not allowed"),
+    (lambda d: d["conditions"][1].update(policy="pakcet"),
+     ("`conditions[1].policy`: 'pakcet' is not allowed; use one of resident, dense-stream, sparse-extents, "
+      "packet, phase-switched, row-retention, early-forecast")),
+    (lambda d: d.update(dtype="float8"), "`dtype`: 'float8' is not allowed; use one of float32, float16, bfloat16"),
+    (lambda d: d.update(reference="nope"), "`reference`: 'nope' is not allowed; use one of dense-stream, packet"),
     (lambda d: d.pop("gates"), "`gates`: is required"),
-    (lambda d: d.update(prefix_tokens=0), "`prefix_tokens`: 0 is not an integer >= 1"),
+    (lambda d: d.update(prefix_tokens=0), "`prefix_tokens`: 0 is not an integer in [1, 65536]"),
+    (lambda d: d.update(continuation_tokens=10**9), "`continuation_tokens`: 1000000000 is not an integer in [1, 65536]"),
+    (lambda d: d.update(repetitions=10**9), "`repetitions`: the plan would hold 6000000002 episodes, more than 100000"),
+    (lambda d: d["prompts"]["generator"].update(count=10**6), "the plan would hold 2000002 episodes"),
     (lambda d: d["gates"].update(acquisition={"control": "dense-stream"}), "`gates.acquisition.max_ratio`: is required"),
     (lambda d: d["gates"]["faithfulness"].update(tol=1), "`gates.faithfulness.tol`: unknown field"),
     (lambda d: d.update(prompts={"token_ids": [[2, 3]]}), "has 2 ids, fewer than prefix_tokens=32"),
+    (lambda d: d.update(prompts={"token_ids": [[2] * 32], "generator": {"seed": 0, "count": 1}}),
+     "`prompts`: give exactly one of token_ids, token_file, text_file, generator"),
+    (lambda d: d.update(model={"path": "x", "synth": {}}), "`model`: give exactly one of path"),
+    (lambda d: d.update(model={"synth": {"shape": "opt-66b", "dtype": "float16", "sparsity": 0.9, "seed": 0}}),
+     "`model.synth.shape`: 'opt-66b' is not allowed; use one of tiny, opt-125m, opt-1.3b, opt-2.7b, opt-6.7b, opt-13b"),
+    (lambda d: d.update(model={"synth": {"shape": "tiny", "dtype": "float16", "sparsity": 1.0, "seed": 0}}),
+     "`model.synth.sparsity`: 1.0 is not a finite number > 0.0 and < 1.0"),
+    (lambda d: d.update(model={"synth": {"shape": "tiny", "dtype": "float16", "sparsity": 0.9, "seed": 0,
+                                         "hot": 1}}), "`model.synth.hot`: unknown field"),
+    (lambda d: d.update(model={"synth": {"shape": "tiny", "dtype": "float16", "sparsity": 0.9, "seed": 0,
+                                         "hot_fraction": 1.0}}), "`model.synth.hot_fraction`: 1.0 is not"),
+    (lambda d: d["conditions"][1].update(params={"block_rows": 64}),
+     "`conditions[1].params.block_rows`: unknown param; policy packet takes gather"),
+    (lambda d: d["conditions"].append({"policy": "sparse-extents", "params": {"block_rows": 0}}),
+     "`conditions[2].params.block_rows`: 0 is not an integer >= 1"),
+    (lambda d: d["conditions"].append({"policy": "sparse-extents", "params": {"rows": 8}}),
+     "`conditions[2].params.rows`: unknown param; policy sparse-extents takes block_rows"),
+    (lambda d: d["conditions"].append({"policy": "row-retention"}),
+     "`conditions[2].params.rows_per_layer`: is required by policy row-retention"),
+    (lambda d: d["conditions"].append({"policy": "packet"}), "`conditions[2].name`: 'packet' is already used"),
+    (lambda d: d["conditions"].append({"name": "a b", "policy": "packet"}), "`conditions[2].name`: 'a b' is not allowed"),
+    (lambda d: d.update(order="random"), "`order`: 'random' is not allowed; use one of alternating, abba, latin-square"),
+    (lambda d: d.update(baseline_first="yes"), "`baseline_first`: 'yes' is not allowed; use true or false"),
+    (lambda d: d.update(repetitions=0), "`repetitions`: 0 is not an integer >= 1"),
+    (lambda d: d.update(warmups={"dense-stream": 1}), "`warmups.packet`: is required; list every condition"),
+    (lambda d: d.update(warmups={"dense-stream": 1, "packet": 1, "lru": 1}),
+     "`warmups.lru`: unknown condition; use one of dense-stream, packet"),
+    (lambda d: d.update(warmups={"dense-stream": 0, "packet": 1}),
+     "`warmups.dense-stream`: 0 leaves the reference 'dense-stream' nothing to reproduce itself against"),
+    (lambda d: d.update(recording=False), "`gates.acquisition`: needs recording: true"),
+    (lambda d: d["gates"].update(acquisition={"control": "dense-stream", "max_ratio": 0.5, "phase": "warm"}),
+     "`gates.acquisition.phase`: 'warm' is not allowed; use one of all, prefill, decode"),
+    (lambda d: d["gates"].update(acquisition=[{"control": "dense-stream", "max_ratio": 0.5, "phase": "decode"},
+                                              {"control": "packet", "max_ratio": 0.5, "phase": "decode"}]),
+     "`gates.acquisition[1].phase`: 'decode' is already gated; give one entry per phase"),
+    (lambda d: d["gates"].update(acquisition=[]), "`gates.acquisition`: expected a mapping or a non-empty list"),
+    (lambda d: _runtime(d, confidence=1.0), "`gates.runtime.confidence`: 1.0 is not a finite number > 0.0 and < 1.0"),
+    (lambda d: _runtime(d, resamples=10), "`gates.runtime.resamples`: 10 is not an integer >= 100"),
+    (lambda d: _runtime(d, max_ratio=0), "`gates.runtime.max_ratio`: 0 is not a finite number > 0.0"),
+    (lambda d: _runtime(d, control="lru"), "`gates.runtime.control`: 'lru' is not allowed; use one of dense-stream, packet"),
+    (lambda d: d["gates"].update(useful_latency={"max_first_episode_s": 5}),
+     "`gates.useful_latency.max_cold_start_s`: is required"),
+    (lambda d: d["gates"].update(resources={"max": 1}), "`gates.resources.max`: unknown field"),
+    (lambda d: d["gates"]["faithfulness"].update(tolerance=float("nan")),
+     "`gates.faithfulness.tolerance`: nan is not a finite number >= 0.0"),
+    (lambda d: d.update(gates={}), "`gates`: declare at least one gate"),
+    (lambda d: d.update(gates={"speed": {}}), "`gates.speed`: unknown field; allowed fields are acquisition, capacity"),
+    (lambda d: d.update(schema=3), "`schema`: 3 is not supported; this packbench reads schema 1 and 2"),
+    (lambda d: d.update(schema=1, repetitions=2), "`schema`: 1 cannot express this protocol"),
+    (lambda d: d.update(prompts={"text_file": "t.txt"}, model={"synth": {"shape": "tiny", "dtype": "float32",
+                                                                         "sparsity": 0.9, "seed": 0}}),
+     "`prompts.text_file`: needs the protocol file's folder"),
+    (lambda d: d.update(prompts={"token_file": "ids.json"}), "`prompts.token_file`: needs the protocol file's folder"),
 ])
-def test_bad_fields_name_the_path_and_the_fix(mutate, fragment):
+def test_bad_fields_name_the_path_the_value_and_the_fix(mutate, fragment):
     data = raw()
     mutate(data)
     with pytest.raises(ProtocolError) as e:
@@ -68,29 +234,28 @@ def test_bad_fields_name_the_path_and_the_fix(mutate, fragment):
     assert fragment in str(e.value) and "\n" not in str(e.value)
 
 
-def test_malformed_yaml_is_one_line(tmp_path):
+def test_text_file_needs_a_tokenizer_checkpoint(tmp_path):
+    (tmp_path / "t.txt").write_text("hello world\n")
+    data = v2(prompts={"text_file": "t.txt"})
+    f = tmp_path / "p.yaml"
+    f.write_text(yaml.safe_dump(data))
+    with pytest.raises(ProtocolError, match=r"`prompts.text_file`: needs model.path"):
+        load(f)
+
+
+def test_malformed_yaml_and_duplicate_keys_are_one_line(tmp_path):
     f = tmp_path / "bad.yaml"
     f.write_text("name: [unclosed\n")
     with pytest.raises(ProtocolError, match="not valid YAML at line"):
         load(f)
     with pytest.raises(ProtocolError, match="no protocol file"):
         load(tmp_path / "missing.yaml")
+    f.write_text(QUICKSTART.read_text() + "gates:\n  faithfulness: {}\n")
+    with pytest.raises(ProtocolError, match=r"line \d+: key `gates` is given twice; keep one"):
+        load(f)
 
 
-def test_plan_is_baseline_first_and_balanced():
-    body = freeze(raw()).body
-    body = copy.deepcopy(body)
-    body["conditions"].append({"name": "resident", "policy": "resident"})
-    entries = plan(body)
-    warm = [e for e in entries if e["role"] == "warmup"]
-    scored = [e for e in entries if e["role"] == "scored"]
-    assert [e["condition"] for e in warm] == ["dense-stream", "packet", "resident"]
-    assert [e["index"] for e in entries] == list(range(len(entries)))
-    blocks = [scored[i:i + 3] for i in range(0, len(scored), 3)]
-    assert all(b[0]["condition"] == "dense-stream" for b in blocks)
-    positions = {c: [b.index(next(e for e in b if e["condition"] == c)) for b in blocks] for c in ("packet", "resident")}
-    assert positions == {"packet": [1, 2, 1], "resident": [2, 1, 2]}
-    assert plan(body) == entries  # pure
+# ----------------------------------------------------------------------------- prompt sources
 
 
 def test_generated_prompts_are_deterministic_and_in_vocab():
@@ -100,3 +265,104 @@ def test_generated_prompts_are_deterministic_and_in_vocab():
     assert all(4 <= t < 512 for p in a for t in p[1:])
     # Golden value recorded once: numpy promises PCG64 streams stay the same across versions.
     assert a[0][:8] == [2, 436, 327, 263, 141, 160, 24, 42]
+
+
+def write_protocol(tmp_path: Path, **changes) -> Path:
+    data = v2(prefix_tokens=4, **changes)
+    f = tmp_path / "proto" / "p.yaml"
+    f.parent.mkdir(exist_ok=True)
+    f.write_text(yaml.safe_dump(data))
+    return f
+
+
+def test_token_file_is_frozen_by_hash_and_read_back(tmp_path):
+    ids = [[2, 10, 11, 12, 13], [2, 20, 21, 22]]
+    (tmp_path / "ids.json").write_text(json.dumps(ids))
+    f = write_protocol(tmp_path, prompts={"token_file": "../ids.json"})
+    p = load(f)
+    digest = hashlib.sha256((tmp_path / "ids.json").read_bytes()).hexdigest()
+    assert p.body["prompts"] == {"token_file": {"path": "../ids.json", "sha256": digest, "count": 2}}
+    assert p.prompt_file() == (tmp_path / "ids.json").resolve()
+    assert prompt_count(p.body) == 2 and validate(p.body) == p.body  # no file needed once frozen
+    assert prompts(p.body, vocab=512, prompt_file=p.prompt_file()) == [[2, 10, 11, 12], [2, 20, 21, 22]]
+    # Same ids, other bytes: another protocol. A changed file after freezing is refused.
+    (tmp_path / "ids.json").write_text(json.dumps(ids, indent=1))
+    assert load(f).sha256 != p.sha256
+    with pytest.raises(ProtocolError, match="restore the file the protocol was frozen with"):
+        prompts(p.body, vocab=512, prompt_file=p.prompt_file())
+    with pytest.raises(ProtocolError, match="pass the file"):
+        prompts(p.body, vocab=512)
+    with pytest.raises(ValueError, match="outside the model's vocabulary of 16"):
+        prompts(load(f).body, vocab=16, prompt_file=p.prompt_file())
+
+
+def test_token_file_pins_and_errors(tmp_path):
+    (tmp_path / "ids.json").write_text("[[2, 3, 4, 5]]")
+    good = hashlib.sha256(b"[[2, 3, 4, 5]]").hexdigest()
+    assert load(write_protocol(tmp_path, prompts={"token_file": {"path": "../ids.json", "sha256": good}})).body
+    cases = [
+        ({"path": "../ids.json", "sha256": "0" * 64}, "`prompts.token_file.sha256`: " + "0" * 64 + " does not match"),
+        ({"path": "../ids.json", "count": 2}, "`prompts.token_file.count`: 2 does not match the 1 prompts"),
+        ({"path": "../nope.json"}, "`prompts.token_file`: cannot read"),
+        ({"path": "../ids.json", "sha256": "XYZ"}, "`prompts.token_file.sha256`: 'XYZ' is not allowed"),
+    ]
+    for spec, fragment in cases:
+        with pytest.raises(ProtocolError) as e:
+            load(write_protocol(tmp_path, prompts={"token_file": spec}))
+        assert fragment in str(e.value), (spec, str(e.value))
+    (tmp_path / "ids.json").write_text("[[2, 3]]")
+    with pytest.raises(ProtocolError, match="prompt 0 of ../ids.json has 2 ids, fewer than prefix_tokens=4"):
+        load(write_protocol(tmp_path, prompts={"token_file": "../ids.json"}))
+    (tmp_path / "ids.json").write_text("{not json")
+    with pytest.raises(ProtocolError, match="is not JSON"):
+        load(write_protocol(tmp_path, prompts={"token_file": "../ids.json"}))
+    (tmp_path / "ids.json").write_text('[[2, 3, "x", 5]]')
+    with pytest.raises(ProtocolError, match=r"ids.json\)\[0\]\[2\]`: 'x' is not an integer >= 0"):
+        load(write_protocol(tmp_path, prompts={"token_file": "../ids.json"}))
+
+
+def test_text_file_prompts_split_and_tokenize(tmp_path):
+    text = "The first prompt\nspans two lines.\n---\n\nThe second one.\n---\n"
+    (tmp_path / "texts.txt").write_text(text)
+    assert split_texts(text) == ["The first prompt\nspans two lines.", "The second one."]
+    f = write_protocol(tmp_path, model={"path": "model"}, prompts={"text_file": "../texts.txt"})
+    p = load(f)
+    assert p.body["prompts"]["text_file"]["count"] == 2 and prompt_count(p.body) == 2
+    fake = lambda texts: [[2] + [len(w) + 4 for w in t.split()] for t in texts]
+    assert prompts(p.body, vocab=512, prompt_file=p.prompt_file(), tokenize=fake) == [[2, 7, 9, 10], [2, 7, 10, 8]]
+    with pytest.raises(ProtocolError, match="need the checkpoint's tokenizer"):
+        prompts(p.body, vocab=512, prompt_file=p.prompt_file())
+    short = lambda texts: [[2, 5] for _ in texts]
+    with pytest.raises(ProtocolError, match="prompt 0 has 2 tokens, fewer than prefix_tokens=4"):
+        prompts(p.body, vocab=512, prompt_file=p.prompt_file(), tokenize=short)
+
+
+def test_text_file_with_a_real_local_tokenizer(tmp_path):
+    """engine.prompts loads the checkpoint's own tokenizer files, offline."""
+    pytest.importorskip("tokenizers")
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    from core.errors import CheckpointError
+    from engine.prompts import tokenizer_for
+
+    words = ["<s>", "<pad>", "</s>", "<unk>", "the", "cat", "sat", "on", "a", "mat", "dog"]
+    tok = Tokenizer(models.WordLevel(vocab={w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.post_processor = processors.TemplateProcessing(single="</s> $A", special_tokens=[("</s>", 2)])
+    model_dir = tmp_path / "model"
+    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="</s>", eos_token="</s>", unk_token="<unk>",
+                            pad_token="<pad>").save_pretrained(model_dir)
+    (tmp_path / "texts.txt").write_text("the cat sat on a mat\n---\nthe dog sat on the cat\n")
+    p = load(write_protocol(tmp_path, model={"path": "../model"}, prompts={"text_file": "../texts.txt"}))
+    ids = prompts(p.body, vocab=len(words), prompt_file=p.prompt_file(), tokenize=tokenizer_for(p.model_dir()))
+    assert ids == [[2, 4, 5, 6], [2, 4, 10, 6]]
+    with pytest.raises(CheckpointError, match="has no usable tokenizer"):
+        tokenizer_for(tmp_path / "proto")
+
+
+def test_expand_refuses_a_damaged_body():
+    body = copy.deepcopy(freeze(raw()).body)
+    body["gates"]["acquisition"]["max_ratio"] = "half"
+    with pytest.raises(ProtocolError, match="`gates.acquisition.max_ratio`: 'half' is not a finite number"):
+        expand(body)

@@ -86,3 +86,13 @@ def store(db_url: str) -> Iterator[Store]:
     with Store(db_url) as s:
         s.upgrade()
         yield s
+
+
+@pytest.fixture(scope="module", params=["sqlite", "postgresql"])
+def module_db_url(request: pytest.FixtureRequest, tmp_path_factory) -> Iterator[str]:
+    """Like `db_url`, but shared by one test module (for read-only tests over seeded data)."""
+    if request.param == "sqlite":
+        yield f"sqlite:///{tmp_path_factory.mktemp('module-db') / 'packbench.db'}"
+        return
+    with fresh_pg_schema(skip_without_pg()) as url:
+        yield url

@@ -35,11 +35,12 @@ def test_cuda_policies_bit_identical(dtype, which, checkpoints, checkpoint_125m)
     ref = run_episode(model, PROMPT, continuation=CONTINUATION)
     again = run_episode(model, PROMPT, continuation=CONTINUATION)
     assert np.array_equal(ref.logits, again.logits), "the reference does not reproduce itself"
-    for name in POLICIES:
-        model.use(name)
+    variants = [(name, {}) for name in POLICIES] + [("packet", {"gather": "device"})]
+    for name, params in variants:
+        model.use(name, **params)
         out = run_episode(model, PROMPT, continuation=CONTINUATION)
-        assert np.array_equal(out.logits, ref.logits), name
-        assert out.tokens == ref.tokens, name
+        assert np.array_equal(out.logits, ref.logits), (name, params)
+        assert out.tokens == ref.tokens, (name, params)
     s = model.config
     weight_bytes = s.hidden_size * s.ffn_dim * getattr(torch, dtype).itemsize
     assert sum(sum(c.h2d_weight_bytes) for c in ref.calls) == CONTINUATION * s.num_hidden_layers * weight_bytes
@@ -51,3 +52,14 @@ def test_cuda_outgoing_weights_stay_on_the_host(tiny):
     assert all(p.device.type == "cuda" for p in model.model.parameters())
     hidden, ffn, layers = (SHAPES["tiny"][k] for k in ("hidden", "ffn", "layers"))
     assert model.start.host_outgoing_bytes == layers * hidden * ffn * 2
+
+
+def test_cuda_device_gather_ledger_matches_host_gather(tiny):
+    model = CpuFirstModel(tiny, dtype=torch.float16, device=torch.device("cuda"))
+    model.use("packet")
+    host = run_episode(model, PROMPT, continuation=CONTINUATION)
+    model.use("packet", gather="device")
+    device = run_episode(model, PROMPT, continuation=CONTINUATION)
+    assert [c.active_rows for c in device.calls] == [c.active_rows for c in host.calls]
+    assert [c.h2d_weight_bytes for c in device.calls] == [c.h2d_weight_bytes for c in host.calls]
+    assert all(sum(c.h2d_index_bytes) == 0 for c in device.calls)  # the indices never leave the GPU

@@ -1,0 +1,562 @@
+"""Read-only queries behind `packbench results`, `screens list|show` and `compare`.
+
+Contract
+- Each query function takes an open `Session` and returns frozen dataclasses (or records
+  from `db.records`); ORM rows never leave. `Store` wraps each one in a transaction after
+  its schema check (`Store.results`, `Store.list_screens`, `Store.screen_detail`,
+  `Store.compare`), so callers never see a Session either.
+- Filters are frozen dataclasses validated on construction: a filter that cannot match by
+  construction (an unknown gate, a malformed date) raises `InvalidFilter`, naming the
+  allowed values, before any database is touched.
+- Every timestamp is an aware UTC datetime.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import UTC, date, datetime, timedelta
+from typing import Any, NamedTuple
+
+from sqlalchemy import (
+    BigInteger,
+    ColumnElement,
+    Float,
+    and_,
+    case,
+    cast,
+    exists,
+    func,
+    or_,
+    select,
+)
+from sqlalchemy.orm import Session
+
+from core.protocol import DTYPE_NAMES, GATE_NAMES
+from db.errors import InvalidFilter, NotFound
+from db.models import (
+    EPISODE_STATUSES,
+    SCREEN_STATUSES,
+    Attempt,
+    Audit,
+    Episode,
+    Machine,
+    Protocol,
+    Screen,
+    Verdict,
+)
+from db.records import (
+    AttemptRow,
+    AuditRow,
+    MachineRow,
+    ProtocolRow,
+    ScreenRow,
+    VerdictRow,
+)
+
+# The gate names a verdict can carry: the protocol's registry (pure Python, no numpy).
+GATES: tuple[str, ...] = GATE_NAMES
+
+
+# -- filters ---------------------------------------------------------------------------------
+
+
+def parse_when(text: str, *, option: str, end: bool = False) -> datetime:
+    """An ISO date or date-time as an aware UTC datetime; naive input is taken as UTC.
+
+    A bare date names a whole day: as a start (`end=False`) its midnight, as an end
+    (`end=True`) the next midnight, so `--until 2026-01-31` includes the 31st.
+    """
+    try:
+        value = datetime.fromisoformat(text.strip())
+    except ValueError:
+        raise InvalidFilter(
+            f"{option} {text!r} is not an ISO date; use e.g. 2026-01-31 or 2026-01-31T12:00:00+00:00"
+        ) from None
+    value = value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
+    if end and _is_bare_date(text.strip()):
+        value += timedelta(days=1)
+    return value
+
+
+def _is_bare_date(text: str) -> bool:
+    try:
+        date.fromisoformat(text)
+    except ValueError:
+        return False
+    return True
+
+
+def _one_of(value: str | None, allowed: tuple[str, ...], what: str) -> None:
+    if value is not None and value not in allowed:
+        raise InvalidFilter(f"unknown {what} {value!r}; use one of {', '.join(allowed)}")
+
+
+@dataclass(frozen=True)
+class ResultFilter:
+    """Which episodes `results` returns; every field left None matches everything.
+
+    protocol: a protocol name (exact) or a prefix of its SHA-256.
+    model: a case-insensitive substring of the protocol's model.path or the screen's
+        resolved model directory (a synthetic checkpoint's directory names its shape).
+    dtype: exact, one of the protocol dtypes. condition: exact.
+    gate: one of `GATES`; each row then carries that gate's verdict for the episode's
+        condition and attempt (one row per phase), and episodes without one are left out.
+    passed: with `gate`, that verdict passed (True) or failed (False). Without `gate`: True
+        keeps episodes whose condition has verdicts and all passed, False those whose
+        condition failed at least one.
+    status: the episode's status, 'ok' or 'failed'.
+    since, until: when the episode's attempt started, since <= started_at < until.
+    machine: a case-insensitive substring of the host, node or GPU name.
+    screen_id: one screen (every attempt of it).
+    limit: at most this many rows (None: all).
+    """
+
+    protocol: str | None = None
+    model: str | None = None
+    dtype: str | None = None
+    condition: str | None = None
+    gate: str | None = None
+    passed: bool | None = None
+    status: str | None = None
+    since: datetime | None = None
+    until: datetime | None = None
+    machine: str | None = None
+    screen_id: int | None = None
+    limit: int | None = None
+
+    def __post_init__(self) -> None:
+        _one_of(self.gate, GATES, "gate")
+        _one_of(self.dtype, DTYPE_NAMES, "dtype")
+        _one_of(self.status, EPISODE_STATUSES, "episode status")
+        for name in ("since", "until"):
+            moment = getattr(self, name)
+            if moment is not None and moment.tzinfo is None:
+                raise InvalidFilter(f"{name} {moment!r} is naive; pass an aware datetime (UTC)")
+        if self.since is not None and self.until is not None and self.since >= self.until:
+            raise InvalidFilter(
+                f"since {self.since.isoformat()} is not before until {self.until.isoformat()}; "
+                f"swap them or widen the range"
+            )
+        if self.limit is not None and self.limit < 1:
+            raise InvalidFilter(f"limit {self.limit} must be >= 1 (or None for every row)")
+
+
+# -- results -------------------------------------------------------------------------------
+
+
+class ResultRow(NamedTuple):
+    """One episode with its screen, attempt and protocol; the verdict fields are set only
+    when the query named a gate.
+
+    A NamedTuple rather than a frozen dataclass (the other records): a listing builds
+    thousands of these, and a 32-field frozen dataclass costs ~9 us per row to construct and
+    ~20 us to turn into a dict (`dataclasses.asdict`), against ~1 us for a tuple and its
+    `_asdict()`. It is just as immutable and plain.
+    """
+
+    screen_id: int
+    attempt: int
+    attempt_status: str
+    protocol: str
+    protocol_sha256: str
+    model: str | None
+    dtype: str | None
+    model_dir: str | None
+    node: str
+    gpu_name: str
+    host: str | None
+    started_at: datetime
+    plan_index: int
+    condition: str
+    role: str
+    prompt: int
+    status: str
+    error: str | None
+    n_tokens: int
+    h2d_bytes: int  # weights + indices
+    prefill_h2d_bytes: int
+    decode_h2d_bytes: int
+    d2h_bytes: int
+    wall_s: float
+    call_s: float
+    peak_allocated_bytes: int | None
+    peak_sampled_bytes: int | None
+    gate: str | None = None
+    phase: str | None = None
+    passed: bool | None = None
+    value: float | None = None
+    threshold: float | None = None
+
+
+def _protocol_matches(ref: str) -> ColumnElement[bool]:
+    condition = Protocol.name == ref
+    lowered = ref.lower()
+    if lowered and all(c in "0123456789abcdef" for c in lowered):
+        condition = or_(condition, Protocol.sha256.startswith(lowered))
+    return condition
+
+
+def _same_condition_verdicts(*criteria: ColumnElement[bool]) -> Any:
+    """EXISTS a verdict of the episode's attempt and condition that meets `criteria`."""
+    return exists().where(
+        Verdict.attempt_id == Episode.attempt_id, Verdict.condition == Episode.condition, *criteria
+    )
+
+
+def results(session: Session, f: ResultFilter) -> list[ResultRow]:
+    """Episodes matching `f`, ordered by screen, attempt, plan index (and verdict phase)."""
+    columns = [
+        Screen.id, Attempt.number, Attempt.status, Protocol.name, Protocol.sha256,
+        Protocol.model, Protocol.dtype, Screen.model_dir, Attempt.node, Attempt.gpu_name,
+        Machine.host, Attempt.started_at, Episode.plan_index, Episode.condition, Episode.role,
+        Episode.prompt, Episode.status, Episode.error, Episode.n_tokens,
+        Episode.h2d_weight_bytes + Episode.h2d_index_bytes, Episode.prefill_h2d_bytes,
+        Episode.decode_h2d_bytes, Episode.d2h_bytes, Episode.wall_s, Episode.call_s,
+        Episode.peak_allocated_bytes, Episode.peak_sampled_bytes,
+    ]
+    if f.gate is not None:
+        columns += [Verdict.gate, Verdict.phase, Verdict.passed, Verdict.value, Verdict.threshold]
+    query = (
+        select(*columns)
+        .select_from(Episode)
+        .join(Attempt, Attempt.id == Episode.attempt_id)
+        .join(Screen, Screen.id == Attempt.screen_id)
+        .join(Protocol, Protocol.id == Screen.protocol_id)
+        .outerjoin(Machine, Machine.id == Attempt.machine_id)
+    )
+    order = [Screen.id, Attempt.number, Episode.plan_index]
+    if f.gate is not None:
+        query = query.join(
+            Verdict,
+            and_(
+                Verdict.attempt_id == Episode.attempt_id,
+                Verdict.condition == Episode.condition,
+                Verdict.gate == f.gate,
+            ),
+        )
+        order.append(Verdict.phase)
+        if f.passed is not None:
+            query = query.where(Verdict.passed == f.passed)
+    elif f.passed is True:
+        query = query.where(_same_condition_verdicts(), ~_same_condition_verdicts(~Verdict.passed))
+    elif f.passed is False:
+        query = query.where(_same_condition_verdicts(~Verdict.passed))
+    if f.protocol is not None:
+        query = query.where(_protocol_matches(f.protocol))
+    if f.model is not None:
+        query = query.where(
+            or_(
+                Protocol.model.icontains(f.model, autoescape=True),
+                Screen.model_dir.icontains(f.model, autoescape=True),
+            )
+        )
+    if f.dtype is not None:
+        query = query.where(Protocol.dtype == f.dtype)
+    if f.condition is not None:
+        query = query.where(Episode.condition == f.condition)
+    if f.status is not None:
+        query = query.where(Episode.status == f.status)
+    if f.since is not None:
+        query = query.where(Attempt.started_at >= f.since)
+    if f.until is not None:
+        query = query.where(Attempt.started_at < f.until)
+    if f.machine is not None:
+        query = query.where(
+            or_(
+                *(
+                    column.icontains(f.machine, autoescape=True)
+                    for column in (Attempt.node, Attempt.gpu_name, Machine.host, Machine.gpu_name)
+                )
+            )
+        )
+    if f.screen_id is not None:
+        query = query.where(Attempt.screen_id == f.screen_id)
+    query = query.order_by(*order)
+    if f.limit is not None:
+        query = query.limit(f.limit)
+    # Core execution (no ORM result machinery): the rows are plain column tuples anyway.
+    return [ResultRow(*row) for row in session.connection().execute(query)]
+
+
+# -- screens -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class ScreenSummary:
+    """A screen in `screens list`; verdict counts are those of its latest attempt."""
+
+    id: int
+    protocol: str
+    protocol_sha256: str
+    status: str
+    submitter: str
+    created_at: datetime
+    attempts: int
+    passed: int
+    failed: int
+
+
+def find_screen(session: Session, ref: int | str) -> Screen:
+    """The screen with id `ref` (an int or a string of digits), or 'latest' (highest id)."""
+    if ref == "latest":
+        screen = session.scalars(select(Screen).order_by(Screen.id.desc()).limit(1)).first()
+        if screen is None:
+            raise NotFound("there is no screen yet; submit one with `packbench submit`")
+        return screen
+    if isinstance(ref, str) and not ref.isdigit():
+        raise NotFound(f"no screen {ref!r}; give a screen id or 'latest'")
+    screen = session.get(Screen, int(ref))
+    if screen is None:
+        raise NotFound(f"no screen with id {ref}; list them with `packbench screens list`")
+    return screen
+
+
+def list_screens(
+    session: Session,
+    *,
+    status: str | None = None,
+    protocol: str | None = None,
+    limit: int | None = None,
+) -> list[ScreenSummary]:
+    """Screens, newest first, optionally by status and protocol (name or SHA-256 prefix)."""
+    _one_of(status, SCREEN_STATUSES, "screen status")
+    if limit is not None and limit < 1:
+        raise InvalidFilter(f"limit {limit} must be >= 1 (or None for every screen)")
+    attempts = (
+        select(
+            Attempt.screen_id.label("screen_id"),
+            func.count(Attempt.id).label("attempts"),
+            func.max(Attempt.number).label("latest"),
+        )
+        .group_by(Attempt.screen_id)
+        .subquery()
+    )
+    verdicts = (
+        select(
+            Attempt.screen_id.label("screen_id"),
+            func.sum(case((Verdict.passed, 1), else_=0)).label("passed"),
+            func.sum(case((Verdict.passed, 0), else_=1)).label("failed"),
+        )
+        .join(Verdict, Verdict.attempt_id == Attempt.id)
+        .join(attempts, and_(attempts.c.screen_id == Attempt.screen_id, attempts.c.latest == Attempt.number))
+        .group_by(Attempt.screen_id)
+        .subquery()
+    )
+    query = (
+        select(
+            Screen.id, Protocol.name, Protocol.sha256, Screen.status, Screen.submitter,
+            Screen.created_at, attempts.c.attempts, verdicts.c.passed, verdicts.c.failed,
+        )
+        .join(Protocol, Protocol.id == Screen.protocol_id)
+        .outerjoin(attempts, attempts.c.screen_id == Screen.id)
+        .outerjoin(verdicts, verdicts.c.screen_id == Screen.id)
+        .order_by(Screen.id.desc())
+    )
+    if status is not None:
+        query = query.where(Screen.status == status)
+    if protocol is not None:
+        query = query.where(_protocol_matches(protocol))
+    if limit is not None:
+        query = query.limit(limit)
+    return [
+        ScreenSummary(
+            id=row[0], protocol=row[1], protocol_sha256=row[2], status=row[3], submitter=row[4],
+            created_at=row[5], attempts=int(row[6] or 0), passed=int(row[7] or 0),
+            failed=int(row[8] or 0),
+        )
+        for row in session.execute(query)
+    ]
+
+
+@dataclass(frozen=True, slots=True)
+class AttemptDetail:
+    attempt: AttemptRow
+    machine: MachineRow | None
+    episodes: int
+    failed_episodes: int
+    verdicts: tuple[VerdictRow, ...]  # by (gate, condition, phase)
+    audits: tuple[AuditRow, ...]  # oldest first
+
+
+@dataclass(frozen=True, slots=True)
+class ScreenDetail:
+    screen: ScreenRow
+    protocol: ProtocolRow
+    attempts: tuple[AttemptDetail, ...]  # by number; failed and interrupted ones included
+
+
+def screen_detail(session: Session, ref: int | str) -> ScreenDetail:
+    """A screen with its protocol and every attempt's verdicts, audits and episode counts."""
+    screen = find_screen(session, ref)
+    protocol = session.get_one(Protocol, screen.protocol_id)
+    attempts = session.scalars(
+        select(Attempt).where(Attempt.screen_id == screen.id).order_by(Attempt.number)
+    ).all()
+    ids = [a.id for a in attempts]
+    counts = {
+        attempt_id: (total, int(failed or 0))
+        for attempt_id, total, failed in session.execute(
+            select(
+                Episode.attempt_id,
+                func.count(Episode.id),
+                func.sum(case((Episode.status == "failed", 1), else_=0)),
+            )
+            .where(Episode.attempt_id.in_(ids))
+            .group_by(Episode.attempt_id)
+        )
+    }
+    verdicts: dict[int, list[VerdictRow]] = {i: [] for i in ids}
+    for verdict in session.scalars(
+        select(Verdict)
+        .where(Verdict.attempt_id.in_(ids))
+        .order_by(Verdict.gate, Verdict.condition, Verdict.phase)
+    ):
+        verdicts[verdict.attempt_id].append(verdict.to_record())
+    audits: dict[int, list[AuditRow]] = {i: [] for i in ids}
+    for audit in session.scalars(select(Audit).where(Audit.attempt_id.in_(ids)).order_by(Audit.id)):
+        audits[audit.attempt_id].append(audit.to_record())
+    details = []
+    for attempt in attempts:
+        machine = session.get(Machine, attempt.machine_id) if attempt.machine_id is not None else None
+        total, failed = counts.get(attempt.id, (0, 0))
+        details.append(
+            AttemptDetail(
+                attempt=attempt.to_record(),
+                machine=machine.to_record() if machine is not None else None,
+                episodes=total,
+                failed_episodes=failed,
+                verdicts=tuple(verdicts[attempt.id]),
+                audits=tuple(audits[attempt.id]),
+            )
+        )
+    return ScreenDetail(screen=screen.to_record(), protocol=protocol.to_record(), attempts=tuple(details))
+
+
+# -- compare -------------------------------------------------------------------------------
+
+_OK = Episode.status == "ok"
+
+
+def _ok_sum(column: Any, as_type: Any) -> Any:
+    # cast: PostgreSQL sums BIGINT into NUMERIC, which would come back as Decimal.
+    return cast(func.sum(case((_OK, column), else_=0)), as_type)
+
+
+# Per condition, over the scored episodes of one attempt. Totals and peaks count only
+# episodes that finished ('ok'); 'failed' says how many did not, so a total is never read
+# without knowing what it left out.
+COMPARE_METRICS: dict[str, Any] = {
+    "episodes": func.count(Episode.id),
+    "failed": func.sum(case((_OK, 0), else_=1)),
+    "h2d_bytes": _ok_sum(Episode.h2d_weight_bytes + Episode.h2d_index_bytes, BigInteger),
+    "prefill_h2d_bytes": _ok_sum(Episode.prefill_h2d_bytes, BigInteger),
+    "decode_h2d_bytes": _ok_sum(Episode.decode_h2d_bytes, BigInteger),
+    "d2h_bytes": _ok_sum(Episode.d2h_bytes, BigInteger),
+    "wall_s": _ok_sum(Episode.wall_s, Float),
+    "call_s": _ok_sum(Episode.call_s, Float),
+    "peak_allocated_bytes": func.max(case((_OK, Episode.peak_allocated_bytes))),
+    "peak_sampled_bytes": func.max(case((_OK, Episode.peak_sampled_bytes))),
+}
+_COUNTS = ("episodes", "failed")  # no ratio: they say what the totals cover
+
+
+@dataclass(frozen=True, slots=True)
+class CompareSide:
+    screen_id: int
+    protocol: str
+    protocol_sha256: str
+    attempt: int
+    attempt_status: str
+
+
+@dataclass(frozen=True, slots=True)
+class MetricPair:
+    condition: str
+    metric: str
+    a: float | int | None
+    b: float | int | None
+    ratio: float | None  # b / a; None when either is missing or a is 0
+
+
+@dataclass(frozen=True, slots=True)
+class VerdictPair:
+    gate: str
+    condition: str
+    phase: str
+    a_passed: bool | None  # None: screen A has no such verdict
+    a_value: float | None
+    b_passed: bool | None
+    b_value: float | None
+
+
+@dataclass(frozen=True, slots=True)
+class Comparison:
+    a: CompareSide
+    b: CompareSide
+    metrics: tuple[MetricPair, ...]  # by condition, then in COMPARE_METRICS order
+    verdicts: tuple[VerdictPair, ...]  # by (gate, condition, phase)
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    """b / a, or None when it is undefined."""
+    if a is None or b is None or a == 0:
+        return None
+    return b / a
+
+
+def _side(session: Session, ref: int | str) -> tuple[CompareSide, int]:
+    screen = find_screen(session, ref)
+    attempt = session.scalars(
+        select(Attempt).where(Attempt.screen_id == screen.id).order_by(Attempt.number.desc()).limit(1)
+    ).first()
+    if attempt is None:
+        raise NotFound(
+            f"screen {screen.id} has not run yet, so there is nothing to compare; "
+            f"run it with `packbench dispatch`"
+        )
+    protocol = session.get_one(Protocol, screen.protocol_id)
+    side = CompareSide(screen_id=screen.id, protocol=protocol.name, protocol_sha256=protocol.sha256,
+                       attempt=attempt.number, attempt_status=attempt.status)
+    return side, attempt.id
+
+
+def _totals(session: Session, attempt_id: int) -> dict[str, dict[str, Any]]:
+    query = (
+        select(Episode.condition, *COMPARE_METRICS.values())
+        .where(Episode.attempt_id == attempt_id, Episode.role == "scored")
+        .group_by(Episode.condition)
+    )
+    return {row[0]: dict(zip(COMPARE_METRICS, row[1:])) for row in session.execute(query)}
+
+
+def _verdicts(session: Session, attempt_id: int) -> dict[tuple[str, str, str], tuple[bool, float | None]]:
+    query = select(Verdict.gate, Verdict.condition, Verdict.phase, Verdict.passed, Verdict.value).where(
+        Verdict.attempt_id == attempt_id
+    )
+    return {(g, c, p): (passed, value) for g, c, p, passed, value in session.execute(query)}
+
+
+def compare(session: Session, ref_a: int | str, ref_b: int | str) -> Comparison:
+    """Scored-episode totals per condition and verdicts of two screens' latest attempts."""
+    side_a, attempt_a = _side(session, ref_a)
+    side_b, attempt_b = _side(session, ref_b)
+    totals_a, totals_b = _totals(session, attempt_a), _totals(session, attempt_b)
+    metrics = []
+    for condition in sorted(set(totals_a) | set(totals_b)):
+        a, b = totals_a.get(condition, {}), totals_b.get(condition, {})
+        for metric in COMPARE_METRICS:
+            value_a, value_b = a.get(metric), b.get(metric)
+            metrics.append(
+                MetricPair(
+                    condition=condition, metric=metric, a=value_a, b=value_b,
+                    ratio=None if metric in _COUNTS else ratio(value_a, value_b),
+                )
+            )
+    verdicts_a, verdicts_b = _verdicts(session, attempt_a), _verdicts(session, attempt_b)
+    verdicts = []
+    for key in sorted(set(verdicts_a) | set(verdicts_b)):
+        a_passed, a_value = verdicts_a.get(key, (None, None))
+        b_passed, b_value = verdicts_b.get(key, (None, None))
+        verdicts.append(VerdictPair(*key, a_passed=a_passed, a_value=a_value,
+                                    b_passed=b_passed, b_value=b_value))
+    return Comparison(a=side_a, b=side_b, metrics=tuple(metrics), verdicts=tuple(verdicts))

@@ -1,0 +1,311 @@
+"""`packbench results | screens list | screens show | compare`, the schema refusal and bad input.
+
+Output formats run in-process (typer's CliRunner, fast); refusal and bad input run the real
+command line in a subprocess (`python -m cli`), because exit codes and the one-line error come
+from `cli.main.main()`.
+"""
+
+import csv
+import io
+import json
+import os
+import sqlite3
+import subprocess
+import sys
+import uuid
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from cli.main import app
+from core.errors import PackbenchError
+from db.queries import GATES
+from db.store import Store
+
+ROOT = Path(__file__).resolve().parents[2]
+TABLES = ("protocols", "machines", "screens", "attempts", "episodes", "verdicts", "audits")
+PG_ENV = "PACKBENCH_TEST_PG_URL"
+
+
+def body(name: str, model: str, dtype: str) -> str:
+    return json.dumps({"name": name, "model": {"path": model}, "dtype": dtype}, sort_keys=True)
+
+
+def episode(plan_index: int, condition: str, *, role: str = "scored", h2d: int = 1000, ok: bool = True) -> dict:
+    record = {"plan_index": plan_index, "condition": condition, "role": role, "prompt": plan_index // 2,
+              "status": "ok" if ok else "failed", "error": None if ok else "boom", "tokens": [1, 2],
+              "wall_s": 1.0, "call_s": 0.5, "h2d_weight_bytes": h2d, "h2d_index_bytes": 0, "d2h_bytes": 4}
+    return record
+
+
+def verdict(gate: str, condition: str, passed: bool, value: float = 0.0) -> dict:
+    return {"gate": gate, "condition": condition, "phase": "all", "passed": passed, "value": value,
+            "threshold": 0.5, "interval": None, "episodes": [], "detail": ""}
+
+
+def seed(url: str) -> None:
+    """Screen 1 (tiny/float32, passes), screen 2 (opt-1.3b/float16, packet fails faithfulness,
+    one failed episode), screen 3 queued."""
+    with Store(url) as store:
+        store.upgrade()
+        tiny = store.put_protocol(sha256="ab" * 32, name="quickstart", canonical_json=body("quickstart", "models/tiny", "float32"))
+        big = store.put_protocol(sha256="cd" * 32, name="big", canonical_json=body("big", "/models/opt-1.3b", "float16"))
+        h200 = store.put_machine(host="box-a", gpu_name="NVIDIA H200", driver="570", torch="2.11", cuda="12.8")
+        for protocol_id, packet_bytes, packet_ok in ((tiny, 300, True), (big, 600, False)):
+            screen_id = store.create_screen(protocol_id=protocol_id, submitter="alice")
+            attempt = store.start_attempt(screen_id=screen_id, worker="w", node="node-1", gpu_name="NVIDIA H200",
+                                          gpu_index=0, machine_id=h200, source_freeze={}, archive_path="a.zip")
+            store.put_episodes(attempt.id, [episode(0, "dense-stream"), episode(1, "packet", h2d=packet_bytes),
+                                            episode(2, "dense-stream"), episode(3, "packet", ok=packet_ok)])
+            store.put_verdicts(attempt.id, [verdict("faithfulness", "dense-stream", True),
+                                            verdict("faithfulness", "packet", packet_ok),
+                                            verdict("acquisition", "packet", True, packet_bytes / 1000)])
+            store.finish_attempt(attempt.id, status="done", archive_sha256="e" * 64)
+        store.create_screen(protocol_id=tiny, submitter="bob")
+
+
+@pytest.fixture(scope="module")
+def db(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("query") / "packbench.db"
+    seed(f"sqlite:///{path}")
+    return path
+
+
+def invoke(db: Path, *args: str):
+    result = CliRunner().invoke(app, [*args, "--db", f"sqlite:///{db}"])
+    if result.exception is not None and not isinstance(result.exception, SystemExit):
+        raise result.exception
+    assert result.exit_code == 0, result.output
+    return result
+
+
+# -- formats (in-process) ----------------------------------------------------------------------
+
+
+def test_results_screen_view_is_unchanged(db):
+    """`results --screen N --json` keeps the summary shape `submit --json` prints."""
+    summary = json.loads(invoke(db, "results", "--screen", "2", "--json").stdout)
+    assert set(summary) == {"screen_id", "status", "protocol", "protocol_sha256", "attempt", "archive_path",
+                            "archive_sha256", "error", "verdicts", "episodes"}
+    assert summary["screen_id"] == 2 and [e["index"] for e in summary["episodes"]] == [0, 1, 2, 3]
+    assert set(summary["episodes"][0]) == {"index", "condition", "role", "prompt", "status", "tokens", "h2d_bytes",
+                                           "d2h_bytes", "wall_s"}
+    assert json.loads(invoke(db, "results", "--json").stdout)["screen_id"] == 3  # default: latest
+    assert invoke(db, "results", "--screen", "1").stdout.startswith("screen 1 (quickstart, done)")
+
+
+def test_results_listing_json_filters(db):
+    rows = json.loads(invoke(db, "results", "--dtype", "float16", "--condition", "packet", "--format", "json").stdout)
+    assert [(r["screen_id"], r["plan_index"], r["status"], r["model"]) for r in rows] == [
+        (2, 1, "ok", "/models/opt-1.3b"), (2, 3, "failed", "/models/opt-1.3b")]
+    assert "gate" not in rows[0] and rows[0]["started_at"].endswith("+00:00")
+    # --json is --format json; --screen narrows a listing.
+    assert len(json.loads(invoke(db, "results", "--screen", "1", "--status", "ok", "--json").stdout)) == 4
+    failed = json.loads(invoke(db, "results", "--gate", "faithfulness", "--failed", "--json").stdout)
+    assert [(r["screen_id"], r["condition"], r["passed"]) for r in failed] == [(2, "packet", False)] * 2
+    assert json.loads(invoke(db, "results", "--protocol", "nothing", "--json").stdout) == []
+
+
+def test_results_listing_csv_and_table(db):
+    text = invoke(db, "results", "--gate", "acquisition", "--machine", "h200", "--format", "csv").stdout
+    rows = list(csv.DictReader(io.StringIO(text)))
+    assert len(rows) == 4 and {r["gate"] for r in rows} == {"acquisition"}
+    assert [r["value"] for r in rows] == ["0.3", "0.3", "0.6", "0.6"]
+    assert rows[0]["peak_sampled_bytes"] == "" and rows[0]["h2d_bytes"] == "300"
+    table = invoke(db, "results", "--protocol", "ab", "--since", "2000-01-01").stdout.splitlines()
+    assert table[0].split()[:3] == ["screen_id", "attempt", "protocol"] and len(table) == 5
+    assert invoke(db, "results", "--until", "2000-01-01").stdout.strip() == "no episodes match"
+
+
+def test_results_limit_says_more_matched(db):
+    result = invoke(db, "results", "--limit", "3", "--json")
+    assert len(json.loads(result.stdout)) == 3
+    assert "--limit 0" in result.stderr
+    result = invoke(db, "results", "--limit", "0", "--json")
+    assert len(json.loads(result.stdout)) == 8 and result.stderr == ""
+
+
+def test_screens_list_and_show(db):
+    listed = json.loads(invoke(db, "screens", "list", "--json").stdout)
+    assert [(s["id"], s["status"], s["attempts"], s["passed"], s["failed"]) for s in listed] == [
+        (3, "queued", 0, 0, 0), (2, "done", 1, 2, 1), (1, "done", 1, 3, 0)]
+    table = invoke(db, "screens", "list", "--status", "done").stdout.splitlines()
+    assert table[0].split() == ["id", "protocol", "protocol_sha256", "status", "created_at", "attempts", "passed",
+                                "failed"]
+    assert [line.split()[0] for line in table[1:]] == ["2", "1"]
+    shown = json.loads(invoke(db, "screens", "show", "2", "--json").stdout)
+    [attempt] = shown["attempts"]
+    assert (attempt["attempt"]["status"], attempt["episodes"], attempt["failed_episodes"]) == ("done", 4, 1)
+    assert [v["passed"] for v in attempt["verdicts"]] == [True, True, False]
+    text = invoke(db, "screens", "show", "2").stdout
+    assert "big" in text and "FAIL" in text and "none; run `packbench audit`" in text
+    assert "no attempts yet" in invoke(db, "screens", "show", "latest").stdout
+
+
+def test_compare(db):
+    c = json.loads(invoke(db, "compare", "1", "2", "--json").stdout)
+    h2d = {m["condition"]: m for m in c["metrics"] if m["metric"] == "h2d_bytes"}
+    # Totals over ok scored episodes: screen 2's failed packet episode adds nothing and is counted.
+    assert (h2d["packet"]["a"], h2d["packet"]["b"]) == (1300, 600)
+    assert h2d["packet"]["ratio"] == pytest.approx(600 / 1300)
+    failed = {m["condition"]: (m["a"], m["b"]) for m in c["metrics"] if m["metric"] == "failed"}
+    assert failed == {"dense-stream": (0, 0), "packet": (0, 1)}
+    assert (h2d["dense-stream"]["a"], h2d["dense-stream"]["ratio"]) == (2000, 1.0)
+    faith = [v for v in c["verdicts"] if v["gate"] == "faithfulness" and v["condition"] == "packet"]
+    assert [(v["a_passed"], v["b_passed"]) for v in faith] == [(True, False)]
+    text = invoke(db, "compare", "1", "2").stdout
+    assert "A: screen 1 (quickstart" in text and "B/A" in text and "FAIL" in text
+
+
+def test_format_options_are_checked(db):
+    for args in (["--format", "xml"], ["--format", "csv", "--json"], ["--limit", "-1"]):
+        with pytest.raises(PackbenchError):
+            invoke(db, "results", *args)
+
+
+# -- the real command line: refusal and bad input ----------------------------------------------
+
+
+def cli_start(*args: str, url: str, cwd: Path) -> subprocess.Popen:
+    env = dict(os.environ, PACKBENCH_DB_URL=url, PYTHONPATH=str(ROOT), RAY_AUTH_MODE="disabled")
+    return subprocess.Popen([sys.executable, "-m", "cli", *args], cwd=cwd, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def cli(*args: str, url: str, cwd: Path) -> subprocess.CompletedProcess:
+    process = cli_start(*args, url=url, cwd=cwd)
+    stdout, stderr = process.communicate(timeout=120)
+    return subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
+
+
+def assert_one_line_error(r: subprocess.CompletedProcess, *fragments: str) -> str:
+    assert r.returncode == 2, (r.returncode, r.stdout, r.stderr)
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in r.stderr, r.stderr
+    for fragment in fragments:
+        assert fragment in lines[0], lines[0]
+    return lines[0]
+
+
+def row_counts(path: Path) -> dict[str, int]:
+    with sqlite3.connect(f"file:{path}?mode=ro", uri=True) as connection:
+        return {t: connection.execute(f"SELECT count(*) FROM {t}").fetchone()[0] for t in TABLES}
+
+
+def test_old_schema_is_refused_by_every_command_but_db(tmp_path):
+    path = tmp_path / "old.db"
+    url = f"sqlite:///{path}"
+    with Store(url) as store:
+        store.upgrade("0001_initial")
+    head = Store.head()
+    commands = (["results"], ["results", "--gate", "runtime"], ["screens", "list"], ["screens", "show", "1"],
+                ["compare", "1", "2"], ["audit", "latest"], ["dispatch"], ["submit", "protocol.yaml"])
+    # Started together: each is mostly interpreter start-up, and the box has more than one core.
+    running = [(args, cli_start(*args, url=url, cwd=tmp_path)) for args in commands]
+    for args, process in running:
+        stdout, stderr = process.communicate(timeout=120)
+        result = subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
+        message = assert_one_line_error(result, "`packbench db upgrade`", head)
+        assert "0001_initial" in message, (args, message)
+    current = cli("db", "current", url=url, cwd=tmp_path)
+    assert current.returncode == 0 and "0001_initial" in current.stdout and "packbench db upgrade" in current.stdout
+    assert cli("db", "history", url=url, cwd=tmp_path).stdout.startswith(f"{head}:")
+    assert cli("db", "upgrade", url=url, cwd=tmp_path).returncode == 0
+    assert cli("screens", "list", url=url, cwd=tmp_path).stdout.startswith("no screens")
+
+
+@pytest.fixture()
+def stored(db, tmp_path) -> Path:
+    """A private copy of the seeded database, whose rows must survive every bad command."""
+    path = tmp_path / "stored.db"
+    with sqlite3.connect(db) as source, sqlite3.connect(path) as copy:
+        source.backup(copy)
+    return path
+
+
+@pytest.mark.parametrize(
+    ("case", "args", "fragments"),
+    [
+        ("unreachable", ["results", "--protocol", "big"], ["127.0.0.1:1", "connection refused", "PACKBENCH_DB_URL"]),
+        ("no such role", ["screens", "list"], ['role "nosuchuser" does not exist', "PACKBENCH_DB_URL"]),
+        ("no such database", ["results"], ['database "pb_no_such_db" does not exist', "createdb pb_no_such_db"]),
+        ("scheme", ["results"], ["unsupported database URL scheme 'mysql'", "PACKBENCH_DB_URL"]),
+        ("unknown gate", ["results", "--gate", "speed"], ["unknown gate 'speed'", *GATES]),
+        ("unknown status", ["results", "--status", "done"], ["unknown episode status 'done'", "ok, failed"]),
+        ("bad date", ["results", "--since", "last week"], ["--since 'last week' is not an ISO date"]),
+        ("unknown screen", ["screens", "show", "42"], ["no screen with id 42", "packbench screens list"]),
+    ],
+)
+def test_bad_input_is_one_line_and_loses_nothing(stored, tmp_path, case, args, fragments):
+    urls = {
+        "unreachable": "postgresql+psycopg://postgres@127.0.0.1:1/test",
+        # Trust auth lets any existing role in without a password; a missing role or
+        # database is still refused by the server.
+        "no such role": "postgresql+psycopg://nosuchuser@127.0.0.1:5432/test",
+        "no such database": "postgresql+psycopg://postgres@127.0.0.1:5432/pb_no_such_db",
+        "scheme": "mysql://u@db.example/packbench",
+    }
+    if case in ("no such role", "no such database") and not os.environ.get(PG_ENV):
+        pytest.skip(f"{PG_ENV} is not set: no PostgreSQL server to ask")
+    before = row_counts(stored)
+    assert_one_line_error(cli(*args, url=urls.get(case, f"sqlite:///{stored}"), cwd=tmp_path), *fragments)
+    assert row_counts(stored) == before
+
+
+def test_read_only_sqlite(stored, tmp_path, tiny):
+    """Reading a read-only file works; writing (a migration, a submit) fails in one line."""
+    read_only = f"sqlite:///file:{stored}?mode=ro&uri=true"
+    before = row_counts(stored)
+    assert cli("results", "--json", url=read_only, cwd=tmp_path).returncode == 0
+    protocol = yaml.safe_load((ROOT / "protocols" / "quickstart.yaml").read_text())
+    protocol["model"]["path"] = str(tiny)
+    (tmp_path / "p.yaml").write_text(yaml.safe_dump(protocol))
+    assert_one_line_error(cli("submit", "p.yaml", url=read_only, cwd=tmp_path), "read-only", "writable")
+    assert row_counts(stored) == before
+
+    old = tmp_path / "old.db"
+    with Store(f"sqlite:///{old}") as store:
+        store.upgrade("0001_initial")
+    assert_one_line_error(cli("db", "upgrade", url=f"sqlite:///file:{old}?mode=ro&uri=true", cwd=tmp_path),
+                          "read-only", "writable")
+    with Store(f"sqlite:///{old}") as store:
+        assert store.current() == "0001_initial"
+
+
+@contextmanager
+def pg_schema(base: str):
+    """A fresh schema on the test server, dropped afterwards (as tests/db/conftest.py does)."""
+    from sqlalchemy import create_engine
+    from sqlalchemy.engine import make_url
+    from sqlalchemy.pool import NullPool
+
+    schema = f"pb_{uuid.uuid4().hex[:16]}"
+    admin = create_engine(base, poolclass=NullPool)
+    with admin.begin() as connection:
+        connection.exec_driver_sql(f'CREATE SCHEMA "{schema}"')
+    try:
+        yield make_url(base).update_query_dict({"options": f"-csearch_path={schema}"}).render_as_string(
+            hide_password=False)
+    finally:
+        with admin.begin() as connection:
+            connection.exec_driver_sql(f'DROP SCHEMA "{schema}" CASCADE')
+        admin.dispose()
+
+
+def test_postgresql_gives_the_same_listing(db, tmp_path):
+    base = os.environ.get(PG_ENV)
+    if not base:
+        pytest.skip(f"{PG_ENV} is not set")
+    args = ["results", "--gate", "faithfulness", "--failed", "--json"]
+    expected = json.loads(cli(*args, url=f"sqlite:///{db}", cwd=tmp_path).stdout)
+    with pg_schema(base) as url:
+        seed(url)
+        r = cli(*args, url=url, cwd=tmp_path)
+        assert r.returncode == 0, r.stderr
+        got = json.loads(r.stdout)
+    drop = ("started_at",)  # set at insert time
+    assert [{k: v for k, v in row.items() if k not in drop} for row in got] == [
+        {k: v for k, v in row.items() if k not in drop} for row in expected]
