@@ -20,17 +20,28 @@ dtype: float16
 prompts: {generator: {seed: 0, count: 2}}
 prefix_tokens: 64
 continuation_tokens: 8
-conditions: [{policy: dense-stream}, {policy: packet}, {policy: resident}]
+conditions:
+  - {policy: dense-stream}
+  - {policy: resident}
+  - {policy: sparse-extents}
+  - {policy: packet}
+  - {name: packet-device, policy: packet, params: {gather: device}}
+  - {policy: phase-switched}
+  - {policy: row-retention, params: {rows_per_layer: 256}}
+  - {policy: early-forecast}
 reference: dense-stream
 warmups: 1
 allowance_mib: 4800
-gates: {faithfulness: {tolerance: 0.0}, acquisition: {control: dense-stream, max_ratio: 0.5}}
+gates:
+  faithfulness: {tolerance: 0.0}
+  resources: {}
+  acquisition: {control: dense-stream, max_ratio: 0.5}
+  runtime: {control: dense-stream, max_ratio: 1.0}
 YAML
 export PACKBENCH_DB_URL="sqlite:///$work/pb.db"
 python3 -m cli db upgrade
-python3 -m cli submit "$work/p.yaml" --wait --archive-dir "$work/archives" 2>&1 | tail -8
+python3 -m cli submit "$work/p.yaml" --wait --archive-dir "$work/archives" 2>&1 | grep -v "^  episode" | tail -32
 python3 -m cli audit latest 2>&1 | tail -2
-python3 -m cli results --screen latest --json | python3 -c "import json,sys; d=json.load(sys.stdin); print([(e['condition'], e['h2d_bytes'], round(e['wall_s'],4)) for e in d['episodes']])"
 
 echo "== benchmark"
 python3 -m bench.engine "$@"

@@ -142,3 +142,24 @@ def test_a_worker_failure_is_recorded_with_its_partial_archive(workdir, env, tin
     assert summary["status"] == "failed" and "lacks 1 tensors" in summary["error"]
     reader = ArchiveReader(Path(summary["archive_path"]))
     assert not reader.complete and reader.names == ["protocol.json"]
+
+
+def test_schema2_screen_with_synthetic_model_and_token_file(screen, workdir, env, tmp_path):
+    """Every gate, a model generated on the worker, prompts from a file: submit, then dispatch."""
+    data = ROOT / "tests" / "data"
+    for name in ("gates-v2.yaml", "gates-v2-prompts.json"):
+        (tmp_path / name).write_bytes((data / name).read_bytes())
+    env = dict(env, PACKBENCH_MODEL_CACHE=str(tmp_path / "models"))
+    queued = cli("submit", str(tmp_path / "gates-v2.yaml"), cwd=workdir, env=env)
+    assert queued.returncode == 0 and "queued screen" in queued.stdout, queued.stderr
+    out = cli("dispatch", "--json", cwd=workdir, env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    summary = json.loads(out.stdout)
+    verdicts = {(v["gate"], v["condition"], v["phase"]): v["passed"] for v in summary["verdicts"]}
+    assert all(passed for (gate, _, _), passed in verdicts.items() if gate == "faithfulness")
+    assert verdicts[("capacity", "packet", "all")] is False  # the tiny model fits 1 MiB: preserved failure
+    assert verdicts[("resources", "packet", "all")] is False  # nothing samples GPU memory on the CPU
+    assert verdicts[("acquisition", "packet", "decode")] is True
+    assert any((tmp_path / "models").iterdir())  # the worker generated the checkpoint
+    audit = cli("audit", str(summary["screen_id"]), "--json", cwd=workdir, env=env)
+    assert audit.returncode == 0 and json.loads(audit.stdout)["result"] == "agree", audit.stdout[-2000:]
