@@ -12,11 +12,11 @@ _TYPESTR = {torch.float16: "<f2", torch.float32: "<f4", torch.bfloat16: "<u2"}  
 class _Interface:
     def __init__(self, t: torch.Tensor) -> None:
         self.__cuda_array_interface__ = {"shape": tuple(t.shape), "typestr": _TYPESTR[t.dtype],
-                                         "data": (t.data_ptr(), True), "version": 3, "strides": None}
+                                         "data": (t.data_ptr(), False), "version": 3, "strides": None}
 
 
 def cuda_view(t: torch.Tensor) -> torch.Tensor:
-    """A read-only-by-convention CUDA view of a pinned, contiguous host tensor (no copy).
+    """A CUDA view (never written through, by convention) of a pinned, contiguous host tensor (no copy).
 
     The caller keeps `t` alive for as long as the view is used.
     """
