@@ -151,6 +151,7 @@ def main() -> None:
     keys = ("decode_ms", "prefill_s", "decode_h2d", "prefill_h2d", "peak_sampled", "peak_alloc", "exact",
             "failed", "wasted", "wait_ms", "device_bytes")
     rows: dict[str, dict[str, list]] = {p: {k: [] for k in keys} for p in policies}
+    total = torch.cuda.get_device_properties(device).total_memory if cuda else 0
     for r in range(args.rounds):
         for i, prompt in enumerate(prompts):
             k = (r * len(prompts) + i) % len(policies)
@@ -158,6 +159,10 @@ def main() -> None:
                 row = rows[name]
                 policy, params, sampling = parse_condition(name)
                 sampler = MemorySampler(handle if sampling else None)
+                unbounded = params.pop("unbounded", None) == "yes"
+                if cuda:  # "unbounded" conditions run without the allowance (resident, for reference)
+                    torch.cuda.set_per_process_memory_fraction(
+                        1.0 if unbounded else (args.allowance_mib * MIB - context) / total, device)
                 try:
                     model.use(policy, **params)
                     sampler.start()
@@ -197,12 +202,14 @@ def main() -> None:
           f"{args.prompts} prompts x {args.prefix} + {args.continuation} tokens, {args.rounds} rounds, alternated\n")
     print(f"{'condition':15}{'decode ms':>10}{'p10-p90':>14}{'prefill s':>10}{'H2D/decode':>14}{'H2D/prefill':>15}"
           f"{'wasted/dec':>11}{'wait ms':>8}{'peak smp MiB':>13}{'alloc MiB':>10} exact")
-    res = {}
+    res, failures = {}, []
     for name in policies:
         row = rows[name]
         if not row["decode_ms"]:
             print(f"{name:15} FAILED x{len(row['failed'])}: {row['failed'][0] if row['failed'] else ''}")
             continue
+        if row["failed"]:
+            failures.append(f"{name}: {len(row['failed'])} failed, first: {row['failed'][0]}")
         d = np.array(row["decode_ms"])
         res[name] = float(np.median(d))
         print(f"{name:15}{np.median(d):10.2f}{np.percentile(d, 10):7.2f}-{np.percentile(d, 90):6.2f}"
@@ -217,14 +224,19 @@ def main() -> None:
         print(f"{'accelerate':15}{np.median(d):10.2f}{np.percentile(d, 10):7.2f}-{np.percentile(d, 90):6.2f}"
               f"{statistics.median(acc['prefill_s']):10.3f}{'-':>14}{'-':>15}{'-':>11}{'-':>8}"
               f"{acc['peak_sampled'] / MIB:13.0f}{acc['peak_alloc'] / MIB:10.0f} {all(acc['exact'])}")
+    for line in failures:
+        print(line)
     if cuda and "dense-stream" in res:
         per_call = statistics.mean(rows["dense-stream"]["decode_h2d"])
         gbps = per_call / (res["dense-stream"] / 1e3) / 1e9
         print(f"\ndense-stream decode moves {gbps:.1f} GB/s = {gbps / bw:.0%} of the pinned copy bandwidth")
-    if "packet" in res and "resident" in res:
-        print(f"packet / resident decode: {res['packet'] / res['resident']:.2f}x")
-    if "packet" in res and "accelerate" in res:
-        print(f"accelerate / packet decode: {res['accelerate'] / res['packet']:.2f}x")
+    resident = res.get("resident", res.get("resident+unbounded=yes"))
+    for name in ("packet", "packet+gather=device"):
+        if name in res and resident:
+            print(f"{name} / resident decode: {res[name] / resident:.2f}x")
+    for name in ("packet", "packet+gather=device"):
+        if name in res and "accelerate" in res:
+            print(f"accelerate / {name} decode: {res['accelerate'] / res[name]:.2f}x")
 
 
 if __name__ == "__main__":
