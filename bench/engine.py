@@ -11,6 +11,7 @@ own phase (both models would not fit one allowance), on the same prompts.
 """
 
 import argparse
+import os
 import statistics
 import tempfile
 import time
@@ -117,6 +118,8 @@ def main() -> None:
     ap.add_argument("--accelerate", action="store_true", help="also run accelerate's device_map offload")
     ap.add_argument("--device", default="cuda:0" if torch.cuda.is_available() else "cpu")
     args = ap.parse_args()
+    # As the worker actor does (cluster/worker.py); read when CUDA's allocator starts.
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 
     device = torch.device(args.device)
     cuda = device.type == "cuda"
