@@ -42,7 +42,7 @@ def process_used_bytes(handle) -> tuple[int, str]:
 class MemorySampler:
     """Samples device memory used every `period_s` (<= 5 ms) between start() and stop()."""
 
-    def __init__(self, handle, *, period_s: float = 0.002) -> None:
+    def __init__(self, handle, *, period_s: float = 0.005) -> None:
         self.handle, self.period_s = handle, period_s
         self.peak_bytes: int | None = None
         self.samples = 0
