@@ -251,6 +251,9 @@ class _Audit:
             if rec.get("status") == "ok" and logits is None and not complete and logits_name not in names:
                 continue  # interrupted between the record and its logits: not recorded yet
             recorded.append(i)
+            trace_name = f"traces/{i:05d}.npy"
+            if rec.get("status") == "ok" and trace_name in readable:
+                self.check_trace(trace_name, self.read(reader, trace_name, "array"), rec)
             if rec.get("status") == "ok":
                 for p in _episode_problems(name, rec, logits, full):
                     self.add(p)
@@ -277,6 +280,20 @@ class _Audit:
             self.problems += _compare_verdicts(verdicts, db_verdicts, "database")
         if db_episodes is not None:
             self.problems += _compare_episodes(episodes, db_episodes)
+
+    def check_trace(self, name: str, trace: Any, rec: dict) -> None:
+        """The sampled peak a record states must be the largest sample of its memory trace."""
+        if trace is None:
+            return
+        memory = rec.get("memory") if isinstance(rec.get("memory"), dict) else {}
+        stated = memory.get("peak_sampled_bytes")
+        if getattr(trace, "ndim", 0) != 2 or trace.shape[1:] != (2,):
+            self.add(f"{name}: a memory trace is (samples, 2) [seconds, bytes]")
+        elif trace.shape[0] == 0:
+            if stated is not None:
+                self.add(f"{name}: empty trace but peak_sampled_bytes {stated!r}")
+        elif stated != int(trace[:, 1].max()):
+            self.add(f"{name}: peak_sampled_bytes {stated!r} != {int(trace[:, 1].max())} recomputed from the trace")
 
     def check_plan(self, stored: Any, entries: list[dict], full: dict) -> None:
         got = stored.get("entries") if isinstance(stored, dict) else None

@@ -11,6 +11,8 @@ import os
 import threading
 import time
 
+import numpy as np
+
 
 def nvml_handle(device_index: int):
     """The NVML handle of torch's CUDA device `device_index` (matched by UUID: NVML ignores
@@ -49,6 +51,8 @@ class MemorySampler:
         self.sample_s = 0.0  # total time spent inside NVML calls: the sampler's own overhead
         self.energy_mj: int | None = None
         self.scope: str | None = None
+        self.trace: list[tuple[float, int]] = []  # (seconds since start, bytes) per sample
+        self._t0 = time.perf_counter()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -57,6 +61,7 @@ class MemorySampler:
         used, self.scope = process_used_bytes(self.handle)
         self.sample_s += time.perf_counter() - t0
         self.samples += 1
+        self.trace.append((t0 - self._t0, used))
         return used
 
     def _energy(self) -> int | None:
@@ -76,6 +81,7 @@ class MemorySampler:
         if self.handle is None:
             return self
         self._energy0 = self._energy()
+        self._t0 = time.perf_counter()
         self.peak_bytes = self._used()
         self._thread = threading.Thread(target=self._loop, name="packbench-nvml", daemon=True)
         self._thread.start()
@@ -90,4 +96,7 @@ class MemorySampler:
             if end is not None and self._energy0 is not None:
                 self.energy_mj = end - self._energy0
         return {"peak_sampled_bytes": self.peak_bytes, "samples": self.samples, "period_s": self.period_s,
-                "sampler_overhead_s": self.sample_s, "scope": self.scope, "energy_j": None if self.energy_mj is None else self.energy_mj / 1e3}
+                "sampler_overhead_s": self.sample_s, "scope": self.scope,
+                "energy_j": None if self.energy_mj is None else self.energy_mj / 1e3,
+                # (samples, 2) float64: seconds since start, bytes used (exact below 2**53)
+                "trace": np.array(self.trace, dtype=np.float64).reshape(-1, 2)}

@@ -129,7 +129,7 @@ class Worker:
                 torch.cuda.empty_cache()  # an OOM must not poison the next episode
             return {**record, "status": "failed", "error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}",
                     "traceback": traceback.format_exc(limit=5), "episode_s": time.perf_counter() - t0,
-                    "logits": None}
+                    "logits": None, "trace": None}
         calls = [c.to_dict() for c in out.calls]
         p = self.model.slot.policy
         context = impose(self.device, self.allowance, self.nvml) if self.device.type == "cuda" else 0
@@ -146,4 +146,4 @@ class Worker:
                            "host_rss_peak_bytes": host_rss_peak_bytes(), "context_bytes": context},
                 "sampler": {k: sampled[k] for k in ("samples", "period_s", "sampler_overhead_s", "scope")},
                 "energy_j": sampled["energy_j"],
-                "calls": calls, "logits": out.logits}
+                "calls": calls, "logits": out.logits, "trace": sampled["trace"]}

@@ -382,3 +382,22 @@ def test_a_manifest_that_lies_about_sizes_is_named_before_reading(screen, tmp_pa
                for p in report.problems)
     # The member is not trusted: episode 2 is audited without logits.
     assert "episodes/00002.json: logits do not cover every call" in report.problems
+
+
+
+def test_memory_trace_must_back_the_stated_sampled_peak(tmp_path):
+    """A record's peak_sampled_bytes is recomputed from its traces/ member."""
+    import numpy as np
+
+    from core.audit import _Audit
+
+    trace = np.array([[0.0, 100.0], [0.005, 300.0], [0.01, 200.0]])
+    for stated, ok in ((300, True), (299, False), (None, False)):
+        audit = _Audit(tmp_path / "a.zip", "0" * 64)
+        audit.check_trace("traces/00000.npy", trace, {"memory": {"peak_sampled_bytes": stated}})
+        assert (audit.problems == []) is ok, (stated, audit.problems)
+    audit = _Audit(tmp_path / "a.zip", "0" * 64)
+    audit.check_trace("traces/00000.npy", np.zeros((0, 2)), {"memory": {"peak_sampled_bytes": None}})
+    assert audit.problems == []  # on the CPU nothing is sampled
+    audit.check_trace("traces/00000.npy", np.zeros(3), {"memory": {}})
+    assert "(samples, 2)" in audit.problems[0]
