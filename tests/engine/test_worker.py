@@ -1,0 +1,58 @@
+"""The plain worker behind the Ray actor: failures are recorded and survived; recording can be off."""
+
+import numpy as np
+
+from core.plan import plan, prompts
+from core.protocol import freeze
+from engine.worker import Worker
+
+
+def body(tiny, **changes):
+    raw = {"name": "w", "model": {"path": str(tiny)}, "dtype": "float32",
+           "prompts": {"generator": {"seed": 0, "count": 1}}, "prefix_tokens": 8, "continuation_tokens": 3,
+           "conditions": [{"policy": "dense-stream"}, {"policy": "packet"},
+                          {"name": "broken", "policy": "packet", "params": {"gather": "device"}}],
+           "reference": "dense-stream", "warmups": 1, "allowance_mib": 64,
+           "gates": {"faithfulness": {}}, **changes}
+    return freeze(raw).body
+
+
+def run_all(tiny, **changes):
+    b = body(tiny, **changes)
+    worker = Worker(device="cpu")
+    start = worker.load(b, str(tiny))
+    ids = prompts(b, vocab=start["vocab"])
+    return start, [worker.run(e, ids[e["prompt"]]) for e in plan(b)]
+
+
+def test_a_failing_episode_is_recorded_and_the_next_one_runs(tiny):
+    start, records = run_all(tiny)
+    by_condition = {r["condition"]: r for r in records}
+    broken = by_condition["broken"]
+    assert broken["status"] == "failed" and "gather=device needs CUDA" in broken["error"]
+    assert broken["logits"] is None and "\n" not in broken["error"]
+    assert by_condition["packet"]["status"] == "ok" and by_condition["dense-stream"]["status"] == "ok"
+    after = [r for r in records if r["plan_index"] > broken["plan_index"]]
+    assert all(r["status"] == "ok" for r in after)
+    assert start["cpu_first"] and start["param_bytes"] == start["device_param_bytes"] + start["host_outgoing_bytes"]
+
+
+def test_record_fields_the_gates_read(tiny):
+    _, records = run_all(tiny)
+    r = next(r for r in records if r["condition"] == "packet")
+    assert r["first_logit_since_entry_s"] > 0 and r["wall_s"] >= r["call_s"] > 0
+    assert r["phases"]["prefill"]["calls"] == 1 and r["phases"]["decode"]["calls"] == 2
+    assert r["memory"]["kv_bytes"] > 0 and r["memory"]["peak_sampled_bytes"] is None  # no NVML on the CPU
+    assert r["trace"].shape == (0, 2)
+
+
+def test_recording_off_keeps_logits_and_drops_the_ledger(tiny):
+    _, on = run_all(tiny)
+    _, off = run_all(tiny, recording=False)
+    for a, b in zip(on, off):
+        if a["status"] != "ok":
+            continue
+        assert np.array_equal(a["logits"], b["logits"]) and a["tokens"] == b["tokens"]
+        assert b["h2d_weight_bytes"] == 0 and b["d2h_bytes"] == 0
+        assert [c["wall_s"] > 0 for c in b["calls"]] == [True] * 3  # calls are still timed
+    assert sum(a["h2d_weight_bytes"] for a in on if a["status"] == "ok") > 0
