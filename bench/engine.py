@@ -25,7 +25,7 @@ from engine.episode import run_episode
 from engine.model import CpuFirstModel
 from engine.policies import POLICIES
 from engine.allowance import impose
-from engine.sampler import MemorySampler, nvml_handle
+from engine.sampler import MemorySampler, device_uuid, nvml_handle
 from engine.shapes import dtype_of
 from engine.synth import synth_checkpoint
 
@@ -35,7 +35,7 @@ PARAMS = {"sparse-extents": {"block_rows": 128}, "row-retention": {"rows_per_lay
 
 def parse_condition(spec: str) -> tuple[str, dict, bool]:
     """`policy[+key=value...]` -> (policy, params, sampler on). `+sampler=off` runs the episode
-    without the NVML sampler thread, so its overhead shows up as a paired difference."""
+    without the NVML sampler, so its overhead shows up as a paired difference."""
     policy, *pairs = spec.split("+")
     params, sampler = dict(PARAMS.get(policy, {})), True
     for pair in pairs:
@@ -65,7 +65,7 @@ def pinned_h2d_gbps(device: torch.device, mib: int = 256, reps: int = 10) -> flo
 
 
 def accelerate_episodes(model_dir: Path, dtype: torch.dtype, prompts, continuation: int, allowance_mib: int,
-                        handle) -> dict:
+                        uuid: str | None) -> dict:
     """Greedy decode through accelerate's device_map="auto" offload at the same max_memory."""
     from transformers import AutoModelForCausalLM, DynamicCache
 
@@ -75,9 +75,10 @@ def accelerate_episodes(model_dir: Path, dtype: torch.dtype, prompts, continuati
                                                  attn_implementation="eager")
     model.eval()
     out = {"decode_ms": [], "prefill_s": [], "logits": [], "tokens": [], "peak_sampled": 0, "peak_alloc": 0}
+    sampler = MemorySampler(uuid)
     torch.cuda.reset_peak_memory_stats()
     for prompt in prompts:
-        sampler = MemorySampler(handle).start()
+        sampler.start()
         cache, ids, rows, toks = DynamicCache(), torch.tensor([prompt], device="cuda"), [], []
         with torch.inference_mode():
             for call in range(continuation):
@@ -123,7 +124,9 @@ def main() -> None:
 
     device = torch.device(args.device)
     cuda = device.type == "cuda"
-    handle = nvml_handle(device.index or 0) if cuda else None
+    uuid = device_uuid(device.index or 0) if cuda else None
+    handle = nvml_handle(uuid)
+    sampler_on, sampler_off = MemorySampler(uuid), MemorySampler(None)
     bw = pinned_h2d_gbps(device)
     context = impose(device, args.allowance_mib * MIB, handle) if cuda else 0
     print(f"CUDA context and other non-allocator memory: {context / MIB:.0f} MiB")
@@ -161,7 +164,7 @@ def main() -> None:
             for name in policies[k:] + policies[:k]:  # rotate the order every episode
                 row = rows[name]
                 policy, params, sampling = parse_condition(name)
-                sampler = MemorySampler(handle if sampling else None)
+                sampler = sampler_on if sampling else sampler_off
                 unbounded = params.pop("unbounded", None) == "yes"
                 if cuda:  # "unbounded" conditions run without the allowance (resident, for reference)
                     torch.cuda.set_per_process_memory_fraction(
@@ -195,7 +198,7 @@ def main() -> None:
         del model
         torch.cuda.empty_cache()
         acc = accelerate_episodes(model_dir, dtype_of(args.dtype), prompts, args.continuation,
-                                  args.allowance_mib, handle)
+                                  args.allowance_mib, uuid)
         acc["exact"] = [np.array_equal(a, r.logits) for a, r in zip(acc["logits"], ref)]
 
     print(f"\npinned H2D bandwidth: {bw:.1f} GB/s; {device}"

@@ -1,102 +1,132 @@
-"""Device memory and energy sampled by NVML on a thread, while an episode runs.
+"""Device memory and energy sampled by NVML while an episode runs, from a separate process.
 
 The allocator's own peak misses what the allocator does not see (the CUDA context, cuBLAS
-workspaces, other libraries); the sampled value is what NVML reports this process as using on
-the device (context included). Where NVML cannot see the process (some containers), it falls
-back to the whole device's used memory, which also counts the driver's reservation, and says
-so in `scope`. The sampler measures its own cost per sample so the overhead can be reported.
+workspaces, lazily loaded kernels); the sampled value is what NVML reports the worker process
+as using on the device. Where NVML cannot see the process (some containers), it falls back to
+the whole device's used memory, which also counts the driver's reservation, and says so in
+`scope`.
+
+Why a process and not a thread: a sampler thread in the worker competes with the episode's own
+Python for the interpreter lock; on the H200 a 2 ms thread slowed packet decode by about 7 ms
+per token (docs/benchmarks.md). The sampler process shares nothing with the episode but the
+device, and reports its own cost per sample so the overhead stays visible.
 """
 
+import multiprocessing as mp
 import os
-import threading
 import time
 
 import numpy as np
 
 
-def nvml_handle(device_index: int):
-    """The NVML handle of torch's CUDA device `device_index` (matched by UUID: NVML ignores
-    CUDA_VISIBLE_DEVICES, which Ray sets), or None where NVML is unavailable."""
+def device_uuid(device_index: int) -> str | None:
+    """NVML's UUID of torch's CUDA device `device_index` (NVML ignores CUDA_VISIBLE_DEVICES,
+    which Ray sets), or None where NVML is unavailable."""
     try:
         import pynvml
         import torch
 
         pynvml.nvmlInit()
         uuid = str(torch.cuda.get_device_properties(device_index).uuid)
-        return pynvml.nvmlDeviceGetHandleByUUID(uuid if uuid.startswith("GPU-") else f"GPU-{uuid}")
+        uuid = uuid if uuid.startswith("GPU-") else f"GPU-{uuid}"
+        pynvml.nvmlDeviceGetHandleByUUID(uuid)
+        return uuid
     except Exception:
         return None
 
 
-def process_used_bytes(handle) -> tuple[int, str]:
-    """(bytes, scope): this process's device memory per NVML, else the device's used memory."""
+def nvml_handle(uuid: str | None):
+    if uuid is None:
+        return None
     import pynvml
 
+    pynvml.nvmlInit()
+    return pynvml.nvmlDeviceGetHandleByUUID(uuid)
+
+
+def process_used_bytes(handle, pid: int | None = None) -> tuple[int, str]:
+    """(bytes, scope): process `pid`'s device memory per NVML, else the device's used memory."""
+    import pynvml
+
+    pid = os.getpid() if pid is None else pid
     try:
         for p in pynvml.nvmlDeviceGetComputeRunningProcesses(handle):
-            if p.pid == os.getpid() and p.usedGpuMemory is not None:
+            if p.pid == pid and p.usedGpuMemory is not None:
                 return int(p.usedGpuMemory), "process"
     except pynvml.NVMLError:
         pass
     return int(pynvml.nvmlDeviceGetMemoryInfo(handle).used), "device"
 
 
+def _energy_mj(handle) -> int | None:
+    import pynvml
+
+    try:
+        return pynvml.nvmlDeviceGetTotalEnergyConsumption(handle)
+    except Exception:  # not every device offers the counter
+        return None
+
+
+def _serve(conn, uuid: str, pid: int, period_s: float) -> None:
+    """The sampler process: on "start", sample until "stop", then send the episode's summary."""
+    handle = nvml_handle(uuid)
+    while True:
+        if conn.recv() != "start":
+            return
+        t_start = time.perf_counter()
+        energy0 = _energy_mj(handle)
+        trace, cost, scope = [], 0.0, None
+        while True:
+            t0 = time.perf_counter()
+            used, scope = process_used_bytes(handle, pid)
+            cost += time.perf_counter() - t0
+            trace.append((t0 - t_start, used))
+            if conn.poll(period_s):
+                conn.recv()  # "stop"
+                break
+        used, scope = process_used_bytes(handle, pid)  # the state at stop counts too
+        trace.append((time.perf_counter() - t_start, used))
+        energy1 = _energy_mj(handle)
+        conn.send({"peak_sampled_bytes": max(b for _, b in trace), "samples": len(trace), "period_s": period_s,
+                   "sampler_overhead_s": cost, "scope": scope,
+                   "energy_j": None if energy0 is None or energy1 is None else (energy1 - energy0) / 1e3,
+                   "trace": np.array(trace, dtype=np.float64).reshape(-1, 2)})
+
+
+NO_SAMPLES = {"peak_sampled_bytes": None, "samples": 0, "period_s": None, "sampler_overhead_s": 0.0,
+              "scope": None, "energy_j": None}
+
+
 class MemorySampler:
-    """Samples device memory used every `period_s` (<= 5 ms) between start() and stop()."""
+    """Samples this process's device memory every `period_s` (<= 5 ms) between start() and
+    stop(), from a helper process started once. Without NVML (the CPU) it records nothing."""
 
-    def __init__(self, handle, *, period_s: float = 0.005) -> None:
-        self.handle, self.period_s = handle, period_s
-        self.peak_bytes: int | None = None
-        self.samples = 0
-        self.sample_s = 0.0  # total time spent inside NVML calls: the sampler's own overhead
-        self.energy_mj: int | None = None
-        self.scope: str | None = None
-        self.trace: list[tuple[float, int]] = []  # (seconds since start, bytes) per sample
-        self._t0 = time.perf_counter()
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+    def __init__(self, uuid: str | None, *, period_s: float = 0.005) -> None:
+        self.uuid, self.period_s = uuid, period_s
+        self._conn = self._proc = None
+        self._running = False
+        if uuid is not None:
+            parent, child = mp.get_context("spawn").Pipe()
+            self._proc = mp.get_context("spawn").Process(
+                target=_serve, args=(child, uuid, os.getpid(), period_s), name="packbench-nvml", daemon=True)
+            self._proc.start()
+            self._conn = parent
 
-    def _used(self) -> int:
-        t0 = time.perf_counter()
-        used, self.scope = process_used_bytes(self.handle)
-        self.sample_s += time.perf_counter() - t0
-        self.samples += 1
-        self.trace.append((t0 - self._t0, used))
-        return used
-
-    def _energy(self) -> int | None:
-        import pynvml
-
-        try:
-            return pynvml.nvmlDeviceGetTotalEnergyConsumption(self.handle)
-        except Exception:  # not every device offers the counter
-            return None
-
-    def _loop(self) -> None:
-        while not self._stop.is_set():
-            self.peak_bytes = max(self.peak_bytes or 0, self._used())
-            self._stop.wait(self.period_s)
-
-    def start(self) -> "MemorySampler":
-        if self.handle is None:
-            return self
-        self._energy0 = self._energy()
-        self._t0 = time.perf_counter()
-        self.peak_bytes = self._used()
-        self._thread = threading.Thread(target=self._loop, name="packbench-nvml", daemon=True)
-        self._thread.start()
-        return self
+    def start(self) -> None:
+        if self._conn is not None:
+            self._conn.send("start")
+            self._running = True
 
     def stop(self) -> dict:
-        if self._thread is not None:
-            self._stop.set()
-            self._thread.join()
-            self.peak_bytes = max(self.peak_bytes or 0, self._used())
-            end = self._energy()
-            if end is not None and self._energy0 is not None:
-                self.energy_mj = end - self._energy0
-        return {"peak_sampled_bytes": self.peak_bytes, "samples": self.samples, "period_s": self.period_s,
-                "sampler_overhead_s": self.sample_s, "scope": self.scope,
-                "energy_j": None if self.energy_mj is None else self.energy_mj / 1e3,
-                # (samples, 2) float64: seconds since start, bytes used (exact below 2**53)
-                "trace": np.array(self.trace, dtype=np.float64).reshape(-1, 2)}
+        """The summary since start(); an empty one if nothing was sampled (or never started)."""
+        if self._conn is None or not self._running:
+            return {**NO_SAMPLES, "trace": np.zeros((0, 2))}
+        self._running = False
+        self._conn.send("stop")
+        return self._conn.recv()
+
+    def close(self) -> None:
+        if self._conn is not None:
+            self._conn.send("exit")
+            self._proc.join(timeout=5)
+            self._conn = None

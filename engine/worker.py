@@ -20,7 +20,7 @@ from core.protocol import expand
 from engine.episode import run_episode
 from engine.model import CpuFirstModel
 from engine.allowance import impose
-from engine.sampler import MemorySampler, nvml_handle
+from engine.sampler import MemorySampler, device_uuid, nvml_handle
 from engine.shapes import dtype_of
 from engine.synth import synth_checkpoint
 
@@ -82,7 +82,9 @@ class Worker:
             self.device = torch.device("cuda", 0)
         self.model: CpuFirstModel | None = None
         self.conditions: dict[str, tuple[str, dict]] = {}
-        self.nvml = nvml_handle(self.device.index) if self.device.type == "cuda" else None
+        uuid = device_uuid(self.device.index) if self.device.type == "cuda" else None
+        self.nvml = nvml_handle(uuid)
+        self.sampler = MemorySampler(uuid)  # one helper process for the worker's life
 
     def describe(self) -> dict:
         return environment(self.device)
@@ -114,7 +116,7 @@ class Worker:
         record = {"plan_index": entry["index"], "condition": entry["condition"], "role": entry["role"],
                   "prompt": entry["prompt"], "policy": policy, "params": params}
         t0 = time.perf_counter()
-        sampler = MemorySampler(self.nvml)
+        sampler = self.sampler
         try:
             self.model.use(policy, **params)
             sampler.start()

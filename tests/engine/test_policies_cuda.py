@@ -63,3 +63,25 @@ def test_cuda_device_gather_ledger_matches_host_gather(tiny):
     assert [c.active_rows for c in device.calls] == [c.active_rows for c in host.calls]
     assert [c.h2d_weight_bytes for c in device.calls] == [c.h2d_weight_bytes for c in host.calls]
     assert all(sum(c.h2d_index_bytes) == 0 for c in device.calls)  # the indices never leave the GPU
+
+
+def test_cuda_sampler_process_sees_an_allocation():
+    from engine.sampler import MemorySampler, device_uuid
+
+    uuid = device_uuid(0)
+    assert uuid is not None, "NVML must see the GPU"
+    sampler = MemorySampler(uuid, period_s=0.002)
+    sampler.start()
+    before = sampler.stop()
+    sampler.start()
+    block = torch.empty(512 << 20, dtype=torch.uint8, device="cuda")
+    torch.cuda.synchronize()
+    import time
+
+    time.sleep(0.05)
+    after = sampler.stop()
+    del block
+    assert after["peak_sampled_bytes"] >= before["peak_sampled_bytes"] + (512 << 20)
+    assert after["trace"].shape[1] == 2 and after["samples"] >= 5 and after["scope"] == "process"
+    assert after["trace"][:, 1].max() == after["peak_sampled_bytes"]
+    sampler.close()
