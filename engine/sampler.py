@@ -71,7 +71,10 @@ def _serve(conn, uuid: str, pid: int, period_s: float) -> None:
     """The sampler process: on "start", sample until "stop", then send the episode's summary."""
     handle = nvml_handle(uuid)
     while True:
-        if conn.recv() != "start":
+        try:
+            if conn.recv() != "start":
+                return
+        except EOFError:  # the worker went away: nothing left to sample for
             return
         t_start = time.perf_counter()
         energy0 = _energy_mj(handle)
