@@ -8,6 +8,7 @@ cause, and its partial archive stays on disk.
 
 import getpass
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,6 +18,9 @@ from core.errors import PackbenchError
 from core.gates import compute_verdicts
 from core.plan import plan, prompts
 from core.source import source_freeze
+
+
+PLACEMENT_TIMEOUT_S = float(os.environ.get("PACKBENCH_PLACEMENT_TIMEOUT_S", "300"))
 
 
 @dataclass(frozen=True)
@@ -67,7 +71,13 @@ def run_screen(store, screen_id: int, *, archive_dir: Path, address: str | None 
     from cluster.worker import start_worker
 
     actor = start_worker()
-    env = ray.get(actor.describe.remote())
+    try:
+        # An actor nobody can place stays pending without an error (shared/ray.md): bound it.
+        env = ray.get(actor.describe.remote(), timeout=PLACEMENT_TIMEOUT_S)
+    except ray.exceptions.GetTimeoutError:
+        ray.kill(actor)
+        raise PackbenchError(f"no GPU worker could be placed within {PLACEMENT_TIMEOUT_S:.0f} s; check that the "
+                             "cluster has a free GPU (`ray status`) or set PACKBENCH_PLACEMENT_TIMEOUT_S") from None
     freeze = source_freeze()
     attempt = store.start_attempt(
         screen_id=screen_id, worker=f"GpuWorker pid {env['pid']}", node=env["host"], gpu_name=env["gpu"] or "cpu",
