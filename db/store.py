@@ -17,13 +17,15 @@ Contract
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import Engine, func, select, text
+from sqlalchemy import Connection, Engine, func, select, text
+from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
@@ -66,6 +68,10 @@ class Store:
     def __init__(self, url: str | None = None) -> None:
         self._engine: Engine = make_engine(url)
         self._schema_checked = False
+        # The episode writer's own connection, held between records: checking a connection
+        # out of the pool and resetting it on return cost more than the insert and its commit
+        # (0.41 against 0.21 ms a record on SQLite). Dropped on any error, reopened on demand.
+        self._writer: Connection | None = None
 
     # -- lifecycle ---------------------------------------------------------------------
 
@@ -80,7 +86,16 @@ class Store:
         return self._engine.dialect.name
 
     def close(self) -> None:
+        self._drop_writer()
         self._engine.dispose()
+
+    def _drop_writer(self) -> None:
+        if self._writer is not None:
+            try:
+                self._writer.close()
+            except SQLAlchemyError:
+                pass  # it is being dropped because it failed
+            self._writer = None
 
     def __enter__(self) -> Store:
         return self
@@ -336,8 +351,18 @@ class Store:
         Keys not stored (e.g. 'calls') are ignored; the raw archive keeps them.
         """
         row = _episode_columns(attempt_id, record)
-        with self._session() as session:
-            return self._insert_ignore(session, Episode, [row], ["attempt_id", "plan_index"]) == 1
+        if not self._schema_checked:
+            self.check_head()
+        statement = _insert_ignore_statement(self.dialect, Episode, ("attempt_id", "plan_index"))
+        with translate_errors(self._engine.url):
+            try:
+                if self._writer is None:
+                    self._writer = self._engine.connect()
+                with self._writer.begin():  # one transaction per record, committed here
+                    return len(self._writer.execute(statement, row).all()) == 1
+            except BaseException:
+                self._drop_writer()
+                raise
 
     def put_episodes(self, attempt_id: int, records: Iterable[Mapping[str, Any]]) -> int:
         """Store many episode records in ONE transaction; return how many were new.
@@ -484,20 +509,22 @@ class Store:
         The database decides atomically whether the key exists, so concurrent writers of the
         same key cannot both insert or fail; a read-then-insert could do either.
         """
-        table = model.__table__
-        insert = postgresql.insert if self.dialect == "postgresql" else sqlite.insert
-        statement = (
-            insert(table)
-            .on_conflict_do_nothing(index_elements=key)
-            # RETURNING yields only the rows actually inserted; rowcount is not reliable
-            # for this statement across drivers (psycopg reports -1).
-            .returning(table.c.id)
-        )
+        statement = _insert_ignore_statement(self.dialect, model, tuple(key))
         # Rows go in as parameters, not `.values(rows)`: the compiled statement is then
         # cached (an uncached compile cost ~4 ms per episode), and a list runs as one
         # executemany that SQLAlchemy batches into multi-row INSERTs ("insertmanyvalues").
         parameters = rows[0] if len(rows) == 1 else rows
         return len(session.execute(statement, parameters).all())
+
+
+@functools.lru_cache(maxsize=None)
+def _insert_ignore_statement(dialect: str, model: type, key: tuple[str, ...]):
+    """INSERT ... ON CONFLICT (key) DO NOTHING RETURNING id, built once per (dialect, table)."""
+    table = model.__table__
+    insert = postgresql.insert if dialect == "postgresql" else sqlite.insert
+    # RETURNING yields only the rows actually inserted; rowcount is not reliable for this
+    # statement across drivers (psycopg reports -1).
+    return insert(table).on_conflict_do_nothing(index_elements=list(key)).returning(table.c.id)
 
 
 def protocol_columns(canonical_json: str) -> dict[str, str | None]:
