@@ -41,6 +41,14 @@ def test_cuda_policies_bit_identical(dtype, which, checkpoints, checkpoint_125m)
         out = run_episode(model, PROMPT, continuation=CONTINUATION)
         assert np.array_equal(out.logits, ref.logits), (name, params)
         assert out.tokens == ref.tokens, (name, params)
+    # Tokens equal stock transformers' greedy generate on the same checkpoint, on the GPU.
+    from engine.checkpoint import build_model
+
+    stock = build_model(path, dtype=getattr(torch, dtype)).to("cuda")
+    ids = stock.generate(torch.tensor([PROMPT], device="cuda"), max_new_tokens=CONTINUATION,
+                         min_new_tokens=CONTINUATION, do_sample=False)
+    assert ids[0, len(PROMPT):].tolist() == ref.tokens
+    del stock
     s = model.config
     weight_bytes = s.hidden_size * s.ffn_dim * getattr(torch, dtype).itemsize
     assert sum(sum(c.h2d_weight_bytes) for c in ref.calls) == CONTINUATION * s.num_hidden_layers * weight_bytes
