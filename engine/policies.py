@@ -377,6 +377,14 @@ class RowRetention(Packet):
         return super().device_bytes() + _nbytes(self.cache)
 
 
+def forecast_split(predicted: torch.Tensor, active: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """(remainder, wasted): the active rows the forecast missed, which must still be sent, and
+    how many forecast rows turned out inactive. Exactness never depends on the forecast: every
+    active row is either forecast or in the remainder."""
+    hit = torch.isin(active, predicted)
+    return active[~hit], predicted.numel() - int(hit.sum())
+
+
 class EarlyForecast(Packet):
     """Predict a call's active rows from the same layer's previous call and send them as the
     layer starts (on a side stream on CUDA), then send the exact remainder after fc1. Predicted
@@ -440,9 +448,8 @@ class EarlyForecast(Packet):
         packet = self.forecast_device[: k * (INDEX_BYTES + self.host.row_bytes)]
         rows = packet[k * INDEX_BYTES:].view(self.host.dtype).view(k, hidden)
         self.workspace.index_copy_(1, packet[: k * INDEX_BYTES].view(INDEX_DTYPE), rows.t())
-        hit = torch.isin(active, predicted)
-        remainder = active[~hit]
-        self.recorder.add(layer, wasted=k - int(hit.sum()))
+        remainder, wasted = forecast_split(predicted, active)
+        self.recorder.add(layer, wasted=wasted)
         self.send(layer, remainder, remainder)
         return self.workspace
 

@@ -1,0 +1,50 @@
+"""Checkpoints that are not pre-LN ReLU OPT are refused with one line naming what is unsupported."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from core.errors import CheckpointError
+from engine.checkpoint import build_model, read_config
+
+
+def variant(tiny, tmp_path, name, *, config=None, drop=None, reshape=None):
+    out = tmp_path / name
+    out.mkdir()
+    cfg = json.loads((tiny / "config.json").read_text())
+    cfg.update(config or {})
+    (out / "config.json").write_text(json.dumps(cfg))
+    sd = load_file(tiny / "model.safetensors")
+    if drop:
+        sd.pop(drop)
+    if reshape:
+        sd[reshape] = sd[reshape][:-1].contiguous()
+    save_file(sd, out / "model.safetensors")
+    return out
+
+
+@pytest.mark.parametrize("change, fragment", [
+    ({"model_type": "llama"}, "is a 'llama' model; packbench supports OPT"),
+    ({"do_layer_norm_before": False}, "post-LayerNorm OPT"),
+    ({"activation_function": "gelu"}, "uses activation 'gelu'; exact packets need ReLU"),
+    ({"word_embed_proj_dim": 32}, "projects embeddings"),
+])
+def test_unsupported_architectures(tiny, tmp_path, change, fragment):
+    path = variant(tiny, tmp_path, "m", config=change)
+    with pytest.raises(CheckpointError, match=fragment) as e:
+        read_config(path)
+    assert "\n" not in str(e.value)
+
+
+def test_missing_and_misshapen_tensors(tiny, tmp_path):
+    with pytest.raises(CheckpointError, match="lacks 1 tensors"):
+        build_model(variant(tiny, tmp_path, "a", drop="model.decoder.layers.0.fc1.bias"), dtype=torch.float32)
+    with pytest.raises(CheckpointError, match=r"tensor model.decoder.layers.1.fc2.weight has shape \(63, 256\)"):
+        build_model(variant(tiny, tmp_path, "b", reshape="model.decoder.layers.1.fc2.weight"), dtype=torch.float32)
+
+
+def test_missing_directory_names_the_fix(tmp_path):
+    with pytest.raises(CheckpointError, match="packbench model synth --out"):
+        read_config(tmp_path / "nope")
