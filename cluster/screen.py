@@ -6,7 +6,6 @@ records. Failures are kept: an interrupted or failed attempt stays in the databa
 cause, and its partial archive stays on disk.
 """
 
-import getpass
 import json
 import os
 from dataclasses import dataclass
@@ -131,9 +130,3 @@ def run_screen(store, screen_id: int, *, archive_dir: Path, address: str | None 
     finally:
         ray.kill(actor)
 
-
-def submitter() -> str:
-    try:
-        return getpass.getuser()
-    except Exception:
-        return "unknown"

@@ -1,8 +1,9 @@
 """Submitting: freeze a protocol, check its model and prompts, store it and queue a screen."""
 
+import getpass
 from pathlib import Path
 
-from cluster.screen import screen_prompts, submitter
+from cluster.screen import screen_prompts
 from core import protocol as protocol_mod
 from core.errors import ProtocolError
 from engine.checkpoint import read_config
@@ -31,3 +32,11 @@ def enqueue(store, path: Path) -> int:
     return store.create_screen(protocol_id=protocol_id, submitter=submitter(),
                                model_dir=None if model_dir is None else str(model_dir),
                                prompt_file=None if prompt_file is None else str(prompt_file))
+
+
+def submitter() -> str:
+    """Who queued the screen, as the operating system names them."""
+    try:
+        return getpass.getuser()
+    except Exception:  # no user name in some containers
+        return "unknown"
