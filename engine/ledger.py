@@ -2,9 +2,12 @@
 
 A `Recorder` is shared by every outgoing layer of one model. The episode loop opens a call,
 policies add to the current call's per-layer counters, the loop closes the call. Counting is
-host arithmetic on sizes the policy already knows: it adds no device synchronisation.
+host arithmetic on sizes the policy already knows: it adds no device synchronisation. A policy
+whose counts live on the device (gather=device) defers them to the call's end, when the
+logits have come back and reading them costs no stall.
 """
 
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 
@@ -50,18 +53,29 @@ class Recorder:
         self.current: CallLedger | None = None
         self.phase: str | None = None  # of the call in progress; policies may switch on it
         self.serial = 0  # calls begun since the model was built: a clock for caches
+        self._deferred: list[Callable[[CallLedger], None]] = []
 
     def begin(self, *, phase: str, tokens: int) -> CallLedger:
         self.current = CallLedger(index=len(self.calls), phase=phase, tokens=tokens, layers=self.layers)
         self.phase = phase
         self.serial += 1
+        self._deferred = []
         return self.current
+
+    def defer(self, settle: Callable[[CallLedger], None]) -> None:
+        """Call `settle(call)` when the current call ends (before it is appended), where it may
+        `add` what the device counted during the call. Nothing is deferred when not recording."""
+        if self.current is not None and self.enabled:
+            self._deferred.append(settle)
 
     def end(self, *, wall_s: float, logits_d2h_bytes: int) -> None:
         call = self.current
         assert call is not None, "end() without begin()"
         call.wall_s = wall_s
         call.logits_d2h_bytes = logits_d2h_bytes
+        for settle in self._deferred:
+            settle(call)
+        self._deferred = []
         self.calls.append(call)
         self.current = None
         self.phase = None

@@ -18,7 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.ledger import Recorder
+from engine.gather import gather_active_rows
+from engine.ledger import CallLedger, Recorder
 
 INDEX_DTYPE = torch.int64  # index_copy_ wants int64 indices on every backend
 INDEX_BYTES = 8
@@ -161,9 +162,11 @@ class Packet:
     out as [k int64 indices | k rows x hidden], copy it to the device in one transfer, and
     scatter the rows into the dense workspace's columns. Subclasses change which rows are sent.
 
-    gather="device" (CUDA only): the GPU finds the active indices itself and gathers the rows
-    straight from pinned host memory through a mapped view (UVA), so no host work, no index
-    readback and no staging copy; only nonzero's 8-byte count crosses back.
+    gather="device": the compute device finds the active rows itself and, on CUDA, pulls them
+    straight from pinned host memory through a mapped view (UVA) into the workspace, in one
+    kernel per layer (`engine.gather`): no host work, no index, no staging copy, and no
+    per-layer synchronisation. Each layer's active count stays on the device until the call's
+    logits are back; then the counts (4 bytes a layer, charged as D2H) are read once.
     """
 
     name = "packet"
@@ -176,23 +179,27 @@ class Packet:
     def activate(self, host: HostWeights, device: torch.device, recorder: Recorder) -> None:
         self.host, self.recorder, self.device = host, recorder, device
         hidden, ffn = host.shape
-        capacity = ffn * (INDEX_BYTES + host.row_bytes)
-        self.staging = torch.zeros(capacity, dtype=torch.uint8, pin_memory=host.pin)
-        self.device_staging = torch.zeros(capacity, dtype=torch.uint8, device=device)
-        self.mask_host = torch.zeros(ffn, dtype=torch.bool, pin_memory=host.pin)
         self.workspace = torch.zeros(host.shape, dtype=host.dtype, device=device)
         for layer in range(host.layers):
             host.transposed(layer)  # build the gather layout before any episode is timed
         if self.gather == "device":
-            if device.type != "cuda":
-                raise ValueError("gather=device needs CUDA (a mapped view of pinned host memory)")
-            from engine.mapped import cuda_view
+            self.counts = torch.zeros(host.layers, dtype=torch.int32, device=device)
+            self.counted_call = -1  # recorder.serial of the call `counts` belongs to
+            if device.type == "cuda":
+                from engine.mapped import cuda_view
 
-            self.mapped = [cuda_view(host.transposed(layer)) for layer in range(host.layers)]
+                self.source = [cuda_view(host.transposed(layer)) for layer in range(host.layers)]
+            else:
+                self.source = [host.transposed(layer) for layer in range(host.layers)]
+            return
+        capacity = ffn * (INDEX_BYTES + host.row_bytes)
+        self.staging = torch.zeros(capacity, dtype=torch.uint8, pin_memory=host.pin)
+        self.device_staging = torch.zeros(capacity, dtype=torch.uint8, device=device)
+        self.mask_host = torch.zeros(ffn, dtype=torch.bool, pin_memory=host.pin)
 
     def deactivate(self) -> None:
-        del self.staging, self.device_staging, self.workspace, self.mask_host
-        self.mapped = []
+        for name in ("staging", "device_staging", "workspace", "mask_host", "counts", "source"):
+            self.__dict__.pop(name, None)
 
     def before_layer(self, layer: int) -> None:
         pass  # packet: demand is known only after fc1
@@ -238,22 +245,26 @@ class Packet:
         return self.workspace
 
     def fetch_mapped(self, layer: int, h: torch.Tensor) -> torch.Tensor:
-        hidden, _ = self.host.shape
-        t0 = time.perf_counter()
-        index = (h != 0).any(dim=0).nonzero().squeeze(1)  # device int64; nonzero syncs for its size
-        wait = time.perf_counter() - t0
-        k = index.numel()
-        rows = self.device_staging[: k * self.host.row_bytes].view(self.host.dtype).view(k, hidden)
-        torch.index_select(self.mapped[layer], 0, index, out=rows)  # the GPU reads host rows over PCIe
-        self.workspace.index_copy_(1, index, rows.t())
-        self.recorder.add(layer, active=k, rows=k, weight_bytes=k * self.host.row_bytes, d2h_bytes=8, wait_s=wait)
+        if self.counted_call != self.recorder.serial:  # the call's first layer
+            self.counted_call = self.recorder.serial
+            self.counts.zero_()
+            self.recorder.defer(self.settle)
+        gather_active_rows(h, self.source[layer], self.workspace, self.counts, layer)
         return self.workspace
 
+    def settle(self, call: CallLedger) -> None:
+        """The call has ended (its logits are on the host): read every layer's count at once."""
+        row_bytes = self.host.row_bytes
+        for layer, k in enumerate(self.counts.tolist()):
+            self.recorder.add(layer, active=k, rows=k, weight_bytes=k * row_bytes,
+                              d2h_bytes=self.counts.element_size())
+
     def device_bytes(self) -> int:
-        return _nbytes(self.device_staging, self.workspace)
+        held = [getattr(self, name) for name in ("device_staging", "workspace", "counts") if hasattr(self, name)]
+        return _nbytes(*held)
 
     def pinned_bytes(self) -> int:
-        return _nbytes(self.staging, self.mask_host) if self.host.pin else 0
+        return _nbytes(self.staging, self.mask_host) if self.host.pin and self.gather == "host" else 0
 
 
 class SparseExtents(Packet):

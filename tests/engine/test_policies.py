@@ -14,6 +14,9 @@ from engine.synth import synth_checkpoint
 CONTINUATION = 5
 PREFILLS = (1, 64)
 PARAMS = {"sparse-extents": {"block_rows": 16}, "row-retention": {"rows_per_layer": 48}}
+# Every policy, plus packet with the device-side gather (on the CPU: engine.gather's reference).
+VARIANTS = {**{name: (name, PARAMS.get(name, {})) for name in POLICIES},
+            "packet+gather=device": ("packet", {"gather": "device"})}
 
 
 def prompt_of(length: int, vocab: int) -> list[int]:
@@ -38,9 +41,9 @@ def runs(request, checkpoints, checkpoint_125m):
     outs = {}
     for n in PREFILLS:
         prompt = prompt_of(n, model.vocab)
-        for name in POLICIES:
-            model.use(name, **PARAMS.get(name, {}))
-            outs[name, n] = run_episode(model, prompt, continuation=CONTINUATION)
+        for key, (name, params) in VARIANTS.items():
+            model.use(name, **params)
+            outs[key, n] = run_episode(model, prompt, continuation=CONTINUATION)
     return shape, dtype, path, model, outs
 
 
@@ -49,7 +52,7 @@ def test_every_policy_is_bit_identical_to_dense_stream(runs):
     for n in PREFILLS:
         ref = outs["dense-stream", n]
         assert ref.logits.shape == (CONTINUATION, SHAPES[shape]["vocab"])
-        for name in POLICIES:
+        for name in VARIANTS:
             assert np.array_equal(outs[name, n].logits, ref.logits), (name, n)
             assert outs[name, n].tokens == ref.tokens, (name, n)
 
@@ -118,6 +121,11 @@ def test_packet_ledgers_equal_independently_counted_active_rows(runs):
             assert call.rows_copied == active
             assert call.h2d_weight_bytes == [k * row_bytes for k in active]
             assert call.h2d_index_bytes == [k * 8 for k in active]
+        # device gather: same rows, no index, a 4-byte count per layer read once per call
+        device = outs["packet+gather=device", n].calls
+        assert [c.active_rows for c in device] == counts and [c.rows_copied for c in device] == counts
+        assert [c.h2d_weight_bytes for c in device] == [c.h2d_weight_bytes for c in out.calls]
+        assert all(c.h2d_index_bytes == [0] * s["layers"] and c.d2h_bytes == [4] * s["layers"] for c in device)
         # phase-switched: dense prefill, packet decode
         ps = outs["phase-switched", n].calls
         assert ps[0].h2d_weight_bytes == [s["ffn"] * row_bytes] * s["layers"]

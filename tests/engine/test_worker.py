@@ -11,7 +11,8 @@ def body(tiny, **changes):
     raw = {"name": "w", "model": {"path": str(tiny)}, "dtype": "float32",
            "prompts": {"generator": {"seed": 0, "count": 1}}, "prefix_tokens": 8, "continuation_tokens": 3,
            "conditions": [{"policy": "dense-stream"}, {"policy": "packet"},
-                          {"name": "broken", "policy": "packet", "params": {"gather": "device"}}],
+                          {"name": "packet-device", "policy": "packet", "params": {"gather": "device"}},
+                          {"name": "broken", "policy": "sparse-extents"}],
            "reference": "dense-stream", "warmups": 1, "allowance_mib": 64,
            "gates": {"faithfulness": {}}, **changes}
     return freeze(raw).body
@@ -25,13 +26,19 @@ def run_all(tiny, **changes):
     return start, [worker.run(e, ids[e["prompt"]]) for e in plan(b)]
 
 
-def test_a_failing_episode_is_recorded_and_the_next_one_runs(tiny):
+def test_a_failing_episode_is_recorded_and_the_next_one_runs(tiny, monkeypatch):
+    from engine.policies import SparseExtents
+
+    def out_of_memory(self, layer, h):
+        raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB\n(the allocator's details)")
+
+    monkeypatch.setattr(SparseExtents, "fetch", out_of_memory)
     start, records = run_all(tiny)
     by_condition = {r["condition"]: r for r in records}
     broken = by_condition["broken"]
-    assert broken["status"] == "failed" and "gather=device needs CUDA" in broken["error"]
+    assert broken["status"] == "failed" and "CUDA out of memory" in broken["error"]
     assert broken["logits"] is None and "\n" not in broken["error"]
-    assert by_condition["packet"]["status"] == "ok" and by_condition["dense-stream"]["status"] == "ok"
+    assert all(by_condition[c]["status"] == "ok" for c in ("dense-stream", "packet", "packet-device"))
     after = [r for r in records if r["plan_index"] > broken["plan_index"]]
     assert all(r["status"] == "ok" for r in after)
     assert start["cpu_first"] and start["param_bytes"] == start["device_param_bytes"] + start["host_outgoing_bytes"]

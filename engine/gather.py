@@ -1,0 +1,43 @@
+"""The device-side gather of `packet {gather: device}`: the compute device finds a layer's active
+neurons and pulls their outgoing rows from host memory itself, with no host synchronisation.
+
+`gather_active_rows(h, src, workspace, counts, layer)`:
+- h: (tokens, ffn) fc2 input of one call; a neuron is active if it is non-zero in any token.
+- src: (ffn, hidden) outgoing rows of the layer; on CUDA a mapped view of pinned host memory
+  (`engine.mapped.cuda_view`), so the GPU reads only the active rows, over PCIe.
+- workspace: (hidden, ffn) dense device weight; column j is overwritten for every active j and
+  left as it was otherwise (inactive columns meet exact zeros in h).
+- counts: (layers,) int32 on the device; counts[layer] += number of active neurons.
+
+On CUDA one Triton kernel does all of it: activity test, copy, count. Nothing waits for the
+count, so the host keeps launching the next layers while the GPU pulls rows; the ledger reads
+every layer's count once, after the call's logits have come back (`Recorder.defer`). The
+previous version (`nonzero` + `index_select` + `index_copy_`) synchronised once per layer for
+nonzero's output size. Elsewhere (CPU) the same contract is met by plain torch ops, the
+reference the kernel is tested against.
+"""
+
+import torch
+
+# Tile of the CUDA kernel: BLOCK_R neurons per program, their rows read BLOCK_H elements at a
+# time, activity tested BLOCK_T tokens at a time. Chosen by `python -m bench.mapped_gather`.
+BLOCK_R, BLOCK_H, BLOCK_T = 32, 128, 8
+
+
+def gather_active_rows_reference(h: torch.Tensor, src: torch.Tensor, workspace: torch.Tensor,
+                                 counts: torch.Tensor, layer: int) -> None:
+    """Plain torch (any device). On CUDA, nonzero synchronises for its output size."""
+    active = (h != 0).any(dim=0).nonzero().squeeze(1)
+    workspace.index_copy_(1, active, src.index_select(0, active).t())
+    counts[layer] += active.numel()
+
+
+def gather_active_rows(h: torch.Tensor, src: torch.Tensor, workspace: torch.Tensor,
+                       counts: torch.Tensor, layer: int) -> None:
+    if h.device.type != "cuda":
+        gather_active_rows_reference(h, src, workspace, counts, layer)
+        return
+    from engine.triton_gather import gather_active_rows_cuda  # Triton ships with CUDA builds of torch
+
+    gather_active_rows_cuda(h.reshape(-1, h.shape[-1]).contiguous(), src, workspace, counts, layer,
+                            block_r=BLOCK_R, block_h=BLOCK_H, block_t=BLOCK_T)

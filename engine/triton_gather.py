@@ -1,0 +1,45 @@
+"""Triton kernel behind `engine.gather.gather_active_rows` on CUDA (imported only there).
+
+Each program owns BLOCK_R consecutive neurons: it tests them for activity over every token of
+the call, adds how many are active to counts[layer] (one atomic), and, if any is, copies their
+outgoing rows from `src` (mapped host memory: inactive rows are never read) into the matching
+workspace columns, BLOCK_H elements at a time. The copy is a bitwise move, so exactness does
+not depend on the kernel's tiling.
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _gather_active_rows(h_ptr, n_tokens, src_ptr, ws_ptr, count_ptr, ffn, hidden,
+                        BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_T: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    in_range = rows < ffn
+    rows64 = rows.to(tl.int64)
+    hits = tl.zeros([BLOCK_R], dtype=tl.int32)
+    for t0 in range(0, n_tokens, BLOCK_T):
+        t = (t0 + tl.arange(0, BLOCK_T)).to(tl.int64)
+        x = tl.load(h_ptr + t[:, None] * ffn + rows64[None, :],
+                    mask=(t[:, None] < n_tokens) & in_range[None, :], other=0)
+        hits += tl.sum((x != 0).to(tl.int32), axis=0)
+    active = (hits > 0) & in_range
+    n_active = tl.sum(active.to(tl.int32), axis=0)
+    if n_active > 0:
+        tl.atomic_add(count_ptr, n_active)
+        for h0 in range(0, hidden, BLOCK_H):
+            cols = (h0 + tl.arange(0, BLOCK_H)).to(tl.int64)
+            m = active[:, None] & (cols[None, :] < hidden)
+            tile = tl.load(src_ptr + rows64[:, None] * hidden + cols[None, :], mask=m)
+            tl.store(ws_ptr + cols[None, :] * ffn + rows64[:, None], tile, mask=m)
+
+
+def gather_active_rows_cuda(h, src, workspace, counts, layer, *, block_r, block_h, block_t) -> None:
+    n_tokens, ffn = h.shape
+    hidden = src.shape[1]
+    if src.shape != (ffn, hidden) or workspace.shape != (hidden, ffn) or not workspace.is_contiguous():
+        raise ValueError(f"shapes do not match: h {tuple(h.shape)}, src {tuple(src.shape)}, "
+                         f"workspace {tuple(workspace.shape)}")
+    grid = (triton.cdiv(ffn, block_r),)
+    _gather_active_rows[grid](h, n_tokens, src, workspace, counts[layer:], ffn, hidden,
+                              BLOCK_R=block_r, BLOCK_H=block_h, BLOCK_T=block_t)
