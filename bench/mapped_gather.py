@@ -63,9 +63,10 @@ def main() -> None:
             gather.gather_active_rows_reference(h, src, ws, counts, 0)
 
         variants = {"host": host_path, "sync": sync_path}
-        for br, bh in ((16, 128), (32, 128), (32, 256), (64, 64), (64, 128)):
+        for br, bh in ((8, 128), (16, 128), (16, 256), (32, 128), (64, 128)):
             variants[f"kernel {br}x{bh}"] = (lambda br=br, bh=bh: gather_active_rows_cuda(
                 h, src, ws, counts, 0, block_r=br, block_h=bh, block_t=gather.BLOCK_T))
+        variants["gather_active_rows"] = lambda: gather.gather_active_rows(h, src, ws, counts, 0)
         for name, fn in variants.items():
             ws.zero_()
             fn()
@@ -81,6 +82,30 @@ def main() -> None:
     print(f"\n{'dtype':9} {'variant':16} {'rows':>5} {'exact':>5} {'us/layer':>9} {'us/32 layers+matmul':>20}")
     for dt, name, k, exact, per, loop in rows:
         print(f"{dt:9} {name:16} {k:5d} {str(exact):>5} {per:9.1f} {loop:20.1f}")
+    print("\nhost time to launch (tiny problem, 200 launches queued, no sync inside):")
+    for name, us in launch_costs().items():
+        print(f"  {name:28} {us:6.1f} us")
+
+
+def launch_costs() -> dict[str, float]:
+    """What the host spends to enqueue one launch: the decode loop is host-bound at this size."""
+    h = torch.ones(1, 64, dtype=torch.float16, device="cuda")
+    src = torch.ones(64, 64, dtype=torch.float16, device="cuda")
+    ws = torch.zeros(64, 64, dtype=torch.float16, device="cuda")
+    counts = torch.zeros(4, dtype=torch.int32, device="cuda")
+    out = {}
+    for name, fn in {"gather_active_rows (Triton)": lambda: gather.gather_active_rows(h, src, ws, counts, 1),
+                     "torch add_ (one kernel)": lambda: ws.add_(1),
+                     "torch (h != 0).any(0)": lambda: (h != 0).any(0)}.items():
+        for _ in range(20):
+            fn()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(200):
+            fn()
+        out[name] = (time.perf_counter() - t0) / 200 * 1e6
+        torch.cuda.synchronize()
+    return out
 
 
 if __name__ == "__main__":

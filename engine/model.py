@@ -50,8 +50,8 @@ class CpuFirstModel:
             outgoing.append(layer.fc2.weight.detach())
             bias = None if layer.fc2.bias is None else layer.fc2.bias.detach()
             layer.fc2 = OutgoingLinear(i, bias, self.slot)
-            # Lets a policy start copies while fc1 runs (early-forecast); a no-op for the rest.
-            layer.fc1.register_forward_pre_hook(lambda module, args, i=i: self.slot.policy.before_layer(i))
+        self._fc1 = [layer.fc1 for layer in layers]
+        self._early_hooks: list = []  # fc1 pre-hooks, present only while a policy starts early
         self.host = HostWeights(outgoing, pin=device.type == "cuda")
         self.model = model.to(device)  # fc2 weights are no longer parameters: they stay behind
         if device.type == "cuda":
@@ -82,6 +82,20 @@ class CpuFirstModel:
         policy = POLICIES[policy_name](**params)
         policy.activate(self.host, self.device, self.recorder)
         self.slot.policy = policy
+        self._hook_fc1(policy.starts_early)
+
+    def _hook_fc1(self, wanted: bool) -> None:
+        """Call `before_layer(i)` as layer i's fc1 starts, only for a policy that starts copies
+        early (early-forecast): a module with a hook takes torch's slower call path, a cost the
+        other policies should not pay 32+ times a call."""
+        if wanted and not self._early_hooks:
+            self._early_hooks = [
+                fc1.register_forward_pre_hook(lambda module, args, i=i: self.slot.policy.before_layer(i))
+                for i, fc1 in enumerate(self._fc1)]
+        elif not wanted:
+            for handle in self._early_hooks:
+                handle.remove()
+            self._early_hooks = []
 
     def new_cache(self):
         from transformers import DynamicCache

@@ -82,6 +82,7 @@ class LoaderPolicy(Protocol):
     """What the episode loop needs from a policy; it never asks which one it holds."""
 
     name: str
+    starts_early: bool  # True: before_layer is called as each layer's fc1 starts
 
     def activate(self, host: HostWeights, device: torch.device, recorder: Recorder) -> None:
         """Allocate this policy's buffers (charged while active)."""
@@ -90,7 +91,7 @@ class LoaderPolicy(Protocol):
         """Release buffers so the next condition starts from the same footprint."""
 
     def before_layer(self, layer: int) -> None:
-        """Called as layer `layer`'s fc1 is launched: a chance to start copies early."""
+        """Called as layer `layer`'s fc1 is launched (if `starts_early`): a chance to start copies early."""
 
     def fetch(self, layer: int, h: torch.Tensor) -> torch.Tensor:
         """Device weight (hidden, ffn) valid for every row active in h (n_tokens, ffn)."""
@@ -106,6 +107,7 @@ class Resident:
     """All outgoing weights on the device: the warm-latency reference where it fits."""
 
     name = "resident"
+    starts_early = False
 
     def activate(self, host: HostWeights, device: torch.device, recorder: Recorder) -> None:
         self.weights = [w.to(device, copy=True) for w in host.original]
@@ -130,6 +132,7 @@ class DenseStream:
     """Every call copies each layer's whole outgoing weight host-to-device, in its original layout."""
 
     name = "dense-stream"
+    starts_early = False
 
     def activate(self, host: HostWeights, device: torch.device, recorder: Recorder) -> None:
         self.host, self.recorder, self.device = host, recorder, device
@@ -170,6 +173,7 @@ class Packet:
     """
 
     name = "packet"
+    starts_early = False
 
     def __init__(self, gather: str = "host") -> None:
         if gather not in ("host", "device"):
@@ -403,6 +407,7 @@ class EarlyForecast(Packet):
     """
 
     name = "early-forecast"
+    starts_early = True
 
     def activate(self, host: HostWeights, device: torch.device, recorder: Recorder) -> None:
         super().activate(host, device, recorder)

@@ -11,8 +11,8 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
-def _gather_active_rows(h_ptr, n_tokens, src_ptr, ws_ptr, count_ptr, ffn, hidden,
+@triton.jit(do_not_specialize=["layer"])  # one compiled variant serves every layer
+def _gather_active_rows(h_ptr, n_tokens, src_ptr, ws_ptr, count_ptr, layer, ffn, hidden,
                         BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_T: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     in_range = rows < ffn
@@ -26,7 +26,7 @@ def _gather_active_rows(h_ptr, n_tokens, src_ptr, ws_ptr, count_ptr, ffn, hidden
     active = (hits > 0) & in_range
     n_active = tl.sum(active.to(tl.int32), axis=0)
     if n_active > 0:
-        tl.atomic_add(count_ptr, n_active)
+        tl.atomic_add(count_ptr + layer, n_active)
         for h0 in range(0, hidden, BLOCK_H):
             cols = (h0 + tl.arange(0, BLOCK_H)).to(tl.int64)
             m = active[:, None] & (cols[None, :] < hidden)
@@ -41,5 +41,5 @@ def gather_active_rows_cuda(h, src, workspace, counts, layer, *, block_r, block_
         raise ValueError(f"shapes do not match: h {tuple(h.shape)}, src {tuple(src.shape)}, "
                          f"workspace {tuple(workspace.shape)}")
     grid = (triton.cdiv(ffn, block_r),)
-    _gather_active_rows[grid](h, n_tokens, src, workspace, counts[layer:], ffn, hidden,
+    _gather_active_rows[grid](h, n_tokens, src, workspace, counts, layer, ffn, hidden,
                               BLOCK_R=block_r, BLOCK_H=block_h, BLOCK_T=block_t)

@@ -38,3 +38,18 @@ def test_every_active_row_is_covered():
         assert wasted == len(forecast - set(active))
         assert copied - wasted == len(active)  # copied = demand + waste, the ledger's identity
         previous = active
+
+
+def test_fc1_hooks_exist_only_while_a_policy_starts_early(tiny):
+    from engine.model import CpuFirstModel
+
+    model = CpuFirstModel(tiny, dtype=torch.float32, device=torch.device("cpu"))
+    hooked = lambda: [len(fc1._forward_pre_hooks) for fc1 in model._fc1]  # noqa: E731
+    model.use("packet")
+    assert set(hooked()) == {0}
+    model.use("early-forecast")
+    assert set(hooked()) == {1}
+    model.use("early-forecast")  # a fresh policy, still one hook per layer
+    assert set(hooked()) == {1}
+    model.use("dense-stream")
+    assert set(hooked()) == {0}
