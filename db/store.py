@@ -25,7 +25,8 @@ from datetime import datetime
 from typing import Any
 
 from sqlalchemy import Connection, Engine, func, select, text
-from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy.exc import DBAPIError, SQLAlchemyError
+from sqlalchemy.pool import PoolProxiedConnection
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
@@ -71,7 +72,10 @@ class Store:
         # The episode writer's own connection, held between records: checking a connection
         # out of the pool and resetting it on return cost more than the insert and its commit
         # (0.41 against 0.21 ms a record on SQLite). Dropped on any error, reopened on demand.
+        # SQLite holds the bare driver connection (see `_put_episode_sqlite`), PostgreSQL a
+        # SQLAlchemy one; only one of the two is ever set.
         self._writer: Connection | None = None
+        self._sqlite_writer: PoolProxiedConnection | None = None
 
     # -- lifecycle ---------------------------------------------------------------------
 
@@ -90,12 +94,15 @@ class Store:
         self._engine.dispose()
 
     def _drop_writer(self) -> None:
-        if self._writer is not None:
-            try:
-                self._writer.close()
-            except SQLAlchemyError:
-                pass  # it is being dropped because it failed
-            self._writer = None
+        """Release the episode writer's connection; the pool rolls back an open transaction."""
+        writer, self._writer = self._writer, None
+        sqlite_writer, self._sqlite_writer = self._sqlite_writer, None
+        for connection in (writer, sqlite_writer):
+            if connection is not None:
+                try:
+                    connection.close()
+                except (SQLAlchemyError, self._engine.dialect.loaded_dbapi.Error):
+                    pass  # it is being dropped because it failed
 
     def __enter__(self) -> Store:
         return self
@@ -353,16 +360,52 @@ class Store:
         row = _episode_columns(attempt_id, record)
         if not self._schema_checked:
             self.check_head()
-        statement = _insert_ignore_statement(self.dialect, Episode, ("attempt_id", "plan_index"))
         with translate_errors(self._engine.url):
             try:
+                if self._engine.dialect.name == "sqlite":
+                    return self._put_episode_sqlite(row)
                 if self._writer is None:
                     self._writer = self._engine.connect()
+                statement = _insert_ignore_statement("postgresql", Episode, ("attempt_id", "plan_index"))
                 with self._writer.begin():  # one transaction per record, committed here
                     return len(self._writer.execute(statement, row).all()) == 1
             except BaseException:
-                self._drop_writer()
+                self._drop_writer()  # a failed transaction is rolled back as the pool takes it
                 raise
+
+    def _put_episode_sqlite(self, row: dict[str, Any]) -> bool:
+        """`put_episode` on SQLite, straight through the sqlite3 driver.
+
+        Why: a worker acknowledges every record after its commit, so one transaction per
+        record is the contract, and the target is 10,000 records in 2 s (0.2 ms each), of
+        which the WAL fsync at each commit takes about 0.13 ms (synchronous FULL against
+        NORMAL, 2-core dev box). With fsync taken out (synchronous=OFF), the SQLAlchemy path
+        cost 0.093 ms a record (the begin event emitting BEGIN IMMEDIATE, statement cache
+        lookup, parameter processing, result set-up, RETURNING); this one costs 0.036 ms,
+        within 0.006 ms of the sqlite3 calls alone.
+
+        Same statements and semantics as the PostgreSQL path and `put_episodes`: BEGIN
+        IMMEDIATE, INSERT ... ON CONFLICT (attempt_id, plan_index) DO NOTHING, COMMIT (fsync
+        under synchronous=FULL); the row count (0 or 1, exact on SQLite) says whether the
+        record was new. The connection comes from the engine's pool, so it has the settings
+        of `db.session._configure_sqlite`. On error the caller drops it, which rolls back.
+        """
+        if self._sqlite_writer is None:
+            self._sqlite_writer = self._engine.raw_connection()
+        connection = self._sqlite_writer.dbapi_connection  # a sqlite3.Connection
+        parameters = tuple(row.values())  # in _EPISODE_COLUMNS order: one dict literal builds it
+        try:
+            connection.execute("BEGIN IMMEDIATE")
+            inserted = connection.execute(_SQLITE_PUT_EPISODE, parameters).rowcount
+            connection.execute("COMMIT")
+        except self._engine.dialect.loaded_dbapi.Error as exc:
+            # Wrapped as SQLAlchemy would (sqlite3.IntegrityError -> IntegrityError, ...) so
+            # that translate_errors gives the same one-line message as on the generic path.
+            raise DBAPIError.instance(
+                _SQLITE_PUT_EPISODE, parameters, exc, self._engine.dialect.loaded_dbapi.Error,
+                dialect=self._engine.dialect,
+            ) from exc
+        return inserted == 1
 
     def put_episodes(self, attempt_id: int, records: Iterable[Mapping[str, Any]]) -> int:
         """Store many episode records in ONE transaction; return how many were new.
@@ -553,7 +596,8 @@ def protocol_columns(canonical_json: str) -> dict[str, str | None]:
 
 
 def _episode_columns(attempt_id: int, record: Mapping[str, Any]) -> dict[str, Any]:
-    """Flatten a worker's episode record into `episodes` columns."""
+    """Flatten a worker's episode record into `episodes` columns (always in the order of
+    `_EPISODE_COLUMNS`, which the SQLite fast path relies on)."""
     tokens = list(record.get("tokens") or [])
     phases = record.get("phases") or {}
     prefill = phases.get("prefill") or {}
@@ -582,6 +626,19 @@ def _episode_columns(attempt_id: int, record: Mapping[str, Any]) -> dict[str, An
         "peak_allocated_bytes": memory.get("peak_allocated_bytes"),
         "peak_sampled_bytes": memory.get("peak_sampled_bytes"),
     }
+
+
+# Every stored column of `episodes` but the id, in the order `_episode_columns` yields them.
+_EPISODE_COLUMNS = tuple(
+    _episode_columns(0, dict.fromkeys(("plan_index", "condition", "role", "prompt", "status")))
+)
+# Store._put_episode_sqlite's statement: the one the generic path compiles for SQLite, less
+# RETURNING, with positional parameters.
+_SQLITE_PUT_EPISODE = (
+    f'INSERT INTO {Episode.__tablename__} ({", ".join(_EPISODE_COLUMNS)}) '
+    f'VALUES ({", ".join("?" for _ in _EPISODE_COLUMNS)}) '
+    f"ON CONFLICT (attempt_id, plan_index) DO NOTHING"
+)
 
 
 def _verdict_columns(attempt_id: int, verdict: Mapping[str, Any]) -> dict[str, Any]:

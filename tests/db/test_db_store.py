@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 
 import pytest
 
 from db.errors import Conflict, DatabaseError, NotFound
-from db.store import Store
 from db.records import EpisodeRow
+from db.store import Store
 
 SHA = "a" * 64
 
@@ -239,6 +240,72 @@ def test_episode_for_a_missing_attempt_is_refused(store):
         store.put_episode(999, full_record(0))
     assert_one_line(info.value)
     assert "constraint" in str(info.value)
+
+
+def distinct_record(plan_index: int) -> dict:
+    """A record whose every stored value differs from the others: a value written into the
+    wrong column cannot go unnoticed."""
+    return {
+        "plan_index": plan_index, "condition": "row-retention", "role": "warmup", "prompt": 18,
+        "status": "ok", "error": "slow", "tokens": [19, 20], "wall_s": 0.25, "call_s": 0.5,
+        "h2d_weight_bytes": 11, "h2d_index_bytes": 12, "d2h_bytes": 13,
+        "phases": {"prefill": {"h2d_bytes": 14, "call_s": 0.125},
+                   "decode": {"h2d_bytes": 15, "call_s": 0.0625}},
+        "memory": {"peak_allocated_bytes": 16, "peak_sampled_bytes": 17},
+    }
+
+
+def test_put_episode_stores_what_put_episodes_stores(store):
+    """put_episode (on SQLite: its own SQL, positional parameters) and put_episodes
+    (SQLAlchemy's insert, named parameters) write every value into the same column."""
+    single, batch = new_attempt(store), new_attempt(store)
+    failed = {"plan_index": 2, "condition": "packet", "role": "scored", "prompt": 0,
+              "status": "failed", "error": "CUDA out of memory"}
+    partial = dict(failed, plan_index=3, phases={"decode": {"h2d_bytes": 5}}, memory=None, tokens=None)
+    records = [distinct_record(0), full_record(1), failed, partial]
+    assert [store.put_episode(single.id, record) for record in records] == [True] * 4
+    assert store.put_episodes(batch.id, records) == 4
+
+    def stored(attempt_id: int) -> list[EpisodeRow]:
+        return [replace(e, id=0, attempt_id=0) for e in store.episodes(attempt_id)]
+
+    assert stored(single.id) == stored(batch.id)
+    assert stored(single.id)[0] == EpisodeRow(
+        id=0, attempt_id=0, plan_index=0, condition="row-retention", role="warmup", prompt=18,
+        status="ok", error="slow", tokens=(19, 20), n_tokens=2, wall_s=0.25, call_s=0.5,
+        h2d_weight_bytes=11, h2d_index_bytes=12, d2h_bytes=13, prefill_h2d_bytes=14,
+        decode_h2d_bytes=15, prefill_call_s=0.125, decode_call_s=0.0625,
+        peak_allocated_bytes=16, peak_sampled_bytes=17,
+    )
+
+
+def test_put_episode_and_put_episodes_share_one_key(store):
+    attempt = new_attempt(store)
+    assert store.put_episodes(attempt.id, [full_record(0), full_record(1)]) == 2
+    assert store.put_episode(attempt.id, full_record(1, wall_s=9.0)) is False
+    assert store.put_episode(attempt.id, full_record(2)) is True
+    assert store.put_episodes(attempt.id, [full_record(2, wall_s=9.0), full_record(3), full_record(3)]) == 1
+    assert [(e.plan_index, e.wall_s) for e in store.episodes(attempt.id)] == [
+        (0, 0.12), (1, 0.12), (2, 0.12), (3, 0.12)
+    ]
+
+
+def test_put_episode_commits_each_record_and_recovers_from_an_error(store, db_url):
+    attempt = new_attempt(store)
+    assert store.put_episode(attempt.id, full_record(0)) is True
+    with Store(db_url) as other:
+        # Committed when acknowledged: another connection sees it at once.
+        assert [e.plan_index for e in other.episodes(attempt.id)] == [0]
+        with pytest.raises(DatabaseError, match="constraint"):
+            store.put_episode(999, full_record(1))
+        # The refused record's transaction is gone with its write lock: on SQLite a
+        # transaction left open would keep this writer waiting, then fail as locked.
+        assert other.put_episode(attempt.id, full_record(2)) is True
+        assert [e.plan_index for e in other.episodes(attempt.id)] == [0, 2]
+    # The store writes on after the error (with a fresh connection).
+    assert store.put_episode(attempt.id, full_record(1)) is True
+    assert store.put_episode(attempt.id, full_record(2)) is False
+    assert [e.plan_index for e in store.episodes(attempt.id)] == [0, 1, 2]
 
 
 # -- verdicts -----------------------------------------------------------------------------
