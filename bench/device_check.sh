@@ -8,7 +8,7 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'transformers', transformers.__version__)"
 
 echo "== CUDA tests"
-python3 -m pytest -q -m gpu -p no:cacheprovider tests/engine/test_policies_cuda.py 2>&1 | tail -5
+python3 -m pytest -q -m gpu -p no:cacheprovider tests 2>&1 | tail -5
 
 echo "== screen through Ray on the GPU"
 work=$(mktemp -d)
