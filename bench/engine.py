@@ -12,6 +12,7 @@ models would not fit one allowance), on the same prompts.
 """
 
 import argparse
+import atexit
 import os
 import statistics
 import tempfile
@@ -106,12 +107,35 @@ def start_accelerate(model_dir: Path, args, uuid: str | None):
 
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    proc = ctx.Process(target=accelerate_server, daemon=True,
+    # Not a daemon: it starts its own NVML sampler process, which a daemon may not.
+    proc = ctx.Process(target=accelerate_server,
                        args=(child, str(model_dir), args.dtype, args.continuation, args.allowance_mib, uuid))
     proc.start()
-    if parent.recv() != "ready":
+    if receive((parent, proc)) != "ready":
         raise SystemExit("accelerate's process did not start")
     return parent, proc
+
+
+def stop_accelerate(accelerate) -> None:
+    conn, proc = accelerate
+    if proc.is_alive():
+        conn.send(None)
+        proc.join(timeout=60)
+    if proc.is_alive():
+        proc.kill()
+
+
+def receive(accelerate, timeout_s: float = 300.0):
+    """The child's next answer; exits if the child died or stays silent (never hang the run)."""
+    conn, proc = accelerate
+    deadline = time.monotonic() + timeout_s
+    while not conn.poll(1.0):
+        if not proc.is_alive():
+            raise SystemExit(f"accelerate's process died (exit code {proc.exitcode}); see its traceback above")
+        if time.monotonic() > deadline:
+            proc.kill()
+            raise SystemExit(f"accelerate's process gave no answer in {timeout_s:.0f} s")
+    return conn.recv()
 
 
 def oom(row: dict) -> str:
@@ -168,6 +192,7 @@ def main() -> None:
     accelerate = None
     if args.accelerate and cuda:
         accelerate = start_accelerate(model_dir, args, uuid)
+        atexit.register(stop_accelerate, accelerate)  # on any exit: a live child would block it
         policies.append("accelerate")
 
     model.use("dense-stream")
@@ -187,7 +212,7 @@ def main() -> None:
                 row = rows[name]
                 if name == "accelerate":
                     accelerate[0].send(prompt)
-                    out = accelerate[0].recv()
+                    out = receive(accelerate)
                     row["prefill_s"].append(out["walls"][0])
                     row["decode_ms"] += [w * 1e3 for w in out["walls"][1:]]
                     row["peak_sampled"].append(out["peak_sampled"])
@@ -226,8 +251,7 @@ def main() -> None:
                     context = max(context, impose(device, args.allowance_mib * MIB, handle))
 
     if accelerate is not None:
-        accelerate[0].send(None)
-        accelerate[1].join(timeout=60)
+        stop_accelerate(accelerate)
 
     print(f"\npinned H2D bandwidth: {bw:.1f} GB/s; {device}"
           f"{' ' + torch.cuda.get_device_name(device) if cuda else ''}; torch {torch.__version__}; "
