@@ -145,6 +145,28 @@ def insert_bench(url: str, *, label: str, n: int) -> None:
             print(f"{label:10}  {n:,} inserts via {method:12}  {seconds:6.2f} s  ({seconds / n * 1e3:.3f} ms/episode)")
 
 
+def sqlite_commit_floor(path: Path, n: int) -> float:
+    """Seconds for n bare sqlite3 transactions (BEGIN IMMEDIATE, one small INSERT, COMMIT) in
+    WAL mode at synchronous=FULL: what this disk's per-commit fsync costs before any packbench
+    code runs, the floor under `put_episode`."""
+    import sqlite3
+
+    connection = sqlite3.connect(path, isolation_level=None)
+    connection.execute("PRAGMA journal_mode=WAL")
+    connection.execute("PRAGMA synchronous=FULL")
+    connection.execute("CREATE TABLE t (id INTEGER PRIMARY KEY, a INT, b INT, pad TEXT, UNIQUE (a, b))")
+
+    def loop() -> None:
+        for i in range(n):
+            connection.execute("BEGIN IMMEDIATE")
+            connection.execute("INSERT INTO t (a, b, pad) VALUES (?, ?, ?) ON CONFLICT DO NOTHING", (1, i, "x" * 300))
+            connection.execute("COMMIT")
+
+    seconds = timed(loop)
+    connection.close()
+    return seconds
+
+
 def query_bench(url: str, *, label: str, episodes: int) -> None:
     with Store(url) as store:
         store.upgrade()
@@ -175,6 +197,9 @@ def main() -> None:
     # Inserts and queries use separate databases, so the query one holds exactly --episodes.
     with tempfile.TemporaryDirectory() as tmp:
         insert_bench(f"sqlite:///{Path(tmp) / 'inserts.db'}", label="sqlite", n=args.inserts)
+        floor = sqlite_commit_floor(Path(tmp) / "floor.db", args.inserts)
+        print(f"{'sqlite':10}  {args.inserts:,} bare sqlite3 commits   {floor:6.2f} s  "
+              f"({floor / args.inserts * 1e3:.3f} ms each: the disk's fsync floor)")
         query_bench(f"sqlite:///{Path(tmp) / 'queries.db'}", label="sqlite", episodes=args.episodes)
     if not args.pg:
         print("postgresql  skipped: pass --pg URL or set PACKBENCH_TEST_PG_URL")
