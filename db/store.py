@@ -24,7 +24,7 @@ from contextlib import contextmanager
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import Connection, Engine, func, select, text
+from sqlalchemy import Connection, Engine, bindparam, func, select, text
 from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 from sqlalchemy.pool import PoolProxiedConnection
 from sqlalchemy.dialects import postgresql, sqlite
@@ -393,16 +393,16 @@ class Store:
         if self._sqlite_writer is None:
             self._sqlite_writer = self._engine.raw_connection()
         connection = self._sqlite_writer.dbapi_connection  # a sqlite3.Connection
-        parameters = tuple(row.values())  # in _EPISODE_COLUMNS order: one dict literal builds it
+        sql = _sqlite_insert_ignore_sql(Episode, ("attempt_id", "plan_index"), tuple(row))
         try:
             connection.execute("BEGIN IMMEDIATE")
-            inserted = connection.execute(_SQLITE_PUT_EPISODE, parameters).rowcount
+            inserted = connection.execute(sql, row).rowcount
             connection.execute("COMMIT")
         except self._engine.dialect.loaded_dbapi.Error as exc:
             # Wrapped as SQLAlchemy would (sqlite3.IntegrityError -> IntegrityError, ...) so
             # that translate_errors gives the same one-line message as on the generic path.
             raise DBAPIError.instance(
-                _SQLITE_PUT_EPISODE, parameters, exc, self._engine.dialect.loaded_dbapi.Error,
+                sql, row, exc, self._engine.dialect.loaded_dbapi.Error,
                 dialect=self._engine.dialect,
             ) from exc
         return inserted == 1
@@ -563,11 +563,23 @@ class Store:
 @functools.lru_cache(maxsize=None)
 def _insert_ignore_statement(dialect: str, model: type, key: tuple[str, ...]):
     """INSERT ... ON CONFLICT (key) DO NOTHING RETURNING id, built once per (dialect, table)."""
-    table = model.__table__
-    insert = postgresql.insert if dialect == "postgresql" else sqlite.insert
     # RETURNING yields only the rows actually inserted; rowcount is not reliable for this
     # statement across drivers (psycopg reports -1).
-    return insert(table).on_conflict_do_nothing(index_elements=list(key)).returning(table.c.id)
+    return _on_conflict_do_nothing(dialect, model, key).returning(model.__table__.c.id)
+
+
+@functools.lru_cache(maxsize=None)
+def _sqlite_insert_ignore_sql(model: type, key: tuple[str, ...], columns: tuple[str, ...]) -> str:
+    """The same INSERT as SQL for the bare sqlite3 driver: named parameters for `columns`, no
+    RETURNING (sqlite3's rowcount is exact). Used by `Store._put_episode_sqlite`."""
+    values = {column: bindparam(column) for column in columns}
+    statement = _on_conflict_do_nothing("sqlite", model, key).values(values)
+    return str(statement.compile(dialect=sqlite.dialect(paramstyle="named")))
+
+
+def _on_conflict_do_nothing(dialect: str, model: type, key: tuple[str, ...]):
+    insert = postgresql.insert if dialect == "postgresql" else sqlite.insert
+    return insert(model.__table__).on_conflict_do_nothing(index_elements=list(key))
 
 
 def protocol_columns(canonical_json: str) -> dict[str, str | None]:
@@ -596,8 +608,7 @@ def protocol_columns(canonical_json: str) -> dict[str, str | None]:
 
 
 def _episode_columns(attempt_id: int, record: Mapping[str, Any]) -> dict[str, Any]:
-    """Flatten a worker's episode record into `episodes` columns (always in the order of
-    `_EPISODE_COLUMNS`, which the SQLite fast path relies on)."""
+    """Flatten a worker's episode record into `episodes` columns."""
     tokens = list(record.get("tokens") or [])
     phases = record.get("phases") or {}
     prefill = phases.get("prefill") or {}
@@ -626,19 +637,6 @@ def _episode_columns(attempt_id: int, record: Mapping[str, Any]) -> dict[str, An
         "peak_allocated_bytes": memory.get("peak_allocated_bytes"),
         "peak_sampled_bytes": memory.get("peak_sampled_bytes"),
     }
-
-
-# Every stored column of `episodes` but the id, in the order `_episode_columns` yields them.
-_EPISODE_COLUMNS = tuple(
-    _episode_columns(0, dict.fromkeys(("plan_index", "condition", "role", "prompt", "status")))
-)
-# Store._put_episode_sqlite's statement: the one the generic path compiles for SQLite, less
-# RETURNING, with positional parameters.
-_SQLITE_PUT_EPISODE = (
-    f'INSERT INTO {Episode.__tablename__} ({", ".join(_EPISODE_COLUMNS)}) '
-    f'VALUES ({", ".join("?" for _ in _EPISODE_COLUMNS)}) '
-    f"ON CONFLICT (attempt_id, plan_index) DO NOTHING"
-)
 
 
 def _verdict_columns(attempt_id: int, verdict: Mapping[str, Any]) -> dict[str, Any]:
