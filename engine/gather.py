@@ -37,14 +37,7 @@ def gather_active_rows(h: torch.Tensor, src: torch.Tensor, workspace: torch.Tens
     if h.device.type != "cuda":
         gather_active_rows_reference(h, src, workspace, counts, layer)
         return
-    global _cuda_gather
-    if _cuda_gather is None:
-        from engine.triton_gather import gather_active_rows_cuda  # Triton ships with CUDA builds of torch
+    from engine.triton_gather import gather_active_rows_cuda  # Triton ships with CUDA builds of torch
 
-        _cuda_gather = gather_active_rows_cuda
-    if h.dim() != 2 or not h.is_contiguous():
-        h = h.reshape(-1, h.shape[-1]).contiguous()
-    _cuda_gather(h, src, workspace, counts, layer, block_r=BLOCK_R, block_h=BLOCK_H, block_t=BLOCK_T)
-
-
-_cuda_gather = None  # engine.triton_gather's launcher, imported on first CUDA use
+    gather_active_rows_cuda(h.reshape(-1, h.shape[-1]).contiguous(), src, workspace, counts, layer,
+                            block_r=BLOCK_R, block_h=BLOCK_H, block_t=BLOCK_T)
