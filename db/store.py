@@ -69,6 +69,7 @@ from sqlalchemy.pool import PoolProxiedConnection
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
+from core.record import stored_values
 from db import migrate, queries
 from db.errors import Conflict, DatabaseUnavailable, NotFound, SchemaNotAtHead
 from db.models import (
@@ -1251,35 +1252,8 @@ def protocol_columns(canonical_json: str) -> dict[str, str | None]:
 
 
 def _episode_columns(attempt_id: int, record: Mapping[str, Any]) -> dict[str, Any]:
-    """Flatten a worker's episode record into `episodes` columns."""
-    tokens = list(record.get("tokens") or [])
-    phases = record.get("phases") or {}
-    prefill = phases.get("prefill") or {}
-    decode = phases.get("decode") or {}
-    memory = record.get("memory") or {}
-    return {
-        "attempt_id": attempt_id,
-        "plan_index": record["plan_index"],
-        "condition": record["condition"],
-        "role": record["role"],
-        "prompt": record["prompt"],
-        "status": record["status"],
-        "error": record.get("error"),
-        "tokens_json": json_text(tokens),
-        "n_tokens": len(tokens),
-        "wall_s": record.get("wall_s") or 0.0,
-        "call_s": record.get("call_s") or 0.0,
-        "h2d_weight_bytes": record.get("h2d_weight_bytes") or 0,
-        "h2d_index_bytes": record.get("h2d_index_bytes") or 0,
-        "d2h_bytes": record.get("d2h_bytes") or 0,
-        # A phase's h2d_bytes already counts weights + indices (the worker adds them).
-        "prefill_h2d_bytes": prefill.get("h2d_bytes") or 0,
-        "decode_h2d_bytes": decode.get("h2d_bytes") or 0,
-        "prefill_call_s": prefill.get("call_s") or 0.0,
-        "decode_call_s": decode.get("call_s") or 0.0,
-        "peak_allocated_bytes": memory.get("peak_allocated_bytes"),
-        "peak_sampled_bytes": memory.get("peak_sampled_bytes"),
-    }
+    """Flatten a worker's episode record into `episodes` columns (`core.record` says which)."""
+    return {"attempt_id": attempt_id, **stored_values(record)}
 
 
 def _verdict_columns(attempt_id: int, verdict: Mapping[str, Any]) -> dict[str, Any]:
