@@ -654,8 +654,9 @@ def queue_status(session: Session, *, now: datetime, live_within_s: float) -> Qu
     counts = dict.fromkeys(SCREEN_STATUSES, 0)
     for status, n in session.execute(select(Screen.status, func.count(Screen.id)).group_by(Screen.status)):
         counts[status] = n
-    done = (
+    done = (  # episodes stored by running attempts only: not a scan of every episode
         select(Episode.attempt_id, func.count(Episode.id).label("n"))
+        .where(Episode.attempt_id.in_(select(Attempt.id).where(Attempt.status == "running")))
         .group_by(Episode.attempt_id)
         .subquery()
     )

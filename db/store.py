@@ -63,7 +63,6 @@ from sqlalchemy import (
     true,
     update,
 )
-from sqlalchemy.orm import aliased
 from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 from sqlalchemy.pool import PoolProxiedConnection
 from sqlalchemy.dialects import postgresql, sqlite
