@@ -26,6 +26,7 @@ from sqlalchemy import (
     Dialect,
     Float,
     ForeignKey,
+    Index,
     Integer,
     MetaData,
     String,
@@ -272,6 +273,9 @@ class Attempt(Base):
         UniqueConstraint("screen_id", "number"),
         _one_of("status", ATTEMPT_STATUSES, "status"),
         _one_of("model_state", MODEL_STATES, "model_state"),
+        # A claim for a worker slot on a node looks for what runs there (exclusive screens,
+        # replicas, shared_node): without it every such claim scanned all attempts.
+        Index("ix_attempts_node_status", "node", "status"),
     )
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
