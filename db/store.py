@@ -587,8 +587,6 @@ class Store:
             raise ValueError(f"lease_s {lease_s} must be > 0")
         if model_state is not None and model_state not in MODEL_STATES:
             raise ValueError(f"model_state {model_state!r} is not one of {', '.join(MODEL_STATES)}")
-        statement = _claim_statement(self.dialect, one=screen_id is not None, exclude=bool(exclude_screens),
-                                     gpu_types=gpu_types is not None, node=bool(node))
         # Not named like a column: DML takes such execution parameters as SET / VALUES.
         parameters: dict[str, Any] = {"want_screen": screen_id, "exclude_ids": list(exclude_screens),
                                       "gpu_type_list": list(gpu_types or ()), "slot_node": node}
@@ -624,7 +622,10 @@ class Store:
         statement = _claim_statement(self.dialect, one=screen_id is not None, exclude=bool(exclude_screens),
                                      gpu_types=gpu_types is not None, node=bool(node))
         attempts = Attempt.__table__
-        with self._held_transaction() as connection:
+        if not self._schema_checked:
+            self.check_head()
+        # A pooled connection (SQLite has no pre-ping): its BEGIN IMMEDIATE serializes claims.
+        with translate_errors(self._engine.url), self._engine.begin() as connection:
             row = connection.execute(statement, {**parameters, "now": now}).first()
             if row is None:
                 return None
@@ -632,15 +633,12 @@ class Store:
             number = values.pop("number")
             screen = ScreenRow(**values)
             attempt_values.update(
-                screen_id=screen.id, number=number, shared_node=None,
+                screen_id=screen.id, number=number,
+                shared_node=self._mark_shared(connection, None, node) if node else None,
                 archive_path=f"{archive_dir.rstrip('/')}/{archive_file_name(screen.id, number, key)}")
             attempt_id = connection.execute(
                 insert(attempts).values(attempt_values).returning(attempts.c.id)
             ).scalar_one()
-            if node:
-                attempt_values["shared_node"] = self._mark_shared(connection, attempt_id, node)
-                if attempt_values["shared_node"]:
-                    connection.execute(update(attempts).where(attempts.c.id == attempt_id).values(shared_node=True))
             attempt = AttemptRow(id=attempt_id, **{**attempt_values, "source_freeze": dict(source_freeze)})
         return Claim(screen=screen, attempt=attempt, protocol=self._protocol_row(screen.protocol_id))
 
@@ -666,33 +664,15 @@ class Store:
             row = self._protocols[protocol_id] = self.protocol(protocol_id)
         return row
 
-    @contextmanager
-    def _held_transaction(self) -> Iterator[Connection]:
-        """A transaction on the Store's held connection (PostgreSQL; the episode writer's),
-        after the schema check; errors translated, a failed connection dropped. SQLite takes a
-        pooled connection (no pre-ping there) whose BEGIN IMMEDIATE serializes writers."""
-        if not self._schema_checked:
-            self.check_head()
-        with translate_errors(self._engine.url):
-            if self.dialect != "postgresql":
-                with self._engine.begin() as connection:
-                    yield connection
-                return
-            if self._writer is None:
-                self._writer = self._engine.connect()
-            try:
-                with self._writer.begin():
-                    yield self._writer
-            except SQLAlchemyError:
-                self._drop_writer()
-                raise
-
     @staticmethod
-    def _mark_shared(connection: Connection | Session, attempt_id: int, node: str) -> bool:
-        """Whether other attempts run on `node` now; if so they are marked shared_node too
-        (only those not marked yet: a busy node's attempts are not rewritten at every claim)."""
+    def _mark_shared(connection: Connection | Session, attempt_id: int | None, node: str) -> bool:
+        """Whether attempts other than `attempt_id` run on `node` now; if so they are marked
+        shared_node too (only those not marked yet: a busy node's attempts are not rewritten
+        at every claim)."""
         attempts = Attempt.__table__
-        here = (attempts.c.node == node, attempts.c.status == "running", attempts.c.id != attempt_id)
+        here = [attempts.c.node == node, attempts.c.status == "running"]
+        if attempt_id is not None:
+            here.append(attempts.c.id != attempt_id)
         if not connection.execute(select(exists().where(*here))).scalar():
             return False
         connection.execute(
