@@ -394,9 +394,9 @@ class Store:
         return ids
 
     def queued_screens(self) -> list[ScreenRow]:
-        """Screens waiting for a worker, oldest first."""
+        """Screens waiting for a worker in claim order: highest priority, then oldest."""
         with self._session() as session:
-            query = select(Screen).where(Screen.status == "queued").order_by(Screen.id)
+            query = select(Screen).where(Screen.status == "queued").order_by(Screen.priority.desc(), Screen.id)
             return [screen.to_record() for screen in session.scalars(query)]
 
     def screen(self, ref: int | str) -> ScreenRow:
