@@ -130,13 +130,15 @@ def test_schema2_frozen_form_fills_every_default():
 
 def test_expand_upgrades_schema1_to_the_full_form():
     v1 = freeze(raw()).body
-    full = expand(v1)
+    proto = expand(v1)
+    full = proto.full_dict()
     assert full["schema"] == 2 and validate(v1) == v1
     assert full["warmups"] == {"dense-stream": 1, "packet": 1}
     assert full["gates"]["acquisition"] == [{"control": "dense-stream", "max_ratio": 0.5, "phase": "all"}]
     assert all(c["params"] == {} for c in full["conditions"])
-    assert validate(full) == v1  # the lowest schema that says it
-    assert expand(full) == full
+    assert validate(proto.full_dict()) == v1  # the lowest schema that says it
+    assert expand(proto.full_dict()) == proto and expand(proto) is proto
+    assert proto.body_dict() == v1 and proto.sha256 == freeze(raw()).sha256
 
 
 def test_synth_shapes_match_the_engine():
