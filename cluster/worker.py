@@ -1,9 +1,12 @@
 """The GPU worker actor: a thin Ray shell around engine.worker.Worker."""
 
+from __future__ import annotations
+
 import os
 
 import ray
 
+from core.settings import Settings
 from engine.worker import Worker
 
 # max_task_retries=0: retried calls ran out of submission order (shared/ray.md); a failed
@@ -11,14 +14,10 @@ from engine.worker import Worker
 GpuWorker = ray.remote(num_gpus=1, max_restarts=0, max_task_retries=0)(Worker)
 
 
-# Near an allowance, a fragmented allocator fails where a compact one fits: on the H200 an
-# opt-2.7b fp16 screen at 4800 MiB lost 15 of 66 episodes to OOM with the default allocator and
-# none with expandable segments (docs/benchmarks.md).
-ALLOC_CONF = "expandable_segments:True"
+def start_worker(settings: Settings, **options):
+    """One worker actor with the host's cores for its gathers (OMP follows num_cpus otherwise).
 
-
-def start_worker():
-    """One worker actor with the host's cores for its gathers (OMP follows num_cpus otherwise)."""
-    env = {"OMP_NUM_THREADS": str(os.cpu_count() or 1),
-           "PYTORCH_CUDA_ALLOC_CONF": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ALLOC_CONF)}
-    return GpuWorker.options(num_cpus=1, runtime_env={"env_vars": env}).remote()
+    `options` go to `.options()` (e.g. a scheduling strategy or accelerator_type resources).
+    """
+    env = settings.worker_env(threads=os.cpu_count() or 1)
+    return GpuWorker.options(num_cpus=1, runtime_env={"env_vars": env}, **options).remote()

@@ -16,7 +16,7 @@ import torch
 
 from core.canonical import canonical_sha256
 from core.metrics import episode_totals
-from core.protocol import expand
+from core.protocol import Protocol, expand
 from engine.episode import run_episode
 from engine.model import CpuFirstModel
 from engine.allowance import impose
@@ -24,7 +24,6 @@ from engine.sampler import MemorySampler, device_uuid, nvml_handle
 from engine.shapes import dtype_of
 from engine.synth import synth_checkpoint
 
-MIB = 1 << 20
 
 
 def environment(device: torch.device) -> dict:
@@ -52,18 +51,22 @@ def environment(device: torch.device) -> dict:
     return env
 
 
-def synth_dir(spec: dict) -> Path:
+DEFAULT_MODEL_CACHE = Path.home() / ".cache" / "packbench" / "models"
+
+
+def synth_dir(spec: dict, cache: Path | None = None) -> Path:
     """Where a synthetic model spec is generated on this node (one folder per spec)."""
-    root = Path(os.environ.get("PACKBENCH_MODEL_CACHE", Path.home() / ".cache" / "packbench" / "models"))
-    return root / canonical_sha256(spec)[:16]
+    return Path(cache or DEFAULT_MODEL_CACHE) / canonical_sha256(spec)[:16]
 
 
-def model_dir_for(body: dict, model_dir: str | None) -> Path:
-    """The checkpoint directory: the submitted one, or a synthetic spec generated here once."""
-    spec = body["model"].get("synth")
-    if spec is None:
+def model_dir_for(protocol: Protocol, model_dir: str | None, *, cache: Path | None = None) -> Path:
+    """The checkpoint directory: the submitted one, or a synthetic spec generated here once
+    (under `cache`, Settings.model_cache, forwarded by the dispatcher)."""
+    synth = protocol.model.synth
+    if synth is None:
         return Path(model_dir)
-    out = synth_dir(spec)
+    spec = synth.as_dict()
+    out = synth_dir(spec, cache)
     if not (out / "config.json").exists():
         synth_checkpoint(out, **spec)
     return out
@@ -89,17 +92,17 @@ class Worker:
     def describe(self) -> dict:
         return environment(self.device)
 
-    def load(self, body: dict, model_dir: str | None) -> dict:
+    def load(self, protocol: Protocol | dict, model_dir: str | None, *, model_cache: str | None = None) -> dict:
         """Build the CPU-first model for a frozen protocol and impose its allowance on CUDA."""
-        body = expand(body)  # any stored schema, defaults filled
-        allowance = body["allowance_mib"] * MIB
+        protocol = expand(protocol)  # a typed Protocol passes through; a stored body is validated once
+        allowance = protocol.allowance_bytes
         self.allowance = allowance
         context = impose(self.device, allowance, self.nvml) if self.device.type == "cuda" else 0
-        path = model_dir_for(body, model_dir)
-        self.model = CpuFirstModel(path, dtype=dtype_of(body["dtype"]), device=self.device)
-        self.model.recorder.enabled = body.get("recording", True)
-        self.conditions = {c["name"]: (c["policy"], c.get("params", {})) for c in body["conditions"]}
-        self.continuation = body["continuation_tokens"]
+        path = model_dir_for(protocol, model_dir, cache=None if model_cache is None else Path(model_cache))
+        self.model = CpuFirstModel(path, dtype=dtype_of(protocol.dtype), device=self.device)
+        self.model.recorder.enabled = protocol.recording
+        self.conditions = {c.name: (c.policy, dict(c.params)) for c in protocol.conditions}
+        self.continuation = protocol.continuation_tokens
         s = self.model.start
         return {"read_s": s.read_s, "pin_s": self.model.host.pin_s, "place_s": s.place_s,
                 "device_param_bytes": s.device_param_bytes, "host_outgoing_bytes": s.host_outgoing_bytes,
