@@ -13,6 +13,7 @@ from cli.common import Address, ArchiveDir, DbUrl, Json, open_store
 from cli.summary import print_json, screen_summary, verdict_table
 from core.errors import PackbenchError
 from core.settings import DEFAULT_CONNECT_TIMEOUT_S, DEFAULT_PLACEMENT_TIMEOUT_S, Settings
+from core.registry import DTYPE_NAMES, SYNTH_SHAPES, SynthArgumentError, synth_spec
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
                   help=__doc__)
@@ -29,26 +30,22 @@ query.register(app)
 @model_app.command("synth")
 def model_synth(
     out: Annotated[Path, typer.Option(help="Output directory (Hugging Face layout).")],
-    shape: Annotated[str, typer.Option(help="tiny, opt-125m, opt-1.3b, opt-2.7b, opt-6.7b or opt-13b.")] = "tiny",
-    dtype: Annotated[str, typer.Option(help="float32, float16 or bfloat16.")] = "float32",
-    sparsity: Annotated[float, typer.Option(help="Fraction of post-ReLU activations that are exactly zero.")] = 0.94,
-    seed: Annotated[int, typer.Option(help="Weights are a pure function of the seed.")] = 0,
-    hot_fraction: Annotated[float, typer.Option(help="Fraction of neurons per layer that fire far more often.")] = 0.0,
-    hot_bias: Annotated[float, typer.Option(help="Their fc1 bias in units of std*sqrt(hidden) (0.0: ~50% active).")] = 0.0,
+    shape: Annotated[str, typer.Option(help=f"One of {', '.join(SYNTH_SHAPES)}.")] = "tiny",
+    dtype: Annotated[str, typer.Option(help=f"One of {', '.join(DTYPE_NAMES)}.")] = "float32",
+    sparsity: Annotated[float, typer.Option(help="Fraction of post-ReLU activations that are exactly zero, in (0, 1).")] = 0.94,
+    seed: Annotated[int, typer.Option(help="Weights are a pure function of the seed (>= 0).")] = 0,
+    hot_fraction: Annotated[float, typer.Option(help="Fraction of neurons per layer that fire far more often, in [0, 1).")] = 0.0,
+    hot_bias: Annotated[float, typer.Option(help="Their fc1 bias in units of std*sqrt(hidden), finite (0.0: ~50% active).")] = 0.0,
     force: Annotated[bool, typer.Option(help="Replace a checkpoint already in --out.")] = False,
 ) -> None:
     """Write a synthetic OPT checkpoint with real OPT shapes and a chosen activation sparsity."""
-    from engine.shapes import DTYPES, SHAPES
+    try:  # the same check a protocol's model.synth gets, before torch is imported
+        synth_spec(shape=shape, dtype=dtype, sparsity=sparsity, seed=seed, hot_fraction=hot_fraction,
+                   hot_bias=hot_bias)
+    except SynthArgumentError as e:
+        raise PackbenchError(e.line("--" + e.arg.replace("_", "-"))) from None
     from engine.synth import synth_checkpoint
 
-    if shape not in SHAPES:
-        raise PackbenchError(f"unknown --shape {shape!r}; use one of {', '.join(SHAPES)}")
-    if dtype not in DTYPES:
-        raise PackbenchError(f"unknown --dtype {dtype!r}; use one of {', '.join(DTYPES)}")
-    if not 0.0 < sparsity < 1.0:
-        raise PackbenchError(f"--sparsity {sparsity} is outside (0, 1); pass e.g. 0.94")
-    if not 0.0 <= hot_fraction < 1.0:
-        raise PackbenchError(f"--hot-fraction {hot_fraction} is outside [0, 1); pass e.g. 0.05")
     path = synth_checkpoint(out, shape=shape, dtype=dtype, sparsity=sparsity, seed=seed,
                             hot_fraction=hot_fraction, hot_bias=hot_bias, force=force)
     typer.echo(f"wrote {shape} {dtype} checkpoint (sparsity {sparsity}, seed {seed}) to {path}")

@@ -19,6 +19,18 @@ from core.protocol.compat import schema1_form
 from core.protocol.fields import (_bool, _choice, _fail, _int, _join, _mapping, _number, _optional_mapping, _show,
                                   _string, _token_lists)
 from core.protocol.prompt_files import TEXT_SEPARATOR, read_prompt_file
+# Policies and their parameters, dtypes and synthetic shapes live in one registry shared with the
+# engine and the CLI; re-exported here for code that imports them from core.protocol.
+from core.registry import (
+    DTYPE_NAMES,
+    POLICY_NAMES,
+    POLICY_PARAMS,
+    SYNTH_SHAPES,
+    ChoiceParam,
+    IntParam,
+    SynthArgumentError,
+    synth_spec,
+)
 
 SCHEMA_VERSION = 2  # the newest schema this packbench reads and writes
 MIB = 1 << 20
@@ -28,37 +40,6 @@ MAX_TOKENS = 1 << 16  # prefix_tokens, continuation_tokens
 MAX_EPISODES = 100_000  # planned episodes, warmups included
 
 
-@dataclass(frozen=True)
-class IntParam:
-    """An integer policy parameter; `default` None means the condition must give it."""
-
-    minimum: int
-    default: int | None = None
-
-
-@dataclass(frozen=True)
-class ChoiceParam:
-    """A policy parameter taking one of `choices`; omitted, it is left out of the frozen form
-    (so protocols written before the parameter existed keep their hash)."""
-
-    choices: tuple[str, ...]
-    default: str
-
-
-# Loader policies and their parameters (a plain registry, as engine.policies.POLICIES).
-POLICY_PARAMS: dict[str, dict[str, IntParam | ChoiceParam]] = {
-    "resident": {},
-    "dense-stream": {},
-    "sparse-extents": {"block_rows": IntParam(minimum=1, default=128)},
-    "packet": {"gather": ChoiceParam(choices=("host", "device"), default="host")},
-    "phase-switched": {},
-    "row-retention": {"rows_per_layer": IntParam(minimum=1)},
-    "early-forecast": {},
-}
-POLICY_NAMES = tuple(POLICY_PARAMS)
-DTYPE_NAMES = ("float32", "float16", "bfloat16")
-# Synthetic checkpoint shapes; engine/shapes.py holds their dimensions (tests keep the two equal).
-SYNTH_SHAPES = ("tiny", "opt-125m", "opt-1.3b", "opt-2.7b", "opt-6.7b", "opt-13b")
 ORDERS = ("alternating", "abba", "latin-square")
 PHASES = ("all", "prefill", "decode")
 GATE_NAMES = ("faithfulness", "resources", "capacity", "acquisition", "runtime", "useful_latency")
@@ -79,14 +60,10 @@ def _model(value: Any) -> dict:
         return {"path": _string(m["path"], "model.path", "a path to a local Hugging Face OPT directory")}
     s = _mapping(m["synth"], "model.synth", allowed={
         "shape": True, "dtype": True, "sparsity": True, "seed": True, "hot_fraction": False, "hot_bias": False})
-    return {"synth": {
-        "shape": _choice(s["shape"], "model.synth.shape", SYNTH_SHAPES),
-        "dtype": _choice(s["dtype"], "model.synth.dtype", DTYPE_NAMES),
-        "sparsity": _number(s["sparsity"], "model.synth.sparsity", minimum=0.0, exclusive=True, maximum=1.0),
-        "seed": _int(s["seed"], "model.synth.seed", minimum=0),
-        "hot_fraction": _number(s.get("hot_fraction", 0.0), "model.synth.hot_fraction", minimum=0.0, maximum=1.0),
-        "hot_bias": _number(s.get("hot_bias", 0.0), "model.synth.hot_bias", minimum=-math.inf),
-    }}
+    try:
+        return {"synth": synth_spec(**s)}
+    except SynthArgumentError as e:
+        _fail(f"model.synth.{e.arg}", e.reason)
 
 
 def _prompt_file(kind: str, value: Any, *, base_dir: Path | None, prefix_tokens: int) -> dict:
