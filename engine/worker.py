@@ -5,6 +5,7 @@ as a record (plain dict + a numpy logits array). An episode that raises (an out-
 the allowance, say) comes back as a failed record with its cause; the worker stays usable.
 """
 
+import gc
 import os
 import platform
 import resource
@@ -72,6 +73,13 @@ def model_dir_for(protocol: Protocol, model_dir: str | None, *, cache: Path | No
     return out
 
 
+def checkpoint_key(path: Path) -> tuple:
+    """What identifies a checkpoint's bytes cheaply: its folder and each file's name, size, mtime."""
+    path = Path(path).resolve()
+    files = sorted(p for p in path.iterdir() if p.is_file()) if path.is_dir() else []
+    return (str(path), tuple((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in files))
+
+
 def host_rss_peak_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
@@ -84,6 +92,8 @@ class Worker:
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", 0)
         self.model: CpuFirstModel | None = None
+        self.model_key: tuple | None = None
+        self.loads = 0
         self.conditions: dict[str, tuple[str, dict]] = {}
         uuid = device_uuid(self.device.index) if self.device.type == "cuda" else None
         self.nvml = nvml_handle(uuid)
@@ -92,14 +102,32 @@ class Worker:
     def describe(self) -> dict:
         return environment(self.device)
 
-    def load(self, protocol: Protocol | dict, model_dir: str | None, *, model_cache: str | None = None) -> dict:
-        """Build the CPU-first model for a frozen protocol and impose its allowance on CUDA."""
+    def load(self, protocol: Protocol | dict, model_dir: str | None, *, model_cache: str | None = None,
+             reuse: bool = True) -> dict:
+        """Make the CPU-first model for a frozen protocol ready and impose its allowance on CUDA.
+
+        A worker lives across screens: with `reuse`, a model already loaded from the same
+        checkpoint (same files, sizes and mtimes) in the same dtype is kept ("warm"); otherwise
+        it is dropped and the new one read ("cold"). `model_state` says which, and the start
+        times are those of the load that read it. The clock of `first_logit_since_entry_s`
+        starts at the actor's entry for its first load and at this call for later ones.
+        """
+        t_call = time.perf_counter()
+        if self.loads:
+            self.t_entry = t_call
+        self.loads += 1
         protocol = expand(protocol)  # a typed Protocol passes through; a stored body is validated once
+        path = model_dir_for(protocol, model_dir, cache=None if model_cache is None else Path(model_cache))
+        key = (checkpoint_key(path), protocol.dtype)
+        warm = reuse and self.model is not None and self.model_key == key
+        if not warm and self.model is not None:
+            self.drop_model()  # before the new allowance: the old model must not count against it
         allowance = protocol.allowance_bytes
         self.allowance = allowance
         context = impose(self.device, allowance, self.nvml) if self.device.type == "cuda" else 0
-        path = model_dir_for(protocol, model_dir, cache=None if model_cache is None else Path(model_cache))
-        self.model = CpuFirstModel(path, dtype=dtype_of(protocol.dtype), device=self.device)
+        if not warm:
+            self.model = CpuFirstModel(path, dtype=dtype_of(protocol.dtype), device=self.device)
+            self.model_key = key
         self.model.recorder.enabled = protocol.recording
         self.conditions = {c.name: (c.policy, dict(c.params)) for c in protocol.conditions}
         self.continuation = protocol.continuation_tokens
@@ -109,8 +137,17 @@ class Worker:
                 "param_bytes": s.device_param_bytes + s.host_outgoing_bytes,
                 "cpu_first": True,  # CpuFirstModel never places the outgoing weights on the device
                 "allowance_bytes": allowance, "context_bytes": context, "device": str(self.device),
-                "vocab": self.model.vocab, "model_dir": str(path),
+                "vocab": self.model.vocab, "model_dir": str(path), "model_state": "warm" if warm else "cold",
                 "entry_to_loaded_s": time.perf_counter() - self.t_entry}
+
+    def drop_model(self) -> None:
+        """Release the loaded model (host and device memory) before another one is read."""
+        if self.model is not None and self.model.slot.policy is not None:
+            self.model.slot.policy.deactivate()
+        self.model, self.model_key = None, None
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
 
     def run(self, entry: dict, prompt: list[int]) -> dict:
         """One planned episode -> record (see core/gates.py for the fields the gates read)."""
