@@ -106,7 +106,15 @@ def settings_of(ctx: typer.Context, **per_command) -> Settings:
 def submit(
     ctx: typer.Context,
     protocol: Annotated[Path, typer.Argument(help="Protocol YAML file.")],
-    wait: Annotated[bool, typer.Option("--wait", help="Run the screen now and wait for its verdicts.")] = False,
+    wait: Annotated[bool, typer.Option("--wait", help="Run the screen now (this command claims it) and wait for "
+                                                      "its verdicts.")] = False,
+    priority: Annotated[int, typer.Option(help="Higher runs first; FIFO within a priority.")] = 0,
+    max_attempts: Annotated[int, typer.Option(min=1, help="Claims before a screen whose workers keep dying or "
+                                                          "whose leases keep expiring is failed.")] = 3,
+    gpu_type: Annotated[Optional[str], typer.Option(help="Only a worker with this GPU type (Ray's accelerator_type, "
+                                                         "e.g. H200) may run it; overrides placement.accelerator_type.")] = None,
+    replicas: Annotated[int, typer.Option(min=1, help="Queue this many screens of the protocol.")] = 1,
+    spread: Annotated[bool, typer.Option("--spread", help="Run the replicas on distinct nodes.")] = False,
     address: Address = None,
     archive_dir: ArchiveDir = Path("archives"),
     db: DbUrl = None,
@@ -115,50 +123,69 @@ def submit(
     """Freeze a protocol and queue a screen; with --wait, run it on a GPU worker actor now."""
     settings = settings_of(ctx, db_url=db, address=address, archive_dir=archive_dir)
     store = open_store(settings.db_url)  # refuse an old database before anything else
-    from service.submit import submit as queue_screen
+    from service.submit import submit as queue_screens
 
+    if wait and replicas > 1:
+        raise PackbenchError("--wait runs one screen; queue replicas without --wait and run `packbench dispatch`")
+    if spread and replicas < 2:
+        raise PackbenchError("--spread places replicas on distinct nodes; give --replicas 2 or more")
     if wait and settings.address:
         from cluster.runtime import ensure_ray
 
         ensure_ray(settings)  # an unreachable cluster fails here, before a screen is queued
-    screen_id = queue_screen(store, protocol)
+    ids = queue_screens(store, protocol, priority=priority, max_attempts=max_attempts, gpu_type=gpu_type,
+                        replicas=replicas, spread=spread)
     if not wait:
-        typer.echo(f"queued screen {screen_id}; run it with `packbench dispatch`")
+        typer.echo(f"queued screen{'s' if len(ids) > 1 else ''} {', '.join(map(str, ids))}; "
+                   f"run {'them' if len(ids) > 1 else 'it'} with `packbench dispatch`")
         return
-    _run(store, screen_id, settings=settings, json_out=json_out)
+    _dispatch(store, settings, json_out=json_out, only_screen=ids[0], workers=1)
 
 
 @app.command()
 def dispatch(
     ctx: typer.Context,
     address: Address = None,
+    follow: Annotated[bool, typer.Option("--follow", help="Keep serving the queue until interrupted (SIGINT/SIGTERM "
+                                                          "give held screens back to the queue).")] = False,
+    workers: Annotated[Optional[int], typer.Option(min=1, help="Worker actors to keep (default: one per GPU of the "
+                                                              "cluster).")] = None,
+    lease: Annotated[float, typer.Option(min=1.0, help="Seconds a claim holds without renewal; renewed every third.")] = 60.0,
     archive_dir: ArchiveDir = Path("archives"),
     db: DbUrl = None,
     json_out: Annotated[bool, typer.Option("--json", help="One JSON object per screen, one per line (JSON Lines).")] = False,
 ) -> None:
-    """Run every queued screen, highest priority first, oldest first within a priority."""
+    """Run queued screens on a pool of GPU workers, one screen per worker at a time.
+
+    Exit codes: 0 every screen it ran is done; 1 one failed, was cancelled or lost; 2 bad input;
+    130/143 stopped by SIGINT/SIGTERM (held screens are back in the queue).
+    """
     settings = settings_of(ctx, db_url=db, address=address, archive_dir=archive_dir)
-    store = open_store(settings.db_url)
-    queued = store.queued_screens()
-    if not queued:
-        typer.echo("no queued screens", err=json_out)
-    for screen in queued:
-        _run(store, screen.id, settings=settings, json_out=json_out)
+    _dispatch(open_store(settings.db_url), settings, json_out=json_out, follow=follow, workers=workers, lease_s=lease)
 
 
-def _run(store, screen_id: int, *, settings: Settings, json_out: bool) -> None:
-    from cluster.screen import run_screen
+def _dispatch(store, settings: Settings, *, json_out: bool, **options) -> None:
+    from cluster.dispatch import Dispatcher
 
-    progress = (lambda msg: None) if json_out else typer.echo
-    outcome = run_screen(store, screen_id, settings=settings, progress=progress)
-    summary = screen_summary(store, screen_id)
-    if json_out:
-        typer.echo(json.dumps(summary, default=str, sort_keys=True))
-    else:
+    def report(outcome) -> None:
+        summary = screen_summary(store, outcome.screen_id)
+        if json_out:
+            typer.echo(json.dumps(summary, default=str, sort_keys=True))
+            return
         typer.echo(verdict_table(summary["verdicts"]) if summary["verdicts"] else "no verdicts")
-        typer.echo(f"archive: {outcome.archive_path}")
-    if outcome.status != "done":
-        typer.echo(f"error: screen {screen_id} failed: {outcome.error}", err=True)
+        typer.echo(f"screen {outcome.screen_id}: {outcome.status}; archive: {outcome.archive_path}")
+        if outcome.status != "done":
+            typer.echo(f"error: screen {outcome.screen_id} {outcome.status}: {outcome.error}", err=True)
+
+    dispatcher = Dispatcher(store, settings, progress=(lambda msg: None) if json_out else typer.echo,
+                            on_outcome=report, **options)
+    outcomes = dispatcher.run()
+    if dispatcher.stopping:
+        typer.echo(f"stopped by {dispatcher.stopping}; held screens are back in the queue", err=True)
+        raise typer.Exit(130 if dispatcher.stopping == "SIGINT" else 143)
+    if not outcomes:
+        typer.echo("no queued screens", err=json_out)
+    if any(o.status != "done" for o in outcomes):
         raise typer.Exit(1)
 
 

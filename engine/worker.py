@@ -96,6 +96,7 @@ class Worker:
         self.loads = 0
         self.conditions: dict[str, tuple[str, dict]] = {}
         uuid = device_uuid(self.device.index) if self.device.type == "cuda" else None
+        self.gpu_uuid = uuid  # which physical GPU: two workers on one GPU would share it
         self.nvml = nvml_handle(uuid)
         self.sampler = MemorySampler(uuid)  # one helper process for the worker's life
 

@@ -13,9 +13,7 @@ its partial archive stays on disk, auditable as incomplete.
 from __future__ import annotations
 
 import logging
-import secrets
 from dataclasses import dataclass
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable
 
@@ -35,18 +33,6 @@ class ScreenOutcome:
     archive_sha256: str | None
     status: str  # done | failed | interrupted | lost | cancelled
     error: str | None
-
-
-def attempt_key() -> str:
-    """A random key naming an attempt's archive: unique across databases and machines
-    (database ids restart per database; file names must not depend on them)."""
-    return secrets.token_hex(8)
-
-
-def archive_name(protocol: Protocol, key: str, *, now: datetime | None = None) -> str:
-    """`20261130T181500-quickstart-0123456789abcdef.zip`: sortable, readable, unique."""
-    stamp = (now or datetime.now(timezone.utc)).strftime("%Y%m%dT%H%M%S")
-    return f"{stamp}-{protocol.name[:40]}-{key}.zip".replace("/", "_")
 
 
 class ScreenRun:
@@ -107,9 +93,12 @@ class ScreenRun:
         log.info("screen %s attempt %s done: %s", self.screen.id, self.attempt.number, self.archive_path)
         return ScreenOutcome(self.screen.id, self.attempt.id, self.archive_path, sha, "done", None)
 
-    def fail(self, status: str, error: str) -> ScreenOutcome:
-        """End the attempt without verdicts; its partial archive stays on disk as evidence."""
-        self.store.finish_attempt(self.attempt.id, status=status, error=error)
+    def fail(self, status: str, error: str, *, requeue: bool = False) -> ScreenOutcome:
+        """End the attempt without verdicts; its partial archive stays on disk as evidence.
+
+        `requeue`: the cause was not the screen's (its worker died): the screen goes back to
+        the queue while it has attempts left (Store.finish_attempt)."""
+        self.store.finish_attempt(self.attempt.id, status=status, error=error, requeue=requeue)
         log.warning("screen %s attempt %s %s: %s", self.screen.id, self.attempt.number, status, error)
         return ScreenOutcome(self.screen.id, self.attempt.id, self.archive_path, None, status, error)
 

@@ -221,13 +221,29 @@ def _gates(value: Any, names: tuple[str, ...]) -> dict:
     return out
 
 
+def _placement(value: Any) -> dict:
+    """Where a screen may run: a GPU type (Ray's accelerator_type, e.g. H200), a node (Ray node
+    id), and whether it wants its node to itself. Only what is given is kept."""
+    if value is None:
+        return {}
+    p = _mapping(value, "placement", allowed={"accelerator_type": False, "node": False, "exclusive_node": False})
+    out: dict[str, Any] = {}
+    if "accelerator_type" in p:
+        out["accelerator_type"] = _string(p["accelerator_type"], "placement.accelerator_type", "a GPU type, e.g. H200")
+    if "node" in p:
+        out["node"] = _string(p["node"], "placement.node", "a Ray node id (`ray list nodes`)")
+    if _bool(p.get("exclusive_node", False), "placement.exclusive_node"):
+        out["exclusive_node"] = True
+    return out
+
+
 def _full(raw: Any, *, base_dir: Path | None) -> dict:
     """Validate `raw` (a YAML mapping or any frozen body) into the full schema-2 form."""
     p = _mapping(raw, "", allowed={
         "schema": False, "name": True, "model": True, "dtype": True, "prompts": True, "prefix_tokens": True,
         "continuation_tokens": True, "conditions": True, "reference": True, "warmups": False,
         "repetitions": False, "order": False, "baseline_first": False, "allowance_mib": True,
-        "recording": False, "gates": True,
+        "recording": False, "gates": True, "placement": False,
     })
     declared = p.get("schema", SCHEMA_VERSION)
     if isinstance(declared, bool) or declared not in (1, 2):
@@ -253,6 +269,9 @@ def _full(raw: Any, *, base_dir: Path | None) -> dict:
         "recording": _bool(p.get("recording", True), "recording"),
         "gates": _gates(p["gates"], names),
     }
+    placement = _placement(p.get("placement"))
+    if placement:  # absent or empty: left out, so protocols written before it keep their hash
+        full["placement"] = placement
     _cross_checks(full)
     if declared == 1 and schema1_form(full) is None:
         _fail("schema", "1 cannot express this protocol (it uses schema-2 fields); write schema: 2 or drop the field")

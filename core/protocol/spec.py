@@ -90,6 +90,15 @@ class Gates:
     useful_latency: UsefulLatency | None = None
 
 
+@dataclass(frozen=True)
+class Placement:
+    """Where a screen may run (all optional): a GPU type, a node, the node to itself."""
+
+    accelerator_type: str | None = None
+    node: str | None = None
+    exclusive_node: bool = False
+
+
 @dataclass(frozen=True, eq=False)
 class Protocol:
     """A validated, frozen protocol. Equality and hashing go by `sha256` (its identity)."""
@@ -111,6 +120,7 @@ class Protocol:
     allowance_mib: int
     recording: bool
     gates: Gates
+    placement: Placement
     full: Mapping[str, Any]  # the full schema-2 form (read-only), as docs/protocol.md lists it
 
     def __eq__(self, other: object) -> bool:
@@ -214,7 +224,7 @@ def expand(body: Any) -> Protocol:
         reference=full["reference"], warmups=MappingProxyType(dict(full["warmups"])),
         repetitions=full["repetitions"], order=full["order"], baseline_first=full["baseline_first"],
         allowance_mib=full["allowance_mib"], recording=full["recording"], gates=_gates(full["gates"]),
-        full=_freeze_data(full))
+        placement=Placement(**full.get("placement", {})), full=_freeze_data(full))
 
 
 def prompt_count(body: Any) -> int:

@@ -368,3 +368,21 @@ def test_expand_refuses_a_damaged_body():
     body["gates"]["acquisition"]["max_ratio"] = "half"
     with pytest.raises(ProtocolError, match="`gates.acquisition.max_ratio`: 'half' is not a finite number"):
         expand(body)
+
+
+def test_placement_is_frozen_only_when_given():
+    """placement (schema 2) keeps every older hash: absent or empty, it is left out."""
+    base = freeze(v2())
+    assert freeze(v2(placement={})).sha256 == base.sha256 == freeze(v2(placement={"exclusive_node": False})).sha256
+    pinned = freeze(v2(placement={"accelerator_type": "H200", "exclusive_node": True}))
+    assert pinned.sha256 != base.sha256 and pinned.body["placement"] == {"accelerator_type": "H200", "exclusive_node": True}
+    p = expand(pinned.body)
+    assert (p.placement.accelerator_type, p.placement.node, p.placement.exclusive_node) == ("H200", None, True)
+    assert expand(base.body).placement.accelerator_type is None
+    with_v1 = raw()
+    with_v1["placement"] = {"node": "abc"}
+    assert freeze(with_v1).body["schema"] == 2  # schema 1 cannot say where to run
+    with pytest.raises(ProtocolError, match="`placement.exclusive_node`: 'yes' is not allowed; use true or false"):
+        freeze(v2(placement={"exclusive_node": "yes"}))
+    with pytest.raises(ProtocolError, match="`placement.gpu`: unknown field"):
+        freeze(v2(placement={"gpu": "H200"}))
