@@ -83,6 +83,9 @@ def options(
         envvar="PACKBENCH_PLACEMENT_TIMEOUT_S", help="Seconds a GPU worker may stay unplaced.")] = DEFAULT_PLACEMENT_TIMEOUT_S,
     connect_timeout: Annotated[float, typer.Option(
         envvar="PACKBENCH_CONNECT_TIMEOUT_S", help="Seconds joining a Ray cluster (--address) may take.")] = DEFAULT_CONNECT_TIMEOUT_S,
+    embedded_gpus: Annotated[Optional[int], typer.Option(
+        min=1, envvar="PACKBENCH_EMBEDDED_GPUS",
+        help="GPUs the embedded Ray declares (default: the host's; one logical GPU on a CPU-only machine).")] = None,
     model_cache: Annotated[Optional[Path], typer.Option(
         envvar="PACKBENCH_MODEL_CACHE", help="Where workers generate synthetic checkpoints "
                                              "(default ~/.cache/packbench/models on each node).")] = None,
@@ -93,7 +96,7 @@ def options(
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     ctx.obj = Settings(verbose=verbose, placement_timeout_s=placement_timeout, connect_timeout_s=connect_timeout,
-                       model_cache=model_cache)
+                       model_cache=model_cache, embedded_gpus=embedded_gpus)
 
 
 def settings_of(ctx: typer.Context, **per_command) -> Settings:
@@ -180,6 +183,9 @@ def _dispatch(store, settings: Settings, *, json_out: bool, **options) -> None:
     dispatcher = Dispatcher(store, settings, progress=(lambda msg: None) if json_out else typer.echo,
                             on_outcome=report, **options)
     outcomes = dispatcher.run()
+    if dispatcher.fatal:
+        typer.echo(f"error: {dispatcher.fatal}", err=True)
+        raise typer.Exit(1)
     if dispatcher.stopping:
         typer.echo(f"stopped by {dispatcher.stopping}; held screens are back in the queue", err=True)
         raise typer.Exit(130 if dispatcher.stopping == "SIGINT" else 143)

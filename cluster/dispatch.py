@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from core.errors import PackbenchError
+from db.errors import DatabaseUnavailable
 from core.protocol import Protocol, expand
 from core.settings import Settings
 from core.source import source_freeze
@@ -105,7 +106,9 @@ class Dispatcher:
         self.slots: list[Slot] = []
         self.refs: dict[Any, tuple[str, Slot]] = {}  # in-flight ref -> (kind, slot)
         self.outcomes: list[ScreenOutcome] = []
-        self.stopping: str | None = None
+        self.stopping: str | None = None  # SIGINT | SIGTERM | database, or set by a caller to stop
+        self.fatal: str | None = None  # why the dispatcher had to stop (the database stayed down)
+        self.done = False
         self.freeze = source_freeze()
         self.id: int | None = None
         self._next_upkeep = 0.0
@@ -127,21 +130,36 @@ class Dispatcher:
         try:
             self._start_pool()
             while not self.stopping:
-                self._upkeep()
-                claimed = self._fill_idle_slots()
-                if self._finished(claimed):
+                try:
+                    self._step()
+                except DatabaseUnavailable as e:
+                    # Retried with backoff already (Store): stop claiming; the archives hold every
+                    # finished episode; leases expire and a later dispatcher requeues the screens.
+                    self.stopping, self.fatal = "database", str(e)
+                    held = [str(s.active.run.archive_path) for s in self.slots if s.active]
+                    log.error("database unavailable; stopping. Archives kept as evidence: %s", ", ".join(held) or "none")
                     break
-                if not self.refs:
-                    time.sleep(0.2)
-                    continue
-                ready, _ = self.ray.wait(list(self.refs), num_returns=len(self.refs), timeout=0.2)
-                for ref in ready:
-                    self._handle(ref)
+                if self.done:
+                    break
         finally:
             self._shutdown()
             for s, handler in previous.items():
                 signal.signal(s, handler)
         return self.outcomes
+
+    def _step(self) -> None:
+        """One turn: upkeep, claims for idle workers, then whatever the workers returned."""
+        self._upkeep()
+        claimed = self._fill_idle_slots()
+        if self._finished(claimed):
+            self.done = True
+            return
+        if not self.refs:
+            time.sleep(0.2)
+            return
+        ready, _ = self.ray.wait(list(self.refs), num_returns=len(self.refs), timeout=0.2)
+        for ref in ready:
+            self._handle(ref)
 
     def _on_signal(self, signum, frame) -> None:  # noqa: ARG002 (signal handler signature)
         self.stopping = signal.Signals(signum).name
@@ -164,7 +182,7 @@ class Dispatcher:
         reason = f"dispatcher stopped ({self.stopping})" if self.stopping else "dispatcher stopped"
         for slot in self.slots:
             active = slot.active
-            if active is not None and active.stop != "lost":
+            if active is not None and active.stop != "lost" and self.stopping != "database":
                 try:
                     status = self.store.release(active.run.attempt.id, reason)
                     self.progress(f"screen {active.run.screen.id}: attempt {active.run.attempt.number} "
@@ -172,7 +190,7 @@ class Dispatcher:
                 except PackbenchError as e:
                     log.error("could not give back screen %s: %s", active.run.screen.id, e)
             self._kill(slot)
-        if self.id is not None:
+        if self.id is not None and self.stopping != "database":
             try:
                 self.store.stop_dispatcher(self.id)
             except PackbenchError as e:
@@ -355,6 +373,8 @@ class Dispatcher:
                 self._loaded(active, value)
             else:
                 self._episode(active, value)
+        except DatabaseUnavailable:
+            raise
         except PackbenchError as e:
             self._fail(active, "failed", str(e))
 
@@ -407,6 +427,8 @@ class Dispatcher:
     def _fail(self, active: Active, status: str, error: str, *, requeue: bool = False) -> None:
         try:
             self._end(active, active.run.fail(status, error, requeue=requeue))
+        except DatabaseUnavailable:
+            raise
         except PackbenchError as e:
             log.error("could not record the end of screen %s: %s", active.run.screen.id, e)
             active.slot.active = None

@@ -72,7 +72,8 @@ def ensure_ray(settings: Settings | None = None):
                   log_to_driver=settings.verbose)
     if settings.embedded:
         # "local" never silently joins a cluster started by `ray start` on this machine.
-        ray.init("local", num_cpus=os.cpu_count() or 1, num_gpus=max(1, gpu_count()),
+        gpus = settings.embedded_gpus or max(1, gpu_count())
+        ray.init("local", num_cpus=os.cpu_count() or 1, num_gpus=gpus,
                  object_store_memory=256 * 2**20, **common)
         return ray
     address = settings.address

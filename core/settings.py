@@ -30,6 +30,9 @@ class Settings:
     model_cache: where workers generate synthetic checkpoints (None: ~/.cache/packbench/models
       on each worker's node); passed to Worker.load explicitly.
     verbose: log events (logging at INFO) and let worker logs reach the driver.
+    embedded_gpus: GPUs the embedded Ray declares (None: the host's, at least one logical GPU
+      on a CPU-only machine, where the engine runs on the CPU). More than the host has would
+      put two workers on one GPU: the dispatcher refuses that (one worker per physical GPU).
     cuda_alloc_conf: PYTORCH_CUDA_ALLOC_CONF for worker processes.
     """
 
@@ -40,6 +43,7 @@ class Settings:
     connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S
     model_cache: Path | None = None
     verbose: bool = False
+    embedded_gpus: int | None = None
     cuda_alloc_conf: str = DEFAULT_CUDA_ALLOC_CONF
     extra_worker_env: dict[str, str] = field(default_factory=dict)
 
