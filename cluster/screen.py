@@ -32,18 +32,6 @@ class ScreenOutcome:
     error: str | None
 
 
-def episode_member(index: int) -> str:
-    return f"episodes/{index:05d}.json"
-
-
-def logits_member(index: int) -> str:
-    return f"logits/{index:05d}.npy"
-
-
-def trace_member(index: int) -> str:
-    return f"traces/{index:05d}.npy"
-
-
 def screen_prompts(body: dict, *, vocab: int, model_dir: Path | None, prompt_file: Path | None) -> list[list[int]]:
     """The screen's prompt token ids; text prompts go through the checkpoint's own tokenizer."""
     tokenize = None
@@ -99,11 +87,7 @@ def run_screen(store, screen_id: int, *, archive_dir: Path, address: str | None 
         for entry, ref in zip(entries, refs):
             record = ray.get(ref)
             logits, trace = record.pop("logits"), record.pop("trace")
-            writer.add_json(episode_member(entry["index"]), record)
-            if logits is not None:
-                writer.add_array(logits_member(entry["index"]), logits)
-            if trace is not None:
-                writer.add_array(trace_member(entry["index"]), trace)
+            writer.add_episode(record, logits, trace)
             store.put_episode(attempt.id, record)
             episodes.append({**record, "logits": logits})
             progress(f"  episode {entry['index']:3d} {entry['condition']:>14} {entry['role']:6} "

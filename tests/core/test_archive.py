@@ -20,8 +20,10 @@ import pytest
 
 from core.archive import (
     MANIFEST_NAME,
+    PROBLEM_KINDS,
     ArchiveReader,
     ArchiveWriter,
+    Problem,
     file_sha256,
 )
 from core.canonical import canonical_json, sha256_hex
@@ -89,8 +91,17 @@ def sealed(tmp_path: Path) -> Path:
 
 
 def verify(path: Path, **bounds) -> list[str]:
+    """verify()'s messages: the lines packbench prints (and audit digests cover)."""
+    return [p.message for p in problems_of(path, **bounds)]
+
+
+def problems_of(path: Path, **bounds) -> list[Problem]:
     with ArchiveReader(path, **bounds) as r:
         return r.verify()
+
+
+def lines(r: ArchiveReader) -> list[str]:
+    return [p.message for p in r.verify()]
 
 
 def rewrite(path: Path, *, replace=None, drop=(), add=None) -> None:
@@ -286,7 +297,7 @@ def test_partial_archive_is_readable_and_incomplete(tmp_path: Path):
         assert r.names == MEMBERS[:-1]
         assert r.read_json("episodes/00001.json") == EPISODES[1]
         np.testing.assert_array_equal(r.read_array("logits/00000.npy"), LOGITS[0])
-        assert r.verify() == ["archive incomplete: no manifest.json (interrupted screen?)"]
+        assert lines(r) == ["archive incomplete: no manifest.json (interrupted screen?)"]
 
 
 def test_empty_unsealed_archive(tmp_path: Path):
@@ -295,7 +306,7 @@ def test_empty_unsealed_archive(tmp_path: Path):
     assert path.is_file()
     with ArchiveReader(path) as r:
         assert r.names == [] and not r.complete
-        assert r.verify() == ["archive incomplete: no manifest.json (interrupted screen?)"]
+        assert lines(r) == ["archive incomplete: no manifest.json (interrupted screen?)"]
 
 
 def test_missing_file_and_not_a_zip(tmp_path: Path):
@@ -340,8 +351,8 @@ def test_tamper_flipped_byte_names_the_member(sealed: Path, name: str):
     with ArchiveReader(sealed) as r:
         problems = r.verify()
         assert problems, name
-        assert any(name in p for p in problems), problems
-        assert all("\n" not in p for p in problems)
+        assert any(p.member == name and name in p.message for p in problems), problems
+        assert all("\n" not in p.message for p in problems)
         if name == MANIFEST_NAME:
             assert not r.complete  # the manifest itself cannot be trusted
         else:
@@ -364,7 +375,7 @@ def test_tamper_duplicate_member(sealed: Path):
     with pytest.warns(UserWarning, match="Duplicate name"):
         append_entry(sealed, "plan.json", b"{}")
     with ArchiveReader(sealed) as r:
-        assert r.verify() == ["duplicate member plan.json"]
+        assert r.verify() == [Problem("plan.json", "duplicate", "duplicate member plan.json")]
         with pytest.raises(ArchiveError, match="plan.json appears 2 times"):
             r.read_bytes("plan.json")
 
@@ -374,7 +385,8 @@ def test_unparseable_and_malformed_manifest(sealed: Path):
     with ArchiveReader(sealed) as r:
         assert not r.complete and r.manifest is None
         (problem,) = r.verify()
-        assert problem.startswith("unparseable member manifest.json")
+        assert problem.message.startswith("unparseable member manifest.json")
+        assert (problem.member, problem.kind) == (MANIFEST_NAME, "manifest")
     rewrite(sealed, replace={MANIFEST_NAME: b"[" * 100_000 + b"]" * 100_000})
     (problem,) = verify(sealed)
     assert problem.startswith("unparseable member manifest.json")
@@ -396,7 +408,8 @@ def test_hostile_unsafe_names(sealed: Path, tmp_path: Path, name: str):
     with ArchiveReader(sealed) as r:
         assert name in r.names
         problems = r.verify()
-        assert [p for p in problems if p.startswith(f"unsafe member name {name} ")] , problems
+        assert [p for p in problems if p.message.startswith(f"unsafe member name {name} ")
+                and (p.member, p.kind) == (name, "unsafe")], problems
         with pytest.raises(ArchiveError, match="unsafe member name"):
             r.read_bytes(name)
     assert tree(tmp_path) == before  # nothing extracted
@@ -418,7 +431,7 @@ def test_hostile_symlink_entry(sealed: Path, tmp_path: Path):
     append_entry(sealed, info, b"/etc/passwd")
     before = tree(tmp_path)
     with ArchiveReader(sealed) as r:
-        assert r.verify() == ["symlink member link"]
+        assert r.verify() == [Problem("link", "symlink", "symlink member link")]
         with pytest.raises(ArchiveError, match="symlink member link"):
             r.read_bytes("link")
     assert tree(tmp_path) == before
@@ -433,7 +446,7 @@ def test_hostile_inflating_member(sealed: Path):
             r.read_bytes("bomb.bin")
         assert r.bytes_read == 0
         problems = r.verify()
-    assert "extra member bomb.bin" in problems  # extra: not read at all
+    assert Problem("bomb.bin", "extra", "extra member bomb.bin") in problems  # extra: not read at all
 
 
 def test_hostile_inflating_member_with_lying_header(tmp_path: Path):
@@ -457,7 +470,8 @@ def test_hostile_inflating_member_with_lying_header(tmp_path: Path):
             r.read_bytes("bomb.bin")
         assert r.bytes_read == 0
         (problem,) = r.verify()
-    assert problem.startswith("size mismatch for member bomb.bin: manifest says 52428800, archive holds 1000")
+    assert problem.message.startswith("size mismatch for member bomb.bin: manifest says 52428800, archive holds 1000")
+    assert (problem.member, problem.kind) == ("bomb.bin", "size")
 
 
 def test_hostile_total_bound(sealed: Path):
@@ -465,7 +479,8 @@ def test_hostile_total_bound(sealed: Path):
         r.read_bytes("protocol.json")
         with pytest.raises(ArchiveError, match="total bound"):
             r.read_bytes("logits/00000.npy")
-        assert r.verify()[-1].startswith("archive too large")
+        assert r.verify()[-1].message.startswith("archive too large")
+        assert (r.verify()[-1].member, r.verify()[-1].kind) == (None, "too-large")
 
 
 def test_hostile_pickled_object_array_runs_no_code(tmp_path: Path):
@@ -517,7 +532,7 @@ def test_hostile_manifest_lies_about_size(sealed: Path, monkeypatch):
         read = []
         real_chunks = r._chunks
         monkeypatch.setattr(r, "_chunks", lambda info, limit: (read.append(info.filename), real_chunks(info, limit))[1])
-        problems = r.verify()
+        problems = lines(r)
     assert f"size mismatch for member episodes/00000.json: manifest says {10**12}, archive holds {true_size}" in problems
     assert f"size mismatch for member plan.json: manifest says {len(canonical_json(PLAN)) + 5}, archive holds {len(canonical_json(PLAN))}" in problems
     assert len(problems) == 2
@@ -533,9 +548,10 @@ def test_hostile_crc_error_is_archive_error(sealed: Path):
     with ArchiveReader(sealed) as r:
         with pytest.raises(ArchiveError, match="logits/00000.npy .*CRC"):
             r.read_array("logits/00000.npy")
-        assert r.verify() == [
+        assert r.verify() == [Problem(
+            "logits/00000.npy", "unreadable",
             "unreadable member logits/00000.npy: BadZipFile: Bad CRC-32 for file 'logits/00000.npy'"
-        ]
+        )]
 
 
 def test_reader_refuses_unknown_and_unsafe_lookups(sealed: Path):
@@ -563,7 +579,8 @@ def test_random_damage_never_crashes_the_reader(sealed: Path):
             continue
         with r:
             problems = r.verify()
-            assert all(isinstance(p, str) and "\n" not in p for p in problems)
+            assert all(isinstance(p, Problem) and p.kind in PROBLEM_KINDS and "\n" not in p.message
+                       and (p.member is not None or p.kind == "too-large") for p in problems)
             for name in r.names:
                 try:
                     r.read_bytes(name)
