@@ -27,7 +27,15 @@ from typing import Any
 
 import numpy as np
 
-from core.archive import ArchiveReader, file_sha256
+from core.archive import (
+    PLAN_NAME,
+    PROTOCOL_NAME,
+    VERDICTS_NAME,
+    WORKER_NAME,
+    ArchiveReader,
+    episode_members,
+    file_sha256,
+)
 from core.canonical import canonical_json, canonical_sha256
 from core.errors import ArchiveError, ProtocolError
 from core.gates import compute_verdicts
@@ -197,18 +205,18 @@ class _Audit:
     def run(self, reader: ArchiveReader, *, db_verdicts: list[dict] | None, db_episodes: list[dict] | None) -> None:
         complete = reader.complete
         self.record["complete"] = complete
-        for p in reader.verify():
-            self.add(p)
+        found = reader.verify()
+        for p in found:
+            self.add(p.message)
         names = set(reader.names)
-        # A member that verify() names is not trusted for recomputation.
-        words = {w.strip("(),:;") for p in self.problems for w in p.split()}
-        readable = names - words
+        # A member that verify() names is not trusted for recomputation; no other is.
+        readable = names - {p.member for p in found}
 
-        if "protocol.json" not in readable:
-            if complete or "protocol.json" in names:
-                self.add("cannot recompute: no readable protocol.json")
+        if PROTOCOL_NAME not in readable:
+            if complete or PROTOCOL_NAME in names:
+                self.add(f"cannot recompute: no readable {PROTOCOL_NAME}")
             return
-        body = self.read(reader, "protocol.json", "json")
+        body = self.read(reader, PROTOCOL_NAME, "json")
         if body is None:
             return
         try:
@@ -224,18 +232,19 @@ class _Audit:
         entries = make_plan(proto)
         self.record["planned"] = len(entries)
 
-        stored_plan = self.read(reader, "plan.json", "json") if "plan.json" in readable else None
-        if stored_plan is None and (complete or "plan.json" in names):
-            self.add("plan.json is missing or unreadable")
+        stored_plan = self.read(reader, PLAN_NAME, "json") if PLAN_NAME in readable else None
+        if stored_plan is None and (complete or PLAN_NAME in names):
+            self.add(f"{PLAN_NAME} is missing or unreadable")
         elif stored_plan is not None:
             self.check_plan(stored_plan, entries, proto)
-        worker = self.read(reader, "worker.json", "json") if "worker.json" in readable else None
+        worker = self.read(reader, WORKER_NAME, "json") if WORKER_NAME in readable else None
         start = worker.get("start") if isinstance(worker, dict) else None
 
         episodes, recorded, vocab = [], [], None
         for entry in entries:
             i = entry["index"]
-            name, logits_name = f"episodes/{i:05d}.json", f"logits/{i:05d}.npy"
+            members = episode_members(i)
+            name, logits_name, trace_name = members.record, members.logits, members.trace
             if name not in readable:
                 if complete or name in names:
                     self.add(f"episode {i} has no readable record ({name})")
@@ -251,7 +260,6 @@ class _Audit:
             if rec.get("status") == "ok" and logits is None and not complete and logits_name not in names:
                 continue  # interrupted between the record and its logits: not recorded yet
             recorded.append(i)
-            trace_name = f"traces/{i:05d}.npy"
             if rec.get("status") == "ok" and trace_name in readable:
                 self.check_trace(trace_name, self.read(reader, trace_name, "array"), rec)
             if rec.get("status") == "ok":
@@ -270,12 +278,12 @@ class _Audit:
 
         verdicts = compute_verdicts(proto, episodes, start=start)
         self.record["verdicts"] = [{k: v[k] for k in VERDICT_KEYS + ("episodes",)} for v in verdicts]
-        if "verdicts.json" in readable:
-            stored = self.read(reader, "verdicts.json", "json")
+        if VERDICTS_NAME in readable:
+            stored = self.read(reader, VERDICTS_NAME, "json")
             if stored is not None:
                 self.problems += [self.scrub(p) for p in _compare_verdicts(verdicts, stored, "archive")]
-        elif complete and "verdicts.json" not in names:
-            self.add("verdicts.json is missing")
+        elif complete and VERDICTS_NAME not in names:
+            self.add(f"{VERDICTS_NAME} is missing")
         if db_verdicts is not None and (complete or db_verdicts):
             self.problems += _compare_verdicts(verdicts, db_verdicts, "database")
         if db_episodes is not None:
