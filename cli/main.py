@@ -160,7 +160,8 @@ def dispatch(
 ) -> None:
     """Run queued screens on a pool of GPU workers, one screen per worker at a time.
 
-    Exit codes: 0 every screen it ran is done; 1 one failed, was cancelled or lost; 2 bad input;
+    Exit codes: 0 every screen it ran is done; 1 one failed, was cancelled or lost; 2 bad input
+    (an unreadable protocol or checkpoint);
     130/143 stopped by SIGINT/SIGTERM (held screens are back in the queue).
     """
     settings = settings_of(ctx, db_url=db, address=address, archive_dir=archive_dir)
@@ -191,8 +192,9 @@ def _dispatch(store, settings: Settings, *, json_out: bool, **options) -> None:
         raise typer.Exit(130 if dispatcher.stopping == "SIGINT" else 143)
     if not outcomes:
         typer.echo("no queued screens", err=json_out)
-    if any(o.status != "done" for o in outcomes):
-        raise typer.Exit(1)
+    failed = [o for o in outcomes if o.status != "done"]
+    if failed:
+        raise typer.Exit(2 if all(o.bad_input for o in failed) else 1)
 
 
 @app.command()

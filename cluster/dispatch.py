@@ -36,7 +36,7 @@ from db.errors import DatabaseUnavailable
 from core.protocol import Protocol, expand
 from core.settings import Settings
 from core.source import source_freeze
-from service.screen import ScreenOutcome, ScreenRun, cause_of
+from service.screen import ScreenOutcome, ScreenRun, cause_of, is_bad_input
 from service.submit import screen_prompts
 
 log = logging.getLogger(__name__)
@@ -359,7 +359,7 @@ class Dispatcher:
                 self._worker_died(slot, e)
             elif slot.active is not None:
                 slot.active.inflight -= 1
-                self._fail(slot.active, "failed", cause_of(e))
+                self._fail(slot.active, "failed", cause_of(e), bad_input=is_bad_input(e))
             return
         if kind == "describe":
             self._placed(slot, value)
@@ -376,7 +376,7 @@ class Dispatcher:
         except DatabaseUnavailable:
             raise
         except PackbenchError as e:
-            self._fail(active, "failed", str(e))
+            self._fail(active, "failed", str(e), bad_input=True)
 
     def _loaded(self, active: Active, start: dict) -> None:
         run = active.run
@@ -424,9 +424,10 @@ class Dispatcher:
             self._end(active, ScreenOutcome(run.screen.id, run.attempt.id, run.archive_path, None, "lost",
                                             "the lease expired; the screen was requeued by a reaper"))
 
-    def _fail(self, active: Active, status: str, error: str, *, requeue: bool = False) -> None:
+    def _fail(self, active: Active, status: str, error: str, *, requeue: bool = False,
+              bad_input: bool = False) -> None:
         try:
-            self._end(active, active.run.fail(status, error, requeue=requeue))
+            self._end(active, active.run.fail(status, error, requeue=requeue, bad_input=bad_input))
         except DatabaseUnavailable:
             raise
         except PackbenchError as e:

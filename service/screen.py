@@ -33,6 +33,7 @@ class ScreenOutcome:
     archive_sha256: str | None
     status: str  # done | failed | interrupted | lost | cancelled
     error: str | None
+    bad_input: bool = False  # failed on input the user can correct (a broken checkpoint): exit 2
 
 
 class ScreenRun:
@@ -93,14 +94,14 @@ class ScreenRun:
         log.info("screen %s attempt %s done: %s", self.screen.id, self.attempt.number, self.archive_path)
         return ScreenOutcome(self.screen.id, self.attempt.id, self.archive_path, sha, "done", None)
 
-    def fail(self, status: str, error: str, *, requeue: bool = False) -> ScreenOutcome:
+    def fail(self, status: str, error: str, *, requeue: bool = False, bad_input: bool = False) -> ScreenOutcome:
         """End the attempt without verdicts; its partial archive stays on disk as evidence.
 
         `requeue`: the cause was not the screen's (its worker died): the screen goes back to
         the queue while it has attempts left (Store.finish_attempt)."""
         self.store.finish_attempt(self.attempt.id, status=status, error=error, requeue=requeue)
-        log.warning("screen %s attempt %s %s: %s", self.screen.id, self.attempt.number, status, error)
-        return ScreenOutcome(self.screen.id, self.attempt.id, self.archive_path, None, status, error)
+        log.info("screen %s attempt %s %s: %s", self.screen.id, self.attempt.number, status, error)
+        return ScreenOutcome(self.screen.id, self.attempt.id, self.archive_path, None, status, error, bad_input)
 
 
 def cause_of(e: BaseException) -> str:
@@ -108,3 +109,10 @@ def cause_of(e: BaseException) -> str:
     cause: Any = getattr(e, "cause", None) or e
     text = str(cause).splitlines()[0] if str(cause) else ""
     return f"{type(cause).__name__}: {text}"
+
+
+def is_bad_input(e: BaseException) -> bool:
+    """The worker refused input the user can correct (a PackbenchError, e.g. a broken checkpoint)."""
+    from core.errors import PackbenchError
+
+    return isinstance(getattr(e, "cause", None) or e, PackbenchError)
