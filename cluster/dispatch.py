@@ -176,7 +176,9 @@ class Dispatcher:
             return not self.slots  # every worker gone and none could be placed
         if self.follow:
             return False
-        return all(s.ready for s in self.slots)
+        # A worker still being placed may yet take a screen the others cannot (its GPU type or
+        # node): wait for it while screens are queued (bounded by the placement timeout).
+        return all(s.ready for s in self.slots) or not self.store.queued_screens()
 
     def _shutdown(self) -> None:
         reason = f"dispatcher stopped ({self.stopping})" if self.stopping else "dispatcher stopped"
