@@ -106,6 +106,7 @@ class Dispatcher:
         self.slots: list[Slot] = []
         self.refs: dict[Any, tuple[str, Slot]] = {}  # in-flight ref -> (kind, slot)
         self.outcomes: list[ScreenOutcome] = []
+        self.runs: list[ScreenRun] = []  # every attempt this dispatcher drove (timings: bench/cluster.py)
         self.stopping: str | None = None  # SIGINT | SIGTERM | database, or set by a caller to stop
         self.fatal: str | None = None  # why the dispatcher had to stop (the database stayed down)
         self.done = False
@@ -159,7 +160,8 @@ class Dispatcher:
             return
         ready, _ = self.ray.wait(list(self.refs), num_returns=len(self.refs), timeout=0.2)
         for ref in ready:
-            self._handle(ref)
+            if ref in self.refs:  # a dead worker's other calls were dropped with it
+                self._handle(ref)
 
     def _on_signal(self, signum, frame) -> None:  # noqa: ARG002 (signal handler signature)
         self.stopping = signal.Signals(signum).name
@@ -334,6 +336,7 @@ class Dispatcher:
         run = ScreenRun(self.store, screen=claim.screen, attempt=claim.attempt, protocol=protocol,
                         archive_path=Path(claim.attempt.archive_path), freeze=self.freeze, progress=self.progress)
         active = Active(slot=slot, run=run, protocol=protocol)
+        self.runs.append(run)
         slot.active = active
         try:
             run.begin(slot.env)
