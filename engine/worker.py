@@ -18,6 +18,7 @@ from core.canonical import canonical_sha256
 from core.metrics import episode_totals
 from core.protocol import expand
 from engine.episode import run_episode
+from engine.graph import check_mode
 from engine.model import CpuFirstModel
 from engine.allowance import impose
 from engine.sampler import MemorySampler, device_uuid, nvml_handle
@@ -89,14 +90,21 @@ class Worker:
     def describe(self) -> dict:
         return environment(self.device)
 
-    def load(self, body: dict, model_dir: str | None) -> dict:
-        """Build the CPU-first model for a frozen protocol and impose its allowance on CUDA."""
+    def load(self, body: dict, model_dir: str | None, *, mode: str | None = None) -> dict:
+        """Build the CPU-first model for a frozen protocol and impose its allowance on CUDA.
+
+        `mode` is the execution mode of every episode (engine/graph.py MODES): the argument if
+        given, else the protocol's `engine.mode`, else "eager" (what every protocol frozen
+        before modes existed means). The reference runs in the same mode as the conditions.
+        """
+        mode = mode or (body.get("engine") or {}).get("mode")
         body = expand(body)  # any stored schema, defaults filled
+        self.mode = check_mode(mode or (body.get("engine") or {}).get("mode") or "eager")
         allowance = body["allowance_mib"] * MIB
         self.allowance = allowance
         context = impose(self.device, allowance, self.nvml) if self.device.type == "cuda" else 0
         path = model_dir_for(body, model_dir)
-        self.model = CpuFirstModel(path, dtype=dtype_of(body["dtype"]), device=self.device)
+        self.model = CpuFirstModel(path, dtype=dtype_of(body["dtype"]), device=self.device, mode=self.mode)
         self.model.recorder.enabled = body.get("recording", True)
         self.conditions = {c["name"]: (c["policy"], c.get("params", {})) for c in body["conditions"]}
         self.continuation = body["continuation_tokens"]
@@ -106,7 +114,7 @@ class Worker:
                 "param_bytes": s.device_param_bytes + s.host_outgoing_bytes,
                 "cpu_first": True,  # CpuFirstModel never places the outgoing weights on the device
                 "allowance_bytes": allowance, "context_bytes": context, "device": str(self.device),
-                "vocab": self.model.vocab, "model_dir": str(path),
+                "vocab": self.model.vocab, "model_dir": str(path), "engine": {"mode": self.mode},
                 "entry_to_loaded_s": time.perf_counter() - self.t_entry}
 
     def run(self, entry: dict, prompt: list[int]) -> dict:
@@ -114,13 +122,13 @@ class Worker:
         assert self.model is not None, "load() first"
         policy, params = self.conditions[entry["condition"]]
         record = {"plan_index": entry["index"], "condition": entry["condition"], "role": entry["role"],
-                  "prompt": entry["prompt"], "policy": policy, "params": params}
+                  "prompt": entry["prompt"], "policy": policy, "params": params, "engine": {"mode": self.mode}}
         t0 = time.perf_counter()
         sampler = self.sampler
         try:
             self.model.use(policy, **params)
             sampler.start()
-            out = run_episode(self.model, prompt, continuation=self.continuation)
+            out = run_episode(self.model, prompt, continuation=self.continuation, mode=self.mode)
             sampled = sampler.stop()
         except Exception as e:  # recorded, never retried into a pass
             sampler.stop()
@@ -136,6 +144,7 @@ class Worker:
         p = self.model.slot.policy
         context = impose(self.device, self.allowance, self.nvml) if self.device.type == "cuda" else 0
         return {**record, "status": "ok", "error": None, "tokens": out.tokens, "wall_s": out.wall_s,
+                "engine": {"mode": out.mode, "decode_graph": out.decode_graph},
                 "first_logit_since_entry_s": out.first_logit_at - self.t_entry,
                 **episode_totals(calls),
                 "memory": {"peak_allocated_bytes": out.peak_allocated_bytes,
