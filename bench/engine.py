@@ -39,7 +39,8 @@ PARAMS = {"sparse-extents": {"block_rows": 128}, "row-retention": {"rows_per_lay
 def parse_condition(spec: str) -> tuple[str, dict, bool, str]:
     """`policy[+key=value...]` -> (policy, params, sampler on, mode). `+sampler=off` runs the
     episode without the NVML sampler, so its overhead shows up as a paired difference;
-    `+mode=graph` runs it in engine mode graph (engine/graph.py; default eager)."""
+    `+mode=graph` runs it in engine mode graph (engine/graph.py; default eager);
+    `+attention=static` with it captures the whole step over the static span (measured only)."""
     policy, *pairs = spec.split("+")
     params, sampler, mode = dict(PARAMS.get(policy, {})), True, "eager"
     for pair in pairs:
@@ -48,9 +49,19 @@ def parse_condition(spec: str) -> tuple[str, dict, bool, str]:
             sampler = value != "off"
         elif key == "mode":
             mode = check_mode(value)
+        elif key == "attention":
+            mode = f"graph/{value}"
         else:
             params[key] = int(value) if value.isdigit() else value
     return policy, params, sampler, mode
+
+
+def set_mode(model: CpuFirstModel, mode: str) -> str:
+    """`eager`, `graph` or `graph/static` (parse_condition's) -> the engine mode, with the
+    graph decoder's attention variant set for the next episode."""
+    mode, _, attention = mode.partition("/")
+    model.graph.attention = attention or "live"
+    return mode
 
 
 def pinned_h2d_gbps(device: torch.device, mib: int = 256, reps: int = 10) -> float:
@@ -204,9 +215,10 @@ def main() -> None:
     refs = {}
     for mode in modes:
         model.use("dense-stream")
-        refs[mode] = [run_episode(model, p, continuation=args.continuation, mode=mode) for p in prompts]
+        refs[mode] = [run_episode(model, p, continuation=args.continuation, mode=set_mode(model, mode))
+                      for p in prompts]
         model.use("dense-stream")
-        again = run_episode(model, prompts[0], continuation=args.continuation, mode=mode)
+        again = run_episode(model, prompts[0], continuation=args.continuation, mode=set_mode(model, mode))
         print(f"dense-stream (mode {mode}) reproduces itself: {np.array_equal(refs[mode][0].logits, again.logits)}")
     for mode in modes:
         if mode != "eager":
@@ -215,6 +227,14 @@ def main() -> None:
             diff = max(float(np.abs(a.logits - b.logits).max()) for a, b in zip(refs[mode], refs["eager"]))
             print(f"dense-stream mode {mode} vs eager (stock transformers): tokens equal {all(toks)}, "
                   f"logits bit-identical {all(same)} (max abs diff {diff:.3g})")
+            for i, (a, b) in enumerate(zip(refs[mode], refs["eager"])):
+                calls = [c for c in range(len(a.tokens)) if not np.array_equal(a.logits[c], b.logits[c])]
+                if calls:  # where the bits first part, how close stock's top two logits were there
+                    c = calls[0]
+                    top = np.sort(b.logits[c])[-2:]
+                    split = next((k for k in range(len(a.tokens)) if a.tokens[k] != b.tokens[k]), None)
+                    print(f"  prompt {i}: logits first differ at call {c} (max {np.abs(a.logits[c] - b.logits[c]).max():.3g}, "
+                          f"stock's top-2 gap there {top[1] - top[0]:.3g}); tokens first differ at call {split}")
 
     keys = ("decode_ms", "prefill_s", "decode_h2d", "prefill_h2d", "peak_sampled", "peak_alloc", "exact",
             "failed", "wasted", "wait_ms", "device_bytes", "graph")
@@ -238,6 +258,7 @@ def main() -> None:
                     continue
                 policy, params, sampling, mode = parse_condition(name)
                 ref = refs[mode]
+                mode = set_mode(model, mode)
                 sampler = sampler_on if sampling else sampler_off
                 unbounded = params.pop("unbounded", None) == "yes"
                 if cuda:  # "unbounded" conditions run without the allowance (resident, for reference)

@@ -6,8 +6,10 @@ MODES:
 - "graph": packbench's own decoder (`engine/static_opt.py`) on a static KV cache. Prefill runs
   eagerly; on CUDA, for a policy whose decode step makes no host decision (`GRAPH_SAFE`), the
   first decode call runs eagerly on the static buffers (the warm-up: Triton specialises, cuBLAS
-  picks its kernels) and is then captured once; every later decode call copies its token id and
-  position into the static inputs and replays. Policies with host decisions (a mask readback,
+  picks its kernels) and is then captured once, in pieces around attention (one graph per
+  layer boundary); every later decode call copies its token id and position into the static
+  inputs and replays the pieces, running each layer's attention over the live keys between
+  them (vLLM's piecewise graphs): stock's shapes, so stock's bits. Policies with host decisions (a mask readback,
   an LRU plan, a forecast) run the same decoder eagerly: the same math, so exactness against
   dense-stream within the mode still holds. On the CPU nothing is captured (the CPU twin).
 
@@ -72,24 +74,46 @@ class _Tape:
 
 
 class GraphStep:
-    """The decode step of one episode captured on its StaticKV (held by the cache, dies with it)."""
+    """The decode step of one episode captured on its StaticKV (held by the cache, dies with it).
 
-    def __init__(self, graph, ids: torch.Tensor, pos: torch.Tensor, logits: torch.Tensor, tape: _Tape,
-                 capture_s: float) -> None:
-        self.graph, self.ids, self.pos, self.logits, self.tape = graph, ids, pos, logits, tape
-        self.capture_s = capture_s
+    `graphs[0]` embeds and runs layer 0 up to attention; `graphs[i]` finishes layer i-1 and
+    runs layer i up to attention; the last finishes the last layer and computes the logits.
+    Between two graphs the host runs the layer's attention over the live keys into `attn`.
+    With attention="static" there is one graph for the whole step.
+    """
+
+    def __init__(self, graphs: list, ids: torch.Tensor, pos: torch.Tensor, queries: list, attn: torch.Tensor | None,
+                 logits: torch.Tensor, tape: _Tape, capture_s: float) -> None:
+        self.graphs, self.ids, self.pos, self.queries, self.attn = graphs, ids, pos, queries, attn
+        self.logits, self.tape, self.capture_s = logits, tape, capture_s
 
 
 class GraphDecoder:
-    """Mode "graph" of a CpuFirstModel: `new_cache(capacity)`, `forward(ids, kv)`."""
+    """Mode "graph" of a CpuFirstModel: `new_cache(capacity)`, `forward(ids, kv)`.
+
+    attention="live" (the mode's meaning): each decode call replays the captured pieces and
+    runs attention between them over the live keys, stock's shapes, so logits are stock's bit
+    for bit. attention="static" (measured, not a protocol mode): the whole step is one graph
+    attending over the full static span; faster, but tokens may leave stock's at near ties.
+    """
+
+    ATTENTION = ("live", "static")
 
     def __init__(self, causal_lm, slot, recorder: Recorder, device: torch.device) -> None:
         self.decoder = StaticOPT(causal_lm, slot)
         self.slot, self.recorder, self.device = slot, recorder, device
+        self.attention = "live"
+        # One side stream for every warm-up and capture: PyTorch keeps a cuBLAS workspace per
+        # stream for the process's life, so a fresh stream per episode leaked ~32 MiB each
+        # (the first H200 run: 198 MiB more allocator peak, then OOM under the allowance).
+        self._stream = None
 
     def new_cache(self, capacity: int) -> StaticKV:
+        if self.attention not in self.ATTENTION:
+            raise ValueError(f"attention must be one of {', '.join(self.ATTENTION)}, got {self.attention!r}")
         kv = self.decoder.new_cache(capacity)
         kv.eager_reason = graph_refusal(self.slot.policy, self.device)
+        kv.attention = self.attention
         return kv
 
     def forward(self, ids: torch.Tensor, kv: StaticKV) -> torch.Tensor:
@@ -102,39 +126,70 @@ class GraphDecoder:
             raise ValueError(f"the static cache holds {kv.capacity} positions; the episode asked for more")
         position = kv.length
         kv.length += 1
+        span = kv.capacity if kv.attention == "static" else position + 1
         step = kv.graph
         if step is not None:
             step.ids.copy_(ids)
             step.pos.fill_(position)  # a kernel argument: no host-device sync
             step.tape.play(self.recorder)
-            step.graph.replay()
+            graphs = step.graphs
+            for i, query in enumerate(step.queries):
+                graphs[i].replay()
+                self.decoder.attend(query, kv.layers[i], span, None, out=step.attn)
+            graphs[-1].replay()
             return step.logits
         pos = torch.full((1,), position, dtype=torch.long, device=ids.device)
         if kv.eager_reason is not None:
-            return self.decoder.decode(ids, pos, kv)
-        return self._warm_and_capture(ids, pos, kv)
+            return self.decoder.decode(ids, pos, kv, span=span)
+        return self._warm_and_capture(ids, pos, kv, span)
 
-    def _warm_and_capture(self, ids: torch.Tensor, pos: torch.Tensor, kv: StaticKV) -> torch.Tensor:
-        """Run this decode call eagerly on a side stream (its logits are the call's answer), then
-        capture the same step on static inputs for the calls after it."""
+    def _warm_and_capture(self, ids: torch.Tensor, pos: torch.Tensor, kv: StaticKV, span: int) -> torch.Tensor:
+        """Run this decode call eagerly on the side stream (its logits are the call's answer),
+        then capture the step's pieces on static inputs for the calls after it."""
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(self.device)
+        side, main = self._stream, torch.cuda.current_stream(self.device)
         static_ids, static_pos = ids.clone(), pos.clone()
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
+        side.wait_stream(main)
         with torch.cuda.stream(side):
-            logits = self.decoder.decode(static_ids, static_pos, kv).clone()
-        torch.cuda.current_stream(self.device).wait_stream(side)
+            logits = self.decoder.decode(static_ids, static_pos, kv, span=span).clone()
+        main.wait_stream(side)
+        torch.cuda.synchronize(self.device)
         t0 = time.perf_counter()
         recorder = self.recorder
         saved = (recorder.current, recorder.phase, recorder._deferred)
         recorder.begin(phase="decode", tokens=1)  # scratch call: what the policy's host side adds
+        d = self.decoder
         try:
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                # Capture records, it does not run: the KV slot written here is rewritten by
-                # each replay at the position it is given.
-                static_logits = self.decoder.decode(static_ids, static_pos, kv)
+            # Capture records, it does not run: the KV slot written here is rewritten by each
+            # replay at the position it is given. torch.cuda.graph() would gc.collect() and
+            # empty the cache for each piece; capture_begin on one stream and one pool does not.
+            attn = torch.zeros((1, 1, d.hidden), dtype=d.dtype, device=self.device)
+            with torch.cuda.stream(side):
+                if kv.attention == "static":
+                    graph = torch.cuda.CUDAGraph()
+                    graph.capture_begin()
+                    static_logits = d.decode(static_ids, static_pos, kv, span=kv.capacity)
+                    graph.capture_end()
+                    graphs, queries, attn = [graph], [], None
+                else:
+                    graphs, queries, pool = [], [], None
+                    h = None
+                    for i in range(len(d.layers) + 1):
+                        graph = torch.cuda.CUDAGraph()
+                        graph.capture_begin(pool=pool)
+                        h = d.embed(static_ids, static_pos) if i == 0 else d.post(i - 1, h, attn)
+                        if i < len(d.layers):
+                            queries.append(d.pre(i, h, static_pos, kv))
+                        else:
+                            static_logits = d.head(h)
+                        graph.capture_end()
+                        pool = graph.pool() if pool is None else pool
+                        graphs.append(graph)
+            main.wait_stream(side)
             tape = _Tape(recorder.current, list(recorder._deferred))
         finally:
             recorder.current, recorder.phase, recorder._deferred = saved
-        kv.graph = GraphStep(graph, static_ids, static_pos, static_logits, tape, time.perf_counter() - t0)
+        kv.graph = GraphStep(graphs, static_ids, static_pos, queries, attn, static_logits, tape,
+                             time.perf_counter() - t0)
         return logits

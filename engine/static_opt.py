@@ -47,13 +47,17 @@ class StaticKV:
         self.length = 0
         self.graph = None
         self.eager_reason: str | None = None  # why decode was not captured (graph mode)
+        self.attention = "live"  # engine/graph.py GraphDecoder.ATTENTION
 
 
 class StaticOPT:
     """The decoder over a CpuFirstModel's modules: `prefill(ids, kv)` and `decode(ids, pos, kv)`.
 
-    decode's inputs are device tensors (ids (1, 1), pos (1,) int64) and it reads no host state
-    except shapes, so one call can be captured and replayed with new ids and pos.
+    A call is `embed`, then per layer `pre` (LayerNorm, q/k/v, the KV write at device
+    positions `pos`), `attend` and `post` (out_proj, residual, the FFN through the policy),
+    then `head`. Every piece but `attend` reads no host state beyond shapes, so it can be
+    captured once and replayed with new ids and pos (engine/graph.py); `attend` reads the
+    live span, a host int, exactly as stock transformers' eager attention does.
     """
 
     def __init__(self, causal_lm, slot) -> None:
@@ -61,7 +65,7 @@ class StaticOPT:
         if decoder.project_in is not None or decoder.project_out is not None or decoder.final_layer_norm is None:
             raise ValueError("the static decoder supports pre-LayerNorm OPT without embedding projections only")
         self.slot = slot
-        self.embed = decoder.embed_tokens.weight
+        self.embed_weight = decoder.embed_tokens.weight
         self.positions = decoder.embed_positions.weight
         self.position_offset = decoder.embed_positions.offset  # 2 in every OPT
         self.final_norm = decoder.final_layer_norm
@@ -69,11 +73,12 @@ class StaticOPT:
         self.layers = list(decoder.layers)
         attn = self.layers[0].self_attn
         self.heads, self.head_dim, self.scaling = attn.num_heads, attn.head_dim, attn.scaling
-        self.dtype = self.embed.dtype
+        self.hidden = self.heads * self.head_dim
+        self.dtype = self.embed_weight.dtype
 
     def new_cache(self, capacity: int) -> StaticKV:
         return StaticKV(layers=len(self.layers), heads=self.heads, head_dim=self.head_dim, capacity=capacity,
-                        dtype=self.dtype, device=self.embed.device)
+                        dtype=self.dtype, device=self.embed_weight.device)
 
     def prefill(self, ids: torch.Tensor, kv: StaticKV) -> torch.Tensor:
         """(1, T) ids at positions 0..T-1 -> (vocab,) last logits; attends over exactly T keys."""
@@ -82,58 +87,89 @@ class StaticOPT:
             raise ValueError(f"prefill of {t} tokens does not fit a cache of {kv.capacity}")
         pos = torch.arange(t, device=ids.device)
         # stock eager's causal mask: 0 where allowed, finfo.min above the diagonal, (1, 1, T, T)
-        mask = self._mask(pos, t)
-        logits = self._forward(ids, pos, mask, kv, span=t)
+        logits = self._forward(ids, pos, kv, span=t, mask=self.mask(pos, t))
         kv.length = t
         return logits
 
-    def decode(self, ids: torch.Tensor, pos: torch.Tensor, kv: StaticKV) -> torch.Tensor:
-        """(1, 1) ids at device position pos (1,) -> (vocab,) logits; attends over the whole span."""
-        return self._forward(ids, pos, self._mask(pos, kv.capacity), kv, span=kv.capacity)
+    def decode(self, ids: torch.Tensor, pos: torch.Tensor, kv: StaticKV, *, span: int) -> torch.Tensor:
+        """(1, 1) ids at device position pos (1,) -> (vocab,) logits, attending over `span` keys.
 
-    def _mask(self, pos: torch.Tensor, span: int) -> torch.Tensor:
+        span = position + 1 (the live keys) is stock's computation, bit for bit where the same
+        kernels run. span = kv.capacity attends over the whole static cache with the unwritten
+        keys masked (finfo.min, exact zeros after softmax): no host int left in the step, so it
+        can be captured whole, but softmax and attn @ V then reduce over a longer row and may
+        round differently from stock (docs/benchmarks.md, "Graph decode", says what that did).
+        """
+        mask = None if span < kv.capacity else self.mask(pos, span)
+        return self._forward(ids, pos, kv, span=span, mask=mask)
+
+    def mask(self, pos: torch.Tensor, span: int) -> torch.Tensor:
         keys = torch.arange(span, device=pos.device)
         allowed = keys[None, :] <= pos[:, None]  # (T, span)
         zero = torch.zeros((), dtype=self.dtype, device=pos.device)
         low = torch.full((), torch.finfo(self.dtype).min, dtype=self.dtype, device=pos.device)
         return torch.where(allowed, zero, low)[None, None]  # (1, 1, T, span)
 
-    def _forward(self, ids, pos, mask, kv: StaticKV, *, span: int) -> torch.Tensor:
-        t = ids.shape[1]
-        # OPTLearnedPositionalEmbedding: position ids + offset, then inputs_embeds + pos_embeds
-        h = F.embedding(ids, self.embed) + F.embedding((pos + self.position_offset)[None], self.positions)
-        policy = self.slot.policy
-        for i, layer in enumerate(self.layers):
-            h = self._layer(i, layer, h, pos, mask, kv.layers[i], span, t, policy)
-        norm = self.final_norm
-        h = F.layer_norm(h, norm.normalized_shape, norm.weight, norm.bias, norm.eps)
-        return F.linear(h[:, -1:, :], self.lm_head)[0, -1]  # logits_to_keep=1
+    def _forward(self, ids, pos, kv: StaticKV, *, span: int, mask) -> torch.Tensor:
+        h = self.embed(ids, pos)
+        for i in range(len(self.layers)):
+            q = self.pre(i, h, pos, kv)
+            h = self.post(i, h, self.attend(q, kv.layers[i], span, mask))
+        return self.head(h)
 
-    def _layer(self, i, layer, h, pos, mask, cache: KVLayer, span: int, t: int, policy) -> torch.Tensor:
-        attn = layer.self_attn
-        residual = h
-        ln = layer.self_attn_layer_norm
+    def embed(self, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        # OPTLearnedPositionalEmbedding: position ids + offset; then inputs_embeds + pos_embeds
+        return F.embedding(ids, self.embed_weight) + F.embedding((pos + self.position_offset)[None], self.positions)
+
+    def pre(self, i: int, h: torch.Tensor, pos: torch.Tensor, kv: StaticKV) -> torch.Tensor:
+        """Layer i up to attention: (1, T, hidden) -> q (1, heads, T, head_dim); writes K, V at pos."""
+        layer, t = self.layers[i], h.shape[1]
+        attn, ln = layer.self_attn, layer.self_attn_layer_norm
         x = F.layer_norm(h, ln.normalized_shape, ln.weight, ln.bias, ln.eps)
         q = F.linear(x, attn.q_proj.weight, attn.q_proj.bias) * self.scaling
-        q = q.view(1, t, self.heads, self.head_dim).transpose(1, 2)  # (1, heads, T, head_dim)
+        q = q.view(1, t, self.heads, self.head_dim).transpose(1, 2)
         k = F.linear(x, attn.k_proj.weight, attn.k_proj.bias).view(1, t, self.heads, self.head_dim).transpose(1, 2)
         v = F.linear(x, attn.v_proj.weight, attn.v_proj.bias).view(1, t, self.heads, self.head_dim).transpose(1, 2)
         # The write slot is the device tensor pos: no host state, so a replay writes where it should.
+        cache = kv.layers[i]
         cache.keys.index_copy_(2, pos, k)
         cache.values.index_copy_(2, pos, v)
-        keys, values = cache.keys[:, :, :span], cache.values[:, :, :span]
-        # eager_attention_forward with scaling=1.0 (q is already scaled; x * 1.0 is exact, skipped)
-        scores = torch.matmul(q, keys.transpose(-1, -2)) + mask
+        return q
+
+    def attend(self, q: torch.Tensor, cache: KVLayer, span: int, mask: torch.Tensor | None,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+        """eager_attention_forward over the first `span` keys -> (1, T, hidden) (into `out` if given).
+
+        Stock calls it with scaling=1.0 (q is already scaled; x * 1.0 is exact, skipped) and, in
+        decode, a mask of zeros (x + 0 is exact, skipped: mask None)."""
+        t = q.shape[2]
+        scores = torch.matmul(q, cache.keys[:, :, :span].transpose(-1, -2))
+        if mask is not None:
+            scores = scores + mask
         probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-        out = torch.matmul(probs, values).transpose(1, 2).contiguous().reshape(1, t, -1).contiguous()
-        h = residual + F.linear(out, attn.out_proj.weight, attn.out_proj.bias)
+        o = torch.matmul(probs, cache.values[:, :, :span]).transpose(1, 2)
+        if out is not None:
+            return out.view(o.shape).copy_(o).view(1, t, -1)  # a bitwise copy into a static buffer
+        return o.contiguous().reshape(1, t, -1).contiguous()
+
+    def post(self, i: int, h: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
+        """Layer i after attention: out_proj, residual, then the FFN with fc2 from the policy."""
+        layer = self.layers[i]
+        out_proj = layer.self_attn.out_proj
+        h = h + F.linear(a, out_proj.weight, out_proj.bias)
         shape = h.shape
         h = h.reshape(-1, h.size(-1))  # (T, hidden), as stock does before the FFN
         residual = h
         ln = layer.final_layer_norm
         x = F.layer_norm(h, ln.normalized_shape, ln.weight, ln.bias, ln.eps)
+        policy = self.slot.policy
         if policy.starts_early:
             policy.before_layer(i)  # where stock's fc1 pre-hook fires
         x = F.relu(F.linear(x, layer.fc1.weight, layer.fc1.bias))  # (T, ffn); exact zeros are the point
         x = layer.fc2(x)  # OutgoingLinear: the policy's device weight, then F.linear
         return (residual + x).view(shape)
+
+    def head(self, h: torch.Tensor) -> torch.Tensor:
+        norm = self.final_norm
+        h = F.layer_norm(h, norm.normalized_shape, norm.weight, norm.bias, norm.eps)
+        return F.linear(h[:, -1:, :], self.lm_head)[0, -1]  # logits_to_keep=1
