@@ -14,6 +14,11 @@ from engine.policies import POLICIES, HostWeights, OutgoingLinear, PolicySlot
 from engine.static_opt import StaticKV
 
 
+def is_outgoing(name: str) -> bool:
+    """The tensors that stay on the host: every layer's fc2 weight."""
+    return name.endswith(".fc2.weight")
+
+
 @dataclass(frozen=True)
 class StartStats:
     """Cold start of a worker's model: read from disk, pin, move to the device."""
@@ -46,7 +51,10 @@ class CpuFirstModel:
                  mode: str = "eager") -> None:
         self.mode = check_mode(mode)
         t0 = time.perf_counter()
-        model = build_model(model_dir, dtype=dtype)
+        # The outgoing weights are read straight into pinned host memory and the rest straight
+        # to the device (engine/checkpoint.py read_placed) when the checkpoint holds `dtype`;
+        # then read_s includes placing, and place_s is what .to(device) below still moves.
+        model = build_model(model_dir, dtype=dtype, device=device, host_keys=is_outgoing)
         t1 = time.perf_counter()
         self.device, self.dtype, self.model_dir = device, dtype, Path(model_dir)
         self.slot = PolicySlot()
