@@ -19,6 +19,7 @@ from core.canonical import canonical_sha256
 from core.metrics import episode_totals
 from core.protocol import Protocol, expand
 from engine.episode import run_episode
+from engine.graph import check_mode
 from engine.model import CpuFirstModel
 from engine.allowance import impose
 from engine.sampler import MemorySampler, device_uuid, nvml_handle
@@ -104,7 +105,7 @@ class Worker:
         return environment(self.device)
 
     def load(self, protocol: Protocol | dict, model_dir: str | None, *, model_cache: str | None = None,
-             reuse: bool = True) -> dict:
+             reuse: bool = True, mode: str | None = None) -> dict:
         """Make the CPU-first model for a frozen protocol ready and impose its allowance on CUDA.
 
         A worker lives across screens: with `reuse`, a model already loaded from the same
@@ -112,14 +113,19 @@ class Worker:
         it is dropped and the new one read ("cold"). `model_state` says which, and the start
         times are those of the load that read it. The clock of `first_logit_since_entry_s`
         starts at the actor's entry for its first load and at this call for later ones.
+
+        `mode` is the execution mode of every episode (engine/graph.py MODES): the argument if
+        given, else the protocol's `engine.mode` ("eager" for every protocol frozen before modes
+        existed). The reference runs in the same mode as the conditions it judges.
         """
         t_call = time.perf_counter()
         if self.loads:
             self.t_entry = t_call
         self.loads += 1
         protocol = expand(protocol)  # a typed Protocol passes through; a stored body is validated once
+        self.mode = check_mode(mode or protocol.engine_mode)
         path = model_dir_for(protocol, model_dir, cache=None if model_cache is None else Path(model_cache))
-        key = (checkpoint_key(path), protocol.dtype)
+        key = (checkpoint_key(path), protocol.dtype, self.mode)
         warm = reuse and self.model is not None and self.model_key == key
         if not warm and self.model is not None:
             self.drop_model()  # before the new allowance: the old model must not count against it
@@ -127,7 +133,7 @@ class Worker:
         self.allowance = allowance
         context = impose(self.device, allowance, self.nvml) if self.device.type == "cuda" else 0
         if not warm:
-            self.model = CpuFirstModel(path, dtype=dtype_of(protocol.dtype), device=self.device)
+            self.model = CpuFirstModel(path, dtype=dtype_of(protocol.dtype), device=self.device, mode=self.mode)
             self.model_key = key
         self.model.recorder.enabled = protocol.recording
         self.conditions = {c.name: (c.policy, dict(c.params)) for c in protocol.conditions}
@@ -139,6 +145,7 @@ class Worker:
                 "cpu_first": True,  # CpuFirstModel never places the outgoing weights on the device
                 "allowance_bytes": allowance, "context_bytes": context, "device": str(self.device),
                 "vocab": self.model.vocab, "model_dir": str(path), "model_state": "warm" if warm else "cold",
+                "engine": {"mode": self.mode},
                 "entry_to_loaded_s": time.perf_counter() - self.t_entry}
 
     def drop_model(self) -> None:
@@ -155,13 +162,13 @@ class Worker:
         assert self.model is not None, "load() first"
         policy, params = self.conditions[entry["condition"]]
         record = {"plan_index": entry["index"], "condition": entry["condition"], "role": entry["role"],
-                  "prompt": entry["prompt"], "policy": policy, "params": params}
+                  "prompt": entry["prompt"], "policy": policy, "params": params, "engine": {"mode": self.mode}}
         t0 = time.perf_counter()
         sampler = self.sampler
         try:
             self.model.use(policy, **params)
             sampler.start()
-            out = run_episode(self.model, prompt, continuation=self.continuation)
+            out = run_episode(self.model, prompt, continuation=self.continuation, mode=self.mode)
             sampled = sampler.stop()
         except Exception as e:  # recorded, never retried into a pass
             sampler.stop()
@@ -177,6 +184,7 @@ class Worker:
         p = self.model.slot.policy
         context = impose(self.device, self.allowance, self.nvml) if self.device.type == "cuda" else 0
         return {**record, "status": "ok", "error": None, "tokens": out.tokens, "wall_s": out.wall_s,
+                "engine": {"mode": out.mode, "decode_graph": out.decode_graph},
                 "first_logit_since_entry_s": out.first_logit_at - self.t_entry,
                 **episode_totals(calls),
                 "memory": {"peak_allocated_bytes": out.peak_allocated_bytes,
