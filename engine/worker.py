@@ -19,6 +19,7 @@ from core.canonical import canonical_sha256
 from core.metrics import episode_totals
 from core.protocol import Protocol, expand
 from engine.episode import run_episode
+from engine.gpu_lock import GpuLock
 from engine.graph import check_mode
 from engine.model import CpuFirstModel
 from engine.allowance import impose
@@ -81,6 +82,17 @@ def checkpoint_key(path: Path) -> tuple:
     return (str(path), tuple((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in files))
 
 
+def host_gpus() -> int:
+    """GPUs NVML sees on this host, whatever CUDA_VISIBLE_DEVICES says (0 without NVML)."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        return pynvml.nvmlDeviceGetCount()
+    except Exception:
+        return 0
+
+
 def host_rss_peak_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
@@ -98,11 +110,20 @@ class Worker:
         self.conditions: dict[str, tuple[str, dict]] = {}
         uuid = device_uuid(self.device.index) if self.device.type == "cuda" else None
         self.gpu_uuid = uuid  # which physical GPU: two workers on one GPU would share it
+        # One worker per physical GPU on this host, even across clusters (engine/gpu_lock.py).
+        self.gpu_lock = GpuLock(uuid) if uuid else None
+        self.gpu_busy = self.gpu_lock.busy_message(uuid) if self.gpu_lock and not self.gpu_lock.held else None
+        if self.device.type == "cpu" and device is None and host_gpus() > 0:
+            # Given a GPU id the host does not have (a cluster declaring more GPUs than exist):
+            # running on the CPU instead would be a silent, different benchmark.
+            self.gpu_busy = (f"no usable CUDA device (CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r}) "
+                             f"on a host with {host_gpus()} GPU(s); declare no more GPUs than the host has")
         self.nvml = nvml_handle(uuid)
         self.sampler = MemorySampler(uuid)  # one helper process for the worker's life
 
     def describe(self) -> dict:
-        return environment(self.device)
+        """Where this worker runs; `gpu_busy` says why it must not run anything (its GPU is taken)."""
+        return {**environment(self.device), "gpu_busy": self.gpu_busy}
 
     def load(self, protocol: Protocol | dict, model_dir: str | None, *, model_cache: str | None = None,
              reuse: bool = True, mode: str | None = None) -> dict:
