@@ -273,6 +273,7 @@ class HostGather:
 
     name: str
     starts_early = False
+    gather = "host"  # where rows are gathered (a fact of the class, not a mode): after a mask readback
 
     def __init__(self) -> None:
         self.buffers: Staging | None = None
@@ -369,6 +370,7 @@ class DevicePacket:
 
     name = "packet"
     starts_early = False
+    gather = "device"  # no host decision inside a call
 
     def __init__(self) -> None:
         self.buffers: Mapped | None = None

@@ -48,6 +48,8 @@ def test_packet_gathers_are_the_registry_choices():
     assert tuple(PACKET_GATHERS) == POLICY_PARAMS["packet"]["gather"].choices
     assert type(POLICIES["packet"]()) is Packet  # a frozen `packet` without params: gather host
     assert type(POLICIES["packet"](gather="device")) is DevicePacket
+    for gather in PACKET_GATHERS:  # the class says where it gathers (read by code that must know)
+        assert POLICIES["packet"](gather=gather).gather == gather
 
 
 @pytest.mark.parametrize("name, params, fragment", [
