@@ -26,8 +26,8 @@ MB = 1e6
 # tab10, colour-blind-safe enough for up to ten conditions).
 PALETTE = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f",
            "#bcbd22", "#17becf")
-RC = {"svg.fonttype": "none", "font.size": 9, "axes.titlesize": 10, "axes.spines.top": False,
-      "axes.spines.right": False, "axes.grid": True, "grid.alpha": 0.3, "legend.fontsize": 8,
+RC = {"svg.fonttype": "none", "font.size": 10, "axes.titlesize": 11, "axes.spines.top": False,
+      "axes.spines.right": False, "axes.grid": True, "grid.alpha": 0.3, "legend.fontsize": 9,
       "legend.frameon": False, "font.family": "DejaVu Sans"}
 
 
@@ -79,12 +79,12 @@ def _strip(ax, groups: list[list[float]], labels: list[str], *, scale: float = 1
         if not values:
             continue
         v = np.asarray(values, dtype=np.float64) / scale
-        ax.scatter(n + _jitter(len(v), n), v, s=9, color=colour(n), alpha=0.6, linewidths=0, zorder=3)
+        ax.scatter(n + _jitter(len(v), n), v, s=18, color=colour(n), alpha=0.7, linewidths=0, zorder=3)
         if box and len(v) > 1:
             ax.boxplot([v], positions=[n], widths=0.55, showfliers=False, patch_artist=False,
                        medianprops={"color": "black"}, whiskerprops={"color": "0.4"}, capprops={"color": "0.4"},
                        boxprops={"color": "0.4"})
-    ax.set_xticks(range(len(labels)), labels, rotation=20 if len(labels) > 3 else 0)
+    ax.set_xticks(range(len(labels)), labels, rotation=15 if len(labels) > 5 else 0)
     ax.set_xlim(-0.6, len(labels) - 0.4)
 
 
@@ -95,20 +95,21 @@ def h2d_figure(per_call: dict[str, dict[str, list[int]]], conditions: tuple[str,
     """Per-call H2D bytes (weights + indices) per condition, prefill and decode apart."""
     if not any(v for c in per_call.values() for v in c.values()):
         return None
-    fig, axes = _figure(7.2, 3.0, ncols=2)
+    fig, axes = _figure(10, 3.9, ncols=2)
     for ax, phase in zip(axes, ("prefill", "decode")):
         groups = [per_call[c][phase] for c in conditions]
-        _strip(ax, groups, list(conditions), scale=MB, box=False)
         ref = np.mean(per_call[reference][phase]) if per_call.get(reference, {}).get(phase) else None
+        labels = [c if not ref or c == reference or not groups[n] else f"{c}\n{np.mean(groups[n]) / ref:.1%} of ref."
+                  for n, c in enumerate(conditions)]
+        _strip(ax, groups, labels, scale=MB, box=False)
         for n, values in enumerate(groups):
             if not values:
                 continue
             mean = float(np.mean(values))
             ax.hlines(mean / MB, n - 0.3, n + 0.3, color=colour(n), lw=2)
-            share = f"\n{mean / ref:.1%} of {reference}" if ref and conditions[n] != reference else ""
-            ax.annotate(f"{mean / MB:,.3g} MB{share}", (n, mean / MB), textcoords="offset points", xytext=(0, 6),
-                        ha="center", fontsize=7)
-        ax.set_title(f"{phase} calls")
+            ax.annotate(f"{mean / MB:,.4g}", (n, mean / MB), textcoords="offset points", xytext=(0, 5),
+                        ha="center", fontsize=8)
+        ax.set_title(f"{phase} calls (mean MB above each)")
         ax.set_ylabel("H2D MB per call (weights + indices)")
         ax.set_ylim(bottom=0, top=ax.get_ylim()[1] * 1.25)
     return to_svg(fig, "h2d")
@@ -119,7 +120,7 @@ def wall_figure(walls: dict[str, list[tuple[int, float]]], intervals: list[dict]
     control with its bootstrap interval (and the gate's threshold where one is declared)."""
     if not any(walls.values()):
         return None
-    fig, (left, right) = _figure(7.2, 3.0, ncols=2, width_ratios=[3, 2])
+    fig, (left, right) = _figure(10, 3.9, ncols=2, width_ratios=[3, 2])
     _strip(left, [[w for _, w in walls[c]] for c in conditions], list(conditions))
     left.set_ylabel("wall s per scored episode")
     left.set_title("episode wall")
@@ -131,13 +132,15 @@ def wall_figure(walls: dict[str, list[tuple[int, float]]], intervals: list[dict]
         right.errorbar([i["value"]], [y], xerr=[[i["value"] - lo], [hi - i["value"]]], fmt="o", color=colour(n),
                        capsize=4)
         if i["threshold"] is not None:
-            right.plot([i["threshold"]], [y], marker="|", markersize=14, color="#d62728")
+            right.vlines(i["threshold"], y - 0.35, y + 0.35, color="#d62728", lw=1.5, ls="--")
+            right.annotate(f"threshold {i['threshold']:g}", (i["threshold"], y + 0.35), textcoords="offset points",
+                           xytext=(0, 2), ha="center", fontsize=8, color="#d62728")
     right.axvline(1.0, color="0.5", lw=0.8, ls=":")
     right.set_yticks(range(len(shown)), [i["condition"] for i in shown])
     right.set_ylim(-0.7, len(shown) - 0.3)
     control = shown[0]["control"] if shown else ""
-    right.set_xlabel(f"wall ratio to {control} (paired, bootstrap interval)")
-    right.set_title("runtime ratio; red bar: gate threshold")
+    right.set_xlabel(f"wall / {control} wall (paired; bootstrap interval)")
+    right.set_title("runtime ratio: point and interval")
     return to_svg(fig, "wall")
 
 
@@ -145,7 +148,7 @@ def decode_figure(ms: dict[str, list[float]], conditions: tuple[str, ...]) -> st
     """Distribution of decode milliseconds per token per condition."""
     if not any(ms.values()):
         return None
-    fig, ax = _figure(7.2, 2.8)
+    fig, ax = _figure(10, 3.6)
     _strip(ax, [ms[c] for c in conditions], list(conditions))
     for n, c in enumerate(conditions):
         if ms[c]:
@@ -161,11 +164,11 @@ def memory_figure(traces: dict[str, list[tuple[int, np.ndarray]]], conditions: t
     """The sampled GPU memory of every episode, one panel per condition, against the allowance."""
     if not any(traces.values()):
         return None
-    fig, axes = _figure(7.2, 2.6, ncols=len(conditions), sharey=True, squeeze=False)
+    fig, axes = _figure(10, 3.4, ncols=len(conditions), sharey=True, squeeze=False)
     for n, (ax, c) in enumerate(zip(axes[0], conditions)):
         for k, (index, t) in enumerate(traces[c]):
             ax.plot(t[:, 0], t[:, 1] / MIB, color=colour(n), lw=1, alpha=0.4 + 0.6 / (k + 1),
-                    label=f"episode {index}" if k < 1 else None)
+                    label="one line per episode" if k < 1 else None)
         ax.axhline(allowance_bytes / MIB, color="#d62728", ls="--", lw=1, label="allowance")
         ax.set_title(c)
         ax.set_xlabel("s since episode start")
@@ -182,14 +185,17 @@ def heatmap_figure(heat: dict | None) -> str | None:
     if heat is None or heat["rows"].size == 0:
         return None
     rows = heat["rows"]
-    fig, ax = _figure(7.2, 2.4 + 0.03 * rows.shape[0])
+    fig, ax = _figure(10, 3.1 + 0.03 * rows.shape[0])
     im = ax.imshow(np.ma.masked_invalid(rows), aspect="auto", origin="lower", interpolation="nearest", cmap="viridis",
-                   vmin=0, vmax=1 if heat["fraction"] else None)
+                   vmin=0)  # scaled to the largest value seen: the structure, not the empty top, gets the colours
     for index, col in heat["episodes"][1:]:
         ax.axvline(col - 0.5, color="white", lw=0.8)
     ax.set_xticks([col for _, col in heat["episodes"]], [f"ep {i}" for i, _ in heat["episodes"]],
                   rotation=90 if len(heat["episodes"]) > 12 else 0, fontsize=7)
     ax.set_ylabel("layer")
+    from matplotlib.ticker import MaxNLocator
+
+    ax.yaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel(f"calls of the scored {heat['condition']} episodes (first of each: prefill)")
     ax.grid(False)
     cb = fig.colorbar(im, ax=ax, pad=0.01)
@@ -201,7 +207,7 @@ def union_figure(union: dict | None) -> str | None:
     """Active fraction of neurons against tokens per call, with what independent firing would give."""
     if union is None or not union["points"]:
         return None
-    fig, ax = _figure(7.2, 2.8)
+    fig, ax = _figure(10, 3.6)
     t = np.array([p[0] for p in union["points"]], dtype=np.float64)
     f = np.array([p[1] for p in union["points"]])
     ax.scatter(t * np.exp(_jitter(len(t), 1) * 0.2), f, s=9, alpha=0.5, color=colour(1), linewidths=0,
@@ -225,7 +231,7 @@ def energy_figure(en: dict[str, list[dict]], conditions: tuple[str, ...]) -> str
     """Energy per scored episode and per generated token, per condition."""
     if not any(en.values()):
         return None
-    fig, (left, right) = _figure(7.2, 2.6, ncols=2)
+    fig, (left, right) = _figure(10, 3.4, ncols=2)
     _strip(left, [[x["energy_j"] for x in en[c]] for c in conditions], list(conditions))
     left.set_ylabel("J per episode")
     _strip(right, [[x["j_per_token"] for x in en[c]] for c in conditions], list(conditions))
@@ -242,7 +248,7 @@ def compare_decode_figure(labels: list[str], per_screen: list[dict[str, list[flo
     """Decode ms/token per condition, one box per screen side by side."""
     if not any(v for s in per_screen for v in s.values()):
         return None
-    fig, ax = _figure(7.2, 3.0)
+    fig, ax = _figure(10, 3.9)
     k = len(labels)
     width = 0.8 / k
     for s, (label, ms) in enumerate(zip(labels, per_screen)):
@@ -268,7 +274,7 @@ def compare_bars_figure(name: str, labels: list[str], values: list[dict[str, flo
     """One bar per (condition, screen): a per-condition figure of several screens."""
     if not any(v is not None for s in values for v in s.values()):
         return None
-    fig, ax = _figure(7.2, 2.8)
+    fig, ax = _figure(10, 3.6)
     k = len(labels)
     width = 0.8 / k
     for s, (label, vals) in enumerate(zip(labels, values)):

@@ -53,10 +53,10 @@ def _num(value: Any, fmt: str = "{:,.4g}") -> str:
 
 def _table(head: Iterable[str], rows: Iterable[Iterable[str]]) -> str:
     """Rows of already-rendered <td> cells (strings that start with <td) or plain text."""
-    out = ["<table><thead><tr>", *(f"<th>{esc(h)}</th>" for h in head), "</tr></thead><tbody>"]
+    out = ['<div class="scroll"><table><thead><tr>', *(f"<th>{esc(h)}</th>" for h in head), "</tr></thead><tbody>"]
     for row in rows:
         out.append("<tr>" + "".join(c if c.startswith("<td") else f"<td>{esc(c)}</td>" for c in row) + "</tr>")
-    out.append("</tbody></table>")
+    out.append("</tbody></table></div>")
     return "".join(out)
 
 
@@ -118,13 +118,22 @@ def protocol_section(s: ScreenData) -> str:
                 ("allowance", f"{p.allowance_mib} MiB"), ("recording", p.recording),
                 ("planned episodes", s.planned)]),
         "</div><div>", conditions,
-        "<h3>Gates as frozen</h3>", f'<pre class="mono">{esc(json.dumps(p.full_dict()["gates"], indent=1))}</pre>',
+        "<h3>Gates as frozen</h3>", _gates_table(p.full_dict()["gates"]),
         "</div></div>",
         "<h3>Source freeze</h3>",
         _facts([("package version", freeze.get("package_version")), ("git commit", _mono(freeze.get("git_commit"))),
                 ("git dirty", freeze.get("git_dirty")), ("engine SHA-256", _mono(freeze.get("engine_sha256")))])
         if freeze else '<p class="missing">the archive has no source freeze (no manifest)</p>',
     ])
+
+
+def _gates_table(gates: dict) -> str:
+    rows = []
+    for gate, spec in gates.items():
+        for entry in spec if isinstance(spec, list) else [spec]:
+            text = ", ".join(f"{k} {v}" for k, v in entry.items()) if isinstance(entry, dict) else str(entry)
+            rows.append([gate, f'<td class="wrap">{esc(text or "-")}</td>'])
+    return _table(["gate", "parameters"], rows)
 
 
 def machine_section(s: ScreenData) -> str:
@@ -272,7 +281,7 @@ def compare_page(screens: list[ScreenData], audits: list[AuditStatus]) -> str:
     conditions = list(dict.fromkeys(c for s in screens for c in s.conditions))
     ident = _table(["", "screen", "protocol", "frozen SHA-256", "machine", "GPU", "torch", "archive SHA-256",
                     "audits"],
-                   [[labels[n], s.label, s.protocol.name, f'<td class="mono">{esc(s.protocol.sha256[:16])}</td>',
+                   [[labels[n], f'<td class="wrap">{esc(s.label)}</td>', s.protocol.name, f'<td class="mono">{esc(s.protocol.sha256[:16])}</td>',
                      s.environment.get("host"), s.environment.get("gpu") or "CPU", s.environment.get("torch"),
                      f'<td class="mono">{esc(s.archive_sha256[:16])}</td>',
                      "-" if a.source is None else (", ".join(r["result"] for r in a.rows) or "none")]

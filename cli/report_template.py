@@ -17,9 +17,12 @@ h2 { font-size: 1.15rem; border-bottom: 1px solid var(--line); padding-bottom: .
 h3 { font-size: 1rem; margin: 1.2rem 0 .3rem; }
 p.lede { color: var(--muted); margin: 0 0 1rem; }
 code, .mono { font-family: "DejaVu Sans Mono", ui-monospace, monospace; font-size: 12px; word-break: break-all; }
+div.scroll { overflow-x: auto; max-width: 100%; }
 table { border-collapse: collapse; margin: .4rem 0 1rem; font-size: 13px; }
 th, td { border-bottom: 1px solid var(--line); padding: .25rem .6rem; text-align: left; vertical-align: top; }
 th { background: #f6f8fa; font-weight: 600; }
+td { white-space: nowrap; }
+td.detail, td.wrap { white-space: normal; }
 td.num { text-align: right; font-variant-numeric: tabular-nums; white-space: nowrap; }
 .pass { color: var(--ok); font-weight: 700; }
 .fail { color: var(--fail); font-weight: 700; }

@@ -20,7 +20,8 @@ from typing import Any
 
 import numpy as np
 
-from core.archive import ArchiveReader, file_sha256
+from core.archive import (PROTOCOL_NAME, VERDICTS_NAME, WORKER_NAME, ArchiveReader, episode_member,
+                          file_sha256, trace_member)
 from core.errors import ArchiveError
 from core.gates import planned_episodes, runtime
 from core.plan import plan
@@ -108,21 +109,20 @@ def read_screen(path: Path | str, *, max_member_bytes: int = 1 << 30) -> ScreenD
     protocol (nothing can be reported); anything less is kept in `problems` and shown."""
     path = Path(path)
     with ArchiveReader(path, max_member_bytes=max_member_bytes) as r:
-        problems = tuple(r.verify())
+        problems = tuple(str(p) for p in r.verify())
         names = set(r.names)
         try:
-            protocol = expand(r.read_json("protocol.json"))
+            protocol = expand(r.read_json(PROTOCOL_NAME))
         except (ArchiveError, ValueError) as e:
             raise ArchiveError(f"cannot report on {path}: no usable protocol.json ({e})") from None
         manifest = r.manifest or {}
-        worker = r.read_json("worker.json") if "worker.json" in names else {}
-        verdicts = r.read_json("verdicts.json") if "verdicts.json" in names else []
+        worker = r.read_json(WORKER_NAME) if WORKER_NAME in names else {}
+        verdicts = r.read_json(VERDICTS_NAME) if VERDICTS_NAME in names else []
         entries = plan(protocol)
-        records = [r.read_json(f"episodes/{e['index']:05d}.json") for e in entries
-                   if f"episodes/{e['index']:05d}.json" in names]
+        records = [r.read_json(episode_member(e["index"])) for e in entries if episode_member(e["index"]) in names]
         episodes = []
         for rec in planned_episodes(protocol, records):  # adds each record's repetition
-            trace_name = f"traces/{rec['plan_index']:05d}.npy"
+            trace_name = trace_member(rec["plan_index"])
             trace = r.read_array(trace_name) if trace_name in names else None
             rep = rec.pop("repetition")
             episodes.append(Episode(record=rec, repetition=rep, trace=trace))
