@@ -185,7 +185,8 @@ def check_page(path: Path, *, width: int = 1200, height: int = 900, screenshot: 
                     errors.append("console: " + " ".join(str(a.get("value", a.get("description", "")))
                                                           for a in p.get("args", [])))
                 elif m == "Runtime.exceptionThrown":
-                    errors.append("exception: " + p.get("exceptionDetails", {}).get("text", ""))
+                    d = p.get("exceptionDetails", {})
+                    errors.append(f"exception: {d.get('text', '')} {d.get('exception', {}).get('description', '')}")
                 elif m == "Log.entryAdded" and p.get("entry", {}).get("level") == "error":
                     errors.append(f"log ({p['entry'].get('source')}): {p['entry'].get('text')}")
             return PageCheck(plots=result["plots"], title=result["title"], missing=result["missing"],
