@@ -223,7 +223,7 @@ def union_figure(union: dict | None) -> str | None:
     ax.set_xlabel("tokens in the call")
     ax.set_ylabel(f"active fraction of {union['neurons']} neurons")
     ax.set_title(f"union sparsity ({union['condition']})")
-    ax.legend(loc="lower right")
+    ax.legend(loc="upper left")
     return to_svg(fig, "union")
 
 
