@@ -247,3 +247,24 @@ def test_historical_archives_report_without_traces_or_energy():
         assert all(not v for v in data.memory_traces(s).values())
         assert all(not v for v in data.energy(s).values())
         assert [r["condition"] for r in data.condition_summary(s)] == list(s.conditions)
+
+
+def test_an_interrupted_archive_reports_what_it_holds(tmp_path):
+    """No manifest, no verdicts, half the episodes: the page says so and draws what is there."""
+    from core.archive import ArchiveWriter, episode_member, logits_member
+    from cli.report_page import AuditStatus, screen_page
+
+    src = ArchiveReader(DATA / "gates-v2.zip")
+    partial = tmp_path / "partial.zip"
+    w = ArchiveWriter(partial)
+    for name in ("protocol.json", "plan.json", "worker.json"):
+        w.add_json(name, src.read_json(name))
+    for index in range(9):
+        w.add_episode(src.read_json(episode_member(index)), src.read_array(logits_member(index)))
+    w.close()
+    s = data.read_screen(partial)
+    assert not s.complete and len(s.episodes) == 9 and s.planned == 18 and s.verdicts == []
+    assert any("incomplete" in p for p in s.problems)
+    text = re.sub(r"\s+", " ", html.unescape(re.sub(r"<[^>]+>", " ", screen_page(s, audit=AuditStatus()))))
+    assert "9 of 18 planned" in text and "no verdicts.json: the screen did not finish" in text
+    assert "the archive has no source freeze (no manifest)" in text
