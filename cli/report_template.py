@@ -23,6 +23,7 @@ th, td { border-bottom: 1px solid var(--line); padding: .25rem .6rem; text-align
 th { background: #f6f8fa; font-weight: 600; }
 td { white-space: nowrap; }
 td.detail, td.wrap { white-space: normal; }
+td.mono { white-space: normal; word-break: break-all; min-width: 12em; }
 td.num { text-align: right; font-variant-numeric: tabular-nums; white-space: nowrap; }
 .pass { color: var(--ok); font-weight: 700; }
 .fail { color: var(--fail); font-weight: 700; }
