@@ -108,7 +108,8 @@ def plan_cmd(
     allowance = est["allowance_bytes"]
     typer.echo(f"screen: {_bytes(est['total_bytes'])} host-to-device, >= {est['total_transfer_s']:.4g} s of transfer")
     typer.echo(f"parameters {_bytes(est['param_bytes'])} ({'exceed' if est['param_bytes'] > allowance else 'fit'} "
-               f"the {p.allowance_mib} MiB allowance); outgoing weights {_bytes(est['outgoing_bytes'])} stay on the host")
+               f"the {p.allowance_mib} MiB allowance); outgoing weights {_bytes(est['outgoing_bytes'])} stay on the "
+               f"host")
 
 
 def _bytes(n: float) -> str:

@@ -28,7 +28,8 @@ def report(
     compare: Annotated[bool, typer.Option("--compare", help="Put the screens side by side, with their verdict "
                                                             "agreement.")] = False,
     out: Annotated[Optional[Path], typer.Option(
-        "--out", "-o", help="HTML file to write (default: report-<screen>.html or compare-<a>-<b>.html here).")] = None,
+        "--out", "-o", help="HTML file to write (default here: report-<archive stem or screen-ID>.html, "
+                            "or compare-<...>.html).")] = None,
     db: DbUrl = None,
 ) -> None:
     """Write one self-contained HTML report (no network at view time, plots inline) of a screen."""
@@ -41,20 +42,24 @@ def report(
     if out is not None and out.suffix.lower() not in (".html", ".htm"):
         raise PackbenchError(f"--out {out}: write the report to a .html file")
     loaded = [_load(ref, db) for ref in screens]
+    names = [_name(ref, screen) for ref, (screen, _) in zip(screens, loaded)]
     if compare:
         page = compare_page([s for s, _ in loaded], [a for _, a in loaded])
-        default = "compare-" + "-".join(_stem(ref) for ref in screens) + ".html"
+        default = "compare-" + "-".join(names) + ".html"
     else:
-        page = screen_page(*loaded[0][:1], audit=loaded[0][1])
-        default = f"report-{_stem(screens[0])}.html"
+        page = screen_page(loaded[0][0], audit=loaded[0][1])
+        default = f"report-{names[0]}.html"
     path = out or Path(default)
     path.write_text(page, encoding="utf-8")
     typer.echo(f"wrote {path} ({path.stat().st_size:,} bytes)")
 
 
-def _stem(ref: str) -> str:
-    p = Path(ref)
-    return p.stem if p.suffix == ".zip" else ref
+def _name(ref: str, screen) -> str:
+    """An archive's file stem, or `screen-<id>` for a screen id or `latest`."""
+    path = Path(ref)
+    if path.is_file():
+        return path.stem
+    return f"screen-{screen.manifest.get('screen_id', ref)}"
 
 
 def _load(ref: str, db: str | None):

@@ -59,13 +59,31 @@ def to_svg(fig, name: str) -> str:
 
     buf = io.StringIO()
     with matplotlib.rc_context({"svg.hashsalt": name, "svg.id": name}):
-        fig.savefig(buf, format="svg", metadata={"Date": None, "Creator": None})
+        # dpi only sets the resolution of the embedded images (heat map, dense scatters).
+        fig.savefig(buf, format="svg", dpi=144, metadata={"Date": None, "Creator": None})
     svg = buf.getvalue()
     svg = svg[svg.index("<svg"):]
     head_end = svg.index(">")
     head = re.sub(r'\s(width|height)="[^"]*"', "", svg[:head_end])
     head += f' class="chart" role="img" aria-label="{name}"'
     return head + svg[head_end:]
+
+
+# Above this many points a scatter is drawn as one embedded image, not one SVG element per point:
+# a screen of 100 episodes x 512 decode calls would otherwise write ~50,000 <use> elements (MBs).
+MAX_VECTOR_POINTS = 400
+# Memory traces are thinned to this many samples per episode for drawing, always keeping the
+# largest sample (the one the resources gate judges): a 5 ms sampler over a long episode gives
+# thousands, far more than a 1000-pixel-wide panel can show.
+MAX_TRACE_POINTS = 600
+
+
+def thin_trace(t: np.ndarray, n: int = MAX_TRACE_POINTS) -> np.ndarray:
+    """At most about `n` rows of a (samples, 2) trace: evenly spaced ones plus the peak, in time order."""
+    if len(t) <= n:
+        return t
+    keep = np.unique(np.concatenate([np.linspace(0, len(t) - 1, n).astype(int), [int(np.argmax(t[:, 1]))]]))
+    return t[keep]
 
 
 def _jitter(n: int, seed: int) -> np.ndarray:
@@ -79,7 +97,8 @@ def _strip(ax, groups: list[list[float]], labels: list[str], *, scale: float = 1
         if not values:
             continue
         v = np.asarray(values, dtype=np.float64) / scale
-        ax.scatter(n + _jitter(len(v), n), v, s=18, color=colour(n), alpha=0.7, linewidths=0, zorder=3)
+        ax.scatter(n + _jitter(len(v), n), v, s=18, color=colour(n), alpha=0.7, linewidths=0, zorder=3,
+                   rasterized=len(v) > MAX_VECTOR_POINTS)
         if box and len(v) > 1:
             ax.boxplot([v], positions=[n], widths=0.55, showfliers=False, patch_artist=False,
                        medianprops={"color": "black"}, whiskerprops={"color": "0.4"}, capprops={"color": "0.4"},
@@ -115,7 +134,8 @@ def h2d_figure(per_call: dict[str, dict[str, list[int]]], conditions: tuple[str,
     return to_svg(fig, "h2d")
 
 
-def wall_figure(walls: dict[str, list[tuple[int, float]]], intervals: list[dict], conditions: tuple[str, ...]) -> str | None:
+def wall_figure(walls: dict[str, list[tuple[int, float]]], intervals: list[dict],
+                conditions: tuple[str, ...]) -> str | None:
     """Wall seconds of every scored episode per condition; the paired runtime ratio against the
     control with its bootstrap interval (and the gate's threshold where one is declared)."""
     if not any(walls.values()):
@@ -167,6 +187,7 @@ def memory_figure(traces: dict[str, list[tuple[int, np.ndarray]]], conditions: t
     fig, axes = _figure(10, 3.4, ncols=len(conditions), sharey=True, squeeze=False)
     for n, (ax, c) in enumerate(zip(axes[0], conditions)):
         for k, (index, t) in enumerate(traces[c]):
+            t = thin_trace(t)
             ax.plot(t[:, 0], t[:, 1] / MIB, color=colour(n), lw=1, alpha=0.4 + 0.6 / (k + 1),
                     label="one line per episode" if k < 1 else None)
         ax.axhline(allowance_bytes / MIB, color="#d62728", ls="--", lw=1, label="allowance")
@@ -210,8 +231,8 @@ def union_figure(union: dict | None) -> str | None:
     fig, ax = _figure(10, 3.6)
     t = np.array([p[0] for p in union["points"]], dtype=np.float64)
     f = np.array([p[1] for p in union["points"]])
-    ax.scatter(t * np.exp(_jitter(len(t), 1) * 0.2), f, s=9, alpha=0.5, color=colour(1), linewidths=0,
-               label="calls (mean over layers)")
+    ax.scatter(t * np.exp(_jitter(len(t), 1) * 0.2), f, s=12, alpha=0.5, color=colour(1), linewidths=0,
+               label="calls (mean over layers)", rasterized=len(t) > MAX_VECTOR_POINTS)
     curve = np.array(union["curve"], dtype=np.float64)
     ax.plot(curve[:, 0], curve[:, 1], "o-", color="black", lw=1.2, label="median per token count")
     one = [y for x, y in union["curve"] if x == 1]
@@ -244,7 +265,8 @@ def energy_figure(en: dict[str, list[dict]], conditions: tuple[str, ...]) -> str
 # ----------------------------------------------------------------------------- several screens
 
 
-def compare_decode_figure(labels: list[str], per_screen: list[dict[str, list[float]]], conditions: list[str]) -> str | None:
+def compare_decode_figure(labels: list[str], per_screen: list[dict[str, list[float]]],
+                          conditions: list[str]) -> str | None:
     """Decode ms/token per condition, one box per screen side by side."""
     if not any(v for s in per_screen for v in s.values()):
         return None

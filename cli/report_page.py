@@ -222,7 +222,8 @@ def plots_section(s: ScreenData) -> str:
 
 
 def audit_section(s: ScreenData, audit: AuditStatus) -> str:
-    intact = (f"intact: {len(s.manifest.get('members', {}))} members match the manifest" if s.complete and not s.problems
+    members = len(s.manifest.get("members", {}))
+    intact = (f"intact: {members} members match the manifest" if s.complete and not s.problems
               else f"{len(s.problems)} problems")
     parts = ['<h2 id="audit">Archive and audit</h2>',
              _facts([("archive", _mono(s.path)), ("file SHA-256", _mono(s.archive_sha256)),
@@ -244,7 +245,8 @@ def audit_section(s: ScreenData, audit: AuditStatus) -> str:
              for r in audit.rows]))
         digests = {r["digest"] for r in audit.rows}
         if len(audit.rows) > 1:
-            parts.append(f'<p>{len(audit.rows)} audits, {"one digest: repeat audits agree" if len(digests) == 1 else f"{len(digests)} different digests"}.</p>')
+            same = "one digest: repeat audits agree" if len(digests) == 1 else f"{len(digests)} different digests"
+            parts.append(f"<p>{len(audit.rows)} audits, {same}.</p>")
     if audit.note:
         parts.append(f'<p class="fail">{esc(audit.note)}</p>')
     return "".join(parts)
@@ -281,7 +283,8 @@ def compare_page(screens: list[ScreenData], audits: list[AuditStatus]) -> str:
     conditions = list(dict.fromkeys(c for s in screens for c in s.conditions))
     ident = _table(["", "screen", "protocol", "frozen SHA-256", "machine", "GPU", "torch", "archive SHA-256",
                     "audits"],
-                   [[labels[n], f'<td class="wrap">{esc(s.label)}</td>', s.protocol.name, f'<td class="mono">{esc(s.protocol.sha256[:16])}</td>',
+                   [[labels[n], f'<td class="wrap">{esc(s.label)}</td>', s.protocol.name,
+                     f'<td class="mono">{esc(s.protocol.sha256[:16])}</td>',
                      s.environment.get("host"), s.environment.get("gpu") or "CPU", s.environment.get("torch"),
                      f'<td class="mono">{esc(s.archive_sha256[:16])}</td>',
                      "-" if a.source is None else (", ".join(r["result"] for r in a.rows) or "none")]

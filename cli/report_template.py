@@ -38,7 +38,8 @@ figcaption { color: var(--muted); font-size: 12px; margin-top: .2rem; }
 p.missing { color: var(--muted); font-style: italic; }
 .detail { color: var(--muted); font-size: 12px; }
 ul.problems { color: var(--fail); }
-footer { color: var(--muted); font-size: 12px; margin-top: 3rem; border-top: 1px solid var(--line); padding-top: .5rem; }
+footer { color: var(--muted); font-size: 12px; margin-top: 3rem; border-top: 1px solid var(--line);
+         padding-top: .5rem; }
 @media print { body { max-width: none; } figure.plot { break-inside: avoid; } }
 """
 

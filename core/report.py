@@ -300,6 +300,7 @@ def condition_summary(screen: ScreenData) -> list[dict]:
     rows = []
     for cond in screen.protocol.conditions:
         c = cond.name
+        scored = screen.of(c, ok_only=False)
         peaks = [e.record.get("memory", {}).get("peak_sampled_bytes") for e in screen.of(c, scored_only=False)]
         peaks = [p for p in peaks if isinstance(p, int)]
         j = [x["energy_j"] for x in en[c]]
@@ -307,7 +308,7 @@ def condition_summary(screen: ScreenData) -> list[dict]:
         rows.append({
             "condition": c, "policy": cond.policy,
             "params": ", ".join(f"{k}={v}" for k, v in cond.params.items()),
-            "scored": len(screen.of(c, ok_only=False)), "failed": len([e for e in screen.of(c, ok_only=False) if not e.ok]),
+            "scored": len(scored), "failed": sum(not e.ok for e in scored),
             "prefill_h2d_per_call": _mean(h2d[c]["prefill"]), "decode_h2d_per_call": _mean(h2d[c]["decode"]),
             "wall_s_mean": _mean([w for _, w in walls[c]]), "decode_ms_median": _median(dec[c]),
             "peak_sampled_bytes": max(peaks) if peaks else None,

@@ -268,3 +268,23 @@ def test_an_interrupted_archive_reports_what_it_holds(tmp_path):
     text = re.sub(r"\s+", " ", html.unescape(re.sub(r"<[^>]+>", " ", screen_page(s, audit=AuditStatus()))))
     assert "9 of 18 planned" in text and "no verdicts.json: the screen did not finish" in text
     assert "the archive has no source freeze (no manifest)" in text
+
+
+def test_large_screens_keep_the_page_small():
+    """Dense scatters become one embedded image and long memory traces are thinned (keeping
+    the peak): a plot's size is bounded by the picture, not by the number of calls."""
+    import numpy as np
+
+    from cli import report_figures as figs
+
+    rng = np.random.default_rng(0)
+    with figs.style():
+        decode = figs.decode_figure({"dense-stream": list(rng.normal(36, 1, 50_000)),
+                                     "packet": list(rng.normal(30, 5, 50_000))}, ("dense-stream", "packet"))
+        t = np.column_stack([np.linspace(0, 60, 100_000), rng.integers(1, 4000, 100_000) * MIB])
+        t[73_123, 1] = 4700 * MIB
+        memory = figs.memory_figure({"packet": [(0, t)]}, ("packet",), 4800 * MIB)
+    assert len(decode) < 300_000 and len(memory) < 200_000, (len(decode), len(memory))
+    thin = figs.thin_trace(t)
+    assert len(thin) <= figs.MAX_TRACE_POINTS + 1 and thin[:, 1].max() == 4700 * MIB
+    assert np.all(np.diff(thin[:, 0]) > 0)
