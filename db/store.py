@@ -463,8 +463,13 @@ class Store:
         status: str,
         error: str | None = None,
         archive_sha256: str | None = None,
+        requeue: bool = False,
     ) -> None:
         """Close a running attempt as 'done', 'failed', 'interrupted' or 'cancelled'.
+
+        `requeue` (a failed attempt whose cause was not the screen's, e.g. its worker died):
+        the screen goes back to the queue while attempts_used < max_attempts (and is failed
+        after that, or cancelled if a cancel was requested) instead of following the attempt.
 
         The screen follows: 'done' for a done attempt, 'cancelled' for a cancelled one (the
         dispatcher stopped after a `cancel_screen`), 'failed' otherwise; its finished_at is
@@ -487,6 +492,12 @@ class Store:
             attempt.archive_sha256 = archive_sha256
             attempt.finished_at = now
             screen = session.get_one(Screen, attempt.screen_id, with_for_update=True)
+            if requeue and status == "failed" and screen.cancel_requested_at is None \
+                    and screen.attempts_used < screen.max_attempts:
+                screen.status, screen.finished_at = "queued", None
+                return
+            if requeue and screen.cancel_requested_at is not None:
+                status = "cancelled"
             screen.status = _SCREEN_STATUS_AFTER[status]
             screen.finished_at = now
 

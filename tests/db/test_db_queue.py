@@ -385,3 +385,22 @@ def test_audits_record_node_and_kind(queue):
     assert [(a.node, a.kind) for a in queue.audits(attempt.id)] == [("ray-node-7", "ray"), (None, None)]
     with pytest.raises(ValueError):
         queue.put_audit(**arguments, kind="remote")
+
+
+def test_a_failed_attempt_with_requeue_goes_back_to_the_queue_until_max_attempts(queue):
+    """A worker that died is not the screen's fault: requeued, but each claim counts."""
+    screen_id = queue.create_screen(protocol_id=protocol(queue), submitter="a", max_attempts=2)
+    d = queue.register_dispatcher("d", "h")
+    first = claim(queue, d)
+    queue.finish_attempt(first.attempt.id, status="failed", error="worker-1 died", requeue=True)
+    assert queue.screen(screen_id).status == "queued" and queue.latest_attempt(screen_id).status == "failed"
+    second = claim(queue, d)
+    assert second.attempt.number == 2
+    queue.finish_attempt(second.attempt.id, status="failed", error="worker-2 died", requeue=True)
+    assert queue.screen(screen_id).status == "failed"  # max_attempts used
+    assert [a.status for a in queue.attempts(screen_id)] == ["failed", "failed"]
+    other = queue.create_screen(protocol_id=protocol(queue), submitter="a")
+    c = claim(queue, d)
+    queue.cancel_screen(other)
+    queue.finish_attempt(c.attempt.id, status="failed", error="died", requeue=True)
+    assert queue.screen(other).status == "cancelled"  # a cancel request wins over the requeue
