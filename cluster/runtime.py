@@ -83,6 +83,9 @@ def ensure_ray(settings: Settings | None = None):
 
     def join() -> None:
         try:
+            # Ray warns that a driver joined from another thread sets no SIGTERM handler: the
+            # dispatcher sets its own (cluster/dispatch.py), so the warning is only noise.
+            logging.getLogger("ray").setLevel(logging.ERROR)
             ray.init(address=address, **common)
         except BaseException as e:  # handed to the caller's thread below
             failure.append(e)
