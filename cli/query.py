@@ -103,6 +103,11 @@ def _screen_view(store, ref: str, *, json_out: bool) -> None:
     typer.echo(table(summary["episodes"], ["index", "condition", "role", "prompt", "status", "h2d_bytes",
                                            "d2h_bytes", "wall_s"]))
     typer.echo(verdict_table(summary["verdicts"]) if summary["verdicts"] else "no verdicts")
+    a = summary.get("audit")
+    typer.echo("audit: none; run `packbench audit`" if a is None else
+               f"audit: {a['result'].upper()} ({a['kind'] or 'local'} on {a['machine']}"
+               f"{', node ' + a['node'][:12] if a['node'] else ''}, {a['finished_at']}, digest {a['digest'][:16]}"
+               f"{'' if a['archive_sha256_matches'] else ', of another archive SHA-256'}; {a['audits']} audit(s))")
 
 
 def screens_list(
@@ -155,15 +160,16 @@ def screens_show(
                          "error": a.error})
         verdicts += [{"attempt": a.number, **dataclasses.asdict(v), "passed": "PASS" if v.passed else "FAIL"}
                      for v in d.verdicts]
-        audits += [{"attempt": a.number, "result": u.result, "digest": u.digest[:16], "machine": u.machine,
-                    "finished": _when(u.finished_at), "problems": len(u.problems)} for u in d.audits]
+        audits += [{"attempt": a.number, "result": u.result, "digest": u.digest[:16], "kind": u.kind or "local",
+                    "machine": u.machine, "node": (u.node or "")[:12] or "-", "finished": _when(u.finished_at),
+                    "problems": len(u.problems)} for u in d.audits]
     typer.echo("\nattempts")
     typer.echo(table(attempts, list(attempts[0])))
     typer.echo("\nverdicts")
     typer.echo(table(verdicts, ["attempt", "gate", "condition", "phase", "passed", "value", "threshold"])
                if verdicts else "none")
     typer.echo("\naudits")
-    typer.echo(table(audits, ["attempt", "result", "digest", "machine", "finished", "problems"])
+    typer.echo(table(audits, ["attempt", "result", "digest", "kind", "machine", "node", "finished", "problems"])
                if audits else "none; run `packbench audit`")
 
 
