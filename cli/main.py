@@ -33,8 +33,10 @@ protocol_cmd.register(app)
 @model_app.command("synth")
 def model_synth(
     out: Annotated[Path, typer.Option(help="Output directory (Hugging Face layout).")],
-    shape: Annotated[str, typer.Option(help=f"One of {', '.join(SYNTH_SHAPES)}.")] = "tiny",
-    dtype: Annotated[str, typer.Option(help=f"One of {', '.join(DTYPE_NAMES)}.")] = "float32",
+    shape: Annotated[str, typer.Option(help=f"One of {', '.join(SYNTH_SHAPES)}.",
+                                       autocompletion=lambda: list(SYNTH_SHAPES))] = "tiny",
+    dtype: Annotated[str, typer.Option(help=f"One of {', '.join(DTYPE_NAMES)}.",
+                                       autocompletion=lambda: list(DTYPE_NAMES))] = "float32",
     sparsity: Annotated[float, typer.Option(help="Fraction of post-ReLU activations that are exactly zero, in (0, 1).")] = 0.94,
     seed: Annotated[int, typer.Option(help="Weights are a pure function of the seed (>= 0).")] = 0,
     hot_fraction: Annotated[float, typer.Option(help="Fraction of neurons per layer that fire far more often, in [0, 1).")] = 0.0,

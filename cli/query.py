@@ -45,7 +45,8 @@ def results(
     protocol: ProtocolRef = None,
     model: Annotated[Optional[str], typer.Option(
         help="Substring of the model: its directory, or synth:<shape> for a synthetic one.")] = None,
-    dtype: Annotated[Optional[str], typer.Option(help=", ".join(DTYPE_NAMES) + ".")] = None,
+    dtype: Annotated[Optional[str], typer.Option(help=", ".join(DTYPE_NAMES) + ".",
+                                                 autocompletion=lambda: list(DTYPE_NAMES))] = None,
     condition: Annotated[Optional[str], typer.Option(help="Condition name, e.g. packet.")] = None,
     gate: Annotated[Optional[str], typer.Option(
         help=f"Add this gate's verdicts to each episode: {GATE_HELP}.")] = None,
@@ -146,7 +147,8 @@ def screens_show(
     s, p = detail.screen, detail.protocol
     typer.echo(f"screen {s.id}: {p.name} (protocol {p.sha256[:12]}, {p.model or '-'}, {p.dtype or '-'}), "
                f"{s.status}, submitted by {s.submitter} at {_when(s.created_at)}")
-    typer.echo(f"model dir: {s.model_dir or '-'}; started {_when(s.started_at)}, finished {_when(s.finished_at)}")
+    typer.echo(f"model dir: {s.model_dir or '-'}; started {_when(s.started_at) or '-'}, "
+               f"finished {_when(s.finished_at) or '-'}")
     if not detail.attempts:
         typer.echo("no attempts yet; run it with `packbench dispatch`")
         return

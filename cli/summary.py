@@ -63,8 +63,18 @@ def table(rows: list[dict], columns: list[str]) -> str:
     return "\n".join(lines)
 
 
+ALLOWANCE_GATES = ("resources", "capacity")  # their value and threshold are bytes against the allowance
+
+
+def _mib(value):
+    """Bytes as the protocol writes the allowance (`allowance_mib: 512` -> `512 MiB`)."""
+    return None if value is None else f"{value / (1 << 20):.6g} MiB"
+
+
 def verdict_table(verdicts: list[dict]) -> str:
-    rows = [{**v, "passed": "PASS" if v["passed"] else "FAIL"} for v in verdicts]
+    rows = [{**v, "passed": "PASS" if v["passed"] else "FAIL",
+             **({"value": _mib(v.get("value")), "threshold": _mib(v.get("threshold"))}
+                if v.get("gate") in ALLOWANCE_GATES else {})} for v in verdicts]
     return table(rows, ["gate", "condition", "phase", "passed", "value", "threshold"])
 
 
