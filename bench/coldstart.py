@@ -44,6 +44,64 @@ def child(model_dir: str, dtype: str, variant: str, prefix: int) -> None:
                       "to_logit_s": out.first_logit_at - t_loaded, "token": out.tokens[0]}))
 
 
+def profile(model_dir: Path, dtype: str) -> None:
+    """Stage times of one load in this process (the page cache already warm)."""
+    import os
+
+    import torch
+    from transformers import OPTConfig, OPTForCausalLM
+
+    import engine.checkpoint as ck
+    from engine.model import is_outgoing
+    from engine.shapes import dtype_of
+
+    dt, device = dtype_of(dtype), torch.device("cuda:0")
+    torch.zeros(1, device=device)
+
+    def timed(label, fn):
+        getattr(torch._C, "_host_emptyCache", lambda: None)()  # no pinned block reused across stages
+        torch.cuda.empty_cache()
+        t = time.perf_counter()
+        out = fn()
+        torch.cuda.synchronize()
+        print(f"{label:48}{time.perf_counter() - t:8.3f} s", flush=True)
+        return out
+
+    files = sorted(model_dir.glob("*.safetensors"))
+    size = sum(f.stat().st_size for f in files)
+    print(f"{len(files)} file(s), {size / 1e9:.2f} GB")
+    config = OPTConfig(**{k: v for k, v in ck.read_config(model_dir).items() if k != "packbench_synth"})
+    config._attn_implementation = "eager"
+
+    def meta():
+        with torch.device("meta"):
+            return OPTForCausalLM(config)
+
+    timed("OPTForCausalLM(config) on meta", meta)
+    timed("stock read_state_dict (safe_open, lazy)", lambda: ck.read_state_dict(model_dir, dtype=dt))
+    buf = bytearray(64 << 20)
+
+    def sequential():
+        with open(files[0], "rb", buffering=0) as f:
+            while f.readinto(buf):
+                pass
+
+    timed("one sequential read of the file (64 MiB chunks)", sequential)
+    n_out = sum(e[3] for e in ck._entries(model_dir) if is_outgoing(e[0]))
+    timed(f"pinned empty x32 ({n_out / 1e9:.2f} GB)",
+          lambda: [torch.empty(n_out // 32, dtype=torch.uint8, pin_memory=True) for _ in range(32)])
+    timed("pageable empty + touch (same bytes)", lambda: torch.ones(n_out, dtype=torch.uint8))
+    for threads in (16, 4):
+        timed(f"read_placed threads={threads}",
+              lambda: ck.read_placed(model_dir, dtype=dt, device=device, host_keys=is_outgoing, threads=threads))
+    timed("read_placed, all on the device (no pinned tensors)",
+          lambda: ck.read_placed(model_dir, dtype=dt, device=device, host_keys=lambda n: False))
+    timed("read_placed, all on the host in pinned memory",
+          lambda: ck.read_placed(model_dir, dtype=dt, device=device, host_keys=lambda n: True))
+    timed("stock build_model (host)", lambda: ck.build_model(model_dir, dtype=dt))
+    timed("placed build_model", lambda: ck.build_model(model_dir, dtype=dt, device=device, host_keys=is_outgoing))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", default="opt-125m")
@@ -51,6 +109,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--prefix", type=int, default=512)
     ap.add_argument("--child", nargs=2, metavar=("MODEL_DIR", "VARIANT"))
+    ap.add_argument("--profile", action="store_true", help="stage times of one load in this process")
     args = ap.parse_args()
     if args.child:
         child(args.child[0], args.dtype, args.child[1], args.prefix)
@@ -64,6 +123,9 @@ def main() -> None:
         with open(f, "rb") as fh:
             while fh.read(1 << 26):
                 pass
+    if args.profile:
+        profile(model_dir, args.dtype)
+        return
     rows = []
     for r in range(args.repeats):
         for variant in (("stock", "placed") if r % 2 == 0 else ("placed", "stock")):

@@ -182,15 +182,22 @@ def build_model(model_dir: Path, *, dtype: torch.dtype, device: torch.device | N
     Eager attention: on CUDA the default SDPA path is not reproducible run to run in decode
     (shared/device/NOTES.md), and bit-identity is judged on logits.
     """
+    raw_config = read_config(model_dir)  # refuse an unsupported checkpoint before reading it
+    reading = None
+    if device is not None and host_keys is not None:
+        # The read (preads release the GIL) runs while transformers is imported: on the H200
+        # machine the first `from transformers import OPTForCausalLM` took ~9 s (it pulls in
+        # torch.distributed.tensor and torch._dynamo), the read of OPT-2.7B fp16 ~1.5 s.
+        pool = ThreadPoolExecutor(1)
+        reading = pool.submit(read_placed, model_dir, dtype=dtype, device=device, host_keys=host_keys)
+        pool.shutdown(wait=False)
     from transformers import OPTConfig, OPTForCausalLM
 
-    config = OPTConfig(**{k: v for k, v in read_config(model_dir).items() if k != "packbench_synth"})
+    config = OPTConfig(**{k: v for k, v in raw_config.items() if k != "packbench_synth"})
     config._attn_implementation = "eager"
     with torch.device("meta"):
         model = OPTForCausalLM(config)
-    sd = None
-    if device is not None and host_keys is not None:
-        sd = read_placed(model_dir, dtype=dtype, device=device, host_keys=host_keys)
+    sd = reading.result() if reading is not None else None
     if sd is None:
         sd = read_state_dict(model_dir, dtype=dtype)
     expected = {k: v.shape for k, v in model.state_dict().items()}
