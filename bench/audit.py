@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from core.archive import ArchiveWriter
+from core.archive import PLAN_NAME, PROTOCOL_NAME, VERDICTS_NAME, WORKER_NAME, ArchiveWriter
 from core.gates import compute_verdicts
 from core.metrics import episode_totals
 from core.plan import plan, prompts
@@ -105,9 +105,9 @@ def write_synthetic_screen(path: Path, raw: dict | None = None, *, vocab: int = 
              "cpu_first": True, "allowance_bytes": allowance, "device": "cuda:0"}
     policies = {c["name"]: c["policy"] for c in body["conditions"]}
     w = ArchiveWriter(path)
-    w.add_json("protocol.json", body)
-    w.add_json("plan.json", {"entries": entries, "prompts": token_ids})
-    w.add_json("worker.json", {"environment": {"host": "synthetic", "device": "cuda:0"}, "start": start,
+    w.add_json(PROTOCOL_NAME, body)
+    w.add_json(PLAN_NAME, {"entries": entries, "prompts": token_ids})
+    w.add_json(WORKER_NAME, {"environment": {"host": "synthetic", "device": "cuda:0"}, "start": start,
                                "model_dir": "synthetic"})
     episodes = []
     clock = 5.0  # worker entry to the first episode
@@ -134,11 +134,10 @@ def write_synthetic_screen(path: Path, raw: dict | None = None, *, vocab: int = 
                              "policy_device_bytes": 1 << 20, "host_outgoing_bytes": start["host_outgoing_bytes"]},
                   "calls": calls}
         clock += wall + 0.01
-        w.add_json(f"episodes/{entry['index']:05d}.json", record)
-        w.add_array(f"logits/{entry['index']:05d}.npy", logits)
+        w.add_episode(record, logits)
         episodes.append({**record, "logits": logits})
     verdicts = compute_verdicts(body, episodes, start=start)
-    w.add_json("verdicts.json", verdicts)
+    w.add_json(VERDICTS_NAME, verdicts)
     sha = w.seal({"protocol_sha256": frozen.sha256, "screen_id": 1, "attempt": 1,
                   "environment": {"host": "synthetic"}, "source_freeze": {}}) if seal else None
     return {"body": body, "entries": entries, "episodes": episodes, "start": start, "verdicts": verdicts,

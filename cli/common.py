@@ -7,6 +7,8 @@ import typer
 
 DbUrl = Annotated[Optional[str], typer.Option("--db", help="Database URL (default: $PACKBENCH_DB_URL or sqlite:///packbench.db).")]
 Json = Annotated[bool, typer.Option("--json", help="Print a machine-readable summary.")]
+Address = Annotated[Optional[str], typer.Option(
+    envvar="PACKBENCH_RAY_ADDRESS", help="Join this Ray cluster (host:port of the head) instead of an embedded local one.")]
 ArchiveDir = Annotated[Path, typer.Option("--archive-dir", envvar="PACKBENCH_ARCHIVE_DIR", help="Where raw archives are written.")]
 
 

@@ -1,15 +1,19 @@
 """packbench: submit frozen protocol screens to Ray GPU workers, query results, audit archives."""
 
+import dataclasses
+import json
+import logging
 import sys
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
 
-from cli.common import ArchiveDir, DbUrl, Json, open_store
-from cli.summary import episode_dicts, print_json, screen_summary, verdict_dicts, verdict_table
+from cli.common import Address, ArchiveDir, DbUrl, Json, open_store
+from cli.summary import print_json, screen_summary, verdict_table
 from core.errors import PackbenchError
+from core.settings import DEFAULT_CONNECT_TIMEOUT_S, DEFAULT_PLACEMENT_TIMEOUT_S, Settings
+from core.registry import DTYPE_NAMES, SYNTH_SHAPES, SynthArgumentError, synth_spec
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
                   help=__doc__)
@@ -26,26 +30,22 @@ query.register(app)
 @model_app.command("synth")
 def model_synth(
     out: Annotated[Path, typer.Option(help="Output directory (Hugging Face layout).")],
-    shape: Annotated[str, typer.Option(help="tiny, opt-125m, opt-1.3b, opt-2.7b, opt-6.7b or opt-13b.")] = "tiny",
-    dtype: Annotated[str, typer.Option(help="float32, float16 or bfloat16.")] = "float32",
-    sparsity: Annotated[float, typer.Option(help="Fraction of post-ReLU activations that are exactly zero.")] = 0.94,
-    seed: Annotated[int, typer.Option(help="Weights are a pure function of the seed.")] = 0,
-    hot_fraction: Annotated[float, typer.Option(help="Fraction of neurons per layer that fire far more often.")] = 0.0,
-    hot_bias: Annotated[float, typer.Option(help="Their fc1 bias in units of std*sqrt(hidden) (0.0: ~50% active).")] = 0.0,
+    shape: Annotated[str, typer.Option(help=f"One of {', '.join(SYNTH_SHAPES)}.")] = "tiny",
+    dtype: Annotated[str, typer.Option(help=f"One of {', '.join(DTYPE_NAMES)}.")] = "float32",
+    sparsity: Annotated[float, typer.Option(help="Fraction of post-ReLU activations that are exactly zero, in (0, 1).")] = 0.94,
+    seed: Annotated[int, typer.Option(help="Weights are a pure function of the seed (>= 0).")] = 0,
+    hot_fraction: Annotated[float, typer.Option(help="Fraction of neurons per layer that fire far more often, in [0, 1).")] = 0.0,
+    hot_bias: Annotated[float, typer.Option(help="Their fc1 bias in units of std*sqrt(hidden), finite (0.0: ~50% active).")] = 0.0,
     force: Annotated[bool, typer.Option(help="Replace a checkpoint already in --out.")] = False,
 ) -> None:
     """Write a synthetic OPT checkpoint with real OPT shapes and a chosen activation sparsity."""
-    from engine.shapes import DTYPES, SHAPES
+    try:  # the same check a protocol's model.synth gets, before torch is imported
+        synth_spec(shape=shape, dtype=dtype, sparsity=sparsity, seed=seed, hot_fraction=hot_fraction,
+                   hot_bias=hot_bias)
+    except SynthArgumentError as e:
+        raise PackbenchError(e.line("--" + e.arg.replace("_", "-"))) from None
     from engine.synth import synth_checkpoint
 
-    if shape not in SHAPES:
-        raise PackbenchError(f"unknown --shape {shape!r}; use one of {', '.join(SHAPES)}")
-    if dtype not in DTYPES:
-        raise PackbenchError(f"unknown --dtype {dtype!r}; use one of {', '.join(DTYPES)}")
-    if not 0.0 < sparsity < 1.0:
-        raise PackbenchError(f"--sparsity {sparsity} is outside (0, 1); pass e.g. 0.94")
-    if not 0.0 <= hot_fraction < 1.0:
-        raise PackbenchError(f"--hot-fraction {hot_fraction} is outside [0, 1); pass e.g. 0.05")
     path = synth_checkpoint(out, shape=shape, dtype=dtype, sparsity=sparsity, seed=seed,
                             hot_fraction=hot_fraction, hot_bias=hot_bias, force=force)
     typer.echo(f"wrote {shape} {dtype} checkpoint (sparsity {sparsity}, seed {seed}) to {path}")
@@ -74,60 +74,132 @@ def db_history(db: DbUrl = None) -> None:
         typer.echo(line)
 
 
+@app.callback()
+def options(
+    ctx: typer.Context,
+    verbose: Annotated[bool, typer.Option("--verbose", "-v", envvar="PACKBENCH_VERBOSE",
+                                          help="Log events, and let worker logs reach this terminal.")] = False,
+    placement_timeout: Annotated[float, typer.Option(
+        envvar="PACKBENCH_PLACEMENT_TIMEOUT_S", help="Seconds a GPU worker may stay unplaced.")] = DEFAULT_PLACEMENT_TIMEOUT_S,
+    connect_timeout: Annotated[float, typer.Option(
+        envvar="PACKBENCH_CONNECT_TIMEOUT_S", help="Seconds joining a Ray cluster (--address) may take.")] = DEFAULT_CONNECT_TIMEOUT_S,
+    embedded_gpus: Annotated[Optional[int], typer.Option(
+        min=1, envvar="PACKBENCH_EMBEDDED_GPUS",
+        help="GPUs the embedded Ray declares (default: the host's; one logical GPU on a CPU-only machine).")] = None,
+    model_cache: Annotated[Optional[Path], typer.Option(
+        envvar="PACKBENCH_MODEL_CACHE", help="Where workers generate synthetic checkpoints "
+                                             "(default ~/.cache/packbench/models on each node).")] = None,
+) -> None:
+    """Settings shared by every command, read once (each names its environment variable)."""
+    if placement_timeout <= 0 or connect_timeout <= 0:
+        raise PackbenchError("--placement-timeout and --connect-timeout must be > 0 seconds")
+    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    ctx.obj = Settings(verbose=verbose, placement_timeout_s=placement_timeout, connect_timeout_s=connect_timeout,
+                       model_cache=model_cache, embedded_gpus=embedded_gpus)
+
+
+def settings_of(ctx: typer.Context, **per_command) -> Settings:
+    """The shared settings with this command's own options (--db, --address, --archive-dir)."""
+    base = ctx.obj if isinstance(ctx.obj, Settings) else Settings()
+    return dataclasses.replace(base, **{k: v for k, v in per_command.items() if v is not None})
+
+
 @app.command()
 def submit(
+    ctx: typer.Context,
     protocol: Annotated[Path, typer.Argument(help="Protocol YAML file.")],
-    wait: Annotated[bool, typer.Option("--wait", help="Run the screen now and wait for its verdicts.")] = False,
-    address: Annotated[Optional[str], typer.Option(help="Join this Ray cluster instead of an embedded local one.")] = None,
+    wait: Annotated[bool, typer.Option("--wait", help="Run the screen now (this command claims it) and wait for "
+                                                      "its verdicts.")] = False,
+    priority: Annotated[int, typer.Option(help="Higher runs first; FIFO within a priority.")] = 0,
+    max_attempts: Annotated[int, typer.Option(min=1, help="Claims before a screen whose workers keep dying or "
+                                                          "whose leases keep expiring is failed.")] = 3,
+    gpu_type: Annotated[Optional[str], typer.Option(help="Only a worker with this GPU type (Ray's accelerator_type, "
+                                                         "e.g. H200) may run it; overrides placement.accelerator_type.")] = None,
+    replicas: Annotated[int, typer.Option(min=1, help="Queue this many screens of the protocol.")] = 1,
+    spread: Annotated[bool, typer.Option("--spread", help="Run the replicas on distinct nodes.")] = False,
+    address: Address = None,
     archive_dir: ArchiveDir = Path("archives"),
     db: DbUrl = None,
     json_out: Json = False,
 ) -> None:
     """Freeze a protocol and queue a screen; with --wait, run it on a GPU worker actor now."""
-    store = open_store(db)  # refuse an old database before importing the engine
-    from cluster.submit import enqueue
+    settings = settings_of(ctx, db_url=db, address=address, archive_dir=archive_dir)
+    store = open_store(settings.db_url)  # refuse an old database before anything else
+    from service.submit import submit as queue_screens
 
-    screen_id = enqueue(store, protocol)
+    if wait and replicas > 1:
+        raise PackbenchError("--wait runs one screen; queue replicas without --wait and run `packbench dispatch`")
+    if spread and replicas < 2:
+        raise PackbenchError("--spread places replicas on distinct nodes; give --replicas 2 or more")
+    if wait and settings.address:
+        from cluster.runtime import ensure_ray
+
+        ensure_ray(settings)  # an unreachable cluster fails here, before a screen is queued
+    ids = queue_screens(store, protocol, priority=priority, max_attempts=max_attempts, gpu_type=gpu_type,
+                        replicas=replicas, spread=spread)
     if not wait:
-        typer.echo(f"queued screen {screen_id}; run it with `packbench dispatch`")
+        typer.echo(f"queued screen{'s' if len(ids) > 1 else ''} {', '.join(map(str, ids))}; "
+                   f"run {'them' if len(ids) > 1 else 'it'} with `packbench dispatch`")
         return
-    _run(store, screen_id, archive_dir=archive_dir, address=address, json_out=json_out)
+    _dispatch(store, settings, json_out=json_out, only_screen=ids[0], workers=1)
 
 
 @app.command()
 def dispatch(
-    address: Annotated[Optional[str], typer.Option(help="Join this Ray cluster instead of an embedded local one.")] = None,
+    ctx: typer.Context,
+    address: Address = None,
+    follow: Annotated[bool, typer.Option("--follow", help="Keep serving the queue until interrupted (SIGINT/SIGTERM "
+                                                          "give held screens back to the queue).")] = False,
+    workers: Annotated[Optional[int], typer.Option(min=1, help="Worker actors to keep (default: one per GPU of the "
+                                                              "cluster).")] = None,
+    lease: Annotated[float, typer.Option(min=1.0, help="Seconds a claim holds without renewal; renewed every third.")] = 60.0,
     archive_dir: ArchiveDir = Path("archives"),
     db: DbUrl = None,
-    json_out: Json = False,
+    json_out: Annotated[bool, typer.Option("--json", help="One JSON object per screen, one per line (JSON Lines).")] = False,
 ) -> None:
-    """Run every queued screen, oldest first."""
-    store = open_store(db)
-    queued = store.queued_screens()
-    if not queued:
-        typer.echo("no queued screens")
-    for screen in queued:
-        _run(store, screen.id, archive_dir=archive_dir, address=address, json_out=json_out)
+    """Run queued screens on a pool of GPU workers, one screen per worker at a time.
+
+    Exit codes: 0 every screen it ran is done; 1 one failed, was cancelled or lost; 2 bad input
+    (an unreadable protocol or checkpoint);
+    130/143 stopped by SIGINT/SIGTERM (held screens are back in the queue).
+    """
+    settings = settings_of(ctx, db_url=db, address=address, archive_dir=archive_dir)
+    _dispatch(open_store(settings.db_url), settings, json_out=json_out, follow=follow, workers=workers, lease_s=lease)
 
 
-def _run(store, screen_id: int, *, archive_dir: Path, address: str | None, json_out: bool) -> None:
-    from cluster.screen import run_screen
+def _dispatch(store, settings: Settings, *, json_out: bool, **options) -> None:
+    from cluster.dispatch import Dispatcher
 
-    progress = (lambda msg: None) if json_out else typer.echo
-    outcome = run_screen(store, screen_id, archive_dir=archive_dir, address=address, progress=progress)
-    summary = screen_summary(store, screen_id)
-    if json_out:
-        print_json(summary)
-    else:
+    def report(outcome) -> None:
+        summary = screen_summary(store, outcome.screen_id)
+        if json_out:
+            typer.echo(json.dumps(summary, default=str, sort_keys=True))
+            return
         typer.echo(verdict_table(summary["verdicts"]) if summary["verdicts"] else "no verdicts")
-        typer.echo(f"archive: {outcome.archive_path}")
-    if outcome.status != "done":
-        typer.echo(f"error: screen {screen_id} failed: {outcome.error}", err=True)
+        typer.echo(f"screen {outcome.screen_id}: {outcome.status}; archive: {outcome.archive_path}")
+        if outcome.status != "done":
+            typer.echo(f"error: screen {outcome.screen_id} {outcome.status}: {outcome.error}", err=True)
+
+    dispatcher = Dispatcher(store, settings, progress=(lambda msg: None) if json_out else typer.echo,
+                            on_outcome=report, **options)
+    outcomes = dispatcher.run()
+    if dispatcher.fatal:
+        typer.echo(f"error: {dispatcher.fatal}", err=True)
         raise typer.Exit(1)
+    if dispatcher.stopping:
+        typer.echo(f"stopped by {dispatcher.stopping}; held screens are back in the queue", err=True)
+        raise typer.Exit(130 if dispatcher.stopping == "SIGINT" else 143)
+    if not outcomes:
+        typer.echo("no queued screens", err=json_out)
+    failed = [o for o in outcomes if o.status != "done"]
+    if failed:
+        raise typer.Exit(2 if all(o.bad_input for o in failed) else 1)
 
 
 @app.command()
 def audit(
+    ctx: typer.Context,
     screen: Annotated[Optional[str], typer.Argument(help="Screen id, or `latest`.")] = None,
     archive: Annotated[Optional[Path], typer.Option(help="Audit this archive file (without a screen id: no database needed).")] = None,
     on_ray: Annotated[bool, typer.Option("--ray", help="Run the audit as a Ray task (embedded, or --address).")] = False,
@@ -136,44 +208,30 @@ def audit(
     json_out: Json = False,
 ) -> None:
     """Re-read a raw archive, recompute every metric and verdict, compare with the database."""
-    import platform
-
-    from core.audit import audit_archive
+    from service.audit import audit_file, audit_screen
 
     if screen is None and archive is None:
         raise PackbenchError("give a screen id (or `latest`), or --archive FILE to audit an archive alone")
-    compare: dict = {}
-    store = row = attempt = None
-    if screen is not None:
-        store = open_store(db)
-        row = store.screen(screen)
-        attempt = store.latest_attempt(row.id)
-        if attempt is None:
-            raise PackbenchError(f"screen {row.id} has not run yet; run `packbench dispatch` first")
-        compare = dict(expected_sha256=attempt.archive_sha256, db_verdicts=verdict_dicts(store.verdicts(attempt.id)),
-                       db_episodes=episode_dicts(store.episodes(attempt.id)))
-    path = Path(archive or attempt.archive_path)
-    started = datetime.now(timezone.utc)
-    if on_ray or address:
-        from cluster.audit import audit_on_cluster
-
-        report = audit_on_cluster(path, address=address, **compare)
+    settings = settings_of(ctx, db_url=db, address=address)
+    on_ray = on_ray or bool(address)
+    if screen is None:
+        outcome = audit_file(archive, on_ray=on_ray, settings=settings)
     else:
-        report = audit_archive(path, **compare)
-    if store is not None:
-        store.put_audit(attempt_id=attempt.id, archive_sha256=report.record["archive_sha256"], digest=report.digest,
-                        result=report.record["result"], problems=report.problems, machine=platform.node(),
-                        started_at=started, finished_at=datetime.now(timezone.utc))
-    what = f"screen {row.id}" if row is not None else str(path)
+        outcome = audit_screen(open_store(settings.db_url), screen, archive=archive, on_ray=on_ray, settings=settings)
+    report = outcome.report
+    what = f"screen {outcome.screen_id}" if outcome.screen_id is not None else str(outcome.archive_path)
     if json_out:
-        print_json({"screen_id": None if row is None else row.id, "attempt": None if attempt is None else attempt.number,
-                    "archive_path": str(path), "digest": report.digest, **report.record})
+        print_json({"screen_id": outcome.screen_id, "attempt": outcome.attempt_number,
+                    "archive_path": str(outcome.archive_path), "digest": report.digest, **report.record})
     else:
         typer.echo(verdict_table(report.record["verdicts"]))
         for p in report.problems:
             typer.echo(f"problem: {p}")
         typer.echo(f"audit of {what}: {report.record['result'].upper()} "
                    f"({report.record['episodes']} episodes, digest {report.digest[:16]})")
+    if outcome.record_error is not None:
+        typer.echo(f"error: the audit was not recorded: {outcome.record_error}", err=True)
+        raise typer.Exit(2 if report.agrees else 1)
     if not report.agrees:
         raise typer.Exit(1)
 

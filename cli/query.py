@@ -1,4 +1,5 @@
-"""Query commands over the results database: results, screens list|show, compare.
+"""Query commands over the results database: results, screens list|show|cancel|retry,
+compare, status.
 
 Thin: each command validates its options, makes one `Store` call (`db.queries` does the
 work) and formats the plain rows it gets back as a table, JSON or CSV.
@@ -27,11 +28,14 @@ ProtocolRef = Annotated[Optional[str], typer.Option("--protocol", help="Protocol
 
 def register(app: typer.Typer) -> None:
     app.command()(results)
-    screens_app = typer.Typer(no_args_is_help=True, help="Screens: list them, show one.")
+    screens_app = typer.Typer(no_args_is_help=True, help="Screens: list them, show, cancel or retry one.")
     screens_app.command("list")(screens_list)
     screens_app.command("show")(screens_show)
+    screens_app.command("cancel")(screens_cancel)
+    screens_app.command("retry")(screens_retry)
     app.add_typer(screens_app, name="screens")
     app.command()(compare)
+    app.command()(status)
 
 
 def results(
@@ -161,6 +165,75 @@ def screens_show(
     typer.echo("\naudits")
     typer.echo(table(audits, ["attempt", "result", "digest", "machine", "finished", "problems"])
                if audits else "none; run `packbench audit`")
+
+
+def screens_cancel(
+    screen: Annotated[str, typer.Argument(help="Screen id, or `latest`.")],
+    db: DbUrl = None,
+    json_out: Json = False,
+) -> None:
+    """Cancel a screen: a queued one never runs; a running one stops after the episode in flight
+    (its attempt is kept as cancelled, with its partial archive)."""
+    row = open_store(db).cancel_screen(screen)
+    if json_out:
+        print_json(_plain(dataclasses.asdict(row)))
+    elif row.status == "cancelled":
+        typer.echo(f"screen {row.id} cancelled; it will not run (`packbench screens retry {row.id}` queues it again)")
+    else:
+        typer.echo(f"screen {row.id} is running: it stops after the episode in flight, once its dispatcher "
+                   f"renews its lease (`packbench status` shows it)")
+
+
+def screens_retry(
+    screen: Annotated[str, typer.Argument(help="Screen id, or `latest`.")],
+    db: DbUrl = None,
+    json_out: Json = False,
+) -> None:
+    """Queue a failed or cancelled screen again; its earlier attempts are kept."""
+    row = open_store(db).retry_screen(screen)
+    if json_out:
+        print_json(_plain(dataclasses.asdict(row)))
+    else:
+        typer.echo(f"screen {row.id} queued again (priority {row.priority}, up to {row.max_attempts} attempts); "
+                   f"run it with `packbench dispatch`")
+
+
+def status(
+    live_within: Annotated[float, typer.Option(
+        "--live-within", help="A dispatcher is live if it sent a heartbeat within this many seconds.")] = 30.0,
+    db: DbUrl = None,
+    json_out: Json = False,
+) -> None:
+    """The queue: screens per state, running screens with progress and placement, the queue in
+    claim order (with why a screen cannot be placed), dispatchers and their workers."""
+    st = open_store(db).queue_status(live_within_s=live_within)
+    if json_out:
+        print_json(_plain(dataclasses.asdict(st)))
+        return
+    typer.echo("screens: " + ", ".join(f"{n} {state}" for state, n in st.counts.items()))
+    typer.echo("\nrunning")
+    running = [{"screen": r.screen_id, "protocol": r.protocol, "attempt": r.attempt,
+                "episodes": f"{r.episodes_done}/{r.episodes_total if r.episodes_total is not None else '?'}",
+                "dispatcher": r.dispatcher, "node": r.node or None,
+                "gpu": f"{r.gpu_name}:{r.gpu_index}" if r.gpu_name else None, "model": r.model_state,
+                "shared_node": r.shared_node, "lease_until": _when(r.lease_expires_at),
+                "cancel": "requested" if r.cancel_requested else None} for r in st.running]
+    typer.echo(table(running, list(running[0])) if running else "none")
+    typer.echo("\nqueued (claim order)")
+    queued = [{"screen": q.screen_id, "protocol": q.protocol, "priority": q.priority,
+               "attempts": f"{q.attempts_used}/{q.max_attempts}", "gpu_type": q.gpu_type,
+               "node": q.placement_node, "replicas": (q.replica_group or "")[:8] or None,
+               "unplaceable": q.unplaceable_reason} for q in st.queued]
+    typer.echo(table(queued, list(queued[0])) if queued else "none")
+    if st.counts["queued"] > len(st.queued):
+        typer.echo(f"... and {st.counts['queued'] - len(st.queued)} more")
+    typer.echo("\ndispatchers")
+    dispatchers = [{"id": d.id, "name": d.name, "host": d.host, "pid": d.pid,
+                    "live": "yes" if d.live else "NO (no heartbeat)", "heartbeat": _when(d.heartbeat_at),
+                    "idle": sum(w.get("state") == "idle" for w in d.workers),
+                    "busy": sum(w.get("state") == "busy" for w in d.workers)} for d in st.dispatchers]
+    typer.echo(table(dispatchers, list(dispatchers[0])) if dispatchers else "none; start one with `packbench dispatch`")
+    typer.echo(f"\nworkers of live dispatchers: {st.idle_workers} idle, {st.busy_workers} busy")
 
 
 def compare(

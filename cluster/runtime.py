@@ -1,8 +1,16 @@
 """Starting or joining Ray, with the traps of shared/ray.md defused."""
 
+from __future__ import annotations
+
+import logging
 import os
+import socket
+import threading
 
 from core.errors import PackbenchError
+from core.settings import Settings
+
+log = logging.getLogger(__name__)
 
 
 def gpu_count() -> int:
@@ -16,28 +24,80 @@ def gpu_count() -> int:
         return 0
 
 
-def ensure_ray(address: str | None = None):
-    """Start an embedded local Ray, or join `address`. Idempotent within a process.
+def _check_reachable(address: str, timeout_s: float) -> None:
+    """Fail in one line, fast, for an address nobody could join (before Ray retries for minutes)."""
+    if address.startswith("ray://"):
+        try:
+            import ray.util.client  # noqa: F401
+            import grpc  # noqa: F401  (the client extra)
+        except ImportError:
+            raise PackbenchError(f"--address {address}: ray:// needs Ray's client extra (`pip install 'ray[client]'`); "
+                                 f"or give the GCS address host:6379 of the head node") from None
+        hostport = address[len("ray://"):]
+    elif address == "auto":
+        return  # Ray finds a local cluster itself, or says there is none
+    else:
+        hostport = address
+    host, _, port = hostport.rpartition(":")
+    if not host or not port.isdigit():
+        raise PackbenchError(f"--address {address!r} is not host:port; give the head node's GCS address, e.g. 10.0.0.1:6379")
+    try:
+        with socket.create_connection((host, int(port)), timeout=timeout_s):
+            pass
+    except socket.gaierror:
+        raise PackbenchError(f"--address {address}: unknown host {host!r}; check the head node's name") from None
+    except OSError as e:
+        raise PackbenchError(f"--address {address}: nothing answers there ({e.strerror or e}); start the head with "
+                             f"`ray start --head` or fix the address") from None
+
+
+def ensure_ray(settings: Settings | None = None):
+    """Start an embedded local Ray, or join `settings.address`. Idempotent within a process.
 
     A machine without a GPU declares one logical GPU, so the `num_gpus=1` worker actor is placed
-    and its engine runs on the CPU.
+    and its engine runs on the CPU. Joining a cluster is bounded by `connect_timeout_s`.
     """
-    # Token auth is on by default in 2.60; the embedded cluster is private to this process.
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    settings = settings or Settings()
+    if settings.embedded:
+        # Token auth is on by default in 2.60; the embedded cluster is private to this process.
+        # A joined cluster's auth mode is the user's to set (RAY_AUTH_MODE=token on shared clusters).
+        os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     # Tasks with num_gpus=0 would otherwise see every GPU.
     os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "1")
     import ray
 
     if ray.is_initialized():
         return ray
-    try:
-        if address:
-            ray.init(address=address, include_dashboard=False, logging_level="WARNING", log_to_driver=False)
-        else:
-            # "local" never silently joins a cluster started by `ray start` on this machine.
-            ray.init("local", num_cpus=os.cpu_count() or 1, num_gpus=max(1, gpu_count()),
-                     include_dashboard=False, logging_level="WARNING", log_to_driver=False,
-                     object_store_memory=256 * 2**20)
-    except ConnectionError as e:
-        raise PackbenchError(f"cannot reach a Ray cluster at {address!r} ({e}); start it with `ray start --head` or drop --address") from None
+    common = dict(include_dashboard=False, logging_level="INFO" if settings.verbose else "WARNING",
+                  log_to_driver=settings.verbose)
+    if settings.embedded:
+        # "local" never silently joins a cluster started by `ray start` on this machine.
+        gpus = settings.embedded_gpus or max(1, gpu_count())
+        ray.init("local", num_cpus=os.cpu_count() or 1, num_gpus=gpus,
+                 object_store_memory=256 * 2**20, **common)
+        return ray
+    address = settings.address
+    _check_reachable(address, settings.connect_timeout_s)
+    done = threading.Event()
+    failure: list[BaseException] = []
+
+    def join() -> None:
+        try:
+            ray.init(address=address, **common)
+        except BaseException as e:  # handed to the caller's thread below
+            failure.append(e)
+        finally:
+            done.set()
+
+    # Another service on the port, or a head that never answers: Ray would retry for minutes.
+    threading.Thread(target=join, daemon=True, name="ray-join").start()
+    if not done.wait(settings.connect_timeout_s):
+        raise PackbenchError(f"--address {address}: no Ray cluster answered within {settings.connect_timeout_s:.0f} s "
+                             f"(another service on that port?); check `ray status` on the head node or raise "
+                             f"--connect-timeout")
+    if failure:
+        e = failure[0]
+        raise PackbenchError(f"cannot join the Ray cluster at {address!r} ({str(e).splitlines()[0] if str(e) else type(e).__name__}); "
+                             f"start it with `ray start --head` or drop --address") from None
+    log.info("joined Ray cluster at %s", address)
     return ray

@@ -1,24 +1,34 @@
 """The GPU worker actor: a thin Ray shell around engine.worker.Worker."""
 
+from __future__ import annotations
+
 import os
 
 import ray
 
+from core.settings import Settings
 from engine.worker import Worker
+
+
+class RayWorker(Worker):
+    """engine.worker.Worker plus where Ray placed it (the engine knows nothing of Ray)."""
+
+    def describe(self) -> dict:
+        env = super().describe()
+        env["node_id"] = ray.get_runtime_context().get_node_id()
+        env["gpu_uuid"] = self.gpu_uuid or ""
+        return env
+
 
 # max_task_retries=0: retried calls ran out of submission order (shared/ray.md); a failed
 # attempt is recorded and a new attempt is the dispatcher's decision, never Ray's.
-GpuWorker = ray.remote(num_gpus=1, max_restarts=0, max_task_retries=0)(Worker)
+GpuWorker = ray.remote(num_gpus=1, max_restarts=0, max_task_retries=0)(RayWorker)
 
 
-# Near an allowance, a fragmented allocator fails where a compact one fits: on the H200 an
-# opt-2.7b fp16 screen at 4800 MiB lost 15 of 66 episodes to OOM with the default allocator and
-# none with expandable segments (docs/benchmarks.md).
-ALLOC_CONF = "expandable_segments:True"
+def start_worker(settings: Settings, **options):
+    """One worker actor with the host's cores for its gathers (OMP follows num_cpus otherwise).
 
-
-def start_worker():
-    """One worker actor with the host's cores for its gathers (OMP follows num_cpus otherwise)."""
-    env = {"OMP_NUM_THREADS": str(os.cpu_count() or 1),
-           "PYTORCH_CUDA_ALLOC_CONF": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ALLOC_CONF)}
-    return GpuWorker.options(num_cpus=1, runtime_env={"env_vars": env}).remote()
+    `options` go to `.options()` (e.g. a name or a scheduling strategy).
+    """
+    env = settings.worker_env(threads=os.cpu_count() or 1)
+    return GpuWorker.options(num_cpus=1, runtime_env={"env_vars": env}, **options).remote()

@@ -27,14 +27,22 @@ from typing import Any
 
 import numpy as np
 
-from core.archive import ArchiveReader, file_sha256
+from core.archive import (
+    PLAN_NAME,
+    PROTOCOL_NAME,
+    VERDICTS_NAME,
+    WORKER_NAME,
+    ArchiveReader,
+    episode_members,
+    file_sha256,
+)
 from core.canonical import canonical_json, canonical_sha256
 from core.errors import ArchiveError, ProtocolError
 from core.gates import compute_verdicts
 from core.metrics import episode_totals, ledger_problems, stored_total_problems
 from core.plan import plan as make_plan
 from core.plan import prompts as make_prompts
-from core.protocol import expand, prompt_count, validate
+from core.protocol import Protocol, expand
 
 AUDIT_VERSION = 2  # bump when what an audit checks changes: the digest covers it
 VERDICT_KEYS = ("gate", "condition", "phase", "passed", "value", "threshold", "interval")
@@ -143,14 +151,14 @@ def _compare_episodes(episodes: list[dict], rows: Any) -> list[str]:
 # ----------------------------------------------------------------------------- one episode
 
 
-def _episode_problems(name: str, rec: dict, logits: np.ndarray | None, full: dict) -> list[str]:
+def _episode_problems(name: str, rec: dict, logits: np.ndarray | None, protocol: Protocol) -> list[str]:
     """Recompute a finished episode's totals and tokens from its ledger and logits."""
     calls = rec.get("calls")
     bad = ledger_problems(calls)
     if bad:
         return [f"{name}: malformed call ledger: {'; '.join(bad[:3])}"]
     out = [f"{name}: {p}" for p in stored_total_problems(rec, episode_totals(calls))]
-    n, prefix = full["continuation_tokens"], full["prefix_tokens"]
+    n, prefix = protocol.continuation_tokens, protocol.prefix_tokens
     shape = [(c["phase"], c["tokens"]) for c in calls]
     if shape != [("prefill", prefix)] + [("decode", 1)] * (n - 1):
         out.append(f"{name}: calls are not one {prefix}-token prefill then {n - 1} one-token decode calls")
@@ -197,23 +205,23 @@ class _Audit:
     def run(self, reader: ArchiveReader, *, db_verdicts: list[dict] | None, db_episodes: list[dict] | None) -> None:
         complete = reader.complete
         self.record["complete"] = complete
-        for p in reader.verify():
-            self.add(p)
+        found = reader.verify()
+        for p in found:
+            self.add(p.message)
         names = set(reader.names)
-        # A member that verify() names is not trusted for recomputation.
-        words = {w.strip("(),:;") for p in self.problems for w in p.split()}
-        readable = names - words
+        # A member that verify() names is not trusted for recomputation; no other is.
+        readable = names - {p.member for p in found}
 
-        if "protocol.json" not in readable:
-            if complete or "protocol.json" in names:
-                self.add("cannot recompute: no readable protocol.json")
+        if PROTOCOL_NAME not in readable:
+            if complete or PROTOCOL_NAME in names:
+                self.add(f"cannot recompute: no readable {PROTOCOL_NAME}")
             return
-        body = self.read(reader, "protocol.json", "json")
+        body = self.read(reader, PROTOCOL_NAME, "json")
         if body is None:
             return
         try:
-            full = expand(body)
-            if canonical_json(validate(body)) != canonical_json(body):
+            proto = expand(body)  # validated once; everything below reads the typed protocol
+            if canonical_json(proto.body_dict()) != canonical_json(body):
                 self.add("protocol.json is not in frozen form (it does not re-validate to itself)")
         except ProtocolError as e:
             self.add(f"cannot recompute: protocol.json is not a valid frozen protocol: {e}")
@@ -221,21 +229,22 @@ class _Audit:
         self.record["protocol_sha256"] = canonical_sha256(body)
         if reader.manifest is not None and reader.manifest.get("protocol_sha256") != self.record["protocol_sha256"]:
             self.add("manifest protocol_sha256 does not match protocol.json")
-        entries = make_plan(full)
+        entries = make_plan(proto)
         self.record["planned"] = len(entries)
 
-        stored_plan = self.read(reader, "plan.json", "json") if "plan.json" in readable else None
-        if stored_plan is None and (complete or "plan.json" in names):
-            self.add("plan.json is missing or unreadable")
+        stored_plan = self.read(reader, PLAN_NAME, "json") if PLAN_NAME in readable else None
+        if stored_plan is None and (complete or PLAN_NAME in names):
+            self.add(f"{PLAN_NAME} is missing or unreadable")
         elif stored_plan is not None:
-            self.check_plan(stored_plan, entries, full)
-        worker = self.read(reader, "worker.json", "json") if "worker.json" in readable else None
+            self.check_plan(stored_plan, entries, proto)
+        worker = self.read(reader, WORKER_NAME, "json") if WORKER_NAME in readable else None
         start = worker.get("start") if isinstance(worker, dict) else None
 
         episodes, recorded, vocab = [], [], None
         for entry in entries:
             i = entry["index"]
-            name, logits_name = f"episodes/{i:05d}.json", f"logits/{i:05d}.npy"
+            members = episode_members(i)
+            name, logits_name, trace_name = members.record, members.logits, members.trace
             if name not in readable:
                 if complete or name in names:
                     self.add(f"episode {i} has no readable record ({name})")
@@ -251,11 +260,10 @@ class _Audit:
             if rec.get("status") == "ok" and logits is None and not complete and logits_name not in names:
                 continue  # interrupted between the record and its logits: not recorded yet
             recorded.append(i)
-            trace_name = f"traces/{i:05d}.npy"
             if rec.get("status") == "ok" and trace_name in readable:
                 self.check_trace(trace_name, self.read(reader, trace_name, "array"), rec)
             if rec.get("status") == "ok":
-                for p in _episode_problems(name, rec, logits, full):
+                for p in _episode_problems(name, rec, logits, proto):
                     self.add(p)
                 if logits is not None and logits.ndim == 2 and vocab is None:
                     vocab = int(logits.shape[1])
@@ -266,16 +274,16 @@ class _Audit:
         if not complete:
             self.note_incomplete(recorded, len(entries))
         if stored_plan is not None and vocab is not None:
-            self.check_prompts(stored_plan, full, vocab)
+            self.check_prompts(stored_plan, proto, vocab)
 
-        verdicts = compute_verdicts(full, episodes, start=start)
+        verdicts = compute_verdicts(proto, episodes, start=start)
         self.record["verdicts"] = [{k: v[k] for k in VERDICT_KEYS + ("episodes",)} for v in verdicts]
-        if "verdicts.json" in readable:
-            stored = self.read(reader, "verdicts.json", "json")
+        if VERDICTS_NAME in readable:
+            stored = self.read(reader, VERDICTS_NAME, "json")
             if stored is not None:
                 self.problems += [self.scrub(p) for p in _compare_verdicts(verdicts, stored, "archive")]
-        elif complete and "verdicts.json" not in names:
-            self.add("verdicts.json is missing")
+        elif complete and VERDICTS_NAME not in names:
+            self.add(f"{VERDICTS_NAME} is missing")
         if db_verdicts is not None and (complete or db_verdicts):
             self.problems += _compare_verdicts(verdicts, db_verdicts, "database")
         if db_episodes is not None:
@@ -295,7 +303,7 @@ class _Audit:
         elif stated != int(trace[:, 1].max()):
             self.add(f"{name}: peak_sampled_bytes {stated!r} != {int(trace[:, 1].max())} recomputed from the trace")
 
-    def check_plan(self, stored: Any, entries: list[dict], full: dict) -> None:
+    def check_plan(self, stored: Any, entries: list[dict], proto: Protocol) -> None:
         got = stored.get("entries") if isinstance(stored, dict) else None
         if not isinstance(got, list) or not all(isinstance(e, dict) for e in got):
             self.add("plan.json has no list of entries")
@@ -307,20 +315,19 @@ class _Audit:
             self.add(f"plan.json is not the plan of protocol.json (first difference at entry {first}; "
                      f"{len(have)} entries, the protocol plans {len(want)})")
         ids = stored.get("prompts")
-        n = full["prefix_tokens"]
-        if (not isinstance(ids, list) or len(ids) != prompt_count(full)
+        n = proto.prefix_tokens
+        if (not isinstance(ids, list) or len(ids) != proto.prompt_count
                 or not all(isinstance(p, list) and len(p) == n for p in ids)):
-            self.add(f"plan.json prompts are not {prompt_count(full)} prompts of {n} token ids")
+            self.add(f"plan.json prompts are not {proto.prompt_count} prompts of {n} token ids")
 
-    def check_prompts(self, stored: dict, full: dict, vocab: int) -> None:
-        spec = full["prompts"]
-        if "generator" not in spec and "token_ids" not in spec:
+    def check_prompts(self, stored: dict, proto: Protocol, vocab: int) -> None:
+        if proto.prompts.source not in ("generator", "token_ids"):
             return  # file prompts: the file is not in the archive; its SHA-256 is frozen in the protocol
         ids = stored.get("prompts")
-        if not isinstance(ids, list) or len(ids) != prompt_count(full):
+        if not isinstance(ids, list) or len(ids) != proto.prompt_count:
             return  # already reported by check_plan; recomputing needs no more than what is stored
         try:
-            want = make_prompts(full, vocab=vocab)
+            want = make_prompts(proto, vocab=vocab)
         except (ValueError, ProtocolError) as e:
             self.add(f"cannot recompute the prompts: {e}")
             return

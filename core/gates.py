@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from core.plan import plan
-from core.protocol import MIB, expand
+from core.protocol import Protocol, expand
 
 PEAKS = ("peak_allocated_bytes", "peak_reserved_bytes", "peak_sampled_bytes")
 
@@ -382,14 +382,14 @@ def useful_latency(episodes: list[dict], *, condition: str, max_first_episode_s:
 # ----------------------------------------------------------------------------- all of them
 
 
-def planned_episodes(body: dict, episodes: list[dict]) -> list[dict]:
+def planned_episodes(protocol: Protocol | dict, episodes: list[dict]) -> list[dict]:
     """The records that are episodes of this protocol's plan, each with its `repetition`.
 
     A record whose plan_index is not planned, whose condition/role/prompt differ from its plan
     entry, or that shares its plan_index with another record is left out: the gates then see
     missing data and fail closed (the auditor names such records separately).
     """
-    entries = {e["index"]: e for e in plan(body)}
+    entries = {e["index"]: e for e in plan(protocol)}
     seen: dict[int, int] = {}
     for rec in episodes:
         if isinstance(rec, dict) and isinstance(rec.get("plan_index"), int):
@@ -408,35 +408,34 @@ def planned_episodes(body: dict, episodes: list[dict]) -> list[dict]:
     return out
 
 
-def compute_verdicts(body: dict, episodes: list[dict], *, start: dict | None = None) -> list[dict]:
+def compute_verdicts(protocol: Protocol | dict, episodes: list[dict], *, start: dict | None = None) -> list[dict]:
     """Every verdict the frozen protocol declares, sorted by (gate, condition, phase).
 
     `episodes` are the worker's records with `logits`; `start` is the worker's start record
     (worker.json "start": param_bytes, cpu_first, allowance_bytes, ...), needed by capacity.
     """
-    full = expand(body)
-    eps = planned_episodes(full, episodes)
-    names = [c["name"] for c in full["conditions"]]
-    gates = full["gates"]
-    allowance = full["allowance_mib"] * MIB
+    p = expand(protocol)
+    eps = planned_episodes(p, episodes)
+    names = p.condition_names
+    gates = p.gates
+    allowance = p.allowance_bytes
     out: list[dict] = []
-    if "faithfulness" in gates:
-        for name in names:
-            out.append(faithfulness(eps, reference=full["reference"], condition=name,
-                                    tolerance=gates["faithfulness"]["tolerance"]))
-    if "resources" in gates:
+    if gates.faithfulness_tolerance is not None:
+        out += [faithfulness(eps, reference=p.reference, condition=name, tolerance=gates.faithfulness_tolerance)
+                for name in names]
+    if gates.resources:
         out += [resources(eps, condition=name, allowance_bytes=allowance) for name in names]
-    if "capacity" in gates:
+    if gates.capacity:
         out += [capacity(eps, condition=name, start=start, allowance_bytes=allowance) for name in names]
-    for g in gates.get("acquisition", []):
-        out += [acquisition(eps, condition=name, control=g["control"], max_ratio=g["max_ratio"], phase=g["phase"])
-                for name in names if name != g["control"]]
-    for g in gates.get("runtime", []):
-        out += [runtime(eps, condition=name, control=g["control"], max_ratio=g["max_ratio"], phase=g["phase"],
-                        confidence=g["confidence"], resamples=g["resamples"], seed=g["seed"])
-                for name in names if name != g["control"]]
-    if "useful_latency" in gates:
-        u = gates["useful_latency"]
-        out += [useful_latency(eps, condition=name, max_first_episode_s=u["max_first_episode_s"],
-                               max_cold_start_s=u["max_cold_start_s"]) for name in names]
+    for g in gates.acquisition:
+        out += [acquisition(eps, condition=name, control=g.control, max_ratio=g.max_ratio, phase=g.phase)
+                for name in names if name != g.control]
+    for g in gates.runtime:
+        out += [runtime(eps, condition=name, control=g.control, max_ratio=g.max_ratio, phase=g.phase,
+                        confidence=g.confidence, resamples=g.resamples, seed=g.seed)
+                for name in names if name != g.control]
+    if gates.useful_latency is not None:
+        u = gates.useful_latency
+        out += [useful_latency(eps, condition=name, max_first_episode_s=u.max_first_episode_s,
+                               max_cold_start_s=u.max_cold_start_s) for name in names]
     return sorted(out, key=lambda v: (v["gate"], v["condition"], v["phase"]))

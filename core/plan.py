@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from core.errors import ProtocolError
-from core.protocol import expand, prompt_count, read_prompt_file
+from core.protocol import Protocol, expand, read_prompt_file
 
 BOS = 2  # OPT's beginning-of-sequence id
 
@@ -23,7 +23,7 @@ BOS = 2  # OPT's beginning-of-sequence id
 # ----------------------------------------------------------------------------- prompts
 
 
-def prompts(body: dict, *, vocab: int, prompt_file: Path | None = None,
+def prompts(protocol: Protocol | dict, *, vocab: int, prompt_file: Path | None = None,
             tokenize: Callable[[list[str]], list[list[int]]] | None = None) -> list[list[int]]:
     """The prompt token ids, each cut to prefix_tokens.
 
@@ -33,24 +33,24 @@ def prompts(body: dict, *, vocab: int, prompt_file: Path | None = None,
     whose SHA-256 must equal the frozen one; text is encoded by `tokenize` (the checkpoint's
     tokenizer, engine.prompts.tokenizer_for).
     """
-    full = expand(body)
-    n = full["prefix_tokens"]
-    spec = full["prompts"]
-    if "generator" in spec:
-        rng = np.random.Generator(np.random.PCG64(spec["generator"]["seed"]))
-        return [[BOS] + rng.integers(4, vocab, size=n - 1).tolist() for _ in range(spec["generator"]["count"])]
-    if "token_ids" in spec:
-        ids = spec["token_ids"]
+    p = expand(protocol)
+    n = p.prefix_tokens
+    spec = p.prompts
+    if spec.source == "generator":
+        rng = np.random.Generator(np.random.PCG64(spec.seed))
+        return [[BOS] + rng.integers(4, vocab, size=n - 1).tolist() for _ in range(spec.count)]
+    if spec.source == "token_ids":
+        ids = spec.token_ids
     else:
-        (kind, frozen), = spec.items()
+        kind = spec.source
         field = f"prompts.{kind}"
         if prompt_file is None:
-            raise ProtocolError(f"protocol field `{field}`: pass the file ({frozen['path']}) to read the prompts from")
+            raise ProtocolError(f"protocol field `{field}`: pass the file ({spec.path}) to read the prompts from")
         data, items = read_prompt_file(kind, Path(prompt_file), field=field)
         digest = hashlib.sha256(data).hexdigest()
-        if digest != frozen["sha256"]:
+        if digest != spec.sha256:
             raise ProtocolError(f"protocol field `{field}`: {prompt_file} has sha256 {digest}, the protocol froze "
-                                f"{frozen['sha256']}; restore the file the protocol was frozen with")
+                                f"{spec.sha256}; restore the file the protocol was frozen with")
         if kind == "text_file":
             if tokenize is None:
                 raise ProtocolError(f"protocol field `{field}`: text prompts need the checkpoint's tokenizer")
@@ -114,28 +114,28 @@ def arrange(names: list[str], block: int, order: str) -> list[str]:
     raise ValueError(f"unknown order {order!r}")
 
 
-def plan(body: dict) -> list[dict]:
+def plan(protocol: Protocol | dict) -> list[dict]:
     """Every planned episode, in run order: {index, condition, role, prompt, repetition}.
 
     Warmup w of a condition uses prompt w mod prompts and has repetition None. Scored block
     b = repetition * prompts + prompt.
     """
-    full = expand(body)
-    ref = full["reference"]
-    names = [c["name"] for c in full["conditions"]]
+    proto = expand(protocol)
+    ref = proto.reference
+    names = list(proto.condition_names)
     others = [n for n in names if n != ref]
-    n_prompts = prompt_count(full)
-    first = [ref] + others if full["baseline_first"] else names
+    n_prompts = proto.prompt_count
+    first = [ref] + others if proto.baseline_first else names
     entries: list[tuple[str, str, int, int | None]] = []
     for cond in first:
-        entries += [(cond, "warmup", w % n_prompts, None) for w in range(full["warmups"][cond])]
-    for rep in range(full["repetitions"]):
+        entries += [(cond, "warmup", w % n_prompts, None) for w in range(proto.warmups[cond])]
+    for rep in range(proto.repetitions):
         for p in range(n_prompts):
             block = rep * n_prompts + p
-            if full["baseline_first"]:
-                seq = [ref] + arrange(others, block, full["order"])
+            if proto.baseline_first:
+                seq = [ref] + arrange(others, block, proto.order)
             else:
-                seq = arrange(names, block, full["order"])
+                seq = arrange(names, block, proto.order)
             entries += [(cond, "scored", p, rep) for cond in seq]
     return [{"index": i, "condition": c, "role": r, "prompt": p, "repetition": rep}
             for i, (c, r, p, rep) in enumerate(entries)]

@@ -12,6 +12,14 @@ class DatabaseError(PackbenchError):
     """The database cannot be reached, opened, written or understood."""
 
 
+class DatabaseUnavailable(DatabaseError):
+    """The server or the connection failed (not the statement): a retry may succeed.
+
+    `Store` retries the writes a dispatcher makes with backoff before raising it; then its
+    message says how long it tried and how to recover.
+    """
+
+
 class SchemaNotAtHead(DatabaseError):
     """The database schema is not the one this packbench was built for.
 

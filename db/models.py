@@ -21,6 +21,7 @@ from sqlalchemy import (
     BigInteger,
     Boolean,
     CheckConstraint,
+    false,
     DateTime,
     Dialect,
     Float,
@@ -38,6 +39,7 @@ from core.canonical import canonical_json
 from db.records import (
     AttemptRow,
     AuditRow,
+    DispatcherRow,
     EpisodeRow,
     MachineRow,
     ProtocolRow,
@@ -54,7 +56,11 @@ NAMING_CONVENTION = {
 }
 
 SCREEN_STATUSES = ("queued", "running", "done", "failed", "cancelled")
-ATTEMPT_STATUSES = ("running", "done", "failed", "interrupted")
+# running -> done | failed | interrupted (released, or stopped by the user) | lost (its lease
+# expired: the dispatcher vanished) | cancelled (the user cancelled its screen).
+ATTEMPT_STATUSES = ("running", "done", "failed", "interrupted", "lost", "cancelled")
+MODEL_STATES = ("cold", "warm")
+AUDIT_KINDS = ("local", "ray")
 EPISODE_ROLES = ("warmup", "scored")
 EPISODE_STATUSES = ("ok", "failed")
 VERDICT_PHASES = ("all", "prefill", "decode")
@@ -164,7 +170,14 @@ class Machine(Base):
 
 
 class Screen(Base):
-    """One requested execution of a protocol; its attempts do the work."""
+    """One requested execution of a protocol; its attempts do the work.
+
+    Queue fields (revision 0004): a dispatcher claims the queued screen with the highest
+    `priority`, then the oldest (lowest id). `attempts_used` counts the claims made since
+    submit or the last retry, against `max_attempts`. `gpu_type`, `placement_node`,
+    `exclusive_node` and `replica_group` are what the dispatcher needs to place it (copied
+    from the protocol's `placement` and the submit options, so a claim filters on columns).
+    """
 
     __tablename__ = "screens"
     __table_args__ = (_one_of("status", SCREEN_STATUSES, "status"),)
@@ -182,6 +195,18 @@ class Screen(Base):
     created_at: Mapped[datetime] = mapped_column(UtcDateTime, default=utcnow)
     started_at: Mapped[datetime | None] = mapped_column(UtcDateTime)
     finished_at: Mapped[datetime | None] = mapped_column(UtcDateTime)
+    priority: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    max_attempts: Mapped[int] = mapped_column(Integer, default=3, server_default="3")
+    attempts_used: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    gpu_type: Mapped[str | None] = mapped_column(String)
+    placement_node: Mapped[str | None] = mapped_column(String)
+    exclusive_node: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
+    # Screens of one `submit --replicas N --spread` share it: placed on distinct nodes.
+    replica_group: Mapped[str | None] = mapped_column(String(32), index=True)
+    # Why no dispatcher can place it now (it stays queued); cleared when it is claimed.
+    unplaceable_reason: Mapped[str | None] = mapped_column(Text)
+    # Set by `screens cancel` on a running screen: its attempt stops after the episode in flight.
+    cancel_requested_at: Mapped[datetime | None] = mapped_column(UtcDateTime)
 
     def to_record(self) -> ScreenRow:
         return ScreenRow(
@@ -195,6 +220,46 @@ class Screen(Base):
             created_at=self.created_at,
             started_at=self.started_at,
             finished_at=self.finished_at,
+            priority=self.priority,
+            max_attempts=self.max_attempts,
+            attempts_used=self.attempts_used,
+            gpu_type=self.gpu_type,
+            placement_node=self.placement_node,
+            exclusive_node=self.exclusive_node,
+            replica_group=self.replica_group,
+            unplaceable_reason=self.unplaceable_reason,
+            cancel_requested_at=self.cancel_requested_at,
+        )
+
+
+class Dispatcher(Base):
+    """A dispatcher process that claims screens; live while its heartbeat is recent.
+
+    `workers_json` is its last heartbeat's view of its GPU workers (canonical JSON list of
+    {name, node, gpu, gpu_index, state: idle|busy, screen_id}), replaced at each heartbeat.
+    """
+
+    __tablename__ = "dispatchers"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    name: Mapped[str] = mapped_column(String)
+    host: Mapped[str] = mapped_column(String)
+    pid: Mapped[int | None] = mapped_column(Integer)
+    started_at: Mapped[datetime] = mapped_column(UtcDateTime, default=utcnow)
+    heartbeat_at: Mapped[datetime] = mapped_column(UtcDateTime, default=utcnow)
+    stopped_at: Mapped[datetime | None] = mapped_column(UtcDateTime)
+    workers_json: Mapped[str] = mapped_column(Text, default="[]")
+
+    def to_record(self) -> DispatcherRow:
+        return DispatcherRow(
+            id=self.id,
+            name=self.name,
+            host=self.host,
+            pid=self.pid,
+            started_at=self.started_at,
+            heartbeat_at=self.heartbeat_at,
+            stopped_at=self.stopped_at,
+            workers=tuple(json.loads(self.workers_json)),
         )
 
 
@@ -205,6 +270,7 @@ class Attempt(Base):
     __table_args__ = (
         UniqueConstraint("screen_id", "number"),
         _one_of("status", ATTEMPT_STATUSES, "status"),
+        _one_of("model_state", MODEL_STATES, "model_state"),
     )
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
@@ -224,6 +290,15 @@ class Attempt(Base):
     # Indexed: `results --since/--until` filter on when the attempt ran.
     started_at: Mapped[datetime] = mapped_column(UtcDateTime, default=utcnow, index=True)
     finished_at: Mapped[datetime | None] = mapped_column(UtcDateTime)
+    # Random hex, unique across databases and machines: archive file names carry it. Nullable
+    # only because SQLite cannot add a NOT NULL column without a default; always set.
+    attempt_key: Mapped[str | None] = mapped_column(String(32), unique=True)
+    dispatcher_id: Mapped[int | None] = mapped_column(ForeignKey("dispatchers.id"))
+    # Claimed attempts only; the dispatcher renews it. Indexed: the reaper looks for expired ones.
+    lease_expires_at: Mapped[datetime | None] = mapped_column(UtcDateTime, index=True)
+    model_state: Mapped[str | None] = mapped_column(String(8))  # cold | warm; None: unknown
+    # Another attempt ran on the same node at the same time (timings may interfere).
+    shared_node: Mapped[bool | None] = mapped_column(Boolean)
 
     def to_record(self) -> AttemptRow:
         return AttemptRow(
@@ -242,6 +317,11 @@ class Attempt(Base):
             source_freeze=json.loads(self.source_freeze),
             started_at=self.started_at,
             finished_at=self.finished_at,
+            attempt_key=self.attempt_key,
+            dispatcher_id=self.dispatcher_id,
+            lease_expires_at=self.lease_expires_at,
+            model_state=self.model_state,
+            shared_node=self.shared_node,
         )
 
 
@@ -353,7 +433,10 @@ class Audit(Base):
     """One audit run over an attempt's archive. Append-only: every run is a new row."""
 
     __tablename__ = "audits"
-    __table_args__ = (_one_of("result", AUDIT_RESULTS, "result"),)
+    __table_args__ = (
+        _one_of("result", AUDIT_RESULTS, "result"),
+        _one_of("kind", AUDIT_KINDS, "kind"),
+    )
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     attempt_id: Mapped[int] = mapped_column(ForeignKey("attempts.id"), index=True)
@@ -364,6 +447,9 @@ class Audit(Base):
     machine: Mapped[str] = mapped_column(String)
     started_at: Mapped[datetime] = mapped_column(UtcDateTime)
     finished_at: Mapped[datetime] = mapped_column(UtcDateTime)
+    # Where the audit ran: the Ray node for a Ray task, else the machine; None before 0004.
+    node: Mapped[str | None] = mapped_column(String)
+    kind: Mapped[str | None] = mapped_column(String(16))  # local (in the CLI) | ray (a Ray task)
 
     def to_record(self) -> AuditRow:
         return AuditRow(
@@ -376,6 +462,8 @@ class Audit(Base):
             machine=self.machine,
             started_at=self.started_at,
             finished_at=self.finished_at,
+            node=self.node,
+            kind=self.kind,
         )
 
 

@@ -1,4 +1,4 @@
-"""Read-only queries behind `packbench results`, `screens list|show` and `compare`.
+"""Read-only queries behind `packbench results`, `screens list|show`, `compare` and `status`.
 
 Contract
 - Each query function takes an open `Session` and returns frozen dataclasses (or records
@@ -13,6 +13,7 @@ Contract
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from datetime import UTC, date, datetime, timedelta
 from typing import Any, NamedTuple
@@ -38,6 +39,7 @@ from db.models import (
     SCREEN_STATUSES,
     Attempt,
     Audit,
+    Dispatcher,
     Episode,
     Machine,
     Protocol,
@@ -296,16 +298,18 @@ class ScreenSummary:
     failed: int
 
 
-def find_screen(session: Session, ref: int | str) -> Screen:
-    """The screen with id `ref` (an int or a string of digits), or 'latest' (highest id)."""
+def find_screen(session: Session, ref: int | str, *, for_update: bool = False) -> Screen:
+    """The screen with id `ref` (an int or a string of digits), or 'latest' (highest id);
+    `for_update` locks its row (PostgreSQL) for a read-then-write."""
     if ref == "latest":
-        screen = session.scalars(select(Screen).order_by(Screen.id.desc()).limit(1)).first()
+        query = select(Screen).order_by(Screen.id.desc()).limit(1)
+        screen = session.scalars(query.with_for_update() if for_update else query).first()
         if screen is None:
             raise NotFound("there is no screen yet; submit one with `packbench submit`")
         return screen
     if isinstance(ref, str) and not ref.isdigit():
         raise NotFound(f"no screen {ref!r}; give a screen id or 'latest'")
-    screen = session.get(Screen, int(ref))
+    screen = session.get(Screen, int(ref), with_for_update=True if for_update else None)
     if screen is None:
         raise NotFound(f"no screen with id {ref}; list them with `packbench screens list`")
     return screen
@@ -560,3 +564,146 @@ def compare(session: Session, ref_a: int | str, ref_b: int | str) -> Comparison:
         verdicts.append(VerdictPair(*key, a_passed=a_passed, a_value=a_value,
                                     b_passed=b_passed, b_value=b_value))
     return Comparison(a=side_a, b=side_b, metrics=tuple(metrics), verdicts=tuple(verdicts))
+
+
+# -- status --------------------------------------------------------------------------------
+
+QUEUE_LISTED = 100  # queued screens `status` lists (in claim order); the count covers them all
+DISPATCHERS_SHOWN_S = 24 * 3600  # a dispatcher silent for longer (and never stopped) is forgotten
+
+
+@dataclass(frozen=True, slots=True)
+class RunningScreen:
+    screen_id: int
+    protocol: str
+    priority: int
+    attempt: int  # its number
+    attempt_id: int
+    attempt_key: str | None
+    dispatcher: str | None  # name; None for an attempt started outside the queue
+    worker: str
+    node: str
+    gpu_name: str
+    gpu_index: int
+    model_state: str | None  # cold | warm
+    shared_node: bool | None
+    started_at: datetime
+    lease_expires_at: datetime | None
+    cancel_requested: bool
+    episodes_done: int  # episodes stored so far
+    episodes_total: int | None  # planned by the protocol; None if its plan cannot be computed
+
+
+@dataclass(frozen=True, slots=True)
+class QueuedScreen:
+    screen_id: int
+    protocol: str
+    priority: int
+    created_at: datetime
+    attempts_used: int
+    max_attempts: int
+    gpu_type: str | None
+    placement_node: str | None
+    replica_group: str | None
+    unplaceable_reason: str | None  # why no dispatcher can place it now; it stays queued
+
+
+@dataclass(frozen=True, slots=True)
+class DispatcherStatus:
+    id: int
+    name: str
+    host: str
+    pid: int | None
+    started_at: datetime
+    heartbeat_at: datetime
+    live: bool  # heartbeat within live_within_s
+    workers: tuple[dict[str, Any], ...]
+
+
+@dataclass(frozen=True, slots=True)
+class QueueStatus:
+    now: datetime
+    counts: dict[str, int]  # every screen status, zeros included
+    running: tuple[RunningScreen, ...]  # by screen id
+    queued: tuple[QueuedScreen, ...]  # claim order (priority, then oldest); at most QUEUE_LISTED
+    dispatchers: tuple[DispatcherStatus, ...]  # not stopped, heard from in the last day
+    idle_workers: int  # over live dispatchers
+    busy_workers: int
+
+
+def _planned_episodes(canonical_json: str) -> int | None:
+    """How many episodes the protocol plans (core.plan, imported here only: it needs numpy)."""
+    from core.plan import plan
+
+    try:
+        return len(plan(json.loads(canonical_json)))
+    except Exception:  # an old or odd body: the total is unknown, the status still shows
+        return None
+
+
+def queue_status(session: Session, *, now: datetime, live_within_s: float) -> QueueStatus:
+    counts = dict.fromkeys(SCREEN_STATUSES, 0)
+    for status, n in session.execute(select(Screen.status, func.count(Screen.id)).group_by(Screen.status)):
+        counts[status] = n
+    done = (
+        select(Episode.attempt_id, func.count(Episode.id).label("n"))
+        .group_by(Episode.attempt_id)
+        .subquery()
+    )
+    rows = session.execute(
+        select(Screen, Attempt, Protocol.name, Protocol.id, Dispatcher.name, done.c.n)
+        .join(Attempt, and_(Attempt.screen_id == Screen.id, Attempt.status == "running"))
+        .join(Protocol, Protocol.id == Screen.protocol_id)
+        .outerjoin(Dispatcher, Dispatcher.id == Attempt.dispatcher_id)
+        .outerjoin(done, done.c.attempt_id == Attempt.id)
+        .where(Screen.status == "running")
+        .order_by(Screen.id, Attempt.number)
+    ).all()
+    totals: dict[int, int | None] = {}
+    for protocol_id in {row[3] for row in rows}:
+        totals[protocol_id] = _planned_episodes(session.get_one(Protocol, protocol_id).canonical_json)
+    running = tuple(
+        RunningScreen(
+            screen_id=screen.id, protocol=protocol, priority=screen.priority, attempt=attempt.number,
+            attempt_id=attempt.id, attempt_key=attempt.attempt_key, dispatcher=dispatcher,
+            worker=attempt.worker, node=attempt.node, gpu_name=attempt.gpu_name, gpu_index=attempt.gpu_index,
+            model_state=attempt.model_state, shared_node=attempt.shared_node, started_at=attempt.started_at,
+            lease_expires_at=attempt.lease_expires_at, cancel_requested=screen.cancel_requested_at is not None,
+            episodes_done=int(n or 0), episodes_total=totals[protocol_id],
+        )
+        for screen, attempt, protocol, protocol_id, dispatcher, n in rows
+    )
+    queued = tuple(
+        QueuedScreen(
+            screen_id=screen.id, protocol=protocol, priority=screen.priority, created_at=screen.created_at,
+            attempts_used=screen.attempts_used, max_attempts=screen.max_attempts, gpu_type=screen.gpu_type,
+            placement_node=screen.placement_node, replica_group=screen.replica_group,
+            unplaceable_reason=screen.unplaceable_reason,
+        )
+        for screen, protocol in session.execute(
+            select(Screen, Protocol.name)
+            .join(Protocol, Protocol.id == Screen.protocol_id)
+            .where(Screen.status == "queued")
+            .order_by(Screen.priority.desc(), Screen.id)
+            .limit(QUEUE_LISTED)
+        )
+    )
+    live_since = now - timedelta(seconds=live_within_s)
+    dispatchers = []
+    idle = busy = 0
+    for d in session.scalars(
+        select(Dispatcher)
+        .where(Dispatcher.stopped_at.is_(None),
+               Dispatcher.heartbeat_at >= now - timedelta(seconds=DISPATCHERS_SHOWN_S))
+        .order_by(Dispatcher.id)
+    ):
+        row = d.to_record()
+        live = row.heartbeat_at >= live_since
+        if live:
+            idle += sum(1 for w in row.workers if w.get("state") == "idle")
+            busy += sum(1 for w in row.workers if w.get("state") == "busy")
+        dispatchers.append(DispatcherStatus(id=row.id, name=row.name, host=row.host, pid=row.pid,
+                                            started_at=row.started_at, heartbeat_at=row.heartbeat_at,
+                                            live=live, workers=row.workers))
+    return QueueStatus(now=now, counts=counts, running=running, queued=queued, dispatchers=tuple(dispatchers),
+                       idle_workers=idle, busy_workers=busy)

@@ -48,6 +48,27 @@ class ScreenRow:
     created_at: datetime
     started_at: datetime | None
     finished_at: datetime | None
+    priority: int = 0  # higher first; FIFO within a priority
+    max_attempts: int = 3
+    attempts_used: int = 0  # claims since submit or the last retry
+    gpu_type: str | None = None
+    placement_node: str | None = None
+    exclusive_node: bool = False
+    replica_group: str | None = None
+    unplaceable_reason: str | None = None
+    cancel_requested_at: datetime | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class DispatcherRow:
+    id: int
+    name: str
+    host: str
+    pid: int | None
+    started_at: datetime
+    heartbeat_at: datetime
+    stopped_at: datetime | None
+    workers: tuple[dict[str, Any], ...]  # as last reported: name, node, gpu, gpu_index, state, screen_id
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,13 +81,18 @@ class AttemptRow:
     gpu_name: str
     gpu_index: int
     machine_id: int | None
-    status: str  # running | done | failed | interrupted
+    status: str  # running | done | failed | interrupted | lost | cancelled
     error: str | None
     archive_path: str
     archive_sha256: str | None
     source_freeze: dict[str, Any]
     started_at: datetime
     finished_at: datetime | None
+    attempt_key: str | None = None  # random hex, unique everywhere; in the archive's file name
+    dispatcher_id: int | None = None
+    lease_expires_at: datetime | None = None  # claimed attempts; renewed while running
+    model_state: str | None = None  # cold | warm
+    shared_node: bool | None = None  # another attempt ran on the node at the same time
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,3 +148,24 @@ class AuditRow:
     machine: str
     started_at: datetime
     finished_at: datetime
+    node: str | None = None
+    kind: str | None = None  # local | ray
+
+
+@dataclass(frozen=True, slots=True)
+class Claim:
+    """What `Store.claim_screen` hands a dispatcher: the screen (now running), its new
+    attempt (running, leased, with its attempt_key and archive_path) and its protocol."""
+
+    screen: ScreenRow
+    attempt: AttemptRow
+    protocol: ProtocolRow
+
+
+@dataclass(frozen=True, slots=True)
+class Reaped:
+    """An attempt whose lease expired, now `lost`, and what became of its screen."""
+
+    attempt_id: int
+    screen_id: int
+    screen_status: str  # queued (requeued) | failed (max_attempts used) | cancelled

@@ -22,7 +22,7 @@ from sqlalchemy.exc import (
 )
 from sqlalchemy.orm import Session
 
-from db.errors import DatabaseError, SchemaNotAtHead
+from db.errors import DatabaseError, DatabaseUnavailable, SchemaNotAtHead
 
 ENV_VAR = "PACKBENCH_DB_URL"
 DEFAULT_URL = "sqlite:///packbench.db"
@@ -144,60 +144,109 @@ def translate_errors(url: URL) -> Iterator[None]:
         raise translate(exc, url) from exc
 
 
+# SQLite primary result codes (extended codes carry them in the low byte), from sqlite3.h; the
+# sqlite3 module exposes them as sqlite3.SQLITE_* but is not imported for a PostgreSQL URL.
+_SQLITE_BUSY, _SQLITE_READONLY, _SQLITE_IOERR, _SQLITE_FULL, _SQLITE_CANTOPEN, _SQLITE_NOTADB = 5, 8, 10, 13, 14, 26
+
+# PostgreSQL SQLSTATEs that mean "the server or the connection failed, not the statement":
+# the whole transaction may be retried once the server answers again.
+_PG_TRANSIENT_CLASSES = ("08",)  # connection_exception
+_PG_TRANSIENT = {
+    "57P01",  # admin_shutdown (server restarted or stopped)
+    "57P02",  # crash_shutdown
+    "57P03",  # cannot_connect_now (starting up, recovering)
+    "53300",  # too_many_connections
+    "40001",  # serialization_failure
+    "40P01",  # deadlock_detected
+}
+_PG_SCHEMA = {"42P01", "42703"}  # undefined_table, undefined_column
+
+
+def _sqlite_code(orig: BaseException) -> int | None:
+    """The primary SQLite result code of a sqlite3 exception (None if it carries none)."""
+    code = getattr(orig, "sqlite_errorcode", None)
+    return code & 0xFF if isinstance(code, int) else None
+
+
+def _sqlstate(orig: BaseException) -> str | None:
+    """The SQLSTATE the PostgreSQL server sent with a psycopg exception, if any."""
+    state = getattr(orig, "sqlstate", None)
+    return state if isinstance(state, str) else None
+
+
+def is_transient(exc: BaseException) -> bool:
+    """True for a failure of the database server or the connection rather than of the
+    statement: a PostgreSQL connection that broke or could not be made (SQLSTATE class 08,
+    a shutdown, no server answering at all) or a serialization failure. The same
+    transaction may succeed when retried. SQLite errors never are: its busy handler has
+    already waited `SQLITE_BUSY_TIMEOUT_MS` for a lock."""
+    if isinstance(exc, DBAPIError) and exc.connection_invalidated:
+        return True
+    orig = exc.orig if isinstance(exc, DBAPIError) and exc.orig is not None else exc
+    if _sqlite_code(orig) is not None or type(orig).__module__.startswith("sqlite3"):
+        return False
+    state = _sqlstate(orig)
+    if state is not None:
+        return state in _PG_TRANSIENT or state[:2] in _PG_TRANSIENT_CLASSES
+    # psycopg raises OperationalError without a SQLSTATE when no server answered (refused,
+    # timed out, reset): libpq reports these as text only.
+    return type(orig).__name__ == "OperationalError" and not _connect_refusal(_first_line(orig).lower())
+
+
+def _connect_refusal(lowered: str) -> bool:
+    """A connection the server answered with a refusal that waiting will not change."""
+    return any(text in lowered for text in ("authentication failed", "does not exist", "resolve host",
+                                            "translate host name"))
+
+
 def translate(exc: BaseException, url: URL) -> DatabaseError:
-    """Map a database exception to a one-line `DatabaseError` naming the cause and the fix."""
+    """Map a database exception to a one-line `DatabaseError` naming the cause and the fix.
+
+    Classified by the driver's error code: sqlite3's result code (`sqlite_errorcode`) and
+    psycopg's SQLSTATE (`sqlstate`). Two cases have no code and are read from the message:
+    SQLite's "no such table/column" (both are the generic SQLITE_ERROR) and libpq's
+    connection failures, which psycopg raises without a SQLSTATE even when the server sent
+    one (refused, unknown host, timeout, unknown role or database, bad password).
+    A transient failure (`is_transient`) becomes `DatabaseUnavailable`.
+    """
     orig = exc.orig if isinstance(exc, DBAPIError) and exc.orig is not None else exc
     detail = _first_line(orig)
     lowered = detail.lower()
-    rules: list[tuple[tuple[str, ...], str]]  # (substrings that must all occur, message)
     if url.get_backend_name() == "sqlite":
         where = f"sqlite database {url.database or ':memory:'}"
-        rules = [
-            (("unable to open database file",),
-             f"cannot open {where} (unable to open database file); create its directory, "
-             f"fix its permissions or set {ENV_VAR}"),
-            (("readonly database",),
-             f"{where} is read-only ({detail}); make the file and its directory writable "
-             f"or set {ENV_VAR}"),
-            (("database is locked",),
-             f"{where} stayed locked by another writer for {SQLITE_BUSY_TIMEOUT_MS // 1000} s; "
-             f"retry, or use PostgreSQL for many concurrent writers"),
-            (("file is not a database",),
-             f"{url.database} is not a SQLite database; point {ENV_VAR} at a packbench database"),
-            (("disk is full",), f"{where}: the disk is full; free space and retry"),
-            (("disk i/o error",), f"{where}: disk I/O error; check the disk and retry"),
-        ]
+        by_code = {
+            _SQLITE_CANTOPEN:
+                f"cannot open {where} (unable to open database file); create its directory, "
+                f"fix its permissions or set {ENV_VAR}",
+            _SQLITE_READONLY:
+                f"{where} is read-only ({detail}); make the file and its directory writable "
+                f"or set {ENV_VAR}",
+            _SQLITE_BUSY:
+                f"{where} stayed locked by another writer for {SQLITE_BUSY_TIMEOUT_MS // 1000} s; "
+                f"retry, or use PostgreSQL for many concurrent writers",
+            _SQLITE_NOTADB:
+                f"{url.database} is not a SQLite database; point {ENV_VAR} at a packbench database",
+            _SQLITE_FULL: f"{where}: the disk is full; free space and retry",
+            _SQLITE_IOERR: f"{where}: disk I/O error; check the disk and retry",
+        }
+        message = by_code.get(_sqlite_code(orig))  # type: ignore[arg-type]
+        if message is not None:
+            return DatabaseError(message)
+        schema_error = "no such table" in lowered or "no such column" in lowered
     else:
         where = f"postgresql at {url.host or 'localhost'}:{url.port or 5432}"
-        server_says = _after_fatal(detail)
-        rules = [
-            (("connection refused",),
-             f"cannot connect to {where} (connection refused); start the server or set {ENV_VAR}"),
-            (("password authentication failed",),
-             f"cannot connect to {where} (authentication failed for user {url.username!r}); "
-             f"fix the user or password in {ENV_VAR}"),
-            (("role ", "does not exist"),
-             f"cannot connect to {where} ({server_says}); fix the user in {ENV_VAR} "
-             f"or create the role"),
-            (('database "', "does not exist"),
-             f"cannot connect to {where} ({server_says}); create it (createdb {url.database}) "
-             f"or fix {ENV_VAR}"),
-            (("resolve host",), f"cannot connect to {where} (unknown host); fix the host in {ENV_VAR}"),
-            (("translate host name",),
-             f"cannot connect to {where} (unknown host); fix the host in {ENV_VAR}"),
-            (("timeout expired",),
-             f"cannot connect to {where} (timed out after {PG_CONNECT_TIMEOUT_S} s); check the "
-             f"host, port and firewall, or set {ENV_VAR}"),
-            (("connection failed",),
-             f"cannot connect to {where} ({server_says}); check the server and {ENV_VAR}"),
-        ]
-    for needles, message in rules:
-        if all(needle in lowered for needle in needles):
-            return DatabaseError(message)
-    if any(text in lowered for text in ("no such table", "no such column")) or type(orig).__name__ in (
-        "UndefinedTable",
-        "UndefinedColumn",
-    ):
+        state = _sqlstate(orig)
+        schema_error = state in _PG_SCHEMA
+        if state is None and type(orig).__name__ == "OperationalError":
+            message = _pg_connect_message(lowered, detail, where, url)
+            if message is not None:
+                return DatabaseUnavailable(message) if is_transient(exc) else DatabaseError(message)
+        if is_transient(exc):
+            return DatabaseUnavailable(
+                f"{where} failed ({type(orig).__name__}{f' {state}' if state else ''}: {detail}); "
+                f"check that the server is up and reachable, then retry"
+            )
+    if schema_error:
         return SchemaNotAtHead(
             f"{where} has no packbench schema or an old one ({detail}); run `packbench db upgrade`"
         )
@@ -210,6 +259,34 @@ def translate(exc: BaseException, url: URL) -> DatabaseError:
         f"database error on {where} ({type(orig).__name__}: {detail}); check the database "
         f"and {ENV_VAR}, or run `packbench db upgrade` if packbench was updated"
     )
+
+
+def _pg_connect_message(lowered: str, detail: str, where: str, url: URL) -> str | None:
+    """The message for a libpq connection failure (no SQLSTATE: matched on libpq's text)."""
+    server_says = _after_fatal(detail)
+    rules: list[tuple[tuple[str, ...], str]] = [  # (substrings that must all occur, message)
+        (("connection refused",),
+         f"cannot connect to {where} (connection refused); start the server or set {ENV_VAR}"),
+        (("password authentication failed",),
+         f"cannot connect to {where} (authentication failed for user {url.username!r}); "
+         f"fix the user or password in {ENV_VAR}"),
+        (("role ", "does not exist"),
+         f"cannot connect to {where} ({server_says}); fix the user in {ENV_VAR} or create the role"),
+        (('database "', "does not exist"),
+         f"cannot connect to {where} ({server_says}); create it (createdb {url.database}) "
+         f"or fix {ENV_VAR}"),
+        (("resolve host",), f"cannot connect to {where} (unknown host); fix the host in {ENV_VAR}"),
+        (("translate host name",), f"cannot connect to {where} (unknown host); fix the host in {ENV_VAR}"),
+        (("timeout expired",),
+         f"cannot connect to {where} (timed out after {PG_CONNECT_TIMEOUT_S} s); check the "
+         f"host, port and firewall, or set {ENV_VAR}"),
+        (("connection failed",),
+         f"cannot connect to {where} ({server_says}); check the server and {ENV_VAR}"),
+    ]
+    for needles, message in rules:
+        if all(needle in lowered for needle in needles):
+            return message
+    return None
 
 
 def _first_line(exc: BaseException) -> str:

@@ -11,30 +11,55 @@ Contract
   `current`, `history`, `head`, `check_head`) work on any database.
 - Writes that workers may repeat (episodes, verdicts, protocols, machines) are idempotent
   upserts on their natural key, safe under concurrent writers on both backends.
-- Queries for the CLI (`results`, `list_screens`, `screen_detail`, `compare`) live in
-  `db.queries`; the methods here give each one transaction.
+- Queries for the CLI (`results`, `list_screens`, `screen_detail`, `compare`,
+  `queue_status`) live in `db.queries`; the methods here give each one transaction.
+
+The job queue (issue 12)
+- Screens: queued -> running -> done | failed | cancelled. Attempts: running -> done |
+  failed | interrupted | lost | cancelled. Failed and lost attempts are kept, never reused.
+- `claim_screen` atomically moves the best queued screen (highest priority, then oldest)
+  that the caller can place to running and creates its attempt with a random attempt_key
+  and a lease: PostgreSQL `UPDATE ... WHERE id = (SELECT ... FOR UPDATE SKIP LOCKED LIMIT 1)
+  RETURNING`, SQLite the same statement under `BEGIN IMMEDIATE` (every write transaction
+  takes the write lock at BEGIN, see `db.session`). The dispatcher renews the lease
+  (`renew_lease`) while the screen runs; `reap_expired` turns expired leases into `lost`
+  attempts and requeues their screens up to `max_attempts`.
+- Time is the Store's clock (`clock`, default the caller's UTC clock), used for every lease,
+  heartbeat and timestamp: dispatchers on several machines need synchronised clocks (NTP),
+  and a lease should be much longer than their skew (leases of tens of seconds).
+- The dispatcher's writes (`_retried`) survive a brief database outage: a transient failure
+  (`db.session.is_transient`) re-runs the whole transaction with backoff; if the database
+  stays down, `DatabaseUnavailable` says for how long it tried and how to recover. A
+  retried write whose first commit did land is harmless: the upserts are idempotent, and a
+  claim the caller never saw expires and is requeued.
 """
 
 from __future__ import annotations
 
 import functools
 import json
-from collections.abc import Iterable, Iterator, Mapping
+import secrets
+import time
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from datetime import datetime
-from typing import Any
+from datetime import datetime, timedelta
+from typing import Any, TypeVar
 
-from sqlalchemy import Connection, Engine, bindparam, func, select, text
+from sqlalchemy import Connection, Engine, bindparam, exists, func, or_, select, text, update
+from sqlalchemy.orm import aliased
 from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 from sqlalchemy.pool import PoolProxiedConnection
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
 from db import migrate, queries
-from db.errors import Conflict, NotFound, SchemaNotAtHead
+from db.errors import Conflict, DatabaseUnavailable, NotFound, SchemaNotAtHead
 from db.models import (
+    AUDIT_KINDS,
+    MODEL_STATES,
     Attempt,
     Audit,
+    Dispatcher,
     Episode,
     Machine,
     Protocol,
@@ -43,10 +68,20 @@ from db.models import (
     json_text,
     utcnow,
 )
-from db.queries import Comparison, ResultFilter, ResultRow, ScreenDetail, ScreenSummary
+from db.queries import (
+    Comparison,
+    QueueStatus,
+    ResultFilter,
+    ResultRow,
+    ScreenDetail,
+    ScreenSummary,
+)
 from db.records import (
     AttemptRow,
     AuditRow,
+    Claim,
+    DispatcherRow,
+    Reaped,
     EpisodeRow,
     MachineRow,
     ProtocolRow,
@@ -55,8 +90,56 @@ from db.records import (
 )
 from db.session import display_url, make_engine, session_scope, translate_errors
 
-# finish_attempt: the screen status that each final attempt status leads to.
-_SCREEN_STATUS_AFTER = {"done": "done", "failed": "failed", "interrupted": "failed"}
+# finish_attempt: the screen status that each final attempt status leads to. (`release`
+# ends an attempt as interrupted and requeues its screen; `reap_expired` makes it lost.)
+_SCREEN_STATUS_AFTER = {"done": "done", "failed": "failed", "interrupted": "failed",
+                        "cancelled": "cancelled"}
+WORKER_STATES = ("idle", "busy")
+# Backoff between tries of a dispatcher write while the database is unavailable: 8 tries
+# over about 12.7 s, long enough for a PostgreSQL restart or a pooled connection to be
+# replaced, short against a lease of a minute.
+RETRY_DELAYS_S = (0.1, 0.2, 0.4, 0.8, 1.6, 3.2, 6.4)
+
+_T = TypeVar("_T")
+
+
+def _retried(method: Callable[..., _T]) -> Callable[..., _T]:
+    """Re-run a one-transaction Store method while the database is unavailable.
+
+    Only `DatabaseUnavailable` (a broken or refused connection, a server restart, a
+    serialization failure) is retried; the rolled-back transaction runs again from the start.
+    """
+
+    @functools.wraps(method)
+    def wrapper(self: Store, *args: Any, **kwargs: Any) -> _T:
+        started = time.monotonic()
+        delays = self._retry_delays
+        for tries, delay in enumerate((*delays, None), start=1):
+            try:
+                return method(self, *args, **kwargs)
+            except DatabaseUnavailable as exc:
+                if delay is None:
+                    raise DatabaseUnavailable(
+                        f"{exc}; gave up on {method.__name__} after {tries} tries over "
+                        f"{time.monotonic() - started:.1f} s. Once the database is back, run the "
+                        f"command again: committed records are kept, and a screen whose lease "
+                        f"expired meanwhile is requeued (see `packbench status`)"
+                    ) from exc
+                time.sleep(delay)
+        raise AssertionError("unreachable")
+
+    return wrapper
+
+
+def archive_file_name(screen_id: int, number: int, attempt_key: str) -> str:
+    """The raw archive's file name for an attempt: unique across databases and machines
+    through the attempt's random key, and still sorted by screen and attempt number."""
+    return f"screen-{screen_id:05d}-attempt-{number}-{attempt_key}.zip"
+
+
+def new_attempt_key() -> str:
+    """128 random bits as hex: no two attempts anywhere share one."""
+    return secrets.token_hex(16)
 
 
 class Store:
@@ -66,9 +149,18 @@ class Store:
     it as a context manager) to release pooled connections.
     """
 
-    def __init__(self, url: str | None = None) -> None:
+    def __init__(
+        self,
+        url: str | None = None,
+        *,
+        clock: Callable[[], datetime] = utcnow,
+        retry_delays: Sequence[float] = RETRY_DELAYS_S,
+    ) -> None:
         self._engine: Engine = make_engine(url)
         self._schema_checked = False
+        # The one time source for leases, heartbeats and timestamps (tests pass a fake one).
+        self._clock = clock
+        self._retry_delays = tuple(retry_delays)
         # The episode writer's own connection, held between records: checking a connection
         # out of the pool and resetting it on return cost more than the insert and its commit
         # (0.41 against 0.21 ms a record on SQLite). Dropped on any error, reopened on demand.
@@ -168,6 +260,7 @@ class Store:
 
     # -- protocols and machines --------------------------------------------------------
 
+    @_retried
     def put_protocol(self, *, sha256: str, name: str, canonical_json: str) -> int:
         """Store a frozen protocol; return its id. Idempotent on `sha256`.
 
@@ -176,7 +269,7 @@ class Store:
         """
         with self._session() as session:
             values = {"sha256": sha256, "name": name, "canonical_json": canonical_json,
-                      **protocol_columns(canonical_json), "created_at": utcnow()}
+                      **protocol_columns(canonical_json), "created_at": self._clock()}
             self._insert_ignore(session, Protocol, [values], ["sha256"])
             return session.scalars(select(Protocol.id).where(Protocol.sha256 == sha256)).one()
 
@@ -184,6 +277,7 @@ class Store:
         with self._session() as session:
             return self._get(session, Protocol, protocol_id, "protocol").to_record()
 
+    @_retried
     def put_machine(
         self,
         *,
@@ -207,6 +301,7 @@ class Store:
 
     # -- screens -----------------------------------------------------------------------
 
+    @_retried
     def create_screen(
         self,
         *,
@@ -215,13 +310,26 @@ class Store:
         repetitions: int = 1,
         model_dir: str | None = None,
         prompt_file: str | None = None,
+        priority: int = 0,
+        max_attempts: int = 3,
+        gpu_type: str | None = None,
+        placement_node: str | None = None,
+        exclusive_node: bool = False,
+        replica_group: str | None = None,
     ) -> int:
         """Queue a new screen of a stored protocol; return its id.
 
         `model_dir` is the checkpoint directory resolved at submit time, kept so that every
         attempt loads the same one (None for a synthetic model, generated on the worker);
         `prompt_file` likewise for a token_file/text_file prompt source.
+        Queue options: `priority` (higher is claimed first; FIFO within one), `max_attempts`
+        (claims allowed before a screen whose leases keep expiring is failed, >= 1),
+        `gpu_type` (only a worker of that GPU type may claim it), `placement_node` (only a
+        worker on that node), `exclusive_node` (no other screen runs on its node meanwhile),
+        `replica_group` (screens sharing one, e.g. from `create_replicas`, run on distinct nodes).
         """
+        if max_attempts < 1:
+            raise ValueError(f"max_attempts {max_attempts} must be >= 1")
         with self._session() as session:
             self._get(session, Protocol, protocol_id, "protocol")
             screen = Screen(
@@ -231,11 +339,37 @@ class Store:
                 model_dir=model_dir,
                 prompt_file=prompt_file,
                 status="queued",
-                created_at=utcnow(),
+                created_at=self._clock(),
+                priority=priority,
+                max_attempts=max_attempts,
+                attempts_used=0,
+                gpu_type=gpu_type,
+                placement_node=placement_node,
+                exclusive_node=exclusive_node,
+                replica_group=replica_group,
             )
             session.add(screen)
             session.flush()
             return screen.id
+
+    def create_replicas(self, replicas: int, **screen: Any) -> list[int]:
+        """Queue `replicas` screens of one protocol (`create_screen`'s arguments) in one
+        transaction, sharing a new random replica_group so that they run on distinct nodes
+        (`submit --replicas N --spread`); return their ids."""
+        if replicas < 1:
+            raise ValueError(f"replicas {replicas} must be >= 1")
+        group = new_attempt_key()
+        ids = []
+        with self._session() as session:
+            self._get(session, Protocol, screen["protocol_id"], "protocol")
+            for _ in range(replicas):
+                row = Screen(**{"status": "queued", "created_at": self._clock(), "attempts_used": 0,
+                                "repetitions": 1, "priority": 0, "max_attempts": 3,
+                                "exclusive_node": False, **screen, "replica_group": group})
+                session.add(row)
+                session.flush()
+                ids.append(row.id)
+        return ids
 
     def queued_screens(self) -> list[ScreenRow]:
         """Screens waiting for a worker, oldest first."""
@@ -250,6 +384,7 @@ class Store:
 
     # -- attempts ----------------------------------------------------------------------
 
+    @_retried
     def start_attempt(
         self,
         *,
@@ -276,8 +411,9 @@ class Store:
             last = session.scalar(
                 select(func.max(Attempt.number)).where(Attempt.screen_id == screen_id)
             )
-            now = utcnow()
+            now = self._clock()
             attempt = Attempt(
+                attempt_key=new_attempt_key(),
                 screen_id=screen_id,
                 number=(last or 0) + 1,
                 worker=worker,
@@ -297,6 +433,7 @@ class Store:
             session.flush()
             return attempt.to_record()
 
+    @_retried
     def finish_attempt(
         self,
         attempt_id: int,
@@ -304,12 +441,19 @@ class Store:
         status: str,
         error: str | None = None,
         archive_sha256: str | None = None,
+        requeue: bool = False,
     ) -> None:
-        """Close a running attempt as 'done', 'failed' or 'interrupted'.
+        """Close a running attempt as 'done', 'failed', 'interrupted' or 'cancelled'.
 
-        The screen follows: 'done' for a done attempt, 'failed' otherwise; its finished_at
-        is set. Finishing an attempt that is not running raises `Conflict`: a finished
-        attempt is history and is never overwritten.
+        `requeue` (a failed attempt whose cause was not the screen's, e.g. its worker died):
+        the screen goes back to the queue while attempts_used < max_attempts (and is failed
+        after that, or cancelled if a cancel was requested) instead of following the attempt.
+
+        The screen follows: 'done' for a done attempt, 'cancelled' for a cancelled one (the
+        dispatcher stopped after a `cancel_screen`), 'failed' otherwise; its finished_at is
+        set. Finishing an attempt that is not running raises `Conflict`: a finished attempt
+        is history and is never overwritten (a `lost` one was reaped: its dispatcher lost the
+        lease and must stop).
         """
         if status not in _SCREEN_STATUS_AFTER:
             raise ValueError(f"attempt status {status!r} is not one of {sorted(_SCREEN_STATUS_AFTER)}")
@@ -320,12 +464,18 @@ class Store:
                     f"attempt {attempt_id} is already {attempt.status}; finished attempts are "
                     f"kept as they are: start a new attempt instead"
                 )
-            now = utcnow()
+            now = self._clock()
             attempt.status = status
             attempt.error = error
             attempt.archive_sha256 = archive_sha256
             attempt.finished_at = now
             screen = session.get_one(Screen, attempt.screen_id, with_for_update=True)
+            if requeue and status == "failed" and screen.cancel_requested_at is None \
+                    and screen.attempts_used < screen.max_attempts:
+                screen.status, screen.finished_at = "queued", None
+                return
+            if requeue and screen.cancel_requested_at is not None:
+                status = "cancelled"
             screen.status = _SCREEN_STATUS_AFTER[status]
             screen.finished_at = now
 
@@ -347,8 +497,319 @@ class Store:
             attempt = session.scalars(query).first()
             return attempt.to_record() if attempt is not None else None
 
+    # -- the job queue -----------------------------------------------------------------
+
+    @_retried
+    def register_dispatcher(self, name: str, host: str, *, pid: int | None = None) -> int:
+        """Record a dispatcher starting; return its id (heartbeat it, stop it with `stop_dispatcher`)."""
+        with self._session() as session:
+            now = self._clock()
+            dispatcher = Dispatcher(name=name, host=host, pid=pid, started_at=now, heartbeat_at=now,
+                                    workers_json="[]")
+            session.add(dispatcher)
+            session.flush()
+            return dispatcher.id
+
+    @_retried
+    def heartbeat(self, dispatcher_id: int, workers: Sequence[Mapping[str, Any]]) -> None:
+        """The dispatcher is alive; `workers` replaces its workers as `packbench status` shows
+        them: each {name, node, gpu, gpu_index, state: idle|busy, screen_id (busy only)}."""
+        listed = []
+        for worker in workers:
+            if worker.get("state") not in WORKER_STATES:
+                raise ValueError(f"worker state {worker.get('state')!r} is not one of {', '.join(WORKER_STATES)}")
+            listed.append(dict(worker))
+        with self._session() as session:
+            dispatcher = self._get(session, Dispatcher, dispatcher_id, "dispatcher", for_update=True)
+            dispatcher.heartbeat_at = self._clock()
+            dispatcher.workers_json = json_text(listed)
+
+    @_retried
+    def stop_dispatcher(self, dispatcher_id: int) -> None:
+        """The dispatcher shut down cleanly (release its attempts first): no longer listed as live."""
+        with self._session() as session:
+            dispatcher = self._get(session, Dispatcher, dispatcher_id, "dispatcher", for_update=True)
+            dispatcher.stopped_at = self._clock()
+            dispatcher.workers_json = "[]"
+
+    def dispatchers(self) -> list[DispatcherRow]:
+        """Every dispatcher ever registered, by id."""
+        with self._session() as session:
+            return [d.to_record() for d in session.scalars(select(Dispatcher).order_by(Dispatcher.id))]
+
+    @_retried
+    def claim_screen(
+        self,
+        dispatcher_id: int,
+        *,
+        lease_s: float,
+        archive_dir: str,
+        source_freeze: Mapping[str, Any],
+        worker: str = "",
+        node: str = "",
+        gpu_name: str = "",
+        gpu_index: int = -1,
+        machine_id: int | None = None,
+        gpu_types: Collection[str] | None = None,
+        exclude_screens: Collection[int] = (),
+        screen_id: int | None = None,
+        model_state: str | None = None,
+    ) -> Claim | None:
+        """Atomically claim the best queued screen this worker slot can run; None if there is none.
+
+        Best: highest priority, then oldest. Placeable: `gpu_types` given -> the screen's
+        gpu_type is None or one of them; `node` given -> its placement_node is None or
+        `node`, no other screen of its replica_group runs or ran (done) on `node`, and
+        neither it nor a screen running on `node` wants the node exclusively.
+        `exclude_screens` skips screens the caller already knows it cannot place;
+        `screen_id` claims that screen only (None if it is no longer queued or placeable).
+
+        In one transaction: the screen becomes running (attempts_used + 1, started_at set on
+        its first claim, unplaceable_reason cleared) and gets a running attempt numbered
+        after its earlier ones, with a new random attempt_key, archive_path
+        `archive_dir/archive_file_name(...)`, dispatcher_id, the slot's worker/node/GPU
+        (empty until `place_attempt` when unknown) and a lease until now + `lease_s`.
+        Concurrent claimers never get the same screen: PostgreSQL skips rows another claim
+        has locked (FOR UPDATE SKIP LOCKED), SQLite serializes claims (BEGIN IMMEDIATE).
+        """
+        if lease_s <= 0:
+            raise ValueError(f"lease_s {lease_s} must be > 0")
+        if model_state is not None and model_state not in MODEL_STATES:
+            raise ValueError(f"model_state {model_state!r} is not one of {', '.join(MODEL_STATES)}")
+        candidate = aliased(Screen, name="candidate")
+        query = select(candidate.id).where(candidate.status == "queued")
+        if screen_id is not None:
+            query = query.where(candidate.id == screen_id)
+        if exclude_screens:
+            query = query.where(candidate.id.not_in(list(exclude_screens)))
+        if gpu_types is not None:
+            query = query.where(or_(candidate.gpu_type.is_(None), candidate.gpu_type.in_(list(gpu_types))))
+        if node:
+            other, its = aliased(Screen, name="other"), aliased(Attempt, name="its")
+            on_node = select(its.id).join(other, other.id == its.screen_id).where(its.node == node)
+            running_here = on_node.where(its.status == "running")
+            query = query.where(
+                or_(candidate.placement_node.is_(None), candidate.placement_node == node),
+                ~exists(running_here.where(other.exclusive_node.is_(True))),
+                or_(candidate.exclusive_node.is_(False), ~exists(running_here)),
+                or_(candidate.replica_group.is_(None), ~exists(on_node.where(
+                    other.replica_group == candidate.replica_group, other.id != candidate.id,
+                    its.status.in_(("running", "done"))))),
+            )
+        query = query.order_by(candidate.priority.desc(), candidate.id).limit(1)
+        if self.dialect == "postgresql":
+            query = query.with_for_update(skip_locked=True, of=candidate)
+        with self._session() as session:
+            now = self._clock()
+            claimed = session.execute(
+                update(Screen)
+                .where(Screen.id == query.scalar_subquery(), Screen.status == "queued")
+                .values(status="running", attempts_used=Screen.attempts_used + 1,
+                        started_at=func.coalesce(Screen.started_at, now), finished_at=None,
+                        unplaceable_reason=None)
+                .returning(Screen.id)
+                .execution_options(synchronize_session=False)
+            ).scalar_one_or_none()
+            if claimed is None:
+                return None
+            screen = session.get_one(Screen, claimed)
+            last = session.scalar(select(func.max(Attempt.number)).where(Attempt.screen_id == claimed))
+            number, key = (last or 0) + 1, new_attempt_key()
+            attempt = Attempt(
+                screen_id=claimed, number=number, attempt_key=key, worker=worker, node=node,
+                gpu_name=gpu_name, gpu_index=gpu_index, machine_id=machine_id, status="running",
+                archive_path=f"{archive_dir.rstrip('/')}/{archive_file_name(claimed, number, key)}",
+                source_freeze=json_text(dict(source_freeze)), started_at=now,
+                dispatcher_id=dispatcher_id, lease_expires_at=now + timedelta(seconds=lease_s),
+                model_state=model_state,
+            )
+            session.add(attempt)
+            session.flush()
+            if node:
+                attempt.shared_node = self._mark_shared(session, attempt.id, node)
+            protocol = session.get_one(Protocol, screen.protocol_id)
+            return Claim(screen=screen.to_record(), attempt=attempt.to_record(), protocol=protocol.to_record())
+
+    @staticmethod
+    def _mark_shared(session: Session, attempt_id: int, node: str) -> bool:
+        """Whether other attempts run on `node` now; if so they are marked shared_node too."""
+        others = session.execute(
+            update(Attempt)
+            .where(Attempt.node == node, Attempt.status == "running", Attempt.id != attempt_id)
+            .values(shared_node=True)
+            .returning(Attempt.id)
+            .execution_options(synchronize_session=False)
+        ).all()
+        return bool(others)
+
+    @_retried
+    def place_attempt(
+        self,
+        attempt_id: int,
+        *,
+        worker: str | None = None,
+        node: str | None = None,
+        gpu_name: str | None = None,
+        gpu_index: int | None = None,
+        machine_id: int | None = None,
+        model_state: str | None = None,
+    ) -> AttemptRow:
+        """Record where a claimed attempt runs, once the dispatcher knows (arguments left None
+        are kept). A node given marks it and the other attempts running there shared_node.
+        `Conflict` if the attempt is no longer running."""
+        if model_state is not None and model_state not in MODEL_STATES:
+            raise ValueError(f"model_state {model_state!r} is not one of {', '.join(MODEL_STATES)}")
+        with self._session() as session:
+            attempt = self._get(session, Attempt, attempt_id, "attempt", for_update=True)
+            if attempt.status != "running":
+                raise Conflict(f"attempt {attempt_id} is {attempt.status}, not running; stop working on it")
+            for name, value in (("worker", worker), ("node", node), ("gpu_name", gpu_name),
+                                ("gpu_index", gpu_index), ("machine_id", machine_id),
+                                ("model_state", model_state)):
+                if value is not None:
+                    setattr(attempt, name, value)
+            if node:
+                attempt.shared_node = self._mark_shared(session, attempt.id, node)
+            session.flush()
+            return attempt.to_record()
+
+    @_retried
+    def renew_lease(self, attempt_id: int, lease_s: float) -> bool:
+        """Extend a running attempt's lease to now + `lease_s`. False means stop after the
+        episode in flight: the attempt is no longer running (reaped as lost, released) or
+        its screen was cancelled (the lease is still extended, so that the episode can
+        finish; then `finish_attempt(status='cancelled')`)."""
+        if lease_s <= 0:
+            raise ValueError(f"lease_s {lease_s} must be > 0")
+        with self._session() as session:
+            attempt = self._get(session, Attempt, attempt_id, "attempt", for_update=True)
+            if attempt.status != "running":
+                return False
+            attempt.lease_expires_at = self._clock() + timedelta(seconds=lease_s)
+            screen = session.get_one(Screen, attempt.screen_id)
+            return screen.cancel_requested_at is None
+
+    @_retried
+    def reap_expired(self, now: datetime | None = None) -> list[Reaped]:
+        """Turn running attempts whose lease expired before `now` (default: the clock) into
+        `lost` ones (their partial archives stay, auditable as incomplete). Each screen is
+        requeued while attempts_used < max_attempts, else failed; a screen with a cancel
+        request becomes cancelled. Safe to call from every dispatcher at once: an attempt is
+        reaped once (PostgreSQL skips rows another reaper or a renewal holds)."""
+        with self._session() as session:
+            now = now or self._clock()
+            query = (
+                select(Attempt)
+                .where(Attempt.status == "running", Attempt.lease_expires_at < now)
+                .order_by(Attempt.id)
+            )
+            if self.dialect == "postgresql":
+                query = query.with_for_update(skip_locked=True)
+            reaped = []
+            for attempt in session.scalars(query).all():
+                attempt.status = "lost"
+                attempt.finished_at = now
+                attempt.error = (f"lease expired at {attempt.lease_expires_at.isoformat(timespec='seconds')}: "
+                                 f"dispatcher {attempt.dispatcher_id} stopped renewing it")
+                screen = session.get_one(Screen, attempt.screen_id, with_for_update=True)
+                if screen.cancel_requested_at is not None:
+                    screen.status, screen.finished_at = "cancelled", now
+                elif screen.attempts_used < screen.max_attempts:
+                    screen.status, screen.finished_at = "queued", None
+                else:
+                    screen.status, screen.finished_at = "failed", now
+                reaped.append(Reaped(attempt_id=attempt.id, screen_id=screen.id, screen_status=screen.status))
+            return reaped
+
+    @_retried
+    def release(self, attempt_id: int, reason: str) -> str:
+        """A dispatcher shutting down cleanly gives a running attempt back: it becomes
+        `interrupted` (error = `reason`, its partial archive kept) and its screen is requeued
+        (cancelled if a cancel was requested); the claim does not count against max_attempts.
+        Return the screen's new status. `Conflict` if the attempt is not running."""
+        with self._session() as session:
+            attempt = self._get(session, Attempt, attempt_id, "attempt", for_update=True)
+            if attempt.status != "running":
+                raise Conflict(f"attempt {attempt_id} is already {attempt.status}; nothing to release")
+            now = self._clock()
+            attempt.status, attempt.error, attempt.finished_at = "interrupted", reason, now
+            screen = session.get_one(Screen, attempt.screen_id, with_for_update=True)
+            screen.attempts_used = max(screen.attempts_used - 1, 0)
+            if screen.cancel_requested_at is not None:
+                screen.status, screen.finished_at = "cancelled", now
+            else:
+                screen.status, screen.finished_at = "queued", None
+            return screen.status
+
+    @_retried
+    def cancel_screen(self, ref: int | str) -> ScreenRow:
+        """Cancel a screen (id or 'latest'). Queued: it becomes cancelled and never runs.
+        Running: a cancel is requested; its dispatcher learns it at the next `renew_lease`,
+        stops after the episode in flight and finishes the attempt as cancelled (partial
+        archive kept), or the reaper cancels it if the lease expires. `Conflict` for a
+        finished screen. Returns the screen as it now is."""
+        with self._session() as session:
+            screen = queries.find_screen(session, ref, for_update=True)
+            if screen.status == "queued":
+                screen.status, screen.finished_at = "cancelled", self._clock()
+            elif screen.status == "running":
+                if screen.cancel_requested_at is None:
+                    screen.cancel_requested_at = self._clock()
+            else:
+                raise Conflict(f"screen {screen.id} is already {screen.status}; only a queued or running "
+                               f"screen can be cancelled")
+            session.flush()
+            return screen.to_record()
+
+    @_retried
+    def retry_screen(self, ref: int | str) -> ScreenRow:
+        """Queue a failed or cancelled screen (id or 'latest') again with a fresh attempt
+        budget (attempts_used 0). Its earlier attempts stay as they are; the next claim adds
+        one. `Conflict` for a queued, running or done screen (submit the protocol again
+        to re-run a done one)."""
+        with self._session() as session:
+            screen = queries.find_screen(session, ref, for_update=True)
+            if screen.status not in ("failed", "cancelled"):
+                raise Conflict(f"screen {screen.id} is {screen.status}; only a failed or cancelled screen "
+                               f"can be retried")
+            screen.status, screen.finished_at, screen.attempts_used = "queued", None, 0
+            screen.cancel_requested_at, screen.unplaceable_reason = None, None
+            session.flush()
+            return screen.to_record()
+
+    @_retried
+    def set_unplaceable(self, screen_id: int, reason: str | None) -> bool:
+        """Say why no dispatcher can place a queued screen now (None clears it); it stays
+        queued and `packbench status` shows the reason. False if it is no longer queued."""
+        with self._session() as session:
+            done = session.execute(
+                update(Screen)
+                .where(Screen.id == screen_id, Screen.status == "queued")
+                .values(unplaceable_reason=reason)
+                .returning(Screen.id)
+                .execution_options(synchronize_session=False)
+            ).all()
+            return bool(done)
+
+    def replica_nodes(self, replica_group: str) -> set[str]:
+        """Nodes where screens of `replica_group` run or ran to completion."""
+        with self._session() as session:
+            query = (
+                select(Attempt.node).distinct().join(Screen, Screen.id == Attempt.screen_id)
+                .where(Screen.replica_group == replica_group, Attempt.status.in_(("running", "done")))
+            )
+            return set(session.scalars(query))
+
+    def queue_status(self, *, live_within_s: float = 30.0) -> QueueStatus:
+        """`packbench status`: screens per state, running screens with progress and placement,
+        the queue in claim order with unplaceable reasons, dispatchers (live: a heartbeat
+        within `live_within_s`) and their workers."""
+        with self._session() as session:
+            return queries.queue_status(session, now=self._clock(), live_within_s=live_within_s)
+
     # -- episodes and verdicts ---------------------------------------------------------
 
+    @_retried
     def put_episode(self, attempt_id: int, record: Mapping[str, Any]) -> bool:
         """Store one episode record as a worker sent it; True if new, False if already stored.
 
@@ -407,6 +868,7 @@ class Store:
             ) from exc
         return inserted == 1
 
+    @_retried
     def put_episodes(self, attempt_id: int, records: Iterable[Mapping[str, Any]]) -> int:
         """Store many episode records in ONE transaction; return how many were new.
 
@@ -426,6 +888,7 @@ class Store:
             query = select(Episode).where(Episode.attempt_id == attempt_id).order_by(Episode.plan_index)
             return [episode.to_record() for episode in session.scalars(query)]
 
+    @_retried
     def put_verdicts(self, attempt_id: int, verdicts: list[Mapping[str, Any]]) -> int:
         """Store gate verdicts in one transaction; return how many were new.
 
@@ -453,6 +916,7 @@ class Store:
 
     # -- audits ------------------------------------------------------------------------
 
+    @_retried
     def put_audit(
         self,
         *,
@@ -464,9 +928,15 @@ class Store:
         machine: str,
         started_at: datetime,
         finished_at: datetime,
+        node: str | None = None,
+        kind: str | None = None,
     ) -> int:
         """Append one audit run ('agree' or 'disagree'); return its id. Never deduplicated:
-        repeat audits are evidence in their own right. Times must be timezone-aware."""
+        repeat audits are evidence in their own right. Times must be timezone-aware.
+        `machine` is the host that asked for the audit, `node` the one it ran on (a Ray
+        node for kind 'ray', the same host for 'local')."""
+        if kind is not None and kind not in AUDIT_KINDS:
+            raise ValueError(f"audit kind {kind!r} is not one of {', '.join(AUDIT_KINDS)}")
         for moment in (started_at, finished_at):
             if moment.tzinfo is None:
                 raise ValueError(f"naive datetime {moment!r}: pass an aware one, e.g. datetime.now(UTC)")
@@ -480,6 +950,8 @@ class Store:
                 machine=machine,
                 started_at=started_at,
                 finished_at=finished_at,
+                node=node,
+                kind=kind,
             )
             session.add(audit)
             session.flush()

@@ -1,7 +1,9 @@
-"""Read a local Hugging Face OPT checkpoint into host memory and build the model on `meta`.
+"""Read a local Hugging Face OPT checkpoint and build the model on `meta`.
 
-Nothing here touches an accelerator: the returned model lives entirely in host memory
-(CPU-first). Placement is the policy's business (engine/model.py).
+`build_model(dir, dtype=)` returns a model entirely in host memory (CPU-first); with
+`device=` and `host_keys=` it reads each tensor once, straight to where it will live (the
+outgoing weights pinned on the host, the rest on the device: `read_placed`). Which tensors
+stay on the host is engine/model.py's decision (`is_outgoing`).
 """
 
 import json
@@ -14,38 +16,10 @@ import torch
 from safetensors import safe_open
 
 from core.errors import CheckpointError
+from engine.config import read_config
 
 # Key remaps: some OPT exports omit the `model.` prefix (OPTModel state dicts).
 KEY_PREFIXES = {"decoder.": "model.decoder."}
-
-
-def read_config(model_dir: Path) -> dict:
-    """config.json of an OPT checkpoint, or a one-line CheckpointError naming the fix."""
-    model_dir = Path(model_dir)
-    if not model_dir.is_dir():
-        raise CheckpointError(
-            f"model directory {model_dir} does not exist; create one with "
-            f"`packbench model synth --out {model_dir}` or set model.path to a local OPT checkpoint"
-        )
-    path = model_dir / "config.json"
-    if not path.is_file():
-        raise CheckpointError(f"{model_dir} has no config.json; point model.path at a Hugging Face OPT directory")
-    config = json.loads(path.read_text())
-    if config.get("model_type") != "opt":
-        raise CheckpointError(
-            f"{model_dir} is a {config.get('model_type')!r} model; packbench supports OPT (model_type 'opt') only"
-        )
-    if not config.get("do_layer_norm_before", True):
-        raise CheckpointError(
-            f"{model_dir} is a post-LayerNorm OPT (do_layer_norm_before=false, like OPT-350m); only pre-LN OPT is supported"
-        )
-    if config.get("activation_function", "relu") != "relu":
-        raise CheckpointError(
-            f"{model_dir} uses activation {config.get('activation_function')!r}; exact packets need ReLU"
-        )
-    if config.get("word_embed_proj_dim", config["hidden_size"]) != config["hidden_size"]:
-        raise CheckpointError(f"{model_dir} projects embeddings (word_embed_proj_dim != hidden_size); unsupported")
-    return config
 
 
 def read_state_dict(model_dir: Path, *, dtype: torch.dtype) -> dict[str, torch.Tensor]:

@@ -8,16 +8,24 @@ uninitialised bfloat16 buffer held NaN, and 0 * NaN breaks exactness.)
 
 One workspace serves every layer: layers run one after another on one stream, so layer l+1's
 refresh is queued after layer l's matmul has consumed it.
+
+Layout of this file, bottom-up: the host weights; the shared pieces (a zeroed workspace, the
+dense copy, `RowPacket`: rows in transit); one class per policy, each holding its buffers in
+one object made in `activate` and dropped in `deactivate`; the registry `POLICIES`, whose
+constructors take exactly the parameters and defaults of `core.registry.POLICY_PARAMS`.
 """
 
 import time
-from typing import Protocol
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from core.registry import check_param, param_default
 from engine.gather import gather_active_rows
 from engine.ledger import CallLedger, Recorder
 
@@ -78,8 +86,13 @@ def _nbytes(*tensors: torch.Tensor) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
+@runtime_checkable
 class LoaderPolicy(Protocol):
-    """What the episode loop needs from a policy; it never asks which one it holds."""
+    """What the episode loop needs from a policy; it never asks which one it holds.
+
+    A policy's buffers exist only between `activate` and `deactivate`; `fetch` and
+    `before_layer` are called only in between; `device_bytes` and `pinned_bytes` are 0 outside.
+    """
 
     name: str
     starts_early: bool  # True: before_layer is called as each layer's fc1 starts
@@ -103,17 +116,87 @@ class LoaderPolicy(Protocol):
         """Pinned host memory this policy holds beyond HostWeights (staging)."""
 
 
+# ----------------------------------------------------------------------------- shared pieces
+
+
+def zeroed_workspace(host: HostWeights, device: torch.device) -> torch.Tensor:
+    """(hidden, ffn) on the device, zeros: finite everywhere (see the module doc)."""
+    return torch.zeros(host.shape, dtype=host.dtype, device=device)
+
+
+def stream_dense(host: HostWeights, layer: int, workspace: torch.Tensor, recorder: Recorder) -> torch.Tensor:
+    """Copy layer `layer`'s whole outgoing weight into `workspace`, charged as ffn rows."""
+    src = host.original[layer]
+    workspace.copy_(src, non_blocking=host.pin)
+    recorder.add(layer, rows=src.shape[1], weight_bytes=_nbytes(src))
+    return workspace
+
+
+def build_gather_layout(host: HostWeights) -> None:
+    """Make the (ffn, hidden) layout rows are gathered from before any episode is timed."""
+    for layer in range(host.layers):
+        host.transposed(layer)
+
+
+@dataclass
+class RowPacket:
+    """Outgoing rows in transit, laid out as [n int64 indices | k rows x hidden]: a host staging
+    buffer (pinned on CUDA, so the copy can run asynchronously) and its device twin, each big
+    enough for every row of a layer. One packet is one host-to-device transfer."""
+
+    staged: torch.Tensor  # (capacity,) uint8 on the host
+    landed: torch.Tensor  # (capacity,) uint8 on the device
+    dtype: torch.dtype
+    hidden: int
+    pinned: bool
+
+    @classmethod
+    def allocate(cls, host: HostWeights, device: torch.device) -> "RowPacket":
+        capacity = host.shape[1] * (INDEX_BYTES + host.row_bytes)
+        return cls(staged=torch.zeros(capacity, dtype=torch.uint8, pin_memory=host.pin),
+                   landed=torch.zeros(capacity, dtype=torch.uint8, device=device),
+                   dtype=host.dtype, hidden=host.shape[0], pinned=host.pin)
+
+    def pack(self, source: torch.Tensor, rows: torch.Tensor, index: torch.Tensor) -> int:
+        """Stage `index` (host int64: what the device scatters by), then rows `rows` (host int64)
+        of `source` (ffn, hidden). Returns the packet's size in bytes."""
+        k, n_index = rows.numel(), index.numel() * INDEX_BYTES
+        size = n_index + k * self.hidden * self.dtype.itemsize
+        staged = self.staged[:size]
+        staged[:n_index].view(INDEX_DTYPE).copy_(index)
+        torch.index_select(source, 0, rows, out=staged[n_index:].view(self.dtype).view(k, self.hidden))
+        return size
+
+    def upload(self, size: int, *, non_blocking: bool) -> None:
+        self.landed[:size].copy_(self.staged[:size], non_blocking=non_blocking)
+
+    def index(self, n: int) -> torch.Tensor:
+        """(n,) int64 on the device: the uploaded packet's index."""
+        return self.landed[: n * INDEX_BYTES].view(INDEX_DTYPE)
+
+    def rows(self, n: int, k: int) -> torch.Tensor:
+        """(k, hidden) on the device: the uploaded packet's rows, behind its `n` indices."""
+        start = n * INDEX_BYTES
+        return self.landed[start: start + k * self.hidden * self.dtype.itemsize].view(self.dtype).view(k, self.hidden)
+
+
+# ----------------------------------------------------------------------------- policies
+
+
 class Resident:
     """All outgoing weights on the device: the warm-latency reference where it fits."""
 
     name = "resident"
     starts_early = False
 
+    def __init__(self) -> None:
+        self.weights: list[torch.Tensor] | None = None  # (hidden, ffn) per layer, while active
+
     def activate(self, host: HostWeights, device: torch.device, recorder: Recorder) -> None:
         self.weights = [w.to(device, copy=True) for w in host.original]
 
     def deactivate(self) -> None:
-        self.weights = []
+        self.weights = None
 
     def before_layer(self, layer: int) -> None:
         pass  # resident: nothing to fetch
@@ -122,7 +205,7 @@ class Resident:
         return self.weights[layer]
 
     def device_bytes(self) -> int:
-        return _nbytes(*getattr(self, "weights", []))
+        return _nbytes(*(self.weights or ()))
 
     def pinned_bytes(self) -> int:
         return 0
@@ -134,188 +217,266 @@ class DenseStream:
     name = "dense-stream"
     starts_early = False
 
+    def __init__(self) -> None:
+        self.workspace: torch.Tensor | None = None  # its only buffer, while active
+
     def activate(self, host: HostWeights, device: torch.device, recorder: Recorder) -> None:
-        self.host, self.recorder, self.device = host, recorder, device
-        self.workspace = torch.zeros(host.shape, dtype=host.dtype, device=device)
+        self.host, self.recorder = host, recorder
+        self.workspace = zeroed_workspace(host, device)
 
     def deactivate(self) -> None:
-        del self.workspace
+        self.workspace = None
 
     def before_layer(self, layer: int) -> None:
         pass  # dense-stream: the copy is issued at fetch, on the compute stream
 
     def fetch(self, layer: int, h: torch.Tensor) -> torch.Tensor:
-        src = self.host.original[layer]
-        self.workspace.copy_(src, non_blocking=self.host.pin)
-        self.recorder.add(layer, rows=src.shape[1], weight_bytes=_nbytes(src))
-        return self.workspace
+        return stream_dense(self.host, layer, self.workspace, self.recorder)
 
     def device_bytes(self) -> int:
-        return _nbytes(self.workspace)
+        return 0 if self.workspace is None else _nbytes(self.workspace)
 
     def pinned_bytes(self) -> int:
         return 0
 
 
-class Packet:
-    """Exact active rows: the union over the call's tokens, plus their indices, in one copy.
+@dataclass
+class Staging:
+    """The buffers of a host-gather policy (packet and its relatives), while it is active."""
 
-    gather="host" (the default): reduce h to an activity mask on the device, read the mask back
-    (one sync), gather the active outgoing rows on the host into one pinned staging buffer laid
-    out as [k int64 indices | k rows x hidden], copy it to the device in one transfer, and
-    scatter the rows into the dense workspace's columns. Subclasses change which rows are sent.
+    workspace: torch.Tensor  # (hidden, ffn) on the device, zeros
+    packet: RowPacket  # [k int64 | k rows] staging, host and device
+    mask: torch.Tensor  # (ffn,) bool on the host, pinned on CUDA: the activity readback
 
-    gather="device": the compute device finds the active rows itself and, on CUDA, pulls them
-    straight from pinned host memory through a mapped view (UVA) into the workspace, in one
-    kernel per layer (`engine.gather`): no host work, no index, no staging copy, and no
-    per-layer synchronisation. Each layer's active count stays on the device until the call's
-    logits are back; then the counts (4 bytes a layer, charged as D2H) are read once.
+    @staticmethod
+    def parts(host: HostWeights, device: torch.device) -> tuple[torch.Tensor, RowPacket, torch.Tensor]:
+        """The shared buffers, allocated in this order (subclasses allocate theirs after)."""
+        workspace = zeroed_workspace(host, device)
+        packet = RowPacket.allocate(host, device)
+        return workspace, packet, torch.zeros(host.shape[1], dtype=torch.bool, pin_memory=host.pin)
+
+    def device_bytes(self) -> int:
+        return _nbytes(self.workspace, self.packet.landed)
+
+    def pinned_bytes(self) -> int:
+        return _nbytes(self.packet.staged, self.mask) if self.packet.pinned else 0
+
+
+class HostGather:
+    """What the host-gather policies share; not a policy itself (a subclass's `fetch` says
+    which rows it sends).
+
+    Per layer: reduce h to an activity mask on the device, read the mask back (one sync),
+    gather the chosen outgoing rows on the host into one pinned `RowPacket`, copy it to the
+    device in one transfer, and scatter the rows into the workspace's columns.
     """
 
-    name = "packet"
+    name: str
     starts_early = False
+    gather = "host"  # where rows are gathered (a fact of the class, not a mode): after a mask readback
 
-    def __init__(self, gather: str = "host") -> None:
-        if gather not in ("host", "device"):
-            raise ValueError(f"gather must be host or device, got {gather!r}")
-        self.gather = gather
+    def __init__(self) -> None:
+        self.buffers: Staging | None = None
 
     def activate(self, host: HostWeights, device: torch.device, recorder: Recorder) -> None:
-        self.host, self.recorder, self.device = host, recorder, device
-        hidden, ffn = host.shape
-        self.workspace = torch.zeros(host.shape, dtype=host.dtype, device=device)
-        for layer in range(host.layers):
-            host.transposed(layer)  # build the gather layout before any episode is timed
-        if self.gather == "device":
-            self.counts = torch.zeros(host.layers, dtype=torch.int32, device=device)
-            self.counted_call = -1  # recorder.serial of the call `counts` belongs to
-            if device.type == "cuda":
-                from engine.mapped import cuda_view
+        self.host, self.device, self.recorder = host, device, recorder
+        build_gather_layout(host)
+        self.buffers = self.allocate(host, device)
 
-                self.source = [cuda_view(host.transposed(layer)) for layer in range(host.layers)]
-            else:
-                self.source = [host.transposed(layer) for layer in range(host.layers)]
-            return
-        capacity = ffn * (INDEX_BYTES + host.row_bytes)
-        self.staging = torch.zeros(capacity, dtype=torch.uint8, pin_memory=host.pin)
-        self.device_staging = torch.zeros(capacity, dtype=torch.uint8, device=device)
-        self.mask_host = torch.zeros(ffn, dtype=torch.bool, pin_memory=host.pin)
+    def allocate(self, host: HostWeights, device: torch.device) -> Staging:
+        return Staging(*Staging.parts(host, device))
 
     def deactivate(self) -> None:
-        for name in ("staging", "device_staging", "workspace", "mask_host", "counts", "source"):
-            self.__dict__.pop(name, None)
+        self.buffers = None
 
     def before_layer(self, layer: int) -> None:
-        pass  # packet: demand is known only after fc1
+        pass  # demand is known only after fc1
 
     def observe(self, layer: int, h: torch.Tensor) -> torch.Tensor:
         """Sorted int64 indices (host) of neurons non-zero in any token of the call.
 
         The readback is the ffn-byte mask; the host waits for it (charged as D2H and copy wait).
         """
+        mask_host = self.buffers.mask
         mask = (h != 0).any(dim=0)  # (ffn,) on the device
         t0 = time.perf_counter()
-        self.mask_host.copy_(mask, non_blocking=self.host.pin)
+        mask_host.copy_(mask, non_blocking=self.host.pin)
         if self.host.pin:
             torch.cuda.current_stream(self.device).synchronize()
-        self.recorder.add(layer, d2h_bytes=_nbytes(self.mask_host), wait_s=time.perf_counter() - t0)
-        return self.mask_host.nonzero().squeeze(1)
+        wait_s = time.perf_counter() - t0
+        active = mask_host.nonzero().squeeze(1)
+        self.recorder.add(layer, active=active.numel(), d2h_bytes=_nbytes(mask_host), wait_s=wait_s)
+        return active
 
     def send(self, layer: int, rows: torch.Tensor, index: torch.Tensor) -> None:
-        """Gather outgoing `rows` (host int64) into staging, prefixed by `index` (what the device
-        scatters by), copy both in one transfer, scatter into the workspace columns `rows`."""
-        hidden, _ = self.host.shape
-        k, n_index = rows.numel(), index.numel() * INDEX_BYTES
-        n_rows = k * self.host.row_bytes
-        staged = self.staging[: n_index + n_rows]
-        staged[:n_index].view(INDEX_DTYPE).copy_(index)
-        torch.index_select(self.host.transposed(layer), 0, rows,
-                           out=staged[n_index:].view(self.host.dtype).view(k, hidden))
-        packet = self.device_staging[: n_index + n_rows]
-        packet.copy_(staged, non_blocking=self.host.pin)
-        device_rows = self.expand(packet[:n_index].view(INDEX_DTYPE))
-        self.workspace.index_copy_(1, device_rows, packet[n_index:].view(self.host.dtype).view(k, hidden).t())
-        self.recorder.add(layer, rows=k, weight_bytes=n_rows, index_bytes=n_index)
+        """Gather outgoing `rows` (host int64) into the packet, prefixed by `index` (what the
+        device scatters by), copy both in one transfer, scatter into the workspace columns `rows`."""
+        b = self.buffers
+        packet = b.packet
+        size = packet.pack(self.host.transposed(layer), rows, index)
+        packet.upload(size, non_blocking=self.host.pin)
+        k, n = rows.numel(), index.numel()
+        b.workspace.index_copy_(1, self.expand(packet.index(n)), packet.rows(n, k).t())
+        self.recorder.add(layer, rows=k, weight_bytes=k * self.host.row_bytes, index_bytes=n * INDEX_BYTES)
 
     def expand(self, index: torch.Tensor) -> torch.Tensor:
-        return index  # packet: the index is the row list itself
+        return index  # the index is the row list itself (sparse-extents sends block ids)
+
+    def send_active(self, layer: int, h: torch.Tensor) -> torch.Tensor:
+        """The exact packet: every active row, indexed by itself."""
+        active = self.observe(layer, h)
+        self.send(layer, active, active)
+        return self.buffers.workspace
+
+    def device_bytes(self) -> int:
+        return 0 if self.buffers is None else self.buffers.device_bytes()
+
+    def pinned_bytes(self) -> int:
+        return 0 if self.buffers is None else self.buffers.pinned_bytes()
+
+
+class Packet(HostGather):
+    """Exact active rows, gathered on the host: the union over the call's tokens, plus their
+    indices, in one copy (`packet`, `gather: host`: what a protocol's `packet` has always meant)."""
+
+    name = "packet"
 
     def fetch(self, layer: int, h: torch.Tensor) -> torch.Tensor:
-        if self.gather == "device":
-            return self.fetch_mapped(layer, h)
-        active = self.observe(layer, h)
-        self.recorder.add(layer, active=active.numel())
-        self.send(layer, active, active)
-        return self.workspace
+        return self.send_active(layer, h)
 
-    def fetch_mapped(self, layer: int, h: torch.Tensor) -> torch.Tensor:
-        if self.counted_call != self.recorder.serial:  # the call's first layer
-            self.counted_call = self.recorder.serial
-            self.counts.zero_()
+
+@dataclass
+class Mapped:
+    """The buffers of `DevicePacket`, while it is active."""
+
+    workspace: torch.Tensor  # (hidden, ffn) on the device, zeros
+    counts: torch.Tensor  # (layers,) int32 on the device: active rows per layer of one call
+    source: list[torch.Tensor]  # (ffn, hidden) per layer: mapped views of HostWeights (charged there)
+    counted_call: int = -1  # recorder.serial of the call `counts` belongs to
+
+    def device_bytes(self) -> int:
+        return _nbytes(self.workspace, self.counts)
+
+
+class DevicePacket:
+    """Exact active rows, gathered by the device (`packet`, `gather: device`).
+
+    The compute device finds the active rows itself and, on CUDA, pulls them straight from
+    pinned host memory through a mapped view (UVA) into the workspace, in one kernel per layer
+    (`engine.gather`): no host work, no index, no staging copy, and no per-layer
+    synchronisation. Each layer's active count stays on the device until the call's logits are
+    back; then the counts (4 bytes a layer, charged as D2H) are read once.
+    """
+
+    name = "packet"
+    starts_early = False
+    gather = "device"  # no host decision inside a call
+
+    def __init__(self) -> None:
+        self.buffers: Mapped | None = None
+
+    def activate(self, host: HostWeights, device: torch.device, recorder: Recorder) -> None:
+        self.host, self.recorder = host, recorder
+        workspace = zeroed_workspace(host, device)
+        build_gather_layout(host)
+        counts = torch.zeros(host.layers, dtype=torch.int32, device=device)
+        if device.type == "cuda":
+            from engine.mapped import cuda_view
+
+            source = [cuda_view(host.transposed(layer)) for layer in range(host.layers)]
+        else:
+            source = [host.transposed(layer) for layer in range(host.layers)]
+        self.buffers = Mapped(workspace=workspace, counts=counts, source=source)
+
+    def deactivate(self) -> None:
+        self.buffers = None
+
+    def before_layer(self, layer: int) -> None:
+        pass  # packet: demand is known only after fc1
+
+    def fetch(self, layer: int, h: torch.Tensor) -> torch.Tensor:
+        b = self.buffers
+        if b.counted_call != self.recorder.serial:  # the call's first layer
+            b.counted_call = self.recorder.serial
+            b.counts.zero_()
             self.recorder.defer(self.settle)
-        gather_active_rows(h, self.source[layer], self.workspace, self.counts, layer)
-        return self.workspace
+        gather_active_rows(h, b.source[layer], b.workspace, b.counts, layer)
+        return b.workspace
 
     def settle(self, call: CallLedger) -> None:
         """The call has ended (its logits are on the host): read every layer's count at once."""
+        counts = self.buffers.counts
         row_bytes = self.host.row_bytes
-        for layer, k in enumerate(self.counts.tolist()):
-            self.recorder.add(layer, active=k, rows=k, weight_bytes=k * row_bytes,
-                              d2h_bytes=self.counts.element_size())
+        for layer, k in enumerate(counts.tolist()):
+            self.recorder.add(layer, active=k, rows=k, weight_bytes=k * row_bytes, d2h_bytes=counts.element_size())
 
     def device_bytes(self) -> int:
-        held = [getattr(self, name) for name in ("device_staging", "workspace", "counts") if hasattr(self, name)]
-        return _nbytes(*held)
+        return 0 if self.buffers is None else self.buffers.device_bytes()
 
     def pinned_bytes(self) -> int:
-        return _nbytes(self.staging, self.mask_host) if self.host.pin and self.gather == "host" else 0
+        return 0
 
 
-class SparseExtents(Packet):
+# `packet`'s gathers: a plain registry whose keys are the registry's `gather` choices.
+PACKET_GATHERS: dict[str, type[LoaderPolicy]] = {"host": Packet, "device": DevicePacket}
+
+
+def packet(*, gather: str = param_default("packet", "gather")) -> LoaderPolicy:
+    """The `packet` condition: exact active rows, gathered on the host or by the device."""
+    return PACKET_GATHERS[check_param("packet", "gather", gather)]()
+
+
+@dataclass
+class Extents(Staging):
+    """sparse-extents' buffers: the staging, plus the row offsets within a block."""
+
+    # (block_rows,) int64 on the host and on the device. Not charged (block_rows x 8 B), as
+    # before issue 9: charging it would change recorded bytes.
+    offsets_host: torch.Tensor = field(kw_only=True)
+    offsets: torch.Tensor = field(kw_only=True)
+
+
+class SparseExtents(HostGather):
     """Every fixed-size block of `block_rows` outgoing rows that holds an active row.
 
     The packet carries block ids; the device expands them into row indices.
     """
 
     name = "sparse-extents"
+    buffers: Extents | None
 
-    def __init__(self, block_rows: int = 128) -> None:
+    def __init__(self, *, block_rows: int = param_default("sparse-extents", "block_rows")) -> None:
         super().__init__()
-        self.block_rows = block_rows
+        self.block_rows = check_param(self.name, "block_rows", block_rows)
 
-    def activate(self, host: HostWeights, device: torch.device, recorder: Recorder) -> None:
-        super().activate(host, device, recorder)
-        self.host_offsets = torch.arange(self.block_rows, dtype=INDEX_DTYPE)
-        self.offsets = self.host_offsets.to(device)
-        self.ffn = host.shape[1]
+    def allocate(self, host: HostWeights, device: torch.device) -> Extents:
+        shared = Staging.parts(host, device)
+        offsets_host = torch.arange(self.block_rows, dtype=INDEX_DTYPE)
+        return Extents(*shared, offsets_host=offsets_host, offsets=offsets_host.to(device))
 
     def rows_of(self, blocks: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         rows = (blocks[:, None] * self.block_rows + offsets[None, :]).flatten()
-        return rows[rows < self.ffn]  # the last block may be short
+        return rows[rows < self.host.shape[1]]  # the last block may be short
 
     def expand(self, index: torch.Tensor) -> torch.Tensor:
-        return self.rows_of(index, self.offsets)
+        return self.rows_of(index, self.buffers.offsets)
 
     def fetch(self, layer: int, h: torch.Tensor) -> torch.Tensor:
         active = self.observe(layer, h)
-        self.recorder.add(layer, active=active.numel())
         blocks = torch.unique(active // self.block_rows)
-        self.send(layer, self.rows_of(blocks, self.host_offsets), blocks)
-        return self.workspace
+        self.send(layer, self.rows_of(blocks, self.buffers.offsets_host), blocks)
+        return self.buffers.workspace
 
 
-class PhaseSwitched(Packet):
+class PhaseSwitched(HostGather):
     """Dense streaming for prefill calls, exact packets for decode calls, one set of buffers."""
 
     name = "phase-switched"
 
     def fetch(self, layer: int, h: torch.Tensor) -> torch.Tensor:
         if self.recorder.phase == "prefill":
-            src = self.host.original[layer]
-            self.workspace.copy_(src, non_blocking=self.host.pin)
-            self.recorder.add(layer, rows=src.shape[1], weight_bytes=_nbytes(src))
-            return self.workspace
-        return super().fetch(layer, h)
+            return stream_dense(self.host, layer, self.buffers.workspace, self.recorder)
+        return self.send_active(layer, h)
 
 
 def lru_plan(slot_of: np.ndarray, last_used: np.ndarray, active: np.ndarray, now: int):
@@ -343,53 +504,57 @@ def lru_plan(slot_of: np.ndarray, last_used: np.ndarray, active: np.ndarray, now
     return hit_rows, hit_slots, miss_rows, fill_rows, fill_slots
 
 
-class RowRetention(Packet):
+
+@dataclass
+class Retention(Staging):
+    """row-retention's buffers: the staging, plus the row cache and its LRU bookkeeping."""
+
+    cache: torch.Tensor = field(kw_only=True)  # (layers, slots, hidden) on the device: charged
+    slot_of: np.ndarray = field(kw_only=True)  # (layers, ffn) cache slot of each neuron or -1
+    last_used: np.ndarray = field(kw_only=True)  # (layers, slots) last call a slot served
+
+    def device_bytes(self) -> int:
+        return super().device_bytes() + _nbytes(self.cache)
+
+
+class RowRetention(HostGather):
     """A device cache of `rows_per_layer` outgoing rows per layer with LRU replacement; only
     misses are copied. The cache is charged to the condition's device bytes."""
 
     name = "row-retention"
+    buffers: Retention | None
 
-    def __init__(self, rows_per_layer: int = 1024) -> None:
+    def __init__(self, *, rows_per_layer: int) -> None:  # no default: the protocol requires one
         super().__init__()
-        self.rows_per_layer = rows_per_layer
+        self.rows_per_layer = check_param(self.name, "rows_per_layer", rows_per_layer)
 
-    def activate(self, host: HostWeights, device: torch.device, recorder: Recorder) -> None:
-        super().activate(host, device, recorder)
+    def allocate(self, host: HostWeights, device: torch.device) -> Retention:
+        shared = Staging.parts(host, device)
         hidden, ffn = host.shape
         slots = min(self.rows_per_layer, ffn)
-        self.cache = torch.zeros((host.layers, slots, hidden), dtype=host.dtype, device=device)
-        self.slot_of = np.full((host.layers, ffn), -1, dtype=np.int64)
-        self.last_used = np.full((host.layers, slots), -1, dtype=np.int64)
-
-    def deactivate(self) -> None:
-        super().deactivate()
-        del self.cache
+        return Retention(*shared, cache=torch.zeros((host.layers, slots, hidden), dtype=host.dtype, device=device),
+                         slot_of=np.full((host.layers, ffn), -1, dtype=np.int64),
+                         last_used=np.full((host.layers, slots), -1, dtype=np.int64))
 
     def fetch(self, layer: int, h: torch.Tensor) -> torch.Tensor:
+        b = self.buffers
         active = self.observe(layer, h)
-        self.recorder.add(layer, active=active.numel())
         hit_rows, hit_slots, miss_rows, fill_rows, fill_slots = lru_plan(
-            self.slot_of[layer], self.last_used[layer], active.numpy(), self.recorder.serial)
-        cache = self.cache[layer]
+            b.slot_of[layer], b.last_used[layer], active.numpy(), self.recorder.serial)
+        cache = b.cache[layer]
         if hit_rows.size:
             dev_slots = torch.from_numpy(hit_slots).to(self.device, non_blocking=False)
             dev_rows = torch.from_numpy(hit_rows).to(self.device, non_blocking=False)
-            self.workspace.index_copy_(1, dev_rows, cache.index_select(0, dev_slots).t())
+            b.workspace.index_copy_(1, dev_rows, cache.index_select(0, dev_slots).t())
             self.recorder.add(layer, index_bytes=2 * hit_rows.size * INDEX_BYTES)
         self.send(layer, torch.from_numpy(miss_rows), torch.from_numpy(miss_rows))
         if fill_rows.size:
             # The filled rows are the tail of the packet just sent, already on the device.
-            hidden = self.host.shape[0]
-            n_index = miss_rows.size * INDEX_BYTES
-            sent = self.device_staging[n_index: n_index + miss_rows.size * self.host.row_bytes]
-            sent = sent.view(self.host.dtype).view(miss_rows.size, hidden)[miss_rows.size - fill_rows.size:]
-            dev_fill = torch.from_numpy(fill_slots).to(self.device)
-            cache.index_copy_(0, dev_fill, sent)
+            n = miss_rows.size
+            sent = b.packet.rows(n, n)[n - fill_rows.size:]
+            cache.index_copy_(0, torch.from_numpy(fill_slots).to(self.device), sent)
             self.recorder.add(layer, index_bytes=fill_slots.size * INDEX_BYTES)
-        return self.workspace
-
-    def device_bytes(self) -> int:
-        return super().device_bytes() + _nbytes(self.cache)
+        return b.workspace
 
 
 def forecast_split(predicted: torch.Tensor, active: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -400,7 +565,25 @@ def forecast_split(predicted: torch.Tensor, active: torch.Tensor) -> tuple[torch
     return active[~hit], predicted.numel() - int(hit.sum())
 
 
-class EarlyForecast(Packet):
+
+@dataclass
+class Forecast(Staging):
+    """early-forecast's buffers: the staging, plus a second packet for the forecast rows, the
+    side stream that copies it, and the forecasts themselves."""
+
+    forecast: RowPacket = field(kw_only=True)
+    side: "torch.cuda.Stream | None" = field(kw_only=True)  # None off CUDA: the copy is synchronous
+    previous: list[torch.Tensor | None] = field(kw_only=True)  # per layer: rows active in its last call
+    pending: dict[int, tuple[torch.Tensor, object]] = field(kw_only=True, default_factory=dict)
+
+    def device_bytes(self) -> int:
+        return super().device_bytes() + _nbytes(self.forecast.landed)
+
+    def pinned_bytes(self) -> int:
+        return super().pinned_bytes() + (_nbytes(self.forecast.staged) if self.forecast.pinned else 0)
+
+
+class EarlyForecast(HostGather):
     """Predict a call's active rows from the same layer's previous call and send them as the
     layer starts (on a side stream on CUDA), then send the exact remainder after fc1. Predicted
     rows that turn out inactive are counted as wasted; exactness never depends on the forecast.
@@ -408,79 +591,60 @@ class EarlyForecast(Packet):
 
     name = "early-forecast"
     starts_early = True
+    buffers: Forecast | None
 
-    def activate(self, host: HostWeights, device: torch.device, recorder: Recorder) -> None:
-        super().activate(host, device, recorder)
-        _, ffn = host.shape
-        capacity = ffn * (INDEX_BYTES + host.row_bytes)
-        self.forecast_staging = torch.zeros(capacity, dtype=torch.uint8, pin_memory=host.pin)
-        self.forecast_device = torch.zeros(capacity, dtype=torch.uint8, device=device)
-        self.side = torch.cuda.Stream(device) if device.type == "cuda" else None
-        self.previous: list[torch.Tensor | None] = [None] * host.layers
-        self.pending: dict[int, tuple[torch.Tensor, object]] = {}
-
-    def deactivate(self) -> None:
-        super().deactivate()
-        del self.forecast_staging, self.forecast_device
+    def allocate(self, host: HostWeights, device: torch.device) -> Forecast:
+        shared = Staging.parts(host, device)
+        return Forecast(*shared, forecast=RowPacket.allocate(host, device),
+                        side=torch.cuda.Stream(device) if device.type == "cuda" else None,
+                        previous=[None] * host.layers)
 
     def before_layer(self, layer: int) -> None:
-        predicted = self.previous[layer] if self.recorder.phase == "decode" else None
+        b = self.buffers
+        predicted = b.previous[layer] if self.recorder.phase == "decode" else None
         if predicted is None or predicted.numel() == 0:
             return
-        hidden, _ = self.host.shape
         k = predicted.numel()
-        n_index, n_rows = k * INDEX_BYTES, k * self.host.row_bytes
-        staged = self.forecast_staging[: n_index + n_rows]
-        staged[:n_index].view(INDEX_DTYPE).copy_(predicted)
-        torch.index_select(self.host.transposed(layer), 0, predicted,
-                           out=staged[n_index:].view(self.host.dtype).view(k, hidden))
-        packet = self.forecast_device[: n_index + n_rows]
-        if self.side is not None:
-            self.side.wait_stream(torch.cuda.current_stream(self.device))  # the buffer is free
-            with torch.cuda.stream(self.side):
-                packet.copy_(staged, non_blocking=True)
+        size = b.forecast.pack(self.host.transposed(layer), predicted, predicted)
+        if b.side is not None:
+            b.side.wait_stream(torch.cuda.current_stream(self.device))  # the buffer is free
+            with torch.cuda.stream(b.side):
+                b.forecast.upload(size, non_blocking=True)
                 event = torch.cuda.Event()
-                event.record(self.side)
+                event.record(b.side)
         else:
-            packet.copy_(staged)
+            b.forecast.upload(size, non_blocking=False)
             event = None
-        self.pending[layer] = (predicted, event)
-        self.recorder.add(layer, rows=k, weight_bytes=n_rows, index_bytes=n_index)
+        b.pending[layer] = (predicted, event)
+        self.recorder.add(layer, rows=k, weight_bytes=k * self.host.row_bytes, index_bytes=k * INDEX_BYTES)
 
     def fetch(self, layer: int, h: torch.Tensor) -> torch.Tensor:
+        b = self.buffers
         active = self.observe(layer, h)
-        self.recorder.add(layer, active=active.numel())
-        self.previous[layer] = active
-        predicted, event = self.pending.pop(layer, (None, None))
+        b.previous[layer] = active
+        predicted, event = b.pending.pop(layer, (None, None))
         if predicted is None:
             self.send(layer, active, active)
-            return self.workspace
-        hidden, _ = self.host.shape
+            return b.workspace
         k = predicted.numel()
         t0 = time.perf_counter()
         if event is not None:
             event.synchronize()  # the forecast staging is reused by the next layer
         self.recorder.add(layer, wait_s=time.perf_counter() - t0)
-        packet = self.forecast_device[: k * (INDEX_BYTES + self.host.row_bytes)]
-        rows = packet[k * INDEX_BYTES:].view(self.host.dtype).view(k, hidden)
-        self.workspace.index_copy_(1, packet[: k * INDEX_BYTES].view(INDEX_DTYPE), rows.t())
+        b.workspace.index_copy_(1, b.forecast.index(k), b.forecast.rows(k, k).t())
         remainder, wasted = forecast_split(predicted, active)
         self.recorder.add(layer, wasted=wasted)
         self.send(layer, remainder, remainder)
-        return self.workspace
-
-    def device_bytes(self) -> int:
-        return super().device_bytes() + _nbytes(self.forecast_device)
-
-    def pinned_bytes(self) -> int:
-        return super().pinned_bytes() + (_nbytes(self.forecast_staging) if self.host.pin else 0)
+        return b.workspace
 
 
-POLICIES: dict[str, type] = {
+# One constructor per policy name of core.registry.POLICY_PARAMS, taking exactly its parameters
+# as keyword-only arguments with its defaults (tests/engine/test_policy_registry.py checks).
+POLICIES: dict[str, Callable[..., LoaderPolicy]] = {
     "resident": Resident,
     "dense-stream": DenseStream,
     "sparse-extents": SparseExtents,
-    "packet": Packet,
+    "packet": packet,
     "phase-switched": PhaseSwitched,
     "row-retention": RowRetention,
     "early-forecast": EarlyForecast,

@@ -17,7 +17,8 @@ import torch
 from safetensors.torch import save_file
 
 from core.errors import CheckpointError
-from engine.shapes import SHAPES, dtype_of
+from core.registry import SHAPES, synth_spec
+from engine.shapes import dtype_of
 
 INIT_STD = 0.02  # OPT's initializer_range
 
@@ -74,10 +75,9 @@ def synth_checkpoint(
     neurons (chosen by the seed) gets fc1 bias `hot_bias` x std x sqrt(hidden) instead: 0.0
     makes them fire for about half the tokens, against 1 - sparsity for the rest.
     """
-    if not 0.0 <= hot_fraction < 1.0:
-        raise ValueError(f"hot_fraction must be in [0, 1), got {hot_fraction}")
-    if shape not in SHAPES:
-        raise CheckpointError(f"unknown shape {shape!r}; use one of {', '.join(SHAPES)}")
+    # The arguments a protocol's model.synth allows, no others: a SynthArgumentError (a
+    # ValueError) names the bad one. The values are used as given, so config.json stays as it was.
+    synth_spec(shape=shape, dtype=dtype, sparsity=sparsity, seed=seed, hot_fraction=hot_fraction, hot_bias=hot_bias)
     torch_dtype = dtype_of(dtype)
     out = Path(out)
     if (out / "config.json").exists() and not force:

@@ -5,6 +5,7 @@ as a record (plain dict + a numpy logits array). An episode that raises (an out-
 the allowance, say) comes back as a failed record with its cause; the worker stays usable.
 """
 
+import gc
 import os
 import platform
 import resource
@@ -16,7 +17,7 @@ import torch
 
 from core.canonical import canonical_sha256
 from core.metrics import episode_totals
-from core.protocol import expand
+from core.protocol import Protocol, expand
 from engine.episode import run_episode
 from engine.graph import check_mode
 from engine.model import CpuFirstModel
@@ -25,7 +26,6 @@ from engine.sampler import MemorySampler, device_uuid, nvml_handle
 from engine.shapes import dtype_of
 from engine.synth import synth_checkpoint
 
-MIB = 1 << 20
 
 
 def environment(device: torch.device) -> dict:
@@ -53,21 +53,32 @@ def environment(device: torch.device) -> dict:
     return env
 
 
-def synth_dir(spec: dict) -> Path:
+DEFAULT_MODEL_CACHE = Path.home() / ".cache" / "packbench" / "models"
+
+
+def synth_dir(spec: dict, cache: Path | None = None) -> Path:
     """Where a synthetic model spec is generated on this node (one folder per spec)."""
-    root = Path(os.environ.get("PACKBENCH_MODEL_CACHE", Path.home() / ".cache" / "packbench" / "models"))
-    return root / canonical_sha256(spec)[:16]
+    return Path(cache or DEFAULT_MODEL_CACHE) / canonical_sha256(spec)[:16]
 
 
-def model_dir_for(body: dict, model_dir: str | None) -> Path:
-    """The checkpoint directory: the submitted one, or a synthetic spec generated here once."""
-    spec = body["model"].get("synth")
-    if spec is None:
+def model_dir_for(protocol: Protocol, model_dir: str | None, *, cache: Path | None = None) -> Path:
+    """The checkpoint directory: the submitted one, or a synthetic spec generated here once
+    (under `cache`, Settings.model_cache, forwarded by the dispatcher)."""
+    synth = protocol.model.synth
+    if synth is None:
         return Path(model_dir)
-    out = synth_dir(spec)
+    spec = synth.as_dict()
+    out = synth_dir(spec, cache)
     if not (out / "config.json").exists():
         synth_checkpoint(out, **spec)
     return out
+
+
+def checkpoint_key(path: Path) -> tuple:
+    """What identifies a checkpoint's bytes cheaply: its folder and each file's name, size, mtime."""
+    path = Path(path).resolve()
+    files = sorted(p for p in path.iterdir() if p.is_file()) if path.is_dir() else []
+    return (str(path), tuple((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in files))
 
 
 def host_rss_peak_bytes() -> int:
@@ -82,40 +93,72 @@ class Worker:
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", 0)
         self.model: CpuFirstModel | None = None
+        self.model_key: tuple | None = None
+        self.loads = 0
         self.conditions: dict[str, tuple[str, dict]] = {}
         uuid = device_uuid(self.device.index) if self.device.type == "cuda" else None
+        self.gpu_uuid = uuid  # which physical GPU: two workers on one GPU would share it
         self.nvml = nvml_handle(uuid)
         self.sampler = MemorySampler(uuid)  # one helper process for the worker's life
 
     def describe(self) -> dict:
         return environment(self.device)
 
-    def load(self, body: dict, model_dir: str | None, *, mode: str | None = None) -> dict:
-        """Build the CPU-first model for a frozen protocol and impose its allowance on CUDA.
+    def load(self, protocol: Protocol | dict, model_dir: str | None, *, model_cache: str | None = None,
+             reuse: bool = True, mode: str | None = None) -> dict:
+        """Make the CPU-first model for a frozen protocol ready and impose its allowance on CUDA.
+
+        A worker lives across screens: with `reuse`, a model already loaded from the same
+        checkpoint (same files, sizes and mtimes) in the same dtype is kept ("warm"); otherwise
+        it is dropped and the new one read ("cold"). `model_state` says which, and the start
+        times are those of the load that read it. The clock of `first_logit_since_entry_s`
+        starts at the actor's entry for its first load and at this call for later ones.
 
         `mode` is the execution mode of every episode (engine/graph.py MODES): the argument if
-        given, else the protocol's `engine.mode`, else "eager" (what every protocol frozen
-        before modes existed means). The reference runs in the same mode as the conditions.
+        given, else the protocol's `engine.mode` where it has one, else "eager" (what every
+        protocol frozen before modes existed means). The reference runs in the same mode as
+        the conditions it judges.
         """
-        mode = mode or (body.get("engine") or {}).get("mode")
-        body = expand(body)  # any stored schema, defaults filled
-        self.mode = check_mode(mode or (body.get("engine") or {}).get("mode") or "eager")
-        allowance = body["allowance_mib"] * MIB
+        t_call = time.perf_counter()
+        if self.loads:
+            self.t_entry = t_call
+        self.loads += 1
+        if mode is None and isinstance(protocol, dict):
+            mode = (protocol.get("engine") or {}).get("mode")
+        protocol = expand(protocol)  # a typed Protocol passes through; a stored body is validated once
+        self.mode = check_mode(mode or getattr(getattr(protocol, "engine", None), "mode", None) or "eager")
+        path = model_dir_for(protocol, model_dir, cache=None if model_cache is None else Path(model_cache))
+        key = (checkpoint_key(path), protocol.dtype)
+        warm = reuse and self.model is not None and self.model_key == key
+        if not warm and self.model is not None:
+            self.drop_model()  # before the new allowance: the old model must not count against it
+        allowance = protocol.allowance_bytes
         self.allowance = allowance
         context = impose(self.device, allowance, self.nvml) if self.device.type == "cuda" else 0
-        path = model_dir_for(body, model_dir)
-        self.model = CpuFirstModel(path, dtype=dtype_of(body["dtype"]), device=self.device, mode=self.mode)
-        self.model.recorder.enabled = body.get("recording", True)
-        self.conditions = {c["name"]: (c["policy"], c.get("params", {})) for c in body["conditions"]}
-        self.continuation = body["continuation_tokens"]
+        if not warm:
+            self.model = CpuFirstModel(path, dtype=dtype_of(protocol.dtype), device=self.device)
+            self.model_key = key
+        self.model.recorder.enabled = protocol.recording
+        self.conditions = {c.name: (c.policy, dict(c.params)) for c in protocol.conditions}
+        self.continuation = protocol.continuation_tokens
         s = self.model.start
         return {"read_s": s.read_s, "pin_s": self.model.host.pin_s, "place_s": s.place_s,
                 "device_param_bytes": s.device_param_bytes, "host_outgoing_bytes": s.host_outgoing_bytes,
                 "param_bytes": s.device_param_bytes + s.host_outgoing_bytes,
                 "cpu_first": True,  # CpuFirstModel never places the outgoing weights on the device
                 "allowance_bytes": allowance, "context_bytes": context, "device": str(self.device),
-                "vocab": self.model.vocab, "model_dir": str(path), "engine": {"mode": self.mode},
+                "vocab": self.model.vocab, "model_dir": str(path), "model_state": "warm" if warm else "cold",
+                "engine": {"mode": self.mode},
                 "entry_to_loaded_s": time.perf_counter() - self.t_entry}
+
+    def drop_model(self) -> None:
+        """Release the loaded model (host and device memory) before another one is read."""
+        if self.model is not None and self.model.slot.policy is not None:
+            self.model.slot.policy.deactivate()
+        self.model, self.model_key = None, None
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
 
     def run(self, entry: dict, prompt: list[int]) -> dict:
         """One planned episode -> record (see core/gates.py for the fields the gates read)."""

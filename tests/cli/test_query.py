@@ -309,3 +309,50 @@ def test_postgresql_gives_the_same_listing(db, tmp_path):
     drop = ("started_at",)  # set at insert time
     assert [{k: v for k, v in row.items() if k not in drop} for row in got] == [
         {k: v for k, v in row.items() if k not in drop} for row in expected]
+
+
+# -- the queue: screens cancel|retry, status ----------------------------------------------------
+
+
+@pytest.fixture()
+def queue_db(db, tmp_path) -> Path:
+    """A private copy of the seeded database with a dispatcher running screen 3."""
+    path = tmp_path / "queue.db"
+    with sqlite3.connect(db) as source, sqlite3.connect(path) as copy:
+        source.backup(copy)
+    return path
+
+
+def test_status_cancel_and_retry(queue_db):
+    url = f"sqlite:///{queue_db}"
+    with Store(url) as store:
+        d = store.register_dispatcher("d1", "box-a", pid=7)
+        claim = store.claim_screen(d, lease_s=600, archive_dir="archives", source_freeze={}, worker="w0",
+                                   node="node-1", gpu_name="NVIDIA H200", gpu_index=2, model_state="cold")
+        store.heartbeat(d, [{"name": "w0", "node": "node-1", "gpu": "NVIDIA H200", "gpu_index": 2, "state": "busy",
+                             "screen_id": claim.screen.id},
+                            {"name": "w1", "node": "node-1", "gpu": "NVIDIA H200", "gpu_index": 3, "state": "idle"}])
+        waiting = store.create_screen(protocol_id=claim.protocol.id, submitter="carol", priority=3, gpu_type="B200")
+        store.set_unplaceable(waiting, "no B200 worker in the cluster")
+    st = json.loads(invoke(queue_db, "status", "--json").stdout)
+    assert st["counts"] == {"queued": 1, "running": 1, "done": 2, "failed": 0, "cancelled": 0}
+    [r] = st["running"]
+    assert (r["screen_id"], r["node"], r["gpu_index"], r["dispatcher"], r["episodes_done"]) == (3, "node-1", 2, "d1", 0)
+    assert st["queued"][0]["unplaceable_reason"] == "no B200 worker in the cluster"
+    assert [(x["name"], x["live"]) for x in st["dispatchers"]] == [("d1", True)]
+    assert (st["idle_workers"], st["busy_workers"]) == (1, 1)
+    text = invoke(queue_db, "status").stdout
+    assert "1 queued, 1 running, 2 done" in text and "no B200 worker" in text and "1 idle, 1 busy" in text
+
+    assert "stops after the episode in flight" in invoke(queue_db, "screens", "cancel", "3").stdout
+    assert json.loads(invoke(queue_db, "status", "--json").stdout)["running"][0]["cancel_requested"] is True
+    cancelled = json.loads(invoke(queue_db, "screens", "cancel", str(waiting), "--json").stdout)
+    assert cancelled["status"] == "cancelled"
+    assert "queued again" in invoke(queue_db, "screens", "retry", str(waiting)).stdout
+    with Store(url) as store:
+        assert store.screen(waiting).status == "queued"
+        store.finish_attempt(claim.attempt.id, status="cancelled")
+    with pytest.raises(PackbenchError, match="only a failed or cancelled screen"):
+        invoke(queue_db, "screens", "retry", "1")  # done
+    with pytest.raises(PackbenchError, match="already cancelled"):
+        invoke(queue_db, "screens", "cancel", "3")

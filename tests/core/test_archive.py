@@ -5,6 +5,7 @@ compresses 50 MB of zeros, about 0.1 s).
 """
 
 import copy
+import errno
 import io
 import json
 import os
@@ -20,9 +21,20 @@ import pytest
 
 from core.archive import (
     MANIFEST_NAME,
+    PLAN_NAME,
+    PROBLEM_KINDS,
+    PROTOCOL_NAME,
+    VERDICTS_NAME,
+    WORKER_NAME,
     ArchiveReader,
     ArchiveWriter,
+    EpisodeMembers,
+    Problem,
+    episode_member,
+    episode_members,
     file_sha256,
+    logits_member,
+    trace_member,
 )
 from core.canonical import canonical_json, sha256_hex
 from core.errors import ArchiveError, PackbenchError
@@ -89,8 +101,17 @@ def sealed(tmp_path: Path) -> Path:
 
 
 def verify(path: Path, **bounds) -> list[str]:
+    """verify()'s messages: the lines packbench prints (and audit digests cover)."""
+    return [p.message for p in problems_of(path, **bounds)]
+
+
+def problems_of(path: Path, **bounds) -> list[Problem]:
     with ArchiveReader(path, **bounds) as r:
         return r.verify()
+
+
+def lines(r: ArchiveReader) -> list[str]:
+    return [p.message for p in r.verify()]
 
 
 def rewrite(path: Path, *, replace=None, drop=(), add=None) -> None:
@@ -286,7 +307,7 @@ def test_partial_archive_is_readable_and_incomplete(tmp_path: Path):
         assert r.names == MEMBERS[:-1]
         assert r.read_json("episodes/00001.json") == EPISODES[1]
         np.testing.assert_array_equal(r.read_array("logits/00000.npy"), LOGITS[0])
-        assert r.verify() == ["archive incomplete: no manifest.json (interrupted screen?)"]
+        assert lines(r) == ["archive incomplete: no manifest.json (interrupted screen?)"]
 
 
 def test_empty_unsealed_archive(tmp_path: Path):
@@ -295,7 +316,7 @@ def test_empty_unsealed_archive(tmp_path: Path):
     assert path.is_file()
     with ArchiveReader(path) as r:
         assert r.names == [] and not r.complete
-        assert r.verify() == ["archive incomplete: no manifest.json (interrupted screen?)"]
+        assert lines(r) == ["archive incomplete: no manifest.json (interrupted screen?)"]
 
 
 def test_missing_file_and_not_a_zip(tmp_path: Path):
@@ -340,8 +361,8 @@ def test_tamper_flipped_byte_names_the_member(sealed: Path, name: str):
     with ArchiveReader(sealed) as r:
         problems = r.verify()
         assert problems, name
-        assert any(name in p for p in problems), problems
-        assert all("\n" not in p for p in problems)
+        assert any(p.member == name and name in p.message for p in problems), problems
+        assert all("\n" not in p.message for p in problems)
         if name == MANIFEST_NAME:
             assert not r.complete  # the manifest itself cannot be trusted
         else:
@@ -364,7 +385,7 @@ def test_tamper_duplicate_member(sealed: Path):
     with pytest.warns(UserWarning, match="Duplicate name"):
         append_entry(sealed, "plan.json", b"{}")
     with ArchiveReader(sealed) as r:
-        assert r.verify() == ["duplicate member plan.json"]
+        assert r.verify() == [Problem("plan.json", "duplicate", "duplicate member plan.json")]
         with pytest.raises(ArchiveError, match="plan.json appears 2 times"):
             r.read_bytes("plan.json")
 
@@ -374,7 +395,8 @@ def test_unparseable_and_malformed_manifest(sealed: Path):
     with ArchiveReader(sealed) as r:
         assert not r.complete and r.manifest is None
         (problem,) = r.verify()
-        assert problem.startswith("unparseable member manifest.json")
+        assert problem.message.startswith("unparseable member manifest.json")
+        assert (problem.member, problem.kind) == (MANIFEST_NAME, "manifest")
     rewrite(sealed, replace={MANIFEST_NAME: b"[" * 100_000 + b"]" * 100_000})
     (problem,) = verify(sealed)
     assert problem.startswith("unparseable member manifest.json")
@@ -396,7 +418,8 @@ def test_hostile_unsafe_names(sealed: Path, tmp_path: Path, name: str):
     with ArchiveReader(sealed) as r:
         assert name in r.names
         problems = r.verify()
-        assert [p for p in problems if p.startswith(f"unsafe member name {name} ")] , problems
+        assert [p for p in problems if p.message.startswith(f"unsafe member name {name} ")
+                and (p.member, p.kind) == (name, "unsafe")], problems
         with pytest.raises(ArchiveError, match="unsafe member name"):
             r.read_bytes(name)
     assert tree(tmp_path) == before  # nothing extracted
@@ -418,7 +441,7 @@ def test_hostile_symlink_entry(sealed: Path, tmp_path: Path):
     append_entry(sealed, info, b"/etc/passwd")
     before = tree(tmp_path)
     with ArchiveReader(sealed) as r:
-        assert r.verify() == ["symlink member link"]
+        assert r.verify() == [Problem("link", "symlink", "symlink member link")]
         with pytest.raises(ArchiveError, match="symlink member link"):
             r.read_bytes("link")
     assert tree(tmp_path) == before
@@ -433,7 +456,7 @@ def test_hostile_inflating_member(sealed: Path):
             r.read_bytes("bomb.bin")
         assert r.bytes_read == 0
         problems = r.verify()
-    assert "extra member bomb.bin" in problems  # extra: not read at all
+    assert Problem("bomb.bin", "extra", "extra member bomb.bin") in problems  # extra: not read at all
 
 
 def test_hostile_inflating_member_with_lying_header(tmp_path: Path):
@@ -457,7 +480,8 @@ def test_hostile_inflating_member_with_lying_header(tmp_path: Path):
             r.read_bytes("bomb.bin")
         assert r.bytes_read == 0
         (problem,) = r.verify()
-    assert problem.startswith("size mismatch for member bomb.bin: manifest says 52428800, archive holds 1000")
+    assert problem.message.startswith("size mismatch for member bomb.bin: manifest says 52428800, archive holds 1000")
+    assert (problem.member, problem.kind) == ("bomb.bin", "size")
 
 
 def test_hostile_total_bound(sealed: Path):
@@ -465,7 +489,8 @@ def test_hostile_total_bound(sealed: Path):
         r.read_bytes("protocol.json")
         with pytest.raises(ArchiveError, match="total bound"):
             r.read_bytes("logits/00000.npy")
-        assert r.verify()[-1].startswith("archive too large")
+        assert r.verify()[-1].message.startswith("archive too large")
+        assert (r.verify()[-1].member, r.verify()[-1].kind) == (None, "too-large")
 
 
 def test_hostile_pickled_object_array_runs_no_code(tmp_path: Path):
@@ -517,7 +542,7 @@ def test_hostile_manifest_lies_about_size(sealed: Path, monkeypatch):
         read = []
         real_chunks = r._chunks
         monkeypatch.setattr(r, "_chunks", lambda info, limit: (read.append(info.filename), real_chunks(info, limit))[1])
-        problems = r.verify()
+        problems = lines(r)
     assert f"size mismatch for member episodes/00000.json: manifest says {10**12}, archive holds {true_size}" in problems
     assert f"size mismatch for member plan.json: manifest says {len(canonical_json(PLAN)) + 5}, archive holds {len(canonical_json(PLAN))}" in problems
     assert len(problems) == 2
@@ -533,9 +558,10 @@ def test_hostile_crc_error_is_archive_error(sealed: Path):
     with ArchiveReader(sealed) as r:
         with pytest.raises(ArchiveError, match="logits/00000.npy .*CRC"):
             r.read_array("logits/00000.npy")
-        assert r.verify() == [
+        assert r.verify() == [Problem(
+            "logits/00000.npy", "unreadable",
             "unreadable member logits/00000.npy: BadZipFile: Bad CRC-32 for file 'logits/00000.npy'"
-        ]
+        )]
 
 
 def test_reader_refuses_unknown_and_unsafe_lookups(sealed: Path):
@@ -563,9 +589,324 @@ def test_random_damage_never_crashes_the_reader(sealed: Path):
             continue
         with r:
             problems = r.verify()
-            assert all(isinstance(p, str) and "\n" not in p for p in problems)
+            assert all(isinstance(p, Problem) and p.kind in PROBLEM_KINDS and "\n" not in p.message
+                       and (p.member is not None or p.kind == "too-large") for p in problems)
             for name in r.names:
                 try:
                     r.read_bytes(name)
                 except ArchiveError:
                     pass
+
+
+# ----------------------------------------------------------------------------- layout
+
+
+def test_the_layout_is_owned_here():
+    """Historical archives hold these names: they never change."""
+    assert (PROTOCOL_NAME, PLAN_NAME, WORKER_NAME, VERDICTS_NAME, MANIFEST_NAME) == (
+        "protocol.json", "plan.json", "worker.json", "verdicts.json", "manifest.json")
+    assert episode_member(7) == "episodes/00007.json"
+    assert logits_member(7) == "logits/00007.npy"
+    assert trace_member(12345) == "traces/12345.npy"
+    assert episode_members(3) == EpisodeMembers(3, "episodes/00003.json", "logits/00003.npy", "traces/00003.npy")
+
+
+def test_add_episode_writes_its_members_in_order_and_skips_none(tmp_path: Path):
+    path = tmp_path / "a.zip"
+    w = ArchiveWriter(path)
+    trace = np.array([[0.0, 10.0], [0.5, 30.0]])
+    assert w.add_episode({"plan_index": 0, "status": "ok"}, LOGITS[0], trace) == episode_members(0)
+    w.add_episode({"plan_index": 1, "status": "failed"}, None, None)
+    w.add_episode({"plan_index": 2, "status": "ok"}, LOGITS[1])
+    with ArchiveReader(path) as r:
+        assert r.names == ["episodes/00000.json", "logits/00000.npy", "traces/00000.npy",
+                           "episodes/00001.json", "episodes/00002.json", "logits/00002.npy"]
+        assert r.read_json("episodes/00001.json") == {"plan_index": 1, "status": "failed"}
+        np.testing.assert_array_equal(r.read_array("traces/00000.npy"), trace)
+        assert [e.index for e in r.episodes()] == [0, 1, 2]
+
+
+def test_a_refused_episode_writes_nothing(tmp_path: Path):
+    path = tmp_path / "a.zip"
+    w = ArchiveWriter(path)
+    w.add_episode({"plan_index": 0}, LOGITS[0])
+    before = path.read_bytes()
+    for record, logits, trace, why in [
+        ({"plan_index": 1}, LOGITS[0], np.array([{"x": 1}], dtype=object), "object dtype"),
+        ({"plan_index": 1, "x": float("nan")}, LOGITS[0], None, "canonical JSON"),
+        ({"plan_index": 1}, [1.0, 2.0], None, "ndarray"),
+        ({"plan_index": 0}, None, None, "already in archive"),
+        ({"plan_index": True}, None, None, "plan_index"),
+        ({"plan_index": -1}, None, None, "plan_index"),
+        ({"condition": "packet"}, None, None, "plan_index"),
+    ]:
+        with pytest.raises(ArchiveError, match=why):
+            w.add_episode(record, logits, trace)
+    assert path.read_bytes() == before and list(w.members) == ["episodes/00000.json", "logits/00000.npy"]
+    w.add_episode({"plan_index": 1}, LOGITS[1])  # refusals leave the writer usable
+    assert list(w.members)[-1] == "logits/00001.npy"
+
+
+def test_episodes_lists_the_records_held_in_index_order(tmp_path: Path):
+    path = tmp_path / "a.zip"
+    w = ArchiveWriter(path)
+    for i in (3, 0, 1):
+        w.add_episode({"plan_index": i}, LOGITS[0])
+    w.add_bytes("episodes/000002.json", b"{}")  # not a name the layout builds
+    w.add_bytes("episodes/x.json", b"{}")
+    w.add_bytes("logits/00009.npy", b"")  # logits without a record: no episode
+    with ArchiveReader(path) as r:
+        assert r.episodes() == [episode_members(0), episode_members(1), episode_members(3)]
+
+
+# ----------------------------------------------------------------------------- write scheme
+
+
+def zipfile_reference(path: Path, ref: Path) -> None:
+    """The same members written by Python's zipfile in one go (what the old writer produced)."""
+    with zipfile.ZipFile(path) as src, zipfile.ZipFile(ref, "w") as dst:
+        for info in src.infolist():
+            new = zipfile.ZipInfo(info.filename, date_time=(1980, 1, 1, 0, 0, 0))
+            new.create_system = 3
+            new.external_attr = (stat.S_IFREG | 0o644) << 16
+            dst.writestr(new, src.read(info), compress_type=info.compress_type)
+
+
+def test_a_sealed_archive_is_byte_for_byte_what_zipfile_writes(sealed: Path, tmp_path: Path):
+    ref = tmp_path / "ref.zip"
+    zipfile_reference(sealed, ref)
+    assert sealed.read_bytes() == ref.read_bytes()
+    # Members large enough that the central directory moves several times before the seal.
+    rng = np.random.default_rng(0)
+    big = tmp_path / "big.zip"
+    w = ArchiveWriter(big)
+    for i in range(24):
+        w.add_array(logits_member(i), rng.standard_normal(30_000 + 1000 * i).astype(np.float32))
+        w.add_json(episode_member(i), {"i": i, "pad": "x" * (i * 50)})
+    digest = w.seal(MANIFEST)
+    zipfile_reference(big, ref2 := tmp_path / "ref2.zip")
+    assert big.read_bytes() == ref2.read_bytes()
+    assert digest == file_sha256(big)  # the running hash is the file's
+
+
+def test_every_append_leaves_a_valid_zip_of_every_member_so_far(tmp_path: Path):
+    """A crash between two appends (here: a copy of the file) keeps every member written."""
+    path = tmp_path / "a.zip"
+    w = ArchiveWriter(path)
+    rng = np.random.default_rng(1)
+    written, directory_at = [], []
+    for i in range(40):
+        size = int(rng.integers(10, 300_000))
+        name = f"m/{i:03d}.bin"
+        if i % 2:
+            data = rng.integers(0, 4, size, dtype=np.uint8).tobytes()  # compressible, not trivially
+            w.add_bytes(name, data)
+        else:
+            arr = rng.integers(0, 255, size, dtype=np.uint8)
+            w.add_array(name, arr)
+            data = ArchiveWriter._array_bytes(name, arr)
+        written.append((name, data))
+        snapshot = tmp_path / f"crash-{i}.zip"
+        snapshot.write_bytes(path.read_bytes())
+        with zipfile.ZipFile(snapshot) as zf:
+            assert zf.namelist() == [n for n, _ in written]
+            assert zf.testzip() is None
+            directory_at.append(zf.start_dir)
+        with ArchiveReader(snapshot) as r:
+            assert lines(r) == ["archive incomplete: no manifest.json (interrupted screen?)"]
+            assert r.read_bytes(name) == data
+        snapshot.unlink()
+    moves = sum(a != b for a, b in zip(directory_at, directory_at[1:]))
+    assert 2 <= moves < 30  # most members land in the room; the directory moved a few times
+    assert path.stat().st_size > sum(len(d) for _, d in written) // 4  # room is held...
+    w.seal({})
+    with ArchiveReader(path) as r:
+        assert r.verify() == []
+    ref = tmp_path / "ref.zip"
+    zipfile_reference(path, ref)
+    assert path.read_bytes() == ref.read_bytes()  # ...and closed by the seal
+
+
+@pytest.mark.parametrize("case", ["in the room", "directory moves"])
+def test_a_crash_inside_an_append_leaves_a_readable_zip(tmp_path: Path, monkeypatch, case: str):
+    """Die after the first of an append's two writes: the file is still a zip of the earlier
+    members (plus, when the directory moved first, the new entry, which verify() names)."""
+    import core.archive as archive
+
+    path = tmp_path / "a.zip"
+    w = ArchiveWriter(path)
+    w.add_bytes("first.bin", b"a" * 1000)
+    calls = []
+    real = archive._write_at
+
+    def die_on_second(fd, parts, offset):
+        calls.append(offset)
+        if len(calls) == 2:
+            raise OSError(errno.EIO, "simulated crash")
+        real(fd, parts, offset)
+
+    monkeypatch.setattr(archive, "_write_at", die_on_second)
+    data = b"b" * 1000 if case == "in the room" else np.random.default_rng(0).bytes(2 << 20)  # past the room
+    with pytest.raises(ArchiveError, match="could not append member second.bin"):
+        w.add_bytes("second.bin", data)
+    assert len(calls) == 2
+    with ArchiveReader(path) as r:
+        assert r.read_bytes("first.bin") == b"a" * 1000
+        if case == "in the room":
+            assert r.names == ["first.bin"]
+            assert lines(r) == ["archive incomplete: no manifest.json (interrupted screen?)"]
+        else:
+            assert r.names == ["first.bin", "second.bin"]
+            assert [(p.member, p.kind) for p in r.verify()] == [
+                (MANIFEST_NAME, "incomplete"), ("second.bin", "unreadable")]
+    with pytest.raises(ArchiveError, match="unusable after a failed write"):
+        w.add_bytes("third.bin", b"c")
+
+
+def test_zip64_records_match_zipfile():
+    """Past 2 GiB offsets/sizes and 65,535 entries the records are zipfile's (checked without
+    writing gigabytes: both sides format the same entries)."""
+    import core.archive as archive
+
+    class Sink:
+        def __init__(self, at):
+            self.at, self.data = at, bytearray()
+
+        def write(self, b):
+            self.data += b
+
+        def tell(self):
+            return self.at + len(self.data)
+
+        def flush(self):
+            pass
+
+    def theirs(infos, cd_offset):
+        zf = zipfile.ZipFile(io.BytesIO(), "w")
+        zf.filelist, zf.start_dir, sink = infos, cd_offset, Sink(cd_offset)
+        zf.fp = sink
+        try:
+            zf._write_end_record()
+        finally:
+            zf.fp = None  # nothing left for close() to write
+        return bytes(sink.data)
+
+    def info(name, offset, size, csize, method, zip64_local):
+        zi = zipfile.ZipInfo(name, date_time=(1980, 1, 1, 0, 0, 0))
+        zi.create_system, zi.external_attr, zi.compress_type = 3, (stat.S_IFREG | 0o644) << 16, method
+        zi.header_offset, zi.file_size, zi.compress_size, zi.CRC = offset, size, csize, 0x1234ABCD
+        zi.FileHeader(zip64_local)  # sets the versions as writing the local header does
+        return zi
+
+    def ours(infos, cd_offset):
+        central = b"".join(archive._central_entry(
+            zi.filename.encode(), method=zi.compress_type, crc=zi.CRC, csize=zi.compress_size, size=zi.file_size,
+            offset=zi.header_offset, version=zi.extract_version) for zi in infos)
+        return central + archive._end_records(len(infos), cd_offset, len(central))
+
+    big = 5 << 30
+    cases = [
+        [info("a.npy", 0, 100, 100, zipfile.ZIP_STORED, False),
+         info("b.json", 3 << 30, 100, 40, zipfile.ZIP_DEFLATED, False)],  # offset past 2 GiB
+        [info("c.npy", 0, big, big, zipfile.ZIP_STORED, True),
+         info("d.npy", big + 60, 2_100_000_000, 2_100_000_000, zipfile.ZIP_STORED, True)],  # zip64 sizes
+        [info(f"e/{i:05d}.json", 40 * i, 10, 12, zipfile.ZIP_DEFLATED, False) for i in range(70_000)],
+    ]
+    for infos in cases:
+        cd_offset = infos[-1].header_offset + 40 + infos[-1].compress_size
+        assert ours(infos, cd_offset) == theirs(infos, cd_offset)
+    for size, zip64 in ((100, False), (big, True), (2_100_000_000, True)):
+        zi = info("x.npy", 0, size, size, zipfile.ZIP_STORED, zip64)
+        assert archive._local_header(b"x.npy", method=zipfile.ZIP_STORED, crc=zi.CRC, csize=size, size=size,
+                                     zip64=zip64) == zi.FileHeader(zip64)
+
+
+def test_the_guard_sees_a_replaced_or_rewritten_file(tmp_path: Path):
+    path = tmp_path / "a.zip"
+    w = ArchiveWriter(path)
+    w.add_json("plan.json", PLAN)
+    copy_ = tmp_path / "copy.zip"
+    copy_.write_bytes(path.read_bytes())
+    os.replace(copy_, path)  # same bytes, another file
+    with pytest.raises(ArchiveError, match="no longer holds exactly the members"):
+        w.add_json("episodes/00000.json", EPISODES[0])
+
+    path2 = tmp_path / "b.zip"
+    w2 = ArchiveWriter(path2)
+    w2.add_json("plan.json", PLAN)
+    st = path2.stat()
+    raw = bytearray(path2.read_bytes())
+    raw[-3] ^= 0xFF  # same size, and the mtime put back: only the tail tells
+    with open(path2, "r+b") as f:
+        f.write(raw)
+    os.utime(path2, ns=(st.st_atime_ns, st.st_mtime_ns))
+    with pytest.raises(ArchiveError, match="no longer holds exactly the members"):
+        w2.add_json("episodes/00000.json", EPISODES[0])
+
+    w3 = ArchiveWriter(tmp_path / "c.zip")
+    w3.add_json("plan.json", PLAN)
+    w3.close()
+    with pytest.raises(ArchiveError, match="closed without sealing"):
+        w3.add_json("episodes/00000.json", EPISODES[0])
+    with ArchiveReader(tmp_path / "c.zip") as r:
+        assert r.names == ["plan.json"]
+    os.remove(tmp_path / "c.zip")
+    w4 = ArchiveWriter(tmp_path / "d.zip")
+    os.remove(tmp_path / "d.zip")
+    with pytest.raises(ArchiveError, match="disappeared"):
+        w4.add_json("plan.json", PLAN)
+
+
+# ----------------------------------------------------------------------------- structured problems
+
+
+def _problem_archives(sealed: Path, tmp_path: Path) -> dict[str, tuple[Path, str | None, dict]]:
+    """kind -> (archive showing it, the member it must name, reader bounds)."""
+    out = {}
+
+    def variant(kind: str, member: str | None, mutate, **bounds) -> None:
+        path = tmp_path / f"{kind}.zip"
+        path.write_bytes(sealed.read_bytes())
+        mutate(path)
+        out[kind] = (path, member, bounds)
+
+    variant("incomplete", MANIFEST_NAME, lambda p: rewrite(p, drop={MANIFEST_NAME}))
+    variant("manifest", MANIFEST_NAME, lambda p: rewrite(p, replace={MANIFEST_NAME: b"{"}))
+    variant("too-large", None, lambda p: None, max_total_bytes=100)
+    with pytest.warns(UserWarning, match="Duplicate name"):
+        variant("duplicate", "plan.json", lambda p: append_entry(p, "plan.json", b"{}"))
+    variant("unsafe", "../evil", lambda p: append_entry(p, "../evil", b"x"))
+    link = zipfile.ZipInfo("link")
+    link.create_system, link.external_attr = 3, (stat.S_IFLNK | 0o777) << 16
+    variant("symlink", "link", lambda p: append_entry(p, link, b"/etc/passwd"))
+    variant("extra", "extra/x.json", lambda p: append_entry(p, "extra/x.json", b"{}"))
+    variant("size", "plan.json", lambda p: edit_manifest(p, lambda m: m["members"]["plan.json"].update(size=1)))
+
+    def crc(p: Path) -> None:
+        with zipfile.ZipFile(p) as zf:
+            info = zf.getinfo("logits/00000.npy")
+        raw = bytearray(p.read_bytes())
+        raw[data_offset(raw, info) + 5] ^= 0x01
+        p.write_bytes(raw)
+
+    variant("unreadable", "logits/00000.npy", crc)
+    variant("altered", "episodes/00001.json",
+            lambda p: rewrite(p, replace={"episodes/00001.json": canonical_json({**EPISODES[1], "index": 7})}))
+    variant("missing", "logits/00001.npy", lambda p: rewrite(p, drop={"logits/00001.npy"}))
+    return out
+
+
+def test_every_problem_kind_names_its_member(sealed: Path, tmp_path: Path):
+    archives = _problem_archives(sealed, tmp_path)
+    assert set(archives) == set(PROBLEM_KINDS)
+    for kind, (path, member, bounds) in archives.items():
+        found = problems_of(path, **bounds)
+        assert [p for p in found if p.kind == kind and p.member == member and (member is None or member in p.message)], (
+            kind, found)
+        assert all(p.member is not None for p in found if p.kind != "too-large"), found
+
+
+def test_problem_kinds_are_checked():
+    with pytest.raises(ValueError, match="not one of incomplete, manifest"):
+        Problem("x", "odd", "odd member x")
+    assert str(Problem("x", "extra", "extra member x")) == "extra member x"

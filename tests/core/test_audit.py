@@ -401,3 +401,41 @@ def test_memory_trace_must_back_the_stated_sampled_peak(tmp_path):
     assert audit.problems == []  # on the CPU nothing is sampled
     audit.check_trace("traces/00000.npy", np.zeros(3), {"memory": {}})
     assert "(samples, 2)" in audit.problems[0]
+
+
+def test_a_member_named_inside_another_problem_is_still_trusted(screen, tmp_path):
+    """The auditor trusts by Problem.member, not by the words of the messages: a hostile entry
+    whose name spells out intact members does not make the audit drop them (it did while the
+    auditor split its messages into words)."""
+    path = tmp_path / "words.zip"
+    shutil.copy(screen["path"], path)
+    hostile = "x protocol.json plan.json episodes/00003.json logits/00003.npy verdicts.json"
+    with zipfile.ZipFile(path, "a") as zf:
+        zf.writestr(hostile, b"{}")
+    report = audit_archive(path)
+    assert report.problems == [f"unsafe member name {hostile} (has characters outside [A-Za-z0-9._/-])"]
+    clean = audit_archive(screen["path"]).record
+    assert report.record["protocol_sha256"] == clean["protocol_sha256"]
+    assert report.record["episodes"] == clean["episodes"] == 10
+    assert report.record["verdicts"] == clean["verdicts"]
+    assert not report.agrees  # the hostile entry itself is still a problem
+
+
+@pytest.mark.parametrize("member, expected", [
+    ("logits/00003.npy", "episodes/00003.json: logits do not cover every call"),
+    ("episodes/00004.json", "episode 4 has no readable record (episodes/00004.json)"),
+    ("plan.json", "plan.json is missing or unreadable"),
+    ("protocol.json", "cannot recompute: no readable protocol.json"),
+])
+def test_exactly_the_members_verify_names_are_distrusted(screen, tmp_path, member, expected):
+    """An altered member (sha256 mismatch) is not used for recomputation; its neighbours are."""
+    data = members(screen["path"])
+    path = tmp_path / "altered.zip"
+    with zipfile.ZipFile(path, "w") as zf:
+        for name, raw in data.items():
+            zf.writestr(name, raw[:-1] + bytes([raw[-1] ^ 1]) if name == member else raw)
+    report = audit_archive(path)
+    assert f"altered member {member} (sha256 mismatch)" in report.problems
+    assert expected in report.problems
+    if member != "protocol.json":
+        assert report.record["protocol_sha256"] is not None

@@ -130,13 +130,15 @@ def test_schema2_frozen_form_fills_every_default():
 
 def test_expand_upgrades_schema1_to_the_full_form():
     v1 = freeze(raw()).body
-    full = expand(v1)
+    proto = expand(v1)
+    full = proto.full_dict()
     assert full["schema"] == 2 and validate(v1) == v1
     assert full["warmups"] == {"dense-stream": 1, "packet": 1}
     assert full["gates"]["acquisition"] == [{"control": "dense-stream", "max_ratio": 0.5, "phase": "all"}]
     assert all(c["params"] == {} for c in full["conditions"])
-    assert validate(full) == v1  # the lowest schema that says it
-    assert expand(full) == full
+    assert validate(proto.full_dict()) == v1  # the lowest schema that says it
+    assert expand(proto.full_dict()) == proto and expand(proto) is proto
+    assert proto.body_dict() == v1 and proto.sha256 == freeze(raw()).sha256
 
 
 def test_synth_shapes_match_the_engine():
@@ -366,3 +368,21 @@ def test_expand_refuses_a_damaged_body():
     body["gates"]["acquisition"]["max_ratio"] = "half"
     with pytest.raises(ProtocolError, match="`gates.acquisition.max_ratio`: 'half' is not a finite number"):
         expand(body)
+
+
+def test_placement_is_frozen_only_when_given():
+    """placement (schema 2) keeps every older hash: absent or empty, it is left out."""
+    base = freeze(v2())
+    assert freeze(v2(placement={})).sha256 == base.sha256 == freeze(v2(placement={"exclusive_node": False})).sha256
+    pinned = freeze(v2(placement={"accelerator_type": "H200", "exclusive_node": True}))
+    assert pinned.sha256 != base.sha256 and pinned.body["placement"] == {"accelerator_type": "H200", "exclusive_node": True}
+    p = expand(pinned.body)
+    assert (p.placement.accelerator_type, p.placement.node, p.placement.exclusive_node) == ("H200", None, True)
+    assert expand(base.body).placement.accelerator_type is None
+    with_v1 = raw()
+    with_v1["placement"] = {"node": "abc"}
+    assert freeze(with_v1).body["schema"] == 2  # schema 1 cannot say where to run
+    with pytest.raises(ProtocolError, match="`placement.exclusive_node`: 'yes' is not allowed; use true or false"):
+        freeze(v2(placement={"exclusive_node": "yes"}))
+    with pytest.raises(ProtocolError, match="`placement.gpu`: unknown field"):
+        freeze(v2(placement={"gpu": "H200"}))

@@ -16,7 +16,7 @@ from db.models import Base
 from db.session import make_engine
 from db.store import Store
 
-TABLES = {"protocols", "machines", "screens", "attempts", "episodes", "verdicts", "audits"}
+TABLES = {"protocols", "machines", "screens", "attempts", "episodes", "verdicts", "audits", "dispatchers"}
 
 
 def revisions_oldest_first() -> list[str]:
@@ -151,3 +151,66 @@ def test_database_from_a_newer_packbench_is_refused(db_url):
         assert_refused(store, "9999_future", "a newer packbench wrote it")
         with pytest.raises(SchemaNotAtHead, match="a newer packbench wrote it"):
             store.upgrade()
+
+
+def _rows(url: str, sql: str) -> list[tuple]:
+    engine = make_engine(url)
+    try:
+        with engine.connect() as connection:
+            return [tuple(row) for row in connection.execute(text(sql))]
+    finally:
+        engine.dispose()
+
+
+def _run(url: str, *statements: str) -> None:
+    engine = make_engine(url)
+    try:
+        with engine.begin() as connection:
+            for statement in statements:
+                connection.execute(text(statement))
+    finally:
+        engine.dispose()
+
+
+def test_job_queue_revision_keeps_stored_attempts(db_url):
+    """0004 rebuilds attempts on SQLite (a new CHECK): rows, their children and foreign keys
+    survive both ways; stored attempts get keys; lost/cancelled become interrupted going down."""
+    with Store(db_url) as store:
+        store.upgrade("0003_screen_prompt_file")
+    when = "'2026-01-01 00:00:00'"
+    _run(db_url,
+         f"INSERT INTO protocols (id, sha256, name, canonical_json, created_at) VALUES (1, '{'a' * 64}', 'p', '{{}}', {when})",
+         f"INSERT INTO screens (id, protocol_id, status, repetitions, submitter, created_at) VALUES (1, 1, 'done', 1, 'x', {when})",
+         *(f"INSERT INTO attempts (id, screen_id, number, worker, node, gpu_name, gpu_index, status, archive_path, "
+           f"source_freeze, started_at) VALUES ({i}, 1, {i}, 'w', 'n', 'g', 0, '{s}', 'a{i}.zip', '{{}}', {when})"
+           for i, s in ((1, "failed"), (2, "done"))),
+         "INSERT INTO episodes (attempt_id, plan_index, condition, role, prompt, status, tokens_json, n_tokens, "
+         "wall_s, call_s, h2d_weight_bytes, h2d_index_bytes, d2h_bytes, prefill_h2d_bytes, decode_h2d_bytes, "
+         "prefill_call_s, decode_call_s) VALUES (2, 0, 'c', 'scored', 0, 'ok', '[]', 0, 0, 0, 0, 0, 0, 0, 0, 0, 0)",
+         f"INSERT INTO audits (attempt_id, archive_sha256, digest, result, problems_json, machine, started_at, "
+         f"finished_at) VALUES (2, '{'d' * 64}', 'e', 'agree', '[]', 'm', {when}, {when})")
+    with Store(db_url) as store:
+        store.upgrade()
+        attempts = store.attempts(1)
+        assert [(a.number, a.status, a.archive_path) for a in attempts] == [(1, "failed", "a1.zip"), (2, "done", "a2.zip")]
+        assert len({a.attempt_key for a in attempts}) == 2 and all(len(a.attempt_key) == 32 for a in attempts)
+        assert len(store.episodes(2)) == 1 and len(store.audits(2)) == 1
+        screen = store.screen(1)
+        assert (screen.priority, screen.max_attempts, screen.attempts_used, screen.exclusive_node) == (0, 3, 0, False)
+        _run(db_url, "UPDATE attempts SET status = 'lost' WHERE id = 1")
+        store.downgrade("0003_screen_prompt_file")
+    assert _rows(db_url, "SELECT id, status FROM attempts ORDER BY id") == [(1, "interrupted"), (2, "done")]
+    assert _rows(db_url, "SELECT count(*) FROM episodes") == [(1,)]
+    # The old CHECK is back: the old statuses only.
+    with pytest.raises(Exception):
+        _run(db_url, "UPDATE attempts SET status = 'lost' WHERE id = 1")
+    if db_url.startswith("sqlite"):
+        assert _rows(db_url, "PRAGMA foreign_key_check") == []
+    with Store(db_url) as store:
+        store.upgrade()
+    assert schema_diff(db_url) == []
+    if db_url.startswith("sqlite"):
+        assert _rows(db_url, "PRAGMA foreign_key_check") == []
+        # The episode still references its attempt through a working foreign key.
+        with pytest.raises(Exception):
+            _run(db_url, "DELETE FROM attempts WHERE id = 2")

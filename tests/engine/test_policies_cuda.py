@@ -18,6 +18,7 @@ pytestmark = pytest.mark.gpu
 
 PROMPT = [2] + list(range(10, 73))  # 64 tokens
 CONTINUATION = 8
+PARAMS = {"row-retention": {"rows_per_layer": 1024}}
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +36,8 @@ def test_cuda_policies_bit_identical(dtype, which, checkpoints, checkpoint_125m)
     ref = run_episode(model, PROMPT, continuation=CONTINUATION)
     again = run_episode(model, PROMPT, continuation=CONTINUATION)
     assert np.array_equal(ref.logits, again.logits), "the reference does not reproduce itself"
-    variants = [(name, {}) for name in POLICIES] + [("packet", {"gather": "device"})]
+    # Registry defaults; row-retention has none (a protocol must state it): 1024 rows a layer.
+    variants = [(name, PARAMS.get(name, {})) for name in POLICIES] + [("packet", {"gather": "device"})]
     for name, params in variants:
         model.use(name, **params)
         out = run_episode(model, PROMPT, continuation=CONTINUATION)

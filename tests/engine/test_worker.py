@@ -1,5 +1,7 @@
 """The plain worker behind the Ray actor: failures are recorded and survived; recording can be off."""
 
+import time
+
 import numpy as np
 
 from core.plan import plan, prompts
@@ -63,3 +65,27 @@ def test_recording_off_keeps_logits_and_drops_the_ledger(tiny):
         assert b["h2d_weight_bytes"] == 0 and b["d2h_bytes"] == 0
         assert [c["wall_s"] > 0 for c in b["calls"]] == [True] * 3  # calls are still timed
     assert sum(a["h2d_weight_bytes"] for a in on if a["status"] == "ok") > 0
+
+
+def test_a_worker_keeps_its_model_across_screens_of_the_same_checkpoint(tiny, checkpoints):
+    """Warm reuse: same checkpoint and dtype -> the model object is kept and logits are identical;
+    another dtype, another checkpoint or reuse=False -> a cold load."""
+    worker = Worker(device="cpu")
+    b = body(tiny, conditions=[{"policy": "dense-stream"}, {"policy": "packet"}])
+    first = worker.load(b, str(tiny))
+    model = worker.model
+    ids = prompts(b, vocab=first["vocab"])
+    cold = [worker.run(e, ids[e["prompt"]]) for e in plan(b)]
+    t_before = time.perf_counter()
+    second = worker.load(body(tiny, conditions=[{"policy": "dense-stream"}, {"policy": "packet"}], allowance_mib=32),
+                         str(tiny))
+    assert (first["model_state"], second["model_state"]) == ("cold", "warm") and worker.model is model
+    assert second["allowance_bytes"] == 32 << 20 and second["read_s"] == first["read_s"]  # measured where it happened
+    warm = [worker.run(e, ids[e["prompt"]]) for e in plan(b)]
+    since = time.perf_counter() - t_before
+    for a, w in zip(cold, warm):
+        assert a["tokens"] == w["tokens"] and np.array_equal(a["logits"], w["logits"])
+        assert 0 < w["first_logit_since_entry_s"] <= since  # the clock restarted at the second load
+    assert worker.load(b, str(tiny), reuse=False)["model_state"] == "cold" and worker.model is not model
+    other = worker.load(body(checkpoints["float16"], dtype="float16"), str(checkpoints["float16"]))
+    assert other["model_state"] == "cold" and worker.model.dtype != model.dtype

@@ -1,30 +1,36 @@
-"""Protocols: a YAML screen description, validated, canonicalised and frozen by SHA-256.
+"""The protocol schema: a YAML mapping or any frozen body validated into the full schema-2 form.
 
-The frozen form is the validated dict with every default filled in; its canonical JSON
-(core.canonical) is what the hash covers, so key order, comments and whitespace in the YAML
-never change the hash, while any change of meaning does. See docs/protocol.md.
-
-Two schema versions exist. Schema 1 is what packbench 0.1 froze (inline or generated prompts,
-resident/dense-stream/packet, faithfulness and whole-episode acquisition gates). Schema 2 adds
-everything else. A protocol is frozen in the LOWEST schema that expresses its meaning, so every
-protocol that schema 1 could say keeps its old hash; `expand` turns any frozen body into the
-full schema-2 form that the plan and the gates read.
+`validate` gives the frozen form (the lowest schema that says the meaning, see compat.py);
+`full_form` gives the full schema-2 dict that `core.protocol.spec.Protocol` is built from.
+Every rule a field obeys is written once, here; docs/protocol.md describes them for users.
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
 import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import yaml
-
-from core.canonical import canonical_json, sha256_hex
 from core.errors import ProtocolError
+from core.protocol.compat import schema1_form
+from core.protocol.fields import (_bool, _choice, _fail, _int, _join, _mapping, _number, _optional_mapping, _show,
+                                  _string, _token_lists)
+from core.protocol.prompt_files import TEXT_SEPARATOR, read_prompt_file
+# Policies and their parameters, dtypes and synthetic shapes live in one registry shared with the
+# engine and the CLI; re-exported here for code that imports them from core.protocol.
+from core.registry import (
+    DTYPE_NAMES,
+    POLICY_NAMES,
+    POLICY_PARAMS,
+    SYNTH_SHAPES,
+    ChoiceParam,
+    IntParam,
+    SynthArgumentError,
+    synth_spec,
+)
 
 SCHEMA_VERSION = 2  # the newest schema this packbench reads and writes
 MIB = 1 << 20
@@ -34,118 +40,13 @@ MAX_TOKENS = 1 << 16  # prefix_tokens, continuation_tokens
 MAX_EPISODES = 100_000  # planned episodes, warmups included
 
 
-@dataclass(frozen=True)
-class IntParam:
-    """An integer policy parameter; `default` None means the condition must give it."""
-
-    minimum: int
-    default: int | None = None
-
-
-@dataclass(frozen=True)
-class ChoiceParam:
-    """A policy parameter taking one of `choices`; omitted, it is left out of the frozen form
-    (so protocols written before the parameter existed keep their hash)."""
-
-    choices: tuple[str, ...]
-    default: str
-
-
-# Loader policies and their parameters (a plain registry, as engine.policies.POLICIES).
-POLICY_PARAMS: dict[str, dict[str, IntParam | ChoiceParam]] = {
-    "resident": {},
-    "dense-stream": {},
-    "sparse-extents": {"block_rows": IntParam(minimum=1, default=128)},
-    "packet": {"gather": ChoiceParam(choices=("host", "device"), default="host")},
-    "phase-switched": {},
-    "row-retention": {"rows_per_layer": IntParam(minimum=1)},
-    "early-forecast": {},
-}
-POLICY_NAMES = tuple(POLICY_PARAMS)
-DTYPE_NAMES = ("float32", "float16", "bfloat16")
-# Synthetic checkpoint shapes; engine/shapes.py holds their dimensions (tests keep the two equal).
-SYNTH_SHAPES = ("tiny", "opt-125m", "opt-1.3b", "opt-2.7b", "opt-6.7b", "opt-13b")
 ORDERS = ("alternating", "abba", "latin-square")
 PHASES = ("all", "prefill", "decode")
 GATE_NAMES = ("faithfulness", "resources", "capacity", "acquisition", "runtime", "useful_latency")
 PROMPT_SOURCES = ("token_ids", "token_file", "text_file", "generator")
-TEXT_SEPARATOR = "---"  # a line holding only this separates prompts in a text_file
 
-_SCHEMA1_POLICIES = ("resident", "dense-stream", "packet")
 _CONDITION_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 _SHA256 = re.compile(r"[0-9a-f]{64}")
-
-
-# ----------------------------------------------------------------------------- field checks
-
-
-def _fail(path: str, message: str) -> None:
-    raise ProtocolError(f"protocol field `{path}`: {message}")
-
-
-def _join(path: str, key: str) -> str:
-    return f"{path}.{key}" if path else key
-
-
-def _mapping(value: Any, path: str, *, allowed: dict[str, bool]) -> dict:
-    """Check `value` is a mapping with only `allowed` keys (key -> required)."""
-    if not isinstance(value, dict):
-        _fail(path, f"expected a mapping, got {_show(value)}")
-    for key in value:
-        if key not in allowed:
-            _fail(_join(path, str(key)), f"unknown field; allowed fields are {', '.join(sorted(allowed))}")
-    for key, required in allowed.items():
-        if required and key not in value:
-            _fail(_join(path, key), "is required")
-    return value
-
-
-def _optional_mapping(value: Any, path: str, *, allowed: dict[str, bool]) -> dict:
-    """A gate written as `name:` (null) or `name: {}` means: the gate with its defaults."""
-    return _mapping({} if value is None else value, path, allowed=allowed)
-
-
-def _show(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
-
-
-def _int(value: Any, path: str, *, minimum: int, maximum: int | None = None) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum or (
-            maximum is not None and value > maximum):
-        bound = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
-        _fail(path, f"{_show(value)} is not an integer {bound}")
-    return value
-
-
-def _number(value: Any, path: str, *, minimum: float, exclusive: bool = False, maximum: float | None = None) -> float:
-    ok = not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
-    ok = ok and (value > minimum if exclusive else value >= minimum)
-    ok = ok and (maximum is None or value < maximum)
-    if not ok:
-        bound = f"> {minimum}" if exclusive else f">= {minimum}"
-        if maximum is not None:
-            bound += f" and < {maximum}"
-        _fail(path, f"{_show(value)} is not a finite number {bound}")
-    return float(value)
-
-
-def _bool(value: Any, path: str) -> bool:
-    if not isinstance(value, bool):
-        _fail(path, f"{_show(value)} is not allowed; use true or false")
-    return value
-
-
-def _choice(value: Any, path: str, choices: tuple[str, ...]) -> str:
-    if not isinstance(value, str) or value not in choices:
-        _fail(path, f"{_show(value)} is not allowed; use one of {', '.join(choices)}")
-    return value
-
-
-def _string(value: Any, path: str, what: str) -> str:
-    if not isinstance(value, str) or not value.strip():
-        _fail(path, f"{_show(value)} is not allowed; expected {what}")
-    return value
 
 
 # ----------------------------------------------------------------------------- sections
@@ -159,61 +60,10 @@ def _model(value: Any) -> dict:
         return {"path": _string(m["path"], "model.path", "a path to a local Hugging Face OPT directory")}
     s = _mapping(m["synth"], "model.synth", allowed={
         "shape": True, "dtype": True, "sparsity": True, "seed": True, "hot_fraction": False, "hot_bias": False})
-    return {"synth": {
-        "shape": _choice(s["shape"], "model.synth.shape", SYNTH_SHAPES),
-        "dtype": _choice(s["dtype"], "model.synth.dtype", DTYPE_NAMES),
-        "sparsity": _number(s["sparsity"], "model.synth.sparsity", minimum=0.0, exclusive=True, maximum=1.0),
-        "seed": _int(s["seed"], "model.synth.seed", minimum=0),
-        "hot_fraction": _number(s.get("hot_fraction", 0.0), "model.synth.hot_fraction", minimum=0.0, maximum=1.0),
-        "hot_bias": _number(s.get("hot_bias", 0.0), "model.synth.hot_bias", minimum=-math.inf),
-    }}
-
-
-def _token_lists(ids: Any, path: str) -> list[list[int]]:
-    if not isinstance(ids, list) or not ids:
-        _fail(path, f"{_show(ids)} is not allowed; expected a non-empty list of token-id lists")
-    for i, prompt in enumerate(ids):
-        if not isinstance(prompt, list) or not prompt:
-            _fail(f"{path}[{i}]", f"{_show(prompt)} is not allowed; expected a non-empty list of token ids")
-        for j, t in enumerate(prompt):
-            _int(t, f"{path}[{i}][{j}]", minimum=0)
-    return ids
-
-
-def split_texts(text: str) -> list[str]:
-    """The prompts of a text_file: blocks separated by lines holding only `---`, stripped."""
-    blocks, current = [], []
-    for line in text.splitlines():
-        if line.strip() == TEXT_SEPARATOR:
-            blocks.append("\n".join(current))
-            current = []
-        else:
-            current.append(line)
-    blocks.append("\n".join(current))
-    return [b.strip() for b in blocks if b.strip()]
-
-
-def read_prompt_file(kind: str, path: Path, *, field: str) -> tuple[bytes, list]:
-    """Bytes and parsed prompts of a token_file (id lists) or text_file (texts)."""
     try:
-        data = Path(path).read_bytes()
-    except OSError as e:
-        raise ProtocolError(f"protocol field `{field}`: cannot read {path} ({e.strerror}); "
-                            f"paths are relative to the protocol file") from None
-    if kind == "token_file":
-        try:
-            ids = json.loads(data.decode("utf-8"))
-        except (UnicodeDecodeError, ValueError) as e:
-            raise ProtocolError(f"protocol field `{field}`: {path} is not JSON ({e}); "
-                                f"write a list of token-id lists") from None
-        return data, _token_lists(ids, f"{field} ({Path(path).name})")
-    try:
-        texts = split_texts(data.decode("utf-8"))
-    except UnicodeDecodeError:
-        raise ProtocolError(f"protocol field `{field}`: {path} is not UTF-8 text") from None
-    if not texts:
-        _fail(field, f"{path} holds no text; write prompts separated by `{TEXT_SEPARATOR}` lines")
-    return data, texts
+        return {"synth": synth_spec(**s)}
+    except SynthArgumentError as e:
+        _fail(f"model.synth.{e.arg}", e.reason)
 
 
 def _prompt_file(kind: str, value: Any, *, base_dir: Path | None, prefix_tokens: int) -> dict:
@@ -371,38 +221,20 @@ def _gates(value: Any, names: tuple[str, ...]) -> dict:
     return out
 
 
-# ----------------------------------------------------------------------------- schema 1 <-> 2
-
-
-def _schema1(full: dict) -> dict | None:
-    """The schema-1 body with the same meaning as `full`, or None when schema 1 cannot say it."""
-    gates = full["gates"]
-    acq = gates.get("acquisition", [{"phase": "all"}])
-    expressible = (
-        "path" in full["model"]
-        and ("token_ids" in full["prompts"] or "generator" in full["prompts"])
-        and all(c["policy"] in _SCHEMA1_POLICIES and not c["params"] for c in full["conditions"])
-        and len(set(full["warmups"].values())) == 1
-        and full["repetitions"] == 1 and full["order"] == "alternating" and full["baseline_first"]
-        and full["recording"]
-        and set(gates) <= {"faithfulness", "acquisition"}
-        and len(acq) == 1 and acq[0]["phase"] == "all"
-    )
-    if not expressible:
-        return None
-    v1_gates: dict[str, dict] = {}
-    if "faithfulness" in gates:
-        v1_gates["faithfulness"] = dict(gates["faithfulness"])
-    if "acquisition" in gates:
-        v1_gates["acquisition"] = {"control": acq[0]["control"], "max_ratio": acq[0]["max_ratio"]}
-    return {
-        "schema": 1, "name": full["name"], "model": dict(full["model"]), "dtype": full["dtype"],
-        "prompts": full["prompts"], "prefix_tokens": full["prefix_tokens"],
-        "continuation_tokens": full["continuation_tokens"],
-        "conditions": [{"name": c["name"], "policy": c["policy"]} for c in full["conditions"]],
-        "reference": full["reference"], "warmups": next(iter(full["warmups"].values())),
-        "allowance_mib": full["allowance_mib"], "gates": v1_gates,
-    }
+def _placement(value: Any) -> dict:
+    """Where a screen may run: a GPU type (Ray's accelerator_type, e.g. H200), a node (Ray node
+    id), and whether it wants its node to itself. Only what is given is kept."""
+    if value is None:
+        return {}
+    p = _mapping(value, "placement", allowed={"accelerator_type": False, "node": False, "exclusive_node": False})
+    out: dict[str, Any] = {}
+    if "accelerator_type" in p:
+        out["accelerator_type"] = _string(p["accelerator_type"], "placement.accelerator_type", "a GPU type, e.g. H200")
+    if "node" in p:
+        out["node"] = _string(p["node"], "placement.node", "a Ray node id (`ray list nodes`)")
+    if _bool(p.get("exclusive_node", False), "placement.exclusive_node"):
+        out["exclusive_node"] = True
+    return out
 
 
 def _full(raw: Any, *, base_dir: Path | None) -> dict:
@@ -411,7 +243,7 @@ def _full(raw: Any, *, base_dir: Path | None) -> dict:
         "schema": False, "name": True, "model": True, "dtype": True, "prompts": True, "prefix_tokens": True,
         "continuation_tokens": True, "conditions": True, "reference": True, "warmups": False,
         "repetitions": False, "order": False, "baseline_first": False, "allowance_mib": True,
-        "recording": False, "gates": True,
+        "recording": False, "gates": True, "placement": False,
     })
     declared = p.get("schema", SCHEMA_VERSION)
     if isinstance(declared, bool) or declared not in (1, 2):
@@ -437,8 +269,11 @@ def _full(raw: Any, *, base_dir: Path | None) -> dict:
         "recording": _bool(p.get("recording", True), "recording"),
         "gates": _gates(p["gates"], names),
     }
+    placement = _placement(p.get("placement"))
+    if placement:  # absent or empty: left out, so protocols written before it keep their hash
+        full["placement"] = placement
     _cross_checks(full)
-    if declared == 1 and _schema1(full) is None:
+    if declared == 1 and schema1_form(full) is None:
         _fail("schema", "1 cannot express this protocol (it uses schema-2 fields); write schema: 2 or drop the field")
     return full
 
@@ -452,7 +287,7 @@ def _cross_checks(full: dict) -> None:
     if "faithfulness" in gates and full["warmups"][ref] == 0 and full["repetitions"] == 1:
         _fail(f"warmups.{ref}", f"0 leaves the reference {ref!r} nothing to reproduce itself against; "
                                 f"declare >= 1 reference warmup or repetitions >= 2")
-    episodes = sum(full["warmups"].values()) + full["repetitions"] * _count(full["prompts"]) * len(full["conditions"])
+    episodes = sum(full["warmups"].values()) + full["repetitions"] * prompt_total(full["prompts"]) * len(full["conditions"])
     if episodes > MAX_EPISODES:
         _fail("repetitions", f"the plan would hold {episodes} episodes, more than {MAX_EPISODES}; "
                              f"split the screen into shorter protocols")
@@ -468,103 +303,22 @@ def validate(raw: Any, *, base_dir: Path | None = None) -> dict:
     body) those must already be in the body. A frozen body validates to itself.
     """
     full = _full(raw, base_dir=base_dir)
-    return _schema1(full) or full
+    return schema1_form(full) or full
 
 
-def expand(body: dict) -> dict:
-    """The full schema-2 form of a frozen body of any schema (defaults filled, v1 upgraded).
+def full_form(body: Any) -> dict:
+    """The full schema-2 dict of a frozen body of any schema (defaults filled, v1 upgraded).
 
-    The plan and the gates read this form. Raises ProtocolError for a body that is not a valid
-    frozen protocol (say, a damaged archive's protocol.json).
+    Raises ProtocolError for a body that is not a valid frozen protocol (say, a damaged
+    archive's protocol.json). `core.protocol.expand` wraps this in the typed `Protocol`.
     """
     return _full(body, base_dir=None)
 
 
-def prompt_count(body: dict) -> int:
-    """How many distinct prompts the protocol declares (known without reading any file)."""
-    return _count(expand(body)["prompts"])
-
-
-def _count(spec: dict) -> int:
+def prompt_total(spec: dict) -> int:
     if "token_ids" in spec:
         return len(spec["token_ids"])
     (value,) = spec.values()
     return value["count"]
 
 
-# ----------------------------------------------------------------------------- freezing
-
-
-@dataclass(frozen=True)
-class FrozenProtocol:
-    """A validated protocol and its identity. `source` is where it was read (not hashed)."""
-
-    body: dict
-    sha256: str
-    source: Path | None = None
-
-    @property
-    def name(self) -> str:
-        return self.body["name"]
-
-    @property
-    def canonical(self) -> bytes:
-        return canonical_json(self.body)
-
-    def _resolve(self, rel: str) -> Path:
-        path = Path(rel).expanduser()
-        if not path.is_absolute() and self.source is not None:
-            path = self.source.parent / path
-        return path.resolve()
-
-    def model_dir(self) -> Path | None:
-        """model.path, resolved against the protocol file's folder when relative; None for a
-        synthetic model (the worker generates it from model.synth)."""
-        model = self.body["model"]
-        return self._resolve(model["path"]) if "path" in model else None
-
-    def prompt_file(self) -> Path | None:
-        """The token_file/text_file, resolved like model.path; None for inline or generated prompts."""
-        spec = self.body["prompts"]
-        for kind in ("token_file", "text_file"):
-            if kind in spec:
-                return self._resolve(spec[kind]["path"])
-        return None
-
-
-def freeze(raw: Any, *, source: Path | None = None) -> FrozenProtocol:
-    """Validate and freeze. `source` is the protocol file (its folder resolves relative paths)."""
-    body = validate(raw, base_dir=None if source is None else Path(source).parent)
-    return FrozenProtocol(body=body, sha256=sha256_hex(canonical_json(body)), source=source)
-
-
-class _UniqueKeyLoader(yaml.SafeLoader):
-    """safe_load that refuses a key given twice (YAML would silently keep the last one)."""
-
-
-def _construct_mapping(loader: _UniqueKeyLoader, node: yaml.MappingNode, deep: bool = False) -> dict:
-    seen: set = set()
-    for key_node, _ in node.value:
-        key = loader.construct_object(key_node, deep=True)
-        if key in seen:
-            raise ProtocolError(f"protocol line {key_node.start_mark.line + 1}: key `{key}` is given twice; keep one")
-        seen.add(key)
-    return loader.construct_mapping(node, deep=deep)
-
-
-_UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
-
-
-def load(path: Path) -> FrozenProtocol:
-    """Read, validate and freeze a protocol YAML file."""
-    path = Path(path)
-    if not path.is_file():
-        raise ProtocolError(
-            f"no protocol file at {path}; pass the path of a protocol YAML (see protocols/quickstart.yaml)")
-    try:
-        raw = yaml.load(path.read_text(), Loader=_UniqueKeyLoader)  # a SafeLoader subclass: no arbitrary objects
-    except yaml.YAMLError as e:
-        where = getattr(e, "problem_mark", None)
-        at = f" at line {where.line + 1}" if where is not None else ""
-        raise ProtocolError(f"{path} is not valid YAML{at}; fix the syntax") from None
-    return freeze(raw, source=path.resolve())

@@ -1,0 +1,452 @@
+"""The dispatcher: drains the database queue onto a pool of GPU worker actors.
+
+The database is the record and the queue; Ray is the transport and the placement engine.
+
+- One worker actor per GPU of the cluster (or `workers`), kept across screens: a worker keeps
+  its loaded checkpoint for the next screen of the same model (`model_state` warm/cold).
+- Each idle worker claims one screen (`Store.claim_screen`: atomic, a lease). Screens run
+  concurrently, one per worker; a screen's episodes run in plan order on its worker, submitted
+  one ahead so the worker never waits for the driver. `ray.wait` over every in-flight call.
+- Leases are renewed every third of their length; a renewal refused means the screen was
+  cancelled (stop after the episode in flight, attempt `cancelled`) or the attempt was reaped
+  as lost (stop touching it). Expired leases of any dispatcher are reaped here too.
+- A worker that dies fails its attempt with a cause naming it, and the screen is requeued
+  (up to its max_attempts); a replacement actor is started.
+- SIGINT/SIGTERM: stop claiming, give every held attempt back (`interrupted`, requeued), exit.
+
+Ray retries are off everywhere (max_restarts=0, max_task_retries=0): ordering comes from the
+database, never from Ray's retries (shared/ray.md).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import platform
+import signal
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from core.errors import PackbenchError
+from db.errors import DatabaseUnavailable
+from core.protocol import Protocol, expand
+from core.settings import Settings
+from core.source import source_freeze
+from service.screen import ScreenOutcome, ScreenRun, cause_of, is_bad_input
+from service.submit import screen_prompts
+
+log = logging.getLogger(__name__)
+
+LOOKAHEAD = 2  # episodes submitted to a worker at once: one running, one waiting
+
+
+@dataclass
+class Slot:
+    """One worker actor and what the dispatcher knows of it."""
+
+    name: str
+    actor: Any
+    env: dict = field(default_factory=dict)  # describe(): host, pid, gpu, node_id, gpu_uuid, ...
+    gpu_type: str | None = None  # Ray's accelerator_type of its node, e.g. "H200"
+    active: "Active | None" = None
+    placing_since: float | None = None  # set while Ray has not placed it yet
+
+    @property
+    def node(self) -> str:
+        """Ray node id: distinct for two nodes on one host (hostnames are not)."""
+        return self.env.get("node_id", "")
+
+    @property
+    def ready(self) -> bool:
+        return self.placing_since is None
+
+    def describe(self) -> dict:
+        """As `packbench status` lists it (Store.heartbeat)."""
+        return {"name": self.name, "node": self.node, "host": self.env.get("host", ""),
+                "gpu": self.env.get("gpu") or "cpu", "gpu_index": _gpu_index(self.env),
+                "state": "busy" if self.active else "idle",
+                **({"screen_id": self.active.run.screen.id} if self.active else {})}
+
+
+@dataclass
+class Active:
+    """A screen running on a slot."""
+
+    slot: Slot
+    run: ScreenRun
+    protocol: Protocol
+    entries: list[dict] = field(default_factory=list)
+    token_ids: list[list[int]] = field(default_factory=list)
+    submitted: int = 0  # episodes handed to the worker
+    inflight: int = 0  # calls not back yet (load included)
+    stop: str | None = None  # cancelled | lost: no more episodes are submitted
+
+
+def _gpu_index(env: dict) -> int:
+    return int((env.get("gpu_index") or "-1").split(",")[0])
+
+
+class Dispatcher:
+    """Drain the queue (or serve it, `follow`) onto a pool of GPU workers."""
+
+    def __init__(self, store, settings: Settings, *, workers: int | None = None, follow: bool = False,
+                 lease_s: float = 60.0, only_screen: int | None = None,
+                 progress: Callable[[str], None] = lambda msg: None,
+                 on_outcome: Callable[[ScreenOutcome], None] = lambda outcome: None,
+                 worker_class: Any = None) -> None:
+        self.store, self.settings = store, settings
+        self.workers, self.follow, self.lease_s = workers, follow, lease_s
+        self.only_screen = only_screen
+        self.progress, self.on_outcome = progress, on_outcome
+        self.worker_class = worker_class  # tests and the simulator pass their own actor class
+        self.slots: list[Slot] = []
+        self.refs: dict[Any, tuple[str, Slot]] = {}  # in-flight ref -> (kind, slot)
+        self.outcomes: list[ScreenOutcome] = []
+        self.stopping: str | None = None  # SIGINT | SIGTERM | database, or set by a caller to stop
+        self.fatal: str | None = None  # why the dispatcher had to stop (the database stayed down)
+        self.done = False
+        self.freeze = source_freeze()
+        self.id: int | None = None
+        self._next_upkeep = 0.0
+        self._started = 0
+
+    # ------------------------------------------------------------------------- lifecycle
+
+    def run(self) -> list[ScreenOutcome]:
+        """Until drained (or stopped); returns what became of every screen this dispatcher ran."""
+        from cluster.runtime import ensure_ray
+
+        self.ray = ensure_ray(self.settings)
+        self.id = self.store.register_dispatcher(f"dispatch-{platform.node()}-{os.getpid()}", platform.node(),
+                                                 pid=os.getpid())
+        # Signals reach the main thread only; a dispatcher in another thread (tests) is stopped by
+        # setting `stopping`.
+        main = threading.current_thread() is threading.main_thread()
+        previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)} if main else {}
+        try:
+            self._start_pool()
+            while not self.stopping:
+                try:
+                    self._step()
+                except DatabaseUnavailable as e:
+                    # Retried with backoff already (Store): stop claiming; the archives hold every
+                    # finished episode; leases expire and a later dispatcher requeues the screens.
+                    self.stopping, self.fatal = "database", str(e)
+                    held = [str(s.active.run.archive_path) for s in self.slots if s.active]
+                    log.error("database unavailable; stopping. Archives kept as evidence: %s", ", ".join(held) or "none")
+                    break
+                if self.done:
+                    break
+        finally:
+            self._shutdown()
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+        return self.outcomes
+
+    def _step(self) -> None:
+        """One turn: upkeep, claims for idle workers, then whatever the workers returned."""
+        self._upkeep()
+        claimed = self._fill_idle_slots()
+        if self._finished(claimed):
+            self.done = True
+            return
+        if not self.refs:
+            time.sleep(0.2)
+            return
+        ready, _ = self.ray.wait(list(self.refs), num_returns=len(self.refs), timeout=0.2)
+        for ref in ready:
+            self._handle(ref)
+
+    def _on_signal(self, signum, frame) -> None:  # noqa: ARG002 (signal handler signature)
+        self.stopping = signal.Signals(signum).name
+        log.warning("%s: giving back held screens and stopping", self.stopping)
+
+    def _finished(self, claimed: bool) -> bool:
+        """Drained: nothing runs, nothing was claimable, no worker is on its way. With
+        `only_screen`: that screen has ended (or it cannot run: no worker at all)."""
+        if claimed or any(s.active for s in self.slots):
+            return False
+        if self.only_screen is not None:
+            if self.store.screen(self.only_screen).status in ("done", "failed", "cancelled"):
+                return True
+            return not self.slots  # every worker gone and none could be placed
+        if self.follow:
+            return False
+        # A worker still being placed may yet take a screen the others cannot (its GPU type or
+        # node): wait for it while screens are queued (bounded by the placement timeout).
+        return all(s.ready for s in self.slots) or not self.store.queued_screens()
+
+    def _shutdown(self) -> None:
+        reason = f"dispatcher stopped ({self.stopping})" if self.stopping else "dispatcher stopped"
+        for slot in self.slots:
+            active = slot.active
+            if active is not None and active.stop != "lost" and self.stopping != "database":
+                try:
+                    status = self.store.release(active.run.attempt.id, reason)
+                    self.progress(f"screen {active.run.screen.id}: attempt {active.run.attempt.number} "
+                                  f"interrupted, screen {status}")
+                except PackbenchError as e:
+                    log.error("could not give back screen %s: %s", active.run.screen.id, e)
+            self._kill(slot)
+        if self.id is not None and self.stopping != "database":
+            try:
+                self.store.stop_dispatcher(self.id)
+            except PackbenchError as e:
+                log.error("could not record the dispatcher's stop: %s", e)
+
+    def _kill(self, slot: Slot) -> None:
+        try:
+            self.ray.kill(slot.actor)
+        except Exception:  # already dead
+            pass
+
+    # ------------------------------------------------------------------------- the pool
+
+    def _gpus(self) -> int:
+        return max(1, int(self.ray.cluster_resources().get("GPU", 0)))
+
+    def _start_pool(self) -> None:
+        for _ in range(self.workers or self._gpus()):
+            self._add_slot()
+
+    def _add_slot(self) -> None:
+        from cluster.worker import start_worker
+
+        self._started += 1
+        name = f"worker-{self._started}"
+        if self.worker_class is not None:
+            actor = self.worker_class.options(num_gpus=1, num_cpus=0).remote()
+        else:
+            actor = start_worker(self.settings)
+        slot = Slot(name=name, actor=actor, placing_since=time.monotonic())
+        self.slots.append(slot)
+        self.refs[actor.describe.remote()] = ("describe", slot)
+
+    def _placed(self, slot: Slot, env: dict) -> None:
+        slot.env, slot.placing_since = env, None
+        slot.gpu_type = self._accelerator_types().get(slot.node)
+        twin = next((s for s in self.slots if s is not slot and s.ready and env.get("gpu_uuid")
+                     and s.env.get("gpu_uuid") == env["gpu_uuid"] and s.node == slot.node), None)
+        if twin is not None:
+            # Two workers on one physical GPU would contaminate each other's measurements.
+            log.warning("%s landed on the GPU of %s (%s); refused: one worker per GPU", slot.name, twin.name,
+                        env["gpu_uuid"])
+            self._drop(slot)
+            return
+        self.progress(f"{slot.name} ready on {env.get('host')} ({env.get('gpu') or 'cpu'}, node {slot.node[:8]})")
+
+    def _accelerator_types(self) -> dict[str, str]:
+        out = {}
+        for node in self.ray.nodes():
+            for key in node.get("Resources", {}):
+                if key.startswith("accelerator_type:"):
+                    out[node["NodeID"]] = key.split(":", 1)[1]
+        return out
+
+    def _drop(self, slot: Slot) -> None:
+        self._kill(slot)
+        self.slots.remove(slot)
+        for ref, (_, s) in list(self.refs.items()):
+            if s is slot:
+                del self.refs[ref]
+
+    # ------------------------------------------------------------------------- upkeep
+
+    def _upkeep(self) -> None:
+        """Every third of a lease: reap expired leases, renew ours, heartbeat, unplaced workers."""
+        now = time.monotonic()
+        if now < self._next_upkeep:
+            return
+        self._next_upkeep = now + self.lease_s / 3
+        for reaped in self.store.reap_expired():
+            self.progress(f"screen {reaped.screen_id}: attempt {reaped.attempt_id} lost (lease expired), "
+                          f"screen {reaped.screen_status}")
+        for slot in self.slots:
+            active = slot.active
+            if active is not None and active.stop is None and not self.store.renew_lease(active.run.attempt.id,
+                                                                                      self.lease_s):
+                self._refused(active)
+        for slot in [s for s in self.slots if not s.ready]:
+            if now - slot.placing_since > self.settings.placement_timeout_s:
+                log.warning("%s was not placed within %.0f s; dropped", slot.name, self.settings.placement_timeout_s)
+                self._drop(slot)
+        self.store.heartbeat(self.id, [s.describe() for s in self.slots if s.ready])
+        self._explain_unplaceable()
+
+    def _refused(self, active: Active) -> None:
+        """A renewal was refused: cancelled (finish after the episode in flight) or lost."""
+        attempt = next(a for a in self.store.attempts(active.run.screen.id) if a.id == active.run.attempt.id)
+        active.stop = "cancelled" if attempt.status == "running" else "lost"
+        self.progress(f"screen {active.run.screen.id}: {active.stop}; stopping after the episode in flight")
+        if active.inflight == 0:
+            self._end_stopped(active)
+
+    def _explain_unplaceable(self) -> None:
+        """Queued screens no worker of this pool can ever take say why in `packbench status`."""
+        ready = [s for s in self.slots if s.ready]
+        if not ready:
+            return
+        types = {s.gpu_type for s in ready if s.gpu_type}
+        nodes = {s.node for s in ready}
+        for screen in self.store.queued_screens():
+            reason = None
+            if screen.gpu_type and screen.gpu_type not in types:
+                reason = f"needs GPU type {screen.gpu_type}; this cluster's workers have {', '.join(sorted(types)) or 'none'}"
+            elif screen.placement_node and screen.placement_node not in nodes:
+                reason = f"needs node {screen.placement_node}, which has no worker"
+            elif screen.replica_group and len(self.store.replica_nodes(screen.replica_group)) >= len(nodes):
+                reason = f"its replicas need distinct nodes; the cluster has {len(nodes)} with workers"
+            if reason != screen.unplaceable_reason:
+                self.store.set_unplaceable(screen.id, reason)
+
+    # ------------------------------------------------------------------------- claiming
+
+    def _fill_idle_slots(self) -> bool:
+        claimed = False
+        if self.stopping:
+            return False
+        for slot in self.slots:
+            if not slot.ready or slot.active is not None:
+                continue
+            claim = self.store.claim_screen(
+                self.id, lease_s=self.lease_s, archive_dir=str(self.settings.archive_dir.resolve()),
+                source_freeze=self.freeze, worker=f"{slot.name} pid {slot.env.get('pid')}", node=slot.node,
+                gpu_name=slot.env.get("gpu") or "cpu", gpu_index=_gpu_index(slot.env),
+                machine_id=self._machine(slot), gpu_types=[slot.gpu_type] if slot.gpu_type else [],
+                screen_id=self.only_screen)
+            if claim is None:
+                continue
+            claimed = True
+            self._start(slot, claim)
+        return claimed
+
+    def _machine(self, slot: Slot) -> int:
+        env = slot.env
+        return self.store.put_machine(host=env["host"], gpu_name=env["gpu"], driver=env["driver"],
+                                      torch=env["torch"], cuda=env["cuda"])
+
+    def _start(self, slot: Slot, claim) -> None:
+        protocol = expand(json.loads(claim.protocol.canonical_json))
+        run = ScreenRun(self.store, screen=claim.screen, attempt=claim.attempt, protocol=protocol,
+                        archive_path=Path(claim.attempt.archive_path), freeze=self.freeze, progress=self.progress)
+        active = Active(slot=slot, run=run, protocol=protocol)
+        slot.active = active
+        try:
+            run.begin(slot.env)
+        except PackbenchError as e:  # the archive cannot be written: the attempt fails, never stays running
+            self._end(active, run.fail("failed", str(e)))
+            return
+        cache = None if self.settings.model_cache is None else str(self.settings.model_cache)
+        # A protocol that judges the cold start gets a cold model; any other reuses a warm one.
+        reuse = protocol.gates.useful_latency is None
+        ref = slot.actor.load.remote(protocol, claim.screen.model_dir, model_cache=cache, reuse=reuse)
+        active.inflight += 1
+        self.refs[ref] = ("load", slot)
+
+    # ------------------------------------------------------------------------- results
+
+    def _handle(self, ref) -> None:
+        kind, slot = self.refs.pop(ref)
+        try:
+            value = self.ray.get(ref)
+        except self.ray.exceptions.RayActorError as e:
+            self._worker_died(slot, e)
+            return
+        except Exception as e:  # the worker raised (a RayTaskError): this screen fails, the worker lives
+            if kind == "describe":
+                self._worker_died(slot, e)
+            elif slot.active is not None:
+                slot.active.inflight -= 1
+                self._fail(slot.active, "failed", cause_of(e), bad_input=is_bad_input(e))
+            return
+        if kind == "describe":
+            self._placed(slot, value)
+            return
+        active = slot.active
+        if active is None:
+            return  # a result for a screen already ended (a cancelled screen's look-ahead)
+        active.inflight -= 1
+        try:
+            if kind == "load":
+                self._loaded(active, value)
+            else:
+                self._episode(active, value)
+        except DatabaseUnavailable:
+            raise
+        except PackbenchError as e:
+            self._fail(active, "failed", str(e), bad_input=True)
+
+    def _loaded(self, active: Active, start: dict) -> None:
+        run = active.run
+        vocab = start.pop("vocab")
+        prompt_file = Path(run.screen.prompt_file) if run.screen.prompt_file else None
+        active.token_ids = screen_prompts(active.protocol, vocab=vocab, model_dir=Path(start["model_dir"]),
+                                          prompt_file=prompt_file)
+        self.store.place_attempt(run.attempt.id, model_state=start.get("model_state"))
+        active.entries = run.loaded(start, active.token_ids)
+        if active.stop:
+            self._end_stopped(active)
+            return
+        for _ in range(LOOKAHEAD):
+            self._submit_next(active)
+
+    def _submit_next(self, active: Active) -> None:
+        if active.submitted >= len(active.entries) or active.stop:
+            return
+        entry = active.entries[active.submitted]
+        active.submitted += 1
+        active.inflight += 1
+        ref = active.slot.actor.run.remote(entry, active.token_ids[entry["prompt"]])
+        self.refs[ref] = ("episode", active.slot)
+
+    def _episode(self, active: Active, record: dict) -> None:
+        if active.stop == "lost":
+            if active.inflight == 0:
+                self._end_stopped(active)
+            return  # reaped: another attempt may run the screen now; this one writes nothing more
+        active.run.record(record)
+        if active.stop:
+            if active.inflight == 0:
+                self._end_stopped(active)
+            return
+        if active.run.done_count == len(active.entries):
+            self._end(active, active.run.finish())
+        else:
+            self._submit_next(active)
+
+    def _end_stopped(self, active: Active) -> None:
+        if active.stop == "cancelled":
+            self._end(active, active.run.fail("cancelled", "cancelled by the user"))
+        else:
+            run = active.run
+            self._end(active, ScreenOutcome(run.screen.id, run.attempt.id, run.archive_path, None, "lost",
+                                            "the lease expired; the screen was requeued by a reaper"))
+
+    def _fail(self, active: Active, status: str, error: str, *, requeue: bool = False,
+              bad_input: bool = False) -> None:
+        try:
+            self._end(active, active.run.fail(status, error, requeue=requeue, bad_input=bad_input))
+        except DatabaseUnavailable:
+            raise
+        except PackbenchError as e:
+            log.error("could not record the end of screen %s: %s", active.run.screen.id, e)
+            active.slot.active = None
+
+    def _end(self, active: Active, outcome: ScreenOutcome) -> None:
+        active.slot.active = None
+        self.outcomes.append(outcome)
+        self.on_outcome(outcome)
+
+    def _worker_died(self, slot: Slot, e: BaseException) -> None:
+        cause = f"worker {slot.name} (pid {slot.env.get('pid')}, node {slot.node[:8] or '?'}) died: {cause_of(e)}"
+        log.warning(cause)
+        active = slot.active
+        self._drop(slot)
+        if active is not None and active.stop != "lost":
+            self._fail(active, "failed", cause, requeue=True)
+        if not self.stopping:
+            self._add_slot()  # a replacement; Ray places it wherever a GPU is free

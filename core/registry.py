@@ -1,0 +1,157 @@
+"""The one source of what can be named: loader policies and their parameters, dtypes,
+synthetic checkpoint shapes, and the check of a synthetic model's arguments.
+
+Pure data and pure functions (no torch): the protocol validates against it, the engine's
+policy constructors take their defaults from it, the CLI checks `model synth` with it.
+`tests/engine/test_policy_registry.py` proves the engine's constructors agree with it.
+
+Changing a default here changes what frozen protocols mean: defaults are filled into the
+frozen body (core/protocol.py), so a new default needs a new schema, never an edit.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from core.errors import PackbenchError
+
+
+@dataclass(frozen=True)
+class IntParam:
+    """An integer policy parameter; `default` None means the condition must give it."""
+
+    minimum: int
+    default: int | None = None
+
+    def check(self, name: str, value: Any) -> int:
+        if isinstance(value, bool) or not isinstance(value, int) or value < self.minimum:
+            raise ValueError(f"{name} must be an integer >= {self.minimum}, got {value!r}")
+        return value
+
+
+@dataclass(frozen=True)
+class ChoiceParam:
+    """A policy parameter taking one of `choices`; omitted, it is left out of the frozen form
+    (so protocols written before the parameter existed keep their hash)."""
+
+    choices: tuple[str, ...]
+    default: str
+
+    def check(self, name: str, value: Any) -> str:
+        if value not in self.choices:
+            raise ValueError(f"{name} must be one of {', '.join(self.choices)}, got {value!r}")
+        return value
+
+
+# Loader policies and their parameters: engine.policies.POLICIES has one constructor per name,
+# whose keyword-only parameters are exactly these, with these defaults.
+POLICY_PARAMS: dict[str, dict[str, IntParam | ChoiceParam]] = {
+    "resident": {},
+    "dense-stream": {},
+    "sparse-extents": {"block_rows": IntParam(minimum=1, default=128)},
+    # `packet` without params froze as gather host (schema 1): the default may never move.
+    "packet": {"gather": ChoiceParam(choices=("host", "device"), default="host")},
+    "phase-switched": {},
+    # No default: a cache size is a claim about the GPU, so a protocol states it.
+    "row-retention": {"rows_per_layer": IntParam(minimum=1)},
+    "early-forecast": {},
+}
+POLICY_NAMES = tuple(POLICY_PARAMS)
+
+
+def check_param(policy: str, name: str, value: Any) -> Any:
+    """`value` if policy `policy` accepts it for parameter `name`, else a ValueError naming what it allows."""
+    return POLICY_PARAMS[policy][name].check(name, value)
+
+
+def param_default(policy: str, name: str) -> Any:
+    """The registry's default of a policy parameter (None: the condition must give it)."""
+    return POLICY_PARAMS[policy][name].default
+
+
+DTYPE_NAMES = ("float32", "float16", "bfloat16")
+
+# Real OPT dimensions (config.json of facebook/opt-*), except `tiny`, which exists for tests.
+# All are pre-LayerNorm models with word_embed_proj_dim == hidden (OPT-350m is neither: not here).
+SHAPES: dict[str, dict[str, int]] = {
+    "tiny": dict(hidden=64, ffn=256, layers=2, heads=4, vocab=512, max_positions=256),
+    "opt-125m": dict(hidden=768, ffn=3072, layers=12, heads=12, vocab=50272, max_positions=2048),
+    "opt-1.3b": dict(hidden=2048, ffn=8192, layers=24, heads=32, vocab=50272, max_positions=2048),
+    "opt-2.7b": dict(hidden=2560, ffn=10240, layers=32, heads=32, vocab=50272, max_positions=2048),
+    "opt-6.7b": dict(hidden=4096, ffn=16384, layers=32, heads=32, vocab=50272, max_positions=2048),
+    "opt-13b": dict(hidden=5120, ffn=20480, layers=40, heads=40, vocab=50272, max_positions=2048),
+}
+SYNTH_SHAPES = tuple(SHAPES)
+
+
+# ----------------------------------------------------------------------------- synthetic model
+
+
+def _show(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+class SynthArgumentError(PackbenchError, ValueError):
+    """A synthetic-model argument outside what can be generated. It names the argument and
+    what it allows; each caller spells the argument its own way (`model.synth.shape` in a
+    protocol, `--shape` on the command line) through `reason` or `line`."""
+
+    def __init__(self, arg: str, value: Any, expected: str, *, choice: bool) -> None:
+        self.arg, self.value, self.expected, self.choice = arg, value, expected, choice
+        super().__init__(self.line(arg))
+
+    @property
+    def reason(self) -> str:
+        """What is wrong, without the argument's name: `'opt-9b' is not allowed; use one of ...`."""
+        if self.choice:
+            return f"{_show(self.value)} is not allowed; use {self.expected}"
+        return f"{_show(self.value)} is not {self.expected}"
+
+    def line(self, name: str) -> str:
+        """One line naming the argument as `name`: `unknown --shape 'opt-9b'; use one of ...`."""
+        if self.choice:
+            return f"unknown {name} {_show(self.value)}; use {self.expected}"
+        return f"{name} {self.reason}"
+
+
+def _choice(arg: str, value: Any, choices: tuple[str, ...]) -> str:
+    if not isinstance(value, str) or value not in choices:
+        raise SynthArgumentError(arg, value, f"one of {', '.join(choices)}", choice=True)
+    return value
+
+
+def _number(arg: str, value: Any, *, low: float, low_open: bool, high: float | None) -> float:
+    ok = not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
+    ok = ok and (value > low if low_open else value >= low) and (high is None or value < high)
+    if not ok:
+        bound = f"> {low}" if low_open else f">= {low}"
+        if high is not None:
+            bound += f" and < {high}"
+        raise SynthArgumentError(arg, value, f"a finite number {bound}", choice=False)
+    return float(value)
+
+
+def synth_spec(*, shape: Any, dtype: Any, sparsity: Any, seed: Any, hot_fraction: Any = 0.0,
+               hot_bias: Any = 0.0) -> dict[str, Any]:
+    """The synthetic-model arguments, checked in this order and normalised (numbers as floats):
+    the dict a protocol freezes as `model.synth` and `engine.synth.synth_checkpoint` takes.
+
+    Raises SynthArgumentError for the first bad argument. Messages are the protocol's, which
+    frozen protocols and their tests pin: change them only together.
+    """
+    shape = _choice("shape", shape, SYNTH_SHAPES)
+    dtype = _choice("dtype", dtype, DTYPE_NAMES)
+    sparsity = _number("sparsity", sparsity, low=0.0, low_open=True, high=1.0)
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        raise SynthArgumentError("seed", seed, "an integer >= 0", choice=False)
+    return {
+        "shape": shape,
+        "dtype": dtype,
+        "sparsity": sparsity,
+        "seed": seed,
+        "hot_fraction": _number("hot_fraction", hot_fraction, low=0.0, low_open=False, high=1.0),
+        "hot_bias": _number("hot_bias", hot_bias, low=-math.inf, low_open=False, high=None),
+    }

@@ -1,0 +1,118 @@
+"""Running one attempt of a screen: what the driver does with each thing a worker returns.
+
+`ScreenRun` holds no Ray: whoever talks to the worker (cluster/screen.py for one screen,
+the dispatcher for many) calls `begin`, `loaded`, `record` per finished episode, then
+`finish` or `fail`. The database and the archive are written by the driver only, in this
+order per episode: the archive member (fsynced), then the database row, so a crash between
+the two leaves the evidence and loses no row the archive lacks.
+
+Failures are kept: an interrupted or failed attempt stays in the database with its cause, and
+its partial archive stays on disk, auditable as incomplete.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from core.archive import ArchiveWriter
+from core.gates import compute_verdicts
+from core.plan import plan
+from core.protocol import Protocol, expand
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ScreenOutcome:
+    screen_id: int
+    attempt_id: int
+    archive_path: Path
+    archive_sha256: str | None
+    status: str  # done | failed | interrupted | lost | cancelled
+    error: str | None
+    bad_input: bool = False  # failed on input the user can correct (a broken checkpoint): exit 2
+
+
+class ScreenRun:
+    """One attempt: archive writer, database rows, verdicts. Driven by the caller."""
+
+    def __init__(self, store, *, screen, attempt, protocol: Protocol | dict, archive_path: Path,
+                 freeze: dict, progress: Callable[[str], None] = lambda msg: None) -> None:
+        self.store, self.screen, self.attempt = store, screen, attempt
+        self.protocol = expand(protocol)
+        self.archive_path = Path(archive_path)
+        self.progress = progress
+        self.writer: ArchiveWriter | None = None
+        self.entries: list[dict] = plan(self.protocol)
+        self.episodes: list[dict] = []
+        self.start: dict | None = None
+        self.env: dict | None = None
+        self.freeze = freeze  # core.source.source_freeze(), as the attempt row records it
+
+    @property
+    def done_count(self) -> int:
+        return len(self.episodes)
+
+    def begin(self, env: dict) -> None:
+        """The worker is placed: open the archive (exclusive create) and write the protocol."""
+        self.env = env
+        self.writer = ArchiveWriter(self.archive_path)
+        self.writer.add_json("protocol.json", self.protocol.body_dict())
+
+    def loaded(self, start: dict, token_ids: list[list[int]]) -> list[dict]:
+        """The model is loaded: write the plan and the worker's start record; return the plan."""
+        self.start = start
+        self.writer.add_json("plan.json", {"entries": self.entries, "prompts": token_ids})
+        self.writer.add_json("worker.json", {"environment": self.env, "start": start,
+                                             "model_dir": self.screen.model_dir})
+        self.progress(f"screen {self.screen.id} attempt {self.attempt.number}: {len(self.entries)} episodes "
+                      f"on {self.env['device']}")
+        return self.entries
+
+    def record(self, record: dict) -> None:
+        """One finished episode: archive member(s) first (fsynced), then its database row."""
+        logits, trace = record.pop("logits"), record.pop("trace")
+        self.writer.add_episode(record, logits, trace)
+        self.store.put_episode(self.attempt.id, record)
+        self.episodes.append({**record, "logits": logits})
+        entry = self.entries[record["plan_index"]]
+        self.progress(f"  episode {entry['index']:3d} {entry['condition']:>14} {entry['role']:6} "
+                      f"prompt {entry['prompt']} {record['status']}")
+
+    def finish(self) -> ScreenOutcome:
+        """Every planned episode is in: verdicts, seal, store them, attempt done."""
+        verdicts = compute_verdicts(self.protocol, self.episodes, start=self.start)
+        self.writer.add_json("verdicts.json", verdicts)
+        sha = self.writer.seal({"protocol_sha256": self.protocol.sha256, "screen_id": self.screen.id,
+                                "attempt": self.attempt.number, "environment": self.env,
+                                "source_freeze": self.freeze})
+        self.store.put_verdicts(self.attempt.id, verdicts)
+        self.store.finish_attempt(self.attempt.id, status="done", archive_sha256=sha)
+        log.info("screen %s attempt %s done: %s", self.screen.id, self.attempt.number, self.archive_path)
+        return ScreenOutcome(self.screen.id, self.attempt.id, self.archive_path, sha, "done", None)
+
+    def fail(self, status: str, error: str, *, requeue: bool = False, bad_input: bool = False) -> ScreenOutcome:
+        """End the attempt without verdicts; its partial archive stays on disk as evidence.
+
+        `requeue`: the cause was not the screen's (its worker died): the screen goes back to
+        the queue while it has attempts left (Store.finish_attempt)."""
+        self.store.finish_attempt(self.attempt.id, status=status, error=error, requeue=requeue)
+        log.info("screen %s attempt %s %s: %s", self.screen.id, self.attempt.number, status, error)
+        return ScreenOutcome(self.screen.id, self.attempt.id, self.archive_path, None, status, error, bad_input)
+
+
+def cause_of(e: BaseException) -> str:
+    """One line naming an exception (a RayTaskError wraps the worker's: report the cause)."""
+    cause: Any = getattr(e, "cause", None) or e
+    text = str(cause).splitlines()[0] if str(cause) else ""
+    return f"{type(cause).__name__}: {text}"
+
+
+def is_bad_input(e: BaseException) -> bool:
+    """The worker refused input the user can correct (a PackbenchError, e.g. a broken checkpoint)."""
+    from core.errors import PackbenchError
+
+    return isinstance(getattr(e, "cause", None) or e, PackbenchError)

@@ -1,0 +1,74 @@
+"""Submitting: freeze a protocol, check its model and prompts, store it and queue a screen.
+
+No torch and no Ray here: `packbench submit` starts in well under a second (docs/architecture.md).
+"""
+
+from __future__ import annotations
+
+import getpass
+from pathlib import Path
+
+from core.errors import ProtocolError
+from core.plan import prompts
+from core.protocol import FrozenProtocol, Protocol, load
+
+
+def vocab_size(frozen: FrozenProtocol) -> int:
+    """The model's vocabulary, read from config.json (or the synthetic shape) without torch."""
+    model_dir = frozen.model_dir()
+    if model_dir is None:
+        from core.registry import SHAPES
+
+        return SHAPES[frozen.protocol.model.synth.shape]["vocab"]
+    from engine.config import read_config
+
+    return read_config(model_dir)["vocab_size"]
+
+
+def screen_prompts(protocol: Protocol, *, vocab: int, model_dir: Path | None,
+                   prompt_file: Path | None) -> list[list[int]]:
+    """The screen's prompt token ids; text prompts go through the checkpoint's own tokenizer."""
+    tokenize = None
+    if protocol.prompts.source == "text_file":
+        from engine.prompts import tokenizer_for  # transformers: only text prompts pay for it
+
+        tokenize = tokenizer_for(Path(model_dir))
+    return prompts(protocol, vocab=vocab, prompt_file=prompt_file, tokenize=tokenize)
+
+
+def submit(store, path: Path, *, priority: int = 0, max_attempts: int = 3, gpu_type: str | None = None,
+           replicas: int = 1, spread: bool = False) -> list[int]:
+    """Validate and freeze `path`, store the protocol (idempotent) and queue its screen(s).
+
+    Everything that can be checked before a worker is asked for is checked here: the model
+    directory exists and is an OPT checkpoint (a synthetic model is generated on the worker),
+    the prompt file matches its frozen hash, prompt ids lie inside the vocabulary. Placement
+    comes from the protocol's `placement`, `gpu_type` overriding its accelerator_type;
+    `spread` puts the `replicas` on distinct nodes. Returns the screen ids.
+    """
+    frozen = load(path)
+    protocol = frozen.protocol
+    model_dir = frozen.model_dir()
+    prompt_file = frozen.prompt_file()
+    try:
+        screen_prompts(protocol, vocab=vocab_size(frozen), model_dir=model_dir, prompt_file=prompt_file)
+    except ValueError as e:
+        raise ProtocolError(f"protocol field `prompts`: {e}") from None
+    protocol_id = store.put_protocol(sha256=frozen.sha256, name=frozen.name, canonical_json=frozen.canonical.decode())
+    screen = dict(protocol_id=protocol_id, submitter=submitter(),
+                  model_dir=None if model_dir is None else str(model_dir),
+                  prompt_file=None if prompt_file is None else str(prompt_file),
+                  priority=priority, max_attempts=max_attempts,
+                  gpu_type=gpu_type or protocol.placement.accelerator_type,
+                  placement_node=protocol.placement.node, exclusive_node=protocol.placement.exclusive_node)
+    if spread:
+        return store.create_replicas(replicas, **screen)
+    return [store.create_screen(**screen) for _ in range(replicas)]
+
+
+def submitter() -> str:
+    """Who queued the screen, as the operating system names them."""
+    try:
+        return getpass.getuser()
+    except Exception:  # no user name in some containers
+        return "unknown"

@@ -1,0 +1,308 @@
+"""The dispatcher on a real multi-node Ray cluster (logical GPUs on this CPU machine).
+
+`ray.cluster_utils.Cluster`: a head without GPUs and two worker nodes with one logical GPU each,
+shared by the module. Dispatchers run in this process (or as `packbench dispatch` subprocesses
+joining the cluster, where a test kills or signals them); every screen is a tiny synthetic one.
+Faults, as issue 12 lists them: concurrent dispatchers, a worker killed, a dispatcher killed,
+a node removed, cancels, a database that stays down, signals.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from core.archive import ArchiveReader
+from core.settings import Settings
+from db.errors import DatabaseUnavailable
+from db.store import Store
+from service.submit import submit
+
+pytestmark = pytest.mark.ray
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "1")
+    import ray
+    from ray.cluster_utils import Cluster
+
+    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "num_gpus": 0})
+    for _ in range(2):
+        c.add_node(num_cpus=2, num_gpus=1)
+    ray.init(address=c.address, logging_level="ERROR", log_to_driver=False)
+    yield c
+    ray.shutdown()
+    c.shutdown()
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("models")
+
+
+def protocol_file(folder: Path, *, prompts: int = 1, continuation: int = 4, name: str = "tiny-screen") -> Path:
+    body = {"schema": 2, "name": name,
+            "model": {"synth": {"shape": "tiny", "dtype": "float32", "sparsity": 0.94, "seed": 0}},
+            "dtype": "float32", "prompts": {"generator": {"seed": 0, "count": prompts}}, "prefix_tokens": 8,
+            "continuation_tokens": continuation,
+            "conditions": [{"policy": "dense-stream"}, {"policy": "packet"}], "reference": "dense-stream",
+            "warmups": 1, "allowance_mib": 64, "gates": {"faithfulness": {}}}
+    path = folder / f"{name}-{prompts}x{continuation}.yaml"
+    path.write_text(yaml.safe_dump(body))
+    return path
+
+
+def settings(cluster, tmp_path, models, **changes) -> Settings:
+    return Settings(address=cluster.address, archive_dir=tmp_path / "archives", model_cache=models,
+                    placement_timeout_s=120, **changes)
+
+
+@pytest.fixture
+def store(tmp_path):
+    with Store(f"sqlite:///{tmp_path / 'packbench.db'}", retry_delays=(0.05, 0.1)) as s:
+        s.upgrade()
+        yield s
+
+
+def dispatcher(store, cfg, **options):
+    from cluster.dispatch import Dispatcher
+
+    return Dispatcher(store, cfg, **options)
+
+
+def wait_for(predicate, timeout: float = 120, what: str = "condition"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def episodes_of(store, screen_id: int) -> dict[int, list[int]]:
+    return {a.number: [e.plan_index for e in store.episodes(a.id)] for a in store.attempts(screen_id)}
+
+
+def running_attempt_with_episodes(store, screen_id: int, n: int = 1):
+    def check():
+        attempts = store.attempts(screen_id)
+        live = [a for a in attempts if a.status == "running"]
+        return live[0] if live and len(store.episodes(live[0].id)) >= n else None
+    return check
+
+
+def test_two_workers_run_screens_concurrently_and_each_exactly_once(cluster, tmp_path, models, store):
+    """One dispatcher, one worker per GPU: six screens, each done once, on both nodes; a second
+    screen of the same model on a worker reuses its model (warm)."""
+    ids = submit(store, protocol_file(tmp_path), replicas=6)
+    outcomes = dispatcher(store, settings(cluster, tmp_path, models), lease_s=30).run()
+    assert sorted(o.screen_id for o in outcomes) == ids and {o.status for o in outcomes} == {"done"}
+    attempts = [a for i in ids for a in store.attempts(i)]
+    assert len(attempts) == 6 and {a.status for a in attempts} == {"done"}
+    assert len({a.node for a in attempts}) == 2  # both GPUs busy
+    assert {a.model_state for a in attempts} == {"cold", "warm"}
+    assert all(ArchiveReader(Path(a.archive_path)).complete for a in attempts)
+    assert len({Path(a.archive_path).name for a in attempts}) == 6
+
+
+@pytest.mark.parametrize("backend", ["sqlite", "postgresql"])
+def test_two_dispatchers_share_one_queue(cluster, tmp_path, models, backend, request):
+    """Two dispatchers (one worker each) drain six screens: every screen runs exactly once."""
+    if backend == "sqlite":
+        url = f"sqlite:///{tmp_path / 'shared.db'}"
+        context = None
+    else:
+        from tests.db.conftest import fresh_pg_schema, skip_without_pg
+
+        context = fresh_pg_schema(skip_without_pg())
+        url = context.__enter__()
+        request.addfinalizer(lambda: context.__exit__(None, None, None))
+    with Store(url) as s:
+        s.upgrade()
+        ids = submit(s, protocol_file(tmp_path), replicas=6)
+    results: dict[int, list] = {}
+
+    def drain(n: int) -> None:
+        with Store(url) as mine:
+            results[n] = dispatcher(mine, settings(cluster, tmp_path, models), workers=1, lease_s=30).run()
+
+    threads = [threading.Thread(target=drain, args=(n,)) for n in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    ran = sorted(o.screen_id for outcomes in results.values() for o in outcomes)
+    assert ran == ids and all(results.values())  # both dispatchers took part
+    with Store(url) as s:
+        attempts = [a for i in ids for a in s.attempts(i)]
+        assert [a.status for a in attempts] == ["done"] * 6
+        assert all(s.screen(i).status == "done" for i in ids)
+
+
+def test_a_killed_worker_fails_its_attempt_and_the_screen_completes_on_another(cluster, tmp_path, models, store):
+    (screen_id,) = submit(store, protocol_file(tmp_path, prompts=6, continuation=8))
+    d = dispatcher(store, settings(cluster, tmp_path, models), lease_s=30)
+    killer_saw: dict = {}
+
+    def kill_mid_screen():
+        attempt = wait_for(running_attempt_with_episodes(store, screen_id, 2), what="two episodes")
+        killer_saw["episodes"] = len(store.episodes(attempt.id))
+        os.kill(int(attempt.worker.rsplit("pid ", 1)[1]), signal.SIGKILL)
+
+    t = threading.Thread(target=kill_mid_screen)
+    t.start()
+    outcomes = d.run()
+    t.join()
+    first, second = store.attempts(screen_id)
+    assert first.status == "failed" and "died" in first.error and first.worker.split()[0] in first.error
+    assert second.status == "done" and store.screen(screen_id).status == "done"
+    rows = episodes_of(store, screen_id)
+    assert len(rows[1]) >= killer_saw["episodes"] and rows[1] == list(range(len(rows[1])))  # kept, a prefix
+    assert rows[2] == list(range(14))  # 2 conditions x (1 warmup + 6 prompts), none lost or duplicated
+    partial = ArchiveReader(Path(first.archive_path))
+    assert not partial.complete and len(partial.episodes()) == len(rows[1])
+    assert [o.status for o in outcomes] == ["failed", "done"]
+
+
+def test_cancel_a_queued_and_a_running_screen(cluster, tmp_path, models, store):
+    (never,) = submit(store, protocol_file(tmp_path), priority=-1)
+    store.cancel_screen(never)
+    (running,) = submit(store, protocol_file(tmp_path, prompts=6, continuation=8))
+    d = dispatcher(store, settings(cluster, tmp_path, models), workers=1, lease_s=1.5)
+
+    def cancel_mid_screen():
+        wait_for(running_attempt_with_episodes(store, running, 1), what="an episode")
+        store.cancel_screen(running)
+
+    t = threading.Thread(target=cancel_mid_screen)
+    t.start()
+    outcomes = d.run()
+    t.join()
+    assert store.attempts(never) == [] and store.screen(never).status == "cancelled"
+    (attempt,) = store.attempts(running)
+    assert attempt.status == "cancelled" and store.screen(running).status == "cancelled"
+    kept = len(store.episodes(attempt.id))
+    assert 1 <= kept < 14
+    reader = ArchiveReader(Path(attempt.archive_path))
+    assert not reader.complete and len(reader.episodes()) == kept  # partial archive kept
+    assert [o.status for o in outcomes] == ["cancelled"]
+
+
+def test_a_database_that_stays_down_stops_the_dispatcher_and_keeps_the_evidence(cluster, tmp_path, models, store,
+                                                                                  monkeypatch):
+    (screen_id,) = submit(store, protocol_file(tmp_path))
+    real = Store.put_episode
+    calls = {"n": 0}
+
+    def down(self, attempt_id, record):
+        calls["n"] += 1
+        if calls["n"] >= 2:
+            raise DatabaseUnavailable("connection refused; gave up on put_episode after 8 tries over 12.7 s")
+        return real(self, attempt_id, record)
+
+    monkeypatch.setattr(Store, "put_episode", down)
+    d = dispatcher(store, settings(cluster, tmp_path, models), lease_s=2)
+    assert d.run() == [] and d.stopping == "database" and "gave up" in d.fatal
+    (attempt,) = store.attempts(screen_id)
+    assert attempt.status == "running"  # nothing could be recorded: the lease will expire
+    reader = ArchiveReader(Path(attempt.archive_path))
+    assert len(reader.episodes()) == 2 and len(store.episodes(attempt.id)) == 1  # the archive holds both
+    monkeypatch.setattr(Store, "put_episode", real)
+    time.sleep(2.1)  # the database is back and the lease has expired: a new dispatcher reaps and reruns
+    outcomes = dispatcher(store, settings(cluster, tmp_path, models), lease_s=2).run()
+    lost, done = store.attempts(screen_id)
+    assert lost.status == "lost" and done.status == "done" and [o.status for o in outcomes] == ["done"]
+
+
+def cli_dispatch(cluster, tmp_path, models, *args) -> subprocess.Popen:
+    env = dict(os.environ, PACKBENCH_DB_URL=f"sqlite:///{tmp_path / 'packbench.db'}", RAY_AUTH_MODE="disabled",
+               PYTHONPATH=str(ROOT), PACKBENCH_MODEL_CACHE=str(models))
+    return subprocess.Popen([sys.executable, "-m", "cli", "dispatch", "--address", cluster.address,
+                             "--archive-dir", str(tmp_path / "archives"), *args],
+                            cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+@pytest.mark.parametrize("sig, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+def test_a_signalled_dispatcher_gives_its_screen_back(cluster, tmp_path, models, store, sig, code):
+    (screen_id,) = submit(store, protocol_file(tmp_path, prompts=6, continuation=8))
+    proc = cli_dispatch(cluster, tmp_path, models, "--follow", "--workers", "1")
+    try:
+        wait_for(running_attempt_with_episodes(store, screen_id, 1), what="an episode")
+        proc.send_signal(sig)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == code, err[-2000:]
+    assert "held screens are back in the queue" in err
+    (attempt,) = store.attempts(screen_id)
+    assert attempt.status == "interrupted" and store.screen(screen_id).status == "queued"
+    assert store.screen(screen_id).attempts_used == 0
+    assert store.queue_status().counts["running"] == 0
+
+
+def test_a_killed_dispatcher_leaves_a_lost_attempt_that_another_reclaims(cluster, tmp_path, models, store):
+    (screen_id,) = submit(store, protocol_file(tmp_path, prompts=6, continuation=8))
+    proc = cli_dispatch(cluster, tmp_path, models, "--workers", "1", "--lease", "2")
+    try:
+        wait_for(running_attempt_with_episodes(store, screen_id, 1), what="an episode")
+        proc.kill()  # SIGKILL: no chance to give anything back
+        proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    d = dispatcher(store, settings(cluster, tmp_path, models), workers=1, lease_s=2, follow=True)
+    stopper = threading.Thread(target=lambda: (wait_for(lambda: store.screen(screen_id).status == "done",
+                                                         what="the screen to finish"),
+                                               setattr(d, "stopping", "test")))
+    stopper.start()
+    d.run()
+    stopper.join()
+    lost, done = store.attempts(screen_id)
+    assert lost.status == "lost" and "lease expired" in lost.error
+    assert done.status == "done" and len(store.episodes(done.id)) == 14
+    assert not ArchiveReader(Path(lost.archive_path)).complete  # the lost attempt's evidence stays
+    assert store.queue_status().counts["running"] == 0
+
+
+def test_a_node_removed_mid_screen(cluster, tmp_path, models, store):
+    """Runs last: it removes a node (and adds one back for whatever follows)."""
+    (screen_id,) = submit(store, protocol_file(tmp_path, prompts=6, continuation=8))
+    d = dispatcher(store, settings(cluster, tmp_path, models), lease_s=30)
+
+    def remove_its_node():
+        attempt = wait_for(running_attempt_with_episodes(store, screen_id, 1), what="an episode")
+        node = next(n for n in cluster.list_all_nodes() if n.node_id == attempt.node)
+        cluster.remove_node(node)
+
+    t = threading.Thread(target=remove_its_node)
+    t.start()
+    outcomes = d.run()
+    t.join()
+    cluster.add_node(num_cpus=2, num_gpus=1)
+    first, second = store.attempts(screen_id)
+    assert first.status == "failed" and "died" in first.error
+    assert second.status == "done" and second.node != first.node
+    assert episodes_of(store, screen_id)[2] == list(range(14))
+    assert [o.status for o in outcomes] == ["failed", "done"]
+
+
+def test_json_lines(cluster, tmp_path, models, store):
+    """`dispatch --json` over two screens: one JSON object per line."""
+    submit(store, protocol_file(tmp_path), replicas=2)
+    proc = cli_dispatch(cluster, tmp_path, models, "--json")
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-2000:]
+    lines = out.strip().splitlines()
+    assert len(lines) == 2 and all(json.loads(line)["status"] == "done" for line in lines)

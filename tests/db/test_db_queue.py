@@ -1,0 +1,405 @@
+"""The job queue on a real database (SQLite file and PostgreSQL): claims, leases, reaping,
+cancel, retry, priorities, placement filters, heartbeats and `queue_status`.
+
+Time is a fake clock handed to the Store, so lease expiry is tested without sleeping.
+"""
+
+from __future__ import annotations
+
+import threading
+from datetime import UTC, datetime, timedelta
+
+import pytest
+
+from db.errors import Conflict, NotFound
+from db.store import Store
+
+T0 = datetime(2026, 11, 30, 12, 0, tzinfo=UTC)
+FREEZE = {"git": "abc", "dirty": False}
+# The quickstart protocol's canonical JSON: 2 conditions x (1 warmup + 3 prompts) = 8 episodes.
+BODY = ('{"allowance_mib":4800,"conditions":[{"name":"dense-stream","policy":"dense-stream"},'
+        '{"name":"packet","policy":"packet"}],"continuation_tokens":8,"dtype":"float32",'
+        '"gates":{"faithfulness":{"tolerance":0.0}},"model":{"path":"models/tiny"},"name":"quickstart",'
+        '"prefix_tokens":32,"prompts":{"generator":{"count":3,"seed":0}},"reference":"dense-stream",'
+        '"schema":1,"warmups":1}')
+
+
+class Clock:
+    """A settable UTC clock."""
+
+    def __init__(self) -> None:
+        self.now = T0
+
+    def __call__(self) -> datetime:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += timedelta(seconds=seconds)
+
+
+@pytest.fixture
+def clock() -> Clock:
+    return Clock()
+
+
+@pytest.fixture
+def queue(db_url, clock):
+    """A Store at head on an empty database, with the fake clock."""
+    with Store(db_url, clock=clock, retry_delays=()) as store:
+        store.upgrade()
+        yield store
+
+
+def protocol(store: Store, body: str = "{}") -> int:
+    return store.put_protocol(sha256="a" * 64, name="q", canonical_json=body)
+
+
+def claim(store: Store, dispatcher: int, **options):
+    arguments = dict(lease_s=60, archive_dir="/archives", source_freeze=FREEZE)
+    arguments.update(options)
+    return store.claim_screen(dispatcher, **arguments)
+
+
+# -- claims -------------------------------------------------------------------------------
+
+
+def test_claim_moves_the_screen_and_creates_a_leased_attempt(queue, clock):
+    screen_id = queue.create_screen(protocol_id=protocol(queue), submitter="alice")
+    dispatcher = queue.register_dispatcher("d1", "host-a", pid=42)
+    c = claim(queue, dispatcher, worker="w0", node="node-a", gpu_name="NVIDIA H200", gpu_index=1,
+              model_state="cold")
+    assert c.screen.id == screen_id and c.screen.status == "running" and c.screen.attempts_used == 1
+    assert c.screen.started_at == T0 and c.protocol.name == "q"
+    a = c.attempt
+    assert (a.number, a.status, a.dispatcher_id, a.node, a.gpu_index, a.model_state) == (
+        1, "running", dispatcher, "node-a", 1, "cold")
+    assert a.lease_expires_at == T0 + timedelta(seconds=60) and a.shared_node is False
+    assert len(a.attempt_key) == 32 and a.archive_path == f"/archives/screen-{screen_id:05d}-attempt-1-{a.attempt_key}.zip"
+    assert a.source_freeze == FREEZE
+    assert claim(queue, dispatcher) is None  # nothing left
+    assert queue.queued_screens() == []
+
+
+def test_claims_follow_priority_then_fifo(queue):
+    p = protocol(queue)
+    low = queue.create_screen(protocol_id=p, submitter="a")
+    high_old = queue.create_screen(protocol_id=p, submitter="a", priority=5)
+    mid = queue.create_screen(protocol_id=p, submitter="a", priority=1)
+    high_new = queue.create_screen(protocol_id=p, submitter="a", priority=5)
+    negative = queue.create_screen(protocol_id=p, submitter="a", priority=-1)
+    d = queue.register_dispatcher("d", "h")
+    order = [claim(queue, d).screen.id for _ in range(5)]
+    assert order == [high_old, high_new, mid, low, negative]
+
+
+def test_claim_filters_gpu_type_exclusions_and_one_screen(queue):
+    p = protocol(queue)
+    h200 = queue.create_screen(protocol_id=p, submitter="a", gpu_type="H200", priority=1)
+    anywhere = queue.create_screen(protocol_id=p, submitter="a")
+    d = queue.register_dispatcher("d", "h")
+    assert claim(queue, d, gpu_types=["A100"]).screen.id == anywhere
+    assert claim(queue, d, gpu_types=["A100"]) is None
+    other = queue.create_screen(protocol_id=p, submitter="a")
+    assert claim(queue, d, exclude_screens=[h200, other]) is None
+    assert claim(queue, d, screen_id=other).screen.id == other
+    assert claim(queue, d, screen_id=other) is None  # no longer queued
+    assert claim(queue, d, gpu_types=["H200", "A100"]).screen.id == h200
+
+
+def test_claim_places_on_nodes(queue):
+    p = protocol(queue)
+    pinned = queue.create_screen(protocol_id=p, submitter="a", placement_node="node-b", priority=9)
+    d = queue.register_dispatcher("d", "h")
+    replicas = queue.create_replicas(3, protocol_id=p, submitter="a", priority=5)
+    assert len({queue.screen(i).replica_group for i in replicas}) == 1
+    # node-a: the pinned screen is not for it; one replica only.
+    first = claim(queue, d, node="node-a")
+    assert first.screen.id == replicas[0]
+    assert claim(queue, d, node="node-a") is None  # a replica runs there; the pinned is for node-b
+    left = {s.id for s in queue.queued_screens()}
+    assert pinned in left and replicas[1] in left and replicas[2] in left
+    second = claim(queue, d, node="node-b")
+    assert second.screen.id == pinned
+    third = claim(queue, d, node="node-b")
+    assert third.screen.id == replicas[1] and third.attempt.shared_node is True
+    assert queue.latest_attempt(pinned).shared_node is True  # marked when the second arrived
+    assert claim(queue, d, node="node-b") is None  # replicas[2] needs a third node
+    assert claim(queue, d, node="node-c").screen.id == replicas[2]
+    assert queue.replica_nodes(queue.screen(replicas[0]).replica_group) == {"node-a", "node-b", "node-c"}
+
+
+def test_exclusive_node(queue):
+    p = protocol(queue)
+    exclusive = queue.create_screen(protocol_id=p, submitter="a", exclusive_node=True, priority=1)
+    plain = queue.create_screen(protocol_id=p, submitter="a")
+    d = queue.register_dispatcher("d", "h")
+    assert claim(queue, d, node="n1").screen.id == exclusive
+    assert claim(queue, d, node="n1") is None  # n1 is taken whole
+    c = claim(queue, d, node="n2")
+    assert c.screen.id == plain
+    another = queue.create_screen(protocol_id=p, submitter="a", exclusive_node=True)
+    assert claim(queue, d, node="n2") is None  # n2 runs a screen: no exclusive claim there
+    queue.finish_attempt(c.attempt.id, status="done")
+    assert claim(queue, d, node="n2").screen.id == another
+
+
+@pytest.mark.timeout(120)
+def test_concurrent_claimers_claim_each_screen_exactly_once(queue, db_url):
+    screens = 60
+    p = protocol(queue)
+    for _ in range(screens):
+        queue.create_screen(protocol_id=p, submitter="load")
+    claimed: list[list[int]] = [[] for _ in range(4)]
+    errors: list[BaseException] = []
+    barrier = threading.Barrier(4)
+
+    def claimer(i: int) -> None:
+        try:
+            with Store(db_url) as store:
+                d = store.register_dispatcher(f"d{i}", "h")
+                barrier.wait(timeout=30)
+                misses = 0
+                while misses < 3:  # a SKIP LOCKED claim may come back empty while rows remain
+                    c = claim(store, d)
+                    if c is None:
+                        misses += 1
+                        continue
+                    claimed[i].append(c.screen.id)
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=claimer, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=100)
+    assert not errors, errors[0]
+    every = [s for ids in claimed for s in ids]
+    assert sorted(every) == list(range(1, screens + 1))  # each exactly once
+    keys = {a.attempt_key for s in range(1, screens + 1) for a in queue.attempts(s)}
+    assert len(keys) == screens
+    assert queue.queue_status().counts["running"] == screens
+
+
+# -- leases -------------------------------------------------------------------------------
+
+
+def test_renew_and_expiry_requeue_up_to_max_attempts(queue, clock):
+    screen_id = queue.create_screen(protocol_id=protocol(queue), submitter="a", max_attempts=2)
+    d = queue.register_dispatcher("d", "h")
+    first = claim(queue, d, lease_s=30)
+    clock.advance(20)
+    assert queue.renew_lease(first.attempt.id, 30) is True
+    clock.advance(20)
+    assert queue.reap_expired() == []  # renewed until T0 + 50
+    clock.advance(11)
+    [reaped] = queue.reap_expired()
+    assert (reaped.attempt_id, reaped.screen_id, reaped.screen_status) == (first.attempt.id, screen_id, "queued")
+    lost = queue.latest_attempt(screen_id)
+    assert lost.status == "lost" and "lease expired" in lost.error and lost.finished_at == clock.now
+    assert queue.reap_expired() == []  # reaped once
+    assert queue.renew_lease(first.attempt.id, 30) is False  # the old dispatcher must stop
+    with pytest.raises(Conflict):
+        queue.finish_attempt(first.attempt.id, status="done")
+
+    second = claim(queue, d, lease_s=30)
+    assert (second.screen.id, second.attempt.number, second.screen.attempts_used) == (screen_id, 2, 2)
+    assert second.attempt.attempt_key != first.attempt.attempt_key
+    assert queue.screen(screen_id).started_at == T0  # the first claim's
+    clock.advance(31)
+    [reaped] = queue.reap_expired(now=clock.now)
+    assert reaped.screen_status == "failed"  # max_attempts used up
+    screen = queue.screen(screen_id)
+    assert screen.status == "failed" and screen.finished_at == clock.now
+    assert [a.status for a in queue.attempts(screen_id)] == ["lost", "lost"]
+    assert claim(queue, d) is None
+
+
+def test_attempts_without_a_lease_are_never_reaped(queue, clock):
+    screen_id = queue.create_screen(protocol_id=protocol(queue), submitter="a")
+    attempt = queue.start_attempt(screen_id=screen_id, worker="w", node="n", gpu_name="g", gpu_index=0,
+                                  machine_id=None, source_freeze={}, archive_path="a.zip")
+    assert attempt.lease_expires_at is None and len(attempt.attempt_key) == 32
+    clock.advance(10**6)
+    assert queue.reap_expired() == []
+
+
+def test_release_requeues_without_using_an_attempt(queue):
+    screen_id = queue.create_screen(protocol_id=protocol(queue), submitter="a", max_attempts=1)
+    d = queue.register_dispatcher("d", "h")
+    c = claim(queue, d)
+    assert queue.release(c.attempt.id, "dispatcher shutting down") == "queued"
+    attempt = queue.latest_attempt(screen_id)
+    assert (attempt.status, attempt.error) == ("interrupted", "dispatcher shutting down")
+    assert queue.screen(screen_id).attempts_used == 0
+    again = claim(queue, d)
+    assert again.attempt.number == 2 and again.screen.attempts_used == 1
+    with pytest.raises(Conflict):
+        queue.release(c.attempt.id, "twice")
+    queue.stop_dispatcher(d)
+    assert queue.dispatchers()[0].stopped_at is not None
+
+
+def test_place_attempt_records_where_it_runs(queue):
+    p = protocol(queue)
+    queue.create_screen(protocol_id=p, submitter="a")
+    queue.create_screen(protocol_id=p, submitter="a")
+    d = queue.register_dispatcher("d", "h")
+    first, second = claim(queue, d), claim(queue, d)
+    assert first.attempt.node == "" and first.attempt.shared_node is None
+    machine = queue.put_machine(host="n1", gpu_name="H200", driver=None, torch=None, cuda=None)
+    placed = queue.place_attempt(first.attempt.id, worker="w0", node="n1", gpu_name="H200", gpu_index=0,
+                                 machine_id=machine, model_state="warm")
+    assert (placed.node, placed.gpu_name, placed.machine_id, placed.model_state, placed.shared_node) == (
+        "n1", "H200", machine, "warm", False)
+    assert queue.place_attempt(second.attempt.id, node="n1").shared_node is True
+    assert queue.latest_attempt(first.screen.id).shared_node is True
+    with pytest.raises(ValueError):
+        queue.place_attempt(first.attempt.id, model_state="tepid")
+    queue.finish_attempt(first.attempt.id, status="done")
+    with pytest.raises(Conflict):
+        queue.place_attempt(first.attempt.id, node="n2")
+
+
+# -- cancel, retry, unplaceable ----------------------------------------------------------
+
+
+def test_cancel_a_queued_screen(queue):
+    screen_id = queue.create_screen(protocol_id=protocol(queue), submitter="a")
+    cancelled = queue.cancel_screen(screen_id)
+    assert cancelled.status == "cancelled" and cancelled.finished_at is not None
+    d = queue.register_dispatcher("d", "h")
+    assert claim(queue, d) is None  # never runs
+    with pytest.raises(Conflict) as info:
+        queue.cancel_screen(screen_id)
+    assert "\n" not in str(info.value)
+    with pytest.raises(NotFound):
+        queue.cancel_screen(999)
+
+
+def test_cancel_a_running_screen(queue, clock):
+    screen_id = queue.create_screen(protocol_id=protocol(queue), submitter="a")
+    d = queue.register_dispatcher("d", "h")
+    c = claim(queue, d, lease_s=30)
+    requested = queue.cancel_screen(str(screen_id))
+    assert requested.status == "running" and requested.cancel_requested_at == T0
+    assert queue.renew_lease(c.attempt.id, 30) is False  # stop after the episode in flight
+    assert queue.put_episode(c.attempt.id, {"plan_index": 0, "condition": "x", "role": "scored",
+                                            "prompt": 0, "status": "ok"}) is True
+    queue.finish_attempt(c.attempt.id, status="cancelled", error="cancelled by the user")
+    assert queue.screen(screen_id).status == "cancelled"
+    assert queue.latest_attempt(screen_id).status == "cancelled"
+    assert len(queue.episodes(c.attempt.id)) == 1  # the partial record is kept
+
+
+def test_cancel_requested_then_lease_expires(queue, clock):
+    screen_id = queue.create_screen(protocol_id=protocol(queue), submitter="a")
+    d = queue.register_dispatcher("d", "h")
+    claim(queue, d, lease_s=30)
+    queue.cancel_screen(screen_id)
+    clock.advance(31)
+    [reaped] = queue.reap_expired()
+    assert reaped.screen_status == "cancelled"
+    assert queue.latest_attempt(screen_id).status == "lost"
+
+
+def test_retry_a_failed_or_cancelled_screen(queue, clock):
+    p = protocol(queue)
+    failed = queue.create_screen(protocol_id=p, submitter="a", max_attempts=1)
+    d = queue.register_dispatcher("d", "h")
+    c = claim(queue, d, lease_s=10)
+    clock.advance(11)
+    queue.reap_expired()
+    assert queue.screen(failed).status == "failed"
+    with pytest.raises(Conflict):
+        queue.retry_screen(queue.create_screen(protocol_id=p, submitter="a"))  # queued
+    retried = queue.retry_screen(failed)
+    assert (retried.status, retried.attempts_used, retried.finished_at) == ("queued", 0, None)
+    again = claim(queue, d, exclude_screens=[failed + 1])
+    assert (again.screen.id, again.attempt.number) == (failed, 2)
+    queue.finish_attempt(again.attempt.id, status="done")
+    with pytest.raises(Conflict):
+        queue.retry_screen(failed)  # done: submit again instead
+    queue.cancel_screen(failed + 1)
+    assert queue.retry_screen(failed + 1).status == "queued"
+    assert c.attempt.id != again.attempt.id
+
+
+def test_unplaceable_screens_stay_queued_with_a_reason(queue):
+    screen_id = queue.create_screen(protocol_id=protocol(queue, BODY), submitter="a", gpu_type="B200")
+    assert queue.set_unplaceable(screen_id, "no B200 worker in the cluster") is True
+    status = queue.queue_status()
+    [queued] = status.queued
+    assert (queued.screen_id, queued.gpu_type, queued.unplaceable_reason) == (
+        screen_id, "B200", "no B200 worker in the cluster")
+    assert status.counts["queued"] == 1 and status.counts["failed"] == 0
+    d = queue.register_dispatcher("d", "h")
+    c = claim(queue, d)
+    assert c.screen.unplaceable_reason is None  # cleared by the claim
+    assert queue.set_unplaceable(screen_id, "late") is False  # not queued any more
+
+
+# -- heartbeats and status -----------------------------------------------------------------
+
+
+def test_queue_status(queue, clock):
+    p = protocol(queue, BODY)
+    running = queue.create_screen(protocol_id=p, submitter="a", priority=2)
+    waiting = queue.create_screen(protocol_id=p, submitter="a")
+    d1 = queue.register_dispatcher("d1", "host-1", pid=1)
+    d2 = queue.register_dispatcher("d2", "host-2")
+    c = claim(queue, d1, node="node-a", gpu_name="H200", gpu_index=3, model_state="warm")
+    queue.put_episode(c.attempt.id, {"plan_index": 0, "condition": "dense-stream", "role": "warmup",
+                                     "prompt": 0, "status": "ok"})
+    queue.heartbeat(d1, [{"name": "w0", "node": "node-a", "gpu": "H200", "gpu_index": 3, "state": "busy",
+                          "screen_id": running},
+                         {"name": "w1", "node": "node-a", "gpu": "H200", "gpu_index": 4, "state": "idle"}])
+    with pytest.raises(ValueError):
+        queue.heartbeat(d1, [{"name": "w0", "state": "sleepy"}])
+    with pytest.raises(NotFound):
+        queue.heartbeat(999, [])
+    clock.advance(45)
+    queue.heartbeat(d2, [{"name": "w", "node": "node-b", "gpu": "A100", "gpu_index": 0, "state": "idle"}])
+    status = queue.queue_status(live_within_s=30)
+    assert status.counts == {"queued": 1, "running": 1, "done": 0, "failed": 0, "cancelled": 0}
+    [r] = status.running
+    assert (r.screen_id, r.dispatcher, r.node, r.gpu_name, r.gpu_index, r.model_state) == (
+        running, "d1", "node-a", "H200", 3, "warm")
+    assert (r.episodes_done, r.episodes_total, r.cancel_requested) == (1, 8, False)
+    assert [q.screen_id for q in status.queued] == [waiting]
+    assert [(x.name, x.live) for x in status.dispatchers] == [("d1", False), ("d2", True)]
+    assert (status.idle_workers, status.busy_workers) == (1, 0)  # d1's heartbeat is stale
+    queue.stop_dispatcher(d2)
+    assert [x.name for x in queue.queue_status().dispatchers] == ["d1"]
+
+
+def test_audits_record_node_and_kind(queue):
+    screen_id = queue.create_screen(protocol_id=protocol(queue), submitter="a")
+    attempt = queue.start_attempt(screen_id=screen_id, worker="w", node="n", gpu_name="g", gpu_index=0,
+                                  machine_id=None, source_freeze={}, archive_path="a.zip")
+    arguments = dict(attempt_id=attempt.id, archive_sha256="d" * 64, digest="e" * 64, result="agree",
+                     problems=[], machine="laptop", started_at=T0, finished_at=T0)
+    queue.put_audit(**arguments, node="ray-node-7", kind="ray")
+    queue.put_audit(**arguments)
+    assert [(a.node, a.kind) for a in queue.audits(attempt.id)] == [("ray-node-7", "ray"), (None, None)]
+    with pytest.raises(ValueError):
+        queue.put_audit(**arguments, kind="remote")
+
+
+def test_a_failed_attempt_with_requeue_goes_back_to_the_queue_until_max_attempts(queue):
+    """A worker that died is not the screen's fault: requeued, but each claim counts."""
+    screen_id = queue.create_screen(protocol_id=protocol(queue), submitter="a", max_attempts=2)
+    d = queue.register_dispatcher("d", "h")
+    first = claim(queue, d)
+    queue.finish_attempt(first.attempt.id, status="failed", error="worker-1 died", requeue=True)
+    assert queue.screen(screen_id).status == "queued" and queue.latest_attempt(screen_id).status == "failed"
+    second = claim(queue, d)
+    assert second.attempt.number == 2
+    queue.finish_attempt(second.attempt.id, status="failed", error="worker-2 died", requeue=True)
+    assert queue.screen(screen_id).status == "failed"  # max_attempts used
+    assert [a.status for a in queue.attempts(screen_id)] == ["failed", "failed"]
+    other = queue.create_screen(protocol_id=protocol(queue), submitter="a")
+    c = claim(queue, d)
+    queue.cancel_screen(other)
+    queue.finish_attempt(c.attempt.id, status="failed", error="died", requeue=True)
+    assert queue.screen(other).status == "cancelled"  # a cancel request wins over the requeue
