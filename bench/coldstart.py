@@ -116,9 +116,11 @@ def main() -> None:
         return
     from engine.synth import synth_checkpoint
 
-    model_dir = Path(tempfile.gettempdir()) / f"packbench-cold-{args.shape}-{args.dtype}"
+    # bench.engine's default checkpoint (same folder, same spec): one synthesis serves both
+    model_dir = Path(tempfile.gettempdir()) / f"packbench-{args.shape}-{args.dtype}-0.94-hot0.05-0.0"
     if not (model_dir / "config.json").exists():
-        synth_checkpoint(model_dir, shape=args.shape, dtype=args.dtype, sparsity=0.94, seed=0)
+        synth_checkpoint(model_dir, shape=args.shape, dtype=args.dtype, sparsity=0.94, seed=0,
+                         hot_fraction=0.05, hot_bias=0.0)
     for f in model_dir.glob("*.safetensors"):  # into the page cache
         with open(f, "rb") as fh:
             while fh.read(1 << 26):
