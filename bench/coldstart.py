@@ -5,8 +5,11 @@ Usage (GPU machine):  python -m bench.coldstart --shape opt-2.7b --dtype float16
 Each start is a fresh Python process (the worker's view: entry, imports, load, first logit),
 reading a checkpoint already in the page cache (one untimed read first). `stock`: safetensors
 through safe_open (mmap), the outgoing weights pinned by a copy, the rest moved by
-`model.to(device)` from pageable memory. `placed`: engine/checkpoint.py read_placed (parallel
-preads straight into pinned outgoing weights and, through a pinned ring, into device tensors).
+`model.to(device)` from pageable memory, transformers imported at load (mode eager).
+`placed`: engine/checkpoint.py read_placed (parallel preads straight into pinned outgoing
+weights and, through a pinned ring, into device tensors), mode eager. `placed-graph`: the
+same in mode graph, which never imports transformers. The first logit is a dense-stream
+prefill in the variant's mode.
 """
 
 import argparse
@@ -23,25 +26,32 @@ def child(model_dir: str, dtype: str, variant: str, prefix: int) -> None:
     import torch
 
     import engine.model as m
-    from engine.checkpoint import build_model
+    from engine.checkpoint import build_weights
     from engine.episode import run_episode
     from engine.shapes import dtype_of
 
     t_import = time.perf_counter()
-    if variant == "stock":
-        m.build_model = lambda d, *, dtype, device, host_keys: build_model(d, dtype=dtype)
+    mode = "eager"
+    if variant == "stock":  # safe_open (mmap), pin by copy, .to(device); transformers at load
+        m.build_weights = lambda d, *, dtype, device, host_keys: build_weights(d, dtype=dtype)
+    elif variant == "placed-graph":
+        mode = "graph"
     device = torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
     torch.zeros(1, device=device)  # the CUDA context, as the worker makes it before loading
     t_context = time.perf_counter()
-    model = m.CpuFirstModel(Path(model_dir), dtype=dtype_of(dtype), device=device)
+    model = m.CpuFirstModel(Path(model_dir), dtype=dtype_of(dtype), device=device, mode=mode)
     t_loaded = time.perf_counter()
     model.use("dense-stream")
     out = run_episode(model, [2] + list(range(10, 9 + prefix)), continuation=1)
+    import sys
+
+    transformers_loaded = "transformers" in sys.modules
     s = model.start
     print(json.dumps({"variant": variant, "import_s": t_import - t_entry, "context_s": t_context - t_import,
                       "read_s": s.read_s, "pin_s": model.host.pin_s, "place_s": s.place_s,
                       "load_s": t_loaded - t_context, "entry_to_logit_s": out.first_logit_at - t_entry,
-                      "to_logit_s": out.first_logit_at - t_loaded, "token": out.tokens[0]}))
+                      "to_logit_s": out.first_logit_at - t_loaded, "token": out.tokens[0],
+                      "transformers_imported": transformers_loaded}))
 
 
 def profile(model_dir: Path, dtype: str) -> None:
@@ -98,8 +108,8 @@ def profile(model_dir: Path, dtype: str) -> None:
           lambda: ck.read_placed(model_dir, dtype=dt, device=device, host_keys=lambda n: False))
     timed("read_placed, all on the host in pinned memory",
           lambda: ck.read_placed(model_dir, dtype=dt, device=device, host_keys=lambda n: True))
-    timed("stock build_model (host)", lambda: ck.build_model(model_dir, dtype=dt))
-    timed("placed build_model", lambda: ck.build_model(model_dir, dtype=dt, device=device, host_keys=is_outgoing))
+    timed("stock build_model (host, transformers)", lambda: ck.build_model(model_dir, dtype=dt))
+    timed("placed build_weights", lambda: ck.build_weights(model_dir, dtype=dt, device=device, host_keys=is_outgoing))
 
 
 def main() -> None:
@@ -130,7 +140,8 @@ def main() -> None:
         return
     rows = []
     for r in range(args.repeats):
-        for variant in (("stock", "placed") if r % 2 == 0 else ("placed", "stock")):
+        variants = ("stock", "placed", "placed-graph")
+        for variant in variants[r % 3:] + variants[:r % 3]:
             t = time.perf_counter()
             res = subprocess.run([sys.executable, "-m", "bench.coldstart", "--dtype", args.dtype, "--prefix",
                                   str(args.prefix), "--child", str(model_dir), variant],
@@ -145,11 +156,11 @@ def main() -> None:
             "entry_to_logit_s", "process_s")
     print(f"\n{args.shape} {args.dtype}, prefill {args.prefix} tokens, dense-stream, {args.repeats} alternated repeats "
           f"(median of each)")
-    print(f"{'variant':8}" + "".join(f"{k.replace('_s', ''):>12}" for k in keys))
-    for variant in ("stock", "placed"):
+    print(f"{'variant':13}" + "".join(f"{k.replace('_s', ''):>12}" for k in keys))
+    for variant in ("stock", "placed", "placed-graph"):
         mine = [r for r in rows if r["variant"] == variant]
         med = {k: sorted(r[k] for r in mine)[len(mine) // 2] for k in keys}
-        print(f"{variant:8}" + "".join(f"{med[k]:12.2f}" for k in keys))
+        print(f"{variant:13}" + "".join(f"{med[k]:12.2f}" for k in keys))
     print("same first token:", len({r["token"] for r in rows}) == 1)
 
 
