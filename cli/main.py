@@ -10,21 +10,23 @@ from typing import Annotated, Optional
 import typer
 
 from cli.common import Address, ArchiveDir, DbUrl, Json, open_store
-from cli.summary import print_json, screen_summary, verdict_table
+from cli.summary import screen_summary, verdict_table
 from core.errors import PackbenchError
 from core.settings import DEFAULT_CONNECT_TIMEOUT_S, DEFAULT_PLACEMENT_TIMEOUT_S, Settings
 from core.registry import DTYPE_NAMES, SYNTH_SHAPES, SynthArgumentError, synth_spec
 
-app = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
+app = typer.Typer(no_args_is_help=True, add_completion=True, pretty_exceptions_enable=False,
                   help=__doc__)
 model_app = typer.Typer(no_args_is_help=True, help="Synthetic checkpoints.")
 db_app = typer.Typer(no_args_is_help=True, help="The results database: migrations.")
 app.add_typer(model_app, name="model")
 app.add_typer(db_app, name="db")
 
-from cli import query  # noqa: E402  (after the apps it registers on)
+from cli import protocol_cmd, query, report  # noqa: E402  (after the apps it registers on)
 
 query.register(app)
+report.register(app)
+protocol_cmd.register(app)
 
 
 @model_app.command("synth")
@@ -74,9 +76,23 @@ def db_history(db: DbUrl = None) -> None:
         typer.echo(line)
 
 
+def _print_version(value: bool) -> None:
+    if value:
+        from importlib import metadata
+
+        try:
+            version = metadata.version("packbench")
+        except metadata.PackageNotFoundError:
+            version = "unknown (not installed: pip install -e .)"
+        typer.echo(f"packbench {version}")
+        raise typer.Exit()
+
+
 @app.callback()
 def options(
     ctx: typer.Context,
+    version: Annotated[bool, typer.Option("--version", callback=_print_version, is_eager=True,
+                                          help="Print packbench's version and exit.")] = False,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", envvar="PACKBENCH_VERBOSE",
                                           help="Log events, and let worker logs reach this terminal.")] = False,
     placement_timeout: Annotated[float, typer.Option(
@@ -190,6 +206,10 @@ def _dispatch(store, settings: Settings, *, json_out: bool, **options) -> None:
     if dispatcher.stopping:
         typer.echo(f"stopped by {dispatcher.stopping}; held screens are back in the queue", err=True)
         raise typer.Exit(130 if dispatcher.stopping == "SIGINT" else 143)
+    if not outcomes and dispatcher.refusals and not any(s.ready for s in dispatcher.slots):
+        only = options.get("only_screen")
+        kept = f"; screen {only} stays queued" if only else ""
+        raise PackbenchError(f"no GPU worker could start: {dispatcher.refusals[0]}{kept}")
     if not outcomes:
         typer.echo("no queued screens", err=json_out)
     failed = [o for o in outcomes if o.status != "done"]
@@ -200,40 +220,92 @@ def _dispatch(store, settings: Settings, *, json_out: bool, **options) -> None:
 @app.command()
 def audit(
     ctx: typer.Context,
-    screen: Annotated[Optional[str], typer.Argument(help="Screen id, or `latest`.")] = None,
+    screens: Annotated[Optional[list[str]], typer.Argument(help="Screen ids, or `latest`.")] = None,
+    all_screens: Annotated[bool, typer.Option("--all", help="Every screen that ran.")] = False,
+    since: Annotated[Optional[str], typer.Option(help="Screens whose latest attempt started on or after this "
+                                                      "ISO date/time (UTC).")] = None,
+    protocol: Annotated[Optional[str], typer.Option(help="Screens of this protocol (name or SHA-256 prefix).")] = None,
     archive: Annotated[Optional[Path], typer.Option(help="Audit this archive file (without a screen id: no database needed).")] = None,
-    on_ray: Annotated[bool, typer.Option("--ray", help="Run the audit as a Ray task (embedded, or --address).")] = False,
-    address: Annotated[Optional[str], typer.Option(help="Ray cluster to run the audit on (implies --ray).")] = None,
+    on_ray: Annotated[bool, typer.Option("--ray", help="Fan the audits out as Ray tasks (embedded, or --address).")] = False,
+    address: Annotated[Optional[str], typer.Option(help="Ray cluster to run the audits on (implies --ray).")] = None,
+    concurrency: Annotated[int, typer.Option(min=1, help="Audit tasks in flight at once (--ray).")] = 8,
+    other_node: Annotated[Optional[bool], typer.Option(
+        "--other-node/--any-node", help="Audit on a node other than the archive's producer (--ray; default: "
+                                        "when the cluster has several nodes).")] = None,
+    repeat: Annotated[int, typer.Option(min=1, help="Audit each archive this many times on distinct nodes "
+                                                    "(--ray); their digests must agree.")] = 1,
     db: DbUrl = None,
-    json_out: Json = False,
+    json_out: Annotated[bool, typer.Option("--json", help="One JSON object per audit, one per line (JSON Lines).")] = False,
 ) -> None:
-    """Re-read a raw archive, recompute every metric and verdict, compare with the database."""
-    from service.audit import audit_file, audit_screen
+    """Re-read raw archives, recompute every metric and verdict, compare with the database.
 
-    if screen is None and archive is None:
-        raise PackbenchError("give a screen id (or `latest`), or --archive FILE to audit an archive alone")
+    Exit codes: 0 every audit agrees; 1 one disagrees (or repeated audits differ); 2 bad input or an
+    archive that cannot be read; also 2 (after printing the result) when an audit could not be recorded.
+    """
+    from service.audit import audit_file, audit_screens, repeat_disagreements, select_screens
+
     settings = settings_of(ctx, db_url=db, address=address)
     on_ray = on_ray or bool(address)
-    if screen is None:
-        outcome = audit_file(archive, on_ray=on_ray, settings=settings)
+    if not screens and archive is not None and not (all_screens or since or protocol):
+        outcomes = [audit_file(archive, on_ray=on_ray, settings=settings)]
     else:
-        outcome = audit_screen(open_store(settings.db_url), screen, archive=archive, on_ray=on_ray, settings=settings)
-    report = outcome.report
-    what = f"screen {outcome.screen_id}" if outcome.screen_id is not None else str(outcome.archive_path)
+        if archive is not None and len(screens or []) != 1:
+            raise PackbenchError("--archive with a database needs exactly one screen id (the archive's screen)")
+        store = open_store(settings.db_url)
+        ids = select_screens(store, screens or [], all_screens=all_screens, since=_utc(since), protocol=protocol)
+        if not ids:
+            typer.echo("no screens to audit", err=True)
+            return
+        outcomes = audit_screens(store, ids, on_ray=on_ray, settings=settings, archive=archive,
+                                 concurrency=concurrency, other_node=other_node, repeat=repeat)
+    for o in outcomes:
+        _print_audit(o, json_out=json_out, detail=len(outcomes) == 1)
+    differ = repeat_disagreements(outcomes)
+    for line in differ:
+        typer.echo(f"problem: {line}", err=True)
+    unrecorded = [o for o in outcomes if o.record_error is not None]
+    for o in unrecorded:
+        typer.echo(f"error: the audit of screen {o.screen_id} was not recorded: {o.record_error}", err=True)
+    if any(o.report is None for o in outcomes):
+        raise typer.Exit(2)
+    if differ or not all(o.agrees for o in outcomes):
+        raise typer.Exit(1)
+    if unrecorded:
+        raise typer.Exit(2)
+
+
+def _utc(text: str | None):
+    if text is None:
+        return None
+    from datetime import datetime, timezone
+
+    try:
+        moment = datetime.fromisoformat(text)
+    except ValueError:
+        raise PackbenchError(f"--since {text!r} is not an ISO date or date/time; write e.g. 2026-11-30 or "
+                             f"2026-11-30T18:00") from None
+    return moment if moment.tzinfo else moment.replace(tzinfo=timezone.utc)
+
+
+def _print_audit(o, *, json_out: bool, detail: bool) -> None:
+    what = f"screen {o.screen_id}" if o.screen_id is not None else str(o.archive_path)
+    if o.report is None:
+        typer.echo(f"error: audit of {what}: {o.error}", err=True)
+        return
+    report = o.report
     if json_out:
-        print_json({"screen_id": outcome.screen_id, "attempt": outcome.attempt_number,
-                    "archive_path": str(outcome.archive_path), "digest": report.digest, **report.record})
-    else:
+        typer.echo(json.dumps({"screen_id": o.screen_id, "attempt": o.attempt_number, "archive_path": str(o.archive_path),
+                               "node": o.node, "digest": report.digest, **report.record}, sort_keys=True, default=str))
+        return
+    if detail:
         typer.echo(verdict_table(report.record["verdicts"]))
         for p in report.problems:
             typer.echo(f"problem: {p}")
-        typer.echo(f"audit of {what}: {report.record['result'].upper()} "
-                   f"({report.record['episodes']} episodes, digest {report.digest[:16]})")
-    if outcome.record_error is not None:
-        typer.echo(f"error: the audit was not recorded: {outcome.record_error}", err=True)
-        raise typer.Exit(2 if report.agrees else 1)
-    if not report.agrees:
-        raise typer.Exit(1)
+    elif report.problems:
+        typer.echo(f"problem: {what}: {report.problems[0]}" + (f" (+{len(report.problems) - 1} more)"
+                                                              if len(report.problems) > 1 else ""))
+    typer.echo(f"audit of {what}: {report.record['result'].upper()} "
+               f"({report.record['episodes']} episodes, digest {report.digest[:16]}, on {o.node[:16]})")
 
 
 def main() -> None:

@@ -1,7 +1,8 @@
 """Machine-readable and table views of a screen, built from the database."""
 
-import dataclasses
 import json
+
+from core.record import STORED_FIELDS
 
 
 def screen_summary(store, ref: str | int) -> dict:
@@ -11,13 +12,19 @@ def screen_summary(store, ref: str | int) -> dict:
     protocol = store.protocol(screen.protocol_id)
     out = {"screen_id": screen.id, "status": screen.status, "protocol": protocol.name,
            "protocol_sha256": protocol.sha256, "attempt": None, "archive_path": None, "archive_sha256": None,
-           "error": None, "verdicts": [], "episodes": []}
+           "error": None, "audit": None, "verdicts": [], "episodes": []}
     if attempt is None:
         return out
     out.update(attempt=attempt.number, archive_path=attempt.archive_path, archive_sha256=attempt.archive_sha256,
                error=attempt.error)
     out["verdicts"] = [{"gate": v.gate, "condition": v.condition, "phase": v.phase, "passed": v.passed,
                         "value": v.value, "threshold": v.threshold} for v in store.verdicts(attempt.id)]
+    audits = store.audits(attempt.id)
+    # Whether the screen was audited, where and with what result (the latest audit of this attempt).
+    out["audit"] = None if not audits else {
+        "result": audits[-1].result, "digest": audits[-1].digest, "kind": audits[-1].kind,
+        "machine": audits[-1].machine, "node": audits[-1].node, "finished_at": str(audits[-1].finished_at),
+        "audits": len(audits), "archive_sha256_matches": audits[-1].archive_sha256 == attempt.archive_sha256}
     out["episodes"] = [{"index": e.plan_index, "condition": e.condition, "role": e.role, "prompt": e.prompt,
                         "status": e.status, "tokens": list(e.tokens),
                         "h2d_bytes": e.h2d_weight_bytes + e.h2d_index_bytes, "d2h_bytes": e.d2h_bytes,
@@ -33,7 +40,11 @@ def verdict_dicts(rows) -> list[dict]:
 
 
 def episode_dicts(rows) -> list[dict]:
-    return [{**dataclasses.asdict(e), "tokens": list(e.tokens)} for e in rows]
+    """EpisodeRows as the auditor compares them: id, attempt_id and every stored field of
+    `core.record`, tokens as a list."""
+    return [{"id": e.id, "attempt_id": e.attempt_id,
+             **{f.name: list(getattr(e, f.name)) if f.type is list else getattr(e, f.name) for f in STORED_FIELDS}}
+            for e in rows]
 
 
 def _fmt(value) -> str:

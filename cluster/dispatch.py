@@ -106,6 +106,8 @@ class Dispatcher:
         self.slots: list[Slot] = []
         self.refs: dict[Any, tuple[str, Slot]] = {}  # in-flight ref -> (kind, slot)
         self.outcomes: list[ScreenOutcome] = []
+        self.runs: list[ScreenRun] = []
+        self.refusals: list[str] = []  # workers refused because their GPU was taken  # every attempt this dispatcher drove (timings: bench/cluster.py)
         self.stopping: str | None = None  # SIGINT | SIGTERM | database, or set by a caller to stop
         self.fatal: str | None = None  # why the dispatcher had to stop (the database stayed down)
         self.done = False
@@ -159,7 +161,8 @@ class Dispatcher:
             return
         ready, _ = self.ray.wait(list(self.refs), num_returns=len(self.refs), timeout=0.2)
         for ref in ready:
-            self._handle(ref)
+            if ref in self.refs:  # a dead worker's other calls were dropped with it
+                self._handle(ref)
 
     def _on_signal(self, signum, frame) -> None:  # noqa: ARG002 (signal handler signature)
         self.stopping = signal.Signals(signum).name
@@ -227,6 +230,12 @@ class Dispatcher:
         self.refs[actor.describe.remote()] = ("describe", slot)
 
     def _placed(self, slot: Slot, env: dict) -> None:
+        if env.get("gpu_busy"):
+            # Its GPU is held by a worker of another cluster on this host: never share it.
+            self.refusals.append(env["gpu_busy"])
+            log.warning("%s refused: %s", slot.name, env["gpu_busy"])
+            self._drop(slot)
+            return
         slot.env, slot.placing_since = env, None
         slot.gpu_type = self._accelerator_types().get(slot.node)
         twin = next((s for s in self.slots if s is not slot and s.ready and env.get("gpu_uuid")
@@ -334,6 +343,7 @@ class Dispatcher:
         run = ScreenRun(self.store, screen=claim.screen, attempt=claim.attempt, protocol=protocol,
                         archive_path=Path(claim.attempt.archive_path), freeze=self.freeze, progress=self.progress)
         active = Active(slot=slot, run=run, protocol=protocol)
+        self.runs.append(run)
         slot.active = active
         try:
             run.begin(slot.env)

@@ -19,6 +19,7 @@ from core.canonical import canonical_sha256
 from core.metrics import episode_totals
 from core.protocol import Protocol, expand
 from engine.episode import run_episode
+from engine.gpu_lock import GpuLock
 from engine.graph import check_mode
 from engine.model import CpuFirstModel
 from engine.allowance import impose
@@ -81,6 +82,17 @@ def checkpoint_key(path: Path) -> tuple:
     return (str(path), tuple((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in files))
 
 
+def host_gpus() -> int:
+    """GPUs NVML sees on this host, whatever CUDA_VISIBLE_DEVICES says (0 without NVML)."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        return pynvml.nvmlDeviceGetCount()
+    except Exception:
+        return 0
+
+
 def host_rss_peak_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
@@ -98,11 +110,25 @@ class Worker:
         self.conditions: dict[str, tuple[str, dict]] = {}
         uuid = device_uuid(self.device.index) if self.device.type == "cuda" else None
         self.gpu_uuid = uuid  # which physical GPU: two workers on one GPU would share it
+        # One worker per physical GPU on this host, even across clusters (engine/gpu_lock.py).
+        self.gpu_lock = GpuLock(uuid) if uuid else None
+        self.gpu_busy = self.gpu_lock.busy_message(uuid) if self.gpu_lock and not self.gpu_lock.held else None
+        if self.device.type == "cpu" and device is None and host_gpus() > 0:
+            # Given a GPU id the host does not have (a cluster declaring more GPUs than exist):
+            # running on the CPU instead would be a silent, different benchmark.
+            self.gpu_busy = (f"no usable CUDA device (CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r}) "
+                             f"on a host with {host_gpus()} GPU(s); declare no more GPUs than the host has")
         self.nvml = nvml_handle(uuid)
+        if self.device.type == "cuda":
+            # Host gathers run on OMP threads. One worker per GPU shares the host's cores with the
+            # others: two workers of 32 threads each on a 32-core host ran a screen 7x slower than
+            # one alone (nvidia-h200-x2, docs/benchmarks.md "Queue on two GPUs").
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, host_gpus())))
         self.sampler = MemorySampler(uuid)  # one helper process for the worker's life
 
     def describe(self) -> dict:
-        return environment(self.device)
+        """Where this worker runs; `gpu_busy` says why it must not run anything (its GPU is taken)."""
+        return {**environment(self.device), "gpu_busy": self.gpu_busy}
 
     def load(self, protocol: Protocol | dict, model_dir: str | None, *, model_cache: str | None = None,
              reuse: bool = True, mode: str | None = None) -> dict:
@@ -115,9 +141,8 @@ class Worker:
         starts at the actor's entry for its first load and at this call for later ones.
 
         `mode` is the execution mode of every episode (engine/graph.py MODES): the argument if
-        given, else the protocol's `engine.mode` where it has one, else "eager" (what every
-        protocol frozen before modes existed means). The reference runs in the same mode as
-        the conditions it judges.
+        given, else the protocol's `engine.mode` ("eager" for every protocol frozen before modes
+        existed). The reference runs in the same mode as the conditions it judges.
         """
         t_call = time.perf_counter()
         if self.loads:
@@ -126,9 +151,9 @@ class Worker:
         if mode is None and isinstance(protocol, dict):
             mode = (protocol.get("engine") or {}).get("mode")
         protocol = expand(protocol)  # a typed Protocol passes through; a stored body is validated once
-        self.mode = check_mode(mode or getattr(getattr(protocol, "engine", None), "mode", None) or "eager")
+        self.mode = check_mode(mode or protocol.engine_mode)
         path = model_dir_for(protocol, model_dir, cache=None if model_cache is None else Path(model_cache))
-        key = (checkpoint_key(path), protocol.dtype)
+        key = (checkpoint_key(path), protocol.dtype, self.mode)
         warm = reuse and self.model is not None and self.model_key == key
         if not warm and self.model is not None:
             self.drop_model()  # before the new allowance: the old model must not count against it
@@ -136,7 +161,7 @@ class Worker:
         self.allowance = allowance
         context = impose(self.device, allowance, self.nvml) if self.device.type == "cuda" else 0
         if not warm:
-            self.model = CpuFirstModel(path, dtype=dtype_of(protocol.dtype), device=self.device)
+            self.model = CpuFirstModel(path, dtype=dtype_of(protocol.dtype), device=self.device, mode=self.mode)
             self.model_key = key
         self.model.recorder.enabled = protocol.recording
         self.conditions = {c.name: (c.policy, dict(c.params)) for c in protocol.conditions}

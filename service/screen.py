@@ -13,6 +13,7 @@ its partial archive stays on disk, auditable as incomplete.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -50,7 +51,11 @@ class ScreenRun:
         self.episodes: list[dict] = []
         self.start: dict | None = None
         self.env: dict | None = None
-        self.freeze = freeze  # core.source.source_freeze(), as the attempt row records it
+        self.freeze = freeze
+        # Driver-side clock (perf_counter) for bench/cluster.py: claim, model ready, per episode.
+        self.t_created = time.perf_counter()
+        self.t_loaded: float | None = None
+        self.timings: list[tuple[float, float]] = []  # (arrival, seconds spent recording it)  # core.source.source_freeze(), as the attempt row records it
 
     @property
     def done_count(self) -> int:
@@ -65,6 +70,7 @@ class ScreenRun:
     def loaded(self, start: dict, token_ids: list[list[int]]) -> list[dict]:
         """The model is loaded: write the plan and the worker's start record; return the plan."""
         self.start = start
+        self.t_loaded = time.perf_counter()
         self.writer.add_json("plan.json", {"entries": self.entries, "prompts": token_ids})
         self.writer.add_json("worker.json", {"environment": self.env, "start": start,
                                              "model_dir": self.screen.model_dir})
@@ -74,10 +80,12 @@ class ScreenRun:
 
     def record(self, record: dict) -> None:
         """One finished episode: archive member(s) first (fsynced), then its database row."""
+        t0 = time.perf_counter()
         logits, trace = record.pop("logits"), record.pop("trace")
         self.writer.add_episode(record, logits, trace)
         self.store.put_episode(self.attempt.id, record)
         self.episodes.append({**record, "logits": logits})
+        self.timings.append((t0, time.perf_counter() - t0))
         entry = self.entries[record["plan_index"]]
         self.progress(f"  episode {entry['index']:3d} {entry['condition']:>14} {entry['role']:6} "
                       f"prompt {entry['prompt']} {record['status']}")

@@ -276,6 +276,39 @@ def test_a_killed_dispatcher_leaves_a_lost_attempt_that_another_reclaims(cluster
     assert store.queue_status().counts["running"] == 0
 
 
+def test_audits_fan_out_to_other_nodes_and_repeat_with_one_digest(cluster, tmp_path, models, store):
+    """`audit --ray --other-node --repeat 2`: each audit runs on a node other than the producer's,
+    the two repeats on distinct nodes, with one digest; every audit is recorded with its node."""
+    from service.audit import audit_screens, repeat_disagreements
+
+    ids = submit(store, protocol_file(tmp_path), replicas=2)
+    dispatcher(store, settings(cluster, tmp_path, models), lease_s=30).run()
+    outcomes = audit_screens(store, ids, on_ray=True, settings=settings(cluster, tmp_path, models), other_node=True,
+                             repeat=2, concurrency=2)
+    assert len(outcomes) == 4 and all(o.agrees and o.recorded for o in outcomes)
+    assert repeat_disagreements(outcomes) == []
+    for screen_id in ids:
+        attempt = store.latest_attempt(screen_id)
+        mine = [o for o in outcomes if o.screen_id == screen_id]
+        assert len({o.node for o in mine}) == 2 and attempt.node not in {o.node for o in mine}
+        audits = store.audits(attempt.id)
+        assert {(a.kind, a.node) for a in audits} == {("ray", o.node) for o in mine}
+
+
+def test_an_archive_missing_on_the_auditing_node_travels_as_bytes(tmp_path, store, cluster, models):
+    """The task side of shipping: without the file, the bytes it is handed give the same digest."""
+    from cluster.audit import _audit_here
+
+    (screen_id,) = submit(store, protocol_file(tmp_path))
+    dispatcher(store, settings(cluster, tmp_path, models), workers=1, lease_s=30).run()
+    path = Path(store.latest_attempt(screen_id).archive_path)
+    here = _audit_here(str(path), None, {})
+    elsewhere = _audit_here(str(tmp_path / "not-on-this-node" / path.name), path.read_bytes(), {})
+    assert here["shipped"] is False and elsewhere["shipped"] is True
+    assert elsewhere["record"] == here["record"] and here["record"]["result"] == "agree"
+    assert _audit_here(str(tmp_path / "nowhere.zip"), None, {})["missing"] is True
+
+
 def test_a_node_removed_mid_screen(cluster, tmp_path, models, store):
     """Runs last: it removes a node (and adds one back for whatever follows)."""
     (screen_id,) = submit(store, protocol_file(tmp_path, prompts=6, continuation=8))
