@@ -148,6 +148,8 @@ class Worker:
         if self.loads:
             self.t_entry = t_call
         self.loads += 1
+        if mode is None and isinstance(protocol, dict):
+            mode = (protocol.get("engine") or {}).get("mode")
         protocol = expand(protocol)  # a typed Protocol passes through; a stored body is validated once
         self.mode = check_mode(mode or protocol.engine_mode)
         path = model_dir_for(protocol, model_dir, cache=None if model_cache is None else Path(model_cache))
