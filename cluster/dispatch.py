@@ -96,7 +96,7 @@ class Dispatcher:
 
     def __init__(self, store, settings: Settings, *, workers: int | None = None, follow: bool = False,
                  lease_s: float = 60.0, only_screen: int | None = None,
-                 progress: Callable[[str], None] = lambda msg: None,
+                 progress: Callable[..., None] = lambda msg, **event: None,
                  on_outcome: Callable[[ScreenOutcome], None] = lambda outcome: None,
                  worker_class: Any = None) -> None:
         self.store, self.settings = store, settings
