@@ -228,7 +228,9 @@ class Dispatcher:
         if self.worker_class is not None:
             actor = self.worker_class.options(num_gpus=1, num_cpus=0).remote()
         else:
-            actor = start_worker(self.settings)
+            # An embedded cluster is this host: its workers share its cores.
+            share = (self.workers or self._gpus()) if self.settings.embedded else 1
+            actor = start_worker(self.settings, workers_on_host=share)
         slot = Slot(name=name, actor=actor, placing_since=time.monotonic())
         self.slots.append(slot)
         self.refs[actor.describe.remote()] = ("describe", slot)

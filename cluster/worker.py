@@ -25,10 +25,12 @@ class RayWorker(Worker):
 GpuWorker = ray.remote(num_gpus=1, max_restarts=0, max_task_retries=0)(RayWorker)
 
 
-def start_worker(settings: Settings, **options):
-    """One worker actor with the host's cores for its gathers (OMP follows num_cpus otherwise).
+def start_worker(settings: Settings, *, workers_on_host: int = 1, **options):
+    """One worker actor with its share of the host's cores for its gathers (OMP follows num_cpus
+    otherwise): two workers of all the cores each oversubscribe the host (a CUDA worker also
+    divides the cores by the GPUs NVML sees, engine/worker.py).
 
     `options` go to `.options()` (e.g. a name or a scheduling strategy).
     """
-    env = settings.worker_env(threads=os.cpu_count() or 1)
+    env = settings.worker_env(threads=max(1, (os.cpu_count() or 1) // max(1, workers_on_host)))
     return GpuWorker.options(num_cpus=1, runtime_env={"env_vars": env}, **options).remote()
