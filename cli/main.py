@@ -142,7 +142,11 @@ def submit(
     db: DbUrl = None,
     json_out: Json = False,
 ) -> None:
-    """Freeze a protocol and queue a screen; with --wait, run it on a GPU worker actor now."""
+    """Freeze a protocol and queue a screen; with --wait, run it on a GPU worker actor now.
+
+    Exit codes with --wait: 0 the screen is done and every verdict passed; 1 a verdict failed or the
+    screen failed; 2 bad input (one line says which and how to fix it).
+    """
     settings = settings_of(ctx, db_url=db, address=address, archive_dir=archive_dir)
     store = open_store(settings.db_url)  # refuse an old database before anything else
     from service.submit import submit as queue_screens
@@ -179,8 +183,8 @@ def dispatch(
 ) -> None:
     """Run queued screens on a pool of GPU workers, one screen per worker at a time.
 
-    Exit codes: 0 every screen it ran is done; 1 one failed, was cancelled or lost; 2 bad input
-    (an unreadable protocol or checkpoint);
+    Exit codes: 0 every screen it ran is done and every verdict passed; 1 a verdict failed, or a
+    screen failed, was cancelled or lost; 2 bad input (an unreadable protocol or checkpoint);
     130/143 stopped by SIGINT/SIGTERM (held screens are back in the queue).
     """
     settings = settings_of(ctx, db_url=db, address=address, archive_dir=archive_dir)
@@ -223,6 +227,8 @@ def _dispatch(store, settings: Settings, *, json_out: bool, **options) -> None:
     failed = [o for o in outcomes if o.status != "done"]
     if failed:
         raise typer.Exit(2 if all(o.bad_input for o in failed) else 1)
+    if any(not v.passed for o in outcomes for v in store.verdicts(o.attempt_id)):
+        raise typer.Exit(1)  # a failed verdict: a script can tell (the screen itself is done)
 
 
 @app.command()
