@@ -132,3 +132,49 @@ def stored_total_problems(record: dict, totals: dict) -> list[str]:
 def _same(a: Any, b: Any) -> bool:
     """Exactly equal and of the same JSON type (an integer total stored as 1.0 is a difference)."""
     return type(a) is type(b) and a == b
+
+
+# ----------------------------------------------------------------------------- physical invariants
+
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+
+def opt_bytes(*, hidden: int, ffn: int, layers: int, vocab: int, max_positions: int, dtype: str, **_: int) -> dict:
+    """Bytes of a pre-LayerNorm OPT with tied embeddings (the synthetic checkpoints' shape), as
+    the CPU-first start record counts them: every parameter; the outgoing fc2 weights that stay
+    on the host; the rest on the device; one outgoing row (`hidden` values)."""
+    size = DTYPE_BYTES[dtype]
+    per_layer = (4 * (hidden * hidden + hidden)  # q, k, v, out projections with biases
+                 + 4 * hidden  # two LayerNorms
+                 + hidden * ffn + ffn  # fc1
+                 + ffn * hidden + hidden)  # fc2
+    params = vocab * hidden + (max_positions + 2) * hidden + layers * per_layer + 2 * hidden
+    host = layers * ffn * hidden * size
+    return {"param_bytes": params * size, "host_outgoing_bytes": host, "device_param_bytes": params * size - host,
+            "row_bytes": hidden * size}
+
+
+def row_bytes_problems(calls: list[dict], row_bytes: int | None) -> tuple[list[str], int | None]:
+    """Every layer of every call must move h2d_weight_bytes == rows_copied x row_bytes (one outgoing
+    row is `hidden` values of the model's dtype). With `row_bytes` None (a checkpoint whose shape
+    the archive does not state) the first layer that copied a row fixes it for the rest.
+    Returns (problems, the row bytes used). Needs a well-formed ledger (ledger_problems == [])."""
+    out: list[str] = []
+    for n, call in enumerate(calls):
+        for layer, (w, rows) in enumerate(zip(call["h2d_weight_bytes"], call["rows_copied"])):
+            if row_bytes is None and rows:
+                row_bytes = w // rows if w % rows == 0 else -1
+            if (row_bytes is None and w) or (row_bytes is not None and w != rows * row_bytes):
+                out.append(f"call {n} layer {layer} moved {w} weight bytes for {rows} rows"
+                           + (f" of {row_bytes} B" if row_bytes and row_bytes > 0 else ""))
+                if len(out) >= 3:
+                    return out, row_bytes
+    return out, row_bytes
+
+
+def wall_problems(record: dict, totals: dict) -> list[str]:
+    """An episode cannot take less wall time than its own forward calls."""
+    wall = record.get("wall_s")
+    if _is_time(wall) and wall < totals["call_s"]:
+        return [f"wall_s {wall!r} is below the {totals['call_s']!r} s its calls took"]
+    return []
