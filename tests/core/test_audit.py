@@ -206,7 +206,8 @@ def _loosen(body):
     ("protocol.json", _loosen, "manifest protocol_sha256 does not match protocol.json"),
     ("protocol.json", lambda b: b.pop("recording"), "protocol.json is not in frozen form"),
     ("protocol.json", lambda b: b.update(order="spiral"), "cannot recompute: protocol.json is not a valid frozen protocol"),
-    ("protocol.json", lambda b: b.update(repetitions=10**12), "the plan would hold"),  # refused before planning
+    ("protocol.json", lambda b: b.update(repetitions=10**12), "`repetitions`: 1000000000000 is not an integer in [1, 100000]"),  # refused before planning
+    ("protocol.json", lambda b: b.update(repetitions=50_000), "the plan would hold"),
 ])
 def test_recomputation_catches_what_hashes_cannot(screen, tmp_path, member, forge, expected):
     forged = reseal(screen["path"], tmp_path / "forged.zip", replace={member: forge})
