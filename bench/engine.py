@@ -24,6 +24,7 @@ import torch
 
 from core.plan import BOS
 from engine.episode import run_episode
+from engine.graph import check_mode
 from engine.model import CpuFirstModel
 from engine.policies import POLICIES
 from engine.allowance import impose
@@ -35,18 +36,32 @@ MIB = 1 << 20
 PARAMS = {"sparse-extents": {"block_rows": 128}, "row-retention": {"rows_per_layer": 1024}}
 
 
-def parse_condition(spec: str) -> tuple[str, dict, bool]:
-    """`policy[+key=value...]` -> (policy, params, sampler on). `+sampler=off` runs the episode
-    without the NVML sampler, so its overhead shows up as a paired difference."""
+def parse_condition(spec: str) -> tuple[str, dict, bool, str]:
+    """`policy[+key=value...]` -> (policy, params, sampler on, mode). `+sampler=off` runs the
+    episode without the NVML sampler, so its overhead shows up as a paired difference;
+    `+mode=graph` runs it in engine mode graph (engine/graph.py; default eager);
+    `+attention=static` with it captures the whole step over the static span (measured only)."""
     policy, *pairs = spec.split("+")
-    params, sampler = dict(PARAMS.get(policy, {})), True
+    params, sampler, mode = dict(PARAMS.get(policy, {})), True, "eager"
     for pair in pairs:
         key, value = pair.split("=")
         if key == "sampler":
             sampler = value != "off"
+        elif key == "mode":
+            mode = check_mode(value)
+        elif key == "attention":
+            mode = f"graph/{value}"
         else:
             params[key] = int(value) if value.isdigit() else value
-    return policy, params, sampler
+    return policy, params, sampler, mode
+
+
+def set_mode(model: CpuFirstModel, mode: str) -> str:
+    """`eager`, `graph` or `graph/static` (parse_condition's) -> the engine mode, with the
+    graph decoder's attention variant set for the next episode."""
+    mode, _, attention = mode.partition("/")
+    model.graph.attention = attention or "live"
+    return mode
 
 
 def pinned_h2d_gbps(device: torch.device, mib: int = 256, reps: int = 10) -> float:
@@ -195,13 +210,34 @@ def main() -> None:
         atexit.register(stop_accelerate, accelerate)  # on any exit: a live child would block it
         policies.append("accelerate")
 
-    model.use("dense-stream")
-    ref = [run_episode(model, p, continuation=args.continuation) for p in prompts]
-    again = run_episode(model, prompts[0], continuation=args.continuation)
-    print(f"dense-stream reproduces itself: {np.array_equal(ref[0].logits, again.logits)}")
+    # The reference runs in the mode of the conditions it judges: one dense-stream per mode.
+    modes = sorted({parse_condition(name)[3] for name in policies if name != "accelerate"} | {"eager"})
+    refs = {}
+    for mode in modes:
+        model.use("dense-stream")
+        refs[mode] = [run_episode(model, p, continuation=args.continuation, mode=set_mode(model, mode))
+                      for p in prompts]
+        model.use("dense-stream")
+        again = run_episode(model, prompts[0], continuation=args.continuation, mode=set_mode(model, mode))
+        print(f"dense-stream (mode {mode}) reproduces itself: {np.array_equal(refs[mode][0].logits, again.logits)}")
+    for mode in modes:
+        if mode != "eager":
+            same = [np.array_equal(a.logits, b.logits) for a, b in zip(refs[mode], refs["eager"])]
+            toks = [a.tokens == b.tokens for a, b in zip(refs[mode], refs["eager"])]
+            diff = max(float(np.abs(a.logits - b.logits).max()) for a, b in zip(refs[mode], refs["eager"]))
+            print(f"dense-stream mode {mode} vs eager (stock transformers): tokens equal {all(toks)}, "
+                  f"logits bit-identical {all(same)} (max abs diff {diff:.3g})")
+            for i, (a, b) in enumerate(zip(refs[mode], refs["eager"])):
+                calls = [c for c in range(len(a.tokens)) if not np.array_equal(a.logits[c], b.logits[c])]
+                if calls:  # where the bits first part, how close stock's top two logits were there
+                    c = calls[0]
+                    top = np.sort(b.logits[c])[-2:]
+                    split = next((k for k in range(len(a.tokens)) if a.tokens[k] != b.tokens[k]), None)
+                    print(f"  prompt {i}: logits first differ at call {c} (max {np.abs(a.logits[c] - b.logits[c]).max():.3g}, "
+                          f"stock's top-2 gap there {top[1] - top[0]:.3g}); tokens first differ at call {split}")
 
     keys = ("decode_ms", "prefill_s", "decode_h2d", "prefill_h2d", "peak_sampled", "peak_alloc", "exact",
-            "failed", "wasted", "wait_ms", "device_bytes")
+            "failed", "wasted", "wait_ms", "device_bytes", "graph")
     rows: dict[str, dict[str, list]] = {p: {k: [] for k in keys} for p in policies}
     total = torch.cuda.get_device_properties(device).total_memory if cuda else 0
     scopes: set = set()  # "process" unless NVML cannot attribute memory to processes here
@@ -217,9 +253,12 @@ def main() -> None:
                     row["decode_ms"] += [w * 1e3 for w in out["walls"][1:]]
                     row["peak_sampled"].append(out["peak_sampled"])
                     row["peak_alloc"].append(out["peak_alloc"])
+                    ref = refs["eager"]
                     row["exact"].append(np.array_equal(out["logits"], ref[i].logits) and out["tokens"] == ref[i].tokens)
                     continue
-                policy, params, sampling = parse_condition(name)
+                policy, params, sampling, mode = parse_condition(name)
+                ref = refs[mode]
+                mode = set_mode(model, mode)
                 sampler = sampler_on if sampling else sampler_off
                 unbounded = params.pop("unbounded", None) == "yes"
                 if cuda:  # "unbounded" conditions run without the allowance (resident, for reference)
@@ -228,7 +267,7 @@ def main() -> None:
                 try:
                     model.use(policy, **params)
                     sampler.start()
-                    out = run_episode(model, prompt, continuation=args.continuation)
+                    out = run_episode(model, prompt, continuation=args.continuation, mode=mode)
                 except Exception as e:  # an OOM under the allowance, say: recorded, the run goes on
                     sampler.stop()
                     row["failed"].append(f"{type(e).__name__}: {str(e).splitlines()[0][:80]}")
@@ -246,6 +285,7 @@ def main() -> None:
                 row["wait_ms"] += [sum(c.copy_wait_s) * 1e3 for c in out.calls[1:]]
                 row["peak_alloc"].append(out.peak_allocated_bytes)
                 row["device_bytes"].append(model.slot.policy.device_bytes())
+                row["graph"].append(out.decode_graph)
                 row["exact"].append(np.array_equal(out.logits, ref[i].logits) and out.tokens == ref[i].tokens)
                 if cuda:
                     context = max(context, impose(device, args.allowance_mib * MIB, handle))
@@ -259,13 +299,14 @@ def main() -> None:
           f"sampled scope {', '.join(sorted(map(str, scopes)))}")
     print(f"{args.shape} {args.dtype} sparsity {args.sparsity} hot {args.hot_fraction}@{args.hot_bias}, "
           f"{args.prompts} prompts x {args.prefix} + {args.continuation} tokens, {args.rounds} rounds, alternated\n")
-    print(f"{'condition':15}{'decode ms':>10}{'p10-p90':>14}{'prefill s':>10}{'H2D/decode':>14}{'H2D/prefill':>15}"
+    w = max(15, *(len(name) + 1 for name in policies))
+    print(f"{'condition':{w}}{'decode ms':>10}{'p10-p90':>14}{'prefill s':>10}{'H2D/decode':>14}{'H2D/prefill':>15}"
           f"{'wasted/dec':>11}{'wait ms':>8}{'peak smp MiB':>13}{'alloc MiB':>10} exact")
     res, failures = {}, []
     for name in policies:
         row = rows[name]
         if not row["decode_ms"]:
-            print(f"{name:15} FAILED x{len(row['failed'])}: {row['failed'][0] if row['failed'] else ''}")
+            print(f"{name:{w}} FAILED x{len(row['failed'])}: {row['failed'][0] if row['failed'] else ''}")
             continue
         if row["failed"]:
             failures.append(f"{name}: {len(row['failed'])} failed, first: {row['failed'][0]}")
@@ -276,15 +317,27 @@ def main() -> None:
                       f"{statistics.mean(row['wasted']):11,.0f}{statistics.mean(row['wait_ms']):8.2f}")
         else:  # accelerate keeps no ledger
             ledger = f"{'-':>14}{'-':>15}{'-':>11}{'-':>8}"
-        print(f"{name:15}{np.median(d):10.2f}{np.percentile(d, 10):7.2f}-{np.percentile(d, 90):6.2f}"
+        print(f"{name:{w}}{np.median(d):10.2f}{np.percentile(d, 10):7.2f}-{np.percentile(d, 90):6.2f}"
               f"{statistics.median(row['prefill_s']):10.3f}{ledger}{max(row['peak_sampled']) / MIB:13.0f}"
               f"{max(row['peak_alloc']) / MIB:10.0f} {all(row['exact'])}{oom(row)}")
     for line in failures:
         print(line)
-    if cuda and "dense-stream" in res:
-        per_call = statistics.mean(rows["dense-stream"]["decode_h2d"])
-        gbps = per_call / (res["dense-stream"] / 1e3) / 1e9
-        print(f"\ndense-stream decode moves {gbps:.1f} GB/s = {gbps / bw:.0%} of the pinned copy bandwidth")
+    print(f"\n{'condition':{w}}{'p90/p10':>8}{'PCIe floor ms':>14}{'x floor':>8}  decode step")
+    for name in policies:
+        row = rows[name]
+        if not row["decode_ms"]:
+            continue
+        d = np.array(row["decode_ms"])
+        floor = statistics.mean(row["decode_h2d"]) / (bw * 1e9) * 1e3 if row["decode_h2d"] and cuda else float("nan")
+        notes = sorted({g.split(" (")[0] for g in row["graph"] if g})
+        print(f"{name:{w}}{np.percentile(d, 90) / np.percentile(d, 10):8.2f}{floor:14.2f}"
+              f"{res[name] / floor if floor else float('nan'):8.2f}  {', '.join(notes) or '-'}")
+    for name in [n for n in policies if n.split("+")[0] == "dense-stream" and n in res]:
+        if not cuda:
+            break
+        per_call = statistics.mean(rows[name]["decode_h2d"])
+        gbps = per_call / (res[name] / 1e3) / 1e9
+        print(f"{name} decode moves {gbps:.1f} GB/s = {gbps / bw:.0%} of the pinned copy bandwidth")
     resident = res.get("resident", res.get("resident+unbounded=yes"))
     for name in ("packet", "packet+gather=device"):
         if name in res and resident:

@@ -190,6 +190,10 @@ def _dispatch(store, settings: Settings, *, json_out: bool, **options) -> None:
     if dispatcher.stopping:
         typer.echo(f"stopped by {dispatcher.stopping}; held screens are back in the queue", err=True)
         raise typer.Exit(130 if dispatcher.stopping == "SIGINT" else 143)
+    if not outcomes and dispatcher.refusals and not any(s.ready for s in dispatcher.slots):
+        only = options.get("only_screen")
+        kept = f"; screen {only} stays queued" if only else ""
+        raise PackbenchError(f"no GPU worker could start: {dispatcher.refusals[0]}{kept}")
     if not outcomes:
         typer.echo("no queued screens", err=json_out)
     failed = [o for o in outcomes if o.status != "done"]

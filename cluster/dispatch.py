@@ -106,7 +106,8 @@ class Dispatcher:
         self.slots: list[Slot] = []
         self.refs: dict[Any, tuple[str, Slot]] = {}  # in-flight ref -> (kind, slot)
         self.outcomes: list[ScreenOutcome] = []
-        self.runs: list[ScreenRun] = []  # every attempt this dispatcher drove (timings: bench/cluster.py)
+        self.runs: list[ScreenRun] = []
+        self.refusals: list[str] = []  # workers refused because their GPU was taken  # every attempt this dispatcher drove (timings: bench/cluster.py)
         self.stopping: str | None = None  # SIGINT | SIGTERM | database, or set by a caller to stop
         self.fatal: str | None = None  # why the dispatcher had to stop (the database stayed down)
         self.done = False
@@ -229,6 +230,12 @@ class Dispatcher:
         self.refs[actor.describe.remote()] = ("describe", slot)
 
     def _placed(self, slot: Slot, env: dict) -> None:
+        if env.get("gpu_busy"):
+            # Its GPU is held by a worker of another cluster on this host: never share it.
+            self.refusals.append(env["gpu_busy"])
+            log.warning("%s refused: %s", slot.name, env["gpu_busy"])
+            self._drop(slot)
+            return
         slot.env, slot.placing_since = env, None
         slot.gpu_type = self._accelerator_types().get(slot.node)
         twin = next((s for s in self.slots if s is not slot and s.ready and env.get("gpu_uuid")

@@ -20,6 +20,8 @@ class EpisodeOutput:
     peak_allocated_bytes: int
     peak_reserved_bytes: int
     first_logit_at: float  # time.perf_counter() when the first logit reached the host
+    mode: str = "eager"  # engine/graph.py MODES
+    decode_graph: str | None = None  # mode graph: "captured (x ms)" or why decode ran eagerly
 
 
 def _sync(device: torch.device) -> None:
@@ -27,11 +29,13 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def run_episode(model: CpuFirstModel, prompt: list[int], *, continuation: int) -> EpisodeOutput:
+def run_episode(model: CpuFirstModel, prompt: list[int], *, continuation: int,
+                mode: str | None = None) -> EpisodeOutput:
     """Greedy generation of `continuation` tokens: one prefill call, then continuation-1 decode calls.
 
     Every call's logits are read back (charged as recording) and argmax'd on the host, so the
-    token fed to the next call is exactly the one the archive shows.
+    token fed to the next call is exactly the one the archive shows. `mode` (default: the
+    model's) picks the execution mode (engine/graph.py).
     """
     if continuation < 1:
         raise ValueError("continuation must be >= 1")
@@ -40,7 +44,8 @@ def run_episode(model: CpuFirstModel, prompt: list[int], *, continuation: int) -
     recorder.calls = []
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    cache = model.new_cache()
+    mode = mode or model.mode
+    cache = model.new_cache(len(prompt) + continuation, mode=mode)
     ids = torch.tensor([prompt], dtype=torch.long, device=device)
     tokens: list[int] = []
     rows: list[np.ndarray] = []
@@ -67,6 +72,10 @@ def run_episode(model: CpuFirstModel, prompt: list[int], *, continuation: int) -
         if t is not None
     )
     cuda = device.type == "cuda"
+    decode_graph = None
+    if mode == "graph" and continuation > 1:
+        step = cache.graph
+        decode_graph = f"captured ({step.capture_s * 1e3:.1f} ms)" if step is not None else f"eager: {cache.eager_reason}"
     return EpisodeOutput(
         tokens=tokens,
         logits=np.stack(rows),
@@ -76,4 +85,6 @@ def run_episode(model: CpuFirstModel, prompt: list[int], *, continuation: int) -
         peak_allocated_bytes=torch.cuda.max_memory_allocated(device) if cuda else 0,
         peak_reserved_bytes=torch.cuda.max_memory_reserved(device) if cuda else 0,
         first_logit_at=first_logit_at,
+        mode=mode,
+        decode_graph=decode_graph,
     )

@@ -1,5 +1,6 @@
-"""The device-side gather of `packet {gather: device}`: the compute device finds a layer's active
-neurons and pulls their outgoing rows from host memory itself, with no host synchronisation.
+"""The device-side gather of `packet {gather: device}` (`engine.policies.DevicePacket`): the compute
+device finds a layer's active neurons and pulls their outgoing rows from host memory itself, with
+no host synchronisation.
 
 `gather_active_rows(h, src, workspace, counts, layer)`:
 - h: (tokens, ffn) fc2 input of one call; a neuron is active if it is non-zero in any token.

@@ -8,8 +8,15 @@ from pathlib import Path
 import torch
 
 from engine.checkpoint import build_model
+from engine.graph import GraphDecoder, check_mode
 from engine.ledger import Recorder
 from engine.policies import POLICIES, HostWeights, OutgoingLinear, PolicySlot
+from engine.static_opt import StaticKV
+
+
+def is_outgoing(name: str) -> bool:
+    """The tensors that stay on the host: every layer's fc2 weight."""
+    return name.endswith(".fc2.weight")
 
 
 @dataclass(frozen=True)
@@ -34,12 +41,20 @@ def _param_bytes(module: torch.nn.Module) -> int:
 class CpuFirstModel:
     """Loads a checkpoint into host memory, keeps outgoing weights there, moves the rest.
 
-    `use(condition_policy)` activates one policy; `forward(ids, cache)` is one call.
+    `use(condition_policy)` activates one policy; `forward(ids, cache)` is one call. The
+    execution mode (`engine/graph.py`: "eager", stock transformers; "graph", packbench's
+    static decoder with the decode step captured where the policy allows) is chosen per
+    episode by the cache: `new_cache(capacity, mode=...)`; `mode` here is the default.
     """
 
-    def __init__(self, model_dir: Path, *, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, model_dir: Path, *, dtype: torch.dtype, device: torch.device,
+                 mode: str = "eager") -> None:
+        self.mode = check_mode(mode)
         t0 = time.perf_counter()
-        model = build_model(model_dir, dtype=dtype)
+        # The outgoing weights are read straight into pinned host memory and the rest straight
+        # to the device (engine/checkpoint.py read_placed) when the checkpoint holds `dtype`;
+        # then read_s includes placing, and place_s is what .to(device) below still moves.
+        model = build_model(model_dir, dtype=dtype, device=device, host_keys=is_outgoing)
         t1 = time.perf_counter()
         self.device, self.dtype, self.model_dir = device, dtype, Path(model_dir)
         self.slot = PolicySlot()
@@ -67,6 +82,7 @@ class CpuFirstModel:
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
         self.vocab = model.config.vocab_size
         self.config = model.config
+        self.graph = GraphDecoder(self.model, self.slot, self.recorder, device)
 
     def use(self, policy_name: str, **params) -> None:
         """Make a fresh `policy_name` the active loader policy, releasing the previous one.
@@ -97,7 +113,13 @@ class CpuFirstModel:
                 handle.remove()
             self._early_hooks = []
 
-    def new_cache(self):
+    def new_cache(self, capacity: int | None = None, *, mode: str | None = None):
+        """A fresh episode cache: DynamicCache (mode "eager") or a StaticKV of `capacity`
+        positions, prefix + continuation (mode "graph"), allocated now and charged in full."""
+        if check_mode(mode or self.mode) == "graph":
+            if capacity is None:
+                raise ValueError("mode graph needs the episode's capacity (prefix + continuation tokens)")
+            return self.graph.new_cache(capacity)
         from transformers import DynamicCache
 
         return DynamicCache()
@@ -105,5 +127,7 @@ class CpuFirstModel:
     @torch.inference_mode()
     def forward(self, ids: torch.Tensor, cache) -> torch.Tensor:
         """One call: (1, T) token ids in, (vocab,) last-position logits out (on the device)."""
+        if isinstance(cache, StaticKV):
+            return self.graph.forward(ids, cache)
         out = self.model(input_ids=ids, use_cache=True, logits_to_keep=1, **{self._cache_kw: cache})
         return out.logits[0, -1]

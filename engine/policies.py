@@ -249,7 +249,7 @@ class Staging:
     mask: torch.Tensor  # (ffn,) bool on the host, pinned on CUDA: the activity readback
 
     @staticmethod
-    def buffers(host: HostWeights, device: torch.device) -> tuple[torch.Tensor, RowPacket, torch.Tensor]:
+    def parts(host: HostWeights, device: torch.device) -> tuple[torch.Tensor, RowPacket, torch.Tensor]:
         """The shared buffers, allocated in this order (subclasses allocate theirs after)."""
         workspace = zeroed_workspace(host, device)
         packet = RowPacket.allocate(host, device)
@@ -273,6 +273,7 @@ class HostGather:
 
     name: str
     starts_early = False
+    gather = "host"  # where rows are gathered (a fact of the class, not a mode): after a mask readback
 
     def __init__(self) -> None:
         self.buffers: Staging | None = None
@@ -283,7 +284,7 @@ class HostGather:
         self.buffers = self.allocate(host, device)
 
     def allocate(self, host: HostWeights, device: torch.device) -> Staging:
-        return Staging(*Staging.buffers(host, device))
+        return Staging(*Staging.parts(host, device))
 
     def deactivate(self) -> None:
         self.buffers = None
@@ -369,6 +370,7 @@ class DevicePacket:
 
     name = "packet"
     starts_early = False
+    gather = "device"  # no host decision inside a call
 
     def __init__(self) -> None:
         self.buffers: Mapped | None = None
@@ -448,7 +450,7 @@ class SparseExtents(HostGather):
         self.block_rows = check_param(self.name, "block_rows", block_rows)
 
     def allocate(self, host: HostWeights, device: torch.device) -> Extents:
-        shared = Staging.buffers(host, device)
+        shared = Staging.parts(host, device)
         offsets_host = torch.arange(self.block_rows, dtype=INDEX_DTYPE)
         return Extents(*shared, offsets_host=offsets_host, offsets=offsets_host.to(device))
 
@@ -527,7 +529,7 @@ class RowRetention(HostGather):
         self.rows_per_layer = check_param(self.name, "rows_per_layer", rows_per_layer)
 
     def allocate(self, host: HostWeights, device: torch.device) -> Retention:
-        shared = Staging.buffers(host, device)
+        shared = Staging.parts(host, device)
         hidden, ffn = host.shape
         slots = min(self.rows_per_layer, ffn)
         return Retention(*shared, cache=torch.zeros((host.layers, slots, hidden), dtype=host.dtype, device=device),
@@ -592,7 +594,7 @@ class EarlyForecast(HostGather):
     buffers: Forecast | None
 
     def allocate(self, host: HostWeights, device: torch.device) -> Forecast:
-        shared = Staging.buffers(host, device)
+        shared = Staging.parts(host, device)
         return Forecast(*shared, forecast=RowPacket.allocate(host, device),
                         side=torch.cuda.Stream(device) if device.type == "cuda" else None,
                         previous=[None] * host.layers)

@@ -19,6 +19,8 @@ from core.canonical import canonical_sha256
 from core.metrics import episode_totals
 from core.protocol import Protocol, expand
 from engine.episode import run_episode
+from engine.gpu_lock import GpuLock
+from engine.graph import check_mode
 from engine.model import CpuFirstModel
 from engine.allowance import impose
 from engine.sampler import MemorySampler, device_uuid, nvml_handle
@@ -80,6 +82,17 @@ def checkpoint_key(path: Path) -> tuple:
     return (str(path), tuple((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in files))
 
 
+def host_gpus() -> int:
+    """GPUs NVML sees on this host, whatever CUDA_VISIBLE_DEVICES says (0 without NVML)."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        return pynvml.nvmlDeviceGetCount()
+    except Exception:
+        return 0
+
+
 def host_rss_peak_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
@@ -97,14 +110,23 @@ class Worker:
         self.conditions: dict[str, tuple[str, dict]] = {}
         uuid = device_uuid(self.device.index) if self.device.type == "cuda" else None
         self.gpu_uuid = uuid  # which physical GPU: two workers on one GPU would share it
+        # One worker per physical GPU on this host, even across clusters (engine/gpu_lock.py).
+        self.gpu_lock = GpuLock(uuid) if uuid else None
+        self.gpu_busy = self.gpu_lock.busy_message(uuid) if self.gpu_lock and not self.gpu_lock.held else None
+        if self.device.type == "cpu" and device is None and host_gpus() > 0:
+            # Given a GPU id the host does not have (a cluster declaring more GPUs than exist):
+            # running on the CPU instead would be a silent, different benchmark.
+            self.gpu_busy = (f"no usable CUDA device (CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r}) "
+                             f"on a host with {host_gpus()} GPU(s); declare no more GPUs than the host has")
         self.nvml = nvml_handle(uuid)
         self.sampler = MemorySampler(uuid)  # one helper process for the worker's life
 
     def describe(self) -> dict:
-        return environment(self.device)
+        """Where this worker runs; `gpu_busy` says why it must not run anything (its GPU is taken)."""
+        return {**environment(self.device), "gpu_busy": self.gpu_busy}
 
     def load(self, protocol: Protocol | dict, model_dir: str | None, *, model_cache: str | None = None,
-             reuse: bool = True) -> dict:
+             reuse: bool = True, mode: str | None = None) -> dict:
         """Make the CPU-first model for a frozen protocol ready and impose its allowance on CUDA.
 
         A worker lives across screens: with `reuse`, a model already loaded from the same
@@ -112,14 +134,19 @@ class Worker:
         it is dropped and the new one read ("cold"). `model_state` says which, and the start
         times are those of the load that read it. The clock of `first_logit_since_entry_s`
         starts at the actor's entry for its first load and at this call for later ones.
+
+        `mode` is the execution mode of every episode (engine/graph.py MODES): the argument if
+        given, else the protocol's `engine.mode` ("eager" for every protocol frozen before modes
+        existed). The reference runs in the same mode as the conditions it judges.
         """
         t_call = time.perf_counter()
         if self.loads:
             self.t_entry = t_call
         self.loads += 1
         protocol = expand(protocol)  # a typed Protocol passes through; a stored body is validated once
+        self.mode = check_mode(mode or protocol.engine_mode)
         path = model_dir_for(protocol, model_dir, cache=None if model_cache is None else Path(model_cache))
-        key = (checkpoint_key(path), protocol.dtype)
+        key = (checkpoint_key(path), protocol.dtype, self.mode)
         warm = reuse and self.model is not None and self.model_key == key
         if not warm and self.model is not None:
             self.drop_model()  # before the new allowance: the old model must not count against it
@@ -127,7 +154,7 @@ class Worker:
         self.allowance = allowance
         context = impose(self.device, allowance, self.nvml) if self.device.type == "cuda" else 0
         if not warm:
-            self.model = CpuFirstModel(path, dtype=dtype_of(protocol.dtype), device=self.device)
+            self.model = CpuFirstModel(path, dtype=dtype_of(protocol.dtype), device=self.device, mode=self.mode)
             self.model_key = key
         self.model.recorder.enabled = protocol.recording
         self.conditions = {c.name: (c.policy, dict(c.params)) for c in protocol.conditions}
@@ -139,6 +166,7 @@ class Worker:
                 "cpu_first": True,  # CpuFirstModel never places the outgoing weights on the device
                 "allowance_bytes": allowance, "context_bytes": context, "device": str(self.device),
                 "vocab": self.model.vocab, "model_dir": str(path), "model_state": "warm" if warm else "cold",
+                "engine": {"mode": self.mode},
                 "entry_to_loaded_s": time.perf_counter() - self.t_entry}
 
     def drop_model(self) -> None:
@@ -155,13 +183,13 @@ class Worker:
         assert self.model is not None, "load() first"
         policy, params = self.conditions[entry["condition"]]
         record = {"plan_index": entry["index"], "condition": entry["condition"], "role": entry["role"],
-                  "prompt": entry["prompt"], "policy": policy, "params": params}
+                  "prompt": entry["prompt"], "policy": policy, "params": params, "engine": {"mode": self.mode}}
         t0 = time.perf_counter()
         sampler = self.sampler
         try:
             self.model.use(policy, **params)
             sampler.start()
-            out = run_episode(self.model, prompt, continuation=self.continuation)
+            out = run_episode(self.model, prompt, continuation=self.continuation, mode=self.mode)
             sampled = sampler.stop()
         except Exception as e:  # recorded, never retried into a pass
             sampler.stop()
@@ -177,6 +205,7 @@ class Worker:
         p = self.model.slot.policy
         context = impose(self.device, self.allowance, self.nvml) if self.device.type == "cuda" else 0
         return {**record, "status": "ok", "error": None, "tokens": out.tokens, "wall_s": out.wall_s,
+                "engine": {"mode": out.mode, "decode_graph": out.decode_graph},
                 "first_logit_since_entry_s": out.first_logit_at - self.t_entry,
                 **episode_totals(calls),
                 "memory": {"peak_allocated_bytes": out.peak_allocated_bytes,

@@ -15,14 +15,14 @@ See docs/protocol.md for the fields.
 
 from core.protocol.freeze import FrozenProtocol, freeze, load
 from core.protocol.prompt_files import TEXT_SEPARATOR, read_prompt_file, split_texts
-from core.protocol.schema import (DTYPE_NAMES, GATE_NAMES, MAX_EPISODES, MAX_TOKENS, MIB, ORDERS, PHASES,
+from core.protocol.schema import (DTYPE_NAMES, ENGINE_MODES, GATE_NAMES, MAX_EPISODES, MAX_TOKENS, MIB, ORDERS, PHASES,
                                   POLICY_NAMES, POLICY_PARAMS, PROMPT_SOURCES, SCHEMA_VERSION, SYNTH_SHAPES,
                                   ChoiceParam, IntParam, full_form, validate)
 from core.protocol.spec import (Comparison, Condition, Gates, ModelSpec, Placement, PromptSpec, Protocol, SynthSpec,
                                 UsefulLatency, expand, prompt_count)
 
 __all__ = [
-    "ChoiceParam", "Comparison", "Condition", "DTYPE_NAMES", "FrozenProtocol", "GATE_NAMES", "Gates", "IntParam",
+    "ChoiceParam", "Comparison", "ENGINE_MODES", "Condition", "DTYPE_NAMES", "FrozenProtocol", "GATE_NAMES", "Gates", "IntParam",
     "MAX_EPISODES", "MAX_TOKENS", "MIB", "ModelSpec", "Placement", "ORDERS", "PHASES", "POLICY_NAMES", "POLICY_PARAMS",
     "PROMPT_SOURCES", "PromptSpec", "Protocol", "SCHEMA_VERSION", "SYNTH_SHAPES", "SynthSpec", "TEXT_SEPARATOR",
     "UsefulLatency", "expand", "freeze", "full_form", "load", "prompt_count", "read_prompt_file", "split_texts",

@@ -49,6 +49,7 @@ MAX_BOOTSTRAP_DRAWS = 1 << 27
 
 
 ORDERS = ("alternating", "abba", "latin-square")
+ENGINE_MODES = ("eager", "graph")  # engine/graph.py MODES (tests keep the two equal)
 PHASES = ("all", "prefill", "decode")
 GATE_NAMES = ("faithfulness", "resources", "capacity", "acquisition", "runtime", "useful_latency")
 PROMPT_SOURCES = ("token_ids", "token_file", "text_file", "generator")
@@ -235,6 +236,17 @@ def _gates(value: Any, names: tuple[str, ...]) -> dict:
     return out
 
 
+def _engine(value: Any) -> dict:
+    """How the engine executes each call: `mode: eager` (stock transformers, the default) or
+    `graph` (packbench's static decoder, decode steps replayed as CUDA graphs where the policy
+    makes no host decision; engine/graph.py). Only a non-default mode is kept."""
+    if value is None:
+        return {}
+    e = _mapping(value, "engine", allowed={"mode": False})
+    mode = _choice(e.get("mode", "eager"), "engine.mode", ENGINE_MODES)
+    return {} if mode == "eager" else {"mode": mode}
+
+
 def _placement(value: Any) -> dict:
     """Where a screen may run: a GPU type (Ray's accelerator_type, e.g. H200), a node (Ray node
     id), and whether it wants its node to itself. Only what is given is kept."""
@@ -257,7 +269,7 @@ def _full(raw: Any, *, base_dir: Path | None) -> dict:
         "schema": False, "name": True, "model": True, "dtype": True, "prompts": True, "prefix_tokens": True,
         "continuation_tokens": True, "conditions": True, "reference": True, "warmups": False,
         "repetitions": False, "order": False, "baseline_first": False, "allowance_mib": True,
-        "recording": False, "gates": True, "placement": False,
+        "recording": False, "gates": True, "placement": False, "engine": False,
     })
     declared = p.get("schema", SCHEMA_VERSION)
     if isinstance(declared, bool) or declared not in (1, 2):
@@ -284,6 +296,9 @@ def _full(raw: Any, *, base_dir: Path | None) -> dict:
         "recording": _bool(p.get("recording", True), "recording"),
         "gates": _gates(p["gates"], names),
     }
+    engine = _engine(p.get("engine"))
+    if engine:  # eager (or absent): left out, so every protocol frozen before modes keeps its hash
+        full["engine"] = engine
     placement = _placement(p.get("placement"))
     if placement:  # absent or empty: left out, so protocols written before it keep their hash
         full["placement"] = placement

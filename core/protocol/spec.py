@@ -121,6 +121,7 @@ class Protocol:
     recording: bool
     gates: Gates
     placement: Placement
+    engine_mode: str  # eager | graph (engine/graph.py)
     full: Mapping[str, Any]  # the full schema-2 form (read-only), as docs/protocol.md lists it
 
     def __eq__(self, other: object) -> bool:
@@ -224,7 +225,8 @@ def expand(body: Any) -> Protocol:
         reference=full["reference"], warmups=MappingProxyType(dict(full["warmups"])),
         repetitions=full["repetitions"], order=full["order"], baseline_first=full["baseline_first"],
         allowance_mib=full["allowance_mib"], recording=full["recording"], gates=_gates(full["gates"]),
-        placement=Placement(**full.get("placement", {})), full=_freeze_data(full))
+        placement=Placement(**full.get("placement", {})), engine_mode=full.get("engine", {}).get("mode", "eager"),
+        full=_freeze_data(full))
 
 
 def prompt_count(body: Any) -> int:

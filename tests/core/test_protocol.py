@@ -390,3 +390,24 @@ def test_placement_is_frozen_only_when_given():
         freeze(v2(placement={"exclusive_node": "yes"}))
     with pytest.raises(ProtocolError, match="`placement.gpu`: unknown field"):
         freeze(v2(placement={"gpu": "H200"}))
+
+
+def test_engine_mode_is_frozen_only_when_not_eager():
+    """engine.mode: eager (or absent) keeps every older hash; graph is a new meaning."""
+    base = freeze(v2())
+    assert freeze(v2(engine={"mode": "eager"})).sha256 == base.sha256 == freeze(v2(engine={})).sha256
+    graph = freeze(v2(engine={"mode": "graph"}))
+    assert graph.sha256 != base.sha256 and graph.body["engine"] == {"mode": "graph"}
+    assert expand(graph.body).engine_mode == "graph" and expand(base.body).engine_mode == "eager"
+    v1 = raw()
+    v1["engine"] = {"mode": "graph"}
+    assert freeze(v1).body["schema"] == 2
+    with pytest.raises(ProtocolError, match="`engine.mode`: 'fast' is not allowed; use one of eager, graph"):
+        freeze(v2(engine={"mode": "fast"}))
+
+
+def test_the_protocol_and_the_engine_name_the_same_modes():
+    from core.protocol import ENGINE_MODES
+    from engine.graph import MODES
+
+    assert tuple(ENGINE_MODES) == tuple(MODES)

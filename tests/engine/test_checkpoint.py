@@ -48,3 +48,20 @@ def test_missing_and_misshapen_tensors(tiny, tmp_path):
 def test_missing_directory_names_the_fix(tmp_path):
     with pytest.raises(CheckpointError, match="packbench model synth --out"):
         read_config(tmp_path / "nope")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_placed_read_equals_the_stock_read(checkpoints, dtype):
+    """read_placed (parallel preads into the final tensors) gives the stock reader's bytes; a
+    checkpoint stored in another dtype is left to the converting stock path (None)."""
+    from engine.checkpoint import read_placed, read_state_dict
+
+    torch_dtype = getattr(torch, dtype)
+    stock = read_state_dict(checkpoints[dtype], dtype=torch_dtype)
+    placed = read_placed(checkpoints[dtype], dtype=torch_dtype, device=torch.device("cpu"),
+                         host_keys=lambda name: True, threads=3)
+    assert placed.keys() == stock.keys()
+    for key, t in stock.items():
+        assert placed[key].dtype == t.dtype and torch.equal(placed[key].view(torch.uint8), t.view(torch.uint8)), key
+    other = "float16" if dtype != "float16" else "float32"
+    assert read_placed(checkpoints[other], dtype=torch_dtype, device=torch.device("cpu"), host_keys=lambda n: True) is None

@@ -1,0 +1,195 @@
+"""Execution modes of a forward call, and the CUDA-graph decode step of mode "graph".
+
+MODES:
+- "eager": stock transformers' OPT forward with a DynamicCache (packbench's first path; every
+  protocol written before modes existed means this).
+- "graph": packbench's own decoder (`engine/static_opt.py`) on a static KV cache. Prefill runs
+  eagerly; on CUDA, for a policy whose decode step makes no host decision (`GRAPH_SAFE`), the
+  first decode call runs eagerly on the static buffers (the warm-up: Triton specialises, cuBLAS
+  picks its kernels) and is then captured once, in pieces around attention (one graph per
+  layer boundary); every later decode call copies its token id and position into the static
+  inputs and replays the pieces, running each layer's attention over the live keys between
+  them (vLLM's piecewise graphs): stock's shapes, so stock's bits. Policies with host decisions (a mask readback,
+  an LRU plan, a forecast) run the same decoder eagerly: the same math, so exactness against
+  dense-stream within the mode still holds. On the CPU nothing is captured (the CPU twin).
+
+A replay runs no policy code, so the ledger cannot be written by the policy as it goes. The
+host side of a graph-safe policy's call is the same every call (sizes it knows; the device
+gather's counts are read after the call by a deferred settle), so the capture runs inside a
+scratch call of the recorder and its ledger and deferred settles are the TAPE each replay adds
+to its own call. Nothing inside the step reads the host: counts come back once per call, after
+the logits, as in eager mode.
+"""
+
+import time
+from collections.abc import Callable
+
+import torch
+
+from engine.ledger import CallLedger, Recorder
+from engine.static_opt import StaticKV, StaticOPT
+
+MODES = ("eager", "graph")
+
+# Which policies' decode steps may be captured: no host reads, no host decisions, every
+# buffer fixed for the episode. Keyed by policy name; a missing name stays eager.
+GRAPH_SAFE: dict[str, Callable[[object], bool]] = {
+    "resident": lambda p: True,
+    "dense-stream": lambda p: p.host.pin,  # the copy from pinned memory is a graph memcpy node
+    "packet": lambda p: p.gather == "device",
+    "phase-switched": lambda p: p.gather == "device",  # its decode calls are packet's
+}
+
+
+def check_mode(mode: str) -> str:
+    if mode not in MODES:
+        raise ValueError(f"unknown engine mode {mode!r}; use one of {', '.join(MODES)}")
+    return mode
+
+
+def graph_refusal(policy, device: torch.device) -> str | None:
+    """Why this policy's decode step is not captured on `device` (None: it is captured)."""
+    if device.type != "cuda":
+        return f"no CUDA graphs on {device.type}"
+    safe = GRAPH_SAFE.get(policy.name)
+    if safe is None or not safe(policy):
+        return f"{policy.name} decides on the host"
+    return None
+
+
+class _Tape:
+    """What a graph-safe policy's host side adds to one call's ledger (captured once)."""
+
+    def __init__(self, call: CallLedger, settles: list) -> None:
+        self.call, self.settles = call, settles
+
+    def play(self, recorder: Recorder) -> None:
+        c = self.call
+        for layer in range(c.layers):
+            recorder.add(layer, active=c.active_rows[layer], rows=c.rows_copied[layer],
+                         weight_bytes=c.h2d_weight_bytes[layer], index_bytes=c.h2d_index_bytes[layer],
+                         d2h_bytes=c.d2h_bytes[layer], wasted=c.rows_wasted[layer])
+        for settle in self.settles:
+            recorder.defer(settle)
+
+
+class GraphStep:
+    """The decode step of one episode captured on its StaticKV (held by the cache, dies with it).
+
+    `graphs[0]` embeds and runs layer 0 up to attention; `graphs[i]` finishes layer i-1 and
+    runs layer i up to attention; the last finishes the last layer and computes the logits.
+    Between two graphs the host runs the layer's attention over the live keys into `attn`.
+    With attention="static" there is one graph for the whole step.
+    """
+
+    def __init__(self, graphs: list, ids: torch.Tensor, pos: torch.Tensor, queries: list, attn: torch.Tensor | None,
+                 logits: torch.Tensor, tape: _Tape, capture_s: float) -> None:
+        self.graphs, self.ids, self.pos, self.queries, self.attn = graphs, ids, pos, queries, attn
+        self.logits, self.tape, self.capture_s = logits, tape, capture_s
+
+
+class GraphDecoder:
+    """Mode "graph" of a CpuFirstModel: `new_cache(capacity)`, `forward(ids, kv)`.
+
+    attention="live" (the mode's meaning): each decode call replays the captured pieces and
+    runs attention between them over the live keys, stock's shapes, so logits are stock's bit
+    for bit. attention="static" (measured, not a protocol mode): the whole step is one graph
+    attending over the full static span; faster, but tokens may leave stock's at near ties.
+    """
+
+    ATTENTION = ("live", "static")
+
+    def __init__(self, causal_lm, slot, recorder: Recorder, device: torch.device) -> None:
+        self.decoder = StaticOPT(causal_lm, slot)
+        self.slot, self.recorder, self.device = slot, recorder, device
+        self.attention = "live"
+        # One side stream for every warm-up and capture: PyTorch keeps a cuBLAS workspace per
+        # stream for the process's life, so a fresh stream per episode leaked ~32 MiB each
+        # (the first H200 run: 198 MiB more allocator peak, then OOM under the allowance).
+        self._stream = None
+
+    def new_cache(self, capacity: int) -> StaticKV:
+        if self.attention not in self.ATTENTION:
+            raise ValueError(f"attention must be one of {', '.join(self.ATTENTION)}, got {self.attention!r}")
+        kv = self.decoder.new_cache(capacity)
+        kv.eager_reason = graph_refusal(self.slot.policy, self.device)
+        kv.attention = self.attention
+        return kv
+
+    def forward(self, ids: torch.Tensor, kv: StaticKV) -> torch.Tensor:
+        """One call: (1, T) ids -> (vocab,) last logits. The first call of a cache is the prefill."""
+        if kv.length == 0:
+            return self.decoder.prefill(ids, kv)
+        if ids.shape != (1, 1):
+            raise ValueError(f"a decode call takes one token, got ids of shape {tuple(ids.shape)}")
+        if kv.length >= kv.capacity:
+            raise ValueError(f"the static cache holds {kv.capacity} positions; the episode asked for more")
+        position = kv.length
+        kv.length += 1
+        span = kv.capacity if kv.attention == "static" else position + 1
+        step = kv.graph
+        if step is not None:
+            step.ids.copy_(ids)
+            step.pos.fill_(position)  # a kernel argument: no host-device sync
+            step.tape.play(self.recorder)
+            graphs = step.graphs
+            for i, query in enumerate(step.queries):
+                graphs[i].replay()
+                self.decoder.attend(query, kv.layers[i], span, None, out=step.attn)
+            graphs[-1].replay()
+            return step.logits
+        pos = torch.full((1,), position, dtype=torch.long, device=ids.device)
+        if kv.eager_reason is not None:
+            return self.decoder.decode(ids, pos, kv, span=span)
+        return self._warm_and_capture(ids, pos, kv, span)
+
+    def _warm_and_capture(self, ids: torch.Tensor, pos: torch.Tensor, kv: StaticKV, span: int) -> torch.Tensor:
+        """Run this decode call eagerly on the side stream (its logits are the call's answer),
+        then capture the step's pieces on static inputs for the calls after it."""
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(self.device)
+        side, main = self._stream, torch.cuda.current_stream(self.device)
+        static_ids, static_pos = ids.clone(), pos.clone()
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            logits = self.decoder.decode(static_ids, static_pos, kv, span=span).clone()
+        main.wait_stream(side)
+        torch.cuda.synchronize(self.device)
+        t0 = time.perf_counter()
+        recorder = self.recorder
+        saved = (recorder.current, recorder.phase, recorder._deferred)
+        recorder.begin(phase="decode", tokens=1)  # scratch call: what the policy's host side adds
+        d = self.decoder
+        try:
+            # Capture records, it does not run: the KV slot written here is rewritten by each
+            # replay at the position it is given. torch.cuda.graph() would gc.collect() and
+            # empty the cache for each piece; capture_begin on one stream and one pool does not.
+            attn = torch.zeros((1, 1, d.hidden), dtype=d.dtype, device=self.device)
+            with torch.cuda.stream(side):
+                if kv.attention == "static":
+                    graph = torch.cuda.CUDAGraph()
+                    graph.capture_begin()
+                    static_logits = d.decode(static_ids, static_pos, kv, span=kv.capacity)
+                    graph.capture_end()
+                    graphs, queries, attn = [graph], [], None
+                else:
+                    graphs, queries, pool = [], [], None
+                    h = None
+                    for i in range(len(d.layers) + 1):
+                        graph = torch.cuda.CUDAGraph()
+                        graph.capture_begin(pool=pool)
+                        h = d.embed(static_ids, static_pos) if i == 0 else d.post(i - 1, h, attn)
+                        if i < len(d.layers):
+                            queries.append(d.pre(i, h, static_pos, kv))
+                        else:
+                            static_logits = d.head(h)
+                        graph.capture_end()
+                        pool = graph.pool() if pool is None else pool
+                        graphs.append(graph)
+            main.wait_stream(side)
+            tape = _Tape(recorder.current, list(recorder._deferred))
+        finally:
+            recorder.current, recorder.phase, recorder._deferred = saved
+        kv.graph = GraphStep(graphs, static_ids, static_pos, queries, attn, static_logits, tape,
+                             time.perf_counter() - t0)
+        return logits

@@ -1,0 +1,33 @@
+"""CUDA twin of test_checkpoint.py's placed read: tensors land where they live, bytes unchanged."""
+
+import numpy as np
+import pytest
+import torch
+
+from engine.checkpoint import build_model, read_placed, read_state_dict
+from engine.episode import run_episode
+from engine.model import CpuFirstModel, is_outgoing
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_cuda_placed_read_puts_outgoing_weights_in_pinned_memory(checkpoints, dtype, monkeypatch):
+    torch_dtype = getattr(torch, dtype)
+    stock = read_state_dict(checkpoints[dtype], dtype=torch_dtype)
+    monkeypatch.setattr("engine.checkpoint.CHUNK", 4096)  # many chunks and waves on a tiny model
+    placed = read_placed(checkpoints[dtype], dtype=torch_dtype, device=torch.device("cuda"), host_keys=is_outgoing)
+    for key, t in stock.items():
+        p = placed[key]
+        assert (p.device.type == "cpu" and p.is_pinned()) if is_outgoing(key) else p.device.type == "cuda", key
+        assert torch.equal(p.cpu().view(torch.uint8), t.view(torch.uint8)), key
+    monkeypatch.undo()
+    model = CpuFirstModel(checkpoints[dtype], dtype=torch_dtype, device=torch.device("cuda"))
+    assert all(w.is_pinned() for w in model.host.original) and model.start.place_s < 5
+    model.use("dense-stream")
+    fast = run_episode(model, [2] + list(range(10, 40)), continuation=4)
+    # the stock read: safe_open, then pin by copy and .to(device)
+    monkeypatch.setattr("engine.model.build_model", lambda d, *, dtype, device, host_keys: build_model(d, dtype=dtype))
+    slow = CpuFirstModel(checkpoints[dtype], dtype=torch_dtype, device=torch.device("cuda"))
+    slow.use("dense-stream")
+    assert np.array_equal(run_episode(slow, [2] + list(range(10, 40)), continuation=4).logits, fast.logits)

@@ -1,0 +1,94 @@
+"""The engine's policy constructors agree with core.registry (what protocols validate against),
+and every policy's buffers live exactly from activate to deactivate."""
+
+import inspect
+
+import pytest
+import torch
+
+from core.registry import POLICY_PARAMS, ChoiceParam, IntParam
+from engine.model import CpuFirstModel
+from engine.policies import PACKET_GATHERS, POLICIES, DevicePacket, LoaderPolicy, Packet
+
+
+def constructions(name: str):
+    """(params, what they test) for `name`: the registry's defaults, then every choice and minimum."""
+    spec = POLICY_PARAMS[name]
+    required = {k: p.minimum for k, p in spec.items() if isinstance(p, IntParam) and p.default is None}
+    yield required
+    for key, param in spec.items():
+        values = param.choices if isinstance(param, ChoiceParam) else (param.minimum,)
+        for value in values:
+            yield {**required, key: value}
+
+
+def test_the_engine_has_exactly_the_registry_policies():
+    assert list(POLICIES) == list(POLICY_PARAMS)
+
+
+@pytest.mark.parametrize("name", list(POLICY_PARAMS))
+def test_constructor_parameters_are_the_registry_parameters(name):
+    params = inspect.signature(POLICIES[name]).parameters
+    assert list(params) == list(POLICY_PARAMS[name]), name
+    for key, p in params.items():
+        assert p.kind is inspect.Parameter.KEYWORD_ONLY, (name, key)
+        default = POLICY_PARAMS[name][key].default
+        assert p.default == (inspect.Parameter.empty if default is None else default), (name, key)
+
+
+@pytest.mark.parametrize("name", list(POLICY_PARAMS))
+def test_every_registry_value_constructs_a_policy_of_that_name(name):
+    for params in constructions(name):
+        policy = POLICIES[name](**params)
+        assert isinstance(policy, LoaderPolicy) and policy.name == name, params
+        assert policy.device_bytes() == 0 and policy.pinned_bytes() == 0, params  # nothing held yet
+
+
+def test_packet_gathers_are_the_registry_choices():
+    assert tuple(PACKET_GATHERS) == POLICY_PARAMS["packet"]["gather"].choices
+    assert type(POLICIES["packet"]()) is Packet  # a frozen `packet` without params: gather host
+    assert type(POLICIES["packet"](gather="device")) is DevicePacket
+    for gather in PACKET_GATHERS:  # the class says where it gathers (read by code that must know)
+        assert POLICIES["packet"](gather=gather).gather == gather
+
+
+@pytest.mark.parametrize("name, params, fragment", [
+    ("packet", {"gather": "gpu"}, "gather must be one of host, device"),
+    ("sparse-extents", {"block_rows": 0}, "block_rows must be an integer >= 1"),
+    ("row-retention", {"rows_per_layer": -1}, "rows_per_layer must be an integer >= 1"),
+])
+def test_bad_values_are_refused_naming_what_is_allowed(name, params, fragment):
+    with pytest.raises(ValueError, match=fragment):
+        POLICIES[name](**params)
+
+
+def test_row_retention_has_no_engine_default():
+    with pytest.raises(TypeError):
+        POLICIES["row-retention"]()
+
+
+# Device and pinned bytes on the CPU (tiny, float32: hidden 64, ffn 256, 2 layers), as charged
+# before issue 9 moved the buffers: workspace 64 KiB, one row packet 256 x (8 + 256) B.
+WORKSPACE, PACKET = 64 * 256 * 4, 256 * (8 + 64 * 4)
+CHARGED = {
+    ("resident", ()): 2 * WORKSPACE,
+    ("dense-stream", ()): WORKSPACE,
+    ("sparse-extents", (("block_rows", 16),)): WORKSPACE + PACKET,
+    ("packet", ()): WORKSPACE + PACKET,
+    ("packet", (("gather", "device"),)): WORKSPACE + 2 * 4,
+    ("phase-switched", ()): WORKSPACE + PACKET,
+    ("row-retention", (("rows_per_layer", 48),)): WORKSPACE + PACKET + 2 * 48 * 64 * 4,
+    ("early-forecast", ()): WORKSPACE + 2 * PACKET,
+}
+
+
+def test_buffers_exist_from_activate_to_deactivate_and_are_charged(tiny):
+    model = CpuFirstModel(tiny, dtype=torch.float32, device=torch.device("cpu"))
+    assert {name for name, _ in CHARGED} == set(POLICIES)
+    for (name, params), device_bytes in CHARGED.items():
+        policy = POLICIES[name](**dict(params))
+        policy.activate(model.host, model.device, model.recorder)
+        assert (policy.device_bytes(), policy.pinned_bytes()) == (device_bytes, 0), name  # pinned: CUDA only
+        policy.deactivate()
+        assert policy.device_bytes() == 0 and not [v for v in vars(policy).values() if isinstance(v, torch.Tensor)]
+        assert getattr(policy, "buffers", None) is None, name

@@ -1,0 +1,100 @@
+"""Mode "graph" on the CPU (the twin of test_graph_cuda.py): packbench's static decoder against
+stock transformers, and every policy against dense-stream within the mode."""
+
+import numpy as np
+import pytest
+import torch
+
+from engine.episode import run_episode
+from engine.graph import graph_refusal
+from engine.model import CpuFirstModel
+from engine.policies import POLICIES
+
+CONTINUATION = 5
+PARAMS = {"sparse-extents": {"block_rows": 16}, "row-retention": {"rows_per_layer": 48}}
+LEDGER_CHECKED = ("dense-stream", "packet", "packet+gather=device", "row-retention")  # the CPU has 2 cores
+VARIANTS = {**{name: (name, PARAMS.get(name, {})) for name in POLICIES},
+            "packet+gather=device": ("packet", {"gather": "device"})}
+
+
+def prompt_of(length: int, vocab: int) -> list[int]:
+    return [2] + [(7 * i + 11) % (vocab - 4) + 4 for i in range(length - 1)]
+
+
+@pytest.fixture(scope="module")
+def checkpoint_125m(tmp_path_factory):
+    from engine.synth import synth_checkpoint
+
+    return synth_checkpoint(tmp_path_factory.mktemp("ck") / "opt-125m", shape="opt-125m", dtype="float32",
+                            sparsity=0.94, seed=0)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_tiny_graph_mode_is_bit_identical_to_stock_eager(dtype, checkpoints):
+    """On the tiny shape every call's logits equal stock transformers' bit for bit, decode too."""
+    model = CpuFirstModel(checkpoints["float32"], dtype=getattr(torch, dtype), device=torch.device("cpu"))
+    for n in (1, 64):
+        prompt = prompt_of(n, model.vocab)
+        model.use("dense-stream")
+        stock = run_episode(model, prompt, continuation=CONTINUATION, mode="eager")
+        for name, (policy, params) in VARIANTS.items():
+            model.use(policy, **params)
+            out = run_episode(model, prompt, continuation=CONTINUATION, mode="graph")
+            assert out.mode == "graph" and out.decode_graph == "eager: no CUDA graphs on cpu"
+            assert np.array_equal(out.logits, stock.logits), (name, n)
+            assert out.tokens == stock.tokens, (name, n)
+            assert out.kv_bytes == 2 * 2 * 4 * (n + CONTINUATION) * 16 * getattr(torch, dtype).itemsize
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_opt125m_graph_mode_is_bit_identical_to_stock_and_across_policies(dtype, checkpoint_125m):
+    model = CpuFirstModel(checkpoint_125m, dtype=getattr(torch, dtype), device=torch.device("cpu"))
+    prompt = prompt_of(64, model.vocab)
+    model.use("dense-stream")
+    stock = run_episode(model, prompt, continuation=CONTINUATION, mode="eager")
+    ref = run_episode(model, prompt, continuation=CONTINUATION, mode="graph")
+    assert run_episode(model, prompt, continuation=CONTINUATION, mode="graph").logits.tobytes() == ref.logits.tobytes()
+    assert np.array_equal(ref.logits, stock.logits) and ref.tokens == stock.tokens
+    for name, (policy, params) in VARIANTS.items():
+        model.use(policy, **params)
+        out = run_episode(model, prompt, continuation=CONTINUATION, mode="graph")
+        assert np.array_equal(out.logits, ref.logits), name
+        if name not in LEDGER_CHECKED:
+            continue
+        model.use(policy, **params)  # fresh: an LRU cache must not carry over
+        eager = run_episode(model, prompt, continuation=CONTINUATION, mode="eager")
+        assert [c.h2d_weight_bytes for c in out.calls] == [c.h2d_weight_bytes for c in eager.calls], name
+        assert [c.active_rows for c in out.calls] == [c.active_rows for c in eager.calls], name
+
+
+def test_static_span_attention_rounds_differently_from_stock(checkpoint_125m):
+    """attention="static" (the whole step capturable) reduces softmax and attn @ V over the full
+    cache: prefill stays bit-identical, decode leaves stock's last bits (float32 here)."""
+    model = CpuFirstModel(checkpoint_125m, dtype=torch.float32, device=torch.device("cpu"))
+    model.use("resident")
+    prompt = prompt_of(64, model.vocab)
+    stock = run_episode(model, prompt, continuation=CONTINUATION, mode="eager")
+    model.graph.attention = "static"
+    out = run_episode(model, prompt, continuation=CONTINUATION, mode="graph")
+    model.graph.attention = "live"
+    assert out.tokens == stock.tokens
+    assert np.array_equal(out.logits[0], stock.logits[0])
+    diff = np.abs(out.logits[1:] - stock.logits[1:]).max()
+    assert 0 < diff <= 1e-5 * np.abs(stock.logits).max()
+
+
+def test_graph_refusal_names_the_reason():
+    class P:
+        name, gather = "packet", "host"
+
+    assert graph_refusal(P(), torch.device("cpu")) == "no CUDA graphs on cpu"
+    assert graph_refusal(P(), torch.device("cuda")) == "packet decides on the host"
+    P.gather = "device"
+    assert graph_refusal(P(), torch.device("cuda")) is None
+
+
+def test_unknown_mode_is_refused(tiny):
+    model = CpuFirstModel(tiny, dtype=torch.float32, device=torch.device("cpu"))
+    model.use("resident")
+    with pytest.raises(ValueError, match="eager, graph"):
+        run_episode(model, [2, 5, 6], continuation=2, mode="compiled")
