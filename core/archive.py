@@ -389,6 +389,7 @@ class ArchiveWriter:
         self.format_version = format_version
         self.members: dict[str, dict] = {}
         self.sha256: str | None = None  # set by seal()
+        self.manifest_sha256: str | None = None  # SHA-256 of manifest.json's bytes, set by seal()
         self._broken: str | None = None
         self._end = 0  # where the next local header goes: the end of the member data
         self._cd_at = 0  # where the central directory starts (>= _end; the bytes between are room)
@@ -504,6 +505,7 @@ class ArchiveWriter:
                 f"pass plain data without NaN/Infinity"
             ) from None
         self._append(MANIFEST_NAME, data, zipfile.ZIP_DEFLATED, last=True)
+        self.manifest_sha256 = sha256_hex(data)
         # The member bytes were hashed as they were written; the directory is in memory.
         digest = self._hash.copy()
         digest.update(self._central)

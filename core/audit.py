@@ -80,6 +80,7 @@ class AuditReport:
     verdicts, problems, result ("agree" only when complete and without problems)."""
 
     record: dict
+    unreadable: bool = False  # the file is not a zip packbench can open (the CLI exits 2)
 
     @property
     def agrees(self) -> bool:
@@ -213,6 +214,7 @@ class _Audit:
 
     def __init__(self, path: Path, sha: str | None):
         self.path = path
+        self.unreadable = False
         self.problems: list[str] = []
         self.record: dict[str, Any] = {
             "audit_version": AUDIT_VERSION, "archive_sha256": sha, "protocol_sha256": None, "complete": False,
@@ -357,6 +359,12 @@ class _Audit:
     def check_start(self, start: Any, proto: Protocol) -> int | None:
         """The start record's byte counts add up, and equal the synthetic model's shape; returns
         the bytes of one outgoing row when the shape is known (None otherwise)."""
+        pinned = proto.model.sha256
+        digest = start.get("model_sha256") if isinstance(start, dict) else None
+        if pinned is not None and digest != pinned:
+            self.add(f"{WORKER_NAME}: the checkpoint measured has digest {digest!r}, the protocol pins {pinned}")
+        if digest is not None and (not isinstance(digest, str) or re.fullmatch(r"[0-9a-f]{64}", digest) is None):
+            self.add(f"{WORKER_NAME}: model_sha256 {digest!r} is not 64 lowercase hex digits")
         if not isinstance(start, dict):
             return None
         got = {k: start.get(k) for k in START_BYTES}
@@ -472,7 +480,7 @@ def audit_archive(path: Path, *, expected_sha256: str | None = None, db_verdicts
                   "(docs/archive.md, Bounds)")
     record = audit.record
     record["result"] = "agree" if record["complete"] and not record["problems"] else "disagree"
-    return AuditReport(record)
+    return AuditReport(record, unreadable=audit.unreadable)
 
 
 def _run_audit(audit: _Audit, path: Path, *, expected_sha256: str | None, db_verdicts: list[dict] | None,
@@ -487,6 +495,7 @@ def _run_audit(audit: _Audit, path: Path, *, expected_sha256: str | None, db_ver
     if expected_sha256 is not None and audit.record["archive_sha256"] != expected_sha256:
         audit.add(f"archive SHA-256 {audit.record['archive_sha256']} differs from the database's {expected_sha256}")
     if reader is None:
+        audit.unreadable = True
         audit.add(opened)
         if trust is not None:
             audit.record["signature"] = {"status": "bad-signature", "key_id": None}

@@ -218,3 +218,26 @@ def check_signature(sig_path: Path, *, archive_sha256: str | None, manifest_sha2
     if public not in trusted:
         return SignatureCheck("unknown-signer", kid, f"signature: valid, but by key {kid}, which is not trusted here")
     return SignatureCheck("valid", kid, None)
+
+
+# ----------------------------------------------------------------------------- what was measured
+
+CHECKPOINT_SCHEME = b"packbench-checkpoint-v1\n"
+
+
+def checkpoint_digest(path: Path) -> str:
+    """Content digest of a checkpoint directory: SHA-256 over, for every regular file in sorted
+    relative-path order, ``path NUL size NUL sha256(bytes) LF``. A synthetic checkpoint's
+    generated files (config.json carries the spec) are hashed the same way, so the digest pins
+    the spec and whatever the generator wrote for it. Reads every byte once (~1-2 GB/s)."""
+    root = Path(path)
+    h = hashlib.sha256(CHECKPOINT_SCHEME)
+    for f in sorted((p for p in root.rglob("*") if p.is_file()), key=lambda p: p.relative_to(root).as_posix()):
+        fh = hashlib.sha256()
+        size = 0
+        with open(f, "rb") as fp:
+            for chunk in iter(lambda: fp.read(1 << 20), b""):
+                fh.update(chunk)
+                size += len(chunk)
+        h.update(f"{f.relative_to(root).as_posix()}\0{size}\0{fh.hexdigest()}\n".encode())
+    return h.hexdigest()

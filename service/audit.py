@@ -45,15 +45,17 @@ def episode_dicts(rows) -> list[dict]:
     return [{**dataclasses.asdict(e), "tokens": list(e.tokens)} for e in rows]
 
 
-def audit_file(path: Path, *, on_ray: bool = False, settings: Settings | None = None) -> AuditOutcome:
-    """Audit an archive alone: no database needed or touched."""
+def audit_file(path: Path, *, on_ray: bool = False, settings: Settings | None = None,
+               trust: list[bytes] | None = None) -> AuditOutcome:
+    """Audit an archive alone: no database needed or touched. With `trust` (raw Ed25519
+    public keys) its detached signature must be valid and by one of them (core.provenance)."""
     settings = settings or Settings()
-    if on_ray:
+    if on_ray and trust is None:
         from cluster.audit import audit_on_cluster
 
         report = audit_on_cluster(Path(path), settings=settings)
     else:
-        report = audit_archive(Path(path))
+        report = audit_archive(Path(path), trust=trust)
     return AuditOutcome(report, Path(path), None, None, platform.node(), False, None)
 
 

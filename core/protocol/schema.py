@@ -62,11 +62,20 @@ _SHA256 = re.compile(r"[0-9a-f]{64}")
 
 
 def _model(value: Any) -> dict:
-    m = _mapping(value, "model", allowed={"path": False, "synth": False})
+    m = _mapping(value, "model", allowed={"path": False, "synth": False, "sha256": False})
     if ("path" in m) == ("synth" in m):
         _fail("model", "give exactly one of path (a local checkpoint directory) or synth (a synthetic spec)")
+    if "sha256" in m and "path" not in m:
+        _fail("model.sha256", "pins a model.path checkpoint's content (a synthetic model is pinned by its spec)")
     if "path" in m:
-        return {"path": _string(m["path"], "model.path", "a path to a local Hugging Face OPT directory")}
+        out = {"path": _string(m["path"], "model.path", "a path to a local Hugging Face OPT directory")}
+        if "sha256" in m:
+            # The checkpoint's content digest (core.provenance.checkpoint_digest, `packbench model digest`):
+            # a worker whose checkpoint hashes otherwise refuses the screen before loading it.
+            if not isinstance(m["sha256"], str) or not _SHA256.fullmatch(m["sha256"]):
+                _fail("model.sha256", f"{_show(m['sha256'])} is not allowed; expected 64 lowercase hex digits")
+            out["sha256"] = m["sha256"]
+        return out
     s = _mapping(m["synth"], "model.synth", allowed={
         "shape": True, "dtype": True, "sparsity": True, "seed": True, "hot_fraction": False, "hot_bias": False})
     try:
