@@ -53,6 +53,9 @@ MAX_DIRECTORY_BYTES = 64 << 20  # the central directory
 MAX_JSON_BYTES = 32 << 20  # one JSON member, uncompressed
 MAX_ARRAY_BYTES = 256 << 20  # one .npy member
 MAX_TOTAL_BYTES = 1 << 30  # every member together, uncompressed
+# JSON members together, uncompressed: parsing, the canonical check and the ledger checks cost
+# ~0.3 s per MiB on the 2-core box (docs/benchmarks.md, "Worst legal archive"); arrays ~0.01.
+MAX_JSON_TOTAL_BYTES = 64 << 20
 _MAX_NPY_HEADER = 1 << 16
 
 _CHUNK = 1 << 20
@@ -773,11 +776,13 @@ class ArchiveReader:
         max_total_bytes: int = MAX_TOTAL_BYTES,
         max_archive_bytes: int = MAX_ARCHIVE_BYTES,
         max_json_bytes: int = MAX_JSON_BYTES,
+        max_json_total_bytes: int = MAX_JSON_TOTAL_BYTES,
     ):
         self.path = Path(path)
         self.max_member_bytes = int(max_member_bytes)
         self.max_total_bytes = int(max_total_bytes)
         self.max_json_bytes = min(int(max_json_bytes), self.max_member_bytes)
+        self.max_json_total_bytes = int(max_json_total_bytes)
         self.bytes_read = 0  # uncompressed bytes handed out by read_* so far
         if not self.path.is_file():
             raise ArchiveError(
@@ -913,11 +918,19 @@ class ArchiveReader:
             problems.append(self._manifest_problem)
 
         declared_total = sum(info.file_size for info in self._infos)
+        declared_json = sum(info.file_size for info in self._infos if not info.filename.endswith(".npy"))
         if declared_total > self.max_total_bytes:
             problems.append(Problem(
                 None, "too-large",
                 f"archive too large: its members declare {declared_total} bytes in total, "
                 f"the bound is {self.max_total_bytes} (raise max_total_bytes if trusted)"
+            ))
+            return _distinct(problems)
+        if declared_json > self.max_json_total_bytes:
+            problems.append(Problem(
+                None, "too-large",
+                f"archive too large: its JSON members declare {declared_json} bytes in total, "
+                f"the bound is {self.max_json_total_bytes} (raise max_json_total_bytes if trusted)"
             ))
             return _distinct(problems)
         problems += self._layout

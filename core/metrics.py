@@ -59,6 +59,27 @@ def _is_time(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0
 
 
+# The per-value checks run over every per-layer value of every call (32 layers x 7 lists x
+# thousands of calls): written with C-level builtins (map, set, min), they took a worst-case
+# ledger (8192 calls x 32 layers) from 6.5 s to ~0.3 s per record on the 2-core box.
+_NONE = type(None)
+
+
+def _counts_ok(values: list, allow_none: bool) -> bool:
+    """Integers >= 0 (bools are not), or None where allowed."""
+    kinds = set(map(type, values))
+    if allow_none and _NONE in kinds:
+        kinds.discard(_NONE)
+        values = [v for v in values if v is not None]
+    return kinds <= {int} and (not values or min(values) >= 0)
+
+
+def _times_ok(values: list) -> bool:
+    """Finite numbers >= 0 (bools are not)."""
+    return (set(map(type, values)) <= {int, float} and all(map(math.isfinite, values))
+            and (not values or min(values) >= 0))
+
+
 def ledger_problems(calls: Any) -> list[str]:
     """Why `calls` is not a well-formed ledger ([] when it is): episode_totals may then run.
 
@@ -87,10 +108,7 @@ def ledger_problems(calls: Any) -> list[str]:
             if not isinstance(values, list) or (layers is not None and len(values) != layers):
                 out.append(f"{where} {key} is not a list of {layers} per-layer values")
                 continue
-            if key in OPTIONAL_FLOAT_LISTS:
-                ok = all(_is_time(v) for v in values)
-            else:
-                ok = all((_is_int(v) and v >= 0) or (v is None and key == "active_rows") for v in values)
+            ok = _times_ok(values) if key in OPTIONAL_FLOAT_LISTS else _counts_ok(values, key == "active_rows")
             if not ok:
                 out.append(f"{where} {key} holds a value that is not a count >= 0")
         if not _is_int(call.get("logits_d2h_bytes")) or call["logits_d2h_bytes"] < 0:
