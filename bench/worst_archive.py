@@ -5,8 +5,8 @@ Usage:  python -m bench.worst_archive --case bytes|members|json [--out PATH]
 Cases (docs/benchmarks.md, "Worst legal archive"), each a sealed, consistent synthetic screen
 (bench.audit.write_synthetic_screen) that audits as AGREE, so every check runs:
 
-- bytes:   members at the total bound: 4 episodes whose float32 logits are each just under
-           the 256 MiB array bound (continuation 1300 x vocabulary 50272), ~1 GiB in all;
+- bytes:   members at the total bound: 4 episodes whose float32 logits are 187 MiB each
+           (continuation 975 x vocabulary 50272), ~750 MiB in all (the bound is 768 MiB);
 - members: many small episodes: 2 conditions x (1 warmup + 25,000 prompts) = 50,002
            episodes, ~150,000 members;
 - json:    the largest episode records: continuation 8192 (the schema's bound) x 32 layers,
@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 CASES = {
-    "bytes": dict(proto=dict(prompts_n=1, repetitions=1, prefix=8, continuation=1300), vocab=50272),
+    "bytes": dict(proto=dict(prompts_n=1, repetitions=1, prefix=8, continuation=975), vocab=50272),
     "members": dict(proto=dict(prompts_n=25_000, repetitions=1, prefix=2, continuation=2), vocab=8),
     "json": dict(proto=dict(prompts_n=2, repetitions=1, prefix=8, continuation=8192), vocab=8),
 }

@@ -52,7 +52,7 @@ MAX_MEMBERS = 3 * 100_000 + 5  # 3 members per planned episode (core.protocol MA
 MAX_DIRECTORY_BYTES = 64 << 20  # the central directory
 MAX_JSON_BYTES = 32 << 20  # one JSON member, uncompressed
 MAX_ARRAY_BYTES = 256 << 20  # one .npy member
-MAX_TOTAL_BYTES = 1 << 30  # every member together, uncompressed
+MAX_TOTAL_BYTES = 768 << 20  # every member together, uncompressed (the audit keeps the logits: RSS ~ this + 100 MiB)
 # JSON members together, uncompressed: parsing, the canonical check and the ledger checks cost
 # ~0.3 s per MiB on the 2-core box (docs/benchmarks.md, "Worst legal archive"); arrays ~0.01.
 MAX_JSON_TOTAL_BYTES = 64 << 20
@@ -848,7 +848,11 @@ class ArchiveReader:
 
     # -- public reads
 
-    def read_bytes(self, name: str, *, limit: int | None = None, check_first=None) -> bytes:
+    def read_bytes(self, name: str) -> bytes:
+        return bytes(self._read(name))
+
+    def _read(self, name: str, *, limit: int | None = None, check_first=None) -> bytearray:
+        """A member's bytes in one buffer of its declared size, under every bound."""
         info = self._lookup(name)
         budget = self.max_total_bytes - self.bytes_read
         if info.file_size > budget:
@@ -857,24 +861,31 @@ class ArchiveReader:
                 f"bound of {self.max_total_bytes} bytes; raise max_total_bytes if the archive "
                 f"is trusted"
             )
-        parts = []
         bound = min(self.max_member_bytes if limit is None else limit, budget)
+        # One buffer of the declared size (checked against the bounds above): no list of chunks
+        # joined into a second copy. A member that yields more than declared fails in _chunks.
+        buf = bytearray(min(info.file_size, bound))
+        at = 0
         try:
             for chunk in self._chunks(info, bound):
-                if check_first is not None and not parts:
+                if check_first is not None and at == 0:
                     check_first(chunk, info.file_size)
-                parts.append(chunk)
-            if check_first is not None and not parts:
+                if at + len(chunk) > len(buf):
+                    raise _MemberError(name, f"yields more than the {info.file_size} bytes it declares",
+                                       "the archive is damaged: run verify()")
+                buf[at:at + len(chunk)] = chunk
+                at += len(chunk)
+            if check_first is not None and at == 0:
                 check_first(b"", info.file_size)
         except _MemberError as e:
             raise ArchiveError(f"member {name} of archive {self.path} {e.phrase}; {e.fix}") from None
-        data = b"".join(parts)
-        self.bytes_read += len(data)
-        return data
+        del buf[at:]
+        self.bytes_read += at
+        return buf
 
     def read_json(self, name: str) -> Any:
         """A JSON member in its one canonical byte form (no duplicate keys, no NaN)."""
-        data = self.read_bytes(name, limit=self.max_json_bytes)
+        data = bytes(self._read(name, limit=self.max_json_bytes))
         try:
             return _canonical_loads(data)
         except (ValueError, UnicodeDecodeError, RecursionError) as e:
@@ -889,7 +900,7 @@ class ArchiveReader:
         def check(first: bytes, size: int) -> None:
             _npy_header(first, size, dtype=dtype, ndim=ndim)
 
-        data = self.read_bytes(name, check_first=check)
+        data = self._read(name, check_first=check)
         try:
             return _load_npy(data)
         except _MemberError as e:
@@ -1285,9 +1296,9 @@ def _npy_header(first: bytes, size: int, *, dtype: str | None = None, ndim: int 
                            "the archive is damaged")
 
 
-def _load_npy(data: bytes) -> np.ndarray:
+def _load_npy(data: bytes | bytearray) -> np.ndarray:
     """Parse a .npy payload without pickle, checking the header against the payload length."""
-    fp = io.BytesIO(data)
+    fp = io.BytesIO(bytes(memoryview(data)[:_MAX_NPY_HEADER + 16]))  # the header only: no copy of the data
     try:
         version = np.lib.format.read_magic(fp)
         if version == (1, 0):
@@ -1312,11 +1323,11 @@ def _load_npy(data: bytes) -> np.ndarray:
             f"declares shape {shape} of {dtype} ({expected} bytes) but holds {held} data bytes",
             "the archive is damaged",
         )
-    fp.seek(0)
     try:
-        arr = np.load(fp, allow_pickle=False)
+        # A view of the member's buffer, not np.load's copy of it: an array member costs its
+        # size once. Never pickle: object dtypes were refused above.
+        flat = np.frombuffer(data, dtype=dtype, count=math.prod(shape), offset=fp.tell())
+        arr = flat.reshape(shape, order="F" if fortran else "C")
     except _READ_ERRORS as e:
         raise _MemberError("", f"is not a loadable .npy array ({e})", "the archive is damaged") from None
-    if not isinstance(arr, np.ndarray):
-        raise _MemberError("", "is not a .npy array", "the archive is damaged")
     return arr
