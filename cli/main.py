@@ -15,16 +15,18 @@ from core.errors import PackbenchError
 from core.settings import DEFAULT_CONNECT_TIMEOUT_S, DEFAULT_PLACEMENT_TIMEOUT_S, Settings
 from core.registry import DTYPE_NAMES, SYNTH_SHAPES, SynthArgumentError, synth_spec
 
-app = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
+app = typer.Typer(no_args_is_help=True, add_completion=True, pretty_exceptions_enable=False,
                   help=__doc__)
 model_app = typer.Typer(no_args_is_help=True, help="Synthetic checkpoints.")
 db_app = typer.Typer(no_args_is_help=True, help="The results database: migrations.")
 app.add_typer(model_app, name="model")
 app.add_typer(db_app, name="db")
 
-from cli import ingest, keys, query  # noqa: E402  (after the apps it registers on)
+from cli import ingest, keys, protocol_cmd, query, report  # noqa: E402  (after the apps it registers on)
 
 query.register(app)
+report.register(app)
+protocol_cmd.register(app)
 keys.register(app)
 ingest.register(app)
 
@@ -76,9 +78,23 @@ def db_history(db: DbUrl = None) -> None:
         typer.echo(line)
 
 
+def _print_version(value: bool) -> None:
+    if value:
+        from importlib import metadata
+
+        try:
+            version = metadata.version("packbench")
+        except metadata.PackageNotFoundError:
+            version = "unknown (not installed: pip install -e .)"
+        typer.echo(f"packbench {version}")
+        raise typer.Exit()
+
+
 @app.callback()
 def options(
     ctx: typer.Context,
+    version: Annotated[bool, typer.Option("--version", callback=_print_version, is_eager=True,
+                                          help="Print packbench's version and exit.")] = False,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", envvar="PACKBENCH_VERBOSE",
                                           help="Log events, and let worker logs reach this terminal.")] = False,
     placement_timeout: Annotated[float, typer.Option(

@@ -1,7 +1,8 @@
 """Machine-readable and table views of a screen, built from the database."""
 
-import dataclasses
 import json
+
+from core.record import STORED_FIELDS
 
 
 def screen_summary(store, ref: str | int) -> dict:
@@ -33,7 +34,11 @@ def verdict_dicts(rows) -> list[dict]:
 
 
 def episode_dicts(rows) -> list[dict]:
-    return [{**dataclasses.asdict(e), "tokens": list(e.tokens)} for e in rows]
+    """EpisodeRows as the auditor compares them: id, attempt_id and every stored field of
+    `core.record`, tokens as a list."""
+    return [{"id": e.id, "attempt_id": e.attempt_id,
+             **{f.name: list(getattr(e, f.name)) if f.type is list else getattr(e, f.name) for f in STORED_FIELDS}}
+            for e in rows]
 
 
 def _fmt(value) -> str:

@@ -1,6 +1,6 @@
 """Gates: pure functions from episode records to verdicts. They fail closed on missing data.
 
-An episode, as the gates read it, is the worker's record (engine/worker.py) plus `logits` (a
+An episode, as the gates read it, is the worker's record (fields: core/record.py) plus `logits` (a
 float32 (calls, vocab) array, or None when missing): plan_index, condition, role, prompt,
 status, tokens, wall_s, first_logit_since_entry_s, h2d_weight_bytes, h2d_index_bytes,
 phases.{prefill,decode}.{calls, h2d_bytes, call_s}, memory.{peak_allocated_bytes,

@@ -26,6 +26,7 @@ from sqlalchemy import (
     Dialect,
     Float,
     ForeignKey,
+    Index,
     Integer,
     MetaData,
     String,
@@ -36,6 +37,7 @@ from sqlalchemy import (
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 from core.canonical import canonical_json
+from core.record import STORED_FIELDS
 from db.records import (
     AttemptRow,
     AuditRow,
@@ -272,6 +274,9 @@ class Attempt(Base):
         UniqueConstraint("screen_id", "number"),
         _one_of("status", ATTEMPT_STATUSES, "status"),
         _one_of("model_state", MODEL_STATES, "model_state"),
+        # A claim for a worker slot on a node looks for what runs there (exclusive screens,
+        # replicas, shared_node): without it every such claim scanned all attempts.
+        Index("ix_attempts_node_status", "node", "status"),
     )
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
@@ -336,6 +341,9 @@ class Attempt(Base):
 class Episode(Base):
     """One episode record as the worker reported it, flattened into columns.
 
+    The columns are `core.record.STORED_FIELDS`, spelled out here because Alembic compares
+    explicit columns; tests/db/test_db_record.py holds the two equal.
+
     (attempt_id, plan_index) is the natural key: a re-sent record is a no-op.
     """
 
@@ -370,29 +378,11 @@ class Episode(Base):
     peak_sampled_bytes: Mapped[int | None] = mapped_column(BigInteger)
 
     def to_record(self) -> EpisodeRow:
-        return EpisodeRow(
-            id=self.id,
-            attempt_id=self.attempt_id,
-            plan_index=self.plan_index,
-            condition=self.condition,
-            role=self.role,
-            prompt=self.prompt,
-            status=self.status,
-            error=self.error,
-            tokens=tuple(json.loads(self.tokens_json)),
-            n_tokens=self.n_tokens,
-            wall_s=self.wall_s,
-            call_s=self.call_s,
-            h2d_weight_bytes=self.h2d_weight_bytes,
-            h2d_index_bytes=self.h2d_index_bytes,
-            d2h_bytes=self.d2h_bytes,
-            prefill_h2d_bytes=self.prefill_h2d_bytes,
-            decode_h2d_bytes=self.decode_h2d_bytes,
-            prefill_call_s=self.prefill_call_s,
-            decode_call_s=self.decode_call_s,
-            peak_allocated_bytes=self.peak_allocated_bytes,
-            peak_sampled_bytes=self.peak_sampled_bytes,
-        )
+        values = {f.name: getattr(self, f.column) for f in STORED_FIELDS}  # type: ignore[arg-type]
+        for f in STORED_FIELDS:
+            if f.stored_as == "json":
+                values[f.name] = tuple(json.loads(values[f.name]))
+        return EpisodeRow(id=self.id, attempt_id=self.attempt_id, **values)
 
 
 class Verdict(Base):

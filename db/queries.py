@@ -33,6 +33,7 @@ from sqlalchemy import (
 from sqlalchemy.orm import Session
 
 from core.protocol import DTYPE_NAMES, GATE_NAMES
+from core.record import FIELDS_BY_NAME, STORED_FIELDS
 from db.errors import InvalidFilter, NotFound
 from db.models import (
     EPISODE_STATUSES,
@@ -446,20 +447,28 @@ def _ok_sum(column: Any, as_type: Any) -> Any:
     return cast(func.sum(case((_OK, column), else_=0)), as_type)
 
 
+def _column(name: str) -> Any:
+    """The `episodes` column of a `core.record` field."""
+    return getattr(Episode, FIELDS_BY_NAME[name].column)  # type: ignore[arg-type]
+
+
+def _sum_type(name: str) -> Any:
+    return BigInteger if FIELDS_BY_NAME[name].type is int else Float
+
+
+# Totals `compare` sums and peaks it takes the maximum of: fields of `core.record`.
+COMPARE_TOTALS = ("prefill_h2d_bytes", "decode_h2d_bytes", "d2h_bytes", "wall_s", "call_s")
+COMPARE_PEAKS = tuple(f.name for f in STORED_FIELDS if f.name.startswith("peak_"))
+
 # Per condition, over the scored episodes of one attempt. Totals and peaks count only
 # episodes that finished ('ok'); 'failed' says how many did not, so a total is never read
 # without knowing what it left out.
 COMPARE_METRICS: dict[str, Any] = {
     "episodes": func.count(Episode.id),
     "failed": func.sum(case((_OK, 0), else_=1)),
-    "h2d_bytes": _ok_sum(Episode.h2d_weight_bytes + Episode.h2d_index_bytes, BigInteger),
-    "prefill_h2d_bytes": _ok_sum(Episode.prefill_h2d_bytes, BigInteger),
-    "decode_h2d_bytes": _ok_sum(Episode.decode_h2d_bytes, BigInteger),
-    "d2h_bytes": _ok_sum(Episode.d2h_bytes, BigInteger),
-    "wall_s": _ok_sum(Episode.wall_s, Float),
-    "call_s": _ok_sum(Episode.call_s, Float),
-    "peak_allocated_bytes": func.max(case((_OK, Episode.peak_allocated_bytes))),
-    "peak_sampled_bytes": func.max(case((_OK, Episode.peak_sampled_bytes))),
+    "h2d_bytes": _ok_sum(_column("h2d_weight_bytes") + _column("h2d_index_bytes"), BigInteger),
+    **{name: _ok_sum(_column(name), _sum_type(name)) for name in COMPARE_TOTALS},
+    **{name: func.max(case((_OK, _column(name)))) for name in COMPARE_PEAKS},
 }
 _COUNTS = ("episodes", "failed")  # no ratio: they say what the totals cover
 
@@ -645,8 +654,9 @@ def queue_status(session: Session, *, now: datetime, live_within_s: float) -> Qu
     counts = dict.fromkeys(SCREEN_STATUSES, 0)
     for status, n in session.execute(select(Screen.status, func.count(Screen.id)).group_by(Screen.status)):
         counts[status] = n
-    done = (
+    done = (  # episodes stored by running attempts only: not a scan of every episode
         select(Episode.attempt_id, func.count(Episode.id).label("n"))
+        .where(Episode.attempt_id.in_(select(Attempt.id).where(Attempt.status == "running")))
         .group_by(Episode.attempt_id)
         .subquery()
     )

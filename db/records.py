@@ -8,9 +8,11 @@ Every timestamp is a timezone-aware `datetime` in UTC.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, make_dataclass
 from datetime import datetime
 from typing import Any
+
+from core.record import STORED_FIELDS, Field
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,31 +100,21 @@ class AttemptRow:
     ingested_from: str | None = None  # set when the attempt came from `packbench ingest` (0005)
 
 
-@dataclass(frozen=True, slots=True)
-class EpisodeRow:
-    """One stored episode. Counters a failed episode did not report are 0; peaks are None."""
+def _row_type(f: Field) -> Any:
+    kind = tuple[int, ...] if f.type is list else f.type  # token ids come back as a tuple
+    return kind | None if f.nullable else kind
 
-    id: int
-    attempt_id: int
-    plan_index: int
-    condition: str
-    role: str  # warmup | scored
-    prompt: int
-    status: str  # ok | failed
-    error: str | None
-    tokens: tuple[int, ...]
-    n_tokens: int
-    wall_s: float
-    call_s: float
-    h2d_weight_bytes: int
-    h2d_index_bytes: int
-    d2h_bytes: int
-    prefill_h2d_bytes: int
-    decode_h2d_bytes: int
-    prefill_call_s: float
-    decode_call_s: float
-    peak_allocated_bytes: int | None
-    peak_sampled_bytes: int | None
+
+# One stored episode: id, attempt_id, then `core.record.STORED_FIELDS` by name and in order.
+# Generated from that table so the row cannot drift from the record. Counters a failed
+# episode did not report are 0; nullable measurements None; tokens a tuple.
+EpisodeRow = make_dataclass(
+    "EpisodeRow",
+    [("id", int), ("attempt_id", int), *((f.name, _row_type(f)) for f in STORED_FIELDS)],
+    frozen=True,
+    slots=True,
+)
+EpisodeRow.__module__ = __name__  # picklable (across Ray) as db.records.EpisodeRow
 
 
 @dataclass(frozen=True, slots=True)

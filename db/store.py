@@ -36,6 +36,7 @@ The job queue (issue 12)
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import secrets
@@ -45,13 +46,29 @@ from contextlib import contextmanager
 from datetime import datetime, timedelta
 from typing import Any, TypeVar
 
-from sqlalchemy import Connection, Engine, bindparam, exists, func, or_, select, text, update
-from sqlalchemy.orm import aliased
+from sqlalchemy import (
+    Connection,
+    Engine,
+    String,
+    Text,
+    bindparam,
+    cast,
+    exists,
+    func,
+    insert,
+    null,
+    or_,
+    select,
+    text,
+    true,
+    update,
+)
 from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 from sqlalchemy.pool import PoolProxiedConnection
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
+from core.record import stored_values
 from db import migrate, queries
 from db.errors import Conflict, DatabaseUnavailable, NotFound, SchemaNotAtHead
 from db.models import (
@@ -65,6 +82,7 @@ from db.models import (
     Protocol,
     Screen,
     Signer,
+    UtcDateTime,
     Verdict,
     json_text,
     utcnow,
@@ -163,6 +181,7 @@ class Store:
         # The one time source for leases, heartbeats and timestamps (tests pass a fake one).
         self._clock = clock
         self._retry_delays = tuple(retry_delays)
+        self._protocols: dict[int, ProtocolRow] = {}
         # The episode writer's own connection, held between records: checking a connection
         # out of the pool and resetting it on return cost more than the insert and its commit
         # (0.41 against 0.21 ms a record on SQLite). Dropped on any error, reopened on demand.
@@ -170,6 +189,8 @@ class Store:
         # SQLAlchemy one; only one of the two is ever set.
         self._writer: Connection | None = None
         self._sqlite_writer: PoolProxiedConnection | None = None
+        # claim_screen's autocommit connection on PostgreSQL, held likewise.
+        self._claimer: Connection | None = None
 
     # -- lifecycle ---------------------------------------------------------------------
 
@@ -191,7 +212,8 @@ class Store:
         """Release the episode writer's connection; the pool rolls back an open transaction."""
         writer, self._writer = self._writer, None
         sqlite_writer, self._sqlite_writer = self._sqlite_writer, None
-        for connection in (writer, sqlite_writer):
+        claimer, self._claimer = self._claimer, None
+        for connection in (writer, sqlite_writer, claimer):
             if connection is not None:
                 try:
                     connection.close()
@@ -374,9 +396,9 @@ class Store:
         return ids
 
     def queued_screens(self) -> list[ScreenRow]:
-        """Screens waiting for a worker, oldest first."""
+        """Screens waiting for a worker in claim order: highest priority, then oldest."""
         with self._session() as session:
-            query = select(Screen).where(Screen.status == "queued").order_by(Screen.id)
+            query = select(Screen).where(Screen.status == "queued").order_by(Screen.priority.desc(), Screen.id)
             return [screen.to_record() for screen in session.scalars(query)]
 
     def screen(self, ref: int | str) -> ScreenRow:
@@ -578,71 +600,99 @@ class Store:
             raise ValueError(f"lease_s {lease_s} must be > 0")
         if model_state is not None and model_state not in MODEL_STATES:
             raise ValueError(f"model_state {model_state!r} is not one of {', '.join(MODEL_STATES)}")
-        candidate = aliased(Screen, name="candidate")
-        query = select(candidate.id).where(candidate.status == "queued")
-        if screen_id is not None:
-            query = query.where(candidate.id == screen_id)
-        if exclude_screens:
-            query = query.where(candidate.id.not_in(list(exclude_screens)))
-        if gpu_types is not None:
-            query = query.where(or_(candidate.gpu_type.is_(None), candidate.gpu_type.in_(list(gpu_types))))
-        if node:
-            other, its = aliased(Screen, name="other"), aliased(Attempt, name="its")
-            on_node = select(its.id).join(other, other.id == its.screen_id).where(its.node == node)
-            running_here = on_node.where(its.status == "running")
-            query = query.where(
-                or_(candidate.placement_node.is_(None), candidate.placement_node == node),
-                ~exists(running_here.where(other.exclusive_node.is_(True))),
-                or_(candidate.exclusive_node.is_(False), ~exists(running_here)),
-                or_(candidate.replica_group.is_(None), ~exists(on_node.where(
-                    other.replica_group == candidate.replica_group, other.id != candidate.id,
-                    its.status.in_(("running", "done"))))),
-            )
-        query = query.order_by(candidate.priority.desc(), candidate.id).limit(1)
+        # Not named like a column: DML takes such execution parameters as SET / VALUES.
+        parameters: dict[str, Any] = {"want_screen": screen_id, "exclude_ids": list(exclude_screens),
+                                      "gpu_type_list": list(gpu_types or ()), "slot_node": node}
+        # A claim is the dispatcher's hot path. Built per call through the ORM (aliases
+        # adapted, the statement compiled again) it cost 65 ms of CPU on the 2-core box, and
+        # the ORM session added a pooled checkout with its pre-ping and separate SELECTs for
+        # the attempt number and the protocol. Now one cached statement per filter shape:
+        # on PostgreSQL a single autocommitted statement (one round trip, no BEGIN/COMMIT),
+        # on SQLite UPDATE ... RETURNING then INSERT inside BEGIN IMMEDIATE.
+        key, now = new_attempt_key(), self._clock()
+        attempt_values = dict(
+            attempt_key=key, worker=worker, node=node, gpu_name=gpu_name, gpu_index=gpu_index,
+            machine_id=machine_id, status="running", error=None, archive_sha256=None,
+            source_freeze=json_text(dict(source_freeze)), started_at=now, finished_at=None,
+            dispatcher_id=dispatcher_id, lease_expires_at=now + timedelta(seconds=lease_s),
+            model_state=model_state,
+        )
         if self.dialect == "postgresql":
-            query = query.with_for_update(skip_locked=True, of=candidate)
-        with self._session() as session:
-            now = self._clock()
-            claimed = session.execute(
-                update(Screen)
-                .where(Screen.id == query.scalar_subquery(), Screen.status == "queued")
-                .values(status="running", attempts_used=Screen.attempts_used + 1,
-                        started_at=func.coalesce(Screen.started_at, now), finished_at=None,
-                        unplaceable_reason=None)
-                .returning(Screen.id)
-                .execution_options(synchronize_session=False)
-            ).scalar_one_or_none()
-            if claimed is None:
+            statement = _pg_claim_statement(one=screen_id is not None, exclude=bool(exclude_screens),
+                                            gpu_types=gpu_types is not None, node=bool(node))
+            with self._claimer_connection() as connection:
+                row = connection.execute(statement, {
+                    **parameters, **{f"new_{k}": v for k, v in attempt_values.items()}, "now": now,
+                    "archive_dir": archive_dir.rstrip("/")}).first()
+            if row is None:
                 return None
-            screen = session.get_one(Screen, claimed)
-            last = session.scalar(select(func.max(Attempt.number)).where(Attempt.screen_id == claimed))
-            number, key = (last or 0) + 1, new_attempt_key()
-            attempt = Attempt(
-                screen_id=claimed, number=number, attempt_key=key, worker=worker, node=node,
-                gpu_name=gpu_name, gpu_index=gpu_index, machine_id=machine_id, status="running",
-                archive_path=f"{archive_dir.rstrip('/')}/{archive_file_name(claimed, number, key)}",
-                source_freeze=json_text(dict(source_freeze)), started_at=now,
-                dispatcher_id=dispatcher_id, lease_expires_at=now + timedelta(seconds=lease_s),
-                model_state=model_state,
-            )
-            session.add(attempt)
-            session.flush()
-            if node:
-                attempt.shared_node = self._mark_shared(session, attempt.id, node)
-            protocol = session.get_one(Protocol, screen.protocol_id)
-            return Claim(screen=screen.to_record(), attempt=attempt.to_record(), protocol=protocol.to_record())
+            values = row._asdict()
+            attempt = AttemptRow(**{name[2:]: values.pop(name) for name in list(values) if name.startswith("a_")})
+            attempt = dataclasses.replace(attempt, source_freeze=dict(source_freeze))
+            screen = ScreenRow(**values)
+            assert attempt.archive_path.endswith(archive_file_name(screen.id, attempt.number, key))
+            return Claim(screen=screen, attempt=attempt, protocol=self._protocol_row(screen.protocol_id))
+        statement = _claim_statement(self.dialect, one=screen_id is not None, exclude=bool(exclude_screens),
+                                     gpu_types=gpu_types is not None, node=bool(node))
+        attempts = Attempt.__table__
+        if not self._schema_checked:
+            self.check_head()
+        # A pooled connection (SQLite has no pre-ping): its BEGIN IMMEDIATE serializes claims.
+        with translate_errors(self._engine.url), self._engine.begin() as connection:
+            row = connection.execute(statement, {**parameters, "now": now}).first()
+            if row is None:
+                return None
+            values = row._asdict()
+            number = values.pop("number")
+            screen = ScreenRow(**values)
+            attempt_values.update(
+                screen_id=screen.id, number=number,
+                shared_node=self._mark_shared(connection, None, node) if node else None,
+                archive_path=f"{archive_dir.rstrip('/')}/{archive_file_name(screen.id, number, key)}")
+            attempt_id = connection.execute(
+                insert(attempts).values(attempt_values).returning(attempts.c.id)
+            ).scalar_one()
+            attempt = AttemptRow(id=attempt_id, **{**attempt_values, "source_freeze": dict(source_freeze)})
+        return Claim(screen=screen, attempt=attempt, protocol=self._protocol_row(screen.protocol_id))
+
+    @contextmanager
+    def _claimer_connection(self) -> Iterator[Connection]:
+        """The Store's held autocommit connection for single-statement claims (PostgreSQL);
+        after the schema check, errors translated, a failed connection dropped."""
+        if not self._schema_checked:
+            self.check_head()
+        with translate_errors(self._engine.url):
+            if self._claimer is None:
+                self._claimer = self._engine.connect().execution_options(isolation_level="AUTOCOMMIT")
+            try:
+                yield self._claimer
+            except SQLAlchemyError:
+                self._drop_writer()
+                raise
+
+    def _protocol_row(self, protocol_id: int) -> ProtocolRow:
+        """A protocol, cached: frozen protocols never change."""
+        row = self._protocols.get(protocol_id)
+        if row is None:
+            row = self._protocols[protocol_id] = self.protocol(protocol_id)
+        return row
 
     @staticmethod
-    def _mark_shared(session: Session, attempt_id: int, node: str) -> bool:
-        """Whether other attempts run on `node` now; if so they are marked shared_node too."""
-        others = session.execute(
-            update(Attempt)
-            .where(Attempt.node == node, Attempt.status == "running", Attempt.id != attempt_id)
+    def _mark_shared(connection: Connection | Session, attempt_id: int | None, node: str) -> bool:
+        """Whether attempts other than `attempt_id` run on `node` now; if so they are marked
+        shared_node too (only those not marked yet: a busy node's attempts are not rewritten
+        at every claim)."""
+        attempts = Attempt.__table__
+        here = [attempts.c.node == node, attempts.c.status == "running"]
+        if attempt_id is not None:
+            here.append(attempts.c.id != attempt_id)
+        if not connection.execute(select(exists().where(*here))).scalar():
+            return False
+        connection.execute(
+            update(attempts).where(*here, or_(attempts.c.shared_node.is_(None), attempts.c.shared_node.is_(False)))
             .values(shared_node=True)
-            .returning(Attempt.id)
-            .execution_options(synchronize_session=False)
-        ).all()
-        return bool(others)
+        )
+        return True
 
     @_retried
     def place_attempt(
@@ -1104,6 +1154,118 @@ class Store:
             return row.to_record()
 
 
+def _claim_candidate(dialect: str, *, one: bool, exclude: bool, gpu_types: bool, node: bool) -> Any:
+    """SELECT the best placeable queued screen's id ... LIMIT 1 [FOR UPDATE OF candidate SKIP
+    LOCKED]. Parameters: want_screen, exclude_ids (a list), gpu_type_list (a list),
+    slot_node: those of the filters given."""
+    screens, attempts = Screen.__table__, Attempt.__table__
+    candidate = screens.alias("candidate")
+    query = select(candidate.c.id).where(candidate.c.status == "queued")
+    if one:
+        query = query.where(candidate.c.id == bindparam("want_screen"))
+    if exclude:
+        query = query.where(candidate.c.id.not_in(bindparam("exclude_ids", expanding=True)))
+    if gpu_types:
+        query = query.where(or_(candidate.c.gpu_type.is_(None),
+                                candidate.c.gpu_type.in_(bindparam("gpu_type_list", expanding=True))))
+    if node:
+        other, its = screens.alias("other"), attempts.alias("its")
+        here = bindparam("slot_node")
+        on_node = select(its.c.id).join(other, other.c.id == its.c.screen_id).where(its.c.node == here)
+        running_here = on_node.where(its.c.status == "running")
+        query = query.where(
+            or_(candidate.c.placement_node.is_(None), candidate.c.placement_node == here),
+            ~exists(running_here.where(other.c.exclusive_node.is_(True))),
+            or_(candidate.c.exclusive_node.is_(False), ~exists(running_here)),
+            or_(candidate.c.replica_group.is_(None), ~exists(on_node.where(
+                other.c.replica_group == candidate.c.replica_group, other.c.id != candidate.c.id,
+                its.c.status.in_(("running", "done"))))),
+        )
+    query = query.order_by(candidate.c.priority.desc(), candidate.c.id).limit(1)
+    if dialect == "postgresql":
+        query = query.with_for_update(skip_locked=True, of=candidate)
+    return query
+
+
+def _claim_update(dialect: str, **filters: bool) -> Any:
+    """UPDATE screens SET status = 'running', ... WHERE status = 'queued' AND id = (the
+    candidate) RETURNING screens.*, the screen's next attempt number ("number")."""
+    screens, attempts = Screen.__table__, Attempt.__table__
+    following = (
+        select(func.coalesce(func.max(attempts.c.number), 0) + 1)
+        .where(attempts.c.screen_id == screens.c.id)
+        .scalar_subquery()
+    )
+    return (
+        update(screens)
+        .where(screens.c.id == _claim_candidate(dialect, **filters).scalar_subquery(),
+               screens.c.status == "queued")
+        .values(status="running", attempts_used=screens.c.attempts_used + 1,
+                started_at=func.coalesce(screens.c.started_at, bindparam("now", type_=UtcDateTime())),
+                finished_at=None, unplaceable_reason=None)
+        .returning(*screens.c, following.label("number"))
+    )
+
+
+@functools.lru_cache(maxsize=None)
+def _claim_statement(dialect: str, *, one: bool, exclude: bool, gpu_types: bool, node: bool) -> Any:
+    """`claim_screen`'s UPDATE on SQLite (the attempt is inserted next, in the same
+    transaction), built and compiled once per filter shape."""
+    return _claim_update(dialect, one=one, exclude=exclude, gpu_types=gpu_types, node=node)
+
+
+@functools.lru_cache(maxsize=None)
+def _pg_claim_statement(*, one: bool, exclude: bool, gpu_types: bool, node: bool) -> Any:
+    """`claim_screen` on PostgreSQL as ONE statement, run in autocommit (one round trip):
+
+        WITH claimed AS (UPDATE screens ... WHERE id = (SELECT ... FOR UPDATE SKIP LOCKED)
+                         RETURNING screens.*, next attempt number),
+             attempt AS (INSERT INTO attempts SELECT ... FROM claimed RETURNING attempts.*),
+             shared  AS (UPDATE attempts SET shared_node = true WHERE running on :node, if a
+                         screen was claimed and a node given)
+        SELECT claimed.*, attempt.* (as a_<column>) FROM claimed, attempt
+
+    The archive path is formatted in SQL exactly as `archive_file_name` does. The new
+    attempt is shared_node when another attempt runs on the node (the statement's snapshot
+    does not see the new row, so `shared` leaves it alone).
+    """
+    screens, attempts = Screen.__table__, Attempt.__table__
+    claimed = _claim_update("postgresql", one=one, exclude=exclude, gpu_types=gpu_types, node=node).cte("claimed")
+    here = bindparam("slot_node", type_=String())
+    running_here = exists().where(attempts.c.node == here, attempts.c.status == "running")
+    id_text = cast(claimed.c.id, Text)
+    path = func.format("%s/screen-%s-attempt-%s-%s.zip", bindparam("archive_dir", type_=String()),
+                       func.lpad(id_text, func.greatest(5, func.length(id_text)), "0"), claimed.c.number,
+                       bindparam("new_attempt_key", type_=String()))
+    given = ("attempt_key", "worker", "node", "gpu_name", "gpu_index", "machine_id", "status", "error",
+             "archive_sha256", "source_freeze", "started_at", "finished_at", "dispatcher_id",
+             "lease_expires_at", "model_state")
+    # Named new_<column>: an execution parameter named like a column would become part of
+    # the DML statements' SET / VALUES clauses.
+    columns = {name: bindparam(f"new_{name}", type_=attempts.c[name].type) for name in given}
+    columns.update(screen_id=claimed.c.id, number=claimed.c.number, archive_path=path,
+                   shared_node=running_here if node else null())
+    attempt = (
+        insert(attempts)
+        .from_select(list(columns), select(*columns.values()))
+        .returning(*attempts.c)
+        .cte("attempt")
+    )
+    final = select(*(c for c in claimed.c if c.name != "number"),
+                   *(c.label(f"a_{c.name}") for c in attempt.c)).select_from(claimed.join(attempt, true()))
+    if node:
+        shared = (
+            update(attempts)
+            .where(attempts.c.node == here, attempts.c.status == "running",
+                   or_(attempts.c.shared_node.is_(None), attempts.c.shared_node.is_(False)),
+                   exists(select(claimed.c.id)))
+            .values(shared_node=True)
+            .cte("shared")
+        )
+        final = final.add_cte(shared)
+    return final
+
+
 @functools.lru_cache(maxsize=None)
 def _insert_ignore_statement(dialect: str, model: type, key: tuple[str, ...]):
     """INSERT ... ON CONFLICT (key) DO NOTHING RETURNING id, built once per (dialect, table)."""
@@ -1152,35 +1314,8 @@ def protocol_columns(canonical_json: str) -> dict[str, str | None]:
 
 
 def _episode_columns(attempt_id: int, record: Mapping[str, Any]) -> dict[str, Any]:
-    """Flatten a worker's episode record into `episodes` columns."""
-    tokens = list(record.get("tokens") or [])
-    phases = record.get("phases") or {}
-    prefill = phases.get("prefill") or {}
-    decode = phases.get("decode") or {}
-    memory = record.get("memory") or {}
-    return {
-        "attempt_id": attempt_id,
-        "plan_index": record["plan_index"],
-        "condition": record["condition"],
-        "role": record["role"],
-        "prompt": record["prompt"],
-        "status": record["status"],
-        "error": record.get("error"),
-        "tokens_json": json_text(tokens),
-        "n_tokens": len(tokens),
-        "wall_s": record.get("wall_s") or 0.0,
-        "call_s": record.get("call_s") or 0.0,
-        "h2d_weight_bytes": record.get("h2d_weight_bytes") or 0,
-        "h2d_index_bytes": record.get("h2d_index_bytes") or 0,
-        "d2h_bytes": record.get("d2h_bytes") or 0,
-        # A phase's h2d_bytes already counts weights + indices (the worker adds them).
-        "prefill_h2d_bytes": prefill.get("h2d_bytes") or 0,
-        "decode_h2d_bytes": decode.get("h2d_bytes") or 0,
-        "prefill_call_s": prefill.get("call_s") or 0.0,
-        "decode_call_s": decode.get("call_s") or 0.0,
-        "peak_allocated_bytes": memory.get("peak_allocated_bytes"),
-        "peak_sampled_bytes": memory.get("peak_sampled_bytes"),
-    }
+    """Flatten a worker's episode record into `episodes` columns (`core.record` says which)."""
+    return {"attempt_id": attempt_id, **stored_values(record)}
 
 
 def _verdict_columns(attempt_id: int, verdict: Mapping[str, Any]) -> dict[str, Any]:

@@ -9,7 +9,8 @@ replica_group), the reason nobody can place them (unplaceable_reason) and a canc
 Attempts gain the new statuses `lost` and `cancelled`, a random attempt_key (archive file
 names unique across databases and machines; stored attempts are backfilled), the dispatcher
 that ran them, whether the model was cold or warm and whether the node was shared. A
-dispatchers table holds heartbeats and workers for `packbench status`. Audits record the
+dispatchers table holds heartbeats and workers for `packbench status`. attempts(node, status)
+is indexed for claims made for a worker slot on a node. Audits record the
 node they ran on and their kind (local or ray).
 
 Edited after autogenerate. On SQLite the attempts table is rebuilt by hand to change its
@@ -91,6 +92,7 @@ def _attempts_table(queue: bool) -> sa.Table:
             sa.Column("model_state", sa.String(length=8), nullable=True),
             sa.Column("shared_node", sa.Boolean(), nullable=True),
             sa.CheckConstraint(_in("model_state", ("cold", "warm")), name="model_state"),
+            sa.Index("ix_attempts_node_status", "node", "status"),
         ]
     return sa.Table("attempts", metadata, *columns)
 
@@ -150,6 +152,7 @@ def upgrade() -> None:
         op.create_foreign_key(op.f("fk_attempts_dispatcher_id_dispatchers"), "attempts", "dispatchers",
                               ["dispatcher_id"], ["id"])
         op.create_index(op.f("ix_attempts_lease_expires_at"), "attempts", ["lease_expires_at"])
+        op.create_index(op.f("ix_attempts_node_status"), "attempts", ["node", "status"])
         op.create_check_constraint(op.f("ck_attempts_model_state"), "attempts",
                                    _in("model_state", ("cold", "warm")))
 
@@ -178,6 +181,7 @@ def downgrade() -> None:
         _rebuild_sqlite_attempts(queue=False)
     else:
         op.drop_constraint(op.f("ck_attempts_model_state"), "attempts", type_="check")
+        op.drop_index(op.f("ix_attempts_node_status"), table_name="attempts")
         op.drop_index(op.f("ix_attempts_lease_expires_at"), table_name="attempts")
         op.drop_constraint(op.f("fk_attempts_dispatcher_id_dispatchers"), "attempts", type_="foreignkey")
         op.drop_constraint(op.f("uq_attempts_attempt_key"), "attempts", type_="unique")

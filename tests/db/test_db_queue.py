@@ -88,6 +88,7 @@ def test_claims_follow_priority_then_fifo(queue):
     high_new = queue.create_screen(protocol_id=p, submitter="a", priority=5)
     negative = queue.create_screen(protocol_id=p, submitter="a", priority=-1)
     d = queue.register_dispatcher("d", "h")
+    assert [s.id for s in queue.queued_screens()] == [high_old, high_new, mid, low, negative]
     order = [claim(queue, d).screen.id for _ in range(5)]
     assert order == [high_old, high_new, mid, low, negative]
 

@@ -1,0 +1,138 @@
+"""`packbench protocol validate|show|plan FILE`: a protocol before anything runs.
+
+validate: freeze it (every field checked) and print its identity; show: the frozen body and
+its SHA-256; plan: the ordered episodes and, per condition, the bytes and transfer time the
+screen will need, estimated from the model's shape and sparsity (core/estimate.py).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from cli.choices import Shape
+from cli.summary import table
+from core.errors import PackbenchError
+from core.protocol import FrozenProtocol, load
+
+ProtocolFile = Annotated[Path, typer.Argument(help="Protocol YAML file.", show_default=False)]
+
+
+def register(app: typer.Typer) -> None:
+    protocol_app = typer.Typer(no_args_is_help=True, help="Protocols: validate, show or plan one before submitting it.")
+    protocol_app.command("validate")(validate)
+    protocol_app.command("show")(show)
+    protocol_app.command("plan")(plan_cmd)
+    app.add_typer(protocol_app, name="protocol")
+
+
+def _load(path: Path) -> FrozenProtocol:
+    if not path.is_file():
+        raise PackbenchError(f"no protocol file {path}; give the path of a protocol YAML (see docs/protocol.md)")
+    return load(path)
+
+
+def validate(protocol: ProtocolFile) -> None:
+    """Check every field and freeze the protocol; print its name, schema, SHA-256 and episode count."""
+    from core.plan import plan
+
+    frozen = _load(protocol)
+    p = frozen.protocol
+    typer.echo(f"valid: {p.name} (schema {frozen.body.get('schema', 1)}), sha256 {frozen.sha256}, "
+               f"{len(p.conditions)} conditions, {len(plan(p))} planned episodes")
+
+
+def show(
+    protocol: ProtocolFile,
+    full: Annotated[bool, typer.Option("--full", help="The full schema-2 form (every default spelled out) instead "
+                                                      "of the frozen body.")] = False,
+) -> None:
+    """Print the frozen body (what is hashed and archived) and its SHA-256."""
+    frozen = _load(protocol)
+    typer.echo(f"# {frozen.name}: sha256 {frozen.sha256}")
+    typer.echo(json.dumps(frozen.protocol.full_dict() if full else frozen.body, indent=2, sort_keys=True))
+
+
+def plan_cmd(
+    protocol: ProtocolFile,
+    sparsity: Annotated[Optional[float], typer.Option(
+        help="Fraction of post-ReLU activations exactly zero per token (default: model.synth's; required for "
+             "model.path, e.g. 0.94: pretrained OPT shows 0.90-0.97).")] = None,
+    h2d_gbps: Annotated[float, typer.Option(
+        "--h2d-gbps", help="Host-to-device rate for the transfer floor, GB/s (default: pinned copies on the H200).")]
+    = 55.0,
+    shape: Annotated[Optional[Shape], typer.Option(
+        help="The model's shape when model.path's config.json is not on this machine.")] = None,
+    json_out: Annotated[bool, typer.Option("--json", help="Print the plan and the estimate as JSON.")] = False,
+) -> None:
+    """Print the ordered episodes and, per condition, the bytes and transfer time the screen will need."""
+    from core.estimate import Activity, estimate
+    from core.plan import plan
+
+    frozen = _load(protocol)
+    p = frozen.protocol
+    synth = p.model.synth
+    if sparsity is None and synth is None:
+        raise PackbenchError("model.path protocols need --sparsity (fraction of activations exactly zero, e.g. 0.94)")
+    if sparsity is not None and not 0 < sparsity < 1:
+        raise PackbenchError(f"--sparsity {sparsity} is not in (0, 1)")
+    if h2d_gbps <= 0:
+        raise PackbenchError(f"--h2d-gbps {h2d_gbps} must be > 0")
+    shape = _shape(frozen, None if shape is None else shape.value)
+    activity = Activity(sparsity=sparsity if sparsity is not None else synth.sparsity,
+                        hot_fraction=synth.hot_fraction if synth else 0.0, hot_bias=synth.hot_bias if synth else 0.0)
+    entries = plan(p)
+    est = estimate(p, shape=shape, activity=activity, h2d_gbps=h2d_gbps)
+    if json_out:
+        typer.echo(json.dumps({"protocol": p.name, "sha256": p.sha256, "entries": entries, "estimate": est},
+                              indent=2, sort_keys=True))
+        return
+    typer.echo(f"{p.name}: sha256 {p.sha256}")
+    typer.echo(f"{len(entries)} episodes in this order, each 1 prefill call of {p.prefix_tokens} tokens + "
+               f"{p.continuation_tokens - 1} decode calls")
+    typer.echo(table(entries, ["index", "condition", "role", "prompt", "repetition"]))
+    typer.echo("")
+    typer.echo(f"estimate: {shape.layers} layers x {shape.ffn} neurons, outgoing row {est['row_bytes']} B ({p.dtype}); "
+               f"active per call {est['decode_active_fraction']:.2%} (decode), up to "
+               f"{est['prefill_active_fraction']:.2%} (prefill, independent tokens); transfer floor at "
+               f"{h2d_gbps:g} GB/s")
+    rows = [{"condition": r["condition"], "policy": r["policy"], "episodes": r["episodes"], "bound": r["bound"],
+             "prefill/call": _bytes(r["prefill_call_bytes"]), "decode/call": _bytes(r["decode_call_bytes"]),
+             "per episode": _bytes(r["episode_bytes"]), "all episodes": _bytes(r["total_bytes"]),
+             "transfer s/episode": f"{r['episode_transfer_s']:.4g}", "transfer s": f"{r['total_transfer_s']:.4g}"}
+            for r in est["conditions"]]
+    typer.echo(table(rows, list(rows[0])))
+    allowance = est["allowance_bytes"]
+    typer.echo(f"screen: {_bytes(est['total_bytes'])} host-to-device, >= {est['total_transfer_s']:.4g} s of transfer")
+    typer.echo(f"parameters {_bytes(est['param_bytes'])} ({'exceed' if est['param_bytes'] > allowance else 'fit'} "
+               f"the {p.allowance_mib} MiB allowance); outgoing weights {_bytes(est['outgoing_bytes'])} stay on the "
+               f"host")
+
+
+def _bytes(n: float) -> str:
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= size:
+            return f"{n / size:,.4g} {unit}"
+    return f"{n:,.0f} B"
+
+
+def _shape(frozen: FrozenProtocol, named: str | None):
+    """The model's shape: --shape, the synthetic preset, or the checkpoint's config.json."""
+    from core.estimate import ModelShape
+
+    synth = frozen.protocol.model.synth
+    if named is not None or synth is not None:
+        return ModelShape.of(named or synth.shape)
+    config = frozen.model_dir() / "config.json"
+    try:
+        c = json.loads(config.read_text())
+        return ModelShape(hidden=c["hidden_size"], ffn=c["ffn_dim"], layers=c["num_hidden_layers"],
+                          vocab=c.get("vocab_size", 50272), max_positions=c.get("max_position_embeddings", 2048))
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise PackbenchError(f"cannot read the model's shape from {config} ({e}); give --shape (one of "
+                             f"{', '.join(s.value for s in Shape)}) or put the checkpoint there") from None
+
+

@@ -1,0 +1,122 @@
+"""`packbench report SCREEN [--out FILE.html]` and `packbench report --compare A B [...]`.
+
+Thin: resolve each SCREEN to its raw archive (a path to a .zip, or a screen id / `latest`
+through the database), read it (core.report.read_screen), add the audits the database
+records for that very file, and write the page (cli/report_page.py).
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from cli.common import DbUrl, open_store
+from core.errors import PackbenchError
+
+
+def register(app: typer.Typer) -> None:
+    app.command()(report)
+
+
+def report(
+    screens: Annotated[list[str], typer.Argument(
+        help="An archive file (.zip), or a screen id or `latest` (its latest attempt's archive, via the database). "
+             "With --compare, two or more.", show_default=False)],
+    compare: Annotated[bool, typer.Option("--compare", help="Put the screens side by side, with their verdict "
+                                                            "agreement.")] = False,
+    out: Annotated[Optional[Path], typer.Option(
+        "--out", "-o", help="HTML file to write (default here: report-<archive stem or screen-ID>.html, "
+                            "or compare-<...>.html).")] = None,
+    db: DbUrl = None,
+) -> None:
+    """Write one self-contained HTML report (no network at view time, plots inline) of a screen."""
+    from cli.report_page import compare_page, screen_page
+
+    if compare and len(screens) < 2:
+        raise PackbenchError("--compare needs two or more screens, e.g. `packbench report --compare 3 4`")
+    if not compare and len(screens) != 1:
+        raise PackbenchError(f"give one screen, or --compare with {len(screens)} of them")
+    if out is not None and out.suffix.lower() not in (".html", ".htm"):
+        raise PackbenchError(f"--out {out}: write the report to a .html file")
+    loaded = [_load(ref, db) for ref in screens]
+    names = [_name(ref, screen) for ref, (screen, _) in zip(screens, loaded)]
+    if compare:
+        page = compare_page([s for s, _ in loaded], [a for _, a in loaded])
+        default = "compare-" + "-".join(names) + ".html"
+    else:
+        page = screen_page(loaded[0][0], audit=loaded[0][1])
+        default = f"report-{names[0]}.html"
+    path = out or Path(default)
+    path.write_text(page, encoding="utf-8")
+    typer.echo(f"wrote {path} ({path.stat().st_size:,} bytes)")
+
+
+def _name(ref: str, screen) -> str:
+    """An archive's file stem, or `screen-<id>` for a screen id or `latest`."""
+    path = Path(ref)
+    if path.is_file():
+        return path.stem
+    return f"screen-{screen.manifest.get('screen_id', ref)}"
+
+
+def _load(ref: str, db: str | None):
+    """(ScreenData, AuditStatus) for a SCREEN argument."""
+    from cli.report_page import AuditStatus
+    from core.report import read_screen
+
+    path = Path(ref)
+    if path.suffix == ".zip" or path.exists():
+        if not path.is_file():
+            raise PackbenchError(f"no archive {ref}: give an existing .zip, or a screen id / `latest`")
+        screen = read_screen(path)
+        if db is None:
+            return screen, AuditStatus()
+        store = open_store(db)
+        return screen, _audits(store, screen, screen_ref=screen.manifest.get("screen_id"))
+    if not (ref.isdigit() or ref == "latest"):
+        raise PackbenchError(f"{ref!r} is neither an archive file nor a screen id; give a .zip, an id or `latest`")
+    store = open_store(db)
+    screen_row = store.screen(ref)
+    attempt = store.latest_attempt(screen_row.id)
+    if attempt is None:
+        raise PackbenchError(f"screen {screen_row.id} has no attempt yet; run it with `packbench dispatch`")
+    archive = Path(attempt.archive_path)
+    if not archive.is_file():
+        raise PackbenchError(f"screen {screen_row.id}'s archive {archive} is not here; pass the archive file itself")
+    screen = read_screen(archive)
+    return screen, _audits(store, screen, screen_ref=screen_row.id)
+
+
+def _audits(store, screen, *, screen_ref):
+    """The audits the database records for the attempt that wrote this very file."""
+    from cli.report_page import AuditStatus
+
+    source = _redact(store.url)
+    if screen_ref is None:
+        return AuditStatus(source=source, note="the archive names no screen (no manifest): no audits to look up")
+    try:
+        detail = store.screen_detail(screen_ref)
+    except PackbenchError as e:
+        return AuditStatus(source=source, note=f"the database does not know this archive's screen: {e}")
+    number = screen.manifest.get("attempt")
+    for d in detail.attempts:
+        a = d.attempt
+        if (number is None or a.number == number) and a.archive_sha256 == screen.archive_sha256:
+            return AuditStatus(source=source, rows=[
+                {"result": u.result, "machine": u.machine, "started": _when(u.started_at),
+                 "finished": _when(u.finished_at), "digest": u.digest, "problems": len(u.problems)}
+                for u in d.audits])
+    return AuditStatus(source=source, note=f"no attempt of screen {detail.screen.id} in the database stored this "
+                                           f"file's SHA-256 {screen.archive_sha256[:16]}: not the audited archive")
+
+
+def _when(moment) -> str | None:
+    return moment.isoformat(timespec="seconds") if moment is not None else None
+
+
+def _redact(url: str) -> str:
+    """The database URL without a password."""
+    return re.sub(r"://([^:/@]*):[^@/]*@", r"://\1:***@", url)

@@ -1,0 +1,145 @@
+"""The episode record: its one home. Every field a worker reports for an episode, its type,
+where it sits in the record, whether the database stores it (and in which column), whether it
+is a total that the per-call ledger recomputes, and whether the auditor compares it.
+
+The worker builds the record (`engine/worker.Worker.run`: the fields below plus `logits`),
+the gates read it (`core/gates.py`), the archive keeps it whole (`episodes/NNNNN.json`), the
+database keeps the `STORED_FIELDS` (`db/models.Episode`, whose columns a test holds equal
+to them; `db/records.EpisodeRow` is generated from them), the auditor compares the
+`AUDITED` ones between archive and database, and `core.metrics.episode_totals` recomputes
+the `ledger` ones from the call ledger (a test holds the two lists equal).
+
+Pure Python (no numpy, no SQLAlchemy): `db/`, `core/` and `cli/` all import it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from core.canonical import canonical_json
+
+
+@dataclass(frozen=True)
+class Field:
+    """One field of an episode record.
+
+    name: the field's name (`EpisodeRow` attribute for a stored field).
+    type: int, float, str or list (token ids).
+    path: where the worker's record holds it, e.g. ("phases", "prefill", "h2d_bytes").
+    column: the `episodes` column; None when only the archive keeps it.
+    stored_as: "value" (as is), "json" (canonical JSON text) or "length" (len of the list at path).
+    required: every record has it, a failed episode's included (`record[key]`, else KeyError).
+    nullable: None is stored as None; otherwise a missing or None value is stored as the
+        type's zero (0, 0.0, []): a failed episode reports no measurements.
+    ledger: a total recomputable from the per-call ledger (`core.metrics.episode_totals`).
+    audited: compared by the auditor between the database row and the archive record.
+    """
+
+    name: str
+    type: type
+    path: tuple[str, ...]
+    column: str | None = None
+    stored_as: str = "value"
+    required: bool = False
+    nullable: bool = False
+    ledger: bool = False
+    audited: bool = False
+
+    @property
+    def default(self) -> Any:
+        """What is stored when the record lacks the value (or holds None)."""
+        return None if self.nullable else self.type()
+
+
+def _stored(name: str, type_: type, *path: str, **options: Any) -> Field:
+    """A field the database stores in a column of its own name; audited unless told."""
+    return Field(name, type_, path or (name,), column=options.pop("column", name),
+                 audited=options.pop("audited", True), **options)
+
+
+def _kept(name: str, type_: type, *path: str, **options: Any) -> Field:
+    """A field only the archive keeps (the database has no column for it)."""
+    return Field(name, type_, path or (name,), **options)
+
+
+# In `EpisodeRow` order. Stored fields first.
+EPISODE_FIELDS: tuple[Field, ...] = (
+    _stored("plan_index", int, required=True, audited=False),  # the key the auditor matches on
+    _stored("condition", str, required=True),
+    _stored("role", str, required=True),  # warmup | scored
+    _stored("prompt", int, required=True),
+    _stored("status", str, required=True),  # ok | failed
+    _stored("error", str, nullable=True, audited=False),  # free text; the archive adds a traceback
+    _stored("tokens", list, column="tokens_json", stored_as="json"),
+    _stored("n_tokens", int, "tokens", stored_as="length", audited=False),  # derived from tokens
+    _stored("wall_s", float),
+    _stored("call_s", float, ledger=True),
+    _stored("h2d_weight_bytes", int, ledger=True),
+    _stored("h2d_index_bytes", int, ledger=True),
+    _stored("d2h_bytes", int, ledger=True),  # activity readbacks
+    # A phase's h2d_bytes already counts weights + indices (the worker adds them).
+    _stored("prefill_h2d_bytes", int, "phases", "prefill", "h2d_bytes", ledger=True),
+    _stored("decode_h2d_bytes", int, "phases", "decode", "h2d_bytes", ledger=True),
+    _stored("prefill_call_s", float, "phases", "prefill", "call_s", ledger=True),
+    _stored("decode_call_s", float, "phases", "decode", "call_s", ledger=True),
+    _stored("peak_allocated_bytes", int, "memory", "peak_allocated_bytes", nullable=True),
+    _stored("peak_sampled_bytes", int, "memory", "peak_sampled_bytes", nullable=True),
+    # Archive only.
+    _kept("policy", str),
+    _kept("params", dict),
+    _kept("first_logit_since_entry_s", float),
+    _kept("logits_d2h_bytes", int, ledger=True),  # recording readbacks
+    _kept("rows_copied", int, ledger=True),
+    _kept("rows_wasted", int, ledger=True),  # from newer engines, when the ledger carries it
+    _kept("copy_wait_s", float, ledger=True),  # likewise
+    _kept("prefill_calls", int, "phases", "prefill", "calls", ledger=True),
+    _kept("decode_calls", int, "phases", "decode", "calls", ledger=True),
+    _kept("peak_reserved_bytes", int, "memory", "peak_reserved_bytes"),
+    _kept("kv_bytes", int, "memory", "kv_bytes"),
+    _kept("policy_device_bytes", int, "memory", "policy_device_bytes"),
+    _kept("host_outgoing_bytes", int, "memory", "host_outgoing_bytes"),
+    _kept("pinned_bytes", int, "memory", "pinned_bytes"),
+    _kept("device_param_bytes", int, "memory", "device_param_bytes"),
+    _kept("host_rss_peak_bytes", int, "memory", "host_rss_peak_bytes"),
+    _kept("context_bytes", int, "memory", "context_bytes"),
+    _kept("sampler", dict),  # samples, period_s, sampler_overhead_s, scope
+    _kept("energy_j", float, nullable=True),
+    _kept("calls", list),  # the per-call ledger (core.metrics)
+    _kept("traceback", str),  # failed episodes
+    _kept("episode_s", float),  # failed episodes: time until the failure
+)
+STORED_FIELDS: tuple[Field, ...] = tuple(f for f in EPISODE_FIELDS if f.column is not None)
+LEDGER_FIELDS: tuple[Field, ...] = tuple(f for f in EPISODE_FIELDS if f.ledger)
+# Database column -> path in the archive's record, for the auditor's comparison.
+AUDITED: dict[str, tuple[str, ...]] = {f.name: f.path for f in STORED_FIELDS if f.audited}
+FIELDS_BY_NAME: dict[str, Field] = {f.name: f for f in EPISODE_FIELDS}
+
+
+def value_at(record: Any, path: tuple[str, ...]) -> Any:
+    """The value at `path`, or None where a level is missing or not a mapping."""
+    for key in path:
+        if not isinstance(record, Mapping):
+            return None
+        record = record.get(key)
+    return record
+
+
+def stored_values(record: Mapping[str, Any]) -> dict[str, Any]:
+    """A worker's record as `episodes` column values (without attempt_id).
+
+    Required fields must be present (KeyError otherwise); any other may be missing (a
+    failed episode): counters become 0, nullable values None, tokens [].
+    """
+    out: dict[str, Any] = {}
+    for f in STORED_FIELDS:
+        value = record[f.path[0]] if f.required else value_at(record, f.path)
+        if f.stored_as == "length":
+            value = len(value or ())
+        elif value is None:
+            value = f.default
+        if f.stored_as == "json":
+            value = canonical_json(list(value)).decode("utf-8")
+        out[f.column] = value  # type: ignore[index]
+    return out

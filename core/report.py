@@ -1,0 +1,385 @@
+"""The data of a screen report, read from its raw archive: pure Python + numpy.
+
+`read_screen(path)` reads one archive (core.archive.ArchiveReader: protocol.json, plan.json,
+worker.json, episodes/, traces/, verdicts.json, manifest.json) into a `ScreenData`; the other
+functions derive every series the report plots from it. No database, no Ray, no plotting:
+the command line (cli/report.py) adds the audits a database holds and draws the figures.
+
+Every number comes from the archive's records (the raw evidence) or from the gate functions
+run over them, never from the database's copies, so a report is what an auditor would see.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from core.archive import (PROTOCOL_NAME, VERDICTS_NAME, WORKER_NAME, ArchiveReader, episode_member,
+                          file_sha256, trace_member)
+from core.errors import ArchiveError
+from core.gates import planned_episodes, runtime
+from core.plan import plan
+from core.protocol import MIB, Protocol, expand
+from core.registry import SHAPES
+
+PHASES = ("prefill", "decode")
+# The runtime interval shown for a condition without a declared runtime gate: the gate's own
+# defaults (docs/protocol.md), against the protocol's reference.
+DEFAULT_CONFIDENCE, DEFAULT_RESAMPLES, DEFAULT_SEED = 0.95, 10000, 0
+
+
+@dataclass(frozen=True)
+class Episode:
+    """One planned episode's record as archived (no logits), plus its plan `repetition` and
+    its memory `trace` ((samples, 2): seconds, bytes; None when the archive has none)."""
+
+    record: dict
+    repetition: int | None
+    trace: np.ndarray | None
+
+    @property
+    def index(self) -> int:
+        return self.record["plan_index"]
+
+    @property
+    def condition(self) -> str:
+        return self.record["condition"]
+
+    @property
+    def scored(self) -> bool:
+        return self.record.get("role") == "scored"
+
+    @property
+    def ok(self) -> bool:
+        return self.record.get("status") == "ok"
+
+    @property
+    def calls(self) -> list[dict]:
+        calls = self.record.get("calls")
+        return calls if isinstance(calls, list) else []
+
+
+@dataclass(frozen=True)
+class ScreenData:
+    """What a report shows about one screen attempt, as its archive holds it."""
+
+    path: Path
+    archive_sha256: str  # of the whole file, what the database stores
+    archive_bytes: int
+    complete: bool
+    problems: tuple[str, ...]  # ArchiveReader.verify(): [] for an intact archive
+    protocol: Protocol
+    manifest: dict  # {} for an archive without a manifest
+    environment: dict
+    start: dict
+    model_dir: str | None
+    planned: int
+    verdicts: list[dict]
+    episodes: list[Episode] = field(default_factory=list)
+
+    @property
+    def conditions(self) -> tuple[str, ...]:
+        return self.protocol.condition_names
+
+    @property
+    def label(self) -> str:
+        """`name#screen.attempt on host` when the manifest says so, else the file name."""
+        m = self.manifest
+        where = self.environment.get("gpu") or self.environment.get("device") or ""
+        host = self.environment.get("host")
+        if "screen_id" in m:
+            text = f"{self.protocol.name} screen {m['screen_id']}.{m.get('attempt', '?')}"
+        else:
+            text = f"{self.protocol.name} ({self.path.name})"
+        return f"{text} on {host}{' ' + where if where else ''}" if host else text
+
+    def of(self, condition: str, *, scored_only: bool = True, ok_only: bool = True) -> list[Episode]:
+        return [e for e in self.episodes if e.condition == condition and (e.scored or not scored_only)
+                and (e.ok or not ok_only)]
+
+
+def read_screen(path: Path | str, *, max_member_bytes: int = 1 << 30) -> ScreenData:
+    """Read an archive into a ScreenData. Raises ArchiveError when it has no readable frozen
+    protocol (nothing can be reported); anything less is kept in `problems` and shown."""
+    path = Path(path)
+    with ArchiveReader(path, max_member_bytes=max_member_bytes) as r:
+        problems = tuple(str(p) for p in r.verify())
+        names = set(r.names)
+        try:
+            protocol = expand(r.read_json(PROTOCOL_NAME))
+        except (ArchiveError, ValueError) as e:
+            raise ArchiveError(f"cannot report on {path}: no usable protocol.json ({e})") from None
+        manifest = r.manifest or {}
+        worker = r.read_json(WORKER_NAME) if WORKER_NAME in names else {}
+        verdicts = r.read_json(VERDICTS_NAME) if VERDICTS_NAME in names else []
+        entries = plan(protocol)
+        records = [r.read_json(episode_member(e["index"])) for e in entries if episode_member(e["index"]) in names]
+        episodes = []
+        for rec in planned_episodes(protocol, records):  # adds each record's repetition
+            trace_name = trace_member(rec["plan_index"])
+            trace = r.read_array(trace_name) if trace_name in names else None
+            rep = rec.pop("repetition")
+            episodes.append(Episode(record=rec, repetition=rep, trace=trace))
+    return ScreenData(path=path, archive_sha256=file_sha256(path), archive_bytes=path.stat().st_size,
+                      complete=bool(manifest), problems=problems, protocol=protocol, manifest=manifest,
+                      environment=dict(manifest.get("environment") or worker.get("environment") or {}),
+                      start=dict(worker.get("start") or {}), model_dir=worker.get("model_dir"),
+                      planned=len(entries), verdicts=list(verdicts), episodes=episodes)
+
+
+# ----------------------------------------------------------------------------- model facts
+
+
+def model_label(screen: ScreenData) -> str:
+    m = screen.protocol.model
+    if m.synth is not None:
+        s = m.synth
+        hot = f", {s.hot_fraction:g} hot" if s.hot_fraction else ""
+        return f"synthetic {s.shape} {s.dtype} (sparsity {s.sparsity:g}, seed {s.seed}{hot})"
+    return f"checkpoint {m.path}"
+
+
+def neurons_per_layer(screen: ScreenData) -> int | None:
+    """FFN neurons (outgoing rows) per layer: the synthetic shape's, else derived from the
+    worker's host outgoing bytes over layers x bytes per row (a call that copied rows gives
+    the row size). None when the archive cannot say."""
+    if screen.protocol.model.synth is not None:
+        return SHAPES[screen.protocol.model.synth.shape]["ffn"]
+    host = screen.start.get("host_outgoing_bytes")
+    for e in screen.episodes:
+        for call in e.calls:
+            for rows, weight in zip(call.get("rows_copied", ()), call.get("h2d_weight_bytes", ())):
+                if rows and weight and isinstance(host, int) and call.get("layers"):
+                    row_bytes = weight // rows
+                    ffn, rest = divmod(host, call["layers"] * row_bytes)
+                    return ffn if ffn and not rest else None
+    return None
+
+
+# ----------------------------------------------------------------------------- series
+
+
+def call_h2d(call: dict) -> int:
+    """Host-to-device bytes of one call: weights + indices over its layers."""
+    return sum(call["h2d_weight_bytes"]) + sum(call["h2d_index_bytes"])
+
+
+def h2d_per_call(screen: ScreenData) -> dict[str, dict[str, list[int]]]:
+    """condition -> phase -> H2D bytes of every call of its scored episodes, in plan order."""
+    out = {c: {ph: [] for ph in PHASES} for c in screen.conditions}
+    for c in screen.conditions:
+        for e in screen.of(c):
+            for call in e.calls:
+                out[c][call["phase"]].append(call_h2d(call))
+    return out
+
+
+def wall_per_episode(screen: ScreenData) -> dict[str, list[tuple[int, float]]]:
+    """condition -> (plan index, wall_s) of its finished scored episodes."""
+    return {c: [(e.index, e.record["wall_s"]) for e in screen.of(c)] for c in screen.conditions}
+
+
+def runtime_intervals(screen: ScreenData) -> list[dict]:
+    """Per condition other than the reference: the paired whole-episode runtime ratio against
+    the reference, with its bootstrap interval.
+
+    From the protocol's own runtime gate (phase `all`) where it declares one: the verdict as
+    archived, with `source` "gate". Otherwise computed by that gate's function with its default
+    interval (0.95, 10000 resamples, seed 0) and no threshold, `source` "computed".
+    """
+    declared = {g.control: g for g in screen.protocol.gates.runtime if g.phase == "all"}
+    verdicts = {v["condition"]: v for v in screen.verdicts if v.get("gate") == "runtime" and v.get("phase") == "all"}
+    records = [{**e.record, "repetition": e.repetition} for e in screen.episodes]
+    out = []
+    ref = screen.protocol.reference
+    control = next(iter(declared), ref)
+    for c in screen.conditions:
+        if c == control:
+            continue
+        if control in declared and c in verdicts:
+            v = verdicts[c]
+            out.append({"condition": c, "control": control, "value": v["value"], "interval": v["interval"],
+                        "threshold": v["threshold"], "passed": v["passed"], "source": "gate"})
+            continue
+        # The gate's own pairing and bootstrap; the bound is moot here (no threshold is claimed).
+        v = runtime(records, condition=c, control=control, max_ratio=sys.float_info.max, confidence=DEFAULT_CONFIDENCE,
+                    resamples=DEFAULT_RESAMPLES, seed=DEFAULT_SEED)
+        out.append({"condition": c, "control": control, "value": v["value"], "interval": v["interval"],
+                    "threshold": None, "passed": None, "source": "computed"})
+    return out
+
+
+def decode_ms_per_token(screen: ScreenData) -> dict[str, list[float]]:
+    """condition -> milliseconds per generated token of every decode call of its scored episodes."""
+    return {c: [1e3 * call["wall_s"] / call["tokens"] for e in screen.of(c) for call in e.calls
+                if call["phase"] == "decode"] for c in screen.conditions}
+
+
+def memory_traces(screen: ScreenData) -> dict[str, list[tuple[int, np.ndarray]]]:
+    """condition -> (plan index, (samples, 2) trace) of every episode with samples, warmups included
+    (the resources gate judges them too)."""
+    out: dict[str, list[tuple[int, np.ndarray]]] = {c: [] for c in screen.conditions}
+    for e in screen.episodes:
+        if e.trace is not None and e.trace.ndim == 2 and e.trace.shape[0] and e.trace.shape[1] == 2:
+            out[e.condition].append((e.index, e.trace))
+    return out
+
+
+def activity_condition(screen: ScreenData) -> str | None:
+    """The first condition (protocol order) whose scored ledgers observed active rows. The active
+    set is a property of the prompt and the model, not the policy (logits are bit-identical), so
+    one condition shows it; dense-stream observes none."""
+    for c in screen.conditions:
+        for e in screen.of(c):
+            if any(v is not None for call in e.calls for v in call["active_rows"]):
+                return c
+    return None
+
+
+def active_heatmap(screen: ScreenData) -> dict | None:
+    """The active rows of `activity_condition` per layer over its scored calls in plan order:
+    {condition, rows: (layers, calls) float array (NaN where not observed), fraction: whether
+    rows are divided by neurons per layer, episodes: [(plan index, first call column)], phases}."""
+    c = activity_condition(screen)
+    if c is None:
+        return None
+    ffn = neurons_per_layer(screen)
+    columns, episodes, phases = [], [], []
+    for e in screen.of(c):
+        episodes.append((e.index, len(columns)))
+        for call in e.calls:
+            columns.append([math.nan if v is None else (v / ffn if ffn else v) for v in call["active_rows"]])
+            phases.append(call["phase"])
+    return {"condition": c, "rows": np.array(columns, dtype=np.float64).T, "fraction": ffn is not None,
+            "neurons": ffn, "episodes": episodes, "phases": phases}
+
+
+def union_sparsity(screen: ScreenData) -> dict | None:
+    """Active fraction of neurons (the union over the call's tokens, mean over layers) against
+    the number of tokens in the call, for every scored call of `activity_condition`:
+    {condition, points: [(tokens, fraction)], curve: [(tokens, median fraction)]}."""
+    c = activity_condition(screen)
+    ffn = neurons_per_layer(screen)
+    if c is None or not ffn:
+        return None
+    points = []
+    for e in screen.of(c):
+        for call in e.calls:
+            seen = [v for v in call["active_rows"] if v is not None]
+            if seen:
+                points.append((call["tokens"], statistics.fmean(seen) / ffn))
+    by_tokens: dict[int, list[float]] = {}
+    for t, f in points:
+        by_tokens.setdefault(t, []).append(f)
+    curve = [(t, statistics.median(fs)) for t, fs in sorted(by_tokens.items())]
+    return {"condition": c, "neurons": ffn, "points": points, "curve": curve}
+
+
+def energy(screen: ScreenData) -> dict[str, list[dict]]:
+    """condition -> {index, energy_j, tokens, j_per_token} of its finished scored episodes that
+    carry an energy reading (NVML's counter: none on the CPU)."""
+    out: dict[str, list[dict]] = {c: [] for c in screen.conditions}
+    for c in screen.conditions:
+        for e in screen.of(c):
+            j = e.record.get("energy_j")
+            tokens = len(e.record.get("tokens") or [])
+            if isinstance(j, (int, float)) and not isinstance(j, bool) and math.isfinite(j) and tokens:
+                out[c].append({"index": e.index, "energy_j": float(j), "tokens": tokens, "j_per_token": j / tokens})
+    return out
+
+
+def condition_summary(screen: ScreenData) -> list[dict]:
+    """One row per condition: policy, scored episodes, mean H2D bytes per prefill / decode call,
+    mean wall per episode, median decode ms/token, largest sampled GPU peak, energy."""
+    h2d, walls, dec, en = h2d_per_call(screen), wall_per_episode(screen), decode_ms_per_token(screen), energy(screen)
+    rows = []
+    for cond in screen.protocol.conditions:
+        c = cond.name
+        scored = screen.of(c, ok_only=False)
+        peaks = [e.record.get("memory", {}).get("peak_sampled_bytes") for e in screen.of(c, scored_only=False)]
+        peaks = [p for p in peaks if isinstance(p, int)]
+        j = [x["energy_j"] for x in en[c]]
+        tokens = sum(x["tokens"] for x in en[c])
+        rows.append({
+            "condition": c, "policy": cond.policy,
+            "params": ", ".join(f"{k}={v}" for k, v in cond.params.items()),
+            "scored": len(scored), "failed": sum(not e.ok for e in scored),
+            "prefill_h2d_per_call": _mean(h2d[c]["prefill"]), "decode_h2d_per_call": _mean(h2d[c]["decode"]),
+            "wall_s_mean": _mean([w for _, w in walls[c]]), "decode_ms_median": _median(dec[c]),
+            "peak_sampled_bytes": max(peaks) if peaks else None,
+            "energy_j_per_episode": _mean(j), "energy_j_per_token": math.fsum(j) / tokens if tokens else None,
+        })
+    return rows
+
+
+def _mean(xs: list) -> float | None:
+    return math.fsum(xs) / len(xs) if xs else None
+
+
+def _median(xs: list) -> float | None:
+    return statistics.median(xs) if xs else None
+
+
+# ----------------------------------------------------------------------------- verdict display
+
+
+ALLOWANCE_GATES = ("resources", "capacity")  # threshold = the protocol's allowance_mib, in bytes
+
+
+def threshold_text(verdict: dict, protocol: Protocol) -> str:
+    """A verdict's threshold as the protocol wrote it: `512 MiB` for the allowance-based gates
+    (resources, capacity), the ratio or tolerance otherwise (repr: the decimal written)."""
+    t = verdict.get("threshold")
+    if t is None:
+        return "-"
+    if verdict.get("gate") in ALLOWANCE_GATES and t == protocol.allowance_bytes:
+        return f"{protocol.allowance_mib} MiB"
+    if verdict.get("gate") == "useful_latency":
+        return f"{t!r} s"
+    return repr(t)
+
+
+def value_text(verdict: dict) -> str:
+    """A verdict's value with its unit: MiB (and bytes) for byte values, seconds, ratios."""
+    v = verdict.get("value")
+    if v is None:
+        return "-"
+    if verdict.get("gate") in ALLOWANCE_GATES:
+        return f"{v / MIB:.1f} MiB ({int(v):,} B)"
+    if verdict.get("gate") == "useful_latency":
+        return f"{v:.4g} s"
+    return f"{v:.6g}"
+
+
+def interval_text(verdict: dict) -> str:
+    i = verdict.get("interval")
+    return "-" if not i else f"[{i[0]:.4g}, {i[1]:.4g}]"
+
+
+# ----------------------------------------------------------------------------- several screens
+
+
+def verdict_agreement(screens: list[ScreenData]) -> dict:
+    """Across screens: every (gate, condition, phase) any screen judged, with each screen's
+    passed (None where it has no such verdict), whether the screens that judged it agree, and
+    the counts {judged_by_all, agree}: the cross-machine verdict agreement when the screens
+    ran one protocol on several machines."""
+    keys: dict[tuple, list] = {}
+    for n, s in enumerate(screens):
+        for v in s.verdicts:
+            key = (v["gate"], v["condition"], v.get("phase", "all"))
+            keys.setdefault(key, [None] * len(screens))[n] = bool(v["passed"])
+    rows = []
+    for key in sorted(keys):
+        passed = keys[key]
+        judged = [p for p in passed if p is not None]
+        rows.append({"gate": key[0], "condition": key[1], "phase": key[2], "passed": passed,
+                     "all_judged": len(judged) == len(screens), "agree": len(set(judged)) <= 1})
+    common = [r for r in rows if r["all_judged"]]
+    return {"rows": rows, "judged_by_all": len(common), "agree": sum(r["agree"] for r in common),
+            "same_protocol": len({s.protocol.sha256 for s in screens}) == 1}

@@ -1,0 +1,139 @@
+"""`packbench protocol validate|show|plan`, `--version`, completion and Enum choices; the
+estimate behind `plan` (core/estimate.py) checked against real shapes and a real archive."""
+
+import json
+import subprocess
+import sys
+from importlib import metadata
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from cli.main import app
+from core import report as data
+from core.estimate import Activity, ModelShape, call_h2d_bytes, estimate
+from core.plan import plan
+from core.protocol import load
+from core.registry import DTYPE_NAMES, POLICY_NAMES, SYNTH_SHAPES
+
+ROOT = Path(__file__).resolve().parents[2]
+DATA = ROOT / "tests" / "data"
+GATES = DATA / "gates-v2.yaml"
+
+
+def invoke(*args: str):
+    return CliRunner().invoke(app, list(args))
+
+
+def run(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
+    """The real command line: exit codes and one-line errors come from cli.main.main()."""
+    return subprocess.run([sys.executable, "-m", "cli", *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=120, env={**__import__("os").environ, "PYTHONPATH": str(ROOT)})
+
+
+def test_validate_prints_the_frozen_identity():
+    r = invoke("protocol", "validate", str(GATES))
+    assert r.exit_code == 0, r.output
+    frozen = load(GATES)
+    assert r.output.strip() == (f"valid: gates-v2 (schema 2), sha256 {frozen.sha256}, 4 conditions, "
+                                f"{len(plan(frozen.body))} planned episodes")
+
+
+def test_show_prints_the_frozen_body():
+    r = invoke("protocol", "show", str(GATES))
+    assert r.exit_code == 0, r.output
+    head, body = r.output.split("\n", 1)
+    frozen = load(GATES)
+    assert head == f"# gates-v2: sha256 {frozen.sha256}"
+    assert json.loads(body) == frozen.body
+    full = invoke("protocol", "show", str(DATA / "quickstart-v1.yaml"), "--full")
+    assert json.loads(full.output.split("\n", 1)[1])["schema"] == 2  # every default spelled out
+
+
+def test_plan_lists_the_episodes_in_order_and_what_each_condition_moves():
+    r = invoke("protocol", "plan", str(GATES), "--json")
+    assert r.exit_code == 0, r.output
+    out = json.loads(r.output)
+    frozen = load(GATES)
+    assert out["entries"] == plan(frozen.body)
+    rows = {c["condition"]: c for c in out["estimate"]["conditions"]}
+    # tiny float32: 2 layers x 256 rows x 64 x 4 B; dense-stream moves every row of every call
+    assert rows["dense-stream"]["prefill_call_bytes"] == rows["dense-stream"]["decode_call_bytes"] == 2 * 256 * 256
+    assert rows["dense-stream"]["episodes"] == sum(e["condition"] == "dense-stream" for e in out["entries"])
+    assert rows["phase-switched"]["prefill_call_bytes"] == 2 * 256 * 256  # dense prefill
+    assert rows["phase-switched"]["decode_call_bytes"] == rows["packet"]["decode_call_bytes"]
+    table = invoke("protocol", "plan", str(GATES))
+    assert table.exit_code == 0
+    assert "index  condition" in table.output and "transfer floor at 55 GB/s" in table.output
+    assert "parameters 597.5 kB (fit the 1 MiB allowance)" in table.output
+
+
+def test_plan_estimate_is_close_to_what_a_real_screen_moved():
+    """Against gates-v2.zip (a real CPU screen of that protocol): decode packets within 10 %;
+    the prefill union is an upper estimate (independent tokens), never below what was moved."""
+    s = data.read_screen(DATA / "gates-v2.zip")
+    synth = s.protocol.model.synth
+    est = estimate(s.protocol, shape=ModelShape.of(synth.shape),
+                   activity=Activity(synth.sparsity, synth.hot_fraction, synth.hot_bias))
+    rows = {c["condition"]: c for c in est["conditions"]}
+    measured = data.h2d_per_call(s)
+    mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
+    for condition in ("packet", "extents", "phase-switched"):
+        got = mean(measured[condition]["decode"])
+        assert abs(rows[condition]["decode_call_bytes"] - got) / got < 0.10, (condition, got)
+    assert rows["packet"]["prefill_call_bytes"] >= mean(measured["packet"]["prefill"])
+    assert rows["dense-stream"]["decode_call_bytes"] == mean(measured["dense-stream"]["decode"])
+
+
+def test_estimate_matches_the_measured_opt_2_7b_figures():
+    """Shapes and bytes as the seed's v0.40 screen and the H200 notes measured them."""
+    shape = ModelShape.of("opt-2.7b")
+    assert shape.param_count() * 2 == 5_303_193_600  # "Full FP16 parameter bytes 5,303,193,600"
+    dense = call_h2d_bytes("dense-stream", {}, phase="decode", tokens=1, shape=shape, row_bytes=2560 * 2,
+                           activity=Activity(0.94))
+    assert dense == 1_677_721_600  # fc2 per forward call, fp16 (shared/device/NOTES.md)
+    assert call_h2d_bytes("resident", {}, phase="decode", tokens=1, shape=shape, row_bytes=5120,
+                          activity=Activity(0.94)) == 0
+    assert Activity(0.94).union_fraction(1) == pytest.approx(0.06)
+    assert Activity(0.94, hot_fraction=1.0, hot_bias=0.0).union_fraction(1) == pytest.approx(0.5)
+
+
+def test_plan_needs_sparsity_and_shape_for_a_checkpoint_path(tmp_path):
+    r = run("protocol", "plan", str(ROOT / "protocols" / "quickstart.yaml"))
+    assert r.returncode == 2 and "--sparsity" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    (tmp_path / "p.yaml").write_text((ROOT / "protocols" / "quickstart.yaml").read_text().replace(
+        "../.packbench/models/tiny", str(tmp_path / "absent")))
+    r = run("protocol", "plan", str(tmp_path / "p.yaml"), "--sparsity", "0.94")
+    assert r.returncode == 2 and "give --shape" in r.stderr, r.stderr
+    r = run("protocol", "plan", str(tmp_path / "p.yaml"), "--sparsity", "0.94", "--shape", "tiny")
+    assert r.returncode == 0, r.stderr
+    r = run("protocol", "plan", str(tmp_path / "p.yaml"), "--sparsity", "0.94", "--shape", "opt-9b")
+    assert r.returncode == 2 and "opt-2.7b" in r.stderr  # the choices are listed
+
+
+def test_bad_protocol_files_are_one_line(tmp_path):
+    r = run("protocol", "validate", str(tmp_path / "missing.yaml"))
+    assert r.returncode == 2 and "no protocol file" in r.stderr
+    (tmp_path / "bad.yaml").write_text(GATES.read_text().replace("policy: packet", "policy: pakcet"))
+    r = run("protocol", "validate", str(tmp_path / "bad.yaml"))
+    assert r.returncode == 2 and "'pakcet' is not allowed" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+def test_version_and_completion():
+    r = invoke("--version")
+    assert r.exit_code == 0 and r.output.strip() == f"packbench {metadata.version('packbench')}"
+    helptext = invoke("--help").output
+    assert "--install-completion" in helptext and "--show-completion" in helptext
+    for command in ("report", "protocol"):
+        assert command in helptext
+
+
+def test_enum_choices_come_from_the_registry():
+    from cli.choices import Dtype, Policy, Shape
+
+    assert tuple(s.value for s in Shape) == SYNTH_SHAPES
+    assert tuple(d.value for d in Dtype) == DTYPE_NAMES
+    assert tuple(p.value for p in Policy) == POLICY_NAMES
+    helptext = CliRunner().invoke(app, ["protocol", "plan", "--help"], env={"COLUMNS": "200"}).output
+    assert "<" + "|".join(SYNTH_SHAPES) + ">" in helptext

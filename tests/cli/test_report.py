@@ -1,0 +1,290 @@
+"""`packbench report`: a report rendered from a real screen (local Ray, SQLite, a real archive),
+its content checked against the archive's own records, and the page opened in headless Chromium.
+
+One module-scoped screen (about a minute on 2 cores): a schema-2 protocol on the tiny
+checkpoint with allowance-based gates (so thresholds print in MiB) and a runtime gate (so the
+paired interval is drawn), audited once so the page has an audit to show.
+"""
+
+import html
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from core import report as data
+from core.archive import ArchiveReader
+from core.protocol import MIB
+
+ROOT = Path(__file__).resolve().parents[2]
+DATA = ROOT / "tests" / "data"
+from browser import INSTALL_HINT, check_page, chromium  # tests/cli/browser.py (pytest puts tests/cli on the path)
+
+ray = pytest.mark.ray  # the tests that use the real screen
+ONE_SCREEN_PLOTS = {"h2d", "wall", "decode", "heatmap", "union"}  # + memory, energy where a GPU sampled them
+
+
+def cli(*args: str, cwd: Path, env: dict) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "cli", *args], cwd=cwd, capture_output=True, text=True, env=env,
+                          timeout=600)
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory, tiny) -> Path:
+    d = tmp_path_factory.mktemp("report")
+    body = yaml.safe_load((ROOT / "protocols" / "quickstart.yaml").read_text())
+    body.update(name="report-screen", continuation_tokens=6, allowance_mib=1,
+                model={"path": str(tiny)},
+                gates={"faithfulness": {"tolerance": 0.0}, "resources": {}, "capacity": {},
+                       "acquisition": [{"control": "dense-stream", "max_ratio": 0.5},
+                                       {"control": "dense-stream", "max_ratio": 0.3, "phase": "decode"}],
+                       "runtime": {"control": "dense-stream", "max_ratio": 5.0, "resamples": 500}})
+    (d / "protocol.yaml").write_text(yaml.safe_dump(body))
+    return d
+
+
+@pytest.fixture(scope="module")
+def env(workdir) -> dict:
+    return dict(os.environ, PACKBENCH_DB_URL=f"sqlite:///{workdir / 'packbench.db'}", RAY_AUTH_MODE="disabled",
+                PYTHONPATH=str(ROOT))
+
+
+@pytest.fixture(scope="module")
+def screen(workdir, env) -> dict:
+    """A real screen, run and audited: its `results --json` summary plus the audit's record."""
+    up = cli("db", "upgrade", cwd=workdir, env=env)
+    assert up.returncode == 0, up.stderr
+    out = cli("submit", "protocol.yaml", "--wait", "--json", cwd=workdir, env=env)
+    assert out.returncode in (0, 1), out.stderr[-3000:]  # resources fails closed on the CPU: still a screen
+    summary = json.loads(out.stdout)
+    audit = cli("audit", str(summary["screen_id"]), "--json", cwd=workdir, env=env)
+    assert audit.returncode == 0, audit.stdout[-2000:] + audit.stderr[-2000:]
+    return {**summary, "audit": json.loads(audit.stdout)}
+
+
+@pytest.fixture(scope="module")
+def page(screen, workdir, env) -> Path:
+    out = cli("report", str(screen["screen_id"]), "--out", "screen.html", cwd=workdir, env=env)
+    assert out.returncode == 0, out.stderr
+    path = workdir / "screen.html"
+    assert out.stdout.strip() == f"wrote screen.html ({path.stat().st_size:,} bytes)"
+    return path
+
+
+def text_of(path: Path) -> str:
+    """The page's visible text, tags dropped and entities decoded, whitespace collapsed."""
+    body = path.read_text(encoding="utf-8")
+    body = re.sub(r"<svg.*?</svg>", " ", body, flags=re.S)
+    body = re.sub(r"<style>.*?</style>", " ", body, flags=re.S)
+    return re.sub(r"\s+", " ", html.unescape(re.sub(r"<[^>]+>", " ", body)))
+
+
+# ----------------------------------------------------------------------------- content
+
+
+@ray
+def test_report_shows_the_screen_as_its_archive_holds_it(screen, page):
+    archive = Path(screen["archive_path"])
+    s = data.read_screen(archive)
+    text = text_of(page)
+    raw = page.read_text()
+    # protocol, frozen hash, source freeze, machine
+    assert s.protocol.sha256 == screen["protocol_sha256"] and s.protocol.sha256 in text
+    freeze = ArchiveReader(archive).manifest["source_freeze"]
+    assert freeze["engine_sha256"] in text and freeze["git_commit"] in text
+    assert s.environment["host"] in text and s.environment["torch"] in text
+    # every verdict, with its threshold as the protocol wrote it
+    assert f"Verdicts: {sum(v['passed'] for v in screen['verdicts'])} of {len(screen['verdicts'])} pass" in text
+    for v in s.verdicts:
+        assert re.search(rf"{v['gate']} {re.escape(v['condition'])} {v['phase']} (PASS|FAIL)", text), v
+    assert "1 MiB" in text and "1.04858e+06" not in text  # resources/capacity: allowance_mib as written
+    runtime = next(v for v in s.verdicts if v["gate"] == "runtime")
+    assert data.interval_text(runtime) in text and runtime["interval"] is not None
+    # per-call H2D bytes, derived from the ledgers: dense-stream copies every outgoing row every call
+    start = s.start
+    assert f"{start['host_outgoing_bytes'] / 1e6:,.4g} MB" in text
+    # the audit the database recorded for this very file: where, when, digest
+    assert screen["audit"]["digest"] in raw and "AGREE" in text
+    assert s.archive_sha256 == screen["archive_sha256"] and s.archive_sha256 in text
+    # no network at view time: nothing is fetched, the policy forbids it
+    assert "default-src 'none'" in raw
+    assert not re.search(r"""(src|href)=["']https?:""", raw)
+
+
+@ray
+def test_plots_are_inline_svg_and_cpu_gaps_say_why(page):
+    raw = page.read_text()
+    plots = set(re.findall(r'<figure class="plot" data-plot="([a-z0-9-]+)">\s*<svg', raw))
+    assert plots == ONE_SCREEN_PLOTS
+    missing = set(re.findall(r'data-missing="([a-z0-9-]+)"', raw))
+    assert missing == {"memory", "energy"}  # a CPU run samples no GPU memory and reads no energy
+    assert "a CPU run samples no GPU" in text_of(page)
+
+
+@ray
+def test_series_are_derived_from_the_ledger(screen):
+    s = data.read_screen(Path(screen["archive_path"]))
+    per_call = data.h2d_per_call(s)
+    outgoing = s.start["host_outgoing_bytes"]
+    assert set(per_call["dense-stream"]["prefill"]) == {outgoing}
+    assert len(per_call["dense-stream"]["decode"]) == 3 * (6 - 1)  # 3 prompts x 5 decode calls
+    assert all(0 < b < outgoing for b in per_call["packet"]["decode"])
+    assert data.neurons_per_layer(s) == 256  # model.path: derived from bytes, the tiny shape's ffn
+    heat = data.active_heatmap(s)
+    assert heat["condition"] == "packet" and heat["rows"].shape == (2, 3 * 6)
+    union = data.union_sparsity(s)
+    assert [t for t, _ in union["curve"]] == [1, 32]
+    assert union["curve"][0][1] < union["curve"][1][1]  # a 32-token union is denser than one token
+    interval = data.runtime_intervals(s)[0]
+    runtime = next(v for v in s.verdicts if v["gate"] == "runtime")
+    assert (interval["source"], interval["value"], interval["interval"]) == ("gate", runtime["value"],
+                                                                             runtime["interval"])
+
+
+@ray
+def test_report_of_an_archive_file_needs_no_database(screen, workdir, env, tmp_path):
+    out = cli("report", screen["archive_path"], "--out", str(tmp_path / "a.html"),
+              cwd=workdir, env={**env, "PACKBENCH_DB_URL": "sqlite:////nonexistent/dir/x.db"})
+    assert out.returncode == 0, out.stderr
+    text = text_of(tmp_path / "a.html")
+    assert "audit status: no database given" in text
+    with_db = cli("report", screen["archive_path"], "--db", env["PACKBENCH_DB_URL"], "--out",
+                  str(tmp_path / "b.html"), cwd=workdir, env=env)
+    assert with_db.returncode == 0, with_db.stderr
+    assert screen["audit"]["digest"] in (tmp_path / "b.html").read_text()
+
+
+@ray
+def test_compare_puts_screens_side_by_side_with_verdict_agreement(screen, workdir, env, tmp_path):
+    archive = screen["archive_path"]
+    out = cli("report", "--compare", archive, archive, str(DATA / "gates-v2.zip"), "--out",
+              str(tmp_path / "c.html"), cwd=workdir, env=env)
+    assert out.returncode == 0, out.stderr
+    text = text_of(tmp_path / "c.html")
+    s = data.read_screen(Path(archive))
+    g = data.read_screen(DATA / "gates-v2.zip")
+    agreement = data.verdict_agreement([s, s, g])
+    assert not agreement["same_protocol"]
+    assert agreement["judged_by_all"] > 0 and agreement["agree"] <= agreement["judged_by_all"]
+    assert (f"Verdict agreement: {agreement['agree']} of {agreement['judged_by_all']} verdicts judged by every "
+            f"screen agree") in text
+    same = data.verdict_agreement([s, s])
+    assert same["same_protocol"] and same["agree"] == same["judged_by_all"] == len(s.verdicts)
+    raw = (tmp_path / "c.html").read_text()
+    assert set(re.findall(r'data-plot="([a-z0-9-]+)"', raw)) == {"compare-decode", "compare-h2d", "compare-wall"}
+
+
+def test_bad_input_is_one_line_with_the_fix(workdir, env, tmp_path):
+    for args, words in ((["no-such.zip"], "no archive no-such.zip"),
+                        (["--compare", str(DATA / "gates-v2.zip")], "--compare needs two or more"),
+                        ([str(DATA / "gates-v2.zip"), "--out", "r.txt"], "write the report to a .html file"),
+                        (["not-a-screen"], "neither an archive file nor a screen id")):
+        r = cli("report", *args, cwd=tmp_path, env=env)
+        assert r.returncode == 2, (args, r.stdout, r.stderr)
+        assert len(r.stderr.strip().splitlines()) == 1 and words in r.stderr, r.stderr
+
+
+# ----------------------------------------------------------------------------- in a browser
+
+
+@ray
+def test_report_renders_in_headless_chromium_without_console_errors(page, screen, workdir, env, tmp_path):
+    if chromium() is None:
+        pytest.fail(INSTALL_HINT)
+    check = check_page(page)
+    assert check.console_errors == []
+    assert {p["name"] for p in check.plots} == ONE_SCREEN_PLOTS
+    for p in check.plots:  # laid out at the page's width, with content drawn
+        assert p["width"] > 500 and p["height"] > 150 and p["drawn"] > 20, p
+    heat = next(p for p in check.plots if p["name"] == "heatmap")
+    assert heat["images"] and all(i.startswith("data:image/png") for i in heat["images"])
+    out = cli("report", "--compare", screen["archive_path"], str(DATA / "gates-v2.zip"), "--out",
+              str(tmp_path / "c.html"), cwd=workdir, env=env)
+    assert out.returncode == 0, out.stderr
+    check = check_page(tmp_path / "c.html")
+    assert check.console_errors == [] and len(check.plots) == 3
+    assert all(p["width"] > 500 and p["drawn"] > 10 for p in check.plots)
+
+
+def test_the_browser_check_sees_a_broken_page(tmp_path):
+    """The check itself: a script error and an external fetch are console errors, an empty
+    plot has no size."""
+    if chromium() is None:
+        pytest.fail(INSTALL_HINT)
+    bad = tmp_path / "bad.html"
+    bad.write_text('<!DOCTYPE html><meta http-equiv="Content-Security-Policy" content="default-src \'none\'; '
+                   'script-src \'unsafe-inline\'"><img src="https://example.invalid/x.png">'
+                   '<figure class="plot" data-plot="empty"></figure><script>undefinedFunction()</script>')
+    check = check_page(bad)
+    assert any("undefinedFunction" in e for e in check.console_errors), check.console_errors
+    assert any("example.invalid" in e or "Content Security Policy" in e for e in check.console_errors)
+    assert check.plots == [{"name": "empty", "width": 0, "height": 0, "drawn": 0, "images": []}]
+
+
+# ----------------------------------------------------------------------------- pure data, no screen
+
+
+def test_verdict_display_keeps_the_protocols_units():
+    s = data.read_screen(DATA / "gates-v2.zip")
+    by = {(v["gate"], v["condition"], v["phase"]): v for v in s.verdicts}
+    assert data.threshold_text(by[("resources", "packet", "all")], s.protocol) == "1 MiB"
+    assert data.threshold_text(by[("capacity", "packet", "all")], s.protocol) == "1 MiB"
+    assert data.value_text(by[("capacity", "packet", "all")]) == f"{597504 / MIB:.1f} MiB (597,504 B)"
+    assert data.threshold_text(by[("acquisition", "packet", "decode")], s.protocol) == "0.3"
+    assert data.threshold_text(by[("useful_latency", "packet", "all")], s.protocol) == "5.0 s"
+
+
+def test_historical_archives_report_without_traces_or_energy():
+    """Archives written before traces/ existed still report; the gaps are named, not drawn."""
+    for name in ("quickstart-v1.zip", "negative-v1.zip", "gates-v2.zip"):
+        s = data.read_screen(DATA / name)
+        assert s.complete and s.problems == ()
+        assert all(not v for v in data.memory_traces(s).values())
+        assert all(not v for v in data.energy(s).values())
+        assert [r["condition"] for r in data.condition_summary(s)] == list(s.conditions)
+
+
+def test_an_interrupted_archive_reports_what_it_holds(tmp_path):
+    """No manifest, no verdicts, half the episodes: the page says so and draws what is there."""
+    from core.archive import ArchiveWriter, episode_member, logits_member
+    from cli.report_page import AuditStatus, screen_page
+
+    src = ArchiveReader(DATA / "gates-v2.zip")
+    partial = tmp_path / "partial.zip"
+    w = ArchiveWriter(partial)
+    for name in ("protocol.json", "plan.json", "worker.json"):
+        w.add_json(name, src.read_json(name))
+    for index in range(9):
+        w.add_episode(src.read_json(episode_member(index)), src.read_array(logits_member(index)))
+    w.close()
+    s = data.read_screen(partial)
+    assert not s.complete and len(s.episodes) == 9 and s.planned == 18 and s.verdicts == []
+    assert any("incomplete" in p for p in s.problems)
+    text = re.sub(r"\s+", " ", html.unescape(re.sub(r"<[^>]+>", " ", screen_page(s, audit=AuditStatus()))))
+    assert "9 of 18 planned" in text and "no verdicts.json: the screen did not finish" in text
+    assert "the archive has no source freeze (no manifest)" in text
+
+
+def test_large_screens_keep_the_page_small():
+    """Dense scatters become one embedded image and long memory traces are thinned (keeping
+    the peak): a plot's size is bounded by the picture, not by the number of calls."""
+    import numpy as np
+
+    from cli import report_figures as figs
+
+    rng = np.random.default_rng(0)
+    with figs.style():
+        decode = figs.decode_figure({"dense-stream": list(rng.normal(36, 1, 50_000)),
+                                     "packet": list(rng.normal(30, 5, 50_000))}, ("dense-stream", "packet"))
+        t = np.column_stack([np.linspace(0, 60, 100_000), rng.integers(1, 4000, 100_000) * MIB])
+        t[73_123, 1] = 4700 * MIB
+        memory = figs.memory_figure({"packet": [(0, t)]}, ("packet",), 4800 * MIB)
+    assert len(decode) < 300_000 and len(memory) < 200_000, (len(decode), len(memory))
+    thin = figs.thin_trace(t)
+    assert len(thin) <= figs.MAX_TRACE_POINTS + 1 and thin[:, 1].max() == 4700 * MIB
+    assert np.all(np.diff(thin[:, 0]) > 0)
