@@ -7,9 +7,9 @@ Cases (docs/benchmarks.md, "Worst legal archive"), each a sealed, consistent syn
 
 - bytes:   members at the total bound: 4 episodes whose float32 logits are 187 MiB each
            (continuation 975 x vocabulary 50272), ~750 MiB in all (the bound is 768 MiB);
-- members: many small episodes: 2 conditions x (1 warmup + 10,000 prompts) = 20,002
-           episodes, ~60,000 members, JSON near its 64 MiB total bound, and a runtime
-           bootstrap near its bound (6,000 resamples x 10,000 pairs x 2 gate phases);
+- members: many small episodes: 2 conditions x (1 warmup + 8,500 prompts) = 17,002
+           episodes, ~51,000 members, JSON just under its 64 MiB total bound, and the runtime
+           bootstraps near their bound (7,800 resamples x 8,500 pairs x 2 gate phases);
 - json:    the largest episode records: continuation 8192 (the schema's bound) x 32 layers,
            ~12 MB of JSON ledger per record, 6 episodes.
 
@@ -29,7 +29,7 @@ from pathlib import Path
 
 CASES = {
     "bytes": dict(proto=dict(prompts_n=1, repetitions=1, prefix=8, continuation=975), vocab=50272),
-    "members": dict(proto=dict(prompts_n=10_000, repetitions=1, prefix=2, continuation=2), vocab=8, resamples=6000),
+    "members": dict(proto=dict(prompts_n=8_500, repetitions=1, prefix=2, continuation=2), vocab=8, resamples=7800),
     "json": dict(proto=dict(prompts_n=2, repetitions=1, prefix=8, continuation=8192), vocab=8),
 }
 
