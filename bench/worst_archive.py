@@ -5,8 +5,10 @@ Usage:  python -m bench.worst_archive --case bytes|members|json [--out PATH]
 Cases (docs/benchmarks.md, "Worst legal archive"), each a sealed, consistent synthetic screen
 (bench.audit.write_synthetic_screen) that audits as AGREE, so every check runs:
 
-- bytes:   members at the total bound: 4 episodes whose float32 logits are 187 MiB each
-           (continuation 975 x vocabulary 50272), ~750 MiB in all (the bound is 768 MiB);
+- bytes:   members at the total bound: 4 episodes whose float32 logits are 159 MiB each
+           (continuation 825 x vocabulary 50272), ~640 MiB in all (the bound is 640 MiB);
+- combined: the members case with logits filling the rest of the total bound (17,002
+           episodes of (2, 4400) float32 logits, ~570 MiB, + ~63 MiB of JSON);
 - members: many small episodes: 2 conditions x (1 warmup + 8,500 prompts) = 17,002
            episodes, ~51,000 members, JSON just under its 64 MiB total bound, and the runtime
            bootstraps near their bound (7,800 resamples x 8,500 pairs x 2 gate phases);
@@ -28,8 +30,10 @@ import time
 from pathlib import Path
 
 CASES = {
-    "bytes": dict(proto=dict(prompts_n=1, repetitions=1, prefix=8, continuation=975), vocab=50272),
+    "bytes": dict(proto=dict(prompts_n=1, repetitions=1, prefix=8, continuation=825), vocab=50272),
     "members": dict(proto=dict(prompts_n=8_500, repetitions=1, prefix=2, continuation=2), vocab=8, resamples=7800),
+    "combined": dict(proto=dict(prompts_n=8_500, repetitions=1, prefix=2, continuation=2), vocab=4400,
+                     resamples=7800),
     "json": dict(proto=dict(prompts_n=2, repetitions=1, prefix=8, continuation=8192), vocab=8),
 }
 

@@ -52,7 +52,7 @@ MAX_MEMBERS = 3 * 100_000 + 5  # 3 members per planned episode (core.protocol MA
 MAX_DIRECTORY_BYTES = 64 << 20  # the central directory
 MAX_JSON_BYTES = 32 << 20  # one JSON member, uncompressed
 MAX_ARRAY_BYTES = 256 << 20  # one .npy member
-MAX_TOTAL_BYTES = 768 << 20  # every member together, uncompressed (the audit keeps the logits: RSS ~ this + 100 MiB)
+MAX_TOTAL_BYTES = 640 << 20  # every member together, uncompressed (the audit keeps the logits: RSS ~ this + 350 MiB)
 # JSON members together, uncompressed: parsing, the canonical check and the ledger checks cost
 # ~0.3 s per MiB on the 2-core box (docs/benchmarks.md, "Worst legal archive"); arrays ~0.01.
 MAX_JSON_TOTAL_BYTES = 64 << 20
