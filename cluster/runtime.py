@@ -83,7 +83,15 @@ def ensure_ray(settings: Settings | None = None):
 
     def join() -> None:
         try:
-            ray.init(address=address, **common)
+            # Ray warns that a driver joined from another thread sets no SIGTERM handler: the
+            # dispatcher sets its own (cluster/dispatch.py), so the warning is only noise.
+            ray_log = logging.getLogger("ray")
+            level = ray_log.level
+            ray_log.setLevel(logging.ERROR)
+            try:
+                ray.init(address=address, **common)
+            finally:
+                ray_log.setLevel(level)
         except BaseException as e:  # handed to the caller's thread below
             failure.append(e)
         finally:

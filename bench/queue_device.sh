@@ -1,0 +1,114 @@
+#!/usr/bin/env bash
+# One device call on nvidia-h200-x2 (issues 12 and 13): the job queue on real GPUs.
+#   A. two screens of synthetic opt-1.3b fp16 (every exact policy, 3 x 512 + 16 tokens): one after
+#      the other (one worker) against concurrently (one worker per GPU); audits fanned out;
+#      a second packbench on a GPU already held is refused.
+#   B. two Ray nodes on one host (one GPU each): --replicas 2 --spread, audits on the other node.
+#   C. a worker killed mid-screen: the screen is requeued and completes on the other node.
+# Run from the project root with .whl carried: bash bench/queue_device.sh
+# A CPU dry run of the plumbing: SKIP_WHEELS=1 SHAPE=tiny DTYPE=float32 PREFIX=8 CONT=4 PACKBENCH_EMBEDDED_GPUS=2 bash bench/queue_device.sh
+set -uo pipefail
+[ -n "${SKIP_WHEELS:-}" ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site:$PWD PATH=$PATH RAY_AUTH_MODE=disabled PYTHONUNBUFFERED=1
+nvidia-smi -L 2>/dev/null || echo 'no GPU (dry run)'
+pb() { python3 -m cli "$@"; }
+now() { python3 -c "import time; print(time.time())"; }
+since() { python3 -c "import sys, time; print(round(time.time() - float(sys.argv[1]), 2))" "$1"; }
+work=$(mktemp -d); cd "$work"
+export PACKBENCH_DB_URL="sqlite:///$work/pb.db" PACKBENCH_ARCHIVE_DIR="$work/archives"
+t=$(now); pb model synth --shape ${SHAPE:-opt-1.3b} --dtype ${DTYPE:-float16} --sparsity 0.94 --seed 0 --hot-fraction 0.05 --out m13 >/dev/null
+echo "synth ${SHAPE:-opt-1.3b}: $(since $t) s"
+cat > p.yaml <<YAML
+schema: 2
+name: queue-opt-1.3b
+model: {path: m13}
+dtype: ${DTYPE:-float16}
+prompts: {generator: {seed: 0, count: 3}}
+prefix_tokens: ${PREFIX:-512}
+continuation_tokens: ${CONT:-16}
+conditions:
+  - {policy: dense-stream}
+  - {policy: resident}
+  - {policy: sparse-extents}
+  - {policy: packet}
+  - {name: packet-device, policy: packet, params: {gather: device}}
+  - {policy: phase-switched}
+  - {policy: row-retention, params: {rows_per_layer: 1024}}
+  - {policy: early-forecast}
+reference: dense-stream
+warmups: 1
+allowance_mib: 4800
+gates:
+  faithfulness: {tolerance: 0.0}
+  acquisition: {control: dense-stream, max_ratio: 0.5}
+YAML
+pb db upgrade >/dev/null
+attempts() {  # screen attempts: where and how
+python3 - "$@" <<'PY'
+import sys
+from db.store import Store
+s = Store()
+for sid in map(int, sys.argv[1:]):
+    for a in s.attempts(sid):
+        dur = (a.finished_at - a.started_at).total_seconds() if a.finished_at else None
+        v = s.verdicts(a.id)
+        faith = all(x.passed for x in v if x.gate == "faithfulness")
+        print(f"screen {sid} attempt {a.number}: {a.status:9} node {a.node[:12]} gpu {a.gpu_name} #{a.gpu_index} "
+              f"{a.model_state} shared={a.shared_node} {dur and round(dur, 1)} s, faithfulness all pass: {faith}, "
+              f"episodes {len(s.episodes(a.id))} {('error: ' + a.error[:90]) if a.error else ''}")
+PY
+}
+echo "== A1: two screens one after the other (one worker)"
+ids=$(pb submit p.yaml --replicas 2 | grep -o '[0-9, ]*;' | tr -d ',;')
+t=$(now); pb dispatch --workers 1 > a1.log 2>&1; echo "rc $?"; seq=$(since $t)
+attempts $ids; first_ids=$ids
+echo "== A2: the same two screens' protocol, concurrently (one worker per GPU)"
+ids=$(pb submit p.yaml --replicas 2 | grep -o '[0-9, ]*;' | tr -d ',;')
+t=$(now); pb dispatch > a2.log 2>&1; echo "rc $?"; par=$(since $t)
+attempts $ids
+echo "wall: sequential $seq s, concurrent $par s, ratio $(python3 -c "print(round($par / $seq, 3))")"
+echo "== A3: audits fanned out"
+pb audit --all --ray 2>&1 | tail -6
+echo "== A4: a second packbench on a GPU already held"
+python3 -m cli dispatch --follow --workers 2 > a4.log 2>&1 & holder=$!
+sleep 25
+t=$(now); pb submit p.yaml --wait > a4b.log 2>&1; echo "second packbench: rc $? after $(since $t) s"; tail -2 a4b.log
+kill -TERM $holder; wait $holder; echo "holder dispatcher rc $?"; tail -1 a4.log
+pb screens cancel latest | tail -1
+echo "== B: two Ray nodes on one host"
+CUDA_VISIBLE_DEVICES=0 ray start --head --port 6380 --num-gpus 1 --num-cpus 8 --include-dashboard=false --disable-usage-stats >/dev/null 2>&1
+CUDA_VISIBLE_DEVICES=1 ray start --address 127.0.0.1:6380 --num-gpus 1 --num-cpus 8 --disable-usage-stats >/dev/null 2>&1
+python3 -c "import ray; ray.init(address='127.0.0.1:6380', logging_level='ERROR'); print('nodes', len([n for n in ray.nodes() if n['Alive']]), 'GPUs', ray.cluster_resources().get('GPU'))"
+ids=$(pb submit p.yaml --replicas 2 --spread | grep -o '[0-9, ]*;' | tr -d ',;')
+pb dispatch --address 127.0.0.1:6380 > b.log 2>&1; echo "rc $?"
+attempts $ids
+pb audit $ids --ray --address 127.0.0.1:6380 --other-node 2>&1 | tail -3
+python3 - $ids <<'PY'
+import sys
+from db.store import Store
+s = Store()
+for sid in map(int, sys.argv[1:]):
+    a = s.latest_attempt(sid)
+    print(f"screen {sid}: produced on {a.node[:12]}, audited on", [u.node[:12] for u in s.audits(a.id)])
+a, b = (s.latest_attempt(int(i)) for i in sys.argv[1:3])
+va = {(v.gate, v.condition, v.phase): v.passed for v in s.verdicts(a.id)}
+vb = {(v.gate, v.condition, v.phase): v.passed for v in s.verdicts(b.id)}
+print("verdicts agree across the two nodes:", va == vb, f"({len(va)} verdicts)")
+PY
+echo "== C: a worker killed mid-screen"
+id=$(pb submit p.yaml | grep -o 'screen [0-9]*' | grep -o '[0-9]*')
+python3 -m cli dispatch --address 127.0.0.1:6380 > c.log 2>&1 & disp=$!
+python3 - $id <<'PY'
+import os, signal, sys, time
+from db.store import Store
+s = Store(); sid = int(sys.argv[1])
+for _ in range(600):
+    live = [a for a in s.attempts(sid) if a.status == "running"]
+    if live and len(s.episodes(live[0].id)) >= 3:
+        pid = int(live[0].worker.rsplit("pid ", 1)[1]); os.kill(pid, signal.SIGKILL)
+        print(f"killed {live[0].worker} on node {live[0].node[:12]} after {len(s.episodes(live[0].id))} episodes"); break
+    time.sleep(0.2)
+PY
+wait $disp; echo "dispatch rc $?"
+attempts $id
+ray stop --force >/dev/null 2>&1
