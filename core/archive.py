@@ -50,7 +50,7 @@ FORMAT_VERSION = 1
 MAX_ARCHIVE_BYTES = 1 << 30  # the file
 MAX_MEMBERS = 3 * 100_000 + 5  # 3 members per planned episode (core.protocol MAX_EPISODES) + 5
 MAX_DIRECTORY_BYTES = 64 << 20  # the central directory
-MAX_JSON_BYTES = 32 << 20  # one JSON member, uncompressed
+MAX_JSON_BYTES = 16 << 20  # one JSON member, uncompressed (16 MiB of `[{},{},...]` parse to ~400 MB)
 MAX_ARRAY_BYTES = 256 << 20  # one .npy member
 MAX_TOTAL_BYTES = 640 << 20  # every member together, uncompressed (the audit keeps the logits: RSS ~ this + 350 MiB)
 # JSON members together, uncompressed: parsing, the canonical check and the ledger checks cost

@@ -54,6 +54,7 @@ from core.provenance import check_signature, signature_path
 from core.plan import plan as make_plan
 from core.plan import prompts as make_prompts
 from core.protocol import Protocol, expand
+from core.protocol.schema import MAX_CONTINUATION
 from core.registry import SHAPES
 
 LOGITS_DTYPE, TRACE_DTYPE = "<f4", "<f8"  # docs/archive.md: little-endian float32 logits, float64 traces
@@ -201,6 +202,37 @@ def _episode_problems(name: str, rec: dict, logits: np.ndarray | None, protocol:
     return out
 
 
+# Record fields the gates (core/gates.py) and the database comparison (EPISODE_FIELDS) read.
+RETAINED = ("plan_index", "condition", "role", "prompt", "status", "error", "tokens", "wall_s", "call_s",
+            "first_logit_since_entry_s", "h2d_weight_bytes", "h2d_index_bytes", "d2h_bytes")
+_DROPPED = "<dropped: not a small scalar>"
+
+
+def _small(v: Any) -> Any:
+    if v is None or type(v) in (bool, int, float) or (type(v) is str and len(v) <= 1024):
+        return v
+    return _DROPPED
+
+
+def _retained(rec: dict) -> dict:
+    """The part of an episode record an audit keeps after checking it: the RETAINED scalars,
+    tokens (a list of at most MAX_CONTINUATION + 1), memory's scalars, phases' scalars."""
+    out = {k: _small(rec[k]) for k in RETAINED if k in rec and k != "tokens"}
+    tokens = rec.get("tokens")
+    if "tokens" in rec:
+        out["tokens"] = ([_small(t) for t in tokens[:MAX_CONTINUATION + 1]] if isinstance(tokens, list)
+                         else _small(tokens))
+    if isinstance(rec.get("memory"), dict):
+        out["memory"] = {k: _small(v) for k, v in list(rec["memory"].items())[:64]}
+    phases = rec.get("phases")
+    if isinstance(phases, dict):
+        out["phases"] = {ph: ({k: _small(v) for k, v in list(agg.items())[:64]} if isinstance(agg, dict)
+                              else _small(agg)) for ph, agg in phases.items() if ph in ("prefill", "decode")}
+    elif "phases" in rec:
+        out["phases"] = _small(phases)
+    return out
+
+
 # ----------------------------------------------------------------------------- the audit
 
 
@@ -306,9 +338,10 @@ class _Audit:
                     vocab = int(logits.shape[1])
             elif rec.get("status") != "failed":
                 self.add(f"{name}: status {rec.get('status')!r} is neither ok nor failed")
-            # The ledger is checked: the gates never read it, so it is not kept (audit memory
-            # stays one record's ledger, not the archive's).
-            episodes.append({**{k: v for k, v in rec.items() if k != "calls"}, "plan_index": i, "logits": logits})
+            # Only what the gates and the database comparison read is kept (the ledger is
+            # checked above): audit memory holds one record's JSON, not the archive's, whatever
+            # a hostile record carries besides.
+            episodes.append({**_retained(rec), "plan_index": i, "logits": logits})
         self.record["episodes"] = len(episodes)
         if not complete:
             self.note_incomplete(recorded, len(entries))
@@ -476,8 +509,22 @@ def audit_archive(path: Path, *, expected_sha256: str | None = None, db_verdicts
         audit.add("out of memory while auditing: the archive needs more memory than this machine gave the audit "
                   "(docs/archive.md, Bounds)")
     record = audit.record
+    record["problems"] = _bounded(record["problems"])
     record["result"] = "agree" if record["complete"] and not record["problems"] else "disagree"
     return AuditReport(record, unreadable=audit.unreadable)
+
+
+MAX_PROBLEM_CHARS = 2000  # a problem is one readable line, whatever a hostile record holds
+MAX_PROBLEMS = 1000
+
+
+def _bounded(problems: list[str]) -> list[str]:
+    """At most MAX_PROBLEMS lines of at most MAX_PROBLEM_CHARS characters each (the rest named)."""
+    out = [p if len(p) <= MAX_PROBLEM_CHARS else f"{p[:MAX_PROBLEM_CHARS]}... ({len(p) - MAX_PROBLEM_CHARS} more "
+           f"characters)" for p in problems[:MAX_PROBLEMS]]
+    if len(problems) > MAX_PROBLEMS:
+        out.append(f"... and {len(problems) - MAX_PROBLEMS} more problems")
+    return out
 
 
 def _run_audit(audit: _Audit, path: Path, *, expected_sha256: str | None, db_verdicts: list[dict] | None,

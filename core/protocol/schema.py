@@ -41,7 +41,7 @@ MAX_CONTINUATION = 8192  # continuation_tokens: calls per episode (ledger and lo
 MAX_EPISODES = 100_000  # planned episodes, warmups included
 MAX_CONDITIONS = 16
 MAX_PROMPTS = 100_000
-MAX_PROMPT_TOKENS = 1 << 22  # prompts x prefix_tokens: the token ids plan.json holds (~25 MB of JSON)
+MAX_PROMPT_TOKENS = 1 << 21  # prompts x prefix_tokens: the token ids plan.json holds (<= ~13 MB of JSON)
 MAX_RESAMPLES = 100_000  # per runtime gate entry
 # Draws of every runtime bootstrap of a screen together: sum over runtime entries and compared
 # conditions of resamples x pairs. 2**27 draws take ~2-4 s on one core (docs/benchmarks.md).

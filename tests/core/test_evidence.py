@@ -390,3 +390,17 @@ def test_a_pinned_model_is_checked_against_the_start_record(tmp_path):
     assert any("the protocol pins " + "a" * 64 in p for p in found), found
     with pytest.raises(ProtocolError, match="model.sha256"):
         freeze({**raw, "model": {"synth": synthetic_protocol()["model"]["synth"], "sha256": "a" * 64}})
+
+
+def test_problem_lines_and_retained_records_are_bounded():
+    from core.audit import MAX_PROBLEM_CHARS, MAX_PROBLEMS, _bounded, _retained
+
+    out = _bounded(["x" * (MAX_PROBLEM_CHARS + 5)] + ["p"] * (MAX_PROBLEMS + 3))
+    assert len(out) == MAX_PROBLEMS + 1 and out[-1] == "... and 4 more problems"
+    assert out[0].endswith("... (5 more characters)")
+    kept = _retained({"plan_index": 1, "status": "ok", "junk": [{}] * 1000, "calls": [1] * 1000,
+                      "error": "e" * 5000, "memory": {"peak_sampled_bytes": 3, "bomb": [{}] * 10},
+                      "phases": {"prefill": {"call_s": 1.0}, "other": {}}, "tokens": [1, 2]})
+    assert kept == {"plan_index": 1, "status": "ok", "error": "<dropped: not a small scalar>", "tokens": [1, 2],
+                    "memory": {"peak_sampled_bytes": 3, "bomb": "<dropped: not a small scalar>"},
+                    "phases": {"prefill": {"call_s": 1.0}}}
