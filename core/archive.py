@@ -828,7 +828,13 @@ class ArchiveReader:
         self.manifest: dict | None = None
         self._manifest_problem: Problem | None = None
         self._data_at: dict[int, int] = {}  # id(info) -> where its data starts, when its local header is exact
-        self._layout: list[Problem] = self._check_layout()
+        try:
+            self._layout: list[Problem] = self._check_layout()
+        except (struct.error, OverflowError, ValueError, OSError) as e:
+            # Values no writer record can hold (a size past its field, a name past 64 KiB): not our layout.
+            self._data_at.clear()
+            self._layout = [Problem(None, "layout", f"layout: the zip records hold values the writer never writes "
+                                                    f"({_one_line(str(e))[:200]})")]
         self._load_manifest()
 
     @property
@@ -980,7 +986,7 @@ class ArchiveReader:
             size = 0
             limit = self.max_member_bytes if name.endswith(".npy") else self.max_json_bytes
             try:
-                for chunk in self._chunks(info, limit):
+                for chunk in self._chunks(info, limit, exact=True):
                     digest.update(chunk)
                     size += len(chunk)
             except _MemberError as e:
@@ -1092,7 +1098,7 @@ class ArchiveReader:
             self._manifest_problem = Problem(MANIFEST_NAME, "symlink", f"symlink member {MANIFEST_NAME}")
             return
         try:
-            data = b"".join(self._chunks(info, self.max_json_bytes))
+            data = b"".join(self._chunks(info, self.max_json_bytes, exact=True))
         except _MemberError as e:
             self._manifest_problem = Problem(
                 MANIFEST_NAME, "unreadable", f"unreadable member {MANIFEST_NAME}: {e.cause}")
@@ -1139,8 +1145,10 @@ class ArchiveReader:
             )
         return info
 
-    def _chunks(self, info: zipfile.ZipInfo, limit: int) -> Iterator[bytes]:
-        """Yield the member's bytes, never more than ``limit`` in total; raise _MemberError."""
+    def _chunks(self, info: zipfile.ZipInfo, limit: int, *, exact: bool = False) -> Iterator[bytes]:
+        """Yield the member's bytes, never more than ``limit`` in total; raise _MemberError.
+        ``exact`` (verify): a DEFLATE member must also be the very stream the writer's zlib
+        produces for its content (see _exact_chunks)."""
         name = info.filename
         if info.file_size > limit:
             raise _MemberError(
@@ -1158,7 +1166,7 @@ class ArchiveReader:
             raise _MemberError(name, "is encrypted", "raw archives are never encrypted")
         data_at = self._data_at.get(id(info))
         if data_at is not None:
-            yield from self._exact_chunks(info, data_at, limit)
+            yield from self._exact_chunks(info, data_at, limit, recompress=exact)
             return
         total = 0
         try:
@@ -1191,10 +1199,16 @@ class ArchiveReader:
                 "the archive is damaged: run verify()",
             )
 
-    def _exact_chunks(self, info: zipfile.ZipInfo, data_at: int, limit: int) -> Iterator[bytes]:
+    def _exact_chunks(self, info: zipfile.ZipInfo, data_at: int, limit: int, *,
+                      recompress: bool = False) -> Iterator[bytes]:
         """Read a member whose local header is exactly the writer's, straight from the file:
         its compressed bytes must be one whole DEFLATE stream (or the STORED bytes), with nothing
-        after the stream's end, the CRC and size of the directory."""
+        after the stream's end, the CRC and size of the directory.
+
+        With ``recompress`` the content is deflated again as the writer does (zlib, default
+        level, raw stream) and must give the stored bytes exactly: a DEFLATE stream has bits no
+        content depends on (the padding of its last byte, unused code lengths), so without this
+        a flipped bit there would change the file but not one member hash."""
         name = info.filename
 
         def fail(cause: str) -> _MemberError:
@@ -1202,6 +1216,8 @@ class ArchiveReader:
 
         fd = self._raw.fileno()
         inflate = zlib.decompressobj(-15) if info.compress_type == zipfile.ZIP_DEFLATED else None
+        packer = zlib.compressobj(zlib.Z_DEFAULT_COMPRESSION, zlib.DEFLATED, -15) if recompress and inflate else None
+        stored, again = hashlib.sha256(), hashlib.sha256()
         remaining, at, total, crc = info.compress_size, data_at, 0, 0
 
         def emit(chunk: bytes) -> bytes:
@@ -1210,6 +1226,8 @@ class ArchiveReader:
             if total > limit:
                 raise _MemberError(name, f"inflates past the bound of {limit} bytes", "the archive is hostile or damaged")
             crc = zlib.crc32(chunk, crc)
+            if packer is not None:
+                again.update(packer.compress(chunk))
             return chunk
 
         try:
@@ -1219,6 +1237,8 @@ class ArchiveReader:
                     raise fail("the file ends inside the member")
                 at += len(raw)
                 remaining -= len(raw)
+                if packer is not None:
+                    stored.update(raw)
                 if inflate is None:
                     yield emit(raw)
                     continue
@@ -1249,6 +1269,11 @@ class ArchiveReader:
                                "the archive is damaged: run verify()")
         if crc != info.CRC:
             raise fail(f"BadZipFile: Bad CRC-32 for file {name!r}")
+        if packer is not None:
+            again.update(packer.flush())
+            if again.digest() != stored.digest():
+                raise fail("its DEFLATE stream is not the one the writer's zlib (default level) makes of its "
+                           "content: bits the member hash does not cover were changed")
 
 
 class _MemberError(Exception):

@@ -508,6 +508,11 @@ def audit_archive(path: Path, *, expected_sha256: str | None = None, db_verdicts
     except MemoryError:
         audit.add("out of memory while auditing: the archive needs more memory than this machine gave the audit "
                   "(docs/archive.md, Bounds)")
+    except RecursionError:
+        audit.add("the archive nests its records too deeply to audit")
+    except Exception as e:  # hostile input reached a path no check foresaw: fail closed, one line
+        audit.add(f"cannot audit: {type(e).__name__} while recomputing ({str(e).splitlines()[0][:200] if str(e) else ''}); "
+                  f"the archive is hostile or damaged")
     record = audit.record
     record["problems"] = _bounded(record["problems"])
     record["result"] = "agree" if record["complete"] and not record["problems"] else "disagree"

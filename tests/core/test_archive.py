@@ -547,7 +547,7 @@ def test_hostile_manifest_lies_about_size(sealed: Path, monkeypatch):
     with ArchiveReader(sealed) as r:
         read = []
         real_chunks = r._chunks
-        monkeypatch.setattr(r, "_chunks", lambda info, limit: (read.append(info.filename), real_chunks(info, limit))[1])
+        monkeypatch.setattr(r, "_chunks", lambda info, limit, **kw: (read.append(info.filename), real_chunks(info, limit, **kw))[1])
         problems = lines(r)
     assert f"size mismatch for member episodes/00000.json: manifest says {10**12}, archive holds {true_size}" in problems
     assert f"size mismatch for member plan.json: manifest says {len(canonical_json(PLAN)) + 5}, archive holds {len(canonical_json(PLAN))}" in problems

@@ -404,3 +404,27 @@ def test_problem_lines_and_retained_records_are_bounded():
     assert kept == {"plan_index": 1, "status": "ok", "error": "<dropped: not a small scalar>", "tokens": [1, 2],
                     "memory": {"peak_sampled_bytes": 3, "bomb": "<dropped: not a small scalar>"},
                     "phases": {"prefill": {"call_s": 1.0}}}
+
+
+def test_bits_no_content_depends_on_are_covered(screen, tmp_path):
+    """Flipping every bit of a DEFLATE member's last byte: where the content stays the same (the
+    padding after the final block), the member hash cannot see it; the recompression check does."""
+    with zipfile.ZipFile(screen["path"]) as zf:
+        info = zf.getinfo("plan.json")
+        content = zf.read(info)
+    raw = screen["path"].read_bytes()
+    last = info.header_offset + 30 + len(info.filename) + info.compress_size - 1
+    unchanged = 0
+    for bit in range(8):
+        forged = bytearray(raw)
+        forged[last] ^= 1 << bit
+        path = tmp_path / f"bit{bit}.zip"
+        path.write_bytes(bytes(forged))
+        try:
+            with zipfile.ZipFile(path) as zf:
+                same = zf.read("plan.json") == content
+        except (zipfile.BadZipFile, zlib.error):
+            same = False
+        unchanged += same
+        assert not audit_archive(path).agrees, bit
+    assert unchanged >= 1  # there is a padding bit, and it is caught
