@@ -7,13 +7,13 @@ Cases (docs/benchmarks.md, "Worst legal archive"), each a sealed, consistent syn
 
 - bytes:   members at the total bound: 4 episodes whose float32 logits are 159 MiB each
            (continuation 825 x vocabulary 50272), ~640 MiB in all (the bound is 640 MiB);
-- combined: the members case with logits filling the rest of the total bound (17,002
-           episodes of (2, 4400) float32 logits, ~570 MiB, + ~63 MiB of JSON);
-- members: many small episodes: 2 conditions x (1 warmup + 8,500 prompts) = 17,002
-           episodes, ~51,000 members, JSON just under its 64 MiB total bound, and the runtime
-           bootstraps near their bound (7,800 resamples x 8,500 pairs x 2 gate phases);
+- combined: the members case with logits filling the rest of the total bound (12,602
+           episodes of (2, 6000) float32 logits, ~577 MiB, + ~47 MiB of JSON);
+- members: many small episodes: 2 conditions x (1 warmup + 6,300 prompts) = 12,602
+           episodes, ~38,000 members, JSON just under its 48 MiB total bound, and the runtime
+           bootstraps near their bound (10,000 resamples x 6,300 pairs x 2 gate phases);
 - json:    the largest episode records: continuation 8192 (the schema's bound) x 32 layers,
-           ~12 MB of JSON ledger per record, 6 episodes.
+           ~10 MiB of JSON ledger per record, 4 episodes (40 MiB of the 48 MiB bound).
 
 The audit runs in a fresh process; its wall time and peak RSS (ru_maxrss) are printed.
 """
@@ -31,10 +31,10 @@ from pathlib import Path
 
 CASES = {
     "bytes": dict(proto=dict(prompts_n=1, repetitions=1, prefix=8, continuation=825), vocab=50272),
-    "members": dict(proto=dict(prompts_n=8_500, repetitions=1, prefix=2, continuation=2), vocab=8, resamples=7800),
-    "combined": dict(proto=dict(prompts_n=8_500, repetitions=1, prefix=2, continuation=2), vocab=4400,
-                     resamples=7800),
-    "json": dict(proto=dict(prompts_n=2, repetitions=1, prefix=8, continuation=8192), vocab=8),
+    "members": dict(proto=dict(prompts_n=6_300, repetitions=1, prefix=2, continuation=2), vocab=8, resamples=10_000),
+    "combined": dict(proto=dict(prompts_n=6_300, repetitions=1, prefix=2, continuation=2), vocab=6000,
+                     resamples=10_000),
+    "json": dict(proto=dict(prompts_n=1, repetitions=1, prefix=8, continuation=8192), vocab=8),
 }
 
 
