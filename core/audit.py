@@ -197,6 +197,8 @@ def _episode_problems(name: str, rec: dict, logits: np.ndarray | None, protocol:
     elif (logits is None or logits.ndim != 2 or logits.shape[0] != len(calls) or logits.shape[1] < 1
           or logits.dtype.kind != "f"):
         out.append(f"{name}: logits do not cover every call")
+    elif not all(type(t) is int for t in tokens):
+        out.append(f"{name}: tokens are not all integers")
     elif [int(t) for t in logits.argmax(axis=1)] != tokens:
         out.append(f"{name}: tokens are not the argmax of the stored logits")
     return out
@@ -319,7 +321,9 @@ class _Audit:
                 if rec is not None:
                     self.add(f"{name} is not a record")
                 continue
-            if rec.get("plan_index") != i or any(rec.get(k) != entry[k] for k in PLAN_KEYS[1:]):
+            # Same value and same JSON type (true is not 1, 1.0 is not 1).
+            if (type(rec.get("plan_index")) is not int or rec.get("plan_index") != i
+                    or any(type(rec.get(k)) is not type(entry[k]) or rec.get(k) != entry[k] for k in PLAN_KEYS[1:])):
                 self.add(f"{name} does not match plan entry {i}")
             logits = (self.read(reader, logits_name, "array", dtype=LOGITS_DTYPE, ndim=2)
                       if logits_name in readable else None)
@@ -439,6 +443,8 @@ class _Audit:
         elif trace.shape[0] == 0:
             if stated is not None:
                 self.add(f"{name}: empty trace but peak_sampled_bytes {stated!r}")
+        elif not np.isfinite(trace).all():
+            self.add(f"{name}: the memory trace holds non-finite values")
         elif stated != int(trace[:, 1].max()):
             self.add(f"{name}: peak_sampled_bytes {stated!r} != {int(trace[:, 1].max())} recomputed from the trace")
 

@@ -428,3 +428,20 @@ def test_bits_no_content_depends_on_are_covered(screen, tmp_path):
         unchanged += same
         assert not audit_archive(path).agrees, bit
     assert unchanged >= 1  # there is a padding bit, and it is caught
+
+
+@pytest.mark.parametrize("edit, expected", [
+    ({"episodes/00002.json": lambda e: e.update(prompt=float(e["prompt"]))}, "does not match plan entry 2"),
+    ({"episodes/00002.json": lambda e: e.update(tokens=[float(t) for t in e["tokens"]])}, "tokens are not all integers"),
+])
+def test_json_types_are_part_of_the_format(screen, tmp_path, edit, expected):
+    found = problems(reseal(screen["path"], tmp_path / "types.zip", edit=edit))
+    assert any(expected in p for p in found), found
+
+
+def test_a_non_finite_trace_is_one_line(tmp_path):
+    from core.audit import _Audit
+
+    audit = _Audit(tmp_path / "a.zip", "0" * 64)
+    audit.check_trace("traces/00000.npy", np.array([[0.0, np.nan]]), {"memory": {"peak_sampled_bytes": 1}})
+    assert audit.problems == ["traces/00000.npy: the memory trace holds non-finite values"]
