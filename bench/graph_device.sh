@@ -15,7 +15,7 @@ python3 -m pytest -q -m gpu -p no:cacheprovider tests/engine/test_graph_cuda.py 
 
 echo "== bench.engine, eager and graph alternated"
 rounds=${1:-3}
-conditions=${2:-"resident+unbounded=yes,resident+unbounded=yes+mode=graph,dense-stream,dense-stream+mode=graph,packet+gather=device,packet+gather=device+mode=graph,phase-switched+gather=device,phase-switched+gather=device+mode=graph,packet,packet+mode=graph"}
+conditions=${2:-"resident+unbounded=yes,resident+unbounded=yes+mode=graph,dense-stream,dense-stream+mode=graph,packet+gather=device,packet+gather=device+mode=graph,packet,packet+mode=graph"}
 python3 -m bench.engine --shape opt-2.7b --dtype float16 --prefix 512 --continuation 16 --rounds "$rounds" \
   --allowance-mib 4800 --conditions "$conditions" 2>&1 | tee "$out/bench.log"
 date -u

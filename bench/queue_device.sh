@@ -6,6 +6,7 @@
 #   B. two Ray nodes on one host (one GPU each): --replicas 2 --spread, audits on the other node.
 #   C. a worker killed mid-screen: the screen is requeued and completes on the other node.
 # Run from the project root with .whl carried: bash bench/queue_device.sh
+# SKIP_A34=1 skips A3-A4, ONLY_BC=1 runs B and C alone.
 # A CPU dry run of the plumbing: SKIP_WHEELS=1 SHAPE=tiny DTYPE=float32 PREFIX=8 CONT=4 PACKBENCH_EMBEDDED_GPUS=2 bash bench/queue_device.sh
 set -uo pipefail
 [ -n "${SKIP_WHEELS:-}" ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
@@ -58,6 +59,7 @@ for sid in map(int, sys.argv[1:]):
               f"episodes {len(s.episodes(a.id))} {('error: ' + a.error[:90]) if a.error else ''}")
 PY
 }
+if [ -z "${ONLY_BC:-}" ]; then
 echo "== A1: two screens one after the other (one worker)"
 ids=$(pb submit p.yaml --replicas 2 | grep -o '[0-9, ]*;' | tr -d ',;')
 t=$(now); pb dispatch --workers 1 > a1.log 2>&1; echo "rc $?"; seq=$(since $t)
@@ -67,6 +69,8 @@ ids=$(pb submit p.yaml --replicas 2 | grep -o '[0-9, ]*;' | tr -d ',;')
 t=$(now); pb dispatch > a2.log 2>&1; echo "rc $?"; par=$(since $t)
 attempts $ids
 echo "wall: sequential $seq s, concurrent $par s, ratio $(python3 -c "print(round($par / $seq, 3))")"
+fi
+if [ -z "${SKIP_A34:-}${ONLY_BC:-}" ]; then
 echo "== A3: audits fanned out"
 pb audit --all --ray 2>&1 | tail -6
 echo "== A4: a second packbench on a GPU already held"
@@ -75,12 +79,13 @@ sleep 25
 t=$(now); pb submit p.yaml --wait > a4b.log 2>&1; echo "second packbench: rc $? after $(since $t) s"; tail -2 a4b.log
 kill -TERM $holder; wait $holder; echo "holder dispatcher rc $?"; tail -1 a4.log
 pb screens cancel latest | tail -1
+fi
 echo "== B: two Ray nodes on one host"
-CUDA_VISIBLE_DEVICES=0 ray start --head --port 6380 --num-gpus 1 --num-cpus 8 --include-dashboard=false --disable-usage-stats >/dev/null 2>&1
-CUDA_VISIBLE_DEVICES=1 ray start --address 127.0.0.1:6380 --num-gpus 1 --num-cpus 8 --disable-usage-stats >/dev/null 2>&1
+CUDA_VISIBLE_DEVICES=0 timeout 60 ray start --head --node-ip-address 127.0.0.1 --port 6380 --num-gpus 1 --num-cpus 8 --include-dashboard=false --disable-usage-stats >/dev/null 2>&1
+CUDA_VISIBLE_DEVICES=1 timeout 60 ray start --node-ip-address 127.0.0.1 --address 127.0.0.1:6380 --num-gpus 1 --num-cpus 8 --disable-usage-stats >/dev/null 2>&1
 python3 -c "import ray; ray.init(address='127.0.0.1:6380', logging_level='ERROR'); print('nodes', len([n for n in ray.nodes() if n['Alive']]), 'GPUs', ray.cluster_resources().get('GPU'))"
 ids=$(pb submit p.yaml --replicas 2 --spread | grep -o '[0-9, ]*;' | tr -d ',;')
-pb dispatch --address 127.0.0.1:6380 > b.log 2>&1; echo "rc $?"
+timeout 150 python3 -m cli dispatch --address 127.0.0.1:6380 > b.log 2>&1; echo "rc $?"
 attempts $ids
 pb audit $ids --ray --address 127.0.0.1:6380 --other-node 2>&1 | tail -3
 python3 - $ids <<'PY'
@@ -109,6 +114,6 @@ for _ in range(600):
         print(f"killed {live[0].worker} on node {live[0].node[:12]} after {len(s.episodes(live[0].id))} episodes"); break
     time.sleep(0.2)
 PY
-wait $disp; echo "dispatch rc $?"
+( sleep 150; kill -TERM $disp 2>/dev/null ) & wait $disp; echo "dispatch rc $?"
 attempts $id
 ray stop --force >/dev/null 2>&1

@@ -3,6 +3,7 @@
 import dataclasses
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 from typing import Annotated, Optional
@@ -11,7 +12,7 @@ import typer
 
 from cli.common import Address, ArchiveDir, DbUrl, Json, open_store
 from cli.summary import screen_summary, verdict_table
-from core.errors import PackbenchError
+from core.errors import ClusterUnreachable, PackbenchError
 from core.settings import DEFAULT_CONNECT_TIMEOUT_S, DEFAULT_PLACEMENT_TIMEOUT_S, Settings
 from core.registry import DTYPE_NAMES, SYNTH_SHAPES, SynthArgumentError, synth_spec
 
@@ -34,8 +35,10 @@ ingest.register(app)
 @model_app.command("synth")
 def model_synth(
     out: Annotated[Path, typer.Option(help="Output directory (Hugging Face layout).")],
-    shape: Annotated[str, typer.Option(help=f"One of {', '.join(SYNTH_SHAPES)}.")] = "tiny",
-    dtype: Annotated[str, typer.Option(help=f"One of {', '.join(DTYPE_NAMES)}.")] = "float32",
+    shape: Annotated[str, typer.Option(help=f"One of {', '.join(SYNTH_SHAPES)}.",
+                                       autocompletion=lambda: list(SYNTH_SHAPES))] = "tiny",
+    dtype: Annotated[str, typer.Option(help=f"One of {', '.join(DTYPE_NAMES)}.",
+                                       autocompletion=lambda: list(DTYPE_NAMES))] = "float32",
     sparsity: Annotated[float, typer.Option(help="Fraction of post-ReLU activations that are exactly zero, in (0, 1).")] = 0.94,
     seed: Annotated[int, typer.Option(help="Weights are a pure function of the seed (>= 0).")] = 0,
     hot_fraction: Annotated[float, typer.Option(help="Fraction of neurons per layer that fire far more often, in [0, 1).")] = 0.0,
@@ -339,6 +342,11 @@ def main() -> None:
         app()
     except PackbenchError as e:
         typer.echo(f"error: {e}", err=True)
+        if isinstance(e, ClusterUnreachable):
+            # Ray may still be retrying the join in a background thread (and printing): leave now.
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(2)
         sys.exit(2)
     except KeyboardInterrupt:
         typer.echo("interrupted; the attempt is recorded as interrupted", err=True)

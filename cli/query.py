@@ -45,7 +45,8 @@ def results(
     protocol: ProtocolRef = None,
     model: Annotated[Optional[str], typer.Option(
         help="Substring of the model: its directory, or synth:<shape> for a synthetic one.")] = None,
-    dtype: Annotated[Optional[str], typer.Option(help=", ".join(DTYPE_NAMES) + ".")] = None,
+    dtype: Annotated[Optional[str], typer.Option(help=", ".join(DTYPE_NAMES) + ".",
+                                                 autocompletion=lambda: list(DTYPE_NAMES))] = None,
     condition: Annotated[Optional[str], typer.Option(help="Condition name, e.g. packet.")] = None,
     gate: Annotated[Optional[str], typer.Option(
         help=f"Add this gate's verdicts to each episode: {GATE_HELP}.")] = None,
@@ -103,6 +104,11 @@ def _screen_view(store, ref: str, *, json_out: bool) -> None:
     typer.echo(table(summary["episodes"], ["index", "condition", "role", "prompt", "status", "h2d_bytes",
                                            "d2h_bytes", "wall_s"]))
     typer.echo(verdict_table(summary["verdicts"]) if summary["verdicts"] else "no verdicts")
+    a = summary.get("audit")
+    typer.echo("audit: none; run `packbench audit`" if a is None else
+               f"audit: {a['result'].upper()} ({a['kind'] or 'local'} on {a['machine']}"
+               f"{', node ' + a['node'][:12] if a['node'] else ''}, {a['finished_at']}, digest {a['digest'][:16]}"
+               f"{'' if a['archive_sha256_matches'] else ', of another archive SHA-256'}; {a['audits']} audit(s))")
 
 
 def screens_list(
@@ -141,7 +147,8 @@ def screens_show(
     s, p = detail.screen, detail.protocol
     typer.echo(f"screen {s.id}: {p.name} (protocol {p.sha256[:12]}, {p.model or '-'}, {p.dtype or '-'}), "
                f"{s.status}, submitted by {s.submitter} at {_when(s.created_at)}")
-    typer.echo(f"model dir: {s.model_dir or '-'}; started {_when(s.started_at)}, finished {_when(s.finished_at)}")
+    typer.echo(f"model dir: {s.model_dir or '-'}; started {_when(s.started_at) or '-'}, "
+               f"finished {_when(s.finished_at) or '-'}")
     if not detail.attempts:
         typer.echo("no attempts yet; run it with `packbench dispatch`")
         return
@@ -155,15 +162,16 @@ def screens_show(
                          "error": a.error})
         verdicts += [{"attempt": a.number, **dataclasses.asdict(v), "passed": "PASS" if v.passed else "FAIL"}
                      for v in d.verdicts]
-        audits += [{"attempt": a.number, "result": u.result, "digest": u.digest[:16], "machine": u.machine,
-                    "finished": _when(u.finished_at), "problems": len(u.problems)} for u in d.audits]
+        audits += [{"attempt": a.number, "result": u.result, "digest": u.digest[:16], "kind": u.kind or "local",
+                    "machine": u.machine, "node": (u.node or "")[:12] or "-", "finished": _when(u.finished_at),
+                    "problems": len(u.problems)} for u in d.audits]
     typer.echo("\nattempts")
     typer.echo(table(attempts, list(attempts[0])))
     typer.echo("\nverdicts")
     typer.echo(table(verdicts, ["attempt", "gate", "condition", "phase", "passed", "value", "threshold"])
                if verdicts else "none")
     typer.echo("\naudits")
-    typer.echo(table(audits, ["attempt", "result", "digest", "machine", "finished", "problems"])
+    typer.echo(table(audits, ["attempt", "result", "digest", "kind", "machine", "node", "finished", "problems"])
                if audits else "none; run `packbench audit`")
 
 
@@ -237,12 +245,23 @@ def status(
 
 
 def compare(
-    screen_a: Annotated[str, typer.Argument(help="Screen id (or `latest`): the baseline A.")],
-    screen_b: Annotated[str, typer.Argument(help="Screen id (or `latest`): B, reported as B/A.")],
+    screen_a: Annotated[Optional[str], typer.Argument(help="Screen id (or `latest`): the baseline A.")] = None,
+    screen_b: Annotated[Optional[str], typer.Argument(help="Screen id (or `latest`): B, reported as B/A.")] = None,
+    protocol: Annotated[Optional[str], typer.Option(
+        "--protocol", help="Instead of A and B: every machine that screened this protocol (name or SHA-256 prefix), "
+                           "verdict by verdict, and whether the machines agree (exit 1 when they do not).")] = None,
     db: DbUrl = None,
     json_out: Json = False,
 ) -> None:
-    """Compare two screens' latest attempts: scored totals per condition with B/A ratios, and verdicts."""
+    """Compare two screens' latest attempts (scored totals with B/A ratios, and verdicts), or with
+    --protocol every machine that screened one protocol."""
+    if protocol is not None:
+        if screen_a is not None or screen_b is not None:
+            raise PackbenchError("give two screen ids, or --protocol SHA alone")
+        _compare_machines(open_store(db), protocol, json_out=json_out)
+        return
+    if screen_a is None or screen_b is None:
+        raise PackbenchError("give two screen ids (or `latest`), or --protocol SHA to compare machines")
     c = open_store(db).compare(screen_a, screen_b)
     if json_out:
         print_json(_plain(dataclasses.asdict(c)))
@@ -257,6 +276,28 @@ def compare(
     verdicts = [{"gate": v.gate, "condition": v.condition, "phase": v.phase, "A": _verdict(v.a_passed, v.a_value),
                  "B": _verdict(v.b_passed, v.b_value)} for v in c.verdicts]
     typer.echo(table(verdicts, ["gate", "condition", "phase", "A", "B"]) if verdicts else "none")
+
+
+def _compare_machines(store, protocol: str, *, json_out: bool) -> None:
+    from service.compare import compare_machines
+
+    c = compare_machines(store, protocol)
+    if json_out:
+        print_json({**_plain(dataclasses.asdict(c)), "agree": c.agree})
+    else:
+        typer.echo(f"protocol {c.protocol} ({c.protocol_sha256[:12]}) on {len(c.columns)} machine(s)")
+        for i, col in enumerate(c.columns):
+            typer.echo(f"  [{i + 1}] screen {col.screen_id} attempt {col.attempt}: {col.machine}, node {col.node[:12]}")
+        for line in c.skipped:
+            typer.echo(f"  skipped {line}")
+        labels = [f"[{i + 1}]" for i in range(len(c.columns))]
+        rows = [{"gate": r.gate, "condition": r.condition, "phase": r.phase,
+                 **{label: ("-" if cell is None else _verdict(*cell)) for label, cell in zip(labels, r.cells)},
+                 "agree": "yes" if r.agree else "NO"} for r in c.rows]
+        typer.echo(table(rows, ["gate", "condition", "phase", *labels, "agree"]) if rows else "no verdicts")
+        typer.echo(f"verdicts agree across machines: {'yes' if c.agree else 'NO'}")
+    if not c.agree:
+        raise typer.Exit(1)
 
 
 # -- formatting ------------------------------------------------------------------------------

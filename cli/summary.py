@@ -12,13 +12,19 @@ def screen_summary(store, ref: str | int) -> dict:
     protocol = store.protocol(screen.protocol_id)
     out = {"screen_id": screen.id, "status": screen.status, "protocol": protocol.name,
            "protocol_sha256": protocol.sha256, "attempt": None, "archive_path": None, "archive_sha256": None,
-           "error": None, "verdicts": [], "episodes": []}
+           "error": None, "audit": None, "verdicts": [], "episodes": []}
     if attempt is None:
         return out
     out.update(attempt=attempt.number, archive_path=attempt.archive_path, archive_sha256=attempt.archive_sha256,
                error=attempt.error)
     out["verdicts"] = [{"gate": v.gate, "condition": v.condition, "phase": v.phase, "passed": v.passed,
                         "value": v.value, "threshold": v.threshold} for v in store.verdicts(attempt.id)]
+    audits = store.audits(attempt.id)
+    # Whether the screen was audited, where and with what result (the latest audit of this attempt).
+    out["audit"] = None if not audits else {
+        "result": audits[-1].result, "digest": audits[-1].digest, "kind": audits[-1].kind,
+        "machine": audits[-1].machine, "node": audits[-1].node, "finished_at": str(audits[-1].finished_at),
+        "audits": len(audits), "archive_sha256_matches": audits[-1].archive_sha256 == attempt.archive_sha256}
     out["episodes"] = [{"index": e.plan_index, "condition": e.condition, "role": e.role, "prompt": e.prompt,
                         "status": e.status, "tokens": list(e.tokens),
                         "h2d_bytes": e.h2d_weight_bytes + e.h2d_index_bytes, "d2h_bytes": e.d2h_bytes,
@@ -57,8 +63,18 @@ def table(rows: list[dict], columns: list[str]) -> str:
     return "\n".join(lines)
 
 
+ALLOWANCE_GATES = ("resources", "capacity")  # their value and threshold are bytes against the allowance
+
+
+def _mib(value):
+    """Bytes as the protocol writes the allowance (`allowance_mib: 512` -> `512 MiB`)."""
+    return None if value is None else f"{value / (1 << 20):.6g} MiB"
+
+
 def verdict_table(verdicts: list[dict]) -> str:
-    rows = [{**v, "passed": "PASS" if v["passed"] else "FAIL"} for v in verdicts]
+    rows = [{**v, "passed": "PASS" if v["passed"] else "FAIL",
+             **({"value": _mib(v.get("value")), "threshold": _mib(v.get("threshold"))}
+                if v.get("gate") in ALLOWANCE_GATES else {})} for v in verdicts]
     return table(rows, ["gate", "condition", "phase", "passed", "value", "threshold"])
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections import deque
 import os
 import platform
 import signal
@@ -448,6 +449,7 @@ class Dispatcher:
 
     def _end(self, active: Active, outcome: ScreenOutcome) -> None:
         active.slot.active = None
+        active.run.episodes = [{**e, "logits": None, "calls": None} for e in active.run.episodes]
         self.outcomes.append(outcome)
         self.on_outcome(outcome)
 
@@ -455,8 +457,14 @@ class Dispatcher:
         cause = f"worker {slot.name} (pid {slot.env.get('pid')}, node {slot.node[:8] or '?'}) died: {cause_of(e)}"
         log.warning(cause)
         active = slot.active
+        never_ready = not slot.ready
         self._drop(slot)
         if active is not None and active.stop != "lost":
             self._fail(active, "failed", cause, requeue=True)
-        if not self.stopping:
+        self._dead_on_arrival += never_ready
+        if self._dead_on_arrival >= 3:
+            # Workers that cannot even start (a broken install on a node, say) are not replaced forever.
+            self.refusals.append(f"{self._dead_on_arrival} workers died before they were ready; last: {cause}")
+            log.error("not replacing %s: %d workers died before they were ready", slot.name, self._dead_on_arrival)
+        elif not self.stopping:
             self._add_slot()  # a replacement; Ray places it wherever a GPU is free

@@ -7,7 +7,7 @@ import os
 import socket
 import threading
 
-from core.errors import PackbenchError
+from core.errors import ClusterUnreachable, PackbenchError
 from core.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -31,7 +31,7 @@ def _check_reachable(address: str, timeout_s: float) -> None:
             import ray.util.client  # noqa: F401
             import grpc  # noqa: F401  (the client extra)
         except ImportError:
-            raise PackbenchError(f"--address {address}: ray:// needs Ray's client extra (`pip install 'ray[client]'`); "
+            raise ClusterUnreachable(f"--address {address}: ray:// needs Ray's client extra (`pip install 'ray[client]'`); "
                                  f"or give the GCS address host:6379 of the head node") from None
         hostport = address[len("ray://"):]
     elif address == "auto":
@@ -40,14 +40,14 @@ def _check_reachable(address: str, timeout_s: float) -> None:
         hostport = address
     host, _, port = hostport.rpartition(":")
     if not host or not port.isdigit():
-        raise PackbenchError(f"--address {address!r} is not host:port; give the head node's GCS address, e.g. 10.0.0.1:6379")
+        raise ClusterUnreachable(f"--address {address!r} is not host:port; give the head node's GCS address, e.g. 10.0.0.1:6379")
     try:
         with socket.create_connection((host, int(port)), timeout=timeout_s):
             pass
     except socket.gaierror:
-        raise PackbenchError(f"--address {address}: unknown host {host!r}; check the head node's name") from None
+        raise ClusterUnreachable(f"--address {address}: unknown host {host!r}; check the head node's name") from None
     except OSError as e:
-        raise PackbenchError(f"--address {address}: nothing answers there ({e.strerror or e}); start the head with "
+        raise ClusterUnreachable(f"--address {address}: nothing answers there ({e.strerror or e}); start the head with "
                              f"`ray start --head` or fix the address") from None
 
 
@@ -85,13 +85,15 @@ def ensure_ray(settings: Settings | None = None):
         try:
             # Ray warns that a driver joined from another thread sets no SIGTERM handler: the
             # dispatcher sets its own (cluster/dispatch.py), so the warning is only noise.
-            ray_log = logging.getLogger("ray")
-            level = ray_log.level
-            ray_log.setLevel(logging.ERROR)
+            loggers = [logging.getLogger(name) for name in ("ray", "ray._private.worker")]
+            levels = [lg.level for lg in loggers]
+            for lg in loggers:
+                lg.setLevel(logging.ERROR)
             try:
                 ray.init(address=address, **common)
             finally:
-                ray_log.setLevel(level)
+                for lg, level in zip(loggers, levels):
+                    lg.setLevel(level)
         except BaseException as e:  # handed to the caller's thread below
             failure.append(e)
         finally:
@@ -100,12 +102,12 @@ def ensure_ray(settings: Settings | None = None):
     # Another service on the port, or a head that never answers: Ray would retry for minutes.
     threading.Thread(target=join, daemon=True, name="ray-join").start()
     if not done.wait(settings.connect_timeout_s):
-        raise PackbenchError(f"--address {address}: no Ray cluster answered within {settings.connect_timeout_s:.0f} s "
+        raise ClusterUnreachable(f"--address {address}: no Ray cluster answered within {settings.connect_timeout_s:.0f} s "
                              f"(another service on that port?); check `ray status` on the head node or raise "
                              f"--connect-timeout")
     if failure:
         e = failure[0]
-        raise PackbenchError(f"cannot join the Ray cluster at {address!r} ({str(e).splitlines()[0] if str(e) else type(e).__name__}); "
+        raise ClusterUnreachable(f"cannot join the Ray cluster at {address!r} ({str(e).splitlines()[0] if str(e) else type(e).__name__}); "
                              f"start it with `ray start --head` or drop --address") from None
     log.info("joined Ray cluster at %s", address)
     return ray

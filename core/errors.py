@@ -18,3 +18,10 @@ class CheckpointError(PackbenchError):
 
 class ArchiveError(PackbenchError):
     """A raw archive is missing, unreadable or hostile."""
+
+
+class ClusterUnreachable(PackbenchError):
+    """No Ray cluster answered at the address given (nothing there, another service, a timeout).
+
+    The CLI exits at once after printing it: Ray may still be retrying in a background thread.
+    """

@@ -643,8 +643,13 @@ class Store:
             if row is None:
                 return None
             values = row._asdict()
-            number = values.pop("number")
+            values.pop("number")
             screen = ScreenRow(**values)
+            # Not from RETURNING: SQLite renders the subquery's `screens.id` unqualified there, so
+            # it bound to attempts.id and numbered attempts across every screen.
+            number = connection.execute(
+                select(func.coalesce(func.max(attempts.c.number), 0) + 1).where(attempts.c.screen_id == screen.id)
+            ).scalar_one()
             attempt_values.update(
                 screen_id=screen.id, number=number,
                 shared_node=self._mark_shared(connection, None, node) if node else None,

@@ -1,7 +1,11 @@
-"""Read a local Hugging Face OPT checkpoint into host memory and build the model on `meta`.
+"""Read a local Hugging Face OPT checkpoint and build the model on `meta`.
 
-Nothing here touches an accelerator: the returned model lives entirely in host memory
-(CPU-first). Placement is the policy's business (engine/model.py).
+`build_model(dir, dtype=)` returns stock transformers' OPTForCausalLM in host memory (the
+reference of the tests). `build_weights` returns the same tensors in plain torch modules
+(engine/opt_weights.py) without importing transformers; with `device=` and `host_keys=` it
+reads each tensor once, straight to where it will live (the outgoing weights pinned on the
+host, the rest on the device: `read_placed`). Which tensors stay on the host is
+engine/model.py's decision (`is_outgoing`).
 """
 
 import json
@@ -15,6 +19,7 @@ from safetensors import safe_open
 
 from core.errors import CheckpointError
 from engine.config import read_config
+from engine.opt_weights import OPTWeights
 
 # Key remaps: some OPT exports omit the `model.` prefix (OPTModel state dicts).
 KEY_PREFIXES = {"decoder.": "model.decoder."}
@@ -143,28 +148,8 @@ def _stream_to_device(pool: ThreadPoolExecutor, jobs: list, device: torch.device
     torch.cuda.synchronize(device)
 
 
-def build_model(model_dir: Path, *, dtype: torch.dtype, device: torch.device | None = None, host_keys=None):
-    """An OPTForCausalLM built on `meta`, then tensors assigned from safetensors.
-
-    Without `device`, every tensor is in host memory (the stock path, converting dtypes if the
-    checkpoint's differ). With `device` and `host_keys`, `read_placed` puts each tensor where it
-    will live (the outgoing weights pinned on the host, the rest on the device) when the
-    checkpoint already holds `dtype`; otherwise the stock path is taken.
-
-    Eager attention: on CUDA the default SDPA path is not reproducible run to run in decode
-    (shared/device/NOTES.md), and bit-identity is judged on logits.
-    """
-    from transformers import OPTConfig, OPTForCausalLM
-
-    config = OPTConfig(**{k: v for k, v in read_config(model_dir).items() if k != "packbench_synth"})
-    config._attn_implementation = "eager"
-    with torch.device("meta"):
-        model = OPTForCausalLM(config)
-    sd = None
-    if device is not None and host_keys is not None:
-        sd = read_placed(model_dir, dtype=dtype, device=device, host_keys=host_keys)
-    if sd is None:
-        sd = read_state_dict(model_dir, dtype=dtype)
+def _assign(model: torch.nn.Module, sd: dict[str, torch.Tensor], model_dir: Path) -> None:
+    """Assign `sd` to a model built on `meta`, every shape checked; lm_head tied to the embedding."""
     expected = {k: v.shape for k, v in model.state_dict().items()}
     if "lm_head.weight" not in sd:  # tied to the token embedding in every OPT
         expected.pop("lm_head.weight", None)
@@ -179,4 +164,40 @@ def build_model(model_dir: Path, *, dtype: torch.dtype, device: torch.device | N
     model.load_state_dict({k: sd[k] for k in expected}, strict=False, assign=True)
     model.tie_weights()
     model.eval()
-    return model.to(dtype)  # a no-op for tensors already in dtype
+
+
+def build_weights(model_dir: Path, *, dtype: torch.dtype, device: torch.device | None = None,
+                  host_keys=None) -> OPTWeights:
+    """The checkpoint's tensors in plain torch modules (engine/opt_weights.py), no transformers.
+
+    Without `device`, every tensor is in host memory (converting dtypes if the checkpoint's
+    differ). With `device` and `host_keys`, `read_placed` puts each tensor where it will live
+    (the outgoing weights pinned on the host, the rest on the device) when the checkpoint
+    already holds `dtype`; otherwise the host path is taken.
+    """
+    config = read_config(model_dir)  # refuse an unsupported checkpoint before reading it
+    sd = None
+    if device is not None and host_keys is not None:
+        sd = read_placed(model_dir, dtype=dtype, device=device, host_keys=host_keys)
+    if sd is None:
+        sd = read_state_dict(model_dir, dtype=dtype)
+    with torch.device("meta"):
+        weights = OPTWeights(config)
+    _assign(weights, sd, model_dir)
+    return weights
+
+
+def build_model(model_dir: Path, *, dtype: torch.dtype):
+    """Stock transformers' OPTForCausalLM in host memory: built on `meta`, tensors assigned.
+
+    Eager attention: on CUDA the default SDPA path is not reproducible run to run in decode
+    (shared/device/NOTES.md), and bit-identity is judged on logits.
+    """
+    from transformers import OPTConfig, OPTForCausalLM
+
+    config = OPTConfig(**{k: v for k, v in read_config(model_dir).items() if k != "packbench_synth"})
+    config._attn_implementation = "eager"
+    with torch.device("meta"):
+        model = OPTForCausalLM(config)
+    _assign(model, read_state_dict(model_dir, dtype=dtype), model_dir)
+    return model.to(dtype)

@@ -4,7 +4,8 @@ MODES:
 - "eager": stock transformers' OPT forward with a DynamicCache (packbench's first path; every
   protocol written before modes existed means this).
 - "graph": packbench's own decoder (`engine/static_opt.py`) on a static KV cache. Prefill runs
-  eagerly; on CUDA, for a policy whose decode step makes no host decision (`GRAPH_SAFE`), the
+  eagerly; on CUDA, for a policy whose decode step makes no host decision (`GRAPH_SAFE`: resident, dense-stream,
+  packet with `gather: device`), the
   first decode call runs eagerly on the static buffers (the warm-up: Triton specialises, cuBLAS
   picks its kernels) and is then captured once, in pieces around attention (one graph per
   layer boundary); every later decode call copies its token id and position into the static
@@ -36,8 +37,7 @@ MODES = ("eager", "graph")
 GRAPH_SAFE: dict[str, Callable[[object], bool]] = {
     "resident": lambda p: True,
     "dense-stream": lambda p: p.host.pin,  # the copy from pinned memory is a graph memcpy node
-    "packet": lambda p: p.gather == "device",
-    "phase-switched": lambda p: p.gather == "device",  # its decode calls are packet's
+    "packet": lambda p: p.gather == "device",  # DevicePacket; the host gather reads a mask back
 }
 
 

@@ -1,14 +1,14 @@
 """The CPU-first model: OPT whose outgoing FFN weights stay on the host behind a loader policy."""
 
-import inspect
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from engine.checkpoint import build_model
+from engine.checkpoint import build_weights
 from engine.graph import GraphDecoder, check_mode
+from engine.opt_weights import stock_model
 from engine.ledger import Recorder
 from engine.policies import POLICIES, HostWeights, OutgoingLinear, PolicySlot
 from engine.static_opt import StaticKV
@@ -54,11 +54,11 @@ class CpuFirstModel:
         # The outgoing weights are read straight into pinned host memory and the rest straight
         # to the device (engine/checkpoint.py read_placed) when the checkpoint holds `dtype`;
         # then read_s includes placing, and place_s is what .to(device) below still moves.
-        model = build_model(model_dir, dtype=dtype, device=device, host_keys=is_outgoing)
+        weights = build_weights(model_dir, dtype=dtype, device=device, host_keys=is_outgoing)
         t1 = time.perf_counter()
         self.device, self.dtype, self.model_dir = device, dtype, Path(model_dir)
         self.slot = PolicySlot()
-        layers = model.model.decoder.layers
+        layers = weights.model.decoder.layers
         self.recorder = Recorder(len(layers))
         outgoing = []
         for i, layer in enumerate(layers):
@@ -68,21 +68,34 @@ class CpuFirstModel:
         self._fc1 = [layer.fc1 for layer in layers]
         self._early_hooks: list = []  # fc1 pre-hooks, present only while a policy starts early
         self.host = HostWeights(outgoing, pin=device.type == "cuda")
-        self.model = model.to(device)  # fc2 weights are no longer parameters: they stay behind
+        self.weights = weights.to(device)  # fc2 weights are no longer parameters: they stay behind
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         self.start = StartStats(
             read_s=t1 - t0,
             place_s=time.perf_counter() - t1,
-            device_param_bytes=_param_bytes(self.model),
+            device_param_bytes=_param_bytes(self.weights),
             host_outgoing_bytes=self.host.host_bytes,
         )
-        params = inspect.signature(self.model.forward).parameters
-        # transformers 5.2x renamed past_key_values to cache; accept either.
-        self._cache_kw = "cache" if "cache" in params else "past_key_values"
-        self.vocab = model.config.vocab_size
-        self.config = model.config
-        self.graph = GraphDecoder(self.model, self.slot, self.recorder, device)
+        self.config = weights.config
+        self.vocab = self.config.vocab_size
+        self.graph = GraphDecoder(self.weights, self.slot, self.recorder, device)
+        self._stock = None
+        if self.mode == "eager":
+            self.model  # built now, so a cold start says what an eager screen pays
+
+    @property
+    def model(self):
+        """Stock transformers' OPTForCausalLM over the same modules (built on first use: mode
+        graph alone never imports transformers)."""
+        if self._stock is None:
+            import inspect
+
+            self._stock = stock_model(self.weights, vars(self.config))
+            params = inspect.signature(self._stock.forward).parameters
+            # transformers 5.2x renamed past_key_values to cache; accept either.
+            self._cache_kw = "cache" if "cache" in params else "past_key_values"
+        return self._stock
 
     def use(self, policy_name: str, **params) -> None:
         """Make a fresh `policy_name` the active loader policy, releasing the previous one.

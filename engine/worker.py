@@ -122,6 +122,11 @@ class Worker:
             self.gpu_busy = (f"no usable CUDA device (CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r}) "
                              f"on a host with {host_gpus()} GPU(s); declare no more GPUs than the host has")
         self.nvml = nvml_handle(uuid)
+        if self.device.type == "cuda":
+            # Host gathers run on OMP threads. One worker per GPU shares the host's cores with the
+            # others: two workers of 32 threads each on a 32-core host ran a screen 7x slower than
+            # one alone (nvidia-h200-x2, docs/benchmarks.md "Queue on two GPUs").
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, host_gpus())))
         self.sampler = MemorySampler(uuid)  # one helper process for the worker's life
 
     def describe(self) -> dict:
@@ -146,6 +151,8 @@ class Worker:
         if self.loads:
             self.t_entry = t_call
         self.loads += 1
+        if mode is None and isinstance(protocol, dict):
+            mode = (protocol.get("engine") or {}).get("mode")
         protocol = expand(protocol)  # a typed Protocol passes through; a stored body is validated once
         self.mode = check_mode(mode or protocol.engine_mode)
         path = model_dir_for(protocol, model_dir, cache=None if model_cache is None else Path(model_cache))

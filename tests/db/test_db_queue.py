@@ -404,3 +404,14 @@ def test_a_failed_attempt_with_requeue_goes_back_to_the_queue_until_max_attempts
     queue.cancel_screen(other)
     queue.finish_attempt(c.attempt.id, status="failed", error="died", requeue=True)
     assert queue.screen(other).status == "cancelled"  # a cancel request wins over the requeue
+
+
+def test_attempt_numbers_count_per_screen(queue):
+    """Each screen's first claim is its attempt 1, whatever other screens did before."""
+    p = protocol(queue)
+    ids = [queue.create_screen(protocol_id=p, submitter="a") for _ in range(3)]
+    d = queue.register_dispatcher("d", "h")
+    claims = [claim(queue, d) for _ in ids]
+    assert [(c.screen.id, c.attempt.number) for c in claims] == [(i, 1) for i in ids]
+    queue.finish_attempt(claims[0].attempt.id, status="failed", error="died", requeue=True)
+    assert claim(queue, d).attempt.number == 2

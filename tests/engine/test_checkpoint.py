@@ -65,3 +65,20 @@ def test_placed_read_equals_the_stock_read(checkpoints, dtype):
         assert placed[key].dtype == t.dtype and torch.equal(placed[key].view(torch.uint8), t.view(torch.uint8)), key
     other = "float16" if dtype != "float16" else "float32"
     assert read_placed(checkpoints[other], dtype=torch_dtype, device=torch.device("cpu"), host_keys=lambda n: True) is None
+
+
+def test_build_weights_needs_no_transformers_and_stock_shares_its_tensors(checkpoints):
+    """Mode graph's model is plain torch; the stock OPTForCausalLM built over it shares every
+    tensor (no copy) and computes what build_model's does."""
+    from engine.checkpoint import build_weights
+    from engine.opt_weights import stock_model
+
+    weights = build_weights(checkpoints["float32"], dtype=torch.float32)
+    assert type(weights).__module__ == "engine.opt_weights"
+    stock = stock_model(weights, vars(weights.config))
+    ours = {id(p) for p in weights.parameters()}
+    assert all(id(p) in ours for p in stock.parameters())
+    ref = build_model(checkpoints["float32"], dtype=torch.float32)
+    ids = torch.tensor([[2, 11, 17, 5, 99]])
+    with torch.inference_mode():
+        assert torch.equal(stock(input_ids=ids).logits, ref(input_ids=ids).logits)

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from engine.checkpoint import build_model, read_placed, read_state_dict
+from engine.checkpoint import build_weights, read_placed, read_state_dict
 from engine.episode import run_episode
 from engine.model import CpuFirstModel, is_outgoing
 
@@ -27,7 +27,7 @@ def test_cuda_placed_read_puts_outgoing_weights_in_pinned_memory(checkpoints, dt
     model.use("dense-stream")
     fast = run_episode(model, [2] + list(range(10, 40)), continuation=4)
     # the stock read: safe_open, then pin by copy and .to(device)
-    monkeypatch.setattr("engine.model.build_model", lambda d, *, dtype, device, host_keys: build_model(d, dtype=dtype))
+    monkeypatch.setattr("engine.model.build_weights", lambda d, *, dtype, device, host_keys: build_weights(d, dtype=dtype))
     slow = CpuFirstModel(checkpoints[dtype], dtype=torch_dtype, device=torch.device("cuda"))
     slow.use("dense-stream")
     assert np.array_equal(run_episode(slow, [2] + list(range(10, 40)), continuation=4).logits, fast.logits)

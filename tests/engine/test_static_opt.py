@@ -55,7 +55,10 @@ def test_opt125m_graph_mode_is_bit_identical_to_stock_and_across_policies(dtype,
     ref = run_episode(model, prompt, continuation=CONTINUATION, mode="graph")
     assert run_episode(model, prompt, continuation=CONTINUATION, mode="graph").logits.tobytes() == ref.logits.tobytes()
     assert np.array_equal(ref.logits, stock.logits) and ref.tokens == stock.tokens
-    for name, (policy, params) in VARIANTS.items():
+    # Every policy in one dtype; two in the others (the CPU runner has 2 cores).
+    names = VARIANTS if dtype == "float16" else ("packet", "packet+gather=device")
+    for name in names:
+        policy, params = VARIANTS[name]
         model.use(policy, **params)
         out = run_episode(model, prompt, continuation=CONTINUATION, mode="graph")
         assert np.array_equal(out.logits, ref.logits), name

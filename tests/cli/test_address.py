@@ -1,0 +1,79 @@
+"""A wrong `--address`: one line within the connect timeout, exit 2, and no screen left queued."""
+
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory, tiny):
+    d = tmp_path_factory.mktemp("address")
+    body = yaml.safe_load((ROOT / "protocols" / "quickstart.yaml").read_text())
+    body["model"]["path"] = str(tiny)
+    (d / "protocol.yaml").write_text(yaml.safe_dump(body))
+    env = dict(os.environ, PACKBENCH_DB_URL=f"sqlite:///{d / 'pb.db'}", PYTHONPATH=str(ROOT))
+    env.pop("RAY_AUTH_MODE", None)  # a joined cluster's auth mode is the user's: packbench leaves it alone
+    assert subprocess.run([sys.executable, "-m", "cli", "db", "upgrade"], cwd=d, env=env).returncode == 0
+    return d, env
+
+
+@pytest.fixture
+def silent_service():
+    """A TCP service that accepts connections and never speaks (not a Ray GCS)."""
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(16)
+    server.settimeout(0.2)
+    stop = threading.Event()
+    held = []
+
+    def serve():
+        while not stop.is_set():
+            try:
+                held.append(server.accept()[0])
+            except OSError:
+                pass
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    yield f"127.0.0.1:{server.getsockname()[1]}"
+    stop.set()
+    t.join()
+    for c in held:
+        c.close()
+    server.close()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("case", ["nothing-listening", "unknown-host", "ray-client", "not-ray"])
+def test_a_wrong_address_fails_fast_in_one_line_and_queues_nothing(workdir, case, request):
+    d, env = workdir
+    address = {"nothing-listening": f"127.0.0.1:{free_port()}", "unknown-host": "no-such-host.invalid:6379",
+               "ray-client": f"ray://127.0.0.1:{free_port()}"}.get(case)
+    if case == "not-ray":
+        address = request.getfixturevalue("silent_service")
+    t0 = time.monotonic()
+    r = subprocess.run([sys.executable, "-m", "cli", "--connect-timeout", "4", "submit", "protocol.yaml", "--wait",
+                        "--address", address], cwd=d, env=env, capture_output=True, text=True, timeout=120)
+    took = time.monotonic() - t0
+    assert r.returncode == 2, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and address in lines[0], r.stderr
+    assert took < 4 + 15  # the connect timeout, plus Python and Ray imports on a loaded 2-core box
+    listed = subprocess.run([sys.executable, "-m", "cli", "screens", "list"], cwd=d, env=env, capture_output=True,
+                            text=True)
+    assert "no screens" in listed.stdout  # nothing queued by a submit that could not reach the cluster
