@@ -457,12 +457,14 @@ def test_hostile_inflating_member(sealed: Path):
     zeros = bytes(50 << 20)
     append_entry(sealed, "bomb.bin", zeros, compress_type=zipfile.ZIP_DEFLATED)
     assert sealed.stat().st_size < 1 << 20  # small on disk, 50 MB when inflated
-    with ArchiveReader(sealed, max_member_bytes=1 << 20) as r:
+    with ArchiveReader(sealed, max_member_bytes=1 << 20, max_json_total_bytes=1 << 30) as r:
         with pytest.raises(ArchiveError, match="bomb.bin .*over the bound"):
             r.read_bytes("bomb.bin")
         assert r.bytes_read == 0
         problems = r.verify()
     assert Problem("bomb.bin", "extra", "extra member bomb.bin") in problems  # extra: not read at all
+    with ArchiveReader(sealed) as r:  # by default the 50 MB it declares pass the non-array total bound
+        assert [p.kind for p in r.verify()] == ["too-large"]
 
 
 def test_hostile_inflating_member_with_lying_header(tmp_path: Path):
