@@ -105,7 +105,8 @@ def audit_screens(store, screen_ids: list[int], *, on_ray: bool = False, setting
     else:
         if repeat > 1:
             raise PackbenchError("--repeat runs audits on distinct nodes; add --ray")
-        results = [(job, audit_archive(job[2], **job[3]), platform.node(), None) for job in jobs]
+        results = [(job, audit_archive(job[2], **job[3], **_signed_by(store, job[1])), platform.node(), None)
+                   for job in jobs]
         kind = "local"
     outcomes = []
     for (screen_id, attempt, path, _), report, node, error in results:
@@ -121,6 +122,15 @@ def audit_screens(store, screen_ids: list[int], *, on_ray: bool = False, setting
             continue
         outcomes.append(AuditOutcome(report, path, screen_id, attempt.number, node, True, None))
     return outcomes
+
+
+def _signed_by(store, attempt) -> dict:
+    """A local audit of a signed attempt also checks its signature, against the key the database
+    says signed it (a database row and an archive rewritten together would still be caught)."""
+    if getattr(attempt, "signer_key_id", None) is None:
+        return {}
+    keys = [bytes.fromhex(s.public_key) for s in store.signers() if s.key_id == attempt.signer_key_id]
+    return {"trust": keys}
 
 
 def repeat_disagreements(outcomes: list[AuditOutcome]) -> list[str]:

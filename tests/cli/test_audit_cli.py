@@ -103,6 +103,7 @@ def test_ingest_records_agreeing_signed_evidence_once_and_refuses_the_rest(world
     # The ingested screen audits against the database like any other.
     r = cli("audit", str(screens[-1].id), cwd=d, db=db)
     assert r.returncode == 0 and "AGREE" in r.stdout, (r.stdout, r.stderr)
+    assert f"signature: valid, by trusted key {world['key_id']}" in r.stdout  # the signer the row names
     # Against a read-only database: the audit's own result first, then the recording error, exit 2.
     r = cli("audit", str(screens[-1].id), cwd=d, db=f"sqlite:///file:{db}?mode=ro&uri=true")
     assert "AGREE" in r.stdout, (r.stdout, r.stderr)
