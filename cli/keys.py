@@ -7,7 +7,7 @@ list      the registered keys
 """
 
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 

@@ -12,7 +12,7 @@ import pytest
 
 from bench.audit import synthetic_protocol, write_synthetic_screen
 from core.archive import MANIFEST_NAME, ArchiveReader, file_sha256
-from core.provenance import Signer, signature_path
+from core.provenance import Signer
 from db.store import Store
 
 ROOT = Path(__file__).resolve().parents[2]

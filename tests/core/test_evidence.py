@@ -8,7 +8,6 @@ zipfile, or re-sealed consistently (manifest recomputed) so only the new checks 
 import io
 import json
 import os
-import struct
 import zipfile
 import zlib
 from pathlib import Path
