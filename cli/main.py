@@ -194,21 +194,26 @@ def dispatch(
 
 
 def _dispatch(store, settings: Settings, *, json_out: bool, **options) -> None:
+    from cli.progress import view
     from cluster.dispatch import Dispatcher
+
+    progress = view(json_out=json_out)
 
     def report(outcome) -> None:
         summary = screen_summary(store, outcome.screen_id)
         if json_out:
             typer.echo(json.dumps(summary, default=str, sort_keys=True))
             return
-        typer.echo(verdict_table(summary["verdicts"]) if summary["verdicts"] else "no verdicts")
-        typer.echo(f"screen {outcome.screen_id}: {outcome.status}; archive: {outcome.archive_path}")
+        progress.echo(verdict_table(summary["verdicts"]) if summary["verdicts"] else "no verdicts")
+        progress.echo(f"screen {outcome.screen_id}: {outcome.status}; archive: {outcome.archive_path}")
         if outcome.status != "done":
-            typer.echo(f"error: screen {outcome.screen_id} {outcome.status}: {outcome.error}", err=True)
+            progress.echo(f"error: screen {outcome.screen_id} {outcome.status}: {outcome.error}", err=True)
 
-    dispatcher = Dispatcher(store, settings, progress=(lambda msg: None) if json_out else typer.echo,
-                            on_outcome=report, **options)
-    outcomes = dispatcher.run()
+    dispatcher = Dispatcher(store, settings, progress=progress, on_outcome=report, **options)
+    try:
+        outcomes = dispatcher.run()
+    finally:
+        progress.close()
     if dispatcher.fatal:
         typer.echo(f"error: {dispatcher.fatal}", err=True)
         raise typer.Exit(1)

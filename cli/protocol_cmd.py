@@ -56,6 +56,16 @@ def show(
     typer.echo(json.dumps(frozen.protocol.full_dict() if full else frozen.body, indent=2, sort_keys=True))
 
 
+def _written_sparsity(model_dir) -> float | None:
+    """The sparsity a `packbench model synth` checkpoint was written with (its config.json says)."""
+    try:
+        config = json.loads((model_dir / "config.json").read_text())
+    except (OSError, ValueError, TypeError):
+        return None
+    value = (config.get("packbench_synth") or {}).get("sparsity")
+    return float(value) if isinstance(value, (int, float)) and 0 < value < 1 else None
+
+
 def plan_cmd(
     protocol: ProtocolFile,
     sparsity: Annotated[Optional[float], typer.Option(
@@ -76,7 +86,10 @@ def plan_cmd(
     p = frozen.protocol
     synth = p.model.synth
     if sparsity is None and synth is None:
-        raise PackbenchError("model.path protocols need --sparsity (fraction of activations exactly zero, e.g. 0.94)")
+        sparsity = _written_sparsity(frozen.model_dir())
+    if sparsity is None and synth is None:
+        raise PackbenchError("model.path protocols need --sparsity (fraction of activations exactly zero, e.g. 0.94); "
+                             "a checkpoint written by `packbench model synth` says its own")
     if sparsity is not None and not 0 < sparsity < 1:
         raise PackbenchError(f"--sparsity {sparsity} is not in (0, 1)")
     if h2d_gbps <= 0:

@@ -96,7 +96,7 @@ class Dispatcher:
 
     def __init__(self, store, settings: Settings, *, workers: int | None = None, follow: bool = False,
                  lease_s: float = 60.0, only_screen: int | None = None,
-                 progress: Callable[[str], None] = lambda msg: None,
+                 progress: Callable[..., None] = lambda msg, **event: None,
                  on_outcome: Callable[[ScreenOutcome], None] = lambda outcome: None,
                  worker_class: Any = None) -> None:
         self.store, self.settings = store, settings
@@ -107,8 +107,11 @@ class Dispatcher:
         self.slots: list[Slot] = []
         self.refs: dict[Any, tuple[str, Slot]] = {}  # in-flight ref -> (kind, slot)
         self.outcomes: list[ScreenOutcome] = []
-        self.runs: list[ScreenRun] = []
-        self.refusals: list[str] = []  # workers refused because their GPU was taken  # every attempt this dispatcher drove (timings: bench/cluster.py)
+        # The latest attempts this dispatcher drove, for their timings (bench/cluster.py); bounded,
+        # and stripped of logits once ended, so a dispatcher serving for weeks stays small.
+        self.runs: deque[ScreenRun] = deque(maxlen=10_000)
+        self.refusals: list[str] = []  # workers refused (their GPU taken) or dead before ready
+        self._dead_on_arrival = 0  # workers that died before ever being ready
         self.stopping: str | None = None  # SIGINT | SIGTERM | database, or set by a caller to stop
         self.fatal: str | None = None  # why the dispatcher had to stop (the database stayed down)
         self.done = False

@@ -39,10 +39,14 @@ class ScreenOutcome:
 
 
 class ScreenRun:
-    """One attempt: archive writer, database rows, verdicts. Driven by the caller."""
+    """One attempt: archive writer, database rows, verdicts. Driven by the caller.
+
+    `progress(message, **event)` hears each step; events carry screen, done, total and the
+    condition of the episode just recorded (cli/progress.py draws them).
+    """
 
     def __init__(self, store, *, screen, attempt, protocol: Protocol | dict, archive_path: Path,
-                 freeze: dict, progress: Callable[[str], None] = lambda msg: None, signer=None) -> None:
+                 freeze: dict, progress: Callable[..., None] = lambda msg, **event: None, signer=None) -> None:
         self.store, self.screen, self.attempt = store, screen, attempt
         self.protocol = expand(protocol)
         self.archive_path = Path(archive_path)
@@ -77,7 +81,8 @@ class ScreenRun:
         self.writer.add_json("worker.json", {"environment": self.env, "start": start,
                                              "model_dir": self.screen.model_dir, "source_freeze": self.freeze})
         self.progress(f"screen {self.screen.id} attempt {self.attempt.number}: {len(self.entries)} episodes "
-                      f"on {self.env['device']}")
+                      f"on {self.env['device']}", screen=self.screen.id, done=0, total=len(self.entries),
+                      condition=None)
         return self.entries
 
     def record(self, record: dict) -> None:
@@ -90,7 +95,8 @@ class ScreenRun:
         self.timings.append((t0, time.perf_counter() - t0))
         entry = self.entries[record["plan_index"]]
         self.progress(f"  episode {entry['index']:3d} {entry['condition']:>14} {entry['role']:6} "
-                      f"prompt {entry['prompt']} {record['status']}")
+                      f"prompt {entry['prompt']} {record['status']}", screen=self.screen.id, done=len(self.episodes),
+                      total=len(self.entries), condition=entry["condition"])
 
     def finish(self) -> ScreenOutcome:
         """Every planned episode is in: verdicts, seal, store them, attempt done."""

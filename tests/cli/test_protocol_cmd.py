@@ -99,9 +99,19 @@ def test_estimate_matches_the_measured_opt_2_7b_figures():
     assert Activity(0.94, hot_fraction=1.0, hot_bias=0.0).union_fraction(1) == pytest.approx(0.5)
 
 
-def test_plan_needs_sparsity_and_shape_for_a_checkpoint_path(tmp_path):
-    r = run("protocol", "plan", str(ROOT / "protocols" / "quickstart.yaml"))
+def test_plan_needs_sparsity_and_shape_for_a_checkpoint_path(tmp_path, tiny):
+    real = tmp_path / "real"  # a checkpoint that does not say its sparsity (not written by model synth)
+    real.mkdir()
+    config = json.loads((tiny / "config.json").read_text())
+    config.pop("packbench_synth")
+    (real / "config.json").write_text(json.dumps(config))
+    quickstart = (ROOT / "protocols" / "quickstart.yaml").read_text()
+    (tmp_path / "real.yaml").write_text(quickstart.replace("../.packbench/models/tiny", str(real)))
+    r = run("protocol", "plan", str(tmp_path / "real.yaml"))
     assert r.returncode == 2 and "--sparsity" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    (tmp_path / "synth.yaml").write_text(quickstart.replace("../.packbench/models/tiny", str(tiny)))
+    r = run("protocol", "plan", str(tmp_path / "synth.yaml"))  # model synth wrote its sparsity: 0.94
+    assert r.returncode == 0 and "active per call 6.00% (decode)" in r.stdout, r.stderr
     (tmp_path / "p.yaml").write_text((ROOT / "protocols" / "quickstart.yaml").read_text().replace(
         "../.packbench/models/tiny", str(tmp_path / "absent")))
     r = run("protocol", "plan", str(tmp_path / "p.yaml"), "--sparsity", "0.94")

@@ -46,7 +46,7 @@ def test_tiny_graph_mode_is_bit_identical_to_stock_eager(dtype, checkpoints):
             assert out.kv_bytes == 2 * 2 * 4 * (n + CONTINUATION) * 16 * getattr(torch, dtype).itemsize
 
 
-@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("dtype", ["float16"])  # every dtype runs on the tiny shape above; 125m adds the real widths
 def test_opt125m_graph_mode_is_bit_identical_to_stock_and_across_policies(dtype, checkpoint_125m):
     model = CpuFirstModel(checkpoint_125m, dtype=getattr(torch, dtype), device=torch.device("cpu"))
     prompt = prompt_of(64, model.vocab)
