@@ -70,7 +70,7 @@ def _model(value: Any) -> dict:
     if "path" in m:
         out = {"path": _string(m["path"], "model.path", "a path to a local Hugging Face OPT directory")}
         if "sha256" in m:
-            # The checkpoint's content digest (core.provenance.checkpoint_digest, `packbench model digest`):
+            # The checkpoint's content digest (core.provenance.checkpoint_digest; the start record of a run shows it):
             # a worker whose checkpoint hashes otherwise refuses the screen before loading it.
             if not isinstance(m["sha256"], str) or not _SHA256.fullmatch(m["sha256"]):
                 _fail("model.sha256", f"{_show(m['sha256'])} is not allowed; expected 64 lowercase hex digits")
