@@ -252,6 +252,9 @@ def audit(
         help="With --archive: a trusted signer's public key file (repeatable). The archive's signature "
              "(ARCHIVE.sig) must be valid and by one of them; unsigned, unknown-signer and bad-signature "
              "archives never agree.")] = None,
+    max_mib: Annotated[Optional[int], typer.Option(
+        min=1, help="Raise the archive size bounds (1 GiB file, 640 MiB of members) to this many MiB for a large "
+                    "archive you trust; the stated audit time and memory bound then no longer hold.")] = None,
     db: DbUrl = None,
     json_out: Annotated[bool, typer.Option("--json", help="One JSON object per audit, one per line (JSON Lines).")] = False,
 ) -> None:
@@ -276,7 +279,7 @@ def audit(
     if archive is not None and not archive.is_file():
         raise PackbenchError(f"no archive at {archive}; check the path")
     if not screens and archive is not None and not (all_screens or since or protocol):
-        outcomes = [audit_file(archive, on_ray=on_ray, settings=settings, trust=keys_trusted)]
+        outcomes = [audit_file(archive, on_ray=on_ray, settings=settings, trust=keys_trusted, max_mib=max_mib)]
     else:
         if archive is not None and len(screens or []) != 1:
             raise PackbenchError("--archive with a database needs exactly one screen id (the archive's screen)")
@@ -286,7 +289,7 @@ def audit(
             typer.echo("no screens to audit", err=True)
             return
         outcomes = audit_screens(store, ids, on_ray=on_ray, settings=settings, archive=archive,
-                                 concurrency=concurrency, other_node=other_node, repeat=repeat)
+                                 concurrency=concurrency, other_node=other_node, repeat=repeat, max_mib=max_mib)
     for o in outcomes:
         _print_audit(o, json_out=json_out, detail=len(outcomes) == 1)
     differ = repeat_disagreements(outcomes)

@@ -46,16 +46,16 @@ def episode_dicts(rows) -> list[dict]:
 
 
 def audit_file(path: Path, *, on_ray: bool = False, settings: Settings | None = None,
-               trust: list[bytes] | None = None) -> AuditOutcome:
+               trust: list[bytes] | None = None, max_mib: int | None = None) -> AuditOutcome:
     """Audit an archive alone: no database needed or touched. With `trust` (raw Ed25519
     public keys) its detached signature must be valid and by one of them (core.provenance)."""
     settings = settings or Settings()
     if on_ray and trust is None:
         from cluster.audit import audit_on_cluster
 
-        report = audit_on_cluster(Path(path), settings=settings)
+        report = audit_on_cluster(Path(path), settings=settings, **({"max_mib": max_mib} if max_mib else {}))
     else:
-        report = audit_archive(Path(path), trust=trust)
+        report = audit_archive(Path(path), trust=trust, max_mib=max_mib)
     return AuditOutcome(report, Path(path), None, None, platform.node(), False, None)
 
 
@@ -78,7 +78,7 @@ def select_screens(store, refs: list[str], *, all_screens: bool = False, since: 
 
 def audit_screens(store, screen_ids: list[int], *, on_ray: bool = False, settings: Settings | None = None,
                   archive: Path | None = None, concurrency: int = 8, other_node: bool | None = None,
-                  repeat: int = 1) -> list[AuditOutcome]:
+                  repeat: int = 1, max_mib: int | None = None) -> list[AuditOutcome]:
     """Audit the latest attempt of each screen against the database and record every audit.
 
     With `on_ray` the audits fan out over the cluster (cluster/audit.py): at most
@@ -93,6 +93,8 @@ def audit_screens(store, screen_ids: list[int], *, on_ray: bool = False, setting
             raise PackbenchError(f"screen {screen_id} has not run yet; run `packbench dispatch` first")
         compare = dict(expected_sha256=attempt.archive_sha256, db_verdicts=verdict_dicts(store.verdicts(attempt.id)),
                        db_episodes=episode_dicts(store.episodes(attempt.id)))
+        if max_mib is not None:
+            compare["max_mib"] = max_mib
         jobs.append((screen_id, attempt, Path(archive or attempt.archive_path), compare))
     if on_ray:
         from cluster.audit import AuditJob, fan_out

@@ -444,3 +444,11 @@ def test_a_non_finite_trace_is_one_line(tmp_path):
     audit = _Audit(tmp_path / "a.zip", "0" * 64)
     audit.check_trace("traces/00000.npy", np.array([[0.0, np.nan]]), {"memory": {"peak_sampled_bytes": 1}})
     assert audit.problems == ["traces/00000.npy: the memory trace holds non-finite values"]
+
+
+def test_max_mib_raises_the_size_bounds_for_a_trusted_large_archive(screen, monkeypatch):
+    monkeypatch.setattr(archive, "MAX_TOTAL_BYTES", 1000)
+    monkeypatch.setattr(archive.ArchiveReader.__init__, "__kwdefaults__",
+                        {**archive.ArchiveReader.__init__.__kwdefaults__, "max_total_bytes": 1000})
+    assert audit_archive(screen["path"]).problems[0].startswith("archive too large")
+    assert audit_archive(screen["path"], max_mib=2048).agrees
