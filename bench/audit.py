@@ -23,7 +23,8 @@ import numpy as np
 
 from core.archive import PLAN_NAME, PROTOCOL_NAME, VERDICTS_NAME, WORKER_NAME, ArchiveWriter
 from core.gates import compute_verdicts
-from core.metrics import episode_totals
+from core.metrics import episode_totals, opt_bytes
+from core.registry import SHAPES
 from core.plan import plan, prompts
 from core.protocol import MIB, freeze
 
@@ -90,7 +91,10 @@ def write_synthetic_screen(path: Path, raw: dict | None = None, *, vocab: int = 
     way cluster/screen.py does; return {body, entries, episodes, start, verdicts, sha256}.
 
     All conditions produce the same logits for a prompt (so faithfulness holds); packet moves
-    few bytes and is faster; every total is episode_totals() of the ledger.
+    few bytes and is faster; every total is episode_totals() of the ledger. The records are
+    physically possible (docs/archive.md, "Invariants"): a synthetic model's shape sets the
+    layers, row bytes and parameter bytes (overriding `layers`, `hidden`, `ffn`), the sampled
+    peak has its trace, the manifest's environment is worker.json's.
     """
     raw = raw if raw is not None else synthetic_protocol()
     frozen = freeze(raw)
@@ -99,15 +103,23 @@ def write_synthetic_screen(path: Path, raw: dict | None = None, *, vocab: int = 
     token_ids = prompts(body, vocab=vocab)
     n, prefix = body["continuation_tokens"], body["prefix_tokens"]
     allowance = body["allowance_mib"] * MIB
-    itemsize = 2
-    start = {"param_bytes": param_bytes if param_bytes is not None else allowance + 1,
-             "device_param_bytes": 1000, "host_outgoing_bytes": layers * hidden * ffn * itemsize,
+    itemsize = {"float32": 4, "float16": 2, "bfloat16": 2}[body["dtype"]]
+    synth = body["model"].get("synth")
+    if synth is not None:
+        dims = SHAPES[synth["shape"]]
+        layers, hidden, ffn = dims["layers"], dims["hidden"], dims["ffn"]
+        sizes = opt_bytes(**dims, dtype=body["dtype"])
+        param_bytes = sizes["param_bytes"] if param_bytes is None else param_bytes
+    host = layers * hidden * ffn * itemsize
+    param_bytes = param_bytes if param_bytes is not None else allowance + 1
+    start = {"param_bytes": param_bytes, "device_param_bytes": param_bytes - host, "host_outgoing_bytes": host,
              "cpu_first": True, "allowance_bytes": allowance, "device": "cuda:0"}
+    environment = {"host": "synthetic", "device": "cuda:0"}
     policies = {c["name"]: c["policy"] for c in body["conditions"]}
     w = ArchiveWriter(path)
     w.add_json(PROTOCOL_NAME, body)
     w.add_json(PLAN_NAME, {"entries": entries, "prompts": token_ids})
-    w.add_json(WORKER_NAME, {"environment": {"host": "synthetic", "device": "cuda:0"}, "start": start,
+    w.add_json(WORKER_NAME, {"environment": environment, "start": start,
                                "model_dir": "synthetic"})
     episodes = []
     clock = 5.0  # worker entry to the first episode
@@ -134,12 +146,13 @@ def write_synthetic_screen(path: Path, raw: dict | None = None, *, vocab: int = 
                              "policy_device_bytes": 1 << 20, "host_outgoing_bytes": start["host_outgoing_bytes"]},
                   "calls": calls}
         clock += wall + 0.01
-        w.add_episode(record, logits)
+        trace = np.array([[0.0, float(peak)], [0.01, float(peak + 5 * MIB)]], dtype=np.float64)
+        w.add_episode(record, logits, trace)
         episodes.append({**record, "logits": logits})
     verdicts = compute_verdicts(body, episodes, start=start)
     w.add_json(VERDICTS_NAME, verdicts)
     sha = w.seal({"protocol_sha256": frozen.sha256, "screen_id": 1, "attempt": 1,
-                  "environment": {"host": "synthetic"}, "source_freeze": {}}) if seal else None
+                  "environment": environment, "source_freeze": {}}) if seal else None
     return {"body": body, "entries": entries, "episodes": episodes, "start": start, "verdicts": verdicts,
             "sha256": sha}
 

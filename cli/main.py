@@ -23,11 +23,13 @@ db_app = typer.Typer(no_args_is_help=True, help="The results database: migration
 app.add_typer(model_app, name="model")
 app.add_typer(db_app, name="db")
 
-from cli import protocol_cmd, query, report  # noqa: E402  (after the apps it registers on)
+from cli import ingest, keys, protocol_cmd, query, report  # noqa: E402  (after the apps it registers on)
 
 query.register(app)
 report.register(app)
 protocol_cmd.register(app)
+keys.register(app)
+ingest.register(app)
 
 
 @model_app.command("synth")
@@ -108,6 +110,9 @@ def options(
     model_cache: Annotated[Optional[Path], typer.Option(
         envvar="PACKBENCH_MODEL_CACHE", help="Where workers generate synthetic checkpoints "
                                              "(default ~/.cache/packbench/models on each node).")] = None,
+    signing_key: Annotated[Optional[Path], typer.Option(
+        envvar="PACKBENCH_SIGNING_KEY", help="Ed25519 private key (`packbench keys init`) that signs every "
+                                             "sealed archive (ARCHIVE.sig).")] = None,
 ) -> None:
     """Settings shared by every command, read once (each names its environment variable)."""
     if placement_timeout <= 0 or connect_timeout <= 0:
@@ -115,7 +120,8 @@ def options(
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     ctx.obj = Settings(verbose=verbose, placement_timeout_s=placement_timeout, connect_timeout_s=connect_timeout,
-                       model_cache=model_cache, embedded_gpus=embedded_gpus)
+                       model_cache=model_cache, embedded_gpus=embedded_gpus,
+                       signing_key=signing_key.expanduser() if signing_key else None)
 
 
 def settings_of(ctx: typer.Context, **per_command) -> Settings:
@@ -248,20 +254,38 @@ def audit(
                                         "when the cluster has several nodes).")] = None,
     repeat: Annotated[int, typer.Option(min=1, help="Audit each archive this many times on distinct nodes "
                                                     "(--ray); their digests must agree.")] = 1,
+    trust: Annotated[Optional[list[Path]], typer.Option(
+        help="With --archive: a trusted signer's public key file (repeatable). The archive's signature "
+             "(ARCHIVE.sig) must be valid and by one of them; unsigned, unknown-signer and bad-signature "
+             "archives never agree.")] = None,
+    max_mib: Annotated[Optional[int], typer.Option(
+        min=1, help="Raise the archive size bounds (1 GiB file, 640 MiB of members) to this many MiB for a large "
+                    "archive you trust; the stated audit time and memory bound then no longer hold.")] = None,
     db: DbUrl = None,
     json_out: Annotated[bool, typer.Option("--json", help="One JSON object per audit, one per line (JSON Lines).")] = False,
 ) -> None:
     """Re-read raw archives, recompute every metric and verdict, compare with the database.
 
-    Exit codes: 0 every audit agrees; 1 one disagrees (or repeated audits differ); 2 bad input or an
-    archive that cannot be read; also 2 (after printing the result) when an audit could not be recorded.
+    Exit codes: 0 every audit agrees; 1 one disagrees, or its evidence is refused (an untrusted or
+    bad signature, repeated audits that differ); 2 bad input or an archive that cannot be read
+    (not a zip, over the bounds); also 2 (after printing the result) when an audit could not be
+    recorded.
     """
     from service.audit import audit_file, audit_screens, repeat_disagreements, select_screens
 
     settings = settings_of(ctx, db_url=db, address=address)
     on_ray = on_ray or bool(address)
+    keys_trusted = None
+    if trust:
+        from core.provenance import load_public_key
+
+        if archive is None or screens:
+            raise PackbenchError("--trust checks the signature of one --archive file; give --archive without screen ids")
+        keys_trusted = [load_public_key(p) for p in trust]
+    if archive is not None and not archive.is_file():
+        raise PackbenchError(f"no archive at {archive}; check the path")
     if not screens and archive is not None and not (all_screens or since or protocol):
-        outcomes = [audit_file(archive, on_ray=on_ray, settings=settings)]
+        outcomes = [audit_file(archive, on_ray=on_ray, settings=settings, trust=keys_trusted, max_mib=max_mib)]
     else:
         if archive is not None and len(screens or []) != 1:
             raise PackbenchError("--archive with a database needs exactly one screen id (the archive's screen)")
@@ -271,7 +295,7 @@ def audit(
             typer.echo("no screens to audit", err=True)
             return
         outcomes = audit_screens(store, ids, on_ray=on_ray, settings=settings, archive=archive,
-                                 concurrency=concurrency, other_node=other_node, repeat=repeat)
+                                 concurrency=concurrency, other_node=other_node, repeat=repeat, max_mib=max_mib)
     for o in outcomes:
         _print_audit(o, json_out=json_out, detail=len(outcomes) == 1)
     differ = repeat_disagreements(outcomes)
@@ -280,7 +304,7 @@ def audit(
     unrecorded = [o for o in outcomes if o.record_error is not None]
     for o in unrecorded:
         typer.echo(f"error: the audit of screen {o.screen_id} was not recorded: {o.record_error}", err=True)
-    if any(o.report is None for o in outcomes):
+    if any(o.report is None or o.report.unreadable for o in outcomes):
         raise typer.Exit(2)
     if differ or not all(o.agrees for o in outcomes):
         raise typer.Exit(1)
@@ -318,6 +342,10 @@ def _print_audit(o, *, json_out: bool, detail: bool) -> None:
     elif report.problems:
         typer.echo(f"problem: {what}: {report.problems[0]}" + (f" (+{len(report.problems) - 1} more)"
                                                               if len(report.problems) > 1 else ""))
+    sig = report.record.get("signature")
+    if sig is not None and sig["status"] == "valid":
+        typer.echo(f"signature: valid, by trusted key {sig['key_id']} (proves where it was sealed, not that the "
+                   f"numbers are true)")
     typer.echo(f"audit of {what}: {report.record['result'].upper()} "
                f"({report.record['episodes']} episodes, digest {report.digest[:16]}, on {o.node[:16]})")
 

@@ -43,6 +43,21 @@ from core.errors import ArchiveError
 
 FORMAT_VERSION = 1
 
+# Bounds of what a reader accepts (docs/archive.md, "Bounds"). Cheap checks come first: the file
+# size and the end record's counts are read before zipfile parses the directory, a member's
+# declared size before it is read, an array's header before its data. Together they make the
+# worst legal archive audit within the time and memory stated in docs/benchmarks.md.
+MAX_ARCHIVE_BYTES = 1 << 30  # the file
+MAX_MEMBERS = 3 * 100_000 + 5  # 3 members per planned episode (core.protocol MAX_EPISODES) + 5
+MAX_DIRECTORY_BYTES = 64 << 20  # the central directory
+MAX_JSON_BYTES = 16 << 20  # one JSON member, uncompressed (16 MiB of `[{},{},...]` parse to ~400 MB)
+MAX_ARRAY_BYTES = 256 << 20  # one .npy member
+MAX_TOTAL_BYTES = 640 << 20  # every member together, uncompressed (the audit keeps the logits: RSS ~ this + 350 MiB)
+# JSON members together, uncompressed: parsing, the canonical check and the ledger checks cost
+# ~0.4 s per MiB (with the recompression check) on the 2-core box (docs/benchmarks.md, "Worst legal archive"); arrays ~0.01.
+MAX_JSON_TOTAL_BYTES = 48 << 20
+_MAX_NPY_HEADER = 1 << 16
+
 _CHUNK = 1 << 20
 # Fixed timestamp and attributes: identical records give a byte-identical archive.
 _DATE_TIME = (1980, 1, 1, 0, 0, 0)
@@ -110,7 +125,7 @@ def episode_members(index: int) -> EpisodeMembers:
 # the one that is missing, extra, altered, unreadable, unsafe, duplicated, a symlink or of the
 # wrong size; "incomplete" and "manifest" name manifest.json.
 PROBLEM_KINDS = ("incomplete", "manifest", "too-large", "duplicate", "unsafe", "symlink", "extra", "size",
-                 "unreadable", "altered", "missing")
+                 "unreadable", "altered", "missing", "layout")
 
 
 @dataclass(frozen=True)
@@ -235,8 +250,35 @@ def _reject_constant(token: str) -> Any:
     raise ValueError(f"non-standard JSON constant {token}")
 
 
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict:
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        seen: set[str] = set()
+        dup = next(k for k, _ in pairs if k in seen or seen.add(k))  # type: ignore[func-returns-value]
+        raise ValueError(f"duplicate key {dup!r} (another parser may keep the other value)")
+    return out
+
+
 def _loads(data: bytes) -> Any:
-    return json.loads(data.decode("utf-8"), parse_constant=_reject_constant)
+    return json.loads(data.decode("utf-8"), parse_constant=_reject_constant, object_pairs_hook=_no_duplicates)
+
+
+def _canonical_loads(data: bytes) -> Any:
+    """Parse a JSON member and insist on its one documented byte form (core.canonical)."""
+    obj = _loads(data)
+    if canonical_json(obj) != data:
+        raise ValueError("not canonical JSON (sorted keys, compact, UTF-8, as core.canonical writes it)")
+    return obj
+
+
+def expected_method(name: str) -> int | None:
+    """The compression the writer uses for a member: ``.npy`` arrays STORED (never a bomb),
+    ``.json`` DEFLATED; None (either) for other names (add_bytes / add_array of other names)."""
+    if name.endswith(".npy"):
+        return zipfile.ZIP_STORED
+    if name.endswith(".json"):
+        return zipfile.ZIP_DEFLATED
+    return None
 
 
 # ----------------------------------------------------------------------------- zip records
@@ -350,6 +392,7 @@ class ArchiveWriter:
         self.format_version = format_version
         self.members: dict[str, dict] = {}
         self.sha256: str | None = None  # set by seal()
+        self.manifest_sha256: str | None = None  # SHA-256 of manifest.json's bytes, set by seal()
         self._broken: str | None = None
         self._end = 0  # where the next local header goes: the end of the member data
         self._cd_at = 0  # where the central directory starts (>= _end; the bytes between are room)
@@ -406,7 +449,9 @@ class ArchiveWriter:
                 f"member {name} must be bytes, got {type(data).__name__}; "
                 f"use add_json or add_array for structured data"
             )
-        self._write(name, bytes(data), zipfile.ZIP_DEFLATED)
+        # The exact layout fixes each member's method by its name (arrays STORED, the rest DEFLATED).
+        method = expected_method(name)
+        self._write(name, bytes(data), zipfile.ZIP_DEFLATED if method is None else method)
 
     def add_episode(self, record: dict, logits: np.ndarray | None = None,
                     trace: np.ndarray | None = None) -> EpisodeMembers:
@@ -463,6 +508,7 @@ class ArchiveWriter:
                 f"pass plain data without NaN/Infinity"
             ) from None
         self._append(MANIFEST_NAME, data, zipfile.ZIP_DEFLATED, last=True)
+        self.manifest_sha256 = sha256_hex(data)
         # The member bytes were hashed as they were written; the directory is in memory.
         digest = self._hash.copy()
         digest.update(self._central)
@@ -685,6 +731,40 @@ def _fsync_dir(path: Path) -> None:
 # ----------------------------------------------------------------------------- reader
 
 
+def _locate_end(f, size: int) -> tuple[int, int, int, int]:
+    """(entry count, central directory size, its start as the end record states it, bytes of the
+    end records incl. any comment) read from the file's tail, before zipfile parses anything."""
+    if size < _END.size:
+        raise ValueError("too short for a zip end record")
+    back = min(size, _END.size + 0xFFFF)
+    f.seek(size - back)
+    buf = f.read(back)
+    i = buf.rfind(b"PK\x05\x06")
+    while i >= 0:
+        if i + _END.size <= len(buf):
+            _, _, _, _, count, cd_size, cd_offset, comment = _END.unpack_from(buf, i)
+            if i + _END.size + comment == len(buf):
+                break
+        i = buf.rfind(b"PK\x05\x06", 0, i)
+    if i < 0:
+        raise ValueError("no zip end record")
+    end_at = size - back + i
+    tail = size - end_at
+    if end_at >= _LOCATOR64.size:
+        f.seek(end_at - _LOCATOR64.size)
+        loc = f.read(_LOCATOR64.size)
+        if loc[:4] == b"PK\x06\x07":
+            _, _, at64, _ = _LOCATOR64.unpack(loc)
+            if 0 <= at64 <= size - _END64.size:
+                f.seek(at64)
+                rec = f.read(_END64.size)
+                if rec[:4] == b"PK\x06\x06":
+                    fields = _END64.unpack(rec)
+                    count, cd_size, cd_offset = fields[7], fields[8], fields[9]
+                    tail = size - at64
+    return count, cd_size, cd_offset, tail
+
+
 class ArchiveReader:
     """Bounded, in-memory reader of a raw archive. Use as a context manager or call close()."""
 
@@ -692,25 +772,53 @@ class ArchiveReader:
         self,
         path: Path,
         *,
-        max_member_bytes: int = 1 << 30,
-        max_total_bytes: int = 8 << 30,
+        max_member_bytes: int = MAX_ARRAY_BYTES,
+        max_total_bytes: int = MAX_TOTAL_BYTES,
+        max_archive_bytes: int = MAX_ARCHIVE_BYTES,
+        max_json_bytes: int = MAX_JSON_BYTES,
+        max_json_total_bytes: int = MAX_JSON_TOTAL_BYTES,
     ):
         self.path = Path(path)
         self.max_member_bytes = int(max_member_bytes)
         self.max_total_bytes = int(max_total_bytes)
+        self.max_json_bytes = min(int(max_json_bytes), self.max_member_bytes)
+        self.max_json_total_bytes = int(max_json_total_bytes)
         self.bytes_read = 0  # uncompressed bytes handed out by read_* so far
         if not self.path.is_file():
             raise ArchiveError(
                 f"no archive at {self.path}; check the path (archives are written by the screen "
                 f"that owns them)"
             )
+        self.size = self.path.stat().st_size
+        if self.size > max_archive_bytes:
+            # Before hashing or parsing: a huge file costs nothing to refuse.
+            raise ArchiveError(
+                f"{self.path} is {self.size} bytes, over the bound of {max_archive_bytes} for a raw archive; "
+                f"raise max_archive_bytes if the archive is trusted"
+            )
+        self._raw = open(self.path, "rb")
         try:
-            self._zf = zipfile.ZipFile(self.path, "r")
+            count, cd_size, _, tail = _locate_end(self._raw, self.size)
+        except (ValueError, struct.error, OSError) as e:
+            self._raw.close()
+            raise ArchiveError(
+                f"{self.path} is not a readable zip archive ({e}); point at a raw archive written by packbench"
+            ) from None
+        if count > MAX_MEMBERS or cd_size > MAX_DIRECTORY_BYTES:
+            self._raw.close()
+            raise ArchiveError(
+                f"{self.path} declares {count} members in a {cd_size}-byte directory, over the bounds of "
+                f"{MAX_MEMBERS} members and {MAX_DIRECTORY_BYTES} bytes; it is not a raw archive packbench reads"
+            )
+        try:
+            self._zf = zipfile.ZipFile(self._raw, "r")
         except Exception as e:  # hostile bytes reach zipfile's parser: any failure means "not ours"
+            self._raw.close()
             raise ArchiveError(
                 f"{self.path} is not a readable zip archive ({_one_line(str(e))}); "
                 f"point at a raw archive written by packbench"
             ) from None
+        self._tail_bytes = tail
         self._infos: list[zipfile.ZipInfo] = self._zf.infolist()
         self.names: list[str] = [info.filename for info in self._infos]
         self._by_name: dict[str, list[zipfile.ZipInfo]] = {}
@@ -719,6 +827,14 @@ class ArchiveReader:
 
         self.manifest: dict | None = None
         self._manifest_problem: Problem | None = None
+        self._data_at: dict[int, int] = {}  # id(info) -> where its data starts, when its local header is exact
+        try:
+            self._layout: list[Problem] = self._check_layout()
+        except (struct.error, OverflowError, ValueError, OSError) as e:
+            # Values no writer record can hold (a size past its field, a name past 64 KiB): not our layout.
+            self._data_at.clear()
+            self._layout = [Problem(None, "layout", f"layout: the zip records hold values the writer never writes "
+                                                    f"({_one_line(str(e))[:200]})")]
         self._load_manifest()
 
     @property
@@ -728,6 +844,7 @@ class ArchiveReader:
 
     def close(self) -> None:
         self._zf.close()
+        self._raw.close()
 
     def __enter__(self) -> "ArchiveReader":
         return self
@@ -738,6 +855,10 @@ class ArchiveReader:
     # -- public reads
 
     def read_bytes(self, name: str) -> bytes:
+        return bytes(self._read(name))
+
+    def _read(self, name: str, *, limit: int | None = None, check_first=None) -> bytearray:
+        """A member's bytes in one buffer of its declared size, under every bound."""
         info = self._lookup(name)
         budget = self.max_total_bytes - self.bytes_read
         if info.file_size > budget:
@@ -746,28 +867,46 @@ class ArchiveReader:
                 f"bound of {self.max_total_bytes} bytes; raise max_total_bytes if the archive "
                 f"is trusted"
             )
-        parts = []
+        bound = min(self.max_member_bytes if limit is None else limit, budget)
+        # One buffer of the declared size (checked against the bounds above): no list of chunks
+        # joined into a second copy. A member that yields more than declared fails in _chunks.
+        buf = bytearray(min(info.file_size, bound))
+        at = 0
         try:
-            for chunk in self._chunks(info, min(self.max_member_bytes, budget)):
-                parts.append(chunk)
+            for chunk in self._chunks(info, bound):
+                if check_first is not None and at == 0:
+                    check_first(chunk, info.file_size)
+                if at + len(chunk) > len(buf):
+                    raise _MemberError(name, f"yields more than the {info.file_size} bytes it declares",
+                                       "the archive is damaged: run verify()")
+                buf[at:at + len(chunk)] = chunk
+                at += len(chunk)
+            if check_first is not None and at == 0:
+                check_first(b"", info.file_size)
         except _MemberError as e:
             raise ArchiveError(f"member {name} of archive {self.path} {e.phrase}; {e.fix}") from None
-        data = b"".join(parts)
-        self.bytes_read += len(data)
-        return data
+        del buf[at:]
+        self.bytes_read += at
+        return buf
 
     def read_json(self, name: str) -> Any:
-        data = self.read_bytes(name)
+        """A JSON member in its one canonical byte form (no duplicate keys, no NaN)."""
+        data = bytes(self._read(name, limit=self.max_json_bytes))
         try:
-            return _loads(data)
+            return _canonical_loads(data)
         except (ValueError, UnicodeDecodeError, RecursionError) as e:
             raise ArchiveError(
-                f"member {name} of archive {self.path} is not valid JSON ({e}); "
+                f"member {name} of archive {self.path} is not valid JSON ({_one_line(str(e))[:200]}); "
                 f"the archive is damaged: run verify()"
             ) from None
 
-    def read_array(self, name: str) -> np.ndarray:
-        data = self.read_bytes(name)
+    def read_array(self, name: str, *, dtype: str | None = None, ndim: int | None = None) -> np.ndarray:
+        """A .npy member; its header is checked (and ``dtype``, e.g. '<f4', and ``ndim`` when
+        given) on the first chunk, before the data is read."""
+        def check(first: bytes, size: int) -> None:
+            _npy_header(first, size, dtype=dtype, ndim=ndim)
+
+        data = self._read(name, check_first=check)
         try:
             return _load_npy(data)
         except _MemberError as e:
@@ -796,6 +935,7 @@ class ArchiveReader:
             problems.append(self._manifest_problem)
 
         declared_total = sum(info.file_size for info in self._infos)
+        declared_json = sum(info.file_size for info in self._infos if not info.filename.endswith(".npy"))
         if declared_total > self.max_total_bytes:
             problems.append(Problem(
                 None, "too-large",
@@ -803,6 +943,14 @@ class ArchiveReader:
                 f"the bound is {self.max_total_bytes} (raise max_total_bytes if trusted)"
             ))
             return _distinct(problems)
+        if declared_json > self.max_json_total_bytes:
+            problems.append(Problem(
+                None, "too-large",
+                f"archive too large: its JSON members declare {declared_json} bytes in total, "
+                f"the bound is {self.max_json_total_bytes} (raise max_json_total_bytes if trusted)"
+            ))
+            return _distinct(problems)
+        problems += self._layout
 
         listed: dict[str, dict] = self.manifest["members"] if self.manifest else {}
         seen: set[str] = set()
@@ -836,8 +984,9 @@ class ArchiveReader:
                 continue
             digest = hashlib.sha256()
             size = 0
+            limit = self.max_member_bytes if name.endswith(".npy") else self.max_json_bytes
             try:
-                for chunk in self._chunks(info, self.max_member_bytes):
+                for chunk in self._chunks(info, limit, exact=True):
                     digest.update(chunk)
                     size += len(chunk)
             except _MemberError as e:
@@ -867,6 +1016,75 @@ class ArchiveReader:
 
     # -- internals
 
+    def _check_layout(self) -> list[Problem]:
+        """Every byte of the file against the one layout the writer produces (docs/archive.md,
+        "Exact layout"): local headers equal to what the writer would write for the central
+        directory's entry, members back to back from byte 0, the directory right after the
+        last member (an unsealed archive may keep the writer's room before it), the directory
+        entries and end record exactly the writer's, no comment, nothing after the end record.
+        Only reads headers: O(members) small preads."""
+        out: list[Problem] = []
+        sealed = MANIFEST_NAME in self._by_name
+        fd = self._raw.fileno()
+        pos = 0
+        expected_cd = bytearray()
+        for info in self._infos:
+            shown = _show(info.filename)
+            try:
+                raw = info.orig_filename.encode("ascii")
+            except UnicodeEncodeError:
+                out.append(Problem(info.filename, "layout", f"layout: member {shown} has a non-ASCII name"))
+                raw = info.orig_filename.encode("utf-8", "replace")
+            if expected_method(info.filename) not in (None, info.compress_type):
+                out.append(Problem(info.filename, "layout",
+                                   f"layout: member {shown} uses compression method {info.compress_type}, the writer "
+                                   f"uses {expected_method(info.filename)} for it"))
+            at = info.header_offset
+            if at != pos:
+                what = f"{at - pos} bytes before member {shown} belong to no member" if at > pos else \
+                    f"member {shown} overlaps the member before it"
+                out.append(Problem(info.filename if at < pos else None, "layout", f"layout: {what} (offset {pos})"))
+            zip64 = info.file_size * 1.05 > _ZIP64_LIMIT
+            header = _local_header(raw, method=info.compress_type, crc=info.CRC, csize=info.compress_size,
+                                   size=info.file_size, zip64=zip64)
+            try:
+                actual = os.pread(fd, len(header), at) if at >= 0 else b""
+            except OSError:
+                actual = b""
+            if actual != header:
+                out.append(Problem(info.filename, "layout",
+                                   f"layout: the local header of member {shown} disagrees with the central directory "
+                                   f"(a streaming unzipper would read something else)"))
+            else:
+                self._data_at[id(info)] = at + len(header)
+            pos = max(pos, at + len(header) + info.compress_size)
+            expected_cd += _central_entry(raw, method=info.compress_type, crc=info.CRC, csize=info.compress_size,
+                                          size=info.file_size, offset=at,
+                                          version=_ZIP64_VERSION if zip64 else _VERSION)
+        if sealed and self._infos[-1].filename != MANIFEST_NAME:
+            out.append(Problem(None, "layout", f"layout: {MANIFEST_NAME} is not the last member (the writer seals last)"))
+        cd_at = self.size - self._tail_bytes - len(expected_cd)
+        if cd_at < pos or (sealed and cd_at != pos):
+            if cd_at > pos:
+                out.append(Problem(None, "layout", f"layout: {cd_at - pos} bytes between the last member and the "
+                                                   f"central directory belong to no member (offset {pos})"))
+            else:
+                out.append(Problem(None, "layout", "layout: the central directory is not where the members end"))
+        try:
+            actual_cd = os.pread(fd, len(expected_cd), cd_at) if cd_at >= 0 else b""
+            actual_tail = os.pread(fd, self._tail_bytes + 1, self.size - self._tail_bytes)
+        except OSError:
+            actual_cd = actual_tail = b""
+        if actual_cd != expected_cd:
+            out.append(Problem(None, "layout", "layout: the central directory holds fields, bytes or entries the "
+                                               "writer never writes"))
+        tail = _end_records(len(self._infos), cd_at, len(expected_cd))
+        if actual_tail != tail:
+            comment = len(self._zf.comment)
+            why = f"a zip comment of {comment} bytes" if comment else "bytes the writer never writes"
+            out.append(Problem(None, "layout", f"layout: the end of central directory record holds {why}"))
+        return out
+
     def _load_manifest(self) -> None:
         infos = self._by_name.get(MANIFEST_NAME)
         if not infos:
@@ -880,16 +1098,16 @@ class ArchiveReader:
             self._manifest_problem = Problem(MANIFEST_NAME, "symlink", f"symlink member {MANIFEST_NAME}")
             return
         try:
-            data = b"".join(self._chunks(info, self.max_member_bytes))
+            data = b"".join(self._chunks(info, self.max_json_bytes, exact=True))
         except _MemberError as e:
             self._manifest_problem = Problem(
                 MANIFEST_NAME, "unreadable", f"unreadable member {MANIFEST_NAME}: {e.cause}")
             return
         try:
-            manifest = _loads(data)
+            manifest = _canonical_loads(data)
         except (ValueError, UnicodeDecodeError, RecursionError) as e:
             self._manifest_problem = Problem(
-                MANIFEST_NAME, "manifest", f"unparseable member {MANIFEST_NAME}: {e}")
+                MANIFEST_NAME, "manifest", f"unparseable member {MANIFEST_NAME}: {_one_line(str(e))[:200]}")
             return
         why = _manifest_shape_problem(manifest)
         if why is not None:
@@ -927,8 +1145,10 @@ class ArchiveReader:
             )
         return info
 
-    def _chunks(self, info: zipfile.ZipInfo, limit: int) -> Iterator[bytes]:
-        """Yield the member's bytes, never more than ``limit`` in total; raise _MemberError."""
+    def _chunks(self, info: zipfile.ZipInfo, limit: int, *, exact: bool = False) -> Iterator[bytes]:
+        """Yield the member's bytes, never more than ``limit`` in total; raise _MemberError.
+        ``exact`` (verify): a DEFLATE member must also be the very stream the writer's zlib
+        produces for its content (see _exact_chunks)."""
         name = info.filename
         if info.file_size > limit:
             raise _MemberError(
@@ -944,6 +1164,10 @@ class ArchiveReader:
             )
         if info.flag_bits & 0x1:
             raise _MemberError(name, "is encrypted", "raw archives are never encrypted")
+        data_at = self._data_at.get(id(info))
+        if data_at is not None:
+            yield from self._exact_chunks(info, data_at, limit, recompress=exact)
+            return
         total = 0
         try:
             with self._zf.open(info, "r") as f:
@@ -975,6 +1199,82 @@ class ArchiveReader:
                 "the archive is damaged: run verify()",
             )
 
+    def _exact_chunks(self, info: zipfile.ZipInfo, data_at: int, limit: int, *,
+                      recompress: bool = False) -> Iterator[bytes]:
+        """Read a member whose local header is exactly the writer's, straight from the file:
+        its compressed bytes must be one whole DEFLATE stream (or the STORED bytes), with nothing
+        after the stream's end, the CRC and size of the directory.
+
+        With ``recompress`` the content is deflated again as the writer does (zlib, default
+        level, raw stream) and must give the stored bytes exactly: a DEFLATE stream has bits no
+        content depends on (the padding of its last byte, unused code lengths), so without this
+        a flipped bit there would change the file but not one member hash."""
+        name = info.filename
+
+        def fail(cause: str) -> _MemberError:
+            return _MemberError(name, f"cannot be read ({cause})", "the archive is damaged: run verify()", cause)
+
+        fd = self._raw.fileno()
+        inflate = zlib.decompressobj(-15) if info.compress_type == zipfile.ZIP_DEFLATED else None
+        packer = zlib.compressobj(zlib.Z_DEFAULT_COMPRESSION, zlib.DEFLATED, -15) if recompress and inflate else None
+        stored, again = hashlib.sha256(), hashlib.sha256()
+        remaining, at, total, crc = info.compress_size, data_at, 0, 0
+
+        def emit(chunk: bytes) -> bytes:
+            nonlocal total, crc
+            total += len(chunk)
+            if total > limit:
+                raise _MemberError(name, f"inflates past the bound of {limit} bytes", "the archive is hostile or damaged")
+            crc = zlib.crc32(chunk, crc)
+            if packer is not None:
+                again.update(packer.compress(chunk))
+            return chunk
+
+        try:
+            while remaining:
+                raw = os.pread(fd, min(_CHUNK, remaining), at)
+                if not raw:
+                    raise fail("the file ends inside the member")
+                at += len(raw)
+                remaining -= len(raw)
+                if packer is not None:
+                    stored.update(raw)
+                if inflate is None:
+                    yield emit(raw)
+                    continue
+                buf = raw
+                while buf:
+                    if inflate.eof:
+                        raise fail(f"{len(buf) + remaining} bytes after the end of its DEFLATE stream")
+                    out = inflate.decompress(buf, min(_CHUNK, limit - total + 1))
+                    buf = inflate.unconsumed_tail
+                    if out:
+                        yield emit(out)
+                    elif buf:
+                        raise fail("the DEFLATE stream makes no progress")
+            if inflate is not None:
+                while not inflate.eof:
+                    out = inflate.decompress(b"", min(_CHUNK, limit - total + 1))
+                    if not out:
+                        raise fail("truncated DEFLATE stream")
+                    yield emit(out)
+                if inflate.unused_data:
+                    raise fail(f"{len(inflate.unused_data)} bytes after the end of its DEFLATE stream")
+        except zlib.error as e:
+            raise fail(_one_line(f"zlib.error: {e}")) from None
+        except OSError as e:
+            raise fail(_one_line(f"{type(e).__name__}: {e}")) from None
+        if total != info.file_size:
+            raise _MemberError(name, f"holds {total} bytes but its zip entry declares {info.file_size}",
+                               "the archive is damaged: run verify()")
+        if crc != info.CRC:
+            raise fail(f"BadZipFile: Bad CRC-32 for file {name!r}")
+        if packer is not None:
+            again.update(packer.flush())
+            if again.digest() != stored.digest():
+                raise fail("its DEFLATE stream is not the one the writer's zlib (default level) makes of its "
+                           "content: bits the member hash does not cover were changed")
+
 
 class _MemberError(Exception):
     """Internal: a member could not be read.
@@ -991,9 +1291,39 @@ class _MemberError(Exception):
         self.cause = cause if cause is not None else phrase
 
 
-def _load_npy(data: bytes) -> np.ndarray:
+def _npy_header(first: bytes, size: int, *, dtype: str | None = None, ndim: int | None = None) -> None:
+    """Check a .npy header from the member's first chunk before its data is read: a small
+    member that declares a huge array, another dtype or byte order than asked, a Fortran-order
+    or pickled array is refused here, having allocated nothing."""
+    fp = io.BytesIO(first[:_MAX_NPY_HEADER + 16])
+    try:
+        version = np.lib.format.read_magic(fp)
+        if version == (1, 0):
+            shape, fortran, got = np.lib.format.read_array_header_1_0(fp)
+        elif version == (2, 0):
+            shape, fortran, got = np.lib.format.read_array_header_2_0(fp)
+        else:
+            raise ValueError(f"unsupported .npy version {version}")
+    except _READ_ERRORS as e:
+        raise _MemberError("", f"is not a .npy array ({_one_line(str(e))[:200]})", "the archive is damaged") from None
+    if got.hasobject:
+        raise _MemberError("", f"is a pickled object array (dtype {got}), refused",
+                           "raw archives hold numeric arrays only; the archive is hostile or damaged")
+    if dtype is not None and (got.str != dtype or fortran):
+        raise _MemberError("", f"is a {'Fortran-order ' if fortran else ''}{got.str} array, the format says C-order "
+                               f"{dtype} (docs/archive.md)", "the archive was not written by packbench")
+    if ndim is not None and len(shape) != ndim:
+        raise _MemberError("", f"has {len(shape)} dimensions, the format says {ndim}", "the archive is damaged")
+    expected = math.prod(shape) * got.itemsize
+    held = size - fp.tell()
+    if held != expected:
+        raise _MemberError("", f"declares shape {shape} of {got} ({expected} bytes) but holds {held} data bytes",
+                           "the archive is damaged")
+
+
+def _load_npy(data: bytes | bytearray) -> np.ndarray:
     """Parse a .npy payload without pickle, checking the header against the payload length."""
-    fp = io.BytesIO(data)
+    fp = io.BytesIO(bytes(memoryview(data)[:_MAX_NPY_HEADER + 16]))  # the header only: no copy of the data
     try:
         version = np.lib.format.read_magic(fp)
         if version == (1, 0):
@@ -1018,11 +1348,11 @@ def _load_npy(data: bytes) -> np.ndarray:
             f"declares shape {shape} of {dtype} ({expected} bytes) but holds {held} data bytes",
             "the archive is damaged",
         )
-    fp.seek(0)
     try:
-        arr = np.load(fp, allow_pickle=False)
+        # A view of the member's buffer, not np.load's copy of it: an array member costs its
+        # size once. Never pickle: object dtypes were refused above.
+        flat = np.frombuffer(data, dtype=dtype, count=math.prod(shape), offset=fp.tell())
+        arr = flat.reshape(shape, order="F" if fortran else "C")
     except _READ_ERRORS as e:
         raise _MemberError("", f"is not a loadable .npy array ({e})", "the archive is damaged") from None
-    if not isinstance(arr, np.ndarray):
-        raise _MemberError("", "is not a .npy array", "the archive is damaged")
     return arr

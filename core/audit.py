@@ -21,6 +21,7 @@ of the same archive against the same database rows, on any machine.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,21 +29,36 @@ from typing import Any
 import numpy as np
 
 from core.archive import (
+    MANIFEST_NAME,
     PLAN_NAME,
     PROTOCOL_NAME,
     VERDICTS_NAME,
     WORKER_NAME,
+    MAX_ARCHIVE_BYTES,
     ArchiveReader,
     episode_members,
     file_sha256,
 )
-from core.canonical import canonical_json, canonical_sha256
+from core.canonical import canonical_json, canonical_sha256, sha256_hex
 from core.errors import ArchiveError, ProtocolError
 from core.gates import compute_verdicts
-from core.metrics import episode_totals, ledger_problems, stored_total_problems
+from core.metrics import (
+    episode_totals,
+    ledger_problems,
+    opt_bytes,
+    row_bytes_problems,
+    stored_total_problems,
+    wall_problems,
+)
+from core.provenance import check_signature, signature_path
 from core.plan import plan as make_plan
 from core.plan import prompts as make_prompts
 from core.protocol import Protocol, expand
+from core.protocol.schema import MAX_CONTINUATION
+from core.registry import SHAPES
+
+LOGITS_DTYPE, TRACE_DTYPE = "<f4", "<f8"  # docs/archive.md: little-endian float32 logits, float64 traces
+START_BYTES = ("param_bytes", "device_param_bytes", "host_outgoing_bytes")
 
 AUDIT_VERSION = 2  # bump when what an audit checks changes: the digest covers it
 VERDICT_KEYS = ("gate", "condition", "phase", "passed", "value", "threshold", "interval")
@@ -60,6 +76,7 @@ class AuditReport:
     verdicts, problems, result ("agree" only when complete and without problems)."""
 
     record: dict
+    unreadable: bool = False  # the file is not a zip packbench can open (the CLI exits 2)
 
     @property
     def agrees(self) -> bool:
@@ -90,6 +107,16 @@ def _norm(value: Any) -> Any:
     return list(value) if isinstance(value, tuple) else value
 
 
+# Verdict detail wordings earlier packbench wrote, as today's gates word them: the detail is
+# compared exactly after this one rewrite (packbench 0.1's acquisition said "prompts" where the
+# pairing by (repetition, prompt) now says "pairs"; tests/data/*-v1.zip hold it).
+_OLD_DETAIL = re.compile(r"^(\d+ B / \d+ B over \d+) prompts( vs [A-Za-z0-9._-]+)$")
+
+
+def _detail(stored: Any) -> Any:
+    return _OLD_DETAIL.sub(r"\1 pairs\2", stored) if isinstance(stored, str) else stored
+
+
 def _compare_verdicts(mine: list[dict], theirs: Any, where: str) -> list[str]:
     """Differences between recomputed verdicts and stored ones, one line each. `episodes` is
     compared when the stored verdicts carry it (the archive's do)."""
@@ -105,8 +132,8 @@ def _compare_verdicts(mine: list[dict], theirs: Any, where: str) -> list[str]:
     out += [f"{where} lacks verdict {'/'.join(k)}" for k in sorted(set(a) - set(b))]
     out += [f"{where} has an extra verdict {'/'.join(k)}" for k in sorted(set(b) - set(a))]
     for k in sorted(set(a) & set(b)):
-        keys = VERDICT_KEYS + (("episodes",) if "episodes" in b[k] else ())
-        diff = [f for f in keys if _norm(a[k].get(f)) != _norm(b[k].get(f)) or
+        keys = VERDICT_KEYS + tuple(f for f in ("episodes", "detail") if f in b[k] and f in a[k])
+        diff = [f for f in keys if _norm(a[k].get(f)) != (_detail if f == "detail" else _norm)(b[k].get(f)) or
                 type(a[k].get(f)) is bool and type(b[k].get(f)) is not bool]
         if diff:
             out.append(f"{where} verdict {'/'.join(k)} differs in {', '.join(diff)}: "
@@ -146,13 +173,20 @@ def _compare_episodes(episodes: list[dict], rows: Any) -> list[str]:
 # ----------------------------------------------------------------------------- one episode
 
 
-def _episode_problems(name: str, rec: dict, logits: np.ndarray | None, protocol: Protocol) -> list[str]:
-    """Recompute a finished episode's totals and tokens from its ledger and logits."""
+def _episode_problems(name: str, rec: dict, logits: np.ndarray | None, protocol: Protocol,
+                      row_bytes: list[int | None]) -> list[str]:
+    """Recompute a finished episode's totals and tokens from its ledger and logits, and check
+    what is physically possible: its wall time covers its calls; every layer moved exactly
+    rows_copied x row bytes (`row_bytes[0]`: the model's, or fixed by the first row seen)."""
     calls = rec.get("calls")
     bad = ledger_problems(calls)
     if bad:
         return [f"{name}: malformed call ledger: {'; '.join(bad[:3])}"]
-    out = [f"{name}: {p}" for p in stored_total_problems(rec, episode_totals(calls))]
+    totals = episode_totals(calls)
+    out = [f"{name}: {p}" for p in stored_total_problems(rec, totals)]
+    out += [f"{name}: {p}" for p in wall_problems(rec, totals)]
+    moved, row_bytes[0] = row_bytes_problems(calls, row_bytes[0])
+    out += [f"{name}: impossible copy: {p}" for p in moved]
     n, prefix = protocol.continuation_tokens, protocol.prefix_tokens
     shape = [(c["phase"], c["tokens"]) for c in calls]
     if shape != [("prefill", prefix)] + [("decode", 1)] * (n - 1):
@@ -163,8 +197,41 @@ def _episode_problems(name: str, rec: dict, logits: np.ndarray | None, protocol:
     elif (logits is None or logits.ndim != 2 or logits.shape[0] != len(calls) or logits.shape[1] < 1
           or logits.dtype.kind != "f"):
         out.append(f"{name}: logits do not cover every call")
+    elif not all(type(t) is int for t in tokens):
+        out.append(f"{name}: tokens are not all integers")
     elif [int(t) for t in logits.argmax(axis=1)] != tokens:
         out.append(f"{name}: tokens are not the argmax of the stored logits")
+    return out
+
+
+# Record fields the gates (core/gates.py) and the database comparison (EPISODE_FIELDS) read.
+RETAINED = ("plan_index", "condition", "role", "prompt", "status", "error", "tokens", "wall_s", "call_s",
+            "first_logit_since_entry_s", "h2d_weight_bytes", "h2d_index_bytes", "d2h_bytes")
+_DROPPED = "<dropped: not a small scalar>"
+
+
+def _small(v: Any) -> Any:
+    if v is None or type(v) in (bool, int, float) or (type(v) is str and len(v) <= 1024):
+        return v
+    return _DROPPED
+
+
+def _retained(rec: dict) -> dict:
+    """The part of an episode record an audit keeps after checking it: the RETAINED scalars,
+    tokens (a list of at most MAX_CONTINUATION + 1), memory's scalars, phases' scalars."""
+    out = {k: _small(rec[k]) for k in RETAINED if k in rec and k != "tokens"}
+    tokens = rec.get("tokens")
+    if "tokens" in rec:
+        out["tokens"] = ([_small(t) for t in tokens[:MAX_CONTINUATION + 1]] if isinstance(tokens, list)
+                         else _small(tokens))
+    if isinstance(rec.get("memory"), dict):
+        out["memory"] = {k: _small(v) for k, v in list(rec["memory"].items())[:64]}
+    phases = rec.get("phases")
+    if isinstance(phases, dict):
+        out["phases"] = {ph: ({k: _small(v) for k, v in list(agg.items())[:64]} if isinstance(agg, dict)
+                              else _small(agg)) for ph, agg in phases.items() if ph in ("prefill", "decode")}
+    elif "phases" in rec:
+        out["phases"] = _small(phases)
     return out
 
 
@@ -174,8 +241,9 @@ def _episode_problems(name: str, rec: dict, logits: np.ndarray | None, protocol:
 class _Audit:
     """One audit's state; `run` fills `record`."""
 
-    def __init__(self, path: Path, sha: str):
+    def __init__(self, path: Path, sha: str | None):
         self.path = path
+        self.unreadable = False
         self.problems: list[str] = []
         self.record: dict[str, Any] = {
             "audit_version": AUDIT_VERSION, "archive_sha256": sha, "protocol_sha256": None, "complete": False,
@@ -190,9 +258,9 @@ class _Audit:
     def add(self, message: str) -> None:
         self.problems.append(self.scrub(message))
 
-    def read(self, reader: ArchiveReader, name: str, kind: str) -> Any:
+    def read(self, reader: ArchiveReader, name: str, kind: str, **checks: Any) -> Any:
         try:
-            return reader.read_array(name) if kind == "array" else reader.read_json(name)
+            return reader.read_array(name, **checks) if kind == "array" else reader.read_json(name)
         except ArchiveError as e:
             self.add(f"cannot read {name}: {e}")
             return None
@@ -203,6 +271,8 @@ class _Audit:
         found = reader.verify()
         for p in found:
             self.add(p.message)
+        if any(p.kind == "too-large" for p in found):
+            return  # over the bounds: nothing is recomputed (the bounds exist to cap this work)
         names = set(reader.names)
         # A member that verify() names is not trusted for recomputation; no other is.
         readable = names - {p.member for p in found}
@@ -234,6 +304,8 @@ class _Audit:
             self.check_plan(stored_plan, entries, proto)
         worker = self.read(reader, WORKER_NAME, "json") if WORKER_NAME in readable else None
         start = worker.get("start") if isinstance(worker, dict) else None
+        self.check_records(reader, worker, proto, entries)
+        row_bytes: list[int | None] = [self.check_start(start, proto)]
 
         episodes, recorded, vocab = [], [], None
         for entry in entries:
@@ -249,22 +321,31 @@ class _Audit:
                 if rec is not None:
                     self.add(f"{name} is not a record")
                 continue
-            if rec.get("plan_index") != i or any(rec.get(k) != entry[k] for k in PLAN_KEYS[1:]):
+            # Same value and same JSON type (true is not 1, 1.0 is not 1).
+            if (type(rec.get("plan_index")) is not int or rec.get("plan_index") != i
+                    or any(type(rec.get(k)) is not type(entry[k]) or rec.get(k) != entry[k] for k in PLAN_KEYS[1:])):
                 self.add(f"{name} does not match plan entry {i}")
-            logits = self.read(reader, logits_name, "array") if logits_name in readable else None
+            logits = (self.read(reader, logits_name, "array", dtype=LOGITS_DTYPE, ndim=2)
+                      if logits_name in readable else None)
             if rec.get("status") == "ok" and logits is None and not complete and logits_name not in names:
                 continue  # interrupted between the record and its logits: not recorded yet
             recorded.append(i)
-            if rec.get("status") == "ok" and trace_name in readable:
-                self.check_trace(trace_name, self.read(reader, trace_name, "array"), rec)
             if rec.get("status") == "ok":
-                for p in _episode_problems(name, rec, logits, proto):
+                self.check_sampled(name, trace_name, rec, names)
+            if rec.get("status") == "ok" and trace_name in readable:
+                self.check_trace(trace_name, self.read(reader, trace_name, "array", dtype=TRACE_DTYPE, ndim=2), rec)
+            if rec.get("status") == "ok":
+                self.check_memory(name, rec, start)
+                for p in _episode_problems(name, rec, logits, proto, row_bytes):
                     self.add(p)
                 if logits is not None and logits.ndim == 2 and vocab is None:
                     vocab = int(logits.shape[1])
             elif rec.get("status") != "failed":
                 self.add(f"{name}: status {rec.get('status')!r} is neither ok nor failed")
-            episodes.append({**rec, "plan_index": i, "logits": logits})
+            # Only what the gates and the database comparison read is kept (the ledger is
+            # checked above): audit memory holds one record's JSON, not the archive's, whatever
+            # a hostile record carries besides.
+            episodes.append({**_retained(rec), "plan_index": i, "logits": logits})
         self.record["episodes"] = len(episodes)
         if not complete:
             self.note_incomplete(recorded, len(entries))
@@ -273,6 +354,10 @@ class _Audit:
 
         verdicts = compute_verdicts(proto, episodes, start=start)
         self.record["verdicts"] = [{k: v[k] for k in VERDICT_KEYS + ("episodes",)} for v in verdicts]
+        if not complete:
+            # docs/archive.md: verdicts of a partial screen fail closed; the ones computed from
+            # the episodes present are compared below, never reported as passing.
+            self.record["verdicts"] = [{**v, "passed": False} for v in self.record["verdicts"]]
         if VERDICTS_NAME in readable:
             stored = self.read(reader, VERDICTS_NAME, "json")
             if stored is not None:
@@ -283,6 +368,69 @@ class _Audit:
             self.problems += _compare_verdicts(verdicts, db_verdicts, "database")
         if db_episodes is not None:
             self.problems += _compare_episodes(episodes, db_episodes)
+
+    def check_records(self, reader: ArchiveReader, worker: Any, proto: Protocol, entries: list[dict]) -> None:
+        """Cross-checks between records: the manifest's environment and source freeze are
+        worker.json's; every member belongs to the layout of this plan."""
+        manifest = reader.manifest
+        if manifest is not None and isinstance(worker, dict):
+            if "environment" in worker and manifest.get("environment") != worker.get("environment"):
+                self.add(f"the manifest's environment differs from {WORKER_NAME}'s")
+            if "source_freeze" in worker and manifest.get("source_freeze") != worker.get("source_freeze"):
+                self.add(f"the manifest's source_freeze differs from {WORKER_NAME}'s")
+        if manifest is not None and not isinstance(manifest.get("source_freeze", {}), dict):
+            self.add("the manifest's source_freeze is not a mapping")
+        allowed = {PROTOCOL_NAME, PLAN_NAME, WORKER_NAME, VERDICTS_NAME, MANIFEST_NAME}
+        for e in entries:
+            m = episode_members(e["index"])
+            allowed |= {m.record, m.logits, m.trace}
+        strays = [n for n in reader.names if n not in allowed]
+        for n in strays[:10]:
+            self.add(f"member {n!r} is not part of the archive of this plan")
+        if len(strays) > 10:
+            self.add(f"... and {len(strays) - 10} more members that are not part of the archive of this plan")
+
+    def check_start(self, start: Any, proto: Protocol) -> int | None:
+        """The start record's byte counts add up, and equal the synthetic model's shape; returns
+        the bytes of one outgoing row when the shape is known (None otherwise)."""
+        pinned = proto.model.sha256
+        digest = start.get("model_sha256") if isinstance(start, dict) else None
+        if pinned is not None and digest != pinned:
+            self.add(f"{WORKER_NAME}: the checkpoint measured has digest {digest!r}, the protocol pins {pinned}")
+        if digest is not None and (not isinstance(digest, str) or re.fullmatch(r"[0-9a-f]{64}", digest) is None):
+            self.add(f"{WORKER_NAME}: model_sha256 {digest!r} is not 64 lowercase hex digits")
+        if not isinstance(start, dict):
+            return None
+        got = {k: start.get(k) for k in START_BYTES}
+        ints = {k: v for k, v in got.items() if isinstance(v, int) and not isinstance(v, bool)}
+        if len(ints) == 3 and ints["param_bytes"] != ints["device_param_bytes"] + ints["host_outgoing_bytes"]:
+            self.add(f"{WORKER_NAME}: param_bytes {ints['param_bytes']} != device_param_bytes "
+                     f"{ints['device_param_bytes']} + host_outgoing_bytes {ints['host_outgoing_bytes']}")
+        synth = proto.model.synth
+        if synth is None or synth.shape not in SHAPES:
+            return None
+        want = opt_bytes(**SHAPES[synth.shape], dtype=proto.dtype)  # held in the protocol's dtype
+        for k, v in ints.items():
+            if v != want[k]:
+                self.add(f"{WORKER_NAME}: {k} {v} is not the {want[k]} of a {synth.shape} model in {proto.dtype}")
+        return want["row_bytes"]
+
+    def check_memory(self, name: str, rec: dict, start: Any) -> None:
+        memory = rec.get("memory")
+        if not isinstance(memory, dict) or not isinstance(start, dict):
+            return
+        mine, theirs = memory.get("device_param_bytes"), start.get("device_param_bytes")
+        if mine is not None and theirs is not None and mine != theirs:
+            self.add(f"{name}: memory.device_param_bytes {mine!r} != {WORKER_NAME}'s {theirs!r}")
+
+    def check_sampled(self, name: str, trace_name: str, rec: dict, names: set[str]) -> None:
+        """A run that sampled memory keeps its trace: without it the sampled peak is unchecked."""
+        memory = rec.get("memory") if isinstance(rec.get("memory"), dict) else {}
+        sampler = rec.get("sampler") if isinstance(rec.get("sampler"), dict) else {}
+        samples = sampler.get("samples")
+        sampled = memory.get("peak_sampled_bytes") is not None or (isinstance(samples, int) and samples > 0)
+        if sampled and trace_name not in names:
+            self.add(f"{name}: the run sampled memory but {trace_name} is missing")
 
     def check_trace(self, name: str, trace: Any, rec: dict) -> None:
         """The sampled peak a record states must be the largest sample of its memory trace."""
@@ -295,6 +443,8 @@ class _Audit:
         elif trace.shape[0] == 0:
             if stated is not None:
                 self.add(f"{name}: empty trace but peak_sampled_bytes {stated!r}")
+        elif not np.isfinite(trace).all():
+            self.add(f"{name}: the memory trace holds non-finite values")
         elif stated != int(trace[:, 1].max()):
             self.add(f"{name}: peak_sampled_bytes {stated!r} != {int(trace[:, 1].max())} recomputed from the trace")
 
@@ -339,26 +489,92 @@ class _Audit:
 
 
 def audit_archive(path: Path, *, expected_sha256: str | None = None, db_verdicts: list[dict] | None = None,
-                  db_episodes: list[dict] | None = None) -> AuditReport:
+                  db_episodes: list[dict] | None = None, trust: list[bytes] | None = None,
+                  signature: Path | None = None, max_mib: int | None = None) -> AuditReport:
     """Audit one archive. `expected_sha256`, `db_verdicts` and `db_episodes` come from the
     database when it is at hand; every one given must agree for the result to be "agree".
 
+    `trust`: raw Ed25519 public keys (core.provenance). When given, the archive's detached
+    signature (`signature`, default `<archive>.sig`) must be a valid one by one of them: the
+    record then carries `signature: {status, key_id}`, and an unsigned, unknown-signer or
+    bad-signature archive never agrees. Without `trust` provenance is not checked (and the
+    record has no `signature` key, so digests of earlier audits hold).
+
+    `max_mib` raises the archive-file and total-member bounds (docs/archive.md, "Bounds") for an
+    archive known to be large and trusted; the stated audit time and memory then no longer hold.
+
+    Cheap checks first: the file's size and zip end record are read before anything is hashed.
     Raises ArchiveError only when there is no file at `path`; everything wrong with the file
-    itself is a problem line in the report.
+    itself, running out of memory included, is a problem line in the report.
     """
     path = Path(path)
     if not path.is_file():
         raise ArchiveError(f"no archive at {path}; check the path (or the attempt's archive_path in the database)")
-    audit = _Audit(path, file_sha256(path))
+    audit = _Audit(path, None)
+    try:
+        _run_audit(audit, path, expected_sha256=expected_sha256, db_verdicts=db_verdicts, db_episodes=db_episodes,
+                   trust=trust, signature=signature, max_mib=max_mib)
+    except MemoryError:
+        audit.add("out of memory while auditing: the archive needs more memory than this machine gave the audit "
+                  "(docs/archive.md, Bounds)")
+    except RecursionError:
+        audit.add("the archive nests its records too deeply to audit")
+    except Exception as e:  # hostile input reached a path no check foresaw: fail closed, one line
+        audit.add(f"cannot audit: {type(e).__name__} while recomputing ({str(e).splitlines()[0][:200] if str(e) else ''}); "
+                  f"the archive is hostile or damaged")
+    record = audit.record
+    record["problems"] = _bounded(record["problems"])
+    record["result"] = "agree" if record["complete"] and not record["problems"] else "disagree"
+    return AuditReport(record, unreadable=audit.unreadable)
+
+
+MAX_PROBLEM_CHARS = 2000  # a problem is one readable line, whatever a hostile record holds
+MAX_PROBLEMS = 1000
+
+
+def _bounded(problems: list[str]) -> list[str]:
+    """At most MAX_PROBLEMS lines of at most MAX_PROBLEM_CHARS characters each (the rest named)."""
+    out = [p if len(p) <= MAX_PROBLEM_CHARS else f"{p[:MAX_PROBLEM_CHARS]}... ({len(p) - MAX_PROBLEM_CHARS} more "
+           f"characters)" for p in problems[:MAX_PROBLEMS]]
+    if len(problems) > MAX_PROBLEMS:
+        out.append(f"... and {len(problems) - MAX_PROBLEMS} more problems")
+    return out
+
+
+def _run_audit(audit: _Audit, path: Path, *, expected_sha256: str | None, db_verdicts: list[dict] | None,
+               db_episodes: list[dict] | None, trust: list[bytes] | None, signature: Path | None,
+               max_mib: int | None = None) -> None:
+    limits = {}
+    if max_mib is not None:
+        big = max(int(max_mib) << 20, MAX_ARCHIVE_BYTES)
+        limits = {"max_archive_bytes": big, "max_total_bytes": big}
+    try:
+        reader = ArchiveReader(path, **limits)
+    except ArchiveError as e:
+        reader = None
+        opened = str(e)
+    if reader is not None or path.stat().st_size <= limits.get("max_archive_bytes", MAX_ARCHIVE_BYTES):
+        audit.record["archive_sha256"] = file_sha256(path)  # a huge non-zip is refused unhashed
     if expected_sha256 is not None and audit.record["archive_sha256"] != expected_sha256:
         audit.add(f"archive SHA-256 {audit.record['archive_sha256']} differs from the database's {expected_sha256}")
-    try:
-        reader = ArchiveReader(path)
-    except ArchiveError as e:
-        audit.add(str(e))
-    else:
-        with reader:
-            audit.run(reader, db_verdicts=db_verdicts, db_episodes=db_episodes)
-    record = audit.record
-    record["result"] = "agree" if record["complete"] and not record["problems"] else "disagree"
-    return AuditReport(record)
+    if reader is None:
+        audit.unreadable = True
+        audit.add(opened)
+        if trust is not None:
+            audit.record["signature"] = {"status": "bad-signature", "key_id": None}
+            audit.add("signature: the archive is unreadable, so no signature can hold for it")
+        return
+    with reader:
+        manifest_sha = None
+        if trust is not None and reader.complete:
+            try:
+                manifest_sha = sha256_hex(reader.read_bytes(MANIFEST_NAME))
+            except ArchiveError:
+                manifest_sha = None
+        audit.run(reader, db_verdicts=db_verdicts, db_episodes=db_episodes)
+    if trust is not None:
+        check = check_signature(signature or signature_path(path), archive_sha256=audit.record["archive_sha256"],
+                                manifest_sha256=manifest_sha, trusted=list(trust))
+        audit.record["signature"] = {"status": check.status, "key_id": check.key_id}
+        if check.line is not None:
+            audit.add(check.line)

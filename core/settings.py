@@ -34,6 +34,8 @@ class Settings:
       on a CPU-only machine, where the engine runs on the CPU). More than the host has would
       put two workers on one GPU: the dispatcher refuses that (one worker per physical GPU).
     cuda_alloc_conf: PYTORCH_CUDA_ALLOC_CONF for worker processes.
+    signing_key: the deployment's Ed25519 private key file (`packbench keys init`); the driver
+      signs every sealed archive with it (core.provenance; None: archives are unsigned).
     """
 
     db_url: str | None = None
@@ -46,6 +48,7 @@ class Settings:
     embedded_gpus: int | None = None
     cuda_alloc_conf: str = DEFAULT_CUDA_ALLOC_CONF
     extra_worker_env: dict[str, str] = field(default_factory=dict)
+    signing_key: Path | None = None
 
     def __post_init__(self) -> None:
         if not self.placement_timeout_s > 0:

@@ -46,6 +46,7 @@ from db.records import (
     MachineRow,
     ProtocolRow,
     ScreenRow,
+    SignerRow,
     VerdictRow,
 )
 
@@ -304,6 +305,10 @@ class Attempt(Base):
     model_state: Mapped[str | None] = mapped_column(String(8))  # cold | warm; None: unknown
     # Another attempt ran on the same node at the same time (timings may interfere).
     shared_node: Mapped[bool | None] = mapped_column(Boolean)
+    # 0005: what was measured and who vouches for the archive (docs/archive.md).
+    model_sha256: Mapped[str | None] = mapped_column(String(64))
+    signer_key_id: Mapped[str | None] = mapped_column(String(16))
+    ingested_from: Mapped[str | None] = mapped_column(Text)
 
     def to_record(self) -> AttemptRow:
         return AttemptRow(
@@ -327,6 +332,9 @@ class Attempt(Base):
             lease_expires_at=self.lease_expires_at,
             model_state=self.model_state,
             shared_node=self.shared_node,
+            model_sha256=self.model_sha256,
+            signer_key_id=self.signer_key_id,
+            ingested_from=self.ingested_from,
         )
 
 
@@ -460,3 +468,22 @@ class Audit(Base):
 def json_text(obj: Any) -> str:
     """Canonical JSON as text: the one form JSON columns are written in."""
     return canonical_json(obj).decode("utf-8")
+
+
+class Signer(Base):
+    """An Ed25519 public key that signs sealed archives (0005): this deployment's own
+    (`local`, from `packbench keys init`) or another lab's, trusted for `packbench ingest`.
+    The private half never enters the database."""
+
+    __tablename__ = "signers"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    key_id: Mapped[str] = mapped_column(String(16), unique=True)
+    public_key: Mapped[str] = mapped_column(String(64), unique=True)
+    name: Mapped[str] = mapped_column(String)
+    local: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
+    created_at: Mapped[datetime] = mapped_column(UtcDateTime, default=utcnow)
+
+    def to_record(self) -> SignerRow:
+        return SignerRow(id=self.id, key_id=self.key_id, public_key=self.public_key, name=self.name,
+                         local=self.local, created_at=self.created_at)

@@ -95,6 +95,9 @@ class AttemptRow:
     lease_expires_at: datetime | None = None  # claimed attempts; renewed while running
     model_state: str | None = None  # cold | warm
     shared_node: bool | None = None  # another attempt ran on the node at the same time
+    model_sha256: str | None = None  # content digest of the checkpoint it measured (0005)
+    signer_key_id: str | None = None  # who signed its sealed archive (0005)
+    ingested_from: str | None = None  # set when the attempt came from `packbench ingest` (0005)
 
 
 def _row_type(f: Field) -> Any:
@@ -142,6 +145,18 @@ class AuditRow:
     finished_at: datetime
     node: str | None = None
     kind: str | None = None  # local | ray
+
+
+@dataclass(frozen=True, slots=True)
+class SignerRow:
+    """A registered Ed25519 public key: this deployment's own (`local`) or a trusted other lab's."""
+
+    id: int
+    key_id: str
+    public_key: str  # 64 hex digits (raw Ed25519 public key)
+    name: str
+    local: bool
+    created_at: datetime
 
 
 @dataclass(frozen=True, slots=True)

@@ -81,6 +81,7 @@ from db.models import (
     Machine,
     Protocol,
     Screen,
+    Signer,
     UtcDateTime,
     Verdict,
     json_text,
@@ -104,6 +105,7 @@ from db.records import (
     MachineRow,
     ProtocolRow,
     ScreenRow,
+    SignerRow,
     VerdictRow,
 )
 from db.session import display_url, make_engine, session_scope, translate_errors
@@ -1085,6 +1087,76 @@ class Store:
         # executemany that SQLAlchemy batches into multi-row INSERTs ("insertmanyvalues").
         parameters = rows[0] if len(rows) == 1 else rows
         return len(session.execute(statement, parameters).all())
+
+    # -- evidence (issue 10): signers, what an attempt measured, ingested attempts ----------
+
+    @_retried
+    def put_signer(self, *, key_id: str, public_key: str, name: str, local: bool = False) -> SignerRow:
+        """Register an Ed25519 public key (64 hex); idempotent on the key. Returns the stored row
+        (an already registered key keeps its first name and locality)."""
+        with self._session() as session:
+            values = {"key_id": key_id, "public_key": public_key, "name": name, "local": local,
+                      "created_at": self._clock()}
+            self._insert_ignore(session, Signer, [values], ["key_id"])
+            return session.scalars(select(Signer).where(Signer.key_id == key_id)).one().to_record()
+
+    def signers(self) -> list[SignerRow]:
+        with self._session() as session:
+            return [row.to_record() for row in session.scalars(select(Signer).order_by(Signer.id))]
+
+    @_retried
+    def set_attempt_evidence(self, attempt_id: int, *, model_sha256: str | None = None,
+                             signer_key_id: str | None = None) -> None:
+        """Record the checkpoint digest an attempt measured and/or the key that signed its archive."""
+        with self._session() as session:
+            attempt = self._get(session, Attempt, attempt_id, "attempt")
+            if model_sha256 is not None:
+                attempt.model_sha256 = model_sha256
+            if signer_key_id is not None:
+                attempt.signer_key_id = signer_key_id
+
+    @_retried
+    def ingest_attempt(self, *, protocol_sha256: str, protocol_name: str, protocol_json: str,
+                       machine: Mapping[str, str | None], attempt: Mapping[str, Any],
+                       episodes: list[Mapping[str, Any]], verdicts: list[Mapping[str, Any]]) -> AttemptRow:
+        """Record a screen audited elsewhere (`packbench ingest`) in ONE transaction: its
+        protocol (idempotent), machine (idempotent), a done screen, one done attempt marked
+        with `ingested_from`, its episodes and verdicts. Nothing is written if any part fails.
+        The same archive (by SHA-256) is never ingested twice."""
+        with self._session() as session:
+            if session.scalar(select(Attempt.id).where(Attempt.archive_sha256 == attempt["archive_sha256"])):
+                raise Conflict(f"an attempt with archive SHA-256 {attempt['archive_sha256'][:16]}... is already "
+                               f"in this database; nothing was ingested")
+            now = self._clock()
+            self._insert_ignore(session, Protocol, [{
+                "sha256": protocol_sha256, "name": protocol_name, "canonical_json": protocol_json,
+                **protocol_columns(protocol_json), "created_at": now}], ["sha256"])
+            protocol_id = session.scalars(select(Protocol.id).where(Protocol.sha256 == protocol_sha256)).one()
+            key = {k: machine.get(k) or "" for k in ("host", "gpu_name", "driver", "torch", "cuda")}
+            self._insert_ignore(session, Machine, [key], list(key))
+            machine_id = session.scalars(select(Machine.id).filter_by(**key)).one()
+            screen = Screen(protocol_id=protocol_id, submitter=str(attempt.get("submitter") or "ingest"),
+                            repetitions=1, model_dir=None, status="done", created_at=now, started_at=now,
+                            finished_at=now, priority=0, max_attempts=1, attempts_used=1)
+            session.add(screen)
+            session.flush()
+            row = Attempt(attempt_key=new_attempt_key(), screen_id=screen.id, number=1,
+                          worker=str(attempt.get("worker") or "ingested"), node=str(attempt.get("node") or ""),
+                          gpu_name=key["gpu_name"], gpu_index=0, machine_id=machine_id, status="done",
+                          archive_path=str(attempt["archive_path"]), archive_sha256=attempt["archive_sha256"],
+                          source_freeze=json_text(attempt.get("source_freeze") or {}), started_at=now,
+                          finished_at=now, model_sha256=attempt.get("model_sha256"),
+                          signer_key_id=attempt.get("signer_key_id"), ingested_from=str(attempt["ingested_from"]))
+            session.add(row)
+            session.flush()
+            rows = [_episode_columns(row.id, e) for e in episodes]
+            if rows:
+                self._insert_ignore(session, Episode, rows, ["attempt_id", "plan_index"])
+            vrows = [_verdict_columns(row.id, v) for v in verdicts]
+            if vrows:
+                self._insert_ignore(session, Verdict, vrows, ["attempt_id", "gate", "condition", "phase"])
+            session.flush()
+            return row.to_record()
 
 
 def _claim_candidate(dialect: str, *, one: bool, exclude: bool, gpu_types: bool, node: bool) -> Any:

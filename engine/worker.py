@@ -16,7 +16,9 @@ from pathlib import Path
 import torch
 
 from core.canonical import canonical_sha256
+from core.errors import CheckpointError
 from core.metrics import episode_totals
+from core.provenance import checkpoint_digest
 from core.protocol import Protocol, expand
 from engine.episode import run_episode
 from engine.gpu_lock import GpuLock
@@ -106,6 +108,7 @@ class Worker:
             self.device = torch.device("cuda", 0)
         self.model: CpuFirstModel | None = None
         self.model_key: tuple | None = None
+        self.digests: dict[tuple, str] = {}  # checkpoint_key -> content digest (core.provenance)
         self.loads = 0
         self.conditions: dict[str, tuple[str, dict]] = {}
         uuid = device_uuid(self.device.index) if self.device.type == "cuda" else None
@@ -154,6 +157,16 @@ class Worker:
         self.mode = check_mode(mode or protocol.engine_mode)
         path = model_dir_for(protocol, model_dir, cache=None if model_cache is None else Path(model_cache))
         key = (checkpoint_key(path), protocol.dtype, self.mode)
+        # What is measured is pinned: the content digest of every checkpoint file, hashed once
+        # per checkpoint_key (a warm model keeps it), refused before loading when the protocol
+        # pins another (model: {path, sha256}).
+        digest = self.digests.get(key[0])
+        if digest is None:
+            digest = self.digests[key[0]] = checkpoint_digest(path)
+        if protocol.model.sha256 is not None and protocol.model.sha256 != digest:
+            raise CheckpointError(f"{path} has content digest {digest}, the protocol pins {protocol.model.sha256}: "
+                                  f"the checkpoint changed since the protocol was written; restore it or freeze "
+                                  f"a new protocol")
         warm = reuse and self.model is not None and self.model_key == key
         if not warm and self.model is not None:
             self.drop_model()  # before the new allowance: the old model must not count against it
@@ -173,7 +186,7 @@ class Worker:
                 "cpu_first": True,  # CpuFirstModel never places the outgoing weights on the device
                 "allowance_bytes": allowance, "context_bytes": context, "device": str(self.device),
                 "vocab": self.model.vocab, "model_dir": str(path), "model_state": "warm" if warm else "cold",
-                "engine": {"mode": self.mode},
+                "engine": {"mode": self.mode}, "model_sha256": digest,
                 "entry_to_loaded_s": time.perf_counter() - self.t_entry}
 
     def drop_model(self) -> None:

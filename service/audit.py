@@ -45,15 +45,17 @@ def episode_dicts(rows) -> list[dict]:
     return [{**dataclasses.asdict(e), "tokens": list(e.tokens)} for e in rows]
 
 
-def audit_file(path: Path, *, on_ray: bool = False, settings: Settings | None = None) -> AuditOutcome:
-    """Audit an archive alone: no database needed or touched."""
+def audit_file(path: Path, *, on_ray: bool = False, settings: Settings | None = None,
+               trust: list[bytes] | None = None, max_mib: int | None = None) -> AuditOutcome:
+    """Audit an archive alone: no database needed or touched. With `trust` (raw Ed25519
+    public keys) its detached signature must be valid and by one of them (core.provenance)."""
     settings = settings or Settings()
-    if on_ray:
+    if on_ray and trust is None:
         from cluster.audit import audit_on_cluster
 
-        report = audit_on_cluster(Path(path), settings=settings)
+        report = audit_on_cluster(Path(path), settings=settings, **({"max_mib": max_mib} if max_mib else {}))
     else:
-        report = audit_archive(Path(path))
+        report = audit_archive(Path(path), trust=trust, max_mib=max_mib)
     return AuditOutcome(report, Path(path), None, None, platform.node(), False, None)
 
 
@@ -76,7 +78,7 @@ def select_screens(store, refs: list[str], *, all_screens: bool = False, since: 
 
 def audit_screens(store, screen_ids: list[int], *, on_ray: bool = False, settings: Settings | None = None,
                   archive: Path | None = None, concurrency: int = 8, other_node: bool | None = None,
-                  repeat: int = 1) -> list[AuditOutcome]:
+                  repeat: int = 1, max_mib: int | None = None) -> list[AuditOutcome]:
     """Audit the latest attempt of each screen against the database and record every audit.
 
     With `on_ray` the audits fan out over the cluster (cluster/audit.py): at most
@@ -91,6 +93,8 @@ def audit_screens(store, screen_ids: list[int], *, on_ray: bool = False, setting
             raise PackbenchError(f"screen {screen_id} has not run yet; run `packbench dispatch` first")
         compare = dict(expected_sha256=attempt.archive_sha256, db_verdicts=verdict_dicts(store.verdicts(attempt.id)),
                        db_episodes=episode_dicts(store.episodes(attempt.id)))
+        if max_mib is not None:
+            compare["max_mib"] = max_mib
         jobs.append((screen_id, attempt, Path(archive or attempt.archive_path), compare))
     if on_ray:
         from cluster.audit import AuditJob, fan_out
@@ -103,7 +107,8 @@ def audit_screens(store, screen_ids: list[int], *, on_ray: bool = False, setting
     else:
         if repeat > 1:
             raise PackbenchError("--repeat runs audits on distinct nodes; add --ray")
-        results = [(job, audit_archive(job[2], **job[3]), platform.node(), None) for job in jobs]
+        results = [(job, audit_archive(job[2], **job[3], **_signed_by(store, job[1])), platform.node(), None)
+                   for job in jobs]
         kind = "local"
     outcomes = []
     for (screen_id, attempt, path, _), report, node, error in results:
@@ -119,6 +124,15 @@ def audit_screens(store, screen_ids: list[int], *, on_ray: bool = False, setting
             continue
         outcomes.append(AuditOutcome(report, path, screen_id, attempt.number, node, True, None))
     return outcomes
+
+
+def _signed_by(store, attempt) -> dict:
+    """A local audit of a signed attempt also checks its signature, against the key the database
+    says signed it (a database row and an archive rewritten together would still be caught)."""
+    if getattr(attempt, "signer_key_id", None) is None:
+        return {}
+    keys = [bytes.fromhex(s.public_key) for s in store.signers() if s.key_id == attempt.signer_key_id]
+    return {"trust": keys}
 
 
 def repeat_disagreements(outcomes: list[AuditOutcome]) -> list[str]:

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from core.archive import ArchiveWriter
+from core.errors import PackbenchError
 from core.gates import compute_verdicts
 from core.plan import plan
 from core.protocol import Protocol, expand
@@ -45,7 +46,7 @@ class ScreenRun:
     """
 
     def __init__(self, store, *, screen, attempt, protocol: Protocol | dict, archive_path: Path,
-                 freeze: dict, progress: Callable[..., None] = lambda msg, **event: None) -> None:
+                 freeze: dict, progress: Callable[..., None] = lambda msg, **event: None, signer=None) -> None:
         self.store, self.screen, self.attempt = store, screen, attempt
         self.protocol = expand(protocol)
         self.archive_path = Path(archive_path)
@@ -56,6 +57,7 @@ class ScreenRun:
         self.start: dict | None = None
         self.env: dict | None = None
         self.freeze = freeze
+        self.signer = signer  # core.provenance.Signer: signs the sealed archive (<archive>.sig); None: unsigned
         # Driver-side clock (perf_counter) for bench/cluster.py: claim, model ready, per episode.
         self.t_created = time.perf_counter()
         self.t_loaded: float | None = None
@@ -77,7 +79,7 @@ class ScreenRun:
         self.t_loaded = time.perf_counter()
         self.writer.add_json("plan.json", {"entries": self.entries, "prompts": token_ids})
         self.writer.add_json("worker.json", {"environment": self.env, "start": start,
-                                             "model_dir": self.screen.model_dir})
+                                             "model_dir": self.screen.model_dir, "source_freeze": self.freeze})
         self.progress(f"screen {self.screen.id} attempt {self.attempt.number}: {len(self.entries)} episodes "
                       f"on {self.env['device']}", screen=self.screen.id, done=0, total=len(self.entries),
                       condition=None)
@@ -103,6 +105,16 @@ class ScreenRun:
         sha = self.writer.seal({"protocol_sha256": self.protocol.sha256, "screen_id": self.screen.id,
                                 "attempt": self.attempt.number, "environment": self.env,
                                 "source_freeze": self.freeze})
+        key_id = None
+        if self.signer is not None:
+            try:
+                self.signer.sign_archive(self.archive_path, sha, self.writer.manifest_sha256)
+                key_id = self.signer.key_id
+            except (OSError, PackbenchError) as e:  # the archive stays valid, unsigned: --trust refuses it
+                log.warning("screen %s: archive not signed: %s", self.screen.id, e)
+        model_sha = (self.start or {}).get("model_sha256")
+        if key_id is not None or model_sha is not None:
+            self.store.set_attempt_evidence(self.attempt.id, model_sha256=model_sha, signer_key_id=key_id)
         self.store.put_verdicts(self.attempt.id, verdicts)
         self.store.finish_attempt(self.attempt.id, status="done", archive_sha256=sha)
         log.info("screen %s attempt %s done: %s", self.screen.id, self.attempt.number, self.archive_path)

@@ -14,7 +14,7 @@ def schema1_form(full: dict) -> dict | None:
     gates = full["gates"]
     acq = gates.get("acquisition", [{"phase": "all"}])
     expressible = (
-        "path" in full["model"]
+        "path" in full["model"] and "sha256" not in full["model"]
         and ("token_ids" in full["prompts"] or "generator" in full["prompts"])
         and all(c["policy"] in SCHEMA1_POLICIES and not c["params"] for c in full["conditions"])
         and len(set(full["warmups"].values())) == 1

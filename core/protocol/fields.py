@@ -87,5 +87,5 @@ def _token_lists(ids: Any, path: str) -> list[list[int]]:
         if not isinstance(prompt, list) or not prompt:
             _fail(f"{path}[{i}]", f"{_show(prompt)} is not allowed; expected a non-empty list of token ids")
         for j, t in enumerate(prompt):
-            _int(t, f"{path}[{i}][{j}]", minimum=0)
+            _int(t, f"{path}[{i}][{j}]", minimum=0, maximum=(1 << 31) - 1)  # a vocabulary index
     return ids

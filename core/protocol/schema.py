@@ -36,8 +36,16 @@ SCHEMA_VERSION = 2  # the newest schema this packbench reads and writes
 MIB = 1 << 20
 # Bounds no real screen reaches: a hostile protocol.json must not make a plan or the generated
 # prompts exhaust an auditor's memory.
-MAX_TOKENS = 1 << 16  # prefix_tokens, continuation_tokens
+MAX_TOKENS = 1 << 16  # prefix_tokens
+MAX_CONTINUATION = 8192  # continuation_tokens: calls per episode (ledger and logits rows)
 MAX_EPISODES = 100_000  # planned episodes, warmups included
+MAX_CONDITIONS = 16
+MAX_PROMPTS = 100_000
+MAX_PROMPT_TOKENS = 1 << 21  # prompts x prefix_tokens: the token ids plan.json holds (<= ~13 MB of JSON)
+MAX_RESAMPLES = 100_000  # per runtime gate entry
+# Draws of every runtime bootstrap of a screen together: sum over runtime entries and compared
+# conditions of resamples x pairs. 2**27 draws take ~2-4 s on one core (docs/benchmarks.md).
+MAX_BOOTSTRAP_DRAWS = 1 << 27
 
 
 ORDERS = ("alternating", "abba", "latin-square")
@@ -54,11 +62,20 @@ _SHA256 = re.compile(r"[0-9a-f]{64}")
 
 
 def _model(value: Any) -> dict:
-    m = _mapping(value, "model", allowed={"path": False, "synth": False})
+    m = _mapping(value, "model", allowed={"path": False, "synth": False, "sha256": False})
     if ("path" in m) == ("synth" in m):
         _fail("model", "give exactly one of path (a local checkpoint directory) or synth (a synthetic spec)")
+    if "sha256" in m and "path" not in m:
+        _fail("model.sha256", "pins a model.path checkpoint's content (a synthetic model is pinned by its spec)")
     if "path" in m:
-        return {"path": _string(m["path"], "model.path", "a path to a local Hugging Face OPT directory")}
+        out = {"path": _string(m["path"], "model.path", "a path to a local Hugging Face OPT directory")}
+        if "sha256" in m:
+            # The checkpoint's content digest (core.provenance.checkpoint_digest; the start record of a run shows it):
+            # a worker whose checkpoint hashes otherwise refuses the screen before loading it.
+            if not isinstance(m["sha256"], str) or not _SHA256.fullmatch(m["sha256"]):
+                _fail("model.sha256", f"{_show(m['sha256'])} is not allowed; expected 64 lowercase hex digits")
+            out["sha256"] = m["sha256"]
+        return out
     s = _mapping(m["synth"], "model.synth", allowed={
         "shape": True, "dtype": True, "sparsity": True, "seed": True, "hot_fraction": False, "hot_bias": False})
     try:
@@ -75,7 +92,7 @@ def _prompt_file(kind: str, value: Any, *, base_dir: Path | None, prefix_tokens:
     if "sha256" in spec and (not isinstance(spec["sha256"], str) or not _SHA256.fullmatch(spec["sha256"])):
         _fail(f"{path}.sha256", f"{_show(spec['sha256'])} is not allowed; expected 64 lowercase hex digits")
     if "count" in spec:
-        _int(spec["count"], f"{path}.count", minimum=1)
+        _int(spec["count"], f"{path}.count", minimum=1, maximum=MAX_PROMPTS)
     if base_dir is None:
         # A frozen body (re-read from a database or an archive): the file is not at hand.
         if "sha256" not in spec or "count" not in spec:
@@ -104,10 +121,14 @@ def _prompts(value: Any, *, base_dir: Path | None, prefix_tokens: int) -> dict:
     if kind == "generator":
         g = _mapping(spec, "prompts.generator", allowed={"seed": True, "count": True})
         return {"generator": {"seed": _int(g["seed"], "prompts.generator.seed", minimum=0),
-                              "count": _int(g["count"], "prompts.generator.count", minimum=1)}}
+                              "count": _int(g["count"], "prompts.generator.count", minimum=1, maximum=MAX_PROMPTS)}}
     if kind == "token_ids":
         ids = _token_lists(spec, "prompts.token_ids")
+        if len(ids) > MAX_PROMPTS:
+            _fail("prompts.token_ids", f"{len(ids)} prompts, more than {MAX_PROMPTS}")
         for i, prompt in enumerate(ids):
+            if len(prompt) > MAX_TOKENS:
+                _fail(f"prompts.token_ids[{i}]", f"has {len(prompt)} ids, more than {MAX_TOKENS}")
             if len(prompt) < prefix_tokens:
                 _fail(f"prompts.token_ids[{i}]", f"has {len(prompt)} ids, fewer than prefix_tokens={prefix_tokens}")
         return {"token_ids": ids}
@@ -139,6 +160,8 @@ def _params(policy: str, value: Any, path: str) -> dict:
 def _conditions(value: Any) -> list[dict]:
     if not isinstance(value, list) or not value:
         _fail("conditions", f"{_show(value)} is not allowed; expected a non-empty list of {{name, policy, params}}")
+    if len(value) > MAX_CONDITIONS:
+        _fail("conditions", f"{len(value)} conditions, more than {MAX_CONDITIONS}; split the screen")
     out, names = [], set()
     for i, c in enumerate(value):
         path = f"conditions[{i}]"
@@ -162,8 +185,8 @@ def _warmups(value: Any, names: tuple[str, ...]) -> dict[str, int]:
         for name in names:
             if name not in value:
                 _fail(f"warmups.{name}", "is required; list every condition or give one integer")
-        return {name: _int(value[name], f"warmups.{name}", minimum=0) for name in names}
-    n = _int(value, "warmups", minimum=0)
+        return {name: _int(value[name], f"warmups.{name}", minimum=0, maximum=MAX_EPISODES) for name in names}
+    n = _int(value, "warmups", minimum=0, maximum=MAX_EPISODES)
     return {name: n for name in names}
 
 
@@ -191,7 +214,7 @@ def _comparisons(value: Any, path: str, names: tuple[str, ...], *, extra: dict[s
             out[-1].update(
                 confidence=_number(g.get("confidence", 0.95), f"{where}.confidence", minimum=0.0, exclusive=True,
                                    maximum=1.0),
-                resamples=_int(g.get("resamples", 10000), f"{where}.resamples", minimum=100),
+                resamples=_int(g.get("resamples", 10000), f"{where}.resamples", minimum=100, maximum=MAX_RESAMPLES),
                 seed=_int(g.get("seed", 0), f"{where}.seed", minimum=0))
     return sorted(out, key=lambda g: PHASES.index(g["phase"]))
 
@@ -270,11 +293,12 @@ def _full(raw: Any, *, base_dir: Path | None) -> dict:
         "dtype": _choice(p["dtype"], "dtype", DTYPE_NAMES),
         "prompts": _prompts(p["prompts"], base_dir=base_dir, prefix_tokens=prefix),
         "prefix_tokens": prefix,
-        "continuation_tokens": _int(p["continuation_tokens"], "continuation_tokens", minimum=1, maximum=MAX_TOKENS),
+        "continuation_tokens": _int(p["continuation_tokens"], "continuation_tokens", minimum=1,
+                                    maximum=MAX_CONTINUATION),
         "conditions": conditions,
         "reference": _choice(p["reference"], "reference", names),
         "warmups": _warmups(p.get("warmups", 1), names),
-        "repetitions": _int(p.get("repetitions", 1), "repetitions", minimum=1),
+        "repetitions": _int(p.get("repetitions", 1), "repetitions", minimum=1, maximum=MAX_EPISODES),
         "order": _choice(p.get("order", "alternating"), "order", ORDERS),
         "baseline_first": _bool(p.get("baseline_first", True), "baseline_first"),
         "allowance_mib": _int(p["allowance_mib"], "allowance_mib", minimum=1),
@@ -306,6 +330,15 @@ def _cross_checks(full: dict) -> None:
     if episodes > MAX_EPISODES:
         _fail("repetitions", f"the plan would hold {episodes} episodes, more than {MAX_EPISODES}; "
                              f"split the screen into shorter protocols")
+    prompts_n = prompt_total(full["prompts"])
+    if prompts_n > MAX_PROMPTS or prompts_n * full["prefix_tokens"] > MAX_PROMPT_TOKENS:
+        _fail("prompts", f"{prompts_n} prompts of {full['prefix_tokens']} tokens: more than {MAX_PROMPTS} prompts "
+                         f"or {MAX_PROMPT_TOKENS} prompt tokens; split the screen")
+    pairs = full["repetitions"] * prompts_n  # scored episodes per condition: the bootstrap's pairs
+    draws = sum(g["resamples"] * pairs * (len(full["conditions"]) - 1) for g in gates.get("runtime", []))
+    if draws > MAX_BOOTSTRAP_DRAWS:
+        _fail("gates.runtime", f"the runtime bootstraps would draw {draws} pair indices (resamples x pairs x "
+                               f"compared conditions), more than {MAX_BOOTSTRAP_DRAWS}; lower resamples")
     if not full["recording"] and "acquisition" in gates:
         _fail("gates.acquisition", "needs recording: true (byte counts come from the per-call ledger)")
 

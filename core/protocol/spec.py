@@ -39,6 +39,7 @@ class ModelSpec:
 
     path: str | None
     synth: SynthSpec | None
+    sha256: str | None = None  # a model.path checkpoint's pinned content digest (core.provenance)
 
 
 @dataclass(frozen=True)
@@ -217,7 +218,8 @@ def expand(body: Any) -> Protocol:
     synth = model.get("synth")
     return Protocol(
         body=_freeze_data(frozen), sha256=sha256_hex(canonical_json(frozen)), name=full["name"],
-        model=ModelSpec(path=model.get("path"), synth=None if synth is None else SynthSpec(**synth)),
+        model=ModelSpec(path=model.get("path"), synth=None if synth is None else SynthSpec(**synth),
+                        sha256=model.get("sha256")),
         dtype=full["dtype"], prompts=_prompt_spec(full["prompts"]), prefix_tokens=full["prefix_tokens"],
         continuation_tokens=full["continuation_tokens"],
         conditions=tuple(Condition(c["name"], c["policy"], MappingProxyType(dict(c["params"])))

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from bench.audit import synthetic_protocol, write_synthetic_screen
-from core.archive import MANIFEST_NAME, ArchiveReader, ArchiveWriter
+from core.archive import MANIFEST_NAME, ArchiveReader, ArchiveWriter, expected_method
 from core.audit import audit_archive
 from core.canonical import canonical_json
 from core.errors import ArchiveError
@@ -50,6 +50,18 @@ def reseal(src: Path, dst: Path, *, replace=None, drop=(), seal=True, manifest=N
         old = json.loads(data[MANIFEST_NAME])
         w.seal({k: v for k, v in old.items() if k not in ("members", "format_version")} | (manifest or {}))
     return dst
+
+
+def exact_zip(path: Path, items: dict[str, bytes]) -> Path:
+    """Members written by zipfile in the writer's exact layout (fixed date, mode, method), in order:
+    what a forger who knows the format writes by hand."""
+    with zipfile.ZipFile(path, "w") as zf:
+        for name, raw in items.items():
+            info = zipfile.ZipInfo(name, date_time=(1980, 1, 1, 0, 0, 0))
+            info.create_system = 3
+            info.external_attr = (stat.S_IFREG | 0o644) << 16
+            zf.writestr(info, raw, compress_type=zipfile.ZIP_STORED if name.endswith('.npy') else zipfile.ZIP_DEFLATED)
+    return path
 
 
 def _npy(arr: np.ndarray) -> bytes:
@@ -194,7 +206,8 @@ def _loosen(body):
     ("protocol.json", _loosen, "manifest protocol_sha256 does not match protocol.json"),
     ("protocol.json", lambda b: b.pop("recording"), "protocol.json is not in frozen form"),
     ("protocol.json", lambda b: b.update(order="spiral"), "cannot recompute: protocol.json is not a valid frozen protocol"),
-    ("protocol.json", lambda b: b.update(repetitions=10**12), "the plan would hold"),  # refused before planning
+    ("protocol.json", lambda b: b.update(repetitions=10**12), "`repetitions`: 1000000000000 is not an integer in [1, 100000]"),  # refused before planning
+    ("protocol.json", lambda b: b.update(repetitions=50_000), "the plan would hold"),
 ])
 def test_recomputation_catches_what_hashes_cannot(screen, tmp_path, member, forge, expected):
     forged = reseal(screen["path"], tmp_path / "forged.zip", replace={member: forge})
@@ -374,9 +387,7 @@ def test_a_manifest_that_lies_about_sizes_is_named_before_reading(screen, tmp_pa
     manifest = json.loads(data[MANIFEST_NAME])
     manifest["members"]["logits/00002.npy"]["size"] = 10**12
     path = tmp_path / "lying.zip"
-    with zipfile.ZipFile(path, "w") as zf:
-        for name, raw in data.items():
-            zf.writestr(name, canonical_json(manifest) if name == MANIFEST_NAME else raw)
+    exact_zip(path, {name: canonical_json(manifest) if name == MANIFEST_NAME else raw for name, raw in data.items()})
     report = audit_archive(path)
     assert any(p.startswith(f"size mismatch for member logits/00002.npy: manifest says {10**12}")
                for p in report.problems)
@@ -413,7 +424,10 @@ def test_a_member_named_inside_another_problem_is_still_trusted(screen, tmp_path
     with zipfile.ZipFile(path, "a") as zf:
         zf.writestr(hostile, b"{}")
     report = audit_archive(path)
-    assert report.problems == [f"unsafe member name {hostile} (has characters outside [A-Za-z0-9._/-])"]
+    assert f"unsafe member name {hostile} (has characters outside [A-Za-z0-9._/-])" in report.problems
+    # The appended entry also breaks the exact layout (manifest not last, zipfile's own header fields).
+    assert all(p.startswith("layout: ") or p.startswith(f"member {hostile!r} is not part of the archive")
+               for p in report.problems if not p.startswith("unsafe member name"))
     clean = audit_archive(screen["path"]).record
     assert report.record["protocol_sha256"] == clean["protocol_sha256"]
     assert report.record["episodes"] == clean["episodes"] == 10
@@ -431,9 +445,7 @@ def test_exactly_the_members_verify_names_are_distrusted(screen, tmp_path, membe
     """An altered member (sha256 mismatch) is not used for recomputation; its neighbours are."""
     data = members(screen["path"])
     path = tmp_path / "altered.zip"
-    with zipfile.ZipFile(path, "w") as zf:
-        for name, raw in data.items():
-            zf.writestr(name, raw[:-1] + bytes([raw[-1] ^ 1]) if name == member else raw)
+    exact_zip(path, {name: raw[:-1] + bytes([raw[-1] ^ 1]) if name == member else raw for name, raw in data.items()})
     report = audit_archive(path)
     assert f"altered member {member} (sha256 mismatch)" in report.problems
     assert expected in report.problems

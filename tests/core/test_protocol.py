@@ -168,9 +168,13 @@ def _runtime(d, **kw):
     (lambda d: d.update(reference="nope"), "`reference`: 'nope' is not allowed; use one of dense-stream, packet"),
     (lambda d: d.pop("gates"), "`gates`: is required"),
     (lambda d: d.update(prefix_tokens=0), "`prefix_tokens`: 0 is not an integer in [1, 65536]"),
-    (lambda d: d.update(continuation_tokens=10**9), "`continuation_tokens`: 1000000000 is not an integer in [1, 65536]"),
-    (lambda d: d.update(repetitions=10**9), "`repetitions`: the plan would hold 6000000002 episodes, more than 100000"),
-    (lambda d: d["prompts"]["generator"].update(count=10**6), "the plan would hold 2000002 episodes"),
+    (lambda d: d.update(continuation_tokens=10**9), "`continuation_tokens`: 1000000000 is not an integer in [1, 8192]"),
+    (lambda d: d.update(repetitions=10**9), "`repetitions`: 1000000000 is not an integer in [1, 100000]"),
+    (lambda d: d.update(repetitions=40_000), "`repetitions`: the plan would hold 240002 episodes, more than 100000"),
+    (lambda d: d["prompts"]["generator"].update(count=10**6), "`prompts.generator.count`: 1000000 is not an integer in [1, 100000]"),
+    (lambda d: d["prompts"]["generator"].update(count=60_000), "the plan would hold 120002 episodes"),
+    (lambda d: _runtime(d, resamples=100_001), "`gates.runtime.resamples`: 100001 is not an integer in [100, 100000]"),
+    (lambda d: d.update(conditions=[{"name": f"c{i}", "policy": "packet"} for i in range(17)]), "`conditions`: 17 conditions, more than 16"),
     (lambda d: d["gates"].update(acquisition={"control": "dense-stream"}), "`gates.acquisition.max_ratio`: is required"),
     (lambda d: d["gates"]["faithfulness"].update(tol=1), "`gates.faithfulness.tol`: unknown field"),
     (lambda d: d.update(prompts={"token_ids": [[2, 3]]}), "has 2 ids, fewer than prefix_tokens=32"),
@@ -197,7 +201,7 @@ def _runtime(d, **kw):
     (lambda d: d["conditions"].append({"name": "a b", "policy": "packet"}), "`conditions[2].name`: 'a b' is not allowed"),
     (lambda d: d.update(order="random"), "`order`: 'random' is not allowed; use one of alternating, abba, latin-square"),
     (lambda d: d.update(baseline_first="yes"), "`baseline_first`: 'yes' is not allowed; use true or false"),
-    (lambda d: d.update(repetitions=0), "`repetitions`: 0 is not an integer >= 1"),
+    (lambda d: d.update(repetitions=0), "`repetitions`: 0 is not an integer in [1, 100000]"),
     (lambda d: d.update(warmups={"dense-stream": 1}), "`warmups.packet`: is required; list every condition"),
     (lambda d: d.update(warmups={"dense-stream": 1, "packet": 1, "lru": 1}),
      "`warmups.lru`: unknown condition; use one of dense-stream, packet"),
@@ -211,7 +215,7 @@ def _runtime(d, **kw):
      "`gates.acquisition[1].phase`: 'decode' is already gated; give one entry per phase"),
     (lambda d: d["gates"].update(acquisition=[]), "`gates.acquisition`: expected a mapping or a non-empty list"),
     (lambda d: _runtime(d, confidence=1.0), "`gates.runtime.confidence`: 1.0 is not a finite number > 0.0 and < 1.0"),
-    (lambda d: _runtime(d, resamples=10), "`gates.runtime.resamples`: 10 is not an integer >= 100"),
+    (lambda d: _runtime(d, resamples=10), "`gates.runtime.resamples`: 10 is not an integer in [100, 100000]"),
     (lambda d: _runtime(d, max_ratio=0), "`gates.runtime.max_ratio`: 0 is not a finite number > 0.0"),
     (lambda d: _runtime(d, control="lru"), "`gates.runtime.control`: 'lru' is not allowed; use one of dense-stream, packet"),
     (lambda d: d["gates"].update(useful_latency={"max_first_episode_s": 5}),
@@ -319,7 +323,7 @@ def test_token_file_pins_and_errors(tmp_path):
     with pytest.raises(ProtocolError, match="is not JSON"):
         load(write_protocol(tmp_path, prompts={"token_file": "../ids.json"}))
     (tmp_path / "ids.json").write_text('[[2, 3, "x", 5]]')
-    with pytest.raises(ProtocolError, match=r"ids.json\)\[0\]\[2\]`: 'x' is not an integer >= 0"):
+    with pytest.raises(ProtocolError, match=r"ids.json\)\[0\]\[2\]`: 'x' is not an integer in \[0, 2147483647\]"):
         load(write_protocol(tmp_path, prompts={"token_file": "../ids.json"}))
 
 

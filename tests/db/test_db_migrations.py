@@ -16,7 +16,7 @@ from db.models import Base
 from db.session import make_engine
 from db.store import Store
 
-TABLES = {"protocols", "machines", "screens", "attempts", "episodes", "verdicts", "audits", "dispatchers"}
+TABLES = {"protocols", "machines", "screens", "attempts", "episodes", "verdicts", "audits", "dispatchers", "signers"}
 
 
 def revisions_oldest_first() -> list[str]:

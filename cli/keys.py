@@ -1,0 +1,61 @@
+"""`packbench keys`: the deployment's archive signing key and the keys it trusts.
+
+init      create an Ed25519 key (private PEM 0600, never in an archive or the database) and
+          register its public half in the database as this deployment's own
+register  trust another lab's public key (for `packbench ingest`)
+list      the registered keys
+"""
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from cli.common import DbUrl, open_store
+
+DEFAULT_KEY = Path("~/.config/packbench/signing-key.pem")
+
+keys_app = typer.Typer(no_args_is_help=True, help="Archive signing keys (Ed25519): create, trust, list.")
+
+
+@keys_app.command("init")
+def keys_init(
+    key: Annotated[Path, typer.Option(help="Where to write the private key (its public half goes to KEY.pub).")] = DEFAULT_KEY,
+    name: Annotated[str, typer.Option(help="A name for this deployment's key in the database.")] = "local",
+    db: DbUrl = None,
+    no_db: Annotated[bool, typer.Option("--no-db", help="Write the key files only.")] = False,
+) -> None:
+    """Create this deployment's signing key; the dispatcher signs sealed archives with it
+    (--signing-key / PACKBENCH_SIGNING_KEY)."""
+    from core.provenance import generate_key, load_public_key
+
+    path, pub, kid = generate_key(key.expanduser())
+    typer.echo(f"wrote signing key {path} (keep it private) and public key {pub}; key id {kid}")
+    if not no_db:
+        open_store(db).put_signer(key_id=kid, public_key=load_public_key(pub).hex(), name=name, local=True)
+        typer.echo(f"registered key {kid} as {name!r} (this deployment's own)")
+
+
+@keys_app.command("register")
+def keys_register(
+    public_key: Annotated[Path, typer.Argument(help="Another lab's .pub file.")],
+    name: Annotated[str, typer.Option(help="Whose key it is (shown by `keys list` and `compare`).")],
+    db: DbUrl = None,
+) -> None:
+    """Trust another lab's public key for `packbench ingest`."""
+    from core.provenance import key_id, load_public_key
+
+    raw = load_public_key(public_key)
+    row = open_store(db).put_signer(key_id=key_id(raw), public_key=raw.hex(), name=name, local=False)
+    typer.echo(f"trusting key {row.key_id} as {row.name!r}")
+
+
+@keys_app.command("list")
+def keys_list(db: DbUrl = None) -> None:
+    """The registered public keys."""
+    for s in open_store(db).signers():
+        typer.echo(f"{s.key_id}  {'local ' if s.local else 'remote'}  {s.name}")
+
+
+def register(app: typer.Typer) -> None:
+    app.add_typer(keys_app, name="keys")

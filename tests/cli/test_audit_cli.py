@@ -1,0 +1,110 @@
+"""`packbench audit --archive`, `keys` and `ingest` exit codes (docs/archive.md): 0 agree, 1
+disagree or refused evidence, 2 usage or unreadable input; the audit's own result is printed
+even when recording it fails."""
+
+import hashlib
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bench.audit import synthetic_protocol, write_synthetic_screen
+from core.archive import MANIFEST_NAME, ArchiveReader, file_sha256
+from core.provenance import Signer
+from db.store import Store
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def cli(*args: str, cwd: Path, db: Path | str) -> subprocess.CompletedProcess:
+    url = db if isinstance(db, str) else f"sqlite:///{db}"
+    env = dict(os.environ, PACKBENCH_DB_URL=url, PYTHONPATH=str(ROOT), RAY_AUTH_MODE="disabled")
+    env.pop("PACKBENCH_SIGNING_KEY", None)
+    return subprocess.run([sys.executable, "-m", "cli", *args], cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=300)
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory) -> dict:
+    d = tmp_path_factory.mktemp("cli-audit")
+    archive = d / "screen.zip"
+    write_synthetic_screen(archive, synthetic_protocol(prompts_n=2, repetitions=2))
+    db = d / "packbench.db"
+    assert cli("db", "upgrade", cwd=d, db=db).returncode == 0
+    r = cli("keys", "init", "--key", str(d / "lab.pem"), "--name", "this lab", cwd=d, db=db)
+    assert r.returncode == 0, r.stderr
+    signer = Signer.load(d / "lab.pem")
+    signed = d / "signed.zip"
+    signed.write_bytes(archive.read_bytes())
+    with ArchiveReader(signed) as reader:
+        manifest_sha = hashlib.sha256(reader.read_bytes(MANIFEST_NAME)).hexdigest()
+    signer.sign_archive(signed, file_sha256(signed), manifest_sha)
+    return {"dir": d, "archive": archive, "signed": signed, "db": db, "pub": d / "lab.pem.pub", "key_id": signer.key_id}
+
+
+def test_agree_is_0_and_disagree_is_1(world):
+    d = world["dir"]
+    r = cli("audit", "--archive", str(world["archive"]), cwd=d, db=world["db"])
+    assert r.returncode == 0 and "AGREE" in r.stdout, (r.stdout, r.stderr)
+    forged = d / "forged.zip"
+    raw = bytearray(world["archive"].read_bytes())
+    raw[len(raw) // 2] ^= 0x01
+    forged.write_bytes(bytes(raw))
+    r = cli("audit", "--archive", str(forged), cwd=d, db=world["db"])
+    assert r.returncode == 1 and "DISAGREE" in r.stdout, (r.stdout, r.stderr)
+
+
+def test_unreadable_input_is_2_without_a_traceback(world):
+    d = world["dir"]
+    junk = d / "junk.zip"
+    junk.write_bytes(b"this is not a zip at all" * 10)
+    r = cli("audit", "--archive", str(junk), cwd=d, db=world["db"])
+    assert r.returncode == 2 and "Traceback" not in r.stderr, (r.stdout, r.stderr)
+    assert "not a readable zip archive" in r.stdout
+    r = cli("audit", "--archive", str(d / "absent.zip"), cwd=d, db=world["db"])
+    assert r.returncode == 2 and r.stderr.strip().startswith("error: no archive at"), r.stderr
+    r = cli("audit", "--archive", str(world["archive"]), "--trust", str(junk), cwd=d, db=world["db"])
+    assert r.returncode == 2 and "Traceback" not in r.stderr and "public key" in r.stderr, r.stderr
+
+
+def test_trust_accepts_only_a_valid_signature_by_a_trusted_key(world, tmp_path):
+    d = world["dir"]
+    r = cli("audit", "--archive", str(world["signed"]), "--trust", str(world["pub"]), cwd=d, db=world["db"])
+    assert r.returncode == 0, (r.stdout, r.stderr)
+    assert f"signature: valid, by trusted key {world['key_id']}" in r.stdout
+    r = cli("audit", "--archive", str(world["archive"]), "--trust", str(world["pub"]), cwd=d, db=world["db"])
+    assert r.returncode == 1 and "signature: unsigned" in r.stdout, r.stdout
+    other = tmp_path / "other.pem"
+    assert cli("keys", "init", "--key", str(other), "--no-db", cwd=d, db=world["db"]).returncode == 0
+    r = cli("audit", "--archive", str(world["signed"]), "--trust", str(other) + ".pub", cwd=d, db=world["db"])
+    assert r.returncode == 1 and "which is not trusted here" in r.stdout, r.stdout
+
+
+def test_ingest_records_agreeing_signed_evidence_once_and_refuses_the_rest(world):
+    d, db = world["dir"], world["db"]
+    before = len(Store(f"sqlite:///{db}").list_screens())
+    r = cli("ingest", str(world["archive"]), cwd=d, db=db)  # unsigned: refused, nothing written
+    assert r.returncode == 1 and "signature: unsigned" in r.stdout, (r.stdout, r.stderr)
+    assert len(Store(f"sqlite:///{db}").list_screens()) == before
+    r = cli("ingest", str(world["signed"]), cwd=d, db=db)  # the key registered by `keys init`
+    assert r.returncode == 0, (r.stdout, r.stderr)
+    assert "ingested" in r.stdout and world["key_id"] in r.stdout
+    store = Store(f"sqlite:///{db}")
+    screens = store.list_screens()
+    assert len(screens) == before + 1
+    attempt = store.latest_attempt(screens[-1].id)
+    assert attempt.signer_key_id == world["key_id"] and attempt.ingested_from
+    assert len(store.episodes(attempt.id)) == 10 and store.verdicts(attempt.id)
+    r = cli("ingest", str(world["signed"]), cwd=d, db=db)  # the same archive twice
+    assert r.returncode == 1 and "already in this database" in r.stdout, (r.stdout, r.stderr)
+    assert len(Store(f"sqlite:///{db}").list_screens()) == before + 1
+    # The ingested screen audits against the database like any other.
+    r = cli("audit", str(screens[-1].id), cwd=d, db=db)
+    assert r.returncode == 0 and "AGREE" in r.stdout, (r.stdout, r.stderr)
+    assert f"signature: valid, by trusted key {world['key_id']}" in r.stdout  # the signer the row names
+    # Against a read-only database: the audit's own result first, then the recording error, exit 2.
+    r = cli("audit", str(screens[-1].id), cwd=d, db=f"sqlite:///file:{db}?mode=ro&uri=true")
+    assert "AGREE" in r.stdout, (r.stdout, r.stderr)
+    assert r.returncode == 2 and "was not recorded" in r.stderr and "Traceback" not in r.stderr, r.stderr

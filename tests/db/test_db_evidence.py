@@ -1,0 +1,55 @@
+"""0005 evidence columns and tables on every backend: signers, attempt evidence, ingest in one
+transaction (nothing partial)."""
+
+import pytest
+
+from db.errors import Conflict
+from db.store import Store
+
+EPISODE = {"plan_index": 0, "condition": "dense-stream", "role": "warmup", "prompt": 0, "status": "ok",
+           "tokens": [1, 2], "wall_s": 1.0, "call_s": 0.5}
+VERDICT = {"gate": "faithfulness", "condition": "dense-stream", "phase": "all", "passed": True, "value": 0.0,
+           "threshold": 0.0, "interval": None, "episodes": [0], "detail": "ok"}
+
+
+def ingest(store: Store, sha: str, **over):
+    kw = dict(protocol_sha256="p" * 64, protocol_name="x", protocol_json='{"name":"x"}',
+              machine={"host": "lab-b", "gpu_name": "H200"},
+              attempt={"archive_path": "/a.zip", "archive_sha256": sha, "ingested_from": "lab-b",
+                       "signer_key_id": "0123456789abcdef", "model_sha256": "m" * 64},
+              episodes=[EPISODE], verdicts=[VERDICT])
+    kw.update(over)
+    return store.ingest_attempt(**kw)
+
+
+def test_signers_are_registered_once(db_url):
+    with Store(db_url) as store:
+        store.upgrade()
+        first = store.put_signer(key_id="0123456789abcdef", public_key="ab" * 32, name="ours", local=True)
+        again = store.put_signer(key_id="0123456789abcdef", public_key="ab" * 32, name="renamed")
+        assert first == again and first.local and first.name == "ours"
+        assert [s.key_id for s in store.signers()] == ["0123456789abcdef"]
+
+
+def test_ingest_writes_everything_or_nothing(db_url):
+    with Store(db_url) as store:
+        store.upgrade()
+        row = ingest(store, "a" * 64)
+        assert row.status == "done" and row.ingested_from == "lab-b" and row.model_sha256 == "m" * 64
+        assert [e.plan_index for e in store.episodes(row.id)] == [0]
+        assert [v.gate for v in store.verdicts(row.id)] == ["faithfulness"]
+        with pytest.raises(Conflict, match="already in this database"):
+            ingest(store, "a" * 64)
+        screens = len(store.list_screens())
+        with pytest.raises(Exception):
+            ingest(store, "b" * 64, verdicts=[{**VERDICT, "phase": "nonsense"}])  # violates a CHECK
+        assert len(store.list_screens()) == screens  # rolled back: no screen without its rows
+
+
+def test_attempt_evidence_is_recorded(db_url):
+    with Store(db_url) as store:
+        store.upgrade()
+        row = ingest(store, "c" * 64)
+        store.set_attempt_evidence(row.id, model_sha256="d" * 64, signer_key_id="fedcba9876543210")
+        got = store.latest_attempt(row.screen_id)
+        assert (got.model_sha256, got.signer_key_id) == ("d" * 64, "fedcba9876543210")

@@ -1,0 +1,37 @@
+"""Issue 10: what was measured is pinned. The worker records the checkpoint's content digest in
+its start record and refuses a protocol that pins another digest before loading anything."""
+
+import shutil
+
+import pytest
+
+from core.errors import CheckpointError
+from core.protocol import freeze
+from core.provenance import checkpoint_digest
+from engine.worker import Worker
+
+
+def body(path, **model):
+    return freeze({"name": "pin", "model": {"path": str(path), **model}, "dtype": "float32",
+                   "prompts": {"generator": {"seed": 0, "count": 1}}, "prefix_tokens": 4,
+                   "continuation_tokens": 2, "conditions": [{"policy": "dense-stream"}],
+                   "reference": "dense-stream", "warmups": 1, "allowance_mib": 64,
+                   "gates": {"faithfulness": {}}}).body
+
+
+def test_the_start_record_carries_the_digest_and_a_pin_is_enforced(tiny, tmp_path):
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(tiny, ckpt)
+    digest = checkpoint_digest(ckpt)
+    worker = Worker(device="cpu")
+    start = worker.load(body(ckpt, sha256=digest), str(ckpt))
+    assert start["model_sha256"] == digest
+    # Overwrite the weights (same names, new bytes): the pin refuses before loading them.
+    weights = sorted(ckpt.glob("*.safetensors"))[0]
+    raw = bytearray(weights.read_bytes())
+    raw[-1] ^= 0x01
+    weights.write_bytes(bytes(raw))
+    with pytest.raises(CheckpointError, match="the protocol pins"):
+        Worker(device="cpu").load(body(ckpt, sha256=digest), str(ckpt))
+    # Unpinned, the changed checkpoint runs, and its start record says what was measured.
+    assert Worker(device="cpu").load(body(ckpt), str(ckpt))["model_sha256"] == checkpoint_digest(ckpt) != digest
