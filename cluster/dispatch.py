@@ -35,6 +35,7 @@ from typing import Any, Callable
 from core.errors import PackbenchError
 from db.errors import DatabaseUnavailable
 from core.protocol import Protocol, expand
+from core.provenance import Signer
 from core.settings import Settings
 from core.source import source_freeze
 from service.screen import ScreenOutcome, ScreenRun, cause_of, is_bad_input
@@ -116,6 +117,8 @@ class Dispatcher:
         self.fatal: str | None = None  # why the dispatcher had to stop (the database stayed down)
         self.done = False
         self.freeze = source_freeze()
+        # The deployment's key signs every sealed archive (<archive>.sig, core/provenance.py).
+        self.signer = Signer.load(settings.signing_key) if settings.signing_key else None
         self.id: int | None = None
         self._next_upkeep = 0.0
         self._started = 0
@@ -347,7 +350,8 @@ class Dispatcher:
     def _start(self, slot: Slot, claim) -> None:
         protocol = expand(json.loads(claim.protocol.canonical_json))
         run = ScreenRun(self.store, screen=claim.screen, attempt=claim.attempt, protocol=protocol,
-                        archive_path=Path(claim.attempt.archive_path), freeze=self.freeze, progress=self.progress)
+                        archive_path=Path(claim.attempt.archive_path), freeze=self.freeze, progress=self.progress,
+                        signer=self.signer)
         active = Active(slot=slot, run=run, protocol=protocol)
         self.runs.append(run)
         slot.active = active

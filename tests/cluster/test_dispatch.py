@@ -309,6 +309,28 @@ def test_an_archive_missing_on_the_auditing_node_travels_as_bytes(tmp_path, stor
     assert _audit_here(str(tmp_path / "nowhere.zip"), None, {})["missing"] is True
 
 
+def test_a_dispatcher_with_a_signing_key_signs_every_archive(cluster, tmp_path, models, store):
+    """--signing-key: each sealed archive gets <archive>.sig; `audit --archive --trust` agrees with
+    the right public key and refuses another one."""
+    from core.audit import audit_archive
+    from core.provenance import generate_key, signature_path
+
+    key, pub, _ = generate_key(tmp_path / "deploy.pem")
+    _, other, _ = generate_key(tmp_path / "other.pem")
+    (screen_id,) = submit(store, protocol_file(tmp_path))
+    outcomes = dispatcher(store, settings(cluster, tmp_path, models, signing_key=key), workers=1, lease_s=30).run()
+    assert [o.status for o in outcomes] == ["done"]
+    archive = Path(store.latest_attempt(screen_id).archive_path)
+    assert signature_path(archive).is_file() and audit_archive(archive).agrees
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    trusted = subprocess.run([sys.executable, "-m", "cli", "audit", "--archive", str(archive), "--trust", str(pub)],
+                             capture_output=True, text=True, env=env)
+    assert trusted.returncode == 0, trusted.stdout[-1500:] + trusted.stderr[-1500:]
+    stranger = subprocess.run([sys.executable, "-m", "cli", "audit", "--archive", str(archive), "--trust", str(other)],
+                              capture_output=True, text=True, env=env)
+    assert stranger.returncode == 1
+
+
 def test_a_node_removed_mid_screen(cluster, tmp_path, models, store):
     """Runs last: it removes a node (and adds one back for whatever follows)."""
     (screen_id,) = submit(store, protocol_file(tmp_path, prompts=6, continuation=8))
