@@ -262,7 +262,12 @@ def compare(
         return
     if screen_a is None or screen_b is None:
         raise PackbenchError("give two screen ids (or `latest`), or --protocol SHA to compare machines")
-    c = open_store(db).compare(screen_a, screen_b)
+    store = open_store(db)
+    c = store.compare(screen_a, screen_b)
+    weights = [getattr(store.latest_attempt(side.screen_id), "model_sha256", None) for side in (c.a, c.b)]
+    if None not in weights and weights[0] != weights[1]:
+        typer.echo(f"warning: screens {c.a.screen_id} and {c.b.screen_id} measured different weights "
+                   f"(checkpoint digests {weights[0][:12]} and {weights[1][:12]})", err=True)
     if json_out:
         print_json(_plain(dataclasses.asdict(c)))
         return
@@ -296,6 +301,12 @@ def _compare_machines(store, protocol: str, *, json_out: bool) -> None:
                  "agree": "yes" if r.agree else "NO"} for r in c.rows]
         typer.echo(table(rows, ["gate", "condition", "phase", *labels, "agree"]) if rows else "no verdicts")
         typer.echo(f"verdicts agree across machines: {'yes' if c.agree else 'NO'}")
+    digests = {col.model_sha256 for col in c.columns}
+    if len(digests) > 1:
+        known = sorted(d[:12] for d in digests if d)
+        typer.echo(f"warning: the machines measured different weights (checkpoint digests "
+                   f"{', '.join(known) or 'unknown'}{' and unrecorded' if None in digests else ''}): "
+                   f"the same protocol hash does not mean the same model", err=True)
     if not c.agree:
         raise typer.Exit(1)
 

@@ -15,6 +15,7 @@ class MachineColumn:
     attempt: int
     machine: str  # host / GPU #index
     node: str
+    model_sha256: str | None = None  # what it measured (a digest of every checkpoint file)
 
 
 @dataclass(frozen=True)
@@ -33,6 +34,12 @@ class MachineComparison:
     columns: tuple[MachineColumn, ...]
     rows: tuple[VerdictRow, ...]
     skipped: tuple[str, ...] = field(default_factory=tuple)  # screens without a done attempt, and why
+
+    @property
+    def same_weights(self) -> bool:
+        """Every machine measured the same checkpoint bytes (unknown digests are not a match)."""
+        digests = {c.model_sha256 for c in self.columns}
+        return len(digests) <= 1 and None not in digests
 
     @property
     def agree(self) -> bool:
@@ -58,7 +65,7 @@ def compare_machines(store, protocol: str) -> MachineComparison:
         a = done[-1]
         m = store.machine(a.machine_id) if a.machine_id is not None else None
         where = f"{m.host if m else '?'} / {a.gpu_name} #{a.gpu_index}"
-        columns.append(MachineColumn(s.id, a.number, where, a.node))
+        columns.append(MachineColumn(s.id, a.number, where, a.node, a.model_sha256))
         verdicts.append({(v.gate, v.condition, v.phase): (v.passed, v.value) for v in store.verdicts(a.id)})
     keys = sorted({k for vs in verdicts for k in vs})
     rows = []

@@ -52,3 +52,18 @@ def test_machines_side_by_side_and_their_agreement(tmp_path):
     assert "faithfulness" in out.output and "NO" in out.output.split("faithfulness", 1)[1].splitlines()[0]
     bad = runner.invoke(app, ["compare", "1", "--protocol", "abab", "--db", url])
     assert bad.exit_code != 0
+
+
+def test_machines_that_measured_different_weights_are_named(tmp_path):
+    url = f"sqlite:///{tmp_path / 'pb.db'}"
+    with Store(url) as store:
+        store.upgrade()
+        p = store.put_protocol(sha256="ef" * 32, name="pinned", canonical_json="{}")
+        same = [verdict("faithfulness", "packet", True, 0.0)]
+        for host, digest in (("lab-a", "a" * 64), ("lab-b", "b" * 64)):
+            sid = screened(store, p, host=host, node=host, verdicts=same)
+            store.set_attempt_evidence(store.latest_attempt(sid).id, model_sha256=digest, signer_key_id=None)
+    out = CliRunner().invoke(app, ["compare", "--protocol", "pinned", "--db", url])
+    assert out.exit_code == 0 and "measured different weights" in out.output and "aaaaaaaaaaaa" in out.output
+    data = json.loads(CliRunner().invoke(app, ["compare", "--protocol", "pinned", "--db", url, "--json"]).stdout)
+    assert {c["model_sha256"] for c in data["columns"]} == {"a" * 64, "b" * 64}
