@@ -81,13 +81,16 @@ kill -TERM $holder; wait $holder; echo "holder dispatcher rc $?"; tail -1 a4.log
 pb screens cancel latest | tail -1
 fi
 echo "== B: two Ray nodes on one host"
-CUDA_VISIBLE_DEVICES=0 timeout 60 ray start --head --node-ip-address 127.0.0.1 --port 6380 --num-gpus 1 --num-cpus 8 --include-dashboard=false --disable-usage-stats >/dev/null 2>&1
-CUDA_VISIBLE_DEVICES=1 timeout 60 ray start --node-ip-address 127.0.0.1 --address 127.0.0.1:6380 --num-gpus 1 --num-cpus 8 --disable-usage-stats >/dev/null 2>&1
-python3 -c "import ray; ray.init(address='127.0.0.1:6380', logging_level='ERROR'); print('nodes', len([n for n in ray.nodes() if n['Alive']]), 'GPUs', ray.cluster_resources().get('GPU'))"
+# Both nodes on the host's own IP (a client given 127.0.0.1 is sent to the node IP by Ray), with
+# their output kept: the earlier runs hid why the probe could not reach the head.
+ip=$(hostname -I | awk '{print $1}'); head="$ip:6380"
+CUDA_VISIBLE_DEVICES=0 timeout 60 ray start --head --node-ip-address "$ip" --port 6380 --num-gpus 1 --num-cpus 8 --include-dashboard=false --disable-usage-stats 2>&1 | tail -3
+CUDA_VISIBLE_DEVICES=1 timeout 60 ray start --node-ip-address "$ip" --address "$head" --num-gpus 1 --num-cpus 8 --disable-usage-stats 2>&1 | tail -2
+timeout 40 python3 -c "import ray, sys; ray.init(address=sys.argv[1], logging_level='ERROR'); print('nodes', len([n for n in ray.nodes() if n['Alive']]), 'GPUs', ray.cluster_resources().get('GPU'))" "$head" || { echo "no two-node cluster"; exit 1; }
 ids=$(pb submit p.yaml --replicas 2 --spread | grep -o '[0-9, ]*;' | tr -d ',;')
-timeout 150 python3 -m cli dispatch --address 127.0.0.1:6380 > b.log 2>&1; echo "rc $?"
+timeout 150 python3 -m cli dispatch --address $head > b.log 2>&1; echo "rc $?"
 attempts $ids
-pb audit $ids --ray --address 127.0.0.1:6380 --other-node 2>&1 | tail -3
+pb audit $ids --ray --address $head --other-node 2>&1 | tail -3
 python3 - $ids <<'PY'
 import sys
 from db.store import Store
@@ -102,7 +105,7 @@ print("verdicts agree across the two nodes:", va == vb, f"({len(va)} verdicts)")
 PY
 echo "== C: a worker killed mid-screen"
 id=$(pb submit p.yaml | grep -o 'screen [0-9]*' | grep -o '[0-9]*')
-python3 -m cli dispatch --address 127.0.0.1:6380 > c.log 2>&1 & disp=$!
+python3 -m cli dispatch --address $head > c.log 2>&1 & disp=$!
 python3 - $id <<'PY'
 import os, signal, sys, time
 from db.store import Store

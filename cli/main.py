@@ -58,6 +58,18 @@ def model_synth(
     typer.echo(f"wrote {shape} {dtype} checkpoint (sparsity {sparsity}, seed {seed}) to {path}")
 
 
+@model_app.command("digest")
+def model_digest(
+    model_dir: Annotated[Path, typer.Argument(help="A local checkpoint directory.")],
+) -> None:
+    """Print a checkpoint's content digest, to pin it in a protocol as model: {path, sha256}."""
+    from core.provenance import checkpoint_digest
+
+    if not model_dir.is_dir():
+        raise PackbenchError(f"no checkpoint directory at {model_dir}; give the folder holding config.json")
+    typer.echo(checkpoint_digest(model_dir))
+
+
 @db_app.command("upgrade")
 def db_upgrade(db: DbUrl = None) -> None:
     """Create or migrate the database to the newest schema."""

@@ -35,3 +35,14 @@ def test_the_start_record_carries_the_digest_and_a_pin_is_enforced(tiny, tmp_pat
         Worker(device="cpu").load(body(ckpt, sha256=digest), str(ckpt))
     # Unpinned, the changed checkpoint runs, and its start record says what was measured.
     assert Worker(device="cpu").load(body(ckpt), str(ckpt))["model_sha256"] == checkpoint_digest(ckpt) != digest
+
+
+def test_model_digest_prints_what_a_protocol_pins(tiny):
+    from typer.testing import CliRunner
+
+    from cli.main import app
+    from core.provenance import checkpoint_digest
+
+    out = CliRunner().invoke(app, ["model", "digest", str(tiny)])
+    assert out.exit_code == 0 and out.stdout.strip() == checkpoint_digest(tiny)
+    assert len(out.stdout.strip()) == 64
