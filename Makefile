@@ -26,6 +26,7 @@ demo: $(STAMP)
 	$(BIN)/packbench submit protocols/quickstart.yaml --wait
 	$(BIN)/packbench audit latest
 	$(BIN)/packbench results --screen latest
+	$(BIN)/packbench report latest --out $(DEMO_DIR)/report.html
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not gpu"

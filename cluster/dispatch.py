@@ -44,6 +44,7 @@ from service.submit import screen_prompts
 log = logging.getLogger(__name__)
 
 LOOKAHEAD = 2  # episodes submitted to a worker at once: one running, one waiting
+UPKEEP_MAX_S = 2.0  # longest pause between lease renewals (and so before a cancel is seen)
 
 
 @dataclass
@@ -275,11 +276,13 @@ class Dispatcher:
     # ------------------------------------------------------------------------- upkeep
 
     def _upkeep(self) -> None:
-        """Every third of a lease: reap expired leases, renew ours, heartbeat, unplaced workers."""
+        """Every third of a lease (at most UPKEEP_MAX_S): reap expired leases, renew ours,
+        heartbeat, unplaced workers."""
         now = time.monotonic()
         if now < self._next_upkeep:
             return
-        self._next_upkeep = now + self.lease_s / 3
+        # A third of a lease keeps it alive; at most 2 s so a cancel is seen within 2 s.
+        self._next_upkeep = now + min(self.lease_s / 3, UPKEEP_MAX_S)
         for reaped in self.store.reap_expired():
             self.progress(f"screen {reaped.screen_id}: attempt {reaped.attempt_id} lost (lease expired), "
                           f"screen {reaped.screen_status}")
