@@ -2,7 +2,6 @@
 
 import json
 
-from core.record import STORED_FIELDS
 
 
 def screen_summary(store, ref: str | int) -> dict:
@@ -30,21 +29,6 @@ def screen_summary(store, ref: str | int) -> dict:
                         "h2d_bytes": e.h2d_weight_bytes + e.h2d_index_bytes, "d2h_bytes": e.d2h_bytes,
                         "wall_s": e.wall_s} for e in store.episodes(attempt.id)]
     return out
-
-
-def verdict_dicts(rows) -> list[dict]:
-    """VerdictRows in the gates' own dict form (what the auditor compares)."""
-    return [{"gate": v.gate, "condition": v.condition, "phase": v.phase, "passed": v.passed, "value": v.value,
-             "threshold": v.threshold, "interval": list(v.interval) if v.interval is not None else None}
-            for v in rows]
-
-
-def episode_dicts(rows) -> list[dict]:
-    """EpisodeRows as the auditor compares them: id, attempt_id and every stored field of
-    `core.record`, tokens as a list."""
-    return [{"id": e.id, "attempt_id": e.attempt_id,
-             **{f.name: list(getattr(e, f.name)) if f.type is list else getattr(e, f.name) for f in STORED_FIELDS}}
-            for e in rows]
 
 
 def _fmt(value) -> str:

@@ -9,19 +9,9 @@ import threading
 
 from core.errors import ClusterUnreachable, PackbenchError
 from core.settings import Settings
+from engine.gpu_lock import host_gpus  # torch-free: NVML only
 
 log = logging.getLogger(__name__)
-
-
-def gpu_count() -> int:
-    """Physical GPUs NVML sees on this host (0 on a CPU-only machine)."""
-    try:
-        import pynvml
-
-        pynvml.nvmlInit()
-        return pynvml.nvmlDeviceGetCount()
-    except Exception:
-        return 0
 
 
 def _check_reachable(address: str, timeout_s: float) -> None:
@@ -72,7 +62,7 @@ def ensure_ray(settings: Settings | None = None):
                   log_to_driver=settings.verbose)
     if settings.embedded:
         # "local" never silently joins a cluster started by `ray start` on this machine.
-        gpus = settings.embedded_gpus or max(1, gpu_count())
+        gpus = settings.embedded_gpus or max(1, host_gpus())
         ray.init("local", num_cpus=os.cpu_count() or 1, num_gpus=gpus,
                  object_store_memory=256 * 2**20, **common)
         return ray

@@ -47,3 +47,14 @@ class GpuLock:
             fcntl.flock(self.fd, fcntl.LOCK_UN)
             os.close(self.fd)
             self.held = False
+
+
+def host_gpus() -> int:
+    """GPUs NVML sees on this host, whatever CUDA_VISIBLE_DEVICES says (0 without NVML or GPUs)."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        return pynvml.nvmlDeviceGetCount()
+    except Exception:
+        return 0

@@ -21,7 +21,7 @@ from core.metrics import episode_totals
 from core.provenance import checkpoint_digest
 from core.protocol import Protocol, expand
 from engine.episode import run_episode
-from engine.gpu_lock import GpuLock
+from engine.gpu_lock import GpuLock, host_gpus
 from engine.graph import check_mode
 from engine.model import CpuFirstModel
 from engine.allowance import impose
@@ -82,17 +82,6 @@ def checkpoint_key(path: Path) -> tuple:
     path = Path(path).resolve()
     files = sorted(p for p in path.iterdir() if p.is_file()) if path.is_dir() else []
     return (str(path), tuple((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in files))
-
-
-def host_gpus() -> int:
-    """GPUs NVML sees on this host, whatever CUDA_VISIBLE_DEVICES says (0 without NVML)."""
-    try:
-        import pynvml
-
-        pynvml.nvmlInit()
-        return pynvml.nvmlDeviceGetCount()
-    except Exception:
-        return 0
 
 
 def host_rss_peak_bytes() -> int:

@@ -6,7 +6,6 @@ database, say): the outcome then says why it was not recorded.
 
 from __future__ import annotations
 
-import dataclasses
 import platform
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -14,6 +13,7 @@ from pathlib import Path
 
 from core.audit import AuditReport, audit_archive
 from core.errors import PackbenchError
+from core.record import STORED_FIELDS
 from core.settings import Settings
 
 
@@ -41,8 +41,11 @@ def verdict_dicts(rows) -> list[dict]:
 
 
 def episode_dicts(rows) -> list[dict]:
-    """EpisodeRows as plain dicts (what the auditor compares with the archive's records)."""
-    return [{**dataclasses.asdict(e), "tokens": list(e.tokens)} for e in rows]
+    """EpisodeRows as the auditor compares them: id, attempt_id and every stored field of
+    `core.record`, tokens as a list."""
+    return [{"id": e.id, "attempt_id": e.attempt_id,
+             **{f.name: list(getattr(e, f.name)) if f.type is list else getattr(e, f.name) for f in STORED_FIELDS}}
+            for e in rows]
 
 
 def audit_file(path: Path, *, on_ray: bool = False, settings: Settings | None = None,
