@@ -9,6 +9,7 @@ import gc
 import os
 import platform
 import resource
+import shutil
 import time
 import traceback
 from pathlib import Path
@@ -73,7 +74,18 @@ def model_dir_for(protocol: Protocol, model_dir: str | None, *, cache: Path | No
     spec = synth.as_dict()
     out = synth_dir(spec, cache)
     if not (out / "config.json").exists():
-        synth_checkpoint(out, **spec)
+        # Several workers on a node may generate the same spec at once: each writes a private
+        # folder and renames it into place (atomic); a loser drops its copy and uses the winner's.
+        # Before, two workers writing one folder let one read a half-written checkpoint.
+        tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        synth_checkpoint(tmp, **spec)
+        try:
+            tmp.rename(out)
+        except OSError:
+            if not (out / "config.json").exists():
+                raise
+            shutil.rmtree(tmp, ignore_errors=True)
     return out
 
 

@@ -107,8 +107,16 @@ def running_attempt_with_episodes(store, screen_id: int, n: int = 1):
 def test_two_workers_run_screens_concurrently_and_each_exactly_once(cluster, tmp_path, models, store):
     """One dispatcher, one worker per GPU: six screens, each done once, on both nodes; a second
     screen of the same model on a worker reuses its model (warm)."""
+    d = dispatcher(store, settings(cluster, tmp_path, models), lease_s=30, follow=True)
+    serving = threading.Thread(target=d.run)
+    serving.start()
+    # Queue once both workers are up, so the test does not depend on how fast each one starts.
+    wait_for(lambda: len(d.slots) == 2 and all(s.ready for s in d.slots), what="two ready workers")
     ids = submit(store, protocol_file(tmp_path), replicas=6)
-    outcomes = dispatcher(store, settings(cluster, tmp_path, models), lease_s=30).run()
+    wait_for(lambda: all(store.screen(i).status == "done" for i in ids), what="six screens done")
+    d.stopping = "test"
+    serving.join(60)
+    outcomes = d.outcomes
     assert sorted(o.screen_id for o in outcomes) == ids and {o.status for o in outcomes} == {"done"}
     attempts = [a for i in ids for a in store.attempts(i)]
     assert len(attempts) == 6 and {a.status for a in attempts} == {"done"}
@@ -132,20 +140,24 @@ def test_two_dispatchers_share_one_queue(cluster, tmp_path, models, backend, req
         request.addfinalizer(lambda: context.__exit__(None, None, None))
     with Store(url) as s:
         s.upgrade()
-        ids = submit(s, protocol_file(tmp_path), replicas=6)
-    results: dict[int, list] = {}
-
-    def drain(n: int) -> None:
-        with Store(url) as mine:
-            results[n] = dispatcher(mine, settings(cluster, tmp_path, models), workers=1, lease_s=30).run()
-
-    threads = [threading.Thread(target=drain, args=(n,)) for n in range(2)]
+    stores = [Store(url) for _ in range(2)]
+    ds = [dispatcher(mine, settings(cluster, tmp_path, models), workers=1, lease_s=30, follow=True) for mine in stores]
+    threads = [threading.Thread(target=d.run) for d in ds]
     for t in threads:
         t.start()
+    # Queue once both dispatchers' workers are up: both then claim from the start.
+    wait_for(lambda: all(d.slots and d.slots[0].ready for d in ds), what="both dispatchers' workers")
+    with Store(url) as s:
+        ids = submit(s, protocol_file(tmp_path), replicas=6)
+        wait_for(lambda: all(s.screen(i).status == "done" for i in ids), what="six screens done")
+    for d in ds:
+        d.stopping = "test"
     for t in threads:
-        t.join(300)
-    ran = sorted(o.screen_id for outcomes in results.values() for o in outcomes)
-    assert ran == ids and all(results.values())  # both dispatchers took part
+        t.join(120)
+    for mine in stores:
+        mine.close()
+    ran = sorted(o.screen_id for d in ds for o in d.outcomes)
+    assert ran == ids and all(d.outcomes for d in ds)  # every screen once, both dispatchers took part
     with Store(url) as s:
         attempts = [a for i in ids for a in s.attempts(i)]
         assert [a.status for a in attempts] == ["done"] * 6

@@ -1,6 +1,7 @@
 """The plain worker behind the Ray actor: failures are recorded and survived; recording can be off."""
 
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -89,3 +90,29 @@ def test_a_worker_keeps_its_model_across_screens_of_the_same_checkpoint(tiny, ch
     assert worker.load(b, str(tiny), reuse=False)["model_state"] == "cold" and worker.model is not model
     other = worker.load(body(checkpoints["float16"], dtype="float16"), str(checkpoints["float16"]))
     assert other["model_state"] == "cold" and worker.model.dtype != model.dtype
+
+
+def test_workers_generating_one_synthetic_spec_at_once_never_read_a_partial_checkpoint(tmp_path):
+    """Two processes generate the same spec into one cache at the same moment: both end with a
+    complete checkpoint in the same folder, and no temporary folder is left behind."""
+    import subprocess
+    import sys
+    import textwrap
+
+    code = textwrap.dedent(f"""
+        from pathlib import Path
+        from core.protocol import expand, freeze
+        from engine.checkpoint import read_config
+        from engine.worker import model_dir_for
+        raw = {{"name": "s", "model": {{"synth": {{"shape": "tiny", "dtype": "float32", "sparsity": 0.94, "seed": 3}}}},
+               "dtype": "float32", "prompts": {{"generator": {{"seed": 0, "count": 1}}}}, "prefix_tokens": 8,
+               "continuation_tokens": 2, "conditions": [{{"policy": "dense-stream"}}], "reference": "dense-stream",
+               "warmups": 1, "allowance_mib": 64, "gates": {{"faithfulness": {{}}}}}}
+        out = model_dir_for(expand(freeze(raw).body), None, cache=Path({str(tmp_path)!r}))
+        read_config(out)
+        print(out)
+    """)
+    procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True) for _ in range(3)]
+    outs = {p.communicate(timeout=120)[0].strip() for p in procs}
+    assert all(p.returncode == 0 for p in procs) and len(outs) == 1
+    assert [p.name for p in tmp_path.iterdir()] == [Path(outs.pop()).name]  # no .tmp-* left
