@@ -1291,19 +1291,23 @@ class _MemberError(Exception):
         self.cause = cause if cause is not None else phrase
 
 
+def _npy_header_fields(fp: io.BytesIO) -> tuple:
+    """(shape, fortran_order, dtype) of a .npy header at `fp`; raises what numpy raises."""
+    version = np.lib.format.read_magic(fp)
+    if version == (1, 0):
+        return np.lib.format.read_array_header_1_0(fp)
+    if version == (2, 0):
+        return np.lib.format.read_array_header_2_0(fp)
+    raise ValueError(f"unsupported .npy version {version}")
+
+
 def _npy_header(first: bytes, size: int, *, dtype: str | None = None, ndim: int | None = None) -> None:
     """Check a .npy header from the member's first chunk before its data is read: a small
     member that declares a huge array, another dtype or byte order than asked, a Fortran-order
     or pickled array is refused here, having allocated nothing."""
     fp = io.BytesIO(first[:_MAX_NPY_HEADER + 16])
     try:
-        version = np.lib.format.read_magic(fp)
-        if version == (1, 0):
-            shape, fortran, got = np.lib.format.read_array_header_1_0(fp)
-        elif version == (2, 0):
-            shape, fortran, got = np.lib.format.read_array_header_2_0(fp)
-        else:
-            raise ValueError(f"unsupported .npy version {version}")
+        shape, fortran, got = _npy_header_fields(fp)
     except _READ_ERRORS as e:
         raise _MemberError("", f"is not a .npy array ({_one_line(str(e))[:200]})", "the archive is damaged") from None
     if got.hasobject:
@@ -1325,13 +1329,7 @@ def _load_npy(data: bytes | bytearray) -> np.ndarray:
     """Parse a .npy payload without pickle, checking the header against the payload length."""
     fp = io.BytesIO(bytes(memoryview(data)[:_MAX_NPY_HEADER + 16]))  # the header only: no copy of the data
     try:
-        version = np.lib.format.read_magic(fp)
-        if version == (1, 0):
-            shape, fortran, dtype = np.lib.format.read_array_header_1_0(fp)
-        elif version == (2, 0):
-            shape, fortran, dtype = np.lib.format.read_array_header_2_0(fp)
-        else:
-            raise ValueError(f"unsupported .npy version {version}")
+        shape, fortran, dtype = _npy_header_fields(fp)
     except _READ_ERRORS as e:
         raise _MemberError("", f"is not a .npy array ({e})", "the archive is damaged") from None
     if dtype.hasobject:
