@@ -86,6 +86,9 @@ EPISODE_FIELDS: tuple[Field, ...] = (
     _stored("decode_call_s", float, "phases", "decode", "call_s", ledger=True),
     _stored("peak_allocated_bytes", int, "memory", "peak_allocated_bytes", nullable=True),
     _stored("peak_sampled_bytes", int, "memory", "peak_sampled_bytes", nullable=True),
+    # Not audited: what the auditor compares is pinned (its digest covers it); the archive's
+    # value is what the database holds, recorded from the same record.
+    _stored("energy_j", float, nullable=True, audited=False),
     # Archive only.
     _kept("policy", str),
     _kept("params", dict),
@@ -105,7 +108,6 @@ EPISODE_FIELDS: tuple[Field, ...] = (
     _kept("host_rss_peak_bytes", int, "memory", "host_rss_peak_bytes"),
     _kept("context_bytes", int, "memory", "context_bytes"),
     _kept("sampler", dict),  # samples, period_s, sampler_overhead_s, scope
-    _kept("energy_j", float, nullable=True),
     _kept("calls", list),  # the per-call ledger (core.metrics)
     _kept("traceback", str),  # failed episodes
     _kept("episode_s", float),  # failed episodes: time until the failure

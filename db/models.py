@@ -63,7 +63,7 @@ SCREEN_STATUSES = ("queued", "running", "done", "failed", "cancelled")
 # expired: the dispatcher vanished) | cancelled (the user cancelled its screen).
 ATTEMPT_STATUSES = ("running", "done", "failed", "interrupted", "lost", "cancelled")
 MODEL_STATES = ("cold", "warm")
-AUDIT_KINDS = ("local", "ray")
+AUDIT_KINDS = ("local", "ray", "reexecute")  # reexecute: 0006
 EPISODE_ROLES = ("warmup", "scored")
 EPISODE_STATUSES = ("ok", "failed")
 VERDICT_PHASES = ("all", "prefill", "decode")
@@ -376,6 +376,7 @@ class Episode(Base):
     decode_call_s: Mapped[float] = mapped_column(Float)
     peak_allocated_bytes: Mapped[int | None] = mapped_column(BigInteger)
     peak_sampled_bytes: Mapped[int | None] = mapped_column(BigInteger)
+    energy_j: Mapped[float | None] = mapped_column(Float)  # NVML; None without a counter (0006)
 
     def to_record(self) -> EpisodeRow:
         values = {f.name: getattr(self, f.column) for f in STORED_FIELDS}  # type: ignore[arg-type]
@@ -447,7 +448,7 @@ class Audit(Base):
     finished_at: Mapped[datetime] = mapped_column(UtcDateTime)
     # Where the audit ran: the Ray node for a Ray task, else the machine; None before 0004.
     node: Mapped[str | None] = mapped_column(String)
-    kind: Mapped[str | None] = mapped_column(String(16))  # local (in the CLI) | ray (a Ray task)
+    kind: Mapped[str | None] = mapped_column(String(16))  # local (in the CLI) | ray (a Ray task) | reexecute
 
     def to_record(self) -> AuditRow:
         return AuditRow(

@@ -208,7 +208,7 @@ def test_put_episode_extracts_columns_and_is_idempotent(store):
         prompt=1, status="ok", error=None, tokens=(12, 40, 7), n_tokens=3, wall_s=0.12,
         call_s=0.11, h2d_weight_bytes=123, h2d_index_bytes=4, d2h_bytes=8,
         prefill_h2d_bytes=100, decode_h2d_bytes=27, prefill_call_s=0.05, decode_call_s=0.06,
-        peak_allocated_bytes=5_000_000_000, peak_sampled_bytes=None,
+        peak_allocated_bytes=5_000_000_000, peak_sampled_bytes=None, energy_j=None,
     )
 
 
@@ -251,7 +251,7 @@ def distinct_record(plan_index: int) -> dict:
         "h2d_weight_bytes": 11, "h2d_index_bytes": 12, "d2h_bytes": 13,
         "phases": {"prefill": {"h2d_bytes": 14, "call_s": 0.125},
                    "decode": {"h2d_bytes": 15, "call_s": 0.0625}},
-        "memory": {"peak_allocated_bytes": 16, "peak_sampled_bytes": 17},
+        "memory": {"peak_allocated_bytes": 16, "peak_sampled_bytes": 17}, "energy_j": 18.5,
     }
 
 
@@ -275,7 +275,7 @@ def test_put_episode_stores_what_put_episodes_stores(store):
         status="ok", error="slow", tokens=(19, 20), n_tokens=2, wall_s=0.25, call_s=0.5,
         h2d_weight_bytes=11, h2d_index_bytes=12, d2h_bytes=13, prefill_h2d_bytes=14,
         decode_h2d_bytes=15, prefill_call_s=0.125, decode_call_s=0.0625,
-        peak_allocated_bytes=16, peak_sampled_bytes=17,
+        peak_allocated_bytes=16, peak_sampled_bytes=17, energy_j=18.5,
     )
 
 
