@@ -273,10 +273,24 @@ def audit(
     max_mib: Annotated[Optional[int], typer.Option(
         min=1, help="Raise the archive size bounds (1 GiB file, 640 MiB of members) to this many MiB for a large "
                     "archive you trust; the stated audit time and memory bound then no longer hold.")] = None,
+    reexecute: Annotated[Optional[int], typer.Option(
+        min=1, help="Re-execution audit: re-run K episodes drawn by --seed (at least one per condition) on a GPU "
+                    "worker of the archive's accelerator type; logits, tokens and every ledger byte must be equal, "
+                    "times and memory peaks within the tolerances of docs/archive.md. Recorded as kind reexecute.")] = None,
+    seed: Annotated[int, typer.Option(min=0, help="Seed of the --reexecute draw.")] = 0,
+    time_factor: Annotated[Optional[float], typer.Option(
+        help="--reexecute: how far (a factor either way) a condition's median episode wall may be from the "
+             "archived one (default 2; recorded with the audit). Tiny CPU episodes are noise: widen it there.")] = None,
+    model_dir: Annotated[Optional[Path], typer.Option(
+        help="--reexecute of an archive whose checkpoint lies elsewhere here: the checkpoint directory (its "
+             "content digest must equal the archived one).")] = None,
     db: DbUrl = None,
     json_out: Annotated[bool, typer.Option("--json", help="One JSON object per audit, one per line (JSON Lines).")] = False,
 ) -> None:
     """Re-read raw archives, recompute every metric and verdict, compare with the database.
+
+    With --reexecute K: also re-run K drawn episodes on a GPU worker and compare what they
+    measure with what the archive says (the only check that the numbers are true).
 
     Exit codes: 0 every audit agrees; 1 one disagrees, or its evidence is refused (an untrusted or
     bad signature, repeated audits that differ); 2 bad input or an archive that cannot be read
@@ -296,6 +310,11 @@ def audit(
         keys_trusted = [load_public_key(p) for p in trust]
     if archive is not None and not archive.is_file():
         raise PackbenchError(f"no archive at {archive}; check the path")
+    if reexecute is not None:
+        _reexecute(settings, screens, archive, all_screens=all_screens, since=since, protocol=protocol,
+                   k=reexecute, seed=seed, trust=keys_trusted, model_dir=model_dir, json_out=json_out,
+                   time_factor=time_factor)
+        return
     if not screens and archive is not None and not (all_screens or since or protocol):
         outcomes = [audit_file(archive, on_ray=on_ray, settings=settings, trust=keys_trusted, max_mib=max_mib)]
     else:
@@ -321,6 +340,54 @@ def audit(
     if differ or not all(o.agrees for o in outcomes):
         raise typer.Exit(1)
     if unrecorded:
+        raise typer.Exit(2)
+
+
+def _reexecute(settings, screens, archive, *, all_screens, since, protocol, k, seed, trust, model_dir,
+               json_out, time_factor) -> None:
+    """`audit --reexecute K`: re-run drawn episodes and compare; exit 1 unless every one agrees."""
+    from core.audit import audit_archive
+    from service.audit import reexecute_archive, reexecute_screens, select_screens
+
+    say = (lambda msg: None) if json_out else (lambda msg: typer.echo(msg, err=True))
+    if not screens and archive is not None and not (all_screens or since or protocol):
+        static = audit_archive(archive, trust=trust)
+        if static.unreadable:
+            raise PackbenchError(f"{archive} is not an archive packbench can read: {static.problems[0]}")
+        outcomes = [reexecute_archive(archive, k=k, seed=seed, settings=settings, static=static, progress=say,
+                                      model_dir=None if model_dir is None else str(model_dir),
+                                      time_factor=time_factor)]
+    else:
+        if archive is not None and len(screens or []) != 1:
+            raise PackbenchError("--archive with a database needs exactly one screen id (the archive's screen)")
+        store = open_store(settings.db_url)
+        ids = select_screens(store, screens or [], all_screens=all_screens, since=_utc(since), protocol=protocol)
+        if not ids:
+            typer.echo("no screens to re-execute", err=True)
+            return
+        outcomes = reexecute_screens(store, ids, k=k, seed=seed, settings=settings, archive=archive, progress=say,
+                                     time_factor=time_factor)
+    for o in outcomes:
+        what = f"screen {o.screen_id}" if o.screen_id is not None else str(o.archive_path)
+        if json_out:
+            typer.echo(json.dumps({"screen_id": o.screen_id, "archive_path": str(o.archive_path), "node": o.node,
+                                   "host": o.host, "digest": o.digest, "medians": o.medians,
+                                   "seconds": o.seconds, **o.record}, sort_keys=True, default=str))
+            continue
+        for name, m in sorted(o.medians.items()):
+            typer.echo(f"  {name:>16}: median wall {m['reexecuted_s'] * 1e3:9.2f} ms re-executed, "
+                       f"{m['archived_s'] * 1e3:9.2f} ms archived")
+        for p in o.problems:
+            typer.echo(f"problem: {p}")
+        typer.echo(f"re-execution audit of {what}: {o.record['result'].upper()} (episodes "
+                   f"{', '.join(map(str, o.record['episodes']))}, seed {seed}, on {o.host} "
+                   f"{o.record['accelerator'] or 'cpu'}, {o.seconds:.1f} s, digest {o.digest[:16]})")
+    for o in outcomes:
+        if o.record_error is not None:
+            typer.echo(f"error: the re-execution of screen {o.screen_id} was not recorded: {o.record_error}", err=True)
+    if not all(o.agrees for o in outcomes):
+        raise typer.Exit(1)
+    if any(o.record_error is not None for o in outcomes):
         raise typer.Exit(2)
 
 

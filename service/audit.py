@@ -6,6 +6,7 @@ database, say): the outcome then says why it was not recorded.
 
 from __future__ import annotations
 
+import dataclasses
 import platform
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -126,6 +127,120 @@ def audit_screens(store, screen_ids: list[int], *, on_ray: bool = False, setting
             outcomes.append(AuditOutcome(report, path, screen_id, attempt.number, node, False, str(e)))
             continue
         outcomes.append(AuditOutcome(report, path, screen_id, attempt.number, node, True, None))
+    return outcomes
+
+
+@dataclass(frozen=True)
+class ReexecuteOutcome:
+    """A re-execution audit (core/reexecute.py): `record` is the audit record (its digest is
+    `digest`); `static` the static audit it stands on; `medians` the per-condition walls."""
+
+    screen_id: int | None
+    archive_path: Path
+    static: AuditReport
+    record: dict
+    digest: str
+    node: str
+    host: str
+    medians: dict
+    seconds: float
+    recorded: bool = False
+    record_error: str | None = None
+
+    @property
+    def agrees(self) -> bool:
+        return self.record["result"] == "agree"
+
+    @property
+    def problems(self) -> list[str]:
+        return self.record["problems"]
+
+
+def reexecute_archive(path: Path, *, k: int, seed: int = 0, settings: Settings | None = None,
+                      static: AuditReport | None = None, model_dir: str | None = None, progress=lambda msg: None,
+                      screen_id: int | None = None, time_factor: float | None = None) -> ReexecuteOutcome:
+    """Re-run K drawn episodes of an archive on a worker of its accelerator type and compare
+    (core/reexecute.py). `static`: the archive's static audit when the caller ran one (against
+    the database); otherwise one runs here. A static audit that disagrees is reported with the
+    re-execution's findings; an unreadable or incomplete archive is not re-executed."""
+    from cluster.reexecute import run_drawn
+    from core import reexecute as rx
+
+    settings = settings or Settings()
+    time_factor = rx.TIME_FACTOR if time_factor is None else time_factor
+    if time_factor < 1:
+        raise PackbenchError(f"--time-factor {time_factor:g} must be at least 1 (a factor either way)")
+    path = Path(path)
+    static = static or audit_archive(path)
+    if static.unreadable or not static.complete or static.record.get("protocol_sha256") is None:
+        raise PackbenchError(f"{path} cannot be re-executed: its static audit did not get through it "
+                             f"({(static.problems or ['incomplete'])[0]}); run `packbench audit` on it first")
+    archived = rx.read_archived(path)
+    statuses = {i: r.get("status") for i, r in archived.records.items() if isinstance(r, dict)}
+    drawn = rx.draw(archived.protocol, archived.entries, statuses, k, seed)
+    accelerator = archived.environment.get("gpu") or ""
+    progress(f"drew episodes {', '.join(map(str, drawn.episodes))} (seed {seed}) of {len(archived.entries)}")
+    rerun = run_drawn(archived.protocol_body, model_dir if model_dir is not None else archived.model_dir,
+                      entries=archived.entries, prompts=archived.prompts, runs=list(drawn.episodes),
+                      warmups=list(drawn.warmups), reference_twice=drawn.reference_twice, accelerator=accelerator,
+                      settings=settings, progress=progress)
+    problems = [f"static audit: {p}" for p in static.problems]
+    problems += rx.compare_start(archived.start, rerun.start)
+    if rerun.reference_again is not None:
+        first = rerun.records[drawn.reference_twice]
+        if (first.get("tokens") != rerun.reference_again.get("tokens")
+                or not rx.same_logits(first.get("logits"), rerun.reference_again.get("logits"))):
+            problems.append(f"the reference ({archived.protocol.reference}) does not reproduce itself on the "
+                            f"re-execution worker: no exactness can be judged there (docs/engine.md, attention path)")
+    walls: dict[str, tuple[list[float], list[float]]] = {}
+    for entry in archived.entries:
+        rec = archived.records.get(entry["index"])
+        if isinstance(rec, dict) and rec.get("status") == "ok" and entry["role"] == "scored":
+            walls.setdefault(entry["condition"], ([], []))[0].append(float(rec["wall_s"]))
+    for i in drawn.episodes:
+        again = rerun.records[i]
+        problems += rx.compare_episode(i, archived.records[i], rx.read_logits(path, i), again)
+        if again.get("status") == "ok" and archived.records[i].get("role") == "scored":
+            walls.setdefault(again["condition"], ([], []))[1].append(float(again["wall_s"]))
+    time_problems, medians = rx.compare_times(walls, time_factor)
+    problems += time_problems
+    record = rx.reexecution_record(archive_sha256=static.record.get("archive_sha256"),
+                                   protocol_sha256=static.record.get("protocol_sha256"), seed=seed, k=k, drawn=drawn,
+                                   problems=problems, accelerator=accelerator, time_factor=time_factor)
+    return ReexecuteOutcome(screen_id, path, static, record, rx.record_digest(record),
+                            rerun.env.get("node_id") or platform.node(), rerun.env.get("host") or platform.node(),
+                            medians, rerun.seconds)
+
+
+def reexecute_screens(store, screen_ids: list[int], *, k: int, seed: int = 0, settings: Settings | None = None,
+                      archive: Path | None = None, progress=lambda msg: None,
+                      time_factor: float | None = None) -> list[ReexecuteOutcome]:
+    """Re-execute the latest attempt of each screen (its static audit against the database
+    first) and record each as an audit of kind `reexecute`; the outcome is returned even when
+    recording fails (`record_error`)."""
+    settings = settings or Settings()
+    outcomes = []
+    for screen_id in screen_ids:
+        attempt = store.latest_attempt(screen_id)
+        if attempt is None:
+            raise PackbenchError(f"screen {screen_id} has not run yet; run `packbench dispatch` first")
+        path = Path(archive or attempt.archive_path)
+        started = datetime.now(timezone.utc)
+        static = audit_archive(path, expected_sha256=attempt.archive_sha256,
+                               db_verdicts=verdict_dicts(store.verdicts(attempt.id)),
+                               db_episodes=episode_dicts(store.episodes(attempt.id)), **_signed_by(store, attempt))
+        screen = store.screen(screen_id)
+        out = reexecute_archive(path, k=k, seed=seed, settings=settings, static=static, progress=progress,
+                                model_dir=screen.model_dir, screen_id=screen_id, time_factor=time_factor)
+        try:
+            store.put_audit(attempt_id=attempt.id, archive_sha256=static.record["archive_sha256"], digest=out.digest,
+                            result=out.record["result"], problems=out.problems, machine=out.host,
+                            started_at=started, finished_at=datetime.now(timezone.utc), node=out.node,
+                            kind="reexecute")
+            out = dataclasses.replace(out, recorded=True)
+        except PackbenchError as e:
+            out = dataclasses.replace(out, record_error=str(e))
+        outcomes.append(out)
     return outcomes
 
 

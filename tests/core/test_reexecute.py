@@ -1,0 +1,144 @@
+"""Re-execution audits' rules (core/reexecute.py): the seeded draw, the exact comparisons that
+catch a forged ledger, and the stated tolerances on times and memory peaks."""
+
+import copy
+
+import numpy as np
+import pytest
+
+from bench.audit import synthetic_protocol
+from core import reexecute as rx
+from core.plan import plan
+from core.protocol import expand, freeze
+
+
+@pytest.fixture(scope="module")
+def proto():
+    return expand(freeze(synthetic_protocol(prompts_n=3, repetitions=2)).body)
+
+
+@pytest.fixture(scope="module")
+def entries(proto):
+    return plan(proto)
+
+
+def ok_statuses(entries):
+    return {e["index"]: "ok" for e in entries}
+
+
+def test_the_draw_is_seeded_and_covers_every_condition(proto, entries):
+    statuses = ok_statuses(entries)
+    a, b = rx.draw(proto, entries, statuses, 1, seed=7), rx.draw(proto, entries, statuses, 1, seed=7)
+    assert a == b
+    by = {e["index"]: e for e in entries}
+    assert {by[i]["condition"] for i in a.episodes} == {"dense-stream", "packet"}  # K=1 still gives one each
+    assert all(by[i]["role"] == "scored" for i in a.episodes)
+    assert by[a.reference_twice]["condition"] == proto.reference
+    assert [by[i]["role"] for i in a.warmups] == ["warmup", "warmup"]
+    draws = {rx.draw(proto, entries, statuses, 3, seed=s).episodes for s in range(20)}
+    assert len(draws) > 1 and all(len(d) == 3 for d in draws)
+    every = rx.draw(proto, entries, statuses, 100, seed=0).episodes
+    assert set(every) == {e["index"] for e in entries if e["role"] == "scored"}
+
+
+def test_a_condition_without_finished_scored_episodes_offers_warmups_then_failures(proto, entries):
+    statuses = ok_statuses(entries)
+    for e in entries:
+        if e["condition"] == "packet" and e["role"] == "scored":
+            statuses[e["index"]] = "failed"
+    by = {e["index"]: e for e in entries}
+    d = rx.draw(proto, entries, statuses, 1, seed=0)
+    packet = [i for i in d.episodes if by[i]["condition"] == "packet"]
+    assert [by[i]["role"] for i in packet] == ["warmup"]
+    for e in entries:
+        if e["condition"] == "packet":
+            statuses[e["index"]] = "failed"
+    d = rx.draw(proto, entries, statuses, 1, seed=0)
+    assert [statuses[i] for i in d.episodes if by[i]["condition"] == "packet"] == ["failed"]
+    with pytest.raises(ValueError):
+        rx.draw(proto, entries, statuses, 0, seed=0)
+
+
+def record(**over):
+    call = {"index": 1, "phase": "decode", "tokens": 1, "layers": 2, "active_rows": [3, 2], "rows_copied": [3, 2],
+            "h2d_weight_bytes": [48, 32], "h2d_index_bytes": [24, 16], "d2h_bytes": [8, 8], "logits_d2h_bytes": 40,
+            "wall_s": 0.01, "copy_wait_s": [0.0, 0.0]}
+    rec = {"condition": "packet", "status": "ok", "tokens": [5, 6], "calls": [call], "h2d_weight_bytes": 80,
+           "h2d_index_bytes": 40, "d2h_bytes": 16, "logits_d2h_bytes": 40, "rows_copied": 5, "wall_s": 0.02,
+           "phases": {"decode": {"h2d_bytes": 120, "call_s": 0.01, "calls": 1}},
+           "memory": {"kv_bytes": 64, "policy_device_bytes": 0, "host_outgoing_bytes": 100, "pinned_bytes": 0,
+                      "device_param_bytes": 10, "peak_allocated_bytes": 1 << 30, "peak_sampled_bytes": 2 << 30},
+           "logits": np.arange(10, dtype=np.float32).reshape(2, 5)}
+    rec.update(over)
+    return rec
+
+
+def test_an_identical_rerun_has_no_problems_and_times_are_not_compared_exactly():
+    archived = record()
+    rerun = copy.deepcopy(archived)
+    rerun["calls"][0]["wall_s"] = 0.5
+    rerun["wall_s"] = 3.0
+    assert rx.compare_episode(4, archived, archived["logits"], rerun) == []
+
+
+@pytest.mark.parametrize("edit, expected", [
+    (lambda r: r["calls"][0]["h2d_weight_bytes"].__setitem__(0, 64), "call 1 (decode) h2d_weight_bytes"),
+    (lambda r: r["calls"][0]["rows_copied"].__setitem__(1, 1), "call 1 (decode) rows_copied"),
+    (lambda r: r.update(tokens=[5, 7]), "tokens differ"),
+    (lambda r: r["logits"].__setitem__((1, 4), np.nextafter(np.float32(9), np.float32(10))), "not bit-identical"),
+    (lambda r: r["phases"]["decode"].update(h2d_bytes=119), "decode h2d_bytes"),
+    (lambda r: r["memory"].update(kv_bytes=65), "memory kv_bytes"),
+    (lambda r: r["memory"].update(peak_allocated_bytes=(1 << 30) + (200 << 20)), "peak_allocated_bytes"),
+    (lambda r: r["memory"].update(peak_sampled_bytes=None), "peak_sampled_bytes"),
+    (lambda r: r.update(calls=[]), "the re-run made 0"),
+    (lambda r: r.update(status="failed", error="OutOfMemoryError: x"), "re-executed 'failed'"),
+])
+def test_every_exact_field_is_compared(edit, expected):
+    archived = record()
+    rerun = copy.deepcopy(archived)
+    rerun["logits"] = archived["logits"].copy()
+    edit(rerun)
+    problems = rx.compare_episode(4, archived, archived["logits"], rerun)
+    assert problems and all(p.startswith("episode 4 (packet): ") for p in problems), problems
+    assert any(expected in p for p in problems), problems
+
+
+def test_peaks_within_the_stated_tolerance_agree():
+    archived = record()
+    rerun = copy.deepcopy(archived)
+    rerun["memory"]["peak_allocated_bytes"] += 8 << 20
+    rerun["memory"]["peak_sampled_bytes"] -= 100 << 20
+    assert rx.compare_episode(0, archived, archived["logits"], rerun) == []
+
+
+def test_failed_episodes_must_fail_the_same_way():
+    archived = record(status="failed", error="OutOfMemoryError: CUDA out of memory", logits=None)
+    same = record(status="failed", error="OutOfMemoryError: other text", logits=None)
+    other = record(status="failed", error="RuntimeError: boom", logits=None)
+    assert rx.compare_episode(2, archived, None, same) == []
+    assert "RuntimeError" in rx.compare_episode(2, archived, None, other)[0]
+
+
+def test_forged_times_are_caught_within_the_stated_tolerance():
+    problems, medians = rx.compare_times({"packet": ([0.50, 0.52, 0.49], [1.2, 1.1]),
+                                          "dense-stream": ([1.0, 1.1], [1.6, 1.5]),
+                                          "tiny": ([0.001], [0.009])})
+    assert [p.split(":")[0] for p in problems] == ["condition packet"]
+    assert medians["packet"] == {"archived_s": 0.5, "reexecuted_s": pytest.approx(1.15)}
+    assert rx.compare_times({"packet": ([0.50], [1.2])}, factor=3)[0] == []
+
+
+def test_a_different_checkpoint_or_parameter_bytes_are_named():
+    archived = {"model_sha256": "a" * 64, "param_bytes": 10, "device_param_bytes": 4, "host_outgoing_bytes": 6}
+    assert rx.compare_start(archived, dict(archived)) == []
+    problems = rx.compare_start(archived, {**archived, "model_sha256": "b" * 64, "param_bytes": 11})
+    assert len(problems) == 2 and "digest" in problems[0] and "param_bytes" in problems[1]
+
+
+def test_the_record_digest_covers_the_draw_and_the_tolerance(proto, entries):
+    d = rx.draw(proto, entries, ok_statuses(entries), 2, seed=0)
+    base = dict(archive_sha256="x", protocol_sha256="y", seed=0, k=2, drawn=d, problems=[], accelerator="")
+    one = rx.reexecution_record(**base)
+    assert one["result"] == "agree" and rx.record_digest(one) == rx.record_digest(rx.reexecution_record(**base))
+    assert rx.record_digest(rx.reexecution_record(**{**base, "time_factor": 3.0})) != rx.record_digest(one)
+    assert rx.reexecution_record(**{**base, "problems": ["p"]})["result"] == "disagree"
