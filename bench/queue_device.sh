@@ -81,11 +81,11 @@ kill -TERM $holder; wait $holder; echo "holder dispatcher rc $?"; tail -1 a4.log
 pb screens cancel latest | tail -1
 fi
 echo "== B: two Ray nodes on one host"
-# Both nodes on the host's own IP (a client given 127.0.0.1 is sent to the node IP by Ray), with
-# their output kept: the earlier runs hid why the probe could not reach the head.
-ip=$(hostname -I | awk '{print $1}'); head="$ip:6380"
-CUDA_VISIBLE_DEVICES=0 timeout 60 ray start --head --node-ip-address "$ip" --port 6380 --num-gpus 1 --num-cpus 8 --include-dashboard=false --disable-usage-stats 2>&1 | tail -3
-CUDA_VISIBLE_DEVICES=1 timeout 60 ray start --node-ip-address "$ip" --address "$head" --num-gpus 1 --num-cpus 8 --disable-usage-stats 2>&1 | tail -2
+# A CPU head and one node per GPU, each raylet with its own CUDA_VISIBLE_DEVICES (bench/two_nodes.py:
+# `ray start` twice could not reach the head's GCS at the host address on this machine).
+python3 -m bench.two_nodes "$work/address" --gpus 2 > two_nodes.log 2>&1 & nodes=$!
+for _ in $(seq 120); do [ -s "$work/address" ] && break; sleep 0.5; done
+head=$(cat "$work/address" 2>/dev/null) || { echo "no two-node cluster"; cat two_nodes.log; exit 1; }
 timeout 40 python3 -c "import ray, sys; ray.init(address=sys.argv[1], logging_level='ERROR'); print('nodes', len([n for n in ray.nodes() if n['Alive']]), 'GPUs', ray.cluster_resources().get('GPU'))" "$head" || { echo "no two-node cluster"; exit 1; }
 ids=$(pb submit p.yaml --replicas 2 --spread | grep -o '[0-9, ]*;' | tr -d ',;')
 timeout 150 python3 -m cli dispatch --address $head > b.log 2>&1; echo "rc $?"
@@ -119,4 +119,4 @@ for _ in range(600):
 PY
 ( sleep 150; kill -TERM $disp 2>/dev/null ) & wait $disp; echo "dispatch rc $?"
 attempts $id
-ray stop --force >/dev/null 2>&1
+kill -TERM $nodes; wait $nodes 2>/dev/null
