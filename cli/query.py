@@ -249,14 +249,16 @@ def status(
                     "live": "yes" if d.live else "NO (no heartbeat)", "heartbeat": _when(d.heartbeat_at),
                     "idle": sum(w.get("state") == "idle" for w in d.workers),
                     "busy": sum(w.get("state") == "busy" for w in d.workers)} for d in st.dispatchers]
+    from db.queries import DispatcherStatus, QueuedScreen, RunningScreen
+
     sections = [
         Section([dataclasses.asdict(r) for r in st.running], list(running[0]) if running else [], title="running",
-                rows=running),
+                rows=running, fields=_field_names(RunningScreen)),
         Section([dataclasses.asdict(q) for q in st.queued], list(queued[0]) if queued else [],
-                title="queued (claim order)", rows=queued),
+                title="queued (claim order)", rows=queued, fields=_field_names(QueuedScreen)),
         Section([dataclasses.asdict(d) for d in st.dispatchers],
                 list(dispatchers[0]) if dispatchers else [], title="dispatchers", rows=dispatchers,
-                empty="none; start one with `packbench dispatch`"),
+                empty="none; start one with `packbench dispatch`", fields=_field_names(DispatcherStatus)),
     ]
     if out != "table":
         counts = Section([{"state": state, "screens": n} for state, n in st.counts.items()], ["state", "screens"],
@@ -306,11 +308,14 @@ def compare(
     metrics = [{"condition": m.condition, "metric": m.metric, "A": m.a, "B": m.b, "B/A": m.ratio} for m in c.metrics]
     verdicts = [{"gate": v.gate, "condition": v.condition, "phase": v.phase, "A": _verdict(v.a_passed, v.a_value),
                  "B": _verdict(v.b_passed, v.b_value)} for v in c.verdicts]
+    from db.queries import MetricPair, VerdictPair
+
     _emit([Section([dataclasses.asdict(m) for m in c.metrics], ["condition", "metric", "A", "B", "B/A"],
                    title="scored episodes per condition (totals over ok episodes; peaks are maxima; energy over "
-                         "those with an NVML reading)", rows=metrics, empty="no scored episodes"),
+                         "those with an NVML reading)", rows=metrics, empty="no scored episodes",
+                   fields=_field_names(MetricPair)),
            Section([dataclasses.asdict(v) for v in c.verdicts], ["gate", "condition", "phase", "A", "B"],
-                   title="verdicts", rows=verdicts)],
+                   title="verdicts", rows=verdicts, fields=_field_names(VerdictPair))],
           out, document=dataclasses.asdict(c))
 
 
@@ -412,6 +417,12 @@ class Section:
     empty: str = "none"
     title: str | None = None
     rows: list[dict] | None = None
+    fields: list[str] | None = None  # CSV's header when there may be no record to take it from
+
+    def header(self) -> list[str]:
+        if self.records:
+            return list(self.records[0])
+        return self.fields if self.fields is not None else self.columns
 
 
 def _emit(sections: list[Section], out: str, *, document: Any = None) -> None:
@@ -428,7 +439,7 @@ def _emit(sections: list[Section], out: str, *, document: Any = None) -> None:
         several = len(sections) > 1
         fields = ["section"] if several else []
         for section in sections:
-            for name in (list(section.records[0]) if section.records else [] if several else section.columns):
+            for name in section.header():
                 if name not in fields:
                     fields.append(name)
         writer = csv.DictWriter(sys.stdout, fieldnames=fields, lineterminator="\n")
@@ -450,6 +461,10 @@ def _emit(sections: list[Section], out: str, *, document: Any = None) -> None:
                 if isinstance(row.get("passed"), bool):
                     row["passed"] = "PASS" if row["passed"] else "FAIL"
             typer.echo(table(rows, section.columns))
+
+
+def _field_names(record_type: type) -> list[str]:
+    return [f.name for f in dataclasses.fields(record_type)]
 
 
 def _csv_value(value: Any) -> Any:
