@@ -323,6 +323,8 @@ def results(session: Session, f: ResultFilter) -> list[ResultRow]:
         order.insert(0, (key.desc() if f.descending else key.asc()).nulls_last())
     query = query.order_by(*order)
     if f.limit is not None and f.gate is None:
+        # With a gate, which candidates a verdict judged is read from its episode list (JSON
+        # text, not joinable on both backends alike), so `_with_verdicts` applies the limit.
         query = query.limit(f.limit)
     # Core execution (no ORM result machinery): the rows are plain column tuples anyway.
     rows = list(session.connection().execute(query))
