@@ -51,10 +51,15 @@ def model_synth(
                    hot_bias=hot_bias)
     except SynthArgumentError as e:
         raise PackbenchError(e.line("--" + e.arg.replace("_", "-"))) from None
+    from cli.progress import steps
     from engine.synth import synth_checkpoint
 
-    path = synth_checkpoint(out, shape=shape, dtype=dtype, sparsity=sparsity, seed=seed,
-                            hot_fraction=hot_fraction, hot_bias=hot_bias, force=force)
+    progress = steps(f"synthesising {shape} {dtype}", "layers", after="writing model.safetensors")
+    try:
+        path = synth_checkpoint(out, shape=shape, dtype=dtype, sparsity=sparsity, seed=seed,
+                                hot_fraction=hot_fraction, hot_bias=hot_bias, force=force, progress=progress)
+    finally:
+        progress.close()
     typer.echo(f"wrote {shape} {dtype} checkpoint (sparsity {sparsity}, seed {seed}) to {path}")
 
 

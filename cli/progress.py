@@ -1,4 +1,5 @@
-"""Progress of screens and audits: rich bars on a terminal, plain lines otherwise, nothing with --json.
+"""Progress of screens and audits (and of steps such as the layers `model synth` draws): rich bars
+on a terminal, plain lines otherwise, nothing with --json.
 
 A view is a callable `(message, **event)`: events with `screen`, `done` and `total` move that
 screen's bar (screens and episodes done/total, the current condition, elapsed and remaining
@@ -83,3 +84,52 @@ def view(*, json_out: bool) -> PlainLines | Bars | Silent:
 
 
 ProgressView = Callable[..., None]
+
+
+class StepBar:
+    """One rich bar of `done/total` steps (e.g. the layers `model synth` draws); `after` names
+    what follows the last step, shown once it is reached."""
+
+    def __init__(self, label: str, unit: str, *, after: str | None = None, console: Any = None) -> None:
+        from rich.console import Console
+        from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
+                                   TimeRemainingColumn)
+
+        self.label, self.after = label, after
+        self.bars = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn(unit),
+                             TimeElapsedColumn(), TextColumn("left"), TimeRemainingColumn(),
+                             console=console or Console(stderr=False), transient=False)
+        self.task = self.bars.add_task(label, total=None)
+        self.bars.start()
+
+    def __call__(self, done: int, total: int) -> None:
+        description = f"{self.label}: {self.after}" if done >= total and self.after else self.label
+        self.bars.update(self.task, completed=done, total=total, description=description)
+
+    def close(self) -> None:
+        self.bars.stop()
+
+
+class StepLines:
+    """Plain lines for `done/total` steps when stdout is not a terminal: about ten, not one per
+    step (a 96-layer checkpoint would print 96), and always the last."""
+
+    def __init__(self, label: str, unit: str, *, after: str | None = None) -> None:
+        self.label, self.unit, self.after = label, unit, after
+        self.shown = -1
+
+    def __call__(self, done: int, total: int) -> None:
+        tenth = done * 10 // max(total, 1)
+        if tenth == self.shown and done < total:
+            return
+        self.shown = tenth
+        tail = f"; {self.after}" if done >= total and self.after else ""
+        typer.echo(f"{self.label}: {done}/{total} {self.unit}{tail}")
+
+    def close(self) -> None:
+        pass
+
+
+def steps(label: str, unit: str, *, after: str | None = None) -> StepBar | StepLines:
+    """A `(done, total)` progress callback: a bar on a terminal, plain lines otherwise."""
+    return StepBar(label, unit, after=after) if sys.stdout.isatty() else StepLines(label, unit, after=after)

@@ -7,6 +7,7 @@ work) and formats the plain rows it gets back as a table, JSON or CSV.
 
 import csv
 import dataclasses
+import json
 import sys
 from datetime import datetime
 from typing import Annotated, Any, Optional
@@ -16,10 +17,14 @@ import typer
 from cli.common import DbUrl, Json, open_store
 from cli.summary import print_json, screen_summary, table, verdict_table
 from core.errors import PackbenchError
-from core.protocol import DTYPE_NAMES, GATE_NAMES
+from core.protocol import DTYPE_NAMES, GATE_NAMES, PHASES
 
 FORMATS = ("table", "json", "csv")
 GATE_HELP = ", ".join(GATE_NAMES)
+# db.queries.SORT_KEYS' names, written here too so `--help` imports no SQLAlchemy (a test holds them equal).
+SORT_NAMES = ("energy_j", "wall_s", "call_s", "h2d_bytes", "d2h_bytes", "peak_allocated_bytes", "peak_sampled_bytes",
+              "n_tokens", "started_at")
+SORT_HELP = ", ".join(SORT_NAMES)
 
 Format = Annotated[Optional[str], typer.Option("--format", help="Output: table, json or csv.")]
 Limit = Annotated[Optional[int], typer.Option("--limit", help="At most this many rows; 0 for all.")]
@@ -49,15 +54,26 @@ def results(
                                                  autocompletion=lambda: list(DTYPE_NAMES))] = None,
     condition: Annotated[Optional[str], typer.Option(help="Condition name, e.g. packet.")] = None,
     gate: Annotated[Optional[str], typer.Option(
-        help=f"Add this gate's verdicts to each episode: {GATE_HELP}.")] = None,
+        help=f"Only the episodes this gate judged, each once with its verdict: {GATE_HELP}.")] = None,
+    phase: Annotated[Optional[str], typer.Option(
+        help="With --gate: only its verdict of this phase (all, prefill, decode); without, a gate's phases "
+             "fold into one row.", autocompletion=lambda: list(PHASES))] = None,
     passed: Annotated[Optional[bool], typer.Option(
-        "--passed/--failed", help="Only episodes whose condition passed (failed) --gate, or any gate "
-                                  "without --gate.")] = None,
+        "--passed/--failed", help="Only episodes whose --gate verdict passed (failed), or whose condition passed "
+                                  "(failed) any gate without --gate.")] = None,
     status: Annotated[Optional[str], typer.Option(help="Episode status: ok or failed.")] = None,
     since: Annotated[Optional[str], typer.Option(help="Attempts started on or after this ISO date/time (UTC).")] = None,
     until: Annotated[Optional[str], typer.Option(
         help="Attempts started before this ISO date/time; a bare date includes that day.")] = None,
     machine: Annotated[Optional[str], typer.Option(help="Substring of the host, node or GPU name.")] = None,
+    min_energy: Annotated[Optional[float], typer.Option(
+        "--min-energy", help="Only episodes whose GPU energy (NVML, joules) is at least this.")] = None,
+    max_energy: Annotated[Optional[float], typer.Option(
+        "--max-energy", help="Only episodes whose GPU energy (NVML, joules) is at most this.")] = None,
+    sort: Annotated[Optional[str], typer.Option(
+        help=f"Order by this column (episodes without a value last): {SORT_HELP}.",
+        autocompletion=lambda: list(SORT_NAMES))] = None,
+    desc: Annotated[bool, typer.Option("--desc", help="With --sort: largest first.")] = False,
     limit: Limit = None,
     fmt: Format = None,
     db: DbUrl = None,
@@ -66,9 +82,10 @@ def results(
     """List episodes matching filters, or show one screen's verdicts and episodes (no filters)."""
     from db.queries import ResultFilter, parse_when
 
-    filters = dict(protocol=protocol, model=model, dtype=dtype, condition=condition, gate=gate, passed=passed,
-                   status=status, since=since, until=until, machine=machine)
-    if all(v is None for v in filters.values()) and fmt is None and limit is None:
+    filters = dict(protocol=protocol, model=model, dtype=dtype, condition=condition, gate=gate, phase=phase,
+                   passed=passed, status=status, since=since, until=until, machine=machine,
+                   min_energy_j=min_energy, max_energy_j=max_energy, sort=sort)
+    if all(v is None for v in filters.values()) and not desc and fmt is None and limit is None:
         _screen_view(open_store(db), screen or "latest", json_out=json_out)
         return
     out = _output_format(fmt, json_out)
@@ -76,10 +93,11 @@ def results(
     # Validate everything (unknown gate, bad dates) before touching the database.
     filters.update(since=None if since is None else parse_when(since, option="--since"),
                    until=None if until is None else parse_when(until, option="--until", end=True))
-    ResultFilter(**filters)
+    ResultFilter(**filters, descending=desc)
     store = open_store(db)
     screen_id = store.screen(screen).id if screen is not None else None
-    rows = store.results(ResultFilter(**filters, screen_id=screen_id, limit=None if limit is None else limit + 1))
+    rows = store.results(ResultFilter(**filters, descending=desc, screen_id=screen_id,
+                                      limit=None if limit is None else limit + 1))
     rows = _truncated(rows, limit)
     records = [r._asdict() for r in rows]
     if gate is None:
@@ -87,10 +105,10 @@ def results(
             for key in ("gate", "phase", "passed", "value", "threshold"):
                 del record[key]
     columns = ["screen_id", "attempt", "protocol", "dtype", "plan_index", "condition", "role", "prompt", "status",
-               "h2d_bytes", "d2h_bytes", "wall_s", "call_s", "peak_allocated_bytes"]
+               "h2d_bytes", "d2h_bytes", "wall_s", "call_s", "peak_allocated_bytes", "energy_j"]
     if gate is not None:
         columns += ["gate", "phase", "passed", "value", "threshold"]
-    _emit(records, columns, out, empty="no episodes match")
+    _emit([Section(records, columns, empty="no episodes match")], out)
 
 
 def _screen_view(store, ref: str, *, json_out: bool) -> None:
@@ -130,8 +148,8 @@ def screens_list(
     if out == "table":
         for record in records:
             record["protocol_sha256"] = record["protocol_sha256"][:12]
-    _emit(records, ["id", "protocol", "protocol_sha256", "status", "created_at", "attempts", "passed", "failed"],
-          out, empty="no screens; submit one with `packbench submit`")
+    _emit([Section(records, ["id", "protocol", "protocol_sha256", "status", "created_at", "attempts", "passed",
+                             "failed"], empty="no screens; submit one with `packbench submit`")], out)
 
 
 def screens_show(
@@ -209,38 +227,50 @@ def screens_retry(
 def status(
     live_within: Annotated[float, typer.Option(
         "--live-within", help="A dispatcher is live if it sent a heartbeat within this many seconds.")] = 30.0,
+    fmt: Format = None,
     db: DbUrl = None,
-    json_out: Json = False,
+    json_out: Annotated[bool, typer.Option("--json", help="Same as --format json.")] = False,
 ) -> None:
     """The queue: screens per state, running screens with progress and placement, the queue in
     claim order (with why a screen cannot be placed), dispatchers and their workers."""
+    out = _output_format(fmt, json_out)
     st = open_store(db).queue_status(live_within_s=live_within)
-    if json_out:
-        print_json(_plain(dataclasses.asdict(st)))
-        return
-    typer.echo("screens: " + ", ".join(f"{n} {state}" for state, n in st.counts.items()))
-    typer.echo("\nrunning")
     running = [{"screen": r.screen_id, "protocol": r.protocol, "attempt": r.attempt,
                 "episodes": f"{r.episodes_done}/{r.episodes_total if r.episodes_total is not None else '?'}",
                 "dispatcher": r.dispatcher, "node": r.node or None,
                 "gpu": f"{r.gpu_name}:{r.gpu_index}" if r.gpu_name else None, "model": r.model_state,
                 "shared_node": r.shared_node, "lease_until": _when(r.lease_expires_at),
                 "cancel": "requested" if r.cancel_requested else None} for r in st.running]
-    typer.echo(table(running, list(running[0])) if running else "none")
-    typer.echo("\nqueued (claim order)")
     queued = [{"screen": q.screen_id, "protocol": q.protocol, "priority": q.priority,
                "attempts": f"{q.attempts_used}/{q.max_attempts}", "gpu_type": q.gpu_type,
                "node": q.placement_node, "replicas": (q.replica_group or "")[:8] or None,
                "unplaceable": q.unplaceable_reason} for q in st.queued]
-    typer.echo(table(queued, list(queued[0])) if queued else "none")
-    if st.counts["queued"] > len(st.queued):
-        typer.echo(f"... and {st.counts['queued'] - len(st.queued)} more")
-    typer.echo("\ndispatchers")
     dispatchers = [{"id": d.id, "name": d.name, "host": d.host, "pid": d.pid,
                     "live": "yes" if d.live else "NO (no heartbeat)", "heartbeat": _when(d.heartbeat_at),
                     "idle": sum(w.get("state") == "idle" for w in d.workers),
                     "busy": sum(w.get("state") == "busy" for w in d.workers)} for d in st.dispatchers]
-    typer.echo(table(dispatchers, list(dispatchers[0])) if dispatchers else "none; start one with `packbench dispatch`")
+    from db.queries import DispatcherStatus, QueuedScreen, RunningScreen
+
+    sections = [
+        Section([dataclasses.asdict(r) for r in st.running], list(running[0]) if running else [], title="running",
+                rows=running, fields=_field_names(RunningScreen)),
+        Section([dataclasses.asdict(q) for q in st.queued], list(queued[0]) if queued else [],
+                title="queued (claim order)", rows=queued, fields=_field_names(QueuedScreen)),
+        Section([dataclasses.asdict(d) for d in st.dispatchers],
+                list(dispatchers[0]) if dispatchers else [], title="dispatchers", rows=dispatchers,
+                empty="none; start one with `packbench dispatch`", fields=_field_names(DispatcherStatus)),
+    ]
+    if out != "table":
+        counts = Section([{"state": state, "screens": n} for state, n in st.counts.items()], ["state", "screens"],
+                         title="screens")
+        _emit([counts, *sections], out, document=dataclasses.asdict(st))
+        return
+    typer.echo("screens: " + ", ".join(f"{n} {state}" for state, n in st.counts.items()) + "\n")
+    _emit(sections[:2], out)
+    if st.counts["queued"] > len(st.queued):
+        typer.echo(f"... and {st.counts['queued'] - len(st.queued)} more")
+    typer.echo("")
+    _emit(sections[2:], out)
     typer.echo(f"\nworkers of live dispatchers: {st.idle_workers} idle, {st.busy_workers} busy")
 
 
@@ -250,15 +280,17 @@ def compare(
     protocol: Annotated[Optional[str], typer.Option(
         "--protocol", help="Instead of A and B: every machine that screened this protocol (name or SHA-256 prefix), "
                            "verdict by verdict, and whether the machines agree (exit 1 when they do not).")] = None,
+    fmt: Format = None,
     db: DbUrl = None,
-    json_out: Json = False,
+    json_out: Annotated[bool, typer.Option("--json", help="Same as --format json.")] = False,
 ) -> None:
-    """Compare two screens' latest attempts (scored totals with B/A ratios, and verdicts), or with
-    --protocol every machine that screened one protocol."""
+    """Compare two screens' latest attempts (scored totals with B/A ratios, energy per episode and
+    per generated token, and verdicts), or with --protocol every machine that screened one protocol."""
+    out = _output_format(fmt, json_out)
     if protocol is not None:
         if screen_a is not None or screen_b is not None:
             raise PackbenchError("give two screen ids, or --protocol SHA alone")
-        _compare_machines(open_store(db), protocol, json_out=json_out)
+        _compare_machines(open_store(db), protocol, out=out)
         return
     if screen_a is None or screen_b is None:
         raise PackbenchError("give two screen ids (or `latest`), or --protocol SHA to compare machines")
@@ -268,34 +300,43 @@ def compare(
     if None not in weights and weights[0] != weights[1]:
         typer.echo(f"warning: screens {c.a.screen_id} and {c.b.screen_id} measured different weights "
                    f"(checkpoint digests {weights[0][:12]} and {weights[1][:12]})", err=True)
-    if json_out:
-        print_json(_plain(dataclasses.asdict(c)))
-        return
-    for label, side in (("A", c.a), ("B", c.b)):
-        typer.echo(f"{label}: screen {side.screen_id} ({side.protocol}, protocol {side.protocol_sha256[:12]}), "
-                   f"attempt {side.attempt} {side.attempt_status}")
-    typer.echo("\nscored episodes per condition (totals over ok episodes; peaks are maxima)")
+    if out == "table":
+        for label, side in (("A", c.a), ("B", c.b)):
+            typer.echo(f"{label}: screen {side.screen_id} ({side.protocol}, protocol {side.protocol_sha256[:12]}), "
+                       f"attempt {side.attempt} {side.attempt_status}")
+        typer.echo("")
     metrics = [{"condition": m.condition, "metric": m.metric, "A": m.a, "B": m.b, "B/A": m.ratio} for m in c.metrics]
-    typer.echo(table(metrics, ["condition", "metric", "A", "B", "B/A"]) if metrics else "no scored episodes")
-    typer.echo("\nverdicts")
     verdicts = [{"gate": v.gate, "condition": v.condition, "phase": v.phase, "A": _verdict(v.a_passed, v.a_value),
                  "B": _verdict(v.b_passed, v.b_value)} for v in c.verdicts]
-    typer.echo(table(verdicts, ["gate", "condition", "phase", "A", "B"]) if verdicts else "none")
+    from db.queries import MetricPair, VerdictPair
+
+    _emit([Section([dataclasses.asdict(m) for m in c.metrics], ["condition", "metric", "A", "B", "B/A"],
+                   title="scored episodes per condition (totals over ok episodes; peaks are maxima; energy over "
+                         "those with an NVML reading)", rows=metrics, empty="no scored episodes",
+                   fields=_field_names(MetricPair)),
+           Section([dataclasses.asdict(v) for v in c.verdicts], ["gate", "condition", "phase", "A", "B"],
+                   title="verdicts", rows=verdicts, fields=_field_names(VerdictPair))],
+          out, document=dataclasses.asdict(c))
 
 
-def _compare_machines(store, protocol: str, *, json_out: bool) -> None:
+def _compare_machines(store, protocol: str, *, out: str) -> None:
     from service.compare import compare_machines
 
     c = compare_machines(store, protocol)
-    if json_out:
-        print_json({**_plain(dataclasses.asdict(c)), "agree": c.agree})
+    labels = [f"[{i + 1}]" for i in range(len(c.columns))]
+    if out != "table":
+        # One row per verdict; each machine's cell as PASS/FAIL and its value.
+        rows = [{"gate": r.gate, "condition": r.condition, "phase": r.phase,
+                 **{f"{label} screen {col.screen_id}": (None if cell is None else _verdict(*cell))
+                    for label, col, cell in zip(labels, c.columns, r.cells)}, "agree": r.agree} for r in c.rows]
+        _emit([Section(rows, list(rows[0]) if rows else ["gate", "condition", "phase", "agree"])], out,
+              document={**dataclasses.asdict(c), "agree": c.agree})
     else:
         typer.echo(f"protocol {c.protocol} ({c.protocol_sha256[:12]}) on {len(c.columns)} machine(s)")
         for i, col in enumerate(c.columns):
             typer.echo(f"  [{i + 1}] screen {col.screen_id} attempt {col.attempt}: {col.machine}, node {col.node[:12]}")
         for line in c.skipped:
             typer.echo(f"  skipped {line}")
-        labels = [f"[{i + 1}]" for i in range(len(c.columns))]
         rows = [{"gate": r.gate, "condition": r.condition, "phase": r.phase,
                  **{label: ("-" if cell is None else _verdict(*cell)) for label, cell in zip(labels, r.cells)},
                  "agree": "yes" if r.agree else "NO"} for r in c.rows]
@@ -361,21 +402,74 @@ def _verdict(passed: bool | None, value: float | None) -> str:
     return ("PASS" if passed else "FAIL") + (f" {value:.6g}" if value is not None else "")
 
 
-def _emit(records: list[dict], columns: list[str], out: str, *, empty: str) -> None:
-    """Records as a table of `columns`, or every field as JSON (a list) or CSV (with a header)."""
+@dataclasses.dataclass(frozen=True)
+class Section:
+    """One table of a command's output.
+
+    records: every field of each row, for CSV (and JSON when the command has no document).
+    columns: the fields the table shows. rows: what the table shows, when it is not records
+    (combined or shortened fields). title: the table's heading, and CSV's `section` column
+    when a command prints several tables. empty: the table's text when there are no rows.
+    """
+
+    records: list[dict]
+    columns: list[str]
+    empty: str = "none"
+    title: str | None = None
+    rows: list[dict] | None = None
+    fields: list[str] | None = None  # CSV's header when there may be no record to take it from
+
+    def header(self) -> list[str]:
+        if self.records:
+            return list(self.records[0])
+        return self.fields if self.fields is not None else self.columns
+
+
+def _emit(sections: list[Section], out: str, *, document: Any = None) -> None:
+    """The one formatter of `results`, `screens list`, `compare` and `status`.
+
+    json: `document` (the command's object), else the single section's records as a list.
+    csv: a header and every record; with several sections a leading `section` column names
+    each row's table, and the header is the union of their fields. table: each section as an
+    aligned table under its title. Only the output goes to stdout: notes go to stderr.
+    """
     if out == "json":
-        print_json(_plain(records))
+        print_json(_plain(document if document is not None else sections[0].records))
     elif out == "csv":
-        fields = list(records[0]) if records else columns
+        several = len(sections) > 1
+        fields = ["section"] if several else []
+        for section in sections:
+            for name in section.header():
+                if name not in fields:
+                    fields.append(name)
         writer = csv.DictWriter(sys.stdout, fieldnames=fields, lineterminator="\n")
         writer.writeheader()
-        for record in records:
-            writer.writerow({k: _when(v) if isinstance(v, datetime) else v for k, v in record.items()})
-    elif not records:
-        typer.echo(empty)
+        for section in sections:
+            for record in section.records:
+                row = {k: _csv_value(v) for k, v in record.items()}
+                writer.writerow({"section": section.title, **row} if several else row)
     else:
-        rows = [{**r, **{k: _when(v) for k, v in r.items() if isinstance(v, datetime)}} for r in records]
-        for row in rows:
-            if isinstance(row.get("passed"), bool):
-                row["passed"] = "PASS" if row["passed"] else "FAIL"
-        typer.echo(table(rows, columns))
+        for i, section in enumerate(sections):
+            if section.title is not None:
+                typer.echo(("\n" if i else "") + section.title)
+            rows = section.rows if section.rows is not None else section.records
+            if not rows:
+                typer.echo(section.empty)
+                continue
+            rows = [{**r, **{k: _when(v) for k, v in r.items() if isinstance(v, datetime)}} for r in rows]
+            for row in rows:
+                if isinstance(row.get("passed"), bool):
+                    row["passed"] = "PASS" if row["passed"] else "FAIL"
+            typer.echo(table(rows, section.columns))
+
+
+def _field_names(record_type: type) -> list[str]:
+    return [f.name for f in dataclasses.fields(record_type)]
+
+
+def _csv_value(value: Any) -> Any:
+    if isinstance(value, datetime):
+        return _when(value)
+    if isinstance(value, (dict, list, tuple)):
+        return json.dumps(_plain(value), sort_keys=True)
+    return value

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import socket
 import threading
+from typing import Any, Callable
 
 from core.errors import ClusterUnreachable, PackbenchError
 from core.settings import Settings
@@ -41,6 +43,52 @@ def _check_reachable(address: str, timeout_s: float) -> None:
                              f"`ray start --head` or fix the address") from None
 
 
+_ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+raylet_log = logging.getLogger("packbench.raylet")
+
+
+def _route_driver_message(original: Callable[..., None], data: dict[str, Any], ignore_prefix: bool) -> None:
+    """Ray's driver-side printer, with the raylet's messages sent to logging instead.
+
+    Ray prints every error the raylet publishes for this job ("A worker died or was killed
+    ...") to the driver's stdout as a raw, colour-coded `(raylet)` line, whatever
+    `log_to_driver` says; it lands in the middle of progress bars and `--json` lines. The
+    dispatcher already records why a worker died (the attempt's error, `screens show`), so
+    the line becomes an INFO event of `packbench.raylet`: shown with --verbose, without colour
+    codes. Worker output (log_to_driver, on with --verbose) still goes through Ray's printer.
+    """
+    if data.get("pid") != "raylet":
+        original(data, ignore_prefix=ignore_prefix)
+        return
+    for line in data.get("lines") or []:
+        text = _ANSI.sub("", str(line)).strip()
+        if text:
+            raylet_log.info("raylet: %s", text)
+
+
+def _quiet_raylet_lines() -> None:
+    """Install `_route_driver_message` in front of Ray's driver printer (idempotent).
+
+    Ray 2.60 has no public switch for these lines: its error-listener thread calls
+    `ray._private.worker.print_to_stdstream` by its module-global name on every message, so
+    replacing that name reroutes them, already-started threads included. Should a Ray
+    release move the name, nothing is replaced and the lines print as before.
+    """
+    try:
+        import ray._private.worker as ray_worker
+    except ImportError:  # a Ray without the module: leave its printing alone
+        return
+    original = getattr(ray_worker, "print_to_stdstream", None)
+    if original is None or getattr(original, "packbench_routed", False):
+        return
+
+    def print_to_stdstream(data: dict[str, Any], ignore_prefix: bool) -> None:
+        _route_driver_message(original, data, ignore_prefix)
+
+    print_to_stdstream.packbench_routed = True  # type: ignore[attr-defined]
+    ray_worker.print_to_stdstream = print_to_stdstream
+
+
 def ensure_ray(settings: Settings | None = None):
     """Start an embedded local Ray, or join `settings.address`. Idempotent within a process.
 
@@ -56,6 +104,7 @@ def ensure_ray(settings: Settings | None = None):
     os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "1")
     import ray
 
+    _quiet_raylet_lines()
     if ray.is_initialized():
         return ray
     common = dict(include_dashboard=False, logging_level="INFO" if settings.verbose else "WARNING",

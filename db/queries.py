@@ -14,6 +14,7 @@ Contract
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from datetime import UTC, date, datetime, timedelta
 from typing import Any, NamedTuple
@@ -32,7 +33,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.orm import Session
 
-from core.protocol import DTYPE_NAMES, GATE_NAMES
+from core.protocol import DTYPE_NAMES, GATE_NAMES, PHASES
 from core.record import FIELDS_BY_NAME, STORED_FIELDS
 from db.errors import InvalidFilter, NotFound
 from db.models import (
@@ -102,14 +103,19 @@ class ResultFilter:
     model: a case-insensitive substring of the protocol's model.path or the screen's
         resolved model directory (a synthetic checkpoint's directory names its shape).
     dtype: exact, one of the protocol dtypes. condition: exact.
-    gate: one of `GATES`; each row then carries that gate's verdict for the episode's
-        condition and attempt (one row per phase), and episodes without one are left out.
+    gate: one of `GATES`; the rows are then the episodes that gate judged, each once, with
+        its verdict (see `results`); episodes it did not judge are left out.
+    phase: with `gate`, only its verdict of this phase (all, prefill or decode).
     passed: with `gate`, that verdict passed (True) or failed (False). Without `gate`: True
         keeps episodes whose condition has verdicts and all passed, False those whose
         condition failed at least one.
     status: the episode's status, 'ok' or 'failed'.
     since, until: when the episode's attempt started, since <= started_at < until.
     machine: a case-insensitive substring of the host, node or GPU name.
+    min_energy_j, max_energy_j: the episode's NVML energy in joules lies in
+        [min_energy_j, max_energy_j]; either bound leaves out episodes without a reading.
+    sort: order by this column of `SORT_KEYS` (episodes without a value last), then as usual;
+        descending: largest first.
     screen_id: one screen (every attempt of it).
     limit: at most this many rows (None: all).
     """
@@ -124,11 +130,31 @@ class ResultFilter:
     since: datetime | None = None
     until: datetime | None = None
     machine: str | None = None
+    phase: str | None = None
+    min_energy_j: float | None = None
+    max_energy_j: float | None = None
+    sort: str | None = None
+    descending: bool = False
     screen_id: int | None = None
     limit: int | None = None
 
     def __post_init__(self) -> None:
         _one_of(self.gate, GATES, "gate")
+        _one_of(self.phase, PHASES, "phase")
+        if self.phase is not None and self.gate is None:
+            raise InvalidFilter(f"--phase {self.phase} picks a verdict of a gate; give --gate too")
+        _one_of(self.sort, tuple(SORT_KEYS), "sort column")
+        if self.descending and self.sort is None:
+            raise InvalidFilter("--desc reverses a --sort column; give --sort too, e.g. --sort energy_j --desc")
+        for name in ("min_energy_j", "max_energy_j"):
+            bound = getattr(self, name)
+            if bound is not None and not (math.isfinite(bound) and bound >= 0):
+                option = "--min-energy" if name == "min_energy_j" else "--max-energy"
+                raise InvalidFilter(f"{option} {bound} is not a finite number of joules >= 0; give e.g. {option} 12.5")
+        if (self.min_energy_j is not None and self.max_energy_j is not None
+                and self.min_energy_j > self.max_energy_j):
+            raise InvalidFilter(f"--min-energy {self.min_energy_j} J is above --max-energy {self.max_energy_j} J; "
+                                f"swap them")
         _one_of(self.dtype, DTYPE_NAMES, "dtype")
         _one_of(self.status, EPISODE_STATUSES, "episode status")
         for name in ("since", "until"):
@@ -184,11 +210,26 @@ class ResultRow(NamedTuple):
     call_s: float
     peak_allocated_bytes: int | None
     peak_sampled_bytes: int | None
+    energy_j: float | None  # NVML joules over the episode; None without a counter (the CPU)
     gate: str | None = None
-    phase: str | None = None
-    passed: bool | None = None
-    value: float | None = None
+    phase: str | None = None  # the verdicts' phases, '+'-joined when the gate judged several
+    passed: bool | None = None  # every phase's verdict passed
+    value: float | None = None  # with one phase only (pick one with `phase`)
     threshold: float | None = None
+
+
+# `results --sort` columns: the per-episode measurements a user ranks by.
+SORT_KEYS: dict[str, Any] = {
+    "energy_j": Episode.energy_j,
+    "wall_s": Episode.wall_s,
+    "call_s": Episode.call_s,
+    "h2d_bytes": Episode.h2d_weight_bytes + Episode.h2d_index_bytes,
+    "d2h_bytes": Episode.d2h_bytes,
+    "peak_allocated_bytes": Episode.peak_allocated_bytes,
+    "peak_sampled_bytes": Episode.peak_sampled_bytes,
+    "n_tokens": Episode.n_tokens,
+    "started_at": Attempt.started_at,
+}
 
 
 def _protocol_matches(ref: str) -> ColumnElement[bool]:
@@ -207,7 +248,15 @@ def _same_condition_verdicts(*criteria: ColumnElement[bool]) -> Any:
 
 
 def results(session: Session, f: ResultFilter) -> list[ResultRow]:
-    """Episodes matching `f`, ordered by screen, attempt, plan index (and verdict phase)."""
+    """Episodes matching `f`, ordered by screen, attempt and plan index (after `f.sort`).
+
+    With `f.gate` each episode appears once, carrying the verdicts of that gate that judged
+    it: same attempt and condition, and its plan index among the verdict's episodes (a
+    verdict that failed closed before judging any covers its condition's scored episodes).
+    So warmups carry a faithfulness verdict (exactness includes them) but no acquisition or
+    runtime one; several phases fold into one row (`phase` 'prefill+decode', `passed` only
+    when every phase passed, `value` and `threshold` only for a single phase).
+    """
     columns = [
         Screen.id, Attempt.number, Attempt.status, Protocol.name, Protocol.sha256,
         Protocol.model, Protocol.dtype, Screen.model_dir, Attempt.node, Attempt.gpu_name,
@@ -215,10 +264,9 @@ def results(session: Session, f: ResultFilter) -> list[ResultRow]:
         Episode.prompt, Episode.status, Episode.error, Episode.n_tokens,
         Episode.h2d_weight_bytes + Episode.h2d_index_bytes, Episode.prefill_h2d_bytes,
         Episode.decode_h2d_bytes, Episode.d2h_bytes, Episode.wall_s, Episode.call_s,
-        Episode.peak_allocated_bytes, Episode.peak_sampled_bytes,
+        Episode.peak_allocated_bytes, Episode.peak_sampled_bytes, Episode.energy_j,
+        Episode.attempt_id,  # not a ResultRow field: the key its verdicts are fetched by
     ]
-    if f.gate is not None:
-        columns += [Verdict.gate, Verdict.phase, Verdict.passed, Verdict.value, Verdict.threshold]
     query = (
         select(*columns)
         .select_from(Episode)
@@ -227,19 +275,10 @@ def results(session: Session, f: ResultFilter) -> list[ResultRow]:
         .join(Protocol, Protocol.id == Screen.protocol_id)
         .outerjoin(Machine, Machine.id == Attempt.machine_id)
     )
-    order = [Screen.id, Attempt.number, Episode.plan_index]
     if f.gate is not None:
-        query = query.join(
-            Verdict,
-            and_(
-                Verdict.attempt_id == Episode.attempt_id,
-                Verdict.condition == Episode.condition,
-                Verdict.gate == f.gate,
-            ),
-        )
-        order.append(Verdict.phase)
-        if f.passed is not None:
-            query = query.where(Verdict.passed == f.passed)
+        # Candidates: episodes of a condition the gate judged in that attempt. Which of them
+        # a verdict covers, and --passed/--failed, are decided per episode below.
+        query = query.where(_same_condition_verdicts(*_gate_criteria(f)))
     elif f.passed is True:
         query = query.where(_same_condition_verdicts(), ~_same_condition_verdicts(~Verdict.passed))
     elif f.passed is False:
@@ -272,13 +311,77 @@ def results(session: Session, f: ResultFilter) -> list[ResultRow]:
                 )
             )
         )
+    if f.min_energy_j is not None:
+        query = query.where(Episode.energy_j >= f.min_energy_j)
+    if f.max_energy_j is not None:
+        query = query.where(Episode.energy_j <= f.max_energy_j)
     if f.screen_id is not None:
         query = query.where(Attempt.screen_id == f.screen_id)
+    order = [Screen.id, Attempt.number, Episode.plan_index]
+    if f.sort is not None:
+        key = SORT_KEYS[f.sort]
+        order.insert(0, (key.desc() if f.descending else key.asc()).nulls_last())
     query = query.order_by(*order)
-    if f.limit is not None:
+    if f.limit is not None and f.gate is None:
+        # With a gate, which candidates a verdict judged is read from its episode list (JSON
+        # text, not joinable on both backends alike), so `_with_verdicts` applies the limit.
         query = query.limit(f.limit)
     # Core execution (no ORM result machinery): the rows are plain column tuples anyway.
-    return [ResultRow(*row) for row in session.connection().execute(query)]
+    rows = list(session.connection().execute(query))
+    if f.gate is None:
+        return [ResultRow(*row[:-1]) for row in rows]
+    return _with_verdicts(session, rows, f)
+
+
+def _gate_criteria(f: ResultFilter) -> list[ColumnElement[bool]]:
+    return [Verdict.gate == f.gate, *([Verdict.phase == f.phase] if f.phase is not None else [])]
+
+
+_PLAN_INDEX, _CONDITION, _ROLE = (ResultRow._fields.index(name) for name in ("plan_index", "condition", "role"))
+_CHUNK = 500  # attempt ids per IN (...): far below SQLite's bound on bound parameters
+
+
+def _with_verdicts(session: Session, rows: list[Any], f: ResultFilter) -> list[ResultRow]:
+    """`rows` (ResultRow columns + attempt_id) with the verdicts of `f.gate` that judged each;
+    episodes none judged, or whose verdict `f.passed` rules out, are left out."""
+    attempt_ids = sorted({row[-1] for row in rows})
+    by_key: dict[tuple[int, str], list[tuple[str, bool, float | None, float | None, frozenset[int] | None]]] = {}
+    for i in range(0, len(attempt_ids), _CHUNK):
+        query = select(Verdict.attempt_id, Verdict.condition, Verdict.phase, Verdict.passed, Verdict.value,
+                       Verdict.threshold, Verdict.episodes_json).where(
+            Verdict.attempt_id.in_(attempt_ids[i:i + _CHUNK]), *_gate_criteria(f))
+        for attempt_id, condition, phase, passed, value, threshold, episodes_json in session.execute(query):
+            by_key.setdefault((attempt_id, condition), []).append(
+                (phase, bool(passed), value, threshold, _judged(episodes_json)))
+    out: list[ResultRow] = []
+    for row in rows:
+        base, attempt_id = row[:-1], row[-1]
+        plan_index, condition, role = base[_PLAN_INDEX], base[_CONDITION], base[_ROLE]
+        mine = sorted((v for v in by_key.get((attempt_id, condition), ())
+                       if (plan_index in v[4] if v[4] else role == "scored")),
+                      key=lambda v: PHASES.index(v[0]) if v[0] in PHASES else len(PHASES))
+        if not mine:
+            continue
+        passed = all(v[1] for v in mine)
+        if f.passed is not None and passed != f.passed:
+            continue
+        one = mine[0] if len(mine) == 1 else None
+        out.append(ResultRow(*base, gate=f.gate, phase="+".join(v[0] for v in mine), passed=passed,
+                             value=one[2] if one else None, threshold=one[3] if one else None))
+        if f.limit is not None and len(out) >= f.limit:
+            break
+    return out
+
+
+def _judged(episodes_json: str) -> frozenset[int] | None:
+    """The plan indexes a verdict judged; None when it lists none (it failed closed first)."""
+    try:
+        indexes = json.loads(episodes_json)
+    except (TypeError, ValueError):
+        return None
+    if not isinstance(indexes, list):
+        return None
+    return frozenset(i for i in indexes if isinstance(i, int)) or None
 
 
 # -- screens -------------------------------------------------------------------------------
@@ -472,6 +575,23 @@ COMPARE_METRICS: dict[str, Any] = {
 }
 _COUNTS = ("episodes", "failed")  # no ratio: they say what the totals cover
 
+# Energy (NVML joules), over the ok scored episodes that carry a reading and generated tokens,
+# as the HTML report takes it (core.report.energy): per episode the mean, per generated token
+# the sum of joules over the sum of tokens. None where no episode has a reading (the CPU).
+_HAS_ENERGY = and_(_OK, Episode.energy_j.is_not(None), Episode.n_tokens > 0)
+_ENERGY_SUMS: dict[str, Any] = {
+    "energy_episodes": func.sum(case((_HAS_ENERGY, 1), else_=0)),
+    "energy_j": cast(func.sum(case((_HAS_ENERGY, Episode.energy_j))), Float),
+    "energy_tokens": cast(func.sum(case((_HAS_ENERGY, Episode.n_tokens))), BigInteger),
+}
+ENERGY_METRICS = ("energy_j_per_episode", "energy_j_per_token")
+
+
+def _energy(sums: dict[str, Any]) -> dict[str, float | None]:
+    joules, n, tokens = sums["energy_j"], sums["energy_episodes"], sums["energy_tokens"]
+    return {"energy_j_per_episode": joules / n if joules is not None and n else None,
+            "energy_j_per_token": joules / tokens if joules is not None and tokens else None}
+
 
 @dataclass(frozen=True, slots=True)
 class CompareSide:
@@ -506,7 +626,7 @@ class VerdictPair:
 class Comparison:
     a: CompareSide
     b: CompareSide
-    metrics: tuple[MetricPair, ...]  # by condition, then in COMPARE_METRICS order
+    metrics: tuple[MetricPair, ...]  # by condition, then COMPARE_METRICS and ENERGY_METRICS order
     verdicts: tuple[VerdictPair, ...]  # by (gate, condition, phase)
 
 
@@ -535,11 +655,15 @@ def _side(session: Session, ref: int | str) -> tuple[CompareSide, int]:
 
 def _totals(session: Session, attempt_id: int) -> dict[str, dict[str, Any]]:
     query = (
-        select(Episode.condition, *COMPARE_METRICS.values())
+        select(Episode.condition, *COMPARE_METRICS.values(), *_ENERGY_SUMS.values())
         .where(Episode.attempt_id == attempt_id, Episode.role == "scored")
         .group_by(Episode.condition)
     )
-    return {row[0]: dict(zip(COMPARE_METRICS, row[1:])) for row in session.execute(query)}
+    out = {}
+    for row in session.execute(query):
+        metrics = dict(zip(COMPARE_METRICS, row[1:]))
+        out[row[0]] = {**metrics, **_energy(dict(zip(_ENERGY_SUMS, row[1 + len(COMPARE_METRICS):])))}
+    return out
 
 
 def _verdicts(session: Session, attempt_id: int) -> dict[tuple[str, str, str], tuple[bool, float | None]]:
@@ -557,7 +681,7 @@ def compare(session: Session, ref_a: int | str, ref_b: int | str) -> Comparison:
     metrics = []
     for condition in sorted(set(totals_a) | set(totals_b)):
         a, b = totals_a.get(condition, {}), totals_b.get(condition, {})
-        for metric in COMPARE_METRICS:
+        for metric in (*COMPARE_METRICS, *ENERGY_METRICS):
             value_a, value_b = a.get(metric), b.get(metric)
             metrics.append(
                 MetricPair(

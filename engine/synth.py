@@ -10,6 +10,7 @@ exact zeros after ReLU, equal `sparsity` (0.94 gives about -1.555 * std * sqrt(h
 
 import json
 import math
+from collections.abc import Callable
 from pathlib import Path
 from statistics import NormalDist
 
@@ -63,7 +64,7 @@ def opt_config(shape: str, dtype: str) -> dict:
 
 def synth_checkpoint(
     out: Path, *, shape: str, dtype: str, sparsity: float, seed: int, hot_fraction: float = 0.0,
-    hot_bias: float = 0.0, force: bool = False
+    hot_bias: float = 0.0, force: bool = False, progress: Callable[[int, int], None] | None = None
 ) -> Path:
     """Write config.json + model.safetensors for `shape` into `out`. Deterministic for a seed.
 
@@ -74,6 +75,9 @@ def synth_checkpoint(
     which decides whether retention and forecasts can pay. A `hot_fraction` of each layer's
     neurons (chosen by the seed) gets fc1 bias `hot_bias` x std x sqrt(hidden) instead: 0.0
     makes them fire for about half the tokens, against 1 - sparsity for the rest.
+
+    `progress(done, total)` is called once per decoder layer drawn (total = the shape's
+    layers); after the last one the file is written, which for a large shape takes a while too.
     """
     # The arguments a protocol's model.synth allows, no others: a SynthArgumentError (a
     # ValueError) names the bad one. The values are used as given, so config.json stays as it was.
@@ -119,6 +123,8 @@ def synth_checkpoint(
         sd[p + "fc1.bias"] = fc1_bias.to(torch_dtype)
         sd[p + "fc2.weight"] = normal(h, f)
         sd[p + "fc2.bias"] = const(0.0, h)
+        if progress is not None:
+            progress(i + 1, s["layers"])
 
     out.mkdir(parents=True, exist_ok=True)
     save_file(sd, str(out / "model.safetensors"), metadata={"format": "pt"})

@@ -79,3 +79,24 @@ def test_bad_input_loses_nothing_already_stored(tmp_path, upgraded, tiny):
 def test_unknown_shape_for_synth(tmp_path, upgraded):
     r = cli("model", "synth", "--shape", "opt-9b", "--out", str(tmp_path / "m"), cwd=tmp_path, db=upgraded)
     assert_one_line_error(r, "unknown --shape 'opt-9b'", "opt-125m")
+
+
+def test_text_prompts_on_a_checkpoint_without_a_tokenizer(tmp_path, upgraded, tiny):
+    """Not "prompt 0 has 0 tokens": one line naming the missing tokenizer files and the fix."""
+    from typer.testing import CliRunner
+
+    from cli.main import app
+    from core.errors import CheckpointError
+    from db.store import Store
+
+    (tmp_path / "texts.txt").write_text("the cat sat on the mat\n---\nthe dog sat on the cat\n")
+    p = write_protocol(tmp_path, tiny, prompts={"text_file": "texts.txt"})
+    result = CliRunner().invoke(app, ["submit", str(p), "--db", f"sqlite:///{upgraded}"])
+    assert isinstance(result.exception, CheckpointError), result.output
+    message = str(result.exception)
+    assert "\n" not in message and "0 tokens" not in message
+    for fragment in (str(tiny), "has no tokenizer files", "tokenizer.json", "vocab.json + merges.txt",
+                     "prompts.token_file"):
+        assert fragment in message, message
+    with Store(f"sqlite:///{upgraded}") as store:
+        assert store.list_screens() == []  # refused before anything was queued

@@ -1,5 +1,7 @@
 """`packbench compare --protocol SHA`: one protocol screened on several machines, verdict by verdict."""
 
+import csv
+import io
 import json
 
 from typer.testing import CliRunner
@@ -47,6 +49,11 @@ def test_machines_side_by_side_and_their_agreement(tmp_path):
     with Store(url) as store:
         screened(store, p, host="lab-d", node="node-d",
                  verdicts=[verdict("faithfulness", "packet", False, 3e-3), verdict("acquisition", "packet", True, 0.2)])
+    out = runner.invoke(app, ["compare", "--protocol", "seed-v040", "--db", url, "--format", "csv"])
+    assert out.exit_code == 1  # disagreement: in every format
+    rows = list(csv.DictReader(io.StringIO(out.stdout)))
+    faith = next(r for r in rows if r["gate"] == "faithfulness")
+    assert (faith["agree"], faith[f"[1] screen {a}"], faith["[3] screen 5"]) == ("False", "PASS 0", "FAIL 0.003")
     out = runner.invoke(app, ["compare", "--protocol", "seed-v040", "--db", url])
     assert out.exit_code == 1 and "verdicts agree across machines: NO" in out.output
     assert "faithfulness" in out.output and "NO" in out.output.split("faithfulness", 1)[1].splitlines()[0]

@@ -9,6 +9,7 @@ import csv
 import io
 import json
 import os
+import re
 import sqlite3
 import subprocess
 import sys
@@ -34,10 +35,12 @@ def body(name: str, model: str, dtype: str) -> str:
     return json.dumps({"name": name, "model": {"path": model}, "dtype": dtype}, sort_keys=True)
 
 
-def episode(plan_index: int, condition: str, *, role: str = "scored", h2d: int = 1000, ok: bool = True) -> dict:
+def episode(plan_index: int, condition: str, *, role: str = "scored", h2d: int = 1000, ok: bool = True,
+            energy: float | None = None) -> dict:
     record = {"plan_index": plan_index, "condition": condition, "role": role, "prompt": plan_index // 2,
               "status": "ok" if ok else "failed", "error": None if ok else "boom", "tokens": [1, 2],
-              "wall_s": 1.0, "call_s": 0.5, "h2d_weight_bytes": h2d, "h2d_index_bytes": 0, "d2h_bytes": 4}
+              "wall_s": 1.0, "call_s": 0.5, "h2d_weight_bytes": h2d, "h2d_index_bytes": 0, "d2h_bytes": 4,
+              "energy_j": energy if ok else None}
     return record
 
 
@@ -48,18 +51,22 @@ def verdict(gate: str, condition: str, passed: bool, value: float = 0.0) -> dict
 
 def seed(url: str) -> None:
     """Screen 1 (tiny/float32, passes), screen 2 (opt-1.3b/float16, packet fails faithfulness,
-    one failed episode), screen 3 queued."""
+    one failed episode), screen 3 queued. Energy per ok episode (J): screen 1 dense-stream 30,
+    packet 10; screen 2 dense-stream 40, packet 12."""
     with Store(url) as store:
         store.upgrade()
         tiny = store.put_protocol(sha256="ab" * 32, name="quickstart", canonical_json=body("quickstart", "models/tiny", "float32"))
         big = store.put_protocol(sha256="cd" * 32, name="big", canonical_json=body("big", "/models/opt-1.3b", "float16"))
         h200 = store.put_machine(host="box-a", gpu_name="NVIDIA H200", driver="570", torch="2.11", cuda="12.8")
-        for protocol_id, packet_bytes, packet_ok in ((tiny, 300, True), (big, 600, False)):
+        for protocol_id, packet_bytes, packet_ok, (dense_j, packet_j) in ((tiny, 300, True, (30.0, 10.0)),
+                                                                         (big, 600, False, (40.0, 12.0))):
             screen_id = store.create_screen(protocol_id=protocol_id, submitter="alice")
             attempt = store.start_attempt(screen_id=screen_id, worker="w", node="node-1", gpu_name="NVIDIA H200",
                                           gpu_index=0, machine_id=h200, source_freeze={}, archive_path="a.zip")
-            store.put_episodes(attempt.id, [episode(0, "dense-stream"), episode(1, "packet", h2d=packet_bytes),
-                                            episode(2, "dense-stream"), episode(3, "packet", ok=packet_ok)])
+            store.put_episodes(attempt.id, [episode(0, "dense-stream", energy=dense_j),
+                                            episode(1, "packet", h2d=packet_bytes, energy=packet_j),
+                                            episode(2, "dense-stream", energy=dense_j),
+                                            episode(3, "packet", ok=packet_ok, energy=packet_j)])
             store.put_verdicts(attempt.id, [verdict("faithfulness", "dense-stream", True),
                                             verdict("faithfulness", "packet", packet_ok),
                                             verdict("acquisition", "packet", True, packet_bytes / 1000)])
@@ -164,6 +171,135 @@ def test_format_options_are_checked(db):
     for args in (["--format", "xml"], ["--format", "csv", "--json"], ["--limit", "-1"]):
         with pytest.raises(PackbenchError):
             invoke(db, "results", *args)
+    for command in (["status"], ["compare", "1", "2"]):
+        with pytest.raises(PackbenchError, match="unknown --format 'xml'"):
+            invoke(db, *command, "--format", "xml")
+        with pytest.raises(PackbenchError, match="--json and --format csv disagree"):
+            invoke(db, *command, "--format", "csv", "--json")
+
+
+# -- energy, --gate, formats of compare and status -----------------------------------------------
+
+
+def test_results_show_filter_and_sort_by_energy(db):
+    rows = json.loads(invoke(db, "results", "--sort", "energy_j", "--desc", "--json").stdout)
+    # Largest first; the failed episodes (no reading) last, in the usual order.
+    assert [r["energy_j"] for r in rows] == [40.0, 40.0, 30.0, 30.0, 12.0, 10.0, 10.0, None]
+    assert [(r["screen_id"], r["plan_index"]) for r in rows][-1] == (2, 3)
+    ascending = json.loads(invoke(db, "results", "--sort", "energy_j", "--limit", "0", "--json").stdout)
+    assert [r["energy_j"] for r in ascending][:3] == [10.0, 10.0, 12.0]
+    band = json.loads(invoke(db, "results", "--min-energy", "11", "--max-energy", "35", "--json").stdout)
+    assert sorted((r["screen_id"], r["condition"], r["energy_j"]) for r in band) == [
+        (1, "dense-stream", 30.0), (1, "dense-stream", 30.0), (2, "packet", 12.0)]
+    table = invoke(db, "results", "--screen", "2", "--status", "ok").stdout.splitlines()
+    assert table[0].split()[-1] == "energy_j" and table[1].split()[-1] == "40"
+    rows = list(csv.DictReader(io.StringIO(invoke(db, "results", "--screen", "2", "--format", "csv").stdout)))
+    assert [r["energy_j"] for r in rows] == ["40.0", "12.0", "40.0", ""]
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--min-energy", "5", "--max-energy", "2"], "--min-energy 5.0 J is above --max-energy 2.0 J; swap them"),
+    (["--max-energy", "-1"], "--max-energy -1.0 is not a finite number of joules >= 0"),
+    (["--sort", "speed"], "unknown sort column 'speed'; use one of energy_j, wall_s"),
+    (["--desc"], "give --sort too"),
+    (["--phase", "decode"], "give --gate too"),
+    (["--gate", "runtime", "--phase", "warm"], "unknown phase 'warm'; use one of all, prefill, decode"),
+])
+def test_results_energy_and_sort_options_are_checked(db, args, message):
+    with pytest.raises(PackbenchError, match=re.escape(message)):
+        invoke(db, "results", *args)
+
+
+def test_sort_names_are_the_query_columns():
+    from cli.query import SORT_NAMES
+    from db.queries import SORT_KEYS
+
+    assert SORT_NAMES == tuple(SORT_KEYS)
+
+
+@pytest.fixture()
+def phased(stored) -> Path:
+    """Screen 4: warmups and scored episodes; acquisition gated per phase over the scored
+    episodes (prefill passed, decode failed), faithfulness over every episode, warmups too."""
+    with Store(f"sqlite:///{stored}") as store:
+        protocol_id = store.put_protocol(sha256="ef" * 32, name="phased",
+                                         canonical_json=body("phased", "models/tiny", "float32"))
+        screen_id = store.create_screen(protocol_id=protocol_id, submitter="dana")
+        attempt = store.start_attempt(screen_id=screen_id, worker="w", node="node-1", gpu_name="NVIDIA H200",
+                                      gpu_index=0, machine_id=None, source_freeze={}, archive_path="b.zip")
+        store.put_episodes(attempt.id, [episode(0, "dense-stream", role="warmup"), episode(1, "packet", role="warmup"),
+                                        *[episode(i, ("dense-stream", "packet")[i % 2]) for i in range(2, 6)]])
+        judged = {"threshold": 0.5, "interval": None, "detail": ""}
+        store.put_verdicts(attempt.id, [
+            {**judged, "gate": "acquisition", "condition": "packet", "phase": "prefill", "passed": True,
+             "value": 0.4, "episodes": [2, 3, 4, 5]},
+            {**judged, "gate": "acquisition", "condition": "packet", "phase": "decode", "passed": False,
+             "value": 0.6, "episodes": [2, 3, 4, 5]},
+            {**judged, "gate": "faithfulness", "condition": "packet", "phase": "all", "passed": True,
+             "value": 0.0, "episodes": [0, 1, 2, 3, 4, 5]}])
+        store.finish_attempt(attempt.id, status="done", archive_sha256="a" * 64)
+    assert screen_id == 4
+    return stored
+
+
+def test_results_gate_lists_each_judged_episode_once(phased):
+    rows = json.loads(invoke(phased, "results", "--screen", "4", "--gate", "acquisition", "--json").stdout)
+    # Not the warmup (plan index 1), not once per phase: the phases fold, and pass only together.
+    assert [(r["plan_index"], r["role"], r["phase"], r["passed"], r["value"]) for r in rows] == [
+        (3, "scored", "prefill+decode", False, None), (5, "scored", "prefill+decode", False, None)]
+    decode = json.loads(invoke(phased, "results", "--screen", "4", "--gate", "acquisition", "--phase", "decode",
+                               "--failed", "--json").stdout)
+    assert [(r["plan_index"], r["phase"], r["value"], r["threshold"]) for r in decode] == [
+        (3, "decode", 0.6, 0.5), (5, "decode", 0.6, 0.5)]
+    assert json.loads(invoke(phased, "results", "--screen", "4", "--gate", "acquisition", "--passed",
+                             "--json").stdout) == []
+    # Exactness includes warmups: the faithfulness verdict judged the packet warmup, so it carries it.
+    faithful = json.loads(invoke(phased, "results", "--screen", "4", "--gate", "faithfulness", "--json").stdout)
+    assert [(r["plan_index"], r["role"], r["passed"]) for r in faithful] == [
+        (1, "warmup", True), (3, "scored", True), (5, "scored", True)]
+    text = invoke(phased, "results", "--screen", "4", "--gate", "acquisition", "--limit", "1").stdout.splitlines()
+    assert len(text) == 2 and text[1].split()[-5:] == ["acquisition", "prefill+decode", "FAIL", "-", "-"]
+
+
+def test_compare_shows_energy_and_takes_every_format(db):
+    c = json.loads(invoke(db, "compare", "1", "2", "--format", "json").stdout)
+    assert c == json.loads(invoke(db, "compare", "1", "2", "--json").stdout)
+    energy = {(m["condition"], m["metric"]): (m["a"], m["b"], m["ratio"]) for m in c["metrics"]
+              if m["metric"].startswith("energy")}
+    # Over ok scored episodes with a reading, 2 generated tokens each: screen 2's failed packet
+    # episode adds nothing.
+    assert energy[("packet", "energy_j_per_episode")] == (10.0, 12.0, pytest.approx(1.2))
+    assert energy[("packet", "energy_j_per_token")] == (5.0, 6.0, pytest.approx(1.2))
+    assert energy[("dense-stream", "energy_j_per_token")] == (15.0, 20.0, pytest.approx(20 / 15))
+    rows = list(csv.DictReader(io.StringIO(invoke(db, "compare", "1", "2", "--format", "csv").stdout)))
+    assert {r["section"] for r in rows} == {"verdicts", next(r["section"] for r in rows if r["metric"])}
+    per_token = [r for r in rows if r["metric"] == "energy_j_per_token" and r["condition"] == "packet"]
+    assert [(r["a"], r["b"]) for r in per_token] == [("5.0", "6.0")]
+    faith = [r for r in rows if r["gate"] == "faithfulness" and r["condition"] == "packet"]
+    assert [(r["a_passed"], r["b_passed"]) for r in faith] == [("True", "False")]
+    text = invoke(db, "compare", "1", "2").stdout
+    assert "energy_j_per_token" in text and "with an NVML reading" in text
+
+
+def test_status_takes_every_format_and_json_is_pure(queue_db):
+    url = f"sqlite:///{queue_db}"
+    with Store(url) as store:
+        d = store.register_dispatcher("d1", "box-a", pid=7)
+        store.claim_screen(d, lease_s=600, archive_dir="archives", source_freeze={}, worker="w0", node="node-1",
+                           gpu_name="NVIDIA H200", gpu_index=2, model_state="cold")
+        store.heartbeat(d, [{"name": "w0", "node": "node-1", "state": "busy", "screen_id": 3}])
+    result = invoke(queue_db, "status", "--format", "json")
+    st = json.loads(result.stdout)  # the whole of stdout parses: no progress or notes in it
+    assert result.stderr == "" and st["counts"]["running"] == 1 and st["running"][0]["screen_id"] == 3
+    assert st == {**json.loads(invoke(queue_db, "status", "--json").stdout), "now": st["now"]}
+    rows = list(csv.DictReader(io.StringIO(invoke(queue_db, "status", "--format", "csv").stdout)))
+    counts = {r["state"]: r["screens"] for r in rows if r["section"] == "screens"}
+    assert counts == {"queued": "0", "running": "1", "done": "2", "failed": "0", "cancelled": "0"}
+    [running] = [r for r in rows if r["section"] == "running"]
+    assert (running["screen_id"], running["gpu_index"], running["dispatcher"]) == ("3", "2", "d1")
+    [dispatcher] = [r for r in rows if r["section"] == "dispatchers"]
+    assert json.loads(dispatcher["workers"])[0]["state"] == "busy"
+    assert "0 queued, 1 running, 2 done" in invoke(queue_db, "status", "--format", "table").stdout
 
 
 # -- the real command line: refusal and bad input ----------------------------------------------

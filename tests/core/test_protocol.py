@@ -363,7 +363,7 @@ def test_text_file_with_a_real_local_tokenizer(tmp_path):
     p = load(write_protocol(tmp_path, model={"path": "../model"}, prompts={"text_file": "../texts.txt"}))
     ids = prompts(p.body, vocab=len(words), prompt_file=p.prompt_file(), tokenize=tokenizer_for(p.model_dir()))
     assert ids == [[2, 4, 5, 6], [2, 4, 10, 6]]
-    with pytest.raises(CheckpointError, match="has no usable tokenizer"):
+    with pytest.raises(CheckpointError, match="has no tokenizer files"):
         tokenizer_for(tmp_path / "proto")
 
 

@@ -7,7 +7,7 @@ from db.errors import Conflict
 from db.store import Store
 
 EPISODE = {"plan_index": 0, "condition": "dense-stream", "role": "warmup", "prompt": 0, "status": "ok",
-           "tokens": [1, 2], "wall_s": 1.0, "call_s": 0.5}
+           "tokens": [1, 2], "wall_s": 1.0, "call_s": 0.5, "energy_j": 3.5}
 VERDICT = {"gate": "faithfulness", "condition": "dense-stream", "phase": "all", "passed": True, "value": 0.0,
            "threshold": 0.0, "interval": None, "episodes": [0], "detail": "ok"}
 
@@ -36,7 +36,7 @@ def test_ingest_writes_everything_or_nothing(db_url):
         store.upgrade()
         row = ingest(store, "a" * 64)
         assert row.status == "done" and row.ingested_from == "lab-b" and row.model_sha256 == "m" * 64
-        assert [e.plan_index for e in store.episodes(row.id)] == [0]
+        assert [(e.plan_index, e.energy_j) for e in store.episodes(row.id)] == [(0, 3.5)]  # NVML joules kept
         assert [v.gate for v in store.verdicts(row.id)] == ["faithfulness"]
         with pytest.raises(Conflict, match="already in this database"):
             ingest(store, "a" * 64)

@@ -184,11 +184,21 @@ def test_results_with_a_gate_join_its_verdicts(seeded):
     failed = store.results(ResultFilter(gate="faithfulness", passed=False))
     assert keys(failed) == [(ids["s2"], 1, 2), (ids["s2"], 1, 3)]
     assert {(r.condition, r.passed, r.threshold) for r in failed} == {("packet", False, 0.5)}
-    runtime = store.results(ResultFilter(gate="runtime"))  # one row per phase
+    runtime = store.results(ResultFilter(gate="runtime"))  # one row per episode, its phases folded
     assert [(r.plan_index, r.phase, r.passed, r.value) for r in runtime] == [
-        (2, "decode", False, 1.4), (2, "prefill", True, 0.8), (3, "decode", False, 1.4), (3, "prefill", True, 0.8)]
+        (2, "prefill+decode", False, None), (3, "prefill+decode", False, None)]
+    decode = store.results(ResultFilter(gate="runtime", phase="decode"))
+    assert [(r.plan_index, r.phase, r.passed, r.value) for r in decode] == [(2, "decode", False, 1.4),
+                                                                           (3, "decode", False, 1.4)]
+    assert store.results(ResultFilter(gate="runtime", phase="prefill", passed=False)) == []
     assert store.results(ResultFilter(gate="capacity")) == []
-    assert len(store.results(ResultFilter(gate="acquisition", passed=True, dtype="float32"))) == 2
+    # The verdicts list no episodes: they cover the scored ones, so screen 1's packet warmup
+    # (plan index 2) carries no acquisition verdict.
+    acquisition = store.results(ResultFilter(gate="acquisition", passed=True, dtype="float32"))
+    assert [(r.plan_index, r.role) for r in acquisition] == [(3, "scored")]
+    assert len(store.results(ResultFilter(gate="acquisition", limit=2))) == 2
+    with pytest.raises(InvalidFilter, match="give --gate too"):
+        ResultFilter(phase="decode")
 
 
 def test_results_passed_or_failed_without_a_gate(seeded):

@@ -1,0 +1,33 @@
+"""cluster/runtime.py without starting Ray: the raylet's raw lines on the driver become log events."""
+
+import logging
+
+import pytest
+
+ray_worker = pytest.importorskip("ray._private.worker")
+
+from cluster.runtime import _quiet_raylet_lines  # noqa: E402
+
+DIED = ("\x1b[33m(raylet)\x1b[0m A worker died or was killed while executing a task by an unexpected system "
+        "error. Worker PID: 14068 Worker exit type: SYSTEM_ERROR")
+
+
+def test_raylet_lines_are_logged_not_printed_and_worker_output_still_prints(monkeypatch, capsys, caplog):
+    monkeypatch.setattr(ray_worker, "print_to_stdstream", ray_worker.print_to_stdstream)  # restored after
+    _quiet_raylet_lines()
+    routed = ray_worker.print_to_stdstream
+    _quiet_raylet_lines()
+    assert ray_worker.print_to_stdstream is routed  # installed once
+    with caplog.at_level(logging.INFO, logger="packbench.raylet"):
+        # What Ray's error-listener thread calls, by this module-global name, when a worker dies.
+        ray_worker.print_to_stdstream({"lines": [DIED], "pid": "raylet", "is_err": False}, ignore_prefix=False)
+    out = capsys.readouterr()
+    assert out.out == "" and out.err == ""
+    [record] = [r for r in caplog.records if r.name == "packbench.raylet"]
+    assert record.levelno == logging.INFO  # shown with --verbose; the attempt's error keeps the cause
+    assert record.getMessage().startswith("raylet: (raylet) A worker died") and "\x1b" not in record.getMessage()
+    assert "Worker PID: 14068" in record.getMessage()
+    # A worker's own output (log_to_driver, with --verbose) still goes through Ray's printer.
+    ray_worker.print_to_stdstream({"lines": ["hello from a worker"], "pid": 4242, "is_err": False, "ip": "h",
+                                   "localhost": "h"}, ignore_prefix=False)
+    assert "hello from a worker" in capsys.readouterr().out
