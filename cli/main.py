@@ -130,8 +130,12 @@ def options(
     signing_key: Annotated[Optional[Path], typer.Option(
         envvar="PACKBENCH_SIGNING_KEY", help="Ed25519 private key (`packbench keys init`) that signs every "
                                              "sealed archive (ARCHIVE.sig).")] = None,
+    debug: Annotated[bool, typer.Option("--debug", envvar="PACKBENCH_DEBUG",
+                                        help="On an error, print its traceback before the one-line message.")] = False,
 ) -> None:
     """Settings shared by every command, read once (each names its environment variable)."""
+    global DEBUG
+    DEBUG = debug
     if placement_timeout <= 0 or connect_timeout <= 0:
         raise PackbenchError("--placement-timeout and --connect-timeout must be > 0 seconds")
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
@@ -434,11 +438,18 @@ def _print_audit(o, *, json_out: bool, detail: bool) -> None:
                f"({report.record['episodes']} episodes, digest {report.digest[:16]}, on {o.node[:16]})")
 
 
+DEBUG = False  # --debug: tracebacks with the one-line errors
+
+
 def main() -> None:
-    """Console entry point: user errors print one line and exit 2, never a traceback."""
+    """Console entry point: user errors print one line and exit 2, never a traceback (--debug adds it)."""
     try:
         app()
     except PackbenchError as e:
+        if DEBUG:
+            import traceback
+
+            traceback.print_exc()
         typer.echo(f"error: {e}", err=True)
         if isinstance(e, ClusterUnreachable):
             # Ray may still be retrying the join in a background thread (and printing): leave now.

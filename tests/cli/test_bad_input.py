@@ -100,3 +100,11 @@ def test_text_prompts_on_a_checkpoint_without_a_tokenizer(tmp_path, upgraded, ti
         assert fragment in message, message
     with Store(f"sqlite:///{upgraded}") as store:
         assert store.list_screens() == []  # refused before anything was queued
+
+
+def test_debug_adds_the_traceback_and_keeps_the_line_and_the_code(tmp_path, upgraded):
+    plain = cli("audit", "--archive", str(tmp_path / "nope.zip"), cwd=tmp_path, db=upgraded)
+    assert_one_line_error(plain, "no archive at", "check the path")
+    debug = cli("--debug", "audit", "--archive", str(tmp_path / "nope.zip"), cwd=tmp_path, db=upgraded)
+    assert debug.returncode == 2 and "Traceback (most recent call last)" in debug.stderr
+    assert debug.stderr.strip().splitlines()[-1] == plain.stderr.strip()
