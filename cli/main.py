@@ -334,8 +334,18 @@ def audit(
         if not ids:
             typer.echo("no screens to audit", err=True)
             return
-        outcomes = audit_screens(store, ids, on_ray=on_ray, settings=settings, archive=archive,
-                                 concurrency=concurrency, other_node=other_node, repeat=repeat, max_mib=max_mib)
+        bar = None
+        if on_ray and not json_out:
+            from cli.progress import steps
+
+            bar = steps(f"auditing {len(ids)} screen(s) on the cluster", "audits")
+        try:
+            outcomes = audit_screens(store, ids, on_ray=on_ray, settings=settings, archive=archive,
+                                     concurrency=concurrency, other_node=other_node, repeat=repeat, max_mib=max_mib,
+                                     progress=bar)
+        finally:
+            if bar is not None:
+                bar.close()
     for o in outcomes:
         _print_audit(o, json_out=json_out, detail=len(outcomes) == 1)
     differ = repeat_disagreements(outcomes)

@@ -91,9 +91,10 @@ def audit_on_cluster(path: Path, *, settings: Settings, **compare) -> AuditRepor
 
 
 def fan_out(jobs: list[AuditJob], *, settings: Settings, concurrency: int = 8, other_node: bool | None = None,
-            repeat: int = 1) -> list[AuditDone]:
+            repeat: int = 1, progress=None) -> list[AuditDone]:
     """Audit every job on the cluster, at most `concurrency` tasks at once; results in job order,
-    `repeat` per job. `other_node` None: on when the cluster has more than one node."""
+    `repeat` per job. `other_node` None: on when the cluster has more than one node.
+    `progress(done, total)` hears each finished audit (cli/progress.py steps)."""
     ray = ensure_ray(settings)
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
@@ -119,6 +120,9 @@ def fan_out(jobs: list[AuditJob], *, settings: Settings, concurrency: int = 8, o
             for r, node in enumerate(_pick_nodes(nodes, job.producer_node if job.producer_node in nodes else None,
                                                   other_node=other_node, repeat=repeat, turn=i))]
     results: dict[tuple[int, int], AuditDone] = {}
+    total = len(todo)
+    if progress is not None:
+        progress(0, total)
     inflight: dict[Any, tuple[int, int, AuditJob, str | None, bool]] = {}
     while todo or inflight:
         while todo and len(inflight) < concurrency:
@@ -134,6 +138,10 @@ def fan_out(jobs: list[AuditJob], *, settings: Settings, concurrency: int = 8, o
             results[(i, r)] = AuditDone(job, None, out["node"], out["host"], False,
                                         f"no archive at {job.path} on any node that could ship it; check the "
                                         f"attempt's archive_path and that its node is alive")
+            if progress is not None:
+                progress(len(results), total)
             continue
         results[(i, r)] = AuditDone(job, AuditReport(out["record"]), out["node"], out["host"], out["shipped"])
+        if progress is not None:
+            progress(len(results), total)
     return [results[k] for k in sorted(results)]

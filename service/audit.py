@@ -82,7 +82,7 @@ def select_screens(store, refs: list[str], *, all_screens: bool = False, since: 
 
 def audit_screens(store, screen_ids: list[int], *, on_ray: bool = False, settings: Settings | None = None,
                   archive: Path | None = None, concurrency: int = 8, other_node: bool | None = None,
-                  repeat: int = 1, max_mib: int | None = None) -> list[AuditOutcome]:
+                  repeat: int = 1, max_mib: int | None = None, progress=None) -> list[AuditOutcome]:
     """Audit the latest attempt of each screen against the database and record every audit.
 
     With `on_ray` the audits fan out over the cluster (cluster/audit.py): at most
@@ -105,7 +105,8 @@ def audit_screens(store, screen_ids: list[int], *, on_ray: bool = False, setting
 
         done = fan_out([AuditJob(key=i, path=str(path), producer_node=attempt.node or None, compare=compare)
                         for i, (_, attempt, path, compare) in enumerate(jobs)],
-                       settings=settings, concurrency=concurrency, other_node=other_node, repeat=repeat)
+                       settings=settings, concurrency=concurrency, other_node=other_node, repeat=repeat,
+                       progress=progress)
         results = [(jobs[d.job.key], d.report, d.node, d.error) for d in done]
         kind = "ray"
     else:

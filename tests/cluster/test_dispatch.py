@@ -295,9 +295,11 @@ def test_audits_fan_out_to_other_nodes_and_repeat_with_one_digest(cluster, tmp_p
 
     ids = submit(store, protocol_file(tmp_path), replicas=2)
     dispatcher(store, settings(cluster, tmp_path, models), lease_s=30).run()
+    seen = []
     outcomes = audit_screens(store, ids, on_ray=True, settings=settings(cluster, tmp_path, models), other_node=True,
-                             repeat=2, concurrency=2)
+                             repeat=2, concurrency=2, progress=lambda done, total: seen.append((done, total)))
     assert len(outcomes) == 4 and all(o.agrees and o.recorded for o in outcomes)
+    assert seen == [(0, 4), (1, 4), (2, 4), (3, 4), (4, 4)]  # the CLI's progress bar hears every audit
     assert repeat_disagreements(outcomes) == []
     for screen_id in ids:
         attempt = store.latest_attempt(screen_id)
