@@ -64,5 +64,5 @@ if [ -z "${SKIP_13B:-}" ]; then
   t=$(date +%s); timeout 300 python3 -m cli submit opt13b-graph.yaml --wait > 13b.log 2>&1; echo "opt13b-graph: rc $? in $(( $(date +%s) - t )) s"
   grep -E "^(faithfulness|acquisition|resources)|error" 13b.log | tr -s ' ' | head -8
   pb audit latest 2>&1 | grep -E "^audit of"
-  summary | tail -2
+  summary | grep -A1 opt13b
 fi
