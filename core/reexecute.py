@@ -243,6 +243,7 @@ def read_archived(path) -> ArchivedScreen:
     """Read the members a re-execution compares against (call after a static audit: the members
     are then known to be the manifest's, well formed and within the bounds)."""
     from core.archive import PLAN_NAME, PROTOCOL_NAME, WORKER_NAME, ArchiveReader, episode_members
+    from core.plan import plan as make_plan
     from core.protocol import expand
 
     with ArchiveReader(path) as reader:
@@ -251,11 +252,18 @@ def read_archived(path) -> ArchivedScreen:
         worker = reader.read_json(WORKER_NAME)
         names = set(reader.names)
         records = {}
-        for entry in plan["entries"]:
-            name = episode_members(entry["index"]).record
+        for index in range(len(make_plan(expand(body)))):
+            name = episode_members(index).record
             if name in names:
-                records[entry["index"]] = reader.read_json(name)
-    return ArchivedScreen(body, expand(body), plan["entries"], plan["prompts"], worker.get("environment") or {},
+                records[index] = reader.read_json(name)
+    protocol = expand(body)
+    entries = make_plan(protocol)  # the protocol's own plan (the static audit compared plan.json with it)
+    prompts = plan["prompts"]
+    if (not isinstance(prompts, list) or len(prompts) != protocol.prompt_count
+            or not all(isinstance(p, list) and all(type(t) is int for t in p) for p in prompts)):
+        raise ValueError("plan.json's prompts are not one list of token ids per prompt")
+    records = {i: r for i, r in records.items() if isinstance(r, dict)}
+    return ArchivedScreen(body, protocol, entries, prompts, worker.get("environment") or {},
                           worker.get("start") or {}, worker.get("model_dir"), records)
 
 

@@ -176,10 +176,17 @@ def reexecute_archive(path: Path, *, k: int, seed: int = 0, settings: Settings |
     if static.unreadable or not static.complete or static.record.get("protocol_sha256") is None:
         raise PackbenchError(f"{path} cannot be re-executed: its static audit did not get through it "
                              f"({(static.problems or ['incomplete'])[0]}); run `packbench audit` on it first")
-    archived = rx.read_archived(path)
-    statuses = {i: r.get("status") for i, r in archived.records.items() if isinstance(r, dict)}
-    drawn = rx.draw(archived.protocol, archived.entries, statuses, k, seed)
-    accelerator = archived.environment.get("gpu") or ""
+    try:
+        archived = rx.read_archived(path)
+        statuses = {i: r.get("status") for i, r in archived.records.items() if isinstance(r, dict)}
+        drawn = rx.draw(archived.protocol, archived.entries, statuses, k, seed)
+        accelerator = archived.environment.get("gpu") or ""
+        if not isinstance(accelerator, str):
+            raise ValueError("worker.json's environment names no GPU as text")
+    except (PackbenchError, KeyError, TypeError, ValueError, IndexError, AttributeError) as e:
+        first = static.problems[0] if static.problems else f"{type(e).__name__}: {e}"
+        raise PackbenchError(f"{path} cannot be re-executed: its plan or records are malformed ({first}); "
+                             f"the static audit (`packbench audit --archive`) names what is wrong") from None
     progress(f"drew episodes {', '.join(map(str, drawn.episodes))} (seed {seed}) of {len(archived.entries)}")
     rerun = run_drawn(archived.protocol_body, model_dir if model_dir is not None else archived.model_dir,
                       entries=archived.entries, prompts=archived.prompts, runs=list(drawn.episodes),
@@ -200,7 +207,11 @@ def reexecute_archive(path: Path, *, k: int, seed: int = 0, settings: Settings |
             walls.setdefault(entry["condition"], ([], []))[0].append(float(rec["wall_s"]))
     for i in drawn.episodes:
         again = rerun.records[i]
-        problems += rx.compare_episode(i, archived.records[i], rx.read_logits(path, i), again)
+        try:
+            problems += rx.compare_episode(i, archived.records[i], rx.read_logits(path, i), again)
+        except Exception as e:  # a hostile record reached a path no check foresaw: a problem, not a crash
+            problems.append(f"episode {i}: the archived record cannot be compared ({type(e).__name__}); it is "
+                            f"malformed")
         if again.get("status") == "ok" and archived.records[i].get("role") == "scored":
             walls.setdefault(again["condition"], ([], []))[1].append(float(again["wall_s"]))
     time_problems, medians = rx.compare_times(walls, time_factor)

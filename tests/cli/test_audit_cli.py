@@ -108,3 +108,16 @@ def test_ingest_records_agreeing_signed_evidence_once_and_refuses_the_rest(world
     r = cli("audit", str(screens[-1].id), cwd=d, db=f"sqlite:///file:{db}?mode=ro&uri=true")
     assert "AGREE" in r.stdout, (r.stdout, r.stderr)
     assert r.returncode == 2 and "was not recorded" in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_reexecution_refuses_what_it_cannot_rerun_with_one_line(world, tmp_path):
+    """Not a zip, or a partial archive: exit 2 and one line, before any worker starts."""
+    d = world["dir"]
+    junk = tmp_path / "junk.zip"
+    junk.write_bytes(b"not a zip at all" * 64)
+    partial = tmp_path / "partial.zip"
+    write_synthetic_screen(partial, synthetic_protocol(prompts_n=2, repetitions=2), seal=False)
+    for path, fragment in ((junk, "not an archive packbench can read"), (partial, "cannot be re-executed")):
+        r = cli("audit", "--archive", str(path), "--reexecute", "2", cwd=d, db=world["db"])
+        assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, (r.stdout, r.stderr)
+        assert fragment in r.stderr and "Traceback" not in r.stderr, r.stderr
