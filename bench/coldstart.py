@@ -11,6 +11,17 @@ weights and, through a pinned ring, into device tensors), mode eager. `placed-gr
 same in mode graph, which never imports transformers. The first logit is a dense-stream
 prefill in the variant's mode. `+register`: PyTorch's pinned allocator maps pages with
 cudaHostRegister on 8 threads (PYTORCH_CUDA_ALLOC_CONF) instead of one cudaHostAlloc.
+`@<pin>`: read_placed's host layout (engine/checkpoint.py PIN_MODES; without it, the default);
+`@legacy`: the read as it was before them (bench/legacy_read.py), the baseline.
+
+`--profile --fresh`: where a fresh process spends its read. Each probe runs in a new process,
+probes alternated, `--repeats` rounds, medians; the imports are excluded and the CUDA context
+(made first, as a worker does) is reported apart. Probes: `read@<pin>` (read_placed with its
+stage times), and raw steps: `pinned-32` (32 pinned tensors of the outgoing weights' size, the
+old layout), `pinned-blocks`, `device-alloc` (the device tensors' empties), `touch` (fresh
+anonymous memory of the outgoing weights' size populated on the reading threads), `pread`
+(the whole file read by the reading threads into reused buffers: the page cache's rate).
+Runs on the CPU too (device cpu; the CUDA-only probes are skipped).
 """
 
 import argparse
@@ -24,6 +35,8 @@ from pathlib import Path
 
 
 VARIANTS = ("stock", "placed", "placed-graph", "placed-graph+register")
+PINS = ("legacy", "tensors", "blocks", "register", "map")  # legacy: bench/legacy_read.py
+PROBES = tuple(f"read@{p}" for p in PINS) + ("pinned-32", "pinned-blocks", "device-alloc", "touch", "pread")
 
 
 def child(model_dir: str, dtype: str, variant: str, prefix: int) -> None:
@@ -37,6 +50,16 @@ def child(model_dir: str, dtype: str, variant: str, prefix: int) -> None:
 
     t_import = time.perf_counter()
     mode = "eager"
+    name, variant, _, pin = variant, *variant.partition("@")
+    if pin:
+        import engine.checkpoint as ck
+
+        if pin == "legacy":
+            from bench.legacy_read import read_placed
+
+            ck.read_placed = read_placed
+        else:
+            ck.PIN = pin
     if variant == "stock":  # safe_open (mmap), pin by copy, .to(device); transformers at load
         m.build_weights = lambda d, *, dtype, device, host_keys: build_weights(d, dtype=dtype)
     elif variant.startswith("placed-graph"):
@@ -52,11 +75,129 @@ def child(model_dir: str, dtype: str, variant: str, prefix: int) -> None:
 
     transformers_loaded = "transformers" in sys.modules
     s = model.start
-    print(json.dumps({"variant": variant, "import_s": t_import - t_entry, "context_s": t_context - t_import,
+    print(json.dumps({"variant": name, "import_s": t_import - t_entry, "context_s": t_context - t_import,
                       "read_s": s.read_s, "pin_s": model.host.pin_s, "place_s": s.place_s,
                       "load_s": t_loaded - t_context, "entry_to_logit_s": out.first_logit_at - t_entry,
                       "to_logit_s": out.first_logit_at - t_loaded, "token": out.tokens[0],
                       "transformers_imported": transformers_loaded}))
+
+
+def probe(model_dir: str, dtype: str, name: str, threads: int | None) -> None:
+    """One probe of `--profile --fresh`, in this (fresh) process: a JSON line of seconds."""
+    t_entry = time.perf_counter()
+    import torch
+
+    import engine.checkpoint as ck
+    from engine.model import is_outgoing
+    from engine.shapes import dtype_of
+
+    t_import = time.perf_counter()
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda:0" if cuda else "cpu")
+    torch.zeros(1, device=device)
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    sync()
+    t0 = time.perf_counter()
+    out = {"probe": name, "import_s": t_import - t_entry, "context_s": t0 - t_import}
+    entries = ck._entries(Path(model_dir))
+    host = [e for e in entries if not cuda or is_outgoing(e[0])]
+    host_bytes = sum(e[3] for e in host)
+    threads = threads or min(16, os.cpu_count() or 1)
+    keep = None
+    if name.startswith("read@"):
+        stages = {}
+        if name == "read@legacy":
+            from bench.legacy_read import read_placed
+
+            ck.read_placed = read_placed
+        keep = ck.read_placed(Path(model_dir), dtype=dtype_of(dtype), device=device, host_keys=is_outgoing,
+                              threads=threads, pin=name.split("@")[1], timings=stages)
+        out.update({f"{k}_s": v for k, v in stages.items()})
+        if cuda:  # are the host weights pinned, and does a copy from them run at the pinned rate?
+            w = keep[host[0][0]]
+            out["pinned"] = w.is_pinned()
+            dst = torch.empty_like(w, device=device)
+            sync()
+            t = time.perf_counter()
+            for _ in range(4):
+                dst.copy_(w, non_blocking=True)
+            sync()
+            out["h2d_GBps"] = 4 * w.numel() * w.element_size() / (time.perf_counter() - t) / 1e9
+            t0 += time.perf_counter() - t  # not part of the read
+    elif name == "pinned-32":
+        keep = [torch.empty(e[3], dtype=torch.uint8, pin_memory=cuda) for e in host]
+    elif name == "pinned-blocks":
+        keep = [torch.empty(sum(ck._aligned(host[i][3]) for i in g), dtype=torch.uint8, pin_memory=cuda)
+                for g in ck._blocks([e[3] for e in host])]
+    elif name == "device-alloc":
+        keep = [torch.empty(e[5], dtype=e[4], device=device) for e in entries if cuda and not is_outgoing(e[0])]
+    elif name == "touch":
+        import mmap
+        from concurrent.futures import ThreadPoolExecutor
+
+        keep = mmap.mmap(-1, ck._aligned(host_bytes), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        base, step = ck._Mapping.tensor(keep).data_ptr(), ck.CHUNK
+        with ThreadPoolExecutor(threads) as pool:
+            list(pool.map(lambda a: ck._populate(base + a, min(step, host_bytes - a)), range(0, host_bytes, step)))
+        out["populate_supported"] = ck._can_populate[0]
+    elif name == "pread":
+        from concurrent.futures import ThreadPoolExecutor
+
+        files = sorted(Path(model_dir).glob("*.safetensors"))
+        bufs = [torch.empty(ck.CHUNK, dtype=torch.uint8) for _ in range(threads)]
+        for b in bufs:
+            b.fill_(0)  # touched: only the copy from the page cache is timed
+        t0 = time.perf_counter()
+        jobs = []
+        for f in files:
+            fd, size = os.open(f, os.O_RDONLY), f.stat().st_size
+            jobs += [(fd, off, min(ck.CHUNK, size - off)) for off in range(0, size, ck.CHUNK)]
+        with ThreadPoolExecutor(threads) as pool:
+            list(pool.map(lambda j: ck._pread(j[0], bufs[j[1] // ck.CHUNK % threads][:j[2]], j[1]), jobs))
+        out["GBps"] = sum(j[2] for j in jobs) / (time.perf_counter() - t0) / 1e9
+    else:
+        raise SystemExit(f"unknown probe {name}: one of {', '.join(PROBES)}")
+    sync()
+    out["total_s"] = time.perf_counter() - t0
+    print(json.dumps(out))
+    del keep
+
+
+def fresh_profile(model_dir: Path, args) -> None:
+    """`--profile --fresh`: every probe in its own new process, alternated, medians."""
+    import torch
+
+    probes = [p.strip() for p in args.probes.split(",")] if args.probes else list(PROBES)
+    if not torch.cuda.is_available():
+        probes = [p for p in probes if p not in ("pinned-32", "pinned-blocks", "device-alloc")]
+    rows = []
+    for r in range(args.repeats):
+        k = r % len(probes)
+        for name in probes[k:] + probes[:k]:
+            cmd = [sys.executable, "-m", "bench.coldstart", "--dtype", args.dtype, "--probe", str(model_dir), name]
+            if args.threads:
+                cmd += ["--threads", str(args.threads)]
+            res = subprocess.run(cmd, capture_output=True, text=True)
+            if res.returncode:
+                print(json.dumps({"probe": name, "error": res.stderr.strip().splitlines()[-1:]}), flush=True)
+                continue
+            rows.append(json.loads(res.stdout.strip().splitlines()[-1]))
+            print(json.dumps(rows[-1]), flush=True)
+    keys = sorted({k for r in rows for k in r if k not in ("probe",)} - {"pinned", "populate_supported"},
+                  key=lambda k: (k not in ("import_s", "context_s"), k == "total_s", k))
+    print(f"\nfresh-process probes, {args.shape} {args.dtype}, {args.repeats} alternated rounds, medians "
+          f"(seconds; GBps in GB/s); stages of one read overlap (host side and device side run together)")
+    print(f"{'probe':16}" + "".join(f"{k.replace('_s', ''):>14}" for k in keys))
+    for name in probes:
+        mine = [r for r in rows if r["probe"] == name]
+        if not mine:
+            continue
+        cells = []
+        for k in keys:
+            vals = sorted(r[k] for r in mine if k in r)
+            cells.append(f"{vals[len(vals) // 2]:14.3f}" if vals else f"{'':>14}")
+        extra = [f"pinned={mine[0]['pinned']}" for _ in [0] if "pinned" in mine[0]]
+        print(f"{name:16}" + "".join(cells) + ("  " + " ".join(extra) if extra else ""))
 
 
 def profile(model_dir: Path, dtype: str) -> None:
@@ -125,9 +266,18 @@ def main() -> None:
     ap.add_argument("--prefix", type=int, default=512)
     ap.add_argument("--child", nargs=2, metavar=("MODEL_DIR", "VARIANT"))
     ap.add_argument("--profile", action="store_true", help="stage times of one load in this process")
+    ap.add_argument("--fresh", action="store_true", help="with --profile: each probe in a fresh process")
+    ap.add_argument("--probes", help=f"with --profile --fresh: comma-separated, of {', '.join(PROBES)}")
+    ap.add_argument("--variants", help=f"comma-separated, default {','.join(VARIANTS)}; a variant may end "
+                    f"in @<pin> ({', '.join(PINS)})")
+    ap.add_argument("--threads", type=int, help="reading threads (default: read_placed's)")
+    ap.add_argument("--probe", nargs=2, metavar=("MODEL_DIR", "PROBE"))
     args = ap.parse_args()
     if args.child:
         child(args.child[0], args.dtype, args.child[1], args.prefix)
+        return
+    if args.probe:
+        probe(args.probe[0], args.dtype, args.probe[1], args.threads)
         return
     from engine.synth import synth_checkpoint
 
@@ -140,16 +290,20 @@ def main() -> None:
         with open(f, "rb") as fh:
             while fh.read(1 << 26):
                 pass
+    if args.profile and args.fresh:
+        fresh_profile(model_dir, args)
+        return
     if args.profile:
         profile(model_dir, args.dtype)
         return
+    variants = tuple(v.strip() for v in args.variants.split(",")) if args.variants else VARIANTS
     rows = []
     for r in range(args.repeats):
-        k = r % len(VARIANTS)
-        for variant in VARIANTS[k:] + VARIANTS[:k]:
+        k = r % len(variants)
+        for variant in variants[k:] + variants[:k]:
             t = time.perf_counter()
             env = dict(os.environ)
-            if variant.endswith("+register"):  # pinned memory by malloc + cudaHostRegister, 8 threads
+            if variant.split("@")[0].endswith("+register"):  # pinned memory by malloc + cudaHostRegister, 8 threads
                 env["PYTORCH_CUDA_ALLOC_CONF"] = "pinned_use_cuda_host_register:True,pinned_num_register_threads:8"
             res = subprocess.run([sys.executable, "-m", "bench.coldstart", "--dtype", args.dtype, "--prefix",
                                   str(args.prefix), "--child", str(model_dir), variant],
@@ -167,12 +321,12 @@ def main() -> None:
     print(f"\n{args.shape} {args.dtype}, prefill {args.prefix} tokens, dense-stream, {args.repeats} alternated repeats "
           f"(median of each)")
     print(f"{'variant':24}" + "".join(f"{k.replace('_s', ''):>15}" for k in keys))
-    for variant in VARIANTS:
+    for variant in variants:
         mine = [r for r in rows if r["variant"] == variant]
         med = {k: sorted(r[k] for r in mine)[len(mine) // 2] for k in keys}
         print(f"{variant:24}" + "".join(f"{med[k]:15.2f}" for k in keys))
     print("same first token:", len({r["token"] for r in rows}) == 1,
-          "| transformers imported:", {v: any(r["transformers_imported"] for r in rows if r["variant"] == v) for v in VARIANTS})
+          "| transformers imported:", {v: any(r["transformers_imported"] for r in rows if r["variant"] == v) for v in variants})
 
 
 if __name__ == "__main__":

@@ -50,19 +50,26 @@ def test_missing_directory_names_the_fix(tmp_path):
         read_config(tmp_path / "nope")
 
 
+@pytest.mark.parametrize("pin", ["tensors", "blocks", "register", "map"])
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
-def test_placed_read_equals_the_stock_read(checkpoints, dtype):
-    """read_placed (parallel preads into the final tensors) gives the stock reader's bytes; a
-    checkpoint stored in another dtype is left to the converting stock path (None)."""
+def test_placed_read_equals_the_stock_read(checkpoints, dtype, pin, monkeypatch):
+    """read_placed (parallel preads into the final tensors) gives the stock reader's bytes in
+    every host layout (the CPU twins of the pinned ones); a checkpoint stored in another dtype
+    is left to the converting stock path (None)."""
     from engine.checkpoint import read_placed, read_state_dict
 
+    monkeypatch.setattr("engine.checkpoint.CHUNK", 4096)  # several chunks per tensor
     torch_dtype = getattr(torch, dtype)
     stock = read_state_dict(checkpoints[dtype], dtype=torch_dtype)
+    timings = {}
     placed = read_placed(checkpoints[dtype], dtype=torch_dtype, device=torch.device("cpu"),
-                         host_keys=lambda name: True, threads=3)
-    assert placed.keys() == stock.keys()
+                         host_keys=lambda name: True, threads=3, pin=pin, timings=timings)
+    assert list(placed) == list(stock) and "read_host" in timings or "map_host" in timings
     for key, t in stock.items():
-        assert placed[key].dtype == t.dtype and torch.equal(placed[key].view(torch.uint8), t.view(torch.uint8)), key
+        p = placed[key]
+        assert p.dtype == t.dtype and p.shape == t.shape and p.is_contiguous(), key
+        assert torch.equal(p.view(torch.uint8), t.view(torch.uint8)), key
+    del placed  # the mappings go with their last tensor
     other = "float16" if dtype != "float16" else "float32"
     assert read_placed(checkpoints[other], dtype=torch_dtype, device=torch.device("cpu"), host_keys=lambda n: True) is None
 
@@ -82,3 +89,34 @@ def test_build_weights_needs_no_transformers_and_stock_shares_its_tensors(checkp
     ids = torch.tensor([[2, 11, 17, 5, 99]])
     with torch.inference_mode():
         assert torch.equal(stock(input_ids=ids).logits, ref(input_ids=ids).logits)
+
+
+def test_pinned_blocks_waste_little():
+    """PyTorch's pinned allocator rounds each allocation up to a power of two: 32 OPT-2.7B fc2
+    weights took 2.15 GB for 1.68 GB one by one; grouped, 1.74 GB (<= 4 % over)."""
+    from engine.checkpoint import _aligned, _blocks
+
+    def pinned(sizes):
+        groups = _blocks(sizes)
+        assert [i for g in groups for i in g] == list(range(len(sizes)))
+        return sum(1 << (sum(_aligned(sizes[i]) for i in g) - 1).bit_length() for g in groups)
+
+    assert pinned([2560 * 10240 * 2] * 32) == (1 << 30) + (1 << 29) + 2 * (1 << 26)  # 1.745 GB
+    for sizes in ([768 * 3072 * 2] * 12, [5, 4096, 3, 1 << 20, 7], [1 << 30], [3] * 5, [2048 * 8192 * 2] * 24):
+        need = sum(_aligned(n) for n in sizes)
+        assert pinned(sizes) <= 1.05 * need + 2 * max(_aligned(n) for n in sizes), sizes
+
+
+@pytest.mark.parametrize("pin", ["tensors", "register", "map"])
+def test_model_logits_do_not_depend_on_the_host_layout(checkpoints, pin, monkeypatch):
+    from engine.episode import run_episode
+    from engine.model import CpuFirstModel
+
+    def logits():
+        model = CpuFirstModel(checkpoints["float16"], dtype=torch.float16, device=torch.device("cpu"), mode="graph")
+        model.use("dense-stream")
+        return run_episode(model, [2] + list(range(10, 30)), continuation=3).logits
+
+    reference = logits()  # the default layout
+    monkeypatch.setattr("engine.checkpoint.PIN", pin)
+    assert (logits() == reference).all()

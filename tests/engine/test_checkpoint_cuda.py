@@ -31,3 +31,28 @@ def test_cuda_placed_read_puts_outgoing_weights_in_pinned_memory(checkpoints, dt
     slow = CpuFirstModel(checkpoints[dtype], dtype=torch_dtype, device=torch.device("cuda"))
     slow.use("dense-stream")
     assert np.array_equal(run_episode(slow, [2] + list(range(10, 40)), continuation=4).logits, fast.logits)
+
+
+@pytest.mark.parametrize("pin", ["tensors", "blocks", "register", "map"])
+def test_cuda_every_host_layout_is_pinned_and_exact(checkpoints, pin, monkeypatch):
+    """Each host layout (engine/checkpoint.py PIN_MODES) gives the stock bytes, pinned host
+    weights ("map" may fall back to "blocks" where the driver refuses), and the same logits."""
+    stock = read_state_dict(checkpoints["float16"], dtype=torch.float16)
+    monkeypatch.setattr("engine.checkpoint.CHUNK", 4096)
+    timings = {}
+    placed = read_placed(checkpoints["float16"], dtype=torch.float16, device=torch.device("cuda"),
+                         host_keys=is_outgoing, pin=pin, timings=timings)
+    for key, t in stock.items():
+        p = placed[key]
+        assert (p.device.type == "cpu" and p.is_pinned()) if is_outgoing(key) else p.device.type == "cuda", key
+        assert torch.equal(p.cpu().view(torch.uint8), t.view(torch.uint8)), key
+    del placed
+    monkeypatch.undo()
+
+    def logits(layout):
+        monkeypatch.setattr("engine.checkpoint.PIN", layout)
+        model = CpuFirstModel(checkpoints["float16"], dtype=torch.float16, device=torch.device("cuda"), mode="graph")
+        model.use("dense-stream")
+        return run_episode(model, [2] + list(range(10, 40)), continuation=4).logits
+
+    assert np.array_equal(logits(pin), logits("tensors"))
