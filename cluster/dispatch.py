@@ -104,6 +104,10 @@ class Active:
         return bool(self.entries) and self.submitted >= len(self.entries)
 
 
+def _show(resources: dict) -> str:
+    return "{" + ", ".join(f"{k}: {v:g}" for k, v in sorted(resources.items())) + "}"
+
+
 def _gpu_index(env: dict) -> int:
     return int((env.get("gpu_index") or "-1").split(",")[0])
 
@@ -211,7 +215,11 @@ class Dispatcher:
             return False
         # A worker still being placed may yet take a screen the others cannot (its GPU type or
         # node): wait for it while screens are queued (bounded by the placement timeout).
-        return all(s.ready for s in self.slots) or not self.store.queued_screens()
+        queued = self.store.queued_screens()
+        if queued and all(s.ready for s in self.slots):
+            self._explain_unplaceable()  # what is left says why in `packbench status`
+            return True
+        return not queued
 
     def _shutdown(self) -> None:
         reason = f"dispatcher stopped ({self.stopping})" if self.stopping else "dispatcher stopped"
@@ -343,10 +351,16 @@ class Dispatcher:
         nodes = {s.node for s in ready}
         for screen in self.store.queued_screens():
             reason = None
+            needs = screen.needs
             if screen.gpu_type and screen.gpu_type not in types:
                 reason = f"needs GPU type {screen.gpu_type}; this cluster's workers have {', '.join(sorted(types)) or 'none'}"
             elif screen.placement_node and screen.placement_node not in nodes:
                 reason = f"needs node {screen.placement_node}, which has no worker"
+            elif needs and not any(resources_fit(needs, s.resources) for s in ready):
+                have = sorted({f"{k}: {v:g}" for s in ready for k, v in s.resources.items()})
+                reason = (f"needs Ray resources {_show(needs)} on one node; no node with a worker declares them "
+                          f"(declared: {', '.join(have) or 'none'}); start a node with `ray start --resources "
+                          f"'{json.dumps(needs)}'` or change the protocol's placement.resources")
             elif screen.replica_group and len(self.store.replica_nodes(screen.replica_group)) >= len(nodes):
                 reason = f"its replicas need distinct nodes; the cluster has {len(nodes)} with workers"
             if reason != screen.unplaceable_reason:

@@ -343,6 +343,39 @@ def test_a_dispatcher_with_a_signing_key_signs_every_archive(cluster, tmp_path, 
     assert stranger.returncode == 1
 
 
+def test_screens_needing_custom_resources_run_where_a_node_declares_them(cluster, tmp_path, models, store):
+    """placement.resources: a node added with {fast_nvme: 1} and two GPUs takes both screens that
+    need it, one at a time (its two workers share one fast_nvme); a plain screen runs anywhere;
+    a screen needing more than any node declares stays queued with the reason."""
+    fast = cluster.add_node(num_cpus=2, num_gpus=2, resources={"fast_nvme": 1})
+    try:
+        def needing(amount, name):
+            path = protocol_file(tmp_path, name=name)
+            body = yaml.safe_load(path.read_text())
+            body["placement"] = {"resources": {"fast_nvme": amount}}
+            path.write_text(yaml.safe_dump(body))
+            return path
+
+        nvme = submit(store, needing(1, "nvme"), replicas=2)
+        (plain,) = submit(store, protocol_file(tmp_path))
+        (too_big,) = submit(store, needing(2, "nvme-x2"))
+        d = dispatcher(store, settings(cluster, tmp_path, models), workers=4, lease_s=30)
+        outcomes = d.run()
+        assert sorted(o.screen_id for o in outcomes) == sorted([*nvme, plain])
+        assert {o.status for o in outcomes} == {"done"}
+        runs = [store.latest_attempt(i) for i in nvme]
+        assert {a.node for a in runs} == {fast.node_id}
+        first, second = sorted(runs, key=lambda a: a.started_at)
+        # One fast_nvme: the second started after the first ended, or follows it on its worker.
+        assert second.started_at >= first.finished_at or second.worker == first.worker
+        left = store.screen(too_big)
+        assert left.status == "queued" and store.attempts(too_big) == []
+        assert "needs Ray resources {fast_nvme: 2}" in left.unplaceable_reason
+        assert "fast_nvme: 1" in left.unplaceable_reason
+    finally:
+        cluster.remove_node(fast)
+
+
 def test_a_node_removed_mid_screen(cluster, tmp_path, models, store):
     """Runs last: it removes a node (and adds one back for whatever follows)."""
     (screen_id,) = submit(store, protocol_file(tmp_path, prompts=6, continuation=8))
