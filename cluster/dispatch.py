@@ -51,6 +51,9 @@ log = logging.getLogger(__name__)
 
 LOOKAHEAD = 2  # episodes submitted to a worker at once: one running, one waiting
 UPKEEP_MAX_S = 2.0  # longest pause between lease renewals (and so before a cancel is seen)
+# A screen whose last record is in waits at most this long for its verdicts and seal while the
+# worker's next screen (its load queued behind that record) is started first.
+FINISH_DEFER_S = 0.5
 
 
 @dataclass
@@ -119,17 +122,23 @@ class Dispatcher:
                  lease_s: float = 60.0, only_screen: int | None = None,
                  progress: Callable[..., None] = lambda msg, **event: None,
                  on_outcome: Callable[[ScreenOutcome], None] = lambda outcome: None,
-                 worker_class: Any = None) -> None:
+                 worker_class: Any = None, look_ahead: bool = True) -> None:
         self.store, self.settings = store, settings
         self.workers, self.follow, self.lease_s = workers, follow, lease_s
         self.only_screen = only_screen
         self.progress, self.on_outcome = progress, on_outcome
         self.worker_class = worker_class  # tests and the simulator pass their own actor class
+        # Claim a worker's next screen while its last episodes run (False: only when idle, as
+        # before; bench/cluster.py --no-look-ahead measures the difference).
+        self.look_ahead = look_ahead
         self.slots: list[Slot] = []
         # in-flight ref -> (kind, slot, the screen it serves): a late result of an ended screen is
         # recognised as such even when its slot already runs the next one.
         self.refs: dict[Any, tuple[str, Slot, Active | None]] = {}
         self.outcomes: list[ScreenOutcome] = []
+        # Screens with every record persisted whose verdicts and seal wait until their worker's
+        # next screen has its first episodes (deadline, screen); see _complete.
+        self.finishing: list[tuple[float, Active]] = []
         # The latest attempts this dispatcher drove, for their timings (bench/cluster.py); bounded,
         # and stripped of logits once ended, so a dispatcher serving for weeks stays small.
         self.runs: deque[ScreenRun] = deque(maxlen=10_000)
@@ -186,6 +195,7 @@ class Dispatcher:
             self.done = True
             return
         if not self.refs:
+            self._finish_due(everything=True)
             time.sleep(0.2)
             return
         # num_returns=1: back as soon as any call is; waiting for all of them (as before) held
@@ -197,6 +207,7 @@ class Dispatcher:
         for ref in ready:
             if ref in self.refs:  # a dead worker's other calls were dropped with it
                 self._handle(ref)
+        self._finish_due()
 
     def _on_signal(self, signum, frame) -> None:  # noqa: ARG002 (signal handler signature)
         self.stopping = signal.Signals(signum).name
@@ -205,7 +216,7 @@ class Dispatcher:
     def _finished(self, claimed: bool) -> bool:
         """Drained: nothing runs, nothing was claimable, no worker is on its way. With
         `only_screen`: that screen has ended (or it cannot run: no worker at all)."""
-        if claimed or any(s.active or s.next for s in self.slots):
+        if claimed or self.finishing or any(s.active or s.next for s in self.slots):
             return False
         if self.only_screen is not None:
             if self.store.screen(self.only_screen).status in ("done", "failed", "cancelled"):
@@ -222,6 +233,11 @@ class Dispatcher:
         return not queued
 
     def _shutdown(self) -> None:
+        if self.stopping != "database":
+            try:
+                self._finish_due(everything=True)  # complete screens are sealed, never given back
+            except DatabaseUnavailable as e:
+                self.stopping, self.fatal = "database", str(e)
         reason = f"dispatcher stopped ({self.stopping})" if self.stopping else "dispatcher stopped"
         for slot in self.slots:
             for active in (slot.active, slot.next):
@@ -377,7 +393,7 @@ class Dispatcher:
         for slot in self.slots:
             if slot.ready and slot.active is None and self._claim(slot) is not None:
                 claimed = True
-        if self.only_screen is None:
+        if self.only_screen is None and self.look_ahead:
             for slot in self.slots:
                 active = slot.active
                 if (slot.ready and active is not None and slot.next is None and active.stop is None
@@ -386,6 +402,7 @@ class Dispatcher:
         return claimed
 
     def _claim(self, slot: Slot, *, follows: Active | None = None) -> Active | None:
+        t0 = time.perf_counter()
         claim = self.store.claim_screen(
             self.id, lease_s=self.lease_s, archive_dir=str(self.settings.archive_dir.resolve()),
             source_freeze=self.freeze, worker=f"{slot.name} pid {slot.env.get('pid')}", node=slot.node,
@@ -395,7 +412,9 @@ class Dispatcher:
             follows_attempt=None if follows is None else follows.run.attempt.id)
         if claim is None:
             return None
-        return self._start(slot, claim, queued=follows is not None)
+        active = self._start(slot, claim, queued=follows is not None)
+        active.run.t_claimed = time.perf_counter() - t0
+        return active
 
     def _machine(self, slot: Slot) -> int:
         env = slot.env
@@ -484,6 +503,7 @@ class Dispatcher:
         # the results, and only after this returns).
         for _ in range(LOOKAHEAD):
             self._submit_next(active)
+        run.t_first = time.perf_counter()
         self.store.place_attempt(run.attempt.id, model_state=start.get("model_state"))
         run.loaded(start, active.token_ids)
 
@@ -509,7 +529,31 @@ class Dispatcher:
                 self._end_stopped(active)
             return
         if active.run.done_count == len(active.entries):
-            self._end(active, active.run.finish())
+            self._complete(active)
+
+    def _complete(self, active: Active) -> None:
+        """Every record is in. If the worker's next screen has its load queued right behind this
+        record, that screen becomes the slot's active one now and this one's verdicts and seal
+        (driver-only work, 10-25 ms) wait until its first episodes are handed out (_finish_due):
+        the worker does not idle through them."""
+        slot = active.slot
+        following = slot.next
+        if following is not None and following.start is None and following.inflight and not following.stop:
+            slot.active, slot.next = following, None
+            self.finishing.append((time.monotonic() + FINISH_DEFER_S, active))
+            return
+        self._end(active, active.run.finish())
+
+    def _finish_due(self, *, everything: bool = False) -> None:
+        """Finish deferred screens whose worker's next screen is under way (or gone), or whose
+        deadline passed."""
+        now = time.monotonic()
+        for item in list(self.finishing):
+            deadline, active = item
+            current = active.slot.active
+            if everything or now >= deadline or current is None or current.entries or current.inflight == 0:
+                self.finishing.remove(item)
+                self._guarded(active, lambda a, _: self._end(a, a.run.finish()), {})
 
     def _end_stopped(self, active: Active) -> None:
         if active.stop == "cancelled":
