@@ -126,6 +126,24 @@ def test_two_workers_run_screens_concurrently_and_each_exactly_once(cluster, tmp
     assert len({Path(a.archive_path).name for a in attempts}) == 6
 
 
+def test_a_worker_claims_its_next_screen_while_its_last_episodes_run(cluster, tmp_path, models, store):
+    """Look-ahead claims: with one worker, each screen after the first is claimed before the
+    previous one has finished, runs after it on the same worker, and neither is marked as
+    sharing the node; every episode is recorded exactly once and every archive is sealed."""
+    ids = submit(store, protocol_file(tmp_path, prompts=2), replicas=3)
+    outcomes = dispatcher(store, settings(cluster, tmp_path, models), workers=1, lease_s=30).run()
+    assert sorted(o.screen_id for o in outcomes) == ids and {o.status for o in outcomes} == {"done"}
+    runs = [store.latest_attempt(i) for i in ids]
+    assert len({a.worker for a in runs}) == 1 and [len(store.attempts(i)) for i in ids] == [1, 1, 1]
+    ordered = sorted(runs, key=lambda a: a.started_at)
+    assert all(b.started_at < a.finished_at for a, b in zip(ordered, ordered[1:]))  # claimed ahead
+    assert not any(a.shared_node for a in runs)
+    for a in runs:
+        assert sorted(e.plan_index for e in store.episodes(a.id)) == list(range(6))
+        reader = ArchiveReader(Path(a.archive_path))
+        assert reader.complete and len(reader.episodes()) == 6
+
+
 @pytest.mark.parametrize("backend", ["sqlite", "postgresql"])
 def test_two_dispatchers_share_one_queue(cluster, tmp_path, models, backend, request):
     """Two dispatchers (one worker each) drain six screens: every screen runs exactly once."""
