@@ -643,17 +643,27 @@ class Store:
         )
         if self.dialect == "postgresql":
             with self._claimer_connection() as connection:
-                if node:
-                    # BEGIN and the node's lock in one round trip (no parameters: the key is an int).
-                    connection.exec_driver_sql(f"BEGIN; SELECT pg_advisory_xact_lock({_node_lock_key(node)})")
-                    if capacity:
-                        parameters["fit_list"] = _fitting(connection, node, capacity, follows_attempt)
-                statement = _pg_claim_statement(**shape, fits=bool(parameters["fit_list"]))
-                row = connection.execute(statement, {
-                    **parameters, **{f"new_{k}": v for k, v in attempt_values.items()}, "now": now,
-                    "archive_dir": archive_dir.rstrip("/")}).first()
-                if node:
-                    connection.exec_driver_sql("COMMIT")
+                try:
+                    if node:
+                        # BEGIN and the node's lock in one round trip (no parameters: the key is an int).
+                        connection.exec_driver_sql(f"BEGIN; SELECT pg_advisory_xact_lock({_node_lock_key(node)})")
+                        if capacity:
+                            parameters["fit_list"] = _fitting(connection, node, capacity, follows_attempt)
+                    statement = _pg_claim_statement(**shape, fits=bool(parameters["fit_list"]))
+                    row = connection.execute(statement, {
+                        **parameters, **{f"new_{k}": v for k, v in attempt_values.items()}, "now": now,
+                        "archive_dir": archive_dir.rstrip("/")}).first()
+                    if node:
+                        connection.exec_driver_sql("COMMIT")
+                except BaseException:
+                    if node:
+                        # The explicit transaction (and the node's lock) must not go back to the
+                        # pool open: an autocommit connection's reset does not roll it back.
+                        try:
+                            connection.exec_driver_sql("ROLLBACK")
+                        except SQLAlchemyError:
+                            pass  # a broken connection: the server ends its session, and the lock
+                    raise
             if row is None:
                 return None
             values = row._asdict()

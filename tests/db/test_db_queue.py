@@ -242,6 +242,30 @@ def test_two_dispatchers_claiming_for_one_node_never_break_exclusive_node(queue,
     assert not errors or isinstance(errors[0], threading.BrokenBarrierError), errors[0]
 
 
+@pytest.mark.timeout(60)
+def test_a_claim_that_fails_midway_leaves_the_node_free(queue, db_url, monkeypatch):
+    """A claim for a node that fails after taking the node's lock (PostgreSQL) rolls back and
+    lets it go, even on an error that is not the database's (the Store keeps its connection):
+    the next claim for that node, from another dispatcher, goes through."""
+    import db.store as store_module
+
+    p = protocol(queue)
+    screen_id = queue.create_screen(protocol_id=p, submitter="a", resources={"fast_nvme": 1})
+    d = queue.register_dispatcher("d", "h")
+
+    def broken(*args, **kwargs):
+        raise ValueError("a resources column that is not JSON")
+
+    monkeypatch.setattr(store_module, "_fitting", broken)
+    with pytest.raises(ValueError):
+        claim(queue, d, node="n", node_resources={"fast_nvme": 1})
+    monkeypatch.undo()
+    assert queue.screen(screen_id).status == "queued" and queue.attempts(screen_id) == []
+    with Store(db_url) as other:
+        c = claim(other, other.register_dispatcher("e", "h"), node="n", node_resources={"fast_nvme": 1})
+    assert c.screen.id == screen_id
+
+
 @pytest.mark.timeout(120)
 def test_concurrent_claimers_claim_each_screen_exactly_once(queue, db_url):
     screens = 60
