@@ -87,7 +87,7 @@ class Slot:
                 **({"screen_id": self.active.run.screen.id} if self.active else {})}
 
 
-@dataclass
+@dataclass(eq=False)  # identity: `in`, `remove` and the refs' ownership checks compare objects, not fields
 class Active:
     """A screen running on a slot."""
 
@@ -100,6 +100,7 @@ class Active:
     inflight: int = 0  # calls not back yet (load included)
     stop: str | None = None  # cancelled | lost: no more episodes are submitted
     start: dict | None = None  # a `next` screen's load result, kept until it becomes the slot's active
+    looked_ahead: bool = False  # its slot tried to claim its next screen (once: an empty queue is not polled)
 
     @property
     def handed_out(self) -> bool:
@@ -397,8 +398,9 @@ class Dispatcher:
             for slot in self.slots:
                 active = slot.active
                 if (slot.ready and active is not None and slot.next is None and active.stop is None
-                        and active.handed_out and self._claim(slot, follows=active) is not None):
-                    claimed = True
+                        and active.handed_out and not active.looked_ahead):
+                    active.looked_ahead = True
+                    claimed = self._claim(slot, follows=active) is not None or claimed
         return claimed
 
     def _claim(self, slot: Slot, *, follows: Active | None = None) -> Active | None:
