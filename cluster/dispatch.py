@@ -51,9 +51,6 @@ log = logging.getLogger(__name__)
 
 LOOKAHEAD = 2  # episodes submitted to a worker at once: one running, one waiting
 UPKEEP_MAX_S = 2.0  # longest pause between lease renewals (and so before a cancel is seen)
-# A screen whose last record is in waits at most this long for its verdicts and seal while the
-# worker's next screen (its load queued behind that record) is started first.
-FINISH_DEFER_S = 0.5
 
 
 @dataclass
@@ -137,9 +134,6 @@ class Dispatcher:
         # recognised as such even when its slot already runs the next one.
         self.refs: dict[Any, tuple[str, Slot, Active | None]] = {}
         self.outcomes: list[ScreenOutcome] = []
-        # Screens with every record persisted whose verdicts and seal wait until their worker's
-        # next screen has its first episodes (deadline, screen); see _complete.
-        self.finishing: list[tuple[float, Active]] = []
         # The latest attempts this dispatcher drove, for their timings (bench/cluster.py); bounded,
         # and stripped of logits once ended, so a dispatcher serving for weeks stays small.
         self.runs: deque[ScreenRun] = deque(maxlen=10_000)
@@ -196,7 +190,6 @@ class Dispatcher:
             self.done = True
             return
         if not self.refs:
-            self._finish_due(everything=True)
             time.sleep(0.2)
             return
         # num_returns=1: back as soon as any call is; waiting for all of them (as before) held
@@ -208,7 +201,6 @@ class Dispatcher:
         for ref in ready:
             if ref in self.refs:  # a dead worker's other calls were dropped with it
                 self._handle(ref)
-        self._finish_due()
 
     def _on_signal(self, signum, frame) -> None:  # noqa: ARG002 (signal handler signature)
         self.stopping = signal.Signals(signum).name
@@ -217,7 +209,7 @@ class Dispatcher:
     def _finished(self, claimed: bool) -> bool:
         """Drained: nothing runs, nothing was claimable, no worker is on its way. With
         `only_screen`: that screen has ended (or it cannot run: no worker at all)."""
-        if claimed or self.finishing or any(s.active or s.next for s in self.slots):
+        if claimed or any(s.active or s.next for s in self.slots):
             return False
         if self.only_screen is not None:
             if self.store.screen(self.only_screen).status in ("done", "failed", "cancelled"):
@@ -234,11 +226,6 @@ class Dispatcher:
         return not queued
 
     def _shutdown(self) -> None:
-        if self.stopping != "database":
-            try:
-                self._finish_due(everything=True)  # complete screens are sealed, never given back
-            except DatabaseUnavailable as e:
-                self.stopping, self.fatal = "database", str(e)
         reason = f"dispatcher stopped ({self.stopping})" if self.stopping else "dispatcher stopped"
         for slot in self.slots:
             for active in (slot.active, slot.next):
@@ -531,31 +518,11 @@ class Dispatcher:
                 self._end_stopped(active)
             return
         if active.run.done_count == len(active.entries):
-            self._complete(active)
-
-    def _complete(self, active: Active) -> None:
-        """Every record is in. If the worker's next screen has its load queued right behind this
-        record, that screen becomes the slot's active one now and this one's verdicts and seal
-        (driver-only work, 10-25 ms) wait until its first episodes are handed out (_finish_due):
-        the worker does not idle through them."""
-        slot = active.slot
-        following = slot.next
-        if following is not None and following.start is None and following.inflight and not following.stop:
-            slot.active, slot.next = following, None
-            self.finishing.append((time.monotonic() + FINISH_DEFER_S, active))
-            return
-        self._end(active, active.run.finish())
-
-    def _finish_due(self, *, everything: bool = False) -> None:
-        """Finish deferred screens whose worker's next screen is under way (or gone), or whose
-        deadline passed."""
-        now = time.monotonic()
-        for item in list(self.finishing):
-            deadline, active = item
-            current = active.slot.active
-            if everything or now >= deadline or current is None or current.entries or current.inflight == 0:
-                self.finishing.remove(item)
-                self._guarded(active, lambda a, _: self._end(a, a.run.finish()), {})
+            # Verdicts, seal and rows now, before the next screen's first episodes go out. Deferring
+            # them behind those episodes (tried) cut the worker's switch between screens from ~20
+            # to ~4 ms but put 10-25 ms of driver work inside the next screen, and the queue path
+            # per episode rose by 1-5 ms in 6 of 6 paired runs (docs/benchmarks.md).
+            self._end(active, active.run.finish())
 
     def _end_stopped(self, active: Active) -> None:
         if active.stop == "cancelled":
