@@ -28,16 +28,18 @@ from bench.db import pg_schema, server_version
 from db.store import Store
 
 LEASE_S = 300
-NODE = ""  # set by --nodes: each dispatcher claims for a slot on its own node
+NODE = ""  # set by --nodes: each dispatcher claims for a slot on its own node (--same-node: one node)
 
 
 def node(index: int) -> str:
+    if NODE == "same":
+        return "node-0"
     return f"node-{index}" if NODE else ""
 
 
-def dispatcher(url: str, index: int, barrier, results, nodes: bool) -> None:
+def dispatcher(url: str, index: int, barrier, results, nodes: bool | str) -> None:
     global NODE
-    NODE = "yes" if nodes else ""
+    NODE = "same" if nodes == "same" else ("yes" if nodes else "")
     with Store(url) as store:
         me = store.register_dispatcher(f"bench-{index}", platform.node(), pid=os.getpid())
         store.check_head()
@@ -94,7 +96,12 @@ def main() -> None:
     parser.add_argument("--nodes", action="store_true",
                         help="claim for a worker slot on a node (placement filters, shared_node marking); "
                              "every claim stays running, so each node ends up with screens/dispatchers of them")
+    parser.add_argument("--same-node", action="store_true",
+                        help="with --nodes: every dispatcher claims for a slot on ONE node, so every claim "
+                             "waits for the node's lock (claims for a node are serialized: exclusive_node)")
     args = parser.parse_args()
+    if args.same_node:
+        args.nodes = "same"
     print(f"{platform.node()}: {platform.machine()}, {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}, "
           f"Python {platform.python_version()}, {datetime.now(UTC):%Y-%m-%d %H:%M} UTC")
     if args.pg:

@@ -48,6 +48,20 @@ def protocol(folder: Path, *, prompts: int, continuation: int, name: str = "benc
     return path
 
 
+def screen_switches(runs) -> list[float]:
+    """Per worker, between consecutive screens: the previous screen's last record back at the
+    driver -> the next screen's first episode handed to the worker (its load included)."""
+    by_worker: dict[str, list] = {}
+    for r in runs:
+        if r.t_loaded is not None and r.timings:
+            by_worker.setdefault(r.attempt.worker, []).append(r)
+    out = []
+    for mine in by_worker.values():
+        mine.sort(key=lambda r: r.t_loaded)
+        out += [b.t_first - a.timings[-1][0] for a, b in zip(mine, mine[1:])]
+    return out
+
+
 def pct(values: list[float], q: float) -> float:
     values = sorted(values)
     return values[min(len(values) - 1, int(q * (len(values) - 1) + 0.5))]
@@ -93,6 +107,7 @@ def one_run(gpus: int, screens: int, prompts: int, continuation: int) -> dict:
                 "overhead_ms_per_episode": [1000 * x for x in per_episode],
                 "record_ms": [1000 * x for x in record_s],
                 "warm_claim_to_first_episode_s": warm_claims, "cold_claim_to_first_episode_s": cold_claims,
+                "switch_s": screen_switches(d.runs),
                 "nodes": len({r.attempt.node for r in d.runs})}
 
 
@@ -115,6 +130,7 @@ def default_mode(args) -> None:
     record = [x for r in runs for x in r["record_ms"]]
     warm = [x for r in runs for x in r["warm_claim_to_first_episode_s"]]
     cold = [x for r in runs for x in r["cold_claim_to_first_episode_s"]]
+    switch = [x for r in runs for x in r["switch_s"]]
     ratio = [b["drain_s"] / a["drain_s"] for a, b in zip(by[1], by[2])]
     print(f"\n{args.screens} screens x {runs[0]['episodes'] // args.screens} episodes (tiny, CPU), "
           f"{args.rounds} rounds alternated, each run its own process and embedded Ray\n")
@@ -124,8 +140,10 @@ def default_mode(args) -> None:
           f"{pct(overhead, .1):.2f}-{pct(overhead, .9):.2f} | <= 5 |")
     print(f"| driver time per record (archive append + database row), ms | {statistics.median(record):.2f} | "
           f"{pct(record, .1):.2f}-{pct(record, .9):.2f} | |")
-    print(f"| claim -> first episode, warm worker, s | {statistics.median(warm):.3f} | "
-          f"{pct(warm, .1):.3f}-{pct(warm, .9):.3f} | <= 0.5 |")
+    print(f"| claim -> model ready at the driver, warm worker, s (a look-ahead claim waits for the previous "
+          f"screen's last episodes) | {statistics.median(warm):.3f} | {pct(warm, .1):.3f}-{pct(warm, .9):.3f} | <= 0.5 |")
+    print(f"| screen switch on a worker, ms (last record back -> next screen's first episode handed out) | "
+          f"{1000 * statistics.median(switch):.1f} | {1000 * pct(switch, .1):.1f}-{1000 * pct(switch, .9):.1f} | |")
     print(f"| claim -> first episode, cold worker (model read), s | {statistics.median(cold):.3f} | "
           f"{pct(cold, .1):.3f}-{pct(cold, .9):.3f} | |")
     print(f"| drain wall, 2 logical GPUs / 1 (model ready -> last screen done) | {statistics.median(ratio):.2f} | "
@@ -217,7 +235,7 @@ def simulate(args) -> None:
 
             for _ in range(args.dispatchers):
                 d = Dispatcher(Store(url), settings, workers=args.nodes // args.dispatchers, lease_s=30,
-                               worker_class=actor)
+                               worker_class=actor, look_ahead=not args.no_look_ahead)
                 dispatchers.append(d)
                 threads.append(threading.Thread(target=drain, args=(d,)))
             t0 = time.perf_counter()
@@ -242,6 +260,8 @@ def simulate(args) -> None:
                     start, end = arrival - e.get("sim_busy_s", 0.0), arrival
                     inside += max(0.0, min(end, dry) - max(start, first))
             per_screen = statistics.median([r.timings[-1][0] - r.t_loaded for r in runs])
+            switch = screen_switches(runs)
+            claim_s = [r.t_claimed for r in runs]
     finally:
         ray.shutdown()
         cluster.shutdown()
@@ -263,6 +283,11 @@ def simulate(args) -> None:
     print(f"| GPU-slot utilisation over the whole drain | {100 * busy / (args.nodes * wall):.1f} % | |")
     print(f"| drain wall, s | {wall:.1f} | |")
     print(f"| median screen time (first episode -> last record), s | {per_screen:.2f} | |")
+    print(f"| screen switch on a worker, ms (last record back -> next screen's first episode handed out), "
+          f"median / p90 | {1000 * statistics.median(switch):.1f} / {1000 * pct(switch, .9):.1f} | |")
+    print(f"| claim_screen call (PostgreSQL, 4 dispatchers in one process), ms, median / p90 | "
+          f"{1000 * statistics.median(claim_s):.1f} / {1000 * pct(claim_s, .9):.1f} | |")
+    print(f"| look-ahead claims | {'off' if args.no_look_ahead else 'on'} | |")
 
 
 def main() -> None:
@@ -277,6 +302,8 @@ def main() -> None:
     p.add_argument("--dispatchers", type=int, default=4)
     p.add_argument("--mean-s", type=float, default=0.2)
     p.add_argument("--pg-url")
+    p.add_argument("--no-look-ahead", action="store_true",
+                   help="claim a worker's next screen only once it is idle (the dispatcher before look-ahead claims)")
     args = p.parse_args()
     if args.child:
         print(json.dumps(one_run(args.child, args.screens, args.prompts, args.continuation)))

@@ -210,6 +210,9 @@ class Screen(Base):
     unplaceable_reason: Mapped[str | None] = mapped_column(Text)
     # Set by `screens cancel` on a running screen: its attempt stops after the episode in flight.
     cancel_requested_at: Mapped[datetime | None] = mapped_column(UtcDateTime)
+    # Custom Ray resources its node must have free (the protocol's placement.resources), as
+    # canonical JSON; NULL when none. Only claims for a node declaring them can take it.
+    resources: Mapped[str | None] = mapped_column(Text)
 
     def to_record(self) -> ScreenRow:
         return ScreenRow(
@@ -232,6 +235,7 @@ class Screen(Base):
             replica_group=self.replica_group,
             unplaceable_reason=self.unplaceable_reason,
             cancel_requested_at=self.cancel_requested_at,
+            resources=self.resources,
         )
 
 

@@ -8,6 +8,8 @@ Every timestamp is a timezone-aware `datetime` in UTC.
 
 from __future__ import annotations
 
+import json
+
 from dataclasses import dataclass, make_dataclass
 from datetime import datetime
 from typing import Any
@@ -59,6 +61,12 @@ class ScreenRow:
     replica_group: str | None = None
     unplaceable_reason: str | None = None
     cancel_requested_at: datetime | None = None
+    resources: str | None = None  # canonical JSON of the custom Ray resources it needs; None: none
+
+    @property
+    def needs(self) -> dict[str, float]:
+        """The custom Ray resources this screen's node must have free ({} for none)."""
+        return json.loads(self.resources) if self.resources else {}
 
 
 @dataclass(frozen=True, slots=True)

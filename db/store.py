@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 import json
 import secrets
 import time
@@ -68,6 +69,7 @@ from sqlalchemy.pool import PoolProxiedConnection
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
+from core.protocol import resources_fit
 from core.record import stored_values
 from db import migrate, queries
 from db.errors import Conflict, DatabaseUnavailable, NotFound, SchemaNotAtHead
@@ -340,6 +342,7 @@ class Store:
         placement_node: str | None = None,
         exclusive_node: bool = False,
         replica_group: str | None = None,
+        resources: Mapping[str, float] | None = None,
     ) -> int:
         """Queue a new screen of a stored protocol; return its id.
 
@@ -350,7 +353,9 @@ class Store:
         (claims allowed before a screen whose leases keep expiring is failed, >= 1),
         `gpu_type` (only a worker of that GPU type may claim it), `placement_node` (only a
         worker on that node), `exclusive_node` (no other screen runs on its node meanwhile),
-        `replica_group` (screens sharing one, e.g. from `create_replicas`, run on distinct nodes).
+        `replica_group` (screens sharing one, e.g. from `create_replicas`, run on distinct nodes),
+        `resources` (custom Ray resources its node must have free: only a claim whose
+        `node_resources` cover them, beside what runs there already, can take it).
         """
         if max_attempts < 1:
             raise ValueError(f"max_attempts {max_attempts} must be >= 1")
@@ -371,6 +376,7 @@ class Store:
                 placement_node=placement_node,
                 exclusive_node=exclusive_node,
                 replica_group=replica_group,
+                resources=resources_json(resources),
             )
             session.add(screen)
             session.flush()
@@ -386,6 +392,7 @@ class Store:
         ids = []
         with self._session() as session:
             self._get(session, Protocol, screen["protocol_id"], "protocol")
+            screen = {**screen, "resources": resources_json(screen.get("resources"))}
             for _ in range(replicas):
                 row = Screen(**{"status": "queued", "created_at": self._clock(), "attempts_used": 0,
                                 "repetitions": 1, "priority": 0, "max_attempts": 3,
@@ -578,6 +585,8 @@ class Store:
         exclude_screens: Collection[int] = (),
         screen_id: int | None = None,
         model_state: str | None = None,
+        node_resources: Mapping[str, float] | None = None,
+        follows_attempt: int | None = None,
     ) -> Claim | None:
         """Atomically claim the best queued screen this worker slot can run; None if there is none.
 
@@ -585,6 +594,12 @@ class Store:
         gpu_type is None or one of them; `node` given -> its placement_node is None or
         `node`, no other screen of its replica_group runs or ran (done) on `node`, and
         neither it nor a screen running on `node` wants the node exclusively.
+        A screen that needs custom Ray resources (`resources`) is placeable only with `node`
+        given and `node_resources` (the node's declared totals) covering its needs plus those
+        of every screen running on `node`. `follows_attempt`: the slot's own running attempt,
+        whose worker runs the claimed screen after it (a look-ahead claim): it counts as
+        neither another screen on the node (exclusive_node, shared_node) nor a user of its
+        resources, but still as a replica on it.
         `exclude_screens` skips screens the caller already knows it cannot place;
         `screen_id` claims that screen only (None if it is no longer queued or placeable).
 
@@ -595,6 +610,11 @@ class Store:
         (empty until `place_attempt` when unknown) and a lease until now + `lease_s`.
         Concurrent claimers never get the same screen: PostgreSQL skips rows another claim
         has locked (FOR UPDATE SKIP LOCKED), SQLite serializes claims (BEGIN IMMEDIATE).
+        Claims for one node are serialized too, so that the node checks (exclusive_node,
+        shared_node, resources) see every claim committed before them: on PostgreSQL a
+        transaction-scoped advisory lock on the node is taken before the claim's snapshot.
+        Without it, two dispatchers claiming for one node at once each saw the node free and
+        both started a screen there, one of them exclusive_node.
         """
         if lease_s <= 0:
             raise ValueError(f"lease_s {lease_s} must be > 0")
@@ -602,7 +622,11 @@ class Store:
             raise ValueError(f"model_state {model_state!r} is not one of {', '.join(MODEL_STATES)}")
         # Not named like a column: DML takes such execution parameters as SET / VALUES.
         parameters: dict[str, Any] = {"want_screen": screen_id, "exclude_ids": list(exclude_screens),
-                                      "gpu_type_list": list(gpu_types or ()), "slot_node": node}
+                                      "gpu_type_list": list(gpu_types or ()), "slot_node": node,
+                                      "follows_id": follows_attempt, "fit_list": []}
+        shape = dict(one=screen_id is not None, exclude=bool(exclude_screens), gpu_types=gpu_types is not None,
+                     node=bool(node), follows=bool(node) and follows_attempt is not None)
+        capacity = {k: float(v) for k, v in (node_resources or {}).items()} if node else {}
         # A claim is the dispatcher's hot path. Built per call through the ORM (aliases
         # adapted, the statement compiled again) it cost 65 ms of CPU on the 2-core box, and
         # the ORM session added a pooled checkout with its pre-ping and separate SELECTs for
@@ -618,12 +642,28 @@ class Store:
             model_state=model_state,
         )
         if self.dialect == "postgresql":
-            statement = _pg_claim_statement(one=screen_id is not None, exclude=bool(exclude_screens),
-                                            gpu_types=gpu_types is not None, node=bool(node))
             with self._claimer_connection() as connection:
-                row = connection.execute(statement, {
-                    **parameters, **{f"new_{k}": v for k, v in attempt_values.items()}, "now": now,
-                    "archive_dir": archive_dir.rstrip("/")}).first()
+                try:
+                    if node:
+                        # BEGIN and the node's lock in one round trip (no parameters: the key is an int).
+                        connection.exec_driver_sql(f"BEGIN; SELECT pg_advisory_xact_lock({_node_lock_key(node)})")
+                        if capacity:
+                            parameters["fit_list"] = _fitting(connection, node, capacity, follows_attempt)
+                    statement = _pg_claim_statement(**shape, fits=bool(parameters["fit_list"]))
+                    row = connection.execute(statement, {
+                        **parameters, **{f"new_{k}": v for k, v in attempt_values.items()}, "now": now,
+                        "archive_dir": archive_dir.rstrip("/")}).first()
+                    if node:
+                        connection.exec_driver_sql("COMMIT")
+                except BaseException:
+                    if node:
+                        # The explicit transaction (and the node's lock) must not go back to the
+                        # pool open: an autocommit connection's reset does not roll it back.
+                        try:
+                            connection.exec_driver_sql("ROLLBACK")
+                        except SQLAlchemyError:
+                            pass  # a broken connection: the server ends its session, and the lock
+                    raise
             if row is None:
                 return None
             values = row._asdict()
@@ -632,13 +672,14 @@ class Store:
             screen = ScreenRow(**values)
             assert attempt.archive_path.endswith(archive_file_name(screen.id, attempt.number, key))
             return Claim(screen=screen, attempt=attempt, protocol=self._protocol_row(screen.protocol_id))
-        statement = _claim_statement(self.dialect, one=screen_id is not None, exclude=bool(exclude_screens),
-                                     gpu_types=gpu_types is not None, node=bool(node))
         attempts = Attempt.__table__
         if not self._schema_checked:
             self.check_head()
         # A pooled connection (SQLite has no pre-ping): its BEGIN IMMEDIATE serializes claims.
         with translate_errors(self._engine.url), self._engine.begin() as connection:
+            if capacity:
+                parameters["fit_list"] = _fitting(connection, node, capacity, follows_attempt)
+            statement = _claim_statement(self.dialect, **shape, fits=bool(parameters["fit_list"]))
             row = connection.execute(statement, {**parameters, "now": now}).first()
             if row is None:
                 return None
@@ -652,7 +693,7 @@ class Store:
             ).scalar_one()
             attempt_values.update(
                 screen_id=screen.id, number=number,
-                shared_node=self._mark_shared(connection, None, node) if node else None,
+                shared_node=self._mark_shared(connection, follows_attempt, node) if node else None,
                 archive_path=f"{archive_dir.rstrip('/')}/{archive_file_name(screen.id, number, key)}")
             attempt_id = connection.execute(
                 insert(attempts).values(attempt_values).returning(attempts.c.id)
@@ -1159,10 +1200,47 @@ class Store:
             return row.to_record()
 
 
-def _claim_candidate(dialect: str, *, one: bool, exclude: bool, gpu_types: bool, node: bool) -> Any:
+def resources_json(resources: Mapping[str, float] | None) -> str | None:
+    """A screen's `resources` column: canonical JSON of its needs (sorted keys), None for none.
+    Canonical so that equal needs are equal strings (the claim matches them with IN)."""
+    if not resources:
+        return None
+    return json.dumps({k: resources[k] for k in sorted(resources)}, separators=(",", ":"))
+
+
+def _node_lock_key(node: str) -> int:
+    """The PostgreSQL advisory-lock key of a node: 64 bits of its id's SHA-256 (signed bigint)."""
+    return int.from_bytes(hashlib.sha256(node.encode()).digest()[:8], "big", signed=True)
+
+
+def _fitting(connection: Connection, node: str, capacity: Mapping[str, float], follows: int | None) -> list[str]:
+    """The distinct `resources` values of queued screens that fit on `node` now: its declared
+    `capacity` less the needs of the screens running there (the slot's own `follows` attempt
+    excepted: it ends before the claimed screen starts). Run inside the claim's transaction,
+    after the node's lock, so no other claim for the node changes the answer meanwhile."""
+    screens, attempts = Screen.__table__, Attempt.__table__
+    queued = connection.execute(select(screens.c.resources).distinct().where(
+        screens.c.status == "queued", screens.c.resources.is_not(None))).scalars().all()
+    if not queued:
+        return []
+    here = [attempts.c.node == node, attempts.c.status == "running", screens.c.resources.is_not(None)]
+    if follows is not None:
+        here.append(attempts.c.id != follows)
+    free = dict(capacity)
+    for used in connection.execute(select(screens.c.resources).join(attempts, attempts.c.screen_id == screens.c.id)
+                                   .where(*here)).scalars():
+        for name, amount in json.loads(used).items():
+            free[name] = free.get(name, 0.0) - amount
+    return [needs for needs in queued if resources_fit(json.loads(needs), free)]
+
+
+def _claim_candidate(dialect: str, *, one: bool, exclude: bool, gpu_types: bool, node: bool, follows: bool = False,
+                     fits: bool = False) -> Any:
     """SELECT the best placeable queued screen's id ... LIMIT 1 [FOR UPDATE OF candidate SKIP
     LOCKED]. Parameters: want_screen, exclude_ids (a list), gpu_type_list (a list),
-    slot_node: those of the filters given."""
+    slot_node, follows_id (the slot's own attempt, not counted as running on the node),
+    fit_list (the `resources` values that fit; without `fits` only screens needing none):
+    those of the filters given."""
     screens, attempts = Screen.__table__, Attempt.__table__
     candidate = screens.alias("candidate")
     query = select(candidate.c.id).where(candidate.c.status == "queued")
@@ -1178,6 +1256,8 @@ def _claim_candidate(dialect: str, *, one: bool, exclude: bool, gpu_types: bool,
         here = bindparam("slot_node")
         on_node = select(its.c.id).join(other, other.c.id == its.c.screen_id).where(its.c.node == here)
         running_here = on_node.where(its.c.status == "running")
+        if follows:
+            running_here = running_here.where(its.c.id != bindparam("follows_id"))
         query = query.where(
             or_(candidate.c.placement_node.is_(None), candidate.c.placement_node == here),
             ~exists(running_here.where(other.c.exclusive_node.is_(True))),
@@ -1186,6 +1266,11 @@ def _claim_candidate(dialect: str, *, one: bool, exclude: bool, gpu_types: bool,
                 other.c.replica_group == candidate.c.replica_group, other.c.id != candidate.c.id,
                 its.c.status.in_(("running", "done"))))),
         )
+    if fits:
+        query = query.where(or_(candidate.c.resources.is_(None),
+                                candidate.c.resources.in_(bindparam("fit_list", expanding=True))))
+    else:
+        query = query.where(candidate.c.resources.is_(None))
     query = query.order_by(candidate.c.priority.desc(), candidate.c.id).limit(1)
     if dialect == "postgresql":
         query = query.with_for_update(skip_locked=True, of=candidate)
@@ -1213,14 +1298,15 @@ def _claim_update(dialect: str, **filters: bool) -> Any:
 
 
 @functools.lru_cache(maxsize=None)
-def _claim_statement(dialect: str, *, one: bool, exclude: bool, gpu_types: bool, node: bool) -> Any:
+def _claim_statement(dialect: str, **shape: bool) -> Any:
     """`claim_screen`'s UPDATE on SQLite (the attempt is inserted next, in the same
     transaction), built and compiled once per filter shape."""
-    return _claim_update(dialect, one=one, exclude=exclude, gpu_types=gpu_types, node=node)
+    return _claim_update(dialect, **shape)
 
 
 @functools.lru_cache(maxsize=None)
-def _pg_claim_statement(*, one: bool, exclude: bool, gpu_types: bool, node: bool) -> Any:
+def _pg_claim_statement(*, one: bool, exclude: bool, gpu_types: bool, node: bool, follows: bool = False,
+                        fits: bool = False) -> Any:
     """`claim_screen` on PostgreSQL as ONE statement, run in autocommit (one round trip):
 
         WITH claimed AS (UPDATE screens ... WHERE id = (SELECT ... FOR UPDATE SKIP LOCKED)
@@ -1235,9 +1321,12 @@ def _pg_claim_statement(*, one: bool, exclude: bool, gpu_types: bool, node: bool
     does not see the new row, so `shared` leaves it alone).
     """
     screens, attempts = Screen.__table__, Attempt.__table__
-    claimed = _claim_update("postgresql", one=one, exclude=exclude, gpu_types=gpu_types, node=node).cte("claimed")
+    claimed = _claim_update("postgresql", one=one, exclude=exclude, gpu_types=gpu_types, node=node, follows=follows,
+                            fits=fits).cte("claimed")
     here = bindparam("slot_node", type_=String())
-    running_here = exists().where(attempts.c.node == here, attempts.c.status == "running")
+    # The slot's own attempt (a look-ahead claim) is neither sharing the node nor shared with.
+    others = (attempts.c.id != bindparam("follows_id"),) if follows else ()
+    running_here = exists().where(attempts.c.node == here, attempts.c.status == "running", *others)
     id_text = cast(claimed.c.id, Text)
     path = func.format("%s/screen-%s-attempt-%s-%s.zip", bindparam("archive_dir", type_=String()),
                        func.lpad(id_text, func.greatest(5, func.length(id_text)), "0"), claimed.c.number,
@@ -1261,7 +1350,7 @@ def _pg_claim_statement(*, one: bool, exclude: bool, gpu_types: bool, node: bool
     if node:
         shared = (
             update(attempts)
-            .where(attempts.c.node == here, attempts.c.status == "running",
+            .where(attempts.c.node == here, attempts.c.status == "running", *others,
                    or_(attempts.c.shared_node.is_(None), attempts.c.shared_node.is_(False)),
                    exists(select(claimed.c.id)))
             .values(shared_node=True)

@@ -60,8 +60,10 @@ class ScreenRun:
         self.signer = signer  # core.provenance.Signer: signs the sealed archive (<archive>.sig); None: unsigned
         # Driver-side clock (perf_counter) for bench/cluster.py: claim, model ready, per episode.
         self.t_created = time.perf_counter()
-        self.t_loaded: float | None = None
-        self.timings: list[tuple[float, float]] = []  # (arrival, seconds spent recording it)  # core.source.source_freeze(), as the attempt row records it
+        self.t_loaded: float | None = None  # the load's result at the driver (set by the caller, else by loaded())
+        self.t_first: float | None = None  # the first episode handed to the worker (set by the dispatcher)
+        self.t_claimed = 0.0  # seconds the claim that made this attempt took (set by the dispatcher)
+        self.timings: list[tuple[float, float]] = []  # (arrival, seconds spent recording it)
 
     @property
     def done_count(self) -> int:
@@ -76,7 +78,8 @@ class ScreenRun:
     def loaded(self, start: dict, token_ids: list[list[int]]) -> list[dict]:
         """The model is loaded: write the plan and the worker's start record; return the plan."""
         self.start = start
-        self.t_loaded = time.perf_counter()
+        if self.t_loaded is None:
+            self.t_loaded = time.perf_counter()
         self.writer.add_json("plan.json", {"entries": self.entries, "prompts": token_ids})
         self.writer.add_json("worker.json", {"environment": self.env, "start": start,
                                              "model_dir": self.screen.model_dir, "source_freeze": self.freeze})

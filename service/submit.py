@@ -60,7 +60,8 @@ def submit(store, path: Path, *, priority: int = 0, max_attempts: int = 3, gpu_t
                   prompt_file=None if prompt_file is None else str(prompt_file),
                   priority=priority, max_attempts=max_attempts,
                   gpu_type=gpu_type or protocol.placement.accelerator_type,
-                  placement_node=protocol.placement.node, exclusive_node=protocol.placement.exclusive_node)
+                  placement_node=protocol.placement.node, exclusive_node=protocol.placement.exclusive_node,
+                  resources=protocol.placement.resources_dict or None)
     if spread:
         return store.create_replicas(replicas, **screen)
     return [store.create_screen(**screen) for _ in range(replicas)]

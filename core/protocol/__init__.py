@@ -17,14 +17,14 @@ from core.protocol.freeze import FrozenProtocol, freeze, load
 from core.protocol.prompt_files import TEXT_SEPARATOR, read_prompt_file, split_texts
 from core.protocol.schema import (DTYPE_NAMES, ENGINE_MODES, GATE_NAMES, MAX_EPISODES, MAX_TOKENS, MIB, ORDERS, PHASES,
                                   POLICY_NAMES, POLICY_PARAMS, PROMPT_SOURCES, SCHEMA_VERSION, SYNTH_SHAPES,
-                                  ChoiceParam, IntParam, full_form, validate)
+                                  ChoiceParam, IntParam, full_form, is_builtin_resource, validate)
 from core.protocol.spec import (Comparison, Condition, Gates, ModelSpec, Placement, PromptSpec, Protocol, SynthSpec,
-                                UsefulLatency, expand, prompt_count)
+                                UsefulLatency, expand, prompt_count, resources_fit)
 
 __all__ = [
     "ChoiceParam", "Comparison", "ENGINE_MODES", "Condition", "DTYPE_NAMES", "FrozenProtocol", "GATE_NAMES", "Gates", "IntParam",
     "MAX_EPISODES", "MAX_TOKENS", "MIB", "ModelSpec", "Placement", "ORDERS", "PHASES", "POLICY_NAMES", "POLICY_PARAMS",
     "PROMPT_SOURCES", "PromptSpec", "Protocol", "SCHEMA_VERSION", "SYNTH_SHAPES", "SynthSpec", "TEXT_SEPARATOR",
-    "UsefulLatency", "expand", "freeze", "full_form", "load", "prompt_count", "read_prompt_file", "split_texts",
-    "validate",
+    "UsefulLatency", "expand", "freeze", "full_form", "is_builtin_resource", "load", "prompt_count",
+    "read_prompt_file", "resources_fit", "split_texts", "validate",
 ]

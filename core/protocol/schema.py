@@ -261,7 +261,8 @@ def _placement(value: Any) -> dict:
     id), and whether it wants its node to itself. Only what is given is kept."""
     if value is None:
         return {}
-    p = _mapping(value, "placement", allowed={"accelerator_type": False, "node": False, "exclusive_node": False})
+    p = _mapping(value, "placement", allowed={"accelerator_type": False, "node": False, "exclusive_node": False,
+                                              "resources": False})
     out: dict[str, Any] = {}
     if "accelerator_type" in p:
         out["accelerator_type"] = _string(p["accelerator_type"], "placement.accelerator_type", "a GPU type, e.g. H200")
@@ -269,7 +270,40 @@ def _placement(value: Any) -> dict:
         out["node"] = _string(p["node"], "placement.node", "a Ray node id (`ray list nodes`)")
     if _bool(p.get("exclusive_node", False), "placement.exclusive_node"):
         out["exclusive_node"] = True
+    resources = _resources(p.get("resources"))
+    if resources:  # absent or empty: left out, so protocols written before it keep their hash
+        out["resources"] = resources
     return out
+
+
+def _resources(value: Any) -> dict[str, int | float]:
+    """Custom Ray resources the screen's node must declare (`ray start --resources`), e.g.
+    {fast_nvme: 1}: name -> amount > 0. A whole float is kept as an int (1.0 and 1 freeze alike)."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        _fail("placement.resources", f"{_show(value)} is not a mapping; write e.g. {{fast_nvme: 1}}")
+    out: dict[str, int | float] = {}
+    for name, amount in value.items():
+        where = f"placement.resources.{name}"
+        if not isinstance(name, str) or not name.strip():
+            _fail("placement.resources", f"{_show(name)} is not a resource name; use the name a node declares "
+                                         f"with `ray start --resources`")
+        if is_builtin_resource(name):
+            _fail(where, f"{name} is Ray's own resource (every worker gets its GPU and CPUs); name a custom "
+                         f"resource a node declares with `ray start --resources`, e.g. fast_nvme")
+        number = _number(amount, where, minimum=0.0, exclusive=True)
+        out[name] = int(number) if float(number).is_integer() else float(number)
+    return out
+
+
+# Resources Ray defines itself: not a protocol's to ask for (the worker already holds its share).
+BUILTIN_RESOURCES = ("CPU", "GPU", "memory", "object_store_memory")
+BUILTIN_RESOURCE_PREFIXES = ("node:", "accelerator_type:")
+
+
+def is_builtin_resource(name: str) -> bool:
+    return name in BUILTIN_RESOURCES or name.startswith(BUILTIN_RESOURCE_PREFIXES)
 
 
 def _full(raw: Any, *, base_dir: Path | None) -> dict:

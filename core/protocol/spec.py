@@ -98,6 +98,21 @@ class Placement:
     accelerator_type: str | None = None
     node: str | None = None
     exclusive_node: bool = False
+    # Custom Ray resources its node must have free, as sorted (name, amount) pairs (hashable).
+    resources: tuple[tuple[str, int | float], ...] = ()
+
+    def __post_init__(self) -> None:
+        if isinstance(self.resources, Mapping):
+            object.__setattr__(self, "resources", tuple(sorted(self.resources.items())))
+
+    @property
+    def resources_dict(self) -> dict[str, int | float]:
+        return dict(self.resources)
+
+
+def resources_fit(needs: Mapping[str, float], free: Mapping[str, float]) -> bool:
+    """Whether `free` (a node's custom Ray resources, or what is left of them) covers `needs`."""
+    return all(free.get(name, 0.0) >= amount for name, amount in needs.items())
 
 
 @dataclass(frozen=True, eq=False)

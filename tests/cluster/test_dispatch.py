@@ -126,6 +126,24 @@ def test_two_workers_run_screens_concurrently_and_each_exactly_once(cluster, tmp
     assert len({Path(a.archive_path).name for a in attempts}) == 6
 
 
+def test_a_worker_claims_its_next_screen_while_its_last_episodes_run(cluster, tmp_path, models, store):
+    """Look-ahead claims: with one worker, each screen after the first is claimed before the
+    previous one has finished, runs after it on the same worker, and neither is marked as
+    sharing the node; every episode is recorded exactly once and every archive is sealed."""
+    ids = submit(store, protocol_file(tmp_path, prompts=2), replicas=3)
+    outcomes = dispatcher(store, settings(cluster, tmp_path, models), workers=1, lease_s=30).run()
+    assert sorted(o.screen_id for o in outcomes) == ids and {o.status for o in outcomes} == {"done"}
+    runs = [store.latest_attempt(i) for i in ids]
+    assert len({a.worker for a in runs}) == 1 and [len(store.attempts(i)) for i in ids] == [1, 1, 1]
+    ordered = sorted(runs, key=lambda a: a.started_at)
+    assert all(b.started_at < a.finished_at for a, b in zip(ordered, ordered[1:]))  # claimed ahead
+    assert not any(a.shared_node for a in runs)
+    for a in runs:
+        assert sorted(e.plan_index for e in store.episodes(a.id)) == list(range(6))
+        reader = ArchiveReader(Path(a.archive_path))
+        assert reader.complete and len(reader.episodes()) == 6
+
+
 @pytest.mark.parametrize("backend", ["sqlite", "postgresql"])
 def test_two_dispatchers_share_one_queue(cluster, tmp_path, models, backend, request):
     """Two dispatchers (one worker each) drain six screens: every screen runs exactly once."""
@@ -343,6 +361,39 @@ def test_a_dispatcher_with_a_signing_key_signs_every_archive(cluster, tmp_path, 
     stranger = subprocess.run([sys.executable, "-m", "cli", "audit", "--archive", str(archive), "--trust", str(other)],
                               capture_output=True, text=True, env=env)
     assert stranger.returncode == 1
+
+
+def test_screens_needing_custom_resources_run_where_a_node_declares_them(cluster, tmp_path, models, store):
+    """placement.resources: a node added with {fast_nvme: 1} and two GPUs takes both screens that
+    need it, one at a time (its two workers share one fast_nvme); a plain screen runs anywhere;
+    a screen needing more than any node declares stays queued with the reason."""
+    fast = cluster.add_node(num_cpus=2, num_gpus=2, resources={"fast_nvme": 1})
+    try:
+        def needing(amount, name):
+            path = protocol_file(tmp_path, name=name)
+            body = yaml.safe_load(path.read_text())
+            body["placement"] = {"resources": {"fast_nvme": amount}}
+            path.write_text(yaml.safe_dump(body))
+            return path
+
+        nvme = submit(store, needing(1, "nvme"), replicas=2)
+        (plain,) = submit(store, protocol_file(tmp_path))
+        (too_big,) = submit(store, needing(2, "nvme-x2"))
+        d = dispatcher(store, settings(cluster, tmp_path, models), workers=4, lease_s=30)
+        outcomes = d.run()
+        assert sorted(o.screen_id for o in outcomes) == sorted([*nvme, plain])
+        assert {o.status for o in outcomes} == {"done"}
+        runs = [store.latest_attempt(i) for i in nvme]
+        assert {a.node for a in runs} == {fast.node_id}
+        first, second = sorted(runs, key=lambda a: a.started_at)
+        # One fast_nvme: the second started after the first ended, or follows it on its worker.
+        assert second.started_at >= first.finished_at or second.worker == first.worker
+        left = store.screen(too_big)
+        assert left.status == "queued" and store.attempts(too_big) == []
+        assert "needs Ray resources {fast_nvme: 2}" in left.unplaceable_reason
+        assert "fast_nvme: 1" in left.unplaceable_reason
+    finally:
+        cluster.remove_node(fast)
 
 
 def test_a_node_removed_mid_screen(cluster, tmp_path, models, store):

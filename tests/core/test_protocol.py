@@ -392,6 +392,26 @@ def test_placement_is_frozen_only_when_given():
         freeze(v2(placement={"gpu": "H200"}))
 
 
+def test_placement_resources_are_frozen_only_when_given():
+    """placement.resources: absent or empty keeps the hash; whole amounts freeze as integers;
+    Ray's own resources and non-positive amounts are refused with the field named."""
+    base = freeze(v2())
+    assert freeze(v2(placement={"resources": {}})).sha256 == base.sha256
+    one = freeze(v2(placement={"resources": {"fast_nvme": 1}}))
+    assert one.sha256 != base.sha256 and one.body["placement"] == {"resources": {"fast_nvme": 1}}
+    assert freeze(v2(placement={"resources": {"fast_nvme": 1.0}})).sha256 == one.sha256
+    p = expand(one.body)
+    assert p.placement.resources_dict == {"fast_nvme": 1} and expand(base.body).placement.resources == ()
+    assert expand(freeze(v2(placement={"resources": {"b": 0.5, "a": 2}})).body).placement.resources == (
+        ("a", 2), ("b", 0.5))
+    with pytest.raises(ProtocolError, match="`placement.resources.GPU`: GPU is Ray's own resource"):
+        freeze(v2(placement={"resources": {"GPU": 1}}))
+    with pytest.raises(ProtocolError, match="`placement.resources.fast_nvme`: 0 is not a finite number > 0"):
+        freeze(v2(placement={"resources": {"fast_nvme": 0}}))
+    with pytest.raises(ProtocolError, match="`placement.resources`: \\['fast_nvme'\\] is not a mapping"):
+        freeze(v2(placement={"resources": ["fast_nvme"]}))
+
+
 def test_engine_mode_is_frozen_only_when_not_eager():
     """engine.mode: eager (or absent) keeps every older hash; graph is a new meaning."""
     base = freeze(v2())

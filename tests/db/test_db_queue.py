@@ -144,6 +144,128 @@ def test_exclusive_node(queue):
     assert claim(queue, d, node="n2").screen.id == another
 
 
+def test_a_look_ahead_claim_ignores_the_slots_own_attempt_on_the_node(queue):
+    """follows_attempt: the slot's running screen ends before the claimed one starts, so it makes
+    the node neither shared nor taken for an exclusive screen; a replica still counts."""
+    p = protocol(queue)
+    d = queue.register_dispatcher("d", "h")
+    queue.create_screen(protocol_id=p, submitter="a")
+    first = claim(queue, d, node="n1")
+    exclusive = queue.create_screen(protocol_id=p, submitter="a", exclusive_node=True)
+    assert claim(queue, d, node="n1") is None  # another worker on n1: the node is not free
+    after = claim(queue, d, node="n1", follows_attempt=first.attempt.id)
+    assert after.screen.id == exclusive and after.attempt.shared_node is False
+    assert queue.latest_attempt(first.screen.id).shared_node is False
+    # The exclusive screen (claimed, not started) keeps every other worker off n1 ...
+    queue.create_screen(protocol_id=p, submitter="a")
+    assert claim(queue, d, node="n1") is None
+    # ... but not the worker that runs it, once it looks ahead in turn.
+    assert claim(queue, d, node="n1", follows_attempt=after.attempt.id) is not None
+    group = queue.create_replicas(2, protocol_id=p, submitter="a", priority=3)
+    on_n2 = claim(queue, d, node="n2")
+    assert on_n2.screen.id == group[0]
+    assert claim(queue, d, node="n2", follows_attempt=on_n2.attempt.id) is None  # its replica needs another node
+    assert claim(queue, d, node="n3").screen.id == group[1]
+
+
+def test_screens_needing_custom_resources_go_to_nodes_that_have_them_free(queue):
+    p = protocol(queue)
+    d = queue.register_dispatcher("d", "h")
+    nvme = [queue.create_screen(protocol_id=p, submitter="a", resources={"fast_nvme": 1}, priority=1)
+            for _ in range(2)]
+    plain = queue.create_screen(protocol_id=p, submitter="a")
+    assert queue.screen(nvme[0]).needs == {"fast_nvme": 1} and queue.screen(plain).needs == {}
+    # A slot without a node, or on a node that lacks the resource, never takes them.
+    assert claim(queue, d).screen.id == plain
+    assert claim(queue, d, node="n1", node_resources={"other": 4}) is None
+    first = claim(queue, d, node="n1", node_resources={"fast_nvme": 1, "other": 4})
+    assert first.screen.id == nvme[0]
+    # n1's only fast_nvme is in use; its own worker looking ahead may have it next.
+    assert claim(queue, d, node="n1", node_resources={"fast_nvme": 1}) is None
+    assert claim(queue, d, node="n2", node_resources={"fast_nvme": 0.5}) is None
+    following = claim(queue, d, node="n1", node_resources={"fast_nvme": 1}, follows_attempt=first.attempt.id)
+    assert following.screen.id == nvme[1]
+    big = queue.create_screen(protocol_id=p, submitter="a", resources={"fast_nvme": 2})
+    queue.finish_attempt(first.attempt.id, status="done")
+    queue.finish_attempt(following.attempt.id, status="done")
+    assert claim(queue, d, node="n1", node_resources={"fast_nvme": 1}) is None
+    assert claim(queue, d, node="n2", node_resources={"fast_nvme": 2.0}).screen.id == big
+
+
+@pytest.mark.timeout(120)
+def test_two_dispatchers_claiming_for_one_node_never_break_exclusive_node(queue, db_url):
+    """The race of issue 12: both dispatchers claim for node n at the same instant, one queued
+    screen wanting n to itself and a plain one. Each round at most one screen may start on n
+    when one of them is exclusive (before claims for a node were serialized, PostgreSQL let
+    both start: each claim's snapshot missed the other's uncommitted attempt)."""
+    p = protocol(queue)
+    rounds, errors = 25, []
+    barrier = threading.Barrier(3)
+    results: list[list] = [[None] * rounds for _ in range(2)]
+
+    def claimer(i: int) -> None:
+        try:
+            with Store(db_url) as store:  # each dispatcher its own Store (and connections), in its thread
+                d = store.register_dispatcher(f"d{i}", "h")
+                for r in range(rounds):
+                    barrier.wait(timeout=30)  # the screens of round r are queued
+                    results[i][r] = claim(store, d, node="n")
+                    barrier.wait(timeout=30)  # both claimed; the main thread checks and cleans up
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+            barrier.abort()
+
+    threads = [threading.Thread(target=claimer, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    try:
+        for r in range(rounds):
+            # Alternate which screen is first in line, so both orders of the race are tried.
+            pair = [queue.create_screen(protocol_id=p, submitter="a", exclusive_node=True, priority=r % 2),
+                    queue.create_screen(protocol_id=p, submitter="a", priority=1 - r % 2)]
+            barrier.wait(timeout=30)
+            barrier.wait(timeout=30)
+            got = [c for c in (results[0][r], results[1][r]) if c is not None]
+            assert len(got) == 1, f"round {r}: {len(got)} screens started on n, one of them exclusive_node"
+            for c in got:
+                queue.finish_attempt(c.attempt.id, status="done")
+            for screen_id in pair:
+                if queue.screen(screen_id).status == "queued":
+                    queue.cancel_screen(screen_id)
+    except threading.BrokenBarrierError:
+        assert errors, "a claimer stopped without an error"
+        raise errors[0]
+    finally:
+        barrier.abort()  # a failed round releases the claimers
+        for t in threads:
+            t.join(timeout=60)
+    assert not errors or isinstance(errors[0], threading.BrokenBarrierError), errors[0]
+
+
+@pytest.mark.timeout(60)
+def test_a_claim_that_fails_midway_leaves_the_node_free(queue, db_url, monkeypatch):
+    """A claim for a node that fails after taking the node's lock (PostgreSQL) rolls back and
+    lets it go, even on an error that is not the database's (the Store keeps its connection):
+    the next claim for that node, from another dispatcher, goes through."""
+    import db.store as store_module
+
+    p = protocol(queue)
+    screen_id = queue.create_screen(protocol_id=p, submitter="a", resources={"fast_nvme": 1})
+    d = queue.register_dispatcher("d", "h")
+
+    def broken(*args, **kwargs):
+        raise ValueError("a resources column that is not JSON")
+
+    monkeypatch.setattr(store_module, "_fitting", broken)
+    with pytest.raises(ValueError):
+        claim(queue, d, node="n", node_resources={"fast_nvme": 1})
+    monkeypatch.undo()
+    assert queue.screen(screen_id).status == "queued" and queue.attempts(screen_id) == []
+    with Store(db_url) as other:
+        c = claim(other, other.register_dispatcher("e", "h"), node="n", node_resources={"fast_nvme": 1})
+    assert c.screen.id == screen_id
+
+
 @pytest.mark.timeout(120)
 def test_concurrent_claimers_claim_each_screen_exactly_once(queue, db_url):
     screens = 60
