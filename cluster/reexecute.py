@@ -37,6 +37,17 @@ def _accelerator_type(ray, gpu_name: str) -> str | None:
     return max(matches, key=len) if matches else None
 
 
+def _one_line(e: BaseException) -> PackbenchError:
+    """A worker's failure as one line: the worker's own bad-input message when it refused (a
+    checkpoint that is not there, a digest that differs), else what died and why."""
+    cause = getattr(e, "cause", None) or e
+    if isinstance(cause, PackbenchError):
+        return PackbenchError(str(cause).splitlines()[0] if str(cause) else type(cause).__name__)
+    text = str(cause).splitlines()[0] if str(cause) else ""
+    return PackbenchError(f"the re-execution worker failed: {type(cause).__name__}: {text[:300]}; nothing was "
+                          f"recorded (retry, or run with -v for the worker's log)")
+
+
 def run_drawn(protocol_body: dict, model_dir: str | None, *, entries: list[dict], prompts: list[list[int]],
               runs: list[int], warmups: list[int], reference_twice: int | None, accelerator: str,
               settings: Settings, progress=lambda msg: None) -> Rerun:
@@ -50,31 +61,41 @@ def run_drawn(protocol_body: dict, model_dir: str | None, *, entries: list[dict]
     t0 = time.perf_counter()
     actor = start_worker(settings, **options)
     try:
-        ready, _ = ray.wait([ref := actor.describe.remote()], timeout=settings.placement_timeout_s)
-        if not ready:
-            raise PackbenchError(f"no GPU worker of type {accel_type or accelerator or 'any'} could be placed within "
-                                 f"{settings.placement_timeout_s:g} s (are all GPUs held by a dispatcher?); retry "
-                                 f"when one is free, or raise --placement-timeout")
-        env = ray.get(ref)
-        if env.get("gpu_busy"):
-            raise PackbenchError(f"the re-execution worker cannot use its GPU: {env['gpu_busy']}")
-        if (env.get("gpu") or "") != (accelerator or ""):
-            raise PackbenchError(f"the archive was measured on {accelerator or 'the CPU'}, the worker placed is on "
-                                 f"{env.get('gpu') or 'the CPU'}: re-execution needs the same accelerator type; run "
-                                 f"it on a cluster that has one (--address)")
-        progress(f"re-executing on {env.get('host')} ({env.get('gpu') or 'cpu'}, node {env.get('node_id', '')[:8]})")
-        cache = None if settings.model_cache is None else str(settings.model_cache)
-        start = ray.get(actor.load.remote(protocol_body, model_dir, model_cache=cache, reuse=False))
-        by_index = {e["index"]: e for e in entries}
-        for i in warmups:
-            ray.get(actor.run.remote(by_index[i], prompts[by_index[i]["prompt"]]))
-        records, again = {}, None
-        for n, i in enumerate(runs, 1):
-            entry = by_index[i]
-            records[i] = ray.get(actor.run.remote(entry, prompts[entry["prompt"]]))
-            progress(f"  re-executed episode {i:3d} {entry['condition']:>14} {records[i]['status']} ({n}/{len(runs)})")
-            if i == reference_twice:
-                again = ray.get(actor.run.remote(entry, prompts[entry["prompt"]]))
-        return Rerun(env, start, records, again, time.perf_counter() - t0)
+        return _run(ray, actor, protocol_body, model_dir, entries=entries, prompts=prompts, runs=runs, warmups=warmups,
+                    reference_twice=reference_twice, accelerator=accelerator, accel_type=accel_type,
+                    settings=settings, progress=progress, t0=t0)
+    except (ray.exceptions.RayError, PackbenchError) as e:
+        raise _one_line(e) from None
     finally:
         ray.kill(actor, no_restart=True)
+
+
+def _run(ray, actor, protocol_body, model_dir, *, entries, prompts, runs, warmups, reference_twice, accelerator,
+         accel_type, settings, progress, t0) -> Rerun:
+    """run_drawn's body, on a started actor (placement, accelerator check, load, episodes)."""
+    ready, _ = ray.wait([ref := actor.describe.remote()], timeout=settings.placement_timeout_s)
+    if not ready:
+        raise PackbenchError(f"no GPU worker of type {accel_type or accelerator or 'any'} could be placed within "
+                             f"{settings.placement_timeout_s:g} s (are all GPUs held by a dispatcher?); retry "
+                             f"when one is free, or raise --placement-timeout")
+    env = ray.get(ref)
+    if env.get("gpu_busy"):
+        raise PackbenchError(f"the re-execution worker cannot use its GPU: {env['gpu_busy']}")
+    if (env.get("gpu") or "") != (accelerator or ""):
+        raise PackbenchError(f"the archive was measured on {accelerator or 'the CPU'}, the worker placed is on "
+                             f"{env.get('gpu') or 'the CPU'}: re-execution needs the same accelerator type; run "
+                             f"it on a cluster that has one (--address)")
+    progress(f"re-executing on {env.get('host')} ({env.get('gpu') or 'cpu'}, node {env.get('node_id', '')[:8]})")
+    cache = None if settings.model_cache is None else str(settings.model_cache)
+    start = ray.get(actor.load.remote(protocol_body, model_dir, model_cache=cache, reuse=False))
+    by_index = {e["index"]: e for e in entries}
+    for i in warmups:
+        ray.get(actor.run.remote(by_index[i], prompts[by_index[i]["prompt"]]))
+    records, again = {}, None
+    for n, i in enumerate(runs, 1):
+        entry = by_index[i]
+        records[i] = ray.get(actor.run.remote(entry, prompts[entry["prompt"]]))
+        progress(f"  re-executed episode {i:3d} {entry['condition']:>14} {records[i]['status']} ({n}/{len(runs)})")
+        if i == reference_twice:
+            again = ray.get(actor.run.remote(entry, prompts[entry["prompt"]]))
+    return Rerun(env, start, records, again, time.perf_counter() - t0)

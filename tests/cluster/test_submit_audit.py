@@ -206,3 +206,12 @@ def test_reexecution_catches_a_consistent_forgery_the_static_audit_cannot(screen
     named = [p for p in out["problems"] if p.startswith(f"episode {index} (packet): ")]
     assert any("h2d_weight_bytes" in p for p in named), out["problems"]
     assert all(p.startswith(f"episode {index} ") for p in out["problems"]), out["problems"]
+
+
+def test_reexecution_a_worker_refuses_is_one_line_and_exit_2(screen, workdir, env, tmp_path):
+    """The checkpoint is not where --model-dir says: the worker's refusal, one line, no traceback."""
+    r = cli("audit", "--archive", screen["archive_path"], "--reexecute", "1", "--model-dir", str(tmp_path / "gone"),
+            cwd=workdir, env=env)
+    assert r.returncode == 2, r.stdout + r.stderr[-2000:]
+    errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "does not exist" in errors[0] and "Traceback" not in r.stderr, r.stderr
