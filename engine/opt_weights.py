@@ -7,6 +7,7 @@ transformers; mode "eager" gets a stock `OPTForCausalLM` built over these very m
 (`stock_model`), sharing every tensor, so both modes compute with the same parameters.
 """
 
+from contextlib import contextmanager
 from types import SimpleNamespace
 
 import torch
@@ -65,14 +66,36 @@ class Body(nn.Module):
         self.decoder = Decoder(c)
 
 
+_INITIALISED = (nn.Linear, nn.Embedding, nn.LayerNorm)
+
+
+@contextmanager
+def _without_init():
+    """Module constructors that skip their random initialisation (every tensor is assigned from
+    the checkpoint right after). On `meta`, Embedding's normal_ alone took 2.15 s of a cold start:
+    its first call imports torch._refs/_prims (~800 modules) to decompose a no-op."""
+    saved = {cls: cls.__dict__["reset_parameters"] for cls in _INITIALISED}
+    for cls in _INITIALISED:
+        cls.reset_parameters = lambda self: None
+    try:
+        yield
+    finally:
+        for cls, method in saved.items():
+            cls.reset_parameters = method
+
+
 class OPTWeights(nn.Module):
-    """`model.decoder.*` and `lm_head` with transformers' names and shapes; no forward."""
+    """`model.decoder.*` and `lm_head` with transformers' names and shapes; no forward.
+
+    Built without initialising anything: build it on `meta` and assign every tensor
+    (engine/checkpoint.py build_weights); values before that are undefined."""
 
     def __init__(self, config: dict) -> None:
         super().__init__()
         self.config = SimpleNamespace(**{**CONFIG_DEFAULTS, **config})
-        self.model = Body(self.config)
-        self.lm_head = nn.Linear(self.config.hidden_size, self.config.vocab_size, bias=False)
+        with _without_init():
+            self.model = Body(self.config)
+            self.lm_head = nn.Linear(self.config.hidden_size, self.config.vocab_size, bias=False)
 
     def tie_weights(self) -> None:
         self.lm_head.weight = self.model.decoder.embed_tokens.weight  # tied in every OPT
