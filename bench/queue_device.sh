@@ -15,34 +15,11 @@ nvidia-smi -L 2>/dev/null || echo 'no GPU (dry run)'
 pb() { python3 -m cli "$@"; }
 now() { python3 -c "import time; print(time.time())"; }
 since() { python3 -c "import sys, time; print(round(time.time() - float(sys.argv[1]), 2))" "$1"; }
+source "$PWD/bench/every_policy.sh"
 work=$(mktemp -d); cd "$work"
 export PACKBENCH_DB_URL="sqlite:///$work/pb.db" PACKBENCH_ARCHIVE_DIR="$work/archives"
-t=$(now); pb model synth --shape ${SHAPE:-opt-1.3b} --dtype ${DTYPE:-float16} --sparsity 0.94 --seed 0 --hot-fraction 0.05 --out m13 >/dev/null
+t=$(now); every_policy_screen queue-opt-1.3b
 echo "synth ${SHAPE:-opt-1.3b}: $(since $t) s"
-cat > p.yaml <<YAML
-schema: 2
-name: queue-opt-1.3b
-model: {path: m13}
-dtype: ${DTYPE:-float16}
-prompts: {generator: {seed: 0, count: 3}}
-prefix_tokens: ${PREFIX:-512}
-continuation_tokens: ${CONT:-16}
-conditions:
-  - {policy: dense-stream}
-  - {policy: resident}
-  - {policy: sparse-extents}
-  - {policy: packet}
-  - {name: packet-device, policy: packet, params: {gather: device}}
-  - {policy: phase-switched}
-  - {policy: row-retention, params: {rows_per_layer: 1024}}
-  - {policy: early-forecast}
-reference: dense-stream
-warmups: 1
-allowance_mib: 4800
-gates:
-  faithfulness: {tolerance: 0.0}
-  acquisition: {control: dense-stream, max_ratio: 0.5}
-YAML
 pb db upgrade >/dev/null
 attempts() {  # screen attempts: where and how
 python3 - "$@" <<'PY'

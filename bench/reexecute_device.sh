@@ -9,34 +9,11 @@ set -uo pipefail
 [ -n "${SKIP_WHEELS:-}" ] || [ -d /tmp/site/ray ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD RAY_AUTH_MODE=disabled PYTHONUNBUFFERED=1
 root=$PWD
+source "$root/bench/every_policy.sh"
 pb() { python3 -m cli "$@"; }
 work=$(mktemp -d); cd "$work"
 export PACKBENCH_DB_URL="sqlite:///$work/pb.db" PACKBENCH_ARCHIVE_DIR="$work/archives"
-pb model synth --shape ${SHAPE:-opt-1.3b} --dtype ${DTYPE:-float16} --sparsity 0.94 --seed 0 --hot-fraction 0.05 --out m13 >/dev/null
-cat > p.yaml <<YAML
-schema: 2
-name: reexecute-opt-1.3b
-model: {path: m13}
-dtype: ${DTYPE:-float16}
-prompts: {generator: {seed: 0, count: 3}}
-prefix_tokens: ${PREFIX:-512}
-continuation_tokens: ${CONT:-16}
-conditions:
-  - {policy: dense-stream}
-  - {policy: resident}
-  - {policy: sparse-extents}
-  - {policy: packet}
-  - {name: packet-device, policy: packet, params: {gather: device}}
-  - {policy: phase-switched}
-  - {policy: row-retention, params: {rows_per_layer: 1024}}
-  - {policy: early-forecast}
-reference: dense-stream
-warmups: 1
-allowance_mib: 4800
-gates:
-  faithfulness: {tolerance: 0.0}
-  acquisition: {control: dense-stream, max_ratio: 0.5}
-YAML
+every_policy_screen reexecute-opt-1.3b
 pb db upgrade >/dev/null
 pb keys init --key lab.pem --name device-lab | tail -1
 export PACKBENCH_SIGNING_KEY=$work/lab.pem

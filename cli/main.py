@@ -306,7 +306,7 @@ def audit(
     (not a zip, over the bounds); also 2 (after printing the result) when an audit could not be
     recorded.
     """
-    from service.audit import audit_file, audit_screens, repeat_disagreements, select_screens
+    from service.audit import audit_file, audit_screens, repeat_disagreements
 
     settings = settings_of(ctx, db_url=db, address=address)
     on_ray = on_ray or bool(address)
@@ -324,13 +324,11 @@ def audit(
                    k=reexecute, seed=seed, trust=keys_trusted, model_dir=model_dir, json_out=json_out,
                    time_factor=time_factor)
         return
-    if not screens and archive is not None and not (all_screens or since or protocol):
+    targets = _screens_to_audit(settings, screens, archive, all_screens=all_screens, since=since, protocol=protocol)
+    if targets is None:
         outcomes = [audit_file(archive, on_ray=on_ray, settings=settings, trust=keys_trusted, max_mib=max_mib)]
     else:
-        if archive is not None and len(screens or []) != 1:
-            raise PackbenchError("--archive with a database needs exactly one screen id (the archive's screen)")
-        store = open_store(settings.db_url)
-        ids = select_screens(store, screens or [], all_screens=all_screens, since=_utc(since), protocol=protocol)
+        store, ids = targets
         if not ids:
             typer.echo("no screens to audit", err=True)
             return
@@ -362,14 +360,27 @@ def audit(
         raise typer.Exit(2)
 
 
+def _screens_to_audit(settings, screens, archive, *, all_screens, since, protocol):
+    """(store, screen ids) for the database forms of `audit`; None for `--archive FILE` alone."""
+    from service.audit import select_screens
+
+    if not screens and archive is not None and not (all_screens or since or protocol):
+        return None
+    if archive is not None and len(screens or []) != 1:
+        raise PackbenchError("--archive with a database needs exactly one screen id (the archive's screen)")
+    store = open_store(settings.db_url)
+    return store, select_screens(store, screens or [], all_screens=all_screens, since=_utc(since), protocol=protocol)
+
+
 def _reexecute(settings, screens, archive, *, all_screens, since, protocol, k, seed, trust, model_dir,
                json_out, time_factor) -> None:
     """`audit --reexecute K`: re-run drawn episodes and compare; exit 1 unless every one agrees."""
     from core.audit import audit_archive
-    from service.audit import reexecute_archive, reexecute_screens, select_screens
+    from service.audit import reexecute_archive, reexecute_screens
 
     say = (lambda msg: None) if json_out else (lambda msg: typer.echo(msg, err=True))
-    if not screens and archive is not None and not (all_screens or since or protocol):
+    targets = _screens_to_audit(settings, screens, archive, all_screens=all_screens, since=since, protocol=protocol)
+    if targets is None:
         static = audit_archive(archive, trust=trust)
         if static.unreadable:
             raise PackbenchError(f"{archive} is not an archive packbench can read: {static.problems[0]}")
@@ -377,10 +388,7 @@ def _reexecute(settings, screens, archive, *, all_screens, since, protocol, k, s
                                       model_dir=None if model_dir is None else str(model_dir),
                                       time_factor=time_factor)]
     else:
-        if archive is not None and len(screens or []) != 1:
-            raise PackbenchError("--archive with a database needs exactly one screen id (the archive's screen)")
-        store = open_store(settings.db_url)
-        ids = select_screens(store, screens or [], all_screens=all_screens, since=_utc(since), protocol=protocol)
+        store, ids = targets
         if not ids:
             typer.echo("no screens to re-execute", err=True)
             return
