@@ -28,4 +28,5 @@ gates:
   faithfulness: {tolerance: 0.0}
   acquisition: {control: dense-stream, max_ratio: 0.5}
 YAML
+  [ "${MODE:-eager}" = eager ] || echo "engine: {mode: ${MODE}}" >> p.yaml
 }

@@ -6,7 +6,8 @@
 #   B. two Ray nodes on one host (one GPU each): --replicas 2 --spread, audits on the other node.
 #   C. a worker killed mid-screen: the screen is requeued and completes on the other node.
 # Run from the project root with .whl carried: bash bench/queue_device.sh
-# SKIP_A34=1 skips A3-A4, ONLY_BC=1 runs B and C alone.
+# SKIP_A34=1 skips A3-A4, ONLY_BC=1 runs B and C alone, ONLY_A=1 runs A1-A2 alone; MODE=graph runs the
+# screens in engine mode graph.
 # A CPU dry run of the plumbing: SKIP_WHEELS=1 SHAPE=tiny DTYPE=float32 PREFIX=8 CONT=4 PACKBENCH_EMBEDDED_GPUS=2 bash bench/queue_device.sh
 set -uo pipefail
 [ -n "${SKIP_WHEELS:-}" ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
@@ -46,6 +47,18 @@ ids=$(pb submit p.yaml --replicas 2 | grep -o '[0-9, ]*;' | tr -d ',;')
 t=$(now); pb dispatch > a2.log 2>&1; echo "rc $?"; par=$(since $t)
 attempts $ids
 echo "wall: sequential $seq s, concurrent $par s, ratio $(python3 -c "print(round($par / $seq, 3))")"
+python3 - $first_ids $ids <<'PY'
+import sys
+from db.store import Store
+s = Store()
+ids = list(map(int, sys.argv[1:]))
+def span(pair):  # the screens' own wall: first attempt start to last attempt end (no dispatcher start-up)
+    attempts = [s.latest_attempt(i) for i in pair]
+    return (max(a.finished_at for a in attempts) - min(a.started_at for a in attempts)).total_seconds()
+seq, par = span(ids[:2]), span(ids[2:])
+print(f"screens' span: sequential {seq:.1f} s, concurrent {par:.1f} s, ratio {par / seq:.3f}")
+PY
+[ -n "${ONLY_A:-}" ] && exit 0
 fi
 if [ -z "${SKIP_A34:-}${ONLY_BC:-}" ]; then
 echo "== A3: audits fanned out"
