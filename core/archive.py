@@ -21,6 +21,7 @@ Pure Python + numpy (see docs/archive.md for the format).
 from __future__ import annotations
 
 import errno
+import functools
 import hashlib
 import io
 import json
@@ -1279,8 +1280,27 @@ class ArchiveReader:
         if packer is not None:
             again.update(packer.flush())
             if again.digest() != stored.digest():
+                if not stock_deflate():
+                    raise fail(f"its DEFLATE stream cannot be checked here: this Python's zlib "
+                               f"({zlib.ZLIB_RUNTIME_VERSION}) does not deflate as stock zlib does; audit with a "
+                               f"Python built on stock zlib")
                 raise fail("its DEFLATE stream is not the one the writer's zlib (default level) makes of its "
                            "content: bits the member hash does not cover were changed")
+
+
+# Stock zlib's raw default-level deflate of a fixed text (the same from zlib 1.2.x to 1.3.x). A
+# Python on another deflate implementation (zlib-ng, say) makes other, valid streams: it cannot
+# check that a DEFLATE member is the writer's stream, and says so instead of calling it altered.
+_DEFLATE_PROBE = b"".join(b"packbench %d " % i for i in range(2000)) + bytes(range(256)) * 8
+_DEFLATE_PROBE_SHA256 = "f38761d811e04531ed9a5c3e07eb90e130460ec82062796b557f3d158a7313bb"
+
+
+@functools.cache
+def stock_deflate() -> bool:
+    """Whether this Python's zlib deflates as stock zlib (the writer's reference) does."""
+    packer = zlib.compressobj(zlib.Z_DEFAULT_COMPRESSION, zlib.DEFLATED, -15)
+    out = packer.compress(_DEFLATE_PROBE) + packer.flush()
+    return hashlib.sha256(out).hexdigest() == _DEFLATE_PROBE_SHA256
 
 
 class _MemberError(Exception):

@@ -452,3 +452,27 @@ def test_max_mib_raises_the_size_bounds_for_a_trusted_large_archive(screen, monk
                         {**archive.ArchiveReader.__init__.__kwdefaults__, "max_total_bytes": 1000})
     assert audit_archive(screen["path"]).problems[0].startswith("archive too large")
     assert audit_archive(screen["path"], max_mib=2048).agrees
+
+
+def test_a_python_without_stock_deflate_says_it_cannot_check_instead_of_calling_members_altered(
+        screen, tmp_path, monkeypatch):
+    """On a zlib that deflates differently (zlib-ng, say), the recompression check cannot run: the
+    problem names this Python's zlib and the fix, and the audit still does not agree (fails closed)."""
+    import core.archive as archive
+
+    assert archive.stock_deflate()  # this machine's zlib is stock: the check is real here
+    with zipfile.ZipFile(screen["path"]) as zf:
+        info = zf.getinfo("plan.json")
+    raw = bytearray(screen["path"].read_bytes())
+    last = info.header_offset + 30 + len(info.filename) + info.compress_size - 1
+    for bit in range(8):  # the padding bit that leaves the content unchanged
+        forged = bytearray(raw)
+        forged[last] ^= 1 << bit
+        path = tmp_path / f"bit{bit}.zip"
+        path.write_bytes(bytes(forged))
+        if any("bits the member hash does not cover" in p for p in problems(path)):
+            break
+    monkeypatch.setattr(archive, "stock_deflate", lambda: False)
+    report = audit_archive(path)
+    assert not report.agrees
+    assert any("cannot be checked here" in p and "stock zlib" in p for p in report.problems), report.problems
