@@ -24,6 +24,7 @@ from core.canonical import canonical_json
 from core.gates import compute_verdicts
 from core.metrics import episode_totals
 from core.protocol import expand
+from core.reexecute import read_logits
 
 
 def _target(call_rows: list, call_bytes: list) -> int | None:
@@ -64,12 +65,8 @@ def forge_ledger(src: Path, dst: Path, *, episode: int | None = None, rows: int 
         elif not key.endswith("_s") and key in rec:
             rec[key] = value
     data[episode_members(episode).record] = canonical_json(rec)
-    episodes = []
-    with ArchiveReader(src) as reader:
-        for i, r in sorted(records.items()):
-            logits_name = episode_members(i).logits
-            logits = reader.read_array(logits_name, dtype="<f4", ndim=2) if logits_name in data else None
-            episodes.append({**r, "logits": logits})
+    logits = read_logits(src, sorted(records))
+    episodes = [{**r, "logits": logits[i]} for i, r in sorted(records.items())]
     start = json.loads(data[WORKER_NAME]).get("start")
     data[VERDICTS_NAME] = canonical_json(compute_verdicts(protocol, episodes, start=start))
     manifest = json.loads(data[MANIFEST_NAME])

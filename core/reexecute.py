@@ -31,6 +31,7 @@ from typing import Any
 
 import numpy as np
 
+from core.audit import LOGITS_DTYPE, START_BYTES
 from core.canonical import canonical_sha256
 
 REEXECUTE_VERSION = 1  # bump when what a re-execution compares changes: the digest covers it
@@ -38,8 +39,6 @@ TIME_FACTOR = 2.0  # re-run median wall within [1/2, 2] x the archived median of
 TIME_SLACK_S = 0.010  # ... or within 10 ms of it (tiny CPU episodes are all noise)
 PEAK_TOLERANCE = {"peak_allocated_bytes": (0.05, 16 << 20), "peak_sampled_bytes": (0.10, 64 << 20)}
 EXACT_MEMORY = ("kv_bytes", "policy_device_bytes", "host_outgoing_bytes", "pinned_bytes", "device_param_bytes")
-START_BYTES = ("param_bytes", "device_param_bytes", "host_outgoing_bytes")
-LEDGER_TOTALS = ("call_s",)  # the one ledger total that is a time (not compared exactly)
 MAX_PROBLEMS_PER_EPISODE = 8
 
 
@@ -103,7 +102,7 @@ def same_logits(a: Any, b: Any) -> bool:
 
 
 def _as_f4(a: Any) -> np.ndarray | None:
-    return None if a is None else np.ascontiguousarray(np.asarray(a), dtype="<f4")
+    return None if a is None else np.ascontiguousarray(np.asarray(a), dtype=LOGITS_DTYPE)
 
 
 def _error_type(error: Any) -> str:
@@ -250,14 +249,11 @@ def read_archived(path) -> ArchivedScreen:
         body = reader.read_json(PROTOCOL_NAME)
         plan = reader.read_json(PLAN_NAME)
         worker = reader.read_json(WORKER_NAME)
+        protocol = expand(body)
+        entries = make_plan(protocol)  # the protocol's own plan (the static audit compared plan.json with it)
         names = set(reader.names)
-        records = {}
-        for index in range(len(make_plan(expand(body)))):
-            name = episode_members(index).record
-            if name in names:
-                records[index] = reader.read_json(name)
-    protocol = expand(body)
-    entries = make_plan(protocol)  # the protocol's own plan (the static audit compared plan.json with it)
+        records = {e["index"]: reader.read_json(episode_members(e["index"]).record) for e in entries
+                   if episode_members(e["index"]).record in names}
     prompts = plan["prompts"]
     if (not isinstance(prompts, list) or len(prompts) != protocol.prompt_count
             or not all(isinstance(p, list) and all(type(t) is int for t in p) for p in prompts)):
@@ -267,9 +263,11 @@ def read_archived(path) -> ArchivedScreen:
                           worker.get("start") or {}, worker.get("model_dir"), records)
 
 
-def read_logits(path, index: int):
+def read_logits(path, indexes) -> dict:
+    """The archived logits of the given plan entries, in one pass over the archive (None where absent)."""
     from core.archive import ArchiveReader, episode_members
 
-    name = episode_members(index).logits
     with ArchiveReader(path) as reader:
-        return reader.read_array(name, dtype="<f4", ndim=2) if name in set(reader.names) else None
+        names = set(reader.names)
+        return {i: reader.read_array(episode_members(i).logits, dtype=LOGITS_DTYPE, ndim=2)
+                if episode_members(i).logits in names else None for i in indexes}

@@ -205,10 +205,11 @@ def reexecute_archive(path: Path, *, k: int, seed: int = 0, settings: Settings |
         rec = archived.records.get(entry["index"])
         if isinstance(rec, dict) and rec.get("status") == "ok" and entry["role"] == "scored":
             walls.setdefault(entry["condition"], ([], []))[0].append(float(rec["wall_s"]))
+    logits = rx.read_logits(path, drawn.episodes)
     for i in drawn.episodes:
         again = rerun.records[i]
         try:
-            problems += rx.compare_episode(i, archived.records[i], rx.read_logits(path, i), again)
+            problems += rx.compare_episode(i, archived.records[i], logits[i], again)
         except Exception as e:  # a hostile record reached a path no check foresaw: a problem, not a crash
             problems.append(f"episode {i}: the archived record cannot be compared ({type(e).__name__}); it is "
                             f"malformed")
