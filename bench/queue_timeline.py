@@ -1,0 +1,53 @@
+"""Where a dispatch's wall goes, screen by screen (issue 13: concurrent vs one after the other).
+
+    python -m bench.queue_timeline T0 SCREEN [SCREEN ...]
+
+T0 is the Unix time the `packbench dispatch` process was started. For each screen's latest
+attempt it prints, in seconds from T0: the dispatcher's registration (Ray is up), the claim, the
+worker's load (entry to loaded, of it the read), the episodes (warmups and scored, their own
+walls summed) and the end. Reads the database of PACKBENCH_DB_URL and the archives.
+"""
+
+from __future__ import annotations
+
+import argparse
+from datetime import timezone
+
+from core.report import read_screen
+from db.store import Store
+
+
+def _t(moment, t0: float) -> float:
+    return moment.replace(tzinfo=moment.tzinfo or timezone.utc).timestamp() - t0
+
+
+def _episode_s(record: dict) -> float:
+    """An episode's own time on its worker: `wall_s` when it finished, `episode_s` when it failed."""
+    return record.get("wall_s") or record.get("episode_s") or 0.0
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("t0", type=float)
+    ap.add_argument("screens", type=int, nargs="+")
+    args = ap.parse_args(argv)
+    store = Store()
+    print(f"{'screen':>6} {'ray up':>7} {'claim':>7} {'state':>5} {'load':>6} {'read':>5} {'warmups':>8} "
+          f"{'scored':>7} {'end':>7} {'gap':>6}  first episode of each condition (s)")
+    for sid in args.screens:
+        a = store.latest_attempt(sid)
+        d = next((x for x in store.dispatchers() if x.id == a.dispatcher_id), None)
+        s = read_screen(a.archive_path)
+        warm = sum(_episode_s(e.record) for e in s.episodes if not e.scored)
+        scored = sum(_episode_s(e.record) for e in s.episodes if e.scored)
+        load = s.start.get("entry_to_loaded_s") or 0.0
+        claim, end = _t(a.started_at, args.t0), _t(a.finished_at, args.t0)
+        gap = (end - claim) - load - warm - scored  # driver, archive, verdicts, queueing
+        firsts = " ".join(f"{_episode_s(e.record):.1f}" for e in s.episodes if not e.scored)
+        print(f"{sid:>6} {_t(d.started_at, args.t0) if d else float('nan'):7.1f} {claim:7.1f} "
+              f"{a.model_state or '?':>5} {load:6.1f} {s.start.get('read_s') or 0:5.1f} {warm:8.1f} "
+              f"{scored:7.1f} {end:7.1f} {gap:6.1f}  {firsts}")
+
+
+if __name__ == "__main__":
+    main()
