@@ -43,17 +43,23 @@ ids=$(pb submit p.yaml --replicas 2 | grep -o '[0-9, ]*;' | tr -d ',;')
 t=$(now); pb dispatch > a2.log 2>&1; echo "rc $?"; par=$(since $t)
 attempts $ids; python3 -m bench.queue_timeline $t $ids; par_ids=$ids
 }
-if [ -n "${ONLY_A:-}" ]; then
-  # Host caches (Triton's kernel cache, the page cache) are cold for whatever runs first: the
-  # concurrent pair runs first and again last; the ratio uses the last.
-  echo "== A0: concurrently, host caches cold"; concurrent
-fi
-echo "== A1: two screens one after the other (one worker)"
+sequential() {  # the same, one worker: one screen after the other
 ids=$(pb submit p.yaml --replicas 2 | grep -o '[0-9, ]*;' | tr -d ',;')
 t=$(now); pb dispatch --workers 1 > a1.log 2>&1; echo "rc $?"; seq=$(since $t)
 attempts $ids; python3 -m bench.queue_timeline $t $ids; first_ids=$ids
-echo "== A2: the same two screens' protocol, concurrently (one worker per GPU)"
-concurrent; ids=$par_ids
+}
+if [ -n "${ONLY_A:-}" ]; then
+  echo "== startup probe"; python3 -m bench.startup_probe --rounds 1 2>&1 | tail -3
+  # Host caches (Triton's kernel cache, the page cache) are cold for whatever runs first: a
+  # concurrent pair warms them. Then 4 host threads per worker (PACKBENCH_WORKER_THREADS) against
+  # the default share of the cores.
+  echo "== A0: concurrently, host caches cold"; concurrent
+  echo "== A1/A2 with 4 threads per worker"
+  export PACKBENCH_WORKER_THREADS=4; sequential; concurrent; unset PACKBENCH_WORKER_THREADS
+  echo "threads 4: sequential $seq s, concurrent $par s, ratio $(python3 -c "print(round($par / $seq, 3))")"
+fi
+echo "== A1: two screens one after the other (one worker)"; sequential
+echo "== A2: the same two screens' protocol, concurrently (one worker per GPU)"; concurrent; ids=$par_ids
 echo "wall: sequential $seq s, concurrent $par s, ratio $(python3 -c "print(round($par / $seq, 3))")"
 python3 - $first_ids $ids <<'PY'
 import sys

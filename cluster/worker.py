@@ -3,21 +3,56 @@
 from __future__ import annotations
 
 import os
+import time
 
 import ray
 
 from core.settings import Settings
-from engine.worker import Worker
 
 
-class RayWorker(Worker):
-    """engine.worker.Worker plus where Ray placed it (the engine knows nothing of Ray)."""
+def _process_age_s() -> float | None:
+    """Seconds since this process started (Linux /proc), or None elsewhere."""
+    try:
+        ticks = int(open("/proc/self/stat").read().rsplit(")", 1)[1].split()[19])
+        return float(open("/proc/uptime").read().split()[0]) - ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+class RayWorker:
+    """engine.worker.Worker plus where Ray placed it (the engine knows nothing of Ray).
+
+    The engine is imported inside the actor, never by the driver: a dispatcher does not need
+    torch, and importing it there cost seconds before the first worker was even asked for
+    (docs/benchmarks.md "Queue on two GPUs").
+    """
+
+    def __init__(self) -> None:
+        age, entered = _process_age_s(), time.time()
+        from engine.worker import Worker
+
+        imported = time.time()
+        self.worker = Worker()
+        # Where a worker's start goes (the archive's environment keeps it): Ray's process start
+        # to this constructor, the engine's import (torch), the engine's own start (CUDA, NVML).
+        self.startup = {"process_s": age, "import_s": imported - entered,
+                        "init_s": time.time() - imported}
 
     def describe(self) -> dict:
-        env = super().describe()
+        env = self.worker.describe()
         env["node_id"] = ray.get_runtime_context().get_node_id()
-        env["gpu_uuid"] = self.gpu_uuid or ""
+        env["gpu_uuid"] = self.worker.gpu_uuid or ""
+        env["startup"] = self.startup
         return env
+
+    def load(self, *args, **kwargs) -> dict:
+        return self.worker.load(*args, **kwargs)
+
+    def run(self, *args, **kwargs) -> dict:
+        return self.worker.run(*args, **kwargs)
+
+    def drop_model(self) -> None:
+        self.worker.drop_model()
 
 
 # max_task_retries=0: retried calls ran out of submission order (shared/ray.md); a failed

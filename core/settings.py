@@ -7,6 +7,7 @@ so `--help` lists them) and passes it down explicitly. Nothing below the CLI rea
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -16,6 +17,8 @@ DEFAULT_CONNECT_TIMEOUT_S = 15.0
 # opt-2.7b fp16 screen at 4800 MiB lost 15 of 66 episodes to OOM with the default allocator and
 # none with expandable segments (docs/benchmarks.md).
 DEFAULT_CUDA_ALLOC_CONF = "expandable_segments:True"
+# Set where the dispatcher runs: each GPU worker's host threads (default: its share of the cores).
+WORKER_THREADS_ENV = "PACKBENCH_WORKER_THREADS"
 
 
 @dataclass(frozen=True)
@@ -62,6 +65,12 @@ class Settings:
         return not self.address
 
     def worker_env(self, *, threads: int) -> dict[str, str]:
-        """Environment variables forwarded into every GPU worker actor (Ray runtime_env)."""
-        env = {"OMP_NUM_THREADS": str(threads), "PYTORCH_CUDA_ALLOC_CONF": self.cuda_alloc_conf}
+        """Environment variables forwarded into every GPU worker actor (Ray runtime_env).
+
+        $PACKBENCH_WORKER_THREADS, when set where the dispatcher runs, fixes each worker's host
+        threads (its gathers' OMP threads) instead of its share of the host's cores."""
+        fixed = os.environ.get(WORKER_THREADS_ENV)
+        env = {"OMP_NUM_THREADS": fixed or str(threads), "PYTORCH_CUDA_ALLOC_CONF": self.cuda_alloc_conf}
+        if fixed:
+            env[WORKER_THREADS_ENV] = fixed
         return {**env, **self.extra_worker_env}

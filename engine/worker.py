@@ -12,6 +12,7 @@ import resource
 import shutil
 import time
 import traceback
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -38,7 +39,7 @@ def environment(device: torch.device) -> dict:
         "host": platform.node(),
         "pid": os.getpid(),
         "python": platform.python_version(),
-        "torch": torch.__version__,
+        "torch": str(torch.__version__),  # a TorchVersion would make the driver import torch to unpickle it
         "cuda": torch.version.cuda or "",
         "device": str(device),
         "gpu": "",
@@ -127,7 +128,9 @@ class Worker:
             # Host gathers run on OMP threads. One worker per GPU shares the host's cores with the
             # others: two workers of 32 threads each on a 32-core host ran a screen 7x slower than
             # one alone (nvidia-h200-x2, docs/benchmarks.md "Queue on two GPUs").
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, host_gpus())))
+            # $PACKBENCH_WORKER_THREADS (core/settings.py) fixes the count instead.
+            torch.set_num_threads(int(os.environ.get("PACKBENCH_WORKER_THREADS") or 0)
+                                  or max(1, (os.cpu_count() or 1) // max(1, host_gpus())))
         self.sampler = MemorySampler(uuid)  # one helper process for the worker's life
 
     def describe(self) -> dict:
@@ -159,24 +162,37 @@ class Worker:
         path = model_dir_for(protocol, model_dir, cache=None if model_cache is None else Path(model_cache))
         key = (checkpoint_key(path), protocol.dtype, self.mode)
         # What is measured is pinned: the content digest of every checkpoint file, hashed once
-        # per checkpoint_key (a warm model keeps it), refused before loading when the protocol
-        # pins another (model: {path, sha256}).
+        # per checkpoint_key (a warm model keeps it). A cold load hashes while it reads (hashlib
+        # and the reads release the interpreter lock): hashing 2.6 GB first added about 1.3 s
+        # to every cold start. A protocol pinning another digest is refused before any episode,
+        # and the model just read is dropped.
         digest = self.digests.get(key[0])
-        if digest is None:
-            digest = self.digests[key[0]] = checkpoint_digest(path)
+        hashing = None if digest is not None else ThreadPoolExecutor(1, thread_name_prefix="checkpoint-digest")
+        pending = None if hashing is None else hashing.submit(checkpoint_digest, path)
+        try:
+            warm = reuse and self.model is not None and self.model_key == key
+            if not warm and self.model is not None:
+                self.drop_model()  # before the new allowance: the old model must not count against it
+            allowance = protocol.allowance_bytes
+            self.allowance = allowance
+            context = impose(self.device, allowance, self.nvml) if self.device.type == "cuda" else 0
+            if not warm:
+                self.model = CpuFirstModel(path, dtype=dtype_of(protocol.dtype), device=self.device, mode=self.mode)
+                self.model_key = key
+        finally:
+            if hashing is not None:
+                hashing.shutdown(wait=True)  # a failed load still waits for its reader thread
+        if pending is not None:
+            try:
+                digest = self.digests[key[0]] = pending.result()
+            except BaseException:
+                self.drop_model()
+                raise
         if protocol.model.sha256 is not None and protocol.model.sha256 != digest:
+            self.drop_model()
             raise CheckpointError(f"{path} has content digest {digest}, the protocol pins {protocol.model.sha256}: "
                                   f"the checkpoint changed since the protocol was written; restore it or freeze "
                                   f"a new protocol")
-        warm = reuse and self.model is not None and self.model_key == key
-        if not warm and self.model is not None:
-            self.drop_model()  # before the new allowance: the old model must not count against it
-        allowance = protocol.allowance_bytes
-        self.allowance = allowance
-        context = impose(self.device, allowance, self.nvml) if self.device.type == "cuda" else 0
-        if not warm:
-            self.model = CpuFirstModel(path, dtype=dtype_of(protocol.dtype), device=self.device, mode=self.mode)
-            self.model_key = key
         self.model.recorder.enabled = protocol.recording
         self.conditions = {c.name: (c.policy, dict(c.params)) for c in protocol.conditions}
         self.continuation = protocol.continuation_tokens
