@@ -26,7 +26,8 @@ from core.plan import BOS
 from engine.episode import run_episode
 from engine.graph import check_mode
 from engine.model import CpuFirstModel
-from engine.policies import POLICIES
+from engine.ledger import Recorder
+from engine.policies import POLICIES, HostWeights, stream_dense, zeroed_workspace
 from engine.allowance import impose
 from engine.sampler import MemorySampler, device_uuid, nvml_handle
 from engine.shapes import dtype_of
@@ -36,11 +37,53 @@ MIB = 1 << 20
 PARAMS = {"sparse-extents": {"block_rows": 128}, "row-retention": {"rows_per_layer": 1024}}
 
 
+class SingleStreamDense:
+    """dense-stream as it was before its copy stream (issue 11), for `dense-stream+copies=single`
+    only: one workspace, each layer's copy issued at fetch on the compute stream. Same bytes,
+    same logits; kept here so one alternated run can compare both schedules."""
+
+    name = "dense-stream"  # captured in mode graph like dense-stream (engine/graph.py GRAPH_SAFE)
+    starts_early = False
+
+    def activate(self, host: HostWeights, device: torch.device, recorder: Recorder) -> None:
+        self.host, self.recorder = host, recorder
+        self.workspace = zeroed_workspace(host, device)
+
+    def deactivate(self) -> None:
+        self.workspace = None
+
+    def before_layer(self, layer: int) -> None:
+        pass  # the copy is issued at fetch
+
+    def fetch(self, layer: int, h: torch.Tensor) -> torch.Tensor:
+        return stream_dense(self.host, layer, self.workspace, self.recorder)
+
+    def device_bytes(self) -> int:
+        return 0 if self.workspace is None else self.workspace.numel() * self.workspace.element_size()
+
+    def pinned_bytes(self) -> int:
+        return 0
+
+
+# `+copies=...`: bench-only variants of dense-stream's copy schedule (not protocol parameters).
+COPIES = {"single": SingleStreamDense}
+
+
+def use(model: CpuFirstModel, policy: str, params: dict) -> None:
+    """model.use, or a bench-only variant named by `copies` (parse_condition checked it)."""
+    copies = params.pop("copies", None)
+    if copies is None:
+        model.use(policy, **params)
+    else:
+        model.use_policy(COPIES[copies]())
+
+
 def parse_condition(spec: str) -> tuple[str, dict, bool, str]:
     """`policy[+key=value...]` -> (policy, params, sampler on, mode). `+sampler=off` runs the
     episode without the NVML sampler, so its overhead shows up as a paired difference;
     `+mode=graph` runs it in engine mode graph (engine/graph.py; default eager);
-    `+attention=static` with it captures the whole step over the static span (measured only)."""
+    `+attention=static` with it captures the whole step over the static span (measured only);
+    `dense-stream+copies=single` runs dense-stream's schedule before issue 11 (bench only)."""
     policy, *pairs = spec.split("+")
     params, sampler, mode = dict(PARAMS.get(policy, {})), True, "eager"
     for pair in pairs:
@@ -51,6 +94,8 @@ def parse_condition(spec: str) -> tuple[str, dict, bool, str]:
             mode = check_mode(value)
         elif key == "attention":
             mode = f"graph/{value}"
+        elif key == "copies" and (policy != "dense-stream" or value not in COPIES):
+            raise SystemExit(f"{spec}: +copies= is dense-stream's only, one of {', '.join(COPIES)}")
         else:
             params[key] = int(value) if value.isdigit() else value
     return policy, params, sampler, mode
@@ -265,7 +310,7 @@ def main() -> None:
                     torch.cuda.set_per_process_memory_fraction(
                         1.0 if unbounded else (args.allowance_mib * MIB - context) / total, device)
                 try:
-                    model.use(policy, **params)
+                    use(model, policy, params)
                     sampler.start()
                     out = run_episode(model, prompt, continuation=args.continuation, mode=mode)
                 except Exception as e:  # an OOM under the allowance, say: recorded, the run goes on

@@ -10,7 +10,8 @@ python3 -c "import torch, transformers, triton; print('torch', torch.__version__
 date -u
 
 echo "== CUDA tests (engine)"
-python3 -m pytest -q -m gpu -p no:cacheprovider tests/engine/test_graph_cuda.py tests/engine/test_policies_cuda.py 2>&1 \
+python3 -m pytest -q -m gpu -p no:cacheprovider tests/engine/test_graph_cuda.py tests/engine/test_policies_cuda.py \
+  tests/engine/test_dense_stream_cuda.py 2>&1 \
   | tee "$out/pytest.log" | tail -25
 
 echo "== bench.engine, eager and graph alternated"

@@ -14,6 +14,11 @@ MODES:
   an LRU plan, a forecast) run the same decoder eagerly: the same math, so exactness against
   dense-stream within the mode still holds. On the CPU nothing is captured (the CPU twin).
 
+dense-stream copies on a stream of its own (engine/policies.py). Inside a capture each copy is
+forked from the capturing stream and rejoined before its piece ends (`rejoin`): the copy of
+layer l+1, issued at layer l's fc1, overlaps the rest of that piece (fc1, fc2, layer l+1's
+q/k/v) but not the attention run between pieces, which waits for it.
+
 A replay runs no policy code, so the ledger cannot be written by the policy as it goes. The
 host side of a graph-safe policy's call is the same every call (sizes it knows; the device
 gather's counts are read after the call by a deferred settle), so the capture runs inside a
@@ -36,7 +41,7 @@ MODES = ("eager", "graph")
 # buffer fixed for the episode. Keyed by policy name; a missing name stays eager.
 GRAPH_SAFE: dict[str, Callable[[object], bool]] = {
     "resident": lambda p: True,
-    "dense-stream": lambda p: p.host.pin,  # the copy from pinned memory is a graph memcpy node
+    "dense-stream": lambda p: p.host.pin,  # the copy from pinned memory is a graph memcpy node, on a forked stream
     "packet": lambda p: p.gather == "device",  # DevicePacket; the host gather reads a mask back
 }
 
@@ -45,6 +50,15 @@ def check_mode(mode: str) -> str:
     if mode not in MODES:
         raise ValueError(f"unknown engine mode {mode!r}; use one of {', '.join(MODES)}")
     return mode
+
+
+def rejoin(policy, stream) -> None:
+    """Before a capture ends, every stream forked from the capturing one must have rejoined it
+    (else capture_end fails). A policy that copies on a stream of its own inside the step
+    (dense-stream) has `join(stream)`; the others fork nothing."""
+    join = getattr(policy, "join", None)
+    if join is not None:
+        join(stream)
 
 
 def graph_refusal(policy, device: torch.device) -> str | None:
@@ -170,6 +184,7 @@ class GraphDecoder:
                     graph = torch.cuda.CUDAGraph()
                     graph.capture_begin()
                     static_logits = d.decode(static_ids, static_pos, kv, span=kv.capacity)
+                    rejoin(self.slot.policy, side)
                     graph.capture_end()
                     graphs, queries, attn = [graph], [], None
                 else:
@@ -183,6 +198,7 @@ class GraphDecoder:
                             queries.append(d.pre(i, h, static_pos, kv))
                         else:
                             static_logits = d.head(h)
+                        rejoin(self.slot.policy, side)  # dense-stream's copy of the next layer ends here
                         graph.capture_end()
                         pool = graph.pool() if pool is None else pool
                         graphs.append(graph)

@@ -10,7 +10,7 @@ from engine.checkpoint import build_weights
 from engine.graph import GraphDecoder, check_mode
 from engine.opt_weights import stock_model
 from engine.ledger import Recorder
-from engine.policies import POLICIES, HostWeights, OutgoingLinear, PolicySlot
+from engine.policies import POLICIES, HostWeights, LoaderPolicy, OutgoingLinear, PolicySlot
 from engine.static_opt import StaticKV
 
 
@@ -103,19 +103,23 @@ class CpuFirstModel:
         Always fresh, even for the same policy: every episode starts from the same state (an
         LRU cache or a forecast never carries over from the episode before).
         """
+        self.use_policy(POLICIES[policy_name](**params))
+
+    def use_policy(self, policy: LoaderPolicy) -> None:
+        """Activate `policy`, a fresh policy object, releasing the previous one. Screens name
+        policies (`use`); a bench may hand in a variant of its own (bench/engine.py)."""
         if self.slot.policy is not None:
             self.slot.policy.deactivate()
             self.slot.policy = None
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
-        policy = POLICIES[policy_name](**params)
         policy.activate(self.host, self.device, self.recorder)
         self.slot.policy = policy
         self._hook_fc1(policy.starts_early)
 
     def _hook_fc1(self, wanted: bool) -> None:
         """Call `before_layer(i)` as layer i's fc1 starts, only for a policy that starts copies
-        early (early-forecast): a module with a hook takes torch's slower call path, a cost the
+        early (early-forecast, dense-stream): a module with a hook takes torch's slower call path, a cost the
         other policies should not pay 32+ times a call."""
         if wanted and not self._early_hooks:
             self._early_hooks = [

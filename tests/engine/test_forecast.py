@@ -51,5 +51,7 @@ def test_fc1_hooks_exist_only_while_a_policy_starts_early(tiny):
     assert set(hooked()) == {1}
     model.use("early-forecast")  # a fresh policy, still one hook per layer
     assert set(hooked()) == {1}
-    model.use("dense-stream")
+    model.use("dense-stream")  # issues the next layer's copy at fc1
+    assert set(hooked()) == {1}
+    model.use("resident")
     assert set(hooked()) == {0}
