@@ -8,8 +8,8 @@ compares what it measures with what the archive says:
 
 - exactly: status, tokens, logits (bit for bit), every byte count of the per-call ledger
   (every key of every call that is not a time), the ledger totals, the deterministic memory
-  byte counts (KV cache, policy buffers, pinned, host-resident and device-resident
-  parameters) and the start record's parameter bytes;
+  byte counts (KV cache, policy buffers (within one engine buffer layout), pinned,
+  host-resident and device-resident parameters) and the start record's parameter bytes;
 - statistically, with stated tolerances: per condition, the median episode wall of the re-run
   against the median of the archived episodes of that condition (TIME_FACTOR either way, or
   TIME_SLACK_S apart); the allocator's peak and the sampled peak of each episode
@@ -34,7 +34,8 @@ import numpy as np
 from core.audit import LOGITS_DTYPE, START_BYTES
 from core.canonical import canonical_sha256
 
-REEXECUTE_VERSION = 1  # bump when what a re-execution compares changes: the digest covers it
+REEXECUTE_VERSION = 2  # bump when what a re-execution compares changes: the digest covers it
+# 2: policy_device_bytes is compared only between episodes of the same engine buffer layout
 TIME_FACTOR = 2.0  # re-run median wall within [1/2, 2] x the archived median of its condition ...
 TIME_SLACK_S = 0.010  # ... or within 10 ms of it (tiny CPU episodes are all noise)
 PEAK_TOLERANCE = {"peak_allocated_bytes": (0.05, 16 << 20), "peak_sampled_bytes": (0.10, 64 << 20)}
@@ -137,6 +138,13 @@ def _show(value: Any) -> str:
     return repr(value)
 
 
+def buffers_layout(record: dict) -> int:
+    """The engine's buffer layout an episode ran with (engine/policies.py BUFFERS_LAYOUT; 1 in
+    archives made before it was recorded). A newer engine may hold other buffers for the same
+    policy (dense-stream's second workspace): those bytes are compared only within one layout."""
+    return int((record.get("engine") or {}).get("buffers") or 1)
+
+
 def compare_episode(index: int, archived: dict, archived_logits: Any, rerun: dict) -> list[str]:
     """What the re-run of plan entry `index` measured that the archive does not say (exact parts
     and the memory peaks; times are compared per condition by `compare_times`)."""
@@ -166,7 +174,9 @@ def compare_episode(index: int, archived: dict, archived_logits: Any, rerun: dic
             if not key.endswith("_s") and a.get(key) != r.get(key):
                 out.append(f"{name}: {phase} {key} archived {_show(a.get(key))}, re-executed {_show(r.get(key))}")
     memory_a, memory_r = archived.get("memory") or {}, rerun.get("memory") or {}
-    for key in EXACT_MEMORY:
+    exact_memory = EXACT_MEMORY if buffers_layout(archived) == buffers_layout(rerun) else \
+        tuple(k for k in EXACT_MEMORY if k != "policy_device_bytes")
+    for key in exact_memory:
         if memory_a.get(key) != memory_r.get(key):
             out.append(f"{name}: memory {key} archived {_show(memory_a.get(key))}, "
                        f"re-executed {_show(memory_r.get(key))}")

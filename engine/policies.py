@@ -117,6 +117,12 @@ class LoaderPolicy(Protocol):
         """Pinned host memory this policy holds beyond HostWeights (staging)."""
 
 
+# What the policies hold on the device, as `policy_device_bytes` reports it; every episode
+# record says which (`engine.buffers`; absent in archives made before: 1). 2: dense-stream keeps
+# two workspaces (issue 11). A re-execution compares those bytes only between equal layouts.
+BUFFERS_LAYOUT = 2
+
+
 # ----------------------------------------------------------------------------- shared pieces
 
 

@@ -26,6 +26,7 @@ from engine.episode import run_episode
 from engine.gpu_lock import GpuLock, host_gpus
 from engine.graph import check_mode
 from engine.model import CpuFirstModel
+from engine.policies import BUFFERS_LAYOUT
 from engine.allowance import impose
 from engine.sampler import MemorySampler, device_uuid, nvml_handle
 from engine.shapes import dtype_of
@@ -242,7 +243,7 @@ class Worker:
         p = self.model.slot.policy
         context = impose(self.device, self.allowance, self.nvml) if self.device.type == "cuda" else 0
         return {**record, "status": "ok", "error": None, "tokens": out.tokens, "wall_s": out.wall_s,
-                "engine": {"mode": out.mode, "decode_graph": out.decode_graph},
+                "engine": {"mode": out.mode, "decode_graph": out.decode_graph, "buffers": BUFFERS_LAYOUT},
                 "first_logit_since_entry_s": out.first_logit_at - self.t_entry,
                 **episode_totals(calls),
                 "memory": {"peak_allocated_bytes": out.peak_allocated_bytes,

@@ -81,6 +81,22 @@ def test_an_identical_rerun_has_no_problems_and_times_are_not_compared_exactly()
     assert rx.compare_episode(4, archived, archived["logits"], rerun) == []
 
 
+def test_policy_buffer_bytes_are_compared_within_one_engine_buffer_layout_only():
+    archived = record()  # made before the layout was recorded: layout 1
+    rerun = copy.deepcopy(archived)
+    rerun["logits"] = archived["logits"].copy()
+    rerun["memory"]["policy_device_bytes"] = 4096  # a newer engine holds another buffer
+    rerun["engine"] = {"mode": "eager", "buffers": 2}
+    assert rx.compare_episode(4, archived, archived["logits"], rerun) == []
+    archived["engine"] = {"mode": "eager", "buffers": 2}  # the same layout: compared exactly
+    assert any("policy_device_bytes" in p for p in rx.compare_episode(4, archived, archived["logits"], rerun))
+    rerun["memory"]["policy_device_bytes"] = 0
+    rerun["memory"]["kv_bytes"] = 65  # every other memory count stays exact across layouts
+    rerun["engine"]["buffers"] = 3
+    assert [p for p in rx.compare_episode(4, archived, archived["logits"], rerun) if "memory" in p] == \
+        ["episode 4 (packet): memory kv_bytes archived 64, re-executed 65"]
+
+
 @pytest.mark.parametrize("edit, expected", [
     (lambda r: r["calls"][0]["h2d_weight_bytes"].__setitem__(0, 64), "call 1 (decode) h2d_weight_bytes"),
     (lambda r: r["calls"][0]["rows_copied"].__setitem__(1, 1), "call 1 (decode) rows_copied"),
