@@ -298,12 +298,16 @@ class DenseStream:
             stream_dense(self.host, layer, b.of(layer), self.recorder)
             b.landed[layer] = None
             return
+        capturing = torch.cuda.is_current_stream_capturing()
         b.copy.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(b.copy):
             stream_dense(self.host, layer, b.of(layer), self.recorder)
             done = torch.cuda.Event()
             done.record(b.copy)
-        b.landed[layer] = b.tail = done
+        b.landed[layer] = done
+        # Only a captured copy is joined at its piece's end: waiting inside a capture on an
+        # event of uncaptured work (the eager warm-up call's last copy) is a capture error.
+        b.tail = done if capturing else None
 
     def fetch(self, layer: int, h: torch.Tensor) -> torch.Tensor:
         b = self.buffers
