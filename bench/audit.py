@@ -34,8 +34,10 @@ INDEX_BYTES = 8
 def synthetic_protocol(*, prompts_n: int = 2, repetitions: int = 1, prefix: int = 8, continuation: int = 4,
                        conditions: tuple[str, ...] = ("dense-stream", "packet"), allowance_mib: int = 4800,
                        gates: dict | None = None) -> dict:
-    """A schema-2 protocol mapping (not yet frozen) for a synthetic screen."""
+    """A schema-2 protocol mapping (not yet frozen) for a synthetic screen: `packet` is the host
+    gather, as the synthetic screens written before schema 3 froze it."""
     return {
+        "schema": 2,
         "name": "synthetic-screen",
         "model": {"synth": {"shape": "opt-2.7b", "dtype": "float16", "sparsity": 0.94, "seed": 0}},
         "dtype": "float16",

@@ -24,7 +24,7 @@ conditions:
   - {policy: dense-stream}
   - {policy: resident}
   - {policy: sparse-extents}
-  - {policy: packet}
+  - {policy: packet, params: {gather: host}}
   - {name: packet-device, policy: packet, params: {gather: device}}
   - {policy: phase-switched}
   - {policy: row-retention, params: {rows_per_layer: 256}}

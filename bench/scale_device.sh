@@ -48,7 +48,7 @@ PY
 t0=$(date +%s)
 pb model synth --shape ${SHAPE27:-opt-2.7b} --dtype float16 --sparsity 0.94 --seed 0 --hot-fraction 0.05 --out m27 >/dev/null
 echo "synth opt-2.7b: $(( $(date +%s) - t0 )) s"
-C=("{policy: dense-stream}" "{policy: packet}" "{name: packet-device, policy: packet, params: {gather: device}}")
+C=("{policy: dense-stream}" "{policy: packet, params: {gather: host}}" "{name: packet-device, policy: packet, params: {gather: device}}")
 protocol v040-eager m27 3 32 eager 4800 "${C[@]}"
 protocol v040-graph m27 3 32 graph 4800 "${C[@]}"
 for p in v040-eager v040-graph; do

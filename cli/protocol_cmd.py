@@ -2,7 +2,9 @@
 
 validate: freeze it (every field checked) and print its identity; show: the frozen body and
 its SHA-256; plan: the ordered episodes and, per condition, the bytes and transfer time the
-screen will need, estimated from the model's shape and sparsity (core/estimate.py).
+screen will need, estimated from the model's shape and sparsity (core/estimate.py). Each says
+what every condition runs with, defaults spelled out (`packet, gather host`), since a frozen
+body leaves packet's gather out where it means host.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import typer
 from cli.choices import Shape
 from cli.summary import table
 from core.errors import PackbenchError
-from core.protocol import FrozenProtocol, load
+from core.protocol import Condition, FrozenProtocol, load
 
 ProtocolFile = Annotated[Path, typer.Argument(help="Protocol YAML file.", show_default=False)]
 
@@ -35,14 +37,30 @@ def _load(path: Path) -> FrozenProtocol:
     return load(path)
 
 
+def _policy(c: Condition) -> str:
+    """`packet, gather device`: a condition's policy and every parameter it runs with."""
+    return ", ".join([c.policy, *(f"{k} {v}" for k, v in c.resolved_params.items())])
+
+
+def _schema(frozen: FrozenProtocol) -> str:
+    """`schema 2`, or `read as schema 3, frozen as schema 2` (schema 3 is never frozen)."""
+    schema = frozen.body["schema"]
+    if frozen.read_as in (None, schema):
+        return f"schema {schema}"
+    return f"read as schema {frozen.read_as}, frozen as schema {schema}"
+
+
 def validate(protocol: ProtocolFile) -> None:
-    """Check every field and freeze the protocol; print its name, schema, SHA-256 and episode count."""
+    """Check every field and freeze the protocol; print its name, schema, SHA-256, episode count
+    and what each condition runs with."""
     from core.plan import plan
 
     frozen = _load(protocol)
     p = frozen.protocol
-    typer.echo(f"valid: {p.name} (schema {frozen.body.get('schema', 1)}), sha256 {frozen.sha256}, "
+    typer.echo(f"valid: {p.name} ({_schema(frozen)}), sha256 {frozen.sha256}, "
                f"{len(p.conditions)} conditions, {len(plan(p))} planned episodes")
+    for c in p.conditions:
+        typer.echo(f"  {c.name}: {_policy(c)}")
 
 
 def show(
@@ -50,9 +68,12 @@ def show(
     full: Annotated[bool, typer.Option("--full", help="The full schema-2 form (every default spelled out) instead "
                                                       "of the frozen body.")] = False,
 ) -> None:
-    """Print the frozen body (what is hashed and archived) and its SHA-256."""
+    """Print the frozen body (what is hashed and archived) and its SHA-256, after `#` lines
+    saying what each condition runs with."""
     frozen = _load(protocol)
-    typer.echo(f"# {frozen.name}: sha256 {frozen.sha256}")
+    typer.echo(f"# {frozen.name}: sha256 {frozen.sha256} ({_schema(frozen)})")
+    for c in frozen.protocol.conditions:
+        typer.echo(f"#   {c.name}: {_policy(c)}")
     typer.echo(json.dumps(frozen.protocol.full_dict() if full else frozen.body, indent=2, sort_keys=True))
 
 
@@ -112,7 +133,8 @@ def plan_cmd(
                f"active per call {est['decode_active_fraction']:.2%} (decode), up to "
                f"{est['prefill_active_fraction']:.2%} (prefill, independent tokens); transfer floor at "
                f"{h2d_gbps:g} GB/s")
-    rows = [{"condition": r["condition"], "policy": r["policy"], "episodes": r["episodes"], "bound": r["bound"],
+    rows = [{"condition": r["condition"], "policy": _policy(p.condition(r["condition"])), "episodes": r["episodes"],
+             "bound": r["bound"],
              "prefill/call": _bytes(r["prefill_call_bytes"]), "decode/call": _bytes(r["decode_call_bytes"]),
              "per episode": _bytes(r["episode_bytes"]), "all episodes": _bytes(r["total_bytes"]),
              "transfer s/episode": f"{r['episode_transfer_s']:.4g}", "transfer s": f"{r['total_transfer_s']:.4g}"}

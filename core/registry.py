@@ -6,14 +6,15 @@ policy constructors take their defaults from it, the CLI checks `model synth` wi
 `tests/engine/test_policy_registry.py` proves the engine's constructors agree with it.
 
 Changing a default here changes what frozen protocols mean: defaults are filled into the
-frozen body (core/protocol.py), so a new default needs a new schema, never an edit.
+frozen body (core/protocol/schema.py), so a new default needs a new schema, never an edit
+(SCHEMA3_DEFAULTS is one).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Mapping
 
 from core.errors import PackbenchError
 
@@ -33,8 +34,9 @@ class IntParam:
 
 @dataclass(frozen=True)
 class ChoiceParam:
-    """A policy parameter taking one of `choices`; omitted, it is left out of the frozen form
-    (so protocols written before the parameter existed keep their hash)."""
+    """A policy parameter taking one of `choices`; omitted in schema 1 or 2, it is left out of
+    the frozen form and means `default` (so protocols written before the parameter existed keep
+    their hash); schema 3 may write a newer default into the body instead (SCHEMA3_DEFAULTS)."""
 
     choices: tuple[str, ...]
     default: str
@@ -51,7 +53,8 @@ POLICY_PARAMS: dict[str, dict[str, IntParam | ChoiceParam]] = {
     "resident": {},
     "dense-stream": {},
     "sparse-extents": {"block_rows": IntParam(minimum=1, default=128)},
-    # `packet` without params froze as gather host (schema 1): the default may never move.
+    # `packet` without params froze as gather host (schemas 1 and 2): this default may never
+    # move. Schema 3 writes gather device for it instead (SCHEMA3_DEFAULTS).
     "packet": {"gather": ChoiceParam(choices=("host", "device"), default="host")},
     "phase-switched": {},
     # No default: a cache size is a claim about the GPU, so a protocol states it.
@@ -59,6 +62,15 @@ POLICY_PARAMS: dict[str, dict[str, IntParam | ChoiceParam]] = {
     "early-forecast": {},
 }
 POLICY_NAMES = tuple(POLICY_PARAMS)
+
+# What a schema-3 protocol (the newest) means by a parameter a condition leaves out, where that
+# differs from the default above (the meaning schema 1 and 2 bodies froze). The schema writes it
+# into the frozen body (core/protocol/schema.py), so the body says what runs.
+SCHEMA3_DEFAULTS: dict[str, dict[str, str]] = {
+    # Issue 11: the device gather is the fast exact mechanism; the host gather (the seed's v0.40
+    # mechanism) stays available as `gather: host`.
+    "packet": {"gather": "device"},
+}
 
 
 def check_param(policy: str, name: str, value: Any) -> Any:
@@ -69,6 +81,12 @@ def check_param(policy: str, name: str, value: Any) -> Any:
 def param_default(policy: str, name: str) -> Any:
     """The registry's default of a policy parameter (None: the condition must give it)."""
     return POLICY_PARAMS[policy][name].default
+
+
+def resolved_params(policy: str, params: Mapping[str, Any]) -> dict[str, Any]:
+    """`params` of a frozen condition with every default spelled out: what the engine's
+    constructor runs with (a `packet` whose frozen params omit gather gathers on the host)."""
+    return {name: params.get(name, param.default) for name, param in POLICY_PARAMS[policy].items()}
 
 
 DTYPE_NAMES = ("float32", "float16", "bfloat16")

@@ -6,7 +6,7 @@ comments and whitespace in the YAML never change the hash, while any change of m
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +14,7 @@ import yaml
 
 from core.canonical import canonical_json, sha256_hex
 from core.errors import ProtocolError
-from core.protocol.schema import validate
+from core.protocol.schema import SCHEMA_VERSION, validate
 from core.protocol.spec import Protocol, expand
 
 
@@ -25,6 +25,9 @@ class FrozenProtocol:
     body: dict
     sha256: str
     source: Path | None = None
+    # The schema the mapping was read in (its `schema:`, else the newest): not part of the
+    # identity, since a schema-3 file freezes as schema 2 or 1 (core/protocol/schema.py).
+    read_as: int | None = field(default=None, compare=False)
 
     @property
     def name(self) -> str:
@@ -63,7 +66,8 @@ class FrozenProtocol:
 def freeze(raw: Any, *, source: Path | None = None) -> FrozenProtocol:
     """Validate and freeze. `source` is the protocol file (its folder resolves relative paths)."""
     body = validate(raw, base_dir=None if source is None else Path(source).parent)
-    return FrozenProtocol(body=body, sha256=sha256_hex(canonical_json(body)), source=source)
+    return FrozenProtocol(body=body, sha256=sha256_hex(canonical_json(body)), source=source,
+                          read_as=raw.get("schema", SCHEMA_VERSION))  # validate() checked raw is a mapping
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):

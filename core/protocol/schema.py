@@ -2,6 +2,9 @@
 
 `validate` gives the frozen form (the lowest schema that says the meaning, see compat.py);
 `full_form` gives the full schema-2 dict that `core.protocol.spec.Protocol` is built from.
+Schema 3 is schema 2 with newer defaults for parameters a condition leaves out
+(core.registry.SCHEMA3_DEFAULTS); they are written out, so a schema-3 protocol always freezes
+as schema 2 or 1 and no body ever says `schema: 3`.
 Every rule a field obeys is written once, here; docs/protocol.md describes them for users.
 """
 
@@ -25,6 +28,7 @@ from core.registry import (
     DTYPE_NAMES,
     POLICY_NAMES,
     POLICY_PARAMS,
+    SCHEMA3_DEFAULTS,
     SYNTH_SHAPES,
     ChoiceParam,
     IntParam,
@@ -32,7 +36,8 @@ from core.registry import (
     synth_spec,
 )
 
-SCHEMA_VERSION = 2  # the newest schema this packbench reads and writes
+SCHEMA_VERSION = 3  # the newest schema this packbench reads: what a YAML without `schema:` means
+SCHEMAS = (1, 2, 3)  # every schema it reads; frozen bodies say 1 or 2 (module docstring)
 MIB = 1 << 20
 # Bounds no real screen reaches: a hostile protocol.json must not make a plan or the generated
 # prompts exhaust an auditor's memory.
@@ -135,8 +140,9 @@ def _prompts(value: Any, *, base_dir: Path | None, prefix_tokens: int) -> dict:
     return {kind: _prompt_file(kind, spec, base_dir=base_dir, prefix_tokens=prefix_tokens)}
 
 
-def _params(policy: str, value: Any, path: str) -> dict:
+def _params(policy: str, value: Any, path: str, *, schema: int) -> dict:
     spec = POLICY_PARAMS[policy]
+    newer = SCHEMA3_DEFAULTS.get(policy, {}) if schema >= 3 else {}
     if value is None:
         value = {}
     if not isinstance(value, dict):
@@ -150,6 +156,9 @@ def _params(policy: str, value: Any, path: str) -> dict:
         if isinstance(param, ChoiceParam):
             if key in value:
                 out[key] = _choice(value[key], _join(path, key), param.choices)
+            elif key in newer:  # schema 3: written out, so the frozen (schema-2) body says what runs
+                out[key] = newer[key]
+            # else omitted in schema 1 or 2: left out, meaning the registry's default (old hashes hold)
             continue
         if key not in value and param.default is None:
             _fail(_join(path, key), f"is required by policy {policy} (an integer >= {param.minimum})")
@@ -157,7 +166,7 @@ def _params(policy: str, value: Any, path: str) -> dict:
     return out
 
 
-def _conditions(value: Any) -> list[dict]:
+def _conditions(value: Any, *, schema: int) -> list[dict]:
     if not isinstance(value, list) or not value:
         _fail("conditions", f"{_show(value)} is not allowed; expected a non-empty list of {{name, policy, params}}")
     if len(value) > MAX_CONDITIONS:
@@ -173,7 +182,8 @@ def _conditions(value: Any) -> list[dict]:
         if name in names:
             _fail(f"{path}.name", f"{name!r} is already used; condition names are unique")
         names.add(name)
-        out.append({"name": name, "policy": policy, "params": _params(policy, c.get("params"), f"{path}.params")})
+        params = _params(policy, c.get("params"), f"{path}.params", schema=schema)
+        out.append({"name": name, "policy": policy, "params": params})
     return out
 
 
@@ -315,10 +325,12 @@ def _full(raw: Any, *, base_dir: Path | None) -> dict:
         "recording": False, "gates": True, "placement": False, "engine": False,
     })
     declared = p.get("schema", SCHEMA_VERSION)
-    if isinstance(declared, bool) or declared not in (1, 2):
-        _fail("schema", f"{_show(declared)} is not supported; this packbench reads schema 1 and 2")
+    if isinstance(declared, bool) or declared not in SCHEMAS:
+        readable = ", ".join(map(str, SCHEMAS[:-1])) + f" and {SCHEMAS[-1]}"
+        _fail("schema", f"{_show(declared)} is not supported; this packbench reads schema {readable} "
+                        f"(omit `schema:` for the newest, {SCHEMA_VERSION})")
     prefix = _int(p["prefix_tokens"], "prefix_tokens", minimum=1, maximum=MAX_TOKENS)
-    conditions = _conditions(p["conditions"])
+    conditions = _conditions(p["conditions"], schema=declared)
     names = tuple(c["name"] for c in conditions)
     full = {
         "schema": 2,

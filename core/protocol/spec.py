@@ -15,6 +15,7 @@ from typing import Any, Mapping
 from core.canonical import canonical_json, sha256_hex
 from core.protocol.compat import schema1_form
 from core.protocol.schema import MIB, full_form
+from core.registry import resolved_params
 
 
 @dataclass(frozen=True)
@@ -58,7 +59,13 @@ class PromptSpec:
 class Condition:
     name: str
     policy: str
-    params: Mapping[str, Any]  # read-only; the registry's defaults filled in
+    params: Mapping[str, Any]  # read-only, as frozen: integer defaults filled in, an omitted choice left out
+
+    @property
+    def resolved_params(self) -> dict[str, Any]:
+        """Every parameter the engine runs this condition with, defaults spelled out (a frozen
+        `packet` without gather: gather host; schema 3 writes gather device into the body)."""
+        return resolved_params(self.policy, self.params)
 
 
 @dataclass(frozen=True)

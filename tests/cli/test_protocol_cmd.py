@@ -36,19 +36,45 @@ def test_validate_prints_the_frozen_identity():
     r = invoke("protocol", "validate", str(GATES))
     assert r.exit_code == 0, r.output
     frozen = load(GATES)
-    assert r.output.strip() == (f"valid: gates-v2 (schema 2), sha256 {frozen.sha256}, 4 conditions, "
-                                f"{len(plan(frozen.body))} planned episodes")
+    assert r.output.splitlines() == [
+        f"valid: gates-v2 (schema 2), sha256 {frozen.sha256}, 4 conditions, {len(plan(frozen.body))} planned episodes",
+        "  dense-stream: dense-stream",
+        "  packet: packet, gather host",  # a schema-2 packet that omits gather: what runs is spelled out
+        "  phase-switched: phase-switched",
+        "  extents: sparse-extents, block_rows 32"]
 
 
 def test_show_prints_the_frozen_body():
     r = invoke("protocol", "show", str(GATES))
     assert r.exit_code == 0, r.output
-    head, body = r.output.split("\n", 1)
+    head, *runs, body = r.output.split("\n", 5)
     frozen = load(GATES)
-    assert head == f"# gates-v2: sha256 {frozen.sha256}"
+    assert head == f"# gates-v2: sha256 {frozen.sha256} (schema 2)"
+    assert runs[1] == "#   packet: packet, gather host"
     assert json.loads(body) == frozen.body
     full = invoke("protocol", "show", str(DATA / "quickstart-v1.yaml"), "--full")
-    assert json.loads(full.output.split("\n", 1)[1])["schema"] == 2  # every default spelled out
+    assert json.loads(full.output.split("\n", 3)[3])["schema"] == 2  # every default spelled out
+
+
+def test_a_new_protocol_shows_the_device_gather_it_runs(tmp_path):
+    """Schema 3 (a YAML without `schema:`): packet gathers on the device, and every command says so."""
+    path = tmp_path / "new.yaml"
+    (tmp_path / "gates-v2-prompts.json").write_bytes((DATA / "gates-v2-prompts.json").read_bytes())
+    path.write_text(GATES.read_text().replace("schema: 2\n", ""))
+    frozen = load(path)
+    assert frozen.body["conditions"][1]["params"] == {"gather": "device"}
+    r = invoke("protocol", "validate", str(path))
+    assert r.exit_code == 0, r.output
+    assert "(read as schema 3, frozen as schema 2)" in r.output and "  packet: packet, gather device\n" in r.output
+    r = invoke("protocol", "show", str(path))
+    assert "#   packet: packet, gather device\n" in r.output
+    assert json.loads(r.output.split("\n", 5)[5])["conditions"][1]["params"] == {"gather": "device"}
+    r = invoke("protocol", "plan", str(path))
+    assert r.exit_code == 0 and "packet, gather device" in r.output, r.output
+    path.write_text(GATES.read_text().replace("schema: 2", "schema: 4"))
+    r = run("protocol", "validate", str(path))
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert "4 is not supported; this packbench reads schema 1, 2 and 3" in r.stderr
 
 
 def test_plan_lists_the_episodes_in_order_and_what_each_condition_moves():

@@ -337,8 +337,9 @@ def test_useful_latency_fails_closed(damage, fragment):
 
 
 def protocol(**gates) -> dict:
+    """Schema 2: `packet` is the host gather, so a protocol schema 1 can say freezes as schema 1."""
     return freeze({
-        "name": "t", "model": {"path": "m"}, "dtype": "float32", "prompts": {"generator": {"seed": 0, "count": 1}},
+        "schema": 2, "name": "t", "model": {"path": "m"}, "dtype": "float32", "prompts": {"generator": {"seed": 0, "count": 1}},
         "prefix_tokens": 4, "continuation_tokens": 2,
         "conditions": [{"name": "dense", "policy": "dense-stream"}, {"name": "packet", "policy": "packet"}],
         "reference": "dense", "warmups": 1, "allowance_mib": 4800, "gates": gates}).body

@@ -6,7 +6,7 @@ import inspect
 import pytest
 import torch
 
-from core.registry import POLICY_PARAMS, ChoiceParam, IntParam
+from core.registry import POLICY_PARAMS, SCHEMA3_DEFAULTS, ChoiceParam, IntParam
 from engine.model import CpuFirstModel
 from engine.policies import PACKET_GATHERS, POLICIES, DevicePacket, LoaderPolicy, Packet
 
@@ -46,7 +46,8 @@ def test_every_registry_value_constructs_a_policy_of_that_name(name):
 
 def test_packet_gathers_are_the_registry_choices():
     assert tuple(PACKET_GATHERS) == POLICY_PARAMS["packet"]["gather"].choices
-    assert type(POLICIES["packet"]()) is Packet  # a frozen `packet` without params: gather host
+    assert type(POLICIES["packet"]()) is Packet  # a schema-1/2 `packet` without params: gather host
+    assert type(POLICIES["packet"](**SCHEMA3_DEFAULTS["packet"])) is DevicePacket  # a schema-3 one
     assert type(POLICIES["packet"](gather="device")) is DevicePacket
     for gather in PACKET_GATHERS:  # the class says where it gathers (read by code that must know)
         assert POLICIES["packet"](gather=gather).gather == gather

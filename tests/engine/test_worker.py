@@ -7,13 +7,14 @@ import numpy as np
 
 from core.plan import plan, prompts
 from core.protocol import freeze
+from engine.policies import DenseStream, DevicePacket, Packet
 from engine.worker import Worker
 
 
 def body(tiny, **changes):
     raw = {"name": "w", "model": {"path": str(tiny)}, "dtype": "float32",
            "prompts": {"generator": {"seed": 0, "count": 1}}, "prefix_tokens": 8, "continuation_tokens": 3,
-           "conditions": [{"policy": "dense-stream"}, {"policy": "packet"},
+           "conditions": [{"policy": "dense-stream"}, {"policy": "packet", "params": {"gather": "host"}},
                           {"name": "packet-device", "policy": "packet", "params": {"gather": "device"}},
                           {"name": "broken", "policy": "sparse-extents"}],
            "reference": "dense-stream", "warmups": 1, "allowance_mib": 64,
@@ -54,6 +55,25 @@ def test_record_fields_the_gates_read(tiny):
     assert r["phases"]["prefill"]["calls"] == 1 and r["phases"]["decode"]["calls"] == 2
     assert r["memory"]["kv_bytes"] > 0 and r["memory"]["peak_sampled_bytes"] is None  # no NVML on the CPU
     assert r["trace"].shape == (0, 2)
+
+
+def test_a_new_protocols_packet_runs_the_device_gather_on_the_cpu(tiny):
+    """Issue 11: a `packet` that does not say where it gathers is DevicePacket in schema 3 (a
+    YAML without `schema:`), exact on the CPU (plain torch ops, engine/gather.py); in schema 2 it
+    is the host gather it always was."""
+    for schema, params, policy in ((None, {"gather": "device"}, DevicePacket), (2, {}, Packet)):
+        changes = {"conditions": [{"policy": "dense-stream"}, {"policy": "packet"}]}
+        b = body(tiny, **changes, **({} if schema is None else {"schema": schema}))
+        worker = Worker(device="cpu")
+        ids = prompts(b, vocab=worker.load(b, str(tiny))["vocab"])
+        records = {}
+        for e in plan(b):
+            records.setdefault(e["condition"], []).append(worker.run(e, ids[e["prompt"]]))
+            assert type(worker.model.slot.policy) is (policy if e["condition"] == "packet" else DenseStream)
+        dense, packet = records["dense-stream"], records["packet"]
+        assert [r["params"] for r in packet] == [params] * len(packet), schema  # the record says what ran
+        for d, k in zip(dense, packet):
+            assert k["status"] == "ok" and np.array_equal(d["logits"], k["logits"]) and d["tokens"] == k["tokens"]
 
 
 def test_recording_off_keeps_logits_and_drops_the_ledger(tiny):
