@@ -5,7 +5,8 @@
 #   2. 13B-class: synthetic OPT-13B fp16, 2 prompts x 128 + 16 tokens, dense-stream / packet
 #      (device gather), mode graph, allowance 24000 MiB (the non-FFN-out weights stay on the GPU).
 # Prints per screen and condition the median scored episode wall, and packet / dense-stream.
-# Run from the project root with .whl carried: bash bench/scale_device.sh   (SKIP_13B=1 skips 2)
+# Run from the project root with .whl carried: bash bench/scale_device.sh   (SKIP_13B=1 skips 2;
+# V040_MODES=graph runs 1 in mode graph only)
 set -uo pipefail
 [ -n "${SKIP_WHEELS:-}" ] || [ -d /tmp/site/ray ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD RAY_AUTH_MODE=disabled PYTHONUNBUFFERED=1
@@ -51,8 +52,8 @@ echo "synth opt-2.7b: $(( $(date +%s) - t0 )) s"
 C=("{policy: dense-stream}" "{policy: packet, params: {gather: host}}" "{name: packet-device, policy: packet, params: {gather: device}}")
 protocol v040-eager m27 3 32 eager 4800 "${C[@]}"
 protocol v040-graph m27 3 32 graph 4800 "${C[@]}"
-for p in v040-eager v040-graph; do
-  t=$(date +%s); pb submit $p.yaml --wait > $p.log 2>&1; echo "$p: rc $? in $(( $(date +%s) - t )) s"; grep -E "^(faithfulness|acquisition|resources)" $p.log | tr -s ' ' | head -9
+for p in $(printf "v040-%s " ${V040_MODES:-eager graph}); do
+  t=$(date +%s); pb submit $p.yaml --wait > $p.log 2>&1; echo "$p: rc $? in $(( $(date +%s) - t )) s"; grep -E "^(gate|faithfulness|acquisition|resources)" $p.log | tr -s ' ' | head -12
 done
 pb audit --all 2>&1 | grep -E "^audit of"
 summary
