@@ -124,6 +124,10 @@ def test_two_workers_run_screens_concurrently_and_each_exactly_once(cluster, tmp
     assert {a.model_state for a in attempts} == {"cold", "warm"}
     assert all(ArchiveReader(Path(a.archive_path)).complete for a in attempts)
     assert len({Path(a.archive_path).name for a in attempts}) == 6
+    # Where each worker's start went is archived with its environment (bench/queue_timeline.py).
+    worker = ArchiveReader(Path(attempts[0].archive_path)).read_json("worker.json")
+    assert set(worker["environment"]["startup"]) == {"process_s", "import_s", "init_s"}
+    assert worker["environment"]["startup"]["import_s"] > 0 and type(worker["environment"]["torch"]) is str
 
 
 def test_a_worker_claims_its_next_screen_while_its_last_episodes_run(cluster, tmp_path, models, store):

@@ -1,6 +1,9 @@
-"""cluster/runtime.py without starting Ray: the raylet's raw lines on the driver become log events."""
+"""cluster/runtime.py without starting Ray: the raylet's raw lines on the driver become log events;
+the driver's imports stay free of torch; the worker settings' environment."""
 
 import logging
+import subprocess
+import sys
 
 import pytest
 
@@ -31,3 +34,22 @@ def test_raylet_lines_are_logged_not_printed_and_worker_output_still_prints(monk
     ray_worker.print_to_stdstream({"lines": ["hello from a worker"], "pid": 4242, "is_err": False, "ip": "h",
                                    "localhost": "h"}, ignore_prefix=False)
     assert "hello from a worker" in capsys.readouterr().out
+
+
+def test_the_driver_never_imports_torch():
+    """The dispatcher, the CLI and the actor's class are torch-free on the driver: the engine is
+    imported inside the actor (importing torch cost the dispatcher seconds before its first claim)."""
+    code = ("import sys, cli.main, cluster.dispatch, cluster.worker, cluster.reexecute, cluster.audit; "
+            "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('engine.worker')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+def test_worker_threads_can_be_fixed_where_the_dispatcher_runs(monkeypatch):
+    from core.settings import Settings
+
+    monkeypatch.delenv("PACKBENCH_WORKER_THREADS", raising=False)
+    assert Settings().worker_env(threads=16)["OMP_NUM_THREADS"] == "16"
+    monkeypatch.setenv("PACKBENCH_WORKER_THREADS", "4")
+    env = Settings().worker_env(threads=16)
+    assert env["OMP_NUM_THREADS"] == "4" and env["PACKBENCH_WORKER_THREADS"] == "4"

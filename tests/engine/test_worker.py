@@ -136,3 +136,13 @@ def test_workers_generating_one_synthetic_spec_at_once_never_read_a_partial_chec
     outs = {p.communicate(timeout=120)[0].strip() for p in procs}
     assert all(p.returncode == 0 for p in procs) and len(outs) == 1
     assert [p.name for p in tmp_path.iterdir()] == [Path(outs.pop()).name]  # no .tmp-* left
+
+
+def test_the_environment_holds_plain_values_a_driver_without_torch_can_unpickle():
+    import torch
+
+    from engine.worker import environment
+
+    env = environment(torch.device("cpu"))
+    # torch.__version__ is a TorchVersion (a str subclass): unpickling one imports torch.
+    assert {type(v) for v in env.values()} <= {str, int, float, bool, type(None)}
