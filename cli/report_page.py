@@ -100,7 +100,7 @@ def _mib(value: float | None) -> str:
 def protocol_section(s: ScreenData) -> str:
     p = s.protocol
     conditions = _table(["condition", "policy", "params", "warmups"],
-                        [[c.name, c.policy, json.dumps(dict(c.params)) if c.params else "-", str(p.warmups[c.name])]
+                        [[c.name, c.policy, json.dumps(c.resolved_params) if c.resolved_params else "-", str(p.warmups[c.name])]
                          for c in p.conditions])
     prompts = p.prompts
     source = {"generator": f"generator (seed {prompts.seed})", "token_ids": "inline token ids"}.get(

@@ -307,7 +307,7 @@ def condition_summary(screen: ScreenData) -> list[dict]:
         tokens = sum(x["tokens"] for x in en[c])
         rows.append({
             "condition": c, "policy": cond.policy,
-            "params": ", ".join(f"{k}={v}" for k, v in cond.params.items()),
+            "params": ", ".join(f"{k}={v}" for k, v in cond.resolved_params.items()),  # defaults spelled out
             "scored": len(scored), "failed": sum(not e.ok for e in scored),
             "prefill_h2d_per_call": _mean(h2d[c]["prefill"]), "decode_h2d_per_call": _mean(h2d[c]["decode"]),
             "wall_s_mean": _mean([w for _, w in walls[c]]), "decode_ms_median": _median(dec[c]),

@@ -249,6 +249,17 @@ def test_historical_archives_report_without_traces_or_energy():
         assert [r["condition"] for r in data.condition_summary(s)] == list(s.conditions)
 
 
+def test_a_condition_shows_the_params_it_ran_with_defaults_spelled_out():
+    """A protocol frozen before schema 3 says `packet` without `gather`: it ran the host gather,
+    and the report says so (since schema 3 the same words would mean the device gather)."""
+    from cli.report_page import protocol_section
+
+    s = data.read_screen(DATA / "quickstart-v1.zip")
+    packet = next(r for r in data.condition_summary(s) if r["condition"] == "packet")
+    assert packet["params"] == "gather=host"
+    assert html.escape(json.dumps({"gather": "host"})) in protocol_section(s)
+
+
 def test_an_interrupted_archive_reports_what_it_holds(tmp_path):
     """No manifest, no verdicts, half the episodes: the page says so and draws what is there."""
     from core.archive import ArchiveWriter, episode_member, logits_member
