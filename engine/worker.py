@@ -45,6 +45,7 @@ def environment(device: torch.device) -> dict:
         "device": str(device),
         "gpu": "",
         "gpu_index": os.environ.get("CUDA_VISIBLE_DEVICES", ""),
+        "threads": torch.get_num_threads(),  # the host threads its gathers run on
         "driver": "",
     }
     if device.type == "cuda":

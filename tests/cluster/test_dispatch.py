@@ -128,6 +128,9 @@ def test_two_workers_run_screens_concurrently_and_each_exactly_once(cluster, tmp
     worker = ArchiveReader(Path(attempts[0].archive_path)).read_json("worker.json")
     assert set(worker["environment"]["startup"]) == {"process_s", "import_s", "init_s"}
     assert worker["environment"]["startup"]["import_s"] > 0 and type(worker["environment"]["torch"]) is str
+    # The worker's share of the cores reached torch (set before it imported torch): a joined
+    # cluster's worker has its node's cores.
+    assert worker["environment"]["threads"] == (os.cpu_count() or 1)
 
 
 def test_a_worker_claims_its_next_screen_while_its_last_episodes_run(cluster, tmp_path, models, store):
