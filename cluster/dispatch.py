@@ -155,6 +155,10 @@ class Dispatcher:
         """Until drained (or stopped); returns what became of every screen this dispatcher ran."""
         from cluster.runtime import ensure_ray
 
+        if not self.follow and self.only_screen is None:
+            self._reap()  # a dead dispatcher's screens count as queued once their leases expired
+            if not self.store.queued_screens():
+                return self.outcomes  # nothing to drain: no Ray is started (seconds, for nothing)
         self.ray = ensure_ray(self.settings)
         self.id = self.store.register_dispatcher(f"dispatch-{platform.node()}-{os.getpid()}", platform.node(),
                                                  pid=os.getpid())
@@ -323,9 +327,7 @@ class Dispatcher:
             return
         # A third of a lease keeps it alive; at most 2 s so a cancel is seen within 2 s.
         self._next_upkeep = now + min(self.lease_s / 3, UPKEEP_MAX_S)
-        for reaped in self.store.reap_expired():
-            self.progress(f"screen {reaped.screen_id}: attempt {reaped.attempt_id} lost (lease expired), "
-                          f"screen {reaped.screen_status}")
+        self._reap()
         for slot in self.slots:
             for active in (slot.active, slot.next):
                 if active is not None and active.stop is None and not self.store.renew_lease(active.run.attempt.id,
@@ -337,6 +339,11 @@ class Dispatcher:
                 self._drop(slot)
         self.store.heartbeat(self.id, [s.describe() for s in self.slots if s.ready])
         self._explain_unplaceable()
+
+    def _reap(self) -> None:
+        for reaped in self.store.reap_expired():
+            self.progress(f"screen {reaped.screen_id}: attempt {reaped.attempt_id} lost (lease expired), "
+                          f"screen {reaped.screen_status}")
 
     def _refused(self, active: Active) -> None:
         """A renewal was refused: cancelled (finish after the episode in flight) or lost."""

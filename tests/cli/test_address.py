@@ -1,4 +1,5 @@
-"""A wrong `--address`: one line within the connect timeout, exit 2, and no screen left queued."""
+"""A wrong `--address`: one line within the connect timeout, exit 2, and no screen left queued;
+an empty queue needs no cluster at all."""
 
 import os
 import socket
@@ -77,3 +78,16 @@ def test_a_wrong_address_fails_fast_in_one_line_and_queues_nothing(workdir, case
     listed = subprocess.run([sys.executable, "-m", "cli", "screens", "list"], cwd=d, env=env, capture_output=True,
                             text=True)
     assert "no screens" in listed.stdout  # nothing queued by a submit that could not reach the cluster
+
+
+def test_dispatch_with_nothing_queued_starts_no_ray(workdir):
+    """An empty queue is answered from the database alone: given an address where nothing
+    listens, a dispatcher that tried to join would fail; this one says there is nothing to do."""
+    d, env = workdir
+    r = subprocess.run([sys.executable, "-m", "cli", "--connect-timeout", "2", "dispatch", "--address",
+                        f"127.0.0.1:{free_port()}"], cwd=d, env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == "no queued screens", (r.returncode, r.stdout, r.stderr)
+    # --follow serves the queue: it joins the cluster first, and fails on that address in one line.
+    r = subprocess.run([sys.executable, "-m", "cli", "--connect-timeout", "2", "dispatch", "--follow", "--address",
+                        f"127.0.0.1:{free_port()}"], cwd=d, env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "nothing answers there" in r.stderr, r.stderr
