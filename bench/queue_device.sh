@@ -6,7 +6,8 @@
 #   B. two Ray nodes on one host (one GPU each): --replicas 2 --spread, audits on the other node.
 #   C. a worker killed mid-screen: the screen is requeued and completes on the other node.
 # Run from the project root with .whl carried: bash bench/queue_device.sh
-# SKIP_A34=1 skips A3-A4, ONLY_BC=1 runs B and C alone, ONLY_A=1 runs A1-A2 alone; MODE=graph runs the
+# SKIP_A34=1 skips A3-A4, ONLY_BC=1 runs B and C alone, ONLY_A=1 runs A1-A2 alone (after a startup
+# probe, a cache-warming pair, and the pair on a standing `dispatch --follow`); MODE=graph runs the
 # screens in engine mode graph.
 # A CPU dry run of the plumbing: SKIP_WHEELS=1 SHAPE=tiny DTYPE=float32 PREFIX=8 CONT=4 PACKBENCH_EMBEDDED_GPUS=2 bash bench/queue_device.sh
 set -uo pipefail
@@ -48,15 +49,31 @@ ids=$(pb submit p.yaml --replicas 2 | grep -o '[0-9, ]*;' | tr -d ',;')
 t=$(now); pb dispatch --workers 1 > a1.log 2>&1; echo "rc $?"; seq=$(since $t)
 attempts $ids; python3 -m bench.queue_timeline $t $ids; first_ids=$ids
 }
+standing() {  # $1: workers. A dispatcher already serving (--follow, its workers ready): the wall
+# from submitting the two screens to both done, without the dispatcher's own start and exit.
+python3 -m cli dispatch --follow --workers "$1" > standing.log 2>&1 & local holder=$!
+for _ in $(seq 600); do [ "$(grep -c ' ready on ' standing.log)" -ge "$1" ] && break; sleep 0.2; done
+local t; t=$(now)
+ids=$(pb submit p.yaml --replicas 2 | grep -o '[0-9, ]*;' | tr -d ',;')
+python3 - $ids <<'PY'
+import sys, time
+from db.store import Store
+s = Store()
+while any(s.screen(int(i)).status not in ("done", "failed", "cancelled") for i in sys.argv[1:]):
+    time.sleep(0.1)
+PY
+standing_wall=$(since $t)
+kill -TERM $holder; wait $holder 2>/dev/null
+attempts $ids; python3 -m bench.queue_timeline $t $ids | sed -n '1,3p'
+}
 if [ -n "${ONLY_A:-}" ]; then
   echo "== startup probe"; python3 -m bench.startup_probe --rounds 1 2>&1 | tail -3
   # Host caches (Triton's kernel cache, the page cache) are cold for whatever runs first: a
-  # concurrent pair warms them. Then 4 host threads per worker (PACKBENCH_WORKER_THREADS) against
-  # the default share of the cores.
+  # concurrent pair warms them.
   echo "== A0: concurrently, host caches cold"; concurrent
-  echo "== A1/A2 with 4 threads per worker"
-  export PACKBENCH_WORKER_THREADS=4; sequential; concurrent; unset PACKBENCH_WORKER_THREADS
-  echo "threads 4: sequential $seq s, concurrent $par s, ratio $(python3 -c "print(round($par / $seq, 3))")"
+  echo "== S1/S2: a standing dispatcher (--follow), one worker, then one per GPU"
+  standing 1; s_seq=$standing_wall; standing 2; s_par=$standing_wall
+  echo "standing dispatcher, submit to both done: one worker $s_seq s, one per GPU $s_par s, ratio $(python3 -c "print(round($s_par / $s_seq, 3))")"
 fi
 echo "== A1: two screens one after the other (one worker)"; sequential
 echo "== A2: the same two screens' protocol, concurrently (one worker per GPU)"; concurrent; ids=$par_ids
