@@ -3,7 +3,8 @@
 #   A. two screens of synthetic opt-1.3b fp16 (every exact policy, 3 x 512 + 16 tokens): one after
 #      the other (one worker) against concurrently (one worker per GPU); audits fanned out;
 #      a second packbench on a GPU already held is refused.
-#   B. two Ray nodes on one host (one GPU each): --replicas 2 --spread, audits on the other node.
+#   B. two Ray nodes on one host (one GPU each; `ray start` twice on 127.0.0.1, or TWO_NODES_PY=1 for
+#      bench/two_nodes.py): --replicas 2 --spread, audits on the other node.
 #   C. a worker killed mid-screen: the screen is requeued and completes on the other node.
 # Run from the project root with .whl carried: bash bench/queue_device.sh
 # SKIP_A34=1 skips A3-A4, ONLY_BC=1 runs B and C alone, ONLY_A=1 runs A1-A2 alone (after a startup
@@ -102,11 +103,23 @@ kill -TERM $holder; wait $holder; echo "holder dispatcher rc $?"; tail -1 a4.log
 pb screens cancel latest | tail -1
 fi
 echo "== B: two Ray nodes on one host"
-# A CPU head and one node per GPU, each raylet with its own CUDA_VISIBLE_DEVICES (bench/two_nodes.py:
-# `ray start` twice could not reach the head's GCS at the host address on this machine).
-python3 -m bench.two_nodes "$work/address" --gpus 2 > two_nodes.log 2>&1 & nodes=$!
-for _ in $(seq 120); do [ -s "$work/address" ] && break; sleep 0.5; done
-head=$(cat "$work/address" 2>/dev/null) || { echo "no two-node cluster"; cat two_nodes.log; exit 1; }
+ray_cli() { python3 -m ray.scripts.scripts "$@"; }  # the wheel's `ray` script is not on PATH here
+nodes=""
+if [ -z "${TWO_NODES_PY:-}" ]; then
+  # The issue's commands: `ray start --head` with GPU 0, `ray start --address` with GPU 1. On the
+  # loopback address: at the host's own address (192.0.2.2 here) the second node never reached
+  # the head's GCS.
+  CUDA_VISIBLE_DEVICES=0 ray_cli start --head --node-ip-address 127.0.0.1 --port 6390 --num-gpus 1 \
+    --include-dashboard false --disable-usage-stats > ray_head.log 2>&1 || { echo "ray start --head failed"; tail -3 ray_head.log; }
+  CUDA_VISIBLE_DEVICES=1 ray_cli start --address 127.0.0.1:6390 --node-ip-address 127.0.0.1 --num-gpus 1 \
+    --disable-usage-stats > ray_node.log 2>&1 || { echo "ray start --address failed"; tail -3 ray_node.log; }
+  head=127.0.0.1:6390
+else
+  # A CPU head and one node per GPU, each raylet with its own CUDA_VISIBLE_DEVICES (ray.cluster_utils).
+  python3 -m bench.two_nodes "$work/address" --gpus 2 > two_nodes.log 2>&1 & nodes=$!
+  for _ in $(seq 120); do [ -s "$work/address" ] && break; sleep 0.5; done
+  head=$(cat "$work/address" 2>/dev/null) || { echo "no two-node cluster"; cat two_nodes.log; exit 1; }
+fi
 timeout 40 python3 -c "import ray, sys; ray.init(address=sys.argv[1], logging_level='ERROR'); print('nodes', len([n for n in ray.nodes() if n['Alive']]), 'GPUs', ray.cluster_resources().get('GPU'))" "$head" || { echo "no two-node cluster"; exit 1; }
 ids=$(pb submit p.yaml --replicas 2 --spread | grep -o '[0-9, ]*;' | tr -d ',;')
 timeout 150 python3 -m cli dispatch --address $head > b.log 2>&1; echo "rc $?"
@@ -140,4 +153,4 @@ for _ in range(600):
 PY
 ( sleep 150; kill -TERM $disp 2>/dev/null ) & wait $disp; echo "dispatch rc $?"
 attempts $id
-kill -TERM $nodes; wait $nodes 2>/dev/null
+if [ -n "$nodes" ]; then kill -TERM $nodes; wait $nodes 2>/dev/null; else ray_cli stop --force > /dev/null 2>&1; fi
