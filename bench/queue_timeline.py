@@ -20,6 +20,9 @@ from db.store import Store
 
 
 def _t(moment, t0: float) -> float:
+    """Seconds from t0; NaN for a moment not reached (an attempt still running)."""
+    if moment is None:
+        return float("nan")
     return moment.replace(tzinfo=moment.tzinfo or timezone.utc).timestamp() - t0
 
 
@@ -39,6 +42,9 @@ def main(argv: list[str] | None = None) -> None:
           f"{'scored':>7} {'end':>7} {'gap':>6}  first episode of each condition (s)")
     for sid in args.screens:
         a = store.latest_attempt(sid)
+        if a is None:
+            print(f"{sid:>6} never claimed")
+            continue
         d = next((x for x in store.dispatchers() if x.id == a.dispatcher_id), None)
         s = screens[sid] = read_screen(a.archive_path)
         up = s.environment.get("startup") or {}
@@ -55,6 +61,8 @@ def main(argv: list[str] | None = None) -> None:
               f"{scored:7.1f} {end:7.1f} {gap:6.1f}  {firsts}")
 
     # Contention: each condition's median scored episode wall, screen by screen.
+    if not screens:
+        return
     conditions = next(iter(screens.values())).conditions
     print(f"{'median scored wall (ms)':>24} " + " ".join(f"{sid:>8}" for sid in screens))
     for c in conditions:
