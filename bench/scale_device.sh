@@ -2,10 +2,12 @@
 # One device call (issue 11): screens through the product's path (`submit --wait`, then audit).
 #   1. seed-v0.40-shaped: synthetic OPT-2.7B fp16, 3 prompts x 32 + 16 tokens, 1 warmup, 4800 MiB,
 #      dense-stream / packet (host gather) / packet (device gather), in engine mode eager, then graph.
-#   2. 13B-class: synthetic OPT-13B fp16, 2 prompts x 128 + 16 tokens, dense-stream / packet
-#      (device gather), mode graph, allowance 24000 MiB (the non-FFN-out weights stay on the GPU).
+#   2. bigger models (BIG_SHAPES, default opt-6.7b at 11264 MiB and opt-13b at 20480 MiB: the
+#      non-FFN-out weights stay on the GPU): every offloading policy, 2 prompts x 128 + 16 tokens,
+#      mode graph, the capacity gate with the others.
 # Prints per screen and condition the median scored episode wall, and packet / dense-stream.
 # Run from the project root with .whl carried: bash bench/scale_device.sh   (SKIP_13B=1 skips 2;
+# a CPU dry run: SKIP_WHEELS=1 SHAPE27=tiny DTYPE=float32 BIG_SHAPES="tiny:1" bash bench/scale_device.sh;
 # V040_MODES=graph runs 1 in mode graph only)
 set -uo pipefail
 [ -n "${SKIP_WHEELS:-}" ] || [ -d /tmp/site/ray ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
@@ -16,12 +18,12 @@ export PACKBENCH_DB_URL="sqlite:///$work/pb.db" PACKBENCH_ARCHIVE_DIR="$work/arc
 pb db upgrade >/dev/null
 protocol() {  # name shape prompts prefix mode allowance conditions...
   local name=$1 model=$2 count=$3 prefix=$4 mode=$5 allowance=$6; shift 6
-  { echo "name: $name"; echo "model: {path: $model}"; echo "dtype: float16"
+  { echo "name: $name"; echo "model: {path: $model}"; echo "dtype: ${DTYPE:-float16}"
     echo "prompts: {generator: {seed: 0, count: $count}}"; echo "prefix_tokens: $prefix"; echo "continuation_tokens: 16"
     echo "conditions:"; for c in "$@"; do echo "  - $c"; done
     echo "reference: dense-stream"; echo "warmups: 1"; echo "allowance_mib: $allowance"
     [ "$mode" = graph ] && echo "engine: {mode: graph}"
-    echo "gates:"; echo "  faithfulness: {tolerance: 0.0}"; echo "  resources: {}"
+    echo "gates:"; echo "  faithfulness: {tolerance: 0.0}"; echo "  resources: {}"; echo "  capacity: {}"
     echo "  acquisition: {control: dense-stream, max_ratio: 0.5}"; } > "$name.yaml"
 }
 summary() {
@@ -58,12 +60,21 @@ done
 pb audit --all 2>&1 | grep -E "^audit of"
 summary
 if [ -z "${SKIP_13B:-}" ]; then
-  t0=$(date +%s)
-  pb model synth --shape opt-13b --dtype float16 --sparsity 0.94 --seed 0 --hot-fraction 0.05 --out m13b >/dev/null
-  echo "synth opt-13b: $(( $(date +%s) - t0 )) s; $(du -sh m13b | cut -f1)"
-  protocol opt13b-graph m13b 2 128 graph 24000 "{policy: dense-stream}" "{name: packet-device, policy: packet, params: {gather: device}}"
-  t=$(date +%s); timeout 300 python3 -m cli submit opt13b-graph.yaml --wait > 13b.log 2>&1; echo "opt13b-graph: rc $? in $(( $(date +%s) - t )) s"
-  grep -E "^(faithfulness|acquisition|resources)|error" 13b.log | tr -s ' ' | head -8
-  pb audit latest 2>&1 | grep -E "^audit of"
-  summary | grep -A1 opt13b
+  # Bigger models, where offloading is the only way: every offloading policy (resident cannot
+  # run under an allowance below the model), 2 prompts x 128 + 16 tokens, mode graph, allowances
+  # that hold everything but the outgoing FFN weights (12.4 GiB and 24.0 GiB models).
+  BIG=("{policy: dense-stream}" "{policy: sparse-extents}" "{policy: packet}" "{name: packet-host, policy: packet, params: {gather: host}}"
+       "{policy: phase-switched}" "{policy: row-retention, params: {rows_per_layer: 1024}}" "{policy: early-forecast}")
+  for spec in ${BIG_SHAPES:-opt-6.7b:11264 opt-13b:20480}; do
+    shape=${spec%%:*} allowance=${spec##*:}
+    t0=$(date +%s)
+    pb model synth --shape $shape --dtype ${DTYPE:-float16} --sparsity 0.94 --seed 0 --hot-fraction 0.05 --out m-$shape >/dev/null
+    echo "synth $shape: $(( $(date +%s) - t0 )) s; $(du -sh m-$shape | cut -f1)"
+    protocol big-$shape m-$shape 2 128 graph $allowance "${BIG[@]}"
+    t=$(date +%s); timeout 300 python3 -m cli submit big-$shape.yaml --wait > big-$shape.log 2>&1; echo "big-$shape: rc $? in $(( $(date +%s) - t )) s"
+    grep -E "^(gate|faithfulness|acquisition|resources|capacity)|error" big-$shape.log | tr -s ' ' | head -30
+    pb audit latest 2>&1 | grep -E "^audit of"
+    summary | grep -A1 "big-$shape"
+    rm -rf m-$shape  # the next model's disk
+  done
 fi
