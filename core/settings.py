@@ -11,6 +11,8 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from core.errors import PackbenchError
+
 DEFAULT_PLACEMENT_TIMEOUT_S = 300.0
 DEFAULT_CONNECT_TIMEOUT_S = 15.0
 # Near an allowance a fragmented allocator fails where a compact one fits: on the H200 an
@@ -70,6 +72,9 @@ class Settings:
         $PACKBENCH_WORKER_THREADS, when set where the dispatcher runs, fixes each worker's host
         threads (its gathers' OMP threads) instead of its share of the host's cores."""
         fixed = os.environ.get(WORKER_THREADS_ENV)
+        if fixed is not None and not (fixed.isdigit() and int(fixed) > 0):
+            raise PackbenchError(f"{WORKER_THREADS_ENV}={fixed!r} is not a number of threads; set it to a positive "
+                                 f"integer or unset it (each worker then takes its share of the host's cores)")
         env = {"OMP_NUM_THREADS": fixed or str(threads), "PYTORCH_CUDA_ALLOC_CONF": self.cuda_alloc_conf}
         if fixed:
             env[WORKER_THREADS_ENV] = fixed

@@ -46,6 +46,7 @@ def test_the_driver_never_imports_torch():
 
 
 def test_worker_threads_can_be_fixed_where_the_dispatcher_runs(monkeypatch):
+    from core.errors import PackbenchError
     from core.settings import Settings
 
     monkeypatch.delenv("PACKBENCH_WORKER_THREADS", raising=False)
@@ -53,3 +54,7 @@ def test_worker_threads_can_be_fixed_where_the_dispatcher_runs(monkeypatch):
     monkeypatch.setenv("PACKBENCH_WORKER_THREADS", "4")
     env = Settings().worker_env(threads=16)
     assert env["OMP_NUM_THREADS"] == "4" and env["PACKBENCH_WORKER_THREADS"] == "4"
+    for bad in ("0", "four", "-2", ""):
+        monkeypatch.setenv("PACKBENCH_WORKER_THREADS", bad)
+        with pytest.raises(PackbenchError, match="PACKBENCH_WORKER_THREADS=.* is not a number of threads"):
+            Settings().worker_env(threads=16)
