@@ -37,6 +37,7 @@ def read_state_dict(model_dir: Path, *, dtype: torch.dtype) -> dict[str, torch.T
         raise CheckpointError(f"{model_dir} has no *.safetensors files; packbench reads safetensors only")
     sd: dict[str, torch.Tensor] = {}
     for file in files:
+        _header(file)  # a damaged file: one line naming it, not the reader's own error
         with safe_open(str(file), framework="pt", device="cpu") as f:
             for key in f.keys():
                 name = key
@@ -55,10 +56,34 @@ RING = 8  # pinned chunks in flight per wave; two waves alternate (reads overlap
 
 
 def _header(path: Path) -> tuple[int, dict]:
+    """(data start, tensor entries) of a safetensors file; CheckpointError naming the file when it
+    is not one (truncated, or another format), before any byte of it is placed."""
+    def broken(why: str) -> CheckpointError:
+        return CheckpointError(f"{path} is not a readable safetensors file ({why}); copy or regenerate the "
+                               f"checkpoint (`packbench model synth` for a synthetic one)")
+
+    size = path.stat().st_size
     with open(path, "rb") as f:
-        (n,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(n))
+        head = f.read(8)
+        if len(head) < 8:
+            raise broken(f"{size} bytes, shorter than the 8-byte header length")
+        (n,) = struct.unpack("<Q", head)
+        if n > size - 8:
+            raise broken(f"the header claims {n} bytes, the file holds {size - 8} after its length")
+        try:
+            header = json.loads(f.read(n))
+        except (UnicodeDecodeError, ValueError) as e:
+            raise broken(f"its header is not JSON: {e}") from None
+    if not isinstance(header, dict):
+        raise broken("its header is not a JSON object")
     header.pop("__metadata__", None)
+    for key, meta in header.items():
+        offsets = meta.get("data_offsets") if isinstance(meta, dict) else None
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(o, int) for o in offsets)
+                and 0 <= offsets[0] <= offsets[1] and "dtype" in meta and "shape" in meta):
+            raise broken(f"tensor {key!r} has no valid dtype, shape and data_offsets")
+        if offsets[1] > size - 8 - n:
+            raise broken(f"tensor {key!r} ends {offsets[1] - (size - 8 - n)} bytes past the end of the file: truncated")
     return 8 + n, header
 
 

@@ -7,7 +7,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from core.errors import CheckpointError
-from engine.checkpoint import build_model, read_config
+from engine.checkpoint import build_model, build_weights, read_config
 
 
 def variant(tiny, tmp_path, name, *, config=None, drop=None, reshape=None):
@@ -43,6 +43,25 @@ def test_missing_and_misshapen_tensors(tiny, tmp_path):
         build_model(variant(tiny, tmp_path, "a", drop="model.decoder.layers.0.fc1.bias"), dtype=torch.float32)
     with pytest.raises(CheckpointError, match=r"tensor model.decoder.layers.1.fc2.weight has shape \(63, 256\)"):
         build_model(variant(tiny, tmp_path, "b", reshape="model.decoder.layers.1.fc2.weight"), dtype=torch.float32)
+
+
+@pytest.mark.parametrize("damage, fragment", [
+    (lambda raw: raw[:4], "shorter than the 8-byte header length"),
+    (lambda raw: raw[:64], "the header claims"),
+    (lambda raw: raw[:-100], "past the end of the file: truncated"),
+    (lambda raw: raw[:8] + b"\xff" * (len(raw) - 8), "its header is not JSON"),
+    (lambda raw: (2).to_bytes(8, "little") + b"[]" + raw[10:], "not a JSON object"),
+])
+def test_a_damaged_safetensors_file_is_one_line_naming_the_file(tiny, tmp_path, damage, fragment):
+    """Truncated or foreign files: the reader names the file and the fix, before placing anything
+    (a truncated file used to surface as a bare JSONDecodeError)."""
+    out = variant(tiny, tmp_path, "damaged")
+    weights = out / "model.safetensors"
+    weights.write_bytes(damage(weights.read_bytes()))
+    for build in (build_model, build_weights):  # the stock read and the worker's placed read
+        with pytest.raises(CheckpointError, match=fragment) as e:
+            build(out, dtype=torch.float32)
+        assert str(weights) in str(e.value) and "packbench model synth" in str(e.value) and "\n" not in str(e.value)
 
 
 def test_missing_directory_names_the_fix(tmp_path):
