@@ -7,7 +7,8 @@ attempt it prints, in seconds from T0: the dispatcher's registration (Ray is up)
 (Ray's process start to the actor, the engine import, the engine's init), the claim, the
 worker's load (entry to loaded, of it the read), the episodes (warmups and scored, their own
 walls summed) and the end; then each condition's median scored wall per screen (contention
-shows as slower walls when screens run side by side). Reads the database of PACKBENCH_DB_URL and the archives.
+shows as slower walls when screens run side by side), and its median worker time per episode
+outside that wall (the policy's activation and the measurements). Reads the database of PACKBENCH_DB_URL and the archives.
 """
 
 from __future__ import annotations
@@ -29,6 +30,13 @@ def _t(moment, t0: float) -> float:
 def _episode_s(record: dict) -> float:
     """An episode's own time on its worker: `wall_s` when it finished, `episode_s` when it failed."""
     return record.get("wall_s") or record.get("episode_s") or 0.0
+
+
+def _outside_ms(records: list[dict]) -> float:
+    """Median worker time per plan entry outside the episode's wall (the policy's activation,
+    the measurements), in ms; NaN for archives made before ok records carried `episode_s`."""
+    extra = sorted(r["episode_s"] - r["wall_s"] for r in records if r.get("wall_s") and r.get("episode_s"))
+    return 1e3 * extra[len(extra) // 2] if extra else float("nan")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -68,6 +76,9 @@ def main(argv: list[str] | None = None) -> None:
     for c in conditions:
         print(f"{c:>24} " + " ".join(f"{1e3 * _median([_episode_s(e.record) for e in s.of(c)]):8.1f}"
                                      for s in screens.values()))
+    print(f"{'outside the wall (ms)':>24} " + " ".join(f"{sid:>8}" for sid in screens))
+    for c in conditions:
+        print(f"{c:>24} " + " ".join(f"{_outside_ms([e.record for e in s.of(c)]):8.1f}" for s in screens.values()))
 
 
 def _median(values: list[float]) -> float:

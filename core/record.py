@@ -110,7 +110,9 @@ EPISODE_FIELDS: tuple[Field, ...] = (
     _kept("sampler", dict),  # samples, period_s, sampler_overhead_s, scope
     _kept("calls", list),  # the per-call ledger (core.metrics)
     _kept("traceback", str),  # failed episodes
-    _kept("episode_s", float),  # failed episodes: time until the failure
+    # The worker's time for the plan entry: the policy's activation, the episode and its
+    # measurements (a failed one: until the failure); wall_s is the episode alone.
+    _kept("episode_s", float),
 )
 STORED_FIELDS: tuple[Field, ...] = tuple(f for f in EPISODE_FIELDS if f.column is not None)
 LEDGER_FIELDS: tuple[Field, ...] = tuple(f for f in EPISODE_FIELDS if f.ledger)

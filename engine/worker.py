@@ -243,6 +243,7 @@ class Worker:
         calls = [c.to_dict() for c in out.calls]
         p = self.model.slot.policy
         context = impose(self.device, self.allowance, self.nvml) if self.device.type == "cuda" else 0
+        record["episode_s"] = time.perf_counter() - t0  # wall_s plus activation and measurement
         return {**record, "status": "ok", "error": None, "tokens": out.tokens, "wall_s": out.wall_s,
                 "engine": {"mode": out.mode, "decode_graph": out.decode_graph, "buffers": BUFFERS_LAYOUT},
                 "first_logit_since_entry_s": out.first_logit_at - self.t_entry,

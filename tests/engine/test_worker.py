@@ -52,6 +52,7 @@ def test_record_fields_the_gates_read(tiny):
     _, records = run_all(tiny)
     r = next(r for r in records if r["condition"] == "packet")
     assert r["first_logit_since_entry_s"] > 0 and r["wall_s"] >= r["call_s"] > 0
+    assert r["episode_s"] >= r["wall_s"]  # the worker's whole time for the entry: activation included
     assert r["phases"]["prefill"]["calls"] == 1 and r["phases"]["decode"]["calls"] == 2
     assert r["memory"]["kv_bytes"] > 0 and r["memory"]["peak_sampled_bytes"] is None  # no NVML on the CPU
     assert r["trace"].shape == (0, 2)
