@@ -16,6 +16,7 @@ import typer
 
 from cli.common import DbUrl, Json, open_store
 from cli.summary import print_json, screen_summary, table, verdict_table
+from core.archive import WORKER_NAME, ArchiveReader
 from core.errors import PackbenchError
 from core.protocol import DTYPE_NAMES, GATE_NAMES, PHASES
 
@@ -159,8 +160,9 @@ def screens_show(
 ) -> None:
     """Show a screen: every attempt (failed ones too) with its error, archive, verdicts and audits."""
     detail = open_store(db).screen_detail(screen)
+    times = [attempt_time(d.attempt) for d in detail.attempts]
     if json_out:
-        print_json(_plain(dataclasses.asdict(detail)))
+        print_json(_plain({**dataclasses.asdict(detail), "time": times}))
         return
     s, p = detail.screen, detail.protocol
     typer.echo(f"screen {s.id}: {p.name} (protocol {p.sha256[:12]}, {p.model or '-'}, {p.dtype or '-'}), "
@@ -185,12 +187,36 @@ def screens_show(
                     "problems": len(u.problems)} for u in d.audits]
     typer.echo("\nattempts")
     typer.echo(table(attempts, list(attempts[0])))
+    typer.echo("\ntime (s; from each attempt's archive)")
+    typer.echo(table(times, list(times[0])))
     typer.echo("\nverdicts")
     typer.echo(table(verdicts, ["attempt", "gate", "condition", "phase", "passed", "value", "threshold"])
                if verdicts else "none")
     typer.echo("\naudits")
     typer.echo(table(audits, ["attempt", "result", "digest", "kind", "machine", "node", "finished", "problems"])
                if audits else "none; run `packbench audit`")
+
+
+def attempt_time(attempt) -> dict[str, Any]:
+    """Where an attempt's time went, from its archive: claim to end, the model's load (cold or
+    warm), the episodes' own walls, and the worker's time around them (each policy's activation
+    and the measurements; archives made before it was recorded show None)."""
+    row: dict[str, Any] = {"attempt": attempt.number, "model": attempt.model_state,
+                           "claim_to_end": None if attempt.finished_at is None else
+                           round((attempt.finished_at - attempt.started_at).total_seconds(), 3)}
+    try:
+        with ArchiveReader(attempt.archive_path) as archive:
+            start = (archive.read_json(WORKER_NAME) if WORKER_NAME in archive.names else {}).get("start") or {}
+            records = [archive.read_json(e.record) for e in archive.episodes()]
+    except (OSError, PackbenchError) as e:
+        return {**row, "load": None, "episodes_wall": None, "around_episodes": None,
+                "note": f"archive not readable here ({type(e).__name__})"}
+    walls = [r.get("wall_s") or 0.0 for r in records]
+    around = [r["episode_s"] - r["wall_s"] for r in records if r.get("wall_s") and r.get("episode_s")]
+    return {**row, "load": round(start["entry_to_loaded_s"], 3) if attempt.model_state == "cold" and
+            isinstance(start.get("entry_to_loaded_s"), (int, float)) else 0.0 if attempt.model_state == "warm" else None,
+            "episodes_wall": round(sum(walls), 3), "around_episodes": round(sum(around), 3) if around else None,
+            "note": f"{len(records)} episodes"}
 
 
 def screens_cancel(

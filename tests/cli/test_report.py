@@ -249,6 +249,23 @@ def test_historical_archives_report_without_traces_or_energy():
         assert [r["condition"] for r in data.condition_summary(s)] == list(s.conditions)
 
 
+@ray
+def test_screens_show_says_where_the_attempts_time_went(screen, workdir, env):
+    """`screens show` reads the attempt's archive: the cold load, the episodes' own walls and
+    the worker's time around them (activation, measurements), within the claim-to-end span."""
+    out = cli("screens", "show", str(screen["screen_id"]), "--json", cwd=workdir, env=env)
+    assert out.returncode == 0, out.stderr
+    [time] = json.loads(out.stdout)["time"]
+    archive = ArchiveReader(Path(screen["archive_path"]))
+    records = [archive.read_json(e.record) for e in archive.episodes()]
+    assert time["model"] == "cold" and time["load"] > 0 and time["note"] == f"{len(records)} episodes"
+    assert time["episodes_wall"] == pytest.approx(sum(r["wall_s"] for r in records), abs=1e-3)
+    # (the load's clock starts at the worker's entry, before the claim: it is not inside the span)
+    assert 0 < time["around_episodes"] and time["episodes_wall"] + time["around_episodes"] < time["claim_to_end"]
+    text = cli("screens", "show", str(screen["screen_id"]), cwd=workdir, env=env).stdout
+    assert "time (s; from each attempt's archive)" in text and "around_episodes" in text
+
+
 def test_a_condition_shows_the_params_it_ran_with_defaults_spelled_out():
     """A protocol frozen before schema 3 says `packet` without `gather`: it ran the host gather,
     and the report says so (since schema 3 the same words would mean the device gather)."""
