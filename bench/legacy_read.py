@@ -6,7 +6,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from engine.checkpoint import CHUNK, RING, _entries, _pread
+from engine.checkpoint import CHUNK, RING, _Clock, _entries, _pread, _stream_to_device
 
 
 def read_placed(model_dir, *, dtype: torch.dtype, device: torch.device, host_keys,
@@ -41,30 +41,13 @@ def read_placed(model_dir, *, dtype: torch.dtype, device: torch.device, host_key
         with ThreadPoolExecutor(threads) as pool:
             pending = [pool.submit(_pread, fd, dst, off) for fd, off, dst in host_jobs]
             if device_jobs:
-                _stream_to_device(pool, device_jobs, device)
+                # The old ring: one pinned allocation per chunk (the engine makes one block).
+                rings = [[torch.empty(CHUNK, dtype=torch.uint8, pin_memory=True) for _ in range(RING)]
+                         for _ in range(2)]
+                _stream_to_device(pool, device_jobs, device, _Clock(None), rings)
             for f in pending:
                 f.result()
     finally:
         for fd in fds.values():
             os.close(fd)
     return sd
-
-
-def _stream_to_device(pool: ThreadPoolExecutor, jobs: list, device: torch.device) -> None:
-    rings = [[torch.empty(CHUNK, dtype=torch.uint8, pin_memory=True) for _ in range(RING)] for _ in range(2)]
-    done = [None, None]  # the event after each ring's last copies
-    for wave, first in enumerate(range(0, len(jobs), RING)):
-        ring = rings[wave % 2]
-        if done[wave % 2] is not None:
-            done[wave % 2].synchronize()  # this ring's previous copies have left it
-        batch = jobs[first:first + RING]
-        reads = [pool.submit(_pread, fd, ring[i][: dst.numel()], off) for i, (fd, off, dst) in enumerate(batch)]
-        for i, ((_, _, dst), read) in enumerate(zip(batch, reads)):
-            read.result()
-            dst.copy_(ring[i][: dst.numel()], non_blocking=True)
-        event = torch.cuda.Event()
-        event.record()
-        done[wave % 2] = event
-    torch.cuda.synchronize(device)
-
-

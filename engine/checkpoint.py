@@ -353,9 +353,13 @@ def read_placed(model_dir: Path, *, dtype: torch.dtype, device: torch.device, ho
     return {e[0]: sd[e[0]] for e in entries}
 
 
-def _stream_to_device(pool: ThreadPoolExecutor, jobs: list, device: torch.device, clock: _Clock) -> None:
-    block = torch.empty(2 * RING * CHUNK, dtype=torch.uint8, pin_memory=True)  # one allocation
-    rings = [[block[(w * RING + i) * CHUNK:(w * RING + i + 1) * CHUNK] for i in range(RING)] for w in range(2)]
+def _stream_to_device(pool: ThreadPoolExecutor, jobs: list, device: torch.device, clock: _Clock,
+                      rings: list[list[torch.Tensor]] | None = None) -> None:
+    """Read `jobs` (fd, offset, device tensor) through two pinned rings of RING chunks, copying
+    one ring to the device while the other fills. `rings`: bench/legacy_read.py's own buffers."""
+    if rings is None:
+        block = torch.empty(2 * RING * CHUNK, dtype=torch.uint8, pin_memory=True)  # one allocation
+        rings = [[block[(w * RING + i) * CHUNK:(w * RING + i + 1) * CHUNK] for i in range(RING)] for w in range(2)]
     clock.lap("ring")
     done = [None, None]  # the event after each ring's last copies
     for wave, first in enumerate(range(0, len(jobs), RING)):
