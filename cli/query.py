@@ -211,12 +211,15 @@ def attempt_time(attempt) -> dict[str, Any]:
     except (OSError, PackbenchError) as e:
         return {**row, "load": None, "episodes_wall": None, "around_episodes": None,
                 "note": f"archive not readable here ({type(e).__name__})"}
+    load = start.get("entry_to_loaded_s")
+    if attempt.model_state == "warm":
+        load = 0.0  # the worker kept its model: nothing was read
+    elif attempt.model_state != "cold" or not isinstance(load, (int, float)):
+        load = None
     walls = [r.get("wall_s") or 0.0 for r in records]
     around = [r["episode_s"] - r["wall_s"] for r in records if r.get("wall_s") and r.get("episode_s")]
-    return {**row, "load": round(start["entry_to_loaded_s"], 3) if attempt.model_state == "cold" and
-            isinstance(start.get("entry_to_loaded_s"), (int, float)) else 0.0 if attempt.model_state == "warm" else None,
-            "episodes_wall": round(sum(walls), 3), "around_episodes": round(sum(around), 3) if around else None,
-            "note": f"{len(records)} episodes"}
+    return {**row, "load": None if load is None else round(load, 3), "episodes_wall": round(sum(walls), 3),
+            "around_episodes": round(sum(around), 3) if around else None, "note": f"{len(records)} episodes"}
 
 
 def screens_cancel(

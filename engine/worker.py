@@ -21,6 +21,7 @@ from core.canonical import canonical_sha256
 from core.errors import CheckpointError
 from core.metrics import episode_totals
 from core.provenance import checkpoint_digest
+from core.settings import WORKER_THREADS_ENV
 from core.protocol import Protocol, expand
 from engine.episode import run_episode
 from engine.gpu_lock import GpuLock, host_gpus
@@ -131,7 +132,7 @@ class Worker:
             # others: two workers of 32 threads each on a 32-core host ran a screen 7x slower than
             # one alone (nvidia-h200-x2, docs/benchmarks.md "Queue on two GPUs").
             # $PACKBENCH_WORKER_THREADS (core/settings.py) fixes the count instead.
-            torch.set_num_threads(int(os.environ.get("PACKBENCH_WORKER_THREADS") or 0)
+            torch.set_num_threads(int(os.environ.get(WORKER_THREADS_ENV) or 0)
                                   or max(1, (os.cpu_count() or 1) // max(1, host_gpus())))
         self.sampler = MemorySampler(uuid)  # one helper process for the worker's life
 
@@ -169,9 +170,8 @@ class Worker:
         # to every cold start. A protocol pinning another digest is refused before any episode,
         # and the model just read is dropped.
         digest = self.digests.get(key[0])
-        hashing = None if digest is not None else ThreadPoolExecutor(1, thread_name_prefix="checkpoint-digest")
-        pending = None if hashing is None else hashing.submit(checkpoint_digest, path)
-        try:
+        with ThreadPoolExecutor(1, thread_name_prefix="checkpoint-digest") as hashing:  # waits, even on failure
+            pending = hashing.submit(checkpoint_digest, path) if digest is None else None
             warm = reuse and self.model is not None and self.model_key == key
             if not warm and self.model is not None:
                 self.drop_model()  # before the new allowance: the old model must not count against it
@@ -181,9 +181,6 @@ class Worker:
             if not warm:
                 self.model = CpuFirstModel(path, dtype=dtype_of(protocol.dtype), device=self.device, mode=self.mode)
                 self.model_key = key
-        finally:
-            if hashing is not None:
-                hashing.shutdown(wait=True)  # a failed load still waits for its reader thread
         if pending is not None:
             try:
                 digest = self.digests[key[0]] = pending.result()
