@@ -282,7 +282,7 @@ def main() -> None:
                           f"stock's top-2 gap there {top[1] - top[0]:.3g}); tokens first differ at call {split}")
 
     keys = ("decode_ms", "prefill_s", "decode_h2d", "prefill_h2d", "peak_sampled", "peak_alloc", "exact",
-            "failed", "wasted", "wait_ms", "device_bytes", "graph")
+            "failed", "wasted", "wait_ms", "device_bytes", "graph", "first_ms", "episode_s")
     rows: dict[str, dict[str, list]] = {p: {k: [] for k in keys} for p in policies}
     total = torch.cuda.get_device_properties(device).total_memory if cuda else 0
     scopes: set = set()  # "process" unless NVML cannot attribute memory to processes here
@@ -324,6 +324,8 @@ def main() -> None:
                 scopes.add(sampled["scope"])
                 row["prefill_s"].append(out.calls[0].wall_s)
                 row["decode_ms"] += [c.wall_s * 1e3 for c in out.calls[1:]]
+                row["first_ms"] += [c.wall_s * 1e3 for c in out.calls[1:2]]  # mode graph: the capture's call
+                row["episode_s"].append(out.wall_s)
                 row["prefill_h2d"].append(sum(out.calls[0].h2d_weight_bytes) + sum(out.calls[0].h2d_index_bytes))
                 row["decode_h2d"] += [sum(c.h2d_weight_bytes) + sum(c.h2d_index_bytes) for c in out.calls[1:]]
                 row["wasted"] += [sum(c.rows_wasted) for c in out.calls[1:]]
@@ -367,7 +369,8 @@ def main() -> None:
               f"{max(row['peak_alloc']) / MIB:10.0f} {all(row['exact'])}{oom(row)}")
     for line in failures:
         print(line)
-    print(f"\n{'condition':{w}}{'p90/p10':>8}{'PCIe floor ms':>14}{'x floor':>8}  decode step")
+    print(f"\n{'condition':{w}}{'p90/p10':>8}{'PCIe floor ms':>14}{'x floor':>8}{'1st decode ms':>14}{'episode s':>10}"
+          f"  decode step")
     for name in policies:
         row = rows[name]
         if not row["decode_ms"]:
@@ -378,8 +381,10 @@ def main() -> None:
         captures = [float(g.split("(")[1].split(" ms")[0]) for g in row["graph"] if g and g.startswith("captured")]
         if captures:  # the warm-up call's capture, inside its first decode call's wall time
             notes = [f"captured in {statistics.median(captures):.0f} ms (median)"]
+        first = statistics.median(row["first_ms"]) if row["first_ms"] else float("nan")
+        episode = statistics.median(row["episode_s"]) if row["episode_s"] else float("nan")
         print(f"{name:{w}}{np.percentile(d, 90) / np.percentile(d, 10):8.2f}{floor:14.2f}"
-              f"{res[name] / floor if floor else float('nan'):8.2f}  {', '.join(notes) or '-'}")
+              f"{res[name] / floor if floor else float('nan'):8.2f}{first:14.2f}{episode:10.3f}  {', '.join(notes) or '-'}")
     for name in [n for n in policies if n.split("+")[0] == "dense-stream" and n in res]:
         if not cuda:
             break

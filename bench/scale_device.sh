@@ -8,7 +8,7 @@
 # Prints per screen and condition the median scored episode wall, and packet / dense-stream.
 # Run from the project root with .whl carried: bash bench/scale_device.sh   (SKIP_13B=1 skips 2;
 # a CPU dry run: SKIP_WHEELS=1 SHAPE27=tiny DTYPE=float32 BIG_SHAPES="tiny:1" bash bench/scale_device.sh;
-# V040_MODES=graph runs 1 in mode graph only)
+# V040_MODES=graph runs 1 in mode graph only; V040_REPEATS=3 runs each of its screens three times)
 set -uo pipefail
 [ -n "${SKIP_WHEELS:-}" ] || [ -d /tmp/site/ray ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD RAY_AUTH_MODE=disabled PYTHONUNBUFFERED=1
@@ -52,9 +52,14 @@ t0=$(date +%s)
 pb model synth --shape ${SHAPE27:-opt-2.7b} --dtype float16 --sparsity 0.94 --seed 0 --hot-fraction 0.05 --out m27 >/dev/null
 echo "synth opt-2.7b: $(( $(date +%s) - t0 )) s"
 C=("{policy: dense-stream}" "{policy: packet, params: {gather: host}}" "{name: packet-device, policy: packet, params: {gather: device}}")
-protocol v040-eager m27 3 32 eager 4800 "${C[@]}"
-protocol v040-graph m27 3 32 graph 4800 "${C[@]}"
-for p in $(printf "v040-%s " ${V040_MODES:-eager graph}); do
+screens=()
+for mode in ${V040_MODES:-eager graph}; do  # V040_REPEATS=N: N screens per mode (names -1..-N; one screen each by default)
+  for r in $(seq 1 ${V040_REPEATS:-1}); do
+    name=v040-$mode; [ "${V040_REPEATS:-1}" -gt 1 ] && name=$name-$r
+    protocol $name m27 3 32 $mode 4800 "${C[@]}"; screens+=($name)
+  done
+done
+for p in "${screens[@]}"; do
   t=$(date +%s); pb submit $p.yaml --wait > $p.log 2>&1; echo "$p: rc $? in $(( $(date +%s) - t )) s"; grep -E "^(gate|faithfulness|acquisition|resources)" $p.log | tr -s ' ' | head -12
 done
 pb audit --all 2>&1 | grep -E "^audit of"

@@ -75,7 +75,7 @@ def run_episode(model: CpuFirstModel, prompt: list[int], *, continuation: int,
     decode_graph = None
     if mode == "graph" and continuation > 1:
         step = cache.graph
-        decode_graph = f"captured ({step.capture_s * 1e3:.1f} ms)" if step is not None else f"eager: {cache.eager_reason}"
+        decode_graph = step.describe() if step is not None else f"eager: {cache.eager_reason}"
     return EpisodeOutput(
         tokens=tokens,
         logits=np.stack(rows),

@@ -5,11 +5,12 @@ MODES:
   protocol written before modes existed means this).
 - "graph": packbench's own decoder (`engine/static_opt.py`) on a static KV cache. Prefill runs
   eagerly; on CUDA, for a policy whose decode step makes no host decision (`GRAPH_SAFE`: resident, dense-stream,
-  packet with `gather: device`), the
-  first decode call runs eagerly on the static buffers (the warm-up: Triton specialises, cuBLAS
-  picks its kernels) and is then captured once, in pieces around attention (one graph per
-  layer boundary); every later decode call copies its token id and position into the static
-  inputs and replays the pieces, running each layer's attention over the live keys between
+  packet with `gather: device`), the step is captured once per episode, in pieces around
+  attention (one graph per layer boundary). The first time a decoder meets a policy class, the
+  episode's first decode call runs eagerly on the side stream before the capture (the warm-up:
+  Triton specialises and compiles, the side stream gets its cuBLAS workspace); later episodes
+  capture at their first decode call and replay it at once. Every captured decode call copies
+  its token id and position into the static inputs and replays the pieces, running each layer's attention over the live keys between
   them (vLLM's piecewise graphs): stock's shapes, so stock's bits. Policies with host decisions (a mask readback,
   an LRU plan, a forecast) run the same decoder eagerly: the same math, so exactness against
   dense-stream within the mode still holds. On the CPU nothing is captured (the CPU twin).
@@ -97,9 +98,14 @@ class GraphStep:
     """
 
     def __init__(self, graphs: list, ids: torch.Tensor, pos: torch.Tensor, queries: list, attn: torch.Tensor | None,
-                 logits: torch.Tensor, tape: _Tape, capture_s: float) -> None:
+                 logits: torch.Tensor, tape: _Tape, capture_s: float, warmed: bool) -> None:
         self.graphs, self.ids, self.pos, self.queries, self.attn = graphs, ids, pos, queries, attn
         self.logits, self.tape, self.capture_s = logits, tape, capture_s
+        self.warmed = warmed  # this episode's first decode call ran eagerly before the capture
+
+    def describe(self) -> str:
+        """What the archive records as the episode's `decode_graph`."""
+        return f"captured ({self.capture_s * 1e3:.1f} ms{', after an eager warm-up call' if self.warmed else ''})"
 
 
 class GraphDecoder:
@@ -121,6 +127,10 @@ class GraphDecoder:
         # stream for the process's life, so a fresh stream per episode leaked ~32 MiB each
         # (the first H200 run: 198 MiB more allocator peak, then OOM under the allowance).
         self._stream = None
+        # Policy classes whose decode step has run eagerly on the side stream in this process
+        # (Triton's decode specialisation compiled, cuBLAS's side-stream workspace allocated):
+        # their later episodes capture without the eager warm-up call.
+        self._warm: set[type] = set()
 
     def new_cache(self, capacity: int) -> StaticKV:
         if self.attention not in self.ATTENTION:
@@ -142,6 +152,8 @@ class GraphDecoder:
         kv.length += 1
         span = kv.capacity if kv.attention == "static" else position + 1
         step = kv.graph
+        if step is None and kv.eager_reason is None and type(self.slot.policy) in self._warm:
+            step = kv.graph = self._capture(None, None, kv, warmed=False)
         if step is not None:
             step.ids.copy_(ids)
             step.pos.fill_(position)  # a kernel argument: no host-device sync
@@ -160,15 +172,31 @@ class GraphDecoder:
     def _warm_and_capture(self, ids: torch.Tensor, pos: torch.Tensor, kv: StaticKV, span: int) -> torch.Tensor:
         """Run this decode call eagerly on the side stream (its logits are the call's answer),
         then capture the step's pieces on static inputs for the calls after it."""
-        if self._stream is None:
-            self._stream = torch.cuda.Stream(self.device)
-        side, main = self._stream, torch.cuda.current_stream(self.device)
+        side, main = self._side(), torch.cuda.current_stream(self.device)
         static_ids, static_pos = ids.clone(), pos.clone()
         side.wait_stream(main)
         with torch.cuda.stream(side):
             logits = self.decoder.decode(static_ids, static_pos, kv, span=span).clone()
         main.wait_stream(side)
         torch.cuda.synchronize(self.device)
+        self._warm.add(type(self.slot.policy))
+        kv.graph = self._capture(static_ids, static_pos, kv, warmed=True)
+        return logits
+
+    def _side(self) -> "torch.cuda.Stream":
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(self.device)
+        return self._stream
+
+    def _capture(self, static_ids: torch.Tensor | None, static_pos: torch.Tensor | None, kv: StaticKV, *,
+                 warmed: bool) -> GraphStep:
+        """Capture the decode step's pieces on static inputs (fresh ones if None; a replay fills
+        them before it runs). Nothing runs here: capture records."""
+        side, main = self._side(), torch.cuda.current_stream(self.device)
+        if static_ids is None:
+            static_ids = torch.zeros((1, 1), dtype=torch.long, device=self.device)
+            static_pos = torch.zeros((1,), dtype=torch.long, device=self.device)
+            side.wait_stream(main)  # the prefill's writes and the zeros above come first
         t0 = time.perf_counter()
         recorder = self.recorder
         saved = (recorder.current, recorder.phase, recorder._deferred)
@@ -206,6 +234,5 @@ class GraphDecoder:
             tape = _Tape(recorder.current, list(recorder._deferred))
         finally:
             recorder.current, recorder.phase, recorder._deferred = saved
-        kv.graph = GraphStep(graphs, static_ids, static_pos, queries, attn, static_logits, tape,
-                             time.perf_counter() - t0)
-        return logits
+        return GraphStep(graphs, static_ids, static_pos, queries, attn, static_logits, tape,
+                         time.perf_counter() - t0, warmed)
