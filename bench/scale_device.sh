@@ -8,7 +8,7 @@
 # Prints per screen and condition the median scored episode wall, and packet / dense-stream.
 # Run from the project root with .whl carried: bash bench/scale_device.sh   (SKIP_13B=1 skips 2;
 # a CPU dry run: SKIP_WHEELS=1 SHAPE27=tiny DTYPE=float32 BIG_SHAPES="tiny:1" bash bench/scale_device.sh;
-# V040_MODES=graph runs 1 in mode graph only; V040_REPEATS=3 runs each of its screens three times)
+# SKIP_V040=1 skips 1; V040_MODES=graph runs 1 in mode graph only; V040_REPEATS=3 runs each of its screens three times)
 set -uo pipefail
 [ -n "${SKIP_WHEELS:-}" ] || [ -d /tmp/site/ray ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD RAY_AUTH_MODE=disabled PYTHONUNBUFFERED=1
@@ -48,6 +48,7 @@ for screen in s.list_screens():
     print(f"   median H2D bytes per episode: " + ", ".join(f"{c} {b:,.0f}" for c, b in sorted(h2d.items())))
 PY
 }
+if [ -z "${SKIP_V040:-}" ]; then
 t0=$(date +%s)
 pb model synth --shape ${SHAPE27:-opt-2.7b} --dtype float16 --sparsity 0.94 --seed 0 --hot-fraction 0.05 --out m27 >/dev/null
 echo "synth opt-2.7b: $(( $(date +%s) - t0 )) s"
@@ -64,6 +65,7 @@ for p in "${screens[@]}"; do
 done
 pb audit --all 2>&1 | grep -E "^audit of"
 summary
+fi
 if [ -z "${SKIP_13B:-}" ]; then
   # Bigger models, where offloading is the only way: every offloading policy (resident cannot
   # run under an allowance below the model), 2 prompts x 128 + 16 tokens, mode graph, allowances
@@ -83,3 +85,4 @@ if [ -z "${SKIP_13B:-}" ]; then
     rm -rf m-$shape  # the next model's disk
   done
 fi
+[ -n "${OUT:-}" ] && cp "$work"/*.log "$OUT"/ 2>/dev/null; true
