@@ -6,8 +6,7 @@
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
-python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
+source "$(dirname "$0")/device_header.sh"; device_header
 nproc; free -g | head -2; uname -r; cat /sys/kernel/mm/transparent_hugepage/enabled
 
 echo "== CUDA tests of the read (bytes, pinned, logits per host layout)"

@@ -4,8 +4,7 @@
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD RAY_AUTH_MODE=disabled
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
-python3 -c "import torch, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'transformers', transformers.__version__)"
+source "$(dirname "$0")/device_header.sh"; device_header
 
 echo "== CUDA tests"
 python3 -m pytest -q -m gpu -p no:cacheprovider tests 2>&1 | tail -5

@@ -5,9 +5,7 @@
 set -uo pipefail
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 out=${OUT:-/tmp}
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
-python3 -c "import torch, transformers, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'transformers', transformers.__version__, 'triton', triton.__version__)"
-date -u
+source "$(dirname "$0")/device_header.sh"; device_header
 
 echo "== CUDA tests (engine)"
 python3 -m pytest -q -m gpu -p no:cacheprovider tests/engine/test_graph_cuda.py tests/engine/test_policies_cuda.py \

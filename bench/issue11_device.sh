@@ -12,9 +12,7 @@
 set -uo pipefail
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 out=${OUT:-/tmp}
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | head -1
-python3 -c "import torch, transformers, triton; print('torch', torch.__version__, 'transformers', transformers.__version__, 'triton', triton.__version__)"
-date -u
+source "$(dirname "$0")/device_header.sh"; device_header
 echo "== CUDA tests (engine)"
 timeout 120 python3 -m pytest -q -m gpu -p no:cacheprovider tests/engine/test_dense_stream_cuda.py tests/engine/test_graph_cuda.py \
   tests/engine/test_policies_cuda.py > "$out/pytest.log" 2>&1; echo "pytest rc $?"; tail -4 "$out/pytest.log"
