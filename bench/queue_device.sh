@@ -95,7 +95,7 @@ def span(pair):  # the screens' own wall: first attempt start to last attempt en
 seq, par = span(ids[:2]), span(ids[2:])
 print(f"screens' span: sequential {seq:.1f} s, concurrent {par:.1f} s, ratio {par / seq:.3f}")
 PY
-[ -n "${ONLY_A:-}" ] && exit 0
+if [ -n "${ONLY_A:-}" ]; then echo "== audits of the concurrent pair"; pb audit $ids 2>&1 | grep -E "^audit of"; exit 0; fi
 fi
 if [ -z "${SKIP_A34:-}${ONLY_BC:-}" ]; then
 echo "== A3: audits fanned out"
