@@ -94,6 +94,10 @@ def parse_condition(spec: str) -> tuple[str, dict, bool, str]:
             mode = check_mode(value)
         elif key == "attention":
             mode = f"graph/{value}"
+        elif key == "kv":
+            if value not in ("parallel", "serial"):
+                raise SystemExit(f"{spec}: +kv= is parallel (the default) or serial")
+            mode = f"{mode.split('/')[0]}/live/{value}"
         elif key == "copies" and (policy != "dense-stream" or value not in COPIES):
             raise SystemExit(f"{spec}: +copies= is dense-stream's only, one of {', '.join(COPIES)}")
         else:
@@ -102,10 +106,12 @@ def parse_condition(spec: str) -> tuple[str, dict, bool, str]:
 
 
 def set_mode(model: CpuFirstModel, mode: str) -> str:
-    """`eager`, `graph` or `graph/static` (parse_condition's) -> the engine mode, with the
-    graph decoder's attention variant set for the next episode."""
-    mode, _, attention = mode.partition("/")
+    """`eager`, `graph`, `graph/static` or `graph/live/serial` (parse_condition's) -> the engine
+    mode, with the graph decoder's attention variant and k/v schedule set for the next episode."""
+    mode, _, variant = mode.partition("/")
+    attention, _, kv = variant.partition("/")
     model.graph.attention = attention or "live"
+    model.graph.decoder.parallel_kv = kv != "serial"
     return mode
 
 

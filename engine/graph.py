@@ -186,17 +186,16 @@ class GraphDecoder:
     def _side(self) -> "torch.cuda.Stream":
         if self._stream is None:
             self._stream = torch.cuda.Stream(self.device)
-            # k and v run beside q inside the captured pieces (StaticOPT.pre); for the model's
-            # life, like the side stream, so their cuBLAS workspaces are made once, here, by a
-            # tiny matmul on each (made inside a capture they would come from its graph's pool).
-            branches = (torch.cuda.Stream(self.device), torch.cuda.Stream(self.device))
+            # k and v run beside q inside the captured pieces (StaticOPT.pre) on a stream kept
+            # for the model's life, like the side stream, so its cuBLAS workspace is made once,
+            # here, by a tiny matmul (made inside a capture it would come from the graph's pool).
+            branch = torch.cuda.Stream(self.device)
             one = torch.ones((1, 8), dtype=self.decoder.dtype, device=self.device)
-            for stream in branches:
-                stream.wait_stream(torch.cuda.current_stream(self.device))
-                with torch.cuda.stream(stream):
-                    torch.nn.functional.linear(one, one)
+            branch.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(branch):
+                torch.nn.functional.linear(one, one)
             torch.cuda.synchronize(self.device)
-            self.decoder.branches = branches
+            self.decoder.branch = branch
         return self._stream
 
     def _capture(self, static_ids: torch.Tensor | None, static_pos: torch.Tensor | None, kv: StaticKV, *,

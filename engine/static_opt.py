@@ -75,10 +75,12 @@ class StaticOPT:
         self.heads, self.head_dim, self.scaling = attn.num_heads, attn.head_dim, attn.scaling
         self.hidden = self.heads * self.head_dim
         self.dtype = self.embed_weight.dtype
-        # Two CUDA streams for k and v while a step is captured (engine/graph.py sets them):
-        # a layer's q, k and v projections are independent GEMVs too small to fill the GPU
-        # alone, so the graph runs them side by side. Same kernels, same inputs: same bits.
-        self.branches: tuple | None = None
+        # A CUDA stream for k and v while a step is captured (engine/graph.py sets it): a
+        # layer's q, k and v projections are independent GEMVs too small to fill the GPU alone,
+        # so the graph runs k and v beside q. Same kernels, same inputs: same bits.
+        # `parallel_kv = False` captures them one after the other (bench.engine's `+kv=serial`).
+        self.branch = None
+        self.parallel_kv = True
 
     def new_cache(self, capacity: int) -> StaticKV:
         return StaticKV(layers=len(self.layers), heads=self.heads, head_dim=self.head_dim, capacity=capacity,
@@ -136,20 +138,20 @@ class StaticOPT:
             # The write slot is the device tensor pos: no host state, so a replay writes where it should.
             into.index_copy_(2, pos, F.linear(x, proj.weight, proj.bias).view(1, t, self.heads, self.head_dim).transpose(1, 2))
 
-        branches = self.branches if self.branches is not None and torch.cuda.is_current_stream_capturing() else None
-        if branches is None:
+        capturing = self.branch is not None and self.parallel_kv and torch.cuda.is_current_stream_capturing()
+        branch = self.branch if capturing else None
+        if branch is None:
             q = F.linear(x, attn.q_proj.weight, attn.q_proj.bias) * self.scaling
             project(attn.k_proj, cache.keys)
             project(attn.v_proj, cache.values)
         else:  # fork k and v off the capturing stream, rejoin before attention reads them
             main = torch.cuda.current_stream()
-            for stream, proj, into in zip(branches, (attn.k_proj, attn.v_proj), (cache.keys, cache.values)):
-                stream.wait_stream(main)
-                with torch.cuda.stream(stream):
-                    project(proj, into)
+            branch.wait_stream(main)
+            with torch.cuda.stream(branch):
+                project(attn.k_proj, cache.keys)
+                project(attn.v_proj, cache.values)
             q = F.linear(x, attn.q_proj.weight, attn.q_proj.bias) * self.scaling
-            for stream in branches:
-                main.wait_stream(stream)
+            main.wait_stream(branch)
         return q.view(1, t, self.heads, self.head_dim).transpose(1, 2)
 
     def attend(self, q: torch.Tensor, cache: KVLayer, span: int, mask: torch.Tensor | None,
