@@ -10,11 +10,8 @@ MODES:
   episode's first decode call runs eagerly on the side stream before the capture (the warm-up:
   Triton specialises and compiles, the side stream gets its cuBLAS workspace); later episodes
   capture at their first decode call and replay it at once. Every captured decode call copies
-  its token id and position into the static inputs and replays the pieces; between them runs
-  each layer's attention over the live keys (vLLM's piecewise graphs): stock's shapes, so
-  stock's bits. Those attention graphs, one per (layer, live span), are kept across episodes
-  with the KV cache they read (`KeptAttention`). Inside the pieces a layer's k and v run on a
-  branch stream beside q. Policies with host decisions (a mask readback,
+  its token id and position into the static inputs and replays the pieces, running each layer's attention over the live keys between
+  them (vLLM's piecewise graphs): stock's shapes, so stock's bits. Policies with host decisions (a mask readback,
   an LRU plan, a forecast) run the same decoder eagerly: the same math, so exactness against
   dense-stream within the mode still holds. On the CPU nothing is captured (the CPU twin).
 
@@ -92,50 +89,23 @@ class _Tape:
 
 
 class GraphStep:
-    """The decode step of one episode captured on its StaticKV (held by the cache until its reset).
+    """The decode step of one episode captured on its StaticKV (held by the cache, dies with it).
 
     `graphs[0]` embeds and runs layer 0 up to attention; `graphs[i]` finishes layer i-1 and
     runs layer i up to attention; the last finishes the last layer and computes the logits.
-    Between two pieces runs the layer's attention over the live keys (`KeptAttention`), reading
-    the q the piece wrote and writing what the next piece reads. With attention="static" there
-    is one graph for the whole step.
+    Between two graphs the host runs the layer's attention over the live keys into `attn`.
+    With attention="static" there is one graph for the whole step.
     """
 
-    def __init__(self, graphs: list, ids: torch.Tensor, pos: torch.Tensor, logits: torch.Tensor, tape: _Tape,
-                 capture_s: float, warmed: bool) -> None:
-        self.graphs, self.ids, self.pos = graphs, ids, pos
+    def __init__(self, graphs: list, ids: torch.Tensor, pos: torch.Tensor, queries: list, attn: torch.Tensor | None,
+                 logits: torch.Tensor, tape: _Tape, capture_s: float, warmed: bool) -> None:
+        self.graphs, self.ids, self.pos, self.queries, self.attn = graphs, ids, pos, queries, attn
         self.logits, self.tape, self.capture_s = logits, tape, capture_s
         self.warmed = warmed  # this episode's first decode call ran eagerly before the capture
 
     def describe(self) -> str:
         """What the archive records as the episode's `decode_graph`."""
         return f"captured ({self.capture_s * 1e3:.1f} ms{', after an eager warm-up call' if self.warmed else ''})"
-
-
-class KeptAttention:
-    """Mode graph's live-span attention on CUDA, kept from episode to episode.
-
-    The attention between two captured pieces reads the live keys, so its shapes change every
-    decode call (stock's shapes: that is what keeps the logits stock's bit for bit). Run
-    eagerly, its launches are host work between the replays (about 0.6 ms of a 3.4 ms 2.7B call).
-    Captured, it needs a graph per (layer, live span), too many to capture per episode; so the
-    KV cache outlives the episode (one StaticKV per capacity, zeroed at each episode's start,
-    charged in full as before), and so do the q each piece writes and the output the next piece
-    reads. Each (layer, span) graph is captured the first time an episode reaches it and
-    replayed by every later one, whatever its policy. A new capacity or an eager episode
-    (CpuFirstModel.new_cache) drops all of it.
-    """
-
-    def __init__(self, kv: StaticKV, hidden: int, dtype: torch.dtype, device: torch.device) -> None:
-        self.kv = kv
-        self.q = [torch.zeros((1, 1, hidden), dtype=dtype, device=device) for _ in kv.layers]
-        self.out = torch.zeros((1, 1, hidden), dtype=dtype, device=device)
-        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
-        self.pool = None  # one memory pool for every attention graph: they replay one at a time
-
-    @property
-    def bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (*self.q, self.out))
 
 
 class GraphDecoder:
@@ -161,27 +131,14 @@ class GraphDecoder:
         # (Triton's decode specialisation compiled, cuBLAS's side-stream workspace allocated):
         # their later episodes capture without the eager warm-up call.
         self._warm: set[type] = set()
-        self.kept: KeptAttention | None = None  # CUDA only
 
     def new_cache(self, capacity: int) -> StaticKV:
         if self.attention not in self.ATTENTION:
             raise ValueError(f"attention must be one of {', '.join(self.ATTENTION)}, got {self.attention!r}")
-        if self.device.type == "cuda":
-            if self.kept is None or self.kept.kv.capacity != capacity:
-                self.release()  # the old cache and its graphs go before the new cache is allocated
-                kv = self.decoder.new_cache(capacity)
-                self.kept = KeptAttention(kv, self.decoder.hidden, self.decoder.dtype, self.device)
-            kv = self.kept.kv
-            kv.reset()
-        else:
-            kv = self.decoder.new_cache(capacity)
+        kv = self.decoder.new_cache(capacity)
         kv.eager_reason = graph_refusal(self.slot.policy, self.device)
         kv.attention = self.attention
         return kv
-
-    def release(self) -> None:
-        """Drop the kept KV cache and attention graphs (an eager episode must not carry them)."""
-        self.kept = None
 
     def forward(self, ids: torch.Tensor, kv: StaticKV) -> torch.Tensor:
         """One call: (1, T) ids -> (vocab,) last logits. The first call of a cache is the prefill."""
@@ -202,9 +159,9 @@ class GraphDecoder:
             step.pos.fill_(position)  # a kernel argument: no host-device sync
             step.tape.play(self.recorder)
             graphs = step.graphs
-            for i in range(len(graphs) - 1):  # none between them when attention is static
+            for i, query in enumerate(step.queries):
                 graphs[i].replay()
-                self._attention(i, span, kv).replay()
+                self.decoder.attend(query, kv.layers[i], span, None, out=step.attn)
             graphs[-1].replay()
             return step.logits
         pos = torch.full((1,), position, dtype=torch.long, device=ids.device)
@@ -241,21 +198,6 @@ class GraphDecoder:
             self.decoder.branch = branch
         return self._stream
 
-    def _attention(self, i: int, span: int, kv: StaticKV) -> "torch.cuda.CUDAGraph":
-        """Layer i's attention over `span` live keys, captured the first time it is needed."""
-        kept = self.kept
-        graph = kept.graphs.get((i, span))
-        if graph is None:
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.stream(self._side()):
-                graph.capture_begin(pool=kept.pool)
-                q = kept.q[i].view(1, 1, self.decoder.heads, self.decoder.head_dim).transpose(1, 2)
-                self.decoder.attend(q, kv.layers[i], span, None, out=kept.out)
-                graph.capture_end()
-            kept.pool = graph.pool() if kept.pool is None else kept.pool
-            kept.graphs[i, span] = graph
-        return graph
-
     def _capture(self, static_ids: torch.Tensor | None, static_pos: torch.Tensor | None, kv: StaticKV, *,
                  warmed: bool) -> GraphStep:
         """Capture the decode step's pieces on static inputs (fresh ones if None; a replay fills
@@ -274,7 +216,7 @@ class GraphDecoder:
             # Capture records, it does not run: the KV slot written here is rewritten by each
             # replay at the position it is given. torch.cuda.graph() would gc.collect() and
             # empty the cache for each piece; capture_begin on one stream and one pool does not.
-            kept = self.kept
+            attn = torch.zeros((1, 1, d.hidden), dtype=d.dtype, device=self.device)
             with torch.cuda.stream(side):
                 if kv.attention == "static":
                     graph = torch.cuda.CUDAGraph()
@@ -282,16 +224,16 @@ class GraphDecoder:
                     static_logits = d.decode(static_ids, static_pos, kv, span=kv.capacity)
                     rejoin(self.slot.policy, side)
                     graph.capture_end()
-                    graphs = [graph]
+                    graphs, queries, attn = [graph], [], None
                 else:
-                    graphs, pool = [], None
+                    graphs, queries, pool = [], [], None
                     h = None
                     for i in range(len(d.layers) + 1):
                         graph = torch.cuda.CUDAGraph()
                         graph.capture_begin(pool=pool)
-                        h = d.embed(static_ids, static_pos) if i == 0 else d.post(i - 1, h, kept.out)
+                        h = d.embed(static_ids, static_pos) if i == 0 else d.post(i - 1, h, attn)
                         if i < len(d.layers):
-                            d.pre(i, h, static_pos, kv, q_out=kept.q[i])
+                            queries.append(d.pre(i, h, static_pos, kv))
                         else:
                             static_logits = d.head(h)
                         rejoin(self.slot.policy, side)  # dense-stream's copy of the next layer ends here
@@ -302,4 +244,5 @@ class GraphDecoder:
             tape = _Tape(recorder.current, list(recorder._deferred))
         finally:
             recorder.current, recorder.phase, recorder._deferred = saved
-        return GraphStep(graphs, static_ids, static_pos, static_logits, tape, time.perf_counter() - t0, warmed)
+        return GraphStep(graphs, static_ids, static_pos, queries, attn, static_logits, tape,
+                         time.perf_counter() - t0, warmed)

@@ -137,7 +137,6 @@ class CpuFirstModel:
             if capacity is None:
                 raise ValueError("mode graph needs the episode's capacity (prefix + continuation tokens)")
             return self.graph.new_cache(capacity)
-        self.graph.release()  # mode graph's kept KV cache must not sit in an eager episode's memory
         from transformers import DynamicCache
 
         return DynamicCache()

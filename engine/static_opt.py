@@ -49,13 +49,6 @@ class StaticKV:
         self.eager_reason: str | None = None  # why decode was not captured (graph mode)
         self.attention = "live"  # engine/graph.py GraphDecoder.ATTENTION
 
-    def reset(self) -> None:
-        """Ready for a new episode, on the same memory (engine/graph.py keeps one on CUDA)."""
-        for layer in self.layers:
-            layer.keys.zero_()
-            layer.values.zero_()
-        self.length, self.graph, self.eager_reason, self.attention = 0, None, None, "live"
-
 
 class StaticOPT:
     """The decoder over a CpuFirstModel's modules: `prefill(ids, kv)` and `decode(ids, pos, kv)`.
@@ -134,11 +127,8 @@ class StaticOPT:
         # OPTLearnedPositionalEmbedding: position ids + offset; then inputs_embeds + pos_embeds
         return F.embedding(ids, self.embed_weight) + F.embedding((pos + self.position_offset)[None], self.positions)
 
-    def pre(self, i: int, h: torch.Tensor, pos: torch.Tensor, kv: StaticKV, q_out: torch.Tensor | None = None
-            ) -> torch.Tensor:
-        """Layer i up to attention: (1, T, hidden) -> q (1, heads, T, head_dim); writes K, V at pos.
-
-        q_out (1, T, hidden), if given, receives the scaled q (the same multiply, written there)."""
+    def pre(self, i: int, h: torch.Tensor, pos: torch.Tensor, kv: StaticKV) -> torch.Tensor:
+        """Layer i up to attention: (1, T, hidden) -> q (1, heads, T, head_dim); writes K, V at pos."""
         layer, t = self.layers[i], h.shape[1]
         attn, ln = layer.self_attn, layer.self_attn_layer_norm
         x = F.layer_norm(h, ln.normalized_shape, ln.weight, ln.bias, ln.eps)
@@ -150,11 +140,8 @@ class StaticOPT:
 
         capturing = self.branch is not None and self.parallel_kv and torch.cuda.is_current_stream_capturing()
         branch = self.branch if capturing else None
-        def query() -> torch.Tensor:
-            return torch.mul(F.linear(x, attn.q_proj.weight, attn.q_proj.bias), self.scaling, out=q_out)
-
         if branch is None:
-            q = query()
+            q = F.linear(x, attn.q_proj.weight, attn.q_proj.bias) * self.scaling
             project(attn.k_proj, cache.keys)
             project(attn.v_proj, cache.values)
         else:  # fork k and v off the capturing stream, rejoin before attention reads them
@@ -163,7 +150,7 @@ class StaticOPT:
             with torch.cuda.stream(branch):
                 project(attn.k_proj, cache.keys)
                 project(attn.v_proj, cache.values)
-            q = query()
+            q = F.linear(x, attn.q_proj.weight, attn.q_proj.bias) * self.scaling
             main.wait_stream(branch)
         return q.view(1, t, self.heads, self.head_dim).transpose(1, 2)
 

@@ -106,30 +106,3 @@ def test_cuda_static_span_graph_is_exact_within_itself(tiny):
         assert np.array_equal(out.logits, ref.logits), key
     model.use("dense-stream")
     assert run_episode(model, PROMPT, continuation=CONTINUATION, mode="eager").tokens == ref.tokens
-
-
-def test_cuda_attention_graphs_are_kept_across_episodes_and_policies(tiny):
-    """One attention graph per (layer, live span), captured by the first episode that reaches it
-    and replayed by every later one on the same kept KV cache, whatever the policy; a new
-    capacity or an eager episode drops them. Every episode stays bit-identical to stock."""
-    model = CpuFirstModel(tiny, dtype=torch.float16, device=torch.device("cuda"))
-    model.use("dense-stream")
-    stock = run_episode(model, PROMPT, continuation=CONTINUATION, mode="eager")
-    assert model.graph.kept is None
-    layers = model.config.num_hidden_layers
-    counts = []
-    for name, params in [("dense-stream", {}), ("dense-stream", {}), ("resident", {}), ("packet", {"gather": "device"})]:
-        model.use(name, **params)
-        out = run_episode(model, PROMPT, continuation=CONTINUATION, mode="graph")
-        assert np.array_equal(out.logits, stock.logits), name
-        counts.append(len(model.graph.kept.graphs))
-    # The first episode warms up on its first decode call, so its replays meet the spans of calls
-    # 2..CONTINUATION-1; the second captures at once and replays call 1 too (one more span);
-    # resident and packet, warming up, meet no new span.
-    assert counts == [layers * (CONTINUATION - 2)] + [layers * (CONTINUATION - 1)] * 3, counts
-    kept = model.graph.kept
-    model.use("dense-stream")
-    run_episode(model, PROMPT[:40], continuation=CONTINUATION, mode="graph")  # another capacity
-    assert model.graph.kept is not kept
-    run_episode(model, PROMPT, continuation=CONTINUATION, mode="eager")
-    assert model.graph.kept is None
