@@ -10,8 +10,10 @@ MODES:
   episode's first decode call runs eagerly on the side stream before the capture (the warm-up:
   Triton specialises and compiles, the side stream gets its cuBLAS workspace); later episodes
   capture at their first decode call and replay it at once. Every captured decode call copies
-  its token id and position into the static inputs and replays the pieces, running each layer's attention over the live keys between
-  them (vLLM's piecewise graphs): stock's shapes, so stock's bits. Policies with host decisions (a mask readback,
+  its token id and position into the static inputs and replays the pieces, running each
+  layer's attention over the live keys between them (vLLM's piecewise graphs): stock's shapes,
+  so stock's bits. Inside the pieces a layer's k and v run on a branch stream beside q (the same
+  kernels, so the same bits). Policies with host decisions (a mask readback,
   an LRU plan, a forecast) run the same decoder eagerly: the same math, so exactness against
   dense-stream within the mode still holds. On the CPU nothing is captured (the CPU twin).
 
