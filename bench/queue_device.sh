@@ -8,8 +8,9 @@
 #   C. a worker killed mid-screen: the screen is requeued and completes on the other node.
 # Run from the project root with .whl carried: bash bench/queue_device.sh
 # SKIP_A34=1 skips A3-A4, ONLY_BC=1 runs B and C alone, ONLY_A=1 runs A1-A2 alone (after a startup
-# probe, a cache-warming pair, the pair on a standing `dispatch --follow`, and with VARIANT_ENV=K=V
-# one more pair under that environment); MODE=graph runs the screens in engine mode graph.
+# probe, a cache-warming pair, the pair on a standing `dispatch --follow`, and with VARIANT_ENV="K=V ..."
+# one more pair under that environment, e.g. VARIANT_ENV=PACKBENCH_WORKER_PIN=1 for workers pinned to
+# their share of the cores); MODE=graph runs the screens in engine mode graph.
 # A CPU dry run of the plumbing: SKIP_WHEELS=1 SHAPE=tiny DTYPE=float32 PREFIX=8 CONT=4 PACKBENCH_EMBEDDED_GPUS=2 bash bench/queue_device.sh
 set -uo pipefail
 [ -n "${SKIP_WHEELS:-}" ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
@@ -75,9 +76,11 @@ if [ -n "${ONLY_A:-}" ]; then
   echo "== S1/S2: a standing dispatcher (--follow), one worker, then one per GPU"
   standing 1; s_seq=$standing_wall; standing 2; s_par=$standing_wall
   echo "standing dispatcher, submit to both done: one worker $s_seq s, one per GPU $s_par s, ratio $(python3 -c "print(round($s_par / $s_seq, 3))")"
-  if [ -n "${VARIANT_ENV:-}" ]; then  # e.g. VARIANT_ENV=OMP_WAIT_POLICY=PASSIVE: the embedded Ray's workers inherit it
+  if [ -n "${VARIANT_ENV:-}" ]; then  # e.g. "OMP_WAIT_POLICY=PASSIVE PACKBENCH_WORKER_PIN=1": the workers inherit them
     echo "== A1/A2 with $VARIANT_ENV"
-    export "$VARIANT_ENV"; sequential; concurrent; unset "${VARIANT_ENV%%=*}"
+    for kv in $VARIANT_ENV; do export "$kv"; done
+    sequential; concurrent
+    for kv in $VARIANT_ENV; do unset "${kv%%=*}"; done
     echo "$VARIANT_ENV: sequential $seq s, concurrent $par s, ratio $(python3 -c "print(round($par / $seq, 3))")"
   fi
 fi

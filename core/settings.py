@@ -21,6 +21,9 @@ DEFAULT_CONNECT_TIMEOUT_S = 15.0
 DEFAULT_CUDA_ALLOC_CONF = "expandable_segments:True"
 # Set where the dispatcher runs: each GPU worker's host threads (default: its share of the cores).
 WORKER_THREADS_ENV = "PACKBENCH_WORKER_THREADS"
+# Set where the dispatcher runs, "1": each GPU worker pins itself to its share of the host's
+# cores (the share of its GPU's index), so two workers' host gathers never meet on one core.
+WORKER_PIN_ENV = "PACKBENCH_WORKER_PIN"
 
 
 @dataclass(frozen=True)
@@ -70,7 +73,8 @@ class Settings:
         """Environment variables of every GPU worker actor (set by the actor before it imports torch).
 
         $PACKBENCH_WORKER_THREADS, when set where the dispatcher runs, fixes each worker's host
-        threads (its gathers' OMP threads) instead of its share of the host's cores."""
+        threads (its gathers' OMP threads) instead of its share of the host's cores;
+        $PACKBENCH_WORKER_PIN=1 pins each worker to that share (engine/worker.py core_share)."""
         fixed = os.environ.get(WORKER_THREADS_ENV)
         if fixed is not None and not (fixed.isdigit() and int(fixed) > 0):
             raise PackbenchError(f"{WORKER_THREADS_ENV}={fixed!r} is not a number of threads; set it to a positive "
@@ -78,4 +82,10 @@ class Settings:
         env = {"OMP_NUM_THREADS": fixed or str(threads), "PYTORCH_CUDA_ALLOC_CONF": self.cuda_alloc_conf}
         if fixed:
             env[WORKER_THREADS_ENV] = fixed
+        pin = os.environ.get(WORKER_PIN_ENV)
+        if pin is not None:
+            if pin not in ("0", "1"):
+                raise PackbenchError(f"{WORKER_PIN_ENV}={pin!r} must be 1 (pin each GPU worker to its share of the "
+                                     f"host's cores) or 0; or unset it")
+            env[WORKER_PIN_ENV] = pin
         return {**env, **self.extra_worker_env}

@@ -58,3 +58,14 @@ def host_gpus() -> int:
         return pynvml.nvmlDeviceGetCount()
     except Exception:
         return 0
+
+
+def host_gpu_index(uuid: str) -> int | None:
+    """NVML's index of the GPU `uuid` on this host (None without NVML or if it is not here)."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        return pynvml.nvmlDeviceGetIndex(pynvml.nvmlDeviceGetHandleByUUID(uuid))
+    except Exception:
+        return None

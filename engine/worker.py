@@ -21,10 +21,10 @@ from core.canonical import canonical_sha256
 from core.errors import CheckpointError
 from core.metrics import episode_totals
 from core.provenance import checkpoint_digest
-from core.settings import WORKER_THREADS_ENV
+from core.settings import WORKER_PIN_ENV, WORKER_THREADS_ENV
 from core.protocol import Protocol, expand
 from engine.episode import run_episode
-from engine.gpu_lock import GpuLock, host_gpus
+from engine.gpu_lock import GpuLock, host_gpu_index, host_gpus
 from engine.graph import check_mode
 from engine.model import CpuFirstModel
 from engine.policies import BUFFERS_LAYOUT
@@ -104,6 +104,14 @@ def host_rss_peak_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
+def core_share(cores: list[int], index: int, count: int) -> list[int]:
+    """The `index`-th of `count` contiguous, near-equal slices of `cores` (never empty)."""
+    if not 0 <= index < count:
+        raise ValueError(f"GPU index {index} is not one of {count}")
+    start, end = len(cores) * index // count, len(cores) * (index + 1) // count
+    return cores[start:end] or cores[index % len(cores):][:1]
+
+
 class Worker:
     def __init__(self, device: str | None = None) -> None:
         self.t_entry = time.perf_counter()
@@ -134,6 +142,10 @@ class Worker:
             # $PACKBENCH_WORKER_THREADS (core/settings.py) fixes the count instead.
             torch.set_num_threads(int(os.environ.get(WORKER_THREADS_ENV) or 0)
                                   or max(1, (os.cpu_count() or 1) // max(1, host_gpus())))
+            index = host_gpu_index(uuid) if uuid else None
+            if os.environ.get(WORKER_PIN_ENV) == "1" and index is not None:
+                # Threads made from here on (the OMP pool of the host gathers) inherit it.
+                os.sched_setaffinity(0, core_share(sorted(os.sched_getaffinity(0)), index, host_gpus()))
         self.sampler = MemorySampler(uuid)  # one helper process for the worker's life
 
     def describe(self) -> dict:

@@ -58,3 +58,24 @@ def test_worker_threads_can_be_fixed_where_the_dispatcher_runs(monkeypatch):
         monkeypatch.setenv("PACKBENCH_WORKER_THREADS", bad)
         with pytest.raises(PackbenchError, match="PACKBENCH_WORKER_THREADS=.* is not a number of threads"):
             Settings().worker_env(threads=16)
+
+
+def test_worker_pinning_is_a_share_of_the_cores_and_checked(monkeypatch):
+    from core.errors import PackbenchError
+    from core.settings import Settings
+    from engine.worker import core_share
+
+    assert core_share(list(range(32)), 0, 2) == list(range(16))
+    assert core_share(list(range(32)), 1, 2) == list(range(16, 32))
+    assert core_share([0, 2, 4, 6, 8], 2, 3) == [6, 8]  # uneven: every core in one slice
+    assert sum((core_share(list(range(7)), i, 3) for i in range(3)), []) == list(range(7))
+    assert core_share([5], 1, 2) == [5]  # fewer cores than GPUs: shared, never empty
+    with pytest.raises(ValueError, match="GPU index 2 is not one of 2"):
+        core_share(list(range(8)), 2, 2)
+    monkeypatch.delenv("PACKBENCH_WORKER_PIN", raising=False)
+    assert "PACKBENCH_WORKER_PIN" not in Settings().worker_env(threads=8)
+    monkeypatch.setenv("PACKBENCH_WORKER_PIN", "1")
+    assert Settings().worker_env(threads=8)["PACKBENCH_WORKER_PIN"] == "1"
+    monkeypatch.setenv("PACKBENCH_WORKER_PIN", "yes")
+    with pytest.raises(PackbenchError, match="PACKBENCH_WORKER_PIN='yes' must be 1"):
+        Settings().worker_env(threads=8)
