@@ -142,9 +142,8 @@ class Worker:
             # $PACKBENCH_WORKER_THREADS (core/settings.py) fixes the count instead.
             torch.set_num_threads(int(os.environ.get(WORKER_THREADS_ENV) or 0)
                                   or max(1, (os.cpu_count() or 1) // max(1, host_gpus())))
-            index = host_gpu_index(uuid) if uuid else None
-            if os.environ.get(WORKER_PIN_ENV) == "1" and index is not None:
-                # Threads made from here on (the OMP pool of the host gathers) inherit it.
+            index = host_gpu_index(uuid) if uuid and os.environ.get(WORKER_PIN_ENV) == "1" else None
+            if index is not None:  # threads made from here on (the host gathers' OMP pool) inherit it
                 os.sched_setaffinity(0, core_share(sorted(os.sched_getaffinity(0)), index, host_gpus()))
         self.sampler = MemorySampler(uuid)  # one helper process for the worker's life
 
