@@ -30,6 +30,7 @@ to its own call. Nothing inside the step reads the host: counts come back once p
 the logits, as in eager mode.
 """
 
+import functools
 import time
 from collections.abc import Callable
 
@@ -72,6 +73,27 @@ def graph_refusal(policy, device: torch.device) -> str | None:
     if safe is None or not safe(policy):
         return f"{policy.name} decides on the host"
     return None
+
+
+@functools.cache
+def capture_streams(device_index: int) -> tuple["torch.cuda.Stream", "torch.cuda.Stream"]:
+    """The side stream every warm-up and capture runs on, and the branch stream k and v run on
+    inside the captured pieces (StaticOPT.pre): one pair per device for the process's life.
+
+    PyTorch keeps a cuBLAS workspace per stream for the process's life, so fresh streams leak:
+    one per episode cost ~32 MiB each (the first H200 run: 198 MiB more allocator peak, then OOM
+    under the allowance), and one per model would grow a long-lived worker's memory with every
+    cold load. The branch gets its workspace here, from a tiny matmul: made inside a capture it
+    would come from that graph's pool. The side stream's comes with the first eager warm-up.
+    """
+    device = torch.device("cuda", device_index)
+    side, branch = torch.cuda.Stream(device), torch.cuda.Stream(device)
+    one = torch.ones((1, 8), device=device)
+    branch.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(branch):
+        torch.nn.functional.linear(one, one)
+    torch.cuda.synchronize(device)
+    return side, branch
 
 
 class _Tape:
@@ -125,10 +147,6 @@ class GraphDecoder:
         self.decoder = StaticOPT(causal_lm, slot)
         self.slot, self.recorder, self.device = slot, recorder, device
         self.attention = "live"
-        # One side stream for every warm-up and capture: PyTorch keeps a cuBLAS workspace per
-        # stream for the process's life, so a fresh stream per episode leaked ~32 MiB each
-        # (the first H200 run: 198 MiB more allocator peak, then OOM under the allowance).
-        self._stream = None
         # Policy classes whose decode step has run eagerly on the side stream in this process
         # (Triton's decode specialisation compiled, cuBLAS's side-stream workspace allocated):
         # their later episodes capture without the eager warm-up call.
@@ -186,19 +204,8 @@ class GraphDecoder:
         return logits
 
     def _side(self) -> "torch.cuda.Stream":
-        if self._stream is None:
-            self._stream = torch.cuda.Stream(self.device)
-            # k and v run beside q inside the captured pieces (StaticOPT.pre) on a stream kept
-            # for the model's life, like the side stream, so its cuBLAS workspace is made once,
-            # here, by a tiny matmul (made inside a capture it would come from the graph's pool).
-            branch = torch.cuda.Stream(self.device)
-            one = torch.ones((1, 8), dtype=self.decoder.dtype, device=self.device)
-            branch.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(branch):
-                torch.nn.functional.linear(one, one)
-            torch.cuda.synchronize(self.device)
-            self.decoder.branch = branch
-        return self._stream
+        side, self.decoder.branch = capture_streams(self.device.index or 0)
+        return side
 
     def _capture(self, static_ids: torch.Tensor | None, static_pos: torch.Tensor | None, kv: StaticKV, *,
                  warmed: bool) -> GraphStep:
