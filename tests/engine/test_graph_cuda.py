@@ -106,3 +106,17 @@ def test_cuda_static_span_graph_is_exact_within_itself(tiny):
         assert np.array_equal(out.logits, ref.logits), key
     model.use("dense-stream")
     assert run_episode(model, PROMPT, continuation=CONTINUATION, mode="eager").tokens == ref.tokens
+
+
+def test_cuda_models_share_the_capture_streams(tiny):
+    """Each stream used for cuBLAS keeps a workspace for the process's life: a model loaded after
+    another captures on the same side and branch streams, so cold loads do not add workspaces."""
+    streams = []
+    for _ in range(2):
+        model = CpuFirstModel(tiny, dtype=torch.float16, device=torch.device("cuda"))
+        model.use("resident")
+        out = run_episode(model, PROMPT, continuation=CONTINUATION, mode="graph")
+        assert out.decode_graph.startswith("captured")
+        streams.append((model.graph._side(), model.graph.decoder.branch))
+        del model
+    assert streams[0][0] is streams[1][0] and streams[0][1] is streams[1][1]
