@@ -6,7 +6,7 @@
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD
-source "$(dirname "$0")/device_header.sh"; device_header
+source "$(dirname "$0")/device_common.sh"; device_header
 nproc; free -g | head -2; uname -r; cat /sys/kernel/mm/transparent_hugepage/enabled
 
 echo "== CUDA tests of the read (bytes, pinned, logits per host layout)"

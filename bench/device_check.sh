@@ -4,7 +4,7 @@
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD RAY_AUTH_MODE=disabled
-source "$(dirname "$0")/device_header.sh"; device_header
+source "$(dirname "$0")/device_common.sh"; device_header
 
 echo "== CUDA tests"
 python3 -m pytest -q -m gpu -p no:cacheprovider tests 2>&1 | tail -5

@@ -5,7 +5,7 @@
 set -uo pipefail
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 out=${OUT:-/tmp}
-source "$(dirname "$0")/device_header.sh"; device_header
+source "$(dirname "$0")/device_common.sh"; device_header
 
 echo "== CUDA tests (engine)"
 python3 -m pytest -q -m gpu -p no:cacheprovider tests/engine/test_graph_cuda.py tests/engine/test_policies_cuda.py \

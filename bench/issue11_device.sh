@@ -12,7 +12,7 @@
 set -uo pipefail
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 out=${OUT:-/tmp}
-source "$(dirname "$0")/device_header.sh"; device_header
+source "$(dirname "$0")/device_common.sh"; device_header
 echo "== CUDA tests (engine)"
 timeout 120 python3 -m pytest -q -m gpu -p no:cacheprovider tests/engine/test_dense_stream_cuda.py tests/engine/test_graph_cuda.py \
   tests/engine/test_policies_cuda.py > "$out/pytest.log" 2>&1; echo "pytest rc $?"; tail -4 "$out/pytest.log"

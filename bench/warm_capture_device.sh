@@ -11,10 +11,8 @@
 set -uo pipefail
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 out=${OUT:-/tmp}
-source "$(dirname "$0")/device_header.sh"; device_header
-echo "== CUDA tests (engine)"
-timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/engine > "$out/pytest.log" 2>&1; echo "pytest rc $?"
-grep -E "passed|failed|Error" "$out/pytest.log" | tail -6
+source "$(dirname "$0")/device_common.sh"; device_header
+engine_cuda_tests
 echo "== opt-2.7b, mode graph"
 timeout 150 python3 -m bench.engine --shape opt-2.7b --dtype float16 --prefix 512 --continuation 16 --rounds 2 --allowance-mib 4800 \
   --conditions "resident+unbounded=yes+mode=graph,dense-stream+mode=graph,packet+gather=device+mode=graph" > "$out/bench27.log" 2>&1
