@@ -88,10 +88,11 @@ def capture_streams(device_index: int) -> tuple["torch.cuda.Stream", "torch.cuda
     """
     device = torch.device("cuda", device_index)
     side, branch = torch.cuda.Stream(device), torch.cuda.Stream(device)
-    one = torch.ones((1, 8), device=device)
     branch.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(branch):
-        torch.nn.functional.linear(one, one)
+        for dtype in (torch.float32, torch.float16, torch.bfloat16):  # with a bias, as q/k/v have
+            one = torch.ones((1, 8), dtype=dtype, device=device)
+            torch.nn.functional.linear(one, one, one[0, :1])
     torch.cuda.synchronize(device)
     return side, branch
 
