@@ -111,7 +111,7 @@ def set_mode(model: CpuFirstModel, mode: str) -> str:
     mode, _, variant = mode.partition("/")
     attention, _, kv = variant.partition("/")
     model.graph.attention = attention or "live"
-    model.graph.decoder.parallel_kv = kv != "serial"
+    model.graph.parallel_kv = kv != "serial"
     return mode
 
 

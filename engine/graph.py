@@ -152,6 +152,7 @@ class GraphDecoder:
         # (Triton's decode specialisation compiled, cuBLAS's side-stream workspace allocated):
         # their later episodes capture without the eager warm-up call.
         self._warm: set[type] = set()
+        self.parallel_kv = True  # False: a capture runs k and v after q (bench.engine's `+kv=serial`)
 
     def new_cache(self, capacity: int) -> StaticKV:
         if self.attention not in self.ATTENTION:
@@ -174,7 +175,7 @@ class GraphDecoder:
         span = kv.capacity if kv.attention == "static" else position + 1
         step = kv.graph
         if step is None and kv.eager_reason is None and type(self.slot.policy) in self._warm:
-            step = kv.graph = self._capture(None, None, kv, warmed=False)
+            step = kv.graph = self._capture(None, None, kv)
         if step is not None:
             step.ids.copy_(ids)
             step.pos.fill_(position)  # a kernel argument: no host-device sync
@@ -193,7 +194,7 @@ class GraphDecoder:
     def _warm_and_capture(self, ids: torch.Tensor, pos: torch.Tensor, kv: StaticKV, span: int) -> torch.Tensor:
         """Run this decode call eagerly on the side stream (its logits are the call's answer),
         then capture the step's pieces on static inputs for the calls after it."""
-        side, main = self._side(), torch.cuda.current_stream(self.device)
+        side, main = self.streams()[0], torch.cuda.current_stream(self.device)
         static_ids, static_pos = ids.clone(), pos.clone()
         side.wait_stream(main)
         with torch.cuda.stream(side):
@@ -201,18 +202,18 @@ class GraphDecoder:
         main.wait_stream(side)
         torch.cuda.synchronize(self.device)
         self._warm.add(type(self.slot.policy))
-        kv.graph = self._capture(static_ids, static_pos, kv, warmed=True)
+        kv.graph = self._capture(static_ids, static_pos, kv)
         return logits
 
-    def _side(self) -> "torch.cuda.Stream":
-        side, self.decoder.branch = capture_streams(self.device.index or 0)
-        return side
+    def streams(self) -> tuple["torch.cuda.Stream", "torch.cuda.Stream"]:
+        """(side, branch): the process's capture streams for this device (`capture_streams`)."""
+        return capture_streams(self.device.index or 0)
 
-    def _capture(self, static_ids: torch.Tensor | None, static_pos: torch.Tensor | None, kv: StaticKV, *,
-                 warmed: bool) -> GraphStep:
-        """Capture the decode step's pieces on static inputs (fresh ones if None; a replay fills
-        them before it runs). Nothing runs here: capture records."""
-        side, main = self._side(), torch.cuda.current_stream(self.device)
+    def _capture(self, static_ids: torch.Tensor | None, static_pos: torch.Tensor | None, kv: StaticKV) -> GraphStep:
+        """Capture the decode step's pieces on static inputs: the warm-up call's, or fresh ones
+        (None) that the first replay fills. Nothing runs here: capture records."""
+        warmed = static_ids is not None  # the episode's first decode call ran eagerly already
+        (side, branch), main = self.streams(), torch.cuda.current_stream(self.device)
         if static_ids is None:
             static_ids = torch.zeros((1, 1), dtype=torch.long, device=self.device)
             static_pos = torch.zeros((1,), dtype=torch.long, device=self.device)
@@ -222,6 +223,7 @@ class GraphDecoder:
         saved = (recorder.current, recorder.phase, recorder._deferred)
         recorder.begin(phase="decode", tokens=1)  # scratch call: what the policy's host side adds
         d = self.decoder
+        d.branch = branch if self.parallel_kv else None
         try:
             # Capture records, it does not run: the KV slot written here is rewritten by each
             # replay at the position it is given. torch.cuda.graph() would gc.collect() and
@@ -254,5 +256,6 @@ class GraphDecoder:
             tape = _Tape(recorder.current, list(recorder._deferred))
         finally:
             recorder.current, recorder.phase, recorder._deferred = saved
+            d.branch = None
         return GraphStep(graphs, static_ids, static_pos, queries, attn, static_logits, tape,
                          time.perf_counter() - t0, warmed)

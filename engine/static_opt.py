@@ -75,12 +75,10 @@ class StaticOPT:
         self.heads, self.head_dim, self.scaling = attn.num_heads, attn.head_dim, attn.scaling
         self.hidden = self.heads * self.head_dim
         self.dtype = self.embed_weight.dtype
-        # A CUDA stream for k and v while a step is captured (engine/graph.py sets it): a
+        # A CUDA stream for k and v, set by engine/graph.py for the length of a capture only: a
         # layer's q, k and v projections are independent GEMVs too small to fill the GPU alone,
         # so the graph runs k and v beside q. Same kernels, same inputs: same bits.
-        # `parallel_kv = False` captures them one after the other (bench.engine's `+kv=serial`).
-        self.branch = None
-        self.parallel_kv = True
+        self.branch: "torch.cuda.Stream | None" = None
 
     def new_cache(self, capacity: int) -> StaticKV:
         return StaticKV(layers=len(self.layers), heads=self.heads, head_dim=self.head_dim, capacity=capacity,
@@ -132,27 +130,25 @@ class StaticOPT:
         layer, t = self.layers[i], h.shape[1]
         attn, ln = layer.self_attn, layer.self_attn_layer_norm
         x = F.layer_norm(h, ln.normalized_shape, ln.weight, ln.bias, ln.eps)
-        cache = kv.layers[i]
-
-        def project(proj, into: torch.Tensor) -> None:
-            # The write slot is the device tensor pos: no host state, so a replay writes where it should.
-            into.index_copy_(2, pos, F.linear(x, proj.weight, proj.bias).view(1, t, self.heads, self.head_dim).transpose(1, 2))
-
-        capturing = self.branch is not None and self.parallel_kv and torch.cuda.is_current_stream_capturing()
-        branch = self.branch if capturing else None
+        cache, branch = kv.layers[i], self.branch
         if branch is None:
             q = F.linear(x, attn.q_proj.weight, attn.q_proj.bias) * self.scaling
-            project(attn.k_proj, cache.keys)
-            project(attn.v_proj, cache.values)
+            self._write_kv(x, attn, cache, pos)
         else:  # fork k and v off the capturing stream, rejoin before attention reads them
             main = torch.cuda.current_stream()
             branch.wait_stream(main)
             with torch.cuda.stream(branch):
-                project(attn.k_proj, cache.keys)
-                project(attn.v_proj, cache.values)
+                self._write_kv(x, attn, cache, pos)
             q = F.linear(x, attn.q_proj.weight, attn.q_proj.bias) * self.scaling
             main.wait_stream(branch)
         return q.view(1, t, self.heads, self.head_dim).transpose(1, 2)
+
+    def _write_kv(self, x: torch.Tensor, attn, cache: KVLayer, pos: torch.Tensor) -> None:
+        """k and v of `x`, written at the device positions `pos`: no host state, so a replay
+        writes where it should."""
+        shape = (1, x.shape[1], self.heads, self.head_dim)
+        for proj, into in ((attn.k_proj, cache.keys), (attn.v_proj, cache.values)):
+            into.index_copy_(2, pos, F.linear(x, proj.weight, proj.bias).view(shape).transpose(1, 2))
 
     def attend(self, q: torch.Tensor, cache: KVLayer, span: int, mask: torch.Tensor | None,
                out: torch.Tensor | None = None) -> torch.Tensor:

@@ -117,6 +117,6 @@ def test_cuda_models_share_the_capture_streams(tiny):
         model.use("resident")
         out = run_episode(model, PROMPT, continuation=CONTINUATION, mode="graph")
         assert out.decode_graph.startswith("captured")
-        streams.append((model.graph._side(), model.graph.decoder.branch))
+        streams.append(model.graph.streams())
         del model
     assert streams[0][0] is streams[1][0] and streams[0][1] is streams[1][1]
