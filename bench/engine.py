@@ -78,40 +78,49 @@ def use(model: CpuFirstModel, policy: str, params: dict) -> None:
         model.use_policy(COPIES[copies]())
 
 
+# The graph decoder's measured variants (bench only): +attention=static captures the whole step
+# over the static span; +kv=serial runs a captured layer's k and v after q; +attend=matmul runs the
+# attention between replayed pieces through torch.matmul as in eager calls, with a copy into the
+# static buffer (before session 19). The first value of each is what mode graph does.
+GRAPH_VARIANTS = {"attention": ("live", "static"), "kv": ("parallel", "serial"), "attend": ("views", "matmul")}
+
+
 def parse_condition(spec: str) -> tuple[str, dict, bool, str]:
     """`policy[+key=value...]` -> (policy, params, sampler on, mode). `+sampler=off` runs the
     episode without the NVML sampler, so its overhead shows up as a paired difference;
-    `+mode=graph` runs it in engine mode graph (engine/graph.py; default eager);
-    `+attention=static` with it captures the whole step over the static span (measured only);
+    `+mode=graph` runs it in engine mode graph (engine/graph.py; default eager); a key of
+    GRAPH_VARIANTS implies mode graph and makes the mode `graph/key=value,...`;
     `dense-stream+copies=single` runs dense-stream's schedule before issue 11 (bench only)."""
     policy, *pairs = spec.split("+")
-    params, sampler, mode = dict(PARAMS.get(policy, {})), True, "eager"
+    params, sampler, mode, variant = dict(PARAMS.get(policy, {})), True, "eager", {}
     for pair in pairs:
         key, value = pair.split("=")
         if key == "sampler":
             sampler = value != "off"
         elif key == "mode":
             mode = check_mode(value)
-        elif key == "attention":
-            mode = f"graph/{value}"
-        elif key == "kv":
-            if value not in ("parallel", "serial"):
-                raise SystemExit(f"{spec}: +kv= is parallel (the default) or serial")
-            mode = f"{mode.split('/')[0]}/live/{value}"
+        elif key in GRAPH_VARIANTS:
+            if value not in GRAPH_VARIANTS[key]:
+                raise SystemExit(f"{spec}: +{key}= is one of {', '.join(GRAPH_VARIANTS[key])}")
+            variant[key] = value
         elif key == "copies" and (policy != "dense-stream" or value not in COPIES):
             raise SystemExit(f"{spec}: +copies= is dense-stream's only, one of {', '.join(COPIES)}")
         else:
             params[key] = int(value) if value.isdigit() else value
+    if variant:
+        mode = "graph/" + ",".join(f"{k}={v}" for k, v in sorted(variant.items()))
     return policy, params, sampler, mode
 
 
 def set_mode(model: CpuFirstModel, mode: str) -> str:
-    """`eager`, `graph`, `graph/static` or `graph/live/serial` (parse_condition's) -> the engine
-    mode, with the graph decoder's attention variant and k/v schedule set for the next episode."""
+    """`eager`, `graph` or `graph/key=value,...` (parse_condition's) -> the engine mode, with the
+    graph decoder's variants set for the next episode (the first of each GRAPH_VARIANTS by default)."""
     mode, _, variant = mode.partition("/")
-    attention, _, kv = variant.partition("/")
-    model.graph.attention = attention or "live"
-    model.graph.parallel_kv = kv != "serial"
+    chosen = dict(pair.split("=") for pair in variant.split(",") if pair)
+    pick = {key: chosen.get(key, values[0]) for key, values in GRAPH_VARIANTS.items()}
+    model.graph.attention = pick["attention"]
+    model.graph.parallel_kv = pick["kv"] == "parallel"
+    model.graph.attend_views = pick["attend"] == "views"
     return mode
 
 

@@ -1,20 +1,24 @@
 #!/usr/bin/env bash
-# One device call for mode graph (issue 11): the engine's CUDA tests, then eager and graph
-# conditions alternated in one bench.engine run. Run from the project root on the GPU machine;
-# logs go to $OUT when it is set. Usage: bash bench/graph_device.sh [ROUNDS] [CONDITIONS]
+# One device call for mode graph (issue 11): every engine CUDA test, then the given conditions
+# alternated in one bench.engine run (opt-2.7b fp16, 3 prompts x 512 + 16, 4800 MiB), then,
+# with PROFILE="cond,...", bench.step_profile's GPU time per decode call for those conditions.
+# Run from the project root on the GPU machine; logs go to $OUT when it is set.
+# Usage: [PROFILE=...] bash bench/graph_device.sh [ROUNDS] [CONDITIONS]
 set -uo pipefail
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 out=${OUT:-/tmp}
 source "$(dirname "$0")/device_common.sh"; device_header
+engine_cuda_tests
 
-echo "== CUDA tests (engine)"
-python3 -m pytest -q -m gpu -p no:cacheprovider tests/engine/test_graph_cuda.py tests/engine/test_policies_cuda.py \
-  tests/engine/test_dense_stream_cuda.py 2>&1 \
-  | tee "$out/pytest.log" | tail -25
-
-echo "== bench.engine, eager and graph alternated"
+echo "== bench.engine, alternated"
 rounds=${1:-3}
 conditions=${2:-"resident+unbounded=yes,resident+unbounded=yes+mode=graph,dense-stream,dense-stream+mode=graph,packet+gather=device,packet+gather=device+mode=graph,packet,packet+mode=graph"}
-python3 -m bench.engine --shape opt-2.7b --dtype float16 --prefix 512 --continuation 16 --rounds "$rounds" \
-  --allowance-mib 4800 --conditions "$conditions" 2>&1 | tee "$out/bench.log"
+timeout 300 python3 -m bench.engine --shape opt-2.7b --dtype float16 --prefix 512 --continuation 16 --rounds "$rounds" \
+  --allowance-mib 4800 --conditions "$conditions" > "$out/bench.log" 2>&1; echo "rc $?"
+grep -vE "^\s*$" "$out/bench.log" | tail -20
+if [ -n "${PROFILE:-}" ]; then
+  echo "== GPU time per decode call (bench.step_profile)"
+  timeout 150 python3 -m bench.step_profile --shape opt-2.7b --dtype float16 --conditions "$PROFILE" 2>&1 \
+    | grep -vE "Warning|_warn_once" | tail -10
+fi
 date -u

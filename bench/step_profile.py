@@ -10,8 +10,9 @@ device-resident weight bytes they read per call over their time.
     python -m bench.step_profile --shape opt-2.7b --dtype float16 \\
         --conditions "resident,resident+attention=static,packet+gather=device,dense-stream"
 
-Every condition runs mode graph. `+attention=static` is bench.engine's measured variant (one
-graph over the static span; not stock-exact). GPU only.
+Every condition runs mode graph; conditions are bench.engine's, with its measured variants
+(`+attention=static`: one graph over the static span, not stock-exact; `+attend=matmul`;
+`+kv=serial`). GPU only.
 """
 
 import argparse
@@ -24,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from bench.engine import parse_condition, set_mode
 from engine.model import CpuFirstModel
 from engine.synth import synth_checkpoint
 
@@ -57,15 +59,8 @@ def union_us(intervals: list[tuple[float, float]]) -> float:
 
 
 def profile_condition(model: CpuFirstModel, prompt: list[int], continuation: int, spec: str, trace: Path) -> dict:
-    policy, *pairs = spec.split("+")
-    params, attention = {}, "live"
-    for pair in pairs:
-        key, value = pair.split("=")
-        if key == "attention":
-            attention = value
-        else:
-            params[key] = value
-    model.graph.attention = attention
+    policy, params, _, mode = parse_condition(spec)
+    set_mode(model, mode if mode.startswith("graph") else "graph")
     recorder, device = model.recorder, model.device
 
     def call(ids, cache, phase) -> tuple[torch.Tensor, float]:

@@ -125,6 +125,7 @@ class GraphStep:
     def __init__(self, graphs: list, ids: torch.Tensor, pos: torch.Tensor, queries: list, attn: torch.Tensor | None,
                  logits: torch.Tensor, tape: _Tape, capture_s: float, warmed: bool) -> None:
         self.graphs, self.ids, self.pos, self.queries, self.attn = graphs, ids, pos, queries, attn
+        self.views: list[tuple] = []  # per layer, StaticOPT.attention_views (set by the capture)
         self.logits, self.tape, self.capture_s = logits, tape, capture_s
         self.warmed = warmed  # this episode's first decode call ran eagerly before the capture
 
@@ -153,6 +154,7 @@ class GraphDecoder:
         # their later episodes capture without the eager warm-up call.
         self._warm: set[type] = set()
         self.parallel_kv = True  # False: a capture runs k and v after q (bench.engine's `+kv=serial`)
+        self.attend_views = True  # False: replays attend as eager calls do (bench.engine's `+attend=matmul`)
 
     def new_cache(self, capacity: int) -> StaticKV:
         if self.attention not in self.ATTENTION:
@@ -179,12 +181,15 @@ class GraphDecoder:
         if step is not None:
             step.ids.copy_(ids)
             step.pos.fill_(position)  # a kernel argument: no host-device sync
-            step.tape.play(self.recorder)
             graphs = step.graphs
-            for i, query in enumerate(step.queries):
+            graphs[0].replay()
+            step.tape.play(self.recorder)  # host bookkeeping while the GPU runs the first piece
+            for i in range(1, len(graphs)):  # layer i-1's attention over the live keys, then piece i
+                if self.attend_views:
+                    StaticOPT.attend_views(step.views[i - 1], span)
+                else:  # bench.engine's `+attend=matmul`: eager calls' attend, then a copy into the buffer
+                    self.decoder.attend(step.queries[i - 1], kv.layers[i - 1], span, None, out=step.attn)
                 graphs[i].replay()
-                self.decoder.attend(query, kv.layers[i], span, None, out=step.attn)
-            graphs[-1].replay()
             return step.logits
         pos = torch.full((1,), position, dtype=torch.long, device=ids.device)
         if kv.eager_reason is not None:
@@ -257,5 +262,8 @@ class GraphDecoder:
         finally:
             recorder.current, recorder.phase, recorder._deferred = saved
             d.branch = None
-        return GraphStep(graphs, static_ids, static_pos, queries, attn, static_logits, tape,
+        step = GraphStep(graphs, static_ids, static_pos, queries, attn, static_logits, tape,
                          time.perf_counter() - t0, warmed)
+        if attn is not None:
+            step.views = [d.attention_views(q, kv.layers[i], attn) for i, q in enumerate(queries)]
+        return step

@@ -9,13 +9,11 @@ on the device (gpt-fast's shape). The graph itself lives in `engine/graph.py`.
 
 The math is stock OPT's eager path, op for op (transformers' `OPTDecoderLayer` and
 `eager_attention_forward`), on the SAME modules of the CPU-first model (nothing is copied);
-fc2 goes through `OutgoingLinear`, so every loader policy serves this decoder too. One
-difference is deliberate: a decode call attends over the whole static span (`capacity` keys,
-the unwritten ones masked with finfo.min, which softmax turns into exact zeros) instead of the
-live prefix. Softmax's sum and attn @ V then reduce over a longer row; the extra terms are exact
-zeros, but the reduction order may differ, so decode logits can differ from stock transformers
-in the last bits (tokens are tested equal; tests/engine/test_static_opt.py states what it
-finds). Prefill attends over exactly its own tokens, the shapes stock uses.
+fc2 goes through `OutgoingLinear`, so every loader policy serves this decoder too. A decode
+call attends over the live keys (`span` = position + 1), stock's shapes; `decode(span=capacity)`
+attends over the whole static cache with the unwritten keys masked instead (a measured variant:
+the extra terms are exact zeros but the reduction order changes, so logits may leave stock's in
+the last bits). Prefill attends over exactly its own tokens.
 """
 
 from dataclasses import dataclass
@@ -165,6 +163,27 @@ class StaticOPT:
         if out is not None:
             return out.view(o.shape).copy_(o).view(1, t, -1)  # a bitwise copy into a static buffer
         return o.contiguous().reshape(1, t, -1).contiguous()
+
+    def attention_views(self, q: torch.Tensor, cache: KVLayer, out: torch.Tensor) -> tuple:
+        """3D views for `attend_views`: q (1, heads, 1, head_dim) -> (heads, 1, head_dim), the
+        cache's keys and values -> (heads, capacity, head_dim), `out` (1, 1, hidden) -> (heads, 1,
+        head_dim). Views of the same memory with the strides torch.matmul's own reshapes give."""
+        heads, d = self.heads, self.head_dim
+        return (q.view(heads, 1, d), cache.keys.view(heads, -1, d), cache.values.view(heads, -1, d),
+                out.view(heads, 1, d))
+
+    @staticmethod
+    def attend_views(views: tuple, span: int) -> None:
+        """`attend` for one decode token on `attention_views`, written into their `out`.
+
+        torch.matmul of (1, heads, 1, d) by (1, heads, d, span) folds the batch and calls bmm on
+        exactly these (heads, 1, d) and (heads, d, span) views, and softmax sees the same rows: so
+        the same cuBLAS calls and kernels, the same bits, in half the host ops. The second bmm
+        writes the static output (contiguous (heads, 1, d), the layout of the result bmm would
+        allocate) instead of a copy after it."""
+        q, keys, values, out = views
+        probs = F.softmax(torch.bmm(q, keys[:, :span].mT), dim=-1, dtype=torch.float32).to(q.dtype)
+        torch.bmm(probs, values[:, :span], out=out)
 
     def post(self, i: int, h: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
         """Layer i after attention: out_proj, residual, then the FFN with fc2 from the policy."""

@@ -101,3 +101,32 @@ def test_unknown_mode_is_refused(tiny):
     model.use("resident")
     with pytest.raises(ValueError, match="eager, graph"):
         run_episode(model, [2, 5, 6], continuation=2, mode="compiled")
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_attend_views_is_attend_bit_for_bit(device, dtype):
+    """The replays' attention (3D views, the output written by the second bmm) against the eager
+    calls' (torch.matmul, then a copy), at spans from one key to past a thousand."""
+    from engine.static_opt import KVLayer, StaticOPT
+
+    heads, head_dim, capacity = 32, 80, 1100  # opt-2.7b's heads
+    g = torch.Generator().manual_seed(0)
+    dt = getattr(torch, dtype)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=g).to(dt).to(device)
+
+    cache = KVLayer(rand(1, heads, capacity, head_dim), rand(1, heads, capacity, head_dim))
+    decoder = StaticOPT.__new__(StaticOPT)  # attend reads no module state; only the sizes below
+    decoder.heads, decoder.head_dim = heads, head_dim
+    q = rand(1, 1, heads, head_dim).transpose(1, 2)  # pre's layout: a transposed view
+    for span in (1, 2, 7, 64, 513, 527, 1024, 1100):
+        want = torch.zeros((1, 1, heads * head_dim), dtype=dt, device=device)
+        decoder.attend(q, cache, span, None, out=want)
+        got = torch.zeros_like(want)
+        StaticOPT.attend_views(decoder.attention_views(q, cache, got), span)
+        assert torch.equal(got, want), span
+        assert not torch.equal(got, torch.zeros_like(got))
+    views = decoder.attention_views(q, cache, got)  # views, not copies: a replay refills q in place
+    assert all(v.data_ptr() == t.data_ptr() for v, t in zip(views, (q, cache.keys, cache.values, got)))
