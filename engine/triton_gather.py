@@ -34,7 +34,7 @@ def _gather_active_rows(h_ptr, n_tokens, src_ptr, ws_ptr, count_ptr, layer, ffn,
             tl.store(ws_ptr + cols[None, :] * ffn + rows64[:, None], tile, mask=m)
 
 
-def gather_active_rows_cuda(h, src, workspace, counts, layer, *, block_r, block_h, block_t) -> None:
+def gather_active_rows_cuda(h, src, workspace, counts, layer, *, block_r, block_h, block_t, num_warps=4) -> None:
     n_tokens, ffn = h.shape
     hidden = src.shape[1]
     if src.shape != (ffn, hidden) or workspace.shape != (hidden, ffn) or not workspace.is_contiguous():
@@ -42,4 +42,4 @@ def gather_active_rows_cuda(h, src, workspace, counts, layer, *, block_r, block_
                          f"workspace {tuple(workspace.shape)}")
     grid = (triton.cdiv(ffn, block_r),)
     _gather_active_rows[grid](h, n_tokens, src, workspace, counts, layer, ffn, hidden,
-                              BLOCK_R=block_r, BLOCK_H=block_h, BLOCK_T=block_t)
+                              BLOCK_R=block_r, BLOCK_H=block_h, BLOCK_T=block_t, num_warps=num_warps)
