@@ -34,7 +34,7 @@ def timed(fn, reps: int = 50) -> float:
 
 
 TILES = ((8, 128, 4), (16, 128, 4), (16, 256, 4), (32, 128, 4), (64, 128, 4))
-GRID = tuple((br, bh, nw) for br in (1, 2, 4, 8, 16) for bh in (256, 512, 1024) for nw in (2, 4, 8))
+GRID = tuple((br, bh, nw) for br in (1, 4, 16, 32, 64, 128) for bh in (64, 128, 256, 512) for nw in (4, 8))
 
 
 def main() -> None:
@@ -59,6 +59,11 @@ def main() -> None:
           f"{'us/32 layers+matmul':>20}")
     for shape, dt, name, k, nbytes, exact, per, loop in rows:
         print(f"{shape:9} {dt:9} {name:20} {k:5d} {str(exact):>5} {per:9.1f} {nbytes / per / 1e3:6.1f} {loop:20.1f}")
+    print("\nfastest kernels per shape and dtype, by the 32-layer loop (the shipped tile: gather_active_rows):")
+    for key in dict.fromkeys((r[0], r[1]) for r in rows):
+        kernels = sorted((r for r in rows if (r[0], r[1]) == key and r[2].startswith(("kernel", "gather"))),
+                         key=lambda r: r[-1])
+        print(f"  {key[0]:9} {key[1]:9} " + ", ".join(f"{r[2].removeprefix('kernel ')} {r[-1]:.0f}" for r in kernels[:5]))
     print("\nhost time to launch (tiny problem, 200 launches queued, no sync inside):")
     for name, us in launch_costs().items():
         print(f"  {name:28} {us:6.1f} us")
