@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from core.plan import BOS
+from engine import gather
 from engine.episode import run_episode
 from engine.graph import check_mode
 from engine.model import CpuFirstModel
@@ -70,7 +71,13 @@ COPIES = {"single": SingleStreamDense}
 
 
 def use(model: CpuFirstModel, policy: str, params: dict) -> None:
-    """model.use, or a bench-only variant named by `copies` (parse_condition checked it)."""
+    """model.use, or a bench-only variant named by `copies` or `tile` (parse_condition checked it):
+    `tile` runs the device gather's Triton kernel with that tile instead of engine.gather's choice."""
+    params = dict(params)
+    tile = params.pop("tile", None)
+    if tile != gather.TILE_OVERRIDE:  # another tile is another Triton kernel: warm it up before a capture
+        gather.TILE_OVERRIDE = tile
+        model.graph.forget_warm_ups()
     copies = params.pop("copies", None)
     if copies is None:
         model.use(policy, **params)
@@ -103,6 +110,10 @@ def parse_condition(spec: str) -> tuple[str, dict, bool, str]:
             if value not in GRAPH_VARIANTS[key]:
                 raise SystemExit(f"{spec}: +{key}= is one of {', '.join(GRAPH_VARIANTS[key])}")
             variant[key] = value
+        elif key == "tile":
+            if policy not in ("packet", "phase-switched") or len(value.split(":")) != 3:
+                raise SystemExit(f"{spec}: +tile=ROWS:COLUMNS:WARPS is the device gather's (packet, phase-switched)")
+            params["tile"] = tuple(int(v) for v in value.split(":"))
         elif key == "copies" and (policy != "dense-stream" or value not in COPIES):
             raise SystemExit(f"{spec}: +copies= is dense-stream's only, one of {', '.join(COPIES)}")
         else:

@@ -21,8 +21,21 @@ reference the kernel is tested against.
 import torch
 
 # Tile of the CUDA kernel: BLOCK_R neurons per program, their rows read BLOCK_H elements at a
-# time, activity tested BLOCK_T tokens at a time. Chosen by `python -m bench.mapped_gather`.
-BLOCK_R, BLOCK_H, BLOCK_T = 16, 128, 8
+# time by NUM_WARPS warps, activity tested BLOCK_T tokens at a time. Chosen per layer width by
+# `python -m bench.mapped_gather --grid --shape ...` on the H200 (docs/benchmarks.md, session
+# 19): up to opt-2.7b's 10240 neurons one neuron per program reads fastest; wider layers (opt-6.7b,
+# opt-13b) fill the GPU with fewer, wider programs: 64 neurons each, 12-21 % faster than 16.
+BLOCK_T = 8
+NARROW_FFN = 10240
+TILE_NARROW, TILE_WIDE = (1, 256, 4), (64, 128, 8)
+TILE_OVERRIDE: tuple[int, int, int] | None = None  # (rows, columns, warps): a bench's variant
+
+
+def tile(ffn: int) -> tuple[int, int, int]:
+    """(BLOCK_R, BLOCK_H, NUM_WARPS) for a layer of `ffn` neurons."""
+    if TILE_OVERRIDE is not None:
+        return TILE_OVERRIDE
+    return TILE_NARROW if ffn <= NARROW_FFN else TILE_WIDE
 
 
 def gather_active_rows_reference(h: torch.Tensor, src: torch.Tensor, workspace: torch.Tensor,
@@ -40,5 +53,6 @@ def gather_active_rows(h: torch.Tensor, src: torch.Tensor, workspace: torch.Tens
         return
     from engine.triton_gather import gather_active_rows_cuda  # Triton ships with CUDA builds of torch
 
+    block_r, block_h, num_warps = tile(h.shape[-1])
     gather_active_rows_cuda(h.reshape(-1, h.shape[-1]).contiguous(), src, workspace, counts, layer,
-                            block_r=BLOCK_R, block_h=BLOCK_H, block_t=BLOCK_T)
+                            block_r=block_r, block_h=block_h, block_t=BLOCK_T, num_warps=num_warps)

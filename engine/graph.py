@@ -156,6 +156,11 @@ class GraphDecoder:
         self.parallel_kv = True  # False: a capture runs k and v after q (bench.engine's `+kv=serial`)
         self.attend_views = True  # False: replays attend as eager calls do (bench.engine's `+attend=matmul`)
 
+    def forget_warm_ups(self) -> None:
+        """The next episode of every policy class warms up eagerly again (a bench that swaps a
+        kernel under a policy, e.g. the gather's tile, must not capture its first launch)."""
+        self._warm.clear()
+
     def new_cache(self, capacity: int) -> StaticKV:
         if self.attention not in self.ATTENTION:
             raise ValueError(f"attention must be one of {', '.join(self.ATTENTION)}, got {self.attention!r}")

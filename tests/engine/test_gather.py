@@ -37,10 +37,11 @@ def test_reference_copies_exactly_the_active_rows_and_counts_them(dtype, tokens)
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("tokens", [1, 37, 512])
-def test_cuda_kernel_equals_the_reference_bit_for_bit(dtype, tokens):
+@pytest.mark.parametrize("ffn", [10240 + 3, 16384 + 3])  # a narrow layer's tile and a wide one's
+def test_cuda_kernel_equals_the_reference_bit_for_bit(dtype, tokens, ffn):
     from engine.mapped import cuda_view
 
-    h, src, workspace = case(dtype, tokens, ffn=10240 + 3, hidden=2560 + 5, seed=tokens)
+    h, src, workspace = case(dtype, tokens, ffn=ffn, hidden=2560 + 5, seed=tokens)
     host = src.pin_memory()
     expected, counts_ref = workspace.clone().cuda(), torch.zeros(4, dtype=torch.int32, device="cuda")
     gather_active_rows_reference(h.cuda(), src.cuda(), expected, counts_ref, 1)
