@@ -21,13 +21,15 @@ reference the kernel is tested against.
 import torch
 
 # Tile of the CUDA kernel: BLOCK_R neurons per program, their rows read BLOCK_H elements at a
-# time by NUM_WARPS warps, activity tested BLOCK_T tokens at a time. Chosen per layer width by
-# `python -m bench.mapped_gather --grid --shape ...` on the H200 (docs/benchmarks.md, session
-# 19): up to opt-2.7b's 10240 neurons one neuron per program reads fastest; wider layers (opt-6.7b,
-# opt-13b) fill the GPU with fewer, wider programs: 64 neurons each, 12-21 % faster than 16.
+# time by NUM_WARPS warps, activity tested BLOCK_T tokens at a time. Chosen per layer width on
+# the H200 by decode time in bench.engine (`+tile=` variants alternated; docs/benchmarks.md,
+# session 19), after `python -m bench.mapped_gather --grid` narrowed the candidates: up to
+# opt-2.7b's 10240 neurons 16 per program; wider layers (opt-6.7b, opt-13b) 64 per program, which
+# made opt-6.7b's decode 10 % faster. (One neuron per program was fastest alone at 10240 and
+# slower inside the decode step.)
 BLOCK_T = 8
 NARROW_FFN = 10240
-TILE_NARROW, TILE_WIDE = (1, 256, 4), (64, 128, 8)
+TILE_NARROW, TILE_WIDE = (16, 128, 4), (64, 128, 8)
 TILE_OVERRIDE: tuple[int, int, int] | None = None  # (rows, columns, warps): a bench's variant
 
 
