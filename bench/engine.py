@@ -135,21 +135,25 @@ def set_mode(model: CpuFirstModel, mode: str) -> str:
     return mode
 
 
-def pinned_h2d_gbps(device: torch.device, mib: int = 256, reps: int = 10) -> float:
+def pinned_h2d_gbps(device: torch.device, mib: int = 256, reps: int = 10, trials: int = 5) -> float:
+    """The pinned copy's peak: the best of `trials` timings of `reps` copies (one timing alone
+    read 43.7 GB/s on a lease where dense-stream then moved 50.4: the floor must not be low)."""
     if device.type != "cuda":
         return float("nan")
     src = torch.empty(mib << 20, dtype=torch.uint8, pin_memory=True)
     dst = torch.empty_like(src, device=device)
     dst.copy_(src, non_blocking=True)
     torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(reps):
-        dst.copy_(src, non_blocking=True)
-    torch.cuda.synchronize()
-    bw = reps * src.numel() / (time.perf_counter() - t0) / 1e9
+    best = 0.0
+    for _ in range(trials):
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            dst.copy_(src, non_blocking=True)
+        torch.cuda.synchronize()
+        best = max(best, reps * src.numel() / (time.perf_counter() - t0) / 1e9)
     del src, dst
     torch.cuda.empty_cache()
-    return bw
+    return best
 
 
 def accelerate_server(conn, model_dir: str, dtype: str, continuation: int, allowance_mib: int,

@@ -21,23 +21,12 @@ reference the kernel is tested against.
 import torch
 
 # Tile of the CUDA kernel: BLOCK_R neurons per program, their rows read BLOCK_H elements at a
-# time by NUM_WARPS warps, activity tested BLOCK_T tokens at a time. Chosen per layer width on
-# the H200 by decode time in bench.engine (`+tile=` variants alternated; docs/benchmarks.md,
-# session 19), after `python -m bench.mapped_gather --grid` narrowed the candidates: up to
-# opt-2.7b's 10240 neurons 16 per program; wider layers (opt-6.7b, opt-13b) 64 per program, which
-# made opt-6.7b's decode 10 % faster. (One neuron per program was fastest alone at 10240 and
-# slower inside the decode step.)
-BLOCK_T = 8
-NARROW_FFN = 10240
-TILE_NARROW, TILE_WIDE = (16, 128, 4), (64, 128, 8)
-TILE_OVERRIDE: tuple[int, int, int] | None = None  # (rows, columns, warps): a bench's variant
-
-
-def tile(ffn: int) -> tuple[int, int, int]:
-    """(BLOCK_R, BLOCK_H, NUM_WARPS) for a layer of `ffn` neurons."""
-    if TILE_OVERRIDE is not None:
-        return TILE_OVERRIDE
-    return TILE_NARROW if ffn <= NARROW_FFN else TILE_WIDE
+# time by NUM_WARPS warps, activity tested BLOCK_T tokens at a time. Chosen on the H200 by decode
+# time in bench.engine (`+tile=` variants alternated; docs/benchmarks.md, session 19) after
+# `python -m bench.mapped_gather --grid` narrowed the candidates: 64 neurons per program against
+# the earlier 16 made decode 16 % faster at opt-13b, 10 % at opt-6.7b, and kept opt-2.7b's.
+BLOCK_R, BLOCK_H, NUM_WARPS, BLOCK_T = 64, 128, 8, 8
+TILE_OVERRIDE: tuple[int, int, int] | None = None  # (BLOCK_R, BLOCK_H, NUM_WARPS): a bench's variant
 
 
 def gather_active_rows_reference(h: torch.Tensor, src: torch.Tensor, workspace: torch.Tensor,
@@ -55,6 +44,6 @@ def gather_active_rows(h: torch.Tensor, src: torch.Tensor, workspace: torch.Tens
         return
     from engine.triton_gather import gather_active_rows_cuda  # Triton ships with CUDA builds of torch
 
-    block_r, block_h, num_warps = tile(h.shape[-1])
+    block_r, block_h, num_warps = TILE_OVERRIDE or (BLOCK_R, BLOCK_H, NUM_WARPS)
     gather_active_rows_cuda(h.reshape(-1, h.shape[-1]).contiguous(), src, workspace, counts, layer,
                             block_r=block_r, block_h=block_h, block_t=BLOCK_T, num_warps=num_warps)
