@@ -88,11 +88,8 @@ def use(model: CpuFirstModel, policy: str, params: dict) -> None:
 # The graph decoder's measured variants (bench only): +attention=static captures the whole step
 # over the static span; +kv=serial runs a captured layer's k and v after q; +attend=matmul runs the
 # attention between replayed pieces through torch.matmul as in eager calls, with a copy into the
-# static buffer (before session 19); +capture=decode captures a warm policy's step at the first
-# decode call instead of while the GPU runs the prefill (before session 19). The first value of
-# each is what mode graph does.
-GRAPH_VARIANTS = {"attention": ("live", "static"), "kv": ("parallel", "serial"), "attend": ("views", "matmul"),
-                  "capture": ("prefill", "decode")}
+# static buffer (before session 19). The first value of each is what mode graph does.
+GRAPH_VARIANTS = {"attention": ("live", "static"), "kv": ("parallel", "serial"), "attend": ("views", "matmul")}
 
 
 def parse_condition(spec: str) -> tuple[str, dict, bool, str]:
@@ -135,7 +132,6 @@ def set_mode(model: CpuFirstModel, mode: str) -> str:
     model.graph.attention = pick["attention"]
     model.graph.parallel_kv = pick["kv"] == "parallel"
     model.graph.attend_views = pick["attend"] == "views"
-    model.graph.capture_at = pick["capture"]
     return mode
 
 

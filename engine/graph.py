@@ -9,8 +9,7 @@ MODES:
   attention (one graph per layer boundary). The first time a decoder meets a policy class, the
   episode's first decode call runs eagerly on the side stream before the capture (the warm-up:
   Triton specialises and compiles, the side stream gets its cuBLAS workspace); later episodes
-  capture right after launching their prefill (the capture records and runs nothing, so its host
-  time hides under the prefill's GPU time) and replay from their first decode call. Every captured decode call copies
+  capture at their first decode call and replay it at once. Every captured decode call copies
   its token id and position into the static inputs and replays the pieces, running each
   layer's attention over the live keys between them (vLLM's piecewise graphs): stock's shapes,
   so stock's bits. Inside the pieces a layer's k and v run on a branch stream beside q (the same
@@ -124,17 +123,15 @@ class GraphStep:
     """
 
     def __init__(self, graphs: list, ids: torch.Tensor, pos: torch.Tensor, queries: list, attn: torch.Tensor | None,
-                 logits: torch.Tensor, tape: _Tape, capture_s: float, when: str) -> None:
+                 logits: torch.Tensor, tape: _Tape, capture_s: float, warmed: bool) -> None:
         self.graphs, self.ids, self.pos, self.queries, self.attn = graphs, ids, pos, queries, attn
         self.views: list[tuple] = []  # per layer, StaticOPT.attention_views (set by the capture)
         self.logits, self.tape, self.capture_s = logits, tape, capture_s
-        self.when = when  # WHEN: the prefill, the first decode call, or after an eager warm-up call
-
-    WHEN = {"prefill": ", during the prefill", "decode": "", "warm-up": ", after an eager warm-up call"}
+        self.warmed = warmed  # this episode's first decode call ran eagerly before the capture
 
     def describe(self) -> str:
         """What the archive records as the episode's `decode_graph`."""
-        return f"captured ({self.capture_s * 1e3:.1f} ms{self.WHEN[self.when]})"
+        return f"captured ({self.capture_s * 1e3:.1f} ms{', after an eager warm-up call' if self.warmed else ''})"
 
 
 class GraphDecoder:
@@ -158,10 +155,6 @@ class GraphDecoder:
         self._warm: set[type] = set()
         self.parallel_kv = True  # False: a capture runs k and v after q (bench.engine's `+kv=serial`)
         self.attend_views = True  # False: replays attend as eager calls do (bench.engine's `+attend=matmul`)
-        # When a warm policy class captures an episode's step: "prefill" (right after launching
-        # the prefill, so the capture's host time hides under its GPU time) or "decode" (at the
-        # first decode call, as before session 19: bench.engine's `+capture=decode`).
-        self.capture_at = "prefill"
 
     def forget_warm_ups(self) -> None:
         """The next episode of every policy class warms up eagerly again (a bench that swaps a
@@ -179,12 +172,7 @@ class GraphDecoder:
     def forward(self, ids: torch.Tensor, kv: StaticKV) -> torch.Tensor:
         """One call: (1, T) ids -> (vocab,) last logits. The first call of a cache is the prefill."""
         if kv.length == 0:
-            logits = self.decoder.prefill(ids, kv)
-            if self.capture_at == "prefill" and kv.capacity - kv.length > 1 and self._ready(kv):
-                # Capture records and runs nothing: its host time overlaps the prefill the GPU
-                # is still running (the caller's readback of these logits waits for it).
-                kv.graph = self._capture(None, None, kv, when="prefill")
-            return logits
+            return self.decoder.prefill(ids, kv)
         if ids.shape != (1, 1):
             raise ValueError(f"a decode call takes one token, got ids of shape {tuple(ids.shape)}")
         if kv.length >= kv.capacity:
@@ -193,8 +181,8 @@ class GraphDecoder:
         kv.length += 1
         span = kv.capacity if kv.attention == "static" else position + 1
         step = kv.graph
-        if step is None and self._ready(kv):
-            step = kv.graph = self._capture(None, None, kv, when="decode")
+        if step is None and kv.eager_reason is None and type(self.slot.policy) in self._warm:
+            step = kv.graph = self._capture(None, None, kv)
         if step is not None:
             step.ids.copy_(ids)
             step.pos.fill_(position)  # a kernel argument: no host-device sync
@@ -213,10 +201,6 @@ class GraphDecoder:
             return self.decoder.decode(ids, pos, kv, span=span)
         return self._warm_and_capture(ids, pos, kv, span)
 
-    def _ready(self, kv: StaticKV) -> bool:
-        """This cache's decode step is captured and this policy class has warmed up."""
-        return kv.eager_reason is None and type(self.slot.policy) in self._warm
-
     def _warm_and_capture(self, ids: torch.Tensor, pos: torch.Tensor, kv: StaticKV, span: int) -> torch.Tensor:
         """Run this decode call eagerly on the side stream (its logits are the call's answer),
         then capture the step's pieces on static inputs for the calls after it."""
@@ -228,17 +212,17 @@ class GraphDecoder:
         main.wait_stream(side)
         torch.cuda.synchronize(self.device)
         self._warm.add(type(self.slot.policy))
-        kv.graph = self._capture(static_ids, static_pos, kv, when="warm-up")
+        kv.graph = self._capture(static_ids, static_pos, kv)
         return logits
 
     def streams(self) -> tuple["torch.cuda.Stream", "torch.cuda.Stream"]:
         """(side, branch): the process's capture streams for this device (`capture_streams`)."""
         return capture_streams(self.device.index or 0)
 
-    def _capture(self, static_ids: torch.Tensor | None, static_pos: torch.Tensor | None, kv: StaticKV,
-                 when: str) -> GraphStep:
+    def _capture(self, static_ids: torch.Tensor | None, static_pos: torch.Tensor | None, kv: StaticKV) -> GraphStep:
         """Capture the decode step's pieces on static inputs: the warm-up call's, or fresh ones
         (None) that the first replay fills. Nothing runs here: capture records."""
+        warmed = static_ids is not None  # the episode's first decode call ran eagerly already
         (side, branch), main = self.streams(), torch.cuda.current_stream(self.device)
         if static_ids is None:
             static_ids = torch.zeros((1, 1), dtype=torch.long, device=self.device)
@@ -284,7 +268,7 @@ class GraphDecoder:
             recorder.current, recorder.phase, recorder._deferred = saved
             d.branch = None
         step = GraphStep(graphs, static_ids, static_pos, queries, attn, static_logits, tape,
-                         time.perf_counter() - t0, when)
+                         time.perf_counter() - t0, warmed)
         if attn is not None:
             step.views = [d.attention_views(q, kv.layers[i], attn) for i, q in enumerate(queries)]
         return step
