@@ -408,9 +408,11 @@ def main() -> None:
         d = np.array(row["decode_ms"])
         floor = statistics.mean(row["decode_h2d"]) / (bw * 1e9) * 1e3 if row["decode_h2d"] and cuda else float("nan")
         notes = sorted({g.split(" (")[0] for g in row["graph"] if g})
-        captures = [float(g.split("(")[1].split(" ms")[0]) for g in row["graph"] if g and g.startswith("captured")]
-        if captures:  # the warm-up call's capture, inside its first decode call's wall time
-            notes = [f"captured in {statistics.median(captures):.0f} ms (median)"]
+        captured = [g.split("(")[1].split(" ms") for g in row["graph"] if g and g.startswith("captured")]
+        if captured:  # "captured (x ms, y of them instantiating...)": inside the first decode call's wall
+            total = statistics.median(float(c[0]) for c in captured)
+            ending = statistics.median(float(c[1].split(", ")[1].split(" of")[0]) for c in captured)
+            notes = [f"captured in {total:.0f} ms ({ending:.0f} instantiating; medians)"]
         first = statistics.median(row["first_ms"]) if row["first_ms"] else float("nan")
         episode = statistics.median(row["episode_s"]) if row["episode_s"] else float("nan")
         print(f"{name:{w}}{np.percentile(d, 90) / np.percentile(d, 10):8.2f}{floor:14.2f}"

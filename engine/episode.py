@@ -21,7 +21,7 @@ class EpisodeOutput:
     peak_reserved_bytes: int
     first_logit_at: float  # time.perf_counter() when the first logit reached the host
     mode: str = "eager"  # engine/graph.py MODES
-    decode_graph: str | None = None  # mode graph: "captured (x ms)" or why decode ran eagerly
+    decode_graph: str | None = None  # mode graph: "captured (x ms, y of them instantiating)" or why decode ran eagerly
 
 
 def _sync(device: torch.device) -> None:

@@ -123,15 +123,17 @@ class GraphStep:
     """
 
     def __init__(self, graphs: list, ids: torch.Tensor, pos: torch.Tensor, queries: list, attn: torch.Tensor | None,
-                 logits: torch.Tensor, tape: _Tape, capture_s: float, warmed: bool) -> None:
+                 logits: torch.Tensor, tape: _Tape, capture_s: float, end_s: float, warmed: bool) -> None:
         self.graphs, self.ids, self.pos, self.queries, self.attn = graphs, ids, pos, queries, attn
         self.views: list[tuple] = []  # per layer, StaticOPT.attention_views (set by the capture)
         self.logits, self.tape, self.capture_s = logits, tape, capture_s
+        self.end_s = end_s  # of capture_s, in capture_end: ending the captures and instantiating the graphs
         self.warmed = warmed  # this episode's first decode call ran eagerly before the capture
 
     def describe(self) -> str:
         """What the archive records as the episode's `decode_graph`."""
-        return f"captured ({self.capture_s * 1e3:.1f} ms{', after an eager warm-up call' if self.warmed else ''})"
+        return (f"captured ({self.capture_s * 1e3:.1f} ms, {self.end_s * 1e3:.1f} of them instantiating"
+                f"{', after an eager warm-up call' if self.warmed else ''})")
 
 
 class GraphDecoder:
@@ -228,7 +230,7 @@ class GraphDecoder:
             static_ids = torch.zeros((1, 1), dtype=torch.long, device=self.device)
             static_pos = torch.zeros((1,), dtype=torch.long, device=self.device)
             side.wait_stream(main)  # the prefill's writes and the zeros above come first
-        t0 = time.perf_counter()
+        t0, end_s = time.perf_counter(), 0.0
         recorder = self.recorder
         saved = (recorder.current, recorder.phase, recorder._deferred)
         recorder.begin(phase="decode", tokens=1)  # scratch call: what the policy's host side adds
@@ -245,7 +247,9 @@ class GraphDecoder:
                     graph.capture_begin()
                     static_logits = d.decode(static_ids, static_pos, kv, span=kv.capacity)
                     rejoin(self.slot.policy, side)
+                    t = time.perf_counter()
                     graph.capture_end()
+                    end_s += time.perf_counter() - t
                     graphs, queries, attn = [graph], [], None
                 else:
                     graphs, queries, pool = [], [], None
@@ -259,7 +263,9 @@ class GraphDecoder:
                         else:
                             static_logits = d.head(h)
                         rejoin(self.slot.policy, side)  # dense-stream's copy of the next layer ends here
+                        t = time.perf_counter()
                         graph.capture_end()
+                        end_s += time.perf_counter() - t
                         pool = graph.pool() if pool is None else pool
                         graphs.append(graph)
             main.wait_stream(side)
@@ -268,7 +274,7 @@ class GraphDecoder:
             recorder.current, recorder.phase, recorder._deferred = saved
             d.branch = None
         step = GraphStep(graphs, static_ids, static_pos, queries, attn, static_logits, tape,
-                         time.perf_counter() - t0, warmed)
+                         time.perf_counter() - t0, end_s, warmed)
         if attn is not None:
             step.views = [d.attention_views(q, kv.layers[i], attn) for i, q in enumerate(queries)]
         return step

@@ -5,6 +5,8 @@ reproduces itself; graph-safe policies are captured, the others run the same dec
 so "captured == eager on the same ops" is checked by every cross-policy comparison.
 """
 
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -42,6 +44,9 @@ def test_cuda_graph_mode_bit_identical_within_the_mode(dtype, which, checkpoints
     # replays its first decode call: the same bits either way.
     assert ref.decode_graph.startswith("captured") and ref.decode_graph.endswith("after an eager warm-up call)")
     assert again.decode_graph.startswith("captured") and "warm-up" not in again.decode_graph
+    total, ending = (float(x) for x in re.fullmatch(r"captured \((\d+\.\d) ms, (\d+\.\d) of them instantiating\)",
+                                                    again.decode_graph).groups())
+    assert 0 <= ending <= total
     for name, params in CAPTURED + EAGER:
         model.use(name, **params)
         out = run_episode(model, PROMPT, continuation=CONTINUATION, mode="graph")
