@@ -184,7 +184,14 @@ def summary_section(s: ScreenData) -> str:
              _mb(r["decode_h2d_per_call"]), _num(r["wall_s_mean"], "{:.4g} s"), _num(r["decode_ms_median"], "{:.4g}"),
              _mib(r["peak_sampled_bytes"]), _num(r["energy_j_per_episode"], "{:.4g} J"),
              _num(r["energy_j_per_token"], "{:.4g} J")] for r in data.condition_summary(s)]
-    return ('<h2 id="conditions">Conditions (scored episodes)</h2>'
+    shared = data.gpu_sharing(s)
+    warning = ""
+    if shared["episodes"]:
+        procs = ", ".join(f"pid {pid} holding up to {used / 2**20:.0f} MiB"
+                          for pid, used in sorted(shared["processes"].items()))
+        warning = (f'<p class="fail" id="gpu-shared">The GPU was shared: {len(shared["episodes"])} episodes saw other '
+                   f'processes on it ({esc(procs)}); their timings may be contaminated.</p>')
+    return ('<h2 id="conditions">Conditions (scored episodes)</h2>' + warning
             + _table(["condition", "policy", "scored", "failed", "H2D / prefill call", "H2D / decode call",
                       "mean wall", "median decode ms/token", "peak sampled GPU", "energy / episode",
                       "energy / token"], rows))

@@ -293,6 +293,25 @@ def energy(screen: ScreenData) -> dict[str, list[dict]]:
     return out
 
 
+def gpu_sharing(screen: ScreenData) -> dict:
+    """{episodes: plan indices, processes: {pid: most device memory held}}: the other processes
+    the worker's memory sampler saw on the GPU during an episode. A shared GPU means timings that
+    may be contaminated. Only well-formed [pid, bytes] pairs count (an archive is read without
+    trusting its types)."""
+    episodes, processes = [], {}
+    for e in screen.episodes:
+        sampler = e.record.get("sampler")
+        others = sampler.get("other_processes") if isinstance(sampler, dict) else None
+        pairs = [p for p in (others if isinstance(others, list) else [])
+                 if isinstance(p, list) and len(p) == 2
+                 and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in p)]
+        if pairs:
+            episodes.append(e.index)
+        for pid, used in pairs:
+            processes[pid] = max(processes.get(pid, 0), used)
+    return {"episodes": episodes, "processes": processes}
+
+
 def condition_summary(screen: ScreenData) -> list[dict]:
     """One row per condition: policy, scored episodes, mean H2D bytes per prefill / decode call,
     mean wall per episode, median decode ms/token, largest sampled GPU peak, energy."""

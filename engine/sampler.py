@@ -4,7 +4,8 @@ The allocator's own peak misses what the allocator does not see (the CUDA contex
 workspaces, lazily loaded kernels); the sampled value is what NVML reports the worker process
 as using on the device. Where NVML cannot see the process (some containers), it falls back to
 the whole device's used memory, which also counts the driver's reservation, and says so in
-`scope`.
+`scope`. It also lists every other process NVML shows computing on the device during the
+episode (`other_processes`: [pid, most bytes seen]), so a shared GPU is on the record.
 
 Why a process and not a thread: a sampler thread in the worker competes with the episode's own
 Python for the interpreter lock; on the H200 a 2 ms thread slowed packet decode by about 7 ms
@@ -44,17 +45,25 @@ def nvml_handle(uuid: str | None):
     return pynvml.nvmlDeviceGetHandleByUUID(uuid)
 
 
-def process_used_bytes(handle, pid: int | None = None) -> tuple[int, str]:
-    """(bytes, scope): process `pid`'s device memory per NVML, else the device's used memory."""
+def process_used_bytes(handle, pid: int | None = None, others: dict[int, int] | None = None) -> tuple[int, str]:
+    """(bytes, scope): process `pid`'s device memory per NVML, else the device's used memory.
+    Every other compute process NVML lists on the device goes into `others` (pid -> the most
+    device memory seen), when given: a screen must not share its GPU silently (issue 13)."""
     import pynvml
 
     pid = os.getpid() if pid is None else pid
+    mine = None
     try:
         for p in pynvml.nvmlDeviceGetComputeRunningProcesses(handle):
-            if p.pid == pid and p.usedGpuMemory is not None:
-                return int(p.usedGpuMemory), "process"
+            used = int(p.usedGpuMemory or 0)
+            if p.pid == pid:
+                mine = used if p.usedGpuMemory is not None else None
+            elif others is not None:
+                others[p.pid] = max(others.get(p.pid, 0), used)
     except pynvml.NVMLError:
         pass
+    if mine is not None:
+        return mine, "process"
     return int(pynvml.nvmlDeviceGetMemoryInfo(handle).used), "device"
 
 
@@ -78,26 +87,27 @@ def _serve(conn, uuid: str, pid: int, period_s: float) -> None:
             return
         t_start = time.perf_counter()
         energy0 = _energy_mj(handle)
-        trace, cost, scope = [], 0.0, None
+        trace, cost, scope, others = [], 0.0, None, {}
         while True:
             t0 = time.perf_counter()
-            used, scope = process_used_bytes(handle, pid)
+            used, scope = process_used_bytes(handle, pid, others)
             cost += time.perf_counter() - t0
             trace.append((t0 - t_start, used))
             if conn.poll(period_s):
                 conn.recv()  # "stop"
                 break
-        used, scope = process_used_bytes(handle, pid)  # the state at stop counts too
+        used, scope = process_used_bytes(handle, pid, others)  # the state at stop counts too
         trace.append((time.perf_counter() - t_start, used))
         energy1 = _energy_mj(handle)
         conn.send({"peak_sampled_bytes": max(b for _, b in trace), "samples": len(trace), "period_s": period_s,
                    "sampler_overhead_s": cost, "scope": scope,
                    "energy_j": None if energy0 is None or energy1 is None else (energy1 - energy0) / 1e3,
+                   "other_processes": [[p, b] for p, b in sorted(others.items())],
                    "trace": np.array(trace, dtype=np.float64).reshape(-1, 2)})
 
 
 NO_SAMPLES = {"peak_sampled_bytes": None, "samples": 0, "period_s": None, "sampler_overhead_s": 0.0,
-              "scope": None, "energy_j": None}
+              "scope": None, "energy_j": None, "other_processes": None}
 
 
 class MemorySampler:

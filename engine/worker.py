@@ -264,6 +264,7 @@ class Worker:
                            "pinned_bytes": self.model.host.pinned_bytes + p.pinned_bytes(),
                            "device_param_bytes": self.model.start.device_param_bytes,
                            "host_rss_peak_bytes": host_rss_peak_bytes(), "context_bytes": context},
-                "sampler": {k: sampled[k] for k in ("samples", "period_s", "sampler_overhead_s", "scope")},
+                "sampler": {k: sampled[k] for k in ("samples", "period_s", "sampler_overhead_s", "scope",
+                                                    "other_processes")},
                 "energy_j": sampled["energy_j"],
                 "calls": calls, "logits": out.logits, "trace": sampled["trace"]}

@@ -316,3 +316,22 @@ def test_large_screens_keep_the_page_small():
     thin = figs.thin_trace(t)
     assert len(thin) <= figs.MAX_TRACE_POINTS + 1 and thin[:, 1].max() == 4700 * MIB
     assert np.all(np.diff(thin[:, 0]) > 0)
+
+
+def test_a_shared_gpu_is_named_on_the_page():
+    """Episodes whose sampler saw other processes on the GPU: the conditions section says so, with
+    the processes; malformed entries from a hostile archive are ignored, not trusted."""
+    from cli.report_page import summary_section
+
+    s = data.read_screen(DATA / "gates-v2.zip")
+    assert data.gpu_sharing(s) == {"episodes": [], "processes": {}}
+    assert "gpu-shared" not in summary_section(s)
+    first, second, third = s.episodes[:3]
+    first.record["sampler"] = {"other_processes": [[4242, 512 << 20], [77, 0]]}
+    second.record["sampler"] = {"other_processes": [[4242, 600 << 20], ["x", 1], [5, -1], [True, 3]]}
+    third.record["sampler"] = {"other_processes": "everything"}
+    shared = data.gpu_sharing(s)
+    assert shared == {"episodes": [first.index, second.index], "processes": {4242: 600 << 20, 77: 0}}
+    page = summary_section(s)
+    assert 'id="gpu-shared"' in page and "2 episodes saw other processes" in page
+    assert "pid 4242 holding up to 600 MiB" in page and "pid 77 holding up to 0 MiB" in page
