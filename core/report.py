@@ -293,18 +293,23 @@ def energy(screen: ScreenData) -> dict[str, list[dict]]:
     return out
 
 
+def other_processes(record: dict) -> list[tuple[int, int]]:
+    """(pid, most device memory held) of every other process the worker's memory sampler saw on
+    the GPU during this episode. Only well-formed [pid, bytes] pairs count (an archive is read
+    without trusting its types)."""
+    sampler = record.get("sampler")
+    others = sampler.get("other_processes") if isinstance(sampler, dict) else None
+    return [(p[0], p[1]) for p in (others if isinstance(others, list) else [])
+            if isinstance(p, list) and len(p) == 2
+            and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in p)]
+
+
 def gpu_sharing(screen: ScreenData) -> dict:
-    """{episodes: plan indices, processes: {pid: most device memory held}}: the other processes
-    the worker's memory sampler saw on the GPU during an episode. A shared GPU means timings that
-    may be contaminated. Only well-formed [pid, bytes] pairs count (an archive is read without
-    trusting its types)."""
+    """{episodes: plan indices, processes: {pid: most device memory held}} over the screen's
+    episodes (`other_processes`): a shared GPU means timings that may be contaminated."""
     episodes, processes = [], {}
     for e in screen.episodes:
-        sampler = e.record.get("sampler")
-        others = sampler.get("other_processes") if isinstance(sampler, dict) else None
-        pairs = [p for p in (others if isinstance(others, list) else [])
-                 if isinstance(p, list) and len(p) == 2
-                 and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in p)]
+        pairs = other_processes(e.record)
         if pairs:
             episodes.append(e.index)
         for pid, used in pairs:

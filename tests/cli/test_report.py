@@ -335,3 +335,25 @@ def test_a_shared_gpu_is_named_on_the_page():
     page = summary_section(s)
     assert 'id="gpu-shared"' in page and "2 episodes saw other processes" in page
     assert "pid 4242 holding up to 600 MiB" in page and "pid 77 holding up to 0 MiB" in page
+
+
+def test_screens_show_names_a_shared_gpu(tmp_path):
+    """`screens show`'s time table reads the archive: a note names the processes that shared the GPU."""
+    import types
+
+    from core.archive import ArchiveWriter, episode_member
+    from cli.query import attempt_time
+
+    src = ArchiveReader(DATA / "gates-v2.zip")
+    path = tmp_path / "shared.zip"
+    w = ArchiveWriter(path)
+    for index, entry in enumerate(src.episodes()):
+        record = src.read_json(entry.record)
+        if index < 2:
+            record["sampler"] = {"other_processes": [[4242, 1 << 30], [9, 0]] if index else [["bad"], [4242, 5]]}
+        w.add_json(episode_member(record["plan_index"]), record)
+    w.close()
+    attempt = types.SimpleNamespace(number=1, model_state="cold", finished_at=None, archive_path=path)
+    assert attempt_time(attempt)["note"] == "18 episodes; GPU shared with pid 9, 4242 in 2 of them"
+    clean = types.SimpleNamespace(number=1, model_state="cold", finished_at=None, archive_path=DATA / "gates-v2.zip")
+    assert attempt_time(clean)["note"] == "18 episodes"
