@@ -5,7 +5,8 @@ workspaces, lazily loaded kernels); the sampled value is what NVML reports the w
 as using on the device. Where NVML cannot see the process (some containers), it falls back to
 the whole device's used memory, which also counts the driver's reservation, and says so in
 `scope`. It also lists every other process NVML shows computing on the device during the
-episode (`other_processes`: [pid, most bytes seen]), so a shared GPU is on the record.
+episode (`other_processes`: [pid, most bytes seen]; None where NVML does not show this process,
+so its pids cannot be told apart), so a shared GPU is on the record.
 
 Why a process and not a thread: a sampler thread in the worker competes with the episode's own
 Python for the interpreter lock; on the H200 a 2 ms thread slowed packet decode by about 7 ms
@@ -48,23 +49,27 @@ def nvml_handle(uuid: str | None):
 def process_used_bytes(handle, pid: int | None = None, others: dict[int, int] | None = None) -> tuple[int, str]:
     """(bytes, scope): process `pid`'s device memory per NVML, else the device's used memory.
     Every other compute process NVML lists on the device goes into `others` (pid -> the most
-    device memory seen), when given: a screen must not share its GPU silently (issue 13)."""
+    device memory seen), when given: a screen must not share its GPU silently (issue 13). Only
+    when NVML lists `pid` itself (scope "process"): otherwise its pids are not this process's
+    namespace, and any of them could be this very process."""
     import pynvml
 
     pid = os.getpid() if pid is None else pid
-    mine = None
+    mine, seen = None, {}
     try:
         for p in pynvml.nvmlDeviceGetComputeRunningProcesses(handle):
-            used = int(p.usedGpuMemory or 0)
             if p.pid == pid:
-                mine = used if p.usedGpuMemory is not None else None
-            elif others is not None:
-                others[p.pid] = max(others.get(p.pid, 0), used)
+                mine = None if p.usedGpuMemory is None else int(p.usedGpuMemory)
+            else:
+                seen[p.pid] = max(seen.get(p.pid, 0), int(p.usedGpuMemory or 0))
     except pynvml.NVMLError:
         pass
-    if mine is not None:
-        return mine, "process"
-    return int(pynvml.nvmlDeviceGetMemoryInfo(handle).used), "device"
+    if mine is None:
+        return int(pynvml.nvmlDeviceGetMemoryInfo(handle).used), "device"
+    if others is not None:
+        for other, used in seen.items():
+            others[other] = max(others.get(other, 0), used)
+    return mine, "process"
 
 
 def _energy_mj(handle) -> int | None:
@@ -87,10 +92,11 @@ def _serve(conn, uuid: str, pid: int, period_s: float) -> None:
             return
         t_start = time.perf_counter()
         energy0 = _energy_mj(handle)
-        trace, cost, scope, others = [], 0.0, None, {}
+        trace, cost, scope, others, visible = [], 0.0, None, {}, True
         while True:
             t0 = time.perf_counter()
             used, scope = process_used_bytes(handle, pid, others)
+            visible = visible and scope == "process"
             cost += time.perf_counter() - t0
             trace.append((t0 - t_start, used))
             if conn.poll(period_s):
@@ -102,7 +108,8 @@ def _serve(conn, uuid: str, pid: int, period_s: float) -> None:
         conn.send({"peak_sampled_bytes": max(b for _, b in trace), "samples": len(trace), "period_s": period_s,
                    "sampler_overhead_s": cost, "scope": scope,
                    "energy_j": None if energy0 is None or energy1 is None else (energy1 - energy0) / 1e3,
-                   "other_processes": [[p, b] for p, b in sorted(others.items())],
+                   # None: NVML did not show this process, so who else was there cannot be told
+                   "other_processes": [[p, b] for p, b in sorted(others.items())] if visible else None,
                    "trace": np.array(trace, dtype=np.float64).reshape(-1, 2)})
 
 

@@ -54,8 +54,10 @@ def test_other_processes_on_the_device_are_collected(nvml):
     assert sampler.process_used_bytes("GPU-x", os.getpid(), others) == (300 << 20, "process")
     sampler.process_used_bytes("GPU-x", os.getpid(), others)
     assert others == {4242: (512 << 20) + 2, 77: 2}  # the most each held over the samples
-    nvml.mine = None  # NVML does not list this process (some containers): the device's memory
-    assert sampler.process_used_bytes("GPU-x", os.getpid()) == (8 << 30, "device")
+    nvml.mine = None  # NVML does not list this process (some containers): the device's memory,
+    before = dict(others)  # and no claim about the others (any of them could be this process)
+    assert sampler.process_used_bytes("GPU-x", os.getpid(), others) == (8 << 30, "device")
+    assert others == before
 
 
 def test_the_sampling_loop_reports_the_other_processes_of_an_episode(nvml):
@@ -73,6 +75,11 @@ def test_the_sampling_loop_reports_the_other_processes_of_an_episode(nvml):
     parent.send("start")
     parent.send("stop")
     assert parent.recv()["other_processes"] == []
+    nvml.mine, nvml.others = None, {4242: 1}  # this process out of NVML's sight: unknown, not "none"
+    parent.send("start")
+    parent.send("stop")
+    summary = parent.recv()
+    assert summary["scope"] == "device" and summary["other_processes"] is None
     parent.send("exit")
     loop.join(timeout=5)
     assert not loop.is_alive()
