@@ -19,7 +19,7 @@ from cli.summary import print_json, screen_summary, table, verdict_table
 from core.archive import WORKER_NAME, ArchiveReader
 from core.errors import PackbenchError
 from core.protocol import DTYPE_NAMES, GATE_NAMES, PHASES
-from core.report import other_processes
+from core.report import shared_gpu
 
 FORMATS = ("table", "json", "csv")
 GATE_HELP = ", ".join(GATE_NAMES)
@@ -220,10 +220,10 @@ def attempt_time(attempt) -> dict[str, Any]:
     walls = [r.get("wall_s") or 0.0 for r in records]
     around = [r["episode_s"] - r["wall_s"] for r in records if r.get("wall_s") and r.get("episode_s")]
     note = f"{len(records)} episodes"
-    shared = [r for r in records if other_processes(r)]
-    if shared:
-        pids = sorted({pid for r in shared for pid, _ in other_processes(r)})
-        note += f"; GPU shared with pid {', '.join(map(str, pids))} in {len(shared)} of them"
+    shared = shared_gpu(records)
+    if shared["episodes"]:
+        note += (f"; GPU shared with pid {', '.join(map(str, sorted(shared['processes'])))} "
+                 f"in {len(shared['episodes'])} of them")
     return {**row, "load": None if load is None else round(load, 3), "episodes_wall": round(sum(walls), 3),
             "around_episodes": round(sum(around), 3) if around else None, "note": note}
 

@@ -305,13 +305,18 @@ def other_processes(record: dict) -> list[tuple[int, int]]:
 
 
 def gpu_sharing(screen: ScreenData) -> dict:
-    """{episodes: plan indices, processes: {pid: most device memory held}} over the screen's
-    episodes (`other_processes`): a shared GPU means timings that may be contaminated."""
+    """`shared_gpu` over the screen's episodes."""
+    return shared_gpu(e.record for e in screen.episodes)
+
+
+def shared_gpu(records) -> dict:
+    """{episodes: plan indices, processes: {pid: most device memory held}} over episode records
+    (`other_processes`): a shared GPU means timings that may be contaminated."""
     episodes, processes = [], {}
-    for e in screen.episodes:
-        pairs = other_processes(e.record)
+    for record in records:
+        pairs = other_processes(record)
         if pairs:
-            episodes.append(e.index)
+            episodes.append(record.get("plan_index"))
         for pid, used in pairs:
             processes[pid] = max(processes.get(pid, 0), used)
     return {"episodes": episodes, "processes": processes}
