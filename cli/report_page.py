@@ -189,7 +189,8 @@ def summary_section(s: ScreenData) -> str:
     if shared["episodes"]:
         procs = ", ".join(f"pid {pid} holding up to {used / 2**20:.0f} MiB"
                           for pid, used in sorted(shared["processes"].items()))
-        warning = (f'<p class="fail" id="gpu-shared">The GPU was shared: {len(shared["episodes"])} episodes saw other '
+        n = len(shared["episodes"])
+        warning = (f'<p class="fail" id="gpu-shared">The GPU was shared: {n} episode{"s" * (n != 1)} saw other '
                    f'processes on it ({esc(procs)}); their timings may be contaminated.</p>')
     return ('<h2 id="conditions">Conditions (scored episodes)</h2>' + warning
             + _table(["condition", "policy", "scored", "failed", "H2D / prefill call", "H2D / decode call",
