@@ -276,6 +276,18 @@ def main() -> None:
     except torch.cuda.OutOfMemoryError as e:
         raise SystemExit(f"the CPU-first model does not fit the allowance: {str(e).splitlines()[0]}")
     print(f"cold start {time.perf_counter() - t:.1f} s: {model.start}; pin {model.host.pin_s:.1f} s")
+    # The host's own time per call: forward() returns once a captured step is enqueued, so a
+    # decode call whose host time is near its wall kept the GPU waiting on the host.
+    host_ms: list[float] = []
+    forward = model.forward
+
+    def timed_forward(ids, cache):
+        t0 = time.perf_counter()
+        logits = forward(ids, cache)
+        host_ms.append((time.perf_counter() - t0) * 1e3)
+        return logits
+
+    model.forward = timed_forward
     rng = np.random.Generator(np.random.PCG64(0))
     prompts = [[BOS] + rng.integers(4, model.vocab, size=args.prefix - 1).tolist() for _ in range(args.prompts)]
     policies = args.conditions.split(",")
@@ -312,7 +324,7 @@ def main() -> None:
                           f"stock's top-2 gap there {top[1] - top[0]:.3g}); tokens first differ at call {split}")
 
     keys = ("decode_ms", "prefill_s", "decode_h2d", "prefill_h2d", "peak_sampled", "peak_alloc", "exact",
-            "failed", "wasted", "wait_ms", "device_bytes", "graph", "first_ms", "episode_s")
+            "failed", "wasted", "wait_ms", "device_bytes", "graph", "first_ms", "episode_s", "host_ms")
     rows: dict[str, dict[str, list]] = {p: {k: [] for k in keys} for p in policies}
     total = torch.cuda.get_device_properties(device).total_memory if cuda else 0
     scopes: set = set()  # "process" unless NVML cannot attribute memory to processes here
@@ -342,6 +354,7 @@ def main() -> None:
                 try:
                     use(model, policy, params)
                     sampler.start()
+                    host_ms.clear()
                     out = run_episode(model, prompt, continuation=args.continuation, mode=mode)
                 except Exception as e:  # an OOM under the allowance, say: recorded, the run goes on
                     sampler.stop()
@@ -356,6 +369,7 @@ def main() -> None:
                 row["decode_ms"] += [c.wall_s * 1e3 for c in out.calls[1:]]
                 row["first_ms"] += [c.wall_s * 1e3 for c in out.calls[1:2]]  # mode graph: the capture's call
                 row["episode_s"].append(out.wall_s)
+                row["host_ms"] += host_ms[2:]  # decode calls after the first (the capture's)
                 row["prefill_h2d"].append(sum(out.calls[0].h2d_weight_bytes) + sum(out.calls[0].h2d_index_bytes))
                 row["decode_h2d"] += [sum(c.h2d_weight_bytes) + sum(c.h2d_index_bytes) for c in out.calls[1:]]
                 row["wasted"] += [sum(c.rows_wasted) for c in out.calls[1:]]
@@ -400,7 +414,7 @@ def main() -> None:
     for line in failures:
         print(line)
     print(f"\n{'condition':{w}}{'p90/p10':>8}{'PCIe floor ms':>14}{'x floor':>8}{'1st decode ms':>14}{'episode s':>10}"
-          f"  decode step")
+          f"{'host ms':>8}  decode step")
     for name in policies:
         row = rows[name]
         if not row["decode_ms"]:
@@ -415,8 +429,10 @@ def main() -> None:
             notes = [f"captured in {total:.0f} ms ({ending:.0f} instantiating; medians)"]
         first = statistics.median(row["first_ms"]) if row["first_ms"] else float("nan")
         episode = statistics.median(row["episode_s"]) if row["episode_s"] else float("nan")
+        host = statistics.median(row["host_ms"]) if row["host_ms"] else float("nan")
         print(f"{name:{w}}{np.percentile(d, 90) / np.percentile(d, 10):8.2f}{floor:14.2f}"
-              f"{res[name] / floor if floor else float('nan'):8.2f}{first:14.2f}{episode:10.3f}  {', '.join(notes) or '-'}")
+              f"{res[name] / floor if floor else float('nan'):8.2f}{first:14.2f}{episode:10.3f}{host:8.2f}"
+              f"  {', '.join(notes) or '-'}")
     for name in [n for n in policies if n.split("+")[0] == "dense-stream" and n in res]:
         if not cuda:
             break
