@@ -59,7 +59,8 @@ POLICY_PARAMS: dict[str, dict[str, IntParam | ChoiceParam]] = {
     "phase-switched": {},
     # No default: a cache size is a claim about the GPU, so a protocol states it.
     "row-retention": {"rows_per_layer": IntParam(minimum=1)},
-    "early-forecast": {},
+    # Added after schemas 1-3 froze early-forecast without params: host in every schema.
+    "early-forecast": {"gather": ChoiceParam(choices=("host", "device"), default="host")},
 }
 POLICY_NAMES = tuple(POLICY_PARAMS)
 

@@ -1,6 +1,7 @@
-"""The device-side gather of `packet {gather: device}` (`engine.policies.DevicePacket`): the compute
-device finds a layer's active neurons and pulls their outgoing rows from host memory itself, with
-no host synchronisation.
+"""The device-side gathers of `packet {gather: device}` (`engine.policies.DevicePacket`) and
+`early-forecast {gather: device}` (`engine.policies.DeviceForecast`): the compute device finds a
+layer's active neurons and pulls their outgoing rows from host memory itself, with no host
+synchronisation.
 
 `gather_active_rows(h, src, workspace, counts, layer)`:
 - h: (tokens, ffn) fc2 input of one call; a neuron is active if it is non-zero in any token.
@@ -16,6 +17,15 @@ every layer's count once, after the call's logits have come back (`Recorder.defe
 previous version (`nonzero` + `index_select` + `index_copy_`) synchronised once per layer for
 nonzero's output size. Elsewhere (CPU) the same contract is met by plain torch ops, the
 reference the kernel is tested against.
+
+`complete_forecast(h, prev, use_prev, src, workspace, counts, layer)`, early-forecast's second
+half (its first is `gather_active_rows` with the forecast as `h`):
+- prev: (layers, ffn) int8 on the device, each layer's active set in its last call: this
+  call's forecast, whose rows are already in the workspace. Overwritten with this call's set.
+- copies the active rows the forecast missed (every row when use_prev is False: a prefill);
+- counts: (4, layers) int32; adds the active rows to counts[0, layer], the rows copied here to
+  counts[2, layer], the forecast rows that were not active (wasted) to counts[3, layer]
+  (counts[1] is the forecast's own copy).
 """
 
 import torch
@@ -37,6 +47,35 @@ def gather_active_rows_reference(h: torch.Tensor, src: torch.Tensor, workspace: 
     counts[layer] += active.numel()
 
 
+def complete_forecast_reference(h: torch.Tensor, prev: torch.Tensor, use_prev: bool, src: torch.Tensor,
+                                workspace: torch.Tensor, counts: torch.Tensor, layer: int) -> None:
+    """Plain torch (any device)."""
+    active = (h != 0).any(dim=0)
+    predicted = prev[layer] != 0 if use_prev else torch.zeros_like(active)
+    missed = (active & ~predicted).nonzero().squeeze(1)
+    workspace.index_copy_(1, missed, src.index_select(0, missed).t())
+    counts[0, layer] += active.sum()
+    counts[2, layer] += missed.numel()
+    counts[3, layer] += (predicted & ~active).sum()
+    prev[layer] = active
+
+
+def tile() -> dict:
+    block_r, block_h, num_warps = TILE_OVERRIDE or (BLOCK_R, BLOCK_H, NUM_WARPS)
+    return dict(block_r=block_r, block_h=block_h, block_t=BLOCK_T, num_warps=num_warps)
+
+
+def complete_forecast(h: torch.Tensor, prev: torch.Tensor, use_prev: bool, src: torch.Tensor,
+                      workspace: torch.Tensor, counts: torch.Tensor, layer: int) -> None:
+    if h.device.type != "cuda":
+        complete_forecast_reference(h, prev, use_prev, src, workspace, counts, layer)
+        return
+    from engine.triton_gather import complete_forecast_cuda
+
+    complete_forecast_cuda(h.reshape(-1, h.shape[-1]).contiguous(), prev, use_prev, src, workspace, counts, layer,
+                           **tile())
+
+
 def gather_active_rows(h: torch.Tensor, src: torch.Tensor, workspace: torch.Tensor,
                        counts: torch.Tensor, layer: int) -> None:
     if h.device.type != "cuda":
@@ -44,6 +83,4 @@ def gather_active_rows(h: torch.Tensor, src: torch.Tensor, workspace: torch.Tens
         return
     from engine.triton_gather import gather_active_rows_cuda  # Triton ships with CUDA builds of torch
 
-    block_r, block_h, num_warps = TILE_OVERRIDE or (BLOCK_R, BLOCK_H, NUM_WARPS)
-    gather_active_rows_cuda(h.reshape(-1, h.shape[-1]).contiguous(), src, workspace, counts, layer,
-                            block_r=block_r, block_h=block_h, block_t=BLOCK_T, num_warps=num_warps)
+    gather_active_rows_cuda(h.reshape(-1, h.shape[-1]).contiguous(), src, workspace, counts, layer, **tile())

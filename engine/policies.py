@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from core.registry import check_param, param_default
-from engine.gather import gather_active_rows
+from engine.gather import complete_forecast, gather_active_rows
 from engine.ledger import CallLedger, Recorder
 
 INDEX_DTYPE = torch.int64  # index_copy_ wants int64 indices on every backend
@@ -733,6 +733,147 @@ class EarlyForecast(HostGather):
         return b.workspace
 
 
+@dataclass
+class DeviceForecastBuffers:
+    """The buffers of `DeviceForecast`, while it is active."""
+
+    workspaces: tuple[torch.Tensor, torch.Tensor]  # (hidden, ffn) on the device each, zeros; layer l uses [l % 2]
+    prev: torch.Tensor  # (layers, ffn) int8 on the device: each layer's active set in its last call (the forecast)
+    counts: torch.Tensor  # (4, layers) int32 on the device: active, forecast, missed, wasted rows of one call
+    source: list[torch.Tensor]  # (ffn, hidden) per layer: mapped views of HostWeights (charged there)
+    side: "torch.cuda.Stream | None"  # the forecast copies' stream; None off CUDA (they run in place)
+    landed: dict[int, "torch.cuda.Event | None"] = field(default_factory=dict)  # as DoubleBuffer's
+    tail: "torch.cuda.Event | None" = None
+    counted_call: int = -1  # recorder.serial of the call `counts` belongs to
+
+    def of(self, layer: int) -> torch.Tensor:
+        return self.workspaces[layer % 2]
+
+    def device_bytes(self) -> int:
+        return _nbytes(*self.workspaces, self.prev, self.counts)
+
+
+class DeviceForecast:
+    """early-forecast with the device's gather (`early-forecast`, `gather: device`).
+
+    The same rows as the host's early-forecast (forecast = the layer's active rows in its last
+    call; then the active rows the forecast missed), so the same bytes and the same wasted
+    rows, but the device decides and copies: the forecast lives on the device (`prev`), a
+    kernel pulls its rows from mapped host memory, and a second kernel, after fc1, pulls the
+    rows it missed, counts, and stores the new forecast (`engine.gather`). No host decision, so
+    mode graph captures its decode step. As dense-stream does, layer l+1's forecast is copied
+    on a stream of its own while layer l finishes (two workspaces); fc2 of a layer waits only for
+    its own forecast and the missed rows. No index travels (counts, 16 bytes a layer, come back
+    after the logits, charged as D2H).
+    """
+
+    name = "early-forecast"
+    starts_early = True  # before_layer(l), at fc1 of layer l, issues layer l+1's forecast copy
+    gather = "device"
+
+    def __init__(self) -> None:
+        self.buffers: DeviceForecastBuffers | None = None
+
+    def activate(self, host: HostWeights, device: torch.device, recorder: Recorder) -> None:
+        self.host, self.device, self.recorder = host, device, recorder
+        build_gather_layout(host)
+        workspaces = (zeroed_workspace(host, device), zeroed_workspace(host, device))
+        prev = torch.zeros((host.layers, host.shape[1]), dtype=torch.int8, device=device)
+        counts = torch.zeros((4, host.layers), dtype=torch.int32, device=device)
+        side = None
+        if device.type == "cuda":
+            from engine.mapped import cuda_view
+
+            source = [cuda_view(host.transposed(layer)) for layer in range(host.layers)]
+            side = torch.cuda.Stream(device)  # Triton kernels only: no cuBLAS workspace is kept for it
+            for t in (*workspaces, prev, counts):
+                t.record_stream(side)
+        else:
+            source = [host.transposed(layer) for layer in range(host.layers)]
+        self.buffers = DeviceForecastBuffers(workspaces, prev, counts, source, side)
+
+    def deactivate(self) -> None:
+        self.buffers = None
+
+    def _open_call(self) -> None:
+        """The call's first use of the counts: zero them (on the compute stream) and settle later."""
+        b = self.buffers
+        if b.counted_call != self.recorder.serial:
+            b.counted_call = self.recorder.serial
+            b.counts.zero_()
+            b.landed.clear()
+            b.tail = None
+            self.recorder.defer(self.settle)
+
+    def before_layer(self, layer: int) -> None:
+        if self.recorder.phase != "decode":
+            return  # a prefill has no forecast (as the host's early-forecast)
+        self._open_call()
+        for ahead in copies_ahead(layer, self.host.layers):
+            self.issue(ahead)
+
+    def issue(self, layer: int) -> None:
+        """Copy layer `layer`'s forecast rows into its workspace. On CUDA the side stream first
+        waits for the compute stream (the last fc2 that read this workspace, the counts' zeroing);
+        inside a capture that wait is the fork."""
+        b = self.buffers
+        forecast = b.prev[layer][None]  # (1, ffn): "active" where the layer's last call was
+        if b.side is None:
+            gather_active_rows(forecast, b.source[layer], b.of(layer), b.counts[1], layer)
+            b.landed[layer] = None
+            return
+        capturing = torch.cuda.is_current_stream_capturing()
+        b.side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(b.side):
+            gather_active_rows(forecast, b.source[layer], b.of(layer), b.counts[1], layer)
+            done = torch.cuda.Event()
+            done.record(b.side)
+        b.landed[layer] = done
+        b.tail = done if capturing else None  # as DenseStream.issue
+
+    def fetch(self, layer: int, h: torch.Tensor) -> torch.Tensor:
+        b = self.buffers
+        self._open_call()
+        forecast = layer in b.landed
+        done = b.landed.pop(layer, None)
+        if done is not None:
+            torch.cuda.current_stream(self.device).wait_event(done)
+        complete_forecast(h, b.prev, forecast, b.source[layer], b.of(layer), b.counts, layer)
+        return b.of(layer)
+
+    def join(self, stream: "torch.cuda.Stream") -> None:
+        """As DenseStream.join: a captured piece rejoins the side stream before it ends."""
+        b = self.buffers
+        if b.tail is not None:
+            stream.wait_event(b.tail)
+            b.tail = None
+        b.landed = dict.fromkeys(b.landed)
+
+    def settle(self, call: CallLedger) -> None:
+        """The call has ended: read the four counts of every layer at once."""
+        active, forecast, missed, wasted = self.buffers.counts.tolist()
+        row_bytes, d2h = self.host.row_bytes, 4 * self.buffers.counts.element_size()
+        for layer in range(self.host.layers):
+            rows = forecast[layer] + missed[layer]
+            self.recorder.add(layer, active=active[layer], rows=rows, weight_bytes=rows * row_bytes,
+                              d2h_bytes=d2h, wasted=wasted[layer])
+
+    def device_bytes(self) -> int:
+        return 0 if self.buffers is None else self.buffers.device_bytes()
+
+    def pinned_bytes(self) -> int:
+        return 0
+
+
+# `early-forecast`'s gathers, as PACKET_GATHERS.
+FORECAST_GATHERS: dict[str, type[LoaderPolicy]] = {"host": EarlyForecast, "device": DeviceForecast}
+
+
+def early_forecast(*, gather: str = param_default("early-forecast", "gather")) -> LoaderPolicy:
+    """The `early-forecast` condition: forecast rows gathered on the host or by the device."""
+    return FORECAST_GATHERS[check_param("early-forecast", "gather", gather)]()
+
+
 # One constructor per policy name of core.registry.POLICY_PARAMS, taking exactly its parameters
 # as keyword-only arguments with its defaults (tests/engine/test_policy_registry.py checks).
 POLICIES: dict[str, Callable[..., LoaderPolicy]] = {
@@ -742,7 +883,7 @@ POLICIES: dict[str, Callable[..., LoaderPolicy]] = {
     "packet": packet,
     "phase-switched": PhaseSwitched,
     "row-retention": RowRetention,
-    "early-forecast": EarlyForecast,
+    "early-forecast": early_forecast,
 }
 
 

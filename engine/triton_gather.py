@@ -43,3 +43,53 @@ def gather_active_rows_cuda(h, src, workspace, counts, layer, *, block_r, block_
     grid = (triton.cdiv(ffn, block_r),)
     _gather_active_rows[grid](h, n_tokens, src, workspace, counts, layer, ffn, hidden,
                               BLOCK_R=block_r, BLOCK_H=block_h, BLOCK_T=block_t, num_warps=num_warps)
+
+
+@triton.jit(do_not_specialize=["layer", "use_prev"])
+def _complete_forecast(h_ptr, n_tokens, prev_ptr, use_prev, src_ptr, ws_ptr, count_ptr, layer, layers, ffn, hidden,
+                       BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_T: tl.constexpr):
+    """After fc1: copy the active rows the forecast (prev, this layer's last active set) missed,
+    count active / missed / wasted rows into counts[0|2|3, layer], and make the active set the
+    next call's forecast. use_prev 0 (a prefill) treats the forecast as empty."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    in_range = rows < ffn
+    rows64 = rows.to(tl.int64)
+    hits = tl.zeros([BLOCK_R], dtype=tl.int32)
+    for t0 in range(0, n_tokens, BLOCK_T):
+        t = (t0 + tl.arange(0, BLOCK_T)).to(tl.int64)
+        x = tl.load(h_ptr + t[:, None] * ffn + rows64[None, :],
+                    mask=(t[:, None] < n_tokens) & in_range[None, :], other=0)
+        hits += tl.sum((x != 0).to(tl.int32), axis=0)
+    active = (hits > 0) & in_range
+    prev_at = prev_ptr + layer * ffn + rows64
+    predicted = (tl.load(prev_at, mask=in_range, other=0) != 0) & in_range & (use_prev != 0)
+    fetch = active & ~predicted
+    n_active = tl.sum(active.to(tl.int32), axis=0)
+    n_fetch = tl.sum(fetch.to(tl.int32), axis=0)
+    n_wasted = tl.sum((predicted & ~active).to(tl.int32), axis=0)
+    if n_active > 0:
+        tl.atomic_add(count_ptr + layer, n_active)
+    if n_fetch > 0:
+        tl.atomic_add(count_ptr + 2 * layers + layer, n_fetch)
+    if n_wasted > 0:
+        tl.atomic_add(count_ptr + 3 * layers + layer, n_wasted)
+    tl.store(prev_at, active.to(tl.int8), mask=in_range)
+    if n_fetch > 0:
+        for h0 in range(0, hidden, BLOCK_H):
+            cols = (h0 + tl.arange(0, BLOCK_H)).to(tl.int64)
+            m = fetch[:, None] & (cols[None, :] < hidden)
+            tile = tl.load(src_ptr + rows64[:, None] * hidden + cols[None, :], mask=m)
+            tl.store(ws_ptr + cols[None, :] * ffn + rows64[:, None], tile, mask=m)
+
+
+def complete_forecast_cuda(h, prev, use_prev, src, workspace, counts, layer, *, block_r, block_h, block_t,
+                           num_warps=4) -> None:
+    n_tokens, ffn = h.shape
+    layers, hidden = prev.shape[0], src.shape[1]
+    if (src.shape != (ffn, hidden) or workspace.shape != (hidden, ffn) or not workspace.is_contiguous()
+            or prev.shape != (layers, ffn) or counts.shape != (4, layers) or not counts.is_contiguous()):
+        raise ValueError(f"shapes do not match: h {tuple(h.shape)}, prev {tuple(prev.shape)}, src {tuple(src.shape)}, "
+                         f"workspace {tuple(workspace.shape)}, counts {tuple(counts.shape)}")
+    grid = (triton.cdiv(ffn, block_r),)
+    _complete_forecast[grid](h, n_tokens, prev, int(use_prev), src, workspace, counts, layer, layers, ffn, hidden,
+                             BLOCK_R=block_r, BLOCK_H=block_h, BLOCK_T=block_t, num_warps=num_warps)

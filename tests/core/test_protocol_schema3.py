@@ -10,6 +10,7 @@ import pytest
 import yaml
 
 from core.canonical import canonical_json, sha256_hex
+from core.errors import ProtocolError
 from core.protocol import SCHEMA_VERSION, SCHEMAS, expand, freeze, load, validate
 from core.registry import POLICY_PARAMS, SCHEMA3_DEFAULTS, ChoiceParam
 
@@ -127,3 +128,18 @@ def test_every_policy_screen_keeps_its_meaning(tmp_path):
     assert frozen.sha256 == EVERY_POLICY_SHA256
     runs = {c.name: c.resolved_params for c in frozen.protocol.conditions}
     assert runs["packet"] == {"gather": "host"} and runs["packet-device"] == {"gather": "device"}
+    assert runs["early-forecast"] == {"gather": "host"}
+
+
+@pytest.mark.parametrize("schema", [2, None])
+def test_early_forecast_gathers_on_the_host_unless_told_in_every_schema(schema):
+    """early-forecast's `gather` came after every schema: left out, it is frozen without it
+    (old hashes hold) and means the host gather; `gather: device` is frozen as written."""
+    def frozen(params):
+        c = {"policy": "early-forecast", **({"params": params} if params is not None else {})}
+        f = freeze(quickstart(schema=schema, conditions=[{"policy": "dense-stream"}, c]))
+        return dict(f.body["conditions"][1].get("params", {})), expand(f.body).condition("early-forecast").resolved_params
+    assert frozen(None) == ({}, {"gather": "host"})
+    assert frozen({"gather": "device"}) == ({"gather": "device"}, {"gather": "device"})
+    with pytest.raises(ProtocolError, match=r"conditions\[1\]\.params\.gather`: 'gpu' is not allowed; use one of host, device"):
+        frozen({"gather": "gpu"})

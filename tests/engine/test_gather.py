@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from engine.gather import gather_active_rows, gather_active_rows_reference
+from engine.gather import (complete_forecast, complete_forecast_reference, gather_active_rows,
+                           gather_active_rows_reference)
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
@@ -50,3 +51,51 @@ def test_cuda_kernel_equals_the_reference_bit_for_bit(dtype, tokens, ffn):
     gather_active_rows(h.cuda(), cuda_view(host), got, counts, 3)  # again, into another layer's count
     assert torch.equal(got, expected)
     assert counts.tolist() == [0, counts_ref[1].item(), 0, counts_ref[1].item()] and counts_ref[1] > 0
+
+
+def forecast_case(dtype, tokens, ffn=203, hidden=77, layers=3, seed=0):
+    """A case, plus a forecast per layer that both hits and misses the active set."""
+    h, src, workspace = case(dtype, tokens, ffn=ffn, hidden=hidden, seed=seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    prev = (torch.rand(layers, ffn, generator=g) < 0.3).to(torch.int8)
+    prev[1, 7] = 1  # forecast and active (7 is always active)
+    return h, src, workspace, prev
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("use_prev", [True, False])
+def test_forecast_completion_copies_what_the_forecast_missed_and_counts(dtype, use_prev):
+    h, src, workspace, prev = forecast_case(dtype, 5)
+    before, forecast = workspace.clone(), prev[1].clone().bool()
+    counts = torch.zeros(4, 3, dtype=torch.int32)
+    complete_forecast(h, prev, use_prev, src, workspace, counts, 1)
+    active = (h != 0).any(dim=0)
+    predicted = forecast if use_prev else torch.zeros_like(forecast)
+    missed = active & ~predicted
+    assert counts[:, 1].tolist() == [int(active.sum()), 0, int(missed.sum()), int((predicted & ~active).sum())]
+    assert counts[:, [0, 2]].eq(0).all() and 0 < int(missed.sum()) < int(active.sum()) + (not use_prev)
+    assert torch.equal(prev[1].bool(), active)  # the next call's forecast
+    for j in range(h.shape[1]):
+        expected = src[j] if missed[j] else before[:, j]
+        assert torch.equal(workspace[:, j], expected), j
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens", [1, 37])
+@pytest.mark.parametrize("ffn", [10240 + 3, 64 * 3 + 1])
+@pytest.mark.parametrize("use_prev", [True, False])
+def test_cuda_forecast_kernels_equal_the_reference_bit_for_bit(dtype, tokens, ffn, use_prev):
+    from engine.mapped import cuda_view
+
+    h, src, workspace, prev = forecast_case(dtype, tokens, ffn=ffn, hidden=2560 + 5, seed=tokens)
+    host = src.pin_memory()
+    expected, counts_ref, prev_ref = workspace.clone().cuda(), torch.zeros(4, 3, dtype=torch.int32).cuda(), prev.cuda()
+    got, counts, prev_got = workspace.clone().cuda(), torch.zeros(4, 3, dtype=torch.int32).cuda(), prev.cuda()
+    if use_prev:  # the forecast's own copy first (counts[1]), as DeviceForecast.issue
+        gather_active_rows_reference(prev_ref[1][None], src.cuda(), expected, counts_ref[1], 1)
+        gather_active_rows(prev_got[1][None], cuda_view(host), got, counts[1], 1)
+    complete_forecast_reference(h.cuda(), prev_ref, use_prev, src.cuda(), expected, counts_ref, 1)
+    complete_forecast(h.cuda(), prev_got, use_prev, cuda_view(host), got, counts, 1)
+    assert torch.equal(got, expected) and torch.equal(prev_got, prev_ref)
+    assert counts.tolist() == counts_ref.tolist() and counts_ref[0, 1] > 0

@@ -19,7 +19,8 @@ pytestmark = pytest.mark.gpu
 
 PROMPT = [2] + list(range(10, 73))  # 64 tokens
 CONTINUATION = 8
-CAPTURED = [("resident", {}), ("dense-stream", {}), ("packet", {"gather": "device"})]
+CAPTURED = [("resident", {}), ("dense-stream", {}), ("packet", {"gather": "device"}),
+            ("early-forecast", {"gather": "device"})]
 EAGER = [("packet", {}), ("sparse-extents", {}), ("row-retention", {"rows_per_layer": 64}), ("early-forecast", {}),
          ("phase-switched", {})]
 

@@ -14,9 +14,11 @@ from engine.synth import synth_checkpoint
 CONTINUATION = 5
 PREFILLS = (1, 64)
 PARAMS = {"sparse-extents": {"block_rows": 16}, "row-retention": {"rows_per_layer": 48}}
-# Every policy, plus packet with the device-side gather (on the CPU: engine.gather's reference).
+# Every policy, plus packet and early-forecast with the device-side gather (on the CPU:
+# engine.gather's reference).
 VARIANTS = {**{name: (name, PARAMS.get(name, {})) for name in POLICIES},
-            "packet+gather=device": ("packet", {"gather": "device"})}
+            "packet+gather=device": ("packet", {"gather": "device"}),
+            "early-forecast+gather=device": ("early-forecast", {"gather": "device"})}
 
 
 def prompt_of(length: int, vocab: int) -> list[int]:
@@ -137,6 +139,13 @@ def test_packet_ledgers_equal_independently_counted_active_rows(runs):
         for call, active in zip(outs["early-forecast", n].calls, counts):
             assert [r - w for r, w in zip(call.rows_copied, call.rows_wasted)] == active
         assert outs["early-forecast", n].calls[0].rows_wasted == [0] * s["layers"]
+        # early-forecast on the device: the host's forecasts and remainders, so the same rows,
+        # bytes and waste per call and layer; no index, four 4-byte counts per layer read once
+        host, device = outs["early-forecast", n].calls, outs["early-forecast+gather=device", n].calls
+        for key in ("active_rows", "rows_copied", "h2d_weight_bytes", "rows_wasted"):
+            assert [getattr(c, key) for c in device] == [getattr(c, key) for c in host], key
+        assert sum(sum(c.rows_wasted) for c in device) > 0  # forecasts were wrong sometimes: the test can tell
+        assert all(c.h2d_index_bytes == [0] * s["layers"] and c.d2h_bytes == [16] * s["layers"] for c in device)
     # decode sparsity is real: about 6 % of neurons per token
     decode = [k for c in outs["packet", 1].calls[1:] for k in c.active_rows]
     assert 0 < np.mean(decode) / s["ffn"] < 0.15

@@ -80,6 +80,8 @@ CHARGED = {
     ("phase-switched", ()): WORKSPACE + PACKET,
     ("row-retention", (("rows_per_layer", 48),)): WORKSPACE + PACKET + 2 * 48 * 64 * 4,
     ("early-forecast", ()): WORKSPACE + 2 * PACKET,
+    # two workspaces, the forecast (2 layers x 256 int8) and the counts (4 x 2 int32)
+    ("early-forecast", (("gather", "device"),)): 2 * WORKSPACE + 2 * 256 + 4 * 2 * 4,
 }
 
 
