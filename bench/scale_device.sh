@@ -8,7 +8,8 @@
 # Prints per screen and condition the median scored episode wall, and packet / dense-stream.
 # Run from the project root with .whl carried: bash bench/scale_device.sh   (SKIP_13B=1 skips 2;
 # a CPU dry run: SKIP_WHEELS=1 SHAPE27=tiny DTYPE=float32 BIG_SHAPES="tiny:1" bash bench/scale_device.sh;
-# SKIP_V040=1 skips 1; V040_MODES=graph runs 1 in mode graph only; V040_REPEATS=3 runs each of its screens three times)
+# SKIP_V040=1 skips 1; V040_MODES=graph runs 1 in mode graph only; V040_REPEATS=3 runs each of its screens three times;
+# V040_EXTRA="{...}" adds one condition to 1)
 set -uo pipefail
 [ -n "${SKIP_WHEELS:-}" ] || [ -d /tmp/site/ray ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD RAY_AUTH_MODE=disabled PYTHONUNBUFFERED=1
@@ -53,6 +54,7 @@ t0=$(date +%s)
 pb model synth --shape ${SHAPE27:-opt-2.7b} --dtype float16 --sparsity 0.94 --seed 0 --hot-fraction 0.05 --out m27 >/dev/null
 echo "synth opt-2.7b: $(( $(date +%s) - t0 )) s"
 C=("{policy: dense-stream}" "{policy: packet, params: {gather: host}}" "{name: packet-device, policy: packet, params: {gather: device}}")
+[ -n "${V040_EXTRA:-}" ] && C+=("$V040_EXTRA")  # one more condition, e.g. "{name: forecast-device, policy: early-forecast, params: {gather: device}}"
 screens=()
 for mode in ${V040_MODES:-eager graph}; do  # V040_REPEATS=N: N screens per mode (names -1..-N; one screen each by default)
   for r in $(seq 1 ${V040_REPEATS:-1}); do
