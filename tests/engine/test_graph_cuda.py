@@ -82,6 +82,18 @@ def test_cuda_graph_ledger_equals_eager_ledger(tiny):
         assert [c.phase for c in device.calls] == ["prefill"] + ["decode"] * (CONTINUATION - 1)
         assert all(sum(c.d2h_bytes) == 4 * model.recorder.layers for c in device.calls)
         assert np.array_equal(device.logits, host.logits)
+    # early-forecast: the device's captured forecasts move the host's rows, bytes and waste, call
+    # by call and layer by layer
+    model.use("early-forecast")
+    host = run_episode(model, PROMPT, continuation=CONTINUATION, mode="graph")
+    assert host.decode_graph.startswith("eager") and sum(sum(c.rows_wasted) for c in host.calls) > 0
+    for warm_up in (True, False):
+        model.use("early-forecast", gather="device")
+        device = run_episode(model, PROMPT, continuation=CONTINUATION, mode="graph")
+        assert device.decode_graph.startswith("captured") and ("warm-up" in device.decode_graph) == warm_up
+        for key in ("active_rows", "rows_copied", "h2d_weight_bytes", "rows_wasted"):
+            assert [getattr(c, key) for c in device.calls] == [getattr(c, key) for c in host.calls], key
+        assert np.array_equal(device.logits, host.logits)
 
 
 def test_cuda_graph_replays_follow_new_tokens(tiny):
