@@ -131,8 +131,6 @@ class GraphStep:
         self.logits, self.tape, self.capture_s = logits, tape, capture_s
         self.end_s = end_s  # of capture_s, in capture_end: ending the captures and instantiating the graphs
         self.warmed = warmed  # this episode's first decode call ran eagerly before the capture
-        self.ahead = False  # the policy's forecasts are launched between the pieces (launch_ahead)
-        self.marks: list = []  # then: per piece, an event on the compute stream after it
 
     def describe(self) -> str:
         """What the archive records as the episode's `decode_graph`."""
@@ -161,7 +159,6 @@ class GraphDecoder:
         self._warm: set[type] = set()
         self.parallel_kv = True  # False: a capture runs k and v after q (bench.engine's `+kv=serial`)
         self.attend_views = True  # False: replays attend as eager calls do (bench.engine's `+attend=matmul`)
-        self.ahead_between = True  # False: forecasts stay inside the captured pieces (bench.engine's `+ahead=inside`)
 
     def forget_warm_ups(self) -> None:
         """The next episode of every policy class warms up eagerly again (a bench that swaps a
@@ -194,12 +191,6 @@ class GraphDecoder:
             step.ids.copy_(ids)
             step.pos.fill_(position)  # a kernel argument: no host-device sync
             graphs = step.graphs
-            ahead = self.slot.policy if step.ahead else None
-            if ahead is not None:  # forecasts between the pieces (DeviceForecast.launch_ahead)
-                main, layers, marks = torch.cuda.current_stream(self.device), len(graphs) - 1, step.marks
-                ahead.begin_replay()
-                marks[0].record(main)
-                landed = {layer: ahead.launch_ahead(layer, marks[0]) for layer in range(min(2, layers))}
             graphs[0].replay()
             step.tape.play(self.recorder)  # host bookkeeping while the GPU runs the first piece
             for i in range(1, len(graphs)):  # layer i-1's attention over the live keys, then piece i
@@ -207,12 +198,7 @@ class GraphDecoder:
                     StaticOPT.attend_views(step.views[i - 1], span)
                 else:  # bench.engine's `+attend=matmul`: eager calls' attend, then a copy into the buffer
                     self.decoder.attend(step.queries[i - 1], kv.layers[i - 1], span, None, out=step.attn)
-                if ahead is not None:  # piece i holds layer i-1's fc2: its forecast must have landed
-                    main.wait_event(landed.pop(i - 1))
                 graphs[i].replay()
-                if ahead is not None and i + 1 < layers:  # piece i read the workspace layer i+1 lands in
-                    marks[i].record(main)
-                    landed[i + 1] = ahead.launch_ahead(i + 1, marks[i])
             return step.logits
         pos = torch.full((1,), position, dtype=torch.long, device=ids.device)
         if kv.eager_reason is not None:
@@ -252,14 +238,6 @@ class GraphDecoder:
         recorder.begin(phase="decode", tokens=1)  # scratch call: what the policy's host side adds
         d = self.decoder
         d.branch = branch if self.parallel_kv else None
-        policy = self.slot.policy
-        # A policy that copies ahead on a stream of its own between the pieces (early-forecast's
-        # device gather) leaves those copies out of the capture; one graph for the whole step
-        # (attention="static") keeps them inside, rejoined at its end.
-        ahead = self.ahead_between and kv.attention == "live" and hasattr(policy, "launch_ahead")
-        policy_outside = getattr(policy, "ahead_outside", None)
-        if ahead:
-            policy.ahead_outside = True
         try:
             # Capture records, it does not run: the KV slot written here is rewritten by each
             # replay at the position it is given. torch.cuda.graph() would gc.collect() and
@@ -297,13 +275,8 @@ class GraphDecoder:
         finally:
             recorder.current, recorder.phase, recorder._deferred = saved
             d.branch = None
-            if ahead:
-                policy.ahead_outside = policy_outside
         step = GraphStep(graphs, static_ids, static_pos, queries, attn, static_logits, tape,
                          time.perf_counter() - t0, end_s, warmed)
-        if ahead:
-            step.ahead = True
-            step.marks = [torch.cuda.Event() for _ in range(len(graphs))]
         if attn is not None:
             step.views = [d.attention_views(q, kv.layers[i], attn) for i, q in enumerate(queries)]
         return step

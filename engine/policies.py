@@ -773,11 +773,6 @@ class DeviceForecast:
 
     def __init__(self) -> None:
         self.buffers: DeviceForecastBuffers | None = None
-        # Set by engine/graph.py while it captures the decode step in pieces: the forecasts are
-        # then not part of the pieces; each replay launches them between the pieces
-        # (`launch_ahead`), so a forecast copy can run beside a whole layer, its attention included,
-        # instead of only the rest of one piece (a captured fork must rejoin before its piece ends).
-        self.ahead_outside = False
 
     def activate(self, host: HostWeights, device: torch.device, recorder: Recorder) -> None:
         self.host, self.device, self.recorder = host, device, recorder
@@ -801,13 +796,11 @@ class DeviceForecast:
         self.buffers = None
 
     def _open_call(self) -> None:
-        """The call's first use of the counts: zero them (on the compute stream) and settle later.
-        With the forecasts outside the pieces, the replay zeroes them first (`begin_replay`)."""
+        """The call's first use of the counts: zero them (on the compute stream) and settle later."""
         b = self.buffers
         if b.counted_call != self.recorder.serial:
             b.counted_call = self.recorder.serial
-            if not self.ahead_outside:
-                b.counts.zero_()
+            b.counts.zero_()
             b.landed.clear()
             b.tail = None
             self.recorder.defer(self.settle)
@@ -816,26 +809,8 @@ class DeviceForecast:
         if self.recorder.phase != "decode":
             return  # a prefill has no forecast (as the host's early-forecast)
         self._open_call()
-        if self.ahead_outside:
-            return  # each replay launches the forecasts between the pieces
         for ahead in copies_ahead(layer, self.host.layers):
             self.issue(ahead)
-
-    def begin_replay(self) -> None:
-        """A replayed call starts: zero the counts on the compute stream, before any forecast."""
-        self.buffers.counts.zero_()
-
-    def launch_ahead(self, layer: int, after: "torch.cuda.Event") -> "torch.cuda.Event":
-        """Between replayed pieces: copy layer `layer`'s forecast on the side stream once the
-        compute stream has reached `after` (the last fc2 that read this workspace, the zeroed
-        counts); the returned event is what the piece holding the layer's fc2 waits for."""
-        b = self.buffers
-        b.side.wait_event(after)
-        with torch.cuda.stream(b.side):
-            gather_active_rows(b.prev[layer][None], b.source[layer], b.of(layer), b.counts[1], layer)
-            done = torch.cuda.Event()
-            done.record(b.side)
-        return done
 
     def issue(self, layer: int) -> None:
         """Copy layer `layer`'s forecast rows into its workspace. On CUDA the side stream first
@@ -859,8 +834,7 @@ class DeviceForecast:
     def fetch(self, layer: int, h: torch.Tensor) -> torch.Tensor:
         b = self.buffers
         self._open_call()
-        # outside the pieces, the replay has the forecast landed before this piece starts
-        forecast = layer in b.landed or (self.ahead_outside and self.recorder.phase == "decode")
+        forecast = layer in b.landed
         done = b.landed.pop(layer, None)
         if done is not None:
             torch.cuda.current_stream(self.device).wait_event(done)
