@@ -74,9 +74,9 @@ def use(model: CpuFirstModel, policy: str, params: dict) -> None:
     """model.use, or a bench-only variant named by `copies` or `tile` (parse_condition checked it):
     `tile` runs the device gather's Triton kernel with that tile instead of engine.gather's choice."""
     params = dict(params)
-    tile, ftile = params.pop("tile", None), params.pop("ftile", None)
-    if (tile, ftile) != (gather.TILE_OVERRIDE, gather.FORECAST_TILE):  # another Triton kernel: warm it up before a capture
-        gather.TILE_OVERRIDE, gather.FORECAST_TILE = tile, ftile
+    tile = params.pop("tile", None)
+    if tile != gather.TILE_OVERRIDE:  # another tile is another Triton kernel: warm it up before a capture
+        gather.TILE_OVERRIDE = tile
         model.graph.forget_warm_ups()
     copies = params.pop("copies", None)
     if copies is None:
@@ -114,10 +114,6 @@ def parse_condition(spec: str) -> tuple[str, dict, bool, str]:
             if policy not in ("packet", "phase-switched") or len(value.split(":")) != 3:
                 raise SystemExit(f"{spec}: +tile=ROWS:COLUMNS:WARPS is the device gather's (packet, phase-switched)")
             params["tile"] = tuple(int(v) for v in value.split(":"))
-        elif key == "ftile":
-            if policy != "early-forecast" or len(value.split(":")) != 3:
-                raise SystemExit(f"{spec}: +ftile=ROWS:COLUMNS:WARPS is early-forecast's forecast copy (gather device)")
-            params["ftile"] = tuple(int(v) for v in value.split(":"))
         elif key == "copies" and (policy != "dense-stream" or value not in COPIES):
             raise SystemExit(f"{spec}: +copies= is dense-stream's only, one of {', '.join(COPIES)}")
         else:

@@ -37,10 +37,6 @@ import torch
 # the earlier 16 made decode 16 % faster at opt-13b, 10 % at opt-6.7b, and kept opt-2.7b's.
 BLOCK_R, BLOCK_H, NUM_WARPS, BLOCK_T = 64, 128, 8, 8
 TILE_OVERRIDE: tuple[int, int, int] | None = None  # (BLOCK_R, BLOCK_H, NUM_WARPS): a bench's variant
-# early-forecast's forecast copy runs beside the layer's compute (DeviceForecast.issue), where a
-# tile that fills every SM's registers would keep the matmuls waiting: its own tile (None: the
-# gather's).
-FORECAST_TILE: tuple[int, int, int] | None = None
 
 
 def gather_active_rows_reference(h: torch.Tensor, src: torch.Tensor, workspace: torch.Tensor,
@@ -64,8 +60,8 @@ def complete_forecast_reference(h: torch.Tensor, prev: torch.Tensor, use_prev: b
     prev[layer] = active
 
 
-def tile(override: tuple[int, int, int] | None = None) -> dict:
-    block_r, block_h, num_warps = override or TILE_OVERRIDE or (BLOCK_R, BLOCK_H, NUM_WARPS)
+def tile() -> dict:
+    block_r, block_h, num_warps = TILE_OVERRIDE or (BLOCK_R, BLOCK_H, NUM_WARPS)
     return dict(block_r=block_r, block_h=block_h, block_t=BLOCK_T, num_warps=num_warps)
 
 
@@ -81,11 +77,10 @@ def complete_forecast(h: torch.Tensor, prev: torch.Tensor, use_prev: bool, src: 
 
 
 def gather_active_rows(h: torch.Tensor, src: torch.Tensor, workspace: torch.Tensor,
-                       counts: torch.Tensor, layer: int, *, forecast: bool = False) -> None:
+                       counts: torch.Tensor, layer: int) -> None:
     if h.device.type != "cuda":
         gather_active_rows_reference(h, src, workspace, counts, layer)
         return
     from engine.triton_gather import gather_active_rows_cuda  # Triton ships with CUDA builds of torch
 
-    gather_active_rows_cuda(h.reshape(-1, h.shape[-1]).contiguous(), src, workspace, counts, layer,
-                            **tile(FORECAST_TILE if forecast else None))
+    gather_active_rows_cuda(h.reshape(-1, h.shape[-1]).contiguous(), src, workspace, counts, layer, **tile())

@@ -825,7 +825,7 @@ class DeviceForecast:
         capturing = torch.cuda.is_current_stream_capturing()
         b.side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(b.side):
-            gather_active_rows(forecast, b.source[layer], b.of(layer), b.counts[1], layer, forecast=True)
+            gather_active_rows(forecast, b.source[layer], b.of(layer), b.counts[1], layer)
             done = torch.cuda.Event()
             done.record(b.side)
         b.landed[layer] = done
