@@ -1,14 +1,38 @@
-"""Triton kernel behind `engine.gather.gather_active_rows` on CUDA (imported only there).
+"""Triton kernels behind `engine.gather.gather_active_rows` and `complete_forecast` on CUDA
+(imported only there).
 
 Each program owns BLOCK_R consecutive neurons: it tests them for activity over every token of
 the call, adds how many are active to counts[layer] (one atomic), and, if any is, copies their
 outgoing rows from `src` (mapped host memory: inactive rows are never read) into the matching
 workspace columns, BLOCK_H elements at a time. The copy is a bitwise move, so exactness does
-not depend on the kernel's tiling.
+not depend on the kernel's tiling. early-forecast's completion tests activity the same way and
+copies only the active rows its forecast missed (`_active_rows` and `_copy_rows` are shared).
 """
 
 import triton
 import triton.language as tl
+
+
+@triton.jit
+def _active_rows(h_ptr, n_tokens, rows64, in_range, ffn, BLOCK_R: tl.constexpr, BLOCK_T: tl.constexpr):
+    """The program's neurons that are non-zero in any token of h (tokens, ffn)."""
+    hits = tl.zeros([BLOCK_R], dtype=tl.int32)
+    for t0 in range(0, n_tokens, BLOCK_T):
+        t = (t0 + tl.arange(0, BLOCK_T)).to(tl.int64)
+        x = tl.load(h_ptr + t[:, None] * ffn + rows64[None, :],
+                    mask=(t[:, None] < n_tokens) & in_range[None, :], other=0)
+        hits += tl.sum((x != 0).to(tl.int32), axis=0)
+    return (hits > 0) & in_range
+
+
+@triton.jit
+def _copy_rows(src_ptr, ws_ptr, rows64, which, ffn, hidden, BLOCK_H: tl.constexpr):
+    """Rows `which` of src (ffn, hidden) into the same columns of the workspace (hidden, ffn)."""
+    for h0 in range(0, hidden, BLOCK_H):
+        cols = (h0 + tl.arange(0, BLOCK_H)).to(tl.int64)
+        m = which[:, None] & (cols[None, :] < hidden)
+        tile = tl.load(src_ptr + rows64[:, None] * hidden + cols[None, :], mask=m)
+        tl.store(ws_ptr + cols[None, :] * ffn + rows64[:, None], tile, mask=m)
 
 
 @triton.jit(do_not_specialize=["layer"])  # one compiled variant serves every layer
@@ -17,21 +41,11 @@ def _gather_active_rows(h_ptr, n_tokens, src_ptr, ws_ptr, count_ptr, layer, ffn,
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     in_range = rows < ffn
     rows64 = rows.to(tl.int64)
-    hits = tl.zeros([BLOCK_R], dtype=tl.int32)
-    for t0 in range(0, n_tokens, BLOCK_T):
-        t = (t0 + tl.arange(0, BLOCK_T)).to(tl.int64)
-        x = tl.load(h_ptr + t[:, None] * ffn + rows64[None, :],
-                    mask=(t[:, None] < n_tokens) & in_range[None, :], other=0)
-        hits += tl.sum((x != 0).to(tl.int32), axis=0)
-    active = (hits > 0) & in_range
+    active = _active_rows(h_ptr, n_tokens, rows64, in_range, ffn, BLOCK_R, BLOCK_T)
     n_active = tl.sum(active.to(tl.int32), axis=0)
     if n_active > 0:
         tl.atomic_add(count_ptr + layer, n_active)
-        for h0 in range(0, hidden, BLOCK_H):
-            cols = (h0 + tl.arange(0, BLOCK_H)).to(tl.int64)
-            m = active[:, None] & (cols[None, :] < hidden)
-            tile = tl.load(src_ptr + rows64[:, None] * hidden + cols[None, :], mask=m)
-            tl.store(ws_ptr + cols[None, :] * ffn + rows64[:, None], tile, mask=m)
+        _copy_rows(src_ptr, ws_ptr, rows64, active, ffn, hidden, BLOCK_H)
 
 
 def gather_active_rows_cuda(h, src, workspace, counts, layer, *, block_r, block_h, block_t, num_warps=4) -> None:
@@ -54,32 +68,22 @@ def _complete_forecast(h_ptr, n_tokens, prev_ptr, use_prev, src_ptr, ws_ptr, cou
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     in_range = rows < ffn
     rows64 = rows.to(tl.int64)
-    hits = tl.zeros([BLOCK_R], dtype=tl.int32)
-    for t0 in range(0, n_tokens, BLOCK_T):
-        t = (t0 + tl.arange(0, BLOCK_T)).to(tl.int64)
-        x = tl.load(h_ptr + t[:, None] * ffn + rows64[None, :],
-                    mask=(t[:, None] < n_tokens) & in_range[None, :], other=0)
-        hits += tl.sum((x != 0).to(tl.int32), axis=0)
-    active = (hits > 0) & in_range
+    active = _active_rows(h_ptr, n_tokens, rows64, in_range, ffn, BLOCK_R, BLOCK_T)
     prev_at = prev_ptr + layer * ffn + rows64
     predicted = (tl.load(prev_at, mask=in_range, other=0) != 0) & in_range & (use_prev != 0)
-    fetch = active & ~predicted
+    missed = active & ~predicted
     n_active = tl.sum(active.to(tl.int32), axis=0)
-    n_fetch = tl.sum(fetch.to(tl.int32), axis=0)
+    n_missed = tl.sum(missed.to(tl.int32), axis=0)
     n_wasted = tl.sum((predicted & ~active).to(tl.int32), axis=0)
     if n_active > 0:
         tl.atomic_add(count_ptr + layer, n_active)
-    if n_fetch > 0:
-        tl.atomic_add(count_ptr + 2 * layers + layer, n_fetch)
+    if n_missed > 0:
+        tl.atomic_add(count_ptr + 2 * layers + layer, n_missed)
     if n_wasted > 0:
         tl.atomic_add(count_ptr + 3 * layers + layer, n_wasted)
     tl.store(prev_at, active.to(tl.int8), mask=in_range)
-    if n_fetch > 0:
-        for h0 in range(0, hidden, BLOCK_H):
-            cols = (h0 + tl.arange(0, BLOCK_H)).to(tl.int64)
-            m = fetch[:, None] & (cols[None, :] < hidden)
-            tile = tl.load(src_ptr + rows64[:, None] * hidden + cols[None, :], mask=m)
-            tl.store(ws_ptr + cols[None, :] * ffn + rows64[:, None], tile, mask=m)
+    if n_missed > 0:
+        _copy_rows(src_ptr, ws_ptr, rows64, missed, ffn, hidden, BLOCK_H)
 
 
 def complete_forecast_cuda(h, prev, use_prev, src, workspace, counts, layer, *, block_r, block_h, block_t,
