@@ -89,8 +89,7 @@ def use(model: CpuFirstModel, policy: str, params: dict) -> None:
 # over the static span; +kv=serial runs a captured layer's k and v after q; +attend=matmul runs the
 # attention between replayed pieces through torch.matmul as in eager calls, with a copy into the
 # static buffer (before session 19). The first value of each is what mode graph does.
-GRAPH_VARIANTS = {"attention": ("live", "static"), "kv": ("parallel", "serial"),
-                  "attend": ("views", "matmul", "aten"), "tape": ("first", "last")}
+GRAPH_VARIANTS = {"attention": ("live", "static"), "kv": ("parallel", "serial"), "attend": ("views", "matmul")}
 
 
 def parse_condition(spec: str) -> tuple[str, dict, bool, str]:
@@ -132,9 +131,7 @@ def set_mode(model: CpuFirstModel, mode: str) -> str:
     pick = {key: chosen.get(key, values[0]) for key, values in GRAPH_VARIANTS.items()}
     model.graph.attention = pick["attention"]
     model.graph.parallel_kv = pick["kv"] == "parallel"
-    model.graph.attend_views = pick["attend"] != "matmul"
-    model.graph.attend_aten = pick["attend"] == "aten"
-    model.graph.tape_first = pick["tape"] == "first"
+    model.graph.attend_views = pick["attend"] == "views"
     return mode
 
 

@@ -159,8 +159,6 @@ class GraphDecoder:
         self._warm: set[type] = set()
         self.parallel_kv = True  # False: a capture runs k and v after q (bench.engine's `+kv=serial`)
         self.attend_views = True  # False: replays attend as eager calls do (bench.engine's `+attend=matmul`)
-        self.attend_aten = False  # True: the views' softmax calls aten directly (bench.engine's `+attend=aten`)
-        self.tape_first = True  # False: a replay plays the tape after the last piece (bench.engine's `+tape=last`)
 
     def forget_warm_ups(self) -> None:
         """The next episode of every policy class warms up eagerly again (a bench that swaps a
@@ -194,16 +192,13 @@ class GraphDecoder:
             step.pos.fill_(position)  # a kernel argument: no host-device sync
             graphs = step.graphs
             graphs[0].replay()
-            if self.tape_first:
-                step.tape.play(self.recorder)  # host bookkeeping while the GPU runs the first piece
+            step.tape.play(self.recorder)  # host bookkeeping while the GPU runs the first piece
             for i in range(1, len(graphs)):  # layer i-1's attention over the live keys, then piece i
                 if self.attend_views:
-                    StaticOPT.attend_views(step.views[i - 1], span, self.attend_aten)
+                    StaticOPT.attend_views(step.views[i - 1], span)
                 else:  # bench.engine's `+attend=matmul`: eager calls' attend, then a copy into the buffer
                     self.decoder.attend(step.queries[i - 1], kv.layers[i - 1], span, None, out=step.attn)
                 graphs[i].replay()
-            if not self.tape_first:
-                step.tape.play(self.recorder)
             return step.logits
         pos = torch.full((1,), position, dtype=torch.long, device=ids.device)
         if kv.eager_reason is not None:

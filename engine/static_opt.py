@@ -173,7 +173,7 @@ class StaticOPT:
                 out.view(heads, 1, d))
 
     @staticmethod
-    def attend_views(views: tuple, span: int, aten: bool = False) -> None:
+    def attend_views(views: tuple, span: int) -> None:
         """`attend` for one decode token on `attention_views`, written into their `out`.
 
         torch.matmul of (1, heads, 1, d) by (1, heads, d, span) folds the batch and calls bmm on
@@ -182,13 +182,8 @@ class StaticOPT:
         writes the static output (contiguous (heads, 1, d), the layout of the result bmm would
         allocate) instead of a copy after it."""
         q, keys, values, out = views
-        scores = torch.bmm(q, keys[:, :span].mT)
-        if aten and scores.is_cuda:  # bench.engine's `+attend=aten`: the kernel F.softmax dispatches to, called directly
-            half = scores.dtype == torch.float16  # aten's softmax: half to float in one kernel, else convert first
-            probs = torch._softmax(scores if half else scores.float(), -1, half)
-        else:
-            probs = F.softmax(scores, dim=-1, dtype=torch.float32)
-        torch.bmm(probs.to(q.dtype), values[:, :span], out=out)
+        probs = F.softmax(torch.bmm(q, keys[:, :span].mT), dim=-1, dtype=torch.float32).to(q.dtype)
+        torch.bmm(probs, values[:, :span], out=out)
 
     def post(self, i: int, h: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
         """Layer i after attention: out_proj, residual, then the FFN with fc2 from the policy."""
