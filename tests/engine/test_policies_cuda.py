@@ -37,7 +37,8 @@ def test_cuda_policies_bit_identical(dtype, which, checkpoints, checkpoint_125m)
     again = run_episode(model, PROMPT, continuation=CONTINUATION)
     assert np.array_equal(ref.logits, again.logits), "the reference does not reproduce itself"
     # Registry defaults; row-retention has none (a protocol must state it): 1024 rows a layer.
-    variants = [(name, PARAMS.get(name, {})) for name in POLICIES] + [("packet", {"gather": "device"})]
+    variants = [(name, PARAMS.get(name, {})) for name in POLICIES] + [("packet", {"gather": "device"}),
+                                                                       ("early-forecast", {"gather": "device"})]
     for name, params in variants:
         model.use(name, **params)
         out = run_episode(model, PROMPT, continuation=CONTINUATION)
