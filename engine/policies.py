@@ -229,7 +229,8 @@ def copies_ahead(layer: int, layers: int) -> tuple[int, ...]:
 
 @dataclass
 class DoubleBuffer:
-    """dense-stream's buffers, while it is active: layer l's weight lands in `workspaces[l % 2]`."""
+    """dense-stream's buffers, while it is active: layer l's weight lands in `workspaces[l % 2]`
+    (early-forecast's device gather lands its forecasts the same way: `DeviceForecastBuffers`)."""
 
     workspaces: tuple[torch.Tensor, torch.Tensor]  # (hidden, ffn) on the device each, zeros
     copy: "torch.cuda.Stream | None"  # the stream that fills them; None off CUDA (copies run in place)
@@ -243,6 +244,15 @@ class DoubleBuffer:
 
     def device_bytes(self) -> int:
         return _nbytes(*self.workspaces)
+
+    def join(self, stream: "torch.cuda.Stream") -> None:
+        """Make `stream` wait for every copy issued so far. A captured graph piece must rejoin
+        every stream it forked before it ends (engine/graph.py calls the policy's `join` at each
+        piece's end); the copies joined need no wait later in the capture."""
+        if self.tail is not None:
+            stream.wait_event(self.tail)  # the copy stream runs in order: its last copy ends last
+            self.tail = None
+        self.landed = dict.fromkeys(self.landed)
 
 
 class DenseStream:
@@ -319,14 +329,8 @@ class DenseStream:
         return b.of(layer)
 
     def join(self, stream: "torch.cuda.Stream") -> None:
-        """Make `stream` wait for every copy issued so far. A captured graph piece must rejoin
-        every stream it forked before it ends (engine/graph.py calls this at each piece's
-        end); the copies joined need no wait later in the capture."""
-        b = self.buffers
-        if b.tail is not None:
-            stream.wait_event(b.tail)  # the copy stream runs in order: its last copy ends last
-            b.tail = None
-        b.landed = dict.fromkeys(b.landed)
+        """A captured piece rejoins the copy stream before it ends (DoubleBuffer.join)."""
+        self.buffers.join(stream)
 
     def device_bytes(self) -> int:
         return 0 if self.buffers is None else self.buffers.device_bytes()
@@ -734,23 +738,17 @@ class EarlyForecast(HostGather):
 
 
 @dataclass
-class DeviceForecastBuffers:
-    """The buffers of `DeviceForecast`, while it is active."""
+class DeviceForecastBuffers(DoubleBuffer):
+    """The buffers of `DeviceForecast`, while it is active: dense-stream's two workspaces and
+    copy stream (here it carries the forecasts), plus the forecast itself and the counts."""
 
-    workspaces: tuple[torch.Tensor, torch.Tensor]  # (hidden, ffn) on the device each, zeros; layer l uses [l % 2]
-    prev: torch.Tensor  # (layers, ffn) int8 on the device: each layer's active set in its last call (the forecast)
-    counts: torch.Tensor  # (4, layers) int32 on the device: active, forecast, missed, wasted rows of one call
-    source: list[torch.Tensor]  # (ffn, hidden) per layer: mapped views of HostWeights (charged there)
-    side: "torch.cuda.Stream | None"  # the forecast copies' stream; None off CUDA (they run in place)
-    landed: dict[int, "torch.cuda.Event | None"] = field(default_factory=dict)  # as DoubleBuffer's
-    tail: "torch.cuda.Event | None" = None
+    prev: torch.Tensor = field(kw_only=True)  # (layers, ffn) int8 on the device: each layer's active set in its last call
+    counts: torch.Tensor = field(kw_only=True)  # (4, layers) int32 on the device: active, forecast, missed, wasted rows
+    source: list[torch.Tensor] = field(kw_only=True)  # (ffn, hidden) per layer: mapped views of HostWeights (charged there)
     counted_call: int = -1  # recorder.serial of the call `counts` belongs to
 
-    def of(self, layer: int) -> torch.Tensor:
-        return self.workspaces[layer % 2]
-
     def device_bytes(self) -> int:
-        return _nbytes(*self.workspaces, self.prev, self.counts)
+        return super().device_bytes() + _nbytes(self.prev, self.counts)
 
 
 class DeviceForecast:
@@ -790,7 +788,7 @@ class DeviceForecast:
                 t.record_stream(side)
         else:
             source = [host.transposed(layer) for layer in range(host.layers)]
-        self.buffers = DeviceForecastBuffers(workspaces, prev, counts, source, side)
+        self.buffers = DeviceForecastBuffers(workspaces, side, prev=prev, counts=counts, source=source)
 
     def deactivate(self) -> None:
         self.buffers = None
@@ -818,16 +816,16 @@ class DeviceForecast:
         inside a capture that wait is the fork."""
         b = self.buffers
         forecast = b.prev[layer][None]  # (1, ffn): "active" where the layer's last call was
-        if b.side is None:
+        if b.copy is None:
             gather_active_rows(forecast, b.source[layer], b.of(layer), b.counts[1], layer)
             b.landed[layer] = None
             return
         capturing = torch.cuda.is_current_stream_capturing()
-        b.side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(b.side):
+        b.copy.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(b.copy):
             gather_active_rows(forecast, b.source[layer], b.of(layer), b.counts[1], layer)
             done = torch.cuda.Event()
-            done.record(b.side)
+            done.record(b.copy)
         b.landed[layer] = done
         b.tail = done if capturing else None  # as DenseStream.issue
 
@@ -842,12 +840,8 @@ class DeviceForecast:
         return b.of(layer)
 
     def join(self, stream: "torch.cuda.Stream") -> None:
-        """As DenseStream.join: a captured piece rejoins the side stream before it ends."""
-        b = self.buffers
-        if b.tail is not None:
-            stream.wait_event(b.tail)
-            b.tail = None
-        b.landed = dict.fromkeys(b.landed)
+        """A captured piece rejoins the side stream before it ends (DoubleBuffer.join)."""
+        self.buffers.join(stream)
 
     def settle(self, call: CallLedger) -> None:
         """The call has ended: read the four counts of every layer at once."""
