@@ -16,6 +16,9 @@ set -uo pipefail
 [ -n "${SKIP_WHEELS:-}" ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD PATH=$PATH RAY_AUTH_MODE=disabled PYTHONUNBUFFERED=1
 nvidia-smi -L 2>/dev/null || echo 'no GPU (dry run)'
+# The host's topology: two workers share its cores and memory (hyperthread siblings, NUMA nodes,
+# which CPUs each GPU is near).
+lscpu | grep -E '^(CPU\(s\)|Thread|Core|Socket|NUMA)' ; nvidia-smi topo -m 2>/dev/null | head -6
 pb() { python3 -m cli "$@"; }
 now() { python3 -c "import time; print(time.time())"; }
 since() { python3 -c "import sys, time; print(round(time.time() - float(sys.argv[1]), 2))" "$1"; }

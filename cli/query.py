@@ -19,7 +19,7 @@ from cli.summary import print_json, screen_summary, table, verdict_table
 from core.archive import WORKER_NAME, ArchiveReader
 from core.errors import PackbenchError
 from core.protocol import DTYPE_NAMES, GATE_NAMES, PHASES
-from core.report import shared_gpu
+from core.report import shared_gpu, shared_host
 
 FORMATS = ("table", "json", "csv")
 GATE_HELP = ", ".join(GATE_NAMES)
@@ -224,6 +224,10 @@ def attempt_time(attempt) -> dict[str, Any]:
     if shared["episodes"]:
         note += (f"; GPU shared with pid {', '.join(map(str, sorted(shared['processes'])))} "
                  f"in {len(shared['episodes'])} of them")
+    host = shared_host(records)
+    if host["episodes"]:
+        note += (f"; host shared with packbench worker pid {', '.join(map(str, sorted(host['workers'])))} "
+                 f"in {len(host['episodes'])} of them")
     return {**row, "load": None if load is None else round(load, 3), "episodes_wall": round(sum(walls), 3),
             "around_episodes": round(sum(around), 3) if around else None, "note": note}
 

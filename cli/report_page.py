@@ -192,6 +192,13 @@ def summary_section(s: ScreenData) -> str:
         n = len(shared["episodes"])
         warning = (f'<p class="fail" id="gpu-shared">The GPU was shared: {n} episode{"s" * (n != 1)} saw other '
                    f'processes on it ({esc(procs)}); their timings may be contaminated.</p>')
+    host = data.host_sharing(s)
+    if host["episodes"]:
+        workers = ", ".join(f"pid {pid} on {device}" for pid, device in sorted(host["workers"].items()))
+        n = len(host["episodes"])
+        warning += (f'<p class="fail" id="host-shared">The host was shared: {n} episode{"s" * (n != 1)} ran while '
+                    f'other packbench workers were alive on it ({esc(workers)}); they share its cores and memory, '
+                    f'so host-side timings (gathers, copies) may be contaminated.</p>')
     return ('<h2 id="conditions">Conditions (scored episodes)</h2>' + warning
             + _table(["condition", "policy", "scored", "failed", "H2D / prefill call", "H2D / decode call",
                       "mean wall", "median decode ms/token", "peak sampled GPU", "energy / episode",

@@ -98,6 +98,7 @@ class Active:
     stop: str | None = None  # cancelled | lost: no more episodes are submitted
     start: dict | None = None  # a `next` screen's load result, kept until it becomes the slot's active
     looked_ahead: bool = False  # its slot tried to claim its next screen (once: an empty queue is not polled)
+    host_shared: bool = False  # said once: another dispatcher's or cluster's worker runs on its host
 
     @property
     def handed_out(self) -> bool:
@@ -519,6 +520,7 @@ class Dispatcher:
             return  # reaped: another attempt may run the screen now; this one writes nothing more
         # The next episode goes to the worker before this one is persisted (archive + row).
         self._submit_next(active)
+        self._note_host_sharing(active, record)
         active.run.record(record)
         if active.stop:
             if active.inflight == 0:
@@ -530,6 +532,21 @@ class Dispatcher:
             # to ~4 ms but put 10-25 ms of driver work inside the next screen, and the queue path
             # per episode rose by 1-5 ms in 6 of 6 paired runs (docs/benchmarks.md).
             self._end(active, active.run.finish())
+
+    def _note_host_sharing(self, active: Active, record: dict) -> None:
+        """Say once per attempt when a packbench worker that is not this dispatcher's runs on the
+        same host (another cluster, or another dispatcher): it shares the host's cores and memory.
+        Every episode's record keeps the list (`host_workers`); the report names them."""
+        if active.host_shared:
+            return
+        host = active.slot.env.get("host")
+        mine = {s.env.get("pid") for s in self.slots if s.env.get("host") == host}
+        foreign = [p for p in record.get("host_workers") or [] if p[0] not in mine]
+        if foreign:
+            active.host_shared = True
+            self.progress(f"screen {active.run.screen.id}: host {host} also runs packbench worker "
+                          + ", ".join(f"pid {pid} ({device})" for pid, device in foreign)
+                          + ", not this dispatcher's: it shares the host's cores and memory (recorded per episode)")
 
     def _end_stopped(self, active: Active) -> None:
         if active.stop == "cancelled":

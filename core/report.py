@@ -322,6 +322,34 @@ def shared_gpu(records) -> dict:
     return {"episodes": episodes, "processes": processes}
 
 
+def other_workers(record: dict) -> list[tuple[int, str]]:
+    """(pid, device) of every other packbench worker alive on the worker's host during this
+    episode (`host_workers`, engine/gpu_lock.py HostPresence): they share its cores and memory.
+    Only well-formed [pid, device] pairs count (an archive is read without trusting its types)."""
+    pairs = record.get("host_workers")
+    return [(p[0], p[1][:80]) for p in (pairs if isinstance(pairs, list) else [])
+            if isinstance(p, list) and len(p) == 2 and isinstance(p[0], int) and not isinstance(p[0], bool)
+            and p[0] >= 0 and isinstance(p[1], str)]
+
+
+def host_sharing(screen: ScreenData) -> dict:
+    """`shared_host` over the screen's episodes."""
+    return shared_host(e.record for e in screen.episodes)
+
+
+def shared_host(records) -> dict:
+    """{episodes: plan indices, workers: {pid: device}} over episode records (`host_workers`):
+    other packbench workers on the host mean host-side timings (gathers, copies) that may be
+    contaminated, even on a GPU of the screen's own."""
+    episodes, workers = [], {}
+    for record in records:
+        pairs = other_workers(record)
+        if pairs:
+            episodes.append(record.get("plan_index"))
+        workers.update(pairs)
+    return {"episodes": episodes, "workers": workers}
+
+
 def condition_summary(screen: ScreenData) -> list[dict]:
     """One row per condition: policy, scored episodes, mean H2D bytes per prefill / decode call,
     mean wall per episode, median decode ms/token, largest sampled GPU peak, energy."""

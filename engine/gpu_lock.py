@@ -5,12 +5,18 @@ on GPU 0 and ran there at once (measured on nvidia-h200-x2; issue 13). A benchma
 be contaminated silently, so a worker takes an exclusive lock on its GPU's UUID for its life:
 a lock file under /tmp/packbench-gpu-locks held with flock(LOCK_EX | LOCK_NB), released by
 the kernel when the process ends, even by SIGKILL. A second worker on that GPU learns who holds it.
+
+A worker on another GPU of the host, or on its CPU, still shares the host's cores and memory:
+two workers of separate clusters on one two-GPU host slowed each other's host gathers by 30-50 %
+(docs/benchmarks.md, "Queue on two GPUs"). So every worker, whatever its device, also marks the
+host (`HostPresence`), and each episode records which other packbench workers were alive there.
 """
 
 from __future__ import annotations
 
 import fcntl
 import os
+import uuid as uuidlib
 from pathlib import Path
 
 DEFAULT_LOCK_DIR = Path("/tmp/packbench-gpu-locks")  # one per host: every user's workers see it
@@ -47,6 +53,90 @@ class GpuLock:
             fcntl.flock(self.fd, fcntl.LOCK_UN)
             os.close(self.fd)
             self.held = False
+
+
+class HostPresence:
+    """This worker's mark on the host, and the other packbench workers alive on it.
+
+    Each worker holds `worker-<pid>-<tag>.lock` in the lock directory with flock(LOCK_EX) for its
+    life and writes its device in it; the kernel drops the lock when the process ends, however
+    it ends. `others()` lists every other file whose lock is still held: those workers are alive
+    (the tag tells apart workers of one process, as tests make them). Files left by dead workers
+    are removed by the next worker to start, under the directory's own lock, so none is removed
+    between another worker's creating and locking it.
+    """
+
+    def __init__(self, device: str, *, directory: Path | None = None) -> None:
+        self.fd = -1
+        self.directory = directory or DEFAULT_LOCK_DIR  # read now: tests point it elsewhere
+        self.directory.mkdir(parents=True, exist_ok=True)
+        if self.directory == DEFAULT_LOCK_DIR and self.directory.stat().st_uid == os.getuid():
+            self.directory.chmod(0o1777)
+        self.path = self.directory / f"worker-{os.getpid()}-{uuidlib.uuid4().hex[:8]}.lock"
+        with _directory_lock(self.directory):
+            self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o666)
+            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # a fresh name: nobody else holds it
+            os.pwrite(self.fd, device.encode(), 0)
+            for path, fd in _marks(self.directory, skip=self.path):
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    continue  # alive
+                finally:
+                    os.close(fd)
+                try:
+                    path.unlink(missing_ok=True)  # its worker is gone
+                except OSError:
+                    pass  # another user's, in a sticky directory: theirs to sweep
+
+    def others(self) -> list[list]:
+        """[pid, device] of every other packbench worker alive on this host, by pid."""
+        alive = []
+        for path, fd in _marks(self.directory, skip=self.path):
+            try:
+                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+                fcntl.flock(fd, fcntl.LOCK_UN)  # nobody holds it: a dead worker's
+            except BlockingIOError:
+                pid = path.name.split("-")[1]
+                device = os.pread(fd, 200, 0).decode(errors="replace").strip() or "?"
+                alive.append([int(pid), device] if pid.isdigit() else [-1, device])
+            finally:
+                os.close(fd)
+        return sorted(alive)
+
+    def release(self) -> None:
+        if self.fd >= 0:
+            self.path.unlink(missing_ok=True)
+            os.close(self.fd)  # drops the lock
+            self.fd = -1
+
+    def __del__(self) -> None:  # a Worker dropped inside a process that goes on (tests, the CLI)
+        self.release()
+
+
+def _marks(directory: Path, *, skip: Path):
+    """(path, read-only fd) of each worker mark in `directory` but `skip` (files that vanish are skipped)."""
+    for path in sorted(directory.glob("worker-*.lock")):
+        if path == skip:
+            continue
+        try:
+            yield path, os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            continue
+
+
+class _directory_lock:
+    """flock on the directory's own `workers.lock` while marks are created and swept."""
+
+    def __init__(self, directory: Path) -> None:
+        self.path = directory / "workers.lock"
+
+    def __enter__(self) -> None:
+        self.fd = os.open(self.path, os.O_RDONLY | os.O_CREAT, 0o666)  # flock needs no write access
+        fcntl.flock(self.fd, fcntl.LOCK_EX)
+
+    def __exit__(self, *exc) -> None:
+        os.close(self.fd)
 
 
 def host_gpus() -> int:

@@ -24,7 +24,7 @@ from core.provenance import checkpoint_digest
 from core.settings import WORKER_PIN_ENV, WORKER_THREADS_ENV
 from core.protocol import Protocol, expand
 from engine.episode import run_episode
-from engine.gpu_lock import GpuLock, host_gpu_index, host_gpus
+from engine.gpu_lock import GpuLock, HostPresence, host_gpu_index, host_gpus
 from engine.graph import check_mode
 from engine.model import CpuFirstModel
 from engine.policies import BUFFERS_LAYOUT
@@ -112,6 +112,11 @@ def core_share(cores: list[int], index: int, count: int) -> list[int]:
     return cores[start:end] or cores[index % len(cores):][:1]
 
 
+def _union(*seen: list[list]) -> list[list]:
+    """[pid, device] pairs seen at any of several moments, once each, by pid."""
+    return sorted({tuple(p): p for pairs in seen for p in pairs}.values())
+
+
 class Worker:
     def __init__(self, device: str | None = None) -> None:
         self.t_entry = time.perf_counter()
@@ -146,10 +151,13 @@ class Worker:
             if index is not None:  # threads made from here on (the host gathers' OMP pool) inherit it
                 os.sched_setaffinity(0, core_share(sorted(os.sched_getaffinity(0)), index, host_gpus()))
         self.sampler = MemorySampler(uuid)  # one helper process for the worker's life
+        # Other packbench workers on this host share its cores and memory, whatever their device
+        # or cluster: each episode records which were alive (engine/gpu_lock.py).
+        self.presence = HostPresence(uuid or self.device.type)
 
     def describe(self) -> dict:
         """Where this worker runs; `gpu_busy` says why it must not run anything (its GPU is taken)."""
-        return {**environment(self.device), "gpu_busy": self.gpu_busy}
+        return {**environment(self.device), "gpu_busy": self.gpu_busy, "host_workers": self.presence.others()}
 
     def load(self, protocol: Protocol | dict, model_dir: str | None, *, model_cache: str | None = None,
              reuse: bool = True, mode: str | None = None) -> dict:
@@ -233,6 +241,7 @@ class Worker:
                   "prompt": entry["prompt"], "policy": policy, "params": params, "engine": {"mode": self.mode}}
         t0 = time.perf_counter()
         sampler = self.sampler
+        before = self.presence.others()  # outside the episode's wall, like the sampler's start
         try:
             self.model.use(policy, **params)
             sampler.start()
@@ -240,6 +249,7 @@ class Worker:
             sampled = sampler.stop()
         except Exception as e:  # recorded, never retried into a pass
             sampler.stop()
+            record["host_workers"] = _union(before, self.presence.others())
             if self.model.slot.policy is not None:
                 self.model.slot.policy.deactivate()
                 self.model.slot.policy = None
@@ -248,6 +258,7 @@ class Worker:
             return {**record, "status": "failed", "error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}",
                     "traceback": traceback.format_exc(limit=5), "episode_s": time.perf_counter() - t0,
                     "logits": None, "trace": None}
+        record["host_workers"] = _union(before, self.presence.others())
         calls = [c.to_dict() for c in out.calls]
         p = self.model.slot.policy
         context = impose(self.device, self.allowance, self.nvml) if self.device.type == "cuda" else 0

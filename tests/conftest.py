@@ -18,3 +18,14 @@ def checkpoints(tmp_path_factory) -> dict[str, Path]:
 @pytest.fixture(scope="session")
 def tiny(checkpoints) -> Path:
     return checkpoints["float32"]
+
+
+@pytest.fixture(autouse=True)
+def _own_host_marks(tmp_path_factory, monkeypatch):
+    """Workers made in the test process mark a lock directory of their test's own
+    (engine/gpu_lock.py HostPresence): a Worker left alive by one test must not appear as another
+    packbench worker on the host in the next test's records. Worker actors, separate processes,
+    still mark the host's directory, as in use."""
+    import engine.gpu_lock
+
+    monkeypatch.setattr(engine.gpu_lock, "DEFAULT_LOCK_DIR", tmp_path_factory.mktemp("host-marks"))

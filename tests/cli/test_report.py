@@ -357,3 +357,36 @@ def test_screens_show_names_a_shared_gpu(tmp_path):
     assert attempt_time(attempt)["note"] == "18 episodes; GPU shared with pid 9, 4242 in 2 of them"
     clean = types.SimpleNamespace(number=1, model_state="cold", finished_at=None, archive_path=DATA / "gates-v2.zip")
     assert attempt_time(clean)["note"] == "18 episodes"
+
+
+def test_a_shared_host_is_named_on_the_page_and_in_screens_show(tmp_path):
+    """Episodes run while other packbench workers lived on the host (`host_workers`): the page and
+    `screens show` name them; malformed entries from a hostile archive are ignored."""
+    import types
+
+    from cli.query import attempt_time
+    from cli.report_page import summary_section
+    from core.archive import ArchiveWriter, episode_member
+
+    s = data.read_screen(DATA / "gates-v2.zip")
+    assert data.host_sharing(s) == {"episodes": [], "workers": {}} and "host-shared" not in summary_section(s)
+    first, second, third = s.episodes[:3]
+    first.record["host_workers"] = [[4242, "GPU-other"], [7, "cpu"]]
+    second.record["host_workers"] = [[4242, "GPU-other"], ["x", "cpu"], [5, 3], [True, "cpu"], [-1, "cpu"], [8]]
+    third.record["host_workers"] = "everyone"
+    assert data.host_sharing(s) == {"episodes": [first.index, second.index], "workers": {4242: "GPU-other", 7: "cpu"}}
+    page = summary_section(s)
+    assert 'id="host-shared"' in page and "2 episodes ran while other packbench workers" in page
+    assert "pid 7 on cpu, pid 4242 on GPU-other" in page
+
+    src = ArchiveReader(DATA / "gates-v2.zip")
+    path = tmp_path / "host.zip"
+    w = ArchiveWriter(path)
+    for index, entry in enumerate(src.episodes()):
+        record = src.read_json(entry.record)
+        if index < 3:
+            record["host_workers"] = [[31, "<b>GPU-x</b>"]] if index else [["bad"], {"pid": 1}]
+        w.add_json(episode_member(record["plan_index"]), record)
+    w.close()
+    attempt = types.SimpleNamespace(number=1, model_state="cold", finished_at=None, archive_path=path)
+    assert attempt_time(attempt)["note"] == "18 episodes; host shared with packbench worker pid 31 in 2 of them"

@@ -36,3 +36,48 @@ def test_the_lock_dies_with_its_process(tmp_path):
     """)
     assert subprocess.run([sys.executable, "-c", code]).returncode == -9
     assert GpuLock("GPU-test-2", directory=tmp_path).held
+
+
+def _holder(directory, device):
+    """A process holding a HostPresence in `directory` until its stdin closes."""
+    code = textwrap.dedent(f"""
+        import sys
+        from pathlib import Path
+        from engine.gpu_lock import HostPresence
+        mark = HostPresence({device!r}, directory=Path({str(directory)!r}))
+        print("ready", flush=True)
+        sys.stdin.read()
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "ready"
+    return proc
+
+
+def test_host_presence_lists_the_live_workers_of_other_processes_and_sweeps_dead_ones(tmp_path):
+    """Every worker marks the host, whatever its device: another process's mark is listed while
+    it lives, not after a SIGKILL, and the next worker to start removes the dead one's file."""
+    from engine.gpu_lock import HostPresence
+
+    me = HostPresence("cpu", directory=tmp_path)
+    assert me.others() == []
+    other = _holder(tmp_path, "GPU-other-1")
+    try:
+        assert me.others() == [[other.pid, "GPU-other-1"]]
+    finally:
+        other.kill()
+        other.wait()
+    assert me.others() == []  # the kernel dropped its lock with the process
+    assert len(list(tmp_path.glob("worker-*.lock"))) == 2  # its file is left behind ...
+    HostPresence("cuda", directory=tmp_path)
+    assert not list(tmp_path.glob(f"worker-{other.pid}-*.lock"))  # ... until the next worker starts
+
+
+def test_workers_of_one_process_see_each_other_until_released(tmp_path):
+    import os
+
+    from engine.gpu_lock import HostPresence
+
+    a, b = HostPresence("cpu", directory=tmp_path), HostPresence("GPU-b", directory=tmp_path)
+    assert a.others() == [[os.getpid(), "GPU-b"]] and b.others() == [[os.getpid(), "cpu"]]
+    b.release()
+    assert a.others() == [] and not b.path.exists()

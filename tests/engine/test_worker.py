@@ -147,3 +147,25 @@ def test_the_environment_holds_plain_values_a_driver_without_torch_can_unpickle(
     env = environment(torch.device("cpu"))
     # torch.__version__ is a TorchVersion (a str subclass): unpickling one imports torch.
     assert {type(v) for v in env.values()} <= {str, int, float, bool, type(None)}
+
+
+def test_each_episode_records_the_other_packbench_workers_alive_on_the_host(tiny, tmp_path, monkeypatch):
+    """Another worker on the host (another cluster's, another GPU's) shares its cores and memory:
+    an episode run while one is alive lists it; none is listed once it is gone."""
+    import os
+
+    import engine.gpu_lock
+    from engine.gpu_lock import HostPresence
+
+    monkeypatch.setattr(engine.gpu_lock, "DEFAULT_LOCK_DIR", tmp_path)
+    b = body(tiny)
+    worker = Worker(device="cpu")
+    assert worker.describe()["host_workers"] == []
+    start = worker.load(b, str(tiny))
+    entry = plan(b)[0]
+    prompt = prompts(b, vocab=start["vocab"])[entry["prompt"]]
+    assert worker.run(entry, prompt)["host_workers"] == []
+    neighbour = HostPresence("GPU-neighbour", directory=tmp_path)
+    assert worker.run(entry, prompt)["host_workers"] == [[os.getpid(), "GPU-neighbour"]]
+    neighbour.release()
+    assert worker.run(entry, prompt)["host_workers"] == []
