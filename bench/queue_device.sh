@@ -8,7 +8,8 @@
 #   C. a worker killed mid-screen: the screen is requeued and completes on the other node.
 # Run from the project root with .whl carried: bash bench/queue_device.sh
 # SKIP_A34=1 skips A3-A4, ONLY_BC=1 runs B and C alone, ONLY_A=1 runs A1-A2 alone (after a startup
-# probe, a cache-warming pair, the pair on a standing `dispatch --follow`, and with VARIANT_ENV="K=V ..."
+# probe, a cache-warming pair, the pair on a standing `dispatch --follow`, then each screen by a
+# dispatch of its own one after the other, and with VARIANT_ENV="K=V ..."
 # one more pair under that environment, e.g. VARIANT_ENV=PACKBENCH_WORKER_PIN=1 for workers pinned to
 # their share of the cores); MODE=graph runs the screens in engine mode graph.
 # A CPU dry run of the plumbing: SKIP_WHEELS=1 SHAPE=tiny DTYPE=float32 PREFIX=8 CONT=4 PACKBENCH_EMBEDDED_GPUS=2 bash bench/queue_device.sh
@@ -54,6 +55,15 @@ ids=$(pb submit p.yaml --replicas 2 | grep -o '[0-9, ]*;' | tr -d ',;')
 t=$(now); pb dispatch --workers 1 > a1.log 2>&1; echo "rc $?"; seq=$(since $t)
 attempts $ids; python3 -m bench.queue_timeline $t $ids; first_ids=$ids
 }
+separate() {  # the literal "one after the other": each screen queued alone and drained by its own
+# `packbench dispatch --workers 1` (each pays its own start and a cold load)
+local t; t=$(now); sep_ids=""
+for _ in 1 2; do
+  local id; id=$(pb submit p.yaml | grep -o 'screen [0-9]*' | grep -o '[0-9]*'); sep_ids="$sep_ids $id"
+  pb dispatch --workers 1 > sep.log 2>&1 || true
+done
+sep=$(since $t); attempts $sep_ids
+}
 standing() {  # $1: workers. A dispatcher already serving (--follow, its workers ready): the wall
 # from submitting the two screens to both done, without the dispatcher's own start and exit.
 python3 -m cli dispatch --follow --workers "$1" > standing.log 2>&1 & local holder=$!
@@ -90,6 +100,10 @@ fi
 echo "== A1: two screens one after the other (one worker)"; sequential
 echo "== A2: the same two screens' protocol, concurrently (one worker per GPU)"; concurrent; ids=$par_ids
 echo "wall: sequential $seq s, concurrent $par s, ratio $(python3 -c "print(round($par / $seq, 3))")"
+if [ -n "${ONLY_A:-}" ]; then
+  echo "== A3': the same two screens, each drained by a dispatch of its own, one after the other"; separate
+  echo "wall: two dispatches one after the other $sep s, concurrent $par s, ratio $(python3 -c "print(round($par / $sep, 3))")"
+fi
 python3 - $first_ids $ids <<'PY'
 import sys
 from db.store import Store
