@@ -19,7 +19,8 @@ from core.protocol import MIB
 from core.report import ScreenData
 
 PLOT_CAPTIONS = {
-    "h2d": "Host-to-device bytes (outgoing weights + indices) of every call of the scored episodes; bar: the mean.",
+    "h2d": "Host-to-device bytes (outgoing weights + indices) of every call of the scored episodes; bar: the mean, "
+           "in MB above it, with its share of the reference's mean.",
     "wall": "Left: wall time of every scored episode. Right: the paired (repetition, prompt) whole-episode time ratio "
             "to the control, with its bootstrap interval.",
     "decode": "Milliseconds per generated token of every decode call of the scored episodes (box: quartiles).",
