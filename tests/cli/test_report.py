@@ -337,36 +337,42 @@ def test_a_shared_gpu_is_named_on_the_page():
     assert "pid 4242 holding up to 600 MiB" in page and "pid 77 holding up to 0 MiB" in page
 
 
-def test_screens_show_names_a_shared_gpu(tmp_path):
-    """`screens show`'s time table reads the archive: a note names the processes that shared the GPU."""
+def edited_attempt(path, edit):
+    """An attempt (as `screens show` reads one) whose archive at `path` is a copy of gates-v2.zip
+    with each episode record passed through `edit(index, record)`."""
     import types
 
     from core.archive import ArchiveWriter, episode_member
-    from cli.query import attempt_time
 
     src = ArchiveReader(DATA / "gates-v2.zip")
-    path = tmp_path / "shared.zip"
     w = ArchiveWriter(path)
     for index, entry in enumerate(src.episodes()):
         record = src.read_json(entry.record)
-        if index < 2:
-            record["sampler"] = {"other_processes": [[4242, 1 << 30], [9, 0]] if index else [["bad"], [4242, 5]]}
+        edit(index, record)
         w.add_json(episode_member(record["plan_index"]), record)
     w.close()
-    attempt = types.SimpleNamespace(number=1, model_state="cold", finished_at=None, archive_path=path)
+    return types.SimpleNamespace(number=1, model_state="cold", finished_at=None, archive_path=path)
+
+
+def test_screens_show_names_a_shared_gpu(tmp_path):
+    """`screens show`'s time table reads the archive: a note names the processes that shared the GPU."""
+    from cli.query import attempt_time
+
+    def edit(index, record):
+        if index < 2:
+            record["sampler"] = {"other_processes": [[4242, 1 << 30], [9, 0]] if index else [["bad"], [4242, 5]]}
+
+    attempt = edited_attempt(tmp_path / "shared.zip", edit)
     assert attempt_time(attempt)["note"] == "18 episodes; GPU shared with pid 9, 4242 in 2 of them"
-    clean = types.SimpleNamespace(number=1, model_state="cold", finished_at=None, archive_path=DATA / "gates-v2.zip")
+    clean = edited_attempt(tmp_path / "clean.zip", lambda index, record: None)
     assert attempt_time(clean)["note"] == "18 episodes"
 
 
 def test_a_shared_host_is_named_on_the_page_and_in_screens_show(tmp_path):
     """Episodes run while other packbench workers lived on the host (`host_workers`): the page and
     `screens show` name them; malformed entries from a hostile archive are ignored."""
-    import types
-
     from cli.query import attempt_time
     from cli.report_page import summary_section
-    from core.archive import ArchiveWriter, episode_member
 
     s = data.read_screen(DATA / "gates-v2.zip")
     assert data.host_sharing(s) == {"episodes": [], "workers": {}} and "host-shared" not in summary_section(s)
@@ -378,15 +384,12 @@ def test_a_shared_host_is_named_on_the_page_and_in_screens_show(tmp_path):
     page = summary_section(s)
     assert 'id="host-shared"' in page and "2 episodes ran while other packbench workers" in page
     assert "pid 7 on cpu, pid 4242 on GPU-other" in page
+    third.record["host_workers"] = [[9, "<i>GPU</i>"]]
+    assert "pid 9 on &lt;i&gt;GPU&lt;/i&gt;" in summary_section(s)  # a hostile device name is text
 
-    src = ArchiveReader(DATA / "gates-v2.zip")
-    path = tmp_path / "host.zip"
-    w = ArchiveWriter(path)
-    for index, entry in enumerate(src.episodes()):
-        record = src.read_json(entry.record)
+    def edit(index, record):
         if index < 3:
-            record["host_workers"] = [[31, "<b>GPU-x</b>"]] if index else [["bad"], {"pid": 1}]
-        w.add_json(episode_member(record["plan_index"]), record)
-    w.close()
-    attempt = types.SimpleNamespace(number=1, model_state="cold", finished_at=None, archive_path=path)
+            record["host_workers"] = [[31, "GPU-x"]] if index else [["bad"], {"pid": 1}]
+
+    attempt = edited_attempt(tmp_path / "host.zip", edit)
     assert attempt_time(attempt)["note"] == "18 episodes; host shared with packbench worker pid 31 in 2 of them"
