@@ -69,10 +69,18 @@ class HostPresence:
     def __init__(self, device: str, *, directory: Path | None = None) -> None:
         self.fd = -1
         self.directory = directory or DEFAULT_LOCK_DIR  # read now: tests point it elsewhere
+        self.path = self.directory / f"worker-{os.getpid()}-{uuidlib.uuid4().hex[:8]}.lock"
+        self.error: str | None = None  # why this host's workers cannot be told (a directory not ours)
+        try:
+            self._mark(device)
+        except OSError as e:
+            self.release()
+            self.error = f"{type(e).__name__}: {e}"
+
+    def _mark(self, device: str) -> None:
         self.directory.mkdir(parents=True, exist_ok=True)
         if self.directory == DEFAULT_LOCK_DIR and self.directory.stat().st_uid == os.getuid():
             self.directory.chmod(0o1777)
-        self.path = self.directory / f"worker-{os.getpid()}-{uuidlib.uuid4().hex[:8]}.lock"
         with _directory_lock(self.directory):
             self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o666)
             fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # a fresh name: nobody else holds it
@@ -89,8 +97,11 @@ class HostPresence:
                 except OSError:
                     pass  # another user's, in a sticky directory: theirs to sweep
 
-    def others(self) -> list[list]:
-        """[pid, device] of every other packbench worker alive on this host, by pid."""
+    def others(self) -> list[list] | None:
+        """[pid, device] of every other packbench worker alive on this host, by pid; None where
+        the lock directory could not be used (then nobody's presence can be told)."""
+        if self.error is not None:
+            return None
         alive = []
         for path, fd in _marks(self.directory, skip=self.path):
             try:
@@ -100,6 +111,8 @@ class HostPresence:
                 pid = path.name.split("-")[1]
                 device = os.pread(fd, 200, 0).decode(errors="replace").strip() or "?"
                 alive.append([int(pid), device] if pid.isdigit() else [-1, device])
+            except OSError:
+                continue  # not a lock file one can read: nobody's mark
             finally:
                 os.close(fd)
         return sorted(alive)
@@ -115,13 +128,14 @@ class HostPresence:
 
 
 def _marks(directory: Path, *, skip: Path):
-    """(path, read-only fd) of each worker mark in `directory` but `skip` (files that vanish are skipped)."""
+    """(path, read-only fd) of each worker mark in `directory` but `skip` (files that vanish or
+    cannot be opened are skipped)."""
     for path in sorted(directory.glob("worker-*.lock")):
         if path == skip:
             continue
         try:
             yield path, os.open(path, os.O_RDONLY)
-        except FileNotFoundError:
+        except OSError:
             continue
 
 

@@ -112,8 +112,11 @@ def core_share(cores: list[int], index: int, count: int) -> list[int]:
     return cores[start:end] or cores[index % len(cores):][:1]
 
 
-def _union(*seen: list[list]) -> list[list]:
-    """[pid, device] pairs seen at any of several moments, once each, by pid."""
+def _union(*seen: list[list] | None) -> list[list] | None:
+    """[pid, device] pairs seen at any of several moments, once each, by pid; None when the
+    host's workers could not be told (engine/gpu_lock.py HostPresence.others)."""
+    if any(pairs is None for pairs in seen):
+        return None
     return sorted({tuple(p): p for pairs in seen for p in pairs}.values())
 
 

@@ -81,3 +81,15 @@ def test_workers_of_one_process_see_each_other_until_released(tmp_path):
     assert a.others() == [[os.getpid(), "GPU-b"]] and b.others() == [[os.getpid(), "cpu"]]
     b.release()
     assert a.others() == [] and not b.path.exists()
+
+
+def test_a_lock_directory_that_cannot_be_used_leaves_the_workers_unknown_not_failed(tmp_path):
+    """A path that is not a directory (or one another user made unwritable): the worker still
+    starts; who else is on the host is unknown (None), never claimed to be nobody ([])."""
+    from engine.gpu_lock import HostPresence
+
+    blocked = tmp_path / "not-a-directory"
+    blocked.write_text("")
+    mark = HostPresence("cpu", directory=blocked)
+    assert mark.others() is None and mark.error
+    mark.release()

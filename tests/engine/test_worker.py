@@ -169,3 +169,17 @@ def test_each_episode_records_the_other_packbench_workers_alive_on_the_host(tiny
     assert worker.run(entry, prompt)["host_workers"] == [[os.getpid(), "GPU-neighbour"]]
     neighbour.release()
     assert worker.run(entry, prompt)["host_workers"] == []
+
+
+def test_a_worker_whose_lock_directory_is_unusable_runs_and_records_none(tiny, tmp_path, monkeypatch):
+    import engine.gpu_lock
+
+    blocked = tmp_path / "a-file"
+    blocked.write_text("")
+    monkeypatch.setattr(engine.gpu_lock, "DEFAULT_LOCK_DIR", blocked)
+    b = body(tiny)
+    worker = Worker(device="cpu")
+    start = worker.load(b, str(tiny))
+    entry = plan(b)[0]
+    record = worker.run(entry, prompts(b, vocab=start["vocab"])[entry["prompt"]])
+    assert record["status"] == "ok" and record["host_workers"] is None  # unknown, not "nobody"
