@@ -258,7 +258,8 @@ def test_screens_show_says_where_the_attempts_time_went(screen, workdir, env):
     [time] = json.loads(out.stdout)["time"]
     archive = ArchiveReader(Path(screen["archive_path"]))
     records = [archive.read_json(e.record) for e in archive.episodes()]
-    assert time["model"] == "cold" and time["load"] > 0 and time["note"] == f"{len(records)} episodes"
+    # startswith: a packbench worker running elsewhere on this machine is named after it ("host shared ...")
+    assert time["model"] == "cold" and time["load"] > 0 and time["note"].startswith(f"{len(records)} episodes")
     assert time["episodes_wall"] == pytest.approx(sum(r["wall_s"] for r in records), abs=1e-3)
     # (the load's clock starts at the worker's entry, before the claim: it is not inside the span)
     assert 0 < time["around_episodes"] and time["episodes_wall"] + time["around_episodes"] < time["claim_to_end"]
