@@ -319,6 +319,9 @@ def audit(
         keys_trusted = [load_public_key(p) for p in trust]
     if archive is not None and not archive.is_file():
         raise PackbenchError(f"no archive at {archive}; check the path")
+    for ref in screens or []:
+        if ref.endswith(".zip") or Path(ref).is_file():  # `report` takes a file here; audit's flag says so
+            raise PackbenchError(f"{ref!r} is not a screen id but a file; audit an archive file with --archive {ref}")
     if reexecute is not None:
         _reexecute(settings, screens, archive, all_screens=all_screens, since=since, protocol=protocol,
                    k=reexecute, seed=seed, trust=keys_trusted, model_dir=model_dir, json_out=json_out,

@@ -76,6 +76,13 @@ def test_bad_input_loses_nothing_already_stored(tmp_path, upgraded, tiny):
     assert r.returncode == 0 and '"status": "queued"' in r.stdout
 
 
+def test_an_archive_file_given_to_audit_as_a_screen_names_the_flag(tmp_path, upgraded):
+    """`report` takes an archive file where a screen id goes; `audit` takes it with --archive."""
+    (tmp_path / "junk.zip").write_bytes(os.urandom(3000))
+    assert_one_line_error(cli("audit", "junk.zip", cwd=tmp_path, db=upgraded), "'junk.zip' is not a screen id",
+                          "--archive junk.zip")
+
+
 def test_unknown_shape_for_synth(tmp_path, upgraded):
     r = cli("model", "synth", "--shape", "opt-9b", "--out", str(tmp_path / "m"), cwd=tmp_path, db=upgraded)
     assert_one_line_error(r, "unknown --shape 'opt-9b'", "opt-125m")
