@@ -198,7 +198,7 @@ def summary_section(s: ScreenData) -> str:
         workers = ", ".join(f"pid {pid} on {device}" for pid, device in sorted(host["workers"].items()))
         n = len(host["episodes"])
         warning += (f'<p class="fail" id="host-shared">The host was shared: {n} episode{"s" * (n != 1)} ran while '
-                    f'other packbench workers were alive on it ({esc(workers)}); they share its cores and memory, '
+                    f'other packbench workers were busy on it ({esc(workers)}); they share its cores and memory, '
                     f'so host-side timings (gathers, copies) may be contaminated.</p>')
     return ('<h2 id="conditions">Conditions (scored episodes)</h2>' + warning
             + _table(["condition", "policy", "scored", "failed", "H2D / prefill call", "H2D / decode call",

@@ -534,9 +534,10 @@ class Dispatcher:
             self._end(active, active.run.finish())
 
     def _note_host_sharing(self, active: Active, record: dict) -> None:
-        """Say once per attempt when a packbench worker that is not this dispatcher's runs on the
-        same host (another cluster, or another dispatcher): it shares the host's cores and memory.
-        Every episode's record keeps the list (`host_workers`); the report names them."""
+        """Say once per attempt when a packbench worker that is not this dispatcher's (another
+        cluster's, or another dispatcher's) was busy on the same host during an episode: it shared
+        the host's cores and memory. Every episode's record keeps the list (`host_workers`); the
+        report names them."""
         if active.host_shared:
             return
         host = active.slot.env.get("host")
@@ -544,9 +545,9 @@ class Dispatcher:
         foreign = [p for p in record.get("host_workers") or [] if p[0] not in mine]
         if foreign:
             active.host_shared = True
-            self.progress(f"screen {active.run.screen.id}: host {host} also runs packbench worker "
+            self.progress(f"screen {active.run.screen.id}: host {host} was shared with packbench worker "
                           + ", ".join(f"pid {pid} ({device})" for pid, device in foreign)
-                          + ", not this dispatcher's: it shares the host's cores and memory (recorded per episode)")
+                          + ", not this dispatcher's, busy during its episodes (each episode records it)")
 
     def _end_stopped(self, active: Active) -> None:
         if active.stop == "cancelled":

@@ -7,15 +7,17 @@ a lock file under /tmp/packbench-gpu-locks held with flock(LOCK_EX | LOCK_NB), r
 the kernel when the process ends, even by SIGKILL. A second worker on that GPU learns who holds it.
 
 A worker on another GPU of the host, or on its CPU, still shares the host's cores and memory:
-two workers of separate clusters on one two-GPU host slowed each other's host gathers by 30-50 %
-(docs/benchmarks.md, "Queue on two GPUs"). So every worker, whatever its device, also marks the
-host (`HostPresence`), and each episode records which other packbench workers were alive there.
+two workers on one two-GPU host slowed each other's host gathers by 30-50 % (docs/benchmarks.md,
+"Queue on two GPUs"), and one of another cluster was on no record. So every worker, whatever its
+device, also marks the host (`HostPresence`), and each episode records which other packbench
+workers were busy there meanwhile.
 """
 
 from __future__ import annotations
 
 import fcntl
 import os
+import time
 import uuid as uuidlib
 from pathlib import Path
 
@@ -55,15 +57,21 @@ class GpuLock:
             self.held = False
 
 
+MARK_BYTES = 200  # a mark is rewritten whole, at one length: a reader never sees a shorter old tail
+
+
 class HostPresence:
-    """This worker's mark on the host, and the other packbench workers alive on it.
+    """This worker's mark on the host, and the other packbench workers alive or at work on it.
 
     Each worker holds `worker-<pid>-<tag>.lock` in the lock directory with flock(LOCK_EX) for its
-    life and writes its device in it; the kernel drops the lock when the process ends, however
-    it ends. `others()` lists every other file whose lock is still held: those workers are alive
-    (the tag tells apart workers of one process, as tests make them). Files left by dead workers
-    are removed by the next worker to start, under the directory's own lock, so none is removed
-    between another worker's creating and locking it.
+    life; the kernel drops the lock when the process ends, however it ends. The file says the
+    worker's state (busy while it loads a model or runs an episode, else idle), when that last
+    changed, and its device. `others()` lists every other file whose lock is still held: those
+    workers are alive (the tag tells apart workers of one process, as tests make them);
+    `others(since=t)` only those that were busy at some moment since t: busy now, or changed
+    state since (each change starts or ends busy time). Files left by dead workers are removed by
+    the next worker to start, under the directory's own lock, so none is removed between another
+    worker's creating and locking it.
     """
 
     def __init__(self, device: str, *, directory: Path | None = None) -> None:
@@ -84,7 +92,8 @@ class HostPresence:
         with _directory_lock(self.directory):
             self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o666)
             fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # a fresh name: nobody else holds it
-            os.pwrite(self.fd, device.encode(), 0)
+            self.device = device
+            self.idle()
             for path, fd in _marks(self.directory, skip=self.path):
                 try:
                     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -97,25 +106,37 @@ class HostPresence:
                 except OSError:
                     pass  # another user's, in a sticky directory: theirs to sweep
 
-    def others(self) -> list[list] | None:
-        """[pid, device] of every other packbench worker alive on this host, by pid; None where
-        the lock directory could not be used (then nobody's presence can be told)."""
+    def busy(self) -> None:
+        self._state("busy")
+
+    def idle(self) -> None:
+        self._state("idle")
+
+    def _state(self, state: str) -> None:
+        if self.fd >= 0:
+            os.pwrite(self.fd, f"{state} {time.time():.6f} {self.device}".encode()[:MARK_BYTES].ljust(MARK_BYTES), 0)
+
+    def others(self, *, since: float | None = None) -> list[list] | None:
+        """[pid, device] of every other packbench worker alive on this host, by pid; with `since`
+        (a time.time()), only those busy at some moment since then. None where the lock directory
+        could not be used (then nobody's presence can be told)."""
         if self.error is not None:
             return None
-        alive = []
+        found = []
         for path, fd in _marks(self.directory, skip=self.path):
             try:
                 fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
                 fcntl.flock(fd, fcntl.LOCK_UN)  # nobody holds it: a dead worker's
             except BlockingIOError:
                 pid = path.name.split("-")[1]
-                device = os.pread(fd, 200, 0).decode(errors="replace").strip() or "?"
-                alive.append([int(pid), device] if pid.isdigit() else [-1, device])
+                state, changed, device = _parse(os.pread(fd, MARK_BYTES, 0))
+                if since is None or state != "idle" or changed >= since:
+                    found.append([int(pid), device] if pid.isdigit() else [-1, device])
             except OSError:
                 continue  # not a lock file one can read: nobody's mark
             finally:
                 os.close(fd)
-        return sorted(alive)
+        return sorted(found)
 
     def release(self) -> None:
         if self.fd >= 0:
@@ -125,6 +146,16 @@ class HostPresence:
 
     def __del__(self) -> None:  # a Worker dropped inside a process that goes on (tests, the CLI)
         self.release()
+
+
+def _parse(raw: bytes) -> tuple[str, float, str]:
+    """(state, time of its last change, device) of a mark; one that cannot be read counts as busy
+    now (a record then names a worker that may have been idle, never the reverse)."""
+    fields = raw.decode(errors="replace").split(maxsplit=2)
+    try:
+        return fields[0], float(fields[1]), (fields[2].strip() if len(fields) > 2 else "") or "?"
+    except (IndexError, ValueError):
+        return "busy", float("inf"), "?"
 
 
 def _marks(directory: Path, *, skip: Path):

@@ -112,14 +112,6 @@ def core_share(cores: list[int], index: int, count: int) -> list[int]:
     return cores[start:end] or cores[index % len(cores):][:1]
 
 
-def _union(*seen: list[list] | None) -> list[list] | None:
-    """[pid, device] pairs seen at any of several moments, once each, by pid; None when the
-    host's workers could not be told (engine/gpu_lock.py HostPresence.others)."""
-    if any(pairs is None for pairs in seen):
-        return None
-    return sorted({tuple(p): p for pairs in seen for p in pairs}.values())
-
-
 class Worker:
     def __init__(self, device: str | None = None) -> None:
         self.t_entry = time.perf_counter()
@@ -155,7 +147,7 @@ class Worker:
                 os.sched_setaffinity(0, core_share(sorted(os.sched_getaffinity(0)), index, host_gpus()))
         self.sampler = MemorySampler(uuid)  # one helper process for the worker's life
         # Other packbench workers on this host share its cores and memory, whatever their device
-        # or cluster: each episode records which were alive (engine/gpu_lock.py).
+        # or cluster: each episode records which were busy meanwhile (engine/gpu_lock.py).
         self.presence = HostPresence(uuid or self.device.type)
 
     def describe(self) -> dict:
@@ -176,6 +168,14 @@ class Worker:
         given, else the protocol's `engine.mode` ("eager" for every protocol frozen before modes
         existed). The reference runs in the same mode as the conditions it judges.
         """
+        self.presence.busy()  # a read loads the host's memory: other workers' records name this one
+        try:
+            return self._load(protocol, model_dir, model_cache=model_cache, reuse=reuse, mode=mode)
+        finally:
+            self.presence.idle()
+
+    def _load(self, protocol: Protocol | dict, model_dir: str | None, *, model_cache: str | None, reuse: bool,
+              mode: str | None) -> dict:
         t_call = time.perf_counter()
         if self.loads:
             self.t_entry = t_call
@@ -237,14 +237,25 @@ class Worker:
             torch.cuda.empty_cache()
 
     def run(self, entry: dict, prompt: list[int]) -> dict:
-        """One planned episode -> record (see core/gates.py for the fields the gates read)."""
+        """One planned episode -> record (see core/gates.py for the fields the gates read).
+
+        `host_workers` names the other packbench workers on this host that were busy (loading or
+        running an episode) at some moment of this one: they shared its cores and memory."""
+        started = time.time()
+        self.presence.busy()
+        try:
+            record = self._run(entry, prompt)
+        finally:
+            self.presence.idle()
+        return {**record, "host_workers": self.presence.others(since=started)}
+
+    def _run(self, entry: dict, prompt: list[int]) -> dict:
         assert self.model is not None, "load() first"
         policy, params = self.conditions[entry["condition"]]
         record = {"plan_index": entry["index"], "condition": entry["condition"], "role": entry["role"],
                   "prompt": entry["prompt"], "policy": policy, "params": params, "engine": {"mode": self.mode}}
         t0 = time.perf_counter()
         sampler = self.sampler
-        before = self.presence.others()  # outside the episode's wall, like the sampler's start
         try:
             self.model.use(policy, **params)
             sampler.start()
@@ -252,7 +263,6 @@ class Worker:
             sampled = sampler.stop()
         except Exception as e:  # recorded, never retried into a pass
             sampler.stop()
-            record["host_workers"] = _union(before, self.presence.others())
             if self.model.slot.policy is not None:
                 self.model.slot.policy.deactivate()
                 self.model.slot.policy = None
@@ -261,7 +271,6 @@ class Worker:
             return {**record, "status": "failed", "error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}",
                     "traceback": traceback.format_exc(limit=5), "episode_s": time.perf_counter() - t0,
                     "logits": None, "trace": None}
-        record["host_workers"] = _union(before, self.presence.others())
         calls = [c.to_dict() for c in out.calls]
         p = self.model.slot.policy
         context = impose(self.device, self.allowance, self.nvml) if self.device.type == "cuda" else 0

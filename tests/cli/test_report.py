@@ -370,7 +370,7 @@ def test_screens_show_names_a_shared_gpu(tmp_path):
 
 
 def test_a_shared_host_is_named_on_the_page_and_in_screens_show(tmp_path):
-    """Episodes run while other packbench workers lived on the host (`host_workers`): the page and
+    """Episodes run while other packbench workers were busy on the host (`host_workers`): the page and
     `screens show` name them; malformed entries from a hostile archive are ignored."""
     from cli.query import attempt_time
     from cli.report_page import summary_section
@@ -383,7 +383,7 @@ def test_a_shared_host_is_named_on_the_page_and_in_screens_show(tmp_path):
     third.record["host_workers"] = "everyone"
     assert data.host_sharing(s) == {"episodes": [first.index, second.index], "workers": {4242: "GPU-other", 7: "cpu"}}
     page = summary_section(s)
-    assert 'id="host-shared"' in page and "2 episodes ran while other packbench workers" in page
+    assert 'id="host-shared"' in page and "2 episodes ran while other packbench workers were busy" in page
     assert "pid 7 on cpu, pid 4242 on GPU-other" in page
     third.record["host_workers"] = [[9, "<i>GPU</i>"]]
     assert "pid 9 on &lt;i&gt;GPU&lt;/i&gt;" in summary_section(s)  # a hostile device name is text

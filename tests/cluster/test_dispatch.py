@@ -151,10 +151,10 @@ def test_a_worker_claims_its_next_screen_while_its_last_episodes_run(cluster, tm
         assert reader.complete and len(reader.episodes()) == 6
 
 
-def test_a_worker_of_another_cluster_on_the_host_is_said_once_and_recorded(cluster, tmp_path, models, store):
+def test_a_busy_worker_of_another_cluster_on_the_host_is_said_once_and_recorded(cluster, tmp_path, models, store):
     """A packbench worker this dispatcher did not start (another cluster's, on another GPU of the
-    host) shares the host's cores and memory: the dispatcher says so once per attempt, and every
-    episode's record lists it."""
+    host), busy while the screen runs, shares the host's cores and memory: the dispatcher says so
+    once per attempt, and every episode's record lists it."""
     from engine.gpu_lock import HostPresence
 
     (screen_id,) = submit(store, protocol_file(tmp_path))
@@ -162,12 +162,13 @@ def test_a_worker_of_another_cluster_on_the_host_is_said_once_and_recorded(clust
     # In the host's lock directory, where the worker actors mark (tests/conftest.py points the test
     # process's own marks elsewhere).
     foreign = HostPresence("GPU-foreign", directory=Path("/tmp/packbench-gpu-locks"))
+    foreign.busy()  # at work all along (an idle worker is not named)
     try:
         dispatcher(store, settings(cluster, tmp_path, models), workers=1, lease_s=30,
                    progress=lambda message, **event: said.append(message)).run()
     finally:
         foreign.release()
-    notes = [m for m in said if "also runs packbench worker" in m]
+    notes = [m for m in said if "was shared with packbench worker" in m]
     assert len(notes) == 1 and notes[0].startswith(f"screen {screen_id}: host ")
     assert f"pid {os.getpid()} (GPU-foreign)" in notes[0]
     reader = ArchiveReader(Path(store.latest_attempt(screen_id).archive_path))

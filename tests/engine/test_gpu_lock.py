@@ -93,3 +93,41 @@ def test_a_lock_directory_that_cannot_be_used_leaves_the_workers_unknown_not_fai
     mark = HostPresence("cpu", directory=blocked)
     assert mark.others() is None and mark.error
     mark.release()
+
+
+def test_others_since_a_moment_are_the_workers_busy_at_some_point_after_it(tmp_path):
+    """Busy now, or a change of state since then (each change starts or ends busy time): the
+    worker overlapped; idle since before then: it did not."""
+    import os
+    import time
+
+    from engine.gpu_lock import HostPresence
+
+    me, other = HostPresence("cpu", directory=tmp_path), HostPresence("GPU-o", directory=tmp_path)
+    t0 = time.time()
+    assert me.others(since=t0) == [] and me.others() == [[os.getpid(), "GPU-o"]]
+    other.busy()
+    assert me.others(since=t0) == [[os.getpid(), "GPU-o"]]
+    other.idle()
+    assert me.others(since=t0) == [[os.getpid(), "GPU-o"]]  # busy for a while after t0
+    assert me.others(since=time.time()) == []
+    other.busy()
+    assert me.others(since=time.time() + 60) == [[os.getpid(), "GPU-o"]]  # busy now: whatever the moment
+
+
+def test_a_mark_that_cannot_be_read_counts_as_busy(tmp_path):
+    """A torn or foreign mark names a worker that may have been idle, never hides a busy one."""
+    import fcntl
+    import os
+    import time
+
+    from engine.gpu_lock import HostPresence
+
+    me = HostPresence("cpu", directory=tmp_path)
+    fd = os.open(tmp_path / "worker-77-feed.lock", os.O_RDWR | os.O_CREAT)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    os.write(fd, b"garbage")
+    try:
+        assert me.others(since=time.time()) == [[77, "?"]]
+    finally:
+        os.close(fd)

@@ -149,9 +149,10 @@ def test_the_environment_holds_plain_values_a_driver_without_torch_can_unpickle(
     assert {type(v) for v in env.values()} <= {str, int, float, bool, type(None)}
 
 
-def test_each_episode_records_the_other_packbench_workers_alive_on_the_host(tiny, tmp_path, monkeypatch):
-    """Another worker on the host (another cluster's, another GPU's) shares its cores and memory:
-    an episode run while one is alive lists it; none is listed once it is gone."""
+def test_each_episode_records_the_other_packbench_workers_busy_on_the_host(tiny, tmp_path, monkeypatch):
+    """Another worker on the host (another cluster's, another GPU's) shares its cores and memory
+    while it loads or runs episodes: an episode run while one is busy lists it; an idle one, or
+    one gone, is not listed (describe() lists every live one)."""
     import os
 
     import engine.gpu_lock
@@ -166,9 +167,16 @@ def test_each_episode_records_the_other_packbench_workers_alive_on_the_host(tiny
     prompt = prompts(b, vocab=start["vocab"])[entry["prompt"]]
     assert worker.run(entry, prompt)["host_workers"] == []
     neighbour = HostPresence("GPU-neighbour", directory=tmp_path)
+    assert worker.describe()["host_workers"] == [[os.getpid(), "GPU-neighbour"]]  # alive
+    assert worker.run(entry, prompt)["host_workers"] == []  # idle all along
+    neighbour.busy()
     assert worker.run(entry, prompt)["host_workers"] == [[os.getpid(), "GPU-neighbour"]]
-    neighbour.release()
+    neighbour.idle()
     assert worker.run(entry, prompt)["host_workers"] == []
+    # The worker itself is busy only while it loads or runs: between episodes the neighbour's
+    # view of it is idle.
+    assert neighbour.others(since=time.time()) == []
+    neighbour.release()
 
 
 def test_a_worker_whose_lock_directory_is_unusable_runs_and_records_none(tiny, tmp_path, monkeypatch):

@@ -1,6 +1,6 @@
 """CUDA twins: a GPU worker with PACKBENCH_WORKER_PIN=1 pins itself to its GPU's share of the
 host's cores (test_runtime.py); a GPU worker marks the host with its GPU's UUID, and its episodes
-list the other workers there (test_worker.py). Run with `pytest -m gpu` on a GPU machine."""
+list the other workers busy there (test_worker.py). Run with `pytest -m gpu` on a GPU machine."""
 
 import os
 
@@ -27,7 +27,7 @@ def test_cuda_worker_pins_itself_to_its_gpus_share_of_the_cores(monkeypatch):
         worker.sampler.close()
 
 
-def test_cuda_worker_marks_the_host_with_its_gpu_and_records_its_neighbours(tiny, tmp_path, monkeypatch):
+def test_cuda_worker_marks_the_host_with_its_gpu_and_records_its_busy_neighbours(tiny, tmp_path, monkeypatch):
     import engine.gpu_lock
     from core.plan import plan, prompts
     from engine.gpu_lock import HostPresence
@@ -38,6 +38,7 @@ def test_cuda_worker_marks_the_host_with_its_gpu_and_records_its_neighbours(tiny
     try:
         watcher = HostPresence("cpu", directory=tmp_path)
         assert watcher.others() == [[os.getpid(), worker.gpu_uuid]] and worker.gpu_uuid.startswith("GPU-")
+        watcher.busy()
         b = body(tiny, allowance_mib=4096)  # room for the CUDA context, which the allowance charges
         start = worker.load(b, str(tiny))
         entry = plan(b)[0]
