@@ -113,8 +113,12 @@ class HostPresence:
         self._state("idle")
 
     def _state(self, state: str) -> None:
-        if self.fd >= 0:
+        if self.fd < 0:
+            return
+        try:
             os.pwrite(self.fd, f"{state} {time.time():.6f} {self.device}".encode()[:MARK_BYTES].ljust(MARK_BYTES), 0)
+        except OSError:
+            pass  # a full /tmp must not fail the episode; others read the last state written
 
     def others(self, *, since: float | None = None) -> list[list] | None:
         """[pid, device] of every other packbench worker alive on this host, by pid; with `since`
