@@ -98,7 +98,7 @@ class Active:
     stop: str | None = None  # cancelled | lost: no more episodes are submitted
     start: dict | None = None  # a `next` screen's load result, kept until it becomes the slot's active
     looked_ahead: bool = False  # its slot tried to claim its next screen (once: an empty queue is not polled)
-    host_shared: bool = False  # said once: another dispatcher's or cluster's worker runs on its host
+    host_shared: bool = False  # said once: another dispatcher's or cluster's worker was busy on its host
 
     @property
     def handed_out(self) -> bool:

@@ -324,8 +324,9 @@ def shared_gpu(records) -> dict:
 
 def other_workers(record: dict) -> list[tuple[int, str]]:
     """(pid, device) of every other packbench worker busy (loading or running an episode) on the
-    worker's host at some moment of this episode (`host_workers`, engine/gpu_lock.py HostPresence): they share its cores and memory.
-    Only well-formed [pid, device] pairs count (an archive is read without trusting its types)."""
+    worker's host at some moment of this episode (`host_workers`, engine/gpu_lock.py): they share
+    its cores and memory. Only well-formed [pid, device] pairs count (an archive is read without
+    trusting its types)."""
     pairs = record.get("host_workers")
     return [(p[0], p[1][:80]) for p in (pairs if isinstance(pairs, list) else [])
             if isinstance(p, list) and len(p) == 2 and isinstance(p[0], int) and not isinstance(p[0], bool)

@@ -152,7 +152,7 @@ class Worker:
 
     def describe(self) -> dict:
         """Where this worker runs; `gpu_busy` says why it must not run anything (its GPU is taken)."""
-        return {**environment(self.device), "gpu_busy": self.gpu_busy, "host_workers": self.presence.others()}
+        return {**environment(self.device), "gpu_busy": self.gpu_busy}
 
     def load(self, protocol: Protocol | dict, model_dir: str | None, *, model_cache: str | None = None,
              reuse: bool = True, mode: str | None = None) -> dict:

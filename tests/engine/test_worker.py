@@ -152,7 +152,7 @@ def test_the_environment_holds_plain_values_a_driver_without_torch_can_unpickle(
 def test_each_episode_records_the_other_packbench_workers_busy_on_the_host(tiny, tmp_path, monkeypatch):
     """Another worker on the host (another cluster's, another GPU's) shares its cores and memory
     while it loads or runs episodes: an episode run while one is busy lists it; an idle one, or
-    one gone, is not listed (describe() lists every live one)."""
+    one gone, is not listed (the presence itself lists every live one)."""
     import os
 
     import engine.gpu_lock
@@ -161,13 +161,13 @@ def test_each_episode_records_the_other_packbench_workers_busy_on_the_host(tiny,
     monkeypatch.setattr(engine.gpu_lock, "DEFAULT_LOCK_DIR", tmp_path)
     b = body(tiny)
     worker = Worker(device="cpu")
-    assert worker.describe()["host_workers"] == []
+    assert worker.presence.others() == []
     start = worker.load(b, str(tiny))
     entry = plan(b)[0]
     prompt = prompts(b, vocab=start["vocab"])[entry["prompt"]]
     assert worker.run(entry, prompt)["host_workers"] == []
     neighbour = HostPresence("GPU-neighbour", directory=tmp_path)
-    assert worker.describe()["host_workers"] == [[os.getpid(), "GPU-neighbour"]]  # alive
+    assert worker.presence.others() == [[os.getpid(), "GPU-neighbour"]]  # alive
     assert worker.run(entry, prompt)["host_workers"] == []  # idle all along
     neighbour.busy()
     assert worker.run(entry, prompt)["host_workers"] == [[os.getpid(), "GPU-neighbour"]]
