@@ -18,6 +18,7 @@ from __future__ import annotations
 import fcntl
 import os
 import time
+from contextlib import contextmanager
 import uuid as uuidlib
 from pathlib import Path
 
@@ -28,9 +29,7 @@ class GpuLock:
     """An exclusive, process-lifetime lock on one GPU (by NVML UUID)."""
 
     def __init__(self, uuid: str, *, directory: Path = DEFAULT_LOCK_DIR) -> None:
-        directory.mkdir(parents=True, exist_ok=True)
-        if directory == DEFAULT_LOCK_DIR and directory.stat().st_uid == os.getuid():
-            directory.chmod(0o1777)  # shared by every user's workers on the host, like /tmp
+        _prepare(directory)
         self.path = directory / f"{uuid}.lock"
         self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)
         self.held = False
@@ -76,23 +75,21 @@ class HostPresence:
 
     def __init__(self, device: str, *, directory: Path | None = None) -> None:
         self.fd = -1
+        self.device = device
         self.directory = directory or DEFAULT_LOCK_DIR  # read now: tests point it elsewhere
         self.path = self.directory / f"worker-{os.getpid()}-{uuidlib.uuid4().hex[:8]}.lock"
         self.error: str | None = None  # why this host's workers cannot be told (a directory not ours)
         try:
-            self._mark(device)
+            self._mark()
         except OSError as e:
             self.release()
             self.error = f"{type(e).__name__}: {e}"
 
-    def _mark(self, device: str) -> None:
-        self.directory.mkdir(parents=True, exist_ok=True)
-        if self.directory == DEFAULT_LOCK_DIR and self.directory.stat().st_uid == os.getuid():
-            self.directory.chmod(0o1777)
+    def _mark(self) -> None:
+        _prepare(self.directory)
         with _directory_lock(self.directory):
             self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o666)
             fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # a fresh name: nobody else holds it
-            self.device = device
             self.idle()
             for path, fd in _marks(self.directory, skip=self.path):
                 try:
@@ -174,18 +171,23 @@ def _marks(directory: Path, *, skip: Path):
             continue
 
 
-class _directory_lock:
+@contextmanager
+def _directory_lock(directory: Path):
     """flock on the directory's own `workers.lock` while marks are created and swept."""
+    fd = os.open(directory / "workers.lock", os.O_RDONLY | os.O_CREAT, 0o666)  # flock needs no write access
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
 
-    def __init__(self, directory: Path) -> None:
-        self.path = directory / "workers.lock"
 
-    def __enter__(self) -> None:
-        self.fd = os.open(self.path, os.O_RDONLY | os.O_CREAT, 0o666)  # flock needs no write access
-        fcntl.flock(self.fd, fcntl.LOCK_EX)
-
-    def __exit__(self, *exc) -> None:
-        os.close(self.fd)
+def _prepare(directory: Path) -> None:
+    """The lock directory, made if missing; the host's default one is shared by every user's
+    workers, like /tmp."""
+    directory.mkdir(parents=True, exist_ok=True)
+    if directory == DEFAULT_LOCK_DIR and directory.stat().st_uid == os.getuid():
+        directory.chmod(0o1777)
 
 
 def host_gpus() -> int:
