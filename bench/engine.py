@@ -228,6 +228,31 @@ def receive(accelerate, timeout_s: float = 300.0):
     return conn.recv()
 
 
+def workload(rows: dict, policies: list[str]) -> None:
+    """Byte ratios against dense-stream (docs/workloads.md's rows): per decode call, per prefill,
+    per episode; early-forecast's extra bytes over packet's and its decode-to-decode forecasts."""
+    dense = next((n for n in policies if n.split("+")[0] == "dense-stream" and rows[n]["episode_h2d"]), None)
+    if dense is None:
+        return
+    ref = rows[dense]
+    mean = statistics.mean
+    print(f"\nworkload against {dense} (H2D bytes, index bytes included):")
+    for name in policies:
+        row = rows[name]
+        if not row["episode_h2d"] or name == dense:
+            continue
+        line = (f"  {name}: decode {mean(row['decode_h2d']) / mean(ref['decode_h2d']):.4%}, prefill "
+                f"{mean(row['prefill_h2d']) / mean(ref['prefill_h2d']):.4%}, episode "
+                f"{sum(row['episode_h2d']) / sum(ref['episode_h2d']):.4%}")
+        packet = next((n for n in policies if n.split("+")[0] == "packet" and rows[n]["episode_h2d"]), None)
+        if row["fc_used"] and packet:
+            line += (f"; over {packet}: {sum(row['episode_h2d']) / sum(rows[packet]['episode_h2d']) - 1:+.2%} "
+                     f"(decode-to-decode forecasts alone: {sum(row['fc_wasted']) / sum(rows[packet]['episode_rows']):+.2%}); "
+                     f"those wasted {sum(row['fc_wasted']):,} / used {sum(row['fc_used']):,} rows "
+                     f"(x{sum(row['fc_wasted']) / max(sum(row['fc_used']), 1):.3f})")
+        print(line)
+
+
 def oom(row: dict) -> str:
     return f" ({len(row['failed'])} failed)" if row["failed"] else ""
 
@@ -239,6 +264,8 @@ def main() -> None:
     ap.add_argument("--sparsity", type=float, default=0.94)
     ap.add_argument("--hot-fraction", type=float, default=0.05)
     ap.add_argument("--hot-bias", type=float, default=0.0)
+    ap.add_argument("--profile", default=None, help="a calibrated profile (core/registry.py PROFILES, e.g. opt) "
+                    "instead of --sparsity/--hot-*")
     ap.add_argument("--model-dir", type=Path, default=None, help="default: synthesise into a temp dir")
     ap.add_argument("--prompts", type=int, default=3)
     ap.add_argument("--prefix", type=int, default=512)
@@ -262,13 +289,15 @@ def main() -> None:
     context = impose(device, args.allowance_mib * MIB, handle) if cuda else 0
     print(f"CUDA context and other non-allocator memory: {context / MIB:.0f} MiB")
     model_dir = args.model_dir
+    recipe = (dict(profile=args.profile) if args.profile else
+              dict(sparsity=args.sparsity, hot_fraction=args.hot_fraction, hot_bias=args.hot_bias))
     if model_dir is None:
-        model_dir = Path(tempfile.gettempdir()) / (f"packbench-{args.shape}-{args.dtype}-{args.sparsity}"
-                                                   f"-hot{args.hot_fraction}-{args.hot_bias}")
+        model_dir = Path(tempfile.gettempdir()) / (
+            f"packbench-{args.shape}-{args.dtype}-" + (f"profile-{args.profile}" if args.profile else
+                                                       f"{args.sparsity}-hot{args.hot_fraction}-{args.hot_bias}"))
         if not (model_dir / "config.json").exists():
             t = time.perf_counter()
-            synth_checkpoint(model_dir, shape=args.shape, dtype=args.dtype, sparsity=args.sparsity, seed=0,
-                             hot_fraction=args.hot_fraction, hot_bias=args.hot_bias)
+            synth_checkpoint(model_dir, shape=args.shape, dtype=args.dtype, seed=0, **recipe)
             print(f"synthesised {args.shape} in {time.perf_counter() - t:.1f} s")
     t = time.perf_counter()
     try:
@@ -324,7 +353,8 @@ def main() -> None:
                           f"stock's top-2 gap there {top[1] - top[0]:.3g}); tokens first differ at call {split}")
 
     keys = ("decode_ms", "prefill_s", "decode_h2d", "prefill_h2d", "peak_sampled", "peak_alloc", "exact",
-            "failed", "wasted", "wait_ms", "device_bytes", "graph", "first_ms", "episode_s", "host_ms")
+            "failed", "wasted", "wait_ms", "device_bytes", "graph", "first_ms", "episode_s", "host_ms",
+            "episode_h2d", "episode_rows", "fc_used", "fc_wasted")
     rows: dict[str, dict[str, list]] = {p: {k: [] for k in keys} for p in policies}
     total = torch.cuda.get_device_properties(device).total_memory if cuda else 0
     scopes: set = set()  # "process" unless NVML cannot attribute memory to processes here
@@ -373,6 +403,12 @@ def main() -> None:
                 row["prefill_h2d"].append(sum(out.calls[0].h2d_weight_bytes) + sum(out.calls[0].h2d_index_bytes))
                 row["decode_h2d"] += [sum(c.h2d_weight_bytes) + sum(c.h2d_index_bytes) for c in out.calls[1:]]
                 row["wasted"] += [sum(c.rows_wasted) for c in out.calls[1:]]
+                row["episode_h2d"].append(sum(sum(c.h2d_weight_bytes) + sum(c.h2d_index_bytes) for c in out.calls))
+                row["episode_rows"].append(sum(sum(c.rows_copied) for c in out.calls))
+                for before, call in zip(out.calls[1:], out.calls[2:]):  # decode-to-decode forecasts (seed v0.38)
+                    if any(call.rows_wasted) and None not in before.active_rows:
+                        row["fc_wasted"].append(sum(call.rows_wasted))
+                        row["fc_used"].append(sum(before.active_rows) - sum(call.rows_wasted))
                 row["wait_ms"] += [sum(c.copy_wait_s) * 1e3 for c in out.calls[1:]]
                 row["peak_alloc"].append(out.peak_allocated_bytes)
                 row["device_bytes"].append(model.slot.policy.device_bytes())
@@ -439,6 +475,7 @@ def main() -> None:
         per_call = statistics.mean(rows[name]["decode_h2d"])
         gbps = per_call / (res[name] / 1e3) / 1e9
         print(f"{name} decode moves {gbps:.1f} GB/s = {gbps / bw:.0%} of the pinned copy bandwidth")
+    workload(rows, policies)
     resident = res.get("resident", res.get("resident+unbounded=yes"))
     for name in ("packet", "packet+gather=device"):
         if name in res and resident:

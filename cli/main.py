@@ -14,7 +14,7 @@ from cli.common import Address, ArchiveDir, DbUrl, Json, open_store
 from cli.summary import screen_summary, verdict_table
 from core.errors import ClusterUnreachable, PackbenchError
 from core.settings import DEFAULT_CONNECT_TIMEOUT_S, DEFAULT_PLACEMENT_TIMEOUT_S, Settings
-from core.registry import DTYPE_NAMES, SYNTH_SHAPES, SynthArgumentError, synth_spec
+from core.registry import DEFAULT_PROFILE, DTYPE_NAMES, PROFILES, SYNTH_SHAPES, SynthArgumentError, synth_spec
 
 app = typer.Typer(no_args_is_help=True, add_completion=True, pretty_exceptions_enable=False,
                   help=__doc__)
@@ -23,13 +23,14 @@ db_app = typer.Typer(no_args_is_help=True, help="The results database: migration
 app.add_typer(model_app, name="model")
 app.add_typer(db_app, name="db")
 
-from cli import ingest, keys, protocol_cmd, query, report  # noqa: E402  (after the apps it registers on)
+from cli import ingest, keys, model_stats, protocol_cmd, query, report  # noqa: E402  (after the apps it registers on)
 
 query.register(app)
 report.register(app)
 protocol_cmd.register(app)
 keys.register(app)
 ingest.register(app)
+model_stats.register(model_app)
 
 
 @model_app.command("synth")
@@ -39,16 +40,26 @@ def model_synth(
                                        autocompletion=lambda: list(SYNTH_SHAPES))] = "tiny",
     dtype: Annotated[str, typer.Option(help=f"One of {', '.join(DTYPE_NAMES)}.",
                                        autocompletion=lambda: list(DTYPE_NAMES))] = "float32",
-    sparsity: Annotated[float, typer.Option(help="Fraction of post-ReLU activations that are exactly zero, in (0, 1).")] = 0.94,
+    profile: Annotated[Optional[str], typer.Option(
+        help=f"A calibrated recipe whose activation statistics match real OPT (docs/workloads.md): "
+             f"{', '.join(PROFILES)}. The default, unless --sparsity is given.",
+        autocompletion=lambda: list(PROFILES))] = None,
+    sparsity: Annotated[Optional[float], typer.Option(
+        help="The uniform recipe instead of a profile: fraction of post-ReLU activations exactly zero, in (0, 1), "
+             "alike for every neuron.")] = None,
     seed: Annotated[int, typer.Option(help="Weights are a pure function of the seed (>= 0).")] = 0,
-    hot_fraction: Annotated[float, typer.Option(help="Fraction of neurons per layer that fire far more often, in [0, 1).")] = 0.0,
-    hot_bias: Annotated[float, typer.Option(help="Their fc1 bias in units of std*sqrt(hidden), finite (0.0: ~50% active).")] = 0.0,
+    hot_fraction: Annotated[Optional[float], typer.Option(
+        help="Uniform recipe: fraction of neurons per layer that fire far more often, in [0, 1).")] = None,
+    hot_bias: Annotated[Optional[float], typer.Option(
+        help="Uniform recipe: their fc1 bias in units of std*sqrt(hidden), finite (0.0: ~50% active).")] = None,
     force: Annotated[bool, typer.Option(help="Replace a checkpoint already in --out.")] = False,
 ) -> None:
-    """Write a synthetic OPT checkpoint with real OPT shapes and a chosen activation sparsity."""
+    """Write a synthetic OPT checkpoint with real OPT shapes: a calibrated profile, or a uniform sparsity."""
+    if profile is None and sparsity is None:
+        profile = DEFAULT_PROFILE
     try:  # the same check a protocol's model.synth gets, before torch is imported
-        synth_spec(shape=shape, dtype=dtype, sparsity=sparsity, seed=seed, hot_fraction=hot_fraction,
-                   hot_bias=hot_bias)
+        spec = synth_spec(shape=shape, dtype=dtype, sparsity=sparsity, seed=seed, hot_fraction=hot_fraction,
+                          hot_bias=hot_bias, profile=profile)
     except SynthArgumentError as e:
         raise PackbenchError(e.line("--" + e.arg.replace("_", "-"))) from None
     from cli.progress import steps
@@ -56,11 +67,11 @@ def model_synth(
 
     progress = steps(f"synthesising {shape} {dtype}", "layers", after="writing model.safetensors")
     try:
-        path = synth_checkpoint(out, shape=shape, dtype=dtype, sparsity=sparsity, seed=seed,
-                                hot_fraction=hot_fraction, hot_bias=hot_bias, force=force, progress=progress)
+        path = synth_checkpoint(out, **spec, force=force, progress=progress)
     finally:
         progress.close()
-    typer.echo(f"wrote {shape} {dtype} checkpoint (sparsity {sparsity}, seed {seed}) to {path}")
+    recipe = f"profile {profile}" if profile else f"sparsity {sparsity}"
+    typer.echo(f"wrote {shape} {dtype} checkpoint ({recipe}, seed {seed}) to {path}")
 
 
 @model_app.command("digest")

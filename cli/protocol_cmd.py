@@ -77,14 +77,27 @@ def show(
     typer.echo(json.dumps(frozen.protocol.full_dict() if full else frozen.body, indent=2, sort_keys=True))
 
 
-def _written_sparsity(model_dir) -> float | None:
-    """The sparsity a `packbench model synth` checkpoint was written with (its config.json says)."""
+def _written_recipe(model_dir) -> dict:
+    """How a `packbench model synth` checkpoint was made (its config.json's packbench_synth), or {}."""
     try:
-        config = json.loads((model_dir / "config.json").read_text())
-    except (OSError, ValueError, TypeError):
-        return None
-    value = (config.get("packbench_synth") or {}).get("sparsity")
-    return float(value) if isinstance(value, (int, float)) and 0 < value < 1 else None
+        recipe = json.loads((model_dir / "config.json").read_text()).get("packbench_synth")
+    except (OSError, ValueError, TypeError, AttributeError):
+        return {}
+    return recipe if isinstance(recipe, dict) else {}
+
+
+def _written_activity(model_dir):
+    """The Activity a `packbench model synth` checkpoint was written with, or None."""
+    from core.estimate import Activity
+    from core.registry import PROFILES, SHAPES
+
+    recipe = _written_recipe(model_dir)
+    if recipe.get("profile") in PROFILES and recipe.get("shape") in SHAPES:
+        return Activity.of_profile(recipe["profile"], recipe["shape"])
+    value = recipe.get("sparsity")
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < 1:
+        return Activity(sparsity=float(value))
+    return None
 
 
 def plan_cmd(
@@ -106,18 +119,24 @@ def plan_cmd(
     frozen = _load(protocol)
     p = frozen.protocol
     synth = p.model.synth
-    if sparsity is None and synth is None:
-        sparsity = _written_sparsity(frozen.model_dir())
-    if sparsity is None and synth is None:
-        raise PackbenchError("model.path protocols need --sparsity (fraction of activations exactly zero, e.g. 0.94); "
-                             "a checkpoint written by `packbench model synth` says its own")
     if sparsity is not None and not 0 < sparsity < 1:
         raise PackbenchError(f"--sparsity {sparsity} is not in (0, 1)")
     if h2d_gbps <= 0:
         raise PackbenchError(f"--h2d-gbps {h2d_gbps} must be > 0")
+    legacy = synth is not None and synth.profile is None
+    if sparsity is not None:  # a uniform synth's hot neurons stay
+        activity = Activity(sparsity=sparsity, hot_fraction=synth.hot_fraction if legacy else 0.0,
+                            hot_bias=synth.hot_bias if legacy else 0.0)
+    elif synth is not None and synth.profile is not None:
+        activity = Activity.of_profile(synth.profile, synth.shape)
+    elif legacy:
+        activity = Activity(sparsity=synth.sparsity, hot_fraction=synth.hot_fraction, hot_bias=synth.hot_bias)
+    else:
+        activity = _written_activity(frozen.model_dir())
+    if activity is None:
+        raise PackbenchError("model.path protocols need --sparsity (fraction of activations exactly zero, e.g. 0.94); "
+                             "a checkpoint written by `packbench model synth` says its own")
     shape = _shape(frozen, None if shape is None else shape.value)
-    activity = Activity(sparsity=sparsity if sparsity is not None else synth.sparsity,
-                        hot_fraction=synth.hot_fraction if synth else 0.0, hot_bias=synth.hot_bias if synth else 0.0)
     entries = plan(p)
     est = estimate(p, shape=shape, activity=activity, h2d_gbps=h2d_gbps)
     if json_out:

@@ -4,7 +4,8 @@ protocol, the model's shape and its activation sparsity (`packbench protocol pla
 The model: every outgoing row is `hidden` values of the protocol's dtype; a token activates
 an ordinary neuron with probability 1 - sparsity, and a hot neuron (engine/synth.py: fc1 bias
 `hot_bias` x std x sqrt(hidden) over a unit-variance pre-activation) with probability
-Phi(hot_bias). A call of T tokens needs the union of its tokens' active sets; the estimate
+Phi(hot_bias); in a calibrated profile's checkpoint, neuron j of layer l with probability
+Phi(mu_l + spread Z_j) (engine/synth.py profile_tensors). A call of T tokens needs the union of its tokens' active sets; the estimate
 takes tokens as independent, 1 - (1 - a)^T, which is an UPPER estimate: real tokens share
 active neurons (the report's union-sparsity plot shows how much), so measured prefill unions
 come out smaller. Byte rules follow the ledgers of engine/policies.py:
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from statistics import NormalDist
 
 from core.plan import plan
 from core.protocol import Protocol, expand
@@ -67,14 +69,43 @@ class ModelShape:
         return self.vocab * h + (self.max_positions + 2) * h + self.layers * per_layer + 2 * h
 
 
+# Gauss-Hermite-like grid for E over a standard normal offset (a profile's neuron rates).
+_GRID = [(-6.0 + 12.0 * i / 120, math.exp(-0.5 * (-6.0 + 12.0 * i / 120) ** 2)) for i in range(121)]
+_GRID_SUM = sum(w for _, w in _GRID)
+
+
+def _phi(x: float) -> float:
+    return 0.5 * (1.0 + math.erf(x / math.sqrt(2.0)))
+
+
 @dataclass(frozen=True)
 class Activity:
     sparsity: float  # fraction of ordinary neurons exactly zero per token
     hot_fraction: float = 0.0
     hot_bias: float = 0.0
+    # A calibrated profile instead (engine/synth.py profile_tensors): per layer, the mean of the
+    # neurons' bias offsets (pre-activation stds), and their spread. Set by `of_profile`.
+    layer_offsets: tuple[float, ...] = ()
+    rate_spread: float = 0.0
+
+    @classmethod
+    def of_profile(cls, profile: str, shape: str) -> Activity:
+        """The activity of a profile's checkpoint: neuron j of layer l fires with probability
+        Phi(mu_l + spread Z_j) per token (engine/synth.py profile_tensors draws exactly that)."""
+        from core.registry import PROFILES
+
+        p = PROFILES[profile]
+        densities = p.layer_densities(shape)
+        offsets = tuple(NormalDist().inv_cdf(d) * math.sqrt(1.0 + p.rate_spread ** 2) for d in densities)
+        return cls(sparsity=1.0 - sum(densities) / len(densities), layer_offsets=offsets, rate_spread=p.rate_spread)
 
     def union_fraction(self, tokens: int) -> float:
         """Expected fraction of a layer's neurons active in any of `tokens` independent tokens."""
+        if self.layer_offsets:  # mean over layers and over the neurons' rates
+            total = 0.0
+            for mu in self.layer_offsets:
+                total += sum(w * (1 - (1 - _phi(mu + self.rate_spread * z)) ** tokens) for z, w in _GRID) / _GRID_SUM
+            return total / len(self.layer_offsets)
         a = 1.0 - self.sparsity
         p_hot = 0.5 * (1.0 + math.erf(self.hot_bias / math.sqrt(2.0)))  # Phi(hot_bias)
         h = self.hot_fraction

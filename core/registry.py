@@ -108,6 +108,57 @@ SYNTH_SHAPES = tuple(SHAPES)
 # ----------------------------------------------------------------------------- synthetic model
 
 
+@dataclass(frozen=True)
+class SynthProfile:
+    """A recipe for synthetic weights whose activation statistics match measured real OPT
+    (docs/workloads.md gives each target, its source and the measurement). engine/synth.py
+    turns it into weights; every statistic comes out of the model's own arithmetic (nothing is
+    masked after fc1). A profile's numbers never change once published: a new recipe is a new name.
+    """
+
+    # Mean fraction of a layer's neurons active per token, averaged over layers, per shape.
+    density: Mapping[str, float]
+    # The last layer's density over the first's (log-linear in between): later OPT layers are
+    # denser (LLM in a Flash, App. B.1; PowerInfer: early OPT-30B layers under 1 % active).
+    layer_ratio: float
+    # Std of the neurons' fc1 bias offsets, in pre-activation stds: heavy-tailed firing rates
+    # (some neurons fire often, many almost never).
+    rate_spread: float
+    # Share of the embedding's variance in a smooth positional process, and its correlation
+    # length in positions: nearby tokens share active neurons, distant ones do not.
+    position_share: float
+    position_length: float
+    # Residual variance that all attention and FFN updates together add, over the embedding's.
+    update_share: float
+    # The last FFN's output std over the embedding's: the next token is read from it, not from
+    # the input token's own embedding (which the tied lm_head would otherwise echo).
+    readout: float
+    # Std of the output logits: sets the next-token entropy (5.5 over 50,272 tokens: ~2.5 nats).
+    logit_std: float
+    # Per shape: (dims, magnitude, share of layers) of LayerNorm-output outlier features
+    # (LLM.int8: from ~6.7B on, a few hidden dims of large magnitude in most layers).
+    outliers: Mapping[str, tuple[int, float, float]]
+
+    def layer_densities(self, shape: str) -> list[float]:
+        """Each layer's target density: log-linear from first to last, mean `density[shape]`."""
+        layers = SHAPES[shape]["layers"]
+        weights = [self.layer_ratio ** (i / max(layers - 1, 1)) for i in range(layers)]
+        first = self.density[shape] * layers / sum(weights)
+        return [first * w for w in weights]
+
+
+PROFILES: dict[str, SynthProfile] = {
+    "opt": SynthProfile(
+        density={"tiny": 0.06, "opt-125m": 0.06, "opt-1.3b": 0.046, "opt-2.7b": 0.0333, "opt-6.7b": 0.03,
+                 "opt-13b": 0.025},
+        layer_ratio=6.0, rate_spread=0.75, position_share=0.75, position_length=5.0, update_share=0.25,
+        readout=100.0, logit_std=5.5,
+        outliers={"opt-6.7b": (6, 20.0, 0.75), "opt-13b": (6, 25.0, 0.75)},
+    ),
+}
+DEFAULT_PROFILE = "opt"  # what a schema-4 model.synth without profile or sparsity gets
+
+
 def _show(value: Any) -> str:
     text = repr(value)
     return text if len(text) <= 60 else text[:57] + "..."
@@ -153,24 +204,41 @@ def _number(arg: str, value: Any, *, low: float, low_open: bool, high: float | N
     return float(value)
 
 
-def synth_spec(*, shape: Any, dtype: Any, sparsity: Any, seed: Any, hot_fraction: Any = 0.0,
-               hot_bias: Any = 0.0) -> dict[str, Any]:
+def synth_spec(*, shape: Any, dtype: Any, seed: Any, sparsity: Any = None, hot_fraction: Any = None,
+               hot_bias: Any = None, profile: Any = None) -> dict[str, Any]:
     """The synthetic-model arguments, checked in this order and normalised (numbers as floats):
     the dict a protocol freezes as `model.synth` and `engine.synth.synth_checkpoint` takes.
 
-    Raises SynthArgumentError for the first bad argument. Messages are the protocol's, which
-    frozen protocols and their tests pin: change them only together.
+    Two recipes, never mixed: a `profile` (PROFILES: activation statistics calibrated to real
+    OPT) freezes as {shape, dtype, seed, profile}; the uniform recipe (`sparsity`, optionally
+    `hot_fraction`/`hot_bias`) freezes as {shape, dtype, sparsity, seed, hot_fraction, hot_bias},
+    the form every protocol written before profiles froze. Raises SynthArgumentError for the first
+    bad argument. Messages are the protocol's, which frozen protocols and their tests pin: change
+    them only together.
     """
     shape = _choice("shape", shape, SYNTH_SHAPES)
     dtype = _choice("dtype", dtype, DTYPE_NAMES)
-    sparsity = _number("sparsity", sparsity, low=0.0, low_open=True, high=1.0)
+    if profile is not None:
+        profile = _choice("profile", profile, tuple(PROFILES))
+        uniform = {"sparsity": sparsity, "hot_fraction": hot_fraction, "hot_bias": hot_bias}
+        given = [name for name, value in uniform.items() if value is not None]
+        if given:
+            raise SynthArgumentError(given[0], uniform[given[0]], f"allowed with profile {profile!r} (a profile sets "
+                                     f"the activation statistics itself; drop {given[0]} or the profile)",
+                                     choice=False)
+    else:
+        sparsity = _number("sparsity", sparsity, low=0.0, low_open=True, high=1.0)
     if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
         raise SynthArgumentError("seed", seed, "an integer >= 0", choice=False)
+    if profile is not None:
+        return {"shape": shape, "dtype": dtype, "seed": seed, "profile": profile}
     return {
         "shape": shape,
         "dtype": dtype,
         "sparsity": sparsity,
         "seed": seed,
-        "hot_fraction": _number("hot_fraction", hot_fraction, low=0.0, low_open=False, high=1.0),
-        "hot_bias": _number("hot_bias", hot_bias, low=-math.inf, low_open=False, high=None),
+        "hot_fraction": _number("hot_fraction", 0.0 if hot_fraction is None else hot_fraction, low=0.0,
+                                low_open=False, high=1.0),
+        "hot_bias": _number("hot_bias", 0.0 if hot_bias is None else hot_bias, low=-math.inf, low_open=False,
+                            high=None),
     }

@@ -1,4 +1,11 @@
-"""Synthetic OPT checkpoints with real shapes and a chosen activation sparsity.
+"""Synthetic OPT checkpoints with real shapes: a calibrated profile, or a chosen uniform sparsity.
+
+Two recipes. A **profile** (core/registry.py PROFILES; `profile_tensors` below, docs/workloads.md)
+makes weights whose activation statistics match measured real OPT: per-token density with a layer
+trend, the growth of a prompt's union of active neurons, the overlap of consecutive tokens,
+heavy-tailed firing rates, peaked next-token distributions, and (opt-6.7b, opt-13b) outlier
+features. The **uniform** recipe (`sparsity`, optional hot neurons), what every protocol written
+before profiles froze, sets every neuron's firing rate alike:
 
 Why the fc1 bias sets sparsity: in a pre-LN OPT layer, fc1 sees LayerNorm output x with unit
 weight and zero bias, so every token has mean 0 and variance 1 across `hidden`. With fc1 rows
@@ -18,7 +25,7 @@ import torch
 from safetensors.torch import save_file
 
 from core.errors import CheckpointError
-from core.registry import SHAPES, synth_spec
+from core.registry import PROFILES, SHAPES, synth_spec
 from engine.shapes import dtype_of
 
 INIT_STD = 0.02  # OPT's initializer_range
@@ -63,10 +70,14 @@ def opt_config(shape: str, dtype: str) -> dict:
 
 
 def synth_checkpoint(
-    out: Path, *, shape: str, dtype: str, sparsity: float, seed: int, hot_fraction: float = 0.0,
-    hot_bias: float = 0.0, force: bool = False, progress: Callable[[int, int], None] | None = None
+    out: Path, *, shape: str, dtype: str, seed: int, sparsity: float | None = None, hot_fraction: float | None = None,
+    hot_bias: float | None = None, profile: str | None = None, force: bool = False,
+    progress: Callable[[int, int], None] | None = None
 ) -> Path:
     """Write config.json + model.safetensors for `shape` into `out`. Deterministic for a seed.
+
+    `profile` names a calibrated recipe (core/registry.py PROFILES, `profile_tensors`); without
+    it, the uniform recipe below with `sparsity` (and optional hot neurons).
 
     Tensors are drawn in float32 from one seeded generator in a fixed order, then cast, so a
     seed gives the same weights whatever the output dtype.
@@ -81,13 +92,18 @@ def synth_checkpoint(
     """
     # The arguments a protocol's model.synth allows, no others: a SynthArgumentError (a
     # ValueError) names the bad one. The values are used as given, so config.json stays as it was.
-    synth_spec(shape=shape, dtype=dtype, sparsity=sparsity, seed=seed, hot_fraction=hot_fraction, hot_bias=hot_bias)
+    spec = synth_spec(shape=shape, dtype=dtype, sparsity=sparsity, seed=seed, hot_fraction=hot_fraction,
+                      hot_bias=hot_bias, profile=profile)
     torch_dtype = dtype_of(dtype)
     out = Path(out)
     if (out / "config.json").exists() and not force:
         raise CheckpointError(
             f"{out} already holds a checkpoint; choose another --out or pass --force to replace it"
         )
+    if profile is not None:
+        sd = profile_tensors(shape, seed=seed, profile=profile, dtype=torch_dtype, progress=progress)
+        return _write(out, sd, shape, dtype, dict(spec))
+    sparsity, hot_fraction, hot_bias = spec["sparsity"], spec["hot_fraction"], spec["hot_bias"]
     s = SHAPES[shape]
     h, f = s["hidden"], s["ffn"]
     gen = torch.Generator().manual_seed(seed)
@@ -126,10 +142,123 @@ def synth_checkpoint(
         if progress is not None:
             progress(i + 1, s["layers"])
 
+    return _write(out, sd, shape, dtype, {"shape": shape, "sparsity": sparsity, "seed": seed, "fc1_bias": bias,
+                                          "hot_fraction": hot_fraction, "hot_bias": hot_bias})
+
+
+def _write(out: Path, sd: dict[str, torch.Tensor], shape: str, dtype: str, recipe: dict) -> Path:
+    """model.safetensors and config.json (whose `packbench_synth` says how the weights were made)."""
     out.mkdir(parents=True, exist_ok=True)
     save_file(sd, str(out / "model.safetensors"), metadata={"format": "pt"})
     config = opt_config(shape, dtype)
-    config["packbench_synth"] = {"shape": shape, "sparsity": sparsity, "seed": seed, "fc1_bias": bias,
-                                 "hot_fraction": hot_fraction, "hot_bias": hot_bias}
+    config["packbench_synth"] = recipe
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     return out
+
+
+POSITION_FEATURES = 512  # random Fourier features of the smooth positional process
+POSITION_DIMS = 0.5  # share of the hidden dims that carry it
+READOUT_POSITION = 0.25  # the readout's fc1 weight on those dims (measured: at 1.0, greedy continuations of
+# different prompts converged on the same position-driven tokens)
+
+
+def profile_tensors(shape: str, *, seed: int, profile: str, dtype: torch.dtype = torch.float32,
+                    progress: Callable[[int, int], None] | None = None) -> dict[str, torch.Tensor]:
+    """The state dict of a calibrated profile (core/registry.py PROFILES; docs/workloads.md).
+
+    What makes each statistic, all of it ordinary OPT arithmetic:
+    - Token embeddings are iid; positional embeddings are a smooth random process over
+      positions (squared-exponential kernel of length `position_length`) carrying
+      `position_share` of the embedding's variance. So fc1's pre-activation of a neuron is a
+      token-specific part plus a part that drifts slowly with position: consecutive tokens share
+      many active neurons, a long prompt's union keeps growing.
+    - Every neuron's fc1 bias is its own offset, N(mu_l, rate_spread^2) in pre-activation stds,
+      with mu_l set so layer l's mean density is its target: heavy-tailed firing rates, and a
+      density rising with depth (`layer_densities`).
+    - Attention and FFN updates are small against the embedding (together `update_share` of its
+      variance), so every layer's fc1 sees the statistics above; the last FFN's output is
+      `readout` times the embedding's, and the next token is read from it; the final LayerNorm's
+      gain makes the logits' std `logit_std` (peaked next-token distributions).
+    - Outliers (opt-6.7b, opt-13b): in a share of layers, both LayerNorms scale a few hidden dims
+      by `magnitude` (LayerNorm gains are where pretrained models carry them), and the columns of
+      q/k/v and fc1 that read those dims are divided by it, so the linear layers meet inputs of
+      large magnitude while every pre-activation keeps its distribution.
+    Drawn in float32 from one generator seeded with `seed`, in a fixed order, then cast.
+    """
+    p = PROFILES[profile]
+    s = SHAPES[shape]
+    h, f, layers = s["hidden"], s["ffn"], s["layers"]
+    gen = torch.Generator().manual_seed(seed)
+
+    def normal(*size: int, std: float = INIT_STD) -> torch.Tensor:
+        return torch.randn(*size, generator=gen) * std
+
+    # Positions live in the first `n_pos` hidden dims, with `position_share` of the variance.
+    n_pos = max(1, round(POSITION_DIMS * h))
+    tok_std = INIT_STD
+    pos_std = tok_std * math.sqrt(p.position_share / (1.0 - p.position_share) * h / n_pos)
+    embed_std = tok_std / math.sqrt(1.0 - p.position_share)  # rms entry of token + position
+    omega = torch.randn(POSITION_FEATURES, generator=gen, dtype=torch.float64) / p.position_length
+    phase = torch.rand(POSITION_FEATURES, generator=gen, dtype=torch.float64) * 2 * math.pi
+    t = torch.arange(s["max_positions"] + 2, dtype=torch.float64) - 2  # OPT's positions carry an offset of 2
+    basis = (math.sqrt(2.0 / POSITION_FEATURES) * torch.cos(t[:, None] * omega + phase)).float()
+    positions = torch.zeros(s["max_positions"] + 2, h)
+    positions[:, :n_pos] = basis @ normal(POSITION_FEATURES, n_pos, std=pos_std)
+    sd: dict[str, torch.Tensor] = {
+        "model.decoder.embed_tokens.weight": normal(s["vocab"], h, std=tok_std).to(dtype),
+        "model.decoder.embed_positions.weight": positions.to(dtype),
+    }
+    # The readout (the last FFN) reads the position dims at READOUT_POSITION of their weight, so
+    # the next token follows the token and its context more than its position. Its pre-activation
+    # std over LayerNorm(token + position), whose per-dim variance is (tok^2 [+ pos^2]) / embed^2:
+    variance = torch.full((h,), tok_std ** 2)
+    variance[:n_pos] += pos_std ** 2
+    variance /= variance.mean()
+    columns = torch.ones(h)
+    columns[:n_pos] = READOUT_POSITION
+    n_out, magnitude, share = p.outliers.get(shape, (0, 1.0, 0.0))
+    out_dims = torch.randperm(h, generator=gen)[:n_out]
+    pre_std = INIT_STD * math.sqrt(h)  # std of a neuron's fc1 pre-activation before its bias
+    update = math.sqrt(p.update_share / (2 * layers))  # each update's std over the embedding's
+    for i, density in enumerate(p.layer_densities(shape)):
+        pre = f"model.decoder.layers.{i}."
+        gain = torch.ones(h)
+        if n_out and (i + 1) * share // 1 != i * share // 1:  # `share` of the layers, spread evenly
+            gain[out_dims] = magnitude
+        for norm in ("self_attn_layer_norm", "final_layer_norm"):
+            sd[pre + f"{norm}.weight"] = gain.to(dtype, copy=True)
+            sd[pre + f"{norm}.bias"] = torch.zeros(h, dtype=dtype)
+        for proj in ("q_proj", "k_proj", "v_proj"):
+            sd[pre + f"self_attn.{proj}.weight"] = (normal(h, h) / gain).to(dtype)
+            sd[pre + f"self_attn.{proj}.bias"] = torch.zeros(h, dtype=dtype)
+        # (h, h) @ v: entries ~ std * sqrt(h) * (INIT_STD * sqrt(h)); scaled to `update` x embed_std
+        sd[pre + "self_attn.out_proj.weight"] = normal(h, h, std=update * embed_std / (INIT_STD * h)).to(dtype)
+        sd[pre + "self_attn.out_proj.bias"] = torch.zeros(h, dtype=dtype)
+        readout = i == layers - 1
+        fc1 = normal(f, h) / gain
+        std = pre_std
+        if readout:
+            fc1 *= columns
+            std = INIT_STD * math.sqrt(float((columns ** 2 * variance).sum()))
+        sd[pre + "fc1.weight"] = fc1.to(dtype)
+        mu = NormalDist().inv_cdf(density) * math.sqrt(1.0 + p.rate_spread ** 2)  # mean of Phi(mu + spread Z) = density
+        offsets = (mu + p.rate_spread * torch.randn(f, generator=gen, dtype=torch.float64))
+        sd[pre + "fc1.bias"] = (offsets * std).to(dtype)
+        # E[relu(z)^2] / pre_std^2 for z ~ N(m pre_std, pre_std^2): (m^2 + 1) Phi(m) + m phi(m)
+        m = offsets
+        square = float(((m * m + 1) * torch.special.ndtr(m) + m * torch.exp(-m * m / 2) / math.sqrt(2 * math.pi)).mean())
+        scale = p.readout if readout else update
+        fc2 = normal(h, f, std=scale * embed_std / (std * math.sqrt(f * square)))
+        sd[pre + "fc2.weight"] = fc2.to(dtype)
+        bias = torch.zeros(h)
+        if readout:  # centred: its bias cancels the mean output, E[relu(z)] = std (m Phi(m) + phi(m)), so no
+            # token is favoured by every input (measured: uncentred, greedy decode fell into repeats)
+            mean = std * (m * torch.special.ndtr(m) + torch.exp(-m * m / 2) / math.sqrt(2 * math.pi))
+            bias = -(fc2.double() @ mean).float()
+        sd[pre + "fc2.bias"] = bias.to(dtype)
+        if progress is not None:
+            progress(i + 1, layers)
+    # logits = embed_tokens @ (gain * LayerNorm(x)): std gain * INIT_STD * sqrt(h)
+    sd["model.decoder.final_layer_norm.weight"] = torch.full((h,), p.logit_std / (INIT_STD * math.sqrt(h)), dtype=dtype)
+    sd["model.decoder.final_layer_norm.bias"] = torch.zeros(h, dtype=dtype)
+    return sd

@@ -3,8 +3,9 @@
 `validate` gives the frozen form (the lowest schema that says the meaning, see compat.py);
 `full_form` gives the full schema-2 dict that `core.protocol.spec.Protocol` is built from.
 Schema 3 is schema 2 with newer defaults for parameters a condition leaves out
-(core.registry.SCHEMA3_DEFAULTS); they are written out, so a schema-3 protocol always freezes
-as schema 2 or 1 and no body ever says `schema: 3`.
+(core.registry.SCHEMA3_DEFAULTS); schema 4 is schema 3 where a `model.synth` without `sparsity`
+or `profile` means the calibrated profile (core.registry.DEFAULT_PROFILE). Both write their
+defaults out, so a protocol always freezes as schema 2 or 1 and no body ever says 3 or 4.
 Every rule a field obeys is written once, here; docs/protocol.md describes them for users.
 """
 
@@ -30,14 +31,15 @@ from core.registry import (
     POLICY_PARAMS,
     SCHEMA3_DEFAULTS,
     SYNTH_SHAPES,
+    DEFAULT_PROFILE,
     ChoiceParam,
     IntParam,
     SynthArgumentError,
     synth_spec,
 )
 
-SCHEMA_VERSION = 3  # the newest schema this packbench reads: what a YAML without `schema:` means
-SCHEMAS = (1, 2, 3)  # every schema it reads; frozen bodies say 1 or 2 (module docstring)
+SCHEMA_VERSION = 4  # the newest schema this packbench reads: what a YAML without `schema:` means
+SCHEMAS = (1, 2, 3, 4)  # every schema it reads; frozen bodies say 1 or 2 (module docstring)
 MIB = 1 << 20
 # Bounds no real screen reaches: a hostile protocol.json must not make a plan or the generated
 # prompts exhaust an auditor's memory.
@@ -66,7 +68,7 @@ _SHA256 = re.compile(r"[0-9a-f]{64}")
 # ----------------------------------------------------------------------------- sections
 
 
-def _model(value: Any) -> dict:
+def _model(value: Any, *, schema: int) -> dict:
     m = _mapping(value, "model", allowed={"path": False, "synth": False, "sha256": False})
     if ("path" in m) == ("synth" in m):
         _fail("model", "give exactly one of path (a local checkpoint directory) or synth (a synthetic spec)")
@@ -81,8 +83,15 @@ def _model(value: Any) -> dict:
                 _fail("model.sha256", f"{_show(m['sha256'])} is not allowed; expected 64 lowercase hex digits")
             out["sha256"] = m["sha256"]
         return out
+    # A profile (calibrated activation statistics, core/registry.py PROFILES) or the uniform recipe
+    # (sparsity, hot neurons). Schema 4 gives a synth with neither the default profile, written
+    # out; schemas 1-3 require sparsity, so every body they froze keeps its meaning and hash.
+    uniform = "profile" not in m["synth"] if isinstance(m["synth"], dict) else True
     s = _mapping(m["synth"], "model.synth", allowed={
-        "shape": True, "dtype": True, "sparsity": True, "seed": True, "hot_fraction": False, "hot_bias": False})
+        "shape": True, "dtype": True, "sparsity": uniform and schema < 4, "seed": True, "hot_fraction": False,
+        "hot_bias": False, "profile": False})
+    if "profile" not in s and "sparsity" not in s:
+        s = {**s, "profile": DEFAULT_PROFILE}
     try:
         return {"synth": synth_spec(**s)}
     except SynthArgumentError as e:
@@ -335,7 +344,7 @@ def _full(raw: Any, *, base_dir: Path | None) -> dict:
     full = {
         "schema": 2,
         "name": _string(p["name"], "name", "a non-empty string"),
-        "model": _model(p["model"]),
+        "model": _model(p["model"], schema=declared),
         "dtype": _choice(p["dtype"], "dtype", DTYPE_NAMES),
         "prompts": _prompts(p["prompts"], base_dir=base_dir, prefix_tokens=prefix),
         "prefix_tokens": prefix,

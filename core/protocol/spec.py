@@ -24,12 +24,16 @@ class SynthSpec:
 
     shape: str
     dtype: str
-    sparsity: float
     seed: int
-    hot_fraction: float
-    hot_bias: float
+    sparsity: float | None = None  # the uniform recipe (with hot_fraction, hot_bias); None with a profile
+    hot_fraction: float | None = None
+    hot_bias: float | None = None
+    profile: str | None = None  # a calibrated recipe (core.registry.PROFILES)
 
     def as_dict(self) -> dict:
+        """The frozen `model.synth` (core.registry.synth_spec's form): synth_checkpoint's arguments."""
+        if self.profile is not None:
+            return {"shape": self.shape, "dtype": self.dtype, "seed": self.seed, "profile": self.profile}
         return {"shape": self.shape, "dtype": self.dtype, "sparsity": self.sparsity, "seed": self.seed,
                 "hot_fraction": self.hot_fraction, "hot_bias": self.hot_bias}
 

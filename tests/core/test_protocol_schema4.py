@@ -1,0 +1,75 @@
+"""Schema 4: a new protocol's synthetic model is the calibrated profile; every protocol frozen
+before it (a uniform `sparsity`) keeps its body, its hash and the weights it generates."""
+
+import pytest
+import yaml
+
+from core.errors import ProtocolError
+from core.protocol import expand, freeze, validate
+from core.registry import DEFAULT_PROFILE, PROFILES, SynthArgumentError, synth_spec
+from tests.core.test_protocol_schema3 import ROOT
+
+
+def protocol(synth: dict, **changes) -> dict:
+    data = yaml.safe_load((ROOT / "protocols" / "quickstart.yaml").read_text())
+    data.pop("schema")
+    data["model"] = {"synth": synth}
+    data.update(changes)
+    return {k: v for k, v in data.items() if v is not None}
+
+
+TINY = {"shape": "tiny", "dtype": "float32", "seed": 0}
+
+
+def test_a_new_synth_without_sparsity_is_the_calibrated_profile_written_out():
+    frozen = freeze(protocol(TINY))
+    assert frozen.body["model"] == {"synth": {**TINY, "profile": DEFAULT_PROFILE}}
+    assert frozen.body["schema"] == 2  # schema 4 is never frozen: its default is written out
+    assert expand(frozen.body).model.synth.as_dict() == {**TINY, "profile": "opt"}
+    assert validate(frozen.body) == frozen.body  # a frozen body validates to itself
+    assert freeze(protocol({**TINY, "profile": "opt"})).sha256 == frozen.sha256  # said or defaulted: one hash
+
+
+def test_a_uniform_sparsity_freezes_as_every_older_schema_froze_it():
+    uniform = {**TINY, "sparsity": 0.94}
+    new = freeze(protocol(uniform))
+    assert freeze(protocol(uniform, schema=3)).sha256 == new.sha256  # schema 2 differs only by packet's gather
+    assert new.body["model"]["synth"] == {**uniform, "hot_fraction": 0.0, "hot_bias": 0.0}
+    assert expand(new.body).model.synth.profile is None
+
+
+def test_older_schemas_still_require_a_sparsity():
+    with pytest.raises(ProtocolError, match=r"`model.synth.sparsity`: is required"):
+        validate(protocol(TINY, schema=3))
+    # ... but read a frozen body holding a profile (it says schema 2)
+    body = freeze(protocol(TINY)).body
+    assert validate({**body, "schema": 2}) == body
+
+
+@pytest.mark.parametrize("synth, fragment", [
+    ({**TINY, "profile": "opt", "sparsity": 0.9},
+     "`model.synth.sparsity`: 0.9 is not allowed with profile 'opt' (a profile sets the activation statistics itself"),
+    ({**TINY, "profile": "opt", "hot_bias": 0.0}, "`model.synth.hot_bias`: 0.0 is not allowed with profile 'opt'"),
+    ({**TINY, "profile": "llama"}, "`model.synth.profile`: 'llama' is not allowed; use one of opt"),
+    ({**TINY, "profile": ["opt"]}, "`model.synth.profile`: ['opt'] is not allowed"),
+])
+def test_a_bad_profile_is_one_line_naming_the_field(synth, fragment):
+    with pytest.raises(ProtocolError) as e:
+        validate(protocol(synth))
+    assert fragment in str(e.value) and "\n" not in str(e.value)
+
+
+def test_the_cli_spelling_of_a_bad_profile():
+    with pytest.raises(SynthArgumentError) as e:
+        synth_spec(**TINY, profile="opt", sparsity=0.5)
+    assert e.value.line("--sparsity").startswith("--sparsity 0.5 is not allowed with profile 'opt'")
+
+
+def test_every_profile_covers_every_shape_and_its_densities_average_to_the_target():
+    from core.registry import SYNTH_SHAPES
+
+    for name, p in PROFILES.items():
+        for shape in SYNTH_SHAPES:
+            d = p.layer_densities(shape)
+            assert abs(sum(d) / len(d) - p.density[shape]) < 1e-12, (name, shape)
+            assert d[-1] / d[0] == pytest.approx(p.layer_ratio if len(d) > 1 else 1.0)
