@@ -85,7 +85,7 @@ def test_model_stats_prints_json_and_refuses_bad_options(tiny):
     assert s["model"]["shape"] == "tiny" and s["model"]["recipe"]["profile"] == "opt"
     assert len(s["union"]["curve"]) == 32 and s["decode_calls"] == 15 and len(s["density"]["by_layer_decode"]) == 2
     r = CliRunner().invoke(app, ["model", "stats", str(tiny), "--prefix", "32"])
-    assert r.exit_code == 0 and "union of k tokens" in r.stdout and "real OPT" in r.stdout
+    assert r.exit_code == 0 and "union of k tokens" in r.stdout and "early-forecast extra over demand" in r.stdout
     for bad, fragment in ((["--prefix", "0"], "--prefix 0 must be in 1..2048"),
                           (["--device", "tpu"], "--device 'tpu': use cpu, cuda or cuda:N"),
                           (["--prompts", str(tiny / "config.json")], "text_file prompts need the checkpoint's tokenizer")):
