@@ -164,6 +164,9 @@ def submit(
                                                          "e.g. H200) may run it; overrides placement.accelerator_type.")] = None,
     replicas: Annotated[int, typer.Option(min=1, help="Queue this many screens of the protocol.")] = 1,
     spread: Annotated[bool, typer.Option("--spread", help="Run the replicas on distinct nodes.")] = False,
+    keep_queued: Annotated[bool, typer.Option(
+        "--keep-queued", help="With --wait: an interrupted (Ctrl-C) screen stays queued for the next `packbench "
+                              "dispatch` instead of being cancelled.")] = False,
     address: Address = None,
     archive_dir: ArchiveDir = Path("archives"),
     db: DbUrl = None,
@@ -172,7 +175,9 @@ def submit(
     """Freeze a protocol and queue a screen; with --wait, run it on a GPU worker actor now.
 
     Exit codes with --wait: 0 the screen is done and every verdict passed; 1 a verdict failed or the
-    screen failed; 2 bad input (one line says which and how to fix it).
+    screen failed; 2 bad input (one line says which and how to fix it); 130/143 interrupted
+    (SIGINT/SIGTERM): the screen is cancelled, its interrupted attempt kept (--keep-queued: it stays
+    queued instead).
     """
     settings = settings_of(ctx, db_url=db, address=address, archive_dir=archive_dir)
     store = open_store(settings.db_url)  # refuse an old database before anything else
@@ -192,7 +197,28 @@ def submit(
         typer.echo(f"queued screen{'s' if len(ids) > 1 else ''} {', '.join(map(str, ids))}; "
                    f"run {'them' if len(ids) > 1 else 'it'} with `packbench dispatch`")
         return
-    _dispatch(store, settings, json_out=json_out, only_screen=ids[0], workers=1)
+    try:
+        _dispatch(store, settings, json_out=json_out, only_screen=ids[0], workers=1, keep_queued=keep_queued)
+    except KeyboardInterrupt:  # before the dispatcher's own handler (Ray starting) or after it
+        typer.echo(interrupted_screen(store, ids[0], keep_queued=keep_queued), err=True)
+        raise typer.Exit(130) from None
+
+
+def interrupted_screen(store, screen_id: int, *, keep_queued: bool) -> str:
+    """Give an interrupted `submit --wait` screen back: cancel it (its attempts are kept) unless
+    it should stay queued; one line says which."""
+    if keep_queued:
+        return (f"interrupted: screen {screen_id} stays queued (--keep-queued); the next `packbench dispatch` "
+                f"runs it, `packbench screens cancel {screen_id}` drops it")
+    try:
+        row = store.cancel_screen(screen_id)
+    except PackbenchError as e:  # it finished meanwhile, or the database is gone
+        return f"interrupted: screen {screen_id} not cancelled: {e}"
+    if row.status == "cancelled":
+        return (f"interrupted: screen {screen_id} cancelled, so no `packbench dispatch` runs it unasked (its "
+                f"interrupted attempt is kept); `packbench screens retry {screen_id}` queues it again")
+    return (f"interrupted: screen {screen_id} is still running elsewhere; a cancel is requested and it stops "
+            f"after the episode in flight")
 
 
 @app.command()
@@ -218,7 +244,7 @@ def dispatch(
     _dispatch(open_store(settings.db_url), settings, json_out=json_out, follow=follow, workers=workers, lease_s=lease)
 
 
-def _dispatch(store, settings: Settings, *, json_out: bool, **options) -> None:
+def _dispatch(store, settings: Settings, *, json_out: bool, keep_queued: bool = False, **options) -> None:
     from cli.progress import view
     from cluster.dispatch import Dispatcher
 
@@ -243,7 +269,9 @@ def _dispatch(store, settings: Settings, *, json_out: bool, **options) -> None:
         typer.echo(f"error: {dispatcher.fatal}", err=True)
         raise typer.Exit(1)
     if dispatcher.stopping:
-        typer.echo(f"stopped by {dispatcher.stopping}; held screens are back in the queue", err=True)
+        only = options.get("only_screen")
+        typer.echo(f"stopped by {dispatcher.stopping}; held screens are back in the queue" if only is None else
+                   interrupted_screen(store, only, keep_queued=keep_queued), err=True)
         raise typer.Exit(130 if dispatcher.stopping == "SIGINT" else 143)
     if not outcomes and dispatcher.refusals and not any(s.ready for s in dispatcher.slots):
         only = options.get("only_screen")

@@ -15,7 +15,7 @@ from typing import Annotated, Any, Optional
 import typer
 
 from cli.common import DbUrl, Json, open_store
-from cli.summary import print_json, screen_summary, table, verdict_table
+from cli.summary import print_json, screen_summary, table, verdict_record, verdict_table
 from core.archive import WORKER_NAME, ArchiveReader
 from core.errors import PackbenchError
 from core.protocol import DTYPE_NAMES, GATE_NAMES, PHASES
@@ -181,8 +181,7 @@ def screens_show(
                          "finished": _when(a.finished_at), "episodes": d.episodes, "failed": d.failed_episodes,
                          "archive": a.archive_path, "archive_sha256": (a.archive_sha256 or "")[:16] or None,
                          "error": a.error})
-        verdicts += [{"attempt": a.number, **dataclasses.asdict(v), "passed": "PASS" if v.passed else "FAIL"}
-                     for v in d.verdicts]
+        verdicts += [{"attempt": a.number, **verdict_record(v)} for v in d.verdicts]
         audits += [{"attempt": a.number, "result": u.result, "digest": u.digest[:16], "kind": u.kind or "local",
                     "machine": u.machine, "node": (u.node or "")[:12] or "-", "finished": _when(u.finished_at),
                     "problems": len(u.problems)} for u in d.audits]
@@ -191,8 +190,7 @@ def screens_show(
     typer.echo("\ntime (s; from each attempt's archive)")
     typer.echo(table(times, list(times[0])))
     typer.echo("\nverdicts")
-    typer.echo(table(verdicts, ["attempt", "gate", "condition", "phase", "passed", "value", "threshold"])
-               if verdicts else "none")
+    typer.echo(verdict_table(verdicts, lead=("attempt",)) if verdicts else "none")
     typer.echo("\naudits")
     typer.echo(table(audits, ["attempt", "result", "digest", "kind", "machine", "node", "finished", "problems"])
                if audits else "none; run `packbench audit`")
@@ -345,8 +343,9 @@ def compare(
                        f"attempt {side.attempt} {side.attempt_status}")
         typer.echo("")
     metrics = [{"condition": m.condition, "metric": m.metric, "A": m.a, "B": m.b, "B/A": m.ratio} for m in c.metrics]
-    verdicts = [{"gate": v.gate, "condition": v.condition, "phase": v.phase, "A": _verdict(v.a_passed, v.a_value),
-                 "B": _verdict(v.b_passed, v.b_value)} for v in c.verdicts]
+    verdicts = [{"gate": v.gate, "condition": v.condition, "phase": v.phase,
+                 "A": _verdict(v.a_passed, v.a_value, v.a_interval_lo, v.a_interval_hi),
+                 "B": _verdict(v.b_passed, v.b_value, v.b_interval_lo, v.b_interval_hi)} for v in c.verdicts]
     from db.queries import MetricPair, VerdictPair
 
     _emit([Section([dataclasses.asdict(m) for m in c.metrics], ["condition", "metric", "A", "B", "B/A"],
@@ -435,10 +434,12 @@ def _plain(value: Any) -> Any:
     return value
 
 
-def _verdict(passed: bool | None, value: float | None) -> str:
+def _verdict(passed: bool | None, value: float | None, lo: float | None = None, hi: float | None = None) -> str:
+    """`FAIL 0.995228 [0.4496, 2.493]`: the verdict, its value and the interval it was judged on."""
     if passed is None:
         return "-"
-    return ("PASS" if passed else "FAIL") + (f" {value:.6g}" if value is not None else "")
+    interval = f" [{lo:.4g}, {hi:.4g}]" if lo is not None and hi is not None else ""
+    return ("PASS" if passed else "FAIL") + (f" {value:.6g}" if value is not None else "") + interval
 
 
 @dataclasses.dataclass(frozen=True)
