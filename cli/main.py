@@ -430,14 +430,16 @@ def _reexecute(settings, screens, archive, *, all_screens, since, protocol, k, s
         if json_out:
             typer.echo(json.dumps({"screen_id": o.screen_id, "archive_path": str(o.archive_path), "node": o.node,
                                    "host": o.host, "digest": o.digest, "medians": o.medians,
-                                   "seconds": o.seconds, **o.record}, sort_keys=True, default=str))
+                                   "seconds": o.seconds, "exact": "agree" if o.exact_agrees else "disagree",
+                                   "timing": "disagree" if o.timing_problems else "agree", **o.record},
+                                  sort_keys=True, default=str))
             continue
         for name, m in sorted(o.medians.items()):
             typer.echo(f"  {name:>16}: median wall {m['reexecuted_s'] * 1e3:9.2f} ms re-executed, "
                        f"{m['archived_s'] * 1e3:9.2f} ms archived")
         for p in o.problems:
             typer.echo(f"problem: {p}")
-        typer.echo(f"re-execution audit of {what}: {o.record['result'].upper()} (episodes "
+        typer.echo(f"re-execution audit of {what}: {o.record['result'].upper()} ({_reexecution_parts(o)}) (episodes "
                    f"{', '.join(map(str, o.record['episodes']))}, seed {seed}, on {o.host} "
                    f"{o.record['accelerator'] or 'cpu'}, {o.seconds:.1f} s, digest {o.digest[:16]})")
     for o in outcomes:
@@ -447,6 +449,21 @@ def _reexecute(settings, screens, archive, *, all_screens, since, protocol, k, s
         raise typer.Exit(1)
     if any(o.record_error is not None for o in outcomes):
         raise typer.Exit(2)
+
+
+def _reexecution_parts(o) -> str:
+    """The exact part and the timing part of a re-execution, each with its own answer; where only
+    the timing disagrees, the option that widens its tolerance."""
+    exact = ("exact part: logits, tokens and bytes all matched" if o.exact_agrees else
+             f"exact part: {len(o.problems) - len(o.timing_problems)} difference(s) in logits, tokens, bytes or the "
+             f"static audit")
+    factor = o.record.get("time_factor")
+    if not o.timing_problems:
+        return f"{exact}; timing part: medians within {factor:g}x"
+    timing = (f"timing part: {len(o.timing_problems)} condition(s)' median wall outside {factor:g}x")
+    if o.exact_agrees:
+        timing += "; only the times disagree: on a noisy or shared host widen it with --time-factor"
+    return f"{exact}; {timing}"
 
 
 def _utc(text: str | None):

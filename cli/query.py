@@ -333,7 +333,8 @@ def compare(
         raise PackbenchError("give two screen ids (or `latest`), or --protocol SHA to compare machines")
     store = open_store(db)
     c = store.compare(screen_a, screen_b)
-    weights = [getattr(store.latest_attempt(side.screen_id), "model_sha256", None) for side in (c.a, c.b)]
+    attempts = [store.latest_attempt(side.screen_id) for side in (c.a, c.b)]
+    weights = [getattr(a, "model_sha256", None) for a in attempts]
     if None not in weights and weights[0] != weights[1]:
         typer.echo(f"warning: screens {c.a.screen_id} and {c.b.screen_id} measured different weights "
                    f"(checkpoint digests {weights[0][:12]} and {weights[1][:12]})", err=True)
@@ -346,15 +347,71 @@ def compare(
     verdicts = [{"gate": v.gate, "condition": v.condition, "phase": v.phase,
                  "A": _verdict(v.a_passed, v.a_value, v.a_interval_lo, v.a_interval_hi),
                  "B": _verdict(v.b_passed, v.b_value, v.b_interval_lo, v.b_interval_hi)} for v in c.verdicts]
+    from core.dispersion import compare_spread
     from db.queries import MetricPair, VerdictPair
 
+    spread = compare_spread(*[_scored_walls(store, a) for a in attempts])
+    sharing = [_sharing(a) for a in attempts]
+    for label, side, note in zip("AB", (c.a, c.b), sharing):
+        if note:
+            typer.echo(f"warning: screen {side.screen_id} ({label}) ran on a shared host: {note}; its times may "
+                       f"be inflated", err=True)
+    for r in spread:
+        if r["noise"] == "within noise" and r["mean_ratio"] is not None:
+            typer.echo(f"warning: condition {r['condition']}: wall B/A {r['mean_ratio']:.4g} is within "
+                       f"noise: its 0.95 bootstrap interval [{r['ratio_lo']:.4g}, {r['ratio_hi']:.4g}] holds 1",
+                       err=True)
+    spread_rows = [{"condition": r["condition"], "A n": r["a"]["n"], "A median s": r["a"]["median"],
+                    "A p10-p90 s": _range(r["a"]), "B n": r["b"]["n"], "B median s": r["b"]["median"],
+                    "B p10-p90 s": _range(r["b"]), "B/A": r["mean_ratio"],
+                    "B/A interval": None if r["ratio_lo"] is None else f"[{r['ratio_lo']:.4g}, {r['ratio_hi']:.4g}]",
+                    "noise": r["noise"]} for r in spread]
+    spread_records = [{"condition": r["condition"], **{f"{side}_{k}": r[side][k] for side in "ab" for k in r[side]},
+                       **{k: r[k] for k in ("mean_ratio", "ratio_lo", "ratio_hi", "noise")}} for r in spread]
+    document = {**dataclasses.asdict(c), "spread": spread_records,
+                "shared_host": {"a": sharing[0], "b": sharing[1]}}
     _emit([Section([dataclasses.asdict(m) for m in c.metrics], ["condition", "metric", "A", "B", "B/A"],
                    title="scored episodes per condition (totals over ok episodes; peaks are maxima; energy over "
                          "those with an NVML reading)", rows=metrics, empty="no scored episodes",
                    fields=_field_names(MetricPair)),
+           Section(spread_records, list(spread_rows[0]) if spread_rows else [], rows=spread_rows,
+                   title="episode wall spread per condition (scored ok episodes; B/A of the mean walls and its 0.95 "
+                         "bootstrap interval; within noise when it holds 1)", empty="no scored episodes"),
            Section([dataclasses.asdict(v) for v in c.verdicts], ["gate", "condition", "phase", "A", "B"],
                    title="verdicts", rows=verdicts, fields=_field_names(VerdictPair))],
-          out, document=dataclasses.asdict(c))
+          out, document=document)
+
+
+def _range(s: dict) -> str | None:
+    return None if s["p10"] is None else f"{s['p10']:.4g}-{s['p90']:.4g}"
+
+
+def _scored_walls(store, attempt) -> dict[str, list[float]]:
+    """condition -> wall_s of the attempt's finished scored episodes."""
+    out: dict[str, list[float]] = {}
+    for e in store.episodes(attempt.id) if attempt is not None else []:
+        if e.role == "scored" and e.status == "ok" and e.wall_s is not None:
+            out.setdefault(e.condition, []).append(e.wall_s)
+    return out
+
+
+def _sharing(attempt) -> str | None:
+    """What shared the attempt's host or GPU during its episodes, from its archive (None: nothing
+    seen, or the archive is not readable here)."""
+    try:
+        with ArchiveReader(attempt.archive_path) as archive:
+            records = [archive.read_json(e.record) for e in archive.episodes()]
+    except (OSError, PackbenchError, AttributeError, TypeError):
+        return None
+    notes = []
+    host, gpu = shared_host(records), shared_gpu(records)
+    if host["episodes"]:
+        notes.append(f"packbench worker pid {', '.join(map(str, sorted(host['workers'])))} busy in "
+                     f"{len(host['episodes'])} of {len(records)} episodes")
+    if gpu["episodes"]:
+        notes.append(f"GPU shared with pid {', '.join(map(str, sorted(gpu['processes'])))} in "
+                     f"{len(gpu['episodes'])} of {len(records)} episodes")
+    return "; ".join(notes) or None
 
 
 def _compare_machines(store, protocol: str, *, out: str) -> None:

@@ -295,8 +295,10 @@ def compare_decode_figure(labels: list[str], per_screen: list[dict[str, list[flo
 
 
 def compare_bars_figure(name: str, labels: list[str], values: list[dict[str, float | None]], conditions: list[str],
-                        ylabel: str, scale: float = 1.0) -> str | None:
-    """One bar per (condition, screen): a per-condition figure of several screens."""
+                        ylabel: str, scale: float = 1.0,
+                        ranges: list[dict[str, tuple[float, float] | None]] | None = None) -> str | None:
+    """One bar per (condition, screen): a per-condition figure of several screens. `ranges`
+    (per screen, per condition: (low, high), e.g. p10 and p90) draw as error bars."""
     if not any(v is not None for s in values for v in s.values()):
         return None
     fig, ax = _figure(10, 3.6)
@@ -306,6 +308,12 @@ def compare_bars_figure(name: str, labels: list[str], values: list[dict[str, flo
         xs = [n - 0.4 + width * (s + 0.5) for n in range(len(conditions))]
         ys = [(vals.get(c) or 0) / scale for c in conditions]
         ax.bar(xs, ys, width=width * 0.9, color=colour(s), alpha=0.8, label=label)
+        spans = [(ranges[s].get(c) if ranges else None) for c in conditions]
+        bars = [(x, y, lo / scale, hi / scale) for x, y, r in zip(xs, ys, spans) if r is not None
+                for lo, hi in [r]]
+        if bars:
+            ax.errorbar([b[0] for b in bars], [b[1] for b in bars], fmt="none", ecolor="black", capsize=3, lw=1,
+                        yerr=[[max(b[1] - b[2], 0) for b in bars], [max(b[3] - b[1], 0) for b in bars]])
     ax.set_xticks(range(len(conditions)), conditions)
     ax.set_ylabel(ylabel)
     ax.legend(loc="upper right")

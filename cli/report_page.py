@@ -293,6 +293,35 @@ def screen_page(s: ScreenData, *, audit: AuditStatus) -> str:
     return _page(f"packbench report: {s.label}", lede, body)
 
 
+def _wall_ranges(s: ScreenData) -> dict[str, tuple[float, float] | None]:
+    """condition -> (p10, p90) of the scored episodes' walls (core/dispersion.py)."""
+    from core.dispersion import spread
+
+    out = {}
+    for c, walls in data.wall_per_episode(s).items():
+        sp = spread([w for _, w in walls])
+        out[c] = None if sp["n"] == 0 else (sp["p10"], sp["p90"])
+    return out
+
+
+def _compare_sharing(labels: list[str], screens: list[ScreenData]) -> str:
+    """Whether each screen's host or GPU was shared while its episodes ran (times then may be
+    inflated), in one paragraph above the wall figure."""
+    notes = []
+    for label, s in zip(labels, screens):
+        host, gpu = data.host_sharing(s), data.gpu_sharing(s)
+        if host["episodes"]:
+            notes.append(f"screen {label}'s host was shared with other packbench workers in "
+                         f"{len(host['episodes'])} of {len(s.episodes)} episodes")
+        if gpu["episodes"]:
+            notes.append(f"screen {label}'s GPU was shared with other processes in {len(gpu['episodes'])} of "
+                         f"{len(s.episodes)} episodes")
+    if not notes:
+        return ('<p id="compare-shared">No screen\'s host or GPU was seen shared with another packbench worker or '
+                'GPU process while its episodes ran.</p>')
+    return f'<p class="fail" id="compare-shared">{esc("; ".join(notes))}: their walls may be inflated.</p>'
+
+
 def compare_page(screens: list[ScreenData], audits: list[AuditStatus]) -> str:
     labels = [f"{chr(65 + n)}" for n in range(len(screens))]
     agreement = data.verdict_agreement(screens)
@@ -344,11 +373,13 @@ def compare_page(screens: list[ScreenData], audits: list[AuditStatus]) -> str:
                 "compare-h2d", labels, [{c: r["decode_h2d_per_call"] for c, r in summ.items()} for summ in summaries],
                 conditions, "mean H2D MB per decode call", scale=1e6), "no byte counts",
                 caption="Mean host-to-device bytes per decode call per condition, one bar per screen."),
-            '<h2 id="wall">Mean episode wall</h2>',
+            '<h2 id="wall">Mean episode wall</h2>', _compare_sharing(labels, screens),
             _plot("compare-wall", figs.compare_bars_figure(
                 "compare-wall", labels, [{c: r["wall_s_mean"] for c, r in summ.items()} for summ in summaries],
-                conditions, "mean wall s per scored episode"), "no finished episodes",
-                caption="Mean wall seconds of the scored episodes per condition, one bar per screen."),
+                conditions, "mean wall s per scored episode", ranges=[_wall_ranges(s) for s in screens]),
+                "no finished episodes",
+                caption="Mean wall seconds of the scored episodes per condition, one bar per screen; error bars "
+                        "span the 10th to the 90th percentile of those episodes' walls."),
             ])
     body = "".join([
         '<h2 id="screens">Screens</h2>', ident, head, vtable,

@@ -147,10 +147,16 @@ class ReexecuteOutcome:
     seconds: float
     recorded: bool = False
     record_error: str | None = None
+    timing_problems: tuple[str, ...] = ()  # the problems that are medians out of tolerance, and only those
 
     @property
     def agrees(self) -> bool:
         return self.record["result"] == "agree"
+
+    @property
+    def exact_agrees(self) -> bool:
+        """Everything but the times agreed: logits, tokens, every byte, the static audit."""
+        return len(self.problems) == len(self.timing_problems)
 
     @property
     def problems(self) -> list[str]:
@@ -222,7 +228,7 @@ def reexecute_archive(path: Path, *, k: int, seed: int = 0, settings: Settings |
                                    problems=problems, accelerator=accelerator, time_factor=time_factor)
     return ReexecuteOutcome(screen_id, path, static, record, rx.record_digest(record),
                             rerun.env.get("node_id") or platform.node(), rerun.env.get("host") or platform.node(),
-                            medians, rerun.seconds)
+                            medians, rerun.seconds, timing_problems=tuple(time_problems))
 
 
 def reexecute_screens(store, screen_ids: list[int], *, k: int, seed: int = 0, settings: Settings | None = None,
