@@ -407,7 +407,7 @@ def _reexecute(settings, screens, archive, *, all_screens, since, protocol, k, s
                json_out, time_factor) -> None:
     """`audit --reexecute K`: re-run drawn episodes and compare; exit 1 unless every one agrees."""
     from core.audit import audit_archive
-    from service.audit import reexecute_archive, reexecute_screens
+    from service.audit import host_and_node, reexecute_archive, reexecute_screens
 
     say = (lambda msg: None) if json_out else (lambda msg: typer.echo(msg, err=True))
     targets = _screens_to_audit(settings, screens, archive, all_screens=all_screens, since=since, protocol=protocol)
@@ -440,7 +440,7 @@ def _reexecute(settings, screens, archive, *, all_screens, since, protocol, k, s
         for p in o.problems:
             typer.echo(f"problem: {p}")
         typer.echo(f"re-execution audit of {what}: {o.record['result'].upper()} ({_reexecution_parts(o)}) (episodes "
-                   f"{', '.join(map(str, o.record['episodes']))}, seed {seed}, on {o.host} "
+                   f"{', '.join(map(str, o.record['episodes']))}, seed {seed}, on {host_and_node(o.host, o.node)} "
                    f"{o.record['accelerator'] or 'cpu'}, {o.seconds:.1f} s, digest {o.digest[:16]})")
     for o in outcomes:
         if o.record_error is not None:
@@ -487,7 +487,8 @@ def _print_audit(o, *, json_out: bool, detail: bool) -> None:
     report = o.report
     if json_out:
         typer.echo(json.dumps({"screen_id": o.screen_id, "attempt": o.attempt_number, "archive_path": str(o.archive_path),
-                               "node": o.node, "digest": report.digest, **report.record}, sort_keys=True, default=str))
+                               "node": o.node, "host": o.host, "digest": report.digest, **report.record},
+                              sort_keys=True, default=str))
         return
     if detail:
         typer.echo(verdict_table(report.record["verdicts"]))
@@ -501,7 +502,7 @@ def _print_audit(o, *, json_out: bool, detail: bool) -> None:
         typer.echo(f"signature: valid, by trusted key {sig['key_id']} (proves where it was sealed, not that the "
                    f"numbers are true)")
     typer.echo(f"audit of {what}: {report.record['result'].upper()} "
-               f"({report.record['episodes']} episodes, digest {report.digest[:16]}, on {o.node[:16]})")
+               f"({report.record['episodes']} episodes, digest {report.digest[:16]}, on {o.where})")
 
 
 DEBUG = False  # --debug: tracebacks with the one-line errors

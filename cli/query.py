@@ -126,9 +126,15 @@ def _screen_view(store, ref: str, *, json_out: bool) -> None:
     typer.echo(verdict_table(summary["verdicts"]) if summary["verdicts"] else "no verdicts")
     a = summary.get("audit")
     typer.echo("audit: none; run `packbench audit`" if a is None else
-               f"audit: {a['result'].upper()} ({a['kind'] or 'local'} on {a['machine']}"
-               f"{', node ' + a['node'][:12] if a['node'] else ''}, {a['finished_at']}, digest {a['digest'][:16]}"
+               f"audit: {a['result'].upper()} ({a['kind'] or 'local'} on {_host_and_node(a['machine'], a['node'])}"
+               f", {a['finished_at']}, digest {a['digest'][:16]}"
                f"{'' if a['archive_sha256_matches'] else ', of another archive SHA-256'}; {a['audits']} audit(s))")
+
+
+def _host_and_node(host: str, node: str | None) -> str:
+    from service.audit import host_and_node
+
+    return host_and_node(host, node)
 
 
 def screens_list(
@@ -425,11 +431,13 @@ def _compare_machines(store, protocol: str, *, out: str) -> None:
                  **{f"{label} screen {col.screen_id}": (None if cell is None else _verdict(*cell))
                     for label, col, cell in zip(labels, c.columns, r.cells)}, "agree": r.agree} for r in c.rows]
         _emit([Section(rows, list(rows[0]) if rows else ["gate", "condition", "phase", "agree"])], out,
-              document={**dataclasses.asdict(c), "agree": c.agree})
+              document={**dataclasses.asdict(c), "agree": c.agree, "hosts": c.hosts})
     else:
-        typer.echo(f"protocol {c.protocol} ({c.protocol_sha256[:12]}) on {len(c.columns)} machine(s)")
+        hosts = c.hosts
+        typer.echo(f"protocol {c.protocol} ({c.protocol_sha256[:12]}): {len(c.columns)} screen(s) on {len(hosts)} "
+                   f"machine(s) ({', '.join(hosts)})")
         for i, col in enumerate(c.columns):
-            typer.echo(f"  [{i + 1}] screen {col.screen_id} attempt {col.attempt}: {col.machine}, node {col.node[:12]}")
+            typer.echo(f"  [{i + 1}] screen {col.screen_id} attempt {col.attempt}: {col.machine}, Ray node {col.node[:8]}")
         for line in c.skipped:
             typer.echo(f"  skipped {line}")
         rows = [{"gate": r.gate, "condition": r.condition, "phase": r.phase,
