@@ -95,6 +95,19 @@ def test_plan_lists_the_episodes_in_order_and_what_each_condition_moves():
     assert "parameters 597.5 kB (fit the 1 MiB allowance)" in table.output
 
 
+def test_plan_says_what_a_cpu_screen_is_and_prints_plain_numbers(monkeypatch):
+    from cli import protocol_cmd
+
+    monkeypatch.setattr(protocol_cmd, "gpu_here", lambda: False)
+    out = invoke("protocol", "plan", str(GATES)).output
+    assert "no GPU on this machine: a screen dispatched here runs on the CPU" in out
+    assert "GPU transfer/episode" in out and "of transfer on a GPU at 55 GB/s" in out
+    assert not [n for n in out.split() if "e-0" in n or "e+0" in n], out  # no 1.907e-05
+    assert protocol_cmd._seconds(1.907e-05) == "19.07 µs" and protocol_cmd._seconds(1.896) == "1.896 s"
+    monkeypatch.setattr(protocol_cmd, "gpu_here", lambda: True)
+    assert "no GPU on this machine" not in invoke("protocol", "plan", str(GATES)).output
+
+
 def test_plan_estimate_is_close_to_what_a_real_screen_moved():
     """Against gates-v2.zip (a real CPU screen of that protocol): decode packets within 10 %;
     the prefill union is an upper estimate (independent tokens), never below what was moved."""
