@@ -76,10 +76,14 @@ def model_digest(
 
 
 @db_app.command("upgrade")
-def db_upgrade(db: DbUrl = None) -> None:
+def db_upgrade(db: DbUrl = None, json_out: Json = False) -> None:
     """Create or migrate the database to the newest schema."""
     store = open_store(db, at_head=False)
+    before = store.current()
     store.upgrade()
+    if json_out:
+        typer.echo(json.dumps({"revision": store.current(), "head": store.head(), "from": before}, sort_keys=True))
+        return
     typer.echo(f"database at {store.current()} (head)")
 
 
@@ -509,9 +513,23 @@ DEBUG = False  # --debug: tracebacks with the one-line errors
 
 
 def main() -> None:
-    """Console entry point: user errors print one line and exit 2, never a traceback (--debug adds it)."""
+    """Console entry point: user errors print one line and exit 2, never a traceback (--debug adds it);
+    so do typer's usage errors (an unknown option, a missing argument), not rich's boxes."""
     try:
-        app()
+        code = app(standalone_mode=False, prog_name="packbench")  # usage errors reach us here: one line
+        if isinstance(code, int) and code:
+            sys.exit(code)
+    except typer.TyperException as e:  # typer's usage errors: an unknown option, a missing argument, ...
+        if type(e).__name__ == "NoArgsIsHelpError":  # a bare group: its help, as typer shows it
+            e.show()  # type: ignore[attr-defined]
+            sys.exit(2)
+        ctx = getattr(e, "ctx", None)
+        where = f"; see `{ctx.command_path} --help`" if ctx is not None else ""
+        typer.echo(f"error: {' '.join(e.format_message().split()).rstrip('.')}{where}", err=True)
+        sys.exit(2)
+    except typer.Abort:
+        typer.echo("aborted", err=True)
+        sys.exit(1)
     except PackbenchError as e:
         if DEBUG:
             import traceback

@@ -50,13 +50,23 @@ def _schema(frozen: FrozenProtocol) -> str:
     return f"read as schema {frozen.read_as}, frozen as schema {schema}"
 
 
-def validate(protocol: ProtocolFile) -> None:
+def validate(
+    protocol: ProtocolFile,
+    json_out: Annotated[bool, typer.Option("--json", help="Print the same as one JSON object.")] = False,
+) -> None:
     """Check every field and freeze the protocol; print its name, schema, SHA-256, episode count
     and what each condition runs with."""
     from core.plan import plan
 
     frozen = _load(protocol)
     p = frozen.protocol
+    if json_out:
+        typer.echo(json.dumps({"valid": True, "name": p.name, "schema": frozen.body["schema"],
+                               "read_as": frozen.read_as or frozen.body["schema"], "sha256": frozen.sha256,
+                               "planned_episodes": len(plan(p)),
+                               "conditions": [{"name": c.name, "policy": c.policy, "params": c.resolved_params}
+                                              for c in p.conditions]}, sort_keys=True, default=str))
+        return
     typer.echo(f"valid: {p.name} ({_schema(frozen)}), sha256 {frozen.sha256}, "
                f"{len(p.conditions)} conditions, {len(plan(p))} planned episodes")
     for c in p.conditions:

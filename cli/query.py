@@ -19,6 +19,7 @@ from cli.summary import print_json, screen_summary, table, verdict_record, verdi
 from core.archive import WORKER_NAME, ArchiveReader
 from core.errors import PackbenchError
 from core.protocol import DTYPE_NAMES, GATE_NAMES, PHASES
+from core.registry import POLICY_NAMES  # condition names default to their policy's
 from core.report import shared_gpu, shared_host
 
 FORMATS = ("table", "json", "csv")
@@ -28,7 +29,8 @@ SORT_NAMES = ("energy_j", "wall_s", "call_s", "h2d_bytes", "d2h_bytes", "peak_al
               "n_tokens", "started_at")
 SORT_HELP = ", ".join(SORT_NAMES)
 
-Format = Annotated[Optional[str], typer.Option("--format", help="Output: table, json or csv.")]
+Format = Annotated[Optional[str], typer.Option("--format", help="Output: table, json or csv.",
+                                               autocompletion=lambda: list(FORMATS))]
 Limit = Annotated[Optional[int], typer.Option("--limit", help="At most this many rows; 0 for all.")]
 ProtocolRef = Annotated[Optional[str], typer.Option("--protocol", help="Protocol name or SHA-256 prefix.")]
 
@@ -54,16 +56,19 @@ def results(
         help="Substring of the model: its directory, or synth:<shape> for a synthetic one.")] = None,
     dtype: Annotated[Optional[str], typer.Option(help=", ".join(DTYPE_NAMES) + ".",
                                                  autocompletion=lambda: list(DTYPE_NAMES))] = None,
-    condition: Annotated[Optional[str], typer.Option(help="Condition name, e.g. packet.")] = None,
+    condition: Annotated[Optional[str], typer.Option(help="Condition name, e.g. packet.",
+                                                     autocompletion=lambda: list(POLICY_NAMES))] = None,
     gate: Annotated[Optional[str], typer.Option(
-        help=f"Only the episodes this gate judged, each once with its verdict: {GATE_HELP}.")] = None,
+        help=f"Only the episodes this gate judged, each once with its verdict: {GATE_HELP}.",
+        autocompletion=lambda: list(GATE_NAMES))] = None,
     phase: Annotated[Optional[str], typer.Option(
         help="With --gate: only its verdict of this phase (all, prefill, decode); without, a gate's phases "
              "fold into one row.", autocompletion=lambda: list(PHASES))] = None,
     passed: Annotated[Optional[bool], typer.Option(
         "--passed/--failed", help="Only episodes whose --gate verdict passed (failed), or whose condition passed "
                                   "(failed) any gate without --gate.")] = None,
-    status: Annotated[Optional[str], typer.Option(help="Episode status: ok or failed.")] = None,
+    status: Annotated[Optional[str], typer.Option(help="Episode status: ok or failed.",
+                                                  autocompletion=lambda: ["ok", "failed"])] = None,
     since: Annotated[Optional[str], typer.Option(help="Attempts started on or after this ISO date/time (UTC).")] = None,
     until: Annotated[Optional[str], typer.Option(
         help="Attempts started before this ISO date/time; a bare date includes that day.")] = None,
@@ -110,7 +115,25 @@ def results(
                "h2d_bytes", "d2h_bytes", "wall_s", "call_s", "peak_allocated_bytes", "energy_j"]
     if gate is not None:
         columns += ["gate", "phase", "passed", "value", "threshold"]
-    _emit([Section(records, columns, empty="no episodes match")], out)
+    empty = "no episodes match"
+    if not records and condition is not None:
+        empty = _unknown_condition(store, condition) or empty
+        if out != "table" and empty != "no episodes match":
+            typer.echo(f"note: {empty}", err=True)  # stdout stays pure JSON / CSV
+    _emit([Section(records, columns, empty=empty)], out)
+
+
+def _unknown_condition(store, condition: str) -> str | None:
+    """When no stored episode has this condition: the line that says so, with the nearest name."""
+    import difflib
+
+    names = store.condition_names()
+    if condition in names:
+        return None
+    near = difflib.get_close_matches(condition, names, n=1, cutoff=0.5)
+    hint = f"; did you mean --condition {near[0]}?" if near else ""
+    return (f"no episodes match: no episode has condition {condition!r}{hint} (conditions: "
+            f"{', '.join(names) or 'none yet'})")
 
 
 def _screen_view(store, ref: str, *, json_out: bool) -> None:
@@ -139,7 +162,8 @@ def _host_and_node(host: str, node: str | None) -> str:
 
 def screens_list(
     status: Annotated[Optional[str], typer.Option(
-        help="queued, running, done, failed or cancelled.")] = None,
+        help="queued, running, done, failed or cancelled.",
+        autocompletion=lambda: ["queued", "running", "done", "failed", "cancelled"])] = None,
     protocol: ProtocolRef = None,
     limit: Limit = None,
     fmt: Format = None,

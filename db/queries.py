@@ -402,6 +402,11 @@ class ScreenSummary:
     failed: int
 
 
+def condition_names(session: Session) -> list[str]:
+    """Every condition name any stored episode has, sorted."""
+    return sorted(session.scalars(select(Episode.condition).distinct()))
+
+
 def find_screen(session: Session, ref: int | str, *, for_update: bool = False) -> Screen:
     """The screen with id `ref` (an int or a string of digits), or 'latest' (highest id);
     `for_update` locks its row (PostgreSQL) for a read-then-write."""

@@ -2,6 +2,7 @@
 estimate behind `plan` (core/estimate.py) checked against real shapes and a real archive."""
 
 import json
+import re
 import subprocess
 import sys
 from importlib import metadata
@@ -176,6 +177,33 @@ def test_version_and_completion():
     assert "--install-completion" in helptext and "--show-completion" in helptext
     for command in ("report", "protocol"):
         assert command in helptext
+
+
+def complete(line: str) -> list[str]:
+    """What shell completion offers after `line` (typer's zsh protocol, in process)."""
+    r = CliRunner().invoke(app, [], prog_name="packbench",
+                           env={"_PACKBENCH_COMPLETE": "complete_zsh", "_TYPER_COMPLETE_ARGS": line})
+    return re.findall(r'"([^"]+)"', r.output)
+
+
+def test_options_with_a_closed_set_of_values_complete():
+    from core.protocol import GATE_NAMES
+
+    assert complete("packbench results --gate ") == list(GATE_NAMES)
+    assert complete("packbench compare --format ") == ["table", "json", "csv"]
+    assert complete("packbench results --condition ") == list(POLICY_NAMES)
+
+
+def test_validate_and_db_upgrade_take_json(tmp_path):
+    r = invoke("protocol", "validate", str(GATES), "--json")
+    assert r.exit_code == 0, r.output
+    out = json.loads(r.output)
+    assert out["valid"] is True and out["sha256"] == load(GATES).sha256
+    assert out["planned_episodes"] == len(plan(load(GATES).body))
+    r = invoke("db", "upgrade", "--db", f"sqlite:///{tmp_path / 'pb.db'}", "--json")
+    assert r.exit_code == 0, r.output
+    up = json.loads(r.output)
+    assert up["from"] is None and up["revision"] == up["head"]
 
 
 def test_enum_choices_come_from_the_registry():

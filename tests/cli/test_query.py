@@ -284,6 +284,14 @@ def test_compare_shows_energy_and_takes_every_format(db):
     assert "energy_j_per_token" in text and "with an NVML reading" in text
 
 
+def test_an_unknown_condition_gets_the_nearest_name(db):
+    out = invoke(db, "results", "--condition", "pakcet").stdout.strip()
+    assert out == ("no episodes match: no episode has condition 'pakcet'; did you mean --condition packet? "
+                   "(conditions: dense-stream, packet)")
+    as_json = invoke(db, "results", "--condition", "pakcet", "--json")
+    assert json.loads(as_json.stdout) == [] and "did you mean --condition packet?" in as_json.stderr
+
+
 def test_compare_gives_each_conditions_spread_and_flags_a_ratio_within_noise(db):
     c = json.loads(invoke(db, "compare", "1", "2", "--json").stdout)
     spread = {r["condition"]: r for r in c["spread"]}
