@@ -20,6 +20,7 @@ from core.archive import WORKER_NAME, ArchiveReader
 from core.errors import PackbenchError
 from core.protocol import DTYPE_NAMES, GATE_NAMES, PHASES
 from core.registry import POLICY_NAMES  # condition names default to their policy's
+from core.dispersion import noisy_host
 from core.report import shared_gpu, shared_host
 
 FORMATS = ("table", "json", "csv")
@@ -256,6 +257,10 @@ def attempt_time(attempt) -> dict[str, Any]:
     if host["episodes"]:
         note += (f"; host shared with packbench worker pid {', '.join(map(str, sorted(host['workers'])))} "
                  f"in {len(host['episodes'])} of them")
+    noisy = noisy_host(records)
+    if noisy["episodes"]:
+        note += (f"; host busy with other processes (>= {noisy['threshold']:g} core) in "
+                 f"{len(noisy['episodes'])} of them")
     return {**row, "load": None if load is None else round(load, 3), "episodes_wall": round(sum(walls), 3),
             "around_episodes": round(sum(around), 3) if around else None, "note": note}
 
@@ -384,8 +389,8 @@ def compare(
     sharing = [_sharing(a) for a in attempts]
     for label, side, note in zip("AB", (c.a, c.b), sharing):
         if note:
-            typer.echo(f"warning: screen {side.screen_id} ({label}) ran on a shared host: {note}; its times may "
-                       f"be inflated", err=True)
+            typer.echo(f"warning: screen {side.screen_id} ({label}) ran on a shared or busy host: {note}; its "
+                       f"times may be inflated", err=True)
     for r in spread:
         if r["noise"] == "within noise" and r["mean_ratio"] is not None:
             typer.echo(f"warning: condition {r['condition']}: wall B/A {r['mean_ratio']:.4g} is within "
@@ -441,6 +446,10 @@ def _sharing(attempt) -> str | None:
     if gpu["episodes"]:
         notes.append(f"GPU shared with pid {', '.join(map(str, sorted(gpu['processes'])))} in "
                      f"{len(gpu['episodes'])} of {len(records)} episodes")
+    noisy = noisy_host(records)
+    if noisy["episodes"]:
+        notes.append(f"other processes kept >= {noisy['threshold']:g} core busy in {len(noisy['episodes'])} of "
+                     f"{len(records)} episodes (up to {noisy['worst']:.2g} cores)")
     return "; ".join(notes) or None
 
 

@@ -16,6 +16,7 @@ from cli import report_figures as figs
 from cli.report_template import CSS, PAGE
 from core import report as data
 from core.protocol import MIB
+from core.dispersion import noisy_host, spread
 from core.report import ScreenData
 
 PLOT_CAPTIONS = {
@@ -295,8 +296,6 @@ def screen_page(s: ScreenData, *, audit: AuditStatus) -> str:
 
 def _wall_ranges(s: ScreenData) -> dict[str, tuple[float, float] | None]:
     """condition -> (p10, p90) of the scored episodes' walls (core/dispersion.py)."""
-    from core.dispersion import spread
-
     out = {}
     for c, walls in data.wall_per_episode(s).items():
         sp = spread([w for _, w in walls])
@@ -316,9 +315,13 @@ def _compare_sharing(labels: list[str], screens: list[ScreenData]) -> str:
         if gpu["episodes"]:
             notes.append(f"screen {label}'s GPU was shared with other processes in {len(gpu['episodes'])} of "
                          f"{len(s.episodes)} episodes")
+        noisy = noisy_host(e.record for e in s.episodes)
+        if noisy["episodes"]:
+            notes.append(f"screen {label}'s host was busy with other processes (>= {noisy['threshold']:g} core) "
+                         f"in {len(noisy['episodes'])} of {len(s.episodes)} episodes")
     if not notes:
         return ('<p id="compare-shared">No screen\'s host or GPU was seen shared with another packbench worker or '
-                'GPU process while its episodes ran.</p>')
+                'GPU process, or its host busy with other processes, while its episodes ran.</p>')
     return f'<p class="fail" id="compare-shared">{esc("; ".join(notes))}: their walls may be inflated.</p>'
 
 

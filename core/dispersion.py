@@ -82,3 +82,36 @@ def compare_spread(walls_a: dict[str, list[float]], walls_b: dict[str, list[floa
                     "ratio_hi": None if interval is None else interval[1],
                     "noise": noise(a, b)})
     return out
+
+
+# Other processes keeping half a core or more busy on average during an episode: its times are
+# not this worker's alone (engine/host_load.py).
+NOISY_CORES = 0.5
+# /proc/stat counts in clock ticks (10 ms where CLK_TCK is 100): one tick in an 8 ms episode
+# reads as 1.25 cores. Episodes shorter than this are not judged.
+MIN_JUDGED_S = 0.1
+
+
+def other_cores(record: dict) -> float | None:
+    """Cores other processes kept busy on average during the episode (`host_load.other_cpu_s`
+    over the worker's time for it); None where the record has no reading (older archives) or
+    the episode is too short for the tick count to mean anything (MIN_JUDGED_S)."""
+    load = record.get("host_load") if isinstance(record, dict) else None
+    other = load.get("other_cpu_s") if isinstance(load, dict) else None
+    seconds = record.get("episode_s") or record.get("wall_s")
+    ok = all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in (other, seconds))
+    return other / seconds if ok and seconds >= MIN_JUDGED_S and other >= 0 else None
+
+
+def noisy_host(records, threshold: float = NOISY_CORES) -> dict:
+    """{episodes: plan indices where other processes kept >= threshold cores busy, worst: the
+    most cores any episode saw taken, threshold}."""
+    episodes, worst = [], None
+    for record in records:
+        cores = other_cores(record)
+        if cores is None:
+            continue
+        worst = cores if worst is None else max(worst, cores)
+        if cores >= threshold:
+            episodes.append(record.get("plan_index"))
+    return {"episodes": episodes, "worst": worst, "threshold": threshold}

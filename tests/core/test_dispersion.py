@@ -26,3 +26,16 @@ def test_compare_spread_has_every_condition_of_either_screen():
     assert [r["condition"] for r in rows] == ["dense-stream", "packet"]
     assert rows[0]["a"]["n"] == 0 and rows[0]["noise"] == "too few episodes" and rows[0]["mean_ratio"] is None
     assert rows[1]["mean_ratio"] == 1.0 and rows[1]["noise"] == "within noise"
+
+
+def test_a_host_busy_with_other_processes_is_flagged_from_the_records():
+    from core.dispersion import noisy_host, other_cores
+
+    busy = {"plan_index": 3, "episode_s": 0.5, "host_load": {"other_cpu_s": 0.6, "cores": 2}}
+    quiet = {"plan_index": 4, "episode_s": 0.5, "host_load": {"other_cpu_s": 0.02, "cores": 2}}
+    tiny = {"plan_index": 5, "episode_s": 0.008, "host_load": {"other_cpu_s": 0.01, "cores": 2}}  # one tick
+    old = {"plan_index": 6, "wall_s": 0.5}  # archived before host_load was recorded
+    assert other_cores(busy) == 1.2 and other_cores(tiny) is None and other_cores(old) is None
+    assert noisy_host([busy, quiet, tiny, old]) == {"episodes": [3], "worst": 1.2, "threshold": 0.5}
+    assert noisy_host([quiet, {"host_load": "hostile", "episode_s": 1.0}])["episodes"] == []
+
