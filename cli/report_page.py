@@ -13,6 +13,7 @@ from importlib import metadata
 from typing import Any, Iterable
 
 from cli import report_figures as figs
+from cli.summary import detail_text
 from cli.report_template import CSS, PAGE
 from core import report as data
 from core.protocol import MIB
@@ -172,7 +173,7 @@ def verdict_section(s: ScreenData) -> str:
     rows = [[v["gate"], v["condition"], v.get("phase", "all"), _passed(v["passed"]),
              f'<td class="num">{esc(data.threshold_text(v, s.protocol))}</td>',
              f'<td class="num">{esc(data.value_text(v))}</td>', f'<td class="num">{esc(data.interval_text(v))}</td>',
-             f'<td class="detail">{esc(v.get("detail"))}</td>'] for v in s.verdicts]
+             f'<td class="detail">{esc(detail_text(v.get("detail")))}</td>'] for v in s.verdicts]
     passed = sum(bool(v["passed"]) for v in s.verdicts)
     head = f'<h2 id="verdicts">Verdicts: {passed} of {len(s.verdicts)} pass</h2>'
     if not rows:

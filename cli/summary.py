@@ -1,6 +1,7 @@
 """Machine-readable and table views of a screen, built from the database."""
 
 import json
+import re
 
 
 
@@ -76,6 +77,19 @@ def _interval(v: dict) -> tuple[float, float] | None:
     return None
 
 
+_LONG_FLOAT = re.compile(r"(?<![\w.])\d+\.\d{5,}(?:e[-+]?\d+)?")
+
+
+def detail_text(detail: str | None) -> str:
+    """A verdict's detail for reading: long floats to 4 significant digits (`149.35989795600017 s`
+    -> `149.4 s`) and `1 episodes` as `1 episode`. The stored detail, which audits compare, is
+    never changed."""
+    if not detail:
+        return ""
+    text = _LONG_FLOAT.sub(lambda m: f"{float(m.group()):.4g}", detail)
+    return re.sub(r"(?<![\d.])1 episodes\b", "1 episode", text)
+
+
 def _g(x: float) -> str:
     return f"{x:.4g}"
 
@@ -106,7 +120,8 @@ def verdict_table(verdicts: list[dict], *, lead: tuple[str, ...] = ()) -> str:
                      "interval": None if interval is None else f"[{_g(interval[0])}, {_g(interval[1])}]",
                      "threshold": threshold, "decided by": decided_by(v)})
     out = table(rows, [*lead, "gate", "condition", "phase", "passed", "value", "interval", "threshold", "decided by"])
-    why = [f"  {''.join(f'{k} {v[k]} ' for k in lead)}{v['gate']} {v['condition']} {v.get('phase', 'all')}: {v['detail']}" for v in verdicts
+    why = [f"  {''.join(f'{k} {v[k]} ' for k in lead)}{v['gate']} {v['condition']} {v.get('phase', 'all')}: "
+           f"{detail_text(v['detail'])}" for v in verdicts
            if not v["passed"] and v.get("detail")]
     return "\n".join([out, *(["FAIL detail:"] + why if why else [])])
 

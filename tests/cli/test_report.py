@@ -417,3 +417,18 @@ def test_the_comparison_wall_bars_have_error_bars_and_say_whose_host_was_shared(
         bars = [figs.compare_bars_figure("w", ["A"], [{"packet": 0.3}], ["packet"], "s", ranges=r)
                 for r in (None, [{"packet": (0.1, 0.5)}])]
     assert bars[0] != bars[1] and bars[1].count("<path") > bars[0].count("<path")  # the error bar is drawn
+
+
+def test_figures_read_as_what_was_measured():
+    """A slow outlier puts decode ms/token on a log axis; two measured token counts are not
+    joined as a curve; verdict details are rounded for reading (the stored one is not)."""
+    from cli import report_figures as figs
+    from cli.summary import detail_text
+
+    assert figs.wants_log([1.0, 1.1, 0.9, 1.0, 45.0]) and not figs.wants_log([1.0, 1.1, 0.9, 3.0])
+    with figs.style():
+        svg = figs.decode_figure({"packet": [1.0, 1.1, 0.9, 1.0, 45.0]}, ("packet",))
+    assert "(log scale)" in svg
+    assert (figs.union_style(2), figs.union_style(3)) == ("o", "o-")
+    assert detail_text("first episode 149.35989795600017 s <= 200.0 s; 1 episodes, 11 episodes") == \
+        "first episode 149.4 s <= 200.0 s; 1 episode, 11 episodes"
