@@ -435,7 +435,8 @@ def _reexecute(settings, screens, archive, *, all_screens, since, protocol, k, s
             typer.echo(json.dumps({"screen_id": o.screen_id, "archive_path": str(o.archive_path), "node": o.node,
                                    "host": o.host, "digest": o.digest, "medians": o.medians,
                                    "seconds": o.seconds, "exact": "agree" if o.exact_agrees else "disagree",
-                                   "timing": "disagree" if o.timing_problems else "agree", **o.record},
+                                   "timing": "disagree" if o.timing_problems else "agree",
+                                   "busy_hosts": list(o.busy_hosts), **o.record},
                                   sort_keys=True, default=str))
             continue
         for name, m in sorted(o.medians.items()):
@@ -467,7 +468,8 @@ def _reexecution_parts(o) -> str:
     timing = (f"timing part: {len(o.timing_problems)} condition(s)' median wall outside {factor:g}x")
     if o.exact_agrees:
         timing += "; only the times disagree: on a noisy or shared host widen it with --time-factor"
-    return f"{exact}; {timing}"
+    busy = getattr(o, "busy_hosts", ())
+    return f"{exact}; {timing}" + (f"; {'; '.join(busy)}" if busy else "")
 
 
 def _utc(text: str | None):

@@ -159,6 +159,7 @@ class ReexecuteOutcome:
     recorded: bool = False
     record_error: str | None = None
     timing_problems: tuple[str, ...] = ()  # the problems that are medians out of tolerance, and only those
+    busy_hosts: tuple[str, ...] = ()  # which run's host was busy or shared (the archived, the re-run), and how
 
     @property
     def agrees(self) -> bool:
@@ -239,7 +240,27 @@ def reexecute_archive(path: Path, *, k: int, seed: int = 0, settings: Settings |
                                    problems=problems, accelerator=accelerator, time_factor=time_factor)
     return ReexecuteOutcome(screen_id, path, static, record, rx.record_digest(record),
                             rerun.env.get("node_id") or platform.node(), rerun.env.get("host") or platform.node(),
-                            medians, rerun.seconds, timing_problems=tuple(time_problems))
+                            medians, rerun.seconds, timing_problems=tuple(time_problems),
+                            busy_hosts=_busy_hosts(archived.records.values(), rerun.records.values()))
+
+
+def _busy_hosts(archived, rerun) -> tuple[str, ...]:
+    """Lines naming a busy or shared host: of the archived run, of the re-run (their times then
+    say less about the method)."""
+    from core.dispersion import noisy_host
+    from core.report import shared_host
+
+    out = []
+    for name, records in (("archived run", list(archived)), ("re-run", list(rerun))):
+        records = [r for r in records if isinstance(r, dict)]
+        noisy, shared = noisy_host(records), shared_host(records)
+        if noisy["episodes"]:
+            out.append(f"the {name}'s host was busy with other processes in {len(noisy['episodes'])} of "
+                       f"{len(records)} episodes (up to {noisy['worst']:.2g} cores)")
+        if shared["episodes"]:
+            out.append(f"the {name}'s host was shared with other packbench workers in {len(shared['episodes'])} "
+                       f"of {len(records)} episodes")
+    return tuple(out)
 
 
 def reexecute_screens(store, screen_ids: list[int], *, k: int, seed: int = 0, settings: Settings | None = None,
