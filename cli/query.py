@@ -470,7 +470,8 @@ def _compare_machines(store, protocol: str, *, out: str) -> None:
         typer.echo(f"protocol {c.protocol} ({c.protocol_sha256[:12]}): {len(c.columns)} screen(s) on {len(hosts)} "
                    f"machine(s) ({', '.join(hosts)})")
         for i, col in enumerate(c.columns):
-            typer.echo(f"  [{i + 1}] screen {col.screen_id} attempt {col.attempt}: {col.machine}, Ray node {col.node[:8]}")
+            typer.echo(f"  [{i + 1}] screen {col.screen_id} attempt {col.attempt}: {col.machine}, "
+                       f"Ray node {col.node[:8]}")
         for line in c.skipped:
             typer.echo(f"  skipped {line}")
         rows = [{"gate": r.gate, "condition": r.condition, "phase": r.phase,

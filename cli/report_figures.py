@@ -162,7 +162,8 @@ def wall_figure(walls: dict[str, list[tuple[int, float]]], intervals: list[dict]
     right.set_yticks(range(len(shown)), [i["condition"] for i in shown])
     right.set_ylim(-0.7, len(shown) - 0.3)
     control = shown[0]["control"] if shown else ""
-    right.set_xlabel(f"wall / {control} wall\n(paired; bootstrap interval)")  # one line was clipped
+    # Two lines: on one, a long control name ran past the panel.
+    right.set_xlabel(f"wall / {control} wall\n(paired; bootstrap interval)")
     right.set_title("runtime ratio: point and interval")
     return to_svg(fig, "wall")
 
@@ -175,8 +176,9 @@ def decode_figure(ms: dict[str, list[float]], conditions: tuple[str, ...]) -> st
     _strip(ax, [ms[c] for c in conditions], list(conditions))
     for n, c in enumerate(conditions):
         if ms[c]:  # beside the box at the median's height: above the top point it read as an outlier's label
-            ax.annotate(f"median {np.median(ms[c]):.3g}", (n + 0.3, float(np.median(ms[c]))), textcoords="offset points",
-                        xytext=(2, 0), ha="left", va="center", fontsize=7)
+            median = float(np.median(ms[c]))
+            ax.annotate(f"median {median:.3g}", (n + 0.3, median), textcoords="offset points", xytext=(2, 0),
+                        ha="left", va="center", fontsize=7)
     log = wants_log([v for c in conditions for v in ms[c]])
     if log:  # one slow call (a cold first decode) would flatten every box on a linear axis
         ax.set_yscale("log")

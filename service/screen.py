@@ -100,7 +100,8 @@ class ScreenRun:
         wall = record.get("wall_s")
         took = f", wall {wall:.3f} s" if isinstance(wall, (int, float)) else ""
         self.progress(f"  episode {entry['index']:3d} {entry['condition']:>14} {entry['role']:6} "
-                      f"prompt {entry['prompt']} {record['status']}{took}", screen=self.screen.id, done=len(self.episodes),
+                      f"prompt {entry['prompt']} {record['status']}{took}", screen=self.screen.id,
+                      done=len(self.episodes),
                       total=len(self.entries), condition=entry["condition"])
 
     def finish(self) -> ScreenOutcome:
