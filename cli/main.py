@@ -87,10 +87,14 @@ def model_digest(
 
 
 @db_app.command("upgrade")
-def db_upgrade(db: DbUrl = None) -> None:
+def db_upgrade(db: DbUrl = None, json_out: Json = False) -> None:
     """Create or migrate the database to the newest schema."""
     store = open_store(db, at_head=False)
+    before = store.current()
     store.upgrade()
+    if json_out:
+        typer.echo(json.dumps({"revision": store.current(), "head": store.head(), "from": before}, sort_keys=True))
+        return
     typer.echo(f"database at {store.current()} (head)")
 
 
@@ -175,6 +179,9 @@ def submit(
                                                          "e.g. H200) may run it; overrides placement.accelerator_type.")] = None,
     replicas: Annotated[int, typer.Option(min=1, help="Queue this many screens of the protocol.")] = 1,
     spread: Annotated[bool, typer.Option("--spread", help="Run the replicas on distinct nodes.")] = False,
+    keep_queued: Annotated[bool, typer.Option(
+        "--keep-queued", help="With --wait: an interrupted (Ctrl-C) screen stays queued for the next `packbench "
+                              "dispatch` instead of being cancelled.")] = False,
     address: Address = None,
     archive_dir: ArchiveDir = Path("archives"),
     db: DbUrl = None,
@@ -183,7 +190,9 @@ def submit(
     """Freeze a protocol and queue a screen; with --wait, run it on a GPU worker actor now.
 
     Exit codes with --wait: 0 the screen is done and every verdict passed; 1 a verdict failed or the
-    screen failed; 2 bad input (one line says which and how to fix it).
+    screen failed; 2 bad input (one line says which and how to fix it); 130/143 interrupted
+    (SIGINT/SIGTERM): the screen is cancelled, its interrupted attempt kept (--keep-queued: it stays
+    queued instead).
     """
     settings = settings_of(ctx, db_url=db, address=address, archive_dir=archive_dir)
     store = open_store(settings.db_url)  # refuse an old database before anything else
@@ -203,7 +212,28 @@ def submit(
         typer.echo(f"queued screen{'s' if len(ids) > 1 else ''} {', '.join(map(str, ids))}; "
                    f"run {'them' if len(ids) > 1 else 'it'} with `packbench dispatch`")
         return
-    _dispatch(store, settings, json_out=json_out, only_screen=ids[0], workers=1)
+    try:
+        _dispatch(store, settings, json_out=json_out, only_screen=ids[0], workers=1, keep_queued=keep_queued)
+    except KeyboardInterrupt:  # before the dispatcher's own handler (Ray starting) or after it
+        typer.echo(interrupted_screen(store, ids[0], keep_queued=keep_queued), err=True)
+        raise typer.Exit(130) from None
+
+
+def interrupted_screen(store, screen_id: int, *, keep_queued: bool) -> str:
+    """Give an interrupted `submit --wait` screen back: cancel it (its attempts are kept) unless
+    it should stay queued; one line says which."""
+    if keep_queued:
+        return (f"interrupted: screen {screen_id} stays queued (--keep-queued); the next `packbench dispatch` "
+                f"runs it, `packbench screens cancel {screen_id}` drops it")
+    try:
+        row = store.cancel_screen(screen_id)
+    except PackbenchError as e:  # it finished meanwhile, or the database is gone
+        return f"interrupted: screen {screen_id} not cancelled: {e}"
+    if row.status == "cancelled":
+        return (f"interrupted: screen {screen_id} cancelled, so no `packbench dispatch` runs it unasked (its "
+                f"interrupted attempt is kept); `packbench screens retry {screen_id}` queues it again")
+    return (f"interrupted: screen {screen_id} is still running elsewhere; a cancel is requested and it stops "
+            f"after the episode in flight")
 
 
 @app.command()
@@ -229,7 +259,7 @@ def dispatch(
     _dispatch(open_store(settings.db_url), settings, json_out=json_out, follow=follow, workers=workers, lease_s=lease)
 
 
-def _dispatch(store, settings: Settings, *, json_out: bool, **options) -> None:
+def _dispatch(store, settings: Settings, *, json_out: bool, keep_queued: bool = False, **options) -> None:
     from cli.progress import view
     from cluster.dispatch import Dispatcher
 
@@ -254,7 +284,9 @@ def _dispatch(store, settings: Settings, *, json_out: bool, **options) -> None:
         typer.echo(f"error: {dispatcher.fatal}", err=True)
         raise typer.Exit(1)
     if dispatcher.stopping:
-        typer.echo(f"stopped by {dispatcher.stopping}; held screens are back in the queue", err=True)
+        only = options.get("only_screen")
+        typer.echo(f"stopped by {dispatcher.stopping}; held screens are back in the queue" if only is None else
+                   interrupted_screen(store, only, keep_queued=keep_queued), err=True)
         raise typer.Exit(130 if dispatcher.stopping == "SIGINT" else 143)
     if not outcomes and dispatcher.refusals and not any(s.ready for s in dispatcher.slots):
         only = options.get("only_screen")
@@ -390,7 +422,7 @@ def _reexecute(settings, screens, archive, *, all_screens, since, protocol, k, s
                json_out, time_factor) -> None:
     """`audit --reexecute K`: re-run drawn episodes and compare; exit 1 unless every one agrees."""
     from core.audit import audit_archive
-    from service.audit import reexecute_archive, reexecute_screens
+    from service.audit import host_and_node, reexecute_archive, reexecute_screens
 
     say = (lambda msg: None) if json_out else (lambda msg: typer.echo(msg, err=True))
     targets = _screens_to_audit(settings, screens, archive, all_screens=all_screens, since=since, protocol=protocol)
@@ -413,15 +445,18 @@ def _reexecute(settings, screens, archive, *, all_screens, since, protocol, k, s
         if json_out:
             typer.echo(json.dumps({"screen_id": o.screen_id, "archive_path": str(o.archive_path), "node": o.node,
                                    "host": o.host, "digest": o.digest, "medians": o.medians,
-                                   "seconds": o.seconds, **o.record}, sort_keys=True, default=str))
+                                   "seconds": o.seconds, "exact": "agree" if o.exact_agrees else "disagree",
+                                   "timing": "disagree" if o.timing_problems else "agree",
+                                   "busy_hosts": list(o.busy_hosts), **o.record},
+                                  sort_keys=True, default=str))
             continue
         for name, m in sorted(o.medians.items()):
             typer.echo(f"  {name:>16}: median wall {m['reexecuted_s'] * 1e3:9.2f} ms re-executed, "
                        f"{m['archived_s'] * 1e3:9.2f} ms archived")
         for p in o.problems:
             typer.echo(f"problem: {p}")
-        typer.echo(f"re-execution audit of {what}: {o.record['result'].upper()} (episodes "
-                   f"{', '.join(map(str, o.record['episodes']))}, seed {seed}, on {o.host} "
+        typer.echo(f"re-execution audit of {what}: {o.record['result'].upper()} ({_reexecution_parts(o)}) (episodes "
+                   f"{', '.join(map(str, o.record['episodes']))}, seed {seed}, on {host_and_node(o.host, o.node)} "
                    f"{o.record['accelerator'] or 'cpu'}, {o.seconds:.1f} s, digest {o.digest[:16]})")
     for o in outcomes:
         if o.record_error is not None:
@@ -430,6 +465,22 @@ def _reexecute(settings, screens, archive, *, all_screens, since, protocol, k, s
         raise typer.Exit(1)
     if any(o.record_error is not None for o in outcomes):
         raise typer.Exit(2)
+
+
+def _reexecution_parts(o) -> str:
+    """The exact part and the timing part of a re-execution, each with its own answer; where only
+    the timing disagrees, the option that widens its tolerance."""
+    exact = ("exact part: logits, tokens and bytes all matched" if o.exact_agrees else
+             f"exact part: {len(o.problems) - len(o.timing_problems)} difference(s) in logits, tokens, bytes or the "
+             f"static audit")
+    factor = o.record.get("time_factor")
+    if not o.timing_problems:
+        return f"{exact}; timing part: medians within {factor:g}x"
+    timing = (f"timing part: {len(o.timing_problems)} condition(s)' median wall outside {factor:g}x")
+    if o.exact_agrees:
+        timing += "; only the times disagree: on a noisy or shared host widen it with --time-factor"
+    busy = getattr(o, "busy_hosts", ())
+    return f"{exact}; {timing}" + (f"; {'; '.join(busy)}" if busy else "")
 
 
 def _utc(text: str | None):
@@ -453,7 +504,8 @@ def _print_audit(o, *, json_out: bool, detail: bool) -> None:
     report = o.report
     if json_out:
         typer.echo(json.dumps({"screen_id": o.screen_id, "attempt": o.attempt_number, "archive_path": str(o.archive_path),
-                               "node": o.node, "digest": report.digest, **report.record}, sort_keys=True, default=str))
+                               "node": o.node, "host": o.host, "digest": report.digest, **report.record},
+                              sort_keys=True, default=str))
         return
     if detail:
         typer.echo(verdict_table(report.record["verdicts"]))
@@ -467,16 +519,30 @@ def _print_audit(o, *, json_out: bool, detail: bool) -> None:
         typer.echo(f"signature: valid, by trusted key {sig['key_id']} (proves where it was sealed, not that the "
                    f"numbers are true)")
     typer.echo(f"audit of {what}: {report.record['result'].upper()} "
-               f"({report.record['episodes']} episodes, digest {report.digest[:16]}, on {o.node[:16]})")
+               f"({report.record['episodes']} episodes, digest {report.digest[:16]}, on {o.where})")
 
 
 DEBUG = False  # --debug: tracebacks with the one-line errors
 
 
 def main() -> None:
-    """Console entry point: user errors print one line and exit 2, never a traceback (--debug adds it)."""
+    """Console entry point: user errors print one line and exit 2, never a traceback (--debug adds it);
+    so do typer's usage errors (an unknown option, a missing argument), not rich's boxes."""
     try:
-        app()
+        code = app(standalone_mode=False, prog_name="packbench")  # usage errors reach us here: one line
+        if isinstance(code, int) and code:
+            sys.exit(code)
+    except typer.TyperException as e:  # typer's usage errors: an unknown option, a missing argument, ...
+        if type(e).__name__ == "NoArgsIsHelpError":  # a bare group: its help, as typer shows it
+            e.show()  # type: ignore[attr-defined]
+            sys.exit(2)
+        ctx = getattr(e, "ctx", None)
+        where = f"; see `{ctx.command_path} --help`" if ctx is not None else ""
+        typer.echo(f"error: {' '.join(e.format_message().split()).rstrip('.')}{where}", err=True)
+        sys.exit(2)
+    except typer.Abort:
+        typer.echo("aborted", err=True)
+        sys.exit(1)
     except PackbenchError as e:
         if DEBUG:
             import traceback

@@ -10,16 +10,28 @@ the JSON goes to stdout, and with --json no view is made at all.
 from __future__ import annotations
 
 import sys
+import time
 from typing import Any, Callable
 
 import typer
 
 
 class PlainLines:
-    """One line per message: for logs, pipes and CI (not a terminal)."""
+    """One line per message: for logs, pipes and CI (not a terminal). A screen's lines (its
+    episodes) start with the seconds since this view first heard of that screen."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock
+        self.started: dict[int, float] = {}
 
     def __call__(self, message: str, **event: Any) -> None:
-        typer.echo(message)
+        screen = event.get("screen")
+        if screen is None:
+            typer.echo(message)
+            return
+        now = self.clock()
+        elapsed = now - self.started.setdefault(screen, now)
+        typer.echo(f"[{elapsed:7.1f} s] {message.lstrip()}")
 
     def close(self) -> None:
         pass
@@ -42,6 +54,7 @@ class Bars:
                              console=self.console, transient=False)
         self.tasks: dict[int, Any] = {}
         self.bars.start()
+        self.logs = _LogsAbove(self.console)
 
     def __call__(self, message: str, **event: Any) -> None:
         screen, done, total = event.get("screen"), event.get("done"), event.get("total")
@@ -62,7 +75,34 @@ class Bars:
             self.bars.console.print(text, markup=False, highlight=False)
 
     def close(self) -> None:
+        self.logs.close()
         self.bars.stop()
+
+
+class _LogsAbove:
+    """While bars are live, log records print through their console, above the bars: a stream
+    handler writing to the terminal directly would land inside the bar's line."""
+
+    def __init__(self, console: Any) -> None:
+        import logging
+
+        root = logging.getLogger()
+        self.swapped = [h for h in root.handlers if type(h) is logging.StreamHandler]
+        self.handler = logging.Handler()
+        self.handler.setFormatter(self.swapped[0].formatter if self.swapped else None)
+        self.handler.emit = lambda record: console.print(self.handler.format(record), markup=False,  # type: ignore
+                                                         highlight=False, soft_wrap=True)
+        for h in self.swapped:
+            root.removeHandler(h)
+        root.addHandler(self.handler)
+
+    def close(self) -> None:
+        import logging
+
+        root = logging.getLogger()
+        root.removeHandler(self.handler)
+        for h in self.swapped:
+            root.addHandler(h)
 
 
 class Silent:

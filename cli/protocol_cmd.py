@@ -50,13 +50,23 @@ def _schema(frozen: FrozenProtocol) -> str:
     return f"read as schema {frozen.read_as}, frozen as schema {schema}"
 
 
-def validate(protocol: ProtocolFile) -> None:
+def validate(
+    protocol: ProtocolFile,
+    json_out: Annotated[bool, typer.Option("--json", help="Print the same as one JSON object.")] = False,
+) -> None:
     """Check every field and freeze the protocol; print its name, schema, SHA-256, episode count
     and what each condition runs with."""
     from core.plan import plan
 
     frozen = _load(protocol)
     p = frozen.protocol
+    if json_out:
+        typer.echo(json.dumps({"valid": True, "name": p.name, "schema": frozen.body["schema"],
+                               "read_as": frozen.read_as or frozen.body["schema"], "sha256": frozen.sha256,
+                               "planned_episodes": len(plan(p)),
+                               "conditions": [{"name": c.name, "policy": c.policy, "params": c.resolved_params}
+                                              for c in p.conditions]}, sort_keys=True, default=str))
+        return
     typer.echo(f"valid: {p.name} ({_schema(frozen)}), sha256 {frozen.sha256}, "
                f"{len(p.conditions)} conditions, {len(plan(p))} planned episodes")
     for c in p.conditions:
@@ -151,19 +161,38 @@ def plan_cmd(
     typer.echo(f"estimate: {shape.layers} layers x {shape.ffn} neurons, outgoing row {est['row_bytes']} B ({p.dtype}); "
                f"active per call {est['decode_active_fraction']:.2%} (decode), up to "
                f"{est['prefill_active_fraction']:.2%} (prefill, independent tokens); transfer floor at "
-               f"{h2d_gbps:g} GB/s")
+               f"{h2d_gbps:g} GB/s host-to-device on a GPU (--h2d-gbps)")
+    if not gpu_here():
+        typer.echo("no GPU on this machine: a screen dispatched here runs on the CPU, where these bytes are "
+                   "host-memory copies and its time is the CPU's compute, not the GPU transfer floor below")
     rows = [{"condition": r["condition"], "policy": _policy(p.condition(r["condition"])), "episodes": r["episodes"],
              "bound": r["bound"],
              "prefill/call": _bytes(r["prefill_call_bytes"]), "decode/call": _bytes(r["decode_call_bytes"]),
              "per episode": _bytes(r["episode_bytes"]), "all episodes": _bytes(r["total_bytes"]),
-             "transfer s/episode": f"{r['episode_transfer_s']:.4g}", "transfer s": f"{r['total_transfer_s']:.4g}"}
+             "GPU transfer/episode": _seconds(r["episode_transfer_s"]),
+             "GPU transfer": _seconds(r["total_transfer_s"])}
             for r in est["conditions"]]
     typer.echo(table(rows, list(rows[0])))
     allowance = est["allowance_bytes"]
-    typer.echo(f"screen: {_bytes(est['total_bytes'])} host-to-device, >= {est['total_transfer_s']:.4g} s of transfer")
+    typer.echo(f"screen: {_bytes(est['total_bytes'])} host-to-device, >= {_seconds(est['total_transfer_s'])} of "
+               f"transfer on a GPU at {h2d_gbps:g} GB/s")
     typer.echo(f"parameters {_bytes(est['param_bytes'])} ({'exceed' if est['param_bytes'] > allowance else 'fit'} "
                f"the {p.allowance_mib} MiB allowance); outgoing weights {_bytes(est['outgoing_bytes'])} stay on the "
                f"host")
+
+
+def gpu_here() -> bool:
+    """Whether this machine has an NVIDIA GPU (its driver lists one), without importing torch."""
+    gpus = Path("/proc/driver/nvidia/gpus")
+    return gpus.is_dir() and any(gpus.iterdir())
+
+
+def _seconds(s: float) -> str:
+    """Seconds a reader takes in at a glance: `1.896 s`, `19.07 ms`, `12.6 µs` (never `1.26e-05`)."""
+    for unit, size in (("s", 1.0), ("ms", 1e-3), ("µs", 1e-6)):
+        if s >= size:
+            return f"{s / size:,.4g} {unit}"
+    return f"{s * 1e9:,.3g} ns" if s > 0 else "0 s"
 
 
 def _bytes(n: float) -> str:

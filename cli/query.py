@@ -15,10 +15,12 @@ from typing import Annotated, Any, Optional
 import typer
 
 from cli.common import DbUrl, Json, open_store
-from cli.summary import print_json, screen_summary, table, verdict_table
+from cli.summary import print_json, screen_summary, table, verdict_record, verdict_table
 from core.archive import WORKER_NAME, ArchiveReader
 from core.errors import PackbenchError
 from core.protocol import DTYPE_NAMES, GATE_NAMES, PHASES
+from core.registry import POLICY_NAMES  # condition names default to their policy's
+from core.dispersion import noisy_host
 from core.report import shared_gpu, shared_host
 
 FORMATS = ("table", "json", "csv")
@@ -28,7 +30,8 @@ SORT_NAMES = ("energy_j", "wall_s", "call_s", "h2d_bytes", "d2h_bytes", "peak_al
               "n_tokens", "started_at")
 SORT_HELP = ", ".join(SORT_NAMES)
 
-Format = Annotated[Optional[str], typer.Option("--format", help="Output: table, json or csv.")]
+Format = Annotated[Optional[str], typer.Option("--format", help="Output: table, json or csv.",
+                                               autocompletion=lambda: list(FORMATS))]
 Limit = Annotated[Optional[int], typer.Option("--limit", help="At most this many rows; 0 for all.")]
 ProtocolRef = Annotated[Optional[str], typer.Option("--protocol", help="Protocol name or SHA-256 prefix.")]
 
@@ -54,16 +57,19 @@ def results(
         help="Substring of the model: its directory, or synth:<shape> for a synthetic one.")] = None,
     dtype: Annotated[Optional[str], typer.Option(help=", ".join(DTYPE_NAMES) + ".",
                                                  autocompletion=lambda: list(DTYPE_NAMES))] = None,
-    condition: Annotated[Optional[str], typer.Option(help="Condition name, e.g. packet.")] = None,
+    condition: Annotated[Optional[str], typer.Option(help="Condition name, e.g. packet.",
+                                                     autocompletion=lambda: list(POLICY_NAMES))] = None,
     gate: Annotated[Optional[str], typer.Option(
-        help=f"Only the episodes this gate judged, each once with its verdict: {GATE_HELP}.")] = None,
+        help=f"Only the episodes this gate judged, each once with its verdict: {GATE_HELP}.",
+        autocompletion=lambda: list(GATE_NAMES))] = None,
     phase: Annotated[Optional[str], typer.Option(
         help="With --gate: only its verdict of this phase (all, prefill, decode); without, a gate's phases "
              "fold into one row.", autocompletion=lambda: list(PHASES))] = None,
     passed: Annotated[Optional[bool], typer.Option(
         "--passed/--failed", help="Only episodes whose --gate verdict passed (failed), or whose condition passed "
                                   "(failed) any gate without --gate.")] = None,
-    status: Annotated[Optional[str], typer.Option(help="Episode status: ok or failed.")] = None,
+    status: Annotated[Optional[str], typer.Option(help="Episode status: ok or failed.",
+                                                  autocompletion=lambda: ["ok", "failed"])] = None,
     since: Annotated[Optional[str], typer.Option(help="Attempts started on or after this ISO date/time (UTC).")] = None,
     until: Annotated[Optional[str], typer.Option(
         help="Attempts started before this ISO date/time; a bare date includes that day.")] = None,
@@ -110,7 +116,25 @@ def results(
                "h2d_bytes", "d2h_bytes", "wall_s", "call_s", "peak_allocated_bytes", "energy_j"]
     if gate is not None:
         columns += ["gate", "phase", "passed", "value", "threshold"]
-    _emit([Section(records, columns, empty="no episodes match")], out)
+    empty = "no episodes match"
+    if not records and condition is not None:
+        empty = _unknown_condition(store, condition) or empty
+        if out != "table" and empty != "no episodes match":
+            typer.echo(f"note: {empty}", err=True)  # stdout stays pure JSON / CSV
+    _emit([Section(records, columns, empty=empty)], out)
+
+
+def _unknown_condition(store, condition: str) -> str | None:
+    """When no stored episode has this condition: the line that says so, with the nearest name."""
+    import difflib
+
+    names = store.condition_names()
+    if condition in names:
+        return None
+    near = difflib.get_close_matches(condition, names, n=1, cutoff=0.5)
+    hint = f"; did you mean --condition {near[0]}?" if near else ""
+    return (f"no episodes match: no episode has condition {condition!r}{hint} (conditions: "
+            f"{', '.join(names) or 'none yet'})")
 
 
 def _screen_view(store, ref: str, *, json_out: bool) -> None:
@@ -126,14 +150,21 @@ def _screen_view(store, ref: str, *, json_out: bool) -> None:
     typer.echo(verdict_table(summary["verdicts"]) if summary["verdicts"] else "no verdicts")
     a = summary.get("audit")
     typer.echo("audit: none; run `packbench audit`" if a is None else
-               f"audit: {a['result'].upper()} ({a['kind'] or 'local'} on {a['machine']}"
-               f"{', node ' + a['node'][:12] if a['node'] else ''}, {a['finished_at']}, digest {a['digest'][:16]}"
+               f"audit: {a['result'].upper()} ({a['kind'] or 'local'} on {_host_and_node(a['machine'], a['node'])}"
+               f", {a['finished_at']}, digest {a['digest'][:16]}"
                f"{'' if a['archive_sha256_matches'] else ', of another archive SHA-256'}; {a['audits']} audit(s))")
+
+
+def _host_and_node(host: str, node: str | None) -> str:
+    from service.audit import host_and_node
+
+    return host_and_node(host, node)
 
 
 def screens_list(
     status: Annotated[Optional[str], typer.Option(
-        help="queued, running, done, failed or cancelled.")] = None,
+        help="queued, running, done, failed or cancelled.",
+        autocompletion=lambda: ["queued", "running", "done", "failed", "cancelled"])] = None,
     protocol: ProtocolRef = None,
     limit: Limit = None,
     fmt: Format = None,
@@ -181,8 +212,7 @@ def screens_show(
                          "finished": _when(a.finished_at), "episodes": d.episodes, "failed": d.failed_episodes,
                          "archive": a.archive_path, "archive_sha256": (a.archive_sha256 or "")[:16] or None,
                          "error": a.error})
-        verdicts += [{"attempt": a.number, **dataclasses.asdict(v), "passed": "PASS" if v.passed else "FAIL"}
-                     for v in d.verdicts]
+        verdicts += [{"attempt": a.number, **verdict_record(v)} for v in d.verdicts]
         audits += [{"attempt": a.number, "result": u.result, "digest": u.digest[:16], "kind": u.kind or "local",
                     "machine": u.machine, "node": (u.node or "")[:12] or "-", "finished": _when(u.finished_at),
                     "problems": len(u.problems)} for u in d.audits]
@@ -191,8 +221,7 @@ def screens_show(
     typer.echo("\ntime (s; from each attempt's archive)")
     typer.echo(table(times, list(times[0])))
     typer.echo("\nverdicts")
-    typer.echo(table(verdicts, ["attempt", "gate", "condition", "phase", "passed", "value", "threshold"])
-               if verdicts else "none")
+    typer.echo(verdict_table(verdicts, lead=("attempt",)) if verdicts else "none")
     typer.echo("\naudits")
     typer.echo(table(audits, ["attempt", "result", "digest", "kind", "machine", "node", "finished", "problems"])
                if audits else "none; run `packbench audit`")
@@ -228,6 +257,10 @@ def attempt_time(attempt) -> dict[str, Any]:
     if host["episodes"]:
         note += (f"; host shared with packbench worker pid {', '.join(map(str, sorted(host['workers'])))} "
                  f"in {len(host['episodes'])} of them")
+    noisy = noisy_host(records)
+    if noisy["episodes"]:
+        note += (f"; host busy with other processes (>= {noisy['threshold']:g} core) in "
+                 f"{len(noisy['episodes'])} of them")
     return {**row, "load": None if load is None else round(load, 3), "episodes_wall": round(sum(walls), 3),
             "around_episodes": round(sum(around), 3) if around else None, "note": note}
 
@@ -335,7 +368,8 @@ def compare(
         raise PackbenchError("give two screen ids (or `latest`), or --protocol SHA to compare machines")
     store = open_store(db)
     c = store.compare(screen_a, screen_b)
-    weights = [getattr(store.latest_attempt(side.screen_id), "model_sha256", None) for side in (c.a, c.b)]
+    attempts = [store.latest_attempt(side.screen_id) for side in (c.a, c.b)]
+    weights = [getattr(a, "model_sha256", None) for a in attempts]
     if None not in weights and weights[0] != weights[1]:
         typer.echo(f"warning: screens {c.a.screen_id} and {c.b.screen_id} measured different weights "
                    f"(checkpoint digests {weights[0][:12]} and {weights[1][:12]})", err=True)
@@ -345,17 +379,78 @@ def compare(
                        f"attempt {side.attempt} {side.attempt_status}")
         typer.echo("")
     metrics = [{"condition": m.condition, "metric": m.metric, "A": m.a, "B": m.b, "B/A": m.ratio} for m in c.metrics]
-    verdicts = [{"gate": v.gate, "condition": v.condition, "phase": v.phase, "A": _verdict(v.a_passed, v.a_value),
-                 "B": _verdict(v.b_passed, v.b_value)} for v in c.verdicts]
+    verdicts = [{"gate": v.gate, "condition": v.condition, "phase": v.phase,
+                 "A": _verdict(v.a_passed, v.a_value, v.a_interval_lo, v.a_interval_hi),
+                 "B": _verdict(v.b_passed, v.b_value, v.b_interval_lo, v.b_interval_hi)} for v in c.verdicts]
+    from core.dispersion import compare_spread
     from db.queries import MetricPair, VerdictPair
 
+    spread = compare_spread(*[_scored_walls(store, a) for a in attempts])
+    sharing = [_sharing(a) for a in attempts]
+    for label, side, note in zip("AB", (c.a, c.b), sharing):
+        if note:
+            typer.echo(f"warning: screen {side.screen_id} ({label}) ran on a shared or busy host: {note}; its "
+                       f"times may be inflated", err=True)
+    for r in spread:
+        if r["noise"] == "within noise" and r["mean_ratio"] is not None:
+            typer.echo(f"warning: condition {r['condition']}: wall B/A {r['mean_ratio']:.4g} is within "
+                       f"noise: its 0.95 bootstrap interval [{r['ratio_lo']:.4g}, {r['ratio_hi']:.4g}] holds 1",
+                       err=True)
+    spread_rows = [{"condition": r["condition"], "A n": r["a"]["n"], "A median s": r["a"]["median"],
+                    "A p10-p90 s": _range(r["a"]), "B n": r["b"]["n"], "B median s": r["b"]["median"],
+                    "B p10-p90 s": _range(r["b"]), "B/A": r["mean_ratio"],
+                    "B/A interval": None if r["ratio_lo"] is None else f"[{r['ratio_lo']:.4g}, {r['ratio_hi']:.4g}]",
+                    "noise": r["noise"]} for r in spread]
+    spread_records = [{"condition": r["condition"], **{f"{side}_{k}": r[side][k] for side in "ab" for k in r[side]},
+                       **{k: r[k] for k in ("mean_ratio", "ratio_lo", "ratio_hi", "noise")}} for r in spread]
+    document = {**dataclasses.asdict(c), "spread": spread_records,
+                "shared_host": {"a": sharing[0], "b": sharing[1]}}
     _emit([Section([dataclasses.asdict(m) for m in c.metrics], ["condition", "metric", "A", "B", "B/A"],
                    title="scored episodes per condition (totals over ok episodes; peaks are maxima; energy over "
                          "those with an NVML reading)", rows=metrics, empty="no scored episodes",
                    fields=_field_names(MetricPair)),
+           Section(spread_records, list(spread_rows[0]) if spread_rows else [], rows=spread_rows,
+                   title="episode wall spread per condition (scored ok episodes; B/A of the mean walls and its 0.95 "
+                         "bootstrap interval; within noise when it holds 1)", empty="no scored episodes"),
            Section([dataclasses.asdict(v) for v in c.verdicts], ["gate", "condition", "phase", "A", "B"],
                    title="verdicts", rows=verdicts, fields=_field_names(VerdictPair))],
-          out, document=dataclasses.asdict(c))
+          out, document=document)
+
+
+def _range(s: dict) -> str | None:
+    return None if s["p10"] is None else f"{s['p10']:.4g}-{s['p90']:.4g}"
+
+
+def _scored_walls(store, attempt) -> dict[str, list[float]]:
+    """condition -> wall_s of the attempt's finished scored episodes."""
+    out: dict[str, list[float]] = {}
+    for e in store.episodes(attempt.id) if attempt is not None else []:
+        if e.role == "scored" and e.status == "ok" and e.wall_s is not None:
+            out.setdefault(e.condition, []).append(e.wall_s)
+    return out
+
+
+def _sharing(attempt) -> str | None:
+    """What shared the attempt's host or GPU during its episodes, from its archive (None: nothing
+    seen, or the archive is not readable here)."""
+    try:
+        with ArchiveReader(attempt.archive_path) as archive:
+            records = [archive.read_json(e.record) for e in archive.episodes()]
+    except (OSError, PackbenchError, AttributeError, TypeError):
+        return None
+    notes = []
+    host, gpu = shared_host(records), shared_gpu(records)
+    if host["episodes"]:
+        notes.append(f"packbench worker pid {', '.join(map(str, sorted(host['workers'])))} busy in "
+                     f"{len(host['episodes'])} of {len(records)} episodes")
+    if gpu["episodes"]:
+        notes.append(f"GPU shared with pid {', '.join(map(str, sorted(gpu['processes'])))} in "
+                     f"{len(gpu['episodes'])} of {len(records)} episodes")
+    noisy = noisy_host(records)
+    if noisy["episodes"]:
+        notes.append(f"other processes kept >= {noisy['threshold']:g} core busy in {len(noisy['episodes'])} of "
+                     f"{len(records)} episodes (up to {noisy['worst']:.2g} cores)")
+    return "; ".join(notes) or None
 
 
 def _compare_machines(store, protocol: str, *, out: str) -> None:
@@ -369,11 +464,14 @@ def _compare_machines(store, protocol: str, *, out: str) -> None:
                  **{f"{label} screen {col.screen_id}": (None if cell is None else _verdict(*cell))
                     for label, col, cell in zip(labels, c.columns, r.cells)}, "agree": r.agree} for r in c.rows]
         _emit([Section(rows, list(rows[0]) if rows else ["gate", "condition", "phase", "agree"])], out,
-              document={**dataclasses.asdict(c), "agree": c.agree})
+              document={**dataclasses.asdict(c), "agree": c.agree, "hosts": c.hosts})
     else:
-        typer.echo(f"protocol {c.protocol} ({c.protocol_sha256[:12]}) on {len(c.columns)} machine(s)")
+        hosts = c.hosts
+        typer.echo(f"protocol {c.protocol} ({c.protocol_sha256[:12]}): {len(c.columns)} screen(s) on {len(hosts)} "
+                   f"machine(s) ({', '.join(hosts)})")
         for i, col in enumerate(c.columns):
-            typer.echo(f"  [{i + 1}] screen {col.screen_id} attempt {col.attempt}: {col.machine}, node {col.node[:12]}")
+            typer.echo(f"  [{i + 1}] screen {col.screen_id} attempt {col.attempt}: {col.machine}, "
+                       f"Ray node {col.node[:8]}")
         for line in c.skipped:
             typer.echo(f"  skipped {line}")
         rows = [{"gate": r.gate, "condition": r.condition, "phase": r.phase,
@@ -435,10 +533,12 @@ def _plain(value: Any) -> Any:
     return value
 
 
-def _verdict(passed: bool | None, value: float | None) -> str:
+def _verdict(passed: bool | None, value: float | None, lo: float | None = None, hi: float | None = None) -> str:
+    """`FAIL 0.995228 [0.4496, 2.493]`: the verdict, its value and the interval it was judged on."""
     if passed is None:
         return "-"
-    return ("PASS" if passed else "FAIL") + (f" {value:.6g}" if value is not None else "")
+    interval = f" [{lo:.4g}, {hi:.4g}]" if lo is not None and hi is not None else ""
+    return ("PASS" if passed else "FAIL") + (f" {value:.6g}" if value is not None else "") + interval
 
 
 @dataclasses.dataclass(frozen=True)

@@ -162,7 +162,8 @@ def wall_figure(walls: dict[str, list[tuple[int, float]]], intervals: list[dict]
     right.set_yticks(range(len(shown)), [i["condition"] for i in shown])
     right.set_ylim(-0.7, len(shown) - 0.3)
     control = shown[0]["control"] if shown else ""
-    right.set_xlabel(f"wall / {control} wall (paired; bootstrap interval)")
+    # Two lines: on one, a long control name ran past the panel.
+    right.set_xlabel(f"wall / {control} wall\n(paired; bootstrap interval)")
     right.set_title("runtime ratio: point and interval")
     return to_svg(fig, "wall")
 
@@ -174,12 +175,26 @@ def decode_figure(ms: dict[str, list[float]], conditions: tuple[str, ...]) -> st
     fig, ax = _figure(10, 3.6)
     _strip(ax, [ms[c] for c in conditions], list(conditions))
     for n, c in enumerate(conditions):
-        if ms[c]:
-            ax.annotate(f"median {np.median(ms[c]):.3g}", (n, float(np.max(ms[c]))), textcoords="offset points",
-                        xytext=(0, 4), ha="center", fontsize=7)
-    ax.set_ylabel("decode ms per token")
-    ax.set_ylim(bottom=0, top=ax.get_ylim()[1] * 1.1)
+        if ms[c]:  # beside the box at the median's height: above the top point it read as an outlier's label
+            median = float(np.median(ms[c]))
+            ax.annotate(f"median {median:.3g}", (n + 0.3, median), textcoords="offset points", xytext=(2, 0),
+                        ha="left", va="center", fontsize=7)
+    log = wants_log([v for c in conditions for v in ms[c]])
+    if log:  # one slow call (a cold first decode) would flatten every box on a linear axis
+        ax.set_yscale("log")
+    ax.set_ylabel("decode ms per token" + (" (log scale)" if log else ""))
+    if not log:
+        ax.set_ylim(bottom=0, top=ax.get_ylim()[1] * 1.1)
     return to_svg(fig, "decode")
+
+
+LOG_SPAN = 20.0  # a largest value this many times the median: a linear axis would flatten the rest
+
+
+def wants_log(values: list[float]) -> bool:
+    """A log axis when the largest positive value is LOG_SPAN times the median or more."""
+    v = np.asarray([x for x in values if x > 0], dtype=np.float64)
+    return bool(v.size) and float(v.max()) >= LOG_SPAN * float(np.median(v))
 
 
 def memory_figure(traces: dict[str, list[tuple[int, np.ndarray]]], conditions: tuple[str, ...],
@@ -237,7 +252,9 @@ def union_figure(union: dict | None) -> str | None:
     ax.scatter(t * np.exp(_jitter(len(t), 1) * 0.2), f, s=12, alpha=0.5, color=colour(1), linewidths=0,
                label="calls (mean over layers)", rasterized=len(t) > MAX_VECTOR_POINTS)
     curve = np.array(union["curve"], dtype=np.float64)
-    ax.plot(curve[:, 0], curve[:, 1], "o-", color="black", lw=1.2, label="median per token count")
+    # A line only through three or more measured token counts: two points (prefill and decode)
+    # joined read as a measured curve between them.
+    ax.plot(curve[:, 0], curve[:, 1], union_style(len(curve)), color="black", lw=1.2, label="median per token count")
     one = [y for x, y in union["curve"] if x == 1]
     if one:  # what a union would be if neurons fired independently per token: 1 - (1 - a1)^T
         xs = np.unique(np.geomspace(1, max(2.0, float(t.max())), 50))
@@ -249,6 +266,11 @@ def union_figure(union: dict | None) -> str | None:
     ax.set_title(f"union sparsity ({union['condition']})")
     ax.legend(loc="upper left")
     return to_svg(fig, "union")
+
+
+def union_style(points: int) -> str:
+    """matplotlib format of the union's measured medians: joined only when there are 3 or more."""
+    return "o-" if points >= 3 else "o"
 
 
 def energy_figure(en: dict[str, list[dict]], conditions: tuple[str, ...]) -> str | None:
@@ -295,8 +317,10 @@ def compare_decode_figure(labels: list[str], per_screen: list[dict[str, list[flo
 
 
 def compare_bars_figure(name: str, labels: list[str], values: list[dict[str, float | None]], conditions: list[str],
-                        ylabel: str, scale: float = 1.0) -> str | None:
-    """One bar per (condition, screen): a per-condition figure of several screens."""
+                        ylabel: str, scale: float = 1.0,
+                        ranges: list[dict[str, tuple[float, float] | None]] | None = None) -> str | None:
+    """One bar per (condition, screen): a per-condition figure of several screens. `ranges`
+    (per screen, per condition: (low, high), e.g. p10 and p90) draw as error bars."""
     if not any(v is not None for s in values for v in s.values()):
         return None
     fig, ax = _figure(10, 3.6)
@@ -306,6 +330,12 @@ def compare_bars_figure(name: str, labels: list[str], values: list[dict[str, flo
         xs = [n - 0.4 + width * (s + 0.5) for n in range(len(conditions))]
         ys = [(vals.get(c) or 0) / scale for c in conditions]
         ax.bar(xs, ys, width=width * 0.9, color=colour(s), alpha=0.8, label=label)
+        spans = [(ranges[s].get(c) if ranges else None) for c in conditions]
+        bars = [(x, y, lo / scale, hi / scale) for x, y, r in zip(xs, ys, spans) if r is not None
+                for lo, hi in [r]]
+        if bars:
+            ax.errorbar([b[0] for b in bars], [b[1] for b in bars], fmt="none", ecolor="black", capsize=3, lw=1,
+                        yerr=[[max(b[1] - b[2], 0) for b in bars], [max(b[3] - b[1], 0) for b in bars]])
     ax.set_xticks(range(len(conditions)), conditions)
     ax.set_ylabel(ylabel)
     ax.legend(loc="upper right")

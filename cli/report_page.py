@@ -13,9 +13,11 @@ from importlib import metadata
 from typing import Any, Iterable
 
 from cli import report_figures as figs
+from cli.summary import detail_text
 from cli.report_template import CSS, PAGE
 from core import report as data
 from core.protocol import MIB
+from core.dispersion import noisy_host, spread
 from core.report import ScreenData
 
 PLOT_CAPTIONS = {
@@ -171,7 +173,7 @@ def verdict_section(s: ScreenData) -> str:
     rows = [[v["gate"], v["condition"], v.get("phase", "all"), _passed(v["passed"]),
              f'<td class="num">{esc(data.threshold_text(v, s.protocol))}</td>',
              f'<td class="num">{esc(data.value_text(v))}</td>', f'<td class="num">{esc(data.interval_text(v))}</td>',
-             f'<td class="detail">{esc(v.get("detail"))}</td>'] for v in s.verdicts]
+             f'<td class="detail">{esc(detail_text(v.get("detail")))}</td>'] for v in s.verdicts]
     passed = sum(bool(v["passed"]) for v in s.verdicts)
     head = f'<h2 id="verdicts">Verdicts: {passed} of {len(s.verdicts)} pass</h2>'
     if not rows:
@@ -293,6 +295,37 @@ def screen_page(s: ScreenData, *, audit: AuditStatus) -> str:
     return _page(f"packbench report: {s.label}", lede, body)
 
 
+def _wall_ranges(s: ScreenData) -> dict[str, tuple[float, float] | None]:
+    """condition -> (p10, p90) of the scored episodes' walls (core/dispersion.py)."""
+    out = {}
+    for c, walls in data.wall_per_episode(s).items():
+        sp = spread([w for _, w in walls])
+        out[c] = None if sp["n"] == 0 else (sp["p10"], sp["p90"])
+    return out
+
+
+def _compare_sharing(labels: list[str], screens: list[ScreenData]) -> str:
+    """Whether each screen's host or GPU was shared while its episodes ran (times then may be
+    inflated), in one paragraph above the wall figure."""
+    notes = []
+    for label, s in zip(labels, screens):
+        host, gpu = data.host_sharing(s), data.gpu_sharing(s)
+        if host["episodes"]:
+            notes.append(f"screen {label}'s host was shared with other packbench workers in "
+                         f"{len(host['episodes'])} of {len(s.episodes)} episodes")
+        if gpu["episodes"]:
+            notes.append(f"screen {label}'s GPU was shared with other processes in {len(gpu['episodes'])} of "
+                         f"{len(s.episodes)} episodes")
+        noisy = noisy_host(e.record for e in s.episodes)
+        if noisy["episodes"]:
+            notes.append(f"screen {label}'s host was busy with other processes (>= {noisy['threshold']:g} core) "
+                         f"in {len(noisy['episodes'])} of {len(s.episodes)} episodes")
+    if not notes:
+        return ('<p id="compare-shared">No screen\'s host or GPU was seen shared with another packbench worker or '
+                'GPU process, or its host busy with other processes, while its episodes ran.</p>')
+    return f'<p class="fail" id="compare-shared">{esc("; ".join(notes))}: their walls may be inflated.</p>'
+
+
 def compare_page(screens: list[ScreenData], audits: list[AuditStatus]) -> str:
     labels = [f"{chr(65 + n)}" for n in range(len(screens))]
     agreement = data.verdict_agreement(screens)
@@ -344,11 +377,13 @@ def compare_page(screens: list[ScreenData], audits: list[AuditStatus]) -> str:
                 "compare-h2d", labels, [{c: r["decode_h2d_per_call"] for c, r in summ.items()} for summ in summaries],
                 conditions, "mean H2D MB per decode call", scale=1e6), "no byte counts",
                 caption="Mean host-to-device bytes per decode call per condition, one bar per screen."),
-            '<h2 id="wall">Mean episode wall</h2>',
+            '<h2 id="wall">Mean episode wall</h2>', _compare_sharing(labels, screens),
             _plot("compare-wall", figs.compare_bars_figure(
                 "compare-wall", labels, [{c: r["wall_s_mean"] for c, r in summ.items()} for summ in summaries],
-                conditions, "mean wall s per scored episode"), "no finished episodes",
-                caption="Mean wall seconds of the scored episodes per condition, one bar per screen."),
+                conditions, "mean wall s per scored episode", ranges=[_wall_ranges(s) for s in screens]),
+                "no finished episodes",
+                caption="Mean wall seconds of the scored episodes per condition, one bar per screen; error bars "
+                        "span the 10th to the 90th percentile of those episodes' walls."),
             ])
     body = "".join([
         '<h2 id="screens">Screens</h2>', ident, head, vtable,

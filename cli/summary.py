@@ -1,6 +1,7 @@
 """Machine-readable and table views of a screen, built from the database."""
 
 import json
+import re
 
 
 
@@ -16,8 +17,7 @@ def screen_summary(store, ref: str | int) -> dict:
         return out
     out.update(attempt=attempt.number, archive_path=attempt.archive_path, archive_sha256=attempt.archive_sha256,
                error=attempt.error)
-    out["verdicts"] = [{"gate": v.gate, "condition": v.condition, "phase": v.phase, "passed": v.passed,
-                        "value": v.value, "threshold": v.threshold} for v in store.verdicts(attempt.id)]
+    out["verdicts"] = [verdict_record(v) for v in store.verdicts(attempt.id)]
     audits = store.audits(attempt.id)
     # Whether the screen was audited, where and with what result (the latest audit of this attempt).
     out["audit"] = None if not audits else {
@@ -55,11 +55,75 @@ def _mib(value):
     return None if value is None else f"{value / (1 << 20):.6g} MiB"
 
 
-def verdict_table(verdicts: list[dict]) -> str:
-    rows = [{**v, "passed": "PASS" if v["passed"] else "FAIL",
-             **({"value": _mib(v.get("value")), "threshold": _mib(v.get("threshold"))}
-                if v.get("gate") in ALLOWANCE_GATES else {})} for v in verdicts]
-    return table(rows, ["gate", "condition", "phase", "passed", "value", "threshold"])
+# How each gate compares what it judged with its threshold: capacity passes when the parameters
+# exceed the allowance (the start was CPU-first); every other gate when it stays at or under.
+PASSES_WHEN = {"capacity": ">"}
+
+
+def verdict_record(v) -> dict:
+    """A stored verdict (db VerdictRow) as JSON: what it was judged on included (interval, detail)."""
+    lo, hi = v.interval if v.interval is not None else (None, None)
+    return {"gate": v.gate, "condition": v.condition, "phase": v.phase, "passed": v.passed, "value": v.value,
+            "threshold": v.threshold, "interval_lo": lo, "interval_hi": hi, "detail": v.detail}
+
+
+def _interval(v: dict) -> tuple[float, float] | None:
+    """(lo, hi) of a verdict in either form: the gates' `interval` list or stored interval_lo/hi."""
+    i = v.get("interval")
+    if i:
+        return float(i[0]), float(i[1])
+    if v.get("interval_lo") is not None and v.get("interval_hi") is not None:
+        return float(v["interval_lo"]), float(v["interval_hi"])
+    return None
+
+
+_LONG_FLOAT = re.compile(r"(?<![\w.])\d+\.\d{5,}(?:e[-+]?\d+)?")
+
+
+def detail_text(detail: str | None) -> str:
+    """A verdict's detail for reading: long floats to 4 significant digits (`149.35989795600017 s`
+    -> `149.4 s`) and `1 episodes` as `1 episode`. The stored detail, which audits compare, is
+    never changed."""
+    if not detail:
+        return ""
+    text = _LONG_FLOAT.sub(lambda m: f"{float(m.group()):.4g}", detail)
+    return re.sub(r"(?<![\d.])1 episodes\b", "1 episode", text)
+
+
+def _g(x: float) -> str:
+    return f"{x:.4g}"
+
+
+def decided_by(v: dict) -> str:
+    """What the verdict was decided on, and how it compared: `upper bound 2.493 > 1` for a gate
+    that judges an interval (runtime: the bootstrap interval's upper bound), else `value`."""
+    interval, t = _interval(v), v.get("threshold")
+    if v.get("value") is None:
+        return "fail closed (no value)"
+    if interval is None or t is None:
+        return "value" if v.get("gate") != "useful_latency" else "value and cold start"
+    hi = interval[1]
+    return f"upper bound {_g(hi)} {'<=' if v.get('passed') else '>'} {_g(t)}"
+
+
+def verdict_table(verdicts: list[dict], *, lead: tuple[str, ...] = ()) -> str:
+    """Verdicts with what each was judged on: value, interval (where the gate judges one), the
+    threshold with its comparison, and the bound that decided. A FAIL's detail follows the table."""
+    rows = []
+    for v in verdicts:
+        interval = _interval(v)
+        allowance = v.get("gate") in ALLOWANCE_GATES
+        t = v.get("threshold")
+        threshold = None if t is None else f"{PASSES_WHEN.get(v.get('gate'), '<=')} {_mib(t) if allowance else _g(t)}"
+        rows.append({**v, "passed": "PASS" if v["passed"] else "FAIL",
+                     "value": _mib(v.get("value")) if allowance else v.get("value"),
+                     "interval": None if interval is None else f"[{_g(interval[0])}, {_g(interval[1])}]",
+                     "threshold": threshold, "decided by": decided_by(v)})
+    out = table(rows, [*lead, "gate", "condition", "phase", "passed", "value", "interval", "threshold", "decided by"])
+    why = [f"  {''.join(f'{k} {v[k]} ' for k in lead)}{v['gate']} {v['condition']} {v.get('phase', 'all')}: "
+           f"{detail_text(v['detail'])}" for v in verdicts
+           if not v["passed"] and v.get("detail")]
+    return "\n".join([out, *(["FAIL detail:"] + why if why else [])])
 
 
 def print_json(obj) -> None:

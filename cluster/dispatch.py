@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from core.dispersion import NOISY_CORES, other_cores
 from core.errors import PackbenchError
 from db.errors import DatabaseUnavailable
 from core.protocol import Protocol, expand, is_builtin_resource, resources_fit
@@ -99,6 +100,7 @@ class Active:
     start: dict | None = None  # a `next` screen's load result, kept until it becomes the slot's active
     looked_ahead: bool = False  # its slot tried to claim its next screen (once: an empty queue is not polled)
     host_shared: bool = False  # said once: another dispatcher's or cluster's worker was busy on its host
+    host_busy: bool = False  # said once: other processes kept its host's cores busy during an episode
 
     @property
     def handed_out(self) -> bool:
@@ -538,9 +540,15 @@ class Dispatcher:
         cluster's, or another dispatcher's) was busy on the same host during an episode: it shared
         the host's cores and memory. Every episode's record keeps the list (`host_workers`); the
         report names them."""
+        host = active.slot.env.get("host")
+        cores = other_cores(record)
+        if not active.host_busy and cores is not None and cores >= NOISY_CORES:
+            active.host_busy = True
+            self.progress(f"screen {active.run.screen.id}: host {host} was busy: other processes kept {cores:.2g} "
+                          f"cores busy during episode {record.get('plan_index')} (threshold {NOISY_CORES:g}); its "
+                          f"times may be inflated (each episode records it: host_load)")
         if active.host_shared:
             return
-        host = active.slot.env.get("host")
         mine = {s.env.get("pid") for s in self.slots if s.env.get("host") == host}
         foreign = [p for p in record.get("host_workers") or [] if p[0] not in mine]
         if foreign:

@@ -109,6 +109,7 @@ EPISODE_FIELDS: tuple[Field, ...] = (
     _kept("context_bytes", int, "memory", "context_bytes"),
     _kept("sampler", dict),  # samples, period_s, sampler_overhead_s, scope, other_processes ([pid, bytes] or None)
     _kept("host_workers", list),  # [pid, device] of other packbench workers alive on the host (engine/gpu_lock.py)
+    _kept("host_load", dict),  # other processes' CPU seconds, cores, load average during it (engine/host_load.py)
     _kept("calls", list),  # the per-call ledger (core.metrics)
     _kept("traceback", str),  # failed episodes
     # The worker's time for the plan entry: the policy's activation, the episode and its

@@ -402,6 +402,11 @@ class ScreenSummary:
     failed: int
 
 
+def condition_names(session: Session) -> list[str]:
+    """Every condition name any stored episode has, sorted."""
+    return sorted(session.scalars(select(Episode.condition).distinct()))
+
+
 def find_screen(session: Session, ref: int | str, *, for_update: bool = False) -> Screen:
     """The screen with id `ref` (an int or a string of digits), or 'latest' (highest id);
     `for_update` locks its row (PostgreSQL) for a read-then-write."""
@@ -620,6 +625,13 @@ class VerdictPair:
     a_value: float | None
     b_passed: bool | None
     b_value: float | None
+    # What each was judged on: the interval where the gate judges one (runtime), and its detail.
+    a_interval_lo: float | None = None
+    a_interval_hi: float | None = None
+    a_detail: str | None = None
+    b_interval_lo: float | None = None
+    b_interval_hi: float | None = None
+    b_detail: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -666,11 +678,14 @@ def _totals(session: Session, attempt_id: int) -> dict[str, dict[str, Any]]:
     return out
 
 
-def _verdicts(session: Session, attempt_id: int) -> dict[tuple[str, str, str], tuple[bool, float | None]]:
-    query = select(Verdict.gate, Verdict.condition, Verdict.phase, Verdict.passed, Verdict.value).where(
-        Verdict.attempt_id == attempt_id
-    )
-    return {(g, c, p): (passed, value) for g, c, p, passed, value in session.execute(query)}
+_NO_VERDICT = (None, None, None, None, None)
+
+
+def _verdicts(session: Session, attempt_id: int) -> dict[tuple[str, str, str], tuple]:
+    """(gate, condition, phase) -> (passed, value, interval_lo, interval_hi, detail)."""
+    query = select(Verdict.gate, Verdict.condition, Verdict.phase, Verdict.passed, Verdict.value,
+                   Verdict.interval_lo, Verdict.interval_hi, Verdict.detail).where(Verdict.attempt_id == attempt_id)
+    return {(g, c, p): tuple(rest) for g, c, p, *rest in session.execute(query)}
 
 
 def compare(session: Session, ref_a: int | str, ref_b: int | str) -> Comparison:
@@ -692,10 +707,11 @@ def compare(session: Session, ref_a: int | str, ref_b: int | str) -> Comparison:
     verdicts_a, verdicts_b = _verdicts(session, attempt_a), _verdicts(session, attempt_b)
     verdicts = []
     for key in sorted(set(verdicts_a) | set(verdicts_b)):
-        a_passed, a_value = verdicts_a.get(key, (None, None))
-        b_passed, b_value = verdicts_b.get(key, (None, None))
-        verdicts.append(VerdictPair(*key, a_passed=a_passed, a_value=a_value,
-                                    b_passed=b_passed, b_value=b_value))
+        a_passed, a_value, a_lo, a_hi, a_detail = verdicts_a.get(key, _NO_VERDICT)
+        b_passed, b_value, b_lo, b_hi, b_detail = verdicts_b.get(key, _NO_VERDICT)
+        verdicts.append(VerdictPair(*key, a_passed=a_passed, a_value=a_value, b_passed=b_passed, b_value=b_value,
+                                    a_interval_lo=a_lo, a_interval_hi=a_hi, a_detail=a_detail,
+                                    b_interval_lo=b_lo, b_interval_hi=b_hi, b_detail=b_detail))
     return Comparison(a=side_a, b=side_b, metrics=tuple(metrics), verdicts=tuple(verdicts))
 
 

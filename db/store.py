@@ -1068,6 +1068,11 @@ class Store:
         with self._session() as session:
             return queries.results(session, filters)
 
+    def condition_names(self) -> list[str]:
+        """Every condition name of a stored episode, sorted (what `results --condition` can match)."""
+        with self._session() as session:
+            return queries.condition_names(session)
+
     def list_screens(
         self, *, status: str | None = None, protocol: str | None = None, limit: int | None = None
     ) -> list[ScreenSummary]:

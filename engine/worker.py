@@ -240,14 +240,19 @@ class Worker:
         """One planned episode -> record (see core/gates.py for the fields the gates read).
 
         `host_workers` names the other packbench workers on this host that were busy (loading or
-        running an episode) at some moment of this one: they shared its cores and memory."""
+        running an episode) at some moment of this one: they shared its cores and memory.
+        `host_load` is what any other process took meanwhile (engine/host_load.py)."""
+        from engine.host_load import cpu_snapshot, host_load
+
         started = time.time()
+        before = cpu_snapshot()
         self.presence.busy()
         try:
             record = self._run(entry, prompt)
         finally:
             self.presence.idle()
-        return {**record, "host_workers": self.presence.others(since=started)}
+        return {**record, "host_workers": self.presence.others(since=started),
+                "host_load": host_load(before, cpu_snapshot())}
 
     def _run(self, entry: dict, prompt: list[int]) -> dict:
         assert self.model is not None, "load() first"

@@ -28,10 +28,21 @@ class AuditOutcome:
     recorded: bool  # the audit row reached the database
     record_error: str | None  # why it did not, when it did not
     error: str | None = None
+    host: str | None = None  # the host the audit ran on (its name; `node` may be a Ray node id)
+
+    @property
+    def where(self) -> str:
+        return host_and_node(self.host or self.node, self.node)
 
     @property
     def agrees(self) -> bool:
         return self.report is not None and self.report.agrees
+
+
+def host_and_node(host: str, node: str | None) -> str:
+    """`vm`, or `vm (Ray node 9fd8380a)`: where an audit ran, the host named by its name in
+    every audit line (a Ray node id is added, never put in its place)."""
+    return host if not node or node == host else f"{host} (Ray node {node[:8]})"
 
 
 def verdict_dicts(rows) -> list[dict]:
@@ -60,7 +71,7 @@ def audit_file(path: Path, *, on_ray: bool = False, settings: Settings | None = 
         report = audit_on_cluster(Path(path), settings=settings, **({"max_mib": max_mib} if max_mib else {}))
     else:
         report = audit_archive(Path(path), trust=trust, max_mib=max_mib)
-    return AuditOutcome(report, Path(path), None, None, platform.node(), False, None)
+    return AuditOutcome(report, Path(path), None, None, platform.node(), False, None, host=platform.node())
 
 
 def select_screens(store, refs: list[str], *, all_screens: bool = False, since: datetime | None = None,
@@ -107,27 +118,27 @@ def audit_screens(store, screen_ids: list[int], *, on_ray: bool = False, setting
                         for i, (_, attempt, path, compare) in enumerate(jobs)],
                        settings=settings, concurrency=concurrency, other_node=other_node, repeat=repeat,
                        progress=progress)
-        results = [(jobs[d.job.key], d.report, d.node, d.error) for d in done]
+        results = [(jobs[d.job.key], d.report, d.node, d.host, d.error) for d in done]
         kind = "ray"
     else:
         if repeat > 1:
             raise PackbenchError("--repeat runs audits on distinct nodes; add --ray")
-        results = [(job, audit_archive(job[2], **job[3], **_signed_by(store, job[1])), platform.node(), None)
-                   for job in jobs]
+        results = [(job, audit_archive(job[2], **job[3], **_signed_by(store, job[1])), platform.node(),
+                    platform.node(), None) for job in jobs]
         kind = "local"
     outcomes = []
-    for (screen_id, attempt, path, _), report, node, error in results:
+    for (screen_id, attempt, path, _), report, node, host, error in results:
         if report is None:
-            outcomes.append(AuditOutcome(None, path, screen_id, attempt.number, node, False, None, error))
+            outcomes.append(AuditOutcome(None, path, screen_id, attempt.number, node, False, None, error, host=host))
             continue
-        try:
+        try:  # the machine is the host the audit ran on, as a re-execution records it
             store.put_audit(attempt_id=attempt.id, archive_sha256=report.record["archive_sha256"], digest=report.digest,
-                            result=report.record["result"], problems=report.problems, machine=platform.node(),
+                            result=report.record["result"], problems=report.problems, machine=host,
                             started_at=started, finished_at=datetime.now(timezone.utc), node=node, kind=kind)
         except PackbenchError as e:
-            outcomes.append(AuditOutcome(report, path, screen_id, attempt.number, node, False, str(e)))
+            outcomes.append(AuditOutcome(report, path, screen_id, attempt.number, node, False, str(e), host=host))
             continue
-        outcomes.append(AuditOutcome(report, path, screen_id, attempt.number, node, True, None))
+        outcomes.append(AuditOutcome(report, path, screen_id, attempt.number, node, True, None, host=host))
     return outcomes
 
 
@@ -147,10 +158,17 @@ class ReexecuteOutcome:
     seconds: float
     recorded: bool = False
     record_error: str | None = None
+    timing_problems: tuple[str, ...] = ()  # the problems that are medians out of tolerance, and only those
+    busy_hosts: tuple[str, ...] = ()  # which run's host was busy or shared (the archived, the re-run), and how
 
     @property
     def agrees(self) -> bool:
         return self.record["result"] == "agree"
+
+    @property
+    def exact_agrees(self) -> bool:
+        """Everything but the times agreed: logits, tokens, every byte, the static audit."""
+        return len(self.problems) == len(self.timing_problems)
 
     @property
     def problems(self) -> list[str]:
@@ -222,7 +240,27 @@ def reexecute_archive(path: Path, *, k: int, seed: int = 0, settings: Settings |
                                    problems=problems, accelerator=accelerator, time_factor=time_factor)
     return ReexecuteOutcome(screen_id, path, static, record, rx.record_digest(record),
                             rerun.env.get("node_id") or platform.node(), rerun.env.get("host") or platform.node(),
-                            medians, rerun.seconds)
+                            medians, rerun.seconds, timing_problems=tuple(time_problems),
+                            busy_hosts=_busy_hosts(archived.records.values(), rerun.records.values()))
+
+
+def _busy_hosts(archived, rerun) -> tuple[str, ...]:
+    """Lines naming a busy or shared host: of the archived run, of the re-run (their times then
+    say less about the method)."""
+    from core.dispersion import noisy_host
+    from core.report import shared_host
+
+    out = []
+    for name, records in (("archived run", list(archived)), ("re-run", list(rerun))):
+        records = [r for r in records if isinstance(r, dict)]
+        noisy, shared = noisy_host(records), shared_host(records)
+        if noisy["episodes"]:
+            out.append(f"the {name}'s host was busy with other processes in {len(noisy['episodes'])} of "
+                       f"{len(records)} episodes (up to {noisy['worst']:.2g} cores)")
+        if shared["episodes"]:
+            out.append(f"the {name}'s host was shared with other packbench workers in {len(shared['episodes'])} "
+                       f"of {len(records)} episodes")
+    return tuple(out)
 
 
 def reexecute_screens(store, screen_ids: list[int], *, k: int, seed: int = 0, settings: Settings | None = None,

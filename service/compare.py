@@ -14,8 +14,9 @@ class MachineColumn:
     screen_id: int
     attempt: int
     machine: str  # host / GPU #index
-    node: str
+    node: str  # the Ray node id it ran on (an embedded Ray has a new one per run: not a machine)
     model_sha256: str | None = None  # what it measured (a digest of every checkpoint file)
+    host: str | None = None  # the machine: its host name
 
 
 @dataclass(frozen=True)
@@ -23,7 +24,8 @@ class VerdictRow:
     gate: str
     condition: str
     phase: str
-    cells: tuple[tuple[bool, float | None] | None, ...]  # one per column: (passed, value), None: not judged
+    # One per column: (passed, value, interval_lo, interval_hi), None: not judged.
+    cells: tuple[tuple[bool, float | None, float | None, float | None] | None, ...]
     agree: bool  # every machine that judged it gave the same verdict (and every machine judged it)
 
 
@@ -45,10 +47,16 @@ class MachineComparison:
     def agree(self) -> bool:
         return all(r.agree for r in self.rows)
 
+    @property
+    def hosts(self) -> list[str]:
+        """The distinct machines (host names) the screens ran on, in column order."""
+        return list(dict.fromkeys(c.host or "?" for c in self.columns))
+
 
 def compare_machines(store, protocol: str) -> MachineComparison:
     """Every screen of `protocol` (name or SHA-256 prefix) with a done attempt, side by side:
-    per gate, condition and phase each machine's verdict and value, and whether they agree."""
+    per gate, condition and phase each machine's verdict and value, and whether they agree.
+    Machines are hosts (`MachineComparison.hosts`): three screens on one host are one machine."""
     screens = store.list_screens(protocol=protocol)
     shas = {s.protocol_sha256 for s in screens}
     if not screens:
@@ -65,8 +73,9 @@ def compare_machines(store, protocol: str) -> MachineComparison:
         a = done[-1]
         m = store.machine(a.machine_id) if a.machine_id is not None else None
         where = f"{m.host if m else '?'} / {a.gpu_name} #{a.gpu_index}"
-        columns.append(MachineColumn(s.id, a.number, where, a.node, a.model_sha256))
-        verdicts.append({(v.gate, v.condition, v.phase): (v.passed, v.value) for v in store.verdicts(a.id)})
+        columns.append(MachineColumn(s.id, a.number, where, a.node, a.model_sha256, m.host if m else None))
+        verdicts.append({(v.gate, v.condition, v.phase): (v.passed, v.value, *(v.interval or (None, None)))
+                         for v in store.verdicts(a.id)})
     keys = sorted({k for vs in verdicts for k in vs})
     rows = []
     for k in keys:

@@ -97,8 +97,11 @@ class ScreenRun:
         self.episodes.append({**record, "logits": logits})
         self.timings.append((t0, time.perf_counter() - t0))
         entry = self.entries[record["plan_index"]]
+        wall = record.get("wall_s")
+        took = f", wall {wall:.3f} s" if isinstance(wall, (int, float)) else ""
         self.progress(f"  episode {entry['index']:3d} {entry['condition']:>14} {entry['role']:6} "
-                      f"prompt {entry['prompt']} {record['status']}", screen=self.screen.id, done=len(self.episodes),
+                      f"prompt {entry['prompt']} {record['status']}{took}", screen=self.screen.id,
+                      done=len(self.episodes),
                       total=len(self.entries), condition=entry["condition"])
 
     def finish(self) -> ScreenOutcome:

@@ -121,3 +121,36 @@ def test_reexecution_refuses_what_it_cannot_rerun_with_one_line(world, tmp_path)
         r = cli("audit", "--archive", str(path), "--reexecute", "2", cwd=d, db=world["db"])
         assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, (r.stdout, r.stderr)
         assert fragment in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_a_reexecution_that_disagrees_on_time_alone_says_so_and_names_time_factor():
+    from types import SimpleNamespace
+
+    from cli.main import _reexecution_parts
+
+    slow = "condition packet: median episode wall 0.0259 s re-executed against 0.5233 s archived"
+    timing_only = SimpleNamespace(problems=[slow], timing_problems=(slow,), exact_agrees=True,
+                                  record={"time_factor": 2.0})
+    line = _reexecution_parts(timing_only)
+    assert line.startswith("exact part: logits, tokens and bytes all matched; timing part: 1 condition(s)' median "
+                           "wall outside 2x") and "--time-factor" in line
+    both = SimpleNamespace(problems=["episode 3 (packet): logits are not bit-identical", slow], timing_problems=(slow,),
+                           exact_agrees=False, record={"time_factor": 2.0})
+    assert "1 difference(s) in logits" in _reexecution_parts(both) and "--time-factor" not in _reexecution_parts(both)
+    agree = SimpleNamespace(problems=[], timing_problems=(), exact_agrees=True, record={"time_factor": 2.0})
+    assert _reexecution_parts(agree).endswith("timing part: medians within 2x")
+    busy = SimpleNamespace(**{**vars(timing_only), "busy_hosts": (
+        "the archived run's host was busy with other processes in 6 of 8 episodes (up to 1.4 cores)",)})
+    assert _reexecution_parts(busy).endswith("; the archived run's host was busy with other processes in 6 of 8 "
+                                             "episodes (up to 1.4 cores)")
+
+
+def test_busy_hosts_name_the_run_whose_host_was_busy():
+    from service.audit import _busy_hosts
+
+    busy = {"plan_index": 0, "episode_s": 1.0, "host_load": {"other_cpu_s": 1.4}}
+    quiet = {"plan_index": 1, "episode_s": 1.0, "host_load": {"other_cpu_s": 0.0}, "host_workers": []}
+    assert _busy_hosts([busy, quiet], [quiet]) == (
+        "the archived run's host was busy with other processes in 1 of 2 episodes (up to 1.4 cores)",)
+    assert _busy_hosts([quiet], [{**quiet, "host_workers": [[7, "cpu"]]}]) == (
+        "the re-run's host was shared with other packbench workers in 1 of 1 episodes",)

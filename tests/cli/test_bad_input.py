@@ -115,3 +115,13 @@ def test_debug_adds_the_traceback_and_keeps_the_line_and_the_code(tmp_path, upgr
     debug = cli("--debug", "audit", "--archive", str(tmp_path / "nope.zip"), cwd=tmp_path, db=upgraded)
     assert debug.returncode == 2 and "Traceback (most recent call last)" in debug.stderr
     assert debug.stderr.strip().splitlines()[-1] == plain.stderr.strip()
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (("results", "--foo"), "No such option: --foo"),
+    (("submit",), "Missing argument 'protocol'"),
+    (("results", "--limit", "x"), "Invalid value for '--limit'"),
+])
+def test_usage_errors_are_one_line_with_exit_2(tmp_path, args, fragment):
+    r = cli(*args, cwd=tmp_path, db=tmp_path / "packbench.db")
+    assert_one_line_error(r, fragment, f"see `packbench {args[0]} --help`")

@@ -74,3 +74,26 @@ def test_machines_that_measured_different_weights_are_named(tmp_path):
     assert out.exit_code == 0 and "measured different weights" in out.output and "aaaaaaaaaaaa" in out.output
     data = json.loads(CliRunner().invoke(app, ["compare", "--protocol", "pinned", "--db", url, "--json"]).stdout)
     assert {c["model_sha256"] for c in data["columns"]} == {"a" * 64, "b" * 64}
+
+
+def test_machines_are_counted_by_host_not_by_ray_node(tmp_path):
+    # An embedded Ray gets a new node id per run: three screens on one host are one machine.
+    url = f"sqlite:///{tmp_path / 'pb.db'}"
+    with Store(url) as store:
+        store.upgrade()
+        p = store.put_protocol(sha256="ab" * 32, name="seed-v040", canonical_json="{}")
+        same = [verdict("faithfulness", "packet", True, 0.0)]
+        for node in ("9fd8380a2b396d8f", "64158e22aa", "8523b13ebb"):
+            screened(store, p, host="vm", node=node, verdicts=same)
+    out = CliRunner().invoke(app, ["compare", "--protocol", "abab", "--db", url])
+    assert out.exit_code == 0, out.output
+    assert out.output.splitlines()[0] == "protocol seed-v040 (abababababab): 3 screen(s) on 1 machine(s) (vm)"
+    data = json.loads(CliRunner().invoke(app, ["compare", "--protocol", "abab", "--db", url, "--json"]).output)
+    assert data["hosts"] == ["vm"]
+
+
+def test_an_audit_names_its_host_by_name_and_a_ray_node_beside_it():
+    from service.audit import host_and_node
+
+    assert host_and_node("vm", "vm") == "vm"
+    assert host_and_node("vm", "9fd8380a2b396d8f") == "vm (Ray node 9fd8380a)"

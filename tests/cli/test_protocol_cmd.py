@@ -2,6 +2,7 @@
 estimate behind `plan` (core/estimate.py) checked against real shapes and a real archive."""
 
 import json
+import re
 import subprocess
 import sys
 from importlib import metadata
@@ -95,6 +96,19 @@ def test_plan_lists_the_episodes_in_order_and_what_each_condition_moves():
     assert "parameters 597.5 kB (fit the 1 MiB allowance)" in table.output
 
 
+def test_plan_says_what_a_cpu_screen_is_and_prints_plain_numbers(monkeypatch):
+    from cli import protocol_cmd
+
+    monkeypatch.setattr(protocol_cmd, "gpu_here", lambda: False)
+    out = invoke("protocol", "plan", str(GATES)).output
+    assert "no GPU on this machine: a screen dispatched here runs on the CPU" in out
+    assert "GPU transfer/episode" in out and "of transfer on a GPU at 55 GB/s" in out
+    assert not [n for n in out.split() if "e-0" in n or "e+0" in n], out  # no 1.907e-05
+    assert protocol_cmd._seconds(1.907e-05) == "19.07 µs" and protocol_cmd._seconds(1.896) == "1.896 s"
+    monkeypatch.setattr(protocol_cmd, "gpu_here", lambda: True)
+    assert "no GPU on this machine" not in invoke("protocol", "plan", str(GATES)).output
+
+
 def test_plan_estimate_is_close_to_what_a_real_screen_moved():
     """Against gates-v2.zip (a real CPU screen of that protocol): decode packets within 10 %;
     the prefill union is an upper estimate (independent tokens), never below what was moved."""
@@ -163,6 +177,33 @@ def test_version_and_completion():
     assert "--install-completion" in helptext and "--show-completion" in helptext
     for command in ("report", "protocol"):
         assert command in helptext
+
+
+def complete(line: str) -> list[str]:
+    """What shell completion offers after `line` (typer's zsh protocol, in process)."""
+    r = CliRunner().invoke(app, [], prog_name="packbench",
+                           env={"_PACKBENCH_COMPLETE": "complete_zsh", "_TYPER_COMPLETE_ARGS": line})
+    return re.findall(r'"([^"]+)"', r.output)
+
+
+def test_options_with_a_closed_set_of_values_complete():
+    from core.protocol import GATE_NAMES
+
+    assert complete("packbench results --gate ") == list(GATE_NAMES)
+    assert complete("packbench compare --format ") == ["table", "json", "csv"]
+    assert complete("packbench results --condition ") == list(POLICY_NAMES)
+
+
+def test_validate_and_db_upgrade_take_json(tmp_path):
+    r = invoke("protocol", "validate", str(GATES), "--json")
+    assert r.exit_code == 0, r.output
+    out = json.loads(r.output)
+    assert out["valid"] is True and out["sha256"] == load(GATES).sha256
+    assert out["planned_episodes"] == len(plan(load(GATES).body))
+    r = invoke("db", "upgrade", "--db", f"sqlite:///{tmp_path / 'pb.db'}", "--json")
+    assert r.exit_code == 0, r.output
+    up = json.loads(r.output)
+    assert up["from"] is None and up["revision"] == up["head"]
 
 
 def test_enum_choices_come_from_the_registry():

@@ -274,13 +274,57 @@ def test_compare_shows_energy_and_takes_every_format(db):
     assert energy[("packet", "energy_j_per_token")] == (5.0, 6.0, pytest.approx(1.2))
     assert energy[("dense-stream", "energy_j_per_token")] == (15.0, 20.0, pytest.approx(20 / 15))
     rows = list(csv.DictReader(io.StringIO(invoke(db, "compare", "1", "2", "--format", "csv").stdout)))
-    assert {r["section"] for r in rows} == {"verdicts", next(r["section"] for r in rows if r["metric"])}
+    spread_title = next(r["section"] for r in rows if r["section"].startswith("episode wall spread"))
+    assert {r["section"] for r in rows} == {"verdicts", spread_title, next(r["section"] for r in rows if r["metric"])}
     per_token = [r for r in rows if r["metric"] == "energy_j_per_token" and r["condition"] == "packet"]
     assert [(r["a"], r["b"]) for r in per_token] == [("5.0", "6.0")]
     faith = [r for r in rows if r["gate"] == "faithfulness" and r["condition"] == "packet"]
     assert [(r["a_passed"], r["b_passed"]) for r in faith] == [("True", "False")]
     text = invoke(db, "compare", "1", "2").stdout
     assert "energy_j_per_token" in text and "with an NVML reading" in text
+
+
+def test_an_unknown_condition_gets_the_nearest_name(db):
+    out = invoke(db, "results", "--condition", "pakcet").stdout.strip()
+    assert out == ("no episodes match: no episode has condition 'pakcet'; did you mean --condition packet? "
+                   "(conditions: dense-stream, packet)")
+    as_json = invoke(db, "results", "--condition", "pakcet", "--json")
+    assert json.loads(as_json.stdout) == [] and "did you mean --condition packet?" in as_json.stderr
+
+
+def test_compare_gives_each_conditions_spread_and_flags_a_ratio_within_noise(db):
+    c = json.loads(invoke(db, "compare", "1", "2", "--json").stdout)
+    spread = {r["condition"]: r for r in c["spread"]}
+    # Every wall is 1 s: dense-stream's B/A interval is [1, 1], within noise; screen 2's packet
+    # has one finished scored episode, too few to judge.
+    assert (spread["dense-stream"]["a_n"], spread["dense-stream"]["b_n"]) == (2, 2)
+    assert (spread["dense-stream"]["ratio_lo"], spread["dense-stream"]["ratio_hi"]) == (1.0, 1.0)
+    assert spread["dense-stream"]["noise"] == "within noise" and spread["packet"]["noise"] == "too few episodes"
+    result = invoke(db, "compare", "1", "2")
+    assert "warning: condition dense-stream: wall B/A 1 is within noise" in result.stderr
+    assert "warning: condition packet" not in result.stderr
+
+
+def test_verdicts_carry_their_interval_and_detail(tmp_path):
+    url = f"sqlite:///{tmp_path / 'packbench.db'}"
+    seed(url)
+    runtime = {**verdict("runtime", "packet", False, 0.995228), "threshold": 1.0, "interval": [0.4496, 2.493],
+               "detail": "0.95 bootstrap upper bound 2.493 > 1.0"}
+    with Store(url) as store:
+        store.put_verdicts(store.latest_attempt(1).id, [runtime])
+    summary = json.loads(invoke(tmp_path / "packbench.db", "results", "--screen", "1", "--json").stdout)
+    [v] = [v for v in summary["verdicts"] if v["gate"] == "runtime"]
+    assert (v["interval_lo"], v["interval_hi"], v["detail"]) == (0.4496, 2.493, runtime["detail"])
+    text = invoke(tmp_path / "packbench.db", "results", "--screen", "1").stdout
+    line = next(line for line in text.splitlines() if line.startswith("runtime"))
+    assert line.split() == ["runtime", "packet", "all", "FAIL", "0.995228", "[0.4496,", "2.493]", "<=", "1",
+                            "upper", "bound", "2.493", ">", "1"]
+    assert "  runtime packet all: 0.95 bootstrap upper bound 2.493 > 1.0" in text
+    c = json.loads(invoke(tmp_path / "packbench.db", "compare", "1", "2", "--json").stdout)
+    [pair] = [p for p in c["verdicts"] if p["gate"] == "runtime"]
+    assert (pair["a_interval_lo"], pair["a_interval_hi"], pair["a_detail"], pair["b_passed"]) == (
+        0.4496, 2.493, runtime["detail"], None)
+    assert "FAIL 0.995228 [0.4496, 2.493]" in invoke(tmp_path / "packbench.db", "compare", "1", "2").stdout
 
 
 def test_status_takes_every_format_and_json_is_pure(queue_db):

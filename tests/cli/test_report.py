@@ -394,3 +394,41 @@ def test_a_shared_host_is_named_on_the_page_and_in_screens_show(tmp_path):
 
     attempt = edited_attempt(tmp_path / "host.zip", edit)
     assert attempt_time(attempt)["note"] == "18 episodes; host shared with packbench worker pid 31 in 2 of them"
+
+
+def test_the_comparison_wall_bars_have_error_bars_and_say_whose_host_was_shared(tmp_path):
+    from cli import report_figures as figs
+    from cli.report_page import AuditStatus, _compare_sharing, _wall_ranges, compare_page
+
+    s, t = data.read_screen(DATA / "gates-v2.zip"), data.read_screen(DATA / "gates-v2.zip")
+    ranges = _wall_ranges(s)
+    for c, walls in data.wall_per_episode(s).items():
+        ws = sorted(w for _, w in walls)
+        assert ranges[c][0] >= ws[0] and ranges[c][1] <= ws[-1] and ranges[c][0] <= ranges[c][1]
+    assert "No screen's host or GPU was seen shared" in _compare_sharing(["A", "B"], [s, t])
+    t.episodes[0].record["host_workers"] = [[4242, "cpu"]]
+    note = _compare_sharing(["A", "B"], [s, t])
+    assert 'class="fail"' in note and f"screen B&#x27;s host was shared with other packbench workers in 1 of " \
+                                      f"{len(t.episodes)} episodes" in note
+    page = compare_page([s, t], [AuditStatus(), AuditStatus()])
+    wall = page[page.index('data-plot="compare-wall"'):]
+    assert "error bars span the 10th to the 90th percentile" in wall[:wall.index("</figure>")]
+    with figs.style():
+        bars = [figs.compare_bars_figure("w", ["A"], [{"packet": 0.3}], ["packet"], "s", ranges=r)
+                for r in (None, [{"packet": (0.1, 0.5)}])]
+    assert bars[0] != bars[1] and bars[1].count("<path") > bars[0].count("<path")  # the error bar is drawn
+
+
+def test_figures_read_as_what_was_measured():
+    """A slow outlier puts decode ms/token on a log axis; two measured token counts are not
+    joined as a curve; verdict details are rounded for reading (the stored one is not)."""
+    from cli import report_figures as figs
+    from cli.summary import detail_text
+
+    assert figs.wants_log([1.0, 1.1, 0.9, 1.0, 45.0]) and not figs.wants_log([1.0, 1.1, 0.9, 3.0])
+    with figs.style():
+        svg = figs.decode_figure({"packet": [1.0, 1.1, 0.9, 1.0, 45.0]}, ("packet",))
+    assert "(log scale)" in svg
+    assert (figs.union_style(2), figs.union_style(3)) == ("o", "o-")
+    assert detail_text("first episode 149.35989795600017 s <= 200.0 s; 1 episodes, 11 episodes") == \
+        "first episode 149.4 s <= 200.0 s; 1 episode, 11 episodes"

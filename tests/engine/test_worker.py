@@ -165,7 +165,10 @@ def test_each_episode_records_the_other_packbench_workers_busy_on_the_host(tiny,
     start = worker.load(b, str(tiny))
     entry = plan(b)[0]
     prompt = prompts(b, vocab=start["vocab"])[entry["prompt"]]
-    assert worker.run(entry, prompt)["host_workers"] == []
+    first = worker.run(entry, prompt)
+    assert first["host_workers"] == []
+    # What any other process took meanwhile (engine/host_load.py), from /proc on Linux.
+    assert first["host_load"]["other_cpu_s"] >= 0 and first["host_load"]["cores"] == os.cpu_count()
     neighbour = HostPresence("GPU-neighbour", directory=tmp_path)
     assert worker.presence.others() == [[os.getpid(), "GPU-neighbour"]]  # alive
     assert worker.run(entry, prompt)["host_workers"] == []  # idle all along
