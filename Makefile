@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml | $(BIN)/python
 venv: $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/packbench model synth --shape tiny --dtype float32 --sparsity 0.94 --seed 0 --out $(DEMO_DIR)/models/tiny --force
+	$(BIN)/packbench model synth --shape tiny --dtype float32 --profile opt --seed 0 --out $(DEMO_DIR)/models/tiny --force
 	$(BIN)/packbench db upgrade
 	$(BIN)/packbench submit protocols/quickstart.yaml --wait
 	$(BIN)/packbench audit latest

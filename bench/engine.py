@@ -424,7 +424,8 @@ def main() -> None:
           f"{' ' + torch.cuda.get_device_name(device) if cuda else ''}; torch {torch.__version__}; "
           f"allowance {args.allowance_mib} MiB (largest CUDA context seen {context / MIB:.0f} MiB, charged); "
           f"sampled scope {', '.join(sorted(map(str, scopes)))}")
-    print(f"{args.shape} {args.dtype} sparsity {args.sparsity} hot {args.hot_fraction}@{args.hot_bias}, "
+    made = f"profile {args.profile}" if args.profile else f"sparsity {args.sparsity} hot {args.hot_fraction}@{args.hot_bias}"
+    print(f"{args.shape} {args.dtype} {made}, "
           f"{args.prompts} prompts x {args.prefix} + {args.continuation} tokens, {args.rounds} rounds, alternated\n")
     w = max(15, *(len(name) + 1 for name in policies))
     print(f"{'condition':{w}}{'decode ms':>10}{'p10-p90':>14}{'prefill s':>10}{'H2D/decode':>14}{'H2D/prefill':>15}"

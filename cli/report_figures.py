@@ -18,6 +18,7 @@ import re
 from typing import Any
 
 import numpy as np
+from matplotlib.ticker import MaxNLocator
 
 from core.protocol import MIB
 
@@ -266,6 +267,28 @@ def union_figure(union: dict | None) -> str | None:
     ax.set_title(f"union sparsity ({union['condition']})")
     ax.legend(loc="upper left")
     return to_svg(fig, "union")
+
+
+def workload_figure(w: dict | None) -> str | None:
+    """Each layer's active fraction (decode calls, prefill calls) against the profile's target
+    and real OPT's figures of the same shape and prefix."""
+    if w is None:
+        return None
+    fig, ax = _figure(10, 3.4)
+    for i, (phase, label) in enumerate((("decode", "decode calls"), ("prefill", "prefill calls (union of the prompt)"))):
+        if w[phase]:
+            ax.plot(np.arange(len(w[phase])), w[phase], "o-", ms=3, color=colour(i), label=f"{label}, measured")
+    if w["target"]:
+        ax.plot(np.arange(len(w["target"])), w["target"], "--", color="0.3", label="profile target per token")
+    for k, (label, value) in enumerate(w["anchors"]):  # a whole-model mean: a level, not a layer curve
+        ax.axhline(value, ls=":", color=colour(k + 2), label=f"{label} (mean over layers)")
+    ax.set_yscale("log")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_xlabel("layer")
+    ax.set_ylabel("active fraction of neurons")
+    ax.set_title(f"activity by layer ({w['condition']})")
+    ax.legend(loc="lower right", fontsize=8)
+    return to_svg(fig, "workload")
 
 
 def union_style(points: int) -> str:

@@ -29,6 +29,9 @@ PLOT_CAPTIONS = {
     "memory": "GPU memory sampled by NVML during every episode (warmups included), against the protocol's allowance.",
     "heatmap": "Active outgoing rows per layer over the calls of the scored episodes, in plan order.",
     "union": "Active fraction of neurons (the union over a call's tokens) against the tokens in the call.",
+    "workload": "Each layer's active fraction in decode and prefill calls; dashed, what the synthetic profile "
+                "targets per token; dotted, real OPT's measured mean for this shape and prefix (docs/workloads.md). "
+                "`packbench model stats` gives every figure of a checkpoint.",
     "energy": "GPU energy (NVML counter) per scored episode and per generated token.",
 }
 
@@ -232,6 +235,9 @@ def plots_section(s: ScreenData) -> str:
               "active set is the model's and the prompt's, identical under every exact policy."),
         '<h2 id="union">Union sparsity</h2>',
         _plot("union", figs.union_figure(union), "no observed activity, or the neurons per layer are unknown"),
+        '<h2 id="workload">Activity by layer, against the profile and real OPT</h2>',
+        _plot("workload", figs.workload_figure(data.workload_by_layer(s)),
+              "no condition observed active rows, or the neurons per layer are unknown"),
         '<h2 id="energy">Energy</h2>',
         _plot("energy", figs.energy_figure(data.energy(s), c),
               "no energy readings: " + ("NVML has no GPU to read on a CPU run" if cpu

@@ -139,6 +139,8 @@ def model_label(screen: ScreenData) -> str:
     m = screen.protocol.model
     if m.synth is not None:
         s = m.synth
+        if s.profile is not None:
+            return f"synthetic {s.shape} {s.dtype} (profile {s.profile}, seed {s.seed})"
         hot = f", {s.hot_fraction:g} hot" if s.hot_fraction else ""
         return f"synthetic {s.shape} {s.dtype} (sparsity {s.sparsity:g}, seed {s.seed}{hot})"
     return f"checkpoint {m.path}"
@@ -278,6 +280,39 @@ def union_sparsity(screen: ScreenData) -> dict | None:
         by_tokens.setdefault(t, []).append(f)
     curve = [(t, statistics.median(fs)) for t, fs in sorted(by_tokens.items())]
     return {"condition": c, "neurons": ffn, "points": points, "curve": curve}
+
+
+def workload_by_layer(screen: ScreenData) -> dict | None:
+    """Each layer's active fraction in the scored decode calls and prefill calls of
+    `activity_condition` (the workload's activity, whatever the policy), beside what the
+    checkpoint's profile targets (a synthetic model.synth with a profile) and real OPT's
+    measured figures of the same shape and prefix (core/workloads.py):
+    {condition, decode: [per layer], prefill: [per layer], target: [per layer] | None,
+    anchors: [(label, value)], shape}."""
+    from core.registry import PROFILES
+    from core.workloads import ANCHORS
+
+    c = activity_condition(screen)
+    ffn = neurons_per_layer(screen)
+    if c is None or not ffn:
+        return None
+    sums: dict[str, list[list[float]]] = {"decode": [], "prefill": []}
+    for e in screen.of(c):
+        for call in e.calls:
+            if call["phase"] in sums and all(v is not None for v in call["active_rows"]):
+                sums[call["phase"]].append([v / ffn for v in call["active_rows"]])
+    if not sums["decode"] and not sums["prefill"]:
+        return None
+    by_layer = {phase: np.mean(np.array(rows, dtype=np.float64), axis=0).tolist() if rows else []
+                for phase, rows in sums.items()}
+    synth = screen.protocol.model.synth
+    shape = synth.shape if synth is not None else None
+    target = PROFILES[synth.profile].layer_densities(shape) if synth is not None and synth.profile else None
+    prefix = screen.protocol.prefix_tokens
+    anchors = [(f"real {a.shape}: {a.label}", a.value) for a in ANCHORS
+               if a.shape == shape and a.prefix_tokens == prefix and a.key.split(".")[1] in
+               ("decode_packet_over_dense", "prefill_packet_over_dense")]
+    return {"condition": c, **by_layer, "target": target, "anchors": anchors, "shape": shape}
 
 
 def energy(screen: ScreenData) -> dict[str, list[dict]]:

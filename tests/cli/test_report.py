@@ -26,7 +26,7 @@ DATA = ROOT / "tests" / "data"
 from browser import INSTALL_HINT, check_page, chromium  # tests/cli/browser.py (pytest puts tests/cli on the path)
 
 ray = pytest.mark.ray  # the tests that use the real screen
-ONE_SCREEN_PLOTS = {"h2d", "wall", "decode", "heatmap", "union"}  # + memory, energy where a GPU sampled them
+ONE_SCREEN_PLOTS = {"h2d", "wall", "decode", "heatmap", "union", "workload"}  # + memory, energy where a GPU sampled them
 
 
 def cli(*args: str, cwd: Path, env: dict) -> subprocess.CompletedProcess:
@@ -140,6 +140,10 @@ def test_series_are_derived_from_the_ledger(screen):
     union = data.union_sparsity(s)
     assert [t for t, _ in union["curve"]] == [1, 32]
     assert union["curve"][0][1] < union["curve"][1][1]  # a 32-token union is denser than one token
+    workload = data.workload_by_layer(s)
+    decode = [c["active_rows"] for e in s.of("packet") for c in e.calls if c["phase"] == "decode"]
+    assert workload["decode"] == pytest.approx([sum(r[i] for r in decode) / len(decode) / 256 for i in range(2)])
+    assert workload["target"] is None and workload["anchors"] == []  # model.path: no profile, no shape to match
     interval = data.runtime_intervals(s)[0]
     runtime = next(v for v in s.verdicts if v["gate"] == "runtime")
     assert (interval["source"], interval["value"], interval["interval"]) == ("gate", runtime["value"],
