@@ -106,6 +106,15 @@ class Active:
         return bool(self.entries) and self.submitted >= len(self.entries)
 
 
+def _archive_dir(path: Path) -> None:
+    """Create the archive directory, or say in one line why it cannot be (nothing is claimed)."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise PackbenchError(f"cannot create the archive directory {path} ({e.strerror or type(e).__name__}); "
+                             f"give --archive-dir (PACKBENCH_ARCHIVE_DIR) a writable directory") from None
+
+
 def _show(resources: dict) -> str:
     return "{" + ", ".join(f"{k}: {v:g}" for k, v in sorted(resources.items())) + "}"
 
@@ -160,6 +169,7 @@ class Dispatcher:
             self._reap()  # a dead dispatcher's screens count as queued once their leases expired
             if not self.store.queued_screens():
                 return self.outcomes  # nothing to drain: no Ray is started (seconds, for nothing)
+        _archive_dir(self.settings.archive_dir)  # before a claim: a claimed attempt would fail on it
         self.ray = ensure_ray(self.settings)
         self.id = self.store.register_dispatcher(f"dispatch-{platform.node()}-{os.getpid()}", platform.node(),
                                                  pid=os.getpid())
@@ -436,7 +446,8 @@ class Dispatcher:
         try:
             run.begin(slot.env)
         except PackbenchError as e:  # the archive cannot be written: the attempt fails, never stays running
-            self._end(active, run.fail("failed", str(e)))
+            # bad_input as when the archive fails mid-screen (_guarded): one cause, one exit code.
+            self._end(active, run.fail("failed", str(e), bad_input=True))
             return active
         cache = None if self.settings.model_cache is None else str(self.settings.model_cache)
         # A protocol that judges the cold start gets a cold model; any other reuses a warm one.

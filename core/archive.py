@@ -20,6 +20,7 @@ Pure Python + numpy (see docs/archive.md for the format).
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import functools
 import hashlib
@@ -403,15 +404,20 @@ class ArchiveWriter:
         self._size = 0  # the file's size after our last write
         self._stamp: tuple[int, int, int] | None = None  # (st_dev, st_ino, st_mtime_ns) then
         self._hash = hashlib.sha256()  # of every byte before the central directory
-        self.path.parent.mkdir(parents=True, exist_ok=True)
         flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
         try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
             self._fd = os.open(self.path, flags, 0o666)  # exclusive create: never overwrite, even racing
         except FileExistsError:
+            if not self.path.parent.is_dir():
+                raise ArchiveError(f"could not create archive {self.path}: {self.path.parent} is not a directory; "
+                                   f"write archives to a directory") from None
             raise ArchiveError(
                 f"an archive already exists at {self.path}; results are never overwritten: "
                 f"write this attempt to a new path"
             ) from None
+        except OSError as e:
+            raise ArchiveError(f"could not create archive {self.path} ({e}); check disk space and permissions") from None
         self._closer = weakref.finalize(self, os.close, self._fd)
         try:
             # An empty but valid zip (its end record alone): the attempt exists from the first moment.
@@ -422,7 +428,11 @@ class ArchiveWriter:
             st = os.fstat(self._fd)
             self._size, self._stamp = len(self._tail), (st.st_dev, st.st_ino, st.st_mtime_ns)
         except OSError as e:
-            self._fail(f"{type(e).__name__}: {e}")
+            self._fail(f"{type(e).__name__}: {e}")  # closes it
+            # The file is ours (exclusive create) and holds no zip: removed, so a full disk leaves
+            # no empty archive behind for every later audit to trip on.
+            with contextlib.suppress(OSError):
+                os.unlink(self.path)
             raise ArchiveError(
                 f"could not create archive {self.path} ({e}); check disk space and permissions"
             ) from None
