@@ -187,6 +187,11 @@ def submit(
         raise PackbenchError("--wait runs one screen; queue replicas without --wait and run `packbench dispatch`")
     if spread and replicas < 2:
         raise PackbenchError("--spread places replicas on distinct nodes; give --replicas 2 or more")
+    source = ctx.get_parameter_source("address")
+    if address and not wait and getattr(source, "name", None) == "COMMANDLINE":  # PACKBENCH_RAY_ADDRESS: no word
+        raise PackbenchError(f"--address {address} joins a cluster to run the screen, and without --wait submit only "
+                             f"queues it (nothing was queued); add --wait, or drop --address and run `packbench "
+                             f"dispatch --address {address}`")
     if wait:
         output_dir(settings.archive_dir, "--archive-dir")  # before a screen is queued
     if wait and settings.address:
@@ -366,7 +371,7 @@ def audit(
         _print_audit(o, json_out=json_out, detail=len(outcomes) == 1)
     differ = repeat_disagreements(outcomes)
     for line in differ:
-        typer.echo(f"problem: {line}", err=True)
+        typer.echo(f"problem: {one_line(line)}", err=True)
     unrecorded = [o for o in outcomes if o.record_error is not None]
     for o in unrecorded:
         typer.echo(f"error: the audit of screen {o.screen_id} was not recorded: {o.record_error}", err=True)
@@ -426,7 +431,7 @@ def _reexecute(settings, screens, archive, *, all_screens, since, protocol, k, s
             typer.echo(f"  {name:>16}: median wall {m['reexecuted_s'] * 1e3:9.2f} ms re-executed, "
                        f"{m['archived_s'] * 1e3:9.2f} ms archived")
         for p in o.problems:
-            typer.echo(f"problem: {p}")
+            typer.echo(f"problem: {one_line(p)}")
         typer.echo(f"re-execution audit of {what}: {o.record['result'].upper()} (episodes "
                    f"{', '.join(map(str, o.record['episodes']))}, seed {seed}, on {o.host} "
                    f"{o.record['accelerator'] or 'cpu'}, {o.seconds:.1f} s, digest {o.digest[:16]})")
@@ -478,9 +483,9 @@ def _print_audit(o, *, json_out: bool, detail: bool) -> None:
     if detail:
         typer.echo(verdict_table(report.record["verdicts"]))
         for p in report.problems:
-            typer.echo(f"problem: {p}")
+            typer.echo(f"problem: {one_line(p)}")
     elif report.problems:
-        typer.echo(f"problem: {what}: {report.problems[0]}" + (f" (+{len(report.problems) - 1} more)"
+        typer.echo(f"problem: {what}: {one_line(report.problems[0])}" + (f" (+{len(report.problems) - 1} more)"
                                                               if len(report.problems) > 1 else ""))
     sig = report.record.get("signature")
     if sig is not None and sig["status"] == "valid":

@@ -42,6 +42,7 @@ import numpy as np
 
 from core.canonical import canonical_json, sha256_hex
 from core.errors import ArchiveError
+from core.text import one_line
 
 FORMAT_VERSION = 1
 
@@ -235,15 +236,11 @@ def _show(name: str) -> str:
     return name if name.isprintable() else ascii(name)
 
 
-def _one_line(text: str) -> str:
-    return "".join(ch if ch.isprintable() else ascii(ch)[1:-1] for ch in text)
-
-
 def _distinct(problems: list[Problem]) -> list[Problem]:
     """Problems with one-line messages, the first of each message kept (as verify() always did)."""
     out: dict[str, Problem] = {}
     for p in problems:
-        message = _one_line(p.message)
+        message = one_line(p.message)
         out.setdefault(message, Problem(p.member, p.kind, message))
     return list(out.values())
 
@@ -833,7 +830,7 @@ class ArchiveReader:
         except Exception as e:  # hostile bytes reach zipfile's parser: any failure means "not ours"
             self._raw.close()
             raise ArchiveError(
-                f"{self.path} is not a readable zip archive ({_one_line(str(e))}); "
+                f"{self.path} is not a readable zip archive ({one_line(str(e))}); "
                 f"point at a raw archive written by packbench"
             ) from None
         self._tail_bytes = tail
@@ -852,7 +849,7 @@ class ArchiveReader:
             # Values no writer record can hold (a size past its field, a name past 64 KiB): not our layout.
             self._data_at.clear()
             self._layout = [Problem(None, "layout", f"layout: the zip records hold values the writer never writes "
-                                                    f"({_one_line(str(e))[:200]})")]
+                                                    f"({one_line(str(e))[:200]})")]
         self._load_manifest()
 
     @property
@@ -914,7 +911,7 @@ class ArchiveReader:
             return _canonical_loads(data)
         except (ValueError, UnicodeDecodeError, RecursionError) as e:
             raise ArchiveError(
-                f"member {name} of archive {self.path} is not valid JSON ({_one_line(str(e))[:200]}); "
+                f"member {name} of archive {self.path} is not valid JSON ({one_line(str(e))[:200]}); "
                 f"the archive is damaged: run verify()"
             ) from None
 
@@ -1125,7 +1122,7 @@ class ArchiveReader:
             manifest = _canonical_loads(data)
         except (ValueError, UnicodeDecodeError, RecursionError) as e:
             self._manifest_problem = Problem(
-                MANIFEST_NAME, "manifest", f"unparseable member {MANIFEST_NAME}: {_one_line(str(e))[:200]}")
+                MANIFEST_NAME, "manifest", f"unparseable member {MANIFEST_NAME}: {one_line(str(e))[:200]}")
             return
         why = _manifest_shape_problem(manifest)
         if why is not None:
@@ -1206,7 +1203,7 @@ class ArchiveReader:
             raise
         except Exception as e:  # hostile bytes may trip any parser path: report, never crash
             kind = "zlib.error" if isinstance(e, zlib.error) else type(e).__name__
-            cause = _one_line(f"{kind}: {e}")
+            cause = one_line(f"{kind}: {e}")
             raise _MemberError(
                 name, f"cannot be read ({cause})", "the archive is damaged: run verify()", cause
             ) from None
@@ -1279,9 +1276,9 @@ class ArchiveReader:
                 if inflate.unused_data:
                     raise fail(f"{len(inflate.unused_data)} bytes after the end of its DEFLATE stream")
         except zlib.error as e:
-            raise fail(_one_line(f"zlib.error: {e}")) from None
+            raise fail(one_line(f"zlib.error: {e}")) from None
         except OSError as e:
-            raise fail(_one_line(f"{type(e).__name__}: {e}")) from None
+            raise fail(one_line(f"{type(e).__name__}: {e}")) from None
         if total != info.file_size:
             raise _MemberError(name, f"holds {total} bytes but its zip entry declares {info.file_size}",
                                "the archive is damaged: run verify()")
@@ -1346,7 +1343,7 @@ def _npy_header(first: bytes, size: int, *, dtype: str | None = None, ndim: int 
     try:
         shape, fortran, got = _npy_header_fields(fp)
     except _READ_ERRORS as e:
-        raise _MemberError("", f"is not a .npy array ({_one_line(str(e))[:200]})", "the archive is damaged") from None
+        raise _MemberError("", f"is not a .npy array ({one_line(str(e))[:200]})", "the archive is damaged") from None
     if got.hasobject:
         raise _MemberError("", f"is a pickled object array (dtype {got}), refused",
                            "raw archives hold numeric arrays only; the archive is hostile or damaged")
