@@ -269,6 +269,8 @@ def _dispatch(store, settings: Settings, *, json_out: bool, **options) -> None:
         raise PackbenchError(f"no GPU worker could start: {dispatcher.refusals[0]}{kept}")
     if not outcomes:
         typer.echo("no queued screens", err=json_out)
+        for line in dispatcher.held:
+            typer.echo(one_line(line), err=True)
     # A requeued attempt is settled by the screen's next one, when this dispatcher ran it too.
     failed = [o for i, o in enumerate(outcomes) if o.status != "done" and not (
         o.requeued and any(later.screen_id == o.screen_id for later in outcomes[i + 1:]))]

@@ -310,7 +310,7 @@ def _fake_dispatcher(monkeypatch, outcomes) -> None:
 
     class Fake:
         fatal = stopping = None
-        refusals, slots = [], []
+        refusals, slots, held = [], [], []
 
         def __init__(self, store, settings, *, on_outcome, **options) -> None:
             self.on_outcome = on_outcome
@@ -381,3 +381,42 @@ def test_audit_all_reports_unfinished_attempts_without_failing(tmp_path, db, tin
     assert r.code == 0, (r.out, r.err)
     r = pb(capsys, "audit", "--all", "--json")  # the same, as JSON Lines
     assert [json.loads(line)["result"] for line in r.out.splitlines()] == ["no-archive", "no-archive", "disagree"]
+
+
+def test_dispatch_says_which_screens_a_dead_dispatcher_holds_and_when_they_return(tmp_path, db, tiny, capsys):
+    import platform
+    import subprocess
+
+    from db.store import Store
+    from service.submit import submit
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()  # a pid that is no process now
+    store = Store(db)
+    submit(store, write(tmp_path / "p.yaml", yaml.safe_dump(quickstart(tiny))))
+    dead = store.register_dispatcher(f"dispatch-{platform.node()}-{gone.pid}", platform.node(), pid=gone.pid)
+    store.claim_screen(dead, lease_s=60, archive_dir=str(tmp_path / "archives"), source_freeze={})
+    r = pb(capsys, "dispatch")
+    assert r.code == 0 and r.out.strip() == "no queued screens", (r.out, r.err)
+    (line,) = r.err.strip().splitlines()
+    assert line.startswith(f"screen 1 is held by dispatcher dispatch-{platform.node()}-{gone.pid} (its process "
+                           f"(pid {gone.pid} on this host) is gone): attempt 1's lease expires at "), line
+    assert "(in 60 s)" in line or "(in 59 s)" in line
+    assert "a `packbench dispatch` after that marks the attempt lost and runs the screen again" in line
+
+
+def test_a_silent_dispatcher_on_another_host_is_named_a_live_one_is_not():
+    from datetime import datetime, timedelta, timezone
+    from types import SimpleNamespace
+
+    from cluster.dispatch import held_by_silent
+
+    now = datetime(2026, 12, 1, 12, 0, tzinfo=timezone.utc)
+    running = [SimpleNamespace(screen_id=i, attempt=1, dispatcher=f"d{i}", lease_expires_at=now + timedelta(seconds=40))
+               for i in (1, 2)]
+    dispatchers = [SimpleNamespace(name="d1", host="elsewhere", pid=5, heartbeat_at=now - timedelta(seconds=20)),
+                   SimpleNamespace(name="d2", host="elsewhere", pid=6, heartbeat_at=now - timedelta(seconds=1))]
+    status = SimpleNamespace(now=now, running=running, dispatchers=dispatchers)
+    (line,) = held_by_silent(status, host="here", alive=lambda pid: True)
+    assert line.startswith("screen 1 is held by dispatcher d1 (no heartbeat for 20 s): attempt 1's lease expires "
+                           "at 2026-12-01T12:00:40+00:00 (in 40 s)")
