@@ -13,9 +13,9 @@ import typer
 from cli.common import Address, ArchiveDir, DbUrl, Json, open_store, output_dir
 from cli.summary import screen_summary, verdict_table
 from core.errors import ClusterUnreachable, PackbenchError
-from core.text import one_line
 from core.settings import DEFAULT_CONNECT_TIMEOUT_S, DEFAULT_PLACEMENT_TIMEOUT_S, Settings
 from core.registry import DTYPE_NAMES, SYNTH_SHAPES, SynthArgumentError, synth_spec
+from core.text import one_line
 
 app = typer.Typer(no_args_is_help=True, add_completion=True, pretty_exceptions_enable=False,
                   help=__doc__)
@@ -242,9 +242,11 @@ def _dispatch(store, settings: Settings, *, json_out: bool, **options) -> None:
             typer.echo(json.dumps(summary, default=str, sort_keys=True))
             return
         if outcome.requeued:  # the attempt failed, not the screen: say what happens next
+            kept = (f"partial archive kept: {outcome.archive_path}" if Path(outcome.archive_path).exists()
+                    else "no archive")
             progress.echo(f"attempt {outcome.attempt_number} {outcome.status}: {one_line(outcome.error or '')}; "
-                          f"screen {outcome.screen_id} queued for attempt {outcome.attempt_number + 1} "
-                          f"(partial archive kept: {outcome.archive_path})", err=True)
+                          f"screen {outcome.screen_id} queued for attempt {outcome.attempt_number + 1} ({kept})",
+                          err=True)
             return
         progress.echo(verdict_table(summary["verdicts"]) if summary["verdicts"] else "no verdicts")
         progress.echo(f"screen {outcome.screen_id}: {outcome.status}; archive: {outcome.archive_path}")
