@@ -12,6 +12,7 @@ from typing import Annotated
 import typer
 
 from cli.common import DbUrl, open_store
+from core.errors import PackbenchError
 
 DEFAULT_KEY = Path("~/.config/packbench/signing-key.pem")
 
@@ -29,7 +30,11 @@ def keys_init(
     (--signing-key / PACKBENCH_SIGNING_KEY)."""
     from core.provenance import generate_key, load_public_key
 
-    path, pub, kid = generate_key(key.expanduser())
+    try:
+        path, pub, kid = generate_key(key.expanduser())
+    except OSError as e:
+        raise PackbenchError(f"--key {key}: cannot write the key there ({e.strerror or type(e).__name__}); "
+                             f"choose a --key in a writable directory") from None
     typer.echo(f"wrote signing key {path} (keep it private) and public key {pub}; key id {kid}")
     if not no_db:
         open_store(db).put_signer(key_id=kid, public_key=load_public_key(pub).hex(), name=name, local=True)

@@ -10,11 +10,12 @@ from typing import Annotated, Optional
 
 import typer
 
-from cli.common import Address, ArchiveDir, DbUrl, Json, open_store
+from cli.common import Address, ArchiveDir, DbUrl, Json, open_store, output_dir
 from cli.summary import screen_summary, verdict_table
 from core.errors import ClusterUnreachable, PackbenchError
 from core.settings import DEFAULT_CONNECT_TIMEOUT_S, DEFAULT_PLACEMENT_TIMEOUT_S, Settings
 from core.registry import DEFAULT_PROFILE, DTYPE_NAMES, PROFILES, SYNTH_SHAPES, SynthArgumentError, synth_spec
+from core.text import one_line
 
 app = typer.Typer(no_args_is_help=True, add_completion=True, pretty_exceptions_enable=False,
                   help=__doc__)
@@ -62,12 +63,16 @@ def model_synth(
                           hot_bias=hot_bias, profile=profile)
     except SynthArgumentError as e:
         raise PackbenchError(e.line("--" + e.arg.replace("_", "-"))) from None
+    output_dir(out, "--out")  # before the weights are drawn, which takes minutes for a large shape
     from cli.progress import steps
     from engine.synth import synth_checkpoint
 
     progress = steps(f"synthesising {shape} {dtype}", "layers", after="writing model.safetensors")
     try:
         path = synth_checkpoint(out, **spec, force=force, progress=progress)
+    except OSError as e:  # a full disk while writing model.safetensors, say
+        raise PackbenchError(f"--out {out}: cannot write the checkpoint ({e.strerror or type(e).__name__}); "
+                             f"free space or choose another --out") from None
     finally:
         progress.close()
     recipe = f"profile {profile}" if profile else f"sparsity {sparsity}"
@@ -202,6 +207,13 @@ def submit(
         raise PackbenchError("--wait runs one screen; queue replicas without --wait and run `packbench dispatch`")
     if spread and replicas < 2:
         raise PackbenchError("--spread places replicas on distinct nodes; give --replicas 2 or more")
+    source = ctx.get_parameter_source("address")
+    if address and not wait and getattr(source, "name", None) == "COMMANDLINE":  # PACKBENCH_RAY_ADDRESS: no word
+        raise PackbenchError(f"--address {address} joins a cluster to run the screen, and without --wait submit only "
+                             f"queues it (nothing was queued); add --wait, or drop --address and run `packbench "
+                             f"dispatch --address {address}`")
+    if wait:
+        output_dir(settings.archive_dir, "--archive-dir")  # before a screen is queued
     if wait and settings.address:
         from cluster.runtime import ensure_ray
 
@@ -270,10 +282,18 @@ def _dispatch(store, settings: Settings, *, json_out: bool, keep_queued: bool = 
         if json_out:
             typer.echo(json.dumps(summary, default=str, sort_keys=True))
             return
+        if outcome.requeued:  # the attempt failed, not the screen: say what happens next
+            kept = (f"partial archive kept: {outcome.archive_path}" if Path(outcome.archive_path).exists()
+                    else "no archive")
+            progress.echo(f"attempt {outcome.attempt_number} {outcome.status}: {one_line(outcome.error or '')}; "
+                          f"screen {outcome.screen_id} queued for attempt {outcome.attempt_number + 1} ({kept})",
+                          err=True)
+            return
         progress.echo(verdict_table(summary["verdicts"]) if summary["verdicts"] else "no verdicts")
         progress.echo(f"screen {outcome.screen_id}: {outcome.status}; archive: {outcome.archive_path}")
         if outcome.status != "done":
-            progress.echo(f"error: screen {outcome.screen_id} {outcome.status}: {outcome.error}", err=True)
+            progress.echo(f"error: screen {outcome.screen_id} {outcome.status}: {one_line(outcome.error or '')}",
+                          err=True)
 
     dispatcher = Dispatcher(store, settings, progress=progress, on_outcome=report, **options)
     try:
@@ -294,7 +314,11 @@ def _dispatch(store, settings: Settings, *, json_out: bool, keep_queued: bool = 
         raise PackbenchError(f"no GPU worker could start: {dispatcher.refusals[0]}{kept}")
     if not outcomes:
         typer.echo("no queued screens", err=json_out)
-    failed = [o for o in outcomes if o.status != "done"]
+        for line in dispatcher.held:
+            typer.echo(one_line(line), err=True)
+    # A requeued attempt is settled by the screen's next one, when this dispatcher ran it too.
+    failed = [o for i, o in enumerate(outcomes) if o.status != "done" and not (
+        o.requeued and any(later.screen_id == o.screen_id for later in outcomes[i + 1:]))]
     if failed:
         raise typer.Exit(2 if all(o.bad_input for o in failed) else 1)
     if any(not v.passed for o in outcomes for v in store.verdicts(o.attempt_id)):
@@ -394,13 +418,16 @@ def audit(
         _print_audit(o, json_out=json_out, detail=len(outcomes) == 1)
     differ = repeat_disagreements(outcomes)
     for line in differ:
-        typer.echo(f"problem: {line}", err=True)
+        typer.echo(f"problem: {one_line(line)}", err=True)
     unrecorded = [o for o in outcomes if o.record_error is not None]
     for o in unrecorded:
         typer.echo(f"error: the audit of screen {o.screen_id} was not recorded: {o.record_error}", err=True)
-    if any(o.report is None or o.report.unreadable for o in outcomes):
+    # An attempt that did not finish, with no archive or a consistent partial one, is reported as
+    # such and decides no exit code: a failed screen does not fail every later `audit --all`.
+    judged = [o for o in outcomes if not o.unfinished]
+    if any(o.report is None or o.report.unreadable for o in judged):
         raise typer.Exit(2)
-    if differ or not all(o.agrees for o in outcomes):
+    if differ or not all(o.agrees for o in judged):
         raise typer.Exit(1)
     if unrecorded:
         raise typer.Exit(2)
@@ -454,7 +481,7 @@ def _reexecute(settings, screens, archive, *, all_screens, since, protocol, k, s
             typer.echo(f"  {name:>16}: median wall {m['reexecuted_s'] * 1e3:9.2f} ms re-executed, "
                        f"{m['archived_s'] * 1e3:9.2f} ms archived")
         for p in o.problems:
-            typer.echo(f"problem: {p}")
+            typer.echo(f"problem: {one_line(p)}")
         typer.echo(f"re-execution audit of {what}: {o.record['result'].upper()} ({_reexecution_parts(o)}) (episodes "
                    f"{', '.join(map(str, o.record['episodes']))}, seed {seed}, on {host_and_node(o.host, o.node)} "
                    f"{o.record['accelerator'] or 'cpu'}, {o.seconds:.1f} s, digest {o.digest[:16]})")
@@ -498,21 +525,33 @@ def _utc(text: str | None):
 
 def _print_audit(o, *, json_out: bool, detail: bool) -> None:
     what = f"screen {o.screen_id}" if o.screen_id is not None else str(o.archive_path)
+    if o.no_archive is not None:
+        if json_out:
+            typer.echo(json.dumps({"screen_id": o.screen_id, "attempt": o.attempt_number, "result": "no-archive",
+                                   "archive_path": str(o.archive_path), "reason": o.no_archive}, sort_keys=True))
+        else:
+            typer.echo(f"audit of {what}: NO ARCHIVE ({one_line(o.no_archive)})")
+        return
     if o.report is None:
         typer.echo(f"error: audit of {what}: {o.error}", err=True)
         return
     report = o.report
+    if o.unfinished and not json_out:
+        typer.echo(f"audit of {what}: PARTIAL (attempt {o.attempt_number} {o.attempt_status}: "
+                   f"{report.record['episodes']} of {report.record['planned']} planned episodes archived, each "
+                   f"as the database holds it; digest {report.digest[:16]}, on {o.where})")
+        return
     if json_out:
         typer.echo(json.dumps({"screen_id": o.screen_id, "attempt": o.attempt_number, "archive_path": str(o.archive_path),
-                               "node": o.node, "host": o.host, "digest": report.digest, **report.record},
-                              sort_keys=True, default=str))
+                               "node": o.node, "host": o.host, "digest": report.digest, **report.record,
+                               **({"partial": True} if o.unfinished else {})}, sort_keys=True, default=str))
         return
     if detail:
         typer.echo(verdict_table(report.record["verdicts"]))
         for p in report.problems:
-            typer.echo(f"problem: {p}")
+            typer.echo(f"problem: {one_line(p)}")
     elif report.problems:
-        typer.echo(f"problem: {what}: {report.problems[0]}" + (f" (+{len(report.problems) - 1} more)"
+        typer.echo(f"problem: {what}: {one_line(report.problems[0])}" + (f" (+{len(report.problems) - 1} more)"
                                                               if len(report.problems) > 1 else ""))
     sig = report.record.get("signature")
     if sig is not None and sig["status"] == "valid":

@@ -18,6 +18,7 @@ import typer
 from cli.choices import Shape
 from cli.summary import table
 from core.errors import PackbenchError
+from core.text import one_line
 from core.protocol import Condition, FrozenProtocol, load
 
 ProtocolFile = Annotated[Path, typer.Argument(help="Protocol YAML file.", show_default=False)]
@@ -67,7 +68,7 @@ def validate(
                                "conditions": [{"name": c.name, "policy": c.policy, "params": c.resolved_params}
                                               for c in p.conditions]}, sort_keys=True, default=str))
         return
-    typer.echo(f"valid: {p.name} ({_schema(frozen)}), sha256 {frozen.sha256}, "
+    typer.echo(f"valid: {one_line(p.name)} ({_schema(frozen)}), sha256 {frozen.sha256}, "
                f"{len(p.conditions)} conditions, {len(plan(p))} planned episodes")
     for c in p.conditions:
         typer.echo(f"  {c.name}: {_policy(c)}")
@@ -81,7 +82,7 @@ def show(
     """Print the frozen body (what is hashed and archived) and its SHA-256, after `#` lines
     saying what each condition runs with."""
     frozen = _load(protocol)
-    typer.echo(f"# {frozen.name}: sha256 {frozen.sha256} ({_schema(frozen)})")
+    typer.echo(f"# {one_line(frozen.name)}: sha256 {frozen.sha256} ({_schema(frozen)})")
     for c in frozen.protocol.conditions:
         typer.echo(f"#   {c.name}: {_policy(c)}")
     typer.echo(json.dumps(frozen.protocol.full_dict() if full else frozen.body, indent=2, sort_keys=True))
@@ -90,8 +91,8 @@ def show(
 def _written_recipe(model_dir) -> dict:
     """How a `packbench model synth` checkpoint was made (its config.json's packbench_synth), or {}."""
     try:
-        recipe = json.loads((model_dir / "config.json").read_text()).get("packbench_synth")
-    except (OSError, ValueError, TypeError, AttributeError):
+        recipe = json.loads((model_dir / "config.json").read_bytes()).get("packbench_synth")
+    except (OSError, ValueError, TypeError, AttributeError, RecursionError):
         return {}
     return recipe if isinstance(recipe, dict) else {}
 
@@ -153,7 +154,7 @@ def plan_cmd(
         typer.echo(json.dumps({"protocol": p.name, "sha256": p.sha256, "entries": entries, "estimate": est},
                               indent=2, sort_keys=True))
         return
-    typer.echo(f"{p.name}: sha256 {p.sha256}")
+    typer.echo(f"{one_line(p.name)}: sha256 {p.sha256}")
     typer.echo(f"{len(entries)} episodes in this order, each 1 prefill call of {p.prefix_tokens} tokens + "
                f"{p.continuation_tokens - 1} decode calls")
     typer.echo(table(entries, ["index", "condition", "role", "prompt", "repetition"]))
@@ -211,11 +212,11 @@ def _shape(frozen: FrozenProtocol, named: str | None):
         return ModelShape.of(named or synth.shape)
     config = frozen.model_dir() / "config.json"
     try:
-        c = json.loads(config.read_text())
+        c = json.loads(config.read_bytes())
         return ModelShape(hidden=c["hidden_size"], ffn=c["ffn_dim"], layers=c["num_hidden_layers"],
                           vocab=c.get("vocab_size", 50272), max_positions=c.get("max_position_embeddings", 2048))
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise PackbenchError(f"cannot read the model's shape from {config} ({e}); give --shape (one of "
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:
+        raise PackbenchError(f"cannot read the model's shape from {config} ({one_line(str(e)[:200])}); give --shape (one of "
                              f"{', '.join(s.value for s in Shape)}) or put the checkpoint there") from None
 
 

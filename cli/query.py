@@ -22,6 +22,7 @@ from core.protocol import DTYPE_NAMES, GATE_NAMES, PHASES
 from core.registry import POLICY_NAMES  # condition names default to their policy's
 from core.dispersion import noisy_host
 from core.report import shared_gpu, shared_host
+from core.text import one_line
 
 FORMATS = ("table", "json", "csv")
 GATE_HELP = ", ".join(GATE_NAMES)
@@ -143,8 +144,8 @@ def _screen_view(store, ref: str, *, json_out: bool) -> None:
     if json_out:
         print_json(summary)
         return
-    typer.echo(f"screen {summary['screen_id']} ({summary['protocol']}, {summary['status']}) "
-               f"archive {summary['archive_path']}")
+    typer.echo(one_line(f"screen {summary['screen_id']} ({summary['protocol']}, {summary['status']}) "
+                        f"archive {summary['archive_path']}"))
     typer.echo(table(summary["episodes"], ["index", "condition", "role", "prompt", "status", "h2d_bytes",
                                            "d2h_bytes", "wall_s"]))
     typer.echo(verdict_table(summary["verdicts"]) if summary["verdicts"] else "no verdicts")
@@ -197,10 +198,10 @@ def screens_show(
         print_json(_plain({**dataclasses.asdict(detail), "time": times}))
         return
     s, p = detail.screen, detail.protocol
-    typer.echo(f"screen {s.id}: {p.name} (protocol {p.sha256[:12]}, {p.model or '-'}, {p.dtype or '-'}), "
-               f"{s.status}, submitted by {s.submitter} at {_when(s.created_at)}")
-    typer.echo(f"model dir: {s.model_dir or '-'}; started {_when(s.started_at) or '-'}, "
-               f"finished {_when(s.finished_at) or '-'}")
+    typer.echo(one_line(f"screen {s.id}: {p.name} (protocol {p.sha256[:12]}, {p.model or '-'}, {p.dtype or '-'}), "
+                        f"{s.status}, submitted by {s.submitter} at {_when(s.created_at)}"))
+    typer.echo(one_line(f"model dir: {s.model_dir or '-'}; started {_when(s.started_at) or '-'}, "
+                        f"finished {_when(s.finished_at) or '-'}"))
     if not detail.attempts:
         typer.echo("no attempts yet; run it with `packbench dispatch`")
         return
@@ -375,8 +376,8 @@ def compare(
                    f"(checkpoint digests {weights[0][:12]} and {weights[1][:12]})", err=True)
     if out == "table":
         for label, side in (("A", c.a), ("B", c.b)):
-            typer.echo(f"{label}: screen {side.screen_id} ({side.protocol}, protocol {side.protocol_sha256[:12]}), "
-                       f"attempt {side.attempt} {side.attempt_status}")
+            typer.echo(one_line(f"{label}: screen {side.screen_id} ({side.protocol}, protocol "
+                                f"{side.protocol_sha256[:12]}), attempt {side.attempt} {side.attempt_status}"))
         typer.echo("")
     metrics = [{"condition": m.condition, "metric": m.metric, "A": m.a, "B": m.b, "B/A": m.ratio} for m in c.metrics]
     verdicts = [{"gate": v.gate, "condition": v.condition, "phase": v.phase,
@@ -467,11 +468,11 @@ def _compare_machines(store, protocol: str, *, out: str) -> None:
               document={**dataclasses.asdict(c), "agree": c.agree, "hosts": c.hosts})
     else:
         hosts = c.hosts
-        typer.echo(f"protocol {c.protocol} ({c.protocol_sha256[:12]}): {len(c.columns)} screen(s) on {len(hosts)} "
-                   f"machine(s) ({', '.join(hosts)})")
+        typer.echo(one_line(f"protocol {c.protocol} ({c.protocol_sha256[:12]}): {len(c.columns)} screen(s) on "
+                            f"{len(hosts)} machine(s) ({', '.join(hosts)})"))
         for i, col in enumerate(c.columns):
-            typer.echo(f"  [{i + 1}] screen {col.screen_id} attempt {col.attempt}: {col.machine}, "
-                       f"Ray node {col.node[:8]}")
+            typer.echo(one_line(f"  [{i + 1}] screen {col.screen_id} attempt {col.attempt}: {col.machine}, "
+                                f"Ray node {col.node[:8]}"))
         for line in c.skipped:
             typer.echo(f"  skipped {line}")
         rows = [{"gate": r.gate, "condition": r.condition, "phase": r.phase,

@@ -13,7 +13,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from cli.common import DbUrl, open_store
+from cli.common import DbUrl, open_store, write_output
 from core.errors import PackbenchError
 
 
@@ -41,6 +41,9 @@ def report(
         raise PackbenchError(f"give one screen, or --compare with {len(screens)} of them")
     if out is not None and out.suffix.lower() not in (".html", ".htm"):
         raise PackbenchError(f"--out {out}: write the report to a .html file")
+    if out is not None and not out.parent.is_dir():  # said before the archives are read
+        raise PackbenchError(f"--out {out}: the directory {out.parent} does not exist; create it or choose "
+                             f"another --out")
     loaded = [_load(ref, db) for ref in screens]
     names = [_name(ref, screen) for ref, (screen, _) in zip(screens, loaded)]
     if compare:
@@ -50,7 +53,7 @@ def report(
         page = screen_page(loaded[0][0], audit=loaded[0][1])
         default = f"report-{names[0]}.html"
     path = out or Path(default)
-    path.write_text(page, encoding="utf-8")
+    write_output(path, page, "--out")
     typer.echo(f"wrote {path} ({path.stat().st_size:,} bytes)")
 
 

@@ -3,6 +3,7 @@
 import json
 import re
 
+from core.text import one_line
 
 
 def screen_summary(store, ref: str | int) -> dict:
@@ -36,7 +37,7 @@ def _fmt(value) -> str:
         return "-"
     if isinstance(value, float):
         return f"{value:.6g}"
-    return str(value)
+    return one_line(str(value))  # a name from a protocol or archive may hold a newline or a bidi override
 
 
 def table(rows: list[dict], columns: list[str]) -> str:

@@ -47,15 +47,19 @@ def _audit_here(path: str, data: bytes | None, compare: dict) -> dict:
     where = {"node": ray.get_runtime_context().get_node_id(), "host": platform.node()}
     p = Path(path)
     if p.is_file():
-        return {**where, "record": audit_archive(p, **compare).record, "shipped": False}
+        return {**where, **_report(audit_archive(p, **compare)), "shipped": False}
     if data is None:
         return {**where, "missing": True}
     with tempfile.TemporaryDirectory(prefix="packbench-audit-") as tmp:
         copy = Path(tmp) / p.name
         copy.write_bytes(data)
-        record = audit_archive(copy, **compare).record
+        report = _report(audit_archive(copy, **compare))
     # Problems name no path (the auditor scrubs its own), so the digest equals a local audit's.
-    return {**where, "record": record, "shipped": True}
+    return {**where, **report, "shipped": True}
+
+
+def _report(report: AuditReport) -> dict:
+    return {"record": report.record, "unreadable": report.unreadable, "partial": report.partial}
 
 
 def _read_bytes(path: str) -> bytes:
@@ -141,7 +145,8 @@ def fan_out(jobs: list[AuditJob], *, settings: Settings, concurrency: int = 8, o
             if progress is not None:
                 progress(len(results), total)
             continue
-        results[(i, r)] = AuditDone(job, AuditReport(out["record"]), out["node"], out["host"], out["shipped"])
+        results[(i, r)] = AuditDone(job, AuditReport(out["record"], unreadable=out.get("unreadable", False),
+                                                        partial=out.get("partial", False)), out["node"], out["host"], out["shipped"])
         if progress is not None:
             progress(len(results), total)
     return [results[k] for k in sorted(results)]

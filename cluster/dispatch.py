@@ -108,6 +108,52 @@ class Active:
         return bool(self.entries) and self.submitted >= len(self.entries)
 
 
+SILENT_AFTER_S = 5 * UPKEEP_MAX_S  # a dispatcher heartbeats at least every UPKEEP_MAX_S
+
+
+def held_by_silent(status, *, host: str, alive: Callable[[int], bool]) -> list[str]:
+    """One line per running screen whose dispatcher is gone (its pid on this host is not a
+    process) or silent (no heartbeat for SILENT_AFTER_S): which screen, and when its lease
+    expires and a dispatcher started then requeues it. `status` is a db QueueStatus."""
+    by_name = {d.name: d for d in status.dispatchers}
+    out = []
+    for r in status.running:
+        d = by_name.get(r.dispatcher)
+        if d is None or r.lease_expires_at is None:
+            continue
+        silent_s = (status.now - d.heartbeat_at).total_seconds()
+        if d.host == host and d.pid is not None and not alive(d.pid):
+            why = f"its process (pid {d.pid} on this host) is gone"
+        elif silent_s > SILENT_AFTER_S:
+            why = f"no heartbeat for {silent_s:.0f} s"
+        else:
+            continue
+        left = max(0.0, (r.lease_expires_at - status.now).total_seconds())
+        out.append(f"screen {r.screen_id} is held by dispatcher {d.name} ({why}): attempt {r.attempt}'s lease "
+                   f"expires at {r.lease_expires_at.isoformat(timespec='seconds')} (in {left:.0f} s); a "
+                   f"`packbench dispatch` after that marks the attempt lost and runs the screen again")
+    return out
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # EPERM: a process of another user
+        return True
+    return True
+
+
+def _archive_dir(path: Path) -> None:
+    """Create the archive directory, or say in one line why it cannot be (nothing is claimed)."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise PackbenchError(f"cannot create the archive directory {path} ({e.strerror or type(e).__name__}); "
+                             f"give --archive-dir (PACKBENCH_ARCHIVE_DIR) a writable directory") from None
+
+
 def _show(resources: dict) -> str:
     return "{" + ", ".join(f"{k}: {v:g}" for k, v in sorted(resources.items())) + "}"
 
@@ -144,6 +190,7 @@ class Dispatcher:
         self._dead_on_arrival = 0  # workers that died before ever being ready
         self.stopping: str | None = None  # SIGINT | SIGTERM | database, or set by a caller to stop
         self.fatal: str | None = None  # why the dispatcher had to stop (the database stayed down)
+        self.held: list[str] = []  # with nothing queued: screens that dispatchers gone silent hold (held_by_silent)
         self.done = False
         self.freeze = source_freeze()
         # The deployment's key signs every sealed archive (<archive>.sig, core/provenance.py).
@@ -161,7 +208,11 @@ class Dispatcher:
         if not self.follow and self.only_screen is None:
             self._reap()  # a dead dispatcher's screens count as queued once their leases expired
             if not self.store.queued_screens():
-                return self.outcomes  # nothing to drain: no Ray is started (seconds, for nothing)
+                # Nothing to drain: no Ray is started (seconds, for nothing). Screens a dead
+                # dispatcher still holds are said, with when their leases let them go.
+                self.held = held_by_silent(self.store.queue_status(), host=platform.node(), alive=_pid_alive)
+                return self.outcomes
+        _archive_dir(self.settings.archive_dir)  # before a claim: a claimed attempt would fail on it
         self.ray = ensure_ray(self.settings)
         self.id = self.store.register_dispatcher(f"dispatch-{platform.node()}-{os.getpid()}", platform.node(),
                                                  pid=os.getpid())
@@ -438,7 +489,8 @@ class Dispatcher:
         try:
             run.begin(slot.env)
         except PackbenchError as e:  # the archive cannot be written: the attempt fails, never stays running
-            self._end(active, run.fail("failed", str(e)))
+            # bad_input as when the archive fails mid-screen (_guarded): one cause, one exit code.
+            self._end(active, run.fail("failed", str(e), bad_input=True))
             return active
         cache = None if self.settings.model_cache is None else str(self.settings.model_cache)
         # A protocol that judges the cold start gets a cold model; any other reuses a warm one.

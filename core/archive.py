@@ -20,6 +20,7 @@ Pure Python + numpy (see docs/archive.md for the format).
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import functools
 import hashlib
@@ -41,6 +42,7 @@ import numpy as np
 
 from core.canonical import canonical_json, sha256_hex
 from core.errors import ArchiveError
+from core.text import one_line
 
 FORMAT_VERSION = 1
 
@@ -234,15 +236,11 @@ def _show(name: str) -> str:
     return name if name.isprintable() else ascii(name)
 
 
-def _one_line(text: str) -> str:
-    return "".join(ch if ch.isprintable() else ascii(ch)[1:-1] for ch in text)
-
-
 def _distinct(problems: list[Problem]) -> list[Problem]:
     """Problems with one-line messages, the first of each message kept (as verify() always did)."""
     out: dict[str, Problem] = {}
     for p in problems:
-        message = _one_line(p.message)
+        message = one_line(p.message)
         out.setdefault(message, Problem(p.member, p.kind, message))
     return list(out.values())
 
@@ -403,15 +401,20 @@ class ArchiveWriter:
         self._size = 0  # the file's size after our last write
         self._stamp: tuple[int, int, int] | None = None  # (st_dev, st_ino, st_mtime_ns) then
         self._hash = hashlib.sha256()  # of every byte before the central directory
-        self.path.parent.mkdir(parents=True, exist_ok=True)
         flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
         try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
             self._fd = os.open(self.path, flags, 0o666)  # exclusive create: never overwrite, even racing
         except FileExistsError:
+            if not self.path.parent.is_dir():
+                raise ArchiveError(f"could not create archive {self.path}: {self.path.parent} is not a directory; "
+                                   f"write archives to a directory") from None
             raise ArchiveError(
                 f"an archive already exists at {self.path}; results are never overwritten: "
                 f"write this attempt to a new path"
             ) from None
+        except OSError as e:
+            raise ArchiveError(f"could not create archive {self.path} ({e}); check disk space and permissions") from None
         self._closer = weakref.finalize(self, os.close, self._fd)
         try:
             # An empty but valid zip (its end record alone): the attempt exists from the first moment.
@@ -422,7 +425,11 @@ class ArchiveWriter:
             st = os.fstat(self._fd)
             self._size, self._stamp = len(self._tail), (st.st_dev, st.st_ino, st.st_mtime_ns)
         except OSError as e:
-            self._fail(f"{type(e).__name__}: {e}")
+            self._fail(f"{type(e).__name__}: {e}")  # closes it
+            # The file is ours (exclusive create) and holds no zip: removed, so a full disk leaves
+            # no empty archive behind for every later audit to trip on.
+            with contextlib.suppress(OSError):
+                os.unlink(self.path)
             raise ArchiveError(
                 f"could not create archive {self.path} ({e}); check disk space and permissions"
             ) from None
@@ -823,7 +830,7 @@ class ArchiveReader:
         except Exception as e:  # hostile bytes reach zipfile's parser: any failure means "not ours"
             self._raw.close()
             raise ArchiveError(
-                f"{self.path} is not a readable zip archive ({_one_line(str(e))}); "
+                f"{self.path} is not a readable zip archive ({one_line(str(e))}); "
                 f"point at a raw archive written by packbench"
             ) from None
         self._tail_bytes = tail
@@ -842,7 +849,7 @@ class ArchiveReader:
             # Values no writer record can hold (a size past its field, a name past 64 KiB): not our layout.
             self._data_at.clear()
             self._layout = [Problem(None, "layout", f"layout: the zip records hold values the writer never writes "
-                                                    f"({_one_line(str(e))[:200]})")]
+                                                    f"({one_line(str(e))[:200]})")]
         self._load_manifest()
 
     @property
@@ -904,7 +911,7 @@ class ArchiveReader:
             return _canonical_loads(data)
         except (ValueError, UnicodeDecodeError, RecursionError) as e:
             raise ArchiveError(
-                f"member {name} of archive {self.path} is not valid JSON ({_one_line(str(e))[:200]}); "
+                f"member {name} of archive {self.path} is not valid JSON ({one_line(str(e))[:200]}); "
                 f"the archive is damaged: run verify()"
             ) from None
 
@@ -1115,7 +1122,7 @@ class ArchiveReader:
             manifest = _canonical_loads(data)
         except (ValueError, UnicodeDecodeError, RecursionError) as e:
             self._manifest_problem = Problem(
-                MANIFEST_NAME, "manifest", f"unparseable member {MANIFEST_NAME}: {_one_line(str(e))[:200]}")
+                MANIFEST_NAME, "manifest", f"unparseable member {MANIFEST_NAME}: {one_line(str(e))[:200]}")
             return
         why = _manifest_shape_problem(manifest)
         if why is not None:
@@ -1196,7 +1203,7 @@ class ArchiveReader:
             raise
         except Exception as e:  # hostile bytes may trip any parser path: report, never crash
             kind = "zlib.error" if isinstance(e, zlib.error) else type(e).__name__
-            cause = _one_line(f"{kind}: {e}")
+            cause = one_line(f"{kind}: {e}")
             raise _MemberError(
                 name, f"cannot be read ({cause})", "the archive is damaged: run verify()", cause
             ) from None
@@ -1269,9 +1276,9 @@ class ArchiveReader:
                 if inflate.unused_data:
                     raise fail(f"{len(inflate.unused_data)} bytes after the end of its DEFLATE stream")
         except zlib.error as e:
-            raise fail(_one_line(f"zlib.error: {e}")) from None
+            raise fail(one_line(f"zlib.error: {e}")) from None
         except OSError as e:
-            raise fail(_one_line(f"{type(e).__name__}: {e}")) from None
+            raise fail(one_line(f"{type(e).__name__}: {e}")) from None
         if total != info.file_size:
             raise _MemberError(name, f"holds {total} bytes but its zip entry declares {info.file_size}",
                                "the archive is damaged: run verify()")
@@ -1336,7 +1343,7 @@ def _npy_header(first: bytes, size: int, *, dtype: str | None = None, ndim: int 
     try:
         shape, fortran, got = _npy_header_fields(fp)
     except _READ_ERRORS as e:
-        raise _MemberError("", f"is not a .npy array ({_one_line(str(e))[:200]})", "the archive is damaged") from None
+        raise _MemberError("", f"is not a .npy array ({one_line(str(e))[:200]})", "the archive is damaged") from None
     if got.hasobject:
         raise _MemberError("", f"is a pickled object array (dtype {got}), refused",
                            "raw archives hold numeric arrays only; the archive is hostile or damaged")

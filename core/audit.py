@@ -77,6 +77,9 @@ class AuditReport:
 
     record: dict
     unreadable: bool = False  # the file is not a zip packbench can open (the CLI exits 2)
+    # Incomplete, and every problem says only that: a prefix of the plan whose every member
+    # checks (a failed or interrupted attempt's archive). Not in the record: digests stay as they were.
+    partial: bool = False
 
     @property
     def agrees(self) -> bool:
@@ -245,6 +248,7 @@ class _Audit:
         self.path = path
         self.unreadable = False
         self.problems: list[str] = []
+        self.incomplete_notes = 0  # problems that say only "incomplete" (AuditReport.partial)
         self.record: dict[str, Any] = {
             "audit_version": AUDIT_VERSION, "archive_sha256": sha, "protocol_sha256": None, "complete": False,
             "planned": 0, "episodes": 0, "verdicts": [], "problems": self.problems, "result": "disagree"}
@@ -271,6 +275,7 @@ class _Audit:
         found = reader.verify()
         for p in found:
             self.add(p.message)
+            self.incomplete_notes += p.kind == "incomplete"
         if any(p.kind == "too-large" for p in found):
             return  # over the bounds: nothing is recomputed (the bounds exist to cap this work)
         names = set(reader.names)
@@ -480,6 +485,7 @@ class _Audit:
             self.add("plan.json prompts are not the protocol's prompts")
 
     def note_incomplete(self, recorded: list[int], planned: int) -> None:
+        self.incomplete_notes += 1  # the count below; a gap is a problem of its own
         if recorded != list(range(len(recorded))):
             gaps = sorted(set(range(max(recorded) + 1)) - set(recorded))
             self.add(f"archive incomplete and not a prefix of the plan: episodes {gaps[:10]} are missing "
@@ -523,9 +529,10 @@ def audit_archive(path: Path, *, expected_sha256: str | None = None, db_verdicts
         audit.add(f"cannot audit: {type(e).__name__} while recomputing ({str(e).splitlines()[0][:200] if str(e) else ''}); "
                   f"the archive is hostile or damaged")
     record = audit.record
+    partial = not record["complete"] and not audit.unreadable and len(audit.problems) == audit.incomplete_notes
     record["problems"] = _bounded(record["problems"])
     record["result"] = "agree" if record["complete"] and not record["problems"] else "disagree"
-    return AuditReport(record, unreadable=audit.unreadable)
+    return AuditReport(record, unreadable=audit.unreadable, partial=partial)
 
 
 MAX_PROBLEM_CHARS = 2000  # a problem is one readable line, whatever a hostile record holds

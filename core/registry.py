@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from core.errors import PackbenchError
+from core.text import show
 
 
 @dataclass(frozen=True)
@@ -160,8 +161,7 @@ DEFAULT_PROFILE = "opt"  # what a schema-4 model.synth without profile or sparsi
 
 
 def _show(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
+    return show(value, 60)  # built to 60 characters: a hostile value is never rendered whole
 
 
 class SynthArgumentError(PackbenchError, ValueError):

@@ -473,8 +473,9 @@ class Store:
         error: str | None = None,
         archive_sha256: str | None = None,
         requeue: bool = False,
-    ) -> None:
-        """Close a running attempt as 'done', 'failed', 'interrupted' or 'cancelled'.
+    ) -> str:
+        """Close a running attempt as 'done', 'failed', 'interrupted' or 'cancelled'; return the
+        screen's status after it ('queued' when requeued).
 
         `requeue` (a failed attempt whose cause was not the screen's, e.g. its worker died):
         the screen goes back to the queue while attempts_used < max_attempts (and is failed
@@ -504,11 +505,12 @@ class Store:
             if requeue and status == "failed" and screen.cancel_requested_at is None \
                     and screen.attempts_used < screen.max_attempts:
                 screen.status, screen.finished_at = "queued", None
-                return
+                return screen.status
             if requeue and screen.cancel_requested_at is not None:
                 status = "cancelled"
             screen.status = _SCREEN_STATUS_AFTER[status]
             screen.finished_at = now
+            return screen.status
 
     def attempts(self, screen_id: int) -> list[AttemptRow]:
         """The screen's attempts, by number."""

@@ -13,7 +13,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from core.audit import AuditReport, audit_archive
-from core.errors import PackbenchError
+from core.errors import ArchiveError, PackbenchError
 from core.record import STORED_FIELDS
 from core.settings import Settings
 
@@ -29,6 +29,9 @@ class AuditOutcome:
     record_error: str | None  # why it did not, when it did not
     error: str | None = None
     host: str | None = None  # the host the audit ran on (its name; `node` may be a Ray node id)
+    attempt_status: str | None = None  # the database's word for the audited attempt (done, failed, ...)
+    # An attempt that did not finish and left no archive (or an empty file): nothing to audit.
+    no_archive: str | None = None
 
     @property
     def where(self) -> str:
@@ -37,6 +40,15 @@ class AuditOutcome:
     @property
     def agrees(self) -> bool:
         return self.report is not None and self.report.agrees
+
+    @property
+    def unfinished(self) -> bool:
+        """An attempt that failed, was interrupted, lost or cancelled, whose evidence is all
+        consistent: no archive at all, or a partial one whose every member checks. Reported as
+        such; it is what the attempt left, not a disagreement."""
+        if self.attempt_status in (None, "done", "running"):
+            return False
+        return self.no_archive is not None or (self.report is not None and self.report.partial)
 
 
 def host_and_node(host: str, node: str | None) -> str:
@@ -101,16 +113,21 @@ def audit_screens(store, screen_ids: list[int], *, on_ray: bool = False, setting
     when the cluster has several nodes), each `repeat` times on distinct nodes.
     """
     settings = settings or Settings()
-    jobs, started = [], datetime.now(timezone.utc)
+    jobs, started, early = [], datetime.now(timezone.utc), []
     for screen_id in screen_ids:
         attempt = store.latest_attempt(screen_id)
         if attempt is None:
             raise PackbenchError(f"screen {screen_id} has not run yet; run `packbench dispatch` first")
+        path = Path(archive or attempt.archive_path)
+        if _unfinished(attempt) and path.is_file() and path.stat().st_size == 0:  # a full disk's first write
+            early.append(AuditOutcome(None, path, screen_id, attempt.number, platform.node(), False, None,
+                                      attempt_status=attempt.status, no_archive=_left(attempt, "an empty archive file")))
+            continue
         compare = dict(expected_sha256=attempt.archive_sha256, db_verdicts=verdict_dicts(store.verdicts(attempt.id)),
                        db_episodes=episode_dicts(store.episodes(attempt.id)))
         if max_mib is not None:
             compare["max_mib"] = max_mib
-        jobs.append((screen_id, attempt, Path(archive or attempt.archive_path), compare))
+        jobs.append((screen_id, attempt, path, compare))
     if on_ray:
         from cluster.audit import AuditJob, fan_out
 
@@ -123,23 +140,47 @@ def audit_screens(store, screen_ids: list[int], *, on_ray: bool = False, setting
     else:
         if repeat > 1:
             raise PackbenchError("--repeat runs audits on distinct nodes; add --ray")
-        results = [(job, audit_archive(job[2], **job[3], **_signed_by(store, job[1])), platform.node(),
-                    platform.node(), None) for job in jobs]
+        results = [(job, *_audit_local(job, store)) for job in jobs]
         kind = "local"
     outcomes = []
     for (screen_id, attempt, path, _), report, node, host, error in results:
-        if report is None:
-            outcomes.append(AuditOutcome(None, path, screen_id, attempt.number, node, False, None, error, host=host))
+        if report is None:  # no file here (or on any node)
+            outcomes.append(AuditOutcome(None, path, screen_id, attempt.number, node, False, None, error, host=host,
+                                         attempt_status=attempt.status,
+                                         no_archive=_left(attempt, f"no archive at {path}") if _unfinished(attempt)
+                                         else None))
             continue
         try:  # the machine is the host the audit ran on, as a re-execution records it
             store.put_audit(attempt_id=attempt.id, archive_sha256=report.record["archive_sha256"], digest=report.digest,
                             result=report.record["result"], problems=report.problems, machine=host,
                             started_at=started, finished_at=datetime.now(timezone.utc), node=node, kind=kind)
         except PackbenchError as e:
-            outcomes.append(AuditOutcome(report, path, screen_id, attempt.number, node, False, str(e), host=host))
+            outcomes.append(AuditOutcome(report, path, screen_id, attempt.number, node, False, str(e), host=host,
+                                         attempt_status=attempt.status))
             continue
-        outcomes.append(AuditOutcome(report, path, screen_id, attempt.number, node, True, None, host=host))
-    return outcomes
+        outcomes.append(AuditOutcome(report, path, screen_id, attempt.number, node, True, None, host=host,
+                                     attempt_status=attempt.status))
+    order = {screen_id: i for i, screen_id in enumerate(screen_ids)}
+    return sorted(early + outcomes, key=lambda o: order[o.screen_id])
+
+
+def _unfinished(attempt) -> bool:
+    return attempt.status not in ("done", "running")
+
+
+def _left(attempt, what: str) -> str:
+    """`attempt 1 failed and left no archive at X (its error)`: why there is nothing to audit."""
+    return f"attempt {attempt.number} {attempt.status} and left {what}" + (f" ({attempt.error})" if attempt.error else "")
+
+
+def _audit_local(job, store) -> tuple[AuditReport | None, str, str, str | None]:
+    """(report, node, host, error) of one job here; an archive missing here is this job's error, not
+    the end of every other audit."""
+    _, attempt, path, compare = job
+    try:
+        return audit_archive(path, **compare, **_signed_by(store, attempt)), platform.node(), platform.node(), None
+    except ArchiveError as e:
+        return None, platform.node(), platform.node(), str(e)
 
 
 @dataclass(frozen=True)

@@ -36,6 +36,13 @@ class ScreenOutcome:
     status: str  # done | failed | interrupted | lost | cancelled
     error: str | None
     bad_input: bool = False  # failed on input the user can correct (a broken checkpoint): exit 2
+    attempt_number: int | None = None
+    screen_status: str | None = None  # the screen's after this attempt: `queued` when it runs again
+
+    @property
+    def requeued(self) -> bool:
+        """The attempt ended but the screen did not: it is queued for its next attempt."""
+        return self.status != "done" and self.screen_status == "queued"
 
 
 class ScreenRun:
@@ -124,16 +131,18 @@ class ScreenRun:
         self.store.put_verdicts(self.attempt.id, verdicts)
         self.store.finish_attempt(self.attempt.id, status="done", archive_sha256=sha)
         log.info("screen %s attempt %s done: %s", self.screen.id, self.attempt.number, self.archive_path)
-        return ScreenOutcome(self.screen.id, self.attempt.id, self.archive_path, sha, "done", None)
+        return ScreenOutcome(self.screen.id, self.attempt.id, self.archive_path, sha, "done", None,
+                             attempt_number=self.attempt.number, screen_status="done")
 
     def fail(self, status: str, error: str, *, requeue: bool = False, bad_input: bool = False) -> ScreenOutcome:
         """End the attempt without verdicts; its partial archive stays on disk as evidence.
 
         `requeue`: the cause was not the screen's (its worker died): the screen goes back to
         the queue while it has attempts left (Store.finish_attempt)."""
-        self.store.finish_attempt(self.attempt.id, status=status, error=error, requeue=requeue)
+        after = self.store.finish_attempt(self.attempt.id, status=status, error=error, requeue=requeue)
         log.info("screen %s attempt %s %s: %s", self.screen.id, self.attempt.number, status, error)
-        return ScreenOutcome(self.screen.id, self.attempt.id, self.archive_path, None, status, error, bad_input)
+        return ScreenOutcome(self.screen.id, self.attempt.id, self.archive_path, None, status, error, bad_input,
+                             attempt_number=self.attempt.number, screen_status=after)
 
 
 def cause_of(e: BaseException) -> str:

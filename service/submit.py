@@ -50,8 +50,9 @@ def submit(store, path: Path, *, priority: int = 0, max_attempts: int = 3, gpu_t
     protocol = frozen.protocol
     model_dir = frozen.model_dir()
     prompt_file = frozen.prompt_file()
+    vocab = vocab_size(frozen)  # a broken config.json is the checkpoint's error (CheckpointError), not the prompts'
     try:
-        screen_prompts(protocol, vocab=vocab_size(frozen), model_dir=model_dir, prompt_file=prompt_file)
+        screen_prompts(protocol, vocab=vocab, model_dir=model_dir, prompt_file=prompt_file)
     except ValueError as e:
         raise ProtocolError(f"protocol field `prompts`: {e}") from None
     protocol_id = store.put_protocol(sha256=frozen.sha256, name=frozen.name, canonical_json=frozen.canonical.decode())

@@ -9,10 +9,11 @@ import math
 from typing import Any
 
 from core.errors import ProtocolError
+from core.text import one_line, show
 
 
 def _fail(path: str, message: str) -> None:
-    raise ProtocolError(f"protocol field `{path}`: {message}")
+    raise ProtocolError(one_line(f"protocol field `{path}`: {message}"))  # a key may hold a newline
 
 
 def _join(path: str, key: str) -> str:
@@ -25,7 +26,9 @@ def _mapping(value: Any, path: str, *, allowed: dict[str, bool]) -> dict:
         _fail(path, f"expected a mapping, got {_show(value)}")
     for key in value:
         if key not in allowed:
-            _fail(_join(path, str(key)), f"unknown field; allowed fields are {', '.join(sorted(allowed))}")
+            name = key if isinstance(key, str) and len(key) <= 60 else _show(key)
+            _fail(_join(path, name), f"unknown field; allowed fields are {', '.join(sorted(allowed))}" if allowed
+                  else f"unknown field; `{path}` takes none (write `{path.rpartition('.')[2]}: {{}}`)")
     for key, required in allowed.items():
         if required and key not in value:
             _fail(_join(path, key), "is required")
@@ -38,8 +41,7 @@ def _optional_mapping(value: Any, path: str, *, allowed: dict[str, bool]) -> dic
 
 
 def _show(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
+    return show(value, 60)  # built to 60 characters: a hostile value is never rendered whole
 
 
 def _int(value: Any, path: str, *, minimum: int, maximum: int | None = None) -> int:

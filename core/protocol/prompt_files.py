@@ -34,6 +34,9 @@ def read_prompt_file(kind: str, path: Path, *, field: str) -> tuple[bytes, list]
     if kind == "token_file":
         try:
             ids = json.loads(data.decode("utf-8"))
+        except RecursionError:
+            raise ProtocolError(f"protocol field `{field}`: {path} nests its lists too deeply; "
+                                f"write a list of token-id lists") from None
         except (UnicodeDecodeError, ValueError) as e:
             raise ProtocolError(f"protocol field `{field}`: {path} is not JSON ({e}); "
                                 f"write a list of token-id lists") from None

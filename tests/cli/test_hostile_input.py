@@ -1,0 +1,422 @@
+"""Hostile input: every case a one-line error naming the cause and the limit or fix, exit 2, no
+traceback, nothing queued or lost; names from a protocol printed escaped.
+
+Commands run in this process through the console entry point (`cli.main.main`), so a case
+costs milliseconds, and an uncaught exception fails the test with its traceback.
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@dataclass
+class Result:
+    code: int
+    out: str
+    err: str
+
+
+def pb(capsys, *args: str) -> Result:
+    from cli.main import main
+
+    argv, sys.argv = sys.argv, ["packbench", *args]
+    try:
+        main()
+        code = 0
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    finally:
+        sys.argv = argv
+    captured = capsys.readouterr()
+    return Result(code, captured.out, captured.err)
+
+
+def one_line_error(r: Result, *fragments: str) -> str:
+    assert r.code == 2, (r.code, r.out, r.err)
+    lines = r.err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), r.err
+    for f in fragments:
+        assert f in lines[0], lines[0]
+    return lines[0]
+
+
+@pytest.fixture()
+def db(tmp_path, monkeypatch) -> str:
+    url = f"sqlite:///{tmp_path / 'pb.db'}"
+    monkeypatch.setenv("PACKBENCH_DB_URL", url)
+    monkeypatch.chdir(tmp_path)
+    from db.store import Store
+
+    with Store(url) as store:
+        store.upgrade()
+    return url
+
+
+def queued(url: str) -> list:
+    from db.store import Store
+
+    with Store(url) as store:
+        return store.list_screens()
+
+
+def quickstart(tiny: Path, **changes) -> dict:
+    body = yaml.safe_load((ROOT / "protocols" / "quickstart.yaml").read_text())
+    body["model"]["path"] = str(tiny)
+    body.update(changes)
+    return body
+
+
+def write(path: Path, text: str | bytes) -> Path:
+    path.write_bytes(text if isinstance(text, bytes) else text.encode())
+    return path
+
+
+# ----------------------------------------------------------------------------- the protocol reader
+
+
+@pytest.mark.parametrize("command", ["submit", "validate"])
+def test_a_protocol_that_is_not_utf8_is_one_line(tmp_path, db, tiny, capsys, command):
+    p = write(tmp_path / "p.yaml", b"name: q\xff\xfe\n" + yaml.safe_dump(quickstart(tiny)).encode())
+    args = ["submit", str(p)] if command == "submit" else ["protocol", "validate", str(p)]
+    one_line_error(pb(capsys, *args), "is not UTF-8 text", "byte 0xff at offset 7", "save it as UTF-8")
+    assert queued(db) == []
+
+
+def test_an_integer_of_5001_digits_names_the_digit_limit(tmp_path, db, tiny, capsys):
+    text = yaml.safe_dump(quickstart(tiny, allowance_mib=4800)).replace("4800", "9" * 5001)
+    r = pb(capsys, "submit", str(write(tmp_path / "p.yaml", text)))
+    one_line_error(r, "5001 characters", "at most 100 digits")
+    assert queued(db) == []
+
+
+def test_a_list_nested_5000_deep_names_the_depth_limit(tmp_path, db, tiny, capsys):
+    text = yaml.safe_dump(quickstart(tiny)) + "extra: " + "[" * 5000 + "]" * 5000 + "\n"
+    r = pb(capsys, "protocol", "validate", str(write(tmp_path / "p.yaml", text)))
+    one_line_error(r, "nest deeper than 32 levels, the limit")
+
+
+def _alias_bomb(levels: int, width: int) -> str:
+    """A flow list of anchors, each `width` aliases of the previous: width**levels values."""
+    anchors, prev = ["&a0 [" + ", ".join(["x"] * width) + "]"], "a0"
+    for i in range(1, levels):
+        anchors.append(f"&a{i} [" + ", ".join([f"*{prev}"] * width) + "]")
+        prev = f"a{i}"
+    return "[" + ", ".join(anchors) + "]"
+
+
+def test_an_alias_bomb_under_gates_resources_is_refused_fast_and_small(tmp_path, db, tiny, capsys):
+    """9**9 values from ~1 KB: refused by the reader's expansion limit, not expanded by a message."""
+    text = yaml.safe_dump(quickstart(tiny)).replace("gates:\n", f"gates:\n  resources: {_alias_bomb(9, 9)}\n")
+    assert len(text) < 2000
+    rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    t0 = time.monotonic()
+    r = pb(capsys, "submit", str(write(tmp_path / "p.yaml", text)))
+    assert time.monotonic() - t0 < 5
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss0 < 100_000  # KiB: no expansion
+    one_line_error(r, "expands to more than 4194304 values, the limit", "aliases")
+    assert queued(db) == []
+
+
+def test_an_alias_bomb_below_the_limit_is_shown_cut_not_rendered(tmp_path, db, tiny, capsys):
+    """8**7 = 2M values pass the reader; the message shows 60 characters of them."""
+    text = yaml.safe_dump(quickstart(tiny)).replace("gates:\n", f"gates:\n  resources: {_alias_bomb(7, 8)}\n")
+    t0 = time.monotonic()
+    line = one_line_error(pb(capsys, "submit", str(write(tmp_path / "p.yaml", text))),
+                          "`gates.resources`: expected a mapping, got [[")
+    assert time.monotonic() - t0 < 5 and len(line) < 200
+
+
+def test_values_shown_in_messages_are_bounded():
+    from core.protocol.fields import _show
+    from core.registry import _show as registry_show
+
+    a: list = ["x"] * 9
+    for _ in range(9):
+        a = [a] * 9  # 9**10 leaves, shared
+    for show in (_show, registry_show):
+        t0 = time.monotonic()
+        assert len(show(a)) == 60 and show(a).endswith("...")
+        assert "5001 digits" in show(10 ** 5000)  # repr() itself refuses past 4300 digits
+        assert show("\u202e\n") == repr("\u202e\n")
+        assert time.monotonic() - t0 < 0.1
+
+
+def test_a_protocol_over_the_size_limit_names_it(tmp_path, db, monkeypatch, capsys):
+    import importlib
+
+    monkeypatch.setattr(importlib.import_module("core.protocol.freeze"), "MAX_PROTOCOL_BYTES", 1 << 20)
+    p = write(tmp_path / "p.yaml", "name: q\n" + "#" * (1 << 20) + "\n")
+    one_line_error(pb(capsys, "protocol", "validate", str(p)), "is 1048585 bytes",
+                   "a protocol file is at most 1 MiB", "prompts.token_file")
+
+
+def test_a_key_with_a_newline_stays_one_line(tmp_path, db, capsys):
+    p = write(tmp_path / "p.yaml", 'name: q\n"colour\\n\\u202eblue": 1\n')
+    one_line_error(pb(capsys, "protocol", "validate", str(p)), "`colour\\n\\u202eblue`: unknown field")
+
+
+# ----------------------------------------------------------------------------- file arguments
+
+
+def test_report_out_in_a_missing_directory_is_one_line(tmp_path, db, capsys):
+    r = pb(capsys, "report", "1", "--out", str(tmp_path / "nonexistent" / "dir" / "x.html"))
+    one_line_error(r, "the directory", "does not exist", "create it or choose another --out")
+
+
+@pytest.mark.parametrize("where", ["/proc/x", "a-file", "a-file/sub"])
+def test_model_synth_out_that_cannot_be_a_directory_is_one_line(tmp_path, db, capsys, where):
+    (tmp_path / "a-file").write_text("not a directory")
+    out = where if where.startswith("/") else str(tmp_path / where)
+    r = pb(capsys, "model", "synth", "--out", out)
+    one_line_error(r, f"--out {out}: cannot create that directory", "give --out a writable directory")
+
+
+def test_write_output_leaves_no_partial_file(tmp_path):
+    from cli.common import write_output
+    from core.errors import PackbenchError
+
+    (tmp_path / "x.html").mkdir()  # a directory where the file goes: the final rename fails
+    with pytest.raises(PackbenchError, match="--out .*x.html: cannot write it"):
+        write_output(tmp_path / "x.html", "<html>", "--out")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["x.html"]  # no .x.html.tmp left behind
+    write_output(tmp_path / "ok.html", "<html>", "--out")
+    assert (tmp_path / "ok.html").read_text() == "<html>"
+
+
+def test_keys_init_where_no_key_can_be_written_is_one_line(tmp_path, db, capsys):
+    r = pb(capsys, "keys", "init", "--key", "/proc/x/key.pem", "--no-db")
+    one_line_error(r, "--key /proc/x/key.pem: cannot write the key there")
+
+
+def test_an_archive_dir_that_cannot_be_created_queues_nothing(tmp_path, db, tiny, capsys):
+    (tmp_path / "a-file").write_text("not a directory")
+    p = write(tmp_path / "p.yaml", yaml.safe_dump(quickstart(tiny)))
+    r = pb(capsys, "submit", str(p), "--wait", "--archive-dir", str(tmp_path / "a-file" / "archives"))
+    one_line_error(r, "--archive-dir", "cannot create that directory")
+    assert queued(db) == []
+    # dispatch: refused before Ray starts or anything is claimed; the queued screen stays queued.
+    assert pb(capsys, "submit", str(p)).code == 0
+    r = pb(capsys, "dispatch", "--archive-dir", str(tmp_path / "a-file" / "archives"))
+    one_line_error(r, "cannot create the archive directory", "--archive-dir")
+    assert [s.status for s in queued(db)] == ["queued"]
+
+
+# ----------------------------------------------------------------------------- words
+
+
+def test_a_config_json_that_is_not_json_names_the_checkpoint_file(tmp_path, db, capsys):
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{not json")
+    body = quickstart(model)
+    line = one_line_error(pb(capsys, "submit", str(write(tmp_path / "p.yaml", yaml.safe_dump(body)))),
+                          f"{model / 'config.json'} is not JSON")
+    assert "prompts" not in line
+    assert queued(db) == []
+
+
+HOSTILE_NAME = "../../../etc/passwd\u202e\u03c0\n"
+
+
+def test_a_hostile_protocol_name_is_printed_escaped(tmp_path, db, tiny, capsys):
+    p = write(tmp_path / "p.yaml", yaml.safe_dump(quickstart(tiny, name=HOSTILE_NAME)))
+    assert pb(capsys, "submit", str(p)).code == 0
+    r = pb(capsys, "screens", "list")
+    assert r.code == 0
+    rows = r.out.strip().splitlines()
+    assert len(rows) == 2 and "\u202e" not in r.out, r.out  # the header and one row, not split
+    assert "../../../etc/passwd\\u202e\u03c0\\n" in rows[1]
+    r = pb(capsys, "screens", "show", "1")
+    assert "\u202e" not in r.out and r.out.splitlines()[0].startswith("screen 1: ../../../etc/passwd\\u202e")
+    r = pb(capsys, "status")
+    assert "\u202e" not in r.out
+    r = pb(capsys, "screens", "list", "--json")  # JSON escapes it too, and keeps the name
+    import json
+
+    assert json.loads(r.out)[0]["protocol"] == HOSTILE_NAME and "\u202e" not in r.out
+
+
+def test_address_without_wait_is_refused_and_queues_nothing(tmp_path, db, tiny, capsys, monkeypatch):
+    p = write(tmp_path / "p.yaml", yaml.safe_dump(quickstart(tiny)))
+    r = pb(capsys, "submit", str(p), "--address", "127.0.0.1:1")
+    one_line_error(r, "--address 127.0.0.1:1", "without --wait", "add --wait", "packbench dispatch --address")
+    assert queued(db) == []
+    # PACKBENCH_RAY_ADDRESS is every command's setting, not something this submit was told.
+    monkeypatch.setenv("PACKBENCH_RAY_ADDRESS", "127.0.0.1:1")
+    assert pb(capsys, "submit", str(p)).code == 0 and len(queued(db)) == 1
+
+
+# ----------------------------------------------------------------------------- attempts
+
+
+def _claimed(url: str, tiny: Path, tmp_path: Path, *, max_attempts: int = 3):
+    """A submitted quickstart screen, claimed: (store, claim, ScreenRun)."""
+    from db.store import Store
+    from service.screen import ScreenRun
+    from service.submit import submit
+
+    store = Store(url)
+    p = write(tmp_path / "p.yaml", yaml.safe_dump(quickstart(tiny)))
+    if not store.list_screens():
+        submit(store, p, max_attempts=max_attempts)
+    dispatcher = store.register_dispatcher("d", "h")
+    claim = store.claim_screen(dispatcher, lease_s=60, archive_dir=str(tmp_path / "archives"), source_freeze={})
+    run = ScreenRun(store, screen=claim.screen, attempt=claim.attempt, protocol=json.loads(claim.protocol.canonical_json),
+                    archive_path=Path(claim.attempt.archive_path), freeze={})
+    return store, claim, run
+
+
+def test_a_killed_worker_is_reported_as_the_attempt_failing_and_what_comes_next(tmp_path, db, tiny, capsys,
+                                                                                monkeypatch):
+    """Attempt 1's worker died: the attempt failed, the screen is queued for attempt 2, which is
+    done: no `screen 1 failed`, and exit 0."""
+    store, claim, run = _claimed(db, tiny, tmp_path)
+    run.begin({"device": "cpu"})
+    died = run.fail("failed", "worker w0 (pid 7, node ab12) died: RayActorError: killed", requeue=True)
+    assert died.requeued and died.attempt_number == 1 and died.screen_status == "queued"
+    _, _, second = _claimed(db, tiny, tmp_path)
+    done = second.fail("failed", "worker w0b died", requeue=True)  # stands in for attempt 2's own end
+    import dataclasses
+
+    done = dataclasses.replace(done, status="done", screen_status="done")
+    _fake_dispatcher(monkeypatch, [died, done])
+    r = pb(capsys, "dispatch")
+    assert ("attempt 1 failed: worker w0 (pid 7, node ab12) died: RayActorError: killed; screen 1 queued for "
+            "attempt 2 (partial archive kept: ") in r.err, r.err
+    assert "screen 1 failed" not in r.err + r.out and "screen 1: done" in r.out
+    assert r.code == 0
+    # The last attempt's death is the screen's failure, said as before, exit 1.
+    store, claim, third = _claimed(db, tiny, tmp_path)  # attempt 3 of 3
+    last = third.fail("failed", "worker w1 died", requeue=True)
+    assert not last.requeued and last.screen_status == "failed"
+    _fake_dispatcher(monkeypatch, [last])
+    r = pb(capsys, "dispatch")
+    assert "error: screen 1 failed: worker w1 died" in r.err and r.code == 1
+
+
+def _fake_dispatcher(monkeypatch, outcomes) -> None:
+    import cluster.dispatch
+
+    class Fake:
+        fatal = stopping = None
+        refusals, slots, held = [], [], []
+
+        def __init__(self, store, settings, *, on_outcome, **options) -> None:
+            self.on_outcome = on_outcome
+
+        def run(self):
+            for o in outcomes:
+                self.on_outcome(o)
+            return outcomes
+
+    monkeypatch.setattr(cluster.dispatch, "Dispatcher", Fake)
+
+
+def test_a_full_disk_at_the_archive_leaves_no_file_and_exits_2_as_mid_screen(tmp_path, db, tiny, monkeypatch):
+    import errno
+
+    import core.archive
+    from cluster.dispatch import Active, Dispatcher, Slot
+    from core.errors import ArchiveError
+    from core.settings import Settings
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    store, claim, run = _claimed(db, tiny, tmp_path)
+    with monkeypatch.context() as m:
+        m.setattr(core.archive, "_write_at", full)
+        dispatcher = Dispatcher(store, Settings(archive_dir=tmp_path / "archives"))
+        dispatcher._start(Slot(name="w0", actor=None), claim)  # fails at the archive, before any actor call
+    (at_start,) = dispatcher.outcomes
+    assert at_start.status == "failed" and "No space left on device" in at_start.error
+    assert not Path(claim.attempt.archive_path).exists()  # no 0-byte archive left behind
+
+    def mid_screen(active, value):
+        raise ArchiveError("could not append to the archive (No space left on device)")
+
+    store.retry_screen(claim.screen.id)
+    _, claim2, run2 = _claimed(db, tiny, tmp_path)
+    active2 = Active(slot=Slot(name="w1", actor=None), run=run2, protocol=run2.protocol)
+    active2.slot.active = active2
+    run2.begin({"device": "cpu"})
+    dispatcher._guarded(active2, mid_screen, {})
+    mid = dispatcher.outcomes[-1]
+    assert at_start.bad_input and mid.bad_input  # one cause, one exit code (2) wherever it strikes
+
+
+def test_audit_all_reports_unfinished_attempts_without_failing(tmp_path, db, tiny, capsys):
+    """A failed attempt with no archive, one with an empty file (left by an older packbench),
+    and one with a partial archive: each said, and `audit --all` still exits 0."""
+    from service.submit import submit
+
+    store, _, run = _claimed(db, tiny, tmp_path)  # screen 1: failed before its archive existed
+    run.fail("failed", "could not create archive (No space left on device)")
+    p = tmp_path / "p.yaml"
+    submit(store, p)
+    _, c2, run2 = _claimed(db, tiny, tmp_path)  # screen 2: an empty file
+    Path(c2.attempt.archive_path).parent.mkdir(parents=True, exist_ok=True)
+    Path(c2.attempt.archive_path).write_bytes(b"")
+    run2.fail("failed", "disk full")
+    submit(store, p)
+    _, _, run3 = _claimed(db, tiny, tmp_path)  # screen 3: protocol.json written, then the worker failed
+    run3.begin({"device": "cpu"})
+    run3.fail("failed", "RuntimeError: boom")
+    r = pb(capsys, "audit", "--all")
+    lines = r.out.strip().splitlines()
+    assert lines[0].startswith("audit of screen 1: NO ARCHIVE (attempt 1 failed and left no archive at ")
+    assert lines[1].startswith("audit of screen 2: NO ARCHIVE (attempt 1 failed and left an empty archive file")
+    assert lines[2].startswith("audit of screen 3: PARTIAL (attempt 1 failed: 0 of 8 planned episodes archived")
+    assert r.code == 0, (r.out, r.err)
+    r = pb(capsys, "audit", "--all", "--json")  # the same, as JSON Lines
+    assert [json.loads(line)["result"] for line in r.out.splitlines()] == ["no-archive", "no-archive", "disagree"]
+
+
+def test_dispatch_says_which_screens_a_dead_dispatcher_holds_and_when_they_return(tmp_path, db, tiny, capsys):
+    import platform
+    import subprocess
+
+    from db.store import Store
+    from service.submit import submit
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()  # a pid that is no process now
+    store = Store(db)
+    submit(store, write(tmp_path / "p.yaml", yaml.safe_dump(quickstart(tiny))))
+    dead = store.register_dispatcher(f"dispatch-{platform.node()}-{gone.pid}", platform.node(), pid=gone.pid)
+    store.claim_screen(dead, lease_s=60, archive_dir=str(tmp_path / "archives"), source_freeze={})
+    r = pb(capsys, "dispatch")
+    assert r.code == 0 and r.out.strip() == "no queued screens", (r.out, r.err)
+    (line,) = r.err.strip().splitlines()
+    assert line.startswith(f"screen 1 is held by dispatcher dispatch-{platform.node()}-{gone.pid} (its process "
+                           f"(pid {gone.pid} on this host) is gone): attempt 1's lease expires at "), line
+    assert "(in 60 s)" in line or "(in 59 s)" in line
+    assert "a `packbench dispatch` after that marks the attempt lost and runs the screen again" in line
+
+
+def test_a_silent_dispatcher_on_another_host_is_named_a_live_one_is_not():
+    from datetime import datetime, timedelta, timezone
+    from types import SimpleNamespace
+
+    from cluster.dispatch import held_by_silent
+
+    now = datetime(2026, 12, 1, 12, 0, tzinfo=timezone.utc)
+    running = [SimpleNamespace(screen_id=i, attempt=1, dispatcher=f"d{i}", lease_expires_at=now + timedelta(seconds=40))
+               for i in (1, 2)]
+    dispatchers = [SimpleNamespace(name="d1", host="elsewhere", pid=5, heartbeat_at=now - timedelta(seconds=20)),
+                   SimpleNamespace(name="d2", host="elsewhere", pid=6, heartbeat_at=now - timedelta(seconds=1))]
+    status = SimpleNamespace(now=now, running=running, dispatchers=dispatchers)
+    (line,) = held_by_silent(status, host="here", alive=lambda pid: True)
+    assert line.startswith("screen 1 is held by dispatcher d1 (no heartbeat for 20 s): attempt 1's lease expires "
+                           "at 2026-12-01T12:00:40+00:00 (in 40 s)")
