@@ -142,10 +142,11 @@ def render(s: dict) -> str:
              f"(decode to decode only, as the seed counted: {pct(w['forecast_extra_over_demand_decode_only'])}; "
              f"wasted/used {w['forecast_wasted_over_used_decode_only']:.3f})"]
     if s["real_opt"]:
-        lines += ["", f"{'real OPT (measured on)':44} {'real':>10} {'this':>10} {'this/real':>10}"]
+        width = max(len(r["label"]) + len(r["real_shape"]) + 3 for r in s["real_opt"])
+        lines += ["", f"{'real OPT (measured on)':{width}} {'real':>10} {'this':>10} {'this/real':>10}"]
         for r in s["real_opt"]:
             near = "" if r["within"] else "  (outside 20 %)"
-            lines.append(f"{r['label'][:33] + ' (' + r['real_shape'] + ')':44} {r['real']:10.4f} {r['measured']:10.4f} "
+            lines.append(f"{r['label'] + ' (' + r['real_shape'] + ')':{width}} {r['real']:10.4f} {r['measured']:10.4f} "
                          f"{r['ratio']:10.2f}{near}")
         lines.append("(real OPT's figures of this shape and prefix; docs/workloads.md lists every workload's)")
     return "\n".join(lines)
