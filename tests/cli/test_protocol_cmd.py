@@ -152,6 +152,15 @@ def test_plan_needs_sparsity_and_shape_for_a_checkpoint_path(tmp_path, tiny):
     (tmp_path / "synth.yaml").write_text(quickstart.replace("../.packbench/models/tiny", str(tiny)))
     r = run("protocol", "plan", str(tmp_path / "synth.yaml"))  # model synth wrote its sparsity: 0.94
     assert r.returncode == 0 and "active per call 6.00% (decode)" in r.stdout, r.stderr
+    uniform = r.stdout
+    from engine.synth import synth_checkpoint  # a profile's checkpoint: its config.json names the profile
+
+    profiled = synth_checkpoint(tmp_path / "profiled", shape="tiny", dtype="float32", seed=0, profile="opt")
+    (tmp_path / "profiled.yaml").write_text(quickstart.replace("../.packbench/models/tiny", str(profiled)))
+    r = run("protocol", "plan", str(tmp_path / "profiled.yaml"))
+    assert r.returncode == 0 and "active per call 6.00% (decode)" in r.stdout, r.stderr
+    prefill = lambda out: out.split("up to ")[1].split("%")[0]  # noqa: E731
+    assert float(prefill(r.stdout)) < float(prefill(uniform))  # heavy-tailed rates: a smaller union
     (tmp_path / "p.yaml").write_text((ROOT / "protocols" / "quickstart.yaml").read_text().replace(
         "../.packbench/models/tiny", str(tmp_path / "absent")))
     r = run("protocol", "plan", str(tmp_path / "p.yaml"), "--sparsity", "0.94")

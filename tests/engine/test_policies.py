@@ -31,14 +31,24 @@ def checkpoint_125m(tmp_path_factory):
                             sparsity=0.94, seed=0)
 
 
-CASES = [(shape, dtype) for shape in ("tiny", "opt-125m") for dtype in ("float32", "float16", "bfloat16")]
+@pytest.fixture(scope="module")
+def checkpoint_profile(tmp_path_factory):
+    """The calibrated profile (docs/workloads.md): heavy-tailed rates, peaked logits."""
+    return synth_checkpoint(tmp_path_factory.mktemp("ck") / "tiny-opt", shape="tiny", dtype="float32", seed=0,
+                            profile="opt")
 
 
-@pytest.fixture(scope="module", params=CASES, ids=[f"{s}-{d}" for s, d in CASES])
-def runs(request, checkpoints, checkpoint_125m):
-    """Every policy on both prefill lengths, one CPU-first model per (shape, dtype)."""
-    shape, dtype = request.param
-    path = checkpoints["float32"] if shape == "tiny" else checkpoint_125m
+DTYPES = ("float32", "float16", "bfloat16")
+# (shape, recipe, dtype): the uniform recipe on two shapes, the calibrated profile on tiny
+CASES = [(shape, recipe, dtype) for shape, recipe in (("tiny", "uniform"), ("opt-125m", "uniform"), ("tiny", "opt"))
+         for dtype in DTYPES]
+
+
+@pytest.fixture(scope="module", params=CASES, ids=[f"{s}-{r}-{d}" for s, r, d in CASES])
+def runs(request, checkpoints, checkpoint_125m, checkpoint_profile):
+    """Every policy on both prefill lengths, one CPU-first model per (shape, recipe, dtype)."""
+    shape, recipe, dtype = request.param
+    path = checkpoint_profile if recipe == "opt" else checkpoints["float32"] if shape == "tiny" else checkpoint_125m
     model = CpuFirstModel(path, dtype=getattr(torch, dtype), device=torch.device("cpu"))
     outs = {}
     for n in PREFILLS:
