@@ -57,7 +57,9 @@ POLICY_PARAMS: dict[str, dict[str, IntParam | ChoiceParam]] = {
     # `packet` without params froze as gather host (schemas 1 and 2): this default may never
     # move. Schema 3 writes gather device for it instead (SCHEMA3_DEFAULTS).
     "packet": {"gather": ChoiceParam(choices=("host", "device"), default="host")},
-    "phase-switched": {},
+    # Added after schemas 1-3 froze phase-switched without params: host there; schema 4 writes
+    # device for it (SCHEMA4_DEFAULTS).
+    "phase-switched": {"gather": ChoiceParam(choices=("host", "device"), default="host")},
     # No default: a cache size is a claim about the GPU, so a protocol states it.
     "row-retention": {"rows_per_layer": IntParam(minimum=1)},
     # Added after schemas 1-3 froze early-forecast without params: host in every schema.
@@ -73,6 +75,24 @@ SCHEMA3_DEFAULTS: dict[str, dict[str, str]] = {
     # mechanism) stays available as `gather: host`.
     "packet": {"gather": "device"},
 }
+
+
+# Schema 4's (the newest's) further defaults: phase-switched decodes with the device gather, as
+# packet does since schema 3 (issue 26: the host gather kept it from mode graph's capture).
+SCHEMA4_DEFAULTS: dict[str, dict[str, str]] = {
+    "phase-switched": {"gather": "device"},
+}
+
+
+def newer_defaults(schema: int) -> dict[str, dict[str, str]]:
+    """What a protocol of `schema` means by a parameter a condition leaves out, where that differs
+    from the registry's default (which schemas 1 and 2 froze)."""
+    out: dict[str, dict[str, str]] = {}
+    for since, table in ((3, SCHEMA3_DEFAULTS), (4, SCHEMA4_DEFAULTS)):
+        if schema >= since:
+            for policy, params in table.items():
+                out[policy] = {**out.get(policy, {}), **params}
+    return out
 
 
 def check_param(policy: str, name: str, value: Any) -> Any:

@@ -474,9 +474,12 @@ class DevicePacket:
     def __init__(self) -> None:
         self.buffers: Mapped | None = None
 
-    def activate(self, host: HostWeights, device: torch.device, recorder: Recorder) -> None:
+    def activate(self, host: HostWeights, device: torch.device, recorder: Recorder, *,
+                 workspace: torch.Tensor | None = None) -> None:
+        """`workspace`: a (hidden, ffn) device tensor of finite values to gather into (shared,
+        e.g. device phase-switched's dense workspace); by default a zeroed one of its own."""
         self.host, self.recorder = host, recorder
-        workspace = zeroed_workspace(host, device)
+        workspace = zeroed_workspace(host, device) if workspace is None else workspace
         build_gather_layout(host)
         counts = torch.zeros(host.layers, dtype=torch.int32, device=device)
         if device.type == "cuda":
@@ -576,6 +579,64 @@ class PhaseSwitched(HostGather):
         if self.recorder.phase == "prefill":
             return stream_dense(self.host, layer, self.buffers.workspace, self.recorder)
         return self.send_active(layer, h)
+
+
+class DevicePhaseSwitched:
+    """phase-switched with the device's gather (`phase-switched`, `gather: device`): prefill
+    calls run dense-stream's double-buffered copies, decode calls `packet {gather: device}`'s
+    gather, into the first of dense-stream's two workspaces (its rows are finite, whatever they
+    hold: an inactive row meets an exact zero). No host decision in a decode call, so mode graph
+    captures the decode step as it does packet's; prefill runs eagerly, as every prefill does.
+    """
+
+    name = "phase-switched"
+    starts_early = True  # prefill: dense-stream issues layer l+1's copy as layer l's fc1 starts
+    gather = "device"
+
+    def __init__(self) -> None:
+        self.dense, self.packet = DenseStream(), DevicePacket()
+
+    def activate(self, host: HostWeights, device: torch.device, recorder: Recorder) -> None:
+        self.host, self.recorder = host, recorder
+        self.dense.activate(host, device, recorder)
+        self.packet.activate(host, device, recorder, workspace=self.dense.buffers.workspaces[0])
+
+    def deactivate(self) -> None:
+        self.dense.deactivate()
+        self.packet.deactivate()
+
+    def before_layer(self, layer: int) -> None:
+        if self.recorder.phase == "prefill":
+            self.dense.before_layer(layer)
+        # decode: demand is known only after fc1
+
+    def fetch(self, layer: int, h: torch.Tensor) -> torch.Tensor:
+        if self.recorder.phase == "prefill":
+            return self.dense.fetch(layer, h)
+        return self.packet.fetch(layer, h)
+
+    def join(self, stream: "torch.cuda.Stream") -> None:
+        """A captured piece rejoins dense-stream's copy stream (a decode step forks none)."""
+        if self.dense.buffers is not None:
+            self.dense.join(stream)
+
+    def device_bytes(self) -> int:
+        if self.dense.buffers is None:
+            return 0
+        return self.dense.device_bytes() + _nbytes(self.packet.buffers.counts)  # the workspace is dense-stream's
+
+    def pinned_bytes(self) -> int:
+        return 0
+
+
+# `phase-switched`'s gathers, as packet's.
+PHASE_SWITCHED_GATHERS: dict[str, type[LoaderPolicy]] = {"host": PhaseSwitched, "device": DevicePhaseSwitched}
+
+
+def phase_switched(*, gather: str = param_default("phase-switched", "gather")) -> LoaderPolicy:
+    """The `phase-switched` condition: dense prefill, exact packets in decode, gathered on the
+    host (one mask readback per layer) or by the device."""
+    return PHASE_SWITCHED_GATHERS[check_param("phase-switched", "gather", gather)]()
 
 
 def lru_plan(slot_of: np.ndarray, last_used: np.ndarray, active: np.ndarray, now: int):
@@ -875,7 +936,7 @@ POLICIES: dict[str, Callable[..., LoaderPolicy]] = {
     "dense-stream": DenseStream,
     "sparse-extents": SparseExtents,
     "packet": packet,
-    "phase-switched": PhaseSwitched,
+    "phase-switched": phase_switched,
     "row-retention": RowRetention,
     "early-forecast": early_forecast,
 }

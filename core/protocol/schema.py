@@ -3,7 +3,8 @@
 `validate` gives the frozen form (the lowest schema that says the meaning, see compat.py);
 `full_form` gives the full schema-2 dict that `core.protocol.spec.Protocol` is built from.
 Schema 3 is schema 2 with newer defaults for parameters a condition leaves out
-(core.registry.SCHEMA3_DEFAULTS); schema 4 is schema 3 where a `model.synth` without `sparsity`
+(core.registry.SCHEMA3_DEFAULTS); schema 4 is schema 3 where phase-switched gathers on the device
+(SCHEMA4_DEFAULTS) and a `model.synth` without `sparsity`
 or `profile` means the calibrated profile (core.registry.DEFAULT_PROFILE). Both write their
 defaults out, so a protocol always freezes as schema 2 or 1 and no body ever says 3 or 4.
 Every rule a field obeys is written once, here; docs/protocol.md describes them for users.
@@ -32,6 +33,7 @@ from core.registry import (
     SCHEMA3_DEFAULTS,
     SYNTH_SHAPES,
     DEFAULT_PROFILE,
+    newer_defaults,
     ChoiceParam,
     IntParam,
     SynthArgumentError,
@@ -151,7 +153,7 @@ def _prompts(value: Any, *, base_dir: Path | None, prefix_tokens: int) -> dict:
 
 def _params(policy: str, value: Any, path: str, *, schema: int) -> dict:
     spec = POLICY_PARAMS[policy]
-    newer = SCHEMA3_DEFAULTS.get(policy, {}) if schema >= 3 else {}
+    newer = newer_defaults(schema).get(policy, {})
     if value is None:
         value = {}
     if not isinstance(value, dict):
@@ -165,7 +167,7 @@ def _params(policy: str, value: Any, path: str, *, schema: int) -> dict:
         if isinstance(param, ChoiceParam):
             if key in value:
                 out[key] = _choice(value[key], _join(path, key), param.choices)
-            elif key in newer:  # schema 3: written out, so the frozen (schema-2) body says what runs
+            elif key in newer:  # schema 3/4: written out, so the frozen (schema-2) body says what runs
                 out[key] = newer[key]
             # else omitted in schema 1 or 2: left out, meaning the registry's default (old hashes hold)
             continue

@@ -73,3 +73,13 @@ def test_every_profile_covers_every_shape_and_its_densities_average_to_the_targe
             d = p.layer_densities(shape)
             assert abs(sum(d) / len(d) - p.density[shape]) < 1e-12, (name, shape)
             assert d[-1] / d[0] == pytest.approx(p.layer_ratio if len(d) > 1 else 1.0)
+
+
+def test_schema4_phase_switched_gathers_on_the_device_and_older_bodies_keep_the_host():
+    conditions = [{"policy": "dense-stream"}, {"policy": "phase-switched"}]
+    new = freeze(protocol({**TINY, "sparsity": 0.94}, conditions=conditions))
+    assert new.body["conditions"][1]["params"] == {"gather": "device"}
+    old = freeze(protocol({**TINY, "sparsity": 0.94}, conditions=conditions, schema=3))
+    assert old.body["conditions"][1]["params"] == {}  # omitted: the host gather schemas 1-3 froze
+    assert expand(old.body).condition("phase-switched").resolved_params == {"gather": "host"}
+    assert expand(new.body).condition("phase-switched").resolved_params == {"gather": "device"}

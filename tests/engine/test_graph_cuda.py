@@ -20,7 +20,7 @@ pytestmark = pytest.mark.gpu
 PROMPT = [2] + list(range(10, 73))  # 64 tokens
 CONTINUATION = 8
 CAPTURED = [("resident", {}), ("dense-stream", {}), ("packet", {"gather": "device"}),
-            ("early-forecast", {"gather": "device"})]
+            ("early-forecast", {"gather": "device"}), ("phase-switched", {"gather": "device"})]
 EAGER = [("packet", {}), ("sparse-extents", {}), ("row-retention", {"rows_per_layer": 64}), ("early-forecast", {}),
          ("phase-switched", {})]
 

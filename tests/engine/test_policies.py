@@ -18,7 +18,8 @@ PARAMS = {"sparse-extents": {"block_rows": 16}, "row-retention": {"rows_per_laye
 # engine.gather's reference).
 VARIANTS = {**{name: (name, PARAMS.get(name, {})) for name in POLICIES},
             "packet+gather=device": ("packet", {"gather": "device"}),
-            "early-forecast+gather=device": ("early-forecast", {"gather": "device"})}
+            "early-forecast+gather=device": ("early-forecast", {"gather": "device"}),
+            "phase-switched+gather=device": ("phase-switched", {"gather": "device"})}
 
 
 def prompt_of(length: int, vocab: int) -> list[int]:
@@ -142,6 +143,11 @@ def test_packet_ledgers_equal_independently_counted_active_rows(runs):
         ps = outs["phase-switched", n].calls
         assert ps[0].h2d_weight_bytes == [s["ffn"] * row_bytes] * s["layers"]
         assert [c.h2d_weight_bytes for c in ps[1:]] == [c.h2d_weight_bytes for c in out.calls[1:]]
+        # ... with the device gather: the same bytes, prefill dense, decode packet's device rows
+        psd = outs["phase-switched+gather=device", n].calls
+        assert [c.h2d_weight_bytes for c in psd] == [c.h2d_weight_bytes for c in ps]
+        assert psd[0].active_rows == [None] * s["layers"] and [c.active_rows for c in psd[1:]] == counts[1:]
+        assert all(c.h2d_index_bytes == [0] * s["layers"] and c.d2h_bytes == [4] * s["layers"] for c in psd[1:])
         # sparse-extents: whole 16-row blocks, never fewer rows than packet
         for se, pk in zip(outs["sparse-extents", n].calls, out.calls):
             assert all(r % 16 == 0 and r >= k for r, k in zip(se.rows_copied, pk.rows_copied))

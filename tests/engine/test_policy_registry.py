@@ -78,6 +78,7 @@ CHARGED = {
     ("packet", ()): WORKSPACE + PACKET,
     ("packet", (("gather", "device"),)): WORKSPACE + 2 * 4,
     ("phase-switched", ()): WORKSPACE + PACKET,
+    ("phase-switched", (("gather", "device"),)): 2 * WORKSPACE + 2 * 4,  # dense-stream's two, the counts
     ("row-retention", (("rows_per_layer", 48),)): WORKSPACE + PACKET + 2 * 48 * 64 * 4,
     ("early-forecast", ()): WORKSPACE + 2 * PACKET,
     # two workspaces, the forecast (2 layers x 256 int8) and the counts (4 x 2 int32)
