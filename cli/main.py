@@ -20,7 +20,7 @@ from core.text import one_line
 app = typer.Typer(no_args_is_help=True, add_completion=True, pretty_exceptions_enable=False,
                   help=__doc__)
 model_app = typer.Typer(no_args_is_help=True, help="Synthetic checkpoints.")
-db_app = typer.Typer(no_args_is_help=True, help="The results database: migrations.")
+db_app = typer.Typer(no_args_is_help=True, help="The results database: migrations, reconciliation with the archives.")
 app.add_typer(model_app, name="model")
 app.add_typer(db_app, name="db")
 
@@ -101,6 +101,32 @@ def db_upgrade(db: DbUrl = None, json_out: Json = False) -> None:
         typer.echo(json.dumps({"revision": store.current(), "head": store.head(), "from": before}, sort_keys=True))
         return
     typer.echo(f"database at {store.current()} (head)")
+
+
+@db_app.command("reconcile")
+def db_reconcile(db: DbUrl = None, json_out: Json = False) -> None:
+    """Insert the rows of archived episodes the database lacks (after a database outage).
+
+    Every attempt that is not running and whose archive is on this host: each episode the
+    archive holds without a row is checked against the archive's SHA-256 manifest entry (an
+    unsealed archive: its zip CRC-32s) and inserted; rows already there are kept. Exit 1 when an
+    archived episode was refused (it is named)."""
+    from service.reconcile import reconcile
+
+    report = reconcile(open_store(db))
+    if json_out:
+        typer.echo(json.dumps({"checked": report.checked, "inserted": report.inserted, "refused": report.refused,
+                               "attempts": [dataclasses.asdict(r) for r in report.attempts],
+                               "not_here": report.not_here}, sort_keys=True))
+    else:
+        for r in report.attempts:
+            typer.echo(one_line(r.line()))
+        elsewhere = f"; {len(report.not_here)} archives not on this host" if report.not_here else ""
+        typer.echo(f"reconciled {report.inserted} episode row{'s' if report.inserted != 1 else ''} from "
+                   f"{report.checked} archive{'s' if report.checked != 1 else ''}{elsewhere}"
+                   + (f"; {report.refused} refused" if report.refused else ""))
+    if report.refused:
+        raise typer.Exit(1)
 
 
 @db_app.command("current")
@@ -303,6 +329,11 @@ def _dispatch(store, settings: Settings, *, json_out: bool, keep_queued: bool = 
     if dispatcher.fatal:
         typer.echo(f"error: {dispatcher.fatal}", err=True)
         raise typer.Exit(1)
+    if dispatcher.stopping and dispatcher.outage is not None:
+        typer.echo(f"stopped by {dispatcher.stopping} while the database was unavailable: held screens go back to "
+                   f"the queue when their leases expire; once it is back, `packbench db reconcile` inserts the "
+                   f"rows of episodes their archives hold", err=True)
+        raise typer.Exit(130 if dispatcher.stopping == "SIGINT" else 143)
     if dispatcher.stopping:
         only = options.get("only_screen")
         typer.echo(f"stopped by {dispatcher.stopping}; held screens are back in the queue" if only is None else
