@@ -279,7 +279,8 @@ def dispatch(
     ctx: typer.Context,
     address: Address = None,
     follow: Annotated[bool, typer.Option("--follow", help="Keep serving the queue until interrupted (SIGINT/SIGTERM "
-                                                          "give held screens back to the queue).")] = False,
+                                                          "give held screens back to the queue), waiting out a "
+                                                          "database outage of any length.")] = False,
     workers: Annotated[Optional[int], typer.Option(min=1, help="Worker actors to keep (default: one per GPU of the "
                                                               "cluster).")] = None,
     lease: Annotated[float, typer.Option(min=1.0, help="Seconds a claim holds without renewal; renewed every third.")] = 60.0,
@@ -291,7 +292,9 @@ def dispatch(
 
     Exit codes: 0 every screen it ran is done and every verdict passed; 1 a verdict failed, or a
     screen failed, was cancelled or lost; 2 bad input (an unreadable protocol or checkpoint);
-    130/143 stopped by SIGINT/SIGTERM (held screens are back in the queue).
+    130/143 stopped by SIGINT/SIGTERM (held screens are back in the queue). With the database
+    down, a one-shot dispatch gives up after its retries (exit 1); `--follow` waits for it, then
+    reconciles the episodes its archives hold without rows and continues.
     """
     settings = settings_of(ctx, db_url=db, address=address, archive_dir=archive_dir)
     _dispatch(open_store(settings.db_url), settings, json_out=json_out, follow=follow, workers=workers, lease_s=lease)

@@ -242,6 +242,7 @@ class Dispatcher:
         # Database writes that an outage interrupted or that came due during it, run in order
         # once it answers again (each is idempotent or resumes where it stopped).
         self._after_outage: list[Callable[[], None]] = []
+        self._no_reap_until = 0.0  # after an outage: time.monotonic() before which no lease is reaped
         self._started = 0
 
     # ------------------------------------------------------------------------- lifecycle
@@ -373,7 +374,9 @@ class Dispatcher:
             for active in own.values():
                 if active.stop is None and not active.ended and not self.store.renew_lease(active.run.attempt.id,
                                                                                          self.lease_s):
-                    self._refused(active)
+                    self._refused(active)  # reaped meanwhile (lost) or cancelled: its ending is deferred below
+        # The deferred writes run now (and whatever they start writes at once, not deferred again).
+        self.outage = None
         pending, self._after_outage = self._after_outage, []
         while pending:
             action = pending.pop(0)
@@ -381,12 +384,19 @@ class Dispatcher:
                 action()
             except DatabaseUnavailable:
                 self._after_outage = [action, *pending, *self._after_outage]
+                self.outage = outage  # the same outage goes on: no second line
                 raise
             except PackbenchError as e:
                 log.error("a write deferred over the database outage failed: %s", e)
-        others = reconcile(self.store)  # every ended attempt whose archive is on this host
-        self.outage = None
-        self._next_upkeep = 0.0  # reap, renew and heartbeat on the next turn
+        try:
+            others = reconcile(self.store)  # every ended attempt whose archive is on this host
+        except DatabaseUnavailable:
+            self.outage = outage
+            raise
+        self._next_upkeep = 0.0  # renew and heartbeat on the next turn
+        # Other dispatchers waited out the same outage and their leases expired too: give them one
+        # lease to renew before reaping theirs (a dead dispatcher's screens wait that much longer).
+        self._no_reap_until = time.monotonic() + self.lease_s
         for active in self._actives():
             if active.entries and active.stop is None and not active.ended:
                 while active.submitted - active.run.done_count < LOOKAHEAD and active.submitted < len(active.entries):
@@ -555,7 +565,8 @@ class Dispatcher:
             return
         # A third of a lease keeps it alive; at most 2 s so a cancel is seen within 2 s.
         self._next_upkeep = now + min(self.lease_s / 3, UPKEEP_MAX_S)
-        self._reap()
+        if now >= self._no_reap_until:
+            self._reap()
         for slot in self.slots:
             for active in (slot.active, slot.next):
                 if active is not None and active.stop is None and not self.store.renew_lease(active.run.attempt.id,

@@ -31,7 +31,9 @@ The job queue (issue 12)
   (`db.session.is_transient`) re-runs the whole transaction with backoff; if the database
   stays down, `DatabaseUnavailable` says for how long it tried and how to recover. A
   retried write whose first commit did land is harmless: the upserts are idempotent, and a
-  claim the caller never saw expires and is requeued.
+  claim the caller never saw expires and is requeued. `dispatch --follow` then waits with
+  `ping` (one try each) and, once it answers, inserts the rows its archives hold
+  (`reconcile_targets`, `put_reconciled`: service/reconcile.py).
 """
 
 from __future__ import annotations
