@@ -42,7 +42,7 @@ import signal
 import threading
 import time
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -60,10 +60,11 @@ log = logging.getLogger(__name__)
 
 LOOKAHEAD = 2  # episodes submitted to a worker at once: one running, one waiting
 UPKEEP_MAX_S = 2.0  # longest pause between lease renewals (and so before a cancel is seen)
-# Probes of a database that is down (`follow`): the first after 1 s, doubling up to 30 s. A
-# PostgreSQL restart is seconds, a failover tens of seconds; 30 s keeps an idle dispatcher's
-# load on a recovering server at one connection attempt per 30 s.
-OUTAGE_BACKOFF_S = (1.0, 30.0)
+# Probes of a database that is down (`follow`): the first after 1 s, doubling up to 10 s. The
+# cap is how long a dispatcher may idle after the database is back (a 30 s cap left one idle
+# for 10 s after a 60 s PostgreSQL outage); one connection attempt per 10 s per dispatcher is
+# nothing to a recovering server.
+OUTAGE_BACKOFF_S = (1.0, 10.0)
 
 
 def outage_delays(first: float, cap: float) -> Iterator[float]:
@@ -321,14 +322,16 @@ class Dispatcher:
             self.outage.schedule(now)
             return
         first, cap = self.outage_backoff
-        self.outage = Outage(cause=e.cause, since=now,
-                             started_at=datetime.now(timezone.utc).strftime("%H:%M:%S UTC"),
+        # It was failing through the Store's retries before it was raised: the outage began then.
+        began = datetime.now(timezone.utc) - timedelta(seconds=e.failing_s)
+        self.outage = Outage(cause=e.cause, since=now - e.failing_s, started_at=began.strftime("%H:%M:%S UTC"),
                              delays=outage_delays(first, cap))
         self.outage.schedule(now)
-        self.progress(f"database unavailable since {self.outage.started_at} ({e.cause}); waiting for it "
-                      f"(a probe every {first:g}-{cap:g} s, doubling; one line when it answers): no claims and no "
-                      f"new episodes meanwhile, the {self._in_flight()} in flight go to their archives, "
-                      f"{self._unpersisted()} archived without a row so far")
+        held = self._in_flight() + self._unpersisted()
+        self.progress(f"database unavailable since {self.outage.started_at} ({e.cause}); waiting for it, probing "
+                      f"every {first:g}-{cap:g} s: no claims and no new episodes meanwhile; {held} episode"
+                      f"{'s' if held != 1 else ''} in flight or archived without a row get their rows from the "
+                      f"archives when it answers")
 
     def _in_flight(self) -> int:
         return sum(a.submitted - a.run.done_count for a in self._actives() if a.entries)

@@ -20,9 +20,10 @@ class DatabaseUnavailable(DatabaseError):
     line, without the retry account: what `dispatch --follow` says while it waits).
     """
 
-    def __init__(self, message: str, *, cause: str | None = None) -> None:
+    def __init__(self, message: str, *, cause: str | None = None, failing_s: float = 0.0) -> None:
         super().__init__(message)
         self.cause = cause or message
+        self.failing_s = failing_s  # how long it had been failing when raised (the retries' span)
 
 
 class DatabaseLocked(DatabaseUnavailable):

@@ -150,13 +150,14 @@ def _retried(method: Callable[..., _T]) -> Callable[..., _T]:
                 raise  # SQLite's busy handler has waited its timeout already
             except DatabaseUnavailable as exc:
                 if delay is None:
+                    failing = time.monotonic() - started
                     raise DatabaseUnavailable(
                         f"{exc}; gave up on {method.__name__} after {tries} tries over "
-                        f"{time.monotonic() - started:.1f} s. Once the database is back, run the "
+                        f"{failing:.1f} s. Once the database is back, run the "
                         f"command again: committed records are kept, a screen whose lease "
                         f"expired meanwhile is requeued (see `packbench status`), and "
                         f"`packbench db reconcile` inserts any archived episode that has no row",
-                        cause=exc.cause,
+                        cause=exc.cause, failing_s=failing,
                     ) from exc
                 time.sleep(delay)
         raise AssertionError("unreachable")
