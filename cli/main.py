@@ -20,7 +20,7 @@ from core.text import one_line
 app = typer.Typer(no_args_is_help=True, add_completion=True, pretty_exceptions_enable=False,
                   help=__doc__)
 model_app = typer.Typer(no_args_is_help=True, help="Synthetic checkpoints.")
-db_app = typer.Typer(no_args_is_help=True, help="The results database: migrations.")
+db_app = typer.Typer(no_args_is_help=True, help="The results database: migrations, reconciliation with the archives.")
 app.add_typer(model_app, name="model")
 app.add_typer(db_app, name="db")
 
@@ -101,6 +101,32 @@ def db_upgrade(db: DbUrl = None, json_out: Json = False) -> None:
         typer.echo(json.dumps({"revision": store.current(), "head": store.head(), "from": before}, sort_keys=True))
         return
     typer.echo(f"database at {store.current()} (head)")
+
+
+@db_app.command("reconcile")
+def db_reconcile(db: DbUrl = None, json_out: Json = False) -> None:
+    """Insert the rows of archived episodes the database lacks (after a database outage).
+
+    Every attempt that is not running and whose archive is on this host: each episode the
+    archive holds without a row is checked against the archive's SHA-256 manifest entry (an
+    unsealed archive: its zip CRC-32s) and inserted; rows already there are kept. Exit 1 when an
+    archived episode was refused (it is named)."""
+    from service.reconcile import reconcile
+
+    report = reconcile(open_store(db))
+    if json_out:
+        typer.echo(json.dumps({"checked": report.checked, "inserted": report.inserted, "refused": report.refused,
+                               "attempts": [dataclasses.asdict(r) for r in report.attempts],
+                               "not_here": report.not_here}, sort_keys=True))
+    else:
+        for r in report.attempts:
+            typer.echo(one_line(r.line()))
+        elsewhere = f"; {len(report.not_here)} archives not on this host" if report.not_here else ""
+        typer.echo(f"reconciled {report.inserted} episode row{'s' if report.inserted != 1 else ''} from "
+                   f"{report.checked} archive{'s' if report.checked != 1 else ''}{elsewhere}"
+                   + (f"; {report.refused} refused" if report.refused else ""))
+    if report.refused:
+        raise typer.Exit(1)
 
 
 @db_app.command("current")
@@ -253,7 +279,8 @@ def dispatch(
     ctx: typer.Context,
     address: Address = None,
     follow: Annotated[bool, typer.Option("--follow", help="Keep serving the queue until interrupted (SIGINT/SIGTERM "
-                                                          "give held screens back to the queue).")] = False,
+                                                          "give held screens back to the queue), waiting out a "
+                                                          "database outage of any length.")] = False,
     workers: Annotated[Optional[int], typer.Option(min=1, help="Worker actors to keep (default: one per GPU of the "
                                                               "cluster).")] = None,
     lease: Annotated[float, typer.Option(min=1.0, help="Seconds a claim holds without renewal; renewed every third.")] = 60.0,
@@ -265,7 +292,9 @@ def dispatch(
 
     Exit codes: 0 every screen it ran is done and every verdict passed; 1 a verdict failed, or a
     screen failed, was cancelled or lost; 2 bad input (an unreadable protocol or checkpoint);
-    130/143 stopped by SIGINT/SIGTERM (held screens are back in the queue).
+    130/143 stopped by SIGINT/SIGTERM (held screens are back in the queue). With the database
+    down, a one-shot dispatch gives up after its retries (exit 1); `--follow` waits for it, then
+    reconciles the episodes its archives hold without rows and continues.
     """
     settings = settings_of(ctx, db_url=db, address=address, archive_dir=archive_dir)
     _dispatch(open_store(settings.db_url), settings, json_out=json_out, follow=follow, workers=workers, lease_s=lease)
@@ -303,6 +332,11 @@ def _dispatch(store, settings: Settings, *, json_out: bool, keep_queued: bool = 
     if dispatcher.fatal:
         typer.echo(f"error: {dispatcher.fatal}", err=True)
         raise typer.Exit(1)
+    if dispatcher.stopping and dispatcher.outage is not None:
+        typer.echo(f"stopped by {dispatcher.stopping} while the database was unavailable: held screens go back to "
+                   f"the queue when their leases expire; once it is back, `packbench db reconcile` inserts the "
+                   f"rows of episodes their archives hold", err=True)
+        raise typer.Exit(130 if dispatcher.stopping == "SIGINT" else 143)
     if dispatcher.stopping:
         only = options.get("only_screen")
         typer.echo(f"stopped by {dispatcher.stopping}; held screens are back in the queue" if only is None else

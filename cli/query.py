@@ -212,7 +212,7 @@ def screens_show(
                          "gpu": f"{a.gpu_name}:{a.gpu_index}", "started": _when(a.started_at),
                          "finished": _when(a.finished_at), "episodes": d.episodes, "failed": d.failed_episodes,
                          "archive": a.archive_path, "archive_sha256": (a.archive_sha256 or "")[:16] or None,
-                         "error": a.error})
+                         "reconciled": _reconciled(a), "error": a.error})
         verdicts += [{"attempt": a.number, **verdict_record(v)} for v in d.verdicts]
         audits += [{"attempt": a.number, "result": u.result, "digest": u.digest[:16], "kind": u.kind or "local",
                     "machine": u.machine, "node": (u.node or "")[:12] or "-", "finished": _when(u.finished_at),
@@ -226,6 +226,14 @@ def screens_show(
     typer.echo("\naudits")
     typer.echo(table(audits, ["attempt", "result", "digest", "kind", "machine", "node", "finished", "problems"])
                if audits else "none; run `packbench audit`")
+
+
+def _reconciled(attempt) -> str | None:
+    """When rows of the attempt came from its archive instead of the driver (db reconcile)."""
+    if attempt.reconciled_at is None:
+        return None
+    n = attempt.reconciled_episodes or 0
+    return f"{n} row{'s' if n != 1 else ''} at {_when(attempt.reconciled_at)} ({attempt.reconciled_check})"
 
 
 def attempt_time(attempt) -> dict[str, Any]:
@@ -322,7 +330,10 @@ def status(
                     "live": "yes" if d.live else "NO (no heartbeat)", "heartbeat": _when(d.heartbeat_at),
                     "idle": sum(w.get("state") == "idle" for w in d.workers),
                     "busy": sum(w.get("state") == "busy" for w in d.workers)} for d in st.dispatchers]
-    from db.queries import DispatcherStatus, QueuedScreen, RunningScreen
+    reconciled = [{"screen": r.screen_id, "attempt": r.attempt, "status": r.status,
+                   "reconciled_at": _when(r.reconciled_at), "rows": r.episodes, "checked_against": r.check}
+                  for r in st.reconciled]
+    from db.queries import DispatcherStatus, QueuedScreen, ReconciledAttempt, RunningScreen
 
     sections = [
         Section([dataclasses.asdict(r) for r in st.running], list(running[0]) if running else [], title="running",
@@ -332,6 +343,9 @@ def status(
         Section([dataclasses.asdict(d) for d in st.dispatchers],
                 list(dispatchers[0]) if dispatchers else [], title="dispatchers", rows=dispatchers,
                 empty="none; start one with `packbench dispatch`", fields=_field_names(DispatcherStatus)),
+        Section([dataclasses.asdict(r) for r in st.reconciled], list(reconciled[0]) if reconciled else [],
+                title="reconciled (episode rows inserted from archives after a database outage; latest first)",
+                rows=reconciled, empty="none", fields=_field_names(ReconciledAttempt)),
     ]
     if out != "table":
         counts = Section([{"state": state, "screens": n} for state, n in st.counts.items()], ["state", "screens"],
@@ -343,8 +357,11 @@ def status(
     if st.counts["queued"] > len(st.queued):
         typer.echo(f"... and {st.counts['queued'] - len(st.queued)} more")
     typer.echo("")
-    _emit(sections[2:], out)
+    _emit(sections[2:3], out)
     typer.echo(f"\nworkers of live dispatchers: {st.idle_workers} idle, {st.busy_workers} busy")
+    if reconciled:
+        typer.echo("")
+        _emit(sections[3:], out)
 
 
 def compare(

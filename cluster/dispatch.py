@@ -19,6 +19,13 @@ The database is the record and the queue; Ray is the transport and the placement
 - A worker that dies fails its attempt with a cause naming it, and the screen is requeued
   (up to its max_attempts); a replacement actor is started.
 - SIGINT/SIGTERM: stop claiming, give every held attempt back (`interrupted`, requeued), exit.
+- The database down (`DatabaseUnavailable`, after the Store's own retries): a one-shot
+  dispatcher stops (`fatal`); `follow` waits it out however long it lasts (`Outage`): no new
+  claims or episodes, the episodes in flight go to their archives without rows, one probe per
+  backoff step (doubling up to a cap), one line when the wait starts and one when it ends.
+  When the database answers: reconcile the rows its archives hold (service/reconcile.py),
+  renew its leases (an attempt reaped meanwhile ends as lost), do the writes it deferred, in
+  order, reconcile every other ended attempt's archive on this host, and continue.
 
 Ray retries are off everywhere (max_restarts=0, max_task_retries=0): ordering comes from the
 database, never from Ray's retries (shared/ray.md).
@@ -35,8 +42,9 @@ import signal
 import threading
 import time
 from dataclasses import dataclass, field
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from core.dispersion import NOISY_CORES, other_cores
 from core.errors import PackbenchError
@@ -52,6 +60,36 @@ log = logging.getLogger(__name__)
 
 LOOKAHEAD = 2  # episodes submitted to a worker at once: one running, one waiting
 UPKEEP_MAX_S = 2.0  # longest pause between lease renewals (and so before a cancel is seen)
+# Probes of a database that is down (`follow`): the first after 1 s, doubling up to 10 s. The
+# cap is how long a dispatcher may idle after the database is back (a 30 s cap left one idle
+# for 10 s after a 60 s PostgreSQL outage); one connection attempt per 10 s per dispatcher is
+# nothing to a recovering server.
+OUTAGE_BACKOFF_S = (1.0, 10.0)
+
+
+def outage_delays(first: float, cap: float) -> Iterator[float]:
+    """Seconds between probes of a database that is down: doubling from `first`, capped, forever."""
+    delay = first
+    while True:
+        yield delay
+        delay = min(delay * 2, cap)
+
+
+@dataclass
+class Outage:
+    """A database outage that a following dispatcher waits out (what tests observe)."""
+
+    cause: str
+    since: float  # time.monotonic() when it was noticed
+    started_at: str  # the same, as UTC wall time for the line
+    delays: Iterator[float]
+    next_probe: float = 0.0
+    probes: int = 0  # failed probes so far
+
+    def schedule(self, now: float) -> float:
+        delay = next(self.delays)
+        self.next_probe = now + delay
+        return delay
 
 
 @dataclass
@@ -101,6 +139,7 @@ class Active:
     looked_ahead: bool = False  # its slot tried to claim its next screen (once: an empty queue is not polled)
     host_shared: bool = False  # said once: another dispatcher's or cluster's worker was busy on its host
     host_busy: bool = False  # said once: other processes kept its host's cores busy during an episode
+    ended: bool = False  # its outcome is taken (an ending deferred over an outage never runs twice)
 
     @property
     def handed_out(self) -> bool:
@@ -169,7 +208,8 @@ class Dispatcher:
                  lease_s: float = 60.0, only_screen: int | None = None,
                  progress: Callable[..., None] = lambda msg, **event: None,
                  on_outcome: Callable[[ScreenOutcome], None] = lambda outcome: None,
-                 worker_class: Any = None, look_ahead: bool = True) -> None:
+                 worker_class: Any = None, look_ahead: bool = True,
+                 outage_backoff: tuple[float, float] = OUTAGE_BACKOFF_S) -> None:
         self.store, self.settings = store, settings
         self.workers, self.follow, self.lease_s = workers, follow, lease_s
         self.only_screen = only_screen
@@ -197,6 +237,13 @@ class Dispatcher:
         self.signer = Signer.load(settings.signing_key) if settings.signing_key else None
         self.id: int | None = None
         self._next_upkeep = 0.0
+        self.outage_backoff = outage_backoff
+        self.outage: Outage | None = None  # the database is down and `follow` waits for it
+        self.outages: list[dict] = []  # each outage waited out: seconds, probes, rows reconciled
+        # Database writes that an outage interrupted or that came due during it, run in order
+        # once it answers again (each is idempotent or resumes where it stopped).
+        self._after_outage: list[Callable[[], None]] = []
+        self._no_reap_until = 0.0  # after an outage: time.monotonic() before which no lease is reaped
         self._started = 0
 
     # ------------------------------------------------------------------------- lifecycle
@@ -214,18 +261,24 @@ class Dispatcher:
                 return self.outcomes
         _archive_dir(self.settings.archive_dir)  # before a claim: a claimed attempt would fail on it
         self.ray = ensure_ray(self.settings)
-        self.id = self.store.register_dispatcher(f"dispatch-{platform.node()}-{os.getpid()}", platform.node(),
-                                                 pid=os.getpid())
         # Signals reach the main thread only; a dispatcher in another thread (tests) is stopped by
         # setting `stopping`.
         main = threading.current_thread() is threading.main_thread()
         previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)} if main else {}
         try:
-            self._start_pool()
-            while not self.stopping:
+            self._register()
+            if self.id is not None:
+                self._start_pool()
+            while not self.stopping and self.id is not None:
                 try:
-                    self._step()
+                    if self.outage is not None:
+                        self._ride_out()
+                    else:
+                        self._step()
                 except DatabaseUnavailable as e:
+                    if self.follow:
+                        self._database_down(e)
+                        continue
                     # Retried with backoff already (Store): stop claiming; the archives hold every
                     # finished episode; leases expire and a later dispatcher requeues the screens.
                     self.stopping, self.fatal = "database", str(e)
@@ -239,6 +292,137 @@ class Dispatcher:
             for s, handler in previous.items():
                 signal.signal(s, handler)
         return self.outcomes
+
+    def _register(self) -> None:
+        """Register this dispatcher (`id`); `follow` waits for a database that is down at start."""
+        name = f"dispatch-{platform.node()}-{os.getpid()}"
+        while not self.stopping:
+            try:
+                if self.outage is not None:
+                    if time.monotonic() < self.outage.next_probe:
+                        time.sleep(min(0.2, self.outage.next_probe - time.monotonic()))
+                        continue
+                    self.store.ping()  # one try per probe; the register below retries on its own
+                self.id = self.store.register_dispatcher(name, platform.node(), pid=os.getpid())
+                if self.outage is not None:
+                    self._database_back()
+                return
+            except DatabaseUnavailable as e:
+                if not self.follow:
+                    raise
+                self._database_down(e)
+
+    # ------------------------------------------------------------------------- database outages
+
+    def _database_down(self, e: DatabaseUnavailable) -> None:
+        """The database stopped answering (`follow`): wait for it, saying so once."""
+        now = time.monotonic()
+        if self.outage is not None:  # it failed again while we were catching up: keep waiting
+            self.outage.probes += 1
+            self.outage.schedule(now)
+            return
+        first, cap = self.outage_backoff
+        # It was failing through the Store's retries before it was raised: the outage began then.
+        began = datetime.now(timezone.utc) - timedelta(seconds=e.failing_s)
+        self.outage = Outage(cause=e.cause, since=now - e.failing_s, started_at=began.strftime("%H:%M:%S UTC"),
+                             delays=outage_delays(first, cap))
+        self.outage.schedule(now)
+        held = self._in_flight() + self._unpersisted()
+        self.progress(f"database unavailable since {self.outage.started_at} ({e.cause}); waiting for it, probing "
+                      f"every {first:g}-{cap:g} s: no claims and no new episodes meanwhile; {held} episode"
+                      f"{'s' if held != 1 else ''} in flight or archived without a row get their rows from the "
+                      f"archives when it answers")
+
+    def _in_flight(self) -> int:
+        return sum(a.submitted - a.run.done_count for a in self._actives() if a.entries)
+
+    def _unpersisted(self) -> int:
+        return sum(len(a.run.unpersisted) for a in self._actives())
+
+    def _actives(self) -> list[Active]:
+        return [a for s in self.slots for a in (s.active, s.next) if a is not None]
+
+    def _ride_out(self) -> None:
+        """One turn while the database is down: archive what the workers return; probe on time."""
+        wait = max(0.0, min(0.2, self.outage.next_probe - time.monotonic()))
+        if self.refs:
+            ready, _ = self.ray.wait(list(self.refs), num_returns=len(self.refs), timeout=wait)
+            for ref in ready:
+                if ref in self.refs:
+                    self._handle(ref)
+        else:
+            time.sleep(wait)
+        if time.monotonic() < self.outage.next_probe or self.stopping:
+            return
+        try:
+            self.store.ping()
+        except DatabaseUnavailable:
+            self.outage.probes += 1
+            self.outage.schedule(time.monotonic())
+            return
+        self._database_back()
+
+    def _database_back(self) -> None:
+        """The database answers again: catch up, in order, then carry on (see the module doc)."""
+        outage = self.outage
+        down_s = time.monotonic() - outage.since
+        own = {a.run.attempt.id: a for a in self._actives() if a.run.writer is not None}
+        from service.reconcile import reconcile
+
+        report = reconcile(self.store, attempt_ids=list(own),
+                           expected={i: a.run.writer.members for i, a in own.items()})
+        for done in report.attempts:
+            own[done.attempt_id].run.unpersisted.clear()
+        if self.id is not None:
+            for active in own.values():
+                if active.stop is None and not active.ended and not self.store.renew_lease(active.run.attempt.id,
+                                                                                         self.lease_s):
+                    self._refused(active)  # reaped meanwhile (lost) or cancelled: its ending is deferred below
+        # The deferred writes run now (and whatever they start writes at once, not deferred again).
+        self.outage = None
+        pending, self._after_outage = self._after_outage, []
+        while pending:
+            action = pending.pop(0)
+            try:
+                action()
+            except DatabaseUnavailable:
+                self._after_outage = [action, *pending, *self._after_outage]
+                self.outage = outage  # the same outage goes on: no second line
+                raise
+            except PackbenchError as e:
+                log.error("a write deferred over the database outage failed: %s", e)
+        try:
+            others = reconcile(self.store)  # every ended attempt whose archive is on this host
+        except DatabaseUnavailable:
+            self.outage = outage
+            raise
+        self._next_upkeep = 0.0  # renew and heartbeat on the next turn
+        # Other dispatchers waited out the same outage and their leases expired too: give them one
+        # lease to renew before reaping theirs (a dead dispatcher's screens wait that much longer).
+        self._no_reap_until = time.monotonic() + self.lease_s
+        for active in self._actives():
+            if active.entries and active.stop is None and not active.ended:
+                while active.submitted - active.run.done_count < LOOKAHEAD and active.submitted < len(active.entries):
+                    self._submit_next(active)
+        rows = report.inserted + others.inserted
+        self.outages.append({"seconds": down_s, "probes": outage.probes, "reconciled": rows,
+                             "attempts": [r.line() for r in report.attempts + others.attempts]})
+        detail = "; ".join(r.line() for r in report.attempts + others.attempts)
+        self.progress(f"database back after {down_s:.1f} s ({outage.probes} failed probe"
+                      f"{'s' if outage.probes != 1 else ''}); reconciled {rows} episode row"
+                      f"{'s' if rows != 1 else ''} from archives{f' ({detail})' if detail else ''}; continuing")
+
+    def _when_db(self, action: Callable[[], None]) -> None:
+        """Run a database step now; while the database is down (`follow`), once it is back, in order."""
+        if self.outage is not None:
+            self._after_outage.append(action)
+            return
+        try:
+            action()
+        except DatabaseUnavailable:
+            if self.follow:
+                self._after_outage.append(action)
+            raise
 
     def _step(self) -> None:
         """One turn: upkeep, claims for idle workers, then whatever the workers returned."""
@@ -285,9 +469,12 @@ class Dispatcher:
 
     def _shutdown(self) -> None:
         reason = f"dispatcher stopped ({self.stopping})" if self.stopping else "dispatcher stopped"
+        # With the database down nothing can be given back: the leases expire and a later
+        # dispatcher requeues the screens; the archives keep every episode (db reconcile).
+        offline = self.stopping == "database" or self.outage is not None
         for slot in self.slots:
             for active in (slot.active, slot.next):
-                if active is not None and active.stop != "lost" and self.stopping != "database":
+                if active is not None and active.stop != "lost" and not offline:
                     try:
                         status = self.store.release(active.run.attempt.id, reason)
                         self.progress(f"screen {active.run.screen.id}: attempt {active.run.attempt.number} "
@@ -295,7 +482,7 @@ class Dispatcher:
                     except PackbenchError as e:
                         log.error("could not give back screen %s: %s", active.run.screen.id, e)
             self._kill(slot)
-        if self.id is not None and self.stopping != "database":
+        if self.id is not None and not offline:
             try:
                 self.store.stop_dispatcher(self.id)
             except PackbenchError as e:
@@ -381,7 +568,8 @@ class Dispatcher:
             return
         # A third of a lease keeps it alive; at most 2 s so a cancel is seen within 2 s.
         self._next_upkeep = now + min(self.lease_s / 3, UPKEEP_MAX_S)
-        self._reap()
+        if now >= self._no_reap_until:
+            self._reap()
         for slot in self.slots:
             for active in (slot.active, slot.next):
                 if active is not None and active.stop is None and not self.store.renew_lease(active.run.attempt.id,
@@ -555,12 +743,21 @@ class Dispatcher:
         for _ in range(LOOKAHEAD):
             self._submit_next(active)
         run.t_first = time.perf_counter()
-        self.store.place_attempt(run.attempt.id, model_state=start.get("model_state"))
         run.loaded(start, active.token_ids)
+        model_state = start.get("model_state")
+        self._when_db(lambda: self._place(active, model_state))
+
+    def _place(self, active: Active, model_state: str | None) -> None:
+        try:
+            self.store.place_attempt(active.run.attempt.id, model_state=model_state)
+        except DatabaseUnavailable:
+            raise
+        except PackbenchError as e:  # no longer running (reaped, say): the renewal decides what ends it
+            log.warning("screen %s: placement not recorded: %s", active.run.screen.id, e)
 
     def _submit_next(self, active: Active) -> None:
-        if active.submitted >= len(active.entries) or active.stop:
-            return
+        if active.submitted >= len(active.entries) or active.stop or self.outage is not None:
+            return  # an outage pauses the screen: _database_back submits again
         entry = active.entries[active.submitted]
         active.submitted += 1
         active.inflight += 1
@@ -575,7 +772,17 @@ class Dispatcher:
         # The next episode goes to the worker before this one is persisted (archive + row).
         self._submit_next(active)
         self._note_host_sharing(active, record)
-        active.run.record(record)
+        try:
+            active.run.record(record, persist=self.outage is None)  # archived either way
+        except DatabaseUnavailable:
+            if self.follow:
+                self._after_outage.append(lambda: self._recorded(active))
+            raise
+        self._recorded(active)
+
+    def _recorded(self, active: Active) -> None:
+        if active.ended:
+            return
         if active.stop:
             if active.inflight == 0:
                 self._end_stopped(active)
@@ -585,7 +792,12 @@ class Dispatcher:
             # them behind those episodes (tried) cut the worker's switch between screens from ~20
             # to ~4 ms but put 10-25 ms of driver work inside the next screen, and the queue path
             # per episode rose by 1-5 ms in 6 of 6 paired runs (docs/benchmarks.md).
-            self._end(active, active.run.finish())
+            self._when_db(lambda: self._finish(active))
+
+    def _finish(self, active: Active) -> None:
+        if active.ended or active.stop:  # reaped over an outage: the renewal ended it as lost
+            return
+        self._end(active, active.run.finish())
 
     def _note_host_sharing(self, active: Active, record: dict) -> None:
         """Say once per attempt when a packbench worker that is not this dispatcher's (another
@@ -610,8 +822,10 @@ class Dispatcher:
                           + ", not this dispatcher's, busy during its episodes (each episode records it)")
 
     def _end_stopped(self, active: Active) -> None:
+        if active.ended:
+            return
         if active.stop == "cancelled":
-            self._end(active, active.run.fail("cancelled", "cancelled by the user"))
+            self._fail(active, "cancelled", "cancelled by the user")
         else:
             run = active.run
             self._end(active, ScreenOutcome(run.screen.id, run.attempt.id, run.archive_path, None, "lost",
@@ -619,6 +833,12 @@ class Dispatcher:
 
     def _fail(self, active: Active, status: str, error: str, *, requeue: bool = False,
               bad_input: bool = False) -> None:
+        self._when_db(lambda: self._fail_now(active, status, error, requeue=requeue, bad_input=bad_input))
+
+    def _fail_now(self, active: Active, status: str, error: str, *, requeue: bool = False,
+                  bad_input: bool = False) -> None:
+        if active.ended:
+            return
         try:
             self._end(active, active.run.fail(status, error, requeue=requeue, bad_input=bad_input))
         except DatabaseUnavailable:
@@ -629,6 +849,9 @@ class Dispatcher:
 
     def _end(self, active: Active, outcome: ScreenOutcome | None) -> None:
         """The screen is over for this slot: its next screen (if claimed) becomes the active one."""
+        if active.ended:
+            return
+        active.ended = True
         slot = active.slot
         active.run.episodes = [{**e, "logits": None, "calls": None} for e in active.run.episodes]
         if outcome is not None:

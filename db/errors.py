@@ -16,7 +16,21 @@ class DatabaseUnavailable(DatabaseError):
     """The server or the connection failed (not the statement): a retry may succeed.
 
     `Store` retries the writes a dispatcher makes with backoff before raising it; then its
-    message says how long it tried and how to recover.
+    message says how long it tried and how to recover, and `cause` is the failure alone (one
+    line, without the retry account: what `dispatch --follow` says while it waits).
+    """
+
+    def __init__(self, message: str, *, cause: str | None = None, failing_s: float = 0.0) -> None:
+        super().__init__(message)
+        self.cause = cause or message
+        self.failing_s = failing_s  # how long it had been failing when raised (the retries' span)
+
+
+class DatabaseLocked(DatabaseUnavailable):
+    """SQLite stayed locked by another connection for the whole busy timeout.
+
+    Not retried by `Store` (the busy handler has already waited); `dispatch --follow` waits it
+    out like any other outage.
     """
 
 

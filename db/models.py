@@ -313,6 +313,11 @@ class Attempt(Base):
     model_sha256: Mapped[str | None] = mapped_column(String(64))
     signer_key_id: Mapped[str | None] = mapped_column(String(16))
     ingested_from: Mapped[str | None] = mapped_column(Text)
+    # 0008: episode rows inserted from the attempt's archive after a database outage
+    # (service/reconcile.py): when last, how many in all, and what each member was checked against.
+    reconciled_at: Mapped[datetime | None] = mapped_column(UtcDateTime)
+    reconciled_episodes: Mapped[int | None] = mapped_column(Integer)
+    reconciled_check: Mapped[str | None] = mapped_column(String(16))  # manifest | writer | crc32
 
     def to_record(self) -> AttemptRow:
         return AttemptRow(
@@ -339,6 +344,9 @@ class Attempt(Base):
             model_sha256=self.model_sha256,
             signer_key_id=self.signer_key_id,
             ingested_from=self.ingested_from,
+            reconciled_at=self.reconciled_at,
+            reconciled_episodes=self.reconciled_episodes,
+            reconciled_check=self.reconciled_check,
         )
 
 

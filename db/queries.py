@@ -770,6 +770,19 @@ class DispatcherStatus:
 
 
 @dataclass(frozen=True, slots=True)
+class ReconciledAttempt:
+    screen_id: int
+    attempt: int  # its number
+    status: str
+    reconciled_at: datetime
+    episodes: int  # rows inserted from its archive, in all
+    check: str | None  # manifest | writer | crc32
+
+
+RECONCILED_LISTED = 20  # the latest reconciled attempts `status` lists
+
+
+@dataclass(frozen=True, slots=True)
 class QueueStatus:
     now: datetime
     counts: dict[str, int]  # every screen status, zeros included
@@ -778,6 +791,7 @@ class QueueStatus:
     dispatchers: tuple[DispatcherStatus, ...]  # not stopped, heard from in the last day
     idle_workers: int  # over live dispatchers
     busy_workers: int
+    reconciled: tuple[ReconciledAttempt, ...] = ()  # latest first: rows inserted from archives (db reconcile)
 
 
 def _planned_episodes(canonical_json: str) -> int | None:
@@ -855,5 +869,13 @@ def queue_status(session: Session, *, now: datetime, live_within_s: float) -> Qu
         dispatchers.append(DispatcherStatus(id=row.id, name=row.name, host=row.host, pid=row.pid,
                                             started_at=row.started_at, heartbeat_at=row.heartbeat_at,
                                             live=live, workers=row.workers))
+    reconciled = tuple(
+        ReconciledAttempt(screen_id=a.screen_id, attempt=a.number, status=a.status, reconciled_at=a.reconciled_at,
+                          episodes=a.reconciled_episodes or 0, check=a.reconciled_check)
+        for a in session.scalars(
+            select(Attempt).where(Attempt.reconciled_at.is_not(None))
+            .order_by(Attempt.reconciled_at.desc(), Attempt.id.desc()).limit(RECONCILED_LISTED)
+        )
+    )
     return QueueStatus(now=now, counts=counts, running=running, queued=queued, dispatchers=tuple(dispatchers),
-                       idle_workers=idle, busy_workers=busy)
+                       idle_workers=idle, busy_workers=busy, reconciled=reconciled)

@@ -106,6 +106,9 @@ class AttemptRow:
     model_sha256: str | None = None  # content digest of the checkpoint it measured (0005)
     signer_key_id: str | None = None  # who signed its sealed archive (0005)
     ingested_from: str | None = None  # set when the attempt came from `packbench ingest` (0005)
+    reconciled_at: datetime | None = None  # rows last inserted from its archive (0008, db reconcile)
+    reconciled_episodes: int | None = None  # how many rows came from its archive, in all
+    reconciled_check: str | None = None  # manifest | writer | crc32: what their members were checked against
 
 
 def _row_type(f: Field) -> Any:
@@ -184,3 +187,11 @@ class Reaped:
     attempt_id: int
     screen_id: int
     screen_status: str  # queued (requeued) | failed (max_attempts used) | cancelled
+
+
+@dataclass(frozen=True, slots=True)
+class ReconcileTarget:
+    """An attempt whose archive may hold episodes the database lacks, and the rows it has."""
+
+    attempt: AttemptRow
+    stored: frozenset[int]  # plan indexes with an episode row

@@ -22,7 +22,7 @@ from sqlalchemy.exc import (
 )
 from sqlalchemy.orm import Session
 
-from db.errors import DatabaseError, DatabaseUnavailable, SchemaNotAtHead
+from db.errors import DatabaseError, DatabaseLocked, DatabaseUnavailable, SchemaNotAtHead
 
 ENV_VAR = "PACKBENCH_DB_URL"
 DEFAULT_URL = "sqlite:///packbench.db"
@@ -222,7 +222,7 @@ def translate(exc: BaseException, url: URL) -> DatabaseError:
                 f"{where} is read-only ({detail}); make the file and its directory writable "
                 f"or set {ENV_VAR}",
             _SQLITE_BUSY:
-                f"{where} stayed locked by another writer for {SQLITE_BUSY_TIMEOUT_MS // 1000} s; "
+                f"{where} stayed locked by another writer for {SQLITE_BUSY_TIMEOUT_MS / 1000:g} s; "
                 f"retry, or use PostgreSQL for many concurrent writers",
             _SQLITE_NOTADB:
                 f"{url.database} is not a SQLite database; point {ENV_VAR} at a packbench database",
@@ -230,6 +230,8 @@ def translate(exc: BaseException, url: URL) -> DatabaseError:
             _SQLITE_IOERR: f"{where}: disk I/O error; check the disk and retry",
         }
         message = by_code.get(_sqlite_code(orig))  # type: ignore[arg-type]
+        if _sqlite_code(orig) == _SQLITE_BUSY:
+            return DatabaseLocked(message)  # another connection holds it: it may let go
         if message is not None:
             return DatabaseError(message)
         schema_error = "no such table" in lowered or "no such column" in lowered

@@ -31,7 +31,9 @@ The job queue (issue 12)
   (`db.session.is_transient`) re-runs the whole transaction with backoff; if the database
   stays down, `DatabaseUnavailable` says for how long it tried and how to recover. A
   retried write whose first commit did land is harmless: the upserts are idempotent, and a
-  claim the caller never saw expires and is requeued.
+  claim the caller never saw expires and is requeued. `dispatch --follow` then waits with
+  `ping` (one try each) and, once it answers, inserts the rows its archives hold
+  (`reconcile_targets`, `put_reconciled`: service/reconcile.py).
 """
 
 from __future__ import annotations
@@ -72,7 +74,7 @@ from sqlalchemy.orm import Session
 from core.protocol import resources_fit
 from core.record import stored_values
 from db import migrate, queries
-from db.errors import Conflict, DatabaseUnavailable, NotFound, SchemaNotAtHead
+from db.errors import Conflict, DatabaseLocked, DatabaseUnavailable, NotFound, SchemaNotAtHead
 from db.models import (
     AUDIT_KINDS,
     MODEL_STATES,
@@ -103,6 +105,7 @@ from db.records import (
     Claim,
     DispatcherRow,
     Reaped,
+    ReconcileTarget,
     EpisodeRow,
     MachineRow,
     ProtocolRow,
@@ -117,6 +120,10 @@ from db.session import display_url, make_engine, session_scope, translate_errors
 _SCREEN_STATUS_AFTER = {"done": "done", "failed": "failed", "interrupted": "failed",
                         "cancelled": "cancelled"}
 WORKER_STATES = ("idle", "busy")
+# What a reconciled row's archive members were checked against, strongest first: the sealed
+# archive's manifest (SHA-256), the live writer's member table (SHA-256, what the manifest will
+# hold), or an unsealed archive's zip CRC-32s alone. An attempt records the weakest it used.
+RECONCILE_CHECKS = ("manifest", "writer", "crc32")
 # Backoff between tries of a dispatcher write while the database is unavailable: 8 tries
 # over about 12.7 s, long enough for a PostgreSQL restart or a pooled connection to be
 # replaced, short against a lease of a minute.
@@ -139,13 +146,18 @@ def _retried(method: Callable[..., _T]) -> Callable[..., _T]:
         for tries, delay in enumerate((*delays, None), start=1):
             try:
                 return method(self, *args, **kwargs)
+            except DatabaseLocked:
+                raise  # SQLite's busy handler has waited its timeout already
             except DatabaseUnavailable as exc:
                 if delay is None:
+                    failing = time.monotonic() - started
                     raise DatabaseUnavailable(
                         f"{exc}; gave up on {method.__name__} after {tries} tries over "
-                        f"{time.monotonic() - started:.1f} s. Once the database is back, run the "
-                        f"command again: committed records are kept, and a screen whose lease "
-                        f"expired meanwhile is requeued (see `packbench status`)"
+                        f"{failing:.1f} s. Once the database is back, run the "
+                        f"command again: committed records are kept, a screen whose lease "
+                        f"expired meanwhile is requeued (see `packbench status`), and "
+                        f"`packbench db reconcile` inserts any archived episode that has no row",
+                        cause=exc.cause, failing_s=failing,
                     ) from exc
                 time.sleep(delay)
         raise AssertionError("unreachable")
@@ -981,6 +993,54 @@ class Store:
             return 0
         with self._session() as session:
             return self._insert_ignore(session, Episode, rows, ["attempt_id", "plan_index"])
+
+    def ping(self) -> None:
+        """One round trip (`SELECT 1`), tried once: raises `DatabaseUnavailable` while the
+        database is down (what `dispatch --follow` probes with while it waits)."""
+        with self._session() as session:
+            session.execute(select(1))
+
+    @_retried
+    def reconcile_targets(self, *, attempt_ids: Collection[int] | None = None,
+                          running: bool = False) -> list[ReconcileTarget]:
+        """Attempts whose archive may hold episodes without a row, with the plan indexes
+        stored for each: `attempt_ids`, or every attempt but the running ones (their
+        dispatcher writes them, and reconciles its own when the database is back) unless
+        `running`."""
+        with self._session() as session:
+            query = select(Attempt).order_by(Attempt.id)
+            if attempt_ids is not None:
+                query = query.where(Attempt.id.in_(list(attempt_ids)))
+            elif not running:
+                query = query.where(Attempt.status != "running")
+            attempts = session.scalars(query).all()
+            stored: dict[int, set[int]] = {a.id: set() for a in attempts}
+            ids = list(stored)
+            for chunk in range(0, len(ids), 500):  # bounded IN lists
+                for attempt_id, plan_index in session.execute(
+                    select(Episode.attempt_id, Episode.plan_index).where(Episode.attempt_id.in_(ids[chunk:chunk + 500]))
+                ):
+                    stored[attempt_id].add(plan_index)
+            return [ReconcileTarget(a.to_record(), frozenset(stored[a.id])) for a in attempts]
+
+    @_retried
+    def put_reconciled(self, attempt_id: int, records: Sequence[Mapping[str, Any]], *, check: str) -> int:
+        """Insert episode rows recovered from the attempt's archive, in one transaction, and
+        note it on the attempt (`reconciled_at`, `reconciled_episodes`, `reconciled_check`);
+        return how many were new. Idempotent: INSERT ... ON CONFLICT (attempt_id, plan_index)
+        DO NOTHING, so a row that arrived meanwhile (or a second reconciler) inserts nothing."""
+        if check not in RECONCILE_CHECKS:
+            raise ValueError(f"check {check!r} is not one of {', '.join(RECONCILE_CHECKS)}")
+        rows = [_episode_columns(attempt_id, record) for record in records]
+        with self._session() as session:
+            attempt = self._get(session, Attempt, attempt_id, "attempt", for_update=True)
+            inserted = self._insert_ignore(session, Episode, rows, ["attempt_id", "plan_index"]) if rows else 0
+            if inserted:
+                attempt.reconciled_at = self._clock()
+                attempt.reconciled_episodes = (attempt.reconciled_episodes or 0) + inserted
+                weakest = max(RECONCILE_CHECKS.index(attempt.reconciled_check or check), RECONCILE_CHECKS.index(check))
+                attempt.reconciled_check = RECONCILE_CHECKS[weakest]
+            return inserted
 
     def episodes(self, attempt_id: int) -> list[EpisodeRow]:
         """The attempt's episodes, by plan_index."""

@@ -22,6 +22,7 @@ from core.archive import ArchiveWriter
 from core.errors import PackbenchError
 from core.gates import compute_verdicts
 from core.plan import plan
+from db.errors import DatabaseUnavailable
 from core.protocol import Protocol, expand
 
 log = logging.getLogger(__name__)
@@ -71,6 +72,8 @@ class ScreenRun:
         self.t_first: float | None = None  # the first episode handed to the worker (set by the dispatcher)
         self.t_claimed = 0.0  # seconds the claim that made this attempt took (set by the dispatcher)
         self.timings: list[tuple[float, float]] = []  # (arrival, seconds spent recording it)
+        self.unpersisted: list[int] = []  # archived episodes whose row is not written yet (a database outage)
+        self._sealed: tuple[list[dict], str, str | None] | None = None  # (verdicts, SHA-256, signer) once sealed
 
     @property
     def done_count(self) -> int:
@@ -95,12 +98,25 @@ class ScreenRun:
                       condition=None)
         return self.entries
 
-    def record(self, record: dict) -> None:
-        """One finished episode: archive member(s) first (fsynced), then its database row."""
+    def record(self, record: dict, *, persist: bool = True) -> None:
+        """One finished episode: archive member(s) first (fsynced), then its database row.
+
+        `persist` False (the database is known to be down) writes the archive only. Either way
+        an episode whose row could not be written is kept in `unpersisted` (its plan index)
+        and counts as done: reconciliation inserts its row from the archive
+        (service/reconcile.py). A `DatabaseUnavailable` from the row's write is raised after
+        this bookkeeping, so that the caller learns the database is down."""
         t0 = time.perf_counter()
         logits, trace = record.pop("logits"), record.pop("trace")
         self.writer.add_episode(record, logits, trace)
-        self.store.put_episode(self.attempt.id, record)
+        failure: DatabaseUnavailable | None = None
+        if persist:
+            try:
+                self.store.put_episode(self.attempt.id, record)
+            except DatabaseUnavailable as e:
+                failure = e
+        if failure is not None or not persist:
+            self.unpersisted.append(record["plan_index"])
         self.episodes.append({**record, "logits": logits})
         self.timings.append((t0, time.perf_counter() - t0))
         entry = self.entries[record["plan_index"]]
@@ -110,21 +126,26 @@ class ScreenRun:
                       f"prompt {entry['prompt']} {record['status']}{took}", screen=self.screen.id,
                       done=len(self.episodes),
                       total=len(self.entries), condition=entry["condition"])
+        if failure is not None:
+            raise failure
 
     def finish(self) -> ScreenOutcome:
         """Every planned episode is in: verdicts, seal, store them, attempt done."""
-        verdicts = compute_verdicts(self.protocol, self.episodes, start=self.start)
-        self.writer.add_json("verdicts.json", verdicts)
-        sha = self.writer.seal({"protocol_sha256": self.protocol.sha256, "screen_id": self.screen.id,
-                                "attempt": self.attempt.number, "environment": self.env,
-                                "source_freeze": self.freeze})
-        key_id = None
-        if self.signer is not None:
-            try:
-                self.signer.sign_archive(self.archive_path, sha, self.writer.manifest_sha256)
-                key_id = self.signer.key_id
-            except (OSError, PackbenchError) as e:  # the archive stays valid, unsigned: --trust refuses it
-                log.warning("screen %s: archive not signed: %s", self.screen.id, e)
+        if self._sealed is None:  # a finish the database interrupted resumes after the seal
+            verdicts = compute_verdicts(self.protocol, self.episodes, start=self.start)
+            self.writer.add_json("verdicts.json", verdicts)
+            sha = self.writer.seal({"protocol_sha256": self.protocol.sha256, "screen_id": self.screen.id,
+                                    "attempt": self.attempt.number, "environment": self.env,
+                                    "source_freeze": self.freeze})
+            key_id = None
+            if self.signer is not None:
+                try:
+                    self.signer.sign_archive(self.archive_path, sha, self.writer.manifest_sha256)
+                    key_id = self.signer.key_id
+                except (OSError, PackbenchError) as e:  # the archive stays valid, unsigned: --trust refuses it
+                    log.warning("screen %s: archive not signed: %s", self.screen.id, e)
+            self._sealed = (verdicts, sha, key_id)
+        verdicts, sha, key_id = self._sealed
         model_sha = (self.start or {}).get("model_sha256")
         if key_id is not None or model_sha is not None:
             self.store.set_attempt_evidence(self.attempt.id, model_sha256=model_sha, signer_key_id=key_id)

@@ -287,6 +287,17 @@ def test_a_database_that_stays_down_stops_the_dispatcher_and_keeps_the_evidence(
     outcomes = dispatcher(store, settings(cluster, tmp_path, models), lease_s=2).run()
     lost, done = store.attempts(screen_id)
     assert lost.status == "lost" and done.status == "done" and [o.status for o in outcomes] == ["done"]
+    # Issue 27, case 13: the lost attempt's archive holds an episode the database lacks, until
+    # reconciliation inserts it (checked by its CRC-32: nobody sealed that archive).
+    assert len(store.episodes(lost.id)) == 1
+    from service.reconcile import reconcile
+
+    report = reconcile(store)
+    assert [(r.attempt_id, r.inserted, r.check, r.refused) for r in report.attempts] == [(lost.id, 1, "crc32", ())]
+    assert [e.plan_index for e in store.episodes(lost.id)] == [e.index for e in reader.episodes()] == [0, 1]
+    assert reconcile(store).inserted == 0  # idempotent
+    (lost,) = [a for a in store.attempts(screen_id) if a.id == lost.id]
+    assert lost.reconciled_episodes == 1 and lost.reconciled_check == "crc32" and lost.reconciled_at is not None
 
 
 def cli_dispatch(cluster, tmp_path, models, *args) -> subprocess.Popen:
@@ -458,3 +469,176 @@ def test_json_lines(cluster, tmp_path, models, store):
     assert proc.returncode == 0, err[-2000:]
     lines = out.strip().splitlines()
     assert len(lines) == 2 and all(json.loads(line)["status"] == "done" for line in lines)
+
+
+# ----------------------------------------------------------------------------- database outages
+
+
+class TcpProxy:
+    """127.0.0.1:<port> forwarding to PostgreSQL; `down()` refuses new connections and cuts the
+    open ones (what a server restart or a failover does to a client), `up()` listens again on the
+    same port. The real server keeps running for every other test."""
+
+    def __init__(self, target: tuple[str, int]) -> None:
+        import socket
+
+        self.socket, self.target = socket, target
+        probe = socket.socket()
+        probe.bind(("127.0.0.1", 0))
+        self.port = probe.getsockname()[1]
+        probe.close()
+        self.conns: list = []
+        self.listener = None
+        self.up()
+
+    def up(self) -> None:
+        s = self.socket.socket()
+        s.setsockopt(self.socket.SOL_SOCKET, self.socket.SO_REUSEADDR, 1)
+        s.bind(("127.0.0.1", self.port))
+        s.listen(64)
+        self.listener = s
+        threading.Thread(target=self._accept, args=(s,), daemon=True).start()
+
+    def down(self) -> None:
+        listener, self.listener = self.listener, None
+        listener.close()
+        for c in self.conns:
+            try:
+                c.shutdown(self.socket.SHUT_RDWR)
+            except OSError:
+                pass
+            c.close()
+        self.conns.clear()
+
+    def _accept(self, listener) -> None:
+        while True:
+            try:
+                client, _ = listener.accept()
+            except OSError:
+                return
+            if self.listener is not listener:
+                client.close()
+                return
+            server = self.socket.create_connection(self.target)
+            self.conns += [client, server]
+            for a, b in ((client, server), (server, client)):
+                threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
+
+    @staticmethod
+    def _pump(a, b) -> None:
+        try:
+            while data := a.recv(65536):
+                b.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (a, b):
+                try:
+                    s.close()
+                except OSError:
+                    pass
+
+
+class SqliteLock:
+    """Another connection holding the SQLite database's write lock (BEGIN IMMEDIATE): every
+    packbench transaction (each takes the lock at BEGIN) waits its busy timeout, then fails."""
+
+    def __init__(self, path: Path) -> None:
+        import sqlite3
+
+        self.connection = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+
+    def down(self) -> None:
+        self.connection.execute("BEGIN IMMEDIATE")
+
+    def up(self) -> None:
+        self.connection.execute("ROLLBACK")
+
+
+def _rows(url: str, attempt_id: int) -> int:
+    """Episode rows, read beside the outage (a plain sqlite3 read needs no write lock)."""
+    if url.startswith("sqlite"):
+        import sqlite3
+
+        with sqlite3.connect(url.removeprefix("sqlite:///")) as c:
+            return c.execute("SELECT count(*) FROM episodes WHERE attempt_id = ?", (attempt_id,)).fetchone()[0]
+    with Store(url) as s:
+        return len(s.episodes(attempt_id))
+
+
+@pytest.mark.parametrize("backend", ["sqlite", "postgresql"])
+def test_a_following_dispatcher_waits_out_a_database_outage(cluster, tmp_path, models, backend, request,
+                                                            monkeypatch):
+    """The database goes away mid-screen (PostgreSQL refusing connections through a proxy, or
+    SQLite held locked by another connection) for much longer than the Store's retries and the
+    lease: the dispatcher says so once, keeps the episodes in flight in the archive, probes with a
+    capped backoff, and when the database is back reconciles their rows, renews its lease and
+    finishes the screen: one attempt, archive episodes == database rows, none lost or twice."""
+    if backend == "sqlite":
+        import db.session
+
+        monkeypatch.setattr(db.session, "SQLITE_BUSY_TIMEOUT_MS", 100)  # the lock fails fast, as a long outage would
+        path = tmp_path / "outage.db"
+        direct = url = f"sqlite:///{path}"
+        with Store(url) as s:
+            s.upgrade()
+        outage = SqliteLock(path)
+    else:
+        from sqlalchemy.engine import make_url
+
+        from tests.db.conftest import fresh_pg_schema, skip_without_pg
+
+        context = fresh_pg_schema(skip_without_pg())
+        direct = context.__enter__()
+        request.addfinalizer(lambda: context.__exit__(None, None, None))
+        real = make_url(direct)
+        outage = TcpProxy((real.host or "127.0.0.1", real.port or 5432))
+        request.addfinalizer(lambda: outage.listener and outage.down())
+        url = real.set(host="127.0.0.1", port=outage.port).render_as_string(hide_password=False)
+        with Store(direct) as s:
+            s.upgrade()
+    with Store(direct) as s:
+        (screen_id,) = submit(s, protocol_file(tmp_path, prompts=6, continuation=8))  # 14 episodes
+    said: list[str] = []
+    store = Store(url, retry_delays=(0.05, 0.1))
+    d = dispatcher(store, settings(cluster, tmp_path, models), workers=1, lease_s=2, follow=True,
+                   outage_backoff=(0.05, 0.2), progress=lambda msg, **event: said.append(msg))
+    thread = threading.Thread(target=d.run)
+    thread.start()
+    try:
+        with Store(direct) as s:
+            attempt = wait_for(running_attempt_with_episodes(s, screen_id, 2), what="two episodes")
+        outage.down()
+        # Observable, not slept: the dispatcher has probed many times at its cap, long past the
+        # Store's retries (0.15 s) and the lease (2 s), and never given up.
+        wait_for(lambda: d.outage is not None and d.outage.probes >= 15, timeout=60, what="15 failed probes")
+        archived = len(ArchiveReader(Path(attempt.archive_path)).episodes())
+        rows_during = _rows(direct, attempt.id)
+        assert archived > rows_during  # the episodes in flight went to the archive without rows
+        assert d.fatal is None and thread.is_alive()
+        outage.up()
+        with Store(direct) as s:
+            wait_for(lambda: s.screen(screen_id).status == "done", what="the screen to finish")
+    finally:
+        if getattr(outage, "listener", True) is None:  # a failed assertion left the proxy down
+            outage.up()
+        d.stopping = "test"
+        thread.join(120)
+        store.close()
+    waiting = [m for m in said if m.startswith("database unavailable since")]
+    back = [m for m in said if m.startswith("database back after")]
+    assert len(waiting) == 1 and len(back) == 1, said  # one line each way, not one per probe
+    assert "waiting for it" in waiting[0] and "continuing" in back[0]
+    assert len(d.outages) == 1 and d.outages[0]["probes"] >= 15 and d.outages[0]["reconciled"] >= 1
+    with Store(direct) as s:
+        (only,) = s.attempts(screen_id)  # the lease expired in the outage, yet it was renewed, not lost
+        assert only.status == "done" and only.reconciled_check == "writer"
+        assert only.reconciled_episodes == archived - rows_during
+        rows = [e.plan_index for e in s.episodes(only.id)]
+        reader = ArchiveReader(Path(only.archive_path))
+        assert reader.complete and reader.verify() == []
+        assert rows == list(range(14)) == [e.index for e in reader.episodes()]
+        from service.audit import audit_screens
+
+        (audited,) = audit_screens(s, [screen_id])
+        assert audited.agrees, audited.report.record["problems"]
