@@ -88,7 +88,7 @@ def use(model: CpuFirstModel, policy: str, params: dict) -> None:
 # The graph decoder's measured variants (bench only): +attention=static captures the whole step
 # over the static span; +kv=serial runs a captured layer's k and v after q; +attend=matmul runs the
 # attention between replayed pieces through torch.matmul as in eager calls, with a copy into the
-# static buffer (before session 19). The first value of each is what mode graph does.
+# static buffer (before 3D views). The first value of each is what mode graph does.
 GRAPH_VARIANTS = {"attention": ("live", "static"), "kv": ("parallel", "serial"), "attend": ("views", "matmul")}
 
 
