@@ -151,3 +151,4 @@ def test_a_refused_episode_makes_db_reconcile_exit_1(store, attempt, db_url):
     assert out.exit_code == 1
     assert out.output.splitlines()[-1] == "reconciled 0 episode rows from 1 archive; 1 refused"
     assert "refused (episode 0's record does not match plan entry 0)" in out.output
+
