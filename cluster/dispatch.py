@@ -25,7 +25,8 @@ The database is the record and the queue; Ray is the transport and the placement
   backoff step (doubling up to a cap), one line when the wait starts and one when it ends.
   When the database answers: reconcile the rows its archives hold (service/reconcile.py),
   renew its leases (an attempt reaped meanwhile ends as lost), do the writes it deferred, in
-  order, reconcile every other ended attempt's archive on this host, and continue.
+  order, reconcile the archives on this host of attempts that ended since the outage began,
+  and continue, reaping no other dispatcher's lease for one lease length.
 
 Ray retries are off everywhere (max_restarts=0, max_task_retries=0): ordering comes from the
 database, never from Ray's retries (shared/ray.md).
@@ -80,7 +81,7 @@ class Outage:
     """A database outage that a following dispatcher waits out (what tests observe)."""
 
     cause: str
-    since: float  # time.monotonic() when it was noticed
+    since: float  # time.monotonic() of its first failed try (the Store's retries come before it is noticed)
     started_at: str  # the same, as UTC wall time for the line
     delays: Iterator[float]
     next_probe: float = 0.0
@@ -392,7 +393,10 @@ class Dispatcher:
             except PackbenchError as e:
                 log.error("a write deferred over the database outage failed: %s", e)
         try:
-            others = reconcile(self.store)  # every ended attempt whose archive is on this host
+            # Every attempt on this host that ended since the outage began (a lease before it, to
+            # cover the attempts it cut short): not the whole history, which `db reconcile` reads.
+            since = datetime.now(timezone.utc) - timedelta(seconds=down_s + self.lease_s)
+            others = reconcile(self.store, finished_since=since)
         except DatabaseUnavailable:
             self.outage = outage
             raise

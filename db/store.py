@@ -1002,17 +1002,19 @@ class Store:
 
     @_retried
     def reconcile_targets(self, *, attempt_ids: Collection[int] | None = None,
-                          running: bool = False) -> list[ReconcileTarget]:
+                          finished_since: datetime | None = None) -> list[ReconcileTarget]:
         """Attempts whose archive may hold episodes without a row, with the plan indexes
-        stored for each: `attempt_ids`, or every attempt but the running ones (their
-        dispatcher writes them, and reconciles its own when the database is back) unless
-        `running`."""
+        stored for each: `attempt_ids` (running ones included), or every attempt that is not
+        running (its dispatcher writes it, and reconciles its own when the database is back),
+        only those finished at or after `finished_since` when given."""
         with self._session() as session:
             query = select(Attempt).order_by(Attempt.id)
             if attempt_ids is not None:
                 query = query.where(Attempt.id.in_(list(attempt_ids)))
-            elif not running:
+            else:
                 query = query.where(Attempt.status != "running")
+                if finished_since is not None:
+                    query = query.where(Attempt.finished_at >= finished_since)
             attempts = session.scalars(query).all()
             stored: dict[int, set[int]] = {a.id: set() for a in attempts}
             ids = list(stored)

@@ -25,6 +25,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -147,13 +148,15 @@ def reconcile_attempt(store, attempt, *, stored: Iterable[int],
                       tuple(refused))
 
 
-def reconcile(store, *, attempt_ids: Iterable[int] | None = None,
+def reconcile(store, *, attempt_ids: Iterable[int] | None = None, finished_since: datetime | None = None,
               expected: Mapping[int, Mapping[str, Mapping[str, Any]]] | None = None) -> ReconcileReport:
-    """Every attempt not running (or those of `attempt_ids`, running ones included) whose
-    archive is on this host: insert the rows of archived episodes the database lacks.
-    `expected`: per attempt id, the live writer's member table (the dispatcher's own)."""
+    """Every attempt not running (finished at or after `finished_since` when given; or those of
+    `attempt_ids`, running ones included) whose archive is on this host: insert the rows of
+    archived episodes the database lacks. `expected`: per attempt id, the live writer's member
+    table (the dispatcher's own)."""
     report = ReconcileReport()
-    targets = store.reconcile_targets(attempt_ids=None if attempt_ids is None else list(attempt_ids))
+    targets = store.reconcile_targets(attempt_ids=None if attempt_ids is None else list(attempt_ids),
+                                      finished_since=finished_since)
     for target in targets:
         attempt = target.attempt
         path = Path(attempt.archive_path)

@@ -642,3 +642,51 @@ def test_a_following_dispatcher_waits_out_a_database_outage(cluster, tmp_path, m
 
         (audited,) = audit_screens(s, [screen_id])
         assert audited.agrees, audited.report.record["problems"]
+
+
+def test_a_following_dispatcher_waits_for_a_database_down_at_start_and_idle(cluster, tmp_path, models, request):
+    """PostgreSQL refusing before the dispatcher registers: it waits, then registers; refusing again
+    while it idles: it waits again; stopped during that wait it leaves without a database write."""
+    from sqlalchemy.engine import make_url
+
+    from tests.db.conftest import fresh_pg_schema, skip_without_pg
+
+    context = fresh_pg_schema(skip_without_pg())
+    direct = context.__enter__()
+    request.addfinalizer(lambda: context.__exit__(None, None, None))
+    with Store(direct) as s:
+        s.upgrade()
+    real = make_url(direct)
+    proxy = TcpProxy((real.host or "127.0.0.1", real.port or 5432))
+    url = real.set(host="127.0.0.1", port=proxy.port).render_as_string(hide_password=False)
+    proxy.down()
+    said: list[str] = []
+    store = Store(url, retry_delays=(0.05,))
+    d = dispatcher(store, settings(cluster, tmp_path, models), workers=1, lease_s=2, follow=True,
+                   outage_backoff=(0.05, 0.1), progress=lambda msg, **event: said.append(msg))
+    thread = threading.Thread(target=d.run)
+    thread.start()
+    try:
+        wait_for(lambda: d.outage is not None and d.outage.probes >= 5, timeout=30, what="probes before registering")
+        assert d.id is None and not d.slots
+        proxy.up()
+        wait_for(lambda: d.slots and d.slots[0].ready, what="registered, with its worker")
+        with Store(direct) as s:
+            (row,) = s.dispatchers()
+        assert row.id == d.id
+        proxy.down()  # now idle: the heartbeat finds it gone
+        wait_for(lambda: d.outage is not None and d.outage.probes >= 5, timeout=30, what="probes while idle")
+        d.stopping = "SIGTERM"
+        thread.join(15)
+        assert not thread.is_alive() and d.fatal is None
+    finally:
+        d.stopping = d.stopping or "test"
+        if proxy.listener is None:
+            proxy.up()
+        thread.join(60)
+        store.close()
+    kinds = [m.split(" since ")[0].split(" after ")[0] for m in said if m.startswith("database ")]
+    assert kinds == ["database unavailable", "database back", "database unavailable"], said
+    with Store(direct) as s:
+        (row,) = s.dispatchers()
+        assert row.stopped_at is None  # stopped while the database was down: nothing could be written

@@ -74,6 +74,18 @@ def test_a_sealed_archive_is_checked_against_its_manifest(store, attempt):
     assert reconcile(store).attempts == []  # nothing left to do
 
 
+def test_after_an_outage_only_attempts_ended_since_are_read(store, attempt):
+    from datetime import datetime, timedelta, timezone
+
+    archive(Path(attempt.archive_path), range(2), seal=True)
+    store.finish_attempt(attempt.id, status="failed", error="x")
+    later = datetime.now(timezone.utc) + timedelta(minutes=5)
+    report = reconcile(store, finished_since=later)
+    assert report.attempts == [] and report.checked == 0 and store.episodes(attempt.id) == []
+    (done,) = reconcile(store, finished_since=later - timedelta(minutes=10)).attempts
+    assert done.inserted == 2
+
+
 def test_a_running_attempt_is_left_to_its_dispatcher(store, attempt):
     archive(Path(attempt.archive_path), range(2), seal=False)
     assert reconcile(store).attempts == [] and store.episodes(attempt.id) == []
@@ -139,3 +151,4 @@ def test_a_refused_episode_makes_db_reconcile_exit_1(store, attempt, db_url):
     assert out.exit_code == 1
     assert out.output.splitlines()[-1] == "reconciled 0 episode rows from 1 archive; 1 refused"
     assert "refused (episode 0's record does not match plan entry 0)" in out.output
+
