@@ -109,12 +109,18 @@ def results(
                                       limit=None if limit is None else limit + 1))
     rows = _truncated(rows, limit)
     records = [r._asdict() for r in rows]
+    tiers = store.condition_tiers(r["protocol_sha256"] for r in records)
+    for record in records:
+        record["tier"] = tiers.get(record["protocol_sha256"], {}).get(record["condition"])
     if gate is None:
         for record in records:
             for key in ("gate", "phase", "passed", "value", "threshold"):
                 del record[key]
-    columns = ["screen_id", "attempt", "protocol", "dtype", "plan_index", "condition", "role", "prompt", "status",
-               "h2d_bytes", "d2h_bytes", "wall_s", "call_s", "peak_allocated_bytes", "energy_j"]
+    # Every row says its tier: exact and approximate conditions are never ranked together unlabelled.
+    columns = ["screen_id", "attempt", "protocol", "dtype", "plan_index", "condition", "tier", "role", "prompt",
+               "status", "h2d_bytes", "d2h_bytes", "wall_s", "call_s", "peak_allocated_bytes", "energy_j"]
+    if any(r["fidelity_mean_kl"] is not None for r in records):
+        columns += FIDELITY_COLUMNS
     if gate is not None:
         columns += ["gate", "phase", "passed", "value", "threshold"]
     empty = "no episodes match"
@@ -123,6 +129,11 @@ def results(
         if out != "table" and empty != "no episodes match":
             typer.echo(f"note: {empty}", err=True)  # stdout stays pure JSON / CSV
     _emit([Section(records, columns, empty=empty)], out)
+
+
+# An approximate episode's fidelity to its reference (core/fidelity.py), as `results` shows it.
+FIDELITY_COLUMNS = ["fidelity_mean_kl", "fidelity_p99_kl", "fidelity_top1", "fidelity_max_abs_logit",
+                    "fidelity_divergence_step"]
 
 
 def _unknown_condition(store, condition: str) -> str | None:
@@ -146,8 +157,10 @@ def _screen_view(store, ref: str, *, json_out: bool) -> None:
         return
     typer.echo(one_line(f"screen {summary['screen_id']} ({summary['protocol']}, {summary['status']}) "
                         f"archive {summary['archive_path']}"))
-    typer.echo(table(summary["episodes"], ["index", "condition", "role", "prompt", "status", "h2d_bytes",
-                                           "d2h_bytes", "wall_s"]))
+    columns = ["index", "condition", "tier", "role", "prompt", "status", "h2d_bytes", "d2h_bytes", "wall_s"]
+    if any(e.get("fidelity_mean_kl") is not None for e in summary["episodes"]):
+        columns += FIDELITY_COLUMNS
+    typer.echo(table(summary["episodes"], columns))
     typer.echo(verdict_table(summary["verdicts"]) if summary["verdicts"] else "no verdicts")
     a = summary.get("audit")
     typer.echo("audit: none; run `packbench audit`" if a is None else
@@ -379,8 +392,12 @@ def compare(
             typer.echo(one_line(f"{label}: screen {side.screen_id} ({side.protocol}, protocol "
                                 f"{side.protocol_sha256[:12]}), attempt {side.attempt} {side.attempt_status}"))
         typer.echo("")
-    metrics = [{"condition": m.condition, "metric": m.metric, "A": m.a, "B": m.b, "B/A": m.ratio} for m in c.metrics]
-    verdicts = [{"gate": v.gate, "condition": v.condition, "phase": v.phase,
+    tiers = store.condition_tiers([c.a.protocol_sha256, c.b.protocol_sha256])
+    both = {**tiers.get(c.b.protocol_sha256, {}), **tiers.get(c.a.protocol_sha256, {})}
+    tier = lambda name: both.get(name)  # noqa: E731  (a condition's tier, from either protocol)
+    metrics = [{"condition": m.condition, "tier": tier(m.condition), "metric": m.metric, "A": m.a, "B": m.b,
+                "B/A": m.ratio} for m in c.metrics]
+    verdicts = [{"gate": v.gate, "condition": v.condition, "tier": tier(v.condition), "phase": v.phase,
                  "A": _verdict(v.a_passed, v.a_value, v.a_interval_lo, v.a_interval_hi),
                  "B": _verdict(v.b_passed, v.b_value, v.b_interval_lo, v.b_interval_hi)} for v in c.verdicts]
     from core.dispersion import compare_spread
@@ -406,15 +423,17 @@ def compare(
                        **{k: r[k] for k in ("mean_ratio", "ratio_lo", "ratio_hi", "noise")}} for r in spread]
     document = {**dataclasses.asdict(c), "spread": spread_records,
                 "shared_host": {"a": sharing[0], "b": sharing[1]}}
-    _emit([Section([dataclasses.asdict(m) for m in c.metrics], ["condition", "metric", "A", "B", "B/A"],
+    _emit([Section([{**dataclasses.asdict(m), "tier": tier(m.condition)} for m in c.metrics],
+                   ["condition", "tier", "metric", "A", "B", "B/A"],
                    title="scored episodes per condition (totals over ok episodes; peaks are maxima; energy over "
                          "those with an NVML reading)", rows=metrics, empty="no scored episodes",
                    fields=_field_names(MetricPair)),
            Section(spread_records, list(spread_rows[0]) if spread_rows else [], rows=spread_rows,
                    title="episode wall spread per condition (scored ok episodes; B/A of the mean walls and its 0.95 "
                          "bootstrap interval; within noise when it holds 1)", empty="no scored episodes"),
-           Section([dataclasses.asdict(v) for v in c.verdicts], ["gate", "condition", "phase", "A", "B"],
-                   title="verdicts", rows=verdicts, fields=_field_names(VerdictPair))],
+           Section([{**dataclasses.asdict(v), "tier": tier(v.condition)} for v in c.verdicts],
+                   ["gate", "condition", "tier", "phase", "A", "B"],
+                   title="verdicts", rows=verdicts, fields=[*_field_names(VerdictPair), "tier"])],
           out, document=document)
 
 

@@ -118,3 +118,28 @@ def _pair(reference: Any, condition: Any) -> tuple[np.ndarray, np.ndarray]:
     if not (np.isfinite(a).all() and np.isfinite(b).all()):
         raise ValueError("non-finite logits")
     return a, b
+
+
+def forced_reference(episode: dict, by_index: dict[int, dict], *, reference: str) -> dict:
+    """The reference episode whose tokens `episode` was teacher-forced on (`forced_from`, a plan
+    index): it must be a finished episode of `reference` on the same prompt. ValueError otherwise."""
+    i = episode.get("forced_from")
+    if not isinstance(i, int) or isinstance(i, bool):
+        raise ValueError("was not teacher-forced (no forced_from)")
+    ref = by_index.get(i)
+    if not isinstance(ref, dict) or ref.get("condition") != reference or ref.get("prompt") != episode.get("prompt"):
+        raise ValueError(f"forced_from {i} is not a {reference} episode of prompt {episode.get('prompt')}")
+    if ref.get("status") != "ok" or ref.get("logits") is None or not isinstance(ref.get("tokens"), list):
+        raise ValueError(f"reference episode {i} did not finish or has no logits")
+    return ref
+
+
+def of_episode(episode: dict, by_index: dict[int, dict], *, reference: str) -> Fidelity:
+    """Fidelity of one finished approximate episode (with `forced_logits`, `forced_from`,
+    `tokens`) against the reference episode it was forced on. ValueError naming what is missing."""
+    if episode.get("status") != "ok":
+        raise ValueError("did not finish")
+    ref = forced_reference(episode, by_index, reference=reference)
+    if episode.get("forced_logits") is None or not isinstance(episode.get("tokens"), list):
+        raise ValueError("has no teacher-forced logits or tokens")
+    return fidelity(ref["logits"], episode["forced_logits"], reference_tokens=ref["tokens"], tokens=episode["tokens"])

@@ -398,8 +398,13 @@ def condition_summary(screen: ScreenData) -> list[dict]:
         peaks = [p for p in peaks if isinstance(p, int)]
         j = [x["energy_j"] for x in en[c]]
         tokens = sum(x["tokens"] for x in en[c])
+        fid = [e.record["fidelity"] for e in scored if e.ok and isinstance(e.record.get("fidelity"), dict)]
+        kl = [f["mean_kl"] for f in fid if isinstance(f.get("mean_kl"), (int, float))]
+        top1 = [f["top1"] for f in fid if isinstance(f.get("top1"), (int, float))]
         rows.append({
-            "condition": c, "policy": cond.policy,
+            "condition": c, "policy": cond.policy, "tier": cond.tier,
+            # approximate conditions: the worst scored episode's fidelity (the gate bounds each)
+            "fidelity_mean_kl_max": max(kl) if kl else None, "fidelity_top1_min": min(top1) if top1 else None,
             "params": ", ".join(f"{k}={v}" for k, v in cond.resolved_params.items()),  # defaults spelled out
             "scored": len(scored), "failed": sum(not e.ok for e in scored),
             "prefill_h2d_per_call": _mean(h2d[c]["prefill"]), "decode_h2d_per_call": _mean(h2d[c]["decode"]),
@@ -434,6 +439,9 @@ def threshold_text(verdict: dict, protocol: Protocol) -> str:
         return f"{protocol.allowance_mib} MiB"
     if verdict.get("gate") == "useful_latency":
         return f"{t!r} s"
+    if verdict.get("gate") == "fidelity":  # its first threshold, bounding from the side the detail says
+        side = ">=" if "(bound >=" in (verdict.get("detail") or "").split(";")[0] else "<="
+        return f"{side} {t!r}"
     return repr(t)
 
 

@@ -20,6 +20,7 @@ from typing import Any, Callable
 
 from core.archive import ArchiveWriter
 from core.errors import PackbenchError
+from core.fidelity import of_episode
 from core.gates import compute_verdicts
 from core.plan import plan
 from core.protocol import Protocol, expand
@@ -99,9 +100,12 @@ class ScreenRun:
         """One finished episode: archive member(s) first (fsynced), then its database row."""
         t0 = time.perf_counter()
         logits, trace = record.pop("logits"), record.pop("trace")
-        self.writer.add_episode(record, logits, trace)
+        forced = record.pop("forced_logits", None)
+        if record.get("tier") == "approximate":
+            record["fidelity"] = self.fidelity_of({**record, "forced_logits": forced})
+        self.writer.add_episode(record, logits, trace, forced)
         self.store.put_episode(self.attempt.id, record)
-        self.episodes.append({**record, "logits": logits})
+        self.episodes.append({**record, "logits": logits, "forced_logits": forced})
         self.timings.append((t0, time.perf_counter() - t0))
         entry = self.entries[record["plan_index"]]
         wall = record.get("wall_s")
@@ -110,6 +114,16 @@ class ScreenRun:
                       f"prompt {entry['prompt']} {record['status']}{took}", screen=self.screen.id,
                       done=len(self.episodes),
                       total=len(self.entries), condition=entry["condition"])
+
+    def fidelity_of(self, episode: dict) -> dict | None:
+        """An approximate episode's fidelity figures (core/fidelity.py) against the reference
+        episode it was teacher-forced on, recorded before any earlier one; None when they cannot
+        be computed (the fidelity gate then says why, and the auditor recomputes the same)."""
+        by_index = {e["plan_index"]: e for e in self.episodes}
+        try:
+            return of_episode(episode, by_index, reference=self.protocol.reference).as_dict()
+        except ValueError:
+            return None
 
     def finish(self) -> ScreenOutcome:
         """Every planned episode is in: verdicts, seal, store them, attempt done."""

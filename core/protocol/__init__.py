@@ -19,11 +19,11 @@ from core.protocol.prompt_files import TEXT_SEPARATOR, read_prompt_file, split_t
 from core.protocol.schema import (DTYPE_NAMES, ENGINE_MODES, GATE_NAMES, MAX_EPISODES, MAX_TOKENS, MIB, ORDERS, PHASES,
                                   POLICY_NAMES, POLICY_PARAMS, PROMPT_SOURCES, SCHEMA_VERSION, SCHEMAS,
                                   SYNTH_SHAPES, ChoiceParam, IntParam, full_form, is_builtin_resource, validate)
-from core.protocol.spec import (Comparison, Condition, Gates, ModelSpec, Placement, PromptSpec, Protocol, SynthSpec,
+from core.protocol.spec import (Comparison, Condition, FidelityBounds, Gates, ModelSpec, Placement, PromptSpec, Protocol, SynthSpec,
                                 UsefulLatency, expand, prompt_count, resources_fit)
 
 __all__ = [
-    "ChoiceParam", "Comparison", "ENGINE_MODES", "Condition", "DTYPE_NAMES", "FrozenProtocol", "GATE_NAMES", "Gates", "IntParam",
+    "ChoiceParam", "Comparison", "ENGINE_MODES", "Condition", "DTYPE_NAMES", "FidelityBounds", "FrozenProtocol", "GATE_NAMES", "Gates", "IntParam",
     "MAX_EPISODES", "MAX_TOKENS", "MIB", "ModelSpec", "Placement", "ORDERS", "PHASES", "POLICY_NAMES", "POLICY_PARAMS",
     "PROMPT_SOURCES", "PromptSpec", "Protocol", "SCHEMAS", "SCHEMA_VERSION", "SYNTH_SHAPES", "SynthSpec", "TEXT_SEPARATOR",
     "UsefulLatency", "expand", "freeze", "full_form", "is_builtin_resource", "load", "prompt_count",

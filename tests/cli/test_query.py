@@ -98,8 +98,8 @@ def test_results_screen_view_is_unchanged(db):
     assert set(summary) == {"screen_id", "status", "protocol", "protocol_sha256", "attempt", "archive_path",
                             "archive_sha256", "error", "audit", "verdicts", "episodes"}
     assert summary["screen_id"] == 2 and [e["index"] for e in summary["episodes"]] == [0, 1, 2, 3]
-    assert set(summary["episodes"][0]) == {"index", "condition", "role", "prompt", "status", "tokens", "h2d_bytes",
-                                           "d2h_bytes", "wall_s"}
+    assert set(summary["episodes"][0]) == {"index", "condition", "tier", "role", "prompt", "status", "tokens",
+                                           "h2d_bytes", "d2h_bytes", "wall_s"}  # tier: exact or approximate
     assert json.loads(invoke(db, "results", "--json").stdout)["screen_id"] == 3  # default: latest
     assert invoke(db, "results", "--screen", "1").stdout.startswith("screen 1 (quickstart, done)")
 

@@ -101,7 +101,8 @@ def test_report_shows_the_screen_as_its_archive_holds_it(screen, page):
     # every verdict, with its threshold as the protocol wrote it
     assert f"Verdicts: {sum(v['passed'] for v in screen['verdicts'])} of {len(screen['verdicts'])} pass" in text
     for v in s.verdicts:
-        assert re.search(rf"{v['gate']} {re.escape(v['condition'])} {v['phase']} (PASS|FAIL)", text), v
+        # each row labelled with its condition's tier (exact or approximate)
+        assert re.search(rf"{v['gate']} {re.escape(v['condition'])} exact {v['phase']} (PASS|FAIL)", text), v
     assert "1 MiB" in text and "1.04858e+06" not in text  # resources/capacity: allowance_mib as written
     runtime = next(v for v in s.verdicts if v["gate"] == "runtime")
     assert data.interval_text(runtime) in text and runtime["interval"] is not None
