@@ -205,7 +205,8 @@ def screens_show(
     json_out: Json = False,
 ) -> None:
     """Show a screen: every attempt (failed ones too) with its error, archive, verdicts and audits."""
-    detail = open_store(db).screen_detail(screen)
+    store = open_store(db)
+    detail = store.screen_detail(screen)
     times = [attempt_time(d.attempt) for d in detail.attempts]
     if json_out:
         print_json(_plain({**dataclasses.asdict(detail), "time": times}))
@@ -218,6 +219,7 @@ def screens_show(
     if not detail.attempts:
         typer.echo("no attempts yet; run it with `packbench dispatch`")
         return
+    tiers = store.condition_tiers([p.sha256]).get(p.sha256, {})
     attempts, verdicts, audits = [], [], []
     for d in detail.attempts:
         a = d.attempt
@@ -226,7 +228,7 @@ def screens_show(
                          "finished": _when(a.finished_at), "episodes": d.episodes, "failed": d.failed_episodes,
                          "archive": a.archive_path, "archive_sha256": (a.archive_sha256 or "")[:16] or None,
                          "error": a.error})
-        verdicts += [{"attempt": a.number, **verdict_record(v)} for v in d.verdicts]
+        verdicts += [{"attempt": a.number, **verdict_record(v), "tier": tiers.get(v.condition)} for v in d.verdicts]
         audits += [{"attempt": a.number, "result": u.result, "digest": u.digest[:16], "kind": u.kind or "local",
                     "machine": u.machine, "node": (u.node or "")[:12] or "-", "finished": _when(u.finished_at),
                     "problems": len(u.problems)} for u in d.audits]
@@ -422,6 +424,8 @@ def compare(
     spread_records = [{"condition": r["condition"], **{f"{side}_{k}": r[side][k] for side in "ab" for k in r[side]},
                        **{k: r[k] for k in ("mean_ratio", "ratio_lo", "ratio_hi", "noise")}} for r in spread]
     document = {**dataclasses.asdict(c), "spread": spread_records,
+                "metrics": [{**dataclasses.asdict(m), "tier": tier(m.condition)} for m in c.metrics],
+                "verdicts": [{**dataclasses.asdict(v), "tier": tier(v.condition)} for v in c.verdicts],
                 "shared_host": {"a": sharing[0], "b": sharing[1]}}
     _emit([Section([{**dataclasses.asdict(m), "tier": tier(m.condition)} for m in c.metrics],
                    ["condition", "tier", "metric", "A", "B", "B/A"],
