@@ -33,6 +33,10 @@ PLOT_CAPTIONS = {
                 "targets per token; dotted, real OPT's measured mean for this shape and prefix (docs/workloads.md). "
                 "`packbench model stats` gives every figure of a checkpoint.",
     "energy": "GPU energy (NVML counter) per scored episode and per generated token.",
+    "frontier": "One point per condition: median decode ms per token against the device memory it needed "
+                "(the largest sampled GPU peak; on a CPU run, which samples none, what it held on the device). "
+                "Circles are exact conditions, triangles approximate ones (hollow: fidelity gate failed), "
+                "labelled with their worst scored mean KL and top-1 agreement: the two tiers are never one ranking.",
 }
 
 
@@ -244,6 +248,8 @@ def plots_section(s: ScreenData) -> str:
         '<h2 id="workload">Activity by layer, against the profile and real OPT</h2>',
         _plot("workload", figs.workload_figure(data.workload_by_layer(s)),
               "no condition observed active rows, or the neurons per layer are unknown"),
+        '<h2 id="frontier">Frontier: decode time against memory, by tier</h2>',
+        _plot("frontier", figs.frontier_figure(data.frontier(s), c), "no finished scored episode with decode calls"),
         '<h2 id="energy">Energy</h2>',
         _plot("energy", figs.energy_figure(data.energy(s), c),
               "no energy readings: " + ("NVML has no GPU to read on a CPU run" if cpu

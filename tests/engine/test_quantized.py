@@ -119,6 +119,18 @@ def test_a_screen_archives_fidelity_and_the_audit_recomputes_it(screen, tmp_path
     verdicts = {(v["gate"], v["condition"]): v for v in report.record["verdicts"]}
     assert set(verdicts) == {("faithfulness", "dense-stream"), ("fidelity", "int8")}
     assert all(v["passed"] for v in verdicts.values())
+    # The report's frontier: one point per condition, by tier, the approximate one with its fidelity.
+    from core.report import frontier, read_screen
+
+    view = frontier(read_screen(outcome.archive_path))
+    points = {p["condition"]: p for p in view["points"]}
+    assert view["memory"] == "held"  # a CPU run samples no GPU
+    assert (points["dense-stream"]["tier"], points["int8"]["tier"]) == ("exact", "approximate")
+    int8 = [e for e in run.episodes if e["condition"] == "int8" and e["role"] == "scored"]
+    assert points["int8"]["memory_bytes"] == max(e["memory"]["policy_device_bytes"] + e["memory"]["kv_bytes"]
+                                                 for e in int8)
+    assert points["int8"]["fidelity_mean_kl_max"] == max(e["fidelity"]["mean_kl"] for e in int8)
+    assert points["int8"]["fidelity_passed"] is True and points["dense-stream"]["fidelity_passed"] is None
     # A driver that wrote other figures than the logits give is caught by the auditor.
     real = ScreenRun.fidelity_of
     monkeypatch.setattr(ScreenRun, "fidelity_of",
