@@ -481,13 +481,14 @@ def _compare_machines(store, protocol: str, *, out: str) -> None:
     from service.compare import compare_machines
 
     c = compare_machines(store, protocol)
+    tiers = store.condition_tiers([c.protocol_sha256]).get(c.protocol_sha256, {})
     labels = [f"[{i + 1}]" for i in range(len(c.columns))]
     if out != "table":
         # One row per verdict; each machine's cell as PASS/FAIL and its value.
-        rows = [{"gate": r.gate, "condition": r.condition, "phase": r.phase,
+        rows = [{"gate": r.gate, "condition": r.condition, "tier": tiers.get(r.condition), "phase": r.phase,
                  **{f"{label} screen {col.screen_id}": (None if cell is None else _verdict(*cell))
                     for label, col, cell in zip(labels, c.columns, r.cells)}, "agree": r.agree} for r in c.rows]
-        _emit([Section(rows, list(rows[0]) if rows else ["gate", "condition", "phase", "agree"])], out,
+        _emit([Section(rows, list(rows[0]) if rows else ["gate", "condition", "tier", "phase", "agree"])], out,
               document={**dataclasses.asdict(c), "agree": c.agree, "hosts": c.hosts})
     else:
         hosts = c.hosts
@@ -498,10 +499,10 @@ def _compare_machines(store, protocol: str, *, out: str) -> None:
                                 f"Ray node {col.node[:8]}"))
         for line in c.skipped:
             typer.echo(f"  skipped {line}")
-        rows = [{"gate": r.gate, "condition": r.condition, "phase": r.phase,
+        rows = [{"gate": r.gate, "condition": r.condition, "tier": tiers.get(r.condition), "phase": r.phase,
                  **{label: ("-" if cell is None else _verdict(*cell)) for label, cell in zip(labels, r.cells)},
                  "agree": "yes" if r.agree else "NO"} for r in c.rows]
-        typer.echo(table(rows, ["gate", "condition", "phase", *labels, "agree"]) if rows else "no verdicts")
+        typer.echo(table(rows, ["gate", "condition", "tier", "phase", *labels, "agree"]) if rows else "no verdicts")
         typer.echo(f"verdicts agree across machines: {'yes' if c.agree else 'NO'}")
     digests = {col.model_sha256 for col in c.columns}
     if len(digests) > 1:

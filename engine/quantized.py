@@ -137,6 +137,8 @@ class QuantizedModel:
             weights.to(device)  # embeddings, final LayerNorm, the tied head
             if cuda:
                 torch.cuda.synchronize(device)
+        except torch.cuda.OutOfMemoryError:
+            raise  # the allowance, not a missing kernel: the attempt fails with the allocator's words
         except (RuntimeError, NotImplementedError, ImportError, AssertionError) as e:
             # e.g. torchao int4 on a stack without its kernel: "Requires mslk >= 1.0.0"
             raise QuantizationUnavailable(f"quantized method {method} cannot run on {device} here: "
