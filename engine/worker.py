@@ -299,6 +299,11 @@ class Worker:
         try:
             if tier == "approximate":
                 model = self.quantized[params["method"]]  # resident, built by load(): no policy to activate
+                if self.model.slot.policy is not None:  # the last exact condition's buffers are not its to hold
+                    self.model.slot.policy.deactivate()
+                    self.model.slot.policy = None
+                    if self.device.type == "cuda":
+                        torch.cuda.empty_cache()
             else:
                 self.model.use(policy, **params)
                 model = self.model
