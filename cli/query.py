@@ -416,12 +416,12 @@ def compare(
             typer.echo(f"warning: condition {r['condition']}: wall B/A {r['mean_ratio']:.4g} is within "
                        f"noise: its 0.95 bootstrap interval [{r['ratio_lo']:.4g}, {r['ratio_hi']:.4g}] holds 1",
                        err=True)
-    spread_rows = [{"condition": r["condition"], "A n": r["a"]["n"], "A median s": r["a"]["median"],
+    spread_rows = [{"condition": r["condition"], "tier": tier(r["condition"]), "A n": r["a"]["n"], "A median s": r["a"]["median"],
                     "A p10-p90 s": _range(r["a"]), "B n": r["b"]["n"], "B median s": r["b"]["median"],
                     "B p10-p90 s": _range(r["b"]), "B/A": r["mean_ratio"],
                     "B/A interval": None if r["ratio_lo"] is None else f"[{r['ratio_lo']:.4g}, {r['ratio_hi']:.4g}]",
                     "noise": r["noise"]} for r in spread]
-    spread_records = [{"condition": r["condition"], **{f"{side}_{k}": r[side][k] for side in "ab" for k in r[side]},
+    spread_records = [{"condition": r["condition"], "tier": tier(r["condition"]), **{f"{side}_{k}": r[side][k] for side in "ab" for k in r[side]},
                        **{k: r[k] for k in ("mean_ratio", "ratio_lo", "ratio_hi", "noise")}} for r in spread]
     document = {**dataclasses.asdict(c), "spread": spread_records,
                 "metrics": [{**dataclasses.asdict(m), "tier": tier(m.condition)} for m in c.metrics],
