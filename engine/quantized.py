@@ -20,6 +20,7 @@ from __future__ import annotations
 import gc
 import importlib
 import time
+import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -141,9 +142,11 @@ class QuantizedModel:
             raise  # the allowance, not a missing kernel: the attempt fails with the allocator's words
         except (RuntimeError, NotImplementedError, ImportError, AssertionError) as e:
             # e.g. torchao int4 on a stack without its kernel: "Requires mslk >= 1.0.0"
-            raise QuantizationUnavailable(f"quantized method {method} cannot run on {device} here: "
-                                          f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}; "
-                                          f"{lowbit_fix()}") from None
+            why = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise QuantizationUnavailable(f"quantized method {method} cannot run on {device} here: {why} (a kernel "
+                                          f"{QUANT_METHODS[method]} needs for it); install what it names, or pick "
+                                          f"another method ({lowbit_fix()} brings the libraries, not every kernel)"
+                                          ) from None
         quantize_s = time.perf_counter() - t0
         gc.collect()
         from engine.worker import host_rss_peak_bytes  # one home for the RSS reading
@@ -175,5 +178,8 @@ class QuantizedModel:
     @torch.inference_mode()
     def forward(self, ids: torch.Tensor, cache) -> torch.Tensor:
         """One call: (1, T) token ids in, (vocab,) last-position logits out (on the device)."""
-        out = self._model(input_ids=ids, use_cache=True, logits_to_keep=1, **{self._cache_kw: cache})
+        with warnings.catch_warnings():
+            # bitsandbytes' llm-int8 warns on every call that it casts float32 inputs to float16
+            warnings.filterwarnings("ignore", message="MatMul8bitLt: inputs will be cast")
+            out = self._model(input_ids=ids, use_cache=True, logits_to_keep=1, **{self._cache_kw: cache})
         return out.logits[0, -1]
