@@ -4,7 +4,8 @@ The package, along its seams:
 
 - `schema.py`: every field rule; `validate` gives the frozen form, `full_form` the full
   schema-2 dict (fields.py holds the shared field checks, prompt_files.py the prompt files);
-  schema 3, the newest, is schema 2 with newer defaults written out, so it freezes as 2 or 1;
+  schemas 3 and 4 are schema 2 with newer defaults written out, so they freeze as 2 or 1;
+  schema 5, the newest, adds competitor conditions and the fidelity gate, which freeze as 5;
 - `compat.py`: schema 1, what packbench 0.1 froze; a protocol is frozen in the LOWEST schema
   that says its meaning, so every old hash still holds;
 - `spec.py`: the typed, frozen `Protocol` that `expand` returns, validated once and read by the

@@ -1,4 +1,5 @@
-"""The protocol schema: a YAML mapping or any frozen body validated into the full schema-2 form.
+"""The protocol schema: a YAML mapping or any frozen body validated into the full form (schema 2's;
+`schema: 5` where a competitor or the fidelity gate needs it).
 
 `validate` gives the frozen form (the lowest schema that says the meaning, see compat.py);
 `full_form` gives the full schema-2 dict that `core.protocol.spec.Protocol` is built from.
