@@ -146,3 +146,14 @@ def test_the_fidelity_gate_fails_closed(damage, why):
     damage(eps)
     v = verdicts(body(min_top1=0.0), eps)["fidelity", "int8"]
     assert not v["passed"] and v["value"] is None and why in v["detail"] and v["detail"].startswith("fail closed")
+
+
+def test_the_shipped_int8_protocol_freezes_as_schema_5():
+    from core.protocol import load
+    from tests.core.test_protocol_schema3 import ROOT
+
+    frozen = load(ROOT / "protocols" / "int8-fidelity.yaml")
+    p = frozen.protocol
+    assert frozen.body["schema"] == 5 and [p.tier(n) for n in p.condition_names] == ["exact", "exact", "approximate"]
+    assert p.condition("packet").params == {"gather": "device"}  # schema 3's default, written out
+    assert [b.condition for b in p.gates.fidelity] == ["int8"]
