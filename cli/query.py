@@ -109,12 +109,18 @@ def results(
                                       limit=None if limit is None else limit + 1))
     rows = _truncated(rows, limit)
     records = [r._asdict() for r in rows]
+    tiers = store.condition_tiers(r["protocol_sha256"] for r in records)
+    for record in records:
+        record["tier"] = tiers.get(record["protocol_sha256"], {}).get(record["condition"])
     if gate is None:
         for record in records:
             for key in ("gate", "phase", "passed", "value", "threshold"):
                 del record[key]
-    columns = ["screen_id", "attempt", "protocol", "dtype", "plan_index", "condition", "role", "prompt", "status",
-               "h2d_bytes", "d2h_bytes", "wall_s", "call_s", "peak_allocated_bytes", "energy_j"]
+    # Every row says its tier: exact and approximate conditions are never ranked together unlabelled.
+    columns = ["screen_id", "attempt", "protocol", "dtype", "plan_index", "condition", "tier", "role", "prompt",
+               "status", "h2d_bytes", "d2h_bytes", "wall_s", "call_s", "peak_allocated_bytes", "energy_j"]
+    if any(r["fidelity_mean_kl"] is not None for r in records):
+        columns += FIDELITY_COLUMNS
     if gate is not None:
         columns += ["gate", "phase", "passed", "value", "threshold"]
     empty = "no episodes match"
@@ -123,6 +129,11 @@ def results(
         if out != "table" and empty != "no episodes match":
             typer.echo(f"note: {empty}", err=True)  # stdout stays pure JSON / CSV
     _emit([Section(records, columns, empty=empty)], out)
+
+
+# An approximate episode's fidelity to its reference (core/fidelity.py), as `results` shows it.
+FIDELITY_COLUMNS = ["fidelity_mean_kl", "fidelity_p99_kl", "fidelity_top1", "fidelity_max_abs_logit",
+                    "fidelity_divergence_step"]
 
 
 def _unknown_condition(store, condition: str) -> str | None:
@@ -146,8 +157,10 @@ def _screen_view(store, ref: str, *, json_out: bool) -> None:
         return
     typer.echo(one_line(f"screen {summary['screen_id']} ({summary['protocol']}, {summary['status']}) "
                         f"archive {summary['archive_path']}"))
-    typer.echo(table(summary["episodes"], ["index", "condition", "role", "prompt", "status", "h2d_bytes",
-                                           "d2h_bytes", "wall_s"]))
+    columns = ["index", "condition", "tier", "role", "prompt", "status", "h2d_bytes", "d2h_bytes", "wall_s"]
+    if any(e.get("fidelity_mean_kl") is not None for e in summary["episodes"]):
+        columns += FIDELITY_COLUMNS
+    typer.echo(table(summary["episodes"], columns))
     typer.echo(verdict_table(summary["verdicts"]) if summary["verdicts"] else "no verdicts")
     a = summary.get("audit")
     typer.echo("audit: none; run `packbench audit`" if a is None else
@@ -192,7 +205,8 @@ def screens_show(
     json_out: Json = False,
 ) -> None:
     """Show a screen: every attempt (failed ones too) with its error, archive, verdicts and audits."""
-    detail = open_store(db).screen_detail(screen)
+    store = open_store(db)
+    detail = store.screen_detail(screen)
     times = [attempt_time(d.attempt) for d in detail.attempts]
     if json_out:
         print_json(_plain({**dataclasses.asdict(detail), "time": times}))
@@ -205,6 +219,7 @@ def screens_show(
     if not detail.attempts:
         typer.echo("no attempts yet; run it with `packbench dispatch`")
         return
+    tiers = store.condition_tiers([p.sha256]).get(p.sha256, {})
     attempts, verdicts, audits = [], [], []
     for d in detail.attempts:
         a = d.attempt
@@ -213,7 +228,7 @@ def screens_show(
                          "finished": _when(a.finished_at), "episodes": d.episodes, "failed": d.failed_episodes,
                          "archive": a.archive_path, "archive_sha256": (a.archive_sha256 or "")[:16] or None,
                          "reconciled": _reconciled(a), "error": a.error})
-        verdicts += [{"attempt": a.number, **verdict_record(v)} for v in d.verdicts]
+        verdicts += [{"attempt": a.number, **verdict_record(v), "tier": tiers.get(v.condition)} for v in d.verdicts]
         audits += [{"attempt": a.number, "result": u.result, "digest": u.digest[:16], "kind": u.kind or "local",
                     "machine": u.machine, "node": (u.node or "")[:12] or "-", "finished": _when(u.finished_at),
                     "problems": len(u.problems)} for u in d.audits]
@@ -396,8 +411,12 @@ def compare(
             typer.echo(one_line(f"{label}: screen {side.screen_id} ({side.protocol}, protocol "
                                 f"{side.protocol_sha256[:12]}), attempt {side.attempt} {side.attempt_status}"))
         typer.echo("")
-    metrics = [{"condition": m.condition, "metric": m.metric, "A": m.a, "B": m.b, "B/A": m.ratio} for m in c.metrics]
-    verdicts = [{"gate": v.gate, "condition": v.condition, "phase": v.phase,
+    tiers = store.condition_tiers([c.a.protocol_sha256, c.b.protocol_sha256])
+    both = {**tiers.get(c.b.protocol_sha256, {}), **tiers.get(c.a.protocol_sha256, {})}
+    tier = lambda name: both.get(name)  # noqa: E731  (a condition's tier, from either protocol)
+    metrics = [{"condition": m.condition, "tier": tier(m.condition), "metric": m.metric, "A": m.a, "B": m.b,
+                "B/A": m.ratio} for m in c.metrics]
+    verdicts = [{"gate": v.gate, "condition": v.condition, "tier": tier(v.condition), "phase": v.phase,
                  "A": _verdict(v.a_passed, v.a_value, v.a_interval_lo, v.a_interval_hi),
                  "B": _verdict(v.b_passed, v.b_value, v.b_interval_lo, v.b_interval_hi)} for v in c.verdicts]
     from core.dispersion import compare_spread
@@ -414,24 +433,28 @@ def compare(
             typer.echo(f"warning: condition {r['condition']}: wall B/A {r['mean_ratio']:.4g} is within "
                        f"noise: its 0.95 bootstrap interval [{r['ratio_lo']:.4g}, {r['ratio_hi']:.4g}] holds 1",
                        err=True)
-    spread_rows = [{"condition": r["condition"], "A n": r["a"]["n"], "A median s": r["a"]["median"],
+    spread_rows = [{"condition": r["condition"], "tier": tier(r["condition"]), "A n": r["a"]["n"], "A median s": r["a"]["median"],
                     "A p10-p90 s": _range(r["a"]), "B n": r["b"]["n"], "B median s": r["b"]["median"],
                     "B p10-p90 s": _range(r["b"]), "B/A": r["mean_ratio"],
                     "B/A interval": None if r["ratio_lo"] is None else f"[{r['ratio_lo']:.4g}, {r['ratio_hi']:.4g}]",
                     "noise": r["noise"]} for r in spread]
-    spread_records = [{"condition": r["condition"], **{f"{side}_{k}": r[side][k] for side in "ab" for k in r[side]},
+    spread_records = [{"condition": r["condition"], "tier": tier(r["condition"]), **{f"{side}_{k}": r[side][k] for side in "ab" for k in r[side]},
                        **{k: r[k] for k in ("mean_ratio", "ratio_lo", "ratio_hi", "noise")}} for r in spread]
     document = {**dataclasses.asdict(c), "spread": spread_records,
+                "metrics": [{**dataclasses.asdict(m), "tier": tier(m.condition)} for m in c.metrics],
+                "verdicts": [{**dataclasses.asdict(v), "tier": tier(v.condition)} for v in c.verdicts],
                 "shared_host": {"a": sharing[0], "b": sharing[1]}}
-    _emit([Section([dataclasses.asdict(m) for m in c.metrics], ["condition", "metric", "A", "B", "B/A"],
+    _emit([Section([{**dataclasses.asdict(m), "tier": tier(m.condition)} for m in c.metrics],
+                   ["condition", "tier", "metric", "A", "B", "B/A"],
                    title="scored episodes per condition (totals over ok episodes; peaks are maxima; energy over "
                          "those with an NVML reading)", rows=metrics, empty="no scored episodes",
                    fields=_field_names(MetricPair)),
            Section(spread_records, list(spread_rows[0]) if spread_rows else [], rows=spread_rows,
                    title="episode wall spread per condition (scored ok episodes; B/A of the mean walls and its 0.95 "
                          "bootstrap interval; within noise when it holds 1)", empty="no scored episodes"),
-           Section([dataclasses.asdict(v) for v in c.verdicts], ["gate", "condition", "phase", "A", "B"],
-                   title="verdicts", rows=verdicts, fields=_field_names(VerdictPair))],
+           Section([{**dataclasses.asdict(v), "tier": tier(v.condition)} for v in c.verdicts],
+                   ["gate", "condition", "tier", "phase", "A", "B"],
+                   title="verdicts", rows=verdicts, fields=[*_field_names(VerdictPair), "tier"])],
           out, document=document)
 
 
@@ -475,13 +498,14 @@ def _compare_machines(store, protocol: str, *, out: str) -> None:
     from service.compare import compare_machines
 
     c = compare_machines(store, protocol)
+    tiers = store.condition_tiers([c.protocol_sha256]).get(c.protocol_sha256, {})
     labels = [f"[{i + 1}]" for i in range(len(c.columns))]
     if out != "table":
         # One row per verdict; each machine's cell as PASS/FAIL and its value.
-        rows = [{"gate": r.gate, "condition": r.condition, "phase": r.phase,
+        rows = [{"gate": r.gate, "condition": r.condition, "tier": tiers.get(r.condition), "phase": r.phase,
                  **{f"{label} screen {col.screen_id}": (None if cell is None else _verdict(*cell))
                     for label, col, cell in zip(labels, c.columns, r.cells)}, "agree": r.agree} for r in c.rows]
-        _emit([Section(rows, list(rows[0]) if rows else ["gate", "condition", "phase", "agree"])], out,
+        _emit([Section(rows, list(rows[0]) if rows else ["gate", "condition", "tier", "phase", "agree"])], out,
               document={**dataclasses.asdict(c), "agree": c.agree, "hosts": c.hosts})
     else:
         hosts = c.hosts
@@ -492,10 +516,10 @@ def _compare_machines(store, protocol: str, *, out: str) -> None:
                                 f"Ray node {col.node[:8]}"))
         for line in c.skipped:
             typer.echo(f"  skipped {line}")
-        rows = [{"gate": r.gate, "condition": r.condition, "phase": r.phase,
+        rows = [{"gate": r.gate, "condition": r.condition, "tier": tiers.get(r.condition), "phase": r.phase,
                  **{label: ("-" if cell is None else _verdict(*cell)) for label, cell in zip(labels, r.cells)},
                  "agree": "yes" if r.agree else "NO"} for r in c.rows]
-        typer.echo(table(rows, ["gate", "condition", "phase", *labels, "agree"]) if rows else "no verdicts")
+        typer.echo(table(rows, ["gate", "condition", "tier", "phase", *labels, "agree"]) if rows else "no verdicts")
         typer.echo(f"verdicts agree across machines: {'yes' if c.agree else 'NO'}")
     digests = {col.model_sha256 for col in c.columns}
     if len(digests) > 1:

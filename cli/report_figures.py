@@ -192,6 +192,39 @@ def decode_figure(ms: dict[str, list[float]], conditions: tuple[str, ...]) -> st
 LOG_SPAN = 20.0  # a largest value this many times the median: a linear axis would flatten the rest
 
 
+TIER_MARKERS = {"exact": "o", "approximate": "^"}
+
+
+def frontier_figure(view: dict, conditions: tuple[str, ...]) -> str | None:
+    """Decode ms per token against device memory, one point per condition: circles exact,
+    triangles approximate (hollow when its fidelity gate failed), each approximate point
+    labelled with its worst mean KL and top-1 agreement."""
+    points = [p for p in view["points"] if p["decode_ms"] is not None and p["memory_bytes"] is not None]
+    if not points:
+        return None
+    fig, ax = _figure(10, 4.2)
+    for p in points:
+        n = conditions.index(p["condition"])
+        hollow = p["tier"] == "approximate" and p["fidelity_passed"] is False
+        ax.scatter([p["memory_bytes"] / MIB], [p["decode_ms"]], s=70, marker=TIER_MARKERS.get(p["tier"], "s"),
+                   facecolors="none" if hollow else colour(n), edgecolors=colour(n), linewidths=1.5,
+                   label=f"{p['condition']} ({p['tier']})", zorder=3)
+        text = p["condition"]
+        if p["tier"] == "approximate" and p["fidelity_mean_kl_max"] is not None:
+            verdict = {True: "PASS", False: "FAIL", None: "no gate"}[p["fidelity_passed"]]
+            text += f"\nKL {p['fidelity_mean_kl_max']:.3g}, top-1 {p['fidelity_top1_min']:.3g}, fidelity {verdict}"
+        ax.annotate(text, (p["memory_bytes"] / MIB, p["decode_ms"]), textcoords="offset points", xytext=(6, 4),
+                    fontsize=7)
+    held = view["memory"] == "held"
+    ax.set_xlabel("device memory held, MiB (no GPU sampled: parameters + policy buffers + KV cache)" if held
+                  else "peak sampled GPU memory, MiB")
+    ax.set_ylabel("median decode ms per token")
+    ax.set_xlim(left=0, right=ax.get_xlim()[1] * 1.35)  # room for the labels of the rightmost points
+    ax.set_ylim(bottom=0, top=ax.get_ylim()[1] * 1.15)
+    ax.legend(loc="best")
+    return to_svg(fig, "frontier")
+
+
 def wants_log(values: list[float]) -> bool:
     """A log axis when the largest positive value is LOG_SPAN times the median or more."""
     v = np.asarray([x for x in values if x > 0], dtype=np.float64)

@@ -33,6 +33,10 @@ PLOT_CAPTIONS = {
                 "targets per token; dotted, real OPT's measured mean for this shape and prefix (docs/workloads.md). "
                 "`packbench model stats` gives every figure of a checkpoint.",
     "energy": "GPU energy (NVML counter) per scored episode and per generated token.",
+    "frontier": "One point per condition: median decode ms per token against the device memory it needed "
+                "(the largest sampled GPU peak; on a CPU run, which samples none, what it held on the device). "
+                "Circles are exact conditions, triangles approximate ones (hollow: fidelity gate failed), "
+                "labelled with their worst scored mean KL and top-1 agreement: the two tiers are never one ranking.",
 }
 
 
@@ -105,9 +109,9 @@ def _mib(value: float | None) -> str:
 
 def protocol_section(s: ScreenData) -> str:
     p = s.protocol
-    conditions = _table(["condition", "policy", "params", "warmups"],
-                        [[c.name, c.policy, json.dumps(c.resolved_params) if c.resolved_params else "-", str(p.warmups[c.name])]
-                         for c in p.conditions])
+    conditions = _table(["condition", "tier", "policy", "params", "warmups"],
+                        [[c.name, c.tier, c.policy, json.dumps(c.resolved_params) if c.resolved_params else "-",
+                          str(p.warmups[c.name])] for c in p.conditions])
     prompts = p.prompts
     source = {"generator": f"generator (seed {prompts.seed})", "token_ids": "inline token ids"}.get(
         prompts.source, f"{prompts.source} {prompts.path} (sha256 {(prompts.sha256 or '')[:16]})")
@@ -173,7 +177,8 @@ def _seconds(v: Any) -> str:
 
 
 def verdict_section(s: ScreenData) -> str:
-    rows = [[v["gate"], v["condition"], v.get("phase", "all"), _passed(v["passed"]),
+    tier = {c.name: c.tier for c in s.protocol.conditions}
+    rows = [[v["gate"], v["condition"], tier.get(v["condition"], "-"), v.get("phase", "all"), _passed(v["passed"]),
              f'<td class="num">{esc(data.threshold_text(v, s.protocol))}</td>',
              f'<td class="num">{esc(data.value_text(v))}</td>', f'<td class="num">{esc(data.interval_text(v))}</td>',
              f'<td class="detail">{esc(detail_text(v.get("detail")))}</td>'] for v in s.verdicts]
@@ -181,15 +186,20 @@ def verdict_section(s: ScreenData) -> str:
     head = f'<h2 id="verdicts">Verdicts: {passed} of {len(s.verdicts)} pass</h2>'
     if not rows:
         return head + '<p class="missing">no verdicts.json: the screen did not finish</p>'
-    return head + _table(["gate", "condition", "phase", "verdict", "threshold", "value", "interval", "detail"], rows)
+    return head + _table(["gate", "condition", "tier", "phase", "verdict", "threshold", "value", "interval", "detail"],
+                         rows)
 
 
 def summary_section(s: ScreenData) -> str:
-    rows = [[r["condition"], r["policy"] + (f" ({r['params']})" if r["params"] else ""),
+    summary = data.condition_summary(s)
+    approximate = any(r["tier"] == "approximate" for r in summary)
+    rows = [[r["condition"], r["tier"], r["policy"] + (f" ({r['params']})" if r["params"] else ""),
              _num(r["scored"], "{}"), _num(r["failed"], "{}"), _mb(r["prefill_h2d_per_call"]),
              _mb(r["decode_h2d_per_call"]), _num(r["wall_s_mean"], "{:.4g} s"), _num(r["decode_ms_median"], "{:.4g}"),
              _mib(r["peak_sampled_bytes"]), _num(r["energy_j_per_episode"], "{:.4g} J"),
-             _num(r["energy_j_per_token"], "{:.4g} J")] for r in data.condition_summary(s)]
+             _num(r["energy_j_per_token"], "{:.4g} J"),
+             *([_num(r["fidelity_mean_kl_max"], "{:.4g}"), _num(r["fidelity_top1_min"], "{:.4g}")] if approximate
+               else [])] for r in summary]
     shared = data.gpu_sharing(s)
     warning = ""
     if shared["episodes"]:
@@ -206,9 +216,9 @@ def summary_section(s: ScreenData) -> str:
                     f'other packbench workers were busy on it ({esc(workers)}); they share its cores and memory, '
                     f'so host-side timings (gathers, copies) may be contaminated.</p>')
     return ('<h2 id="conditions">Conditions (scored episodes)</h2>' + warning
-            + _table(["condition", "policy", "scored", "failed", "H2D / prefill call", "H2D / decode call",
+            + _table(["condition", "tier", "policy", "scored", "failed", "H2D / prefill call", "H2D / decode call",
                       "mean wall", "median decode ms/token", "peak sampled GPU", "energy / episode",
-                      "energy / token"], rows))
+                      "energy / token", *(["worst mean KL", "worst top-1"] if approximate else [])], rows))
 
 
 def plots_section(s: ScreenData) -> str:
@@ -238,6 +248,8 @@ def plots_section(s: ScreenData) -> str:
         '<h2 id="workload">Activity by layer, against the profile and real OPT</h2>',
         _plot("workload", figs.workload_figure(data.workload_by_layer(s)),
               "no condition observed active rows, or the neurons per layer are unknown"),
+        '<h2 id="frontier">Frontier: decode time against memory, by tier</h2>',
+        _plot("frontier", figs.frontier_figure(data.frontier(s), c), "no finished scored episode with decode calls"),
         '<h2 id="energy">Energy</h2>',
         _plot("energy", figs.energy_figure(data.energy(s), c),
               "no energy readings: " + ("NVML has no GPU to read on a CPU run" if cpu

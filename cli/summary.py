@@ -18,18 +18,25 @@ def screen_summary(store, ref: str | int) -> dict:
         return out
     out.update(attempt=attempt.number, archive_path=attempt.archive_path, archive_sha256=attempt.archive_sha256,
                error=attempt.error)
-    out["verdicts"] = [verdict_record(v) for v in store.verdicts(attempt.id)]
+    tiers = store.condition_tiers([protocol.sha256]).get(protocol.sha256, {})
+    out["verdicts"] = [{**verdict_record(v), "tier": tiers.get(v.condition)} for v in store.verdicts(attempt.id)]
     audits = store.audits(attempt.id)
     # Whether the screen was audited, where and with what result (the latest audit of this attempt).
     out["audit"] = None if not audits else {
         "result": audits[-1].result, "digest": audits[-1].digest, "kind": audits[-1].kind,
         "machine": audits[-1].machine, "node": audits[-1].node, "finished_at": str(audits[-1].finished_at),
         "audits": len(audits), "archive_sha256_matches": audits[-1].archive_sha256 == attempt.archive_sha256}
-    out["episodes"] = [{"index": e.plan_index, "condition": e.condition, "role": e.role, "prompt": e.prompt,
-                        "status": e.status, "tokens": list(e.tokens),
+    out["episodes"] = [{"index": e.plan_index, "condition": e.condition, "tier": tiers.get(e.condition),
+                        "role": e.role, "prompt": e.prompt, "status": e.status, "tokens": list(e.tokens),
                         "h2d_bytes": e.h2d_weight_bytes + e.h2d_index_bytes, "d2h_bytes": e.d2h_bytes,
-                        "wall_s": e.wall_s} for e in store.episodes(attempt.id)]
+                        "wall_s": e.wall_s,
+                        **({f: getattr(e, f) for f in FIDELITY_FIELDS} if e.fidelity_mean_kl is not None else {})}
+                       for e in store.episodes(attempt.id)]
     return out
+
+
+FIDELITY_FIELDS = ("fidelity_mean_kl", "fidelity_p99_kl", "fidelity_top1", "fidelity_max_abs_logit",
+                   "fidelity_divergence_step")
 
 
 def _fmt(value) -> str:
@@ -57,8 +64,17 @@ def _mib(value):
 
 
 # How each gate compares what it judged with its threshold: capacity passes when the parameters
-# exceed the allowance (the start was CPU-first); every other gate when it stays at or under.
+# exceed the allowance (the start was CPU-first); every other gate when it stays at or under,
+# except fidelity, whose detail says which way its first threshold bounds (`(bound >= 0.98)`).
 PASSES_WHEN = {"capacity": ">"}
+_BOUND = re.compile(r"\(bound (<=|>=) ")
+
+
+def _passes_when(v: dict) -> str:
+    if v.get("gate") == "fidelity":
+        m = _BOUND.search(v.get("detail") or "")
+        return m.group(1) if m else "<="
+    return PASSES_WHEN.get(v.get("gate"), "<=")
 
 
 def verdict_record(v) -> dict:
@@ -115,12 +131,14 @@ def verdict_table(verdicts: list[dict], *, lead: tuple[str, ...] = ()) -> str:
         interval = _interval(v)
         allowance = v.get("gate") in ALLOWANCE_GATES
         t = v.get("threshold")
-        threshold = None if t is None else f"{PASSES_WHEN.get(v.get('gate'), '<=')} {_mib(t) if allowance else _g(t)}"
+        threshold = None if t is None else f"{_passes_when(v)} {_mib(t) if allowance else _g(t)}"
         rows.append({**v, "passed": "PASS" if v["passed"] else "FAIL",
                      "value": _mib(v.get("value")) if allowance else v.get("value"),
                      "interval": None if interval is None else f"[{_g(interval[0])}, {_g(interval[1])}]",
                      "threshold": threshold, "decided by": decided_by(v)})
-    out = table(rows, [*lead, "gate", "condition", "phase", "passed", "value", "interval", "threshold", "decided by"])
+    tier = ["tier"] if any(v.get("tier") for v in verdicts) else []  # exact or approximate, where known
+    out = table(rows, [*lead, "gate", "condition", *tier, "phase", "passed", "value", "interval", "threshold",
+                       "decided by"])
     why = [f"  {''.join(f'{k} {v[k]} ' for k in lead)}{v['gate']} {v['condition']} {v.get('phase', 'all')}: "
            f"{detail_text(v['detail'])}" for v in verdicts
            if not v["passed"] and v.get("detail")]

@@ -103,6 +103,12 @@ def logits_member(index: int) -> str:
     return f"logits/{index:05d}.npy"
 
 
+def forced_member(index: int) -> str:
+    """The float32 [calls, vocab] logits of approximate episode ``index`` teacher-forced on the
+    reference's tokens (core/fidelity.py); only approximate episodes have one."""
+    return f"forced/{index:05d}.npy"
+
+
 def trace_member(index: int) -> str:
     """The [samples, 2] memory trace of episode ``index``."""
     return f"traces/{index:05d}.npy"
@@ -116,10 +122,12 @@ class EpisodeMembers:
     record: str
     logits: str
     trace: str
+    forced: str
 
 
 def episode_members(index: int) -> EpisodeMembers:
-    return EpisodeMembers(index, episode_member(index), logits_member(index), trace_member(index))
+    return EpisodeMembers(index, episode_member(index), logits_member(index), trace_member(index),
+                          forced_member(index))
 
 
 # ----------------------------------------------------------------------------- problems
@@ -462,9 +470,10 @@ class ArchiveWriter:
         self._write(name, bytes(data), zipfile.ZIP_DEFLATED if method is None else method)
 
     def add_episode(self, record: dict, logits: np.ndarray | None = None,
-                    trace: np.ndarray | None = None) -> EpisodeMembers:
+                    trace: np.ndarray | None = None, forced: np.ndarray | None = None) -> EpisodeMembers:
         """Write one finished episode: its record (``episodes/NNNNN.json``, NNNNN being
-        ``record["plan_index"]``), then its logits and memory trace when given (None skips).
+        ``record["plan_index"]``), then its logits, memory trace and teacher-forced logits when
+        given (None skips).
 
         Everything is checked before the first byte is written, so a refused episode leaves no
         member behind; each member is on disk (fsynced) when this returns.
@@ -478,7 +487,7 @@ class ArchiveWriter:
             )
         names = episode_members(index)
         parts = [(names.record, self._json_bytes(names.record, record), zipfile.ZIP_DEFLATED)]
-        for name, arr in ((names.logits, logits), (names.trace, trace)):
+        for name, arr in ((names.logits, logits), (names.trace, trace), (names.forced, forced)):
             if arr is not None:
                 parts.append((name, self._array_bytes(name, arr), zipfile.ZIP_STORED))
         for name, _, _ in parts:

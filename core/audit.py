@@ -41,6 +41,7 @@ from core.archive import (
 )
 from core.canonical import canonical_json, canonical_sha256, sha256_hex
 from core.errors import ArchiveError, ProtocolError
+from core.fidelity import of_episode
 from core.gates import compute_verdicts
 from core.metrics import (
     episode_totals,
@@ -209,7 +210,7 @@ def _episode_problems(name: str, rec: dict, logits: np.ndarray | None, protocol:
 
 # Record fields the gates (core/gates.py) and the database comparison (EPISODE_FIELDS) read.
 RETAINED = ("plan_index", "condition", "role", "prompt", "status", "error", "tokens", "wall_s", "call_s",
-            "first_logit_since_entry_s", "h2d_weight_bytes", "h2d_index_bytes", "d2h_bytes")
+            "first_logit_since_entry_s", "h2d_weight_bytes", "h2d_index_bytes", "d2h_bytes", "tier", "forced_from")
 _DROPPED = "<dropped: not a small scalar>"
 
 
@@ -235,6 +236,10 @@ def _retained(rec: dict) -> dict:
                               else _small(agg)) for ph, agg in phases.items() if ph in ("prefill", "decode")}
     elif "phases" in rec:
         out["phases"] = _small(phases)
+    if isinstance(rec.get("fidelity"), dict):
+        out["fidelity"] = {k: _small(v) for k, v in list(rec["fidelity"].items())[:16]}
+    elif "fidelity" in rec:
+        out["fidelity"] = _small(rec["fidelity"])
     return out
 
 
@@ -317,6 +322,7 @@ class _Audit:
             i = entry["index"]
             members = episode_members(i)
             name, logits_name, trace_name = members.record, members.logits, members.trace
+            forced_name = members.forced
             if name not in readable:
                 if complete or name in names:
                     self.add(f"episode {i} has no readable record ({name})")
@@ -350,7 +356,12 @@ class _Audit:
             # Only what the gates and the database comparison read is kept (the ledger is
             # checked above): audit memory holds one record's JSON, not the archive's, whatever
             # a hostile record carries besides.
-            episodes.append({**_retained(rec), "plan_index": i, "logits": logits})
+            forced = (self.read(reader, forced_name, "array", dtype=LOGITS_DTYPE, ndim=2)
+                      if forced_name in readable else None)
+            if forced is not None and rec.get("tier") != "approximate":
+                self.add(f"{forced_name}: teacher-forced logits of an episode that is not approximate")
+            episodes.append({**_retained(rec), "plan_index": i, "logits": logits, "forced_logits": forced})
+        self.check_fidelity(episodes, proto)
         self.record["episodes"] = len(episodes)
         if not complete:
             self.note_incomplete(recorded, len(entries))
@@ -389,6 +400,8 @@ class _Audit:
         for e in entries:
             m = episode_members(e["index"])
             allowed |= {m.record, m.logits, m.trace}
+            if proto.tier(e["condition"]) == "approximate":
+                allowed.add(m.forced)
         strays = [n for n in reader.names if n not in allowed]
         for n in strays[:10]:
             self.add(f"member {n!r} is not part of the archive of this plan")
@@ -419,6 +432,27 @@ class _Audit:
             if v != want[k]:
                 self.add(f"{WORKER_NAME}: {k} {v} is not the {want[k]} of a {synth.shape} model in {proto.dtype}")
         return want["row_bytes"]
+
+    def check_fidelity(self, episodes: list[dict], proto: Protocol) -> None:
+        """Every approximate episode's fidelity figures, recomputed from the archived logits (its
+        teacher-forced ones against the reference episode it names), equal what its record says;
+        the tier each record states is its condition's."""
+        by_index = {e["plan_index"]: e for e in episodes}
+        for e in episodes:
+            name = episode_members(e["plan_index"]).record
+            tier = proto.tier(e["condition"]) if e.get("condition") in proto.condition_names else None
+            if "tier" in e and e["tier"] != tier:
+                self.add(f"{name}: tier {e['tier']!r} is not its condition's ({tier})")
+            if tier != "approximate" or e.get("status") != "ok":
+                if e.get("fidelity") is not None:
+                    self.add(f"{name}: fidelity figures on an episode that is not a finished approximate one")
+                continue
+            try:
+                recomputed = of_episode(e, by_index, reference=proto.reference).as_dict()
+            except ValueError:
+                recomputed = None
+            if e.get("fidelity") != recomputed:
+                self.add(f"{name}: fidelity {e.get('fidelity')!r} != {recomputed!r} recomputed from the logits")
 
     def check_memory(self, name: str, rec: dict, start: Any) -> None:
         memory = rec.get("memory")

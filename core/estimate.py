@@ -13,6 +13,7 @@ come out smaller. Byte rules follow the ledgers of engine/policies.py:
 | policy | H2D bytes per layer per call |
 | --- | --- |
 | resident | 0 (the weights were placed once at start) |
+| quantized (a low-bit competitor) | 0 (its quantized weights were placed once at start) |
 | dense-stream | ffn x row |
 | packet (host or device gather) | k x (row + 8): k active rows and their int64 indices |
 | sparse-extents {B} | blocks x (B x row + 8): every B-row block holding an active row |
@@ -122,7 +123,7 @@ def call_h2d_bytes(policy: str, params: dict, *, phase: str, tokens: int, shape:
     dense = shape.ffn * row_bytes
     k = shape.ffn * activity.union_fraction(tokens)
     packet = k * (row_bytes + INDEX_BYTES)
-    if policy == "resident":
+    if policy in ("resident", "quantized"):
         per_layer = 0.0
     elif policy == "dense-stream" or (policy == "phase-switched" and phase == "prefill"):
         per_layer = float(dense)

@@ -20,8 +20,9 @@ from typing import Any
 
 import numpy as np
 
+from core.fidelity import of_episode
 from core.plan import plan
-from core.protocol import Protocol, expand
+from core.protocol import FidelityBounds, Protocol, expand
 
 PEAKS = ("peak_allocated_bytes", "peak_reserved_bytes", "peak_sampled_bytes")
 
@@ -148,6 +149,78 @@ def faithfulness(episodes: list[dict], *, reference: str, condition: str, tolera
         else f"max |logit diff| {worst!r} > tolerance {tolerance!r}")
     return verdict("faithfulness", condition, passed=passed, value=None if problems else worst,
                    threshold=tolerance, episodes=used, detail=detail)
+
+
+# ----------------------------------------------------------------------------- fidelity
+
+# bound -> (figure of core.fidelity.Fidelity, "max" or "min": which side the figure must stay on)
+FIDELITY_FIGURES = {"max_mean_kl": ("mean_kl", "max"), "max_p99_kl": ("p99_kl", "max"), "min_top1": ("top1", "min"),
+                    "max_abs_logit": ("max_abs_logit", "max"), "min_divergence_step": ("divergence_step", "min")}
+
+
+def _meets(bound: str, fid: Any, threshold: float) -> bool:
+    """Exactly: a KL or logit figure <= its bound, top-1 agreement (a fraction) >= its bound, the
+    first divergence >= its bound (never diverging meets every bound)."""
+    if bound == "min_top1":
+        return Fraction(fid.top1_agree, fid.positions) >= Fraction(str(threshold))
+    if bound == "min_divergence_step":
+        return fid.divergence_step is None or fid.divergence_step >= threshold
+    return _exact_le(getattr(fid, FIDELITY_FIGURES[bound][0]), threshold)
+
+
+def fidelity(episodes: list[dict], *, reference: str, bounds: FidelityBounds) -> dict:
+    """Every scored episode of an approximate condition meets every declared threshold: its
+    logits teacher-forced on the reference's tokens against the reference episode's logits
+    (core/fidelity.py), its free-running tokens against the reference's.
+
+    value = the worst figure of the first declared threshold (FIDELITY_BOUNDS order), against
+    that threshold; the detail gives the worst of every declared one. A divergence that never
+    happens is worst as `none` (it meets every bound).
+    """
+    condition = bounds.condition
+    declared = [(b, getattr(bounds, b)) for b in FIDELITY_FIGURES if getattr(bounds, b) is not None]
+    by_index = {_index(e): e for e in episodes if isinstance(e, dict)}
+    mine = [e for e in _of(episodes, condition) if e.get("role") == "scored"]
+    first, threshold = declared[0]
+    if not mine:
+        return verdict("fidelity", condition, passed=False, value=None, threshold=threshold, episodes=[],
+                       detail="fail closed: no scored episodes")
+    used, problems, figures = [], [], []
+    for e in mine:
+        used.append(_index(e))
+        if isinstance(e.get("forced_from"), int):
+            used.append(e["forced_from"])
+        try:
+            figures.append((e, of_episode(e, by_index, reference=reference)))
+        except ValueError as why:
+            problems.append(f"episode {_index(e)}: {why}")
+    if problems:
+        return verdict("fidelity", condition, passed=False, value=None, threshold=threshold, episodes=used,
+                       detail="fail closed: " + "; ".join(problems[:5]))
+    failed, worst_of = [], {}
+    for bound, limit in declared:
+        figure, side = FIDELITY_FIGURES[bound]
+        for e, fid in figures:
+            if not _meets(bound, fid, limit):
+                failed.append(f"episode {_index(e)} {figure} {_figure(getattr(fid, figure))}")
+        values = [getattr(fid, figure) for _, fid in figures]
+        if figure == "divergence_step":
+            diverged = [v for v in values if v is not None]
+            worst_of[bound] = min(diverged) if diverged else None
+        else:
+            worst_of[bound] = max(values) if side == "max" else min(values)
+    words = [f"{FIDELITY_FIGURES[b][0]} worst {_figure(worst_of[b])} (bound {'<=' if b.startswith('max') else '>='} "
+             f"{limit!r})" for b, limit in declared]
+    value = worst_of[first]
+    detail = f"{len(figures)} episodes against {reference}: " + "; ".join(words)
+    if failed:
+        detail += "; outside: " + ", ".join(failed[:5])
+    return verdict("fidelity", condition, passed=not failed, value=None if value is None else float(value),
+                   threshold=threshold, episodes=used, detail=detail)
+
+
+def _figure(v: Any) -> str:
+    return "never" if v is None else repr(v)
 
 
 # ----------------------------------------------------------------------------- resources, capacity
@@ -443,9 +516,10 @@ def compute_verdicts(protocol: Protocol | dict, episodes: list[dict], *, start: 
     gates = p.gates
     allowance = p.allowance_bytes
     out: list[dict] = []
-    if gates.faithfulness_tolerance is not None:
+    if gates.faithfulness_tolerance is not None:  # exact conditions only: fidelity judges the approximate ones
         out += [faithfulness(eps, reference=p.reference, condition=name, tolerance=gates.faithfulness_tolerance)
-                for name in names]
+                for name in names if p.tier(name) == "exact"]
+    out += [fidelity(eps, reference=p.reference, bounds=b) for b in gates.fidelity]
     if gates.resources:
         out += [resources(eps, condition=name, allowance_bytes=allowance) for name in names]
     if gates.capacity:

@@ -89,9 +89,22 @@ EPISODE_FIELDS: tuple[Field, ...] = (
     # Not audited: what the auditor compares is pinned (its digest covers it); the archive's
     # value is what the database holds, recorded from the same record.
     _stored("energy_j", float, nullable=True, audited=False),
+    # An approximate condition's fidelity against its reference (core/fidelity.py): computed by
+    # the driver from the logits, recomputed by the auditor. None on exact episodes; a
+    # divergence_step of None on an approximate one means its tokens never diverged.
+    _stored("fidelity_mean_kl", float, "fidelity", "mean_kl", nullable=True),
+    _stored("fidelity_p99_kl", float, "fidelity", "p99_kl", nullable=True),
+    _stored("fidelity_top1", float, "fidelity", "top1", nullable=True),
+    _stored("fidelity_max_abs_logit", float, "fidelity", "max_abs_logit", nullable=True),
+    _stored("fidelity_divergence_step", int, "fidelity", "divergence_step", nullable=True),
     # Archive only.
     _kept("policy", str),
     _kept("params", dict),
+    _kept("tier", str),  # exact | approximate (core.registry.tier_of)
+    _kept("fidelity", dict),  # core.fidelity.Fidelity.as_dict(), approximate episodes only
+    _kept("forced_from", int),  # the reference episode an approximate one was teacher-forced on
+    _kept("forced_s", float),  # the teacher-forced pass's seconds (not part of wall_s)
+    _kept("quantization", dict),  # engine/quantized.py QuantizationStats: what building the model cost
     _kept("first_logit_since_entry_s", float),
     _kept("logits_d2h_bytes", int, ledger=True),  # recording readbacks
     _kept("rows_copied", int, ledger=True),

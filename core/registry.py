@@ -37,10 +37,11 @@ class IntParam:
 class ChoiceParam:
     """A policy parameter taking one of `choices`; omitted in schema 1 or 2, it is left out of
     the frozen form and means `default` (so protocols written before the parameter existed keep
-    their hash); schema 3 may write a newer default into the body instead (SCHEMA3_DEFAULTS)."""
+    their hash); schema 3 may write a newer default into the body instead (SCHEMA3_DEFAULTS).
+    `default` None: the condition must give it (and the frozen body always holds it)."""
 
     choices: tuple[str, ...]
-    default: str
+    default: str | None
 
     def check(self, name: str, value: Any) -> str:
         if value not in self.choices:
@@ -66,6 +67,47 @@ POLICY_PARAMS: dict[str, dict[str, IntParam | ChoiceParam]] = {
     "early-forecast": {"gather": ChoiceParam(choices=("host", "device"), default="host")},
 }
 POLICY_NAMES = tuple(POLICY_PARAMS)
+
+# Low-bit methods of the `quantized` competitor and the library each needs (engine/quantized.py).
+QUANT_METHODS: dict[str, str] = {
+    "int8-weight-only": "torchao",
+    "int4-weight-only": "torchao",
+    "nf4": "bitsandbytes",
+    "llm-int8": "bitsandbytes",
+}
+LOWBIT_EXTRA = "lowbit"
+
+# Competitors: conditions that are not packbench's own loaders (engine/quantized.py), named in a
+# protocol's `policy` field like a loader policy. Only schema 5 can say them (core/protocol/schema.py).
+COMPETITOR_PARAMS: dict[str, dict[str, IntParam | ChoiceParam]] = {
+    # No default: which low-bit format is the whole claim, so a protocol states it.
+    "quantized": {"method": ChoiceParam(choices=tuple(QUANT_METHODS), default=None)},
+}
+CONDITION_PARAMS: dict[str, dict[str, IntParam | ChoiceParam]] = {**POLICY_PARAMS, **COMPETITOR_PARAMS}
+CONDITION_POLICIES = tuple(CONDITION_PARAMS)  # what a condition's `policy` may name
+
+# A condition is exact (bit-identical to its reference: every packbench loader) or approximate
+# (a low-bit resident model); the two tiers are never ranked together unlabelled.
+TIERS = ("exact", "approximate")
+APPROXIMATE_POLICIES = ("quantized",)
+
+
+def tier_of(policy: str) -> str:
+    """`exact` or `approximate` (TIERS) for a condition's policy name."""
+    return "approximate" if policy in APPROXIMATE_POLICIES else "exact"
+
+
+def lowbit_fix() -> str:
+    return f"pip install 'packbench[{LOWBIT_EXTRA}]'"
+
+
+def missing_library(method: str) -> str | None:
+    """The library `method` needs when it is not installed here (None when it is), found
+    without importing it (importing torchao imports torch)."""
+    import importlib.util
+
+    name = QUANT_METHODS[method]
+    return None if importlib.util.find_spec(name) is not None else name
 
 # What a schema-3 protocol (the newest) means by a parameter a condition leaves out, where that
 # differs from the default above (the meaning schema 1 and 2 bodies froze). The schema writes it
@@ -97,18 +139,18 @@ def newer_defaults(schema: int) -> dict[str, dict[str, str]]:
 
 def check_param(policy: str, name: str, value: Any) -> Any:
     """`value` if policy `policy` accepts it for parameter `name`, else a ValueError naming what it allows."""
-    return POLICY_PARAMS[policy][name].check(name, value)
+    return CONDITION_PARAMS[policy][name].check(name, value)
 
 
 def param_default(policy: str, name: str) -> Any:
     """The registry's default of a policy parameter (None: the condition must give it)."""
-    return POLICY_PARAMS[policy][name].default
+    return CONDITION_PARAMS[policy][name].default
 
 
 def resolved_params(policy: str, params: Mapping[str, Any]) -> dict[str, Any]:
     """`params` of a frozen condition with every default spelled out: what the engine's
     constructor runs with (a `packet` whose frozen params omit gather gathers on the host)."""
-    return {name: params.get(name, param.default) for name, param in POLICY_PARAMS[policy].items()}
+    return {name: params.get(name, param.default) for name, param in CONDITION_PARAMS[policy].items()}
 
 
 DTYPE_NAMES = ("float32", "float16", "bfloat16")

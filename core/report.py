@@ -398,8 +398,13 @@ def condition_summary(screen: ScreenData) -> list[dict]:
         peaks = [p for p in peaks if isinstance(p, int)]
         j = [x["energy_j"] for x in en[c]]
         tokens = sum(x["tokens"] for x in en[c])
+        fid = [e.record["fidelity"] for e in scored if e.ok and isinstance(e.record.get("fidelity"), dict)]
+        kl = [f["mean_kl"] for f in fid if isinstance(f.get("mean_kl"), (int, float))]
+        top1 = [f["top1"] for f in fid if isinstance(f.get("top1"), (int, float))]
         rows.append({
-            "condition": c, "policy": cond.policy,
+            "condition": c, "policy": cond.policy, "tier": cond.tier,
+            # approximate conditions: the worst scored episode's fidelity (the gate bounds each)
+            "fidelity_mean_kl_max": max(kl) if kl else None, "fidelity_top1_min": min(top1) if top1 else None,
             "params": ", ".join(f"{k}={v}" for k, v in cond.resolved_params.items()),  # defaults spelled out
             "scored": len(scored), "failed": sum(not e.ok for e in scored),
             "prefill_h2d_per_call": _mean(h2d[c]["prefill"]), "decode_h2d_per_call": _mean(h2d[c]["decode"]),
@@ -408,6 +413,38 @@ def condition_summary(screen: ScreenData) -> list[dict]:
             "energy_j_per_episode": _mean(j), "energy_j_per_token": math.fsum(j) / tokens if tokens else None,
         })
     return rows
+
+
+def frontier(screen: ScreenData) -> dict:
+    """The frontier view: one point per condition, its median decode ms per token against the
+    device memory it needed, with its tier and, for an approximate condition, its worst scored
+    fidelity and its fidelity verdict. Memory is the largest sampled GPU peak when any episode
+    sampled one (`memory: sampled`); a CPU run samples none, so it is what the condition held
+    on the device instead (`memory: held`: device parameters + policy buffers + KV cache, the
+    largest over its scored episodes; for an approximate condition its quantized model + KV
+    cache), and the figure says which."""
+    dec = decode_ms_per_token(screen)
+    sampled = any(isinstance(e.record.get("memory", {}).get("peak_sampled_bytes"), int) for e in screen.episodes)
+    verdicts = {v["condition"]: v for v in screen.verdicts if v.get("gate") == "fidelity"}
+    points = []
+    for row in condition_summary(screen):
+        c = row["condition"]
+        held = []
+        for e in screen.of(c):
+            m = e.record.get("memory") or {}
+            # an approximate condition runs on its quantized model alone (policy_device_bytes), not
+            # on the CPU-first model's device parameters
+            keys = ("policy_device_bytes", "kv_bytes") if row["tier"] == "approximate" else (
+                "device_param_bytes", "policy_device_bytes", "kv_bytes")
+            parts = [m.get(k) for k in keys]
+            if all(isinstance(x, int) for x in parts):
+                held.append(sum(parts))
+        memory = row["peak_sampled_bytes"] if sampled else (max(held) if held else None)
+        v = verdicts.get(c)
+        points.append({"condition": c, "tier": row["tier"], "decode_ms": _median(dec[c]), "memory_bytes": memory,
+                       "fidelity_mean_kl_max": row["fidelity_mean_kl_max"], "fidelity_top1_min": row["fidelity_top1_min"],
+                       "fidelity_passed": None if v is None else bool(v["passed"])})
+    return {"memory": "sampled" if sampled else "held", "points": points}
 
 
 def _mean(xs: list) -> float | None:
@@ -434,6 +471,9 @@ def threshold_text(verdict: dict, protocol: Protocol) -> str:
         return f"{protocol.allowance_mib} MiB"
     if verdict.get("gate") == "useful_latency":
         return f"{t!r} s"
+    if verdict.get("gate") == "fidelity":  # its first threshold, bounding from the side the detail says
+        side = ">=" if "(bound >=" in (verdict.get("detail") or "").split(";")[0] else "<="
+        return f"{side} {t!r}"
     return repr(t)
 
 

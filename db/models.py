@@ -389,6 +389,12 @@ class Episode(Base):
     peak_allocated_bytes: Mapped[int | None] = mapped_column(BigInteger)
     peak_sampled_bytes: Mapped[int | None] = mapped_column(BigInteger)
     energy_j: Mapped[float | None] = mapped_column(Float)  # NVML; None without a counter (0006)
+    # An approximate condition's fidelity against its reference (0009); NULL on exact episodes.
+    fidelity_mean_kl: Mapped[float | None] = mapped_column(Float)
+    fidelity_p99_kl: Mapped[float | None] = mapped_column(Float)
+    fidelity_top1: Mapped[float | None] = mapped_column(Float)
+    fidelity_max_abs_logit: Mapped[float | None] = mapped_column(Float)
+    fidelity_divergence_step: Mapped[int | None] = mapped_column(Integer)
 
     def to_record(self) -> EpisodeRow:
         values = {f.name: getattr(self, f.column) for f in STORED_FIELDS}  # type: ignore[arg-type]

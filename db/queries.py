@@ -211,6 +211,12 @@ class ResultRow(NamedTuple):
     peak_allocated_bytes: int | None
     peak_sampled_bytes: int | None
     energy_j: float | None  # NVML joules over the episode; None without a counter (the CPU)
+    # An approximate condition's fidelity to its reference (core/fidelity.py); None on exact episodes.
+    fidelity_mean_kl: float | None
+    fidelity_p99_kl: float | None
+    fidelity_top1: float | None
+    fidelity_max_abs_logit: float | None
+    fidelity_divergence_step: int | None  # None on an approximate episode: its tokens never diverged
     gate: str | None = None
     phase: str | None = None  # the verdicts' phases, '+'-joined when the gate judged several
     passed: bool | None = None  # every phase's verdict passed
@@ -265,6 +271,8 @@ def results(session: Session, f: ResultFilter) -> list[ResultRow]:
         Episode.h2d_weight_bytes + Episode.h2d_index_bytes, Episode.prefill_h2d_bytes,
         Episode.decode_h2d_bytes, Episode.d2h_bytes, Episode.wall_s, Episode.call_s,
         Episode.peak_allocated_bytes, Episode.peak_sampled_bytes, Episode.energy_j,
+        Episode.fidelity_mean_kl, Episode.fidelity_p99_kl, Episode.fidelity_top1, Episode.fidelity_max_abs_logit,
+        Episode.fidelity_divergence_step,
         Episode.attempt_id,  # not a ResultRow field: the key its verdicts are fetched by
     ]
     query = (
@@ -591,6 +599,19 @@ _ENERGY_SUMS: dict[str, Any] = {
 }
 ENERGY_METRICS = ("energy_j_per_episode", "energy_j_per_token")
 
+# Fidelity of an approximate condition over its ok scored episodes (each bounded per episode by
+# the fidelity gate, so the worst is what a reader compares; the mean KL is also averaged).
+# Listed only for a condition that has them on either side: exact conditions have none.
+_HAS_FIDELITY = and_(_OK, Episode.fidelity_mean_kl.is_not(None))
+FIDELITY_METRICS: dict[str, Any] = {
+    "fidelity_mean_kl_mean": func.avg(case((_HAS_FIDELITY, Episode.fidelity_mean_kl))),
+    "fidelity_mean_kl_max": func.max(case((_HAS_FIDELITY, Episode.fidelity_mean_kl))),
+    "fidelity_p99_kl_max": func.max(case((_HAS_FIDELITY, Episode.fidelity_p99_kl))),
+    "fidelity_top1_min": func.min(case((_HAS_FIDELITY, Episode.fidelity_top1))),
+    "fidelity_max_abs_logit_max": func.max(case((_HAS_FIDELITY, Episode.fidelity_max_abs_logit))),
+    "fidelity_divergence_step_min": func.min(case((_HAS_FIDELITY, Episode.fidelity_divergence_step))),
+}
+
 
 def _energy(sums: dict[str, Any]) -> dict[str, float | None]:
     joules, n, tokens = sums["energy_j"], sums["energy_episodes"], sums["energy_tokens"]
@@ -667,14 +688,16 @@ def _side(session: Session, ref: int | str) -> tuple[CompareSide, int]:
 
 def _totals(session: Session, attempt_id: int) -> dict[str, dict[str, Any]]:
     query = (
-        select(Episode.condition, *COMPARE_METRICS.values(), *_ENERGY_SUMS.values())
+        select(Episode.condition, *COMPARE_METRICS.values(), *_ENERGY_SUMS.values(), *FIDELITY_METRICS.values())
         .where(Episode.attempt_id == attempt_id, Episode.role == "scored")
         .group_by(Episode.condition)
     )
     out = {}
+    energy_at, fidelity_at = 1 + len(COMPARE_METRICS), 1 + len(COMPARE_METRICS) + len(_ENERGY_SUMS)
     for row in session.execute(query):
         metrics = dict(zip(COMPARE_METRICS, row[1:]))
-        out[row[0]] = {**metrics, **_energy(dict(zip(_ENERGY_SUMS, row[1 + len(COMPARE_METRICS):])))}
+        fidelity = {k: v for k, v in zip(FIDELITY_METRICS, row[fidelity_at:])}
+        out[row[0]] = {**metrics, **_energy(dict(zip(_ENERGY_SUMS, row[energy_at:fidelity_at]))), **fidelity}
     return out
 
 
@@ -696,7 +719,8 @@ def compare(session: Session, ref_a: int | str, ref_b: int | str) -> Comparison:
     metrics = []
     for condition in sorted(set(totals_a) | set(totals_b)):
         a, b = totals_a.get(condition, {}), totals_b.get(condition, {})
-        for metric in (*COMPARE_METRICS, *ENERGY_METRICS):
+        approximate = a.get("fidelity_mean_kl_max") is not None or b.get("fidelity_mean_kl_max") is not None
+        for metric in (*COMPARE_METRICS, *ENERGY_METRICS, *(FIDELITY_METRICS if approximate else ())):
             value_a, value_b = a.get(metric), b.get(metric)
             metrics.append(
                 MetricPair(

@@ -1132,6 +1132,25 @@ class Store:
         with self._session() as session:
             return queries.results(session, filters)
 
+    def condition_tiers(self, protocol_sha256s: Iterable[str]) -> dict[str, dict[str, str]]:
+        """protocol SHA-256 -> condition name -> tier (`exact` or `approximate`), from each
+        stored protocol's frozen body (its conditions' policies): what `results` and `compare`
+        label every row with. A condition whose policy cannot be read has no entry."""
+        from core.registry import tier_of
+
+        wanted = sorted(set(protocol_sha256s))
+        out: dict[str, dict[str, str]] = {}
+        with self._session() as session:
+            for start in range(0, len(wanted), 500):
+                rows = session.execute(select(Protocol.sha256, Protocol.canonical_json)
+                                       .where(Protocol.sha256.in_(wanted[start:start + 500])))
+                for sha, body in rows:
+                    conditions = json.loads(body).get("conditions")
+                    out[sha] = {c["name"]: tier_of(c["policy"]) for c in conditions if isinstance(c, dict)
+                                and isinstance(c.get("name"), str) and isinstance(c.get("policy"), str)} \
+                        if isinstance(conditions, list) else {}
+        return out
+
     def condition_names(self) -> list[str]:
         """Every condition name of a stored episode, sorted (what `results --condition` can match)."""
         with self._session() as session:

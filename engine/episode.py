@@ -30,15 +30,22 @@ def _sync(device: torch.device) -> None:
 
 
 def run_episode(model: CpuFirstModel, prompt: list[int], *, continuation: int,
-                mode: str | None = None) -> EpisodeOutput:
+                mode: str | None = None, forced: list[int] | None = None) -> EpisodeOutput:
     """Greedy generation of `continuation` tokens: one prefill call, then continuation-1 decode calls.
 
     Every call's logits are read back (charged as recording) and argmax'd on the host, so the
     token fed to the next call is exactly the one the archive shows. `mode` (default: the
-    model's) picks the execution mode (engine/graph.py).
+    model's) picks the execution mode (engine/graph.py). `model` may be any model with a
+    CpuFirstModel's device, recorder, mode, new_cache and forward (engine/quantized.py's).
+
+    `forced` (teacher forcing, for fidelity): decode call i is fed `forced[i - 1]` (the
+    reference's greedy tokens) instead of this run's own argmax; `tokens` still holds the argmax
+    of every call, so position i of both runs saw the same prefix.
     """
     if continuation < 1:
         raise ValueError("continuation must be >= 1")
+    if forced is not None and len(forced) < continuation - 1:
+        raise ValueError(f"teacher forcing needs {continuation - 1} tokens, got {len(forced)}")
     device = model.device
     recorder = model.recorder
     recorder.calls = []
@@ -63,7 +70,8 @@ def run_episode(model: CpuFirstModel, prompt: list[int], *, continuation: int,
         token = int(row.argmax())
         tokens.append(token)
         rows.append(row)
-        ids = torch.tensor([[token]], dtype=torch.long, device=device)
+        fed = token if forced is None or call == continuation - 1 else int(forced[call])
+        ids = torch.tensor([[fed]], dtype=torch.long, device=device)
     wall = time.perf_counter() - t_start
     kv_bytes = sum(
         t.numel() * t.element_size()

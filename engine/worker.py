@@ -21,6 +21,7 @@ from core.canonical import canonical_sha256
 from core.errors import CheckpointError
 from core.metrics import episode_totals
 from core.provenance import checkpoint_digest
+from core.registry import tier_of
 from core.settings import WORKER_PIN_ENV, WORKER_THREADS_ENV
 from core.protocol import Protocol, expand
 from engine.episode import run_episode
@@ -28,6 +29,7 @@ from engine.gpu_lock import GpuLock, HostPresence, host_gpu_index, host_gpus
 from engine.graph import check_mode
 from engine.model import CpuFirstModel
 from engine.policies import BUFFERS_LAYOUT
+from engine.quantized import QuantizedModel
 from engine.allowance import impose
 from engine.sampler import MemorySampler, device_uuid, nvml_handle
 from engine.shapes import dtype_of
@@ -122,6 +124,13 @@ class Worker:
         self.model: CpuFirstModel | None = None
         self.model_key: tuple | None = None
         self.digests: dict[tuple, str] = {}  # checkpoint_key -> content digest (core.provenance)
+        # Low-bit competitors (engine/quantized.py) of the loaded checkpoint, per method: built by
+        # load(), kept while the CPU-first model is (the same key), dropped with it.
+        self.quantized: dict[str, QuantizedModel] = {}
+        # prompt -> (plan index, tokens) of the first finished reference episode of the current
+        # screen: what an approximate episode of that prompt is teacher-forced on.
+        self.reference_runs: dict[int, tuple[int, list[int]]] = {}
+        self.reference: str | None = None
         self.loads = 0
         self.conditions: dict[str, tuple[str, dict]] = {}
         uuid = device_uuid(self.device.index) if self.device.type == "cuda" else None
@@ -216,6 +225,8 @@ class Worker:
                                   f"a new protocol")
         self.model.recorder.enabled = protocol.recording
         self.conditions = {c.name: (c.policy, dict(c.params)) for c in protocol.conditions}
+        self.reference, self.reference_runs = protocol.reference, {}
+        built = self._build_quantized(protocol, path)
         self.continuation = protocol.continuation_tokens
         s = self.model.start
         return {"read_s": s.read_s, "pin_s": self.model.host.pin_s, "place_s": s.place_s,
@@ -225,13 +236,34 @@ class Worker:
                 "allowance_bytes": allowance, "context_bytes": context, "device": str(self.device),
                 "vocab": self.model.vocab, "model_dir": str(path), "model_state": "warm" if warm else "cold",
                 "engine": {"mode": self.mode}, "model_sha256": digest,
+                "quantized": {m: {**q.stats.as_dict(), "state": "cold" if m in built else "warm"}
+                              for m, q in self.quantized.items()},
                 "entry_to_loaded_s": time.perf_counter() - self.t_entry}
+
+    def _build_quantized(self, protocol: Protocol, path: Path) -> set[str]:
+        """Quantize the checkpoint once per method the protocol's competitors name (charged in the
+        start record and every episode of the condition); drop those it does not name. Returns the
+        methods built now. A missing library or kernel raises QuantizationUnavailable, before any episode."""
+        methods = {c.params["method"] for c in protocol.conditions if tier_of(c.policy) == "approximate"}
+        for method in set(self.quantized) - methods:
+            del self.quantized[method]
+        built = set()
+        for method in sorted(methods - set(self.quantized)):
+            try:
+                self.quantized[method] = QuantizedModel(path, method=method, dtype=dtype_of(protocol.dtype),
+                                                        device=self.device)
+            except BaseException:
+                self.drop_model()
+                raise
+            built.add(method)
+        return built
 
     def drop_model(self) -> None:
         """Release the loaded model (host and device memory) before another one is read."""
         if self.model is not None and self.model.slot.policy is not None:
             self.model.slot.policy.deactivate()
         self.model, self.model_key = None, None
+        self.quantized = {}
         gc.collect()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
@@ -257,15 +289,35 @@ class Worker:
     def _run(self, entry: dict, prompt: list[int]) -> dict:
         assert self.model is not None, "load() first"
         policy, params = self.conditions[entry["condition"]]
+        tier = tier_of(policy)
         record = {"plan_index": entry["index"], "condition": entry["condition"], "role": entry["role"],
-                  "prompt": entry["prompt"], "policy": policy, "params": params, "engine": {"mode": self.mode}}
+                  "prompt": entry["prompt"], "policy": policy, "params": params, "engine": {"mode": self.mode},
+                  "tier": tier}
         t0 = time.perf_counter()
         sampler = self.sampler
+        forced, forced_from, forced_s = None, None, None
         try:
-            self.model.use(policy, **params)
+            if tier == "approximate":
+                model = self.quantized[params["method"]]  # resident, built by load(): no policy to activate
+                if self.model.slot.policy is not None:  # the last exact condition's buffers are not its to hold
+                    self.model.slot.policy.deactivate()
+                    self.model.slot.policy = None
+                    if self.device.type == "cuda":
+                        torch.cuda.empty_cache()
+            else:
+                self.model.use(policy, **params)
+                model = self.model
             sampler.start()
-            out = run_episode(self.model, prompt, continuation=self.continuation, mode=self.mode)
+            out = run_episode(model, prompt, continuation=self.continuation, mode=model.mode)
             sampled = sampler.stop()
+            if tier == "approximate" and entry["prompt"] in self.reference_runs:
+                # Teacher-forced on the reference's tokens, after the measured free run (its time
+                # and peaks are the free run's): the logits fidelity is judged on.
+                forced_from, ref_tokens = self.reference_runs[entry["prompt"]]
+                t_forced = time.perf_counter()
+                forced = run_episode(model, prompt, continuation=self.continuation, mode=model.mode,
+                                     forced=ref_tokens).logits
+                forced_s = time.perf_counter() - t_forced
         except Exception as e:  # recorded, never retried into a pass
             sampler.stop()
             if self.model.slot.policy is not None:
@@ -275,9 +327,12 @@ class Worker:
                 torch.cuda.empty_cache()  # an OOM must not poison the next episode
             return {**record, "status": "failed", "error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}",
                     "traceback": traceback.format_exc(limit=5), "episode_s": time.perf_counter() - t0,
-                    "logits": None, "trace": None}
+                    "logits": None, "trace": None, "forced_logits": None}
+        if entry["condition"] == self.reference:
+            self.reference_runs.setdefault(entry["prompt"], (entry["index"], list(out.tokens)))
         calls = [c.to_dict() for c in out.calls]
-        p = self.model.slot.policy
+        p = self.model.slot.policy if tier == "exact" else None
+        quantization = model.stats.as_dict() if tier == "approximate" else None
         context = impose(self.device, self.allowance, self.nvml) if self.device.type == "cuda" else 0
         record["episode_s"] = time.perf_counter() - t0  # wall_s plus activation and measurement
         return {**record, "status": "ok", "error": None, "tokens": out.tokens, "wall_s": out.wall_s,
@@ -287,12 +342,16 @@ class Worker:
                 "memory": {"peak_allocated_bytes": out.peak_allocated_bytes,
                            "peak_reserved_bytes": out.peak_reserved_bytes,
                            "peak_sampled_bytes": sampled["peak_sampled_bytes"],
-                           "kv_bytes": out.kv_bytes, "policy_device_bytes": p.device_bytes(),
+                           "kv_bytes": out.kv_bytes,
+                           "policy_device_bytes": p.device_bytes() if p is not None else quantization["device_bytes"],
                            "host_outgoing_bytes": self.model.host.host_bytes,
-                           "pinned_bytes": self.model.host.pinned_bytes + p.pinned_bytes(),
+                           "pinned_bytes": self.model.host.pinned_bytes + (p.pinned_bytes() if p is not None else 0),
                            "device_param_bytes": self.model.start.device_param_bytes,
                            "host_rss_peak_bytes": host_rss_peak_bytes(), "context_bytes": context},
                 "sampler": {k: sampled[k] for k in ("samples", "period_s", "sampler_overhead_s", "scope",
                                                     "other_processes")},
                 "energy_j": sampled["energy_j"],
-                "calls": calls, "logits": out.logits, "trace": sampled["trace"]}
+                "calls": calls, "logits": out.logits, "trace": sampled["trace"],
+                **({"quantization": quantization, "forced_from": forced_from, "forced_s": forced_s}
+                   if tier == "approximate" else {}),
+                "forced_logits": forced}

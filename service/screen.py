@@ -20,6 +20,7 @@ from typing import Any, Callable
 
 from core.archive import ArchiveWriter
 from core.errors import PackbenchError
+from core.fidelity import of_episode
 from core.gates import compute_verdicts
 from core.plan import plan
 from db.errors import DatabaseUnavailable
@@ -108,7 +109,10 @@ class ScreenRun:
         this bookkeeping, so that the caller learns the database is down."""
         t0 = time.perf_counter()
         logits, trace = record.pop("logits"), record.pop("trace")
-        self.writer.add_episode(record, logits, trace)
+        forced = record.pop("forced_logits", None)
+        if record.get("tier") == "approximate":
+            record["fidelity"] = self.fidelity_of({**record, "forced_logits": forced})
+        self.writer.add_episode(record, logits, trace, forced)
         failure: DatabaseUnavailable | None = None
         if persist:
             try:
@@ -117,7 +121,7 @@ class ScreenRun:
                 failure = e
         if failure is not None or not persist:
             self.unpersisted.append(record["plan_index"])
-        self.episodes.append({**record, "logits": logits})
+        self.episodes.append({**record, "logits": logits, "forced_logits": forced})
         self.timings.append((t0, time.perf_counter() - t0))
         entry = self.entries[record["plan_index"]]
         wall = record.get("wall_s")
@@ -128,6 +132,16 @@ class ScreenRun:
                       total=len(self.entries), condition=entry["condition"])
         if failure is not None:
             raise failure
+
+    def fidelity_of(self, episode: dict) -> dict | None:
+        """An approximate episode's fidelity figures (core/fidelity.py) against the reference
+        episode it was teacher-forced on, recorded before any earlier one; None when they cannot
+        be computed (the fidelity gate then says why, and the auditor recomputes the same)."""
+        by_index = {e["plan_index"]: e for e in self.episodes}
+        try:
+            return of_episode(episode, by_index, reference=self.protocol.reference).as_dict()
+        except ValueError:
+            return None
 
     def finish(self) -> ScreenOutcome:
         """Every planned episode is in: verdicts, seal, store them, attempt done."""

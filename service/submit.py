@@ -36,6 +36,19 @@ def screen_prompts(protocol: Protocol, *, vocab: int, model_dir: Path | None,
     return prompts(protocol, vocab=vocab, prompt_file=prompt_file, tokenize=tokenize)
 
 
+def check_libraries(protocol: Protocol) -> None:
+    """A competitor whose library is not installed here is refused before anything is queued
+    (found without importing it): one line naming the condition and the extra that brings it."""
+    from core.registry import COMPETITOR_PARAMS, lowbit_fix, missing_library
+
+    for i, c in enumerate(protocol.conditions):
+        if c.policy in COMPETITOR_PARAMS:
+            missing = missing_library(c.params["method"])
+            if missing is not None:
+                raise ProtocolError(f"protocol field `conditions[{i}].params.method`: {c.params['method']} "
+                                    f"(condition {c.name}) requires {missing}, which is not installed: {lowbit_fix()}")
+
+
 def submit(store, path: Path, *, priority: int = 0, max_attempts: int = 3, gpu_type: str | None = None,
            replicas: int = 1, spread: bool = False) -> list[int]:
     """Validate and freeze `path`, store the protocol (idempotent) and queue its screen(s).
@@ -48,6 +61,7 @@ def submit(store, path: Path, *, priority: int = 0, max_attempts: int = 3, gpu_t
     """
     frozen = load(path)
     protocol = frozen.protocol
+    check_libraries(protocol)
     model_dir = frozen.model_dir()
     prompt_file = frozen.prompt_file()
     vocab = vocab_size(frozen)  # a broken config.json is the checkpoint's error (CheckpointError), not the prompts'

@@ -1,4 +1,5 @@
-"""The protocol schema: a YAML mapping or any frozen body validated into the full schema-2 form.
+"""The protocol schema: a YAML mapping or any frozen body validated into the full form (schema 2's;
+`schema: 5` where a competitor or the fidelity gate needs it).
 
 `validate` gives the frozen form (the lowest schema that says the meaning, see compat.py);
 `full_form` gives the full schema-2 dict that `core.protocol.spec.Protocol` is built from.
@@ -7,6 +8,9 @@ Schema 3 is schema 2 with newer defaults for parameters a condition leaves out
 (SCHEMA4_DEFAULTS) and a `model.synth` without `sparsity`
 or `profile` means the calibrated profile (core.registry.DEFAULT_PROFILE). Both write their
 defaults out, so a protocol always freezes as schema 2 or 1 and no body ever says 3 or 4.
+Schema 5 adds what no earlier schema can say: competitor conditions (`quantized`,
+core.registry.COMPETITOR_PARAMS) and the `fidelity` gate; a protocol using either freezes as
+schema 5 (the lowest that says it), any other still as 2 or 1, so every old hash holds.
 Every rule a field obeys is written once, here; docs/protocol.md describes them for users.
 """
 
@@ -27,6 +31,10 @@ from core.protocol.prompt_files import TEXT_SEPARATOR, read_prompt_file
 # Policies and their parameters, dtypes and synthetic shapes live in one registry shared with the
 # engine and the CLI; re-exported here for code that imports them from core.protocol.
 from core.registry import (
+    APPROXIMATE_POLICIES,
+    COMPETITOR_PARAMS,
+    CONDITION_PARAMS,
+    CONDITION_POLICIES,
     DTYPE_NAMES,
     POLICY_NAMES,
     POLICY_PARAMS,
@@ -40,8 +48,9 @@ from core.registry import (
     synth_spec,
 )
 
-SCHEMA_VERSION = 4  # the newest schema this packbench reads: what a YAML without `schema:` means
-SCHEMAS = (1, 2, 3, 4)  # every schema it reads; frozen bodies say 1 or 2 (module docstring)
+SCHEMA_VERSION = 5  # the newest schema this packbench reads: what a YAML without `schema:` means
+SCHEMAS = (1, 2, 3, 4, 5)  # every schema it reads; frozen bodies say 1, 2 or 5 (module docstring)
+COMPETITOR_SCHEMA = 5  # the first schema that can say a competitor condition or a fidelity gate
 MIB = 1 << 20
 # Bounds no real screen reaches: a hostile protocol.json must not make a plan or the generated
 # prompts exhaust an auditor's memory.
@@ -60,7 +69,9 @@ MAX_BOOTSTRAP_DRAWS = 1 << 27
 ORDERS = ("alternating", "abba", "latin-square")
 ENGINE_MODES = ("eager", "graph")  # engine/graph.py MODES (tests keep the two equal)
 PHASES = ("all", "prefill", "decode")
-GATE_NAMES = ("faithfulness", "resources", "capacity", "acquisition", "runtime", "useful_latency")
+GATE_NAMES = ("faithfulness", "resources", "capacity", "acquisition", "runtime", "useful_latency", "fidelity")
+# The fidelity gate's thresholds (core/fidelity.py figures), each bounding every scored episode.
+FIDELITY_BOUNDS = ("max_mean_kl", "max_p99_kl", "min_top1", "max_abs_logit", "min_divergence_step")
 PROMPT_SOURCES = ("token_ids", "token_file", "text_file", "generator")
 
 _CONDITION_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
@@ -152,7 +163,7 @@ def _prompts(value: Any, *, base_dir: Path | None, prefix_tokens: int) -> dict:
 
 
 def _params(policy: str, value: Any, path: str, *, schema: int) -> dict:
-    spec = POLICY_PARAMS[policy]
+    spec = CONDITION_PARAMS[policy]
     newer = newer_defaults(schema).get(policy, {})
     if value is None:
         value = {}
@@ -167,6 +178,8 @@ def _params(policy: str, value: Any, path: str, *, schema: int) -> dict:
         if isinstance(param, ChoiceParam):
             if key in value:
                 out[key] = _choice(value[key], _join(path, key), param.choices)
+            elif param.default is None:
+                _fail(_join(path, key), f"is required by policy {policy} (one of {', '.join(param.choices)})")
             elif key in newer:  # schema 3/4: written out, so the frozen (schema-2) body says what runs
                 out[key] = newer[key]
             # else omitted in schema 1 or 2: left out, meaning the registry's default (old hashes hold)
@@ -186,7 +199,10 @@ def _conditions(value: Any, *, schema: int) -> list[dict]:
     for i, c in enumerate(value):
         path = f"conditions[{i}]"
         c = _mapping(c, path, allowed={"name": False, "policy": True, "params": False})
-        policy = _choice(c["policy"], f"{path}.policy", POLICY_NAMES)
+        policy = _choice(c["policy"], f"{path}.policy", CONDITION_POLICIES)
+        if policy in COMPETITOR_PARAMS and schema < COMPETITOR_SCHEMA:
+            _fail(f"{path}.policy", f"{policy!r} needs schema {COMPETITOR_SCHEMA}; write schema: {COMPETITOR_SCHEMA} "
+                                    f"or omit `schema:`")
         name = c.get("name", policy)
         if not isinstance(name, str) or not _CONDITION_NAME.fullmatch(name):
             _fail(f"{path}.name", f"{_show(name)} is not allowed; use letters, digits, '.', '_' and '-'")
@@ -240,7 +256,52 @@ def _comparisons(value: Any, path: str, names: tuple[str, ...], *, extra: dict[s
     return sorted(out, key=lambda g: PHASES.index(g["phase"]))
 
 
-def _gates(value: Any, names: tuple[str, ...]) -> dict:
+def _fidelity(value: Any, conditions: list[dict], *, reference: str) -> list[dict]:
+    """One mapping (every approximate condition) or a list of them naming a `condition`; each
+    holds at least one threshold. Frozen as a list, one entry per condition, in protocol order."""
+    names = tuple(c["name"] for c in conditions)
+    policy = {c["name"]: c["policy"] for c in conditions}
+    approximate = tuple(n for n in names if policy[n] in APPROXIMATE_POLICIES)
+    items = value if isinstance(value, list) else [value]
+    if not items:
+        _fail("gates.fidelity", "expected a mapping or a non-empty list of mappings (one per condition)")
+    out: dict[str, dict] = {}
+    for i, item in enumerate(items):
+        where = f"gates.fidelity[{i}]" if isinstance(value, list) else "gates.fidelity"
+        g = _mapping(item, where, allowed={"condition": False, **{b: False for b in FIDELITY_BOUNDS}})
+        bounds: dict[str, Any] = {}
+        for b in FIDELITY_BOUNDS:
+            if b not in g:
+                continue
+            if b == "min_divergence_step":
+                bounds[b] = _int(g[b], f"{where}.{b}", minimum=0, maximum=MAX_CONTINUATION)
+            else:
+                bounds[b] = _number(g[b], f"{where}.{b}", minimum=0.0)
+                if b == "min_top1" and bounds[b] > 1:
+                    _fail(f"{where}.{b}", f"{_show(g[b])} is not a fraction in [0, 1] (top-1 agreement)")
+        if not bounds:
+            _fail(where, f"give at least one threshold: {', '.join(FIDELITY_BOUNDS)}")
+        if "condition" in g:
+            name = _choice(g["condition"], f"{where}.condition", names)
+            if name == reference:
+                _fail(f"{where}.condition", f"{name!r} is the reference: fidelity compares another condition with it; "
+                                            f"name an approximate condition ({', '.join(approximate) or 'none here'})")
+            if policy[name] not in APPROXIMATE_POLICIES:
+                _fail(f"{where}.condition", f"{name!r} is exact: the faithfulness gate judges it bit for bit; "
+                                            f"name an approximate condition ({', '.join(approximate) or 'none here'})")
+            targets: tuple[str, ...] = (name,)
+        else:
+            if not approximate:
+                _fail(where, "no approximate condition to judge; add a quantized condition or drop the gate")
+            targets = approximate
+        for name in targets:
+            if name in out:
+                _fail(where, f"{name!r} is already gated; give one entry per condition")
+            out[name] = {"condition": name, **bounds}
+    return [out[n] for n in names if n in out]
+
+
+def _gates(value: Any, names: tuple[str, ...], conditions: list[dict], *, reference: str, schema: int) -> dict:
     g = _mapping(value, "gates", allowed={name: False for name in GATE_NAMES})
     out: dict[str, Any] = {}
     if "faithfulness" in g:
@@ -261,6 +322,10 @@ def _gates(value: Any, names: tuple[str, ...]) -> dict:
         out["useful_latency"] = {
             key: _number(u[key], f"gates.useful_latency.{key}", minimum=0.0, exclusive=True)
             for key in ("max_first_episode_s", "max_cold_start_s")}
+    if "fidelity" in g:
+        if schema < COMPETITOR_SCHEMA:
+            _fail("gates.fidelity", f"needs schema {COMPETITOR_SCHEMA}; write schema: {COMPETITOR_SCHEMA} or omit `schema:`")
+        out["fidelity"] = _fidelity(g["fidelity"], conditions, reference=reference)
     if not out:
         _fail("gates", f"declare at least one gate: {', '.join(GATE_NAMES)}")
     return out
@@ -353,15 +418,17 @@ def _full(raw: Any, *, base_dir: Path | None) -> dict:
         "continuation_tokens": _int(p["continuation_tokens"], "continuation_tokens", minimum=1,
                                     maximum=MAX_CONTINUATION),
         "conditions": conditions,
-        "reference": _choice(p["reference"], "reference", names),
+        "reference": (reference := _choice(p["reference"], "reference", names)),
         "warmups": _warmups(p.get("warmups", 1), names),
         "repetitions": _int(p.get("repetitions", 1), "repetitions", minimum=1, maximum=MAX_EPISODES),
         "order": _choice(p.get("order", "alternating"), "order", ORDERS),
         "baseline_first": _bool(p.get("baseline_first", True), "baseline_first"),
         "allowance_mib": _int(p["allowance_mib"], "allowance_mib", minimum=1),
         "recording": _bool(p.get("recording", True), "recording"),
-        "gates": _gates(p["gates"], names),
+        "gates": _gates(p["gates"], names, conditions, reference=reference, schema=declared),
     }
+    if "fidelity" in full["gates"] or any(c["policy"] in COMPETITOR_PARAMS for c in conditions):
+        full["schema"] = COMPETITOR_SCHEMA  # nothing lower says it: the frozen body says 5
     engine = _engine(p.get("engine"))
     if engine:  # eager (or absent): left out, so every protocol frozen before modes keeps its hash
         full["engine"] = engine
@@ -398,6 +465,19 @@ def _cross_checks(full: dict) -> None:
                                f"compared conditions), more than {MAX_BOOTSTRAP_DRAWS}; lower resamples")
     if not full["recording"] and "acquisition" in gates:
         _fail("gates.acquisition", "needs recording: true (byte counts come from the per-call ledger)")
+    policies = {c["name"]: c["policy"] for c in full["conditions"]}
+    if "fidelity" in gates:
+        if policies[ref] in APPROXIMATE_POLICIES:
+            _fail("reference", f"{ref!r} is approximate: fidelity is judged against an exact reference "
+                               f"(e.g. dense-stream)")
+        if not full["baseline_first"]:
+            _fail("gates.fidelity", "needs baseline_first: true (each approximate episode is teacher-forced on "
+                                    "the tokens of its block's reference episode, which must run first)")
+    if full.get("engine", {}).get("mode", "eager") != "eager":
+        for i, c in enumerate(full["conditions"]):
+            if c["policy"] in COMPETITOR_PARAMS:
+                _fail(f"conditions[{i}].policy", f"{c['policy']!r} runs in engine mode eager only; drop "
+                                                 f"engine.mode {full['engine']['mode']} or the condition")
 
 
 def validate(raw: Any, *, base_dir: Path | None = None) -> dict:

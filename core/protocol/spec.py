@@ -15,7 +15,7 @@ from typing import Any, Mapping
 from core.canonical import canonical_json, sha256_hex
 from core.protocol.compat import schema1_form
 from core.protocol.schema import MIB, full_form
-from core.registry import resolved_params
+from core.registry import resolved_params, tier_of
 
 
 @dataclass(frozen=True)
@@ -71,6 +71,11 @@ class Condition:
         `packet` without gather: gather host; schema 3 writes gather device into the body)."""
         return resolved_params(self.policy, self.params)
 
+    @property
+    def tier(self) -> str:
+        """`exact` (a packbench loader: bit-identical to its reference) or `approximate` (a low-bit competitor)."""
+        return tier_of(self.policy)
+
 
 @dataclass(frozen=True)
 class Comparison:
@@ -91,6 +96,19 @@ class UsefulLatency:
 
 
 @dataclass(frozen=True)
+class FidelityBounds:
+    """One fidelity gate entry: thresholds every scored episode of `condition` must meet
+    (None: not judged). core/fidelity.py defines the figures."""
+
+    condition: str
+    max_mean_kl: float | None = None
+    max_p99_kl: float | None = None
+    min_top1: float | None = None
+    max_abs_logit: float | None = None
+    min_divergence_step: int | None = None
+
+
+@dataclass(frozen=True)
 class Gates:
     """The gates a protocol declares; absent ones are None or empty."""
 
@@ -100,6 +118,7 @@ class Gates:
     acquisition: tuple[Comparison, ...] = ()
     runtime: tuple[Comparison, ...] = ()
     useful_latency: UsefulLatency | None = None
+    fidelity: tuple[FidelityBounds, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -160,6 +179,10 @@ class Protocol:
     @property
     def condition_names(self) -> tuple[str, ...]:
         return tuple(c.name for c in self.conditions)
+
+    def tier(self, name: str) -> str:
+        """The tier of condition `name`: exact or approximate (core.registry.TIERS)."""
+        return self.condition(name).tier
 
     def condition(self, name: str) -> Condition:
         for c in self.conditions:
@@ -226,7 +249,8 @@ def _gates(g: dict) -> Gates:
         resources="resources" in g, capacity="capacity" in g,
         acquisition=tuple(_comparison(x) for x in g.get("acquisition", [])),
         runtime=tuple(_comparison(x) for x in g.get("runtime", [])),
-        useful_latency=None if u is None else UsefulLatency(u["max_first_episode_s"], u["max_cold_start_s"]))
+        useful_latency=None if u is None else UsefulLatency(u["max_first_episode_s"], u["max_cold_start_s"]),
+        fidelity=tuple(FidelityBounds(**f) for f in g.get("fidelity", [])))
 
 
 def expand(body: Any) -> Protocol:

@@ -125,3 +125,26 @@ def test_debug_adds_the_traceback_and_keeps_the_line_and_the_code(tmp_path, upgr
 def test_usage_errors_are_one_line_with_exit_2(tmp_path, args, fragment):
     r = cli(*args, cwd=tmp_path, db=tmp_path / "packbench.db")
     assert_one_line_error(r, fragment, f"see `packbench {args[0]} --help`")
+
+
+def test_a_competitor_whose_library_is_missing_is_refused_before_anything_is_queued(tmp_path, upgraded, tiny):
+    import importlib.util
+
+    from db.store import Store
+
+    if importlib.util.find_spec("bitsandbytes") is not None:
+        pytest.skip("bitsandbytes is installed here")
+    p = write_protocol(tmp_path, tiny, schema=5, conditions=[
+        {"policy": "dense-stream"}, {"name": "nf4", "policy": "quantized", "params": {"method": "nf4"}}],
+        gates={"faithfulness": None, "fidelity": {"max_mean_kl": 0.05}})
+    r = cli("submit", str(p), cwd=tmp_path, db=upgraded)
+    assert_one_line_error(r, "`conditions[1].params.method`", "nf4 (condition nf4) requires bitsandbytes",
+                          "pip install 'packbench[lowbit]'")
+    with Store(f"sqlite:///{upgraded}") as store:
+        assert store.list_screens() == []
+
+
+def test_a_fidelity_gate_on_an_exact_condition_is_refused(tmp_path, upgraded, tiny):
+    p = write_protocol(tmp_path, tiny, schema=5, gates={"fidelity": [{"condition": "packet", "min_top1": 0.9}]})
+    assert_one_line_error(cli("submit", str(p), cwd=tmp_path, db=upgraded), "`gates.fidelity[0].condition`",
+                          "'packet' is exact")

@@ -98,8 +98,8 @@ def test_results_screen_view_is_unchanged(db):
     assert set(summary) == {"screen_id", "status", "protocol", "protocol_sha256", "attempt", "archive_path",
                             "archive_sha256", "error", "audit", "verdicts", "episodes"}
     assert summary["screen_id"] == 2 and [e["index"] for e in summary["episodes"]] == [0, 1, 2, 3]
-    assert set(summary["episodes"][0]) == {"index", "condition", "role", "prompt", "status", "tokens", "h2d_bytes",
-                                           "d2h_bytes", "wall_s"}
+    assert set(summary["episodes"][0]) == {"index", "condition", "tier", "role", "prompt", "status", "tokens",
+                                           "h2d_bytes", "d2h_bytes", "wall_s"}  # tier: exact or approximate
     assert json.loads(invoke(db, "results", "--json").stdout)["screen_id"] == 3  # default: latest
     assert invoke(db, "results", "--screen", "1").stdout.startswith("screen 1 (quickstart, done)")
 
@@ -538,3 +538,57 @@ def test_status_cancel_and_retry(queue_db):
         invoke(queue_db, "screens", "retry", "1")  # done
     with pytest.raises(PackbenchError, match="already cancelled"):
         invoke(queue_db, "screens", "cancel", "3")
+
+
+# -- tiers and fidelity ---------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiered(tmp_path_factory) -> Path:
+    """Two screens of one protocol: dense-stream (exact) and int8 (quantized, approximate), the
+    int8 episodes with fidelity figures (screen 2's worse)."""
+    path = tmp_path_factory.mktemp("tiers") / "packbench.db"
+    conditions = [{"name": "dense-stream", "policy": "dense-stream", "params": {}},
+                  {"name": "int8", "policy": "quantized", "params": {"method": "int8-weight-only"}}]
+    canonical = json.dumps({"name": "q", "model": {"path": "m"}, "dtype": "float16", "conditions": conditions})
+    with Store(f"sqlite:///{path}") as store:
+        store.upgrade()
+        pid = store.put_protocol(sha256="ef" * 32, name="q", canonical_json=canonical)
+        box = store.put_machine(host="box", gpu_name="", driver="", torch="2.13", cuda="")
+        for kl, top1, step in ((0.001, 1.0, None), (0.004, 0.75, 3)):
+            attempt = store.start_attempt(screen_id=store.create_screen(protocol_id=pid, submitter="a"), worker="w",
+                                          node="n", gpu_name="cpu", gpu_index=0, machine_id=box,
+                                          source_freeze={}, archive_path="a.zip")
+            fid = {"mean_kl": kl, "p99_kl": 2 * kl, "top1": top1, "max_abs_logit": 0.5, "divergence_step": step}
+            store.put_episodes(attempt.id, [episode(0, "dense-stream"), {**episode(1, "int8", h2d=0), "fidelity": fid},
+                                            episode(2, "dense-stream"),
+                                            {**episode(3, "int8", h2d=0), "fidelity": {**fid, "mean_kl": kl / 2}}])
+            store.finish_attempt(attempt.id, status="done", archive_sha256="e" * 64)
+    return path
+
+
+def test_results_label_every_row_with_its_tier_and_show_fidelity(tiered, db):
+    rows = json.loads(invoke(tiered, "results", "--screen", "1", "--format", "json").stdout)
+    assert [(r["condition"], r["tier"], r["fidelity_mean_kl"]) for r in rows] == [
+        ("dense-stream", "exact", None), ("int8", "approximate", 0.001), ("dense-stream", "exact", None),
+        ("int8", "approximate", 0.0005)]
+    header = invoke(tiered, "results", "--sort", "wall_s").stdout.splitlines()[0].split()
+    assert header[header.index("condition") + 1] == "tier" and "fidelity_top1" in header
+    assert "fidelity_top1" not in invoke(db, "results").stdout  # exact-only rows: no fidelity columns
+    view = invoke(tiered, "results", "--screen", "2").stdout
+    assert re.search(r"3\s+int8\s+approximate\s+scored.*0\.002\s+0\.008\s+0\.75\s+0\.5\s+3", view), view
+
+
+def test_compare_labels_tiers_and_compares_fidelity(tiered):
+    out = json.loads(invoke(tiered, "compare", "1", "2", "--json").stdout)
+    metrics = {(m["condition"], m["metric"]): m for m in out["metrics"]}
+    assert {m["tier"] for m in out["metrics"] if m["condition"] == "int8"} == {"approximate"}
+    assert {m["tier"] for m in out["metrics"] if m["condition"] == "dense-stream"} == {"exact"}
+    kl = metrics["int8", "fidelity_mean_kl_max"]
+    assert (kl["a"], kl["b"]) == (0.001, 0.004) and kl["ratio"] == pytest.approx(4.0)
+    assert metrics["int8", "fidelity_mean_kl_mean"]["a"] == pytest.approx(0.00075)
+    assert (metrics["int8", "fidelity_top1_min"]["b"], metrics["int8", "fidelity_divergence_step_min"]["b"]) == (0.75, 3)
+    assert metrics["int8", "fidelity_divergence_step_min"]["a"] is None  # never diverged
+    assert not any(m.startswith("fidelity") for c, m in metrics if c == "dense-stream")
+    table = invoke(tiered, "compare", "1", "2").stdout
+    assert re.search(r"int8\s+approximate\s+fidelity_top1_min\s+1\s+0\.75", table), table

@@ -26,7 +26,7 @@ DATA = ROOT / "tests" / "data"
 from browser import INSTALL_HINT, check_page, chromium  # tests/cli/browser.py (pytest puts tests/cli on the path)
 
 ray = pytest.mark.ray  # the tests that use the real screen
-ONE_SCREEN_PLOTS = {"h2d", "wall", "decode", "heatmap", "union", "workload"}  # + memory, energy where a GPU sampled them
+ONE_SCREEN_PLOTS = {"h2d", "wall", "decode", "heatmap", "union", "workload", "frontier"}  # + memory, energy where a GPU sampled them
 
 
 def cli(*args: str, cwd: Path, env: dict) -> subprocess.CompletedProcess:
@@ -101,7 +101,8 @@ def test_report_shows_the_screen_as_its_archive_holds_it(screen, page):
     # every verdict, with its threshold as the protocol wrote it
     assert f"Verdicts: {sum(v['passed'] for v in screen['verdicts'])} of {len(screen['verdicts'])} pass" in text
     for v in s.verdicts:
-        assert re.search(rf"{v['gate']} {re.escape(v['condition'])} {v['phase']} (PASS|FAIL)", text), v
+        # each row labelled with its condition's tier (exact or approximate)
+        assert re.search(rf"{v['gate']} {re.escape(v['condition'])} exact {v['phase']} (PASS|FAIL)", text), v
     assert "1 MiB" in text and "1.04858e+06" not in text  # resources/capacity: allowance_mib as written
     runtime = next(v for v in s.verdicts if v["gate"] == "runtime")
     assert data.interval_text(runtime) in text and runtime["interval"] is not None
@@ -436,3 +437,21 @@ def test_figures_read_as_what_was_measured():
     assert (figs.union_style(2), figs.union_style(3)) == ("o", "o-")
     assert detail_text("first episode 149.35989795600017 s <= 200.0 s; 1 episodes, 11 episodes") == \
         "first episode 149.4 s <= 200.0 s; 1 episode, 11 episodes"
+
+
+def test_the_frontier_marks_each_point_by_tier_and_fidelity():
+    from cli import report_figures as figs
+
+    view = {"memory": "held", "points": [
+        {"condition": "packet", "tier": "exact", "decode_ms": 6.8, "memory_bytes": 4650 << 20,
+         "fidelity_mean_kl_max": None, "fidelity_top1_min": None, "fidelity_passed": None},
+        {"condition": "int8", "tier": "approximate", "decode_ms": 11.6, "memory_bytes": 2879 << 20,
+         "fidelity_mean_kl_max": 0.00123, "fidelity_top1_min": 0.985, "fidelity_passed": False}]}
+    with figs.style():
+        svg = figs.frontier_figure(view, ("packet", "int8"))
+        sampled = figs.frontier_figure({**view, "memory": "sampled"}, ("packet", "int8"))
+        nothing = figs.frontier_figure({"memory": "held", "points": [{**view["points"][0], "decode_ms": None}]},
+                                       ("packet",))
+    assert "packet (exact)" in svg and "int8 (approximate)" in svg
+    assert "KL 0.00123, top-1 0.985, fidelity FAIL" in svg
+    assert "no GPU sampled" in svg and "peak sampled GPU memory" in sampled and nothing is None

@@ -214,7 +214,7 @@ def test_unknown_gate_or_status_is_refused_before_any_query():
         ResultFilter(gate="speed")
     message = str(info.value)
     assert "\n" not in message and "'speed'" in message
-    issue_gates = ("faithfulness", "resources", "capacity", "acquisition", "runtime", "useful_latency")
+    issue_gates = ("faithfulness", "resources", "capacity", "acquisition", "runtime", "useful_latency", "fidelity")
     assert set(GATES) == set(issue_gates) and all(gate in message for gate in GATES)
     with pytest.raises(InvalidFilter, match="ok, failed"):
         ResultFilter(status="done")

@@ -51,6 +51,11 @@ def test_the_auditor_compares_what_it_always_compared():
         "prefill_call_s": ("phases", "prefill", "call_s"), "decode_call_s": ("phases", "decode", "call_s"),
         "peak_allocated_bytes": ("memory", "peak_allocated_bytes"),
         "peak_sampled_bytes": ("memory", "peak_sampled_bytes"),
+        # Issue 24: approximate episodes' fidelity (None on every exact one, so archives made
+        # before compare as they always did and their audit digests hold).
+        "fidelity_mean_kl": ("fidelity", "mean_kl"), "fidelity_p99_kl": ("fidelity", "p99_kl"),
+        "fidelity_top1": ("fidelity", "top1"), "fidelity_max_abs_logit": ("fidelity", "max_abs_logit"),
+        "fidelity_divergence_step": ("fidelity", "divergence_step"),
     }
     assert list(EPISODE_FIELDS) == [f.name for f in STORED_FIELDS if f.audited]  # same order: same problems
 

@@ -208,7 +208,8 @@ def test_put_episode_extracts_columns_and_is_idempotent(store):
         prompt=1, status="ok", error=None, tokens=(12, 40, 7), n_tokens=3, wall_s=0.12,
         call_s=0.11, h2d_weight_bytes=123, h2d_index_bytes=4, d2h_bytes=8,
         prefill_h2d_bytes=100, decode_h2d_bytes=27, prefill_call_s=0.05, decode_call_s=0.06,
-        peak_allocated_bytes=5_000_000_000, peak_sampled_bytes=None, energy_j=None,
+        peak_allocated_bytes=5_000_000_000, peak_sampled_bytes=None, energy_j=None, fidelity_mean_kl=None,
+        fidelity_p99_kl=None, fidelity_top1=None, fidelity_max_abs_logit=None, fidelity_divergence_step=None,
     )
 
 
@@ -252,6 +253,7 @@ def distinct_record(plan_index: int) -> dict:
         "phases": {"prefill": {"h2d_bytes": 14, "call_s": 0.125},
                    "decode": {"h2d_bytes": 15, "call_s": 0.0625}},
         "memory": {"peak_allocated_bytes": 16, "peak_sampled_bytes": 17}, "energy_j": 18.5,
+        "fidelity": {"mean_kl": 0.375, "p99_kl": 0.4375, "top1": 0.875, "max_abs_logit": 1.5, "divergence_step": 21},
     }
 
 
@@ -275,7 +277,8 @@ def test_put_episode_stores_what_put_episodes_stores(store):
         status="ok", error="slow", tokens=(19, 20), n_tokens=2, wall_s=0.25, call_s=0.5,
         h2d_weight_bytes=11, h2d_index_bytes=12, d2h_bytes=13, prefill_h2d_bytes=14,
         decode_h2d_bytes=15, prefill_call_s=0.125, decode_call_s=0.0625,
-        peak_allocated_bytes=16, peak_sampled_bytes=17, energy_j=18.5,
+        peak_allocated_bytes=16, peak_sampled_bytes=17, energy_j=18.5, fidelity_mean_kl=0.375, fidelity_p99_kl=0.4375,
+        fidelity_top1=0.875, fidelity_max_abs_logit=1.5, fidelity_divergence_step=21,
     )
 
 
@@ -369,3 +372,11 @@ def timezone_plus(hours: int):
     from datetime import timezone
 
     return timezone(timedelta(hours=hours))
+
+
+def test_condition_tiers_come_from_the_stored_bodies(store):
+    body = '{"conditions":[{"name":"dense-stream","policy":"dense-stream"},{"name":"int8","policy":"quantized"}]}'
+    store.put_protocol(sha256="c" * 64, name="q", canonical_json=body)
+    store.put_protocol(sha256="d" * 64, name="odd", canonical_json='{"conditions": 3}')
+    assert store.condition_tiers(["c" * 64, "d" * 64, "e" * 64]) == {
+        "c" * 64: {"dense-stream": "exact", "int8": "approximate"}, "d" * 64: {}}

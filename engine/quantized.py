@@ -1,0 +1,185 @@
+"""The `quantized` competitor: a low-bit model resident on the device (tier approximate).
+
+Not a loader policy: nothing is offloaded, every layer's linear weights are quantized and live
+on the device. It is read CPU-first from the same checkpoint as the screen's CPU-first model
+(host memory first), then moved to the device one decoder layer at a time and quantized there,
+so the device never holds more than one layer in the checkpoint's precision on top of what is
+already quantized. Embeddings, LayerNorms and the (tied) lm_head stay in the protocol's dtype:
+the logits are read from the same head as the reference's.
+
+Methods (core.registry.QUANT_METHODS): torchao's `int8-weight-only` and `int4-weight-only`,
+bitsandbytes' `nf4` and `llm-int8`. A library or kernel that is missing raises
+`QuantizationUnavailable`, one line naming what it needs and the extra that brings it.
+
+`QuantizedModel` offers what the episode loop (engine/episode.py) reads from a model: `device`,
+`recorder`, `mode`, `new_cache`, `forward`; its ledger records no copies (it moves nothing).
+"""
+
+from __future__ import annotations
+
+import gc
+import importlib
+import time
+import warnings
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from core.errors import PackbenchError
+from core.registry import QUANT_METHODS, lowbit_fix
+from engine.checkpoint import build_weights
+from engine.ledger import Recorder
+from engine.opt_weights import stock_model
+
+
+class QuantizationUnavailable(PackbenchError):
+    """A quantization method's library or kernel is missing on this worker (one line, with the fix)."""
+
+
+@dataclass(frozen=True)
+class QuantizationStats:
+    """What building the model cost, charged in every episode record of the condition."""
+
+    method: str
+    library: str
+    library_version: str
+    quantize_s: float  # host read + per-layer move and quantization, to the last synchronisation
+    device_bytes: int  # the quantized model's device footprint (its tensors' storage)
+    device_peak_bytes: int  # allocator peak while building (CUDA; 0 on the CPU)
+    host_rss_peak_bytes: int  # the worker's host RSS peak after building (read + quantize)
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def _library(method: str):
+    name = QUANT_METHODS[method]
+    try:
+        return importlib.import_module(name)
+    except ImportError as e:
+        raise QuantizationUnavailable(f"quantized method {method} requires {name} ({e}): {lowbit_fix()}") from None
+
+
+def _torchao(method: str, layer: torch.nn.Module) -> None:
+    from torchao.quantization import Int4WeightOnlyConfig, Int8WeightOnlyConfig, quantize_
+
+    config = Int8WeightOnlyConfig() if method == "int8-weight-only" else Int4WeightOnlyConfig()
+    quantize_(layer, config)
+
+
+def _bitsandbytes(method: str, layer: torch.nn.Module, device: torch.device) -> None:
+    import bitsandbytes as bnb
+
+    for parent in list(layer.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is not torch.nn.Linear:
+                continue
+            w = child.weight.detach().to("cpu")
+            bias = None if child.bias is None else child.bias.detach()
+            if method == "nf4":
+                new = bnb.nn.Linear4bit(child.in_features, child.out_features, bias=bias is not None,
+                                        compute_dtype=w.dtype, quant_type="nf4", device="cpu")
+                new.weight = bnb.nn.Params4bit(w, requires_grad=False, quant_type="nf4")
+            else:
+                new = bnb.nn.Linear8bitLt(child.in_features, child.out_features, bias=bias is not None,
+                                          has_fp16_weights=False, threshold=6.0, device="cpu")
+                new.weight = bnb.nn.Int8Params(w, requires_grad=False, has_fp16_weights=False)
+            if bias is not None:
+                new.bias = torch.nn.Parameter(bias.to("cpu"), requires_grad=False)
+            setattr(parent, name, new.to(device))  # bitsandbytes quantizes as the weight moves
+
+
+def storage_bytes(module: torch.nn.Module) -> int:
+    """Bytes of every distinct parameter and buffer's storage, through tensor subclasses
+    (torchao's quantized tensors hold int8 data plus scales: their own numel says the logical shape)."""
+    seen: set[int] = set()
+
+    def size(t: torch.Tensor) -> int:
+        if hasattr(t, "__tensor_flatten__") and type(t) is not torch.nn.Parameter:
+            names, _ = t.__tensor_flatten__()
+            return sum(size(getattr(t, n)) for n in names)
+        inner = t.data if isinstance(t, torch.nn.Parameter) else t
+        if hasattr(inner, "__tensor_flatten__") and type(inner) is not torch.Tensor:
+            return size(inner)
+        return inner.numel() * inner.element_size()
+
+    total = 0
+    for t in [*module.parameters(), *module.buffers()]:
+        if id(t) not in seen:
+            seen.add(id(t))
+            total += size(t)
+    return total
+
+
+class QuantizedModel:
+    """One quantized OPT on `device` (module docstring). Eager mode only."""
+
+    mode = "eager"
+
+    def __init__(self, model_dir: Path, *, method: str, dtype: torch.dtype, device: torch.device) -> None:
+        if method not in QUANT_METHODS:
+            raise ValueError(f"unknown quantized method {method!r}; use one of {', '.join(QUANT_METHODS)}")
+        lib = _library(method)
+        cuda = device.type == "cuda"
+        if cuda:
+            torch.cuda.synchronize(device)
+            torch.cuda.reset_peak_memory_stats(device)
+        before = torch.cuda.memory_allocated(device) if cuda else 0
+        t0 = time.perf_counter()
+        weights = build_weights(model_dir, dtype=dtype)  # CPU-first: every tensor in host memory
+        try:
+            for layer in weights.model.decoder.layers:
+                layer.to(device)
+                if QUANT_METHODS[method] == "torchao":
+                    _torchao(method, layer)
+                else:
+                    _bitsandbytes(method, layer, device)
+            weights.to(device)  # embeddings, final LayerNorm, the tied head
+            if cuda:
+                torch.cuda.synchronize(device)
+        except torch.cuda.OutOfMemoryError:
+            raise  # the allowance, not a missing kernel: the attempt fails with the allocator's words
+        except (RuntimeError, NotImplementedError, ImportError, AssertionError) as e:
+            # e.g. torchao int4 on a stack without its kernel: "Requires mslk >= 1.0.0"
+            why = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise QuantizationUnavailable(f"quantized method {method} cannot run on {device} here: {why} (a kernel "
+                                          f"{QUANT_METHODS[method]} needs for it); install what it names, or pick "
+                                          f"another method ({lowbit_fix()} brings the libraries, not every kernel)"
+                                          ) from None
+        quantize_s = time.perf_counter() - t0
+        gc.collect()
+        from engine.worker import host_rss_peak_bytes  # one home for the RSS reading
+
+        self.device, self.dtype, self.method = device, dtype, method
+        self.weights = weights
+        self.config = weights.config
+        self.vocab = self.config.vocab_size
+        self.recorder = Recorder(len(weights.model.decoder.layers))
+        self._model = stock_model(weights, vars(self.config))
+        import inspect
+
+        params = inspect.signature(self._model.forward).parameters
+        self._cache_kw = "cache" if "cache" in params else "past_key_values"
+        self.stats = QuantizationStats(
+            method=method, library=QUANT_METHODS[method], library_version=str(getattr(lib, "__version__", "")),
+            quantize_s=quantize_s,
+            device_bytes=(torch.cuda.memory_allocated(device) - before) if cuda else storage_bytes(weights),
+            device_peak_bytes=(torch.cuda.max_memory_allocated(device) - before) if cuda else 0,
+            host_rss_peak_bytes=host_rss_peak_bytes())
+
+    def new_cache(self, capacity: int | None = None, *, mode: str | None = None):
+        if (mode or self.mode) != "eager":
+            raise ValueError("a quantized condition runs in mode eager only")
+        from transformers import DynamicCache
+
+        return DynamicCache()
+
+    @torch.inference_mode()
+    def forward(self, ids: torch.Tensor, cache) -> torch.Tensor:
+        """One call: (1, T) token ids in, (vocab,) last-position logits out (on the device)."""
+        with warnings.catch_warnings():
+            # bitsandbytes' llm-int8 warns on every call that it casts float32 inputs to float16
+            warnings.filterwarnings("ignore", message="MatMul8bitLt: inputs will be cast")
+            out = self._model(input_ids=ids, use_cache=True, logits_to_keep=1, **{self._cache_kw: cache})
+        return out.logits[0, -1]
