@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# One device call (issue 24): low-bit competitors beside exact packets through `packbench submit
+# --wait` and `packbench audit` on a calibrated synthetic OPT-2.7B fp16 (3 prompts x 512 + 16).
+# The worker keeps the CPU-first model loaded beside each quantized one, so this screen runs
+# under ALLOWANCE (default 16000 MiB), not the 4800 MiB packets need. Then int4 alone (its kernel
+# may be missing). Carry .whl built with EXTRA="torchao bitsandbytes":
+#   bash bench/competitors_device.sh    (CPU dry run: SKIP_WHEELS=1 SHAPE27=tiny PREFIX=32 METHODS=int8-weight-only ...)
+set -uo pipefail
+root=$PWD; out=${OUT:-$root/competitors-out}; mkdir -p "$out"
+[ -n "${SKIP_WHEELS:-}" ] || [ -d /tmp/site/ray ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site:$root RAY_AUTH_MODE=disabled PYTHONUNBUFFERED=1
+work=$(mktemp -d)
+export PACKBENCH_DB_URL="sqlite:///$work/pb.db" PACKBENCH_ARCHIVE_DIR="$work/archives" PACKBENCH_MODEL_CACHE="$work/models"
+pb() { python3 -m cli "$@"; }
+pb db upgrade > /dev/null
+screen() {  # name methods...
+  local name=$1; shift
+  { echo "name: $name"; echo "model: {synth: {shape: ${SHAPE27:-opt-2.7b}, dtype: float16, seed: 0}}"; echo "dtype: float16"
+    echo "prompts: {generator: {seed: 0, count: 3}}"; echo "prefix_tokens: ${PREFIX:-512}"; echo "continuation_tokens: 16"
+    echo "conditions:"; echo "  - {name: dense-stream, policy: dense-stream}"
+    echo "  - {name: packet, policy: packet, params: {gather: device}}"
+    for m in "$@"; do echo "  - {name: $m, policy: quantized, params: {method: $m}}"; done
+    echo "reference: dense-stream"; echo "warmups: 1"; echo "allowance_mib: ${ALLOWANCE:-16000}"
+    echo "gates:"; echo "  faithfulness: {tolerance: 0.0}"; echo "  resources: {}"
+    echo "  fidelity: {max_mean_kl: 0.002, min_top1: 0.98}"; } > "$work/$name.yaml"
+  t0=$(date +%s)
+  pb submit "$work/$name.yaml" --wait > "$out/$name.log" 2>&1; echo "== $name: submit rc $? in $(( $(date +%s) - t0 )) s"
+  pb audit latest >> "$out/$name.log" 2>&1; echo "   audit rc $?"
+  grep -E "^(faithfulness|fidelity|resources) |audit of|error" "$out/$name.log" | sort -u | head -20
+  pb results --screen latest --json > "$out/$name.json" 2>/dev/null
+}
+screen competitors ${METHODS:-int8-weight-only nf4 llm-int8}
+[ -n "${SKIP_INT4:-}" ] || screen int4 int4-weight-only
+python3 - "$out" <<'PY'  # decode ms/token: the decode calls' time over the 15 of a 16-token episode
+import json, statistics, sys
+from db.store import Store
+s = Store()
+for screen in s.list_screens():
+    a = s.latest_attempt(screen.id)
+    if a is None:
+        continue
+    print(f"screen {screen.id} {screen.protocol}: {a.status}")
+    by = {}
+    for e in s.episodes(a.id):
+        if e.role == "scored" and e.status == "ok":
+            by.setdefault(e.condition, []).append(e)
+    for c, eps in by.items():
+        print(f"  {c:18} median episode wall {statistics.median(x.wall_s for x in eps):.4f} s, "
+              f"decode {statistics.median((x.decode_call_s or 0) / 15 for x in eps) * 1e3:.2f} ms/token, "
+              f"peak sampled {max((x.peak_sampled_bytes or 0) for x in eps) / 2**20:.0f} MiB")
+PY
