@@ -320,6 +320,18 @@ def screens_retry(
                    f"run it with `packbench dispatch`")
 
 
+def _liveness(d) -> str:
+    """A dispatcher's `live` column: its heartbeat, and on this host whether its process exists
+    (a SIGKILLed one is dead at once, not after its heartbeat window)."""
+    import platform
+
+    from engine.gpu_lock import process_alive
+
+    if d.host == platform.node() and d.pid is not None and not process_alive(d.pid):
+        return "NO (its process is gone)"
+    return "yes" if d.live else "NO (no heartbeat)"
+
+
 def status(
     live_within: Annotated[float, typer.Option(
         "--live-within", help="A dispatcher is live if it sent a heartbeat within this many seconds.")] = 30.0,
@@ -342,7 +354,7 @@ def status(
                "node": q.placement_node, "replicas": (q.replica_group or "")[:8] or None,
                "unplaceable": q.unplaceable_reason} for q in st.queued]
     dispatchers = [{"id": d.id, "name": d.name, "host": d.host, "pid": d.pid,
-                    "live": "yes" if d.live else "NO (no heartbeat)", "heartbeat": _when(d.heartbeat_at),
+                    "live": _liveness(d), "heartbeat": _when(d.heartbeat_at),
                     "idle": sum(w.get("state") == "idle" for w in d.workers),
                     "busy": sum(w.get("state") == "busy" for w in d.workers)} for d in st.dispatchers]
     reconciled = [{"screen": r.screen_id, "attempt": r.attempt, "status": r.status,

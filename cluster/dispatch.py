@@ -54,6 +54,7 @@ from core.protocol import Protocol, expand, is_builtin_resource, resources_fit
 from core.provenance import Signer
 from core.settings import Settings
 from core.source import source_freeze
+from engine.gpu_lock import process_alive
 from service.screen import ScreenOutcome, ScreenRun, cause_of, is_bad_input
 from service.submit import screen_prompts
 
@@ -175,16 +176,6 @@ def held_by_silent(status, *, host: str, alive: Callable[[int], bool]) -> list[s
     return out
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:  # EPERM: a process of another user
-        return True
-    return True
-
-
 def _archive_dir(path: Path) -> None:
     """Create the archive directory, or say in one line why it cannot be (nothing is claimed)."""
     try:
@@ -258,7 +249,7 @@ class Dispatcher:
             if not self.store.queued_screens():
                 # Nothing to drain: no Ray is started (seconds, for nothing). Screens a dead
                 # dispatcher still holds are said, with when their leases let them go.
-                self.held = held_by_silent(self.store.queue_status(), host=platform.node(), alive=_pid_alive)
+                self.held = held_by_silent(self.store.queue_status(), host=platform.node(), alive=process_alive)
                 return self.outcomes
         _archive_dir(self.settings.archive_dir)  # before a claim: a claimed attempt would fail on it
         self.ray = ensure_ray(self.settings)

@@ -210,3 +210,14 @@ def host_gpu_index(uuid: str) -> int | None:
         return pynvml.nvmlDeviceGetIndex(pynvml.nvmlDeviceGetHandleByUUID(uuid))
     except Exception:
         return None
+
+
+def process_alive(pid: int) -> bool:
+    """Whether process `pid` exists on this host (a process of another user counts)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # EPERM: a process of another user
+        return True
+    return True

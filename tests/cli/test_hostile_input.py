@@ -420,3 +420,23 @@ def test_a_silent_dispatcher_on_another_host_is_named_a_live_one_is_not():
     (line,) = held_by_silent(status, host="here", alive=lambda pid: True)
     assert line.startswith("screen 1 is held by dispatcher d1 (no heartbeat for 20 s): attempt 1's lease expires "
                            "at 2026-12-01T12:00:40+00:00 (in 40 s)")
+
+
+def test_status_says_a_killed_dispatcher_is_not_live_at_once():
+    """Item 9: a SIGKILLed dispatcher's heartbeat is still fresh, but on its own host its
+    process is gone: `status` says so instead of listing it live for its heartbeat window."""
+    import platform
+    import subprocess
+    import sys
+    from types import SimpleNamespace
+
+    import os
+
+    from cli.query import _liveness
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    here = platform.node()
+    assert _liveness(SimpleNamespace(host=here, pid=gone.pid, live=True)) == "NO (its process is gone)"
+    assert _liveness(SimpleNamespace(host=here, pid=os.getpid(), live=True)) == "yes"
+    assert _liveness(SimpleNamespace(host="elsewhere", pid=gone.pid, live=False)) == "NO (no heartbeat)"
