@@ -140,9 +140,10 @@ def test_a_screen_archives_fidelity_and_the_audit_recomputes_it(screen, tmp_path
     assert not report.agrees and any("recomputed from the logits" in p for p in report.problems), report.problems
 
 
-def test_a_missing_library_is_one_line_naming_the_extra(calibrated):
-    if importlib.util.find_spec("bitsandbytes") is not None:
-        pytest.skip("bitsandbytes is installed here")
+def test_a_missing_library_is_one_line_naming_the_extra(calibrated, monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "bitsandbytes", None)  # as if not installed: its import fails
     with pytest.raises(QuantizationUnavailable) as e:
         QuantizedModel(calibrated, method="nf4", dtype=torch.float32, device=torch.device("cpu"))
     assert "requires bitsandbytes" in str(e.value) and "pip install 'packbench[lowbit]'" in str(e.value)
@@ -158,7 +159,7 @@ def test_storage_bytes_sees_through_quantized_tensors(calibrated):
 
 @pytest.mark.parametrize("method", ["int4-weight-only", "nf4", "llm-int8"])
 def test_the_other_methods_run_or_refuse_in_one_line(calibrated, method):
-    """Where its library is installed (bitsandbytes is not in the test extra: skipped there), a
+    """Where its library is installed (the test extra installs both), a
     method either runs, close to the float model and smaller, or refuses in one line (torchao's
     int4 on the CPU in float32: "Requires mslk >= 1.0.0")."""
     from core.registry import QUANT_METHODS
