@@ -7,12 +7,8 @@
 #   bash bench/competitors_device.sh    (CPU dry run: SKIP_WHEELS=1 SHAPE27=tiny PREFIX=32 METHODS=int8-weight-only ...)
 set -uo pipefail
 root=$PWD; out=${OUT:-$root/competitors-out}; mkdir -p "$out"
-[ -n "${SKIP_WHEELS:-}" ] || [ -d /tmp/site/ray ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$root RAY_AUTH_MODE=disabled PYTHONUNBUFFERED=1
-work=$(mktemp -d)
-export PACKBENCH_DB_URL="sqlite:///$work/pb.db" PACKBENCH_ARCHIVE_DIR="$work/archives" PACKBENCH_MODEL_CACHE="$work/models"
-pb() { python3 -m cli "$@"; }
-pb db upgrade > /dev/null
+source bench/device_common.sh
+product_env
 screen() {  # name methods...
   local name=$1; shift
   { echo "name: $name"; echo "model: {synth: {shape: ${SHAPE27:-opt-2.7b}, dtype: float16, seed: 0}}"; echo "dtype: float16"

@@ -5,12 +5,8 @@
 #   bash bench/seed_fast_device.sh      (a CPU dry run: SKIP_WHEELS=1 SHAPE27=tiny PREFIX=64 ...)
 set -uo pipefail
 root=$PWD; out=${OUT:-$root/seed-fast-out}; mkdir -p "$out"
-[ -n "${SKIP_WHEELS:-}" ] || [ -d /tmp/site/ray ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$root RAY_AUTH_MODE=disabled PYTHONUNBUFFERED=1
-work=$(mktemp -d)
-export PACKBENCH_DB_URL="sqlite:///$work/pb.db" PACKBENCH_ARCHIVE_DIR="$work/archives" PACKBENCH_MODEL_CACHE="$work/models"
-pb() { python3 -m cli "$@"; }
-pb db upgrade > /dev/null
+source bench/device_common.sh
+product_env
 sed -e 's/gather: host/gather: device/g' -e 's/^name: seed-v042/name: seed-v042-fast/' \
     -e "s/opt-2.7b/${SHAPE27:-opt-2.7b}/" -e "s/^prefix_tokens: 512/prefix_tokens: ${PREFIX:-512}/" \
     "$root/protocols/seed-v042.yaml" > "$work/fast.yaml"
