@@ -60,11 +60,12 @@ def union_length(intervals: list[tuple[float, float]]) -> float:
     return total
 
 
-def device_events(prof) -> list[tuple[str, float, float]]:
-    """(name, start_us, end_us) of every GPU kernel, copy and memset the profiler saw."""
+def device_events(prof, label: str) -> list[tuple[str, float, float]]:
+    """(name, start_us, end_us) of every GPU kernel, copy and memset the profiler saw (the
+    device-side mirrors of the host's `label` ranges are annotations, not work: left out)."""
     out = []
     for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA:
+        if e.device_type == torch.autograd.DeviceType.CUDA and e.name != label:
             out.append((e.name, e.time_range.start, e.time_range.end))
     return out
 
@@ -77,7 +78,7 @@ def call_windows(prof, label: str) -> list[tuple[float, float]]:
 def breakdown(prof, skip_first: int) -> dict:
     """Per decode call: ms by kind, busy ms, idle ms, wall ms (medians over calls)."""
     windows = call_windows(prof, "decode_call")
-    kernels = device_events(prof)
+    kernels = device_events(prof, "decode_call")
     per: dict[str, list[float]] = defaultdict(list)
     names: dict[str, float] = defaultdict(float)
     gathers: list[float] = []
