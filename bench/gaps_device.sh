@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call (issue 26, targets 2 and 5): where a packet decode token's time goes
-# (bench/decode_gaps.py: kernels by kind and idle time per call, beside resident's), then the
+# (bench/step_profile.py: kernels by kind and idle time per call, beside resident's), then the
 # measurement's own cost (bench.engine: the ledger and the NVML sampler's memory and energy
 # readings on and off, alternated in one run). No wheels needed:
 #   bash bench/gaps_device.sh
@@ -11,8 +11,8 @@ export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 device_header
 shape=${SHAPE27:-opt-2.7b}
 echo "== decode gaps"
-timeout 280 python3 -m bench.decode_gaps --shape "$shape" --dtype float16 --profile opt --prefix "${PREFIX:-512}" \
-  --conditions "resident+mode=graph,packet+gather=device+mode=graph,packet+gather=device+attention=static,dense-stream+mode=graph" \
+timeout 280 python3 -m bench.step_profile --shape "$shape" --dtype float16 --profile opt --prefix "${PREFIX:-512}" \
+  --out "$out" --conditions "resident,packet+gather=device,packet+gather=device+tile=32:256:8,dense-stream" \
   > "$out/gaps.log" 2>&1; echo "decode_gaps rc $?"
 cat "$out/gaps.log" | grep -v Warning | tail -40
 echo "== recording cost"
