@@ -74,9 +74,9 @@ def use(model: CpuFirstModel, policy: str, params: dict) -> None:
     """model.use, or a bench-only variant named by `copies` or `tile` (parse_condition checked it):
     `tile` runs the device gather's Triton kernel with that tile instead of engine.gather's choice."""
     params = dict(params)
-    tile, rows = params.pop("tile", None), params.pop("rows", "tiled")
-    if tile != gather.TILE_OVERRIDE or rows != gather.ROWS:  # another Triton kernel: warm it up before a capture
-        gather.TILE_OVERRIDE, gather.ROWS = tile, rows
+    tile = params.pop("tile", None)
+    if tile != gather.TILE_OVERRIDE:  # another tile is another Triton kernel: warm it up before a capture
+        gather.TILE_OVERRIDE = tile
         model.graph.forget_warm_ups()
     copies = params.pop("copies", None)
     if copies is None:
@@ -98,8 +98,7 @@ def parse_condition(spec: str) -> tuple[str, dict, bool, str]:
     per-call ledger, so their overheads show up as paired differences;
     `+mode=graph` runs it in engine mode graph (engine/graph.py; default eager); a key of
     GRAPH_VARIANTS implies mode graph and makes the mode `graph/key=value,...`;
-    `dense-stream+copies=single` runs dense-stream's schedule before issue 11, `packet+rows=whole`
-    the device gather copying each active row in one load (bench only)."""
+    `dense-stream+copies=single` runs dense-stream's schedule before issue 11 (bench only)."""
     policy, *pairs = spec.split("+")
     params, sampler, mode, variant = dict(PARAMS.get(policy, {})), True, "eager", {}
     for pair in pairs:
@@ -116,8 +115,6 @@ def parse_condition(spec: str) -> tuple[str, dict, bool, str]:
             if policy not in ("packet", "phase-switched") or len(value.split(":")) != 3:
                 raise SystemExit(f"{spec}: +tile=ROWS:COLUMNS:WARPS is the device gather's (packet, phase-switched)")
             params["tile"] = tuple(int(v) for v in value.split(":"))
-        elif key == "rows" and (policy != "packet" or value not in ("tiled", "whole")):
-            raise SystemExit(f"{spec}: +rows=tiled|whole is the packet device gather's copy (engine/gather.py ROWS)")
         elif key == "copies" and (policy != "dense-stream" or value not in COPIES):
             raise SystemExit(f"{spec}: +copies= is dense-stream's only, one of {', '.join(COPIES)}")
         else:

@@ -13,7 +13,7 @@ shape=${SHAPE27:-opt-2.7b}
 echo "== decode gaps"
 timeout 280 python3 -m bench.step_profile --shape "$shape" --dtype float16 --profile opt --prefix "${PREFIX:-512}" \
   --out "$out" --conditions "resident,packet+gather=device,packet+gather=device+tile=32:256:8,dense-stream" \
-  > "$out/gaps.log" 2>&1; echo "step_profile rc $?"
+  > "$out/gaps.log" 2>&1; echo "decode_gaps rc $?"
 cat "$out/gaps.log" | grep -v Warning | tail -40
 echo "== recording cost"
 p="packet+gather=device+mode=graph"; d="dense-stream+mode=graph"; r="resident+unbounded=yes+mode=graph"

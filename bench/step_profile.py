@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from bench.engine import parse_condition, set_mode, use
+from bench.engine import parse_condition, set_mode
 from engine.model import CpuFirstModel
 from engine.synth import synth_checkpoint
 
@@ -73,7 +73,7 @@ def profile_condition(model: CpuFirstModel, prompt: list[int], continuation: int
 
     walls: list[float] = []
     for episode in range(2):  # the first warms the decoder up for this policy class
-        use(model, policy, params)
+        model.use(policy, **params)
         recorder.calls = []
         cache = model.new_cache(len(prompt) + continuation, mode="graph")
         ids, _ = call(torch.tensor([prompt], dtype=torch.long, device=device), cache, "prefill")

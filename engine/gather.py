@@ -37,9 +37,6 @@ import torch
 # the earlier 16 made decode 16 % faster at opt-13b, 10 % at opt-6.7b, and kept opt-2.7b's.
 BLOCK_R, BLOCK_H, NUM_WARPS, BLOCK_T = 64, 128, 8, 8
 TILE_OVERRIDE: tuple[int, int, int] | None = None  # (BLOCK_R, BLOCK_H, NUM_WARPS): a bench's variant
-# The packet gather's copy: BLOCK_H columns of every selected row at a time ("tiled"), or each
-# selected row whole in one load ("whole"; bench.engine's `+rows=whole`, a measured variant).
-ROWS = "tiled"
 
 
 def gather_active_rows_reference(h: torch.Tensor, src: torch.Tensor, workspace: torch.Tensor,
@@ -86,5 +83,4 @@ def gather_active_rows(h: torch.Tensor, src: torch.Tensor, workspace: torch.Tens
         return
     from engine.triton_gather import gather_active_rows_cuda  # Triton ships with CUDA builds of torch
 
-    gather_active_rows_cuda(h.reshape(-1, h.shape[-1]).contiguous(), src, workspace, counts, layer, **tile(),
-                            whole_rows=ROWS == "whole")
+    gather_active_rows_cuda(h.reshape(-1, h.shape[-1]).contiguous(), src, workspace, counts, layer, **tile())

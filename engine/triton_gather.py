@@ -35,24 +35,9 @@ def _copy_rows(src_ptr, ws_ptr, rows64, which, ffn, hidden, BLOCK_H: tl.constexp
         tl.store(ws_ptr + cols[None, :] * ffn + rows64[:, None], tile, mask=m)
 
 
-@triton.jit
-def _copy_whole_rows(src_ptr, ws_ptr, rows64, which, n_which, ffn, hidden, BLOCK_W: tl.constexpr):
-    """The same move as `_copy_rows`, one whole row per load (BLOCK_W >= hidden): the program's
-    selected rows one after another, so its reads over PCIe wait once per row, not once per
-    BLOCK_H columns."""
-    rank = tl.cumsum(which.to(tl.int32), axis=0) - 1
-    cols = tl.arange(0, BLOCK_W).to(tl.int64)
-    m = cols < hidden
-    for k in range(0, n_which):
-        row = tl.max(tl.where(which & (rank == k), rows64, -1), axis=0)
-        tile = tl.load(src_ptr + row * hidden + cols, mask=m)
-        tl.store(ws_ptr + cols * ffn + row, tile, mask=m)
-
-
 @triton.jit(do_not_specialize=["layer"])  # one compiled variant serves every layer
 def _gather_active_rows(h_ptr, n_tokens, src_ptr, ws_ptr, count_ptr, layer, ffn, hidden,
-                        BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_T: tl.constexpr,
-                        WHOLE: tl.constexpr, BLOCK_W: tl.constexpr):
+                        BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_T: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     in_range = rows < ffn
     rows64 = rows.to(tl.int64)
@@ -60,14 +45,10 @@ def _gather_active_rows(h_ptr, n_tokens, src_ptr, ws_ptr, count_ptr, layer, ffn,
     n_active = tl.sum(active.to(tl.int32), axis=0)
     if n_active > 0:
         tl.atomic_add(count_ptr + layer, n_active)
-        if WHOLE:
-            _copy_whole_rows(src_ptr, ws_ptr, rows64, active, n_active, ffn, hidden, BLOCK_W)
-        else:
-            _copy_rows(src_ptr, ws_ptr, rows64, active, ffn, hidden, BLOCK_H)
+        _copy_rows(src_ptr, ws_ptr, rows64, active, ffn, hidden, BLOCK_H)
 
 
-def gather_active_rows_cuda(h, src, workspace, counts, layer, *, block_r, block_h, block_t, num_warps=4,
-                            whole_rows=False) -> None:
+def gather_active_rows_cuda(h, src, workspace, counts, layer, *, block_r, block_h, block_t, num_warps=4) -> None:
     n_tokens, ffn = h.shape
     hidden = src.shape[1]
     if src.shape != (ffn, hidden) or workspace.shape != (hidden, ffn) or not workspace.is_contiguous():
@@ -75,8 +56,7 @@ def gather_active_rows_cuda(h, src, workspace, counts, layer, *, block_r, block_
                          f"workspace {tuple(workspace.shape)}")
     grid = (triton.cdiv(ffn, block_r),)
     _gather_active_rows[grid](h, n_tokens, src, workspace, counts, layer, ffn, hidden,
-                              BLOCK_R=block_r, BLOCK_H=block_h, BLOCK_T=block_t, WHOLE=whole_rows,
-                              BLOCK_W=triton.next_power_of_2(hidden), num_warps=num_warps)
+                              BLOCK_R=block_r, BLOCK_H=block_h, BLOCK_T=block_t, num_warps=num_warps)
 
 
 @triton.jit(do_not_specialize=["layer", "use_prev"])

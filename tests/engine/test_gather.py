@@ -36,15 +36,11 @@ def test_reference_copies_exactly_the_active_rows_and_counts_them(dtype, tokens)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("rows", ["tiled", "whole"])  # engine/gather.py ROWS: the copy's two forms
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("tokens", [1, 37, 512])
 @pytest.mark.parametrize("ffn", [10240 + 3, 64 * 3 + 1])  # several programs, each with a ragged end
-def test_cuda_kernel_equals_the_reference_bit_for_bit(dtype, tokens, ffn, rows, monkeypatch):
-    from engine import gather
+def test_cuda_kernel_equals_the_reference_bit_for_bit(dtype, tokens, ffn):
     from engine.mapped import cuda_view
-
-    monkeypatch.setattr(gather, "ROWS", rows)
 
     h, src, workspace = case(dtype, tokens, ffn=ffn, hidden=2560 + 5, seed=tokens)
     host = src.pin_memory()
