@@ -78,21 +78,21 @@ from db.errors import Conflict, DatabaseLocked, DatabaseUnavailable, NotFound, S
 from db.models import (
     AUDIT_KINDS,
     MODEL_STATES,
-    Attempt,
-    Audit,
-    Dispatcher,
-    Episode,
-    Machine,
-    Protocol,
-    Screen,
-    Signer,
+    SqlAttempt,
+    SqlAudit,
+    SqlDispatcher,
+    SqlEpisode,
+    SqlMachine,
+    SqlProtocol,
+    SqlScreen,
+    SqlSigner,
     UtcDateTime,
-    Verdict,
+    SqlVerdict,
     json_text,
     utcnow,
 )
 from db.queries import (
-    Comparison,
+    ScreenComparison,
     QueueStatus,
     ResultFilter,
     ResultRow,
@@ -111,7 +111,7 @@ from db.records import (
     ProtocolRow,
     ScreenRow,
     SignerRow,
-    VerdictRow,
+    StoredVerdict,
 )
 from db.session import display_url, make_engine, session_scope, translate_errors
 
@@ -308,12 +308,12 @@ class Store:
         with self._session() as session:
             values = {"sha256": sha256, "name": name, "canonical_json": canonical_json,
                       **protocol_columns(canonical_json), "created_at": self._clock()}
-            self._insert_ignore(session, Protocol, [values], ["sha256"])
-            return session.scalars(select(Protocol.id).where(Protocol.sha256 == sha256)).one()
+            self._insert_ignore(session, SqlProtocol, [values], ["sha256"])
+            return session.scalars(select(SqlProtocol.id).where(SqlProtocol.sha256 == sha256)).one()
 
     def protocol(self, protocol_id: int) -> ProtocolRow:
         with self._session() as session:
-            return self._get(session, Protocol, protocol_id, "protocol").to_record()
+            return self._get(session, SqlProtocol, protocol_id, "protocol").to_record()
 
     @_retried
     def put_machine(
@@ -329,13 +329,13 @@ class Store:
         key = {"host": host or "", "gpu_name": gpu_name or "", "driver": driver or "",
                "torch": torch or "", "cuda": cuda or ""}
         with self._session() as session:
-            self._insert_ignore(session, Machine, [key], list(key))
-            query = select(Machine.id).filter_by(**key)
+            self._insert_ignore(session, SqlMachine, [key], list(key))
+            query = select(SqlMachine.id).filter_by(**key)
             return session.scalars(query).one()
 
     def machine(self, machine_id: int) -> MachineRow:
         with self._session() as session:
-            return self._get(session, Machine, machine_id, "machine").to_record()
+            return self._get(session, SqlMachine, machine_id, "machine").to_record()
 
     # -- screens -----------------------------------------------------------------------
 
@@ -372,8 +372,8 @@ class Store:
         if max_attempts < 1:
             raise ValueError(f"max_attempts {max_attempts} must be >= 1")
         with self._session() as session:
-            self._get(session, Protocol, protocol_id, "protocol")
-            screen = Screen(
+            self._get(session, SqlProtocol, protocol_id, "protocol")
+            screen = SqlScreen(
                 protocol_id=protocol_id,
                 submitter=submitter,
                 repetitions=repetitions,
@@ -403,10 +403,10 @@ class Store:
         group = new_attempt_key()
         ids = []
         with self._session() as session:
-            self._get(session, Protocol, screen["protocol_id"], "protocol")
+            self._get(session, SqlProtocol, screen["protocol_id"], "protocol")
             screen = {**screen, "resources": resources_json(screen.get("resources"))}
             for _ in range(replicas):
-                row = Screen(**{"status": "queued", "created_at": self._clock(), "attempts_used": 0,
+                row = SqlScreen(**{"status": "queued", "created_at": self._clock(), "attempts_used": 0,
                                 "repetitions": 1, "priority": 0, "max_attempts": 3,
                                 "exclusive_node": False, **screen, "replica_group": group})
                 session.add(row)
@@ -417,7 +417,7 @@ class Store:
     def queued_screens(self) -> list[ScreenRow]:
         """Screens waiting for a worker in claim order: highest priority, then oldest."""
         with self._session() as session:
-            query = select(Screen).where(Screen.status == "queued").order_by(Screen.priority.desc(), Screen.id)
+            query = select(SqlScreen).where(SqlScreen.status == "queued").order_by(SqlScreen.priority.desc(), SqlScreen.id)
             return [screen.to_record() for screen in session.scalars(query)]
 
     def screen(self, ref: int | str) -> ScreenRow:
@@ -450,12 +450,12 @@ class Store:
             # FOR UPDATE (PostgreSQL) serializes concurrent starts on one screen, so two
             # attempts cannot both compute the same number. SQLite's BEGIN IMMEDIATE already
             # serializes every write transaction.
-            screen = self._get(session, Screen, screen_id, "screen", for_update=True)
+            screen = self._get(session, SqlScreen, screen_id, "screen", for_update=True)
             last = session.scalar(
-                select(func.max(Attempt.number)).where(Attempt.screen_id == screen_id)
+                select(func.max(SqlAttempt.number)).where(SqlAttempt.screen_id == screen_id)
             )
             now = self._clock()
-            attempt = Attempt(
+            attempt = SqlAttempt(
                 attempt_key=new_attempt_key(),
                 screen_id=screen_id,
                 number=(last or 0) + 1,
@@ -502,7 +502,7 @@ class Store:
         if status not in _SCREEN_STATUS_AFTER:
             raise ValueError(f"attempt status {status!r} is not one of {sorted(_SCREEN_STATUS_AFTER)}")
         with self._session() as session:
-            attempt = self._get(session, Attempt, attempt_id, "attempt", for_update=True)
+            attempt = self._get(session, SqlAttempt, attempt_id, "attempt", for_update=True)
             if attempt.status != "running":
                 raise Conflict(
                     f"attempt {attempt_id} is already {attempt.status}; finished attempts are "
@@ -513,7 +513,7 @@ class Store:
             attempt.error = error
             attempt.archive_sha256 = archive_sha256
             attempt.finished_at = now
-            screen = session.get_one(Screen, attempt.screen_id, with_for_update=True)
+            screen = session.get_one(SqlScreen, attempt.screen_id, with_for_update=True)
             if requeue and status == "failed" and screen.cancel_requested_at is None \
                     and screen.attempts_used < screen.max_attempts:
                 screen.status, screen.finished_at = "queued", None
@@ -527,16 +527,16 @@ class Store:
     def attempts(self, screen_id: int) -> list[AttemptRow]:
         """The screen's attempts, by number."""
         with self._session() as session:
-            query = select(Attempt).where(Attempt.screen_id == screen_id).order_by(Attempt.number)
+            query = select(SqlAttempt).where(SqlAttempt.screen_id == screen_id).order_by(SqlAttempt.number)
             return [attempt.to_record() for attempt in session.scalars(query)]
 
     def latest_attempt(self, screen_id: int) -> AttemptRow | None:
         """The screen's highest-numbered attempt, or None if it never started."""
         with self._session() as session:
             query = (
-                select(Attempt)
-                .where(Attempt.screen_id == screen_id)
-                .order_by(Attempt.number.desc())
+                select(SqlAttempt)
+                .where(SqlAttempt.screen_id == screen_id)
+                .order_by(SqlAttempt.number.desc())
                 .limit(1)
             )
             attempt = session.scalars(query).first()
@@ -549,7 +549,7 @@ class Store:
         """Record a dispatcher starting; return its id (heartbeat it, stop it with `stop_dispatcher`)."""
         with self._session() as session:
             now = self._clock()
-            dispatcher = Dispatcher(name=name, host=host, pid=pid, started_at=now, heartbeat_at=now,
+            dispatcher = SqlDispatcher(name=name, host=host, pid=pid, started_at=now, heartbeat_at=now,
                                     workers_json="[]")
             session.add(dispatcher)
             session.flush()
@@ -565,7 +565,7 @@ class Store:
                 raise ValueError(f"worker state {worker.get('state')!r} is not one of {', '.join(WORKER_STATES)}")
             listed.append(dict(worker))
         with self._session() as session:
-            dispatcher = self._get(session, Dispatcher, dispatcher_id, "dispatcher", for_update=True)
+            dispatcher = self._get(session, SqlDispatcher, dispatcher_id, "dispatcher", for_update=True)
             dispatcher.heartbeat_at = self._clock()
             dispatcher.workers_json = json_text(listed)
 
@@ -573,14 +573,14 @@ class Store:
     def stop_dispatcher(self, dispatcher_id: int) -> None:
         """The dispatcher shut down cleanly (release its attempts first): no longer listed as live."""
         with self._session() as session:
-            dispatcher = self._get(session, Dispatcher, dispatcher_id, "dispatcher", for_update=True)
+            dispatcher = self._get(session, SqlDispatcher, dispatcher_id, "dispatcher", for_update=True)
             dispatcher.stopped_at = self._clock()
             dispatcher.workers_json = "[]"
 
     def dispatchers(self) -> list[DispatcherRow]:
         """Every dispatcher ever registered, by id."""
         with self._session() as session:
-            return [d.to_record() for d in session.scalars(select(Dispatcher).order_by(Dispatcher.id))]
+            return [d.to_record() for d in session.scalars(select(SqlDispatcher).order_by(SqlDispatcher.id))]
 
     @_retried
     def claim_screen(
@@ -686,7 +686,7 @@ class Store:
             screen = ScreenRow(**values)
             assert attempt.archive_path.endswith(archive_file_name(screen.id, attempt.number, key))
             return Claim(screen=screen, attempt=attempt, protocol=self._protocol_row(screen.protocol_id))
-        attempts = Attempt.__table__
+        attempts = SqlAttempt.__table__
         if not self._schema_checked:
             self.check_head()
         # A pooled connection (SQLite has no pre-ping): its BEGIN IMMEDIATE serializes claims.
@@ -742,7 +742,7 @@ class Store:
         """Whether attempts other than `attempt_id` run on `node` now; if so they are marked
         shared_node too (only those not marked yet: a busy node's attempts are not rewritten
         at every claim)."""
-        attempts = Attempt.__table__
+        attempts = SqlAttempt.__table__
         here = [attempts.c.node == node, attempts.c.status == "running"]
         if attempt_id is not None:
             here.append(attempts.c.id != attempt_id)
@@ -772,7 +772,7 @@ class Store:
         if model_state is not None and model_state not in MODEL_STATES:
             raise ValueError(f"model_state {model_state!r} is not one of {', '.join(MODEL_STATES)}")
         with self._session() as session:
-            attempt = self._get(session, Attempt, attempt_id, "attempt", for_update=True)
+            attempt = self._get(session, SqlAttempt, attempt_id, "attempt", for_update=True)
             if attempt.status != "running":
                 raise Conflict(f"attempt {attempt_id} is {attempt.status}, not running; stop working on it")
             for name, value in (("worker", worker), ("node", node), ("gpu_name", gpu_name),
@@ -794,11 +794,11 @@ class Store:
         if lease_s <= 0:
             raise ValueError(f"lease_s {lease_s} must be > 0")
         with self._session() as session:
-            attempt = self._get(session, Attempt, attempt_id, "attempt", for_update=True)
+            attempt = self._get(session, SqlAttempt, attempt_id, "attempt", for_update=True)
             if attempt.status != "running":
                 return False
             attempt.lease_expires_at = self._clock() + timedelta(seconds=lease_s)
-            screen = session.get_one(Screen, attempt.screen_id)
+            screen = session.get_one(SqlScreen, attempt.screen_id)
             return screen.cancel_requested_at is None
 
     @_retried
@@ -811,9 +811,9 @@ class Store:
         with self._session() as session:
             now = now or self._clock()
             query = (
-                select(Attempt)
-                .where(Attempt.status == "running", Attempt.lease_expires_at < now)
-                .order_by(Attempt.id)
+                select(SqlAttempt)
+                .where(SqlAttempt.status == "running", SqlAttempt.lease_expires_at < now)
+                .order_by(SqlAttempt.id)
             )
             if self.dialect == "postgresql":
                 query = query.with_for_update(skip_locked=True)
@@ -823,7 +823,7 @@ class Store:
                 attempt.finished_at = now
                 attempt.error = (f"lease expired at {attempt.lease_expires_at.isoformat(timespec='seconds')}: "
                                  f"dispatcher {attempt.dispatcher_id} stopped renewing it")
-                screen = session.get_one(Screen, attempt.screen_id, with_for_update=True)
+                screen = session.get_one(SqlScreen, attempt.screen_id, with_for_update=True)
                 if screen.cancel_requested_at is not None:
                     screen.status, screen.finished_at = "cancelled", now
                 elif screen.attempts_used < screen.max_attempts:
@@ -840,12 +840,12 @@ class Store:
         (cancelled if a cancel was requested); the claim does not count against max_attempts.
         Return the screen's new status. `Conflict` if the attempt is not running."""
         with self._session() as session:
-            attempt = self._get(session, Attempt, attempt_id, "attempt", for_update=True)
+            attempt = self._get(session, SqlAttempt, attempt_id, "attempt", for_update=True)
             if attempt.status != "running":
                 raise Conflict(f"attempt {attempt_id} is already {attempt.status}; nothing to release")
             now = self._clock()
             attempt.status, attempt.error, attempt.finished_at = "interrupted", reason, now
-            screen = session.get_one(Screen, attempt.screen_id, with_for_update=True)
+            screen = session.get_one(SqlScreen, attempt.screen_id, with_for_update=True)
             screen.attempts_used = max(screen.attempts_used - 1, 0)
             if screen.cancel_requested_at is not None:
                 screen.status, screen.finished_at = "cancelled", now
@@ -895,10 +895,10 @@ class Store:
         queued and `packbench status` shows the reason. False if it is no longer queued."""
         with self._session() as session:
             done = session.execute(
-                update(Screen)
-                .where(Screen.id == screen_id, Screen.status == "queued")
+                update(SqlScreen)
+                .where(SqlScreen.id == screen_id, SqlScreen.status == "queued")
                 .values(unplaceable_reason=reason)
-                .returning(Screen.id)
+                .returning(SqlScreen.id)
                 .execution_options(synchronize_session=False)
             ).all()
             return bool(done)
@@ -907,8 +907,8 @@ class Store:
         """Nodes where screens of `replica_group` run or ran to completion."""
         with self._session() as session:
             query = (
-                select(Attempt.node).distinct().join(Screen, Screen.id == Attempt.screen_id)
-                .where(Screen.replica_group == replica_group, Attempt.status.in_(("running", "done")))
+                select(SqlAttempt.node).distinct().join(SqlScreen, SqlScreen.id == SqlAttempt.screen_id)
+                .where(SqlScreen.replica_group == replica_group, SqlAttempt.status.in_(("running", "done")))
             )
             return set(session.scalars(query))
 
@@ -939,7 +939,7 @@ class Store:
                     return self._put_episode_sqlite(row)
                 if self._writer is None:
                     self._writer = self._engine.connect()
-                statement = _insert_ignore_statement("postgresql", Episode, ("attempt_id", "plan_index"))
+                statement = _insert_ignore_statement("postgresql", SqlEpisode, ("attempt_id", "plan_index"))
                 with self._writer.begin():  # one transaction per record, committed here
                     return len(self._writer.execute(statement, row).all()) == 1
             except BaseException:
@@ -966,7 +966,7 @@ class Store:
         if self._sqlite_writer is None:
             self._sqlite_writer = self._engine.raw_connection()
         connection = self._sqlite_writer.dbapi_connection  # a sqlite3.Connection
-        sql = _sqlite_insert_ignore_sql(Episode, ("attempt_id", "plan_index"), tuple(row))
+        sql = _sqlite_insert_ignore_sql(SqlEpisode, ("attempt_id", "plan_index"), tuple(row))
         try:
             connection.execute("BEGIN IMMEDIATE")
             inserted = connection.execute(sql, row).rowcount
@@ -992,7 +992,7 @@ class Store:
         if not rows:
             return 0
         with self._session() as session:
-            return self._insert_ignore(session, Episode, rows, ["attempt_id", "plan_index"])
+            return self._insert_ignore(session, SqlEpisode, rows, ["attempt_id", "plan_index"])
 
     def ping(self) -> None:
         """One round trip (`SELECT 1`), tried once: raises `DatabaseUnavailable` while the
@@ -1008,19 +1008,19 @@ class Store:
         running (its dispatcher writes it, and reconciles its own when the database is back),
         only those finished at or after `finished_since` when given."""
         with self._session() as session:
-            query = select(Attempt).order_by(Attempt.id)
+            query = select(SqlAttempt).order_by(SqlAttempt.id)
             if attempt_ids is not None:
-                query = query.where(Attempt.id.in_(list(attempt_ids)))
+                query = query.where(SqlAttempt.id.in_(list(attempt_ids)))
             else:
-                query = query.where(Attempt.status != "running")
+                query = query.where(SqlAttempt.status != "running")
                 if finished_since is not None:
-                    query = query.where(Attempt.finished_at >= finished_since)
+                    query = query.where(SqlAttempt.finished_at >= finished_since)
             attempts = session.scalars(query).all()
             stored: dict[int, set[int]] = {a.id: set() for a in attempts}
             ids = list(stored)
             for chunk in range(0, len(ids), 500):  # bounded IN lists
                 for attempt_id, plan_index in session.execute(
-                    select(Episode.attempt_id, Episode.plan_index).where(Episode.attempt_id.in_(ids[chunk:chunk + 500]))
+                    select(SqlEpisode.attempt_id, SqlEpisode.plan_index).where(SqlEpisode.attempt_id.in_(ids[chunk:chunk + 500]))
                 ):
                     stored[attempt_id].add(plan_index)
             return [ReconcileTarget(a.to_record(), frozenset(stored[a.id])) for a in attempts]
@@ -1035,8 +1035,8 @@ class Store:
             raise ValueError(f"check {check!r} is not one of {', '.join(RECONCILE_CHECKS)}")
         rows = [_episode_columns(attempt_id, record) for record in records]
         with self._session() as session:
-            attempt = self._get(session, Attempt, attempt_id, "attempt", for_update=True)
-            inserted = self._insert_ignore(session, Episode, rows, ["attempt_id", "plan_index"]) if rows else 0
+            attempt = self._get(session, SqlAttempt, attempt_id, "attempt", for_update=True)
+            inserted = self._insert_ignore(session, SqlEpisode, rows, ["attempt_id", "plan_index"]) if rows else 0
             if inserted:
                 attempt.reconciled_at = self._clock()
                 attempt.reconciled_episodes = (attempt.reconciled_episodes or 0) + inserted
@@ -1047,7 +1047,7 @@ class Store:
     def episodes(self, attempt_id: int) -> list[EpisodeRow]:
         """The attempt's episodes, by plan_index."""
         with self._session() as session:
-            query = select(Episode).where(Episode.attempt_id == attempt_id).order_by(Episode.plan_index)
+            query = select(SqlEpisode).where(SqlEpisode.attempt_id == attempt_id).order_by(SqlEpisode.plan_index)
             return [episode.to_record() for episode in session.scalars(query)]
 
     @_retried
@@ -1063,16 +1063,16 @@ class Store:
             return 0
         with self._session() as session:
             return self._insert_ignore(
-                session, Verdict, rows, ["attempt_id", "gate", "condition", "phase"]
+                session, SqlVerdict, rows, ["attempt_id", "gate", "condition", "phase"]
             )
 
-    def verdicts(self, attempt_id: int) -> list[VerdictRow]:
+    def verdicts(self, attempt_id: int) -> list[StoredVerdict]:
         """The attempt's verdicts, ordered by (gate, condition, phase)."""
         with self._session() as session:
             query = (
-                select(Verdict)
-                .where(Verdict.attempt_id == attempt_id)
-                .order_by(Verdict.gate, Verdict.condition, Verdict.phase)
+                select(SqlVerdict)
+                .where(SqlVerdict.attempt_id == attempt_id)
+                .order_by(SqlVerdict.gate, SqlVerdict.condition, SqlVerdict.phase)
             )
             return [verdict.to_record() for verdict in session.scalars(query)]
 
@@ -1103,7 +1103,7 @@ class Store:
             if moment.tzinfo is None:
                 raise ValueError(f"naive datetime {moment!r}: pass an aware one, e.g. datetime.now(UTC)")
         with self._session() as session:
-            audit = Audit(
+            audit = SqlAudit(
                 attempt_id=attempt_id,
                 archive_sha256=archive_sha256,
                 digest=digest,
@@ -1122,7 +1122,7 @@ class Store:
     def audits(self, attempt_id: int) -> list[AuditRow]:
         """The attempt's audit runs, oldest first."""
         with self._session() as session:
-            query = select(Audit).where(Audit.attempt_id == attempt_id).order_by(Audit.id)
+            query = select(SqlAudit).where(SqlAudit.attempt_id == attempt_id).order_by(SqlAudit.id)
             return [audit.to_record() for audit in session.scalars(query)]
 
     # -- queries (db.queries) ------------------------------------------------------------
@@ -1142,8 +1142,8 @@ class Store:
         out: dict[str, dict[str, str]] = {}
         with self._session() as session:
             for start in range(0, len(wanted), 500):
-                rows = session.execute(select(Protocol.sha256, Protocol.canonical_json)
-                                       .where(Protocol.sha256.in_(wanted[start:start + 500])))
+                rows = session.execute(select(SqlProtocol.sha256, SqlProtocol.canonical_json)
+                                       .where(SqlProtocol.sha256.in_(wanted[start:start + 500])))
                 for sha, body in rows:
                     conditions = json.loads(body).get("conditions")
                     out[sha] = {c["name"]: tier_of(c["policy"]) for c in conditions if isinstance(c, dict)
@@ -1168,7 +1168,7 @@ class Store:
         with self._session() as session:
             return queries.screen_detail(session, ref)
 
-    def compare(self, ref_a: int | str, ref_b: int | str) -> Comparison:
+    def compare(self, ref_a: int | str, ref_b: int | str) -> ScreenComparison:
         """Per-condition scored totals and verdicts of two screens' latest attempts."""
         with self._session() as session:
             return queries.compare(session, ref_a, ref_b)
@@ -1226,19 +1226,19 @@ class Store:
         with self._session() as session:
             values = {"key_id": key_id, "public_key": public_key, "name": name, "local": local,
                       "created_at": self._clock()}
-            self._insert_ignore(session, Signer, [values], ["key_id"])
-            return session.scalars(select(Signer).where(Signer.key_id == key_id)).one().to_record()
+            self._insert_ignore(session, SqlSigner, [values], ["key_id"])
+            return session.scalars(select(SqlSigner).where(SqlSigner.key_id == key_id)).one().to_record()
 
     def signers(self) -> list[SignerRow]:
         with self._session() as session:
-            return [row.to_record() for row in session.scalars(select(Signer).order_by(Signer.id))]
+            return [row.to_record() for row in session.scalars(select(SqlSigner).order_by(SqlSigner.id))]
 
     @_retried
     def set_attempt_evidence(self, attempt_id: int, *, model_sha256: str | None = None,
                              signer_key_id: str | None = None) -> None:
         """Record the checkpoint digest an attempt measured and/or the key that signed its archive."""
         with self._session() as session:
-            attempt = self._get(session, Attempt, attempt_id, "attempt")
+            attempt = self._get(session, SqlAttempt, attempt_id, "attempt")
             if model_sha256 is not None:
                 attempt.model_sha256 = model_sha256
             if signer_key_id is not None:
@@ -1253,23 +1253,23 @@ class Store:
         with `ingested_from`, its episodes and verdicts. Nothing is written if any part fails.
         The same archive (by SHA-256) is never ingested twice."""
         with self._session() as session:
-            if session.scalar(select(Attempt.id).where(Attempt.archive_sha256 == attempt["archive_sha256"])):
+            if session.scalar(select(SqlAttempt.id).where(SqlAttempt.archive_sha256 == attempt["archive_sha256"])):
                 raise Conflict(f"an attempt with archive SHA-256 {attempt['archive_sha256'][:16]}... is already "
                                f"in this database; nothing was ingested")
             now = self._clock()
-            self._insert_ignore(session, Protocol, [{
+            self._insert_ignore(session, SqlProtocol, [{
                 "sha256": protocol_sha256, "name": protocol_name, "canonical_json": protocol_json,
                 **protocol_columns(protocol_json), "created_at": now}], ["sha256"])
-            protocol_id = session.scalars(select(Protocol.id).where(Protocol.sha256 == protocol_sha256)).one()
+            protocol_id = session.scalars(select(SqlProtocol.id).where(SqlProtocol.sha256 == protocol_sha256)).one()
             key = {k: machine.get(k) or "" for k in ("host", "gpu_name", "driver", "torch", "cuda")}
-            self._insert_ignore(session, Machine, [key], list(key))
-            machine_id = session.scalars(select(Machine.id).filter_by(**key)).one()
-            screen = Screen(protocol_id=protocol_id, submitter=str(attempt.get("submitter") or "ingest"),
+            self._insert_ignore(session, SqlMachine, [key], list(key))
+            machine_id = session.scalars(select(SqlMachine.id).filter_by(**key)).one()
+            screen = SqlScreen(protocol_id=protocol_id, submitter=str(attempt.get("submitter") or "ingest"),
                             repetitions=1, model_dir=None, status="done", created_at=now, started_at=now,
                             finished_at=now, priority=0, max_attempts=1, attempts_used=1)
             session.add(screen)
             session.flush()
-            row = Attempt(attempt_key=new_attempt_key(), screen_id=screen.id, number=1,
+            row = SqlAttempt(attempt_key=new_attempt_key(), screen_id=screen.id, number=1,
                           worker=str(attempt.get("worker") or "ingested"), node=str(attempt.get("node") or ""),
                           gpu_name=key["gpu_name"], gpu_index=0, machine_id=machine_id, status="done",
                           archive_path=str(attempt["archive_path"]), archive_sha256=attempt["archive_sha256"],
@@ -1280,10 +1280,10 @@ class Store:
             session.flush()
             rows = [_episode_columns(row.id, e) for e in episodes]
             if rows:
-                self._insert_ignore(session, Episode, rows, ["attempt_id", "plan_index"])
+                self._insert_ignore(session, SqlEpisode, rows, ["attempt_id", "plan_index"])
             vrows = [_verdict_columns(row.id, v) for v in verdicts]
             if vrows:
-                self._insert_ignore(session, Verdict, vrows, ["attempt_id", "gate", "condition", "phase"])
+                self._insert_ignore(session, SqlVerdict, vrows, ["attempt_id", "gate", "condition", "phase"])
             session.flush()
             return row.to_record()
 
@@ -1306,7 +1306,7 @@ def _fitting(connection: Connection, node: str, capacity: Mapping[str, float], f
     `capacity` less the needs of the screens running there (the slot's own `follows` attempt
     excepted: it ends before the claimed screen starts). Run inside the claim's transaction,
     after the node's lock, so no other claim for the node changes the answer meanwhile."""
-    screens, attempts = Screen.__table__, Attempt.__table__
+    screens, attempts = SqlScreen.__table__, SqlAttempt.__table__
     queued = connection.execute(select(screens.c.resources).distinct().where(
         screens.c.status == "queued", screens.c.resources.is_not(None))).scalars().all()
     if not queued:
@@ -1329,7 +1329,7 @@ def _claim_candidate(dialect: str, *, one: bool, exclude: bool, gpu_types: bool,
     slot_node, follows_id (the slot's own attempt, not counted as running on the node),
     fit_list (the `resources` values that fit; without `fits` only screens needing none):
     those of the filters given."""
-    screens, attempts = Screen.__table__, Attempt.__table__
+    screens, attempts = SqlScreen.__table__, SqlAttempt.__table__
     candidate = screens.alias("candidate")
     query = select(candidate.c.id).where(candidate.c.status == "queued")
     if one:
@@ -1368,7 +1368,7 @@ def _claim_candidate(dialect: str, *, one: bool, exclude: bool, gpu_types: bool,
 def _claim_update(dialect: str, **filters: bool) -> Any:
     """UPDATE screens SET status = 'running', ... WHERE status = 'queued' AND id = (the
     candidate) RETURNING screens.*, the screen's next attempt number ("number")."""
-    screens, attempts = Screen.__table__, Attempt.__table__
+    screens, attempts = SqlScreen.__table__, SqlAttempt.__table__
     following = (
         select(func.coalesce(func.max(attempts.c.number), 0) + 1)
         .where(attempts.c.screen_id == screens.c.id)
@@ -1408,7 +1408,7 @@ def _pg_claim_statement(*, one: bool, exclude: bool, gpu_types: bool, node: bool
     attempt is shared_node when another attempt runs on the node (the statement's snapshot
     does not see the new row, so `shared` leaves it alone).
     """
-    screens, attempts = Screen.__table__, Attempt.__table__
+    screens, attempts = SqlScreen.__table__, SqlAttempt.__table__
     claimed = _claim_update("postgresql", one=one, exclude=exclude, gpu_types=gpu_types, node=node, follows=follows,
                             fits=fits).cte("claimed")
     here = bindparam("slot_node", type_=String())
