@@ -39,7 +39,7 @@ from sqlalchemy import (
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 from core.canonical import canonical_json
-from core.record import STORED_FIELDS, Field
+from core.record import FIELDS_BY_NAME, STORED_FIELDS, Field
 from db.records import (
     AttemptRow,
     AuditRow,
@@ -402,6 +402,11 @@ class SqlEpisode(Base):
             if f.stored_as == "json":
                 values[f.name] = tuple(json.loads(values[f.name]))
         return EpisodeRow(id=self.id, attempt_id=self.attempt_id, **values)
+
+
+def episode_column(name: str) -> Any:
+    """The `SqlEpisode` column (ORM attribute) of the `core.record` field `name`."""
+    return getattr(SqlEpisode, FIELDS_BY_NAME[name].column)  # type: ignore[arg-type]
 
 
 class SqlVerdict(Base):

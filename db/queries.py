@@ -1,10 +1,11 @@
-"""Read-only queries behind `packbench results`, `screens list|show`, `compare` and `status`.
+"""Read-only queries behind `packbench results` and `screens list|show`, and screen lookup.
 
 Contract
 - Each query function takes an open `Session` and returns frozen dataclasses (or records
   from `db.records`); ORM rows never leave. `Store` wraps each one in a transaction after
-  its schema check (`Store.results`, `Store.list_screens`, `Store.screen_detail`,
-  `Store.compare`), so callers never see a Session either.
+  its schema check (`Store.results`, `Store.list_screens`, `Store.screen_detail`), so
+  callers never see a Session either. `packbench compare` reads through `db.compare`,
+  `packbench status` through `db.status`, in the same way.
 - Filters are frozen dataclasses validated on construction: a filter that cannot match by
   construction (an unknown gate, a malformed date) raises `InvalidFilter`, naming the
   allowed values, before any database is touched.
@@ -19,43 +20,25 @@ from dataclasses import dataclass
 from datetime import UTC, date, datetime, timedelta
 from typing import Any, NamedTuple
 
-from sqlalchemy import (
-    BigInteger,
-    ColumnElement,
-    Float,
-    and_,
-    case,
-    cast,
-    exists,
-    func,
-    or_,
-    select,
-)
+from sqlalchemy import ColumnElement, and_, case, exists, func, or_, select
 from sqlalchemy.orm import Session
 
 from core.protocol import DTYPE_NAMES, GATE_NAMES, PHASES
-from core.record import FIELDS_BY_NAME, STORED_FIELDS
+from core.record import SORT_NAMES
 from db.errors import InvalidFilter, NotFound
 from db.models import (
     EPISODE_STATUSES,
     SCREEN_STATUSES,
     SqlAttempt,
     SqlAudit,
-    SqlDispatcher,
     SqlEpisode,
     SqlMachine,
     SqlProtocol,
     SqlScreen,
     SqlVerdict,
+    episode_column,
 )
-from db.records import (
-    AttemptRow,
-    AuditRow,
-    MachineRow,
-    ProtocolRow,
-    ScreenRow,
-    StoredVerdict,
-)
+from db.records import AttemptRow, AuditRow, MachineRow, ProtocolRow, ScreenRow, StoredVerdict
 
 # The gate names a verdict can carry: the protocol's registry (pure Python, no numpy).
 GATES: tuple[str, ...] = GATE_NAMES
@@ -224,17 +207,14 @@ class ResultRow(NamedTuple):
     threshold: float | None = None
 
 
-# `results --sort` columns: the per-episode measurements a user ranks by.
-SORT_KEYS: dict[str, Any] = {
-    "energy_j": SqlEpisode.energy_j,
-    "wall_s": SqlEpisode.wall_s,
-    "call_s": SqlEpisode.call_s,
+# `results --sort` columns (`core.record.SORT_NAMES`, in its order): a stored field's own
+# column, or one of these.
+_SORT_EXPRESSIONS: dict[str, Any] = {
     "h2d_bytes": SqlEpisode.h2d_weight_bytes + SqlEpisode.h2d_index_bytes,
-    "d2h_bytes": SqlEpisode.d2h_bytes,
-    "peak_allocated_bytes": SqlEpisode.peak_allocated_bytes,
-    "peak_sampled_bytes": SqlEpisode.peak_sampled_bytes,
-    "n_tokens": SqlEpisode.n_tokens,
     "started_at": SqlAttempt.started_at,
+}
+SORT_KEYS: dict[str, Any] = {
+    name: _SORT_EXPRESSIONS[name] if name in _SORT_EXPRESSIONS else episode_column(name) for name in SORT_NAMES
 }
 
 
@@ -253,6 +233,22 @@ def _same_condition_verdicts(*criteria: ColumnElement[bool]) -> Any:
     )
 
 
+# `results`' columns: ResultRow's in its order, then the episode's attempt id (not a
+# ResultRow field: the key its verdicts are fetched by).
+_RESULT_COLUMNS = (
+    SqlScreen.id, SqlAttempt.number, SqlAttempt.status, SqlProtocol.name, SqlProtocol.sha256,
+    SqlProtocol.model, SqlProtocol.dtype, SqlScreen.model_dir, SqlAttempt.node, SqlAttempt.gpu_name,
+    SqlMachine.host, SqlAttempt.started_at, SqlEpisode.plan_index, SqlEpisode.condition, SqlEpisode.role,
+    SqlEpisode.prompt, SqlEpisode.status, SqlEpisode.error, SqlEpisode.n_tokens,
+    SqlEpisode.h2d_weight_bytes + SqlEpisode.h2d_index_bytes, SqlEpisode.prefill_h2d_bytes,
+    SqlEpisode.decode_h2d_bytes, SqlEpisode.d2h_bytes, SqlEpisode.wall_s, SqlEpisode.call_s,
+    SqlEpisode.peak_allocated_bytes, SqlEpisode.peak_sampled_bytes, SqlEpisode.energy_j,
+    SqlEpisode.fidelity_mean_kl, SqlEpisode.fidelity_p99_kl, SqlEpisode.fidelity_top1,
+    SqlEpisode.fidelity_max_abs_logit, SqlEpisode.fidelity_divergence_step,
+    SqlEpisode.attempt_id,
+)
+
+
 def results(session: Session, f: ResultFilter) -> list[ResultRow]:
     """Episodes matching `f`, ordered by screen, attempt and plan index (after `f.sort`).
 
@@ -263,68 +259,15 @@ def results(session: Session, f: ResultFilter) -> list[ResultRow]:
     runtime one; several phases fold into one row (`phase` 'prefill+decode', `passed` only
     when every phase passed, `value` and `threshold` only for a single phase).
     """
-    columns = [
-        SqlScreen.id, SqlAttempt.number, SqlAttempt.status, SqlProtocol.name, SqlProtocol.sha256,
-        SqlProtocol.model, SqlProtocol.dtype, SqlScreen.model_dir, SqlAttempt.node, SqlAttempt.gpu_name,
-        SqlMachine.host, SqlAttempt.started_at, SqlEpisode.plan_index, SqlEpisode.condition, SqlEpisode.role,
-        SqlEpisode.prompt, SqlEpisode.status, SqlEpisode.error, SqlEpisode.n_tokens,
-        SqlEpisode.h2d_weight_bytes + SqlEpisode.h2d_index_bytes, SqlEpisode.prefill_h2d_bytes,
-        SqlEpisode.decode_h2d_bytes, SqlEpisode.d2h_bytes, SqlEpisode.wall_s, SqlEpisode.call_s,
-        SqlEpisode.peak_allocated_bytes, SqlEpisode.peak_sampled_bytes, SqlEpisode.energy_j,
-        SqlEpisode.fidelity_mean_kl, SqlEpisode.fidelity_p99_kl, SqlEpisode.fidelity_top1, SqlEpisode.fidelity_max_abs_logit,
-        SqlEpisode.fidelity_divergence_step,
-        SqlEpisode.attempt_id,  # not a ResultRow field: the key its verdicts are fetched by
-    ]
     query = (
-        select(*columns)
+        select(*_RESULT_COLUMNS)
         .select_from(SqlEpisode)
         .join(SqlAttempt, SqlAttempt.id == SqlEpisode.attempt_id)
         .join(SqlScreen, SqlScreen.id == SqlAttempt.screen_id)
         .join(SqlProtocol, SqlProtocol.id == SqlScreen.protocol_id)
         .outerjoin(SqlMachine, SqlMachine.id == SqlAttempt.machine_id)
+        .where(*_result_criteria(f))
     )
-    if f.gate is not None:
-        # Candidates: episodes of a condition the gate judged in that attempt. Which of them
-        # a verdict covers, and --passed/--failed, are decided per episode below.
-        query = query.where(_same_condition_verdicts(*_gate_criteria(f)))
-    elif f.passed is True:
-        query = query.where(_same_condition_verdicts(), ~_same_condition_verdicts(~SqlVerdict.passed))
-    elif f.passed is False:
-        query = query.where(_same_condition_verdicts(~SqlVerdict.passed))
-    if f.protocol is not None:
-        query = query.where(_protocol_matches(f.protocol))
-    if f.model is not None:
-        query = query.where(
-            or_(
-                SqlProtocol.model.icontains(f.model, autoescape=True),
-                SqlScreen.model_dir.icontains(f.model, autoescape=True),
-            )
-        )
-    if f.dtype is not None:
-        query = query.where(SqlProtocol.dtype == f.dtype)
-    if f.condition is not None:
-        query = query.where(SqlEpisode.condition == f.condition)
-    if f.status is not None:
-        query = query.where(SqlEpisode.status == f.status)
-    if f.since is not None:
-        query = query.where(SqlAttempt.started_at >= f.since)
-    if f.until is not None:
-        query = query.where(SqlAttempt.started_at < f.until)
-    if f.machine is not None:
-        query = query.where(
-            or_(
-                *(
-                    column.icontains(f.machine, autoescape=True)
-                    for column in (SqlAttempt.node, SqlAttempt.gpu_name, SqlMachine.host, SqlMachine.gpu_name)
-                )
-            )
-        )
-    if f.min_energy_j is not None:
-        query = query.where(SqlEpisode.energy_j >= f.min_energy_j)
-    if f.max_energy_j is not None:
-        query = query.where(SqlEpisode.energy_j <= f.max_energy_j)
-    if f.screen_id is not None:
-        query = query.where(SqlAttempt.screen_id == f.screen_id)
     order = [SqlScreen.id, SqlAttempt.number, SqlEpisode.plan_index]
     if f.sort is not None:
         key = SORT_KEYS[f.sort]
@@ -339,6 +282,44 @@ def results(session: Session, f: ResultFilter) -> list[ResultRow]:
     if f.gate is None:
         return [ResultRow(*row[:-1]) for row in rows]
     return _with_verdicts(session, rows, f)
+
+
+def _result_criteria(f: ResultFilter) -> list[ColumnElement[bool]]:
+    """The WHERE clauses of the filters `f` sets (ANDed)."""
+    criteria: list[ColumnElement[bool]] = []
+    if f.gate is not None:
+        # Candidates: episodes of a condition the gate judged in that attempt. Which of them
+        # a verdict covers, and --passed/--failed, are decided per episode (`_with_verdicts`).
+        criteria.append(_same_condition_verdicts(*_gate_criteria(f)))
+    elif f.passed is True:
+        criteria += [_same_condition_verdicts(), ~_same_condition_verdicts(~SqlVerdict.passed)]
+    elif f.passed is False:
+        criteria.append(_same_condition_verdicts(~SqlVerdict.passed))
+    if f.protocol is not None:
+        criteria.append(_protocol_matches(f.protocol))
+    if f.model is not None:
+        criteria.append(or_(SqlProtocol.model.icontains(f.model, autoescape=True),
+                            SqlScreen.model_dir.icontains(f.model, autoescape=True)))
+    if f.dtype is not None:
+        criteria.append(SqlProtocol.dtype == f.dtype)
+    if f.condition is not None:
+        criteria.append(SqlEpisode.condition == f.condition)
+    if f.status is not None:
+        criteria.append(SqlEpisode.status == f.status)
+    if f.since is not None:
+        criteria.append(SqlAttempt.started_at >= f.since)
+    if f.until is not None:
+        criteria.append(SqlAttempt.started_at < f.until)
+    if f.machine is not None:
+        criteria.append(or_(*(column.icontains(f.machine, autoescape=True) for column in
+                              (SqlAttempt.node, SqlAttempt.gpu_name, SqlMachine.host, SqlMachine.gpu_name))))
+    if f.min_energy_j is not None:
+        criteria.append(SqlEpisode.energy_j >= f.min_energy_j)
+    if f.max_energy_j is not None:
+        criteria.append(SqlEpisode.energy_j <= f.max_energy_j)
+    if f.screen_id is not None:
+        criteria.append(SqlAttempt.screen_id == f.screen_id)
+    return criteria
 
 
 def _gate_criteria(f: ResultFilter) -> list[ColumnElement[bool]]:
@@ -551,355 +532,3 @@ def screen_detail(session: Session, ref: int | str) -> ScreenDetail:
             )
         )
     return ScreenDetail(screen=screen.to_record(), protocol=protocol.to_record(), attempts=tuple(details))
-
-
-# -- compare -------------------------------------------------------------------------------
-
-_OK = SqlEpisode.status == "ok"
-
-
-def _ok_sum(column: Any, as_type: Any) -> Any:
-    # cast: PostgreSQL sums BIGINT into NUMERIC, which would come back as Decimal.
-    return cast(func.sum(case((_OK, column), else_=0)), as_type)
-
-
-def _column(name: str) -> Any:
-    """The `episodes` column of a `core.record` field."""
-    return getattr(SqlEpisode, FIELDS_BY_NAME[name].column)  # type: ignore[arg-type]
-
-
-def _sum_type(name: str) -> Any:
-    return BigInteger if FIELDS_BY_NAME[name].type is int else Float
-
-
-# Totals `compare` sums and peaks it takes the maximum of: fields of `core.record`.
-COMPARE_TOTALS = ("prefill_h2d_bytes", "decode_h2d_bytes", "d2h_bytes", "wall_s", "call_s")
-COMPARE_PEAKS = tuple(f.name for f in STORED_FIELDS if f.name.startswith("peak_"))
-
-# Per condition, over the scored episodes of one attempt. Totals and peaks count only
-# episodes that finished ('ok'); 'failed' says how many did not, so a total is never read
-# without knowing what it left out.
-COMPARE_METRICS: dict[str, Any] = {
-    "episodes": func.count(SqlEpisode.id),
-    "failed": func.sum(case((_OK, 0), else_=1)),
-    "h2d_bytes": _ok_sum(_column("h2d_weight_bytes") + _column("h2d_index_bytes"), BigInteger),
-    **{name: _ok_sum(_column(name), _sum_type(name)) for name in COMPARE_TOTALS},
-    **{name: func.max(case((_OK, _column(name)))) for name in COMPARE_PEAKS},
-}
-_COUNTS = ("episodes", "failed")  # no ratio: they say what the totals cover
-
-# Energy (NVML joules), over the ok scored episodes that carry a reading and generated tokens,
-# as the HTML report takes it (core.report.energy): per episode the mean, per generated token
-# the sum of joules over the sum of tokens. None where no episode has a reading (the CPU).
-_HAS_ENERGY = and_(_OK, SqlEpisode.energy_j.is_not(None), SqlEpisode.n_tokens > 0)
-_ENERGY_SUMS: dict[str, Any] = {
-    "energy_episodes": func.sum(case((_HAS_ENERGY, 1), else_=0)),
-    "energy_j": cast(func.sum(case((_HAS_ENERGY, SqlEpisode.energy_j))), Float),
-    "energy_tokens": cast(func.sum(case((_HAS_ENERGY, SqlEpisode.n_tokens))), BigInteger),
-}
-ENERGY_METRICS = ("energy_j_per_episode", "energy_j_per_token")
-
-# Fidelity of an approximate condition over its ok scored episodes (each bounded per episode by
-# the fidelity gate, so the worst is what a reader compares; the mean KL is also averaged).
-# Listed only for a condition that has them on either side: exact conditions have none.
-_HAS_FIDELITY = and_(_OK, SqlEpisode.fidelity_mean_kl.is_not(None))
-FIDELITY_METRICS: dict[str, Any] = {
-    "fidelity_mean_kl_mean": func.avg(case((_HAS_FIDELITY, SqlEpisode.fidelity_mean_kl))),
-    "fidelity_mean_kl_max": func.max(case((_HAS_FIDELITY, SqlEpisode.fidelity_mean_kl))),
-    "fidelity_p99_kl_max": func.max(case((_HAS_FIDELITY, SqlEpisode.fidelity_p99_kl))),
-    "fidelity_top1_min": func.min(case((_HAS_FIDELITY, SqlEpisode.fidelity_top1))),
-    "fidelity_max_abs_logit_max": func.max(case((_HAS_FIDELITY, SqlEpisode.fidelity_max_abs_logit))),
-    "fidelity_divergence_step_min": func.min(case((_HAS_FIDELITY, SqlEpisode.fidelity_divergence_step))),
-}
-
-
-def _energy(sums: dict[str, Any]) -> dict[str, float | None]:
-    joules, n, tokens = sums["energy_j"], sums["energy_episodes"], sums["energy_tokens"]
-    return {"energy_j_per_episode": joules / n if joules is not None and n else None,
-            "energy_j_per_token": joules / tokens if joules is not None and tokens else None}
-
-
-@dataclass(frozen=True, slots=True)
-class CompareSide:
-    screen_id: int
-    protocol: str
-    protocol_sha256: str
-    attempt: int
-    attempt_status: str
-
-
-@dataclass(frozen=True, slots=True)
-class MetricPair:
-    condition: str
-    metric: str
-    a: float | int | None
-    b: float | int | None
-    ratio: float | None  # b / a; None when either is missing or a is 0
-
-
-@dataclass(frozen=True, slots=True)
-class VerdictPair:
-    gate: str
-    condition: str
-    phase: str
-    a_passed: bool | None  # None: screen A has no such verdict
-    a_value: float | None
-    b_passed: bool | None
-    b_value: float | None
-    # What each was judged on: the interval where the gate judges one (runtime), and its detail.
-    a_interval_lo: float | None = None
-    a_interval_hi: float | None = None
-    a_detail: str | None = None
-    b_interval_lo: float | None = None
-    b_interval_hi: float | None = None
-    b_detail: str | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class ScreenComparison:
-    a: CompareSide
-    b: CompareSide
-    metrics: tuple[MetricPair, ...]  # by condition, then COMPARE_METRICS and ENERGY_METRICS order
-    verdicts: tuple[VerdictPair, ...]  # by (gate, condition, phase)
-
-
-def ratio(a: float | None, b: float | None) -> float | None:
-    """b / a, or None when it is undefined."""
-    if a is None or b is None or a == 0:
-        return None
-    return b / a
-
-
-def _side(session: Session, ref: int | str) -> tuple[CompareSide, int]:
-    screen = find_screen(session, ref)
-    attempt = session.scalars(
-        select(SqlAttempt).where(SqlAttempt.screen_id == screen.id).order_by(SqlAttempt.number.desc()).limit(1)
-    ).first()
-    if attempt is None:
-        raise NotFound(
-            f"screen {screen.id} has not run yet, so there is nothing to compare; "
-            f"run it with `packbench dispatch`"
-        )
-    protocol = session.get_one(SqlProtocol, screen.protocol_id)
-    side = CompareSide(screen_id=screen.id, protocol=protocol.name, protocol_sha256=protocol.sha256,
-                       attempt=attempt.number, attempt_status=attempt.status)
-    return side, attempt.id
-
-
-def _totals(session: Session, attempt_id: int) -> dict[str, dict[str, Any]]:
-    query = (
-        select(SqlEpisode.condition, *COMPARE_METRICS.values(), *_ENERGY_SUMS.values(), *FIDELITY_METRICS.values())
-        .where(SqlEpisode.attempt_id == attempt_id, SqlEpisode.role == "scored")
-        .group_by(SqlEpisode.condition)
-    )
-    out = {}
-    energy_at, fidelity_at = 1 + len(COMPARE_METRICS), 1 + len(COMPARE_METRICS) + len(_ENERGY_SUMS)
-    for row in session.execute(query):
-        metrics = dict(zip(COMPARE_METRICS, row[1:]))
-        fidelity = {k: v for k, v in zip(FIDELITY_METRICS, row[fidelity_at:])}
-        out[row[0]] = {**metrics, **_energy(dict(zip(_ENERGY_SUMS, row[energy_at:fidelity_at]))), **fidelity}
-    return out
-
-
-_NO_VERDICT = (None, None, None, None, None)
-
-
-def _verdicts(session: Session, attempt_id: int) -> dict[tuple[str, str, str], tuple]:
-    """(gate, condition, phase) -> (passed, value, interval_lo, interval_hi, detail)."""
-    query = select(SqlVerdict.gate, SqlVerdict.condition, SqlVerdict.phase, SqlVerdict.passed, SqlVerdict.value,
-                   SqlVerdict.interval_lo, SqlVerdict.interval_hi, SqlVerdict.detail).where(SqlVerdict.attempt_id == attempt_id)
-    return {(g, c, p): tuple(rest) for g, c, p, *rest in session.execute(query)}
-
-
-def compare(session: Session, ref_a: int | str, ref_b: int | str) -> ScreenComparison:
-    """Scored-episode totals per condition and verdicts of two screens' latest attempts."""
-    side_a, attempt_a = _side(session, ref_a)
-    side_b, attempt_b = _side(session, ref_b)
-    totals_a, totals_b = _totals(session, attempt_a), _totals(session, attempt_b)
-    metrics = []
-    for condition in sorted(set(totals_a) | set(totals_b)):
-        a, b = totals_a.get(condition, {}), totals_b.get(condition, {})
-        approximate = a.get("fidelity_mean_kl_max") is not None or b.get("fidelity_mean_kl_max") is not None
-        for metric in (*COMPARE_METRICS, *ENERGY_METRICS, *(FIDELITY_METRICS if approximate else ())):
-            value_a, value_b = a.get(metric), b.get(metric)
-            metrics.append(
-                MetricPair(
-                    condition=condition, metric=metric, a=value_a, b=value_b,
-                    ratio=None if metric in _COUNTS else ratio(value_a, value_b),
-                )
-            )
-    verdicts_a, verdicts_b = _verdicts(session, attempt_a), _verdicts(session, attempt_b)
-    verdicts = []
-    for key in sorted(set(verdicts_a) | set(verdicts_b)):
-        a_passed, a_value, a_lo, a_hi, a_detail = verdicts_a.get(key, _NO_VERDICT)
-        b_passed, b_value, b_lo, b_hi, b_detail = verdicts_b.get(key, _NO_VERDICT)
-        verdicts.append(VerdictPair(*key, a_passed=a_passed, a_value=a_value, b_passed=b_passed, b_value=b_value,
-                                    a_interval_lo=a_lo, a_interval_hi=a_hi, a_detail=a_detail,
-                                    b_interval_lo=b_lo, b_interval_hi=b_hi, b_detail=b_detail))
-    return ScreenComparison(a=side_a, b=side_b, metrics=tuple(metrics), verdicts=tuple(verdicts))
-
-
-# -- status --------------------------------------------------------------------------------
-
-QUEUE_LISTED = 100  # queued screens `status` lists (in claim order); the count covers them all
-DISPATCHERS_SHOWN_S = 24 * 3600  # a dispatcher silent for longer (and never stopped) is forgotten
-
-
-@dataclass(frozen=True, slots=True)
-class RunningScreen:
-    screen_id: int
-    protocol: str
-    priority: int
-    attempt: int  # its number
-    attempt_id: int
-    attempt_key: str | None
-    dispatcher: str | None  # name; None for an attempt started outside the queue
-    worker: str
-    node: str
-    gpu_name: str
-    gpu_index: int
-    model_state: str | None  # cold | warm
-    shared_node: bool | None
-    started_at: datetime
-    lease_expires_at: datetime | None
-    cancel_requested: bool
-    episodes_done: int  # episodes stored so far
-    episodes_total: int | None  # planned by the protocol; None if its plan cannot be computed
-
-
-@dataclass(frozen=True, slots=True)
-class QueuedScreen:
-    screen_id: int
-    protocol: str
-    priority: int
-    created_at: datetime
-    attempts_used: int
-    max_attempts: int
-    gpu_type: str | None
-    placement_node: str | None
-    replica_group: str | None
-    unplaceable_reason: str | None  # why no dispatcher can place it now; it stays queued
-
-
-@dataclass(frozen=True, slots=True)
-class DispatcherStatus:
-    id: int
-    name: str
-    host: str
-    pid: int | None
-    started_at: datetime
-    heartbeat_at: datetime
-    live: bool  # heartbeat within live_within_s
-    workers: tuple[dict[str, Any], ...]
-
-
-@dataclass(frozen=True, slots=True)
-class ReconciledAttempt:
-    screen_id: int
-    attempt: int  # its number
-    status: str
-    reconciled_at: datetime
-    episodes: int  # rows inserted from its archive, in all
-    check: str | None  # manifest | writer | crc32
-
-
-RECONCILED_LISTED = 20  # the latest reconciled attempts `status` lists
-
-
-@dataclass(frozen=True, slots=True)
-class QueueStatus:
-    now: datetime
-    counts: dict[str, int]  # every screen status, zeros included
-    running: tuple[RunningScreen, ...]  # by screen id
-    queued: tuple[QueuedScreen, ...]  # claim order (priority, then oldest); at most QUEUE_LISTED
-    dispatchers: tuple[DispatcherStatus, ...]  # not stopped, heard from in the last day
-    idle_workers: int  # over live dispatchers
-    busy_workers: int
-    reconciled: tuple[ReconciledAttempt, ...] = ()  # latest first: rows inserted from archives (db reconcile)
-
-
-def _planned_episodes(canonical_json: str) -> int | None:
-    """How many episodes the protocol plans (core.plan, imported here only: it needs numpy)."""
-    from core.plan import plan
-
-    try:
-        return len(plan(json.loads(canonical_json)))
-    except Exception:  # an old or odd body: the total is unknown, the status still shows
-        return None
-
-
-def queue_status(session: Session, *, now: datetime, live_within_s: float) -> QueueStatus:
-    counts = dict.fromkeys(SCREEN_STATUSES, 0)
-    for status, n in session.execute(select(SqlScreen.status, func.count(SqlScreen.id)).group_by(SqlScreen.status)):
-        counts[status] = n
-    done = (  # episodes stored by running attempts only: not a scan of every episode
-        select(SqlEpisode.attempt_id, func.count(SqlEpisode.id).label("n"))
-        .where(SqlEpisode.attempt_id.in_(select(SqlAttempt.id).where(SqlAttempt.status == "running")))
-        .group_by(SqlEpisode.attempt_id)
-        .subquery()
-    )
-    rows = session.execute(
-        select(SqlScreen, SqlAttempt, SqlProtocol.name, SqlProtocol.id, SqlDispatcher.name, done.c.n)
-        .join(SqlAttempt, and_(SqlAttempt.screen_id == SqlScreen.id, SqlAttempt.status == "running"))
-        .join(SqlProtocol, SqlProtocol.id == SqlScreen.protocol_id)
-        .outerjoin(SqlDispatcher, SqlDispatcher.id == SqlAttempt.dispatcher_id)
-        .outerjoin(done, done.c.attempt_id == SqlAttempt.id)
-        .where(SqlScreen.status == "running")
-        .order_by(SqlScreen.id, SqlAttempt.number)
-    ).all()
-    totals: dict[int, int | None] = {}
-    for protocol_id in {row[3] for row in rows}:
-        totals[protocol_id] = _planned_episodes(session.get_one(SqlProtocol, protocol_id).canonical_json)
-    running = tuple(
-        RunningScreen(
-            screen_id=screen.id, protocol=protocol, priority=screen.priority, attempt=attempt.number,
-            attempt_id=attempt.id, attempt_key=attempt.attempt_key, dispatcher=dispatcher,
-            worker=attempt.worker, node=attempt.node, gpu_name=attempt.gpu_name, gpu_index=attempt.gpu_index,
-            model_state=attempt.model_state, shared_node=attempt.shared_node, started_at=attempt.started_at,
-            lease_expires_at=attempt.lease_expires_at, cancel_requested=screen.cancel_requested_at is not None,
-            episodes_done=int(n or 0), episodes_total=totals[protocol_id],
-        )
-        for screen, attempt, protocol, protocol_id, dispatcher, n in rows
-    )
-    queued = tuple(
-        QueuedScreen(
-            screen_id=screen.id, protocol=protocol, priority=screen.priority, created_at=screen.created_at,
-            attempts_used=screen.attempts_used, max_attempts=screen.max_attempts, gpu_type=screen.gpu_type,
-            placement_node=screen.placement_node, replica_group=screen.replica_group,
-            unplaceable_reason=screen.unplaceable_reason,
-        )
-        for screen, protocol in session.execute(
-            select(SqlScreen, SqlProtocol.name)
-            .join(SqlProtocol, SqlProtocol.id == SqlScreen.protocol_id)
-            .where(SqlScreen.status == "queued")
-            .order_by(SqlScreen.priority.desc(), SqlScreen.id)
-            .limit(QUEUE_LISTED)
-        )
-    )
-    live_since = now - timedelta(seconds=live_within_s)
-    dispatchers = []
-    idle = busy = 0
-    for d in session.scalars(
-        select(SqlDispatcher)
-        .where(SqlDispatcher.stopped_at.is_(None),
-               SqlDispatcher.heartbeat_at >= now - timedelta(seconds=DISPATCHERS_SHOWN_S))
-        .order_by(SqlDispatcher.id)
-    ):
-        row = d.to_record()
-        live = row.heartbeat_at >= live_since
-        if live:
-            idle += sum(1 for w in row.workers if w.get("state") == "idle")
-            busy += sum(1 for w in row.workers if w.get("state") == "busy")
-        dispatchers.append(DispatcherStatus(id=row.id, name=row.name, host=row.host, pid=row.pid,
-                                            started_at=row.started_at, heartbeat_at=row.heartbeat_at,
-                                            live=live, workers=row.workers))
-    reconciled = tuple(
-        ReconciledAttempt(screen_id=a.screen_id, attempt=a.number, status=a.status, reconciled_at=a.reconciled_at,
-                          episodes=a.reconciled_episodes or 0, check=a.reconciled_check)
-        for a in session.scalars(
-            select(SqlAttempt).where(SqlAttempt.reconciled_at.is_not(None))
-            .order_by(SqlAttempt.reconciled_at.desc(), SqlAttempt.id.desc()).limit(RECONCILED_LISTED)
-        )
-    )
-    return QueueStatus(now=now, counts=counts, running=running, queued=queued, dispatchers=tuple(dispatchers),
-                       idle_workers=idle, busy_workers=busy, reconciled=reconciled)

@@ -73,7 +73,7 @@ from sqlalchemy.orm import Session
 
 from core.protocol import resources_fit
 from core.record import stored_values
-from db import migrate, queries
+from db import compare as compare_query, migrate, queries, status as status_query
 from db.errors import Conflict, DatabaseLocked, DatabaseUnavailable, NotFound, SchemaNotAtHead
 from db.models import (
     AUDIT_KINDS,
@@ -91,14 +91,9 @@ from db.models import (
     json_text,
     utcnow,
 )
-from db.queries import (
-    ScreenComparison,
-    QueueStatus,
-    ResultFilter,
-    ResultRow,
-    ScreenDetail,
-    ScreenSummary,
-)
+from db.compare import ScreenComparison
+from db.queries import ResultFilter, ResultRow, ScreenDetail, ScreenSummary
+from db.status import QueueStatus
 from db.records import (
     AttemptRow,
     AuditRow,
@@ -917,7 +912,7 @@ class Store:
         the queue in claim order with unplaceable reasons, dispatchers (live: a heartbeat
         within `live_within_s`) and their workers."""
         with self._session() as session:
-            return queries.queue_status(session, now=self._clock(), live_within_s=live_within_s)
+            return status_query.queue_status(session, now=self._clock(), live_within_s=live_within_s)
 
     # -- episodes and verdicts ---------------------------------------------------------
 
@@ -1171,7 +1166,7 @@ class Store:
     def compare(self, ref_a: int | str, ref_b: int | str) -> ScreenComparison:
         """Per-condition scored totals and verdicts of two screens' latest attempts."""
         with self._session() as session:
-            return queries.compare(session, ref_a, ref_b)
+            return compare_query.compare(session, ref_a, ref_b)
 
     def analyze(self) -> None:
         """Refresh the query planner's statistics (ANALYZE). Worth it after a bulk load;
