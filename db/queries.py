@@ -396,6 +396,15 @@ def condition_names(session: Session) -> list[str]:
     return sorted(session.scalars(select(SqlEpisode.condition).distinct()))
 
 
+def get_row(session: Session, model: type, key: int, noun: str, *, for_update: bool = False) -> Any:
+    """The `model` row with primary key `key` (locked with `for_update`, PostgreSQL), or
+    `NotFound` naming the `noun`."""
+    obj = session.get(model, key, with_for_update=True if for_update else None)
+    if obj is None:
+        raise NotFound(f"no {noun} with id {key}; list screens with `packbench screens list`")
+    return obj
+
+
 def find_screen(session: Session, ref: int | str, *, for_update: bool = False) -> SqlScreen:
     """The screen with id `ref` (an int or a string of digits), or 'latest' (highest id);
     `for_update` locks its row (PostgreSQL) for a read-then-write."""
