@@ -18,6 +18,7 @@ import json
 import math
 from dataclasses import dataclass
 from datetime import UTC, date, datetime, timedelta
+from collections.abc import Iterable
 from typing import Any, NamedTuple
 
 from sqlalchemy import ColumnElement, and_, case, exists, func, or_, select
@@ -327,7 +328,7 @@ def _gate_criteria(f: ResultFilter) -> list[ColumnElement[bool]]:
 
 
 _PLAN_INDEX, _CONDITION, _ROLE = (ResultRow._fields.index(name) for name in ("plan_index", "condition", "role"))
-_CHUNK = 500  # attempt ids per IN (...): far below SQLite's bound on bound parameters
+_CHUNK = 500  # ids per IN (...): far below SQLite's bound on bound parameters
 
 
 def _with_verdicts(session: Session, rows: list[Any], f: ResultFilter) -> list[ResultRow]:
@@ -389,6 +390,24 @@ class ScreenSummary:
     attempts: int
     passed: int
     failed: int
+
+
+def condition_tiers(session: Session, protocol_sha256s: Iterable[str]) -> dict[str, dict[str, str]]:
+    """protocol SHA-256 -> condition name -> tier, from each stored protocol's frozen body
+    (`Store.condition_tiers`)."""
+    from core.registry import tier_of
+
+    wanted = sorted(set(protocol_sha256s))
+    out: dict[str, dict[str, str]] = {}
+    for start in range(0, len(wanted), _CHUNK):
+        rows = session.execute(select(SqlProtocol.sha256, SqlProtocol.canonical_json)
+                               .where(SqlProtocol.sha256.in_(wanted[start:start + _CHUNK])))
+        for sha, body in rows:
+            conditions = json.loads(body).get("conditions")
+            out[sha] = {c["name"]: tier_of(c["policy"]) for c in conditions if isinstance(c, dict)
+                        and isinstance(c.get("name"), str) and isinstance(c.get("policy"), str)} \
+                if isinstance(conditions, list) else {}
+    return out
 
 
 def condition_names(session: Session) -> list[str]:

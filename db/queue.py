@@ -48,7 +48,7 @@ from sqlalchemy.orm import Session
 
 from core.protocol import resources_fit
 from db.errors import Conflict
-from db.models import MODEL_STATES, SqlAttempt, SqlDispatcher, SqlScreen, UtcDateTime, json_text
+from db.models import MODEL_STATES, SqlAttempt, SqlDispatcher, SqlProtocol, SqlScreen, UtcDateTime, json_text
 from db.queries import find_screen, get_row
 from db.records import AttemptRow, DispatcherRow, Reaped, ScreenRow
 
@@ -111,6 +111,21 @@ def worker_list(workers: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
 # -- screens and attempts ------------------------------------------------------------------
 
 
+def enqueue(session: Session, *, clock: Clock, protocol_id: int, count: int = 1, **screen: Any) -> list[int]:
+    """Queue `count` screens of the stored protocol `protocol_id`, with the columns `screen`
+    gives (submitter, and any of `Store.create_screen`'s options); return their ids."""
+    get_row(session, SqlProtocol, protocol_id, "protocol")
+    screen = {"repetitions": 1, "priority": 0, "max_attempts": 3, "exclusive_node": False, **screen,
+              "resources": resources_json(screen.get("resources"))}
+    ids = []
+    for _ in range(count):
+        row = SqlScreen(protocol_id=protocol_id, status="queued", created_at=clock(), attempts_used=0, **screen)
+        session.add(row)
+        session.flush()
+        ids.append(row.id)
+    return ids
+
+
 def queued_screens(session: Session) -> list[ScreenRow]:
     """Screens waiting for a worker in claim order: highest priority, then oldest."""
     query = select(SqlScreen).where(SqlScreen.status == "queued").order_by(SqlScreen.priority.desc(), SqlScreen.id)
@@ -140,8 +155,19 @@ def start_attempt(session: Session, *, clock: Clock, screen_id: int, **placement
 
 def finish_attempt(session: Session, attempt_id: int, *, clock: Clock, status: str, error: str | None,
                    archive_sha256: str | None, requeue: bool) -> str:
-    """Close a running attempt (`Store.finish_attempt` states the contract); return the
-    screen's status after it. `Conflict` if the attempt is not running."""
+    """Close a running attempt as 'done', 'failed', 'interrupted' or 'cancelled'; return the
+    screen's status after it ('queued' when requeued).
+
+    `requeue` (a failed attempt whose cause was not the screen's, e.g. its worker died):
+    the screen goes back to the queue while attempts_used < max_attempts (and is failed
+    after that, or cancelled if a cancel was requested) instead of following the attempt.
+
+    The screen follows: 'done' for a done attempt, 'cancelled' for a cancelled one (the
+    dispatcher stopped after a `cancel_screen`), 'failed' otherwise; its finished_at is
+    set. Finishing an attempt that is not running raises `Conflict`: a finished attempt
+    is history and is never overwritten (a `lost` one was reaped: its dispatcher lost the
+    lease and must stop).
+    """
     attempt = get_row(session, SqlAttempt, attempt_id, "attempt", for_update=True)
     if attempt.status != "running":
         raise Conflict(
@@ -219,7 +245,31 @@ def claim_request(dispatcher_id: int, *, clock: Clock, lease_s: float, archive_d
                   machine_id: int | None, gpu_types: Collection[str] | None, exclude_screens: Collection[int],
                   screen_id: int | None, model_state: str | None, node_resources: Mapping[str, float] | None,
                   follows_attempt: int | None) -> ClaimRequest:
-    """`Store.claim_screen`'s arguments, checked, as one claim (its contract is there)."""
+    """`Store.claim_screen`'s arguments, checked, as one claim of the best queued screen this
+    worker slot can run.
+
+    Best: highest priority, then oldest. Placeable: `gpu_types` given -> the screen's
+    gpu_type is None or one of them; `node` given -> its placement_node is None or
+    `node`, no other screen of its replica_group runs or ran (done) on `node`, and
+    neither it nor a screen running on `node` wants the node exclusively.
+    A screen that needs custom Ray resources (`resources`) is placeable only with `node`
+    given and `node_resources` (the node's declared totals) covering its needs plus those
+    of every screen running on `node`. `follows_attempt`: the slot's own running attempt,
+    whose worker runs the claimed screen after it (a look-ahead claim): it counts as
+    neither another screen on the node (exclusive_node, shared_node) nor a user of its
+    resources, but still as a replica on it.
+    `exclude_screens` skips screens the caller already knows it cannot place;
+    `screen_id` claims that screen only (None if it is no longer queued or placeable).
+
+    In one transaction: the screen becomes running (attempts_used + 1, started_at set on
+    its first claim, unplaceable_reason cleared) and gets a running attempt numbered
+    after its earlier ones, with a new random attempt_key, archive_path
+    `archive_dir/archive_file_name(...)`, dispatcher_id, the slot's worker/node/GPU
+    (empty until `place_attempt` when unknown) and a lease until now + `lease_s`.
+    Concurrent claimers never get the same screen: PostgreSQL skips rows another claim
+    has locked (FOR UPDATE SKIP LOCKED), SQLite serializes claims (BEGIN IMMEDIATE).
+    Claims for one node are serialized too (`claim_postgresql`).
+    """
     check_lease(lease_s)
     check_model_state(model_state)
     parameters: dict[str, Any] = {"want_screen": screen_id, "exclude_ids": list(exclude_screens),
@@ -350,7 +400,10 @@ def place_attempt(session: Session, attempt_id: int, placement: Mapping[str, Any
 
 
 def renew_lease(session: Session, attempt_id: int, lease_s: float, *, clock: Clock) -> bool:
-    """Extend a running attempt's lease; False: stop (not running, or its screen cancelled)."""
+    """Extend a running attempt's lease to now + `lease_s`. False means stop after the
+    episode in flight: the attempt is no longer running (reaped as lost, released) or
+    its screen was cancelled (the lease is still extended, so that the episode can
+    finish; then `finish_attempt(status='cancelled')`)."""
     attempt = get_row(session, SqlAttempt, attempt_id, "attempt", for_update=True)
     if attempt.status != "running":
         return False
@@ -371,8 +424,11 @@ def _expired(now: datetime, dialect: str) -> Any:
 
 
 def reap_expired(session: Session, now: datetime | None, *, clock: Clock) -> list[Reaped]:
-    """Expired leases become `lost` attempts; each screen requeued, failed or cancelled
-    (`Store.reap_expired` states the contract)."""
+    """Turn running attempts whose lease expired before `now` (default: the clock) into
+    `lost` ones (their partial archives stay, auditable as incomplete). Each screen is
+    requeued while attempts_used < max_attempts, else failed; a screen with a cancel
+    request becomes cancelled. Safe to call from every dispatcher at once: an attempt is
+    reaped once (PostgreSQL skips rows another reaper or a renewal holds)."""
     now = now or clock()
     reaped = []
     for attempt in session.scalars(_expired(now, session.get_bind().dialect.name)).all():
@@ -392,8 +448,10 @@ def reap_expired(session: Session, now: datetime | None, *, clock: Clock) -> lis
 
 
 def release(session: Session, attempt_id: int, reason: str, *, clock: Clock) -> str:
-    """A running attempt given back: interrupted, its screen requeued (or cancelled) without
-    counting the claim; return the screen's status. `Conflict` if it is not running."""
+    """A dispatcher shutting down cleanly gives a running attempt back: it becomes
+    `interrupted` (error = `reason`, its partial archive kept) and its screen is requeued
+    (cancelled if a cancel was requested); the claim does not count against max_attempts.
+    Return the screen's new status. `Conflict` if the attempt is not running."""
     attempt = get_row(session, SqlAttempt, attempt_id, "attempt", for_update=True)
     if attempt.status != "running":
         raise Conflict(f"attempt {attempt_id} is already {attempt.status}; nothing to release")
@@ -409,8 +467,11 @@ def release(session: Session, attempt_id: int, reason: str, *, clock: Clock) -> 
 
 
 def cancel_screen(session: Session, ref: int | str, *, clock: Clock) -> ScreenRow:
-    """Queued: cancelled now. Running: a cancel requested (its dispatcher stops). `Conflict`
-    for a finished screen."""
+    """Cancel a screen (id or 'latest'). Queued: it becomes cancelled and never runs.
+    Running: a cancel is requested; its dispatcher learns it at the next `renew_lease`,
+    stops after the episode in flight and finishes the attempt as cancelled (partial
+    archive kept), or the reaper cancels it if the lease expires. `Conflict` for a
+    finished screen. Returns the screen as it now is."""
     screen = find_screen(session, ref, for_update=True)
     if screen.status == "queued":
         screen.status, screen.finished_at = "cancelled", clock()
@@ -425,7 +486,10 @@ def cancel_screen(session: Session, ref: int | str, *, clock: Clock) -> ScreenRo
 
 
 def retry_screen(session: Session, ref: int | str) -> ScreenRow:
-    """A failed or cancelled screen queued again with attempts_used 0. `Conflict` otherwise."""
+    """Queue a failed or cancelled screen (id or 'latest') again with a fresh attempt
+    budget (attempts_used 0). Its earlier attempts stay as they are; the next claim adds
+    one. `Conflict` for a queued, running or done screen (submit the protocol again
+    to re-run a done one)."""
     screen = find_screen(session, ref, for_update=True)
     if screen.status not in ("failed", "cancelled"):
         raise Conflict(f"screen {screen.id} is {screen.status}; only a failed or cancelled screen "

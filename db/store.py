@@ -18,24 +18,17 @@ Contract
 - Time is the Store's clock (`clock`, default the caller's UTC clock), used for every lease,
   heartbeat and timestamp: dispatchers on several machines need synchronised clocks (NTP),
   and a lease should be much longer than their skew (leases of tens of seconds).
-- The dispatcher's writes (`_retried`) survive a brief database outage: a transient failure
-  (`db.session.is_transient`) re-runs the whole transaction with backoff; if the database
-  stays down, `DatabaseUnavailable` says for how long it tried and how to recover. A
-  retried write whose first commit did land is harmless: the upserts are idempotent, and a
-  claim the caller never saw expires and is requeued. `dispatch --follow` then waits with
-  `ping` (one try each) and, once it answers, inserts the rows its archives hold
-  (`reconcile_targets`, `put_reconciled`: service/reconcile.py).
+- The dispatcher's writes (`@retried`, `db.retry`) survive a brief database outage.
+  `dispatch --follow` then waits with `ping` (one try each) and, once it answers, inserts
+  the rows its archives hold (`reconcile_targets`, `put_reconciled`: service/reconcile.py).
 """
 
 from __future__ import annotations
 
-import functools
-import json
-import time
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from datetime import datetime
-from typing import Any, TypeVar
+from typing import Any
 
 from sqlalchemy import Connection, Engine, select, text
 from sqlalchemy.exc import SQLAlchemyError
@@ -44,12 +37,12 @@ from sqlalchemy.pool import PoolProxiedConnection
 
 from db import compare as compare_query, ingest, migrate, queries, queue, status as status_query
 from db.compare import ScreenComparison
-from db.errors import DatabaseLocked, DatabaseUnavailable, SchemaNotAtHead
+from db.errors import SchemaNotAtHead
 from db.ingest import EPISODE_KEY, RECONCILE_CHECKS, VERDICT_KEY
-from db.models import AUDIT_KINDS, SqlAttempt, SqlAudit, SqlEpisode, SqlMachine, SqlProtocol, SqlScreen, \
-    SqlSigner, SqlVerdict, json_text, utcnow
+from db.models import AUDIT_KINDS, SqlAttempt, SqlAudit, SqlEpisode, SqlMachine, SqlProtocol, SqlSigner, SqlVerdict, \
+    json_text, utcnow
 from db.queries import ResultFilter, ResultRow, ScreenDetail, ScreenSummary, get_row
-from db.queue import new_attempt_key, resources_json
+from db.queue import new_attempt_key
 from db.records import (
     AttemptRow,
     AuditRow,
@@ -64,48 +57,9 @@ from db.records import (
     SignerRow,
     StoredVerdict,
 )
+from db.retry import RETRY_DELAYS_S, retried
 from db.session import display_url, make_engine, session_scope, translate_errors
 from db.status import QueueStatus
-
-# Backoff between tries of a dispatcher write while the database is unavailable: 8 tries
-# over about 12.7 s, long enough for a PostgreSQL restart or a pooled connection to be
-# replaced, short against a lease of a minute.
-RETRY_DELAYS_S = (0.1, 0.2, 0.4, 0.8, 1.6, 3.2, 6.4)
-
-_T = TypeVar("_T")
-
-
-def _retried(method: Callable[..., _T]) -> Callable[..., _T]:
-    """Re-run a one-transaction Store method while the database is unavailable.
-
-    Only `DatabaseUnavailable` (a broken or refused connection, a server restart, a
-    serialization failure) is retried; the rolled-back transaction runs again from the start.
-    """
-
-    @functools.wraps(method)
-    def wrapper(self: Store, *args: Any, **kwargs: Any) -> _T:
-        started = time.monotonic()
-        delays = self._retry_delays
-        for tries, delay in enumerate((*delays, None), start=1):
-            try:
-                return method(self, *args, **kwargs)
-            except DatabaseLocked:
-                raise  # SQLite's busy handler has waited its timeout already
-            except DatabaseUnavailable as exc:
-                if delay is None:
-                    failing = time.monotonic() - started
-                    raise DatabaseUnavailable(
-                        f"{exc}; gave up on {method.__name__} after {tries} tries over "
-                        f"{failing:.1f} s. Once the database is back, run the "
-                        f"command again: committed records are kept, a screen whose lease "
-                        f"expired meanwhile is requeued (see `packbench status`), and "
-                        f"`packbench db reconcile` inserts any archived episode that has no row",
-                        cause=exc.cause, failing_s=failing,
-                    ) from exc
-                time.sleep(delay)
-        raise AssertionError("unreachable")
-
-    return wrapper
 
 
 class Store:
@@ -230,7 +184,7 @@ class Store:
 
     # -- protocols and machines --------------------------------------------------------
 
-    @_retried
+    @retried
     def put_protocol(self, *, sha256: str, name: str, canonical_json: str) -> int:
         """Store a frozen protocol; return its id. Idempotent on `sha256`.
 
@@ -245,16 +199,9 @@ class Store:
         with self._session() as session:
             return get_row(session, SqlProtocol, protocol_id, "protocol").to_record()
 
-    @_retried
-    def put_machine(
-        self,
-        *,
-        host: str | None,
-        gpu_name: str | None,
-        driver: str | None,
-        torch: str | None,
-        cuda: str | None,
-    ) -> int:
+    @retried
+    def put_machine(self, *, host: str | None, gpu_name: str | None, driver: str | None, torch: str | None,
+                    cuda: str | None) -> int:
         """Store a machine fingerprint; return its id. Idempotent; None and '' are the same."""
         key = {"host": host or "", "gpu_name": gpu_name or "", "driver": driver or "",
                "torch": torch or "", "cuda": cuda or ""}
@@ -267,7 +214,7 @@ class Store:
 
     # -- screens -----------------------------------------------------------------------
 
-    @_retried
+    @retried
     def create_screen(
         self,
         *,
@@ -300,27 +247,11 @@ class Store:
         if max_attempts < 1:
             raise ValueError(f"max_attempts {max_attempts} must be >= 1")
         with self._session() as session:
-            get_row(session, SqlProtocol, protocol_id, "protocol")
-            screen = SqlScreen(
-                protocol_id=protocol_id,
-                submitter=submitter,
-                repetitions=repetitions,
-                model_dir=model_dir,
-                prompt_file=prompt_file,
-                status="queued",
-                created_at=self._clock(),
-                priority=priority,
-                max_attempts=max_attempts,
-                attempts_used=0,
-                gpu_type=gpu_type,
-                placement_node=placement_node,
-                exclusive_node=exclusive_node,
-                replica_group=replica_group,
-                resources=resources_json(resources),
-            )
-            session.add(screen)
-            session.flush()
-            return screen.id
+            return queue.enqueue(
+                session, clock=self._clock, protocol_id=protocol_id, submitter=submitter, repetitions=repetitions,
+                model_dir=model_dir, prompt_file=prompt_file, priority=priority, max_attempts=max_attempts,
+                gpu_type=gpu_type, placement_node=placement_node, exclusive_node=exclusive_node,
+                replica_group=replica_group, resources=resources)[0]
 
     def create_replicas(self, replicas: int, **screen: Any) -> list[int]:
         """Queue `replicas` screens of one protocol (`create_screen`'s arguments) in one
@@ -328,19 +259,9 @@ class Store:
         (`submit --replicas N --spread`); return their ids."""
         if replicas < 1:
             raise ValueError(f"replicas {replicas} must be >= 1")
-        group = new_attempt_key()
-        ids = []
         with self._session() as session:
-            get_row(session, SqlProtocol, screen["protocol_id"], "protocol")
-            screen = {**screen, "resources": resources_json(screen.get("resources"))}
-            for _ in range(replicas):
-                row = SqlScreen(**{"status": "queued", "created_at": self._clock(), "attempts_used": 0,
-                                   "repetitions": 1, "priority": 0, "max_attempts": 3,
-                                   "exclusive_node": False, **screen, "replica_group": group})
-                session.add(row)
-                session.flush()
-                ids.append(row.id)
-        return ids
+            group = new_attempt_key()
+            return queue.enqueue(session, clock=self._clock, count=replicas, **{**screen, "replica_group": group})
 
     def queued_screens(self) -> list[ScreenRow]:
         """Screens waiting for a worker in claim order: highest priority, then oldest."""
@@ -354,19 +275,9 @@ class Store:
 
     # -- attempts ----------------------------------------------------------------------
 
-    @_retried
-    def start_attempt(
-        self,
-        *,
-        screen_id: int,
-        worker: str,
-        node: str,
-        gpu_name: str,
-        gpu_index: int,
-        machine_id: int | None,
-        source_freeze: dict[str, Any],
-        archive_path: str,
-    ) -> AttemptRow:
+    @retried
+    def start_attempt(self, *, screen_id: int, worker: str, node: str, gpu_name: str, gpu_index: int,
+                      machine_id: int | None, source_freeze: dict[str, Any], archive_path: str) -> AttemptRow:
         """Record that a worker starts on a screen; return the new running attempt.
 
         Its number is 1 + the highest existing number for the screen (earlier attempts,
@@ -378,29 +289,11 @@ class Store:
                                        gpu_name=gpu_name, gpu_index=gpu_index, machine_id=machine_id,
                                        source_freeze=source_freeze, archive_path=archive_path)
 
-    @_retried
-    def finish_attempt(
-        self,
-        attempt_id: int,
-        *,
-        status: str,
-        error: str | None = None,
-        archive_sha256: str | None = None,
-        requeue: bool = False,
-    ) -> str:
-        """Close a running attempt as 'done', 'failed', 'interrupted' or 'cancelled'; return the
-        screen's status after it ('queued' when requeued).
-
-        `requeue` (a failed attempt whose cause was not the screen's, e.g. its worker died):
-        the screen goes back to the queue while attempts_used < max_attempts (and is failed
-        after that, or cancelled if a cancel was requested) instead of following the attempt.
-
-        The screen follows: 'done' for a done attempt, 'cancelled' for a cancelled one (the
-        dispatcher stopped after a `cancel_screen`), 'failed' otherwise; its finished_at is
-        set. Finishing an attempt that is not running raises `Conflict`: a finished attempt
-        is history and is never overwritten (a `lost` one was reaped: its dispatcher lost the
-        lease and must stop).
-        """
+    @retried
+    def finish_attempt(self, attempt_id: int, *, status: str, error: str | None = None,
+                       archive_sha256: str | None = None, requeue: bool = False) -> str:
+        """Close a running attempt as 'done', 'failed', 'interrupted' or 'cancelled'; return the screen's status
+        after it (`db.queue.finish_attempt`)."""
         queue.check_final_status(status)
         with self._session() as session:
             return queue.finish_attempt(session, attempt_id, clock=self._clock, status=status, error=error,
@@ -426,13 +319,13 @@ class Store:
 
     # -- the job queue (db.queue) ------------------------------------------------------
 
-    @_retried
+    @retried
     def register_dispatcher(self, name: str, host: str, *, pid: int | None = None) -> int:
         """Record a dispatcher starting; return its id (heartbeat it, stop it with `stop_dispatcher`)."""
         with self._session() as session:
             return queue.register_dispatcher(session, name, host, pid=pid, clock=self._clock)
 
-    @_retried
+    @retried
     def heartbeat(self, dispatcher_id: int, workers: Sequence[Mapping[str, Any]]) -> None:
         """The dispatcher is alive; `workers` replaces its workers as `packbench status` shows
         them: each {name, node, gpu, gpu_index, state: idle|busy, screen_id (busy only)}."""
@@ -440,7 +333,7 @@ class Store:
         with self._session() as session:
             queue.heartbeat(session, dispatcher_id, listed, clock=self._clock)
 
-    @_retried
+    @retried
     def stop_dispatcher(self, dispatcher_id: int) -> None:
         """The dispatcher shut down cleanly (release its attempts first): no longer listed as live."""
         with self._session() as session:
@@ -451,50 +344,15 @@ class Store:
         with self._session() as session:
             return queue.dispatchers(session)
 
-    @_retried
-    def claim_screen(
-        self,
-        dispatcher_id: int,
-        *,
-        lease_s: float,
-        archive_dir: str,
-        source_freeze: Mapping[str, Any],
-        worker: str = "",
-        node: str = "",
-        gpu_name: str = "",
-        gpu_index: int = -1,
-        machine_id: int | None = None,
-        gpu_types: Collection[str] | None = None,
-        exclude_screens: Collection[int] = (),
-        screen_id: int | None = None,
-        model_state: str | None = None,
-        node_resources: Mapping[str, float] | None = None,
-        follows_attempt: int | None = None,
-    ) -> Claim | None:
+    @retried
+    def claim_screen(self, dispatcher_id: int, *, lease_s: float, archive_dir: str, source_freeze: Mapping[str, Any],
+                     worker: str = "", node: str = "", gpu_name: str = "", gpu_index: int = -1,
+                     machine_id: int | None = None, gpu_types: Collection[str] | None = None,
+                     exclude_screens: Collection[int] = (), screen_id: int | None = None,
+                     model_state: str | None = None, node_resources: Mapping[str, float] | None = None,
+                     follows_attempt: int | None = None) -> Claim | None:
         """Atomically claim the best queued screen this worker slot can run; None if there is none.
-
-        Best: highest priority, then oldest. Placeable: `gpu_types` given -> the screen's
-        gpu_type is None or one of them; `node` given -> its placement_node is None or
-        `node`, no other screen of its replica_group runs or ran (done) on `node`, and
-        neither it nor a screen running on `node` wants the node exclusively.
-        A screen that needs custom Ray resources (`resources`) is placeable only with `node`
-        given and `node_resources` (the node's declared totals) covering its needs plus those
-        of every screen running on `node`. `follows_attempt`: the slot's own running attempt,
-        whose worker runs the claimed screen after it (a look-ahead claim): it counts as
-        neither another screen on the node (exclusive_node, shared_node) nor a user of its
-        resources, but still as a replica on it.
-        `exclude_screens` skips screens the caller already knows it cannot place;
-        `screen_id` claims that screen only (None if it is no longer queued or placeable).
-
-        In one transaction: the screen becomes running (attempts_used + 1, started_at set on
-        its first claim, unplaceable_reason cleared) and gets a running attempt numbered
-        after its earlier ones, with a new random attempt_key, archive_path
-        `archive_dir/archive_file_name(...)`, dispatcher_id, the slot's worker/node/GPU
-        (empty until `place_attempt` when unknown) and a lease until now + `lease_s`.
-        Concurrent claimers never get the same screen: PostgreSQL skips rows another claim
-        has locked (FOR UPDATE SKIP LOCKED), SQLite serializes claims (BEGIN IMMEDIATE).
-        Claims for one node are serialized too (`db.queue.claim_postgresql`).
-        """
+        `db.queue.claim_request` says which screens are placeable and what a claim writes."""
         request = queue.claim_request(
             dispatcher_id, clock=self._clock, lease_s=lease_s, archive_dir=archive_dir, source_freeze=source_freeze,
             worker=worker, node=node, gpu_name=gpu_name, gpu_index=gpu_index, machine_id=machine_id,
@@ -536,18 +394,10 @@ class Store:
             row = self._protocols[protocol_id] = self.protocol(protocol_id)
         return row
 
-    @_retried
-    def place_attempt(
-        self,
-        attempt_id: int,
-        *,
-        worker: str | None = None,
-        node: str | None = None,
-        gpu_name: str | None = None,
-        gpu_index: int | None = None,
-        machine_id: int | None = None,
-        model_state: str | None = None,
-    ) -> AttemptRow:
+    @retried
+    def place_attempt(self, attempt_id: int, *, worker: str | None = None, node: str | None = None,
+                      gpu_name: str | None = None, gpu_index: int | None = None, machine_id: int | None = None,
+                      model_state: str | None = None) -> AttemptRow:
         """Record where a claimed attempt runs, once the dispatcher knows (arguments left None
         are kept). A node given marks it and the other attempts running there shared_node.
         `Conflict` if the attempt is no longer running."""
@@ -557,55 +407,42 @@ class Store:
         with self._session() as session:
             return queue.place_attempt(session, attempt_id, placement)
 
-    @_retried
+    @retried
     def renew_lease(self, attempt_id: int, lease_s: float) -> bool:
-        """Extend a running attempt's lease to now + `lease_s`. False means stop after the
-        episode in flight: the attempt is no longer running (reaped as lost, released) or
-        its screen was cancelled (the lease is still extended, so that the episode can
-        finish; then `finish_attempt(status='cancelled')`)."""
+        """Extend a running attempt's lease to now + `lease_s`; False: stop after the episode in flight
+        (`db.queue.renew_lease`)."""
         queue.check_lease(lease_s)
         with self._session() as session:
             return queue.renew_lease(session, attempt_id, lease_s, clock=self._clock)
 
-    @_retried
+    @retried
     def reap_expired(self, now: datetime | None = None) -> list[Reaped]:
-        """Turn running attempts whose lease expired before `now` (default: the clock) into
-        `lost` ones (their partial archives stay, auditable as incomplete). Each screen is
-        requeued while attempts_used < max_attempts, else failed; a screen with a cancel
-        request becomes cancelled. Safe to call from every dispatcher at once: an attempt is
-        reaped once (PostgreSQL skips rows another reaper or a renewal holds)."""
+        """Turn running attempts whose lease expired before `now` (default: the clock) into `lost` ones
+        (`db.queue.reap_expired`)."""
         with self._session() as session:
             return queue.reap_expired(session, now, clock=self._clock)
 
-    @_retried
+    @retried
     def release(self, attempt_id: int, reason: str) -> str:
-        """A dispatcher shutting down cleanly gives a running attempt back: it becomes
-        `interrupted` (error = `reason`, its partial archive kept) and its screen is requeued
-        (cancelled if a cancel was requested); the claim does not count against max_attempts.
-        Return the screen's new status. `Conflict` if the attempt is not running."""
+        """A dispatcher shutting down cleanly gives a running attempt back; return the screen's new status
+        (`db.queue.release`)."""
         with self._session() as session:
             return queue.release(session, attempt_id, reason, clock=self._clock)
 
-    @_retried
+    @retried
     def cancel_screen(self, ref: int | str) -> ScreenRow:
-        """Cancel a screen (id or 'latest'). Queued: it becomes cancelled and never runs.
-        Running: a cancel is requested; its dispatcher learns it at the next `renew_lease`,
-        stops after the episode in flight and finishes the attempt as cancelled (partial
-        archive kept), or the reaper cancels it if the lease expires. `Conflict` for a
-        finished screen. Returns the screen as it now is."""
+        """Cancel a screen (id or 'latest'); return it as it now is (`db.queue.cancel_screen`)."""
         with self._session() as session:
             return queue.cancel_screen(session, ref, clock=self._clock)
 
-    @_retried
+    @retried
     def retry_screen(self, ref: int | str) -> ScreenRow:
-        """Queue a failed or cancelled screen (id or 'latest') again with a fresh attempt
-        budget (attempts_used 0). Its earlier attempts stay as they are; the next claim adds
-        one. `Conflict` for a queued, running or done screen (submit the protocol again
-        to re-run a done one)."""
+        """Queue a failed or cancelled screen (id or 'latest') again with a fresh attempt budget
+        (`db.queue.retry_screen`)."""
         with self._session() as session:
             return queue.retry_screen(session, ref)
 
-    @_retried
+    @retried
     def set_unplaceable(self, screen_id: int, reason: str | None) -> bool:
         """Say why no dispatcher can place a queued screen now (None clears it); it stays
         queued and `packbench status` shows the reason. False if it is no longer queued."""
@@ -626,7 +463,7 @@ class Store:
 
     # -- episodes and verdicts (db.ingest) ---------------------------------------------
 
-    @_retried
+    @retried
     def put_episode(self, attempt_id: int, record: Mapping[str, Any]) -> bool:
         """Store one episode record as a worker sent it; True if new, False if already stored.
 
@@ -655,7 +492,7 @@ class Store:
                 self._drop_writer()  # a failed transaction is rolled back as the pool takes it
                 raise
 
-    @_retried
+    @retried
     def put_episodes(self, attempt_id: int, records: Iterable[Mapping[str, Any]]) -> int:
         """Store many episode records in ONE transaction; return how many were new.
 
@@ -675,7 +512,7 @@ class Store:
         with self._session() as session:
             session.execute(select(1))
 
-    @_retried
+    @retried
     def reconcile_targets(self, *, attempt_ids: Collection[int] | None = None,
                           finished_since: datetime | None = None) -> list[ReconcileTarget]:
         """Attempts whose archive may hold episodes without a row, with the plan indexes
@@ -685,7 +522,7 @@ class Store:
         with self._session() as session:
             return ingest.reconcile_targets(session, attempt_ids=attempt_ids, finished_since=finished_since)
 
-    @_retried
+    @retried
     def put_reconciled(self, attempt_id: int, records: Sequence[Mapping[str, Any]], *, check: str) -> int:
         """Insert episode rows recovered from the attempt's archive, in one transaction, and
         note it on the attempt (`reconciled_at`, `reconciled_episodes`, `reconciled_check`);
@@ -702,7 +539,7 @@ class Store:
             query = select(SqlEpisode).where(SqlEpisode.attempt_id == attempt_id).order_by(SqlEpisode.plan_index)
             return [episode.to_record() for episode in session.scalars(query)]
 
-    @_retried
+    @retried
     def put_verdicts(self, attempt_id: int, verdicts: list[Mapping[str, Any]]) -> int:
         """Store gate verdicts in one transaction; return how many were new.
 
@@ -728,21 +565,10 @@ class Store:
 
     # -- audits ------------------------------------------------------------------------
 
-    @_retried
-    def put_audit(
-        self,
-        *,
-        attempt_id: int,
-        archive_sha256: str,
-        digest: str,
-        result: str,
-        problems: list[str],
-        machine: str,
-        started_at: datetime,
-        finished_at: datetime,
-        node: str | None = None,
-        kind: str | None = None,
-    ) -> int:
+    @retried
+    def put_audit(self, *, attempt_id: int, archive_sha256: str, digest: str, result: str, problems: list[str],
+                  machine: str, started_at: datetime, finished_at: datetime, node: str | None = None,
+                  kind: str | None = None) -> int:
         """Append one audit run ('agree' or 'disagree'); return its id. Never deduplicated:
         repeat audits are evidence in their own right. Times must be timezone-aware.
         `machine` is the host that asked for the audit, `node` the one it ran on (a Ray
@@ -753,18 +579,9 @@ class Store:
             if moment.tzinfo is None:
                 raise ValueError(f"naive datetime {moment!r}: pass an aware one, e.g. datetime.now(UTC)")
         with self._session() as session:
-            audit = SqlAudit(
-                attempt_id=attempt_id,
-                archive_sha256=archive_sha256,
-                digest=digest,
-                result=result,
-                problems_json=json_text(list(problems)),
-                machine=machine,
-                started_at=started_at,
-                finished_at=finished_at,
-                node=node,
-                kind=kind,
-            )
+            audit = SqlAudit(attempt_id=attempt_id, archive_sha256=archive_sha256, digest=digest, result=result,
+                             problems_json=json_text(list(problems)), machine=machine, started_at=started_at,
+                             finished_at=finished_at, node=node, kind=kind)
             session.add(audit)
             session.flush()
             return audit.id
@@ -786,20 +603,8 @@ class Store:
         """protocol SHA-256 -> condition name -> tier (`exact` or `approximate`), from each
         stored protocol's frozen body (its conditions' policies): what `results` and `compare`
         label every row with. A condition whose policy cannot be read has no entry."""
-        from core.registry import tier_of
-
-        wanted = sorted(set(protocol_sha256s))
-        out: dict[str, dict[str, str]] = {}
         with self._session() as session:
-            for start in range(0, len(wanted), 500):
-                rows = session.execute(select(SqlProtocol.sha256, SqlProtocol.canonical_json)
-                                       .where(SqlProtocol.sha256.in_(wanted[start:start + 500])))
-                for sha, body in rows:
-                    conditions = json.loads(body).get("conditions")
-                    out[sha] = {c["name"]: tier_of(c["policy"]) for c in conditions if isinstance(c, dict)
-                                and isinstance(c.get("name"), str) and isinstance(c.get("policy"), str)} \
-                        if isinstance(conditions, list) else {}
-        return out
+            return queries.condition_tiers(session, protocol_sha256s)
 
     def condition_names(self) -> list[str]:
         """Every condition name of a stored episode, sorted (what `results --condition` can match)."""
@@ -847,7 +652,7 @@ class Store:
 
     # -- evidence (issue 10): signers, what an attempt measured, ingested attempts ----------
 
-    @_retried
+    @retried
     def put_signer(self, *, key_id: str, public_key: str, name: str, local: bool = False) -> SignerRow:
         """Register an Ed25519 public key (64 hex); idempotent on the key. Returns the stored row
         (an already registered key keeps its first name and locality)."""
@@ -861,7 +666,7 @@ class Store:
         with self._session() as session:
             return [row.to_record() for row in session.scalars(select(SqlSigner).order_by(SqlSigner.id))]
 
-    @_retried
+    @retried
     def set_attempt_evidence(self, attempt_id: int, *, model_sha256: str | None = None,
                              signer_key_id: str | None = None) -> None:
         """Record the checkpoint digest an attempt measured and/or the key that signed its archive."""
@@ -872,7 +677,7 @@ class Store:
             if signer_key_id is not None:
                 attempt.signer_key_id = signer_key_id
 
-    @_retried
+    @retried
     def ingest_attempt(self, *, protocol_sha256: str, protocol_name: str, protocol_json: str,
                        machine: Mapping[str, str | None], attempt: Mapping[str, Any],
                        episodes: list[Mapping[str, Any]], verdicts: list[Mapping[str, Any]]) -> AttemptRow:
