@@ -4,8 +4,8 @@ is a total that the per-call ledger recomputes, and whether the auditor compares
 
 The worker builds the record (`engine/worker.Worker.run`: the fields below plus `logits`),
 the gates read it (`core/gates.py`), the archive keeps it whole (`episodes/NNNNN.json`), the
-database keeps the `STORED_FIELDS` (`db/models.Episode`, whose columns a test holds equal
-to them; `db/records.EpisodeRow` is generated from them), the auditor compares the
+database keeps the `STORED_FIELDS` (`db/models.SqlEpisode`'s columns and
+`db/records.EpisodeRow` are generated from them), the auditor compares the
 `AUDITED` ones between archive and database, and `core.metrics.episode_totals` recomputes
 the `ledger` ones from the call ledger (a test holds the two lists equal).
 
