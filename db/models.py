@@ -9,6 +9,9 @@ Conventions
   both backends store identically and `db/records.py` decodes.
 - Timestamps are `UtcDateTime`: timezone-aware UTC in and out on both backends.
 - Rows never leave `db/`: each model has `to_record()` returning a frozen dataclass.
+- Names: an ORM class is `Sql<Thing>` (`SqlProtocol`, `SqlEpisode`, ...), the plain row it
+  becomes `db.records.<Thing>Row`; `Protocol`, `Episode`, `Dispatcher` and `Signer` are the
+  names of core's and cluster's own classes.
 """
 
 from __future__ import annotations

@@ -85,7 +85,7 @@ class Store:
         # The episode writer's own connection, held between records: checking a connection
         # out of the pool and resetting it on return cost more than the insert and its commit
         # (0.41 against 0.21 ms a record on SQLite). Dropped on any error, reopened on demand.
-        # SQLite holds the bare driver connection (see `_put_episode_sqlite`), PostgreSQL a
+        # SQLite holds the bare driver connection (see `db.ingest.insert_episode_sqlite`), PostgreSQL a
         # SQLAlchemy one; only one of the two is ever set.
         self._writer: Connection | None = None
         self._sqlite_writer: PoolProxiedConnection | None = None
