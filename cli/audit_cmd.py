@@ -15,7 +15,6 @@ import json
 from pathlib import Path
 from typing import Annotated, Optional
 
-import click
 import typer
 from typer.core import TyperGroup
 
@@ -63,11 +62,11 @@ def route_legacy(args: list[str], takes_value: frozenset[str]) -> list[str]:
 class AuditGroup(TyperGroup):
     """`audit`'s subcommands, with the one-command forms routed to them (`route_legacy`)."""
 
-    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+    def parse_args(self, ctx: typer.Context, args: list[str]) -> list[str]:
         if not args or (args[0] not in self.commands and args[0] not in ("--help", "-h")):
             takes_value = frozenset({"--reexecute"} | {name for command in self.commands.values()
                                                        for p in command.params
-                                                       if isinstance(p, click.Option) and not p.is_flag
+                                                       if p.param_type_name == "option" and not p.is_flag
                                                        for name in p.opts})
             args = route_legacy(list(args), takes_value)
         return super().parse_args(ctx, args)

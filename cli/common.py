@@ -5,7 +5,6 @@ import dataclasses
 from pathlib import Path
 from typing import Annotated, Optional
 
-import click
 import typer
 
 from core.errors import PackbenchError
@@ -16,7 +15,7 @@ def _db_given_first(ctx: typer.Context, param: typer.CallbackParam, value: str |
     """A command's --db, unless it came from the environment while `packbench --db URL` was given:
     the command line beats the environment wherever on the line --db stands."""
     top = ctx.obj.db_url if isinstance(ctx.obj, Settings) else None
-    if top is not None and ctx.get_parameter_source(param.name) is not click.core.ParameterSource.COMMANDLINE:
+    if top is not None and getattr(ctx.get_parameter_source(param.name), "name", None) != "COMMANDLINE":
         return top
     return value
 

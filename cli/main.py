@@ -9,7 +9,6 @@ import traceback
 from pathlib import Path
 from typing import Annotated, Optional
 
-import click
 import typer
 from typer.core import TyperGroup
 
@@ -27,7 +26,7 @@ class PackbenchGroup(TyperGroup):
     """The top-level group: with --debug, an error's traceback is printed (here, where the
     settings are known) before `main` prints its one line."""
 
-    def invoke(self, ctx: click.Context):
+    def invoke(self, ctx: typer.Context):
         try:
             return super().invoke(ctx)
         except PackbenchError:
