@@ -66,6 +66,7 @@ def model_synth(
     hot_bias: Annotated[Optional[float], typer.Option(
         help="Uniform recipe: their fc1 bias in units of std*sqrt(hidden), finite (0.0: ~50% active).")] = None,
     force: Annotated[bool, typer.Option(help="Replace a checkpoint already in --out.")] = False,
+    json_out: Json = False,
 ) -> None:
     """Write a synthetic OPT checkpoint with real OPT shapes: a calibrated profile, or a uniform sparsity."""
     if profile is None and sparsity is None:
@@ -79,7 +80,7 @@ def model_synth(
     from cli.progress import steps
     from engine.synth import synth_checkpoint
 
-    progress = steps(f"synthesising {shape} {dtype}", "layers", after="writing model.safetensors")
+    progress = steps(f"synthesising {shape} {dtype}", "layers", after="writing model.safetensors", quiet=json_out)
     try:
         path = synth_checkpoint(out, **spec, force=force, progress=progress)
     except OSError as e:  # a full disk while writing model.safetensors, say
@@ -87,6 +88,10 @@ def model_synth(
                              f"free space or choose another --out") from None
     finally:
         progress.close()
+    if json_out:
+        echo_json({"path": str(path), "shape": shape, "dtype": dtype, "profile": profile, "sparsity": sparsity,
+                   "seed": seed})
+        return
     recipe = f"profile {profile}" if profile else f"sparsity {sparsity}"
     typer.echo(f"wrote {shape} {dtype} checkpoint ({recipe}, seed {seed}) to {path}")
 
@@ -94,13 +99,15 @@ def model_synth(
 @model_app.command("digest")
 def model_digest(
     model_dir: Annotated[Path, typer.Argument(help="A local checkpoint directory.")],
+    json_out: Json = False,
 ) -> None:
     """Print a checkpoint's content digest, to pin it in a protocol as model: {path, sha256}."""
     from core.provenance import checkpoint_digest
 
     if not model_dir.is_dir():
         raise PackbenchError(f"no checkpoint directory at {model_dir}; give the folder holding config.json")
-    typer.echo(checkpoint_digest(model_dir))
+    digest = checkpoint_digest(model_dir)
+    typer.echo(json.dumps({"path": str(model_dir), "sha256": digest}) if json_out else digest)
 
 
 @db_app.command("upgrade")
@@ -142,17 +149,24 @@ def db_reconcile(db: DbUrl = None, json_out: Json = False) -> None:
 
 
 @db_app.command("current")
-def db_current(db: DbUrl = None) -> None:
+def db_current(db: DbUrl = None, json_out: Json = False) -> None:
     """Print the database's schema revision."""
     store = open_store(db, at_head=False)
     current, head = store.current(), store.head()
+    if json_out:
+        echo_json({"revision": current, "head": head, "at_head": current == head})
+        return
     typer.echo(f"{current or 'empty'}{' (head)' if current == head else f' (head is {head}: run `packbench db upgrade`)'}")
 
 
 @db_app.command("history")
-def db_history(db: DbUrl = None) -> None:
+def db_history(db: DbUrl = None, json_out: Json = False) -> None:
     """List the schema revisions, newest first."""
-    for line in open_store(db, at_head=False).history():
+    lines = open_store(db, at_head=False).history()
+    if json_out:
+        echo_json({"revisions": list(lines)})
+        return
+    for line in lines:
         typer.echo(line)
 
 
@@ -258,6 +272,9 @@ def submit(
         ensure_ray(settings)  # an unreachable cluster fails here, before a screen is queued
     ids = queue_screens(store, protocol, priority=priority, max_attempts=max_attempts, gpu_type=gpu_type,
                         replicas=replicas, spread=spread)
+    if not wait and json_out:
+        echo_json({"queued": ids})
+        return
     if not wait:
         typer.echo(f"queued screen{'s' if len(ids) > 1 else ''} {', '.join(map(str, ids))}; "
                    f"run {'them' if len(ids) > 1 else 'it'} with `packbench dispatch`")

@@ -78,10 +78,16 @@ def show(
     protocol: ProtocolFile,
     full: Annotated[bool, typer.Option("--full", help="The full schema-2 form (every default spelled out) instead "
                                                       "of the frozen body.")] = False,
+    json_out: Annotated[bool, typer.Option("--json", help="One JSON object: name, SHA-256, schema, body.")] = False,
 ) -> None:
     """Print the frozen body (what is hashed and archived) and its SHA-256, after `#` lines
     saying what each condition runs with."""
     frozen = _load(protocol)
+    if json_out:
+        typer.echo(json.dumps({"name": frozen.name, "sha256": frozen.sha256, "schema": frozen.body["schema"],
+                               "body": frozen.protocol.full_dict() if full else frozen.body}, sort_keys=True,
+                              default=str))
+        return
     typer.echo(f"# {one_line(frozen.name)}: sha256 {frozen.sha256} ({_schema(frozen)})")
     for c in frozen.protocol.conditions:
         typer.echo(f"#   {c.name}: {_policy(c)}")
