@@ -18,7 +18,7 @@ from typing import Annotated, Optional
 import typer
 from typer.core import TyperGroup
 
-from cli.common import DbUrl, Json, settings_of
+from cli.common import DbUrl, settings_of
 from cli.summary import verdict_table
 from core.errors import PackbenchError
 from core.text import one_line
