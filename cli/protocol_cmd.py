@@ -174,12 +174,28 @@ def plan_cmd(
              "GPU transfer": _seconds(r["total_transfer_s"])}
             for r in est["conditions"]]
     typer.echo(table(rows, list(rows[0])))
+    for line in _competitor_modes(p):
+        typer.echo(line)
     allowance = est["allowance_bytes"]
     typer.echo(f"screen: {_bytes(est['total_bytes'])} host-to-device, >= {_seconds(est['total_transfer_s'])} of "
                f"transfer on a GPU at {h2d_gbps:g} GB/s")
     typer.echo(f"parameters {_bytes(est['param_bytes'])} ({'exceed' if est['param_bytes'] > allowance else 'fit'} "
                f"the {p.allowance_mib} MiB allowance); outgoing weights {_bytes(est['outgoing_bytes'])} stay on the "
                f"host")
+
+
+def _competitor_modes(p) -> list[str]:
+    """One line per competitor: the mode it runs in, and why its library cannot be captured."""
+    from core.registry import COMPETITOR_PARAMS, competitor_library, mode_refusal
+
+    out = []
+    for c in p.conditions:
+        if c.policy in COMPETITOR_PARAMS:
+            params = c.resolved_params
+            why = mode_refusal(c.policy, params, "graph")
+            out.append(f"{c.name} ({competitor_library(c.policy, params)}): mode {params['mode']}"
+                       + (f"; {why}" if why else ""))
+    return out
 
 
 def gpu_here() -> bool:
