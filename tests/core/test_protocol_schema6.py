@@ -94,3 +94,14 @@ def test_validate_refuses_a_mode_the_library_cannot_run_in_one_line_exit_2(tmp_p
     assert r.returncode == 2 and len(lines) == 1, r.stderr
     assert "`conditions[1].params.mode`: graph is not possible for nf4 (cannot be captured" in lines[0]
     assert "use mode eager" in lines[0]
+
+
+def test_the_plan_estimates_accelerates_bytes_as_the_parameters_beyond_the_allowance():
+    from core.estimate import Activity, ModelShape, call_h2d_bytes
+    from core.registry import SHAPES
+
+    shape = ModelShape(**{k: SHAPES["opt-2.7b"][k] for k in ("hidden", "ffn", "layers", "vocab")})
+    kw = dict(shape=shape, row_bytes=shape.hidden * 2, activity=Activity(sparsity=0.95), tokens=1, phase="decode")
+    params = shape.param_count() * 2
+    assert call_h2d_bytes("accelerate", {}, allowance_bytes=4800 << 20, **kw) == params - (4800 << 20)
+    assert call_h2d_bytes("accelerate", {}, allowance_bytes=params, **kw) == 0
