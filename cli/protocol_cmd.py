@@ -224,7 +224,7 @@ def _print_estimate(p, est: dict, timing: dict, *, shape, h2d_gbps: float) -> No
         rows.append(row)
     typer.echo(table(rows, list(rows[0])))
     typer.echo(f"screen: {_bytes(est['total_bytes'])} host-to-device")
-    for line in _time_lines(timing, h2d_gbps=h2d_gbps):
+    for line in _time_lines(timing, h2d_gbps=h2d_gbps) + _competitor_modes(p):
         typer.echo(line)
     allowance = est["allowance_bytes"]
     typer.echo(f"parameters {_bytes(est['param_bytes'])} ({'exceed' if est['param_bytes'] > allowance else 'fit'} "
@@ -248,6 +248,21 @@ def _time_lines(timing: dict, *, h2d_gbps: float) -> list[str]:
                 f"GB/s); no earlier episodes of {timing['model']} on {where} to estimate from{unread}"]
     return [f"time: no rate is known for a CPU screen: no earlier episodes of {timing['model']} on {where}{unread}; "
             f"a GPU transfer floor does not bound it (a screen's time here is the CPU's compute)"]
+
+
+def _competitor_modes(p) -> list[str]:
+    """One line per competitor: the mode it runs in, and why its library cannot be captured."""
+    from core.registry import COMPETITOR_PARAMS, competitor_library, mode_refusal
+
+    out = []
+    for c in p.conditions:
+        if c.policy in COMPETITOR_PARAMS:
+            params = c.resolved_params
+            why = mode_refusal(c.policy, params, "graph")
+            out.append(f"{c.name} ({competitor_library(c.policy, params)}): mode {params['mode']}"
+                       + (f"; {why}" if why else ""))
+    return out
+
 
 
 def _seconds(s: float) -> str:

@@ -105,6 +105,7 @@ EPISODE_FIELDS: tuple[Field, ...] = (
     _kept("forced_from", int),  # the reference episode an approximate one was teacher-forced on
     _kept("forced_s", float),  # the teacher-forced pass's seconds (not part of wall_s)
     _kept("quantization", dict),  # engine/quantized.py QuantizationStats: what building the model cost
+    _kept("offload", dict),  # engine/accelerate.py OffloadStats: what accelerate placed where, and its cost
     _kept("first_logit_since_entry_s", float),
     _kept("logits_d2h_bytes", int, ledger=True),  # recording readbacks
     _kept("rows_copied", int, ledger=True),

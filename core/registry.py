@@ -77,12 +77,50 @@ QUANT_METHODS: dict[str, str] = {
 }
 LOWBIT_EXTRA = "lowbit"
 
-# Competitors: conditions that are not packbench's own loaders (engine/quantized.py), named in a
-# protocol's `policy` field like a loader policy. Only schema 5 can say them (core/protocol/schema.py).
+# How a competitor runs its calls (schema 6, `params.mode`): eager; "graph", one CUDA graph per
+# decode step over a static KV cache; "compile", torch.compile(mode="reduce-overhead") of the
+# decode step over the same cache (engine/quantized.py). Omitted in a schema-5 body: eager.
+COMPETITOR_MODES = ("eager", "graph", "compile")
+
+# Competitors: conditions that are not packbench's own loaders (engine/quantized.py,
+# engine/accelerate.py), named in a protocol's `policy` field like a loader policy. `quantized`
+# needs schema 5, `accelerate` and `mode` schema 6 (core/protocol/schema.py).
 COMPETITOR_PARAMS: dict[str, dict[str, IntParam | ChoiceParam]] = {
     # No default: which low-bit format is the whole claim, so a protocol states it.
-    "quantized": {"method": ChoiceParam(choices=tuple(QUANT_METHODS), default=None)},
+    "quantized": {"method": ChoiceParam(choices=tuple(QUANT_METHODS), default=None),
+                  "mode": ChoiceParam(choices=COMPETITOR_MODES, default="eager")},
+    # Hugging Face accelerate's big-model offload (device_map, max_memory = the allowance).
+    "accelerate": {"mode": ChoiceParam(choices=COMPETITOR_MODES, default="eager")},
 }
+COMPETITOR_LIBRARIES = (*dict.fromkeys(QUANT_METHODS.values()), "accelerate")
+
+# Why a library's calls cannot be captured (a mode other than eager is refused for it). Measured
+# or read on the H200 stack of docs/benchmarks.md; a library missing here captures.
+CAPTURE_REFUSALS: dict[str, str] = {
+    # llm-int8 splits outlier columns by a threshold on the host each call; nf4 was never measured
+    # under capture, so it is not claimed.
+    "bitsandbytes": "bitsandbytes decides on the host inside its matmuls (llm-int8's outlier split) and "
+                    "was not measured under capture",
+    "accelerate": "accelerate's hooks copy each offloaded weight from pageable host memory in Python on "
+                  "every call",
+}
+
+# The fastest mode each competitor was measured in on the H200 (synthetic OPT-2.7B fp16, decode
+# ms/token): torchao int8 weight-only 22.90 eager, 11.56 one CUDA graph per step, 8.37 under
+# torch.compile reduce-overhead; bitsandbytes and accelerate eager. What schema 6 writes for an
+# omitted `mode`.
+FASTEST_MODE: dict[str, str] = {"torchao": "compile", "bitsandbytes": "eager", "accelerate": "eager"}
+
+
+def competitor_library(policy: str, params: Mapping[str, Any]) -> str:
+    """The library a competitor condition runs on (COMPETITOR_LIBRARIES)."""
+    return QUANT_METHODS[params["method"]] if policy == "quantized" else policy
+
+
+def mode_refusal(policy: str, params: Mapping[str, Any], mode: str) -> str | None:
+    """Why a competitor cannot run in `mode` (None: it can): `cannot be captured: ...`."""
+    why = CAPTURE_REFUSALS.get(competitor_library(policy, params))
+    return None if mode == "eager" or why is None else f"cannot be captured: {why}"
 CONDITION_PARAMS: dict[str, dict[str, IntParam | ChoiceParam]] = {**POLICY_PARAMS, **COMPETITOR_PARAMS}
 CONDITION_POLICIES = tuple(CONDITION_PARAMS)  # what a condition's `policy` may name
 
@@ -102,11 +140,11 @@ def lowbit_fix() -> str:
 
 
 def missing_library(method: str) -> str | None:
-    """The library `method` needs when it is not installed here (None when it is), found
-    without importing it (importing torchao imports torch)."""
+    """The library `method` (a QUANT_METHODS name, or `accelerate`) needs when it is not
+    installed here (None when it is), found without importing it (importing torchao imports torch)."""
     import importlib.util
 
-    name = QUANT_METHODS[method]
+    name = QUANT_METHODS.get(method, method)
     return None if importlib.util.find_spec(name) is not None else name
 
 # What a schema-3 protocol (the newest) means by a parameter a condition leaves out, where that
