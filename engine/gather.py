@@ -1,5 +1,5 @@
-"""The device-side gathers of `packet {gather: device}` (`engine.policies.DevicePacket`) and
-`early-forecast {gather: device}` (`engine.policies.DeviceForecast`): the compute device finds a
+"""The device-side gathers of `packet {gather: device}` (`engine.policies.device_gather.DevicePacket`) and
+`early-forecast {gather: device}` (`engine.policies.device_gather.DeviceForecast`): the compute device finds a
 layer's active neurons and pulls their outgoing rows from host memory itself, with no host
 synchronisation.
 

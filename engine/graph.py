@@ -17,7 +17,7 @@ MODES:
   an LRU plan, a forecast) run the same decoder eagerly: the same math, so exactness against
   dense-stream within the mode still holds. On the CPU nothing is captured (the CPU twin).
 
-dense-stream copies on a stream of its own (engine/policies.py), and so does early-forecast's device
+dense-stream copies on a stream of its own (engine/policies/dense.py), and so does early-forecast's device
 gather for its forecasts. Inside a capture each copy is
 forked from the capturing stream and rejoined before its piece ends (`rejoin`): the copy of
 layer l+1, issued at layer l's fc1, overlaps the rest of that piece (fc1, fc2, layer l+1's
