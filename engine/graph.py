@@ -4,8 +4,8 @@ MODES:
 - "eager": stock transformers' OPT forward with a DynamicCache (packbench's first path; every
   protocol written before modes existed means this).
 - "graph": packbench's own decoder (`engine/static_opt.py`) on a static KV cache. Prefill runs
-  eagerly; on CUDA, for a policy whose decode step makes no host decision (`GRAPH_SAFE`: resident, dense-stream,
-  packet, early-forecast and phase-switched with `gather: device`), the step is captured once per episode, in pieces around
+  eagerly; on CUDA, for a policy whose decode step makes no host decision (`GRAPH_SAFE`: resident, dense-stream
+  (int8 too), packet, early-forecast and phase-switched with `gather: device`, packet over its own weights), the step is captured once per episode, in pieces around
   attention (one graph per layer boundary). The first time a decoder meets a policy class, the
   episode's first decode call runs eagerly on the side stream before the capture (the warm-up:
   Triton specialises and compiles, the side stream gets its cuBLAS workspace); later episodes
@@ -47,7 +47,8 @@ MODES = ("eager", "graph")
 GRAPH_SAFE: dict[str, Callable[[object], bool]] = {
     "resident": lambda p: True,
     "dense-stream": lambda p: p.host.pin,  # the copy from pinned memory is a graph memcpy node, on a forked stream
-    "packet": lambda p: p.gather == "device",  # DevicePacket; the host gather reads a mask back
+    # DevicePacket; the host gather reads a mask back, and the int8 device gather's nonzero syncs
+    "packet": lambda p: p.gather == "device" and getattr(p, "weights", "dtype") == "dtype",
     "early-forecast": lambda p: p.gather == "device",  # DeviceForecast: its side stream is joined as dense-stream's
     "phase-switched": lambda p: p.gather == "device",  # DevicePhaseSwitched: decode is DevicePacket's gather
 }

@@ -8,7 +8,7 @@ streaming everything (`base`).
 Modules, by family: `base` (the host weights, the `LoaderPolicy` protocol, the shared pieces,
 `OutgoingLinear`), `dense` (resident, dense-stream), `host_gather` (the policies that read a
 mask back and gather on the host), `device_gather` (the policies whose device gathers its own
-rows). Each policy holds its buffers in one object made in `activate` and dropped in
+rows), `int8` (dense-stream and packet over int8 weight-only outgoing rows). Each policy holds its buffers in one object made in `activate` and dropped in
 `deactivate`. This module holds the registry `POLICIES`, whose constructors take exactly the
 parameters and defaults of `core.registry.POLICY_PARAMS`, and re-exports every name.
 """
@@ -24,15 +24,33 @@ from engine.policies.device_gather import (DeviceForecast, DeviceForecastBuffers
                                            DevicePhaseSwitched, Mapped)
 from engine.policies.host_gather import (EarlyForecast, Extents, Forecast, HostGather, Packet, PhaseSwitched,
                                          Retention, RowRetention, SparseExtents, Staging, forecast_split, lru_plan)
+from engine.policies.int8 import (Int8DenseStream, Int8DevicePacket, Int8Packet, Int8RowPacket, dequantize_into,
+                                  int8_layout, int8_row_bytes, quantize_rows)
 
 
-# `packet`'s gathers: a plain registry whose keys are the registry's `gather` choices.
+# `dense-stream`'s weight formats: a plain registry whose keys are the registry's `weights` choices.
+DENSE_WEIGHTS: dict[str, type[LoaderPolicy]] = {"dtype": DenseStream, "int8": Int8DenseStream}
+
+
+def dense_stream(*, weights: str = param_default("dense-stream", "weights")) -> LoaderPolicy:
+    """The `dense-stream` condition: every outgoing weight, every call, as the checkpoint holds it
+    or quantized to int8 rows."""
+    return DENSE_WEIGHTS[check_param("dense-stream", "weights", weights)]()
+
+
+# `packet`'s gathers: a plain registry whose keys are the registry's `gather` choices; the int8
+# weight format has its own, with the same keys.
 PACKET_GATHERS: dict[str, type[LoaderPolicy]] = {"host": Packet, "device": DevicePacket}
+INT8_PACKET_GATHERS: dict[str, type[LoaderPolicy]] = {"host": Int8Packet, "device": Int8DevicePacket}
+PACKET_WEIGHTS: dict[str, dict[str, type[LoaderPolicy]]] = {"dtype": PACKET_GATHERS, "int8": INT8_PACKET_GATHERS}
 
 
-def packet(*, gather: str = param_default("packet", "gather")) -> LoaderPolicy:
-    """The `packet` condition: exact active rows, gathered on the host or by the device."""
-    return PACKET_GATHERS[check_param("packet", "gather", gather)]()
+def packet(*, gather: str = param_default("packet", "gather"),
+           weights: str = param_default("packet", "weights")) -> LoaderPolicy:
+    """The `packet` condition: exact active rows, gathered on the host or by the device, as the
+    checkpoint holds them or quantized to int8 rows."""
+    by_gather = PACKET_WEIGHTS[check_param("packet", "weights", weights)]
+    return by_gather[check_param("packet", "gather", gather)]()
 
 
 # `phase-switched`'s gathers, as packet's.
@@ -58,7 +76,7 @@ def early_forecast(*, gather: str = param_default("early-forecast", "gather")) -
 # as keyword-only arguments with its defaults (tests/engine/test_policy_registry.py checks).
 POLICIES: dict[str, Callable[..., LoaderPolicy]] = {
     "resident": Resident,
-    "dense-stream": DenseStream,
+    "dense-stream": dense_stream,
     "sparse-extents": SparseExtents,
     "packet": packet,
     "phase-switched": phase_switched,
@@ -74,6 +92,8 @@ __all__ = [
     "DeviceForecast", "DeviceForecastBuffers", "DevicePacket", "DevicePhaseSwitched", "Mapped",
     "EarlyForecast", "Extents", "Forecast", "HostGather", "Packet", "PhaseSwitched", "Retention", "RowRetention",
     "SparseExtents", "Staging", "forecast_split", "lru_plan",
-    "PACKET_GATHERS", "PHASE_SWITCHED_GATHERS", "FORECAST_GATHERS", "POLICIES",
-    "packet", "phase_switched", "early_forecast",
+    "Int8DenseStream", "Int8DevicePacket", "Int8Packet", "Int8RowPacket", "dequantize_into", "int8_layout",
+    "int8_row_bytes", "quantize_rows",
+    "DENSE_WEIGHTS", "PACKET_GATHERS", "INT8_PACKET_GATHERS", "PACKET_WEIGHTS", "PHASE_SWITCHED_GATHERS",
+    "FORECAST_GATHERS", "POLICIES", "dense_stream", "packet", "phase_switched", "early_forecast",
 ]

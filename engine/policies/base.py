@@ -29,7 +29,9 @@ class HostWeights:
     `original[l]` is fc2.weight of layer l, (hidden, ffn) contiguous. `transposed(l)` is its
     (ffn, hidden) contiguous copy, made on first use, where neuron j's outgoing row is a
     contiguous `hidden`-element run: cheap to gather. On CUDA both are pinned so copies can run
-    asynchronously. Every layout made is counted in `host_bytes` (charged to the screen).
+    asynchronously. `int8` holds the int8 layout (engine/policies/int8.py `int8_layout`), made
+    on first use by an int8 condition. Every layout made is counted in `host_bytes` (charged to
+    the screen).
     """
 
     def __init__(self, weights: list[torch.Tensor], *, pin: bool) -> None:
@@ -38,6 +40,7 @@ class HostWeights:
         self.original = [w.contiguous().pin_memory() if pin else w.contiguous() for w in weights]
         self.pin_s = time.perf_counter() - t0
         self._transposed: list[torch.Tensor] | None = None
+        self.int8: list[torch.Tensor] | None = None  # per layer one uint8 slab [scales | rows], int8.py
 
     @property
     def layers(self) -> int:
@@ -65,7 +68,7 @@ class HostWeights:
     @property
     def host_bytes(self) -> int:
         per = sum(w.numel() * w.element_size() for w in self.original)
-        return per * (2 if self._transposed is not None else 1)
+        return per * (2 if self._transposed is not None else 1) + _nbytes(*(self.int8 or ()))
 
     @property
     def pinned_bytes(self) -> int:

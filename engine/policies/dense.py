@@ -95,7 +95,7 @@ class DenseStream:
 
     def activate(self, host: HostWeights, device: torch.device, recorder: Recorder) -> None:
         self.host, self.device, self.recorder = host, device, recorder
-        workspaces = (zeroed_workspace(host, device), zeroed_workspace(host, device))
+        workspaces = self.landing(host, device)
         copy = None
         if device.type == "cuda":
             # Copies only, never a kernel: no cuBLAS workspace is kept for this stream.
@@ -103,6 +103,10 @@ class DenseStream:
             for workspace in workspaces:
                 workspace.record_stream(copy)  # freed only once the copy stream's work is done
         self.buffers = DoubleBuffer(workspaces, copy)
+
+    def landing(self, host: HostWeights, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """The two device buffers the copies land in: workspaces in the original layout."""
+        return zeroed_workspace(host, device), zeroed_workspace(host, device)
 
     def deactivate(self) -> None:
         self.buffers = None
@@ -124,19 +128,23 @@ class DenseStream:
         """
         b = self.buffers
         if b.copy is None:
-            stream_dense(self.host, layer, b.of(layer), self.recorder)
+            self.copy_layer(layer, b.of(layer))
             b.landed[layer] = None
             return
         capturing = torch.cuda.is_current_stream_capturing()
         b.copy.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(b.copy):
-            stream_dense(self.host, layer, b.of(layer), self.recorder)
+            self.copy_layer(layer, b.of(layer))
             done = torch.cuda.Event()
             done.record(b.copy)
         b.landed[layer] = done
         # Only a captured copy is joined at its piece's end: waiting inside a capture on an
         # event of uncaptured work (the eager warm-up call's last copy) is a capture error.
         b.tail = done if capturing else None
+
+    def copy_layer(self, layer: int, workspace: torch.Tensor) -> None:
+        """The copy itself, on the current stream (the int8 variant copies its rows and scales)."""
+        stream_dense(self.host, layer, workspace, self.recorder)
 
     def fetch(self, layer: int, h: torch.Tensor) -> torch.Tensor:
         b = self.buffers

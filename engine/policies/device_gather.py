@@ -75,10 +75,14 @@ class DevicePacket:
         gather_active_rows(h, b.source[layer], b.workspace, b.counts, layer)
         return b.workspace
 
+    def row_bytes(self) -> int:
+        """Bytes one active row moves (the int8 variant: its int8 row and its scale)."""
+        return self.host.row_bytes
+
     def settle(self, call: CallLedger) -> None:
         """The call has ended (its logits are on the host): read every layer's count at once."""
         counts = self.buffers.counts
-        row_bytes = self.host.row_bytes
+        row_bytes = self.row_bytes()
         for layer, k in enumerate(counts.tolist()):
             self.recorder.add(layer, active=k, rows=k, weight_bytes=k * row_bytes, d2h_bytes=counts.element_size())
 
