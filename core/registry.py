@@ -110,6 +110,22 @@ def tier_of(policy: str) -> str:
     return "approximate" if policy in APPROXIMATE_POLICIES else "exact"
 
 
+def exact_reference(conditions: Mapping[str, tuple[str, Mapping[str, Any]]], reference: str,
+                    name: str) -> str | None:
+    """The condition whose logits exact condition `name`'s faithfulness is judged against, given
+    every condition's (policy, params) by name: the protocol's `reference` where their weights
+    agree (weights_of), else the first dense-stream with `name`'s weights (an int8 packet
+    against the int8 dense-stream, which is its own); None where the protocol has none."""
+    policy, params = conditions[name]
+    weights = weights_of(policy, params)
+    if weights == weights_of(*conditions[reference]):
+        return reference
+    for other, (p, ps) in conditions.items():
+        if p == "dense-stream" and weights_of(p, ps) == weights:
+            return other
+    return None
+
+
 def lowbit_fix() -> str:
     return f"pip install 'packbench[{LOWBIT_EXTRA}]'"
 

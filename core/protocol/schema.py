@@ -11,6 +11,8 @@ defaults out, so a protocol always freezes as schema 2 or 1 and no body ever say
 Schema 5 adds what no earlier schema can say: competitor conditions (`quantized`,
 core.registry.COMPETITOR_PARAMS) and the `fidelity` gate; a protocol using either freezes as
 schema 5 (the lowest that says it), any other still as 2 or 1, so every old hash holds.
+Schema 6 adds parameters no earlier schema can say (a registry param's `since`: `weights` of
+dense-stream and packet, core.registry.WEIGHT_FORMATS); a condition giving one freezes as 6.
 Every rule a field obeys is written once, here; docs/protocol.md describes them for users.
 """
 
@@ -41,15 +43,18 @@ from core.registry import (
     SCHEMA3_DEFAULTS,
     SYNTH_SHAPES,
     DEFAULT_PROFILE,
+    exact_reference,
     newer_defaults,
+    tier_of,
+    weights_of,
     ChoiceParam,
     IntParam,
     SynthArgumentError,
     synth_spec,
 )
 
-SCHEMA_VERSION = 5  # the newest schema this packbench reads: what a YAML without `schema:` means
-SCHEMAS = (1, 2, 3, 4, 5)  # every schema it reads; frozen bodies say 1, 2 or 5 (module docstring)
+SCHEMA_VERSION = 6  # the newest schema this packbench reads: what a YAML without `schema:` means
+SCHEMAS = (1, 2, 3, 4, 5, 6)  # every schema it reads; frozen bodies say 1, 2, 5 or 6 (module docstring)
 COMPETITOR_SCHEMA = 5  # the first schema that can say a competitor condition or a fidelity gate
 MIB = 1 << 20
 # Bounds no real screen reaches: a hostile protocol.json must not make a plan or the generated
@@ -175,6 +180,8 @@ def _params(policy: str, value: Any, path: str, *, schema: int) -> dict:
             _fail(_join(path, str(key)), f"unknown param; policy {policy} {takes}")
     out = {}
     for key, param in spec.items():
+        if key in value and getattr(param, "since", 1) > schema:
+            _fail(_join(path, key), f"needs schema {param.since}; write schema: {param.since} or omit `schema:`")
         if isinstance(param, ChoiceParam):
             if key in value:
                 out[key] = _choice(value[key], _join(path, key), param.choices)
@@ -429,6 +436,8 @@ def _full(raw: Any, *, base_dir: Path | None) -> dict:
     }
     if "fidelity" in full["gates"] or any(c["policy"] in COMPETITOR_PARAMS for c in conditions):
         full["schema"] = COMPETITOR_SCHEMA  # nothing lower says it: the frozen body says 5
+    full["schema"] = max([full["schema"], *(getattr(CONDITION_PARAMS[c["policy"]][key], "since", 1)
+                                             for c in conditions for key in c["params"])])
     engine = _engine(p.get("engine"))
     if engine:  # eager (or absent): left out, so every protocol frozen before modes keeps its hash
         full["engine"] = engine
@@ -466,6 +475,8 @@ def _cross_checks(full: dict) -> None:
     if not full["recording"] and "acquisition" in gates:
         _fail("gates.acquisition", "needs recording: true (byte counts come from the per-call ledger)")
     policies = {c["name"]: c["policy"] for c in full["conditions"]}
+    if "faithfulness" in gates:
+        _exact_references(full)
     if "fidelity" in gates:
         if policies[ref] in APPROXIMATE_POLICIES:
             _fail("reference", f"{ref!r} is approximate: fidelity is judged against an exact reference "
@@ -478,6 +489,26 @@ def _cross_checks(full: dict) -> None:
             if c["policy"] in COMPETITOR_PARAMS:
                 _fail(f"conditions[{i}].policy", f"{c['policy']!r} runs in engine mode eager only; drop "
                                                  f"engine.mode {full['engine']['mode']} or the condition")
+
+
+def _exact_references(full: dict) -> None:
+    """Every exact condition must have a condition to be judged bit for bit against: an int8
+    loader needs an int8 dense-stream (core.registry.exact_reference), which must reproduce
+    itself as the reference does."""
+    conditions = {c["name"]: (c["policy"], c["params"]) for c in full["conditions"]}
+    for i, c in enumerate(full["conditions"]):
+        if tier_of(c["policy"]) != "exact":
+            continue
+        ref = exact_reference(conditions, full["reference"], c["name"])
+        if ref is None:
+            weights = weights_of(c["policy"], c["params"])
+            _fail(f"conditions[{i}].params.weights", f"{weights} has no dense-stream with weights {weights} to be "
+                                                     f"judged against (faithfulness); add one, e.g. "
+                                                     f"{{policy: dense-stream, params: {{weights: {weights}}}}}")
+        if ref == c["name"] != full["reference"] and full["warmups"][ref] == 0 and full["repetitions"] == 1:
+            _fail(f"warmups.{ref}", f"0 leaves {ref!r}, the reference of weights "
+                                    f"{weights_of(c['policy'], c['params'])}, nothing to reproduce itself against; "
+                                    f"declare >= 1 warmup or repetitions >= 2")
 
 
 def validate(raw: Any, *, base_dir: Path | None = None) -> dict:

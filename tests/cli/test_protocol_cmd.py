@@ -66,7 +66,7 @@ def test_a_new_protocol_shows_the_device_gather_it_runs(tmp_path):
     assert frozen.body["conditions"][1]["params"] == {"gather": "device"}
     r = invoke("protocol", "validate", str(path))
     assert r.exit_code == 0, r.output
-    assert "(read as schema 5, frozen as schema 2)" in r.output and "  packet: packet, gather device\n" in r.output
+    assert "(read as schema 6, frozen as schema 2)" in r.output and "  packet: packet, gather device\n" in r.output
     r = invoke("protocol", "show", str(path))
     assert "#   packet: packet, gather device\n" in r.output
     assert json.loads(r.output.split("\n", 5)[5])["conditions"][1]["params"] == {"gather": "device"}
