@@ -42,6 +42,10 @@ class ChoiceParam:
 
     choices: tuple[str, ...]
     default: str | None
+    # The first schema that may say this parameter: a protocol of a lower schema is refused when it
+    # gives it, and a condition giving it freezes in that schema (core/protocol/schema.py). Omitted,
+    # it is left out of every frozen body and means `default`, so no older hash moves.
+    since: int = 1
 
     def check(self, name: str, value: Any) -> str:
         if value not in self.choices:
@@ -49,15 +53,24 @@ class ChoiceParam:
         return value
 
 
+# How the outgoing weights travel (engine/policies/int8.py): `dtype`, the protocol's precision
+# as the checkpoint holds it; `int8`, weight-only int8 rows with one float32 absmax scale per
+# outgoing row, dequantized on the device after the copy (about half of fp16's bytes per row).
+# An int8 loader is exact against the int8 dense-stream (faithfulness) and approximate against a
+# reference of the protocol's precision. Sayable from schema 6.
+WEIGHT_FORMATS = ("dtype", "int8")
+WEIGHTS_SCHEMA = 6
+WEIGHTS_PARAM = ChoiceParam(choices=WEIGHT_FORMATS, default="dtype", since=WEIGHTS_SCHEMA)
+
 # Loader policies and their parameters: engine.policies.POLICIES has one constructor per name,
 # whose keyword-only parameters are exactly these, with these defaults.
 POLICY_PARAMS: dict[str, dict[str, IntParam | ChoiceParam]] = {
     "resident": {},
-    "dense-stream": {},
+    "dense-stream": {"weights": WEIGHTS_PARAM},
     "sparse-extents": {"block_rows": IntParam(minimum=1, default=128)},
     # `packet` without params froze as gather host (schemas 1 and 2): this default may never
     # move. Schema 3 writes gather device for it instead (SCHEMA3_DEFAULTS).
-    "packet": {"gather": ChoiceParam(choices=("host", "device"), default="host")},
+    "packet": {"gather": ChoiceParam(choices=("host", "device"), default="host"), "weights": WEIGHTS_PARAM},
     # Added after schemas 1-3 froze phase-switched without params: host there; schema 4 writes
     # device for it (SCHEMA4_DEFAULTS).
     "phase-switched": {"gather": ChoiceParam(choices=("host", "device"), default="host")},
@@ -135,6 +148,22 @@ def tier_of(policy: str) -> str:
     return "approximate" if policy in APPROXIMATE_POLICIES else "exact"
 
 
+def exact_reference(conditions: Mapping[str, tuple[str, Mapping[str, Any]]], reference: str,
+                    name: str) -> str | None:
+    """The condition whose logits exact condition `name`'s faithfulness is judged against, given
+    every condition's (policy, params) by name: the protocol's `reference` where their weights
+    agree (weights_of), else the first dense-stream with `name`'s weights (an int8 packet
+    against the int8 dense-stream, which is its own); None where the protocol has none."""
+    policy, params = conditions[name]
+    weights = weights_of(policy, params)
+    if weights == weights_of(*conditions[reference]):
+        return reference
+    for other, (p, ps) in conditions.items():
+        if p == "dense-stream" and weights_of(p, ps) == weights:
+            return other
+    return None
+
+
 def lowbit_fix() -> str:
     return f"pip install 'packbench[{LOWBIT_EXTRA}]'"
 
@@ -187,8 +216,17 @@ def param_default(policy: str, name: str) -> Any:
 
 def resolved_params(policy: str, params: Mapping[str, Any]) -> dict[str, Any]:
     """`params` of a frozen condition with every default spelled out: what the engine's
-    constructor runs with (a `packet` whose frozen params omit gather gathers on the host)."""
-    return {name: params.get(name, param.default) for name, param in CONDITION_PARAMS[policy].items()}
+    constructor runs with (a `packet` whose frozen params omit gather gathers on the host).
+    A parameter of a later schema (`since` > 1) appears only where the condition gives it, so
+    what plans and reports print for a protocol written before it stays as it was."""
+    return {name: params.get(name, param.default) for name, param in CONDITION_PARAMS[policy].items()
+            if name in params or getattr(param, "since", 1) == 1}
+
+
+def weights_of(policy: str, params: Mapping[str, Any]) -> str:
+    """How condition (`policy`, `params`)'s outgoing weights travel: `dtype` or `int8`
+    (WEIGHT_FORMATS); `dtype` for a policy without the parameter."""
+    return params.get("weights", "dtype") if "weights" in CONDITION_PARAMS.get(policy, {}) else "dtype"
 
 
 DTYPE_NAMES = ("float32", "float16", "bfloat16")

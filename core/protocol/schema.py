@@ -14,7 +14,9 @@ schema 5 (the lowest that says it), any other still as 2 or 1, so every old hash
 Schema 6 adds the `accelerate` competitor and every competitor's `mode` (eager, graph, compile):
 it writes a competitor's omitted mode out (core.registry.FASTEST_MODE), so a protocol with a
 competitor freezes as schema 6; one without any still freezes as 5, 2 or 1. A schema-5 body's
-competitors have no mode and run eager.
+competitors have no mode and run eager. Schema 6 also adds parameters no earlier schema can say
+(a registry param's `since`: `weights` of dense-stream and packet, core.registry.WEIGHT_FORMATS);
+a condition giving one freezes as 6.
 Every rule a field obeys is written once, here; docs/protocol.md describes them for users.
 """
 
@@ -47,8 +49,11 @@ from core.registry import (
     DEFAULT_PROFILE,
     FASTEST_MODE,
     competitor_library,
+    exact_reference,
     mode_refusal,
     newer_defaults,
+    tier_of,
+    weights_of,
     ChoiceParam,
     IntParam,
     SynthArgumentError,
@@ -184,6 +189,8 @@ def _params(policy: str, value: Any, path: str, *, schema: int) -> dict:
             _fail(_join(path, str(key)), f"unknown param; policy {policy} {takes}")
     out = {}
     for key, param in spec.items():
+        if key in value and getattr(param, "since", 1) > schema:
+            _fail(_join(path, key), f"needs schema {param.since}; write schema: {param.since} or omit `schema:`")
         if isinstance(param, ChoiceParam):
             if key in value:
                 out[key] = _choice(value[key], _join(path, key), param.choices)
@@ -457,6 +464,8 @@ def _full(raw: Any, *, base_dir: Path | None) -> dict:
         full["schema"] = COMPETITOR_SCHEMA  # nothing lower says it: the frozen body says 5
     if any(c["policy"] in SCHEMA6_POLICIES or "mode" in c["params"] for c in conditions):
         full["schema"] = MODE_SCHEMA  # an accelerate condition or a competitor's mode: the body says 6
+    full["schema"] = max([full["schema"], *(getattr(CONDITION_PARAMS[c["policy"]][key], "since", 1)
+                                             for c in conditions for key in c["params"])])
     engine = _engine(p.get("engine"))
     if engine:  # eager (or absent): left out, so every protocol frozen before modes keeps its hash
         full["engine"] = engine
@@ -494,6 +503,8 @@ def _cross_checks(full: dict) -> None:
     if not full["recording"] and "acquisition" in gates:
         _fail("gates.acquisition", "needs recording: true (byte counts come from the per-call ledger)")
     policies = {c["name"]: c["policy"] for c in full["conditions"]}
+    if "faithfulness" in gates:
+        _exact_references(full)
     if "fidelity" in gates:
         if policies[ref] in APPROXIMATE_POLICIES:
             _fail("reference", f"{ref!r} is approximate: fidelity is judged against an exact reference "
@@ -506,6 +517,26 @@ def _cross_checks(full: dict) -> None:
             if c["policy"] in COMPETITOR_PARAMS:
                 _fail(f"conditions[{i}].policy", f"{c['policy']!r} runs in engine mode eager only; drop "
                                                  f"engine.mode {full['engine']['mode']} or the condition")
+
+
+def _exact_references(full: dict) -> None:
+    """Every exact condition must have a condition to be judged bit for bit against: an int8
+    loader needs an int8 dense-stream (core.registry.exact_reference), which must reproduce
+    itself as the reference does."""
+    conditions = {c["name"]: (c["policy"], c["params"]) for c in full["conditions"]}
+    for i, c in enumerate(full["conditions"]):
+        if tier_of(c["policy"]) != "exact":
+            continue
+        ref = exact_reference(conditions, full["reference"], c["name"])
+        if ref is None:
+            weights = weights_of(c["policy"], c["params"])
+            _fail(f"conditions[{i}].params.weights", f"{weights} has no dense-stream with weights {weights} to be "
+                                                     f"judged against (faithfulness); add one, e.g. "
+                                                     f"{{policy: dense-stream, params: {{weights: {weights}}}}}")
+        if ref == c["name"] != full["reference"] and full["warmups"][ref] == 0 and full["repetitions"] == 1:
+            _fail(f"warmups.{ref}", f"0 leaves {ref!r}, the reference of weights "
+                                    f"{weights_of(c['policy'], c['params'])}, nothing to reproduce itself against; "
+                                    f"declare >= 1 warmup or repetitions >= 2")
 
 
 def validate(raw: Any, *, base_dir: Path | None = None) -> dict:
