@@ -5,7 +5,9 @@
 # worker holds one condition's device state at a time (the CPU-first model parked on the host
 # while a competitor runs), so each competitor has the allowance to itself. METHODS lists
 # `method[:mode]` (schema 6: an omitted mode is the library's fastest, compile for torchao).
-# Then int4 alone (its kernel may be missing). Carry .whl built with EXTRA="torchao bitsandbytes accelerate psutil":
+# The int8 packets (dense-stream and packet over int8 outgoing rows) run beside them unless
+# SKIP_INT8_PACKETS; packbench's own loaders run in ENGINE_MODE (default graph). Then int4 alone
+# (its kernel may be missing; SKIP_INT4=1 leaves it out). Then the CUDA tests of the competitors. Carry .whl built with EXTRA="torchao bitsandbytes accelerate psutil":
 #   bash bench/competitors_device.sh    (CPU dry run: SKIP_WHEELS=1 SHAPE27=tiny PREFIX=32 METHODS=int8-weight-only ...)
 set -uo pipefail
 root=$PWD; out=${OUT:-$root/competitors-out}; mkdir -p "$out"
@@ -17,6 +19,9 @@ screen() {  # name methods...
     echo "prompts: {generator: {seed: 0, count: 3}}"; echo "prefix_tokens: ${PREFIX:-512}"; echo "continuation_tokens: 16"
     echo "conditions:"; echo "  - {name: dense-stream, policy: dense-stream}"
     echo "  - {name: packet, policy: packet, params: {gather: device}}"
+    if [ -z "${SKIP_INT8_PACKETS:-}" ]; then  # quantized packets: exact against the int8 dense-stream
+      echo "  - {name: dense-stream-int8, policy: dense-stream, params: {weights: int8}}"
+      echo "  - {name: packet-int8, policy: packet, params: {gather: device, weights: int8}}"; fi
     [ -n "${SKIP_ACCELERATE:-}" ] || echo "  - {name: accelerate, policy: accelerate}"
     for m in "$@"; do
       method=${m%%:*}; mode=${m#*:}
@@ -24,6 +29,7 @@ screen() {  # name methods...
       else echo "  - {name: $method-$mode, policy: quantized, params: {method: $method, mode: $mode}}"; fi
     done
     echo "reference: dense-stream"; echo "warmups: 1"; echo "allowance_mib: ${ALLOWANCE:-4800}"
+    echo "engine: {mode: ${ENGINE_MODE:-graph}}"  # packbench's own loaders in their fastest mode too
     echo "gates:"; echo "  faithfulness: {tolerance: 0.0}"; echo "  resources: {}"
     echo "  fidelity: {max_mean_kl: 0.002, min_top1: 0.98}"; } > "$work/$name.yaml"
   t0=$(date +%s)
@@ -52,3 +58,8 @@ for screen in s.list_screens():
               f"decode {statistics.median((x.decode_call_s or 0) / 15 for x in eps) * 1e3:.2f} ms/token, "
               f"peak sampled {max((x.peak_sampled_bytes or 0) for x in eps) / 2**20:.0f} MiB")
 PY
+if [ -z "${SKIP_TESTS:-}" ]; then
+  timeout "${TEST_TIMEOUT:-150}" python3 -m pytest -q -m gpu -p no:cacheprovider tests/engine/test_accelerate_cuda.py \
+    tests/engine/test_quantized_cuda.py tests/engine/test_int8_packets_cuda.py > "$out/pytest.log" 2>&1
+  echo "competitor CUDA tests rc $?: $(tail -1 "$out/pytest.log")"
+fi

@@ -23,7 +23,8 @@ def int8(**changes) -> dict:
                              **changes})
 
 
-@pytest.mark.parametrize("name", ["quickstart", "int8-fidelity", "seed-v040", "seed-v042"])
+# (int8-fidelity pins schema 5: read as 6, its competitor's mode would be written out.)
+@pytest.mark.parametrize("name", ["quickstart", "seed-v040", "seed-v042"])
 def test_every_protocol_without_weights_freezes_as_schema_5_froze_it(name):
     """Read as schema 5 or as 6 (the newest, what a YAML without `schema:` means): one body."""
     source = ROOT / "protocols" / f"{name}.yaml"
