@@ -740,7 +740,7 @@ def test_every_append_leaves_a_valid_zip_of_every_member_so_far(tmp_path: Path):
 def test_a_crash_inside_an_append_leaves_a_readable_zip(tmp_path: Path, monkeypatch, case: str):
     """Die after the first of an append's two writes: the file is still a zip of the earlier
     members (plus, when the directory moved first, the new entry, which verify() names)."""
-    import core.archive as archive
+    import core.archive.writer as archive
 
     path = tmp_path / "a.zip"
     w = ArchiveWriter(path)
@@ -775,7 +775,7 @@ def test_a_crash_inside_an_append_leaves_a_readable_zip(tmp_path: Path, monkeypa
 def test_zip64_records_match_zipfile():
     """Past 2 GiB offsets/sizes and 65,535 entries the records are zipfile's (checked without
     writing gigabytes: both sides format the same entries)."""
-    import core.archive as archive
+    import core.archive.zipformat as archive
 
     class Sink:
         def __init__(self, at):
