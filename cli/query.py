@@ -16,7 +16,7 @@ import typer
 
 from cli.common import DbUrl, Json, open_store
 from cli.summary import print_json, screen_summary, table, verdict_record, verdict_table
-from core.archive import WORKER_NAME, ArchiveReader
+from core.archive import WORKER_NAME, ArchiveReader, worker_parts
 from core.errors import PackbenchError
 from core.protocol import DTYPE_NAMES, GATE_NAMES, PHASES
 from core.record import SORT_NAMES
@@ -258,7 +258,8 @@ def attempt_time(attempt) -> dict[str, Any]:
                            round((attempt.finished_at - attempt.started_at).total_seconds(), 3)}
     try:
         with ArchiveReader(attempt.archive_path) as archive:
-            start = (archive.read_json(WORKER_NAME) if WORKER_NAME in archive.names else {}).get("start") or {}
+            worker = archive.read_json(WORKER_NAME) if WORKER_NAME in archive.names else None
+            start = worker_parts(worker).get("start") or {}
             records = [archive.read_json(e.record) for e in archive.episodes()]
     except (OSError, PackbenchError) as e:
         return {**row, "load": None, "episodes_wall": None, "around_episodes": None,

@@ -29,15 +29,19 @@ from typing import Any
 import numpy as np
 
 from core.archive import (
+    FIXED_MEMBERS,
     MANIFEST_NAME,
+    MAX_ARCHIVE_BYTES,
     PLAN_NAME,
     PROTOCOL_NAME,
     VERDICTS_NAME,
     WORKER_NAME,
-    MAX_ARCHIVE_BYTES,
     ArchiveReader,
     episode_members,
     file_sha256,
+    plan_entries,
+    plan_prompts,
+    worker_parts,
 )
 from core.canonical import canonical_json, canonical_sha256, sha256_hex
 from core.errors import ArchiveError, ProtocolError
@@ -56,6 +60,7 @@ from core.plan import plan as make_plan
 from core.plan import prompts as make_prompts
 from core.protocol import Protocol, expand
 from core.protocol.schema import MAX_CONTINUATION
+from core.record import AUDITED
 from core.registry import SHAPES
 
 LOGITS_DTYPE, TRACE_DTYPE = "<f4", "<f8"  # docs/archive.md: little-endian float32 logits, float64 traces
@@ -66,8 +71,6 @@ VERDICT_KEYS = ("gate", "condition", "phase", "passed", "value", "threshold", "i
 PLAN_KEYS = ("index", "condition", "role", "prompt")
 # Database episode column -> where the archive record holds the same value: the stored,
 # audited fields of the episode record's one home (core/record.py).
-from core.record import AUDITED  # noqa: E402  (here, not above: this block is all that changed)
-
 EPISODE_FIELDS: dict[str, tuple[str, ...]] = dict(AUDITED)
 
 
@@ -254,6 +257,9 @@ class _Audit:
         self.unreadable = False
         self.problems: list[str] = []
         self.incomplete_notes = 0  # problems that say only "incomplete" (AuditReport.partial)
+        self.complete = False  # the archive is sealed (set by run)
+        self.names: set[str] = set()  # every member name the zip holds (set by run)
+        self.readable: set[str] = set()  # ... less those a verify() problem names: the trusted ones
         self.record: dict[str, Any] = {
             "audit_version": AUDIT_VERSION, "archive_sha256": sha, "protocol_sha256": None, "complete": False,
             "planned": 0, "episodes": 0, "verdicts": [], "problems": self.problems, "result": "disagree"}
@@ -275,112 +281,136 @@ class _Audit:
             return None
 
     def run(self, reader: ArchiveReader, *, db_verdicts: list[dict] | None, db_episodes: list[dict] | None) -> None:
-        complete = reader.complete
-        self.record["complete"] = complete
+        """The audit of an open archive, step by step: its members (verify), its protocol, its
+        plan and worker records, each planned episode, then the verdicts recomputed from them."""
+        self.complete = reader.complete
+        self.record["complete"] = self.complete
         found = reader.verify()
         for p in found:
             self.add(p.message)
             self.incomplete_notes += p.kind == "incomplete"
         if any(p.kind == "too-large" for p in found):
             return  # over the bounds: nothing is recomputed (the bounds exist to cap this work)
-        names = set(reader.names)
+        self.names = set(reader.names)
         # A member that verify() names is not trusted for recomputation; no other is.
-        readable = names - {p.member for p in found}
-
-        if PROTOCOL_NAME not in readable:
-            if complete or PROTOCOL_NAME in names:
-                self.add(f"cannot recompute: no readable {PROTOCOL_NAME}")
+        self.readable = self.names - {p.member for p in found}
+        proto = self.protocol(reader)
+        if proto is None:
             return
+        entries = make_plan(proto)
+        self.record["planned"] = len(entries)
+        stored_plan = self.read(reader, PLAN_NAME, "json") if PLAN_NAME in self.readable else None
+        if stored_plan is None and (self.complete or PLAN_NAME in self.names):
+            self.add(f"{PLAN_NAME} is missing or unreadable")
+        elif stored_plan is not None:
+            self.check_plan(stored_plan, entries, proto)
+        worker = self.read(reader, WORKER_NAME, "json") if WORKER_NAME in self.readable else None
+        start = worker_parts(worker).get("start")
+        self.check_records(reader, worker, proto, entries)
+        row_bytes: list[int | None] = [self.check_start(start, proto)]
+
+        episodes, recorded, vocab = [], [], None
+        for entry in entries:
+            episode = self.episode(reader, entry, proto, start, row_bytes)
+            if episode is None:
+                continue
+            recorded.append(entry["index"])
+            episodes.append(episode)
+            logits = episode["logits"]
+            if episode.get("status") == "ok" and logits is not None and logits.ndim == 2 and vocab is None:
+                vocab = int(logits.shape[1])
+        self.check_fidelity(episodes, proto)
+        self.record["episodes"] = len(episodes)
+        if not self.complete:
+            self.note_incomplete(recorded, len(entries))
+        if stored_plan is not None and vocab is not None:
+            self.check_prompts(stored_plan, proto, vocab)
+        self.judge(reader, proto, episodes, start, db_verdicts=db_verdicts, db_episodes=db_episodes)
+
+    def protocol(self, reader: ArchiveReader) -> Protocol | None:
+        """protocol.json as a typed protocol, checked to be in frozen form and to be the one the
+        manifest names; None when there is nothing to recompute against."""
+        if PROTOCOL_NAME not in self.readable:
+            if self.complete or PROTOCOL_NAME in self.names:
+                self.add(f"cannot recompute: no readable {PROTOCOL_NAME}")
+            return None
         body = self.read(reader, PROTOCOL_NAME, "json")
         if body is None:
-            return
+            return None
         try:
             proto = expand(body)  # validated once; everything below reads the typed protocol
             if canonical_json(proto.body_dict()) != canonical_json(body):
                 self.add("protocol.json is not in frozen form (it does not re-validate to itself)")
         except ProtocolError as e:
             self.add(f"cannot recompute: protocol.json is not a valid frozen protocol: {e}")
-            return
+            return None
         self.record["protocol_sha256"] = canonical_sha256(body)
         if reader.manifest is not None and reader.manifest.get("protocol_sha256") != self.record["protocol_sha256"]:
             self.add("manifest protocol_sha256 does not match protocol.json")
-        entries = make_plan(proto)
-        self.record["planned"] = len(entries)
+        return proto
 
-        stored_plan = self.read(reader, PLAN_NAME, "json") if PLAN_NAME in readable else None
-        if stored_plan is None and (complete or PLAN_NAME in names):
-            self.add(f"{PLAN_NAME} is missing or unreadable")
-        elif stored_plan is not None:
-            self.check_plan(stored_plan, entries, proto)
-        worker = self.read(reader, WORKER_NAME, "json") if WORKER_NAME in readable else None
-        start = worker.get("start") if isinstance(worker, dict) else None
-        self.check_records(reader, worker, proto, entries)
-        row_bytes: list[int | None] = [self.check_start(start, proto)]
+    def episode(self, reader: ArchiveReader, entry: dict, proto: Protocol, start: Any,
+                row_bytes: list[int | None]) -> dict | None:
+        """Planned episode `entry`'s members, checked against its plan entry, its ledger, its
+        logits, trace and start record; what the gates need of it (None: not recorded)."""
+        i = entry["index"]
+        members = episode_members(i)
+        name, logits_name, trace_name = members.record, members.logits, members.trace
+        forced_name = members.forced
+        if name not in self.readable:
+            if self.complete or name in self.names:
+                self.add(f"episode {i} has no readable record ({name})")
+            return None
+        rec = self.read(reader, name, "json")
+        if not isinstance(rec, dict):
+            if rec is not None:
+                self.add(f"{name} is not a record")
+            return None
+        # Same value and same JSON type (true is not 1, 1.0 is not 1).
+        if (type(rec.get("plan_index")) is not int or rec.get("plan_index") != i
+                or any(type(rec.get(k)) is not type(entry[k]) or rec.get(k) != entry[k] for k in PLAN_KEYS[1:])):
+            self.add(f"{name} does not match plan entry {i}")
+        logits = (self.read(reader, logits_name, "array", dtype=LOGITS_DTYPE, ndim=2)
+                  if logits_name in self.readable else None)
+        ok = rec.get("status") == "ok"
+        if ok and logits is None and not self.complete and logits_name not in self.names:
+            return None  # interrupted between the record and its logits: not recorded yet
+        if ok:
+            self.check_sampled(name, trace_name, rec, self.names)
+        if ok and trace_name in self.readable:
+            self.check_trace(trace_name, self.read(reader, trace_name, "array", dtype=TRACE_DTYPE, ndim=2), rec)
+        if ok:
+            self.check_memory(name, rec, start)
+            for p in _episode_problems(name, rec, logits, proto, row_bytes):
+                self.add(p)
+        elif rec.get("status") != "failed":
+            self.add(f"{name}: status {rec.get('status')!r} is neither ok nor failed")
+        # Only what the gates and the database comparison read is kept (the ledger is
+        # checked above): audit memory holds one record's JSON, not the archive's, whatever
+        # a hostile record carries besides.
+        forced = (self.read(reader, forced_name, "array", dtype=LOGITS_DTYPE, ndim=2)
+                  if forced_name in self.readable else None)
+        if forced is not None and rec.get("tier") != "approximate":
+            self.add(f"{forced_name}: teacher-forced logits of an episode that is not approximate")
+        return {**_retained(rec), "plan_index": i, "logits": logits, "forced_logits": forced}
 
-        episodes, recorded, vocab = [], [], None
-        for entry in entries:
-            i = entry["index"]
-            members = episode_members(i)
-            name, logits_name, trace_name = members.record, members.logits, members.trace
-            forced_name = members.forced
-            if name not in readable:
-                if complete or name in names:
-                    self.add(f"episode {i} has no readable record ({name})")
-                continue
-            rec = self.read(reader, name, "json")
-            if not isinstance(rec, dict):
-                if rec is not None:
-                    self.add(f"{name} is not a record")
-                continue
-            # Same value and same JSON type (true is not 1, 1.0 is not 1).
-            if (type(rec.get("plan_index")) is not int or rec.get("plan_index") != i
-                    or any(type(rec.get(k)) is not type(entry[k]) or rec.get(k) != entry[k] for k in PLAN_KEYS[1:])):
-                self.add(f"{name} does not match plan entry {i}")
-            logits = (self.read(reader, logits_name, "array", dtype=LOGITS_DTYPE, ndim=2)
-                      if logits_name in readable else None)
-            if rec.get("status") == "ok" and logits is None and not complete and logits_name not in names:
-                continue  # interrupted between the record and its logits: not recorded yet
-            recorded.append(i)
-            if rec.get("status") == "ok":
-                self.check_sampled(name, trace_name, rec, names)
-            if rec.get("status") == "ok" and trace_name in readable:
-                self.check_trace(trace_name, self.read(reader, trace_name, "array", dtype=TRACE_DTYPE, ndim=2), rec)
-            if rec.get("status") == "ok":
-                self.check_memory(name, rec, start)
-                for p in _episode_problems(name, rec, logits, proto, row_bytes):
-                    self.add(p)
-                if logits is not None and logits.ndim == 2 and vocab is None:
-                    vocab = int(logits.shape[1])
-            elif rec.get("status") != "failed":
-                self.add(f"{name}: status {rec.get('status')!r} is neither ok nor failed")
-            # Only what the gates and the database comparison read is kept (the ledger is
-            # checked above): audit memory holds one record's JSON, not the archive's, whatever
-            # a hostile record carries besides.
-            forced = (self.read(reader, forced_name, "array", dtype=LOGITS_DTYPE, ndim=2)
-                      if forced_name in readable else None)
-            if forced is not None and rec.get("tier") != "approximate":
-                self.add(f"{forced_name}: teacher-forced logits of an episode that is not approximate")
-            episodes.append({**_retained(rec), "plan_index": i, "logits": logits, "forced_logits": forced})
-        self.check_fidelity(episodes, proto)
-        self.record["episodes"] = len(episodes)
-        if not complete:
-            self.note_incomplete(recorded, len(entries))
-        if stored_plan is not None and vocab is not None:
-            self.check_prompts(stored_plan, proto, vocab)
-
+    def judge(self, reader: ArchiveReader, proto: Protocol, episodes: list[dict], start: Any, *,
+              db_verdicts: list[dict] | None, db_episodes: list[dict] | None) -> None:
+        """The verdicts recomputed from the episodes, against verdicts.json and the database's;
+        the database's episodes against the archive's."""
         verdicts = compute_verdicts(proto, episodes, start=start)
         self.record["verdicts"] = [{k: v[k] for k in VERDICT_KEYS + ("episodes",)} for v in verdicts]
-        if not complete:
+        if not self.complete:
             # docs/archive.md: verdicts of a partial screen fail closed; the ones computed from
             # the episodes present are compared below, never reported as passing.
             self.record["verdicts"] = [{**v, "passed": False} for v in self.record["verdicts"]]
-        if VERDICTS_NAME in readable:
+        if VERDICTS_NAME in self.readable:
             stored = self.read(reader, VERDICTS_NAME, "json")
             if stored is not None:
                 self.problems += [self.scrub(p) for p in _compare_verdicts(verdicts, stored, "archive")]
-        elif complete and VERDICTS_NAME not in names:
+        elif self.complete and VERDICTS_NAME not in self.names:
             self.add(f"{VERDICTS_NAME} is missing")
-        if db_verdicts is not None and (complete or db_verdicts):
+        if db_verdicts is not None and (self.complete or db_verdicts):
             self.problems += _compare_verdicts(verdicts, db_verdicts, "database")
         if db_episodes is not None:
             self.problems += _compare_episodes(episodes, db_episodes)
@@ -389,14 +419,15 @@ class _Audit:
         """Cross-checks between records: the manifest's environment and source freeze are
         worker.json's; every member belongs to the layout of this plan."""
         manifest = reader.manifest
-        if manifest is not None and isinstance(worker, dict):
-            if "environment" in worker and manifest.get("environment") != worker.get("environment"):
+        parts = worker_parts(worker)
+        if manifest is not None:
+            if "environment" in parts and manifest.get("environment") != parts["environment"]:
                 self.add(f"the manifest's environment differs from {WORKER_NAME}'s")
-            if "source_freeze" in worker and manifest.get("source_freeze") != worker.get("source_freeze"):
+            if "source_freeze" in parts and manifest.get("source_freeze") != parts["source_freeze"]:
                 self.add(f"the manifest's source_freeze differs from {WORKER_NAME}'s")
         if manifest is not None and not isinstance(manifest.get("source_freeze", {}), dict):
             self.add("the manifest's source_freeze is not a mapping")
-        allowed = {PROTOCOL_NAME, PLAN_NAME, WORKER_NAME, VERDICTS_NAME, MANIFEST_NAME}
+        allowed = set(FIXED_MEMBERS)
         for e in entries:
             m = episode_members(e["index"])
             allowed |= {m.record, m.logits, m.trace}
@@ -488,8 +519,8 @@ class _Audit:
             self.add(f"{name}: peak_sampled_bytes {stated!r} != {int(trace[:, 1].max())} recomputed from the trace")
 
     def check_plan(self, stored: Any, entries: list[dict], proto: Protocol) -> None:
-        got = stored.get("entries") if isinstance(stored, dict) else None
-        if not isinstance(got, list) or not all(isinstance(e, dict) for e in got):
+        got = plan_entries(stored)
+        if got is None:
             self.add("plan.json has no list of entries")
             return
         want = [[e[k] for k in PLAN_KEYS] for e in entries]
@@ -498,7 +529,7 @@ class _Audit:
             first = next((i for i, (a, b) in enumerate(zip(have, want)) if a != b), min(len(have), len(want)))
             self.add(f"plan.json is not the plan of protocol.json (first difference at entry {first}; "
                      f"{len(have)} entries, the protocol plans {len(want)})")
-        ids = stored.get("prompts")
+        ids = plan_prompts(stored)
         n = proto.prefix_tokens
         if (not isinstance(ids, list) or len(ids) != proto.prompt_count
                 or not all(isinstance(p, list) and len(p) == n for p in ids)):
@@ -507,7 +538,7 @@ class _Audit:
     def check_prompts(self, stored: dict, proto: Protocol, vocab: int) -> None:
         if proto.prompts.source not in ("generator", "token_ids"):
             return  # file prompts: the file is not in the archive; its SHA-256 is frozen in the protocol
-        ids = stored.get("prompts")
+        ids = plan_prompts(stored)
         if not isinstance(ids, list) or len(ids) != proto.prompt_count:
             return  # already reported by check_plan; recomputing needs no more than what is stored
         try:
@@ -515,7 +546,7 @@ class _Audit:
         except (ValueError, ProtocolError) as e:
             self.add(f"cannot recompute the prompts: {e}")
             return
-        if stored.get("prompts") != want:
+        if ids != want:
             self.add("plan.json prompts are not the protocol's prompts")
 
     def note_incomplete(self, recorded: list[int], planned: int) -> None:

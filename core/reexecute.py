@@ -31,8 +31,19 @@ from typing import Any
 
 import numpy as np
 
+from core.archive import (
+    PLAN_NAME,
+    PROTOCOL_NAME,
+    WORKER_NAME,
+    ArchiveReader,
+    episode_members,
+    plan_prompts,
+    worker_parts,
+)
 from core.audit import LOGITS_DTYPE, START_BYTES
 from core.canonical import canonical_sha256
+from core.plan import plan as make_plan
+from core.protocol import expand
 
 REEXECUTE_VERSION = 2  # bump when what a re-execution compares changes: the digest covers it
 # 2: policy_device_bytes is compared only between episodes of the same engine buffer layout
@@ -251,10 +262,6 @@ class ArchivedScreen:
 def read_archived(path) -> ArchivedScreen:
     """Read the members a re-execution compares against (call after a static audit: the members
     are then known to be the manifest's, well formed and within the bounds)."""
-    from core.archive import PLAN_NAME, PROTOCOL_NAME, WORKER_NAME, ArchiveReader, episode_members
-    from core.plan import plan as make_plan
-    from core.protocol import expand
-
     with ArchiveReader(path) as reader:
         body = reader.read_json(PROTOCOL_NAME)
         plan = reader.read_json(PLAN_NAME)
@@ -264,19 +271,18 @@ def read_archived(path) -> ArchivedScreen:
         names = set(reader.names)
         records = {e["index"]: reader.read_json(episode_members(e["index"]).record) for e in entries
                    if episode_members(e["index"]).record in names}
-    prompts = plan["prompts"]
+    prompts = plan_prompts(plan)
     if (not isinstance(prompts, list) or len(prompts) != protocol.prompt_count
             or not all(isinstance(p, list) and all(type(t) is int for t in p) for p in prompts)):
         raise ValueError("plan.json's prompts are not one list of token ids per prompt")
     records = {i: r for i, r in records.items() if isinstance(r, dict)}
-    return ArchivedScreen(body, protocol, entries, prompts, worker.get("environment") or {},
-                          worker.get("start") or {}, worker.get("model_dir"), records)
+    parts = worker_parts(worker)
+    return ArchivedScreen(body, protocol, entries, prompts, parts.get("environment") or {},
+                          parts.get("start") or {}, parts.get("model_dir"), records)
 
 
 def read_logits(path, indexes) -> dict:
     """The archived logits of the given plan entries, in one pass over the archive (None where absent)."""
-    from core.archive import ArchiveReader, episode_members
-
     with ArchiveReader(path) as reader:
         names = set(reader.names)
         return {i: reader.read_array(episode_members(i).logits, dtype=LOGITS_DTYPE, ndim=2)

@@ -18,6 +18,7 @@ exact zeros after ReLU, equal `sparsity` (0.94 gives about -1.555 * std * sqrt(h
 import json
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from statistics import NormalDist
 
@@ -25,7 +26,7 @@ import torch
 from safetensors.torch import save_file
 
 from core.errors import CheckpointError
-from core.registry import PROFILES, SHAPES, synth_spec
+from core.registry import PROFILES, SHAPES, SynthProfile, synth_spec
 from engine.shapes import dtype_of
 
 INIT_STD = 0.02  # OPT's initializer_range
@@ -162,6 +163,25 @@ READOUT_POSITION = 0.25  # the readout's fc1 weight on those dims (measured: at 
 # different prompts converged on the same position-driven tokens)
 
 
+@dataclass(frozen=True)
+class _Draws:
+    """What the steps of `profile_tensors` share: the one generator, drawn from in a fixed order
+    (embeddings, outlier dims, then layer by layer), and the scales derived from the shape and
+    profile. Every tensor is drawn in float32 and cast to `dtype` when stored."""
+
+    gen: torch.Generator
+    dtype: torch.dtype
+    hidden: int
+    ffn: int
+    n_pos: int  # positions live in the first `n_pos` hidden dims ...
+    pos_std: float  # ... with `position_share` of the embedding's variance
+    embed_std: float  # rms entry of token + position
+    update: float  # each attention / FFN update's std over the embedding's
+
+    def normal(self, *size: int, std: float = INIT_STD) -> torch.Tensor:
+        return torch.randn(*size, generator=self.gen) * std
+
+
 def profile_tensors(shape: str, *, seed: int, profile: str, dtype: torch.dtype = torch.float32,
                     progress: Callable[[int, int], None] | None = None) -> dict[str, torch.Tensor]:
     """The state dict of a calibrated profile (core/registry.py PROFILES; docs/workloads.md).
@@ -187,78 +207,97 @@ def profile_tensors(shape: str, *, seed: int, profile: str, dtype: torch.dtype =
     """
     p = PROFILES[profile]
     s = SHAPES[shape]
-    h, f, layers = s["hidden"], s["ffn"], s["layers"]
-    gen = torch.Generator().manual_seed(seed)
-
-    def normal(*size: int, std: float = INIT_STD) -> torch.Tensor:
-        return torch.randn(*size, generator=gen) * std
-
-    # Positions live in the first `n_pos` hidden dims, with `position_share` of the variance.
+    h, layers = s["hidden"], s["layers"]
     n_pos = max(1, round(POSITION_DIMS * h))
-    tok_std = INIT_STD
-    pos_std = tok_std * math.sqrt(p.position_share / (1.0 - p.position_share) * h / n_pos)
-    embed_std = tok_std / math.sqrt(1.0 - p.position_share)  # rms entry of token + position
-    omega = torch.randn(POSITION_FEATURES, generator=gen, dtype=torch.float64) / p.position_length
-    phase = torch.rand(POSITION_FEATURES, generator=gen, dtype=torch.float64) * 2 * math.pi
-    t = torch.arange(s["max_positions"] + 2, dtype=torch.float64) - 2  # OPT's positions carry an offset of 2
-    basis = (math.sqrt(2.0 / POSITION_FEATURES) * torch.cos(t[:, None] * omega + phase)).float()
-    positions = torch.zeros(s["max_positions"] + 2, h)
-    positions[:, :n_pos] = basis @ normal(POSITION_FEATURES, n_pos, std=pos_std)
-    sd: dict[str, torch.Tensor] = {
-        "model.decoder.embed_tokens.weight": normal(s["vocab"], h, std=tok_std).to(dtype),
-        "model.decoder.embed_positions.weight": positions.to(dtype),
-    }
-    # The readout (the last FFN) reads the position dims at READOUT_POSITION of their weight, so
-    # the next token follows the token and its context more than its position. Its pre-activation
-    # std over LayerNorm(token + position), whose per-dim variance is (tok^2 [+ pos^2]) / embed^2:
-    variance = torch.full((h,), tok_std ** 2)
-    variance[:n_pos] += pos_std ** 2
-    variance /= variance.mean()
-    columns = torch.ones(h)
-    columns[:n_pos] = READOUT_POSITION
+    d = _Draws(gen=torch.Generator().manual_seed(seed), dtype=dtype, hidden=h, ffn=s["ffn"], n_pos=n_pos,
+               pos_std=INIT_STD * math.sqrt(p.position_share / (1.0 - p.position_share) * h / n_pos),
+               embed_std=INIT_STD / math.sqrt(1.0 - p.position_share),
+               update=math.sqrt(p.update_share / (2 * layers)))
+    sd = _embeddings(d, p, vocab=s["vocab"], max_positions=s["max_positions"])
+    readout_inputs = _readout_inputs(d)
     n_out, magnitude, share = p.outliers.get(shape, (0, 1.0, 0.0))
-    out_dims = torch.randperm(h, generator=gen)[:n_out]
-    pre_std = INIT_STD * math.sqrt(h)  # std of a neuron's fc1 pre-activation before its bias
-    update = math.sqrt(p.update_share / (2 * layers))  # each update's std over the embedding's
+    out_dims = torch.randperm(h, generator=d.gen)[:n_out]
     for i, density in enumerate(p.layer_densities(shape)):
         pre = f"model.decoder.layers.{i}."
         gain = torch.ones(h)
         if n_out and (i + 1) * share // 1 != i * share // 1:  # `share` of the layers, spread evenly
             gain[out_dims] = magnitude
-        for norm in ("self_attn_layer_norm", "final_layer_norm"):
-            sd[pre + f"{norm}.weight"] = gain.to(dtype, copy=True)
-            sd[pre + f"{norm}.bias"] = torch.zeros(h, dtype=dtype)
-        for proj in ("q_proj", "k_proj", "v_proj"):
-            sd[pre + f"self_attn.{proj}.weight"] = (normal(h, h) / gain).to(dtype)
-            sd[pre + f"self_attn.{proj}.bias"] = torch.zeros(h, dtype=dtype)
-        # (h, h) @ v: entries ~ std * sqrt(h) * (INIT_STD * sqrt(h)); scaled to `update` x embed_std
-        sd[pre + "self_attn.out_proj.weight"] = normal(h, h, std=update * embed_std / (INIT_STD * h)).to(dtype)
-        sd[pre + "self_attn.out_proj.bias"] = torch.zeros(h, dtype=dtype)
-        readout = i == layers - 1
-        fc1 = normal(f, h) / gain
-        std = pre_std
-        if readout:
-            fc1 *= columns
-            std = INIT_STD * math.sqrt(float((columns ** 2 * variance).sum()))
-        sd[pre + "fc1.weight"] = fc1.to(dtype)
-        mu = NormalDist().inv_cdf(density) * math.sqrt(1.0 + p.rate_spread ** 2)  # mean of Phi(mu + spread Z) = density
-        offsets = (mu + p.rate_spread * torch.randn(f, generator=gen, dtype=torch.float64))
-        sd[pre + "fc1.bias"] = (offsets * std).to(dtype)
-        # E[relu(z)^2] / pre_std^2 for z ~ N(m pre_std, pre_std^2): (m^2 + 1) Phi(m) + m phi(m)
-        m = offsets
-        square = float(((m * m + 1) * torch.special.ndtr(m) + m * torch.exp(-m * m / 2) / math.sqrt(2 * math.pi)).mean())
-        scale = p.readout if readout else update
-        fc2 = normal(h, f, std=scale * embed_std / (std * math.sqrt(f * square)))
-        sd[pre + "fc2.weight"] = fc2.to(dtype)
-        bias = torch.zeros(h)
-        if readout:  # centred: its bias cancels the mean output, E[relu(z)] = std (m Phi(m) + phi(m)), so no
-            # token is favoured by every input (measured: uncentred, greedy decode fell into repeats)
-            mean = std * (m * torch.special.ndtr(m) + torch.exp(-m * m / 2) / math.sqrt(2 * math.pi))
-            bias = -(fc2.double() @ mean).float()
-        sd[pre + "fc2.bias"] = bias.to(dtype)
+        sd.update(_attention(d, pre, gain))
+        sd.update(_ffn(d, p, pre, gain, density, readout=readout_inputs if i == layers - 1 else None))
         if progress is not None:
             progress(i + 1, layers)
     # logits = embed_tokens @ (gain * LayerNorm(x)): std gain * INIT_STD * sqrt(h)
     sd["model.decoder.final_layer_norm.weight"] = torch.full((h,), p.logit_std / (INIT_STD * math.sqrt(h)), dtype=dtype)
     sd["model.decoder.final_layer_norm.bias"] = torch.zeros(h, dtype=dtype)
     return sd
+
+
+def _embeddings(d: _Draws, p: SynthProfile, *, vocab: int, max_positions: int) -> dict[str, torch.Tensor]:
+    """Token embeddings (iid) and positional embeddings: random Fourier features of a smooth
+    process over positions, in the first `n_pos` hidden dims."""
+    omega = torch.randn(POSITION_FEATURES, generator=d.gen, dtype=torch.float64) / p.position_length
+    phase = torch.rand(POSITION_FEATURES, generator=d.gen, dtype=torch.float64) * 2 * math.pi
+    t = torch.arange(max_positions + 2, dtype=torch.float64) - 2  # OPT's positions carry an offset of 2
+    basis = (math.sqrt(2.0 / POSITION_FEATURES) * torch.cos(t[:, None] * omega + phase)).float()
+    positions = torch.zeros(max_positions + 2, d.hidden)
+    positions[:, :d.n_pos] = basis @ d.normal(POSITION_FEATURES, d.n_pos, std=d.pos_std)
+    return {
+        "model.decoder.embed_tokens.weight": d.normal(vocab, d.hidden, std=INIT_STD).to(d.dtype),
+        "model.decoder.embed_positions.weight": positions.to(d.dtype),
+    }
+
+
+def _readout_inputs(d: _Draws) -> tuple[torch.Tensor, torch.Tensor]:
+    """(columns, variance) of the readout (the last FFN): it reads the position dims at
+    READOUT_POSITION of their weight, so the next token follows the token and its context more
+    than its position. Its pre-activation std is over LayerNorm(token + position), whose
+    per-dim variance is (tok^2 [+ pos^2]) / embed^2."""
+    variance = torch.full((d.hidden,), INIT_STD ** 2)
+    variance[:d.n_pos] += d.pos_std ** 2
+    variance /= variance.mean()
+    columns = torch.ones(d.hidden)
+    columns[:d.n_pos] = READOUT_POSITION
+    return columns, variance
+
+
+def _attention(d: _Draws, pre: str, gain: torch.Tensor) -> dict[str, torch.Tensor]:
+    """One layer's LayerNorms (gain: the outlier dims' magnitude) and attention projections."""
+    h, dtype = d.hidden, d.dtype
+    sd: dict[str, torch.Tensor] = {}
+    for norm in ("self_attn_layer_norm", "final_layer_norm"):
+        sd[pre + f"{norm}.weight"] = gain.to(dtype, copy=True)
+        sd[pre + f"{norm}.bias"] = torch.zeros(h, dtype=dtype)
+    for proj in ("q_proj", "k_proj", "v_proj"):
+        sd[pre + f"self_attn.{proj}.weight"] = (d.normal(h, h) / gain).to(dtype)
+        sd[pre + f"self_attn.{proj}.bias"] = torch.zeros(h, dtype=dtype)
+    # (h, h) @ v: entries ~ std * sqrt(h) * (INIT_STD * sqrt(h)); scaled to `update` x embed_std
+    sd[pre + "self_attn.out_proj.weight"] = d.normal(h, h, std=d.update * d.embed_std / (INIT_STD * h)).to(dtype)
+    sd[pre + "self_attn.out_proj.bias"] = torch.zeros(h, dtype=dtype)
+    return sd
+
+
+def _ffn(d: _Draws, p: SynthProfile, pre: str, gain: torch.Tensor, density: float, *,
+         readout: tuple[torch.Tensor, torch.Tensor] | None) -> dict[str, torch.Tensor]:
+    """One layer's fc1 (each neuron's bias its own offset: mean density `density`) and fc2
+    (scaled so the update is `update`, or for the readout `p.readout`, times the embedding)."""
+    h, f, dtype = d.hidden, d.ffn, d.dtype
+    fc1 = d.normal(f, h) / gain
+    std = INIT_STD * math.sqrt(h)  # std of a neuron's fc1 pre-activation before its bias
+    if readout is not None:
+        columns, variance = readout
+        fc1 *= columns
+        std = INIT_STD * math.sqrt(float((columns ** 2 * variance).sum()))
+    mu = NormalDist().inv_cdf(density) * math.sqrt(1.0 + p.rate_spread ** 2)  # mean of Phi(mu + spread Z) = density
+    offsets = (mu + p.rate_spread * torch.randn(f, generator=d.gen, dtype=torch.float64))
+    # E[relu(z)^2] / pre_std^2 for z ~ N(m pre_std, pre_std^2): (m^2 + 1) Phi(m) + m phi(m)
+    m = offsets
+    square = float(((m * m + 1) * torch.special.ndtr(m) + m * torch.exp(-m * m / 2) / math.sqrt(2 * math.pi)).mean())
+    scale = p.readout if readout is not None else d.update
+    fc2 = d.normal(h, f, std=scale * d.embed_std / (std * math.sqrt(f * square)))
+    bias = torch.zeros(h)
+    if readout is not None:  # centred: its bias cancels the mean output, E[relu(z)] = std (m Phi(m) + phi(m)), so
+        # no token is favoured by every input (measured: uncentred, greedy decode fell into repeats)
+        mean = std * (m * torch.special.ndtr(m) + torch.exp(-m * m / 2) / math.sqrt(2 * math.pi))
+        bias = -(fc2.double() @ mean).float()
+    return {pre + "fc1.weight": fc1.to(dtype), pre + "fc1.bias": (offsets * std).to(dtype),
+            pre + "fc2.weight": fc2.to(dtype), pre + "fc2.bias": bias.to(dtype)}

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from core.archive import ArchiveWriter
+from core.archive import PLAN_NAME, PROTOCOL_NAME, VERDICTS_NAME, WORKER_NAME, ArchiveWriter, plan_json, worker_json
 from core.errors import PackbenchError
 from core.fidelity import of_episode
 from core.gates import compute_verdicts
@@ -84,16 +84,16 @@ class ScreenRun:
         """The worker is placed: open the archive (exclusive create) and write the protocol."""
         self.env = env
         self.writer = ArchiveWriter(self.archive_path)
-        self.writer.add_json("protocol.json", self.protocol.body_dict())
+        self.writer.add_json(PROTOCOL_NAME, self.protocol.body_dict())
 
     def loaded(self, start: dict, token_ids: list[list[int]]) -> list[dict]:
         """The model is loaded: write the plan and the worker's start record; return the plan."""
         self.start = start
         if self.t_loaded is None:
             self.t_loaded = time.perf_counter()
-        self.writer.add_json("plan.json", {"entries": self.entries, "prompts": token_ids})
-        self.writer.add_json("worker.json", {"environment": self.env, "start": start,
-                                             "model_dir": self.screen.model_dir, "source_freeze": self.freeze})
+        self.writer.add_json(PLAN_NAME, plan_json(self.entries, token_ids))
+        self.writer.add_json(WORKER_NAME, worker_json(environment=self.env, start=start,
+                                                      model_dir=self.screen.model_dir, source_freeze=self.freeze))
         self.progress(f"screen {self.screen.id} attempt {self.attempt.number}: {len(self.entries)} episodes "
                       f"on {self.env['device']}", screen=self.screen.id, done=0, total=len(self.entries),
                       condition=None)
@@ -147,7 +147,7 @@ class ScreenRun:
         """Every planned episode is in: verdicts, seal, store them, attempt done."""
         if self._sealed is None:  # a finish the database interrupted resumes after the seal
             verdicts = compute_verdicts(self.protocol, self.episodes, start=self.start)
-            self.writer.add_json("verdicts.json", verdicts)
+            self.writer.add_json(VERDICTS_NAME, verdicts)
             sha = self.writer.seal({"protocol_sha256": self.protocol.sha256, "screen_id": self.screen.id,
                                     "attempt": self.attempt.number, "environment": self.env,
                                     "source_freeze": self.freeze})

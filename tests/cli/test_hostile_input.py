@@ -326,7 +326,7 @@ def _fake_dispatcher(monkeypatch, outcomes) -> None:
 def test_a_full_disk_at_the_archive_leaves_no_file_and_exits_2_as_mid_screen(tmp_path, db, tiny, monkeypatch):
     import errno
 
-    import core.archive
+    import core.archive.writer
     from cluster.dispatch import Active, Dispatcher, Slot
     from core.errors import ArchiveError
     from core.settings import Settings
@@ -336,7 +336,7 @@ def test_a_full_disk_at_the_archive_leaves_no_file_and_exits_2_as_mid_screen(tmp
 
     store, claim, run = _claimed(db, tiny, tmp_path)
     with monkeypatch.context() as m:
-        m.setattr(core.archive, "_write_at", full)
+        m.setattr(core.archive.writer, "_write_at", full)
         dispatcher = Dispatcher(store, Settings(archive_dir=tmp_path / "archives"))
         dispatcher._start(Slot(name="w0", actor=None), claim)  # fails at the archive, before any actor call
     (at_start,) = dispatcher.outcomes

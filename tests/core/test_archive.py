@@ -740,7 +740,7 @@ def test_every_append_leaves_a_valid_zip_of_every_member_so_far(tmp_path: Path):
 def test_a_crash_inside_an_append_leaves_a_readable_zip(tmp_path: Path, monkeypatch, case: str):
     """Die after the first of an append's two writes: the file is still a zip of the earlier
     members (plus, when the directory moved first, the new entry, which verify() names)."""
-    import core.archive as archive
+    import core.archive.writer as archive
 
     path = tmp_path / "a.zip"
     w = ArchiveWriter(path)
@@ -775,7 +775,7 @@ def test_a_crash_inside_an_append_leaves_a_readable_zip(tmp_path: Path, monkeypa
 def test_zip64_records_match_zipfile():
     """Past 2 GiB offsets/sizes and 65,535 entries the records are zipfile's (checked without
     writing gigabytes: both sides format the same entries)."""
-    import core.archive as archive
+    import core.archive.zipformat as archive
 
     class Sink:
         def __init__(self, at):
@@ -924,3 +924,31 @@ def test_problem_kinds_are_checked():
     with pytest.raises(ValueError, match="not one of incomplete, manifest"):
         Problem("x", "odd", "odd member x")
     assert str(Problem("x", "extra", "extra member x")) == "extra member x"
+
+
+def test_plan_and_worker_json_are_built_and_parsed_in_the_layout():
+    """plan.json and worker.json have one builder and one parser each (core/archive/layout.py);
+    a parser returns what is stored and never trusts a hostile shape."""
+    from core.archive import WORKER_PARTS, plan_entries, plan_json, plan_prompts, worker_json, worker_parts
+
+    entries = [{"index": 0, "condition": "dense-stream", "role": "scored", "prompt": 0, "repetition": 0}]
+    plan = plan_json(entries, [[2, 5, 7]])
+    assert canonical_json(plan) == canonical_json({"entries": entries, "prompts": [[2, 5, 7]]})
+    assert plan_entries(plan) == entries and plan_prompts(plan) == [[2, 5, 7]]
+    for hostile in ([], "plan", {"entries": "none"}, {"entries": [1, {}]}, {}):
+        assert plan_entries(hostile) is None
+    worker = worker_json(environment={"device": "cpu"}, start={"param_bytes": 1}, model_dir=None,
+                         source_freeze={"git_commit": ""})
+    assert tuple(sorted(worker)) == tuple(sorted(WORKER_PARTS))
+    assert worker_parts(worker) == worker
+    assert worker_parts({"start": {"a": 1}, "other": 2}) == {"start": {"a": 1}}
+    assert worker_parts(["not", "an", "object"]) == {}
+
+
+def test_episode_index_reads_only_the_names_the_layout_writes():
+    from core.archive import episode_index
+
+    assert episode_index(episode_member(7)) == 7
+    assert episode_index(episode_member(123456)) == 123456
+    for other in ("episodes/7.json", "episodes/000007.json", "logits/00007.npy", "episodes/00007.json.bak"):
+        assert episode_index(other) is None

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 import core.archive as archive
+import core.archive.zipformat as zipformat
 from bench.audit import synthetic_protocol, write_synthetic_screen
 from core.archive import (
     MANIFEST_NAME,
@@ -100,7 +101,7 @@ def test_a_huge_non_zip_is_refused_before_it_is_hashed(tmp_path, monkeypatch):
 def test_a_forged_member_count_is_refused_before_zipfile_parses(tmp_path):
     path = tmp_path / "count.zip"
     with open(path, "wb") as f:  # a count past the bound, through the zip64 records
-        f.write(archive._end_records(archive.MAX_MEMBERS + 1, 0, 0))
+        f.write(zipformat._end_records(archive.MAX_MEMBERS + 1, 0, 0))
     with pytest.raises(ArchiveError, match="over the bounds"):
         ArchiveReader(path)
 
@@ -206,11 +207,11 @@ def test_bytes_hidden_after_a_deflate_stream_are_found(tmp_path):
     packer = zlib.compressobj(zlib.Z_DEFAULT_COMPRESSION, zlib.DEFLATED, -15)
     payload = packer.compress(data) + packer.flush() + b"JUNK"
     name = b"plan.json"
-    header = archive._local_header(name, method=8, crc=zlib.crc32(data), csize=len(payload), size=len(data),
+    header = zipformat._local_header(name, method=8, crc=zlib.crc32(data), csize=len(payload), size=len(data),
                                    zip64=False)
-    entry = archive._central_entry(name, method=8, crc=zlib.crc32(data), csize=len(payload), size=len(data),
+    entry = zipformat._central_entry(name, method=8, crc=zlib.crc32(data), csize=len(payload), size=len(data),
                                    offset=0, version=20)
-    raw = header + payload + entry + archive._end_records(1, len(header) + len(payload), len(entry))
+    raw = header + payload + entry + zipformat._end_records(1, len(header) + len(payload), len(entry))
     path = tmp_path / "junk.zip"
     path.write_bytes(raw)
     with zipfile.ZipFile(path) as zf:
@@ -458,7 +459,7 @@ def test_a_python_without_stock_deflate_says_it_cannot_check_instead_of_calling_
         screen, tmp_path, monkeypatch):
     """On a zlib that deflates differently (zlib-ng, say), the recompression check cannot run: the
     problem names this Python's zlib and the fix, and the audit still does not agree (fails closed)."""
-    import core.archive as archive
+    import core.archive.reader as archive
 
     assert archive.stock_deflate()  # this machine's zlib is stock: the check is real here
     with zipfile.ZipFile(screen["path"]) as zf:
