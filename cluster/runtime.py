@@ -1,4 +1,8 @@
-"""Starting or joining Ray, with the traps of shared/ray.md defused."""
+"""Starting or joining Ray, with its traps defused: token authentication on by default
+(`RAY_AUTH_MODE` is set explicitly), a plain `ray.init()` silently joining a local `ray start`
+cluster (the embedded default is `ray.init("local", ...)`), tasks with `num_gpus=0` seeing every
+GPU (`RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO=1`), and an address where nothing answers retried for
+minutes (checked first, in one line)."""
 
 from __future__ import annotations
 

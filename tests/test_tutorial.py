@@ -1,0 +1,194 @@
+"""The commands the docs tell a newcomer to type run as written.
+
+The shell blocks (```sh / ```bash) of docs/tutorial.md, and of the README's "Using it" section
+after the Makefile's `demo` recipe, run in a temporary copy of `protocols/` with a temporary
+database and archive folder (the defaults, relative to that copy). Every command must exit 0,
+and a few print lines that are cheap to check (a PASS, an audit that agrees). `packbench` is
+this checkout's code: `.venv/bin/activate` in the copy puts a `packbench` on PATH that runs
+`python -m cli` with this interpreter and this checkout first on PYTHONPATH.
+
+docs/protocol.md's example protocol, saved under `protocols/`, validates and plans as copied.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+FENCE = re.compile(r"^```(sh|bash)\s*$")
+HEREDOC = re.compile(r"<<-?\s*(['\"]?)(\w+)\1")
+
+
+@dataclass(frozen=True)
+class Command:
+    text: str
+    line: int
+
+
+def shell_blocks(markdown: str) -> list[tuple[int, list[str]]]:
+    """(first line number, lines) of every ```sh / ```bash fenced block."""
+    blocks, current, start = [], None, 0
+    for n, line in enumerate(markdown.splitlines(), 1):
+        if current is None and FENCE.match(line):
+            current, start = [], n + 1
+        elif current is not None and line.startswith("```"):
+            blocks.append((start, current))
+            current = None
+        elif current is not None:
+            current.append(line)
+    return blocks
+
+
+def _strip_comment(line: str) -> str:
+    """A trailing `  # comment` (the docs' style) or a whole-line comment goes; `#` in a word stays."""
+    if line.lstrip().startswith("#"):
+        return ""
+    return re.split(r"\s+#\s", line, maxsplit=1)[0].rstrip()
+
+
+def commands(block: list[str], first_line: int) -> list[Command]:
+    """The block's commands: one per line, with backslash continuations and heredocs kept whole."""
+    out: list[Command] = []
+    i = 0
+    while i < len(block):
+        line, start = _strip_comment(block[i]), first_line + i
+        i += 1
+        if not line:
+            continue
+        parts = [line]
+        while parts[-1].endswith("\\") and i < len(block):
+            parts.append(_strip_comment(block[i]))
+            i += 1
+        m = HEREDOC.search(parts[-1])
+        if m:  # a heredoc's body is data, comments and all
+            while i < len(block):
+                parts.append(block[i])
+                i += 1
+                if block[i - 1].strip() == m.group(2):
+                    break
+        out.append(Command("\n".join(parts), start))
+    return out
+
+
+def section(markdown: str, heading: str) -> str:
+    """The text under `## heading` up to the next `## ` heading."""
+    m = re.search(rf"^## {re.escape(heading)}\s*$", markdown, flags=re.M)
+    assert m, f"no section '## {heading}'"
+    rest = markdown[m.end():]
+    nxt = re.search(r"^## ", rest, flags=re.M)
+    return rest[:nxt.start()] if nxt else rest
+
+
+def demo_recipe(makefile: str) -> list[Command]:
+    """The Makefile's `demo:` recipe, as the commands a user would type."""
+    m = re.search(r"^demo:.*\n((?:\t.*\n)+)", makefile, flags=re.M)
+    assert m, "the Makefile has no demo recipe"
+    out = []
+    for line in m.group(1).splitlines():
+        cmd = line.strip().replace("$(BIN)/", "").replace("$(DEMO_DIR)", ".packbench")
+        out.append(Command(cmd, 0))
+    return out
+
+
+def sandbox(tmp: Path) -> dict[str, str]:
+    """A copy of what the commands read, a `.venv` whose `packbench` is this checkout, and an
+    environment whose database and archives are the copy's own."""
+    shutil.copytree(ROOT / "protocols", tmp / "protocols")
+    bin_dir = tmp / ".venv" / "bin"
+    bin_dir.mkdir(parents=True)
+    exe = bin_dir / "packbench"
+    exe.write_text(f'#!/bin/sh\nexec "{sys.executable}" -m cli "$@"\n')
+    exe.chmod(0o755)
+    (bin_dir / "activate").write_text(f'PATH="{bin_dir}:$PATH"\nexport PATH\n')
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PACKBENCH_", "RAY_ADDRESS"))}
+    env.update(PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+               PACKBENCH_DB_URL=f"sqlite:///{tmp / 'packbench.db'}",
+               PACKBENCH_ARCHIVE_DIR=str(tmp / "archives"),
+               RAY_AUTH_MODE="disabled", PATH=f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}")
+    return env
+
+
+def run_all(cmds: list[Command], *, cwd: Path, env: dict[str, str], where: str) -> list[str]:
+    """Run the commands in order in one shell (state such as `. .venv/bin/activate` carries over);
+    stop at the first that fails. Returns each command's output."""
+    script = []
+    for i, c in enumerate(cmds):
+        script.append(f"date +%s.%N > .t0-{i}\n{{\n{c.text}\n}} > .out-{i} 2>&1 < /dev/null\necho $? > .rc-{i}\n"
+                      f"date +%s.%N > .t1-{i}\n[ \"$(cat .rc-{i})\" = 0 ] || exit 1\n")
+    proc = subprocess.run(["bash", "-c", "".join(script)], cwd=cwd, env=env, timeout=600)
+    outputs = []
+    for i, c in enumerate(cmds):
+        rc_file = cwd / f".rc-{i}"
+        if not rc_file.exists():
+            break
+        out = (cwd / f".out-{i}").read_text(errors="replace")
+        rc = rc_file.read_text().strip()
+        assert rc == "0", f"{where} line {c.line}: `{c.text}` exited {rc}:\n{out[-3000:]}"
+        outputs.append(out)
+        took = float((cwd / f".t1-{i}").read_text()) - float((cwd / f".t0-{i}").read_text())
+        print(f"{took:6.1f} s  {c.text.splitlines()[0]}")
+    assert proc.returncode == 0 and len(outputs) == len(cmds), f"{where}: the shell stopped ({proc.returncode})"
+    return outputs
+
+
+def _expect(cmds: list[Command], outputs: list[str], pattern: str, needle: str) -> int:
+    checked = 0
+    for c, out in zip(cmds, outputs):
+        if re.search(pattern, c.text):
+            assert needle in out, f"`{c.text}` did not print {needle!r}:\n{out[-2000:]}"
+            checked += 1
+    return checked
+
+
+def test_extraction_keeps_heredocs_and_drops_comments():
+    block = ["packbench db upgrade   # the schema", "cat > a.yaml <<'EOF'", "name: x   # kept", "EOF",
+             "packbench a \\", "  --b", "# a note"]
+    got = [c.text for c in commands(block, 1)]
+    assert got == ["packbench db upgrade", "cat > a.yaml <<'EOF'\nname: x   # kept\nEOF", "packbench a \\\n  --b"]
+
+
+@pytest.mark.ray
+def test_the_tutorial_runs_as_written(tmp_path):
+    doc = (ROOT / "docs" / "tutorial.md").read_text()
+    cmds = [c for start, block in shell_blocks(doc) for c in commands(block, start)]
+    assert len(cmds) >= 8
+    outputs = run_all(cmds, cwd=tmp_path, env=sandbox(tmp_path), where="docs/tutorial.md")
+    assert _expect(cmds, outputs, r"^packbench audit\b", "AGREE") >= 1
+    assert _expect(cmds, outputs, r"^packbench submit .*--wait", "PASS") >= 2
+    assert _expect(cmds, outputs, r"^packbench protocol validate", "sha256") >= 1
+    assert (tmp_path / "report.html").is_file()
+
+
+@pytest.mark.ray
+def test_the_readme_commands_run_as_written(tmp_path):
+    readme = (ROOT / "README.md").read_text()
+    demo = demo_recipe((ROOT / "Makefile").read_text())
+    using = [c for start, block in shell_blocks(section(readme, "Using it")) for c in commands(block, start)]
+    assert len(using) >= 15
+    env = sandbox(tmp_path)
+    run_all(demo, cwd=tmp_path, env=env, where="Makefile demo")
+    outputs = run_all(using, cwd=tmp_path, env=env, where="README.md, Using it")
+    assert _expect(using, outputs, r"^packbench audit latest$", "AGREE") == 1
+
+
+def test_the_protocol_example_validates_and_plans_as_copied(tmp_path):
+    doc = (ROOT / "docs" / "protocol.md").read_text()
+    example = section(doc, "Example")
+    m = re.search(r"^```yaml\n(.*?)^```", example, flags=re.M | re.S)
+    assert m, "docs/protocol.md's Example has no yaml block"
+    m_name = re.search(r"saved as `(protocols/[\w.-]+\.yaml)`", example, flags=re.I)
+    assert m_name, "docs/protocol.md's Example says where to save it"
+    env = sandbox(tmp_path)
+    (tmp_path / m_name.group(1)).write_text(m.group(1))
+    cmds = [Command(f"packbench protocol validate {m_name.group(1)}", 0),
+            Command(f"packbench protocol plan {m_name.group(1)}", 0)]
+    outputs = run_all(cmds, cwd=tmp_path, env=env, where="docs/protocol.md, Example")
+    assert "phase-switched-2.7b" in outputs[0]
