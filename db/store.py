@@ -73,7 +73,8 @@ from sqlalchemy.orm import Session
 
 from core.protocol import resources_fit
 from core.record import stored_values
-from db import migrate, queries
+from db import history, labels, migrate, queries
+from db.history import HistoryRun
 from db.errors import Conflict, DatabaseLocked, DatabaseUnavailable, NotFound, SchemaNotAtHead
 from db.models import (
     AUDIT_KINDS,
@@ -1287,6 +1288,39 @@ class Store:
             session.flush()
             return row.to_record()
 
+
+    # -- labels, sweeps and history (db.labels, db.history) -----------------------------
+
+    def label_screen(self, ref: int | str, *, name: str | None = None, note: str | None = None,
+                     tags: Mapping[str, str] | None = None, untag: Iterable[str] = ()) -> int:
+        """Set a screen's name, note and tags (`db.labels.label`); return its id."""
+        with self._session() as session:
+            return labels.label(session, ref, name=name, note=note, tags=tags, untag=untag)
+
+    def set_sweep(self, screen_id: int, *, sweep_id: str, point: Mapping[str, Any]) -> None:
+        """Record the sweep a screen belongs to and the values its protocol took."""
+        with self._session() as session:
+            labels.set_sweep(session, screen_id, sweep_id=sweep_id, point=point)
+
+    def screen_tags(self, screen_ids: Iterable[int]) -> dict[int, dict[str, str]]:
+        """Each screen's tags."""
+        with self._session() as session:
+            return labels.tags_of(session, screen_ids)
+
+    def tagged_screens(self, tags: Mapping[str, str]) -> set[int]:
+        """The ids of the screens carrying every one of `tags` (a value '*' matches any)."""
+        with self._session() as session:
+            return labels.tagged_ids(session, tags)
+
+    def find_screens(self, **filters: Any) -> list[ScreenRow]:
+        """Screens, newest first, by protocol, status, name, tags, sweep id, ids (`db.labels.screens`)."""
+        with self._session() as session:
+            return labels.screens(session, **filters)
+
+    def history_runs(self, protocol: str) -> list[HistoryRun]:
+        """A protocol's done screens with their recorded source commits (`db.history.runs`)."""
+        with self._session() as session:
+            return history.runs(session, protocol)
 
 def resources_json(resources: Mapping[str, float] | None) -> str | None:
     """A screen's `resources` column: canonical JSON of its needs (sorted keys), None for none.
