@@ -24,13 +24,14 @@ db_app = typer.Typer(no_args_is_help=True, help="The results database: migration
 app.add_typer(model_app, name="model")
 app.add_typer(db_app, name="db")
 
-from cli import ingest, keys, model_stats, protocol_cmd, query, report  # noqa: E402  (after the apps it registers on)
+from cli import history, ingest, keys, labels, model_stats, protocol_cmd, query, report  # noqa: E402  (after the apps it registers on)
 
 query.register(app)
 report.register(app)
 protocol_cmd.register(app)
 keys.register(app)
 ingest.register(app)
+history.register(app)
 model_stats.register(model_app)
 
 
@@ -213,6 +214,12 @@ def submit(
     keep_queued: Annotated[bool, typer.Option(
         "--keep-queued", help="With --wait: an interrupted (Ctrl-C) screen stays queued for the next `packbench "
                               "dispatch` instead of being cancelled.")] = False,
+    name: labels.Name = None,
+    tag: Annotated[Optional[list[str]], typer.Option("--tag", help="KEY=VALUE label, repeatable.")] = None,
+    note: labels.Note = None,
+    sweep: Annotated[Optional[list[str]], typer.Option(
+        "--sweep", help="FIELD=V1,V2,...: one protocol per value (repeatable: their product), queued under one "
+                        "sweep id; FIELD is a dotted protocol path, e.g. prefix_tokens.")] = None,
     address: Address = None,
     archive_dir: ArchiveDir = Path("archives"),
     db: DbUrl = None,
@@ -244,8 +251,15 @@ def submit(
         from cluster.runtime import ensure_ray
 
         ensure_ray(settings)  # an unreachable cluster fails here, before a screen is queued
+    if sweep:
+        from cli.sweep import submit_sweep
+
+        submit_sweep(store, settings, protocol, sweep, wait=wait, json_out=json_out, priority=priority,
+                     max_attempts=max_attempts, gpu_type=gpu_type, name=name, tags=labels.parse_tags(tag), note=note,
+                     run=_dispatch)
+        return
     ids = queue_screens(store, protocol, priority=priority, max_attempts=max_attempts, gpu_type=gpu_type,
-                        replicas=replicas, spread=spread)
+                        replicas=replicas, spread=spread, name=name, note=note, tags=labels.parse_tags(tag))
     if not wait:
         typer.echo(f"queued screen{'s' if len(ids) > 1 else ''} {', '.join(map(str, ids))}; "
                    f"run {'them' if len(ids) > 1 else 'it'} with `packbench dispatch`")

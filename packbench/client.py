@@ -97,6 +97,14 @@ class Client:
         """Audit rows (every audit run) of the selected screens' attempts."""
         return self._per_attempt(self.store.audits, attempts, select, keep=lambda a: True)
 
+    def history(self, protocol: str, *, condition: str | None = None, metric: str | None = None):
+        """The protocol's screens in order of their source commit, each figure's median and
+        spread, the steps found and the exact counters that changed (`packbench history`;
+        service/history.py states the method). `.regressions(pct)` lists what --fail-above fails."""
+        from service.history import history
+
+        return history(self.store, protocol, condition=condition, metric=metric)
+
     # -- labels, submitting, waiting ------------------------------------------------------
 
     def label(self, screen: int | str, *, name: str | None = None, note: str | None = None,

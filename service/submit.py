@@ -73,14 +73,9 @@ def submit_frozen(store, frozen: FrozenProtocol, *, priority: int = 0, max_attem
     """
     protocol = frozen.protocol
     store.check_labels(name=name, tags=tags or {})  # a bad tag queues nothing
-    check_libraries(protocol)
+    check_frozen(frozen)
     model_dir = frozen.model_dir()
     prompt_file = frozen.prompt_file()
-    vocab = vocab_size(frozen)  # a broken config.json is the checkpoint's error (CheckpointError), not the prompts'
-    try:
-        screen_prompts(protocol, vocab=vocab, model_dir=model_dir, prompt_file=prompt_file)
-    except ValueError as e:
-        raise ProtocolError(f"protocol field `prompts`: {e}") from None
     protocol_id = store.put_protocol(sha256=frozen.sha256, name=frozen.name, canonical_json=frozen.canonical.decode())
     screen = dict(protocol_id=protocol_id, submitter=submitter(),
                   model_dir=None if model_dir is None else str(model_dir),
@@ -97,6 +92,18 @@ def submit_frozen(store, frozen: FrozenProtocol, *, priority: int = 0, max_attem
         for screen_id in ids:
             store.label_screen(screen_id, name=name, note=note, tags=tags)
     return ids
+
+
+def check_frozen(frozen: FrozenProtocol) -> None:
+    """Everything about a frozen protocol that can be checked before a worker is asked for: its
+    competitors' libraries, its model's config, its prompts against the vocabulary."""
+    protocol = frozen.protocol
+    check_libraries(protocol)
+    vocab = vocab_size(frozen)  # a broken config.json is the checkpoint's error (CheckpointError), not the prompts'
+    try:
+        screen_prompts(protocol, vocab=vocab, model_dir=frozen.model_dir(), prompt_file=frozen.prompt_file())
+    except ValueError as e:
+        raise ProtocolError(f"protocol field `prompts`: {e}") from None
 
 
 def submitter() -> str:

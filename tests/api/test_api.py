@@ -6,7 +6,7 @@ import pandas as pd
 import pytest
 
 import packbench
-from conftest import QUICKSTART, archived, ingest_archive
+from screens import QUICKSTART, archived, ingest_archive
 from core.errors import PackbenchError
 from core.record import STORED_FIELDS
 from db.store import Store
