@@ -122,18 +122,40 @@ def plan_cmd(
     shape: Annotated[Optional[Shape], typer.Option(
         help="The model's shape when model.path's config.json is not on this machine.")] = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print the plan and the estimate as JSON.")] = False,
+    sweep: Annotated[Optional[list[str]], typer.Option(
+        "--sweep", help="FIELD=V1,V2,... (repeatable): list the points `submit --sweep` would queue, each with its "
+                        "protocol hash and estimated bytes and transfer time.")] = None,
 ) -> None:
     """Print the ordered episodes and, per condition, the bytes and transfer time the screen will need."""
-    from core.estimate import Activity, estimate
+    from core.estimate import estimate
     from core.plan import plan
 
     frozen = _load(protocol)
-    p = frozen.protocol
-    synth = p.model.synth
     if sparsity is not None and not 0 < sparsity < 1:
         raise PackbenchError(f"--sparsity {sparsity} is not in (0, 1)")
     if h2d_gbps <= 0:
         raise PackbenchError(f"--h2d-gbps {h2d_gbps} must be > 0")
+    named = None if shape is None else shape.value
+    if sweep:
+        from cli.sweep import plan_sweep
+
+        plan_sweep(protocol, sweep, json_out=json_out, estimate_of=lambda f: estimate(
+            f.protocol, shape=_shape(f, named), activity=_activity(f, sparsity), h2d_gbps=h2d_gbps))
+        return
+    p = frozen.protocol
+    activity = _activity(frozen, sparsity)
+    shape = _shape(frozen, named)
+    entries = plan(p)
+    est = estimate(p, shape=shape, activity=activity, h2d_gbps=h2d_gbps)
+    _print_plan(p, entries, est, shape=shape, h2d_gbps=h2d_gbps, json_out=json_out)
+
+
+def _activity(frozen: FrozenProtocol, sparsity: float | None):
+    """The activation statistics to estimate with: --sparsity, the protocol's synthetic recipe, or
+    the recipe a `packbench model synth` checkpoint was written with."""
+    from core.estimate import Activity
+
+    synth = frozen.protocol.model.synth
     legacy = synth is not None and synth.profile is None
     if sparsity is not None:  # a uniform synth's hot neurons stay
         activity = Activity(sparsity=sparsity, hot_fraction=synth.hot_fraction if legacy else 0.0,
@@ -147,9 +169,10 @@ def plan_cmd(
     if activity is None:
         raise PackbenchError("model.path protocols need --sparsity (fraction of activations exactly zero, e.g. 0.94); "
                              "a checkpoint written by `packbench model synth` says its own")
-    shape = _shape(frozen, None if shape is None else shape.value)
-    entries = plan(p)
-    est = estimate(p, shape=shape, activity=activity, h2d_gbps=h2d_gbps)
+    return activity
+
+
+def _print_plan(p, entries: list[dict], est: dict, *, shape, h2d_gbps: float, json_out: bool) -> None:
     if json_out:
         typer.echo(json.dumps({"protocol": p.name, "sha256": p.sha256, "entries": entries, "estimate": est},
                               indent=2, sort_keys=True))

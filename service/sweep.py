@@ -135,3 +135,41 @@ def submit_sweep(store, path: Path, axes: Sequence[Axis], **submit: Any) -> tupl
         store.set_sweep(screen_id, sweep_id=sweep_id, point=point.values)
         queued.append((screen_id, point))
     return sweep_id, queued
+
+
+@dataclass(frozen=True)
+class SweepPoint:
+    """One screen of a sweep as `report --sweep` plots it: its point, status and per-condition figures."""
+
+    screen_id: int
+    values: dict[str, Any]
+    status: str
+    protocol_sha256: str
+    figures: dict[str, dict[str, float | None]]  # condition -> decode_ms_per_token, bytes_per_token
+    verdicts: list[dict[str, Any]]  # gate, condition, phase, passed
+
+
+def sweep_points(store, sweep_id: str) -> list[SweepPoint]:
+    """The sweep's screens in the order they were queued (grid order), each from its latest attempt."""
+    from core.errors import PackbenchError
+    from service.history import screen_figures
+
+    screens = sorted(store.find_screens(sweep_id=sweep_id), key=lambda s: s.id)
+    if not screens:
+        raise PackbenchError(f"no sweep {sweep_id!r}; `packbench screens list` shows each screen's sweep")
+    out = []
+    for s in screens:
+        attempt = store.latest_attempt(s.id)
+        episodes = store.episodes(attempt.id) if attempt is not None else []
+        timed, _ = screen_figures(episodes, metrics=("decode_ms_per_token",))
+        figures = {}
+        for c, metrics in timed.items():
+            scored = [e for e in episodes if e.condition == c and e.role == "scored" and e.status == "ok"]
+            tokens = sum(e.n_tokens for e in scored)
+            moved = sum(e.h2d_weight_bytes + e.h2d_index_bytes for e in scored)
+            figures[c] = {"decode_ms_per_token": metrics["decode_ms_per_token"]["median"],
+                          "bytes_per_token": moved / tokens if tokens else None}
+        verdicts = [{"gate": v.gate, "condition": v.condition, "phase": v.phase, "passed": v.passed}
+                    for v in (store.verdicts(attempt.id) if attempt is not None else [])]
+        out.append(SweepPoint(s.id, s.point, s.status, store.protocol(s.protocol_id).sha256, figures, verdicts))
+    return out
