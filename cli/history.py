@@ -25,6 +25,25 @@ def register(app: typer.Typer) -> None:
     app.command("history")(history_cmd)
 
 
+def check_fail_above(pct: float | None, *, protocol: str | None = None) -> None:
+    """--fail-above is a percentage >= 0 (NaN refused), and `compare` judges two screens with it."""
+    if pct is not None and not pct >= 0:
+        raise PackbenchError(f"--fail-above {pct} must be a percentage >= 0, e.g. --fail-above 10")
+    if pct is not None and protocol is not None:
+        raise PackbenchError("--fail-above judges B against A; give two screen ids instead of --protocol")
+
+
+def fail_compare(store, screen_a: int, screen_b: int, pct: float) -> None:
+    """`compare A B --fail-above PCT`: one `regression:` line each on stderr, then exit 1."""
+    from service.history import compare_regressions
+
+    regressions = compare_regressions(store, screen_a, screen_b, pct)
+    for line in regressions:
+        typer.echo(f"regression: {line}", err=True)
+    if regressions:
+        raise typer.Exit(1)
+
+
 def history_cmd(
     protocol: Annotated[str, typer.Argument(help="Protocol name or SHA-256 prefix.")],
     condition: Annotated[Optional[str], typer.Option(help="Only this condition.")] = None,
@@ -44,8 +63,7 @@ def history_cmd(
     from cli.summary import table
     from service import history as hist
 
-    if fail_above is not None and not fail_above >= 0:
-        raise PackbenchError(f"--fail-above {fail_above} must be a percentage >= 0, e.g. --fail-above 10")
+    check_fail_above(fail_above)
     if html is not None and html.suffix.lower() not in (".html", ".htm"):
         raise PackbenchError(f"--html {html}: write the page to a .html file")
     h = hist.history(open_store(db), protocol, condition=condition, metric=metric)

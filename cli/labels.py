@@ -59,3 +59,22 @@ def screens_tag(
         return
     shown = ", ".join(f"{k}={v}" for k, v in held.items()) or "none"
     typer.echo(f"screen {screen_id}: name {row.name or '-'}; tags {shown}" + (f"; note {row.note!r}" if row.note else ""))
+
+
+def label_columns(store, records: list[dict]) -> list[str]:
+    """Add each screen's name, tags and sweep to its record; the columns to show (none when no
+    listed screen has a label, so an unlabelled listing reads as before)."""
+    ids = [r["id"] for r in records]
+    if not ids:
+        return []
+    rows = {s.id: s for s in store.find_screens(ids=ids)}
+    tags = store.screen_tags(ids)
+    for r in records:
+        s = rows[r["id"]]
+        r.update(name=s.name, tags=",".join(f"{k}={v}" for k, v in tags[r["id"]].items()) or None,
+                 sweep=s.sweep_id)
+    shown = [c for c in ("name", "tags", "sweep") if any(r[c] is not None for r in records)]
+    for r in records:
+        for c in {"name", "tags", "sweep"} - set(shown):
+            del r[c]
+    return shown

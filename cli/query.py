@@ -15,6 +15,7 @@ from typing import Annotated, Any, Optional
 import typer
 
 from cli import labels
+from cli.history import check_fail_above, fail_compare
 from cli.common import DbUrl, Json, open_store
 from cli.summary import print_json, screen_summary, table, verdict_record, verdict_table
 from core.archive import WORKER_NAME, ArchiveReader
@@ -111,9 +112,7 @@ def results(
     ids = labels.tagged(store, tag)
     rows = store.results(ResultFilter(**filters, descending=desc, screen_id=screen_id,
                                       limit=None if limit is None or ids is not None else limit + 1))
-    if ids is not None:
-        rows = [r for r in rows if r.screen_id in ids]
-    rows = _truncated(rows, limit)
+    rows = _truncated([r for r in rows if ids is None or r.screen_id in ids], limit)
     records = [r._asdict() for r in rows]
     tiers = store.condition_tiers(r["protocol_sha256"] for r in records)
     for record in records:
@@ -206,30 +205,11 @@ def screens_list(
     rows = _truncated([r for r in rows if ids is None or r.id in ids], limit)
     records = [dataclasses.asdict(r) for r in rows]
     columns = ["id", "protocol", "protocol_sha256", "status", "created_at", "attempts", "passed", "failed"]
-    columns += _label_columns(store, records)
+    columns += labels.label_columns(store, records)
     if out == "table":
         for record in records:
             record["protocol_sha256"] = record["protocol_sha256"][:12]
     _emit([Section(records, columns, empty="no screens; submit one with `packbench submit`")], out)
-
-
-def _label_columns(store, records: list[dict]) -> list[str]:
-    """Add each screen's name, tags and sweep to its record; the columns to show (none when no
-    listed screen has a label, so an unlabelled listing reads as before)."""
-    ids = [r["id"] for r in records]
-    if not ids:
-        return []
-    rows = {s.id: s for s in store.find_screens(ids=ids)}
-    tags = store.screen_tags(ids)
-    for r in records:
-        s = rows[r["id"]]
-        r.update(name=s.name, tags=",".join(f"{k}={v}" for k, v in tags[r["id"]].items()) or None,
-                 sweep=s.sweep_id)
-    shown = [c for c in ("name", "tags", "sweep") if any(r[c] is not None for r in records)]
-    for r in records:
-        for c in {"name", "tags", "sweep"} - set(shown):
-            del r[c]
-    return shown
 
 
 def screens_show(
@@ -430,10 +410,9 @@ def compare(
     protocol: Annotated[Optional[str], typer.Option(
         "--protocol", help="Instead of A and B: every machine that screened this protocol (name or SHA-256 prefix), "
                            "verdict by verdict, and whether the machines agree (exit 1 when they do not).")] = None,
-    fail_above: Annotated[Optional[float], typer.Option(
-        "--fail-above", metavar="PCT", help="Exit 1 when B's median wall, call or decode ms/token of a condition is "
-                                            "more than PCT percent above A's, or an exact counter (bytes, rows, "
-                                            "tokens) differs.")] = None,
+    fail_above: Annotated[Optional[float], typer.Option("--fail-above", metavar="PCT", help=(
+        "Exit 1 when B's median wall, call or decode ms/token of a condition is more than PCT percent above A's, or "
+        "an exact counter (bytes, rows, tokens) differs."))] = None,
     fmt: Format = None,
     db: DbUrl = None,
     json_out: Annotated[bool, typer.Option("--json", help="Same as --format json.")] = False,
@@ -441,10 +420,7 @@ def compare(
     """Compare two screens' latest attempts (scored totals with B/A ratios, energy per episode and
     per generated token, and verdicts), or with --protocol every machine that screened one protocol."""
     out = _output_format(fmt, json_out)
-    if fail_above is not None and not fail_above >= 0:
-        raise PackbenchError(f"--fail-above {fail_above} must be a percentage >= 0, e.g. --fail-above 10")
-    if fail_above is not None and protocol is not None:
-        raise PackbenchError("--fail-above judges B against A; give two screen ids instead of --protocol")
+    check_fail_above(fail_above, protocol=protocol)
     if protocol is not None:
         if screen_a is not None or screen_b is not None:
             raise PackbenchError("give two screen ids, or --protocol SHA alone")
@@ -510,13 +486,7 @@ def compare(
                    title="verdicts", rows=verdicts, fields=[*_field_names(VerdictPair), "tier"])],
           out, document=document)
     if fail_above is not None:
-        from service.history import compare_regressions
-
-        regressions = compare_regressions(store, c.a.screen_id, c.b.screen_id, fail_above)
-        for line in regressions:
-            typer.echo(f"regression: {line}", err=True)
-        if regressions:
-            raise typer.Exit(1)
+        fail_compare(store, c.a.screen_id, c.b.screen_id, fail_above)
 
 
 def _range(s: dict) -> str | None:

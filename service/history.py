@@ -15,7 +15,8 @@ The method, stated once (docs/api.md, "History and regressions"):
 - The false-alarm rate is measured, not assumed. On i.i.d. log-normal noise (sigma 0.05, 0.1,
   0.3; 2000 sequences of 12 runs each) a confirmed step was found in 0.5 %, 0.75 % and 0.85 % of
   sequences; a 30 % slowdown after 6 runs of 5 % noise was found in 75 % of sequences, a 50 %
-  one in 98 % (tests/cli/test_history.py holds these bounds). `false_alarm_rate` shuffles a
+  one in 98 % (tests/cli/test_history.py holds the rate under 1.5 % and
+  the 50 % step's detection above 95 %). `false_alarm_rate` shuffles a
   protocol's own repeated runs of one commit (exchangeable when nothing changed) and counts the
   orderings with a step; `history` prints it for the commit with the most runs.
 - **Exact counters** (bytes moved, episode rows, the generated tokens) have no noise: any change
