@@ -13,8 +13,8 @@ from db.store import Store
 
 
 @pytest.fixture
-def db(tmp_path):
-    url = f"sqlite:///{tmp_path / 'p.db'}"
+def db(db_url):
+    url = db_url
     with Store(url) as store:
         store.upgrade()
         ingest_archive(store, QUICKSTART, commit="a" * 40, key="1")
@@ -59,6 +59,11 @@ def test_verdicts_and_audits(db):
     assert db.audits(screen=1).frame().empty
     commits = [a.source_freeze["git_commit"] for a in db.attempts(protocol="quickstart-v1")]
     assert commits == ["b" * 40, "a" * 40]
+    h = db.history("quickstart-v1", condition="packet", metric="wall_ms")
+    assert [p.commit for p in h.points] == ["a" * 40, "b" * 40]
+    (series,) = h.series
+    assert series.values[1] == pytest.approx(2 * series.values[0])  # too few runs for a step: none claimed
+    assert series.steps == [] and h.regressions(50.0) == []
 
 
 def test_labels_filter_every_listing(db):
