@@ -10,7 +10,7 @@ from datetime import datetime
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from db.models import Attempt, Protocol, Screen
+from db.models import SqlAttempt, SqlProtocol, SqlScreen
 from db.queries import _protocol_matches
 
 
@@ -35,15 +35,15 @@ class HistoryRun:
 def runs(session: Session, protocol: str) -> list[HistoryRun]:
     """The done screens of `protocol` (name or SHA-256 prefix), each by its latest done attempt,
     oldest first (by when the attempt started)."""
-    latest = (select(Attempt.screen_id, func.max(Attempt.number).label("number"))
-              .where(Attempt.status == "done").group_by(Attempt.screen_id).subquery())
-    query = (select(Screen.id, Attempt.id, Attempt.number, Protocol.name, Protocol.sha256, Screen.name,
-                    Attempt.source_freeze, Attempt.started_at, Attempt.node, Attempt.gpu_name)
-             .join(Protocol, Protocol.id == Screen.protocol_id)
-             .join(latest, latest.c.screen_id == Screen.id)
-             .join(Attempt, (Attempt.screen_id == Screen.id) & (Attempt.number == latest.c.number))
+    latest = (select(SqlAttempt.screen_id, func.max(SqlAttempt.number).label("number"))
+              .where(SqlAttempt.status == "done").group_by(SqlAttempt.screen_id).subquery())
+    query = (select(SqlScreen.id, SqlAttempt.id, SqlAttempt.number, SqlProtocol.name, SqlProtocol.sha256,
+                    SqlScreen.name, SqlAttempt.source_freeze, SqlAttempt.started_at, SqlAttempt.node, SqlAttempt.gpu_name)
+             .join(SqlProtocol, SqlProtocol.id == SqlScreen.protocol_id)
+             .join(latest, latest.c.screen_id == SqlScreen.id)
+             .join(SqlAttempt, (SqlAttempt.screen_id == SqlScreen.id) & (SqlAttempt.number == latest.c.number))
              .where(_protocol_matches(protocol))
-             .order_by(Attempt.started_at, Screen.id))
+             .order_by(SqlAttempt.started_at, SqlScreen.id))
     out = []
     for sid, aid, number, pname, sha, name, freeze, started, node, gpu in session.execute(query):
         source = json.loads(freeze) if freeze else {}

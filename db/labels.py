@@ -15,7 +15,7 @@ from sqlalchemy.orm import Session
 
 from core.canonical import canonical_json
 from db.errors import InvalidFilter
-from db.models import SCREEN_STATUSES, Protocol, Screen, ScreenTag
+from db.models import SCREEN_STATUSES, SqlProtocol, SqlScreen, SqlScreenTag
 from db.queries import _one_of, _protocol_matches, find_screen
 from db.records import ScreenRow
 
@@ -53,23 +53,23 @@ def label(session: Session, ref: int | str, *, name: str | None = None, note: st
         screen.note = note
     drop = set(untag)
     if drop:
-        session.execute(delete(ScreenTag).where(ScreenTag.screen_id == screen.id, ScreenTag.key.in_(drop)))
+        session.execute(delete(SqlScreenTag).where(SqlScreenTag.screen_id == screen.id, SqlScreenTag.key.in_(drop)))
     wanted = check_tags(tags or {})
     if wanted:
-        held = {t.key: t for t in session.scalars(select(ScreenTag).where(
-            ScreenTag.screen_id == screen.id, ScreenTag.key.in_(wanted)))}
+        held = {t.key: t for t in session.scalars(select(SqlScreenTag).where(
+            SqlScreenTag.screen_id == screen.id, SqlScreenTag.key.in_(wanted)))}
         for key, value in wanted.items():
             if key in held:
                 held[key].value = value
             else:
-                session.add(ScreenTag(screen_id=screen.id, key=key, value=value))
+                session.add(SqlScreenTag(screen_id=screen.id, key=key, value=value))
     session.flush()
     return screen.id
 
 
 def set_sweep(session: Session, screen_id: int, *, sweep_id: str, point: Mapping[str, Any]) -> None:
     """Record that `screen_id` is the point `point` ({dotted field: value}) of sweep `sweep_id`."""
-    screen = session.get(Screen, screen_id)
+    screen = session.get(SqlScreen, screen_id)
     if screen is None:
         raise InvalidFilter(f"no screen with id {screen_id}")
     screen.sweep_id = sweep_id
@@ -81,9 +81,9 @@ def tags_of(session: Session, screen_ids: Iterable[int]) -> dict[int, dict[str, 
     ids = list(screen_ids)
     out: dict[int, dict[str, str]] = {i: {} for i in ids}
     for chunk in range(0, len(ids), 500):  # bounded IN lists
-        rows = session.execute(select(ScreenTag.screen_id, ScreenTag.key, ScreenTag.value)
-                               .where(ScreenTag.screen_id.in_(ids[chunk:chunk + 500]))
-                               .order_by(ScreenTag.screen_id, ScreenTag.key))
+        rows = session.execute(select(SqlScreenTag.screen_id, SqlScreenTag.key, SqlScreenTag.value)
+                               .where(SqlScreenTag.screen_id.in_(ids[chunk:chunk + 500]))
+                               .order_by(SqlScreenTag.screen_id, SqlScreenTag.key))
         for screen_id, key, value in rows:
             out[screen_id][key] = value
     return out
@@ -91,9 +91,9 @@ def tags_of(session: Session, screen_ids: Iterable[int]) -> dict[int, dict[str, 
 
 def _having_tags(tags: Mapping[str, str]) -> Any:
     """Screen ids carrying every tag of `tags` (a value of '*' matches any value of that key)."""
-    criteria = [and_(ScreenTag.key == k, true() if v == "*" else ScreenTag.value == v) for k, v in tags.items()]
-    return (select(ScreenTag.screen_id).where(or_(*criteria)).group_by(ScreenTag.screen_id)
-            .having(func.count(ScreenTag.id) == len(tags)))
+    criteria = [and_(SqlScreenTag.key == k, true() if v == "*" else SqlScreenTag.value == v) for k, v in tags.items()]
+    return (select(SqlScreenTag.screen_id).where(or_(*criteria)).group_by(SqlScreenTag.screen_id)
+            .having(func.count(SqlScreenTag.id) == len(tags)))
 
 
 def screens(session: Session, *, protocol: str | None = None, status: str | None = None,
@@ -102,19 +102,20 @@ def screens(session: Session, *, protocol: str | None = None, status: str | None
     """Screens, newest first, filtered by protocol (name or SHA-256 prefix), status, name (exact),
     every one of `tags`, sweep id, or an id list."""
     _one_of(status, SCREEN_STATUSES, "screen status")
-    query = select(Screen).join(Protocol, Protocol.id == Screen.protocol_id).order_by(Screen.id.desc())
+    query = (select(SqlScreen).join(SqlProtocol, SqlProtocol.id == SqlScreen.protocol_id)
+             .order_by(SqlScreen.id.desc()))
     if protocol is not None:
         query = query.where(_protocol_matches(protocol))
     if status is not None:
-        query = query.where(Screen.status == status)
+        query = query.where(SqlScreen.status == status)
     if name is not None:
-        query = query.where(Screen.name == name)
+        query = query.where(SqlScreen.name == name)
     if sweep_id is not None:
-        query = query.where(Screen.sweep_id == sweep_id)
+        query = query.where(SqlScreen.sweep_id == sweep_id)
     if ids is not None:
-        query = query.where(Screen.id.in_(list(ids)))
+        query = query.where(SqlScreen.id.in_(list(ids)))
     if tags:
-        query = query.where(Screen.id.in_(_having_tags(check_tags(tags))))
+        query = query.where(SqlScreen.id.in_(_having_tags(check_tags(tags))))
     if limit is not None:
         query = query.limit(limit)
     return [s.to_record() for s in session.scalars(query)]

@@ -37,10 +37,11 @@ from collections.abc import Callable
 
 import torch
 
+from core.protocol.schema import ENGINE_MODES
 from engine.ledger import CallLedger, Recorder
 from engine.static_opt import StaticKV, StaticOPT
 
-MODES = ("eager", "graph")
+MODES = ENGINE_MODES  # one list: what a protocol's engine.mode may say is what the engine runs
 
 # Which policies' decode steps may be captured: no host reads, no host decisions, every
 # buffer fixed for the episode. Keyed by policy name; a missing name stays eager.

@@ -22,7 +22,6 @@ from core.errors import CheckpointError
 from core.metrics import episode_totals
 from core.provenance import checkpoint_digest
 from core.registry import tier_of
-from core.settings import WORKER_PIN_ENV, WORKER_THREADS_ENV
 from core.protocol import Protocol, expand
 from engine.episode import run_episode
 from engine.gpu_lock import GpuLock, HostPresence, host_gpu_index, host_gpus
@@ -115,7 +114,9 @@ def core_share(cores: list[int], index: int, count: int) -> list[int]:
 
 
 class Worker:
-    def __init__(self, device: str | None = None) -> None:
+    def __init__(self, device: str | None = None, *, threads: int | None = None, pin: bool = False) -> None:
+        """`threads`: host threads of a CUDA worker's gathers (None: its share of the host's cores);
+        `pin`: pin a CUDA worker to its GPU's share of the cores (Settings.worker_threads/worker_pin)."""
         self.t_entry = time.perf_counter()
         # Under Ray, CUDA_VISIBLE_DEVICES holds only the assigned GPU: it is index 0 here.
         self.device = torch.device(device or ("cuda:0" if torch.cuda.is_available() else "cpu"))
@@ -148,10 +149,9 @@ class Worker:
             # Host gathers run on OMP threads. One worker per GPU shares the host's cores with the
             # others: two workers of 32 threads each on a 32-core host ran a screen 7x slower than
             # one alone (nvidia-h200-x2, docs/benchmarks.md "Queue on two GPUs").
-            # $PACKBENCH_WORKER_THREADS (core/settings.py) fixes the count instead.
-            torch.set_num_threads(int(os.environ.get(WORKER_THREADS_ENV) or 0)
-                                  or max(1, (os.cpu_count() or 1) // max(1, host_gpus())))
-            index = host_gpu_index(uuid) if uuid and os.environ.get(WORKER_PIN_ENV) == "1" else None
+            # `threads` (--worker-threads, core/settings.py) fixes the count instead.
+            torch.set_num_threads(threads or max(1, (os.cpu_count() or 1) // max(1, host_gpus())))
+            index = host_gpu_index(uuid) if uuid and pin else None
             if index is not None:  # threads made from here on (the host gathers' OMP pool) inherit it
                 os.sched_setaffinity(0, core_share(sorted(os.sched_getaffinity(0)), index, host_gpus()))
         self.sampler = MemorySampler(uuid)  # one helper process for the worker's life

@@ -29,7 +29,7 @@ def connect(url: str | None = None, *, upgrade: bool = False) -> Client:
 
 class Client:
     """A results database. Listings return `Records` (plain immutable rows: `db.records`'s
-    ScreenRow, EpisodeRow, VerdictRow, AuditRow); `.frame()` turns one into a DataFrame.
+    ScreenRow, EpisodeRow, StoredVerdict, AuditRow); `.frame()` turns one into a DataFrame.
 
     Selecting screens, for every listing: `screen` (an id or 'latest'), or any of `protocol`
     (name or SHA-256 prefix), `status`, `name`, `tags` ({key: value}, every one must match; a

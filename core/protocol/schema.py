@@ -67,7 +67,7 @@ MAX_BOOTSTRAP_DRAWS = 1 << 27
 
 
 ORDERS = ("alternating", "abba", "latin-square")
-ENGINE_MODES = ("eager", "graph")  # engine/graph.py MODES (tests keep the two equal)
+ENGINE_MODES = ("eager", "graph")  # engine/graph.py MODES is this tuple
 PHASES = ("all", "prefill", "decode")
 GATE_NAMES = ("faithfulness", "resources", "capacity", "acquisition", "runtime", "useful_latency", "fidelity")
 # The fidelity gate's thresholds (core/fidelity.py figures), each bounding every scored episode.
