@@ -263,6 +263,8 @@ def submit(
 
     if wait and replicas > 1:
         raise PackbenchError("--wait runs one screen; queue replicas without --wait and run `packbench dispatch`")
+    if sweep and (replicas > 1 or spread):
+        raise PackbenchError("--sweep queues one screen per point; drop --replicas/--spread, or repeat the sweep")
     if spread and replicas < 2:
         raise PackbenchError("--spread places replicas on distinct nodes; give --replicas 2 or more")
     source = ctx.get_parameter_source("address")

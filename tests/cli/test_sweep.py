@@ -98,7 +98,8 @@ def test_a_bad_sweep_queues_nothing(workdir, env):
                         (["--sweep", "nosuch.field=1"], "the protocol has no nosuch"),
                         (["--sweep", "prefix_tokens=16,0"], "sweep point prefix_tokens=0: protocol field"),
                         (["--sweep", "prefix_tokens=16,16"], "repeats a value"),
-                        (["--sweep", "prefix_tokens=16", "--tag", "oops"], "--tag 'oops' is not KEY=VALUE")):
+                        (["--sweep", "prefix_tokens=16", "--tag", "oops"], "--tag 'oops' is not KEY=VALUE"),
+                        (["--sweep", "prefix_tokens=16", "--replicas", "2"], "drop --replicas/--spread")):
         out = cli("submit", "protocol.yaml", *args, cwd=workdir, env=env)
         assert out.returncode == 2 and words in out.stderr, (args, out.stderr)
         assert len(out.stderr.strip().splitlines()) == 1
