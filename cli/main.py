@@ -12,7 +12,7 @@ from typing import Annotated, Optional
 import typer
 from typer.core import TyperGroup
 
-from cli import audit_cmd, ingest, keys, model_stats, protocol_cmd, query, report
+from cli import audit_cmd, history, ingest, keys, labels, model_stats, protocol_cmd, query, report
 from cli.common import DB_HELP, Address, ArchiveDir, DbUrl, Json, echo_json, open_store, output_dir, settings_of
 from cli.summary import screen_summary, verdict_table
 from core.errors import ClusterUnreachable, PackbenchError
@@ -239,6 +239,12 @@ def submit(
     keep_queued: Annotated[bool, typer.Option(
         "--keep-queued", help="With --wait: an interrupted (Ctrl-C) screen stays queued for the next `packbench "
                               "dispatch` instead of being cancelled.")] = False,
+    name: labels.Name = None,
+    tag: Annotated[Optional[list[str]], typer.Option("--tag", help="KEY=VALUE label, repeatable.")] = None,
+    note: labels.Note = None,
+    sweep: Annotated[Optional[list[str]], typer.Option(
+        "--sweep", help="FIELD=V1,V2,...: one protocol per value (repeatable: their product), queued under one "
+                        "sweep id; FIELD is a dotted protocol path, e.g. prefix_tokens.")] = None,
     address: Address = None,
     archive_dir: ArchiveDir = Path("archives"),
     db: DbUrl = None,
@@ -257,6 +263,8 @@ def submit(
 
     if wait and replicas > 1:
         raise PackbenchError("--wait runs one screen; queue replicas without --wait and run `packbench dispatch`")
+    if sweep and (replicas > 1 or spread):
+        raise PackbenchError("--sweep queues one screen per point; drop --replicas/--spread, or repeat the sweep")
     if spread and replicas < 2:
         raise PackbenchError("--spread places replicas on distinct nodes; give --replicas 2 or more")
     source = ctx.get_parameter_source("address")
@@ -270,8 +278,15 @@ def submit(
         from cluster.runtime import ensure_ray
 
         ensure_ray(settings)  # an unreachable cluster fails here, before a screen is queued
+    if sweep:
+        from cli.sweep import submit_sweep
+
+        submit_sweep(store, settings, protocol, sweep, wait=wait, json_out=json_out, priority=priority,
+                     max_attempts=max_attempts, gpu_type=gpu_type, name=name, tags=labels.parse_tags(tag), note=note,
+                     run=_dispatch)
+        return
     ids = queue_screens(store, protocol, priority=priority, max_attempts=max_attempts, gpu_type=gpu_type,
-                        replicas=replicas, spread=spread)
+                        replicas=replicas, spread=spread, name=name, note=note, tags=labels.parse_tags(tag))
     if not wait and json_out:
         echo_json({"queued": ids})
         return
@@ -394,6 +409,7 @@ protocol_cmd.register(app)
 keys.register(app)
 ingest.register(app)
 audit_cmd.register(app)
+history.register(app)
 model_stats.register(model_app)
 
 

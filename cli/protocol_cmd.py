@@ -134,6 +134,9 @@ def plan_cmd(
              "default: this machine's).")] = None,
     db: DbUrl = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print the plan and the estimate as JSON.")] = False,
+    sweep: Annotated[Optional[list[str]], typer.Option(
+        "--sweep", help="FIELD=V1,V2,... (repeatable): list the points `submit --sweep` would queue, each with its "
+                        "protocol hash and estimated bytes and transfer time.")] = None,
 ) -> None:
     """Print the ordered episodes and, per condition, the bytes the screen will move and its time:
     measured rates of earlier episodes on the same device (the database), else the GPU transfer floor."""
@@ -146,6 +149,13 @@ def plan_cmd(
         raise PackbenchError(f"--sparsity {sparsity} is not in (0, 1)")
     if h2d_gbps <= 0:
         raise PackbenchError(f"--h2d-gbps {h2d_gbps} must be > 0")
+    if sweep:
+        from cli.sweep import plan_sweep
+
+        named = None if shape is None else shape.value
+        plan_sweep(protocol, sweep, json_out=json_out, estimate_of=lambda f: estimate(
+            f.protocol, shape=_shape(f, named), activity=_activity(f, sparsity), h2d_gbps=h2d_gbps))
+        return
     activity = _activity(frozen, sparsity)
     shape = _shape(frozen, None if shape is None else shape.value)
     entries = plan(p)

@@ -14,6 +14,8 @@ from typing import Annotated, Any, Optional
 
 import typer
 
+from cli import labels
+from cli.history import check_fail_above, fail_compare
 from cli.common import DbUrl, Json, open_store
 from cli.summary import print_json, screen_summary, table, verdict_record, verdict_table
 from core.archive import WORKER_NAME, ArchiveReader, worker_parts
@@ -42,6 +44,7 @@ def register(app: typer.Typer) -> None:
     screens_app.command("show")(screens_show)
     screens_app.command("cancel")(screens_cancel)
     screens_app.command("retry")(screens_retry)
+    screens_app.command("tag")(labels.screens_tag)
     app.add_typer(screens_app, name="screens")
     app.command()(compare)
     app.command()(status)
@@ -81,6 +84,7 @@ def results(
         help=f"Order by this column (episodes without a value last): {SORT_HELP}.",
         autocompletion=lambda: list(SORT_NAMES))] = None,
     desc: Annotated[bool, typer.Option("--desc", help="With --sort: largest first.")] = False,
+    tag: labels.Tags = None,
     limit: Limit = None,
     fmt: Format = None,
     db: DbUrl = None,
@@ -92,7 +96,7 @@ def results(
     filters = dict(protocol=protocol, model=model, dtype=dtype, condition=condition, gate=gate, phase=phase,
                    passed=passed, status=status, since=since, until=until, machine=machine,
                    min_energy_j=min_energy, max_energy_j=max_energy, sort=sort)
-    if all(v is None for v in filters.values()) and not desc and fmt is None and limit is None:
+    if all(v is None for v in filters.values()) and not desc and fmt is None and limit is None and not tag:
         _screen_view(open_store(db), screen or "latest", json_out=json_out)
         return
     out = _output_format(fmt, json_out)
@@ -103,9 +107,10 @@ def results(
     ResultFilter(**filters, descending=desc)
     store = open_store(db)
     screen_id = store.screen(screen).id if screen is not None else None
+    ids = labels.tagged(store, tag)
     rows = store.results(ResultFilter(**filters, descending=desc, screen_id=screen_id,
-                                      limit=None if limit is None else limit + 1))
-    rows = _truncated(rows, limit)
+                                      limit=None if limit is None or ids is not None else limit + 1))
+    rows = _truncated([r for r in rows if ids is None or r.screen_id in ids], limit)
     records = [r._asdict() for r in rows]
     tiers = store.condition_tiers(r["protocol_sha256"] for r in records)
     for record in records:
@@ -178,6 +183,8 @@ def screens_list(
         help="queued, running, done, failed or cancelled.",
         autocompletion=lambda: ["queued", "running", "done", "failed", "cancelled"])] = None,
     protocol: ProtocolRef = None,
+    tag: labels.Tags = None,
+    name: Annotated[Optional[str], typer.Option("--name", help="Only screens of this name.")] = None,
     limit: Limit = None,
     fmt: Format = None,
     db: DbUrl = None,
@@ -187,14 +194,20 @@ def screens_list(
     out = _output_format(fmt, json_out)
     limit = _limit(limit, default=50)
     store = open_store(db)
-    rows = _truncated(store.list_screens(status=status, protocol=protocol,
-                                         limit=None if limit is None else limit + 1), limit)
+    ids = labels.tagged(store, tag)
+    if name is not None:
+        named = {s.id for s in store.find_screens(name=name)}
+        ids = named if ids is None else ids & named
+    rows = store.list_screens(status=status, protocol=protocol,
+                              limit=None if limit is None or ids is not None else limit + 1)
+    rows = _truncated([r for r in rows if ids is None or r.id in ids], limit)
     records = [dataclasses.asdict(r) for r in rows]
+    columns = ["id", "protocol", "protocol_sha256", "status", "created_at", "attempts", "passed", "failed"]
+    columns += labels.label_columns(store, records)
     if out == "table":
         for record in records:
             record["protocol_sha256"] = record["protocol_sha256"][:12]
-    _emit([Section(records, ["id", "protocol", "protocol_sha256", "status", "created_at", "attempts", "passed",
-                             "failed"], empty="no screens; submit one with `packbench submit`")], out)
+    _emit([Section(records, columns, empty="no screens; submit one with `packbench submit`")], out)
 
 
 def screens_show(
@@ -396,6 +409,9 @@ def compare(
     protocol: Annotated[Optional[str], typer.Option(
         "--protocol", help="Instead of A and B: every machine that screened this protocol (name or SHA-256 prefix), "
                            "verdict by verdict, and whether the machines agree (exit 1 when they do not).")] = None,
+    fail_above: Annotated[Optional[float], typer.Option("--fail-above", metavar="PCT", help=(
+        "Exit 1 when B's median wall, call or decode ms/token of a condition is more than PCT percent above A's, or "
+        "an exact counter (bytes, rows, tokens) differs."))] = None,
     fmt: Format = None,
     db: DbUrl = None,
     json_out: Annotated[bool, typer.Option("--json", help="Same as --format json.")] = False,
@@ -403,6 +419,7 @@ def compare(
     """Compare two screens' latest attempts (scored totals with B/A ratios, energy per episode and
     per generated token, and verdicts), or with --protocol every machine that screened one protocol."""
     out = _output_format(fmt, json_out)
+    check_fail_above(fail_above, protocol=protocol)
     if protocol is not None:
         if screen_a is not None or screen_b is not None:
             raise PackbenchError("give two screen ids, or --protocol SHA alone")
@@ -467,6 +484,8 @@ def compare(
                    ["gate", "condition", "tier", "phase", "A", "B"],
                    title="verdicts", rows=verdicts, fields=[*_field_names(VerdictPair), "tier"])],
           out, document=document)
+    if fail_above is not None:
+        fail_compare(store, c.a.screen_id, c.b.screen_id, fail_above)
 
 
 def _range(s: dict) -> str | None:

@@ -22,11 +22,14 @@ def register(app: typer.Typer) -> None:
 
 
 def report(
-    screens: Annotated[list[str], typer.Argument(
+    screens: Annotated[Optional[list[str]], typer.Argument(
         help="An archive file (.zip), or a screen id or `latest` (its latest attempt's archive, via the database). "
-             "With --compare, two or more.", show_default=False)],
+             "With --compare, two or more.", show_default=False)] = None,
     compare: Annotated[bool, typer.Option("--compare", help="Put the screens side by side, with their verdict "
                                                             "agreement.")] = False,
+    sweep: Annotated[Optional[str], typer.Option(
+        "--sweep", help="Instead of screens: a sweep id (`submit --sweep`); each condition's decode ms/token, bytes "
+                        "per token and verdicts against the swept field.")] = None,
     out: Annotated[Optional[Path], typer.Option(
         "--out", "-o", help="HTML file to write (default here: report-<archive stem or screen-ID>.html, "
                             "or compare-<...>.html).")] = None,
@@ -36,15 +39,20 @@ def report(
     """Write one self-contained HTML report (no network at view time, plots inline) of a screen."""
     from cli.report_page import compare_page, screen_page
 
+    screens = screens or []
+    if sweep is not None:
+        if screens or compare:
+            raise PackbenchError("--sweep ID reports a whole sweep; give no screens and no --compare with it")
+        _check_out(out)
+        from cli.sweep import report_sweep
+
+        report_sweep(open_store(db), sweep, out)
+        return
     if compare and len(screens) < 2:
         raise PackbenchError("--compare needs two or more screens, e.g. `packbench report --compare 3 4`")
     if not compare and len(screens) != 1:
         raise PackbenchError(f"give one screen, or --compare with {len(screens)} of them")
-    if out is not None and out.suffix.lower() not in (".html", ".htm"):
-        raise PackbenchError(f"--out {out}: write the report to a .html file")
-    if out is not None and not out.parent.is_dir():  # said before the archives are read
-        raise PackbenchError(f"--out {out}: the directory {out.parent} does not exist; create it or choose "
-                             f"another --out")
+    _check_out(out)
     loaded = [_load(ref, db) for ref in screens]
     names = [_name(ref, screen) for ref, (screen, _) in zip(screens, loaded)]
     if compare:
@@ -59,6 +67,14 @@ def report(
         echo_json({"path": str(path), "bytes": path.stat().st_size, "screens": list(screens)})
         return
     typer.echo(f"wrote {path} ({path.stat().st_size:,} bytes)")
+
+
+def _check_out(out: Path | None) -> None:
+    if out is not None and out.suffix.lower() not in (".html", ".htm"):
+        raise PackbenchError(f"--out {out}: write the report to a .html file")
+    if out is not None and not out.parent.is_dir():  # said before the archives are read
+        raise PackbenchError(f"--out {out}: the directory {out.parent} does not exist; create it or choose "
+                             f"another --out")
 
 
 def _name(ref: str, screen) -> str:

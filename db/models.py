@@ -218,6 +218,11 @@ class SqlScreen(Base):
     # Custom Ray resources its node must have free (the protocol's placement.resources), as
     # canonical JSON; NULL when none. Only claims for a node declaring them can take it.
     resources: Mapped[str | None] = mapped_column(Text)
+    # Labels (0010): what a researcher calls it, and the sweep point it ran (db/labels.py).
+    name: Mapped[str | None] = mapped_column(String(200), index=True)
+    note: Mapped[str | None] = mapped_column(Text)
+    sweep_id: Mapped[str | None] = mapped_column(String(32), index=True)
+    sweep_point: Mapped[str | None] = mapped_column(Text)  # canonical JSON {field: value}
 
     def to_record(self) -> ScreenRow:
         return ScreenRow(
@@ -241,6 +246,10 @@ class SqlScreen(Base):
             unplaceable_reason=self.unplaceable_reason,
             cancel_requested_at=self.cancel_requested_at,
             resources=self.resources,
+            name=self.name,
+            note=self.note,
+            sweep_id=self.sweep_id,
+            sweep_point=self.sweep_point,
         )
 
 
@@ -514,3 +523,15 @@ class SqlSigner(Base):
     def to_record(self) -> SignerRow:
         return SignerRow(id=self.id, key_id=self.key_id, public_key=self.public_key, name=self.name,
                          local=self.local, created_at=self.created_at)
+
+
+class SqlScreenTag(Base):
+    """A key/value label of a screen (0010): one value per key and screen."""
+
+    __tablename__ = "screen_tags"
+    __table_args__ = (UniqueConstraint("screen_id", "key"), Index("ix_screen_tags_key_value", "key", "value"))
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    screen_id: Mapped[int] = mapped_column(ForeignKey("screens.id"))
+    key: Mapped[str] = mapped_column(String(100))
+    value: Mapped[str] = mapped_column(String(200))

@@ -62,6 +62,15 @@ class ScreenRow:
     unplaceable_reason: str | None = None
     cancel_requested_at: datetime | None = None
     resources: str | None = None  # canonical JSON of the custom Ray resources it needs; None: none
+    name: str | None = None  # labels (0010, db/labels.py)
+    note: str | None = None
+    sweep_id: str | None = None  # screens queued by one `submit --sweep` share it
+    sweep_point: str | None = None  # canonical JSON of the swept fields and this screen's values
+
+    @property
+    def point(self) -> dict[str, Any]:
+        """The swept fields (dotted protocol paths) and this screen's values ({} outside a sweep)."""
+        return json.loads(self.sweep_point) if self.sweep_point else {}
 
     @property
     def needs(self) -> dict[str, float]:

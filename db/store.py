@@ -35,7 +35,8 @@ from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session
 from sqlalchemy.pool import PoolProxiedConnection
 
-from db import compare as compare_query, ingest, migrate, queries, queue, status as status_query
+from db import compare as compare_query, history, ingest, labels, migrate, queries, queue, status as status_query
+from db.history import HistoryRun
 from db.compare import ScreenComparison
 from db.errors import SchemaNotAtHead
 from db.ingest import EPISODE_KEY, RECONCILE_CHECKS, VERDICT_KEY
@@ -689,3 +690,42 @@ class Store:
             return ingest.ingest_attempt(session, clock=self._clock, protocol_sha256=protocol_sha256,
                                          protocol_name=protocol_name, protocol_json=protocol_json, machine=machine,
                                          attempt=attempt, episodes=episodes, verdicts=verdicts)
+
+    # -- labels, sweeps and history (db.labels, db.history) -----------------------------
+
+    @staticmethod
+    def check_labels(*, name: str | None = None, tags: Mapping[str, str] | None = None) -> None:
+        """Refuse (InvalidFilter, one line) a name or tags that `label_screen` would refuse."""
+        labels.check_name(name)
+        labels.check_tags(tags or {})
+
+    def label_screen(self, ref: int | str, *, name: str | None = None, note: str | None = None,
+                     tags: Mapping[str, str] | None = None, untag: Iterable[str] = ()) -> int:
+        """Set a screen's name, note and tags (`db.labels.label`); return its id."""
+        with self._session() as session:
+            return labels.label(session, ref, name=name, note=note, tags=tags, untag=untag)
+
+    def set_sweep(self, screen_id: int, *, sweep_id: str, point: Mapping[str, Any]) -> None:
+        """Record the sweep a screen belongs to and the values its protocol took."""
+        with self._session() as session:
+            labels.set_sweep(session, screen_id, sweep_id=sweep_id, point=point)
+
+    def screen_tags(self, screen_ids: Iterable[int]) -> dict[int, dict[str, str]]:
+        """Each screen's tags."""
+        with self._session() as session:
+            return labels.tags_of(session, screen_ids)
+
+    def tagged_screens(self, tags: Mapping[str, str]) -> set[int]:
+        """The ids of the screens carrying every one of `tags` (a value '*' matches any)."""
+        with self._session() as session:
+            return labels.tagged_ids(session, tags)
+
+    def find_screens(self, **filters: Any) -> list[ScreenRow]:
+        """Screens, newest first, by protocol, status, name, tags, sweep id, ids (`db.labels.screens`)."""
+        with self._session() as session:
+            return labels.screens(session, **filters)
+
+    def history_runs(self, protocol: str) -> list[HistoryRun]:
+        """A protocol's done screens with their recorded source commits (`db.history.runs`)."""
+        with self._session() as session:
+            return history.runs(session, protocol)

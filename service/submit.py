@@ -6,6 +6,7 @@ No torch and no Ray here: `packbench submit` starts in well under a second (docs
 from __future__ import annotations
 
 import getpass
+from collections.abc import Mapping
 from pathlib import Path
 
 from core.errors import ProtocolError
@@ -52,8 +53,19 @@ def check_libraries(protocol: Protocol) -> None:
 
 
 def submit(store, path: Path, *, priority: int = 0, max_attempts: int = 3, gpu_type: str | None = None,
-           replicas: int = 1, spread: bool = False) -> list[int]:
-    """Validate and freeze `path`, store the protocol (idempotent) and queue its screen(s).
+           replicas: int = 1, spread: bool = False, name: str | None = None, note: str | None = None,
+           tags: Mapping[str, str] | None = None) -> list[int]:
+    """Validate and freeze `path`, store the protocol (idempotent) and queue its screen(s)
+    (`submit_frozen`)."""
+    return submit_frozen(store, load(path), priority=priority, max_attempts=max_attempts, gpu_type=gpu_type,
+                         replicas=replicas, spread=spread, name=name, note=note, tags=tags)
+
+
+def submit_frozen(store, frozen: FrozenProtocol, *, priority: int = 0, max_attempts: int = 3,
+                  gpu_type: str | None = None, replicas: int = 1, spread: bool = False, name: str | None = None,
+                  note: str | None = None, tags: Mapping[str, str] | None = None) -> list[int]:
+    """Store a frozen protocol (idempotent) and queue its screen(s), labelled with `name`,
+    `note` and `tags` (db/labels.py) when given.
 
     Everything that can be checked before a worker is asked for is checked here: the model
     directory exists and is an OPT checkpoint (a synthetic model is generated on the worker),
@@ -61,16 +73,11 @@ def submit(store, path: Path, *, priority: int = 0, max_attempts: int = 3, gpu_t
     comes from the protocol's `placement`, `gpu_type` overriding its accelerator_type;
     `spread` puts the `replicas` on distinct nodes. Returns the screen ids.
     """
-    frozen = load(path)
     protocol = frozen.protocol
-    check_libraries(protocol)
+    store.check_labels(name=name, tags=tags or {})  # a bad tag queues nothing
+    check_frozen(frozen)
     model_dir = frozen.model_dir()
     prompt_file = frozen.prompt_file()
-    vocab = vocab_size(frozen)  # a broken config.json is the checkpoint's error (CheckpointError), not the prompts'
-    try:
-        screen_prompts(protocol, vocab=vocab, model_dir=model_dir, prompt_file=prompt_file)
-    except ValueError as e:
-        raise ProtocolError(f"protocol field `prompts`: {e}") from None
     protocol_id = store.put_protocol(sha256=frozen.sha256, name=frozen.name, canonical_json=frozen.canonical.decode())
     screen = dict(protocol_id=protocol_id, submitter=submitter(),
                   model_dir=None if model_dir is None else str(model_dir),
@@ -80,8 +87,25 @@ def submit(store, path: Path, *, priority: int = 0, max_attempts: int = 3, gpu_t
                   placement_node=protocol.placement.node, exclusive_node=protocol.placement.exclusive_node,
                   resources=protocol.placement.resources_dict or None)
     if spread:
-        return store.create_replicas(replicas, **screen)
-    return [store.create_screen(**screen) for _ in range(replicas)]
+        ids = store.create_replicas(replicas, **screen)
+    else:
+        ids = [store.create_screen(**screen) for _ in range(replicas)]
+    if name is not None or note is not None or tags:
+        for screen_id in ids:
+            store.label_screen(screen_id, name=name, note=note, tags=tags)
+    return ids
+
+
+def check_frozen(frozen: FrozenProtocol) -> None:
+    """Everything about a frozen protocol that can be checked before a worker is asked for: its
+    competitors' libraries, its model's config, its prompts against the vocabulary."""
+    protocol = frozen.protocol
+    check_libraries(protocol)
+    vocab = vocab_size(frozen)  # a broken config.json is the checkpoint's error (CheckpointError), not the prompts'
+    try:
+        screen_prompts(protocol, vocab=vocab, model_dir=frozen.model_dir(), prompt_file=frozen.prompt_file())
+    except ValueError as e:
+        raise ProtocolError(f"protocol field `prompts`: {e}") from None
 
 
 def submitter() -> str:

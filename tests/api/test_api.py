@@ -1,0 +1,126 @@
+"""packbench.connect: screens, episodes, verdicts, audits and labels as records and DataFrames."""
+
+import dataclasses
+
+import pandas as pd
+import pytest
+
+import packbench
+from screens import QUICKSTART, archived, ingest_archive
+from core.errors import PackbenchError
+from core.record import STORED_FIELDS
+from db.store import Store
+
+
+@pytest.fixture
+def db(db_url):
+    url = db_url
+    with Store(url) as store:
+        store.upgrade()
+        ingest_archive(store, QUICKSTART, commit="a" * 40, key="1")
+        ingest_archive(store, QUICKSTART, commit="b" * 40, key="2",
+                       edit=lambda r: {**r, "wall_s": r["wall_s"] * 2})
+    client = packbench.connect(url)
+    yield client
+    client.close()
+
+
+def test_screens_are_records_and_a_frame(db):
+    rows = db.screens()
+    assert [s.id for s in rows] == [2, 1]  # newest first
+    assert all(s.status == "done" for s in rows)
+    frame = rows.frame()
+    assert isinstance(frame, pd.DataFrame)
+    assert list(frame["id"]) == [2, 1] and set(frame["protocol"]) == {"quickstart-v1"}
+
+
+def test_episodes_carry_core_record_fields_and_their_screen(db):
+    rows = db.episodes(screen=1)
+    _, records, _, _ = archived()
+    assert len(rows) == len(records) == 8
+    names = {f.name for f in STORED_FIELDS}
+    assert names <= {f.name for f in dataclasses.fields(rows[0])}
+    frame = db.episodes(protocol="quickstart-v1").frame()
+    assert len(frame) == 16
+    assert list(frame.columns[:4]) == ["screen_id", "attempt", "protocol", "name"]
+    walls = frame.groupby("screen_id")["wall_s"].sum()
+    assert walls[2] == pytest.approx(2 * walls[1])  # the edit made screen 2 twice as slow
+    scored = db.episodes(screen=1, role="scored", condition="packet")
+    assert len(scored) == 3 and {e.condition for e in scored} == {"packet"}
+    assert sum(e.h2d_weight_bytes + e.h2d_index_bytes for e in scored) == 506880  # the archive's verdict detail
+
+
+def test_verdicts_and_audits(db):
+    verdicts = db.verdicts(screen=1)
+    assert {(v.gate, v.condition, v.passed) for v in verdicts} == {
+        ("faithfulness", "dense-stream", True), ("faithfulness", "packet", True), ("acquisition", "packet", True)}
+    assert len(db.verdicts(protocol="quickstart-v1", gate="acquisition")) == 2
+    assert list(db.audits(screen=1)) == []  # ingested: audited elsewhere, no audit run here
+    assert db.audits(screen=1).frame().empty
+    commits = [a.source_freeze["git_commit"] for a in db.attempts(protocol="quickstart-v1")]
+    assert commits == ["b" * 40, "a" * 40]
+    h = db.history("quickstart-v1", condition="packet", metric="wall_ms")
+    assert [p.commit for p in h.points] == ["a" * 40, "b" * 40]
+    (series,) = h.series
+    assert series.values[1] == pytest.approx(2 * series.values[0])  # too few runs for a step: none claimed
+    assert series.steps == [] and h.regressions(50.0) == []
+
+
+def test_labels_filter_every_listing(db):
+    db.label(1, name="base", note="first run", tags={"team": "infra", "box": "ci"})
+    db.label(2, tags={"team": "research"})
+    assert [s.id for s in db.screens(tags={"team": "infra"})] == [1]
+    assert [s.id for s in db.screens(tags={"team": "*"})] == [2, 1]
+    assert [s.id for s in db.screens(tags={"team": "infra", "box": "ci"})] == [1]
+    assert db.screens(tags={"team": "infra", "box": "gpu"}) == []
+    assert [s.id for s in db.screens(name="base")] == [1]
+    assert {e.attempt_id for e in db.episodes(tags={"team": "research"})} == {2}
+    frame = db.screens(screen=1).frame()
+    assert frame.loc[0, "tags"] == {"box": "ci", "team": "infra"} and frame.loc[0, "note"] == "first run"
+    db.label(1, tags={"team": "platform"}, untag=("box",))  # a key takes its new value; untag drops one
+    assert db.store.screen_tags([1]) == {1: {"team": "platform"}}
+
+
+def test_bad_input_is_one_line_with_its_fix(db):
+    with pytest.raises(PackbenchError, match="tag key 'bad key'"):
+        db.label(1, tags={"bad key": "x"})
+    with pytest.raises(PackbenchError, match="either screen= or the filters"):
+        db.episodes(screen=1, protocol="quickstart-v1")
+    with pytest.raises(PackbenchError, match="no screen with id 99"):
+        db.screens(screen=99)
+    with pytest.raises(PackbenchError, match="screen status"):
+        db.screens(status="finished")
+
+
+def test_an_old_database_is_refused_with_the_command_that_fixes_it(tmp_path):
+    url = f"sqlite:///{tmp_path / 'old.db'}"
+    with Store(url) as store:
+        store.upgrade("0009_episode_fidelity")
+    with pytest.raises(PackbenchError, match="packbench db upgrade"):
+        packbench.connect(url)
+    packbench.connect(url, upgrade=True).close()
+
+
+def test_an_archive_reads_without_a_database():
+    archive = packbench.read_archive(QUICKSTART)
+    assert archive.problems == () and archive.protocol.name == "quickstart-v1"
+    assert archive.source["package_version"] == "0.1.0"
+    rows = archive.episodes()
+    assert [r["plan_index"] for r in rows] == list(range(8))
+    frame = rows.frame()
+    assert {"wall_s", "h2d_weight_bytes", "rows_copied", "policy", "repetition"} <= set(frame.columns)
+    assert {v["gate"] for v in archive.verdicts()} == {"faithfulness", "acquisition"}
+
+
+def test_wait_returns_once_the_screen_has_ended(db):
+    queued = db.store.create_screen(protocol_id=1, submitter="t")
+    naps = []
+
+    def sleep(s):  # stands for a dispatcher elsewhere: the screen is cancelled on the second poll
+        naps.append(s)
+        if len(naps) == 2:
+            db.store.cancel_screen(queued)
+
+    assert db.wait(queued, poll_s=0.01, sleep=sleep).status == "cancelled"
+    with pytest.raises(TimeoutError, match="still queued"):
+        db.wait(db.store.create_screen(protocol_id=1, submitter="t"), timeout_s=0.0)

@@ -1,0 +1,24 @@
+"""docs/api.md's notebook runs as written, in a folder like the one `make demo` leaves."""
+
+import os
+import re
+from pathlib import Path
+
+DOC = Path(__file__).resolve().parents[2] / "docs" / "api.md"
+
+
+def python_blocks(text: str) -> list[str]:
+    return re.findall(r"```python\n(.*?)```", text, flags=re.S)
+
+
+def test_the_notebook_in_docs_api_runs_as_written(results_dir, monkeypatch, capsys):
+    blocks = python_blocks(DOC.read_text())
+    assert blocks, "docs/api.md has no python example"
+    monkeypatch.chdir(results_dir)
+    monkeypatch.delenv("PACKBENCH_DB_URL", raising=False)
+    namespace: dict = {}
+    for block in blocks:
+        exec(compile(block, str(DOC), "exec"), namespace)  # noqa: S102  (the documentation's own code)
+    printed = capsys.readouterr().out
+    assert "dense-stream" in printed and "packet" in printed
+    assert namespace["archive"].problems == ()

@@ -1,0 +1,153 @@
+"""`packbench history` over three commits, `compare --fail-above`, and the detector's measured
+false-alarm rate.
+
+The screens are the real quickstart archive (tests/data/quickstart-v1.zip) recorded as if run at
+three commits of the engine: the source commit injected where the worker records it (the
+attempt's `source_freeze.git_commit`, core/source.py), each episode's times multiplied by a
+seeded noise of 3 %, and the third commit's by 1.5 (the injected slowdown).
+"""
+
+import json
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "tests" / "api"))  # the archive-to-screen helper the API tests use
+
+from browser import INSTALL_HINT, check_page, chromium  # noqa: E402  (tests/cli/browser.py)
+from db.store import Store  # noqa: E402
+from screens import QUICKSTART, ingest_archive  # noqa: E402
+from service.history import false_alarm_rate, steps  # noqa: E402
+
+COMMITS = ("1" * 40, "2" * 40, "3" * 40)
+RUNS = (7, 3, 3)  # per commit: seven repeats of the first measure the false-alarm rate
+
+
+def slowed(factor: float, rng: random.Random):
+    def edit(rec: dict) -> dict:
+        f = factor * rng.lognormvariate(0.0, 0.03)
+        rec = json.loads(json.dumps(rec))
+        rec["wall_s"] *= f
+        rec["call_s"] *= f
+        for phase in rec.get("phases", {}).values():
+            phase["call_s"] *= f
+        return rec
+    return edit
+
+
+@pytest.fixture(scope="module")
+def url(tmp_path_factory) -> str:
+    url = f"sqlite:///{tmp_path_factory.mktemp('history') / 'p.db'}"
+    rng = random.Random(7)
+    with Store(url) as store:
+        store.upgrade()
+        n = 0
+        for commit, factor, runs in zip(COMMITS, (1.0, 1.0, 1.5), RUNS):
+            for _ in range(runs):
+                n += 1
+                ingest_archive(store, QUICKSTART, commit=commit, key=str(n), edit=slowed(factor, rng))
+    return url
+
+
+def cli(*args: str, url: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "cli", *args, "--db", url], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+
+
+def test_the_injected_slowdown_is_one_step_and_the_repeats_raise_no_alarm(url):
+    out = cli("history", "quickstart-v1", "--json", url=url)
+    assert out.returncode == 0, out.stderr
+    h = json.loads(out.stdout)
+    assert [s["commit"] for s in h["screens"]] == [c for c, n in zip(COMMITS, RUNS) for _ in range(n)]
+    first_slow = h["screens"][RUNS[0] + RUNS[1]]["screen_id"]
+    for s in h["series"]:
+        if s["metric"] in ("wall_ms", "call_ms", "decode_ms_per_token"):
+            assert [st["screen_id"] for st in s["steps"]] == [first_slow], s  # one step, where it was injected
+            (st,) = s["steps"]
+            assert st["confirmed"] and 35 < st["change_pct"] < 65
+        else:
+            assert s["changes"] == [], s  # the exact counters did not move
+    assert h["false_alarm"] is not None and h["false_alarm"]["rate"] < 0.02
+
+
+def test_the_table_names_each_commit_and_the_step(url):
+    out = cli("history", "quickstart-v1", "--condition", "packet", "--metric", "wall_ms", url=url)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert any(line.startswith("1111111111") for line in lines) and any("3333333333" in ln for ln in lines)
+    assert "STEP" in next(ln for ln in lines if ln.startswith("3333333333"))
+    assert any(ln.startswith("step: packet wall_ms +") for ln in lines)
+    assert "false-alarm rate on 500 shuffles" in out.stdout
+
+
+def test_fail_above_is_a_ci_gate(url):
+    gated = cli("history", "quickstart-v1", "--fail-above", "20", url=url)
+    assert gated.returncode == 1
+    assert "regression: packet wall_ms: +" in gated.stderr
+    assert cli("history", "quickstart-v1", "--fail-above", "90", url=url).returncode == 0
+    # compare A B: the first screen against a slow one, and against a repeat of its own commit
+    assert cli("compare", "1", str(sum(RUNS)), "--fail-above", "20", url=url).returncode == 1
+    same = cli("compare", "1", "2", "--fail-above", "20", url=url)
+    assert same.returncode == 0, same.stderr
+
+
+def test_an_exact_counter_flags_any_change(tmp_path):
+    url = f"sqlite:///{tmp_path / 'p.db'}"
+    with Store(url) as store:
+        store.upgrade()
+        for n in range(3):
+            def edit(rec, n=n):
+                if n == 2 and rec["condition"] == "packet":
+                    rec = {**rec, "h2d_index_bytes": rec["h2d_index_bytes"] + 4}  # 4 bytes more: one index
+                return rec
+            ingest_archive(store, QUICKSTART, commit=COMMITS[n], key=str(n), edit=edit)
+    out = cli("history", "quickstart-v1", "--metric", "h2d_bytes", "--fail-above", "50", url=url)
+    assert out.returncode == 1
+    assert "regression: packet h2d_bytes: changed at screen 3" in out.stderr
+    assert "CHANGED" in out.stdout
+
+
+def test_bad_input_is_one_line(url):
+    for args, words in ((("history", "nope"), "no done screen of protocol 'nope'"),
+                        (("history", "quickstart-v1", "--metric", "speed"), "--metric 'speed' is not one of"),
+                        (("history", "quickstart-v1", "--condition", "pakcet"), "--condition 'pakcet'"),
+                        (("history", "quickstart-v1", "--fail-above", "-1"), "--fail-above -1.0 must be"),
+                        (("compare", "1", "2", "--fail-above", "nan"), "--fail-above nan must be")):
+        out = cli(*args, url=url)
+        assert out.returncode == 2 and words in out.stderr and "Traceback" not in out.stderr, out.stderr
+        assert len(out.stderr.strip().splitlines()) == 1
+
+
+def test_the_detector_false_alarm_rate_and_power_as_documented():
+    rng = np.random.default_rng(1)
+    for sigma in (0.05, 0.1, 0.3):
+        alarms = sum(any(s.confirmed for s in steps(list(np.exp(rng.normal(0, sigma, 12))))) for _ in range(2000))
+        assert alarms / 2000 < 0.015, (sigma, alarms)
+    found = 0
+    for _ in range(500):
+        xs = list(np.exp(rng.normal(0, 0.05, 12)))
+        found += any(s.confirmed and s.index in (6, 7) for s in steps(xs[:6] + [1.5 * x for x in xs[6:]]))
+    assert found / 500 > 0.95
+    assert false_alarm_rate([1.0, 1.01, 0.99, 1.02, 0.98, 1.0, 1.01, 0.99], shuffles=300) < 0.05
+
+
+def test_the_history_page_has_one_plot_per_figure_and_renders(url, tmp_path):
+    page = tmp_path / "history.html"
+    out = cli("history", "quickstart-v1", "--html", str(page), url=url)
+    assert out.returncode == 0, out.stderr
+    text = page.read_text()
+    for metric in ("wall_ms", "call_ms", "decode_ms_per_token", "h2d_bytes", "d2h_bytes", "rows"):
+        assert f'data-plot="{metric}"' in text
+    assert "https://" not in text.split("</head>")[1]  # self-contained
+    if chromium() is None:
+        pytest.fail(INSTALL_HINT)
+    check = check_page(page)
+    assert check.console_errors == []
+    assert len(check.plots) == 6
+    for p in check.plots:
+        assert p["width"] > 500 and p["height"] > 150 and p["drawn"] > 20, p

@@ -1,0 +1,108 @@
+"""`submit --sweep` end to end on the CPU: the quickstart over two prefix lengths, through a real
+local Ray, a real SQLite database and real archives; `protocol plan --sweep`; `report --sweep`."""
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from browser import INSTALL_HINT, check_page, chromium  # tests/cli/browser.py
+
+ROOT = Path(__file__).resolve().parents[2]
+ray = pytest.mark.ray
+
+
+def cli(*args: str, cwd: Path, env: dict) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "cli", *args], cwd=cwd, capture_output=True, text=True,
+                          env=env, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory, tiny) -> Path:
+    d = tmp_path_factory.mktemp("sweep")
+    body = yaml.safe_load((ROOT / "protocols" / "quickstart.yaml").read_text())
+    body["model"]["path"] = str(tiny)
+    (d / "protocol.yaml").write_text(yaml.safe_dump(body))
+    return d
+
+
+@pytest.fixture(scope="module")
+def env(workdir) -> dict:
+    import os
+
+    e = dict(os.environ, PACKBENCH_DB_URL=f"sqlite:///{workdir / 'packbench.db'}", RAY_AUTH_MODE="disabled",
+             PYTHONPATH=str(ROOT))
+    assert cli("db", "upgrade", cwd=workdir, env=e).returncode == 0
+    return e
+
+
+@pytest.fixture(scope="module")
+def sweep(workdir, env) -> str:
+    out = cli("submit", "protocol.yaml", "--sweep", "prefix_tokens=16,32", "--wait", "--name", "prefix-sweep",
+              "--tag", "study=prefix", cwd=workdir, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return re.search(r"queued sweep (sw-[0-9a-f]+)", out.stdout).group(1)
+
+
+def test_plan_lists_each_point_with_its_hash_and_cost(workdir, env):
+    out = cli("protocol", "plan", "protocol.yaml", "--sweep", "prefix_tokens=16,32", "--json", cwd=workdir, env=env)
+    assert out.returncode == 0, out.stderr
+    points = json.loads(out.stdout)["points"]
+    assert [p["prefix_tokens"] for p in points] == [16, 32]
+    assert len({p["sha256"] for p in points}) == 2
+    assert points[0]["h2d_bytes"] < points[1]["h2d_bytes"]  # a longer prefill moves a denser union
+    table = cli("protocol", "plan", "protocol.yaml", "--sweep", "prefix_tokens=16,32", cwd=workdir, env=env)
+    assert "2 points" in table.stdout and "host-to-device" in table.stdout
+
+
+@ray
+def test_a_sweep_runs_one_protocol_per_point_under_one_id(sweep, workdir, env):
+    listed = json.loads(cli("screens", "list", "--tag", "study=prefix", "--json", cwd=workdir, env=env).stdout)
+    assert [s["sweep"] for s in listed] == [sweep, sweep]
+    assert {s["protocol"] for s in listed} == {"quickstart[prefix_tokens=16]", "quickstart[prefix_tokens=32]"}
+    assert len({s["protocol_sha256"] for s in listed}) == 2
+    assert all(s["status"] == "done" and s["failed"] == 0 and s["name"] == "prefix-sweep" for s in listed)
+    import packbench
+
+    db = packbench.connect(env["PACKBENCH_DB_URL"])
+    screens = sorted(db.screens(sweep=sweep), key=lambda s: s.id)
+    assert [s.point for s in screens] == [{"prefix_tokens": 16}, {"prefix_tokens": 32}]
+    eps = db.episodes(sweep=sweep, role="scored")
+    assert len(eps) == 12 and all(e.status == "ok" for e in eps)
+    rows = cli("results", "--tag", "study=prefix", "--format", "json", "--limit", "0", cwd=workdir, env=env)
+    assert len(json.loads(rows.stdout)) == 16  # every episode of both screens, warmups too
+
+
+@ray
+def test_the_sweep_report_plots_each_figure_against_the_field(sweep, workdir, env, tmp_path):
+    page = tmp_path / "sweep.html"
+    out = cli("report", "--sweep", sweep, "--out", str(page), cwd=workdir, env=env)
+    assert out.returncode == 0, out.stderr
+    text = page.read_text()
+    assert set(re.findall(r'data-plot="([a-z_]+)"', text)) == {"decode_ms_per_token", "bytes_per_token", "verdicts"}
+    assert ">prefix_tokens<" in text  # the x axis is the swept field
+    if chromium() is None:
+        pytest.fail(INSTALL_HINT)
+    check = check_page(page)
+    assert check.console_errors == [] and len(check.plots) == 3
+    assert all(p["width"] > 500 and p["drawn"] > 20 for p in check.plots), check.plots
+
+
+def test_a_bad_sweep_queues_nothing(workdir, env):
+    before = cli("screens", "list", "--json", cwd=workdir, env=env).stdout
+    for args, words in ((["--sweep", "prefix_tokens"], "is not FIELD=V1,V2"),
+                        (["--sweep", "nosuch.field=1"], "the protocol has no nosuch"),
+                        (["--sweep", "prefix_tokens=16,0"], "sweep point prefix_tokens=0: protocol field"),
+                        (["--sweep", "prefix_tokens=16,16"], "repeats a value"),
+                        (["--sweep", "prefix_tokens=16", "--tag", "oops"], "--tag 'oops' is not KEY=VALUE"),
+                        (["--sweep", "prefix_tokens=16", "--replicas", "2"], "drop --replicas/--spread")):
+        out = cli("submit", "protocol.yaml", *args, cwd=workdir, env=env)
+        assert out.returncode == 2 and words in out.stderr, (args, out.stderr)
+        assert len(out.stderr.strip().splitlines()) == 1
+    assert cli("screens", "list", "--json", cwd=workdir, env=env).stdout == before
+    out = cli("report", "--sweep", "sw-nope", cwd=workdir, env=env)
+    assert out.returncode == 2 and "no sweep 'sw-nope'" in out.stderr
