@@ -56,7 +56,7 @@ from core.plan import plan as make_plan
 from core.plan import prompts as make_prompts
 from core.protocol import Protocol, expand
 from core.protocol.schema import MAX_CONTINUATION
-from core.registry import SHAPES
+from core.registry import INT8_SCALE_BYTES, SHAPES, weights_of
 
 LOGITS_DTYPE, TRACE_DTYPE = "<f4", "<f8"  # docs/archive.md: little-endian float32 logits, float64 traces
 START_BYTES = ("param_bytes", "device_param_bytes", "host_outgoing_bytes")
@@ -181,7 +181,8 @@ def _episode_problems(name: str, rec: dict, logits: np.ndarray | None, protocol:
                       row_bytes: list[int | None]) -> list[str]:
     """Recompute a finished episode's totals and tokens from its ledger and logits, and check
     what is physically possible: its wall time covers its calls; every layer moved exactly
-    rows_copied x row bytes (`row_bytes[0]`: the model's, or fixed by the first row seen)."""
+    rows_copied x row bytes (`row_bytes[0]`: the model's, or fixed by the first row seen;
+    `row_bytes[1]` the same for int8 rows)."""
     calls = rec.get("calls")
     bad = ledger_problems(calls)
     if bad:
@@ -189,7 +190,11 @@ def _episode_problems(name: str, rec: dict, logits: np.ndarray | None, protocol:
     totals = episode_totals(calls)
     out = [f"{name}: {p}" for p in stored_total_problems(rec, totals)]
     out += [f"{name}: {p}" for p in wall_problems(rec, totals)]
-    moved, row_bytes[0] = row_bytes_problems(calls, row_bytes[0])
+    # An int8 condition's rows are hidden int8 values plus a scale: its own row size (slot 1).
+    c = rec.get("condition")
+    slot = int(c in protocol.condition_names and weights_of(protocol.condition(c).policy,
+                                                            protocol.condition(c).params) == "int8")
+    moved, row_bytes[slot] = row_bytes_problems(calls, row_bytes[slot])
     out += [f"{name}: impossible copy: {p}" for p in moved]
     n, prefix = protocol.continuation_tokens, protocol.prefix_tokens
     shape = [(c["phase"], c["tokens"]) for c in calls]
@@ -315,7 +320,10 @@ class _Audit:
         worker = self.read(reader, WORKER_NAME, "json") if WORKER_NAME in readable else None
         start = worker.get("start") if isinstance(worker, dict) else None
         self.check_records(reader, worker, proto, entries)
-        row_bytes: list[int | None] = [self.check_start(start, proto)]
+        synth = proto.model.synth
+        int8_row = (SHAPES[synth.shape]["hidden"] + INT8_SCALE_BYTES
+                    if synth is not None and synth.shape in SHAPES else None)
+        row_bytes: list[int | None] = [self.check_start(start, proto), int8_row]
 
         episodes, recorded, vocab = [], [], None
         for entry in entries:
