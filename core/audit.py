@@ -177,6 +177,12 @@ def _compare_episodes(episodes: list[dict], rows: Any) -> list[str]:
 # ----------------------------------------------------------------------------- one episode
 
 
+def _int8_row_bytes(protocol: Protocol) -> int | None:
+    """The bytes one int8 row moves (hidden int8 values and a scale) where the shape is known."""
+    synth = protocol.model.synth
+    return SHAPES[synth.shape]["hidden"] + INT8_SCALE_BYTES if synth is not None and synth.shape in SHAPES else None
+
+
 def _episode_problems(name: str, rec: dict, logits: np.ndarray | None, protocol: Protocol,
                       row_bytes: list[int | None]) -> list[str]:
     """Recompute a finished episode's totals and tokens from its ledger and logits, and check
@@ -191,9 +197,9 @@ def _episode_problems(name: str, rec: dict, logits: np.ndarray | None, protocol:
     out = [f"{name}: {p}" for p in stored_total_problems(rec, totals)]
     out += [f"{name}: {p}" for p in wall_problems(rec, totals)]
     # An int8 condition's rows are hidden int8 values plus a scale: its own row size (slot 1).
-    c = rec.get("condition")
-    slot = int(c in protocol.condition_names and weights_of(protocol.condition(c).policy,
-                                                            protocol.condition(c).params) == "int8")
+    cond = rec.get("condition")
+    slot = int(cond in protocol.condition_names and weights_of(protocol.condition(cond).policy,
+                                                               protocol.condition(cond).params) == "int8")
     moved, row_bytes[slot] = row_bytes_problems(calls, row_bytes[slot])
     out += [f"{name}: impossible copy: {p}" for p in moved]
     n, prefix = protocol.continuation_tokens, protocol.prefix_tokens
@@ -320,10 +326,7 @@ class _Audit:
         worker = self.read(reader, WORKER_NAME, "json") if WORKER_NAME in readable else None
         start = worker.get("start") if isinstance(worker, dict) else None
         self.check_records(reader, worker, proto, entries)
-        synth = proto.model.synth
-        int8_row = (SHAPES[synth.shape]["hidden"] + INT8_SCALE_BYTES
-                    if synth is not None and synth.shape in SHAPES else None)
-        row_bytes: list[int | None] = [self.check_start(start, proto), int8_row]
+        row_bytes: list[int | None] = [self.check_start(start, proto), _int8_row_bytes(proto)]
 
         episodes, recorded, vocab = [], [], None
         for entry in entries:
