@@ -61,7 +61,7 @@ from core.plan import prompts as make_prompts
 from core.protocol import Protocol, expand
 from core.protocol.schema import MAX_CONTINUATION
 from core.record import AUDITED
-from core.registry import SHAPES
+from core.registry import INT8_SCALE_BYTES, SHAPES, weights_of
 
 LOGITS_DTYPE, TRACE_DTYPE = "<f4", "<f8"  # docs/archive.md: little-endian float32 logits, float64 traces
 START_BYTES = ("param_bytes", "device_param_bytes", "host_outgoing_bytes")
@@ -180,11 +180,18 @@ def _compare_episodes(episodes: list[dict], rows: Any) -> list[str]:
 # ----------------------------------------------------------------------------- one episode
 
 
+def _int8_row_bytes(protocol: Protocol) -> int | None:
+    """The bytes one int8 row moves (hidden int8 values and a scale) where the shape is known."""
+    synth = protocol.model.synth
+    return SHAPES[synth.shape]["hidden"] + INT8_SCALE_BYTES if synth is not None and synth.shape in SHAPES else None
+
+
 def _episode_problems(name: str, rec: dict, logits: np.ndarray | None, protocol: Protocol,
                       row_bytes: list[int | None]) -> list[str]:
     """Recompute a finished episode's totals and tokens from its ledger and logits, and check
     what is physically possible: its wall time covers its calls; every layer moved exactly
-    rows_copied x row bytes (`row_bytes[0]`: the model's, or fixed by the first row seen)."""
+    rows_copied x row bytes (`row_bytes[0]`: the model's, or fixed by the first row seen;
+    `row_bytes[1]` the same for int8 rows)."""
     calls = rec.get("calls")
     bad = ledger_problems(calls)
     if bad:
@@ -192,7 +199,11 @@ def _episode_problems(name: str, rec: dict, logits: np.ndarray | None, protocol:
     totals = episode_totals(calls)
     out = [f"{name}: {p}" for p in stored_total_problems(rec, totals)]
     out += [f"{name}: {p}" for p in wall_problems(rec, totals)]
-    moved, row_bytes[0] = row_bytes_problems(calls, row_bytes[0])
+    # An int8 condition's rows are hidden int8 values plus a scale: its own row size (slot 1).
+    cond = rec.get("condition")
+    slot = int(cond in protocol.condition_names and weights_of(protocol.condition(cond).policy,
+                                                               protocol.condition(cond).params) == "int8")
+    moved, row_bytes[slot] = row_bytes_problems(calls, row_bytes[slot])
     out += [f"{name}: impossible copy: {p}" for p in moved]
     n, prefix = protocol.continuation_tokens, protocol.prefix_tokens
     shape = [(c["phase"], c["tokens"]) for c in calls]
@@ -307,7 +318,7 @@ class _Audit:
         worker = self.read(reader, WORKER_NAME, "json") if WORKER_NAME in self.readable else None
         start = worker_parts(worker).get("start")
         self.check_records(reader, worker, proto, entries)
-        row_bytes: list[int | None] = [self.check_start(start, proto)]
+        row_bytes: list[int | None] = [self.check_start(start, proto), _int8_row_bytes(proto)]
 
         episodes, recorded, vocab = [], [], None
         for entry in entries:

@@ -34,7 +34,7 @@ from statistics import NormalDist
 
 from core.plan import plan
 from core.protocol import Protocol, expand
-from core.registry import SHAPES, weights_of
+from core.registry import INT8_SCALE_BYTES, SHAPES, weights_of
 
 INDEX_BYTES = 8  # engine.policies.INDEX_DTYPE is int64
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
@@ -153,7 +153,7 @@ def estimate(protocol: Protocol | dict, *, shape: ModelShape, activity: Activity
     rows = []
     for c in p.conditions:
         int8 = weights_of(c.policy, c.params) == "int8"  # hidden int8 values and a float32 scale a row
-        kw = dict(shape=shape, row_bytes=shape.hidden + 4 if int8 else row_bytes, activity=activity,
+        kw = dict(shape=shape, row_bytes=shape.hidden + INT8_SCALE_BYTES if int8 else row_bytes, activity=activity,
                   allowance_bytes=p.allowance_bytes)
         prefill = call_h2d_bytes(c.policy, dict(c.params), phase="prefill", tokens=p.prefix_tokens, **kw)
         decode = call_h2d_bytes(c.policy, dict(c.params), phase="decode", tokens=1, **kw)

@@ -59,6 +59,7 @@ class ChoiceParam:
 # An int8 loader is exact against the int8 dense-stream (faithfulness) and approximate against a
 # reference of the protocol's precision. Sayable from schema 6.
 WEIGHT_FORMATS = ("dtype", "int8")
+INT8_SCALE_BYTES = 4  # one float32 scale per int8 row: a row moves hidden + 4 bytes
 WEIGHTS_SCHEMA = 6
 WEIGHTS_PARAM = ChoiceParam(choices=WEIGHT_FORMATS, default="dtype", since=WEIGHTS_SCHEMA)
 

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from core.registry import INT8_SCALE_BYTES
 from engine.gather import gather_active_int8_rows
 from engine.ledger import Recorder
 from engine.policies.base import INDEX_BYTES, INDEX_DTYPE, HostWeights, _nbytes, zeroed_workspace
@@ -32,7 +33,7 @@ from engine.policies.device_gather import DevicePacket, Mapped
 from engine.policies.host_gather import HostGather, Staging
 
 SCALE_DTYPE = torch.float32
-SCALE_BYTES = 4
+SCALE_BYTES = INT8_SCALE_BYTES
 QMAX = 127  # symmetric: -128 is never used, so -q is always representable
 
 

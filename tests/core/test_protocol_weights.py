@@ -105,3 +105,21 @@ def test_int8_loaders_are_judged_against_the_int8_dense_stream_and_say_so():
             e["logits"] = fp
     v = {x["condition"]: x for x in compute_verdicts(body, eps) if x["gate"] == "faithfulness"}
     assert not v["packet-int8"]["passed"] and v["packet"]["passed"]
+
+
+@pytest.mark.parametrize("weights", ["int4", "fp16"])
+def test_the_cli_refuses_an_unknown_weight_format_in_one_line_with_exit_2(tmp_path, weights):
+    import os
+    import subprocess
+    import sys
+
+    path = tmp_path / "bad.yaml"
+    path.write_text((ROOT / "protocols" / "int8-packets.yaml").read_text().replace(
+        "{name: packet-int8, policy: packet, params: {weights: int8}}",
+        f"{{name: packet-int8, policy: packet, params: {{weights: {weights}}}}}"))
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    r = subprocess.run([sys.executable, "-m", "cli", "protocol", "validate", str(path)], capture_output=True,
+                       text=True, env=env, timeout=120)
+    assert r.returncode == 2 and r.stdout == "", (r.stdout, r.stderr)
+    assert r.stderr.strip() == (f"error: protocol field `conditions[3].params.weights`: {weights!r} is not allowed; "
+                                f"use one of dtype, int8")
