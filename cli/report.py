@@ -97,7 +97,10 @@ def _load(ref: str, db: str | None):
         screen = read_screen(path)
         if db is None:
             return screen, AuditStatus()
-        store = open_store(db)
+        try:  # an archive is reported without its database; the audits are looked up where it opens
+            store = open_store(db)
+        except PackbenchError as e:
+            return screen, AuditStatus(note=f"audits not looked up: {e}")
         return screen, _audits(store, screen, screen_ref=screen.manifest.get("screen_id"))
     if not (ref.isdigit() or ref == "latest"):
         raise PackbenchError(f"{ref!r} is neither an archive file nor a screen id; give a .zip, an id or `latest`")
