@@ -89,3 +89,15 @@ def test_the_check_sees_top_level_and_lazy_imports(tmp_path, source, offence):
     (tmp_path / "core" / "bad.py").write_text(source)
     (problem,) = violations(tmp_path)
     assert problem.startswith("core/bad.py:") and offence in problem
+
+
+def test_service_imports_cluster_and_engine_only_inside_functions():
+    """`packbench submit` imports neither ray nor torch: service reaches cluster and engine only
+    inside the functions that need them."""
+    eager = []
+    for path in sorted((ROOT / "service").rglob("*.py")):
+        for node in ast.parse(path.read_text()).body:
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module] if isinstance(node, ast.ImportFrom) and node.module else [])
+            eager += [f"{path.name}:{node.lineno} {n}" for n in names if n.split(".")[0] in ("cluster", "engine")]
+    assert eager == []
