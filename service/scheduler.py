@@ -54,6 +54,7 @@ from core.provenance import Signer
 from core.settings import Settings
 from core.source import source_freeze
 from db.errors import DatabaseUnavailable
+from service.scheduler_fleet import Fleet
 from service.scheduler_pool import Reply, WorkerPool
 from service.scheduler_state import (LOOKAHEAD, OUTAGE_BACKOFF_S, UPKEEP_MAX_S, Active, Call, CallKind, Moment,
                                      Outage, ScreenEvent, Slot, Stop, archive_dir, gpu_index, held_by_silent, now,
@@ -84,10 +85,8 @@ class Scheduler:
         # Claim a worker's next screen while its last episodes run (False: only when idle;
         # bench/cluster.py --no-look-ahead measures the difference).
         self.look_ahead = look_ahead
-        self.slots: list[Slot] = []
+        self.fleet = Fleet(pool, planned=workers, progress=progress)
         self.outcomes: list[ScreenOutcome] = []
-        self.refusals: list[str] = []  # workers refused (their GPU taken) or dead before ready
-        self._dead_on_arrival = 0  # workers that died before ever being ready
         self.stopping: str | None = None  # SIGINT | SIGTERM | database, or set by a caller to stop
         self.fatal: str | None = None  # why the scheduler had to stop (the database stayed down)
         self.held: list[str] = []  # with nothing queued: screens that dispatchers gone silent hold (held_by_silent)
@@ -104,7 +103,6 @@ class Scheduler:
         # once it answers again (each is idempotent or resumes where it stopped).
         self._after_outage: list[Callable[[], None]] = []
         self._no_reap_until = 0.0  # after an outage: time.monotonic() before which no lease is reaped
-        self._started = 0
 
     def _tell(self, moment: Moment, run: ScreenRun, at: float, seconds: float = 0.0) -> None:
         if self.observer is not None:
@@ -132,7 +130,7 @@ class Scheduler:
         try:
             self._register()
             if self.id is not None:
-                self._start_pool()
+                self.fleet.start()
             while not self.stopping and self.id is not None:
                 try:
                     if self.outage is not None:
@@ -229,7 +227,7 @@ class Scheduler:
                                       f"interrupted, screen {status}")
                     except PackbenchError as e:
                         log.error("could not give back screen %s: %s", active.run.screen.id, e)
-            self.pool.kill(slot.worker)
+        self.fleet.kill_all()
         if self.id is not None and not offline:
             try:
                 self.store.stop_dispatcher(self.id)
@@ -349,59 +347,22 @@ class Scheduler:
                 self._after_outage.append(action)
             raise
 
-    # ------------------------------------------------------------------------- the pool
+    # ------------------------------------------------------------------------- workers
 
-    def _start_pool(self) -> None:
-        for _ in range(self.workers or self.pool.gpus()):
-            self._add_slot()
+    @property
+    def slots(self) -> list[Slot]:
+        return self.fleet.slots
 
-    def _add_slot(self) -> None:
-        self._started += 1
-        slot = Slot(name=f"worker-{self._started}", worker=None, placing_since=time.monotonic())
-        slot.worker = self.pool.start_worker(Call(CallKind.DESCRIBE, slot), pool_size=self.workers or self.pool.gpus())
-        self.slots.append(slot)
-
-    def _placed(self, slot: Slot, env: dict) -> None:
-        if env.get("gpu_busy"):
-            # Its GPU is held by a worker of another cluster on this host: never share it.
-            self.refusals.append(env["gpu_busy"])
-            log.warning("%s refused: %s", slot.name, env["gpu_busy"])
-            self._drop(slot)
-            return
-        slot.env, slot.placing_since = env, None
-        info = self.pool.nodes().get(slot.node)
-        slot.gpu_type, slot.resources = (info.accelerator, dict(info.resources or {})) if info else (None, {})
-        twin = next((s for s in self.slots if s is not slot and s.ready and env.get("gpu_uuid")
-                     and s.env.get("gpu_uuid") == env["gpu_uuid"] and s.node == slot.node), None)
-        if twin is not None:
-            # Two workers on one physical GPU would contaminate each other's measurements.
-            log.warning("%s landed on the GPU of %s (%s); refused: one worker per GPU", slot.name, twin.name,
-                        env["gpu_uuid"])
-            self._drop(slot)
-            return
-        self.progress(f"{slot.name} ready on {env.get('host')} ({env.get('gpu') or 'cpu'}, node {slot.node[:8]})")
-
-    def _drop(self, slot: Slot) -> None:
-        self.pool.kill(slot.worker)  # its calls in flight are dropped with it
-        self.slots.remove(slot)
+    @property
+    def refusals(self) -> list[str]:
+        return self.fleet.refusals
 
     def _worker_died(self, slot: Slot, e: BaseException) -> None:
-        cause = f"worker {slot.name} (pid {slot.env.get('pid')}, node {slot.node[:8] or '?'}) died: {cause_of(e)}"
-        log.warning(cause)
-        held = slot.screens()
-        slot.active = slot.next = None  # nothing is promoted onto a dead worker
-        never_ready = not slot.ready
-        self._drop(slot)
+        cause, held, never_ready = self.fleet.lose(slot, e)
         for active in held:
             if active.stop != Stop.LOST:
                 self._fail(active, "failed", cause, requeue=True)
-        self._dead_on_arrival += never_ready
-        if self._dead_on_arrival >= 3:
-            # Workers that cannot even start (a broken install on a node, say) are not replaced forever.
-            self.refusals.append(f"{self._dead_on_arrival} workers died before they were ready; last: {cause}")
-            log.error("not replacing %s: %d workers died before they were ready", slot.name, self._dead_on_arrival)
-        elif not self.stopping:
-            self._add_slot()  # a replacement; the pool places it wherever a GPU is free
+        self.fleet.replace(slot, cause, never_ready=never_ready, stopping=bool(self.stopping))
 
     # ------------------------------------------------------------------------- upkeep
 
@@ -418,11 +379,8 @@ class Scheduler:
         for active in self._actives():
             if active.stop is None and not self.store.renew_lease(active.run.attempt.id, self.lease_s):
                 self._refused(active)
-        for slot in [s for s in self.slots if not s.ready]:
-            if now_s - slot.placing_since > self.settings.placement_timeout_s:
-                log.warning("%s was not placed within %.0f s; dropped", slot.name, self.settings.placement_timeout_s)
-                self._drop(slot)
-        self.store.heartbeat(self.id, [s.describe() for s in self.slots if s.ready])
+        self.fleet.drop_unplaced(self.settings.placement_timeout_s)
+        self.store.heartbeat(self.id, [s.describe() for s in self.fleet.ready()])
         self._explain_unplaceable()
 
     def _reap(self) -> None:
@@ -440,7 +398,7 @@ class Scheduler:
 
     def _explain_unplaceable(self) -> None:
         """Queued screens no worker of this pool can ever take say why in `packbench status`."""
-        ready = [s for s in self.slots if s.ready]
+        ready = self.fleet.ready()
         if not ready:
             return
         for screen in self.store.queued_screens():
@@ -531,7 +489,7 @@ class Scheduler:
                 self._fail(active, "failed", cause_of(reply.error), bad_input=is_bad_input(reply.error))
             return
         if call.kind is CallKind.DESCRIBE:
-            self._placed(slot, reply.value)
+            self.fleet.placed(slot, reply.value)
             return
         if active is None or active not in (slot.active, slot.next):
             return  # a result for a screen already ended (a cancelled screen's look-ahead)
