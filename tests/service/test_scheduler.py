@@ -5,6 +5,7 @@ tests/cluster/test_dispatch.py."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -80,7 +81,7 @@ def test_the_scheduler_imports_no_ray():
     code = ("import sys, service.scheduler, tests.service.fake_pool; "
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('ray', 'torch', 'cluster')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT,
-                         env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
+                         env=dict(os.environ, PYTHONPATH=str(ROOT)))
     assert out.stdout.strip() == "[]"
 
 
