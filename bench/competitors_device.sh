@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
-# One device call (issue 24): low-bit competitors beside exact packets through `packbench submit
-# --wait` and `packbench audit` on a calibrated synthetic OPT-2.7B fp16 (3 prompts x 512 + 16).
-# The worker keeps the CPU-first model loaded beside each quantized one, so this screen runs
-# under ALLOWANCE (default 16000 MiB), not the 4800 MiB packets need. Then int4 alone (its kernel
-# may be missing). Carry .whl built with EXTRA="torchao bitsandbytes":
+# One device call (issue 24): competitors beside exact packets through `packbench submit --wait`
+# and `packbench audit` on a calibrated synthetic OPT-2.7B fp16 (3 prompts x 512 + 16), under
+# ALLOWANCE (default 4800 MiB, what packets need): accelerate's offload and low-bit models. The
+# worker holds one condition's device state at a time (the CPU-first model parked on the host
+# while a competitor runs), so each competitor has the allowance to itself. METHODS lists
+# `method[:mode]` (schema 6: an omitted mode is the library's fastest, compile for torchao).
+# Then int4 alone (its kernel may be missing). Carry .whl built with EXTRA="torchao bitsandbytes accelerate psutil":
 #   bash bench/competitors_device.sh    (CPU dry run: SKIP_WHEELS=1 SHAPE27=tiny PREFIX=32 METHODS=int8-weight-only ...)
 set -uo pipefail
 root=$PWD; out=${OUT:-$root/competitors-out}; mkdir -p "$out"
@@ -15,8 +17,13 @@ screen() {  # name methods...
     echo "prompts: {generator: {seed: 0, count: 3}}"; echo "prefix_tokens: ${PREFIX:-512}"; echo "continuation_tokens: 16"
     echo "conditions:"; echo "  - {name: dense-stream, policy: dense-stream}"
     echo "  - {name: packet, policy: packet, params: {gather: device}}"
-    for m in "$@"; do echo "  - {name: $m, policy: quantized, params: {method: $m}}"; done
-    echo "reference: dense-stream"; echo "warmups: 1"; echo "allowance_mib: ${ALLOWANCE:-16000}"
+    [ -n "${SKIP_ACCELERATE:-}" ] || echo "  - {name: accelerate, policy: accelerate}"
+    for m in "$@"; do
+      method=${m%%:*}; mode=${m#*:}
+      if [ "$mode" = "$m" ]; then echo "  - {name: $method, policy: quantized, params: {method: $method}}"
+      else echo "  - {name: $method-$mode, policy: quantized, params: {method: $method, mode: $mode}}"; fi
+    done
+    echo "reference: dense-stream"; echo "warmups: 1"; echo "allowance_mib: ${ALLOWANCE:-4800}"
     echo "gates:"; echo "  faithfulness: {tolerance: 0.0}"; echo "  resources: {}"
     echo "  fidelity: {max_mean_kl: 0.002, min_top1: 0.98}"; } > "$work/$name.yaml"
   t0=$(date +%s)
@@ -25,8 +32,8 @@ screen() {  # name methods...
   grep -E "^(faithfulness|fidelity|resources) |audit of|error" "$out/$name.log" | sort -u | head -20
   pb results --screen latest --json > "$out/$name.json" 2>/dev/null
 }
-screen competitors ${METHODS:-int8-weight-only nf4 llm-int8}
-[ -n "${SKIP_INT4:-}" ] || screen int4 int4-weight-only
+screen competitors ${METHODS:-int8-weight-only int8-weight-only:eager nf4 llm-int8}
+[ -n "${SKIP_INT4:-}" ] || SKIP_ACCELERATE=1 screen int4 int4-weight-only
 python3 - "$out" <<'PY'  # decode ms/token: the decode calls' time over the 15 of a 16-token episode
 import json, statistics, sys
 from db.store import Store

@@ -94,7 +94,8 @@ GRAPH_VARIANTS = {"attention": ("live", "static"), "kv": ("parallel", "serial"),
 
 def parse_condition(spec: str) -> tuple[str, dict, bool, str]:
     """`policy[+key=value...]` -> (policy, params, sampler on, mode). `+sampler=off` runs the
-    episode without the NVML sampler, so its overhead shows up as a paired difference;
+    episode without the NVML sampler (memory and energy readings), `+recording=off` without the
+    per-call ledger, so their overheads show up as paired differences;
     `+mode=graph` runs it in engine mode graph (engine/graph.py; default eager); a key of
     GRAPH_VARIANTS implies mode graph and makes the mode `graph/key=value,...`;
     `dense-stream+copies=single` runs dense-stream's schedule before issue 11 (bench only)."""
@@ -273,7 +274,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--allowance-mib", type=int, default=4800)
     ap.add_argument("--conditions", default=",".join(POLICIES),
-                    help="comma list of policy[+param=value...]; +sampler=off drops the NVML sampler")
+                    help="comma list of policy[+param=value...]; +sampler=off drops the NVML sampler, +recording=off the ledger")
     ap.add_argument("--accelerate", action="store_true", help="also run accelerate's device_map offload")
     ap.add_argument("--device", default="cuda:0" if torch.cuda.is_available() else "cpu")
     args = ap.parse_args()
@@ -378,6 +379,7 @@ def main() -> None:
                 mode = set_mode(model, mode)
                 sampler = sampler_on if sampling else sampler_off
                 unbounded = params.pop("unbounded", None) == "yes"
+                model.recorder.enabled = params.pop("recording", "on") != "off"  # the ledger's own cost
                 if cuda:  # "unbounded" conditions run without the allowance (resident, for reference)
                     torch.cuda.set_per_process_memory_fraction(
                         1.0 if unbounded else (args.allowance_mib * MIB - context) / total, device)

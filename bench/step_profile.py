@@ -109,13 +109,19 @@ def main() -> None:
     ap.add_argument("--continuation", type=int, default=16)
     ap.add_argument("--conditions", default="resident,resident+attention=static,packet+gather=device,dense-stream")
     ap.add_argument("--out", type=Path, default=Path(tempfile.gettempdir()))
+    ap.add_argument("--profile", help="a calibrated profile (core/registry.py PROFILES, e.g. opt) instead of sparsity 0.94")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench.step_profile needs a CUDA device: it profiles CUDA graph replays")
     device = torch.device("cuda")
-    model_dir = Path(tempfile.gettempdir()) / f"packbench-{args.shape}-{args.dtype}-0.94-hot0.05-0.0"
+    if args.profile:  # bench.engine's model folder for the same checkpoint
+        model_dir = Path(tempfile.gettempdir()) / f"packbench-{args.shape}-{args.dtype}-profile-{args.profile}"
+        recipe = dict(profile=args.profile)
+    else:
+        model_dir = Path(tempfile.gettempdir()) / f"packbench-{args.shape}-{args.dtype}-0.94-hot0.05-0.0"
+        recipe = dict(sparsity=0.94, hot_fraction=0.05)
     if not (model_dir / "config.json").exists():
-        synth_checkpoint(model_dir, shape=args.shape, dtype=args.dtype, sparsity=0.94, seed=0, hot_fraction=0.05)
+        synth_checkpoint(model_dir, shape=args.shape, dtype=args.dtype, seed=0, **recipe)
     model = CpuFirstModel(model_dir, dtype=getattr(torch, args.dtype), device=device, mode="graph")
     resident_bytes = model.start.device_param_bytes  # everything but fc2
     fc2_bytes = model.host.host_bytes  # resident's device copy, or the dense workspace, read per call

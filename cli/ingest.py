@@ -5,7 +5,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from cli.common import DbUrl, open_store
+from cli.common import DbUrl, Json, echo_json, open_store
 
 
 def ingest(
@@ -13,6 +13,7 @@ def ingest(
     trust: Annotated[Optional[list[Path]], typer.Option(
         help="A trusted signer's public key file (repeatable); registered keys are trusted too.")] = None,
     db: DbUrl = None,
+    json_out: Json = False,
 ) -> None:
     """Audit an archive from another machine or lab; if it agrees and is signed by a trusted
     key, record its screen, attempt, episodes, verdicts and machine (marked as ingested).
@@ -29,12 +30,21 @@ def ingest(
     if outcome.report.unreadable:
         typer.echo(f"error: {outcome.reasons[0] if outcome.reasons else 'unreadable archive'}", err=True)
         raise typer.Exit(2)
+    sig = outcome.report.record.get("signature", {})
+    if json_out:
+        echo_json({"archive": str(archive), "ingested": outcome.ingested, "reasons": list(outcome.reasons),
+                   "screen_id": outcome.screen_id, "attempt_id": outcome.attempt_id,
+                   "episodes": outcome.report.record.get("episodes"), "key_id": sig.get("key_id")})
     if not outcome.ingested:
+        if json_out:
+            typer.echo(f"refused {archive}: nothing was written", err=True)
+            raise typer.Exit(1)
         for line in outcome.reasons:
             typer.echo(f"problem: {line}")
         typer.echo(f"refused {archive}: nothing was written", err=True)
         raise typer.Exit(1)
-    sig = outcome.report.record.get("signature", {})
+    if json_out:
+        return
     typer.echo(f"ingested {archive} as screen {outcome.screen_id} (attempt {outcome.attempt_id}), "
                f"{outcome.report.record['episodes']} episodes, signed by {sig.get('key_id')}")
 

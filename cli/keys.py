@@ -11,7 +11,7 @@ from typing import Annotated
 
 import typer
 
-from cli.common import DbUrl, open_store
+from cli.common import DbUrl, Json, echo_json, open_store
 from core.errors import PackbenchError
 
 DEFAULT_KEY = Path("~/.config/packbench/signing-key.pem")
@@ -25,6 +25,7 @@ def keys_init(
     name: Annotated[str, typer.Option(help="A name for this deployment's key in the database.")] = "local",
     db: DbUrl = None,
     no_db: Annotated[bool, typer.Option("--no-db", help="Write the key files only.")] = False,
+    json_out: Json = False,
 ) -> None:
     """Create this deployment's signing key; the dispatcher signs sealed archives with it
     (--signing-key / PACKBENCH_SIGNING_KEY)."""
@@ -35,9 +36,13 @@ def keys_init(
     except OSError as e:
         raise PackbenchError(f"--key {key}: cannot write the key there ({e.strerror or type(e).__name__}); "
                              f"choose a --key in a writable directory") from None
-    typer.echo(f"wrote signing key {path} (keep it private) and public key {pub}; key id {kid}")
+    if not json_out:  # said before the database is asked: the files exist whatever it answers
+        typer.echo(f"wrote signing key {path} (keep it private) and public key {pub}; key id {kid}")
     if not no_db:
         open_store(db).put_signer(key_id=kid, public_key=load_public_key(pub).hex(), name=name, local=True)
+    if json_out:
+        echo_json({"key": str(path), "public_key": str(pub), "key_id": kid, "registered": not no_db, "name": name})
+    elif not no_db:
         typer.echo(f"registered key {kid} as {name!r} (this deployment's own)")
 
 
@@ -46,19 +51,27 @@ def keys_register(
     public_key: Annotated[Path, typer.Argument(help="Another lab's .pub file.")],
     name: Annotated[str, typer.Option(help="Whose key it is (shown by `keys list` and `compare`).")],
     db: DbUrl = None,
+    json_out: Json = False,
 ) -> None:
     """Trust another lab's public key for `packbench ingest`."""
     from core.provenance import key_id, load_public_key
 
     raw = load_public_key(public_key)
     row = open_store(db).put_signer(key_id=key_id(raw), public_key=raw.hex(), name=name, local=False)
+    if json_out:
+        echo_json({"key_id": row.key_id, "name": row.name, "local": False})
+        return
     typer.echo(f"trusting key {row.key_id} as {row.name!r}")
 
 
 @keys_app.command("list")
-def keys_list(db: DbUrl = None) -> None:
+def keys_list(db: DbUrl = None, json_out: Json = False) -> None:
     """The registered public keys."""
-    for s in open_store(db).signers():
+    signers = open_store(db).signers()
+    if json_out:
+        echo_json({"keys": [{"key_id": s.key_id, "name": s.name, "local": s.local} for s in signers]})
+        return
+    for s in signers:
         typer.echo(f"{s.key_id}  {'local ' if s.local else 'remote'}  {s.name}")
 
 

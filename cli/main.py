@@ -5,33 +5,45 @@ import json
 import logging
 import os
 import sys
+import traceback
 from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
+from typer.core import TyperGroup
 
-from cli.common import Address, ArchiveDir, DbUrl, Json, open_store, output_dir
+from cli import audit_cmd, ingest, keys, model_stats, protocol_cmd, query, report
+from cli.common import DB_HELP, Address, ArchiveDir, DbUrl, Json, echo_json, open_store, output_dir, settings_of
 from cli.summary import screen_summary, verdict_table
 from core.errors import ClusterUnreachable, PackbenchError
-from core.settings import DEFAULT_CONNECT_TIMEOUT_S, DEFAULT_PLACEMENT_TIMEOUT_S, Settings
+from core.settings import (DB_URL_ENV, DEFAULT_CONNECT_TIMEOUT_S, DEFAULT_PLACEMENT_TIMEOUT_S, ENVIRONMENT,
+                           WORKER_PIN_ENV, WORKER_THREADS_ENV, Settings, worker_pin, worker_threads)
 from core.registry import DEFAULT_PROFILE, DTYPE_NAMES, PROFILES, SYNTH_SHAPES, SynthArgumentError, synth_spec
 from core.text import one_line
 
-app = typer.Typer(no_args_is_help=True, add_completion=True, pretty_exceptions_enable=False,
-                  help=__doc__)
+
+class PackbenchGroup(TyperGroup):
+    """The top-level group: with --debug, an error's traceback is printed (here, where the
+    settings are known) before `main` prints its one line."""
+
+    def invoke(self, ctx: typer.Context):
+        try:
+            return super().invoke(ctx)
+        except PackbenchError:
+            if isinstance(ctx.obj, Settings) and ctx.obj.debug:
+                traceback.print_exc()
+            raise
+
+
+ENVIRONMENT_EPILOG = "Environment variables (each sets its option): " + "; ".join(
+    f"{name} ({option})" for name, (option, _) in ENVIRONMENT.items()) + "."
+
+app = typer.Typer(cls=PackbenchGroup, no_args_is_help=True, add_completion=True, pretty_exceptions_enable=False,
+                  help=__doc__, epilog=ENVIRONMENT_EPILOG)
 model_app = typer.Typer(no_args_is_help=True, help="Synthetic checkpoints.")
 db_app = typer.Typer(no_args_is_help=True, help="The results database: migrations, reconciliation with the archives.")
 app.add_typer(model_app, name="model")
 app.add_typer(db_app, name="db")
-
-from cli import ingest, keys, model_stats, protocol_cmd, query, report  # noqa: E402  (after the apps it registers on)
-
-query.register(app)
-report.register(app)
-protocol_cmd.register(app)
-keys.register(app)
-ingest.register(app)
-model_stats.register(model_app)
 
 
 @model_app.command("synth")
@@ -54,6 +66,7 @@ def model_synth(
     hot_bias: Annotated[Optional[float], typer.Option(
         help="Uniform recipe: their fc1 bias in units of std*sqrt(hidden), finite (0.0: ~50% active).")] = None,
     force: Annotated[bool, typer.Option(help="Replace a checkpoint already in --out.")] = False,
+    json_out: Json = False,
 ) -> None:
     """Write a synthetic OPT checkpoint with real OPT shapes: a calibrated profile, or a uniform sparsity."""
     if profile is None and sparsity is None:
@@ -67,7 +80,7 @@ def model_synth(
     from cli.progress import steps
     from engine.synth import synth_checkpoint
 
-    progress = steps(f"synthesising {shape} {dtype}", "layers", after="writing model.safetensors")
+    progress = steps(f"synthesising {shape} {dtype}", "layers", after="writing model.safetensors", quiet=json_out)
     try:
         path = synth_checkpoint(out, **spec, force=force, progress=progress)
     except OSError as e:  # a full disk while writing model.safetensors, say
@@ -75,6 +88,10 @@ def model_synth(
                              f"free space or choose another --out") from None
     finally:
         progress.close()
+    if json_out:
+        echo_json({"path": str(path), "shape": shape, "dtype": dtype, "profile": profile, "sparsity": sparsity,
+                   "seed": seed})
+        return
     recipe = f"profile {profile}" if profile else f"sparsity {sparsity}"
     typer.echo(f"wrote {shape} {dtype} checkpoint ({recipe}, seed {seed}) to {path}")
 
@@ -82,13 +99,15 @@ def model_synth(
 @model_app.command("digest")
 def model_digest(
     model_dir: Annotated[Path, typer.Argument(help="A local checkpoint directory.")],
+    json_out: Json = False,
 ) -> None:
     """Print a checkpoint's content digest, to pin it in a protocol as model: {path, sha256}."""
     from core.provenance import checkpoint_digest
 
     if not model_dir.is_dir():
         raise PackbenchError(f"no checkpoint directory at {model_dir}; give the folder holding config.json")
-    typer.echo(checkpoint_digest(model_dir))
+    digest = checkpoint_digest(model_dir)
+    typer.echo(json.dumps({"path": str(model_dir), "sha256": digest}) if json_out else digest)
 
 
 @db_app.command("upgrade")
@@ -130,17 +149,24 @@ def db_reconcile(db: DbUrl = None, json_out: Json = False) -> None:
 
 
 @db_app.command("current")
-def db_current(db: DbUrl = None) -> None:
+def db_current(db: DbUrl = None, json_out: Json = False) -> None:
     """Print the database's schema revision."""
     store = open_store(db, at_head=False)
     current, head = store.current(), store.head()
+    if json_out:
+        echo_json({"revision": current, "head": head, "at_head": current == head})
+        return
     typer.echo(f"{current or 'empty'}{' (head)' if current == head else f' (head is {head}: run `packbench db upgrade`)'}")
 
 
 @db_app.command("history")
-def db_history(db: DbUrl = None) -> None:
+def db_history(db: DbUrl = None, json_out: Json = False) -> None:
     """List the schema revisions, newest first."""
-    for line in open_store(db, at_head=False).history():
+    lines = open_store(db, at_head=False).history()
+    if json_out:
+        echo_json({"revisions": list(lines)})
+        return
+    for line in lines:
         typer.echo(line)
 
 
@@ -178,23 +204,23 @@ def options(
                                              "sealed archive (ARCHIVE.sig).")] = None,
     debug: Annotated[bool, typer.Option("--debug", envvar="PACKBENCH_DEBUG",
                                         help="On an error, print its traceback before the one-line message.")] = False,
+    db: Annotated[Optional[str], typer.Option("--db", envvar=DB_URL_ENV, help=DB_HELP)] = None,
+    threads: Annotated[Optional[str], typer.Option(
+        "--worker-threads", envvar=WORKER_THREADS_ENV, show_default=False,
+        help="Host threads of each GPU worker's gathers (default: its share of the host's cores).")] = None,
+    pin: Annotated[Optional[str], typer.Option(
+        "--worker-pin", envvar=WORKER_PIN_ENV, show_default=False,
+        help="1: pin each GPU worker to its GPU's share of the host's cores; 0 (default): do not.")] = None,
 ) -> None:
     """Settings shared by every command, read once (each names its environment variable)."""
-    global DEBUG
-    DEBUG = debug
     if placement_timeout <= 0 or connect_timeout <= 0:
         raise PackbenchError("--placement-timeout and --connect-timeout must be > 0 seconds")
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     ctx.obj = Settings(verbose=verbose, placement_timeout_s=placement_timeout, connect_timeout_s=connect_timeout,
-                       model_cache=model_cache, embedded_gpus=embedded_gpus,
-                       signing_key=signing_key.expanduser() if signing_key else None)
-
-
-def settings_of(ctx: typer.Context, **per_command) -> Settings:
-    """The shared settings with this command's own options (--db, --address, --archive-dir)."""
-    base = ctx.obj if isinstance(ctx.obj, Settings) else Settings()
-    return dataclasses.replace(base, **{k: v for k, v in per_command.items() if v is not None})
+                       model_cache=model_cache, embedded_gpus=embedded_gpus, db_url=db or None, debug=debug,
+                       signing_key=signing_key.expanduser() if signing_key else None,
+                       worker_threads=worker_threads(threads), worker_pin=worker_pin(pin))
 
 
 @app.command()
@@ -246,6 +272,9 @@ def submit(
         ensure_ray(settings)  # an unreachable cluster fails here, before a screen is queued
     ids = queue_screens(store, protocol, priority=priority, max_attempts=max_attempts, gpu_type=gpu_type,
                         replicas=replicas, spread=spread)
+    if not wait and json_out:
+        echo_json({"queued": ids})
+        return
     if not wait:
         typer.echo(f"queued screen{'s' if len(ids) > 1 else ''} {', '.join(map(str, ids))}; "
                    f"run {'them' if len(ids) > 1 else 'it'} with `packbench dispatch`")
@@ -360,243 +389,13 @@ def _dispatch(store, settings: Settings, *, json_out: bool, keep_queued: bool = 
         raise typer.Exit(1)  # a failed verdict: a script can tell (the screen itself is done)
 
 
-@app.command()
-def audit(
-    ctx: typer.Context,
-    screens: Annotated[Optional[list[str]], typer.Argument(help="Screen ids, or `latest`.")] = None,
-    all_screens: Annotated[bool, typer.Option("--all", help="Every screen that ran.")] = False,
-    since: Annotated[Optional[str], typer.Option(help="Screens whose latest attempt started on or after this "
-                                                      "ISO date/time (UTC).")] = None,
-    protocol: Annotated[Optional[str], typer.Option(help="Screens of this protocol (name or SHA-256 prefix).")] = None,
-    archive: Annotated[Optional[Path], typer.Option(help="Audit this archive file (without a screen id: no database needed).")] = None,
-    on_ray: Annotated[bool, typer.Option("--ray", help="Fan the audits out as Ray tasks (embedded, or --address).")] = False,
-    address: Annotated[Optional[str], typer.Option(help="Ray cluster to run the audits on (implies --ray).")] = None,
-    concurrency: Annotated[int, typer.Option(min=1, help="Audit tasks in flight at once (--ray).")] = 8,
-    other_node: Annotated[Optional[bool], typer.Option(
-        "--other-node/--any-node", help="Audit on a node other than the archive's producer (--ray; default: "
-                                        "when the cluster has several nodes).")] = None,
-    repeat: Annotated[int, typer.Option(min=1, help="Audit each archive this many times on distinct nodes "
-                                                    "(--ray); their digests must agree.")] = 1,
-    trust: Annotated[Optional[list[Path]], typer.Option(
-        help="With --archive: a trusted signer's public key file (repeatable). The archive's signature "
-             "(ARCHIVE.sig) must be valid and by one of them; unsigned, unknown-signer and bad-signature "
-             "archives never agree.")] = None,
-    max_mib: Annotated[Optional[int], typer.Option(
-        min=1, help="Raise the archive size bounds (1 GiB file, 640 MiB of members) to this many MiB for a large "
-                    "archive you trust; the stated audit time and memory bound then no longer hold.")] = None,
-    reexecute: Annotated[Optional[int], typer.Option(
-        min=1, help="Re-execution audit: re-run K episodes drawn by --seed (at least one per condition) on a GPU "
-                    "worker of the archive's accelerator type; logits, tokens and every ledger byte must be equal, "
-                    "times and memory peaks within the tolerances of docs/archive.md. Recorded as kind reexecute.")] = None,
-    seed: Annotated[int, typer.Option(min=0, help="Seed of the --reexecute draw.")] = 0,
-    time_factor: Annotated[Optional[float], typer.Option(
-        help="--reexecute: how far (a factor either way) a condition's median episode wall may be from the "
-             "archived one (default 2; recorded with the audit). Tiny CPU episodes are noise: widen it there.")] = None,
-    model_dir: Annotated[Optional[Path], typer.Option(
-        help="--reexecute of an archive whose checkpoint lies elsewhere here: the checkpoint directory (its "
-             "content digest must equal the archived one).")] = None,
-    db: DbUrl = None,
-    json_out: Annotated[bool, typer.Option("--json", help="One JSON object per audit, one per line (JSON Lines).")] = False,
-) -> None:
-    """Re-read raw archives, recompute every metric and verdict, compare with the database.
-
-    With --reexecute K: also re-run K drawn episodes on a GPU worker and compare what they
-    measure with what the archive says (the only check that the numbers are true).
-
-    Exit codes: 0 every audit agrees; 1 one disagrees, or its evidence is refused (an untrusted or
-    bad signature, repeated audits that differ); 2 bad input or an archive that cannot be read
-    (not a zip, over the bounds); also 2 (after printing the result) when an audit could not be
-    recorded.
-    """
-    from service.audit import audit_file, audit_screens, repeat_disagreements
-
-    settings = settings_of(ctx, db_url=db, address=address)
-    on_ray = on_ray or bool(address)
-    keys_trusted = None
-    if trust:
-        from core.provenance import load_public_key
-
-        if archive is None or screens:
-            raise PackbenchError("--trust checks the signature of one --archive file; give --archive without screen ids")
-        keys_trusted = [load_public_key(p) for p in trust]
-    if archive is not None and not archive.is_file():
-        raise PackbenchError(f"no archive at {archive}; check the path")
-    for ref in screens or []:
-        if ref.endswith(".zip") or Path(ref).is_file():  # `report` takes a file here; audit's flag says so
-            raise PackbenchError(f"{ref!r} is not a screen id but a file; audit an archive file with --archive {ref}")
-    if reexecute is not None:
-        _reexecute(settings, screens, archive, all_screens=all_screens, since=since, protocol=protocol,
-                   k=reexecute, seed=seed, trust=keys_trusted, model_dir=model_dir, json_out=json_out,
-                   time_factor=time_factor)
-        return
-    targets = _screens_to_audit(settings, screens, archive, all_screens=all_screens, since=since, protocol=protocol)
-    if targets is None:
-        outcomes = [audit_file(archive, on_ray=on_ray, settings=settings, trust=keys_trusted, max_mib=max_mib)]
-    else:
-        store, ids = targets
-        if not ids:
-            typer.echo("no screens to audit", err=True)
-            return
-        bar = None
-        if on_ray and not json_out:
-            from cli.progress import steps
-
-            bar = steps(f"auditing {len(ids)} screen(s) on the cluster", "audits")
-        try:
-            outcomes = audit_screens(store, ids, on_ray=on_ray, settings=settings, archive=archive,
-                                     concurrency=concurrency, other_node=other_node, repeat=repeat, max_mib=max_mib,
-                                     progress=bar)
-        finally:
-            if bar is not None:
-                bar.close()
-    for o in outcomes:
-        _print_audit(o, json_out=json_out, detail=len(outcomes) == 1)
-    differ = repeat_disagreements(outcomes)
-    for line in differ:
-        typer.echo(f"problem: {one_line(line)}", err=True)
-    unrecorded = [o for o in outcomes if o.record_error is not None]
-    for o in unrecorded:
-        typer.echo(f"error: the audit of screen {o.screen_id} was not recorded: {o.record_error}", err=True)
-    # An attempt that did not finish, with no archive or a consistent partial one, is reported as
-    # such and decides no exit code: a failed screen does not fail every later `audit --all`.
-    judged = [o for o in outcomes if not o.unfinished]
-    if any(o.report is None or o.report.unreadable for o in judged):
-        raise typer.Exit(2)
-    if differ or not all(o.agrees for o in judged):
-        raise typer.Exit(1)
-    if unrecorded:
-        raise typer.Exit(2)
-
-
-def _screens_to_audit(settings, screens, archive, *, all_screens, since, protocol):
-    """(store, screen ids) for the database forms of `audit`; None for `--archive FILE` alone."""
-    from service.audit import select_screens
-
-    if not screens and archive is not None and not (all_screens or since or protocol):
-        return None
-    if archive is not None and len(screens or []) != 1:
-        raise PackbenchError("--archive with a database needs exactly one screen id (the archive's screen)")
-    store = open_store(settings.db_url)
-    return store, select_screens(store, screens or [], all_screens=all_screens, since=_utc(since), protocol=protocol)
-
-
-def _reexecute(settings, screens, archive, *, all_screens, since, protocol, k, seed, trust, model_dir,
-               json_out, time_factor) -> None:
-    """`audit --reexecute K`: re-run drawn episodes and compare; exit 1 unless every one agrees."""
-    from core.audit import audit_archive
-    from service.audit import host_and_node, reexecute_archive, reexecute_screens
-
-    say = (lambda msg: None) if json_out else (lambda msg: typer.echo(msg, err=True))
-    targets = _screens_to_audit(settings, screens, archive, all_screens=all_screens, since=since, protocol=protocol)
-    if targets is None:
-        static = audit_archive(archive, trust=trust)
-        if static.unreadable:
-            raise PackbenchError(f"{archive} is not an archive packbench can read: {static.problems[0]}")
-        outcomes = [reexecute_archive(archive, k=k, seed=seed, settings=settings, static=static, progress=say,
-                                      model_dir=None if model_dir is None else str(model_dir),
-                                      time_factor=time_factor)]
-    else:
-        store, ids = targets
-        if not ids:
-            typer.echo("no screens to re-execute", err=True)
-            return
-        outcomes = reexecute_screens(store, ids, k=k, seed=seed, settings=settings, archive=archive, progress=say,
-                                     time_factor=time_factor)
-    for o in outcomes:
-        what = f"screen {o.screen_id}" if o.screen_id is not None else str(o.archive_path)
-        if json_out:
-            typer.echo(json.dumps({"screen_id": o.screen_id, "archive_path": str(o.archive_path), "node": o.node,
-                                   "host": o.host, "digest": o.digest, "medians": o.medians,
-                                   "seconds": o.seconds, "exact": "agree" if o.exact_agrees else "disagree",
-                                   "timing": "disagree" if o.timing_problems else "agree",
-                                   "busy_hosts": list(o.busy_hosts), **o.record},
-                                  sort_keys=True, default=str))
-            continue
-        for name, m in sorted(o.medians.items()):
-            typer.echo(f"  {name:>16}: median wall {m['reexecuted_s'] * 1e3:9.2f} ms re-executed, "
-                       f"{m['archived_s'] * 1e3:9.2f} ms archived")
-        for p in o.problems:
-            typer.echo(f"problem: {one_line(p)}")
-        typer.echo(f"re-execution audit of {what}: {o.record['result'].upper()} ({_reexecution_parts(o)}) (episodes "
-                   f"{', '.join(map(str, o.record['episodes']))}, seed {seed}, on {host_and_node(o.host, o.node)} "
-                   f"{o.record['accelerator'] or 'cpu'}, {o.seconds:.1f} s, digest {o.digest[:16]})")
-    for o in outcomes:
-        if o.record_error is not None:
-            typer.echo(f"error: the re-execution of screen {o.screen_id} was not recorded: {o.record_error}", err=True)
-    if not all(o.agrees for o in outcomes):
-        raise typer.Exit(1)
-    if any(o.record_error is not None for o in outcomes):
-        raise typer.Exit(2)
-
-
-def _reexecution_parts(o) -> str:
-    """The exact part and the timing part of a re-execution, each with its own answer; where only
-    the timing disagrees, the option that widens its tolerance."""
-    exact = ("exact part: logits, tokens and bytes all matched" if o.exact_agrees else
-             f"exact part: {len(o.problems) - len(o.timing_problems)} difference(s) in logits, tokens, bytes or the "
-             f"static audit")
-    factor = o.record.get("time_factor")
-    if not o.timing_problems:
-        return f"{exact}; timing part: medians within {factor:g}x"
-    timing = (f"timing part: {len(o.timing_problems)} condition(s)' median wall outside {factor:g}x")
-    if o.exact_agrees:
-        timing += "; only the times disagree: on a noisy or shared host widen it with --time-factor"
-    busy = getattr(o, "busy_hosts", ())
-    return f"{exact}; {timing}" + (f"; {'; '.join(busy)}" if busy else "")
-
-
-def _utc(text: str | None):
-    if text is None:
-        return None
-    from datetime import datetime, timezone
-
-    try:
-        moment = datetime.fromisoformat(text)
-    except ValueError:
-        raise PackbenchError(f"--since {text!r} is not an ISO date or date/time; write e.g. 2026-11-30 or "
-                             f"2026-11-30T18:00") from None
-    return moment if moment.tzinfo else moment.replace(tzinfo=timezone.utc)
-
-
-def _print_audit(o, *, json_out: bool, detail: bool) -> None:
-    what = f"screen {o.screen_id}" if o.screen_id is not None else str(o.archive_path)
-    if o.no_archive is not None:
-        if json_out:
-            typer.echo(json.dumps({"screen_id": o.screen_id, "attempt": o.attempt_number, "result": "no-archive",
-                                   "archive_path": str(o.archive_path), "reason": o.no_archive}, sort_keys=True))
-        else:
-            typer.echo(f"audit of {what}: NO ARCHIVE ({one_line(o.no_archive)})")
-        return
-    if o.report is None:
-        typer.echo(f"error: audit of {what}: {o.error}", err=True)
-        return
-    report = o.report
-    if o.unfinished and not json_out:
-        typer.echo(f"audit of {what}: PARTIAL (attempt {o.attempt_number} {o.attempt_status}: "
-                   f"{report.record['episodes']} of {report.record['planned']} planned episodes archived, each "
-                   f"as the database holds it; digest {report.digest[:16]}, on {o.where})")
-        return
-    if json_out:
-        typer.echo(json.dumps({"screen_id": o.screen_id, "attempt": o.attempt_number, "archive_path": str(o.archive_path),
-                               "node": o.node, "host": o.host, "digest": report.digest, **report.record,
-                               **({"partial": True} if o.unfinished else {})}, sort_keys=True, default=str))
-        return
-    if detail:
-        typer.echo(verdict_table(report.record["verdicts"]))
-        for p in report.problems:
-            typer.echo(f"problem: {one_line(p)}")
-    elif report.problems:
-        typer.echo(f"problem: {what}: {one_line(report.problems[0])}" + (f" (+{len(report.problems) - 1} more)"
-                                                              if len(report.problems) > 1 else ""))
-    sig = report.record.get("signature")
-    if sig is not None and sig["status"] == "valid":
-        typer.echo(f"signature: valid, by trusted key {sig['key_id']} (proves where it was sealed, not that the "
-                   f"numbers are true)")
-    typer.echo(f"audit of {what}: {report.record['result'].upper()} "
-               f"({report.record['episodes']} episodes, digest {report.digest[:16]}, on {o.where})")
-
-
-DEBUG = False  # --debug: tracebacks with the one-line errors
+query.register(app)
+report.register(app)
+protocol_cmd.register(app)
+keys.register(app)
+ingest.register(app)
+audit_cmd.register(app)
+model_stats.register(model_app)
 
 
 def main() -> None:
@@ -618,10 +417,6 @@ def main() -> None:
         typer.echo("aborted", err=True)
         sys.exit(1)
     except PackbenchError as e:
-        if DEBUG:
-            import traceback
-
-            traceback.print_exc()
         typer.echo(f"error: {e}", err=True)
         if isinstance(e, ClusterUnreachable):
             # Ray may still be retrying the join in a background thread (and printing): leave now.

@@ -170,6 +170,18 @@ class StepLines:
         pass
 
 
-def steps(label: str, unit: str, *, after: str | None = None) -> StepBar | StepLines:
-    """A `(done, total)` progress callback: a bar on a terminal, plain lines otherwise."""
+class QuietSteps:
+    """No progress at all: next to --json, stdout holds the one JSON document."""
+
+    def __call__(self, done: int, total: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def steps(label: str, unit: str, *, after: str | None = None, quiet: bool = False) -> StepBar | StepLines | QuietSteps:
+    """A `(done, total)` progress callback: a bar on a terminal, plain lines otherwise, nothing when `quiet`."""
+    if quiet:
+        return QuietSteps()
     return StepBar(label, unit, after=after) if sys.stdout.isatty() else StepLines(label, unit, after=after)

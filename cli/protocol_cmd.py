@@ -16,6 +16,8 @@ from typing import Annotated, Optional
 import typer
 
 from cli.choices import Shape
+from cli.common import DbUrl
+from cli.plan_rates import CPU, comparable, device_here, earlier_episodes, measured_estimate, model_key, this_host
 from cli.summary import table
 from core.errors import PackbenchError
 from core.text import one_line
@@ -78,10 +80,16 @@ def show(
     protocol: ProtocolFile,
     full: Annotated[bool, typer.Option("--full", help="The full schema-2 form (every default spelled out) instead "
                                                       "of the frozen body.")] = False,
+    json_out: Annotated[bool, typer.Option("--json", help="One JSON object: name, SHA-256, schema, body.")] = False,
 ) -> None:
     """Print the frozen body (what is hashed and archived) and its SHA-256, after `#` lines
     saying what each condition runs with."""
     frozen = _load(protocol)
+    if json_out:
+        typer.echo(json.dumps({"name": frozen.name, "sha256": frozen.sha256, "schema": frozen.body["schema"],
+                               "body": frozen.protocol.full_dict() if full else frozen.body}, sort_keys=True,
+                              default=str))
+        return
     typer.echo(f"# {one_line(frozen.name)}: sha256 {frozen.sha256} ({_schema(frozen)})")
     for c in frozen.protocol.conditions:
         typer.echo(f"#   {c.name}: {_policy(c)}")
@@ -121,19 +129,46 @@ def plan_cmd(
     = 55.0,
     shape: Annotated[Optional[Shape], typer.Option(
         help="The model's shape when model.path's config.json is not on this machine.")] = None,
+    device: Annotated[Optional[str], typer.Option(
+        help="The accelerator kind to estimate the time for, as attempts record it (e.g. 'NVIDIA H200', or cpu; "
+             "default: this machine's).")] = None,
+    db: DbUrl = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print the plan and the estimate as JSON.")] = False,
 ) -> None:
-    """Print the ordered episodes and, per condition, the bytes and transfer time the screen will need."""
-    from core.estimate import Activity, estimate
+    """Print the ordered episodes and, per condition, the bytes the screen will move and its time:
+    measured rates of earlier episodes on the same device (the database), else the GPU transfer floor."""
+    from core.estimate import estimate
     from core.plan import plan
 
     frozen = _load(protocol)
     p = frozen.protocol
-    synth = p.model.synth
     if sparsity is not None and not 0 < sparsity < 1:
         raise PackbenchError(f"--sparsity {sparsity} is not in (0, 1)")
     if h2d_gbps <= 0:
         raise PackbenchError(f"--h2d-gbps {h2d_gbps} must be > 0")
+    activity = _activity(frozen, sparsity)
+    shape = _shape(frozen, None if shape is None else shape.value)
+    entries = plan(p)
+    est = estimate(p, shape=shape, activity=activity, h2d_gbps=h2d_gbps)
+    timing = _timing(p, est, device=device or device_here(), db=db)
+    if json_out:
+        typer.echo(json.dumps({"protocol": p.name, "sha256": p.sha256, "entries": entries, "estimate": est,
+                               "time": timing}, indent=2, sort_keys=True))
+        return
+    typer.echo(f"{one_line(p.name)}: sha256 {p.sha256}")
+    typer.echo(f"{len(entries)} episodes in this order, each 1 prefill call of {p.prefix_tokens} tokens + "
+               f"{p.continuation_tokens - 1} decode calls")
+    typer.echo(table(entries, ["index", "condition", "role", "prompt", "repetition"]))
+    typer.echo("")
+    _print_estimate(p, est, timing, shape=shape, h2d_gbps=h2d_gbps)
+
+
+def _activity(frozen: FrozenProtocol, sparsity: float | None):
+    """The activation statistics the bytes are estimated from: --sparsity, the synthetic recipe, or
+    what `packbench model synth` wrote into the checkpoint."""
+    from core.estimate import Activity
+
+    synth = frozen.protocol.model.synth
     legacy = synth is not None and synth.profile is None
     if sparsity is not None:  # a uniform synth's hot neurons stay
         activity = Activity(sparsity=sparsity, hot_fraction=synth.hot_fraction if legacy else 0.0,
@@ -147,45 +182,87 @@ def plan_cmd(
     if activity is None:
         raise PackbenchError("model.path protocols need --sparsity (fraction of activations exactly zero, e.g. 0.94); "
                              "a checkpoint written by `packbench model synth` says its own")
-    shape = _shape(frozen, None if shape is None else shape.value)
-    entries = plan(p)
-    est = estimate(p, shape=shape, activity=activity, h2d_gbps=h2d_gbps)
-    if json_out:
-        typer.echo(json.dumps({"protocol": p.name, "sha256": p.sha256, "entries": entries, "estimate": est},
-                              indent=2, sort_keys=True))
-        return
-    typer.echo(f"{one_line(p.name)}: sha256 {p.sha256}")
-    typer.echo(f"{len(entries)} episodes in this order, each 1 prefill call of {p.prefix_tokens} tokens + "
-               f"{p.continuation_tokens - 1} decode calls")
-    typer.echo(table(entries, ["index", "condition", "role", "prompt", "repetition"]))
-    typer.echo("")
+    return activity
+
+
+def _timing(p, est: dict, *, device: str, db: str | None) -> dict:
+    """The screen's time: `measured` (rates of earlier episodes on `device`), else `gpu-bound` (the
+    transfer floor, a lower bound on a GPU) or `unknown` (a CPU screen with no earlier episodes)."""
+    model = model_key(p)
+    rows, unread = earlier_episodes(db, model=model, dtype=p.dtype)
+    rows = comparable(rows, model=model, dtype=p.dtype, device=device, host=this_host())
+    planned = {r["condition"]: r["episodes"] for r in est["conditions"]}
+    measured = measured_estimate(rows, planned=planned, tokens=p.continuation_tokens)
+    kind = "measured" if measured["measured_episodes"] else "gpu-bound" if device != CPU else "unknown"
+    return {"kind": kind, "device": device, "model": model, "database": unread, **measured,
+            "gpu_bound_s": est["total_transfer_s"] if device != CPU else None}
+
+
+def _print_estimate(p, est: dict, timing: dict, *, shape, h2d_gbps: float) -> None:
+    gpu = timing["device"] != CPU
     typer.echo(f"estimate: {shape.layers} layers x {shape.ffn} neurons, outgoing row {est['row_bytes']} B ({p.dtype}); "
                f"active per call {est['decode_active_fraction']:.2%} (decode), up to "
-               f"{est['prefill_active_fraction']:.2%} (prefill, independent tokens); transfer floor at "
-               f"{h2d_gbps:g} GB/s host-to-device on a GPU (--h2d-gbps)")
-    if not gpu_here():
+               f"{est['prefill_active_fraction']:.2%} (prefill, independent tokens)"
+               + (f"; transfer floor at {h2d_gbps:g} GB/s host-to-device on a GPU (--h2d-gbps)" if gpu else ""))
+    if not gpu:
         typer.echo("no GPU on this machine: a screen dispatched here runs on the CPU, where these bytes are "
-                   "host-memory copies and its time is the CPU's compute, not the GPU transfer floor below")
-    rows = [{"condition": r["condition"], "policy": _policy(p.condition(r["condition"])), "episodes": r["episodes"],
-             "bound": r["bound"],
-             "prefill/call": _bytes(r["prefill_call_bytes"]), "decode/call": _bytes(r["decode_call_bytes"]),
-             "per episode": _bytes(r["episode_bytes"]), "all episodes": _bytes(r["total_bytes"]),
-             "GPU transfer/episode": _seconds(r["episode_transfer_s"]),
-             "GPU transfer": _seconds(r["total_transfer_s"])}
-            for r in est["conditions"]]
+                   "host-memory copies and its time is the CPU's compute, not a GPU transfer floor")
+    rates = {c["condition"]: c for c in timing["conditions"]}
+    rows = []
+    for r in est["conditions"]:
+        row = {"condition": r["condition"], "policy": _policy(p.condition(r["condition"])), "episodes": r["episodes"],
+               "bound": r["bound"], "prefill/call": _bytes(r["prefill_call_bytes"]),
+               "decode/call": _bytes(r["decode_call_bytes"]), "per episode": _bytes(r["episode_bytes"]),
+               "all episodes": _bytes(r["total_bytes"])}
+        if gpu:
+            row.update({"GPU transfer/episode": _seconds(r["episode_transfer_s"]),
+                        "GPU transfer": _seconds(r["total_transfer_s"])})
+        if timing["kind"] == "measured":
+            m = rates[r["condition"]]
+            row["measured time"] = "no rate" if m["total_s"] is None else \
+                f"{_seconds(m['total_s'])} ({m['measured_episodes']} ep.)"
+        rows.append(row)
     typer.echo(table(rows, list(rows[0])))
+    typer.echo(f"screen: {_bytes(est['total_bytes'])} host-to-device")
+    for line in _time_lines(timing, h2d_gbps=h2d_gbps) + _competitor_modes(p):
+        typer.echo(line)
     allowance = est["allowance_bytes"]
-    typer.echo(f"screen: {_bytes(est['total_bytes'])} host-to-device, >= {_seconds(est['total_transfer_s'])} of "
-               f"transfer on a GPU at {h2d_gbps:g} GB/s")
     typer.echo(f"parameters {_bytes(est['param_bytes'])} ({'exceed' if est['param_bytes'] > allowance else 'fit'} "
                f"the {p.allowance_mib} MiB allowance); outgoing weights {_bytes(est['outgoing_bytes'])} stay on the "
                f"host")
 
 
-def gpu_here() -> bool:
-    """Whether this machine has an NVIDIA GPU (its driver lists one), without importing torch."""
-    gpus = Path("/proc/driver/nvidia/gpus")
-    return gpus.is_dir() and any(gpus.iterdir())
+def _time_lines(timing: dict, *, h2d_gbps: float) -> list[str]:
+    """What the screen's time is known to be, and from what."""
+    where = timing["device"] if timing["device"] != CPU else f"the CPU of {this_host()}"
+    unread = f" ({timing['database']})" if timing["database"] else ""
+    if timing["kind"] == "measured":
+        missing = [c["condition"] for c in timing["conditions"] if c["s_per_token"] is None]
+        total = (f"about {_seconds(timing['total_s'])}" if timing["total_s"] is not None else
+                 f"unknown for {', '.join(missing)} (no rate known)")
+        return [f"time: {total}, an estimate from {timing['measured_episodes']} earlier episodes of {timing['model']} "
+                f"on {where} (the median seconds per generated token of each "
+                f"condition)"]
+    if timing["kind"] == "gpu-bound":
+        return [f"time: >= {_seconds(timing['gpu_bound_s'])}, a GPU-rate bound (the transfer floor at {h2d_gbps:g} "
+                f"GB/s); no earlier episodes of {timing['model']} on {where} to estimate from{unread}"]
+    return [f"time: no rate is known for a CPU screen: no earlier episodes of {timing['model']} on {where}{unread}; "
+            f"a GPU transfer floor does not bound it (a screen's time here is the CPU's compute)"]
+
+
+def _competitor_modes(p) -> list[str]:
+    """One line per competitor: the mode it runs in, and why its library cannot be captured."""
+    from core.registry import COMPETITOR_PARAMS, competitor_library, mode_refusal
+
+    out = []
+    for c in p.conditions:
+        if c.policy in COMPETITOR_PARAMS:
+            params = c.resolved_params
+            why = mode_refusal(c.policy, params, "graph")
+            out.append(f"{c.name} ({competitor_library(c.policy, params)}): mode {params['mode']}"
+                       + (f"; {why}" if why else ""))
+    return out
+
 
 
 def _seconds(s: float) -> str:

@@ -19,6 +19,7 @@ from cli.summary import print_json, screen_summary, table, verdict_record, verdi
 from core.archive import WORKER_NAME, ArchiveReader
 from core.errors import PackbenchError
 from core.protocol import DTYPE_NAMES, GATE_NAMES, PHASES
+from core.record import SORT_NAMES
 from core.registry import POLICY_NAMES  # condition names default to their policy's
 from core.dispersion import noisy_host
 from core.report import shared_gpu, shared_host
@@ -26,9 +27,6 @@ from core.text import one_line
 
 FORMATS = ("table", "json", "csv")
 GATE_HELP = ", ".join(GATE_NAMES)
-# db.queries.SORT_KEYS' names, written here too so `--help` imports no SQLAlchemy (a test holds them equal).
-SORT_NAMES = ("energy_j", "wall_s", "call_s", "h2d_bytes", "d2h_bytes", "peak_allocated_bytes", "peak_sampled_bytes",
-              "n_tokens", "started_at")
 SORT_HELP = ", ".join(SORT_NAMES)
 
 Format = Annotated[Optional[str], typer.Option("--format", help="Output: table, json or csv.",
@@ -360,7 +358,7 @@ def status(
     reconciled = [{"screen": r.screen_id, "attempt": r.attempt, "status": r.status,
                    "reconciled_at": _when(r.reconciled_at), "rows": r.episodes, "checked_against": r.check}
                   for r in st.reconciled]
-    from db.queries import DispatcherStatus, QueuedScreen, ReconciledAttempt, RunningScreen
+    from db.status import DispatcherStatus, QueuedScreen, ReconciledAttempt, RunningScreen
 
     sections = [
         Section([dataclasses.asdict(r) for r in st.running], list(running[0]) if running else [], title="running",
@@ -432,7 +430,7 @@ def compare(
                  "A": _verdict(v.a_passed, v.a_value, v.a_interval_lo, v.a_interval_hi),
                  "B": _verdict(v.b_passed, v.b_value, v.b_interval_lo, v.b_interval_hi)} for v in c.verdicts]
     from core.dispersion import compare_spread
-    from db.queries import MetricPair, VerdictPair
+    from db.compare import MetricPair, VerdictPair
 
     spread = compare_spread(*[_scored_walls(store, a) for a in attempts])
     sharing = [_sharing(a) for a in attempts]

@@ -13,7 +13,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from cli.common import DbUrl, open_store, write_output
+from cli.common import DbUrl, Json, echo_json, open_store, write_output
 from core.errors import PackbenchError
 
 
@@ -31,6 +31,7 @@ def report(
         "--out", "-o", help="HTML file to write (default here: report-<archive stem or screen-ID>.html, "
                             "or compare-<...>.html).")] = None,
     db: DbUrl = None,
+    json_out: Json = False,
 ) -> None:
     """Write one self-contained HTML report (no network at view time, plots inline) of a screen."""
     from cli.report_page import compare_page, screen_page
@@ -54,6 +55,9 @@ def report(
         default = f"report-{names[0]}.html"
     path = out or Path(default)
     write_output(path, page, "--out")
+    if json_out:
+        echo_json({"path": str(path), "bytes": path.stat().st_size, "screens": list(screens)})
+        return
     typer.echo(f"wrote {path} ({path.stat().st_size:,} bytes)")
 
 

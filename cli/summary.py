@@ -78,7 +78,7 @@ def _passes_when(v: dict) -> str:
 
 
 def verdict_record(v) -> dict:
-    """A stored verdict (db VerdictRow) as JSON: what it was judged on included (interval, detail)."""
+    """A stored verdict (db StoredVerdict) as JSON: what it was judged on included (interval, detail)."""
     lo, hi = v.interval if v.interval is not None else (None, None)
     return {"gate": v.gate, "condition": v.condition, "phase": v.phase, "passed": v.passed, "value": v.value,
             "threshold": v.threshold, "interval_lo": lo, "interval_hi": hi, "detail": v.detail}

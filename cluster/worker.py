@@ -27,7 +27,7 @@ class RayWorker:
     (docs/benchmarks.md "Queue on two GPUs").
     """
 
-    def __init__(self, env: dict[str, str] | None = None) -> None:
+    def __init__(self, env: dict[str, str] | None = None, *, threads: int | None = None, pin: bool = False) -> None:
         age, entered = _process_age_s(), time.time()
         # Set before torch is imported (OMP threads, the CUDA allocator's config): as arguments,
         # not a Ray runtime_env, which made Ray start the process through its runtime-env agent
@@ -36,7 +36,7 @@ class RayWorker:
         from engine.worker import Worker
 
         imported = time.time()
-        self.worker = Worker()
+        self.worker = Worker(threads=threads, pin=pin)
         # Where a worker's start goes (the archive's environment keeps it): Ray's process start
         # to this constructor, the engine's import (torch), the engine's own start (CUDA, NVML).
         self.startup = {"process_s": age, "import_s": imported - entered,
@@ -72,4 +72,5 @@ def start_worker(settings: Settings, *, workers_on_host: int = 1, **options):
     `options` go to `.options()` (e.g. a name or a scheduling strategy).
     """
     env = settings.worker_env(threads=max(1, (os.cpu_count() or 1) // max(1, workers_on_host)))
-    return GpuWorker.options(num_cpus=1, **options).remote(env)
+    return GpuWorker.options(num_cpus=1, **options).remote(env, threads=settings.worker_threads,
+                                                            pin=settings.worker_pin)

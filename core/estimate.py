@@ -14,6 +14,7 @@ come out smaller. Byte rules follow the ledgers of engine/policies.py:
 | --- | --- |
 | resident | 0 (the weights were placed once at start) |
 | quantized (a low-bit competitor) | 0 (its quantized weights were placed once at start) |
+| accelerate (a competitor) | parameters beyond the allowance, whole layers every call (an upper estimate: not per layer) |
 | dense-stream | ffn x row |
 | packet (host or device gather) | k x (row + 8): k active rows and their int64 indices |
 | sparse-extents {B} | blocks x (B x row + 8): every B-row block holding an active row |
@@ -33,7 +34,7 @@ from statistics import NormalDist
 
 from core.plan import plan
 from core.protocol import Protocol, expand
-from core.registry import SHAPES
+from core.registry import SHAPES, weights_of
 
 INDEX_BYTES = 8  # engine.policies.INDEX_DTYPE is int64
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
@@ -118,13 +119,15 @@ class Activity:
 
 
 def call_h2d_bytes(policy: str, params: dict, *, phase: str, tokens: int, shape: ModelShape, row_bytes: int,
-                   activity: Activity) -> float:
+                   activity: Activity, allowance_bytes: int = 0) -> float:
     """Expected H2D bytes of one call (all layers) under `policy` (see the module table)."""
     dense = shape.ffn * row_bytes
     k = shape.ffn * activity.union_fraction(tokens)
     packet = k * (row_bytes + INDEX_BYTES)
     if policy in ("resident", "quantized"):
         per_layer = 0.0
+    elif policy == "accelerate":  # the layers beyond the allowance, whole, every call
+        return float(max(0, shape.param_count() * (row_bytes // shape.hidden) - allowance_bytes))
     elif policy == "dense-stream" or (policy == "phase-switched" and phase == "prefill"):
         per_layer = float(dense)
     elif policy == "sparse-extents":
@@ -149,7 +152,9 @@ def estimate(protocol: Protocol | dict, *, shape: ModelShape, activity: Activity
     decode_calls = p.continuation_tokens - 1
     rows = []
     for c in p.conditions:
-        kw = dict(shape=shape, row_bytes=row_bytes, activity=activity)
+        int8 = weights_of(c.policy, c.params) == "int8"  # hidden int8 values and a float32 scale a row
+        kw = dict(shape=shape, row_bytes=shape.hidden + 4 if int8 else row_bytes, activity=activity,
+                  allowance_bytes=p.allowance_bytes)
         prefill = call_h2d_bytes(c.policy, dict(c.params), phase="prefill", tokens=p.prefix_tokens, **kw)
         decode = call_h2d_bytes(c.policy, dict(c.params), phase="decode", tokens=1, **kw)
         episode = prefill + decode_calls * decode

@@ -23,6 +23,7 @@ import numpy as np
 from core.fidelity import of_episode
 from core.plan import plan
 from core.protocol import FidelityBounds, Protocol, expand
+from core.registry import exact_reference, weights_of
 
 PEAKS = ("peak_allocated_bytes", "peak_reserved_bytes", "peak_sampled_bytes")
 
@@ -504,6 +505,18 @@ def planned_episodes(protocol: Protocol | dict, episodes: list[dict]) -> list[di
     return out
 
 
+def _faithful(p: Protocol, eps: list[dict], name: str, tolerance: float) -> dict:
+    """faithfulness of `name` against its exact reference (core.registry.exact_reference): the
+    protocol's, or the dense-stream of its weights (an int8 packet against the int8
+    dense-stream), which the verdict's detail then names."""
+    conditions = {c.name: (c.policy, c.params) for c in p.conditions}
+    ref = exact_reference(conditions, p.reference, name) or p.reference
+    v = faithfulness(eps, reference=ref, condition=name, tolerance=tolerance)
+    if ref != p.reference:
+        v["detail"] = f"against {ref!r} (weights {weights_of(*conditions[name])}): {v['detail']}"
+    return v
+
+
 def compute_verdicts(protocol: Protocol | dict, episodes: list[dict], *, start: dict | None = None) -> list[dict]:
     """Every verdict the frozen protocol declares, sorted by (gate, condition, phase).
 
@@ -517,8 +530,7 @@ def compute_verdicts(protocol: Protocol | dict, episodes: list[dict], *, start: 
     allowance = p.allowance_bytes
     out: list[dict] = []
     if gates.faithfulness_tolerance is not None:  # exact conditions only: fidelity judges the approximate ones
-        out += [faithfulness(eps, reference=p.reference, condition=name, tolerance=gates.faithfulness_tolerance)
-                for name in names if p.tier(name) == "exact"]
+        out += [_faithful(p, eps, name, gates.faithfulness_tolerance) for name in names if p.tier(name) == "exact"]
     out += [fidelity(eps, reference=p.reference, bounds=b) for b in gates.fidelity]
     if gates.resources:
         out += [resources(eps, condition=name, allowance_bytes=allowance) for name in names]

@@ -4,8 +4,8 @@ is a total that the per-call ledger recomputes, and whether the auditor compares
 
 The worker builds the record (`engine/worker.Worker.run`: the fields below plus `logits`),
 the gates read it (`core/gates.py`), the archive keeps it whole (`episodes/NNNNN.json`), the
-database keeps the `STORED_FIELDS` (`db/models.Episode`, whose columns a test holds equal
-to them; `db/records.EpisodeRow` is generated from them), the auditor compares the
+database keeps the `STORED_FIELDS` (`db/models.SqlEpisode`'s columns and
+`db/records.EpisodeRow` are generated from them), the auditor compares the
 `AUDITED` ones between archive and database, and `core.metrics.episode_totals` recomputes
 the `ledger` ones from the call ledger (a test holds the two lists equal).
 
@@ -105,6 +105,7 @@ EPISODE_FIELDS: tuple[Field, ...] = (
     _kept("forced_from", int),  # the reference episode an approximate one was teacher-forced on
     _kept("forced_s", float),  # the teacher-forced pass's seconds (not part of wall_s)
     _kept("quantization", dict),  # engine/quantized.py QuantizationStats: what building the model cost
+    _kept("offload", dict),  # engine/accelerate.py OffloadStats: what accelerate placed where, and its cost
     _kept("first_logit_since_entry_s", float),
     _kept("logits_d2h_bytes", int, ledger=True),  # recording readbacks
     _kept("rows_copied", int, ledger=True),
@@ -134,6 +135,11 @@ LEDGER_FIELDS: tuple[Field, ...] = tuple(f for f in EPISODE_FIELDS if f.ledger)
 # Database column -> path in the archive's record, for the auditor's comparison.
 AUDITED: dict[str, tuple[str, ...]] = {f.name: f.path for f in STORED_FIELDS if f.audited}
 FIELDS_BY_NAME: dict[str, Field] = {f.name: f for f in EPISODE_FIELDS}
+# `packbench results --sort` columns, the per-episode measurements a user ranks by: stored
+# fields, h2d_bytes (weights + indices) and started_at (the attempt's). `db/queries.py` orders
+# by them, `cli/query.py` lists them in `--help` without importing SQLAlchemy.
+SORT_NAMES = ("energy_j", "wall_s", "call_s", "h2d_bytes", "d2h_bytes", "peak_allocated_bytes", "peak_sampled_bytes",
+              "n_tokens", "started_at")
 
 
 def value_at(record: Any, path: tuple[str, ...]) -> Any:

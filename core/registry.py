@@ -42,6 +42,10 @@ class ChoiceParam:
 
     choices: tuple[str, ...]
     default: str | None
+    # The first schema that may say this parameter: a protocol of a lower schema is refused when it
+    # gives it, and a condition giving it freezes in that schema (core/protocol/schema.py). Omitted,
+    # it is left out of every frozen body and means `default`, so no older hash moves.
+    since: int = 1
 
     def check(self, name: str, value: Any) -> str:
         if value not in self.choices:
@@ -49,15 +53,24 @@ class ChoiceParam:
         return value
 
 
+# How the outgoing weights travel (engine/policies/int8.py): `dtype`, the protocol's precision
+# as the checkpoint holds it; `int8`, weight-only int8 rows with one float32 absmax scale per
+# outgoing row, dequantized on the device after the copy (about half of fp16's bytes per row).
+# An int8 loader is exact against the int8 dense-stream (faithfulness) and approximate against a
+# reference of the protocol's precision. Sayable from schema 6.
+WEIGHT_FORMATS = ("dtype", "int8")
+WEIGHTS_SCHEMA = 6
+WEIGHTS_PARAM = ChoiceParam(choices=WEIGHT_FORMATS, default="dtype", since=WEIGHTS_SCHEMA)
+
 # Loader policies and their parameters: engine.policies.POLICIES has one constructor per name,
 # whose keyword-only parameters are exactly these, with these defaults.
 POLICY_PARAMS: dict[str, dict[str, IntParam | ChoiceParam]] = {
     "resident": {},
-    "dense-stream": {},
+    "dense-stream": {"weights": WEIGHTS_PARAM},
     "sparse-extents": {"block_rows": IntParam(minimum=1, default=128)},
     # `packet` without params froze as gather host (schemas 1 and 2): this default may never
     # move. Schema 3 writes gather device for it instead (SCHEMA3_DEFAULTS).
-    "packet": {"gather": ChoiceParam(choices=("host", "device"), default="host")},
+    "packet": {"gather": ChoiceParam(choices=("host", "device"), default="host"), "weights": WEIGHTS_PARAM},
     # Added after schemas 1-3 froze phase-switched without params: host there; schema 4 writes
     # device for it (SCHEMA4_DEFAULTS).
     "phase-switched": {"gather": ChoiceParam(choices=("host", "device"), default="host")},
@@ -77,12 +90,50 @@ QUANT_METHODS: dict[str, str] = {
 }
 LOWBIT_EXTRA = "lowbit"
 
-# Competitors: conditions that are not packbench's own loaders (engine/quantized.py), named in a
-# protocol's `policy` field like a loader policy. Only schema 5 can say them (core/protocol/schema.py).
+# How a competitor runs its calls (schema 6, `params.mode`): eager; "graph", one CUDA graph per
+# decode step over a static KV cache; "compile", torch.compile(mode="reduce-overhead") of the
+# decode step over the same cache (engine/quantized.py). Omitted in a schema-5 body: eager.
+COMPETITOR_MODES = ("eager", "graph", "compile")
+
+# Competitors: conditions that are not packbench's own loaders (engine/quantized.py,
+# engine/accelerate.py), named in a protocol's `policy` field like a loader policy. `quantized`
+# needs schema 5, `accelerate` and `mode` schema 6 (core/protocol/schema.py).
 COMPETITOR_PARAMS: dict[str, dict[str, IntParam | ChoiceParam]] = {
     # No default: which low-bit format is the whole claim, so a protocol states it.
-    "quantized": {"method": ChoiceParam(choices=tuple(QUANT_METHODS), default=None)},
+    "quantized": {"method": ChoiceParam(choices=tuple(QUANT_METHODS), default=None),
+                  "mode": ChoiceParam(choices=COMPETITOR_MODES, default="eager")},
+    # Hugging Face accelerate's big-model offload (device_map, max_memory = the allowance).
+    "accelerate": {"mode": ChoiceParam(choices=COMPETITOR_MODES, default="eager")},
 }
+COMPETITOR_LIBRARIES = (*dict.fromkeys(QUANT_METHODS.values()), "accelerate")
+
+# Why a library's calls cannot be captured (a mode other than eager is refused for it). Measured
+# or read on the H200 stack of docs/benchmarks.md; a library missing here captures.
+CAPTURE_REFUSALS: dict[str, str] = {
+    # llm-int8 splits outlier columns by a threshold on the host each call; nf4 was never measured
+    # under capture, so it is not claimed.
+    "bitsandbytes": "bitsandbytes decides on the host inside its matmuls (llm-int8's outlier split) and "
+                    "was not measured under capture",
+    "accelerate": "accelerate's hooks copy each offloaded weight from pageable host memory in Python on "
+                  "every call",
+}
+
+# The fastest mode each competitor was measured in on the H200 (synthetic OPT-2.7B fp16, decode
+# ms/token): torchao int8 weight-only 22.90 eager, 11.56 one CUDA graph per step, 8.37 under
+# torch.compile reduce-overhead; bitsandbytes and accelerate eager. What schema 6 writes for an
+# omitted `mode`.
+FASTEST_MODE: dict[str, str] = {"torchao": "compile", "bitsandbytes": "eager", "accelerate": "eager"}
+
+
+def competitor_library(policy: str, params: Mapping[str, Any]) -> str:
+    """The library a competitor condition runs on (COMPETITOR_LIBRARIES)."""
+    return QUANT_METHODS[params["method"]] if policy == "quantized" else policy
+
+
+def mode_refusal(policy: str, params: Mapping[str, Any], mode: str) -> str | None:
+    """Why a competitor cannot run in `mode` (None: it can): `cannot be captured: ...`."""
+    why = CAPTURE_REFUSALS.get(competitor_library(policy, params))
+    return None if mode == "eager" or why is None else f"cannot be captured: {why}"
 CONDITION_PARAMS: dict[str, dict[str, IntParam | ChoiceParam]] = {**POLICY_PARAMS, **COMPETITOR_PARAMS}
 CONDITION_POLICIES = tuple(CONDITION_PARAMS)  # what a condition's `policy` may name
 
@@ -97,16 +148,32 @@ def tier_of(policy: str) -> str:
     return "approximate" if policy in APPROXIMATE_POLICIES else "exact"
 
 
+def exact_reference(conditions: Mapping[str, tuple[str, Mapping[str, Any]]], reference: str,
+                    name: str) -> str | None:
+    """The condition whose logits exact condition `name`'s faithfulness is judged against, given
+    every condition's (policy, params) by name: the protocol's `reference` where their weights
+    agree (weights_of), else the first dense-stream with `name`'s weights (an int8 packet
+    against the int8 dense-stream, which is its own); None where the protocol has none."""
+    policy, params = conditions[name]
+    weights = weights_of(policy, params)
+    if weights == weights_of(*conditions[reference]):
+        return reference
+    for other, (p, ps) in conditions.items():
+        if p == "dense-stream" and weights_of(p, ps) == weights:
+            return other
+    return None
+
+
 def lowbit_fix() -> str:
     return f"pip install 'packbench[{LOWBIT_EXTRA}]'"
 
 
 def missing_library(method: str) -> str | None:
-    """The library `method` needs when it is not installed here (None when it is), found
-    without importing it (importing torchao imports torch)."""
+    """The library `method` (a QUANT_METHODS name, or `accelerate`) needs when it is not
+    installed here (None when it is), found without importing it (importing torchao imports torch)."""
     import importlib.util
 
-    name = QUANT_METHODS[method]
+    name = QUANT_METHODS.get(method, method)
     return None if importlib.util.find_spec(name) is not None else name
 
 # What a schema-3 protocol (the newest) means by a parameter a condition leaves out, where that
@@ -149,8 +216,17 @@ def param_default(policy: str, name: str) -> Any:
 
 def resolved_params(policy: str, params: Mapping[str, Any]) -> dict[str, Any]:
     """`params` of a frozen condition with every default spelled out: what the engine's
-    constructor runs with (a `packet` whose frozen params omit gather gathers on the host)."""
-    return {name: params.get(name, param.default) for name, param in CONDITION_PARAMS[policy].items()}
+    constructor runs with (a `packet` whose frozen params omit gather gathers on the host).
+    A parameter of a later schema (`since` > 1) appears only where the condition gives it, so
+    what plans and reports print for a protocol written before it stays as it was."""
+    return {name: params.get(name, param.default) for name, param in CONDITION_PARAMS[policy].items()
+            if name in params or getattr(param, "since", 1) == 1}
+
+
+def weights_of(policy: str, params: Mapping[str, Any]) -> str:
+    """How condition (`policy`, `params`)'s outgoing weights travel: `dtype` or `int8`
+    (WEIGHT_FORMATS); `dtype` for a policy without the parameter."""
+    return params.get("weights", "dtype") if "weights" in CONDITION_PARAMS.get(policy, {}) else "dtype"
 
 
 DTYPE_NAMES = ("float32", "float16", "bfloat16")

@@ -1,10 +1,11 @@
-"""Read-only queries behind `packbench results`, `screens list|show`, `compare` and `status`.
+"""Read-only queries behind `packbench results` and `screens list|show`, and screen lookup.
 
 Contract
 - Each query function takes an open `Session` and returns frozen dataclasses (or records
   from `db.records`); ORM rows never leave. `Store` wraps each one in a transaction after
-  its schema check (`Store.results`, `Store.list_screens`, `Store.screen_detail`,
-  `Store.compare`), so callers never see a Session either.
+  its schema check (`Store.results`, `Store.list_screens`, `Store.screen_detail`), so
+  callers never see a Session either. `packbench compare` reads through `db.compare`,
+  `packbench status` through `db.status`, in the same way.
 - Filters are frozen dataclasses validated on construction: a filter that cannot match by
   construction (an unknown gate, a malformed date) raises `InvalidFilter`, naming the
   allowed values, before any database is touched.
@@ -17,45 +18,28 @@ import json
 import math
 from dataclasses import dataclass
 from datetime import UTC, date, datetime, timedelta
+from collections.abc import Iterable
 from typing import Any, NamedTuple
 
-from sqlalchemy import (
-    BigInteger,
-    ColumnElement,
-    Float,
-    and_,
-    case,
-    cast,
-    exists,
-    func,
-    or_,
-    select,
-)
+from sqlalchemy import ColumnElement, and_, case, exists, func, or_, select
 from sqlalchemy.orm import Session
 
 from core.protocol import DTYPE_NAMES, GATE_NAMES, PHASES
-from core.record import FIELDS_BY_NAME, STORED_FIELDS
+from core.record import SORT_NAMES
 from db.errors import InvalidFilter, NotFound
 from db.models import (
     EPISODE_STATUSES,
     SCREEN_STATUSES,
-    Attempt,
-    Audit,
-    Dispatcher,
-    Episode,
-    Machine,
-    Protocol,
-    Screen,
-    Verdict,
+    SqlAttempt,
+    SqlAudit,
+    SqlEpisode,
+    SqlMachine,
+    SqlProtocol,
+    SqlScreen,
+    SqlVerdict,
+    episode_column,
 )
-from db.records import (
-    AttemptRow,
-    AuditRow,
-    MachineRow,
-    ProtocolRow,
-    ScreenRow,
-    VerdictRow,
-)
+from db.records import AttemptRow, AuditRow, MachineRow, ProtocolRow, ScreenRow, StoredVerdict
 
 # The gate names a verdict can carry: the protocol's registry (pure Python, no numpy).
 GATES: tuple[str, ...] = GATE_NAMES
@@ -224,33 +208,46 @@ class ResultRow(NamedTuple):
     threshold: float | None = None
 
 
-# `results --sort` columns: the per-episode measurements a user ranks by.
+# `results --sort` columns (`core.record.SORT_NAMES`, in its order): a stored field's own
+# column, or one of these.
+_SORT_EXPRESSIONS: dict[str, Any] = {
+    "h2d_bytes": SqlEpisode.h2d_weight_bytes + SqlEpisode.h2d_index_bytes,
+    "started_at": SqlAttempt.started_at,
+}
 SORT_KEYS: dict[str, Any] = {
-    "energy_j": Episode.energy_j,
-    "wall_s": Episode.wall_s,
-    "call_s": Episode.call_s,
-    "h2d_bytes": Episode.h2d_weight_bytes + Episode.h2d_index_bytes,
-    "d2h_bytes": Episode.d2h_bytes,
-    "peak_allocated_bytes": Episode.peak_allocated_bytes,
-    "peak_sampled_bytes": Episode.peak_sampled_bytes,
-    "n_tokens": Episode.n_tokens,
-    "started_at": Attempt.started_at,
+    name: _SORT_EXPRESSIONS[name] if name in _SORT_EXPRESSIONS else episode_column(name) for name in SORT_NAMES
 }
 
 
 def _protocol_matches(ref: str) -> ColumnElement[bool]:
-    condition = Protocol.name == ref
+    condition = SqlProtocol.name == ref
     lowered = ref.lower()
     if lowered and all(c in "0123456789abcdef" for c in lowered):
-        condition = or_(condition, Protocol.sha256.startswith(lowered))
+        condition = or_(condition, SqlProtocol.sha256.startswith(lowered))
     return condition
 
 
 def _same_condition_verdicts(*criteria: ColumnElement[bool]) -> Any:
     """EXISTS a verdict of the episode's attempt and condition that meets `criteria`."""
     return exists().where(
-        Verdict.attempt_id == Episode.attempt_id, Verdict.condition == Episode.condition, *criteria
+        SqlVerdict.attempt_id == SqlEpisode.attempt_id, SqlVerdict.condition == SqlEpisode.condition, *criteria
     )
+
+
+# `results`' columns: ResultRow's in its order, then the episode's attempt id (not a
+# ResultRow field: the key its verdicts are fetched by).
+_RESULT_COLUMNS = (
+    SqlScreen.id, SqlAttempt.number, SqlAttempt.status, SqlProtocol.name, SqlProtocol.sha256,
+    SqlProtocol.model, SqlProtocol.dtype, SqlScreen.model_dir, SqlAttempt.node, SqlAttempt.gpu_name,
+    SqlMachine.host, SqlAttempt.started_at, SqlEpisode.plan_index, SqlEpisode.condition, SqlEpisode.role,
+    SqlEpisode.prompt, SqlEpisode.status, SqlEpisode.error, SqlEpisode.n_tokens,
+    SqlEpisode.h2d_weight_bytes + SqlEpisode.h2d_index_bytes, SqlEpisode.prefill_h2d_bytes,
+    SqlEpisode.decode_h2d_bytes, SqlEpisode.d2h_bytes, SqlEpisode.wall_s, SqlEpisode.call_s,
+    SqlEpisode.peak_allocated_bytes, SqlEpisode.peak_sampled_bytes, SqlEpisode.energy_j,
+    SqlEpisode.fidelity_mean_kl, SqlEpisode.fidelity_p99_kl, SqlEpisode.fidelity_top1,
+    SqlEpisode.fidelity_max_abs_logit, SqlEpisode.fidelity_divergence_step,
+    SqlEpisode.attempt_id,
+)
 
 
 def results(session: Session, f: ResultFilter) -> list[ResultRow]:
@@ -263,69 +260,16 @@ def results(session: Session, f: ResultFilter) -> list[ResultRow]:
     runtime one; several phases fold into one row (`phase` 'prefill+decode', `passed` only
     when every phase passed, `value` and `threshold` only for a single phase).
     """
-    columns = [
-        Screen.id, Attempt.number, Attempt.status, Protocol.name, Protocol.sha256,
-        Protocol.model, Protocol.dtype, Screen.model_dir, Attempt.node, Attempt.gpu_name,
-        Machine.host, Attempt.started_at, Episode.plan_index, Episode.condition, Episode.role,
-        Episode.prompt, Episode.status, Episode.error, Episode.n_tokens,
-        Episode.h2d_weight_bytes + Episode.h2d_index_bytes, Episode.prefill_h2d_bytes,
-        Episode.decode_h2d_bytes, Episode.d2h_bytes, Episode.wall_s, Episode.call_s,
-        Episode.peak_allocated_bytes, Episode.peak_sampled_bytes, Episode.energy_j,
-        Episode.fidelity_mean_kl, Episode.fidelity_p99_kl, Episode.fidelity_top1, Episode.fidelity_max_abs_logit,
-        Episode.fidelity_divergence_step,
-        Episode.attempt_id,  # not a ResultRow field: the key its verdicts are fetched by
-    ]
     query = (
-        select(*columns)
-        .select_from(Episode)
-        .join(Attempt, Attempt.id == Episode.attempt_id)
-        .join(Screen, Screen.id == Attempt.screen_id)
-        .join(Protocol, Protocol.id == Screen.protocol_id)
-        .outerjoin(Machine, Machine.id == Attempt.machine_id)
+        select(*_RESULT_COLUMNS)
+        .select_from(SqlEpisode)
+        .join(SqlAttempt, SqlAttempt.id == SqlEpisode.attempt_id)
+        .join(SqlScreen, SqlScreen.id == SqlAttempt.screen_id)
+        .join(SqlProtocol, SqlProtocol.id == SqlScreen.protocol_id)
+        .outerjoin(SqlMachine, SqlMachine.id == SqlAttempt.machine_id)
+        .where(*_result_criteria(f))
     )
-    if f.gate is not None:
-        # Candidates: episodes of a condition the gate judged in that attempt. Which of them
-        # a verdict covers, and --passed/--failed, are decided per episode below.
-        query = query.where(_same_condition_verdicts(*_gate_criteria(f)))
-    elif f.passed is True:
-        query = query.where(_same_condition_verdicts(), ~_same_condition_verdicts(~Verdict.passed))
-    elif f.passed is False:
-        query = query.where(_same_condition_verdicts(~Verdict.passed))
-    if f.protocol is not None:
-        query = query.where(_protocol_matches(f.protocol))
-    if f.model is not None:
-        query = query.where(
-            or_(
-                Protocol.model.icontains(f.model, autoescape=True),
-                Screen.model_dir.icontains(f.model, autoescape=True),
-            )
-        )
-    if f.dtype is not None:
-        query = query.where(Protocol.dtype == f.dtype)
-    if f.condition is not None:
-        query = query.where(Episode.condition == f.condition)
-    if f.status is not None:
-        query = query.where(Episode.status == f.status)
-    if f.since is not None:
-        query = query.where(Attempt.started_at >= f.since)
-    if f.until is not None:
-        query = query.where(Attempt.started_at < f.until)
-    if f.machine is not None:
-        query = query.where(
-            or_(
-                *(
-                    column.icontains(f.machine, autoescape=True)
-                    for column in (Attempt.node, Attempt.gpu_name, Machine.host, Machine.gpu_name)
-                )
-            )
-        )
-    if f.min_energy_j is not None:
-        query = query.where(Episode.energy_j >= f.min_energy_j)
-    if f.max_energy_j is not None:
-        query = query.where(Episode.energy_j <= f.max_energy_j)
-    if f.screen_id is not None:
-        query = query.where(Attempt.screen_id == f.screen_id)
-    order = [Screen.id, Attempt.number, Episode.plan_index]
+    order = [SqlScreen.id, SqlAttempt.number, SqlEpisode.plan_index]
     if f.sort is not None:
         key = SORT_KEYS[f.sort]
         order.insert(0, (key.desc() if f.descending else key.asc()).nulls_last())
@@ -341,12 +285,50 @@ def results(session: Session, f: ResultFilter) -> list[ResultRow]:
     return _with_verdicts(session, rows, f)
 
 
+def _result_criteria(f: ResultFilter) -> list[ColumnElement[bool]]:
+    """The WHERE clauses of the filters `f` sets (ANDed)."""
+    criteria: list[ColumnElement[bool]] = []
+    if f.gate is not None:
+        # Candidates: episodes of a condition the gate judged in that attempt. Which of them
+        # a verdict covers, and --passed/--failed, are decided per episode (`_with_verdicts`).
+        criteria.append(_same_condition_verdicts(*_gate_criteria(f)))
+    elif f.passed is True:
+        criteria += [_same_condition_verdicts(), ~_same_condition_verdicts(~SqlVerdict.passed)]
+    elif f.passed is False:
+        criteria.append(_same_condition_verdicts(~SqlVerdict.passed))
+    if f.protocol is not None:
+        criteria.append(_protocol_matches(f.protocol))
+    if f.model is not None:
+        criteria.append(or_(SqlProtocol.model.icontains(f.model, autoescape=True),
+                            SqlScreen.model_dir.icontains(f.model, autoescape=True)))
+    if f.dtype is not None:
+        criteria.append(SqlProtocol.dtype == f.dtype)
+    if f.condition is not None:
+        criteria.append(SqlEpisode.condition == f.condition)
+    if f.status is not None:
+        criteria.append(SqlEpisode.status == f.status)
+    if f.since is not None:
+        criteria.append(SqlAttempt.started_at >= f.since)
+    if f.until is not None:
+        criteria.append(SqlAttempt.started_at < f.until)
+    if f.machine is not None:
+        criteria.append(or_(*(column.icontains(f.machine, autoescape=True) for column in
+                              (SqlAttempt.node, SqlAttempt.gpu_name, SqlMachine.host, SqlMachine.gpu_name))))
+    if f.min_energy_j is not None:
+        criteria.append(SqlEpisode.energy_j >= f.min_energy_j)
+    if f.max_energy_j is not None:
+        criteria.append(SqlEpisode.energy_j <= f.max_energy_j)
+    if f.screen_id is not None:
+        criteria.append(SqlAttempt.screen_id == f.screen_id)
+    return criteria
+
+
 def _gate_criteria(f: ResultFilter) -> list[ColumnElement[bool]]:
-    return [Verdict.gate == f.gate, *([Verdict.phase == f.phase] if f.phase is not None else [])]
+    return [SqlVerdict.gate == f.gate, *([SqlVerdict.phase == f.phase] if f.phase is not None else [])]
 
 
 _PLAN_INDEX, _CONDITION, _ROLE = (ResultRow._fields.index(name) for name in ("plan_index", "condition", "role"))
-_CHUNK = 500  # attempt ids per IN (...): far below SQLite's bound on bound parameters
+_CHUNK = 500  # ids per IN (...): far below SQLite's bound on bound parameters
 
 
 def _with_verdicts(session: Session, rows: list[Any], f: ResultFilter) -> list[ResultRow]:
@@ -355,9 +337,9 @@ def _with_verdicts(session: Session, rows: list[Any], f: ResultFilter) -> list[R
     attempt_ids = sorted({row[-1] for row in rows})
     by_key: dict[tuple[int, str], list[tuple[str, bool, float | None, float | None, frozenset[int] | None]]] = {}
     for i in range(0, len(attempt_ids), _CHUNK):
-        query = select(Verdict.attempt_id, Verdict.condition, Verdict.phase, Verdict.passed, Verdict.value,
-                       Verdict.threshold, Verdict.episodes_json).where(
-            Verdict.attempt_id.in_(attempt_ids[i:i + _CHUNK]), *_gate_criteria(f))
+        query = select(SqlVerdict.attempt_id, SqlVerdict.condition, SqlVerdict.phase, SqlVerdict.passed, SqlVerdict.value,
+                       SqlVerdict.threshold, SqlVerdict.episodes_json).where(
+            SqlVerdict.attempt_id.in_(attempt_ids[i:i + _CHUNK]), *_gate_criteria(f))
         for attempt_id, condition, phase, passed, value, threshold, episodes_json in session.execute(query):
             by_key.setdefault((attempt_id, condition), []).append(
                 (phase, bool(passed), value, threshold, _judged(episodes_json)))
@@ -410,23 +392,50 @@ class ScreenSummary:
     failed: int
 
 
+def condition_tiers(session: Session, protocol_sha256s: Iterable[str]) -> dict[str, dict[str, str]]:
+    """protocol SHA-256 -> condition name -> tier, from each stored protocol's frozen body
+    (`Store.condition_tiers`)."""
+    from core.registry import tier_of
+
+    wanted = sorted(set(protocol_sha256s))
+    out: dict[str, dict[str, str]] = {}
+    for start in range(0, len(wanted), _CHUNK):
+        rows = session.execute(select(SqlProtocol.sha256, SqlProtocol.canonical_json)
+                               .where(SqlProtocol.sha256.in_(wanted[start:start + _CHUNK])))
+        for sha, body in rows:
+            conditions = json.loads(body).get("conditions")
+            out[sha] = {c["name"]: tier_of(c["policy"]) for c in conditions if isinstance(c, dict)
+                        and isinstance(c.get("name"), str) and isinstance(c.get("policy"), str)} \
+                if isinstance(conditions, list) else {}
+    return out
+
+
 def condition_names(session: Session) -> list[str]:
     """Every condition name any stored episode has, sorted."""
-    return sorted(session.scalars(select(Episode.condition).distinct()))
+    return sorted(session.scalars(select(SqlEpisode.condition).distinct()))
 
 
-def find_screen(session: Session, ref: int | str, *, for_update: bool = False) -> Screen:
+def get_row(session: Session, model: type, key: int, noun: str, *, for_update: bool = False) -> Any:
+    """The `model` row with primary key `key` (locked with `for_update`, PostgreSQL), or
+    `NotFound` naming the `noun`."""
+    obj = session.get(model, key, with_for_update=True if for_update else None)
+    if obj is None:
+        raise NotFound(f"no {noun} with id {key}; list screens with `packbench screens list`")
+    return obj
+
+
+def find_screen(session: Session, ref: int | str, *, for_update: bool = False) -> SqlScreen:
     """The screen with id `ref` (an int or a string of digits), or 'latest' (highest id);
     `for_update` locks its row (PostgreSQL) for a read-then-write."""
     if ref == "latest":
-        query = select(Screen).order_by(Screen.id.desc()).limit(1)
+        query = select(SqlScreen).order_by(SqlScreen.id.desc()).limit(1)
         screen = session.scalars(query.with_for_update() if for_update else query).first()
         if screen is None:
             raise NotFound("there is no screen yet; submit one with `packbench submit`")
         return screen
     if isinstance(ref, str) and not ref.isdigit():
         raise NotFound(f"no screen {ref!r}; give a screen id or 'latest'")
-    screen = session.get(Screen, int(ref), with_for_update=True if for_update else None)
+    screen = session.get(SqlScreen, int(ref), with_for_update=True if for_update else None)
     if screen is None:
         raise NotFound(f"no screen with id {ref}; list them with `packbench screens list`")
     return screen
@@ -445,36 +454,36 @@ def list_screens(
         raise InvalidFilter(f"limit {limit} must be >= 1 (or None for every screen)")
     attempts = (
         select(
-            Attempt.screen_id.label("screen_id"),
-            func.count(Attempt.id).label("attempts"),
-            func.max(Attempt.number).label("latest"),
+            SqlAttempt.screen_id.label("screen_id"),
+            func.count(SqlAttempt.id).label("attempts"),
+            func.max(SqlAttempt.number).label("latest"),
         )
-        .group_by(Attempt.screen_id)
+        .group_by(SqlAttempt.screen_id)
         .subquery()
     )
     verdicts = (
         select(
-            Attempt.screen_id.label("screen_id"),
-            func.sum(case((Verdict.passed, 1), else_=0)).label("passed"),
-            func.sum(case((Verdict.passed, 0), else_=1)).label("failed"),
+            SqlAttempt.screen_id.label("screen_id"),
+            func.sum(case((SqlVerdict.passed, 1), else_=0)).label("passed"),
+            func.sum(case((SqlVerdict.passed, 0), else_=1)).label("failed"),
         )
-        .join(Verdict, Verdict.attempt_id == Attempt.id)
-        .join(attempts, and_(attempts.c.screen_id == Attempt.screen_id, attempts.c.latest == Attempt.number))
-        .group_by(Attempt.screen_id)
+        .join(SqlVerdict, SqlVerdict.attempt_id == SqlAttempt.id)
+        .join(attempts, and_(attempts.c.screen_id == SqlAttempt.screen_id, attempts.c.latest == SqlAttempt.number))
+        .group_by(SqlAttempt.screen_id)
         .subquery()
     )
     query = (
         select(
-            Screen.id, Protocol.name, Protocol.sha256, Screen.status, Screen.submitter,
-            Screen.created_at, attempts.c.attempts, verdicts.c.passed, verdicts.c.failed,
+            SqlScreen.id, SqlProtocol.name, SqlProtocol.sha256, SqlScreen.status, SqlScreen.submitter,
+            SqlScreen.created_at, attempts.c.attempts, verdicts.c.passed, verdicts.c.failed,
         )
-        .join(Protocol, Protocol.id == Screen.protocol_id)
-        .outerjoin(attempts, attempts.c.screen_id == Screen.id)
-        .outerjoin(verdicts, verdicts.c.screen_id == Screen.id)
-        .order_by(Screen.id.desc())
+        .join(SqlProtocol, SqlProtocol.id == SqlScreen.protocol_id)
+        .outerjoin(attempts, attempts.c.screen_id == SqlScreen.id)
+        .outerjoin(verdicts, verdicts.c.screen_id == SqlScreen.id)
+        .order_by(SqlScreen.id.desc())
     )
     if status is not None:
-        query = query.where(Screen.status == status)
+        query = query.where(SqlScreen.status == status)
     if protocol is not None:
         query = query.where(_protocol_matches(protocol))
     if limit is not None:
@@ -495,7 +504,7 @@ class AttemptDetail:
     machine: MachineRow | None
     episodes: int
     failed_episodes: int
-    verdicts: tuple[VerdictRow, ...]  # by (gate, condition, phase)
+    verdicts: tuple[StoredVerdict, ...]  # by (gate, condition, phase)
     audits: tuple[AuditRow, ...]  # oldest first
 
 
@@ -509,36 +518,36 @@ class ScreenDetail:
 def screen_detail(session: Session, ref: int | str) -> ScreenDetail:
     """A screen with its protocol and every attempt's verdicts, audits and episode counts."""
     screen = find_screen(session, ref)
-    protocol = session.get_one(Protocol, screen.protocol_id)
+    protocol = session.get_one(SqlProtocol, screen.protocol_id)
     attempts = session.scalars(
-        select(Attempt).where(Attempt.screen_id == screen.id).order_by(Attempt.number)
+        select(SqlAttempt).where(SqlAttempt.screen_id == screen.id).order_by(SqlAttempt.number)
     ).all()
     ids = [a.id for a in attempts]
     counts = {
         attempt_id: (total, int(failed or 0))
         for attempt_id, total, failed in session.execute(
             select(
-                Episode.attempt_id,
-                func.count(Episode.id),
-                func.sum(case((Episode.status == "failed", 1), else_=0)),
+                SqlEpisode.attempt_id,
+                func.count(SqlEpisode.id),
+                func.sum(case((SqlEpisode.status == "failed", 1), else_=0)),
             )
-            .where(Episode.attempt_id.in_(ids))
-            .group_by(Episode.attempt_id)
+            .where(SqlEpisode.attempt_id.in_(ids))
+            .group_by(SqlEpisode.attempt_id)
         )
     }
-    verdicts: dict[int, list[VerdictRow]] = {i: [] for i in ids}
+    verdicts: dict[int, list[StoredVerdict]] = {i: [] for i in ids}
     for verdict in session.scalars(
-        select(Verdict)
-        .where(Verdict.attempt_id.in_(ids))
-        .order_by(Verdict.gate, Verdict.condition, Verdict.phase)
+        select(SqlVerdict)
+        .where(SqlVerdict.attempt_id.in_(ids))
+        .order_by(SqlVerdict.gate, SqlVerdict.condition, SqlVerdict.phase)
     ):
         verdicts[verdict.attempt_id].append(verdict.to_record())
     audits: dict[int, list[AuditRow]] = {i: [] for i in ids}
-    for audit in session.scalars(select(Audit).where(Audit.attempt_id.in_(ids)).order_by(Audit.id)):
+    for audit in session.scalars(select(SqlAudit).where(SqlAudit.attempt_id.in_(ids)).order_by(SqlAudit.id)):
         audits[audit.attempt_id].append(audit.to_record())
     details = []
     for attempt in attempts:
-        machine = session.get(Machine, attempt.machine_id) if attempt.machine_id is not None else None
+        machine = session.get(SqlMachine, attempt.machine_id) if attempt.machine_id is not None else None
         total, failed = counts.get(attempt.id, (0, 0))
         details.append(
             AttemptDetail(
@@ -551,355 +560,3 @@ def screen_detail(session: Session, ref: int | str) -> ScreenDetail:
             )
         )
     return ScreenDetail(screen=screen.to_record(), protocol=protocol.to_record(), attempts=tuple(details))
-
-
-# -- compare -------------------------------------------------------------------------------
-
-_OK = Episode.status == "ok"
-
-
-def _ok_sum(column: Any, as_type: Any) -> Any:
-    # cast: PostgreSQL sums BIGINT into NUMERIC, which would come back as Decimal.
-    return cast(func.sum(case((_OK, column), else_=0)), as_type)
-
-
-def _column(name: str) -> Any:
-    """The `episodes` column of a `core.record` field."""
-    return getattr(Episode, FIELDS_BY_NAME[name].column)  # type: ignore[arg-type]
-
-
-def _sum_type(name: str) -> Any:
-    return BigInteger if FIELDS_BY_NAME[name].type is int else Float
-
-
-# Totals `compare` sums and peaks it takes the maximum of: fields of `core.record`.
-COMPARE_TOTALS = ("prefill_h2d_bytes", "decode_h2d_bytes", "d2h_bytes", "wall_s", "call_s")
-COMPARE_PEAKS = tuple(f.name for f in STORED_FIELDS if f.name.startswith("peak_"))
-
-# Per condition, over the scored episodes of one attempt. Totals and peaks count only
-# episodes that finished ('ok'); 'failed' says how many did not, so a total is never read
-# without knowing what it left out.
-COMPARE_METRICS: dict[str, Any] = {
-    "episodes": func.count(Episode.id),
-    "failed": func.sum(case((_OK, 0), else_=1)),
-    "h2d_bytes": _ok_sum(_column("h2d_weight_bytes") + _column("h2d_index_bytes"), BigInteger),
-    **{name: _ok_sum(_column(name), _sum_type(name)) for name in COMPARE_TOTALS},
-    **{name: func.max(case((_OK, _column(name)))) for name in COMPARE_PEAKS},
-}
-_COUNTS = ("episodes", "failed")  # no ratio: they say what the totals cover
-
-# Energy (NVML joules), over the ok scored episodes that carry a reading and generated tokens,
-# as the HTML report takes it (core.report.energy): per episode the mean, per generated token
-# the sum of joules over the sum of tokens. None where no episode has a reading (the CPU).
-_HAS_ENERGY = and_(_OK, Episode.energy_j.is_not(None), Episode.n_tokens > 0)
-_ENERGY_SUMS: dict[str, Any] = {
-    "energy_episodes": func.sum(case((_HAS_ENERGY, 1), else_=0)),
-    "energy_j": cast(func.sum(case((_HAS_ENERGY, Episode.energy_j))), Float),
-    "energy_tokens": cast(func.sum(case((_HAS_ENERGY, Episode.n_tokens))), BigInteger),
-}
-ENERGY_METRICS = ("energy_j_per_episode", "energy_j_per_token")
-
-# Fidelity of an approximate condition over its ok scored episodes (each bounded per episode by
-# the fidelity gate, so the worst is what a reader compares; the mean KL is also averaged).
-# Listed only for a condition that has them on either side: exact conditions have none.
-_HAS_FIDELITY = and_(_OK, Episode.fidelity_mean_kl.is_not(None))
-FIDELITY_METRICS: dict[str, Any] = {
-    "fidelity_mean_kl_mean": func.avg(case((_HAS_FIDELITY, Episode.fidelity_mean_kl))),
-    "fidelity_mean_kl_max": func.max(case((_HAS_FIDELITY, Episode.fidelity_mean_kl))),
-    "fidelity_p99_kl_max": func.max(case((_HAS_FIDELITY, Episode.fidelity_p99_kl))),
-    "fidelity_top1_min": func.min(case((_HAS_FIDELITY, Episode.fidelity_top1))),
-    "fidelity_max_abs_logit_max": func.max(case((_HAS_FIDELITY, Episode.fidelity_max_abs_logit))),
-    "fidelity_divergence_step_min": func.min(case((_HAS_FIDELITY, Episode.fidelity_divergence_step))),
-}
-
-
-def _energy(sums: dict[str, Any]) -> dict[str, float | None]:
-    joules, n, tokens = sums["energy_j"], sums["energy_episodes"], sums["energy_tokens"]
-    return {"energy_j_per_episode": joules / n if joules is not None and n else None,
-            "energy_j_per_token": joules / tokens if joules is not None and tokens else None}
-
-
-@dataclass(frozen=True, slots=True)
-class CompareSide:
-    screen_id: int
-    protocol: str
-    protocol_sha256: str
-    attempt: int
-    attempt_status: str
-
-
-@dataclass(frozen=True, slots=True)
-class MetricPair:
-    condition: str
-    metric: str
-    a: float | int | None
-    b: float | int | None
-    ratio: float | None  # b / a; None when either is missing or a is 0
-
-
-@dataclass(frozen=True, slots=True)
-class VerdictPair:
-    gate: str
-    condition: str
-    phase: str
-    a_passed: bool | None  # None: screen A has no such verdict
-    a_value: float | None
-    b_passed: bool | None
-    b_value: float | None
-    # What each was judged on: the interval where the gate judges one (runtime), and its detail.
-    a_interval_lo: float | None = None
-    a_interval_hi: float | None = None
-    a_detail: str | None = None
-    b_interval_lo: float | None = None
-    b_interval_hi: float | None = None
-    b_detail: str | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class Comparison:
-    a: CompareSide
-    b: CompareSide
-    metrics: tuple[MetricPair, ...]  # by condition, then COMPARE_METRICS and ENERGY_METRICS order
-    verdicts: tuple[VerdictPair, ...]  # by (gate, condition, phase)
-
-
-def ratio(a: float | None, b: float | None) -> float | None:
-    """b / a, or None when it is undefined."""
-    if a is None or b is None or a == 0:
-        return None
-    return b / a
-
-
-def _side(session: Session, ref: int | str) -> tuple[CompareSide, int]:
-    screen = find_screen(session, ref)
-    attempt = session.scalars(
-        select(Attempt).where(Attempt.screen_id == screen.id).order_by(Attempt.number.desc()).limit(1)
-    ).first()
-    if attempt is None:
-        raise NotFound(
-            f"screen {screen.id} has not run yet, so there is nothing to compare; "
-            f"run it with `packbench dispatch`"
-        )
-    protocol = session.get_one(Protocol, screen.protocol_id)
-    side = CompareSide(screen_id=screen.id, protocol=protocol.name, protocol_sha256=protocol.sha256,
-                       attempt=attempt.number, attempt_status=attempt.status)
-    return side, attempt.id
-
-
-def _totals(session: Session, attempt_id: int) -> dict[str, dict[str, Any]]:
-    query = (
-        select(Episode.condition, *COMPARE_METRICS.values(), *_ENERGY_SUMS.values(), *FIDELITY_METRICS.values())
-        .where(Episode.attempt_id == attempt_id, Episode.role == "scored")
-        .group_by(Episode.condition)
-    )
-    out = {}
-    energy_at, fidelity_at = 1 + len(COMPARE_METRICS), 1 + len(COMPARE_METRICS) + len(_ENERGY_SUMS)
-    for row in session.execute(query):
-        metrics = dict(zip(COMPARE_METRICS, row[1:]))
-        fidelity = {k: v for k, v in zip(FIDELITY_METRICS, row[fidelity_at:])}
-        out[row[0]] = {**metrics, **_energy(dict(zip(_ENERGY_SUMS, row[energy_at:fidelity_at]))), **fidelity}
-    return out
-
-
-_NO_VERDICT = (None, None, None, None, None)
-
-
-def _verdicts(session: Session, attempt_id: int) -> dict[tuple[str, str, str], tuple]:
-    """(gate, condition, phase) -> (passed, value, interval_lo, interval_hi, detail)."""
-    query = select(Verdict.gate, Verdict.condition, Verdict.phase, Verdict.passed, Verdict.value,
-                   Verdict.interval_lo, Verdict.interval_hi, Verdict.detail).where(Verdict.attempt_id == attempt_id)
-    return {(g, c, p): tuple(rest) for g, c, p, *rest in session.execute(query)}
-
-
-def compare(session: Session, ref_a: int | str, ref_b: int | str) -> Comparison:
-    """Scored-episode totals per condition and verdicts of two screens' latest attempts."""
-    side_a, attempt_a = _side(session, ref_a)
-    side_b, attempt_b = _side(session, ref_b)
-    totals_a, totals_b = _totals(session, attempt_a), _totals(session, attempt_b)
-    metrics = []
-    for condition in sorted(set(totals_a) | set(totals_b)):
-        a, b = totals_a.get(condition, {}), totals_b.get(condition, {})
-        approximate = a.get("fidelity_mean_kl_max") is not None or b.get("fidelity_mean_kl_max") is not None
-        for metric in (*COMPARE_METRICS, *ENERGY_METRICS, *(FIDELITY_METRICS if approximate else ())):
-            value_a, value_b = a.get(metric), b.get(metric)
-            metrics.append(
-                MetricPair(
-                    condition=condition, metric=metric, a=value_a, b=value_b,
-                    ratio=None if metric in _COUNTS else ratio(value_a, value_b),
-                )
-            )
-    verdicts_a, verdicts_b = _verdicts(session, attempt_a), _verdicts(session, attempt_b)
-    verdicts = []
-    for key in sorted(set(verdicts_a) | set(verdicts_b)):
-        a_passed, a_value, a_lo, a_hi, a_detail = verdicts_a.get(key, _NO_VERDICT)
-        b_passed, b_value, b_lo, b_hi, b_detail = verdicts_b.get(key, _NO_VERDICT)
-        verdicts.append(VerdictPair(*key, a_passed=a_passed, a_value=a_value, b_passed=b_passed, b_value=b_value,
-                                    a_interval_lo=a_lo, a_interval_hi=a_hi, a_detail=a_detail,
-                                    b_interval_lo=b_lo, b_interval_hi=b_hi, b_detail=b_detail))
-    return Comparison(a=side_a, b=side_b, metrics=tuple(metrics), verdicts=tuple(verdicts))
-
-
-# -- status --------------------------------------------------------------------------------
-
-QUEUE_LISTED = 100  # queued screens `status` lists (in claim order); the count covers them all
-DISPATCHERS_SHOWN_S = 24 * 3600  # a dispatcher silent for longer (and never stopped) is forgotten
-
-
-@dataclass(frozen=True, slots=True)
-class RunningScreen:
-    screen_id: int
-    protocol: str
-    priority: int
-    attempt: int  # its number
-    attempt_id: int
-    attempt_key: str | None
-    dispatcher: str | None  # name; None for an attempt started outside the queue
-    worker: str
-    node: str
-    gpu_name: str
-    gpu_index: int
-    model_state: str | None  # cold | warm
-    shared_node: bool | None
-    started_at: datetime
-    lease_expires_at: datetime | None
-    cancel_requested: bool
-    episodes_done: int  # episodes stored so far
-    episodes_total: int | None  # planned by the protocol; None if its plan cannot be computed
-
-
-@dataclass(frozen=True, slots=True)
-class QueuedScreen:
-    screen_id: int
-    protocol: str
-    priority: int
-    created_at: datetime
-    attempts_used: int
-    max_attempts: int
-    gpu_type: str | None
-    placement_node: str | None
-    replica_group: str | None
-    unplaceable_reason: str | None  # why no dispatcher can place it now; it stays queued
-
-
-@dataclass(frozen=True, slots=True)
-class DispatcherStatus:
-    id: int
-    name: str
-    host: str
-    pid: int | None
-    started_at: datetime
-    heartbeat_at: datetime
-    live: bool  # heartbeat within live_within_s
-    workers: tuple[dict[str, Any], ...]
-
-
-@dataclass(frozen=True, slots=True)
-class ReconciledAttempt:
-    screen_id: int
-    attempt: int  # its number
-    status: str
-    reconciled_at: datetime
-    episodes: int  # rows inserted from its archive, in all
-    check: str | None  # manifest | writer | crc32
-
-
-RECONCILED_LISTED = 20  # the latest reconciled attempts `status` lists
-
-
-@dataclass(frozen=True, slots=True)
-class QueueStatus:
-    now: datetime
-    counts: dict[str, int]  # every screen status, zeros included
-    running: tuple[RunningScreen, ...]  # by screen id
-    queued: tuple[QueuedScreen, ...]  # claim order (priority, then oldest); at most QUEUE_LISTED
-    dispatchers: tuple[DispatcherStatus, ...]  # not stopped, heard from in the last day
-    idle_workers: int  # over live dispatchers
-    busy_workers: int
-    reconciled: tuple[ReconciledAttempt, ...] = ()  # latest first: rows inserted from archives (db reconcile)
-
-
-def _planned_episodes(canonical_json: str) -> int | None:
-    """How many episodes the protocol plans (core.plan, imported here only: it needs numpy)."""
-    from core.plan import plan
-
-    try:
-        return len(plan(json.loads(canonical_json)))
-    except Exception:  # an old or odd body: the total is unknown, the status still shows
-        return None
-
-
-def queue_status(session: Session, *, now: datetime, live_within_s: float) -> QueueStatus:
-    counts = dict.fromkeys(SCREEN_STATUSES, 0)
-    for status, n in session.execute(select(Screen.status, func.count(Screen.id)).group_by(Screen.status)):
-        counts[status] = n
-    done = (  # episodes stored by running attempts only: not a scan of every episode
-        select(Episode.attempt_id, func.count(Episode.id).label("n"))
-        .where(Episode.attempt_id.in_(select(Attempt.id).where(Attempt.status == "running")))
-        .group_by(Episode.attempt_id)
-        .subquery()
-    )
-    rows = session.execute(
-        select(Screen, Attempt, Protocol.name, Protocol.id, Dispatcher.name, done.c.n)
-        .join(Attempt, and_(Attempt.screen_id == Screen.id, Attempt.status == "running"))
-        .join(Protocol, Protocol.id == Screen.protocol_id)
-        .outerjoin(Dispatcher, Dispatcher.id == Attempt.dispatcher_id)
-        .outerjoin(done, done.c.attempt_id == Attempt.id)
-        .where(Screen.status == "running")
-        .order_by(Screen.id, Attempt.number)
-    ).all()
-    totals: dict[int, int | None] = {}
-    for protocol_id in {row[3] for row in rows}:
-        totals[protocol_id] = _planned_episodes(session.get_one(Protocol, protocol_id).canonical_json)
-    running = tuple(
-        RunningScreen(
-            screen_id=screen.id, protocol=protocol, priority=screen.priority, attempt=attempt.number,
-            attempt_id=attempt.id, attempt_key=attempt.attempt_key, dispatcher=dispatcher,
-            worker=attempt.worker, node=attempt.node, gpu_name=attempt.gpu_name, gpu_index=attempt.gpu_index,
-            model_state=attempt.model_state, shared_node=attempt.shared_node, started_at=attempt.started_at,
-            lease_expires_at=attempt.lease_expires_at, cancel_requested=screen.cancel_requested_at is not None,
-            episodes_done=int(n or 0), episodes_total=totals[protocol_id],
-        )
-        for screen, attempt, protocol, protocol_id, dispatcher, n in rows
-    )
-    queued = tuple(
-        QueuedScreen(
-            screen_id=screen.id, protocol=protocol, priority=screen.priority, created_at=screen.created_at,
-            attempts_used=screen.attempts_used, max_attempts=screen.max_attempts, gpu_type=screen.gpu_type,
-            placement_node=screen.placement_node, replica_group=screen.replica_group,
-            unplaceable_reason=screen.unplaceable_reason,
-        )
-        for screen, protocol in session.execute(
-            select(Screen, Protocol.name)
-            .join(Protocol, Protocol.id == Screen.protocol_id)
-            .where(Screen.status == "queued")
-            .order_by(Screen.priority.desc(), Screen.id)
-            .limit(QUEUE_LISTED)
-        )
-    )
-    live_since = now - timedelta(seconds=live_within_s)
-    dispatchers = []
-    idle = busy = 0
-    for d in session.scalars(
-        select(Dispatcher)
-        .where(Dispatcher.stopped_at.is_(None),
-               Dispatcher.heartbeat_at >= now - timedelta(seconds=DISPATCHERS_SHOWN_S))
-        .order_by(Dispatcher.id)
-    ):
-        row = d.to_record()
-        live = row.heartbeat_at >= live_since
-        if live:
-            idle += sum(1 for w in row.workers if w.get("state") == "idle")
-            busy += sum(1 for w in row.workers if w.get("state") == "busy")
-        dispatchers.append(DispatcherStatus(id=row.id, name=row.name, host=row.host, pid=row.pid,
-                                            started_at=row.started_at, heartbeat_at=row.heartbeat_at,
-                                            live=live, workers=row.workers))
-    reconciled = tuple(
-        ReconciledAttempt(screen_id=a.screen_id, attempt=a.number, status=a.status, reconciled_at=a.reconciled_at,
-                          episodes=a.reconciled_episodes or 0, check=a.reconciled_check)
-        for a in session.scalars(
-            select(Attempt).where(Attempt.reconciled_at.is_not(None))
-            .order_by(Attempt.reconciled_at.desc(), Attempt.id.desc()).limit(RECONCILED_LISTED)
-        )
-    )
-    return QueueStatus(now=now, counts=counts, running=running, queued=queued, dispatchers=tuple(dispatchers),
-                       idle_workers=idle, busy_workers=busy, reconciled=reconciled)

@@ -129,7 +129,7 @@ EpisodeRow.__module__ = __name__  # picklable (across Ray) as db.records.Episode
 
 
 @dataclass(frozen=True, slots=True)
-class VerdictRow:
+class StoredVerdict:
     id: int
     attempt_id: int
     gate: str

@@ -6,7 +6,6 @@ cluster database). Anything else is refused up front, because only these two are
 
 from __future__ import annotations
 
-import os
 import re
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -22,10 +21,11 @@ from sqlalchemy.exc import (
 )
 from sqlalchemy.orm import Session
 
+from core.settings import DB_URL_ENV, DEFAULT_DB_URL, environ_db_url
 from db.errors import DatabaseError, DatabaseLocked, DatabaseUnavailable, SchemaNotAtHead
 
-ENV_VAR = "PACKBENCH_DB_URL"
-DEFAULT_URL = "sqlite:///packbench.db"
+ENV_VAR = DB_URL_ENV
+DEFAULT_URL = DEFAULT_DB_URL
 SQLITE_BUSY_TIMEOUT_MS = 30_000
 PG_CONNECT_TIMEOUT_S = 10
 
@@ -34,7 +34,7 @@ _URL_HINT = "use sqlite:///path/to/packbench.db or postgresql+psycopg://user@hos
 
 def default_url() -> str:
     """The database URL to use when none is given: `$PACKBENCH_DB_URL`, else `sqlite:///packbench.db`."""
-    return os.environ.get(ENV_VAR) or DEFAULT_URL
+    return environ_db_url()  # core/settings.py reads packbench's environment; the CLI passes --db down
 
 
 def make_engine(url: str | None = None) -> Engine:

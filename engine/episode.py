@@ -81,7 +81,7 @@ def run_episode(model: CpuFirstModel, prompt: list[int], *, continuation: int,
     )
     cuda = device.type == "cuda"
     decode_graph = None
-    if mode == "graph" and continuation > 1:
+    if mode in ("graph", "compile") and continuation > 1:  # compile: a competitor's (engine/quantized.py)
         step = cache.graph
         decode_graph = step.describe() if step is not None else f"eager: {cache.eager_reason}"
     return EpisodeOutput(

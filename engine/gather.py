@@ -1,5 +1,5 @@
-"""The device-side gathers of `packet {gather: device}` (`engine.policies.DevicePacket`) and
-`early-forecast {gather: device}` (`engine.policies.DeviceForecast`): the compute device finds a
+"""The device-side gathers of `packet {gather: device}` (`engine.policies.device_gather.DevicePacket`) and
+`early-forecast {gather: device}` (`engine.policies.device_gather.DeviceForecast`): the compute device finds a
 layer's active neurons and pulls their outgoing rows from host memory itself, with no host
 synchronisation.
 
@@ -27,6 +27,8 @@ half (its first is `gather_active_rows` with the forecast as `h`):
   counts[2, layer], the forecast rows that were not active (wasted) to counts[3, layer]
   (counts[1] is the forecast's own copy).
 """
+
+from collections.abc import Callable
 
 import torch
 
@@ -84,3 +86,18 @@ def gather_active_rows(h: torch.Tensor, src: torch.Tensor, workspace: torch.Tens
     from engine.triton_gather import gather_active_rows_cuda  # Triton ships with CUDA builds of torch
 
     gather_active_rows_cuda(h.reshape(-1, h.shape[-1]).contiguous(), src, workspace, counts, layer, **tile())
+
+
+def gather_active_int8_rows(h: torch.Tensor, rows: torch.Tensor, scales: torch.Tensor, workspace: torch.Tensor,
+                            counts: torch.Tensor, layer: int, *,
+                            dequantize: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]) -> None:
+    """`gather_active_rows` over int8 rows (`packet {gather: device, weights: int8}`):
+    rows (ffn, hidden) int8 and scales (ffn,) float32, on CUDA mapped views of pinned host
+    memory; the active rows are read, dequantized by `dequantize(out, q, scales)`
+    (engine/policies/int8.py) and written into their workspace columns. Plain torch on every
+    device: on CUDA `nonzero` synchronises for its output size (no Triton kernel reads int8)."""
+    active = (h != 0).any(dim=0).nonzero().squeeze(1)
+    landed = torch.empty((active.numel(), rows.shape[1]), dtype=workspace.dtype, device=workspace.device)
+    dequantize(landed, rows.index_select(0, active), scales.index_select(0, active)[:, None])
+    workspace.index_copy_(1, active, landed.t())
+    counts[layer] += active.numel()

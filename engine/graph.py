@@ -4,8 +4,8 @@ MODES:
 - "eager": stock transformers' OPT forward with a DynamicCache (packbench's first path; every
   protocol written before modes existed means this).
 - "graph": packbench's own decoder (`engine/static_opt.py`) on a static KV cache. Prefill runs
-  eagerly; on CUDA, for a policy whose decode step makes no host decision (`GRAPH_SAFE`: resident, dense-stream,
-  packet, early-forecast and phase-switched with `gather: device`), the step is captured once per episode, in pieces around
+  eagerly; on CUDA, for a policy whose decode step makes no host decision (`GRAPH_SAFE`: resident, dense-stream
+  (int8 too), packet, early-forecast and phase-switched with `gather: device`, packet over its own weights), the step is captured once per episode, in pieces around
   attention (one graph per layer boundary). The first time a decoder meets a policy class, the
   episode's first decode call runs eagerly on the side stream before the capture (the warm-up:
   Triton specialises and compiles, the side stream gets its cuBLAS workspace); later episodes
@@ -17,7 +17,7 @@ MODES:
   an LRU plan, a forecast) run the same decoder eagerly: the same math, so exactness against
   dense-stream within the mode still holds. On the CPU nothing is captured (the CPU twin).
 
-dense-stream copies on a stream of its own (engine/policies.py), and so does early-forecast's device
+dense-stream copies on a stream of its own (engine/policies/dense.py), and so does early-forecast's device
 gather for its forecasts. Inside a capture each copy is
 forked from the capturing stream and rejoined before its piece ends (`rejoin`): the copy of
 layer l+1, issued at layer l's fc1, overlaps the rest of that piece (fc1, fc2, layer l+1's
@@ -37,17 +37,19 @@ from collections.abc import Callable
 
 import torch
 
+from core.protocol.schema import ENGINE_MODES
 from engine.ledger import CallLedger, Recorder
 from engine.static_opt import StaticKV, StaticOPT
 
-MODES = ("eager", "graph")
+MODES = ENGINE_MODES  # one list: what a protocol's engine.mode may say is what the engine runs
 
 # Which policies' decode steps may be captured: no host reads, no host decisions, every
 # buffer fixed for the episode. Keyed by policy name; a missing name stays eager.
 GRAPH_SAFE: dict[str, Callable[[object], bool]] = {
     "resident": lambda p: True,
     "dense-stream": lambda p: p.host.pin,  # the copy from pinned memory is a graph memcpy node, on a forked stream
-    "packet": lambda p: p.gather == "device",  # DevicePacket; the host gather reads a mask back
+    # DevicePacket; the host gather reads a mask back, and the int8 device gather's nonzero syncs
+    "packet": lambda p: p.gather == "device" and getattr(p, "weights", "dtype") == "dtype",
     "early-forecast": lambda p: p.gather == "device",  # DeviceForecast: its side stream is joined as dense-stream's
     "phase-switched": lambda p: p.gather == "device",  # DevicePhaseSwitched: decode is DevicePacket's gather
 }

@@ -6,7 +6,8 @@ torch.as_tensor accepts without copying.
 
 import torch
 
-_TYPESTR = {torch.float16: "<f2", torch.float32: "<f4", torch.bfloat16: "<u2"}  # bf16: raw bits
+_TYPESTR = {torch.float16: "<f2", torch.float32: "<f4", torch.bfloat16: "<u2",  # bf16: raw bits
+            torch.uint8: "|u1"}  # the int8 slabs of engine/policies/int8.py
 
 
 class _Interface:

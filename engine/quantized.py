@@ -13,6 +13,9 @@ bitsandbytes' `nf4` and `llm-int8`. A library or kernel that is missing raises
 
 `QuantizedModel` offers what the episode loop (engine/episode.py) reads from a model: `device`,
 `recorder`, `mode`, `new_cache`, `forward`; its ledger records no copies (it moves nothing).
+The worker (engine/worker.py) holds one competitor on the device at a time, with the CPU-first
+model's device tensors parked on the host meanwhile, so a quantized condition's device memory is
+its own model, its KV cache and the CUDA context.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from pathlib import Path
 import torch
 
 from core.errors import PackbenchError
-from core.registry import QUANT_METHODS, lowbit_fix
+from core.registry import COMPETITOR_MODES, QUANT_METHODS, lowbit_fix
 from engine.checkpoint import build_weights
 from engine.ledger import Recorder
 from engine.opt_weights import stock_model
@@ -112,8 +115,32 @@ def storage_bytes(module: torch.nn.Module) -> int:
     return total
 
 
+class DecodeStep:
+    """A captured or compiled decode step of one QuantizedModel, kept across its episodes (the
+    static cache it runs on is reset per episode, so the capture or compilation is paid once)."""
+
+    def __init__(self, mode: str, run, setup_s: float) -> None:
+        self.mode, self.run, self.setup_s, self.replays = mode, run, setup_s, 0
+
+    def describe(self) -> str:
+        """What the archive records as the episode's `decode_graph`."""
+        what = "captured" if self.mode == "graph" else "compiled (torch.compile reduce-overhead)"
+        return f"{what} once in {self.setup_s * 1e3:.1f} ms, replayed {self.replays} times since"
+
+
 class QuantizedModel:
-    """One quantized OPT on `device` (module docstring). Eager mode only."""
+    """One quantized OPT on `device` (module docstring).
+
+    Modes (core.registry.COMPETITOR_MODES), chosen per episode by `new_cache(mode=...)`:
+    "eager", stock transformers on a DynamicCache; "graph", the same model on a StaticCache with
+    the decode step captured as one CUDA graph (replayed with new token id and position);
+    "compile", that step under torch.compile(mode="reduce-overhead") over the same StaticCache,
+    one `cudagraph_mark_step_begin` per call (the issue's H200 figures: torch.compile over
+    `generate` with a static cache fails there, an own decode loop works). The first decode call
+    of the first episode of a mode captures or compiles (DecodeStep.setup_s, in that call's
+    time). On the CPU nothing is captured or compiled: the decode runs eagerly on the same
+    StaticCache and the archive says why (`decode_graph`), as packbench's own mode graph does.
+    """
 
     mode = "eager"
 
@@ -161,6 +188,8 @@ class QuantizedModel:
 
         params = inspect.signature(self._model.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
+        self._static: dict[int, object] = {}  # capacity -> the StaticCache modes graph and compile reuse
+        self._steps: dict[tuple[int, str], DecodeStep] = {}
         self.stats = QuantizationStats(
             method=method, library=QUANT_METHODS[method], library_version=str(getattr(lib, "__version__", "")),
             quantize_s=quantize_s,
@@ -169,17 +198,94 @@ class QuantizedModel:
             host_rss_peak_bytes=host_rss_peak_bytes())
 
     def new_cache(self, capacity: int | None = None, *, mode: str | None = None):
-        if (mode or self.mode) != "eager":
-            raise ValueError("a quantized condition runs in mode eager only")
-        from transformers import DynamicCache
+        mode = mode or self.mode
+        if mode == "eager":
+            from transformers import DynamicCache
 
-        return DynamicCache()
+            return DynamicCache()
+        if mode not in COMPETITOR_MODES:
+            raise ValueError(f"unknown competitor mode {mode!r}; use one of {', '.join(COMPETITOR_MODES)}")
+        if capacity is None:
+            raise ValueError(f"mode {mode} needs the episode's capacity (prefix + continuation tokens)")
+        from transformers import StaticCache
+
+        kv = self._static.get(capacity)
+        if kv is None:
+            kv = self._static[capacity] = StaticCache(config=self._model.config, max_cache_len=capacity)
+        else:
+            with torch.inference_mode():  # its tensors were made in the forward's inference mode
+                kv.reset()  # zeros: the capture and the compiled step keep pointing at these tensors
+        kv.length, kv.mode = 0, mode
+        kv.eager_reason = None if self.device.type == "cuda" else f"no CUDA graphs on {self.device.type}"
+        kv.graph = self._steps.get((capacity, mode))
+        return kv
 
     @torch.inference_mode()
     def forward(self, ids: torch.Tensor, cache) -> torch.Tensor:
         """One call: (1, T) token ids in, (vocab,) last-position logits out (on the device)."""
+        if getattr(cache, "mode", None) in ("graph", "compile"):
+            return self._static_forward(ids, cache)
         with warnings.catch_warnings():
             # bitsandbytes' llm-int8 warns on every call that it casts float32 inputs to float16
             warnings.filterwarnings("ignore", message="MatMul8bitLt: inputs will be cast")
             out = self._model(input_ids=ids, use_cache=True, logits_to_keep=1, **{self._cache_kw: cache})
         return out.logits[0, -1]
+
+    def _call(self, ids: torch.Tensor, pos: torch.Tensor, cache) -> torch.Tensor:
+        out = self._model(input_ids=ids, cache_position=pos, use_cache=True, logits_to_keep=1,
+                          **{self._cache_kw: cache})
+        return out.logits[0, -1]
+
+    def _static_forward(self, ids: torch.Tensor, kv) -> torch.Tensor:
+        """A call on the StaticCache: the prefill and (on the CPU) every decode eagerly; a CUDA
+        decode through the captured or compiled step (built at the first one)."""
+        start = kv.length
+        kv.length += ids.shape[1]
+        if start == 0 or kv.eager_reason is not None:
+            pos = torch.arange(start, kv.length, device=self.device)
+            return self._call(ids, pos, kv)
+        key = (kv.max_cache_len, kv.mode)
+        step = self._steps.get(key)
+        if step is None:
+            step = self._steps[key] = kv.graph = self._build_step(kv, ids, start)
+            return step.first
+        step.replays += 1
+        return step.run(ids, start)
+
+    def _build_step(self, kv, ids: torch.Tensor, position: int) -> DecodeStep:
+        """Capture (graph) or compile (compile) the decode step on `kv`; this first call's logits
+        are the step's own output (`first`)."""
+        static_ids = ids.clone()
+        static_pos = torch.full((1,), position, dtype=torch.long, device=self.device)
+        t0 = time.perf_counter()
+        if kv.mode == "compile":
+            compiled = torch.compile(self._call, mode="reduce-overhead")
+
+            def run(new_ids: torch.Tensor, at: int) -> torch.Tensor:
+                torch.compiler.cudagraph_mark_step_begin()
+                static_ids.copy_(new_ids)
+                static_pos.fill_(at)
+                return compiled(static_ids, static_pos, kv).clone()
+
+            first = run(ids, position)
+        else:
+            side = torch.cuda.Stream(self.device)
+            side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(side):  # the warm-up call is this decode call's answer
+                first = self._call(static_ids, static_pos, kv).clone()
+            torch.cuda.current_stream(self.device).wait_stream(side)
+            # The warm-up wrote position `position`; the capture rewrites the same slot with the same values.
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                logits = self._call(static_ids, static_pos, kv)
+
+            def run(new_ids: torch.Tensor, at: int) -> torch.Tensor:
+                static_ids.copy_(new_ids)
+                static_pos.fill_(at)
+                graph.replay()
+                return logits
+
+        torch.cuda.synchronize(self.device)
+        step = DecodeStep(kv.mode, run, time.perf_counter() - t0)
+        step.first = first
+        return step

@@ -21,14 +21,14 @@ from core.canonical import canonical_sha256
 from core.errors import CheckpointError
 from core.metrics import episode_totals
 from core.provenance import checkpoint_digest
-from core.registry import tier_of
-from core.settings import WORKER_PIN_ENV, WORKER_THREADS_ENV
+from core.registry import resolved_params, tier_of
 from core.protocol import Protocol, expand
 from engine.episode import run_episode
 from engine.gpu_lock import GpuLock, HostPresence, host_gpu_index, host_gpus
 from engine.graph import check_mode
 from engine.model import CpuFirstModel
 from engine.policies import BUFFERS_LAYOUT
+from engine.accelerate import AcceleratedModel, _library as accelerate_library
 from engine.quantized import QuantizedModel
 from engine.allowance import impose
 from engine.sampler import MemorySampler, device_uuid, nvml_handle
@@ -115,7 +115,9 @@ def core_share(cores: list[int], index: int, count: int) -> list[int]:
 
 
 class Worker:
-    def __init__(self, device: str | None = None) -> None:
+    def __init__(self, device: str | None = None, *, threads: int | None = None, pin: bool = False) -> None:
+        """`threads`: host threads of a CUDA worker's gathers (None: its share of the host's cores);
+        `pin`: pin a CUDA worker to its GPU's share of the cores (Settings.worker_threads/worker_pin)."""
         self.t_entry = time.perf_counter()
         # Under Ray, CUDA_VISIBLE_DEVICES holds only the assigned GPU: it is index 0 here.
         self.device = torch.device(device or ("cuda:0" if torch.cuda.is_available() else "cpu"))
@@ -124,9 +126,16 @@ class Worker:
         self.model: CpuFirstModel | None = None
         self.model_key: tuple | None = None
         self.digests: dict[tuple, str] = {}  # checkpoint_key -> content digest (core.provenance)
-        # Low-bit competitors (engine/quantized.py) of the loaded checkpoint, per method: built by
-        # load(), kept while the CPU-first model is (the same key), dropped with it.
-        self.quantized: dict[str, QuantizedModel] = {}
+        # The device holds one condition's state at a time, so each fits the allowance alone:
+        # the CPU-first model's device part (parked on the host while a competitor runs) or ONE
+        # competitor (engine/quantized.py, engine/accelerate.py), built CPU-first from the same
+        # checkpoint when its episode needs it and released when another condition runs. Before,
+        # every quantized model stayed on the device beside the CPU-first model's (about 3.6 GB
+        # at OPT-2.7B fp16): the H200 screen of bench/competitors_device.sh needed 16000 MiB.
+        self.competitor: tuple[tuple, QuantizedModel | AcceleratedModel] | None = None
+        self.parked = False  # the CPU-first model's device tensors are on the host
+        # Build figures of every quantized method the loaded protocol names, from load().
+        self.quantized: dict[str, dict] = {}
         # prompt -> (plan index, tokens) of the first finished reference episode of the current
         # screen: what an approximate episode of that prompt is teacher-forced on.
         self.reference_runs: dict[int, tuple[int, list[int]]] = {}
@@ -148,10 +157,9 @@ class Worker:
             # Host gathers run on OMP threads. One worker per GPU shares the host's cores with the
             # others: two workers of 32 threads each on a 32-core host ran a screen 7x slower than
             # one alone (nvidia-h200-x2, docs/benchmarks.md "Queue on two GPUs").
-            # $PACKBENCH_WORKER_THREADS (core/settings.py) fixes the count instead.
-            torch.set_num_threads(int(os.environ.get(WORKER_THREADS_ENV) or 0)
-                                  or max(1, (os.cpu_count() or 1) // max(1, host_gpus())))
-            index = host_gpu_index(uuid) if uuid and os.environ.get(WORKER_PIN_ENV) == "1" else None
+            # `threads` (--worker-threads, core/settings.py) fixes the count instead.
+            torch.set_num_threads(threads or max(1, (os.cpu_count() or 1) // max(1, host_gpus())))
+            index = host_gpu_index(uuid) if uuid and pin else None
             if index is not None:  # threads made from here on (the host gathers' OMP pool) inherit it
                 os.sched_setaffinity(0, core_share(sorted(os.sched_getaffinity(0)), index, host_gpus()))
         self.sampler = MemorySampler(uuid)  # one helper process for the worker's life
@@ -226,8 +234,10 @@ class Worker:
         self.model.recorder.enabled = protocol.recording
         self.conditions = {c.name: (c.policy, dict(c.params)) for c in protocol.conditions}
         self.reference, self.reference_runs = protocol.reference, {}
-        built = self._build_quantized(protocol, path)
+        self.path, self.dtype, self.capacity = path, dtype_of(protocol.dtype), protocol.prefix_tokens + protocol.continuation_tokens
+        self.context = context
         self.continuation = protocol.continuation_tokens
+        self._check_competitors(protocol)
         s = self.model.start
         return {"read_s": s.read_s, "pin_s": self.model.host.pin_s, "place_s": s.place_s,
                 "device_param_bytes": s.device_param_bytes, "host_outgoing_bytes": s.host_outgoing_bytes,
@@ -236,37 +246,82 @@ class Worker:
                 "allowance_bytes": allowance, "context_bytes": context, "device": str(self.device),
                 "vocab": self.model.vocab, "model_dir": str(path), "model_state": "warm" if warm else "cold",
                 "engine": {"mode": self.mode}, "model_sha256": digest,
-                "quantized": {m: {**q.stats.as_dict(), "state": "cold" if m in built else "warm"}
-                              for m, q in self.quantized.items()},
+                "quantized": self.quantized,
                 "entry_to_loaded_s": time.perf_counter() - self.t_entry}
 
-    def _build_quantized(self, protocol: Protocol, path: Path) -> set[str]:
-        """Quantize the checkpoint once per method the protocol's competitors name (charged in the
-        start record and every episode of the condition); drop those it does not name. Returns the
-        methods built now. A missing library or kernel raises QuantizationUnavailable, before any episode."""
-        methods = {c.params["method"] for c in protocol.conditions if tier_of(c.policy) == "approximate"}
-        for method in set(self.quantized) - methods:
-            del self.quantized[method]
-        built = set()
-        for method in sorted(methods - set(self.quantized)):
+    def _check_competitors(self, protocol: Protocol) -> None:
+        """Quantize the checkpoint once per method the protocol names, one at a time with the
+        CPU-first model parked (the build's peak is its own), and keep the last one built: a
+        missing library or kernel raises before any episode (QuantizationUnavailable,
+        AccelerateUnavailable). The figures go to the start record."""
+        self.quantized = {}
+        competitors = [(c.policy, dict(c.params)) for c in protocol.conditions if c.policy in ("quantized", "accelerate")]
+        if any(policy == "accelerate" for policy, _ in competitors):
+            accelerate_library()
+        for method in sorted({params["method"] for policy, params in competitors if policy == "quantized"}):
             try:
-                self.quantized[method] = QuantizedModel(path, method=method, dtype=dtype_of(protocol.dtype),
-                                                        device=self.device)
+                model, state = self._competitor("quantized", {"method": method})
             except BaseException:
                 self.drop_model()
                 raise
-            built.add(method)
-        return built
+            self.quantized[method] = {**model.stats.as_dict(), "state": state}
+        if not competitors:
+            self.release_competitor()
+            self.unpark()
+
+    def _competitor(self, policy: str, params: dict) -> tuple[QuantizedModel | AcceleratedModel, str]:
+        """The device holding only `policy`'s model: the CPU-first model parked, another
+        competitor released, this one built if it is not the one held. Returns it and
+        "warm" (held already) or "cold" (built now)."""
+        key = (policy, params.get("method"), self.dtype, str(self.path))
+        if self.model.slot.policy is not None:  # the last exact condition's buffers are not its to hold
+            self.model.slot.policy.deactivate()
+            self.model.slot.policy = None
+        self.park()
+        if self.competitor is not None and self.competitor[0] == key:
+            return self.competitor[1], "warm"
+        self.release_competitor()
+        if policy == "quantized":
+            model = QuantizedModel(self.path, method=params["method"], dtype=self.dtype, device=self.device)
+        else:
+            model = AcceleratedModel(self.path, dtype=self.dtype, device=self.device, allowance_bytes=self.allowance,
+                                     context_bytes=self.context, capacity=self.capacity)
+        self.competitor = (key, model)
+        return model, "cold"
+
+    def park(self) -> None:
+        """Move the CPU-first model's device tensors (everything but the outgoing weights, which
+        stay on the host anyway) to the host, so a competitor has the allowance to itself."""
+        if not self.parked and self.model is not None:
+            self.model.weights.to("cpu")
+            self.parked = True
+            self._free()
+
+    def unpark(self) -> None:
+        if self.parked and self.model is not None:
+            self.model.weights.to(self.device)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+        self.parked = False
+
+    def release_competitor(self) -> None:
+        """Drop the competitor model held on the device (rebuilt when its condition runs again)."""
+        if self.competitor is not None:
+            self.competitor = None
+            self._free()
+
+    def _free(self) -> None:
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
 
     def drop_model(self) -> None:
         """Release the loaded model (host and device memory) before another one is read."""
         if self.model is not None and self.model.slot.policy is not None:
             self.model.slot.policy.deactivate()
         self.model, self.model_key = None, None
-        self.quantized = {}
-        gc.collect()
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
+        self.competitor, self.parked = None, False
+        self._free()
 
     def run(self, entry: dict, prompt: list[int]) -> dict:
         """One planned episode -> record (see core/gates.py for the fields the gates read).
@@ -296,26 +351,26 @@ class Worker:
         t0 = time.perf_counter()
         sampler = self.sampler
         forced, forced_from, forced_s = None, None, None
+        built = None
         try:
-            if tier == "approximate":
-                model = self.quantized[params["method"]]  # resident, built by load(): no policy to activate
-                if self.model.slot.policy is not None:  # the last exact condition's buffers are not its to hold
-                    self.model.slot.policy.deactivate()
-                    self.model.slot.policy = None
-                    if self.device.type == "cuda":
-                        torch.cuda.empty_cache()
+            if policy in ("quantized", "accelerate"):
+                model, state = self._competitor(policy, params)
+                built = {**model.stats.as_dict(), "state": state}
+                mode = resolved_params(policy, params)["mode"]  # frozen in the condition (schema 6), else eager
             else:
+                self.release_competitor()
+                self.unpark()
                 self.model.use(policy, **params)
-                model = self.model
+                model, mode = self.model, self.mode
             sampler.start()
-            out = run_episode(model, prompt, continuation=self.continuation, mode=model.mode)
+            out = run_episode(model, prompt, continuation=self.continuation, mode=mode)
             sampled = sampler.stop()
             if tier == "approximate" and entry["prompt"] in self.reference_runs:
                 # Teacher-forced on the reference's tokens, after the measured free run (its time
                 # and peaks are the free run's): the logits fidelity is judged on.
                 forced_from, ref_tokens = self.reference_runs[entry["prompt"]]
                 t_forced = time.perf_counter()
-                forced = run_episode(model, prompt, continuation=self.continuation, mode=model.mode,
+                forced = run_episode(model, prompt, continuation=self.continuation, mode=mode,
                                      forced=ref_tokens).logits
                 forced_s = time.perf_counter() - t_forced
         except Exception as e:  # recorded, never retried into a pass
@@ -331,8 +386,7 @@ class Worker:
         if entry["condition"] == self.reference:
             self.reference_runs.setdefault(entry["prompt"], (entry["index"], list(out.tokens)))
         calls = [c.to_dict() for c in out.calls]
-        p = self.model.slot.policy if tier == "exact" else None
-        quantization = model.stats.as_dict() if tier == "approximate" else None
+        p = self.model.slot.policy if model is self.model else None
         context = impose(self.device, self.allowance, self.nvml) if self.device.type == "cuda" else 0
         record["episode_s"] = time.perf_counter() - t0  # wall_s plus activation and measurement
         return {**record, "status": "ok", "error": None, "tokens": out.tokens, "wall_s": out.wall_s,
@@ -343,7 +397,7 @@ class Worker:
                            "peak_reserved_bytes": out.peak_reserved_bytes,
                            "peak_sampled_bytes": sampled["peak_sampled_bytes"],
                            "kv_bytes": out.kv_bytes,
-                           "policy_device_bytes": p.device_bytes() if p is not None else quantization["device_bytes"],
+                           "policy_device_bytes": p.device_bytes() if p is not None else built["device_bytes"],
                            "host_outgoing_bytes": self.model.host.host_bytes,
                            "pinned_bytes": self.model.host.pinned_bytes + (p.pinned_bytes() if p is not None else 0),
                            "device_param_bytes": self.model.start.device_param_bytes,
@@ -352,6 +406,7 @@ class Worker:
                                                     "other_processes")},
                 "energy_j": sampled["energy_j"],
                 "calls": calls, "logits": out.logits, "trace": sampled["trace"],
-                **({"quantization": quantization, "forced_from": forced_from, "forced_s": forced_s}
-                   if tier == "approximate" else {}),
+                **({"quantization": built, "forced_from": forced_from, "forced_s": forced_s}
+                   if policy == "quantized" else {}),
+                **({"offload": built} if policy == "accelerate" else {}),
                 "forced_logits": forced}

@@ -58,7 +58,7 @@ def host_and_node(host: str, node: str | None) -> str:
 
 
 def verdict_dicts(rows) -> list[dict]:
-    """VerdictRows in the gates' own dict form (what the auditor compares)."""
+    """StoredVerdicts (db.records) in the gates' own dict form (what the auditor compares)."""
     return [{"gate": v.gate, "condition": v.condition, "phase": v.phase, "passed": v.passed, "value": v.value,
              "threshold": v.threshold, "interval": list(v.interval) if v.interval is not None else None}
             for v in rows]

@@ -43,9 +43,11 @@ def check_libraries(protocol: Protocol) -> None:
 
     for i, c in enumerate(protocol.conditions):
         if c.policy in COMPETITOR_PARAMS:
-            missing = missing_library(c.params["method"])
+            what = c.params.get("method", c.policy)  # a quantized method, or accelerate itself
+            missing = missing_library(what)
             if missing is not None:
-                raise ProtocolError(f"protocol field `conditions[{i}].params.method`: {c.params['method']} "
+                field = "params.method" if "method" in c.params else "policy"
+                raise ProtocolError(f"protocol field `conditions[{i}].{field}`: {what} "
                                     f"(condition {c.name}) requires {missing}, which is not installed: {lowbit_fix()}")
 
 

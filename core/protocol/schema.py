@@ -11,6 +11,12 @@ defaults out, so a protocol always freezes as schema 2 or 1 and no body ever say
 Schema 5 adds what no earlier schema can say: competitor conditions (`quantized`,
 core.registry.COMPETITOR_PARAMS) and the `fidelity` gate; a protocol using either freezes as
 schema 5 (the lowest that says it), any other still as 2 or 1, so every old hash holds.
+Schema 6 adds the `accelerate` competitor and every competitor's `mode` (eager, graph, compile):
+it writes a competitor's omitted mode out (core.registry.FASTEST_MODE), so a protocol with a
+competitor freezes as schema 6; one without any still freezes as 5, 2 or 1. A schema-5 body's
+competitors have no mode and run eager. Schema 6 also adds parameters no earlier schema can say
+(a registry param's `since`: `weights` of dense-stream and packet, core.registry.WEIGHT_FORMATS);
+a condition giving one freezes as 6.
 Every rule a field obeys is written once, here; docs/protocol.md describes them for users.
 """
 
@@ -41,16 +47,24 @@ from core.registry import (
     SCHEMA3_DEFAULTS,
     SYNTH_SHAPES,
     DEFAULT_PROFILE,
+    FASTEST_MODE,
+    competitor_library,
+    exact_reference,
+    mode_refusal,
     newer_defaults,
+    tier_of,
+    weights_of,
     ChoiceParam,
     IntParam,
     SynthArgumentError,
     synth_spec,
 )
 
-SCHEMA_VERSION = 5  # the newest schema this packbench reads: what a YAML without `schema:` means
-SCHEMAS = (1, 2, 3, 4, 5)  # every schema it reads; frozen bodies say 1, 2 or 5 (module docstring)
+SCHEMA_VERSION = 6  # the newest schema this packbench reads: what a YAML without `schema:` means
+SCHEMAS = (1, 2, 3, 4, 5, 6)  # every schema it reads; frozen bodies say 1, 2, 5 or 6 (module docstring)
 COMPETITOR_SCHEMA = 5  # the first schema that can say a competitor condition or a fidelity gate
+MODE_SCHEMA = 6  # the first schema that can say `accelerate` or a competitor's `mode`
+SCHEMA6_POLICIES = ("accelerate",)
 MIB = 1 << 20
 # Bounds no real screen reaches: a hostile protocol.json must not make a plan or the generated
 # prompts exhaust an auditor's memory.
@@ -67,7 +81,7 @@ MAX_BOOTSTRAP_DRAWS = 1 << 27
 
 
 ORDERS = ("alternating", "abba", "latin-square")
-ENGINE_MODES = ("eager", "graph")  # engine/graph.py MODES (tests keep the two equal)
+ENGINE_MODES = ("eager", "graph")  # engine/graph.py MODES is this tuple
 PHASES = ("all", "prefill", "decode")
 GATE_NAMES = ("faithfulness", "resources", "capacity", "acquisition", "runtime", "useful_latency", "fidelity")
 # The fidelity gate's thresholds (core/fidelity.py figures), each bounding every scored episode.
@@ -175,6 +189,8 @@ def _params(policy: str, value: Any, path: str, *, schema: int) -> dict:
             _fail(_join(path, str(key)), f"unknown param; policy {policy} {takes}")
     out = {}
     for key, param in spec.items():
+        if key in value and getattr(param, "since", 1) > schema:
+            _fail(_join(path, key), f"needs schema {param.since}; write schema: {param.since} or omit `schema:`")
         if isinstance(param, ChoiceParam):
             if key in value:
                 out[key] = _choice(value[key], _join(path, key), param.choices)
@@ -200,9 +216,9 @@ def _conditions(value: Any, *, schema: int) -> list[dict]:
         path = f"conditions[{i}]"
         c = _mapping(c, path, allowed={"name": False, "policy": True, "params": False})
         policy = _choice(c["policy"], f"{path}.policy", CONDITION_POLICIES)
-        if policy in COMPETITOR_PARAMS and schema < COMPETITOR_SCHEMA:
-            _fail(f"{path}.policy", f"{policy!r} needs schema {COMPETITOR_SCHEMA}; write schema: {COMPETITOR_SCHEMA} "
-                                    f"or omit `schema:`")
+        needs = MODE_SCHEMA if policy in SCHEMA6_POLICIES else COMPETITOR_SCHEMA
+        if policy in COMPETITOR_PARAMS and schema < needs:
+            _fail(f"{path}.policy", f"{policy!r} needs schema {needs}; write schema: {needs} or omit `schema:`")
         name = c.get("name", policy)
         if not isinstance(name, str) or not _CONDITION_NAME.fullmatch(name):
             _fail(f"{path}.name", f"{_show(name)} is not allowed; use letters, digits, '.', '_' and '-'")
@@ -210,8 +226,25 @@ def _conditions(value: Any, *, schema: int) -> list[dict]:
             _fail(f"{path}.name", f"{name!r} is already used; condition names are unique")
         names.add(name)
         params = _params(policy, c.get("params"), f"{path}.params", schema=schema)
+        if policy in COMPETITOR_PARAMS:
+            params = _competitor_mode(policy, params, f"{path}.params.mode", schema=schema)
         out.append({"name": name, "policy": policy, "params": params})
     return out
+
+
+def _competitor_mode(policy: str, params: dict, path: str, *, schema: int) -> dict:
+    """Schema 6 writes a competitor's mode out (given, or the fastest its library runs in); an
+    earlier schema cannot say one (its competitors run eager). A mode the library cannot run is
+    refused here, before anything is queued."""
+    if schema < MODE_SCHEMA:
+        if "mode" in params:
+            _fail(path, f"needs schema {MODE_SCHEMA}; write schema: {MODE_SCHEMA} or omit `schema:`")
+        return params
+    mode = params.get("mode") or FASTEST_MODE[competitor_library(policy, params)]
+    why = mode_refusal(policy, params, mode)
+    if why is not None:
+        _fail(path, f"{mode} is not possible for {params.get('method', policy)} ({why}); use mode eager")
+    return {**params, "mode": mode}
 
 
 def _warmups(value: Any, names: tuple[str, ...]) -> dict[str, int]:
@@ -429,6 +462,10 @@ def _full(raw: Any, *, base_dir: Path | None) -> dict:
     }
     if "fidelity" in full["gates"] or any(c["policy"] in COMPETITOR_PARAMS for c in conditions):
         full["schema"] = COMPETITOR_SCHEMA  # nothing lower says it: the frozen body says 5
+    if any(c["policy"] in SCHEMA6_POLICIES or "mode" in c["params"] for c in conditions):
+        full["schema"] = MODE_SCHEMA  # an accelerate condition or a competitor's mode: the body says 6
+    full["schema"] = max([full["schema"], *(getattr(CONDITION_PARAMS[c["policy"]][key], "since", 1)
+                                             for c in conditions for key in c["params"])])
     engine = _engine(p.get("engine"))
     if engine:  # eager (or absent): left out, so every protocol frozen before modes keeps its hash
         full["engine"] = engine
@@ -466,6 +503,8 @@ def _cross_checks(full: dict) -> None:
     if not full["recording"] and "acquisition" in gates:
         _fail("gates.acquisition", "needs recording: true (byte counts come from the per-call ledger)")
     policies = {c["name"]: c["policy"] for c in full["conditions"]}
+    if "faithfulness" in gates:
+        _exact_references(full)
     if "fidelity" in gates:
         if policies[ref] in APPROXIMATE_POLICIES:
             _fail("reference", f"{ref!r} is approximate: fidelity is judged against an exact reference "
@@ -473,11 +512,31 @@ def _cross_checks(full: dict) -> None:
         if not full["baseline_first"]:
             _fail("gates.fidelity", "needs baseline_first: true (each approximate episode is teacher-forced on "
                                     "the tokens of its block's reference episode, which must run first)")
-    if full.get("engine", {}).get("mode", "eager") != "eager":
+    if full.get("engine", {}).get("mode", "eager") != "eager" and full["schema"] < MODE_SCHEMA:
         for i, c in enumerate(full["conditions"]):
             if c["policy"] in COMPETITOR_PARAMS:
                 _fail(f"conditions[{i}].policy", f"{c['policy']!r} runs in engine mode eager only; drop "
                                                  f"engine.mode {full['engine']['mode']} or the condition")
+
+
+def _exact_references(full: dict) -> None:
+    """Every exact condition must have a condition to be judged bit for bit against: an int8
+    loader needs an int8 dense-stream (core.registry.exact_reference), which must reproduce
+    itself as the reference does."""
+    conditions = {c["name"]: (c["policy"], c["params"]) for c in full["conditions"]}
+    for i, c in enumerate(full["conditions"]):
+        if tier_of(c["policy"]) != "exact":
+            continue
+        ref = exact_reference(conditions, full["reference"], c["name"])
+        if ref is None:
+            weights = weights_of(c["policy"], c["params"])
+            _fail(f"conditions[{i}].params.weights", f"{weights} has no dense-stream with weights {weights} to be "
+                                                     f"judged against (faithfulness); add one, e.g. "
+                                                     f"{{policy: dense-stream, params: {{weights: {weights}}}}}")
+        if ref == c["name"] != full["reference"] and full["warmups"][ref] == 0 and full["repetitions"] == 1:
+            _fail(f"warmups.{ref}", f"0 leaves {ref!r}, the reference of weights "
+                                    f"{weights_of(c['policy'], c['params'])}, nothing to reproduce itself against; "
+                                    f"declare >= 1 warmup or repetitions >= 2")
 
 
 def validate(raw: Any, *, base_dir: Path | None = None) -> dict:

@@ -42,7 +42,7 @@ _protocols = sa.table(
 
 
 def _model_and_dtype(canonical_json: str) -> tuple[str | None, str | None]:
-    """The same extraction `db.store.protocol_columns` makes (copied: revisions are frozen)."""
+    """The same extraction `db.ingest.protocol_columns` makes (copied: revisions are frozen)."""
     try:
         body = json.loads(canonical_json)
     except ValueError:

@@ -126,7 +126,7 @@ def test_reexecution_refuses_what_it_cannot_rerun_with_one_line(world, tmp_path)
 def test_a_reexecution_that_disagrees_on_time_alone_says_so_and_names_time_factor():
     from types import SimpleNamespace
 
-    from cli.main import _reexecution_parts
+    from cli.audit_cmd import reexecution_parts as _reexecution_parts
 
     slow = "condition packet: median episode wall 0.0259 s re-executed against 0.5233 s archived"
     timing_only = SimpleNamespace(problems=[slow], timing_problems=(slow,), exact_agrees=True,

@@ -66,16 +66,16 @@ def test_a_new_protocol_shows_the_device_gather_it_runs(tmp_path):
     assert frozen.body["conditions"][1]["params"] == {"gather": "device"}
     r = invoke("protocol", "validate", str(path))
     assert r.exit_code == 0, r.output
-    assert "(read as schema 5, frozen as schema 2)" in r.output and "  packet: packet, gather device\n" in r.output
+    assert "(read as schema 6, frozen as schema 2)" in r.output and "  packet: packet, gather device\n" in r.output
     r = invoke("protocol", "show", str(path))
     assert "#   packet: packet, gather device\n" in r.output
     assert json.loads(r.output.split("\n", 5)[5])["conditions"][1]["params"] == {"gather": "device"}
     r = invoke("protocol", "plan", str(path))
     assert r.exit_code == 0 and "packet, gather device" in r.output, r.output
-    path.write_text(GATES.read_text().replace("schema: 2", "schema: 6"))
+    path.write_text(GATES.read_text().replace("schema: 2", "schema: 7"))
     r = run("protocol", "validate", str(path))
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
-    assert "6 is not supported; this packbench reads schema 1, 2, 3, 4 and 5" in r.stderr
+    assert "7 is not supported; this packbench reads schema 1, 2, 3, 4, 5 and 6" in r.stderr
 
 
 def test_plan_lists_the_episodes_in_order_and_what_each_condition_moves():
@@ -90,23 +90,26 @@ def test_plan_lists_the_episodes_in_order_and_what_each_condition_moves():
     assert rows["dense-stream"]["episodes"] == sum(e["condition"] == "dense-stream" for e in out["entries"])
     assert rows["phase-switched"]["prefill_call_bytes"] == 2 * 256 * 256  # dense prefill
     assert rows["phase-switched"]["decode_call_bytes"] == rows["packet"]["decode_call_bytes"]
-    table = invoke("protocol", "plan", str(GATES))
+    table = invoke("protocol", "plan", str(GATES), "--device", "NVIDIA H200")  # a GPU: the transfer floor
     assert table.exit_code == 0
     assert "index  condition" in table.output and "transfer floor at 55 GB/s" in table.output
     assert "parameters 597.5 kB (fit the 1 MiB allowance)" in table.output
 
 
-def test_plan_says_what_a_cpu_screen_is_and_prints_plain_numbers(monkeypatch):
+def test_plan_says_what_a_cpu_screen_is_and_prints_plain_numbers(tmp_path):
     from cli import protocol_cmd
 
-    monkeypatch.setattr(protocol_cmd, "gpu_here", lambda: False)
-    out = invoke("protocol", "plan", str(GATES)).output
+    no_db = ("--db", f"sqlite:///{tmp_path / 'none.db'}")
+    out = invoke("protocol", "plan", str(GATES), "--device", "cpu", *no_db).output
     assert "no GPU on this machine: a screen dispatched here runs on the CPU" in out
-    assert "GPU transfer/episode" in out and "of transfer on a GPU at 55 GB/s" in out
+    # a CPU screen gets no GPU bound (one put at >= 1.896 s took 293-301 s): no rate is known
+    assert "GPU transfer/episode" not in out and "of transfer on a GPU" not in out
+    assert "time: no rate is known for a CPU screen" in out
     assert not [n for n in out.split() if "e-0" in n or "e+0" in n], out  # no 1.907e-05
     assert protocol_cmd._seconds(1.907e-05) == "19.07 µs" and protocol_cmd._seconds(1.896) == "1.896 s"
-    monkeypatch.setattr(protocol_cmd, "gpu_here", lambda: True)
-    assert "no GPU on this machine" not in invoke("protocol", "plan", str(GATES)).output
+    out = invoke("protocol", "plan", str(GATES), "--device", "NVIDIA H200", *no_db).output
+    assert "no GPU on this machine" not in out and "GPU transfer/episode" in out
+    assert "a GPU-rate bound (the transfer floor at 55 GB/s)" in out
 
 
 def test_plan_estimate_is_close_to_what_a_real_screen_moved():

@@ -212,13 +212,6 @@ def test_results_energy_and_sort_options_are_checked(db, args, message):
         invoke(db, "results", *args)
 
 
-def test_sort_names_are_the_query_columns():
-    from cli.query import SORT_NAMES
-    from db.queries import SORT_KEYS
-
-    assert SORT_NAMES == tuple(SORT_KEYS)
-
-
 @pytest.fixture()
 def phased(stored) -> Path:
     """Screen 4: warmups and scored episodes; acquisition gated per phase over the scored

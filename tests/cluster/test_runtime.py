@@ -51,13 +51,15 @@ def test_worker_threads_can_be_fixed_where_the_dispatcher_runs(monkeypatch):
 
     monkeypatch.delenv("PACKBENCH_WORKER_THREADS", raising=False)
     assert Settings().worker_env(threads=16)["OMP_NUM_THREADS"] == "16"
+    assert Settings.from_environ().worker_threads is None
     monkeypatch.setenv("PACKBENCH_WORKER_THREADS", "4")
-    env = Settings().worker_env(threads=16)
-    assert env["OMP_NUM_THREADS"] == "4" and env["PACKBENCH_WORKER_THREADS"] == "4"
+    settings = Settings.from_environ()
+    assert settings.worker_threads == 4 and settings.worker_env(threads=16)["OMP_NUM_THREADS"] == "4"
+    # the count reaches the worker as a constructor argument, not through its environment
+    assert "PACKBENCH_WORKER_THREADS" not in settings.worker_env(threads=16)
     for bad in ("0", "four", "-2", ""):
-        monkeypatch.setenv("PACKBENCH_WORKER_THREADS", bad)
         with pytest.raises(PackbenchError, match="PACKBENCH_WORKER_THREADS=.* is not a number of threads"):
-            Settings().worker_env(threads=16)
+            Settings.from_environ({"PACKBENCH_WORKER_THREADS": bad})
 
 
 def test_worker_pinning_is_a_share_of_the_cores_and_checked(monkeypatch):
@@ -73,9 +75,10 @@ def test_worker_pinning_is_a_share_of_the_cores_and_checked(monkeypatch):
     with pytest.raises(ValueError, match="GPU index 2 is not one of 2"):
         core_share(list(range(8)), 2, 2)
     monkeypatch.delenv("PACKBENCH_WORKER_PIN", raising=False)
-    assert "PACKBENCH_WORKER_PIN" not in Settings().worker_env(threads=8)
+    assert Settings.from_environ().worker_pin is False
     monkeypatch.setenv("PACKBENCH_WORKER_PIN", "1")
-    assert Settings().worker_env(threads=8)["PACKBENCH_WORKER_PIN"] == "1"
+    assert Settings.from_environ().worker_pin is True
+    assert "PACKBENCH_WORKER_PIN" not in Settings.from_environ().worker_env(threads=8)  # an argument instead
     monkeypatch.setenv("PACKBENCH_WORKER_PIN", "yes")
     with pytest.raises(PackbenchError, match="PACKBENCH_WORKER_PIN='yes' must be 1"):
-        Settings().worker_env(threads=8)
+        Settings.from_environ()

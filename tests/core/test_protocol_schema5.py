@@ -15,7 +15,7 @@ INT8 = {"name": "int8", "policy": "quantized", "params": {"method": "int8-weight
 def competitor(**changes) -> dict:
     fields = {"conditions": [{"policy": "dense-stream"}, INT8],
               "gates": {"faithfulness": None, "fidelity": {"max_mean_kl": 0.002, "min_top1": 0.98}}, **changes}
-    return protocol(TINY, **fields)
+    return protocol(TINY, **{"schema": 5, **fields})
 
 
 def test_a_protocol_without_competitors_freezes_as_schema_4_froze_it():

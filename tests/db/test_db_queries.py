@@ -21,7 +21,8 @@ from sqlalchemy import inspect as inspect_db
 from sqlalchemy import text
 
 from db.errors import InvalidFilter, NotFound
-from db.queries import GATES, ResultFilter, parse_when, ratio
+from db.compare import ratio
+from db.queries import GATES, ResultFilter, parse_when
 from db.session import make_engine
 from db.store import Store
 

@@ -247,7 +247,7 @@ def test_a_claim_that_fails_midway_leaves_the_node_free(queue, db_url, monkeypat
     """A claim for a node that fails after taking the node's lock (PostgreSQL) rolls back and
     lets it go, even on an error that is not the database's (the Store keeps its connection):
     the next claim for that node, from another dispatcher, goes through."""
-    import db.store as store_module
+    import db.queue as queue_module
 
     p = protocol(queue)
     screen_id = queue.create_screen(protocol_id=p, submitter="a", resources={"fast_nvme": 1})
@@ -256,7 +256,7 @@ def test_a_claim_that_fails_midway_leaves_the_node_free(queue, db_url, monkeypat
     def broken(*args, **kwargs):
         raise ValueError("a resources column that is not JSON")
 
-    monkeypatch.setattr(store_module, "_fitting", broken)
+    monkeypatch.setattr(queue_module, "_fitting", broken)
     with pytest.raises(ValueError):
         claim(queue, d, node="n", node_resources={"fast_nvme": 1})
     monkeypatch.undo()

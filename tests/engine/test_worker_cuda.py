@@ -1,4 +1,4 @@
-"""CUDA twins: a GPU worker with PACKBENCH_WORKER_PIN=1 pins itself to its GPU's share of the
+"""CUDA twins: a GPU worker with pin=True (PACKBENCH_WORKER_PIN=1) pins itself to its GPU's share of the
 host's cores (test_runtime.py); a GPU worker marks the host with its GPU's UUID, and its episodes
 list the other workers busy there (test_worker.py). Run with `pytest -m gpu` on a GPU machine."""
 
@@ -14,8 +14,7 @@ pytestmark = pytest.mark.gpu
 
 def test_cuda_worker_pins_itself_to_its_gpus_share_of_the_cores(monkeypatch):
     before = sorted(os.sched_getaffinity(0))
-    monkeypatch.setenv("PACKBENCH_WORKER_PIN", "1")
-    worker = Worker(device="cuda")
+    worker = Worker(device="cuda", pin=True)
     try:
         index = host_gpu_index(worker.gpu_uuid)
         assert index is not None

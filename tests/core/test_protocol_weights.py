@@ -1,0 +1,106 @@
+"""Schema 6: `weights` (dtype | int8) of dense-stream and packet. A condition giving it freezes as
+schema 6; no protocol that leaves it out changes its frozen body or hash, and an int8 loader's
+faithfulness is judged against the int8 dense-stream, which its verdict names."""
+
+import numpy as np
+import pytest
+import yaml
+
+from core.errors import ProtocolError
+from core.gates import compute_verdicts
+from core.plan import plan
+from core.protocol import expand, freeze, load, validate
+from core.registry import exact_reference, resolved_params, weights_of
+from tests.core.test_protocol_schema3 import ROOT
+from tests.core.test_protocol_schema4 import TINY, protocol
+
+DENSE8 = {"name": "dense-int8", "policy": "dense-stream", "params": {"weights": "int8"}}
+PACKET8 = {"name": "packet-int8", "policy": "packet", "params": {"weights": "int8"}}
+
+
+def int8(**changes) -> dict:
+    return protocol(TINY, **{"conditions": [{"policy": "dense-stream"}, {"policy": "packet"}, DENSE8, PACKET8],
+                             **changes})
+
+
+@pytest.mark.parametrize("name", ["quickstart", "int8-fidelity", "seed-v040", "seed-v042"])
+def test_every_protocol_without_weights_freezes_as_schema_5_froze_it(name):
+    """Read as schema 5 or as 6 (the newest, what a YAML without `schema:` means): one body."""
+    source = ROOT / "protocols" / f"{name}.yaml"
+    raw = yaml.safe_load(source.read_text())
+    raw.pop("schema", None)
+    newest = freeze(raw, source=source)
+    assert freeze({**raw, "schema": 5}, source=source).body == newest.body
+    assert newest.body["schema"] in (1, 2, 5)
+
+
+def test_the_quickstart_keeps_its_published_hash():
+    assert load(ROOT / "protocols" / "quickstart.yaml").sha256.startswith("a5e99a22")  # README's compare example
+
+
+def test_weights_freeze_as_schema_6_and_say_what_runs():
+    frozen = freeze(int8())
+    assert frozen.body["schema"] == 6
+    assert frozen.body["conditions"][2] == DENSE8
+    assert frozen.body["conditions"][3] == {**PACKET8, "params": {"gather": "device", "weights": "int8"}}
+    assert frozen.body["conditions"][0] == {"name": "dense-stream", "policy": "dense-stream", "params": {}}
+    assert validate(frozen.body) == frozen.body
+    p = expand(frozen.body)
+    assert [p.tier(n) for n in p.condition_names] == ["exact"] * 4  # exact against the int8 dense-stream
+    assert p.condition("packet").resolved_params == {"gather": "device"}  # unchanged: weights not said
+    assert p.condition("packet-int8").resolved_params == {"gather": "device", "weights": "int8"}
+    explicit = freeze(int8(conditions=[{"policy": "dense-stream", "params": {"weights": "dtype"}}, {"policy": "packet"}]))
+    assert explicit.body["schema"] == 6  # said, even as the default: the body holds it
+
+
+def test_the_exact_reference_of_each_condition():
+    conditions = {"ref": ("dense-stream", {}), "pk": ("packet", {"gather": "host"}),
+                  "d8": ("dense-stream", {"weights": "int8"}), "p8": ("packet", {"weights": "int8"}),
+                  "q": ("quantized", {"method": "nf4"})}
+    assert {n: exact_reference(conditions, "ref", n) for n in conditions} == {
+        "ref": "ref", "pk": "ref", "d8": "d8", "p8": "d8", "q": "ref"}
+    assert exact_reference({"ref": ("dense-stream", {}), "p8": ("packet", {"weights": "int8"})}, "ref", "p8") is None
+    assert weights_of("resident", {}) == "dtype" and weights_of("packet", {"weights": "int8"}) == "int8"
+    assert resolved_params("dense-stream", {}) == {}
+
+
+@pytest.mark.parametrize("changes, fragment", [
+    ({"schema": 5}, "`conditions[2].params.weights`: needs schema 6; write schema: 6 or omit `schema:`"),
+    ({"conditions": [{"policy": "dense-stream"}, {**PACKET8, "params": {"weights": "int4"}}]},
+     "`conditions[1].params.weights`: 'int4' is not allowed; use one of dtype, int8"),
+    ({"conditions": [{"policy": "dense-stream"}, PACKET8]},
+     "`conditions[1].params.weights`: int8 has no dense-stream with weights int8 to be judged against"),
+    ({"warmups": {"dense-stream": 1, "packet": 1, "dense-int8": 0, "packet-int8": 1}},
+     "`warmups.dense-int8`: 0 leaves 'dense-int8', the reference of weights int8, nothing to reproduce itself"),
+])
+def test_refusals_name_the_field_and_the_fix(changes, fragment):
+    with pytest.raises(ProtocolError) as e:
+        validate(int8(**changes))
+    assert fragment in str(e.value) and "\n" not in str(e.value)
+
+
+def test_without_faithfulness_an_int8_condition_needs_no_int8_reference():
+    raw = int8(conditions=[{"policy": "dense-stream"}, PACKET8],
+               gates={"acquisition": {"control": "dense-stream", "max_ratio": 0.5}})
+    assert freeze(raw).body["schema"] == 6
+
+
+def test_int8_loaders_are_judged_against_the_int8_dense_stream_and_say_so():
+    raw = int8()
+    raw["prompts"] = {"generator": {"seed": 0, "count": 1}}
+    raw["continuation_tokens"] = 2
+    body = freeze(raw).body
+    fp, q8 = np.array([[0.0, 1.0], [1.0, 0.0]], dtype=np.float32), np.array([[0.0, 1.5], [1.5, 0.0]], dtype=np.float32)
+    logits = {"dense-stream": fp, "packet": fp, "dense-int8": q8, "packet-int8": q8}
+    eps = [{"status": "ok", "plan_index": i, "condition": e["condition"], "role": e["role"], "prompt": e["prompt"],
+            "tokens": [1, 0], "logits": logits[e["condition"]]} for i, e in enumerate(plan(body))]
+    v = {x["condition"]: x for x in compute_verdicts(body, eps) if x["gate"] == "faithfulness"}
+    assert all(x["passed"] for x in v.values()), v
+    assert v["packet-int8"]["detail"].startswith("against 'dense-int8' (weights int8): ")
+    assert v["dense-int8"]["detail"].startswith("against 'dense-int8' (weights int8): ")
+    assert not v["packet"]["detail"].startswith("against")
+    for e in eps:  # an int8 packet that matched the fp reference instead fails
+        if e["condition"] == "packet-int8":
+            e["logits"] = fp
+    v = {x["condition"]: x for x in compute_verdicts(body, eps) if x["gate"] == "faithfulness"}
+    assert not v["packet-int8"]["passed"] and v["packet"]["passed"]

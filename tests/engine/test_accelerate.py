@@ -1,0 +1,146 @@
+"""The `accelerate` competitor on the CPU, and the worker holding one condition's device state at a
+time. On the CPU accelerate has no device to offload to, so its hooks copy nothing (0 bytes, as
+the ledger says); the counting itself is proved on hooks that do move tensors, with `meta`
+standing in for the GPU (no bytes are really copied there: the test proves what the counter adds
+up, the H200 run measures real copies)."""
+
+import gc
+import json
+import os
+import subprocess
+import sys
+import weakref
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import yaml
+
+from core.plan import plan, prompts
+from core.protocol import freeze
+from engine.accelerate import AcceleratedModel, count_copies, layer_of
+from engine.episode import run_episode
+from engine.ledger import Recorder
+from engine.model import CpuFirstModel
+from engine.worker import Worker
+
+pytest.importorskip("accelerate")
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_accelerate_is_dense_stream_bit_for_bit(tiny, dtype):
+    """Exact tier: the same stock OPT arithmetic, so the same logits (decided by this test)."""
+    acc = AcceleratedModel(tiny, dtype=dtype, device=torch.device("cpu"), allowance_bytes=64 << 20)
+    ref = CpuFirstModel(tiny, dtype=dtype, device=torch.device("cpu"))
+    ref.use("dense-stream")
+    prompt = list(range(4, 20))
+    a, r = run_episode(acc, prompt, continuation=6), run_episode(ref, prompt, continuation=6)
+    assert np.array_equal(a.logits, r.logits) and a.tokens == r.tokens
+    assert acc.stats.offloaded_modules == 0 and sum(sum(c.h2d_weight_bytes) for c in a.calls) == 0
+
+
+def test_the_bytes_its_hooks_copy_are_counted_per_call_and_layer(tiny):
+    from accelerate import cpu_offload
+
+    acc = AcceleratedModel(tiny, dtype=torch.float32, device=torch.device("cpu"), allowance_bytes=64 << 20)
+    model = acc._model
+    # Every module offloaded, executed on `meta`: each hook's pre_forward places its weights there.
+    cpu_offload(model, execution_device=torch.device("meta"))
+    recorder = Recorder(2)
+    hidden = acc.config.hidden_size
+    wrapped = count_copies(model, recorder, row_bytes=hidden * 4)
+    assert wrapped > 0
+    layer = model.model.decoder.layers[1]
+    recorder.begin(phase="decode", tokens=1)
+    x = torch.zeros((1, 1, hidden), device="meta")
+    layer.fc1(layer.final_layer_norm(x))  # two hooked modules of layer 1
+    fc1 = sum(t.numel() * 4 for t in (layer.fc1.weight, layer.fc1.bias))
+    norm = sum(t.numel() * 4 for t in (layer.final_layer_norm.weight, layer.final_layer_norm.bias))
+    call = recorder.current
+    assert call.h2d_weight_bytes == [0, fc1 + norm]
+    assert call.rows_copied[1] * hidden * 4 == fc1 + norm and call.h2d_index_bytes == [0, 0]
+    assert (layer_of("model.decoder.layers.7.fc1", 12), layer_of("model.decoder.final_layer_norm", 12),
+            layer_of("model.decoder.embed_tokens", 12)) == (7, 11, 0)
+
+
+def _body(model: Path, **changes) -> dict:
+    raw = {"name": "c", "model": {"path": str(model)}, "dtype": "float32",
+           "prompts": {"generator": {"seed": 0, "count": 2}}, "prefix_tokens": 16, "continuation_tokens": 6,
+           "conditions": [{"policy": "dense-stream"}, {"policy": "accelerate"},
+                          {"name": "int8", "policy": "quantized", "params": {"method": "int8-weight-only"}}],
+           "reference": "dense-stream", "warmups": 1, "allowance_mib": 64,
+           "gates": {"faithfulness": {}, "fidelity": {"max_mean_kl": 1.0}}, **changes}
+    return freeze(raw).body
+
+
+def test_the_worker_holds_one_conditions_device_state_at_a_time(tiny, monkeypatch):
+    pytest.importorskip("torchao")
+    import engine.worker as w
+
+    body = _body(tiny)
+    assert body["schema"] == 6 and body["conditions"][2]["params"]["mode"] == "compile"
+    worker = Worker(device="cpu")
+    seen = []
+    real = w.QuantizedModel
+
+    def built(*a, **k):  # the CPU-first model is parked and no other competitor is held meanwhile
+        seen.append((worker.parked, worker.competitor))
+        return real(*a, **k)
+
+    monkeypatch.setattr(w, "QuantizedModel", built)
+    start = worker.load(body, str(tiny))
+    assert start["quantized"]["int8-weight-only"]["state"] == "cold" and seen == [(True, None)]
+    ids = prompts(body, vocab=start["vocab"])
+    records, refs = [], []
+    for entry in plan(body):
+        records.append(worker.run(entry, ids[entry["prompt"]]))
+        held = worker.competitor[1] if worker.competitor else None
+        refs.append((entry["condition"], worker.parked, None if held is None else weakref.ref(held)))
+    assert all(r["status"] == "ok" for r in records), [r.get("error") for r in records]
+    gc.collect()
+    for i, (condition, parked, ref) in enumerate(refs):
+        assert parked == (condition != "dense-stream")
+        if condition == "dense-stream":
+            assert ref is None  # an exact episode released the competitor
+        elif i + 1 < len(refs) and refs[i + 1][0] != condition:
+            assert ref() is None, f"the {condition} model outlived its episodes"
+    by = {r["condition"]: r for r in records if r["role"] == "scored"}
+    assert by["accelerate"]["tier"] == "exact" and by["accelerate"]["offload"]["offloaded_modules"] == 0
+    assert np.array_equal(by["accelerate"]["logits"], by["dense-stream"]["logits"]) or \
+        by["accelerate"]["prompt"] != by["dense-stream"]["prompt"]
+    int8 = [r for r in records if r["condition"] == "int8"]
+    # compile on the CPU falls back to eager decode over the static cache, and says why
+    assert all(r["engine"]["mode"] == "compile" and r["engine"]["decode_graph"] == "eager: no CUDA graphs on cpu"
+               for r in int8)
+    assert all(r["quantization"]["quantize_s"] > 0 and r["quantization"]["state"] in ("cold", "warm") for r in int8)
+
+
+@pytest.mark.ray
+def test_submit_wait_runs_and_audits_an_accelerate_screen(tmp_path, tiny):
+    body = yaml.safe_load((ROOT / "protocols" / "quickstart.yaml").read_text())
+    body.pop("schema")
+    body.update(name="accelerate-screen", continuation_tokens=6, model={"path": str(tiny)},
+                conditions=[{"policy": "dense-stream"}, {"policy": "accelerate"}],
+                gates={"faithfulness": {"tolerance": 0.0}})
+    (tmp_path / "protocol.yaml").write_text(yaml.safe_dump(body))
+    path = os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
+    env = dict(os.environ, PACKBENCH_DB_URL=f"sqlite:///{tmp_path / 'packbench.db'}", RAY_AUTH_MODE="disabled",
+               PYTHONPATH=path)
+
+    def cli(*args):
+        return subprocess.run([sys.executable, "-m", "cli", *args], cwd=tmp_path, capture_output=True, text=True,
+                              env=env, timeout=600)
+
+    assert cli("db", "upgrade").returncode == 0
+    out = cli("submit", "protocol.yaml", "--wait", "--json")
+    assert out.returncode == 0, out.stderr[-3000:]
+    summary = json.loads(out.stdout)
+    verdicts = {(v["gate"], v["condition"]): v["passed"] for v in summary["verdicts"]}
+    assert verdicts[("faithfulness", "accelerate")] is True, summary["verdicts"]
+    audit = cli("audit", str(summary["screen_id"]))
+    assert audit.returncode == 0, audit.stdout[-2000:] + audit.stderr[-2000:]
+    plan_out = cli("protocol", "plan", "protocol.yaml")
+    assert plan_out.returncode == 0 and "accelerate (accelerate): mode eager; cannot be captured: accelerate's hooks" \
+        in plan_out.stdout, plan_out.stdout

@@ -1,0 +1,93 @@
+"""CUDA twins of test_accelerate.py: accelerate's offload really copies on the GPU, and its hooks'
+bytes are counted; a quantized condition in modes graph and compile; the worker parks the
+CPU-first model so a competitor's device memory is its own. Run with `pytest -m gpu`."""
+
+import numpy as np
+import pytest
+import torch
+
+from core.plan import plan, prompts
+from core.protocol import freeze
+from engine.accelerate import AcceleratedModel
+from engine.episode import run_episode
+from engine.model import CpuFirstModel
+from engine.synth import synth_checkpoint
+from engine.worker import Worker
+
+pytestmark = pytest.mark.gpu
+pytest.importorskip("accelerate")
+MIB = 1 << 20
+
+
+@pytest.fixture(scope="module")
+def opt125m(tmp_path_factory):
+    return synth_checkpoint(tmp_path_factory.mktemp("opt") / "opt-125m", shape="opt-125m", dtype="float16", seed=0,
+                            profile="opt")
+
+
+def test_accelerate_offloads_counts_its_copies_and_matches_dense_stream(opt125m):
+    cuda = torch.device("cuda", 0)
+    # opt-125m fp16 is ~250 MiB: 400 MiB less the KV cache and the 256 MiB margin leaves part of it on the host
+    acc = AcceleratedModel(opt125m, dtype=torch.float16, device=cuda, allowance_bytes=400 * MIB, capacity=72)
+    s = acc.stats
+    assert s.offloaded_modules > 0 and s.offloaded_bytes > 0 and 0 < s.device_bytes <= s.max_memory_bytes
+    prompt = list(range(4, 68))
+    out = run_episode(acc, prompt, continuation=8)
+    per_call = [sum(c.h2d_weight_bytes) + sum(c.h2d_index_bytes) for c in out.calls]
+    assert per_call == [s.offloaded_bytes] * 8, (per_call, s)  # every offloaded tensor, once per call
+    del acc
+    torch.cuda.empty_cache()
+    ref = CpuFirstModel(opt125m, dtype=torch.float16, device=cuda)
+    ref.use("dense-stream")
+    dense = run_episode(ref, prompt, continuation=8)
+    assert np.array_equal(out.logits, dense.logits) and out.tokens == dense.tokens
+
+
+@pytest.mark.parametrize("mode", ["graph", "compile"])
+def test_int8_decodes_captured_or_compiled_close_to_eager(opt125m, mode):
+    pytest.importorskip("torchao")
+    from engine.quantized import QuantizedModel
+
+    q = QuantizedModel(opt125m, method="int8-weight-only", dtype=torch.float16, device=torch.device("cuda", 0))
+    prompt = list(range(4, 68))
+    eager = run_episode(q, prompt, continuation=8, mode="eager")
+    runs = [run_episode(q, prompt, continuation=8, mode=mode) for _ in range(2)]
+    for r in runs:
+        assert r.decode_graph.startswith("captured" if mode == "graph" else "compiled"), r.decode_graph
+        assert np.abs(r.logits - eager.logits).max() < 0.5
+    assert np.array_equal(runs[0].logits, runs[1].logits)  # replayed across episodes on the reset cache
+    print(mode, runs[1].decode_graph, [c.wall_s for c in runs[1].calls])
+
+
+def test_a_quantized_episode_holds_only_its_own_model_on_the_device(opt125m):
+    pytest.importorskip("torchao")
+    raw = {"name": "fit", "model": {"path": str(opt125m)}, "dtype": "float16",
+           "prompts": {"generator": {"seed": 0, "count": 1}}, "prefix_tokens": 64, "continuation_tokens": 8,
+           "conditions": [{"policy": "dense-stream"},
+                          {"name": "int8", "policy": "quantized", "params": {"method": "int8-weight-only",
+                                                                              "mode": "graph"}},
+                          {"policy": "accelerate"}],
+           "reference": "dense-stream", "warmups": 0, "repetitions": 2, "allowance_mib": 4800,
+           "gates": {"faithfulness": {}, "fidelity": {"min_top1": 0.0}}}
+    body = freeze(raw).body
+    worker = Worker(device="cuda")
+    try:
+        start = worker.load(body, str(opt125m))
+        ids = prompts(body, vocab=start["vocab"])
+        records = [worker.run(e, ids[e["prompt"]]) for e in plan(body)]
+        assert all(r["status"] == "ok" for r in records), [r.get("error") for r in records]
+        for r in records:
+            print(r["condition"], r["memory"]["peak_allocated_bytes"] // MIB, r["engine"].get("decode_graph"),
+                  r.get("quantization") or r.get("offload"))
+        int8 = [r for r in records if r["condition"] == "int8"]
+        own = start["quantized"]["int8-weight-only"]["device_bytes"]
+        for r in int8:
+            # its model, the static KV cache and activations; not the CPU-first model's device part as well
+            assert r["memory"]["peak_allocated_bytes"] < own + start["device_param_bytes"] // 2, (r["memory"], own)
+        acc = [r for r in records if r["condition"] == "accelerate"]
+        dense = {r["prompt"]: r for r in records if r["condition"] == "dense-stream"}
+        assert all(np.array_equal(r["logits"], dense[r["prompt"]]["logits"]) for r in acc)
+    finally:
+        if worker.gpu_lock:
+            worker.gpu_lock.release()
+        worker.sampler.close()
