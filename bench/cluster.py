@@ -48,17 +48,57 @@ def protocol(folder: Path, *, prompts: int, continuation: int, name: str = "benc
     return path
 
 
-def screen_switches(runs) -> list[float]:
+class Timeline:
+    """One attempt as the scheduler's observer heard it (driver-side perf_counter clock)."""
+
+    def __init__(self, run) -> None:
+        self.run = run  # the attempt's ScreenRun: its episodes, start record and attempt row
+        self.created = 0.0  # claimed (its ScreenRun made)
+        self.claim_s = 0.0  # the claim_screen call itself
+        self.loaded: float | None = None  # the load's result back at the driver
+        self.first: float | None = None  # its first episodes handed to the worker
+        self.timings: list[tuple[float, float]] = []  # per record: (arrival, seconds spent recording it)
+
+    @property
+    def episodes(self) -> list[dict]:
+        return self.run.episodes
+
+
+class Timelines:
+    """A scheduler's observer (one per scheduler): every attempt's timeline, in claim order."""
+
+    def __init__(self) -> None:
+        self.by_run: dict[int, Timeline] = {}
+
+    def __call__(self, event) -> None:
+        from service.scheduler_state import Moment
+
+        t = self.by_run.setdefault(id(event.run), Timeline(event.run))
+        if event.moment is Moment.CLAIMED:
+            t.created, t.claim_s = event.at, event.seconds
+        elif event.moment is Moment.LOADED:
+            t.loaded = event.at
+        elif event.moment is Moment.FIRST_OUT:
+            t.first = event.at
+        elif event.moment is Moment.RECORDED:
+            t.timings.append((event.at, event.seconds))
+
+    def runs(self) -> list[Timeline]:
+        """Every attempt the scheduler claimed, in claim order."""
+        return list(self.by_run.values())
+
+
+def screen_switches(runs: list[Timeline]) -> list[float]:
     """Per worker, between consecutive screens: the previous screen's last record back at the
     driver -> the next screen's first episode handed to the worker (its load included)."""
-    by_worker: dict[str, list] = {}
+    by_worker: dict[str, list[Timeline]] = {}
     for r in runs:
-        if r.t_loaded is not None and r.timings:
-            by_worker.setdefault(r.attempt.worker, []).append(r)
+        if r.loaded is not None and r.timings:
+            by_worker.setdefault(r.run.attempt.worker, []).append(r)
     out = []
     for mine in by_worker.values():
-        mine.sort(key=lambda r: r.t_loaded)
-        out += [b.t_first - a.timings[-1][0] for a, b in zip(mine, mine[1:])]
+        mine.sort(key=lambda r: r.loaded)
+        out += [b.first - a.timings[-1][0] for a, b in zip(mine, mine[1:])]
     return out
 
 
@@ -72,9 +112,10 @@ def pct(values: list[float], q: float) -> float:
 
 def one_run(gpus: int, screens: int, prompts: int, continuation: int) -> dict:
     """Queue `screens` equal screens and drain them with a dispatcher on `gpus` logical GPUs."""
-    from cluster.dispatch import Dispatcher
+    from cluster.pool import RayPool
     from core.settings import Settings
     from db.store import Store
+    from service.scheduler import Scheduler
     from service.submit import submit
 
     with tempfile.TemporaryDirectory(prefix="bench-cluster-") as tmp:
@@ -83,7 +124,8 @@ def one_run(gpus: int, screens: int, prompts: int, continuation: int) -> dict:
         store.upgrade()
         submit(store, protocol(tmp, prompts=prompts, continuation=continuation), replicas=screens)
         settings = Settings(archive_dir=tmp / "archives", model_cache=tmp / "models", embedded_gpus=gpus)
-        d = Dispatcher(store, settings, lease_s=60)
+        timelines = Timelines()
+        d = Scheduler(store, settings, RayPool(settings), lease_s=60, observer=timelines)
         from cluster.runtime import ensure_ray
 
         ensure_ray(settings)
@@ -91,24 +133,25 @@ def one_run(gpus: int, screens: int, prompts: int, continuation: int) -> dict:
         outcomes = d.run()
         wall = time.perf_counter() - t0
         assert all(o.status == "done" for o in outcomes), outcomes
+        runs = timelines.runs()
         per_episode, record_s, warm_claims, cold_claims = [], [], [], []
-        for run in d.runs:
+        for run in runs:
             walls = sum(e["wall_s"] for e in run.episodes)
-            phase = run.timings[-1][0] + run.timings[-1][1] - run.t_loaded
+            phase = run.timings[-1][0] + run.timings[-1][1] - run.loaded
             per_episode.append((phase - walls) / len(run.episodes))
             record_s += [t for _, t in run.timings]
-            (warm_claims if run.start["model_state"] == "warm" else cold_claims).append(run.t_loaded - run.t_created)
+            (warm_claims if run.run.start["model_state"] == "warm" else cold_claims).append(run.loaded - run.created)
         # The first screen's wall includes the workers' cold start; the scaling compares from
         # the first model ready to the last screen done.
-        first_ready = min(r.t_loaded for r in d.runs)
-        last_done = max(r.timings[-1][0] + r.timings[-1][1] for r in d.runs)
-        return {"gpus": gpus, "screens": screens, "episodes": sum(len(r.episodes) for r in d.runs),
+        first_ready = min(r.loaded for r in runs)
+        last_done = max(r.timings[-1][0] + r.timings[-1][1] for r in runs)
+        return {"gpus": gpus, "screens": screens, "episodes": sum(len(r.episodes) for r in runs),
                 "wall_s": wall, "drain_s": last_done - first_ready,
                 "overhead_ms_per_episode": [1000 * x for x in per_episode],
                 "record_ms": [1000 * x for x in record_s],
                 "warm_claim_to_first_episode_s": warm_claims, "cold_claim_to_first_episode_s": cold_claims,
-                "switch_s": screen_switches(d.runs),
-                "nodes": len({r.attempt.node for r in d.runs})}
+                "switch_s": screen_switches(runs),
+                "nodes": len({r.run.attempt.node for r in runs})}
 
 
 def default_mode(args) -> None:
@@ -202,9 +245,10 @@ def simulate(args) -> None:
     from sqlalchemy.engine import make_url
     from sqlalchemy.pool import NullPool
 
-    from cluster.dispatch import Dispatcher
+    from cluster.pool import RayPool
     from core.settings import Settings
     from db.store import Store
+    from service.scheduler import Scheduler
     from service.submit import submit
 
     base = args.pg_url or os.environ.get("PACKBENCH_TEST_PG_URL")
@@ -228,15 +272,18 @@ def simulate(args) -> None:
                 ids = submit(s, protocol(tmp, prompts=args.prompts, continuation=4, name="simulated"),
                              replicas=args.screens)
             settings = Settings(address=cluster.address, archive_dir=tmp / "archives")
-            dispatchers, threads = [], []
+            dispatchers, threads, timelines = [], [], []
 
             def drain(d):
                 d.run()
 
             for _ in range(args.dispatchers):
-                d = Dispatcher(Store(url), settings, workers=args.nodes // args.dispatchers, lease_s=30,
-                               worker_class=actor, look_ahead=not args.no_look_ahead)
+                heard = Timelines()
+                d = Scheduler(Store(url), settings, RayPool(settings, worker_class=actor),
+                              workers=args.nodes // args.dispatchers, lease_s=30, observer=heard,
+                              look_ahead=not args.no_look_ahead)
                 dispatchers.append(d)
+                timelines.append(heard)
                 threads.append(threading.Thread(target=drain, args=(d,)))
             t0 = time.perf_counter()
             for t in threads:
@@ -244,7 +291,7 @@ def simulate(args) -> None:
             for t in threads:
                 t.join()
             wall = time.perf_counter() - t0
-            runs = [r for d in dispatchers for r in d.runs]
+            runs = [r for heard in timelines for r in heard.runs()]
             with Store(url) as s:
                 attempts = [a for i in ids for a in s.attempts(i)]
                 stuck = s.queue_status().counts.get("running", 0) + s.queue_status().counts.get("queued", 0)
@@ -252,16 +299,16 @@ def simulate(args) -> None:
             # Utilisation while screens remain: between the first episode handed out and the last
             # claim (the queue is dry after it), GPU-seconds asleep in episodes / GPU-seconds there
             # were. An episode's interval is [arrival at the driver - its sleep, arrival].
-            first = min(r.t_loaded for r in runs)
-            dry = max(r.t_created for r in runs)
+            first = min(r.loaded for r in runs)
+            dry = max(r.created for r in runs)
             inside = 0.0
             for r in runs:
                 for (arrival, _), e in zip(r.timings, r.episodes):
                     start, end = arrival - e.get("sim_busy_s", 0.0), arrival
                     inside += max(0.0, min(end, dry) - max(start, first))
-            per_screen = statistics.median([r.timings[-1][0] - r.t_loaded for r in runs])
+            per_screen = statistics.median([r.timings[-1][0] - r.loaded for r in runs])
             switch = screen_switches(runs)
-            claim_s = [r.t_claimed for r in runs]
+            claim_s = [r.claim_s for r in runs]
     finally:
         ray.shutdown()
         cluster.shutdown()

@@ -346,7 +346,8 @@ def dispatch(
 
 def _dispatch(store, settings: Settings, *, json_out: bool, keep_queued: bool = False, **options) -> None:
     from cli.progress import view
-    from cluster.dispatch import Dispatcher
+    from cluster.pool import RayPool
+    from service.scheduler import Scheduler
 
     progress = view(json_out=json_out)
 
@@ -368,7 +369,7 @@ def _dispatch(store, settings: Settings, *, json_out: bool, keep_queued: bool = 
             progress.echo(f"error: screen {outcome.screen_id} {outcome.status}: {one_line(outcome.error or '')}",
                           err=True)
 
-    dispatcher = Dispatcher(store, settings, progress=progress, on_outcome=report, **options)
+    dispatcher = Scheduler(store, settings, RayPool(settings), progress=progress, on_outcome=report, **options)
     try:
         outcomes = dispatcher.run()
     finally:

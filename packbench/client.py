@@ -125,8 +125,9 @@ class Client:
             archive_dir: str | Path | None = None, workers: int | None = None) -> list:
         """Run queued screens now on GPU worker actors (embedded Ray, or `settings.address`), as
         `packbench dispatch` does; `screen`: only that one (`submit --wait`). Returns the
-        dispatcher's outcomes (`cluster.dispatch.ScreenOutcome`)."""
-        from cluster.dispatch import Dispatcher
+        scheduler's outcomes (`service.screen.ScreenOutcome`)."""
+        from cluster.pool import RayPool
+        from service.scheduler import Scheduler
 
         base = settings or Settings(db_url=self.url)
         if archive_dir is not None:
@@ -138,7 +139,7 @@ class Client:
             options["workers"] = 1
         elif workers is not None:
             options["workers"] = workers
-        return Dispatcher(self.store, base, **options).run()
+        return Scheduler(self.store, base, RayPool(base), **options).run()
 
     def wait(self, screen: int | str, *, timeout_s: float | None = None, poll_s: float = 1.0,
              sleep: Callable[[float], None] = time.sleep):

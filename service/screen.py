@@ -1,10 +1,10 @@
 """Running one attempt of a screen: what the driver does with each thing a worker returns.
 
-`ScreenRun` holds no Ray: whoever talks to the worker (cluster/screen.py for one screen,
-the dispatcher for many) calls `begin`, `loaded`, `record` per finished episode, then
-`finish` or `fail`. The database and the archive are written by the driver only, in this
-order per episode: the archive member (fsynced), then the database row, so a crash between
-the two leaves the evidence and loses no row the archive lacks.
+`ScreenRun` holds no Ray: whoever talks to the worker (the scheduler, service/scheduler.py)
+calls `begin`, `loaded`, `record` per finished episode, then `finish` or `fail`. The database
+and the archive are written by the driver only, in this order per episode: the archive member
+(fsynced), then the database row, so a crash between the two leaves the evidence and loses no
+row the archive lacks.
 
 Failures are kept: an interrupted or failed attempt stays in the database with its cause, and
 its partial archive stays on disk, auditable as incomplete.
@@ -13,7 +13,6 @@ its partial archive stays on disk, auditable as incomplete.
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -67,12 +66,6 @@ class ScreenRun:
         self.env: dict | None = None
         self.freeze = freeze
         self.signer = signer  # core.provenance.Signer: signs the sealed archive (<archive>.sig); None: unsigned
-        # Driver-side clock (perf_counter) for bench/cluster.py: claim, model ready, per episode.
-        self.t_created = time.perf_counter()
-        self.t_loaded: float | None = None  # the load's result at the driver (set by the caller, else by loaded())
-        self.t_first: float | None = None  # the first episode handed to the worker (set by the dispatcher)
-        self.t_claimed = 0.0  # seconds the claim that made this attempt took (set by the dispatcher)
-        self.timings: list[tuple[float, float]] = []  # (arrival, seconds spent recording it)
         self.unpersisted: list[int] = []  # archived episodes whose row is not written yet (a database outage)
         self._sealed: tuple[list[dict], str, str | None] | None = None  # (verdicts, SHA-256, signer) once sealed
 
@@ -89,8 +82,6 @@ class ScreenRun:
     def loaded(self, start: dict, token_ids: list[list[int]]) -> list[dict]:
         """The model is loaded: write the plan and the worker's start record; return the plan."""
         self.start = start
-        if self.t_loaded is None:
-            self.t_loaded = time.perf_counter()
         self.writer.add_json(PLAN_NAME, plan_json(self.entries, token_ids))
         self.writer.add_json(WORKER_NAME, worker_json(environment=self.env, start=start,
                                                       model_dir=self.screen.model_dir, source_freeze=self.freeze))
@@ -107,7 +98,6 @@ class ScreenRun:
         and counts as done: reconciliation inserts its row from the archive
         (service/reconcile.py). A `DatabaseUnavailable` from the row's write is raised after
         this bookkeeping, so that the caller learns the database is down."""
-        t0 = time.perf_counter()
         logits, trace = record.pop("logits"), record.pop("trace")
         forced = record.pop("forced_logits", None)
         if record.get("tier") == "approximate":
@@ -122,7 +112,6 @@ class ScreenRun:
         if failure is not None or not persist:
             self.unpersisted.append(record["plan_index"])
         self.episodes.append({**record, "logits": logits, "forced_logits": forced})
-        self.timings.append((t0, time.perf_counter() - t0))
         entry = self.entries[record["plan_index"]]
         wall = record.get("wall_s")
         took = f", wall {wall:.3f} s" if isinstance(wall, (int, float)) else ""

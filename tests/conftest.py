@@ -4,12 +4,12 @@ from pathlib import Path
 
 import pytest
 
-from engine.synth import synth_checkpoint
-
 
 @pytest.fixture(scope="session")
 def checkpoints(tmp_path_factory) -> dict[str, Path]:
     """Tiny OPT checkpoints, one per dtype, sparsity 0.94, seed 0."""
+    from engine.synth import synth_checkpoint  # torch: only the tests that use a checkpoint pay for it
+
     root = tmp_path_factory.mktemp("checkpoints")
     return {dt: synth_checkpoint(root / f"tiny-{dt}", shape="tiny", dtype=dt, sparsity=0.94, seed=0)
             for dt in ("float32", "float16", "bfloat16")}

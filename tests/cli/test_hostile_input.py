@@ -306,13 +306,13 @@ def test_a_killed_worker_is_reported_as_the_attempt_failing_and_what_comes_next(
 
 
 def _fake_dispatcher(monkeypatch, outcomes) -> None:
-    import cluster.dispatch
+    import service.scheduler
 
     class Fake:
         fatal = stopping = None
         refusals, slots, held = [], [], []
 
-        def __init__(self, store, settings, *, on_outcome, **options) -> None:
+        def __init__(self, store, settings, pool, *, on_outcome, **options) -> None:
             self.on_outcome = on_outcome
 
         def run(self):
@@ -320,16 +320,17 @@ def _fake_dispatcher(monkeypatch, outcomes) -> None:
                 self.on_outcome(o)
             return outcomes
 
-    monkeypatch.setattr(cluster.dispatch, "Dispatcher", Fake)
+    monkeypatch.setattr(service.scheduler, "Scheduler", Fake)
 
 
 def test_a_full_disk_at_the_archive_leaves_no_file_and_exits_2_as_mid_screen(tmp_path, db, tiny, monkeypatch):
     import errno
 
     import core.archive.writer
-    from cluster.dispatch import Active, Dispatcher, Slot
     from core.errors import ArchiveError
     from core.settings import Settings
+    from service.scheduler import Scheduler
+    from service.scheduler_state import Active, Slot
 
     def full(*args, **kwargs):
         raise OSError(errno.ENOSPC, "No space left on device")
@@ -337,8 +338,8 @@ def test_a_full_disk_at_the_archive_leaves_no_file_and_exits_2_as_mid_screen(tmp
     store, claim, run = _claimed(db, tiny, tmp_path)
     with monkeypatch.context() as m:
         m.setattr(core.archive.writer, "_write_at", full)
-        dispatcher = Dispatcher(store, Settings(archive_dir=tmp_path / "archives"))
-        dispatcher._start(Slot(name="w0", actor=None), claim)  # fails at the archive, before any actor call
+        dispatcher = Scheduler(store, Settings(archive_dir=tmp_path / "archives"), pool=None)
+        dispatcher._start(Slot(name="w0", worker=None), claim)  # fails at the archive, before any worker call
     (at_start,) = dispatcher.outcomes
     assert at_start.status == "failed" and "No space left on device" in at_start.error
     assert not Path(claim.attempt.archive_path).exists()  # no 0-byte archive left behind
@@ -348,7 +349,7 @@ def test_a_full_disk_at_the_archive_leaves_no_file_and_exits_2_as_mid_screen(tmp
 
     store.retry_screen(claim.screen.id)
     _, claim2, run2 = _claimed(db, tiny, tmp_path)
-    active2 = Active(slot=Slot(name="w1", actor=None), run=run2, protocol=run2.protocol)
+    active2 = Active(slot=Slot(name="w1", worker=None), run=run2, protocol=run2.protocol)
     active2.slot.active = active2
     run2.begin({"device": "cpu"})
     dispatcher._guarded(active2, mid_screen, {})
@@ -409,7 +410,7 @@ def test_a_silent_dispatcher_on_another_host_is_named_a_live_one_is_not():
     from datetime import datetime, timedelta, timezone
     from types import SimpleNamespace
 
-    from cluster.dispatch import held_by_silent
+    from service.scheduler_state import held_by_silent
 
     now = datetime(2026, 12, 1, 12, 0, tzinfo=timezone.utc)
     running = [SimpleNamespace(screen_id=i, attempt=1, dispatcher=f"d{i}", lease_expires_at=now + timedelta(seconds=40))

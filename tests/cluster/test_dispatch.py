@@ -77,9 +77,11 @@ def store(tmp_path):
 
 
 def dispatcher(store, cfg, **options):
-    from cluster.dispatch import Dispatcher
+    """The scheduler on this cluster: service/scheduler.py over cluster/pool.py's RayPool."""
+    from cluster.pool import RayPool
+    from service.scheduler import Scheduler
 
-    return Dispatcher(store, cfg, **options)
+    return Scheduler(store, cfg, RayPool(cfg), **options)
 
 
 def wait_for(predicate, timeout: float = 120, what: str = "condition"):

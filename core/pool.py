@@ -1,0 +1,32 @@
+"""The values a pool of GPU workers hands back to the scheduler.
+
+The scheduler (service/scheduler.py) drives a `WorkerPool` (service/scheduler_pool.py) that
+`cluster/pool.py` implements on Ray; both sides build and read these, so they live below both.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class NodeInfo:
+    """A node of the pool: its accelerator type (e.g. "H200") and the custom resources it
+    declares (totals), which a screen's `placement.resources` is matched against."""
+
+    accelerator: str | None = None
+    resources: dict[str, float] | None = None
+
+
+@dataclass(eq=False)
+class Reply:
+    """A call that came back with the `tag` it was sent with: its value, or the exception it raised.
+
+    `died`: the worker itself is gone (its process, or its node); otherwise an `error` is the
+    call's own failure and the worker lives on."""
+
+    tag: Any
+    value: Any = None
+    error: BaseException | None = None
+    died: bool = False

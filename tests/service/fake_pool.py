@@ -1,0 +1,133 @@
+"""An in-process worker pool for the scheduler's tests: no Ray, no engine, no processes.
+
+Each worker runs its calls one after another in the order they were sent, each taking a set
+time of the real clock (`load_s`, `episode_s`): a reply is ready once its worker has spent that
+long on it after its earlier calls. Records have the shape of real episode records (status
+`failed` with a stated cause, so no gate can pass on them). `fault(worker, entry)` decides per
+episode: None (it runs), "die" (the worker dies: this call and every later one of that worker
+reply as died), or an exception (the call raises, the worker lives).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator
+
+from core.pool import NodeInfo, Reply
+from core.registry import SHAPES
+
+
+@dataclass(eq=False)
+class FakeWorker:
+    index: int
+    node: str
+    free_at: float = 0.0  # when the calls sent so far are done
+    dead_at: float | None = None  # dies then (every call ready after it replies as died)
+    killed: bool = False
+    models: set = field(default_factory=set)  # model keys loaded before (warm)
+    episodes: list[int] = field(default_factory=list)  # plan indices it ran, in order
+
+    @property
+    def env(self) -> dict:
+        return {"host": "fake-host", "pid": 1000 + self.index, "python": "", "torch": "", "cuda": "",
+                "device": "fake", "gpu": "fake-gpu", "gpu_index": str(self.index), "driver": "",
+                "gpu_uuid": f"GPU-fake-{self.index}", "node_id": self.node}
+
+
+@dataclass(eq=False)
+class Pending:
+    worker: FakeWorker
+    tag: Any
+    ready_at: float
+    value: Any = None
+    error: BaseException | None = None
+
+
+class FakePool:
+    """The scheduler's WorkerPool (service/scheduler_pool.py), in this process."""
+
+    def __init__(self, *, gpus: int = 1, episode_s: float = 0.002, load_s: float = 0.0,
+                 fault: Callable[[FakeWorker, dict], Any] | None = None) -> None:
+        self.n_gpus, self.episode_s, self.load_s, self.fault = gpus, episode_s, load_s, fault
+        self.workers: list[FakeWorker] = []
+        self.pending: list[Pending] = []
+        self.connected = False
+        self.loads: list[tuple[int, str]] = []  # (worker index, model_state) per load
+
+    # -- the interface
+
+    def connect(self) -> None:
+        self.connected = True
+
+    def gpus(self) -> int:
+        return self.n_gpus
+
+    def start_worker(self, tag: Any, *, pool_size: int) -> FakeWorker:
+        worker = FakeWorker(index=len(self.workers), node=f"node-{len(self.workers) % max(1, self.n_gpus)}")
+        self.workers.append(worker)
+        self._send(worker, tag, 0.0, value=worker.env)
+        return worker
+
+    def load(self, worker: FakeWorker, tag: Any, protocol, model_dir, *, model_cache, reuse: bool) -> None:
+        key = protocol.sha256
+        state = "warm" if reuse and key in worker.models else "cold"
+        worker.models.add(key)
+        self.loads.append((worker.index, state))
+        shape = protocol.model.synth.shape if protocol.model.synth else "tiny"
+        self._send(worker, tag, self.load_s, value={
+            "vocab": SHAPES[shape]["vocab"], "model_dir": model_dir or "", "model_state": state, "read_s": 0.0,
+            "pin_s": 0.0, "place_s": 0.0, "param_bytes": 0, "device_param_bytes": 0, "host_outgoing_bytes": 0,
+            "cpu_first": True, "allowance_bytes": 0, "context_bytes": 0, "device": "fake",
+            "entry_to_loaded_s": 0.0})
+
+    def run(self, worker: FakeWorker, tag: Any, entry: dict, prompt: list[int]) -> None:
+        fault = self.fault(worker, entry) if self.fault else None
+        pending = self._send(worker, tag, self.episode_s, value={
+            "plan_index": entry["index"], "condition": entry["condition"], "role": entry["role"],
+            "prompt": entry["prompt"], "policy": "fake", "params": {}, "status": "failed",
+            "error": "fake episode (no engine)", "traceback": "", "episode_s": self.episode_s, "logits": None,
+            "trace": None})
+        if fault == "die":
+            worker.dead_at = pending.ready_at
+        elif isinstance(fault, BaseException):
+            pending.value, pending.error = None, fault
+        else:
+            worker.episodes.append(entry["index"])
+
+    def in_flight(self) -> int:
+        return len(self.pending)
+
+    def wait(self, timeout: float, *, every: bool = False) -> Iterator[Reply]:
+        if not self.pending:
+            return
+        due = max(p.ready_at for p in self.pending) if every else min(p.ready_at for p in self.pending)
+        pause = min(timeout, due - time.monotonic())
+        if pause > 0:
+            time.sleep(pause)
+        clock = time.monotonic()
+        for p in sorted((p for p in self.pending if p.ready_at <= clock), key=lambda p: p.ready_at):
+            if p in self.pending:  # a killed worker's calls were dropped with it
+                self.pending.remove(p)
+                yield self._reply(p)
+
+    def kill(self, worker: FakeWorker) -> None:
+        worker.killed = True
+        self.pending = [p for p in self.pending if p.worker is not worker]
+
+    def nodes(self) -> dict[str, NodeInfo]:
+        return {f"node-{i}": NodeInfo("FAKE", {}) for i in range(max(1, self.n_gpus))}
+
+    # -- inside
+
+    def _send(self, worker: FakeWorker, tag: Any, seconds: float, *, value: Any) -> Pending:
+        worker.free_at = max(time.monotonic(), worker.free_at) + seconds
+        pending = Pending(worker, tag, worker.free_at, value=value)
+        self.pending.append(pending)
+        return pending
+
+    @staticmethod
+    def _reply(p: Pending) -> Reply:
+        if p.worker.dead_at is not None and p.ready_at >= p.worker.dead_at:
+            return Reply(p.tag, error=RuntimeError(f"fake worker {p.worker.index} died"), died=True)
+        return Reply(p.tag, value=p.value, error=p.error)

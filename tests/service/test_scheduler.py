@@ -1,0 +1,206 @@
+"""The scheduler (service/scheduler.py) against an in-process fake pool (tests/service/fake_pool.py):
+claims, look-ahead, two workers, a worker dying, cancels and lease renewal, on a real SQLite
+database and real archives, with no Ray at all. The transport itself runs for real in
+tests/cluster/test_dispatch.py."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from core.archive import ArchiveReader
+from core.settings import Settings
+from db.store import Store
+from service.scheduler import Scheduler
+from service.scheduler_state import Moment, Stop
+from service.submit import submit
+from tests.service.fake_pool import FakePool
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def protocol_file(folder: Path, *, prompts: int = 1, continuation: int = 2, name: str = "fake-screen") -> Path:
+    body = {"schema": 2, "name": name,
+            "model": {"synth": {"shape": "tiny", "dtype": "float32", "sparsity": 0.94, "seed": 0}},
+            "dtype": "float32", "prompts": {"generator": {"seed": 0, "count": prompts}}, "prefix_tokens": 8,
+            "continuation_tokens": continuation,
+            "conditions": [{"policy": "dense-stream"}, {"policy": "packet"}], "reference": "dense-stream",
+            "warmups": 1, "allowance_mib": 64, "gates": {"faithfulness": {}}}
+    path = folder / f"{name}-{prompts}x{continuation}.yaml"
+    path.write_text(yaml.safe_dump(body))
+    return path
+
+
+@pytest.fixture(scope="module")
+def migrated(tmp_path_factory) -> Path:
+    """One database at head, copied for each test (migrating per test costs more than the tests)."""
+    path = tmp_path_factory.mktemp("template") / "packbench.db"
+    with Store(f"sqlite:///{path}") as s:
+        s.upgrade()
+    return path
+
+
+@pytest.fixture
+def store(migrated, tmp_path):
+    path = tmp_path / "packbench.db"
+    shutil.copy(migrated, path)
+    with Store(f"sqlite:///{path}", retry_delays=(0.01,)) as s:
+        yield s
+
+
+@pytest.fixture(autouse=True)
+def _fixed_freeze(monkeypatch):
+    import service.scheduler
+
+    # The source freeze hashes the engine and asks git (tens of ms each scheduler): not what is tested.
+    monkeypatch.setattr(service.scheduler, "source_freeze", lambda: {"git_commit": "test"})
+
+
+def scheduler(store, tmp_path, pool, **options) -> Scheduler:
+    said: list[str] = []
+    options.setdefault("lease_s", 30)
+    s = Scheduler(store, Settings(archive_dir=tmp_path / "archives"), pool,
+                  progress=lambda message, **event: said.append(message), **options)
+    s.said = said  # type: ignore[attr-defined]
+    return s
+
+
+def rows(store, attempt_id: int) -> list[int]:
+    return [e.plan_index for e in store.episodes(attempt_id)]
+
+
+def test_the_scheduler_imports_no_ray():
+    """Scheduling is plain Python: importing it and its fake pool brings no ray (nor torch)."""
+    code = ("import sys, service.scheduler, tests.service.fake_pool; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('ray', 'torch', 'cluster')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT,
+                         env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert out.stdout.strip() == "[]"
+
+
+def test_one_screen_is_claimed_and_run_to_completion(store, tmp_path):
+    (screen_id,) = submit(store, protocol_file(tmp_path))
+    pool = FakePool()
+    d = scheduler(store, tmp_path, pool)
+    (outcome,) = d.run()
+    assert pool.connected and outcome.status == "done" and outcome.screen_id == screen_id
+    (attempt,) = store.attempts(screen_id)
+    assert attempt.status == "done" and store.screen(screen_id).status == "done"
+    assert attempt.model_state == "cold" and attempt.node == "node-0"
+    assert rows(store, attempt.id) == [0, 1, 2, 3]  # every planned episode once, in plan order
+    reader = ArchiveReader(Path(attempt.archive_path))
+    assert reader.complete and reader.verify() == [] and [e.index for e in reader.episodes()] == [0, 1, 2, 3]
+    assert pool.workers[0].killed and pool.in_flight() == 0  # the pool is shut down with the scheduler
+    assert "worker-1 ready on fake-host (fake-gpu, node node-0)" in d.said
+
+
+def test_nothing_queued_starts_no_pool(store, tmp_path):
+    pool = FakePool()
+    assert scheduler(store, tmp_path, pool).run() == [] and not pool.connected and not pool.workers
+
+
+def test_two_workers_two_screens(store, tmp_path):
+    ids = submit(store, protocol_file(tmp_path, prompts=2), replicas=2)
+    pool = FakePool(gpus=2, episode_s=0.01)
+    outcomes = scheduler(store, tmp_path, pool, look_ahead=False).run()
+    assert sorted(o.screen_id for o in outcomes) == ids and {o.status for o in outcomes} == {"done"}
+    attempts = [store.latest_attempt(i) for i in ids]
+    assert {a.node for a in attempts} == {"node-0", "node-1"}  # one screen per worker, side by side
+    assert all(rows(store, a.id) == list(range(6)) for a in attempts)
+    assert sorted(len(w.episodes) for w in pool.workers) == [6, 6]
+
+
+def test_a_worker_claims_its_next_screen_while_its_last_episodes_run(store, tmp_path):
+    ids = submit(store, protocol_file(tmp_path), replicas=3)
+    events = []
+    pool = FakePool(episode_s=0.005)
+    outcomes = scheduler(store, tmp_path, pool, workers=1, observer=events.append).run()
+    assert [o.screen_id for o in outcomes] == ids and {o.status for o in outcomes} == {"done"}
+    attempts = [store.latest_attempt(i) for i in ids]
+    for earlier, later in zip(attempts, attempts[1:]):
+        assert later.started_at < earlier.finished_at  # claimed before the previous one ended
+        assert later.worker == earlier.worker and not later.shared_node
+    assert [state for _, state in pool.loads] == ["cold", "warm", "warm"]  # one worker keeps its model
+    assert all(rows(store, a.id) == [0, 1, 2, 3] for a in attempts)
+    # The observer hears each attempt's claim, load, first episodes out and every record.
+    by_attempt = {}
+    for e in events:
+        by_attempt.setdefault(e.run.attempt.id, []).append(e.moment)
+    assert sorted(by_attempt) == [a.id for a in attempts]
+    assert all(m[:3] == [Moment.CLAIMED, Moment.LOADED, Moment.FIRST_OUT] and m[3:] == [Moment.RECORDED] * 4
+               for m in by_attempt.values())
+
+
+def test_a_worker_dying_mid_screen_fails_its_attempt_and_the_screen_runs_again(store, tmp_path):
+    (screen_id,) = submit(store, protocol_file(tmp_path, prompts=3))  # 8 episodes
+    pool = FakePool(fault=lambda worker, entry: "die" if worker.index == 0 and entry["index"] == 3 else None)
+    d = scheduler(store, tmp_path, pool, workers=1)
+    outcomes = d.run()
+    first, second = store.attempts(screen_id)
+    assert first.status == "failed" and "worker worker-1 (pid 1000, node node-0) died" in first.error
+    assert second.status == "done" and rows(store, second.id) == list(range(8))
+    assert rows(store, first.id) == [0, 1, 2]  # what came back before the death stays recorded
+    assert ArchiveReader(Path(first.archive_path)).episodes()  # its partial archive is kept
+    assert [(o.status, o.screen_status) for o in outcomes] == [("failed", "queued"), ("done", "done")]
+    assert len(pool.workers) == 2 and pool.workers[0].killed  # a replacement was started
+
+
+def test_a_failing_call_fails_the_screen_and_the_worker_lives(store, tmp_path):
+    from core.errors import PackbenchError
+
+    (bad, good) = submit(store, protocol_file(tmp_path), replicas=2)
+    pool = FakePool(fault=lambda worker, entry: PackbenchError("broken checkpoint; fix it")
+                    if not worker.episodes and entry["index"] == 0 else None)
+    outcomes = scheduler(store, tmp_path, pool, workers=1, look_ahead=False).run()
+    assert [(o.screen_id, o.status, o.bad_input) for o in outcomes] == [(bad, "failed", True), (good, "done", False)]
+    assert "PackbenchError: broken checkpoint; fix it" in store.latest_attempt(bad).error
+    assert len(pool.workers) == 1
+
+
+def test_cancel_a_queued_and_a_running_screen(store, tmp_path):
+    (never,) = submit(store, protocol_file(tmp_path), priority=-1)
+    store.cancel_screen(never)
+    (running,) = submit(store, protocol_file(tmp_path, prompts=20))  # 42 episodes
+    pool = FakePool(episode_s=0.005)
+
+    def cancel_after_two(event):
+        if event.moment is Moment.RECORDED and len(event.run.episodes) == 2 and pool.episode_s < 0.05:
+            store.cancel_screen(running)
+            pool.episode_s = 0.05  # what is left would take 2 s: the cancel is seen long before
+
+    # A renewal every 0.4 s sees the cancel; a lease of 1.2 s is not lost on a loaded machine.
+    d = scheduler(store, tmp_path, pool, workers=1, lease_s=1.2, observer=cancel_after_two)
+    (outcome,) = d.run()
+    assert outcome.screen_id == running and outcome.status == "cancelled"
+    assert store.screen(never).status == "cancelled" and store.attempts(never) == []
+    (attempt,) = store.attempts(running)
+    assert attempt.status == "cancelled" and attempt.error == "cancelled by the user"
+    done = rows(store, attempt.id)
+    assert 2 <= len(done) < 42 and done == list(range(len(done)))  # stopped after the episodes in flight
+    assert f"screen {running}: {Stop.CANCELLED}; stopping after the episode in flight" in d.said
+
+
+def test_leases_are_renewed_while_a_screen_runs(store, tmp_path):
+    """A screen running for several lease lengths keeps its one attempt: renewed every third of
+    a lease, never reaped (a reaper of another dispatcher would mark it lost)."""
+    (screen_id,) = submit(store, protocol_file(tmp_path, prompts=8))  # 18 episodes of 40 ms: 0.72 s
+    renewals: list[tuple[float, bool]] = []
+    real = store.renew_lease
+
+    def renew(attempt_id, lease_s):
+        renewals.append((time.monotonic(), real(attempt_id, lease_s)))
+        return renewals[-1][1]
+
+    store.renew_lease = renew
+    (outcome,) = scheduler(store, tmp_path, FakePool(episode_s=0.04), workers=1, lease_s=0.6).run()
+    (attempt,) = store.attempts(screen_id)  # never reaped: its own reaper would have made it lost
+    assert outcome.status == "done" and attempt.status == "done"
+    assert len(renewals) >= 3 and all(granted for _, granted in renewals)  # every 0.2 s over about 0.72 s
+    assert max(b - a for (a, _), (b, _) in zip(renewals, renewals[1:])) < 0.6
