@@ -111,27 +111,32 @@ def results(
     rows = store.results(ResultFilter(**filters, descending=desc, screen_id=screen_id,
                                       limit=None if limit is None or ids is not None else limit + 1))
     rows = _truncated([r for r in rows if ids is None or r.screen_id in ids], limit)
-    records = [r._asdict() for r in rows]
-    tiers = store.condition_tiers(r["protocol_sha256"] for r in records)
-    for record in records:
-        record["tier"] = tiers.get(record["protocol_sha256"], {}).get(record["condition"])
-    if gate is None:
-        for record in records:
-            for key in ("gate", "phase", "passed", "value", "threshold"):
-                del record[key]
-    # Every row says its tier: exact and approximate conditions are never ranked together unlabelled.
-    columns = ["screen_id", "attempt", "protocol", "dtype", "plan_index", "condition", "tier", "role", "prompt",
-               "status", "h2d_bytes", "d2h_bytes", "wall_s", "call_s", "peak_allocated_bytes", "energy_j"]
-    if any(r["fidelity_mean_kl"] is not None for r in records):
-        columns += FIDELITY_COLUMNS
-    if gate is not None:
-        columns += ["gate", "phase", "passed", "value", "threshold"]
+    records, columns = _result_records(store, rows, gated=gate is not None)
     empty = "no episodes match"
     if not records and condition is not None:
         empty = _unknown_condition(store, condition) or empty
         if out != "table" and empty != "no episodes match":
             typer.echo(f"note: {empty}", err=True)  # stdout stays pure JSON / CSV
     _emit([Section(records, columns, empty=empty)], out)
+
+
+def _result_records(store, rows, *, gated: bool) -> tuple[list[dict], list[str]]:
+    """`results` rows as records with their tier, and the table's columns. Every row says its
+    tier: exact and approximate conditions are never ranked together unlabelled."""
+    records = [r._asdict() for r in rows]
+    tiers = store.condition_tiers(r["protocol_sha256"] for r in records)
+    for record in records:
+        record["tier"] = tiers.get(record["protocol_sha256"], {}).get(record["condition"])
+        if not gated:
+            for key in ("gate", "phase", "passed", "value", "threshold"):
+                del record[key]
+    columns = ["screen_id", "attempt", "protocol", "dtype", "plan_index", "condition", "tier", "role", "prompt",
+               "status", "h2d_bytes", "d2h_bytes", "wall_s", "call_s", "peak_allocated_bytes", "energy_j"]
+    if any(r["fidelity_mean_kl"] is not None for r in records):
+        columns += FIDELITY_COLUMNS
+    if gated:
+        columns += ["gate", "phase", "passed", "value", "threshold"]
+    return records, columns
 
 
 # An approximate episode's fidelity to its reference (core/fidelity.py), as `results` shows it.
@@ -452,15 +457,7 @@ def compare(
 
     spread = compare_spread(*[_scored_walls(store, a) for a in attempts])
     sharing = [_sharing(a) for a in attempts]
-    for label, side, note in zip("AB", (c.a, c.b), sharing):
-        if note:
-            typer.echo(f"warning: screen {side.screen_id} ({label}) ran on a shared or busy host: {note}; its "
-                       f"times may be inflated", err=True)
-    for r in spread:
-        if r["noise"] == "within noise" and r["mean_ratio"] is not None:
-            typer.echo(f"warning: condition {r['condition']}: wall B/A {r['mean_ratio']:.4g} is within "
-                       f"noise: its 0.95 bootstrap interval [{r['ratio_lo']:.4g}, {r['ratio_hi']:.4g}] holds 1",
-                       err=True)
+    _noise_warnings(c, sharing, spread)
     spread_rows = [{"condition": r["condition"], "tier": tier(r["condition"]), "A n": r["a"]["n"], "A median s": r["a"]["median"],
                     "A p10-p90 s": _range(r["a"]), "B n": r["b"]["n"], "B median s": r["b"]["median"],
                     "B p10-p90 s": _range(r["b"]), "B/A": r["mean_ratio"],
@@ -486,6 +483,19 @@ def compare(
           out, document=document)
     if fail_above is not None:
         fail_compare(store, c.a.screen_id, c.b.screen_id, fail_above)
+
+
+def _noise_warnings(c, sharing: list, spread: list[dict]) -> None:
+    """On stderr: a screen whose host was shared or busy, and a wall ratio inside its own noise."""
+    for label, side, note in zip("AB", (c.a, c.b), sharing):
+        if note:
+            typer.echo(f"warning: screen {side.screen_id} ({label}) ran on a shared or busy host: {note}; its "
+                       f"times may be inflated", err=True)
+    for r in spread:
+        if r["noise"] == "within noise" and r["mean_ratio"] is not None:
+            typer.echo(f"warning: condition {r['condition']}: wall B/A {r['mean_ratio']:.4g} is within "
+                       f"noise: its 0.95 bootstrap interval [{r['ratio_lo']:.4g}, {r['ratio_hi']:.4g}] holds 1",
+                       err=True)
 
 
 def _range(s: dict) -> str | None:

@@ -12,6 +12,16 @@ ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.ray
 
 
+@pytest.fixture(autouse=True)
+def ray_down_after():
+    """db.run starts an embedded Ray in this process (as a notebook's would stay up): shut it down
+    after the test, so later tests that start a cluster of their own find none."""
+    yield
+    import ray
+
+    ray.shutdown()
+
+
 def test_submit_then_run_from_python(tmp_path, tiny, monkeypatch):
     monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
     body = yaml.safe_load((ROOT / "protocols" / "quickstart.yaml").read_text())

@@ -41,6 +41,7 @@ def cluster(tmp_path_factory):
     c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "num_gpus": 0})
     for _ in range(2):
         c.add_node(num_cpus=2, num_gpus=1)
+    ray.shutdown()  # an embedded Ray an earlier test left in this process
     ray.init(address=c.address, logging_level="ERROR", log_to_driver=False)
     yield c
     ray.shutdown()
