@@ -319,11 +319,13 @@ class ArchiveWriter:
         try:
             self._commit(header, payload, entry, name, last=last, sync=sync)
         except OSError as e:
-            self._fail(f"{type(e).__name__}: {e}")
-            raise ArchiveError(
-                f"could not append member {name} to archive {self.path} ({e}); check disk space, "
-                f"permissions and who else touches the file, then rerun as a new attempt"
-            ) from None
+            raise self._append_failed(name, e) from None
+
+    def _append_failed(self, name: str, e: OSError) -> ArchiveError:
+        """Mark the writer failed; the one-line error for a member that could not be appended."""
+        self._fail(f"{type(e).__name__}: {e}")
+        return ArchiveError(f"could not append member {name} to archive {self.path} ({e}); check disk space, "
+                            f"permissions and who else touches the file, then rerun as a new attempt")
 
     def _commit(self, header: bytes, payload: bytes, entry: bytes, name: str, *, last: bool,
                 sync: bool = True) -> None:
@@ -393,11 +395,7 @@ class ArchiveWriter:
                 f"check what removed it and rerun the screen"
             ) from None
         except OSError as e:
-            self._fail(f"{type(e).__name__}: {e}")
-            raise ArchiveError(
-                f"could not append member {name} to archive {self.path} ({e}); check disk space, "
-                f"permissions and who else touches the file, then rerun as a new attempt"
-            ) from None
+            raise self._append_failed(name, e) from None
         ours = (st.st_dev, st.st_ino) == self._stamp[:2]
         if ours and st.st_size == self._size and st.st_mtime_ns == self._stamp[2]:
             if os.pread(self._fd, len(self._tail), self._size - len(self._tail)) == self._tail:

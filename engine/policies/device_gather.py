@@ -66,12 +66,17 @@ class DevicePacket:
     def before_layer(self, layer: int) -> None:
         pass  # packet: demand is known only after fc1
 
-    def fetch(self, layer: int, h: torch.Tensor) -> torch.Tensor:
+    def call_buffers(self) -> Mapped:
+        """The buffers, their counts zeroed and the settle deferred at the call's first layer."""
         b = self.buffers
         if b.counted_call != self.recorder.serial:  # the call's first layer
             b.counted_call = self.recorder.serial
             b.counts.zero_()
             self.recorder.defer(self.settle)
+        return b
+
+    def fetch(self, layer: int, h: torch.Tensor) -> torch.Tensor:
+        b = self.call_buffers()
         gather_active_rows(h, b.source[layer], b.workspace, b.counts, layer)
         return b.workspace
 

@@ -226,11 +226,7 @@ class Int8DevicePacket(DevicePacket):
         self.buffers = Mapped(workspace=workspace, counts=counts, source=slabs)
 
     def fetch(self, layer: int, h: torch.Tensor) -> torch.Tensor:
-        b = self.buffers
-        if b.counted_call != self.recorder.serial:  # the call's first layer
-            b.counted_call = self.recorder.serial
-            b.counts.zero_()
-            self.recorder.defer(self.settle)
+        b = self.call_buffers()
         hidden, ffn = self.host.shape
         scales, rows = slab_views(b.source[layer], ffn, hidden)
         gather_active_int8_rows(h, rows, scales, b.workspace, b.counts, layer, dequantize=dequantize_into)
