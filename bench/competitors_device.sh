@@ -1,22 +1,26 @@
 #!/usr/bin/env bash
 # One device call (issue 24): competitors beside exact packets through `packbench submit --wait`
-# and `packbench audit` on a calibrated synthetic OPT-2.7B fp16 (3 prompts x 512 + 16), under
-# ALLOWANCE (default 4800 MiB, what packets need): accelerate's offload and low-bit models. The
-# worker holds one condition's device state at a time (the CPU-first model parked on the host
-# while a competitor runs), so each competitor has the allowance to itself. METHODS lists
-# `method[:mode]` (schema 6: an omitted mode is the library's fastest, compile for torchao).
-# The int8 packets (dense-stream and packet over int8 outgoing rows) run beside them unless
-# SKIP_INT8_PACKETS; packbench's own loaders run in ENGINE_MODE (default graph). Then int4 alone
-# (its kernel may be missing; SKIP_INT4=1 leaves it out). Then the CUDA tests of the competitors. Carry .whl built with EXTRA="torchao bitsandbytes accelerate psutil":
-#   bash bench/competitors_device.sh    (CPU dry run: SKIP_WHEELS=1 SHAPE27=tiny PREFIX=32 METHODS=int8-weight-only ...)
+# and `packbench audit` on a calibrated synthetic OPT (SHAPE, default opt-2.7b, fp16; PROMPTS x
+# PREFIX + 16 tokens, default 3 x 512) under ALLOWANCE (default 4800 MiB, what packets need):
+# accelerate's offload and low-bit models. The worker holds one condition's device state at a
+# time (the CPU-first model parked on the host while a competitor runs, a torchao model shelved
+# on the host while another condition runs), so each competitor has the allowance to itself.
+# METHODS lists `method[:mode]` (schema 6: an omitted mode is the library's fastest, compile for
+# torchao). The int8 packets (dense-stream and packet over int8 outgoing rows) run beside them
+# unless SKIP_INT8_PACKETS; packbench's own loaders run in ENGINE_MODE (default graph). int4 in a
+# screen of its own only with INT4=1 (its kernel needs mslk here; the CUDA tests say whether it
+# runs). Then the competitors' CUDA tests unless SKIP_TESTS. Carry .whl built with
+# EXTRA="torchao bitsandbytes":
+#   bash bench/competitors_device.sh    (CPU dry run: SKIP_WHEELS=1 SHAPE=tiny PREFIX=32 METHODS=int8-weight-only ...)
+#   SHAPE=opt-13b ALLOWANCE=20480 PROMPTS=2 SKIP_TESTS=1 bash bench/competitors_device.sh
 set -uo pipefail
 root=$PWD; out=${OUT:-$root/competitors-out}; mkdir -p "$out"
 source bench/device_common.sh
 product_env
 screen() {  # name methods...
   local name=$1; shift
-  { echo "name: $name"; echo "model: {synth: {shape: ${SHAPE27:-opt-2.7b}, dtype: float16, seed: 0}}"; echo "dtype: float16"
-    echo "prompts: {generator: {seed: 0, count: 3}}"; echo "prefix_tokens: ${PREFIX:-512}"; echo "continuation_tokens: 16"
+  { echo "name: $name"; echo "model: {synth: {shape: ${SHAPE:-opt-2.7b}, dtype: float16, seed: 0}}"; echo "dtype: float16"
+    echo "prompts: {generator: {seed: 0, count: ${PROMPTS:-3}}}"; echo "prefix_tokens: ${PREFIX:-512}"; echo "continuation_tokens: 16"
     echo "conditions:"; echo "  - {name: dense-stream, policy: dense-stream}"
     echo "  - {name: packet, policy: packet, params: {gather: device}}"
     if [ -z "${SKIP_INT8_PACKETS:-}" ]; then  # quantized packets: exact against the int8 dense-stream
@@ -39,27 +43,36 @@ screen() {  # name methods...
   pb results --screen latest --json > "$out/$name.json" 2>/dev/null
 }
 screen competitors ${METHODS:-int8-weight-only int8-weight-only:eager nf4 llm-int8}
-[ -n "${SKIP_INT4:-}" ] || SKIP_ACCELERATE=1 screen int4 int4-weight-only
-python3 - "$out" <<'PY'  # decode ms/token: the decode calls' time over the 15 of a 16-token episode
-import json, statistics, sys
+[ -z "${INT4:-}" ] || SKIP_ACCELERATE=1 screen int4 int4-weight-only
+python3 - <<'PY'  # medians over scored episodes; decode ms/token over the continuation's decode calls
+import statistics, os
 from db.store import Store
-s = Store()
+s, n = Store(), 15
+med = lambda xs: statistics.median(xs) if xs else float("nan")
 for screen in s.list_screens():
     a = s.latest_attempt(screen.id)
     if a is None:
         continue
     print(f"screen {screen.id} {screen.protocol}: {a.status}")
+    print(f"  {'condition':22} {'ok':>3} {'prefill ms':>10} {'decode ms/tok':>13} {'peak alloc MiB':>14} "
+          f"{'peak sampled MiB':>16} {'MB/token':>9} {'mean KL':>9} {'top1':>6}")
     by = {}
     for e in s.episodes(a.id):
-        if e.role == "scored" and e.status == "ok":
+        if e.role == "scored":
             by.setdefault(e.condition, []).append(e)
     for c, eps in by.items():
-        print(f"  {c:18} median episode wall {statistics.median(x.wall_s for x in eps):.4f} s, "
-              f"decode {statistics.median((x.decode_call_s or 0) / 15 for x in eps) * 1e3:.2f} ms/token, "
-              f"peak sampled {max((x.peak_sampled_bytes or 0) for x in eps) / 2**20:.0f} MiB")
+        ok = [x for x in eps if x.status == "ok"]
+        kl = [x.fidelity_mean_kl for x in ok if x.fidelity_mean_kl is not None]
+        top = [x.fidelity_top1 for x in ok if x.fidelity_top1 is not None]
+        print(f"  {c:22} {len(ok):>3} {med([(x.prefill_call_s or 0) * 1e3 for x in ok]):>10.1f} "
+              f"{med([(x.decode_call_s or 0) / n * 1e3 for x in ok]):>13.2f} "
+              f"{max([(x.peak_allocated_bytes or 0) for x in ok], default=0) / 2**20:>14.0f} "
+              f"{max([(x.peak_sampled_bytes or 0) for x in ok], default=0) / 2**20:>16.0f} "
+              f"{med([(x.decode_h2d_bytes or 0) / n / 1e6 for x in ok]):>9.1f} "
+              f"{(med(kl) if kl else float('nan')):>9.5f} {(med(top) if top else float('nan')):>6.3f}")
 PY
 if [ -z "${SKIP_TESTS:-}" ]; then
-  timeout "${TEST_TIMEOUT:-150}" python3 -m pytest -q -m gpu -p no:cacheprovider tests/engine/test_accelerate_cuda.py \
+  timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -q -m gpu -p no:cacheprovider tests/engine/test_accelerate_cuda.py \
     tests/engine/test_quantized_cuda.py tests/engine/test_int8_packets_cuda.py > "$out/pytest.log" 2>&1
   echo "competitor CUDA tests rc $?: $(tail -1 "$out/pytest.log")"
 fi

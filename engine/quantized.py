@@ -115,6 +115,11 @@ def storage_bytes(module: torch.nn.Module) -> int:
     return total
 
 
+def _cache_tensors(kv) -> list[torch.Tensor]:
+    """A transformers StaticCache's key and value tensors (allocated at its first update)."""
+    return [t for layer in kv.layers for t in (layer.keys, layer.values) if isinstance(t, torch.Tensor)]
+
+
 class DecodeStep:
     """A captured or compiled decode step of one QuantizedModel, kept across its episodes (the
     static cache it runs on is reset per episode, so the capture or compilation is paid once)."""
@@ -125,7 +130,10 @@ class DecodeStep:
     def describe(self) -> str:
         """What the archive records as the episode's `decode_graph`."""
         what = "captured" if self.mode == "graph" else "compiled (torch.compile reduce-overhead)"
-        return f"{what} once in {self.setup_s * 1e3:.1f} ms, replayed {self.replays} times since"
+        moved = f", made again after {self.rerecorded} moves to the host" if self.rerecorded else ""
+        return f"{what} once in {self.setup_s * 1e3:.1f} ms, replayed {self.replays} times since{moved}"
+
+    rerecorded = 0  # moves to the host survived (QuantizedModel.unshelve captures or re-records the graphs)
 
 
 class QuantizedModel:
@@ -196,6 +204,54 @@ class QuantizedModel:
             device_bytes=(torch.cuda.memory_allocated(device) - before) if cuda else storage_bytes(weights),
             device_peak_bytes=(torch.cuda.max_memory_allocated(device) - before) if cuda else 0,
             host_rss_peak_bytes=host_rss_peak_bytes())
+
+    @property
+    def can_shelve(self) -> bool:
+        """Whether `shelve` keeps this model: torchao's quantized tensors move between devices like
+        any tensor; bitsandbytes' Int8Params quantize again when moved to CUDA, so its models are
+        released and rebuilt instead."""
+        return self.stats.library == "torchao"
+
+    def shelve(self) -> None:
+        """Move the model to the host while another condition holds the device (engine/worker.py),
+        keeping what is expensive to redo: the quantization and, in mode compile, the compiled
+        decode step (100 s at OPT-2.7B on the H200). The static KV caches keep their tensor objects
+        (the compiled step is guarded on them) with their storage freed."""
+        self.weights.to("cpu")
+        for kv in self._static.values():
+            for t in _cache_tensors(kv):
+                t.untyped_storage().resize_(0)
+        if self.device.type == "cuda":
+            # the decode steps' graphs were recorded on the old addresses (refreshed by `unshelve`)
+            from torch._inductor.cudagraph_trees import reset_cudagraph_trees
+
+            reset_cudagraph_trees()
+
+    def unshelve(self) -> float:
+        """Back on the device after `shelve`; returns the seconds it took. Each decode step is made
+        ready here, not in the next episode's first decode call: a captured graph (mode graph) is
+        captured again, a compiled step's CUDA graphs are re-recorded under the same compiled code
+        (three calls: warm-up, record, replay). Their writes to the KV cache are zeroed by
+        `new_cache` before the episode reads it."""
+        t0 = time.perf_counter()
+        self.weights.to(self.device)
+        for kv in self._static.values():
+            for t in _cache_tensors(kv):
+                t.untyped_storage().resize_(t.numel() * t.element_size())
+        ids = torch.zeros((1, 1), dtype=torch.long, device=self.device)
+        for (capacity, mode), step in list(self._steps.items()):
+            kv = self._static[capacity]
+            kv.mode = mode
+            if mode == "graph":
+                fresh = self._steps[(capacity, mode)] = self._build_step(kv, ids, 1)
+                fresh.replays, fresh.rerecorded = step.replays, step.rerecorded + 1
+            else:
+                for _ in range(3):
+                    step.run(ids, 1)
+                step.rerecorded += 1
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter() - t0
 
     def new_cache(self, capacity: int | None = None, *, mode: str | None = None):
         mode = mode or self.mode

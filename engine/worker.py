@@ -134,6 +134,10 @@ class Worker:
         # at OPT-2.7B fp16): the H200 screen of bench/competitors_device.sh needed 16000 MiB.
         self.competitor: tuple[tuple, QuantizedModel | AcceleratedModel] | None = None
         self.parked = False  # the CPU-first model's device tensors are on the host
+        # Competitors that moved to the host when another condition took the device, kept with
+        # their quantization and compiled step (QuantizedModel.shelve; torchao's only).
+        self.shelf: dict[tuple, QuantizedModel] = {}
+        self.unshelve_s = 0.0  # the last move back from the shelf (QuantizedModel.unshelve)
         # Build figures of every quantized method the loaded protocol names, from load().
         self.quantized: dict[str, dict] = {}
         # prompt -> (plan index, tokens) of the first finished reference episode of the current
@@ -265,6 +269,10 @@ class Worker:
                 self.drop_model()
                 raise
             self.quantized[method] = {**model.stats.as_dict(), "state": state}
+            del model  # else it stays on the device while the next method builds (an OOM at 4800 MiB)
+        keys = {("quantized", params["method"], self.dtype, str(self.path))
+                for policy, params in competitors if policy == "quantized"}
+        self.shelf = {k: m for k, m in self.shelf.items() if k in keys}
         if not competitors:
             self.release_competitor()
             self.unpark()
@@ -281,6 +289,11 @@ class Worker:
         if self.competitor is not None and self.competitor[0] == key:
             return self.competitor[1], "warm"
         self.release_competitor()
+        if key in self.shelf:
+            model = self.shelf.pop(key)
+            self.unshelve_s = model.unshelve()
+            self.competitor = (key, model)
+            return model, "shelved"
         if policy == "quantized":
             model = QuantizedModel(self.path, method=params["method"], dtype=self.dtype, device=self.device)
         else:
@@ -305,9 +318,15 @@ class Worker:
         self.parked = False
 
     def release_competitor(self) -> None:
-        """Drop the competitor model held on the device (rebuilt when its condition runs again)."""
+        """Free the device of the competitor it holds: shelved on the host where it can be
+        (QuantizedModel.can_shelve), else dropped and rebuilt when its condition runs again."""
         if self.competitor is not None:
+            key, model = self.competitor
             self.competitor = None
+            if getattr(model, "can_shelve", False):
+                model.shelve()
+                self.shelf[key] = model
+            del model
             self._free()
 
     def _free(self) -> None:
@@ -320,7 +339,7 @@ class Worker:
         if self.model is not None and self.model.slot.policy is not None:
             self.model.slot.policy.deactivate()
         self.model, self.model_key = None, None
-        self.competitor, self.parked = None, False
+        self.competitor, self.parked, self.shelf = None, False, {}
         self._free()
 
     def run(self, entry: dict, prompt: list[int]) -> dict:
@@ -356,6 +375,8 @@ class Worker:
             if policy in ("quantized", "accelerate"):
                 model, state = self._competitor(policy, params)
                 built = {**model.stats.as_dict(), "state": state}
+                if state == "shelved":  # the move back and the graphs made again, outside the episode's wall
+                    built["unshelve_s"] = self.unshelve_s
                 mode = resolved_params(policy, params)["mode"]  # frozen in the condition (schema 6), else eager
             else:
                 self.release_competitor()

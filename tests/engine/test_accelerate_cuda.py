@@ -57,6 +57,15 @@ def test_int8_decodes_captured_or_compiled_close_to_eager(opt125m, mode):
         assert np.abs(r.logits - eager.logits).max() < 0.5
     assert np.array_equal(runs[0].logits, runs[1].logits)  # replayed across episodes on the reset cache
     print(mode, runs[1].decode_graph, [c.wall_s for c in runs[1].calls])
+    # To the host and back (another condition took the device): captured again, or re-recorded
+    # under the same compiled code, and the same logits
+    q.shelve()
+    assert torch.cuda.memory_allocated() < q.stats.device_bytes // 2
+    assert q.unshelve() > 0
+    again = run_episode(q, prompt, continuation=8, mode=mode)
+    assert np.array_equal(again.logits, runs[0].logits)
+    assert "made again after 1 moves" in again.decode_graph, again.decode_graph
+    print(mode, "after shelving:", again.decode_graph, [c.wall_s for c in again.calls])
 
 
 def test_a_quantized_episode_holds_only_its_own_model_on_the_device(opt125m):

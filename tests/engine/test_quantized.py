@@ -65,6 +65,49 @@ def test_int8_is_resident_quantized_and_charged(screen):
     assert {r["tier"] for r in records if r["condition"] == "dense-stream"} == {"exact"}
 
 
+def test_a_shelved_model_returns_without_a_rebuild_and_computes_the_same(screen):
+    """Every int8 episode follows a dense-stream one, which takes the device: the int8 model waits on
+    the host (QuantizedModel.shelve) and comes back with its quantization, not rebuilt; its warmup
+    and its first scored episode (prompt 0 both) give the same logits across the moves."""
+    _, start, _, records = screen
+    int8 = [r for r in records if r["condition"] == "int8"]
+    assert {r["quantization"]["state"] for r in int8} == {"shelved"}, [r["quantization"]["state"] for r in int8]
+    assert {r["quantization"]["quantize_s"] for r in int8} == {start["quantized"]["int8-weight-only"]["quantize_s"]}
+    assert all(r["quantization"]["unshelve_s"] >= 0 for r in int8)  # charged, outside the episode's wall
+    warm, first = [r for r in int8 if r["prompt"] == 0][:2]
+    assert warm["role"] == "warmup" and np.array_equal(warm["logits"], first["logits"])
+
+
+def test_a_released_competitor_leaves_no_reference_behind(calibrated, monkeypatch):
+    """Building each named method at load, one at a time: when the next builds, nothing holds the
+    last one (a leftover reference kept torchao's int8 model on the H200 while bitsandbytes' built,
+    and the 4800 MiB screen ran out of memory at load)."""
+    import gc
+    import weakref
+
+    import engine.worker as worker_module
+
+    alive: list[weakref.ref] = []
+
+    class Model:  # bitsandbytes-like: cannot shelve, so it is released
+        can_shelve = False
+
+        def __init__(self, path, *, method, dtype, device):
+            gc.collect()
+            assert not [r for r in alive if r() is not None], "an earlier competitor is still referenced"
+            alive.append(weakref.ref(self))
+            self.stats = SimpleNamespace(as_dict=lambda: {"method": method})
+
+    monkeypatch.setattr(worker_module, "QuantizedModel", Model)
+    b = body(calibrated, conditions=[
+        {"policy": "dense-stream"},
+        {"name": "nf4", "policy": "quantized", "params": {"method": "nf4", "mode": "eager"}},
+        {"name": "llm-int8", "policy": "quantized", "params": {"method": "llm-int8", "mode": "eager"}}])
+    worker = Worker(device="cpu")
+    start = worker.load(b, str(calibrated))
+    assert sorted(start["quantized"]) == ["llm-int8", "nf4"] and len(alive) == 2
+
+
 def test_each_approximate_episode_is_forced_on_its_prompts_reference(screen):
     _, _, _, records = screen
     by = {r["plan_index"]: r for r in records}
