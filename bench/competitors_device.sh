@@ -37,7 +37,7 @@ screen() {  # name methods...
     echo "gates:"; echo "  faithfulness: {tolerance: 0.0}"; echo "  resources: {}"
     echo "  fidelity: {max_mean_kl: 0.002, min_top1: 0.98}"; } > "$work/$name.yaml"
   t0=$(date +%s)
-  pb submit "$work/$name.yaml" --wait > "$out/$name.log" 2>&1; echo "== $name: submit rc $? in $(( $(date +%s) - t0 )) s"
+  timeout "${SCREEN_TIMEOUT:-560}" python3 -m cli submit "$work/$name.yaml" --wait > "$out/$name.log" 2>&1; echo "== $name: submit rc $? in $(( $(date +%s) - t0 )) s"
   pb audit latest >> "$out/$name.log" 2>&1; echo "   audit rc $?"
   grep -E "^(faithfulness|fidelity|resources) |audit of|error" "$out/$name.log" | sort -u | head -20
   pb results --screen latest --json > "$out/$name.json" 2>/dev/null
