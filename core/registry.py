@@ -66,7 +66,9 @@ WEIGHTS_PARAM = ChoiceParam(choices=WEIGHT_FORMATS, default="dtype", since=WEIGH
 # Loader policies and their parameters: engine.policies.POLICIES has one constructor per name,
 # whose keyword-only parameters are exactly these, with these defaults.
 POLICY_PARAMS: dict[str, dict[str, IntParam | ChoiceParam]] = {
-    "resident": {},
+    # `allowance: unbounded` runs resident without the protocol's allowance on the device: the
+    # speed reference where the model does not fit (its resources verdict still says so). Schema 6.
+    "resident": {"allowance": ChoiceParam(choices=("held", "unbounded"), default="held", since=WEIGHTS_SCHEMA)},
     "dense-stream": {"weights": WEIGHTS_PARAM},
     "sparse-extents": {"block_rows": IntParam(minimum=1, default=128)},
     # `packet` without params froze as gather host (schemas 1 and 2): this default may never

@@ -20,3 +20,9 @@ def impose(device: torch.device, allowance_bytes: int, handle) -> int:
     total = torch.cuda.get_device_properties(device).total_memory
     torch.cuda.set_per_process_memory_fraction(max(0.0, min(1.0, (allowance_bytes - context) / total)), device)
     return context
+
+
+def lift(device: torch.device) -> None:
+    """Let the allocator use the whole device until the next `impose` (a `resident` condition
+    with `allowance: unbounded`, the speed reference where the model does not fit)."""
+    torch.cuda.set_per_process_memory_fraction(1.0, device)

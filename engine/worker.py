@@ -30,7 +30,7 @@ from engine.model import CpuFirstModel
 from engine.policies import BUFFERS_LAYOUT
 from engine.accelerate import AcceleratedModel, _library as accelerate_library
 from engine.quantized import QuantizedModel
-from engine.allowance import impose
+from engine.allowance import impose, lift
 from engine.sampler import MemorySampler, device_uuid, nvml_handle
 from engine.shapes import dtype_of
 from engine.synth import synth_checkpoint
@@ -381,6 +381,8 @@ class Worker:
             else:
                 self.release_competitor()
                 self.unpark()
+                if self.device.type == "cuda" and params.get("allowance") == "unbounded":
+                    lift(self.device)  # a speed reference: re-imposed after the episode, as after every one
                 self.model.use(policy, **params)
                 model, mode = self.model, self.mode
             sampler.start()
@@ -401,6 +403,7 @@ class Worker:
                 self.model.slot.policy = None
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()  # an OOM must not poison the next episode
+                impose(self.device, self.allowance, self.nvml)  # lifted for an unbounded resident
             return {**record, "status": "failed", "error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}",
                     "traceback": traceback.format_exc(limit=5), "episode_s": time.perf_counter() - t0,
                     "logits": None, "trace": None, "forced_logits": None}

@@ -15,7 +15,9 @@ class Resident:
     name = "resident"
     starts_early = False
 
-    def __init__(self) -> None:
+    def __init__(self, *, allowance: str = "held") -> None:
+        # "unbounded": the worker lifts the allocator's cap for this policy's episodes (engine/worker.py)
+        self.allowance = allowance
         self.weights: list[torch.Tensor] | None = None  # (hidden, ffn) per layer, while active
 
     def activate(self, host: HostWeights, device: torch.device, recorder: Recorder) -> None:

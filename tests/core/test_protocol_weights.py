@@ -123,3 +123,28 @@ def test_the_cli_refuses_an_unknown_weight_format_in_one_line_with_exit_2(tmp_pa
     assert r.returncode == 2 and r.stdout == "", (r.stdout, r.stderr)
     assert r.stderr.strip() == (f"error: protocol field `conditions[3].params.weights`: {weights!r} is not allowed; "
                                 f"use one of dtype, int8")
+
+
+def test_an_unbounded_resident_freezes_as_schema_6_and_runs_on_the_cpu(tmp_path):
+    """`resident {allowance: unbounded}`: the speed reference beside loaders held to the allowance
+    (on CUDA the worker lifts the allocator's cap for its episodes; on the CPU nothing changes)."""
+    from engine.worker import Worker
+    from core.plan import prompts
+
+    raw = protocol(TINY, conditions=[{"policy": "dense-stream"},
+                                     {"name": "resident", "policy": "resident", "params": {"allowance": "unbounded"}}])
+    frozen = freeze(raw)
+    assert frozen.body["schema"] == 6 and frozen.body["conditions"][1]["params"] == {"allowance": "unbounded"}
+    plain = freeze(protocol(TINY, conditions=[{"policy": "dense-stream"}, {"policy": "resident"}]))
+    assert plain.body["schema"] in (1, 2, 5) and plain.body["conditions"][1]["params"] == {}
+    with pytest.raises(ProtocolError, match="allowance"):
+        freeze(protocol(TINY, conditions=[{"policy": "dense-stream"},
+                                          {"policy": "resident", "params": {"allowance": True}}]))
+    body = frozen.body
+    worker = Worker(device="cpu")
+    start = worker.load(body, None)
+    ids = prompts(body, vocab=start["vocab"])
+    records = [worker.run(e, ids[e["prompt"]]) for e in plan(body)]
+    assert all(r["status"] == "ok" for r in records), [r.get("error") for r in records]
+    verdicts = compute_verdicts(body, records)
+    assert {v["condition"]: v["passed"] for v in verdicts if v["gate"] == "faithfulness"}["resident"]
