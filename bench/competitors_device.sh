@@ -23,6 +23,7 @@ screen() {  # name methods...
     echo "prompts: {generator: {seed: 0, count: ${PROMPTS:-3}}}"; echo "prefix_tokens: ${PREFIX:-512}"; echo "continuation_tokens: 16"
     echo "conditions:"; echo "  - {name: dense-stream, policy: dense-stream}"
     echo "  - {name: packet, policy: packet, params: {gather: device}}"
+    [ -n "${SKIP_RESIDENT:-}" ] || echo "  - {name: resident, policy: resident, params: {allowance: unbounded}}"  # the speed reference
     if [ -z "${SKIP_INT8_PACKETS:-}" ]; then  # quantized packets: exact against the int8 dense-stream
       echo "  - {name: dense-stream-int8, policy: dense-stream, params: {weights: int8}}"
       echo "  - {name: packet-int8, policy: packet, params: {gather: device, weights: int8}}"; fi

@@ -2,9 +2,9 @@
 
 Not a loader policy: nothing is offloaded, every layer's linear weights are quantized and live
 on the device. It is read CPU-first from the same checkpoint as the screen's CPU-first model
-(host memory first), then moved to the device one decoder layer at a time and quantized there,
-so the device never holds more than one layer in the checkpoint's precision on top of what is
-already quantized. Embeddings, LayerNorms and the (tied) lm_head stay in the protocol's dtype:
+(host memory first), then moved to the device one decoder layer at a time and quantized there
+(torchao) or as it moves (bitsandbytes), so the device never holds more than one layer in the
+checkpoint's precision on top of what is already quantized. Embeddings, LayerNorms and the (tied) lm_head stay in the protocol's dtype:
 the logits are read from the same head as the reference's.
 
 Methods (core.registry.QUANT_METHODS): torchao's `int8-weight-only` and `int4-weight-only`,
@@ -72,25 +72,33 @@ def _torchao(method: str, layer: torch.nn.Module) -> None:
 
 
 def _bitsandbytes(method: str, layer: torch.nn.Module, device: torch.device) -> None:
+    """Replace `layer`'s Linears (in host memory) by bitsandbytes' on `device`: each weight is
+    quantized as it moves (one host-to-device copy), the new modules are made on `meta` (no random
+    initialisation of weights about to be replaced: at OPT-2.7B that initialisation and a device
+    round trip made a build take 36 s on the H200); then the LayerNorms follow."""
     import bitsandbytes as bnb
 
+    lowbit = (bnb.nn.Linear4bit, bnb.nn.Linear8bitLt)
     for parent in list(layer.modules()):
         for name, child in list(parent.named_children()):
             if type(child) is not torch.nn.Linear:
                 continue
             w = child.weight.detach().to("cpu")
-            bias = None if child.bias is None else child.bias.detach()
+            bias = None if child.bias is None else child.bias.detach().to("cpu")
             if method == "nf4":
                 new = bnb.nn.Linear4bit(child.in_features, child.out_features, bias=bias is not None,
-                                        compute_dtype=w.dtype, quant_type="nf4", device="cpu")
+                                        compute_dtype=w.dtype, quant_type="nf4", device="meta")
                 new.weight = bnb.nn.Params4bit(w, requires_grad=False, quant_type="nf4")
             else:
                 new = bnb.nn.Linear8bitLt(child.in_features, child.out_features, bias=bias is not None,
-                                          has_fp16_weights=False, threshold=6.0, device="cpu")
+                                          has_fp16_weights=False, threshold=6.0, device="meta")
                 new.weight = bnb.nn.Int8Params(w, requires_grad=False, has_fp16_weights=False)
             if bias is not None:
-                new.bias = torch.nn.Parameter(bias.to("cpu"), requires_grad=False)
+                new.bias = torch.nn.Parameter(bias, requires_grad=False)
             setattr(parent, name, new.to(device))  # bitsandbytes quantizes as the weight moves
+    for module in layer.modules():
+        if not isinstance(module, lowbit) and not list(module.children()):
+            module.to(device)
 
 
 def storage_bytes(module: torch.nn.Module) -> int:
@@ -165,8 +173,8 @@ class QuantizedModel:
         weights = build_weights(model_dir, dtype=dtype)  # CPU-first: every tensor in host memory
         try:
             for layer in weights.model.decoder.layers:
-                layer.to(device)
                 if QUANT_METHODS[method] == "torchao":
+                    layer.to(device)  # then quantized there
                     _torchao(method, layer)
                 else:
                     _bitsandbytes(method, layer, device)

@@ -30,7 +30,9 @@ def test_accelerate_offloads_counts_its_copies_and_matches_dense_stream(opt125m)
     # opt-125m fp16 is ~250 MiB: 400 MiB less the KV cache and the 256 MiB margin leaves part of it on the host
     acc = AcceleratedModel(opt125m, dtype=torch.float16, device=cuda, allowance_bytes=400 * MIB, capacity=72)
     s = acc.stats
-    assert s.offloaded_modules > 0 and s.offloaded_bytes > 0 and 0 < s.device_bytes <= s.max_memory_bytes
+    # accelerate's max_memory is a placement target, not a bound: it put 200 MB on the H200 for a
+    # max_memory of 148 MB (the resources gate, not this test, judges a condition's peak)
+    assert s.offloaded_modules > 0 and s.offloaded_bytes > 0 and s.device_bytes > 0
     prompt = list(range(4, 68))
     out = run_episode(acc, prompt, continuation=8)
     per_call = [sum(c.h2d_weight_bytes) + sum(c.h2d_index_bytes) for c in out.calls]
