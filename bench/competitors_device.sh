@@ -59,6 +59,8 @@ for screen in s.list_screens():
           f"{'peak sampled MiB':>16} {'MB/token':>9} {'mean KL':>9} {'top1':>6}")
     by = {}
     for e in s.episodes(a.id):
+        if e.status != "ok":
+            print(f"  episode {e.plan_index} {e.condition} failed: {(e.error or '')[:300]}")
         if e.role == "scored":
             by.setdefault(e.condition, []).append(e)
     for c, eps in by.items():
