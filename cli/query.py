@@ -168,6 +168,8 @@ def _screen_view(store, ref: str, *, json_out: bool) -> None:
     columns = ["index", "condition", "tier", "role", "prompt", "status", "h2d_bytes", "d2h_bytes", "wall_s"]
     if any(e.get("fidelity_mean_kl") is not None for e in summary["episodes"]):
         columns += FIDELITY_COLUMNS
+    if any("error" in e for e in summary["episodes"]):
+        columns.append("error")
     typer.echo(table(summary["episodes"], columns))
     typer.echo(verdict_table(summary["verdicts"]) if summary["verdicts"] else "no verdicts")
     a = summary.get("audit")

@@ -30,7 +30,8 @@ def screen_summary(store, ref: str | int) -> dict:
                         "role": e.role, "prompt": e.prompt, "status": e.status, "tokens": list(e.tokens),
                         "h2d_bytes": e.h2d_weight_bytes + e.h2d_index_bytes, "d2h_bytes": e.d2h_bytes,
                         "wall_s": e.wall_s,
-                        **({f: getattr(e, f) for f in FIDELITY_FIELDS} if e.fidelity_mean_kl is not None else {})}
+                        **({f: getattr(e, f) for f in FIDELITY_FIELDS} if e.fidelity_mean_kl is not None else {}),
+                        **({"error": e.error} if e.status != "ok" else {})}  # why, without opening the archive
                        for e in store.episodes(attempt.id)]
     return out
 

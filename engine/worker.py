@@ -401,9 +401,16 @@ class Worker:
             if self.model.slot.policy is not None:
                 self.model.slot.policy.deactivate()
                 self.model.slot.policy = None
+            # A failed competitor is dropped, not kept or shelved: it may be half built or half
+            # moved, and it must not hold the device the next condition needs (an OOM must not
+            # poison the episodes after it).
+            model, self.competitor = None, None
+            self._free()
             if self.device.type == "cuda":
-                torch.cuda.empty_cache()  # an OOM must not poison the next episode
-                impose(self.device, self.allowance, self.nvml)  # lifted for an unbounded resident
+                try:
+                    impose(self.device, self.allowance, self.nvml)  # lifted for an unbounded resident
+                except Exception:  # noqa: BLE001 - a broken context fails the next episode, with its own words
+                    pass
             return {**record, "status": "failed", "error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}",
                     "traceback": traceback.format_exc(limit=5), "episode_s": time.perf_counter() - t0,
                     "logits": None, "trace": None, "forced_logits": None}

@@ -100,6 +100,9 @@ def test_results_screen_view_is_unchanged(db):
     assert summary["screen_id"] == 2 and [e["index"] for e in summary["episodes"]] == [0, 1, 2, 3]
     assert set(summary["episodes"][0]) == {"index", "condition", "tier", "role", "prompt", "status", "tokens",
                                            "h2d_bytes", "d2h_bytes", "wall_s"}  # tier: exact or approximate
+    failed = [e for e in summary["episodes"] if e["status"] == "failed"]
+    assert [e["error"] for e in failed] == ["boom"]  # a failed episode says why, beside its row
+    assert "boom" in invoke(db, "results", "--screen", "2").stdout
     assert json.loads(invoke(db, "results", "--json").stdout)["screen_id"] == 3  # default: latest
     assert invoke(db, "results", "--screen", "1").stdout.startswith("screen 1 (quickstart, done)")
 

@@ -222,3 +222,29 @@ def test_the_other_methods_run_or_refuse_in_one_line(calibrated, method):
     # blocks gave a correlation of 0.948, llm-int8 0.9992, int8 weight-only 0.9995)
     assert not np.array_equal(low.logits, ref.logits) and np.corrcoef(low.logits[0], ref.logits[0])[0, 1] > 0.9
     assert 0 < model.stats.device_bytes < storage_bytes(exact.weights) + exact.host.host_bytes
+
+
+def test_a_failed_competitor_episode_drops_the_model_and_the_next_runs(calibrated, monkeypatch):
+    """A competitor whose episode fails leaves the device (not held, not shelved), and the exact
+    condition after it still runs: one failure does not fail the episodes that follow."""
+    import engine.worker as worker_module
+
+    b = body(calibrated)
+    worker = Worker(device="cpu")
+    start = worker.load(b, str(calibrated))
+    ids = prompts(b, vocab=start["vocab"])
+    real = worker_module.run_episode
+
+    def failing(model, *a, **k):
+        if isinstance(model, QuantizedModel):
+            raise RuntimeError("CUDA out of memory (injected)")
+        return real(model, *a, **k)
+
+    monkeypatch.setattr(worker_module, "run_episode", failing)
+    entries = plan(b)
+    int8 = next(e for e in entries if e["condition"] == "int8")
+    failed = worker.run(int8, ids[int8["prompt"]])
+    assert failed["status"] == "failed" and "injected" in failed["error"]
+    assert worker.competitor is None and not worker.shelf
+    dense = next(e for e in entries if e["condition"] == "dense-stream")
+    assert worker.run(dense, ids[dense["prompt"]])["status"] == "ok"
