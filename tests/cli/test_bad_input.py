@@ -129,22 +129,20 @@ def test_usage_errors_are_one_line_with_exit_2(tmp_path, args, fragment, cli):
 
 
 def test_a_competitor_whose_library_is_missing_is_refused_before_anything_is_queued(tmp_path, upgraded, tiny,
-                                                                                   monkeypatch, capsys):
+                                                                                   monkeypatch, packbench_cli):
     """In-process, with bitsandbytes made to look absent (whether or not it is installed)."""
     import importlib.util
 
     from db.store import Store
-    from tests.cli.test_hostile_input import pb
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "bitsandbytes" else real(name, *a))
-    monkeypatch.setenv("PACKBENCH_DB_URL", f"sqlite:///{upgraded}")
     p = write_protocol(tmp_path, tiny, schema=5, conditions=[
         {"policy": "dense-stream"}, {"name": "nf4", "policy": "quantized", "params": {"method": "nf4"}}],
         gates={"faithfulness": None, "fidelity": {"max_mean_kl": 0.05}})
-    r = pb(capsys, "submit", str(p))
-    lines = r.err.strip().splitlines()
-    assert r.code == 2 and len(lines) == 1, r
+    r = packbench_cli("submit", str(p), env={"PACKBENCH_DB_URL": f"sqlite:///{upgraded}"})
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(lines) == 1, r
     for fragment in ("`conditions[1].params.method`", "nf4 (condition nf4) requires bitsandbytes",
                      "pip install 'packbench[lowbit]'"):
         assert fragment in lines[0], lines
