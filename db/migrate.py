@@ -61,6 +61,25 @@ def history() -> list[str]:
     ]
 
 
+def not_at_head(url: str, current: str | None) -> str | None:
+    """Why a database at revision `current` (None: no packbench schema) cannot be used, as the
+    one line `SchemaNotAtHead` says, naming the fix; None when it is at head."""
+    need = head()
+    if current == need:
+        return None
+    if current is None:
+        return f"database {url} has no packbench schema (revision none, need {need}); run `packbench db upgrade`"
+    if current not in known_revisions():
+        return unknown_revision(url, current)
+    return f"database {url} is at revision {current} but this packbench needs {need}; run `packbench db upgrade`"
+
+
+def unknown_revision(url: str, current: str) -> str:
+    """The refusal for a revision newer than this packbench's migrations."""
+    return (f"database {url} is at revision {current}, which this packbench does not know "
+            f"(its newest is {head()}); a newer packbench wrote it: install that version")
+
+
 def current(connection: Connection) -> str | None:
     """The revision the database is at; None for a database Alembic never touched."""
     return MigrationContext.configure(connection).get_current_revision()

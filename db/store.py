@@ -11,8 +11,9 @@ Contract
   `current`, `history`, `head`, `check_head`) work on any database.
 - Writes that workers may repeat (episodes, verdicts, protocols, machines) are idempotent
   upserts on their natural key, safe under concurrent writers on both backends.
-- The Store owns the transaction, the connections it holds and the retries; the statements
-  live by topic: the job queue (claims, leases, reaping, cancellation, dispatchers) in
+- The Store owns the transaction and the retries; the connections it holds between calls
+  for episodes and claims are `db.connections.HeldConnections`, the schema's refusals
+  `db.migrate.not_at_head`. The statements live by topic: the job queue (claims, leases, reaping, cancellation, dispatchers) in
   `db.queue`, writes of results and ingests in `db.ingest`, the CLI's reads in `db.queries`
   (`results`, `list_screens`, `screen_detail`), `db.compare` and `db.status`.
 - Time is the Store's clock (`clock`, default the caller's UTC clock), used for every lease,
@@ -30,14 +31,13 @@ from contextlib import contextmanager
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import Connection, Engine, select, text
-from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy import Engine, select, text
 from sqlalchemy.orm import Session
-from sqlalchemy.pool import PoolProxiedConnection
 
 from db import compare as compare_query, history, ingest, labels, migrate, queries, queue, status as status_query
 from db.history import HistoryRun
 from db.compare import ScreenComparison
+from db.connections import HeldConnections
 from db.errors import SchemaNotAtHead
 from db.ingest import EPISODE_KEY, RECONCILE_CHECKS, VERDICT_KEY
 from db.models import AUDIT_KINDS, SqlAttempt, SqlAudit, SqlEpisode, SqlMachine, SqlProtocol, SqlSigner, SqlVerdict, \
@@ -83,15 +83,8 @@ class Store:
         self._clock = clock
         self._retry_delays = tuple(retry_delays)
         self._protocols: dict[int, ProtocolRow] = {}
-        # The episode writer's own connection, held between records: checking a connection
-        # out of the pool and resetting it on return cost more than the insert and its commit
-        # (0.41 against 0.21 ms a record on SQLite). Dropped on any error, reopened on demand.
-        # SQLite holds the bare driver connection (see `db.ingest.insert_episode_sqlite`), PostgreSQL a
-        # SQLAlchemy one; only one of the two is ever set.
-        self._writer: Connection | None = None
-        self._sqlite_writer: PoolProxiedConnection | None = None
-        # claim_screen's autocommit connection on PostgreSQL, held likewise.
-        self._claimer: Connection | None = None
+        # The episode writer's and the claimer's connections, held between calls (db.connections).
+        self._held = HeldConnections(self._engine)
 
     # -- lifecycle ---------------------------------------------------------------------
 
@@ -106,20 +99,8 @@ class Store:
         return self._engine.dialect.name
 
     def close(self) -> None:
-        self._drop_writer()
+        self._held.drop()
         self._engine.dispose()
-
-    def _drop_writer(self) -> None:
-        """Release the episode writer's connection; the pool rolls back an open transaction."""
-        writer, self._writer = self._writer, None
-        sqlite_writer, self._sqlite_writer = self._sqlite_writer, None
-        claimer, self._claimer = self._claimer, None
-        for connection in (writer, sqlite_writer, claimer):
-            if connection is not None:
-                try:
-                    connection.close()
-                except (SQLAlchemyError, self._engine.dialect.loaded_dbapi.Error):
-                    pass  # it is being dropped because it failed
 
     def __enter__(self) -> Store:
         return self
@@ -134,7 +115,7 @@ class Store:
         with self._connection() as connection:
             current = migrate.current(connection)
             if current is not None and current not in migrate.known_revisions():
-                raise SchemaNotAtHead(self._unknown_revision_message(current))
+                raise SchemaNotAtHead(migrate.unknown_revision(self.url, current))
             migrate.upgrade(connection, revision)
         self._schema_checked = False
 
@@ -161,27 +142,10 @@ class Store:
 
     def check_head(self) -> None:
         """Raise `SchemaNotAtHead` unless the database is at `head()`; an empty one is not."""
-        current, head = self.current(), self.head()
-        if current == head:
-            self._schema_checked = True
-            return
-        if current is None:
-            raise SchemaNotAtHead(
-                f"database {self.url} has no packbench schema (revision none, need {head}); "
-                f"run `packbench db upgrade`"
-            )
-        if current not in migrate.known_revisions():
-            raise SchemaNotAtHead(self._unknown_revision_message(current))
-        raise SchemaNotAtHead(
-            f"database {self.url} is at revision {current} but this packbench needs {head}; "
-            f"run `packbench db upgrade`"
-        )
-
-    def _unknown_revision_message(self, current: str) -> str:
-        return (
-            f"database {self.url} is at revision {current}, which this packbench does not know "
-            f"(its newest is {self.head()}); a newer packbench wrote it: install that version"
-        )
+        refusal = migrate.not_at_head(self.url, self.current())
+        if refusal is not None:
+            raise SchemaNotAtHead(refusal)
+        self._schema_checked = True
 
     # -- protocols and machines --------------------------------------------------------
 
@@ -359,34 +323,12 @@ class Store:
             worker=worker, node=node, gpu_name=gpu_name, gpu_index=gpu_index, machine_id=machine_id,
             gpu_types=gpu_types, exclude_screens=exclude_screens, screen_id=screen_id, model_state=model_state,
             node_resources=node_resources, follows_attempt=follows_attempt)
-        if self.dialect == "postgresql":
-            with self._claimer_connection() as connection:
-                claimed = queue.claim_postgresql(connection, request)
-        else:
-            if not self._schema_checked:
-                self.check_head()
-            # A pooled connection (SQLite has no pre-ping): its BEGIN IMMEDIATE serializes claims.
-            with translate_errors(self._engine.url), self._engine.begin() as connection:
-                claimed = queue.claim_sqlite(connection, request)
+        self._require_head()
+        claimed = self._held.claim(request)
         if claimed is None:
             return None
         screen, attempt = claimed
         return Claim(screen=screen, attempt=attempt, protocol=self._protocol_row(screen.protocol_id))
-
-    @contextmanager
-    def _claimer_connection(self) -> Iterator[Connection]:
-        """The Store's held autocommit connection for single-statement claims (PostgreSQL);
-        after the schema check, errors translated, a failed connection dropped."""
-        if not self._schema_checked:
-            self.check_head()
-        with translate_errors(self._engine.url):
-            if self._claimer is None:
-                self._claimer = self._engine.connect().execution_options(isolation_level="AUTOCOMMIT")
-            try:
-                yield self._claimer
-            except SQLAlchemyError:
-                self._drop_writer()
-                raise
 
     def _protocol_row(self, protocol_id: int) -> ProtocolRow:
         """A protocol, cached: frozen protocols never change."""
@@ -476,22 +418,8 @@ class Store:
         (`db.ingest.insert_episode_sqlite` says why SQLite's bypasses SQLAlchemy).
         """
         row = ingest.episode_columns(attempt_id, record)
-        if not self._schema_checked:
-            self.check_head()
-        with translate_errors(self._engine.url):
-            try:
-                if self._engine.dialect.name == "sqlite":
-                    if self._sqlite_writer is None:
-                        self._sqlite_writer = self._engine.raw_connection()
-                    # a sqlite3.Connection
-                    return ingest.insert_episode_sqlite(self._sqlite_writer.dbapi_connection, row,
-                                                        self._engine.dialect)
-                if self._writer is None:
-                    self._writer = self._engine.connect()
-                return ingest.insert_episode_postgresql(self._writer, row)
-            except BaseException:
-                self._drop_writer()  # a failed transaction is rolled back as the pool takes it
-                raise
+        self._require_head()
+        return self._held.insert_episode(row)
 
     @retried
     def put_episodes(self, attempt_id: int, records: Iterable[Mapping[str, Any]]) -> int:
@@ -646,12 +574,16 @@ class Store:
     @contextmanager
     def _session(self) -> Iterator[Session]:
         """A session in a transaction, after making sure the schema is at head."""
-        if not self._schema_checked:
-            self.check_head()
+        self._require_head()
         with session_scope(self._engine) as session:
             yield session
 
-    # -- evidence (issue 10): signers, what an attempt measured, ingested attempts ----------
+    def _require_head(self) -> None:
+        """`check_head`, once per Store (a data method's first call)."""
+        if not self._schema_checked:
+            self.check_head()
+
+    # -- evidence: signers, what an attempt measured, ingested attempts --------------
 
     @retried
     def put_signer(self, *, key_id: str, public_key: str, name: str, local: bool = False) -> SignerRow:

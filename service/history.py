@@ -119,7 +119,7 @@ def spread(values: Sequence[float]) -> dict[str, float | None]:
 
 
 @dataclass(frozen=True)
-class Point:
+class ScreenFigures:
     """One screen in history order, with its figures per condition."""
 
     screen_id: int
@@ -142,7 +142,7 @@ class Series:
 @dataclass(frozen=True)
 class History:
     protocol: str
-    points: list[Point]
+    points: list[ScreenFigures]
     series: list[Series]
     far: dict[str, Any] | None  # the measured false-alarm rate: commit, runs, shuffles, rate
 
@@ -199,7 +199,7 @@ def history(store, protocol: str, *, condition: str | None = None, metric: str |
     points = []
     for r in runs:
         timed, exact = screen_figures(store.episodes(r.attempt_id), metrics=metrics)
-        points.append(Point(r.screen_id, r.commit, r.started_at, r.name, timed, exact))
+        points.append(ScreenFigures(r.screen_id, r.commit, r.started_at, r.name, timed, exact))
     conditions = sorted({c for p in points for c in p.timed})
     if condition is not None:
         if condition not in conditions:
@@ -209,7 +209,7 @@ def history(store, protocol: str, *, condition: str | None = None, metric: str |
     return History(protocol=runs[0].protocol, points=points, series=series, far=_far(points, series, k=k))
 
 
-def _series(points: list[Point], c: str, m: str, *, k: float) -> Series:
+def _series(points: list[ScreenFigures], c: str, m: str, *, k: float) -> Series:
     if m in TIMED:
         values = [p.timed.get(c, {}).get(m, {}).get("median") for p in points]
         known = [(i, v) for i, v in enumerate(values) if v is not None]
@@ -221,7 +221,7 @@ def _series(points: list[Point], c: str, m: str, *, k: float) -> Series:
     return Series(c, m, values, changes=changes)
 
 
-def _far(points: list[Point], series: list[Series], *, k: float) -> dict[str, Any] | None:
+def _far(points: list[ScreenFigures], series: list[Series], *, k: float) -> dict[str, Any] | None:
     """The false-alarm rate on the commit with the most runs (at least MIN_BEFORE + 2: a
     baseline, a step and the run that confirms it), over every timed series, each shuffled on
     its own."""

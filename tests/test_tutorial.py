@@ -7,6 +7,12 @@ and a few print lines that are cheap to check (a PASS, an audit that agrees). `p
 this checkout's code: `.venv/bin/activate` in the copy puts a `packbench` on PATH that runs
 `python -m cli` with this interpreter and this checkout first on PYTHONPATH.
 
+The Makefile's `demo` recipe, the first thing a newcomer runs, starts packbench's embedded Ray
+as theirs would. The commands after it (the README's "Using it", the tutorial) join one local
+Ray cluster the module starts (`PACKBENCH_RAY_ADDRESS`, the README's setting): each of their
+nine Ray commands would otherwise start and stop an embedded Ray of its own, about 3.5 s each
+on the 2-core CI machine, and what they print does not depend on it.
+
 docs/protocol.md's example protocol, saved under `protocols/`, validates and plans as copied.
 """
 
@@ -98,9 +104,50 @@ def demo_recipe(makefile: str) -> list[Command]:
     return out
 
 
-def sandbox(tmp: Path) -> dict[str, str]:
+def clean_environment() -> dict[str, str]:
+    """This process's environment without packbench's settings or a Ray address, with this
+    checkout first on PYTHONPATH and Ray's token authentication off (the embedded default)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PACKBENCH_", "RAY_ADDRESS"))}
+    env.update(PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+               RAY_AUTH_MODE="disabled")
+    return env
+
+
+# One logical GPU and a small object store, as packbench's embedded Ray declares on a CPU host.
+HEAD = """
+import os, sys
+import ray
+ray.init("local", num_cpus=os.cpu_count() or 1, num_gpus=1, object_store_memory=256 * 2**20,
+         include_dashboard=False, logging_level="WARNING")
+print(ray.get_runtime_context().gcs_address, flush=True)
+sys.stdin.read()
+ray.shutdown()
+"""
+
+
+@pytest.fixture(scope="module")
+def ray_address():
+    """The GCS address of a local Ray cluster that lives as long as this module's tests."""
+    env = {**clean_environment(), "RAY_prestart_worker_first_driver": "0", "RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO": "1"}
+    head = subprocess.Popen([sys.executable, "-c", HEAD], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            text=True)
+    try:
+        address = head.stdout.readline().strip()
+        assert address, f"the module's Ray head did not start (exit {head.poll()})"
+        yield address
+    finally:
+        head.stdin.close()  # the head shuts its cluster down and exits
+        try:
+            head.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            head.kill()
+            head.wait()
+
+
+def sandbox(tmp: Path, ray_address: str | None = None) -> dict[str, str]:
     """A copy of what the commands read, a `.venv` whose `packbench` is this checkout, and an
-    environment whose database and archives are the copy's own."""
+    environment whose database and archives are the copy's own; Ray commands join the cluster at
+    `ray_address`, or start an embedded Ray when it is None."""
     shutil.copytree(ROOT / "protocols", tmp / "protocols")
     bin_dir = tmp / ".venv" / "bin"
     bin_dir.mkdir(parents=True)
@@ -108,11 +155,11 @@ def sandbox(tmp: Path) -> dict[str, str]:
     exe.write_text(f'#!/bin/sh\nexec "{sys.executable}" -m cli "$@"\n')
     exe.chmod(0o755)
     (bin_dir / "activate").write_text(f'PATH="{bin_dir}:$PATH"\nexport PATH\n')
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PACKBENCH_", "RAY_ADDRESS"))}
-    env.update(PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
-               PACKBENCH_DB_URL=f"sqlite:///{tmp / 'packbench.db'}",
-               PACKBENCH_ARCHIVE_DIR=str(tmp / "archives"),
-               RAY_AUTH_MODE="disabled", PATH=f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}")
+    env = clean_environment()
+    env.update(PACKBENCH_DB_URL=f"sqlite:///{tmp / 'packbench.db'}", PACKBENCH_ARCHIVE_DIR=str(tmp / "archives"),
+               PATH=f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}")
+    if ray_address is not None:
+        env["PACKBENCH_RAY_ADDRESS"] = ray_address
     return env
 
 
@@ -156,11 +203,11 @@ def test_extraction_keeps_heredocs_and_drops_comments():
 
 
 @pytest.mark.ray
-def test_the_tutorial_runs_as_written(tmp_path):
+def test_the_tutorial_runs_as_written(tmp_path, ray_address):
     doc = (ROOT / "docs" / "tutorial.md").read_text()
     cmds = [c for start, block in shell_blocks(doc) for c in commands(block, start)]
     assert len(cmds) >= 8
-    outputs = run_all(cmds, cwd=tmp_path, env=sandbox(tmp_path), where="docs/tutorial.md")
+    outputs = run_all(cmds, cwd=tmp_path, env=sandbox(tmp_path, ray_address), where="docs/tutorial.md")
     assert _expect(cmds, outputs, r"^packbench audit\b", "AGREE") >= 1
     assert _expect(cmds, outputs, r"^packbench submit .*--wait", "PASS") >= 2
     assert _expect(cmds, outputs, r"^packbench protocol validate", "sha256") >= 1
@@ -168,14 +215,15 @@ def test_the_tutorial_runs_as_written(tmp_path):
 
 
 @pytest.mark.ray
-def test_the_readme_commands_run_as_written(tmp_path):
+def test_the_readme_commands_run_as_written(tmp_path, ray_address):
     readme = (ROOT / "README.md").read_text()
     demo = demo_recipe((ROOT / "Makefile").read_text())
     using = [c for start, block in shell_blocks(section(readme, "Using it")) for c in commands(block, start)]
     assert len(using) >= 15
     env = sandbox(tmp_path)
-    run_all(demo, cwd=tmp_path, env=env, where="Makefile demo")
-    outputs = run_all(using, cwd=tmp_path, env=env, where="README.md, Using it")
+    run_all(demo, cwd=tmp_path, env=env, where="Makefile demo")  # an embedded Ray, as make demo's
+    joined = {**env, "PACKBENCH_RAY_ADDRESS": ray_address}
+    outputs = run_all(using, cwd=tmp_path, env=joined, where="README.md, Using it")
     assert _expect(using, outputs, r"^packbench audit latest$", "AGREE") == 1
 
 

@@ -1,10 +1,8 @@
 """Names, tags and notes on the command line: `submit --name/--tag/--note`, `screens tag`, and
-the `--tag` filters of `results` and `screens list` (in-process through typer's runner for the
-output, a subprocess for the one-line refusals that `cli.main.main()` prints)."""
+the `--tag` filters of `results` and `screens list` (in-process: typer's runner for the output,
+the console entry point `cli.main.main()` for the one-line refusals it prints)."""
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -77,7 +75,6 @@ def test_submit_labels_what_it_queues(tmp_path, tiny):
     (("screens", "tag", "9", "--tag", "a=b"), "no screen with id 9"),
     (("screens", "list", "--tag", "a=b", "--tag", "a=c"), "--tag a is given twice"),
 ])
-def test_bad_labels_are_one_line(url, args, words):
-    r = subprocess.run([sys.executable, "-m", "cli", *args, "--db", url], cwd=ROOT, capture_output=True, text=True,
-                       timeout=120)
+def test_bad_labels_are_one_line(url, args, words, packbench_cli):
+    r = packbench_cli(*args, "--db", url)
     assert r.returncode == 2 and words in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr

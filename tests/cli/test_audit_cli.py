@@ -1,6 +1,9 @@
 """`packbench audit --archive`, `keys` and `ingest` exit codes (docs/archive.md): 0 agree, 1
 disagree or refused evidence, 2 usage or unreadable input; the audit's own result is printed
-even when recording it fails."""
+even when recording it fails.
+
+The commands run in this process through the console entry point (tests/conftest.py
+`packbench_cli`); the module's fixture, made once, runs them as subprocesses."""
 
 import hashlib
 import os
@@ -18,12 +21,23 @@ from db.store import Store
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def cli(*args: str, cwd: Path, db: Path | str) -> subprocess.CompletedProcess:
-    url = db if isinstance(db, str) else f"sqlite:///{db}"
+def url_of(db: Path | str) -> str:
+    return db if isinstance(db, str) else f"sqlite:///{db}"
+
+
+def cli_process(*args: str, cwd: Path, db: Path | str) -> subprocess.CompletedProcess:
+    url = url_of(db)
     env = dict(os.environ, PACKBENCH_DB_URL=url, PYTHONPATH=str(ROOT), RAY_AUTH_MODE="disabled")
     env.pop("PACKBENCH_SIGNING_KEY", None)
     return subprocess.run([sys.executable, "-m", "cli", *args], cwd=cwd, env=env, capture_output=True, text=True,
                           timeout=300)
+
+
+@pytest.fixture
+def cli(packbench_cli, monkeypatch):
+    """`packbench ARGS` in `cwd` against the database `db`, no signing key of the caller's."""
+    monkeypatch.delenv("PACKBENCH_SIGNING_KEY", raising=False)
+    return lambda *args, cwd, db: packbench_cli(*args, env={"PACKBENCH_DB_URL": url_of(db)}, cwd=cwd)
 
 
 @pytest.fixture(scope="module")
@@ -32,8 +46,8 @@ def world(tmp_path_factory) -> dict:
     archive = d / "screen.zip"
     write_synthetic_screen(archive, synthetic_protocol(prompts_n=2, repetitions=2))
     db = d / "packbench.db"
-    assert cli("db", "upgrade", cwd=d, db=db).returncode == 0
-    r = cli("keys", "init", "--key", str(d / "lab.pem"), "--name", "this lab", cwd=d, db=db)
+    assert cli_process("db", "upgrade", cwd=d, db=db).returncode == 0
+    r = cli_process("keys", "init", "--key", str(d / "lab.pem"), "--name", "this lab", cwd=d, db=db)
     assert r.returncode == 0, r.stderr
     signer = Signer.load(d / "lab.pem")
     signed = d / "signed.zip"
@@ -44,7 +58,7 @@ def world(tmp_path_factory) -> dict:
     return {"dir": d, "archive": archive, "signed": signed, "db": db, "pub": d / "lab.pem.pub", "key_id": signer.key_id}
 
 
-def test_agree_is_0_and_disagree_is_1(world):
+def test_agree_is_0_and_disagree_is_1(world, cli):
     d = world["dir"]
     r = cli("audit", "--archive", str(world["archive"]), cwd=d, db=world["db"])
     assert r.returncode == 0 and "AGREE" in r.stdout, (r.stdout, r.stderr)
@@ -56,7 +70,7 @@ def test_agree_is_0_and_disagree_is_1(world):
     assert r.returncode == 1 and "DISAGREE" in r.stdout, (r.stdout, r.stderr)
 
 
-def test_unreadable_input_is_2_without_a_traceback(world):
+def test_unreadable_input_is_2_without_a_traceback(world, cli):
     d = world["dir"]
     junk = d / "junk.zip"
     junk.write_bytes(b"this is not a zip at all" * 10)
@@ -69,7 +83,7 @@ def test_unreadable_input_is_2_without_a_traceback(world):
     assert r.returncode == 2 and "Traceback" not in r.stderr and "public key" in r.stderr, r.stderr
 
 
-def test_trust_accepts_only_a_valid_signature_by_a_trusted_key(world, tmp_path):
+def test_trust_accepts_only_a_valid_signature_by_a_trusted_key(world, tmp_path, cli):
     d = world["dir"]
     r = cli("audit", "--archive", str(world["signed"]), "--trust", str(world["pub"]), cwd=d, db=world["db"])
     assert r.returncode == 0, (r.stdout, r.stderr)
@@ -82,7 +96,7 @@ def test_trust_accepts_only_a_valid_signature_by_a_trusted_key(world, tmp_path):
     assert r.returncode == 1 and "which is not trusted here" in r.stdout, r.stdout
 
 
-def test_ingest_records_agreeing_signed_evidence_once_and_refuses_the_rest(world):
+def test_ingest_records_agreeing_signed_evidence_once_and_refuses_the_rest(world, cli):
     d, db = world["dir"], world["db"]
     before = len(Store(f"sqlite:///{db}").list_screens())
     r = cli("ingest", str(world["archive"]), cwd=d, db=db)  # unsigned: refused, nothing written
@@ -110,7 +124,7 @@ def test_ingest_records_agreeing_signed_evidence_once_and_refuses_the_rest(world
     assert r.returncode == 2 and "was not recorded" in r.stderr and "Traceback" not in r.stderr, r.stderr
 
 
-def test_reexecution_refuses_what_it_cannot_rerun_with_one_line(world, tmp_path):
+def test_reexecution_refuses_what_it_cannot_rerun_with_one_line(world, tmp_path, cli):
     """Not a zip, or a partial archive: exit 2 and one line, before any worker starts."""
     d = world["dir"]
     junk = tmp_path / "junk.zip"

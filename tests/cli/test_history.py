@@ -9,7 +9,6 @@ seeded noise of 3 %, and the third commit's by 1.5 (the injected slowdown).
 
 import json
 import random
-import subprocess
 import sys
 from pathlib import Path
 
@@ -54,12 +53,13 @@ def url(tmp_path_factory) -> str:
     return url
 
 
-def cli(*args: str, url: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "cli", *args, "--db", url], cwd=ROOT, capture_output=True,
-                          text=True, timeout=120)
+@pytest.fixture
+def cli(packbench_cli):
+    """`packbench ARGS --db URL`, in this process (tests/conftest.py `packbench_cli`)."""
+    return lambda *args, url: packbench_cli(*args, "--db", url)
 
 
-def test_the_injected_slowdown_is_one_step_and_the_repeats_raise_no_alarm(url):
+def test_the_injected_slowdown_is_one_step_and_the_repeats_raise_no_alarm(url, cli):
     out = cli("history", "quickstart-v1", "--json", url=url)
     assert out.returncode == 0, out.stderr
     h = json.loads(out.stdout)
@@ -75,7 +75,7 @@ def test_the_injected_slowdown_is_one_step_and_the_repeats_raise_no_alarm(url):
     assert h["false_alarm"] is not None and h["false_alarm"]["rate"] < 0.02
 
 
-def test_the_table_names_each_commit_and_the_step(url):
+def test_the_table_names_each_commit_and_the_step(url, cli):
     out = cli("history", "quickstart-v1", "--condition", "packet", "--metric", "wall_ms", url=url)
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
@@ -85,7 +85,7 @@ def test_the_table_names_each_commit_and_the_step(url):
     assert "false-alarm rate on 500 shuffles" in out.stdout
 
 
-def test_fail_above_is_a_ci_gate(url):
+def test_fail_above_is_a_ci_gate(url, cli):
     gated = cli("history", "quickstart-v1", "--fail-above", "20", url=url)
     assert gated.returncode == 1
     assert "regression: packet wall_ms: +" in gated.stderr
@@ -96,7 +96,7 @@ def test_fail_above_is_a_ci_gate(url):
     assert same.returncode == 0, same.stderr
 
 
-def test_an_exact_counter_flags_any_change(tmp_path):
+def test_an_exact_counter_flags_any_change(tmp_path, cli):
     url = f"sqlite:///{tmp_path / 'p.db'}"
     with Store(url) as store:
         store.upgrade()
@@ -112,7 +112,7 @@ def test_an_exact_counter_flags_any_change(tmp_path):
     assert "CHANGED" in out.stdout
 
 
-def test_bad_input_is_one_line(url):
+def test_bad_input_is_one_line(url, cli):
     for args, words in ((("history", "nope"), "no done screen of protocol 'nope'"),
                         (("history", "quickstart-v1", "--metric", "speed"), "--metric 'speed' is not one of"),
                         (("history", "quickstart-v1", "--condition", "pakcet"), "--condition 'pakcet'"),
@@ -136,7 +136,7 @@ def test_the_detector_false_alarm_rate_and_power_as_documented():
     assert false_alarm_rate([1.0, 1.01, 0.99, 1.02, 0.98, 1.0, 1.01, 0.99], shuffles=300) < 0.05
 
 
-def test_the_history_page_has_one_plot_per_figure_and_renders(url, tmp_path):
+def test_the_history_page_has_one_plot_per_figure_and_renders(url, tmp_path, cli):
     page = tmp_path / "history.html"
     out = cli("history", "quickstart-v1", "--html", str(page), url=url)
     assert out.returncode == 0, out.stderr

@@ -1,8 +1,9 @@
 """`packbench results | screens list | screens show | compare`, the schema refusal and bad input.
 
-Output formats run in-process (typer's CliRunner, fast); refusal and bad input run the real
-command line in a subprocess (`python -m cli`), because exit codes and the one-line error come
-from `cli.main.main()`.
+Output formats run in-process (typer's CliRunner, fast); the refusal and bad input run the
+console entry point `cli.main.main()` in this process (tests/conftest.py `packbench_cli`: its
+exit codes and one-line errors): milliseconds a command, where a `python -m cli` subprocess
+costs half a second.
 """
 
 import csv
@@ -11,8 +12,6 @@ import json
 import os
 import re
 import sqlite3
-import subprocess
-import sys
 import uuid
 from contextlib import contextmanager
 from pathlib import Path
@@ -344,22 +343,16 @@ def test_status_takes_every_format_and_json_is_pure(queue_db):
     assert "0 queued, 1 running, 2 done" in invoke(queue_db, "status", "--format", "table").stdout
 
 
-# -- the real command line: refusal and bad input ----------------------------------------------
+# -- the command line: refusal and bad input ----------------------------------------------------
 
 
-def cli_start(*args: str, url: str, cwd: Path) -> subprocess.Popen:
-    env = dict(os.environ, PACKBENCH_DB_URL=url, PYTHONPATH=str(ROOT), RAY_AUTH_MODE="disabled")
-    return subprocess.Popen([sys.executable, "-m", "cli", *args], cwd=cwd, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+@pytest.fixture
+def pb(packbench_cli):
+    """`packbench ARGS` against `url`, in `cwd`, in this process."""
+    return lambda *args, url, cwd: packbench_cli(*args, env={"PACKBENCH_DB_URL": url}, cwd=cwd)
 
 
-def cli(*args: str, url: str, cwd: Path) -> subprocess.CompletedProcess:
-    process = cli_start(*args, url=url, cwd=cwd)
-    stdout, stderr = process.communicate(timeout=120)
-    return subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
-
-
-def assert_one_line_error(r: subprocess.CompletedProcess, *fragments: str) -> str:
+def assert_one_line_error(r, *fragments: str) -> str:
     assert r.returncode == 2, (r.returncode, r.stdout, r.stderr)
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in r.stderr, r.stderr
@@ -373,7 +366,7 @@ def row_counts(path: Path) -> dict[str, int]:
         return {t: connection.execute(f"SELECT count(*) FROM {t}").fetchone()[0] for t in TABLES}
 
 
-def test_old_schema_is_refused_by_every_command_but_db(tmp_path):
+def test_old_schema_is_refused_by_every_command_but_db(tmp_path, pb):
     path = tmp_path / "old.db"
     url = f"sqlite:///{path}"
     with Store(url) as store:
@@ -381,18 +374,14 @@ def test_old_schema_is_refused_by_every_command_but_db(tmp_path):
     head = Store.head()
     commands = (["results"], ["results", "--gate", "runtime"], ["screens", "list"], ["screens", "show", "1"],
                 ["compare", "1", "2"], ["audit", "latest"], ["dispatch"], ["submit", "protocol.yaml"])
-    # Started together: each is mostly interpreter start-up, and the box has more than one core.
-    running = [(args, cli_start(*args, url=url, cwd=tmp_path)) for args in commands]
-    for args, process in running:
-        stdout, stderr = process.communicate(timeout=120)
-        result = subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
-        message = assert_one_line_error(result, "`packbench db upgrade`", head)
+    for args in commands:
+        message = assert_one_line_error(pb(*args, url=url, cwd=tmp_path), "`packbench db upgrade`", head)
         assert "0001_initial" in message, (args, message)
-    current = cli("db", "current", url=url, cwd=tmp_path)
+    current = pb("db", "current", url=url, cwd=tmp_path)
     assert current.returncode == 0 and "0001_initial" in current.stdout and "packbench db upgrade" in current.stdout
-    assert cli("db", "history", url=url, cwd=tmp_path).stdout.startswith(f"{head}:")
-    assert cli("db", "upgrade", url=url, cwd=tmp_path).returncode == 0
-    assert cli("screens", "list", url=url, cwd=tmp_path).stdout.startswith("no screens")
+    assert pb("db", "history", url=url, cwd=tmp_path).stdout.startswith(f"{head}:")
+    assert pb("db", "upgrade", url=url, cwd=tmp_path).returncode == 0
+    assert pb("screens", "list", url=url, cwd=tmp_path).stdout.startswith("no screens")
 
 
 @pytest.fixture()
@@ -417,7 +406,7 @@ def stored(db, tmp_path) -> Path:
         ("unknown screen", ["screens", "show", "42"], ["no screen with id 42", "packbench screens list"]),
     ],
 )
-def test_bad_input_is_one_line_and_loses_nothing(stored, tmp_path, case, args, fragments):
+def test_bad_input_is_one_line_and_loses_nothing(stored, tmp_path, case, args, fragments, pb):
     urls = {
         "unreachable": "postgresql+psycopg://postgres@127.0.0.1:1/test",
         # Trust auth lets any existing role in without a password; a missing role or
@@ -429,25 +418,25 @@ def test_bad_input_is_one_line_and_loses_nothing(stored, tmp_path, case, args, f
     if case in ("no such role", "no such database") and not os.environ.get(PG_ENV):
         pytest.skip(f"{PG_ENV} is not set: no PostgreSQL server to ask")
     before = row_counts(stored)
-    assert_one_line_error(cli(*args, url=urls.get(case, f"sqlite:///{stored}"), cwd=tmp_path), *fragments)
+    assert_one_line_error(pb(*args, url=urls.get(case, f"sqlite:///{stored}"), cwd=tmp_path), *fragments)
     assert row_counts(stored) == before
 
 
-def test_read_only_sqlite(stored, tmp_path, tiny):
+def test_read_only_sqlite(stored, tmp_path, tiny, pb):
     """Reading a read-only file works; writing (a migration, a submit) fails in one line."""
     read_only = f"sqlite:///file:{stored}?mode=ro&uri=true"
     before = row_counts(stored)
-    assert cli("results", "--json", url=read_only, cwd=tmp_path).returncode == 0
+    assert pb("results", "--json", url=read_only, cwd=tmp_path).returncode == 0
     protocol = yaml.safe_load((ROOT / "protocols" / "quickstart.yaml").read_text())
     protocol["model"]["path"] = str(tiny)
     (tmp_path / "p.yaml").write_text(yaml.safe_dump(protocol))
-    assert_one_line_error(cli("submit", "p.yaml", url=read_only, cwd=tmp_path), "read-only", "writable")
+    assert_one_line_error(pb("submit", "p.yaml", url=read_only, cwd=tmp_path), "read-only", "writable")
     assert row_counts(stored) == before
 
     old = tmp_path / "old.db"
     with Store(f"sqlite:///{old}") as store:
         store.upgrade("0001_initial")
-    assert_one_line_error(cli("db", "upgrade", url=f"sqlite:///file:{old}?mode=ro&uri=true", cwd=tmp_path),
+    assert_one_line_error(pb("db", "upgrade", url=f"sqlite:///file:{old}?mode=ro&uri=true", cwd=tmp_path),
                           "read-only", "writable")
     with Store(f"sqlite:///{old}") as store:
         assert store.current() == "0001_initial"
@@ -473,15 +462,15 @@ def pg_schema(base: str):
         admin.dispose()
 
 
-def test_postgresql_gives_the_same_listing(db, tmp_path):
+def test_postgresql_gives_the_same_listing(db, tmp_path, pb):
     base = os.environ.get(PG_ENV)
     if not base:
         pytest.skip(f"{PG_ENV} is not set")
     args = ["results", "--gate", "faithfulness", "--failed", "--json"]
-    expected = json.loads(cli(*args, url=f"sqlite:///{db}", cwd=tmp_path).stdout)
+    expected = json.loads(pb(*args, url=f"sqlite:///{db}", cwd=tmp_path).stdout)
     with pg_schema(base) as url:
         seed(url)
-        r = cli(*args, url=url, cwd=tmp_path)
+        r = pb(*args, url=url, cwd=tmp_path)
         assert r.returncode == 0, r.stderr
         got = json.loads(r.stdout)
     drop = ("started_at",)  # set at insert time

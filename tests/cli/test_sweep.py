@@ -1,5 +1,8 @@
 """`submit --sweep` end to end on the CPU: the quickstart over two prefix lengths, through a real
-local Ray, a real SQLite database and real archives; `protocol plan --sweep`; `report --sweep`."""
+local Ray, a real SQLite database and real archives; `protocol plan --sweep`; `report --sweep`.
+
+`submit --sweep --wait` runs in a subprocess (it starts an embedded Ray); the commands that only
+read or refuse run in this process (tests/conftest.py `packbench_cli`)."""
 
 import json
 import re
@@ -34,10 +37,19 @@ def workdir(tmp_path_factory, tiny) -> Path:
 def env(workdir) -> dict:
     import os
 
+    from db.store import Store
+
     e = dict(os.environ, PACKBENCH_DB_URL=f"sqlite:///{workdir / 'packbench.db'}", RAY_AUTH_MODE="disabled",
              PYTHONPATH=str(ROOT))
-    assert cli("db", "upgrade", cwd=workdir, env=e).returncode == 0
+    with Store(e["PACKBENCH_DB_URL"]) as store:
+        store.upgrade()
     return e
+
+
+@pytest.fixture
+def pb(packbench_cli, workdir, env):
+    """A read-only or refused command, in this process, in the sweep's folder and database."""
+    return lambda *args: packbench_cli(*args, env={"PACKBENCH_DB_URL": env["PACKBENCH_DB_URL"]}, cwd=workdir)
 
 
 @pytest.fixture(scope="module")
@@ -48,20 +60,20 @@ def sweep(workdir, env) -> str:
     return re.search(r"queued sweep (sw-[0-9a-f]+)", out.stdout).group(1)
 
 
-def test_plan_lists_each_point_with_its_hash_and_cost(workdir, env):
-    out = cli("protocol", "plan", "protocol.yaml", "--sweep", "prefix_tokens=16,32", "--json", cwd=workdir, env=env)
+def test_plan_lists_each_point_with_its_hash_and_cost(pb):
+    out = pb("protocol", "plan", "protocol.yaml", "--sweep", "prefix_tokens=16,32", "--json")
     assert out.returncode == 0, out.stderr
     points = json.loads(out.stdout)["points"]
     assert [p["prefix_tokens"] for p in points] == [16, 32]
     assert len({p["sha256"] for p in points}) == 2
     assert points[0]["h2d_bytes"] < points[1]["h2d_bytes"]  # a longer prefill moves a denser union
-    table = cli("protocol", "plan", "protocol.yaml", "--sweep", "prefix_tokens=16,32", cwd=workdir, env=env)
+    table = pb("protocol", "plan", "protocol.yaml", "--sweep", "prefix_tokens=16,32")
     assert "2 points" in table.stdout and "host-to-device" in table.stdout
 
 
 @ray
-def test_a_sweep_runs_one_protocol_per_point_under_one_id(sweep, workdir, env):
-    listed = json.loads(cli("screens", "list", "--tag", "study=prefix", "--json", cwd=workdir, env=env).stdout)
+def test_a_sweep_runs_one_protocol_per_point_under_one_id(sweep, env, pb):
+    listed = json.loads(pb("screens", "list", "--tag", "study=prefix", "--json").stdout)
     assert [s["sweep"] for s in listed] == [sweep, sweep]
     assert {s["protocol"] for s in listed} == {"quickstart[prefix_tokens=16]", "quickstart[prefix_tokens=32]"}
     assert len({s["protocol_sha256"] for s in listed}) == 2
@@ -73,14 +85,14 @@ def test_a_sweep_runs_one_protocol_per_point_under_one_id(sweep, workdir, env):
     assert [s.point for s in screens] == [{"prefix_tokens": 16}, {"prefix_tokens": 32}]
     eps = db.episodes(sweep=sweep, role="scored")
     assert len(eps) == 12 and all(e.status == "ok" for e in eps)
-    rows = cli("results", "--tag", "study=prefix", "--format", "json", "--limit", "0", cwd=workdir, env=env)
+    rows = pb("results", "--tag", "study=prefix", "--format", "json", "--limit", "0")
     assert len(json.loads(rows.stdout)) == 16  # every episode of both screens, warmups too
 
 
 @ray
-def test_the_sweep_report_plots_each_figure_against_the_field(sweep, workdir, env, tmp_path):
+def test_the_sweep_report_plots_each_figure_against_the_field(sweep, pb, tmp_path):
     page = tmp_path / "sweep.html"
-    out = cli("report", "--sweep", sweep, "--out", str(page), cwd=workdir, env=env)
+    out = pb("report", "--sweep", sweep, "--out", str(page))
     assert out.returncode == 0, out.stderr
     text = page.read_text()
     assert set(re.findall(r'data-plot="([a-z_]+)"', text)) == {"decode_ms_per_token", "bytes_per_token", "verdicts"}
@@ -92,17 +104,17 @@ def test_the_sweep_report_plots_each_figure_against_the_field(sweep, workdir, en
     assert all(p["width"] > 500 and p["drawn"] > 20 for p in check.plots), check.plots
 
 
-def test_a_bad_sweep_queues_nothing(workdir, env):
-    before = cli("screens", "list", "--json", cwd=workdir, env=env).stdout
+def test_a_bad_sweep_queues_nothing(pb):
+    before = pb("screens", "list", "--json").stdout
     for args, words in ((["--sweep", "prefix_tokens"], "is not FIELD=V1,V2"),
                         (["--sweep", "nosuch.field=1"], "the protocol has no nosuch"),
                         (["--sweep", "prefix_tokens=16,0"], "sweep point prefix_tokens=0: protocol field"),
                         (["--sweep", "prefix_tokens=16,16"], "repeats a value"),
                         (["--sweep", "prefix_tokens=16", "--tag", "oops"], "--tag 'oops' is not KEY=VALUE"),
                         (["--sweep", "prefix_tokens=16", "--replicas", "2"], "drop --replicas/--spread")):
-        out = cli("submit", "protocol.yaml", *args, cwd=workdir, env=env)
+        out = pb("submit", "protocol.yaml", *args)
         assert out.returncode == 2 and words in out.stderr, (args, out.stderr)
         assert len(out.stderr.strip().splitlines()) == 1
-    assert cli("screens", "list", "--json", cwd=workdir, env=env).stdout == before
-    out = cli("report", "--sweep", "sw-nope", cwd=workdir, env=env)
+    assert pb("screens", "list", "--json").stdout == before
+    out = pb("report", "--sweep", "sw-nope")
     assert out.returncode == 2 and "no sweep 'sw-nope'" in out.stderr

@@ -1,0 +1,305 @@
+"""Raw archive v1 against damage: tampered members and manifests, and hostile archives (unsafe
+names, symlinks, zip bombs, pickles, lying headers, random damage). The reader reports each as a
+structured problem naming its member and never crashes or runs code.
+
+Every test uses real zip files under tmp_path and runs in milliseconds (the zip-bomb test
+compresses 50 MB of zeros, about 0.1 s).
+"""
+
+import io
+import os
+import pickle
+import random
+import stat
+import struct
+import zipfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from archive_samples import (
+    EPISODES, LOGITS, MEMBERS, PLAN, append_entry, content, data_offset, edit_manifest, lines, rewrite, sealed_screen,
+    tree, verify,
+)
+from core.archive import MANIFEST_NAME, PROBLEM_KINDS, ArchiveReader, ArchiveWriter, Problem
+from core.canonical import canonical_json
+from core.errors import ArchiveError
+
+
+@pytest.fixture
+def sealed(tmp_path: Path) -> Path:
+    return sealed_screen(tmp_path)
+
+
+# ----------------------------------------------------------------------------- tampering
+
+
+def test_tamper_replaced_content_same_size(sealed: Path):
+    forged = io.BytesIO()
+    np.save(forged, LOGITS[1] + 1, allow_pickle=False)
+    rewrite(sealed, replace={"logits/00001.npy": forged.getvalue()})
+    assert verify(sealed) == ["altered member logits/00001.npy (sha256 mismatch)"]
+
+
+def test_tamper_replaced_content_other_size(sealed: Path):
+    episode = {**EPISODES[0], "tokens": [2, 7, 8]}  # same length
+    longer = {**EPISODES[0], "tokens": [2, 7, 9, 11]}
+    rewrite(sealed, replace={"episodes/00000.json": canonical_json(episode)})
+    assert verify(sealed) == ["altered member episodes/00000.json (sha256 mismatch)"]
+    rewrite(sealed, replace={"episodes/00000.json": canonical_json(longer)})
+    (problem,) = verify(sealed)
+    assert problem.startswith("size mismatch for member episodes/00000.json: manifest says ")
+
+
+@pytest.mark.parametrize("name", MEMBERS)
+def test_tamper_flipped_byte_names_the_member(sealed: Path, name: str):
+    with zipfile.ZipFile(sealed) as zf:
+        info = zf.getinfo(name)
+    raw = bytearray(sealed.read_bytes())
+    start = data_offset(raw, info)
+    assert info.compress_size > 0
+    raw[start + info.compress_size // 2] ^= 0xFF
+    sealed.write_bytes(raw)
+
+    with ArchiveReader(sealed) as r:
+        problems = r.verify()
+        assert problems, name
+        assert any(p.member == name and name in p.message for p in problems), problems
+        assert all("\n" not in p.message for p in problems)
+        if name == MANIFEST_NAME:
+            assert not r.complete  # the manifest itself cannot be trusted
+        else:
+            assert r.complete
+            with pytest.raises(ArchiveError, match=name):
+                r.read_bytes(name)
+
+
+def test_tamper_extra_member(sealed: Path):
+    append_entry(sealed, "extra/x.json", b"{}")
+    assert content(verify(sealed)) == ["extra member extra/x.json"]
+    assert "layout: manifest.json is not the last member (the writer seals last)" in verify(sealed)
+
+
+def test_tamper_member_removed(sealed: Path):
+    rewrite(sealed, drop={"logits/00000.npy"})
+    assert verify(sealed) == ["missing member logits/00000.npy"]
+
+
+def test_tamper_duplicate_member(sealed: Path):
+    with pytest.warns(UserWarning, match="Duplicate name"):
+        append_entry(sealed, "plan.json", b"{}")
+    with ArchiveReader(sealed) as r:
+        assert content(r.verify()) == [Problem("plan.json", "duplicate", "duplicate member plan.json")]
+        with pytest.raises(ArchiveError, match="plan.json appears 2 times"):
+            r.read_bytes("plan.json")
+
+
+def test_unparseable_and_malformed_manifest(sealed: Path):
+    rewrite(sealed, replace={MANIFEST_NAME: b'{"format_version": 1, "members": '})
+    with ArchiveReader(sealed) as r:
+        assert not r.complete and r.manifest is None
+        (problem,) = r.verify()
+        assert problem.message.startswith("unparseable member manifest.json")
+        assert (problem.member, problem.kind) == (MANIFEST_NAME, "manifest")
+    rewrite(sealed, replace={MANIFEST_NAME: b"[" * 100_000 + b"]" * 100_000})
+    (problem,) = verify(sealed)
+    assert problem.startswith("unparseable member manifest.json")
+    edit_manifest_bytes = canonical_json({"format_version": 2, "members": {}})
+    rewrite(sealed, replace={MANIFEST_NAME: edit_manifest_bytes})
+    (problem,) = verify(sealed)
+    assert problem.startswith("malformed member manifest.json: format_version is 2")
+
+
+# ----------------------------------------------------------------------------- hostile archives
+
+
+@pytest.mark.parametrize("name", ["../evil", "/etc/x", "a/../../evil2", "a\\..\\evil3", "C:/evil4"])
+def test_hostile_unsafe_names(sealed: Path, tmp_path: Path, name: str):
+    targets = [tmp_path.parent / "evil", Path("/etc/x"), tmp_path.parent / "evil2"]
+    existed = {t: t.exists() for t in targets}
+    append_entry(sealed, name, b"pwned")
+    before = tree(tmp_path)
+    with ArchiveReader(sealed) as r:
+        assert name in r.names
+        problems = r.verify()
+        assert [p for p in problems if p.message.startswith(f"unsafe member name {name} ")
+                and (p.member, p.kind) == (name, "unsafe")], problems
+        with pytest.raises(ArchiveError, match="unsafe member name"):
+            r.read_bytes(name)
+    assert tree(tmp_path) == before  # nothing extracted
+    assert {t: t.exists() for t in targets} == existed
+
+
+def test_hostile_unsafe_name_listed_in_manifest(sealed: Path):
+    edit_manifest(
+        sealed, lambda m: m["members"].update({"../evil": {"sha256": "0" * 64, "size": 1}})
+    )
+    (problem,) = verify(sealed)
+    assert problem.startswith("unsafe member name ../evil (listed in manifest.json")
+
+
+def test_hostile_symlink_entry(sealed: Path, tmp_path: Path):
+    info = zipfile.ZipInfo("link")
+    info.create_system = 3
+    info.external_attr = (stat.S_IFLNK | 0o777) << 16
+    append_entry(sealed, info, b"/etc/passwd")
+    before = tree(tmp_path)
+    with ArchiveReader(sealed) as r:
+        assert content(r.verify()) == [Problem("link", "symlink", "symlink member link")]
+        with pytest.raises(ArchiveError, match="symlink member link"):
+            r.read_bytes("link")
+    assert tree(tmp_path) == before
+
+
+def test_hostile_inflating_member(sealed: Path):
+    zeros = bytes(50 << 20)
+    append_entry(sealed, "bomb.bin", zeros, compress_type=zipfile.ZIP_DEFLATED)
+    assert sealed.stat().st_size < 1 << 20  # small on disk, 50 MB when inflated
+    with ArchiveReader(sealed, max_member_bytes=1 << 20, max_json_total_bytes=1 << 30) as r:
+        with pytest.raises(ArchiveError, match="bomb.bin .*over the bound"):
+            r.read_bytes("bomb.bin")
+        assert r.bytes_read == 0
+        problems = r.verify()
+    assert Problem("bomb.bin", "extra", "extra member bomb.bin") in problems  # extra: not read at all
+    with ArchiveReader(sealed) as r:  # by default the 50 MB it declares pass the non-array total bound
+        assert [p.kind for p in r.verify()] == ["too-large"]
+
+
+def test_hostile_inflating_member_with_lying_header(tmp_path: Path):
+    """The zip entry claims 1000 bytes but inflates to 50 MB: refused after at most the bound."""
+    path = tmp_path / "bomb.zip"
+    w = ArchiveWriter(path)
+    w.add_bytes("bomb.bin", bytes(50 << 20))
+    w.seal({})
+    raw = bytearray(path.read_bytes())
+    with zipfile.ZipFile(path) as zf:
+        info = zf.getinfo("bomb.bin")
+        cd = zf.start_dir  # first central directory entry: bomb.bin
+    lie = struct.pack("<L", 1000)
+    raw[info.header_offset + 22 : info.header_offset + 26] = lie  # local header size
+    assert raw[cd : cd + 4] == b"PK\x01\x02"
+    assert raw[cd + 46 : cd + 54] == b"bomb.bin"
+    raw[cd + 24 : cd + 28] = lie  # central directory size
+    path.write_bytes(raw)
+    with ArchiveReader(path, max_member_bytes=1 << 20) as r:
+        with pytest.raises(ArchiveError, match="bomb.bin"):
+            r.read_bytes("bomb.bin")
+        assert r.bytes_read == 0
+        (problem,) = r.verify()
+    assert problem.message.startswith("size mismatch for member bomb.bin: manifest says 52428800, archive holds 1000")
+    assert (problem.member, problem.kind) == ("bomb.bin", "size")
+
+
+def test_hostile_total_bound(sealed: Path):
+    with ArchiveReader(sealed, max_total_bytes=100) as r:
+        r.read_bytes("protocol.json")
+        with pytest.raises(ArchiveError, match="total bound"):
+            r.read_bytes("logits/00000.npy")
+        assert r.verify()[-1].message.startswith("archive too large")
+        assert (r.verify()[-1].member, r.verify()[-1].kind) == (None, "too-large")
+
+
+def test_hostile_pickled_object_array_runs_no_code(tmp_path: Path):
+    marker = tmp_path / "pickle-ran"
+
+    class Evil:
+        def __reduce__(self):
+            return (os.mkdir, (str(marker),))
+
+    header = io.BytesIO()
+    np.lib.format.write_array_header_1_0(
+        header, {"descr": "|O", "fortran_order": False, "shape": (1,)}
+    )
+    payload = header.getvalue() + pickle.dumps([Evil()])
+    path = tmp_path / "p.zip"
+    w = ArchiveWriter(path)
+    w.add_bytes("logits/00000.npy", payload)
+    w.add_bytes("logits/00001.npy", np.lib.format.magic(1, 0) + b"garbage")
+    w.seal({})
+    with ArchiveReader(path) as r:
+        assert r.verify() == []  # hashes match what was written...
+        with pytest.raises(ArchiveError, match=r"logits/00000.npy .*pickled object array"):
+            r.read_array("logits/00000.npy")  # ...but it is never unpickled
+        with pytest.raises(ArchiveError, match="logits/00001.npy"):
+            r.read_array("logits/00001.npy")
+        with pytest.raises(ArchiveError, match="not valid JSON"):
+            r.read_json("logits/00001.npy")
+    assert not marker.exists()
+
+
+def test_hostile_npy_header_lies_about_shape(tmp_path: Path):
+    header = io.BytesIO()
+    np.lib.format.write_array_header_1_0(
+        header, {"descr": "<f4", "fortran_order": False, "shape": (10**15,)}
+    )
+    path = tmp_path / "s.zip"
+    w = ArchiveWriter(path)
+    w.add_bytes("logits/00000.npy", header.getvalue() + bytes(16))
+    w.seal({})
+    with ArchiveReader(path) as r, pytest.raises(ArchiveError, match="declares shape"):
+        r.read_array("logits/00000.npy")
+
+
+def test_hostile_manifest_lies_about_size(sealed: Path, monkeypatch):
+    true_size = len(canonical_json(EPISODES[0]))
+    edit_manifest(sealed, lambda m: m["members"]["episodes/00000.json"].update(size=10**12))
+    edit_manifest(sealed, lambda m: m["members"]["plan.json"].update(size=len(canonical_json(PLAN)) + 5))
+    with ArchiveReader(sealed) as r:
+        read = []
+        real_chunks = r._chunks
+        monkeypatch.setattr(r, "_chunks", lambda info, limit, **kw: (read.append(info.filename), real_chunks(info, limit, **kw))[1])
+        problems = lines(r)
+    assert f"size mismatch for member episodes/00000.json: manifest says {10**12}, archive holds {true_size}" in problems
+    assert f"size mismatch for member plan.json: manifest says {len(canonical_json(PLAN)) + 5}, archive holds {len(canonical_json(PLAN))}" in problems
+    assert len(problems) == 2
+    assert "episodes/00000.json" not in read and "plan.json" not in read  # named before reading
+
+
+def test_hostile_crc_error_is_archive_error(sealed: Path):
+    with zipfile.ZipFile(sealed) as zf:
+        info = zf.getinfo("logits/00000.npy")
+    raw = bytearray(sealed.read_bytes())
+    raw[data_offset(raw, info) + info.compress_size - 1] ^= 0x01  # STORED: only the CRC can tell
+    sealed.write_bytes(raw)
+    with ArchiveReader(sealed) as r:
+        with pytest.raises(ArchiveError, match="logits/00000.npy .*CRC"):
+            r.read_array("logits/00000.npy")
+        assert r.verify() == [Problem(
+            "logits/00000.npy", "unreadable",
+            "unreadable member logits/00000.npy: BadZipFile: Bad CRC-32 for file 'logits/00000.npy'"
+        )]
+
+
+def test_reader_refuses_unknown_and_unsafe_lookups(sealed: Path):
+    with ArchiveReader(sealed) as r:
+        with pytest.raises(ArchiveError, match="no member nope.json"):
+            r.read_bytes("nope.json")
+        with pytest.raises(ArchiveError, match="unsafe member name"):
+            r.read_bytes("../protocol.json")
+
+
+def test_random_damage_never_crashes_the_reader(sealed: Path):
+    """Random byte damage anywhere (headers, central directory, data): ArchiveError or a report."""
+    orig = sealed.read_bytes()
+    rng = random.Random(1234)
+    for _ in range(300):
+        raw = bytearray(orig)
+        for _ in range(rng.choice([1, 3])):
+            raw[rng.randrange(len(raw))] = rng.randrange(256)
+        if rng.random() < 0.2:
+            raw = raw[: rng.randrange(len(raw))]
+        sealed.write_bytes(raw)
+        try:
+            r = ArchiveReader(sealed, max_member_bytes=1 << 20)
+        except ArchiveError:
+            continue
+        with r:
+            problems = r.verify()
+            assert all(isinstance(p, Problem) and p.kind in PROBLEM_KINDS and "\n" not in p.message
+                       and (p.member is not None or p.kind in ("too-large", "layout")) for p in problems)
+            for name in r.names:
+                try:
+                    r.read_bytes(name)
+                except ArchiveError:
+                    pass
