@@ -253,8 +253,8 @@ def _fmt(value: Any, fmt: str) -> str:
 def summary_section(s: ScreenData) -> str:
     summary = data.condition_summary(s)
     approximate = any(r["tier"] == "approximate" for r in summary)
-    rows = [[r["condition"], r["tier"], _policy(r), _episodes(r), _mb(r["prefill_h2d_per_call"]),
-             _mb(r["decode_h2d_per_call"]), _spread(r["wall_s_spread"], "{:.3g}"),
+    rows = [[f'<td class="name">{esc(r["condition"])}</td>', r["tier"], _policy(r), _episodes(r),
+             _mb(r["prefill_h2d_per_call"]), _mb(r["decode_h2d_per_call"]), _spread(r["wall_s_spread"], "{:.3g}"),
              _spread(r["decode_ms_spread"], "{:.3g}"), _mib(r["peak_sampled_bytes"]),
              _two(_fmt(r["energy_j_per_episode"], "{:.4g} J"), _fmt(r["energy_j_per_token"], "{:.4g} J / token")),
              *([_two(_fmt(r["fidelity_mean_kl_max"], "KL {:.4g}"), _fmt(r["fidelity_top1_min"], "top-1 {:.4g}"))]
