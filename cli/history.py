@@ -131,11 +131,46 @@ def history_page(h) -> str:
                     ("method", Markup(esc(f"a change beyond {hist.K:g} spreads of the {hist.MIN_BEFORE}-"
                                           f"{hist.WINDOW} runs before it, confirmed by the run after"))),
                     ("false alarms", _far_line(h.far))])
-    table = _table(list(rows[0]), [[str(v) if v is not None else "-" for v in r.values()] for r in rows])
-    body = (f"<section><h2>History</h2>{facts}{table}</section>"
+    body = (f"<section><h2>History</h2>{facts}{_condition_tables(rows, _table, esc)}</section>"
             f"<section><h2>Figures</h2>{''.join(plots)}</section>")
     lede = f"{len(h.points)} screens of {h.protocol} over {len(rows)} commits"
     return _page(f"packbench history: {h.protocol}", lede, body, plural="s")
+
+
+def _condition_tables(rows: list[dict], table, esc) -> str:
+    """The per-commit table, one per condition (commit, screens, first run, that condition's
+    figures): one table of every condition's figures ran three columns past the page."""
+    fixed = [k for k in rows[0] if ":" not in k]
+    conditions = list(dict.fromkeys(k.split(":", 1)[0] for k in rows[0] if ":" in k))
+    out = []
+    for c in conditions:
+        keys = [k for k in rows[0] if k.startswith(f"{c}:")]
+        # A timed cell wraps between its median and its range: seven figures on one line each
+        # ran past the page; the first run reads to the minute (its date and time).
+        body = [[*(_fixed_cell(k, r[k], esc) for k in fixed),
+                 *(_figure_cell(r[k], esc) for k in keys)] for r in rows]
+        out.append(f"<h3>{esc(c)}</h3>" + table([*fixed, *(k.split(":", 1)[1] for k in keys)], body, cls="conditions"))
+    return "".join(out)
+
+
+def _figure_cell(value, esc) -> str:
+    """`median [min-max] STEP` as the median over its range (and mark): one figure per line."""
+    import re
+
+    m = re.fullmatch(r"(\S+) (\[[^\]]*\])(.*)", value or "")
+    if m is None:
+        return f"<td>{esc('-' if value is None else value)}</td>"
+    mark = f' <span class="fail">{esc(m.group(3).strip())}</span>' if m.group(3).strip() else ""
+    return f'<td>{esc(m.group(1))}{mark}<br><span class="detail">{esc(m.group(2))}</span></td>'
+
+
+def _fixed_cell(key: str, value, esc) -> str:
+    if key == "first_run" and isinstance(value, str) and "T" in value:
+        return f'<td title="{esc(value)}">{esc(value[:16].replace("T", " "))}</td>'
+    return f'<td class="wrap">{esc(value)}</td>' if key == "screens" else f"<td>{esc(value)}</td>"
+
+
+MAX_TICK_LABELS = 16  # screen/commit labels under a history plot; past this, every k-th one
 
 
 def _metric_figure(h, metric: str) -> str | None:
@@ -163,8 +198,18 @@ def _metric_figure(h, metric: str) -> str | None:
         if prev is not None and p.commit != prev:
             ax.axvline(x - 0.5, color="#7f7f7f", linestyle="--", linewidth=0.8)
         prev = p.commit
-    ax.set_xticks(xs, [f"{p.screen_id}\n{p.commit[:7] or '?'}" for p in h.points], fontsize=7)
+    every = -(-len(xs) // MAX_TICK_LABELS)  # 50 screens' two-line labels ran into each other
+    ax.set_xticks(xs[::every], [f"{p.screen_id}\n{p.commit[:7] or '?'}" for p in h.points][::every], fontsize=7)
     ax.set_xlabel("screen, commit")
     ax.set_ylabel(PLOT_UNITS.get(metric, metric))
+    if metric not in hist.TIMED:  # whole counts: no 3.95 rows, and no "1e6" offset above the axis
+        from matplotlib.ticker import FuncFormatter, MaxNLocator
+
+        top = max(v for s in series for v in s.values if v is not None)
+        # From (just below) 0: a flat count of 4 rows drew nine ticks all reading 4, and a count of 0
+        # sat half hidden under the axis.
+        ax.set_ylim(-0.04 * (top * 1.1 + 1), top * 1.1 + 1)
+        ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:,.0f}"))
     ax.legend(loc="best")
     return figs.to_svg(fig, f"history-{metric}")

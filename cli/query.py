@@ -158,7 +158,7 @@ def _unknown_condition(store, condition: str) -> str | None:
 
 
 def _screen_view(store, ref: str, *, json_out: bool) -> None:
-    """One screen's latest attempt: the original `results --screen` output, unchanged."""
+    """One screen's latest attempt: its episodes, each condition's wall spread, verdicts and audit."""
     summary = screen_summary(store, ref)
     if json_out:
         print_json(summary)
@@ -171,6 +171,9 @@ def _screen_view(store, ref: str, *, json_out: bool) -> None:
     if any("error" in e for e in summary["episodes"]):
         columns.append("error")
     typer.echo(table(summary["episodes"], columns))
+    if summary["spread"]:
+        typer.echo("episode wall per condition (scored ok episodes, seconds)")
+        typer.echo(table(summary["spread"], ["condition", "tier", "n", "median", "p10", "p90", "p90_over_p10"]))
     typer.echo(verdict_table(summary["verdicts"]) if summary["verdicts"] else "no verdicts")
     a = summary.get("audit")
     typer.echo("audit: none; run `packbench audit`" if a is None else

@@ -104,10 +104,16 @@ def _strip(ax, groups: list[list[float]], labels: list[str], *, scale: float = 1
             ax.boxplot([v], positions=[n], widths=0.55, showfliers=False, patch_artist=False,
                        medianprops={"color": "black"}, whiskerprops={"color": "0.4"}, capprops={"color": "0.4"},
                        boxprops={"color": "0.4"})
-    many = len(labels) > 5  # eight conditions' labels overlapped at 15 degrees in a half-width panel
+    condition_ticks(ax, labels)
+    ax.set_xlim(-0.6, len(labels) - 0.4)
+
+
+def condition_ticks(ax, labels: list[str]) -> None:
+    """Condition names under their positions, slanted when there are many: eight conditions'
+    labels overlapped at 15 degrees in a half-width panel."""
+    many = len(labels) > 5
     ax.set_xticks(range(len(labels)), labels, rotation=35 if many else 0, ha="right" if many else "center",
                   rotation_mode="anchor")
-    ax.set_xlim(-0.6, len(labels) - 0.4)
 
 
 # ----------------------------------------------------------------------------- one screen
@@ -130,8 +136,10 @@ def h2d_figure(per_call: dict[str, dict[str, list[int]]], conditions: tuple[str,
             # The share of the reference's mean sits above the bar, not under the axis: eight
             # conditions' two-line tick labels ran into each other.
             share = f"\n{mean / ref:.1%}" if ref and conditions[n] != reference else ""
-            ax.annotate(f"{mean / MB:,.4g}{share}", (n, mean / MB), textcoords="offset points", xytext=(0, 5),
-                        ha="center", fontsize=8)
+            # Nine conditions in a half-width panel: 4-digit labels at 8 pt touched their neighbours.
+            many = len(conditions) > 5
+            ax.annotate(f"{mean / MB:,.{3 if many else 4}g}{share}", (n, mean / MB), textcoords="offset points",
+                        xytext=(0, 5), ha="center", fontsize=7 if many else 8)
         ax.set_title(f"{phase} calls (mean MB above each)")
         ax.set_ylabel("H2D MB per call (weights + indices)")
         ax.set_ylim(bottom=0, top=ax.get_ylim()[1] * 1.25)
@@ -175,21 +183,24 @@ def decode_figure(ms: dict[str, list[float]], conditions: tuple[str, ...]) -> st
         return None
     fig, ax = _figure(10, 3.6)
     _strip(ax, [ms[c] for c in conditions], list(conditions))
-    for n, c in enumerate(conditions):
-        if ms[c]:  # beside the box at the median's height: above the top point it read as an outlier's label
+    # Beside the box at the median's height (above the top point it read as an outlier's label);
+    # past five conditions the labels ran into the next box: the conditions table has the medians.
+    for n, c in enumerate(conditions if len(conditions) <= 5 else ()):
+        if ms[c]:
             median = float(np.median(ms[c]))
             ax.annotate(f"median {median:.3g}", (n + 0.3, median), textcoords="offset points", xytext=(2, 0),
                         ha="left", va="center", fontsize=7)
-    log = wants_log([v for c in conditions for v in ms[c]])
-    if log:  # one slow call (a cold first decode) would flatten every box on a linear axis
+    log = wants_log(*(ms[c] for c in conditions))
+    if log:  # one slow call (a cold first decode), or one slow condition, flattens boxes on a linear axis
         ax.set_yscale("log")
+        plain_log_ticks(ax.yaxis)
     ax.set_ylabel("decode ms per token" + (" (log scale)" if log else ""))
     if not log:
         ax.set_ylim(bottom=0, top=ax.get_ylim()[1] * 1.1)
     return to_svg(fig, "decode")
 
 
-LOG_SPAN = 20.0  # a largest value this many times the median: a linear axis would flatten the rest
+LOG_SPAN = 20.0  # a largest value this many times a median: on a linear axis that box is a line at 0
 
 
 TIER_MARKERS = {"exact": "o", "approximate": "^"}
@@ -198,11 +209,13 @@ TIER_MARKERS = {"exact": "o", "approximate": "^"}
 def frontier_figure(view: dict, conditions: tuple[str, ...]) -> str | None:
     """Decode ms per token against device memory, one point per condition: circles exact,
     triangles approximate (hollow when its fidelity gate failed), each approximate point
-    labelled with its worst mean KL and top-1 agreement."""
+    labelled with its worst mean KL and top-1 agreement; an exact point's name is written
+    beside it unless it would overlap another label (the legend names every point)."""
     points = [p for p in view["points"] if p["decode_ms"] is not None and p["memory_bytes"] is not None]
     if not points:
         return None
     fig, ax = _figure(10, 4.2)
+    labels = []
     for p in points:
         n = conditions.index(p["condition"])
         hollow = p["tier"] == "approximate" and p["fidelity_passed"] is False
@@ -213,22 +226,53 @@ def frontier_figure(view: dict, conditions: tuple[str, ...]) -> str | None:
         if p["tier"] == "approximate" and p["fidelity_mean_kl_max"] is not None:
             verdict = {True: "PASS", False: "FAIL", None: "no gate"}[p["fidelity_passed"]]
             text += f"\nKL {p['fidelity_mean_kl_max']:.3g}, top-1 {p['fidelity_top1_min']:.3g}, fidelity {verdict}"
-        ax.annotate(text, (p["memory_bytes"] / MIB, p["decode_ms"]), textcoords="offset points", xytext=(6, 4),
-                    fontsize=7)
+        labels.append((p["tier"] == "approximate", (p["memory_bytes"] / MIB, p["decode_ms"]), text))
     held = view["memory"] == "held"
     ax.set_xlabel("device memory held, MiB (no GPU sampled: parameters + policy buffers + KV cache)" if held
                   else "peak sampled GPU memory, MiB")
     ax.set_ylabel("median decode ms per token")
     ax.set_xlim(left=0, right=ax.get_xlim()[1] * 1.35)  # room for the labels of the rightmost points
     ax.set_ylim(bottom=0, top=ax.get_ylim()[1] * 1.15)
+    for _, xy, text in kept_labels(ax, labels):
+        ax.annotate(text, xy, textcoords="offset points", xytext=(6, 4), fontsize=7)
     ax.legend(loc="best")
     return to_svg(fig, "frontier")
 
 
-def wants_log(values: list[float]) -> bool:
-    """A log axis when the largest positive value is LOG_SPAN times the median or more."""
-    v = np.asarray([x for x in values if x > 0], dtype=np.float64)
-    return bool(v.size) and float(v.max()) >= LOG_SPAN * float(np.median(v))
+LABEL_PT = 7  # the frontier's label size; a character is about 0.6 of it wide, a line 1.25 of it high
+
+
+def kept_labels(ax, labels: list[tuple[bool, tuple[float, float], str]]) -> list:
+    """The (must, xy, text) labels to draw: every `must` one (an approximate point's fidelity),
+    then each other one whose box (estimated from its text, in display units once the limits are
+    set) overlaps none already kept. Nine conditions within 0.1 MiB of one another wrote their
+    names over each other."""
+    scale = ax.figure.dpi / 72  # points -> pixels
+    boxes, kept = [], []
+    for must, xy, text in sorted(labels, key=lambda label: not label[0]):
+        x, y = ax.transData.transform(xy)
+        lines = text.split("\n")
+        w = max(map(len, lines)) * 0.6 * LABEL_PT * scale
+        h = len(lines) * 1.25 * LABEL_PT * scale
+        box = (x + 6 * scale, y + 4 * scale, x + 6 * scale + w, y + 4 * scale + h)
+        clash = any(box[0] < b[2] and b[0] < box[2] and box[1] < b[3] and b[1] < box[3] for b in boxes)
+        if must or not clash:
+            boxes.append(box)
+            kept.append((must, xy, text))
+    return kept
+
+
+def wants_log(*groups: list[float]) -> bool:
+    """A log axis when the largest positive value is LOG_SPAN times some group's median or more:
+    one outlier flattens every box, and a condition 100x slower than another flattens the fast
+    one's (on a busy 2-core host, dense-stream's decode median was 1.1 ms beside packet's 116)."""
+    medians, top = [], 0.0
+    for values in groups:
+        v = np.asarray([x for x in values if x > 0], dtype=np.float64)
+        if v.size:
+            medians.append(float(np.median(v)))
+            top = max(top, float(v.max()))
+    return bool(medians) and top >= LOG_SPAN * min(medians)
 
 
 def memory_figure(traces: dict[str, list[tuple[int, np.ndarray]]], conditions: tuple[str, ...],
@@ -316,12 +360,23 @@ def workload_figure(w: dict | None) -> str | None:
     for k, (label, value) in enumerate(w["anchors"]):  # a whole-model mean: a level, not a layer curve
         ax.axhline(value, ls=":", color=colour(k + 2), label=f"{label} (mean over layers)")
     ax.set_yscale("log")
+    plain_log_ticks(ax.yaxis)
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("layer")
     ax.set_ylabel("active fraction of neurons")
     ax.set_title(f"activity by layer ({w['condition']})")
     ax.legend(loc="lower right", fontsize=8)
     return to_svg(fig, "workload")
+
+
+def plain_log_ticks(axis) -> None:
+    """Ticks at 1, 2 and 5 per decade, written as plain numbers: within one decade matplotlib
+    labelled its minor ticks 2x10^-1, 3x10^-1, 4x10^-1, 6x10^-1, a column of exponents."""
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+
+    axis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+    axis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+    axis.set_minor_formatter(NullFormatter())
 
 
 def union_style(points: int) -> str:
@@ -365,9 +420,14 @@ def compare_decode_figure(labels: list[str], per_screen: list[dict[str, list[flo
                 patch.set_facecolor(colour(s))
                 patch.set_alpha(0.6)
         ax.plot([], [], "s", color=colour(s), alpha=0.6, label=label)
-    ax.set_xticks(range(len(conditions)), conditions)
-    ax.set_ylabel("decode ms per token")
-    ax.set_ylim(bottom=0)
+    condition_ticks(ax, conditions)
+    log = wants_log(*(ms.get(c, []) for ms in per_screen for c in conditions))
+    if log:  # a busy host's screen 100x slower than the other flattened the other's boxes
+        ax.set_yscale("log")
+        plain_log_ticks(ax.yaxis)
+    else:
+        ax.set_ylim(bottom=0)
+    ax.set_ylabel("decode ms per token" + (" (log scale)" if log else ""))
     ax.legend(loc="upper right")
     return to_svg(fig, "compare-decode")
 
@@ -392,7 +452,7 @@ def compare_bars_figure(name: str, labels: list[str], values: list[dict[str, flo
         if bars:
             ax.errorbar([b[0] for b in bars], [b[1] for b in bars], fmt="none", ecolor="black", capsize=3, lw=1,
                         yerr=[[max(b[1] - b[2], 0) for b in bars], [max(b[3] - b[1], 0) for b in bars]])
-    ax.set_xticks(range(len(conditions)), conditions)
+    condition_ticks(ax, conditions)
     ax.set_ylabel(ylabel)
     ax.legend(loc="upper right")
     return to_svg(fig, name)

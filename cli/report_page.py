@@ -36,7 +36,8 @@ PLOT_CAPTIONS = {
     "frontier": "One point per condition: median decode ms per token against the device memory it needed "
                 "(the largest sampled GPU peak; on a CPU run, which samples none, what it held on the device). "
                 "Circles are exact conditions, triangles approximate ones (hollow: fidelity gate failed), "
-                "labelled with their worst scored mean KL and top-1 agreement: the two tiers are never one ranking.",
+                "labelled with their worst scored mean KL and top-1 agreement: the two tiers are never one ranking. "
+                "A name that would overlap another is left to the legend.",
 }
 
 
@@ -61,9 +62,11 @@ def _num(value: Any, fmt: str = "{:,.4g}") -> str:
     return f'<td class="num">{esc(fmt.format(value))}</td>'
 
 
-def _table(head: Iterable[str], rows: Iterable[Iterable[str]]) -> str:
-    """Rows of already-rendered <td> cells (strings that start with <td) or plain text."""
-    out = ['<div class="scroll"><table><thead><tr>', *(f"<th>{esc(h)}</th>" for h in head), "</tr></thead><tbody>"]
+def _table(head: Iterable[str], rows: Iterable[Iterable[str]], *, cls: str = "") -> str:
+    """Rows of already-rendered <td> cells (strings that start with <td) or plain text, in a box
+    that scrolls sideways when the table is wider than the page."""
+    klass = f' class="{cls}"' if cls else ""
+    out = [f'<div class="scroll"><table{klass}><thead><tr>', *(f"<th>{esc(h)}</th>" for h in head), "</tr></thead><tbody>"]
     for row in rows:
         out.append("<tr>" + "".join(c if c.startswith("<td") else f"<td>{esc(c)}</td>" for c in row) + "</tr>")
     out.append("</tbody></table></div>")
@@ -190,16 +193,28 @@ def verdict_section(s: ScreenData) -> str:
                          rows)
 
 
-def summary_section(s: ScreenData) -> str:
-    summary = data.condition_summary(s)
-    approximate = any(r["tier"] == "approximate" for r in summary)
-    rows = [[r["condition"], r["tier"], r["policy"] + (f" ({r['params']})" if r["params"] else ""),
-             _num(r["scored"], "{}"), _num(r["failed"], "{}"), _mb(r["prefill_h2d_per_call"]),
-             _mb(r["decode_h2d_per_call"]), _num(r["wall_s_mean"], "{:.4g} s"), _num(r["decode_ms_median"], "{:.4g}"),
-             _mib(r["peak_sampled_bytes"]), _num(r["energy_j_per_episode"], "{:.4g} J"),
-             _num(r["energy_j_per_token"], "{:.4g} J"),
-             *([_num(r["fidelity_mean_kl_max"], "{:.4g}"), _num(r["fidelity_top1_min"], "{:.4g}")] if approximate
-               else [])] for r in summary]
+def _spread(sp: dict, fmt: str) -> str:
+    """A median with its p10-p90 on a second line (core/dispersion.py spread); n is the scored column."""
+    if not sp["n"]:
+        return '<td class="num none">-</td>'
+    lo, hi = fmt.format(sp["p10"]), fmt.format(sp["p90"])
+    return f'<td class="num">{esc(fmt.format(sp["median"]))}<br><span class="detail">{esc(lo)}-{esc(hi)}</span></td>'
+
+
+def _policy(r: dict) -> str:
+    """The policy with its resolved parameters below it, free to wrap: a competitor's
+    `method=int8-weight-only, mode=eager` on one line pushed the table past the page."""
+    params = f'<br><span class="detail">{esc(r["params"])}</span>' if r["params"] else ""
+    return f'<td class="wrap">{esc(r["policy"])}{params}</td>'
+
+
+def _episodes(r: dict) -> str:
+    return _num(r["scored"], "{}") if not r["failed"] else f'<td class="num fail">{r["scored"]} ({r["failed"]} failed)</td>'
+
+
+def _sharing_notes(s: ScreenData) -> str:
+    """Red lines above the conditions: the GPU shared with other processes, the host shared with
+    other packbench workers, the host busy with any other process (host_load)."""
     shared = data.gpu_sharing(s)
     warning = ""
     if shared["episodes"]:
@@ -215,10 +230,40 @@ def summary_section(s: ScreenData) -> str:
         warning += (f'<p class="fail" id="host-shared">The host was shared: {n} episode{"s" * (n != 1)} ran while '
                     f'other packbench workers were busy on it ({esc(workers)}); they share its cores and memory, '
                     f'so host-side timings (gathers, copies) may be contaminated.</p>')
-    return ('<h2 id="conditions">Conditions (scored episodes)</h2>' + warning
-            + _table(["condition", "tier", "policy", "scored", "failed", "H2D / prefill call", "H2D / decode call",
-                      "mean wall", "median decode ms/token", "peak sampled GPU", "energy / episode",
-                      "energy / token", *(["worst mean KL", "worst top-1"] if approximate else [])], rows))
+    busy = noisy_host(e.record for e in s.episodes)
+    if busy["episodes"]:
+        n = len(busy["episodes"])
+        warning += (f'<p class="fail" id="host-busy">The host was busy: in {n} of {len(s.episodes)} episodes other '
+                    f'processes kept {busy["threshold"]:g} core or more busy (up to {busy["worst"]:.2g} cores, '
+                    f'from /proc: each record\'s host_load); their times may be inflated.</p>')
+    return warning
+
+
+def _two(first: str, second: str) -> str:
+    """Two figures in one cell, the second smaller below: the table fits the page."""
+    if first == second == "-":
+        return '<td class="num none">-</td>'
+    return f'<td class="num">{esc(first)}<br><span class="detail">{esc(second)}</span></td>'
+
+
+def _fmt(value: Any, fmt: str) -> str:
+    return "-" if value is None else fmt.format(value)
+
+
+def summary_section(s: ScreenData) -> str:
+    summary = data.condition_summary(s)
+    approximate = any(r["tier"] == "approximate" for r in summary)
+    rows = [[f'<td class="name">{esc(r["condition"])}</td>', r["tier"], _policy(r), _episodes(r),
+             _mb(r["prefill_h2d_per_call"]), _mb(r["decode_h2d_per_call"]), _spread(r["wall_s_spread"], "{:.3g}"),
+             _spread(r["decode_ms_spread"], "{:.3g}"), _mib(r["peak_sampled_bytes"]),
+             _two(_fmt(r["energy_j_per_episode"], "{:.4g} J"), _fmt(r["energy_j_per_token"], "{:.4g} J / token")),
+             *([_two(_fmt(r["fidelity_mean_kl_max"], "KL {:.4g}"), _fmt(r["fidelity_top1_min"], "top-1 {:.4g}"))]
+               if approximate else [])] for r in summary]
+    return ('<h2 id="conditions">Conditions (scored episodes)</h2>' + _sharing_notes(s)
+            + _table(["condition", "tier", "policy", "scored", "H2D / prefill call", "H2D / decode call",
+                      "wall s: median, p10-p90", "decode ms/token: median, p10-p90", "peak sampled GPU",
+                      "energy / episode, / token", *(["worst mean KL, top-1"] if approximate else [])],
+                     rows, cls="conditions"))
 
 
 def plots_section(s: ScreenData) -> str:
@@ -371,12 +416,13 @@ def compare_page(screens: list[ScreenData], audits: list[AuditStatus]) -> str:
             r = summ.get(c)
             if r is None:
                 continue
-            srows.append([c, labels[n], _num(r["scored"], "{}"), _mb(r["prefill_h2d_per_call"]),
+            srows.append([c, labels[n], _episodes(r), _mb(r["prefill_h2d_per_call"]),
                           _mb(r["decode_h2d_per_call"]), _num(r["wall_s_mean"], "{:.4g} s"),
-                          _num(r["decode_ms_median"], "{:.4g}"), _mib(r["peak_sampled_bytes"]),
-                          _num(r["energy_j_per_token"], "{:.4g} J")])
+                          _spread(r["wall_s_spread"], "{:.3g}"), _spread(r["decode_ms_spread"], "{:.3g}"),
+                          _mib(r["peak_sampled_bytes"]), _num(r["energy_j_per_token"], "{:.4g} J")])
     stable = _table(["condition", "screen", "scored", "H2D / prefill call", "H2D / decode call", "mean wall",
-                     "median decode ms/token", "peak sampled GPU", "energy / token"], srows)
+                     "wall s: median, p10-p90", "decode ms/token: median, p10-p90", "peak sampled GPU",
+                     "energy / token"], srows, cls="conditions")
     ratio_rows = []
     for n, s in enumerate(screens):
         for i in data.runtime_intervals(s):

@@ -18,6 +18,12 @@ h3 { font-size: 1rem; margin: 1.2rem 0 .3rem; }
 p.lede { color: var(--muted); margin: 0 0 1rem; }
 code, .mono { font-family: "DejaVu Sans Mono", ui-monospace, monospace; font-size: 12px; word-break: break-all; }
 div.scroll { overflow-x: auto; max-width: 100%; }
+table.conditions { font-size: 12.5px; }
+table.conditions th, table.conditions td { padding: .25rem .4rem; }
+table.conditions th { min-width: 4.5em; }
+table.conditions td.wrap { min-width: 8em; }
+table.conditions td.name { white-space: normal; min-width: 7em; max-width: 12em; overflow-wrap: anywhere; }
+table.conditions td .detail { font-size: 11px; }
 table { border-collapse: collapse; margin: .4rem 0 1rem; font-size: 13px; }
 th, td { border-bottom: 1px solid var(--line); padding: .25rem .6rem; text-align: left; vertical-align: top; }
 th { background: #f6f8fa; font-weight: 600; }

@@ -13,7 +13,7 @@ def screen_summary(store, ref: str | int) -> dict:
     protocol = store.protocol(screen.protocol_id)
     out = {"screen_id": screen.id, "status": screen.status, "protocol": protocol.name,
            "protocol_sha256": protocol.sha256, "attempt": None, "archive_path": None, "archive_sha256": None,
-           "error": None, "audit": None, "verdicts": [], "episodes": []}
+           "error": None, "audit": None, "verdicts": [], "episodes": [], "spread": []}
     if attempt is None:
         return out
     out.update(attempt=attempt.number, archive_path=attempt.archive_path, archive_sha256=attempt.archive_sha256,
@@ -33,6 +33,21 @@ def screen_summary(store, ref: str | int) -> dict:
                         **({f: getattr(e, f) for f in FIDELITY_FIELDS} if e.fidelity_mean_kl is not None else {}),
                         **({"error": e.error} if e.status != "ok" else {})}  # why, without opening the archive
                        for e in store.episodes(attempt.id)]
+    out["spread"] = condition_spread(out["episodes"])
+    return out
+
+
+def condition_spread(episodes: list[dict]) -> list[dict]:
+    """Per condition (plan order): n, median, p10, p90 and p90/p10 of its scored ok episodes'
+    walls (core/dispersion.py spread): a wall read beside its spread, not alone."""
+    from core.dispersion import spread
+
+    out = []
+    for condition in dict.fromkeys(e["condition"] for e in episodes):
+        walls = [e["wall_s"] for e in episodes if e["condition"] == condition and e["role"] == "scored"
+                 and e["status"] == "ok" and e["wall_s"] is not None]
+        tier = next(e["tier"] for e in episodes if e["condition"] == condition)
+        out.append({"condition": condition, "tier": tier, **spread(walls)})
     return out
 
 

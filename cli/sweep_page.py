@@ -8,8 +8,10 @@ from typing import Any
 from cli import report_figures as figs
 from cli.report_page import _facts, _page, _plot, _table
 
-FIGURES = {"decode_ms_per_token": "decode ms per token (median over the scored ok episodes)",
+FIGURES = {"decode_ms_per_token": "decode ms per token (median over the scored ok episodes; bars: min-max)",
            "bytes_per_token": "host-to-device bytes per generated token (scored ok episodes)"}
+# Axis titles: the caption's long one ran past the top of the bytes plot's axis.
+YLABELS = {"decode_ms_per_token": "decode ms per token", "bytes_per_token": "H2D bytes per token"}
 
 
 def axis(points: list) -> tuple[list[float], list[str], str]:
@@ -34,13 +36,33 @@ def figure(points: list, key: str) -> str | None:
         if pts:
             drawn = True
             ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o", color=figs.colour(n), label=c)
+            _range_bars(ax, [p.figures.get(c, {}) for p in points], xs, key, figs.colour(n))
     if not drawn:
         return None
     ax.set_xticks(xs, labels, fontsize=8)
     ax.set_xlabel(title)
-    ax.set_ylabel(FIGURES[key].split(" (")[0])
+    ax.set_ylabel(YLABELS[key])
+    medians = [[p.figures.get(c, {}).get(key) for p in points] for c in conditions]
+    tops = [p.figures.get(c, {}).get(f"{key}_max") for p in points for c in conditions]
+    if figs.wants_log(*([v for v in m if v is not None] for m in medians), [v for v in tops if v is not None]):
+        ax.set_yscale("log")  # a 22.7 ms first decode drew every median as a line along 0
+        figs.plain_log_ticks(ax.yaxis)
+        ax.set_ylabel(YLABELS[key] + " (log scale)")
+    if key == "bytes_per_token":  # whole bytes, written out: no 1e5 offset above the axis
+        from matplotlib.ticker import FuncFormatter
+
+        ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:,.0f}"))
     ax.legend(loc="best")
     return figs.to_svg(fig, f"sweep-{key}")
+
+
+def _range_bars(ax, figures: list[dict], xs: list[float], key: str, colour: str) -> None:
+    """Each point's min-max over its episodes, where the figure has one (decode ms per token)."""
+    spans = [(x, f[key], f.get(f"{key}_min"), f.get(f"{key}_max")) for x, f in zip(xs, figures)]
+    spans = [s for s in spans if None not in s]
+    if spans:
+        ax.errorbar([s[0] for s in spans], [s[1] for s in spans], fmt="none", ecolor=colour, alpha=0.5, capsize=3,
+                    yerr=[[s[1] - s[2] for s in spans], [s[3] - s[1] for s in spans]])
 
 
 def verdict_figure(points: list) -> str | None:
@@ -69,9 +91,12 @@ def sweep_page(sweep_id: str, points: list) -> str:
                  for key in FIGURES]
         plots.append(_plot("verdicts", verdict_figure(points), "no verdicts yet",
                            "Each verdict of each point: a green circle passed, a red cross failed."))
-    head = ["screen", "point", "status", "protocol", *(f"{c} {k}" for c in _conditions(points) for k in FIGURES)]
+    # One row per point and condition: a column per condition and figure ran past the page.
+    head = ["screen", "point", "status", "protocol", "condition", "decode ms/token: median [min-max]",
+            "H2D bytes per token"]
     rows = [[str(p.screen_id), ", ".join(f"{k}={v}" for k, v in p.values.items()), p.status, p.protocol_sha256[:12],
-             *(_fmt(p.figures.get(c, {}).get(k)) for c in _conditions(points) for k in FIGURES)] for p in points]
+             c, _decode_cell(p.figures.get(c, {})), _fmt(p.figures.get(c, {}).get("bytes_per_token"), "{:,.0f}")]
+            for p in points for c in (_conditions([p]) or ["-"])]
     facts = _facts([("sweep", sweep_id), ("points", len(points)),
                     ("fields", ", ".join(points[0].values) if points else "-")])
     body = (f"<section><h2>Sweep</h2>{facts}{_table(head, rows)}</section>"
@@ -83,5 +108,12 @@ def _conditions(points: list) -> list[str]:
     return sorted({c for p in points for c in p.figures})
 
 
-def _fmt(v: Any) -> str:
-    return "-" if v is None else f"{v:,.4g}"
+def _fmt(v: Any, fmt: str = "{:,.4g}") -> str:
+    return "-" if v is None else fmt.format(v)
+
+
+def _decode_cell(f: dict) -> str:
+    median, lo, hi = (f.get(f"decode_ms_per_token{s}") for s in ("", "_min", "_max"))
+    if median is None:
+        return "-"
+    return f"{median:.4g}" + ("" if lo is None or hi is None else f" [{lo:.4g}-{hi:.4g}]")

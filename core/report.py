@@ -21,6 +21,7 @@ import numpy as np
 
 from core.archive import (PROTOCOL_NAME, VERDICTS_NAME, WORKER_NAME, ArchiveReader, episode_member,
                           file_sha256, trace_member)
+from core.dispersion import spread
 from core.errors import ArchiveError
 from core.gates import planned_episodes, runtime
 from core.plan import plan
@@ -388,7 +389,8 @@ def shared_host(records) -> dict:
 
 def condition_summary(screen: ScreenData) -> list[dict]:
     """One row per condition: policy, scored episodes, mean H2D bytes per prefill / decode call,
-    mean wall per episode, median decode ms/token, largest sampled GPU peak, energy."""
+    mean wall per episode and the spread of the walls (n, median, p10, p90: core/dispersion.py),
+    median decode ms/token and its spread, largest sampled GPU peak, energy."""
     h2d, walls, dec, en = h2d_per_call(screen), wall_per_episode(screen), decode_ms_per_token(screen), energy(screen)
     rows = []
     for cond in screen.protocol.conditions:
@@ -409,6 +411,7 @@ def condition_summary(screen: ScreenData) -> list[dict]:
             "scored": len(scored), "failed": sum(not e.ok for e in scored),
             "prefill_h2d_per_call": _mean(h2d[c]["prefill"]), "decode_h2d_per_call": _mean(h2d[c]["decode"]),
             "wall_s_mean": _mean([w for _, w in walls[c]]), "decode_ms_median": _median(dec[c]),
+            "wall_s_spread": spread([w for _, w in walls[c]]), "decode_ms_spread": spread(dec[c]),
             "peak_sampled_bytes": max(peaks) if peaks else None,
             "energy_j_per_episode": _mean(j), "energy_j_per_token": math.fsum(j) / tokens if tokens else None,
         })

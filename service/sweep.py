@@ -145,7 +145,8 @@ class SweepPoint:
     values: dict[str, Any]
     status: str
     protocol_sha256: str
-    figures: dict[str, dict[str, float | None]]  # condition -> decode_ms_per_token, bytes_per_token
+    # condition -> decode_ms_per_token (median over scored ok episodes, and its _min and _max), bytes_per_token
+    figures: dict[str, dict[str, float | None]]
     verdicts: list[dict[str, Any]]  # gate, condition, phase, passed
 
 
@@ -167,7 +168,9 @@ def sweep_points(store, sweep_id: str) -> list[SweepPoint]:
             scored = [e for e in episodes if e.condition == c and e.role == "scored" and e.status == "ok"]
             tokens = sum(e.n_tokens for e in scored)
             moved = sum(e.h2d_weight_bytes + e.h2d_index_bytes for e in scored)
-            figures[c] = {"decode_ms_per_token": metrics["decode_ms_per_token"]["median"],
+            decode = metrics["decode_ms_per_token"]
+            figures[c] = {"decode_ms_per_token": decode["median"], "decode_ms_per_token_min": decode["min"],
+                          "decode_ms_per_token_max": decode["max"],
                           "bytes_per_token": moved / tokens if tokens else None}
         verdicts = [{"gate": v.gate, "condition": v.condition, "phase": v.phase, "passed": v.passed}
                     for v in (store.verdicts(attempt.id) if attempt is not None else [])]

@@ -37,8 +37,11 @@ PLOT_CHECK = """(() => {
         i.getAttribute('href') || '').slice(0, 22)) : [];
     out.push({name: fig.dataset.plot, width: r.width, height: r.height, drawn: drawn, images: images});
   }
+  // Every table sits in a div.scroll: wider than its box, part of it is out of sight.
+  const tables = [...document.querySelectorAll('div.scroll')].map(d => ({
+      cls: (d.querySelector('table') || {}).className || '', width: d.scrollWidth, box: d.clientWidth}));
   return {plots: out, title: document.title, missing: [...document.querySelectorAll('[data-missing]')]
-      .map(e => e.dataset.missing), height: document.documentElement.scrollHeight};
+      .map(e => e.dataset.missing), height: document.documentElement.scrollHeight, tables: tables};
 })()"""
 
 
@@ -57,6 +60,12 @@ class PageCheck:
     missing: list[str]
     console_errors: list[str] = field(default_factory=list)
     screenshot: bytes | None = None
+    tables: list[dict] = field(default_factory=list)  # {cls, width, box}: each table's width and its box's
+
+    @property
+    def overflowing(self) -> list[dict]:
+        """The tables wider than the box they sit in (part of each out of sight)."""
+        return [t for t in self.tables if t["width"] > t["box"]]
 
 
 class _Pipe:
@@ -190,6 +199,6 @@ def check_page(path: Path, *, width: int = 1200, height: int = 900, screenshot: 
                 elif m == "Log.entryAdded" and p.get("entry", {}).get("level") == "error":
                     errors.append(f"log ({p['entry'].get('source')}): {p['entry'].get('text')}")
             return PageCheck(plots=result["plots"], title=result["title"], missing=result["missing"],
-                             console_errors=errors, screenshot=shot)
+                             console_errors=errors, screenshot=shot, tables=result["tables"])
         finally:
             pipe.close()

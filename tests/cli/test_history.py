@@ -149,5 +149,10 @@ def test_the_history_page_has_one_plot_per_figure_and_renders(url, tmp_path, cli
     check = check_page(page)
     assert check.console_errors == []
     assert len(check.plots) == 6
+    # one table per condition, in sight: one table of both conditions' 14 figures ran past the page
+    assert len(check.tables) == 2 and check.overflowing == [], check.tables
+    assert "<h3>dense-stream</h3>" in text and "<h3>packet</h3>" in text and "STEP</span>" in text
+    rows = text[text.index('data-plot="rows"'):]
+    assert ">4<" in rows[:rows.index("</figure>")] and "1e6" not in text  # whole counts, no offset
     for p in check.plots:
         assert p["width"] > 500 and p["height"] > 150 and p["drawn"] > 20, p

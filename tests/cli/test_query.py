@@ -95,7 +95,7 @@ def test_results_screen_view_is_unchanged(db):
     """`results --screen N --json` keeps the summary shape `submit --json` prints."""
     summary = json.loads(invoke(db, "results", "--screen", "2", "--json").stdout)
     assert set(summary) == {"screen_id", "status", "protocol", "protocol_sha256", "attempt", "archive_path",
-                            "archive_sha256", "error", "audit", "verdicts", "episodes"}
+                            "archive_sha256", "error", "audit", "verdicts", "episodes", "spread"}
     assert summary["screen_id"] == 2 and [e["index"] for e in summary["episodes"]] == [0, 1, 2, 3]
     assert set(summary["episodes"][0]) == {"index", "condition", "tier", "role", "prompt", "status", "tokens",
                                            "h2d_bytes", "d2h_bytes", "wall_s"}  # tier: exact or approximate
@@ -104,6 +104,24 @@ def test_results_screen_view_is_unchanged(db):
     assert "boom" in invoke(db, "results", "--screen", "2").stdout
     assert json.loads(invoke(db, "results", "--json").stdout)["screen_id"] == 3  # default: latest
     assert invoke(db, "results", "--screen", "1").stdout.startswith("screen 1 (quickstart, done)")
+
+
+def test_results_of_a_screen_give_each_conditions_wall_spread(db):
+    """`results --screen N`: per condition n, median, p10 and p90 of the scored ok walls, beside the
+    episodes (table and JSON), so no wall is read alone."""
+    from core.dispersion import spread
+
+    summary = json.loads(invoke(db, "results", "--screen", "2", "--json").stdout)
+    by = {r["condition"]: r for r in summary["spread"]}
+    assert list(by) == ["dense-stream", "packet"]
+    for c, r in by.items():
+        walls = [e["wall_s"] for e in summary["episodes"] if e["condition"] == c and e["status"] == "ok"
+                 and e["role"] == "scored"]
+        tier = next(e["tier"] for e in summary["episodes"] if e["condition"] == c)
+        assert r == {"condition": c, "tier": tier, **spread(walls)} and r["n"] == len(walls)
+    assert by["packet"]["n"] == 1  # its failed episode is not a wall to judge by
+    out = invoke(db, "results", "--screen", "2").stdout
+    assert "episode wall per condition (scored ok episodes, seconds)" in out and "p90_over_p10" in out
 
 
 def test_results_listing_json_filters(db):

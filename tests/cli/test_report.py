@@ -208,11 +208,12 @@ def test_report_renders_in_headless_chromium_without_console_errors(page, screen
         assert p["width"] > 500 and p["height"] > 150 and p["drawn"] > 20, p
     heat = next(p for p in check.plots if p["name"] == "heatmap")
     assert heat["images"] and all(i.startswith("data:image/png") for i in heat["images"])
+    assert check.tables and check.overflowing == []  # every table in sight, none scrolled
     out = cli("report", "--compare", screen["archive_path"], str(DATA / "gates-v2.zip"), "--out",
               str(tmp_path / "c.html"), cwd=workdir, env=env)
     assert out.returncode == 0, out.stderr
     check = check_page(tmp_path / "c.html")
-    assert check.console_errors == [] and len(check.plots) == 3
+    assert check.console_errors == [] and len(check.plots) == 3 and check.overflowing == []
     assert all(p["width"] > 500 and p["drawn"] > 10 for p in check.plots)
 
 
@@ -431,6 +432,8 @@ def test_figures_read_as_what_was_measured():
     from cli.summary import detail_text
 
     assert figs.wants_log([1.0, 1.1, 0.9, 1.0, 45.0]) and not figs.wants_log([1.0, 1.1, 0.9, 3.0])
+    # one condition 100x slower than another: on a linear axis the fast one's box is a line at 0
+    assert figs.wants_log([1.1, 0.6, 1.2], [116.0, 90.0, 284.0]) and not figs.wants_log([7.0, 7.1], [34.0, 35.0])
     with figs.style():
         svg = figs.decode_figure({"packet": [1.0, 1.1, 0.9, 1.0, 45.0]}, ("packet",))
     assert "(log scale)" in svg
@@ -455,3 +458,90 @@ def test_the_frontier_marks_each_point_by_tier_and_fidelity():
     assert "packet (exact)" in svg and "int8 (approximate)" in svg
     assert "KL 0.00123, top-1 0.985, fidelity FAIL" in svg
     assert "no GPU sampled" in svg and "peak sampled GPU memory" in sampled and nothing is None
+
+
+def wide_summary(rows):
+    """gates-v2's condition rows, and seven more as wide as a GPU screen of every policy and a
+    competitor writes them (long names and parameters, GPU peaks, energy, fidelity)."""
+    more = [{**rows[-1], "condition": f"early-forecast-device-{n}", "tier": "approximate",
+             "policy": "quantized", "params": "method=int8-weight-only, mode=compile, weights=dtype",
+             "failed": 1, "peak_sampled_bytes": 4650 * MIB + n, "energy_j_per_episode": 1234.5,
+             "energy_j_per_token": 12.345, "fidelity_mean_kl_max": 0.0012345, "fidelity_top1_min": 0.98765}
+            for n in range(7)]
+    return rows + more
+
+
+def test_a_wide_conditions_table_fits_the_page(tmp_path, monkeypatch):
+    """Nine conditions with parameters, GPU peaks, energy and fidelity: the conditions table fits the
+    page's width in Chromium (its policy parameters wrap under the policy, paired figures share a
+    cell), where one column per figure ran past the page."""
+    from cli.report_page import _page, summary_section
+
+    if chromium() is None:
+        pytest.fail(INSTALL_HINT)
+    s = data.read_screen(DATA / "gates-v2.zip")
+    rows = wide_summary(data.condition_summary(s))
+    monkeypatch.setattr(data, "condition_summary", lambda screen: rows)
+    page = tmp_path / "wide.html"
+    page.write_text(_page("wide", "", summary_section(s)))
+    check = check_page(page, width=1400)
+    assert len(check.tables) == 1 and check.tables[0]["cls"] == "conditions"
+    assert check.overflowing == [], check.tables
+    text = text_of(page)
+    assert "method=int8-weight-only, mode=compile" in text and f"{rows[-1]['scored']} (1 failed)" in text
+    assert "KL 0.001234" in text and "top-1 0.9877" in text
+
+
+def test_the_condition_tables_carry_each_times_spread():
+    """Both reports give each condition's wall and decode ms/token as a median over its p10-p90
+    (core/dispersion.py), beside the scored count."""
+    from cli.report_page import AuditStatus, compare_page, summary_section
+    from core.dispersion import spread
+
+    s = data.read_screen(DATA / "gates-v2.zip")
+    walls = {c: spread([w for _, w in v]) for c, v in data.wall_per_episode(s).items()}
+    decode = {c: spread(v) for c, v in data.decode_ms_per_token(s).items()}
+    for r in data.condition_summary(s):
+        assert r["wall_s_spread"] == walls[r["condition"]] and r["decode_ms_spread"] == decode[r["condition"]]
+    table = summary_section(s)
+    compared = compare_page([s, data.read_screen(DATA / "gates-v2.zip")], [AuditStatus(), AuditStatus()])
+    for c, w in walls.items():
+        cell = f'{w["median"]:.3g}<br><span class="detail">{w["p10"]:.3g}-{w["p90"]:.3g}</span>'
+        assert cell in table and cell in compared, c
+    assert "wall s: median, p10-p90" in table and "decode ms/token: median, p10-p90" in compared
+
+
+def test_a_busy_host_is_named_on_the_single_screen_page():
+    """Other processes' CPU on the host (each record's host_load, from /proc): half a core or more
+    during an episode, and the conditions section says so, as the comparison report does."""
+    from cli.report_page import summary_section
+
+    s = data.read_screen(DATA / "gates-v2.zip")
+    assert "host-busy" not in summary_section(s)  # an archive from before host_load: nothing claimed
+    for n, e in enumerate(s.episodes[:3]):
+        e.record.update(episode_s=1.0, host_load={"other_cpu_s": [1.5, 0.2, 0.7][n]})
+    page = summary_section(s)
+    assert 'id="host-busy"' in page
+    assert f"in 2 of {len(s.episodes)} episodes other processes kept 0.5 core or more busy (up to 1.5 cores" in page
+
+
+def test_the_frontier_leaves_overlapping_names_to_its_legend():
+    """Points a few pixels apart: one exact name is written, the others are left to the legend; an
+    approximate point's fidelity label is always written."""
+    from cli import report_figures as figs
+
+    def point(name, tier, ms, mib):
+        return {"condition": name, "tier": tier, "decode_ms": ms, "memory_bytes": int(mib * MIB),
+                "fidelity_mean_kl_max": 0.001 if tier == "approximate" else None,
+                "fidelity_top1_min": 0.99 if tier == "approximate" else None, "fidelity_passed": True}
+
+    names = [f"packet-{n}" for n in range(5)]
+    view = {"memory": "held", "points": [point(c, "exact", 1.0 + 0.01 * n, 0.6 + 0.001 * n)
+                                         for n, c in enumerate(names)]
+            + [point("int8", "approximate", 1.02, 0.601), point("resident", "exact", 12.0, 0.3)]}
+    with figs.style():
+        svg = figs.frontier_figure(view, (*names, "int8", "resident"))
+    body = svg[:svg.index("legend")] if "legend" in svg else svg
+    written = [c for c in names if f">{c}<" in body or f"{c}</text>" in body]
+    assert "KL 0.001, top-1 0.99, fidelity PASS" in svg and "resident" in body
+    assert len(written) <= 1, written

@@ -99,8 +99,10 @@ def test_the_sweep_report_plots_each_figure_against_the_field(sweep, pb, tmp_pat
     assert ">prefix_tokens<" in text  # the x axis is the swept field
     if chromium() is None:
         pytest.fail(INSTALL_HINT)
+    assert "131,072" in text and "e+0" not in text  # dense-stream's bytes per token, written out
+    assert text.count("<td>prefix_tokens=16</td>") == 2  # a row per point and condition
     check = check_page(page)
-    assert check.console_errors == [] and len(check.plots) == 3
+    assert check.console_errors == [] and len(check.plots) == 3 and check.overflowing == []
     assert all(p["width"] > 500 and p["drawn"] > 20 for p in check.plots), check.plots
 
 
