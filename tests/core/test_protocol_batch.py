@@ -83,3 +83,15 @@ def test_the_cli_refuses_a_bad_batch_in_one_line_exit_2(tmp_path):
     lines = r.stderr.strip().splitlines()
     assert r.returncode == 2 and len(lines) == 1 and "Traceback" not in r.stderr, r.stderr
     assert "protocol field `batch`: -2 is not an integer in [1, 64]" in lines[0]
+
+
+def test_the_plan_estimate_charges_a_batch_the_union_of_its_sequences():
+    from core.estimate import Activity, ModelShape, estimate
+
+    shape, activity = ModelShape.of("tiny"), Activity(0.94)
+    one = {c["condition"]: c for c in estimate(freeze(protocol(TINY)).body, shape=shape,
+                                               activity=activity)["conditions"]}
+    two = {c["condition"]: c for c in estimate(freeze(protocol(TINY, batch=2)).body, shape=shape,
+                                               activity=activity)["conditions"]}
+    assert one["packet"]["decode_call_bytes"] < two["packet"]["decode_call_bytes"] < 2 * one["packet"]["decode_call_bytes"]
+    assert two["dense-stream"]["decode_call_bytes"] == one["dense-stream"]["decode_call_bytes"]
