@@ -49,7 +49,7 @@ class RayPool:
              reuse: bool) -> None:
         self._calls[worker.load.remote(protocol, model_dir, model_cache=model_cache, reuse=reuse)] = (worker, tag)
 
-    def run(self, worker: Any, tag: Any, entry: dict, prompt: list[int]) -> None:
+    def run(self, worker: Any, tag: Any, entry: dict, prompt: list[int] | list[list[int]]) -> None:
         self._calls[worker.run.remote(entry, prompt)] = (worker, tag)
 
     def in_flight(self) -> int:

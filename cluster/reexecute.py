@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from cluster.runtime import ensure_ray
 from cluster.worker import start_worker
 from core.errors import PackbenchError
+from core.plan import episode_input
 from core.settings import Settings
 
 
@@ -90,12 +91,12 @@ def _run(ray, actor, protocol_body, model_dir, *, entries, prompts, runs, warmup
     start = ray.get(actor.load.remote(protocol_body, model_dir, model_cache=cache, reuse=False))
     by_index = {e["index"]: e for e in entries}
     for i in warmups:
-        ray.get(actor.run.remote(by_index[i], prompts[by_index[i]["prompt"]]))
+        ray.get(actor.run.remote(by_index[i], episode_input(prompts, by_index[i])))
     records, again = {}, None
     for n, i in enumerate(runs, 1):
         entry = by_index[i]
-        records[i] = ray.get(actor.run.remote(entry, prompts[entry["prompt"]]))
+        records[i] = ray.get(actor.run.remote(entry, episode_input(prompts, entry)))
         progress(f"  re-executed episode {i:3d} {entry['condition']:>14} {records[i]['status']} ({n}/{len(runs)})")
         if i == reference_twice:
-            again = ray.get(actor.run.remote(entry, prompts[entry["prompt"]]))
+            again = ray.get(actor.run.remote(entry, episode_input(prompts, entry)))
     return Rerun(env, start, records, again, time.perf_counter() - t0)

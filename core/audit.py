@@ -59,7 +59,7 @@ from core.provenance import check_signature, signature_path
 from core.plan import plan as make_plan
 from core.plan import prompts as make_prompts
 from core.protocol import Protocol, expand
-from core.protocol.schema import MAX_CONTINUATION
+from core.protocol.schema import MAX_BATCH, MAX_CONTINUATION
 from core.record import AUDITED
 from core.registry import INT8_SCALE_BYTES, SHAPES, weights_of
 
@@ -205,21 +205,35 @@ def _episode_problems(name: str, rec: dict, logits: np.ndarray | None, protocol:
                                                                protocol.condition(cond).params) == "int8")
     moved, row_bytes[slot] = row_bytes_problems(calls, row_bytes[slot])
     out += [f"{name}: impossible copy: {p}" for p in moved]
-    n, prefix = protocol.continuation_tokens, protocol.prefix_tokens
+    n, prefix, b = protocol.continuation_tokens, protocol.prefix_tokens, protocol.batch
     shape = [(c["phase"], c["tokens"]) for c in calls]
-    if shape != [("prefill", prefix)] + [("decode", 1)] * (n - 1):
-        out.append(f"{name}: calls are not one {prefix}-token prefill then {n - 1} one-token decode calls")
+    if shape != [("prefill", b * prefix)] + [("decode", b)] * (n - 1):
+        per = "" if b == 1 else f" of a batch of {b} (tokens count every sequence's)"
+        out.append(f"{name}: calls are not one {prefix}-token prefill then {n - 1} one-token decode calls{per}")
+    if b == 1:
+        return out + _token_problems(name, rec.get("tokens"), logits, len(calls))
     tokens = rec.get("tokens")
-    if not isinstance(tokens, list) or len(tokens) != len(calls):
-        out.append(f"{name}: tokens do not cover every call")
-    elif (logits is None or logits.ndim != 2 or logits.shape[0] != len(calls) or logits.shape[1] < 1
-          or logits.dtype.kind != "f"):
-        out.append(f"{name}: logits do not cover every call")
-    elif not all(type(t) is int for t in tokens):
-        out.append(f"{name}: tokens are not all integers")
-    elif [int(t) for t in logits.argmax(axis=1)] != tokens:
-        out.append(f"{name}: tokens are not the argmax of the stored logits")
+    if not isinstance(tokens, list) or len(tokens) != b:
+        return out + [f"{name}: tokens are not {b} lists, one per sequence of the batch"]
+    if logits is None or logits.ndim != 3 or logits.shape[0] != b:
+        return out + [f"{name}: logits are not {b} sequences' (batch, calls, vocab)"]
+    for s, (seq_tokens, seq_logits) in enumerate(zip(tokens, logits)):
+        out += _token_problems(f"{name} sequence {s}", seq_tokens, seq_logits, len(calls))
     return out
+
+
+def _token_problems(name: str, tokens: Any, logits: np.ndarray | None, calls: int) -> list[str]:
+    """One sequence's tokens: one per call, the argmax of its (calls, vocab) logits."""
+    if not isinstance(tokens, list) or len(tokens) != calls:
+        return [f"{name}: tokens do not cover every call"]
+    if (logits is None or logits.ndim != 2 or logits.shape[0] != calls or logits.shape[1] < 1
+            or logits.dtype.kind != "f"):
+        return [f"{name}: logits do not cover every call"]
+    if not all(type(t) is int for t in tokens):
+        return [f"{name}: tokens are not all integers"]
+    if [int(t) for t in logits.argmax(axis=1)] != tokens:
+        return [f"{name}: tokens are not the argmax of the stored logits"]
+    return []
 
 
 # Record fields the gates (core/gates.py) and the database comparison (EPISODE_FIELDS) read.
@@ -234,14 +248,23 @@ def _small(v: Any) -> Any:
     return _DROPPED
 
 
+def _kept_tokens(tokens: Any) -> Any:
+    """A record's tokens, bounded: a list of at most MAX_CONTINUATION + 1 ids, or a batch's list
+    of at most MAX_BATCH + 1 such lists."""
+    if not isinstance(tokens, list):
+        return _small(tokens)
+    if tokens and all(isinstance(t, list) for t in tokens):
+        return [[_small(x) for x in t[:MAX_CONTINUATION + 1]] for t in tokens[:MAX_BATCH + 1]]
+    return [_small(t) for t in tokens[:MAX_CONTINUATION + 1]]
+
+
 def _retained(rec: dict) -> dict:
     """The part of an episode record an audit keeps after checking it: the RETAINED scalars,
     tokens (a list of at most MAX_CONTINUATION + 1), memory's scalars, phases' scalars."""
     out = {k: _small(rec[k]) for k in RETAINED if k in rec and k != "tokens"}
     tokens = rec.get("tokens")
     if "tokens" in rec:
-        out["tokens"] = ([_small(t) for t in tokens[:MAX_CONTINUATION + 1]] if isinstance(tokens, list)
-                         else _small(tokens))
+        out["tokens"] = _kept_tokens(tokens)
     if isinstance(rec.get("memory"), dict):
         out["memory"] = {k: _small(v) for k, v in list(rec["memory"].items())[:64]}
     phases = rec.get("phases")
@@ -328,8 +351,8 @@ class _Audit:
             recorded.append(entry["index"])
             episodes.append(episode)
             logits = episode["logits"]
-            if episode.get("status") == "ok" and logits is not None and logits.ndim == 2 and vocab is None:
-                vocab = int(logits.shape[1])
+            if episode.get("status") == "ok" and logits is not None and logits.ndim in (2, 3) and vocab is None:
+                vocab = int(logits.shape[-1])
         self.check_fidelity(episodes, proto)
         self.record["episodes"] = len(episodes)
         if not self.complete:
@@ -379,9 +402,11 @@ class _Audit:
             return None
         # Same value and same JSON type (true is not 1, 1.0 is not 1).
         if (type(rec.get("plan_index")) is not int or rec.get("plan_index") != i
-                or any(type(rec.get(k)) is not type(entry[k]) or rec.get(k) != entry[k] for k in PLAN_KEYS[1:])):
+                or any(type(rec.get(k)) is not type(entry[k]) or rec.get(k) != entry[k] for k in PLAN_KEYS[1:])
+                or rec.get("prompts") != entry.get("prompts")):
             self.add(f"{name} does not match plan entry {i}")
-        logits = (self.read(reader, logits_name, "array", dtype=LOGITS_DTYPE, ndim=2)
+        ndim = 2 if proto.batch == 1 else 3  # (calls, vocab), a batch's (sequences, calls, vocab)
+        logits = (self.read(reader, logits_name, "array", dtype=LOGITS_DTYPE, ndim=ndim)
                   if logits_name in self.readable else None)
         ok = rec.get("status") == "ok"
         if ok and logits is None and not self.complete and logits_name not in self.names:
@@ -399,7 +424,7 @@ class _Audit:
         # Only what the gates and the database comparison read is kept (the ledger is
         # checked above): audit memory holds one record's JSON, not the archive's, whatever
         # a hostile record carries besides.
-        forced = (self.read(reader, forced_name, "array", dtype=LOGITS_DTYPE, ndim=2)
+        forced = (self.read(reader, forced_name, "array", dtype=LOGITS_DTYPE, ndim=ndim)
                   if forced_name in self.readable else None)
         if forced is not None and rec.get("tier") != "approximate":
             self.add(f"{forced_name}: teacher-forced logits of an episode that is not approximate")
@@ -534,8 +559,9 @@ class _Audit:
         if got is None:
             self.add("plan.json has no list of entries")
             return
-        want = [[e[k] for k in PLAN_KEYS] for e in entries]
-        have = [[e.get(k) for k in PLAN_KEYS] for e in got]
+        # A batch entry's prompts too (core/plan.py); batch-1 entries have none on either side.
+        want = [[e[k] for k in PLAN_KEYS] + [e.get("prompts")] for e in entries]
+        have = [[e.get(k) for k in PLAN_KEYS] + [e.get("prompts")] for e in got]
         if have != want:
             first = next((i for i, (a, b) in enumerate(zip(have, want)) if a != b), min(len(have), len(want)))
             self.add(f"plan.json is not the plan of protocol.json (first difference at entry {first}; "

@@ -155,8 +155,9 @@ def estimate(protocol: Protocol | dict, *, shape: ModelShape, activity: Activity
         int8 = weights_of(c.policy, c.params) == "int8"  # hidden int8 values and a float32 scale a row
         kw = dict(shape=shape, row_bytes=shape.hidden + INT8_SCALE_BYTES if int8 else row_bytes, activity=activity,
                   allowance_bytes=p.allowance_bytes)
-        prefill = call_h2d_bytes(c.policy, dict(c.params), phase="prefill", tokens=p.prefix_tokens, **kw)
-        decode = call_h2d_bytes(c.policy, dict(c.params), phase="decode", tokens=1, **kw)
+        # A batch's call needs the union of every sequence's tokens (docs/protocol.md, "Batched decode").
+        prefill = call_h2d_bytes(c.policy, dict(c.params), phase="prefill", tokens=p.batch * p.prefix_tokens, **kw)
+        decode = call_h2d_bytes(c.policy, dict(c.params), phase="decode", tokens=p.batch, **kw)
         episode = prefill + decode_calls * decode
         n = sum(e["condition"] == c.name for e in entries)
         total = n * episode
@@ -168,8 +169,8 @@ def estimate(protocol: Protocol | dict, *, shape: ModelShape, activity: Activity
     outgoing = shape.layers * shape.ffn * row_bytes
     return {"conditions": rows, "episodes": len(entries), "calls_per_episode": 1 + decode_calls,
             "h2d_gbps": h2d_gbps, "row_bytes": row_bytes,
-            "prefill_active_fraction": activity.union_fraction(p.prefix_tokens),
-            "decode_active_fraction": activity.union_fraction(1),
+            "prefill_active_fraction": activity.union_fraction(p.batch * p.prefix_tokens),
+            "decode_active_fraction": activity.union_fraction(p.batch),
             "param_bytes": params_bytes, "outgoing_bytes": outgoing, "allowance_bytes": p.allowance_bytes,
             "total_bytes": sum(r["total_bytes"] for r in rows),
             "total_transfer_s": sum(r["total_transfer_s"] for r in rows)}

@@ -87,10 +87,25 @@ def divergence_step(reference_tokens: Sequence[int], tokens: Sequence[int]) -> i
     return None if len(reference_tokens) == len(tokens) else min(len(reference_tokens), len(tokens))
 
 
-def fidelity(reference_logits: np.ndarray, forced_logits: np.ndarray, *, reference_tokens: Sequence[int],
-             tokens: Sequence[int]) -> Fidelity:
+def batch_divergence_step(reference_tokens: Sequence, tokens: Sequence) -> int | None:
+    """`divergence_step` of one episode; of a batch (one token list per sequence), the first step
+    at which any sequence leaves its reference's. Batches that do not pair up diverge at 0."""
+    nested = [bool(t) and all(isinstance(x, list) for x in t) for t in (reference_tokens, tokens)]
+    if not any(nested):
+        return divergence_step(reference_tokens, tokens)
+    if not all(nested) or len(reference_tokens) != len(tokens):
+        return 0
+    steps = [divergence_step(a, b) for a, b in zip(reference_tokens, tokens)]
+    found = [s for s in steps if s is not None]
+    return min(found) if found else None
+
+
+def fidelity(reference_logits: np.ndarray, forced_logits: np.ndarray, *, reference_tokens: Sequence,
+             tokens: Sequence) -> Fidelity:
     """Every figure of one episode: `forced_logits` are the condition's, teacher-forced on
-    `reference_tokens` (the reference's greedy tokens); `tokens` its own free-running ones.
+    `reference_tokens` (the reference's greedy tokens); `tokens` its own free-running ones. A
+    batch's (sequences, calls, vocab) logits count every sequence's positions, and its tokens
+    are one list per sequence (`batch_divergence_step`).
 
     Raises ValueError for arrays that cannot be compared (shapes differ, not 2-D float, empty,
     non-finite values): the gate turns that into a failed verdict.
@@ -106,13 +121,15 @@ def fidelity(reference_logits: np.ndarray, forced_logits: np.ndarray, *, referen
     n = ref.shape[0]
     return Fidelity(positions=n, mean_kl=float(kl.mean()), p99_kl=nearest_rank(kl, P99), top1=agree / n,
                     top1_agree=agree, max_abs_logit=worst,
-                    divergence_step=divergence_step(reference_tokens, tokens))
+                    divergence_step=batch_divergence_step(reference_tokens, tokens))
 
 
 def _pair(reference: Any, condition: Any) -> tuple[np.ndarray, np.ndarray]:
     a, b = np.asarray(reference), np.asarray(condition)
-    if a.ndim != 2 or a.shape != b.shape or a.dtype.kind != "f" or b.dtype.kind != "f":
+    if a.ndim not in (2, 3) or a.shape != b.shape or a.dtype.kind != "f" or b.dtype.kind != "f":
         raise ValueError(f"logits {b.dtype}{b.shape} cannot be compared with the reference's {a.dtype}{a.shape}")
+    if a.ndim == 3:  # a batch: every sequence's positions, one after another
+        a, b = a.reshape(-1, a.shape[-1]), b.reshape(-1, b.shape[-1])
     if a.shape[0] < 1 or a.shape[1] < 1:
         raise ValueError(f"logits {a.shape} hold no position")
     if not (np.isfinite(a).all() and np.isfinite(b).all()):

@@ -1,7 +1,7 @@
 """Gates: pure functions from episode records to verdicts. They fail closed on missing data.
 
 An episode, as the gates read it, is the worker's record (fields: core/record.py) plus `logits` (a
-float32 (calls, vocab) array, or None when missing): plan_index, condition, role, prompt,
+float32 (calls, vocab) array, a batch's (sequences, calls, vocab), or None when missing): plan_index, condition, role, prompt,
 status, tokens, wall_s, first_logit_since_entry_s, h2d_weight_bytes, h2d_index_bytes,
 phases.{prefill,decode}.{calls, h2d_bytes, call_s}, memory.{peak_allocated_bytes,
 peak_reserved_bytes, peak_sampled_bytes, ...}. `compute_verdicts` adds `repetition` from the
@@ -131,10 +131,11 @@ def faithfulness(episodes: list[dict], *, reference: str, condition: str, tolera
             problems.append(f"episode {_index(e)}: failed or missing logits")
             continue
         a, b = np.asarray(e["logits"]), np.asarray(ref["logits"])
-        if a.shape != b.shape or a.ndim != 2 or a.dtype.kind != "f" or b.dtype.kind != "f":
+        if a.shape != b.shape or a.ndim not in (2, 3) or a.dtype.kind != "f" or b.dtype.kind != "f":
             problems.append(f"episode {_index(e)}: logits {a.dtype}{a.shape} vs reference {b.dtype}{b.shape}")
             continue
-        diff = _max_abs_diff(a, b)
+        # (calls, vocab), or a batch's (sequences, calls, vocab): every sequence is compared
+        diff = _max_abs_diff(a.reshape(-1, a.shape[-1]), b.reshape(-1, b.shape[-1]))
         if diff is None:
             problems.append(f"episode {_index(e)}: non-finite logits")
             continue

@@ -4,6 +4,11 @@ Layout: every condition's declared warmups first (reference first when baseline_
 `repetitions` x `prompts` scored blocks. A block runs every condition once on one prompt; the
 protocol's `order` arranges the conditions inside each block (see `arrange`). With
 baseline_first the reference opens every block and only the other conditions are arranged.
+
+A protocol with `batch` B > 1 keeps that plan: the episode of prompt p decodes B prompts
+together, p, p+1, ..., p+B-1 modulo the prompt count (`batch_prompts`; B never exceeds the
+count, so they are distinct), and its entry lists them as `prompts`. A batch-1 entry has no
+`prompts` (plans made before batches read the same).
 """
 
 from __future__ import annotations
@@ -114,8 +119,23 @@ def arrange(names: list[str], block: int, order: str) -> list[str]:
     raise ValueError(f"unknown order {order!r}")
 
 
+def batch_prompts(prompt: int, *, batch: int, count: int) -> list[int]:
+    """The prompts an episode of prompt `prompt` decodes together: `batch` consecutive ones from
+    it, wrapping round the protocol's `count` prompts."""
+    return [(prompt + k) % count for k in range(batch)]
+
+
+def episode_input(token_ids: list[list[int]], entry: dict) -> list[int] | list[list[int]]:
+    """What a worker is given for plan entry `entry` (engine/worker.py Worker.run): the prompt's
+    token ids, or for a batch entry the list of its prompts' token ids, in batch order."""
+    if "prompts" in entry:
+        return [token_ids[p] for p in entry["prompts"]]
+    return token_ids[entry["prompt"]]
+
+
 def plan(protocol: Protocol | dict) -> list[dict]:
-    """Every planned episode, in run order: {index, condition, role, prompt, repetition}.
+    """Every planned episode, in run order: {index, condition, role, prompt, repetition}, plus
+    `prompts` (the batch's, `batch_prompts`) when the protocol's batch is above 1.
 
     Warmup w of a condition uses prompt w mod prompts and has repetition None. Scored block
     b = repetition * prompts + prompt.
@@ -137,5 +157,9 @@ def plan(protocol: Protocol | dict) -> list[dict]:
             else:
                 seq = arrange(names, block, proto.order)
             entries += [(cond, "scored", p, rep) for cond in seq]
-    return [{"index": i, "condition": c, "role": r, "prompt": p, "repetition": rep}
-            for i, (c, r, p, rep) in enumerate(entries)]
+    out = [{"index": i, "condition": c, "role": r, "prompt": p, "repetition": rep}
+           for i, (c, r, p, rep) in enumerate(entries)]
+    if proto.batch > 1:
+        for e in out:
+            e["prompts"] = batch_prompts(e["prompt"], batch=proto.batch, count=n_prompts)
+    return out

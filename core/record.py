@@ -29,7 +29,8 @@ class Field:
     type: int, float, str or list (token ids).
     path: where the worker's record holds it, e.g. ("phases", "prefill", "h2d_bytes").
     column: the `episodes` column; None when only the archive keeps it.
-    stored_as: "value" (as is), "json" (canonical JSON text) or "length" (len of the list at path).
+    stored_as: "value" (as is), "json" (canonical JSON text) or "length" (the ids in the list at path:
+        its length, or for a batch's list of lists the sum of theirs, `token_count`).
     required: every record has it, a failed episode's included (`record[key]`, else KeyError).
     nullable: None is stored as None; otherwise a missing or None value is stored as the
         type's zero (0, 0.0, []): a failed episode reports no measurements.
@@ -72,8 +73,9 @@ EPISODE_FIELDS: tuple[Field, ...] = (
     _stored("prompt", int, required=True),
     _stored("status", str, required=True),  # ok | failed
     _stored("error", str, nullable=True, audited=False),  # free text; the archive adds a traceback
+    # Batch 1: the generated ids, one per call; a batch: one such list per sequence.
     _stored("tokens", list, column="tokens_json", stored_as="json"),
-    _stored("n_tokens", int, "tokens", stored_as="length", audited=False),  # derived from tokens
+    _stored("n_tokens", int, "tokens", stored_as="length", audited=False),  # tokens generated, every sequence's
     _stored("wall_s", float),
     _stored("call_s", float, ledger=True),
     _stored("h2d_weight_bytes", int, ledger=True),
@@ -98,6 +100,7 @@ EPISODE_FIELDS: tuple[Field, ...] = (
     _stored("fidelity_max_abs_logit", float, "fidelity", "max_abs_logit", nullable=True),
     _stored("fidelity_divergence_step", int, "fidelity", "divergence_step", nullable=True),
     # Archive only.
+    _kept("prompts", list),  # a batch's prompts, in batch order (core/plan.py batch_prompts); batch 1 has none
     _kept("policy", str),
     _kept("params", dict),
     _kept("tier", str),  # exact | approximate (core.registry.tier_of)
@@ -142,6 +145,11 @@ SORT_NAMES = ("energy_j", "wall_s", "call_s", "h2d_bytes", "d2h_bytes", "peak_al
               "n_tokens", "started_at")
 
 
+def token_count(tokens: Any) -> int:
+    """Token ids a record's `tokens` holds: one list (batch 1) or one list per sequence (a batch)."""
+    return sum(len(t) if isinstance(t, list) else 1 for t in tokens or ())
+
+
 def value_at(record: Any, path: tuple[str, ...]) -> Any:
     """The value at `path`, or None where a level is missing or not a mapping."""
     for key in path:
@@ -161,7 +169,7 @@ def stored_values(record: Mapping[str, Any]) -> dict[str, Any]:
     for f in STORED_FIELDS:
         value = record[f.path[0]] if f.required else value_at(record, f.path)
         if f.stored_as == "length":
-            value = len(value or ())
+            value = token_count(value)
         elif value is None:
             value = f.default
         if f.stored_as == "json":

@@ -281,9 +281,11 @@ def read_archived(path) -> ArchivedScreen:
                           parts.get("start") or {}, parts.get("model_dir"), records)
 
 
-def read_logits(path, indexes) -> dict:
-    """The archived logits of the given plan entries, in one pass over the archive (None where absent)."""
+def read_logits(path, indexes, *, batch: int = 1) -> dict:
+    """The archived logits of the given plan entries, in one pass over the archive (None where
+    absent): (calls, vocab) each, or at a `batch` above 1 (sequences, calls, vocab)."""
+    ndim = 2 if batch == 1 else 3
     with ArchiveReader(path) as reader:
         names = set(reader.names)
-        return {i: reader.read_array(episode_members(i).logits, dtype=LOGITS_DTYPE, ndim=2)
+        return {i: reader.read_array(episode_members(i).logits, dtype=LOGITS_DTYPE, ndim=ndim)
                 if episode_members(i).logits in names else None for i in indexes}

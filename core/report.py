@@ -26,6 +26,7 @@ from core.errors import ArchiveError
 from core.gates import planned_episodes, runtime
 from core.plan import plan
 from core.protocol import MIB, Protocol, expand
+from core.record import token_count
 from core.registry import SHAPES
 
 PHASES = ("prefill", "decode")
@@ -323,7 +324,7 @@ def energy(screen: ScreenData) -> dict[str, list[dict]]:
     for c in screen.conditions:
         for e in screen.of(c):
             j = e.record.get("energy_j")
-            tokens = len(e.record.get("tokens") or [])
+            tokens = token_count(e.record.get("tokens"))
             if isinstance(j, (int, float)) and not isinstance(j, bool) and math.isfinite(j) and tokens:
                 out[c].append({"index": e.index, "energy_j": float(j), "tokens": tokens, "j_per_token": j / tokens})
     return out

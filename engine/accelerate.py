@@ -170,7 +170,7 @@ class AcceleratedModel:
             max_memory_bytes=max_memory, device_bytes=on_device if cuda else 0,
             offloaded_bytes=_bytes(model, "") - (on_device if cuda else 0) if cuda else 0, offloaded_modules=hooked)
 
-    def new_cache(self, capacity: int | None = None, *, mode: str | None = None):
+    def new_cache(self, capacity: int | None = None, *, mode: str | None = None, batch: int = 1):
         if (mode or self.mode) != "eager":
             raise ValueError("an accelerate condition runs in mode eager only")
         from transformers import DynamicCache
@@ -179,9 +179,10 @@ class AcceleratedModel:
 
     @torch.inference_mode()
     def forward(self, ids: torch.Tensor, cache) -> torch.Tensor:
-        """One call: (1, T) token ids in, (vocab,) last-position logits out (on the device)."""
+        """One call: (B, T) token ids in, last-position logits out (on the device): (vocab,) at
+        batch 1, (B, vocab) for a batch."""
         out = self._model(input_ids=ids, use_cache=True, logits_to_keep=1, **{self._cache_kw: cache})
-        return out.logits[0, -1]
+        return out.logits[0, -1] if ids.shape[0] == 1 else out.logits[:, -1]
 
 
 def _bytes(model: torch.nn.Module, prefix: str) -> int:

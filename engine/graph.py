@@ -168,20 +168,22 @@ class GraphDecoder:
         kernel under a policy, e.g. the gather's tile, must not capture its first launch)."""
         self._warm.clear()
 
-    def new_cache(self, capacity: int) -> StaticKV:
+    def new_cache(self, capacity: int, batch: int = 1) -> StaticKV:
         if self.attention not in self.ATTENTION:
             raise ValueError(f"attention must be one of {', '.join(self.ATTENTION)}, got {self.attention!r}")
-        kv = self.decoder.new_cache(capacity)
+        kv = self.decoder.new_cache(capacity, batch)
         kv.eager_reason = graph_refusal(self.slot.policy, self.device)
         kv.attention = self.attention
         return kv
 
     def forward(self, ids: torch.Tensor, kv: StaticKV) -> torch.Tensor:
-        """One call: (1, T) ids -> (vocab,) last logits. The first call of a cache is the prefill."""
+        """One call: (B, T) ids -> last logits ((vocab,) at batch 1, else (B, vocab)). The first
+        call of a cache is the prefill."""
         if kv.length == 0:
             return self.decoder.prefill(ids, kv)
-        if ids.shape != (1, 1):
-            raise ValueError(f"a decode call takes one token, got ids of shape {tuple(ids.shape)}")
+        if ids.shape != (kv.batch, 1):
+            raise ValueError(f"a decode call takes one token per sequence ({kv.batch}), got ids of shape "
+                             f"{tuple(ids.shape)}")
         if kv.length >= kv.capacity:
             raise ValueError(f"the static cache holds {kv.capacity} positions; the episode asked for more")
         position = kv.length
@@ -197,7 +199,7 @@ class GraphDecoder:
             graphs[0].replay()
             step.tape.play(self.recorder)  # host bookkeeping while the GPU runs the first piece
             for i in range(1, len(graphs)):  # layer i-1's attention over the live keys, then piece i
-                if self.attend_views:
+                if step.views:
                     StaticOPT.attend_views(step.views[i - 1], span)
                 else:  # bench.engine's `+attend=matmul`: eager calls' attend, then a copy into the buffer
                     self.decoder.attend(step.queries[i - 1], kv.layers[i - 1], span, None, out=step.attn)
@@ -232,7 +234,7 @@ class GraphDecoder:
         warmed = static_ids is not None  # the episode's first decode call ran eagerly already
         (side, branch), main = self.streams(), torch.cuda.current_stream(self.device)
         if static_ids is None:
-            static_ids = torch.zeros((1, 1), dtype=torch.long, device=self.device)
+            static_ids = torch.zeros((kv.batch, 1), dtype=torch.long, device=self.device)
             static_pos = torch.zeros((1,), dtype=torch.long, device=self.device)
             side.wait_stream(main)  # the prefill's writes and the zeros above come first
         t0, end_s = time.perf_counter(), 0.0
@@ -245,7 +247,7 @@ class GraphDecoder:
             # Capture records, it does not run: the KV slot written here is rewritten by each
             # replay at the position it is given. torch.cuda.graph() would gc.collect() and
             # empty the cache for each piece; capture_begin on one stream and one pool does not.
-            attn = torch.zeros((1, 1, d.hidden), dtype=d.dtype, device=self.device)
+            attn = torch.zeros((kv.batch, 1, d.hidden), dtype=d.dtype, device=self.device)
             with torch.cuda.stream(side):
                 if kv.attention == "static":
                     graph = torch.cuda.CUDAGraph()
@@ -280,6 +282,8 @@ class GraphDecoder:
             d.branch = None
         step = GraphStep(graphs, static_ids, static_pos, queries, attn, static_logits, tape,
                          time.perf_counter() - t0, end_s, warmed)
-        if attn is not None:
+        # Batch 1 attends on 3D views (the same kernels, half the host ops); a batch, or a bench's
+        # `+attend=matmul`, attends as eager calls do: eager decode's own ops, so its bits.
+        if attn is not None and self.attend_views and kv.batch == 1:
             step.views = [d.attention_views(q, kv.layers[i], attn) for i, q in enumerate(queries)]
         return step

@@ -130,21 +130,23 @@ class CpuFirstModel:
                 handle.remove()
             self._early_hooks = []
 
-    def new_cache(self, capacity: int | None = None, *, mode: str | None = None):
+    def new_cache(self, capacity: int | None = None, *, mode: str | None = None, batch: int = 1):
         """A fresh episode cache: DynamicCache (mode "eager") or a StaticKV of `capacity`
-        positions, prefix + continuation (mode "graph"), allocated now and charged in full."""
+        positions, prefix + continuation, for `batch` sequences (mode "graph"), allocated now
+        and charged in full."""
         if check_mode(mode or self.mode) == "graph":
             if capacity is None:
                 raise ValueError("mode graph needs the episode's capacity (prefix + continuation tokens)")
-            return self.graph.new_cache(capacity)
+            return self.graph.new_cache(capacity, batch)
         from transformers import DynamicCache
 
         return DynamicCache()
 
     @torch.inference_mode()
     def forward(self, ids: torch.Tensor, cache) -> torch.Tensor:
-        """One call: (1, T) token ids in, (vocab,) last-position logits out (on the device)."""
+        """One call: (B, T) token ids in, last-position logits out (on the device): (vocab,) at
+        batch 1, (B, vocab) for a batch."""
         if isinstance(cache, StaticKV):
             return self.graph.forward(ids, cache)
         out = self.model(input_ids=ids, use_cache=True, logits_to_keep=1, **{self._cache_kw: cache})
-        return out.logits[0, -1]
+        return out.logits[0, -1] if ids.shape[0] == 1 else out.logits[:, -1]

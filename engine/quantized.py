@@ -261,9 +261,9 @@ class QuantizedModel:
             torch.cuda.synchronize(self.device)
         return time.perf_counter() - t0
 
-    def new_cache(self, capacity: int | None = None, *, mode: str | None = None):
+    def new_cache(self, capacity: int | None = None, *, mode: str | None = None, batch: int = 1):
         mode = mode or self.mode
-        if mode == "eager":
+        if mode == "eager":  # a DynamicCache takes any batch
             from transformers import DynamicCache
 
             return DynamicCache()
@@ -271,6 +271,8 @@ class QuantizedModel:
             raise ValueError(f"unknown competitor mode {mode!r}; use one of {', '.join(COMPETITOR_MODES)}")
         if capacity is None:
             raise ValueError(f"mode {mode} needs the episode's capacity (prefix + continuation tokens)")
+        if batch != 1:  # the protocol refuses it (core/protocol/schema.py _competitor_mode)
+            raise ValueError(f"mode {mode} decodes one sequence; a batch of {batch} runs in mode eager")
         from transformers import StaticCache
 
         kv = self._static.get(capacity)
@@ -286,14 +288,15 @@ class QuantizedModel:
 
     @torch.inference_mode()
     def forward(self, ids: torch.Tensor, cache) -> torch.Tensor:
-        """One call: (1, T) token ids in, (vocab,) last-position logits out (on the device)."""
+        """One call: (B, T) token ids in, last-position logits out (on the device): (vocab,) at
+        batch 1, (B, vocab) for a batch (mode eager only)."""
         if getattr(cache, "mode", None) in ("graph", "compile"):
             return self._static_forward(ids, cache)
         with warnings.catch_warnings():
             # bitsandbytes' llm-int8 warns on every call that it casts float32 inputs to float16
             warnings.filterwarnings("ignore", message="MatMul8bitLt: inputs will be cast")
             out = self._model(input_ids=ids, use_cache=True, logits_to_keep=1, **{self._cache_kw: cache})
-        return out.logits[0, -1]
+        return out.logits[0, -1] if ids.shape[0] == 1 else out.logits[:, -1]
 
     def _call(self, ids: torch.Tensor, pos: torch.Tensor, cache) -> torch.Tensor:
         out = self._model(input_ids=ids, cache_position=pos, use_cache=True, logits_to_keep=1,

@@ -29,19 +29,21 @@ class KVLayer:
 
 
 class StaticKV:
-    """The episode's KV cache, allocated once for `capacity` positions (charged in full).
+    """The episode's KV cache, allocated once for `capacity` positions of `batch` sequences
+    (charged in full).
 
     `length` is the host's count of positions written; the device never reads it. `graph` is
     the decode step captured on this cache (engine/graph.py), or None.
     """
 
     def __init__(self, *, layers: int, heads: int, head_dim: int, capacity: int,
-                 dtype: torch.dtype, device: torch.device) -> None:
-        shape = (1, heads, capacity, head_dim)
+                 dtype: torch.dtype, device: torch.device, batch: int = 1) -> None:
+        shape = (batch, heads, capacity, head_dim)
         # zeros, never empty: unwritten slots meet the mask, and 0 * NaN would not be 0.
         self.layers = [KVLayer(torch.zeros(shape, dtype=dtype, device=device),
                                torch.zeros(shape, dtype=dtype, device=device)) for _ in range(layers)]
         self.capacity = capacity
+        self.batch = batch
         self.length = 0
         self.graph = None
         self.eager_reason: str | None = None  # why decode was not captured (graph mode)
@@ -78,12 +80,13 @@ class StaticOPT:
         # so the graph runs k and v beside q. Same kernels, same inputs: same bits.
         self.branch: "torch.cuda.Stream | None" = None
 
-    def new_cache(self, capacity: int) -> StaticKV:
+    def new_cache(self, capacity: int, batch: int = 1) -> StaticKV:
         return StaticKV(layers=len(self.layers), heads=self.heads, head_dim=self.head_dim, capacity=capacity,
-                        dtype=self.dtype, device=self.embed_weight.device)
+                        dtype=self.dtype, device=self.embed_weight.device, batch=batch)
 
     def prefill(self, ids: torch.Tensor, kv: StaticKV) -> torch.Tensor:
-        """(1, T) ids at positions 0..T-1 -> (vocab,) last logits; attends over exactly T keys."""
+        """(B, T) ids at positions 0..T-1 -> last logits ((vocab,) at batch 1, else (B, vocab));
+        attends over exactly T keys."""
         t = ids.shape[1]
         if t > kv.capacity:
             raise ValueError(f"prefill of {t} tokens does not fit a cache of {kv.capacity}")
@@ -94,7 +97,8 @@ class StaticOPT:
         return logits
 
     def decode(self, ids: torch.Tensor, pos: torch.Tensor, kv: StaticKV, *, span: int) -> torch.Tensor:
-        """(1, 1) ids at device position pos (1,) -> (vocab,) logits, attending over `span` keys.
+        """(B, 1) ids at device position pos (1,) -> logits ((vocab,) at batch 1, else (B, vocab)),
+        attending over `span` keys (every sequence of a batch is at the same position).
 
         span = position + 1 (the live keys) is stock's computation, bit for bit where the same
         kernels run. span = kv.capacity attends over the whole static cache with the unwritten
@@ -124,7 +128,7 @@ class StaticOPT:
         return F.embedding(ids, self.embed_weight) + F.embedding((pos + self.position_offset)[None], self.positions)
 
     def pre(self, i: int, h: torch.Tensor, pos: torch.Tensor, kv: StaticKV) -> torch.Tensor:
-        """Layer i up to attention: (1, T, hidden) -> q (1, heads, T, head_dim); writes K, V at pos."""
+        """Layer i up to attention: (B, T, hidden) -> q (B, heads, T, head_dim); writes K, V at pos."""
         layer, t = self.layers[i], h.shape[1]
         attn, ln = layer.self_attn, layer.self_attn_layer_norm
         x = F.layer_norm(h, ln.normalized_shape, ln.weight, ln.bias, ln.eps)
@@ -139,33 +143,33 @@ class StaticOPT:
                 self._write_kv(x, attn, cache, pos)
             q = F.linear(x, attn.q_proj.weight, attn.q_proj.bias) * self.scaling
             main.wait_stream(branch)
-        return q.view(1, t, self.heads, self.head_dim).transpose(1, 2)
+        return q.view(h.shape[0], t, self.heads, self.head_dim).transpose(1, 2)
 
     def _write_kv(self, x: torch.Tensor, attn, cache: KVLayer, pos: torch.Tensor) -> None:
         """k and v of `x`, written at the device positions `pos`: no host state, so a replay
         writes where it should."""
-        shape = (1, x.shape[1], self.heads, self.head_dim)
+        shape = (x.shape[0], x.shape[1], self.heads, self.head_dim)
         for proj, into in ((attn.k_proj, cache.keys), (attn.v_proj, cache.values)):
             into.index_copy_(2, pos, F.linear(x, proj.weight, proj.bias).view(shape).transpose(1, 2))
 
     def attend(self, q: torch.Tensor, cache: KVLayer, span: int, mask: torch.Tensor | None,
                out: torch.Tensor | None = None) -> torch.Tensor:
-        """eager_attention_forward over the first `span` keys -> (1, T, hidden) (into `out` if given).
+        """eager_attention_forward over the first `span` keys -> (B, T, hidden) (into `out` if given).
 
         Stock calls it with scaling=1.0 (q is already scaled; x * 1.0 is exact, skipped) and, in
         decode, a mask of zeros (x + 0 is exact, skipped: mask None)."""
-        t = q.shape[2]
+        b, t = q.shape[0], q.shape[2]
         scores = torch.matmul(q, cache.keys[:, :, :span].transpose(-1, -2))
         if mask is not None:
             scores = scores + mask
         probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
         o = torch.matmul(probs, cache.values[:, :, :span]).transpose(1, 2)
         if out is not None:
-            return out.view(o.shape).copy_(o).view(1, t, -1)  # a bitwise copy into a static buffer
-        return o.contiguous().reshape(1, t, -1).contiguous()
+            return out.view(o.shape).copy_(o).view(b, t, -1)  # a bitwise copy into a static buffer
+        return o.contiguous().reshape(b, t, -1).contiguous()
 
     def attention_views(self, q: torch.Tensor, cache: KVLayer, out: torch.Tensor) -> tuple:
-        """3D views for `attend_views`: q (1, heads, 1, head_dim) -> (heads, 1, head_dim), the
+        """3D views for `attend_views` (batch 1 only): q (1, heads, 1, head_dim) -> (heads, 1, head_dim), the
         cache's keys and values -> (heads, capacity, head_dim), `out` (1, 1, hidden) -> (heads, 1,
         head_dim). Views of the same memory with the strides torch.matmul's own reshapes give."""
         heads, d = self.heads, self.head_dim
@@ -191,18 +195,19 @@ class StaticOPT:
         out_proj = layer.self_attn.out_proj
         h = h + F.linear(a, out_proj.weight, out_proj.bias)
         shape = h.shape
-        h = h.reshape(-1, h.size(-1))  # (T, hidden), as stock does before the FFN
+        h = h.reshape(-1, h.size(-1))  # (B x T, hidden), as stock does before the FFN
         residual = h
         ln = layer.final_layer_norm
         x = F.layer_norm(h, ln.normalized_shape, ln.weight, ln.bias, ln.eps)
         policy = self.slot.policy
         if policy.starts_early:
             policy.before_layer(i)  # where stock's fc1 pre-hook fires
-        x = F.relu(F.linear(x, layer.fc1.weight, layer.fc1.bias))  # (T, ffn); exact zeros are the point
+        x = F.relu(F.linear(x, layer.fc1.weight, layer.fc1.bias))  # (B x T, ffn); exact zeros are the point
         x = layer.fc2(x)  # OutgoingLinear: the policy's device weight, then F.linear
         return (residual + x).view(shape)
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
         norm = self.final_norm
         h = F.layer_norm(h, norm.normalized_shape, norm.weight, norm.bias, norm.eps)
-        return F.linear(h[:, -1:, :], self.lm_head)[0, -1]  # logits_to_keep=1
+        logits = F.linear(h[:, -1:, :], self.lm_head)[:, -1]  # logits_to_keep=1: (B, vocab)
+        return logits[0] if logits.shape[0] == 1 else logits

@@ -342,8 +342,12 @@ class Worker:
         self.competitor, self.parked, self.shelf = None, False, {}
         self._free()
 
-    def run(self, entry: dict, prompt: list[int]) -> dict:
+    def run(self, entry: dict, prompt: list[int] | list[list[int]]) -> dict:
         """One planned episode -> record (see core/gates.py for the fields the gates read).
+
+        `prompt` is the entry's prompt token ids, or for a batch entry (one with `prompts`,
+        core/plan.py) the list of its prompts' ids (core.plan.episode_input): then the record's
+        tokens hold one list per sequence and its logits are (batch, calls, vocab).
 
         `host_workers` names the other packbench workers on this host that were busy (loading or
         running an episode) at some moment of this one: they shared its cores and memory.
@@ -360,13 +364,13 @@ class Worker:
         return {**record, "host_workers": self.presence.others(since=started),
                 "host_load": host_load(before, cpu_snapshot())}
 
-    def _run(self, entry: dict, prompt: list[int]) -> dict:
+    def _run(self, entry: dict, prompt: list[int] | list[list[int]]) -> dict:
         assert self.model is not None, "load() first"
         policy, params = self.conditions[entry["condition"]]
         tier = tier_of(policy)
         record = {"plan_index": entry["index"], "condition": entry["condition"], "role": entry["role"],
                   "prompt": entry["prompt"], "policy": policy, "params": params, "engine": {"mode": self.mode},
-                  "tier": tier}
+                  "tier": tier, **({"prompts": entry["prompts"]} if "prompts" in entry else {})}
         t0 = time.perf_counter()
         sampler = self.sampler
         forced, forced_from, forced_s = None, None, None

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from core.record import EPISODE_FIELDS, value_at
+from core.record import EPISODE_FIELDS, token_count, value_at
 from core.report import ScreenData, read_screen
 from packbench.frames import Records
 
@@ -46,7 +46,7 @@ class Archive:
         rows = []
         for ep in self.screen.episodes:
             row = {f.name: value_at(ep.record, f.path) for f in ROW_FIELDS}
-            row["n_tokens"] = len(ep.record.get("tokens") or ())
+            row["n_tokens"] = token_count(ep.record.get("tokens"))
             rows.append(row)
         return Records(rows, context=[{"repetition": ep.repetition} for ep in self.screen.episodes])
 

@@ -264,7 +264,7 @@ def reexecute_archive(path: Path, *, k: int, seed: int = 0, settings: Settings |
         rec = archived.records.get(entry["index"])
         if isinstance(rec, dict) and rec.get("status") == "ok" and entry["role"] == "scored":
             walls.setdefault(entry["condition"], ([], []))[0].append(float(rec["wall_s"]))
-    logits = rx.read_logits(path, drawn.episodes)
+    logits = rx.read_logits(path, drawn.episodes, batch=archived.protocol.batch)
     for i in drawn.episodes:
         again = rerun.records[i]
         try:

@@ -51,6 +51,7 @@ from typing import Callable
 
 from core.dispersion import NOISY_CORES, other_cores
 from core.errors import PackbenchError
+from core.plan import episode_input
 from core.protocol import expand
 from core.provenance import Signer
 from core.settings import Settings
@@ -548,7 +549,7 @@ class Scheduler:
         active.submitted += 1
         active.inflight += 1
         self.pool.run(active.slot.worker, Call(CallKind.EPISODE, active.slot, active), entry,
-                      active.token_ids[entry["prompt"]])
+                      episode_input(active.token_ids, entry))
 
     def _episode(self, active: Active, record: dict) -> None:
         if active.stop == Stop.LOST:

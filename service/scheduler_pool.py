@@ -34,7 +34,7 @@ class WorkerPool(Protocol):
              model_cache: str | None, reuse: bool) -> None:
         """Send a screen's model load to `worker`; its start record comes back as a reply to `tag`."""
 
-    def run(self, worker: Any, tag: Any, entry: dict, prompt: list[int]) -> None:
+    def run(self, worker: Any, tag: Any, entry: dict, prompt: list[int] | list[list[int]]) -> None:
         """Send one planned episode to `worker`; its record comes back as a reply to `tag`."""
 
     def in_flight(self) -> int:

@@ -16,7 +16,9 @@ it writes a competitor's omitted mode out (core.registry.FASTEST_MODE), so a pro
 competitor freezes as schema 6; one without any still freezes as 5, 2 or 1. A schema-5 body's
 competitors have no mode and run eager. Schema 6 also adds parameters no earlier schema can say
 (a registry param's `since`: `weights` of dense-stream and packet, core.registry.WEIGHT_FORMATS);
-a condition giving one freezes as 6.
+a condition giving one freezes as 6. Schema 6 also adds `batch`, the sequences decoded together
+(1 to MAX_BATCH, at most the prompt count): a batch above 1 freezes as 6, batch 1 is left out
+(every protocol without the field keeps its body and hash).
 Every rule a field obeys is written once, here; docs/protocol.md describes them for users.
 """
 
@@ -74,6 +76,7 @@ MAX_EPISODES = 100_000  # planned episodes, warmups included
 MAX_CONDITIONS = 16
 MAX_PROMPTS = 100_000
 MAX_PROMPT_TOKENS = 1 << 21  # prompts x prefix_tokens: the token ids plan.json holds (<= ~13 MB of JSON)
+MAX_BATCH = 64  # sequences decoded together (issue 26 measures 1 to 32)
 MAX_RESAMPLES = 100_000  # per runtime gate entry
 # Draws of every runtime bootstrap of a screen together: sum over runtime entries and compared
 # conditions of resamples x pairs. 2**27 draws take ~2-4 s on one core (docs/benchmarks.md).
@@ -206,7 +209,7 @@ def _params(policy: str, value: Any, path: str, *, schema: int) -> dict:
     return out
 
 
-def _conditions(value: Any, *, schema: int) -> list[dict]:
+def _conditions(value: Any, *, schema: int, batch: int = 1) -> list[dict]:
     if not isinstance(value, list) or not value:
         _fail("conditions", f"{_show(value)} is not allowed; expected a non-empty list of {{name, policy, params}}")
     if len(value) > MAX_CONDITIONS:
@@ -227,20 +230,23 @@ def _conditions(value: Any, *, schema: int) -> list[dict]:
         names.add(name)
         params = _params(policy, c.get("params"), f"{path}.params", schema=schema)
         if policy in COMPETITOR_PARAMS:
-            params = _competitor_mode(policy, params, f"{path}.params.mode", schema=schema)
+            params = _competitor_mode(policy, params, f"{path}.params.mode", schema=schema, batch=batch)
         out.append({"name": name, "policy": policy, "params": params})
     return out
 
 
-def _competitor_mode(policy: str, params: dict, path: str, *, schema: int) -> dict:
-    """Schema 6 writes a competitor's mode out (given, or the fastest its library runs in); an
-    earlier schema cannot say one (its competitors run eager). A mode the library cannot run is
-    refused here, before anything is queued."""
+def _competitor_mode(policy: str, params: dict, path: str, *, schema: int, batch: int = 1) -> dict:
+    """Schema 6 writes a competitor's mode out (given, or the fastest its library runs in; eager
+    at a batch above 1); an earlier schema cannot say one (its competitors run eager). A mode the
+    library cannot run is refused here, before anything is queued."""
     if schema < MODE_SCHEMA:
         if "mode" in params:
             _fail(path, f"needs schema {MODE_SCHEMA}; write schema: {MODE_SCHEMA} or omit `schema:`")
         return params
-    mode = params.get("mode") or FASTEST_MODE[competitor_library(policy, params)]
+    mode = params.get("mode") or ("eager" if batch > 1 else FASTEST_MODE[competitor_library(policy, params)])
+    if batch > 1 and mode != "eager":
+        _fail(path, f"{mode} is not possible at batch {batch} (a competitor's captured or compiled step decodes "
+                    f"one sequence); use mode eager or batch 1")
     why = mode_refusal(policy, params, mode)
     if why is not None:
         _fail(path, f"{mode} is not possible for {params.get('method', policy)} ({why}); use mode eager")
@@ -375,6 +381,14 @@ def _engine(value: Any) -> dict:
     return {} if mode == "eager" else {"mode": mode}
 
 
+def _batch(value: Any, *, schema: int, given: bool) -> int:
+    """Sequences decoded together: every call feeds `batch` prompts at once (core/plan.py
+    `batch_prompts` says which), the packet being the union of their active rows."""
+    if given and schema < MODE_SCHEMA:
+        _fail("batch", f"needs schema {MODE_SCHEMA}; write schema: {MODE_SCHEMA} or omit `schema:`")
+    return _int(value, "batch", minimum=1, maximum=MAX_BATCH)
+
+
 def _placement(value: Any) -> dict:
     """Where a screen may run: a GPU type (Ray's accelerator_type, e.g. H200), a node (Ray node
     id), and whether it wants its node to itself. Only what is given is kept."""
@@ -431,7 +445,7 @@ def _full(raw: Any, *, base_dir: Path | None) -> dict:
         "schema": False, "name": True, "model": True, "dtype": True, "prompts": True, "prefix_tokens": True,
         "continuation_tokens": True, "conditions": True, "reference": True, "warmups": False,
         "repetitions": False, "order": False, "baseline_first": False, "allowance_mib": True,
-        "recording": False, "gates": True, "placement": False, "engine": False,
+        "recording": False, "gates": True, "placement": False, "engine": False, "batch": False,
     })
     declared = p.get("schema", SCHEMA_VERSION)
     if isinstance(declared, bool) or declared not in SCHEMAS:
@@ -439,7 +453,8 @@ def _full(raw: Any, *, base_dir: Path | None) -> dict:
         _fail("schema", f"{_show(declared)} is not supported; this packbench reads schema {readable} "
                         f"(omit `schema:` for the newest, {SCHEMA_VERSION})")
     prefix = _int(p["prefix_tokens"], "prefix_tokens", minimum=1, maximum=MAX_TOKENS)
-    conditions = _conditions(p["conditions"], schema=declared)
+    batch = _batch(p.get("batch", 1), schema=declared, given="batch" in p)
+    conditions = _conditions(p["conditions"], schema=declared, batch=batch)
     names = tuple(c["name"] for c in conditions)
     full = {
         "schema": 2,
@@ -466,6 +481,9 @@ def _full(raw: Any, *, base_dir: Path | None) -> dict:
         full["schema"] = MODE_SCHEMA  # an accelerate condition or a competitor's mode: the body says 6
     full["schema"] = max([full["schema"], *(getattr(CONDITION_PARAMS[c["policy"]][key], "since", 1)
                                              for c in conditions for key in c["params"])])
+    if batch > 1:  # batch 1 (or absent) is left out, so every protocol frozen before it keeps its hash
+        full["batch"] = batch
+        full["schema"] = MODE_SCHEMA
     engine = _engine(p.get("engine"))
     if engine:  # eager (or absent): left out, so every protocol frozen before modes keeps its hash
         full["engine"] = engine
@@ -495,6 +513,14 @@ def _cross_checks(full: dict) -> None:
     if prompts_n > MAX_PROMPTS or prompts_n * full["prefix_tokens"] > MAX_PROMPT_TOKENS:
         _fail("prompts", f"{prompts_n} prompts of {full['prefix_tokens']} tokens: more than {MAX_PROMPTS} prompts "
                          f"or {MAX_PROMPT_TOKENS} prompt tokens; split the screen")
+    batch = full.get("batch", 1)
+    if batch > prompts_n:
+        _fail("batch", f"{batch} sequences need at least {batch} prompts, the protocol declares {prompts_n}; "
+                       f"declare more prompts or a smaller batch")
+    if batch * full["continuation_tokens"] > MAX_CONTINUATION:
+        _fail("batch", f"{batch} x {full['continuation_tokens']} continuation tokens keep "
+                       f"{batch * full['continuation_tokens']} logits rows an episode, more than {MAX_CONTINUATION}; "
+                       f"lower batch or continuation_tokens")
     pairs = full["repetitions"] * prompts_n  # scored episodes per condition: the bootstrap's pairs
     draws = sum(g["resamples"] * pairs * (len(full["conditions"]) - 1) for g in gates.get("runtime", []))
     if draws > MAX_BOOTSTRAP_DRAWS:

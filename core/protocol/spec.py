@@ -168,6 +168,7 @@ class Protocol:
     gates: Gates
     placement: Placement
     engine_mode: str  # eager | graph (engine/graph.py)
+    batch: int  # sequences decoded together (1: one prompt an episode, as every schema before 6)
     full: Mapping[str, Any]  # the full schema-2 form (read-only), as docs/protocol.md lists it
 
     def __eq__(self, other: object) -> bool:
@@ -278,7 +279,7 @@ def expand(body: Any) -> Protocol:
         repetitions=full["repetitions"], order=full["order"], baseline_first=full["baseline_first"],
         allowance_mib=full["allowance_mib"], recording=full["recording"], gates=_gates(full["gates"]),
         placement=Placement(**full.get("placement", {})), engine_mode=full.get("engine", {}).get("mode", "eager"),
-        full=_freeze_data(full))
+        batch=full.get("batch", 1), full=_freeze_data(full))
 
 
 def prompt_count(body: Any) -> int:

@@ -1,0 +1,174 @@
+"""Batched decode against batch size (issue 26, target 3): ms per token per sequence and bytes per
+decode call of dense-stream, `packet {gather: device}` and an int8 low-bit resident competitor,
+at each batch, on one calibrated synthetic checkpoint under the allowance.
+
+  python -m bench.batch --shape opt-2.7b --batches 1,2,4,8,16,32 --mode graph --allowance-mib 4800
+
+Method: one process. The CPU-first model's two loaders alternate per round at each batch (the
+same B prompts, drawn as a protocol's generator draws them), a warm-up episode first; packet's
+logits must equal dense-stream's bit for bit at the same batch. Then the CPU-first model's device
+part moves to the host and the competitor (torchao int8 weight-only, mode eager: what a batch runs
+competitors in) is built and timed on the same prompts. Decode is the median ms per decode call
+over every scored call, divided by B for ms per token per sequence; bytes per call are the
+decode calls' mean host-to-device bytes (weights and indices). An episode that fails (an
+out-of-memory under the allowance: the KV cache grows with B) is printed as its error, and the
+run goes on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import statistics
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from core.plan import BOS
+from engine.allowance import impose
+from engine.episode import run_episode
+from engine.model import CpuFirstModel
+from engine.sampler import device_uuid, nvml_handle
+from engine.shapes import dtype_of
+from engine.synth import synth_checkpoint
+
+MIB = 1 << 20
+LOADERS = {"dense-stream": ("dense-stream", {}), "packet": ("packet", {"gather": "device"})}
+COMPETITOR = "int8-weight-only"
+
+
+def batch_prompts(batch: int, *, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    """B prompts as a protocol's generator draws them (core/plan.py prompts)."""
+    rng = np.random.Generator(np.random.PCG64(seed))
+    return [[BOS] + rng.integers(4, vocab, size=length - 1).tolist() for _ in range(batch)]
+
+
+def measure(model, prompts: list[list[int]], continuation: int) -> dict:
+    """One episode's decode figures (or its error)."""
+    try:
+        out = run_episode(model, prompts if len(prompts) > 1 else prompts[0], continuation=continuation)
+    except Exception as e:  # an OOM under the allowance, say: reported, the run goes on
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        return {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:80] if str(e) else ''}"}
+    decode = [c for c in out.calls if c.phase == "decode"]
+    return {"ms": [c.wall_s * 1e3 for c in decode], "logits": out.logits,
+            "bytes": statistics.fmean(sum(c.h2d_weight_bytes) + sum(c.h2d_index_bytes) for c in decode)}
+
+
+def rounds(run, rounds_n: int) -> dict:
+    """A warm-up episode, then `rounds_n` scored ones: their decode calls pooled."""
+    first = run()
+    if "error" in first:
+        return first
+    scored = [run() for _ in range(rounds_n)]
+    failed = next((r for r in scored if "error" in r), None)
+    if failed is not None:
+        return failed
+    return {"ms": [m for r in scored for m in r["ms"]], "bytes": scored[-1]["bytes"], "logits": scored[-1]["logits"]}
+
+
+def loaders(model: CpuFirstModel, batches: list[int], args, vocab: int) -> dict:
+    """(condition, B) -> figures for the CPU-first model's loaders, alternated per round."""
+    out: dict = {}
+    for b in batches:
+        prompts = batch_prompts(b, length=args.prefix, vocab=vocab)
+        got: dict[str, list[dict]] = {name: [] for name in LOADERS}
+        for r in range(args.rounds + 1):  # round 0: the warm-ups
+            names = list(LOADERS) if r % 2 == 0 else list(reversed(LOADERS))
+            for name in names:
+                policy, params = LOADERS[name]
+                model.use(policy, **params)
+                got[name].append(measure(model, prompts, args.continuation))
+        for name, runs in got.items():
+            failed = next((x for x in runs if "error" in x), None)
+            out[name, b] = failed or {"ms": [m for x in runs[1:] for m in x["ms"]], "bytes": runs[-1]["bytes"],
+                                      "logits": runs[-1]["logits"]}
+        print(f"batch {b:3d}: {cell(out['dense-stream', b], b)} dense-stream, {cell(out['packet', b], b)} packet",
+              flush=True)
+    return out
+
+
+def competitor(model: CpuFirstModel, batches: list[int], args, vocab: int, device: torch.device) -> dict:
+    """(int8, B) -> figures for the low-bit model, built once the CPU-first model's device part
+    has moved to the host (both would not fit one allowance)."""
+    from engine.quantized import QuantizedModel
+
+    if model.slot.policy is not None:
+        model.slot.policy.deactivate()
+        model.slot.policy = None
+    model.weights.to("cpu")
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    try:
+        q = QuantizedModel(model.model_dir, method=COMPETITOR, dtype=model.dtype, device=device)
+    except Exception as e:  # a missing library: every cell says why
+        return {("int8", b): {"error": f"{type(e).__name__}: {str(e)[:80]}"} for b in batches}
+    q.mode = "eager"
+    out = {}
+    for b in batches:
+        prompts = batch_prompts(b, length=args.prefix, vocab=vocab)
+        out["int8", b] = rounds(lambda: measure(q, prompts, args.continuation), args.rounds)
+        print(f"batch {b:3d}: {cell(out['int8', b], b)} int8", flush=True)
+    return out
+
+
+def cell(r: dict, b: int) -> str:
+    if "error" in r:
+        return r["error"][:40]
+    return f"{statistics.median(r['ms']) / b:8.3f} ms/token/seq"
+
+
+def table(rows: dict, batches: list[int]) -> None:
+    print("\n| batch | dense-stream ms/tok/seq | packet ms/tok/seq | int8 ms/tok/seq | dense MB/call | packet MB/call "
+          "| packet / dense bytes | packet / dense time | packet / int8 time | packet exact |")
+    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
+    for b in batches:
+        d, p, q = rows["dense-stream", b], rows["packet", b], rows["int8", b]
+        t = {k: (statistics.median(r["ms"]) / b if "error" not in r else None) for k, r in (("d", d), ("p", p), ("q", q))}
+        fmt = lambda v: "fail" if v is None else f"{v:.3f}"  # noqa: E731
+        ratio = lambda a, c: "-" if a is None or c is None else f"{a / c:.3f}"  # noqa: E731
+        mb = lambda r: "fail" if "error" in r else f"{r['bytes'] / 1e6:.1f}"  # noqa: E731
+        exact = ("-" if "error" in d or "error" in p else
+                 "yes" if p["logits"].tobytes() == d["logits"].tobytes() else "NO")
+        byte_ratio = "-" if "error" in d or "error" in p else f"{p['bytes'] / d['bytes']:.4f}"
+        print(f"| {b} | {fmt(t['d'])} | {fmt(t['p'])} | {fmt(t['q'])} | {mb(d)} | {mb(p)} | {byte_ratio} "
+              f"| {ratio(t['p'], t['d'])} | {ratio(t['p'], t['q'])} | {exact} |")
+    for other in ("dense-stream", "int8"):
+        lost = [b for b in batches if "error" not in rows["packet", b] and "error" not in rows[other, b]
+                and statistics.median(rows["packet", b]["ms"]) >= statistics.median(rows[other, b]["ms"])]
+        print(f"packets stop paying against {other}: " + (f"from batch {lost[0]}" if lost else "not within these batches"))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shape", default="opt-2.7b")
+    ap.add_argument("--dtype", default="float16")
+    ap.add_argument("--batches", default="1,2,4,8,16,32")
+    ap.add_argument("--prefix", type=int, default=64)
+    ap.add_argument("--continuation", type=int, default=16)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--mode", default="graph", choices=("eager", "graph"))
+    ap.add_argument("--allowance-mib", type=int, default=4800)
+    ap.add_argument("--dir", default="/tmp/batch-models")
+    a = ap.parse_args()
+    batches = [int(b) for b in a.batches.split(",")]
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    path = Path(a.dir) / f"{a.shape}-{a.dtype}-opt"
+    if not (path / "config.json").exists():
+        synth_checkpoint(path, shape=a.shape, dtype=a.dtype, seed=0, profile="opt")
+    handle = nvml_handle(device_uuid(device.index or 0)) if device.type == "cuda" else None
+    context = impose(device, a.allowance_mib * MIB, handle) if device.type == "cuda" else 0
+    model = CpuFirstModel(path, dtype=dtype_of(a.dtype), device=device, mode=a.mode)
+    print(f"{a.shape} {a.dtype}, prefix {a.prefix} + {a.continuation}, mode {a.mode} (int8: eager), "
+          f"allowance {a.allowance_mib} MiB (CUDA context {context / MIB:.0f} MiB charged), {a.rounds} rounds",
+          flush=True)
+    rows = loaders(model, batches, a, model.vocab)
+    rows.update(competitor(model, batches, a, model.vocab, device))
+    table(rows, batches)
+
+
+if __name__ == "__main__":
+    main()

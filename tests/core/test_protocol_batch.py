@@ -1,0 +1,97 @@
+"""`batch` (schema 6): the sequences an episode decodes together. A protocol without it, or with
+batch 1, freezes to the body and hash it always had; a batch above 1 freezes as schema 6 and
+plans consecutive prompts; a bad value is one line naming the field, exit 2 through the CLI."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from core.errors import ProtocolError
+from core.plan import batch_prompts, episode_input, plan
+from core.protocol import expand, freeze, validate
+from tests.core.test_protocol_schema4 import TINY, protocol
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_without_batch_or_at_batch_1_a_protocol_freezes_as_it_always_did():
+    raw = protocol(TINY)
+    before = freeze(raw)
+    assert "batch" not in before.body and before.body["schema"] == 2
+    assert freeze({**raw, "batch": 1}).body == before.body  # batch 1 is left out: one meaning, one hash
+    assert freeze({**raw, "batch": 1}).sha256 == before.sha256
+    assert expand(before.body).batch == 1
+    assert all("prompts" not in e for e in plan(before.body))
+
+
+def test_a_batch_freezes_as_schema_6_and_validates_to_itself():
+    frozen = freeze(protocol(TINY, batch=2))
+    assert frozen.body["schema"] == 6 and frozen.body["batch"] == 2
+    assert validate(frozen.body) == frozen.body and expand(frozen.body).batch == 2
+    assert frozen.sha256 != freeze(protocol(TINY)).sha256
+    # the quickstart freezes as schema 1 (packbench 0.1's body), which cannot say a batch
+    quick = yaml.safe_load((ROOT / "protocols" / "quickstart.yaml").read_text())
+    assert freeze(quick).body["schema"] == 1
+    assert freeze({**quick, "schema": 6, "batch": 3}).body["schema"] == 6
+
+
+def test_the_plan_decodes_consecutive_prompts_wrapping_round():
+    body = freeze(protocol(TINY, batch=2)).body  # quickstart: 3 prompts, 1 warmup each
+    entries = plan(body)
+    assert [e["prompts"] for e in entries if e["role"] == "scored"][::2] == [[0, 1], [1, 2], [2, 0]]
+    assert [e["prompts"] for e in entries if e["role"] == "warmup"] == [[0, 1], [0, 1]]
+    assert [{k: v for k, v in e.items() if k != "prompts"} for e in entries] == plan(freeze(protocol(TINY)).body)
+    assert batch_prompts(3, batch=4, count=5) == [3, 4, 0, 1]
+    ids = [[10], [11], [12]]
+    assert episode_input(ids, entries[0]) == [[10], [11]] and episode_input(ids, {"prompt": 2}) == [12]
+
+
+def test_competitors_at_a_batch_run_eager():
+    conditions = [{"policy": "dense-stream"}, {"name": "q", "policy": "quantized",
+                                               "params": {"method": "int8-weight-only"}}]
+    frozen = freeze(protocol(TINY, batch=2, conditions=conditions))
+    assert frozen.body["conditions"][1]["params"]["mode"] == "eager"  # at batch 1 torchao's fastest: compile
+    assert freeze(protocol(TINY, conditions=conditions)).body["conditions"][1]["params"]["mode"] == "compile"
+
+
+@pytest.mark.parametrize("changes, fragment", [
+    ({"batch": 0}, "protocol field `batch`: 0 is not an integer in [1, 64]"),
+    ({"batch": 65}, "protocol field `batch`: 65 is not an integer in [1, 64]"),
+    ({"batch": "4"}, "protocol field `batch`: '4' is not an integer in [1, 64]"),
+    ({"batch": True}, "protocol field `batch`: True is not an integer in [1, 64]"),
+    ({"batch": 4}, "protocol field `batch`: 4 sequences need at least 4 prompts, the protocol declares 3"),
+    ({"batch": 2, "schema": 5}, "protocol field `batch`: needs schema 6; write schema: 6 or omit `schema:`"),
+    ({"batch": 2, "continuation_tokens": 8000},
+     "protocol field `batch`: 2 x 8000 continuation tokens keep 16000 logits rows an episode, more than 8192"),
+    ({"batch": 2, "conditions": [{"policy": "dense-stream"}, {"name": "q", "policy": "quantized", "params": {
+        "method": "int8-weight-only", "mode": "compile"}}]},
+     "`conditions[1].params.mode`: compile is not possible at batch 2 (a competitor's captured or compiled step"),
+])
+def test_bad_batches_are_one_line_naming_the_field(changes, fragment):
+    with pytest.raises(ProtocolError) as e:
+        validate(protocol(TINY, **changes))
+    assert fragment in str(e.value) and "\n" not in str(e.value)
+
+
+def test_the_cli_refuses_a_bad_batch_in_one_line_exit_2(tmp_path):
+    (tmp_path / "p.yaml").write_text(yaml.safe_dump(protocol(TINY, batch=-2)))
+    r = subprocess.run([sys.executable, "-m", "cli", "protocol", "validate", str(tmp_path / "p.yaml")],
+                       capture_output=True, text=True, timeout=120, cwd=ROOT)
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(lines) == 1 and "Traceback" not in r.stderr, r.stderr
+    assert "protocol field `batch`: -2 is not an integer in [1, 64]" in lines[0]
+
+
+def test_the_plan_estimate_charges_a_batch_the_union_of_its_sequences():
+    from core.estimate import Activity, ModelShape, estimate
+
+    shape, activity = ModelShape.of("tiny"), Activity(0.94)
+    one = {c["condition"]: c for c in estimate(freeze(protocol(TINY)).body, shape=shape,
+                                               activity=activity)["conditions"]}
+    two = {c["condition"]: c for c in estimate(freeze(protocol(TINY, batch=2)).body, shape=shape,
+                                               activity=activity)["conditions"]}
+    assert one["packet"]["decode_call_bytes"] < two["packet"]["decode_call_bytes"] < 2 * one["packet"]["decode_call_bytes"]
+    assert two["dense-stream"]["decode_call_bytes"] == one["dense-stream"]["decode_call_bytes"]
