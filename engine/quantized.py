@@ -240,7 +240,7 @@ class QuantizedModel:
         ready here, not in the next episode's first decode call: a captured graph (mode graph) is
         captured again, a compiled step's CUDA graphs are re-recorded under the same compiled code
         (three calls: warm-up, record, replay). Their writes to the KV cache are zeroed by
-        `new_cache` before the episode reads it."""
+        `new_cache` before the episode reads it. The seconds are kept as `unshelve_s`."""
         t0 = time.perf_counter()
         self.weights.to(self.device)
         for kv in self._static.values():
@@ -259,7 +259,8 @@ class QuantizedModel:
                 step.rerecorded += 1
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        return time.perf_counter() - t0
+        self.unshelve_s = time.perf_counter() - t0
+        return self.unshelve_s
 
     def new_cache(self, capacity: int | None = None, *, mode: str | None = None, batch: int = 1):
         mode = mode or self.mode

@@ -137,7 +137,6 @@ class Worker:
         # Competitors that moved to the host when another condition took the device, kept with
         # their quantization and compiled step (QuantizedModel.shelve; torchao's only).
         self.shelf: dict[tuple, QuantizedModel] = {}
-        self.unshelve_s = 0.0  # the last move back from the shelf (QuantizedModel.unshelve)
         # Build figures of every quantized method the loaded protocol names, from load().
         self.quantized: dict[str, dict] = {}
         # prompt -> (plan index, tokens) of the first finished reference episode of the current
@@ -270,8 +269,7 @@ class Worker:
                 raise
             self.quantized[method] = {**model.stats.as_dict(), "state": state}
             del model  # else it stays on the device while the next method builds (an OOM at 4800 MiB)
-        keys = {("quantized", params["method"], self.dtype, str(self.path))
-                for policy, params in competitors if policy == "quantized"}
+        keys = {self._competitor_key(policy, params) for policy, params in competitors if policy == "quantized"}
         self.shelf = {k: m for k, m in self.shelf.items() if k in keys}
         if not competitors:
             self.release_competitor()
@@ -281,7 +279,7 @@ class Worker:
         """The device holding only `policy`'s model: the CPU-first model parked, another
         competitor released, this one built if it is not the one held. Returns it and
         "warm" (held already) or "cold" (built now)."""
-        key = (policy, params.get("method"), self.dtype, str(self.path))
+        key = self._competitor_key(policy, params)
         if self.model.slot.policy is not None:  # the last exact condition's buffers are not its to hold
             self.model.slot.policy.deactivate()
             self.model.slot.policy = None
@@ -291,7 +289,7 @@ class Worker:
         self.release_competitor()
         if key in self.shelf:
             model = self.shelf.pop(key)
-            self.unshelve_s = model.unshelve()
+            model.unshelve()
             self.competitor = (key, model)
             return model, "shelved"
         if policy == "quantized":
@@ -301,6 +299,10 @@ class Worker:
                                      context_bytes=self.context, capacity=self.capacity)
         self.competitor = (key, model)
         return model, "cold"
+
+    def _competitor_key(self, policy: str, params: dict) -> tuple:
+        """What identifies a built competitor: its policy, method, dtype and checkpoint."""
+        return (policy, params.get("method"), self.dtype, str(self.path))
 
     def park(self) -> None:
         """Move the CPU-first model's device tensors (everything but the outgoing weights, which
@@ -380,7 +382,7 @@ class Worker:
                 model, state = self._competitor(policy, params)
                 built = {**model.stats.as_dict(), "state": state}
                 if state == "shelved":  # the move back and the graphs made again, outside the episode's wall
-                    built["unshelve_s"] = self.unshelve_s
+                    built["unshelve_s"] = model.unshelve_s
                 mode = resolved_params(policy, params)["mode"]  # frozen in the condition (schema 6), else eager
             else:
                 self.release_competitor()
