@@ -33,6 +33,29 @@ def step(name: str, fn):
     return out
 
 
+def left_on_device(top: int = 8) -> None:
+    """The largest CUDA tensors still alive (after a shelve, nothing of the model should be)."""
+    import gc
+
+    if not torch.cuda.is_available():
+        return
+    torch.cuda.empty_cache()
+    seen, found = set(), []
+    for o in gc.get_objects():
+        try:
+            if isinstance(o, torch.Tensor) and o.is_cuda and o.untyped_storage().data_ptr() not in seen:
+                seen.add(o.untyped_storage().data_ptr())
+                found.append((o.untyped_storage().nbytes(), tuple(o.shape), str(o.dtype), type(o).__name__))
+        except Exception:  # noqa: BLE001 - a tensor subclass without storage: skipped
+            continue
+    found.sort(reverse=True)
+    print(f"    live CUDA tensors: {len(found)}, {sum(f[0] for f in found) / 2**20:.0f} MiB; allocated "
+          f"{torch.cuda.memory_allocated() / 2**20:.0f} MiB, reserved {torch.cuda.memory_reserved() / 2**20:.0f} MiB",
+          flush=True)
+    for nbytes, shape, dtype, kind in found[:top]:
+        print(f"      {nbytes / 2**20:9.1f} MiB {kind} {shape} {dtype}", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", default="opt-2.7b")
@@ -60,6 +83,7 @@ def main() -> None:
                     print(f"    decode median {decode[len(decode) // 2] * 1e3:.2f} ms/call; {r.decode_graph}", flush=True)
         if q.can_shelve:
             step(f"{method}: shelve", q.shelve)
+            left_on_device()
             step(f"{method}: unshelve", q.unshelve)
             mode = a.modes.split(",")[-1]
             r = step(f"{method}: episode after unshelve {mode}", lambda: run_episode(q, prompt, continuation=a.continuation, mode=mode))

@@ -72,11 +72,12 @@ COPIES = {"single": SingleStreamDense}
 
 def use(model: CpuFirstModel, policy: str, params: dict) -> None:
     """model.use, or a bench-only variant named by `copies` or `tile` (parse_condition checked it):
-    `tile` runs the device gather's Triton kernel with that tile instead of engine.gather's choice."""
+    `tile` runs the device gather's Triton kernel with that tile instead of engine.gather's choice,
+    `split` with that column split (engine.gather.SPLIT_TOKENS)."""
     params = dict(params)
-    tile = params.pop("tile", None)
-    if tile != gather.TILE_OVERRIDE:  # another tile is another Triton kernel: warm it up before a capture
-        gather.TILE_OVERRIDE = tile
+    tile, split = params.pop("tile", None), params.pop("split", None)
+    if tile != gather.TILE_OVERRIDE or split != gather.SPLIT_OVERRIDE:  # another kernel: warm up before a capture
+        gather.TILE_OVERRIDE, gather.SPLIT_OVERRIDE = tile, split
         model.graph.forget_warm_ups()
     copies = params.pop("copies", None)
     if copies is None:
@@ -115,6 +116,11 @@ def parse_condition(spec: str) -> tuple[str, dict, bool, str]:
             if policy not in ("packet", "phase-switched") or len(value.split(":")) != 3:
                 raise SystemExit(f"{spec}: +tile=ROWS:COLUMNS:WARPS is the device gather's (packet, phase-switched)")
             params["tile"] = tuple(int(v) for v in value.split(":"))
+        elif key == "split":
+            if policy not in ("packet", "phase-switched") or not value.isdigit():
+                raise SystemExit(f"{spec}: +split=TOKENS is the device gather's (packet, phase-switched): calls "
+                                 f"of at most TOKENS tokens split a neuron block's columns over programs (0: never)")
+            params["split"] = int(value)
         elif key == "copies" and (policy != "dense-stream" or value not in COPIES):
             raise SystemExit(f"{spec}: +copies= is dense-stream's only, one of {', '.join(COPIES)}")
         else:
@@ -327,18 +333,23 @@ def main() -> None:
         atexit.register(stop_accelerate, accelerate)  # on any exit: a live child would block it
         policies.append("accelerate")
 
-    # The reference runs in the mode of the conditions it judges: one dense-stream per mode.
+    # The reference runs in the mode of the conditions it judges: one dense-stream per mode, and
+    # over int8 rows for the int8 conditions (`+weights=int8`: exact against the int8 dense-stream).
     modes = sorted({parse_condition(name)[3] for name in policies if name != "accelerate"} | {"eager"})
+    int8_modes = sorted({parse_condition(name)[3] for name in policies
+                         if name != "accelerate" and parse_condition(name)[1].get("weights") == "int8"})
     refs = {}
-    for mode in modes:
-        model.use("dense-stream")
-        refs[mode] = [run_episode(model, p, continuation=args.continuation, mode=set_mode(model, mode))
-                      for p in prompts]
-        model.use("dense-stream")
+    for mode, weights in [(m, "dtype") for m in modes] + [(m, "int8") for m in int8_modes]:
+        key = mode if weights == "dtype" else (mode, "int8")
+        model.use("dense-stream", weights=weights)
+        refs[key] = [run_episode(model, p, continuation=args.continuation, mode=set_mode(model, mode))
+                     for p in prompts]
+        model.use("dense-stream", weights=weights)
         again = run_episode(model, prompts[0], continuation=args.continuation, mode=set_mode(model, mode))
-        print(f"dense-stream (mode {mode}) reproduces itself: {np.array_equal(refs[mode][0].logits, again.logits)}")
+        print(f"dense-stream (mode {mode}, weights {weights}) reproduces itself: "
+              f"{np.array_equal(refs[key][0].logits, again.logits)}")
     for mode in modes:
-        if mode != "eager":
+        if mode != "eager":  # mode graph's own decoder against stock transformers (fp16 weights)
             same = [np.array_equal(a.logits, b.logits) for a, b in zip(refs[mode], refs["eager"])]
             toks = [a.tokens == b.tokens for a, b in zip(refs[mode], refs["eager"])]
             diff = max(float(np.abs(a.logits - b.logits).max()) for a, b in zip(refs[mode], refs["eager"]))
@@ -375,7 +386,7 @@ def main() -> None:
                     row["exact"].append(np.array_equal(out["logits"], ref[i].logits) and out["tokens"] == ref[i].tokens)
                     continue
                 policy, params, sampling, mode = parse_condition(name)
-                ref = refs[mode]
+                ref = refs[(mode, "int8") if params.get("weights") == "int8" else mode]
                 mode = set_mode(model, mode)
                 sampler = sampler_on if sampling else sampler_off
                 unbounded = params.pop("unbounded", None) == "yes"

@@ -8,8 +8,8 @@ copies its weights to the device before it runs and drops them after. The arithm
 OPT's on the same device, so its logits are dense-stream's bit for bit (tests/engine/test_accelerate.py).
 
 `max_memory` for the device is the protocol's allowance less what the worker holds there beside
-the weights: the CUDA context (measured, `context_bytes`), the episode's KV cache and a working
-margin for activations (KV_MARGIN). Given the whole allowance, accelerate fills it with weights
+the weights: the CUDA context (measured, `context_bytes`), whatever is allocated already
+(`held_bytes`), the episode's KV cache and a working margin for activations (KV_MARGIN). Given the whole allowance, accelerate fills it with weights
 and the first call's KV cache has no room under the imposed cap.
 
 Bytes are COUNTED, not estimated: every offloading hook's `pre_forward` is wrapped
@@ -58,6 +58,7 @@ class OffloadStats:
     library_version: str
     load_s: float  # host read + placement + moving the device part, to the last synchronisation
     max_memory_bytes: int  # what accelerate was given for the device (module docstring)
+    held_bytes: int  # what the device already held when accelerate placed the model (subtracted from max_memory)
     device_bytes: int  # parameters and buffers accelerate placed on the device
     offloaded_bytes: int  # those it left on the host, copied in by its hooks every call
     offloaded_modules: int  # blocks its hooks move (0 when everything fits, or on the CPU)
@@ -143,7 +144,11 @@ class AcceleratedModel:
         weights = build_weights(model_dir, dtype=dtype)  # CPU-first: every tensor in host memory
         self.config = weights.config
         model = stock_model(weights, vars(self.config))
-        reserve = context_bytes + kv_bytes(self.config, capacity, dtype) + KV_MARGIN
+        # What the worker still holds on the device counts too: a torchao model shelved on the host
+        # left 258 MiB there on the H200 (docs/benchmarks.md), and accelerate, told the device was
+        # empty, placed weights into it until the allowance's cap refused an allocation.
+        held = torch.cuda.memory_allocated(device) if cuda else 0
+        reserve = context_bytes + kv_bytes(self.config, capacity, dtype) + KV_MARGIN + held
         max_memory = max(0, allowance_bytes - reserve) if cuda else 0
         if cuda:
             # Every host byte accelerate may use: the model is in host memory already.
@@ -167,7 +172,7 @@ class AcceleratedModel:
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
         self.stats = OffloadStats(
             library_version=str(getattr(lib, "__version__", "")), load_s=time.perf_counter() - t0,
-            max_memory_bytes=max_memory, device_bytes=on_device if cuda else 0,
+            max_memory_bytes=max_memory, held_bytes=held, device_bytes=on_device if cuda else 0,
             offloaded_bytes=_bytes(model, "") - (on_device if cuda else 0) if cuda else 0, offloaded_modules=hooked)
 
     def new_cache(self, capacity: int | None = None, *, mode: str | None = None, batch: int = 1):

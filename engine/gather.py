@@ -39,6 +39,18 @@ import torch
 # the earlier 16 made decode 16 % faster at opt-13b, 10 % at opt-6.7b, and kept opt-2.7b's.
 BLOCK_R, BLOCK_H, NUM_WARPS, BLOCK_T = 64, 128, 8, 8
 TILE_OVERRIDE: tuple[int, int, int] | None = None  # (BLOCK_R, BLOCK_H, NUM_WARPS): a bench's variant
+# Calls of at most SPLIT_TOKENS tokens (decode) split each neuron block's columns over programs
+# (engine/triton_gather.py, "Column split"); longer calls (prefill: a dense union) do not.
+SPLIT_TOKENS = 0
+SPLIT_OVERRIDE: int | None = None  # a bench's variant of SPLIT_TOKENS
+
+
+def splits(h: torch.Tensor) -> int:
+    """How many programs share a neuron block's columns in this call: every column tile (the
+    kernel caps it) when the call is short enough, else one."""
+    limit = SPLIT_TOKENS if SPLIT_OVERRIDE is None else SPLIT_OVERRIDE
+    tokens = h.numel() // h.shape[-1]
+    return 1 << 30 if 0 < tokens <= limit else 1
 
 
 def gather_active_rows_reference(h: torch.Tensor, src: torch.Tensor, workspace: torch.Tensor,
@@ -85,7 +97,20 @@ def gather_active_rows(h: torch.Tensor, src: torch.Tensor, workspace: torch.Tens
         return
     from engine.triton_gather import gather_active_rows_cuda  # Triton ships with CUDA builds of torch
 
-    gather_active_rows_cuda(h.reshape(-1, h.shape[-1]).contiguous(), src, workspace, counts, layer, **tile())
+    gather_active_rows_cuda(h.reshape(-1, h.shape[-1]).contiguous(), src, workspace, counts, layer, **tile(),
+                            splits=splits(h))
+
+
+def gather_active_int8_rows_reference(h: torch.Tensor, rows: torch.Tensor, scales: torch.Tensor,
+                                      workspace: torch.Tensor, counts: torch.Tensor, layer: int, *,
+                                      dequantize: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+                                      ) -> None:
+    """Plain torch (any device). On CUDA, nonzero synchronises for its output size."""
+    active = (h != 0).any(dim=0).nonzero().squeeze(1)
+    landed = torch.empty((active.numel(), rows.shape[1]), dtype=workspace.dtype, device=workspace.device)
+    dequantize(landed, rows.index_select(0, active), scales.index_select(0, active)[:, None])
+    workspace.index_copy_(1, active, landed.t())
+    counts[layer] += active.numel()
 
 
 def gather_active_int8_rows(h: torch.Tensor, rows: torch.Tensor, scales: torch.Tensor, workspace: torch.Tensor,
@@ -93,11 +118,14 @@ def gather_active_int8_rows(h: torch.Tensor, rows: torch.Tensor, scales: torch.T
                             dequantize: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]) -> None:
     """`gather_active_rows` over int8 rows (`packet {gather: device, weights: int8}`):
     rows (ffn, hidden) int8 and scales (ffn,) float32, on CUDA mapped views of pinned host
-    memory; the active rows are read, dequantized by `dequantize(out, q, scales)`
-    (engine/policies/int8.py) and written into their workspace columns. Plain torch on every
-    device: on CUDA `nonzero` synchronises for its output size (no Triton kernel reads int8)."""
-    active = (h != 0).any(dim=0).nonzero().squeeze(1)
-    landed = torch.empty((active.numel(), rows.shape[1]), dtype=workspace.dtype, device=workspace.device)
-    dequantize(landed, rows.index_select(0, active), scales.index_select(0, active)[:, None])
-    workspace.index_copy_(1, active, landed.t())
-    counts[layer] += active.numel()
+    memory; the active rows are read, dequantized as `dequantize(out, q, scales)` does
+    (engine/policies/int8.py) and written into their workspace columns. On CUDA one Triton
+    kernel does it with no host synchronisation (so mode graph captures it); elsewhere the
+    plain-torch reference, which the kernel is tested against bit for bit."""
+    if h.device.type != "cuda":
+        gather_active_int8_rows_reference(h, rows, scales, workspace, counts, layer, dequantize=dequantize)
+        return
+    from engine.triton_gather import gather_active_int8_rows_cuda
+
+    gather_active_int8_rows_cuda(h.reshape(-1, h.shape[-1]).contiguous(), rows, scales, workspace, counts, layer,
+                                 **tile(), splits=splits(h))

@@ -5,7 +5,7 @@ MODES:
   protocol written before modes existed means this).
 - "graph": packbench's own decoder (`engine/static_opt.py`) on a static KV cache. Prefill runs
   eagerly; on CUDA, for a policy whose decode step makes no host decision (`GRAPH_SAFE`: resident, dense-stream
-  (int8 too), packet, early-forecast and phase-switched with `gather: device`, packet over its own weights), the step is captured once per episode, in pieces around
+  (int8 too), packet (int8 too), early-forecast and phase-switched with `gather: device`), the step is captured once per episode, in pieces around
   attention (one graph per layer boundary). The first time a decoder meets a policy class, the
   episode's first decode call runs eagerly on the side stream before the capture (the warm-up:
   Triton specialises and compiles, the side stream gets its cuBLAS workspace); later episodes
@@ -48,8 +48,8 @@ MODES = ENGINE_MODES  # one list: what a protocol's engine.mode may say is what 
 GRAPH_SAFE: dict[str, Callable[[object], bool]] = {
     "resident": lambda p: True,
     "dense-stream": lambda p: p.host.pin,  # the copy from pinned memory is a graph memcpy node, on a forked stream
-    # DevicePacket; the host gather reads a mask back, and the int8 device gather's nonzero syncs
-    "packet": lambda p: p.gather == "device" and getattr(p, "weights", "dtype") == "dtype",
+    # DevicePacket and its int8 twin (one Triton kernel each); the host gather reads a mask back
+    "packet": lambda p: p.gather == "device",
     "early-forecast": lambda p: p.gather == "device",  # DeviceForecast: its side stream is joined as dense-stream's
     "phase-switched": lambda p: p.gather == "device",  # DevicePhaseSwitched: decode is DevicePacket's gather
 }

@@ -7,6 +7,14 @@ outgoing rows from `src` (mapped host memory: inactive rows are never read) into
 workspace columns, BLOCK_H elements at a time. The copy is a bitwise move, so exactness does
 not depend on the kernel's tiling. early-forecast's completion tests activity the same way and
 copies only the active rows its forecast missed (`_active_rows` and `_copy_rows` are shared).
+
+Column split (the gathers, not the forecast's completion): with `splits` > 1 the grid has a
+second axis, and program (r, c) copies column tiles c, c + splits, ... of its neurons' active
+rows; every program of a neuron block tests their activity (h is on the device: cheap for the
+few tokens of a decode call), the first one counts them. At decode a block of 64 neurons holds
+about 2 active rows (3.3 % density), so one program reading a row 128 columns at a time makes 20
+PCIe round trips in a row; split, they are in flight at once. The forecast's completion is not
+split: its programs read and then rewrite `prev`, which another share would race with.
 """
 
 import triton
@@ -26,9 +34,10 @@ def _active_rows(h_ptr, n_tokens, rows64, in_range, ffn, BLOCK_R: tl.constexpr, 
 
 
 @triton.jit
-def _copy_rows(src_ptr, ws_ptr, rows64, which, ffn, hidden, BLOCK_H: tl.constexpr):
-    """Rows `which` of src (ffn, hidden) into the same columns of the workspace (hidden, ffn)."""
-    for h0 in range(0, hidden, BLOCK_H):
+def _copy_rows(src_ptr, ws_ptr, rows64, which, ffn, hidden, first, step, BLOCK_H: tl.constexpr):
+    """Rows `which` of src (ffn, hidden) into the same columns of the workspace (hidden, ffn):
+    the column tiles starting at `first`, every `step` columns (all of them: 0, BLOCK_H)."""
+    for h0 in range(first, hidden, step):
         cols = (h0 + tl.arange(0, BLOCK_H)).to(tl.int64)
         m = which[:, None] & (cols[None, :] < hidden)
         tile = tl.load(src_ptr + rows64[:, None] * hidden + cols[None, :], mask=m)
@@ -44,17 +53,59 @@ def _gather_active_rows(h_ptr, n_tokens, src_ptr, ws_ptr, count_ptr, layer, ffn,
     active = _active_rows(h_ptr, n_tokens, rows64, in_range, ffn, BLOCK_R, BLOCK_T)
     n_active = tl.sum(active.to(tl.int32), axis=0)
     if n_active > 0:
-        tl.atomic_add(count_ptr + layer, n_active)
-        _copy_rows(src_ptr, ws_ptr, rows64, active, ffn, hidden, BLOCK_H)
+        split = tl.program_id(1)  # which share of the columns (module docstring: column split)
+        if split == 0:
+            tl.atomic_add(count_ptr + layer, n_active)
+        _copy_rows(src_ptr, ws_ptr, rows64, active, ffn, hidden, split * BLOCK_H, tl.num_programs(1) * BLOCK_H,
+                   BLOCK_H)
 
 
-def gather_active_rows_cuda(h, src, workspace, counts, layer, *, block_r, block_h, block_t, num_warps=4) -> None:
+@triton.jit(do_not_specialize=["layer"])
+def _gather_active_int8_rows(h_ptr, n_tokens, rows_ptr, scales_ptr, ws_ptr, count_ptr, layer, ffn, hidden,
+                             BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_T: tl.constexpr):
+    """`_gather_active_rows` over int8 rows: each active row's int8 values and float32 scale are
+    read from mapped host memory and written as dtype(float32(q) * scale), the arithmetic of
+    engine/policies/int8.py `dequantize_into` (one float32 product, rounded once to the
+    workspace's dtype, to nearest even), so a row lands with the bits the dense int8 path gives."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    in_range = rows < ffn
+    rows64 = rows.to(tl.int64)
+    active = _active_rows(h_ptr, n_tokens, rows64, in_range, ffn, BLOCK_R, BLOCK_T)
+    n_active = tl.sum(active.to(tl.int32), axis=0)
+    if n_active > 0:
+        split = tl.program_id(1)
+        if split == 0:
+            tl.atomic_add(count_ptr + layer, n_active)
+        scale = tl.load(scales_ptr + rows64, mask=active, other=0.0)
+        for h0 in range(split * BLOCK_H, hidden, tl.num_programs(1) * BLOCK_H):
+            cols = (h0 + tl.arange(0, BLOCK_H)).to(tl.int64)
+            m = active[:, None] & (cols[None, :] < hidden)
+            q = tl.load(rows_ptr + rows64[:, None] * hidden + cols[None, :], mask=m, other=0)
+            value = q.to(tl.float32) * scale[:, None]
+            tl.store(ws_ptr + cols[None, :] * ffn + rows64[:, None], value.to(ws_ptr.dtype.element_ty), mask=m)
+
+
+def gather_active_int8_rows_cuda(h, rows, scales, workspace, counts, layer, *, block_r, block_h, block_t,
+                                 num_warps=4, splits=1) -> None:
+    n_tokens, ffn = h.shape
+    hidden = rows.shape[1]
+    if (rows.shape != (ffn, hidden) or scales.shape != (ffn,) or workspace.shape != (hidden, ffn)
+            or not workspace.is_contiguous()):
+        raise ValueError(f"shapes do not match: h {tuple(h.shape)}, rows {tuple(rows.shape)}, "
+                         f"scales {tuple(scales.shape)}, workspace {tuple(workspace.shape)}")
+    grid = (triton.cdiv(ffn, block_r), min(splits, triton.cdiv(hidden, block_h)))
+    _gather_active_int8_rows[grid](h, n_tokens, rows, scales, workspace, counts, layer, ffn, hidden,
+                                   BLOCK_R=block_r, BLOCK_H=block_h, BLOCK_T=block_t, num_warps=num_warps)
+
+
+def gather_active_rows_cuda(h, src, workspace, counts, layer, *, block_r, block_h, block_t, num_warps=4,
+                            splits=1) -> None:
     n_tokens, ffn = h.shape
     hidden = src.shape[1]
     if src.shape != (ffn, hidden) or workspace.shape != (hidden, ffn) or not workspace.is_contiguous():
         raise ValueError(f"shapes do not match: h {tuple(h.shape)}, src {tuple(src.shape)}, "
                          f"workspace {tuple(workspace.shape)}")
-    grid = (triton.cdiv(ffn, block_r),)
+    grid = (triton.cdiv(ffn, block_r), min(splits, triton.cdiv(hidden, block_h)))
     _gather_active_rows[grid](h, n_tokens, src, workspace, counts, layer, ffn, hidden,
                               BLOCK_R=block_r, BLOCK_H=block_h, BLOCK_T=block_t, num_warps=num_warps)
 
@@ -83,7 +134,7 @@ def _complete_forecast(h_ptr, n_tokens, prev_ptr, use_prev, src_ptr, ws_ptr, cou
         tl.atomic_add(count_ptr + 3 * layers + layer, n_wasted)
     tl.store(prev_at, active.to(tl.int8), mask=in_range)
     if n_missed > 0:
-        _copy_rows(src_ptr, ws_ptr, rows64, missed, ffn, hidden, BLOCK_H)
+        _copy_rows(src_ptr, ws_ptr, rows64, missed, ffn, hidden, 0, BLOCK_H, BLOCK_H)
 
 
 def complete_forecast_cuda(h, prev, use_prev, src, workspace, counts, layer, *, block_r, block_h, block_t,

@@ -208,8 +208,8 @@ class Int8Packet(HostGather):
 class Int8DevicePacket(DevicePacket):
     """`packet {gather: device, weights: int8}`: the device finds the active rows and reads their
     int8 rows and scales from the host slab (on CUDA through a mapped view), dequantizing into
-    the workspace (`engine.gather.gather_active_int8_rows`). Its selection uses torch's
-    `nonzero`, which synchronises once per layer, so mode graph runs it eagerly (engine/graph.py)."""
+    the workspace (`engine.gather.gather_active_int8_rows`: on CUDA one Triton kernel per layer,
+    no host synchronisation, so mode graph captures its decode step as it does packet's)."""
 
     weights = "int8"
 

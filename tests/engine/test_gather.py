@@ -39,8 +39,12 @@ def test_reference_copies_exactly_the_active_rows_and_counts_them(dtype, tokens)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("tokens", [1, 37, 512])
 @pytest.mark.parametrize("ffn", [10240 + 3, 64 * 3 + 1])  # several programs, each with a ragged end
-def test_cuda_kernel_equals_the_reference_bit_for_bit(dtype, tokens, ffn):
+@pytest.mark.parametrize("split", [0, 64])  # columns split over programs for calls of <= 64 tokens, or never
+def test_cuda_kernel_equals_the_reference_bit_for_bit(dtype, tokens, ffn, split, monkeypatch):
+    from engine import gather
     from engine.mapped import cuda_view
+
+    monkeypatch.setattr(gather, "SPLIT_OVERRIDE", split)
 
     h, src, workspace = case(dtype, tokens, ffn=ffn, hidden=2560 + 5, seed=tokens)
     host = src.pin_memory()
@@ -99,3 +103,55 @@ def test_cuda_forecast_kernels_equal_the_reference_bit_for_bit(dtype, tokens, ff
     complete_forecast(h.cuda(), prev_got, use_prev, cuda_view(host), got, counts, 1)
     assert torch.equal(got, expected) and torch.equal(prev_got, prev_ref)
     assert counts.tolist() == counts_ref.tolist() and counts_ref[0, 1] > 0
+
+
+def int8_case(dtype, tokens, ffn=203, hidden=77, seed=0):
+    """A case whose rows are int8 with float32 scales (engine/policies/int8.py's layout)."""
+    from engine.policies.int8 import quantize_rows
+
+    h, src, workspace = case(dtype, tokens, ffn=ffn, hidden=hidden, seed=seed)
+    q, scales = quantize_rows(src.float() * 3)
+    return h, q, scales, workspace
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_int8_reference_dequantizes_exactly_the_active_rows(dtype):
+    from engine.gather import gather_active_int8_rows
+    from engine.policies.int8 import dequantize_into
+
+    h, q, scales, workspace = int8_case(dtype, 9)
+    before = workspace.clone()
+    counts = torch.zeros(2, dtype=torch.int32)
+    gather_active_int8_rows(h, q, scales, workspace, counts, 1, dequantize=dequantize_into)
+    dense = dequantize_into(torch.empty(q.shape, dtype=dtype), q, scales[:, None])  # every row, as dense-stream
+    active = (h != 0).any(dim=0)
+    assert counts.tolist() == [0, int(active.sum())]
+    for j in range(h.shape[1]):
+        assert torch.equal(workspace[:, j], dense[j] if active[j] else before[:, j]), j
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens", [1, 37, 512])
+@pytest.mark.parametrize("ffn", [10240 + 3, 64 * 3 + 1])
+@pytest.mark.parametrize("split", [0, 64])
+def test_cuda_int8_kernel_equals_the_reference_bit_for_bit(dtype, tokens, ffn, split, monkeypatch):
+    """The Triton int8 gather against the plain-torch reference on the device: the same bits
+    (one float32 product rounded once, to nearest even) and the same counts."""
+    from engine import gather
+    from engine.gather import gather_active_int8_rows, gather_active_int8_rows_reference
+
+    monkeypatch.setattr(gather, "SPLIT_OVERRIDE", split)
+    from engine.mapped import cuda_view
+    from engine.policies.int8 import dequantize_into
+
+    h, q, scales, workspace = int8_case(dtype, tokens, ffn=ffn, hidden=2560 + 5, seed=tokens)
+    expected, counts_ref = workspace.clone().cuda(), torch.zeros(4, dtype=torch.int32, device="cuda")
+    gather_active_int8_rows_reference(h.cuda(), q.cuda(), scales.cuda(), expected, counts_ref, 1,
+                                      dequantize=dequantize_into)
+    got, counts = workspace.clone().cuda(), torch.zeros(4, dtype=torch.int32, device="cuda")
+    for layer in (1, 3):  # again, into another layer's count
+        gather_active_int8_rows(h.cuda(), cuda_view(q.pin_memory()), cuda_view(scales.pin_memory()), got, counts,
+                                layer, dequantize=dequantize_into)
+    assert torch.equal(got, expected)
+    assert counts.tolist() == [0, counts_ref[1].item(), 0, counts_ref[1].item()] and counts_ref[1] > 0
