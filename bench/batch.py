@@ -155,7 +155,7 @@ def main() -> None:
     ap.add_argument("--dir", default="/tmp/batch-models")
     a = ap.parse_args()
     batches = [int(b) for b in a.batches.split(",")]
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
     path = Path(a.dir) / f"{a.shape}-{a.dtype}-opt"
     if not (path / "config.json").exists():
         synth_checkpoint(path, shape=a.shape, dtype=a.dtype, seed=0, profile="opt")

@@ -262,15 +262,17 @@ def _time_lines(timing: dict, *, h2d_gbps: float) -> list[str]:
 
 def _competitor_modes(p) -> list[str]:
     """One line per competitor: the mode it runs in, and why its library cannot be captured."""
-    from core.registry import COMPETITOR_PARAMS, competitor_library, mode_refusal
+    from core.registry import COMPETITOR_PARAMS, competitor_library, mode_refusal, stack_refusal
 
     out = []
     for c in p.conditions:
         if c.policy in COMPETITOR_PARAMS:
             params = c.resolved_params
             why = mode_refusal(c.policy, params, "graph")
+            fails = stack_refusal(c.policy, params)
             out.append(f"{c.name} ({competitor_library(c.policy, params)}): mode {params['mode']}"
-                       + (f"; {why}" if why else ""))
+                       + (f"; {why}" if why else "")
+                       + (f"; a CUDA worker refuses mode {params['mode']} here: {fails}" if fails else ""))
     return out
 
 

@@ -121,6 +121,21 @@ CAPTURE_REFUSALS: dict[str, str] = {
                   "every call",
 }
 
+# Modes a library supports in principle that failed on the H200 stack of docs/benchmarks.md (torch
+# 2.11, transformers 5.17, torchao 0.18): a CUDA worker refuses such a condition at load, before any
+# episode, and `protocol plan` says why. On the CPU nothing is captured, so nothing is refused there.
+STACK_REFUSALS: dict[tuple[str, str], str] = {
+    ("torchao", "graph"): "capturing transformers' OPT decode step over torchao int8 weights as one CUDA graph "
+                          "failed on the H200 (cudaErrorStreamCaptureUnsupported inside the forward); mode compile, "
+                          "torchao's fastest and its default, captures through torch.compile",
+}
+
+
+def stack_refusal(policy: str, params: Mapping[str, Any]) -> str | None:
+    """Why a competitor's frozen mode fails on the measured CUDA stack (STACK_REFUSALS), or None."""
+    return STACK_REFUSALS.get((competitor_library(policy, params), params.get("mode", "eager")))
+
+
 # The fastest mode each competitor was measured in on the H200 (synthetic OPT-2.7B fp16, decode
 # ms/token): torchao int8 weight-only 22.90 eager, 11.56 one CUDA graph per step, 8.37 under
 # torch.compile reduce-overhead; bitsandbytes and accelerate eager. What schema 6 writes for an

@@ -41,7 +41,7 @@ BLOCK_R, BLOCK_H, NUM_WARPS, BLOCK_T = 64, 128, 8, 8
 TILE_OVERRIDE: tuple[int, int, int] | None = None  # (BLOCK_R, BLOCK_H, NUM_WARPS): a bench's variant
 # Calls of at most SPLIT_TOKENS tokens (decode) split each neuron block's columns over programs
 # (engine/triton_gather.py, "Column split"); longer calls (prefill: a dense union) do not.
-SPLIT_TOKENS = 0
+SPLIT_TOKENS = 64
 SPLIT_OVERRIDE: int | None = None  # a bench's variant of SPLIT_TOKENS
 
 

@@ -223,17 +223,17 @@ class QuantizedModel:
     def shelve(self) -> None:
         """Move the model to the host while another condition holds the device (engine/worker.py),
         keeping what is expensive to redo: the quantization and, in mode compile, the compiled
-        decode step (100 s at OPT-2.7B on the H200). The static KV caches keep their tensor objects
-        (the compiled step is guarded on them) with their storage freed."""
+        decode step (100-230 s at OPT-2.7B on the H200). The static KV caches keep their tensor
+        objects (the compiled step is guarded on them) with their storage freed.
+
+        The compiled step's CUDA graphs stay with torch's graph trees: back on the device the
+        weights and caches have new addresses, and the trees record the step again for them
+        (`unshelve`). Resetting the trees here instead made the compiled step fail at its next
+        call on the H200 ("Running CUDAGraph after shutdown")."""
         self.weights.to("cpu")
         for kv in self._static.values():
             for t in _cache_tensors(kv):
                 t.untyped_storage().resize_(0)
-        if self.device.type == "cuda":
-            # the decode steps' graphs were recorded on the old addresses (refreshed by `unshelve`)
-            from torch._inductor.cudagraph_trees import reset_cudagraph_trees
-
-            reset_cudagraph_trees()
 
     def unshelve(self) -> float:
         """Back on the device after `shelve`; returns the seconds it took. Each decode step is made
@@ -242,21 +242,22 @@ class QuantizedModel:
         (three calls: warm-up, record, replay). Their writes to the KV cache are zeroed by
         `new_cache` before the episode reads it. The seconds are kept as `unshelve_s`."""
         t0 = time.perf_counter()
-        self.weights.to(self.device)
-        for kv in self._static.values():
-            for t in _cache_tensors(kv):
-                t.untyped_storage().resize_(t.numel() * t.element_size())
-        ids = torch.zeros((1, 1), dtype=torch.long, device=self.device)
-        for (capacity, mode), step in list(self._steps.items()):
-            kv = self._static[capacity]
-            kv.mode = mode
-            if mode == "graph":
-                fresh = self._steps[(capacity, mode)] = self._build_step(kv, ids, 1)
-                fresh.replays, fresh.rerecorded = step.replays, step.rerecorded + 1
-            else:
-                for _ in range(3):
-                    step.run(ids, 1)
-                step.rerecorded += 1
+        self.weights.to(self.device)  # outside inference mode: torchao's tensors are swapped in, not copied
+        with torch.inference_mode():  # the steps write the static caches, made in the forward's inference mode
+            for kv in self._static.values():
+                for t in _cache_tensors(kv):
+                    t.untyped_storage().resize_(t.numel() * t.element_size())
+            ids = torch.zeros((1, 1), dtype=torch.long, device=self.device)
+            for (capacity, mode), step in list(self._steps.items()):
+                kv = self._static[capacity]
+                kv.mode = mode
+                if mode == "graph":
+                    fresh = self._steps[(capacity, mode)] = self._build_step(kv, ids, 1)
+                    fresh.replays, fresh.rerecorded = step.replays, step.rerecorded + 1
+                else:
+                    for _ in range(3):
+                        step.run(ids, 1)
+                    step.rerecorded += 1
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.unshelve_s = time.perf_counter() - t0

@@ -21,7 +21,7 @@ from core.canonical import canonical_sha256
 from core.errors import CheckpointError
 from core.metrics import episode_totals
 from core.provenance import checkpoint_digest
-from core.registry import resolved_params, tier_of
+from core.registry import resolved_params, stack_refusal, tier_of
 from core.protocol import Protocol, expand
 from engine.episode import run_episode
 from engine.gpu_lock import GpuLock, HostPresence, host_gpu_index, host_gpus
@@ -29,7 +29,7 @@ from engine.graph import check_mode
 from engine.model import CpuFirstModel
 from engine.policies import BUFFERS_LAYOUT
 from engine.accelerate import AcceleratedModel, _library as accelerate_library
-from engine.quantized import QuantizedModel
+from engine.quantized import QuantizationUnavailable, QuantizedModel
 from engine.allowance import impose, lift
 from engine.sampler import MemorySampler, device_uuid, nvml_handle
 from engine.shapes import dtype_of
@@ -261,6 +261,12 @@ class Worker:
         competitors = [(c.policy, dict(c.params)) for c in protocol.conditions if c.policy in ("quantized", "accelerate")]
         if any(policy == "accelerate" for policy, _ in competitors):
             accelerate_library()
+        for c in protocol.conditions:
+            fails = stack_refusal(c.policy, c.resolved_params) if c.policy == "quantized" else None
+            if fails and self.device.type == "cuda":
+                self.drop_model()
+                raise QuantizationUnavailable(f"condition {c.name}: mode {c.resolved_params['mode']} cannot run on "
+                                              f"this CUDA stack: {fails}; freeze the condition with mode compile")
         for method in sorted({params["method"] for policy, params in competitors if policy == "quantized"}):
             try:
                 model, state = self._competitor("quantized", {"method": method})

@@ -105,3 +105,19 @@ def test_the_plan_estimates_accelerates_bytes_as_the_parameters_beyond_the_allow
     params = shape.param_count() * 2
     assert call_h2d_bytes("accelerate", {}, allowance_bytes=4800 << 20, **kw) == params - (4800 << 20)
     assert call_h2d_bytes("accelerate", {}, allowance_bytes=params, **kw) == 0
+
+
+def test_torchao_in_mode_graph_freezes_and_the_plan_says_a_cuda_worker_refuses_it(tmp_path, packbench_cli):
+    """The mode is valid (old meanings never move; the CPU runs it eagerly); the measured CUDA stack
+    fails its capture (core.registry.STACK_REFUSALS), which `protocol plan` states beside the condition."""
+    from core.registry import stack_refusal
+
+    assert stack_refusal("quantized", {"method": "int8-weight-only", "mode": "graph"}).startswith("capturing")
+    assert stack_refusal("quantized", {"method": "int8-weight-only", "mode": "compile"}) is None
+    raw = competitor(conditions=[{"policy": "dense-stream"}, quantized("int8-weight-only", mode="graph")])
+    raw.pop("schema")
+    (tmp_path / "p.yaml").write_text(yaml.safe_dump(raw))
+    out = packbench_cli("protocol", "plan", str(tmp_path / "p.yaml"))
+    assert out.returncode == 0, out.stderr
+    line = next(x for x in out.stdout.splitlines() if "low (torchao): mode graph" in x)
+    assert "a CUDA worker refuses mode graph here" in line and "mode compile" in line

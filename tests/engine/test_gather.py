@@ -151,7 +151,8 @@ def test_cuda_int8_kernel_equals_the_reference_bit_for_bit(dtype, tokens, ffn, s
                                       dequantize=dequantize_into)
     got, counts = workspace.clone().cuda(), torch.zeros(4, dtype=torch.int32, device="cuda")
     for layer in (1, 3):  # again, into another layer's count
-        gather_active_int8_rows(h.cuda(), cuda_view(q.pin_memory()), cuda_view(scales.pin_memory()), got, counts,
-                                layer, dequantize=dequantize_into)
+        rows = cuda_view(q.view(torch.uint8).pin_memory()).view(torch.int8)  # mapped as the policy maps its slabs
+        gather_active_int8_rows(h.cuda(), rows, cuda_view(scales.pin_memory()), got, counts, layer,
+                                dequantize=dequantize_into)
     assert torch.equal(got, expected)
     assert counts.tolist() == [0, counts_ref[1].item(), 0, counts_ref[1].item()] and counts_ref[1] > 0
