@@ -31,6 +31,7 @@ to its own call. Nothing inside the step reads the host: counts come back once p
 the logits, as in eager mode.
 """
 
+import contextlib
 import functools
 import time
 from collections.abc import Callable
@@ -53,6 +54,21 @@ GRAPH_SAFE: dict[str, Callable[[object], bool]] = {
     "early-forecast": lambda p: p.gather == "device",  # DeviceForecast: its side stream is joined as dense-stream's
     "phase-switched": lambda p: p.gather == "device",  # DevicePhaseSwitched: decode is DevicePacket's gather
 }
+
+
+@contextlib.contextmanager
+def ending_capture(graph: "torch.cuda.CUDAGraph"):
+    """A capture that raises (an out-of-memory under the allowance, say) is ended before the error
+    goes on: left open, its stream stays capturing and every later CUDA call of the worker fails
+    ("operation not permitted when stream is capturing"), as 19 episodes after one OOM did on the H200."""
+    try:
+        yield
+    except BaseException:
+        try:
+            graph.capture_end()
+        except Exception:  # noqa: BLE001 - the capture is invalid anyway; the first error is the one to report
+            pass
+        raise
 
 
 def check_mode(mode: str) -> str:
@@ -252,8 +268,9 @@ class GraphDecoder:
                 if kv.attention == "static":
                     graph = torch.cuda.CUDAGraph()
                     graph.capture_begin()
-                    static_logits = d.decode(static_ids, static_pos, kv, span=kv.capacity)
-                    rejoin(self.slot.policy, side)
+                    with ending_capture(graph):
+                        static_logits = d.decode(static_ids, static_pos, kv, span=kv.capacity)
+                        rejoin(self.slot.policy, side)
                     t = time.perf_counter()
                     graph.capture_end()
                     end_s += time.perf_counter() - t
@@ -264,12 +281,13 @@ class GraphDecoder:
                     for i in range(len(d.layers) + 1):
                         graph = torch.cuda.CUDAGraph()
                         graph.capture_begin(pool=pool)
-                        h = d.embed(static_ids, static_pos) if i == 0 else d.post(i - 1, h, attn)
-                        if i < len(d.layers):
-                            queries.append(d.pre(i, h, static_pos, kv))
-                        else:
-                            static_logits = d.head(h)
-                        rejoin(self.slot.policy, side)  # dense-stream's copy of the next layer ends here
+                        with ending_capture(graph):
+                            h = d.embed(static_ids, static_pos) if i == 0 else d.post(i - 1, h, attn)
+                            if i < len(d.layers):
+                                queries.append(d.pre(i, h, static_pos, kv))
+                            else:
+                                static_logits = d.head(h)
+                            rejoin(self.slot.policy, side)  # dense-stream's copy of the next layer ends here
                         t = time.perf_counter()
                         graph.capture_end()
                         end_s += time.perf_counter() - t

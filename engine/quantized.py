@@ -226,20 +226,23 @@ class QuantizedModel:
         decode step (100-230 s at OPT-2.7B on the H200). The static KV caches keep their tensor
         objects (the compiled step is guarded on them) with their storage freed.
 
-        The compiled step's CUDA graphs stay with torch's graph trees: back on the device the
-        weights and caches have new addresses, and the trees record the step again for them
-        (`unshelve`). Resetting the trees here instead made the compiled step fail at its next
-        call on the H200 ("Running CUDAGraph after shutdown")."""
+        A compiled step's CUDA graphs live in torch's graph trees, whose memory pool (86 MiB at
+        OPT-2.7B) would stay on the device and push the next exact condition over the allowance
+        (an OOM on the H200): the trees are reset here, and `unshelve` compiles the step again
+        (torch's on-disk compile caches make that shorter than the first compile)."""
         self.weights.to("cpu")
         for kv in self._static.values():
             for t in _cache_tensors(kv):
                 t.untyped_storage().resize_(0)
+        if self.device.type == "cuda" and any(mode == "compile" for _, mode in self._steps):
+            from torch._inductor.cudagraph_trees import reset_cudagraph_trees
+
+            reset_cudagraph_trees()
 
     def unshelve(self) -> float:
         """Back on the device after `shelve`; returns the seconds it took. Each decode step is made
         ready here, not in the next episode's first decode call: a captured graph (mode graph) is
-        captured again, a compiled step's CUDA graphs are re-recorded under the same compiled code
-        (three calls: warm-up, record, replay). Their writes to the KV cache are zeroed by
+        captured again, a compiled step compiled again (`shelve` says why). Their writes to the KV cache are zeroed by
         `new_cache` before the episode reads it. The seconds are kept as `unshelve_s`."""
         t0 = time.perf_counter()
         self.weights.to(self.device)  # outside inference mode: torchao's tensors are swapped in, not copied
@@ -248,16 +251,15 @@ class QuantizedModel:
                 for t in _cache_tensors(kv):
                     t.untyped_storage().resize_(t.numel() * t.element_size())
             ids = torch.zeros((1, 1), dtype=torch.long, device=self.device)
+            if self.device.type == "cuda" and any(mode == "compile" for _, mode in self._steps):
+                # The old compiled code would run on the graph trees `shelve` reset ("Running
+                # CUDAGraph after shutdown" on the H200): compiled afresh, from the caches.
+                torch._dynamo.reset()
             for (capacity, mode), step in list(self._steps.items()):
                 kv = self._static[capacity]
                 kv.mode = mode
-                if mode == "graph":
-                    fresh = self._steps[(capacity, mode)] = self._build_step(kv, ids, 1)
-                    fresh.replays, fresh.rerecorded = step.replays, step.rerecorded + 1
-                else:
-                    for _ in range(3):
-                        step.run(ids, 1)
-                    step.rerecorded += 1
+                fresh = self._steps[(capacity, mode)] = self._build_step(kv, ids, 1)
+                fresh.replays, fresh.rerecorded = step.replays, step.rerecorded + 1
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.unshelve_s = time.perf_counter() - t0
