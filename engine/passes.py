@@ -10,7 +10,7 @@ episode (`PassMismatch`), never passes it.
 
 Why a merged ledger: the gates, the database and the auditor read one record whose times are
 the timing pass's and whose counts are the recording pass's, so they judge as for one pass.
-What the recording pass took itself stays in the record's `passes`.
+What the recording pass took itself stays in the record's `passes` (core/passes.py checks it).
 """
 
 from collections.abc import Callable

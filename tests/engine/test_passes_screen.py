@@ -1,7 +1,9 @@
 """`passes: separate` (schema 7) on the CPU through the driver (service/screen.py ScreenRun) and a
 real SQLite database: every episode runs a timing pass (ledger and sampler off) and a recording
 pass (both on); the record's times are the timing pass's, its counts the recording pass's, and
-`passes` keeps both walls. Passes that differ fail the episode."""
+`passes` keeps both walls. The archive audits AGREE against the database and through the command
+line, a forged or stripped `passes` is caught, and
+passes that differ fail the episode."""
 
 from pathlib import Path
 
@@ -15,9 +17,11 @@ from core.protocol import freeze
 from db.store import Store
 from engine.worker import Worker
 from service.audit import episode_dicts, verdict_dicts
+from tests.core.test_audit import reseal
 from tests.engine.test_batch_screen import run_screen
 
 CONTINUATION = 4
+DATA = Path(__file__).resolve().parents[1] / "data"
 
 
 def passes_protocol(model: Path, **changes) -> dict:
@@ -87,6 +91,41 @@ def test_the_database_stores_the_timing_pass(screen, store):
         row = rows[e["plan_index"]]
         assert row.wall_s == e["passes"]["timing_wall_s"] and row.call_s == e["call_s"]
         assert row.h2d_weight_bytes == e["h2d_weight_bytes"]
+
+
+def test_the_screen_audits_agree_against_the_database_and_on_the_command_line(screen, store, packbench_cli):
+    _, _, outcome, attempt_id = screen
+    report = audit_archive(outcome.archive_path, expected_sha256=outcome.archive_sha256,
+                           db_verdicts=verdict_dicts(store.verdicts(attempt_id)),
+                           db_episodes=episode_dicts(store.episodes(attempt_id)))
+    assert report.agrees, report.problems
+    r = packbench_cli("audit", "--archive", str(outcome.archive_path))
+    assert r.returncode == 0 and "AGREE" in r.stdout, r.stdout + r.stderr
+
+
+@pytest.mark.parametrize("edit, line", [
+    (lambda r: r.pop("passes"), "episodes/00004.json: separate passes but no recording pass figures"),
+    (lambda r: r["passes"].update(timing_wall_s=r["passes"]["recording_wall_s"] + 1.0),
+     "episodes/00004.json: passes.timing_wall_s"),
+    (lambda r: r["passes"]["recording_call_s"].pop(), "episodes/00004.json: separate passes but passes.recording_call_s"),
+    (lambda r: r["passes"].update(recording_wall_s=0.0), "episodes/00004.json: passes.recording_wall_s 0.0 is below"),
+])
+def test_a_forged_pass_record_is_caught(screen, tmp_path, edit, line):
+    """The record rewritten and the manifest resealed over it: only the pass checks can see it."""
+    _, _, outcome, _ = screen
+    report = audit_archive(reseal(outcome.archive_path, tmp_path / "bad.zip", replace={"episodes/00004.json": edit}))
+    assert not report.agrees
+    assert [p for p in report.problems if p.startswith(line)], report.problems
+
+
+def test_passes_on_a_together_archive_are_caught(tmp_path):
+    def claim(record: dict) -> None:
+        record["passes"] = {"timing_wall_s": record["wall_s"], "recording_wall_s": record["wall_s"],
+                            "recording_call_s": [0.0] * len(record["calls"])}
+
+    report = audit_archive(reseal(DATA / "gates-v2.zip", tmp_path / "bad.zip", replace={"episodes/00003.json": claim}))
+    assert not report.agrees
+    assert "episodes/00003.json: passes figures on an episode of a protocol whose passes run together" in report.problems
 
 
 def test_passes_that_differ_fail_the_episode(checkpoints, monkeypatch):
