@@ -5,7 +5,7 @@ With `passes: separate` the worker runs each episode twice (engine/passes.py): a
 with the ledger and the sampler off, then a recording pass with them on. Its record holds the
 timing pass's times (`wall_s`, every call's `wall_s`, `first_logit_since_entry_s`), the recording
 pass's counts, memory and energy, and `passes`: both walls and the recording pass's call times.
-`pass_problems` is what the auditor checks of that.
+`pass_problems` is what the auditor checks of that; `overhead` is what the report shows.
 
 Pure Python: the auditor and the report read archives with no torch.
 """
@@ -13,6 +13,8 @@ Pure Python: the auditor and the report read archives with no torch.
 from __future__ import annotations
 
 import math
+import statistics
+from collections.abc import Iterable
 from typing import Any
 
 
@@ -47,3 +49,36 @@ def pass_problems(record: dict, *, separate: bool) -> list[str]:
         out.append(f"passes.recording_wall_s {passes['recording_wall_s']!r} is below the {took!r} s its "
                    f"recording calls took")
     return out
+
+
+def _median(xs: list[float]) -> float | None:
+    return statistics.median(xs) if xs else None
+
+
+def overhead(records: Iterable[dict]) -> dict[str, dict]:
+    """Per condition, over its finished scored episodes that carry `passes`: how many (`n`), the
+    median timing and recording walls, the median of each episode's recording wall over its timing
+    wall (`ratio`: the recording's own cost, paired on the same prompt), and the median decode
+    call in each pass (`timing_decode_s`, `recording_decode_s`). Malformed figures are skipped
+    (the auditor names them)."""
+    out: dict[str, dict] = {}
+    for r in records:
+        passes = r.get("passes")
+        if r.get("status") != "ok" or r.get("role") != "scored" or not isinstance(passes, dict):
+            continue
+        t, w, calls = passes.get("timing_wall_s"), passes.get("recording_wall_s"), r.get("calls")
+        if not (_time(t) and _time(w) and t > 0 and isinstance(calls, list)):
+            continue
+        recorded = passes.get("recording_call_s")
+        row = out.setdefault(str(r.get("condition")), {"timing": [], "recording": [], "ratio": [], "td": [], "rd": []})
+        row["timing"].append(t)
+        row["recording"].append(w)
+        row["ratio"].append(w / t)
+        if isinstance(recorded, list) and len(recorded) == len(calls):
+            for call, rec_s in zip(calls, recorded):
+                if isinstance(call, dict) and call.get("phase") == "decode" and _time(call.get("wall_s")) and _time(rec_s):
+                    row["td"].append(call["wall_s"])
+                    row["rd"].append(rec_s)
+    return {c: {"n": len(v["ratio"]), "timing_wall_s": _median(v["timing"]), "recording_wall_s": _median(v["recording"]),
+                "ratio": _median(v["ratio"]), "timing_decode_s": _median(v["td"]),
+                "recording_decode_s": _median(v["rd"])} for c, v in out.items()}

@@ -2,7 +2,7 @@
 real SQLite database: every episode runs a timing pass (ledger and sampler off) and a recording
 pass (both on); the record's times are the timing pass's, its counts the recording pass's, and
 `passes` keeps both walls. The archive audits AGREE against the database and through the command
-line, a forged or stripped `passes` is caught, and
+line, the report states the recording's cost, a forged or stripped `passes` is caught, and
 passes that differ fail the episode."""
 
 from pathlib import Path
@@ -101,6 +101,27 @@ def test_the_screen_audits_agree_against_the_database_and_on_the_command_line(sc
     assert report.agrees, report.problems
     r = packbench_cli("audit", "--archive", str(outcome.archive_path))
     assert r.returncode == 0 and "AGREE" in r.stdout, r.stdout + r.stderr
+
+
+def test_the_report_states_the_recordings_cost(screen, packbench_cli, tmp_path):
+    from core.report import measurement_cost, read_screen
+
+    _, _, outcome, _ = screen
+    cost = measurement_cost(read_screen(outcome.archive_path))
+    assert cost["passes"] == "separate" and [r["condition"] for r in cost["conditions"]] == ["dense-stream", "packet", "lru"]
+    assert all(r["n"] == 2 and r["ratio"] > 0 and r["recording_decode_s"] > 0 for r in cost["conditions"])
+    r = packbench_cli("report", str(outcome.archive_path), "--out", str(tmp_path / "r.html"))
+    assert r.returncode == 0, r.stderr
+    page = (tmp_path / "r.html").read_text()
+    assert 'id="passes-separate"' in page and "recording / timing" in page
+
+
+def test_a_together_screen_says_its_timings_include_the_recording():
+    from cli.report_page import cost_section
+    from core.report import read_screen
+
+    section = cost_section(read_screen(DATA / "gates-v2.zip"))
+    assert 'id="passes-together"' in section and "includes the in-call recording" in section
 
 
 @pytest.mark.parametrize("edit, line", [
