@@ -436,7 +436,7 @@ class Worker:
         return two_passes(run, recorder=model.recorder, fresh=fresh, sampler=self.sampler)
 
     def _failed(self, record: dict, e: Exception, t0: float) -> dict:
-        """A failed episode's record; the device freed of what it may have left (module docstring)."""
+        """A failed episode's record, its cause on one line; the device freed of whatever the episode left."""
         self.sampler.stop()
         if self.model.slot.policy is not None:
             self.model.slot.policy.deactivate()
