@@ -234,7 +234,7 @@ def _print_estimate(p, est: dict, timing: dict, *, shape, h2d_gbps: float) -> No
         rows.append(row)
     typer.echo(table(rows, list(rows[0])))
     typer.echo(f"screen: {_bytes(est['total_bytes'])} host-to-device")
-    for line in _time_lines(timing, h2d_gbps=h2d_gbps) + _competitor_modes(p):
+    for line in _time_lines(timing, h2d_gbps=h2d_gbps) + _passes_lines(p) + _competitor_modes(p):
         typer.echo(line)
     allowance = est["allowance_bytes"]
     typer.echo(f"parameters {_bytes(est['param_bytes'])} ({'exceed' if est['param_bytes'] > allowance else 'fit'} "
@@ -258,6 +258,14 @@ def _time_lines(timing: dict, *, h2d_gbps: float) -> list[str]:
                 f"GB/s); no earlier episodes of {timing['model']} on {where} to estimate from{unread}"]
     return [f"time: no rate is known for a CPU screen: no earlier episodes of {timing['model']} on {where}{unread}; "
             f"a GPU transfer floor does not bound it (a screen's time here is the CPU's compute)"]
+
+
+def _passes_lines(p) -> list[str]:
+    """With separate passes (schema 7), what the time above leaves out: every episode runs twice."""
+    if not p.separate_passes:
+        return []
+    return ["passes: separate: every episode runs twice, timed with the ledger and the sampler off, then recorded "
+            "with them on; the times above are one pass's, the screen takes about twice as long"]
 
 
 def _competitor_modes(p) -> list[str]:

@@ -128,7 +128,7 @@ def protocol_section(s: ScreenData) -> str:
                            f"(1 prefill + {p.continuation_tokens - 1} decode calls)"),
                 ("reference", p.reference), ("repetitions", p.repetitions),
                 ("order", f"{p.order}{', reference first' if p.baseline_first else ''}"),
-                ("allowance", f"{p.allowance_mib} MiB"), ("recording", p.recording),
+                ("allowance", f"{p.allowance_mib} MiB"), ("recording", p.recording), ("passes", p.passes),
                 ("planned episodes", s.planned)]),
         "</div><div>", conditions,
         "<h3>Gates as frozen</h3>", _gates_table(p.full_dict()["gates"]),
@@ -266,6 +266,38 @@ def summary_section(s: ScreenData) -> str:
                      rows, cls="conditions"))
 
 
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else 1e3 * seconds
+
+
+def cost_section(s: ScreenData) -> str:
+    """The measurement's own cost (core/passes.py): with separate passes, per condition the median
+    recording-pass wall over the timing-pass wall; with passes together, a line saying the
+    timings include the recording."""
+    cost = data.measurement_cost(s)
+    head = '<h2 id="cost">The measurement\'s own cost</h2>'
+    if cost["passes"] == "together":
+        what = ("the per-layer ledger and, on a GPU, the NVML memory and energy sampler" if cost["recording"]
+                else "the NVML memory and energy sampler on a GPU (the per-layer ledger was off: recording false)")
+        return head + (f'<p id="passes-together">Passes together: every timing on this page includes the in-call '
+                       f'recording ({esc(what)}). A protocol with <code>passes: separate</code> (schema 7) times '
+                       f'each episode with both off, then records it in a second pass.</p>')
+    lede = ('<p id="passes-separate">Separate passes: each episode ran twice, timed with the ledger and the sampler '
+            'off, then recorded with both on. Every time on this page is the timing pass\'s; every byte, memory and '
+            'energy figure the recording pass\'s. The ratio is the median over scored episodes of the recording '
+            'wall over the timing wall of the same episode.</p>')
+    rows = [[f'<td class="name">{esc(r["condition"])}</td>', _num(r["n"], "{}"),
+             _num(r["timing_wall_s"], "{:.4g} s"), _num(r["recording_wall_s"], "{:.4g} s"),
+             _num(r["ratio"], "{:.4f}"),
+             _two(_fmt(_ms(r["timing_decode_s"]), "{:.4g} ms"), _fmt(_ms(r["recording_decode_s"]), "recording {:.4g} ms"))]
+            for r in cost["conditions"]]
+    if not rows:
+        return head + lede + '<p class="missing">no finished scored episode carries both passes\' figures</p>'
+    return head + lede + _table(["condition", "scored", "timing wall (median)", "recording wall (median)",
+                                 "recording / timing", "decode call: timing, recording (median)"], rows,
+                                cls="conditions")
+
+
 def plots_section(s: ScreenData) -> str:
     c = s.conditions
     heat = data.active_heatmap(s)
@@ -353,7 +385,7 @@ def screen_page(s: ScreenData, *, audit: AuditStatus) -> str:
             f"{passed} of {len(s.verdicts)} verdicts pass; {s.environment.get('gpu') or 'CPU'}")
     with figs.style():
         plots = plots_section(s)
-    body = "".join([verdict_section(s), summary_section(s), plots, protocol_section(s),
+    body = "".join([verdict_section(s), summary_section(s), cost_section(s), plots, protocol_section(s),
                     machine_section(s), audit_section(s, audit)])
     return _page(f"packbench report: {s.label}", lede, body)
 

@@ -9,7 +9,8 @@ What is checked (each finding is one line in `problems`, naming the member or ep
 - plan.json is the plan of that protocol, and its prompts are the protocol's prompts;
 - every planned episode has a record that matches its plan entry; a finished one has a
   well-formed call ledger, one call per continuation token (prefill first), totals equal to
-  those recomputed from the ledger, and tokens that are the argmax of its stored logits;
+  those recomputed from the ledger, and tokens that are the argmax of its stored logits; with
+  separate passes, both passes' figures (core/passes.py);
 - the verdicts recomputed from those records (with worker.json's start record) equal
   verdicts.json and the database's; the database's episodes equal the archive's.
 
@@ -55,6 +56,7 @@ from core.metrics import (
     stored_total_problems,
     wall_problems,
 )
+from core.passes import pass_problems
 from core.provenance import check_signature, signature_path
 from core.plan import plan as make_plan
 from core.plan import prompts as make_prompts
@@ -199,6 +201,7 @@ def _episode_problems(name: str, rec: dict, logits: np.ndarray | None, protocol:
     totals = episode_totals(calls)
     out = [f"{name}: {p}" for p in stored_total_problems(rec, totals)]
     out += [f"{name}: {p}" for p in wall_problems(rec, totals)]
+    out += [f"{name}: {p}" for p in pass_problems(rec, separate=protocol.separate_passes)]  # schema 7's two passes
     # An int8 condition's rows are hidden int8 values plus a scale: its own row size (slot 1).
     cond = rec.get("condition")
     slot = int(cond in protocol.condition_names and weights_of(protocol.condition(cond).policy,

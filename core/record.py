@@ -110,6 +110,11 @@ EPISODE_FIELDS: tuple[Field, ...] = (
     _kept("quantization", dict),  # engine/quantized.py QuantizationStats: what building the model cost
     _kept("offload", dict),  # engine/accelerate.py OffloadStats: what accelerate placed where, and its cost
     _kept("first_logit_since_entry_s", float),
+    # Separate passes (protocol `passes`, schema 7): {timing_wall_s (= wall_s), recording_wall_s,
+    # recording_call_s: one per call}; every time above is the timing pass's, every count and
+    # memory figure the recording pass's (engine/passes.py runs them, core/passes.py checks them).
+    # Absent when the passes run together.
+    _kept("passes", dict),
     _kept("logits_d2h_bytes", int, ledger=True),  # recording readbacks
     _kept("rows_copied", int, ledger=True),
     _kept("rows_wasted", int, ledger=True),  # from newer engines, when the ledger carries it

@@ -24,6 +24,7 @@ from core.archive import (PROTOCOL_NAME, VERDICTS_NAME, WORKER_NAME, ArchiveRead
 from core.dispersion import spread
 from core.errors import ArchiveError
 from core.gates import planned_episodes, runtime
+from core.passes import overhead
 from core.plan import plan
 from core.protocol import MIB, Protocol, expand
 from core.record import token_count
@@ -417,6 +418,15 @@ def condition_summary(screen: ScreenData) -> list[dict]:
             "energy_j_per_episode": _mean(j), "energy_j_per_token": math.fsum(j) / tokens if tokens else None,
         })
     return rows
+
+
+def measurement_cost(screen: ScreenData) -> dict:
+    """What the measurement itself cost: the protocol's `passes` (together: the ledger and the
+    sampler ran inside the timed calls; separate: core/passes.py), whether it recorded, and with
+    separate passes, per condition, the figures of `core.passes.overhead` (in protocol order)."""
+    cost = overhead(e.record for e in screen.episodes)
+    return {"passes": screen.protocol.passes, "recording": screen.protocol.recording,
+            "conditions": [{"condition": c, **cost[c]} for c in screen.conditions if c in cost]}
 
 
 def frontier(screen: ScreenData) -> dict:

@@ -23,10 +23,11 @@ from core.metrics import episode_totals
 from core.provenance import checkpoint_digest
 from core.registry import resolved_params, stack_refusal, tier_of
 from core.protocol import Protocol, expand
-from engine.episode import run_episode
+from engine.episode import EpisodeOutput, run_episode
 from engine.gpu_lock import GpuLock, HostPresence, host_gpu_index, host_gpus
 from engine.graph import check_mode
 from engine.model import CpuFirstModel
+from engine.passes import PassMismatch, two_passes
 from engine.policies import BUFFERS_LAYOUT
 from engine.accelerate import AcceleratedModel, _library as accelerate_library
 from engine.quantized import QuantizationUnavailable, QuantizedModel
@@ -145,6 +146,7 @@ class Worker:
         self.reference: str | None = None
         self.loads = 0
         self.conditions: dict[str, tuple[str, dict]] = {}
+        self.separate_passes = False  # the loaded protocol's `passes: separate` (engine/passes.py)
         uuid = device_uuid(self.device.index) if self.device.type == "cuda" else None
         self.gpu_uuid = uuid  # which physical GPU: two workers on one GPU would share it
         # One worker per physical GPU on this host, even across clusters (engine/gpu_lock.py).
@@ -235,6 +237,7 @@ class Worker:
                                   f"the checkpoint changed since the protocol was written; restore it or freeze "
                                   f"a new protocol")
         self.model.recorder.enabled = protocol.recording
+        self.separate_passes = protocol.separate_passes  # a timing pass, then a recording pass (engine/passes.py)
         self.conditions = {c.name: (c.policy, dict(c.params)) for c in protocol.conditions}
         self.reference, self.reference_runs = protocol.reference, {}
         self.path, self.dtype, self.capacity = path, dtype_of(protocol.dtype), protocol.prefix_tokens + protocol.continuation_tokens
@@ -380,7 +383,6 @@ class Worker:
                   "prompt": entry["prompt"], "policy": policy, "params": params, "engine": {"mode": self.mode},
                   "tier": tier, **({"prompts": entry["prompts"]} if "prompts" in entry else {})}
         t0 = time.perf_counter()
-        sampler = self.sampler
         forced, forced_from, forced_s = None, None, None
         built = None
         try:
@@ -397,42 +399,73 @@ class Worker:
                     lift(self.device)  # a speed reference: re-imposed after the episode, as after every one
                 self.model.use(policy, **params)
                 model, mode = self.model, self.mode
-            sampler.start()
-            out = run_episode(model, prompt, continuation=self.continuation, mode=mode)
-            sampled = sampler.stop()
+            out, sampled, passes = self._measure(model, prompt, mode, policy=policy, params=params)
             if tier == "approximate" and entry["prompt"] in self.reference_runs:
                 # Teacher-forced on the reference's tokens, after the measured free run (its time
-                # and peaks are the free run's): the logits fidelity is judged on.
+                # and peaks are the free run's): the logits fidelity is judged on. With separate
+                # passes, once, after both.
                 forced_from, ref_tokens = self.reference_runs[entry["prompt"]]
                 t_forced = time.perf_counter()
                 forced = run_episode(model, prompt, continuation=self.continuation, mode=mode,
                                      forced=ref_tokens).logits
                 forced_s = time.perf_counter() - t_forced
         except Exception as e:  # recorded, never retried into a pass
-            sampler.stop()
-            if self.model.slot.policy is not None:
-                self.model.slot.policy.deactivate()
-                self.model.slot.policy = None
-            # A failed competitor is dropped, not kept or shelved: it may be half built or half
-            # moved, and it must not hold the device the next condition needs (an OOM must not
-            # poison the episodes after it).
-            model, self.competitor = None, None
-            self._free()
-            if self.device.type == "cuda":
-                try:
-                    impose(self.device, self.allowance, self.nvml)  # lifted for an unbounded resident
-                except Exception:  # noqa: BLE001 - a broken context fails the next episode, with its own words
-                    pass
-            return {**record, "status": "failed", "error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}",
-                    "traceback": traceback.format_exc(limit=5), "episode_s": time.perf_counter() - t0,
-                    "logits": None, "trace": None, "forced_logits": None}
+            model = None  # before _failed frees the device: a failed competitor must not stay referenced here
+            return self._failed(record, e, t0)
         if entry["condition"] == self.reference:
             self.reference_runs.setdefault(entry["prompt"], (entry["index"], list(out.tokens)))
-        calls = [c.to_dict() for c in out.calls]
         p = self.model.slot.policy if model is self.model else None
         context = impose(self.device, self.allowance, self.nvml) if self.device.type == "cuda" else 0
         record["episode_s"] = time.perf_counter() - t0  # wall_s plus activation and measurement
-        return {**record, "status": "ok", "error": None, "tokens": out.tokens, "wall_s": out.wall_s,
+        return {**record, **self._finished(out, sampled, policy=p, built=built, context=context),
+                **({"passes": passes} if passes is not None else {}),
+                **({"quantization": built, "forced_from": forced_from, "forced_s": forced_s}
+                   if policy == "quantized" else {}),
+                **({"offload": built} if policy == "accelerate" else {}),
+                "forced_logits": forced}
+
+    def _measure(self, model, prompt: list[int] | list[list[int]], mode: str, *, policy: str,
+                 params: dict) -> tuple[EpisodeOutput, dict, dict | None]:
+        """The measured run(s) of an episode: (output, the sampler's summary, passes). One run
+        with the sampler around it, or with separate passes (engine/passes.py) a timing run and
+        a recording run, whose figures `passes` keeps (None for one run)."""
+        def run() -> EpisodeOutput:
+            return run_episode(model, prompt, continuation=self.continuation, mode=mode)
+
+        if not self.separate_passes:
+            self.sampler.start()
+            out = run()
+            return out, self.sampler.stop(), None
+        # The recording pass starts from the state the timing pass started from: a fresh policy
+        # (an LRU cache, a forecast); a competitor keeps no state between episodes.
+        fresh = (lambda: self.model.use(policy, **params)) if model is self.model else (lambda: None)
+        return two_passes(run, recorder=model.recorder, fresh=fresh, sampler=self.sampler)
+
+    def _failed(self, record: dict, e: Exception, t0: float) -> dict:
+        """A failed episode's record, its cause on one line; the device freed of whatever the episode left."""
+        self.sampler.stop()
+        if self.model.slot.policy is not None:
+            self.model.slot.policy.deactivate()
+            self.model.slot.policy = None
+        # A failed competitor is dropped, not kept or shelved: it may be half built or half
+        # moved, and it must not hold the device the next condition needs (an OOM must not
+        # poison the episodes after it).
+        self.competitor = None
+        self._free()
+        if self.device.type == "cuda":
+            try:
+                impose(self.device, self.allowance, self.nvml)  # lifted for an unbounded resident
+            except Exception:  # noqa: BLE001 - a broken context fails the next episode, with its own words
+                pass
+        return {**record, "status": "failed", "error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}",
+                "traceback": traceback.format_exc(limit=5), "episode_s": time.perf_counter() - t0,
+                **({"passes": e.passes} if isinstance(e, PassMismatch) else {}),
+                "logits": None, "trace": None, "forced_logits": None}
+
+    def _finished(self, out: EpisodeOutput, sampled: dict, *, policy, built: dict | None, context: int) -> dict:
+        """A finished episode's measurements: times, ledger totals, memory, sampler, logits."""
+        calls = [c.to_dict() for c in out.calls]
+        return {"status": "ok", "error": None, "tokens": out.tokens, "wall_s": out.wall_s,
                 "engine": {"mode": out.mode, "decode_graph": out.decode_graph, "buffers": BUFFERS_LAYOUT},
                 "first_logit_since_entry_s": out.first_logit_at - self.t_entry,
                 **episode_totals(calls),
@@ -440,16 +473,12 @@ class Worker:
                            "peak_reserved_bytes": out.peak_reserved_bytes,
                            "peak_sampled_bytes": sampled["peak_sampled_bytes"],
                            "kv_bytes": out.kv_bytes,
-                           "policy_device_bytes": p.device_bytes() if p is not None else built["device_bytes"],
+                           "policy_device_bytes": policy.device_bytes() if policy is not None else built["device_bytes"],
                            "host_outgoing_bytes": self.model.host.host_bytes,
-                           "pinned_bytes": self.model.host.pinned_bytes + (p.pinned_bytes() if p is not None else 0),
+                           "pinned_bytes": self.model.host.pinned_bytes + (policy.pinned_bytes() if policy is not None else 0),
                            "device_param_bytes": self.model.start.device_param_bytes,
                            "host_rss_peak_bytes": host_rss_peak_bytes(), "context_bytes": context},
                 "sampler": {k: sampled[k] for k in ("samples", "period_s", "sampler_overhead_s", "scope",
                                                     "other_processes")},
                 "energy_j": sampled["energy_j"],
-                "calls": calls, "logits": out.logits, "trace": sampled["trace"],
-                **({"quantization": built, "forced_from": forced_from, "forced_s": forced_s}
-                   if policy == "quantized" else {}),
-                **({"offload": built} if policy == "accelerate" else {}),
-                "forced_logits": forced}
+                "calls": calls, "logits": out.logits, "trace": sampled["trace"]}

@@ -19,6 +19,10 @@ competitors have no mode and run eager. Schema 6 also adds parameters no earlier
 a condition giving one freezes as 6. Schema 6 also adds `batch`, the sequences decoded together
 (1 to MAX_BATCH, at most the prompt count): a batch above 1 freezes as 6, batch 1 is left out
 (every protocol without the field keeps its body and hash).
+Schema 7 adds `passes`: `together` (the default, left out of the body: one measured run an
+episode, its ledger and sampler inside the timed calls) or `separate` (a timing pass with the
+ledger and the sampler off, then a recording pass with them on; engine/worker.py). A protocol
+with `passes: separate` freezes as 7; any other keeps the body and hash it had.
 Every rule a field obeys is written once, here; docs/protocol.md describes them for users.
 """
 
@@ -62,11 +66,15 @@ from core.registry import (
     synth_spec,
 )
 
-SCHEMA_VERSION = 6  # the newest schema this packbench reads: what a YAML without `schema:` means
-SCHEMAS = (1, 2, 3, 4, 5, 6)  # every schema it reads; frozen bodies say 1, 2, 5 or 6 (module docstring)
+SCHEMA_VERSION = 7  # the newest schema this packbench reads: what a YAML without `schema:` means
+SCHEMAS = (1, 2, 3, 4, 5, 6, 7)  # every schema it reads; frozen bodies say 1, 2, 5, 6 or 7 (module docstring)
 COMPETITOR_SCHEMA = 5  # the first schema that can say a competitor condition or a fidelity gate
 MODE_SCHEMA = 6  # the first schema that can say `accelerate` or a competitor's `mode`
 SCHEMA6_POLICIES = ("accelerate",)
+PASSES_SCHEMA = 7  # the first schema that can say `passes`
+# How an episode is measured: one run with the ledger and the sampler inside its timed calls
+# (`together`, every schema's meaning), or a timing pass with them off, then a recording pass.
+PASSES = ("together", "separate")
 MIB = 1 << 20
 # Bounds no real screen reaches: a hostile protocol.json must not make a plan or the generated
 # prompts exhaust an auditor's memory.
@@ -389,6 +397,14 @@ def _batch(value: Any, *, schema: int, given: bool) -> int:
     return _int(value, "batch", minimum=1, maximum=MAX_BATCH)
 
 
+def _passes(value: Any, *, schema: int, given: bool) -> str:
+    """How each episode is measured (PASSES): `separate` times a pass with the ledger and the
+    sampler off, then records a second pass with them on (engine/worker.py)."""
+    if given and schema < PASSES_SCHEMA:
+        _fail("passes", f"needs schema {PASSES_SCHEMA}; write schema: {PASSES_SCHEMA} or omit `schema:`")
+    return _choice(value, "passes", PASSES)
+
+
 def _placement(value: Any) -> dict:
     """Where a screen may run: a GPU type (Ray's accelerator_type, e.g. H200), a node (Ray node
     id), and whether it wants its node to itself. Only what is given is kept."""
@@ -446,6 +462,7 @@ def _full(raw: Any, *, base_dir: Path | None) -> dict:
         "continuation_tokens": True, "conditions": True, "reference": True, "warmups": False,
         "repetitions": False, "order": False, "baseline_first": False, "allowance_mib": True,
         "recording": False, "gates": True, "placement": False, "engine": False, "batch": False,
+        "passes": False,
     })
     declared = p.get("schema", SCHEMA_VERSION)
     if isinstance(declared, bool) or declared not in SCHEMAS:
@@ -484,6 +501,9 @@ def _full(raw: Any, *, base_dir: Path | None) -> dict:
     if batch > 1:  # batch 1 (or absent) is left out, so every protocol frozen before it keeps its hash
         full["batch"] = batch
         full["schema"] = MODE_SCHEMA
+    if _passes(p.get("passes", "together"), schema=declared, given="passes" in p) == "separate":
+        full["passes"] = "separate"  # together (or absent) is left out: every body frozen before keeps its hash
+        full["schema"] = max(full["schema"], PASSES_SCHEMA)
     engine = _engine(p.get("engine"))
     if engine:  # eager (or absent): left out, so every protocol frozen before modes keeps its hash
         full["engine"] = engine
@@ -526,6 +546,9 @@ def _cross_checks(full: dict) -> None:
     if draws > MAX_BOOTSTRAP_DRAWS:
         _fail("gates.runtime", f"the runtime bootstraps would draw {draws} pair indices (resamples x pairs x "
                                f"compared conditions), more than {MAX_BOOTSTRAP_DRAWS}; lower resamples")
+    if not full["recording"] and full.get("passes") == "separate":
+        _fail("passes", "separate needs recording: true (its recording pass writes the ledger); "
+                        "drop recording: false or write passes: together")
     if not full["recording"] and "acquisition" in gates:
         _fail("gates.acquisition", "needs recording: true (byte counts come from the per-call ledger)")
     policies = {c["name"]: c["policy"] for c in full["conditions"]}

@@ -169,6 +169,7 @@ class Protocol:
     placement: Placement
     engine_mode: str  # eager | graph (engine/graph.py)
     batch: int  # sequences decoded together (1: one prompt an episode, as every schema before 6)
+    passes: str  # together | separate (schema 7): the timing pass apart from the recording pass
     full: Mapping[str, Any]  # the full schema-2 form (read-only), as docs/protocol.md lists it
 
     def __eq__(self, other: object) -> bool:
@@ -190,6 +191,11 @@ class Protocol:
             if c.name == name:
                 return c
         raise KeyError(f"no condition {name!r} in protocol {self.name!r}")
+
+    @property
+    def separate_passes(self) -> bool:
+        """Each episode runs twice: timed with recording off, then recorded (core/passes.py)."""
+        return self.passes == "separate"
 
     @property
     def allowance_bytes(self) -> int:
@@ -279,7 +285,7 @@ def expand(body: Any) -> Protocol:
         repetitions=full["repetitions"], order=full["order"], baseline_first=full["baseline_first"],
         allowance_mib=full["allowance_mib"], recording=full["recording"], gates=_gates(full["gates"]),
         placement=Placement(**full.get("placement", {})), engine_mode=full.get("engine", {}).get("mode", "eager"),
-        batch=full.get("batch", 1), full=_freeze_data(full))
+        batch=full.get("batch", 1), passes=full.get("passes", "together"), full=_freeze_data(full))
 
 
 def prompt_count(body: Any) -> int:
