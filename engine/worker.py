@@ -14,6 +14,7 @@ import time
 import traceback
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -376,21 +377,8 @@ class Worker:
         t0 = time.perf_counter()
         sampler = self.sampler
         forced, forced_from, forced_s = None, None, None
-        built = None
         try:
-            if policy in ("quantized", "accelerate"):
-                model, state = self._competitor(policy, params)
-                built = {**model.stats.as_dict(), "state": state}
-                if state == "shelved":  # the move back and the graphs made again, outside the episode's wall
-                    built["unshelve_s"] = model.unshelve_s
-                mode = resolved_params(policy, params)["mode"]  # frozen in the condition (schema 6), else eager
-            else:
-                self.release_competitor()
-                self.unpark()
-                if self.device.type == "cuda" and params.get("allowance") == "unbounded":
-                    lift(self.device)  # a speed reference: re-imposed after the episode, as after every one
-                self.model.use(policy, **params)
-                model, mode = self.model, self.mode
+            model, mode, built = self._episode_model(policy, params)
             sampler.start()
             out = run_episode(model, prompt, continuation=self.continuation, mode=mode)
             sampled = sampler.stop()
@@ -403,23 +391,8 @@ class Worker:
                                      forced=ref_tokens).logits
                 forced_s = time.perf_counter() - t_forced
         except Exception as e:  # recorded, never retried into a pass
-            sampler.stop()
-            if self.model.slot.policy is not None:
-                self.model.slot.policy.deactivate()
-                self.model.slot.policy = None
-            # A failed competitor is dropped, not kept or shelved: it may be half built or half
-            # moved, and it must not hold the device the next condition needs (an OOM must not
-            # poison the episodes after it).
-            model, self.competitor = None, None
-            self._free()
-            if self.device.type == "cuda":
-                try:
-                    impose(self.device, self.allowance, self.nvml)  # lifted for an unbounded resident
-                except Exception:  # noqa: BLE001 - a broken context fails the next episode, with its own words
-                    pass
-            return {**record, "status": "failed", "error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}",
-                    "traceback": traceback.format_exc(limit=5), "episode_s": time.perf_counter() - t0,
-                    "logits": None, "trace": None, "forced_logits": None}
+            model = None  # this frame's reference to a failed competitor: freed by _failed's _free()
+            return self._failed(record, e, t0)
         if entry["condition"] == self.reference:
             self.reference_runs.setdefault(entry["prompt"], (entry["index"], list(out.tokens)))
         calls = [c.to_dict() for c in out.calls]
@@ -447,3 +420,43 @@ class Worker:
                    if policy == "quantized" else {}),
                 **({"offload": built} if policy == "accelerate" else {}),
                 "forced_logits": forced}
+
+    def _episode_model(self, policy: str, params: dict) -> tuple[Any, str, dict | None]:
+        """The model a condition's episode runs on, made ready, and its engine mode: a competitor
+        (built, kept or unshelved; its build figures as the third value) or this worker's own
+        model under `policy`."""
+        if policy in ("quantized", "accelerate"):
+            model, state = self._competitor(policy, params)
+            built = {**model.stats.as_dict(), "state": state}
+            if state == "shelved":  # the move back and the graphs made again, outside the episode's wall
+                built["unshelve_s"] = model.unshelve_s
+            mode = resolved_params(policy, params)["mode"]  # frozen in the condition (schema 6), else eager
+            return model, mode, built
+        self.release_competitor()
+        self.unpark()
+        if self.device.type == "cuda" and params.get("allowance") == "unbounded":
+            lift(self.device)  # a speed reference: re-imposed after the episode, as after every one
+        self.model.use(policy, **params)
+        return self.model, self.mode, None
+
+    def _failed(self, record: dict, e: Exception, t0: float) -> dict:
+        """The record of an episode that raised (called while `e` is handled: its traceback is
+        kept), after the device is made ready for the next condition."""
+        self.sampler.stop()
+        if self.model.slot.policy is not None:
+            self.model.slot.policy.deactivate()
+            self.model.slot.policy = None
+        # A failed competitor is dropped, not kept or shelved: it may be half built or half
+        # moved, and it must not hold the device the next condition needs (an OOM must not
+        # poison the episodes after it).
+        self.competitor = None
+        self._free()
+        if self.device.type == "cuda":
+            try:
+                impose(self.device, self.allowance, self.nvml)  # lifted for an unbounded resident
+            except Exception:  # noqa: BLE001 - a broken context fails the next episode, with its own words
+                pass
+        first_line = str(e).splitlines()[0] if str(e) else ""
+        return {**record, "status": "failed", "error": f"{type(e).__name__}: {first_line}",
+                "traceback": traceback.format_exc(limit=5), "episode_s": time.perf_counter() - t0,
+                "logits": None, "trace": None, "forced_logits": None}
