@@ -14,6 +14,7 @@ import time
 import traceback
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -384,21 +385,8 @@ class Worker:
                   "tier": tier, **({"prompts": entry["prompts"]} if "prompts" in entry else {})}
         t0 = time.perf_counter()
         forced, forced_from, forced_s = None, None, None
-        built = None
         try:
-            if policy in ("quantized", "accelerate"):
-                model, state = self._competitor(policy, params)
-                built = {**model.stats.as_dict(), "state": state}
-                if state == "shelved":  # the move back and the graphs made again, outside the episode's wall
-                    built["unshelve_s"] = model.unshelve_s
-                mode = resolved_params(policy, params)["mode"]  # frozen in the condition (schema 6), else eager
-            else:
-                self.release_competitor()
-                self.unpark()
-                if self.device.type == "cuda" and params.get("allowance") == "unbounded":
-                    lift(self.device)  # a speed reference: re-imposed after the episode, as after every one
-                self.model.use(policy, **params)
-                model, mode = self.model, self.mode
+            model, mode, built = self._episode_model(policy, params)
             out, sampled, passes = self._measure(model, prompt, mode, policy=policy, params=params)
             if tier == "approximate" and entry["prompt"] in self.reference_runs:
                 # Teacher-forced on the reference's tokens, after the measured free run (its time
@@ -482,3 +470,21 @@ class Worker:
                                                     "other_processes")},
                 "energy_j": sampled["energy_j"],
                 "calls": calls, "logits": out.logits, "trace": sampled["trace"]}
+
+    def _episode_model(self, policy: str, params: dict) -> tuple[Any, str, dict | None]:
+        """The model a condition's episode runs on, made ready, and its engine mode: a competitor
+        (built, kept or unshelved; its build figures as the third value) or this worker's own
+        model under `policy`."""
+        if policy in ("quantized", "accelerate"):
+            model, state = self._competitor(policy, params)
+            built = {**model.stats.as_dict(), "state": state}
+            if state == "shelved":  # the move back and the graphs made again, outside the episode's wall
+                built["unshelve_s"] = model.unshelve_s
+            mode = resolved_params(policy, params)["mode"]  # frozen in the condition (schema 6), else eager
+            return model, mode, built
+        self.release_competitor()
+        self.unpark()
+        if self.device.type == "cuda" and params.get("allowance") == "unbounded":
+            lift(self.device)  # a speed reference: re-imposed after the episode, as after every one
+        self.model.use(policy, **params)
+        return self.model, self.mode, None

@@ -1,7 +1,8 @@
 """The scheduler's workers (`Fleet`): started on the pool, placed or refused, lost, replaced.
 
-What happens to the screens a worker held is the scheduler's (service/scheduler.py); this
-module only keeps the slots true to what the pool says of its workers.
+What happens to the screens a worker held is the scheduler's (service/scheduler.py,
+service/scheduler_lifecycle.py); this module only keeps the slots true to what the pool says of
+its workers.
 """
 
 from __future__ import annotations
@@ -31,6 +32,10 @@ class Fleet:
 
     def ready(self) -> list[Slot]:
         return [s for s in self.slots if s.ready]
+
+    def screens(self) -> list[Active]:
+        """Every screen a worker holds: the one it runs and the one claimed behind it."""
+        return [a for s in self.slots for a in s.screens()]
 
     def start(self) -> None:
         for _ in range(self.planned or self.pool.gpus()):

@@ -1,6 +1,7 @@
 """The scheduler's state, as small types: workers (`Slot`), the screens they run (`Active`),
-calls in flight (`Call`), a database outage waited out (`Outage`), and what an observer hears
-(`ScreenEvent`). Plus the pure decisions beside them (probe delays, silent dispatchers).
+calls in flight (`Call`), and what an observer hears (`ScreenEvent`). Plus the pure decisions
+beside them (silent dispatchers, unplaceable screens). A database outage waited out is
+service/scheduler_outage.py's (`Outage`).
 """
 
 from __future__ import annotations
@@ -10,44 +11,14 @@ import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 from core.errors import PackbenchError
 from core.protocol import Protocol, resources_fit
 
 LOOKAHEAD = 2  # episodes submitted to a worker at once: one running, one waiting
 UPKEEP_MAX_S = 2.0  # longest pause between lease renewals (and so before a cancel is seen)
-# Probes of a database that is down (`follow`): the first after 1 s, doubling up to 10 s. The
-# cap is how long a dispatcher may idle after the database is back (a 30 s cap left one idle
-# for 10 s after a 60 s PostgreSQL outage); one connection attempt per 10 s per dispatcher is
-# nothing to a recovering server.
-OUTAGE_BACKOFF_S = (1.0, 10.0)
 SILENT_AFTER_S = 5 * UPKEEP_MAX_S  # a dispatcher heartbeats at least every UPKEEP_MAX_S
-
-
-def outage_delays(first: float, cap: float) -> Iterator[float]:
-    """Seconds between probes of a database that is down: doubling from `first`, capped, forever."""
-    delay = first
-    while True:
-        yield delay
-        delay = min(delay * 2, cap)
-
-
-@dataclass
-class Outage:
-    """A database outage that a following dispatcher waits out (what tests observe)."""
-
-    cause: str
-    since: float  # time.monotonic() of its first failed try (the Store's retries come before it is noticed)
-    started_at: str  # the same, as UTC wall time for the line
-    delays: Iterator[float]
-    next_probe: float = 0.0
-    probes: int = 0  # failed probes so far
-
-    def schedule(self, now: float) -> float:
-        delay = next(self.delays)
-        self.next_probe = now + delay
-        return delay
 
 
 class Stop(enum.StrEnum):

@@ -1,12 +1,12 @@
-"""Shared fixtures: synthetic checkpoints (made once per session), a CPU device, and the command
-line run in this process."""
+"""Shared fixtures: synthetic checkpoints (made once per session), a CPU device, the command
+line run in this process, and one local Ray cluster that `packbench` subprocesses join."""
 
-import sys
-from collections.abc import Mapping
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
+from in_process import run_packbench  # tests/in_process.py
+from local_ray import clean_environment, ray_head  # tests/local_ray.py
 
 
 @pytest.fixture(scope="session")
@@ -24,6 +24,16 @@ def tiny(checkpoints) -> Path:
     return checkpoints["float32"]
 
 
+@pytest.fixture(scope="session")
+def checkpoint_125m(tmp_path_factory) -> Path:
+    """An OPT-125m-shaped checkpoint (the real widths), float32, sparsity 0.94, seed 0: 478 MB
+    and 1.7 s to write, once for every module that reads it."""
+    from engine.synth import synth_checkpoint
+
+    return synth_checkpoint(tmp_path_factory.mktemp("ck") / "opt-125m", shape="opt-125m", dtype="float32",
+                            sparsity=0.94, seed=0)
+
+
 @pytest.fixture(autouse=True)
 def _own_host_marks(tmp_path_factory, monkeypatch):
     """Workers made in the test process mark a lock directory of their test's own
@@ -35,40 +45,26 @@ def _own_host_marks(tmp_path_factory, monkeypatch):
     monkeypatch.setattr(engine.gpu_lock, "DEFAULT_LOCK_DIR", tmp_path_factory.mktemp("host-marks"))
 
 
-@dataclass(frozen=True)
-class Ran:
-    """What one `packbench` command returned and printed (the names of subprocess's result)."""
-    returncode: int
-    stdout: str
-    stderr: str
-
-
 @pytest.fixture
-def packbench_cli(capsys, monkeypatch):
-    """`packbench_cli(*args, env={...}, cwd=...)` runs `packbench ARGS` in this process through the
-    console entry point (`cli.main.main`: its exit codes and one-line errors), with `env` set and
-    in `cwd` for that call only: milliseconds, where a `python -m cli` subprocess costs 0.4-0.7 s
-    of interpreter start and imports on the 2-core CI machine. Commands that start Ray belong in a
-    subprocess (an embedded Ray would outlive the call in this process)."""
-    from cli.main import main
+def packbench_cli(capsys):
+    """`packbench_cli(*args, env={...}, cwd=...)` runs `packbench ARGS` in this process
+    (tests/in_process.py `run_packbench`); what the test printed before is not the command's."""
+    capsys.readouterr()
+    return run_packbench
 
-    def run(*args: str, env: Mapping[str, str] = {}, cwd: Path | None = None) -> Ran:
-        capsys.readouterr()  # what the test printed before is not this command's
-        with monkeypatch.context() as patch:
-            for name, value in env.items():
-                patch.setenv(name, value)
-            if cwd is not None:
-                patch.chdir(cwd)
-            patch.setattr(sys, "argv", ["packbench", *args])
-            try:
-                main()
-                code = 0
-            except SystemExit as e:
-                code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-        captured = capsys.readouterr()
-        return Ran(code, captured.out, captured.err)
 
-    return run
+@pytest.fixture(scope="session")
+def ray_address():
+    """The GCS address of a local Ray cluster that lives as long as the session: `packbench`
+    subprocesses that run screens join it (`PACKBENCH_RAY_ADDRESS`, the README's setting) instead
+    of each starting and stopping an embedded Ray of its own, 3.2 s more per command on the 2-core
+    CI machine (a quickstart `submit --wait`: 11.6-12.0 s embedded, 8.4-8.6 s joined). What they
+    print and record does not depend on it; the embedded start itself is tested where it is the
+    point (tests/test_tutorial.py's `make demo`, tests/cli/test_address.py, tests/api/test_api_run.py).
+    Its workers run this checkout (PYTHONPATH) with packbench's settings unset: a test hands
+    what a worker needs through the command's own options and environment, as a user would."""
+    with ray_head(clean_environment()) as address:
+        yield address
 
 
 def pytest_collection_modifyitems(config, items):

@@ -8,10 +8,11 @@ this checkout's code: `.venv/bin/activate` in the copy puts a `packbench` on PAT
 `python -m cli` with this interpreter and this checkout first on PYTHONPATH.
 
 The Makefile's `demo` recipe, the first thing a newcomer runs, starts packbench's embedded Ray
-as theirs would. The commands after it (the README's "Using it", the tutorial) join one local
-Ray cluster the module starts (`PACKBENCH_RAY_ADDRESS`, the README's setting): each of their
-nine Ray commands would otherwise start and stop an embedded Ray of its own, about 3.5 s each
-on the 2-core CI machine, and what they print does not depend on it.
+as theirs would. The commands after it (the README's "Using it", the tutorial) join the
+session's local Ray cluster (tests/conftest.py `ray_address`, `PACKBENCH_RAY_ADDRESS`, the
+README's setting): each of their nine Ray commands would otherwise start and stop an embedded
+Ray of its own, about 3.5 s each on the 2-core CI machine, and what they print does not depend
+on it.
 
 docs/protocol.md's example protocol, saved under `protocols/`, validates and plans as copied.
 """
@@ -27,6 +28,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
+from local_ray import clean_environment  # tests/local_ray.py
 
 ROOT = Path(__file__).resolve().parents[1]
 FENCE = re.compile(r"^```(sh|bash)\s*$")
@@ -102,46 +105,6 @@ def demo_recipe(makefile: str) -> list[Command]:
         cmd = line.strip().replace("$(BIN)/", "").replace("$(DEMO_DIR)", ".packbench")
         out.append(Command(cmd, 0))
     return out
-
-
-def clean_environment() -> dict[str, str]:
-    """This process's environment without packbench's settings or a Ray address, with this
-    checkout first on PYTHONPATH and Ray's token authentication off (the embedded default)."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PACKBENCH_", "RAY_ADDRESS"))}
-    env.update(PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
-               RAY_AUTH_MODE="disabled")
-    return env
-
-
-# One logical GPU and a small object store, as packbench's embedded Ray declares on a CPU host.
-HEAD = """
-import os, sys
-import ray
-ray.init("local", num_cpus=os.cpu_count() or 1, num_gpus=1, object_store_memory=256 * 2**20,
-         include_dashboard=False, logging_level="WARNING")
-print(ray.get_runtime_context().gcs_address, flush=True)
-sys.stdin.read()
-ray.shutdown()
-"""
-
-
-@pytest.fixture(scope="module")
-def ray_address():
-    """The GCS address of a local Ray cluster that lives as long as this module's tests."""
-    env = {**clean_environment(), "RAY_prestart_worker_first_driver": "0", "RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO": "1"}
-    head = subprocess.Popen([sys.executable, "-c", HEAD], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            text=True)
-    try:
-        address = head.stdout.readline().strip()
-        assert address, f"the module's Ray head did not start (exit {head.poll()})"
-        yield address
-    finally:
-        head.stdin.close()  # the head shuts its cluster down and exits
-        try:
-            head.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            head.kill()
-            head.wait()
 
 
 def sandbox(tmp: Path, ray_address: str | None = None) -> dict[str, str]:

@@ -2,13 +2,10 @@
 disagree or refused evidence, 2 usage or unreadable input; the audit's own result is printed
 even when recording it fails.
 
-The commands run in this process through the console entry point (tests/conftest.py
-`packbench_cli`); the module's fixture, made once, runs them as subprocesses."""
+The commands run in this process through the console entry point (tests/in_process.py: the
+tests through tests/conftest.py `packbench_cli`, the module's fixture directly)."""
 
 import hashlib
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -17,20 +14,11 @@ from bench.audit import synthetic_protocol, write_synthetic_screen
 from core.archive import MANIFEST_NAME, ArchiveReader, file_sha256
 from core.provenance import Signer
 from db.store import Store
-
-ROOT = Path(__file__).resolve().parents[2]
+from in_process import run_packbench  # tests/in_process.py
 
 
 def url_of(db: Path | str) -> str:
     return db if isinstance(db, str) else f"sqlite:///{db}"
-
-
-def cli_process(*args: str, cwd: Path, db: Path | str) -> subprocess.CompletedProcess:
-    url = url_of(db)
-    env = dict(os.environ, PACKBENCH_DB_URL=url, PYTHONPATH=str(ROOT), RAY_AUTH_MODE="disabled")
-    env.pop("PACKBENCH_SIGNING_KEY", None)
-    return subprocess.run([sys.executable, "-m", "cli", *args], cwd=cwd, env=env, capture_output=True, text=True,
-                          timeout=300)
 
 
 @pytest.fixture
@@ -46,8 +34,11 @@ def world(tmp_path_factory) -> dict:
     archive = d / "screen.zip"
     write_synthetic_screen(archive, synthetic_protocol(prompts_n=2, repetitions=2))
     db = d / "packbench.db"
-    assert cli_process("db", "upgrade", cwd=d, db=db).returncode == 0
-    r = cli_process("keys", "init", "--key", str(d / "lab.pem"), "--name", "this lab", cwd=d, db=db)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.delenv("PACKBENCH_SIGNING_KEY", raising=False)
+        env = {"PACKBENCH_DB_URL": url_of(db)}
+        assert run_packbench("db", "upgrade", cwd=d, env=env).returncode == 0
+        r = run_packbench("keys", "init", "--key", str(d / "lab.pem"), "--name", "this lab", cwd=d, env=env)
     assert r.returncode == 0, r.stderr
     signer = Signer.load(d / "lab.pem")
     signed = d / "signed.zip"

@@ -1,9 +1,13 @@
 """`packbench history` over three real commits of the engine, each screened for real.
 
 A test repository is made from this tree's packages (`git init`, three commits), and the
-quickstart protocol is screened from it at each commit, through a real embedded Ray, a real
-SQLite database and real archives: the worker records the test repository's own commit
-(`core/source.py`), and `history` orders the screens by it.
+quickstart protocol is screened from it at each commit, through a real local Ray, a real SQLite
+database and real archives: the worker records the test repository's own commit
+(`core/source.py`), and `history` orders the screens by it. Each commit's `dispatch` runs the
+test repository's code in a subprocess and joins the module's Ray cluster, whose workers run that
+code too (their PYTHONPATH, tests/local_ray.py): a worker starts at each dispatch, so it imports
+the engine as committed then. `db upgrade`, `submit` and `history` run in this process
+(tests/in_process.py): they read no engine code.
 
 - commit 1: the engine as it is, plus `BASE_S` of sleep in every forward call (inside the
   call's timed region). A tiny CPU episode computes for a few milliseconds, which a busy
@@ -17,7 +21,7 @@ found among them) and two at the third (the step, and the run that confirms it).
 one host thread (PACKBENCH_WORKER_THREADS=1): with two on this 2-core host and another process
 busy, the same commit's dense-stream walls ran 107 ms at one dispatch and 440 ms at the next
 (two intra-op threads waiting on each other for a core); with one, 87.5-89.5 ms over all six
-repeats, a CPU hog running beside them or not. About 40 s: three embedded Ray starts.
+repeats, a CPU hog running beside them or not.
 """
 
 from __future__ import annotations
@@ -31,6 +35,9 @@ from pathlib import Path
 
 import pytest
 import yaml
+
+from in_process import run_packbench  # tests/in_process.py
+from local_ray import clean_environment, ray_head  # tests/local_ray.py
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("cli", "cluster", "core", "db", "engine", "migrations", "packbench", "service")
@@ -66,13 +73,16 @@ def commit(repo: Path, message: str) -> str:
     return git(repo, "rev-parse", "HEAD")
 
 
-def screen_at(repo: Path, work: Path, env: dict, replicas: int) -> None:
-    """`replicas` screens of the protocol, queued, then run by one dispatch (one embedded Ray, one
-    worker) with the test repository's code as it is now."""
-    for args in (("submit", "protocol.yaml", "--replicas", str(replicas)), ("dispatch",)):
-        out = subprocess.run([sys.executable, "-m", "cli", *args], cwd=work, env={**env, "PYTHONPATH": str(repo)},
-                             capture_output=True, text=True, timeout=600)
-        assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+def screen_at(repo: Path, work: Path, settings: dict, address: str, replicas: int) -> None:
+    """`replicas` screens of the protocol, queued, then run by one dispatch (one worker) with the
+    test repository's code as it is now, on the Ray cluster at `address`."""
+    queued = run_packbench("submit", "protocol.yaml", "--replicas", str(replicas), cwd=work, env=settings)
+    assert queued.returncode == 0, queued.stderr
+    env = {**os.environ, **settings, "PACKBENCH_RAY_ADDRESS": address, "RAY_AUTH_MODE": "disabled",
+           "PYTHONPATH": str(repo)}
+    out = subprocess.run([sys.executable, "-m", "cli", "dispatch"], cwd=work, env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
 
 
 @pytest.fixture(scope="module")
@@ -85,24 +95,22 @@ def history(tmp_path_factory, tiny) -> tuple[list[str], dict]:
     body = yaml.safe_load((ROOT / "protocols" / "quickstart.yaml").read_text())
     body["model"]["path"] = str(tiny)
     (work / "protocol.yaml").write_text(yaml.safe_dump(body))
-    env = dict(os.environ, PACKBENCH_DB_URL=f"sqlite:///{work / 'packbench.db'}", RAY_AUTH_MODE="disabled",
-               PACKBENCH_WORKER_THREADS="1")
+    settings = {"PACKBENCH_DB_URL": f"sqlite:///{work / 'packbench.db'}", "PACKBENCH_WORKER_THREADS": "1"}
     git(repo, "init", "-q")
     sleep_per_call(repo, BASE_S, first=True)
     commits = [commit(repo, "engine")]
-    up = subprocess.run([sys.executable, "-m", "cli", "db", "upgrade"], cwd=work, capture_output=True, text=True,
-                        env={**env, "PYTHONPATH": str(repo)}, timeout=120)
+    up = run_packbench("db", "upgrade", cwd=work, env=settings)
     assert up.returncode == 0, up.stderr
-    screen_at(repo, work, env, RUNS[0])
-    with (repo / "engine" / "episode.py").open("a") as f:
-        f.write("# a change that changes nothing the engine does\n")
-    commits.append(commit(repo, "engine: a comment"))
-    screen_at(repo, work, env, RUNS[1])
-    sleep_per_call(repo, SLOW_S, first=False)
-    commits.append(commit(repo, "engine: the injected slowdown"))
-    screen_at(repo, work, env, RUNS[2])
-    out = subprocess.run([sys.executable, "-m", "cli", "history", "quickstart", "--json"], cwd=work,
-                         env={**env, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=120)
+    with ray_head({**clean_environment(), "PYTHONPATH": str(repo)}) as address:
+        screen_at(repo, work, settings, address, RUNS[0])
+        with (repo / "engine" / "episode.py").open("a") as f:
+            f.write("# a change that changes nothing the engine does\n")
+        commits.append(commit(repo, "engine: a comment"))
+        screen_at(repo, work, settings, address, RUNS[1])
+        sleep_per_call(repo, SLOW_S, first=False)
+        commits.append(commit(repo, "engine: the injected slowdown"))
+        screen_at(repo, work, settings, address, RUNS[2])
+    out = run_packbench("history", "quickstart", "--json", cwd=work, env=settings)
     assert out.returncode == 0, out.stderr
     return commits, json.loads(out.stdout)
 

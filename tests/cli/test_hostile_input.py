@@ -339,7 +339,7 @@ def test_a_full_disk_at_the_archive_leaves_no_file_and_exits_2_as_mid_screen(tmp
     with monkeypatch.context() as m:
         m.setattr(core.archive.writer, "_write_at", full)
         dispatcher = Scheduler(store, Settings(archive_dir=tmp_path / "archives"), pool=None)
-        dispatcher._start(Slot(name="w0", worker=None), claim)  # fails at the archive, before any worker call
+        dispatcher.claims.start(Slot(name="w0", worker=None), claim)  # fails at the archive, before any worker call
     (at_start,) = dispatcher.outcomes
     assert at_start.status == "failed" and "No space left on device" in at_start.error
     assert not Path(claim.attempt.archive_path).exists()  # no 0-byte archive left behind
@@ -352,7 +352,7 @@ def test_a_full_disk_at_the_archive_leaves_no_file_and_exits_2_as_mid_screen(tmp
     active2 = Active(slot=Slot(name="w1", worker=None), run=run2, protocol=run2.protocol)
     active2.slot.active = active2
     run2.begin({"device": "cpu"})
-    dispatcher._guarded(active2, mid_screen, {})
+    dispatcher.lifecycle.guarded(active2, mid_screen, {})
     mid = dispatcher.outcomes[-1]
     assert at_start.bad_input and mid.bad_input  # one cause, one exit code (2) wherever it strikes
 

@@ -1,9 +1,10 @@
 """`packbench report`: a report rendered from a real screen (local Ray, SQLite, a real archive),
 its content checked against the archive's own records, and the page opened in headless Chromium.
 
-One module-scoped screen (about a minute on 2 cores): a schema-2 protocol on the tiny
-checkpoint with allowance-based gates (so thresholds print in MiB) and a runtime gate (so the
-paired interval is drawn), audited once so the page has an audit to show.
+One module-scoped screen: a schema-2 protocol on the tiny checkpoint with allowance-based gates
+(so thresholds print in MiB) and a runtime gate (so the paired interval is drawn), audited once
+so the page has an audit to show. Its `submit --wait` runs in a subprocess on the session's Ray;
+every other command runs in this process (tests/in_process.py).
 """
 
 import html
@@ -20,6 +21,7 @@ import yaml
 from core import report as data
 from core.archive import ArchiveReader
 from core.protocol import MIB
+from in_process import Ran, run_packbench  # tests/in_process.py
 
 ROOT = Path(__file__).resolve().parents[2]
 DATA = ROOT / "tests" / "data"
@@ -29,9 +31,9 @@ ray = pytest.mark.ray  # the tests that use the real screen
 ONE_SCREEN_PLOTS = {"h2d", "wall", "decode", "heatmap", "union", "workload", "frontier"}  # + memory, energy where a GPU sampled them
 
 
-def cli(*args: str, cwd: Path, env: dict) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "cli", *args], cwd=cwd, capture_output=True, text=True, env=env,
-                          timeout=600)
+def cli(*args: str, cwd: Path, env: dict) -> Ran:
+    """`packbench ARGS` in this process, with the settings in `env` (tests/in_process.py)."""
+    return run_packbench(*args, cwd=cwd, env=env)
 
 
 @pytest.fixture(scope="module")
@@ -50,16 +52,20 @@ def workdir(tmp_path_factory, tiny) -> Path:
 
 @pytest.fixture(scope="module")
 def env(workdir) -> dict:
-    return dict(os.environ, PACKBENCH_DB_URL=f"sqlite:///{workdir / 'packbench.db'}", RAY_AUTH_MODE="disabled",
-                PYTHONPATH=str(ROOT))
+    """The settings every command of the module runs with."""
+    return {"PACKBENCH_DB_URL": f"sqlite:///{workdir / 'packbench.db'}"}
 
 
 @pytest.fixture(scope="module")
-def screen(workdir, env) -> dict:
-    """A real screen, run and audited: its `results --json` summary plus the audit's record."""
+def screen(workdir, env, ray_address) -> dict:
+    """A real screen, run and audited: its `results --json` summary plus the audit's record.
+    `submit --wait` runs in a subprocess that joins the session's Ray (tests/conftest.py)."""
     up = cli("db", "upgrade", cwd=workdir, env=env)
     assert up.returncode == 0, up.stderr
-    out = cli("submit", "protocol.yaml", "--wait", "--json", cwd=workdir, env=env)
+    out = subprocess.run([sys.executable, "-m", "cli", "submit", "protocol.yaml", "--wait", "--json"], cwd=workdir,
+                         capture_output=True, text=True, timeout=600,
+                         env={**os.environ, **env, "PACKBENCH_RAY_ADDRESS": ray_address, "PYTHONPATH": str(ROOT),
+                              "RAY_AUTH_MODE": "disabled"})
     assert out.returncode in (0, 1), out.stderr[-3000:]  # resources fails closed on the CPU: still a screen
     summary = json.loads(out.stdout)
     audit = cli("audit", str(summary["screen_id"]), "--json", cwd=workdir, env=env)

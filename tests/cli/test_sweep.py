@@ -1,8 +1,8 @@
 """`submit --sweep` end to end on the CPU: the quickstart over two prefix lengths, through a real
 local Ray, a real SQLite database and real archives; `protocol plan --sweep`; `report --sweep`.
 
-`submit --sweep --wait` runs in a subprocess (it starts an embedded Ray); the commands that only
-read or refuse run in this process (tests/conftest.py `packbench_cli`)."""
+`submit --sweep --wait` runs in a subprocess that joins the session's Ray (tests/conftest.py
+`ray_address`); the commands that only read or refuse run in this process (`packbench_cli`)."""
 
 import json
 import re
@@ -53,9 +53,10 @@ def pb(packbench_cli, workdir, env):
 
 
 @pytest.fixture(scope="module")
-def sweep(workdir, env) -> str:
+def sweep(workdir, env, ray_address) -> str:
+    """The sweep, run on the session's Ray (tests/conftest.py `ray_address`)."""
     out = cli("submit", "protocol.yaml", "--sweep", "prefix_tokens=16,32", "--wait", "--name", "prefix-sweep",
-              "--tag", "study=prefix", cwd=workdir, env=env)
+              "--tag", "study=prefix", cwd=workdir, env={**env, "PACKBENCH_RAY_ADDRESS": ray_address})
     assert out.returncode == 0, out.stderr[-3000:]
     return re.search(r"queued sweep (sw-[0-9a-f]+)", out.stdout).group(1)
 

@@ -279,7 +279,7 @@ def test_a_database_that_stays_down_stops_the_dispatcher_and_keeps_the_evidence(
         return real(self, attempt_id, record)
 
     monkeypatch.setattr(Store, "put_episode", down)
-    d = dispatcher(store, settings(cluster, tmp_path, models), lease_s=2)
+    d = dispatcher(store, settings(cluster, tmp_path, models), workers=1, lease_s=2)  # one screen: one worker
     assert d.run() == [] and d.stopping == "database" and "gave up" in d.fatal
     (attempt,) = store.attempts(screen_id)
     assert attempt.status == "running"  # nothing could be recorded: the lease will expire
@@ -287,7 +287,7 @@ def test_a_database_that_stays_down_stops_the_dispatcher_and_keeps_the_evidence(
     assert len(reader.episodes()) == 2 and len(store.episodes(attempt.id)) == 1  # the archive holds both
     monkeypatch.setattr(Store, "put_episode", real)
     time.sleep(2.1)  # the database is back and the lease has expired: a new dispatcher reaps and reruns
-    outcomes = dispatcher(store, settings(cluster, tmp_path, models), lease_s=2).run()
+    outcomes = dispatcher(store, settings(cluster, tmp_path, models), workers=1, lease_s=2).run()
     lost, done = store.attempts(screen_id)
     assert lost.status == "lost" and done.status == "done" and [o.status for o in outcomes] == ["done"]
     # Issue 27, case 13: the lost attempt's archive holds an episode the database lacks, until
@@ -465,9 +465,10 @@ def test_a_node_removed_mid_screen(cluster, tmp_path, models, store):
 
 
 def test_json_lines(cluster, tmp_path, models, store):
-    """`dispatch --json` over two screens: one JSON object per line."""
+    """`dispatch --json` over two screens: one JSON object per line (one worker runs both: a second
+    would start torch beside it on the 2 cores for nothing this test reads)."""
     submit(store, protocol_file(tmp_path), replicas=2)
-    proc = cli_dispatch(cluster, tmp_path, models, "--json")
+    proc = cli_dispatch(cluster, tmp_path, models, "--json", "--workers", "1")
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, err[-2000:]
     lines = out.strip().splitlines()

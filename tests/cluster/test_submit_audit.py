@@ -1,6 +1,11 @@
-"""Submit + audit end to end through a real local Ray, a real SQLite database and real archives."""
+"""Submit + audit end to end through a real local Ray, a real SQLite database and real archives.
+
+The commands that run episodes (`submit --wait`, `dispatch`, `audit --ray`, `--reexecute`) run in
+subprocesses that join the session's Ray (tests/conftest.py `ray_address`); the ones that only
+read, check or queue run in this process (tests/in_process.py)."""
 
 import json
+import os
 import subprocess
 import sys
 import zipfile
@@ -10,14 +15,22 @@ import pytest
 import yaml
 
 from core.archive import ArchiveReader
+from in_process import Ran, run_packbench  # tests/in_process.py
 
 pytestmark = pytest.mark.ray
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def cli(*args: str, cwd: Path, env: dict | None = None) -> subprocess.CompletedProcess:
+def cli(*args: str, cwd: Path, env: dict) -> Ran:
+    """`packbench ARGS` in this process, with the settings in `env`."""
+    return run_packbench(*args, cwd=cwd, env=env)
+
+
+def cli_ray(*args: str, cwd: Path, env: dict) -> subprocess.CompletedProcess:
+    """`packbench ARGS` in a subprocess, with the settings in `env` (a Ray address among them)."""
     return subprocess.run([sys.executable, "-m", "cli", *args], cwd=cwd, capture_output=True, text=True,
-                          env=env, timeout=600)
+                          env={**os.environ, "PYTHONPATH": str(ROOT), "RAY_AUTH_MODE": "disabled", **env},
+                          timeout=600)
 
 
 @pytest.fixture(scope="module")
@@ -31,19 +44,22 @@ def workdir(tmp_path_factory, tiny) -> Path:
 
 
 @pytest.fixture(scope="module")
-def env(workdir):
-    import os
-
-    e = dict(os.environ, PACKBENCH_DB_URL=f"sqlite:///{workdir / 'packbench.db'}", RAY_AUTH_MODE="disabled",
-             PYTHONPATH=str(ROOT))
-    return e
+def env(workdir) -> dict:
+    """The settings every command of the module runs with."""
+    return {"PACKBENCH_DB_URL": f"sqlite:///{workdir / 'packbench.db'}"}
 
 
 @pytest.fixture(scope="module")
-def screen(workdir, env) -> dict:
+def ray_env(env, ray_address) -> dict:
+    """... and the commands that run episodes, on the session's Ray."""
+    return {**env, "PACKBENCH_RAY_ADDRESS": ray_address}
+
+
+@pytest.fixture(scope="module")
+def screen(workdir, env, ray_env) -> dict:
     up = cli("db", "upgrade", cwd=workdir, env=env)
     assert up.returncode == 0, up.stderr
-    out = cli("submit", "protocol.yaml", "--wait", "--json", cwd=workdir, env=env)
+    out = cli_ray("submit", "protocol.yaml", "--wait", "--json", cwd=workdir, env=ray_env)
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout)
 
@@ -62,9 +78,9 @@ def test_submit_runs_every_planned_episode_and_passes(screen):
     assert 0 < packet < dense / 2
 
 
-def test_audit_agrees_and_repeats_its_digest(screen, workdir, env):
+def test_audit_agrees_and_repeats_its_digest(screen, workdir, env, ray_env):
     a = cli("audit", str(screen["screen_id"]), "--json", cwd=workdir, env=env)
-    b = cli("audit", "latest", "--ray", "--json", cwd=workdir, env=env)  # as a Ray task
+    b = cli_ray("audit", "latest", "--ray", "--json", cwd=workdir, env=ray_env)  # as a Ray task
     assert a.returncode == 0 and b.returncode == 0, a.stdout + a.stderr
     ra, rb = json.loads(a.stdout), json.loads(b.stdout)
     assert ra["result"] == "agree" and ra["problems"] == []
@@ -125,7 +141,7 @@ def test_archive_is_complete_and_self_describing(screen):
     assert set(m["source_freeze"]) == {"package_version", "git_commit", "git_dirty", "engine_sha256"}
 
 
-def test_a_worker_failure_is_recorded_with_its_partial_archive(workdir, env, tiny, tmp_path):
+def test_a_worker_failure_is_recorded_with_its_partial_archive(workdir, env, ray_env, tiny, tmp_path):
     """A checkpoint that passes the driver's config check but lacks tensors fails on the worker:
     one line, exit 2, the attempt kept as failed with its cause, its partial archive kept."""
     broken = tmp_path / "broken"
@@ -139,7 +155,7 @@ def test_a_worker_failure_is_recorded_with_its_partial_archive(workdir, env, tin
     body = yaml.safe_load((workdir / "protocol.yaml").read_text())
     body["model"]["path"] = str(broken)
     (workdir / "broken.yaml").write_text(yaml.safe_dump(body))
-    r = cli("submit", "broken.yaml", "--wait", cwd=workdir, env=env)
+    r = cli_ray("submit", "broken.yaml", "--wait", cwd=workdir, env=ray_env)
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
     assert "lacks 1 tensors" in r.stderr
     summary = json.loads(cli("results", "--screen", "latest", "--json", cwd=workdir, env=env).stdout)
@@ -148,15 +164,15 @@ def test_a_worker_failure_is_recorded_with_its_partial_archive(workdir, env, tin
     assert not reader.complete and reader.names == ["protocol.json"]
 
 
-def test_schema2_screen_with_synthetic_model_and_token_file(screen, workdir, env, tmp_path):
+def test_schema2_screen_with_synthetic_model_and_token_file(screen, workdir, env, ray_env, tmp_path):
     """Every gate, a model generated on the worker, prompts from a file: submit, then dispatch."""
     data = ROOT / "tests" / "data"
     for name in ("gates-v2.yaml", "gates-v2-prompts.json"):
         (tmp_path / name).write_bytes((data / name).read_bytes())
-    env = dict(env, PACKBENCH_MODEL_CACHE=str(tmp_path / "models"))
-    queued = cli("submit", str(tmp_path / "gates-v2.yaml"), cwd=workdir, env=env)
+    cache = {"PACKBENCH_MODEL_CACHE": str(tmp_path / "models")}
+    queued = cli("submit", str(tmp_path / "gates-v2.yaml"), cwd=workdir, env={**env, **cache})
     assert queued.returncode == 0 and "queued screen" in queued.stdout, queued.stderr
-    out = cli("dispatch", "--json", cwd=workdir, env=env)
+    out = cli_ray("dispatch", "--json", cwd=workdir, env={**ray_env, **cache})
     assert out.returncode == 1, out.stderr[-2000:]  # capacity and resources fail (below): a script can tell
     summary = json.loads(out.stdout)
     verdicts = {(v["gate"], v["condition"], v["phase"]): v["passed"] for v in summary["verdicts"]}
@@ -169,14 +185,14 @@ def test_schema2_screen_with_synthetic_model_and_token_file(screen, workdir, env
     assert audit.returncode == 0 and json.loads(audit.stdout)["result"] == "agree", audit.stdout[-2000:]
 
 
-def test_reexecution_agrees_and_is_recorded_as_its_own_kind(screen, workdir, env):
+def test_reexecution_agrees_and_is_recorded_as_its_own_kind(screen, workdir, env, ray_env):
     """`audit SCREEN --reexecute K`: episodes drawn (one per condition at least), re-run on a fresh
     worker, exact parts equal; the audit row says kind reexecute. Times on this CPU are noise
     (other tests share the cores): the tolerance is widened, and recorded as such."""
     from db.store import Store
 
-    r = cli("audit", str(screen["screen_id"]), "--reexecute", "1", "--seed", "3", "--time-factor", "1000", "--json",
-            cwd=workdir, env=env)
+    r = cli_ray("audit", str(screen["screen_id"]), "--reexecute", "1", "--seed", "3", "--time-factor", "1000",
+                "--json", cwd=workdir, env=ray_env)
     assert r.returncode == 0, r.stdout + r.stderr[-2000:]
     out = json.loads(r.stdout)
     assert out["result"] == "agree" and out["problems"] == [] and out["time_factor"] == 1000
@@ -189,7 +205,7 @@ def test_reexecution_agrees_and_is_recorded_as_its_own_kind(screen, workdir, env
     assert ("reexecute", "agree", out["digest"]) in kinds
 
 
-def test_reexecution_catches_a_consistent_forgery_the_static_audit_cannot(screen, workdir, env, tmp_path):
+def test_reexecution_catches_a_consistent_forgery_the_static_audit_cannot(screen, workdir, env, ray_env, tmp_path):
     """One episode's ledger forged consistently (totals, verdicts, manifest; no key): the static
     audit of the file agrees, the re-execution disagrees naming that episode, exit 1."""
     from bench.forge import forge_ledger
@@ -198,8 +214,8 @@ def test_reexecution_catches_a_consistent_forgery_the_static_audit_cannot(screen
     index = forge_ledger(Path(screen["archive_path"]), forged)
     static = cli("audit", "--archive", str(forged), "--json", cwd=workdir, env=env)
     assert static.returncode == 0 and json.loads(static.stdout)["result"] == "agree", static.stdout
-    r = cli("audit", "--archive", str(forged), "--reexecute", "8", "--time-factor", "1000", "--json",
-            cwd=workdir, env=env)
+    r = cli_ray("audit", "--archive", str(forged), "--reexecute", "8", "--time-factor", "1000", "--json",
+                cwd=workdir, env=ray_env)
     assert r.returncode == 1, r.stdout + r.stderr[-2000:]
     out = json.loads(r.stdout)
     assert index in out["episodes"] and out["result"] == "disagree"
@@ -208,10 +224,10 @@ def test_reexecution_catches_a_consistent_forgery_the_static_audit_cannot(screen
     assert all(p.startswith(f"episode {index} ") for p in out["problems"]), out["problems"]
 
 
-def test_reexecution_a_worker_refuses_is_one_line_and_exit_2(screen, workdir, env, tmp_path):
+def test_reexecution_a_worker_refuses_is_one_line_and_exit_2(screen, workdir, ray_env, tmp_path):
     """The checkpoint is not where --model-dir says: the worker's refusal, one line, no traceback."""
-    r = cli("audit", "--archive", screen["archive_path"], "--reexecute", "1", "--model-dir", str(tmp_path / "gone"),
-            cwd=workdir, env=env)
+    r = cli_ray("audit", "--archive", screen["archive_path"], "--reexecute", "1", "--model-dir",
+                str(tmp_path / "gone"), cwd=workdir, env=ray_env)
     assert r.returncode == 2, r.stdout + r.stderr[-2000:]
     errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "does not exist" in errors[0] and "Traceback" not in r.stderr, r.stderr

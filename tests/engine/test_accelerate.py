@@ -122,23 +122,25 @@ def test_the_worker_holds_one_conditions_device_state_at_a_time(tiny, monkeypatc
 
 
 @pytest.mark.ray
-def test_submit_wait_runs_and_audits_an_accelerate_screen(tmp_path, tiny):
+def test_submit_wait_runs_and_audits_an_accelerate_screen(tmp_path, tiny, packbench_cli, ray_address):
+    """`submit --wait` in a subprocess on the session's Ray (tests/conftest.py `ray_address`);
+    the other commands in this process."""
     body = yaml.safe_load((ROOT / "protocols" / "quickstart.yaml").read_text())
     body.pop("schema")
     body.update(name="accelerate-screen", continuation_tokens=6, model={"path": str(tiny)},
                 conditions=[{"policy": "dense-stream"}, {"policy": "accelerate"}],
                 gates={"faithfulness": {"tolerance": 0.0}})
     (tmp_path / "protocol.yaml").write_text(yaml.safe_dump(body))
+    settings = {"PACKBENCH_DB_URL": f"sqlite:///{tmp_path / 'packbench.db'}"}
     path = os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
-    env = dict(os.environ, PACKBENCH_DB_URL=f"sqlite:///{tmp_path / 'packbench.db'}", RAY_AUTH_MODE="disabled",
-               PYTHONPATH=path)
+    env = dict(os.environ, **settings, PACKBENCH_RAY_ADDRESS=ray_address, RAY_AUTH_MODE="disabled", PYTHONPATH=path)
 
     def cli(*args):
-        return subprocess.run([sys.executable, "-m", "cli", *args], cwd=tmp_path, capture_output=True, text=True,
-                              env=env, timeout=600)
+        return packbench_cli(*args, env=settings, cwd=tmp_path)
 
     assert cli("db", "upgrade").returncode == 0
-    out = cli("submit", "protocol.yaml", "--wait", "--json")
+    out = subprocess.run([sys.executable, "-m", "cli", "submit", "protocol.yaml", "--wait", "--json"], cwd=tmp_path,
+                         capture_output=True, text=True, env=env, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     summary = json.loads(out.stdout)
     verdicts = {(v["gate"], v["condition"]): v["passed"] for v in summary["verdicts"]}

@@ -27,12 +27,6 @@ def prompt_of(length: int, vocab: int) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def checkpoint_125m(tmp_path_factory):
-    return synth_checkpoint(tmp_path_factory.mktemp("ck") / "opt-125m", shape="opt-125m", dtype="float32",
-                            sparsity=0.94, seed=0)
-
-
-@pytest.fixture(scope="module")
 def checkpoint_profile(tmp_path_factory):
     """The calibrated profile (docs/workloads.md): heavy-tailed rates, peaked logits."""
     return synth_checkpoint(tmp_path_factory.mktemp("ck") / "tiny-opt", shape="tiny", dtype="float32", seed=0,

@@ -21,14 +21,6 @@ def prompt_of(length: int, vocab: int) -> list[int]:
     return [2] + [(7 * i + 11) % (vocab - 4) + 4 for i in range(length - 1)]
 
 
-@pytest.fixture(scope="module")
-def checkpoint_125m(tmp_path_factory):
-    from engine.synth import synth_checkpoint
-
-    return synth_checkpoint(tmp_path_factory.mktemp("ck") / "opt-125m", shape="opt-125m", dtype="float32",
-                            sparsity=0.94, seed=0)
-
-
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
 def test_tiny_graph_mode_is_bit_identical_to_stock_eager(dtype, checkpoints):
     """On the tiny shape every call's logits equal stock transformers' bit for bit, decode too."""

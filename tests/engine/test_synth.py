@@ -38,9 +38,11 @@ def test_real_opt_shapes_in_config(tmp_path):
     assert SHAPES["opt-2.7b"] == dict(hidden=2560, ffn=10240, layers=32, heads=32, vocab=50272, max_positions=2048)
 
 
-def test_sparsity_is_what_was_asked(tmp_path):
+def test_sparsity_is_what_was_asked(tmp_path, checkpoint_125m):
+    """0.94: the session's opt-125m checkpoint (tests/conftest.py), made by the same call."""
     for target in (0.5, 0.94):
-        path = synth_checkpoint(tmp_path / str(target), shape="opt-125m", dtype="float32", sparsity=target, seed=0)
+        path = checkpoint_125m if target == 0.94 else synth_checkpoint(
+            tmp_path / str(target), shape="opt-125m", dtype="float32", sparsity=target, seed=0)
         fractions = post_relu_zero_fraction(path)
         assert abs(sum(fractions) / len(fractions) - target) < 0.01, (target, fractions)
     assert abs(fc1_bias_for(0.94, hidden=2560) + 1.5549 * 0.02 * 2560 ** 0.5) < 1e-3
