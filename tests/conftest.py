@@ -60,7 +60,7 @@ def ray_address():
     of each starting and stopping an embedded Ray of its own, 3.2 s more per command on the 2-core
     CI machine (a quickstart `submit --wait`: 11.6-12.0 s embedded, 8.4-8.6 s joined). What they
     print and record does not depend on it; the embedded start itself is tested where it is the
-    point (tests/test_tutorial.py's `make demo`, tests/cli/test_address.py, tests/api/test_api_run.py).
+    point (tests/test_tutorial.py's `make demo`, tests/api/test_api_run.py).
     Its workers run this checkout (PYTHONPATH) with packbench's settings unset: a test hands
     what a worker needs through the command's own options and environment, as a user would."""
     with ray_head(clean_environment()) as address:
