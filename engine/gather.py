@@ -45,12 +45,11 @@ SPLIT_TOKENS = 64
 SPLIT_OVERRIDE: int | None = None  # a bench's variant of SPLIT_TOKENS
 
 
-def splits(h: torch.Tensor) -> int:
-    """How many programs share a neuron block's columns in this call: every column tile (the
-    kernel caps it) when the call is short enough, else one."""
+def split_columns(h: torch.Tensor) -> bool:
+    """Whether this call splits each neuron block's columns over programs (one program per column
+    tile): a call of at most SPLIT_TOKENS tokens (SPLIT_OVERRIDE, a bench's variant, first)."""
     limit = SPLIT_TOKENS if SPLIT_OVERRIDE is None else SPLIT_OVERRIDE
-    tokens = h.numel() // h.shape[-1]
-    return 1 << 30 if 0 < tokens <= limit else 1
+    return 0 < h.numel() // h.shape[-1] <= limit
 
 
 def gather_active_rows_reference(h: torch.Tensor, src: torch.Tensor, workspace: torch.Tensor,
@@ -98,7 +97,7 @@ def gather_active_rows(h: torch.Tensor, src: torch.Tensor, workspace: torch.Tens
     from engine.triton_gather import gather_active_rows_cuda  # Triton ships with CUDA builds of torch
 
     gather_active_rows_cuda(h.reshape(-1, h.shape[-1]).contiguous(), src, workspace, counts, layer, **tile(),
-                            splits=splits(h))
+                            split=split_columns(h))
 
 
 def gather_active_int8_rows_reference(h: torch.Tensor, rows: torch.Tensor, scales: torch.Tensor,
@@ -128,4 +127,4 @@ def gather_active_int8_rows(h: torch.Tensor, rows: torch.Tensor, scales: torch.T
     from engine.triton_gather import gather_active_int8_rows_cuda
 
     gather_active_int8_rows_cuda(h.reshape(-1, h.shape[-1]).contiguous(), rows, scales, workspace, counts, layer,
-                                 **tile(), splits=splits(h))
+                                 **tile(), split=split_columns(h))

@@ -8,8 +8,8 @@ workspace columns, BLOCK_H elements at a time. The copy is a bitwise move, so ex
 not depend on the kernel's tiling. early-forecast's completion tests activity the same way and
 copies only the active rows its forecast missed (`_active_rows` and `_copy_rows` are shared).
 
-Column split (the gathers, not the forecast's completion): with `splits` > 1 the grid has a
-second axis, and program (r, c) copies column tiles c, c + splits, ... of its neurons' active
+Column split (the gathers, not the forecast's completion): with `split` the grid has a second
+axis of one program per column tile, and program (r, c) copies column tile c of its neurons' active
 rows; every program of a neuron block tests their activity (h is on the device: cheap for the
 few tokens of a decode call), the first one counts them. At decode a block of 64 neurons holds
 about 2 active rows (3.3 % density), so one program reading a row 128 columns at a time makes 20
@@ -86,26 +86,26 @@ def _gather_active_int8_rows(h_ptr, n_tokens, rows_ptr, scales_ptr, ws_ptr, coun
 
 
 def gather_active_int8_rows_cuda(h, rows, scales, workspace, counts, layer, *, block_r, block_h, block_t,
-                                 num_warps=4, splits=1) -> None:
+                                 num_warps=4, split=False) -> None:
     n_tokens, ffn = h.shape
     hidden = rows.shape[1]
     if (rows.shape != (ffn, hidden) or scales.shape != (ffn,) or workspace.shape != (hidden, ffn)
             or not workspace.is_contiguous()):
         raise ValueError(f"shapes do not match: h {tuple(h.shape)}, rows {tuple(rows.shape)}, "
                          f"scales {tuple(scales.shape)}, workspace {tuple(workspace.shape)}")
-    grid = (triton.cdiv(ffn, block_r), min(splits, triton.cdiv(hidden, block_h)))
+    grid = (triton.cdiv(ffn, block_r), triton.cdiv(hidden, block_h) if split else 1)
     _gather_active_int8_rows[grid](h, n_tokens, rows, scales, workspace, counts, layer, ffn, hidden,
                                    BLOCK_R=block_r, BLOCK_H=block_h, BLOCK_T=block_t, num_warps=num_warps)
 
 
 def gather_active_rows_cuda(h, src, workspace, counts, layer, *, block_r, block_h, block_t, num_warps=4,
-                            splits=1) -> None:
+                            split=False) -> None:
     n_tokens, ffn = h.shape
     hidden = src.shape[1]
     if src.shape != (ffn, hidden) or workspace.shape != (hidden, ffn) or not workspace.is_contiguous():
         raise ValueError(f"shapes do not match: h {tuple(h.shape)}, src {tuple(src.shape)}, "
                          f"workspace {tuple(workspace.shape)}")
-    grid = (triton.cdiv(ffn, block_r), min(splits, triton.cdiv(hidden, block_h)))
+    grid = (triton.cdiv(ffn, block_r), triton.cdiv(hidden, block_h) if split else 1)
     _gather_active_rows[grid](h, n_tokens, src, workspace, counts, layer, ffn, hidden,
                               BLOCK_R=block_r, BLOCK_H=block_h, BLOCK_T=block_t, num_warps=num_warps)
 
