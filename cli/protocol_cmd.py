@@ -278,13 +278,9 @@ def _competitor_modes(p) -> list[str]:
             params = c.resolved_params
             why = mode_refusal(c.policy, params, "graph")
             fails = stack_refusal(c.policy, params)
-            again = (params["mode"] == "compile" and competitor_library(c.policy, params) == "torchao"
-                     and len(p.conditions) > 1)
             out.append(f"{c.name} ({competitor_library(c.policy, params)}): mode {params['mode']}"
                        + (f"; {why}" if why else "")
-                       + (f"; a CUDA worker refuses mode {params['mode']} here: {fails}" if fails else "")
-                       + ("; on CUDA it is compiled again each time it returns to the device after another "
-                          "condition (over 150 s at OPT-2.7B on the H200, outside the episode's wall)" if again else ""))
+                       + (f"; a CUDA worker refuses mode {params['mode']} here: {fails}" if fails else ""))
     return out
 
 

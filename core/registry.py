@@ -94,8 +94,8 @@ QUANT_METHODS: dict[str, str] = {
 LOWBIT_EXTRA = "lowbit"
 
 # How a competitor runs its calls (schema 6, `params.mode`): eager; "graph", one CUDA graph per
-# decode step over a static KV cache; "compile", torch.compile(mode="reduce-overhead") of the
-# decode step over the same cache (engine/quantized.py). Omitted in a schema-5 body: eager.
+# decode step over a static KV cache; "compile", the decode step compiled by torch.compile over
+# the same cache and captured as one CUDA graph (engine/quantized.py). Omitted in a schema-5 body: eager.
 COMPETITOR_MODES = ("eager", "graph", "compile")
 
 # Competitors: conditions that are not packbench's own loaders (engine/quantized.py,

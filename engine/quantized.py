@@ -137,11 +137,11 @@ class DecodeStep:
 
     def describe(self) -> str:
         """What the archive records as the episode's `decode_graph`."""
-        what = "captured" if self.mode == "graph" else "compiled (torch.compile reduce-overhead)"
+        what = "captured" if self.mode == "graph" else "compiled (torch.compile) and captured"
         moved = f", made again after {self.rerecorded} moves to the host" if self.rerecorded else ""
         return f"{what} once in {self.setup_s * 1e3:.1f} ms, replayed {self.replays} times since{moved}"
 
-    rerecorded = 0  # moves to the host survived (QuantizedModel.unshelve captures or re-records the graphs)
+    rerecorded = 0  # moves to the host survived (QuantizedModel.unshelve captures the graph again)
 
 
 class QuantizedModel:
@@ -150,12 +150,15 @@ class QuantizedModel:
     Modes (core.registry.COMPETITOR_MODES), chosen per episode by `new_cache(mode=...)`:
     "eager", stock transformers on a DynamicCache; "graph", the same model on a StaticCache with
     the decode step captured as one CUDA graph (replayed with new token id and position);
-    "compile", that step under torch.compile(mode="reduce-overhead") over the same StaticCache,
-    one `cudagraph_mark_step_begin` per call (the issue's H200 figures: torch.compile over
-    `generate` with a static cache fails there, an own decode loop works). The first decode call
-    of the first episode of a mode captures or compiles (DecodeStep.setup_s, in that call's
-    time). On the CPU nothing is captured or compiled: the decode runs eagerly on the same
-    StaticCache and the archive says why (`decode_graph`), as packbench's own mode graph does.
+    "compile", that step compiled by torch.compile (inductor's kernels, without inductor's own
+    CUDA graph trees) and then captured as one CUDA graph the same way. packbench captures the
+    compiled step itself, rather than through mode="reduce-overhead", so that the graph can be
+    dropped when the model is shelved and captured again in milliseconds when it returns, while
+    the compiled code stays (torch's graph trees keep their pool on the device and, once reset,
+    make the step compile again: over 150 s at OPT-2.7B on the H200). The first decode call of
+    the first episode of a mode captures or compiles (DecodeStep.setup_s, in that call's time).
+    On the CPU nothing is captured or compiled: the decode runs eagerly on the same StaticCache
+    and the archive says why (`decode_graph`), as packbench's own mode graph does.
     """
 
     mode = "eager"
@@ -206,6 +209,7 @@ class QuantizedModel:
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
         self._static: dict[int, object] = {}  # capacity -> the StaticCache modes graph and compile reuse
         self._steps: dict[tuple[int, str], DecodeStep] = {}
+        self._compiled = None  # torch.compile of `_call`, made once and kept while shelved
         self.stats = QuantizationStats(
             method=method, library=QUANT_METHODS[method], library_version=str(getattr(lib, "__version__", "")),
             quantize_s=quantize_s,
@@ -223,27 +227,25 @@ class QuantizedModel:
     def shelve(self) -> None:
         """Move the model to the host while another condition holds the device (engine/worker.py),
         keeping what is expensive to redo: the quantization and, in mode compile, the compiled
-        decode step (100-230 s at OPT-2.7B on the H200). The static KV caches keep their tensor
-        objects (the compiled step is guarded on them) with their storage freed.
-
-        A compiled step's CUDA graphs live in torch's graph trees, whose memory pool (86 MiB at
-        OPT-2.7B) would stay on the device and push the next exact condition over the allowance
-        (an OOM on the H200): the trees are reset here, and `unshelve` compiles the step again
-        (torch's on-disk compile caches make that shorter than the first compile)."""
+        code (100-230 s at OPT-2.7B on the H200). The captured graphs are dropped, so their memory
+        pools leave the device with the weights (`unshelve` captures them again), and the static KV
+        caches keep their tensor objects (the compiled code is guarded on them) with their storage
+        freed."""
+        for step in self._steps.values():
+            step.run = step.first = None  # the closures held the CUDA graph and its output
         self.weights.to("cpu")
         for kv in self._static.values():
+            kv.graph = None
             for t in _cache_tensors(kv):
                 t.untyped_storage().resize_(0)
-        if self.device.type == "cuda" and any(mode == "compile" for _, mode in self._steps):
-            from torch._inductor.cudagraph_trees import reset_cudagraph_trees
-
-            reset_cudagraph_trees()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
 
     def unshelve(self) -> float:
-        """Back on the device after `shelve`; returns the seconds it took. Each decode step is made
-        ready here, not in the next episode's first decode call: a captured graph (mode graph) is
-        captured again, a compiled step compiled again (`shelve` says why). Their writes to the KV cache are zeroed by
-        `new_cache` before the episode reads it. The seconds are kept as `unshelve_s`."""
+        """Back on the device after `shelve`; returns the seconds it took. Each decode step is
+        captured again here, not in the next episode's first decode call, through the compiled code
+        `shelve` kept in mode compile. Its writes to the KV cache are zeroed by `new_cache` before the
+        episode reads it. The seconds are kept as `unshelve_s`."""
         t0 = time.perf_counter()
         self.weights.to(self.device)  # outside inference mode: torchao's tensors are swapped in, not copied
         with torch.inference_mode():  # the steps write the static caches, made in the forward's inference mode
@@ -251,10 +253,6 @@ class QuantizedModel:
                 for t in _cache_tensors(kv):
                     t.untyped_storage().resize_(t.numel() * t.element_size())
             ids = torch.zeros((1, 1), dtype=torch.long, device=self.device)
-            if self.device.type == "cuda" and any(mode == "compile" for _, mode in self._steps):
-                # The old compiled code would run on the graph trees `shelve` reset ("Running
-                # CUDAGraph after shutdown" on the H200): compiled afresh, from the caches.
-                torch._dynamo.reset()
             for (capacity, mode), step in list(self._steps.items()):
                 kv = self._static[capacity]
                 kv.mode = mode
@@ -324,37 +322,32 @@ class QuantizedModel:
         return step.run(ids, start)
 
     def _build_step(self, kv, ids: torch.Tensor, position: int) -> DecodeStep:
-        """Capture (graph) or compile (compile) the decode step on `kv`; this first call's logits
-        are the step's own output (`first`)."""
+        """Capture the decode step on `kv` as one CUDA graph: of `_call` itself (mode graph) or of
+        its compiled code (mode compile, compiled at its first call, the warm-up here). The warm-up
+        call's logits are this decode call's answer (`first`)."""
+        call = self._call
+        if kv.mode == "compile":
+            if self._compiled is None:  # no graph trees of inductor's own: the class docstring says why
+                self._compiled = torch.compile(self._call, options={"triton.cudagraphs": False})
+            call = self._compiled
         static_ids = ids.clone()
         static_pos = torch.full((1,), position, dtype=torch.long, device=self.device)
         t0 = time.perf_counter()
-        if kv.mode == "compile":
-            compiled = torch.compile(self._call, mode="reduce-overhead")
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):  # the warm-up call (and the compilation) is this decode call's answer
+            first = call(static_ids, static_pos, kv).clone()
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        # The warm-up wrote position `position`; the capture rewrites the same slot with the same values.
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):  # ends the capture on the way out, an error included
+            logits = call(static_ids, static_pos, kv)
 
-            def run(new_ids: torch.Tensor, at: int) -> torch.Tensor:
-                torch.compiler.cudagraph_mark_step_begin()
-                static_ids.copy_(new_ids)
-                static_pos.fill_(at)
-                return compiled(static_ids, static_pos, kv).clone()
-
-            first = run(ids, position)
-        else:
-            side = torch.cuda.Stream(self.device)
-            side.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(side):  # the warm-up call is this decode call's answer
-                first = self._call(static_ids, static_pos, kv).clone()
-            torch.cuda.current_stream(self.device).wait_stream(side)
-            # The warm-up wrote position `position`; the capture rewrites the same slot with the same values.
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                logits = self._call(static_ids, static_pos, kv)
-
-            def run(new_ids: torch.Tensor, at: int) -> torch.Tensor:
-                static_ids.copy_(new_ids)
-                static_pos.fill_(at)
-                graph.replay()
-                return logits
+        def run(new_ids: torch.Tensor, at: int) -> torch.Tensor:
+            static_ids.copy_(new_ids)
+            static_pos.fill_(at)
+            graph.replay()
+            return logits
 
         torch.cuda.synchronize(self.device)
         step = DecodeStep(kv.mode, run, time.perf_counter() - t0)

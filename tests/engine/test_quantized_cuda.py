@@ -53,6 +53,14 @@ def test_every_method_runs_or_refuses_in_one_line(calibrated, method):
         low = [r for r in records if r["condition"] == "low"]
         assert all(r["forced_from"] is not None and r["h2d_weight_bytes"] == 0 for r in low)
         assert all(r["memory"]["peak_allocated_bytes"] > 0 for r in low)
+        if QUANT_METHODS[method] == "torchao":  # shelved between its episodes, captured again on return
+            assert low[1]["quantization"]["state"] == "shelved"
+            graphs = [r["engine"]["decode_graph"] for r in low]
+            assert graphs[0].startswith("compiled (torch.compile) and captured"), graphs
+            assert graphs[1].endswith("made again after 1 moves to the host"), graphs
+            # the same prompt, the same compiled kernels: the return changes no logit
+            assert np.array_equal(np.asarray(low[0]["logits"]), np.asarray(low[1]["logits"]))
+            assert np.array_equal(np.asarray(low[0]["forced_logits"]), np.asarray(low[1]["forced_logits"]))
         fid = [of_episode(r, by, reference="dense-stream") for r in low]
         print(method, stats, [f.as_dict() for f in fid])
         # low-bit, so not bit-identical; on the calibrated profile still close to the reference
