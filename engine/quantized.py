@@ -283,7 +283,9 @@ class QuantizedModel:
         else:
             with torch.inference_mode():  # its tensors were made in the forward's inference mode
                 kv.reset()  # zeros: the capture and the compiled step keep pointing at these tensors
-        kv.length, kv.mode = 0, mode
+        kv.length, kv.mode, kv.capacity = 0, mode, capacity
+        if getattr(kv, "whole", None) is None:  # every slot of the cache may be attended (causally): `_call`
+            kv.whole = torch.ones((1, capacity), dtype=torch.long, device=self.device)
         kv.eager_reason = None if self.device.type == "cuda" else f"no CUDA graphs on {self.device.type}"
         kv.graph = self._steps.get((capacity, mode))
         return kv
@@ -301,8 +303,12 @@ class QuantizedModel:
         return out.logits[0, -1] if ids.shape[0] == 1 else out.logits[:, -1]
 
     def _call(self, ids: torch.Tensor, pos: torch.Tensor, cache) -> torch.Tensor:
-        out = self._model(input_ids=ids, cache_position=pos, use_cache=True, logits_to_keep=1,
-                          **{self._cache_kw: cache})
+        """One call on a StaticCache at positions `pos`. The positions and the mask over the whole
+        cache are given, not left to transformers' OPT forward: it would derive them from the
+        cache's length, a read on the host (`.item()`) that no CUDA graph can capture and that
+        breaks torch.compile's graph."""
+        out = self._model(input_ids=ids, position_ids=pos[None], attention_mask=cache.whole, cache_position=pos,
+                          use_cache=True, logits_to_keep=1, **{self._cache_kw: cache})
         return out.logits[0, -1]
 
     def _static_forward(self, ids: torch.Tensor, kv) -> torch.Tensor:
@@ -313,7 +319,7 @@ class QuantizedModel:
         if start == 0 or kv.eager_reason is not None:
             pos = torch.arange(start, kv.length, device=self.device)
             return self._call(ids, pos, kv)
-        key = (kv.max_cache_len, kv.mode)
+        key = (kv.capacity, kv.mode)
         step = self._steps.get(key)
         if step is None:
             step = self._steps[key] = kv.graph = self._build_step(kv, ids, start)
@@ -328,7 +334,8 @@ class QuantizedModel:
         call = self._call
         if kv.mode == "compile":
             if self._compiled is None:  # no graph trees of inductor's own: the class docstring says why
-                self._compiled = torch.compile(self._call, options={"triton.cudagraphs": False})
+                # fullgraph: a graph break would be a host step inside the capture
+                self._compiled = torch.compile(self._call, fullgraph=True, options={"triton.cudagraphs": False})
             call = self._compiled
         static_ids = ids.clone()
         static_pos = torch.full((1,), position, dtype=torch.long, device=self.device)
@@ -340,8 +347,13 @@ class QuantizedModel:
         torch.cuda.current_stream(self.device).wait_stream(side)
         # The warm-up wrote position `position`; the capture rewrites the same slot with the same values.
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):  # ends the capture on the way out, an error included
-            logits = call(static_ids, static_pos, kv)
+        try:
+            with torch.cuda.graph(graph):  # ends the capture on the way out, an error included
+                logits = call(static_ids, static_pos, kv)
+        except RuntimeError as e:  # the capture's end reports "a previous error": name the first one
+            first = e.__context__ or e
+            raise RuntimeError(f"the {kv.mode} decode step could not be captured as a CUDA graph: "
+                               f"{type(first).__name__}: {str(first).splitlines()[0] if str(first) else ''}") from e
 
         def run(new_ids: torch.Tensor, at: int) -> torch.Tensor:
             static_ids.copy_(new_ids)

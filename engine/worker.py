@@ -398,8 +398,14 @@ class Worker:
                                      forced=ref_tokens).logits
                 forced_s = time.perf_counter() - t_forced
         except Exception as e:  # recorded, never retried into a pass
-            model = None  # before _failed frees the device: a failed competitor must not stay referenced here
-            return self._failed(record, e, t0)
+            failure = {"error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}",
+                       "traceback": traceback.format_exc(limit=5),
+                       **({"passes": e.passes} if isinstance(e, PassMismatch) else {})}
+        else:
+            failure = None
+        if failure is not None:  # out of the except block: its traceback's frames, which held the
+            model = None  # model (a failed competitor, a half-made graph), are gone before the device is freed
+            return self._failed(record, failure, t0)
         if entry["condition"] == self.reference:
             self.reference_runs.setdefault(entry["prompt"], (entry["index"], list(out.tokens)))
         p = self.model.slot.policy if model is self.model else None
@@ -429,7 +435,7 @@ class Worker:
         fresh = (lambda: self.model.use(policy, **params)) if model is self.model else (lambda: None)
         return two_passes(run, recorder=model.recorder, fresh=fresh, sampler=self.sampler)
 
-    def _failed(self, record: dict, e: Exception, t0: float) -> dict:
+    def _failed(self, record: dict, failure: dict, t0: float) -> dict:
         """A failed episode's record, its cause on one line; the device freed of whatever the episode left."""
         self.sampler.stop()
         if self.model.slot.policy is not None:
@@ -445,9 +451,7 @@ class Worker:
                 impose(self.device, self.allowance, self.nvml)  # lifted for an unbounded resident
             except Exception:  # noqa: BLE001 - a broken context fails the next episode, with its own words
                 pass
-        return {**record, "status": "failed", "error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}",
-                "traceback": traceback.format_exc(limit=5), "episode_s": time.perf_counter() - t0,
-                **({"passes": e.passes} if isinstance(e, PassMismatch) else {}),
+        return {**record, "status": "failed", **failure, "episode_s": time.perf_counter() - t0,
                 "logits": None, "trace": None, "forced_logits": None}
 
     def _finished(self, out: EpisodeOutput, sampled: dict, *, policy, built: dict | None, context: int) -> dict:

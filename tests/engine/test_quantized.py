@@ -2,7 +2,9 @@
 CPU-first from the same checkpoint, run free and teacher-forced on the reference's tokens; the
 driver's fidelity figures are archived and the auditor recomputes them from the logits."""
 
+import gc
 import importlib.util
+import weakref
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -235,16 +237,25 @@ def test_a_failed_competitor_episode_drops_the_model_and_the_next_runs(calibrate
     ids = prompts(b, vocab=start["vocab"])
     real = worker_module.run_episode
 
+    held: list[weakref.ref] = []
+
     def failing(model, *a, **k):
         if isinstance(model, QuantizedModel):
-            raise RuntimeError("CUDA out of memory (injected)")
+            held.append(weakref.ref(model))
+            raise RuntimeError("CUDA out of memory (injected)")  # this frame holds the model
         return real(model, *a, **k)
 
+    freed_with: list[bool] = []  # whether the model was gone when the worker freed the device
+    free = worker._free
+    monkeypatch.setattr(worker, "_free", lambda: (gc.collect(), freed_with.append(held[0]() is None), free()))
     monkeypatch.setattr(worker_module, "run_episode", failing)
     entries = plan(b)
     int8 = next(e for e in entries if e["condition"] == "int8")
     failed = worker.run(int8, ids[int8["prompt"]])
-    assert failed["status"] == "failed" and "injected" in failed["error"]
+    assert failed["status"] == "failed" and "injected" in failed["error"] and "injected" in failed["traceback"]
+    # no traceback frame holds the model when the device is emptied (on the H200 a failed
+    # capture's frames kept a 2.7B int8 model there, and every later episode ran out of memory)
+    assert freed_with and all(freed_with)
     assert worker.competitor is None and not worker.shelf
     dense = next(e for e in entries if e["condition"] == "dense-stream")
     assert worker.run(dense, ids[dense["prompt"]])["status"] == "ok"
