@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Iterator
 
-from core.pool import NodeInfo, Reply
+from core.pool import NodeInfo, Reply, in_worker_order
 from core.protocol import is_builtin_resource
 from core.settings import Settings
 
@@ -56,6 +56,11 @@ class RayPool:
         return len(self._calls)
 
     def wait(self, timeout: float, *, every: bool = False) -> Iterator[Reply]:
+        """The replies that are back (all of them with `every`, else at least one), in the
+        order their calls went out. A worker runs its calls in order, but `ray.wait` may see a
+        later call's result before an earlier one's (a look-ahead episode before the one the
+        scheduler must record first): a call's reply is never handed over before the replies of
+        that worker's earlier calls."""
         refs = list(self._calls)
         if not refs:
             return
@@ -65,9 +70,23 @@ class RayPool:
             ready, rest = self.ray.wait(refs, num_returns=1, timeout=timeout)
             if ready and rest:
                 ready += self.ray.wait(rest, num_returns=len(rest), timeout=0)[0]
-        for ref in ready:
+        ready = set(ready)
+        behind = self._earlier_calls(ready)
+        if behind:  # done already (the worker got past them): only their results are on the way
+            ready.update(self.ray.wait(behind, num_returns=len(behind), timeout=timeout)[0])
+        for ref in in_worker_order(refs, ready, worker_of=lambda r: self._calls[r][0]):
             if ref in self._calls:  # a killed worker's other calls were dropped with it
                 yield self._take(ref)
+
+    def _earlier_calls(self, ready: set) -> list:
+        """The calls not seen back that went to a worker before one of its calls in `ready`."""
+        order = {ref: i for i, ref in enumerate(self._calls)}
+        newest = {}
+        for ref in ready:
+            actor = self._calls[ref][0]
+            newest[actor] = max(newest.get(actor, -1), order[ref])
+        return [ref for ref, (actor, _) in self._calls.items()
+                if ref not in ready and order[ref] < newest.get(actor, -1)]
 
     def _take(self, ref) -> Reply:
         _, tag = self._calls.pop(ref)

@@ -7,7 +7,7 @@ The scheduler (service/scheduler.py) drives a `WorkerPool` (service/scheduler_po
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 
 @dataclass(frozen=True)
@@ -30,3 +30,18 @@ class Reply:
     value: Any = None
     error: BaseException | None = None
     died: bool = False
+
+
+def in_worker_order(calls: list, ready: set, *, worker_of: Callable[[Any], Any]) -> list:
+    """The calls of `ready` that may be handed over now, in the order `calls` went out: a call
+    waits while an earlier call to the same worker is not back (a worker runs its calls in
+    order, so the scheduler records its episodes in plan order, whatever order the runtime
+    reports them in)."""
+    waiting, out = set(), []
+    for call in calls:
+        worker = worker_of(call)
+        if call in ready and worker not in waiting:
+            out.append(call)
+        else:
+            waiting.add(worker)
+    return out
