@@ -60,7 +60,10 @@ class OffloadStats:
     max_memory_bytes: int  # what accelerate was given for the device (module docstring)
     held_bytes: int  # what the device already held when accelerate placed the model (subtracted from max_memory)
     device_bytes: int  # parameters and buffers accelerate placed on the device
-    offloaded_bytes: int  # those it left on the host, copied in by its hooks every call
+    # Those it left on the host, copied in by its hooks every call, each tensor once. A tensor two
+    # offloaded modules share is copied for each (OPT's tied embedding for lm_head as well): the
+    # ledger counts every copy, so a call may move more than this.
+    offloaded_bytes: int
     offloaded_modules: int  # blocks its hooks move (0 when everything fits, or on the CPU)
 
     def as_dict(self) -> dict:

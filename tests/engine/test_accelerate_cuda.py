@@ -27,8 +27,10 @@ def opt125m(tmp_path_factory):
 
 def test_accelerate_offloads_counts_its_copies_and_matches_dense_stream(opt125m):
     cuda = torch.device("cuda", 0)
-    # opt-125m fp16 is ~250 MiB: 400 MiB less the KV cache and the 256 MiB margin leaves part of it on the host
-    acc = AcceleratedModel(opt125m, dtype=torch.float16, device=cuda, allowance_bytes=400 * MIB, capacity=72)
+    # opt-125m fp16 is ~250 MiB: 400 MiB less the KV cache and the 256 MiB margin leaves part of it on
+    # the host. What earlier tests of this process still hold is subtracted from max_memory: add it.
+    held = torch.cuda.memory_allocated(cuda)
+    acc = AcceleratedModel(opt125m, dtype=torch.float16, device=cuda, allowance_bytes=400 * MIB + held, capacity=72)
     s = acc.stats
     # accelerate's max_memory is a placement target, not a bound: it put 200 MB on the H200 for a
     # max_memory of 148 MB (the resources gate, not this test, judges a condition's peak)
@@ -36,7 +38,12 @@ def test_accelerate_offloads_counts_its_copies_and_matches_dense_stream(opt125m)
     prompt = list(range(4, 68))
     out = run_episode(acc, prompt, continuation=8)
     per_call = [sum(c.h2d_weight_bytes) + sum(c.h2d_index_bytes) for c in out.calls]
-    assert per_call == [s.offloaded_bytes] * 8, (per_call, s)  # every offloaded tensor, once per call
+    # Every offloaded module's tensors, once per call and module. A tensor two modules share is
+    # copied for each offloaded one that uses it: on the H200 a call moved 127.6 MB against 50.4 MB
+    # offloaded, the 77.2 MB tied embedding matrix once more (lm_head's), which offloaded_bytes,
+    # counting each tensor once, leaves out
+    assert per_call == [hooked_bytes(acc._model)] * 8, (per_call, s)
+    assert per_call[0] >= s.offloaded_bytes
     del acc
     torch.cuda.empty_cache()
     ref = CpuFirstModel(opt125m, dtype=torch.float16, device=cuda)
@@ -45,11 +52,30 @@ def test_accelerate_offloads_counts_its_copies_and_matches_dense_stream(opt125m)
     assert np.array_equal(out.logits, dense.logits) and out.tokens == dense.tokens
 
 
+def hooked_bytes(model) -> int:
+    """The bytes accelerate's offloading hooks copy per forward call if each copies its own
+    module's tensors from the host (a tensor two modules share, once per module)."""
+    from accelerate.hooks import AlignDevicesHook, SequentialHook
+    from accelerate.utils import named_module_tensors
+
+    total = 0
+    for module in model.modules():
+        hook = getattr(module, "_hf_hook", None)
+        for h in (hook.hooks if isinstance(hook, SequentialHook) else [hook]):
+            if isinstance(h, AlignDevicesHook) and h.offload:
+                for name, _ in named_module_tensors(module, include_buffers=h.offload_buffers,
+                                                    recurse=h.place_submodules, remove_non_persistent=True):
+                    t = h.weights_map[name]
+                    total += t.numel() * t.element_size()
+    return total
+
+
 @pytest.mark.parametrize("mode", ["compile"])  # graph: refused on this stack (core.registry.STACK_REFUSALS)
 def test_int8_decodes_captured_or_compiled_close_to_eager(opt125m, mode):
     pytest.importorskip("torchao")
     from engine.quantized import QuantizedModel
 
+    held = torch.cuda.memory_allocated()  # what earlier tests of this process still hold
     q = QuantizedModel(opt125m, method="int8-weight-only", dtype=torch.float16, device=torch.device("cuda", 0))
     prompt = list(range(4, 68))
     eager = run_episode(q, prompt, continuation=8, mode="eager")
@@ -62,7 +88,7 @@ def test_int8_decodes_captured_or_compiled_close_to_eager(opt125m, mode):
     # To the host and back (another condition took the device): captured again, or re-recorded
     # under the same compiled code, and the same logits
     q.shelve()
-    assert torch.cuda.memory_allocated() < q.stats.device_bytes // 2
+    assert torch.cuda.memory_allocated() - held < q.stats.device_bytes // 2
     assert q.unshelve() > 0
     again = run_episode(q, prompt, continuation=8, mode=mode)
     assert np.array_equal(again.logits, runs[0].logits)
@@ -81,6 +107,8 @@ def test_a_quantized_episode_holds_only_its_own_model_on_the_device(opt125m):
            "reference": "dense-stream", "warmups": 0, "repetitions": 2, "allowance_mib": 4800,
            "gates": {"faithfulness": {}, "fidelity": {"min_top1": 0.0}}}
     body = freeze(raw).body
+    torch.cuda.empty_cache()
+    held = torch.cuda.memory_allocated()  # what earlier tests of this process still hold
     worker = Worker(device="cuda")
     try:
         start = worker.load(body, str(opt125m))
@@ -94,11 +122,13 @@ def test_a_quantized_episode_holds_only_its_own_model_on_the_device(opt125m):
         own = start["quantized"]["int8-weight-only"]["device_bytes"]
         for r in int8:
             # its model, the static KV cache and activations; not the CPU-first model's device part as well
-            assert r["memory"]["peak_allocated_bytes"] < own + start["device_param_bytes"] // 2, (r["memory"], own)
+            peak = r["memory"]["peak_allocated_bytes"] - held
+            assert peak < own + start["device_param_bytes"] // 2, (r["memory"], own, held)
         acc = [r for r in records if r["condition"] == "accelerate"]
         dense = {r["prompt"]: r for r in records if r["condition"] == "dense-stream"}
         assert all(np.array_equal(r["logits"], dense[r["prompt"]]["logits"]) for r in acc)
     finally:
+        worker.drop_model()
         if worker.gpu_lock:
             worker.gpu_lock.release()
         worker.sampler.close()
@@ -115,7 +145,7 @@ def test_a_cuda_worker_refuses_torchao_in_mode_graph_at_load_in_one_line(opt125m
            "conditions": [{"policy": "dense-stream"},
                           {"name": "int8", "policy": "quantized", "params": {"method": "int8-weight-only",
                                                                               "mode": "graph"}}],
-           "reference": "dense-stream", "warmups": 0, "repetitions": 1, "allowance_mib": 4800,
+           "reference": "dense-stream", "warmups": 0, "repetitions": 2, "allowance_mib": 4800,
            "gates": {"faithfulness": {}, "fidelity": {"min_top1": 0.0}}}
     worker = Worker(device="cuda")
     try:
