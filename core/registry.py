@@ -138,8 +138,9 @@ def stack_refusal(policy: str, params: Mapping[str, Any]) -> str | None:
 
 # The fastest mode each competitor was measured in on the H200 (synthetic OPT-2.7B fp16, decode
 # ms/token): torchao int8 weight-only 22.90 eager, 11.56 one CUDA graph per step, 8.37 under
-# torch.compile reduce-overhead; bitsandbytes and accelerate eager. What schema 6 writes for an
-# omitted `mode`.
+# torch.compile reduce-overhead outside the product; through a screen, mode compile (compiled,
+# then captured by packbench) 2.33 against eager 24.77 (docs/benchmarks.md). bitsandbytes and
+# accelerate eager. What schema 6 writes for an omitted `mode`.
 FASTEST_MODE: dict[str, str] = {"torchao": "compile", "bitsandbytes": "eager", "accelerate": "eager"}
 
 
