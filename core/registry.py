@@ -110,13 +110,14 @@ COMPETITOR_PARAMS: dict[str, dict[str, IntParam | ChoiceParam]] = {
 }
 COMPETITOR_LIBRARIES = (*dict.fromkeys(QUANT_METHODS.values()), "accelerate")
 
-# Why a library's calls cannot be captured (a mode other than eager is refused for it). Measured
-# or read on the H200 stack of docs/benchmarks.md; a library missing here captures.
+# Why a method's or a library's calls cannot be captured (a mode other than eager is refused for
+# it; a method's entry before its library's). A method or library missing here captures.
 CAPTURE_REFUSALS: dict[str, str] = {
-    # llm-int8 splits outlier columns by a threshold on the host each call; nf4 was never measured
-    # under capture, so it is not claimed.
-    "bitsandbytes": "bitsandbytes decides on the host inside its matmuls (llm-int8's outlier split) and "
-                    "was not measured under capture",
+    # llm-int8 splits outlier columns by a threshold each call, a decision whose shapes depend on
+    # the data. nf4 launches its kernels on shapes alone and is captured like torchao's int8 (its
+    # earlier capture failures on the H200 were OPT's forward reading the cache length on the host,
+    # which engine/quantized.py no longer lets it do).
+    "llm-int8": "bitsandbytes' llm-int8 splits outlier columns by a threshold on every call (data-dependent shapes)",
     "accelerate": "accelerate's hooks copy each offloaded weight from pageable host memory in Python on "
                   "every call",
 }
@@ -151,7 +152,7 @@ def competitor_library(policy: str, params: Mapping[str, Any]) -> str:
 
 def mode_refusal(policy: str, params: Mapping[str, Any], mode: str) -> str | None:
     """Why a competitor cannot run in `mode` (None: it can): `cannot be captured: ...`."""
-    why = CAPTURE_REFUSALS.get(competitor_library(policy, params))
+    why = CAPTURE_REFUSALS.get(params.get("method", ""), CAPTURE_REFUSALS.get(competitor_library(policy, params)))
     return None if mode == "eager" or why is None else f"cannot be captured: {why}"
 CONDITION_PARAMS: dict[str, dict[str, IntParam | ChoiceParam]] = {**POLICY_PARAMS, **COMPETITOR_PARAMS}
 CONDITION_POLICIES = tuple(CONDITION_PARAMS)  # what a condition's `policy` may name

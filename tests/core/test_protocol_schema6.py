@@ -59,9 +59,24 @@ def test_torchao_runs_in_every_mode_and_exact_conditions_keep_the_protocols():
         assert freeze(raw).body["conditions"][1]["params"]["mode"] == mode
 
 
+def test_nf4_is_captured_and_stays_eager_unless_asked():
+    """nf4 launches its kernels on shapes alone: graph and compile freeze; an omitted mode is still
+    bitsandbytes' measured fastest (eager), and llm-int8 is refused in any captured mode."""
+    for mode in ("graph", "compile"):
+        raw = competitor(schema=6, conditions=[{"policy": "dense-stream"}, quantized("nf4", mode=mode)])
+        assert freeze(raw).body["conditions"][1]["params"]["mode"] == mode
+    raw = competitor(schema=6, conditions=[{"policy": "dense-stream"}, {"policy": "quantized",
+                                                                         "params": {"method": "nf4"}}])
+    assert freeze(raw).body["conditions"][1]["params"]["mode"] == "eager"
+    from core.registry import mode_refusal
+
+    assert mode_refusal("quantized", {"method": "nf4"}, "graph") is None
+    assert mode_refusal("quantized", {"method": "llm-int8"}, "compile").startswith("cannot be captured")
+
+
 @pytest.mark.parametrize("changes, fragment", [
-    ({"conditions": [{"policy": "dense-stream"}, quantized("nf4", mode="graph")]},
-     "`conditions[1].params.mode`: graph is not possible for nf4 (cannot be captured: bitsandbytes"),
+    ({"conditions": [{"policy": "dense-stream"}, quantized("llm-int8", mode="graph")]},
+     "`conditions[1].params.mode`: graph is not possible for llm-int8 (cannot be captured: bitsandbytes' llm-int8"),
     ({"conditions": [{"policy": "dense-stream"}, quantized("llm-int8", mode="compile")]},
      "`conditions[1].params.mode`: compile is not possible for llm-int8 (cannot be captured"),
     ({"conditions": [{"policy": "dense-stream"}, {"policy": "accelerate", "params": {"mode": "graph"}}],
@@ -85,14 +100,14 @@ def test_refusals_name_the_field_and_the_fix(changes, fragment):
 
 
 def test_validate_refuses_a_mode_the_library_cannot_run_in_one_line_exit_2(tmp_path):
-    raw = competitor(conditions=[{"policy": "dense-stream"}, quantized("nf4", mode="graph")])
+    raw = competitor(conditions=[{"policy": "dense-stream"}, quantized("llm-int8", mode="graph")])
     raw.pop("schema")
     (tmp_path / "p.yaml").write_text(yaml.safe_dump(raw))
     r = subprocess.run([sys.executable, "-m", "cli", "protocol", "validate", str(tmp_path / "p.yaml")],
                        capture_output=True, text=True, timeout=120, cwd=ROOT)
     lines = r.stderr.strip().splitlines()
     assert r.returncode == 2 and len(lines) == 1, r.stderr
-    assert "`conditions[1].params.mode`: graph is not possible for nf4 (cannot be captured" in lines[0]
+    assert "`conditions[1].params.mode`: graph is not possible for llm-int8 (cannot be captured" in lines[0]
     assert "use mode eager" in lines[0]
 
 

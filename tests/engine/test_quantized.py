@@ -259,3 +259,24 @@ def test_a_failed_competitor_episode_drops_the_model_and_the_next_runs(calibrate
     assert worker.competitor is None and not worker.shelf
     dense = next(e for e in entries if e["condition"] == "dense-stream")
     assert worker.run(dense, ids[dense["prompt"]])["status"] == "ok"
+
+
+@pytest.mark.parametrize("method", ["int8-weight-only", "nf4"])
+def test_the_static_cache_call_gives_the_eager_logits(calibrated, method):
+    """Modes graph and compile run the decode step on a StaticCache with the positions and the
+    mask given (QuantizedModel._call; transformers derived them on the host, which no capture
+    allows). On the CPU that call runs eagerly: it must compute what the eager DynamicCache does,
+    call for call. The CUDA twins capture it (test_quantized_cuda.py)."""
+    from core.registry import QUANT_METHODS
+
+    if importlib.util.find_spec(QUANT_METHODS[method]) is None:
+        pytest.skip(f"{QUANT_METHODS[method]} is not installed")
+    model = QuantizedModel(calibrated, method=method, dtype=torch.float32, device=torch.device("cpu"))
+    prompt = list(range(4, 20))
+    eager = run_episode(model, prompt, continuation=6, mode="eager")
+    for mode in ("graph", "compile"):
+        static = run_episode(model, prompt, continuation=6, mode=mode)
+        assert static.decode_graph == "eager: no CUDA graphs on cpu" and static.tokens == eager.tokens
+        assert np.abs(static.logits - eager.logits).max() < 1e-4, mode
+    again = run_episode(model, prompt, continuation=6, mode="graph")  # the reused cache starts clean
+    assert np.array_equal(again.logits, static.logits)

@@ -70,3 +70,27 @@ def test_every_method_runs_or_refuses_in_one_line(calibrated, method):
             worker.gpu_lock.release()
         worker.sampler.close()
         torch.cuda.empty_cache()
+
+
+@pytest.mark.parametrize("mode", ["graph", "compile"])
+def test_nf4_decodes_captured_close_to_eager(calibrated, mode):
+    """bitsandbytes' nf4 launches its kernels on shapes alone, so its decode step is captured (mode
+    graph) or compiled and captured (mode compile) like torchao's int8 (core.registry.CAPTURE_REFUSALS)."""
+    pytest.importorskip("bitsandbytes")
+    from engine.episode import run_episode
+    from engine.quantized import QuantizedModel
+
+    q = QuantizedModel(calibrated, method="nf4", dtype=torch.float16, device=torch.device("cuda", 0))
+    try:
+        prompt = list(range(4, 68))
+        eager = run_episode(q, prompt, continuation=8, mode="eager")
+        runs = [run_episode(q, prompt, continuation=8, mode=mode) for _ in range(2)]
+        for r in runs:
+            assert r.decode_graph.startswith("captured" if mode == "graph" else "compiled"), r.decode_graph
+            assert np.abs(r.logits - eager.logits).max() < 0.5
+        assert np.array_equal(runs[0].logits, runs[1].logits)  # replayed on the reset cache
+        print("nf4", mode, runs[1].decode_graph, [round(c.wall_s * 1e3, 2) for c in runs[1].calls],
+              "eager", [round(c.wall_s * 1e3, 2) for c in eager.calls])
+    finally:
+        del q
+        torch.cuda.empty_cache()
