@@ -7,8 +7,9 @@ at each batch, on one calibrated synthetic checkpoint under the allowance.
 Method: one process. The CPU-first model's two loaders alternate per round at each batch (the
 same B prompts, drawn as a protocol's generator draws them), a warm-up episode first; packet's
 logits must equal dense-stream's bit for bit at the same batch. Then the CPU-first model's device
-part moves to the host and the competitor (torchao int8 weight-only, mode eager: what a batch runs
-competitors in) is built and timed on the same prompts. Decode is the median ms per decode call
+part moves to the host and the competitor (torchao int8 weight-only) is built and timed on the
+same prompts in each of its modes (`--competitor-modes`, default eager and compile, its fastest at
+batch 1; compile's first episode at each batch compiles and captures, and is the warm-up). Decode is the median ms per decode call
 over every scored call, divided by B for ms per token per sequence; bytes per call are the
 decode calls' mean host-to-device bytes (weights and indices). An episode that fails (an
 out-of-memory under the allowance: the KV cache grows with B) is printed as its error, and the
@@ -91,8 +92,8 @@ def loaders(model: CpuFirstModel, batches: list[int], args, vocab: int) -> dict:
 
 
 def competitor(model: CpuFirstModel, batches: list[int], args, vocab: int, device: torch.device) -> dict:
-    """(int8, B) -> figures for the low-bit model, built once the CPU-first model's device part
-    has moved to the host (both would not fit one allowance)."""
+    """("int8 <mode>", B) -> figures for the low-bit model in each mode, built once the CPU-first
+    model's device part has moved to the host (both would not fit one allowance)."""
     from engine.quantized import QuantizedModel
 
     if model.slot.policy is not None:
@@ -105,13 +106,15 @@ def competitor(model: CpuFirstModel, batches: list[int], args, vocab: int, devic
     try:
         q = QuantizedModel(model.model_dir, method=COMPETITOR, dtype=model.dtype, device=device)
     except Exception as e:  # a missing library: every cell says why
-        return {("int8", b): {"error": f"{type(e).__name__}: {str(e)[:80]}"} for b in batches}
-    q.mode = "eager"
+        return {(f"int8 {m}", b): {"error": f"{type(e).__name__}: {str(e)[:80]}"}
+                for m in args.competitor_modes for b in batches}
     out = {}
     for b in batches:
         prompts = batch_prompts(b, length=args.prefix, vocab=vocab)
-        out["int8", b] = rounds(lambda: measure(q, prompts, args.continuation), args.rounds)
-        print(f"batch {b:3d}: {cell(out['int8', b], b)} int8", flush=True)
+        for m in args.competitor_modes:
+            q.mode = m
+            out[f"int8 {m}", b] = rounds(lambda: measure(q, prompts, args.continuation), args.rounds)
+            print(f"batch {b:3d}: {cell(out[f'int8 {m}', b], b)} int8 {m}", flush=True)
     return out
 
 
@@ -121,22 +124,28 @@ def cell(r: dict, b: int) -> str:
     return f"{statistics.median(r['ms']) / b:8.3f} ms/token/seq"
 
 
-def table(rows: dict, batches: list[int]) -> None:
-    print("\n| batch | dense-stream ms/tok/seq | packet ms/tok/seq | int8 ms/tok/seq | dense MB/call | packet MB/call "
-          "| packet / dense bytes | packet / dense time | packet / int8 time | packet exact |")
-    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
+def table(rows: dict, batches: list[int], modes: list[str]) -> None:
+    """The exact loaders, then the competitor (approximate tier) in each mode: its own columns."""
+    lowbit = [f"int8 {m}" for m in modes]
+    print("\n| batch | dense-stream ms/tok/seq | packet ms/tok/seq | dense MB/call | packet MB/call "
+          "| packet / dense bytes | packet / dense time | packet exact | "
+          + " | ".join(f"{q} (approximate) ms/tok/seq | packet / {q} time" for q in lowbit) + " |")
+    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |" + " ---: | ---: |" * len(lowbit))
+    fmt = lambda v: "fail" if v is None else f"{v:.3f}"  # noqa: E731
+    ratio = lambda a, c: "-" if a is None or c is None else f"{a / c:.3f}"  # noqa: E731
+    mb = lambda r: "fail" if "error" in r else f"{r['bytes'] / 1e6:.1f}"  # noqa: E731
+    per_seq = lambda r, b: statistics.median(r["ms"]) / b if "error" not in r else None  # noqa: E731
     for b in batches:
-        d, p, q = rows["dense-stream", b], rows["packet", b], rows["int8", b]
-        t = {k: (statistics.median(r["ms"]) / b if "error" not in r else None) for k, r in (("d", d), ("p", p), ("q", q))}
-        fmt = lambda v: "fail" if v is None else f"{v:.3f}"  # noqa: E731
-        ratio = lambda a, c: "-" if a is None or c is None else f"{a / c:.3f}"  # noqa: E731
-        mb = lambda r: "fail" if "error" in r else f"{r['bytes'] / 1e6:.1f}"  # noqa: E731
+        d, p = rows["dense-stream", b], rows["packet", b]
         exact = ("-" if "error" in d or "error" in p else
                  "yes" if p["logits"].tobytes() == d["logits"].tobytes() else "NO")
         byte_ratio = "-" if "error" in d or "error" in p else f"{p['bytes'] / d['bytes']:.4f}"
-        print(f"| {b} | {fmt(t['d'])} | {fmt(t['p'])} | {fmt(t['q'])} | {mb(d)} | {mb(p)} | {byte_ratio} "
-              f"| {ratio(t['p'], t['d'])} | {ratio(t['p'], t['q'])} | {exact} |")
-    for other in ("dense-stream", "int8"):
+        line = (f"| {b} | {fmt(per_seq(d, b))} | {fmt(per_seq(p, b))} | {mb(d)} | {mb(p)} | {byte_ratio} "
+                f"| {ratio(per_seq(p, b), per_seq(d, b))} | {exact} |")
+        for q in lowbit:
+            line += f" {fmt(per_seq(rows[q, b], b))} | {ratio(per_seq(p, b), per_seq(rows[q, b], b))} |"
+        print(line)
+    for other in ("dense-stream", *lowbit):
         lost = [b for b in batches if "error" not in rows["packet", b] and "error" not in rows[other, b]
                 and statistics.median(rows["packet", b]["ms"]) >= statistics.median(rows[other, b]["ms"])]
         print(f"packets stop paying against {other}: " + (f"from batch {lost[0]}" if lost else "not within these batches"))
@@ -151,9 +160,11 @@ def main() -> None:
     ap.add_argument("--continuation", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--mode", default="graph", choices=("eager", "graph"))
+    ap.add_argument("--competitor-modes", default="eager,compile", help="the int8 competitor's modes, comma-separated")
     ap.add_argument("--allowance-mib", type=int, default=4800)
     ap.add_argument("--dir", default="/tmp/batch-models")
     a = ap.parse_args()
+    a.competitor_modes = a.competitor_modes.split(",")
     batches = [int(b) for b in a.batches.split(",")]
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
     path = Path(a.dir) / f"{a.shape}-{a.dtype}-opt"
@@ -162,12 +173,12 @@ def main() -> None:
     handle = nvml_handle(device_uuid(device.index or 0)) if device.type == "cuda" else None
     context = impose(device, a.allowance_mib * MIB, handle) if device.type == "cuda" else 0
     model = CpuFirstModel(path, dtype=dtype_of(a.dtype), device=device, mode=a.mode)
-    print(f"{a.shape} {a.dtype}, prefix {a.prefix} + {a.continuation}, mode {a.mode} (int8: eager), "
+    print(f"{a.shape} {a.dtype}, prefix {a.prefix} + {a.continuation}, mode {a.mode} (int8: {', '.join(a.competitor_modes)}), "
           f"allowance {a.allowance_mib} MiB (CUDA context {context / MIB:.0f} MiB charged), {a.rounds} rounds",
           flush=True)
     rows = loaders(model, batches, a, model.vocab)
     rows.update(competitor(model, batches, a, model.vocab, device))
-    table(rows, batches)
+    table(rows, batches, a.competitor_modes)
 
 
 if __name__ == "__main__":

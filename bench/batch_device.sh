@@ -1,21 +1,27 @@
 #!/usr/bin/env bash
 # One device call (issue 26, target 3): batched decode against batch size at opt-2.7b on the
 # calibrated synthetic checkpoint (fp16, 4800 MiB): ms per token per sequence and bytes per
-# decode call of dense-stream, packet {gather: device} and torchao's int8 weight-only resident
-# model, at batch 1, 2, 4, 8, 16 and 32, then the batch CUDA tests. No wheels needed:
+# decode call of dense-stream and packet {gather: device} (exact), and torchao's int8 weight-only
+# resident model (approximate) in modes eager and compile, at batch 1, 2, 4, 8, 16 and 32, then
+# the batch CUDA tests. torchao comes from .whl when carried (EXTRA="torchao" wheelhouse.sh);
+# without it the competitor's cells say why:
 #   bash bench/batch_device.sh
 # Knobs: SHAPE (opt-2.7b), BATCHES (1,2,4,8,16,32), PREFIX (64: the KV cache of 32 sequences of
 # 512 + 16 tokens alone would exceed the allowance at opt-2.7b), CONTINUATION (16), ROUNDS (3),
-# MODE (graph: the exact loaders' fast path; the competitor runs eager at every batch).
+# MODE (graph: the exact loaders' fast path), COMPETITOR_MODES (eager,compile).
 set -uo pipefail
 root=$PWD; out=${OUT:-$root/batch-out}; mkdir -p "$out"
 source bench/device_common.sh
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+if ls .whl/torchao*.whl > /dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/torchao*.whl \
+    && export PYTHONPATH=/tmp/site:$PWD
+fi
 device_header
 echo "== batched decode"
 timeout 480 python3 -m bench.batch --shape "${SHAPE:-opt-2.7b}" --dtype float16 --batches "${BATCHES:-1,2,4,8,16,32}" \
   --prefix "${PREFIX:-64}" --continuation "${CONTINUATION:-16}" --rounds "${ROUNDS:-3}" --mode "${MODE:-graph}" \
-  --allowance-mib 4800 > "$out/batch.log" 2>&1; echo "bench.batch rc $?"
+  --competitor-modes "${COMPETITOR_MODES:-eager,compile}" --allowance-mib 4800 > "$out/batch.log" 2>&1; echo "bench.batch rc $?"
 grep -v -e Warning -e "Failed to load" -e "register_constant" "$out/batch.log" | tail -30
 echo "== CUDA tests (batch)"
 timeout 100 python3 -m pytest -q -m gpu -p no:cacheprovider tests/engine/test_batch_cuda.py > "$out/pytest.log" 2>&1

@@ -207,8 +207,9 @@ class QuantizedModel:
 
         params = inspect.signature(self._model.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
-        self._static: dict[int, object] = {}  # capacity -> the StaticCache modes graph and compile reuse
-        self._steps: dict[tuple[int, str], DecodeStep] = {}
+        self._static: dict[tuple[int, int], object] = {}  # (capacity, batch) -> the StaticCache modes graph
+        # and compile reuse; (capacity, batch, mode) -> the step captured on it
+        self._steps: dict[tuple[int, int, str], DecodeStep] = {}
         self._compiled = None  # torch.compile of `_call`, made once and kept while shelved
         self.stats = QuantizationStats(
             method=method, library=QUANT_METHODS[method], library_version=str(getattr(lib, "__version__", "")),
@@ -252,11 +253,11 @@ class QuantizedModel:
             for kv in self._static.values():
                 for t in _cache_tensors(kv):
                     t.untyped_storage().resize_(t.numel() * t.element_size())
-            ids = torch.zeros((1, 1), dtype=torch.long, device=self.device)
-            for (capacity, mode), step in list(self._steps.items()):
-                kv = self._static[capacity]
+            for (capacity, batch, mode), step in list(self._steps.items()):
+                kv = self._static[(capacity, batch)]
                 kv.mode = mode
-                fresh = self._steps[(capacity, mode)] = self._build_step(kv, ids, 1)
+                ids = torch.zeros((batch, 1), dtype=torch.long, device=self.device)
+                fresh = self._steps[(capacity, batch, mode)] = self._build_step(kv, ids, 1)
                 fresh.replays, fresh.rerecorded = step.replays, step.rerecorded + 1
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -273,27 +274,25 @@ class QuantizedModel:
             raise ValueError(f"unknown competitor mode {mode!r}; use one of {', '.join(COMPETITOR_MODES)}")
         if capacity is None:
             raise ValueError(f"mode {mode} needs the episode's capacity (prefix + continuation tokens)")
-        if batch != 1:  # the protocol refuses it (core/protocol/schema.py _competitor_mode)
-            raise ValueError(f"mode {mode} decodes one sequence; a batch of {batch} runs in mode eager")
         from transformers import StaticCache
 
-        kv = self._static.get(capacity)
-        if kv is None:
-            kv = self._static[capacity] = StaticCache(config=self._model.config, max_cache_len=capacity)
+        kv = self._static.get((capacity, batch))
+        if kv is None:  # its tensors are sized by the batch of its first call
+            kv = self._static[(capacity, batch)] = StaticCache(config=self._model.config, max_cache_len=capacity)
         else:
             with torch.inference_mode():  # its tensors were made in the forward's inference mode
                 kv.reset()  # zeros: the capture and the compiled step keep pointing at these tensors
-        kv.length, kv.mode, kv.capacity = 0, mode, capacity
+        kv.length, kv.mode, kv.capacity, kv.batch = 0, mode, capacity, batch
         if getattr(kv, "whole", None) is None:  # every slot of the cache may be attended (causally): `_call`
-            kv.whole = torch.ones((1, capacity), dtype=torch.long, device=self.device)
+            kv.whole = torch.ones((batch, capacity), dtype=torch.long, device=self.device)
         kv.eager_reason = None if self.device.type == "cuda" else f"no CUDA graphs on {self.device.type}"
-        kv.graph = self._steps.get((capacity, mode))
+        kv.graph = self._steps.get((capacity, batch, mode))
         return kv
 
     @torch.inference_mode()
     def forward(self, ids: torch.Tensor, cache) -> torch.Tensor:
         """One call: (B, T) token ids in, last-position logits out (on the device): (vocab,) at
-        batch 1, (B, vocab) for a batch (mode eager only)."""
+        batch 1, (B, vocab) for a batch."""
         if getattr(cache, "mode", None) in ("graph", "compile"):
             return self._static_forward(ids, cache)
         with warnings.catch_warnings():
@@ -306,10 +305,10 @@ class QuantizedModel:
         """One call on a StaticCache at positions `pos`. The positions and the mask over the whole
         cache are given, not left to transformers' OPT forward: it would derive them from the
         cache's length, a read on the host (`.item()`) that no CUDA graph can capture and that
-        breaks torch.compile's graph."""
-        out = self._model(input_ids=ids, position_ids=pos[None], attention_mask=cache.whole, cache_position=pos,
-                          use_cache=True, logits_to_keep=1, **{self._cache_kw: cache})
-        return out.logits[0, -1]
+        breaks torch.compile's graph. Every sequence of a batch is at the same positions."""
+        out = self._model(input_ids=ids, position_ids=pos[None].expand(ids.shape[0], -1), attention_mask=cache.whole,
+                          cache_position=pos, use_cache=True, logits_to_keep=1, **{self._cache_kw: cache})
+        return out.logits[0, -1] if ids.shape[0] == 1 else out.logits[:, -1]
 
     def _static_forward(self, ids: torch.Tensor, kv) -> torch.Tensor:
         """A call on the StaticCache: the prefill and (on the CPU) every decode eagerly; a CUDA
@@ -319,7 +318,7 @@ class QuantizedModel:
         if start == 0 or kv.eager_reason is not None:
             pos = torch.arange(start, kv.length, device=self.device)
             return self._call(ids, pos, kv)
-        key = (kv.capacity, kv.mode)
+        key = (kv.capacity, kv.batch, kv.mode)
         step = self._steps.get(key)
         if step is None:
             step = self._steps[key] = kv.graph = self._build_step(kv, ids, start)

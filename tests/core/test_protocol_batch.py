@@ -49,12 +49,16 @@ def test_the_plan_decodes_consecutive_prompts_wrapping_round():
     assert episode_input(ids, entries[0]) == [[10], [11]] and episode_input(ids, {"prompt": 2}) == [12]
 
 
-def test_competitors_at_a_batch_run_eager():
+def test_competitors_at_a_batch_run_eager_unless_asked():
     conditions = [{"policy": "dense-stream"}, {"name": "q", "policy": "quantized",
                                                "params": {"method": "int8-weight-only"}}]
     frozen = freeze(protocol(TINY, batch=2, conditions=conditions))
     assert frozen.body["conditions"][1]["params"]["mode"] == "eager"  # at batch 1 torchao's fastest: compile
     assert freeze(protocol(TINY, conditions=conditions)).body["conditions"][1]["params"]["mode"] == "compile"
+    # asked for, a batch is captured or compiled like one sequence (engine/quantized.py)
+    for mode in ("graph", "compile"):
+        conditions[1]["params"]["mode"] = mode
+        assert freeze(protocol(TINY, batch=2, conditions=conditions)).body["conditions"][1]["params"]["mode"] == mode
 
 
 @pytest.mark.parametrize("changes, fragment", [
@@ -67,8 +71,8 @@ def test_competitors_at_a_batch_run_eager():
     ({"batch": 2, "continuation_tokens": 8000},
      "protocol field `batch`: 2 x 8000 continuation tokens keep 16000 logits rows an episode, more than 8192"),
     ({"batch": 2, "conditions": [{"policy": "dense-stream"}, {"name": "q", "policy": "quantized", "params": {
-        "method": "int8-weight-only", "mode": "compile"}}]},
-     "`conditions[1].params.mode`: compile is not possible at batch 2 (a competitor's captured or compiled step"),
+        "method": "llm-int8", "mode": "graph"}}]},
+     "`conditions[1].params.mode`: graph is not possible for llm-int8 (cannot be captured"),
 ])
 def test_bad_batches_are_one_line_naming_the_field(changes, fragment):
     with pytest.raises(ProtocolError) as e:

@@ -280,3 +280,11 @@ def test_the_static_cache_call_gives_the_eager_logits(calibrated, method):
         assert np.abs(static.logits - eager.logits).max() < 1e-4, mode
     again = run_episode(model, prompt, continuation=6, mode="graph")  # the reused cache starts clean
     assert np.array_equal(again.logits, static.logits)
+    # a batch of two, on a cache of its own; its first sequence decodes what it decodes alone
+    batch = [prompt, list(range(30, 46))]
+    eager2 = run_episode(model, batch, continuation=6, mode="eager")
+    for mode in ("graph", "compile"):
+        static2 = run_episode(model, batch, continuation=6, mode=mode)
+        assert static2.logits.shape == (2, 6, model.vocab) and static2.tokens == eager2.tokens
+        assert np.abs(static2.logits - eager2.logits).max() < 1e-4, mode
+        assert np.abs(static2.logits[0] - static.logits).max() < 1e-4

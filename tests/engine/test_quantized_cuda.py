@@ -94,3 +94,25 @@ def test_nf4_decodes_captured_close_to_eager(calibrated, mode):
     finally:
         del q
         torch.cuda.empty_cache()
+
+
+def test_int8_compiled_decodes_a_batch_close_to_eager(calibrated):
+    """A batch's decode step is compiled and captured on a static cache of B rows, as one
+    sequence's is: each sequence close to its eager decode, replayed the same across episodes."""
+    pytest.importorskip("torchao")
+    from engine.episode import run_episode
+    from engine.quantized import QuantizedModel
+
+    q = QuantizedModel(calibrated, method="int8-weight-only", dtype=torch.float16, device=torch.device("cuda", 0))
+    try:
+        batch = [list(range(4, 68)), list(range(100, 164)), list(range(200, 264))]
+        eager = run_episode(q, batch, continuation=8, mode="eager")
+        runs = [run_episode(q, batch, continuation=8, mode="compile") for _ in range(2)]
+        for r in runs:
+            assert r.decode_graph.startswith("compiled"), r.decode_graph
+            assert r.logits.shape == eager.logits.shape and np.abs(r.logits - eager.logits).max() < 0.5
+        assert np.array_equal(runs[0].logits, runs[1].logits)
+        print("int8 compile batch 3", runs[1].decode_graph, [round(c.wall_s * 1e3, 2) for c in runs[1].calls])
+    finally:
+        del q
+        torch.cuda.empty_cache()
