@@ -114,9 +114,8 @@ COMPETITOR_LIBRARIES = (*dict.fromkeys(QUANT_METHODS.values()), "accelerate")
 # it; a method's entry before its library's). A method or library missing here captures.
 CAPTURE_REFUSALS: dict[str, str] = {
     # llm-int8 splits outlier columns by a threshold each call, a decision whose shapes depend on
-    # the data. nf4 launches its kernels on shapes alone and is captured like torchao's int8 (its
-    # earlier capture failures on the H200 were OPT's forward reading the cache length on the host,
-    # which engine/quantized.py no longer lets it do).
+    # the data. nf4 launches its kernels on shapes alone and is captured like torchao's int8, in
+    # mode compile (mode graph failed on the H200: STACK_REFUSALS).
     "llm-int8": "bitsandbytes' llm-int8 splits outlier columns by a threshold on every call (data-dependent shapes)",
     "accelerate": "accelerate's hooks copy each offloaded weight from pageable host memory in Python on "
                   "every call",
@@ -129,6 +128,9 @@ STACK_REFUSALS: dict[tuple[str, str], str] = {
     ("torchao", "graph"): "capturing transformers' OPT decode step over torchao int8 weights as one CUDA graph "
                           "failed on the H200 (cudaErrorStreamCaptureUnsupported inside the forward); mode compile, "
                           "torchao's fastest and its default, captures through torch.compile",
+    ("bitsandbytes", "graph"): "capturing transformers' OPT decode step over bitsandbytes nf4 weights as one CUDA "
+                               "graph failed on the H200 (cudaErrorStreamCaptureInvalidated, bench.competitor_probe); "
+                               "mode compile captures the compiled step instead",
 }
 
 

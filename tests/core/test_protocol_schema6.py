@@ -60,8 +60,9 @@ def test_torchao_runs_in_every_mode_and_exact_conditions_keep_the_protocols():
 
 
 def test_nf4_is_captured_and_stays_eager_unless_asked():
-    """nf4 launches its kernels on shapes alone: graph and compile freeze; an omitted mode is still
-    bitsandbytes' measured fastest (eager), and llm-int8 is refused in any captured mode."""
+    """nf4 launches its kernels on shapes alone: graph and compile freeze (a CUDA worker refuses
+    graph, which failed on the H200); an omitted mode is still bitsandbytes' measured fastest
+    (eager), and llm-int8 is refused in any captured mode."""
     for mode in ("graph", "compile"):
         raw = competitor(schema=6, conditions=[{"policy": "dense-stream"}, quantized("nf4", mode=mode)])
         assert freeze(raw).body["conditions"][1]["params"]["mode"] == mode
@@ -71,6 +72,10 @@ def test_nf4_is_captured_and_stays_eager_unless_asked():
     from core.registry import mode_refusal
 
     assert mode_refusal("quantized", {"method": "nf4"}, "graph") is None
+    from core.registry import stack_refusal
+
+    assert stack_refusal("quantized", {"method": "nf4", "mode": "graph"}).startswith("capturing")
+    assert stack_refusal("quantized", {"method": "nf4", "mode": "compile"}) is None
     assert mode_refusal("quantized", {"method": "llm-int8"}, "compile").startswith("cannot be captured")
 
 

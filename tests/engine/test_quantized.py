@@ -11,6 +11,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from core.audit import audit_archive
 from core.plan import plan, prompts
@@ -288,3 +289,42 @@ def test_the_static_cache_call_gives_the_eager_logits(calibrated, method):
         assert static2.logits.shape == (2, 6, model.vocab) and static2.tokens == eager2.tokens
         assert np.abs(static2.logits - eager2.logits).max() < 1e-4, mode
         assert np.abs(static2.logits[0] - static.logits).max() < 1e-4
+
+
+class HostReads(TorchDispatchMode):
+    """Records every op that brings a tensor's value to the host (`.item()`, `bool(t)`, `nonzero`):
+    inside a CUDA graph capture each one fails (cudaErrorStreamCaptureUnsupported)."""
+
+    READS = (torch.ops.aten.item.default, torch.ops.aten._local_scalar_dense.default,
+             torch.ops.aten.is_nonzero.default, torch.ops.aten.nonzero.default)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in self.READS:
+            self.seen.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("method", ["int8-weight-only", "nf4"])
+def test_the_decode_step_reads_nothing_back_to_the_host(calibrated, method):
+    """What a CUDA capture needs, checked on the CPU: the static-cache decode call (the step modes
+    graph and compile capture) reads no tensor value on the host. transformers' OPT forward read
+    the cache length with `.item()` when not given positions and a mask: every capture failed."""
+    from core.registry import QUANT_METHODS
+
+    if importlib.util.find_spec(QUANT_METHODS[method]) is None:
+        pytest.skip(f"{QUANT_METHODS[method]} is not installed")
+    model = QuantizedModel(calibrated, method=method, dtype=torch.float32, device=torch.device("cpu"))
+    with HostReads() as probe:
+        torch.tensor([3]).item()
+    assert len(probe.seen) == 1  # the probe sees a read
+    for batch in (1, 2):
+        kv = model.new_cache(24, mode="compile", batch=batch)
+        with torch.inference_mode():
+            model.forward(torch.tensor([list(range(4, 20))] * batch), kv)  # the prefill (eager, not captured)
+            with HostReads() as probe:
+                logits = model._call(torch.tensor([[5]] * batch), torch.tensor([16]), kv)
+        assert probe.seen == [] and logits.shape[-1] == model.vocab, probe.seen
