@@ -222,8 +222,10 @@ class QuantizedModel:
     def can_shelve(self) -> bool:
         """Whether `shelve` keeps this model: torchao's quantized tensors move between devices like
         any tensor; bitsandbytes' Int8Params quantize again when moved to CUDA, so its models are
-        released and rebuilt instead."""
-        return self.stats.library == "torchao"
+        released and rebuilt instead. An nf4 model that has compiled its step is kept too (its
+        Params4bit move quantized, their quant state with them): a rebuild would compile again
+        inside the next episode's first decode call."""
+        return self.stats.library == "torchao" or (self.method == "nf4" and self._compiled is not None)
 
     def shelve(self) -> None:
         """Move the model to the host while another condition holds the device (engine/worker.py),

@@ -91,6 +91,12 @@ def test_nf4_decodes_captured_close_to_eager(calibrated, mode):
         assert np.array_equal(runs[0].logits, runs[1].logits)  # replayed on the reset cache
         print("nf4", mode, runs[1].decode_graph, [round(c.wall_s * 1e3, 2) for c in runs[1].calls],
               "eager", [round(c.wall_s * 1e3, 2) for c in eager.calls])
+        # compiled, it is kept on the host while another condition runs, not rebuilt and compiled again
+        assert q.can_shelve
+        q.shelve()
+        assert q.unshelve() > 0
+        again = run_episode(q, prompt, continuation=8, mode=mode)
+        assert np.array_equal(again.logits, runs[0].logits) and "made again after 1 moves" in again.decode_graph
     finally:
         del q
         torch.cuda.empty_cache()
