@@ -141,3 +141,17 @@ def test_torchao_in_mode_graph_freezes_and_the_plan_says_a_cuda_worker_refuses_i
     assert out.returncode == 0, out.stderr
     line = next(x for x in out.stdout.splitlines() if "low (torchao): mode graph" in x)
     assert "a CUDA worker refuses mode graph here" in line and "mode compile" in line
+
+
+def test_the_shipped_competitors_protocol_writes_each_competitors_mode_and_tier():
+    from core.protocol import load
+
+    frozen = load(ROOT / "protocols" / "competitors.yaml")
+    p = frozen.protocol
+    assert frozen.body["schema"] == 6
+    assert {n: p.tier(n) for n in p.condition_names} == {
+        "dense-stream": "exact", "packet": "exact", "dense-stream-int8": "exact", "packet-int8": "exact",
+        "accelerate": "exact", "int8": "approximate", "nf4": "approximate", "llm-int8": "approximate"}
+    modes = {c["name"]: c["params"]["mode"] for c in frozen.body["conditions"] if "mode" in c.get("params", {})}
+    assert modes == {"accelerate": "eager", "int8": "compile", "nf4": "eager", "llm-int8": "eager"}
+    assert sorted(b.condition for b in p.gates.fidelity) == ["int8", "llm-int8", "nf4"]
