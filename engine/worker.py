@@ -22,7 +22,7 @@ from core.canonical import canonical_sha256
 from core.errors import CheckpointError
 from core.metrics import episode_totals
 from core.provenance import checkpoint_digest
-from core.registry import resolved_params, stack_refusal, tier_of
+from core.registry import mode_refusal, resolved_params, stack_refusal, tier_of
 from core.protocol import Protocol, expand
 from engine.episode import EpisodeOutput, run_episode
 from engine.gpu_lock import GpuLock, HostPresence, host_gpu_index, host_gpus
@@ -388,6 +388,9 @@ class Worker:
         try:
             model, mode, built = self._episode_model(policy, params)
             out, sampled, passes = self._measure(model, prompt, mode, policy=policy, params=params)
+            if built is not None and out.decode_graph is None:  # a competitor in mode eager: say why
+                why = mode_refusal(policy, resolved_params(policy, params), "graph")
+                out.decode_graph = f"eager: {why or 'the mode its condition froze'}"
             if tier == "approximate" and entry["prompt"] in self.reference_runs:
                 # Teacher-forced on the reference's tokens, after the measured free run (its time
                 # and peaks are the free run's): the logits fidelity is judged on. With separate

@@ -328,3 +328,30 @@ def test_the_decode_step_reads_nothing_back_to_the_host(calibrated, method):
             with HostReads() as probe:
                 logits = model._call(torch.tensor([[5]] * batch), torch.tensor([16]), kv)
         assert probe.seen == [] and logits.shape[-1] == model.vocab, probe.seen
+
+
+def test_a_competitor_run_eagerly_says_why_in_its_record(calibrated):
+    """The archive says why a competitor's decode was not captured: its library cannot be (llm-int8,
+    accelerate: core.registry.CAPTURE_REFUSALS), its condition froze mode eager (nf4), or no CUDA
+    graphs on this device (int8 in mode compile on the CPU)."""
+    pytest.importorskip("bitsandbytes")
+    pytest.importorskip("accelerate")
+    b = body(calibrated, prompts={"generator": {"seed": 0, "count": 1}}, warmups=0, repetitions=2,
+             gates={"faithfulness": {}, "fidelity": {"min_top1": 0.0}}, conditions=[
+                 {"policy": "dense-stream"}, {"name": "int8", "policy": "quantized", "params": {"method": "int8-weight-only"}},
+                 {"name": "nf4", "policy": "quantized", "params": {"method": "nf4"}},
+                 {"name": "llm-int8", "policy": "quantized", "params": {"method": "llm-int8"}},
+                 {"policy": "accelerate"}])
+    worker = Worker(device="cpu")
+    start = worker.load(b, str(calibrated))
+    ids = prompts(b, vocab=start["vocab"])
+    graphs = {}
+    for e in plan(b):
+        r = worker.run(e, ids[e["prompt"]])
+        assert r["status"] == "ok", r.get("error")
+        graphs[r["condition"]] = r["engine"]["decode_graph"]
+    assert graphs["int8"] == "eager: no CUDA graphs on cpu"
+    assert graphs["nf4"] == "eager: the mode its condition froze"
+    assert graphs["llm-int8"].startswith("eager: cannot be captured: bitsandbytes' llm-int8 splits outlier")
+    assert graphs["accelerate"].startswith("eager: cannot be captured: accelerate's hooks")
+    assert graphs["dense-stream"] is None  # packbench's own loader in mode eager: as before
