@@ -280,6 +280,10 @@ class QuantizedModel:
 
         kv = self._static.get((capacity, batch))
         if kv is None:  # its tensors are sized by the batch of its first call
+            # One cache (and its captured steps) on the device at a time: a screen has one shape, and
+            # a sweep over batch sizes would otherwise keep every earlier size's cache and graph pool.
+            self._static.clear()
+            self._steps.clear()
             kv = self._static[(capacity, batch)] = StaticCache(config=self._model.config, max_cache_len=capacity)
         else:
             with torch.inference_mode():  # its tensors were made in the forward's inference mode

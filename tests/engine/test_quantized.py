@@ -289,6 +289,7 @@ def test_the_static_cache_call_gives_the_eager_logits(calibrated, method):
         assert static2.logits.shape == (2, 6, model.vocab) and static2.tokens == eager2.tokens
         assert np.abs(static2.logits - eager2.logits).max() < 1e-4, mode
         assert np.abs(static2.logits[0] - static.logits).max() < 1e-4
+    assert list(model._static) == [(22, 2)]  # the batch of one's cache is gone: one on the device at a time
 
 
 class HostReads(TorchDispatchMode):
