@@ -8,8 +8,8 @@
 # METHODS lists `method[:mode]` (schema 6: an omitted mode is the library's fastest, compile for
 # torchao). The int8 packets (dense-stream and packet over int8 outgoing rows) run beside them
 # unless SKIP_INT8_PACKETS; packbench's own loaders run in ENGINE_MODE (default graph). int4 in a
-# screen of its own only with INT4=1 (its kernel needs mslk here; the CUDA tests say whether it
-# runs). Then the competitors' CUDA tests unless SKIP_TESTS. Carry .whl built with
+# screen of its own only with INT4=1 (tinygemm's tile-packed int4, a kernel of torch itself; the
+# CUDA tests say whether it runs). Then the competitors' CUDA tests unless SKIP_TESTS. Carry .whl built with
 # EXTRA="torchao bitsandbytes":
 #   bash bench/competitors_device.sh    (CPU dry run: SKIP_WHEELS=1 SHAPE=tiny PREFIX=32 METHODS=int8-weight-only ...)
 #   SHAPE=opt-13b ALLOWANCE=20480 PROMPTS=2 SKIP_TESTS=1 bash bench/competitors_device.sh

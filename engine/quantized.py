@@ -64,11 +64,27 @@ def _library(method: str):
         raise QuantizationUnavailable(f"quantized method {method} requires {name} ({e}): {lowbit_fix()}") from None
 
 
+INT4_GROUP = 128  # int4 weight-only's quantization group along the input features
+
+
 def _torchao(method: str, layer: torch.nn.Module) -> None:
     from torchao.quantization import Int4WeightOnlyConfig, Int8WeightOnlyConfig, quantize_
 
-    config = Int8WeightOnlyConfig() if method == "int8-weight-only" else Int4WeightOnlyConfig()
-    quantize_(layer, config)
+    if method == "int8-weight-only":
+        quantize_(layer, Int8WeightOnlyConfig())
+        return
+    # int4 in tinygemm's tile-packed layout: torch's own `_weight_int4pack_mm` (CUDA, compute
+    # capability >= 8.0), from bfloat16 weights; activations go to bfloat16 and the output back to
+    # the model's dtype inside the op. torchao's default int4 packing needs the mslk kernel package.
+    if layer.fc1.weight.device.type != "cuda":
+        raise RuntimeError(f"int4 weight-only runs tinygemm's CUDA kernel; this model is on {layer.fc1.weight.device.type}")
+    linears = [m for m in layer.modules() if isinstance(m, torch.nn.Linear) and m.in_features % INT4_GROUP == 0]
+    if len(linears) != sum(isinstance(m, torch.nn.Linear) for m in layer.modules()):
+        raise RuntimeError(f"int4 weight-only quantizes groups of {INT4_GROUP} input features; this shape's "
+                           f"linears are not all a whole number of them")
+    for m in linears:
+        m.weight = torch.nn.Parameter(m.weight.detach().to(torch.bfloat16), requires_grad=False)
+    quantize_(layer, Int4WeightOnlyConfig(group_size=INT4_GROUP, int4_packing_format="tile_packed_to_4d"))
 
 
 def _bitsandbytes(method: str, layer: torch.nn.Module, device: torch.device) -> None:
@@ -187,7 +203,7 @@ class QuantizedModel:
         except torch.cuda.OutOfMemoryError:
             raise  # the allowance, not a missing kernel: the attempt fails with the allocator's words
         except (RuntimeError, NotImplementedError, ImportError, AssertionError) as e:
-            # e.g. torchao int4 on a stack without its kernel: "Requires mslk >= 1.0.0"
+            # e.g. torchao int4 off CUDA (tinygemm's kernel), or a kernel a library build lacks
             why = str(e).splitlines()[0] if str(e) else type(e).__name__
             raise QuantizationUnavailable(f"quantized method {method} cannot run on {device} here: {why} (a kernel "
                                           f"{QUANT_METHODS[method]} needs for it); install what it names, or pick "

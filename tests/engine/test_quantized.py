@@ -207,7 +207,7 @@ def test_storage_bytes_sees_through_quantized_tensors(calibrated):
 def test_the_other_methods_run_or_refuse_in_one_line(calibrated, method):
     """Where its library is installed (the test extra installs both), a
     method either runs, close to the float model and smaller, or refuses in one line (torchao's
-    int4 on the CPU in float32: "Requires mslk >= 1.0.0")."""
+    int4 on the CPU: tinygemm's kernel is CUDA's)."""
     from core.registry import QUANT_METHODS
 
     if importlib.util.find_spec(QUANT_METHODS[method]) is None:
