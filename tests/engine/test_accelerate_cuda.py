@@ -1,6 +1,6 @@
 """CUDA twins of test_accelerate.py: accelerate's offload really copies on the GPU, and its hooks'
-bytes are counted; a quantized condition in modes graph and compile; the worker parks the
-CPU-first model so a competitor's device memory is its own. Run with `pytest -m gpu`."""
+bytes are counted; the worker parks the CPU-first model so a competitor's device memory is its
+own (a compiled competitor's decode: test_quantized_cuda.py). Run with `pytest -m gpu`."""
 
 import numpy as np
 import pytest
@@ -68,32 +68,6 @@ def hooked_bytes(model) -> int:
                     t = h.weights_map[name]
                     total += t.numel() * t.element_size()
     return total
-
-
-@pytest.mark.parametrize("mode", ["compile"])  # graph: refused on this stack (core.registry.STACK_REFUSALS)
-def test_int8_decodes_captured_or_compiled_close_to_eager(opt125m, mode):
-    pytest.importorskip("torchao")
-    from engine.quantized import QuantizedModel
-
-    held = torch.cuda.memory_allocated()  # what earlier tests of this process still hold
-    q = QuantizedModel(opt125m, method="int8-weight-only", dtype=torch.float16, device=torch.device("cuda", 0))
-    prompt = list(range(4, 68))
-    eager = run_episode(q, prompt, continuation=8, mode="eager")
-    runs = [run_episode(q, prompt, continuation=8, mode=mode) for _ in range(2)]
-    for r in runs:
-        assert r.decode_graph.startswith("captured" if mode == "graph" else "compiled"), r.decode_graph
-        assert np.abs(r.logits - eager.logits).max() < 0.5
-    assert np.array_equal(runs[0].logits, runs[1].logits)  # replayed across episodes on the reset cache
-    print(mode, runs[1].decode_graph, [c.wall_s for c in runs[1].calls])
-    # To the host and back (another condition took the device): captured again, or re-recorded
-    # under the same compiled code, and the same logits
-    q.shelve()
-    assert torch.cuda.memory_allocated() - held < q.stats.device_bytes // 2
-    assert q.unshelve() > 0
-    again = run_episode(q, prompt, continuation=8, mode=mode)
-    assert np.array_equal(again.logits, runs[0].logits)
-    assert "made again after 1 moves" in again.decode_graph, again.decode_graph
-    print(mode, "after shelving:", again.decode_graph, [c.wall_s for c in again.calls])
 
 
 def test_a_quantized_episode_holds_only_its_own_model_on_the_device(opt125m):
