@@ -13,10 +13,7 @@ set -uo pipefail
 root=$PWD; out=${OUT:-$root/batch-out}; mkdir -p "$out"
 source bench/device_common.sh
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
-if ls .whl/torchao*.whl > /dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/torchao*.whl \
-    && export PYTHONPATH=/tmp/site:$PWD
-fi
+ls .whl/*.whl > /dev/null 2>&1 && install_wheels
 device_header
 echo "== batched decode"
 timeout 480 python3 -m bench.batch --shape "${SHAPE:-opt-2.7b}" --dtype float16 --batches "${BATCHES:-1,2,4,8,16,32}" \

@@ -13,10 +13,15 @@ engine_cuda_tests() {  # every engine CUDA test, the log in $out/pytest.log
   grep -E "passed|failed|Error" "$out/pytest.log" | tail -6
 }
 
-product_env() {  # the wheels on the path, and a fresh database, archive and model cache in $work; pb runs the CLI
+install_wheels() {  # the carried .whl into /tmp/site (once per machine), on the path; SKIP_WHEELS: none
   [ -n "${SKIP_WHEELS:-}" ] || [ -d /tmp/site/ray ] || python3 -m pip install -q --no-index --no-deps --no-compile \
     --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-  export PYTHONPATH=/tmp/site:$PWD RAY_AUTH_MODE=disabled PYTHONUNBUFFERED=1
+  export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+}
+
+product_env() {  # the wheels on the path, and a fresh database, archive and model cache in $work; pb runs the CLI
+  install_wheels
+  export RAY_AUTH_MODE=disabled
   work=$(mktemp -d)
   export PACKBENCH_DB_URL="sqlite:///$work/pb.db" PACKBENCH_ARCHIVE_DIR="$work/archives" PACKBENCH_MODEL_CACHE="$work/models"
   python3 -m cli db upgrade > /dev/null

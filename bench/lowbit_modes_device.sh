@@ -10,8 +10,7 @@
 set -uo pipefail
 out=${OUT:-$PWD/lowbit-out}; mkdir -p "$out"
 source bench/device_common.sh
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+install_wheels
 device_header
 echo "== each method in each mode, alone"
 timeout "${PROBE_S:-360}" python3 -m bench.competitor_probe --shape "${SHAPE:-opt-2.7b}" --methods "${METHODS:-int4-weight-only,nf4}" \

@@ -80,13 +80,13 @@ class RayPool:
 
     def _earlier_calls(self, ready: set) -> list:
         """The calls not seen back that went to a worker before one of its calls in `ready`."""
-        order = {ref: i for i, ref in enumerate(self._calls)}
-        newest = {}
-        for ref in ready:
-            actor = self._calls[ref][0]
-            newest[actor] = max(newest.get(actor, -1), order[ref])
-        return [ref for ref, (actor, _) in self._calls.items()
-                if ref not in ready and order[ref] < newest.get(actor, -1)]
+        later, behind = set(), []  # workers with a call in `ready` further on
+        for ref, (actor, _) in reversed(self._calls.items()):
+            if ref in ready:
+                later.add(actor)
+            elif actor in later:
+                behind.append(ref)
+        return behind
 
     def _take(self, ref) -> Reply:
         _, tag = self._calls.pop(ref)

@@ -389,7 +389,7 @@ class Worker:
             model, mode, built = self._episode_model(policy, params)
             out, sampled, passes = self._measure(model, prompt, mode, policy=policy, params=params)
             if built is not None and out.decode_graph is None:  # a competitor in mode eager: say why
-                why = mode_refusal(policy, resolved_params(policy, params), "graph")
+                why = mode_refusal(policy, params, "graph")
                 out.decode_graph = f"eager: {why or 'the mode its condition froze'}"
             if tier == "approximate" and entry["prompt"] in self.reference_runs:
                 # Teacher-forced on the reference's tokens, after the measured free run (its time
