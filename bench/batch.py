@@ -52,6 +52,8 @@ def measure(model, prompts: list[list[int]], continuation: int) -> dict:
     except Exception as e:  # an OOM under the allowance, say: reported, the run goes on
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
+        if isinstance(e, torch.OutOfMemoryError):  # the KV cache grows with B: say so plainly
+            return {"error": f"out of memory under the allowance ({str(e).splitlines()[0][:60]})"}
         return {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:80] if str(e) else ''}"}
     decode = [c for c in out.calls if c.phase == "decode"]
     return {"ms": [c.wall_s * 1e3 for c in decode], "logits": out.logits,

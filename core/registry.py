@@ -139,12 +139,20 @@ def stack_refusal(policy: str, params: Mapping[str, Any]) -> str | None:
     return STACK_REFUSALS.get((competitor_library(policy, params), params.get("mode", "eager")))
 
 
-# The fastest mode each competitor was measured in on the H200 (synthetic OPT-2.7B fp16, decode
-# ms/token): torchao int8 weight-only 22.90 eager, 11.56 one CUDA graph per step, 8.37 under
-# torch.compile reduce-overhead outside the product; through a screen, mode compile (compiled,
-# then captured by packbench) 2.33 against eager 24.77 (docs/benchmarks.md). bitsandbytes and
-# accelerate eager. What schema 6 writes for an omitted `mode`.
-FASTEST_MODE: dict[str, str] = {"torchao": "compile", "bitsandbytes": "eager", "accelerate": "eager"}
+# The fastest mode each competitor was measured in on the H200 (calibrated synthetic OPT-2.7B fp16,
+# decode ms/token through one screen, docs/benchmarks.md "Every low-bit method in its modes"):
+# torchao int8 weight-only compile 2.45 (eager 24.77 in an earlier screen), int4 weight-only
+# compile 2.59 against eager 49.01, bitsandbytes nf4 compile 3.04 against eager 21.81; llm-int8
+# and accelerate cannot be captured (CAPTURE_REFUSALS), so eager. Keyed by method, or by library
+# for a competitor without one. What schema 6 writes for an omitted `mode` at batch 1; a protocol
+# frozen before keeps the mode it wrote out.
+FASTEST_MODE: dict[str, str] = {"int8-weight-only": "compile", "int4-weight-only": "compile", "nf4": "compile",
+                                "llm-int8": "eager", "accelerate": "eager"}
+
+
+def fastest_mode(policy: str, params: Mapping[str, Any]) -> str:
+    """The mode an omitted `mode` of a competitor condition is written out as (FASTEST_MODE)."""
+    return FASTEST_MODE[params["method"] if policy == "quantized" else policy]
 
 
 def competitor_library(policy: str, params: Mapping[str, Any]) -> str:

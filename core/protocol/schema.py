@@ -53,8 +53,7 @@ from core.registry import (
     SCHEMA3_DEFAULTS,
     SYNTH_SHAPES,
     DEFAULT_PROFILE,
-    FASTEST_MODE,
-    competitor_library,
+    fastest_mode,
     exact_reference,
     mode_refusal,
     newer_defaults,
@@ -253,7 +252,7 @@ def _competitor_mode(policy: str, params: dict, path: str, *, schema: int, batch
         return params
     # An omitted mode at a batch stays eager, as frozen before captured batches ran: FASTEST_MODE
     # was measured at batch 1.
-    mode = params.get("mode") or ("eager" if batch > 1 else FASTEST_MODE[competitor_library(policy, params)])
+    mode = params.get("mode") or ("eager" if batch > 1 else fastest_mode(policy, params))
     why = mode_refusal(policy, params, mode)
     if why is not None:
         _fail(path, f"{mode} is not possible for {params.get('method', policy)} ({why}); use mode eager")
