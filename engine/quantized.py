@@ -77,11 +77,16 @@ def _torchao(method: str, layer: torch.nn.Module) -> None:
     # capability >= 8.0), from bfloat16 weights; activations go to bfloat16 and the output back to
     # the model's dtype inside the op. torchao's default int4 packing needs the mslk kernel package.
     if layer.fc1.weight.device.type != "cuda":
-        raise RuntimeError(f"int4 weight-only runs tinygemm's CUDA kernel; this model is on {layer.fc1.weight.device.type}")
+        raise QuantizationUnavailable(
+            f"quantized method int4-weight-only runs tinygemm's CUDA kernel (compute capability >= 8.0); this "
+            f"worker's device is {layer.fc1.weight.device.type}: run the screen on a CUDA worker, or pick another "
+            f"method (int8-weight-only runs on the CPU)")
     linears = [m for m in layer.modules() if isinstance(m, torch.nn.Linear) and m.in_features % INT4_GROUP == 0]
     if len(linears) != sum(isinstance(m, torch.nn.Linear) for m in layer.modules()):
-        raise RuntimeError(f"int4 weight-only quantizes groups of {INT4_GROUP} input features; this shape's "
-                           f"linears are not all a whole number of them")
+        raise QuantizationUnavailable(
+            f"quantized method int4-weight-only quantizes groups of {INT4_GROUP} input features and this model's "
+            f"linears are not all a whole number of them (hidden {layer.fc1.in_features}, ffn {layer.fc1.out_features}): "
+            f"pick another method for this shape")
     for m in linears:
         m.weight = torch.nn.Parameter(m.weight.detach().to(torch.bfloat16), requires_grad=False)
     quantize_(layer, Int4WeightOnlyConfig(group_size=INT4_GROUP, int4_packing_format="tile_packed_to_4d"))

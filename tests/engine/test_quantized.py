@@ -215,7 +215,9 @@ def test_the_other_methods_run_or_refuse_in_one_line(calibrated, method):
     try:
         model = QuantizedModel(calibrated, method=method, dtype=torch.float32, device=torch.device("cpu"))
     except QuantizationUnavailable as e:
-        assert "\n" not in str(e) and f"quantized method {method} cannot run on cpu here" in str(e)
+        assert "\n" not in str(e) and str(e).startswith(f"quantized method {method} ")
+        if method == "int4-weight-only":  # the fix names the device, not an install that cannot help
+            assert "this worker's device is cpu: run the screen on a CUDA worker" in str(e)
         return
     exact = CpuFirstModel(calibrated, dtype=torch.float32, device=torch.device("cpu"))
     exact.use("dense-stream")
