@@ -11,7 +11,8 @@
 # MODE (graph: the exact loaders' fast path), COMPETITOR_MODES (compile: torchao's fastest; add
 # eager for its slow mode), ALLOWANCE (5700 MiB: under the packets' 4800 the KV cache of 16 x 80
 # tokens ran out of memory at opt-2.7b; for opt-13b about 22528), BATCH_TIMEOUT (480 s: each
-# batch size compiles the competitor's step again).
+# batch size compiles the competitor's step again), COMPETITOR_BATCHES (every batch; at opt-13b,
+# 1,8,32 keeps the call inside its 10 minutes).
 set -uo pipefail
 root=$PWD; out=${OUT:-$root/batch-out}; mkdir -p "$out"
 source bench/device_common.sh
@@ -21,7 +22,7 @@ device_header
 echo "== batched decode"
 timeout "${BATCH_TIMEOUT:-480}" python3 -m bench.batch --shape "${SHAPE:-opt-2.7b}" --dtype float16 --batches "${BATCHES:-1,2,4,8,16,32}" \
   --prefix "${PREFIX:-64}" --continuation "${CONTINUATION:-16}" --rounds "${ROUNDS:-3}" --mode "${MODE:-graph}" \
-  --competitor-modes "${COMPETITOR_MODES:-compile}" --allowance-mib "${ALLOWANCE:-5700}" > "$out/batch.log" 2>&1; echo "bench.batch rc $?"
+  --competitor-modes "${COMPETITOR_MODES:-compile}" --competitor-batches "${COMPETITOR_BATCHES:-}" --allowance-mib "${ALLOWANCE:-5700}" > "$out/batch.log" 2>&1; echo "bench.batch rc $?"
 grep -v -e Warning -e "Failed to load" -e "register_constant" "$out/batch.log" | tail -30
 echo "== CUDA tests (batch)"
 timeout 100 python3 -m pytest -q -m gpu -p no:cacheprovider tests/engine/test_batch_cuda.py > "$out/pytest.log" 2>&1
