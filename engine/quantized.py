@@ -23,6 +23,7 @@ from __future__ import annotations
 import gc
 import importlib
 import time
+import types
 import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -65,6 +66,18 @@ def _library(method: str):
 
 
 INT4_GROUP = 128  # int4 weight-only's quantization group along the input features
+
+
+def own_code(method):
+    """A bound method over its own copy of the function's code object. torch.compile keeps compiled
+    code per code object and counts each recompilation of it toward
+    `torch._dynamo.config.recompile_limit` (8), a hard failure under `fullgraph=True`: compiling the
+    one `_call` shared by every QuantizedModel, a long-lived worker's 9th model of another shape or
+    method would fail (`FailOnRecompileLimitHit`). With a copy per model each model's compiled
+    code counts alone and goes when the model goes."""
+    f = method.__func__
+    copy = types.FunctionType(f.__code__.replace(), f.__globals__, f.__name__, f.__defaults__, f.__closure__)
+    return types.MethodType(copy, method.__self__)
 
 
 def _torchao(method: str, layer: torch.nn.Module) -> None:
@@ -361,7 +374,8 @@ class QuantizedModel:
         if kv.mode == "compile":
             if self._compiled is None:  # no graph trees of inductor's own: the class docstring says why
                 # fullgraph: a graph break would be a host step inside the capture
-                self._compiled = torch.compile(self._call, fullgraph=True, options={"triton.cudagraphs": False})
+                self._compiled = torch.compile(own_code(self._call), fullgraph=True,
+                                               options={"triton.cudagraphs": False})
             call = self._compiled
         static_ids = ids.clone()
         static_pos = torch.full((1,), position, dtype=torch.long, device=self.device)

@@ -358,3 +358,35 @@ def test_a_competitor_run_eagerly_says_why_in_its_record(calibrated):
     assert graphs["llm-int8"].startswith("eager: cannot be captured: bitsandbytes' llm-int8 splits outlier")
     assert graphs["accelerate"].startswith("eager: cannot be captured: accelerate's hooks")
     assert graphs["dense-stream"] is None  # packbench's own loader in mode eager: as before
+
+
+def test_each_model_compiles_its_own_code_past_dynamos_recompile_limit():
+    """torch.compile counts recompilations per code object (torch._dynamo.config.recompile_limit,
+    a hard failure under fullgraph): compiling one shared method for model after model fails past
+    the limit, as a long-lived worker's compiled competitors would. `own_code` gives each model a
+    copy of the code, so every one compiles (backend eager: dynamo's count, without inductor)."""
+    import torch._dynamo
+    from torch._dynamo.exc import FailOnRecompileLimitHit
+
+    from engine.quantized import own_code
+
+    class Stand:
+        def __init__(self, width: int):
+            self.lin = torch.nn.Linear(width, width)
+
+        def call(self, x: torch.Tensor) -> torch.Tensor:
+            return self.lin(x).relu()
+
+    limit = torch._dynamo.config.recompile_limit
+    torch._dynamo.reset()
+    try:
+        for i in range(limit + 2):  # a width each: every model is a new compilation
+            width = 8 * (i + 1)
+            step = torch.compile(own_code(Stand(width).call), fullgraph=True, backend="eager")
+            assert step(torch.ones(1, width)).shape == (1, width)
+        with pytest.raises(FailOnRecompileLimitHit):  # the shared code object: what own_code avoids
+            for i in range(limit + 1):
+                width = 8 * (i + 1)
+                torch.compile(Stand(width).call, fullgraph=True, backend="eager")(torch.ones(1, width))
+    finally:
+        torch._dynamo.reset()
