@@ -5,11 +5,11 @@
 # accelerate's offload and low-bit models. The worker holds one condition's device state at a
 # time (the CPU-first model parked on the host while a competitor runs, a torchao model shelved
 # on the host while another condition runs), so each competitor has the allowance to itself.
-# METHODS lists `method[:mode]` (schema 6: an omitted mode is the library's fastest, compile for
-# torchao). The int8 packets (dense-stream and packet over int8 outgoing rows) run beside them
-# unless SKIP_INT8_PACKETS; packbench's own loaders run in ENGINE_MODE (default graph). int4 in a
-# screen of its own only with INT4=1 (tinygemm's tile-packed int4, a kernel of torch itself; the
-# CUDA tests say whether it runs). Then the competitors' CUDA tests unless SKIP_TESTS. Carry .whl built with
+# METHODS lists `method[:mode]` (default: every method, each in its fastest mode; schema 6 writes
+# an omitted mode as core.registry.FASTEST_MODE: compile for int8, int4 and nf4, eager for llm-int8).
+# The int8 packets (dense-stream and packet over int8 outgoing rows) run beside them unless
+# SKIP_INT8_PACKETS; packbench's own loaders run in ENGINE_MODE (default graph). Then the
+# competitors' CUDA tests unless SKIP_TESTS. Carry .whl built with
 # EXTRA="torchao bitsandbytes":
 #   bash bench/competitors_device.sh    (CPU dry run: SKIP_WHEELS=1 SHAPE=tiny PREFIX=32 METHODS=int8-weight-only ...)
 #   SHAPE=opt-13b ALLOWANCE=20480 PROMPTS=2 SKIP_TESTS=1 bash bench/competitors_device.sh
@@ -43,8 +43,7 @@ screen() {  # name methods...
   grep -E "^(faithfulness|fidelity|resources) |audit of|error" "$out/$name.log" | sort -u | head -20
   pb results --screen latest --json > "$out/$name.json" 2>/dev/null
 }
-screen competitors ${METHODS:-int8-weight-only int8-weight-only:eager nf4 llm-int8}
-[ -z "${INT4:-}" ] || SKIP_ACCELERATE=1 screen int4 int4-weight-only
+screen competitors ${METHODS:-int8-weight-only int4-weight-only nf4 llm-int8}
 python3 - <<'PY'  # medians over scored episodes; decode ms/token over the continuation's decode calls
 import statistics, os
 from db.store import Store

@@ -98,8 +98,8 @@ def _torchao(method: str, layer: torch.nn.Module) -> None:
     if len(linears) != sum(isinstance(m, torch.nn.Linear) for m in layer.modules()):
         raise QuantizationUnavailable(
             f"quantized method int4-weight-only quantizes groups of {INT4_GROUP} input features and this model's "
-            f"linears are not all a whole number of them (hidden {layer.fc1.in_features}, ffn {layer.fc1.out_features}): "
-            f"pick another method for this shape")
+            f"linears are not all a whole number of them (hidden {layer.fc1.in_features}, "
+            f"ffn {layer.fc1.out_features}): pick another method for this shape")
     for m in linears:
         m.weight = torch.nn.Parameter(m.weight.detach().to(torch.bfloat16), requires_grad=False)
     quantize_(layer, Int4WeightOnlyConfig(group_size=INT4_GROUP, int4_packing_format="tile_packed_to_4d"))
