@@ -13,6 +13,10 @@
 # EXTRA="torchao bitsandbytes":
 #   bash bench/competitors_device.sh    (CPU dry run: SKIP_WHEELS=1 SHAPE=tiny PREFIX=32 METHODS=int8-weight-only ...)
 #   SHAPE=opt-13b ALLOWANCE=20480 PROMPTS=2 SKIP_TESTS=1 bash bench/competitors_device.sh
+# PER_METHOD=1 runs one screen per method (the checkpoint synthesised once), so a method that
+# runs long leaves the others' figures; DEADLINE (seconds from the start) caps every screen's
+# SCREEN_TIMEOUT to what is left of it; SKIP_PACKET, SKIP_RESIDENT leave those out; VERBOSE=1
+# prints the worker's own output (Ray's log_to_driver) into each screen's log.
 set -uo pipefail
 root=$PWD; out=${OUT:-$root/competitors-out}; mkdir -p "$out"
 source bench/device_common.sh
@@ -22,7 +26,7 @@ screen() {  # name methods...
   { echo "name: $name"; echo "model: {synth: {shape: ${SHAPE:-opt-2.7b}, dtype: float16, seed: 0}}"; echo "dtype: float16"
     echo "prompts: {generator: {seed: 0, count: ${PROMPTS:-3}}}"; echo "prefix_tokens: ${PREFIX:-512}"; echo "continuation_tokens: 16"
     echo "conditions:"; echo "  - {name: dense-stream, policy: dense-stream}"
-    echo "  - {name: packet, policy: packet, params: {gather: device}}"
+    [ -n "${SKIP_PACKET:-}" ] || echo "  - {name: packet, policy: packet, params: {gather: device}}"
     [ -n "${SKIP_RESIDENT:-}" ] || echo "  - {name: resident, policy: resident, params: {allowance: unbounded}}"  # the speed reference
     if [ -z "${SKIP_INT8_PACKETS:-}" ]; then  # quantized packets: exact against the int8 dense-stream
       echo "  - {name: dense-stream-int8, policy: dense-stream, params: {weights: int8}}"
@@ -37,13 +41,19 @@ screen() {  # name methods...
     echo "engine: {mode: ${ENGINE_MODE:-graph}}"  # packbench's own loaders in their fastest mode too
     echo "gates:"; echo "  faithfulness: {tolerance: 0.0}"; echo "  resources: {}"
     echo "  fidelity: {max_mean_kl: 0.002, min_top1: 0.98}"; } > "$work/$name.yaml"
-  t0=$(date +%s)
-  timeout "${SCREEN_TIMEOUT:-560}" python3 -m cli submit "$work/$name.yaml" --wait > "$out/$name.log" 2>&1; echo "== $name: submit rc $? in $(( $(date +%s) - t0 )) s"
+  t0=$(date +%s); local limit=${SCREEN_TIMEOUT:-560} left=$(( ${DEADLINE:-100000} - (t0 - start) ))
+  [ "$left" -lt "$limit" ] && limit=$left
+  [ "$limit" -gt 30 ] || { echo "== $name: skipped, ${left} s left of DEADLINE"; return; }
+  timeout "$limit" python3 -m cli ${VERBOSE:+--verbose} submit "$work/$name.yaml" --wait > "$out/$name.log" 2>&1
+  echo "== $name: submit rc $? in $(( $(date +%s) - t0 )) s (limit $limit s)"
   pb audit latest >> "$out/$name.log" 2>&1; echo "   audit rc $?"
   grep -E "^(faithfulness|fidelity|resources) |audit of|error" "$out/$name.log" | sort -u | head -20
   pb results --screen latest --json > "$out/$name.json" 2>/dev/null
 }
-screen competitors ${METHODS:-int8-weight-only int4-weight-only nf4 llm-int8}
+start=$(date +%s)
+if [ -n "${PER_METHOD:-}" ]; then
+  for m in ${METHODS:-int8-weight-only int4-weight-only nf4 llm-int8}; do screen "competitors-${m/:/-}" "$m"; done
+else screen competitors ${METHODS:-int8-weight-only int4-weight-only nf4 llm-int8}; fi
 python3 - <<'PY'  # medians over scored episodes; decode ms/token over the continuation's decode calls
 import statistics, os
 from db.store import Store
