@@ -179,7 +179,14 @@ def _screen_view(store, ref: str, *, json_out: bool) -> None:
     typer.echo("audit: none; run `packbench audit`" if a is None else
                f"audit: {a['result'].upper()} ({a['kind'] or 'local'} on {_host_and_node(a['machine'], a['node'])}"
                f", {a['finished_at']}, digest {a['digest'][:16]}"
-               f"{'' if a['archive_sha256_matches'] else ', of another archive SHA-256'}; {a['audits']} audit(s))")
+               f"{_sha_note(a['archive_sha256_matches'])}; {a['audits']} audit(s))")
+
+
+def _sha_note(matches: bool | None) -> str:
+    """Whether the latest audit read the archive whose SHA-256 the attempt stored."""
+    if matches is None:
+        return ", of the unfinished attempt's partial archive (no SHA-256 stored)"
+    return "" if matches else ", of another archive SHA-256"
 
 
 def _host_and_node(host: str, node: str | None) -> str:

@@ -130,13 +130,31 @@ def _audits(store, screen, *, screen_ref):
     number = screen.manifest.get("attempt")
     for d in detail.attempts:
         a = d.attempt
-        if (number is None or a.number == number) and a.archive_sha256 == screen.archive_sha256:
-            return AuditStatus(source=source, rows=[
-                {"result": u.result, "machine": u.machine, "started": _when(u.started_at),
-                 "finished": _when(u.finished_at), "digest": u.digest, "problems": len(u.problems)}
-                for u in d.audits])
+        if number is not None and a.number != number:
+            continue
+        if a.archive_sha256 == screen.archive_sha256:
+            return AuditStatus(source=source, rows=_audit_rows(d.audits))
+        if a.archive_sha256 is None and _same_file(a.archive_path, screen.path):
+            # An attempt that did not finish stored no SHA-256 (its archive was never sealed): it is
+            # found by its path, and only the audits that read these very bytes are its audits.
+            mine = [u for u in d.audits if u.archive_sha256 == screen.archive_sha256]
+            other = len(d.audits) - len(mine)
+            return AuditStatus(source=source, rows=_audit_rows(mine), note=None if not other else (
+                f"{other} audit(s) of attempt {a.number} read other bytes at this path: the file changed since"))
     return AuditStatus(source=source, note=f"no attempt of screen {detail.screen.id} in the database stored this "
                                            f"file's SHA-256 {screen.archive_sha256[:16]}: not the audited archive")
+
+
+def _audit_rows(audits) -> list[dict]:
+    return [{"result": u.result, "machine": u.machine, "started": _when(u.started_at), "finished": _when(u.finished_at),
+             "digest": u.digest, "problems": len(u.problems)} for u in audits]
+
+
+def _same_file(stored: str | None, path: Path) -> bool:
+    try:
+        return stored is not None and Path(stored).resolve() == Path(path).resolve()
+    except (OSError, RuntimeError, ValueError):
+        return False
 
 
 def _when(moment) -> str | None:

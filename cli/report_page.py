@@ -92,6 +92,14 @@ def _passed(p: bool | None) -> str:
     return '<td class="pass">PASS</td>' if p else '<td class="fail">FAIL</td>'
 
 
+def _audit_cell(result: str) -> str:
+    """A stored audit's result: AGREE, DISAGREE, or PARTIAL (an unfinished attempt's archive whose
+    every member checks: what the attempt left, not a disagreement)."""
+    if result == "partial":
+        return '<td class="none">PARTIAL</td>'
+    return '<td class="pass">AGREE</td>' if result == "agree" else '<td class="fail">DISAGREE</td>'
+
+
 def _plot(name: str, svg: str | None, missing: str, caption: str | None = None) -> str:
     if svg is None:
         return f'<p class="missing" data-missing="{esc(name)}">{esc(missing)}</p>'
@@ -353,7 +361,7 @@ def audit_section(s: ScreenData, audit: AuditStatus) -> str:
     else:
         parts.append(f"<h3>Audits recorded in {esc(audit.source)}</h3>" + _table(
             ["result", "where", "started", "finished", "digest", "problems"],
-            [[_passed(r["result"] == "agree").replace("PASS", "AGREE").replace("FAIL", "DISAGREE"), r["machine"],
+            [[_audit_cell(r["result"]), r["machine"],
               r["started"], r["finished"], f'<td class="mono">{esc(r["digest"])}</td>', str(r["problems"])]
              for r in audit.rows]))
         digests = {r["digest"] for r in audit.rows}

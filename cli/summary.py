@@ -25,7 +25,9 @@ def screen_summary(store, ref: str | int) -> dict:
     out["audit"] = None if not audits else {
         "result": audits[-1].result, "digest": audits[-1].digest, "kind": audits[-1].kind,
         "machine": audits[-1].machine, "node": audits[-1].node, "finished_at": str(audits[-1].finished_at),
-        "audits": len(audits), "archive_sha256_matches": audits[-1].archive_sha256 == attempt.archive_sha256}
+        "audits": len(audits),
+        # None: an attempt that did not finish never stored its archive's SHA-256, so there is nothing to match.
+        "archive_sha256_matches": None if attempt.archive_sha256 is None else audits[-1].archive_sha256 == attempt.archive_sha256}
     out["episodes"] = [{"index": e.plan_index, "condition": e.condition, "tier": tiers.get(e.condition),
                         "role": e.role, "prompt": e.prompt, "status": e.status, "tokens": list(e.tokens),
                         "h2d_bytes": e.h2d_weight_bytes + e.h2d_index_bytes, "d2h_bytes": e.d2h_bytes,

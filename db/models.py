@@ -72,7 +72,7 @@ AUDIT_KINDS = ("local", "ray", "reexecute")  # reexecute: 0006
 EPISODE_ROLES = ("warmup", "scored")
 EPISODE_STATUSES = ("ok", "failed")
 VERDICT_PHASES = ("all", "prefill", "decode")
-AUDIT_RESULTS = ("agree", "disagree")
+AUDIT_RESULTS = ("agree", "disagree", "partial")  # partial: 0011
 
 
 def _one_of(column: str, values: tuple[str, ...], name: str) -> CheckConstraint:

@@ -158,7 +158,7 @@ class AuditRow:
     attempt_id: int
     archive_sha256: str
     digest: str
-    result: str  # agree | disagree
+    result: str  # agree | disagree | partial (an unfinished attempt's consistent archive)
     problems: tuple[str, ...]
     machine: str
     started_at: datetime

@@ -498,7 +498,8 @@ class Store:
     def put_audit(self, *, attempt_id: int, archive_sha256: str, digest: str, result: str, problems: list[str],
                   machine: str, started_at: datetime, finished_at: datetime, node: str | None = None,
                   kind: str | None = None) -> int:
-        """Append one audit run ('agree' or 'disagree'); return its id. Never deduplicated:
+        """Append one audit run ('agree', 'disagree', or 'partial': an unfinished attempt's
+        consistent archive); return its id. Never deduplicated:
         repeat audits are evidence in their own right. Times must be timezone-aware.
         `machine` is the host that asked for the audit, `node` the one it ran on (a Ray
         node for kind 'ray', the same host for 'local')."""

@@ -152,7 +152,7 @@ def audit_screens(store, screen_ids: list[int], *, on_ray: bool = False, setting
             continue
         try:  # the machine is the host the audit ran on, as a re-execution records it
             store.put_audit(attempt_id=attempt.id, archive_sha256=report.record["archive_sha256"], digest=report.digest,
-                            result=report.record["result"], problems=report.problems, machine=host,
+                            result=stored_result(report, attempt), problems=report.problems, machine=host,
                             started_at=started, finished_at=datetime.now(timezone.utc), node=node, kind=kind)
         except PackbenchError as e:
             outcomes.append(AuditOutcome(report, path, screen_id, attempt.number, node, False, str(e), host=host,
@@ -166,6 +166,13 @@ def audit_screens(store, screen_ids: list[int], *, on_ray: bool = False, setting
 
 def _unfinished(attempt) -> bool:
     return attempt.status not in ("done", "running")
+
+
+def stored_result(report, attempt) -> str:
+    """What the database keeps of an audit: `partial` for an unfinished attempt's archive whose
+    every member checks (what `audit` prints as PARTIAL: what the attempt left, not a
+    disagreement), else the report's own `agree` or `disagree`."""
+    return "partial" if _unfinished(attempt) and report.partial else report.record["result"]
 
 
 def _left(attempt, what: str) -> str:

@@ -381,7 +381,17 @@ def test_audit_all_reports_unfinished_attempts_without_failing(tmp_path, db, tin
     assert lines[2].startswith("audit of screen 3: PARTIAL (attempt 1 failed: 0 of 8 planned episodes archived")
     assert r.code == 0, (r.out, r.err)
     r = pb(capsys, "audit", "--all", "--json")  # the same, as JSON Lines
-    assert [json.loads(line)["result"] for line in r.out.splitlines()] == ["no-archive", "no-archive", "disagree"]
+    assert [json.loads(line)["result"] for line in r.out.splitlines()] == ["no-archive", "no-archive", "partial"]
+    # The database keeps what was printed: the partial archive's audits are `partial`, not `disagree`.
+    assert [u.result for u in store.audits(store.latest_attempt(3).id)] == ["partial", "partial"]
+    r = pb(capsys, "results", "--screen", "3")
+    assert "audit: PARTIAL (" in r.out and "partial archive (no SHA-256 stored); 2 audit(s))" in r.out, r.out
+    r = pb(capsys, "report", "3", "--out", str(tmp_path / "r.html"))
+    assert r.code == 0, (r.out, r.err)
+    page = (tmp_path / "r.html").read_text()
+    assert "Audits recorded in" in page, page[page.find("audit"):][:3000]
+    audits = page.split("Audits recorded in", 1)[1].split("</table>", 1)[0]
+    assert audits.count(">PARTIAL<") == 2 and "DISAGREE" not in audits
 
 
 def test_dispatch_says_which_screens_a_dead_dispatcher_holds_and_when_they_return(tmp_path, db, tiny, capsys):

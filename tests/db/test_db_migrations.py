@@ -214,3 +214,31 @@ def test_job_queue_revision_keeps_stored_attempts(db_url):
         # The episode still references its attempt through a working foreign key.
         with pytest.raises(Exception):
             _run(db_url, "DELETE FROM attempts WHERE id = 2")
+
+
+def test_partial_audits_revision_widens_the_result_and_goes_down_as_disagree(db_url):
+    """0011: an audit may say `partial`; going down it becomes the `disagree` the older revision
+    wrote for it, and the old CHECK refuses `partial` again."""
+    with Store(db_url) as store:
+        store.upgrade()
+    when = "'2026-01-01 00:00:00'"
+    _run(db_url,
+         f"INSERT INTO protocols (id, sha256, name, canonical_json, created_at) VALUES (1, '{'a' * 64}', 'p', '{{}}', {when})",
+         f"INSERT INTO screens (id, protocol_id, status, repetitions, submitter, created_at) VALUES (1, 1, 'queued', 1, 'x', {when})",
+         f"INSERT INTO attempts (id, screen_id, number, worker, node, gpu_name, gpu_index, status, archive_path, "
+         f"source_freeze, started_at, attempt_key) VALUES (1, 1, 1, 'w', 'n', 'g', 0, 'interrupted', 'a1.zip', '{{}}', "
+         f"{when}, '{'k' * 32}')",
+         *(f"INSERT INTO audits (attempt_id, archive_sha256, digest, result, problems_json, machine, started_at, "
+           f"finished_at) VALUES (1, '{'d' * 64}', 'e', '{r}', '[]', 'm', {when}, {when})" for r in ("partial", "agree")))
+    with pytest.raises(Exception):
+        _run(db_url, f"INSERT INTO audits (attempt_id, archive_sha256, digest, result, problems_json, machine, "
+                     f"started_at, finished_at) VALUES (1, '{'d' * 64}', 'e', 'maybe', '[]', 'm', {when}, {when})")
+    with Store(db_url) as store:
+        assert [u.result for u in store.audits(1)] == ["partial", "agree"]
+        store.downgrade("0010_screen_labels")
+    assert _rows(db_url, "SELECT result FROM audits ORDER BY id") == [("disagree",), ("agree",)]
+    with pytest.raises(Exception):
+        _run(db_url, "UPDATE audits SET result = 'partial' WHERE id = 1")
+    with Store(db_url) as store:
+        store.upgrade()
+    assert schema_diff(db_url) == []
