@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 DEMO_DIR := .packbench
 export RAY_AUTH_MODE ?= disabled
 
-.PHONY: demo test venv clean
+.PHONY: demo test venv browser clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -28,7 +28,15 @@ demo: $(STAMP)
 	$(BIN)/packbench results --screen latest
 	$(BIN)/packbench report latest --out $(DEMO_DIR)/report.html
 
-test: $(STAMP)
+# The report's browser tests open pages in headless Chromium (Debian's package chromium), which a
+# fresh machine lacks: installed here when missing, where this runs as root with apt-get.
+browser:
+	@command -v chromium >/dev/null 2>&1 || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 && \
+	  echo "installing headless Chromium (apt-get install chromium) for the report's browser tests" && \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; } || \
+	  echo "warning: headless Chromium is missing and could not be installed here (needs root and apt-get): the report's browser tests will fail; install Debian's chromium package"
+
+test: $(STAMP) browser
 	$(BIN)/python -m pytest -q -m "not gpu"
 
 clean:
