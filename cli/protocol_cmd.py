@@ -270,7 +270,7 @@ def _passes_lines(p) -> list[str]:
 
 def _competitor_modes(p) -> list[str]:
     """One line per competitor: the mode it runs in, and why its library cannot be captured."""
-    from core.registry import COMPETITOR_PARAMS, competitor_library, mode_refusal, stack_refusal
+    from core.registry import COMPETITOR_PARAMS, competitor_library, fastest_mode, mode_refusal, stack_refusal
 
     out = []
     for c in p.conditions:
@@ -278,9 +278,14 @@ def _competitor_modes(p) -> list[str]:
             params = c.resolved_params
             why = mode_refusal(c.policy, params, "graph")
             fails = stack_refusal(c.policy, params)
+            fastest = fastest_mode(c.policy, params)
+            # Above batch 1 an omitted mode is eager (the fastest modes were measured at batch 1).
+            slower = p.batch > 1 and params["mode"] == "eager" and fastest != "eager"
             out.append(f"{c.name} ({competitor_library(c.policy, params)}): mode {params['mode']}"
                        + (f"; {why}" if why else "")
-                       + (f"; a CUDA worker refuses mode {params['mode']} here: {fails}" if fails else ""))
+                       + (f"; a CUDA worker refuses mode {params['mode']} here: {fails}" if fails else "")
+                       + (f"; at batch 1 its fastest mode is {fastest}, and above batch 1 a mode left out stays "
+                          f"eager: write mode: {fastest} to compare it in its fastest mode" if slower else ""))
     return out
 
 

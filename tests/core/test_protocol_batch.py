@@ -61,6 +61,25 @@ def test_competitors_at_a_batch_run_eager_unless_asked():
         assert freeze(protocol(TINY, batch=2, conditions=conditions)).body["conditions"][1]["params"]["mode"] == mode
 
 
+def test_the_plan_says_a_competitor_left_eager_at_a_batch_is_not_in_its_fastest_mode(tmp_path):
+    conditions = [{"policy": "dense-stream"}, {"name": "q", "policy": "quantized", "params": {"method": "int8-weight-only"}},
+                  {"name": "l", "policy": "quantized", "params": {"method": "llm-int8"}}]
+    path = tmp_path / "p.yaml"
+    lines = {}
+    for batch, mode in ((2, None), (2, "compile"), (1, None)):
+        if mode:
+            conditions[1]["params"]["mode"] = mode
+        path.write_text(yaml.safe_dump(protocol(TINY, batch=batch, conditions=conditions)))
+        r = subprocess.run([sys.executable, "-m", "cli", "protocol", "plan", str(path)], capture_output=True,
+                           text=True, cwd=ROOT)
+        assert r.returncode == 0, r.stderr
+        lines[batch, mode] = [x for x in r.stdout.splitlines() if x.lstrip().startswith(("q (", "l ("))]
+    (q, l), = [lines[2, None]]
+    assert "q (torchao): mode eager; at batch 1 its fastest mode is compile" in q and "write mode: compile" in q
+    assert "fastest mode" not in l  # llm-int8's only mode is eager
+    assert all("fastest mode" not in x for x in lines[2, "compile"] + lines[1, None])
+
+
 @pytest.mark.parametrize("changes, fragment", [
     ({"batch": 0}, "protocol field `batch`: 0 is not an integer in [1, 64]"),
     ({"batch": 65}, "protocol field `batch`: 65 is not an integer in [1, 64]"),
