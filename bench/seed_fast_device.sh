@@ -22,12 +22,12 @@ pb audit latest >> "$out/fast.log" 2>&1; echo "   audit rc $?"
 grep -E "^(faithfulness|acquisition|runtime|resources|capacity) |audit of" "$out/fast.log" | sort -u
 python3 -m bench.seed_screens | tee "$out/seed_screens.txt"
 pb report latest --out "$out/report.html" > /dev/null 2>&1; echo "report rc $?"
-[ "${PASSES:-together}" = separate ] && python3 - "$work/archives" <<'PY'  # the report's cost table, as text
-import sys
-from pathlib import Path
+pb results --screen latest --json > "$out/results.json" 2>/dev/null
+[ "${PASSES:-together}" = separate ] && python3 - "$out/results.json" <<'PY'  # the report's cost table, as text
+import json, sys
 from core.report import measurement_cost, read_screen
-path = max(Path(sys.argv[1]).rglob("*.zip"), key=lambda p: p.stat().st_mtime)
-cost = measurement_cost(read_screen(path))
+with open(sys.argv[1]) as f:
+    cost = measurement_cost(read_screen(json.load(f)["archive_path"]))  # the archive the screen wrote
 print(f"measurement cost ({cost['passes']}): {'condition':16} {'n':>2} {'timing s':>9} {'recording s':>11} {'ratio':>7} "
       f"{'decode ms t/r':>15}")
 for r in cost["conditions"]:

@@ -362,7 +362,7 @@ def _print_audit(o, *, json_out: bool, detail: bool) -> None:
     if json_out:
         typer.echo(json.dumps({"screen_id": o.screen_id, "attempt": o.attempt_number, "archive_path": str(o.archive_path),
                                "node": o.node, "host": o.host, "digest": report.digest, **report.record,
-                               **({"partial": True, "result": "partial"} if o.unfinished else {})},
+                               "result": o.result, **({"partial": True} if o.unfinished else {})},
                               sort_keys=True, default=str))
         return
     if detail:

@@ -50,6 +50,15 @@ class AuditOutcome:
             return False
         return self.no_archive is not None or (self.report is not None and self.report.partial)
 
+    @property
+    def result(self) -> str | None:
+        """What the database keeps and `--json` says: `partial` for an unfinished attempt's
+        archive whose every member checks (what the attempt left, not a disagreement), else the
+        report's own `agree` or `disagree`; None with no report."""
+        if self.report is None:
+            return None
+        return "partial" if self.unfinished else self.report.record["result"]
+
 
 def host_and_node(host: str, node: str | None) -> str:
     """`vm`, or `vm (Ray node 9fd8380a)`: where an audit ran, the host named by its name in
@@ -150,29 +159,21 @@ def audit_screens(store, screen_ids: list[int], *, on_ray: bool = False, setting
                                          no_archive=_left(attempt, f"no archive at {path}") if _unfinished(attempt)
                                          else None))
             continue
+        outcome = AuditOutcome(report, path, screen_id, attempt.number, node, True, None, host=host,
+                               attempt_status=attempt.status)
         try:  # the machine is the host the audit ran on, as a re-execution records it
             store.put_audit(attempt_id=attempt.id, archive_sha256=report.record["archive_sha256"], digest=report.digest,
-                            result=stored_result(report, attempt), problems=report.problems, machine=host,
+                            result=outcome.result, problems=report.problems, machine=host,
                             started_at=started, finished_at=datetime.now(timezone.utc), node=node, kind=kind)
         except PackbenchError as e:
-            outcomes.append(AuditOutcome(report, path, screen_id, attempt.number, node, False, str(e), host=host,
-                                         attempt_status=attempt.status))
-            continue
-        outcomes.append(AuditOutcome(report, path, screen_id, attempt.number, node, True, None, host=host,
-                                     attempt_status=attempt.status))
+            outcome = dataclasses.replace(outcome, recorded=False, record_error=str(e))
+        outcomes.append(outcome)
     order = {screen_id: i for i, screen_id in enumerate(screen_ids)}
     return sorted(early + outcomes, key=lambda o: order[o.screen_id])
 
 
 def _unfinished(attempt) -> bool:
     return attempt.status not in ("done", "running")
-
-
-def stored_result(report, attempt) -> str:
-    """What the database keeps of an audit: `partial` for an unfinished attempt's archive whose
-    every member checks (what `audit` prints as PARTIAL: what the attempt left, not a
-    disagreement), else the report's own `agree` or `disagree`."""
-    return "partial" if _unfinished(attempt) and report.partial else report.record["result"]
 
 
 def _left(attempt, what: str) -> str:
