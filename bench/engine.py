@@ -73,13 +73,11 @@ COPIES = {"single": SingleStreamDense}
 def use(model: CpuFirstModel, policy: str, params: dict) -> None:
     """model.use, or a bench-only variant named by `copies` or `tile` (parse_condition checked it):
     `tile` runs the device gather's Triton kernel with that tile instead of engine.gather's choice,
-    `split` with that column split (engine.gather.SPLIT_TOKENS), `chunks` with fc2 in that many
-    chunks under the gather (engine.gather.FC2_CHUNKS; 1: after the whole gather)."""
+    `split` with that column split (engine.gather.SPLIT_TOKENS)."""
     params = dict(params)
-    tile, split, chunks = params.pop("tile", None), params.pop("split", None), params.pop("chunks", None)
-    if (tile, split, chunks) != (gather.TILE_OVERRIDE, gather.SPLIT_OVERRIDE, gather.FC2_CHUNKS_OVERRIDE):
-        # another kernel: warm up before a capture
-        gather.TILE_OVERRIDE, gather.SPLIT_OVERRIDE, gather.FC2_CHUNKS_OVERRIDE = tile, split, chunks
+    tile, split = params.pop("tile", None), params.pop("split", None)
+    if tile != gather.TILE_OVERRIDE or split != gather.SPLIT_OVERRIDE:  # another kernel: warm up before a capture
+        gather.TILE_OVERRIDE, gather.SPLIT_OVERRIDE = tile, split
         model.graph.forget_warm_ups()
     copies = params.pop("copies", None)
     if copies is None:
@@ -123,11 +121,6 @@ def parse_condition(spec: str) -> tuple[str, dict, bool, str]:
                 raise SystemExit(f"{spec}: +split=TOKENS is the device gather's (packet, phase-switched): calls "
                                  f"of at most TOKENS tokens split a neuron block's columns over programs (0: never)")
             params["split"] = int(value)
-        elif key == "chunks":
-            if policy not in ("packet", "phase-switched") or not value.isdigit() or int(value) < 1:
-                raise SystemExit(f"{spec}: +chunks=N is the device gather's (packet, phase-switched): a captured "
-                                 f"step runs fc2 in N chunks under the gather (1: after the whole gather)")
-            params["chunks"] = int(value)
         elif key == "copies" and (policy != "dense-stream" or value not in COPIES):
             raise SystemExit(f"{spec}: +copies= is dense-stream's only, one of {', '.join(COPIES)}")
         else:

@@ -31,7 +31,6 @@ half (its first is `gather_active_rows` with the forecast as `h`):
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 
 # Tile of the CUDA kernel: BLOCK_R neurons per program, their rows read BLOCK_H elements at a
 # time by NUM_WARPS warps, activity tested BLOCK_T tokens at a time. Chosen on the H200 by decode
@@ -44,14 +43,6 @@ TILE_OVERRIDE: tuple[int, int, int] | None = None  # (BLOCK_R, BLOCK_H, NUM_WARP
 # (engine/triton_gather.py, "Column split"); longer calls (prefill: a dense union) do not.
 SPLIT_TOKENS = 64
 SPLIT_OVERRIDE: int | None = None  # a bench's variant of SPLIT_TOKENS
-
-
-# A captured decode step multiplies fc2 in FC2_CHUNKS chunks of output rows, each as soon as its
-# columns of the active rows have landed, on a second stream while the next chunk crosses PCIe
-# (`gather_fc2`). Chosen on the H200 by `python -m bench.fc2_pipeline` and bench.engine
-# (docs/benchmarks.md, "fc2 under the gather").
-FC2_CHUNKS = 4
-FC2_CHUNKS_OVERRIDE: int | None = None  # a bench's variant (1: fc2 after the whole gather)
 
 
 def split_columns(h: torch.Tensor) -> bool:
@@ -107,57 +98,6 @@ def gather_active_rows(h: torch.Tensor, src: torch.Tensor, workspace: torch.Tens
 
     gather_active_rows_cuda(h.reshape(-1, h.shape[-1]).contiguous(), src, workspace, counts, layer, **tile(),
                             split=split_columns(h))
-
-
-def fc2_chunks(hidden: int, chunks: int, block: int) -> list[tuple[int, int]]:
-    """`chunks` ranges of fc2's output rows covering 0..hidden, each a whole number of the
-    gather's column tiles where it can be (the last takes the rest)."""
-    tiles = max(1, hidden // block)
-    chunks = max(1, min(chunks, tiles))
-    edges = [round(i * tiles / chunks) * block for i in range(chunks)] + [hidden]
-    return list(zip(edges[:-1], edges[1:]))
-
-
-def gather_fc2(h: torch.Tensor, src: torch.Tensor, workspace: torch.Tensor, counts: torch.Tensor, layer: int,
-               bias: torch.Tensor | None, branch: "torch.cuda.Stream") -> torch.Tensor | None:
-    """The layer's gather and fc2 (F.linear(h, workspace, bias)) with fc2 under the gather, or
-    None where this does not apply (not CUDA, a call that does not split its columns, one chunk).
-
-    fc2's output rows [c0, c1) read only workspace rows [c0, c1), i.e. columns c0..c1 of the
-    active rows. So the gather runs chunk by chunk on the current stream, and once a chunk has
-    landed its rows of fc2 run on `branch` while the next chunk crosses PCIe: the copy is
-    PCIe-bound, the matmul HBM-bound. Each chunk is F.linear over a contiguous row slice of the
-    workspace, which cuBLAS answers with the bits of the whole product's rows (checked per shape
-    and dtype by `python -m bench.fc2_pipeline` and tests/engine/test_gather_cuda.py); an exactness
-    check against dense-stream still guards every condition. Meant for a captured step (the
-    branch is engine/graph.py's): eagerly, tensors made on `branch` would need record_stream.
-    """
-    chunks = FC2_CHUNKS if FC2_CHUNKS_OVERRIDE is None else FC2_CHUNKS_OVERRIDE
-    if h.device.type != "cuda" or chunks <= 1 or not split_columns(h):
-        return None
-    from engine.triton_gather import gather_active_rows_cuda
-
-    x = h.reshape(-1, h.shape[-1]).contiguous()
-    hidden, t = workspace.shape[0], x.shape[0]
-    kernel = tile()
-    main = torch.cuda.current_stream()
-    out = torch.empty((t, hidden), dtype=workspace.dtype, device=workspace.device)
-    parts = []
-    for c0, c1 in fc2_chunks(hidden, chunks, kernel["block_h"]):
-        gather_active_rows_cuda(x, src, workspace, counts, layer, **kernel, split=True, columns=(c0, c1))
-        branch.wait_stream(main)  # this chunk's columns have landed
-        with torch.cuda.stream(branch):
-            b = None if bias is None else bias[c0:c1]
-            if t == 1:  # a (1, c1 - c0) slice of out is contiguous: F.linear's own addmm writes it in place
-                if b is None:
-                    torch.mm(x, workspace[c0:c1].t(), out=out[:, c0:c1])
-                else:
-                    torch.addmm(b, x, workspace[c0:c1].t(), out=out[:, c0:c1])
-            else:
-                parts.append(F.linear(x, workspace[c0:c1], b))
-    main.wait_stream(branch)
-    out = torch.cat(parts, dim=1) if parts else out
-    return out.view(*h.shape[:-1], hidden)
 
 
 def gather_active_int8_rows_reference(h: torch.Tensor, rows: torch.Tensor, scales: torch.Tensor,

@@ -77,8 +77,7 @@ class StaticOPT:
         self.dtype = self.embed_weight.dtype
         # A CUDA stream for k and v, set by engine/graph.py for the length of a capture only: a
         # layer's q, k and v projections are independent GEMVs too small to fill the GPU alone,
-        # so the graph runs k and v beside q. Same kernels, same inputs: same bits. A device
-        # gather's fc2 chunks run on it too (engine.gather.gather_fc2).
+        # so the graph runs k and v beside q. Same kernels, same inputs: same bits.
         self.branch: "torch.cuda.Stream | None" = None
 
     def new_cache(self, capacity: int, batch: int = 1) -> StaticKV:
@@ -204,10 +203,7 @@ class StaticOPT:
         if policy.starts_early:
             policy.before_layer(i)  # where stock's fc1 pre-hook fires
         x = F.relu(F.linear(x, layer.fc1.weight, layer.fc1.bias))  # (B x T, ffn); exact zeros are the point
-        piped = None
-        if self.branch is not None and hasattr(policy, "fc2_under_gather"):  # inside a capture
-            piped = policy.fc2_under_gather(i, x, layer.fc2.bias, self.branch)
-        x = layer.fc2(x) if piped is None else piped  # OutgoingLinear: the policy's device weight, then F.linear
+        x = layer.fc2(x)  # OutgoingLinear: the policy's device weight, then F.linear
         return (residual + x).view(shape)
 
     def head(self, h: torch.Tensor) -> torch.Tensor:

@@ -15,10 +15,6 @@ few tokens of a decode call), the first one counts them. At decode a block of 64
 about 2 active rows (3.3 % density), so one program reading a row 128 columns at a time makes 20
 PCIe round trips in a row; split, they are in flight at once. The forecast's completion is not
 split: its programs read and then rewrite `prev`, which another share would race with.
-
-Column range: a gather may copy only columns [lo, hi) of the active rows (the workspace rows
-[lo, hi), which fc2's output rows lo..hi read), so fc2 can multiply a chunk while the next one
-still crosses PCIe (engine.gather.pipelined_fc2); the chunk that starts at column 0 counts.
 """
 
 import triton
@@ -38,22 +34,19 @@ def _active_rows(h_ptr, n_tokens, rows64, in_range, ffn, BLOCK_R: tl.constexpr, 
 
 
 @triton.jit
-def _copy_rows(src_ptr, ws_ptr, rows64, which, ffn, hidden, end, first, step, BLOCK_H: tl.constexpr):
+def _copy_rows(src_ptr, ws_ptr, rows64, which, ffn, hidden, first, step, BLOCK_H: tl.constexpr):
     """Rows `which` of src (ffn, hidden) into the same columns of the workspace (hidden, ffn):
-    the column tiles starting at `first`, every `step` columns, below `end` (all of them: 0,
-    BLOCK_H, hidden)."""
-    for h0 in range(first, end, step):
+    the column tiles starting at `first`, every `step` columns (all of them: 0, BLOCK_H)."""
+    for h0 in range(first, hidden, step):
         cols = (h0 + tl.arange(0, BLOCK_H)).to(tl.int64)
-        m = which[:, None] & (cols[None, :] < end)
+        m = which[:, None] & (cols[None, :] < hidden)
         tile = tl.load(src_ptr + rows64[:, None] * hidden + cols[None, :], mask=m)
         tl.store(ws_ptr + cols[None, :] * ffn + rows64[:, None], tile, mask=m)
 
 
-@triton.jit(do_not_specialize=["layer", "col_lo", "col_hi"])  # one compiled variant serves every layer
-def _gather_active_rows(h_ptr, n_tokens, src_ptr, ws_ptr, count_ptr, layer, ffn, hidden, col_lo, col_hi,
+@triton.jit(do_not_specialize=["layer"])  # one compiled variant serves every layer
+def _gather_active_rows(h_ptr, n_tokens, src_ptr, ws_ptr, count_ptr, layer, ffn, hidden,
                         BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_T: tl.constexpr):
-    """Columns [col_lo, col_hi) of the active rows (all of them: 0, hidden); the call whose
-    col_lo is 0 counts the rows (module docstring: column range)."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     in_range = rows < ffn
     rows64 = rows.to(tl.int64)
@@ -61,10 +54,10 @@ def _gather_active_rows(h_ptr, n_tokens, src_ptr, ws_ptr, count_ptr, layer, ffn,
     n_active = tl.sum(active.to(tl.int32), axis=0)
     if n_active > 0:
         split = tl.program_id(1)  # which share of the columns (module docstring: column split)
-        if (split == 0) & (col_lo == 0):
+        if split == 0:
             tl.atomic_add(count_ptr + layer, n_active)
-        _copy_rows(src_ptr, ws_ptr, rows64, active, ffn, hidden, col_hi, col_lo + split * BLOCK_H,
-                   tl.num_programs(1) * BLOCK_H, BLOCK_H)
+        _copy_rows(src_ptr, ws_ptr, rows64, active, ffn, hidden, split * BLOCK_H, tl.num_programs(1) * BLOCK_H,
+                   BLOCK_H)
 
 
 @triton.jit(do_not_specialize=["layer"])
@@ -106,18 +99,14 @@ def gather_active_int8_rows_cuda(h, rows, scales, workspace, counts, layer, *, b
 
 
 def gather_active_rows_cuda(h, src, workspace, counts, layer, *, block_r, block_h, block_t, num_warps=4,
-                            split=False, columns: tuple[int, int] | None = None) -> None:
-    """`columns` (lo, hi): only those columns of the rows (engine.gather.pipelined_fc2's chunks)."""
+                            split=False) -> None:
     n_tokens, ffn = h.shape
     hidden = src.shape[1]
     if src.shape != (ffn, hidden) or workspace.shape != (hidden, ffn) or not workspace.is_contiguous():
         raise ValueError(f"shapes do not match: h {tuple(h.shape)}, src {tuple(src.shape)}, "
                          f"workspace {tuple(workspace.shape)}")
-    lo, hi = columns or (0, hidden)
-    if not 0 <= lo < hi <= hidden:
-        raise ValueError(f"columns {lo}..{hi} are not a range inside 0..{hidden}")
-    grid = (triton.cdiv(ffn, block_r), triton.cdiv(hi - lo, block_h) if split else 1)
-    _gather_active_rows[grid](h, n_tokens, src, workspace, counts, layer, ffn, hidden, lo, hi,
+    grid = (triton.cdiv(ffn, block_r), triton.cdiv(hidden, block_h) if split else 1)
+    _gather_active_rows[grid](h, n_tokens, src, workspace, counts, layer, ffn, hidden,
                               BLOCK_R=block_r, BLOCK_H=block_h, BLOCK_T=block_t, num_warps=num_warps)
 
 
@@ -145,7 +134,7 @@ def _complete_forecast(h_ptr, n_tokens, prev_ptr, use_prev, src_ptr, ws_ptr, cou
         tl.atomic_add(count_ptr + 3 * layers + layer, n_wasted)
     tl.store(prev_at, active.to(tl.int8), mask=in_range)
     if n_missed > 0:
-        _copy_rows(src_ptr, ws_ptr, rows64, missed, ffn, hidden, hidden, 0, BLOCK_H, BLOCK_H)
+        _copy_rows(src_ptr, ws_ptr, rows64, missed, ffn, hidden, 0, BLOCK_H, BLOCK_H)
 
 
 def complete_forecast_cuda(h, prev, use_prev, src, workspace, counts, layer, *, block_r, block_h, block_t,

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.gather import complete_forecast, gather_active_rows, gather_fc2
+from engine.gather import complete_forecast, gather_active_rows
 from engine.ledger import CallLedger, Recorder
 from engine.policies.base import HostWeights, _nbytes, build_gather_layout, zeroed_workspace
 from engine.policies.dense import DenseStream, DoubleBuffer, copies_ahead
@@ -80,15 +80,6 @@ class DevicePacket:
         gather_active_rows(h, b.source[layer], b.workspace, b.counts, layer)
         return b.workspace
 
-    def fc2_under_gather(self, layer: int, h: torch.Tensor, bias: torch.Tensor | None,
-                         branch: "torch.cuda.Stream") -> torch.Tensor | None:
-        """fc2's output with its matmul run chunk by chunk under the gather (`engine.gather.gather_fc2`),
-        or None where that does not apply: then OutgoingLinear's fetch and F.linear."""
-        if type(self).fetch is not DevicePacket.fetch:  # a variant with a gather of its own (int8)
-            return None
-        b = self.call_buffers()
-        return gather_fc2(h, b.source[layer], b.workspace, b.counts, layer, bias, branch)
-
     def row_bytes(self) -> int:
         """Bytes one active row moves (the int8 variant: its int8 row and its scale)."""
         return self.host.row_bytes
@@ -140,13 +131,6 @@ class DevicePhaseSwitched:
         if self.recorder.phase == "prefill":
             return self.dense.fetch(layer, h)
         return self.packet.fetch(layer, h)
-
-    def fc2_under_gather(self, layer: int, h: torch.Tensor, bias: torch.Tensor | None,
-                         branch: "torch.cuda.Stream") -> torch.Tensor | None:
-        """Decode: packet's (`DevicePacket.fc2_under_gather`); prefill streams whole layers."""
-        if self.recorder.phase == "prefill":
-            return None
-        return self.packet.fc2_under_gather(layer, h, bias, branch)
 
     def join(self, stream: "torch.cuda.Stream") -> None:
         """A captured piece rejoins dense-stream's copy stream (a decode step forks none)."""
