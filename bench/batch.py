@@ -88,9 +88,23 @@ def loaders(model: CpuFirstModel, batches: list[int], args, vocab: int) -> dict:
             failed = next((x for x in runs if "error" in x), None)
             out[name, b] = failed or {"ms": [m for x in runs[1:] for m in x["ms"]], "bytes": runs[-1]["bytes"],
                                       "logits": runs[-1]["logits"]}
-        print(f"batch {b:3d}: {cell(out['dense-stream', b], b)} dense-stream, {cell(out['packet', b], b)} packet",
-              flush=True)
+        print(f"batch {b:3d}: {cell(out['dense-stream', b], b)} dense-stream, {cell(out['packet', b], b)} packet"
+              f"{transfer(out['dense-stream', b], out['packet', b])}", flush=True)
     return out
+
+
+def exactly(d: dict, p: dict) -> str:
+    """Whether packet's last logits are dense-stream's bit for bit ('-' where either failed)."""
+    if "error" in d or "error" in p:
+        return "-"
+    return "yes" if p["logits"].tobytes() == d["logits"].tobytes() else "NO"
+
+
+def transfer(d: dict, p: dict) -> str:
+    """The batch line's bytes and bit check, so a run cut short keeps them (the table comes last)."""
+    if "error" in d or "error" in p:
+        return ""
+    return f" ({p['bytes']:,.0f} of {d['bytes']:,.0f} bytes a call, bit-identical: {exactly(d, p)})"
 
 
 def competitor(model: CpuFirstModel, batches: list[int], args, vocab: int, device: torch.device) -> dict:
@@ -139,8 +153,7 @@ def table(rows: dict, batches: list[int], modes: list[str]) -> None:
     per_seq = lambda r, b: statistics.median(r["ms"]) / b if "error" not in r else None  # noqa: E731
     for b in batches:
         d, p = rows["dense-stream", b], rows["packet", b]
-        exact = ("-" if "error" in d or "error" in p else
-                 "yes" if p["logits"].tobytes() == d["logits"].tobytes() else "NO")
+        exact = exactly(d, p)
         byte_ratio = "-" if "error" in d or "error" in p else f"{p['bytes'] / d['bytes']:.4f}"
         line = (f"| {b} | {fmt(per_seq(d, b))} | {fmt(per_seq(p, b))} | {mb(d)} | {mb(p)} | {byte_ratio} "
                 f"| {ratio(per_seq(p, b), per_seq(d, b))} | {exact} |")
@@ -157,7 +170,7 @@ def table(rows: dict, batches: list[int], modes: list[str]) -> None:
         print(f"packets stop paying against {other}: " + (f"from batch {lost[0]}" if lost else "not within these batches"))
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", default="opt-2.7b")
     ap.add_argument("--dtype", default="float16")
@@ -171,7 +184,7 @@ def main() -> None:
                     "each compiles its step again, over a minute at opt-13b")
     ap.add_argument("--allowance-mib", type=int, default=4800)
     ap.add_argument("--dir", default="/tmp/batch-models")
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
     a.competitor_modes = a.competitor_modes.split(",")
     batches = [int(b) for b in a.batches.split(",")]
     a.competitor_batches = [int(b) for b in a.competitor_batches.split(",")] if a.competitor_batches else batches

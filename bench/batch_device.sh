@@ -11,8 +11,10 @@
 # MODE (graph: the exact loaders' fast path), COMPETITOR_MODES (compile: torchao's fastest; add
 # eager for its slow mode), ALLOWANCE (5700 MiB: under the packets' 4800 the KV cache of 16 x 80
 # tokens ran out of memory at opt-2.7b; for opt-13b about 22528), BATCH_TIMEOUT (480 s: each
-# batch size compiles the competitor's step again), COMPETITOR_BATCHES (every batch; at opt-13b,
-# 1,8,32 keeps the call inside its 10 minutes).
+# batch size compiles the competitor's step again), COMPETITOR_BATCHES (every batch; at opt-13b
+# each compiled batch takes 2-4 minutes, so one call holds the loaders' sweep and one or two of
+# them: docs/benchmarks.md, "OPT-13B, measured"). Each batch's line carries its bytes and packet's
+# bit check, so a call cut short keeps them.
 set -uo pipefail
 root=$PWD; out=${OUT:-$root/batch-out}; mkdir -p "$out"
 source bench/device_common.sh

@@ -1,0 +1,21 @@
+"""bench.batch on the CPU (the twin of the H200 sweep, bench/batch_device.sh): each batch's line
+carries the bytes a call moved and packet's bit check, so a run cut short still has them."""
+
+import re
+
+from bench import batch
+
+
+def test_each_batch_line_says_bytes_and_that_packet_is_dense_streams_bits(tmp_path, capsys):
+    batch.main(["--shape", "tiny", "--dtype", "float32", "--batches", "1,2", "--prefix", "8", "--continuation", "3",
+                "--rounds", "1", "--mode", "graph", "--competitor-modes", "eager", "--dir", str(tmp_path)])
+    out = capsys.readouterr().out
+    lines = {int(m.group(1)): m for m in re.finditer(
+        r"batch +(\d+): .* packet \(([\d,]+) of ([\d,]+) bytes a call, bit-identical: (\w+)\)", out)}
+    assert sorted(lines) == [1, 2], out
+    for m in lines.values():
+        assert m.group(4) == "yes"
+        assert 0 < int(m.group(2).replace(",", "")) < int(m.group(3).replace(",", ""))
+    assert int(lines[1].group(2).replace(",", "")) <= int(lines[2].group(2).replace(",", ""))  # the union of two sequences' rows
+    rows = [r for r in out.splitlines() if re.match(r"\| [12] \|", r)]
+    assert len(rows) == 2 and all("| yes |" in r for r in rows), out
