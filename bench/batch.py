@@ -181,7 +181,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--mode", default="graph", choices=("eager", "graph"))
     ap.add_argument("--competitor-modes", default="eager,compile", help="the int8 competitor's modes, comma-separated")
     ap.add_argument("--competitor-batches", help="the batches the competitor is timed at (default: every one); "
-                    "each compiles its step again, over a minute at opt-13b")
+                    "each compiles its step again, 2-4 minutes at opt-13b")
     ap.add_argument("--allowance-mib", type=int, default=4800)
     ap.add_argument("--dir", default="/tmp/batch-models")
     a = ap.parse_args(argv)
