@@ -31,7 +31,7 @@ from engine.allowance import impose
 from engine.episode import run_episode
 from engine.model import CpuFirstModel
 from engine.sampler import device_uuid, nvml_handle
-from engine.shapes import dtype_of
+from engine.shapes import DTYPES, SHAPES, dtype_of
 from engine.synth import synth_checkpoint
 
 MIB = 1 << 20
@@ -170,24 +170,35 @@ def table(rows: dict, batches: list[int], modes: list[str]) -> None:
         print(f"packets stop paying against {other}: " + (f"from batch {lost[0]}" if lost else "not within these batches"))
 
 
+def batch_list(text: str) -> list[int]:
+    """'1,2,4' -> [1, 2, 4] (argparse's type: a bad list is one line, not a traceback)."""
+    try:
+        batches = [int(b) for b in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of batch sizes, e.g. 1,8,32") from None
+    if any(b < 1 for b in batches):
+        raise argparse.ArgumentTypeError(f"batch sizes are at least 1, got {text!r}")
+    return batches
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--shape", default="opt-2.7b")
-    ap.add_argument("--dtype", default="float16")
-    ap.add_argument("--batches", default="1,2,4,8,16,32")
+    ap.add_argument("--shape", default="opt-2.7b", choices=list(SHAPES))
+    ap.add_argument("--dtype", default="float16", choices=list(DTYPES))
+    ap.add_argument("--batches", default="1,2,4,8,16,32", type=batch_list)
     ap.add_argument("--prefix", type=int, default=64)
     ap.add_argument("--continuation", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--mode", default="graph", choices=("eager", "graph"))
     ap.add_argument("--competitor-modes", default="eager,compile", help="the int8 competitor's modes, comma-separated")
-    ap.add_argument("--competitor-batches", help="the batches the competitor is timed at (default: every one); "
+    ap.add_argument("--competitor-batches", type=batch_list, help="the batches the competitor is timed at (default: every one); "
                     "each compiles its step again, 2-4 minutes at opt-13b")
     ap.add_argument("--allowance-mib", type=int, default=4800)
     ap.add_argument("--dir", default="/tmp/batch-models")
     a = ap.parse_args(argv)
     a.competitor_modes = a.competitor_modes.split(",")
-    batches = [int(b) for b in a.batches.split(",")]
-    a.competitor_batches = [int(b) for b in a.competitor_batches.split(",")] if a.competitor_batches else batches
+    batches = a.batches
+    a.competitor_batches = a.competitor_batches or batches
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
     path = Path(a.dir) / f"{a.shape}-{a.dtype}-opt"
     if not (path / "config.json").exists():
