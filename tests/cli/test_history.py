@@ -136,6 +136,15 @@ def test_the_detector_false_alarm_rate_and_power_as_documented():
     assert false_alarm_rate([1.0, 1.01, 0.99, 1.02, 0.98, 1.0, 1.01, 0.99], shuffles=300) < 0.05
 
 
+def test_a_blip_just_before_a_slowdown_is_not_the_step():
+    """A +4.4 % blip on the last repeat, then the real 4x slowdown: the step is the slowdown's
+    screen, not the blip's (the next run is beyond the bound but not at the blip's level)."""
+    xs = [100.0, 100.2, 99.9, 100.1, 100.0, 104.4, 400.0, 401.0]
+    assert [(s.index, s.confirmed) for s in steps(xs)] == [(6, True)]
+    # a real step to the blip's level is still one
+    assert [s.index for s in steps([100.0, 100.2, 99.9, 100.1, 100.0, 110.0, 110.5, 109.8])] == [5]
+
+
 def test_the_history_page_has_one_plot_per_figure_and_renders(url, tmp_path, cli):
     page = tmp_path / "history.html"
     out = cli("history", "quickstart-v1", "--html", str(page), url=url)
