@@ -9,9 +9,9 @@ The method, stated once (docs/api.md, "History and regressions"):
 - A **step** at screen i: its value lies more than `K` spreads from the median of the runs
   before it (since the last step, at most `WINDOW` of them, at least `MIN_BEFORE`), and the run
   after it lies beyond the same bound on the same side and within `K` spreads (scaled to the new
-  level) of the step's own value (confirmed: a blip just before a real step is not the step). The spread is the larger of
-  1.4826 x the median absolute deviation and the sample standard deviation, floored at `FLOOR`
-  of the median (identical repeats spread by 0). The newest run has no run after it: a change
+  level) of the step's own value (confirmed: a blip just before a real step is not the step).
+  The spread is the larger of 1.4826 x the median absolute deviation and the sample standard
+  deviation, floored at `FLOOR` of the median (identical repeats spread by 0). The newest run has no run after it: a change
   there is reported as unconfirmed, and `--fail-above` counts it (CI judges the newest commit).
 - The false-alarm rate is measured, not assumed. On i.i.d. log-normal noise (sigma 0.05, 0.1,
   0.3; 2000 sequences of 12 runs each) a confirmed step was found in 0.5 %, 0.75 % and 0.85 % of
@@ -98,7 +98,8 @@ def steps(values: Sequence[float], *, k: float = K) -> list[Step]:
         # even when the next run is a real step further on: a blip just before a slowdown must
         # not take the slowdown's screen (and commit) from it.
         level = s * abs(values[i] / m) if m else s
-        if nxt is not None and not (abs(nxt - m) > k * s and (nxt - m) * d > 0 and abs(nxt - values[i]) <= k * level):
+        if nxt is not None and not (abs(nxt - m) > k * s and (nxt - m) * d > 0
+                                    and abs(nxt - values[i]) <= k * level):
             continue
         out.append(Step(i, m, values[i], 100.0 * d / m if m else math.inf, confirmed=nxt is not None))
         start = i  # the new level is the next baseline

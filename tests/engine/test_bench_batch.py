@@ -16,6 +16,7 @@ def test_each_batch_line_says_bytes_and_that_packet_is_dense_streams_bits(tmp_pa
     for m in lines.values():
         assert m.group(4) == "yes"
         assert 0 < int(m.group(2).replace(",", "")) < int(m.group(3).replace(",", ""))
-    assert int(lines[1].group(2).replace(",", "")) <= int(lines[2].group(2).replace(",", ""))  # the union of two sequences' rows
+    # batch 2 moves the union of two sequences' rows
+    assert int(lines[1].group(2).replace(",", "")) <= int(lines[2].group(2).replace(",", ""))
     rows = [r for r in out.splitlines() if re.match(r"\| [12] \|", r)]
     assert len(rows) == 2 and all("| yes |" in r for r in rows), out
