@@ -11,8 +11,9 @@ The method, stated once (docs/api.md, "History and regressions"):
   after it lies beyond the same bound on the same side and within `K` spreads (scaled to the new
   level) of the step's own value (confirmed: a blip just before a real step is not the step).
   The spread is the larger of 1.4826 x the median absolute deviation and the sample standard
-  deviation, floored at `FLOOR` of the median (identical repeats spread by 0). The newest run has no run after it: a change
-  there is reported as unconfirmed, and `--fail-above` counts it (CI judges the newest commit).
+  deviation, floored at `FLOOR` of the median (identical repeats spread by 0). The newest run
+  has no run after it: a change there is reported as unconfirmed, and `--fail-above` counts it
+  (CI judges the newest commit).
 - The false-alarm rate is measured, not assumed. On i.i.d. log-normal noise (sigma 0.05, 0.1,
   0.3; 2000 sequences of 12 runs each) a confirmed step was found in 0.5 %, 0.75 % and 0.85 % of
   sequences; a 30 % slowdown after 6 runs of 5 % noise was found in 73 % of sequences, a 50 %
