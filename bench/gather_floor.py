@@ -1,0 +1,217 @@
+"""How near can one decode token's active-row copies come to their PCIe floor, and where does the
+device gather lose against it? (issue 26, target 2)
+
+Usage (GPU machine): python -m bench.gather_floor [--shape opt-2.7b] [--density 0.033] [--replays 30]
+
+One decode token at the calibrated profile's density (opt-2.7b: 3.3 % of 10240 neurons a layer,
+55.5 MB a token): every variant runs its layers' copies, one per layer, captured in one CUDA graph
+and timed by CUDA events, so no launch gap counts, the variants alternated in 5 rounds; each
+layer reads its own pinned host matrix.
+Per token, microseconds:
+
+  memcpy, one copy     the token's bytes in one pinned -> device copy: the large-copy rate the
+                       target's floor uses
+  memcpy, per layer    each layer's active rows, already contiguous in pinned memory, in one
+                       copy each: the copy engine at the size one layer moves (layers cannot share
+                       a copy: each layer's rows are known only after its fc1)
+  gather (shipped)     engine.gather's kernel: activity test, reads over PCIe, stores into
+                       workspace columns (hidden, ffn) -- what packet {gather: device} runs
+  gather, row stores   the same reads, stored as rows of an (ffn, hidden) buffer: contiguous stores
+  gather, reads only   the same reads, summed, one store per program: the reads alone
+  listed rows          a program per (active row, column share) from a precomputed index list:
+                       the same bytes with every program busy (a compaction pass not counted)
+  fc2 after gather     the shipped gather then the layer's F.linear over the workspace, against
+                       F.linear alone: what the workspace's fresh columns cost the matmul
+
+Each gather's result (layer 0) is checked bit for bit against engine.gather's plain-torch
+reference before anything is timed; the memcpy rows are the copy engine's and are not checked.
+"""
+
+import argparse
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from engine import gather
+from engine.mapped import cuda_view
+from engine.shapes import SHAPES
+from engine.triton_gather import _active_rows
+
+
+@triton.jit
+def _gather_variant(h_ptr, n_tokens, src_ptr, out_ptr, sums_ptr, ffn, hidden, STORE: tl.constexpr,
+                    BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_T: tl.constexpr):
+    """The shipped kernel's activity test and reads (columns split); STORE 1: rows of out (ffn, hidden),
+    STORE 0: no copy, the tiles' sum into sums[program] (so the reads are not optimised away)."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    in_range = rows < ffn
+    rows64 = rows.to(tl.int64)
+    active = _active_rows(h_ptr, n_tokens, rows64, in_range, ffn, BLOCK_R, BLOCK_T)
+    acc = tl.zeros([BLOCK_R, BLOCK_H], dtype=tl.float32)
+    if tl.sum(active.to(tl.int32), axis=0) > 0:
+        for h0 in range(tl.program_id(1) * BLOCK_H, hidden, tl.num_programs(1) * BLOCK_H):
+            cols = (h0 + tl.arange(0, BLOCK_H)).to(tl.int64)
+            m = active[:, None] & (cols[None, :] < hidden)
+            tile = tl.load(src_ptr + rows64[:, None] * hidden + cols[None, :], mask=m, other=0)
+            if STORE:
+                tl.store(out_ptr + rows64[:, None] * hidden + cols[None, :], tile, mask=m)
+            else:
+                acc += tile.to(tl.float32)
+    if not STORE:
+        tl.store(sums_ptr + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1), tl.sum(tl.sum(acc, 1), 0))
+
+
+@triton.jit
+def _listed_rows(idx_ptr, n_rows, src_ptr, ws_ptr, ffn, hidden, BLOCK_H: tl.constexpr):
+    """Program (i, c): active row idx[i]'s column tiles c, c + shares, ... into workspace column idx[i]."""
+    i = tl.program_id(0)
+    row = tl.load(idx_ptr + i).to(tl.int64)
+    for h0 in range(tl.program_id(1) * BLOCK_H, hidden, tl.num_programs(1) * BLOCK_H):
+        cols = (h0 + tl.arange(0, BLOCK_H)).to(tl.int64)
+        m = cols < hidden
+        tl.store(ws_ptr + cols * ffn + row, tl.load(src_ptr + row * hidden + cols, mask=m), mask=m)
+
+
+def capture(fn) -> torch.cuda.CUDAGraph:
+    """fn captured in one CUDA graph, after a warm-up call (Triton compiles, cuBLAS picks its kernels)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    return graph
+
+
+def alternated_times(graphs: dict[str, torch.cuda.CUDAGraph], replays: int, rounds: int = 5) -> dict[str, float]:
+    """Microseconds per replay, the median over `rounds` in which every graph is timed in turn
+    (CUDA events around `replays` replays)."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times: dict[str, list[float]] = {name: [] for name in graphs}
+    for _ in range(rounds):
+        for name, graph in graphs.items():
+            start.record()
+            for _ in range(replays):
+                graph.replay()
+            end.record()
+            end.synchronize()
+            times[name].append(start.elapsed_time(end) * 1e3 / replays)
+    return {name: sorted(t)[len(t) // 2] for name, t in times.items()}
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shape", default="opt-2.7b", choices=sorted(SHAPES))
+    ap.add_argument("--density", type=float, default=0.033, help="share of a layer's neurons active (0-1)")
+    ap.add_argument("--replays", type=int, default=30)
+    ap.add_argument("--shares", default="5,10,20", help="column shares of the listed-rows variant")
+    args = ap.parse_args(argv)
+    if not 0 < args.density <= 1 or args.replays < 1:
+        ap.error("--density is in (0, 1] and --replays at least 1")
+    shares = [int(s) for s in args.shares.split(",")]
+    ffn, hidden, layers = (SHAPES[args.shape][k] for k in ("ffn", "hidden", "layers"))
+    dtype = torch.float16
+    torch.manual_seed(0)
+    base = torch.randn(ffn, hidden, dtype=dtype)
+    hosts = []  # each layer reads its own pinned matrix (the same values: cheap to make at opt-13b)
+    for _ in range(layers):
+        hosts.append(torch.empty(ffn, hidden, dtype=dtype, pin_memory=True))
+        hosts[-1].copy_(base)
+    srcs = [cuda_view(t) for t in hosts]
+    hs = [torch.where(torch.rand(1, ffn) < args.density, torch.rand(1, ffn) + 0.1, 0.0).to(dtype).cuda()
+          for _ in range(layers)]
+    idxs = [(h != 0).any(0).nonzero().squeeze(1).to(torch.int32) for h in hs]
+    rows_per_layer = [int(i.numel()) for i in idxs]
+    nbytes = sum(rows_per_layer) * hidden * dtype.itemsize
+    compact = [hosts[l][idxs[l].long().cpu()].pin_memory() for l in range(layers)]
+    landed = [torch.empty_like(c, device="cuda") for c in compact]
+    whole_host = torch.cat(compact).pin_memory()
+    whole_dev = torch.empty_like(whole_host, device="cuda")
+    ws = torch.zeros(hidden, ffn, dtype=dtype, device="cuda")
+    rows_out = torch.zeros(ffn, hidden, dtype=dtype, device="cuda")
+    counts = torch.zeros(layers, dtype=torch.int32, device="cuda")
+    block_r, block_h, num_warps = gather.TILE_OVERRIDE or (gather.BLOCK_R, gather.BLOCK_H, gather.NUM_WARPS)
+    grid = (triton.cdiv(ffn, block_r), triton.cdiv(hidden, block_h))
+    sums = torch.zeros(grid[0] * grid[1], dtype=torch.float32, device="cuda")
+    x = [torch.randn(1, ffn, dtype=dtype, device="cuda") for _ in range(layers)]
+
+    def variant(store):
+        def run():
+            for l in range(layers):
+                _gather_variant[grid](hs[l], 1, srcs[l], rows_out, sums, ffn, hidden, STORE=store, BLOCK_R=block_r,
+                                      BLOCK_H=block_h, BLOCK_T=gather.BLOCK_T, num_warps=num_warps)
+        return run
+
+    def listed(n_shares):
+        def run():
+            for l in range(layers):
+                _listed_rows[(rows_per_layer[l], n_shares)](idxs[l], rows_per_layer[l], srcs[l], ws, ffn, hidden,
+                                                             BLOCK_H=triton.next_power_of_2(triton.cdiv(hidden, n_shares)),
+                                                             num_warps=4)
+        return run
+
+    def shipped():
+        for l in range(layers):
+            gather.gather_active_rows(hs[l], srcs[l], ws, counts, l)
+
+    def shipped_fc2():
+        for l in range(layers):
+            gather.gather_active_rows(hs[l], srcs[l], ws, counts, l)
+            F.linear(x[l], ws)
+
+    def fc2_alone():
+        for l in range(layers):
+            F.linear(x[l], ws)
+
+    variants = {
+        "memcpy, one copy": lambda: whole_dev.copy_(whole_host, non_blocking=True),
+        "memcpy, per layer": lambda: [d.copy_(c, non_blocking=True) for d, c in zip(landed, compact)],
+        "gather (shipped)": shipped,
+        "gather, row stores": variant(1),
+        "gather, reads only": variant(0),
+        **{f"listed rows, {s} shares": listed(s) for s in shares},
+        "fc2 alone": fc2_alone,
+        "gather then fc2": shipped_fc2,
+    }
+
+    # Exactness of each copying variant against the reference, layer 0 (the others read the same way).
+    ref = torch.zeros_like(ws)
+    gather.gather_active_rows_reference(hs[0], srcs[0], ref, torch.zeros_like(counts), 0)
+    checks = {}
+    for name, fn in (("gather (shipped)", lambda: gather.gather_active_rows(hs[0], srcs[0], ws, counts, 0)),
+                     *((f"listed rows, {s} shares", lambda s=s: _listed_rows[(rows_per_layer[0], s)](
+                         idxs[0], rows_per_layer[0], srcs[0], ws, ffn, hidden,
+                         BLOCK_H=triton.next_power_of_2(triton.cdiv(hidden, s)))) for s in shares)):
+        ws.zero_()
+        fn()
+        torch.cuda.synchronize()
+        checks[name] = torch.equal(ws, ref)
+    rows_out.zero_()
+    _gather_variant[grid](hs[0], 1, srcs[0], rows_out, sums, ffn, hidden, STORE=1, BLOCK_R=block_r, BLOCK_H=block_h,
+                          BLOCK_T=gather.BLOCK_T, num_warps=num_warps)
+    torch.cuda.synchronize()
+    checks["gather, row stores"] = torch.equal(rows_out, ref.t())
+
+    print(f"{args.shape} fp16, {layers} layers, {sum(rows_per_layer) / layers:.0f} active rows a layer of {ffn} "
+          f"({sum(rows_per_layer) / layers / ffn:.1%}), {nbytes / 1e6:.1f} MB a token; tile {block_r}x{block_h} "
+          f"w{num_warps}, columns split into {grid[1]}")
+    results = alternated_times({name: capture(fn) for name, fn in variants.items()}, args.replays)
+    floor = results["memcpy, one copy"]
+    print(f"\n{'variant':28} {'us/token':>9} {'us/layer':>9} {'GB/s':>6} {'x one copy':>10} {'exact':>5}")
+    for name, us in results.items():
+        moves = "fc2" not in name  # the rows variants move; the fc2 rows are compute
+        print(f"{name:28} {us:9.1f} {us / layers:9.2f} {(nbytes / us / 1e3 if moves else float('nan')):6.1f} "
+              f"{(us / floor if moves else float('nan')):10.2f} {str(checks.get(name, '-')):>5}")
+    extra = results["gather then fc2"] - results["gather (shipped)"] - results["fc2 alone"]
+    print(f"\ngather then fc2 minus the sum of its parts: {extra:.1f} us a token")
+
+
+if __name__ == "__main__":
+    main()
