@@ -121,9 +121,10 @@ def competitor(model: CpuFirstModel, batches: list[int], args, vocab: int, devic
         torch.cuda.empty_cache()
     try:
         q = QuantizedModel(model.model_dir, method=COMPETITOR, dtype=model.dtype, device=device)
-    except Exception as e:  # a missing library: every cell says why
-        return {(f"int8 {m}", b): {"error": f"{type(e).__name__}: {str(e)[:80]}"}
-                for m in args.competitor_modes for b in batches}
+    except Exception as e:  # a missing library: every cell fails, and the table's last lines say why
+        why = f"{type(e).__name__}: {str(e)[:80]}"
+        print(f"int8 model not built: {why}", flush=True)
+        return {(f"int8 {m}", b): {"error": why} for m in args.competitor_modes for b in batches}
     out = {}  # a batch outside --competitor-batches has no cell
     for b in [b for b in batches if b in args.competitor_batches]:
         prompts = batch_prompts(b, length=args.prefix, vocab=vocab)
@@ -164,10 +165,16 @@ def table(rows: dict, batches: list[int], modes: list[str]) -> None:
             line += f" {fmt(per_seq(rows[q, b], b))} | {ratio(per_seq(p, b), per_seq(rows[q, b], b))} |"
         print(line)
     for other in ("dense-stream", *lowbit):
-        lost = [b for b in batches if (other, b) in rows
-                and "error" not in rows["packet", b] and "error" not in rows[other, b]
-                and statistics.median(rows["packet", b]["ms"]) >= statistics.median(rows[other, b]["ms"])]
-        print(f"packets stop paying against {other}: " + (f"from batch {lost[0]}" if lost else "not within these batches"))
+        timed = [b for b in batches if (other, b) in rows
+                 and "error" not in rows["packet", b] and "error" not in rows[other, b]]
+        if not timed:  # a verdict needs both timed at one batch at least
+            errors = [r["error"] for b in batches for r in (rows["packet", b], rows.get((other, b), {})) if "error" in r]
+            print(f"packets against {other}: not measured" + (f" ({errors[0]})" if errors else ""))
+            continue
+        lost = [b for b in timed
+                if statistics.median(rows["packet", b]["ms"]) >= statistics.median(rows[other, b]["ms"])]
+        print(f"packets stop paying against {other}: "
+              + (f"from batch {lost[0]}" if lost else f"not within batches {','.join(map(str, timed))}"))
 
 
 def batch_list(text: str) -> list[int]:

@@ -20,3 +20,19 @@ def test_each_batch_line_says_bytes_and_that_packet_is_dense_streams_bits(tmp_pa
     assert int(lines[1].group(2).replace(",", "")) <= int(lines[2].group(2).replace(",", ""))
     rows = [r for r in out.splitlines() if re.match(r"\| [12] \|", r)]
     assert len(rows) == 2 and all("| yes |" in r for r in rows), out
+
+
+def test_a_competitor_that_cannot_be_built_is_not_measured_rather_than_never_faster(tmp_path, capsys, monkeypatch):
+    import engine.quantized
+
+    def missing(*args, **kwargs):
+        raise ModuleNotFoundError("No module named 'torchao'")
+
+    monkeypatch.setattr(engine.quantized, "QuantizedModel", missing)
+    batch.main(["--shape", "tiny", "--dtype", "float32", "--batches", "1", "--prefix", "8", "--continuation", "2",
+                "--rounds", "1", "--mode", "eager", "--competitor-modes", "compile", "--dir", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert "int8 model not built: ModuleNotFoundError: No module named 'torchao'" in out
+    assert "packets against int8 compile: not measured (ModuleNotFoundError: No module named 'torchao')" in out
+    assert "stop paying against int8" not in out
+    assert re.search(r"packets stop paying against dense-stream: (from batch 1|not within batches 1)$", out, re.M), out
