@@ -31,8 +31,13 @@ import argparse
 
 import torch
 import torch.nn.functional as F
-import triton
-import triton.language as tl
+
+try:
+    import triton
+    import triton.language as tl
+except ModuleNotFoundError:  # CPU builds of torch come without Triton
+    raise SystemExit("bench.gather_floor runs on a CUDA machine: Triton, which CUDA builds of torch bring, "
+                     "is not installed here") from None
 
 from engine import gather
 from engine.mapped import cuda_view
@@ -115,7 +120,14 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     if not 0 < args.density <= 1 or args.replays < 1:
         ap.error("--density is in (0, 1] and --replays at least 1")
-    shares = [int(s) for s in args.shares.split(",")]
+    try:
+        shares = [int(s) for s in args.shares.split(",")]
+    except ValueError:
+        ap.error(f"--shares {args.shares!r}: a comma-separated list of column shares, e.g. 5,10,20")
+    if any(not 1 <= s <= 64 for s in shares):
+        ap.error("--shares: each share count is in [1, 64]")
+    if not torch.cuda.is_available():
+        ap.error("needs a CUDA device (it times copies from pinned host memory to the GPU)")
     ffn, hidden, layers = (SHAPES[args.shape][k] for k in ("ffn", "hidden", "layers"))
     dtype = torch.float16
     torch.manual_seed(0)
