@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from core.plan import BOS
+from core.registry import COMPETITOR_MODES
 from engine.allowance import impose
 from engine.episode import run_episode
 from engine.model import CpuFirstModel
@@ -177,14 +178,17 @@ def table(rows: dict, batches: list[int], modes: list[str]) -> None:
               + (f"from batch {lost[0]}" if lost else f"not within batches {','.join(map(str, timed))}"))
 
 
+MAX_BATCH = 1 << 16  # far past where packets and dense-stream meet at opt-2.7b (docs/benchmarks.md)
+
+
 def batch_list(text: str) -> list[int]:
     """'1,2,4' -> [1, 2, 4] (argparse's type: a bad list is one line, not a traceback)."""
     try:
         batches = [int(b) for b in text.split(",")]
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of batch sizes, e.g. 1,8,32") from None
-    if any(b < 1 for b in batches):
-        raise argparse.ArgumentTypeError(f"batch sizes are at least 1, got {text!r}")
+    if any(not 1 <= b <= MAX_BATCH for b in batches):
+        raise argparse.ArgumentTypeError(f"batch sizes are 1 to {MAX_BATCH}, got {text!r}")
     return batches
 
 
@@ -206,6 +210,15 @@ def main(argv: list[str] | None = None) -> None:
     a.competitor_modes = a.competitor_modes.split(",")
     batches = a.batches
     a.competitor_batches = a.competitor_batches or batches
+    positions = SHAPES[a.shape]["max_positions"]
+    if a.prefix < 1 or a.continuation < 1 or a.prefix + a.continuation > positions:
+        ap.error(f"--prefix and --continuation are at least 1 and together at most {a.shape}'s {positions} positions")
+    if a.rounds < 1 or a.allowance_mib < 1:
+        ap.error("--rounds and --allowance-mib are at least 1")
+    if unknown := [m for m in a.competitor_modes if m not in COMPETITOR_MODES]:
+        ap.error(f"--competitor-modes: {', '.join(map(repr, unknown))}: each is one of {', '.join(COMPETITOR_MODES)}")
+    if extra := [b for b in a.competitor_batches if b not in batches]:
+        ap.error(f"--competitor-batches {','.join(map(str, extra))}: not among --batches {','.join(map(str, batches))}")
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
     path = Path(a.dir) / f"{a.shape}-{a.dtype}-opt"
     if not (path / "config.json").exists():

@@ -3,6 +3,8 @@ carries the bytes a call moved and packet's bit check, so a run cut short still 
 
 import re
 
+import pytest
+
 from bench import batch
 
 
@@ -36,3 +38,20 @@ def test_a_competitor_that_cannot_be_built_is_not_measured_rather_than_never_fas
     assert "packets against int8 compile: not measured (ModuleNotFoundError: No module named 'torchao')" in out
     assert "stop paying against int8" not in out
     assert re.search(r"packets stop paying against dense-stream: (from batch 1|not within batches 1)$", out, re.M), out
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (["--batches", "1", "--competitor-batches", "4"], "--competitor-batches 4: not among --batches 1"),
+    (["--batches", "99999999999999999999"], "batch sizes are 1 to 65536"),
+    (["--prefix", "0"], "--prefix and --continuation are at least 1 and together at most tiny's 256 positions"),
+    (["--prefix", "250", "--continuation", "16"], "together at most tiny's 256 positions"),
+    (["--competitor-modes", "fast"], "--competitor-modes: 'fast': each is one of eager, graph, compile"),
+    (["--rounds", "0"], "--rounds and --allowance-mib are at least 1"),
+])
+def test_bad_arguments_are_one_line_and_exit_2(args, fragment, tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        batch.main(["--shape", "tiny", "--dtype", "float32", "--dir", str(tmp_path), *args])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert fragment in err and "Traceback" not in err
+    assert not (tmp_path / "tiny-float32-opt").exists()  # refused before anything was made
