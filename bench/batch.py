@@ -38,6 +38,7 @@ from engine.synth import synth_checkpoint
 MIB = 1 << 20
 LOADERS = {"dense-stream": ("dense-stream", {}), "packet": ("packet", {"gather": "device"})}
 COMPETITOR = "int8-weight-only"
+MAX_BATCH = 1 << 16  # far past where packets and dense-stream meet at opt-2.7b (docs/benchmarks.md)
 
 
 def batch_prompts(batch: int, *, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
@@ -176,9 +177,6 @@ def table(rows: dict, batches: list[int], modes: list[str]) -> None:
                 if statistics.median(rows["packet", b]["ms"]) >= statistics.median(rows[other, b]["ms"])]
         print(f"packets stop paying against {other}: "
               + (f"from batch {lost[0]}" if lost else f"not within batches {','.join(map(str, timed))}"))
-
-
-MAX_BATCH = 1 << 16  # far past where packets and dense-stream meet at opt-2.7b (docs/benchmarks.md)
 
 
 def batch_list(text: str) -> list[int]:
