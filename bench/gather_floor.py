@@ -154,62 +154,44 @@ def main(argv: list[str] | None = None) -> None:
     sums = torch.zeros(grid[0] * grid[1], dtype=torch.float32, device="cuda")
     x = [torch.randn(1, ffn, dtype=dtype, device="cuda") for _ in range(layers)]
 
-    def variant(store):
-        def run():
-            for l in range(layers):
-                _gather_variant[grid](hs[l], 1, srcs[l], rows_out, sums, ffn, hidden, STORE=store, BLOCK_R=block_r,
-                                      BLOCK_H=block_h, BLOCK_T=gather.BLOCK_T, num_warps=num_warps)
-        return run
+    def kernel_variant(l, store):
+        _gather_variant[grid](hs[l], 1, srcs[l], rows_out, sums, ffn, hidden, STORE=store, BLOCK_R=block_r,
+                              BLOCK_H=block_h, BLOCK_T=gather.BLOCK_T, num_warps=num_warps)
 
-    def listed(n_shares):
-        def run():
-            for l in range(layers):
-                _listed_rows[(rows_per_layer[l], n_shares)](idxs[l], rows_per_layer[l], srcs[l], ws, ffn, hidden,
-                                                             BLOCK_H=triton.next_power_of_2(triton.cdiv(hidden, n_shares)),
-                                                             num_warps=4)
-        return run
+    def listed(l, n_shares):
+        _listed_rows[(rows_per_layer[l], n_shares)](idxs[l], rows_per_layer[l], srcs[l], ws, ffn, hidden,
+                                                     BLOCK_H=triton.next_power_of_2(triton.cdiv(hidden, n_shares)),
+                                                     num_warps=4)
 
-    def shipped():
-        for l in range(layers):
-            gather.gather_active_rows(hs[l], srcs[l], ws, counts, l)
+    def shipped(l):
+        gather.gather_active_rows(hs[l], srcs[l], ws, counts, l)
 
-    def shipped_fc2():
-        for l in range(layers):
-            gather.gather_active_rows(hs[l], srcs[l], ws, counts, l)
-            F.linear(x[l], ws)
-
-    def fc2_alone():
-        for l in range(layers):
-            F.linear(x[l], ws)
-
+    per_layer = {  # what each variant does for layer l
+        "gather (shipped)": shipped,
+        "gather, row stores": lambda l: kernel_variant(l, 1),
+        "gather, reads only": lambda l: kernel_variant(l, 0),
+        **{f"listed rows, {n} shares": (lambda l, n=n: listed(l, n)) for n in shares},
+        "fc2 alone": lambda l: F.linear(x[l], ws),
+        "gather then fc2": lambda l: (shipped(l), F.linear(x[l], ws)),
+    }
     variants = {
         "memcpy, one copy": lambda: whole_dev.copy_(whole_host, non_blocking=True),
         "memcpy, per layer": lambda: [d.copy_(c, non_blocking=True) for d, c in zip(landed, compact)],
-        "gather (shipped)": shipped,
-        "gather, row stores": variant(1),
-        "gather, reads only": variant(0),
-        **{f"listed rows, {s} shares": listed(s) for s in shares},
-        "fc2 alone": fc2_alone,
-        "gather then fc2": shipped_fc2,
+        **{name: (lambda f=f: [f(l) for l in range(layers)]) for name, f in per_layer.items()},
     }
 
-    # Exactness of each copying variant against the reference, layer 0 (the others read the same way).
+    # Exactness of each copying variant against the reference, layer 0 (the others read the same way):
+    # the variant's output buffer and what it must hold.
     ref = torch.zeros_like(ws)
     gather.gather_active_rows_reference(hs[0], srcs[0], ref, torch.zeros_like(counts), 0)
+    checked = {"gather (shipped)": (ws, ref), "gather, row stores": (rows_out, ref.t()),
+               **{f"listed rows, {n} shares": (ws, ref) for n in shares}}
     checks = {}
-    for name, fn in (("gather (shipped)", lambda: gather.gather_active_rows(hs[0], srcs[0], ws, counts, 0)),
-                     *((f"listed rows, {s} shares", lambda s=s: _listed_rows[(rows_per_layer[0], s)](
-                         idxs[0], rows_per_layer[0], srcs[0], ws, ffn, hidden,
-                         BLOCK_H=triton.next_power_of_2(triton.cdiv(hidden, s)))) for s in shares)):
-        ws.zero_()
-        fn()
+    for name, (out, want) in checked.items():
+        out.zero_()
+        per_layer[name](0)
         torch.cuda.synchronize()
-        checks[name] = torch.equal(ws, ref)
-    rows_out.zero_()
-    _gather_variant[grid](hs[0], 1, srcs[0], rows_out, sums, ffn, hidden, STORE=1, BLOCK_R=block_r, BLOCK_H=block_h,
-                          BLOCK_T=gather.BLOCK_T, num_warps=num_warps)
-    torch.cuda.synchronize()
-    checks["gather, row stores"] = torch.equal(rows_out, ref.t())
+        checks[name] = torch.equal(out, want)
 
     print(f"{args.shape} fp16, {layers} layers, {sum(rows_per_layer) / layers:.0f} active rows a layer of {ffn} "
           f"({sum(rows_per_layer) / layers / ffn:.1%}), {nbytes / 1e6:.1f} MB a token; tile {block_r}x{block_h} "

@@ -46,7 +46,7 @@ class AuditOutcome:
         """An attempt that failed, was interrupted, lost or cancelled, whose evidence is all
         consistent: no archive at all, or a partial one whose every member checks. Reported as
         such; it is what the attempt left, not a disagreement."""
-        if self.attempt_status in (None, "done", "running"):
+        if not _unfinished(self.attempt_status):
             return False
         return self.no_archive is not None or (self.report is not None and self.report.partial)
 
@@ -128,7 +128,7 @@ def audit_screens(store, screen_ids: list[int], *, on_ray: bool = False, setting
         if attempt is None:
             raise PackbenchError(f"screen {screen_id} has not run yet; run `packbench dispatch` first")
         path = Path(archive or attempt.archive_path)
-        if _unfinished(attempt) and path.is_file() and path.stat().st_size == 0:  # a full disk's first write
+        if _unfinished(attempt.status) and path.is_file() and path.stat().st_size == 0:  # a full disk's first write
             early.append(AuditOutcome(None, path, screen_id, attempt.number, platform.node(), False, None,
                                       attempt_status=attempt.status, no_archive=_left(attempt, "an empty archive file")))
             continue
@@ -156,7 +156,7 @@ def audit_screens(store, screen_ids: list[int], *, on_ray: bool = False, setting
         if report is None:  # no file here (or on any node)
             outcomes.append(AuditOutcome(None, path, screen_id, attempt.number, node, False, None, error, host=host,
                                          attempt_status=attempt.status,
-                                         no_archive=_left(attempt, f"no archive at {path}") if _unfinished(attempt)
+                                         no_archive=_left(attempt, f"no archive at {path}") if _unfinished(attempt.status)
                                          else None))
             continue
         outcome = AuditOutcome(report, path, screen_id, attempt.number, node, True, None, host=host,
@@ -172,8 +172,9 @@ def audit_screens(store, screen_ids: list[int], *, on_ray: bool = False, setting
     return sorted(early + outcomes, key=lambda o: order[o.screen_id])
 
 
-def _unfinished(attempt) -> bool:
-    return attempt.status not in ("done", "running")
+def _unfinished(status: str | None) -> bool:
+    """An attempt that failed, was interrupted, lost or cancelled (not done, not running; None: not known)."""
+    return status not in (None, "done", "running")
 
 
 def _left(attempt, what: str) -> str:
