@@ -22,12 +22,21 @@ Per token, microseconds:
                        the same bytes with every program busy (a compaction pass not counted)
   fc2 after gather     the shipped gather then the layer's F.linear over the workspace, against
                        F.linear alone: what the workspace's fresh columns cost the matmul
+  SM reads, contiguous the token's bytes, already contiguous, read (summed) by the SMs in large
+                       tiles: the ceiling of any kernel that reads host memory with ordinary loads
+  TMA ...              the same reads through Hopper's bulk tensor copy (a tensor descriptor over
+                       the mapped host rows, one box of 1 x 256 columns = 512 bytes per request):
+                       "TMA rows" as the shipped grid (blocks of neurons, a program per column
+                       tile), stored into workspace columns or only summed; "TMA contiguous" boxes
+                       of 8 x 256 over the contiguous bytes, summed
 
 Each gather's result (layer 0) is checked bit for bit against engine.gather's plain-torch
 reference before anything is timed; the memcpy rows are the copy engine's and are not checked.
 """
 
 import argparse
+import ctypes
+import mmap
 
 import torch
 import torch.nn.functional as F
@@ -39,10 +48,12 @@ except ModuleNotFoundError:  # CPU builds of torch come without Triton
     raise SystemExit("bench.gather_floor runs on a CUDA machine: Triton, which CUDA builds of torch bring, "
                      "is not installed here") from None
 
+from triton.tools.tensor_descriptor import TensorDescriptor
+
 from engine import gather
-from engine.mapped import cuda_view
+from engine.mapped import _Interface, cuda_view
 from engine.shapes import SHAPES
-from engine.triton_gather import _active_rows
+from engine.triton_gather import _active_rows, gather_active_rows_tma_cuda
 
 
 @triton.jit
@@ -77,6 +88,65 @@ def _listed_rows(idx_ptr, n_rows, src_ptr, ws_ptr, ffn, hidden, BLOCK_H: tl.cons
         cols = (h0 + tl.arange(0, BLOCK_H)).to(tl.int64)
         m = cols < hidden
         tl.store(ws_ptr + cols * ffn + row, tl.load(src_ptr + row * hidden + cols, mask=m), mask=m)
+
+
+@triton.jit
+def _tma_rows(h_ptr, desc, ws_ptr, sums_ptr, ffn, hidden, STORE: tl.constexpr, BLOCK_R: tl.constexpr,
+              BLOCK_H: tl.constexpr):
+    """Program (r, c): the active rows of neuron block r (one token), column tiles c, c + shares, ...,
+    each row's tile one bulk tensor copy from the mapped host rows; STORE 1: into workspace columns,
+    STORE 0: summed into sums[program]."""
+    acc = tl.zeros([1, BLOCK_H], dtype=tl.float32)
+    for r in range(tl.program_id(0) * BLOCK_R, tl.minimum(tl.program_id(0) * BLOCK_R + BLOCK_R, ffn)):
+        if tl.load(h_ptr + r) != 0:
+            for h0 in range(tl.program_id(1) * BLOCK_H, hidden, tl.num_programs(1) * BLOCK_H):
+                tile = desc.load([r, h0])
+                if STORE:
+                    cols = (h0 + tl.arange(0, BLOCK_H)).to(tl.int64)
+                    tl.store(ws_ptr + cols[None, :] * ffn + r, tile, mask=cols[None, :] < hidden)
+                else:
+                    acc += tile.to(tl.float32)
+    if not STORE:
+        tl.store(sums_ptr + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1), tl.sum(tl.sum(acc, 1), 0))
+
+
+@triton.jit
+def _tma_contiguous(desc, sums_ptr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr):
+    """Program (r, c): box (r, c) of the contiguous rows through one bulk tensor copy, summed."""
+    tile = desc.load([tl.program_id(0) * BLOCK_R, tl.program_id(1) * BLOCK_H])
+    tl.store(sums_ptr + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1), tl.sum(tl.sum(tile.to(tl.float32), 1), 0))
+
+
+@triton.jit
+def _sm_contiguous(src_ptr, sums_ptr, n, BLOCK: tl.constexpr, PER_PROGRAM: tl.constexpr):
+    """Program p: elements [p * PER_PROGRAM, (p + 1) * PER_PROGRAM) of src, BLOCK at a time, summed."""
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    base = tl.program_id(0).to(tl.int64) * PER_PROGRAM
+    for i in range(0, PER_PROGRAM, BLOCK):
+        offs = base + i + tl.arange(0, BLOCK)
+        acc += tl.load(src_ptr + offs, mask=offs < n, other=0).to(tl.float32)
+    tl.store(sums_ptr + tl.program_id(0), tl.sum(acc, 0))
+
+
+def huge_page_pinned(like: torch.Tensor) -> tuple[mmap.mmap, torch.Tensor]:
+    """A copy of `like` in anonymous memory advised to transparent huge pages (2 MiB, aligned),
+    page-locked and mapped for the GPU by cudaHostRegister: (the mapping to keep alive, the host tensor)."""
+    size, align = like.numel() * like.element_size(), 2 << 20
+    buf = mmap.mmap(-1, size + align)
+    buf.madvise(mmap.MADV_HUGEPAGE)
+    base = ctypes.addressof(ctypes.c_char.from_buffer(buf))
+    host = torch.frombuffer(buf, dtype=like.dtype, count=like.numel(), offset=(-base) % align).view(like.shape)
+    host.copy_(like)
+    err = torch.cuda.cudart().cudaHostRegister(host.data_ptr(), size, 0)
+    if int(err) != 0:
+        raise RuntimeError(f"cudaHostRegister failed: {err}")
+    return buf, host
+
+
+def anon_huge_kib() -> int:
+    """This process's anonymous memory in transparent huge pages, KiB (/proc/self/smaps_rollup)."""
+    with open("/proc/self/smaps_rollup") as f:
+        return next((int(line.split()[1]) for line in f if line.startswith("AnonHugePages:")), 0)
 
 
 def capture(fn) -> torch.cuda.CUDAGraph:
@@ -117,6 +187,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--density", type=float, default=0.033, help="share of a layer's neurons active (0-1)")
     ap.add_argument("--replays", type=int, default=30)
     ap.add_argument("--shares", default="5,10,20", help="column shares of the listed-rows variant")
+    ap.add_argument("--no-tma", action="store_true", help="leave out the bulk tensor copy (TMA) variants")
     args = ap.parse_args(argv)
     if not 0 < args.density <= 1 or args.replays < 1:
         ap.error("--density is in (0, 1] and --replays at least 1")
@@ -163,6 +234,34 @@ def main(argv: list[str] | None = None) -> None:
                                                      BLOCK_H=triton.next_power_of_2(triton.cdiv(hidden, n_shares)),
                                                      num_warps=4)
 
+    tma_h = 256  # a bulk tensor copy's box holds at most 256 elements a dimension
+    tma_grid = (triton.cdiv(ffn, block_r), triton.cdiv(hidden, tma_h))
+    descs = [TensorDescriptor.from_tensor(s, [1, tma_h]) for s in srcs]
+    whole_view = cuda_view(whole_host)
+    whole_rows = whole_view.view(-1, hidden)
+    whole_desc = TensorDescriptor.from_tensor(whole_rows, [8, tma_h])
+    whole_grid = (triton.cdiv(whole_rows.shape[0], 8), triton.cdiv(hidden, tma_h))
+    sm_per_program = 16384
+    sm_grid = (triton.cdiv(whole_view.numel(), sm_per_program),)
+    tma_sums = torch.zeros(max(tma_grid[0] * tma_grid[1], whole_grid[0] * whole_grid[1], sm_grid[0]),
+                           dtype=torch.float32, device="cuda")
+
+    def tma_rows(l, store):
+        _tma_rows[tma_grid](hs[l], descs[l], ws, tma_sums, ffn, hidden, STORE=store, BLOCK_R=block_r, BLOCK_H=tma_h,
+                            num_warps=4)
+
+    huge_kib_before = anon_huge_kib()
+    huge = [huge_page_pinned(t) for t in hosts]  # the same rows, in huge-page-backed registered memory
+    huge_kib = anon_huge_kib() - huge_kib_before
+    huge_srcs = [torch.as_tensor(_Interface(host), device="cuda") for _, host in huge]
+    compact_srcs = [cuda_view(c) for c in compact]
+    shuffled = [torch.randperm(n, dtype=torch.int32).cuda() for n in rows_per_layer]
+
+    def listed_from(src, idx, l, n_shares=10):
+        _listed_rows[(rows_per_layer[l], n_shares)](idx, rows_per_layer[l], src, ws, ffn, hidden,
+                                                     BLOCK_H=triton.next_power_of_2(triton.cdiv(hidden, n_shares)),
+                                                     num_warps=4)
+
     def shipped(l):
         gather.gather_active_rows(hs[l], srcs[l], ws, counts, l)
 
@@ -171,12 +270,25 @@ def main(argv: list[str] | None = None) -> None:
         "gather, row stores": lambda l: kernel_variant(l, 1),
         "gather, reads only": lambda l: kernel_variant(l, 0),
         **{f"listed rows, {n} shares": (lambda l, n=n: listed(l, n)) for n in shares},
+        "listed rows, compact, shuffled": lambda l: listed_from(compact_srcs[l], shuffled[l], l),
+        "listed rows, huge pages": lambda l: listed_from(huge_srcs[l], idxs[l], l),
+        "gather (shipped), huge pages": lambda l: gather.gather_active_rows(hs[l], huge_srcs[l], ws, counts, l),
+        "TMA rows, workspace stores": lambda l: tma_rows(l, 1),
+        "TMA rows, reads only": lambda l: tma_rows(l, 0),
+        "TMA, engine variant": lambda l: gather_active_rows_tma_cuda(hs[l], srcs[l], ws, counts, l,
+                                                                     block_r=block_r, block_t=gather.BLOCK_T),
         "fc2 alone": lambda l: F.linear(x[l], ws),
         "gather then fc2": lambda l: (shipped(l), F.linear(x[l], ws)),
     }
+    if args.no_tma:
+        per_layer = {name: f for name, f in per_layer.items() if not name.startswith("TMA")}
     variants = {
         "memcpy, one copy": lambda: whole_dev.copy_(whole_host, non_blocking=True),
         "memcpy, per layer": lambda: [d.copy_(c, non_blocking=True) for d, c in zip(landed, compact)],
+        "SM reads, contiguous": lambda: _sm_contiguous[sm_grid](whole_view.view(-1), tma_sums, whole_view.numel(),
+                                                               BLOCK=2048, PER_PROGRAM=sm_per_program, num_warps=8),
+        **({} if args.no_tma else {"TMA contiguous, 8x256": lambda: _tma_contiguous[whole_grid](
+            whole_desc, tma_sums, BLOCK_R=8, BLOCK_H=tma_h, num_warps=4)}),
         **{name: (lambda f=f: [f(l) for l in range(layers)]) for name, f in per_layer.items()},
     }
 
@@ -185,6 +297,8 @@ def main(argv: list[str] | None = None) -> None:
     ref = torch.zeros_like(ws)
     gather.gather_active_rows_reference(hs[0], srcs[0], ref, torch.zeros_like(counts), 0)
     checked = {"gather (shipped)": (ws, ref), "gather, row stores": (rows_out, ref.t()),
+               **({} if args.no_tma else {"TMA rows, workspace stores": (ws, ref), "TMA, engine variant": (ws, ref)}),
+               "listed rows, huge pages": (ws, ref), "gather (shipped), huge pages": (ws, ref),
                **{f"listed rows, {n} shares": (ws, ref) for n in shares}}
     checks = {}
     for name, (out, want) in checked.items():
@@ -195,7 +309,8 @@ def main(argv: list[str] | None = None) -> None:
 
     print(f"{args.shape} fp16, {layers} layers, {sum(rows_per_layer) / layers:.0f} active rows a layer of {ffn} "
           f"({sum(rows_per_layer) / layers / ffn:.1%}), {nbytes / 1e6:.1f} MB a token; tile {block_r}x{block_h} "
-          f"w{num_warps}, columns split into {grid[1]}")
+          f"w{num_warps}, columns split into {grid[1]}; huge-page copies: {huge_kib / 1024:.0f} MiB in transparent "
+          f"huge pages of {sum(t.numel() * t.element_size() for _, t in huge) / 2**20:.0f} MiB")
     results = alternated_times({name: capture(fn) for name, fn in variants.items()}, args.replays)
     floor = results["memcpy, one copy"]
     print(f"\n{'variant':28} {'us/token':>9} {'us/layer':>9} {'GB/s':>6} {'x one copy':>10} {'exact':>5}")
