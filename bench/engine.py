@@ -73,13 +73,12 @@ COPIES = {"single": SingleStreamDense}
 def use(model: CpuFirstModel, policy: str, params: dict) -> None:
     """model.use, or a bench-only variant named by `copies` or `tile` (parse_condition checked it):
     `tile` runs the device gather's Triton kernel with that tile instead of engine.gather's choice,
-    `split` with that column split (engine.gather.SPLIT_TOKENS), `kernel=tma` its bulk-tensor-copy
-    reads at decode."""
+    `split` with that column split (engine.gather.SPLIT_TOKENS)."""
     params = dict(params)
-    tile, split, kernel = params.pop("tile", None), params.pop("split", None), params.pop("kernel", None)
-    if (tile, split, kernel) != (gather.TILE_OVERRIDE, gather.SPLIT_OVERRIDE, gather.KERNEL_OVERRIDE):
-        gather.TILE_OVERRIDE, gather.SPLIT_OVERRIDE, gather.KERNEL_OVERRIDE = tile, split, kernel
-        model.graph.forget_warm_ups()  # another kernel: warm up before a capture
+    tile, split = params.pop("tile", None), params.pop("split", None)
+    if tile != gather.TILE_OVERRIDE or split != gather.SPLIT_OVERRIDE:  # another kernel: warm up before a capture
+        gather.TILE_OVERRIDE, gather.SPLIT_OVERRIDE = tile, split
+        model.graph.forget_warm_ups()
     copies = params.pop("copies", None)
     if copies is None:
         model.use(policy, **params)
@@ -117,11 +116,6 @@ def parse_condition(spec: str) -> tuple[str, dict, bool, str]:
             if policy not in ("packet", "phase-switched") or len(value.split(":")) != 3:
                 raise SystemExit(f"{spec}: +tile=ROWS:COLUMNS:WARPS is the device gather's (packet, phase-switched)")
             params["tile"] = tuple(int(v) for v in value.split(":"))
-        elif key == "kernel":
-            if policy not in ("packet", "phase-switched") or value != "tma":
-                raise SystemExit(f"{spec}: +kernel=tma is the device gather's (packet, phase-switched): rows read "
-                                 f"through bulk tensor copies at decode")
-            params["kernel"] = value
         elif key == "split":
             if policy not in ("packet", "phase-switched") or not value.isdigit():
                 raise SystemExit(f"{spec}: +split=TOKENS is the device gather's (packet, phase-switched): calls "

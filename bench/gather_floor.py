@@ -53,7 +53,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from engine import gather
 from engine.mapped import _Interface, cuda_view
 from engine.shapes import SHAPES
-from engine.triton_gather import _active_rows, gather_active_rows_tma_cuda
+from engine.triton_gather import _active_rows
 
 
 @triton.jit
@@ -275,8 +275,6 @@ def main(argv: list[str] | None = None) -> None:
         "gather (shipped), huge pages": lambda l: gather.gather_active_rows(hs[l], huge_srcs[l], ws, counts, l),
         "TMA rows, workspace stores": lambda l: tma_rows(l, 1),
         "TMA rows, reads only": lambda l: tma_rows(l, 0),
-        "TMA, engine variant": lambda l: gather_active_rows_tma_cuda(hs[l], srcs[l], ws, counts, l,
-                                                                     block_r=block_r, block_t=gather.BLOCK_T),
         "fc2 alone": lambda l: F.linear(x[l], ws),
         "gather then fc2": lambda l: (shipped(l), F.linear(x[l], ws)),
     }
@@ -297,7 +295,7 @@ def main(argv: list[str] | None = None) -> None:
     ref = torch.zeros_like(ws)
     gather.gather_active_rows_reference(hs[0], srcs[0], ref, torch.zeros_like(counts), 0)
     checked = {"gather (shipped)": (ws, ref), "gather, row stores": (rows_out, ref.t()),
-               **({} if args.no_tma else {"TMA rows, workspace stores": (ws, ref), "TMA, engine variant": (ws, ref)}),
+               **({} if args.no_tma else {"TMA rows, workspace stores": (ws, ref)}),
                "listed rows, huge pages": (ws, ref), "gather (shipped), huge pages": (ws, ref),
                **{f"listed rows, {n} shares": (ws, ref) for n in shares}}
     checks = {}

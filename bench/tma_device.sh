@@ -4,7 +4,7 @@
 #  1. bench.gather_floor at SHAPES (opt-2.7b): the TMA variants beside the copy engine and the
 #     shipped gather (each gather checked bit for bit);
 #  2. unless SKIP_ENGINE: bench.engine, alternated: packet {gather: device} with the shipped kernel
-#     and with +kernel=tma, beside resident (calibrated OPT-2.7B fp16, 3 x 512 + 16, 4800 MiB, graph).
+#     beside resident (calibrated OPT-2.7B fp16, 3 x 512 + 16, 4800 MiB, graph).
 #     bash bench/tma_device.sh
 set -uo pipefail
 root=$PWD; out=${OUT:-$root/tma-out}; mkdir -p "$out"
@@ -21,7 +21,7 @@ for shape in $(echo "${SHAPES:-opt-2.7b}" | tr , ' '); do
 done
 if [ -z "${SKIP_ENGINE:-}" ]; then
   echo "== bench.engine"
-  c="packet+gather=device+mode=graph,packet+gather=device+mode=graph+kernel=tma,resident+unbounded=yes+mode=graph"
+  c="packet+gather=device+mode=graph,resident+unbounded=yes+mode=graph"
   timeout 240 python3 -m bench.engine --shape opt-2.7b --dtype float16 --profile opt --prefix 512 --continuation 16 \
     --rounds "${ROUNDS:-3}" --allowance-mib 4800 --conditions "$c" > "$out/engine.log" 2>&1
   echo "bench.engine rc $?"; grep -v -e Warning -e "Failed to load" "$out/engine.log" | tail -30

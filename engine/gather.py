@@ -43,7 +43,6 @@ TILE_OVERRIDE: tuple[int, int, int] | None = None  # (BLOCK_R, BLOCK_H, NUM_WARP
 # (engine/triton_gather.py, "Column split"); longer calls (prefill: a dense union) do not.
 SPLIT_TOKENS = 64
 SPLIT_OVERRIDE: int | None = None  # a bench's variant of SPLIT_TOKENS
-KERNEL_OVERRIDE: str | None = None  # "tma": a bench's variant reading rows through bulk tensor copies
 
 
 def split_columns(h: torch.Tensor) -> bool:
@@ -97,13 +96,6 @@ def gather_active_rows(h: torch.Tensor, src: torch.Tensor, workspace: torch.Tens
         return
     from engine.triton_gather import gather_active_rows_cuda  # Triton ships with CUDA builds of torch
 
-    if KERNEL_OVERRIDE == "tma" and split_columns(h):
-        from engine.triton_gather import gather_active_rows_tma_cuda
-
-        t = tile()
-        gather_active_rows_tma_cuda(h.reshape(-1, h.shape[-1]).contiguous(), src, workspace, counts, layer,
-                                    block_r=t["block_r"], block_t=t["block_t"], num_warps=4)
-        return
     gather_active_rows_cuda(h.reshape(-1, h.shape[-1]).contiguous(), src, workspace, counts, layer, **tile(),
                             split=split_columns(h))
 

@@ -61,30 +61,6 @@ def _gather_active_rows(h_ptr, n_tokens, src_ptr, ws_ptr, count_ptr, layer, ffn,
 
 
 @triton.jit(do_not_specialize=["layer"])
-def _gather_active_rows_tma(h_ptr, n_tokens, src_desc, ws_ptr, count_ptr, layer, ffn, hidden,
-                            BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_T: tl.constexpr):
-    """`_gather_active_rows` (columns split) reading each active row's column tile through one bulk
-    tensor copy (Hopper's TMA; `src_desc` a (1, BLOCK_H) box over the mapped rows) instead of
-    per-thread loads: the same bytes into the same columns, in larger PCIe read requests."""
-    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    in_range = rows < ffn
-    rows64 = rows.to(tl.int64)
-    active = _active_rows(h_ptr, n_tokens, rows64, in_range, ffn, BLOCK_R, BLOCK_T).to(tl.int32)
-    n_active = tl.sum(active, axis=0)
-    if n_active > 0:
-        split = tl.program_id(1)
-        if split == 0:
-            tl.atomic_add(count_ptr + layer, n_active)
-        for r in range(0, BLOCK_R):
-            if tl.sum(tl.where(tl.arange(0, BLOCK_R) == r, active, 0), axis=0) > 0:
-                row = tl.program_id(0) * BLOCK_R + r
-                for h0 in range(split * BLOCK_H, hidden, tl.num_programs(1) * BLOCK_H):
-                    cols = (h0 + tl.arange(0, BLOCK_H)).to(tl.int64)
-                    tl.store(ws_ptr + cols[None, :] * ffn + row, src_desc.load([row, h0]),
-                             mask=cols[None, :] < hidden)
-
-
-@triton.jit(do_not_specialize=["layer"])
 def _gather_active_int8_rows(h_ptr, n_tokens, rows_ptr, scales_ptr, ws_ptr, count_ptr, layer, ffn, hidden,
                              BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_T: tl.constexpr):
     """`_gather_active_rows` over int8 rows: each active row's int8 values and float32 scale are
@@ -132,30 +108,6 @@ def gather_active_rows_cuda(h, src, workspace, counts, layer, *, block_r, block_
     grid = (triton.cdiv(ffn, block_r), triton.cdiv(hidden, block_h) if split else 1)
     _gather_active_rows[grid](h, n_tokens, src, workspace, counts, layer, ffn, hidden,
                               BLOCK_R=block_r, BLOCK_H=block_h, BLOCK_T=block_t, num_warps=num_warps)
-
-
-_DESCRIPTORS: dict = {}  # (data_ptr, shape, box) -> TensorDescriptor: one per mapped source, made once
-
-
-def gather_active_rows_tma_cuda(h, src, workspace, counts, layer, *, block_r, block_t, num_warps=4,
-                                block_h=256) -> None:
-    """`gather_active_rows_cuda` with split columns through bulk tensor copies (a bench variant,
-    engine.gather.KERNEL_OVERRIDE = "tma"); a box row holds at most 256 elements."""
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
-    n_tokens, ffn = h.shape
-    hidden = src.shape[1]
-    if src.shape != (ffn, hidden) or workspace.shape != (hidden, ffn) or not workspace.is_contiguous():
-        raise ValueError(f"shapes do not match: h {tuple(h.shape)}, src {tuple(src.shape)}, "
-                         f"workspace {tuple(workspace.shape)}")
-    block_h = min(block_h, 256)
-    key = (src.data_ptr(), tuple(src.shape), block_h)
-    desc = _DESCRIPTORS.get(key)
-    if desc is None:
-        desc = _DESCRIPTORS[key] = TensorDescriptor.from_tensor(src, [1, block_h])
-    grid = (triton.cdiv(ffn, block_r), triton.cdiv(hidden, block_h))
-    _gather_active_rows_tma[grid](h, n_tokens, desc, workspace, counts, layer, ffn, hidden,
-                                  BLOCK_R=block_r, BLOCK_H=block_h, BLOCK_T=block_t, num_warps=num_warps)
 
 
 @triton.jit(do_not_specialize=["layer", "use_prev"])
