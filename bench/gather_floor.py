@@ -29,6 +29,12 @@ Per token, microseconds:
                        "TMA rows" as the shipped grid (blocks of neurons, a program per column
                        tile), stored into workspace columns or only summed; "TMA contiguous" boxes
                        of 8 x 256 over the contiguous bytes, summed
+  listed rows, compact, shuffled
+                       the listed-rows program over the layer's rows already compact in pinned
+                       memory, in shuffled order: separate rows without the spread over the matrix
+  ..., huge pages      listed rows and the shipped gather over a copy of the rows in memory advised
+                       to transparent huge pages and registered with cudaHostRegister (the header
+                       line says how much of it the kernel actually backed with huge pages)
 
 Each gather's result (layer 0) is checked bit for bit against engine.gather's plain-torch
 reference before anything is timed; the memcpy rows are the copy engine's and are not checked.

@@ -3,8 +3,9 @@
 # than the shipped gather's per-thread loads?
 #  1. bench.gather_floor at SHAPES (opt-2.7b): the TMA variants beside the copy engine and the
 #     shipped gather (each gather checked bit for bit);
-#  2. unless SKIP_ENGINE: bench.engine, alternated: packet {gather: device} with the shipped kernel
-#     beside resident (calibrated OPT-2.7B fp16, 3 x 512 + 16, 4800 MiB, graph).
+#  2. unless SKIP_ENGINE: bench.engine, alternated: packet {gather: device} beside resident
+#     (calibrated OPT-2.7B fp16, 3 x 512 + 16, 4800 MiB, graph). At commit 38a8467 it also ran the
+#     engine's TMA gather (+kernel=tma), measured slower and reverted.
 #     bash bench/tma_device.sh
 set -uo pipefail
 root=$PWD; out=${OUT:-$root/tma-out}; mkdir -p "$out"
