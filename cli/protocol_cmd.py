@@ -279,13 +279,14 @@ def _competitor_modes(p) -> list[str]:
             why = mode_refusal(c.policy, params, "graph")
             fails = stack_refusal(c.policy, params)
             fastest = fastest_mode(c.policy, params)
-            # Above batch 1 an omitted mode is eager (the fastest modes were measured at batch 1).
+            # Above batch 1 an omitted mode is eager (the fastest modes were measured at batch 1); the frozen
+            # body cannot tell it from a written `mode: eager`, so the hint holds for both.
             slower = p.batch > 1 and params["mode"] == "eager" and fastest != "eager"
             out.append(f"{c.name} ({competitor_library(c.policy, params)}): mode {params['mode']}"
                        + (f"; {why}" if why else "")
                        + (f"; a CUDA worker refuses mode {params['mode']} here: {fails}" if fails else "")
-                       + (f"; at batch 1 its fastest mode is {fastest}, and above batch 1 a mode left out stays "
-                          f"eager: write mode: {fastest} to compare it in its fastest mode" if slower else ""))
+                       + (f"; at batch 1 its fastest mode is {fastest} (above batch 1 a mode left out is eager): "
+                          f"write mode: {fastest} to compare it in its fastest mode" if slower else ""))
     return out
 
 
