@@ -235,11 +235,6 @@ def main(argv: list[str] | None = None) -> None:
         _gather_variant[grid](hs[l], 1, srcs[l], rows_out, sums, ffn, hidden, STORE=store, BLOCK_R=block_r,
                               BLOCK_H=block_h, BLOCK_T=gather.BLOCK_T, num_warps=num_warps)
 
-    def listed(l, n_shares):
-        _listed_rows[(rows_per_layer[l], n_shares)](idxs[l], rows_per_layer[l], srcs[l], ws, ffn, hidden,
-                                                     BLOCK_H=triton.next_power_of_2(triton.cdiv(hidden, n_shares)),
-                                                     num_warps=4)
-
     tma_h = 256  # a bulk tensor copy's box holds at most 256 elements a dimension
     tma_grid = (triton.cdiv(ffn, block_r), triton.cdiv(hidden, tma_h))
     descs = [TensorDescriptor.from_tensor(s, [1, tma_h]) for s in srcs]
@@ -263,8 +258,10 @@ def main(argv: list[str] | None = None) -> None:
     compact_srcs = [cuda_view(c) for c in compact]
     shuffled = [torch.randperm(n, dtype=torch.int32).cuda() for n in rows_per_layer]
 
-    def listed_from(src, idx, l, n_shares=10):
-        _listed_rows[(rows_per_layer[l], n_shares)](idx, rows_per_layer[l], src, ws, ffn, hidden,
+    def listed(l, n_shares=10, src=None, idx=None):
+        """Layer l's active rows by listed-row programs, from `src` (its mapped matrix) at `idx` (its list)."""
+        _listed_rows[(rows_per_layer[l], n_shares)](idxs[l] if idx is None else idx, rows_per_layer[l],
+                                                     srcs[l] if src is None else src, ws, ffn, hidden,
                                                      BLOCK_H=triton.next_power_of_2(triton.cdiv(hidden, n_shares)),
                                                      num_warps=4)
 
@@ -276,8 +273,8 @@ def main(argv: list[str] | None = None) -> None:
         "gather, row stores": lambda l: kernel_variant(l, 1),
         "gather, reads only": lambda l: kernel_variant(l, 0),
         **{f"listed rows, {n} shares": (lambda l, n=n: listed(l, n)) for n in shares},
-        "listed rows, compact, shuffled": lambda l: listed_from(compact_srcs[l], shuffled[l], l),
-        "listed rows, huge pages": lambda l: listed_from(huge_srcs[l], idxs[l], l),
+        "listed rows, compact, shuffled": lambda l: listed(l, src=compact_srcs[l], idx=shuffled[l]),
+        "listed rows, huge pages": lambda l: listed(l, src=huge_srcs[l]),
         "gather (shipped), huge pages": lambda l: gather.gather_active_rows(hs[l], huge_srcs[l], ws, counts, l),
         "TMA rows, workspace stores": lambda l: tma_rows(l, 1),
         "TMA rows, reads only": lambda l: tma_rows(l, 0),
