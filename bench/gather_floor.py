@@ -41,7 +41,6 @@ reference before anything is timed; the memcpy rows are the copy engine's and ar
 """
 
 import argparse
-import ctypes
 import mmap
 
 import torch
@@ -57,7 +56,8 @@ except ModuleNotFoundError:  # CPU builds of torch come without Triton
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from engine import gather
-from engine.mapped import _Interface, cuda_view
+from engine.checkpoint import HOST_REGISTER_DEFAULT, PAGE, _aligned, _Mapping
+from engine.mapped import cuda_view
 from engine.shapes import SHAPES
 from engine.triton_gather import _active_rows
 
@@ -134,19 +134,19 @@ def _sm_contiguous(src_ptr, sums_ptr, n, BLOCK: tl.constexpr, PER_PROGRAM: tl.co
     tl.store(sums_ptr + tl.program_id(0), tl.sum(acc, 0))
 
 
-def huge_page_pinned(like: torch.Tensor) -> tuple[mmap.mmap, torch.Tensor]:
+def huge_page_pinned(like: torch.Tensor) -> torch.Tensor:
     """A copy of `like` in anonymous memory advised to transparent huge pages (2 MiB, aligned),
-    page-locked and mapped for the GPU by cudaHostRegister: (the mapping to keep alive, the host tensor)."""
+    page-locked and mapped for the GPU as engine.checkpoint's "register" layout is (the tensor keeps
+    its mapping, and so the registration, alive)."""
     size, align = like.numel() * like.element_size(), 2 << 20
-    buf = mmap.mmap(-1, size + align)
-    buf.madvise(mmap.MADV_HUGEPAGE)
-    base = ctypes.addressof(ctypes.c_char.from_buffer(buf))
-    host = torch.frombuffer(buf, dtype=like.dtype, count=like.numel(), offset=(-base) % align).view(like.shape)
+    mapping = _Mapping(-1, size + align, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    mapping.madvise(mmap.MADV_HUGEPAGE)
+    start = -mapping.address % align
+    host = mapping.tensor()[start:start + size].view(like.dtype).view(like.shape)
     host.copy_(like)
-    err = torch.cuda.cudart().cudaHostRegister(host.data_ptr(), size, 0)
-    if int(err) != 0:
-        raise RuntimeError(f"cudaHostRegister failed: {err}")
-    return buf, host
+    if not mapping.register(start, _aligned(size, PAGE), HOST_REGISTER_DEFAULT):
+        raise RuntimeError("cudaHostRegister refused the huge-page copy")
+    return host
 
 
 def anon_huge_kib() -> int:
@@ -254,7 +254,7 @@ def main(argv: list[str] | None = None) -> None:
     huge_kib_before = anon_huge_kib()
     huge = [huge_page_pinned(t) for t in hosts]  # the same rows, in huge-page-backed registered memory
     huge_kib = anon_huge_kib() - huge_kib_before
-    huge_srcs = [torch.as_tensor(_Interface(host), device="cuda") for _, host in huge]
+    huge_srcs = [cuda_view(host) for host in huge]
     compact_srcs = [cuda_view(c) for c in compact]
     shuffled = [torch.randperm(n, dtype=torch.int32).cuda() for n in rows_per_layer]
 
@@ -311,7 +311,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{args.shape} fp16, {layers} layers, {sum(rows_per_layer) / layers:.0f} active rows a layer of {ffn} "
           f"({sum(rows_per_layer) / layers / ffn:.1%}), {nbytes / 1e6:.1f} MB a token; tile {block_r}x{block_h} "
           f"w{num_warps}, columns split into {grid[1]}; huge-page copies: {huge_kib / 1024:.0f} MiB in transparent "
-          f"huge pages of {sum(t.numel() * t.element_size() for _, t in huge) / 2**20:.0f} MiB")
+          f"huge pages of {sum(t.numel() * t.element_size() for t in huge) / 2**20:.0f} MiB")
     results = alternated_times({name: capture(fn) for name, fn in variants.items()}, args.replays)
     floor = results["memcpy, one copy"]
     print(f"\n{'variant':28} {'us/token':>9} {'us/layer':>9} {'GB/s':>6} {'x one copy':>10} {'exact':>5}")
