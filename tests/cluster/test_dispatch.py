@@ -23,7 +23,7 @@ import yaml
 
 from core.archive import ArchiveReader
 from core.settings import Settings
-from db.errors import DatabaseUnavailable
+from db.errors import DatabaseLocked, DatabaseUnavailable
 from db.store import Store
 from service.submit import submit
 
@@ -86,9 +86,14 @@ def dispatcher(store, cfg, **options):
 
 
 def wait_for(predicate, timeout: float = 120, what: str = "condition"):
+    """Poll `predicate` until it is truthy. A poll that finds SQLite locked by the dispatcher's
+    write (the store's own retries spent) is a poll that saw nothing yet, as for any reader."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        value = predicate()
+        try:
+            value = predicate()
+        except DatabaseLocked:
+            value = None
         if value:
             return value
         time.sleep(0.05)
