@@ -35,7 +35,7 @@ from pathlib import Path
 
 import numpy as np
 
-from core.archive import ArchiveReader, ArchiveWriter, logits_member
+from packbench.core.archive import ArchiveReader, ArchiveWriter, logits_member
 
 NPY_HEADER = 128  # np.save's v1 header for a 1-D float32 array of this size
 

@@ -21,12 +21,12 @@ from pathlib import Path
 
 import numpy as np
 
-from core.archive import PLAN_NAME, PROTOCOL_NAME, VERDICTS_NAME, WORKER_NAME, ArchiveWriter
-from core.gates import compute_verdicts
-from core.metrics import episode_totals, opt_bytes
-from core.registry import SHAPES
-from core.plan import plan, prompts
-from core.protocol import MIB, freeze
+from packbench.core.archive import PLAN_NAME, PROTOCOL_NAME, VERDICTS_NAME, WORKER_NAME, ArchiveWriter
+from packbench.core.gates import compute_verdicts
+from packbench.core.metrics import episode_totals, opt_bytes
+from packbench.core.registry import SHAPES
+from packbench.core.plan import plan, prompts
+from packbench.core.protocol import MIB, freeze
 
 INDEX_BYTES = 8
 
@@ -177,7 +177,7 @@ def main() -> None:
         t = time.perf_counter()
         build_bench_archive(args.archive)
         print(f"built {args.archive} in {time.perf_counter() - t:.1f} s")
-    from core.audit import audit_archive
+    from packbench.core.audit import audit_archive
 
     size = args.archive.stat().st_size
     times, digests = [], set()

@@ -26,14 +26,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from core.plan import BOS
-from core.registry import COMPETITOR_MODES
-from engine.allowance import impose
-from engine.episode import run_episode
-from engine.model import CpuFirstModel
-from engine.sampler import device_uuid, nvml_handle
-from engine.shapes import DTYPES, SHAPES, dtype_of
-from engine.synth import synth_checkpoint
+from packbench.core.plan import BOS
+from packbench.core.registry import COMPETITOR_MODES
+from packbench.engine.allowance import impose
+from packbench.engine.episode import run_episode
+from packbench.engine.model import CpuFirstModel
+from packbench.engine.sampler import device_uuid, nvml_handle
+from packbench.engine.shapes import DTYPES, SHAPES, dtype_of
+from packbench.engine.synth import synth_checkpoint
 
 MIB = 1 << 20
 LOADERS = {"dense-stream": ("dense-stream", {}), "packet": ("packet", {"gather": "device"})}
@@ -112,7 +112,7 @@ def transfer(d: dict, p: dict) -> str:
 def competitor(model: CpuFirstModel, batches: list[int], args, vocab: int, device: torch.device) -> dict:
     """("int8 <mode>", B) -> figures for the low-bit model in each mode, built once the CPU-first
     model's device part has moved to the host (both would not fit one allowance)."""
-    from engine.quantized import QuantizedModel
+    from packbench.engine.quantized import QuantizedModel
 
     if model.slot.policy is not None:
         model.slot.policy.deactivate()

@@ -25,7 +25,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from bench.db import pg_schema, server_version
-from db.store import Store
+from packbench.db.store import Store
 
 LEASE_S = 300
 NODE = ""  # set by --nodes: each dispatcher claims for a slot on its own node (--same-node: one node)

@@ -71,7 +71,7 @@ class Timelines:
         self.by_run: dict[int, Timeline] = {}
 
     def __call__(self, event) -> None:
-        from service.scheduler_state import Moment
+        from packbench.service.scheduler_state import Moment
 
         t = self.by_run.setdefault(id(event.run), Timeline(event.run))
         if event.moment is Moment.CLAIMED:
@@ -112,11 +112,11 @@ def pct(values: list[float], q: float) -> float:
 
 def one_run(gpus: int, screens: int, prompts: int, continuation: int) -> dict:
     """Queue `screens` equal screens and drain them with a dispatcher on `gpus` logical GPUs."""
-    from cluster.pool import RayPool
-    from core.settings import Settings
-    from db.store import Store
-    from service.scheduler import Scheduler
-    from service.submit import submit
+    from packbench.cluster.pool import RayPool
+    from packbench.core.settings import Settings
+    from packbench.db.store import Store
+    from packbench.service.scheduler import Scheduler
+    from packbench.service.submit import submit
 
     with tempfile.TemporaryDirectory(prefix="bench-cluster-") as tmp:
         tmp = Path(tmp)
@@ -126,7 +126,7 @@ def one_run(gpus: int, screens: int, prompts: int, continuation: int) -> dict:
         settings = Settings(archive_dir=tmp / "archives", model_cache=tmp / "models", embedded_gpus=gpus)
         timelines = Timelines()
         d = Scheduler(store, settings, RayPool(settings), lease_s=60, observer=timelines)
-        from cluster.runtime import ensure_ray
+        from packbench.cluster.runtime import ensure_ray
 
         ensure_ray(settings)
         t0 = time.perf_counter()
@@ -245,11 +245,11 @@ def simulate(args) -> None:
     from sqlalchemy.engine import make_url
     from sqlalchemy.pool import NullPool
 
-    from cluster.pool import RayPool
-    from core.settings import Settings
-    from db.store import Store
-    from service.scheduler import Scheduler
-    from service.submit import submit
+    from packbench.cluster.pool import RayPool
+    from packbench.core.settings import Settings
+    from packbench.db.store import Store
+    from packbench.service.scheduler import Scheduler
+    from packbench.service.submit import submit
 
     base = args.pg_url or os.environ.get("PACKBENCH_TEST_PG_URL")
     if not base:

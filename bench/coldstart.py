@@ -43,16 +43,16 @@ def child(model_dir: str, dtype: str, variant: str, prefix: int) -> None:
     t_entry = time.perf_counter()
     import torch
 
-    import engine.model as m
-    from engine.checkpoint import build_weights
-    from engine.episode import run_episode
-    from engine.shapes import dtype_of
+    import packbench.engine.model as m
+    from packbench.engine.checkpoint import build_weights
+    from packbench.engine.episode import run_episode
+    from packbench.engine.shapes import dtype_of
 
     t_import = time.perf_counter()
     mode = "eager"
     name, variant, _, pin = variant, *variant.partition("@")
     if pin:
-        import engine.checkpoint as ck
+        import packbench.engine.checkpoint as ck
 
         if pin == "legacy":
             from bench.legacy_read import read_placed
@@ -87,9 +87,9 @@ def probe(model_dir: str, dtype: str, name: str, threads: int | None) -> None:
     t_entry = time.perf_counter()
     import torch
 
-    import engine.checkpoint as ck
-    from engine.model import is_outgoing
-    from engine.shapes import dtype_of
+    import packbench.engine.checkpoint as ck
+    from packbench.engine.model import is_outgoing
+    from packbench.engine.shapes import dtype_of
 
     t_import = time.perf_counter()
     cuda = torch.cuda.is_available()
@@ -207,9 +207,9 @@ def profile(model_dir: Path, dtype: str) -> None:
     import torch
     from transformers import OPTConfig, OPTForCausalLM
 
-    import engine.checkpoint as ck
-    from engine.model import is_outgoing
-    from engine.shapes import dtype_of
+    import packbench.engine.checkpoint as ck
+    from packbench.engine.model import is_outgoing
+    from packbench.engine.shapes import dtype_of
 
     dt, device = dtype_of(dtype), torch.device("cuda:0")
     torch.zeros(1, device=device)
@@ -279,7 +279,7 @@ def main() -> None:
     if args.probe:
         probe(args.probe[0], args.dtype, args.probe[1], args.threads)
         return
-    from engine.synth import synth_checkpoint
+    from packbench.engine.synth import synth_checkpoint
 
     # bench.engine's default checkpoint (same folder, same spec): one synthesis serves both
     model_dir = Path(tempfile.gettempdir()) / f"packbench-{args.shape}-{args.dtype}-0.94-hot0.05-0.0"

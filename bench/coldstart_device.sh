@@ -14,7 +14,7 @@ timeout 120 python3 -m pytest -q -m gpu -p no:cacheprovider tests/engine/test_ch
 
 echo "== the checkpoint (bench.engine's synthetic OPT-2.7B fp16, 5.30 GB, in /tmp)"
 timeout 200 python3 -c "
-import tempfile; from pathlib import Path; from engine.synth import synth_checkpoint
+import tempfile; from pathlib import Path; from packbench.engine.synth import synth_checkpoint
 d = Path(tempfile.gettempdir()) / 'packbench-opt-2.7b-float16-0.94-hot0.05-0.0'
 (d / 'config.json').exists() or synth_checkpoint(d, shape='opt-2.7b', dtype='float16', sparsity=0.94, seed=0, hot_fraction=0.05, hot_bias=0.0)
 print(d, sum(f.stat().st_size for f in d.glob('*.safetensors')) / 1e9, 'GB')" || exit 1

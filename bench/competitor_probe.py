@@ -16,9 +16,9 @@ from pathlib import Path
 
 import torch
 
-from engine.episode import run_episode
-from engine.quantized import QuantizedModel
-from engine.synth import synth_checkpoint
+from packbench.engine.episode import run_episode
+from packbench.engine.quantized import QuantizedModel
+from packbench.engine.synth import synth_checkpoint
 
 
 def step(name: str, fn):

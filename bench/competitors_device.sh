@@ -44,7 +44,7 @@ screen() {  # name methods...
   t0=$(date +%s); local limit=${SCREEN_TIMEOUT:-560} left=$(( ${DEADLINE:-100000} - (t0 - start) ))
   [ "$left" -lt "$limit" ] && limit=$left
   [ "$limit" -gt 30 ] || { echo "== $name: skipped, ${left} s left of DEADLINE"; return; }
-  timeout "$limit" python3 -m cli ${VERBOSE:+--verbose} submit "$work/$name.yaml" --wait > "$out/$name.log" 2>&1
+  timeout "$limit" python3 -m packbench ${VERBOSE:+--verbose} submit "$work/$name.yaml" --wait > "$out/$name.log" 2>&1
   echo "== $name: submit rc $? in $(( $(date +%s) - t0 )) s (limit $limit s)"
   pb audit latest >> "$out/$name.log" 2>&1; echo "   audit rc $?"
   grep -E "^(faithfulness|fidelity|resources) |audit of|error" "$out/$name.log" | sort -u | head -20
@@ -56,7 +56,7 @@ if [ -n "${PER_METHOD:-}" ]; then
 else screen competitors ${METHODS:-int8-weight-only int4-weight-only nf4 llm-int8}; fi
 python3 - <<'PY'  # medians over scored episodes; decode ms/token over the continuation's decode calls
 import statistics, os
-from db.store import Store
+from packbench.db.store import Store
 s, n = Store(), 15
 med = lambda xs: statistics.median(xs) if xs else float("nan")
 for screen in s.list_screens():

@@ -31,8 +31,8 @@ from contextlib import contextmanager
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
-from db.queries import GATES, ResultFilter
-from db.store import Store
+from packbench.db.queries import GATES, ResultFilter
+from packbench.db.store import Store
 
 CONDITIONS = ("dense-stream", "packet", "phase-switched", "row-retention")
 DTYPES = ("float32", "float16", "bfloat16")

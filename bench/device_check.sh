@@ -11,7 +11,7 @@ python3 -m pytest -q -m gpu -p no:cacheprovider tests 2>&1 | tail -5
 
 echo "== screen through Ray on the GPU"
 work=$(mktemp -d)
-python3 -m cli model synth --shape opt-125m --dtype float16 --out "$work/m125"
+python3 -m packbench model synth --shape opt-125m --dtype float16 --out "$work/m125"
 cat > "$work/p.yaml" <<YAML
 name: gpu-check
 model: {path: m125}
@@ -38,9 +38,9 @@ gates:
   runtime: {control: dense-stream, max_ratio: 1.0}
 YAML
 export PACKBENCH_DB_URL="sqlite:///$work/pb.db"
-python3 -m cli db upgrade
-python3 -m cli submit "$work/p.yaml" --wait --archive-dir "$work/archives" 2>&1 | grep -v "^  episode" | tail -32
-python3 -m cli audit latest 2>&1 | tail -2
+python3 -m packbench db upgrade
+python3 -m packbench submit "$work/p.yaml" --wait --archive-dir "$work/archives" 2>&1 | grep -v "^  episode" | tail -32
+python3 -m packbench audit latest 2>&1 | tail -2
 
 echo "== benchmark"
 python3 -m bench.engine "$@"

@@ -24,6 +24,6 @@ product_env() {  # the wheels on the path, and a fresh database, archive and mod
   export RAY_AUTH_MODE=disabled
   work=$(mktemp -d)
   export PACKBENCH_DB_URL="sqlite:///$work/pb.db" PACKBENCH_ARCHIVE_DIR="$work/archives" PACKBENCH_MODEL_CACHE="$work/models"
-  python3 -m cli db upgrade > /dev/null
+  python3 -m packbench db upgrade > /dev/null
 }
-pb() { python3 -m cli "$@"; }
+pb() { python3 -m packbench "$@"; }

@@ -22,17 +22,17 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from core.plan import BOS
-from engine import gather
-from engine.episode import run_episode
-from engine.graph import check_mode
-from engine.model import CpuFirstModel
-from engine.ledger import Recorder
-from engine.policies import POLICIES, HostWeights, stream_dense, zeroed_workspace
-from engine.allowance import impose
-from engine.sampler import MemorySampler, device_uuid, nvml_handle
-from engine.shapes import dtype_of
-from engine.synth import synth_checkpoint
+from packbench.core.plan import BOS
+from packbench.engine import gather
+from packbench.engine.episode import run_episode
+from packbench.engine.graph import check_mode
+from packbench.engine.model import CpuFirstModel
+from packbench.engine.ledger import Recorder
+from packbench.engine.policies import POLICIES, HostWeights, stream_dense, zeroed_workspace
+from packbench.engine.allowance import impose
+from packbench.engine.sampler import MemorySampler, device_uuid, nvml_handle
+from packbench.engine.shapes import dtype_of
+from packbench.engine.synth import synth_checkpoint
 
 MIB = 1 << 20
 PARAMS = {"sparse-extents": {"block_rows": 128}, "row-retention": {"rows_per_layer": 1024}}

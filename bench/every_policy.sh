@@ -2,7 +2,7 @@
 # every exact policy (issues 10 and 13). SHAPE, DTYPE, PREFIX and CONT shrink it for CPU dry runs.
 # Usage: every_policy_screen NAME  -> synthesises ./m13 (once) and writes ./p.yaml
 every_policy_screen() {
-  [ -f m13/config.json ] || python3 -m cli model synth --shape ${SHAPE:-opt-1.3b} --dtype ${DTYPE:-float16} \
+  [ -f m13/config.json ] || python3 -m packbench model synth --shape ${SHAPE:-opt-1.3b} --dtype ${DTYPE:-float16} \
     --sparsity 0.94 --seed 0 --hot-fraction 0.05 --out m13 >/dev/null
   cat > p.yaml <<YAML
 schema: 2

@@ -19,12 +19,12 @@ import argparse
 import json
 from pathlib import Path
 
-from core.archive import MANIFEST_NAME, PROTOCOL_NAME, VERDICTS_NAME, WORKER_NAME, ArchiveReader, ArchiveWriter, episode_members
-from core.canonical import canonical_json
-from core.gates import compute_verdicts
-from core.metrics import episode_totals
-from core.protocol import expand
-from core.reexecute import read_logits
+from packbench.core.archive import MANIFEST_NAME, PROTOCOL_NAME, VERDICTS_NAME, WORKER_NAME, ArchiveReader, ArchiveWriter, episode_members
+from packbench.core.canonical import canonical_json
+from packbench.core.gates import compute_verdicts
+from packbench.core.metrics import episode_totals
+from packbench.core.protocol import expand
+from packbench.core.reexecute import read_logits
 
 
 def _target(call_rows: list, call_bytes: list) -> int | None:

@@ -55,11 +55,11 @@ except ModuleNotFoundError:  # CPU builds of torch come without Triton
 
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from engine import gather
-from engine.checkpoint import HOST_REGISTER_DEFAULT, PAGE, _aligned, _Mapping
-from engine.mapped import cuda_view
-from engine.shapes import SHAPES
-from engine.triton_gather import _active_rows
+from packbench.engine import gather
+from packbench.engine.checkpoint import HOST_REGISTER_DEFAULT, PAGE, _aligned, _Mapping
+from packbench.engine.mapped import cuda_view
+from packbench.engine.shapes import SHAPES
+from packbench.engine.triton_gather import _active_rows
 
 
 @triton.jit

@@ -72,10 +72,10 @@ if [ -n "${PRODUCT:-}" ]; then
   root=$PWD; work=$(mktemp -d); cd "$work"; source "$root/bench/every_policy.sh"
   export PACKBENCH_DB_URL="sqlite:///$work/pb.db" PACKBENCH_ARCHIVE_DIR="$work/archives"
   MODE=graph every_policy_screen product-opt-1.3b
-  python3 -m cli db upgrade > /dev/null
-  t=$(date +%s); python3 -m cli submit p.yaml --wait > submit.log 2>&1; echo "submit --wait rc $? in $(( $(date +%s) - t )) s"
+  python3 -m packbench db upgrade > /dev/null
+  t=$(date +%s); python3 -m packbench submit p.yaml --wait > submit.log 2>&1; echo "submit --wait rc $? in $(( $(date +%s) - t )) s"
   grep -E "faithfulness|acquisition|screen 1" submit.log | head -12
-  python3 -m cli audit 1 2>&1 | grep -E "^audit of|AGREE|DISAGREE" | head -3
+  python3 -m packbench audit 1 2>&1 | grep -E "^audit of|AGREE|DISAGREE" | head -3
   cd "$root"
 fi
 date -u

@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from core.registry import SHAPES
+from packbench.core.registry import SHAPES
 
 
 def main() -> None:

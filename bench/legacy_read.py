@@ -6,7 +6,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from engine.checkpoint import CHUNK, RING, _Clock, _entries, _pread, _stream_to_device
+from packbench.engine.checkpoint import CHUNK, RING, _Clock, _entries, _pread, _stream_to_device
 
 
 def read_placed(model_dir, *, dtype: torch.dtype, device: torch.device, host_keys,

@@ -18,8 +18,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-from engine import gather
-from engine.mapped import cuda_view
+from packbench.engine import gather
+from packbench.engine.mapped import cuda_view
 
 
 def timed(fn, reps: int = 50) -> float:
@@ -40,8 +40,8 @@ GRID = tuple((br, bh, nw) for br in (1, 4, 16, 32, 64, 128) for bh in (64, 128, 
 def main() -> None:
     import argparse
 
-    from engine.shapes import SHAPES
-    from engine.triton_gather import gather_active_rows_cuda
+    from packbench.engine.shapes import SHAPES
+    from packbench.engine.triton_gather import gather_active_rows_cuda
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", action="append", help="OPT shapes (default opt-2.7b); repeat for more")

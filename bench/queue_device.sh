@@ -20,7 +20,7 @@ nvidia-smi -L 2>/dev/null || echo 'no GPU (dry run)'
 # The host's topology: two workers share its cores and memory (hyperthread siblings, NUMA nodes,
 # which CPUs each GPU is near).
 lscpu | grep -E '^(CPU\(s\)|Thread|Core|Socket|NUMA)' ; nvidia-smi topo -m 2>/dev/null | head -6
-pb() { python3 -m cli "$@"; }
+pb() { python3 -m packbench "$@"; }
 now() { python3 -c "import time; print(time.time())"; }
 since() { python3 -c "import sys, time; print(round(time.time() - float(sys.argv[1]), 2))" "$1"; }
 source "$PWD/bench/every_policy.sh"
@@ -32,7 +32,7 @@ pb db upgrade >/dev/null
 attempts() {  # screen attempts: where and how
 python3 - "$@" <<'PY'
 import sys
-from db.store import Store
+from packbench.db.store import Store
 s = Store()
 for sid in map(int, sys.argv[1:]):
     for a in s.attempts(sid):
@@ -66,13 +66,13 @@ sep=$(since $t); attempts $sep_ids
 }
 standing() {  # $1: workers. A dispatcher already serving (--follow, its workers ready): the wall
 # from submitting the two screens to both done, without the dispatcher's own start and exit.
-python3 -m cli dispatch --follow --workers "$1" > standing.log 2>&1 & local holder=$!
+python3 -m packbench dispatch --follow --workers "$1" > standing.log 2>&1 & local holder=$!
 for _ in $(seq 600); do [ "$(grep -c ' ready on ' standing.log)" -ge "$1" ] && break; sleep 0.2; done
 local t; t=$(now)
 ids=$(pb submit p.yaml --replicas 2 | grep -o '[0-9, ]*;' | tr -d ',;')
 python3 - $ids <<'PY'
 import sys, time
-from db.store import Store
+from packbench.db.store import Store
 s = Store()
 while any(s.screen(int(i)).status not in ("done", "failed", "cancelled") for i in sys.argv[1:]):
     time.sleep(0.1)
@@ -106,7 +106,7 @@ if [ -n "${ONLY_A:-}" ]; then
 fi
 python3 - $first_ids $ids <<'PY'
 import sys
-from db.store import Store
+from packbench.db.store import Store
 s = Store()
 ids = list(map(int, sys.argv[1:]))
 def span(pair):  # the screens' own wall: first attempt start to last attempt end (no dispatcher start-up)
@@ -121,7 +121,7 @@ if [ -z "${SKIP_A34:-}${ONLY_BC:-}" ]; then
 echo "== A3: audits fanned out"
 pb audit --all --ray 2>&1 | tail -6
 echo "== A4: a second packbench on a GPU already held"
-python3 -m cli dispatch --follow --workers 2 > a4.log 2>&1 & holder=$!
+python3 -m packbench dispatch --follow --workers 2 > a4.log 2>&1 & holder=$!
 sleep 25
 t=$(now); pb submit p.yaml --wait > a4b.log 2>&1; echo "second packbench: rc $? after $(since $t) s"; tail -2 a4b.log
 kill -TERM $holder; wait $holder; echo "holder dispatcher rc $?"; tail -1 a4.log
@@ -147,12 +147,12 @@ else
 fi
 timeout 40 python3 -c "import ray, sys; ray.init(address=sys.argv[1], logging_level='ERROR'); print('nodes', len([n for n in ray.nodes() if n['Alive']]), 'GPUs', ray.cluster_resources().get('GPU'))" "$head" || { echo "no two-node cluster"; exit 1; }
 ids=$(pb submit p.yaml --replicas 2 --spread | grep -o '[0-9, ]*;' | tr -d ',;')
-timeout 150 python3 -m cli dispatch --address $head > b.log 2>&1; echo "rc $?"
+timeout 150 python3 -m packbench dispatch --address $head > b.log 2>&1; echo "rc $?"
 attempts $ids
 pb audit $ids --ray --address $head --other-node 2>&1 | tail -3
 python3 - $ids <<'PY'
 import sys
-from db.store import Store
+from packbench.db.store import Store
 s = Store()
 for sid in map(int, sys.argv[1:]):
     a = s.latest_attempt(sid)
@@ -164,10 +164,10 @@ print("verdicts agree across the two nodes:", va == vb, f"({len(va)} verdicts)")
 PY
 echo "== C: a worker killed mid-screen"
 id=$(pb submit p.yaml | grep -o 'screen [0-9]*' | grep -o '[0-9]*')
-python3 -m cli dispatch --address $head > c.log 2>&1 & disp=$!
+python3 -m packbench dispatch --address $head > c.log 2>&1 & disp=$!
 python3 - $id <<'PY'
 import os, signal, sys, time
-from db.store import Store
+from packbench.db.store import Store
 s = Store(); sid = int(sys.argv[1])
 for _ in range(600):
     live = [a for a in s.attempts(sid) if a.status == "running"]

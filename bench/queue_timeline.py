@@ -16,8 +16,8 @@ from __future__ import annotations
 import argparse
 from datetime import timezone
 
-from core.report import read_screen
-from db.store import Store
+from packbench.core.report import read_screen
+from packbench.db.store import Store
 
 
 def _t(moment, t0: float) -> float:

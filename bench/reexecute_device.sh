@@ -10,7 +10,7 @@ set -uo pipefail
 export PYTHONPATH=/tmp/site:$PWD RAY_AUTH_MODE=disabled PYTHONUNBUFFERED=1
 root=$PWD
 source "$root/bench/every_policy.sh"
-pb() { python3 -m cli "$@"; }
+pb() { python3 -m packbench "$@"; }
 work=$(mktemp -d); cd "$work"
 export PACKBENCH_DB_URL="sqlite:///$work/pb.db" PACKBENCH_ARCHIVE_DIR="$work/archives"
 every_policy_screen reexecute-opt-1.3b
@@ -25,8 +25,8 @@ echo "== re-execution audit (K=4, seed 0)"
 pb audit latest --reexecute 4 --seed 0 > rx.log 2> rx.err; echo "rc $?"; cat rx.log
 python3 - "$archive" <<'PY' > target
 import json, sys
-from core.archive import ArchiveReader
-from core.reexecute import draw, read_archived
+from packbench.core.archive import ArchiveReader
+from packbench.core.reexecute import draw, read_archived
 a = read_archived(sys.argv[1])
 d = draw(a.protocol, a.entries, {i: r["status"] for i, r in a.records.items()}, 4, 0)
 print(next(i for i in d.episodes if a.records[i]["condition"] == "packet"))

@@ -13,7 +13,7 @@
 set -uo pipefail
 [ -n "${SKIP_WHEELS:-}" ] || [ -d /tmp/site/ray ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD RAY_AUTH_MODE=disabled PYTHONUNBUFFERED=1
-pb() { python3 -m cli "$@"; }
+pb() { python3 -m packbench "$@"; }
 work=$(mktemp -d); cd "$work"
 export PACKBENCH_DB_URL="sqlite:///$work/pb.db" PACKBENCH_ARCHIVE_DIR="$work/archives"
 pb db upgrade >/dev/null
@@ -30,7 +30,7 @@ protocol() {  # name shape prompts prefix mode allowance conditions...
 summary() {
 python3 - <<'PY'
 import statistics
-from db.store import Store
+from packbench.db.store import Store
 s = Store()
 for screen in s.list_screens():
     a = s.latest_attempt(screen.id)
@@ -80,7 +80,7 @@ if [ -z "${SKIP_13B:-}" ]; then
     pb model synth --shape $shape --dtype ${DTYPE:-float16} --sparsity 0.94 --seed 0 --hot-fraction 0.05 --out m-$shape >/dev/null
     echo "synth $shape: $(( $(date +%s) - t0 )) s; $(du -sh m-$shape | cut -f1)"
     protocol big-$shape m-$shape 2 128 graph $allowance "${BIG[@]}"
-    t=$(date +%s); timeout 300 python3 -m cli submit big-$shape.yaml --wait > big-$shape.log 2>&1; echo "big-$shape: rc $? in $(( $(date +%s) - t )) s"
+    t=$(date +%s); timeout 300 python3 -m packbench submit big-$shape.yaml --wait > big-$shape.log 2>&1; echo "big-$shape: rc $? in $(( $(date +%s) - t )) s"
     grep -E "^(gate|faithfulness|acquisition|resources|capacity)|error" big-$shape.log | tr -s ' ' | head -30
     pb audit latest 2>&1 | grep -E "^audit of"
     summary | grep -A1 "big-$shape"

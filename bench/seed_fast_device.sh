@@ -25,7 +25,7 @@ pb report latest --out "$out/report.html" > /dev/null 2>&1; echo "report rc $?"
 pb results --screen latest --json > "$out/results.json" 2>/dev/null
 [ "${PASSES:-together}" = separate ] && python3 - "$out/results.json" <<'PY'  # the report's cost table, as text
 import json, sys
-from core.report import measurement_cost, read_screen
+from packbench.core.report import measurement_cost, read_screen
 with open(sys.argv[1]) as f:
     cost = measurement_cost(read_screen(json.load(f)["archive_path"]))  # the archive the screen wrote
 print(f"measurement cost ({cost['passes']}): {'condition':16} {'n':>2} {'timing s':>9} {'recording s':>11} {'ratio':>7} "

@@ -4,7 +4,7 @@ comparisons the seed's v0.42 made: phase-switched against always-packet and agai
 
 import statistics
 
-from db.store import Store
+from packbench.db.store import Store
 
 
 def main() -> None:

@@ -21,21 +21,21 @@ DEFAULT_VARIANTS = ["prestart=RAY_prestart_worker_first_driver=1", "no-prestart=
 
 def once() -> dict:
     t0 = time.time()
-    import cli.main  # noqa: F401
+    import packbench.cli.main  # noqa: F401
     t1 = time.time()
-    from core.settings import Settings
-    from db.store import Store
+    from packbench.core.settings import Settings
+    from packbench.db.store import Store
 
     Store().check_head()
     t2 = time.time()
     import ray
 
     t3 = time.time()
-    from cluster.runtime import ensure_ray
+    from packbench.cluster.runtime import ensure_ray
 
     ensure_ray(Settings())
     t4 = time.time()
-    from cluster.worker import start_worker
+    from packbench.cluster.worker import start_worker
 
     actor = start_worker(Settings(), workers_on_host=2)
     env = ray.get(actor.describe.remote())

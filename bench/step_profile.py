@@ -26,8 +26,8 @@ from pathlib import Path
 import torch
 
 from bench.engine import parse_condition, set_mode
-from engine.model import CpuFirstModel
-from engine.synth import synth_checkpoint
+from packbench.engine.model import CpuFirstModel
+from packbench.engine.synth import synth_checkpoint
 
 # Kernel kinds by name fragment, first match wins (CUDA kernel names are mangled C++).
 KINDS = (

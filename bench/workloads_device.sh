@@ -32,7 +32,7 @@ fi
 if [ "${ONLY:-B}" = B ] || [ -z "${ONLY:-}" ]; then
   work=$(mktemp -d)
   export PACKBENCH_DB_URL="sqlite:///$work/pb.db" PACKBENCH_ARCHIVE_DIR="$work/archives" PACKBENCH_MODEL_CACHE="$work/models"
-  pb() { python3 -m cli "$@"; }
+  pb() { python3 -m packbench "$@"; }
   pb db upgrade > /dev/null
   for name in seed-v040 seed-v042; do
     src=$root/protocols/$name.yaml

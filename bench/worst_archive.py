@@ -64,7 +64,7 @@ def main() -> None:
         t = time.perf_counter()
         build(args.case, out)
         print(f"built {out} ({out.stat().st_size:,} B) in {time.perf_counter() - t:.1f} s")
-    code = ("import json, sys, time; from core.audit import audit_archive; t = time.perf_counter(); "
+    code = ("import json, sys, time; from packbench.core.audit import audit_archive; t = time.perf_counter(); "
             "r = audit_archive(sys.argv[1]); "
             "print(json.dumps({'s': time.perf_counter() - t, 'result': r.record['result'], "
             "'episodes': r.record['episodes'], 'problems': r.problems[:3]}))")

@@ -12,7 +12,7 @@ from local_ray import clean_environment, ray_head  # tests/local_ray.py
 @pytest.fixture(scope="session")
 def checkpoints(tmp_path_factory) -> dict[str, Path]:
     """Tiny OPT checkpoints, one per dtype, sparsity 0.94, seed 0."""
-    from engine.synth import synth_checkpoint  # torch: only the tests that use a checkpoint pay for it
+    from packbench.engine.synth import synth_checkpoint  # torch: only the tests that use a checkpoint pay for it
 
     root = tmp_path_factory.mktemp("checkpoints")
     return {dt: synth_checkpoint(root / f"tiny-{dt}", shape="tiny", dtype=dt, sparsity=0.94, seed=0)
@@ -28,7 +28,7 @@ def tiny(checkpoints) -> Path:
 def checkpoint_125m(tmp_path_factory) -> Path:
     """An OPT-125m-shaped checkpoint (the real widths), float32, sparsity 0.94, seed 0: 478 MB
     and 1.7 s to write, once for every module that reads it."""
-    from engine.synth import synth_checkpoint
+    from packbench.engine.synth import synth_checkpoint
 
     return synth_checkpoint(tmp_path_factory.mktemp("ck") / "opt-125m", shape="opt-125m", dtype="float32",
                             sparsity=0.94, seed=0)
@@ -40,9 +40,9 @@ def _own_host_marks(tmp_path_factory, monkeypatch):
     (engine/gpu_lock.py HostPresence): a Worker left alive by one test must not appear as another
     packbench worker on the host in the next test's records. Worker actors, separate processes,
     still mark the host's directory, as in use."""
-    import engine.gpu_lock
+    import packbench.engine.gpu_lock
 
-    monkeypatch.setattr(engine.gpu_lock, "DEFAULT_LOCK_DIR", tmp_path_factory.mktemp("host-marks"))
+    monkeypatch.setattr(packbench.engine.gpu_lock, "DEFAULT_LOCK_DIR", tmp_path_factory.mktemp("host-marks"))
 
 
 @pytest.fixture

@@ -1,6 +1,6 @@
 """`packbench ARGS` run in this process through the console entry point (`cli.main.main`: its
 exit codes and one-line errors), with `env` set and in `cwd` for that call only: milliseconds,
-where a `python -m cli` subprocess costs 1.1-1.3 s of interpreter start and imports on the
+where a `python -m packbench` subprocess costs 1.1-1.3 s of interpreter start and imports on the
 2-core CI machine. tests/conftest.py's `packbench_cli` hands it to a test; a module's fixture,
 made once, calls it directly. Commands that start or join Ray belong in a subprocess (a Ray
 driver would outlive the call in this process)."""
@@ -26,7 +26,7 @@ class Ran:
 
 
 def run_packbench(*args: str, env: Mapping[str, str] = {}, cwd: Path | None = None) -> Ran:
-    from cli.main import main
+    from packbench.cli.main import main
 
     out, err = io.StringIO(), io.StringIO()
     with pytest.MonkeyPatch.context() as patch, redirect_stdout(out), redirect_stderr(err):

@@ -28,6 +28,6 @@ def test_every_class_name_has_one_home():
 
 def test_the_check_sees_a_name_defined_twice(tmp_path):
     for package in ("core", "service"):
-        (tmp_path / package).mkdir()
-        (tmp_path / package / "m.py").write_text("class Point:\n    pass\n")
-    assert class_homes(tmp_path)["Point"] == ["core/m.py", "service/m.py"]
+        (tmp_path / "packbench" / package).mkdir(parents=True)
+        (tmp_path / "packbench" / package / "m.py").write_text("class Point:\n    pass\n")
+    assert class_homes(tmp_path)["Point"] == ["packbench/core/m.py", "packbench/service/m.py"]

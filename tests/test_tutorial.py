@@ -5,7 +5,7 @@ after the Makefile's `demo` recipe, run in a temporary copy of `protocols/` with
 database and archive folder (the defaults, relative to that copy). Every command must exit 0,
 and a few print lines that are cheap to check (a PASS, an audit that agrees). `packbench` is
 this checkout's code: `.venv/bin/activate` in the copy puts a `packbench` on PATH that runs
-`python -m cli` with this interpreter and this checkout first on PYTHONPATH.
+`python -m packbench` with this interpreter and this checkout first on PYTHONPATH.
 
 The Makefile's `demo` recipe, the first thing a newcomer runs, starts packbench's embedded Ray
 as theirs would. The commands after it (the README's "Using it", the tutorial) join the
@@ -115,7 +115,7 @@ def sandbox(tmp: Path, ray_address: str | None = None) -> dict[str, str]:
     bin_dir = tmp / ".venv" / "bin"
     bin_dir.mkdir(parents=True)
     exe = bin_dir / "packbench"
-    exe.write_text(f'#!/bin/sh\nexec "{sys.executable}" -m cli "$@"\n')
+    exe.write_text(f'#!/bin/sh\nexec "{sys.executable}" -m packbench "$@"\n')
     exe.chmod(0o755)
     (bin_dir / "activate").write_text(f'PATH="{bin_dir}:$PATH"\nexport PATH\n')
     env = clean_environment()

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from db.store import Store
+from packbench.db.store import Store
 from screens import QUICKSTART, ingest_archive
 
 

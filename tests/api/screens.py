@@ -11,9 +11,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from core.archive import PROTOCOL_NAME, VERDICTS_NAME, ArchiveReader, file_sha256
-from core.canonical import canonical_json
-from db.store import Store
+from packbench.core.archive import PROTOCOL_NAME, VERDICTS_NAME, ArchiveReader, file_sha256
+from packbench.core.canonical import canonical_json
+from packbench.db.store import Store
 
 DATA = Path(__file__).resolve().parents[1] / "data"
 QUICKSTART = DATA / "quickstart-v1.zip"

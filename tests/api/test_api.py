@@ -7,9 +7,9 @@ import pytest
 
 import packbench
 from screens import QUICKSTART, archived, ingest_archive
-from core.errors import PackbenchError
-from core.record import STORED_FIELDS
-from db.store import Store
+from packbench.core.errors import PackbenchError
+from packbench.core.record import STORED_FIELDS
+from packbench.db.store import Store
 
 
 @pytest.fixture

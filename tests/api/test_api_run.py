@@ -6,7 +6,7 @@ import pytest
 import yaml
 
 import packbench
-from core.settings import Settings
+from packbench.core.settings import Settings
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.ray

@@ -9,8 +9,8 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
-from cli.main import app
-from db.store import Store
+from packbench.cli.main import app
+from packbench.db.store import Store
 from screens import QUICKSTART, ingest_archive
 
 ROOT = Path(__file__).resolve().parents[2]

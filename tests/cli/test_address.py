@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from db.store import Store
+from packbench.db.store import Store
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -71,14 +71,14 @@ def test_a_wrong_address_fails_fast_in_one_line_and_queues_nothing(workdir, case
     if case == "not-ray":
         address = request.getfixturevalue("silent_service")
     t0 = time.monotonic()
-    r = subprocess.run([sys.executable, "-m", "cli", "--connect-timeout", "4", "submit", "protocol.yaml", "--wait",
+    r = subprocess.run([sys.executable, "-m", "packbench", "--connect-timeout", "4", "submit", "protocol.yaml", "--wait",
                         "--address", address], cwd=d, env=env, capture_output=True, text=True, timeout=120)
     took = time.monotonic() - t0
     assert r.returncode == 2, r.stderr
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and address in lines[0], r.stderr
     assert took < 4 + 15  # the connect timeout, plus Python and Ray imports on a loaded 2-core box
-    listed = subprocess.run([sys.executable, "-m", "cli", "screens", "list"], cwd=d, env=env, capture_output=True,
+    listed = subprocess.run([sys.executable, "-m", "packbench", "screens", "list"], cwd=d, env=env, capture_output=True,
                             text=True)
     assert "no screens" in listed.stdout  # nothing queued by a submit that could not reach the cluster
 
@@ -87,10 +87,10 @@ def test_dispatch_with_nothing_queued_starts_no_ray(workdir):
     """An empty queue is answered from the database alone: given an address where nothing
     listens, a dispatcher that tried to join would fail; this one says there is nothing to do."""
     d, env = workdir
-    r = subprocess.run([sys.executable, "-m", "cli", "--connect-timeout", "2", "dispatch", "--address",
+    r = subprocess.run([sys.executable, "-m", "packbench", "--connect-timeout", "2", "dispatch", "--address",
                         f"127.0.0.1:{free_port()}"], cwd=d, env=env, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and r.stdout.strip() == "no queued screens", (r.returncode, r.stdout, r.stderr)
     # --follow serves the queue: it joins the cluster first, and fails on that address in one line.
-    r = subprocess.run([sys.executable, "-m", "cli", "--connect-timeout", "2", "dispatch", "--follow", "--address",
+    r = subprocess.run([sys.executable, "-m", "packbench", "--connect-timeout", "2", "dispatch", "--follow", "--address",
                         f"127.0.0.1:{free_port()}"], cwd=d, env=env, capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "nothing answers there" in r.stderr, r.stderr

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 from bench.audit import synthetic_protocol, write_synthetic_screen
-from core.archive import MANIFEST_NAME, ArchiveReader, file_sha256
-from core.provenance import Signer
-from db.store import Store
+from packbench.core.archive import MANIFEST_NAME, ArchiveReader, file_sha256
+from packbench.core.provenance import Signer
+from packbench.db.store import Store
 from in_process import run_packbench  # tests/in_process.py
 
 
@@ -131,7 +131,7 @@ def test_reexecution_refuses_what_it_cannot_rerun_with_one_line(world, tmp_path,
 def test_a_reexecution_that_disagrees_on_time_alone_says_so_and_names_time_factor():
     from types import SimpleNamespace
 
-    from cli.audit_cmd import reexecution_parts as _reexecution_parts
+    from packbench.cli.audit_cmd import reexecution_parts as _reexecution_parts
 
     slow = "condition packet: median episode wall 0.0259 s re-executed against 0.5233 s archived"
     timing_only = SimpleNamespace(problems=[slow], timing_problems=(slow,), exact_agrees=True,
@@ -151,7 +151,7 @@ def test_a_reexecution_that_disagrees_on_time_alone_says_so_and_names_time_facto
 
 
 def test_busy_hosts_name_the_run_whose_host_was_busy():
-    from service.audit import _busy_hosts
+    from packbench.service.audit import _busy_hosts
 
     busy = {"plan_index": 0, "episode_s": 1.0, "host_load": {"other_cpu_s": 1.4}}
     quiet = {"plan_index": 1, "episode_s": 1.0, "host_load": {"other_cpu_s": 0.0}, "host_workers": []}

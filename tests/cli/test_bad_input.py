@@ -93,9 +93,9 @@ def test_text_prompts_on_a_checkpoint_without_a_tokenizer(tmp_path, upgraded, ti
     """Not "prompt 0 has 0 tokens": one line naming the missing tokenizer files and the fix."""
     from typer.testing import CliRunner
 
-    from cli.main import app
-    from core.errors import CheckpointError
-    from db.store import Store
+    from packbench.cli.main import app
+    from packbench.core.errors import CheckpointError
+    from packbench.db.store import Store
 
     (tmp_path / "texts.txt").write_text("the cat sat on the mat\n---\nthe dog sat on the cat\n")
     p = write_protocol(tmp_path, tiny, prompts={"text_file": "texts.txt"})
@@ -133,7 +133,7 @@ def test_a_competitor_whose_library_is_missing_is_refused_before_anything_is_que
     """In-process, with bitsandbytes made to look absent (whether or not it is installed)."""
     import importlib.util
 
-    from db.store import Store
+    from packbench.db.store import Store
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "bitsandbytes" else real(name, *a))

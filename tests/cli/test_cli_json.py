@@ -11,11 +11,11 @@ import pytest
 from typer.testing import CliRunner
 
 from bench.audit import synthetic_protocol, write_synthetic_screen
-from cli.audit_cmd import route_legacy
-from cli.main import app
-from core.protocol import load
-from core.settings import ENVIRONMENT, Settings
-from db.store import Store
+from packbench.cli.audit_cmd import route_legacy
+from packbench.cli.main import app
+from packbench.core.protocol import load
+from packbench.core.settings import ENVIRONMENT, Settings
+from packbench.db.store import Store
 
 ROOT = Path(__file__).resolve().parents[2]
 GATES = ROOT / "tests" / "data" / "gates-v2.yaml"
@@ -153,7 +153,7 @@ def test_every_environment_variable_is_in_one_table_and_in_help():
 
 
 def test_worker_threads_and_pinning_reach_the_actor_as_arguments(monkeypatch):
-    import cluster.worker
+    import packbench.cluster.worker
 
     calls = []
 
@@ -166,8 +166,8 @@ def test_worker_threads_and_pinning_reach_the_actor_as_arguments(monkeypatch):
         def remote(*args, **kwargs):
             calls.append((args, kwargs))
 
-    monkeypatch.setattr(cluster.worker, "GpuWorker", Actor)
-    cluster.worker.start_worker(Settings(worker_threads=3, worker_pin=True), workers_on_host=2)
+    monkeypatch.setattr(packbench.cluster.worker, "GpuWorker", Actor)
+    packbench.cluster.worker.start_worker(Settings(worker_threads=3, worker_pin=True), workers_on_host=2)
     (env,), kwargs = calls[0]
     assert kwargs == {"threads": 3, "pin": True} and env["OMP_NUM_THREADS"] == "3"
     assert not [k for k in env if k.startswith("PACKBENCH_")]

@@ -6,8 +6,8 @@ import json
 
 from typer.testing import CliRunner
 
-from cli.main import app
-from db.store import Store
+from packbench.cli.main import app
+from packbench.db.store import Store
 
 FREEZE = {"git": "abc"}
 
@@ -93,7 +93,7 @@ def test_machines_are_counted_by_host_not_by_ray_node(tmp_path):
 
 
 def test_an_audit_names_its_host_by_name_and_a_ray_node_beside_it():
-    from service.audit import host_and_node
+    from packbench.service.audit import host_and_node
 
     assert host_and_node("vm", "vm") == "vm"
     assert host_and_node("vm", "9fd8380a2b396d8f") == "vm (Ray node 9fd8380a)"

@@ -4,8 +4,8 @@ dispatcher: the outage itself runs for real in tests/cluster/test_dispatch.py)."
 import pytest
 from typer.testing import CliRunner
 
-from cli.main import app
-from db.store import Store
+from packbench.cli.main import app
+from packbench.db.store import Store
 
 
 @pytest.mark.parametrize("follow, code, words", [
@@ -15,7 +15,7 @@ from db.store import Store
 ])
 def test_what_dispatch_says_when_the_database_is_down(tmp_path, monkeypatch, follow, code, words):
     """The command's last line for each way a dispatcher leaves a database outage."""
-    import service.scheduler
+    import packbench.service.scheduler
 
     db_url = f"sqlite:///{tmp_path / 'packbench.db'}"
     with Store(db_url) as store:
@@ -33,7 +33,7 @@ def test_what_dispatch_says_when_the_database_is_down(tmp_path, monkeypatch, fol
                 self.stopping, self.fatal = "database", "cannot connect to postgresql at h:5432 (connection refused); ..."
             return []
 
-    monkeypatch.setattr(service.scheduler, "Scheduler", Stub)
+    monkeypatch.setattr(packbench.service.scheduler, "Scheduler", Stub)
     out = CliRunner().invoke(app, ["dispatch", "--db", db_url, *(["--follow"] if follow else [])])
     assert out.exit_code == code
     assert out.output.strip().splitlines()[-1].startswith(words)

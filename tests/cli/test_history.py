@@ -19,9 +19,9 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests" / "api"))  # the archive-to-screen helper the API tests use
 
 from browser import INSTALL_HINT, check_page, chromium  # noqa: E402  (tests/cli/browser.py)
-from db.store import Store  # noqa: E402
+from packbench.db.store import Store  # noqa: E402
 from screens import QUICKSTART, ingest_archive  # noqa: E402
-from service.history import false_alarm_rate, steps  # noqa: E402
+from packbench.service.history import false_alarm_rate, steps  # noqa: E402
 
 COMMITS = ("1" * 40, "2" * 40, "3" * 40)
 RUNS = (7, 3, 3)  # per commit: seven repeats of the first measure the false-alarm rate

@@ -80,7 +80,7 @@ def screen_at(repo: Path, work: Path, settings: dict, address: str, replicas: in
     assert queued.returncode == 0, queued.stderr
     env = {**os.environ, **settings, "PACKBENCH_RAY_ADDRESS": address, "RAY_AUTH_MODE": "disabled",
            "PYTHONPATH": str(repo)}
-    out = subprocess.run([sys.executable, "-m", "cli", "dispatch"], cwd=work, env=env, capture_output=True, text=True,
+    out = subprocess.run([sys.executable, "-m", "packbench", "dispatch"], cwd=work, env=env, capture_output=True, text=True,
                          timeout=600)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
 

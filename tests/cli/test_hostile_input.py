@@ -1,7 +1,7 @@
 """Hostile input: every case a one-line error naming the cause and the limit or fix, exit 2, no
 traceback, nothing queued or lost; names from a protocol printed escaped.
 
-Commands run in this process through the console entry point (`cli.main.main`), so a case
+Commands run in this process through the console entry point (`packbench.cli.main.main`), so a case
 costs milliseconds, and an uncaught exception fails the test with its traceback.
 """
 
@@ -28,7 +28,7 @@ class Result:
 
 
 def pb(capsys, *args: str) -> Result:
-    from cli.main import main
+    from packbench.cli.main import main
 
     argv, sys.argv = sys.argv, ["packbench", *args]
     try:
@@ -56,7 +56,7 @@ def db(tmp_path, monkeypatch) -> str:
     url = f"sqlite:///{tmp_path / 'pb.db'}"
     monkeypatch.setenv("PACKBENCH_DB_URL", url)
     monkeypatch.chdir(tmp_path)
-    from db.store import Store
+    from packbench.db.store import Store
 
     with Store(url) as store:
         store.upgrade()
@@ -64,7 +64,7 @@ def db(tmp_path, monkeypatch) -> str:
 
 
 def queued(url: str) -> list:
-    from db.store import Store
+    from packbench.db.store import Store
 
     with Store(url) as store:
         return store.list_screens()
@@ -138,8 +138,8 @@ def test_an_alias_bomb_below_the_limit_is_shown_cut_not_rendered(tmp_path, db, t
 
 
 def test_values_shown_in_messages_are_bounded():
-    from core.protocol.fields import _show
-    from core.registry import _show as registry_show
+    from packbench.core.protocol.fields import _show
+    from packbench.core.registry import _show as registry_show
 
     a: list = ["x"] * 9
     for _ in range(9):
@@ -155,7 +155,7 @@ def test_values_shown_in_messages_are_bounded():
 def test_a_protocol_over_the_size_limit_names_it(tmp_path, db, monkeypatch, capsys):
     import importlib
 
-    monkeypatch.setattr(importlib.import_module("core.protocol.freeze"), "MAX_PROTOCOL_BYTES", 1 << 20)
+    monkeypatch.setattr(importlib.import_module("packbench.core.protocol.freeze"), "MAX_PROTOCOL_BYTES", 1 << 20)
     p = write(tmp_path / "p.yaml", "name: q\n" + "#" * (1 << 20) + "\n")
     one_line_error(pb(capsys, "protocol", "validate", str(p)), "is 1048585 bytes",
                    "a protocol file is at most 1 MiB", "prompts.token_file")
@@ -183,8 +183,8 @@ def test_model_synth_out_that_cannot_be_a_directory_is_one_line(tmp_path, db, ca
 
 
 def test_write_output_leaves_no_partial_file(tmp_path):
-    from cli.common import write_output
-    from core.errors import PackbenchError
+    from packbench.cli.common import write_output
+    from packbench.core.errors import PackbenchError
 
     (tmp_path / "x.html").mkdir()  # a directory where the file goes: the final rename fails
     with pytest.raises(PackbenchError, match="--out .*x.html: cannot write it"):
@@ -262,9 +262,9 @@ def test_address_without_wait_is_refused_and_queues_nothing(tmp_path, db, tiny, 
 
 def _claimed(url: str, tiny: Path, tmp_path: Path, *, max_attempts: int = 3):
     """A submitted quickstart screen, claimed: (store, claim, ScreenRun)."""
-    from db.store import Store
-    from service.screen import ScreenRun
-    from service.submit import submit
+    from packbench.db.store import Store
+    from packbench.service.screen import ScreenRun
+    from packbench.service.submit import submit
 
     store = Store(url)
     p = write(tmp_path / "p.yaml", yaml.safe_dump(quickstart(tiny)))
@@ -306,7 +306,7 @@ def test_a_killed_worker_is_reported_as_the_attempt_failing_and_what_comes_next(
 
 
 def _fake_dispatcher(monkeypatch, outcomes) -> None:
-    import service.scheduler
+    import packbench.service.scheduler
 
     class Fake:
         fatal = stopping = None
@@ -320,24 +320,24 @@ def _fake_dispatcher(monkeypatch, outcomes) -> None:
                 self.on_outcome(o)
             return outcomes
 
-    monkeypatch.setattr(service.scheduler, "Scheduler", Fake)
+    monkeypatch.setattr(packbench.service.scheduler, "Scheduler", Fake)
 
 
 def test_a_full_disk_at_the_archive_leaves_no_file_and_exits_2_as_mid_screen(tmp_path, db, tiny, monkeypatch):
     import errno
 
-    import core.archive.writer
-    from core.errors import ArchiveError
-    from core.settings import Settings
-    from service.scheduler import Scheduler
-    from service.scheduler_state import Active, Slot
+    import packbench.core.archive.writer
+    from packbench.core.errors import ArchiveError
+    from packbench.core.settings import Settings
+    from packbench.service.scheduler import Scheduler
+    from packbench.service.scheduler_state import Active, Slot
 
     def full(*args, **kwargs):
         raise OSError(errno.ENOSPC, "No space left on device")
 
     store, claim, run = _claimed(db, tiny, tmp_path)
     with monkeypatch.context() as m:
-        m.setattr(core.archive.writer, "_write_at", full)
+        m.setattr(packbench.core.archive.writer, "_write_at", full)
         dispatcher = Scheduler(store, Settings(archive_dir=tmp_path / "archives"), pool=None)
         dispatcher.claims.start(Slot(name="w0", worker=None), claim)  # fails at the archive, before any worker call
     (at_start,) = dispatcher.outcomes
@@ -360,7 +360,7 @@ def test_a_full_disk_at_the_archive_leaves_no_file_and_exits_2_as_mid_screen(tmp
 def test_audit_all_reports_unfinished_attempts_without_failing(tmp_path, db, tiny, capsys):
     """A failed attempt with no archive, one with an empty file (left by an older packbench),
     and one with a partial archive: each said, and `audit --all` still exits 0."""
-    from service.submit import submit
+    from packbench.service.submit import submit
 
     store, _, run = _claimed(db, tiny, tmp_path)  # screen 1: failed before its archive existed
     run.fail("failed", "could not create archive (No space left on device)")
@@ -398,8 +398,8 @@ def test_dispatch_says_which_screens_a_dead_dispatcher_holds_and_when_they_retur
     import platform
     import subprocess
 
-    from db.store import Store
-    from service.submit import submit
+    from packbench.db.store import Store
+    from packbench.service.submit import submit
 
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait()  # a pid that is no process now
@@ -420,7 +420,7 @@ def test_a_silent_dispatcher_on_another_host_is_named_a_live_one_is_not():
     from datetime import datetime, timedelta, timezone
     from types import SimpleNamespace
 
-    from service.scheduler_state import held_by_silent
+    from packbench.service.scheduler_state import held_by_silent
 
     now = datetime(2026, 12, 1, 12, 0, tzinfo=timezone.utc)
     running = [SimpleNamespace(screen_id=i, attempt=1, dispatcher=f"d{i}", lease_expires_at=now + timedelta(seconds=40))
@@ -443,7 +443,7 @@ def test_status_says_a_killed_dispatcher_is_not_live_at_once():
 
     import os
 
-    from cli.query import _liveness
+    from packbench.cli.query import _liveness
 
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait()

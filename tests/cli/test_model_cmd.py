@@ -5,8 +5,8 @@ import json
 
 from typer.testing import CliRunner
 
-from cli.main import app
-from cli.progress import StepBar, StepLines
+from packbench.cli.main import app
+from packbench.cli.progress import StepBar, StepLines
 
 
 def test_synth_reports_layers_then_the_write(tmp_path):

@@ -7,9 +7,9 @@ import logging
 import yaml
 from typer.testing import CliRunner
 
-from cli import main as cli_main
-from cli.progress import PlainLines, _LogsAbove
-from db.store import Store
+from packbench.cli import main as cli_main
+from packbench.cli.progress import PlainLines, _LogsAbove
+from packbench.db.store import Store
 
 
 def test_piped_episode_lines_start_with_the_seconds_since_their_screen_began(capsys):
@@ -35,10 +35,10 @@ def test_log_records_go_through_the_bars_console_while_bars_are_live():
     try:
         screen = io.StringIO()
         logs = _LogsAbove(Console(file=screen, width=200))
-        logging.getLogger("service.scheduler").warning("SIGINT: giving back held screens and stopping")
+        logging.getLogger("packbench.service.scheduler").warning("SIGINT: giving back held screens and stopping")
         logs.close()
         assert "SIGINT: giving back held screens" in screen.getvalue() and terminal.getvalue() == ""
-        logging.getLogger("service.scheduler").warning("after the bars")
+        logging.getLogger("packbench.service.scheduler").warning("after the bars")
         assert "after the bars" in terminal.getvalue()  # the stream handler is back
     finally:
         root.removeHandler(direct)

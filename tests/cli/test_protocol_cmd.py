@@ -11,12 +11,12 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from cli.main import app
-from core import report as data
-from core.estimate import Activity, ModelShape, call_h2d_bytes, estimate
-from core.plan import plan
-from core.protocol import load
-from core.registry import DTYPE_NAMES, POLICY_NAMES, SYNTH_SHAPES
+from packbench.cli.main import app
+from packbench.core import report as data
+from packbench.core.estimate import Activity, ModelShape, call_h2d_bytes, estimate
+from packbench.core.plan import plan
+from packbench.core.protocol import load
+from packbench.core.registry import DTYPE_NAMES, POLICY_NAMES, SYNTH_SHAPES
 
 ROOT = Path(__file__).resolve().parents[2]
 DATA = ROOT / "tests" / "data"
@@ -29,7 +29,7 @@ def invoke(*args: str):
 
 def run(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
     """The real command line: exit codes and one-line errors come from cli.main.main()."""
-    return subprocess.run([sys.executable, "-m", "cli", *args], cwd=cwd, capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "packbench", *args], cwd=cwd, capture_output=True, text=True,
                           timeout=120, env={**__import__("os").environ, "PYTHONPATH": str(ROOT)})
 
 
@@ -97,7 +97,7 @@ def test_plan_lists_the_episodes_in_order_and_what_each_condition_moves():
 
 
 def test_plan_says_what_a_cpu_screen_is_and_prints_plain_numbers(tmp_path):
-    from cli import protocol_cmd
+    from packbench.cli import protocol_cmd
 
     no_db = ("--db", f"sqlite:///{tmp_path / 'none.db'}")
     out = invoke("protocol", "plan", str(GATES), "--device", "cpu", *no_db).output
@@ -156,7 +156,7 @@ def test_plan_needs_sparsity_and_shape_for_a_checkpoint_path(tmp_path, tiny):
     r = run("protocol", "plan", str(tmp_path / "synth.yaml"))  # model synth wrote its sparsity: 0.94
     assert r.returncode == 0 and "active per call 6.00% (decode)" in r.stdout, r.stderr
     uniform = r.stdout
-    from engine.synth import synth_checkpoint  # a profile's checkpoint: its config.json names the profile
+    from packbench.engine.synth import synth_checkpoint  # a profile's checkpoint: its config.json names the profile
 
     profiled = synth_checkpoint(tmp_path / "profiled", shape="tiny", dtype="float32", seed=0, profile="opt")
     (tmp_path / "profiled.yaml").write_text(quickstart.replace("../.packbench/models/tiny", str(profiled)))
@@ -199,7 +199,7 @@ def complete(line: str) -> list[str]:
 
 
 def test_options_with_a_closed_set_of_values_complete():
-    from core.protocol import GATE_NAMES
+    from packbench.core.protocol import GATE_NAMES
 
     assert complete("packbench results --gate ") == list(GATE_NAMES)
     assert complete("packbench compare --format ") == ["table", "json", "csv"]
@@ -219,7 +219,7 @@ def test_validate_and_db_upgrade_take_json(tmp_path):
 
 
 def test_enum_choices_come_from_the_registry():
-    from cli.choices import Dtype, Policy, Shape
+    from packbench.cli.choices import Dtype, Policy, Shape
 
     assert tuple(s.value for s in Shape) == SYNTH_SHAPES
     assert tuple(d.value for d in Dtype) == DTYPE_NAMES

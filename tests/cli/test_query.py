@@ -2,7 +2,7 @@
 
 Output formats run in-process (typer's CliRunner, fast); the refusal and bad input run the
 console entry point `cli.main.main()` in this process (tests/conftest.py `packbench_cli`: its
-exit codes and one-line errors): milliseconds a command, where a `python -m cli` subprocess
+exit codes and one-line errors): milliseconds a command, where a `python -m packbench` subprocess
 costs half a second.
 """
 
@@ -20,10 +20,10 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
-from cli.main import app
-from core.errors import PackbenchError
-from db.queries import GATES
-from db.store import Store
+from packbench.cli.main import app
+from packbench.core.errors import PackbenchError
+from packbench.db.queries import GATES
+from packbench.db.store import Store
 
 ROOT = Path(__file__).resolve().parents[2]
 TABLES = ("protocols", "machines", "screens", "attempts", "episodes", "verdicts", "audits")
@@ -109,7 +109,7 @@ def test_results_screen_view_is_unchanged(db):
 def test_results_of_a_screen_give_each_conditions_wall_spread(db):
     """`results --screen N`: per condition n, median, p10 and p90 of the scored ok walls, beside the
     episodes (table and JSON), so no wall is read alone."""
-    from core.dispersion import spread
+    from packbench.core.dispersion import spread
 
     summary = json.loads(invoke(db, "results", "--screen", "2", "--json").stdout)
     by = {r["condition"]: r for r in summary["spread"]}

@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from core import report as data
-from core.archive import ArchiveReader
-from core.protocol import MIB
+from packbench.core import report as data
+from packbench.core.archive import ArchiveReader
+from packbench.core.protocol import MIB
 from in_process import Ran, run_packbench  # tests/in_process.py
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -62,7 +62,7 @@ def screen(workdir, env, ray_address) -> dict:
     `submit --wait` runs in a subprocess that joins the session's Ray (tests/conftest.py)."""
     up = cli("db", "upgrade", cwd=workdir, env=env)
     assert up.returncode == 0, up.stderr
-    out = subprocess.run([sys.executable, "-m", "cli", "submit", "protocol.yaml", "--wait", "--json"], cwd=workdir,
+    out = subprocess.run([sys.executable, "-m", "packbench", "submit", "protocol.yaml", "--wait", "--json"], cwd=workdir,
                          capture_output=True, text=True, timeout=600,
                          env={**os.environ, **env, "PACKBENCH_RAY_ADDRESS": ray_address, "PYTHONPATH": str(ROOT),
                               "RAY_AUTH_MODE": "disabled"})
@@ -282,7 +282,7 @@ def test_screens_show_says_where_the_attempts_time_went(screen, workdir, env):
 def test_a_condition_shows_the_params_it_ran_with_defaults_spelled_out():
     """A protocol frozen before schema 3 says `packet` without `gather`: it ran the host gather,
     and the report says so (since schema 3 the same words would mean the device gather)."""
-    from cli.report_page import protocol_section
+    from packbench.cli.report_page import protocol_section
 
     s = data.read_screen(DATA / "quickstart-v1.zip")
     packet = next(r for r in data.condition_summary(s) if r["condition"] == "packet")
@@ -292,8 +292,8 @@ def test_a_condition_shows_the_params_it_ran_with_defaults_spelled_out():
 
 def test_an_interrupted_archive_reports_what_it_holds(tmp_path):
     """No manifest, no verdicts, half the episodes: the page says so and draws what is there."""
-    from core.archive import ArchiveWriter, episode_member, logits_member
-    from cli.report_page import AuditStatus, screen_page
+    from packbench.core.archive import ArchiveWriter, episode_member, logits_member
+    from packbench.cli.report_page import AuditStatus, screen_page
 
     src = ArchiveReader(DATA / "gates-v2.zip")
     partial = tmp_path / "partial.zip"
@@ -316,7 +316,7 @@ def test_large_screens_keep_the_page_small():
     the peak): a plot's size is bounded by the picture, not by the number of calls."""
     import numpy as np
 
-    from cli import report_figures as figs
+    from packbench.cli import report_figures as figs
 
     rng = np.random.default_rng(0)
     with figs.style():
@@ -334,7 +334,7 @@ def test_large_screens_keep_the_page_small():
 def test_a_shared_gpu_is_named_on_the_page():
     """Episodes whose sampler saw other processes on the GPU: the conditions section says so, with
     the processes; malformed entries from a hostile archive are ignored, not trusted."""
-    from cli.report_page import summary_section
+    from packbench.cli.report_page import summary_section
 
     s = data.read_screen(DATA / "gates-v2.zip")
     assert data.gpu_sharing(s) == {"episodes": [], "processes": {}}
@@ -355,7 +355,7 @@ def edited_attempt(path, edit):
     with each episode record passed through `edit(index, record)`."""
     import types
 
-    from core.archive import ArchiveWriter, episode_member
+    from packbench.core.archive import ArchiveWriter, episode_member
 
     src = ArchiveReader(DATA / "gates-v2.zip")
     w = ArchiveWriter(path)
@@ -369,7 +369,7 @@ def edited_attempt(path, edit):
 
 def test_screens_show_names_a_shared_gpu(tmp_path):
     """`screens show`'s time table reads the archive: a note names the processes that shared the GPU."""
-    from cli.query import attempt_time
+    from packbench.cli.query import attempt_time
 
     def edit(index, record):
         if index < 2:
@@ -384,8 +384,8 @@ def test_screens_show_names_a_shared_gpu(tmp_path):
 def test_a_shared_host_is_named_on_the_page_and_in_screens_show(tmp_path):
     """Episodes run while other packbench workers were busy on the host (`host_workers`): the page and
     `screens show` name them; malformed entries from a hostile archive are ignored."""
-    from cli.query import attempt_time
-    from cli.report_page import summary_section
+    from packbench.cli.query import attempt_time
+    from packbench.cli.report_page import summary_section
 
     s = data.read_screen(DATA / "gates-v2.zip")
     assert data.host_sharing(s) == {"episodes": [], "workers": {}} and "host-shared" not in summary_section(s)
@@ -409,8 +409,8 @@ def test_a_shared_host_is_named_on_the_page_and_in_screens_show(tmp_path):
 
 
 def test_the_comparison_wall_bars_have_error_bars_and_say_whose_host_was_shared(tmp_path):
-    from cli import report_figures as figs
-    from cli.report_page import AuditStatus, _compare_sharing, _wall_ranges, compare_page
+    from packbench.cli import report_figures as figs
+    from packbench.cli.report_page import AuditStatus, _compare_sharing, _wall_ranges, compare_page
 
     s, t = data.read_screen(DATA / "gates-v2.zip"), data.read_screen(DATA / "gates-v2.zip")
     ranges = _wall_ranges(s)
@@ -434,8 +434,8 @@ def test_the_comparison_wall_bars_have_error_bars_and_say_whose_host_was_shared(
 def test_figures_read_as_what_was_measured():
     """A slow outlier puts decode ms/token on a log axis; two measured token counts are not
     joined as a curve; verdict details are rounded for reading (the stored one is not)."""
-    from cli import report_figures as figs
-    from cli.summary import detail_text
+    from packbench.cli import report_figures as figs
+    from packbench.cli.summary import detail_text
 
     assert figs.wants_log([1.0, 1.1, 0.9, 1.0, 45.0]) and not figs.wants_log([1.0, 1.1, 0.9, 3.0])
     # one condition 100x slower than another: on a linear axis the fast one's box is a line at 0
@@ -449,7 +449,7 @@ def test_figures_read_as_what_was_measured():
 
 
 def test_the_frontier_marks_each_point_by_tier_and_fidelity():
-    from cli import report_figures as figs
+    from packbench.cli import report_figures as figs
 
     view = {"memory": "held", "points": [
         {"condition": "packet", "tier": "exact", "decode_ms": 6.8, "memory_bytes": 4650 << 20,
@@ -481,7 +481,7 @@ def test_a_wide_conditions_table_fits_the_page(tmp_path, monkeypatch):
     """Nine conditions with parameters, GPU peaks, energy and fidelity: the conditions table fits the
     page's width in Chromium (its policy parameters wrap under the policy, paired figures share a
     cell), where one column per figure ran past the page."""
-    from cli.report_page import _page, summary_section
+    from packbench.cli.report_page import _page, summary_section
 
     if chromium() is None:
         pytest.fail(INSTALL_HINT)
@@ -501,8 +501,8 @@ def test_a_wide_conditions_table_fits_the_page(tmp_path, monkeypatch):
 def test_the_condition_tables_carry_each_times_spread():
     """Both reports give each condition's wall and decode ms/token as a median over its p10-p90
     (core/dispersion.py), beside the scored count."""
-    from cli.report_page import AuditStatus, compare_page, summary_section
-    from core.dispersion import spread
+    from packbench.cli.report_page import AuditStatus, compare_page, summary_section
+    from packbench.core.dispersion import spread
 
     s = data.read_screen(DATA / "gates-v2.zip")
     walls = {c: spread([w for _, w in v]) for c, v in data.wall_per_episode(s).items()}
@@ -520,7 +520,7 @@ def test_the_condition_tables_carry_each_times_spread():
 def test_a_busy_host_is_named_on_the_single_screen_page():
     """Other processes' CPU on the host (each record's host_load, from /proc): half a core or more
     during an episode, and the conditions section says so, as the comparison report does."""
-    from cli.report_page import summary_section
+    from packbench.cli.report_page import summary_section
 
     s = data.read_screen(DATA / "gates-v2.zip")
     assert "host-busy" not in summary_section(s)  # an archive from before host_load: nothing claimed
@@ -534,7 +534,7 @@ def test_a_busy_host_is_named_on_the_single_screen_page():
 def test_the_frontier_leaves_overlapping_names_to_its_legend():
     """Points a few pixels apart: one exact name is written, the others are left to the legend; an
     approximate point's fidelity label is always written."""
-    from cli import report_figures as figs
+    from packbench.cli import report_figures as figs
 
     def point(name, tier, ms, mib):
         return {"condition": name, "tier": tier, "decode_ms": ms, "memory_bytes": int(mib * MIB),

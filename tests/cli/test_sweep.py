@@ -20,7 +20,7 @@ ray = pytest.mark.ray
 
 
 def cli(*args: str, cwd: Path, env: dict) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "cli", *args], cwd=cwd, capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "packbench", *args], cwd=cwd, capture_output=True, text=True,
                           env=env, timeout=600)
 
 
@@ -37,7 +37,7 @@ def workdir(tmp_path_factory, tiny) -> Path:
 def env(workdir) -> dict:
     import os
 
-    from db.store import Store
+    from packbench.db.store import Store
 
     e = dict(os.environ, PACKBENCH_DB_URL=f"sqlite:///{workdir / 'packbench.db'}", RAY_AUTH_MODE="disabled",
              PYTHONPATH=str(ROOT))

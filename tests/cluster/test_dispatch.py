@@ -21,11 +21,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from core.archive import ArchiveReader
-from core.settings import Settings
-from db.errors import DatabaseLocked, DatabaseUnavailable
-from db.store import Store
-from service.submit import submit
+from packbench.core.archive import ArchiveReader
+from packbench.core.settings import Settings
+from packbench.db.errors import DatabaseLocked, DatabaseUnavailable
+from packbench.db.store import Store
+from packbench.service.submit import submit
 
 pytestmark = pytest.mark.ray
 ROOT = Path(__file__).resolve().parents[2]
@@ -79,8 +79,8 @@ def store(tmp_path):
 
 def dispatcher(store, cfg, **options):
     """The scheduler on this cluster: service/scheduler.py over cluster/pool.py's RayPool."""
-    from cluster.pool import RayPool
-    from service.scheduler import Scheduler
+    from packbench.cluster.pool import RayPool
+    from packbench.service.scheduler import Scheduler
 
     return Scheduler(store, cfg, RayPool(cfg), **options)
 
@@ -163,7 +163,7 @@ def test_a_busy_worker_of_another_cluster_on_the_host_is_said_once_and_recorded(
     """A packbench worker this dispatcher did not start (another cluster's, on another GPU of the
     host), busy while the screen runs, shares the host's cores and memory: the dispatcher says so
     once per attempt, and every episode's record lists it."""
-    from engine.gpu_lock import HostPresence
+    from packbench.engine.gpu_lock import HostPresence
 
     (screen_id,) = submit(store, protocol_file(tmp_path))
     said: list[str] = []
@@ -298,7 +298,7 @@ def test_a_database_that_stays_down_stops_the_dispatcher_and_keeps_the_evidence(
     # Issue 27, case 13: the lost attempt's archive holds an episode the database lacks, until
     # reconciliation inserts it (checked by its CRC-32: nobody sealed that archive).
     assert len(store.episodes(lost.id)) == 1
-    from service.reconcile import reconcile
+    from packbench.service.reconcile import reconcile
 
     report = reconcile(store)
     assert [(r.attempt_id, r.inserted, r.check, r.refused) for r in report.attempts] == [(lost.id, 1, "crc32", ())]
@@ -311,7 +311,7 @@ def test_a_database_that_stays_down_stops_the_dispatcher_and_keeps_the_evidence(
 def cli_dispatch(cluster, tmp_path, models, *args) -> subprocess.Popen:
     env = dict(os.environ, PACKBENCH_DB_URL=f"sqlite:///{tmp_path / 'packbench.db'}", RAY_AUTH_MODE="disabled",
                PYTHONPATH=str(ROOT), PACKBENCH_MODEL_CACHE=str(models))
-    return subprocess.Popen([sys.executable, "-m", "cli", "dispatch", "--address", cluster.address,
+    return subprocess.Popen([sys.executable, "-m", "packbench", "dispatch", "--address", cluster.address,
                              "--archive-dir", str(tmp_path / "archives"), *args],
                             cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
@@ -360,7 +360,7 @@ def test_a_killed_dispatcher_leaves_a_lost_attempt_that_another_reclaims(cluster
 def test_audits_fan_out_to_other_nodes_and_repeat_with_one_digest(cluster, tmp_path, models, store):
     """`audit --ray --other-node --repeat 2`: each audit runs on a node other than the producer's,
     the two repeats on distinct nodes, with one digest; every audit is recorded with its node."""
-    from service.audit import audit_screens, repeat_disagreements
+    from packbench.service.audit import audit_screens, repeat_disagreements
 
     ids = submit(store, protocol_file(tmp_path), replicas=2)
     dispatcher(store, settings(cluster, tmp_path, models), lease_s=30).run()
@@ -380,7 +380,7 @@ def test_audits_fan_out_to_other_nodes_and_repeat_with_one_digest(cluster, tmp_p
 
 def test_an_archive_missing_on_the_auditing_node_travels_as_bytes(tmp_path, store, cluster, models):
     """The task side of shipping: without the file, the bytes it is handed give the same digest."""
-    from cluster.audit import _audit_here
+    from packbench.cluster.audit import _audit_here
 
     (screen_id,) = submit(store, protocol_file(tmp_path))
     dispatcher(store, settings(cluster, tmp_path, models), workers=1, lease_s=30).run()
@@ -395,8 +395,8 @@ def test_an_archive_missing_on_the_auditing_node_travels_as_bytes(tmp_path, stor
 def test_a_dispatcher_with_a_signing_key_signs_every_archive(cluster, tmp_path, models, store):
     """--signing-key: each sealed archive gets <archive>.sig; `audit --archive --trust` agrees with
     the right public key and refuses another one."""
-    from core.audit import audit_archive
-    from core.provenance import generate_key, signature_path
+    from packbench.core.audit import audit_archive
+    from packbench.core.provenance import generate_key, signature_path
 
     key, pub, _ = generate_key(tmp_path / "deploy.pem")
     _, other, _ = generate_key(tmp_path / "other.pem")
@@ -406,10 +406,10 @@ def test_a_dispatcher_with_a_signing_key_signs_every_archive(cluster, tmp_path, 
     archive = Path(store.latest_attempt(screen_id).archive_path)
     assert signature_path(archive).is_file() and audit_archive(archive).agrees
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    trusted = subprocess.run([sys.executable, "-m", "cli", "audit", "--archive", str(archive), "--trust", str(pub)],
+    trusted = subprocess.run([sys.executable, "-m", "packbench", "audit", "--archive", str(archive), "--trust", str(pub)],
                              capture_output=True, text=True, env=env)
     assert trusted.returncode == 0, trusted.stdout[-1500:] + trusted.stderr[-1500:]
-    stranger = subprocess.run([sys.executable, "-m", "cli", "audit", "--archive", str(archive), "--trust", str(other)],
+    stranger = subprocess.run([sys.executable, "-m", "packbench", "audit", "--archive", str(archive), "--trust", str(other)],
                               capture_output=True, text=True, env=env)
     assert stranger.returncode == 1
 
@@ -584,9 +584,9 @@ def test_a_following_dispatcher_waits_out_a_database_outage(cluster, tmp_path, m
     capped backoff, and when the database is back reconciles their rows, renews its lease and
     finishes the screen: one attempt, archive episodes == database rows, none lost or twice."""
     if backend == "sqlite":
-        import db.session
+        import packbench.db.session
 
-        monkeypatch.setattr(db.session, "SQLITE_BUSY_TIMEOUT_MS", 100)  # the lock fails fast, as a long outage would
+        monkeypatch.setattr(packbench.db.session, "SQLITE_BUSY_TIMEOUT_MS", 100)  # the lock fails fast, as a long outage would
         path = tmp_path / "outage.db"
         direct = url = f"sqlite:///{path}"
         with Store(url) as s:
@@ -647,7 +647,7 @@ def test_a_following_dispatcher_waits_out_a_database_outage(cluster, tmp_path, m
         reader = ArchiveReader(Path(only.archive_path))
         assert reader.complete and reader.verify() == []
         assert rows == list(range(14)) == [e.index for e in reader.episodes()]
-        from service.audit import audit_screens
+        from packbench.service.audit import audit_screens
 
         (audited,) = audit_screens(s, [screen_id])
         assert audited.agrees, audited.report.record["problems"]

@@ -2,7 +2,7 @@
 
 from itertools import islice
 
-from service.scheduler_outage import OUTAGE_BACKOFF_S, Outage, outage_delays
+from packbench.service.scheduler_outage import OUTAGE_BACKOFF_S, Outage, outage_delays
 
 
 def test_probes_back_off_to_a_cap_and_never_stop():

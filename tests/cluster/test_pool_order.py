@@ -1,8 +1,8 @@
 """The replies a pool hands the scheduler keep each worker's call order (core/pool.py, cluster/pool.py)."""
 
-from cluster.pool import RayPool
-from core.pool import in_worker_order
-from core.settings import Settings
+from packbench.cluster.pool import RayPool
+from packbench.core.pool import in_worker_order
+from packbench.core.settings import Settings
 
 
 def worker(call: str) -> str:

@@ -9,7 +9,7 @@ import pytest
 
 ray_worker = pytest.importorskip("ray._private.worker")
 
-from cluster.runtime import _quiet_raylet_lines  # noqa: E402
+from packbench.cluster.runtime import _quiet_raylet_lines  # noqa: E402
 
 DIED = ("\x1b[33m(raylet)\x1b[0m A worker died or was killed while executing a task by an unexpected system "
         "error. Worker PID: 14068 Worker exit type: SYSTEM_ERROR")
@@ -40,14 +40,14 @@ def test_the_driver_never_imports_torch():
     """The dispatcher, the CLI and the actor's class are torch-free on the driver: the engine is
     imported inside the actor (importing torch cost the dispatcher seconds before its first claim)."""
     code = ("import sys, cli.main, service.scheduler, cluster.pool, cluster.worker, cluster.reexecute, cluster.audit; "
-            "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('engine.worker')))")
+            "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('packbench.engine.worker')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
 
 
 def test_worker_threads_can_be_fixed_where_the_dispatcher_runs(monkeypatch):
-    from core.errors import PackbenchError
-    from core.settings import Settings
+    from packbench.core.errors import PackbenchError
+    from packbench.core.settings import Settings
 
     monkeypatch.delenv("PACKBENCH_WORKER_THREADS", raising=False)
     assert Settings().worker_env(threads=16)["OMP_NUM_THREADS"] == "16"
@@ -63,9 +63,9 @@ def test_worker_threads_can_be_fixed_where_the_dispatcher_runs(monkeypatch):
 
 
 def test_worker_pinning_is_a_share_of_the_cores_and_checked(monkeypatch):
-    from core.errors import PackbenchError
-    from core.settings import Settings
-    from engine.worker import core_share
+    from packbench.core.errors import PackbenchError
+    from packbench.core.settings import Settings
+    from packbench.engine.worker import core_share
 
     assert core_share(list(range(32)), 0, 2) == list(range(16))
     assert core_share(list(range(32)), 1, 2) == list(range(16, 32))

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from core.archive import ArchiveReader
+from packbench.core.archive import ArchiveReader
 from in_process import Ran, run_packbench  # tests/in_process.py
 
 pytestmark = pytest.mark.ray
@@ -28,7 +28,7 @@ def cli(*args: str, cwd: Path, env: dict) -> Ran:
 
 def cli_ray(*args: str, cwd: Path, env: dict) -> subprocess.CompletedProcess:
     """`packbench ARGS` in a subprocess, with the settings in `env` (a Ray address among them)."""
-    return subprocess.run([sys.executable, "-m", "cli", *args], cwd=cwd, capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "packbench", *args], cwd=cwd, capture_output=True, text=True,
                           env={**os.environ, "PYTHONPATH": str(ROOT), "RAY_AUTH_MODE": "disabled", **env},
                           timeout=600)
 
@@ -112,7 +112,7 @@ def flip_byte_in_member(archive: Path, name: str, out: Path) -> Path:
 
 
 def test_flipped_byte_in_any_member_fails_audit_naming_it(screen, workdir, env, tmp_path):
-    from core.audit import audit_archive
+    from packbench.core.audit import audit_archive
 
     archive = Path(screen["archive_path"])
     with zipfile.ZipFile(archive) as z:
@@ -189,7 +189,7 @@ def test_reexecution_agrees_and_is_recorded_as_its_own_kind(screen, workdir, env
     """`audit SCREEN --reexecute K`: episodes drawn (one per condition at least), re-run on a fresh
     worker, exact parts equal; the audit row says kind reexecute. Times on this CPU are noise
     (other tests share the cores): the tolerance is widened, and recorded as such."""
-    from db.store import Store
+    from packbench.db.store import Store
 
     r = cli_ray("audit", str(screen["screen_id"]), "--reexecute", "1", "--seed", "3", "--time-factor", "1000",
                 "--json", cwd=workdir, env=ray_env)

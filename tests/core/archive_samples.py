@@ -11,8 +11,8 @@ from pathlib import Path
 
 import numpy as np
 
-from core.archive import MANIFEST_NAME, ArchiveReader, ArchiveWriter, Problem
-from core.canonical import canonical_json
+from packbench.core.archive import MANIFEST_NAME, ArchiveReader, ArchiveWriter, Problem
+from packbench.core.canonical import canonical_json
 
 PROTOCOL = {"name": "quickstart", "model": "tiny", "conditions": ["dense-stream", "packet"]}
 PLAN = {"episodes": [{"index": 0, "condition": "dense-stream"}, {"index": 1, "condition": "packet"}]}

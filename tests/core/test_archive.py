@@ -19,7 +19,7 @@ from archive_samples import (
     EPISODES, LOGITS, MANIFEST, MEMBERS, NOTES, PLAN, append_entry, data_offset, edit_manifest, lines, problems_of,
     rewrite, sealed_screen, verify, write_screen,
 )
-from core.archive import (
+from packbench.core.archive import (
     MANIFEST_NAME,
     PLAN_NAME,
     PROBLEM_KINDS,
@@ -36,8 +36,8 @@ from core.archive import (
     logits_member,
     trace_member,
 )
-from core.canonical import canonical_json, sha256_hex
-from core.errors import ArchiveError, PackbenchError
+from packbench.core.canonical import canonical_json, sha256_hex
+from packbench.core.errors import ArchiveError, PackbenchError
 
 
 @pytest.fixture
@@ -353,7 +353,7 @@ def test_every_append_leaves_a_valid_zip_of_every_member_so_far(tmp_path: Path):
 def test_a_crash_inside_an_append_leaves_a_readable_zip(tmp_path: Path, monkeypatch, case: str):
     """Die after the first of an append's two writes: the file is still a zip of the earlier
     members (plus, when the directory moved first, the new entry, which verify() names)."""
-    import core.archive.writer as archive
+    import packbench.core.archive.writer as archive
 
     path = tmp_path / "a.zip"
     w = ArchiveWriter(path)
@@ -388,7 +388,7 @@ def test_a_crash_inside_an_append_leaves_a_readable_zip(tmp_path: Path, monkeypa
 def test_zip64_records_match_zipfile():
     """Past 2 GiB offsets/sizes and 65,535 entries the records are zipfile's (checked without
     writing gigabytes: both sides format the same entries)."""
-    import core.archive.zipformat as archive
+    import packbench.core.archive.zipformat as archive
 
     class Sink:
         def __init__(self, at):
@@ -542,7 +542,7 @@ def test_problem_kinds_are_checked():
 def test_plan_and_worker_json_are_built_and_parsed_in_the_layout():
     """plan.json and worker.json have one builder and one parser each (core/archive/layout.py);
     a parser returns what is stored and never trusts a hostile shape."""
-    from core.archive import WORKER_PARTS, plan_entries, plan_json, plan_prompts, worker_json, worker_parts
+    from packbench.core.archive import WORKER_PARTS, plan_entries, plan_json, plan_prompts, worker_json, worker_parts
 
     entries = [{"index": 0, "condition": "dense-stream", "role": "scored", "prompt": 0, "repetition": 0}]
     plan = plan_json(entries, [[2, 5, 7]])
@@ -559,7 +559,7 @@ def test_plan_and_worker_json_are_built_and_parsed_in_the_layout():
 
 
 def test_episode_index_reads_only_the_names_the_layout_writes():
-    from core.archive import episode_index
+    from packbench.core.archive import episode_index
 
     assert episode_index(episode_member(7)) == 7
     assert episode_index(episode_member(123456)) == 123456

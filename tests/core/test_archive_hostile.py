@@ -22,9 +22,9 @@ from archive_samples import (
     EPISODES, LOGITS, MEMBERS, PLAN, append_entry, content, data_offset, edit_manifest, lines, rewrite, sealed_screen,
     tree, verify,
 )
-from core.archive import MANIFEST_NAME, PROBLEM_KINDS, ArchiveReader, ArchiveWriter, Problem
-from core.canonical import canonical_json
-from core.errors import ArchiveError
+from packbench.core.archive import MANIFEST_NAME, PROBLEM_KINDS, ArchiveReader, ArchiveWriter, Problem
+from packbench.core.canonical import canonical_json
+from packbench.core.errors import ArchiveError
 
 
 @pytest.fixture

@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 
 from bench.audit import synthetic_protocol, write_synthetic_screen
-from core.archive import MANIFEST_NAME, ArchiveReader, ArchiveWriter, expected_method
-from core.audit import audit_archive
-from core.canonical import canonical_json
-from core.errors import ArchiveError
+from packbench.core.archive import MANIFEST_NAME, ArchiveReader, ArchiveWriter, expected_method
+from packbench.core.audit import audit_archive
+from packbench.core.canonical import canonical_json
+from packbench.core.errors import ArchiveError
 
 
 @pytest.fixture(scope="module")
@@ -400,7 +400,7 @@ def test_memory_trace_must_back_the_stated_sampled_peak(tmp_path):
     """A record's peak_sampled_bytes is recomputed from its traces/ member."""
     import numpy as np
 
-    from core.audit import _Audit
+    from packbench.core.audit import _Audit
 
     trace = np.array([[0.0, 100.0], [0.005, 300.0], [0.01, 200.0]])
     for stated, ok in ((300, True), (299, False), (None, False)):

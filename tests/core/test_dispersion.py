@@ -1,7 +1,7 @@
 """core/dispersion.py: the spread of a condition's episode walls and whether two screens'
 difference is inside it (`packbench compare`)."""
 
-from core.dispersion import compare_spread, noise, ratio_interval, spread
+from packbench.core.dispersion import compare_spread, noise, ratio_interval, spread
 
 
 def test_spread_is_order_statistics():
@@ -29,7 +29,7 @@ def test_compare_spread_has_every_condition_of_either_screen():
 
 
 def test_a_host_busy_with_other_processes_is_flagged_from_the_records():
-    from core.dispersion import noisy_host, other_cores
+    from packbench.core.dispersion import noisy_host, other_cores
 
     busy = {"plan_index": 3, "episode_s": 0.5, "host_load": {"other_cpu_s": 0.6, "cores": 2}}
     quiet = {"plan_index": 4, "episode_s": 0.5, "host_load": {"other_cpu_s": 0.02, "cores": 2}}

@@ -15,23 +15,23 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import core.archive as archive
-import core.archive.zipformat as zipformat
+import packbench.core.archive as archive
+import packbench.core.archive.zipformat as zipformat
 from bench.audit import synthetic_protocol, write_synthetic_screen
-from core.archive import (
+from packbench.core.archive import (
     MANIFEST_NAME,
     MAX_JSON_BYTES,
     ArchiveReader,
     ArchiveWriter,
     file_sha256,
 )
-from core.audit import audit_archive
-from core.canonical import canonical_json
-from core.errors import ArchiveError, ProtocolError
-from core.gates import bootstrap_ratio
-from core.protocol import freeze
-from core.protocol.schema import MAX_BOOTSTRAP_DRAWS
-from core.provenance import (
+from packbench.core.audit import audit_archive
+from packbench.core.canonical import canonical_json
+from packbench.core.errors import ArchiveError, ProtocolError
+from packbench.core.gates import bootstrap_ratio
+from packbench.core.protocol import freeze
+from packbench.core.protocol.schema import MAX_BOOTSTRAP_DRAWS
+from packbench.core.provenance import (
     Signer,
     checkpoint_digest,
     check_signature,
@@ -91,7 +91,7 @@ def test_a_huge_non_zip_is_refused_before_it_is_hashed(tmp_path, monkeypatch):
     with open(path, "wb") as f:
         f.truncate(archive.MAX_ARCHIVE_BYTES + 1)  # sparse: costs nothing on disk
     hashed = []
-    monkeypatch.setattr("core.audit.file_sha256", lambda p: hashed.append(p) or "0" * 64)
+    monkeypatch.setattr("packbench.core.audit.file_sha256", lambda p: hashed.append(p) or "0" * 64)
     report = audit_archive(path)
     assert hashed == [] and report.unreadable and not report.agrees
     assert report.record["archive_sha256"] is None
@@ -126,7 +126,7 @@ def test_out_of_memory_is_one_line_and_a_failed_audit(screen, monkeypatch):
     def boom(self, reader, **kw):
         raise MemoryError
 
-    monkeypatch.setattr("core.audit._Audit.run", boom)
+    monkeypatch.setattr("packbench.core.audit._Audit.run", boom)
     report = audit_archive(screen["path"])
     assert not report.agrees
     assert report.problems[-1].startswith("out of memory while auditing")
@@ -393,7 +393,7 @@ def test_a_pinned_model_is_checked_against_the_start_record(tmp_path):
 
 
 def test_problem_lines_and_retained_records_are_bounded():
-    from core.audit import MAX_PROBLEM_CHARS, MAX_PROBLEMS, _bounded, _retained
+    from packbench.core.audit import MAX_PROBLEM_CHARS, MAX_PROBLEMS, _bounded, _retained
 
     out = _bounded(["x" * (MAX_PROBLEM_CHARS + 5)] + ["p"] * (MAX_PROBLEMS + 3))
     assert len(out) == MAX_PROBLEMS + 1 and out[-1] == "... and 4 more problems"
@@ -440,7 +440,7 @@ def test_json_types_are_part_of_the_format(screen, tmp_path, edit, expected):
 
 
 def test_a_non_finite_trace_is_one_line(tmp_path):
-    from core.audit import _Audit
+    from packbench.core.audit import _Audit
 
     audit = _Audit(tmp_path / "a.zip", "0" * 64)
     audit.check_trace("traces/00000.npy", np.array([[0.0, np.nan]]), {"memory": {"peak_sampled_bytes": 1}})
@@ -459,7 +459,7 @@ def test_a_python_without_stock_deflate_says_it_cannot_check_instead_of_calling_
         screen, tmp_path, monkeypatch):
     """On a zlib that deflates differently (zlib-ng, say), the recompression check cannot run: the
     problem names this Python's zlib and the fix, and the audit still does not agree (fails closed)."""
-    import core.archive.reader as archive
+    import packbench.core.archive.reader as archive
 
     assert archive.stock_deflate()  # this machine's zlib is stock: the check is real here
     with zipfile.ZipFile(screen["path"]) as zf:

@@ -5,7 +5,7 @@ import math
 import numpy as np
 import pytest
 
-from core.fidelity import divergence_step, fidelity, kl_per_position, log_softmax, nearest_rank
+from packbench.core.fidelity import divergence_step, fidelity, kl_per_position, log_softmax, nearest_rank
 
 LN3 = float(np.float32(math.log(3)))  # what a float32 logit array holds
 

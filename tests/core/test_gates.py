@@ -5,7 +5,7 @@ import copy
 import numpy as np
 import pytest
 
-from core.gates import (
+from packbench.core.gates import (
     acquisition,
     bootstrap_ratio,
     capacity,
@@ -16,7 +16,7 @@ from core.gates import (
     runtime,
     useful_latency,
 )
-from core.protocol import MIB, freeze
+from packbench.core.protocol import MIB, freeze
 
 ALLOWANCE = 4800 * MIB
 

@@ -4,7 +4,7 @@ import copy
 
 import pytest
 
-from core.metrics import episode_totals, ledger_problems, stored_total_problems
+from packbench.core.metrics import episode_totals, ledger_problems, stored_total_problems
 
 
 def call(index, phase, *, rows=(3, 4), row_bytes=16, wall=0.25, extra=True):

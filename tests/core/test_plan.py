@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from core.plan import arrange, plan, williams
-from core.protocol import freeze
+from packbench.core.plan import arrange, plan, williams
+from packbench.core.protocol import freeze
 
 QUICKSTART = Path(__file__).resolve().parents[2] / "protocols" / "quickstart.yaml"
 

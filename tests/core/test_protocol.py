@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from core.errors import ProtocolError
-from core.plan import prompts
-from core.protocol import (
+from packbench.core.errors import ProtocolError
+from packbench.core.plan import prompts
+from packbench.core.protocol import (
     SYNTH_SHAPES,
     expand,
     freeze,
@@ -142,7 +142,7 @@ def test_expand_upgrades_schema1_to_the_full_form():
 
 
 def test_synth_shapes_match_the_engine():
-    from engine.shapes import SHAPES
+    from packbench.engine.shapes import SHAPES
 
     assert set(SYNTH_SHAPES) == set(SHAPES)
 
@@ -349,8 +349,8 @@ def test_text_file_with_a_real_local_tokenizer(tmp_path):
     from tokenizers import Tokenizer, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
 
-    from core.errors import CheckpointError
-    from engine.prompts import tokenizer_for
+    from packbench.core.errors import CheckpointError
+    from packbench.engine.prompts import tokenizer_for
 
     words = ["<s>", "<pad>", "</s>", "<unk>", "the", "cat", "sat", "on", "a", "mat", "dog"]
     tok = Tokenizer(models.WordLevel(vocab={w: i for i, w in enumerate(words)}, unk_token="<unk>"))
@@ -427,7 +427,7 @@ def test_engine_mode_is_frozen_only_when_not_eager():
 
 
 def test_the_protocol_and_the_engine_name_the_same_modes():
-    from core.protocol import ENGINE_MODES
-    from engine.graph import MODES
+    from packbench.core.protocol import ENGINE_MODES
+    from packbench.engine.graph import MODES
 
     assert MODES is ENGINE_MODES  # one tuple, not two copies kept equal

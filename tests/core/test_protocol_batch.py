@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from core.errors import ProtocolError
-from core.plan import batch_prompts, episode_input, plan
-from core.protocol import expand, freeze, validate
+from packbench.core.errors import ProtocolError
+from packbench.core.plan import batch_prompts, episode_input, plan
+from packbench.core.protocol import expand, freeze, validate
 from tests.core.test_protocol_schema4 import TINY, protocol
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -70,7 +70,7 @@ def test_the_plan_says_a_competitor_left_eager_at_a_batch_is_not_in_its_fastest_
         if mode:
             conditions[1]["params"]["mode"] = mode
         path.write_text(yaml.safe_dump(protocol(TINY, batch=batch, conditions=conditions)))
-        r = subprocess.run([sys.executable, "-m", "cli", "protocol", "plan", str(path)], capture_output=True,
+        r = subprocess.run([sys.executable, "-m", "packbench", "protocol", "plan", str(path)], capture_output=True,
                            text=True, cwd=ROOT)
         assert r.returncode == 0, r.stderr
         lines[batch, mode] = [x for x in r.stdout.splitlines() if x.lstrip().startswith(("q (", "l ("))]
@@ -101,7 +101,7 @@ def test_bad_batches_are_one_line_naming_the_field(changes, fragment):
 
 def test_the_cli_refuses_a_bad_batch_in_one_line_exit_2(tmp_path):
     (tmp_path / "p.yaml").write_text(yaml.safe_dump(protocol(TINY, batch=-2)))
-    r = subprocess.run([sys.executable, "-m", "cli", "protocol", "validate", str(tmp_path / "p.yaml")],
+    r = subprocess.run([sys.executable, "-m", "packbench", "protocol", "validate", str(tmp_path / "p.yaml")],
                        capture_output=True, text=True, timeout=120, cwd=ROOT)
     lines = r.stderr.strip().splitlines()
     assert r.returncode == 2 and len(lines) == 1 and "Traceback" not in r.stderr, r.stderr
@@ -109,7 +109,7 @@ def test_the_cli_refuses_a_bad_batch_in_one_line_exit_2(tmp_path):
 
 
 def test_the_plan_estimate_charges_a_batch_the_union_of_its_sequences():
-    from core.estimate import Activity, ModelShape, estimate
+    from packbench.core.estimate import Activity, ModelShape, estimate
 
     shape, activity = ModelShape.of("tiny"), Activity(0.94)
     one = {c["condition"]: c for c in estimate(freeze(protocol(TINY)).body, shape=shape,

@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from core.errors import ProtocolError
-from core.plan import plan
-from core.protocol import expand, freeze, load, validate
+from packbench.core.errors import ProtocolError
+from packbench.core.plan import plan
+from packbench.core.protocol import expand, freeze, load, validate
 from tests.core.test_protocol_schema4 import TINY, protocol
 
 ROOT = Path(__file__).resolve().parents[2]

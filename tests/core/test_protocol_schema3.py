@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from core.canonical import canonical_json, sha256_hex
-from core.errors import ProtocolError
-from core.protocol import SCHEMA_VERSION, SCHEMAS, expand, freeze, load, validate
-from core.registry import POLICY_PARAMS, SCHEMA3_DEFAULTS, ChoiceParam
+from packbench.core.canonical import canonical_json, sha256_hex
+from packbench.core.errors import ProtocolError
+from packbench.core.protocol import SCHEMA_VERSION, SCHEMAS, expand, freeze, load, validate
+from packbench.core.registry import POLICY_PARAMS, SCHEMA3_DEFAULTS, ChoiceParam
 
 ROOT = Path(__file__).resolve().parents[2]
 DATA = ROOT / "tests" / "data"

@@ -4,9 +4,9 @@ before it (a uniform `sparsity`) keeps its body, its hash and the weights it gen
 import pytest
 import yaml
 
-from core.errors import ProtocolError
-from core.protocol import expand, freeze, validate
-from core.registry import DEFAULT_PROFILE, PROFILES, SynthArgumentError, synth_spec
+from packbench.core.errors import ProtocolError
+from packbench.core.protocol import expand, freeze, validate
+from packbench.core.registry import DEFAULT_PROFILE, PROFILES, SynthArgumentError, synth_spec
 from tests.core.test_protocol_schema3 import ROOT
 
 
@@ -66,7 +66,7 @@ def test_the_cli_spelling_of_a_bad_profile():
 
 
 def test_every_profile_covers_every_shape_and_its_densities_average_to_the_target():
-    from core.registry import SYNTH_SHAPES
+    from packbench.core.registry import SYNTH_SHAPES
 
     for name, p in PROFILES.items():
         for shape in SYNTH_SHAPES:

@@ -4,9 +4,9 @@ protocol using either freezes as schema 5; every other freezes as it did, so old
 import numpy as np
 import pytest
 
-from core.errors import ProtocolError
-from core.gates import compute_verdicts
-from core.protocol import expand, freeze, validate
+from packbench.core.errors import ProtocolError
+from packbench.core.gates import compute_verdicts
+from packbench.core.protocol import expand, freeze, validate
 from tests.core.test_protocol_schema4 import TINY, protocol
 
 INT8 = {"name": "int8", "policy": "quantized", "params": {"method": "int8-weight-only"}}
@@ -149,7 +149,7 @@ def test_the_fidelity_gate_fails_closed(damage, why):
 
 
 def test_the_shipped_int8_protocol_freezes_as_schema_5():
-    from core.protocol import load
+    from packbench.core.protocol import load
     from tests.core.test_protocol_schema3 import ROOT
 
     frozen = load(ROOT / "protocols" / "int8-fidelity.yaml")

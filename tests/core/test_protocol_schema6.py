@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from core.errors import ProtocolError
-from core.protocol import expand, freeze, validate
-from core.registry import QUANT_METHODS, fastest_mode
+from packbench.core.errors import ProtocolError
+from packbench.core.protocol import expand, freeze, validate
+from packbench.core.registry import QUANT_METHODS, fastest_mode
 from tests.core.test_protocol_schema4 import TINY, protocol
 from tests.core.test_protocol_schema5 import competitor
 
@@ -71,10 +71,10 @@ def test_nf4_and_int4_default_to_compile_and_llm_int8_stays_eager():
                .body["conditions"][1]["params"]["mode"] for method in QUANT_METHODS}
     assert written == {"int8-weight-only": "compile", "int4-weight-only": "compile", "nf4": "compile",
                        "llm-int8": "eager"}
-    from core.registry import mode_refusal
+    from packbench.core.registry import mode_refusal
 
     assert mode_refusal("quantized", {"method": "nf4"}, "graph") is None
-    from core.registry import stack_refusal
+    from packbench.core.registry import stack_refusal
 
     assert stack_refusal("quantized", {"method": "nf4", "mode": "graph"}).startswith("capturing")
     assert stack_refusal("quantized", {"method": "nf4", "mode": "compile"}) is None
@@ -110,7 +110,7 @@ def test_validate_refuses_a_mode_the_library_cannot_run_in_one_line_exit_2(tmp_p
     raw = competitor(conditions=[{"policy": "dense-stream"}, quantized("llm-int8", mode="graph")])
     raw.pop("schema")
     (tmp_path / "p.yaml").write_text(yaml.safe_dump(raw))
-    r = subprocess.run([sys.executable, "-m", "cli", "protocol", "validate", str(tmp_path / "p.yaml")],
+    r = subprocess.run([sys.executable, "-m", "packbench", "protocol", "validate", str(tmp_path / "p.yaml")],
                        capture_output=True, text=True, timeout=120, cwd=ROOT)
     lines = r.stderr.strip().splitlines()
     assert r.returncode == 2 and len(lines) == 1, r.stderr
@@ -119,8 +119,8 @@ def test_validate_refuses_a_mode_the_library_cannot_run_in_one_line_exit_2(tmp_p
 
 
 def test_the_plan_estimates_accelerates_bytes_as_the_parameters_beyond_the_allowance():
-    from core.estimate import Activity, ModelShape, call_h2d_bytes
-    from core.registry import SHAPES
+    from packbench.core.estimate import Activity, ModelShape, call_h2d_bytes
+    from packbench.core.registry import SHAPES
 
     shape = ModelShape(**{k: SHAPES["opt-2.7b"][k] for k in ("hidden", "ffn", "layers", "vocab")})
     kw = dict(shape=shape, row_bytes=shape.hidden * 2, activity=Activity(sparsity=0.95), tokens=1, phase="decode")
@@ -132,7 +132,7 @@ def test_the_plan_estimates_accelerates_bytes_as_the_parameters_beyond_the_allow
 def test_torchao_in_mode_graph_freezes_and_the_plan_says_a_cuda_worker_refuses_it(tmp_path, packbench_cli):
     """The mode is valid (old meanings never move; the CPU runs it eagerly); the measured CUDA stack
     fails its capture (core.registry.STACK_REFUSALS), which `protocol plan` states beside the condition."""
-    from core.registry import stack_refusal
+    from packbench.core.registry import stack_refusal
 
     assert stack_refusal("quantized", {"method": "int8-weight-only", "mode": "graph"}).startswith("capturing")
     assert stack_refusal("quantized", {"method": "int8-weight-only", "mode": "compile"}) is None
@@ -146,7 +146,7 @@ def test_torchao_in_mode_graph_freezes_and_the_plan_says_a_cuda_worker_refuses_i
 
 
 def test_the_shipped_competitors_protocol_writes_each_competitors_mode_and_tier():
-    from core.protocol import load
+    from packbench.core.protocol import load
 
     frozen = load(ROOT / "protocols" / "competitors.yaml")
     p = frozen.protocol

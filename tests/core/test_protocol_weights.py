@@ -6,11 +6,11 @@ import numpy as np
 import pytest
 import yaml
 
-from core.errors import ProtocolError
-from core.gates import compute_verdicts
-from core.plan import plan
-from core.protocol import expand, freeze, load, validate
-from core.registry import exact_reference, resolved_params, weights_of
+from packbench.core.errors import ProtocolError
+from packbench.core.gates import compute_verdicts
+from packbench.core.plan import plan
+from packbench.core.protocol import expand, freeze, load, validate
+from packbench.core.registry import exact_reference, resolved_params, weights_of
 from tests.core.test_protocol_schema3 import ROOT
 from tests.core.test_protocol_schema4 import TINY, protocol
 
@@ -118,7 +118,7 @@ def test_the_cli_refuses_an_unknown_weight_format_in_one_line_with_exit_2(tmp_pa
         "{name: packet-int8, policy: packet, params: {weights: int8}}",
         f"{{name: packet-int8, policy: packet, params: {{weights: {weights}}}}}"))
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    r = subprocess.run([sys.executable, "-m", "cli", "protocol", "validate", str(path)], capture_output=True,
+    r = subprocess.run([sys.executable, "-m", "packbench", "protocol", "validate", str(path)], capture_output=True,
                        text=True, env=env, timeout=120)
     assert r.returncode == 2 and r.stdout == "", (r.stdout, r.stderr)
     assert r.stderr.strip() == (f"error: protocol field `conditions[3].params.weights`: {weights!r} is not allowed; "
@@ -128,8 +128,8 @@ def test_the_cli_refuses_an_unknown_weight_format_in_one_line_with_exit_2(tmp_pa
 def test_an_unbounded_resident_freezes_as_schema_6_and_runs_on_the_cpu(tmp_path):
     """`resident {allowance: unbounded}`: the speed reference beside loaders held to the allowance
     (on CUDA the worker lifts the allocator's cap for its episodes; on the CPU nothing changes)."""
-    from engine.worker import Worker
-    from core.plan import prompts
+    from packbench.engine.worker import Worker
+    from packbench.core.plan import prompts
 
     raw = protocol(TINY, conditions=[{"policy": "dense-stream"},
                                      {"name": "resident", "policy": "resident", "params": {"allowance": "unbounded"}}])

@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 
 from bench.audit import synthetic_protocol
-from core import reexecute as rx
-from core.plan import plan
-from core.protocol import expand, freeze
+from packbench.core import reexecute as rx
+from packbench.core.plan import plan
+from packbench.core.protocol import expand, freeze
 
 
 @pytest.fixture(scope="module")

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-import core.protocol as protocol
-from core.errors import PackbenchError, ProtocolError
-from core.registry import (
+import packbench.core.protocol as protocol
+from packbench.core.errors import PackbenchError, ProtocolError
+from packbench.core.registry import (
     DTYPE_NAMES,
     POLICY_PARAMS,
     SHAPES,
@@ -27,7 +27,7 @@ GOOD = dict(shape="tiny", dtype="float16", sparsity=0.9, seed=0)
 
 def test_protocol_reexports_the_registry():
     for name in ("POLICY_PARAMS", "POLICY_NAMES", "DTYPE_NAMES", "SYNTH_SHAPES", "IntParam", "ChoiceParam"):
-        assert getattr(protocol, name) is getattr(sys.modules["core.registry"], name), name
+        assert getattr(protocol, name) is getattr(sys.modules["packbench.core.registry"], name), name
 
 
 def test_registry_imports_no_torch():

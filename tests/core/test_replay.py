@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from core.archive import ArchiveReader, file_sha256
-from core.audit import audit_archive
-from core.protocol import load
+from packbench.core.archive import ArchiveReader, file_sha256
+from packbench.core.audit import audit_archive
+from packbench.core.protocol import load
 
 DATA = Path(__file__).resolve().parents[1] / "data"
 ROOT = DATA.parents[1]
@@ -104,7 +104,7 @@ def test_a_fresh_process_elsewhere_gives_the_same_digests(tmp_path):
     """Another interpreter (other hash seed, other folder, copies of the archives): same digests."""
     for name in ARCHIVES:
         (tmp_path / f"copy-{name}.zip").write_bytes((DATA / f"{name}.zip").read_bytes())
-    code = ("import json, sys; from core.audit import audit_archive; "
+    code = ("import json, sys; from packbench.core.audit import audit_archive; "
             "print(json.dumps({n: audit_archive(f'copy-{n}.zip').digest for n in sys.argv[1:]}))")
     env = dict(os.environ, PYTHONHASHSEED="12345", PYTHONPATH=str(ROOT))
     out = subprocess.run([sys.executable, "-c", code, *ARCHIVES], cwd=tmp_path, env=env, capture_output=True,

@@ -7,11 +7,11 @@ from types import SimpleNamespace
 import numpy as np
 
 from bench.audit import synthetic_protocol, write_synthetic_screen
-from core.audit import audit_archive
-from core.plan import prompts
-from core.protocol import freeze
-from core.provenance import Signer, generate_key, load_public_key, signature_path
-from service.screen import ScreenRun
+from packbench.core.audit import audit_archive
+from packbench.core.plan import prompts
+from packbench.core.protocol import freeze
+from packbench.core.provenance import Signer, generate_key, load_public_key, signature_path
+from packbench.service.screen import ScreenRun
 
 
 class FakeStore:

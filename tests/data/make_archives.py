@@ -34,14 +34,14 @@ def main() -> None:
     args = ap.parse_args()
     sys.path.insert(0, str(args.root.resolve()))
 
-    import core.archive as layout_module
-    from core.archive import ArchiveWriter
-    from core.gates import compute_verdicts
-    from core.plan import plan, prompts
-    from core.protocol import load
-    from core.source import source_freeze
-    from engine.synth import synth_checkpoint
-    from engine.worker import Worker
+    import packbench.core.archive as layout_module
+    from packbench.core.archive import ArchiveWriter
+    from packbench.core.gates import compute_verdicts
+    from packbench.core.plan import plan, prompts
+    from packbench.core.protocol import load
+    from packbench.core.source import source_freeze
+    from packbench.engine.synth import synth_checkpoint
+    from packbench.engine.worker import Worker
 
     # The fixed member names from their owner; trees before issue 9 had only these literals.
     layout = vars(layout_module)

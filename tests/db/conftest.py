@@ -19,7 +19,7 @@ from sqlalchemy import create_engine
 from sqlalchemy.engine import make_url
 from sqlalchemy.pool import NullPool
 
-from db.store import Store
+from packbench.db.store import Store
 
 PG_ENV = "PACKBENCH_TEST_PG_URL"
 

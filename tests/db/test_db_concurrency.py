@@ -16,7 +16,7 @@ import traceback
 
 import pytest
 
-from db.store import Store
+from packbench.db.store import Store
 
 PROCESSES = 8
 EPISODES_PER_PROCESS = 500

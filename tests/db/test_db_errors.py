@@ -7,10 +7,10 @@ import pytest
 from sqlalchemy import text
 from sqlalchemy.engine import make_url
 
-from core.errors import PackbenchError
-from db.errors import DatabaseError, SchemaNotAtHead
-from db.session import ENV_VAR, default_url, make_engine
-from db.store import Store
+from packbench.core.errors import PackbenchError
+from packbench.db.errors import DatabaseError, SchemaNotAtHead
+from packbench.db.session import ENV_VAR, default_url, make_engine
+from packbench.db.store import Store
 
 
 def error_of(call) -> str:

@@ -3,8 +3,8 @@ transaction (nothing partial)."""
 
 import pytest
 
-from db.errors import Conflict
-from db.store import Store
+from packbench.db.errors import Conflict
+from packbench.db.store import Store
 
 EPISODE = {"plan_index": 0, "condition": "dense-stream", "role": "warmup", "prompt": 0, "status": "ok",
            "tokens": [1, 2], "wall_s": 1.0, "call_s": 0.5, "energy_j": 3.5}

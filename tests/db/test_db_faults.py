@@ -11,9 +11,9 @@ from sqlalchemy import create_engine, event, text
 from sqlalchemy.engine import make_url
 from sqlalchemy.pool import NullPool
 
-from db.errors import DatabaseUnavailable
-from db.session import is_transient
-from db.store import Store
+from packbench.db.errors import DatabaseUnavailable
+from packbench.db.session import is_transient
+from packbench.db.store import Store
 
 FREEZE = {"git": "abc"}
 

@@ -10,11 +10,11 @@ from alembic.runtime.migration import MigrationContext
 from sqlalchemy import inspect as inspect_db
 from sqlalchemy import text
 
-from db import migrate
-from db.errors import SchemaNotAtHead
-from db.models import Base
-from db.session import make_engine
-from db.store import Store
+from packbench.db import migrate
+from packbench.db.errors import SchemaNotAtHead
+from packbench.db.models import Base
+from packbench.db.session import make_engine
+from packbench.db.store import Store
 
 TABLES = {"protocols", "machines", "screens", "attempts", "episodes", "verdicts", "audits", "dispatchers", "signers"}
 

@@ -20,11 +20,11 @@ import pytest
 from sqlalchemy import inspect as inspect_db
 from sqlalchemy import text
 
-from db.errors import InvalidFilter, NotFound
-from db.compare import ratio
-from db.queries import GATES, ResultFilter, parse_when
-from db.session import make_engine
-from db.store import Store
+from packbench.db.errors import InvalidFilter, NotFound
+from packbench.db.compare import ratio
+from packbench.db.queries import GATES, ResultFilter, parse_when
+from packbench.db.session import make_engine
+from packbench.db.store import Store
 
 SHA_QUICK = "ab12" + "0" * 60
 SHA_BIG = "cd34" + "1" * 60

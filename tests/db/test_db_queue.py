@@ -11,8 +11,8 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from db.errors import Conflict, NotFound
-from db.store import Store
+from packbench.db.errors import Conflict, NotFound
+from packbench.db.store import Store
 
 T0 = datetime(2026, 11, 30, 12, 0, tzinfo=UTC)
 FREEZE = {"git": "abc", "dirty": False}
@@ -247,7 +247,7 @@ def test_a_claim_that_fails_midway_leaves_the_node_free(queue, db_url, monkeypat
     """A claim for a node that fails after taking the node's lock (PostgreSQL) rolls back and
     lets it go, even on an error that is not the database's (the Store keeps its connection):
     the next claim for that node, from another dispatcher, goes through."""
-    import db.queue as queue_module
+    import packbench.db.queue as queue_module
 
     p = protocol(queue)
     screen_id = queue.create_screen(protocol_id=p, submitter="a", resources={"fast_nvme": 1})

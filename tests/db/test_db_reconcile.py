@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from core.archive import ArchiveReader, ArchiveWriter, PLAN_NAME, episode_member
-from db.store import Store
-from service.reconcile import missing_records, reconcile
+from packbench.core.archive import ArchiveReader, ArchiveWriter, PLAN_NAME, episode_member
+from packbench.db.store import Store
+from packbench.service.reconcile import missing_records, reconcile
 
 FREEZE = {"git": "abc"}
 ENTRIES = [{"index": i, "condition": "dense-stream" if i % 2 == 0 else "packet", "role": "scored", "prompt": i // 2}
@@ -120,7 +120,7 @@ def test_a_record_that_disagrees_with_the_plan_is_refused(tmp_path):
 
 
 def test_the_commands_say_when_rows_were_reconciled(store, attempt, db_url):
-    from cli.main import app
+    from packbench.cli.main import app
 
     archive(Path(attempt.archive_path), range(2), seal=True)
     store.finish_attempt(attempt.id, status="failed", error="x")
@@ -141,7 +141,7 @@ def test_the_commands_say_when_rows_were_reconciled(store, attempt, db_url):
 
 
 def test_a_refused_episode_makes_db_reconcile_exit_1(store, attempt, db_url):
-    from cli.main import app
+    from packbench.cli.main import app
 
     w = ArchiveWriter(Path(attempt.archive_path))
     w.add_json(PLAN_NAME, {"entries": ENTRIES, "prompts": []})

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import dataclasses
 
-from core.audit import EPISODE_FIELDS
-from core.metrics import episode_totals
-from core.record import AUDITED, EPISODE_FIELDS as RECORD_FIELDS, LEDGER_FIELDS, STORED_FIELDS, stored_values
-from db.models import SqlEpisode
-from db.records import EpisodeRow
+from packbench.core.audit import EPISODE_FIELDS
+from packbench.core.metrics import episode_totals
+from packbench.core.record import AUDITED, EPISODE_FIELDS as RECORD_FIELDS, LEDGER_FIELDS, STORED_FIELDS, stored_values
+from packbench.db.models import SqlEpisode
+from packbench.db.records import EpisodeRow
 
 
 def test_the_episodes_table_is_made_of_the_stored_fields():

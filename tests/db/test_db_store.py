@@ -7,9 +7,9 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from db.errors import Conflict, DatabaseError, NotFound
-from db.records import EpisodeRow
-from db.store import Store
+from packbench.db.errors import Conflict, DatabaseError, NotFound
+from packbench.db.records import EpisodeRow
+from packbench.db.store import Store
 
 SHA = "a" * 64
 

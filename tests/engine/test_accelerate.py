@@ -17,13 +17,13 @@ import pytest
 import torch
 import yaml
 
-from core.plan import plan, prompts
-from core.protocol import freeze
-from engine.accelerate import AcceleratedModel, count_copies, layer_of
-from engine.episode import run_episode
-from engine.ledger import Recorder
-from engine.model import CpuFirstModel
-from engine.worker import Worker
+from packbench.core.plan import plan, prompts
+from packbench.core.protocol import freeze
+from packbench.engine.accelerate import AcceleratedModel, count_copies, layer_of
+from packbench.engine.episode import run_episode
+from packbench.engine.ledger import Recorder
+from packbench.engine.model import CpuFirstModel
+from packbench.engine.worker import Worker
 
 pytest.importorskip("accelerate")
 ROOT = Path(__file__).resolve().parents[2]
@@ -77,7 +77,7 @@ def _body(model: Path, **changes) -> dict:
 
 def test_the_worker_holds_one_conditions_device_state_at_a_time(tiny, monkeypatch):
     pytest.importorskip("torchao")
-    import engine.worker as w
+    import packbench.engine.worker as w
 
     body = _body(tiny)
     assert body["schema"] == 6 and body["conditions"][2]["params"]["mode"] == "compile"
@@ -139,7 +139,7 @@ def test_submit_wait_runs_and_audits_an_accelerate_screen(tmp_path, tiny, packbe
         return packbench_cli(*args, env=settings, cwd=tmp_path)
 
     assert cli("db", "upgrade").returncode == 0
-    out = subprocess.run([sys.executable, "-m", "cli", "submit", "protocol.yaml", "--wait", "--json"], cwd=tmp_path,
+    out = subprocess.run([sys.executable, "-m", "packbench", "submit", "protocol.yaml", "--wait", "--json"], cwd=tmp_path,
                          capture_output=True, text=True, env=env, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     summary = json.loads(out.stdout)

@@ -6,13 +6,13 @@ import numpy as np
 import pytest
 import torch
 
-from core.plan import plan, prompts
-from core.protocol import freeze
-from engine.accelerate import AcceleratedModel
-from engine.episode import run_episode
-from engine.model import CpuFirstModel
-from engine.synth import synth_checkpoint
-from engine.worker import Worker
+from packbench.core.plan import plan, prompts
+from packbench.core.protocol import freeze
+from packbench.engine.accelerate import AcceleratedModel
+from packbench.engine.episode import run_episode
+from packbench.engine.model import CpuFirstModel
+from packbench.engine.synth import synth_checkpoint
+from packbench.engine.worker import Worker
 
 pytestmark = pytest.mark.gpu
 pytest.importorskip("accelerate")
@@ -112,7 +112,7 @@ def test_a_cuda_worker_refuses_torchao_in_mode_graph_at_load_in_one_line(opt125m
     """Capturing transformers' decode step over torchao int8 weights failed on the H200
     (core.registry.STACK_REFUSALS): refused before any episode, naming the mode that works."""
     pytest.importorskip("torchao")
-    from engine.quantized import QuantizationUnavailable
+    from packbench.engine.quantized import QuantizationUnavailable
 
     raw = {"name": "g", "model": {"path": str(opt125m)}, "dtype": "float16",
            "prompts": {"generator": {"seed": 0, "count": 1}}, "prefix_tokens": 16, "continuation_tokens": 2,

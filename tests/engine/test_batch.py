@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 import torch
 
-from engine.episode import run_episode
-from engine.model import CpuFirstModel
-from engine.policies import POLICIES
+from packbench.engine.episode import run_episode
+from packbench.engine.model import CpuFirstModel
+from packbench.engine.policies import POLICIES
 
 CONTINUATION = 4
 PREFIX = 12

@@ -6,8 +6,8 @@ decode does). Every claim first checks that dense-stream reproduces itself."""
 import pytest
 import torch
 
-from engine.episode import run_episode
-from engine.model import CpuFirstModel
+from packbench.engine.episode import run_episode
+from packbench.engine.model import CpuFirstModel
 from tests.engine.test_batch import VARIANTS, prompts_of
 
 pytestmark = pytest.mark.gpu

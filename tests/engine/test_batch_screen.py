@@ -10,13 +10,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from core.audit import audit_archive
-from core.plan import episode_input, prompts
-from core.protocol import freeze
-from db.store import Store
-from engine.worker import Worker
-from service.audit import episode_dicts, verdict_dicts
-from service.screen import ScreenRun
+from packbench.core.audit import audit_archive
+from packbench.core.plan import episode_input, prompts
+from packbench.core.protocol import freeze
+from packbench.db.store import Store
+from packbench.engine.worker import Worker
+from packbench.service.audit import episode_dicts, verdict_dicts
+from packbench.service.screen import ScreenRun
 
 CONTINUATION = 4
 
@@ -36,7 +36,7 @@ def batch_protocol(model: Path, **changes) -> dict:
 def run_screen(store: Store, body: dict, model: Path, archive: Path) -> tuple[ScreenRun, object, int]:
     """The driver's steps for one attempt, the worker in this process; returns the run, its
     outcome and the attempt id."""
-    from core.canonical import canonical_json, sha256_hex
+    from packbench.core.canonical import canonical_json, sha256_hex
 
     text = canonical_json(body).decode()
     protocol_id = store.put_protocol(sha256=sha256_hex(canonical_json(body)), name=body["name"], canonical_json=text)
@@ -131,7 +131,7 @@ def test_a_competitor_batch_is_teacher_forced_per_sequence(tmp_path, store):
     """int8 weight-only (torchao) at batch 2, in mode eager (what a batch runs competitors in):
     every sequence is forced on its own reference tokens, and the auditor recomputes the fidelity."""
     pytest.importorskip("torchao")
-    from engine.synth import synth_checkpoint
+    from packbench.engine.synth import synth_checkpoint
 
     model = synth_checkpoint(tmp_path / "tiny-opt", shape="tiny", dtype="float32", seed=0, profile="opt")
     body = batch_protocol(model, conditions=[

@@ -25,12 +25,12 @@ def test_each_batch_line_says_bytes_and_that_packet_is_dense_streams_bits(tmp_pa
 
 
 def test_a_competitor_that_cannot_be_built_is_not_measured_rather_than_never_faster(tmp_path, capsys, monkeypatch):
-    import engine.quantized
+    import packbench.engine.quantized
 
     def missing(*args, **kwargs):
         raise ModuleNotFoundError("No module named 'torchao'")
 
-    monkeypatch.setattr(engine.quantized, "QuantizedModel", missing)
+    monkeypatch.setattr(packbench.engine.quantized, "QuantizedModel", missing)
     batch.main(["--shape", "tiny", "--dtype", "float32", "--batches", "1", "--prefix", "8", "--continuation", "2",
                 "--rounds", "1", "--mode", "eager", "--competitor-modes", "compile", "--dir", str(tmp_path)])
     out = capsys.readouterr().out

@@ -6,8 +6,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from core.errors import CheckpointError
-from engine.checkpoint import build_model, build_weights, read_config
+from packbench.core.errors import CheckpointError
+from packbench.engine.checkpoint import build_model, build_weights, read_config
 
 
 def variant(tiny, tmp_path, name, *, config=None, drop=None, reshape=None):
@@ -75,9 +75,9 @@ def test_placed_read_equals_the_stock_read(checkpoints, dtype, pin, monkeypatch)
     """read_placed (parallel preads into the final tensors) gives the stock reader's bytes in
     every host layout (the CPU twins of the pinned ones); a checkpoint stored in another dtype
     is left to the converting stock path (None)."""
-    from engine.checkpoint import read_placed, read_state_dict
+    from packbench.engine.checkpoint import read_placed, read_state_dict
 
-    monkeypatch.setattr("engine.checkpoint.CHUNK", 4096)  # several chunks per tensor
+    monkeypatch.setattr("packbench.engine.checkpoint.CHUNK", 4096)  # several chunks per tensor
     torch_dtype = getattr(torch, dtype)
     stock = read_state_dict(checkpoints[dtype], dtype=torch_dtype)
     timings = {}
@@ -96,11 +96,11 @@ def test_placed_read_equals_the_stock_read(checkpoints, dtype, pin, monkeypatch)
 def test_build_weights_needs_no_transformers_and_stock_shares_its_tensors(checkpoints):
     """Mode graph's model is plain torch; the stock OPTForCausalLM built over it shares every
     tensor (no copy) and computes what build_model's does."""
-    from engine.checkpoint import build_weights
-    from engine.opt_weights import stock_model
+    from packbench.engine.checkpoint import build_weights
+    from packbench.engine.opt_weights import stock_model
 
     weights = build_weights(checkpoints["float32"], dtype=torch.float32)
-    assert type(weights).__module__ == "engine.opt_weights"
+    assert type(weights).__module__ == "packbench.engine.opt_weights"
     stock = stock_model(weights, vars(weights.config))
     ours = {id(p) for p in weights.parameters()}
     assert all(id(p) in ours for p in stock.parameters())
@@ -113,7 +113,7 @@ def test_build_weights_needs_no_transformers_and_stock_shares_its_tensors(checkp
 def test_pinned_blocks_waste_little():
     """PyTorch's pinned allocator rounds each allocation up to a power of two: 32 OPT-2.7B fc2
     weights took 2.15 GB for 1.68 GB one by one; grouped, 1.74 GB (<= 4 % over)."""
-    from engine.checkpoint import _aligned, _blocks
+    from packbench.engine.checkpoint import _aligned, _blocks
 
     def pinned(sizes):
         groups = _blocks(sizes)
@@ -128,8 +128,8 @@ def test_pinned_blocks_waste_little():
 
 @pytest.mark.parametrize("pin", ["tensors", "register", "map"])
 def test_model_logits_do_not_depend_on_the_host_layout(checkpoints, pin, monkeypatch):
-    from engine.episode import run_episode
-    from engine.model import CpuFirstModel
+    from packbench.engine.episode import run_episode
+    from packbench.engine.model import CpuFirstModel
 
     def logits():
         model = CpuFirstModel(checkpoints["float16"], dtype=torch.float16, device=torch.device("cpu"), mode="graph")
@@ -137,5 +137,5 @@ def test_model_logits_do_not_depend_on_the_host_layout(checkpoints, pin, monkeyp
         return run_episode(model, [2] + list(range(10, 30)), continuation=3).logits
 
     reference = logits()  # the default layout
-    monkeypatch.setattr("engine.checkpoint.PIN", pin)
+    monkeypatch.setattr("packbench.engine.checkpoint.PIN", pin)
     assert (logits() == reference).all()

@@ -4,9 +4,9 @@ import numpy as np
 import pytest
 import torch
 
-from engine.checkpoint import build_weights, read_placed, read_state_dict
-from engine.episode import run_episode
-from engine.model import CpuFirstModel, is_outgoing
+from packbench.engine.checkpoint import build_weights, read_placed, read_state_dict
+from packbench.engine.episode import run_episode
+from packbench.engine.model import CpuFirstModel, is_outgoing
 
 pytestmark = pytest.mark.gpu
 
@@ -15,7 +15,7 @@ pytestmark = pytest.mark.gpu
 def test_cuda_placed_read_puts_outgoing_weights_in_pinned_memory(checkpoints, dtype, monkeypatch):
     torch_dtype = getattr(torch, dtype)
     stock = read_state_dict(checkpoints[dtype], dtype=torch_dtype)
-    monkeypatch.setattr("engine.checkpoint.CHUNK", 4096)  # many chunks and waves on a tiny model
+    monkeypatch.setattr("packbench.engine.checkpoint.CHUNK", 4096)  # many chunks and waves on a tiny model
     placed = read_placed(checkpoints[dtype], dtype=torch_dtype, device=torch.device("cuda"), host_keys=is_outgoing)
     for key, t in stock.items():
         p = placed[key]
@@ -27,7 +27,7 @@ def test_cuda_placed_read_puts_outgoing_weights_in_pinned_memory(checkpoints, dt
     model.use("dense-stream")
     fast = run_episode(model, [2] + list(range(10, 40)), continuation=4)
     # the stock read: safe_open, then pin by copy and .to(device)
-    monkeypatch.setattr("engine.model.build_weights", lambda d, *, dtype, device, host_keys: build_weights(d, dtype=dtype))
+    monkeypatch.setattr("packbench.engine.model.build_weights", lambda d, *, dtype, device, host_keys: build_weights(d, dtype=dtype))
     slow = CpuFirstModel(checkpoints[dtype], dtype=torch_dtype, device=torch.device("cuda"))
     slow.use("dense-stream")
     assert np.array_equal(run_episode(slow, [2] + list(range(10, 40)), continuation=4).logits, fast.logits)
@@ -38,7 +38,7 @@ def test_cuda_every_host_layout_is_pinned_and_exact(checkpoints, pin, monkeypatc
     """Each host layout (engine/checkpoint.py PIN_MODES) gives the stock bytes, pinned host
     weights ("map" may fall back to "blocks" where the driver refuses), and the same logits."""
     stock = read_state_dict(checkpoints["float16"], dtype=torch.float16)
-    monkeypatch.setattr("engine.checkpoint.CHUNK", 4096)
+    monkeypatch.setattr("packbench.engine.checkpoint.CHUNK", 4096)
     timings = {}
     placed = read_placed(checkpoints["float16"], dtype=torch.float16, device=torch.device("cuda"),
                          host_keys=is_outgoing, pin=pin, timings=timings)
@@ -50,7 +50,7 @@ def test_cuda_every_host_layout_is_pinned_and_exact(checkpoints, pin, monkeypatc
     monkeypatch.undo()
 
     def logits(layout):
-        monkeypatch.setattr("engine.checkpoint.PIN", layout)
+        monkeypatch.setattr("packbench.engine.checkpoint.PIN", layout)
         model = CpuFirstModel(checkpoints["float16"], dtype=torch.float16, device=torch.device("cuda"), mode="graph")
         model.use("dense-stream")
         return run_episode(model, [2] + list(range(10, 40)), continuation=4).logits

@@ -4,8 +4,8 @@ schedule as on CUDA, with in-place copies; the ledger a call charges is the sing
 import pytest
 import torch
 
-from engine.ledger import Recorder
-from engine.policies import DenseStream, HostWeights, copies_ahead
+from packbench.engine.ledger import Recorder
+from packbench.engine.policies import DenseStream, HostWeights, copies_ahead
 
 HIDDEN, FFN = 8, 32
 
@@ -78,8 +78,8 @@ def test_join_leaves_nothing_to_wait_for():
 def test_the_engine_issues_every_copy_a_layer_ahead(mode, tiny):
     """Both decoders call before_layer at fc1 (stock's fc1 pre-hook, the static decoder's
     post): fetch never has to fall back to copying on the spot."""
-    from engine.episode import run_episode
-    from engine.model import CpuFirstModel
+    from packbench.engine.episode import run_episode
+    from packbench.engine.model import CpuFirstModel
 
     model = CpuFirstModel(tiny, dtype=torch.float32, device=torch.device("cpu"))
     model.use("dense-stream")

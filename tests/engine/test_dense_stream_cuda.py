@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 import torch
 
-from engine.episode import run_episode
-from engine.ledger import Recorder
-from engine.model import CpuFirstModel
-from engine.policies import DenseStream, HostWeights
-from engine.synth import synth_checkpoint
+from packbench.engine.episode import run_episode
+from packbench.engine.ledger import Recorder
+from packbench.engine.model import CpuFirstModel
+from packbench.engine.policies import DenseStream, HostWeights
+from packbench.engine.synth import synth_checkpoint
 
 pytestmark = pytest.mark.gpu
 

@@ -2,7 +2,7 @@
 
 import torch
 
-from engine.policies import forecast_split
+from packbench.engine.policies import forecast_split
 
 
 def replay(calls: list[list[int]]) -> list[tuple[list[int], int, int]]:
@@ -41,7 +41,7 @@ def test_every_active_row_is_covered():
 
 
 def test_fc1_hooks_exist_only_while_a_policy_starts_early(tiny):
-    from engine.model import CpuFirstModel
+    from packbench.engine.model import CpuFirstModel
 
     model = CpuFirstModel(tiny, dtype=torch.float32, device=torch.device("cpu"))
     hooked = lambda: [len(fc1._forward_pre_hooks) for fc1 in model._fc1]  # noqa: E731

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from engine.gather import (complete_forecast, complete_forecast_reference, gather_active_rows,
+from packbench.engine.gather import (complete_forecast, complete_forecast_reference, gather_active_rows,
                            gather_active_rows_reference)
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -41,8 +41,8 @@ def test_reference_copies_exactly_the_active_rows_and_counts_them(dtype, tokens)
 @pytest.mark.parametrize("ffn", [10240 + 3, 64 * 3 + 1])  # several programs, each with a ragged end
 @pytest.mark.parametrize("split", [0, 64])  # columns split over programs for calls of <= 64 tokens, or never
 def test_cuda_kernel_equals_the_reference_bit_for_bit(dtype, tokens, ffn, split, monkeypatch):
-    from engine import gather
-    from engine.mapped import cuda_view
+    from packbench.engine import gather
+    from packbench.engine.mapped import cuda_view
 
     monkeypatch.setattr(gather, "SPLIT_OVERRIDE", split)
 
@@ -90,7 +90,7 @@ def test_forecast_completion_copies_what_the_forecast_missed_and_counts(dtype, u
 @pytest.mark.parametrize("ffn", [10240 + 3, 64 * 3 + 1])
 @pytest.mark.parametrize("use_prev", [True, False])
 def test_cuda_forecast_kernels_equal_the_reference_bit_for_bit(dtype, tokens, ffn, use_prev):
-    from engine.mapped import cuda_view
+    from packbench.engine.mapped import cuda_view
 
     h, src, workspace, prev = forecast_case(dtype, tokens, ffn=ffn, hidden=2560 + 5, seed=tokens)
     host = src.pin_memory()
@@ -107,7 +107,7 @@ def test_cuda_forecast_kernels_equal_the_reference_bit_for_bit(dtype, tokens, ff
 
 def int8_case(dtype, tokens, ffn=203, hidden=77, seed=0):
     """A case whose rows are int8 with float32 scales (engine/policies/int8.py's layout)."""
-    from engine.policies.int8 import quantize_rows
+    from packbench.engine.policies.int8 import quantize_rows
 
     h, src, workspace = case(dtype, tokens, ffn=ffn, hidden=hidden, seed=seed)
     q, scales = quantize_rows(src.float() * 3)
@@ -116,8 +116,8 @@ def int8_case(dtype, tokens, ffn=203, hidden=77, seed=0):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_int8_reference_dequantizes_exactly_the_active_rows(dtype):
-    from engine.gather import gather_active_int8_rows
-    from engine.policies.int8 import dequantize_into
+    from packbench.engine.gather import gather_active_int8_rows
+    from packbench.engine.policies.int8 import dequantize_into
 
     h, q, scales, workspace = int8_case(dtype, 9)
     before = workspace.clone()
@@ -138,12 +138,12 @@ def test_int8_reference_dequantizes_exactly_the_active_rows(dtype):
 def test_cuda_int8_kernel_equals_the_reference_bit_for_bit(dtype, tokens, ffn, split, monkeypatch):
     """The Triton int8 gather against the plain-torch reference on the device: the same bits
     (one float32 product rounded once, to nearest even) and the same counts."""
-    from engine import gather
-    from engine.gather import gather_active_int8_rows, gather_active_int8_rows_reference
+    from packbench.engine import gather
+    from packbench.engine.gather import gather_active_int8_rows, gather_active_int8_rows_reference
 
     monkeypatch.setattr(gather, "SPLIT_OVERRIDE", split)
-    from engine.mapped import cuda_view
-    from engine.policies.int8 import dequantize_into
+    from packbench.engine.mapped import cuda_view
+    from packbench.engine.policies.int8 import dequantize_into
 
     h, q, scales, workspace = int8_case(dtype, tokens, ffn=ffn, hidden=2560 + 5, seed=tokens)
     expected, counts_ref = workspace.clone().cuda(), torch.zeros(4, dtype=torch.int32, device="cuda")

@@ -4,7 +4,7 @@ import subprocess
 import sys
 import textwrap
 
-from engine.gpu_lock import GpuLock
+from packbench.engine.gpu_lock import GpuLock
 
 
 def test_a_second_holder_is_refused_and_told_who_holds_it(tmp_path):
@@ -13,7 +13,7 @@ def test_a_second_holder_is_refused_and_told_who_holds_it(tmp_path):
     # flock locks belong to the open file description: another process is refused.
     code = textwrap.dedent(f"""
         from pathlib import Path
-        from engine.gpu_lock import GpuLock
+        from packbench.engine.gpu_lock import GpuLock
         lock = GpuLock("GPU-test-0", directory=Path({str(tmp_path)!r}))
         print(lock.held, lock.busy_message("GPU-test-0"))
     """)
@@ -29,7 +29,7 @@ def test_the_lock_dies_with_its_process(tmp_path):
     code = textwrap.dedent(f"""
         import os, signal
         from pathlib import Path
-        from engine.gpu_lock import GpuLock
+        from packbench.engine.gpu_lock import GpuLock
         lock = GpuLock("GPU-test-2", directory=Path({str(tmp_path)!r}))
         assert lock.held
         os.kill(os.getpid(), signal.SIGKILL)
@@ -43,7 +43,7 @@ def _holder(directory, device):
     code = textwrap.dedent(f"""
         import sys
         from pathlib import Path
-        from engine.gpu_lock import HostPresence
+        from packbench.engine.gpu_lock import HostPresence
         mark = HostPresence({device!r}, directory=Path({str(directory)!r}))
         print("ready", flush=True)
         sys.stdin.read()
@@ -56,7 +56,7 @@ def _holder(directory, device):
 def test_host_presence_lists_the_live_workers_of_other_processes_and_sweeps_dead_ones(tmp_path):
     """Every worker marks the host, whatever its device: another process's mark is listed while
     it lives, not after a SIGKILL, and the next worker to start removes the dead one's file."""
-    from engine.gpu_lock import HostPresence
+    from packbench.engine.gpu_lock import HostPresence
 
     me = HostPresence("cpu", directory=tmp_path)
     assert me.others() == []
@@ -75,7 +75,7 @@ def test_host_presence_lists_the_live_workers_of_other_processes_and_sweeps_dead
 def test_workers_of_one_process_see_each_other_until_released(tmp_path):
     import os
 
-    from engine.gpu_lock import HostPresence
+    from packbench.engine.gpu_lock import HostPresence
 
     a, b = HostPresence("cpu", directory=tmp_path), HostPresence("GPU-b", directory=tmp_path)
     assert a.others() == [[os.getpid(), "GPU-b"]] and b.others() == [[os.getpid(), "cpu"]]
@@ -86,7 +86,7 @@ def test_workers_of_one_process_see_each_other_until_released(tmp_path):
 def test_a_lock_directory_that_cannot_be_used_leaves_the_workers_unknown_not_failed(tmp_path):
     """A path that is not a directory (or one another user made unwritable): the worker still
     starts; who else is on the host is unknown (None), never claimed to be nobody ([])."""
-    from engine.gpu_lock import HostPresence
+    from packbench.engine.gpu_lock import HostPresence
 
     blocked = tmp_path / "not-a-directory"
     blocked.write_text("")
@@ -101,7 +101,7 @@ def test_others_since_a_moment_are_the_workers_busy_at_some_point_after_it(tmp_p
     import os
     import time
 
-    from engine.gpu_lock import HostPresence
+    from packbench.engine.gpu_lock import HostPresence
 
     me, other = HostPresence("cpu", directory=tmp_path), HostPresence("GPU-o", directory=tmp_path)
     t0 = time.time()
@@ -121,7 +121,7 @@ def test_a_mark_that_cannot_be_read_counts_as_busy(tmp_path):
     import os
     import time
 
-    from engine.gpu_lock import HostPresence
+    from packbench.engine.gpu_lock import HostPresence
 
     me = HostPresence("cpu", directory=tmp_path)
     fd = os.open(tmp_path / "worker-77-feed.lock", os.O_RDWR | os.O_CREAT)

@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 import torch
 
-from engine.episode import run_episode
-from engine.model import CpuFirstModel
-from engine.synth import synth_checkpoint
+from packbench.engine.episode import run_episode
+from packbench.engine.model import CpuFirstModel
+from packbench.engine.synth import synth_checkpoint
 
 pytestmark = pytest.mark.gpu
 

@@ -6,12 +6,12 @@ import numpy as np
 import pytest
 import torch
 
-from engine.episode import run_episode
-from engine.model import CpuFirstModel
-from engine.policies import (POLICIES, Int8DenseStream, Int8DevicePacket, Int8Packet, dequantize_into, int8_layout,
+from packbench.engine.episode import run_episode
+from packbench.engine.model import CpuFirstModel
+from packbench.engine.policies import (POLICIES, Int8DenseStream, Int8DevicePacket, Int8Packet, dequantize_into, int8_layout,
                              quantize_rows)
-from engine.policies.int8 import slab_views
-from engine.shapes import SHAPES
+from packbench.engine.policies.int8 import slab_views
+from packbench.engine.shapes import SHAPES
 
 CONTINUATION = 5
 PREFILLS = (1, 64)

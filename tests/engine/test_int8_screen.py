@@ -9,12 +9,12 @@ from pathlib import Path
 import pytest
 import yaml
 
-from core.archive import PLAN_NAME, PROTOCOL_NAME, VERDICTS_NAME, WORKER_NAME, ArchiveWriter
-from core.audit import audit_archive
-from core.gates import compute_verdicts
-from core.plan import plan, prompts
-from core.protocol import freeze
-from engine.worker import Worker
+from packbench.core.archive import PLAN_NAME, PROTOCOL_NAME, VERDICTS_NAME, WORKER_NAME, ArchiveWriter
+from packbench.core.audit import audit_archive
+from packbench.core.gates import compute_verdicts
+from packbench.core.plan import plan, prompts
+from packbench.core.protocol import freeze
+from packbench.engine.worker import Worker
 
 ROOT = Path(__file__).resolve().parents[2]
 

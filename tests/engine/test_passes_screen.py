@@ -10,13 +10,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import engine.worker
-from core.audit import audit_archive
-from core.plan import episode_input, plan, prompts
-from core.protocol import freeze
-from db.store import Store
-from engine.worker import Worker
-from service.audit import episode_dicts, verdict_dicts
+import packbench.engine.worker
+from packbench.core.audit import audit_archive
+from packbench.core.plan import episode_input, plan, prompts
+from packbench.core.protocol import freeze
+from packbench.db.store import Store
+from packbench.engine.worker import Worker
+from packbench.service.audit import episode_dicts, verdict_dicts
 from tests.core.test_audit import reseal
 from tests.engine.test_batch_screen import run_screen
 
@@ -104,7 +104,7 @@ def test_the_screen_audits_agree_against_the_database_and_on_the_command_line(sc
 
 
 def test_the_report_states_the_recordings_cost(screen, packbench_cli, tmp_path):
-    from core.report import measurement_cost, read_screen
+    from packbench.core.report import measurement_cost, read_screen
 
     _, _, outcome, _ = screen
     cost = measurement_cost(read_screen(outcome.archive_path))
@@ -117,8 +117,8 @@ def test_the_report_states_the_recordings_cost(screen, packbench_cli, tmp_path):
 
 
 def test_a_together_screen_says_its_timings_include_the_recording():
-    from cli.report_page import cost_section
-    from core.report import read_screen
+    from packbench.cli.report_page import cost_section
+    from packbench.core.report import read_screen
 
     section = cost_section(read_screen(DATA / "gates-v2.zip"))
     assert 'id="passes-together"' in section and "includes the in-call recording" in section
@@ -152,7 +152,7 @@ def test_passes_on_a_together_archive_are_caught(tmp_path):
 def test_passes_that_differ_fail_the_episode(checkpoints, monkeypatch):
     """A recording pass whose second call's logits moved by one ulp: the episode fails with the
     call named and both walls kept; the next episode runs."""
-    real = engine.worker.run_episode
+    real = packbench.engine.worker.run_episode
 
     def drifting(model, prompt, **kw):
         out = real(model, prompt, **kw)
@@ -164,12 +164,12 @@ def test_passes_that_differ_fail_the_episode(checkpoints, monkeypatch):
     worker = Worker(device="cpu")
     ids = prompts(body, vocab=worker.load(body, str(checkpoints["float32"]))["vocab"])
     entries = plan(body)
-    monkeypatch.setattr(engine.worker, "run_episode", drifting)
+    monkeypatch.setattr(packbench.engine.worker, "run_episode", drifting)
     failed = worker.run(entries[0], episode_input(ids, entries[0]))
     assert failed["status"] == "failed" and failed["logits"] is None
     assert failed["error"] == "PassMismatch: call 1: logits differ between the timing and recording passes"
     assert set(failed["passes"]) == {"timing_wall_s", "recording_wall_s", "recording_call_s"}
-    monkeypatch.setattr(engine.worker, "run_episode", real)
+    monkeypatch.setattr(packbench.engine.worker, "run_episode", real)
     assert worker.run(entries[1], episode_input(ids, entries[1]))["status"] == "ok"
 
 
@@ -177,7 +177,7 @@ def test_a_competitor_runs_both_passes_and_is_teacher_forced_once(tmp_path, stor
     """int8 weight-only (torchao), tier approximate: both passes agree bit for bit, the
     teacher-forced logits come after them, and the auditor recomputes its fidelity."""
     pytest.importorskip("torchao")
-    from engine.synth import synth_checkpoint
+    from packbench.engine.synth import synth_checkpoint
 
     model = synth_checkpoint(tmp_path / "tiny-opt", shape="tiny", dtype="float32", seed=0, profile="opt")
     body = passes_protocol(model, conditions=[

@@ -4,12 +4,12 @@ import numpy as np
 import pytest
 import torch
 
-from engine.checkpoint import build_model
-from engine.episode import run_episode
-from engine.model import CpuFirstModel
-from engine.policies import POLICIES
-from engine.shapes import SHAPES
-from engine.synth import synth_checkpoint
+from packbench.engine.checkpoint import build_model
+from packbench.engine.episode import run_episode
+from packbench.engine.model import CpuFirstModel
+from packbench.engine.policies import POLICIES
+from packbench.engine.shapes import SHAPES
+from packbench.engine.synth import synth_checkpoint
 
 CONTINUATION = 5
 PREFILLS = (1, 64)

@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 import torch
 
-from engine.episode import run_episode
-from engine.model import CpuFirstModel
-from engine.policies import POLICIES
-from engine.shapes import SHAPES
-from engine.synth import synth_checkpoint
+from packbench.engine.episode import run_episode
+from packbench.engine.model import CpuFirstModel
+from packbench.engine.policies import POLICIES
+from packbench.engine.shapes import SHAPES
+from packbench.engine.synth import synth_checkpoint
 
 pytestmark = pytest.mark.gpu
 
@@ -45,7 +45,7 @@ def test_cuda_policies_bit_identical(dtype, which, checkpoints, checkpoint_125m)
         assert np.array_equal(out.logits, ref.logits), (name, params)
         assert out.tokens == ref.tokens, (name, params)
     # Tokens equal stock transformers' greedy generate on the same checkpoint, on the GPU.
-    from engine.checkpoint import build_model
+    from packbench.engine.checkpoint import build_model
 
     stock = build_model(path, dtype=getattr(torch, dtype)).to("cuda")
     ids = stock.generate(torch.tensor([PROMPT], device="cuda"), max_new_tokens=CONTINUATION,
@@ -77,7 +77,7 @@ def test_cuda_device_gather_ledger_matches_host_gather(tiny):
 
 
 def test_cuda_sampler_process_sees_an_allocation():
-    from engine.sampler import MemorySampler, device_uuid
+    from packbench.engine.sampler import MemorySampler, device_uuid
 
     uuid = device_uuid(0)
     assert uuid is not None, "NVML must see the GPU"

@@ -6,9 +6,9 @@ import inspect
 import pytest
 import torch
 
-from core.registry import POLICY_PARAMS, SCHEMA3_DEFAULTS, ChoiceParam, IntParam
-from engine.model import CpuFirstModel
-from engine.policies import PACKET_GATHERS, POLICIES, DevicePacket, LoaderPolicy, Packet
+from packbench.core.registry import POLICY_PARAMS, SCHEMA3_DEFAULTS, ChoiceParam, IntParam
+from packbench.engine.model import CpuFirstModel
+from packbench.engine.policies import PACKET_GATHERS, POLICIES, DevicePacket, LoaderPolicy, Packet
 
 
 def constructions(name: str):

@@ -13,15 +13,15 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from core.audit import audit_archive
-from core.plan import plan, prompts
-from core.protocol import freeze
-from engine.episode import run_episode
-from engine.model import CpuFirstModel
-from engine.quantized import QuantizationUnavailable, QuantizedModel, storage_bytes
-from engine.synth import synth_checkpoint
-from engine.worker import Worker
-from service.screen import ScreenRun
+from packbench.core.audit import audit_archive
+from packbench.core.plan import plan, prompts
+from packbench.core.protocol import freeze
+from packbench.engine.episode import run_episode
+from packbench.engine.model import CpuFirstModel
+from packbench.engine.quantized import QuantizationUnavailable, QuantizedModel, storage_bytes
+from packbench.engine.synth import synth_checkpoint
+from packbench.engine.worker import Worker
+from packbench.service.screen import ScreenRun
 
 pytest.importorskip("torchao")
 
@@ -88,7 +88,7 @@ def test_a_released_competitor_leaves_no_reference_behind(calibrated, monkeypatc
     import gc
     import weakref
 
-    import engine.worker as worker_module
+    import packbench.engine.worker as worker_module
 
     alive: list[weakref.ref] = []
 
@@ -166,7 +166,7 @@ def test_a_screen_archives_fidelity_and_the_audit_recomputes_it(screen, tmp_path
     assert set(verdicts) == {("faithfulness", "dense-stream"), ("fidelity", "int8")}
     assert all(v["passed"] for v in verdicts.values())
     # The report's frontier: one point per condition, by tier, the approximate one with its fidelity.
-    from core.report import frontier, read_screen
+    from packbench.core.report import frontier, read_screen
 
     view = frontier(read_screen(outcome.archive_path))
     points = {p["condition"]: p for p in view["points"]}
@@ -208,7 +208,7 @@ def test_the_other_methods_run_or_refuse_in_one_line(calibrated, method):
     """Where its library is installed (the test extra installs both), a
     method either runs, close to the float model and smaller, or refuses in one line (torchao's
     int4 on the CPU: tinygemm's kernel is CUDA's)."""
-    from core.registry import QUANT_METHODS
+    from packbench.core.registry import QUANT_METHODS
 
     if importlib.util.find_spec(QUANT_METHODS[method]) is None:
         pytest.skip(f"{QUANT_METHODS[method]} is not installed")
@@ -232,7 +232,7 @@ def test_the_other_methods_run_or_refuse_in_one_line(calibrated, method):
 def test_a_failed_competitor_episode_drops_the_model_and_the_next_runs(calibrated, monkeypatch):
     """A competitor whose episode fails leaves the device (not held, not shelved), and the exact
     condition after it still runs: one failure does not fail the episodes that follow."""
-    import engine.worker as worker_module
+    import packbench.engine.worker as worker_module
 
     b = body(calibrated)
     worker = Worker(device="cpu")
@@ -270,7 +270,7 @@ def test_the_static_cache_call_gives_the_eager_logits(calibrated, method):
     mask given (QuantizedModel._call; transformers derived them on the host, which no capture
     allows). On the CPU that call runs eagerly: it must compute what the eager DynamicCache does,
     call for call. The CUDA twins capture it (test_quantized_cuda.py)."""
-    from core.registry import QUANT_METHODS
+    from packbench.core.registry import QUANT_METHODS
 
     if importlib.util.find_spec(QUANT_METHODS[method]) is None:
         pytest.skip(f"{QUANT_METHODS[method]} is not installed")
@@ -316,7 +316,7 @@ def test_the_decode_step_reads_nothing_back_to_the_host(calibrated, method):
     """What a CUDA capture needs, checked on the CPU: the static-cache decode call (the step modes
     graph and compile capture) reads no tensor value on the host. transformers' OPT forward read
     the cache length with `.item()` when not given positions and a mask: every capture failed."""
-    from core.registry import QUANT_METHODS
+    from packbench.core.registry import QUANT_METHODS
 
     if importlib.util.find_spec(QUANT_METHODS[method]) is None:
         pytest.skip(f"{QUANT_METHODS[method]} is not installed")
@@ -368,7 +368,7 @@ def test_each_model_compiles_its_own_code_past_dynamos_recompile_limit():
     import torch._dynamo
     from torch._dynamo.exc import FailOnRecompileLimitHit
 
-    from engine.quantized import own_code
+    from packbench.engine.quantized import own_code
 
     class Stand:
         def __init__(self, width: int):

@@ -9,13 +9,13 @@ import numpy as np
 import pytest
 import torch
 
-from core.fidelity import of_episode
-from core.plan import plan, prompts
-from core.protocol import freeze
-from core.registry import QUANT_METHODS
-from engine.quantized import QuantizationUnavailable
-from engine.synth import synth_checkpoint
-from engine.worker import Worker
+from packbench.core.fidelity import of_episode
+from packbench.core.plan import plan, prompts
+from packbench.core.protocol import freeze
+from packbench.core.registry import QUANT_METHODS
+from packbench.engine.quantized import QuantizationUnavailable
+from packbench.engine.synth import synth_checkpoint
+from packbench.engine.worker import Worker
 
 pytestmark = pytest.mark.gpu
 
@@ -81,8 +81,8 @@ def test_a_compiled_model_decodes_close_to_eager_and_returns_from_the_host(calib
     alone, as torchao's int8 does."""
     if importlib.util.find_spec(QUANT_METHODS[method]) is None:
         pytest.skip(f"{QUANT_METHODS[method]} is not installed")
-    from engine.episode import run_episode
-    from engine.quantized import QuantizedModel
+    from packbench.engine.episode import run_episode
+    from packbench.engine.quantized import QuantizedModel
 
     held = torch.cuda.memory_allocated()  # what earlier tests of this process still hold
     q = QuantizedModel(calibrated, method=method, dtype=torch.float16, device=torch.device("cuda", 0))
@@ -112,8 +112,8 @@ def test_int8_compiled_decodes_a_batch_close_to_eager(calibrated):
     """A batch's decode step is compiled and captured on a static cache of B rows, as one
     sequence's is: each sequence close to its eager decode, replayed the same across episodes."""
     pytest.importorskip("torchao")
-    from engine.episode import run_episode
-    from engine.quantized import QuantizedModel
+    from packbench.engine.episode import run_episode
+    from packbench.engine.quantized import QuantizedModel
 
     q = QuantizedModel(calibrated, method="int8-weight-only", dtype=torch.float16, device=torch.device("cuda", 0))
     try:

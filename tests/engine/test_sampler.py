@@ -9,7 +9,7 @@ import types
 
 import pytest
 
-from engine import sampler
+from packbench.engine import sampler
 
 
 class FakeNVML(types.ModuleType):

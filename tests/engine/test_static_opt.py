@@ -5,10 +5,10 @@ import numpy as np
 import pytest
 import torch
 
-from engine.episode import run_episode
-from engine.graph import graph_refusal
-from engine.model import CpuFirstModel
-from engine.policies import POLICIES
+from packbench.engine.episode import run_episode
+from packbench.engine.graph import graph_refusal
+from packbench.engine.model import CpuFirstModel
+from packbench.engine.policies import POLICIES
 
 CONTINUATION = 5
 PARAMS = {"sparse-extents": {"block_rows": 16}, "row-retention": {"rows_per_layer": 48}}
@@ -100,7 +100,7 @@ def test_unknown_mode_is_refused(tiny):
 def test_attend_views_is_attend_bit_for_bit(device, dtype):
     """The replays' attention (3D views, the output written by the second bmm) against the eager
     calls' (torch.matmul, then a copy), at spans from one key to past a thousand."""
-    from engine.static_opt import KVLayer, StaticOPT
+    from packbench.engine.static_opt import KVLayer, StaticOPT
 
     heads, head_dim, capacity = 32, 80, 1100  # opt-2.7b's heads
     g = torch.Generator().manual_seed(0)

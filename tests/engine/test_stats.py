@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from cli.main import app
-from core.errors import PackbenchError
-from engine.stats import Trace, hot_shares, summarise, union_curve
+from packbench.cli.main import app
+from packbench.core.errors import PackbenchError
+from packbench.engine.stats import Trace, hot_shares, summarise, union_curve
 
 
 def trace() -> Trace:
@@ -53,7 +53,7 @@ def test_every_figure_against_counts_by_hand():
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    from engine.synth import synth_checkpoint
+    from packbench.engine.synth import synth_checkpoint
 
     return synth_checkpoint(tmp_path_factory.mktemp("stats") / "tiny", shape="tiny", dtype="float32", seed=0,
                             profile="opt")
@@ -64,9 +64,9 @@ def test_measure_agrees_with_the_engines_own_ledger(tiny):
     runner's ledger on the same prompt."""
     import torch
 
-    from engine.episode import run_episode
-    from engine.model import CpuFirstModel
-    from engine.stats import measure
+    from packbench.engine.episode import run_episode
+    from packbench.engine.model import CpuFirstModel
+    from packbench.engine.stats import measure
 
     prompt = [2] + list(range(10, 41))
     (t,) = measure(tiny, [prompt], continuation=6)

@@ -4,9 +4,9 @@ import hashlib
 
 import torch
 
-from engine.checkpoint import build_model, read_config
-from engine.shapes import SHAPES
-from engine.synth import fc1_bias_for, synth_checkpoint
+from packbench.engine.checkpoint import build_model, read_config
+from packbench.engine.shapes import SHAPES
+from packbench.engine.synth import fc1_bias_for, synth_checkpoint
 
 
 def digest(path):
@@ -74,7 +74,7 @@ def test_a_profile_is_deterministic_for_a_seed_and_the_same_weights_in_every_dty
 def profile_stats(path, *, prefix: int, prompts: int = 2):
     import numpy as np
 
-    from engine.stats import measure, summarise
+    from packbench.engine.stats import measure, summarise
 
     rng = np.random.Generator(np.random.PCG64(0))
     vocab = read_config(path)["vocab_size"]
@@ -89,7 +89,7 @@ def within(value, target, tolerance=0.2):
 def test_the_opt_profile_meets_its_targets_on_opt_125m(tmp_path):
     """docs/workloads.md's targets on the smallest real shape (its density is its own target;
     overlap, layer trend, hot neurons and entropy are shape-free)."""
-    from core.registry import PROFILES
+    from packbench.core.registry import PROFILES
 
     p = PROFILES["opt"]
     path = synth_checkpoint(tmp_path / "m", shape="opt-125m", dtype="float16", seed=0, profile="opt")
@@ -106,7 +106,7 @@ def test_the_opt_profile_meets_its_targets_on_opt_125m(tmp_path):
 
 
 def test_the_opt_profile_on_the_tiny_shape(tmp_path):
-    from core.registry import PROFILES
+    from packbench.core.registry import PROFILES
 
     path = synth_checkpoint(tmp_path / "t", shape="tiny", dtype="float32", seed=0, profile="opt")
     s = profile_stats(path, prefix=64, prompts=4)
@@ -121,8 +121,8 @@ def test_outlier_features_meet_the_linear_layers_and_leave_the_activations_alone
     fc1 pre-activations (up to rounding) while q/k/v and fc1 read inputs 20x larger."""
     import dataclasses
 
-    from core import registry
-    from engine.synth import profile_tensors
+    from packbench.core import registry
+    from packbench.engine.synth import profile_tensors
 
     monkeypatch.setitem(registry.SHAPES, "wide", dict(registry.SHAPES["tiny"], layers=8))
     base = dataclasses.replace(registry.PROFILES["opt"], density={"wide": 0.06}, outliers={})

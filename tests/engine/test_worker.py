@@ -5,10 +5,10 @@ from pathlib import Path
 
 import numpy as np
 
-from core.plan import plan, prompts
-from core.protocol import freeze
-from engine.policies import DenseStream, DevicePacket, Packet
-from engine.worker import Worker
+from packbench.core.plan import plan, prompts
+from packbench.core.protocol import freeze
+from packbench.engine.policies import DenseStream, DevicePacket, Packet
+from packbench.engine.worker import Worker
 
 
 def body(tiny, **changes):
@@ -31,7 +31,7 @@ def run_all(tiny, **changes):
 
 
 def test_a_failing_episode_is_recorded_and_the_next_one_runs(tiny, monkeypatch):
-    from engine.policies import SparseExtents
+    from packbench.engine.policies import SparseExtents
 
     def out_of_memory(self, layer, h):
         raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB\n(the allocator's details)")
@@ -122,9 +122,9 @@ def test_workers_generating_one_synthetic_spec_at_once_never_read_a_partial_chec
 
     code = textwrap.dedent(f"""
         from pathlib import Path
-        from core.protocol import expand, freeze
-        from engine.checkpoint import read_config
-        from engine.worker import model_dir_for
+        from packbench.core.protocol import expand, freeze
+        from packbench.engine.checkpoint import read_config
+        from packbench.engine.worker import model_dir_for
         raw = {{"name": "s", "model": {{"synth": {{"shape": "tiny", "dtype": "float32", "sparsity": 0.94, "seed": 3}}}},
                "dtype": "float32", "prompts": {{"generator": {{"seed": 0, "count": 1}}}}, "prefix_tokens": 8,
                "continuation_tokens": 2, "conditions": [{{"policy": "dense-stream"}}], "reference": "dense-stream",
@@ -142,7 +142,7 @@ def test_workers_generating_one_synthetic_spec_at_once_never_read_a_partial_chec
 def test_the_environment_holds_plain_values_a_driver_without_torch_can_unpickle():
     import torch
 
-    from engine.worker import environment
+    from packbench.engine.worker import environment
 
     env = environment(torch.device("cpu"))
     # torch.__version__ is a TorchVersion (a str subclass): unpickling one imports torch.
@@ -155,10 +155,10 @@ def test_each_episode_records_the_other_packbench_workers_busy_on_the_host(tiny,
     one gone, is not listed (the presence itself lists every live one)."""
     import os
 
-    import engine.gpu_lock
-    from engine.gpu_lock import HostPresence
+    import packbench.engine.gpu_lock
+    from packbench.engine.gpu_lock import HostPresence
 
-    monkeypatch.setattr(engine.gpu_lock, "DEFAULT_LOCK_DIR", tmp_path)
+    monkeypatch.setattr(packbench.engine.gpu_lock, "DEFAULT_LOCK_DIR", tmp_path)
     b = body(tiny)
     worker = Worker(device="cpu")
     assert worker.presence.others() == []
@@ -183,11 +183,11 @@ def test_each_episode_records_the_other_packbench_workers_busy_on_the_host(tiny,
 
 
 def test_a_worker_whose_lock_directory_is_unusable_runs_and_records_none(tiny, tmp_path, monkeypatch):
-    import engine.gpu_lock
+    import packbench.engine.gpu_lock
 
     blocked = tmp_path / "a-file"
     blocked.write_text("")
-    monkeypatch.setattr(engine.gpu_lock, "DEFAULT_LOCK_DIR", blocked)
+    monkeypatch.setattr(packbench.engine.gpu_lock, "DEFAULT_LOCK_DIR", blocked)
     b = body(tiny)
     worker = Worker(device="cpu")
     start = worker.load(b, str(tiny))

@@ -6,8 +6,8 @@ import os
 
 import pytest
 
-from engine.gpu_lock import host_gpu_index, host_gpus
-from engine.worker import Worker, core_share
+from packbench.engine.gpu_lock import host_gpu_index, host_gpus
+from packbench.engine.worker import Worker, core_share
 
 pytestmark = pytest.mark.gpu
 
@@ -27,12 +27,12 @@ def test_cuda_worker_pins_itself_to_its_gpus_share_of_the_cores(monkeypatch):
 
 
 def test_cuda_worker_marks_the_host_with_its_gpu_and_records_its_busy_neighbours(tiny, tmp_path, monkeypatch):
-    import engine.gpu_lock
-    from core.plan import plan, prompts
-    from engine.gpu_lock import HostPresence
+    import packbench.engine.gpu_lock
+    from packbench.core.plan import plan, prompts
+    from packbench.engine.gpu_lock import HostPresence
     from tests.engine.test_worker import body
 
-    monkeypatch.setattr(engine.gpu_lock, "DEFAULT_LOCK_DIR", tmp_path)
+    monkeypatch.setattr(packbench.engine.gpu_lock, "DEFAULT_LOCK_DIR", tmp_path)
     worker = Worker(device="cuda")
     try:
         watcher = HostPresence("cpu", directory=tmp_path)

@@ -6,10 +6,10 @@ import shutil
 
 import pytest
 
-from core.errors import CheckpointError
-from core.protocol import freeze
-from core.provenance import checkpoint_digest
-from engine.worker import Worker
+from packbench.core.errors import CheckpointError
+from packbench.core.protocol import freeze
+from packbench.core.provenance import checkpoint_digest
+from packbench.engine.worker import Worker
 
 
 def body(path, **model):
@@ -57,8 +57,8 @@ def test_a_load_that_fails_reports_its_own_error_not_the_digest_thread(tiny, tmp
 def test_model_digest_prints_what_a_protocol_pins(tiny):
     from typer.testing import CliRunner
 
-    from cli.main import app
-    from core.provenance import checkpoint_digest
+    from packbench.cli.main import app
+    from packbench.core.provenance import checkpoint_digest
 
     out = CliRunner().invoke(app, ["model", "digest", str(tiny)])
     assert out.exit_code == 0 and out.stdout.strip() == checkpoint_digest(tiny)

@@ -14,8 +14,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
-from core.pool import NodeInfo, Reply
-from core.registry import SHAPES
+from packbench.core.pool import NodeInfo, Reply
+from packbench.core.registry import SHAPES
 
 
 @dataclass(eq=False)

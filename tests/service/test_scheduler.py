@@ -15,12 +15,12 @@ from pathlib import Path
 import pytest
 import yaml
 
-from core.archive import ArchiveReader
-from core.settings import Settings
-from db.store import Store
-from service.scheduler import Scheduler
-from service.scheduler_state import Moment, Stop
-from service.submit import submit
+from packbench.core.archive import ArchiveReader
+from packbench.core.settings import Settings
+from packbench.db.store import Store
+from packbench.service.scheduler import Scheduler
+from packbench.service.scheduler_state import Moment, Stop
+from packbench.service.submit import submit
 from tests.service.fake_pool import FakePool
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -57,10 +57,10 @@ def store(migrated, tmp_path):
 
 @pytest.fixture(autouse=True)
 def _fixed_freeze(monkeypatch):
-    import service.scheduler
+    import packbench.service.scheduler
 
     # The source freeze hashes the engine and asks git (tens of ms each scheduler): not what is tested.
-    monkeypatch.setattr(service.scheduler, "source_freeze", lambda: {"git_commit": "test"})
+    monkeypatch.setattr(packbench.service.scheduler, "source_freeze", lambda: {"git_commit": "test"})
 
 
 def scheduler(store, tmp_path, pool, **options) -> Scheduler:
@@ -78,7 +78,7 @@ def rows(store, attempt_id: int) -> list[int]:
 
 def test_the_scheduler_imports_no_ray():
     """Scheduling is plain Python: importing it and its fake pool brings no ray (nor torch)."""
-    code = ("import sys, service.scheduler, tests.service.fake_pool; "
+    code = ("import sys, packbench.service.scheduler, tests.service.fake_pool; "
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('ray', 'torch', 'cluster')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT,
                          env=dict(os.environ, PYTHONPATH=str(ROOT)))
@@ -153,7 +153,7 @@ def test_a_worker_dying_mid_screen_fails_its_attempt_and_the_screen_runs_again(s
 
 
 def test_a_failing_call_fails_the_screen_and_the_worker_lives(store, tmp_path):
-    from core.errors import PackbenchError
+    from packbench.core.errors import PackbenchError
 
     (bad, good) = submit(store, protocol_file(tmp_path), replicas=2)
     pool = FakePool(fault=lambda worker, entry: PackbenchError("broken checkpoint; fix it")

@@ -1,0 +1,94 @@
+"""Options and helpers shared by the command modules."""
+
+import contextlib
+import dataclasses
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from packbench.core.errors import PackbenchError
+from packbench.core.settings import ARCHIVE_DIR_ENV, DB_URL_ENV, DEFAULT_DB_URL, RAY_ADDRESS_ENV, Settings
+
+
+def _db_given_first(ctx: typer.Context, param: typer.CallbackParam, value: str | None) -> str | None:
+    """A command's --db, unless it came from the environment while `packbench --db URL` was given:
+    the command line beats the environment wherever on the line --db stands."""
+    top = ctx.obj.db_url if isinstance(ctx.obj, Settings) else None
+    if top is not None and getattr(ctx.get_parameter_source(param.name), "name", None) != "COMMANDLINE":
+        return top
+    return value
+
+
+DB_HELP = f"Database URL (default {DEFAULT_DB_URL}); also `packbench --db URL COMMAND`."
+DbUrl = Annotated[Optional[str], typer.Option("--db", envvar=DB_URL_ENV, callback=_db_given_first, help=DB_HELP)]
+Json = Annotated[bool, typer.Option("--json", help="Print the result as one JSON document on stdout.")]
+Address = Annotated[Optional[str], typer.Option(
+    envvar=RAY_ADDRESS_ENV, help="Join this Ray cluster (host:port of the head) instead of an embedded local one.")]
+ArchiveDir = Annotated[Path, typer.Option("--archive-dir", envvar=ARCHIVE_DIR_ENV, help="Where raw archives are written.")]
+
+
+def settings_of(ctx: typer.Context, **per_command) -> Settings:
+    """The shared settings with this command's own options (--db, --address, --archive-dir)."""
+    base = ctx.obj if isinstance(ctx.obj, Settings) else Settings()
+    return dataclasses.replace(base, **{k: v for k, v in per_command.items() if v is not None})
+
+
+def utc(text: str | None, option: str):
+    """An ISO date or date/time as an aware UTC datetime (a naive one is UTC); None stays None."""
+    if text is None:
+        return None
+    from datetime import datetime, timezone
+
+    try:
+        moment = datetime.fromisoformat(text)
+    except ValueError:
+        raise PackbenchError(f"{option} {text!r} is not an ISO date or date/time; write e.g. 2026-11-30 or "
+                             f"2026-11-30T18:00") from None
+    return moment if moment.tzinfo else moment.replace(tzinfo=timezone.utc)
+
+
+def echo_json(document) -> None:
+    """One JSON document on stdout (sorted keys; dates and paths as strings)."""
+    import json
+
+    typer.echo(json.dumps(document, sort_keys=True, default=str))
+
+
+def open_store(url: str | None, *, at_head: bool = True):
+    """The results store; refuses a database that is not at the migration head unless told not to."""
+    from packbench.db.store import Store
+
+    store = Store(url)
+    if at_head:
+        store.check_head()
+    return store
+
+
+def output_dir(path: Path, option: str) -> Path:
+    """`path` as a directory to write into, created if missing; one line naming `option` if it
+    cannot be (a file there, no permission, a read-only or virtual file system)."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        why = "a file is in the way" if path.exists() or isinstance(e, (FileExistsError, NotADirectoryError)) \
+            else e.strerror or type(e).__name__
+        raise PackbenchError(f"{option} {path}: cannot create that directory ({why}); "
+                             f"give {option} a writable directory") from None
+    return path
+
+
+def write_output(path: Path, text: str, option: str) -> None:
+    """Write `text` to `path` (UTF-8) whole or not at all: through a temporary file beside it, so
+    a failure (no such directory, a full disk) leaves no partial file and any old one as it was;
+    one line naming `option` if it cannot be written."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        tmp.write_text(text, encoding="utf-8")
+        tmp.replace(path)
+    except OSError as e:
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+        hint = "create that directory or" if not path.parent.is_dir() else "free space, check permissions, or"
+        raise PackbenchError(f"{option} {path}: cannot write it ({e.strerror or type(e).__name__}); "
+                             f"{hint} choose another {option}") from None

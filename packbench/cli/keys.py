@@ -1,0 +1,79 @@
+"""`packbench keys`: the deployment's archive signing key and the keys it trusts.
+
+init      create an Ed25519 key (private PEM 0600, never in an archive or the database) and
+          register its public half in the database as this deployment's own
+register  trust another lab's public key (for `packbench ingest`)
+list      the registered keys
+"""
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from packbench.cli.common import DbUrl, Json, echo_json, open_store
+from packbench.core.errors import PackbenchError
+
+DEFAULT_KEY = Path("~/.config/packbench/signing-key.pem")
+
+keys_app = typer.Typer(no_args_is_help=True, help="Archive signing keys (Ed25519): create, trust, list.")
+
+
+@keys_app.command("init")
+def keys_init(
+    key: Annotated[Path, typer.Option(help="Where to write the private key (its public half goes to KEY.pub).")] = DEFAULT_KEY,
+    name: Annotated[str, typer.Option(help="A name for this deployment's key in the database.")] = "local",
+    db: DbUrl = None,
+    no_db: Annotated[bool, typer.Option("--no-db", help="Write the key files only.")] = False,
+    json_out: Json = False,
+) -> None:
+    """Create this deployment's signing key; the dispatcher signs sealed archives with it
+    (--signing-key / PACKBENCH_SIGNING_KEY)."""
+    from packbench.core.provenance import generate_key, load_public_key
+
+    try:
+        path, pub, kid = generate_key(key.expanduser())
+    except OSError as e:
+        raise PackbenchError(f"--key {key}: cannot write the key there ({e.strerror or type(e).__name__}); "
+                             f"choose a --key in a writable directory") from None
+    if not json_out:  # said before the database is asked: the files exist whatever it answers
+        typer.echo(f"wrote signing key {path} (keep it private) and public key {pub}; key id {kid}")
+    if not no_db:
+        open_store(db).put_signer(key_id=kid, public_key=load_public_key(pub).hex(), name=name, local=True)
+    if json_out:
+        echo_json({"key": str(path), "public_key": str(pub), "key_id": kid, "registered": not no_db, "name": name})
+    elif not no_db:
+        typer.echo(f"registered key {kid} as {name!r} (this deployment's own)")
+
+
+@keys_app.command("register")
+def keys_register(
+    public_key: Annotated[Path, typer.Argument(help="Another lab's .pub file.")],
+    name: Annotated[str, typer.Option(help="Whose key it is (shown by `keys list` and `compare`).")],
+    db: DbUrl = None,
+    json_out: Json = False,
+) -> None:
+    """Trust another lab's public key for `packbench ingest`."""
+    from packbench.core.provenance import key_id, load_public_key
+
+    raw = load_public_key(public_key)
+    row = open_store(db).put_signer(key_id=key_id(raw), public_key=raw.hex(), name=name, local=False)
+    if json_out:
+        echo_json({"key_id": row.key_id, "name": row.name, "local": False})
+        return
+    typer.echo(f"trusting key {row.key_id} as {row.name!r}")
+
+
+@keys_app.command("list")
+def keys_list(db: DbUrl = None, json_out: Json = False) -> None:
+    """The registered public keys."""
+    signers = open_store(db).signers()
+    if json_out:
+        echo_json({"keys": [{"key_id": s.key_id, "name": s.name, "local": s.local} for s in signers]})
+        return
+    for s in signers:
+        typer.echo(f"{s.key_id}  {'local ' if s.local else 'remote'}  {s.name}")
+
+
+def register(app: typer.Typer) -> None:
+    app.add_typer(keys_app, name="keys")

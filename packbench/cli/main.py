@@ -1,0 +1,445 @@
+"""packbench: submit frozen protocol screens to Ray GPU workers, query results, audit archives."""
+
+import dataclasses
+import json
+import logging
+import os
+import sys
+import traceback
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from typer.core import TyperGroup
+
+from packbench.cli import audit_cmd, history, ingest, keys, labels, model_stats, protocol_cmd, query, report
+from packbench.cli.common import DB_HELP, Address, ArchiveDir, DbUrl, Json, echo_json, open_store, output_dir, settings_of
+from packbench.cli.summary import screen_summary, verdict_table
+from packbench.core.errors import ClusterUnreachable, PackbenchError
+from packbench.core.settings import (DB_URL_ENV, DEFAULT_CONNECT_TIMEOUT_S, DEFAULT_PLACEMENT_TIMEOUT_S, ENVIRONMENT,
+                           WORKER_PIN_ENV, WORKER_THREADS_ENV, Settings, worker_pin, worker_threads)
+from packbench.core.registry import DEFAULT_PROFILE, DTYPE_NAMES, PROFILES, SYNTH_SHAPES, SynthArgumentError, synth_spec
+from packbench.core.text import one_line
+
+
+class PackbenchGroup(TyperGroup):
+    """The top-level group: with --debug, an error's traceback is printed (here, where the
+    settings are known) before `main` prints its one line."""
+
+    def invoke(self, ctx: typer.Context):
+        try:
+            return super().invoke(ctx)
+        except PackbenchError:
+            if isinstance(ctx.obj, Settings) and ctx.obj.debug:
+                traceback.print_exc()
+            raise
+
+
+ENVIRONMENT_EPILOG = "Environment variables (each sets its option): " + "; ".join(
+    f"{name} ({option})" for name, (option, _) in ENVIRONMENT.items()) + "."
+
+app = typer.Typer(cls=PackbenchGroup, no_args_is_help=True, add_completion=True, pretty_exceptions_enable=False,
+                  help=__doc__, epilog=ENVIRONMENT_EPILOG)
+model_app = typer.Typer(no_args_is_help=True, help="Synthetic checkpoints.")
+db_app = typer.Typer(no_args_is_help=True, help="The results database: migrations, reconciliation with the archives.")
+app.add_typer(model_app, name="model")
+app.add_typer(db_app, name="db")
+
+
+@model_app.command("synth")
+def model_synth(
+    out: Annotated[Path, typer.Option(help="Output directory (Hugging Face layout).")],
+    shape: Annotated[str, typer.Option(help=f"One of {', '.join(SYNTH_SHAPES)}.",
+                                       autocompletion=lambda: list(SYNTH_SHAPES))] = "tiny",
+    dtype: Annotated[str, typer.Option(help=f"One of {', '.join(DTYPE_NAMES)}.",
+                                       autocompletion=lambda: list(DTYPE_NAMES))] = "float32",
+    profile: Annotated[Optional[str], typer.Option(
+        help=f"A calibrated recipe whose activation statistics match real OPT (docs/workloads.md): "
+             f"{', '.join(PROFILES)}. The default, unless --sparsity is given.",
+        autocompletion=lambda: list(PROFILES))] = None,
+    sparsity: Annotated[Optional[float], typer.Option(
+        help="The uniform recipe instead of a profile: fraction of post-ReLU activations exactly zero, in (0, 1), "
+             "alike for every neuron.")] = None,
+    seed: Annotated[int, typer.Option(help="Weights are a pure function of the seed (>= 0).")] = 0,
+    hot_fraction: Annotated[Optional[float], typer.Option(
+        help="Uniform recipe: fraction of neurons per layer that fire far more often, in [0, 1).")] = None,
+    hot_bias: Annotated[Optional[float], typer.Option(
+        help="Uniform recipe: their fc1 bias in units of std*sqrt(hidden), finite (0.0: ~50% active).")] = None,
+    force: Annotated[bool, typer.Option(help="Replace a checkpoint already in --out.")] = False,
+    json_out: Json = False,
+) -> None:
+    """Write a synthetic OPT checkpoint with real OPT shapes: a calibrated profile, or a uniform sparsity."""
+    if profile is None and sparsity is None:
+        profile = DEFAULT_PROFILE
+    try:  # the same check a protocol's model.synth gets, before torch is imported
+        spec = synth_spec(shape=shape, dtype=dtype, sparsity=sparsity, seed=seed, hot_fraction=hot_fraction,
+                          hot_bias=hot_bias, profile=profile)
+    except SynthArgumentError as e:
+        raise PackbenchError(e.line("--" + e.arg.replace("_", "-"))) from None
+    output_dir(out, "--out")  # before the weights are drawn, which takes minutes for a large shape
+    from packbench.cli.progress import steps
+    from packbench.engine.synth import synth_checkpoint
+
+    progress = steps(f"synthesising {shape} {dtype}", "layers", after="writing model.safetensors", quiet=json_out)
+    try:
+        path = synth_checkpoint(out, **spec, force=force, progress=progress)
+    except OSError as e:  # a full disk while writing model.safetensors, say
+        raise PackbenchError(f"--out {out}: cannot write the checkpoint ({e.strerror or type(e).__name__}); "
+                             f"free space or choose another --out") from None
+    finally:
+        progress.close()
+    if json_out:
+        echo_json({"path": str(path), "shape": shape, "dtype": dtype, "profile": profile, "sparsity": sparsity,
+                   "seed": seed})
+        return
+    recipe = f"profile {profile}" if profile else f"sparsity {sparsity}"
+    typer.echo(f"wrote {shape} {dtype} checkpoint ({recipe}, seed {seed}) to {path}")
+
+
+@model_app.command("digest")
+def model_digest(
+    model_dir: Annotated[Path, typer.Argument(help="A local checkpoint directory.")],
+    json_out: Json = False,
+) -> None:
+    """Print a checkpoint's content digest, to pin it in a protocol as model: {path, sha256}."""
+    from packbench.core.provenance import checkpoint_digest
+
+    if not model_dir.is_dir():
+        raise PackbenchError(f"no checkpoint directory at {model_dir}; give the folder holding config.json")
+    digest = checkpoint_digest(model_dir)
+    typer.echo(json.dumps({"path": str(model_dir), "sha256": digest}) if json_out else digest)
+
+
+@db_app.command("upgrade")
+def db_upgrade(db: DbUrl = None, json_out: Json = False) -> None:
+    """Create or migrate the database to the newest schema."""
+    store = open_store(db, at_head=False)
+    before = store.current()
+    store.upgrade()
+    if json_out:
+        typer.echo(json.dumps({"revision": store.current(), "head": store.head(), "from": before}, sort_keys=True))
+        return
+    typer.echo(f"database at {store.current()} (head)")
+
+
+@db_app.command("reconcile")
+def db_reconcile(db: DbUrl = None, json_out: Json = False) -> None:
+    """Insert the rows of archived episodes the database lacks (after a database outage).
+
+    Every attempt that is not running and whose archive is on this host: each episode the
+    archive holds without a row is checked against the archive's SHA-256 manifest entry (an
+    unsealed archive: its zip CRC-32s) and inserted; rows already there are kept. Exit 1 when an
+    archived episode was refused (it is named)."""
+    from packbench.service.reconcile import reconcile
+
+    report = reconcile(open_store(db))
+    if json_out:
+        typer.echo(json.dumps({"checked": report.checked, "inserted": report.inserted, "refused": report.refused,
+                               "attempts": [dataclasses.asdict(r) for r in report.attempts],
+                               "not_here": report.not_here}, sort_keys=True))
+    else:
+        for r in report.attempts:
+            typer.echo(one_line(r.line()))
+        elsewhere = f"; {len(report.not_here)} archives not on this host" if report.not_here else ""
+        typer.echo(f"reconciled {report.inserted} episode row{'s' if report.inserted != 1 else ''} from "
+                   f"{report.checked} archive{'s' if report.checked != 1 else ''}{elsewhere}"
+                   + (f"; {report.refused} refused" if report.refused else ""))
+    if report.refused:
+        raise typer.Exit(1)
+
+
+@db_app.command("current")
+def db_current(db: DbUrl = None, json_out: Json = False) -> None:
+    """Print the database's schema revision."""
+    store = open_store(db, at_head=False)
+    current, head = store.current(), store.head()
+    if json_out:
+        echo_json({"revision": current, "head": head, "at_head": current == head})
+        return
+    typer.echo(f"{current or 'empty'}{' (head)' if current == head else f' (head is {head}: run `packbench db upgrade`)'}")
+
+
+@db_app.command("history")
+def db_history(db: DbUrl = None, json_out: Json = False) -> None:
+    """List the schema revisions, newest first."""
+    lines = open_store(db, at_head=False).history()
+    if json_out:
+        echo_json({"revisions": list(lines)})
+        return
+    for line in lines:
+        typer.echo(line)
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        from importlib import metadata
+
+        try:
+            version = metadata.version("packbench")
+        except metadata.PackageNotFoundError:
+            version = "unknown (not installed: pip install -e .)"
+        typer.echo(f"packbench {version}")
+        raise typer.Exit()
+
+
+@app.callback()
+def options(
+    ctx: typer.Context,
+    version: Annotated[bool, typer.Option("--version", callback=_print_version, is_eager=True,
+                                          help="Print packbench's version and exit.")] = False,
+    verbose: Annotated[bool, typer.Option("--verbose", "-v", envvar="PACKBENCH_VERBOSE",
+                                          help="Log events, and let worker logs reach this terminal.")] = False,
+    placement_timeout: Annotated[float, typer.Option(
+        envvar="PACKBENCH_PLACEMENT_TIMEOUT_S", help="Seconds a GPU worker may stay unplaced.")] = DEFAULT_PLACEMENT_TIMEOUT_S,
+    connect_timeout: Annotated[float, typer.Option(
+        envvar="PACKBENCH_CONNECT_TIMEOUT_S", help="Seconds joining a Ray cluster (--address) may take.")] = DEFAULT_CONNECT_TIMEOUT_S,
+    embedded_gpus: Annotated[Optional[int], typer.Option(
+        min=1, envvar="PACKBENCH_EMBEDDED_GPUS",
+        help="GPUs the embedded Ray declares (default: the host's; one logical GPU on a CPU-only machine).")] = None,
+    model_cache: Annotated[Optional[Path], typer.Option(
+        envvar="PACKBENCH_MODEL_CACHE", help="Where workers generate synthetic checkpoints "
+                                             "(default ~/.cache/packbench/models on each node).")] = None,
+    signing_key: Annotated[Optional[Path], typer.Option(
+        envvar="PACKBENCH_SIGNING_KEY", help="Ed25519 private key (`packbench keys init`) that signs every "
+                                             "sealed archive (ARCHIVE.sig).")] = None,
+    debug: Annotated[bool, typer.Option("--debug", envvar="PACKBENCH_DEBUG",
+                                        help="On an error, print its traceback before the one-line message.")] = False,
+    db: Annotated[Optional[str], typer.Option("--db", envvar=DB_URL_ENV, help=DB_HELP)] = None,
+    threads: Annotated[Optional[str], typer.Option(
+        "--worker-threads", envvar=WORKER_THREADS_ENV, show_default=False,
+        help="Host threads of each GPU worker's gathers (default: its share of the host's cores).")] = None,
+    pin: Annotated[Optional[str], typer.Option(
+        "--worker-pin", envvar=WORKER_PIN_ENV, show_default=False,
+        help="1: pin each GPU worker to its GPU's share of the host's cores; 0 (default): do not.")] = None,
+) -> None:
+    """Settings shared by every command, read once (each names its environment variable)."""
+    if placement_timeout <= 0 or connect_timeout <= 0:
+        raise PackbenchError("--placement-timeout and --connect-timeout must be > 0 seconds")
+    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    ctx.obj = Settings(verbose=verbose, placement_timeout_s=placement_timeout, connect_timeout_s=connect_timeout,
+                       model_cache=model_cache, embedded_gpus=embedded_gpus, db_url=db or None, debug=debug,
+                       signing_key=signing_key.expanduser() if signing_key else None,
+                       worker_threads=worker_threads(threads), worker_pin=worker_pin(pin))
+
+
+@app.command()
+def submit(
+    ctx: typer.Context,
+    protocol: Annotated[Path, typer.Argument(help="Protocol YAML file.")],
+    wait: Annotated[bool, typer.Option("--wait", help="Run the screen now (this command claims it) and wait for "
+                                                      "its verdicts.")] = False,
+    priority: Annotated[int, typer.Option(help="Higher runs first; FIFO within a priority.")] = 0,
+    max_attempts: Annotated[int, typer.Option(min=1, help="Claims before a screen whose workers keep dying or "
+                                                          "whose leases keep expiring is failed.")] = 3,
+    gpu_type: Annotated[Optional[str], typer.Option(help="Only a worker with this GPU type (Ray's accelerator_type, "
+                                                         "e.g. H200) may run it; overrides placement.accelerator_type.")] = None,
+    replicas: Annotated[int, typer.Option(min=1, help="Queue this many screens of the protocol.")] = 1,
+    spread: Annotated[bool, typer.Option("--spread", help="Run the replicas on distinct nodes.")] = False,
+    keep_queued: Annotated[bool, typer.Option(
+        "--keep-queued", help="With --wait: an interrupted (Ctrl-C) screen stays queued for the next `packbench "
+                              "dispatch` instead of being cancelled.")] = False,
+    name: labels.Name = None,
+    tag: Annotated[Optional[list[str]], typer.Option("--tag", help="KEY=VALUE label, repeatable.")] = None,
+    note: labels.Note = None,
+    sweep: Annotated[Optional[list[str]], typer.Option(
+        "--sweep", help="FIELD=V1,V2,...: one protocol per value (repeatable: their product), queued under one "
+                        "sweep id; FIELD is a dotted protocol path, e.g. prefix_tokens.")] = None,
+    address: Address = None,
+    archive_dir: ArchiveDir = Path("archives"),
+    db: DbUrl = None,
+    json_out: Json = False,
+) -> None:
+    """Freeze a protocol and queue a screen; with --wait, run it on a GPU worker actor now.
+
+    Exit codes with --wait: 0 the screen is done and every verdict passed; 1 a verdict failed or the
+    screen failed; 2 bad input (one line says which and how to fix it); 130/143 interrupted
+    (SIGINT/SIGTERM): the screen is cancelled, its interrupted attempt kept (--keep-queued: it stays
+    queued instead).
+    """
+    settings = settings_of(ctx, db_url=db, address=address, archive_dir=archive_dir)
+    store = open_store(settings.db_url)  # refuse an old database before anything else
+    from packbench.service.submit import submit as queue_screens
+
+    if wait and replicas > 1:
+        raise PackbenchError("--wait runs one screen; queue replicas without --wait and run `packbench dispatch`")
+    if sweep and (replicas > 1 or spread):
+        raise PackbenchError("--sweep queues one screen per point; drop --replicas/--spread, or repeat the sweep")
+    if spread and replicas < 2:
+        raise PackbenchError("--spread places replicas on distinct nodes; give --replicas 2 or more")
+    source = ctx.get_parameter_source("address")
+    if address and not wait and getattr(source, "name", None) == "COMMANDLINE":  # PACKBENCH_RAY_ADDRESS: no word
+        raise PackbenchError(f"--address {address} joins a cluster to run the screen, and without --wait submit only "
+                             f"queues it (nothing was queued); add --wait, or drop --address and run `packbench "
+                             f"dispatch --address {address}`")
+    if wait:
+        output_dir(settings.archive_dir, "--archive-dir")  # before a screen is queued
+    if wait and settings.address:
+        from packbench.cluster.runtime import ensure_ray
+
+        ensure_ray(settings)  # an unreachable cluster fails here, before a screen is queued
+    if sweep:
+        from packbench.cli.sweep import submit_sweep
+
+        submit_sweep(store, settings, protocol, sweep, wait=wait, json_out=json_out, priority=priority,
+                     max_attempts=max_attempts, gpu_type=gpu_type, name=name, tags=labels.parse_tags(tag), note=note,
+                     run=_dispatch)
+        return
+    ids = queue_screens(store, protocol, priority=priority, max_attempts=max_attempts, gpu_type=gpu_type,
+                        replicas=replicas, spread=spread, name=name, note=note, tags=labels.parse_tags(tag))
+    if not wait and json_out:
+        echo_json({"queued": ids})
+        return
+    if not wait:
+        typer.echo(f"queued screen{'s' if len(ids) > 1 else ''} {', '.join(map(str, ids))}; "
+                   f"run {'them' if len(ids) > 1 else 'it'} with `packbench dispatch`")
+        return
+    try:
+        _dispatch(store, settings, json_out=json_out, only_screen=ids[0], workers=1, keep_queued=keep_queued)
+    except KeyboardInterrupt:  # before the dispatcher's own handler (Ray starting) or after it
+        typer.echo(interrupted_screen(store, ids[0], keep_queued=keep_queued), err=True)
+        raise typer.Exit(130) from None
+
+
+def interrupted_screen(store, screen_id: int, *, keep_queued: bool) -> str:
+    """Give an interrupted `submit --wait` screen back: cancel it (its attempts are kept) unless
+    it should stay queued; one line says which."""
+    if keep_queued:
+        return (f"interrupted: screen {screen_id} stays queued (--keep-queued); the next `packbench dispatch` "
+                f"runs it, `packbench screens cancel {screen_id}` drops it")
+    try:
+        row = store.cancel_screen(screen_id)
+    except PackbenchError as e:  # it finished meanwhile, or the database is gone
+        return f"interrupted: screen {screen_id} not cancelled: {e}"
+    if row.status == "cancelled":
+        return (f"interrupted: screen {screen_id} cancelled, so no `packbench dispatch` runs it unasked (its "
+                f"interrupted attempt is kept); `packbench screens retry {screen_id}` queues it again")
+    return (f"interrupted: screen {screen_id} is still running elsewhere; a cancel is requested and it stops "
+            f"after the episode in flight")
+
+
+@app.command()
+def dispatch(
+    ctx: typer.Context,
+    address: Address = None,
+    follow: Annotated[bool, typer.Option("--follow", help="Keep serving the queue until interrupted (SIGINT/SIGTERM "
+                                                          "give held screens back to the queue), waiting out a "
+                                                          "database outage of any length.")] = False,
+    workers: Annotated[Optional[int], typer.Option(min=1, help="Worker actors to keep (default: one per GPU of the "
+                                                              "cluster).")] = None,
+    lease: Annotated[float, typer.Option(min=1.0, help="Seconds a claim holds without renewal; renewed every third.")] = 60.0,
+    archive_dir: ArchiveDir = Path("archives"),
+    db: DbUrl = None,
+    json_out: Annotated[bool, typer.Option("--json", help="One JSON object per screen, one per line (JSON Lines).")] = False,
+) -> None:
+    """Run queued screens on a pool of GPU workers, one screen per worker at a time.
+
+    Exit codes: 0 every screen it ran is done and every verdict passed; 1 a verdict failed, or a
+    screen failed, was cancelled or lost; 2 bad input (an unreadable protocol or checkpoint);
+    130/143 stopped by SIGINT/SIGTERM (held screens are back in the queue). With the database
+    down, a one-shot dispatch gives up after its retries (exit 1); `--follow` waits for it, then
+    reconciles the episodes its archives hold without rows and continues.
+    """
+    settings = settings_of(ctx, db_url=db, address=address, archive_dir=archive_dir)
+    _dispatch(open_store(settings.db_url), settings, json_out=json_out, follow=follow, workers=workers, lease_s=lease)
+
+
+def _dispatch(store, settings: Settings, *, json_out: bool, keep_queued: bool = False, **options) -> None:
+    from packbench.cli.progress import view
+    from packbench.cluster.pool import RayPool
+    from packbench.service.scheduler import Scheduler
+
+    progress = view(json_out=json_out)
+
+    def report(outcome) -> None:
+        summary = screen_summary(store, outcome.screen_id)
+        if json_out:
+            typer.echo(json.dumps(summary, default=str, sort_keys=True))
+            return
+        if outcome.requeued:  # the attempt failed, not the screen: say what happens next
+            kept = (f"partial archive kept: {outcome.archive_path}" if Path(outcome.archive_path).exists()
+                    else "no archive")
+            progress.echo(f"attempt {outcome.attempt_number} {outcome.status}: {one_line(outcome.error or '')}; "
+                          f"screen {outcome.screen_id} queued for attempt {outcome.attempt_number + 1} ({kept})",
+                          err=True)
+            return
+        progress.echo(verdict_table(summary["verdicts"]) if summary["verdicts"] else "no verdicts")
+        progress.echo(f"screen {outcome.screen_id}: {outcome.status}; archive: {outcome.archive_path}")
+        if outcome.status != "done":
+            progress.echo(f"error: screen {outcome.screen_id} {outcome.status}: {one_line(outcome.error or '')}",
+                          err=True)
+
+    dispatcher = Scheduler(store, settings, RayPool(settings), progress=progress, on_outcome=report, **options)
+    try:
+        outcomes = dispatcher.run()
+    finally:
+        progress.close()
+    if dispatcher.fatal:
+        typer.echo(f"error: {dispatcher.fatal}", err=True)
+        raise typer.Exit(1)
+    if dispatcher.stopping and dispatcher.outage is not None:
+        typer.echo(f"stopped by {dispatcher.stopping} while the database was unavailable: held screens go back to "
+                   f"the queue when their leases expire; once it is back, `packbench db reconcile` inserts the "
+                   f"rows of episodes their archives hold", err=True)
+        raise typer.Exit(130 if dispatcher.stopping == "SIGINT" else 143)
+    if dispatcher.stopping:
+        only = options.get("only_screen")
+        typer.echo(f"stopped by {dispatcher.stopping}; held screens are back in the queue" if only is None else
+                   interrupted_screen(store, only, keep_queued=keep_queued), err=True)
+        raise typer.Exit(130 if dispatcher.stopping == "SIGINT" else 143)
+    if not outcomes and dispatcher.refusals and not any(s.ready for s in dispatcher.slots):
+        only = options.get("only_screen")
+        kept = f"; screen {only} stays queued" if only else ""
+        raise PackbenchError(f"no GPU worker could start: {dispatcher.refusals[0]}{kept}")
+    if not outcomes:
+        typer.echo("no queued screens", err=json_out)
+        for line in dispatcher.held:
+            typer.echo(one_line(line), err=True)
+    # A requeued attempt is settled by the screen's next one, when this dispatcher ran it too.
+    failed = [o for i, o in enumerate(outcomes) if o.status != "done" and not (
+        o.requeued and any(later.screen_id == o.screen_id for later in outcomes[i + 1:]))]
+    if failed:
+        raise typer.Exit(2 if all(o.bad_input for o in failed) else 1)
+    if any(not v.passed for o in outcomes for v in store.verdicts(o.attempt_id)):
+        raise typer.Exit(1)  # a failed verdict: a script can tell (the screen itself is done)
+
+
+query.register(app)
+report.register(app)
+protocol_cmd.register(app)
+keys.register(app)
+ingest.register(app)
+audit_cmd.register(app)
+history.register(app)
+model_stats.register(model_app)
+
+
+def main() -> None:
+    """Console entry point: user errors print one line and exit 2, never a traceback (--debug adds it);
+    so do typer's usage errors (an unknown option, a missing argument), not rich's boxes."""
+    try:
+        code = app(standalone_mode=False, prog_name="packbench")  # usage errors reach us here: one line
+        if isinstance(code, int) and code:
+            sys.exit(code)
+    except typer.TyperException as e:  # typer's usage errors: an unknown option, a missing argument, ...
+        if type(e).__name__ == "NoArgsIsHelpError":  # a bare group: its help, as typer shows it
+            e.show()  # type: ignore[attr-defined]
+            sys.exit(2)
+        ctx = getattr(e, "ctx", None)
+        where = f"; see `{ctx.command_path} --help`" if ctx is not None else ""
+        typer.echo(f"error: {' '.join(e.format_message().split()).rstrip('.')}{where}", err=True)
+        sys.exit(2)
+    except typer.Abort:
+        typer.echo("aborted", err=True)
+        sys.exit(1)
+    except PackbenchError as e:
+        typer.echo(f"error: {e}", err=True)
+        if isinstance(e, ClusterUnreachable):
+            # Ray may still be retrying the join in a background thread (and printing): leave now.
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(2)
+        sys.exit(2)
+    except KeyboardInterrupt:
+        typer.echo("interrupted; the attempt is recorded as interrupted", err=True)
+        sys.exit(130)

@@ -1,0 +1,152 @@
+"""`packbench model stats DIR`: the activation statistics of any local OPT checkpoint, real or
+synthetic, beside what real OPT measured (engine/stats.py, core/workloads.py)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from packbench.core.errors import PackbenchError
+from packbench.core.registry import DTYPE_NAMES
+
+MAX_PREFIX = 2048  # OPT's positions
+
+
+def register(model_app: typer.Typer) -> None:
+    model_app.command("stats")(stats)
+
+
+def stats(
+    model_dir: Annotated[Path, typer.Argument(help="A local OPT checkpoint directory (Hugging Face layout).",
+                                              show_default=False)],
+    prompts: Annotated[Optional[Path], typer.Option(
+        help="A text file of prompts (separated by lines of `---`), encoded by the checkpoint's tokenizer; "
+             "default: generated prompts (BOS + uniform token ids, as a protocol's generator makes).")] = None,
+    count: Annotated[int, typer.Option(help="Generated prompts (>= 1).")] = 2,
+    seed: Annotated[int, typer.Option(help="Seed of the generated prompts.")] = 0,
+    prefix: Annotated[int, typer.Option(help="Tokens of each prompt: the prefill call (the union curve's k runs to it).")] = 512,
+    continuation: Annotated[int, typer.Option(help="Calls per episode: the prefill, then continuation - 1 greedy decode calls.")] = 16,
+    dtype: Annotated[str, typer.Option(help=f"One of {', '.join(DTYPE_NAMES)}.",
+                                       autocompletion=lambda: list(DTYPE_NAMES))] = "float32",
+    device: Annotated[str, typer.Option(help="cpu, or cuda[:N].")] = "cpu",
+    json_out: Annotated[bool, typer.Option("--json", help="Print every figure (the whole union curve too) as JSON.")] = False,
+) -> None:
+    """Per-layer density, union growth, consecutive overlap, hot neurons and next-token entropy of a checkpoint."""
+    if not 1 <= prefix <= MAX_PREFIX:
+        raise PackbenchError(f"--prefix {prefix} must be in 1..{MAX_PREFIX} (OPT's positions)")
+    if continuation < 1 or prefix + continuation > MAX_PREFIX:
+        raise PackbenchError(f"--continuation {continuation} must be >= 1 with --prefix + --continuation <= {MAX_PREFIX}")
+    if count < 1 or seed < 0:
+        raise PackbenchError("--count must be >= 1 and --seed >= 0")
+    if dtype not in DTYPE_NAMES:
+        raise PackbenchError(f"unknown --dtype {dtype!r}; use one of {', '.join(DTYPE_NAMES)}")
+    if not (device == "cpu" or device == "cuda" or (device.startswith("cuda:") and device[5:].isdigit())):
+        raise PackbenchError(f"--device {device!r}: use cpu, cuda or cuda:N")
+    from packbench.engine.config import read_config
+
+    config = read_config(model_dir)
+    ids = _prompts(model_dir, prompts, count=count, seed=seed, prefix=prefix, vocab=int(config["vocab_size"]))
+
+    import torch
+
+    from packbench.engine.shapes import dtype_of
+    from packbench.engine.stats import measure, summarise
+
+    if device != "cpu" and not torch.cuda.is_available():
+        raise PackbenchError(f"--device {device}: CUDA is not available here; use --device cpu")
+
+    def progress(done: int, total: int) -> None:  # on stderr: stdout is the table or the JSON alone
+        typer.echo(f"measured prompt {done}/{total}", err=True)
+
+    summary = summarise(measure(model_dir, ids, continuation=continuation, dtype=dtype_of(dtype), device=device,
+                                progress=progress))
+    shape = _shape_of(config)
+    summary["model"] = {"dir": str(model_dir), "shape": shape, "dtype": dtype,
+                        "recipe": config.get("packbench_synth"), "prompts": "file" if prompts else f"generator seed {seed}"}
+    from packbench.core.workloads import compare
+
+    summary["real_opt"] = compare(summary, shape=shape) if shape else []
+    if json_out:
+        typer.echo(json.dumps(_finite(summary), sort_keys=True))
+        return
+    typer.echo(render(summary))
+
+
+def _prompts(model_dir: Path, path: Path | None, *, count: int, seed: int, prefix: int, vocab: int) -> list[list[int]]:
+    """Generated prompts, or a text file's encoded by the checkpoint's tokenizer, cut to `prefix`."""
+    if path is None:
+        import numpy as np
+
+        from packbench.core.plan import BOS
+
+        rng = np.random.Generator(np.random.PCG64(seed))
+        return [[BOS] + rng.integers(4, vocab, size=prefix - 1).tolist() for _ in range(count)]
+    from packbench.core.protocol.prompt_files import read_prompt_file
+    from packbench.engine.prompts import tokenizer_for
+
+    _, texts = read_prompt_file("text_file", path, field="--prompts")
+    ids = tokenizer_for(model_dir)(texts)
+    short = [i for i, p in enumerate(ids) if len(p) < prefix]
+    if short:
+        raise PackbenchError(f"--prompts: prompt {short[0]} of {path} has {len(ids[short[0]])} tokens, fewer than "
+                             f"--prefix {prefix}; write longer prompts or lower --prefix")
+    return [p[:prefix] for p in ids]
+
+
+def _shape_of(config: dict) -> str | None:
+    """The preset shape whose dimensions config.json has (a real OPT's too), or None."""
+    from packbench.core.registry import SHAPES
+
+    dims = (config.get("hidden_size"), config.get("ffn_dim"), config.get("num_hidden_layers"))
+    return next((name for name, s in SHAPES.items() if (s["hidden"], s["ffn"], s["layers"]) == dims), None)
+
+
+def _finite(value):
+    """NaN as null: JSON has no NaN."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_finite(v) for v in value]
+    return value
+
+
+def render(s: dict) -> str:
+    """The terminal table: the summary's figures, then real OPT's beside them."""
+    pct = lambda x: "-" if x is None or not math.isfinite(x) else f"{100 * x:.2f} %"  # noqa: E731
+    d, u, o, n, w = s["density"], s["union"], s["overlap"], s["next_token"], s["workload"]
+    m = s["model"]
+    lines = [f"{m['dir']}: {m['shape'] or 'unknown shape'}, {m['dtype']}; {s['prompts']} prompts ({m['prompts']}) "
+             f"x {s['prefix_tokens']} tokens + {s['decode_calls']} decode calls",
+             "",
+             f"active per token     prefill {pct(d['prefill'])}   decode {pct(d['decode'])}",
+             "  by layer (decode)  " + " ".join(f"{100 * x:.1f}" for x in d["by_layer_decode"]) + "  (%)",
+             "union of k tokens    " + "   ".join(f"k={k} {pct(v)}" for k, v in u.items() if k != "curve"),
+             f"consecutive overlap  decode {pct(o['decode_next'])} of a token's set active in the next "
+             f"(Jaccard {pct(o['decode_jaccard'])}); prefill {pct(o['prefill_next'])}",
+             "hot neurons          " + "   ".join(f"{pct(float(k))} of activations: {pct(v)} of neurons"
+                                                for k, v in s["hot"].items()),
+             f"next token           entropy {n['entropy_nats']:.2f} nats (p10 {n['entropy_p10']:.2f}, "
+             f"p90 {n['entropy_p90']:.2f}), top-1 probability {n['top1_prob']:.3f}",
+             "",
+             "rows moved, as packbench's ledger counts them (index bytes aside):",
+             f"  decode packet / dense-stream per call        {pct(w['decode_packet_over_dense'])}",
+             f"  prefill packet / dense-stream                {pct(w['prefill_packet_over_dense'])}",
+             f"  episode packets / dense-stream               {pct(w['episode_packet_over_dense'])}",
+             f"  early-forecast extra over demand             {pct(w['forecast_extra_over_demand'])} "
+             f"(decode to decode only, as the seed counted: {pct(w['forecast_extra_over_demand_decode_only'])}; "
+             f"wasted/used {w['forecast_wasted_over_used_decode_only']:.3f})"]
+    if s["real_opt"]:
+        width = max(len(r["label"]) + len(r["real_shape"]) + 3 for r in s["real_opt"])
+        lines += ["", f"{'real OPT (measured on)':{width}} {'real':>10} {'this':>10} {'this/real':>10}"]
+        for r in s["real_opt"]:
+            near = "" if r["within"] else "  (outside 20 %)"
+            lines.append(f"{r['label'] + ' (' + r['real_shape'] + ')':{width}} {r['real']:10.4f} {r['measured']:10.4f} "
+                         f"{r['ratio']:10.2f}{near}")
+        lines.append("(real OPT's figures of this shape and prefix; docs/workloads.md lists every workload's)")
+    return "\n".join(lines)

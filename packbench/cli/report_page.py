@@ -1,0 +1,499 @@
+"""Assemble a report page: sections of tables and plots over core.report's derived series.
+
+`screen_page` writes one screen; `compare_page` puts several side by side. Both return the
+whole HTML document as a string (cli/report_template.py holds the page and its styles).
+"""
+
+from __future__ import annotations
+
+import html
+import json
+from dataclasses import dataclass, field
+from importlib import metadata
+from typing import Any, Iterable
+
+from packbench.cli import report_figures as figs
+from packbench.cli.summary import detail_text
+from packbench.cli.report_template import CSS, PAGE
+from packbench.core import report as data
+from packbench.core.protocol import MIB
+from packbench.core.dispersion import noisy_host, spread
+from packbench.core.report import ScreenData
+
+PLOT_CAPTIONS = {
+    "h2d": "Host-to-device bytes (outgoing weights + indices) of every call of the scored episodes; bar: the mean, "
+           "in MB above it, with its share of the reference's mean.",
+    "wall": "Left: wall time of every scored episode. Right: the paired (repetition, prompt) whole-episode time ratio "
+            "to the control, with its bootstrap interval.",
+    "decode": "Milliseconds per generated token of every decode call of the scored episodes (box: quartiles).",
+    "memory": "GPU memory sampled by NVML during every episode (warmups included), against the protocol's allowance.",
+    "heatmap": "Active outgoing rows per layer over the calls of the scored episodes, in plan order.",
+    "union": "Active fraction of neurons (the union over a call's tokens) against the tokens in the call.",
+    "workload": "Each layer's active fraction in decode and prefill calls; dashed, what the synthetic profile "
+                "targets per token; dotted, real OPT's measured mean for this shape and prefix (docs/workloads.md). "
+                "`packbench model stats` gives every figure of a checkpoint.",
+    "energy": "GPU energy (NVML counter) per scored episode and per generated token.",
+    "frontier": "One point per condition: median decode ms per token against the device memory it needed "
+                "(the largest sampled GPU peak; on a CPU run, which samples none, what it held on the device). "
+                "Circles are exact conditions, triangles approximate ones (hollow: fidelity gate failed), "
+                "labelled with their worst scored mean KL and top-1 agreement: the two tiers are never one ranking. "
+                "A name that would overlap another is left to the legend.",
+}
+
+
+@dataclass(frozen=True)
+class AuditStatus:
+    """What the database says about audits of this archive: `rows` oldest first, each
+    {result, machine, started, finished, digest, problems}; `source` None when no database
+    was consulted; `note` a line to show (e.g. the database holds another file)."""
+
+    source: str | None = None
+    rows: list[dict] = field(default_factory=list)
+    note: str | None = None
+
+
+def esc(value: Any) -> str:
+    return html.escape("-" if value is None else str(value))
+
+
+def _num(value: Any, fmt: str = "{:,.4g}") -> str:
+    if value is None:
+        return '<td class="num none">-</td>'
+    return f'<td class="num">{esc(fmt.format(value))}</td>'
+
+
+def _table(head: Iterable[str], rows: Iterable[Iterable[str]], *, cls: str = "") -> str:
+    """Rows of already-rendered <td> cells (strings that start with <td) or plain text, in a box
+    that scrolls sideways when the table is wider than the page."""
+    klass = f' class="{cls}"' if cls else ""
+    out = [f'<div class="scroll"><table{klass}><thead><tr>', *(f"<th>{esc(h)}</th>" for h in head), "</tr></thead><tbody>"]
+    for row in rows:
+        out.append("<tr>" + "".join(c if c.startswith("<td") else f"<td>{esc(c)}</td>" for c in row) + "</tr>")
+    out.append("</tbody></table></div>")
+    return "".join(out)
+
+
+def _facts(pairs: Iterable[tuple[str, Any]]) -> str:
+    return '<dl class="facts">' + "".join(f"<dt>{esc(k)}</dt><dd>{v if isinstance(v, Markup) else esc(v)}</dd>"
+                                          for k, v in pairs) + "</dl>"
+
+
+class Markup(str):
+    """Already-escaped HTML."""
+
+
+def _mono(text: Any) -> Markup:
+    return Markup(f'<code>{esc(text)}</code>')
+
+
+def _passed(p: bool | None) -> str:
+    if p is None:
+        return '<td class="none">-</td>'
+    return '<td class="pass">PASS</td>' if p else '<td class="fail">FAIL</td>'
+
+
+def _audit_cell(result: str) -> str:
+    """A stored audit's result: AGREE, DISAGREE, or PARTIAL (an unfinished attempt's archive whose
+    every member checks: what the attempt left, not a disagreement)."""
+    if result == "partial":
+        return '<td class="none">PARTIAL</td>'
+    return '<td class="pass">AGREE</td>' if result == "agree" else '<td class="fail">DISAGREE</td>'
+
+
+def _plot(name: str, svg: str | None, missing: str, caption: str | None = None) -> str:
+    if svg is None:
+        return f'<p class="missing" data-missing="{esc(name)}">{esc(missing)}</p>'
+    return (f'<figure class="plot" data-plot="{esc(name)}">{svg}'
+            f'<figcaption>{esc(caption or PLOT_CAPTIONS.get(name, ""))}</figcaption></figure>')
+
+
+def _mb(value: float | None) -> str:
+    return _num(None if value is None else value / 1e6, "{:,.4g} MB")
+
+
+def _mib(value: float | None) -> str:
+    return _num(None if value is None else value / MIB, "{:,.1f} MiB")
+
+
+# ----------------------------------------------------------------------------- sections
+
+
+def protocol_section(s: ScreenData) -> str:
+    p = s.protocol
+    conditions = _table(["condition", "tier", "policy", "params", "warmups"],
+                        [[c.name, c.tier, c.policy, json.dumps(c.resolved_params) if c.resolved_params else "-",
+                          str(p.warmups[c.name])] for c in p.conditions])
+    prompts = p.prompts
+    source = {"generator": f"generator (seed {prompts.seed})", "token_ids": "inline token ids"}.get(
+        prompts.source, f"{prompts.source} {prompts.path} (sha256 {(prompts.sha256 or '')[:16]})")
+    freeze = s.manifest.get("source_freeze") or {}
+    return "".join([
+        '<h2 id="protocol">Protocol</h2><div class="grid"><div>',
+        _facts([("name", p.name), ("frozen SHA-256", _mono(p.sha256)), ("schema", p.body.get("schema", 1)),
+                ("model", data.model_label(s)), ("dtype", p.dtype),
+                ("prompts", f"{prompts.count} from {source}"),
+                ("tokens", f"{p.prefix_tokens} prefix + {p.continuation_tokens} generated "
+                           f"(1 prefill + {p.continuation_tokens - 1} decode calls)"),
+                ("reference", p.reference), ("repetitions", p.repetitions),
+                ("order", f"{p.order}{', reference first' if p.baseline_first else ''}"),
+                ("allowance", f"{p.allowance_mib} MiB"), ("recording", p.recording), ("passes", p.passes),
+                ("planned episodes", s.planned)]),
+        "</div><div>", conditions,
+        "<h3>Gates as frozen</h3>", _gates_table(p.full_dict()["gates"]),
+        "</div></div>",
+        "<h3>Source freeze</h3>",
+        _facts([("package version", freeze.get("package_version")), ("git commit", _mono(freeze.get("git_commit"))),
+                ("git dirty", freeze.get("git_dirty")), ("engine SHA-256", _mono(freeze.get("engine_sha256")))])
+        if freeze else '<p class="missing">the archive has no source freeze (no manifest)</p>',
+    ])
+
+
+def _gates_table(gates: dict) -> str:
+    rows = []
+    for gate, spec in gates.items():
+        for entry in spec if isinstance(spec, list) else [spec]:
+            text = ", ".join(f"{k} {v}" for k, v in entry.items()) if isinstance(entry, dict) else str(entry)
+            rows.append([gate, f'<td class="wrap">{esc(text or "-")}</td>'])
+    return _table(["gate", "parameters"], rows)
+
+
+def machine_section(s: ScreenData) -> str:
+    env, start = s.environment, s.start
+    cold = [e.record.get("first_logit_since_entry_s") for e in s.episodes if e.ok]
+    cold = [c for c in cold if isinstance(c, (int, float))]
+    return "".join([
+        '<h2 id="machine">Machine and GPU</h2><div class="grid"><div>',
+        _facts([("host", env.get("host")), ("GPU", env.get("gpu") or "none (CPU run)"),
+                ("device", env.get("device") or start.get("device")), ("driver", env.get("driver") or "-"),
+                ("torch", env.get("torch")), ("CUDA", env.get("cuda") or "-"), ("python", env.get("python"))]),
+        "</div><div>",
+        _facts([("parameter bytes", _fmt_bytes(start.get("param_bytes"))),
+                ("on the device at start", _fmt_bytes(start.get("device_param_bytes"))),
+                ("outgoing weights on the host", _fmt_bytes(start.get("host_outgoing_bytes"))),
+                ("CPU-first", start.get("cpu_first")),
+                ("allowance imposed", _fmt_bytes(start.get("allowance_bytes"))),
+                ("model load", _seconds(start.get("entry_to_loaded_s"))),
+                ("cold start (entry to first logit)", _seconds(min(cold) if cold else None)),
+                ("model dir", s.model_dir)]),
+        "</div></div>",
+    ])
+
+
+def _fmt_bytes(v: Any) -> str:
+    return "-" if not isinstance(v, int) else f"{v:,} B ({v / MIB:,.1f} MiB)"
+
+
+def _seconds(v: Any) -> str:
+    return "-" if not isinstance(v, (int, float)) else f"{v:.4g} s"
+
+
+def verdict_section(s: ScreenData) -> str:
+    tier = {c.name: c.tier for c in s.protocol.conditions}
+    rows = [[v["gate"], v["condition"], tier.get(v["condition"], "-"), v.get("phase", "all"), _passed(v["passed"]),
+             f'<td class="num">{esc(data.threshold_text(v, s.protocol))}</td>',
+             f'<td class="num">{esc(data.value_text(v))}</td>', f'<td class="num">{esc(data.interval_text(v))}</td>',
+             f'<td class="detail">{esc(detail_text(v.get("detail")))}</td>'] for v in s.verdicts]
+    passed = sum(bool(v["passed"]) for v in s.verdicts)
+    head = f'<h2 id="verdicts">Verdicts: {passed} of {len(s.verdicts)} pass</h2>'
+    if not rows:
+        return head + '<p class="missing">no verdicts.json: the screen did not finish</p>'
+    return head + _table(["gate", "condition", "tier", "phase", "verdict", "threshold", "value", "interval", "detail"],
+                         rows)
+
+
+def _spread(sp: dict, fmt: str) -> str:
+    """A median with its p10-p90 on a second line (core/dispersion.py spread); n is the scored column."""
+    if not sp["n"]:
+        return '<td class="num none">-</td>'
+    lo, hi = fmt.format(sp["p10"]), fmt.format(sp["p90"])
+    return f'<td class="num">{esc(fmt.format(sp["median"]))}<br><span class="detail">{esc(lo)}-{esc(hi)}</span></td>'
+
+
+def _policy(r: dict) -> str:
+    """The policy with its resolved parameters below it, free to wrap: a competitor's
+    `method=int8-weight-only, mode=eager` on one line pushed the table past the page."""
+    params = f'<br><span class="detail">{esc(r["params"])}</span>' if r["params"] else ""
+    return f'<td class="wrap">{esc(r["policy"])}{params}</td>'
+
+
+def _episodes(r: dict) -> str:
+    return _num(r["scored"], "{}") if not r["failed"] else f'<td class="num fail">{r["scored"]} ({r["failed"]} failed)</td>'
+
+
+def _sharing_notes(s: ScreenData) -> str:
+    """Red lines above the conditions: the GPU shared with other processes, the host shared with
+    other packbench workers, the host busy with any other process (host_load)."""
+    shared = data.gpu_sharing(s)
+    warning = ""
+    if shared["episodes"]:
+        procs = ", ".join(f"pid {pid} holding up to {used / 2**20:.0f} MiB"
+                          for pid, used in sorted(shared["processes"].items()))
+        n = len(shared["episodes"])
+        warning = (f'<p class="fail" id="gpu-shared">The GPU was shared: {n} episode{"s" * (n != 1)} saw other '
+                   f'processes on it ({esc(procs)}); their timings may be contaminated.</p>')
+    host = data.host_sharing(s)
+    if host["episodes"]:
+        workers = ", ".join(f"pid {pid} on {device}" for pid, device in sorted(host["workers"].items()))
+        n = len(host["episodes"])
+        warning += (f'<p class="fail" id="host-shared">The host was shared: {n} episode{"s" * (n != 1)} ran while '
+                    f'other packbench workers were busy on it ({esc(workers)}); they share its cores and memory, '
+                    f'so host-side timings (gathers, copies) may be contaminated.</p>')
+    busy = noisy_host(e.record for e in s.episodes)
+    if busy["episodes"]:
+        n = len(busy["episodes"])
+        warning += (f'<p class="fail" id="host-busy">The host was busy: in {n} of {len(s.episodes)} episodes other '
+                    f'processes kept {busy["threshold"]:g} core or more busy (up to {busy["worst"]:.2g} cores, '
+                    f'from /proc: each record\'s host_load); their times may be inflated.</p>')
+    return warning
+
+
+def _two(first: str, second: str) -> str:
+    """Two figures in one cell, the second smaller below: the table fits the page."""
+    if first == second == "-":
+        return '<td class="num none">-</td>'
+    return f'<td class="num">{esc(first)}<br><span class="detail">{esc(second)}</span></td>'
+
+
+def _fmt(value: Any, fmt: str) -> str:
+    return "-" if value is None else fmt.format(value)
+
+
+def summary_section(s: ScreenData) -> str:
+    summary = data.condition_summary(s)
+    approximate = any(r["tier"] == "approximate" for r in summary)
+    rows = [[f'<td class="name">{esc(r["condition"])}</td>', r["tier"], _policy(r), _episodes(r),
+             _mb(r["prefill_h2d_per_call"]), _mb(r["decode_h2d_per_call"]), _spread(r["wall_s_spread"], "{:.3g}"),
+             _spread(r["decode_ms_spread"], "{:.3g}"), _mib(r["peak_sampled_bytes"]),
+             _two(_fmt(r["energy_j_per_episode"], "{:.4g} J"), _fmt(r["energy_j_per_token"], "{:.4g} J / token")),
+             *([_two(_fmt(r["fidelity_mean_kl_max"], "KL {:.4g}"), _fmt(r["fidelity_top1_min"], "top-1 {:.4g}"))]
+               if approximate else [])] for r in summary]
+    return ('<h2 id="conditions">Conditions (scored episodes)</h2>' + _sharing_notes(s)
+            + _table(["condition", "tier", "policy", "scored", "H2D / prefill call", "H2D / decode call",
+                      "wall s: median, p10-p90", "decode ms/token: median, p10-p90", "peak sampled GPU",
+                      "energy / episode, / token", *(["worst mean KL, top-1"] if approximate else [])],
+                     rows, cls="conditions"))
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else 1e3 * seconds
+
+
+def cost_section(s: ScreenData) -> str:
+    """The measurement's own cost (core/passes.py): with separate passes, per condition the median
+    recording-pass wall over the timing-pass wall; with passes together, a line saying the
+    timings include the recording."""
+    cost = data.measurement_cost(s)
+    head = '<h2 id="cost">The measurement\'s own cost</h2>'
+    if cost["passes"] == "together":
+        what = ("the per-layer ledger and, on a GPU, the NVML memory and energy sampler" if cost["recording"]
+                else "the NVML memory and energy sampler on a GPU (the per-layer ledger was off: recording false)")
+        return head + (f'<p id="passes-together">Passes together: every timing on this page includes the in-call '
+                       f'recording ({esc(what)}). A protocol with <code>passes: separate</code> (schema 7) times '
+                       f'each episode with both off, then records it in a second pass.</p>')
+    lede = ('<p id="passes-separate">Separate passes: each episode ran twice, timed with the ledger and the sampler '
+            'off, then recorded with both on. Every time on this page is the timing pass\'s; every byte, memory and '
+            'energy figure the recording pass\'s. The ratio is the median over scored episodes of the recording '
+            'wall over the timing wall of the same episode.</p>')
+    rows = [[f'<td class="name">{esc(r["condition"])}</td>', _num(r["n"], "{}"),
+             _num(r["timing_wall_s"], "{:.4g} s"), _num(r["recording_wall_s"], "{:.4g} s"),
+             _num(r["ratio"], "{:.4f}"),
+             _two(_fmt(_ms(r["timing_decode_s"]), "{:.4g} ms"), _fmt(_ms(r["recording_decode_s"]), "recording {:.4g} ms"))]
+            for r in cost["conditions"]]
+    if not rows:
+        return head + lede + '<p class="missing">no finished scored episode carries both passes\' figures</p>'
+    return head + lede + _table(["condition", "scored", "timing wall (median)", "recording wall (median)",
+                                 "recording / timing", "decode call: timing, recording (median)"], rows,
+                                cls="conditions")
+
+
+def plots_section(s: ScreenData) -> str:
+    c = s.conditions
+    heat = data.active_heatmap(s)
+    union = data.union_sparsity(s)
+    cpu = not s.environment.get("gpu")
+    return "".join([
+        '<h2 id="transfer">Host-to-device bytes per call</h2>',
+        _plot("h2d", figs.h2d_figure(data.h2d_per_call(s), c, s.protocol.reference),
+              "no call ledgers with byte counts (recording off, or no finished scored episode)"),
+        '<h2 id="runtime">Episode wall and the paired runtime interval</h2>',
+        _plot("wall", figs.wall_figure(data.wall_per_episode(s), data.runtime_intervals(s), c),
+              "no finished scored episode"),
+        '<h2 id="decode">Decode milliseconds per token</h2>',
+        _plot("decode", figs.decode_figure(data.decode_ms_per_token(s), c), "no decode calls"),
+        '<h2 id="memory">Sampled GPU memory against the allowance</h2>',
+        _plot("memory", figs.memory_figure(data.memory_traces(s), c, s.protocol.allowance_bytes),
+              "no GPU memory samples: " + ("a CPU run samples no GPU" if cpu else "the archive holds no traces/")),
+        '<h2 id="activity">Active rows per layer</h2>',
+        _plot("heatmap", figs.heatmap_figure(heat),
+              "no condition observed active rows (dense-stream and resident do not; recording off records none)",
+              caption=None if heat is None else PLOT_CAPTIONS["heatmap"] + f" Condition {heat['condition']}: the "
+              "active set is the model's and the prompt's, identical under every exact policy."),
+        '<h2 id="union">Union sparsity</h2>',
+        _plot("union", figs.union_figure(union), "no observed activity, or the neurons per layer are unknown"),
+        '<h2 id="workload">Activity by layer, against the profile and real OPT</h2>',
+        _plot("workload", figs.workload_figure(data.workload_by_layer(s)),
+              "no condition observed active rows, or the neurons per layer are unknown"),
+        '<h2 id="frontier">Frontier: decode time against memory, by tier</h2>',
+        _plot("frontier", figs.frontier_figure(data.frontier(s), c), "no finished scored episode with decode calls"),
+        '<h2 id="energy">Energy</h2>',
+        _plot("energy", figs.energy_figure(data.energy(s), c),
+              "no energy readings: " + ("NVML has no GPU to read on a CPU run" if cpu
+                                        else "the episodes carry no energy_j")),
+    ])
+
+
+def audit_section(s: ScreenData, audit: AuditStatus) -> str:
+    members = len(s.manifest.get("members", {}))
+    intact = (f"intact: {members} members match the manifest" if s.complete and not s.problems
+              else f"{len(s.problems)} problems")
+    parts = ['<h2 id="audit">Archive and audit</h2>',
+             _facts([("archive", _mono(s.path)), ("file SHA-256", _mono(s.archive_sha256)),
+                     ("size", f"{s.archive_bytes:,} B"),
+                     ("episodes recorded", f"{len(s.episodes)} of {s.planned} planned"),
+                     ("manifest check (now)", intact)])]
+    if s.problems:
+        parts.append('<ul class="problems">' + "".join(f"<li>{esc(p)}</li>" for p in s.problems[:20]) + "</ul>")
+    if audit.source is None:
+        parts.append('<p class="missing">audit status: no database given (pass --db, or a screen id); '
+                     f'audit this file with <code>packbench audit --archive {esc(s.path)}</code></p>')
+    elif not audit.rows:
+        parts.append(f'<p class="missing">never audited in {esc(audit.source)}; run <code>packbench audit</code></p>')
+    else:
+        parts.append(f"<h3>Audits recorded in {esc(audit.source)}</h3>" + _table(
+            ["result", "where", "started", "finished", "digest", "problems"],
+            [[_audit_cell(r["result"]), r["machine"],
+              r["started"], r["finished"], f'<td class="mono">{esc(r["digest"])}</td>', str(r["problems"])]
+             for r in audit.rows]))
+        digests = {r["digest"] for r in audit.rows}
+        if len(audit.rows) > 1:
+            same = "one digest: repeat audits agree" if len(digests) == 1 else f"{len(digests)} different digests"
+            parts.append(f"<p>{len(audit.rows)} audits, {same}.</p>")
+    if audit.note:
+        parts.append(f'<p class="fail">{esc(audit.note)}</p>')
+    return "".join(parts)
+
+
+# ----------------------------------------------------------------------------- pages
+
+
+def _page(title: str, lede: str, body: str, *, plural: str = "") -> str:
+    import matplotlib
+
+    try:
+        version = metadata.version("packbench")
+    except metadata.PackageNotFoundError:
+        version = "(not installed)"
+    return PAGE.substitute(title=esc(title), lede=esc(lede), body=body, css=CSS, version=esc(version),
+                           mpl=esc(matplotlib.__version__), plural=plural)
+
+
+def screen_page(s: ScreenData, *, audit: AuditStatus) -> str:
+    passed = sum(bool(v["passed"]) for v in s.verdicts)
+    lede = (f"{data.model_label(s)}, {s.protocol.dtype}; {len(s.episodes)} of {s.planned} episodes; "
+            f"{passed} of {len(s.verdicts)} verdicts pass; {s.environment.get('gpu') or 'CPU'}")
+    with figs.style():
+        plots = plots_section(s)
+    body = "".join([verdict_section(s), summary_section(s), cost_section(s), plots, protocol_section(s),
+                    machine_section(s), audit_section(s, audit)])
+    return _page(f"packbench report: {s.label}", lede, body)
+
+
+def _wall_ranges(s: ScreenData) -> dict[str, tuple[float, float] | None]:
+    """condition -> (p10, p90) of the scored episodes' walls (core/dispersion.py)."""
+    out = {}
+    for c, walls in data.wall_per_episode(s).items():
+        sp = spread([w for _, w in walls])
+        out[c] = None if sp["n"] == 0 else (sp["p10"], sp["p90"])
+    return out
+
+
+def _compare_sharing(labels: list[str], screens: list[ScreenData]) -> str:
+    """Whether each screen's host or GPU was shared while its episodes ran (times then may be
+    inflated), in one paragraph above the wall figure."""
+    notes = []
+    for label, s in zip(labels, screens):
+        host, gpu = data.host_sharing(s), data.gpu_sharing(s)
+        if host["episodes"]:
+            notes.append(f"screen {label}'s host was shared with other packbench workers in "
+                         f"{len(host['episodes'])} of {len(s.episodes)} episodes")
+        if gpu["episodes"]:
+            notes.append(f"screen {label}'s GPU was shared with other processes in {len(gpu['episodes'])} of "
+                         f"{len(s.episodes)} episodes")
+        noisy = noisy_host(e.record for e in s.episodes)
+        if noisy["episodes"]:
+            notes.append(f"screen {label}'s host was busy with other processes (>= {noisy['threshold']:g} core) "
+                         f"in {len(noisy['episodes'])} of {len(s.episodes)} episodes")
+    if not notes:
+        return ('<p id="compare-shared">No screen\'s host or GPU was seen shared with another packbench worker or '
+                'GPU process, or its host busy with other processes, while its episodes ran.</p>')
+    return f'<p class="fail" id="compare-shared">{esc("; ".join(notes))}: their walls may be inflated.</p>'
+
+
+def compare_page(screens: list[ScreenData], audits: list[AuditStatus]) -> str:
+    labels = [f"{chr(65 + n)}" for n in range(len(screens))]
+    agreement = data.verdict_agreement(screens)
+    conditions = list(dict.fromkeys(c for s in screens for c in s.conditions))
+    ident = _table(["", "screen", "protocol", "frozen SHA-256", "machine", "GPU", "torch", "archive SHA-256",
+                    "audits"],
+                   [[labels[n], f'<td class="wrap">{esc(s.label)}</td>', s.protocol.name,
+                     f'<td class="mono">{esc(s.protocol.sha256[:16])}</td>',
+                     s.environment.get("host"), s.environment.get("gpu") or "CPU", s.environment.get("torch"),
+                     f'<td class="mono">{esc(s.archive_sha256[:16])}</td>',
+                     "-" if a.source is None else (", ".join(r["result"] for r in a.rows) or "none")]
+                    for n, (s, a) in enumerate(zip(screens, audits))])
+    judged, agree = agreement["judged_by_all"], agreement["agree"]
+    what = "the same frozen protocol" if agreement["same_protocol"] else "different protocols"
+    head = (f'<h2 id="agreement">Verdict agreement: {agree} of {judged} verdicts judged by every screen agree</h2>'
+            f"<p>The screens ran {what}; a verdict any screen lacks is shown as -.</p>")
+    vrows = [[r["gate"], r["condition"], r["phase"], *[_passed(p) for p in r["passed"]],
+              ('<td class="pass">agree</td>' if r["agree"] else '<td class="fail">differ</td>') if r["all_judged"]
+              else '<td class="none">not judged by all</td>'] for r in agreement["rows"]]
+    vtable = _table(["gate", "condition", "phase", *labels, "agreement"], vrows)
+    summaries = [{r["condition"]: r for r in data.condition_summary(s)} for s in screens]
+    srows = []
+    for c in conditions:
+        for n, summ in enumerate(summaries):
+            r = summ.get(c)
+            if r is None:
+                continue
+            srows.append([c, labels[n], _episodes(r), _mb(r["prefill_h2d_per_call"]),
+                          _mb(r["decode_h2d_per_call"]), _num(r["wall_s_mean"], "{:.4g} s"),
+                          _spread(r["wall_s_spread"], "{:.3g}"), _spread(r["decode_ms_spread"], "{:.3g}"),
+                          _mib(r["peak_sampled_bytes"]), _num(r["energy_j_per_token"], "{:.4g} J")])
+    stable = _table(["condition", "screen", "scored", "H2D / prefill call", "H2D / decode call", "mean wall",
+                     "wall s: median, p10-p90", "decode ms/token: median, p10-p90", "peak sampled GPU",
+                     "energy / token"], srows, cls="conditions")
+    ratio_rows = []
+    for n, s in enumerate(screens):
+        for i in data.runtime_intervals(s):
+            ratio_rows.append([i["condition"], labels[n], i["control"], _num(i["value"], "{:.4g}"),
+                               f'<td class="num">{esc(data.interval_text(i))}</td>',
+                               _num(i["threshold"], "{!r}"), i["source"]])
+    rtable = _table(["condition", "screen", "control", "wall ratio", "interval", "gate threshold", "from"], ratio_rows)
+    with figs.style():
+        plots = "".join([
+            '<h2 id="decode">Decode milliseconds per token</h2>',
+            _plot("compare-decode", figs.compare_decode_figure(labels, [data.decode_ms_per_token(s) for s in screens],
+                                                               conditions), "no decode calls",
+                  caption="Decode ms per generated token per condition, one box per screen (A, B, ...)."),
+            '<h2 id="transfer">Host-to-device bytes per decode call</h2>',
+            _plot("compare-h2d", figs.compare_bars_figure(
+                "compare-h2d", labels, [{c: r["decode_h2d_per_call"] for c, r in summ.items()} for summ in summaries],
+                conditions, "mean H2D MB per decode call", scale=1e6), "no byte counts",
+                caption="Mean host-to-device bytes per decode call per condition, one bar per screen."),
+            '<h2 id="wall">Mean episode wall</h2>', _compare_sharing(labels, screens),
+            _plot("compare-wall", figs.compare_bars_figure(
+                "compare-wall", labels, [{c: r["wall_s_mean"] for c, r in summ.items()} for summ in summaries],
+                conditions, "mean wall s per scored episode", ranges=[_wall_ranges(s) for s in screens]),
+                "no finished episodes",
+                caption="Mean wall seconds of the scored episodes per condition, one bar per screen; error bars "
+                        "span the 10th to the 90th percentile of those episodes' walls."),
+            ])
+    body = "".join([
+        '<h2 id="screens">Screens</h2>', ident, head, vtable,
+        '<h2 id="conditions">Conditions side by side</h2>', stable, '<h3>Paired runtime ratios</h3>', rtable, plots,
+        *[f'<h2 id="audit-{labels[n]}">Screen {labels[n]}: archive and audit</h2>' + audit_section(s, a)
+          .replace('<h2 id="audit">Archive and audit</h2>', "") for n, (s, a) in enumerate(zip(screens, audits))],
+    ])
+    lede = f"{len(screens)} screens of {what}: " + "; ".join(f"{labels[n]} = {s.label}" for n, s in enumerate(screens))
+    return _page("packbench comparison", lede, body, plural="s")

@@ -1,0 +1,94 @@
+"""Sweeps on the command line: `submit --sweep`, `protocol plan --sweep`, `report --sweep ID`.
+
+Thin: service/sweep.py expands and freezes the points and queues them; this module prints
+what was queued or planned, and writes the sweep's page (cli/sweep_page.py).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import typer
+
+from packbench.cli.common import output_dir, write_output
+from packbench.core.errors import PackbenchError
+
+
+def submit_sweep(store, settings, protocol: Path, specs: list[str], *, wait: bool, json_out: bool,
+                 run: Callable[..., None], **submit: Any) -> None:
+    """Queue one screen per point; with --wait, run each in turn (exit: the worst of theirs)."""
+    from packbench.service.sweep import parse_axes, submit_sweep as queue
+
+    axes = parse_axes(specs)
+    if wait:
+        output_dir(settings.archive_dir, "--archive-dir")  # before anything is queued
+    sweep_id, queued = queue(store, protocol, axes, **submit)
+    if json_out and not wait:
+        typer.echo(json.dumps({"sweep_id": sweep_id, "screens": [
+            {"screen_id": i, "point": p.values, "protocol_sha256": p.frozen.sha256} for i, p in queued]},
+            sort_keys=True))
+    elif not json_out:
+        for screen_id, p in queued:
+            typer.echo(f"screen {screen_id}: {_point(p.values)} (protocol {p.frozen.sha256[:12]})")
+        typer.echo(f"queued sweep {sweep_id}: {len(queued)} screens"
+                   + ("" if wait else "; run them with `packbench dispatch`, then "
+                                      f"`packbench report --sweep {sweep_id}`"))
+    if not wait:
+        return
+    codes = []
+    for screen_id, _ in queued:
+        try:
+            run(store, settings, json_out=json_out, only_screen=screen_id, workers=1)
+        except typer.Exit as e:
+            if e.exit_code in (130, 143):
+                raise
+            codes.append(e.exit_code)
+    if not json_out:
+        typer.echo(f"sweep {sweep_id}: plot it with `packbench report --sweep {sweep_id}`")
+    if any(codes):
+        raise typer.Exit(max(codes))
+
+
+def _point(values: dict) -> str:
+    return ", ".join(f"{k}={v}" for k, v in values.items())
+
+
+def plan_sweep(protocol: Path, specs: list[str], *, estimate_of: Callable[[Any], dict], json_out: bool) -> None:
+    """`protocol plan --sweep`: each point, its protocol hash, episodes and estimated bytes and
+    transfer time (`estimate_of(frozen)` is protocol plan's own estimate of one protocol)."""
+    from packbench.cli.summary import table
+    from packbench.core.plan import plan
+    from packbench.service.sweep import parse_axes, points
+
+    rows = []
+    for p in points(protocol, parse_axes(specs)):
+        est = estimate_of(p.frozen)
+        rows.append({**p.values, "sha256": p.frozen.sha256[:12], "episodes": len(plan(p.frozen.protocol)),
+                     "h2d_bytes": est["total_bytes"], "transfer_s": est["total_transfer_s"]})
+    if json_out:
+        typer.echo(json.dumps({"points": rows}, sort_keys=True, indent=2))
+        return
+    typer.echo(f"{len(rows)} points, one protocol (and screen) each; bytes and the GPU transfer floor as "
+               f"`packbench protocol plan` estimates them")
+    shown = [{**{k: v for k, v in r.items() if k not in ("h2d_bytes", "transfer_s")},
+              "host-to-device": f"{r['h2d_bytes'] / 1e6:,.4g} MB", "GPU transfer": f"{r['transfer_s'] * 1e3:,.4g} ms"}
+             for r in rows]
+    typer.echo(table(shown, list(shown[0])))
+    typer.echo(f"sweep: {sum(r['episodes'] for r in rows)} episodes, {sum(r['h2d_bytes'] for r in rows) / 1e6:,.4g} MB "
+               f"host-to-device, >= {sum(r['transfer_s'] for r in rows) * 1e3:,.4g} ms of transfer on a GPU")
+
+
+def report_sweep(store, sweep_id: str, out: Path | None) -> None:
+    """`report --sweep ID`: write the sweep's page."""
+    from packbench.cli.sweep_page import sweep_page
+    from packbench.service.sweep import sweep_points
+
+    pts = sweep_points(store, sweep_id)
+    if not any(p.figures for p in pts):
+        raise PackbenchError(f"sweep {sweep_id} has no episodes yet; run its screens with `packbench dispatch`")
+    path = out or Path(f"sweep-{sweep_id}.html")
+    write_output(path, sweep_page(sweep_id, pts), "--out")
+    typer.echo(f"wrote {path} ({path.stat().st_size:,} bytes)")

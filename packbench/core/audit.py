@@ -1,0 +1,692 @@
+"""The auditor: re-read a raw archive, recompute every metric and verdict from raw records
+alone (no inference), and compare with what the archive and the database say.
+
+What is checked (each finding is one line in `problems`, naming the member or episode):
+
+- the archive file's SHA-256 against the database's, and every member against the manifest
+  (ArchiveReader.verify: missing, extra, altered, unreadable, unsafe members);
+- protocol.json is a frozen protocol (it re-validates to itself) whose hash the manifest holds;
+- plan.json is the plan of that protocol, and its prompts are the protocol's prompts;
+- every planned episode has a record that matches its plan entry; a finished one has a
+  well-formed call ledger, one call per continuation token (prefill first), totals equal to
+  those recomputed from the ledger, and tokens that are the argmax of its stored logits; with
+  separate passes, both passes' figures (core/passes.py);
+- the verdicts recomputed from those records (with worker.json's start record) equal
+  verdicts.json and the database's; the database's episodes equal the archive's.
+
+An unsealed archive (an interrupted screen) is audited as far as it goes and reported as
+incomplete. The audit record holds no time, host or path, and every number in it is computed
+deterministically, so its digest (SHA-256 of its canonical JSON) is the same for every audit
+of the same archive against the same database rows, on any machine.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from packbench.core.archive import (
+    FIXED_MEMBERS,
+    MANIFEST_NAME,
+    MAX_ARCHIVE_BYTES,
+    PLAN_NAME,
+    PROTOCOL_NAME,
+    VERDICTS_NAME,
+    WORKER_NAME,
+    ArchiveReader,
+    episode_members,
+    file_sha256,
+    plan_entries,
+    plan_prompts,
+    worker_parts,
+)
+from packbench.core.canonical import canonical_json, canonical_sha256, sha256_hex
+from packbench.core.errors import ArchiveError, ProtocolError
+from packbench.core.fidelity import of_episode
+from packbench.core.gates import compute_verdicts
+from packbench.core.metrics import (
+    episode_totals,
+    ledger_problems,
+    opt_bytes,
+    row_bytes_problems,
+    stored_total_problems,
+    wall_problems,
+)
+from packbench.core.passes import pass_problems
+from packbench.core.provenance import check_signature, signature_path
+from packbench.core.plan import plan as make_plan
+from packbench.core.plan import prompts as make_prompts
+from packbench.core.protocol import Protocol, expand
+from packbench.core.protocol.schema import MAX_BATCH, MAX_CONTINUATION
+from packbench.core.record import AUDITED
+from packbench.core.registry import INT8_SCALE_BYTES, SHAPES, weights_of
+
+LOGITS_DTYPE, TRACE_DTYPE = "<f4", "<f8"  # docs/archive.md: little-endian float32 logits, float64 traces
+START_BYTES = ("param_bytes", "device_param_bytes", "host_outgoing_bytes")
+
+AUDIT_VERSION = 2  # bump when what an audit checks changes: the digest covers it
+VERDICT_KEYS = ("gate", "condition", "phase", "passed", "value", "threshold", "interval")
+PLAN_KEYS = ("index", "condition", "role", "prompt")
+# Database episode column -> where the archive record holds the same value: the stored,
+# audited fields of the episode record's one home (core/record.py).
+EPISODE_FIELDS: dict[str, tuple[str, ...]] = dict(AUDITED)
+
+
+@dataclass(frozen=True)
+class AuditReport:
+    """record: audit_version, archive_sha256, protocol_sha256, complete, planned, episodes,
+    verdicts, problems, result ("agree" only when complete and without problems)."""
+
+    record: dict
+    unreadable: bool = False  # the file is not a zip packbench can open (the CLI exits 2)
+    # Incomplete, and every problem says only that: a prefix of the plan whose every member
+    # checks (a failed or interrupted attempt's archive). Not in the record: digests stay as they were.
+    partial: bool = False
+
+    @property
+    def agrees(self) -> bool:
+        return self.record["result"] == "agree"
+
+    @property
+    def complete(self) -> bool:
+        return self.record["complete"]
+
+    @property
+    def digest(self) -> str:
+        return canonical_sha256(self.record)
+
+    @property
+    def problems(self) -> list[str]:
+        return self.record["problems"]
+
+
+# ----------------------------------------------------------------------------- comparisons
+
+
+def _key(v: dict) -> tuple:
+    return (str(v.get("gate")), str(v.get("condition")), str(v.get("phase")))
+
+
+def _norm(value: Any) -> Any:
+    """Stored values as comparable plain data: tuples as lists (a database interval)."""
+    return list(value) if isinstance(value, tuple) else value
+
+
+# Verdict detail wordings earlier packbench wrote, as today's gates word them: the detail is
+# compared exactly after this one rewrite (packbench 0.1's acquisition said "prompts" where the
+# pairing by (repetition, prompt) now says "pairs"; tests/data/*-v1.zip hold it).
+_OLD_DETAIL = re.compile(r"^(\d+ B / \d+ B over \d+) prompts( vs [A-Za-z0-9._-]+)$")
+
+
+def _detail(stored: Any) -> Any:
+    return _OLD_DETAIL.sub(r"\1 pairs\2", stored) if isinstance(stored, str) else stored
+
+
+def _compare_verdicts(mine: list[dict], theirs: Any, where: str) -> list[str]:
+    """Differences between recomputed verdicts and stored ones, one line each. `episodes` is
+    compared when the stored verdicts carry it (the archive's do)."""
+    if not isinstance(theirs, list) or not all(isinstance(v, dict) for v in theirs):
+        return [f"{where} verdicts are not a list of verdicts"]
+    a = {_key(v): v for v in mine}
+    b: dict[tuple, dict] = {}
+    out = []
+    for v in theirs:
+        if _key(v) in b:
+            out.append(f"{where} has verdict {'/'.join(_key(v))} twice")
+        b[_key(v)] = v
+    out += [f"{where} lacks verdict {'/'.join(k)}" for k in sorted(set(a) - set(b))]
+    out += [f"{where} has an extra verdict {'/'.join(k)}" for k in sorted(set(b) - set(a))]
+    for k in sorted(set(a) & set(b)):
+        keys = VERDICT_KEYS + tuple(f for f in ("episodes", "detail") if f in b[k] and f in a[k])
+        diff = [f for f in keys if _norm(a[k].get(f)) != (_detail if f == "detail" else _norm)(b[k].get(f)) or
+                type(a[k].get(f)) is bool and type(b[k].get(f)) is not bool]
+        if diff:
+            out.append(f"{where} verdict {'/'.join(k)} differs in {', '.join(diff)}: "
+                       f"recomputed {[a[k].get(f) for f in diff]} vs stored {[_norm(b[k].get(f)) for f in diff]}")
+    return out
+
+
+def _at(record: dict, path: tuple[str, ...]) -> Any:
+    for key in path:
+        if not isinstance(record, dict):
+            return None
+        record = record.get(key)
+    return record
+
+
+def _compare_episodes(episodes: list[dict], rows: Any) -> list[str]:
+    """Database episode rows against the archive's records; a column the rows lack is skipped."""
+    if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
+        return ["database episodes are not a list of rows"]
+    stored = {r.get("plan_index"): r for r in rows}
+    out = []
+    for e in episodes:
+        i = e["plan_index"]
+        row = stored.get(i)
+        if row is None:
+            out.append(f"database lacks episode {i}")
+            continue
+        for column, path in EPISODE_FIELDS.items():
+            mine = _at(e, path)
+            if column in row and mine is not None and _norm(row[column]) != mine:
+                out.append(f"database episode {i} {column} {row[column]!r} != archive {mine!r}")
+    for i in sorted(set(stored) - {e["plan_index"] for e in episodes}, key=repr):
+        out.append(f"database has episode {i} that the archive lacks")
+    return out
+
+
+# ----------------------------------------------------------------------------- one episode
+
+
+def _int8_row_bytes(protocol: Protocol) -> int | None:
+    """The bytes one int8 row moves (hidden int8 values and a scale) where the shape is known."""
+    synth = protocol.model.synth
+    return SHAPES[synth.shape]["hidden"] + INT8_SCALE_BYTES if synth is not None and synth.shape in SHAPES else None
+
+
+def _episode_problems(name: str, rec: dict, logits: np.ndarray | None, protocol: Protocol,
+                      row_bytes: list[int | None]) -> list[str]:
+    """Recompute a finished episode's totals and tokens from its ledger and logits, and check
+    what is physically possible: its wall time covers its calls; every layer moved exactly
+    rows_copied x row bytes (`row_bytes[0]`: the model's, or fixed by the first row seen;
+    `row_bytes[1]` the same for int8 rows)."""
+    calls = rec.get("calls")
+    bad = ledger_problems(calls)
+    if bad:
+        return [f"{name}: malformed call ledger: {'; '.join(bad[:3])}"]
+    totals = episode_totals(calls)
+    out = [f"{name}: {p}" for p in stored_total_problems(rec, totals)]
+    out += [f"{name}: {p}" for p in wall_problems(rec, totals)]
+    out += [f"{name}: {p}" for p in pass_problems(rec, separate=protocol.separate_passes)]  # schema 7's two passes
+    # An int8 condition's rows are hidden int8 values plus a scale: its own row size (slot 1).
+    cond = rec.get("condition")
+    slot = int(cond in protocol.condition_names and weights_of(protocol.condition(cond).policy,
+                                                               protocol.condition(cond).params) == "int8")
+    moved, row_bytes[slot] = row_bytes_problems(calls, row_bytes[slot])
+    out += [f"{name}: impossible copy: {p}" for p in moved]
+    n, prefix, b = protocol.continuation_tokens, protocol.prefix_tokens, protocol.batch
+    shape = [(c["phase"], c["tokens"]) for c in calls]
+    if shape != [("prefill", b * prefix)] + [("decode", b)] * (n - 1):
+        per = "" if b == 1 else f" of a batch of {b} (tokens count every sequence's)"
+        out.append(f"{name}: calls are not one {prefix}-token prefill then {n - 1} one-token decode calls{per}")
+    if b == 1:
+        return out + _token_problems(name, rec.get("tokens"), logits, len(calls))
+    tokens = rec.get("tokens")
+    if not isinstance(tokens, list) or len(tokens) != b:
+        return out + [f"{name}: tokens are not {b} lists, one per sequence of the batch"]
+    if logits is None or logits.ndim != 3 or logits.shape[0] != b:
+        return out + [f"{name}: logits are not {b} sequences' (batch, calls, vocab)"]
+    for s, (seq_tokens, seq_logits) in enumerate(zip(tokens, logits)):
+        out += _token_problems(f"{name} sequence {s}", seq_tokens, seq_logits, len(calls))
+    return out
+
+
+def _token_problems(name: str, tokens: Any, logits: np.ndarray | None, calls: int) -> list[str]:
+    """One sequence's tokens: one per call, the argmax of its (calls, vocab) logits."""
+    if not isinstance(tokens, list) or len(tokens) != calls:
+        return [f"{name}: tokens do not cover every call"]
+    if (logits is None or logits.ndim != 2 or logits.shape[0] != calls or logits.shape[1] < 1
+            or logits.dtype.kind != "f"):
+        return [f"{name}: logits do not cover every call"]
+    if not all(type(t) is int for t in tokens):
+        return [f"{name}: tokens are not all integers"]
+    if [int(t) for t in logits.argmax(axis=1)] != tokens:
+        return [f"{name}: tokens are not the argmax of the stored logits"]
+    return []
+
+
+# Record fields the gates (core/gates.py) and the database comparison (EPISODE_FIELDS) read.
+RETAINED = ("plan_index", "condition", "role", "prompt", "status", "error", "tokens", "wall_s", "call_s",
+            "first_logit_since_entry_s", "h2d_weight_bytes", "h2d_index_bytes", "d2h_bytes", "tier", "forced_from")
+_DROPPED = "<dropped: not a small scalar>"
+
+
+def _small(v: Any) -> Any:
+    if v is None or type(v) in (bool, int, float) or (type(v) is str and len(v) <= 1024):
+        return v
+    return _DROPPED
+
+
+def _kept_tokens(tokens: Any) -> Any:
+    """A record's tokens, bounded: a list of at most MAX_CONTINUATION + 1 ids, or a batch's list
+    of at most MAX_BATCH + 1 such lists."""
+    if not isinstance(tokens, list):
+        return _small(tokens)
+    if tokens and all(isinstance(t, list) for t in tokens):
+        return [[_small(x) for x in t[:MAX_CONTINUATION + 1]] for t in tokens[:MAX_BATCH + 1]]
+    return [_small(t) for t in tokens[:MAX_CONTINUATION + 1]]
+
+
+def _retained(rec: dict) -> dict:
+    """The part of an episode record an audit keeps after checking it: the RETAINED scalars,
+    tokens (a list of at most MAX_CONTINUATION + 1), memory's scalars, phases' scalars."""
+    out = {k: _small(rec[k]) for k in RETAINED if k in rec and k != "tokens"}
+    tokens = rec.get("tokens")
+    if "tokens" in rec:
+        out["tokens"] = _kept_tokens(tokens)
+    if isinstance(rec.get("memory"), dict):
+        out["memory"] = {k: _small(v) for k, v in list(rec["memory"].items())[:64]}
+    phases = rec.get("phases")
+    if isinstance(phases, dict):
+        out["phases"] = {ph: ({k: _small(v) for k, v in list(agg.items())[:64]} if isinstance(agg, dict)
+                              else _small(agg)) for ph, agg in phases.items() if ph in ("prefill", "decode")}
+    elif "phases" in rec:
+        out["phases"] = _small(phases)
+    if isinstance(rec.get("fidelity"), dict):
+        out["fidelity"] = {k: _small(v) for k, v in list(rec["fidelity"].items())[:16]}
+    elif "fidelity" in rec:
+        out["fidelity"] = _small(rec["fidelity"])
+    return out
+
+
+# ----------------------------------------------------------------------------- the audit
+
+
+class _Audit:
+    """One audit's state; `run` fills `record`."""
+
+    def __init__(self, path: Path, sha: str | None):
+        self.path = path
+        self.unreadable = False
+        self.problems: list[str] = []
+        self.incomplete_notes = 0  # problems that say only "incomplete" (AuditReport.partial)
+        self.complete = False  # the archive is sealed (set by run)
+        self.names: set[str] = set()  # every member name the zip holds (set by run)
+        self.readable: set[str] = set()  # ... less those a verify() problem names: the trusted ones
+        self.record: dict[str, Any] = {
+            "audit_version": AUDIT_VERSION, "archive_sha256": sha, "protocol_sha256": None, "complete": False,
+            "planned": 0, "episodes": 0, "verdicts": [], "problems": self.problems, "result": "disagree"}
+
+    def scrub(self, message: str) -> str:
+        """Messages name no path: the digest must not depend on where the archive lies."""
+        for p in {str(self.path), str(self.path.resolve())}:
+            message = message.replace(p, "the archive")
+        return message
+
+    def add(self, message: str) -> None:
+        self.problems.append(self.scrub(message))
+
+    def read(self, reader: ArchiveReader, name: str, kind: str, **checks: Any) -> Any:
+        try:
+            return reader.read_array(name, **checks) if kind == "array" else reader.read_json(name)
+        except ArchiveError as e:
+            self.add(f"cannot read {name}: {e}")
+            return None
+
+    def run(self, reader: ArchiveReader, *, db_verdicts: list[dict] | None, db_episodes: list[dict] | None) -> None:
+        """The audit of an open archive, step by step: its members (verify), its protocol, its
+        plan and worker records, each planned episode, then the verdicts recomputed from them."""
+        self.complete = reader.complete
+        self.record["complete"] = self.complete
+        found = reader.verify()
+        for p in found:
+            self.add(p.message)
+            self.incomplete_notes += p.kind == "incomplete"
+        if any(p.kind == "too-large" for p in found):
+            return  # over the bounds: nothing is recomputed (the bounds exist to cap this work)
+        self.names = set(reader.names)
+        # A member that verify() names is not trusted for recomputation; no other is.
+        self.readable = self.names - {p.member for p in found}
+        proto = self.protocol(reader)
+        if proto is None:
+            return
+        entries = make_plan(proto)
+        self.record["planned"] = len(entries)
+        stored_plan = self.read(reader, PLAN_NAME, "json") if PLAN_NAME in self.readable else None
+        if stored_plan is None and (self.complete or PLAN_NAME in self.names):
+            self.add(f"{PLAN_NAME} is missing or unreadable")
+        elif stored_plan is not None:
+            self.check_plan(stored_plan, entries, proto)
+        worker = self.read(reader, WORKER_NAME, "json") if WORKER_NAME in self.readable else None
+        start = worker_parts(worker).get("start")
+        self.check_records(reader, worker, proto, entries)
+        row_bytes: list[int | None] = [self.check_start(start, proto), _int8_row_bytes(proto)]
+
+        episodes, recorded, vocab = [], [], None
+        for entry in entries:
+            episode = self.episode(reader, entry, proto, start, row_bytes)
+            if episode is None:
+                continue
+            recorded.append(entry["index"])
+            episodes.append(episode)
+            logits = episode["logits"]
+            if episode.get("status") == "ok" and logits is not None and logits.ndim in (2, 3) and vocab is None:
+                vocab = int(logits.shape[-1])
+        self.check_fidelity(episodes, proto)
+        self.record["episodes"] = len(episodes)
+        if not self.complete:
+            self.note_incomplete(recorded, len(entries))
+        if stored_plan is not None and vocab is not None:
+            self.check_prompts(stored_plan, proto, vocab)
+        self.judge(reader, proto, episodes, start, db_verdicts=db_verdicts, db_episodes=db_episodes)
+
+    def protocol(self, reader: ArchiveReader) -> Protocol | None:
+        """protocol.json as a typed protocol, checked to be in frozen form and to be the one the
+        manifest names; None when there is nothing to recompute against."""
+        if PROTOCOL_NAME not in self.readable:
+            if self.complete or PROTOCOL_NAME in self.names:
+                self.add(f"cannot recompute: no readable {PROTOCOL_NAME}")
+            return None
+        body = self.read(reader, PROTOCOL_NAME, "json")
+        if body is None:
+            return None
+        try:
+            proto = expand(body)  # validated once; everything below reads the typed protocol
+            if canonical_json(proto.body_dict()) != canonical_json(body):
+                self.add("protocol.json is not in frozen form (it does not re-validate to itself)")
+        except ProtocolError as e:
+            self.add(f"cannot recompute: protocol.json is not a valid frozen protocol: {e}")
+            return None
+        self.record["protocol_sha256"] = canonical_sha256(body)
+        if reader.manifest is not None and reader.manifest.get("protocol_sha256") != self.record["protocol_sha256"]:
+            self.add("manifest protocol_sha256 does not match protocol.json")
+        return proto
+
+    def episode(self, reader: ArchiveReader, entry: dict, proto: Protocol, start: Any,
+                row_bytes: list[int | None]) -> dict | None:
+        """Planned episode `entry`'s members, checked against its plan entry, its ledger, its
+        logits, trace and start record; what the gates need of it (None: not recorded)."""
+        i = entry["index"]
+        members = episode_members(i)
+        name, logits_name, trace_name = members.record, members.logits, members.trace
+        forced_name = members.forced
+        if name not in self.readable:
+            if self.complete or name in self.names:
+                self.add(f"episode {i} has no readable record ({name})")
+            return None
+        rec = self.read(reader, name, "json")
+        if not isinstance(rec, dict):
+            if rec is not None:
+                self.add(f"{name} is not a record")
+            return None
+        # Same value and same JSON type (true is not 1, 1.0 is not 1).
+        if (type(rec.get("plan_index")) is not int or rec.get("plan_index") != i
+                or any(type(rec.get(k)) is not type(entry[k]) or rec.get(k) != entry[k] for k in PLAN_KEYS[1:])
+                or rec.get("prompts") != entry.get("prompts")):
+            self.add(f"{name} does not match plan entry {i}")
+        ndim = 2 if proto.batch == 1 else 3  # (calls, vocab), a batch's (sequences, calls, vocab)
+        logits = (self.read(reader, logits_name, "array", dtype=LOGITS_DTYPE, ndim=ndim)
+                  if logits_name in self.readable else None)
+        ok = rec.get("status") == "ok"
+        if ok and logits is None and not self.complete and logits_name not in self.names:
+            return None  # interrupted between the record and its logits: not recorded yet
+        if ok:
+            self.check_sampled(name, trace_name, rec, self.names)
+        if ok and trace_name in self.readable:
+            self.check_trace(trace_name, self.read(reader, trace_name, "array", dtype=TRACE_DTYPE, ndim=2), rec)
+        if ok:
+            self.check_memory(name, rec, start)
+            for p in _episode_problems(name, rec, logits, proto, row_bytes):
+                self.add(p)
+        elif rec.get("status") != "failed":
+            self.add(f"{name}: status {rec.get('status')!r} is neither ok nor failed")
+        # Only what the gates and the database comparison read is kept (the ledger is
+        # checked above): audit memory holds one record's JSON, not the archive's, whatever
+        # a hostile record carries besides.
+        forced = (self.read(reader, forced_name, "array", dtype=LOGITS_DTYPE, ndim=ndim)
+                  if forced_name in self.readable else None)
+        if forced is not None and rec.get("tier") != "approximate":
+            self.add(f"{forced_name}: teacher-forced logits of an episode that is not approximate")
+        return {**_retained(rec), "plan_index": i, "logits": logits, "forced_logits": forced}
+
+    def judge(self, reader: ArchiveReader, proto: Protocol, episodes: list[dict], start: Any, *,
+              db_verdicts: list[dict] | None, db_episodes: list[dict] | None) -> None:
+        """The verdicts recomputed from the episodes, against verdicts.json and the database's;
+        the database's episodes against the archive's."""
+        verdicts = compute_verdicts(proto, episodes, start=start)
+        self.record["verdicts"] = [{k: v[k] for k in VERDICT_KEYS + ("episodes",)} for v in verdicts]
+        if not self.complete:
+            # docs/archive.md: verdicts of a partial screen fail closed; the ones computed from
+            # the episodes present are compared below, never reported as passing.
+            self.record["verdicts"] = [{**v, "passed": False} for v in self.record["verdicts"]]
+        if VERDICTS_NAME in self.readable:
+            stored = self.read(reader, VERDICTS_NAME, "json")
+            if stored is not None:
+                self.problems += [self.scrub(p) for p in _compare_verdicts(verdicts, stored, "archive")]
+        elif self.complete and VERDICTS_NAME not in self.names:
+            self.add(f"{VERDICTS_NAME} is missing")
+        if db_verdicts is not None and (self.complete or db_verdicts):
+            self.problems += _compare_verdicts(verdicts, db_verdicts, "database")
+        if db_episodes is not None:
+            self.problems += _compare_episodes(episodes, db_episodes)
+
+    def check_records(self, reader: ArchiveReader, worker: Any, proto: Protocol, entries: list[dict]) -> None:
+        """Cross-checks between records: the manifest's environment and source freeze are
+        worker.json's; every member belongs to the layout of this plan."""
+        manifest = reader.manifest
+        parts = worker_parts(worker)
+        if manifest is not None:
+            if "environment" in parts and manifest.get("environment") != parts["environment"]:
+                self.add(f"the manifest's environment differs from {WORKER_NAME}'s")
+            if "source_freeze" in parts and manifest.get("source_freeze") != parts["source_freeze"]:
+                self.add(f"the manifest's source_freeze differs from {WORKER_NAME}'s")
+        if manifest is not None and not isinstance(manifest.get("source_freeze", {}), dict):
+            self.add("the manifest's source_freeze is not a mapping")
+        allowed = set(FIXED_MEMBERS)
+        for e in entries:
+            m = episode_members(e["index"])
+            allowed |= {m.record, m.logits, m.trace}
+            if proto.tier(e["condition"]) == "approximate":
+                allowed.add(m.forced)
+        strays = [n for n in reader.names if n not in allowed]
+        for n in strays[:10]:
+            self.add(f"member {n!r} is not part of the archive of this plan")
+        if len(strays) > 10:
+            self.add(f"... and {len(strays) - 10} more members that are not part of the archive of this plan")
+
+    def check_start(self, start: Any, proto: Protocol) -> int | None:
+        """The start record's byte counts add up, and equal the synthetic model's shape; returns
+        the bytes of one outgoing row when the shape is known (None otherwise)."""
+        pinned = proto.model.sha256
+        digest = start.get("model_sha256") if isinstance(start, dict) else None
+        if pinned is not None and digest != pinned:
+            self.add(f"{WORKER_NAME}: the checkpoint measured has digest {digest!r}, the protocol pins {pinned}")
+        if digest is not None and (not isinstance(digest, str) or re.fullmatch(r"[0-9a-f]{64}", digest) is None):
+            self.add(f"{WORKER_NAME}: model_sha256 {digest!r} is not 64 lowercase hex digits")
+        if not isinstance(start, dict):
+            return None
+        got = {k: start.get(k) for k in START_BYTES}
+        ints = {k: v for k, v in got.items() if isinstance(v, int) and not isinstance(v, bool)}
+        if len(ints) == 3 and ints["param_bytes"] != ints["device_param_bytes"] + ints["host_outgoing_bytes"]:
+            self.add(f"{WORKER_NAME}: param_bytes {ints['param_bytes']} != device_param_bytes "
+                     f"{ints['device_param_bytes']} + host_outgoing_bytes {ints['host_outgoing_bytes']}")
+        synth = proto.model.synth
+        if synth is None or synth.shape not in SHAPES:
+            return None
+        want = opt_bytes(**SHAPES[synth.shape], dtype=proto.dtype)  # held in the protocol's dtype
+        for k, v in ints.items():
+            if v != want[k]:
+                self.add(f"{WORKER_NAME}: {k} {v} is not the {want[k]} of a {synth.shape} model in {proto.dtype}")
+        return want["row_bytes"]
+
+    def check_fidelity(self, episodes: list[dict], proto: Protocol) -> None:
+        """Every approximate episode's fidelity figures, recomputed from the archived logits (its
+        teacher-forced ones against the reference episode it names), equal what its record says;
+        the tier each record states is its condition's."""
+        by_index = {e["plan_index"]: e for e in episodes}
+        for e in episodes:
+            name = episode_members(e["plan_index"]).record
+            tier = proto.tier(e["condition"]) if e.get("condition") in proto.condition_names else None
+            if "tier" in e and e["tier"] != tier:
+                self.add(f"{name}: tier {e['tier']!r} is not its condition's ({tier})")
+            if tier != "approximate" or e.get("status") != "ok":
+                if e.get("fidelity") is not None:
+                    self.add(f"{name}: fidelity figures on an episode that is not a finished approximate one")
+                continue
+            try:
+                recomputed = of_episode(e, by_index, reference=proto.reference).as_dict()
+            except ValueError:
+                recomputed = None
+            if e.get("fidelity") != recomputed:
+                self.add(f"{name}: fidelity {e.get('fidelity')!r} != {recomputed!r} recomputed from the logits")
+
+    def check_memory(self, name: str, rec: dict, start: Any) -> None:
+        memory = rec.get("memory")
+        if not isinstance(memory, dict) or not isinstance(start, dict):
+            return
+        mine, theirs = memory.get("device_param_bytes"), start.get("device_param_bytes")
+        if mine is not None and theirs is not None and mine != theirs:
+            self.add(f"{name}: memory.device_param_bytes {mine!r} != {WORKER_NAME}'s {theirs!r}")
+
+    def check_sampled(self, name: str, trace_name: str, rec: dict, names: set[str]) -> None:
+        """A run that sampled memory keeps its trace: without it the sampled peak is unchecked."""
+        memory = rec.get("memory") if isinstance(rec.get("memory"), dict) else {}
+        sampler = rec.get("sampler") if isinstance(rec.get("sampler"), dict) else {}
+        samples = sampler.get("samples")
+        sampled = memory.get("peak_sampled_bytes") is not None or (isinstance(samples, int) and samples > 0)
+        if sampled and trace_name not in names:
+            self.add(f"{name}: the run sampled memory but {trace_name} is missing")
+
+    def check_trace(self, name: str, trace: Any, rec: dict) -> None:
+        """The sampled peak a record states must be the largest sample of its memory trace."""
+        if trace is None:
+            return
+        memory = rec.get("memory") if isinstance(rec.get("memory"), dict) else {}
+        stated = memory.get("peak_sampled_bytes")
+        if getattr(trace, "ndim", 0) != 2 or trace.shape[1:] != (2,):
+            self.add(f"{name}: a memory trace is (samples, 2) [seconds, bytes]")
+        elif trace.shape[0] == 0:
+            if stated is not None:
+                self.add(f"{name}: empty trace but peak_sampled_bytes {stated!r}")
+        elif not np.isfinite(trace).all():
+            self.add(f"{name}: the memory trace holds non-finite values")
+        elif stated != int(trace[:, 1].max()):
+            self.add(f"{name}: peak_sampled_bytes {stated!r} != {int(trace[:, 1].max())} recomputed from the trace")
+
+    def check_plan(self, stored: Any, entries: list[dict], proto: Protocol) -> None:
+        got = plan_entries(stored)
+        if got is None:
+            self.add("plan.json has no list of entries")
+            return
+        # A batch entry's prompts too (core/plan.py); batch-1 entries have none on either side.
+        want = [[e[k] for k in PLAN_KEYS] + [e.get("prompts")] for e in entries]
+        have = [[e.get(k) for k in PLAN_KEYS] + [e.get("prompts")] for e in got]
+        if have != want:
+            first = next((i for i, (a, b) in enumerate(zip(have, want)) if a != b), min(len(have), len(want)))
+            self.add(f"plan.json is not the plan of protocol.json (first difference at entry {first}; "
+                     f"{len(have)} entries, the protocol plans {len(want)})")
+        ids = plan_prompts(stored)
+        n = proto.prefix_tokens
+        if (not isinstance(ids, list) or len(ids) != proto.prompt_count
+                or not all(isinstance(p, list) and len(p) == n for p in ids)):
+            self.add(f"plan.json prompts are not {proto.prompt_count} prompts of {n} token ids")
+
+    def check_prompts(self, stored: dict, proto: Protocol, vocab: int) -> None:
+        if proto.prompts.source not in ("generator", "token_ids"):
+            return  # file prompts: the file is not in the archive; its SHA-256 is frozen in the protocol
+        ids = plan_prompts(stored)
+        if not isinstance(ids, list) or len(ids) != proto.prompt_count:
+            return  # already reported by check_plan; recomputing needs no more than what is stored
+        try:
+            want = make_prompts(proto, vocab=vocab)
+        except (ValueError, ProtocolError) as e:
+            self.add(f"cannot recompute the prompts: {e}")
+            return
+        if ids != want:
+            self.add("plan.json prompts are not the protocol's prompts")
+
+    def note_incomplete(self, recorded: list[int], planned: int) -> None:
+        self.incomplete_notes += 1  # the count below; a gap is a problem of its own
+        if recorded != list(range(len(recorded))):
+            gaps = sorted(set(range(max(recorded) + 1)) - set(recorded))
+            self.add(f"archive incomplete and not a prefix of the plan: episodes {gaps[:10]} are missing "
+                     f"before later ones")
+        self.add(f"archive incomplete: {len(recorded)} of {planned} planned episodes recorded; "
+                 f"verdicts from a partial screen are not the screen's")
+
+
+def audit_archive(path: Path, *, expected_sha256: str | None = None, db_verdicts: list[dict] | None = None,
+                  db_episodes: list[dict] | None = None, trust: list[bytes] | None = None,
+                  signature: Path | None = None, max_mib: int | None = None) -> AuditReport:
+    """Audit one archive. `expected_sha256`, `db_verdicts` and `db_episodes` come from the
+    database when it is at hand; every one given must agree for the result to be "agree".
+
+    `trust`: raw Ed25519 public keys (core.provenance). When given, the archive's detached
+    signature (`signature`, default `<archive>.sig`) must be a valid one by one of them: the
+    record then carries `signature: {status, key_id}`, and an unsigned, unknown-signer or
+    bad-signature archive never agrees. Without `trust` provenance is not checked (and the
+    record has no `signature` key, so digests of earlier audits hold).
+
+    `max_mib` raises the archive-file and total-member bounds (docs/archive.md, "Bounds") for an
+    archive known to be large and trusted; the stated audit time and memory then no longer hold.
+
+    Cheap checks first: the file's size and zip end record are read before anything is hashed.
+    Raises ArchiveError only when there is no file at `path`; everything wrong with the file
+    itself, running out of memory included, is a problem line in the report.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise ArchiveError(f"no archive at {path}; check the path (or the attempt's archive_path in the database)")
+    audit = _Audit(path, None)
+    try:
+        _run_audit(audit, path, expected_sha256=expected_sha256, db_verdicts=db_verdicts, db_episodes=db_episodes,
+                   trust=trust, signature=signature, max_mib=max_mib)
+    except MemoryError:
+        audit.add("out of memory while auditing: the archive needs more memory than this machine gave the audit "
+                  "(docs/archive.md, Bounds)")
+    except RecursionError:
+        audit.add("the archive nests its records too deeply to audit")
+    except Exception as e:  # hostile input reached a path no check foresaw: fail closed, one line
+        audit.add(f"cannot audit: {type(e).__name__} while recomputing ({str(e).splitlines()[0][:200] if str(e) else ''}); "
+                  f"the archive is hostile or damaged")
+    record = audit.record
+    partial = not record["complete"] and not audit.unreadable and len(audit.problems) == audit.incomplete_notes
+    record["problems"] = _bounded(record["problems"])
+    record["result"] = "agree" if record["complete"] and not record["problems"] else "disagree"
+    return AuditReport(record, unreadable=audit.unreadable, partial=partial)
+
+
+MAX_PROBLEM_CHARS = 2000  # a problem is one readable line, whatever a hostile record holds
+MAX_PROBLEMS = 1000
+
+
+def _bounded(problems: list[str]) -> list[str]:
+    """At most MAX_PROBLEMS lines of at most MAX_PROBLEM_CHARS characters each (the rest named)."""
+    out = [p if len(p) <= MAX_PROBLEM_CHARS else f"{p[:MAX_PROBLEM_CHARS]}... ({len(p) - MAX_PROBLEM_CHARS} more "
+           f"characters)" for p in problems[:MAX_PROBLEMS]]
+    if len(problems) > MAX_PROBLEMS:
+        out.append(f"... and {len(problems) - MAX_PROBLEMS} more problems")
+    return out
+
+
+def _run_audit(audit: _Audit, path: Path, *, expected_sha256: str | None, db_verdicts: list[dict] | None,
+               db_episodes: list[dict] | None, trust: list[bytes] | None, signature: Path | None,
+               max_mib: int | None = None) -> None:
+    limits = {}
+    if max_mib is not None:
+        big = max(int(max_mib) << 20, MAX_ARCHIVE_BYTES)
+        limits = {"max_archive_bytes": big, "max_total_bytes": big}
+    try:
+        reader = ArchiveReader(path, **limits)
+    except ArchiveError as e:
+        reader = None
+        opened = str(e)
+    if reader is not None or path.stat().st_size <= limits.get("max_archive_bytes", MAX_ARCHIVE_BYTES):
+        audit.record["archive_sha256"] = file_sha256(path)  # a huge non-zip is refused unhashed
+    if expected_sha256 is not None and audit.record["archive_sha256"] != expected_sha256:
+        audit.add(f"archive SHA-256 {audit.record['archive_sha256']} differs from the database's {expected_sha256}")
+    if reader is None:
+        audit.unreadable = True
+        audit.add(opened)
+        if trust is not None:
+            audit.record["signature"] = {"status": "bad-signature", "key_id": None}
+            audit.add("signature: the archive is unreadable, so no signature can hold for it")
+        return
+    with reader:
+        manifest_sha = None
+        if trust is not None and reader.complete:
+            try:
+                manifest_sha = sha256_hex(reader.read_bytes(MANIFEST_NAME))
+            except ArchiveError:
+                manifest_sha = None
+        audit.run(reader, db_verdicts=db_verdicts, db_episodes=db_episodes)
+    if trust is not None:
+        check = check_signature(signature or signature_path(path), archive_sha256=audit.record["archive_sha256"],
+                                manifest_sha256=manifest_sha, trusted=list(trust))
+        audit.record["signature"] = {"status": check.status, "key_id": check.key_id}
+        if check.line is not None:
+            audit.add(check.line)

@@ -1,0 +1,176 @@
+"""What a screen will move, estimated before anything runs: a pure function of the frozen
+protocol, the model's shape and its activation sparsity (`packbench protocol plan`).
+
+The model: every outgoing row is `hidden` values of the protocol's dtype; a token activates
+an ordinary neuron with probability 1 - sparsity, and a hot neuron (engine/synth.py: fc1 bias
+`hot_bias` x std x sqrt(hidden) over a unit-variance pre-activation) with probability
+Phi(hot_bias); in a calibrated profile's checkpoint, neuron j of layer l with probability
+Phi(mu_l + spread Z_j) (engine/synth.py profile_tensors). A call of T tokens needs the union of its tokens' active sets; the estimate
+takes tokens as independent, 1 - (1 - a)^T, which is an UPPER estimate: real tokens share
+active neurons (the report's union-sparsity plot shows how much), so measured prefill unions
+come out smaller. Byte rules follow the ledgers of engine/policies.py:
+
+| policy | H2D bytes per layer per call |
+| --- | --- |
+| resident | 0 (the weights were placed once at start) |
+| quantized (a low-bit competitor) | 0 (its quantized weights were placed once at start) |
+| accelerate (a competitor) | parameters beyond the allowance, whole layers every call (an upper estimate: not per layer) |
+| dense-stream | ffn x row |
+| packet (host or device gather) | k x (row + 8): k active rows and their int64 indices |
+| sparse-extents {B} | blocks x (B x row + 8): every B-row block holding an active row |
+| phase-switched | dense-stream in prefill, packet in decode |
+| row-retention | at most packet's (only cache misses move; the hit rate is not modelled) |
+| early-forecast | at least packet's (the exact demand; wrong forecasts add waste) |
+
+Time is the transfer floor at a stated host-to-device rate (default: the pinned rate measured
+on the H200, shared/device/NOTES.md); compute, synchronisation and Python are not in it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from statistics import NormalDist
+
+from packbench.core.plan import plan
+from packbench.core.protocol import Protocol, expand
+from packbench.core.registry import INT8_SCALE_BYTES, SHAPES, weights_of
+
+INDEX_BYTES = 8  # engine.policies.INDEX_DTYPE is int64
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+# Pinned host-to-device copies of 64 MiB and more on the H200 (shared/device/NOTES.md).
+DEFAULT_H2D_GBPS = 55.0
+# How each policy's bytes are bounded by this estimate (printed beside its numbers).
+BOUND = {"row-retention": "at most", "early-forecast": "at least"}
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    hidden: int
+    ffn: int
+    layers: int
+    vocab: int = 50272
+    max_positions: int = 2048
+
+    def __post_init__(self) -> None:
+        for name in ("hidden", "ffn", "layers"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"model shape {name} must be >= 1, got {getattr(self, name)}")
+
+    @classmethod
+    def of(cls, shape: str) -> ModelShape:
+        d = SHAPES[shape]
+        return cls(hidden=d["hidden"], ffn=d["ffn"], layers=d["layers"], vocab=d["vocab"],
+                   max_positions=d["max_positions"])
+
+    def param_count(self) -> int:
+        """OPT's parameters (pre-LN, tied output embedding): embeddings, and per layer q/k/v/out
+        projections, fc1, fc2 and two LayerNorms; the final LayerNorm."""
+        h, f = self.hidden, self.ffn
+        per_layer = 4 * (h * h + h) + (h * f + f) + (f * h + h) + 2 * 2 * h
+        return self.vocab * h + (self.max_positions + 2) * h + self.layers * per_layer + 2 * h
+
+
+# Gauss-Hermite-like grid for E over a standard normal offset (a profile's neuron rates).
+_GRID = [(-6.0 + 12.0 * i / 120, math.exp(-0.5 * (-6.0 + 12.0 * i / 120) ** 2)) for i in range(121)]
+_GRID_SUM = sum(w for _, w in _GRID)
+
+
+def _phi(x: float) -> float:
+    return 0.5 * (1.0 + math.erf(x / math.sqrt(2.0)))
+
+
+@dataclass(frozen=True)
+class Activity:
+    sparsity: float  # fraction of ordinary neurons exactly zero per token
+    hot_fraction: float = 0.0
+    hot_bias: float = 0.0
+    # A calibrated profile instead (engine/synth.py profile_tensors): per layer, the mean of the
+    # neurons' bias offsets (pre-activation stds), and their spread. Set by `of_profile`.
+    layer_offsets: tuple[float, ...] = ()
+    rate_spread: float = 0.0
+
+    @classmethod
+    def of_profile(cls, profile: str, shape: str) -> Activity:
+        """The activity of a profile's checkpoint: neuron j of layer l fires with probability
+        Phi(mu_l + spread Z_j) per token (engine/synth.py profile_tensors draws exactly that)."""
+        from packbench.core.registry import PROFILES
+
+        p = PROFILES[profile]
+        densities = p.layer_densities(shape)
+        offsets = tuple(NormalDist().inv_cdf(d) * math.sqrt(1.0 + p.rate_spread ** 2) for d in densities)
+        return cls(sparsity=1.0 - sum(densities) / len(densities), layer_offsets=offsets, rate_spread=p.rate_spread)
+
+    def union_fraction(self, tokens: int) -> float:
+        """Expected fraction of a layer's neurons active in any of `tokens` independent tokens."""
+        if self.layer_offsets:  # mean over layers and over the neurons' rates
+            total = 0.0
+            for mu in self.layer_offsets:
+                total += sum(w * (1 - (1 - _phi(mu + self.rate_spread * z)) ** tokens) for z, w in _GRID) / _GRID_SUM
+            return total / len(self.layer_offsets)
+        a = 1.0 - self.sparsity
+        p_hot = 0.5 * (1.0 + math.erf(self.hot_bias / math.sqrt(2.0)))  # Phi(hot_bias)
+        h = self.hot_fraction
+        return (1 - h) * (1 - (1 - a) ** tokens) + h * (1 - (1 - p_hot) ** tokens)
+
+    def block_fraction(self, tokens: int, block_rows: int) -> float:
+        """Expected fraction of `block_rows`-row blocks holding an active row (neurons independent)."""
+        return 1 - (1 - self.union_fraction(tokens)) ** block_rows
+
+
+def call_h2d_bytes(policy: str, params: dict, *, phase: str, tokens: int, shape: ModelShape, row_bytes: int,
+                   activity: Activity, allowance_bytes: int = 0) -> float:
+    """Expected H2D bytes of one call (all layers) under `policy` (see the module table)."""
+    dense = shape.ffn * row_bytes
+    k = shape.ffn * activity.union_fraction(tokens)
+    packet = k * (row_bytes + INDEX_BYTES)
+    if policy in ("resident", "quantized"):
+        per_layer = 0.0
+    elif policy == "accelerate":  # the layers beyond the allowance, whole, every call
+        return float(max(0, shape.param_count() * (row_bytes // shape.hidden) - allowance_bytes))
+    elif policy == "dense-stream" or (policy == "phase-switched" and phase == "prefill"):
+        per_layer = float(dense)
+    elif policy == "sparse-extents":
+        b = params["block_rows"]
+        blocks = math.ceil(shape.ffn / b) * activity.block_fraction(tokens, b)
+        per_layer = min(blocks * (b * row_bytes + INDEX_BYTES), dense + blocks * INDEX_BYTES)
+    else:  # packet, phase-switched decode, row-retention (<=), early-forecast (>=)
+        per_layer = packet
+    return per_layer * shape.layers
+
+
+def estimate(protocol: Protocol | dict, *, shape: ModelShape, activity: Activity,
+             h2d_gbps: float = DEFAULT_H2D_GBPS) -> dict:
+    """Per condition, over the whole plan (warmups included): episodes, H2D bytes per prefill
+    call, per decode call, per episode and in all, and the transfer floor in seconds at
+    `h2d_gbps`; with the model's parameter and outgoing bytes against the allowance."""
+    p = expand(protocol)
+    if h2d_gbps <= 0:
+        raise ValueError(f"the host-to-device rate must be > 0 GB/s, got {h2d_gbps}")
+    row_bytes = shape.hidden * DTYPE_BYTES[p.dtype]
+    entries = plan(p)
+    decode_calls = p.continuation_tokens - 1
+    rows = []
+    for c in p.conditions:
+        int8 = weights_of(c.policy, c.params) == "int8"  # hidden int8 values and a float32 scale a row
+        kw = dict(shape=shape, row_bytes=shape.hidden + INT8_SCALE_BYTES if int8 else row_bytes, activity=activity,
+                  allowance_bytes=p.allowance_bytes)
+        # A batch's call needs the union of every sequence's tokens (docs/protocol.md, "Batched decode").
+        prefill = call_h2d_bytes(c.policy, dict(c.params), phase="prefill", tokens=p.batch * p.prefix_tokens, **kw)
+        decode = call_h2d_bytes(c.policy, dict(c.params), phase="decode", tokens=p.batch, **kw)
+        episode = prefill + decode_calls * decode
+        n = sum(e["condition"] == c.name for e in entries)
+        total = n * episode
+        rows.append({"condition": c.name, "policy": c.policy, "params": dict(c.params), "episodes": n,
+                     "bound": BOUND.get(c.policy, "about"), "prefill_call_bytes": prefill,
+                     "decode_call_bytes": decode, "episode_bytes": episode, "total_bytes": total,
+                     "episode_transfer_s": episode / (h2d_gbps * 1e9), "total_transfer_s": total / (h2d_gbps * 1e9)})
+    params_bytes = shape.param_count() * DTYPE_BYTES[p.dtype]
+    outgoing = shape.layers * shape.ffn * row_bytes
+    return {"conditions": rows, "episodes": len(entries), "calls_per_episode": 1 + decode_calls,
+            "h2d_gbps": h2d_gbps, "row_bytes": row_bytes,
+            "prefill_active_fraction": activity.union_fraction(p.batch * p.prefix_tokens),
+            "decode_active_fraction": activity.union_fraction(p.batch),
+            "param_bytes": params_bytes, "outgoing_bytes": outgoing, "allowance_bytes": p.allowance_bytes,
+            "total_bytes": sum(r["total_bytes"] for r in rows),
+            "total_transfer_s": sum(r["total_transfer_s"] for r in rows)}

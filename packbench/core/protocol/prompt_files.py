@@ -1,0 +1,50 @@
+"""Prompt files (token_file / text_file): read, parse and split, shared by freezing and planning."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from packbench.core.errors import ProtocolError
+from packbench.core.protocol.fields import _fail, _token_lists
+
+TEXT_SEPARATOR = "---"  # a line holding only this separates prompts in a text_file
+
+
+def split_texts(text: str) -> list[str]:
+    """The prompts of a text_file: blocks separated by lines holding only `---`, stripped."""
+    blocks, current = [], []
+    for line in text.splitlines():
+        if line.strip() == TEXT_SEPARATOR:
+            blocks.append("\n".join(current))
+            current = []
+        else:
+            current.append(line)
+    blocks.append("\n".join(current))
+    return [b.strip() for b in blocks if b.strip()]
+
+
+def read_prompt_file(kind: str, path: Path, *, field: str) -> tuple[bytes, list]:
+    """Bytes and parsed prompts of a token_file (id lists) or text_file (texts)."""
+    try:
+        data = Path(path).read_bytes()
+    except OSError as e:
+        raise ProtocolError(f"protocol field `{field}`: cannot read {path} ({e.strerror}); "
+                            f"paths are relative to the protocol file") from None
+    if kind == "token_file":
+        try:
+            ids = json.loads(data.decode("utf-8"))
+        except RecursionError:
+            raise ProtocolError(f"protocol field `{field}`: {path} nests its lists too deeply; "
+                                f"write a list of token-id lists") from None
+        except (UnicodeDecodeError, ValueError) as e:
+            raise ProtocolError(f"protocol field `{field}`: {path} is not JSON ({e}); "
+                                f"write a list of token-id lists") from None
+        return data, _token_lists(ids, f"{field} ({Path(path).name})")
+    try:
+        texts = split_texts(data.decode("utf-8"))
+    except UnicodeDecodeError:
+        raise ProtocolError(f"protocol field `{field}`: {path} is not UTF-8 text") from None
+    if not texts:
+        _fail(field, f"{path} holds no text; write prompts separated by `{TEXT_SEPARATOR}` lines")
+    return data, texts

@@ -1,0 +1,169 @@
+"""Settings: every knob packbench reads from the command line or the environment, read once.
+
+`ENVIRONMENT` is the one table of packbench's environment variables: the CLI gives each to its
+option (`envvar=`, so `--help` lists it), and `Settings.from_environ` reads them for a caller
+without the CLI (an alembic run, a benchmark script). Below the CLI nothing reads `os.environ`
+for a packbench setting: values travel as arguments, and what a Ray worker needs goes to its
+actor's constructor (`worker_env()` for what must be set before torch is imported, the rest as
+arguments).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from packbench.core.errors import PackbenchError
+
+DEFAULT_PLACEMENT_TIMEOUT_S = 300.0
+DEFAULT_CONNECT_TIMEOUT_S = 15.0
+DEFAULT_DB_URL = "sqlite:///packbench.db"
+# Near an allowance a fragmented allocator fails where a compact one fits: on the H200 an
+# opt-2.7b fp16 screen at 4800 MiB lost 15 of 66 episodes to OOM with the default allocator and
+# none with expandable segments (docs/benchmarks.md).
+DEFAULT_CUDA_ALLOC_CONF = "expandable_segments:True"
+
+DB_URL_ENV = "PACKBENCH_DB_URL"
+RAY_ADDRESS_ENV = "PACKBENCH_RAY_ADDRESS"
+ARCHIVE_DIR_ENV = "PACKBENCH_ARCHIVE_DIR"
+# Set where the dispatcher runs: each GPU worker's host threads (default: its share of the cores).
+WORKER_THREADS_ENV = "PACKBENCH_WORKER_THREADS"
+# Set where the dispatcher runs, "1": each GPU worker pins itself to its share of the host's
+# cores (the share of its GPU's index), so two workers' host gathers never meet on one core.
+WORKER_PIN_ENV = "PACKBENCH_WORKER_PIN"
+
+# variable -> (option, what it sets); README.md "Settings" prints this table (a test keeps them equal).
+ENVIRONMENT: dict[str, tuple[str, str]] = {
+    DB_URL_ENV: ("--db", f"the results database URL (default {DEFAULT_DB_URL})"),
+    RAY_ADDRESS_ENV: ("--address", "the Ray cluster submit --wait and dispatch join (default: an embedded Ray)"),
+    ARCHIVE_DIR_ENV: ("--archive-dir", "where raw archives are written (default archives)"),
+    "PACKBENCH_PLACEMENT_TIMEOUT_S": ("--placement-timeout", "seconds a GPU worker may stay unplaced (300)"),
+    "PACKBENCH_CONNECT_TIMEOUT_S": ("--connect-timeout", "seconds joining a Ray cluster may take (15)"),
+    "PACKBENCH_EMBEDDED_GPUS": ("--embedded-gpus", "GPUs the embedded Ray declares (default: the host's)"),
+    "PACKBENCH_MODEL_CACHE": ("--model-cache", "where workers generate synthetic checkpoints"),
+    "PACKBENCH_SIGNING_KEY": ("--signing-key", "the Ed25519 private key that signs sealed archives"),
+    WORKER_THREADS_ENV: ("--worker-threads", "host threads of each GPU worker (default: its share of the cores)"),
+    WORKER_PIN_ENV: ("--worker-pin", "1: pin each GPU worker to its GPU's share of the host's cores"),
+    "PACKBENCH_VERBOSE": ("--verbose", "log events and let worker logs reach the terminal"),
+    "PACKBENCH_DEBUG": ("--debug", "print an error's traceback before its one-line message"),
+}
+
+
+def _yes(text: str | None) -> bool:
+    """A boolean variable as click reads one: 1, true, yes, on (any case)."""
+    return (text or "").strip().lower() in ("1", "true", "yes", "on", "t", "y")
+
+
+def environ_db_url(environ: Mapping[str, str] | None = None) -> str:
+    """The database URL a caller without --db uses: $PACKBENCH_DB_URL, else the SQLite default."""
+    return (os.environ if environ is None else environ).get(DB_URL_ENV) or DEFAULT_DB_URL
+
+
+def worker_threads(text: str | None) -> int | None:
+    """$PACKBENCH_WORKER_THREADS / --worker-threads as a count (None: unset)."""
+    if text is None:
+        return None
+    if not (text.isdigit() and int(text) > 0):
+        raise PackbenchError(f"{WORKER_THREADS_ENV}={text!r} is not a number of threads; set it to a positive "
+                             f"integer or unset it (each worker then takes its share of the host's cores)")
+    return int(text)
+
+
+def worker_pin(text: str | None) -> bool:
+    """$PACKBENCH_WORKER_PIN / --worker-pin: "1" pins, "0" or unset does not."""
+    if text is not None and text not in ("0", "1"):
+        raise PackbenchError(f"{WORKER_PIN_ENV}={text!r} must be 1 (pin each GPU worker to its share of the "
+                             f"host's cores) or 0; or unset it")
+    return text == "1"
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What one packbench command runs with.
+
+    db_url: the results database (None: $PACKBENCH_DB_URL or sqlite:///packbench.db, db/session.py).
+    archive_dir: where raw archives are written.
+    address: a Ray cluster to join; None starts an embedded local Ray.
+    placement_timeout_s: how long a GPU worker may stay unplaced before the screen waits queued.
+    connect_timeout_s: how long joining a Ray cluster may take before one line and exit 2.
+    model_cache: where workers generate synthetic checkpoints (None: ~/.cache/packbench/models
+      on each worker's node); passed to Worker.load explicitly.
+    verbose: log events (logging at INFO) and let worker logs reach the driver.
+    embedded_gpus: GPUs the embedded Ray declares (None: the host's, at least one logical GPU
+      on a CPU-only machine, where the engine runs on the CPU). More than the host has would
+      put two workers on one GPU: the dispatcher refuses that (one worker per physical GPU).
+    cuda_alloc_conf: PYTORCH_CUDA_ALLOC_CONF for worker processes.
+    signing_key: the deployment's Ed25519 private key file (`packbench keys init`); the driver
+      signs every sealed archive with it (core.provenance; None: archives are unsigned).
+    worker_threads: each GPU worker's host threads (None: its share of the host's cores).
+    worker_pin: each GPU worker pins itself to its GPU's share of the host's cores.
+    debug: on an error, print its traceback before the one-line message.
+    """
+
+    db_url: str | None = None
+    archive_dir: Path = Path("archives")
+    address: str | None = None
+    placement_timeout_s: float = DEFAULT_PLACEMENT_TIMEOUT_S
+    connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S
+    model_cache: Path | None = None
+    verbose: bool = False
+    embedded_gpus: int | None = None
+    cuda_alloc_conf: str = DEFAULT_CUDA_ALLOC_CONF
+    extra_worker_env: dict[str, str] = field(default_factory=dict)
+    signing_key: Path | None = None
+    worker_threads: int | None = None
+    worker_pin: bool = False
+    debug: bool = False
+
+    def __post_init__(self) -> None:
+        if not self.placement_timeout_s > 0:
+            raise ValueError(f"placement timeout {self.placement_timeout_s} s must be > 0")
+        if not self.connect_timeout_s > 0:
+            raise ValueError(f"connect timeout {self.connect_timeout_s} s must be > 0")
+        if self.worker_threads is not None and not self.worker_threads > 0:
+            raise ValueError(f"worker threads {self.worker_threads} must be > 0")
+
+    @classmethod
+    def from_environ(cls, environ: Mapping[str, str] | None = None) -> Settings:
+        """The settings `environ` (default: this process's environment) sets, for a caller without
+        the CLI; the CLI reads the same variables through its options (ENVIRONMENT)."""
+        env = os.environ if environ is None else environ
+
+        def path(name: str) -> Path | None:
+            return Path(env[name]).expanduser() if env.get(name) else None
+
+        def number(name: str, default: float) -> float:
+            try:
+                return float(env.get(name) or default)
+            except ValueError:
+                raise PackbenchError(f"{name}={env[name]!r} is not a number of seconds; set it to one or unset "
+                                     f"it") from None
+
+        gpus = env.get("PACKBENCH_EMBEDDED_GPUS")
+        if gpus and not (gpus.isdigit() and int(gpus) > 0):
+            raise PackbenchError(f"PACKBENCH_EMBEDDED_GPUS={gpus!r} is not a number of GPUs; set it to a positive "
+                                 f"integer or unset it")
+        return cls(db_url=environ_db_url(env), archive_dir=path(ARCHIVE_DIR_ENV) or Path("archives"),
+                   address=env.get(RAY_ADDRESS_ENV) or None,
+                   placement_timeout_s=number("PACKBENCH_PLACEMENT_TIMEOUT_S", DEFAULT_PLACEMENT_TIMEOUT_S),
+                   connect_timeout_s=number("PACKBENCH_CONNECT_TIMEOUT_S", DEFAULT_CONNECT_TIMEOUT_S),
+                   model_cache=path("PACKBENCH_MODEL_CACHE"), signing_key=path("PACKBENCH_SIGNING_KEY"),
+                   embedded_gpus=int(gpus) if gpus else None, verbose=_yes(env.get("PACKBENCH_VERBOSE")),
+                   debug=_yes(env.get("PACKBENCH_DEBUG")),
+                   worker_threads=worker_threads(env.get(WORKER_THREADS_ENV)),
+                   worker_pin=worker_pin(env.get(WORKER_PIN_ENV)))
+
+    @property
+    def embedded(self) -> bool:
+        """True when no cluster address is given: packbench starts its own private Ray."""
+        return not self.address
+
+    def worker_env(self, *, threads: int) -> dict[str, str]:
+        """Environment variables of every GPU worker actor, set by the actor before it imports
+        torch: its gathers' OMP threads (`worker_threads`, else `threads`, its share of the
+        host's cores) and the CUDA allocator's config. `worker_threads` and `worker_pin` also
+        reach the worker as constructor arguments (cluster/worker.py start_worker)."""
+        env = {"OMP_NUM_THREADS": str(self.worker_threads or threads), "PYTORCH_CUDA_ALLOC_CONF": self.cuda_alloc_conf}
+        return {**env, **self.extra_worker_env}

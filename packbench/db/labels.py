@@ -1,0 +1,126 @@
+"""Screen labels (revision 0010): a name, a note, key/value tags, and the sweep a screen is part of.
+
+Functions over a session, called by thin `Store` methods. Labels describe a screen; they never
+change what it measured, so they are not part of its protocol, its archive or its audit.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from sqlalchemy import and_, delete, func, or_, select, true
+from sqlalchemy.orm import Session
+
+from packbench.core.canonical import canonical_json
+from packbench.db.errors import InvalidFilter
+from packbench.db.models import SCREEN_STATUSES, SqlProtocol, SqlScreen, SqlScreenTag
+from packbench.db.queries import _one_of, _protocol_matches, find_screen
+from packbench.db.records import ScreenRow
+
+TAG_KEY = re.compile(r"[A-Za-z0-9_.:-]{1,100}")
+MAX_NAME, MAX_VALUE = 200, 200
+
+
+def check_tags(tags: Mapping[str, str]) -> dict[str, str]:
+    """`tags` as a plain dict of strings, or InvalidFilter naming the bad key or value."""
+    out: dict[str, str] = {}
+    for key, value in tags.items():
+        if not isinstance(key, str) or not TAG_KEY.fullmatch(key):
+            raise InvalidFilter(f"tag key {key!r} must be 1-100 letters, digits or _.:-; write e.g. --tag team=infra")
+        value = str(value)
+        if len(value) > MAX_VALUE or "\n" in value:
+            raise InvalidFilter(f"tag {key}: its value must be one line of at most {MAX_VALUE} characters")
+        out[key] = value
+    return out
+
+
+def check_name(name: str | None) -> str | None:
+    if name is not None and not (0 < len(name) <= MAX_NAME and "\n" not in name):
+        raise InvalidFilter(f"screen name {name[:40]!r} must be one line of 1-{MAX_NAME} characters")
+    return name
+
+
+def label(session: Session, ref: int | str, *, name: str | None = None, note: str | None = None,
+          tags: Mapping[str, str] | None = None, untag: Iterable[str] = ()) -> int:
+    """Set a screen's name and note (None leaves each as it is), set `tags` (a key already there
+    takes the new value) and drop the `untag` keys; return the screen id."""
+    screen = find_screen(session, ref, for_update=True)
+    if name is not None:
+        screen.name = check_name(name)
+    if note is not None:
+        screen.note = note
+    drop = set(untag)
+    if drop:
+        session.execute(delete(SqlScreenTag).where(SqlScreenTag.screen_id == screen.id, SqlScreenTag.key.in_(drop)))
+    wanted = check_tags(tags or {})
+    if wanted:
+        held = {t.key: t for t in session.scalars(select(SqlScreenTag).where(
+            SqlScreenTag.screen_id == screen.id, SqlScreenTag.key.in_(wanted)))}
+        for key, value in wanted.items():
+            if key in held:
+                held[key].value = value
+            else:
+                session.add(SqlScreenTag(screen_id=screen.id, key=key, value=value))
+    session.flush()
+    return screen.id
+
+
+def set_sweep(session: Session, screen_id: int, *, sweep_id: str, point: Mapping[str, Any]) -> None:
+    """Record that `screen_id` is the point `point` ({dotted field: value}) of sweep `sweep_id`."""
+    screen = session.get(SqlScreen, screen_id)
+    if screen is None:
+        raise InvalidFilter(f"no screen with id {screen_id}")
+    screen.sweep_id = sweep_id
+    screen.sweep_point = canonical_json(dict(point)).decode("utf-8")
+
+
+def tags_of(session: Session, screen_ids: Iterable[int]) -> dict[int, dict[str, str]]:
+    """Each screen's tags ({} for one without), sorted by key."""
+    ids = list(screen_ids)
+    out: dict[int, dict[str, str]] = {i: {} for i in ids}
+    for chunk in range(0, len(ids), 500):  # bounded IN lists
+        rows = session.execute(select(SqlScreenTag.screen_id, SqlScreenTag.key, SqlScreenTag.value)
+                               .where(SqlScreenTag.screen_id.in_(ids[chunk:chunk + 500]))
+                               .order_by(SqlScreenTag.screen_id, SqlScreenTag.key))
+        for screen_id, key, value in rows:
+            out[screen_id][key] = value
+    return out
+
+
+def _having_tags(tags: Mapping[str, str]) -> Any:
+    """Screen ids carrying every tag of `tags` (a value of '*' matches any value of that key)."""
+    criteria = [and_(SqlScreenTag.key == k, true() if v == "*" else SqlScreenTag.value == v) for k, v in tags.items()]
+    return (select(SqlScreenTag.screen_id).where(or_(*criteria)).group_by(SqlScreenTag.screen_id)
+            .having(func.count(SqlScreenTag.id) == len(tags)))
+
+
+def screens(session: Session, *, protocol: str | None = None, status: str | None = None,
+            name: str | None = None, tags: Mapping[str, str] | None = None, sweep_id: str | None = None,
+            ids: Iterable[int] | None = None, limit: int | None = None) -> list[ScreenRow]:
+    """Screens, newest first, filtered by protocol (name or SHA-256 prefix), status, name (exact),
+    every one of `tags`, sweep id, or an id list."""
+    _one_of(status, SCREEN_STATUSES, "screen status")
+    query = (select(SqlScreen).join(SqlProtocol, SqlProtocol.id == SqlScreen.protocol_id)
+             .order_by(SqlScreen.id.desc()))
+    if protocol is not None:
+        query = query.where(_protocol_matches(protocol))
+    if status is not None:
+        query = query.where(SqlScreen.status == status)
+    if name is not None:
+        query = query.where(SqlScreen.name == name)
+    if sweep_id is not None:
+        query = query.where(SqlScreen.sweep_id == sweep_id)
+    if ids is not None:
+        query = query.where(SqlScreen.id.in_(list(ids)))
+    if tags:
+        query = query.where(SqlScreen.id.in_(_having_tags(check_tags(tags))))
+    if limit is not None:
+        query = query.limit(limit)
+    return [s.to_record() for s in session.scalars(query)]
+
+
+def tagged_ids(session: Session, tags: Mapping[str, str]) -> set[int]:
+    """The ids of the screens carrying every one of `tags`."""
+    return set(session.scalars(_having_tags(check_tags(tags))))

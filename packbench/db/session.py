@@ -1,0 +1,314 @@
+"""Engines, sessions and the one place where database exceptions become `DatabaseError`.
+
+Backends: SQLite (the embedded default, one file) and PostgreSQL through psycopg 3 (the
+cluster database). Anything else is refused up front, because only these two are tested.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from sqlalchemy import Engine, create_engine, event
+from sqlalchemy.engine import URL, make_url
+from sqlalchemy.exc import (
+    ArgumentError,
+    DBAPIError,
+    IntegrityError,
+    NoSuchModuleError,
+    SQLAlchemyError,
+)
+from sqlalchemy.orm import Session
+
+from packbench.core.settings import DB_URL_ENV, DEFAULT_DB_URL, environ_db_url
+from packbench.db.errors import DatabaseError, DatabaseLocked, DatabaseUnavailable, SchemaNotAtHead
+
+ENV_VAR = DB_URL_ENV
+DEFAULT_URL = DEFAULT_DB_URL
+SQLITE_BUSY_TIMEOUT_MS = 30_000
+PG_CONNECT_TIMEOUT_S = 10
+
+_URL_HINT = "use sqlite:///path/to/packbench.db or postgresql+psycopg://user@host:5432/dbname"
+
+
+def default_url() -> str:
+    """The database URL to use when none is given: `$PACKBENCH_DB_URL`, else `sqlite:///packbench.db`."""
+    return environ_db_url()  # core/settings.py reads packbench's environment; the CLI passes --db down
+
+
+def make_engine(url: str | None = None) -> Engine:
+    """Create an engine for `url` (default: `default_url()`) without connecting yet.
+
+    Raises `DatabaseError` for a URL that cannot be parsed, a backend other than SQLite or
+    PostgreSQL, or a missing driver. Connection problems surface on first use, translated by
+    `session_scope` / `translate_errors`.
+    """
+    parsed = _parse(url if url is not None else default_url())
+    backend = parsed.get_backend_name()
+    try:
+        if backend == "sqlite":
+            engine = create_engine(parsed)
+            _configure_sqlite(engine)
+        else:
+            connect_args = {}
+            if "connect_timeout" not in parsed.query:
+                # Without it an unroutable host hangs for minutes before the error appears.
+                connect_args["connect_timeout"] = PG_CONNECT_TIMEOUT_S
+            # pre_ping: a cluster database restarts; a stale pooled connection should be
+            # replaced silently instead of failing the next worker write.
+            engine = create_engine(parsed, connect_args=connect_args, pool_pre_ping=True)
+    except (NoSuchModuleError, ImportError) as exc:
+        raise DatabaseError(
+            f"the database driver for {parsed.drivername!r} is not installed ({_first_line(exc)}); "
+            f"{_URL_HINT}"
+        ) from exc
+    return engine
+
+
+def _parse(text: str) -> URL:
+    try:
+        parsed = make_url(text)
+    except ArgumentError as exc:
+        raise DatabaseError(
+            f"cannot parse database URL {_redact(text)!r}; set {ENV_VAR}: {_URL_HINT}"
+        ) from exc
+    if parsed.drivername in ("postgresql", "postgres"):
+        # A bare postgresql:// would make SQLAlchemy look for psycopg2, which packbench does
+        # not depend on; psycopg 3 is the driver it ships with.
+        parsed = parsed.set(drivername="postgresql+psycopg")
+    if parsed.get_backend_name() not in ("sqlite", "postgresql"):
+        raise DatabaseError(
+            f"unsupported database URL scheme {parsed.drivername!r}; set {ENV_VAR}: {_URL_HINT}"
+        )
+    return parsed
+
+
+def _configure_sqlite(engine: Engine) -> None:
+    """Per-connection SQLite settings packbench relies on.
+
+    - busy_timeout: concurrent writers wait (up to 30 s) for the lock instead of failing.
+    - foreign_keys: SQLite ignores FOREIGN KEY clauses unless asked, per connection.
+    - WAL: readers never block the writer and vice versa; the setting persists in the file.
+    - BEGIN IMMEDIATE: sqlite3's own transaction handling starts transactions lazily and
+      not at all for SELECT, so a transaction that reads then writes can hit SQLITE_BUSY
+      without the busy handler ever waiting (a stale WAL snapshot cannot be upgraded).
+      Taking the write lock at BEGIN makes every transaction wait its turn and keeps
+      read-then-write sequences (e.g. attempt numbering) serializable. Transactions here
+      are short, so the serialization costs little.
+    """
+
+    @event.listens_for(engine, "connect")
+    def _on_connect(dbapi_connection, _record) -> None:  # type: ignore[no-untyped-def]
+        dbapi_connection.isolation_level = None  # we emit BEGIN ourselves, see below
+        cursor = dbapi_connection.cursor()
+        try:
+            cursor.execute(f"PRAGMA busy_timeout = {SQLITE_BUSY_TIMEOUT_MS}")
+            cursor.execute("PRAGMA foreign_keys = ON")
+            cursor.execute("PRAGMA journal_mode = WAL")
+        finally:
+            cursor.close()
+
+    @event.listens_for(engine, "begin")
+    def _on_begin(connection) -> None:  # type: ignore[no-untyped-def]
+        connection.exec_driver_sql("BEGIN IMMEDIATE")
+
+
+@contextmanager
+def session_scope(engine: Engine) -> Iterator[Session]:
+    """One transaction: commit on success, roll back on any exception.
+
+    Database exceptions leave as `DatabaseError` (one line, cause and fix); other exceptions
+    (e.g. `NotFound`, `ValueError`) propagate unchanged after the rollback. Objects stay
+    readable after commit (`expire_on_commit=False`) so they can be turned into records.
+    """
+    with translate_errors(engine.url):
+        with Session(engine, expire_on_commit=False) as session:
+            try:
+                yield session
+                session.commit()
+            except BaseException:
+                session.rollback()
+                raise
+
+
+@contextmanager
+def translate_errors(url: URL) -> Iterator[None]:
+    """Turn SQLAlchemy exceptions (which wrap DBAPI ones) raised inside the block into
+    `DatabaseError`; any other exception passes through unchanged."""
+    try:
+        yield
+    except DatabaseError:
+        raise
+    except SQLAlchemyError as exc:
+        raise translate(exc, url) from exc
+
+
+# SQLite primary result codes (extended codes carry them in the low byte), from sqlite3.h; the
+# sqlite3 module exposes them as sqlite3.SQLITE_* but is not imported for a PostgreSQL URL.
+_SQLITE_BUSY, _SQLITE_READONLY, _SQLITE_IOERR, _SQLITE_FULL, _SQLITE_CANTOPEN, _SQLITE_NOTADB = 5, 8, 10, 13, 14, 26
+
+# PostgreSQL SQLSTATEs that mean "the server or the connection failed, not the statement":
+# the whole transaction may be retried once the server answers again.
+_PG_TRANSIENT_CLASSES = ("08",)  # connection_exception
+_PG_TRANSIENT = {
+    "57P01",  # admin_shutdown (server restarted or stopped)
+    "57P02",  # crash_shutdown
+    "57P03",  # cannot_connect_now (starting up, recovering)
+    "53300",  # too_many_connections
+    "40001",  # serialization_failure
+    "40P01",  # deadlock_detected
+}
+_PG_SCHEMA = {"42P01", "42703"}  # undefined_table, undefined_column
+
+
+def _sqlite_code(orig: BaseException) -> int | None:
+    """The primary SQLite result code of a sqlite3 exception (None if it carries none)."""
+    code = getattr(orig, "sqlite_errorcode", None)
+    return code & 0xFF if isinstance(code, int) else None
+
+
+def _sqlstate(orig: BaseException) -> str | None:
+    """The SQLSTATE the PostgreSQL server sent with a psycopg exception, if any."""
+    state = getattr(orig, "sqlstate", None)
+    return state if isinstance(state, str) else None
+
+
+def is_transient(exc: BaseException) -> bool:
+    """True for a failure of the database server or the connection rather than of the
+    statement: a PostgreSQL connection that broke or could not be made (SQLSTATE class 08,
+    a shutdown, no server answering at all) or a serialization failure. The same
+    transaction may succeed when retried. SQLite errors never are: its busy handler has
+    already waited `SQLITE_BUSY_TIMEOUT_MS` for a lock."""
+    if isinstance(exc, DBAPIError) and exc.connection_invalidated:
+        return True
+    orig = exc.orig if isinstance(exc, DBAPIError) and exc.orig is not None else exc
+    if _sqlite_code(orig) is not None or type(orig).__module__.startswith("sqlite3"):
+        return False
+    state = _sqlstate(orig)
+    if state is not None:
+        return state in _PG_TRANSIENT or state[:2] in _PG_TRANSIENT_CLASSES
+    # psycopg raises OperationalError without a SQLSTATE when no server answered (refused,
+    # timed out, reset): libpq reports these as text only.
+    return type(orig).__name__ == "OperationalError" and not _connect_refusal(_first_line(orig).lower())
+
+
+def _connect_refusal(lowered: str) -> bool:
+    """A connection the server answered with a refusal that waiting will not change."""
+    return any(text in lowered for text in ("authentication failed", "does not exist", "resolve host",
+                                            "translate host name"))
+
+
+def translate(exc: BaseException, url: URL) -> DatabaseError:
+    """Map a database exception to a one-line `DatabaseError` naming the cause and the fix.
+
+    Classified by the driver's error code: sqlite3's result code (`sqlite_errorcode`) and
+    psycopg's SQLSTATE (`sqlstate`). Two cases have no code and are read from the message:
+    SQLite's "no such table/column" (both are the generic SQLITE_ERROR) and libpq's
+    connection failures, which psycopg raises without a SQLSTATE even when the server sent
+    one (refused, unknown host, timeout, unknown role or database, bad password).
+    A transient failure (`is_transient`) becomes `DatabaseUnavailable`.
+    """
+    orig = exc.orig if isinstance(exc, DBAPIError) and exc.orig is not None else exc
+    detail = _first_line(orig)
+    lowered = detail.lower()
+    if url.get_backend_name() == "sqlite":
+        where = f"sqlite database {url.database or ':memory:'}"
+        by_code = {
+            _SQLITE_CANTOPEN:
+                f"cannot open {where} (unable to open database file); create its directory, "
+                f"fix its permissions or set {ENV_VAR}",
+            _SQLITE_READONLY:
+                f"{where} is read-only ({detail}); make the file and its directory writable "
+                f"or set {ENV_VAR}",
+            _SQLITE_BUSY:
+                f"{where} stayed locked by another writer for {SQLITE_BUSY_TIMEOUT_MS / 1000:g} s; "
+                f"retry, or use PostgreSQL for many concurrent writers",
+            _SQLITE_NOTADB:
+                f"{url.database} is not a SQLite database; point {ENV_VAR} at a packbench database",
+            _SQLITE_FULL: f"{where}: the disk is full; free space and retry",
+            _SQLITE_IOERR: f"{where}: disk I/O error; check the disk and retry",
+        }
+        message = by_code.get(_sqlite_code(orig))  # type: ignore[arg-type]
+        if _sqlite_code(orig) == _SQLITE_BUSY:
+            return DatabaseLocked(message)  # another connection holds it: it may let go
+        if message is not None:
+            return DatabaseError(message)
+        schema_error = "no such table" in lowered or "no such column" in lowered
+    else:
+        where = f"postgresql at {url.host or 'localhost'}:{url.port or 5432}"
+        state = _sqlstate(orig)
+        schema_error = state in _PG_SCHEMA
+        if state is None and type(orig).__name__ == "OperationalError":
+            message = _pg_connect_message(lowered, detail, where, url)
+            if message is not None:
+                return DatabaseUnavailable(message) if is_transient(exc) else DatabaseError(message)
+        if is_transient(exc):
+            return DatabaseUnavailable(
+                f"{where} failed ({type(orig).__name__}{f' {state}' if state else ''}: {detail}); "
+                f"check that the server is up and reachable, then retry"
+            )
+    if schema_error:
+        return SchemaNotAtHead(
+            f"{where} has no packbench schema or an old one ({detail}); run `packbench db upgrade`"
+        )
+    if isinstance(exc, IntegrityError):
+        return DatabaseError(
+            f"{where} refused a write that breaks a constraint ({detail}); this is a packbench "
+            f"bug: report it with the command you ran"
+        )
+    return DatabaseError(
+        f"database error on {where} ({type(orig).__name__}: {detail}); check the database "
+        f"and {ENV_VAR}, or run `packbench db upgrade` if packbench was updated"
+    )
+
+
+def _pg_connect_message(lowered: str, detail: str, where: str, url: URL) -> str | None:
+    """The message for a libpq connection failure (no SQLSTATE: matched on libpq's text)."""
+    server_says = _after_fatal(detail)
+    rules: list[tuple[tuple[str, ...], str]] = [  # (substrings that must all occur, message)
+        (("connection refused",),
+         f"cannot connect to {where} (connection refused); start the server or set {ENV_VAR}"),
+        (("password authentication failed",),
+         f"cannot connect to {where} (authentication failed for user {url.username!r}); "
+         f"fix the user or password in {ENV_VAR}"),
+        (("role ", "does not exist"),
+         f"cannot connect to {where} ({server_says}); fix the user in {ENV_VAR} or create the role"),
+        (('database "', "does not exist"),
+         f"cannot connect to {where} ({server_says}); create it (createdb {url.database}) "
+         f"or fix {ENV_VAR}"),
+        (("resolve host",), f"cannot connect to {where} (unknown host); fix the host in {ENV_VAR}"),
+        (("translate host name",), f"cannot connect to {where} (unknown host); fix the host in {ENV_VAR}"),
+        (("timeout expired",),
+         f"cannot connect to {where} (timed out after {PG_CONNECT_TIMEOUT_S} s); check the "
+         f"host, port and firewall, or set {ENV_VAR}"),
+        (("connection failed",),
+         f"cannot connect to {where} ({server_says}); check the server and {ENV_VAR}"),
+    ]
+    for needles, message in rules:
+        if all(needle in lowered for needle in needles):
+            return message
+    return None
+
+
+def _first_line(exc: BaseException) -> str:
+    """The first non-empty line of an exception message; DBAPI messages span several."""
+    for line in str(exc).splitlines():
+        if line.strip():
+            return line.strip()
+    return type(exc).__name__
+
+
+def _after_fatal(detail: str) -> str:
+    """psycopg prefixes server messages with 'connection failed: ... failed: FATAL:  '."""
+    return re.split(r"FATAL:\s*|failed:\s*", detail)[-1].strip() or detail
+
+
+def _redact(text: str) -> str:
+    """Hide a password in a URL that could not be parsed (and so not rendered safely)."""
+    return re.sub(r"(//[^:/@]*):[^@/]*@", r"\1:***@", text)
+
+
+def display_url(url: URL) -> str:
+    """The URL as shown to users: password hidden."""
+    return url.render_as_string(hide_password=True)

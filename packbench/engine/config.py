@@ -1,0 +1,62 @@
+"""config.json of a local OPT checkpoint, checked without importing torch (submit reads it)."""
+
+import json
+from pathlib import Path
+
+from packbench.core.errors import CheckpointError
+from packbench.core.text import show
+
+
+def read_config(model_dir: Path) -> dict:
+    """config.json of an OPT checkpoint, or a one-line CheckpointError naming the fix."""
+    model_dir = Path(model_dir)
+    if not model_dir.is_dir():
+        raise CheckpointError(
+            f"model directory {model_dir} does not exist; create one with "
+            f"`packbench model synth --out {model_dir}` or set model.path to a local OPT checkpoint"
+        )
+    path = model_dir / "config.json"
+    if not path.is_file():
+        raise CheckpointError(f"{model_dir} has no config.json; point model.path at a Hugging Face OPT directory")
+    config = _json(path)
+    if config.get("model_type") != "opt":
+        raise CheckpointError(
+            f"{model_dir} is a {show(config.get('model_type'))} model; packbench supports OPT (model_type 'opt') only"
+        )
+    for key in ("hidden_size", "vocab_size"):
+        value = config.get(key)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise CheckpointError(f"{path}: {key} is {show(value)}, not a positive integer; fix config.json")
+    if not config.get("do_layer_norm_before", True):
+        raise CheckpointError(
+            f"{model_dir} is a post-LayerNorm OPT (do_layer_norm_before=false, like OPT-350m); only pre-LN OPT is supported"
+        )
+    if config.get("activation_function", "relu") != "relu":
+        raise CheckpointError(
+            f"{model_dir} uses activation {show(config.get('activation_function'))}; exact packets need ReLU"
+        )
+    if config.get("word_embed_proj_dim", config["hidden_size"]) != config["hidden_size"]:
+        raise CheckpointError(f"{model_dir} projects embeddings (word_embed_proj_dim != hidden_size); unsupported")
+    return config
+
+
+MAX_CONFIG_BYTES = 1 << 20  # an OPT config.json is ~1 KB
+
+
+def _json(path: Path) -> dict:
+    """config.json as a mapping, or a one-line CheckpointError naming the file."""
+    try:
+        if path.stat().st_size > MAX_CONFIG_BYTES:
+            raise CheckpointError(f"{path} is over {MAX_CONFIG_BYTES >> 20} MiB, not an OPT config.json; "
+                                  f"point model.path at a Hugging Face OPT directory")
+        config = json.loads(path.read_bytes().decode("utf-8"))
+    except OSError as e:
+        raise CheckpointError(f"cannot read {path} ({e.strerror}); check its permissions") from None
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        why = str(e).splitlines()[0][:120] if str(e) else type(e).__name__
+        raise CheckpointError(f"{path} is not JSON ({why}); the checkpoint's config.json must be the JSON "
+                              f"a Hugging Face OPT checkpoint has") from None
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{path} is not a JSON object; the checkpoint's config.json must be the JSON "
+                              f"object a Hugging Face OPT checkpoint has")
+    return config

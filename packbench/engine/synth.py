@@ -1,0 +1,303 @@
+"""Synthetic OPT checkpoints with real shapes: a calibrated profile, or a chosen uniform sparsity.
+
+Two recipes. A **profile** (core/registry.py PROFILES; `profile_tensors` below, docs/workloads.md)
+makes weights whose activation statistics match measured real OPT: per-token density with a layer
+trend, the growth of a prompt's union of active neurons, the overlap of consecutive tokens,
+heavy-tailed firing rates, peaked next-token distributions, and (opt-6.7b, opt-13b) outlier
+features. The **uniform** recipe (`sparsity`, optional hot neurons), what every protocol written
+before profiles froze, sets every neuron's firing rate alike:
+
+Why the fc1 bias sets sparsity: in a pre-LN OPT layer, fc1 sees LayerNorm output x with unit
+weight and zero bias, so every token has mean 0 and variance 1 across `hidden`. With fc1 rows
+w_j ~ N(0, std^2) iid, the pre-activation z_j = w_j . x + b is N(b, std^2 * hidden) for every
+neuron. Choosing b = -std * sqrt(hidden) * Phi^-1(sparsity) makes P(z_j <= 0), the fraction of
+exact zeros after ReLU, equal `sparsity` (0.94 gives about -1.555 * std * sqrt(hidden), the
+-1.6 the design notes measured against pretrained OPT).
+"""
+
+import json
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from statistics import NormalDist
+
+import torch
+from safetensors.torch import save_file
+
+from packbench.core.errors import CheckpointError
+from packbench.core.registry import PROFILES, SHAPES, SynthProfile, synth_spec
+from packbench.engine.shapes import dtype_of
+
+INIT_STD = 0.02  # OPT's initializer_range
+
+
+def fc1_bias_for(sparsity: float, *, hidden: int, std: float = INIT_STD) -> float:
+    """The fc1 bias that makes `sparsity` of post-ReLU activations exactly zero (see module doc)."""
+    if not 0.0 < sparsity < 1.0:
+        raise ValueError(f"sparsity must be in (0, 1), got {sparsity}")
+    return -std * math.sqrt(hidden) * NormalDist().inv_cdf(sparsity)
+
+
+def opt_config(shape: str, dtype: str) -> dict:
+    """A Hugging Face OPTConfig dict for a preset shape."""
+    s = SHAPES[shape]
+    return {
+        "architectures": ["OPTForCausalLM"],
+        "model_type": "opt",
+        "hidden_size": s["hidden"],
+        "ffn_dim": s["ffn"],
+        "num_hidden_layers": s["layers"],
+        "num_attention_heads": s["heads"],
+        "vocab_size": s["vocab"],
+        "max_position_embeddings": s["max_positions"],
+        "word_embed_proj_dim": s["hidden"],
+        "do_layer_norm_before": True,
+        "activation_function": "relu",
+        "enable_bias": True,
+        "layer_norm_elementwise_affine": True,
+        "dropout": 0.0,
+        "attention_dropout": 0.0,
+        "activation_dropout": 0.0,
+        "layerdrop": 0.0,
+        "init_std": INIT_STD,
+        "pad_token_id": 1,
+        "bos_token_id": 2,
+        "eos_token_id": 2,
+        "tie_word_embeddings": True,
+        "use_cache": True,
+        "torch_dtype": dtype,
+    }
+
+
+def synth_checkpoint(
+    out: Path, *, shape: str, dtype: str, seed: int, sparsity: float | None = None, hot_fraction: float | None = None,
+    hot_bias: float | None = None, profile: str | None = None, force: bool = False,
+    progress: Callable[[int, int], None] | None = None
+) -> Path:
+    """Write config.json + model.safetensors for `shape` into `out`. Deterministic for a seed.
+
+    `profile` names a calibrated recipe (core/registry.py PROFILES, `profile_tensors`); without
+    it, the uniform recipe below with `sparsity` (and optional hot neurons).
+
+    Tensors are drawn in float32 from one seeded generator in a fixed order, then cast, so a
+    seed gives the same weights whatever the output dtype.
+
+    Hot neurons: real OPT activity is heavy-tailed (a minority of neurons fire far more often),
+    which decides whether retention and forecasts can pay. A `hot_fraction` of each layer's
+    neurons (chosen by the seed) gets fc1 bias `hot_bias` x std x sqrt(hidden) instead: 0.0
+    makes them fire for about half the tokens, against 1 - sparsity for the rest.
+
+    `progress(done, total)` is called once per decoder layer drawn (total = the shape's
+    layers); after the last one the file is written, which for a large shape takes a while too.
+    """
+    # The arguments a protocol's model.synth allows, no others: a SynthArgumentError (a
+    # ValueError) names the bad one. The values are used as given, so config.json stays as it was.
+    spec = synth_spec(shape=shape, dtype=dtype, sparsity=sparsity, seed=seed, hot_fraction=hot_fraction,
+                      hot_bias=hot_bias, profile=profile)
+    torch_dtype = dtype_of(dtype)
+    out = Path(out)
+    if (out / "config.json").exists() and not force:
+        raise CheckpointError(
+            f"{out} already holds a checkpoint; choose another --out or pass --force to replace it"
+        )
+    if profile is not None:
+        sd = profile_tensors(shape, seed=seed, profile=profile, dtype=torch_dtype, progress=progress)
+        return _write(out, sd, shape, dtype, dict(spec))
+    sparsity, hot_fraction, hot_bias = spec["sparsity"], spec["hot_fraction"], spec["hot_bias"]
+    s = SHAPES[shape]
+    h, f = s["hidden"], s["ffn"]
+    gen = torch.Generator().manual_seed(seed)
+
+    def normal(*size: int) -> torch.Tensor:
+        return (torch.randn(*size, generator=gen) * INIT_STD).to(torch_dtype)
+
+    def const(value: float, n: int) -> torch.Tensor:
+        return torch.full((n,), value, dtype=torch_dtype)
+
+    bias = fc1_bias_for(sparsity, hidden=h)
+    hot_gen = torch.Generator().manual_seed(seed + 1)  # separate stream: weights stay the same
+    n_hot = int(round(hot_fraction * f))
+    sd: dict[str, torch.Tensor] = {
+        "model.decoder.embed_tokens.weight": normal(s["vocab"], h),
+        # OPT's learned positions carry an offset of 2 rows.
+        "model.decoder.embed_positions.weight": normal(s["max_positions"] + 2, h),
+        "model.decoder.final_layer_norm.weight": const(1.0, h),
+        "model.decoder.final_layer_norm.bias": const(0.0, h),
+    }
+    for i in range(s["layers"]):
+        p = f"model.decoder.layers.{i}."
+        for proj in ("q_proj", "k_proj", "v_proj", "out_proj"):
+            sd[p + f"self_attn.{proj}.weight"] = normal(h, h)
+            sd[p + f"self_attn.{proj}.bias"] = const(0.0, h)
+        for norm in ("self_attn_layer_norm", "final_layer_norm"):
+            sd[p + f"{norm}.weight"] = const(1.0, h)
+            sd[p + f"{norm}.bias"] = const(0.0, h)
+        sd[p + "fc1.weight"] = normal(f, h)
+        fc1_bias = torch.full((f,), bias)
+        if n_hot:
+            fc1_bias[torch.randperm(f, generator=hot_gen)[:n_hot]] = hot_bias * INIT_STD * math.sqrt(h)
+        sd[p + "fc1.bias"] = fc1_bias.to(torch_dtype)
+        sd[p + "fc2.weight"] = normal(h, f)
+        sd[p + "fc2.bias"] = const(0.0, h)
+        if progress is not None:
+            progress(i + 1, s["layers"])
+
+    return _write(out, sd, shape, dtype, {"shape": shape, "sparsity": sparsity, "seed": seed, "fc1_bias": bias,
+                                          "hot_fraction": hot_fraction, "hot_bias": hot_bias})
+
+
+def _write(out: Path, sd: dict[str, torch.Tensor], shape: str, dtype: str, recipe: dict) -> Path:
+    """model.safetensors and config.json (whose `packbench_synth` says how the weights were made)."""
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(sd, str(out / "model.safetensors"), metadata={"format": "pt"})
+    config = opt_config(shape, dtype)
+    config["packbench_synth"] = recipe
+    (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    return out
+
+
+POSITION_FEATURES = 512  # random Fourier features of the smooth positional process
+POSITION_DIMS = 0.5  # share of the hidden dims that carry it
+READOUT_POSITION = 0.25  # the readout's fc1 weight on those dims (measured: at 1.0, greedy continuations of
+# different prompts converged on the same position-driven tokens)
+
+
+@dataclass(frozen=True)
+class _Draws:
+    """What the steps of `profile_tensors` share: the one generator, drawn from in a fixed order
+    (embeddings, outlier dims, then layer by layer), and the scales derived from the shape and
+    profile. Every tensor is drawn in float32 and cast to `dtype` when stored."""
+
+    gen: torch.Generator
+    dtype: torch.dtype
+    hidden: int
+    ffn: int
+    n_pos: int  # positions live in the first `n_pos` hidden dims ...
+    pos_std: float  # ... with `position_share` of the embedding's variance
+    embed_std: float  # rms entry of token + position
+    update: float  # each attention / FFN update's std over the embedding's
+
+    def normal(self, *size: int, std: float = INIT_STD) -> torch.Tensor:
+        return torch.randn(*size, generator=self.gen) * std
+
+
+def profile_tensors(shape: str, *, seed: int, profile: str, dtype: torch.dtype = torch.float32,
+                    progress: Callable[[int, int], None] | None = None) -> dict[str, torch.Tensor]:
+    """The state dict of a calibrated profile (core/registry.py PROFILES; docs/workloads.md).
+
+    What makes each statistic, all of it ordinary OPT arithmetic:
+    - Token embeddings are iid; positional embeddings are a smooth random process over
+      positions (squared-exponential kernel of length `position_length`) carrying
+      `position_share` of the embedding's variance. So fc1's pre-activation of a neuron is a
+      token-specific part plus a part that drifts slowly with position: consecutive tokens share
+      many active neurons, a long prompt's union keeps growing.
+    - Every neuron's fc1 bias is its own offset, N(mu_l, rate_spread^2) in pre-activation stds,
+      with mu_l set so layer l's mean density is its target: heavy-tailed firing rates, and a
+      density rising with depth (`layer_densities`).
+    - Attention and FFN updates are small against the embedding (together `update_share` of its
+      variance), so every layer's fc1 sees the statistics above; the last FFN's output is
+      `readout` times the embedding's, and the next token is read from it; the final LayerNorm's
+      gain makes the logits' std `logit_std` (peaked next-token distributions).
+    - Outliers (opt-6.7b, opt-13b): in a share of layers, both LayerNorms scale a few hidden dims
+      by `magnitude` (LayerNorm gains are where pretrained models carry them), and the columns of
+      q/k/v and fc1 that read those dims are divided by it, so the linear layers meet inputs of
+      large magnitude while every pre-activation keeps its distribution.
+    Drawn in float32 from one generator seeded with `seed`, in a fixed order, then cast.
+    """
+    p = PROFILES[profile]
+    s = SHAPES[shape]
+    h, layers = s["hidden"], s["layers"]
+    n_pos = max(1, round(POSITION_DIMS * h))
+    d = _Draws(gen=torch.Generator().manual_seed(seed), dtype=dtype, hidden=h, ffn=s["ffn"], n_pos=n_pos,
+               pos_std=INIT_STD * math.sqrt(p.position_share / (1.0 - p.position_share) * h / n_pos),
+               embed_std=INIT_STD / math.sqrt(1.0 - p.position_share),
+               update=math.sqrt(p.update_share / (2 * layers)))
+    sd = _embeddings(d, p, vocab=s["vocab"], max_positions=s["max_positions"])
+    readout_inputs = _readout_inputs(d)
+    n_out, magnitude, share = p.outliers.get(shape, (0, 1.0, 0.0))
+    out_dims = torch.randperm(h, generator=d.gen)[:n_out]
+    for i, density in enumerate(p.layer_densities(shape)):
+        pre = f"model.decoder.layers.{i}."
+        gain = torch.ones(h)
+        if n_out and (i + 1) * share // 1 != i * share // 1:  # `share` of the layers, spread evenly
+            gain[out_dims] = magnitude
+        sd.update(_attention(d, pre, gain))
+        sd.update(_ffn(d, p, pre, gain, density, readout=readout_inputs if i == layers - 1 else None))
+        if progress is not None:
+            progress(i + 1, layers)
+    # logits = embed_tokens @ (gain * LayerNorm(x)): std gain * INIT_STD * sqrt(h)
+    sd["model.decoder.final_layer_norm.weight"] = torch.full((h,), p.logit_std / (INIT_STD * math.sqrt(h)), dtype=dtype)
+    sd["model.decoder.final_layer_norm.bias"] = torch.zeros(h, dtype=dtype)
+    return sd
+
+
+def _embeddings(d: _Draws, p: SynthProfile, *, vocab: int, max_positions: int) -> dict[str, torch.Tensor]:
+    """Token embeddings (iid) and positional embeddings: random Fourier features of a smooth
+    process over positions, in the first `n_pos` hidden dims."""
+    omega = torch.randn(POSITION_FEATURES, generator=d.gen, dtype=torch.float64) / p.position_length
+    phase = torch.rand(POSITION_FEATURES, generator=d.gen, dtype=torch.float64) * 2 * math.pi
+    t = torch.arange(max_positions + 2, dtype=torch.float64) - 2  # OPT's positions carry an offset of 2
+    basis = (math.sqrt(2.0 / POSITION_FEATURES) * torch.cos(t[:, None] * omega + phase)).float()
+    positions = torch.zeros(max_positions + 2, d.hidden)
+    positions[:, :d.n_pos] = basis @ d.normal(POSITION_FEATURES, d.n_pos, std=d.pos_std)
+    return {
+        "model.decoder.embed_tokens.weight": d.normal(vocab, d.hidden, std=INIT_STD).to(d.dtype),
+        "model.decoder.embed_positions.weight": positions.to(d.dtype),
+    }
+
+
+def _readout_inputs(d: _Draws) -> tuple[torch.Tensor, torch.Tensor]:
+    """(columns, variance) of the readout (the last FFN): it reads the position dims at
+    READOUT_POSITION of their weight, so the next token follows the token and its context more
+    than its position. Its pre-activation std is over LayerNorm(token + position), whose
+    per-dim variance is (tok^2 [+ pos^2]) / embed^2."""
+    variance = torch.full((d.hidden,), INIT_STD ** 2)
+    variance[:d.n_pos] += d.pos_std ** 2
+    variance /= variance.mean()
+    columns = torch.ones(d.hidden)
+    columns[:d.n_pos] = READOUT_POSITION
+    return columns, variance
+
+
+def _attention(d: _Draws, pre: str, gain: torch.Tensor) -> dict[str, torch.Tensor]:
+    """One layer's LayerNorms (gain: the outlier dims' magnitude) and attention projections."""
+    h, dtype = d.hidden, d.dtype
+    sd: dict[str, torch.Tensor] = {}
+    for norm in ("self_attn_layer_norm", "final_layer_norm"):
+        sd[pre + f"{norm}.weight"] = gain.to(dtype, copy=True)
+        sd[pre + f"{norm}.bias"] = torch.zeros(h, dtype=dtype)
+    for proj in ("q_proj", "k_proj", "v_proj"):
+        sd[pre + f"self_attn.{proj}.weight"] = (d.normal(h, h) / gain).to(dtype)
+        sd[pre + f"self_attn.{proj}.bias"] = torch.zeros(h, dtype=dtype)
+    # (h, h) @ v: entries ~ std * sqrt(h) * (INIT_STD * sqrt(h)); scaled to `update` x embed_std
+    sd[pre + "self_attn.out_proj.weight"] = d.normal(h, h, std=d.update * d.embed_std / (INIT_STD * h)).to(dtype)
+    sd[pre + "self_attn.out_proj.bias"] = torch.zeros(h, dtype=dtype)
+    return sd
+
+
+def _ffn(d: _Draws, p: SynthProfile, pre: str, gain: torch.Tensor, density: float, *,
+         readout: tuple[torch.Tensor, torch.Tensor] | None) -> dict[str, torch.Tensor]:
+    """One layer's fc1 (each neuron's bias its own offset: mean density `density`) and fc2
+    (scaled so the update is `update`, or for the readout `p.readout`, times the embedding)."""
+    h, f, dtype = d.hidden, d.ffn, d.dtype
+    fc1 = d.normal(f, h) / gain
+    std = INIT_STD * math.sqrt(h)  # std of a neuron's fc1 pre-activation before its bias
+    if readout is not None:
+        columns, variance = readout
+        fc1 *= columns
+        std = INIT_STD * math.sqrt(float((columns ** 2 * variance).sum()))
+    mu = NormalDist().inv_cdf(density) * math.sqrt(1.0 + p.rate_spread ** 2)  # mean of Phi(mu + spread Z) = density
+    offsets = (mu + p.rate_spread * torch.randn(f, generator=d.gen, dtype=torch.float64))
+    # E[relu(z)^2] / pre_std^2 for z ~ N(m pre_std, pre_std^2): (m^2 + 1) Phi(m) + m phi(m)
+    m = offsets
+    square = float(((m * m + 1) * torch.special.ndtr(m) + m * torch.exp(-m * m / 2) / math.sqrt(2 * math.pi)).mean())
+    scale = p.readout if readout is not None else d.update
+    fc2 = d.normal(h, f, std=scale * d.embed_std / (std * math.sqrt(f * square)))
+    bias = torch.zeros(h)
+    if readout is not None:  # centred: its bias cancels the mean output, E[relu(z)] = std (m Phi(m) + phi(m)), so
+        # no token is favoured by every input (measured: uncentred, greedy decode fell into repeats)
+        mean = std * (m * torch.special.ndtr(m) + torch.exp(-m * m / 2) / math.sqrt(2 * math.pi))
+        bias = -(fc2.double() @ mean).float()
+    return {pre + "fc1.weight": fc1.to(dtype), pre + "fc1.bias": (offsets * std).to(dtype),
+            pre + "fc2.weight": fc2.to(dtype), pre + "fc2.bias": bias.to(dtype)}

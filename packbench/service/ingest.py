@@ -1,0 +1,87 @@
+"""Ingesting evidence from elsewhere: audit an archive made on another machine or by another
+lab and, only if it agrees (and its signature is by a trusted key), record its screen in this
+database in one transaction, marked as ingested with its signer.
+
+Refused (nothing written): an archive that disagrees, is incomplete, unsigned, signed by a key
+that is not trusted, or already in this database. Trusted keys are the ones given with
+`--trust` plus every signer registered in the database (`packbench keys register`).
+"""
+
+from __future__ import annotations
+
+import platform
+from dataclasses import dataclass
+from pathlib import Path
+
+from packbench.core.archive import PROTOCOL_NAME, VERDICTS_NAME, WORKER_NAME, ArchiveReader
+from packbench.core.audit import AuditReport, audit_archive
+from packbench.core.canonical import canonical_json
+from packbench.core.errors import ArchiveError, PackbenchError
+from packbench.core.provenance import load_public_key
+
+
+@dataclass(frozen=True)
+class IngestOutcome:
+    report: AuditReport
+    attempt_id: int | None  # None: refused
+    screen_id: int | None
+    reasons: list[str]  # why it was refused ([] when ingested)
+
+    @property
+    def ingested(self) -> bool:
+        return self.attempt_id is not None
+
+
+def trusted_keys(store, trust_files: list[Path]) -> list[bytes]:
+    keys = [load_public_key(p) for p in trust_files]
+    keys += [bytes.fromhex(s.public_key) for s in store.signers()]
+    return keys
+
+
+def ingest(store, archive: Path, *, trust_files: list[Path]) -> IngestOutcome:
+    """Audit `archive` against the trusted keys; if it agrees, write it to `store`."""
+    archive = Path(archive)
+    keys = trusted_keys(store, trust_files)
+    if not keys:
+        raise PackbenchError("no trusted keys: pass --trust PUBKEY_FILE or register the lab's key with "
+                             "`packbench keys register`; unsigned evidence is never ingested")
+    report = audit_archive(archive, trust=keys)
+    if not report.agrees:
+        return IngestOutcome(report, None, None, list(report.problems) or ["the audit did not agree"])
+    try:
+        with ArchiveReader(archive) as r:
+            body = r.read_json(PROTOCOL_NAME)
+            worker = r.read_json(WORKER_NAME)
+            manifest = r.manifest or {}
+            records = []
+            for entry in r.episodes():
+                rec = r.read_json(entry.record)
+                records.append({k: v for k, v in rec.items() if k != "calls"})
+            verdicts = r.read_json(VERDICTS_NAME)
+    except ArchiveError as e:
+        return IngestOutcome(report, None, None, [str(e)])
+    from packbench.db.errors import Conflict
+
+    try:
+        row = _write(store, archive, report, body, worker, manifest, records, verdicts)
+    except Conflict as e:
+        return IngestOutcome(report, None, None, [str(e)])
+    return IngestOutcome(report, row.id, row.screen_id, [])
+
+
+def _write(store, archive: Path, report: AuditReport, body: dict, worker: dict, manifest: dict, records: list,
+           verdicts: list):
+    env = worker.get("environment") if isinstance(worker.get("environment"), dict) else {}
+    start = worker.get("start") if isinstance(worker.get("start"), dict) else {}
+    signer = report.record.get("signature", {}).get("key_id")
+    return store.ingest_attempt(
+        protocol_sha256=report.record["protocol_sha256"], protocol_name=str(body.get("name")),
+        protocol_json=canonical_json(body).decode(),
+        machine={"host": env.get("host"), "gpu_name": env.get("gpu"), "driver": env.get("driver"),
+                 "torch": env.get("torch"), "cuda": env.get("cuda")},
+        attempt={"archive_path": str(archive.resolve()), "archive_sha256": report.record["archive_sha256"],
+                 "source_freeze": manifest.get("source_freeze") or {}, "model_sha256": start.get("model_sha256"),
+                 "signer_key_id": signer, "node": env.get("host"), "worker": "ingested",
+                 "submitter": f"ingest@{platform.node()}",
+                 "ingested_from": f"{env.get('host') or 'unknown host'} (signed by {signer})"},
+        episodes=records, verdicts=verdicts)

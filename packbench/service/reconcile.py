@@ -1,0 +1,175 @@
+"""Reconciliation: episodes an archive holds and the database lacks get their rows.
+
+Per episode the driver fsyncs the archive member before it writes the database row
+(service/screen.py), so a database outage leaves evidence without rows, never rows without
+evidence. Reconciling reads each such episode back from the archive, checks its members
+(record, logits, trace) against the hashes the archive vouches for, and inserts the record as
+the row the driver would have written (`Store.put_reconciled`: ON CONFLICT DO NOTHING on
+(attempt, plan index), so it is idempotent and safe beside a live writer).
+
+What a member is checked against (`check`, strongest first):
+- `manifest`: a sealed archive's manifest.json, SHA-256 and size per member;
+- `writer`: the live `ArchiveWriter`'s member table, for an attempt this dispatcher still
+  drives: the same SHA-256 entries its seal will write into the manifest;
+- `crc32`: an unsealed archive no writer holds any more (a lost or failed attempt): there is
+  no manifest yet, so only each member's zip CRC-32 (checked on every read) and the record's
+  agreement with plan.json vouch for it. The attempt records which check its rows passed.
+
+An episode whose record says `ok` but whose logits member is absent from an unsealed archive
+was cut off between its members: it was never recorded (the audit agrees) and gets no row.
+Pure Python over the archive and a Store; no Ray, no SQLAlchemy.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from packbench.core.archive import PLAN_NAME, ArchiveReader
+from packbench.core.errors import ArchiveError, PackbenchError
+
+_REQUIRED = ("plan_index", "condition", "role", "prompt", "status")
+
+
+@dataclass(frozen=True)
+class Reconciled:
+    """What reconciling one attempt's archive did."""
+
+    screen_id: int
+    attempt_id: int
+    attempt_number: int
+    archive_path: str
+    inserted: int  # rows inserted now
+    check: str  # manifest | writer | crc32
+    refused: tuple[str, ...] = ()  # one line per archived episode left without a row, and why
+
+    def line(self) -> str:
+        rows = f"{self.inserted} episode row{'s' if self.inserted != 1 else ''}"
+        against = {"manifest": "its manifest's SHA-256", "writer": "the writer's SHA-256 (the manifest to be)",
+                   "crc32": "zip CRC-32 only (unsealed archive, no manifest)"}[self.check]
+        text = f"screen {self.screen_id} attempt {self.attempt_number}: {rows} inserted from its archive, checked against {against}"
+        if self.refused:
+            text += f"; {len(self.refused)} refused ({self.refused[0]})"
+        return text
+
+
+@dataclass
+class ReconcileReport:
+    attempts: list[Reconciled] = field(default_factory=list)  # those with something missing
+    checked: int = 0  # attempts whose archive was read
+    not_here: list[str] = field(default_factory=list)  # archive paths not on this host
+
+    @property
+    def inserted(self) -> int:
+        return sum(r.inserted for r in self.attempts)
+
+    @property
+    def refused(self) -> int:
+        return sum(len(r.refused) for r in self.attempts)
+
+
+def _sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def missing_records(reader: ArchiveReader, stored: Iterable[int], *,
+                    expected: Mapping[str, Mapping[str, Any]] | None = None) -> tuple[str, list[dict], list[str]]:
+    """(check, records to insert, refusals) for the episodes `reader` holds whose plan index
+    is not in `stored`. `expected`: the live writer's member table, for an unsealed archive
+    this process is still writing."""
+    stored = set(stored)
+    if reader.complete:
+        table: Mapping[str, Mapping[str, Any]] | None = reader.manifest["members"]
+        check = "manifest"
+    elif expected is not None:
+        table, check = expected, "writer"
+    else:
+        table, check = None, "crc32"
+    names = set(reader.names)
+    plan_entries: list | None = None
+    records, refused = [], []
+    for members in reader.episodes():
+        if members.index in stored:
+            continue
+        try:
+            record = _checked_record(reader, members, table, names)
+            if record is None:
+                continue  # cut off between its record and its logits: never recorded
+            if plan_entries is None:
+                plan = reader.read_json(PLAN_NAME) if PLAN_NAME in names else None
+                plan_entries = plan.get("entries") if isinstance(plan, dict) else []
+            entry = plan_entries[members.index] if members.index < len(plan_entries or []) else None
+            if not isinstance(entry, dict) or any(record.get(k) != entry.get(k) for k in ("condition", "role", "prompt")):
+                raise PackbenchError(f"episode {members.index}'s record does not match plan entry {members.index}")
+        except PackbenchError as e:  # ArchiveError (a CRC, a bound) or a check below
+            refused.append(str(e))
+            continue
+        records.append(record)
+    return check, records, refused
+
+
+def _checked_record(reader: ArchiveReader, members, table, names: set[str]) -> dict | None:
+    present = [m for m in (members.record, members.logits, members.trace) if m in names]
+    for name in present:
+        data = reader.read_bytes(name)  # the zip CRC-32 is checked as it is read
+        if table is None:
+            continue
+        entry = table.get(name)
+        if entry is None:
+            raise PackbenchError(f"member {name} is in the archive but not in its "
+                                 f"{'manifest' if reader.complete else 'writer table'}")
+        if entry.get("size") != len(data) or entry.get("sha256") != _sha256(data):
+            raise PackbenchError(f"member {name} does not match its SHA-256 entry (altered after it was written)")
+    record = reader.read_json(members.record)
+    if not isinstance(record, dict) or record.get("plan_index") != members.index:
+        raise PackbenchError(f"{members.record} is not the record of episode {members.index}")
+    missing = [k for k in _REQUIRED if k not in record]
+    if missing:
+        raise PackbenchError(f"{members.record} lacks {', '.join(missing)}")
+    if record.get("status") == "ok" and members.logits not in names and not reader.complete:
+        return None
+    return record
+
+
+def reconcile_attempt(store, attempt, *, stored: Iterable[int],
+                      expected: Mapping[str, Mapping[str, Any]] | None = None) -> Reconciled | None:
+    """Insert the rows `attempt`'s archive holds and the database lacks. None when nothing is
+    missing. Raises `ArchiveError` for an archive that cannot be opened."""
+    with ArchiveReader(Path(attempt.archive_path)) as reader:
+        check, records, refused = missing_records(reader, stored, expected=expected)
+    if not records and not refused:
+        return None
+    inserted = store.put_reconciled(attempt.id, records, check=check) if records else 0
+    return Reconciled(attempt.screen_id, attempt.id, attempt.number, attempt.archive_path, inserted, check,
+                      tuple(refused))
+
+
+def reconcile(store, *, attempt_ids: Iterable[int] | None = None, finished_since: datetime | None = None,
+              expected: Mapping[int, Mapping[str, Mapping[str, Any]]] | None = None) -> ReconcileReport:
+    """Every attempt not running (finished at or after `finished_since` when given; or those of
+    `attempt_ids`, running ones included) whose archive is on this host: insert the rows of
+    archived episodes the database lacks. `expected`: per attempt id, the live writer's member
+    table (the dispatcher's own)."""
+    report = ReconcileReport()
+    targets = store.reconcile_targets(attempt_ids=None if attempt_ids is None else list(attempt_ids),
+                                      finished_since=finished_since)
+    for target in targets:
+        attempt = target.attempt
+        path = Path(attempt.archive_path)
+        if not path.is_file():
+            report.not_here.append(str(path))
+            continue
+        report.checked += 1
+        try:
+            done = reconcile_attempt(store, attempt, stored=target.stored,
+                                     expected=(expected or {}).get(attempt.id))
+        except ArchiveError as e:  # the archive, not the database (a DatabaseError goes up)
+            done = Reconciled(attempt.screen_id, attempt.id, attempt.number, str(path), 0, "crc32",
+                              (f"archive unreadable: {e}",))
+        if done is not None:
+            report.attempts.append(done)
+    return report

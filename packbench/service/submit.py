@@ -1,0 +1,116 @@
+"""Submitting: freeze a protocol, check its model and prompts, store it and queue a screen.
+
+No torch and no Ray here: `packbench submit` starts in well under a second (docs/architecture.md).
+"""
+
+from __future__ import annotations
+
+import getpass
+from collections.abc import Mapping
+from pathlib import Path
+
+from packbench.core.errors import ProtocolError
+from packbench.core.plan import prompts
+from packbench.core.protocol import FrozenProtocol, Protocol, load
+
+
+def vocab_size(frozen: FrozenProtocol) -> int:
+    """The model's vocabulary, read from config.json (or the synthetic shape) without torch."""
+    model_dir = frozen.model_dir()
+    if model_dir is None:
+        from packbench.core.registry import SHAPES
+
+        return SHAPES[frozen.protocol.model.synth.shape]["vocab"]
+    from packbench.engine.config import read_config
+
+    return read_config(model_dir)["vocab_size"]
+
+
+def screen_prompts(protocol: Protocol, *, vocab: int, model_dir: Path | None,
+                   prompt_file: Path | None) -> list[list[int]]:
+    """The screen's prompt token ids; text prompts go through the checkpoint's own tokenizer."""
+    tokenize = None
+    if protocol.prompts.source == "text_file":
+        from packbench.engine.prompts import tokenizer_for  # transformers: only text prompts pay for it
+
+        tokenize = tokenizer_for(Path(model_dir))
+    return prompts(protocol, vocab=vocab, prompt_file=prompt_file, tokenize=tokenize)
+
+
+def check_libraries(protocol: Protocol) -> None:
+    """A competitor whose library is not installed here is refused before anything is queued
+    (found without importing it): one line naming the condition and the extra that brings it."""
+    from packbench.core.registry import COMPETITOR_PARAMS, lowbit_fix, missing_library
+
+    for i, c in enumerate(protocol.conditions):
+        if c.policy in COMPETITOR_PARAMS:
+            what = c.params.get("method", c.policy)  # a quantized method, or accelerate itself
+            missing = missing_library(what)
+            if missing is not None:
+                field = "params.method" if "method" in c.params else "policy"
+                raise ProtocolError(f"protocol field `conditions[{i}].{field}`: {what} "
+                                    f"(condition {c.name}) requires {missing}, which is not installed: {lowbit_fix()}")
+
+
+def submit(store, path: Path, *, priority: int = 0, max_attempts: int = 3, gpu_type: str | None = None,
+           replicas: int = 1, spread: bool = False, name: str | None = None, note: str | None = None,
+           tags: Mapping[str, str] | None = None) -> list[int]:
+    """Validate and freeze `path`, store the protocol (idempotent) and queue its screen(s)
+    (`submit_frozen`)."""
+    return submit_frozen(store, load(path), priority=priority, max_attempts=max_attempts, gpu_type=gpu_type,
+                         replicas=replicas, spread=spread, name=name, note=note, tags=tags)
+
+
+def submit_frozen(store, frozen: FrozenProtocol, *, priority: int = 0, max_attempts: int = 3,
+                  gpu_type: str | None = None, replicas: int = 1, spread: bool = False, name: str | None = None,
+                  note: str | None = None, tags: Mapping[str, str] | None = None) -> list[int]:
+    """Store a frozen protocol (idempotent) and queue its screen(s), labelled with `name`,
+    `note` and `tags` (db/labels.py) when given.
+
+    Everything that can be checked before a worker is asked for is checked here: the model
+    directory exists and is an OPT checkpoint (a synthetic model is generated on the worker),
+    the prompt file matches its frozen hash, prompt ids lie inside the vocabulary. Placement
+    comes from the protocol's `placement`, `gpu_type` overriding its accelerator_type;
+    `spread` puts the `replicas` on distinct nodes. Returns the screen ids.
+    """
+    protocol = frozen.protocol
+    store.check_labels(name=name, tags=tags or {})  # a bad tag queues nothing
+    check_frozen(frozen)
+    model_dir = frozen.model_dir()
+    prompt_file = frozen.prompt_file()
+    protocol_id = store.put_protocol(sha256=frozen.sha256, name=frozen.name, canonical_json=frozen.canonical.decode())
+    screen = dict(protocol_id=protocol_id, submitter=submitter(),
+                  model_dir=None if model_dir is None else str(model_dir),
+                  prompt_file=None if prompt_file is None else str(prompt_file),
+                  priority=priority, max_attempts=max_attempts,
+                  gpu_type=gpu_type or protocol.placement.accelerator_type,
+                  placement_node=protocol.placement.node, exclusive_node=protocol.placement.exclusive_node,
+                  resources=protocol.placement.resources_dict or None)
+    if spread:
+        ids = store.create_replicas(replicas, **screen)
+    else:
+        ids = [store.create_screen(**screen) for _ in range(replicas)]
+    if name is not None or note is not None or tags:
+        for screen_id in ids:
+            store.label_screen(screen_id, name=name, note=note, tags=tags)
+    return ids
+
+
+def check_frozen(frozen: FrozenProtocol) -> None:
+    """Everything about a frozen protocol that can be checked before a worker is asked for: its
+    competitors' libraries, its model's config, its prompts against the vocabulary."""
+    protocol = frozen.protocol
+    check_libraries(protocol)
+    vocab = vocab_size(frozen)  # a broken config.json is the checkpoint's error (CheckpointError), not the prompts'
+    try:
+        screen_prompts(protocol, vocab=vocab, model_dir=frozen.model_dir(), prompt_file=frozen.prompt_file())
+    except ValueError as e:
+        raise ProtocolError(f"protocol field `prompts`: {e}") from None
+
+
+def submitter() -> str:
+    """Who queued the screen, as the operating system names them."""
+    try:
+        return getpass.getuser()
+    except Exception:  # no user name in some containers
+        return "unknown"

@@ -1,0 +1,178 @@
+"""Sweeps: one frozen protocol per point of a product of field values, queued under one sweep id.
+
+`submit PROTOCOL --sweep prefix_tokens=32,64 --sweep dtype=float32,bfloat16` freezes four
+protocols (each its own SHA-256, named `<name>[prefix_tokens=32,dtype=float32]` and so on) and
+queues one screen of each; every screen records the sweep id and the values its protocol took
+(db/labels.py), so `report --sweep ID` can plot each figure against the swept field. No torch
+and no Ray here, as in service/submit.py.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import secrets
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from packbench.core.errors import ProtocolError
+from packbench.core.protocol import FrozenProtocol, freeze, load
+
+
+@dataclass(frozen=True)
+class Axis:
+    """One swept field: a dotted protocol path (list items by index, e.g. conditions.1.params.gather)
+    and the values it takes, in the order given."""
+
+    field: str
+    values: tuple[Any, ...]
+
+
+@dataclass(frozen=True)
+class Point:
+    """One protocol of a sweep: the values of every swept field, and the protocol they freeze to."""
+
+    values: dict[str, Any]
+    frozen: FrozenProtocol
+
+
+def parse_axes(specs: Sequence[str]) -> list[Axis]:
+    """["prefix_tokens=32,64"] as [Axis("prefix_tokens", (32, 64))]; each value is read as YAML
+    (32 an int, 0.5 a float, true a bool, anything else a string); one line naming a bad spec."""
+    axes: list[Axis] = []
+    for spec in specs:
+        field, sep, values = spec.partition("=")
+        field = field.strip()
+        if not sep or not field or not values.strip():
+            raise ProtocolError(f"--sweep {spec!r} is not FIELD=V1,V2,...; write e.g. --sweep prefix_tokens=32,64")
+        if any(a.field == field for a in axes):
+            raise ProtocolError(f"--sweep {field} is given twice; list all its values in one --sweep {field}=V1,V2")
+        parsed = tuple(yaml.safe_load(v.strip()) if v.strip() else "" for v in values.split(","))
+        if len(set(map(repr, parsed))) != len(parsed):
+            raise ProtocolError(f"--sweep {spec!r} repeats a value; give each value once")
+        axes.append(Axis(field, parsed))
+    return axes
+
+
+def grid(axes: Sequence[Axis]) -> list[dict[str, Any]]:
+    """Every combination of the axes' values, the first axis varying slowest."""
+    return [dict(zip((a.field for a in axes), combo)) for combo in itertools.product(*(a.values for a in axes))]
+
+
+def with_value(body: Mapping[str, Any], field: str, value: Any) -> dict:
+    """A deep copy of `body` with the dotted `field` set to `value`. Its parent must exist (a
+    leaf key may be new: an optional field the file leaves out)."""
+    out = copy.deepcopy(dict(body))
+    *parents, leaf = field.split(".")
+    node: Any = out
+    for i, key in enumerate(parents):
+        node = _child(node, key, ".".join(parents[:i + 1]), field)
+    if isinstance(node, list):
+        if not (leaf.isdigit() and int(leaf) < len(node)):
+            raise ProtocolError(f"--sweep {field}: {'.'.join(parents)} has {len(node)} items; index one of them")
+        node[int(leaf)] = value
+    elif isinstance(node, dict):
+        node[leaf] = value
+    else:
+        raise ProtocolError(f"--sweep {field}: {'.'.join(parents)} holds a value, not fields")
+    return out
+
+
+def _child(node: Any, key: str, where: str, field: str) -> Any:
+    if isinstance(node, dict) and key in node:
+        return node[key]
+    if isinstance(node, list) and key.isdigit() and int(key) < len(node):
+        return node[int(key)]
+    raise ProtocolError(f"--sweep {field}: the protocol has no {where}; sweep a field the file has (e.g. "
+                        f"prefix_tokens, dtype, conditions.1.params.gather)")
+
+
+def point_name(name: str, values: Mapping[str, Any]) -> str:
+    return f"{name}[{','.join(f'{k}={v}' for k, v in values.items())}]"
+
+
+def points(path: Path, axes: Sequence[Axis]) -> list[Point]:
+    """Freeze one protocol per point of the axes' product, in grid order. The file itself is
+    validated first (its own errors are its own); a point that fails validation is named with
+    the values that made it fail."""
+    load(path)  # the base protocol is valid (and has no duplicate keys) before anything is swept
+    raw = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+    out = []
+    for values in grid(axes):
+        body = dict(raw)
+        for field, value in values.items():
+            body = with_value(body, field, value)
+        body["name"] = point_name(str(raw["name"]), values)
+        try:
+            frozen = freeze(body, source=Path(path))
+        except ProtocolError as e:
+            raise ProtocolError(f"sweep point {', '.join(f'{k}={v}' for k, v in values.items())}: {e}") from None
+        out.append(Point(values, frozen))
+    return out
+
+
+def new_sweep_id() -> str:
+    return "sw-" + secrets.token_hex(5)
+
+
+def submit_sweep(store, path: Path, axes: Sequence[Axis], **submit: Any) -> tuple[str, list[tuple[int, Point]]]:
+    """Freeze every point (all before any is queued: a bad point queues nothing), queue one
+    screen of each (`service.submit.submit_frozen`'s options) and record the sweep on each.
+    Returns the sweep id and (screen id, point) in grid order."""
+    from packbench.service.submit import check_frozen, submit_frozen
+
+    frozen = points(path, axes)
+    for point in frozen:
+        check_frozen(point.frozen)
+    sweep_id = new_sweep_id()
+    queued = []
+    for point in frozen:
+        (screen_id,) = submit_frozen(store, point.frozen, **submit)
+        store.set_sweep(screen_id, sweep_id=sweep_id, point=point.values)
+        queued.append((screen_id, point))
+    return sweep_id, queued
+
+
+@dataclass(frozen=True)
+class SweepPoint:
+    """One screen of a sweep as `report --sweep` plots it: its point, status and per-condition figures."""
+
+    screen_id: int
+    values: dict[str, Any]
+    status: str
+    protocol_sha256: str
+    # condition -> decode_ms_per_token (median over scored ok episodes, and its _min and _max), bytes_per_token
+    figures: dict[str, dict[str, float | None]]
+    verdicts: list[dict[str, Any]]  # gate, condition, phase, passed
+
+
+def sweep_points(store, sweep_id: str) -> list[SweepPoint]:
+    """The sweep's screens in the order they were queued (grid order), each from its latest attempt."""
+    from packbench.core.errors import PackbenchError
+    from packbench.service.history import screen_figures
+
+    screens = sorted(store.find_screens(sweep_id=sweep_id), key=lambda s: s.id)
+    if not screens:
+        raise PackbenchError(f"no sweep {sweep_id!r}; `packbench screens list` shows each screen's sweep")
+    out = []
+    for s in screens:
+        attempt = store.latest_attempt(s.id)
+        episodes = store.episodes(attempt.id) if attempt is not None else []
+        timed, _ = screen_figures(episodes, metrics=("decode_ms_per_token",))
+        figures = {}
+        for c, metrics in timed.items():
+            scored = [e for e in episodes if e.condition == c and e.role == "scored" and e.status == "ok"]
+            tokens = sum(e.n_tokens for e in scored)
+            moved = sum(e.h2d_weight_bytes + e.h2d_index_bytes for e in scored)
+            decode = metrics["decode_ms_per_token"]
+            figures[c] = {"decode_ms_per_token": decode["median"], "decode_ms_per_token_min": decode["min"],
+                          "decode_ms_per_token_max": decode["max"],
+                          "bytes_per_token": moved / tokens if tokens else None}
+        verdicts = [{"gate": v.gate, "condition": v.condition, "phase": v.phase, "passed": v.passed}
+                    for v in (store.verdicts(attempt.id) if attempt is not None else [])]
+        out.append(SweepPoint(s.id, s.point, s.status, store.protocol(s.protocol_id).sha256, figures, verdicts))
+    return out
