@@ -48,6 +48,8 @@ def modules(root: Path) -> list[Path]:
 def layer_of(path: Path, root: Path = ROOT) -> str:
     """The layer of a module file: its first folder under packbench/ (the API for the top files)."""
     parts = path.relative_to(root / TOP).parts
+    if parts == ("__main__.py",):
+        return "cli"  # `python -m packbench` runs the command line
     return parts[0] if len(parts) > 1 and parts[0] in PACKAGES else "api"
 
 

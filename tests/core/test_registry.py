@@ -31,7 +31,7 @@ def test_protocol_reexports_the_registry():
 
 
 def test_registry_imports_no_torch():
-    code = "import sys, core.registry; assert 'torch' not in sys.modules"
+    code = "import sys, packbench.core.registry; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, env={"PYTHONPATH": str(ROOT)})
 
 
