@@ -1,4 +1,4 @@
-"""The job queue's own costs, measured on this machine (docs/benchmarks.md, "Cluster queue").
+"""The job queue's own costs, measured on this machine (docs/experiments/queue.md).
 
     python -m bench.cluster                 # queue-path overheads + 1 vs 2 logical GPUs (CPU machine)
     python -m bench.cluster --simulate      # 8 logical GPU nodes, 4 dispatchers, 200 screens, PostgreSQL

@@ -162,7 +162,7 @@ class Worker:
         if self.device.type == "cuda":
             # Host gathers run on OMP threads. One worker per GPU shares the host's cores with the
             # others: two workers of 32 threads each on a 32-core host ran a screen 7x slower than
-            # one alone (nvidia-h200-x2, docs/benchmarks.md "Queue on two GPUs").
+            # one alone (nvidia-h200-x2, docs/experiments/queue.md "Queue on two GPUs").
             # `threads` (--worker-threads, core/settings.py) fixes the count instead.
             torch.set_num_threads(threads or max(1, (os.cpu_count() or 1) // max(1, host_gpus())))
             index = host_gpu_index(uuid) if uuid and pin else None

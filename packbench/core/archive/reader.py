@@ -40,7 +40,7 @@ MAX_JSON_BYTES = 16 << 20  # one JSON member, uncompressed (16 MiB of `[{},{},..
 MAX_ARRAY_BYTES = 256 << 20  # one .npy member
 MAX_TOTAL_BYTES = 640 << 20  # every member together, uncompressed (the audit keeps the logits: RSS ~ this + 350 MiB)
 # JSON members together, uncompressed: parsing, the canonical check and the ledger checks cost
-# ~0.4 s per MiB (with the recompression check) on the 2-core box (docs/benchmarks.md, "Worst legal archive"); arrays ~0.01.
+# ~0.4 s per MiB (with the recompression check) on the 2-core box (docs/experiments/storage-audit.md, "Worst legal archive"); arrays ~0.01.
 MAX_JSON_TOTAL_BYTES = 48 << 20
 _MAX_NPY_HEADER = 1 << 16
 

@@ -191,7 +191,7 @@ class ArchiveWriter:
         # One fsync for the episode, after its last member: a crash before it leaves a valid zip
         # holding a prefix of the members (each write keeps the file a zip), and the record is
         # durable when this returns, as before. Three fsyncs an episode (record, logits, trace)
-        # cost the driver about 2 ms on the shared 2-core box (docs/benchmarks.md, queue path).
+        # cost the driver about 2 ms on the shared 2-core box (docs/experiments/queue.md, the queue path).
         for i, (name, data, method) in enumerate(parts):
             self._write(name, data, method, sync=i == len(parts) - 1)
         return names
