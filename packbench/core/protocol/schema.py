@@ -8,8 +8,8 @@ Schema 3 is schema 2 with newer defaults for parameters a condition leaves out
 (SCHEMA4_DEFAULTS) and a `model.synth` without `sparsity`
 or `profile` means the calibrated profile (core.registry.DEFAULT_PROFILE). Both write their
 defaults out, so a protocol always freezes as schema 2 or 1 and no body ever says 3 or 4.
-Schema 5 adds what no earlier schema can say: competitor conditions (`quantized`,
-core.registry.COMPETITOR_PARAMS) and the `fidelity` gate; a protocol using either freezes as
+Schema 5 adds what no earlier schema can say: competitor conditions (`quantized`, a condition
+kind whose `since` is 5, core/conditions/) and the `fidelity` gate; a protocol using either freezes as
 schema 5 (the lowest that says it), any other still as 2 or 1, so every old hash holds.
 Schema 6 adds the `accelerate` competitor and every competitor's `mode` (eager, graph, compile):
 it writes a competitor's omitted mode out (core.registry.FASTEST_MODE), so a protocol with a
@@ -42,11 +42,8 @@ from packbench.core.protocol.fields import (_bool, _choice, _fail, _int, _join, 
 from packbench.core.protocol.prompt_files import TEXT_SEPARATOR, read_prompt_file
 # Policies and their parameters, dtypes and synthetic shapes live in one registry shared with the
 # engine and the CLI; re-exported here for code that imports them from core.protocol.
+from packbench.core.conditions import CONDITIONS
 from packbench.core.registry import (
-    APPROXIMATE_POLICIES,
-    COMPETITOR_PARAMS,
-    CONDITION_PARAMS,
-    CONDITION_POLICIES,
     DTYPE_NAMES,
     POLICY_NAMES,
     POLICY_PARAMS,
@@ -68,8 +65,7 @@ from packbench.core.registry import (
 SCHEMA_VERSION = 7  # the newest schema this packbench reads: what a YAML without `schema:` means
 SCHEMAS = (1, 2, 3, 4, 5, 6, 7)  # every schema it reads; frozen bodies say 1, 2, 5, 6 or 7 (module docstring)
 COMPETITOR_SCHEMA = 5  # the first schema that can say a competitor condition or a fidelity gate
-MODE_SCHEMA = 6  # the first schema that can say `accelerate` or a competitor's `mode`
-SCHEMA6_POLICIES = ("accelerate",)
+MODE_SCHEMA = 6  # the first schema that can say a competitor's `mode` (a kind's own schema: its `since`)
 PASSES_SCHEMA = 7  # the first schema that can say `passes`
 # How an episode is measured: one run with the ledger and the sampler inside its timed calls
 # (`together`, every schema's meaning), or a timing pass with them off, then a recording pass.
@@ -187,7 +183,7 @@ def _prompts(value: Any, *, base_dir: Path | None, prefix_tokens: int) -> dict:
 
 
 def _params(policy: str, value: Any, path: str, *, schema: int) -> dict:
-    spec = CONDITION_PARAMS[policy]
+    spec = CONDITIONS[policy].params
     newer = newer_defaults(schema).get(policy, {})
     if value is None:
         value = {}
@@ -225,9 +221,10 @@ def _conditions(value: Any, *, schema: int, batch: int = 1) -> list[dict]:
     for i, c in enumerate(value):
         path = f"conditions[{i}]"
         c = _mapping(c, path, allowed={"name": False, "policy": True, "params": False})
-        policy = _choice(c["policy"], f"{path}.policy", CONDITION_POLICIES)
-        needs = MODE_SCHEMA if policy in SCHEMA6_POLICIES else COMPETITOR_SCHEMA
-        if policy in COMPETITOR_PARAMS and schema < needs:
+        policy = _choice(c["policy"], f"{path}.policy", tuple(CONDITIONS))
+        kind = CONDITIONS[policy]
+        needs = kind.since
+        if schema < needs:
             _fail(f"{path}.policy", f"{policy!r} needs schema {needs}; write schema: {needs} or omit `schema:`")
         name = c.get("name", policy)
         if not isinstance(name, str) or not _CONDITION_NAME.fullmatch(name):
@@ -236,7 +233,7 @@ def _conditions(value: Any, *, schema: int, batch: int = 1) -> list[dict]:
             _fail(f"{path}.name", f"{name!r} is already used; condition names are unique")
         names.add(name)
         params = _params(policy, c.get("params"), f"{path}.params", schema=schema)
-        if policy in COMPETITOR_PARAMS:
+        if kind.competitor is not None:
             params = _competitor_mode(policy, params, f"{path}.params.mode", schema=schema, batch=batch)
         out.append({"name": name, "policy": policy, "params": params})
     return out
@@ -306,7 +303,7 @@ def _fidelity(value: Any, conditions: list[dict], *, reference: str) -> list[dic
     holds at least one threshold. Frozen as a list, one entry per condition, in protocol order."""
     names = tuple(c["name"] for c in conditions)
     policy = {c["name"]: c["policy"] for c in conditions}
-    approximate = tuple(n for n in names if policy[n] in APPROXIMATE_POLICIES)
+    approximate = tuple(n for n in names if tier_of(policy[n]) == "approximate")
     items = value if isinstance(value, list) else [value]
     if not items:
         _fail("gates.fidelity", "expected a mapping or a non-empty list of mappings (one per condition)")
@@ -331,7 +328,7 @@ def _fidelity(value: Any, conditions: list[dict], *, reference: str) -> list[dic
             if name == reference:
                 _fail(f"{where}.condition", f"{name!r} is the reference: fidelity compares another condition with it; "
                                             f"name an approximate condition ({', '.join(approximate) or 'none here'})")
-            if policy[name] not in APPROXIMATE_POLICIES:
+            if tier_of(policy[name]) != "approximate":
                 _fail(f"{where}.condition", f"{name!r} is exact: the faithfulness gate judges it bit for bit; "
                                             f"name an approximate condition ({', '.join(approximate) or 'none here'})")
             targets: tuple[str, ...] = (name,)
@@ -490,11 +487,13 @@ def _full(raw: Any, *, base_dir: Path | None) -> dict:
         "recording": _bool(p.get("recording", True), "recording"),
         "gates": _gates(p["gates"], names, conditions, reference=reference, schema=declared),
     }
-    if "fidelity" in full["gates"] or any(c["policy"] in COMPETITOR_PARAMS for c in conditions):
+    if "fidelity" in full["gates"]:
         full["schema"] = COMPETITOR_SCHEMA  # nothing lower says it: the frozen body says 5
-    if any(c["policy"] in SCHEMA6_POLICIES or "mode" in c["params"] for c in conditions):
-        full["schema"] = MODE_SCHEMA  # an accelerate condition or a competitor's mode: the body says 6
-    full["schema"] = max([full["schema"], *(getattr(CONDITION_PARAMS[c["policy"]][key], "since", 1)
+    # A kind of a later schema (a competitor: 5 or 6) freezes in it; a competitor's mode says 6.
+    full["schema"] = max([full["schema"], *(CONDITIONS[c["policy"]].since for c in conditions)])
+    if any(CONDITIONS[c["policy"]].competitor is not None and "mode" in c["params"] for c in conditions):
+        full["schema"] = max(full["schema"], MODE_SCHEMA)
+    full["schema"] = max([full["schema"], *(getattr(CONDITIONS[c["policy"]].params[key], "since", 1)
                                              for c in conditions for key in c["params"])])
     if batch > 1:  # batch 1 (or absent) is left out, so every protocol frozen before it keeps its hash
         full["batch"] = batch
@@ -553,7 +552,7 @@ def _cross_checks(full: dict) -> None:
     if "faithfulness" in gates:
         _exact_references(full)
     if "fidelity" in gates:
-        if policies[ref] in APPROXIMATE_POLICIES:
+        if tier_of(policies[ref]) == "approximate":
             _fail("reference", f"{ref!r} is approximate: fidelity is judged against an exact reference "
                                f"(e.g. dense-stream)")
         if not full["baseline_first"]:
@@ -561,7 +560,7 @@ def _cross_checks(full: dict) -> None:
                                     "the tokens of its block's reference episode, which must run first)")
     if full.get("engine", {}).get("mode", "eager") != "eager" and full["schema"] < MODE_SCHEMA:
         for i, c in enumerate(full["conditions"]):
-            if c["policy"] in COMPETITOR_PARAMS:
+            if CONDITIONS[c["policy"]].competitor is not None:
                 _fail(f"conditions[{i}].policy", f"{c['policy']!r} runs in engine mode eager only; drop "
                                                  f"engine.mode {full['engine']['mode']} or the condition")
 

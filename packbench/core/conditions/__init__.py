@@ -1,0 +1,20 @@
+"""Condition kinds: what a protocol's `policy` may name, one module per kind.
+
+Each module here declares one kind, torch-free (`ConditionKind`, base.py): its parameters and
+defaults, tier, first schema, byte estimate and, for a competitor, library, modes and refusals.
+`CONDITIONS` is the one table of kinds: the protocol schema validates against it, `protocol
+plan` and core/estimate.py estimate through it, the report reads its tiers, the worker runs
+each kind through the runtime of the same name in engine/conditions/ (builder and lifecycle),
+and docs/engine.md says how to add one.
+
+Layer rule: core. Imports nothing outside core (no torch): validation runs on any machine.
+"""
+
+from packbench.core.conditions import (accelerate, dense_stream, early_forecast, packet, phase_switched, quantized,
+                                       resident, row_retention, sparse_extents)
+from packbench.core.conditions.base import ConditionKind
+
+# Loaders first, in the order every earlier packbench listed them; then the competitors.
+CONDITIONS: dict[str, ConditionKind] = {m.KIND.name: m.KIND for m in (
+    resident, dense_stream, sparse_extents, packet, phase_switched, row_retention, early_forecast,
+    quantized, accelerate)}
