@@ -28,7 +28,8 @@ from packbench.engine.episode import run_episode
 from packbench.engine.graph import check_mode
 from packbench.engine.model import CpuFirstModel
 from packbench.engine.ledger import Recorder
-from packbench.engine.policies import POLICIES, HostWeights, stream_dense, zeroed_workspace
+from packbench.engine.conditions import POLICIES
+from packbench.engine.policies.base import HostWeights, stream_dense, zeroed_workspace
 from packbench.engine.allowance import impose
 from packbench.engine.sampler import MemorySampler, device_uuid, nvml_handle
 from packbench.engine.shapes import dtype_of
