@@ -44,7 +44,7 @@ class SingleStreamDense:
     only: one workspace, each layer's copy issued at fetch on the compute stream. Same bytes,
     same logits; kept here so one alternated run can compare both schedules."""
 
-    name = "dense-stream"  # captured in mode graph like dense-stream (engine/graph.py GRAPH_SAFE)
+    name = "dense-stream"  # captured in mode graph like dense-stream (engine/conditions/dense_stream.py graph_safe)
     starts_early = False
 
     def activate(self, host: HostWeights, device: torch.device, recorder: Recorder) -> None:

@@ -84,10 +84,12 @@ class LoaderRuntime:
     """A packbench loader policy over the worker's CPU-first model. `policy(**params)` makes a
     fresh policy (keyword-only parameters, exactly the kind's, with its defaults);
     `lifts_allowance(params)` says an episode runs without the protocol's device cap (resident's
-    `allowance: unbounded`, re-imposed after the episode as after every one)."""
+    `allowance: unbounded`, re-imposed after the episode as after every one); `graph_safe(policy)`
+    says mode graph may capture the active policy's decode step on CUDA (engine/graph.py)."""
 
     policy: Callable[..., LoaderPolicy]
     lifts_allowance: Callable[[dict], bool] = lambda params: False
+    graph_safe: Callable[[Any], bool] = lambda policy: False
     record_key: str | None = None
     start_key: str | None = None
 
