@@ -69,10 +69,14 @@ def test_the_loader_view_and_a_competitor_asked_for_a_policy():
 def test_record_fields_of_the_runtimes_are_record_fields():
     """An episode record keeps only the fields core/record.py declares: a runtime's build figures
     land in one of them (an undeclared one would be dropped or refused by the archive)."""
-    from packbench.core import record
-
     declared = (ROOT / "packbench/core/record.py").read_text()
-    for runtime in RUNTIMES.values():
-        if runtime.record_key is not None:
-            assert f'"{runtime.record_key}"' in declared, runtime
-    assert record  # imported: the module the fields are declared in
+    keys = [r.record_key for r in RUNTIMES.values() if r.record_key is not None]
+    assert keys and all(f'_kept("{key}", dict)' in declared for key in keys), keys
+
+
+def test_docs_list_every_kind_as_its_declaration_says():
+    """docs/engine.md holds the kinds' table as core/conditions/ generates it: a kind, parameter,
+    default or tier changed without the docs fails here (regenerate with kinds_table())."""
+    from packbench.core.conditions import kinds_table
+
+    assert kinds_table() in (ROOT / "docs" / "engine.md").read_text()
