@@ -28,7 +28,8 @@ from packbench.engine.episode import run_episode
 from packbench.engine.graph import check_mode
 from packbench.engine.model import CpuFirstModel
 from packbench.engine.ledger import Recorder
-from packbench.engine.policies import POLICIES, HostWeights, stream_dense, zeroed_workspace
+from packbench.engine.conditions import POLICIES
+from packbench.engine.policies.base import HostWeights, stream_dense, zeroed_workspace
 from packbench.engine.allowance import impose
 from packbench.engine.sampler import MemorySampler, device_uuid, nvml_handle
 from packbench.engine.shapes import dtype_of
@@ -43,7 +44,7 @@ class SingleStreamDense:
     only: one workspace, each layer's copy issued at fetch on the compute stream. Same bytes,
     same logits; kept here so one alternated run can compare both schedules."""
 
-    name = "dense-stream"  # captured in mode graph like dense-stream (engine/graph.py GRAPH_SAFE)
+    name = "dense-stream"  # captured in mode graph like dense-stream (engine/conditions/dense_stream.py graph_safe)
     starts_early = False
 
     def activate(self, host: HostWeights, device: torch.device, recorder: Recorder) -> None:

@@ -138,7 +138,7 @@ def test_an_alias_bomb_below_the_limit_is_shown_cut_not_rendered(tmp_path, db, t
 
 
 def test_values_shown_in_messages_are_bounded():
-    from packbench.core.protocol.fields import _show
+    from packbench.core.protocol.fields import shown as _show
     from packbench.core.registry import _show as registry_show
 
     a: list = ["x"] * 9

@@ -10,7 +10,7 @@ import torch
 
 from packbench.engine.episode import run_episode
 from packbench.engine.model import CpuFirstModel
-from packbench.engine.policies import POLICIES
+from packbench.engine.conditions import POLICIES
 from packbench.engine.shapes import SHAPES
 from packbench.engine.synth import synth_checkpoint
 

@@ -7,7 +7,9 @@ import numpy as np
 
 from packbench.core.plan import plan, prompts
 from packbench.core.protocol import freeze
-from packbench.engine.policies import DenseStream, DevicePacket, Packet
+from packbench.engine.policies.dense import DenseStream
+from packbench.engine.policies.device_gather import DevicePacket
+from packbench.engine.policies.host_gather import Packet
 from packbench.engine.worker import Worker
 
 
@@ -31,7 +33,7 @@ def run_all(tiny, **changes):
 
 
 def test_a_failing_episode_is_recorded_and_the_next_one_runs(tiny, monkeypatch):
-    from packbench.engine.policies import SparseExtents
+    from packbench.engine.policies.host_gather import SparseExtents
 
     def out_of_memory(self, layer, h):
         raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB\n(the allocator's details)")

@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 from packbench.core.errors import ProtocolError
-from packbench.core.protocol.fields import _fail, _token_lists
+from packbench.core.protocol.fields import fail, token_lists_field
 
 TEXT_SEPARATOR = "---"  # a line holding only this separates prompts in a text_file
 
@@ -40,11 +40,11 @@ def read_prompt_file(kind: str, path: Path, *, field: str) -> tuple[bytes, list]
         except (UnicodeDecodeError, ValueError) as e:
             raise ProtocolError(f"protocol field `{field}`: {path} is not JSON ({e}); "
                                 f"write a list of token-id lists") from None
-        return data, _token_lists(ids, f"{field} ({Path(path).name})")
+        return data, token_lists_field(ids, f"{field} ({Path(path).name})")
     try:
         texts = split_texts(data.decode("utf-8"))
     except UnicodeDecodeError:
         raise ProtocolError(f"protocol field `{field}`: {path} is not UTF-8 text") from None
     if not texts:
-        _fail(field, f"{path} holds no text; write prompts separated by `{TEXT_SEPARATOR}` lines")
+        fail(field, f"{path} holds no text; write prompts separated by `{TEXT_SEPARATOR}` lines")
     return data, texts
