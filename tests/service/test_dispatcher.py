@@ -1,4 +1,4 @@
-"""The scheduler (service/scheduler.py) against an in-process fake pool (tests/service/fake_pool.py):
+"""The dispatcher (service/dispatcher/) against an in-process fake pool (tests/service/fake_pool.py):
 claims, look-ahead, two workers, a worker dying, cancels and lease renewal, on a real SQLite
 database and real archives, with no Ray at all. The transport itself runs for real in
 tests/cluster/test_dispatch.py."""
@@ -18,8 +18,8 @@ import yaml
 from packbench.core.archive import ArchiveReader
 from packbench.core.settings import Settings
 from packbench.db.store import Store
-from packbench.service.scheduler import Scheduler
-from packbench.service.scheduler_state import Moment, Stop
+from packbench.service.dispatcher import Dispatcher
+from packbench.service.dispatcher.state import Moment, Stop
 from packbench.service.submit import submit
 from tests.service.fake_pool import FakePool
 
@@ -57,16 +57,16 @@ def store(migrated, tmp_path):
 
 @pytest.fixture(autouse=True)
 def _fixed_freeze(monkeypatch):
-    import packbench.service.scheduler
+    import packbench.service.dispatcher.loop
 
-    # The source freeze hashes the engine and asks git (tens of ms each scheduler): not what is tested.
-    monkeypatch.setattr(packbench.service.scheduler, "source_freeze", lambda: {"git_commit": "test"})
+    # The source freeze hashes the engine and asks git (tens of ms each dispatcher): not what is tested.
+    monkeypatch.setattr(packbench.service.dispatcher.loop, "source_freeze", lambda: {"git_commit": "test"})
 
 
-def scheduler(store, tmp_path, pool, **options) -> Scheduler:
+def dispatcher(store, tmp_path, pool, **options) -> Dispatcher:
     said: list[str] = []
     options.setdefault("lease_s", 30)
-    s = Scheduler(store, Settings(archive_dir=tmp_path / "archives"), pool,
+    s = Dispatcher(store, Settings(archive_dir=tmp_path / "archives"), pool,
                   progress=lambda message, **event: said.append(message), **options)
     s.said = said  # type: ignore[attr-defined]
     return s
@@ -76,9 +76,9 @@ def rows(store, attempt_id: int) -> list[int]:
     return [e.plan_index for e in store.episodes(attempt_id)]
 
 
-def test_the_scheduler_imports_no_ray():
-    """Scheduling is plain Python: importing it and its fake pool brings no ray (nor torch)."""
-    code = ("import sys, packbench.service.scheduler, tests.service.fake_pool; "
+def test_the_dispatcher_imports_no_ray():
+    """Dispatching is plain Python: importing it and its fake pool brings no ray (nor torch)."""
+    code = ("import sys, packbench.service.dispatcher, tests.service.fake_pool; "
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('ray', 'torch', 'cluster')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT,
                          env=dict(os.environ, PYTHONPATH=str(ROOT)))
@@ -88,7 +88,7 @@ def test_the_scheduler_imports_no_ray():
 def test_one_screen_is_claimed_and_run_to_completion(store, tmp_path):
     (screen_id,) = submit(store, protocol_file(tmp_path))
     pool = FakePool()
-    d = scheduler(store, tmp_path, pool)
+    d = dispatcher(store, tmp_path, pool)
     (outcome,) = d.run()
     assert pool.connected and outcome.status == "done" and outcome.screen_id == screen_id
     (attempt,) = store.attempts(screen_id)
@@ -97,19 +97,19 @@ def test_one_screen_is_claimed_and_run_to_completion(store, tmp_path):
     assert rows(store, attempt.id) == [0, 1, 2, 3]  # every planned episode once, in plan order
     reader = ArchiveReader(Path(attempt.archive_path))
     assert reader.complete and reader.verify() == [] and [e.index for e in reader.episodes()] == [0, 1, 2, 3]
-    assert pool.workers[0].killed and pool.in_flight() == 0  # the pool is shut down with the scheduler
+    assert pool.workers[0].killed and pool.in_flight() == 0  # the pool is shut down with the dispatcher
     assert "worker-1 ready on fake-host (fake-gpu, node node-0)" in d.said
 
 
 def test_nothing_queued_starts_no_pool(store, tmp_path):
     pool = FakePool()
-    assert scheduler(store, tmp_path, pool).run() == [] and not pool.connected and not pool.workers
+    assert dispatcher(store, tmp_path, pool).run() == [] and not pool.connected and not pool.workers
 
 
 def test_two_workers_two_screens(store, tmp_path):
     ids = submit(store, protocol_file(tmp_path, prompts=2), replicas=2)
     pool = FakePool(gpus=2, episode_s=0.01)
-    outcomes = scheduler(store, tmp_path, pool, look_ahead=False).run()
+    outcomes = dispatcher(store, tmp_path, pool, look_ahead=False).run()
     assert sorted(o.screen_id for o in outcomes) == ids and {o.status for o in outcomes} == {"done"}
     attempts = [store.latest_attempt(i) for i in ids]
     assert {a.node for a in attempts} == {"node-0", "node-1"}  # one screen per worker, side by side
@@ -121,7 +121,7 @@ def test_a_worker_claims_its_next_screen_while_its_last_episodes_run(store, tmp_
     ids = submit(store, protocol_file(tmp_path), replicas=3)
     events = []
     pool = FakePool(episode_s=0.005)
-    outcomes = scheduler(store, tmp_path, pool, workers=1, observer=events.append).run()
+    outcomes = dispatcher(store, tmp_path, pool, workers=1, observer=events.append).run()
     assert [o.screen_id for o in outcomes] == ids and {o.status for o in outcomes} == {"done"}
     attempts = [store.latest_attempt(i) for i in ids]
     for earlier, later in zip(attempts, attempts[1:]):
@@ -141,7 +141,7 @@ def test_a_worker_claims_its_next_screen_while_its_last_episodes_run(store, tmp_
 def test_a_worker_dying_mid_screen_fails_its_attempt_and_the_screen_runs_again(store, tmp_path):
     (screen_id,) = submit(store, protocol_file(tmp_path, prompts=3))  # 8 episodes
     pool = FakePool(fault=lambda worker, entry: "die" if worker.index == 0 and entry["index"] == 3 else None)
-    d = scheduler(store, tmp_path, pool, workers=1)
+    d = dispatcher(store, tmp_path, pool, workers=1)
     outcomes = d.run()
     first, second = store.attempts(screen_id)
     assert first.status == "failed" and "worker worker-1 (pid 1000, node node-0) died" in first.error
@@ -158,7 +158,7 @@ def test_a_failing_call_fails_the_screen_and_the_worker_lives(store, tmp_path):
     (bad, good) = submit(store, protocol_file(tmp_path), replicas=2)
     pool = FakePool(fault=lambda worker, entry: PackbenchError("broken checkpoint; fix it")
                     if not worker.episodes and entry["index"] == 0 else None)
-    outcomes = scheduler(store, tmp_path, pool, workers=1, look_ahead=False).run()
+    outcomes = dispatcher(store, tmp_path, pool, workers=1, look_ahead=False).run()
     assert [(o.screen_id, o.status, o.bad_input) for o in outcomes] == [(bad, "failed", True), (good, "done", False)]
     assert "PackbenchError: broken checkpoint; fix it" in store.latest_attempt(bad).error
     assert len(pool.workers) == 1
@@ -176,7 +176,7 @@ def test_cancel_a_queued_and_a_running_screen(store, tmp_path):
             pool.episode_s = 0.05  # what is left would take 2 s: the cancel is seen long before
 
     # A renewal every 0.4 s sees the cancel; a lease of 1.2 s is not lost on a loaded machine.
-    d = scheduler(store, tmp_path, pool, workers=1, lease_s=1.2, observer=cancel_after_two)
+    d = dispatcher(store, tmp_path, pool, workers=1, lease_s=1.2, observer=cancel_after_two)
     (outcome,) = d.run()
     assert outcome.screen_id == running and outcome.status == "cancelled"
     assert store.screen(never).status == "cancelled" and store.attempts(never) == []
@@ -199,7 +199,7 @@ def test_leases_are_renewed_while_a_screen_runs(store, tmp_path):
         return renewals[-1][1]
 
     store.renew_lease = renew
-    (outcome,) = scheduler(store, tmp_path, FakePool(episode_s=0.04), workers=1, lease_s=0.6).run()
+    (outcome,) = dispatcher(store, tmp_path, FakePool(episode_s=0.04), workers=1, lease_s=0.6).run()
     (attempt,) = store.attempts(screen_id)  # never reaped: its own reaper would have made it lost
     assert outcome.status == "done" and attempt.status == "done"
     assert len(renewals) >= 3 and all(granted for _, granted in renewals)  # every 0.2 s over about 0.72 s

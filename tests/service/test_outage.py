@@ -2,7 +2,8 @@
 
 from itertools import islice
 
-from packbench.service.scheduler_outage import OUTAGE_BACKOFF_S, Outage, outage_delays
+from packbench.service.dispatcher.rules import OUTAGE_BACKOFF_S, outage_delays
+from packbench.service.dispatcher.state import Outage
 
 
 def test_probes_back_off_to_a_cap_and_never_stop():
