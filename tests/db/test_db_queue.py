@@ -111,7 +111,7 @@ def test_claim_places_on_nodes(queue):
     p = protocol(queue)
     pinned = queue.create_screen(protocol_id=p, submitter="a", placement_node="node-b", priority=9)
     d = queue.register_dispatcher("d", "h")
-    replicas = queue.create_replicas(3, protocol_id=p, submitter="a", priority=5)
+    replicas = queue.create_screens(3, spread=True, protocol_id=p, submitter="a", priority=5)
     assert len({queue.screen(i).replica_group for i in replicas}) == 1
     # node-a: the pinned screen is not for it; one replica only.
     first = claim(queue, d, node="node-a")
@@ -161,7 +161,7 @@ def test_a_look_ahead_claim_ignores_the_slots_own_attempt_on_the_node(queue):
     assert claim(queue, d, node="n1") is None
     # ... but not the worker that runs it, once it looks ahead in turn.
     assert claim(queue, d, node="n1", follows_attempt=after.attempt.id) is not None
-    group = queue.create_replicas(2, protocol_id=p, submitter="a", priority=3)
+    group = queue.create_screens(2, spread=True, protocol_id=p, submitter="a", priority=3)
     on_n2 = claim(queue, d, node="n2")
     assert on_n2.screen.id == group[0]
     assert claim(queue, d, node="n2", follows_attempt=on_n2.attempt.id) is None  # its replica needs another node

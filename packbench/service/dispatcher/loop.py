@@ -12,7 +12,6 @@ import platform
 import signal
 import threading
 import time
-from datetime import datetime
 from pathlib import Path
 from typing import Callable
 
@@ -23,6 +22,7 @@ from packbench.core.source import source_freeze
 from packbench.db.errors import DatabaseUnavailable
 from packbench.service.dispatcher.claims import Claims
 from packbench.service.dispatcher.fleet import Fleet
+from packbench.service.dispatcher.holders import holder_alive, process_alive
 from packbench.service.dispatcher.lifecycle import Lifecycle
 from packbench.service.dispatcher.outage import OutageWatch
 from packbench.service.dispatcher.pool import Reply, WorkerPool
@@ -32,29 +32,6 @@ from packbench.service.dispatcher.upkeep import Upkeep
 from packbench.service.screen import ScreenOutcome
 
 log = logging.getLogger("packbench.service.dispatcher")
-
-
-def process_alive(pid: int) -> bool:
-    """Whether process `pid` exists on this host (engine/gpu_lock.py's, torch-free: /proc only)."""
-    from packbench.engine.gpu_lock import process_alive as alive
-
-    return alive(pid)
-
-
-def holder_alive(pid: int, started_at: datetime) -> bool:
-    """Whether the dispatcher that registered as `pid` at `started_at` still runs on this host:
-    the process exists and had started by then (a pid the system gave to a later process is
-    not the dispatcher). Where the start time cannot be read, the process counts as alive."""
-    if not process_alive(pid):
-        return False
-    try:
-        ticks = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])  # field 22, starttime
-        boot = next(int(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines()
-                    if line.startswith("btime "))
-    except (OSError, ValueError, IndexError, StopIteration):
-        return True
-    began = boot + ticks / os.sysconf("SC_CLK_TCK")
-    return began <= started_at.timestamp() + 2.0  # btime is whole seconds
 
 
 class Dispatcher:
