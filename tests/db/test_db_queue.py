@@ -338,6 +338,38 @@ def test_renew_and_expiry_requeue_up_to_max_attempts(queue, clock):
     assert claim(queue, d) is None
 
 
+def test_a_holder_on_the_reapers_host_is_judged_by_its_process_not_its_lease(queue, clock):
+    """A live dispatcher on the reaper's host keeps its expired lease (a `dispatch --follow` that
+    waited out a database outage longer than the lease renews it once it can: reaping it threw
+    away 23 episodes); a dead one loses its unexpired lease at once (a SIGKILLed driver held its
+    screen for the whole lease). Another host's leases are judged by expiry alone."""
+    p = protocol(queue)
+    live_screen, far_screen, dead_screen = (queue.create_screen(protocol_id=p, submitter="a") for _ in range(3))
+    live = queue.register_dispatcher("live", "here", pid=101)
+    dead = queue.register_dispatcher("dead", "here", pid=202)
+    far = queue.register_dispatcher("far", "elsewhere", pid=202)
+    claim(queue, live, lease_s=10)
+    clock.advance(5)
+    claim(queue, far, lease_s=10)
+    claim(queue, dead, lease_s=600)
+    clock.advance(8)  # live's lease expired 3 s ago; far's and dead's have not
+    seen = []
+
+    def alive(pid, started_at):
+        seen.append((pid, started_at))
+        return pid == 101
+
+    reaped = queue.reap_expired(host="here", alive=alive)
+    assert [(r.screen_id, r.why) for r in reaped] == [(dead_screen, "its dispatcher (pid 202 on here) is gone")]
+    assert queue.latest_attempt(dead_screen).status == "lost" and queue.screen(dead_screen).status == "queued"
+    assert "pid 202 on here" in queue.latest_attempt(dead_screen).error
+    assert queue.latest_attempt(live_screen).status == "running" and (101, T0) in seen
+    clock.advance(10)  # far's lease expires: another host's process cannot be seen, its lease decides
+    assert [r.screen_id for r in queue.reap_expired(host="here", alive=alive)] == [far_screen]
+    assert queue.latest_attempt(live_screen).status == "running"
+    assert [r.screen_id for r in queue.reap_expired()] == [live_screen]  # without a host: leases alone
+
+
 def test_attempts_without_a_lease_are_never_reaped(queue, clock):
     screen_id = queue.create_screen(protocol_id=protocol(queue), submitter="a")
     attempt = queue.start_attempt(screen_id=screen_id, worker="w", node="n", gpu_name="g", gpu_index=0,

@@ -6,74 +6,18 @@ tests/cluster/test_dispatch.py."""
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-import pytest
-import yaml
-
 from packbench.core.archive import ArchiveReader
-from packbench.core.settings import Settings
-from packbench.db.store import Store
-from packbench.service.dispatcher import Dispatcher
 from packbench.service.dispatcher.state import Moment, Stop
 from packbench.service.submit import submit
+from tests.service.screens import dispatcher, protocol_file, rows
 from tests.service.fake_pool import FakePool
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def protocol_file(folder: Path, *, prompts: int = 1, continuation: int = 2, name: str = "fake-screen") -> Path:
-    body = {"schema": 2, "name": name,
-            "model": {"synth": {"shape": "tiny", "dtype": "float32", "sparsity": 0.94, "seed": 0}},
-            "dtype": "float32", "prompts": {"generator": {"seed": 0, "count": prompts}}, "prefix_tokens": 8,
-            "continuation_tokens": continuation,
-            "conditions": [{"policy": "dense-stream"}, {"policy": "packet"}], "reference": "dense-stream",
-            "warmups": 1, "allowance_mib": 64, "gates": {"faithfulness": {}}}
-    path = folder / f"{name}-{prompts}x{continuation}.yaml"
-    path.write_text(yaml.safe_dump(body))
-    return path
-
-
-@pytest.fixture(scope="module")
-def migrated(tmp_path_factory) -> Path:
-    """One database at head, copied for each test (migrating per test costs more than the tests)."""
-    path = tmp_path_factory.mktemp("template") / "packbench.db"
-    with Store(f"sqlite:///{path}") as s:
-        s.upgrade()
-    return path
-
-
-@pytest.fixture
-def store(migrated, tmp_path):
-    path = tmp_path / "packbench.db"
-    shutil.copy(migrated, path)
-    with Store(f"sqlite:///{path}", retry_delays=(0.01,)) as s:
-        yield s
-
-
-@pytest.fixture(autouse=True)
-def _fixed_freeze(monkeypatch):
-    import packbench.service.dispatcher.loop
-
-    # The source freeze hashes the engine and asks git (tens of ms each dispatcher): not what is tested.
-    monkeypatch.setattr(packbench.service.dispatcher.loop, "source_freeze", lambda: {"git_commit": "test"})
-
-
-def dispatcher(store, tmp_path, pool, **options) -> Dispatcher:
-    said: list[str] = []
-    options.setdefault("lease_s", 30)
-    s = Dispatcher(store, Settings(archive_dir=tmp_path / "archives"), pool,
-                  progress=lambda message, **event: said.append(message), **options)
-    s.said = said  # type: ignore[attr-defined]
-    return s
-
-
-def rows(store, attempt_id: int) -> list[int]:
-    return [e.plan_index for e in store.episodes(attempt_id)]
 
 
 def test_the_dispatcher_imports_no_ray():
