@@ -148,3 +148,44 @@ def test_leases_are_renewed_while_a_screen_runs(store, tmp_path):
     assert outcome.status == "done" and attempt.status == "done"
     assert len(renewals) >= 3 and all(granted for _, granted in renewals)  # every 0.2 s over about 0.72 s
     assert max(b - a for (a, _), (b, _) in zip(renewals, renewals[1:])) < 0.6
+
+
+def test_the_parts_keep_no_state_of_their_own(store, tmp_path):
+    """One owner: every part holds the dispatcher's State and its collaborators, nothing it
+    changes; a run (claims, a worker dying, a replacement, episodes, ends) leaves each part's
+    attributes the very objects they were."""
+    submit(store, protocol_file(tmp_path, prompts=2), replicas=2)
+    pool = FakePool(fault=lambda worker, entry: "die" if worker.index == 0 and entry["index"] == 2 else None)
+    d = dispatcher(store, tmp_path, pool, workers=1)
+    parts = {"claims": d.claims, "lifecycle": d.lifecycle, "upkeep": d.upkeep, "fleet": d.fleet, "watch": d.watch}
+    before = {name: dict(vars(part)) for name, part in parts.items()}
+    for name, attributes in before.items():
+        assert attributes["state"] is d.state, name
+        assert not [k for k, v in attributes.items() if isinstance(v, (list, set, bytearray))], name
+    outcomes = d.run()
+    assert [o.status for o in outcomes] == ["failed", "done", "done"]  # it did run: a death, a requeue, two ends
+    for name, part in parts.items():
+        assert vars(part).keys() == before[name].keys(), name
+        assert all(v is before[name][k] for k, v in vars(part).items()), name
+
+
+def test_a_full_archive_disk_fails_the_screen_that_hit_it_not_the_queue(store, tmp_path, monkeypatch):
+    """Two workers claim two screens in one turn; the archive disk is full: the first screen's
+    attempt fails (its screen queued again), the second claim is given back unharmed (no
+    attempt used), the third screen is never claimed, and the dispatcher stops saying why."""
+    import errno
+
+    import packbench.core.archive.writer
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(packbench.core.archive.writer, "_write_at", full)
+    first, second, third = submit(store, protocol_file(tmp_path), replicas=3)
+    d = dispatcher(store, tmp_path, FakePool(gpus=2), look_ahead=False)
+    (outcome,) = d.run()
+    assert (outcome.screen_id, outcome.status, outcome.storage, outcome.bad_input) == (first, "failed", True, False)
+    assert d.stopping == "archive" and d.fatal.startswith("the archive storage failed: could not create archive")
+    assert [s.status for s in map(store.screen, (first, second, third))] == ["queued"] * 3
+    assert [a.status for a in store.attempts(second)] == ["interrupted"] and store.screen(second).attempts_used == 0
+    assert store.attempts(third) == [] and store.screen(first).attempts_used == 1
