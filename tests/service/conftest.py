@@ -12,9 +12,9 @@ import pytest
 from packbench.db.store import Store
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def migrated(tmp_path_factory) -> Path:
-    """One database at head, copied for each test (migrating per test costs more than the tests)."""
+    """One database at head, copied for each test (migrating costs more than most of the tests)."""
     path = tmp_path_factory.mktemp("template") / "packbench.db"
     with Store(f"sqlite:///{path}") as s:
         s.upgrade()

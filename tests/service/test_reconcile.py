@@ -1,0 +1,69 @@
+"""After a one-shot `dispatch` dies in a database outage: its attempt is still `running` (its
+lease has not run out) and its archive holds episodes without rows. `db reconcile`
+(service/reconcile.py) inserts them at once, since the dispatcher's process on this host is gone,
+and the audit calls the attempt unfinished (PARTIAL), never DISAGREE."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import packbench.service.dispatcher.loop
+from packbench.db.errors import DatabaseUnavailable
+from packbench.service.audit import audit_screens
+from packbench.service.reconcile import reconcile
+from packbench.service.submit import submit
+from tests.service.fake_pool import FakePool
+from tests.service.screens import dispatcher, protocol_file, rows
+
+
+def died_in_an_outage(store, tmp_path, monkeypatch, *, pid: int):
+    """A one-shot dispatcher (registered as `pid`) whose database goes away after two rows."""
+    (screen_id,) = submit(store, protocol_file(tmp_path, prompts=3))  # 8 episodes
+    real, written = store.put_episode, []
+
+    def put_episode(attempt_id, record):
+        if len(written) == 2:
+            raise DatabaseUnavailable("connection refused")
+        written.append(record["plan_index"])
+        return real(attempt_id, record)
+
+    monkeypatch.setattr(store, "put_episode", put_episode)
+    monkeypatch.setattr(store, "release", lambda *a, **k: None)  # the database is gone: nothing is given back
+    monkeypatch.setattr(packbench.service.dispatcher.loop, "os", SimpleNamespace(getpid=lambda: pid))
+    d = dispatcher(store, tmp_path, FakePool(episode_s=0.01), workers=1)
+    d.run()
+    monkeypatch.undo()
+    assert d.stopping == "database" and d.fatal
+    (attempt,) = store.attempts(screen_id)
+    assert attempt.status == "running" and rows(store, attempt.id) == [0, 1]
+    return screen_id, attempt
+
+
+def gone_pid() -> int:
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    return child.pid
+
+
+def test_db_reconcile_finds_the_rows_of_a_dead_dispatchers_running_attempt(store, tmp_path, monkeypatch):
+    screen_id, attempt = died_in_an_outage(store, tmp_path, monkeypatch, pid=gone_pid())
+    (before,) = audit_screens(store, [screen_id])
+    assert before.unfinished and before.result == "partial" and before.report.rows_pending  # not DISAGREE
+    report = reconcile(store)
+    assert report.inserted >= 1  # said "reconciled 0" while a row was missing
+    (done,) = report.attempts
+    assert done.attempt_id == attempt.id and done.check == "crc32"
+    archived = rows(store, attempt.id)
+    assert archived[:2] == [0, 1] and len(archived) == 2 + report.inserted
+    (after,) = audit_screens(store, [screen_id])
+    assert after.result == "partial" and not after.report.rows_pending
+
+
+def test_a_live_dispatchers_running_attempt_is_left_to_it(store, tmp_path, monkeypatch):
+    """Its archive is still being written: it reconciles its own rows when the database is back."""
+    import os
+
+    screen_id, attempt = died_in_an_outage(store, tmp_path, monkeypatch, pid=os.getpid())
+    assert reconcile(store).inserted == 0 and rows(store, attempt.id) == [0, 1]
