@@ -4,6 +4,9 @@ plan indexes an attempt has rows for."""
 
 from __future__ import annotations
 
+import sqlite3
+import subprocess
+import sys
 from pathlib import Path
 
 import yaml
@@ -35,3 +38,19 @@ def dispatcher(store, tmp_path, pool, **options) -> Dispatcher:
 
 def rows(store, attempt_id: int) -> list[int]:
     return [e.plan_index for e in store.episodes(attempt_id)]
+
+
+def gone_pid() -> int:
+    """The pid of a process that has ended (a killed driver's, say)."""
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    return child.pid
+
+
+def process_gone(db: Path, dispatcher_id: int) -> int:
+    """A dispatcher that ran in this test's process has ended: its row now names a pid that is
+    no process (in-process dispatchers share the test's pid, which lives on). Returns that pid."""
+    pid = gone_pid()
+    with sqlite3.connect(db) as connection:
+        connection.execute("UPDATE dispatchers SET pid = ? WHERE id = ?", (pid, dispatcher_id))
+    return pid

@@ -5,21 +5,12 @@ from __future__ import annotations
 
 import os
 import platform
-import subprocess
-import sys
 from datetime import datetime, timedelta, timezone
 
 from packbench.service.dispatcher.holders import holder_alive
 from packbench.service.submit import submit
 from tests.service.fake_pool import FakePool
-from tests.service.screens import dispatcher, protocol_file
-
-
-def gone_pid() -> int:
-    """The pid of a process that has ended (a SIGKILLed driver's, say)."""
-    child = subprocess.Popen([sys.executable, "-c", "pass"])
-    child.wait()
-    return child.pid
+from tests.service.screens import dispatcher, gone_pid, protocol_file
 
 
 def test_a_running_process_lives_an_ended_one_does_not_nor_a_later_one_with_its_pid():

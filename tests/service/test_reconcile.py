@@ -5,21 +5,17 @@ and the audit calls the attempt unfinished (PARTIAL), never DISAGREE."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
-from types import SimpleNamespace
-
-import packbench.service.dispatcher.loop
 from packbench.db.errors import DatabaseUnavailable
 from packbench.service.audit import audit_screens
 from packbench.service.reconcile import reconcile
 from packbench.service.submit import submit
 from tests.service.fake_pool import FakePool
-from tests.service.screens import dispatcher, protocol_file, rows
+from tests.service.screens import dispatcher, process_gone, protocol_file, rows
 
 
-def died_in_an_outage(store, tmp_path, monkeypatch, *, pid: int):
-    """A one-shot dispatcher (registered as `pid`) whose database goes away after two rows."""
+def died_in_an_outage(store, tmp_path, monkeypatch, *, gone: bool):
+    """A one-shot dispatcher whose database goes away after two rows; `gone`: its process has
+    ended since (else it lives on, as this test's process)."""
     (screen_id,) = submit(store, protocol_file(tmp_path, prompts=3))  # 8 episodes
     real, written = store.put_episode, []
 
@@ -31,24 +27,19 @@ def died_in_an_outage(store, tmp_path, monkeypatch, *, pid: int):
 
     monkeypatch.setattr(store, "put_episode", put_episode)
     monkeypatch.setattr(store, "release", lambda *a, **k: None)  # the database is gone: nothing is given back
-    monkeypatch.setattr(packbench.service.dispatcher.loop, "os", SimpleNamespace(getpid=lambda: pid))
     d = dispatcher(store, tmp_path, FakePool(episode_s=0.01), workers=1)
     d.run()
     monkeypatch.undo()
     assert d.stopping == "database" and d.fatal
+    if gone:
+        process_gone(tmp_path / "packbench.db", d.state.id)
     (attempt,) = store.attempts(screen_id)
     assert attempt.status == "running" and rows(store, attempt.id) == [0, 1]
     return screen_id, attempt
 
 
-def gone_pid() -> int:
-    child = subprocess.Popen([sys.executable, "-c", "pass"])
-    child.wait()
-    return child.pid
-
-
 def test_db_reconcile_finds_the_rows_of_a_dead_dispatchers_running_attempt(store, tmp_path, monkeypatch):
-    screen_id, attempt = died_in_an_outage(store, tmp_path, monkeypatch, pid=gone_pid())
+    screen_id, attempt = died_in_an_outage(store, tmp_path, monkeypatch, gone=True)
     (before,) = audit_screens(store, [screen_id])
     assert before.unfinished and before.result == "partial" and before.report.rows_pending  # not DISAGREE
     report = reconcile(store)
@@ -63,7 +54,5 @@ def test_db_reconcile_finds_the_rows_of_a_dead_dispatchers_running_attempt(store
 
 def test_a_live_dispatchers_running_attempt_is_left_to_it(store, tmp_path, monkeypatch):
     """Its archive is still being written: it reconciles its own rows when the database is back."""
-    import os
-
-    screen_id, attempt = died_in_an_outage(store, tmp_path, monkeypatch, pid=os.getpid())
+    screen_id, attempt = died_in_an_outage(store, tmp_path, monkeypatch, gone=False)
     assert reconcile(store).inserted == 0 and rows(store, attempt.id) == [0, 1]
