@@ -113,10 +113,12 @@ class Dispatcher:
     def run(self) -> list[ScreenOutcome]:
         """Until drained (or stopped); returns what became of every screen this dispatcher ran."""
         if not self.follow and self.only_screen is None:
-            self.upkeep.reap()  # a dead dispatcher's screens count as queued once their leases expired
+            # A dead dispatcher's screens count as queued once their leases expired, or at once
+            # when it ran on this host and its process is gone.
+            self.upkeep.reap()
             if not self.store.queued_screens():
-                # Nothing to drain: no pool is started (seconds, for nothing). Screens a dead
-                # dispatcher still holds are said, with when their leases let them go.
+                # Nothing to drain: no pool is started (seconds, for nothing). Screens a silent
+                # dispatcher elsewhere still holds are said, with when their leases let them go.
                 self.state.held = held_by_silent(self.store.queue_status(), host=platform.node(), alive=process_alive)
                 return self.outcomes
         archive_dir(self.settings.archive_dir)  # before a claim: a claimed attempt would fail on it
