@@ -370,6 +370,25 @@ def test_a_holder_on_the_reapers_host_is_judged_by_its_process_not_its_lease(que
     assert [r.screen_id for r in queue.reap_expired()] == [live_screen]  # without a host: leases alone
 
 
+def test_reconcile_targets_a_dead_holders_running_attempt_on_this_host(queue, clock):
+    """`db reconcile` after a one-shot dispatch died in an outage: its attempt still runs (the
+    lease has not run out) and nobody writes its archive any more; a live holder's, or one
+    whose process this host cannot see, is left to its dispatcher."""
+    p = protocol(queue)
+    for _ in range(3):
+        queue.create_screen(protocol_id=p, submitter="a")
+    dead = queue.register_dispatcher("dead", "here", pid=202)
+    live = queue.register_dispatcher("live", "here", pid=101)
+    far = queue.register_dispatcher("far", "elsewhere", pid=202)
+    orphan = claim(queue, dead).attempt
+    claim(queue, live)
+    claim(queue, far)
+    alive = lambda pid, started_at: pid == 101  # noqa: E731
+    assert queue.reconcile_targets() == []  # running attempts are their dispatchers' own
+    (target,) = queue.reconcile_targets(host="here", alive=alive)
+    assert target.attempt.id == orphan.id and target.stored == frozenset()
+
+
 def test_attempts_without_a_lease_are_never_reaped(queue, clock):
     screen_id = queue.create_screen(protocol_id=protocol(queue), submitter="a")
     attempt = queue.start_attempt(screen_id=screen_id, worker="w", node="n", gpu_name="g", gpu_index=0,
