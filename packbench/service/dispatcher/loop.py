@@ -67,6 +67,11 @@ class Dispatcher:
     # What callers read (the CLI, the API, tests): views of the state.
 
     @property
+    def id(self) -> int | None:
+        """This dispatcher's row, once registered."""
+        return self.state.id
+
+    @property
     def outcomes(self) -> list[ScreenOutcome]:
         """What became of every screen this dispatcher ran, in order."""
         return self.state.outcomes
