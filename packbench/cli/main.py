@@ -378,8 +378,8 @@ def _dispatch(store, settings: Settings, *, json_out: bool, keep_queued: bool = 
     finally:
         progress.close()
     if dispatcher.stopping == "archive":  # the storage's fault, not the input's: its own exit code
-        typer.echo(f"error: {dispatcher.fatal}; free space (or fix the mount) under {settings.archive_dir}, "
-                   f"then run `packbench dispatch` again", err=True)
+        typer.echo(f"error: {dispatcher.fatal}; every other screen stays queued: free space (or fix the mount) "
+                   f"under {settings.archive_dir}, then run `packbench dispatch` again", err=True)
         raise typer.Exit(74)
     if dispatcher.fatal:
         typer.echo(f"error: {dispatcher.fatal}", err=True)

@@ -35,7 +35,7 @@ def test_a_full_archive_disk_exits_74_and_names_no_archive_it_never_made(tmp_pat
     assert f"screen {first}: failed; no archive" in out.output and "archive: " not in out.output
     last = out.output.strip().splitlines()[-1]
     assert last.startswith("error: the archive storage failed: could not create archive ")
-    assert last.endswith("free space (or fix the mount) under " + str(tmp_path / "archives")
-                         + ", then run `packbench dispatch` again")
+    assert last.endswith("; every other screen stays queued: free space (or fix the mount) under "
+                         + str(tmp_path / "archives") + ", then run `packbench dispatch` again")
     with Store(url) as store:
         assert store.screen(second).status == "queued" and store.attempts(second) == []

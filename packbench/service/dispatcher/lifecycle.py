@@ -74,7 +74,7 @@ class Lifecycle:
         stay queued). Anything else the archive refuses is the screen's input (exit 2)."""
         if isinstance(e, ArchiveStorageError):
             if self.state.fatal is None:
-                self.state.fatal = (f"the archive storage failed: {e}; screens not yet claimed stay queued")
+                self.state.fatal = f"the archive storage failed: {e}"
             self.state.stopping = self.state.stopping or "archive"
             self.fail(active, "failed", str(e), requeue=True, storage=True)
         else:
