@@ -14,7 +14,7 @@ from packbench.core.plan import prompts
 from packbench.core.protocol import FrozenProtocol, Protocol, load
 
 # Screens one submit may queue: they go in one transaction (all or none), and a typo such as
-# `--replicas 100000000` must not queue work for months (it committed 47,473 screens in 60 s).
+# `--replicas 100000000` must not queue work for months (unbounded, one queued 47,473 screens in 60 s).
 MAX_REPLICAS = 1000
 
 

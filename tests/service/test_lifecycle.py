@@ -97,9 +97,9 @@ def test_a_screen_claimed_behind_takes_the_worker_when_the_first_ends(store, tmp
 
 
 def test_a_full_disk_at_the_start_fails_that_screen_only_and_stops_the_claims(store, tmp_path, monkeypatch):
-    """A full archive disk failed every queued screen within seconds, exit 2 (bad input), and
-    named an archive never created. Now: that attempt fails, its screen is queued again (the
-    cause is the storage's, not the screen's), and the dispatcher claims nothing more."""
+    """That attempt fails, its screen is queued again (the cause is the storage's, not the
+    screen's), and the dispatcher claims nothing more. The bug caught: every queued screen
+    failed within seconds, as bad input (exit 2), each naming an archive never created."""
     first_id, second_id = submit(store, protocol_file(tmp_path), replicas=2)
     pool = FakePool()
     life = lifecycle(store, pool)

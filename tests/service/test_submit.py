@@ -12,7 +12,8 @@ from tests.service.screens import protocol_file
 
 
 def test_replicas_are_bounded_before_anything_is_stored(store, tmp_path):
-    """`submit q.yaml --replicas 100000000` had committed 47,473 queued screens when stopped."""
+    """The bug caught: an unbounded count, with which `submit q.yaml --replicas 100000000` queued
+    47,473 screens in the 60 s it ran."""
     for count in (MAX_REPLICAS + 1, 100_000_000, 0):
         with pytest.raises(PackbenchError, match=rf"^--replicas {count}: give 1 to {MAX_REPLICAS} screens per submit"):
             submit(store, protocol_file(tmp_path), replicas=count)
@@ -20,8 +21,8 @@ def test_replicas_are_bounded_before_anything_is_stored(store, tmp_path):
 
 
 def test_replicas_are_queued_in_one_transaction_labels_included(store, tmp_path, monkeypatch):
-    """An interrupt part-way (here: labelling the third replica) queues none of them; before, each
-    replica was its own transaction and every one before the interrupt stayed queued."""
+    """An interrupt part-way (here: labelling the third replica) queues none of them. The bug
+    caught: one transaction per replica, which left every replica before the interrupt queued."""
     real, calls = packbench.db.labels.label, []
 
     def label(session, ref, **options):

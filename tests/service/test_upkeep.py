@@ -64,7 +64,7 @@ def test_tick_runs_on_a_clock_and_heartbeats(store, tmp_path):
 
 
 def test_reaping_spares_a_live_holder_here_and_takes_a_dead_one_at_once(store, tmp_path):
-    """The issue's two faults: a new `dispatch` reaped a live `dispatch --follow` on the same host
+    """The bugs caught: a new `dispatch` reaped a live `dispatch --follow` on the same host
     after an outage longer than the lease; a SIGKILLed driver's screen stayed held for its lease."""
     live_screen, dead_screen = submit(store, protocol_file(tmp_path), replicas=2)
     host = platform.node()
