@@ -126,7 +126,8 @@ def db_upgrade(db: DbUrl = None, json_out: Json = False) -> None:
 def db_reconcile(db: DbUrl = None, json_out: Json = False) -> None:
     """Insert the rows of archived episodes the database lacks (after a database outage).
 
-    Every attempt that is not running and whose archive is on this host: each episode the
+    Every attempt that is not running, or runs for a dispatcher on this host whose process is
+    gone (a one-shot dispatch that stopped in an outage), and whose archive is on this host: each episode the
     archive holds without a row is checked against the archive's SHA-256 manifest entry (an
     unsealed archive: its zip CRC-32s) and inserted; rows already there are kept. Exit 1 when an
     archived episode was refused (it is named)."""

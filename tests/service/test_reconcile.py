@@ -52,6 +52,24 @@ def test_db_reconcile_finds_the_rows_of_a_dead_dispatchers_running_attempt(store
     assert after.result == "partial" and not after.report.rows_pending
 
 
+def test_the_commands_say_partial_and_reconcile_the_rows(store, tmp_path, monkeypatch):
+    """`packbench audit --all` said DISAGREE for the attempt until its lease ran out, and
+    `packbench db reconcile` said "reconciled 0" while a row was missing."""
+    from typer.testing import CliRunner
+
+    from packbench.cli.main import app
+
+    screen_id, attempt = died_in_an_outage(store, tmp_path, monkeypatch, gone=True)
+    url = f"sqlite:///{tmp_path / 'packbench.db'}"
+    audit = CliRunner().invoke(app, ["audit", "--all", "--db", url])
+    assert audit.exit_code == 0, audit.output
+    assert audit.output.startswith(f"audit of screen {screen_id}: PARTIAL (attempt 1 running: ")
+    assert "some without a row yet (`packbench db reconcile` inserts them)" in audit.output
+    fixed = CliRunner().invoke(app, ["db", "reconcile", "--db", url])
+    assert fixed.exit_code == 0 and "reconciled 0" not in fixed.output, fixed.output
+    assert len(rows(store, attempt.id)) > 2
+
+
 def test_a_live_dispatchers_running_attempt_is_left_to_it(store, tmp_path, monkeypatch):
     """Its archive is still being written: it reconciles its own rows when the database is back."""
     screen_id, attempt = died_in_an_outage(store, tmp_path, monkeypatch, gone=False)
