@@ -3,7 +3,6 @@ queue; nothing is started (that is lifecycle.py's), no pool call is made."""
 
 from __future__ import annotations
 
-from packbench.core.settings import Settings
 from packbench.service.dispatcher.claims import Claims
 from packbench.service.dispatcher.state import Active, Slot, State
 from packbench.service.submit import submit
@@ -19,7 +18,7 @@ def ready_slot(index: int) -> Slot:
 def claims(store, tmp_path, *slots: Slot, **options) -> Claims:
     state = State(slots=list(slots), id=store.register_dispatcher("d", "fake-host", pid=None))
     options = {"only_screen": None, "look_ahead": True, **options}
-    return Claims(state, store, Settings(archive_dir=tmp_path / "archives"), lease_s=30, freeze={}, **options)
+    return Claims(state, store, archive_dir=str(tmp_path / "archives"), lease_s=30, freeze={}, **options)
 
 
 def test_each_idle_worker_claims_one_screen_in_queue_order(store, tmp_path):

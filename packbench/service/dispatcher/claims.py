@@ -7,7 +7,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from packbench.core.settings import Settings
 from packbench.service.dispatcher.state import Active, Slot, State, gpu_index, now
 
 
@@ -22,14 +21,14 @@ class Claimed:
 
 
 class Claims:
-    """Claim screens for the workers of `State.slots`.
+    """Claim screens for the workers of `State.slots`, their archives in `archive_dir` (absolute).
 
     `only_screen`: claim that screen only; `look_ahead` False: claim only for idle workers
     (bench/cluster.py --no-look-ahead measures the difference)."""
 
-    def __init__(self, state: State, store, settings: Settings, *, lease_s: float, freeze: dict,
+    def __init__(self, state: State, store, *, archive_dir: str, lease_s: float, freeze: dict,
                  only_screen: int | None, look_ahead: bool) -> None:
-        self.state, self.store, self.settings = state, store, settings
+        self.state, self.store, self.archive_dir = state, store, archive_dir
         self.lease_s, self.freeze, self.only_screen, self.look_ahead = lease_s, freeze, only_screen, look_ahead
 
     def fill(self) -> list[Claimed]:
@@ -52,7 +51,7 @@ class Claims:
     def _claim(self, slot: Slot, *, follows: Active | None = None) -> list[Claimed]:
         t0 = now()
         claim = self.store.claim_screen(
-            self.state.id, lease_s=self.lease_s, archive_dir=str(self.settings.archive_dir.resolve()),
+            self.state.id, lease_s=self.lease_s, archive_dir=self.archive_dir,
             source_freeze=self.freeze, worker=f"{slot.name} pid {slot.env.get('pid')}", node=slot.node,
             gpu_name=slot.env.get("gpu") or "cpu", gpu_index=gpu_index(slot.env),
             machine_id=self._machine(slot), gpu_types=[slot.gpu_type] if slot.gpu_type else [],

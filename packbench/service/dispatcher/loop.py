@@ -61,8 +61,8 @@ class Dispatcher:
                                    model_cache=None if settings.model_cache is None else str(settings.model_cache),
                                    progress=progress, on_outcome=on_outcome, observer=observer)
         self.upkeep = Upkeep(state, store, lease_s=lease_s, progress=progress, alive=holder_alive)
-        self.claims = Claims(state, store, settings, lease_s=lease_s, freeze=freeze, only_screen=only_screen,
-                             look_ahead=look_ahead)
+        self.claims = Claims(state, store, archive_dir=str(settings.archive_dir.resolve()), lease_s=lease_s,
+                             freeze=freeze, only_screen=only_screen, look_ahead=look_ahead)
 
     # What callers read (the CLI, the API, tests): views of the state.
 
