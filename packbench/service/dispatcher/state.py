@@ -1,8 +1,9 @@
-"""The dispatcher's state and its one owner (`State`): the workers (`Slot`), the screens they
-run (`Active`), the calls in flight (`Call`), a database outage waited out (`Outage`), what
-became of each screen, and the clocks of the upkeep. `Dispatcher` (loop.py) makes one `State`
-and hands it to each part; no part keeps state of its own. What an observer hears
-(`ScreenEvent`) is here too. The pure decisions read from it are rules.py's.
+"""Everything a dispatcher changes as it runs, in one place (`State`): the workers (`Slot`), the
+screens they run (`Active`), the calls in flight (`Call`), a database outage waited out
+(`Outage`), what became of each screen, and the clocks of the upkeep. Its one owner is
+`Dispatcher` (loop.py), which makes one `State` and hands it to each part; no part keeps state
+of its own. What an observer hears (`ScreenEvent`) is here too; the pure decisions read from it
+are rules.py's.
 """
 
 from __future__ import annotations
