@@ -43,7 +43,7 @@ from packbench.core.archive.zipformat import (
     local_header,
 )
 from packbench.core.canonical import canonical_json, sha256_hex
-from packbench.core.errors import ArchiveError
+from packbench.core.errors import ArchiveError, ArchiveStorageError
 
 _MIN_ROOM = 1 << 20
 
@@ -118,7 +118,7 @@ class ArchiveWriter:
                 f"write this attempt to a new path"
             ) from None
         except OSError as e:
-            raise ArchiveError(f"could not create archive {self.path} ({e}); check disk space and permissions") from None
+            raise ArchiveStorageError(f"could not create archive {self.path} ({e}); check disk space and permissions") from None
         self._closer = weakref.finalize(self, os.close, self._fd)
         try:
             # An empty but valid zip (its end record alone): the attempt exists from the first moment.
@@ -134,7 +134,7 @@ class ArchiveWriter:
             # no empty archive behind for every later audit to trip on.
             with contextlib.suppress(OSError):
                 os.unlink(self.path)
-            raise ArchiveError(
+            raise ArchiveStorageError(
                 f"could not create archive {self.path} ({e}); check disk space and permissions"
             ) from None
 
@@ -324,7 +324,7 @@ class ArchiveWriter:
     def _append_failed(self, name: str, e: OSError) -> ArchiveError:
         """Mark the writer failed; the one-line error for a member that could not be appended."""
         self._fail(f"{type(e).__name__}: {e}")
-        return ArchiveError(f"could not append member {name} to archive {self.path} ({e}); check disk space, "
+        return ArchiveStorageError(f"could not append member {name} to archive {self.path} ({e}); check disk space, "
                             f"permissions and who else touches the file, then rerun as a new attempt")
 
     def _commit(self, header: bytes, payload: bytes, entry: bytes, name: str, *, last: bool,
