@@ -20,8 +20,37 @@ def _db_given_first(ctx: typer.Context, param: typer.CallbackParam, value: str |
     return value
 
 
+def _db_not_empty(ctx: typer.Context, param: typer.CallbackParam, value: str | None) -> str | None:
+    """`--db ''` (an unset variable in a script, say) is refused, not read as "the default"."""
+    if value is not None and not value.strip():
+        raise typer.BadParameter(f"is empty; give a database URL such as {DEFAULT_DB_URL}, or leave --db out")
+    return value
+
+
+def _db_option(ctx: typer.Context, param: typer.CallbackParam, value: str | None) -> str | None:
+    return _db_not_empty(ctx, param, _db_given_first(ctx, param, value))
+
+
+# Integers the database stores are PostgreSQL `integer` columns (32-bit, SQLite takes 64):
+# a value beyond them is refused where it is read, not by the driver (an OverflowError on SQLite).
+DB_INT_MAX = 2**31 - 1
+DB_INT_MIN = -(2**31)
+# The longest wait an option may ask for: a `timedelta` holds ~2.7e11 days; a day of seconds
+# times ten thousand is far past any real lease or timeout and far inside every clock type.
+MAX_SECONDS = 86_400 * 10_000
+
+
+def finite(ctx: typer.Context, param: typer.CallbackParam, value: float | None) -> float | None:
+    """A float option's callback: nan and +-inf are refused (click's ranges pass nan)."""
+    import math
+
+    if value is not None and not math.isfinite(value):
+        raise typer.BadParameter(f"{value} is not a finite number")
+    return value
+
+
 DB_HELP = f"Database URL (default {DEFAULT_DB_URL}); also `packbench --db URL COMMAND`."
-DbUrl = Annotated[Optional[str], typer.Option("--db", envvar=DB_URL_ENV, callback=_db_given_first, help=DB_HELP)]
+DbUrl = Annotated[Optional[str], typer.Option("--db", envvar=DB_URL_ENV, callback=_db_option, help=DB_HELP)]
 Json = Annotated[bool, typer.Option("--json", help="Print the result as one JSON document on stdout.")]
 Address = Annotated[Optional[str], typer.Option(
     envvar=RAY_ADDRESS_ENV, help="Join this Ray cluster (host:port of the head) instead of an embedded local one.")]

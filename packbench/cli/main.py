@@ -13,7 +13,8 @@ import typer
 from typer.core import TyperGroup
 
 from packbench.cli import audit_cmd, history, ingest, keys, labels, model_stats, protocol_cmd, query, report
-from packbench.cli.common import DB_HELP, Address, ArchiveDir, DbUrl, Json, echo_json, open_store, output_dir, settings_of
+from packbench.cli.common import (DB_HELP, DB_INT_MAX, DB_INT_MIN, MAX_SECONDS, Address, ArchiveDir, DbUrl, Json,
+                                  _db_not_empty, echo_json, finite, open_store, output_dir, settings_of)
 from packbench.cli.summary import screen_summary, verdict_table
 from packbench.core.errors import ClusterUnreachable, PackbenchError
 from packbench.core.settings import (DB_URL_ENV, DEFAULT_CONNECT_TIMEOUT_S, DEFAULT_PLACEMENT_TIMEOUT_S, ENVIRONMENT,
@@ -190,11 +191,11 @@ def options(
     verbose: Annotated[bool, typer.Option("--verbose", "-v", envvar="PACKBENCH_VERBOSE",
                                           help="Log events, and let worker logs reach this terminal.")] = False,
     placement_timeout: Annotated[float, typer.Option(
-        envvar="PACKBENCH_PLACEMENT_TIMEOUT_S", help="Seconds a GPU worker may stay unplaced.")] = DEFAULT_PLACEMENT_TIMEOUT_S,
+        max=MAX_SECONDS, callback=finite, envvar="PACKBENCH_PLACEMENT_TIMEOUT_S", help="Seconds a GPU worker may stay unplaced.")] = DEFAULT_PLACEMENT_TIMEOUT_S,
     connect_timeout: Annotated[float, typer.Option(
-        envvar="PACKBENCH_CONNECT_TIMEOUT_S", help="Seconds joining a Ray cluster (--address) may take.")] = DEFAULT_CONNECT_TIMEOUT_S,
+        max=MAX_SECONDS, callback=finite, envvar="PACKBENCH_CONNECT_TIMEOUT_S", help="Seconds joining a Ray cluster (--address) may take.")] = DEFAULT_CONNECT_TIMEOUT_S,
     embedded_gpus: Annotated[Optional[int], typer.Option(
-        min=1, envvar="PACKBENCH_EMBEDDED_GPUS",
+        min=1, max=1024, envvar="PACKBENCH_EMBEDDED_GPUS",
         help="GPUs the embedded Ray declares (default: the host's; one logical GPU on a CPU-only machine).")] = None,
     model_cache: Annotated[Optional[Path], typer.Option(
         envvar="PACKBENCH_MODEL_CACHE", help="Where workers generate synthetic checkpoints "
@@ -204,7 +205,7 @@ def options(
                                              "sealed archive (ARCHIVE.sig).")] = None,
     debug: Annotated[bool, typer.Option("--debug", envvar="PACKBENCH_DEBUG",
                                         help="On an error, print its traceback before the one-line message.")] = False,
-    db: Annotated[Optional[str], typer.Option("--db", envvar=DB_URL_ENV, help=DB_HELP)] = None,
+    db: Annotated[Optional[str], typer.Option("--db", envvar=DB_URL_ENV, callback=_db_not_empty, help=DB_HELP)] = None,
     threads: Annotated[Optional[str], typer.Option(
         "--worker-threads", envvar=WORKER_THREADS_ENV, show_default=False,
         help="Host threads of each GPU worker's gathers (default: its share of the host's cores).")] = None,
@@ -227,10 +228,11 @@ def options(
 def submit(
     ctx: typer.Context,
     protocol: Annotated[Path, typer.Argument(help="Protocol YAML file.")],
-    wait: Annotated[bool, typer.Option("--wait", help="Run the screen now (this command claims it) and wait for "
+    wait: Annotated[bool, typer.Option("--wait", show_default=False, help="Run the screen now (this command claims it) and wait for "
                                                       "its verdicts.")] = False,
-    priority: Annotated[int, typer.Option(help="Higher runs first; FIFO within a priority.")] = 0,
-    max_attempts: Annotated[int, typer.Option(min=1, help="Claims before a screen whose workers keep dying or "
+    priority: Annotated[int, typer.Option(min=DB_INT_MIN, max=DB_INT_MAX,
+                                          help="Higher runs first; FIFO within a priority.")] = 0,
+    max_attempts: Annotated[int, typer.Option(min=1, max=DB_INT_MAX, help="Claims before a screen whose workers keep dying or "
                                                           "whose leases keep expiring is failed.")] = 3,
     gpu_type: Annotated[Optional[str], typer.Option(help="Only a worker with this GPU type (Ray's accelerator_type, "
                                                          "e.g. H200) may run it; overrides placement.accelerator_type.")] = None,
@@ -261,6 +263,9 @@ def submit(
     store = open_store(settings.db_url)  # refuse an old database before anything else
     from packbench.service.submit import submit as queue_screens
 
+    if keep_queued and not wait:
+        raise PackbenchError("--keep-queued says what an interrupted --wait leaves behind; without --wait the "
+                             "screen is only queued (nothing was queued): add --wait, or drop --keep-queued")
     if wait and replicas > 1:
         raise PackbenchError("--wait runs one screen; queue replicas without --wait and run `packbench dispatch`")
     if sweep and (replicas > 1 or spread):
@@ -327,7 +332,7 @@ def dispatch(
                                                           "database outage of any length.")] = False,
     workers: Annotated[Optional[int], typer.Option(min=1, help="Worker actors to keep (default: one per GPU of the "
                                                               "cluster).")] = None,
-    lease: Annotated[float, typer.Option(min=1.0, help="Seconds a claim holds without renewal; renewed every third.")] = 60.0,
+    lease: Annotated[float, typer.Option(min=1.0, max=MAX_SECONDS, callback=finite, help="Seconds a claim holds without renewal; renewed every third.")] = 60.0,
     archive_dir: ArchiveDir = Path("archives"),
     db: DbUrl = None,
     json_out: Annotated[bool, typer.Option("--json", help="One JSON object per screen, one per line (JSON Lines).")] = False,
@@ -441,5 +446,29 @@ def main() -> None:
             os._exit(2)
         sys.exit(2)
     except KeyboardInterrupt:
-        typer.echo("interrupted; the attempt is recorded as interrupted", err=True)
+        typer.echo("interrupted", err=True)
         sys.exit(130)
+    except Exception as e:  # a bug, not bad input: its own exit code, and the traceback kept in a file
+        typer.echo(unexpected(e), err=True)
+        sys.exit(UNEXPECTED_EXIT)
+
+
+UNEXPECTED_EXIT = 70  # sysexits.h EX_SOFTWARE: an internal error, never 2 (bad input)
+
+
+def unexpected(error: Exception) -> str:
+    """One line for an unexpected exception, naming the file its traceback was written to
+    (a temporary file: the terminal gets one line, the report gets the whole story)."""
+    import tempfile
+
+    text = "".join(traceback.format_exception(error))
+    try:
+        fd, where = tempfile.mkstemp(prefix="packbench-traceback-", suffix=".txt")
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(f"packbench {' '.join(sys.argv[1:])}\n{text}")
+        kept = f"traceback in {where}"
+    except OSError:  # no writable temporary directory: the traceback goes to the terminal after all
+        sys.stderr.write(text)
+        kept = "traceback above"
+    return one_line(f"error: unexpected {type(error).__name__}: {str(error)[:300]} ({kept}); this is a packbench bug: "
+                    f"report it with the command you ran and that traceback")

@@ -35,9 +35,7 @@ def register(app: typer.Typer) -> None:
 
 
 def _load(path: Path) -> FrozenProtocol:
-    if not path.is_file():
-        raise PackbenchError(f"no protocol file {path}; give the path of a protocol YAML (see docs/protocol.md)")
-    return load(path)
+    return load(path)  # a missing path, a directory, a FIFO or a device: one line that says which
 
 
 def _policy(c: Condition) -> str:
@@ -60,9 +58,11 @@ def validate(
     """Check every field and freeze the protocol; print its name, schema, SHA-256, episode count
     and what each condition runs with."""
     from packbench.core.plan import plan
+    from packbench.service.submit import check_positions
 
     frozen = _load(protocol)
     p = frozen.protocol
+    check_positions(frozen)  # model.path: a checkpoint directory whose positions hold an episode, as submit checks
     if json_out:
         typer.echo(json.dumps({"valid": True, "name": p.name, "schema": frozen.body["schema"],
                                "read_as": frozen.read_as or frozen.body["schema"], "sha256": frozen.sha256,
@@ -158,6 +158,7 @@ def plan_cmd(
         return
     activity = _activity(frozen, sparsity)
     shape = _shape(frozen, None if shape is None else shape.value)
+    _check_positions(frozen, shape)
     entries = plan(p)
     est = estimate(p, shape=shape, activity=activity, h2d_gbps=h2d_gbps)
     timing = _timing(p, est, device=device or device_here(), db=db)
@@ -171,6 +172,23 @@ def plan_cmd(
     typer.echo(table(entries, ["index", "condition", "role", "prompt", "repetition"]))
     typer.echo("")
     _print_estimate(p, est, timing, shape=shape, h2d_gbps=h2d_gbps)
+
+
+def _check_positions(frozen: FrozenProtocol, shape) -> None:
+    """An episode must fit the model's positions: the checkpoint's own when it is here (what
+    submit checks), else the --shape the plan is made for."""
+    from packbench.core.protocol.schema import positions_refusal
+    from packbench.service.submit import check_positions
+
+    model_dir = frozen.model_dir()
+    if model_dir is not None and model_dir.exists():
+        check_positions(frozen)
+        return
+    p = frozen.protocol
+    refusal = positions_refusal(p.prefix_tokens, p.continuation_tokens, positions=shape.max_positions,
+                                model=f"the {shape.layers}-layer shape the plan is made for")
+    if refusal:
+        raise PackbenchError(f"protocol field `prefix_tokens`: {refusal}")
 
 
 def _activity(frozen: FrozenProtocol, sparsity: float | None):

@@ -23,6 +23,8 @@ def _join(path: str, key: str) -> str:
 def _mapping(value: Any, path: str, *, allowed: dict[str, bool]) -> dict:
     """Check `value` is a mapping with only `allowed` keys (key -> required)."""
     if not isinstance(value, dict):
+        if not path:  # the whole document
+            raise ProtocolError(f"a protocol is a mapping of fields (name:, model:, ...), got {_show(value)}")
         _fail(path, f"expected a mapping, got {_show(value)}")
     for key in value:
         if key not in allowed:
@@ -76,9 +78,16 @@ def _choice(value: Any, path: str, choices: tuple[str, ...]) -> str:
     return value
 
 
-def _string(value: Any, path: str, what: str) -> str:
+MAX_STRING = 4096  # PATH_MAX: the longest path a file system takes; a name is far shorter
+
+
+def _string(value: Any, path: str, what: str, *, max_chars: int = MAX_STRING) -> str:
     if not isinstance(value, str) or not value.strip():
         _fail(path, f"{_show(value)} is not allowed; expected {what}")
+    if len(value) > max_chars:  # stored in every screen row and printed by `screens list`
+        _fail(path, f"{len(value)} characters, more than {max_chars}; expected {what}")
+    if "\x00" in value:  # PostgreSQL refuses NUL in text and no file system has it in a path: refused on both databases
+        _fail(path, f"{_show(value)} holds a NUL character; expected {what}")
     return value
 
 

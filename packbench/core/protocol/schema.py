@@ -51,6 +51,7 @@ from packbench.core.registry import (
     POLICY_NAMES,
     POLICY_PARAMS,
     SCHEMA3_DEFAULTS,
+    SHAPES,
     SYNTH_SHAPES,
     DEFAULT_PROFILE,
     fastest_mode,
@@ -83,6 +84,7 @@ MAX_EPISODES = 100_000  # planned episodes, warmups included
 MAX_CONDITIONS = 16
 MAX_PROMPTS = 100_000
 MAX_PROMPT_TOKENS = 1 << 21  # prompts x prefix_tokens: the token ids plan.json holds (<= ~13 MB of JSON)
+MAX_NAME = 200  # a protocol's name: `screens list` prints it in every row
 MAX_BATCH = 64  # sequences decoded together (issue 26 measures 1 to 32)
 MAX_RESAMPLES = 100_000  # per runtime gate entry
 # Draws of every runtime bootstrap of a screen together: sum over runtime entries and compared
@@ -473,7 +475,7 @@ def _full(raw: Any, *, base_dir: Path | None) -> dict:
     names = tuple(c["name"] for c in conditions)
     full = {
         "schema": 2,
-        "name": _string(p["name"], "name", "a non-empty string"),
+        "name": _string(p["name"], "name", f"a non-empty string of at most {MAX_NAME} characters", max_chars=MAX_NAME),
         "model": _model(p["model"], schema=declared),
         "dtype": _choice(p["dtype"], "dtype", DTYPE_NAMES),
         "prompts": _prompts(p["prompts"], base_dir=base_dir, prefix_tokens=prefix),
@@ -514,9 +516,31 @@ def _full(raw: Any, *, base_dir: Path | None) -> dict:
     return full
 
 
+def positions_needed(prefix_tokens: int, continuation_tokens: int) -> int:
+    """Positions an episode's sequence reaches: the prompt, then one token fed back per decode
+    call (the last generated token is never fed back)."""
+    return prefix_tokens + continuation_tokens - 1
+
+
+def positions_refusal(prefix_tokens: int, continuation_tokens: int, *, positions: int, model: str) -> str | None:
+    """Why an episode cannot fit `model`'s `positions`, or None: checked before anything is
+    queued (a sequence past the last position is an IndexError inside the model, at run time)."""
+    needed = positions_needed(prefix_tokens, continuation_tokens)
+    if needed <= positions:
+        return None
+    return (f"prefix_tokens {prefix_tokens} + continuation_tokens {continuation_tokens} - 1 = {needed} positions, "
+            f"but {model} has {positions}; lower prefix_tokens or continuation_tokens")
+
+
 def _cross_checks(full: dict) -> None:
     """Rules that tie sections together: a protocol whose gates could never be decided is refused."""
     gates, ref = full["gates"], full["reference"]
+    if "synth" in full["model"]:  # a model.path checkpoint's positions are its config.json's (service/submit.py)
+        shape = full["model"]["synth"]["shape"]
+        refusal = positions_refusal(full["prefix_tokens"], full["continuation_tokens"],
+                                    positions=SHAPES[shape]["max_positions"], model=f"the synthetic {shape} shape")
+        if refusal:
+            _fail("prefix_tokens", refusal)
     if "text_file" in full["prompts"] and "path" not in full["model"]:
         _fail("prompts.text_file", "needs model.path: the checkpoint's tokenizer encodes the text "
                                    "(a synthetic model has none); use token_file or generator")
