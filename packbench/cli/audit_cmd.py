@@ -18,7 +18,7 @@ from typing import Annotated, Optional
 import typer
 from typer.core import TyperGroup
 
-from packbench.cli.common import DbUrl, settings_of
+from packbench.cli.common import DbUrl, finite, settings_of
 from packbench.cli.summary import verdict_table
 from packbench.core.errors import PackbenchError
 from packbench.core.text import one_line
@@ -85,7 +85,7 @@ Trust = Annotated[Optional[list[Path]], typer.Option(
     help="A trusted signer's public key file (repeatable). The archive's signature (ARCHIVE.sig) must be valid "
          "and by one of them; unsigned, unknown-signer and bad-signature archives never agree.")]
 MaxMib = Annotated[Optional[int], typer.Option(
-    min=1, help="Raise the archive size bounds (1 GiB file, 640 MiB of members) to this many MiB for a large "
+    min=1, max=1 << 20, help="Raise the archive size bounds (1 GiB file, 640 MiB of members) to this many MiB for a large "
                 "archive you trust; the stated audit time and memory bound then no longer hold.")]
 Screens = Annotated[Optional[list[str]], typer.Argument(help="Screen ids, or `latest`.")]
 AllScreens = Annotated[bool, typer.Option("--all", help="Every screen that ran.")]
@@ -151,11 +151,11 @@ def audit_screen_cmd(
         help="Audit this archive file as the one screen's (exactly one screen id).")] = None,
     on_ray: OnRay = False,
     address: RayAddress = None,
-    concurrency: Annotated[int, typer.Option(min=1, help="Audit tasks in flight at once (--ray).")] = 8,
+    concurrency: Annotated[int, typer.Option(min=1, max=1024, help="Audit tasks in flight at once (--ray).")] = 8,
     other_node: Annotated[Optional[bool], typer.Option(
         "--other-node/--any-node", help="Audit on a node other than the archive's producer (--ray; default: "
                                         "when the cluster has several nodes).")] = None,
-    repeat: Annotated[int, typer.Option(min=1, help="Audit each archive this many times on distinct nodes "
+    repeat: Annotated[int, typer.Option(min=1, max=1024, help="Audit each archive this many times on distinct nodes "
                                                     "(--ray); their digests must agree.")] = 1,
     max_mib: MaxMib = None,
     db: DbUrl = None,
@@ -239,12 +239,12 @@ def audit_reexecute_cmd(
     ctx: typer.Context,
     screens: Screens = None,
     count: Annotated[int, typer.Option(
-        "--count", min=1, help="Re-run this many episodes drawn by --seed (at least one per condition) on a GPU "
+        "--count", min=1, max=100_000, help="Re-run this many episodes drawn by --seed (at least one per condition) on a GPU "
                                "worker of the archive's accelerator type; logits, tokens and every ledger byte must "
                                "be equal, times and memory peaks within the tolerances of docs/archive.md.")] = 1,
-    seed: Annotated[int, typer.Option(min=0, help="Seed of the draw.")] = 0,
+    seed: Annotated[int, typer.Option(min=0, max=2**63 - 1, help="Seed of the draw.")] = 0,
     time_factor: Annotated[Optional[float], typer.Option(
-        help="How far (a factor either way) a condition's median episode wall may be from the archived one "
+        callback=finite, help="How far (a factor either way) a condition's median episode wall may be from the archived one "
              "(default 2; recorded with the audit). Tiny CPU episodes are noise: widen it there.")] = None,
     archive: Annotated[Optional[Path], typer.Option(
         help="Re-execute this archive file: alone (no database), or as the one screen's.")] = None,

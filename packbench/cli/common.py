@@ -49,6 +49,14 @@ def finite(ctx: typer.Context, param: typer.CallbackParam, value: float | None) 
     return value
 
 
+def seconds(ctx: typer.Context, param: typer.CallbackParam, value: float | None) -> float | None:
+    """A duration option's callback: a finite number of seconds > 0, at most MAX_SECONDS."""
+    value = finite(ctx, param, value)
+    if value is not None and not 0 < value <= MAX_SECONDS:
+        raise typer.BadParameter(f"{value} is not a number of seconds in (0, {MAX_SECONDS}]")
+    return value
+
+
 DB_HELP = f"Database URL (default {DEFAULT_DB_URL}); also `packbench --db URL COMMAND`."
 DbUrl = Annotated[Optional[str], typer.Option("--db", envvar=DB_URL_ENV, callback=_db_option, help=DB_HELP)]
 Json = Annotated[bool, typer.Option("--json", help="Print the result as one JSON document on stdout.")]

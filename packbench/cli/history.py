@@ -13,11 +13,11 @@ from typing import Annotated, Optional
 
 import typer
 
-from packbench.cli.common import DbUrl, open_store, write_output
+from packbench.cli.common import DbUrl, finite, open_store, write_output
 from packbench.core.errors import PackbenchError
 
 FailAbove = Annotated[Optional[float], typer.Option(
-    "--fail-above", help="Exit 1 when a timed figure got slower by more than PCT percent (a step, or the newest "
+    "--fail-above", callback=finite, help="Exit 1 when a timed figure got slower by more than PCT percent (a step, or the newest "
                          "run beyond the bound), or any exact counter changed.", metavar="PCT")]
 
 

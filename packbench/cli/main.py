@@ -13,8 +13,8 @@ import typer
 from typer.core import TyperGroup
 
 from packbench.cli import audit_cmd, history, ingest, keys, labels, model_stats, protocol_cmd, query, report
-from packbench.cli.common import (DB_HELP, DB_INT_MAX, DB_INT_MIN, MAX_SECONDS, Address, ArchiveDir, DbUrl, Json,
-                                  _db_not_empty, echo_json, finite, open_store, output_dir, settings_of)
+from packbench.cli.common import (DB_HELP, DB_INT_MAX, DB_INT_MIN, Address, ArchiveDir, DbUrl, Json,
+                                  _db_not_empty, echo_json, open_store, seconds, output_dir, settings_of)
 from packbench.cli.summary import screen_summary, verdict_table
 from packbench.core.errors import ClusterUnreachable, PackbenchError
 from packbench.core.settings import (DB_URL_ENV, DEFAULT_CONNECT_TIMEOUT_S, DEFAULT_PLACEMENT_TIMEOUT_S, ENVIRONMENT,
@@ -191,9 +191,9 @@ def options(
     verbose: Annotated[bool, typer.Option("--verbose", "-v", envvar="PACKBENCH_VERBOSE",
                                           help="Log events, and let worker logs reach this terminal.")] = False,
     placement_timeout: Annotated[float, typer.Option(
-        max=MAX_SECONDS, callback=finite, envvar="PACKBENCH_PLACEMENT_TIMEOUT_S", help="Seconds a GPU worker may stay unplaced.")] = DEFAULT_PLACEMENT_TIMEOUT_S,
+        callback=seconds, envvar="PACKBENCH_PLACEMENT_TIMEOUT_S", help="Seconds a GPU worker may stay unplaced.")] = DEFAULT_PLACEMENT_TIMEOUT_S,
     connect_timeout: Annotated[float, typer.Option(
-        max=MAX_SECONDS, callback=finite, envvar="PACKBENCH_CONNECT_TIMEOUT_S", help="Seconds joining a Ray cluster (--address) may take.")] = DEFAULT_CONNECT_TIMEOUT_S,
+        callback=seconds, envvar="PACKBENCH_CONNECT_TIMEOUT_S", help="Seconds joining a Ray cluster (--address) may take.")] = DEFAULT_CONNECT_TIMEOUT_S,
     embedded_gpus: Annotated[Optional[int], typer.Option(
         min=1, max=1024, envvar="PACKBENCH_EMBEDDED_GPUS",
         help="GPUs the embedded Ray declares (default: the host's; one logical GPU on a CPU-only machine).")] = None,
@@ -332,7 +332,7 @@ def dispatch(
                                                           "database outage of any length.")] = False,
     workers: Annotated[Optional[int], typer.Option(min=1, help="Worker actors to keep (default: one per GPU of the "
                                                               "cluster).")] = None,
-    lease: Annotated[float, typer.Option(min=1.0, max=MAX_SECONDS, callback=finite, help="Seconds a claim holds without renewal; renewed every third.")] = 60.0,
+    lease: Annotated[float, typer.Option(min=1.0, callback=seconds, help="Seconds a claim holds without renewal; renewed every third.")] = 60.0,
     archive_dir: ArchiveDir = Path("archives"),
     db: DbUrl = None,
     json_out: Annotated[bool, typer.Option("--json", help="One JSON object per screen, one per line (JSON Lines).")] = False,

@@ -16,7 +16,7 @@ from typing import Annotated, Optional
 import typer
 
 from packbench.cli.choices import Shape
-from packbench.cli.common import DbUrl
+from packbench.cli.common import DbUrl, finite
 from packbench.cli.plan_rates import CPU, comparable, device_here, earlier_episodes, measured_estimate, model_key, this_host
 from packbench.cli.summary import table
 from packbench.core.errors import PackbenchError
@@ -122,10 +122,10 @@ def _written_activity(model_dir):
 def plan_cmd(
     protocol: ProtocolFile,
     sparsity: Annotated[Optional[float], typer.Option(
-        help="Fraction of post-ReLU activations exactly zero per token (default: model.synth's; required for "
+        callback=finite, help="Fraction of post-ReLU activations exactly zero per token (default: model.synth's; required for "
              "model.path, e.g. 0.94: pretrained OPT shows 0.90-0.97).")] = None,
     h2d_gbps: Annotated[float, typer.Option(
-        "--h2d-gbps", help="Host-to-device rate for the transfer floor, GB/s (default: pinned copies on the H200).")]
+        "--h2d-gbps", callback=finite, help="Host-to-device rate for the transfer floor, GB/s (default: pinned copies on the H200).")]
     = 55.0,
     shape: Annotated[Optional[Shape], typer.Option(
         help="The model's shape when model.path's config.json is not on this machine.")] = None,

@@ -16,7 +16,7 @@ import typer
 
 from packbench.cli import labels
 from packbench.cli.history import check_fail_above, fail_compare
-from packbench.cli.common import DbUrl, Json, open_store
+from packbench.cli.common import DB_INT_MAX, DbUrl, Json, finite, open_store, seconds
 from packbench.cli.summary import print_json, screen_summary, table, verdict_record, verdict_table
 from packbench.core.archive import WORKER_NAME, ArchiveReader, worker_parts
 from packbench.core.errors import PackbenchError
@@ -33,7 +33,8 @@ SORT_HELP = ", ".join(SORT_NAMES)
 
 Format = Annotated[Optional[str], typer.Option("--format", help="Output: table, json or csv.",
                                                autocompletion=lambda: list(FORMATS))]
-Limit = Annotated[Optional[int], typer.Option("--limit", help="At most this many rows; 0 for all.")]
+Limit = Annotated[Optional[int], typer.Option("--limit", min=0, max=DB_INT_MAX,
+                                             help="At most this many rows; 0 for all.")]
 ProtocolRef = Annotated[Optional[str], typer.Option("--protocol", help="Protocol name or SHA-256 prefix.")]
 
 
@@ -77,9 +78,9 @@ def results(
         help="Attempts started before this ISO date/time; a bare date includes that day.")] = None,
     machine: Annotated[Optional[str], typer.Option(help="Substring of the host, node or GPU name.")] = None,
     min_energy: Annotated[Optional[float], typer.Option(
-        "--min-energy", help="Only episodes whose GPU energy (NVML, joules) is at least this.")] = None,
+        "--min-energy", callback=finite, help="Only episodes whose GPU energy (NVML, joules) is at least this.")] = None,
     max_energy: Annotated[Optional[float], typer.Option(
-        "--max-energy", help="Only episodes whose GPU energy (NVML, joules) is at most this.")] = None,
+        "--max-energy", callback=finite, help="Only episodes whose GPU energy (NVML, joules) is at most this.")] = None,
     sort: Annotated[Optional[str], typer.Option(
         help=f"Order by this column (episodes without a value last): {SORT_HELP}.",
         autocompletion=lambda: list(SORT_NAMES))] = None,
@@ -363,7 +364,7 @@ def _liveness(d) -> str:
 
 def status(
     live_within: Annotated[float, typer.Option(
-        "--live-within", help="A dispatcher is live if it sent a heartbeat within this many seconds.")] = 30.0,
+        "--live-within", callback=seconds, help="A dispatcher is live if it sent a heartbeat within this many seconds.")] = 30.0,
     fmt: Format = None,
     db: DbUrl = None,
     json_out: Annotated[bool, typer.Option("--json", help="Same as --format json.")] = False,
@@ -426,7 +427,7 @@ def compare(
     protocol: Annotated[Optional[str], typer.Option(
         "--protocol", help="Instead of A and B: every machine that screened this protocol (name or SHA-256 prefix), "
                            "verdict by verdict, and whether the machines agree (exit 1 when they do not).")] = None,
-    fail_above: Annotated[Optional[float], typer.Option("--fail-above", metavar="PCT", help=(
+    fail_above: Annotated[Optional[float], typer.Option("--fail-above", metavar="PCT", callback=finite, help=(
         "Exit 1 when B's median wall, call or decode ms/token of a condition is more than PCT percent above A's, or "
         "an exact counter (bytes, rows, tokens) differs."))] = None,
     fmt: Format = None,

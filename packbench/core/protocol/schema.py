@@ -535,12 +535,6 @@ def positions_refusal(prefix_tokens: int, continuation_tokens: int, *, positions
 def _cross_checks(full: dict) -> None:
     """Rules that tie sections together: a protocol whose gates could never be decided is refused."""
     gates, ref = full["gates"], full["reference"]
-    if "synth" in full["model"]:  # a model.path checkpoint's positions are its config.json's (service/submit.py)
-        shape = full["model"]["synth"]["shape"]
-        refusal = positions_refusal(full["prefix_tokens"], full["continuation_tokens"],
-                                    positions=SHAPES[shape]["max_positions"], model=f"the synthetic {shape} shape")
-        if refusal:
-            _fail("prefix_tokens", refusal)
     if "text_file" in full["prompts"] and "path" not in full["model"]:
         _fail("prompts.text_file", "needs model.path: the checkpoint's tokenizer encodes the text "
                                    "(a synthetic model has none); use token_file or generator")
@@ -588,6 +582,12 @@ def _cross_checks(full: dict) -> None:
             if c["policy"] in COMPETITOR_PARAMS:
                 _fail(f"conditions[{i}].policy", f"{c['policy']!r} runs in engine mode eager only; drop "
                                                  f"engine.mode {full['engine']['mode']} or the condition")
+    if "synth" in full["model"]:  # a model.path checkpoint's positions are its config.json's (service/submit.py)
+        shape = full["model"]["synth"]["shape"]
+        refusal = positions_refusal(full["prefix_tokens"], full["continuation_tokens"],
+                                    positions=SHAPES[shape]["max_positions"], model=f"the synthetic {shape} shape")
+        if refusal:
+            _fail("prefix_tokens", refusal)
 
 
 def _exact_references(full: dict) -> None:
