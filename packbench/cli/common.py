@@ -93,9 +93,15 @@ def echo_json(document) -> None:
 
 
 def open_store(url: str | None, *, at_head: bool = True):
-    """The results store; refuses a database that is not at the migration head unless told not to."""
+    """The results store; refuses a database that is not at the migration head unless told not to
+    (a SQLite file that does not exist is refused without being created)."""
+    from packbench.db.session import sqlite_file
     from packbench.db.store import Store
 
+    missing = sqlite_file(url) if at_head else None
+    if missing is not None and not missing.exists():  # SQLite would create an empty file, then refuse it
+        raise PackbenchError(f"no database at {missing} (no such file here); run `packbench db upgrade` to create "
+                             f"it, or give --db (or PACKBENCH_DB_URL) the database that holds your screens")
     store = Store(url)
     if at_head:
         store.check_head()
