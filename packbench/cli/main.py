@@ -317,8 +317,10 @@ def interrupted_screen(store, screen_id: int, *, keep_queued: bool) -> str:
     except PackbenchError as e:  # it finished meanwhile, or the database is gone
         return f"interrupted: screen {screen_id} not cancelled: {e}"
     if row.status == "cancelled":
-        return (f"interrupted: screen {screen_id} cancelled, so no `packbench dispatch` runs it unasked (its "
-                f"interrupted attempt is kept); `packbench screens retry {screen_id}` queues it again")
+        attempt = store.latest_attempt(screen_id)
+        kept = f"attempt {attempt.number}, interrupted, is kept" if attempt is not None else "no attempt had started"
+        return (f"interrupted: screen {screen_id} cancelled, so no `packbench dispatch` runs it unasked ({kept}); "
+                f"`packbench screens retry {screen_id}` queues it again")
     return (f"interrupted: screen {screen_id} is still running elsewhere; a cancel is requested and it stops "
             f"after the episode in flight")
 
@@ -361,6 +363,8 @@ def _dispatch(store, settings: Settings, *, json_out: bool, keep_queued: bool = 
         if json_out:
             typer.echo(json.dumps(summary, default=str, sort_keys=True))
             return
+        if outcome.requeued and outcome.status == "interrupted" and options.get("only_screen") is not None:
+            return  # submit --wait: `interrupted_screen` says what becomes of the screen (cancelled, or kept queued)
         if outcome.requeued:  # the attempt failed, not the screen: say what happens next
             kept = (f"partial archive kept: {outcome.archive_path}" if Path(outcome.archive_path).exists()
                     else "no archive")

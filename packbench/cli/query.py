@@ -246,7 +246,7 @@ def screens_show(
     typer.echo(one_line(f"model dir: {s.model_dir or '-'}; started {_when(s.started_at) or '-'}, "
                         f"finished {_when(s.finished_at) or '-'}"))
     if not detail.attempts:
-        typer.echo("no attempts yet; run it with `packbench dispatch`")
+        typer.echo(no_attempts_advice(s.id, s.status))
         return
     tiers = store.condition_tiers([p.sha256]).get(p.sha256, {})
     attempts, verdicts, audits = [], [], []
@@ -334,6 +334,16 @@ def screens_cancel(
     else:
         typer.echo(f"screen {row.id} is running: it stops after the episode in flight, once its dispatcher "
                    f"renews its lease (`packbench status` shows it)")
+
+
+def no_attempts_advice(screen_id: int, status: str) -> str:
+    """What to do with a screen that has no attempt: only a queued one is run by `dispatch`."""
+    if status == "queued":
+        return "no attempts yet; run it with `packbench dispatch`"
+    if status == "cancelled":
+        return (f"no attempts: cancelled before any ran, so no `packbench dispatch` runs it; "
+                f"`packbench screens retry {screen_id}` queues it again")
+    return f"no attempts ({status})"
 
 
 def screens_retry(
