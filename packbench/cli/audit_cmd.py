@@ -78,7 +78,7 @@ audit_app = typer.Typer(cls=AuditGroup, help=(
     "meaning: `audit latest` and `audit --all --ray` audit screens, `audit --archive FILE` a file alone, "
     "`audit SCREEN --reexecute K` re-executes."))
 
-OnRay = Annotated[bool, typer.Option("--ray", help="Run the audits as Ray tasks (embedded, or --address).")]
+OnRay = Annotated[bool, typer.Option("--ray", metavar="", help="Run the audits as Ray tasks (embedded, or --address).")]
 # No envvar here: $PACKBENCH_RAY_ADDRESS is where screens run; an audit goes to a cluster only when told.
 RayAddress = Annotated[Optional[str], typer.Option(help="Ray cluster to run on (implies --ray for audits).")]
 Trust = Annotated[Optional[list[Path]], typer.Option(
@@ -88,11 +88,11 @@ MaxMib = Annotated[Optional[int], typer.Option(
     min=1, max=1 << 20, help="Raise the archive size bounds (1 GiB file, 640 MiB of members) to this many MiB for a large "
                 "archive you trust; the stated audit time and memory bound then no longer hold.")]
 Screens = Annotated[Optional[list[str]], typer.Argument(help="Screen ids, or `latest`.")]
-AllScreens = Annotated[bool, typer.Option("--all", help="Every screen that ran.")]
+AllScreens = Annotated[bool, typer.Option("--all", metavar="", help="Every screen that ran.")]
 Since = Annotated[Optional[str], typer.Option(help="Screens whose latest attempt started on or after this ISO "
                                                    "date/time (UTC).")]
 ProtocolRef = Annotated[Optional[str], typer.Option(help="Screens of this protocol (name or SHA-256 prefix).")]
-JsonLines = Annotated[bool, typer.Option("--json", help="One JSON object per audit, one per line (JSON Lines).")]
+JsonLines = Annotated[bool, typer.Option("--json", metavar="", help="One JSON object per audit, one per line (JSON Lines).")]
 
 
 def _trusted(trust: list[Path] | None):

@@ -59,7 +59,9 @@ def seconds(ctx: typer.Context, param: typer.CallbackParam, value: float | None)
 
 DB_HELP = f"Database URL (default {DEFAULT_DB_URL}); also `packbench --db URL COMMAND`."
 DbUrl = Annotated[Optional[str], typer.Option("--db", envvar=DB_URL_ENV, callback=_db_option, help=DB_HELP)]
-Json = Annotated[bool, typer.Option("--json", help="Print the result as one JSON document on stdout.")]
+# metavar "": typer 0.29 prints a flag as `--wait <bool>`, though a flag takes no value (`--wait true` is
+# refused), so every packbench flag declares an empty one.
+Json = Annotated[bool, typer.Option("--json", metavar="", help="Print the result as one JSON document on stdout.")]
 Address = Annotated[Optional[str], typer.Option(
     envvar=RAY_ADDRESS_ENV, help="Join this Ray cluster (host:port of the head) instead of an embedded local one.")]
 ArchiveDir = Annotated[Path, typer.Option("--archive-dir", envvar=ARCHIVE_DIR_ENV, help="Where raw archives are written.")]

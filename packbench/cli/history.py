@@ -53,7 +53,7 @@ def history_cmd(
     fail_above: FailAbove = None,
     html: Annotated[Optional[Path], typer.Option("--html", help="Write an HTML page with one plot per figure.")] = None,
     db: DbUrl = None,
-    json_out: Annotated[bool, typer.Option("--json", help="Print the history as one JSON object.")] = False,
+    json_out: Annotated[bool, typer.Option("--json", metavar="", help="Print the history as one JSON object.")] = False,
 ) -> None:
     """A protocol's screens in order of their source commit (then date): each figure's median and
     spread per commit, the steps found, and with --fail-above an exit code for CI.

@@ -66,7 +66,7 @@ def model_synth(
         help="Uniform recipe: fraction of neurons per layer that fire far more often, in [0, 1).")] = None,
     hot_bias: Annotated[Optional[float], typer.Option(
         help="Uniform recipe: their fc1 bias in units of std*sqrt(hidden), finite (0.0: ~50% active).")] = None,
-    force: Annotated[bool, typer.Option(help="Replace a checkpoint already in --out.")] = False,
+    force: Annotated[bool, typer.Option(metavar="", help="Replace a checkpoint already in --out.")] = False,
     json_out: Json = False,
 ) -> None:
     """Write a synthetic OPT checkpoint with real OPT shapes: a calibrated profile, or a uniform sparsity."""
@@ -186,9 +186,9 @@ def _print_version(value: bool) -> None:
 @app.callback()
 def options(
     ctx: typer.Context,
-    version: Annotated[bool, typer.Option("--version", callback=_print_version, is_eager=True,
+    version: Annotated[bool, typer.Option("--version", metavar="", callback=_print_version, is_eager=True,
                                           help="Print packbench's version and exit.")] = False,
-    verbose: Annotated[bool, typer.Option("--verbose", "-v", envvar="PACKBENCH_VERBOSE",
+    verbose: Annotated[bool, typer.Option("--verbose", "-v", metavar="", envvar="PACKBENCH_VERBOSE",
                                           help="Log events, and let worker logs reach this terminal.")] = False,
     placement_timeout: Annotated[float, typer.Option(
         callback=seconds, envvar="PACKBENCH_PLACEMENT_TIMEOUT_S", help="Seconds a GPU worker may stay unplaced.")] = DEFAULT_PLACEMENT_TIMEOUT_S,
@@ -203,7 +203,7 @@ def options(
     signing_key: Annotated[Optional[Path], typer.Option(
         envvar="PACKBENCH_SIGNING_KEY", help="Ed25519 private key (`packbench keys init`) that signs every "
                                              "sealed archive (ARCHIVE.sig).")] = None,
-    debug: Annotated[bool, typer.Option("--debug", envvar="PACKBENCH_DEBUG",
+    debug: Annotated[bool, typer.Option("--debug", metavar="", envvar="PACKBENCH_DEBUG",
                                         help="On an error, print its traceback before the one-line message.")] = False,
     db: Annotated[Optional[str], typer.Option("--db", envvar=DB_URL_ENV, callback=_db_not_empty, help=DB_HELP)] = None,
     threads: Annotated[Optional[str], typer.Option(
@@ -228,7 +228,7 @@ def options(
 def submit(
     ctx: typer.Context,
     protocol: Annotated[Path, typer.Argument(help="Protocol YAML file.")],
-    wait: Annotated[bool, typer.Option("--wait", show_default=False, help="Run the screen now (this command claims it) and wait for "
+    wait: Annotated[bool, typer.Option("--wait", metavar="", show_default=False, help="Run the screen now (this command claims it) and wait for "
                                                       "its verdicts.")] = False,
     priority: Annotated[int, typer.Option(min=DB_INT_MIN, max=DB_INT_MAX,
                                           help="Higher runs first; FIFO within a priority.")] = 0,
@@ -237,9 +237,9 @@ def submit(
     gpu_type: Annotated[Optional[str], typer.Option(help="Only a worker with this GPU type (Ray's accelerator_type, "
                                                          "e.g. H200) may run it; overrides placement.accelerator_type.")] = None,
     replicas: Annotated[int, typer.Option(min=1, help="Queue this many screens of the protocol.")] = 1,
-    spread: Annotated[bool, typer.Option("--spread", help="Run the replicas on distinct nodes.")] = False,
+    spread: Annotated[bool, typer.Option("--spread", metavar="", help="Run the replicas on distinct nodes.")] = False,
     keep_queued: Annotated[bool, typer.Option(
-        "--keep-queued", help="With --wait: an interrupted (Ctrl-C) screen stays queued for the next `packbench "
+        "--keep-queued", metavar="", help="With --wait: an interrupted (Ctrl-C) screen stays queued for the next `packbench "
                               "dispatch` instead of being cancelled.")] = False,
     name: labels.Name = None,
     tag: Annotated[Optional[list[str]], typer.Option("--tag", help="KEY=VALUE label, repeatable.")] = None,
@@ -329,7 +329,7 @@ def interrupted_screen(store, screen_id: int, *, keep_queued: bool) -> str:
 def dispatch(
     ctx: typer.Context,
     address: Address = None,
-    follow: Annotated[bool, typer.Option("--follow", help="Keep serving the queue until interrupted (SIGINT/SIGTERM "
+    follow: Annotated[bool, typer.Option("--follow", metavar="", help="Keep serving the queue until interrupted (SIGINT/SIGTERM "
                                                           "give held screens back to the queue), waiting out a "
                                                           "database outage of any length.")] = False,
     workers: Annotated[Optional[int], typer.Option(min=1, help="Worker actors to keep (default: one per GPU of the "
@@ -337,7 +337,7 @@ def dispatch(
     lease: Annotated[float, typer.Option(min=1.0, callback=seconds, help="Seconds a claim holds without renewal; renewed every third.")] = 60.0,
     archive_dir: ArchiveDir = Path("archives"),
     db: DbUrl = None,
-    json_out: Annotated[bool, typer.Option("--json", help="One JSON object per screen, one per line (JSON Lines).")] = False,
+    json_out: Annotated[bool, typer.Option("--json", metavar="", help="One JSON object per screen, one per line (JSON Lines).")] = False,
 ) -> None:
     """Run queued screens on a pool of GPU workers, one screen per worker at a time.
 

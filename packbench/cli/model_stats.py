@@ -38,7 +38,7 @@ def stats(
     dtype: Annotated[str, typer.Option(help=f"One of {', '.join(DTYPE_NAMES)}.",
                                        autocompletion=lambda: list(DTYPE_NAMES))] = "float32",
     device: Annotated[str, typer.Option(help="cpu, or cuda[:N].")] = "cpu",
-    json_out: Annotated[bool, typer.Option("--json", help="Print every figure (the whole union curve too) as JSON.")] = False,
+    json_out: Annotated[bool, typer.Option("--json", metavar="", help="Print every figure (the whole union curve too) as JSON.")] = False,
 ) -> None:
     """Per-layer density, union growth, consecutive overlap, hot neurons and next-token entropy of a checkpoint."""
     if prefix is not None and not 1 <= prefix <= MAX_PREFIX:

@@ -53,7 +53,7 @@ def _schema(frozen: FrozenProtocol) -> str:
 
 def validate(
     protocol: ProtocolFile,
-    json_out: Annotated[bool, typer.Option("--json", help="Print the same as one JSON object.")] = False,
+    json_out: Annotated[bool, typer.Option("--json", metavar="", help="Print the same as one JSON object.")] = False,
 ) -> None:
     """Check every field and freeze the protocol; print its name, schema, SHA-256, episode count
     and what each condition runs with."""
@@ -78,9 +78,9 @@ def validate(
 
 def show(
     protocol: ProtocolFile,
-    full: Annotated[bool, typer.Option("--full", help="The full schema-2 form (every default spelled out) instead "
+    full: Annotated[bool, typer.Option("--full", metavar="", help="The full schema-2 form (every default spelled out) instead "
                                                       "of the frozen body.")] = False,
-    json_out: Annotated[bool, typer.Option("--json", help="One JSON object: name, SHA-256, schema, body.")] = False,
+    json_out: Annotated[bool, typer.Option("--json", metavar="", help="One JSON object: name, SHA-256, schema, body.")] = False,
 ) -> None:
     """Print the frozen body (what is hashed and archived) and its SHA-256, after `#` lines
     saying what each condition runs with."""
@@ -133,7 +133,7 @@ def plan_cmd(
         help="The accelerator kind to estimate the time for, as attempts record it (e.g. 'NVIDIA H200', or cpu; "
              "default: this machine's).")] = None,
     db: DbUrl = None,
-    json_out: Annotated[bool, typer.Option("--json", help="Print the plan and the estimate as JSON.")] = False,
+    json_out: Annotated[bool, typer.Option("--json", metavar="", help="Print the plan and the estimate as JSON.")] = False,
     sweep: Annotated[Optional[list[str]], typer.Option(
         "--sweep", help="FIELD=V1,V2,... (repeatable): list the points `submit --sweep` would queue, each with its "
                         "protocol hash and estimated bytes and transfer time.")] = None,

@@ -84,7 +84,7 @@ def results(
     sort: Annotated[Optional[str], typer.Option(
         help=f"Order by this column (episodes without a value last): {SORT_HELP}.",
         autocompletion=lambda: list(SORT_NAMES))] = None,
-    desc: Annotated[bool, typer.Option("--desc", help="With --sort: largest first.")] = False,
+    desc: Annotated[bool, typer.Option("--desc", metavar="", help="With --sort: largest first.")] = False,
     tag: labels.Tags = None,
     limit: Limit = None,
     fmt: Format = None,
@@ -377,7 +377,7 @@ def status(
         "--live-within", callback=seconds, help="A dispatcher is live if it sent a heartbeat within this many seconds.")] = 30.0,
     fmt: Format = None,
     db: DbUrl = None,
-    json_out: Annotated[bool, typer.Option("--json", help="Same as --format json.")] = False,
+    json_out: Annotated[bool, typer.Option("--json", metavar="", help="Same as --format json.")] = False,
 ) -> None:
     """The queue: screens per state, running screens with progress and placement, the queue in
     claim order (with why a screen cannot be placed), dispatchers and their workers."""
@@ -442,7 +442,7 @@ def compare(
         "an exact counter (bytes, rows, tokens) differs."))] = None,
     fmt: Format = None,
     db: DbUrl = None,
-    json_out: Annotated[bool, typer.Option("--json", help="Same as --format json.")] = False,
+    json_out: Annotated[bool, typer.Option("--json", metavar="", help="Same as --format json.")] = False,
 ) -> None:
     """Compare two screens' latest attempts (scored totals with B/A ratios, energy per episode and
     per generated token, and verdicts), or with --protocol every machine that screened one protocol."""

@@ -25,7 +25,7 @@ def report(
     screens: Annotated[Optional[list[str]], typer.Argument(
         help="An archive file (.zip), or a screen id or `latest` (its latest attempt's archive, via the database). "
              "With --compare, two or more.", show_default=False)] = None,
-    compare: Annotated[bool, typer.Option("--compare", help="Put the screens side by side, with their verdict "
+    compare: Annotated[bool, typer.Option("--compare", metavar="", help="Put the screens side by side, with their verdict "
                                                             "agreement.")] = False,
     sweep: Annotated[Optional[str], typer.Option(
         "--sweep", help="Instead of screens: a sweep id (`submit --sweep`); each condition's decode ms/token, bytes "
