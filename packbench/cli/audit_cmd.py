@@ -18,7 +18,7 @@ from typing import Annotated, Optional
 import typer
 from typer.core import TyperGroup
 
-from packbench.cli.common import DbUrl, finite, settings_of
+from packbench.cli.common import DbUrl, finite, not_a_file, settings_of
 from packbench.cli.summary import verdict_table
 from packbench.core.errors import PackbenchError
 from packbench.core.text import one_line
@@ -104,8 +104,11 @@ def _trusted(trust: list[Path] | None):
 
 
 def _existing(path: Path) -> Path:
-    if not path.is_file():
+    kind = not_a_file(path)
+    if kind == "missing":
         raise PackbenchError(f"no archive at {path}; check the path")
+    if kind is not None:
+        raise PackbenchError(f"{path} is {kind}, not an archive file; give a raw archive (.zip) written by packbench")
     return path
 
 
@@ -354,6 +357,9 @@ def _print_audit(o, *, json_out: bool, detail: bool) -> None:
         typer.echo(f"error: audit of {what}: {o.error}", err=True)
         return
     report = o.report
+    if getattr(report, "unreadable", False) and not json_out:  # not an archive: one line, no empty verdict table
+        typer.echo(f"error: {what} is not an archive packbench can read: {one_line(report.problems[0])}", err=True)
+        return
     if o.unfinished and not json_out:
         typer.echo(f"audit of {what}: PARTIAL (attempt {o.attempt_number} {o.attempt_status}: "
                    f"{report.record['episodes']} of {report.record['planned']} planned episodes archived, each "

@@ -137,3 +137,20 @@ def write_output(path: Path, text: str, option: str) -> None:
         hint = "create that directory or" if not path.parent.is_dir() else "free space, check permissions, or"
         raise PackbenchError(f"{option} {path}: cannot write it ({e.strerror or type(e).__name__}); "
                              f"{hint} choose another {option}") from None
+
+
+def not_a_file(path: Path) -> str | None:
+    """What `path` is when it is no regular file to read ("a directory", "a FIFO (named pipe)",
+    "a device", "a socket", "missing"), None when it is one; from its status, never opened (a
+    FIFO's open waits for a writer)."""
+    import stat
+
+    try:
+        mode = path.stat().st_mode
+    except OSError:
+        return "missing"
+    for test, kind in ((stat.S_ISREG, None), (stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO (named pipe)"),
+                       (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return kind
+    return "a device"

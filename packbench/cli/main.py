@@ -107,6 +107,9 @@ def model_digest(
 
     if not model_dir.is_dir():
         raise PackbenchError(f"no checkpoint directory at {model_dir}; give the folder holding config.json")
+    if not (model_dir / "config.json").is_file():
+        raise PackbenchError(f"{model_dir} is a directory without config.json, not a checkpoint; give the folder "
+                             f"holding config.json")
     digest = checkpoint_digest(model_dir)
     typer.echo(json.dumps({"path": str(model_dir), "sha256": digest}) if json_out else digest)
 
