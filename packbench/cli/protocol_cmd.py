@@ -161,7 +161,7 @@ def plan_cmd(
     _check_positions(frozen, shape)
     entries = plan(p)
     est = estimate(p, shape=shape, activity=activity, h2d_gbps=h2d_gbps)
-    timing = _timing(p, est, device=device or device_here(), db=db)
+    timing = _timing(p, est, device=device or device_here(), db=db, model=model_key(p, model_dir=frozen.model_dir()))
     if json_out:
         typer.echo(json.dumps({"protocol": p.name, "sha256": p.sha256, "entries": entries, "estimate": est,
                                "time": timing}, indent=2, sort_keys=True))
@@ -213,10 +213,9 @@ def _activity(frozen: FrozenProtocol, sparsity: float | None):
     return activity
 
 
-def _timing(p, est: dict, *, device: str, db: str | None) -> dict:
+def _timing(p, est: dict, *, device: str, db: str | None, model: str) -> dict:
     """The screen's time: `measured` (rates of earlier episodes on `device`), else `gpu-bound` (the
     transfer floor, a lower bound on a GPU) or `unknown` (a CPU screen with no earlier episodes)."""
-    model = model_key(p)
     rows, unread = earlier_episodes(db, model=model, dtype=p.dtype)
     rows = comparable(rows, model=model, dtype=p.dtype, device=device, host=this_host())
     planned = {r["condition"]: r["episodes"] for r in est["conditions"]}

@@ -73,6 +73,9 @@ def results(
                                   "(failed) any gate without --gate.")] = None,
     status: Annotated[Optional[str], typer.Option(help="Episode status: ok or failed.",
                                                   autocompletion=lambda: ["ok", "failed"])] = None,
+    role: Annotated[Optional[str], typer.Option(
+        help="scored or warmup: e.g. --role scored --sort wall_s ranks the scored episodes alone.",
+        autocompletion=lambda: ["scored", "warmup"])] = None,
     since: Annotated[Optional[str], typer.Option(help="Attempts started on or after this ISO date/time (UTC).")] = None,
     until: Annotated[Optional[str], typer.Option(
         help="Attempts started before this ISO date/time; a bare date includes that day.")] = None,
@@ -96,7 +99,7 @@ def results(
 
     filters = dict(protocol=protocol, model=model, dtype=dtype, condition=condition, gate=gate, phase=phase,
                    passed=passed, status=status, since=since, until=until, machine=machine,
-                   min_energy_j=min_energy, max_energy_j=max_energy, sort=sort)
+                   min_energy_j=min_energy, max_energy_j=max_energy, sort=sort, role=role)
     if all(v is None for v in filters.values()) and not desc and fmt is None and limit is None and not tag:
         _screen_view(open_store(db), screen or "latest", json_out=json_out)
         return
@@ -118,7 +121,16 @@ def results(
         empty = _unknown_condition(store, condition) or empty
         if out != "table" and empty != "no episodes match":
             typer.echo(f"note: {empty}", err=True)  # stdout stays pure JSON / CSV
-    _emit([Section(records, columns, empty=empty)], out)
+    _emit([Section(records, columns, empty=empty, fields=_result_fields(gated=gate is not None))], out)
+
+
+def _result_fields(*, gated: bool) -> list[str]:
+    """Every field of a `results` record, in order: the CSV header, the same with no matching
+    episode as with many (a script reading column 20 must not meet 16 columns)."""
+    from packbench.db.queries import ResultRow
+
+    fields = [*ResultRow._fields, "tier"]
+    return fields if gated else [f for f in fields if f not in ("gate", "phase", "passed", "value", "threshold")]
 
 
 def _result_records(store, rows, *, gated: bool) -> tuple[list[dict], list[str]]:

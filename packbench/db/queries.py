@@ -94,7 +94,7 @@ class ResultFilter:
     passed: with `gate`, that verdict passed (True) or failed (False). Without `gate`: True
         keeps episodes whose condition has verdicts and all passed, False those whose
         condition failed at least one.
-    status: the episode's status, 'ok' or 'failed'.
+    status: the episode's status, 'ok' or 'failed'. role: 'scored' or 'warmup'.
     since, until: when the episode's attempt started, since <= started_at < until.
     machine: a case-insensitive substring of the host, node or GPU name.
     min_energy_j, max_energy_j: the episode's NVML energy in joules lies in
@@ -122,9 +122,11 @@ class ResultFilter:
     descending: bool = False
     screen_id: int | None = None
     limit: int | None = None
+    role: str | None = None
 
     def __post_init__(self) -> None:
         _one_of(self.gate, GATES, "gate")
+        _one_of(self.role, ("scored", "warmup"), "role")
         _one_of(self.phase, PHASES, "phase")
         if self.phase is not None and self.gate is None:
             raise InvalidFilter(f"--phase {self.phase} picks a verdict of a gate; give --gate too")
@@ -308,6 +310,8 @@ def _result_criteria(f: ResultFilter) -> list[ColumnElement[bool]]:
         criteria.append(SqlEpisode.condition == f.condition)
     if f.status is not None:
         criteria.append(SqlEpisode.status == f.status)
+    if f.role is not None:
+        criteria.append(SqlEpisode.role == f.role)
     if f.since is not None:
         criteria.append(SqlAttempt.started_at >= f.since)
     if f.until is not None:
