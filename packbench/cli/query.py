@@ -33,7 +33,7 @@ SORT_HELP = ", ".join(SORT_NAMES)
 
 Format = Annotated[Optional[str], typer.Option("--format", help="Output: table, json or csv.",
                                                autocompletion=lambda: list(FORMATS))]
-Limit = Annotated[Optional[int], typer.Option("--limit", min=0, max=DB_INT_MAX,
+Limit = Annotated[Optional[int], typer.Option("--limit", max=DB_INT_MAX,
                                              help="At most this many rows; 0 for all.")]
 ProtocolRef = Annotated[Optional[str], typer.Option("--protocol", help="Protocol name or SHA-256 prefix.")]
 

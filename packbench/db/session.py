@@ -99,8 +99,8 @@ def _parse(text: str) -> URL:
 def sqlite_file(url: str | None = None) -> Path | None:
     """The file a SQLite URL names (None: PostgreSQL, or an in-memory database)."""
     parsed = _parse(url if url is not None else default_url())
-    if parsed.get_backend_name() != "sqlite" or parsed.database in (None, "", ":memory:") \
-            or parsed.query.get("mode") == "memory":
+    if parsed.get_backend_name() != "sqlite" or parsed.database in (None, "", ":memory:") or parsed.query \
+            or parsed.database.startswith("file:"):  # a URI (`?uri=true`, `mode=ro`): SQLite's own business
         return None
     return Path(parsed.database)
 

@@ -117,6 +117,7 @@ def huge_file(tmp_path) -> Path:
     (["compare", HUGE, "1"], "ids are at most 2147483647"),
     (["results", "--limit", HUGE], "'--limit'"),
     (["screens", "list", "--limit", HUGE], "'--limit'"),
+    (["screens", "list", "--limit", "-1"], "--limit"),
     (["results", "--min-energy", "nan"], "nan is not a finite number"),
     (["status", "--live-within", "inf"], "inf is not a finite number"),
     (["status", "--live-within", "1e308"], "not a number of seconds in (0, 864000000]"),
