@@ -449,7 +449,7 @@ def compare(
     protocol: Annotated[Optional[str], typer.Option(
         "--protocol", help="Instead of A and B: every machine that screened this protocol (name or SHA-256 prefix), "
                            "verdict by verdict, and whether the machines agree (exit 1 when they do not).")] = None,
-    fail_above: Annotated[Optional[float], typer.Option("--fail-above", metavar="PCT", callback=finite, help=(
+    fail_above: Annotated[Optional[float], typer.Option("--fail-above", metavar="PCT", help=(
         "Exit 1 when B's median wall, call or decode ms/token of a condition is more than PCT percent above A's, or "
         "an exact counter (bytes, rows, tokens) differs."))] = None,
     fmt: Format = None,

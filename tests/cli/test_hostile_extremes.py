@@ -122,7 +122,7 @@ def huge_file(tmp_path) -> Path:
     (["status", "--live-within", "inf"], "inf is not a finite number"),
     (["status", "--live-within", "1e308"], "not a number of seconds in (0, 864000000]"),
     (["status", "--live-within", "0"], "not a number of seconds in (0, 864000000]"),
-    (["compare", "1", "2", "--fail-above", "nan"], "nan is not a finite number"),
+    (["compare", "1", "2", "--fail-above", "nan"], "--fail-above nan must be"),
     (["dispatch", "--lease", "inf"], "inf is not a finite number"),
     (["dispatch", "--lease", "1e308"], "not a number of seconds"),
     (["dispatch", "--lease", "nan"], "'--lease'"),
