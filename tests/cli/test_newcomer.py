@@ -101,3 +101,43 @@ def test_plan_rates_match_a_row_by_its_resolved_directory():
     assert key == "/data/m/tiny"
     assert comparable([row], model=key, dtype="float32", device="cpu", host="h") == [row]
     assert comparable([row], model="/data/m/other", dtype="float32", device="cpu", host="h") == []
+
+
+def test_an_interrupted_wait_says_once_what_becomes_of_its_screen(tmp_path, tiny, packbench_cli, monkeypatch):
+    """SIGINT during `submit --wait` printed "attempt 1 interrupted ... screen 1 queued for attempt
+    2", then "screen 1 cancelled": two stories. Now one line: cancelled, its attempt kept."""
+    import packbench.service.scheduler
+    from packbench.service.screen import ScreenOutcome
+
+    url = f"sqlite:///{tmp_path / 'pb.db'}"
+    with Store(url) as store:
+        store.upgrade()
+
+    class Interrupted:
+        """The dispatcher of `submit --wait`, stopped by SIGINT in its screen's first attempt."""
+        fatal = outage = None
+        stopping = "SIGINT"
+        refusals, slots, held = [], [], []
+
+        def __init__(self, store, settings, pool, *, on_outcome, only_screen, **options) -> None:
+            self.store, self.on_outcome, self.only = store, on_outcome, only_screen
+
+        def run(self):
+            dispatcher = self.store.register_dispatcher("d", platform.node())
+            claim = self.store.claim_screen(dispatcher, lease_s=60, archive_dir=str(tmp_path), source_freeze={})
+            status = self.store.release(claim.attempt.id, "SIGINT")  # interrupted; the screen queued again
+            outcome = ScreenOutcome(screen_id=self.only, attempt_id=claim.attempt.id, archive_path=tmp_path / "x.zip",
+                                    archive_sha256=None, status="interrupted", error="stopped by SIGINT",
+                                    attempt_number=1, screen_status=status)
+            self.on_outcome(outcome)
+            return [outcome]
+
+    monkeypatch.setattr(packbench.service.scheduler, "Scheduler", Interrupted)
+    body = yaml.safe_load((ROOT / "protocols" / "quickstart.yaml").read_text())
+    body["model"]["path"] = str(tiny)
+    (tmp_path / "p.yaml").write_text(yaml.safe_dump(body))
+    r = packbench_cli("submit", str(tmp_path / "p.yaml"), "--wait", "--archive-dir", str(tmp_path), "--db", url)
+    assert r.returncode == 130, (r.stdout, r.stderr)
+    assert r.stderr.strip().splitlines() == [
+        "interrupted: screen 1 cancelled, so no `packbench dispatch` runs it unasked (attempt 1, interrupted, is "
+        "kept); `packbench screens retry 1` queues it again"], r.stderr
