@@ -16,7 +16,7 @@ import typer
 
 from packbench.cli import labels
 from packbench.cli.history import check_fail_above, fail_compare
-from packbench.cli.common import DbUrl, Json, open_store
+from packbench.cli.common import DB_INT_MAX, DbUrl, Json, finite, open_store, seconds
 from packbench.cli.summary import print_json, screen_summary, table, verdict_record, verdict_table
 from packbench.core.archive import WORKER_NAME, ArchiveReader, worker_parts
 from packbench.core.errors import PackbenchError
@@ -33,7 +33,8 @@ SORT_HELP = ", ".join(SORT_NAMES)
 
 Format = Annotated[Optional[str], typer.Option("--format", help="Output: table, json or csv.",
                                                autocompletion=lambda: list(FORMATS))]
-Limit = Annotated[Optional[int], typer.Option("--limit", help="At most this many rows; 0 for all.")]
+Limit = Annotated[Optional[int], typer.Option("--limit", max=DB_INT_MAX,
+                                             help="At most this many rows; 0 for all.")]
 ProtocolRef = Annotated[Optional[str], typer.Option("--protocol", help="Protocol name or SHA-256 prefix.")]
 
 
@@ -72,18 +73,21 @@ def results(
                                   "(failed) any gate without --gate.")] = None,
     status: Annotated[Optional[str], typer.Option(help="Episode status: ok or failed.",
                                                   autocompletion=lambda: ["ok", "failed"])] = None,
+    role: Annotated[Optional[str], typer.Option(
+        help="scored or warmup: e.g. --role scored --sort wall_s ranks the scored episodes alone.",
+        autocompletion=lambda: ["scored", "warmup"])] = None,
     since: Annotated[Optional[str], typer.Option(help="Attempts started on or after this ISO date/time (UTC).")] = None,
     until: Annotated[Optional[str], typer.Option(
         help="Attempts started before this ISO date/time; a bare date includes that day.")] = None,
     machine: Annotated[Optional[str], typer.Option(help="Substring of the host, node or GPU name.")] = None,
     min_energy: Annotated[Optional[float], typer.Option(
-        "--min-energy", help="Only episodes whose GPU energy (NVML, joules) is at least this.")] = None,
+        "--min-energy", callback=finite, help="Only episodes whose GPU energy (NVML, joules) is at least this.")] = None,
     max_energy: Annotated[Optional[float], typer.Option(
-        "--max-energy", help="Only episodes whose GPU energy (NVML, joules) is at most this.")] = None,
+        "--max-energy", callback=finite, help="Only episodes whose GPU energy (NVML, joules) is at most this.")] = None,
     sort: Annotated[Optional[str], typer.Option(
         help=f"Order by this column (episodes without a value last): {SORT_HELP}.",
         autocompletion=lambda: list(SORT_NAMES))] = None,
-    desc: Annotated[bool, typer.Option("--desc", help="With --sort: largest first.")] = False,
+    desc: Annotated[bool, typer.Option("--desc", metavar="", help="With --sort: largest first.")] = False,
     tag: labels.Tags = None,
     limit: Limit = None,
     fmt: Format = None,
@@ -95,7 +99,7 @@ def results(
 
     filters = dict(protocol=protocol, model=model, dtype=dtype, condition=condition, gate=gate, phase=phase,
                    passed=passed, status=status, since=since, until=until, machine=machine,
-                   min_energy_j=min_energy, max_energy_j=max_energy, sort=sort)
+                   min_energy_j=min_energy, max_energy_j=max_energy, sort=sort, role=role)
     if all(v is None for v in filters.values()) and not desc and fmt is None and limit is None and not tag:
         _screen_view(open_store(db), screen or "latest", json_out=json_out)
         return
@@ -117,7 +121,16 @@ def results(
         empty = _unknown_condition(store, condition) or empty
         if out != "table" and empty != "no episodes match":
             typer.echo(f"note: {empty}", err=True)  # stdout stays pure JSON / CSV
-    _emit([Section(records, columns, empty=empty)], out)
+    _emit([Section(records, columns, empty=empty, fields=_result_fields(gated=gate is not None))], out)
+
+
+def _result_fields(*, gated: bool) -> list[str]:
+    """Every field of a `results` record, in order: the CSV header, the same with no matching
+    episode as with many (a script reading column 20 must not meet 16 columns)."""
+    from packbench.db.queries import ResultRow
+
+    fields = [*ResultRow._fields, "tier"]
+    return fields if gated else [f for f in fields if f not in ("gate", "phase", "passed", "value", "threshold")]
 
 
 def _result_records(store, rows, *, gated: bool) -> tuple[list[dict], list[str]]:
@@ -245,7 +258,7 @@ def screens_show(
     typer.echo(one_line(f"model dir: {s.model_dir or '-'}; started {_when(s.started_at) or '-'}, "
                         f"finished {_when(s.finished_at) or '-'}"))
     if not detail.attempts:
-        typer.echo("no attempts yet; run it with `packbench dispatch`")
+        typer.echo(no_attempts_advice(s.id, s.status))
         return
     tiers = store.condition_tiers([p.sha256]).get(p.sha256, {})
     attempts, verdicts, audits = [], [], []
@@ -335,6 +348,16 @@ def screens_cancel(
                    f"renews its lease (`packbench status` shows it)")
 
 
+def no_attempts_advice(screen_id: int, status: str) -> str:
+    """What to do with a screen that has no attempt: only a queued one is run by `dispatch`."""
+    if status == "queued":
+        return "no attempts yet; run it with `packbench dispatch`"
+    if status == "cancelled":
+        return (f"no attempts: cancelled before any ran, so no `packbench dispatch` runs it; "
+                f"`packbench screens retry {screen_id}` queues it again")
+    return f"no attempts ({status})"
+
+
 def screens_retry(
     screen: Annotated[str, typer.Argument(help="Screen id, or `latest`.")],
     db: DbUrl = None,
@@ -363,10 +386,10 @@ def _liveness(d) -> str:
 
 def status(
     live_within: Annotated[float, typer.Option(
-        "--live-within", help="A dispatcher is live if it sent a heartbeat within this many seconds.")] = 30.0,
+        "--live-within", callback=seconds, help="A dispatcher is live if it sent a heartbeat within this many seconds.")] = 30.0,
     fmt: Format = None,
     db: DbUrl = None,
-    json_out: Annotated[bool, typer.Option("--json", help="Same as --format json.")] = False,
+    json_out: Annotated[bool, typer.Option("--json", metavar="", help="Same as --format json.")] = False,
 ) -> None:
     """The queue: screens per state, running screens with progress and placement, the queue in
     claim order (with why a screen cannot be placed), dispatchers and their workers."""
@@ -431,7 +454,7 @@ def compare(
         "an exact counter (bytes, rows, tokens) differs."))] = None,
     fmt: Format = None,
     db: DbUrl = None,
-    json_out: Annotated[bool, typer.Option("--json", help="Same as --format json.")] = False,
+    json_out: Annotated[bool, typer.Option("--json", metavar="", help="Same as --format json.")] = False,
 ) -> None:
     """Compare two screens' latest attempts (scored totals with B/A ratios, energy per episode and
     per generated token, and verdicts), or with --protocol every machine that screened one protocol."""

@@ -223,6 +223,9 @@ def _show(value: Any) -> str:
     return show(value, 60)  # built to 60 characters: a hostile value is never rendered whole
 
 
+MAX_SEED = 2**63 - 1  # torch.Generator.manual_seed takes a signed 64-bit integer (larger: a ValueError)
+
+
 class SynthArgumentError(PackbenchError, ValueError):
     """A synthetic-model argument outside what can be generated. It names the argument and
     what it allows; each caller spells the argument its own way (`model.synth.shape` in a
@@ -287,8 +290,8 @@ def synth_spec(*, shape: Any, dtype: Any, seed: Any, sparsity: Any = None, hot_f
                                      choice=False)
     else:
         sparsity = _number("sparsity", sparsity, low=0.0, low_open=True, high=1.0)
-    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
-        raise SynthArgumentError("seed", seed, "an integer >= 0", choice=False)
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= MAX_SEED:  # torch's seed: 64 bits
+        raise SynthArgumentError("seed", seed, f"an integer in [0, {MAX_SEED}]", choice=False)
     if profile is not None:
         return {"shape": shape, "dtype": dtype, "seed": seed, "profile": profile}
     return {

@@ -30,15 +30,16 @@ def check_tags(tags: Mapping[str, str]) -> dict[str, str]:
         if not isinstance(key, str) or not TAG_KEY.fullmatch(key):
             raise InvalidFilter(f"tag key {key!r} must be 1-100 letters, digits or _.:-; write e.g. --tag team=infra")
         value = str(value)
-        if len(value) > MAX_VALUE or "\n" in value:
-            raise InvalidFilter(f"tag {key}: its value must be one line of at most {MAX_VALUE} characters")
+        if len(value) > MAX_VALUE or "\n" in value or "\x00" in value:  # NUL: PostgreSQL refuses it, so both do
+            raise InvalidFilter(f"tag {key}: its value must be one line of at most {MAX_VALUE} characters, "
+                                f"without NUL")
         out[key] = value
     return out
 
 
 def check_name(name: str | None) -> str | None:
-    if name is not None and not (0 < len(name) <= MAX_NAME and "\n" not in name):
-        raise InvalidFilter(f"screen name {name[:40]!r} must be one line of 1-{MAX_NAME} characters")
+    if name is not None and not (0 < len(name) <= MAX_NAME and "\n" not in name and "\x00" not in name):
+        raise InvalidFilter(f"screen name {name[:40]!r} must be one line of 1-{MAX_NAME} characters, without NUL")
     return name
 
 
@@ -50,6 +51,8 @@ def label(session: Session, ref: int | str, *, name: str | None = None, note: st
     if name is not None:
         screen.name = check_name(name)
     if note is not None:
+        if "\x00" in note:
+            raise InvalidFilter("a note cannot hold a NUL character (PostgreSQL refuses it); remove it")
         screen.note = note
     drop = set(untag)
     if drop:

@@ -108,10 +108,29 @@ def check_frozen(frozen: FrozenProtocol) -> None:
     protocol = frozen.protocol
     check_libraries(protocol)
     vocab = vocab_size(frozen)  # a broken config.json is the checkpoint's error (CheckpointError), not the prompts'
+    check_positions(frozen)
     try:
         screen_prompts(protocol, vocab=vocab, model_dir=frozen.model_dir(), prompt_file=frozen.prompt_file())
     except ValueError as e:
         raise ProtocolError(f"protocol field `prompts`: {e}") from None
+
+
+def check_positions(frozen: FrozenProtocol) -> None:
+    """A model.path checkpoint's positions (config.json's max_position_embeddings) hold an
+    episode's prompt and continuation; a synthetic shape's are checked by validation."""
+    model_dir = frozen.model_dir()
+    if model_dir is None:
+        return
+    from packbench.core.protocol.schema import positions_refusal
+    from packbench.engine.config import read_config
+
+    positions = read_config(model_dir).get("max_position_embeddings")
+    if isinstance(positions, int) and not isinstance(positions, bool):
+        p = frozen.protocol
+        refusal = positions_refusal(p.prefix_tokens, p.continuation_tokens, positions=positions,
+                                    model=f"checkpoint {model_dir} (config.json max_position_embeddings)")
+        if refusal:
+            raise ProtocolError(f"protocol field `prefix_tokens`: {refusal}")
 
 
 def submitter() -> str:

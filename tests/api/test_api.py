@@ -64,6 +64,12 @@ def test_verdicts_and_audits(db):
     (series,) = h.series
     assert series.values[1] == pytest.approx(2 * series.values[0])  # too few runs for a step: none claimed
     assert series.steps == [] and h.regressions(50.0) == []
+    # Printed in a notebook: one line, not the 5 KB dataclass of every figure; the figures as a frame.
+    assert repr(h) == ("History('quickstart-v1': 2 screens over 2 commits, 1 series, 0 steps, 0 changes; .rows() or "
+                       ".frame() for the figures)")
+    frame = h.frame()
+    assert list(frame["screen_id"]) == [1, 2] and set(frame["metric"]) == {"wall_ms"}
+    assert frame["value"].iloc[1] == pytest.approx(2 * frame["value"].iloc[0]) and not frame["step"].any()
 
 
 def test_labels_filter_every_listing(db):

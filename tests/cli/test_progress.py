@@ -66,8 +66,12 @@ def test_an_interrupted_wait_cancels_its_screen_unless_kept_queued(tmp_path, mon
     monkeypatch.setattr(cli_main, "_dispatch", interrupted)
     r = CliRunner().invoke(cli_main.app, ["submit", str(_protocol(tmp_path)), "--wait", "--db", url])
     assert r.exit_code == 130
-    assert r.stderr.strip() == ("interrupted: screen 1 cancelled, so no `packbench dispatch` runs it unasked (its "
-                                "interrupted attempt is kept); `packbench screens retry 1` queues it again")
+    # Stopped before its first episode: no attempt exists, so none is promised kept.
+    assert r.stderr.strip() == ("interrupted: screen 1 cancelled, so no `packbench dispatch` runs it unasked (no "
+                                "attempt had started); `packbench screens retry 1` queues it again")
+    r = CliRunner().invoke(cli_main.app, ["screens", "show", "1", "--db", url])
+    assert "no attempts: cancelled before any ran, so no `packbench dispatch` runs it; `packbench screens retry 1` " \
+           "queues it again" in r.stdout and "run it with `packbench dispatch`" not in r.stdout, r.stdout
     r = CliRunner().invoke(cli_main.app, ["submit", str(_protocol(tmp_path)), "--wait", "--keep-queued", "--db", url])
     assert r.exit_code == 130 and "screen 2 stays queued (--keep-queued)" in r.stderr
     with Store(url) as store:

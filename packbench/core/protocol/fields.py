@@ -23,6 +23,8 @@ def join_path(path: str, key: str) -> str:
 def mapping_field(value: Any, path: str, *, allowed: dict[str, bool]) -> dict:
     """Check `value` is a mapping with only `allowed` keys (key -> required)."""
     if not isinstance(value, dict):
+        if not path:  # the whole document
+            raise ProtocolError(f"a protocol is a mapping of fields (name:, model:, ...), got {shown(value)}")
         fail(path, f"expected a mapping, got {shown(value)}")
     for key in value:
         if key not in allowed:
@@ -77,9 +79,16 @@ def choice_field(value: Any, path: str, choices: tuple[str, ...]) -> str:
     return value
 
 
-def string_field(value: Any, path: str, what: str) -> str:
+MAX_STRING = 4096  # PATH_MAX: the longest path a file system takes; a name is far shorter
+
+
+def string_field(value: Any, path: str, what: str, *, max_chars: int = MAX_STRING) -> str:
     if not isinstance(value, str) or not value.strip():
         fail(path, f"{shown(value)} is not allowed; expected {what}")
+    if len(value) > max_chars:  # stored in every screen row and printed by `screens list`
+        fail(path, f"{len(value)} characters, more than {max_chars}; expected {what}")
+    if "\x00" in value:  # PostgreSQL refuses NUL in text and no file system has it in a path: refused on both databases
+        fail(path, f"{shown(value)} holds a NUL character; expected {what}")
     return value
 
 

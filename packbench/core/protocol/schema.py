@@ -49,6 +49,7 @@ from packbench.core.registry import (
     POLICY_NAMES,
     POLICY_PARAMS,
     SCHEMA3_DEFAULTS,
+    SHAPES,
     SYNTH_SHAPES,
     DEFAULT_PROFILE,
     fastest_mode,
@@ -80,6 +81,7 @@ MAX_EPISODES = 100_000  # planned episodes, warmups included
 MAX_CONDITIONS = 16
 MAX_PROMPTS = 100_000
 MAX_PROMPT_TOKENS = 1 << 21  # prompts x prefix_tokens: the token ids plan.json holds (<= ~13 MB of JSON)
+MAX_NAME = 200  # a protocol's name: `screens list` prints it in every row
 MAX_BATCH = 64  # sequences decoded together (issue 26 measures 1 to 32)
 MAX_RESAMPLES = 100_000  # per runtime gate entry
 # Draws of every runtime bootstrap of a screen together: sum over runtime entries and compared
@@ -471,7 +473,7 @@ def _full(raw: Any, *, base_dir: Path | None) -> dict:
     names = tuple(c["name"] for c in conditions)
     full = {
         "schema": 2,
-        "name": string_field(p["name"], "name", "a non-empty string"),
+        "name": string_field(p["name"], "name", f"a non-empty string of at most {MAX_NAME} characters", max_chars=MAX_NAME),
         "model": _model(p["model"], schema=declared),
         "dtype": choice_field(p["dtype"], "dtype", DTYPE_NAMES),
         "prompts": _prompts(p["prompts"], base_dir=base_dir, prefix_tokens=prefix),
@@ -512,6 +514,22 @@ def _full(raw: Any, *, base_dir: Path | None) -> dict:
     if declared == 1 and schema1_form(full) is None:
         fail("schema", "1 cannot express this protocol (it uses schema-2 fields); write schema: 2 or drop the field")
     return full
+
+
+def positions_needed(prefix_tokens: int, continuation_tokens: int) -> int:
+    """Positions an episode's sequence reaches: the prompt, then one token fed back per decode
+    call (the last generated token is never fed back)."""
+    return prefix_tokens + continuation_tokens - 1
+
+
+def positions_refusal(prefix_tokens: int, continuation_tokens: int, *, positions: int, model: str) -> str | None:
+    """Why an episode cannot fit `model`'s `positions`, or None: checked before anything is
+    queued (a sequence past the last position is an IndexError inside the model, at run time)."""
+    needed = positions_needed(prefix_tokens, continuation_tokens)
+    if needed <= positions:
+        return None
+    return (f"prefix_tokens {prefix_tokens} + continuation_tokens {continuation_tokens} - 1 = {needed} positions, "
+            f"but {model} has {positions}; lower prefix_tokens or continuation_tokens")
 
 
 def _cross_checks(full: dict) -> None:
@@ -564,6 +582,12 @@ def _cross_checks(full: dict) -> None:
             if CONDITIONS[c["policy"]].competitor is not None:
                 fail(f"conditions[{i}].policy", f"{c['policy']!r} runs in engine mode eager only; drop "
                                                 f"engine.mode {full['engine']['mode']} or the condition")
+    if "synth" in full["model"]:  # a model.path checkpoint's positions are its config.json's (service/submit.py)
+        shape = full["model"]["synth"]["shape"]
+        refusal = positions_refusal(full["prefix_tokens"], full["continuation_tokens"],
+                                    positions=SHAPES[shape]["max_positions"], model=f"the synthetic {shape} shape")
+        if refusal:
+            fail("prefix_tokens", refusal)
 
 
 def _exact_references(full: dict) -> None:
