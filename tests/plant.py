@@ -63,7 +63,7 @@ def plant(name: str, file: str, old: str, new: str, tests: list[str]) -> str:
     if source.count(old) != 1:
         return "stale (the replaced text is not in the file exactly once)"
     with tempfile.TemporaryDirectory(prefix="plant-") as tmp:
-        for part in ("packbench", "tests"):
+        for part in ("packbench", "tests", "bench"):
             shutil.copytree(ROOT / part, Path(tmp) / part, ignore=shutil.ignore_patterns("__pycache__"))
         shutil.copy(ROOT / "pyproject.toml", tmp)
         (Path(tmp) / file).write_text(source.replace(old, new))
