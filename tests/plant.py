@@ -59,8 +59,14 @@ BUGS: list[tuple[str, str, str, str, list[str]]] = [
      "math.ceil(q * len(xs)) - 1", "math.floor(q * len(xs))",
      ["tests/core/test_dispersion.py::test_spread_at_ten_is_the_first_and_ninth_order_statistics"]),
     ("protocol: prompts x prefix_tokens bound removed", "packbench/core/protocol/schema.py",
-     "PLANT-BOUND", "PLANT-BOUND",
-     ["tests/core/test_protocol_bounds.py"]),
+     'if prompts_n > MAX_PROMPTS or prompts_n * full["prefix_tokens"] > MAX_PROMPT_TOKENS:',
+     'if prompts_n > MAX_PROMPTS:',
+     ["tests/core/test_protocol_bounds.py::test_prompts_x_prefix_tokens_is_bounded"]),
+    ("protocol: the hash ignores allowance_mib", "packbench/core/protocol/freeze.py",
+     "sha256=sha256_hex(canonical_json(body))",
+     'sha256=sha256_hex(canonical_json({k: v for k, v in body.items() if k != "allowance_mib"}))',
+     ["tests/core/test_protocol_bounds.py::test_every_field_of_meaning_changes_the_hash",
+      "tests/core/test_protocol_bounds.py::test_the_hash_is_the_sha256_of_the_whole_frozen_body"]),
 ]
 
 
