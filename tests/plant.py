@@ -67,6 +67,12 @@ BUGS: list[tuple[str, str, str, str, list[str]]] = [
      'sha256=sha256_hex(canonical_json({k: v for k, v in body.items() if k != "allowance_mib"}))',
      ["tests/core/test_protocol_bounds.py::test_every_field_of_meaning_changes_the_hash",
       "tests/core/test_protocol_bounds.py::test_the_hash_is_the_sha256_of_the_whole_frozen_body"]),
+    ("dense-stream: fc2 does not wait for its copy", "packbench/engine/policies/dense.py",
+     "torch.cuda.current_stream(self.device).wait_event(done)", "pass",
+     ["tests/engine/test_dense_stream_order.py::test_fc2_waits_for_its_own_layers_copy_event"]),
+    ("dense-stream: a copy overwrites a workspace fc2 may still read", "packbench/engine/policies/dense.py",
+     "b.copy.wait_stream(torch.cuda.current_stream(self.device))", "pass",
+     ["tests/engine/test_dense_stream_order.py::test_fc2_waits_for_its_own_layers_copy_event"]),
 ]
 
 
