@@ -46,6 +46,7 @@ ALSO = ("bench", "protocols", "docs", "README.md")
 
 # mutmut's statuses, as `mutmut results --all true` prints them
 KILLED = ("killed", "timeout")
+NOT_RUN = ("not checked", "check was interrupted by user")  # a stopped run: a rerun resumes there
 
 
 def _settings(module: str, tests: list[str]) -> str:
@@ -100,9 +101,15 @@ def run(module: str) -> dict:
     if ran.returncode != 0:  # e.g. the clean run of its tests failed: named, the next module still runs
         return {"module": module, "mutants": 0, "killed": 0, "score": None,
                 "not_killed": {f"mutmut run exited {ran.returncode}": "error"}}
+    # mutmut keeps a result once it has one, even when tests were added since: every mutant not
+    # killed is tried again against today's tests (a killed one stays killed while tests only grow)
+    again = [n for n, s in _results(d).items() if s not in KILLED and s not in NOT_RUN]
+    if again:
+        subprocess.run(_mutmut() + ["run", "--max-children", "1", *again], cwd=d, env=env,
+                       stdout=subprocess.DEVNULL)
     everything = _results(d)
     # "not checked": the run was stopped before it came to them (a rerun resumes there)
-    statuses = {n: s for n, s in everything.items() if s not in ("not checked", "check was interrupted by user")}
+    statuses = {n: s for n, s in everything.items() if s not in NOT_RUN}
     killed = sum(s in KILLED for s in statuses.values())
     survivors = sorted(n for n, s in statuses.items() if s not in KILLED)
     # each survivor's diff, to judge it equivalent or write the test that kills it

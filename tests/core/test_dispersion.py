@@ -79,7 +79,8 @@ def _interval_by_hand(a, b, confidence, resamples, seed):
 
 
 
-@pytest.mark.parametrize("confidence, resamples, seed", [(0.95, 2000, 0), (0.5, 7, 3), (0.8, 10, 1)])
+# (0.95, 10): alpha R < 1, so hi is the largest resample and lo the smallest
+@pytest.mark.parametrize("confidence, resamples, seed", [(0.95, 2000, 0), (0.5, 7, 3), (0.8, 10, 1), (0.95, 10, 0)])
 def test_ratio_interval_is_the_documented_order_statistics(confidence, resamples, seed):
     a, b = [1.0, 1.4, 0.9, 1.2, 1.1], [2.1, 1.7, 2.4, 1.9]
     lo, hi = ratio_interval(a, b, confidence=confidence, resamples=resamples, seed=seed)
@@ -102,7 +103,7 @@ def test_ratio_interval_refuses_a_resampled_zero_mean_and_too_few_episodes():
 
 
 def test_compare_spread_rows_in_full():
-    a, b = [1.0, 1.2, 0.8, 1.0], [2.0, 2.4, 1.6, 2.0]
+    a, b = [2.0, 2.4, 1.6, 2.0], [4.0, 4.8, 3.2, 4.0]  # means 2 and 4
     (row,) = compare_spread({"packet": a}, {"packet": b})
     lo, hi = ratio_interval(a, b)
     assert row == {"condition": "packet", "a": spread(a), "b": spread(b), "mean_ratio": 2.0,

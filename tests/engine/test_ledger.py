@@ -20,6 +20,7 @@ def test_a_new_call_starts_at_zero_per_layer_with_activity_unobserved():
 
 def test_add_sums_each_counter_into_its_layer_and_sets_activity():
     r = Recorder(3)
+    assert (r.phase, r.current, r.calls, r.serial) == (None, None, [], 0)  # no call in progress
     call = r.begin(phase="prefill", tokens=8)
     assert r.current is call and r.phase == "prefill" and call.index == 0 and call.tokens == 8
     r.add(1, active=5, rows=5, weight_bytes=100, index_bytes=40, d2h_bytes=3, wasted=1, wait_s=0.25)
@@ -44,7 +45,7 @@ def test_end_keeps_the_call_with_its_wall_and_logits_readback():
     assert second.index == 1 and r.phase == "decode" and r.serial == 2
     r.end(wall_s=0.1, logits_d2h_bytes=64)
     assert [c.phase for c in r.calls] == ["prefill", "decode"] and r.serial == 2
-    with pytest.raises(AssertionError, match="end\\(\\) without begin\\(\\)"):
+    with pytest.raises(AssertionError, match="^end\\(\\) without begin\\(\\)$"):
         r.end(wall_s=0.0, logits_d2h_bytes=0)
 
 
