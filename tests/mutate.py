@@ -27,7 +27,8 @@ WORK = ROOT / ".mutate"
 MODULES: dict[str, list[str]] = {  # in the order `make mutate` runs them: quick ones first
     "engine/ledger.py": ["tests/engine/test_ledger.py"],
     "core/dispersion.py": ["tests/core/test_dispersion.py"],
-    "core/fidelity.py": ["tests/core/test_fidelity.py", "tests/core/test_exact_bounds.py"],
+    "core/fidelity.py": ["tests/core/test_fidelity.py", "tests/core/test_fidelity_edges.py",
+                         "tests/core/test_exact_bounds.py"],
     "core/gates.py": ["tests/core/test_gates.py", "tests/core/test_exact_bounds.py"],
     "core/audit.py": ["tests/core/test_audit.py", "tests/core/test_audit_fields.py"],
     "db/queue.py": ["tests/db/test_db_queue.py"],
