@@ -45,6 +45,7 @@ it ends), `Upkeep` (service/scheduler_upkeep.py: leases, reaping, heartbeat on a
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import platform
@@ -135,6 +136,11 @@ class Scheduler:
                 return self.outcomes
         archive_dir(self.settings.archive_dir)  # before a claim: a claimed attempt would fail on it
         self.pool.connect()
+        # Frozen out of the collector for the dispatcher's run: what is alive now (the libraries,
+        # Ray's client). Unfrozen, the driver's full collections took 60-260 ms on a 2-core host at
+        # the same episode count of every screen, a core taken from the worker mid-episode: plan
+        # index 38 of 39- and 48-episode screens ran ~10x its neighbours (docs/metrics.md).
+        gc.freeze()
         # Signals reach the main thread only; a scheduler in another thread (tests) is stopped by
         # setting `stopping`.
         main = threading.current_thread() is threading.main_thread()
@@ -163,6 +169,7 @@ class Scheduler:
                     break
         finally:
             self._shutdown()
+            gc.unfreeze()
             for s, handler in previous.items():
                 signal.signal(s, handler)
         return self.outcomes
