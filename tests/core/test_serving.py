@@ -101,8 +101,16 @@ def test_a_planted_slow_position_is_flagged_and_a_clean_plan_is_not():
     slow = serving.position_check([plan_records(slow=38)], prompts=13)
     assert slow["flagged"] == [38]
     assert "38 (resident" in serving.position_text(slow)
-    block = next(b for b in slow["blocks"] if b["block"] == 12)  # 38 // 3: its block's median moves
-    assert block["relative"] > 1.5
+
+
+def test_a_slow_block_shows_by_block_where_positions_hide_it():
+    """Three slow positions side by side are each other's neighbours: the block median shows them."""
+    records = plan_records()
+    for r in records[15:18]:  # block 5
+        r["wall_s"] *= 3
+    check = serving.position_check([records], prompts=13)
+    by_block = {b["block"]: b["relative"] for b in check["blocks"]}
+    assert by_block[5] > 2.5 and all(v < 1.2 for b, v in by_block.items() if b != 5)
 
 
 def test_the_position_check_takes_the_median_over_screens():
