@@ -29,6 +29,7 @@ from packbench.core.plan import plan
 from packbench.core.protocol import MIB, Protocol, expand
 from packbench.core.record import token_count
 from packbench.core.registry import SHAPES
+from packbench.core.serving import condition_serving, position_check, robust_runtime, scored_ok
 
 PHASES = ("prefill", "decode")
 # The runtime interval shown for a condition without a declared runtime gate: the gate's own
@@ -217,6 +218,36 @@ def runtime_intervals(screen: ScreenData) -> list[dict]:
         out.append({"condition": c, "control": control, "value": v["value"], "interval": v["interval"],
                     "threshold": None, "passed": None, "source": "computed"})
     return out
+
+
+def serving_rows(screen: ScreenData) -> list[dict]:
+    """One row per condition (protocol order) with its tier: the serving figures of its scored
+    finished episodes (core.serving.condition_serving; docs/metrics.md defines each)."""
+    records = [e.record for e in screen.episodes]
+    return [{"condition": c.name, "tier": c.tier, **condition_serving(scored_ok(records, c.name))}
+            for c in screen.protocol.conditions]
+
+
+def runtime_ratios(screen: ScreenData) -> list[dict]:
+    """Beside each runtime reading of `runtime_intervals` (the frozen gate's summed walls and its
+    bootstrap bound, or that gate's function where none is declared): the ratio of median walls
+    over the same pairs with its paired interval, the outliers beyond 3 IQR, and whether the two
+    disagree (core.serving.robust_runtime). Each row keeps the condition's tier."""
+    records = [{**e.record, "repetition": e.repetition} for e in screen.episodes]
+    tiers = {c.name: c.tier for c in screen.protocol.conditions}
+    out = []
+    for row in runtime_intervals(screen):
+        robust = robust_runtime(records, condition=row["condition"], control=row["control"], gate=row)
+        if robust is not None:
+            out.append({**robust, "tier": tiers.get(row["condition"]), "passed": row["passed"],
+                        "source": row["source"]})
+    return out
+
+
+def plan_positions(screens: list[ScreenData]) -> dict:
+    """core.serving.position_check over one or more screens of one protocol."""
+    prompts = screens[0].protocol.prompt_count if screens else None
+    return position_check([[e.record for e in s.episodes] for s in screens], prompts=prompts)
 
 
 def decode_ms_per_token(screen: ScreenData) -> dict[str, list[float]]:

@@ -166,13 +166,12 @@ def episode_serving(record: Mapping) -> dict | None:
 
 def condition_serving(records: Iterable[Mapping]) -> dict:
     """One condition's serving figures over its finished episodes (pass the scored ones):
-    medians of the per-episode figures, inter-token percentiles over every decode call pooled,
-    decode tokens/s as all decode tokens over all after-first spans, and the outliers of
-    the walls, the TTFTs and the TPOTs (Tukey's far fences)."""
+    medians of the per-episode figures (decode tokens/s included: the median episode's rate,
+    so one slow episode moves it no more than it moves TPOT), inter-token percentiles over
+    every decode call pooled, and the outliers of the walls, the TTFTs and the TPOTs (Tukey's
+    far fences)."""
     figs = [(r, f) for r in records if (f := episode_serving(r)) is not None]
     itl = [x for _, f in figs for x in f["itl_s"]]
-    spans = [f["wall_s"] - f["ttft_s"] for _, f in figs if f["itl_s"]]
-    tokens = sum(f["decode_tokens"] for _, f in figs if f["itl_s"])
 
     def med(key: str) -> float | None:
         return median(f[key] for _, f in figs if f[key] is not None)
@@ -186,7 +185,7 @@ def condition_serving(records: Iterable[Mapping]) -> dict:
         "ttft_s": med("ttft_s"),
         "tpot_s": med("tpot_s"),
         **{f"itl_p{p}_s": nearest_rank(itl, p) for p in PERCENTILES},
-        "decode_tokens_per_s": tokens / math.fsum(spans) if spans and math.fsum(spans) > 0 else None,
+        "decode_tokens_per_s": med("decode_tokens_per_s"),
         "steady_call_s": med("steady_call_s"),
         "first_decode_excess_s": med("first_decode_excess_s"),
         "capture_s": med("capture_s"),
