@@ -16,6 +16,7 @@ from packbench.cli import report_figures as figs
 from packbench.cli.summary import detail_text
 from packbench.cli.report_template import CSS, PAGE
 from packbench.core import report as data
+from packbench.core import serving
 from packbench.core.protocol import MIB
 from packbench.core.dispersion import noisy_host, spread
 from packbench.core.report import ScreenData
@@ -120,9 +121,12 @@ def _mib(value: float | None) -> str:
 
 def protocol_section(s: ScreenData) -> str:
     p = s.protocol
+    # Full width below the facts, its parameters free to wrap: beside them, in half the page, a
+    # competitor's parameters ran past the table's box at 1400 px.
     conditions = _table(["condition", "tier", "policy", "params", "warmups"],
-                        [[c.name, c.tier, c.policy, json.dumps(c.resolved_params) if c.resolved_params else "-",
-                          str(p.warmups[c.name])] for c in p.conditions])
+                        [[f'<td class="name">{esc(c.name)}</td>', c.tier, c.policy,
+                          f'<td class="wrap">{esc(json.dumps(c.resolved_params) if c.resolved_params else "-")}</td>',
+                          str(p.warmups[c.name])] for c in p.conditions], cls="conditions")
     prompts = p.prompts
     source = {"generator": f"generator (seed {prompts.seed})", "token_ids": "inline token ids"}.get(
         prompts.source, f"{prompts.source} {prompts.path} (sha256 {(prompts.sha256 or '')[:16]})")
@@ -138,9 +142,9 @@ def protocol_section(s: ScreenData) -> str:
                 ("order", f"{p.order}{', reference first' if p.baseline_first else ''}"),
                 ("allowance", f"{p.allowance_mib} MiB"), ("recording", p.recording), ("passes", p.passes),
                 ("planned episodes", s.planned)]),
-        "</div><div>", conditions,
+        "</div><div>",
         "<h3>Gates as frozen</h3>", _gates_table(p.full_dict()["gates"]),
-        "</div></div>",
+        "</div></div>", "<h3>Conditions as frozen</h3>", conditions,
         "<h3>Source freeze</h3>",
         _facts([("package version", freeze.get("package_version")), ("git commit", _mono(freeze.get("git_commit"))),
                 ("git dirty", freeze.get("git_dirty")), ("engine SHA-256", _mono(freeze.get("engine_sha256")))])
@@ -258,6 +262,87 @@ def _fmt(value: Any, fmt: str) -> str:
     return "-" if value is None else fmt.format(value)
 
 
+def headline_section(s: ScreenData) -> str:
+    """What won by how much, per tier, and the runtime readings that say more than their table."""
+    lines = data.headline(s)
+    if not lines:
+        return ('<h2 id="headline">Headline</h2><p class="missing">no finished scored episode with decode calls: '
+                'nothing to rank</p>')
+    return '<h2 id="headline">Headline</h2><ul class="headline">' + "".join(f"<li>{esc(t)}</li>" for t in lines) + "</ul>"
+
+
+def _ms_cell(seconds: float | None, outliers: list | None = None) -> str:
+    """Milliseconds, with the hyperfine-style flag below when episodes lie beyond 3 IQR."""
+    if seconds is None:
+        return '<td class="num none">-</td>'
+    flag = serving.outlier_text(len(outliers or []))
+    # the flag wraps under its figure (a nowrap cell of three flags ran past the page at 1400 px)
+    below = f'<br><span class="detail fail" style="white-space: normal">{esc(flag)}</span>' if flag else ""
+    return f'<td class="num">{esc(f"{seconds * 1e3:.4g}")}{below}</td>'
+
+
+def _once(r: dict) -> str:
+    """The first decode call over the steady one, and where it is known what it held: the graph
+    captured in it, or a competitor's unshelve before the wall."""
+    first = _fmt(_ms(r["first_decode_excess_s"]), "+{:.4g} first call")
+    if r["capture_s"] is not None:
+        return f"{first} (capture {_ms(r['capture_s']):.4g})"
+    if r["unshelve_s"] is not None:
+        return f"{first}; unshelve {_ms(r['unshelve_s']):.4g} before the wall"
+    return first
+
+
+def serving_section(s: ScreenData) -> str:
+    """Serving figures per condition (docs/metrics.md), the runtime ratio of medians beside the
+    frozen gate's summed walls, and the plan-position check."""
+    rows = data.serving_rows(s)
+    srows = [[f'<td class="name">{esc(r["condition"])}</td>', r["tier"], _num(r["episodes"], "{}"),
+              _ms_cell(r["ttft_s"], r["outliers"]["ttft_s"]), _ms_cell(r["tpot_s"], r["outliers"]["tpot_s"]),
+              _two(_fmt(_ms(r["itl_p50_s"]), "{:.4g}"), _fmt(_ms(r["itl_p90_s"]), "p90 {:.4g}") + " / "
+                   + _fmt(_ms(r["itl_p99_s"]), "p99 {:.4g}")),
+              _num(r["decode_tokens_per_s"], "{:,.4g}"), _ms_cell(r["wall_s"], r["outliers"]["wall_s"]),
+              _two(_fmt(_ms(r["outside_s"]), "{:.4g}"), _fmt(_ms(r["outside_wall_s"]), "outside the wall {:.4g}")),
+              _two(_fmt(_ms(r["steady_call_s"]), "{:.4g}"), _once(r))] for r in rows]
+    table = _table(["condition", "tier", "scored", "TTFT ms", "TPOT ms", "ITL ms: p50, p90 / p99", "decode tokens/s",
+                    "wall ms", "outside the calls ms (the wall)", "decode call ms: steady, once per episode"],
+                   srows, cls="conditions")
+    ratios = data.runtime_ratios(s)
+    rrows = []
+    for r in ratios:
+        m, gi = r["median"], r["gate_interval"]
+        mi = m["interval"]
+        rrows.append([f'<td class="name">{esc(r["condition"])}</td>', r["tier"], r["control"],
+                      _passed(r["passed"]), _num(r["gate_value"], "{:.4g}"),
+                      f'<td class="num">{esc("-" if not gi else f"[{gi[0]:.4g}, {gi[1]:.4g}]")}</td>',
+                      _num(m["value"], "{:.4g}"),
+                      f'<td class="num">{esc(f"[{mi[0]:.4g}, {mi[1]:.4g}]")}</td>',
+                      f'<td class="wrap{" fail" if r["disagree"] else ""}">'
+                      f'{esc(("disagree " + r["because"]) if r["disagree"] else ("agree; " + (r["outliers_text"] or "no outliers beyond 3 IQR")))}</td>'])
+    rtable = (_table(["condition", "tier", "control", "gate", "summed walls", "bootstrap interval", "ratio of medians",
+                      "paired interval", "readings"], rrows, cls="conditions") if rrows
+              else '<p class="missing">no runtime readings: no condition pairs with the reference</p>')
+    check = data.plan_positions([s])
+    position = (f'<p id="position" class="{"fail" if check["flagged"] else ""}">{esc(serving.position_text(check))}'
+                f'; each episode\'s wall over its condition\'s median, against the {serving.NEIGHBOURS} plan '
+                f'positions each side.</p>')
+    blocks = [b for b in check["blocks"] if b["block"] != "warmup"]
+    btable = ('<p class="detail">By block (each prompt and repetition\'s episodes), the median wall over its '
+              'condition\'s median: ' + esc(", ".join(f"{b['block']}: {b['relative']:.2f}" for b in blocks)) + "</p>")
+    return "".join([
+        '<h2 id="serving">Serving figures (scored episodes)</h2>',
+        '<p>TTFT: the prefill call, from its start to the first logit on the host. TPOT: the rest of the episode '
+        'over its decode calls. ITL: every decode call, pooled. Decode tokens/s: the median episode\'s. The '
+        'steady decode call is the median of every decode call but the first; once per episode: the first '
+        'decode call over it (a graph capture shows here). Medians over the scored episodes; the flag below a '
+        'figure counts episodes beyond 3 IQR of the quartiles (docs/metrics.md).</p>', table,
+        '<h3 id="ratios">Runtime ratio: the frozen gate beside the ratio of medians</h3>',
+        '<p>The gate judges the ratio of summed walls on its bootstrap upper bound (frozen with the protocol); '
+        'the ratio of medians over the same pairs, with its paired bootstrap interval, is not moved by one slow '
+        'episode. Where the two disagree the outliers that explain it are named.</p>', rtable,
+        '<h3 id="positions">Plan position</h3>', position, btable,
+    ])
+
+
 def summary_section(s: ScreenData) -> str:
     summary = data.condition_summary(s)
     approximate = any(r["tier"] == "approximate" for r in summary)
@@ -306,10 +391,27 @@ def cost_section(s: ScreenData) -> str:
                                 cls="conditions")
 
 
+def workload_caption(workload: dict | None) -> str | None:
+    """The activity-by-layer caption, naming only the lines the figure draws: the profile's target
+    (dashed) only for a synthetic checkpoint with a profile, real OPT's figures (dotted) only where
+    docs/workloads.md has them for this shape and prefix."""
+    if workload is None:
+        return None
+    drawn = [p for p in ("decode", "prefill") if workload.get(p)]
+    text = f"Each layer's active fraction in {' and '.join(drawn)} calls (solid, measured)"
+    text += ("; dashed, what the synthetic profile targets per token" if workload.get("target")
+             else "; no profile target is drawn (not a synthetic checkpoint with a profile)")
+    text += ("; dotted, real OPT's measured mean for this shape and prefix (docs/workloads.md)."
+             if workload.get("anchors") else "; no real-OPT figure is drawn (docs/workloads.md has none for "
+                                             "this shape and prefix).")
+    return text + " `packbench model stats` gives every figure of a checkpoint."
+
+
 def plots_section(s: ScreenData) -> str:
     c = s.conditions
     heat = data.active_heatmap(s)
     union = data.union_sparsity(s)
+    workload = data.workload_by_layer(s)
     cpu = not s.environment.get("gpu")
     return "".join([
         '<h2 id="transfer">Host-to-device bytes per call</h2>',
@@ -331,8 +433,9 @@ def plots_section(s: ScreenData) -> str:
         '<h2 id="union">Union sparsity</h2>',
         _plot("union", figs.union_figure(union), "no observed activity, or the neurons per layer are unknown"),
         '<h2 id="workload">Activity by layer, against the profile and real OPT</h2>',
-        _plot("workload", figs.workload_figure(data.workload_by_layer(s)),
-              "no condition observed active rows, or the neurons per layer are unknown"),
+        _plot("workload", figs.workload_figure(workload),
+              "no condition observed active rows, or the neurons per layer are unknown",
+              caption=workload_caption(workload)),
         '<h2 id="frontier">Frontier: decode time against memory, by tier</h2>',
         _plot("frontier", figs.frontier_figure(data.frontier(s), c), "no finished scored episode with decode calls"),
         '<h2 id="energy">Energy</h2>',
@@ -393,7 +496,8 @@ def screen_page(s: ScreenData, *, audit: AuditStatus) -> str:
             f"{passed} of {len(s.verdicts)} verdicts pass; {s.environment.get('gpu') or 'CPU'}")
     with figs.style():
         plots = plots_section(s)
-    body = "".join([verdict_section(s), summary_section(s), cost_section(s), plots, protocol_section(s),
+    body = "".join([headline_section(s), verdict_section(s), summary_section(s), serving_section(s), cost_section(s),
+                    plots, protocol_section(s),
                     machine_section(s), audit_section(s, audit)])
     return _page(f"packbench report: {s.label}", lede, body)
 

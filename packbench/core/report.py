@@ -96,8 +96,8 @@ class ScreenData:
         m = self.manifest
         where = self.environment.get("gpu") or self.environment.get("device") or ""
         host = self.environment.get("host")
-        if "screen_id" in m:
-            text = f"{self.protocol.name} screen {m['screen_id']}.{m.get('attempt', '?')}"
+        if "screen_id" in m:  # "screen 7.1" read as a version number: the attempt is named
+            text = f"{self.protocol.name} screen {m['screen_id']}, attempt {m.get('attempt', '?')}"
         else:
             text = f"{self.protocol.name} ({self.path.name})"
         return f"{text} on {host}{' ' + where if where else ''}" if host else text
@@ -247,7 +247,43 @@ def runtime_ratios(screen: ScreenData) -> list[dict]:
 def plan_positions(screens: list[ScreenData]) -> dict:
     """core.serving.position_check over one or more screens of one protocol."""
     prompts = screens[0].protocol.prompt_count if screens else None
-    return position_check([[e.record for e in s.episodes] for s in screens], prompts=prompts)
+    return position_check([[{**e.record, "repetition": e.repetition} for e in s.episodes] for s in screens],
+                          prompts=prompts)
+
+
+def headline(screen: ScreenData) -> list[str]:
+    """What won, by how much, one line per tier (exact and approximate are never ranked together):
+    the conditions ordered by median TPOT (core/serving.py), the fastest named with its factor over
+    the tier's slowest and over the reference; then one line per runtime reading whose verdict or
+    median ratio says more than the table (a FAIL, or the two readings disagreeing)."""
+    lines = []
+    ref = screen.protocol.reference
+    rows = serving_rows(screen)
+    tpot = {r["condition"]: r["tpot_s"] for r in rows}
+    for tier in ("exact", "approximate"):
+        ranked = sorted((r for r in rows if r["tier"] == tier and r["tpot_s"]), key=lambda r: r["tpot_s"])
+        if not ranked:
+            continue
+        best, worst = ranked[0], ranked[-1]
+        text = (f"{tier.capitalize()} tier, by median time per output token (TPOT, {best['episodes']} scored "
+                f"episodes): {best['condition']} {best['tpot_s'] * 1e3:.3g} ms")
+        if len(ranked) > 1:
+            text += f", {worst['tpot_s'] / best['tpot_s']:.3g}x faster than the slowest, {worst['condition']}"
+        if ref not in (best["condition"], worst["condition"]) and tpot.get(ref):
+            text += f", {tpot[ref] / best['tpot_s']:.3g}x the reference {ref}'s {tpot[ref] * 1e3:.3g} ms"
+        text += "; order: " + ", ".join(f"{r['condition']} {r['tpot_s'] * 1e3:.3g}" for r in ranked) + " ms"
+        lines.append(text)
+    for r in runtime_ratios(screen):
+        m = r["median"]
+        gate = "" if r["gate_value"] is None else f"summed walls {r['gate_value']:.3g}"
+        if r["passed"] is not None:
+            gate = f"runtime gate {'PASS' if r['passed'] else 'FAIL'} ({gate}, bound {r['gate_interval'][1]:.3g})"
+        text = (f"{r['condition']} ({r['tier']}) over {r['control']}: {gate}; ratio of medians {m['value']:.3g} "
+                f"[{m['interval'][0]:.3g}, {m['interval'][1]:.3g}]")
+        if r["disagree"]:
+            text += f"; the two readings disagree {r['because']}"
+        lines.append(text)
+    return lines
 
 
 def decode_ms_per_token(screen: ScreenData) -> dict[str, list[float]]:

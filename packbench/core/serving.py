@@ -122,7 +122,7 @@ def episode_serving(record: Mapping) -> dict | None:
     steady_call_s: the median decode call but the first (which may hold a capture);
     first_decode_excess_s: the first decode call over that median (a once-per-episode cost).
     outside_s: wall_s - the forward calls' seconds (argmax, the next ids, the recorder).
-    before_wall_s: episode_s - wall_s (the policy's activation and the record's measurements).
+    outside_wall_s: episode_s - wall_s (the policy's activation and the record's measurements).
     """
     calls = record.get("calls")
     wall = _time(record.get("wall_s"))
@@ -160,7 +160,7 @@ def episode_serving(record: Mapping) -> dict | None:
         "wall_s": wall,
         "call_s": call_s,
         "outside_s": wall - call_s,
-        "before_wall_s": episode_s - wall if episode_s is not None and episode_s >= wall else None,
+        "outside_wall_s": episode_s - wall if episode_s is not None and episode_s >= wall else None,
     }
 
 
@@ -192,7 +192,7 @@ def condition_serving(records: Iterable[Mapping]) -> dict:
         "unshelve_s": med("unshelve_s"),
         "wall_s": med("wall_s"),
         "outside_s": med("outside_s"),
-        "before_wall_s": med("before_wall_s"),
+        "outside_wall_s": med("outside_wall_s"),
         "outliers": {"wall_s": flagged("wall_s"), "ttft_s": flagged("ttft_s"), "tpot_s": flagged("tpot_s")},
     }
 

@@ -37,7 +37,7 @@ def test_serving_figures_of_one_episode_match_their_formulas_by_hand():
     assert f["steady_call_s"] == 0.011  # median of the decode calls after the first
     assert f["first_decode_excess_s"] == pytest.approx(0.009)
     assert f["call_s"] == pytest.approx(0.103) and f["outside_s"] == pytest.approx(0.007)
-    assert f["before_wall_s"] == pytest.approx(0.01)
+    assert f["outside_wall_s"] == pytest.approx(0.01)
 
 
 def test_a_capture_in_the_first_decode_call_and_a_competitors_unshelve_are_apart():
