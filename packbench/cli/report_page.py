@@ -271,14 +271,16 @@ def headline_section(s: ScreenData) -> str:
     return '<h2 id="headline">Headline</h2><ul class="headline">' + "".join(f"<li>{esc(t)}</li>" for t in lines) + "</ul>"
 
 
-def _ms_cell(seconds: float | None, outliers: list | None = None) -> str:
-    """Milliseconds, with the hyperfine-style flag below when episodes lie beyond 3 IQR."""
+def _ms_cell(seconds: float | None, outliers: list | None = None, *, first: float | None = None) -> str:
+    """Milliseconds, with the hyperfine-style flag below when episodes lie beyond 3 IQR (and for
+    TTFT, the cold one: the condition's first episode, its first use)."""
     if seconds is None:
         return '<td class="num none">-</td>'
+    cold = "" if first is None else f'<br><span class="detail">first use {first * 1e3:.4g}</span>'
     flag = serving.outlier_text(len(outliers or []))
     # the flag wraps under its figure (a nowrap cell of three flags ran past the page at 1400 px)
     below = f'<br><span class="detail fail" style="white-space: normal">{esc(flag)}</span>' if flag else ""
-    return f'<td class="num">{esc(f"{seconds * 1e3:.4g}")}{below}</td>'
+    return f'<td class="num">{esc(f"{seconds * 1e3:.4g}")}{cold}{below}</td>'
 
 
 def _once(r: dict) -> str:
@@ -297,13 +299,14 @@ def serving_section(s: ScreenData) -> str:
     frozen gate's summed walls, and the plan-position check."""
     rows = data.serving_rows(s)
     srows = [[f'<td class="name">{esc(r["condition"])}</td>', r["tier"], _num(r["episodes"], "{}"),
-              _ms_cell(r["ttft_s"], r["outliers"]["ttft_s"]), _ms_cell(r["tpot_s"], r["outliers"]["tpot_s"]),
+              _ms_cell(r["ttft_s"], r["outliers"]["ttft_s"], first=r["ttft_first_s"]),
+              _ms_cell(r["tpot_s"], r["outliers"]["tpot_s"]),
               _two(_fmt(_ms(r["itl_p50_s"]), "{:.4g}"), _fmt(_ms(r["itl_p90_s"]), "p90 {:.4g}") + " / "
                    + _fmt(_ms(r["itl_p99_s"]), "p99 {:.4g}")),
               _num(r["decode_tokens_per_s"], "{:,.4g}"), _ms_cell(r["wall_s"], r["outliers"]["wall_s"]),
               _two(_fmt(_ms(r["outside_s"]), "{:.4g}"), _fmt(_ms(r["outside_wall_s"]), "outside the wall {:.4g}")),
               _two(_fmt(_ms(r["steady_call_s"]), "{:.4g}"), _once(r))] for r in rows]
-    table = _table(["condition", "tier", "scored", "TTFT ms", "TPOT ms", "ITL ms: p50, p90 / p99", "decode tokens/s",
+    table = _table(["condition", "tier", "scored", "TTFT ms: warm, first use", "TPOT ms", "ITL ms: p50, p90 / p99", "decode tokens/s",
                     "wall ms", "outside the calls ms (the wall)", "decode call ms: steady, once per episode"],
                    srows, cls="conditions")
     ratios = data.runtime_ratios(s)
@@ -330,7 +333,8 @@ def serving_section(s: ScreenData) -> str:
               'condition\'s median: ' + esc(", ".join(f"{b['block']}: {b['relative']:.2f}" for b in blocks)) + "</p>")
     return "".join([
         '<h2 id="serving">Serving figures (scored episodes)</h2>',
-        '<p>TTFT: the prefill call, from its start to the first logit on the host. TPOT: the rest of the episode '
+        '<p>TTFT: the prefill call, from its start to the first logit on the host (warm: the median scored '
+        'episode\'s; below it the first use, the condition\'s first episode). TPOT: the rest of the episode '
         'over its decode calls. ITL: every decode call, pooled. Decode tokens/s: the median episode\'s. The '
         'steady decode call is the median of every decode call but the first; once per episode: the first '
         'decode call over it (a graph capture shows here). Medians over the scored episodes; the flag below a '

@@ -29,7 +29,7 @@ from packbench.core.plan import plan
 from packbench.core.protocol import MIB, Protocol, expand
 from packbench.core.record import token_count
 from packbench.core.registry import SHAPES
-from packbench.core.serving import condition_serving, position_check, robust_runtime, scored_ok
+from packbench.core.serving import condition_serving, episode_serving, position_check, robust_runtime, scored_ok
 
 PHASES = ("prefill", "decode")
 # The runtime interval shown for a condition without a declared runtime gate: the gate's own
@@ -224,8 +224,21 @@ def serving_rows(screen: ScreenData) -> list[dict]:
     """One row per condition (protocol order) with its tier: the serving figures of its scored
     finished episodes (core.serving.condition_serving; docs/metrics.md defines each)."""
     records = [e.record for e in screen.episodes]
-    return [{"condition": c.name, "tier": c.tier, **condition_serving(scored_ok(records, c.name))}
-            for c in screen.protocol.conditions]
+    return [{"condition": c.name, "tier": c.tier, **condition_serving(scored_ok(records, c.name)),
+             "ttft_first_s": first_use_ttft(records, c.name)} for c in screen.protocol.conditions]
+
+
+def first_use_ttft(records: list[dict], condition: str) -> float | None:
+    """Cold TTFT: the prefill call of the condition's first finished episode in the screen (a
+    warmup where it has one: its first use in the worker); the `ttft_s` of serving_rows is the
+    warm one, the median over scored episodes (docs/metrics.md)."""
+    mine = sorted((r for r in records if r.get("condition") == condition and r.get("status") == "ok"),
+                  key=lambda r: r.get("plan_index", 0))
+    for r in mine:
+        f = episode_serving(r)
+        if f is not None:
+            return f["ttft_s"]
+    return None
 
 
 def runtime_ratios(screen: ScreenData) -> list[dict]:

@@ -81,6 +81,10 @@ def test_the_serving_section_shows_each_figure_both_runtime_readings_and_the_pos
         assert text in section, text
     packet = next(r for r in data.serving_rows(screen) if r["condition"] == "packet")
     assert f"{packet['ttft_s'] * 1e3:.4g}" in section and f"{packet['tpot_s'] * 1e3:.4g}" in section
+    # cold TTFT: packet's first episode in the plan is its warmup (plan index 1), its first use
+    warmup = next(e for e in screen.episodes if e.condition == "packet")
+    assert not warmup.scored and packet["ttft_first_s"] == warmup.record["calls"][0]["wall_s"]
+    assert f"first use {packet['ttft_first_s'] * 1e3:.4g}" in section
 
 
 def test_a_slow_position_is_flagged_on_the_page(screen):
