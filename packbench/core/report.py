@@ -248,9 +248,14 @@ def runtime_ratios(screen: ScreenData) -> list[dict]:
     disagree (core.serving.robust_runtime). Each row keeps the condition's tier."""
     records = [{**e.record, "repetition": e.repetition} for e in screen.episodes]
     tiers = {c.name: c.tier for c in screen.protocol.conditions}
+    declared = {g.control: g for g in screen.protocol.gates.runtime if g.phase == "all"}
     out = []
     for row in runtime_intervals(screen):
-        robust = robust_runtime(records, condition=row["condition"], control=row["control"], gate=row)
+        g = declared.get(row["control"])  # the gate's own interval settings, where it declares them
+        robust = robust_runtime(records, condition=row["condition"], control=row["control"], gate=row,
+                                confidence=g.confidence if g and g.confidence else DEFAULT_CONFIDENCE,
+                                resamples=g.resamples if g and g.resamples else DEFAULT_RESAMPLES,
+                                seed=g.seed if g and g.seed is not None else DEFAULT_SEED)
         if robust is not None:
             out.append({**robust, "tier": tiers.get(row["condition"]), "passed": row["passed"],
                         "source": row["source"]})

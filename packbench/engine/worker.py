@@ -372,11 +372,13 @@ class Worker:
         started = time.time()
         before = cpu_snapshot()
         self.presence.busy()
+        collecting = gc.isenabled()
         gc.disable()  # no collection inside an episode's wall (docs/metrics.md, "Plan position")
         try:
             record = self._run(entry, prompt)
         finally:
-            gc.enable()
+            if collecting:
+                gc.enable()
             self.presence.idle()
         previous, self.previous = self.previous, {"condition": entry["condition"], "plan_index": entry["index"],
                                                   "load": self.loads}
