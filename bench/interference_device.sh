@@ -114,4 +114,6 @@ for s in kinds.get("mixed", []):
             if p["ratio"] is not None:
                 print(f"  {c:18} after {other} first ran: {p['ratio']:.3f}x ({p['n_before']} before, "
                       f"{p['n_since']} since){'  PERSISTENT SLOWDOWN' if p['slowed'] else ''}")
+            else:  # the competitor's warmup runs before any scored episode: the exact screen is the before
+                print(f"  {c:18} every scored episode ran after {other}'s first: the `exact` screens are its before")
 PY
