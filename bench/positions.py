@@ -5,8 +5,10 @@ core.serving.position_check, then all of them together.
 Usage:  python -m bench.positions [--runs 3] [--episodes 48] [--out DIR] [--gc-log]
 
 Prints, per run and over all runs, the positions more than 2x their neighbours' median (each
-wall over its condition's median) and the worst factor; exits 1 when the combined check flags a
-position. `--gc-log` adds a sitecustomize that writes every full (generation 2) collection of
+wall over its condition's median), the worst factor, and how many cores other processes kept
+busy meanwhile (each record's host_load); exits 1 when the combined check flags a position that
+a busy host does not explain (other processes below half a core, or an episode too short to
+judge). `--gc-log` adds a sitecustomize that writes every full (generation 2) collection of
 every packbench process (driver and worker) with its duration to DIR/gc.log, so a slow position
 can be matched with a collection: the cause issue 43 found (docs/metrics.md, "Plan position").
 
@@ -94,14 +96,18 @@ def main() -> None:
     combined = plan_positions(screens)
     print(f"\nall {len(screens)} runs (median per position): {position_text(combined)}")
     rows = sorted(combined["positions"], key=lambda r: -(r["over_neighbours"] or 0))[:8]
-    print(f"{'position':>8} {'condition':13} {'median wall ms':>14} {'x condition':>11} {'x neighbours':>12}")
+    print(f"{'position':>8} {'condition':13} {'median wall ms':>14} {'x condition':>11} {'x neighbours':>12} "
+          f"{'other cores':>11}")
     for r in rows:
+        taken = "-" if r["other_cores"] is None else f"{r['other_cores']:.2f}"
         print(f"{r['index']:8d} {r['condition']:13} {r['wall_s'] * 1e3:14.2f} {r['relative']:11.2f} "
-              f"{r['over_neighbours'] or float('nan'):12.2f}")
+              f"{r['over_neighbours'] or float('nan'):12.2f} {taken:>11}")
+    print(f"flagged positions not explained by other processes on the host (host_load): "
+          f"{combined['unexplained'] or 'none'}")
     if args.gc_log and (out / "gc.log").exists():
         print(f"\nfull collections: {(out / 'gc.log').read_text().count('full collection')} (log {out / 'gc.log'})")
     print(f"logs and archives: {out}")
-    sys.exit(1 if combined["flagged"] else 0)
+    sys.exit(1 if combined["unexplained"] else 0)
 
 
 if __name__ == "__main__":

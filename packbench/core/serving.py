@@ -288,8 +288,11 @@ def position_check(screens: list[list[Mapping]], *, prompts: int | None = None, 
     Returns {positions: [{index, condition, relative, wall_s, neighbours, flagged}], flagged:
     [plan indices], blocks: [{block, relative, n}], worst: the largest relative over neighbours}.
     """
+    from packbench.core.dispersion import NOISY_CORES, other_cores
+
     rel: dict[int, list[float]] = {}
     walls: dict[int, list[float]] = {}
+    cores: dict[int, list[float]] = {}
     cond_of: dict[int, str] = {}
     block_of: dict[int, Any] = {}
     for records in screens:
@@ -305,6 +308,9 @@ def position_check(screens: list[list[Mapping]], *, prompts: int | None = None, 
                 i = r["plan_index"]
                 rel.setdefault(i, []).append(float(r["wall_s"]) / m)
                 walls.setdefault(i, []).append(float(r["wall_s"]))
+                taken = other_cores(dict(r))
+                if taken is not None:
+                    cores.setdefault(i, []).append(taken)
                 cond_of[i], block_of[i] = r.get("condition"), _block(r, prompts)
     order = sorted(rel)
     point = {i: statistics.median(rel[i]) for i in order}
@@ -318,14 +324,20 @@ def position_check(screens: list[list[Mapping]], *, prompts: int | None = None, 
         bad = over is not None and over > factor
         if bad:
             flagged.append(i)
+        busy = statistics.median(cores[i]) if i in cores else None
         rows.append({"index": i, "condition": cond_of[i], "relative": point[i], "wall_s": statistics.median(walls[i]),
-                     "neighbours": ref, "over_neighbours": over, "flagged": bad})
+                     "neighbours": ref, "over_neighbours": over, "flagged": bad, "other_cores": busy})
     blocks: dict[Any, list[float]] = {}
     for i in order:
         blocks.setdefault(block_of[i], []).extend(rel[i])
     block_rows = [{"block": b, "relative": statistics.median(v), "n": len(v)} for b, v in blocks.items()]
+    # A flagged position during which other processes kept NOISY_CORES or more busy (host_load) is
+    # the host's, not the plan's: said apart, never dropped.
+    on_busy_host = [r["index"] for r in rows if r["flagged"] and r["other_cores"] is not None
+                    and r["other_cores"] >= NOISY_CORES]
     return {"positions": rows, "flagged": flagged, "blocks": block_rows, "worst": worst, "factor": factor,
-            "screens": len(screens)}
+            "screens": len(screens), "on_busy_host": on_busy_host,
+            "unexplained": [i for i in flagged if i not in on_busy_host]}
 
 
 def position_text(check: dict) -> str:
@@ -338,8 +350,11 @@ def position_text(check: dict) -> str:
     rows = {r["index"]: r for r in check["positions"]}
     names = ", ".join(f"{i} ({rows[i]['condition']}, {rows[i]['over_neighbours']:.1f}x)" for i in check["flagged"][:6])
     more = f" and {len(check['flagged']) - 6} more" if len(check["flagged"]) > 6 else ""
+    busy = check.get("on_busy_host") or []
+    host = (f"; {len(busy)} of them ran while other processes kept half a core or more busy (host_load)"
+            if busy else "")
     return (f"position check: {len(check['flagged'])} plan position(s) above {check['factor']:g}x their "
-            f"neighbours' median: {names}{more}")
+            f"neighbours' median: {names}{more}{host}")
 
 
 # ----------------------------------------------------------------------------- robust ratios

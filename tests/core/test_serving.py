@@ -192,3 +192,13 @@ def test_the_median_ratio_disagrees_with_the_summed_walls_because_of_an_outlier(
     gate = runtime(clean, condition="packet", control="dense-stream", max_ratio=1.5, resamples=2000)
     row = serving.robust_runtime(clean, condition="packet", control="dense-stream", gate=gate, resamples=2000)
     assert not row["disagree"] and row["outliers"] == [] and row["because"] == ""
+
+
+def test_a_slow_position_on_a_busy_host_is_said_apart_not_dropped():
+    records = plan_records(slow=38)
+    records[38].update(episode_s=0.2, host_load={"other_cpu_s": 0.3})  # 1.5 cores taken by others
+    check = serving.position_check([records], prompts=13)
+    assert check["flagged"] == [38] and check["on_busy_host"] == [38] and check["unexplained"] == []
+    assert "1 of them ran while other processes kept half a core or more busy" in serving.position_text(check)
+    quiet = serving.position_check([plan_records(slow=38)], prompts=13)
+    assert quiet["on_busy_host"] == [] and quiet["unexplained"] == [38]
