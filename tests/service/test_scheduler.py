@@ -204,3 +204,25 @@ def test_leases_are_renewed_while_a_screen_runs(store, tmp_path):
     assert outcome.status == "done" and attempt.status == "done"
     assert len(renewals) >= 3 and all(granted for _, granted in renewals)  # every 0.2 s over about 0.72 s
     assert max(b - a for (a, _), (b, _) in zip(renewals, renewals[1:])) < 0.6
+
+
+def test_the_dispatcher_runs_its_screens_with_what_it_started_with_frozen_out_of_the_collector(store, tmp_path):
+    """Issue 43: the driver's full collections (60-260 ms on a 2-core host, over Ray's and the
+    libraries' objects) took a core from the worker mid-episode at a fixed episode count. While it
+    dispatches, what was alive when it connected is frozen (a full collection scans only what
+    screens made since); when it stops, nothing of it stays frozen."""
+    import gc
+
+    submit(store, protocol_file(tmp_path))
+    frozen_at_episodes: list[int] = []
+
+    class Watching(FakePool):
+        def run(self, worker, tag, entry, prompt):
+            frozen_at_episodes.append(gc.get_freeze_count())
+            super().run(worker, tag, entry, prompt)
+
+    before = gc.get_freeze_count()
+    (outcome,) = scheduler(store, tmp_path, Watching()).run()
+    assert outcome.status == "done" and len(frozen_at_episodes) == 4
+    assert min(frozen_at_episodes) > before + 1000  # the interpreter's own objects and more
+    assert gc.get_freeze_count() == 0
