@@ -573,11 +573,31 @@ def compare_page(screens: list[ScreenData], audits: list[AuditStatus]) -> str:
                      "energy / token"], srows, cls="conditions")
     ratio_rows = []
     for n, s in enumerate(screens):
-        for i in data.runtime_intervals(s):
-            ratio_rows.append([i["condition"], labels[n], i["control"], _num(i["value"], "{:.4g}"),
-                               f'<td class="num">{esc(data.interval_text(i))}</td>',
-                               _num(i["threshold"], "{!r}"), i["source"]])
-    rtable = _table(["condition", "screen", "control", "wall ratio", "interval", "gate threshold", "from"], ratio_rows)
+        for r in data.runtime_ratios(s):
+            gi, mi = r["gate_interval"], r["median"]["interval"]
+            ratio_rows.append([r["condition"], labels[n], r["control"], _num(r["gate_value"], "{:.4g}"),
+                               f'<td class="num">{esc("-" if not gi else f"[{gi[0]:.4g}, {gi[1]:.4g}]")}</td>',
+                               _num(r["threshold"], "{!r}"), r["source"], _num(r["median"]["value"], "{:.4g}"),
+                               f'<td class="num">{esc(f"[{mi[0]:.4g}, {mi[1]:.4g}]")}</td>',
+                               f'<td class="wrap{" fail" if r["disagree"] else ""}">'
+                               f'{esc(("disagree " + r["because"]) if r["disagree"] else "agree")}</td>'])
+    rtable = _table(["condition", "screen", "control", "summed walls", "interval", "gate threshold", "from",
+                     "ratio of medians", "paired interval", "readings"], ratio_rows, cls="conditions")
+    serving_rows = []
+    for c in conditions:
+        for n, s in enumerate(screens):
+            r = next((x for x in data.serving_rows(s) if x["condition"] == c), None)
+            if r is None or not r["episodes"]:
+                continue
+            serving_rows.append([f'<td class="name">{esc(c)}</td>', labels[n], r["tier"],
+                                 _ms_cell(r["ttft_s"], r["outliers"]["ttft_s"], first=r["ttft_first_s"]),
+                                 _ms_cell(r["tpot_s"], r["outliers"]["tpot_s"]),
+                                 _two(_fmt(_ms(r["itl_p50_s"]), "{:.4g}"), _fmt(_ms(r["itl_p99_s"]), "p99 {:.4g}")),
+                                 _num(r["decode_tokens_per_s"], "{:,.4g}"), _ms_cell(r["wall_s"], r["outliers"]["wall_s"]),
+                                 _two(_fmt(_ms(r["steady_call_s"]), "{:.4g}"), _once(r))])
+    stable_serving = _table(["condition", "screen", "tier", "TTFT ms: warm, first use", "TPOT ms", "ITL ms: p50, p99",
+                             "decode tokens/s", "wall ms", "decode call ms: steady, once per episode"],
+                            serving_rows, cls="conditions")
     with figs.style():
         plots = "".join([
             '<h2 id="decode">Decode milliseconds per token</h2>',
@@ -599,7 +619,11 @@ def compare_page(screens: list[ScreenData], audits: list[AuditStatus]) -> str:
             ])
     body = "".join([
         '<h2 id="screens">Screens</h2>', ident, head, vtable,
-        '<h2 id="conditions">Conditions side by side</h2>', stable, '<h3>Paired runtime ratios</h3>', rtable, plots,
+        '<h2 id="conditions">Conditions side by side</h2>', stable,
+        '<h3 id="serving">Serving figures (docs/metrics.md)</h3>', stable_serving,
+        '<h3>Paired runtime ratios: the gate\'s summed walls beside the ratio of medians</h3>', rtable,
+        "".join(f'<p class="{"fail" if c["unexplained"] else ""}">Screen {labels[n]}: {esc(serving.position_text(c))}</p>'
+                for n, c in enumerate(data.plan_positions([s]) for s in screens)), plots,
         *[f'<h2 id="audit-{labels[n]}">Screen {labels[n]}: archive and audit</h2>' + audit_section(s, a)
           .replace('<h2 id="audit">Archive and audit</h2>', "") for n, (s, a) in enumerate(zip(screens, audits))],
     ])

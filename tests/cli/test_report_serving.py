@@ -128,3 +128,18 @@ def test_the_protocol_and_serving_tables_fit_the_page_at_1400_px(screen, tmp_pat
     check = check_page(page, width=1400)
     assert len(check.tables) >= 4 and check.overflowing == [], check.tables
     assert "int8-weight-only" in page.read_text()
+
+
+def test_the_comparison_page_shows_both_runtime_readings_serving_figures_and_positions(screen, tmp_path):
+    from packbench.cli.report_page import compare_page
+
+    other = data.read_screen(DATA / "quickstart-v1.zip")
+    page = compare_page([screen, other], [AuditStatus(), AuditStatus()])
+    assert "the gate's summed walls beside the ratio of medians" in page and 'id="serving"' in page
+    assert "Screen A: position check: no plan position" in page
+    assert "Screen B: position check: 2 plan position(s)" in page  # quickstart-v1's own slow episodes 2 and 5
+    if chromium() is None:
+        pytest.fail(INSTALL_HINT)
+    path = tmp_path / "compare.html"
+    path.write_text(page)
+    assert check_page(path, width=1400).overflowing == []
