@@ -25,7 +25,8 @@ PLOT_CAPTIONS = {
     "h2d": "Host-to-device bytes (outgoing weights + indices) of every call of the scored episodes; bar: the mean, "
            "in MB above it, with its share of the reference's mean.",
     "wall": "Left: wall time of every scored episode. Right: the paired (repetition, prompt) whole-episode time ratio "
-            "to the control, with its bootstrap interval.",
+            "to the control, with its bootstrap interval: the runtime gate's ratio of summed walls, which one slow "
+            "episode moves; the ratio of medians beside it is in the runtime ratio table above.",
     "decode": "Milliseconds per generated token of every decode call of the scored episodes (box: quartiles).",
     "memory": "GPU memory sampled by NVML during every episode (warmups included), against the protocol's allowance.",
     "heatmap": "Active outgoing rows per layer over the calls of the scored episodes, in plan order.",
