@@ -189,7 +189,7 @@ def readings_of(archive_path: str | None) -> dict | None:
     """What the screen's archive says beside the stored totals (core/serving.py, docs/metrics.md):
     {serving: per condition, runtime_ratios: the median ratio beside the summed-walls gate,
     position: the plan-position check}; None when the archive is not readable here."""
-    from packbench.core.report import plan_positions, read_screen, runtime_ratios, serving_rows
+    from packbench.core.report import plan_positions, read_screen, runtime_ratios, serving_rows, steady_by_previous
 
     if not archive_path:
         return None
@@ -198,7 +198,7 @@ def readings_of(archive_path: str | None) -> dict | None:
     except (OSError, PackbenchError, ValueError, KeyError, TypeError):
         return None
     return {"serving": serving_rows(screen), "runtime_ratios": runtime_ratios(screen),
-            "position": plan_positions([screen])}
+            "position": plan_positions([screen]), "steady_by_previous": steady_by_previous(screen)}
 
 
 def _ms(value: float | None) -> str | None:
@@ -259,6 +259,11 @@ def print_readings(readings: dict) -> None:
         typer.echo(table(ratio_table_rows(readings["runtime_ratios"]),
                          ["condition", "tier", "control", "summed walls (gate)", "median ratio", "beyond 3 IQR",
                           "readings"]))
+    if readings.get("steady_by_previous"):
+        typer.echo("steady decode call by what the worker ran before (ms, episodes)")
+        for r in readings["steady_by_previous"]:
+            typer.echo(f"  {r['condition']} ({r['tier']}): " + "; ".join(
+                f"after {p['condition']} {_ms(p['median']) or '-'} ({p['n']})" for p in r["previous"]))
     typer.echo(position_text(readings["position"]))
 
 

@@ -325,6 +325,11 @@ def serving_section(s: ScreenData) -> str:
     rtable = (_table(["condition", "tier", "control", "gate", "summed walls", "bootstrap interval", "ratio of medians",
                       "paired interval", "readings"], rrows, cls="conditions") if rrows
               else '<p class="missing">no runtime readings: no condition pairs with the reference</p>')
+    previous = data.steady_by_previous(s)
+    ptable = _table(["condition", "tier", "steady decode call ms by what ran before it in the worker (episodes)"],
+                    [[f'<td class="name">{esc(r["condition"])}</td>', r["tier"],
+                      f'<td class="wrap">{esc(_previous_text(r["previous"]))}</td>'] for r in previous],
+                    cls="conditions") if previous else ""
     check = data.plan_positions([s])
     position = (f'<p id="position" class="{"fail" if check["flagged"] else ""}">{esc(serving.position_text(check))}'
                 f'; each episode\'s wall over its condition\'s median, against the {serving.NEIGHBOURS} plan '
@@ -344,8 +349,16 @@ def serving_section(s: ScreenData) -> str:
         '<p>The gate judges the ratio of summed walls on its bootstrap upper bound (frozen with the protocol); '
         'the ratio of medians over the same pairs, with its paired bootstrap interval, is not moved by one slow '
         'episode. Where the two disagree the outliers that explain it are named.</p>', rtable,
+        '<h3 id="previous">What ran before</h3>',
+        '<p>Each record names the condition its worker ran just before it. A condition whose steady decode call '
+        'moves with what ran before is measured differently in different places (a library\'s state, a parked '
+        'model, the allocator): the same condition should read the same after every other.</p>', ptable,
         '<h3 id="positions">Plan position</h3>', position, btable,
     ])
+
+
+def _previous_text(rows: list[dict]) -> str:
+    return "; ".join(f"after {p['condition']}: {_fmt(_ms(p['median']), '{:.4g}')} ({p['n']})" for p in rows)
 
 
 def summary_section(s: ScreenData) -> str:

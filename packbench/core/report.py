@@ -29,7 +29,7 @@ from packbench.core.plan import plan
 from packbench.core.protocol import MIB, Protocol, expand
 from packbench.core.record import token_count
 from packbench.core.registry import SHAPES
-from packbench.core.serving import condition_serving, episode_serving, position_check, robust_runtime, scored_ok
+from packbench.core.serving import by_previous, condition_serving, episode_serving, position_check, robust_runtime, scored_ok
 
 PHASES = ("prefill", "decode")
 # The runtime interval shown for a condition without a declared runtime gate: the gate's own
@@ -239,6 +239,25 @@ def first_use_ttft(records: list[dict], condition: str) -> float | None:
         if f is not None:
             return f["ttft_s"]
     return None
+
+
+FIRST_IN_WORKER = "nothing (first in the worker)"
+
+
+def steady_by_previous(screen: ScreenData) -> list[dict]:
+    """Per condition (protocol order), its steady decode call split by the condition the worker ran
+    just before each scored episode (core.serving.by_previous): a figure that moves with what ran
+    before is interference, not the condition's own speed. [{condition, tier, previous: [{condition,
+    n, median}]}]."""
+    records = [e.record for e in screen.episodes]
+    out = []
+    for c in screen.protocol.conditions:
+        split = by_previous(records, c.name)
+        if split:
+            out.append({"condition": c.name, "tier": c.tier,
+                        "previous": [{"condition": FIRST_IN_WORKER if p is None else p, "n": v["n"],
+                                      "median": v["median"]} for p, v in split.items()]})
+    return out
 
 
 def runtime_ratios(screen: ScreenData) -> list[dict]:

@@ -143,3 +143,18 @@ def test_the_comparison_page_shows_both_runtime_readings_serving_figures_and_pos
     path = tmp_path / "compare.html"
     path.write_text(page)
     assert check_page(path, width=1400).overflowing == []
+
+
+def test_the_steady_decode_call_is_split_by_what_ran_before(screen):
+    """Each record's previous condition (the plan's where an older archive lacks the field): the
+    report splits each condition's steady decode call by it, so interference shows."""
+    from packbench.core.serving import episode_serving
+
+    rows = {r["condition"]: r for r in data.steady_by_previous(screen)}
+    by_index = {e.index: e for e in screen.episodes}
+    packet = {p["condition"]: p for p in rows["packet"]["previous"]}
+    after_extents = [episode_serving(e.record)["steady_call_s"] for e in screen.of("packet")
+                     if by_index[e.index - 1].condition == "extents"]
+    assert packet["extents"]["n"] == len(after_extents) == 2
+    assert packet["extents"]["median"] == pytest.approx(sorted(after_extents)[0] / 2 + sorted(after_extents)[1] / 2)
+    assert "after extents: " in serving_section(screen)
