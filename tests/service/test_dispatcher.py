@@ -189,3 +189,25 @@ def test_a_full_archive_disk_fails_the_screen_that_hit_it_not_the_queue(store, t
     assert [s.status for s in map(store.screen, (first, second, third))] == ["queued"] * 3
     assert [a.status for a in store.attempts(second)] == ["interrupted"] and store.screen(second).attempts_used == 0
     assert store.attempts(third) == [] and store.screen(first).attempts_used == 1
+
+
+def test_the_dispatcher_runs_its_screens_with_what_it_started_with_frozen_out_of_the_collector(store, tmp_path):
+    """The driver's full collections (60-260 ms on a 2-core host, over Ray's and the
+    libraries' objects) took a core from the worker mid-episode at a fixed episode count. While it
+    dispatches, what was alive when it connected is frozen (a full collection scans only what
+    screens made since); when it stops, nothing of it stays frozen."""
+    import gc
+
+    submit(store, protocol_file(tmp_path))
+    frozen_at_episodes: list[int] = []
+
+    class Watching(FakePool):
+        def run(self, worker, tag, entry, prompt):
+            frozen_at_episodes.append(gc.get_freeze_count())
+            super().run(worker, tag, entry, prompt)
+
+    before = gc.get_freeze_count()
+    (outcome,) = dispatcher(store, tmp_path, Watching()).run()
+    assert outcome.status == "done" and len(frozen_at_episodes) == 4
+    assert min(frozen_at_episodes) > before + 1000  # the interpreter's own objects and more
+    assert gc.get_freeze_count() == 0
