@@ -205,6 +205,8 @@ class Dispatcher:
         if self._finished(claimed):
             self.state.done = True
             return
+        if self.stopping:  # a start found the archive storage failing: leave without a pause
+            return
         if not self.pool.in_flight():
             time.sleep(0.2)
             return
