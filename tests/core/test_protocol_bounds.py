@@ -104,8 +104,10 @@ def test_the_hash_is_the_sha256_of_the_whole_frozen_body():
 
 def prompts(count: int, prefix: int) -> dict:
     data = base()
-    data.update(prompts={"generator": {"seed": 0, "count": count}}, prefix_tokens=prefix, repetitions=1,
-                warmups=0, conditions=data["conditions"][:2])
+    # A checkpoint by path: its positions are its config.json's, checked at submit, so the bound
+    # tested here is the only one (a synthetic shape's 256 positions would refuse first).
+    data.update(model={"path": "checkpoints/long-context"}, prompts={"generator": {"seed": 0, "count": count}},
+                prefix_tokens=prefix, repetitions=1, warmups=0, conditions=data["conditions"][:2])
     data["gates"] = {"acquisition": {"control": "dense-stream", "max_ratio": 0.5}}
     return data
 
