@@ -282,6 +282,10 @@ def submit(
                              f"dispatch --address {address}`")
     if wait:
         output_dir(settings.archive_dir, "--archive-dir")  # before a screen is queued
+        if settings.signing_key is not None:  # an unreadable key fails here, not after queuing the screen
+            from packbench.core.provenance import Signer
+
+            Signer.load(settings.signing_key)
     if wait and settings.address:
         from packbench.cluster.runtime import ensure_ray
 

@@ -225,7 +225,7 @@ def test_a_prompt_file_that_is_no_regular_file_is_refused_before_it_is_read(tmp_
 
 def test_read_bounded_stops_at_its_limit_for_a_file_that_says_0_bytes():
     """/proc files say 0 bytes and hold more: the read itself is bounded, not only the size."""
-    from packbench.core.protocol.prompt_files import NotReadable, read_bounded
+    from packbench.core.files import NotReadable, read_bounded
 
     with pytest.raises(NotReadable, match="holds more than the 16 bytes limit"):
         read_bounded(Path("/proc/self/status"), limit=16)
@@ -396,3 +396,19 @@ def test_help_shows_no_value_beside_a_flag(packbench_cli):
     assert r.returncode == 0
     wait = next(line for line in r.stdout.splitlines() if "--wait" in line and "Run the screen" in line)
     assert "<bool>" not in wait, wait
+
+
+@pytest.mark.parametrize("kind", ["fifo", "device", "directory"])
+def test_a_key_file_that_is_no_regular_file_is_refused_before_anything_is_queued(tmp_path, world, tiny, fifo, kind):
+    """A FIFO as --signing-key or --trust hung the command; /dev/zero read without end; and a
+    `submit --wait` with an unreadable key queued its screen first and left it queued."""
+    path = {"fifo": fifo, "device": Path("/dev/zero"), "directory": tmp_path}[kind]
+    what = {"fifo": "is a FIFO (named pipe)", "device": "is a device", "directory": "is a directory"}[kind]
+    p = protocol(tmp_path, {"path": str(tiny)})
+    with within(10):
+        one_line_error(world("--signing-key", str(path), "submit", str(p), "--wait"), what, "signing key")
+    assert queued(tmp_path) == []
+    (tmp_path / "notes.txt").write_text("hello\n")
+    with within(10):
+        one_line_error(world("audit", "archive", str(tmp_path / "notes.txt"), "--trust", str(path)), what,
+                       "public key")
