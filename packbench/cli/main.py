@@ -30,7 +30,9 @@ class PackbenchGroup(TyperGroup):
     def invoke(self, ctx: typer.Context):
         try:
             return super().invoke(ctx)
-        except PackbenchError:
+        except (typer.Exit, typer.Abort, typer.TyperException, KeyboardInterrupt):
+            raise  # an exit code, or a usage error: no traceback to show
+        except Exception:  # bad input (PackbenchError) or a bug: `main` prints the one line
             if isinstance(ctx.obj, Settings) and ctx.obj.debug:
                 traceback.print_exc()
             raise
@@ -432,7 +434,8 @@ model_stats.register(model_app)
 
 def main() -> None:
     """Console entry point: user errors print one line and exit 2, never a traceback (--debug adds it);
-    so do typer's usage errors (an unknown option, a missing argument), not rich's boxes."""
+    so do typer's usage errors (an unknown option, a missing argument), not rich's boxes. Any other
+    exception is a bug: one line naming the file its traceback went to, exit 70."""
     try:
         code = app(standalone_mode=False, prog_name="packbench")  # usage errors reach us here: one line
         if isinstance(code, int) and code:

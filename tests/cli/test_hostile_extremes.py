@@ -189,6 +189,10 @@ def test_an_unexpected_error_exits_70_with_its_traceback_in_a_file(world, monkey
         assert "Traceback (most recent call last)" in text and "RuntimeError: a bug" in text and "screens list" in text
     finally:
         where.unlink()
+    r = world("--debug", "screens", "list")  # --debug: the traceback on the terminal too
+    assert r.returncode == 70 and "Traceback (most recent call last)" in r.stderr
+    assert r.stderr.strip().splitlines()[-1].startswith("error: unexpected RuntimeError")
+    Path(r.stderr.split("(traceback in ", 1)[1].split(")", 1)[0]).unlink()
 
 
 # ----------------------------------------------------------------------------- file arguments
