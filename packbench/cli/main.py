@@ -241,7 +241,7 @@ def submit(
                                                           "whose leases keep expiring is failed.")] = 3,
     gpu_type: Annotated[Optional[str], typer.Option(help="Only a worker with this GPU type (Ray's accelerator_type, "
                                                          "e.g. H200) may run it; overrides placement.accelerator_type.")] = None,
-    replicas: Annotated[int, typer.Option(min=1, help="Queue this many screens of the protocol.")] = 1,
+    replicas: Annotated[int, typer.Option(min=1, max=1000, help="Queue this many screens of the protocol.")] = 1,
     spread: Annotated[bool, typer.Option("--spread", metavar="", help="Run the replicas on distinct nodes.")] = False,
     keep_queued: Annotated[bool, typer.Option(
         "--keep-queued", metavar="", help="With --wait: an interrupted (Ctrl-C) screen stays queued for the next `packbench "
@@ -341,7 +341,7 @@ def dispatch(
     follow: Annotated[bool, typer.Option("--follow", metavar="", help="Keep serving the queue until interrupted (SIGINT/SIGTERM "
                                                           "give held screens back to the queue), waiting out a "
                                                           "database outage of any length.")] = False,
-    workers: Annotated[Optional[int], typer.Option(min=1, help="Worker actors to keep (default: one per GPU of the "
+    workers: Annotated[Optional[int], typer.Option(min=1, max=1024, help="Worker actors to keep (default: one per GPU of the "
                                                               "cluster).")] = None,
     lease: Annotated[float, typer.Option(min=1.0, callback=seconds, help="Seconds a claim holds without renewal; renewed every third.")] = 60.0,
     archive_dir: ArchiveDir = Path("archives"),

@@ -416,3 +416,57 @@ def test_a_key_file_that_is_no_regular_file_is_refused_before_anything_is_queued
     with within(10):
         one_line_error(world("audit", "archive", str(tmp_path / "notes.txt"), "--trust", str(path)), what,
                        "public key")
+
+
+# ----------------------------------------------------------------------------- every numeric option
+
+
+def numeric_options() -> list[tuple[tuple[str, ...], str, str]]:
+    """(command path, option, 'int' or 'float') of every numeric option packbench has, read from
+    the app itself: an option added later is probed without anyone listing it here."""
+    import typer
+
+    from packbench.cli.main import app
+
+    def walk(command, path):
+        if hasattr(command, "commands"):
+            for name, sub in command.commands.items():
+                yield from walk(sub, (*path, name))
+            return
+        for p in command.params:
+            kind = getattr(getattr(p, "type_descriptor", None), "annotation", None)
+            if kind in (int, float) and p.opts and p.opts[0].startswith("--"):
+                yield path, p.opts[0], kind.__name__
+
+    root = typer.main.get_command(app)
+    found = [((), p.opts[0], p.type_descriptor.annotation.__name__) for p in root.params
+             if getattr(getattr(p, "type_descriptor", None), "annotation", None) in (int, float)]
+    return found + list(walk(root, ()))
+
+
+EXTREMES = {"int": [str(10**23), str(-10**23)], "float": ["inf", "-inf", "nan", "1e308", "-1e308"]}
+NEEDS = {  # the arguments each command needs besides the option (files made by the test)
+    ("submit",): ["p.yaml"], ("compare",): ["1", "2"], ("history",): ["quickstart"],
+    ("model", "synth"): ["--out", "out"], ("model", "stats"): ["TINY"], ("protocol", "plan"): ["p.yaml"],
+    ("audit", "archive"): ["notes.txt"], ("audit", "screen"): ["1"], ("audit", "reexecute"): ["1"],
+}
+
+
+@pytest.mark.parametrize("path, option, kind", numeric_options(), ids=lambda v: " ".join(v) if isinstance(v, tuple)
+                         else str(v))
+def test_every_numeric_option_at_its_extremes_is_refused_or_used_never_a_traceback(tmp_path, world, tiny, path,
+                                                                                   option, kind):
+    """Huge integers, inf, nan and 1e308 in every numeric option: exit 0 (a value it can use) or
+    one line and exit 2, never a traceback (70) and never a command that runs on."""
+    protocol(tmp_path, {"path": str(tiny)})
+    (tmp_path / "notes.txt").write_text("hello\n")
+    needs = [str(tiny) if a == "TINY" else a for a in NEEDS.get(path, [])]
+    for value in EXTREMES[kind]:
+        args = [option, value, "screens", "list"] if not path else [*path, *needs, option, value]
+        with within(20):
+            r = world(*args)
+        assert r.returncode in (0, 2), (args, r.returncode, r.stderr)
+        if r.returncode == 2:
+            lines = r.stderr.strip().splitlines()
+            assert len(lines) == 1 and lines[0].startswith("error: ") and "Traceback" not in r.stderr, (args, r.stderr)
+    assert queued(tmp_path) == []  # no extreme queued a screen
