@@ -470,3 +470,78 @@ def test_every_numeric_option_at_its_extremes_is_refused_or_used_never_a_traceba
             lines = r.stderr.strip().splitlines()
             assert len(lines) == 1 and lines[0].startswith("error: ") and "Traceback" not in r.stderr, (args, r.stderr)
     assert queued(tmp_path) == []  # no extreme queued a screen
+
+
+# ----------------------------------------------------------------------------- every file argument
+
+
+ARCHIVE = ROOT / "tests" / "data" / "quickstart-v1.zip"
+FILE_ARGS = {  # (command, parameter) -> the command line with F where the hostile path goes
+    (("submit",), "protocol"): ["submit", "F"],
+    (("ingest",), "archive"): ["ingest", "F", "--trust", "F"],
+    (("ingest",), "--trust"): ["ingest", str(ARCHIVE), "--trust", "F"],
+    (("report",), "--out"): ["report", str(ARCHIVE), "--out", "F"],
+    (("history",), "--html"): ["history", "quickstart", "--html", "F"],
+    (("model", "synth"), "--out"): ["model", "synth", "--out", "F"],
+    (("model", "digest"), "model_dir"): ["model", "digest", "F"],
+    (("model", "stats"), "model_dir"): ["model", "stats", "F"],
+    (("model", "stats"), "--prompts"): ["model", "stats", "TINY", "--prompts", "F"],
+    (("protocol", "validate"), "protocol"): ["protocol", "validate", "F"],
+    (("protocol", "show"), "protocol"): ["protocol", "show", "F"],
+    (("protocol", "plan"), "protocol"): ["protocol", "plan", "F"],
+    (("keys", "init"), "--key"): ["keys", "init", "--no-db", "--key", "F"],
+    (("keys", "register"), "public_key"): ["keys", "register", "--name", "x", "F"],
+    (("audit", "archive"), "files"): ["audit", "archive", "F"],
+    (("audit", "archive"), "--trust"): ["audit", "archive", str(ARCHIVE), "--trust", "F"],
+    (("audit", "screen"), "--archive"): ["audit", "screen", "--archive", "F"],
+    (("audit", "reexecute"), "--archive"): ["audit", "reexecute", "--archive", "F"],
+    (("audit", "reexecute"), "--model-dir"): ["audit", "reexecute", "--archive", str(ARCHIVE), "--model-dir", "F"],
+    (("audit", "reexecute"), "--trust"): ["audit", "reexecute", "--archive", str(ARCHIVE), "--trust", "F"],
+}
+# Directories to write into, read by a worker, or checked by their own tests (test_hostile_input.py
+# for --archive-dir, the key test above for --signing-key).
+NOT_READ_HERE = {((), "--model-cache"), ((), "--signing-key"), (("submit",), "--archive-dir"),
+                 (("dispatch",), "--archive-dir")}
+
+
+def file_parameters() -> set[tuple[tuple[str, ...], str]]:
+    import typer
+
+    from packbench.cli.main import app
+
+    def is_path(p) -> bool:
+        return "Path" in str(getattr(getattr(p, "type_descriptor", None), "annotation", ""))
+
+    def walk(command, path):
+        if hasattr(command, "commands"):
+            for name, sub in command.commands.items():
+                yield from walk(sub, (*path, name))
+            return
+        for p in command.params:
+            if is_path(p):
+                yield path, p.opts[0] if p.opts and p.opts[0].startswith("--") else p.name
+
+    root = typer.main.get_command(app)
+    return {((), p.opts[0]) for p in root.params if is_path(p)} | set(walk(root, ()))
+
+
+def test_every_file_parameter_is_probed():
+    """A file argument added later must join FILE_ARGS (or say why not)."""
+    assert file_parameters() == set(FILE_ARGS) | NOT_READ_HERE
+
+
+@pytest.mark.parametrize("key", sorted(FILE_ARGS), ids=lambda k: " ".join([*k[0], k[1]]))
+def test_every_file_argument_as_a_directory_fifo_device_or_huge_file_is_one_line(tmp_path, world, tiny, fifo,
+                                                                                  huge_file, key):
+    """Never a hang (a FIFO), an endless read (/dev/zero) or a traceback: a path that is no
+    file of the kind is one line, exit 2 (a directory where one is wanted is used: exit 0)."""
+    (tmp_path / "adir").mkdir()
+    for path in (tmp_path / "adir", fifo, Path("/dev/zero"), huge_file):
+        args = [str(path) if a == "F" else str(tiny) if a == "TINY" else a for a in FILE_ARGS[key]]
+        with within(20):
+            r = world(*args)
+        assert r.returncode in (0, 2), (args, r.returncode, r.stderr)
+        if r.returncode == 2:
+            lines = r.stderr.strip().splitlines()
+            assert len(lines) == 1 and lines[0].startswith("error: ") and "Traceback" not in r.stderr, (args, r.stderr)
+    assert queued(tmp_path) == []
