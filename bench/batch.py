@@ -38,7 +38,7 @@ from packbench.engine.synth import synth_checkpoint
 MIB = 1 << 20
 LOADERS = {"dense-stream": ("dense-stream", {}), "packet": ("packet", {"gather": "device"})}
 COMPETITOR = "int8-weight-only"
-MAX_BATCH = 1 << 16  # far past where packets and dense-stream meet at opt-2.7b (docs/benchmarks.md)
+MAX_BATCH = 1 << 16  # far past where packets and dense-stream meet at opt-2.7b (docs/experiments/batched.md)
 
 
 def batch_prompts(batch: int, *, length: int, vocab: int, seed: int = 0) -> list[list[int]]:

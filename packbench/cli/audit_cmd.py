@@ -365,9 +365,11 @@ def _print_audit(o, *, json_out: bool, detail: bool) -> None:
         typer.echo(f"error: {what} is not an archive packbench can read: {one_line(report.problems[0])}", err=True)
         return
     if o.unfinished and not json_out:
+        held = ("some without a row yet (`packbench db reconcile` inserts them)" if report.rows_pending
+                else "each as the database holds it")
         typer.echo(f"audit of {what}: PARTIAL (attempt {o.attempt_number} {o.attempt_status}: "
-                   f"{report.record['episodes']} of {report.record['planned']} planned episodes archived, each "
-                   f"as the database holds it; digest {report.digest[:16]}, on {o.where})")
+                   f"{report.record['episodes']} of {report.record['planned']} planned episodes archived, "
+                   f"{held}; digest {report.digest[:16]}, on {o.where})")
         return
     if json_out:
         typer.echo(json.dumps({"screen_id": o.screen_id, "attempt": o.attempt_number, "archive_path": str(o.archive_path),

@@ -132,7 +132,8 @@ def db_upgrade(db: DbUrl = None, json_out: Json = False) -> None:
 def db_reconcile(db: DbUrl = None, json_out: Json = False) -> None:
     """Insert the rows of archived episodes the database lacks (after a database outage).
 
-    Every attempt that is not running and whose archive is on this host: each episode the
+    Every attempt that is not running, or runs for a dispatcher on this host whose process is
+    gone (a one-shot dispatch that stopped in an outage), and whose archive is on this host: each episode the
     archive holds without a row is checked against the archive's SHA-256 manifest entry (an
     unsealed archive: its zip CRC-32s) and inserted; rows already there are kept. Exit 1 when an
     archived episode was refused (it is named)."""
@@ -352,7 +353,8 @@ def dispatch(
 
     Exit codes: 0 every screen it ran is done and every verdict passed; 1 a verdict failed, or a
     screen failed, was cancelled or lost; 2 bad input (an unreadable protocol or checkpoint);
-    130/143 stopped by SIGINT/SIGTERM (held screens are back in the queue). With the database
+    74 the archive storage refused a write (a full disk: that screen is requeued, nothing more
+    is claimed); 130/143 stopped by SIGINT/SIGTERM (held screens are back in the queue). With the database
     down, a one-shot dispatch gives up after its retries (exit 1); `--follow` waits for it, then
     reconciles the episodes its archives hold without rows and continues.
     """
@@ -363,7 +365,7 @@ def dispatch(
 def _dispatch(store, settings: Settings, *, json_out: bool, keep_queued: bool = False, **options) -> None:
     from packbench.cli.progress import view
     from packbench.cluster.pool import RayPool
-    from packbench.service.scheduler import Scheduler
+    from packbench.service.dispatcher import Dispatcher
 
     progress = view(json_out=json_out)
 
@@ -382,16 +384,22 @@ def _dispatch(store, settings: Settings, *, json_out: bool, keep_queued: bool = 
                           err=True)
             return
         progress.echo(verdict_table(summary["verdicts"]) if summary["verdicts"] else "no verdicts")
-        progress.echo(f"screen {outcome.screen_id}: {outcome.status}; archive: {outcome.archive_path}")
+        # An archive never created (the storage refused it) is not named as if it were there.
+        where = f"archive: {outcome.archive_path}" if Path(outcome.archive_path).exists() else "no archive"
+        progress.echo(f"screen {outcome.screen_id}: {outcome.status}; {where}")
         if outcome.status != "done":
             progress.echo(f"error: screen {outcome.screen_id} {outcome.status}: {one_line(outcome.error or '')}",
                           err=True)
 
-    dispatcher = Scheduler(store, settings, RayPool(settings), progress=progress, on_outcome=report, **options)
+    dispatcher = Dispatcher(store, settings, RayPool(settings), progress=progress, on_outcome=report, **options)
     try:
         outcomes = dispatcher.run()
     finally:
         progress.close()
+    if dispatcher.stopping == "archive":  # the storage's fault, not the input's: its own exit code
+        typer.echo(f"error: {dispatcher.fatal}; every other screen stays queued: free space (or fix the mount) "
+                   f"under {settings.archive_dir}, then run `packbench dispatch` again", err=True)
+        raise typer.Exit(74)
     if dispatcher.fatal:
         typer.echo(f"error: {dispatcher.fatal}", err=True)
         raise typer.Exit(1)

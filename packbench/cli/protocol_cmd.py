@@ -287,11 +287,12 @@ def _passes_lines(p) -> list[str]:
 
 def _competitor_modes(p) -> list[str]:
     """One line per competitor: the mode it runs in, and why its library cannot be captured."""
-    from packbench.core.registry import COMPETITOR_PARAMS, competitor_library, fastest_mode, mode_refusal, stack_refusal
+    from packbench.core.conditions import CONDITIONS
+    from packbench.core.registry import competitor_library, fastest_mode, mode_refusal, stack_refusal
 
     out = []
     for c in p.conditions:
-        if c.policy in COMPETITOR_PARAMS:
+        if CONDITIONS[c.policy].competitor is not None:
             params = c.resolved_params
             why = mode_refusal(c.policy, params, "graph")
             fails = stack_refusal(c.policy, params)

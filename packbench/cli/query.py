@@ -173,8 +173,9 @@ def _unknown_condition(store, condition: str) -> str | None:
 def _screen_view(store, ref: str, *, json_out: bool) -> None:
     """One screen's latest attempt: its episodes, each condition's wall spread, verdicts and audit."""
     summary = screen_summary(store, ref)
+    readings = readings_of(summary.get("archive_path"))
     if json_out:
-        print_json(summary)
+        print_json({**summary, **(readings or {})})
         return
     typer.echo(one_line(f"screen {summary['screen_id']} ({summary['protocol']}, {summary['status']}) "
                         f"archive {summary['archive_path']}"))
@@ -187,12 +188,96 @@ def _screen_view(store, ref: str, *, json_out: bool) -> None:
     if summary["spread"]:
         typer.echo("episode wall per condition (scored ok episodes, seconds)")
         typer.echo(table(summary["spread"], ["condition", "tier", "n", "median", "p10", "p90", "p90_over_p10"]))
+    if readings is not None:
+        print_readings(readings)
     typer.echo(verdict_table(summary["verdicts"]) if summary["verdicts"] else "no verdicts")
     a = summary.get("audit")
     typer.echo("audit: none; run `packbench audit`" if a is None else
                f"audit: {a['result'].upper()} ({a['kind'] or 'local'} on {_host_and_node(a['machine'], a['node'])}"
                f", {a['finished_at']}, digest {a['digest'][:16]}"
                f"{_sha_note(a['archive_sha256_matches'])}; {a['audits']} audit(s))")
+
+
+def readings_of(archive_path: str | None) -> dict | None:
+    """What the screen's archive says beside the stored totals (core/serving.py, docs/metrics.md):
+    {serving: per condition, runtime_ratios: the median ratio beside the summed-walls gate,
+    position: the plan-position check}; None when the archive is not readable here."""
+    from packbench.core.report import plan_positions, read_screen, runtime_ratios, serving_rows, steady_by_previous
+
+    if not archive_path:
+        return None
+    try:
+        screen = read_screen(archive_path)
+    except (OSError, PackbenchError, ValueError, KeyError, TypeError):
+        return None
+    return {"serving": serving_rows(screen), "runtime_ratios": runtime_ratios(screen),
+            "position": plan_positions([screen]), "steady_by_previous": steady_by_previous(screen)}
+
+
+def _ms(value: float | None) -> str | None:
+    return None if value is None else f"{value * 1e3:.4g}"
+
+
+def _outliers_cell(flagged: dict) -> str:
+    """`wall 1 (38); TPOT 1 (38)`: per figure, how many episodes lie beyond 3 IQR, and which."""
+    parts = [f"{name} {len(v)} ({', '.join(map(str, v[:4]))}{'...' if len(v) > 4 else ''})"
+             for name, v in (("wall", flagged.get("wall_s", [])), ("TTFT", flagged.get("ttft_s", [])),
+                             ("TPOT", flagged.get("tpot_s", []))) if v]
+    return "; ".join(parts) or "none"
+
+
+SERVING_COLUMNS = ["condition", "tier", "n", "TTFT ms", "first-use TTFT ms", "TPOT ms", "ITL p50 ms", "ITL p90 ms", "ITL p99 ms",
+                   "decode tok/s", "wall ms", "outside calls ms", "steady call ms", "once/episode ms",
+                   "beyond 3 IQR"]
+
+
+def serving_table_rows(rows: list[dict]) -> list[dict]:
+    """The serving figures as the table shows them: milliseconds, tokens per second."""
+    return [{"condition": r["condition"], "tier": r["tier"], "n": r["episodes"], "TTFT ms": _ms(r["ttft_s"]),
+             "first-use TTFT ms": _ms(r.get("ttft_first_s")),
+             "TPOT ms": _ms(r["tpot_s"]), "ITL p50 ms": _ms(r["itl_p50_s"]), "ITL p90 ms": _ms(r["itl_p90_s"]),
+             "ITL p99 ms": _ms(r["itl_p99_s"]),
+             "decode tok/s": None if r["decode_tokens_per_s"] is None else f"{r['decode_tokens_per_s']:.4g}",
+             "wall ms": _ms(r["wall_s"]), "outside calls ms": _ms(r["outside_s"]),
+             "steady call ms": _ms(r["steady_call_s"]), "once/episode ms": _ms(r["first_decode_excess_s"]),
+             "beyond 3 IQR": _outliers_cell(r["outliers"])} for r in rows]
+
+
+def ratio_table_rows(rows: list[dict]) -> list[dict]:
+    """The runtime readings side by side: the gate's summed walls (frozen) and the median ratio."""
+    out = []
+    for r in rows:
+        gi, m = r["gate_interval"], r["median"]
+        gate = "-" if r["gate_value"] is None else f"{r['gate_value']:.4g}" + (f" [{gi[0]:.4g}, {gi[1]:.4g}]" if gi else "")
+        if r["passed"] is not None:
+            gate = ("PASS " if r["passed"] else "FAIL ") + gate
+        out.append({"condition": r["condition"], "tier": r["tier"], "control": r["control"],
+                    "summed walls (gate)": gate,
+                    "median ratio": f"{m['value']:.4g} [{m['interval'][0]:.4g}, {m['interval'][1]:.4g}]",
+                    "beyond 3 IQR": ", ".join(map(str, r["outliers"])) or "none",
+                    "readings": ("DISAGREE " + r["because"]) if r["disagree"] else "agree"})
+    return out
+
+
+def print_readings(readings: dict) -> None:
+    """The serving figures, the runtime ratios and the position check, as tables and a line."""
+    from packbench.core.serving import position_text
+
+    typer.echo("serving figures per condition (scored ok episodes, medians; ITL percentiles over every decode "
+               "call; once/episode: the first decode call over the steady call; docs/metrics.md)")
+    typer.echo(table(serving_table_rows(readings["serving"]), SERVING_COLUMNS))
+    if readings["runtime_ratios"]:
+        typer.echo("runtime ratio per condition: the gate's summed walls beside the ratio of medians (paired "
+                   "0.95 bootstrap intervals)")
+        typer.echo(table(ratio_table_rows(readings["runtime_ratios"]),
+                         ["condition", "tier", "control", "summed walls (gate)", "median ratio", "beyond 3 IQR",
+                          "readings"]))
+    if readings.get("steady_by_previous"):
+        typer.echo("steady decode call by what the worker ran before (ms, episodes)")
+        for r in readings["steady_by_previous"]:
+            typer.echo(f"  {r['condition']} ({r['tier']}): " + "; ".join(
+                f"after {p['condition']} {_ms(p['median']) or '-'} ({p['n']})" for p in r["previous"]))
+    typer.echo(position_text(readings["position"]))
 
 
 def _sha_note(matches: bool | None) -> str:
@@ -500,7 +585,12 @@ def compare(
                     "noise": r["noise"]} for r in spread]
     spread_records = [{"condition": r["condition"], "tier": tier(r["condition"]), **{f"{side}_{k}": r[side][k] for side in "ab" for k in r[side]},
                        **{k: r[k] for k in ("mean_ratio", "ratio_lo", "ratio_hi", "noise")}} for r in spread]
+    readings = [readings_of(getattr(a, "archive_path", None)) if a is not None else None for a in attempts]
+    serving_records, ratio_records = compare_readings(readings)
     document = {**dataclasses.asdict(c), "spread": spread_records,
+                "serving": serving_records, "runtime_ratios": ratio_records,
+                "position": {"a": None if readings[0] is None else readings[0]["position"],
+                             "b": None if readings[1] is None else readings[1]["position"]},
                 "metrics": [{**dataclasses.asdict(m), "tier": tier(m.condition)} for m in c.metrics],
                 "verdicts": [{**dataclasses.asdict(v), "tier": tier(v.condition)} for v in c.verdicts],
                 "shared_host": {"a": sharing[0], "b": sharing[1]}}
@@ -512,12 +602,53 @@ def compare(
            Section(spread_records, list(spread_rows[0]) if spread_rows else [], rows=spread_rows,
                    title="episode wall spread per condition (scored ok episodes; B/A of the mean walls and its 0.95 "
                          "bootstrap interval; within noise when it holds 1)", empty="no scored episodes"),
+           Section(serving_records, ["condition", "tier", "figure", "A", "B", "B/A", "A beyond 3 IQR",
+                                     "B beyond 3 IQR"],
+                   rows=[{**r, **{k: _ms(r[k]) if r["figure"] != "decode_tokens_per_s" and r[k] is not None
+                                  else r[k] for k in ("A", "B")}} for r in serving_records],
+                   title="serving figures per condition (ms, decode tokens/s; medians over scored ok episodes, "
+                         "read from each archive; docs/metrics.md)", empty="no archive readable here"),
+           Section(ratio_records, ["screen", "condition", "tier", "control", "summed walls (gate)", "median ratio",
+                                   "beyond 3 IQR", "readings"],
+                   title="runtime ratio within each screen: the gate's summed walls beside the ratio of medians",
+                   empty="no runtime readings"),
            Section([{**dataclasses.asdict(v), "tier": tier(v.condition)} for v in c.verdicts],
                    ["gate", "condition", "tier", "phase", "A", "B"],
                    title="verdicts", rows=verdicts, fields=[*_field_names(VerdictPair), "tier"])],
           out, document=document)
+    if out == "table":
+        from packbench.core.serving import position_text
+
+        for label, r in zip("AB", readings):
+            if r is not None:
+                typer.echo(f"{label}: {position_text(r['position'])}")
     if fail_above is not None:
         fail_compare(store, c.a.screen_id, c.b.screen_id, fail_above)
+
+
+COMPARED_FIGURES = ("ttft_s", "ttft_first_s", "tpot_s", "itl_p50_s", "itl_p99_s", "decode_tokens_per_s", "steady_call_s",
+                    "first_decode_excess_s", "wall_s", "outside_s")
+# Whose outliers beyond 3 IQR stand beside a figure: its own where they are counted, else the walls'.
+OUTLIERS_OF = {"ttft_s": "ttft_s", "tpot_s": "tpot_s", "decode_tokens_per_s": "tpot_s"}
+
+
+def compare_readings(readings: list[dict | None]) -> tuple[list[dict], list[dict]]:
+    """Two screens' archive readings side by side: per condition and serving figure A, B and B/A
+    with each side's outliers beyond 3 IQR (walls); and each screen's runtime ratios (summed walls
+    beside medians), labelled by screen."""
+    a, b = [{r["condition"]: r for r in (x or {}).get("serving", [])} for x in readings]
+    serving = []
+    for cond in list(a) + [c for c in b if c not in a]:
+        ra, rb = a.get(cond), b.get(cond)
+        for fig in COMPARED_FIGURES:
+            va, vb = (None if r is None else r[fig] for r in (ra, rb))
+            serving.append({"condition": cond, "tier": (ra or rb)["tier"], "figure": fig, "A": va, "B": vb,
+                            "B/A": vb / va if va and vb is not None else None,
+                            "A beyond 3 IQR": None if ra is None else len(ra["outliers"][OUTLIERS_OF.get(fig, "wall_s")]),
+                            "B beyond 3 IQR": None if rb is None else len(rb["outliers"][OUTLIERS_OF.get(fig, "wall_s")])})
+    ratios = [{"screen": label, **row} for label, x in zip("AB", readings)
+              for row in ratio_table_rows((x or {}).get("runtime_ratios", []))]
+    return serving, ratios
 
 
 def _noise_warnings(c, sharing: list, spread: list[dict]) -> None:

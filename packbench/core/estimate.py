@@ -8,19 +8,9 @@ Phi(hot_bias); in a calibrated profile's checkpoint, neuron j of layer l with pr
 Phi(mu_l + spread Z_j) (engine/synth.py profile_tensors). A call of T tokens needs the union of its tokens' active sets; the estimate
 takes tokens as independent, 1 - (1 - a)^T, which is an UPPER estimate: real tokens share
 active neurons (the report's union-sparsity plot shows how much), so measured prefill unions
-come out smaller. Byte rules follow the ledgers of engine/policies.py:
-
-| policy | H2D bytes per layer per call |
-| --- | --- |
-| resident | 0 (the weights were placed once at start) |
-| quantized (a low-bit competitor) | 0 (its quantized weights were placed once at start) |
-| accelerate (a competitor) | parameters beyond the allowance, whole layers every call (an upper estimate: not per layer) |
-| dense-stream | ffn x row |
-| packet (host or device gather) | k x (row + 8): k active rows and their int64 indices |
-| sparse-extents {B} | blocks x (B x row + 8): every B-row block holding an active row |
-| phase-switched | dense-stream in prefill, packet in decode |
-| row-retention | at most packet's (only cache misses move; the hit rate is not modelled) |
-| early-forecast | at least packet's (the exact demand; wrong forecasts add waste) |
+come out smaller. Each condition kind declares its own byte rule (`h2d_bytes` of its module in
+core/conditions/, over the call's `CallInputs`) and how it bounds the truth (`bound`); docs/engine.md
+lists them. This module never asks which kind it estimates.
 
 Time is the transfer floor at a stated host-to-device rate (default: the pinned rate measured
 on the H200, shared/device/NOTES.md); compute, synchronisation and Python are not in it.
@@ -32,16 +22,15 @@ import math
 from dataclasses import dataclass
 from statistics import NormalDist
 
+from packbench.core.conditions import CONDITIONS
+from packbench.core.conditions.base import CallInputs
 from packbench.core.plan import plan
 from packbench.core.protocol import Protocol, expand
 from packbench.core.registry import INT8_SCALE_BYTES, SHAPES, weights_of
 
-INDEX_BYTES = 8  # engine.policies.INDEX_DTYPE is int64
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 # Pinned host-to-device copies of 64 MiB and more on the H200 (shared/device/NOTES.md).
 DEFAULT_H2D_GBPS = 55.0
-# How each policy's bytes are bounded by this estimate (printed beside its numbers).
-BOUND = {"row-retention": "at most", "early-forecast": "at least"}
 
 
 @dataclass(frozen=True)
@@ -120,23 +109,10 @@ class Activity:
 
 def call_h2d_bytes(policy: str, params: dict, *, phase: str, tokens: int, shape: ModelShape, row_bytes: int,
                    activity: Activity, allowance_bytes: int = 0) -> float:
-    """Expected H2D bytes of one call (all layers) under `policy` (see the module table)."""
-    dense = shape.ffn * row_bytes
-    k = shape.ffn * activity.union_fraction(tokens)
-    packet = k * (row_bytes + INDEX_BYTES)
-    if policy in ("resident", "quantized"):
-        per_layer = 0.0
-    elif policy == "accelerate":  # the layers beyond the allowance, whole, every call
-        return float(max(0, shape.param_count() * (row_bytes // shape.hidden) - allowance_bytes))
-    elif policy == "dense-stream" or (policy == "phase-switched" and phase == "prefill"):
-        per_layer = float(dense)
-    elif policy == "sparse-extents":
-        b = params["block_rows"]
-        blocks = math.ceil(shape.ffn / b) * activity.block_fraction(tokens, b)
-        per_layer = min(blocks * (b * row_bytes + INDEX_BYTES), dense + blocks * INDEX_BYTES)
-    else:  # packet, phase-switched decode, row-retention (<=), early-forecast (>=)
-        per_layer = packet
-    return per_layer * shape.layers
+    """Expected H2D bytes of one call (all layers) under `policy`: its kind's `h2d_bytes`."""
+    call = CallInputs(phase=phase, tokens=tokens, shape=shape, row_bytes=row_bytes, activity=activity,
+                      allowance_bytes=allowance_bytes)
+    return CONDITIONS[policy].h2d_bytes(params, call)
 
 
 def estimate(protocol: Protocol | dict, *, shape: ModelShape, activity: Activity,
@@ -162,7 +138,7 @@ def estimate(protocol: Protocol | dict, *, shape: ModelShape, activity: Activity
         n = sum(e["condition"] == c.name for e in entries)
         total = n * episode
         rows.append({"condition": c.name, "policy": c.policy, "params": dict(c.params), "episodes": n,
-                     "bound": BOUND.get(c.policy, "about"), "prefill_call_bytes": prefill,
+                     "bound": CONDITIONS[c.policy].bound, "prefill_call_bytes": prefill,
                      "decode_call_bytes": decode, "episode_bytes": episode, "total_bytes": total,
                      "episode_transfer_s": episode / (h2d_gbps * 1e9), "total_transfer_s": total / (h2d_gbps * 1e9)})
     params_bytes = shape.param_count() * DTYPE_BYTES[p.dtype]

@@ -1,13 +1,14 @@
-"""The one source of what can be named: loader policies and their parameters, dtypes,
-synthetic checkpoint shapes, and the check of a synthetic model's arguments.
+"""The one source of what can be named: condition kinds (read from their table,
+core/conditions/) and the functions over them, dtypes, synthetic checkpoint shapes, and the
+check of a synthetic model's arguments.
 
 Pure data and pure functions (no torch): the protocol validates against it, the engine's
-policy constructors take their defaults from it, the CLI checks `model synth` with it.
-`tests/engine/test_policy_registry.py` proves the engine's constructors agree with it.
+builders take their defaults from it, the CLI checks `model synth` with it.
+`tests/engine/test_policy_registry.py` proves the engine's builders agree with it.
 
-Changing a default here changes what frozen protocols mean: defaults are filled into the
-frozen body (core/protocol/schema.py), so a new default needs a new schema, never an edit
-(SCHEMA3_DEFAULTS is one).
+Changing a default changes what frozen protocols mean: defaults are filled into the frozen
+body (core/protocol/schema.py), so a new default needs a new schema, never an edit (a kind's
+`schema_defaults` is one).
 """
 
 from __future__ import annotations
@@ -16,166 +17,65 @@ import math
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+from packbench.core.conditions import CONDITIONS
+from packbench.core.conditions import accelerate as accelerate_kind
+from packbench.core.conditions import quantized as quantized_kind
+from packbench.core.conditions.base import (COMPETITOR_MODES, INT8_SCALE_BYTES, TIERS, WEIGHT_FORMATS, WEIGHTS_PARAM,
+                                            WEIGHTS_SCHEMA, ChoiceParam, ConditionKind, IntParam)
 from packbench.core.errors import PackbenchError
 from packbench.core.text import show
 
-
-@dataclass(frozen=True)
-class IntParam:
-    """An integer policy parameter; `default` None means the condition must give it."""
-
-    minimum: int
-    default: int | None = None
-
-    def check(self, name: str, value: Any) -> int:
-        if isinstance(value, bool) or not isinstance(value, int) or value < self.minimum:
-            raise ValueError(f"{name} must be an integer >= {self.minimum}, got {value!r}")
-        return value
-
-
-@dataclass(frozen=True)
-class ChoiceParam:
-    """A policy parameter taking one of `choices`; omitted in schema 1 or 2, it is left out of
-    the frozen form and means `default` (so protocols written before the parameter existed keep
-    their hash); schema 3 may write a newer default into the body instead (SCHEMA3_DEFAULTS).
-    `default` None: the condition must give it (and the frozen body always holds it)."""
-
-    choices: tuple[str, ...]
-    default: str | None
-    # The first schema that may say this parameter: a protocol of a lower schema is refused when it
-    # gives it, and a condition giving it freezes in that schema (core/protocol/schema.py). Omitted,
-    # it is left out of every frozen body and means `default`, so no older hash moves.
-    since: int = 1
-
-    def check(self, name: str, value: Any) -> str:
-        if value not in self.choices:
-            raise ValueError(f"{name} must be one of {', '.join(self.choices)}, got {value!r}")
-        return value
-
-
-# How the outgoing weights travel (engine/policies/int8.py): `dtype`, the protocol's precision
-# as the checkpoint holds it; `int8`, weight-only int8 rows with one float32 absmax scale per
-# outgoing row, dequantized on the device after the copy (about half of fp16's bytes per row).
-# An int8 loader is exact against the int8 dense-stream (faithfulness) and approximate against a
-# reference of the protocol's precision. Sayable from schema 6.
-WEIGHT_FORMATS = ("dtype", "int8")
-INT8_SCALE_BYTES = 4  # one float32 scale per int8 row: a row moves hidden + 4 bytes
-WEIGHTS_SCHEMA = 6
-WEIGHTS_PARAM = ChoiceParam(choices=WEIGHT_FORMATS, default="dtype", since=WEIGHTS_SCHEMA)
-
-# Loader policies and their parameters: engine.policies.POLICIES has one constructor per name,
-# whose keyword-only parameters are exactly these, with these defaults.
-POLICY_PARAMS: dict[str, dict[str, IntParam | ChoiceParam]] = {
-    # `allowance: unbounded` runs resident without the protocol's allowance on the device: the
-    # speed reference where the model does not fit (its resources verdict still says so). Schema 6.
-    "resident": {"allowance": ChoiceParam(choices=("held", "unbounded"), default="held", since=WEIGHTS_SCHEMA)},
-    "dense-stream": {"weights": WEIGHTS_PARAM},
-    "sparse-extents": {"block_rows": IntParam(minimum=1, default=128)},
-    # `packet` without params froze as gather host (schemas 1 and 2): this default may never
-    # move. Schema 3 writes gather device for it instead (SCHEMA3_DEFAULTS).
-    "packet": {"gather": ChoiceParam(choices=("host", "device"), default="host"), "weights": WEIGHTS_PARAM},
-    # Added after schemas 1-3 froze phase-switched without params: host there; schema 4 writes
-    # device for it (SCHEMA4_DEFAULTS).
-    "phase-switched": {"gather": ChoiceParam(choices=("host", "device"), default="host")},
-    # No default: a cache size is a claim about the GPU, so a protocol states it.
-    "row-retention": {"rows_per_layer": IntParam(minimum=1)},
-    # Added after schemas 1-3 froze early-forecast without params: host in every schema.
-    "early-forecast": {"gather": ChoiceParam(choices=("host", "device"), default="host")},
-}
+# Views of the table of condition kinds (core/conditions/), by role. Code that must see a kind
+# added at run time (a test's toy kind) reads CONDITIONS or the functions below, not these.
+CONDITION_PARAMS: dict[str, dict[str, IntParam | ChoiceParam]] = {n: dict(k.params) for n, k in CONDITIONS.items()}
+CONDITION_POLICIES = tuple(CONDITIONS)  # what a condition's `policy` may name
+# Loader policies (packbench's own) and competitors (conditions that are not packbench's loaders).
+POLICY_PARAMS = {n: p for n, p in CONDITION_PARAMS.items() if CONDITIONS[n].competitor is None}
 POLICY_NAMES = tuple(POLICY_PARAMS)
-
-# Low-bit methods of the `quantized` competitor and the library each needs (engine/quantized.py).
-QUANT_METHODS: dict[str, str] = {
-    "int8-weight-only": "torchao",
-    "int4-weight-only": "torchao",
-    "nf4": "bitsandbytes",
-    "llm-int8": "bitsandbytes",
-}
+COMPETITOR_PARAMS = {n: p for n, p in CONDITION_PARAMS.items() if CONDITIONS[n].competitor is not None}
+APPROXIMATE_POLICIES = tuple(n for n, k in CONDITIONS.items() if k.tier == "approximate")
 LOWBIT_EXTRA = "lowbit"
+# The competitors' own tables (core/conditions/quantized.py, accelerate.py), seen from here.
+QUANT_METHODS, STACK_REFUSALS = quantized_kind.QUANT_METHODS, quantized_kind.STACK_REFUSALS
+COMPETITOR_LIBRARIES = (*dict.fromkeys(QUANT_METHODS.values()), accelerate_kind.LIBRARY)
+# Why a method's or a library's calls cannot be captured.
+CAPTURE_REFUSALS: dict[str, str] = {**quantized_kind.CAPTURE_REFUSALS, accelerate_kind.LIBRARY: accelerate_kind.CAPTURE_REFUSAL}
+# The fastest mode of each method, or of a competitor without one.
+FASTEST_MODE: dict[str, str] = {**quantized_kind.FASTEST_MODE, "accelerate": "eager"}
 
-# How a competitor runs its calls (schema 6, `params.mode`): eager; "graph", one CUDA graph per
-# decode step over a static KV cache; "compile", the decode step compiled by torch.compile over
-# the same cache and captured as one CUDA graph (engine/quantized.py). Omitted in a schema-5 body: eager.
-COMPETITOR_MODES = ("eager", "graph", "compile")
 
-# Competitors: conditions that are not packbench's own loaders (engine/quantized.py,
-# engine/accelerate.py), named in a protocol's `policy` field like a loader policy. `quantized`
-# needs schema 5, `accelerate` and `mode` schema 6 (core/protocol/schema.py).
-COMPETITOR_PARAMS: dict[str, dict[str, IntParam | ChoiceParam]] = {
-    # No default: which low-bit format is the whole claim, so a protocol states it.
-    "quantized": {"method": ChoiceParam(choices=tuple(QUANT_METHODS), default=None),
-                  "mode": ChoiceParam(choices=COMPETITOR_MODES, default="eager")},
-    # Hugging Face accelerate's big-model offload (device_map, max_memory = the allowance).
-    "accelerate": {"mode": ChoiceParam(choices=COMPETITOR_MODES, default="eager")},
-}
-COMPETITOR_LIBRARIES = (*dict.fromkeys(QUANT_METHODS.values()), "accelerate")
-
-# Why a method's or a library's calls cannot be captured (a mode other than eager is refused for
-# it; a method's entry before its library's). A method or library missing here captures.
-CAPTURE_REFUSALS: dict[str, str] = {
-    # llm-int8 splits outlier columns by a threshold each call, a decision whose shapes depend on
-    # the data. nf4 launches its kernels on shapes alone and is captured like torchao's int8, in
-    # mode compile (mode graph failed on the H200: STACK_REFUSALS).
-    "llm-int8": "bitsandbytes' llm-int8 splits outlier columns by a threshold on every call (data-dependent shapes)",
-    "accelerate": "accelerate's hooks copy each offloaded weight from pageable host memory in Python on "
-                  "every call",
-}
-
-# Modes a library supports in principle that failed on the H200 stack of docs/benchmarks.md (torch
-# 2.11, transformers 5.17, torchao 0.18): a CUDA worker refuses such a condition at load, before any
-# episode, and `protocol plan` says why. On the CPU nothing is captured, so nothing is refused there.
-STACK_REFUSALS: dict[tuple[str, str], str] = {
-    ("torchao", "graph"): "capturing transformers' OPT decode step over torchao int8 weights as one CUDA graph "
-                          "failed on the H200 (cudaErrorStreamCaptureUnsupported inside the forward); mode compile, "
-                          "torchao's fastest and its default, captures through torch.compile",
-    ("bitsandbytes", "graph"): "capturing transformers' OPT decode step over bitsandbytes nf4 weights as one CUDA "
-                               "graph failed on the H200 (cudaErrorStreamCaptureInvalidated, bench.competitor_probe); "
-                               "mode compile captures the compiled step instead",
-}
+def kind_of(policy: str) -> ConditionKind:
+    """The declaration of condition kind `policy` (CONDITIONS); a KeyError names an unknown one."""
+    return CONDITIONS[policy]
 
 
 def stack_refusal(policy: str, params: Mapping[str, Any]) -> str | None:
-    """Why a competitor's frozen mode fails on the measured CUDA stack (STACK_REFUSALS), or None."""
-    return STACK_REFUSALS.get((competitor_library(policy, params), params.get("mode", "eager")))
-
-
-# The fastest mode each competitor was measured in on the H200 (calibrated synthetic OPT-2.7B fp16,
-# decode ms/token through one screen, docs/benchmarks.md "Every low-bit method in its modes"):
-# torchao int8 weight-only compile 2.45 (eager 24.77 in an earlier screen), int4 weight-only
-# compile 2.59 against eager 49.01, bitsandbytes nf4 compile 3.04 against eager 21.81; llm-int8
-# and accelerate cannot be captured (CAPTURE_REFUSALS), so eager. Keyed by method, or by library
-# for a competitor without one. What schema 6 writes for an omitted `mode` at batch 1; a protocol
-# frozen before keeps the mode it wrote out.
-FASTEST_MODE: dict[str, str] = {"int8-weight-only": "compile", "int4-weight-only": "compile", "nf4": "compile",
-                                "llm-int8": "eager", "accelerate": "eager"}
+    """Why a competitor's frozen mode fails on the measured CUDA stack (its kind's stack_refusal), or None."""
+    competitor = kind_of(policy).competitor
+    return None if competitor is None else competitor.stack_refusal(params, params.get("mode", "eager"))
 
 
 def fastest_mode(policy: str, params: Mapping[str, Any]) -> str:
-    """The mode an omitted `mode` of a competitor condition is written out as (FASTEST_MODE)."""
-    return FASTEST_MODE[params["method"] if policy == "quantized" else policy]
+    """The mode an omitted `mode` of a competitor condition is written out as (its kind's fastest_mode)."""
+    return kind_of(policy).competitor.fastest_mode(params)
 
 
 def competitor_library(policy: str, params: Mapping[str, Any]) -> str:
     """The library a competitor condition runs on (COMPETITOR_LIBRARIES)."""
-    return QUANT_METHODS[params["method"]] if policy == "quantized" else policy
+    return kind_of(policy).competitor.library(params)
 
 
 def mode_refusal(policy: str, params: Mapping[str, Any], mode: str) -> str | None:
     """Why a competitor cannot run in `mode` (None: it can): `cannot be captured: ...`."""
-    why = CAPTURE_REFUSALS.get(params.get("method", ""), CAPTURE_REFUSALS.get(competitor_library(policy, params)))
+    competitor = kind_of(policy).competitor
+    why = None if competitor is None else competitor.capture_refusal(params)
     return None if mode == "eager" or why is None else f"cannot be captured: {why}"
-CONDITION_PARAMS: dict[str, dict[str, IntParam | ChoiceParam]] = {**POLICY_PARAMS, **COMPETITOR_PARAMS}
-CONDITION_POLICIES = tuple(CONDITION_PARAMS)  # what a condition's `policy` may name
-
-# A condition is exact (bit-identical to its reference: every packbench loader) or approximate
-# (a low-bit resident model); the two tiers are never ranked together unlabelled.
-TIERS = ("exact", "approximate")
-APPROXIMATE_POLICIES = ("quantized",)
 
 
 def tier_of(policy: str) -> str:
-    """`exact` or `approximate` (TIERS) for a condition's policy name."""
-    return "approximate" if policy in APPROXIMATE_POLICIES else "exact"
+    """`exact` or `approximate` (TIERS) for a condition's policy name (exact for a name no kind has)."""
+    kind = CONDITIONS.get(policy)
+    return "exact" if kind is None else kind.tier
 
 
 def exact_reference(conditions: Mapping[str, tuple[str, Mapping[str, Any]]], reference: str,
@@ -206,42 +106,32 @@ def missing_library(method: str) -> str | None:
     name = QUANT_METHODS.get(method, method)
     return None if importlib.util.find_spec(name) is not None else name
 
-# What a schema-3 protocol (the newest) means by a parameter a condition leaves out, where that
-# differs from the default above (the meaning schema 1 and 2 bodies froze). The schema writes it
-# into the frozen body (core/protocol/schema.py), so the body says what runs.
-SCHEMA3_DEFAULTS: dict[str, dict[str, str]] = {
-    # Issue 11: the device gather is the fast exact mechanism; the host gather (the seed's v0.40
-    # mechanism) stays available as `gather: host`.
-    "packet": {"gather": "device"},
-}
-
-
-# Schema 4's (the newest's) further defaults: phase-switched decodes with the device gather, as
-# packet does since schema 3 (issue 26: the host gather kept it from mode graph's capture).
-SCHEMA4_DEFAULTS: dict[str, dict[str, str]] = {
-    "phase-switched": {"gather": "device"},
-}
-
 
 def newer_defaults(schema: int) -> dict[str, dict[str, str]]:
     """What a protocol of `schema` means by a parameter a condition leaves out, where that differs
-    from the registry's default (which schemas 1 and 2 froze)."""
+    from the kind's default (which schemas 1 and 2 froze): each kind's `schema_defaults` up to `schema`."""
     out: dict[str, dict[str, str]] = {}
-    for since, table in ((3, SCHEMA3_DEFAULTS), (4, SCHEMA4_DEFAULTS)):
-        if schema >= since:
-            for policy, params in table.items():
+    for policy, kind in CONDITIONS.items():
+        for since, params in sorted(kind.schema_defaults.items()):
+            if schema >= since:
                 out[policy] = {**out.get(policy, {}), **params}
     return out
 
 
+# What schema 3 and schema 4 write for a parameter a condition leaves out (views of the kinds'
+# `schema_defaults`: packet gathers on the device from 3, phase-switched from 4).
+SCHEMA3_DEFAULTS: dict[str, dict[str, str]] = newer_defaults(3)
+SCHEMA4_DEFAULTS: dict[str, dict[str, str]] = {p: d for p, d in newer_defaults(4).items() if p not in SCHEMA3_DEFAULTS}
+
+
 def check_param(policy: str, name: str, value: Any) -> Any:
     """`value` if policy `policy` accepts it for parameter `name`, else a ValueError naming what it allows."""
-    return CONDITION_PARAMS[policy][name].check(name, value)
+    return kind_of(policy).params[name].check(name, value)
 
 
 def param_default(policy: str, name: str) -> Any:
-    """The registry's default of a policy parameter (None: the condition must give it)."""
-    return CONDITION_PARAMS[policy][name].default
+    """The kind's default of a policy parameter (None: the condition must give it)."""
+    return kind_of(policy).params[name].default
 
 
 def resolved_params(policy: str, params: Mapping[str, Any]) -> dict[str, Any]:
@@ -249,14 +139,15 @@ def resolved_params(policy: str, params: Mapping[str, Any]) -> dict[str, Any]:
     constructor runs with (a `packet` whose frozen params omit gather gathers on the host).
     A parameter of a later schema (`since` > 1) appears only where the condition gives it, so
     what plans and reports print for a protocol written before it stays as it was."""
-    return {name: params.get(name, param.default) for name, param in CONDITION_PARAMS[policy].items()
+    return {name: params.get(name, param.default) for name, param in kind_of(policy).params.items()
             if name in params or getattr(param, "since", 1) == 1}
 
 
 def weights_of(policy: str, params: Mapping[str, Any]) -> str:
     """How condition (`policy`, `params`)'s outgoing weights travel: `dtype` or `int8`
     (WEIGHT_FORMATS); `dtype` for a policy without the parameter."""
-    return params.get("weights", "dtype") if "weights" in CONDITION_PARAMS.get(policy, {}) else "dtype"
+    kind = CONDITIONS.get(policy)
+    return params.get("weights", "dtype") if kind is not None and "weights" in kind.params else "dtype"
 
 
 DTYPE_NAMES = ("float32", "float16", "bfloat16")

@@ -16,7 +16,7 @@ from sqlalchemy.orm import Session
 from packbench.core.canonical import canonical_json
 from packbench.db.errors import InvalidFilter
 from packbench.db.models import SCREEN_STATUSES, SqlProtocol, SqlScreen, SqlScreenTag
-from packbench.db.queries import _one_of, _protocol_matches, find_screen
+from packbench.db.queries import check_one_of, protocol_matches, find_screen
 from packbench.db.records import ScreenRow
 
 TAG_KEY = re.compile(r"[A-Za-z0-9_.:-]{1,100}")
@@ -104,11 +104,11 @@ def screens(session: Session, *, protocol: str | None = None, status: str | None
             ids: Iterable[int] | None = None, limit: int | None = None) -> list[ScreenRow]:
     """Screens, newest first, filtered by protocol (name or SHA-256 prefix), status, name (exact),
     every one of `tags`, sweep id, or an id list."""
-    _one_of(status, SCREEN_STATUSES, "screen status")
+    check_one_of(status, SCREEN_STATUSES, "screen status")
     query = (select(SqlScreen).join(SqlProtocol, SqlProtocol.id == SqlScreen.protocol_id)
              .order_by(SqlScreen.id.desc()))
     if protocol is not None:
-        query = query.where(_protocol_matches(protocol))
+        query = query.where(protocol_matches(protocol))
     if status is not None:
         query = query.where(SqlScreen.status == status)
     if name is not None:

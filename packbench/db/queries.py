@@ -75,7 +75,7 @@ def _is_bare_date(text: str) -> bool:
     return True
 
 
-def _one_of(value: str | None, allowed: tuple[str, ...], what: str) -> None:
+def check_one_of(value: str | None, allowed: tuple[str, ...], what: str) -> None:
     if value is not None and value not in allowed:
         raise InvalidFilter(f"unknown {what} {value!r}; use one of {', '.join(allowed)}")
 
@@ -125,12 +125,12 @@ class ResultFilter:
     role: str | None = None
 
     def __post_init__(self) -> None:
-        _one_of(self.gate, GATES, "gate")
-        _one_of(self.role, ("scored", "warmup"), "role")
-        _one_of(self.phase, PHASES, "phase")
+        check_one_of(self.gate, GATES, "gate")
+        check_one_of(self.role, ("scored", "warmup"), "role")
+        check_one_of(self.phase, PHASES, "phase")
         if self.phase is not None and self.gate is None:
             raise InvalidFilter(f"--phase {self.phase} picks a verdict of a gate; give --gate too")
-        _one_of(self.sort, tuple(SORT_KEYS), "sort column")
+        check_one_of(self.sort, tuple(SORT_KEYS), "sort column")
         if self.descending and self.sort is None:
             raise InvalidFilter("--desc reverses a --sort column; give --sort too, e.g. --sort energy_j --desc")
         for name in ("min_energy_j", "max_energy_j"):
@@ -142,8 +142,8 @@ class ResultFilter:
                 and self.min_energy_j > self.max_energy_j):
             raise InvalidFilter(f"--min-energy {self.min_energy_j} J is above --max-energy {self.max_energy_j} J; "
                                 f"swap them")
-        _one_of(self.dtype, DTYPE_NAMES, "dtype")
-        _one_of(self.status, EPISODE_STATUSES, "episode status")
+        check_one_of(self.dtype, DTYPE_NAMES, "dtype")
+        check_one_of(self.status, EPISODE_STATUSES, "episode status")
         for name in ("since", "until"):
             moment = getattr(self, name)
             if moment is not None and moment.tzinfo is None:
@@ -222,7 +222,7 @@ SORT_KEYS: dict[str, Any] = {
 }
 
 
-def _protocol_matches(ref: str) -> ColumnElement[bool]:
+def protocol_matches(ref: str) -> ColumnElement[bool]:
     condition = SqlProtocol.name == ref
     lowered = ref.lower()
     if lowered and all(c in "0123456789abcdef" for c in lowered):
@@ -300,7 +300,7 @@ def _result_criteria(f: ResultFilter) -> list[ColumnElement[bool]]:
     elif f.passed is False:
         criteria.append(_same_condition_verdicts(~SqlVerdict.passed))
     if f.protocol is not None:
-        criteria.append(_protocol_matches(f.protocol))
+        criteria.append(protocol_matches(f.protocol))
     if f.model is not None:
         criteria.append(or_(SqlProtocol.model.icontains(f.model, autoescape=True),
                             SqlScreen.model_dir.icontains(f.model, autoescape=True)))
@@ -460,7 +460,7 @@ def list_screens(
     limit: int | None = None,
 ) -> list[ScreenSummary]:
     """Screens, newest first, optionally by status and protocol (name or SHA-256 prefix)."""
-    _one_of(status, SCREEN_STATUSES, "screen status")
+    check_one_of(status, SCREEN_STATUSES, "screen status")
     if limit is not None and limit < 1:
         raise InvalidFilter(f"limit {limit} must be >= 1 (or None for every screen)")
     attempts = (
@@ -496,7 +496,7 @@ def list_screens(
     if status is not None:
         query = query.where(SqlScreen.status == status)
     if protocol is not None:
-        query = query.where(_protocol_matches(protocol))
+        query = query.where(protocol_matches(protocol))
     if limit is not None:
         query = query.limit(limit)
     return [

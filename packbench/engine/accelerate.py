@@ -70,7 +70,8 @@ class OffloadStats:
         return asdict(self)
 
 
-def _library():
+def library():
+    """accelerate, imported; AccelerateUnavailable (one line, with the fix) where it is not installed."""
     try:
         return importlib.import_module("accelerate")
     except ImportError as e:
@@ -139,7 +140,7 @@ class AcceleratedModel:
 
     def __init__(self, model_dir: Path, *, dtype: torch.dtype, device: torch.device, allowance_bytes: int,
                  context_bytes: int = 0, capacity: int = 0, host_bytes: int | None = None) -> None:
-        lib = _library()
+        lib = library()
         from accelerate import dispatch_model, infer_auto_device_map
 
         cuda = device.type == "cuda"

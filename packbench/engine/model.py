@@ -10,7 +10,7 @@ from packbench.engine.checkpoint import build_weights
 from packbench.engine.graph import GraphDecoder, check_mode
 from packbench.engine.opt_weights import stock_model
 from packbench.engine.ledger import Recorder
-from packbench.engine.policies import POLICIES, HostWeights, LoaderPolicy, OutgoingLinear, PolicySlot
+from packbench.engine.policies.base import HostWeights, LoaderPolicy, OutgoingLinear, PolicySlot
 from packbench.engine.static_opt import StaticKV
 
 
@@ -103,7 +103,9 @@ class CpuFirstModel:
         Always fresh, even for the same policy: every episode starts from the same state (an
         LRU cache or a forecast never carries over from the episode before).
         """
-        self.use_policy(POLICIES[policy_name](**params))
+        from packbench.engine.conditions import loader_policy  # the kinds' table imports every policy module
+
+        self.use_policy(loader_policy(policy_name, **params))
 
     def use_policy(self, policy: LoaderPolicy) -> None:
         """Activate `policy`, a fresh policy object, releasing the previous one. Screens name

@@ -22,16 +22,16 @@ from packbench.core.canonical import canonical_sha256
 from packbench.core.errors import CheckpointError
 from packbench.core.metrics import episode_totals
 from packbench.core.provenance import checkpoint_digest
-from packbench.core.registry import mode_refusal, resolved_params, stack_refusal, tier_of
+from packbench.core.registry import mode_refusal, tier_of
 from packbench.core.protocol import Protocol, expand
+from packbench.engine.conditions import RUNTIMES
+from packbench.engine.conditions.base import CompetitorRuntime
 from packbench.engine.episode import EpisodeOutput, run_episode
 from packbench.engine.gpu_lock import GpuLock, HostPresence, host_gpu_index, host_gpus
 from packbench.engine.graph import check_mode
 from packbench.engine.model import CpuFirstModel
 from packbench.engine.passes import PassMismatch, two_passes
-from packbench.engine.policies import BUFFERS_LAYOUT
-from packbench.engine.accelerate import AcceleratedModel, _library as accelerate_library
-from packbench.engine.quantized import QuantizationUnavailable, QuantizedModel
+from packbench.engine.policies.base import BUFFERS_LAYOUT
 from packbench.engine.allowance import impose, lift
 from packbench.engine.sampler import MemorySampler, device_uuid, nvml_handle
 from packbench.engine.shapes import dtype_of
@@ -130,22 +130,26 @@ class Worker:
         self.digests: dict[tuple, str] = {}  # checkpoint_key -> content digest (core.provenance)
         # The device holds one condition's state at a time, so each fits the allowance alone:
         # the CPU-first model's device part (parked on the host while a competitor runs) or ONE
-        # competitor (engine/quantized.py, engine/accelerate.py), built CPU-first from the same
-        # checkpoint when its episode needs it and released when another condition runs. Before,
-        # every quantized model stayed on the device beside the CPU-first model's (about 3.6 GB
-        # at OPT-2.7B fp16): the H200 screen of bench/competitors_device.sh needed 16000 MiB.
-        self.competitor: tuple[tuple, QuantizedModel | AcceleratedModel] | None = None
+        # competitor (a CompetitorRuntime's model, engine/conditions/), built CPU-first from the
+        # same checkpoint when its episode needs it and released when another condition runs.
+        # Before, every quantized model stayed on the device beside the CPU-first model's (about
+        # 3.6 GB at OPT-2.7B fp16): the H200 screen of bench/competitors_device.sh needed 16000 MiB.
+        # This worker is the one owner of that state; runtimes reach it through `hold`,
+        # `release_competitor`, `unpark` (engine/conditions/base.py Holder).
+        self.competitor: tuple[tuple, Any] | None = None
         self.parked = False  # the CPU-first model's device tensors are on the host
         # Competitors that moved to the host when another condition took the device, kept with
-        # their quantization and compiled step (QuantizedModel.shelve; torchao's only).
-        self.shelf: dict[tuple, QuantizedModel] = {}
-        # Build figures of every quantized method the loaded protocol names, from load().
-        self.quantized: dict[str, dict] = {}
+        # their build and compiled step (a model whose `can_shelve` is true: QuantizedModel's).
+        self.shelf: dict[tuple, Any] = {}
+        # The start record's figures of each kind that prepares ahead (its runtime's start_key),
+        # from load(): the quantized build figures per method.
+        self.prepared: dict[str, dict] = {}
         # prompt -> (plan index, tokens) of the first finished reference episode of the current
         # screen: what an approximate episode of that prompt is teacher-forced on.
         self.reference_runs: dict[int, tuple[int, list[int]]] = {}
         self.reference: str | None = None
         self.loads = 0
+        self.previous: dict | None = None  # the last episode this worker ran: each record names it
         self.conditions: dict[str, tuple[str, dict]] = {}
         self.separate_passes = False  # the loaded protocol's `passes: separate` (engine/passes.py)
         uuid = device_uuid(self.device.index) if self.device.type == "cuda" else None
@@ -162,7 +166,7 @@ class Worker:
         if self.device.type == "cuda":
             # Host gathers run on OMP threads. One worker per GPU shares the host's cores with the
             # others: two workers of 32 threads each on a 32-core host ran a screen 7x slower than
-            # one alone (nvidia-h200-x2, docs/benchmarks.md "Queue on two GPUs").
+            # one alone (nvidia-h200-x2, docs/experiments/queue.md "Queue on two GPUs").
             # `threads` (--worker-threads, core/settings.py) fixes the count instead.
             torch.set_num_threads(threads or max(1, (os.cpu_count() or 1) // max(1, host_gpus())))
             index = host_gpu_index(uuid) if uuid and pin else None
@@ -195,6 +199,7 @@ class Worker:
         try:
             return self._load(protocol, model_dir, model_cache=model_cache, reuse=reuse, mode=mode)
         finally:
+            gc.freeze()  # the model and libraries live on: out of every later collection's scan
             self.presence.idle()
 
     def _load(self, protocol: Protocol | dict, model_dir: str | None, *, model_cache: str | None, reuse: bool,
@@ -244,7 +249,7 @@ class Worker:
         self.path, self.dtype, self.capacity = path, dtype_of(protocol.dtype), protocol.prefix_tokens + protocol.continuation_tokens
         self.context = context
         self.continuation = protocol.continuation_tokens
-        self._check_competitors(protocol)
+        self._prepare(protocol)
         s = self.model.start
         return {"read_s": s.read_s, "pin_s": self.model.host.pin_s, "place_s": s.place_s,
                 "device_param_bytes": s.device_param_bytes, "host_outgoing_bytes": s.host_outgoing_bytes,
@@ -253,43 +258,37 @@ class Worker:
                 "allowance_bytes": allowance, "context_bytes": context, "device": str(self.device),
                 "vocab": self.model.vocab, "model_dir": str(path), "model_state": "warm" if warm else "cold",
                 "engine": {"mode": self.mode}, "model_sha256": digest,
-                "quantized": self.quantized,
+                **self.prepared,
                 "entry_to_loaded_s": time.perf_counter() - self.t_entry}
 
-    def _check_competitors(self, protocol: Protocol) -> None:
-        """Quantize the checkpoint once per method the protocol names, one at a time with the
-        CPU-first model parked (the build's peak is its own), and keep the last one built: a
-        missing library or kernel raises before any episode (QuantizationUnavailable,
-        AccelerateUnavailable). The figures go to the start record."""
-        self.quantized = {}
-        competitors = [(c.policy, dict(c.params)) for c in protocol.conditions if c.policy in ("quantized", "accelerate")]
-        if any(policy == "accelerate" for policy, _ in competitors):
-            accelerate_library()
+    def _prepare(self, protocol: Protocol) -> None:
+        """Every kind the protocol names checks and builds what it needs before any episode (a
+        missing library or kernel, a mode the CUDA stack refused: ConditionRuntime.check and
+        prepare raise); their figures go to the start record. With no kind holding a model of its
+        own, the device is the CPU-first model's again."""
+        by_kind: dict[str, list] = {}
         for c in protocol.conditions:
-            fails = stack_refusal(c.policy, c.resolved_params) if c.policy == "quantized" else None
-            if fails and self.device.type == "cuda":
-                self.drop_model()
-                raise QuantizationUnavailable(f"condition {c.name}: mode {c.resolved_params['mode']} cannot run on "
-                                              f"this CUDA stack: {fails}; freeze the condition with mode compile")
-        for method in sorted({params["method"] for policy, params in competitors if policy == "quantized"}):
-            try:
-                model, state = self._competitor("quantized", {"method": method})
-            except BaseException:
-                self.drop_model()
-                raise
-            self.quantized[method] = {**model.stats.as_dict(), "state": state}
-            del model  # else it stays on the device while the next method builds (an OOM at 4800 MiB)
-        keys = {self._competitor_key(policy, params) for policy, params in competitors if policy == "quantized"}
+            by_kind.setdefault(c.policy, []).append(c)
+        self.prepared = {r.start_key: {} for r in RUNTIMES.values() if r.start_key is not None}
+        for policy, conditions in by_kind.items():
+            RUNTIMES[policy].check(self, conditions)
+        for policy, conditions in by_kind.items():
+            figures = RUNTIMES[policy].prepare(self, conditions)
+            if figures is not None:
+                self.prepared[RUNTIMES[policy].start_key] = figures
+        keys = {self._competitor_key(c.policy, dict(c.params), RUNTIMES[c.policy]) for c in protocol.conditions
+                if isinstance(RUNTIMES[c.policy], CompetitorRuntime)}
         self.shelf = {k: m for k, m in self.shelf.items() if k in keys}
-        if not competitors:
+        if not keys:
             self.release_competitor()
             self.unpark()
 
-    def _competitor(self, policy: str, params: dict) -> tuple[QuantizedModel | AcceleratedModel, str]:
-        """The device holding only `policy`'s model: the CPU-first model parked, another
-        competitor released, this one built if it is not the one held. Returns it and
-        "warm" (held already) or "cold" (built now)."""
-        key = self._competitor_key(policy, params)
+    def hold(self, policy: str, params: dict, runtime: CompetitorRuntime) -> tuple[Any, str]:
+        """The device holding only condition (`policy`, `params`)'s own model: the CPU-first
+        model parked, another competitor released, this one built (`runtime.build`) if it is not
+        the one held. Returns it and "warm" (held already), "shelved" (moved back from the host)
+        or "cold" (built now)."""
+        key = self._competitor_key(policy, params, runtime)
         if self.model.slot.policy is not None:  # the last exact condition's buffers are not its to hold
             self.model.slot.policy.deactivate()
             self.model.slot.policy = None
@@ -302,17 +301,18 @@ class Worker:
             model.unshelve()
             self.competitor = (key, model)
             return model, "shelved"
-        if policy == "quantized":
-            model = QuantizedModel(self.path, method=params["method"], dtype=self.dtype, device=self.device)
-        else:
-            model = AcceleratedModel(self.path, dtype=self.dtype, device=self.device, allowance_bytes=self.allowance,
-                                     context_bytes=self.context, capacity=self.capacity)
+        model = runtime.build(self, params)
         self.competitor = (key, model)
         return model, "cold"
 
-    def _competitor_key(self, policy: str, params: dict) -> tuple:
-        """What identifies a built competitor: its policy, method, dtype and checkpoint."""
-        return (policy, params.get("method"), self.dtype, str(self.path))
+    def _competitor_key(self, policy: str, params: dict, runtime: CompetitorRuntime) -> tuple:
+        """What identifies a built competitor: its policy, its runtime's identity of the params
+        (a low-bit method, say), dtype and checkpoint."""
+        return (policy, runtime.identity(params), self.dtype, str(self.path))
+
+    def lift_allowance(self) -> None:
+        """No device cap for this episode (a speed reference): re-imposed after it, as after every one."""
+        lift(self.device)
 
     def park(self) -> None:
         """Move the CPU-first model's device tensors (everything but the outgoing weights, which
@@ -352,6 +352,7 @@ class Worker:
             self.model.slot.policy.deactivate()
         self.model, self.model_key = None, None
         self.competitor, self.parked, self.shelf = None, False, {}
+        gc.unfreeze()  # the dropped model's cycles must be collectable
         self._free()
 
     def run(self, entry: dict, prompt: list[int] | list[list[int]]) -> dict:
@@ -369,11 +370,17 @@ class Worker:
         started = time.time()
         before = cpu_snapshot()
         self.presence.busy()
+        collecting = gc.isenabled()
+        gc.disable()  # no collection inside an episode's wall (docs/metrics.md, "Plan position")
         try:
             record = self._run(entry, prompt)
         finally:
+            if collecting:
+                gc.enable()
             self.presence.idle()
-        return {**record, "host_workers": self.presence.others(since=started),
+        previous, self.previous = self.previous, {"condition": entry["condition"], "plan_index": entry["index"],
+                                                  "load": self.loads}
+        return {**record, "previous": previous, "host_workers": self.presence.others(since=started),
                 "host_load": host_load(before, cpu_snapshot())}
 
     def _run(self, entry: dict, prompt: list[int] | list[list[int]]) -> dict:
@@ -386,7 +393,7 @@ class Worker:
         t0 = time.perf_counter()
         forced, forced_from, forced_s = None, None, None
         try:
-            model, mode, built = self._episode_model(policy, params)
+            model, mode, built = RUNTIMES[policy].enter(self, policy, params)
             out, sampled, passes = self._measure(model, prompt, mode, policy=policy, params=params)
             if built is not None and out.decode_graph is None:  # a competitor in mode eager: say why
                 why = mode_refusal(policy, params, "graph")
@@ -416,9 +423,8 @@ class Worker:
         record["episode_s"] = time.perf_counter() - t0  # wall_s plus activation and measurement
         return {**record, **self._finished(out, sampled, policy=p, built=built, context=context),
                 **({"passes": passes} if passes is not None else {}),
-                **({"quantization": built, "forced_from": forced_from, "forced_s": forced_s}
-                   if policy == "quantized" else {}),
-                **({"offload": built} if policy == "accelerate" else {}),
+                **({RUNTIMES[policy].record_key: built} if RUNTIMES[policy].record_key is not None else {}),
+                **({"forced_from": forced_from, "forced_s": forced_s} if tier == "approximate" else {}),
                 "forced_logits": forced}
 
     def _measure(self, model, prompt: list[int] | list[list[int]], mode: str, *, policy: str,
@@ -477,21 +483,3 @@ class Worker:
                                                     "other_processes")},
                 "energy_j": sampled["energy_j"],
                 "calls": calls, "logits": out.logits, "trace": sampled["trace"]}
-
-    def _episode_model(self, policy: str, params: dict) -> tuple[Any, str, dict | None]:
-        """The model a condition's episode runs on, made ready, and its engine mode: a competitor
-        (built, kept or unshelved; its build figures as the third value) or this worker's own
-        model under `policy`."""
-        if policy in ("quantized", "accelerate"):
-            model, state = self._competitor(policy, params)
-            built = {**model.stats.as_dict(), "state": state}
-            if state == "shelved":  # the move back and the graphs made again, outside the episode's wall
-                built["unshelve_s"] = model.unshelve_s
-            mode = resolved_params(policy, params)["mode"]  # frozen in the condition (schema 6), else eager
-            return model, mode, built
-        self.release_competitor()
-        self.unpark()
-        if self.device.type == "cuda" and params.get("allowance") == "unbounded":
-            lift(self.device)  # a speed reference: re-imposed after the episode, as after every one
-        self.model.use(policy, **params)
-        return self.model, self.mode, None

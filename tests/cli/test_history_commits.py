@@ -40,7 +40,6 @@ from in_process import run_packbench  # tests/in_process.py
 from local_ray import clean_environment, ray_head  # tests/local_ray.py
 
 ROOT = Path(__file__).resolve().parents[2]
-PACKAGES = ("cli", "cluster", "core", "db", "engine", "migrations", "packbench", "service")
 ANCHOR = "        logits = model.forward(ids, cache).float().cpu()  # the .cpu() synchronises the call\n"
 BASE_S, SLOW_S = 0.01, 0.04  # seconds of sleep per forward call: before and after the slowdown
 RUNS = (3, 3, 2)  # screens per commit
@@ -56,7 +55,7 @@ def git(repo: Path, *args: str) -> str:
 
 def sleep_per_call(repo: Path, seconds: float, *, first: bool) -> None:
     """Put `seconds` of sleep before every forward call of engine/episode.py (within the timed call)."""
-    path = repo / "engine" / "episode.py"
+    path = repo / "packbench" / "engine" / "episode.py"
     text = path.read_text()
     if first:
         assert ANCHOR in text, "engine/episode.py's forward call moved: update ANCHOR in this test"
@@ -89,8 +88,7 @@ def screen_at(repo: Path, work: Path, settings: dict, address: str, replicas: in
 def history(tmp_path_factory, tiny) -> tuple[list[str], dict]:
     base = tmp_path_factory.mktemp("commits")
     repo, work = base / "repo", base / "work"
-    for pkg in PACKAGES:
-        shutil.copytree(ROOT / pkg, repo / pkg, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(ROOT / "packbench", repo / "packbench", ignore=shutil.ignore_patterns("__pycache__"))
     work.mkdir()
     body = yaml.safe_load((ROOT / "protocols" / "quickstart.yaml").read_text())
     body["model"]["path"] = str(tiny)
@@ -103,7 +101,7 @@ def history(tmp_path_factory, tiny) -> tuple[list[str], dict]:
     assert up.returncode == 0, up.stderr
     with ray_head({**clean_environment(), "PYTHONPATH": str(repo)}) as address:
         screen_at(repo, work, settings, address, RUNS[0])
-        with (repo / "engine" / "episode.py").open("a") as f:
+        with (repo / "packbench" / "engine" / "episode.py").open("a") as f:
             f.write("# a change that changes nothing the engine does\n")
         commits.append(commit(repo, "engine: a comment"))
         screen_at(repo, work, settings, address, RUNS[1])

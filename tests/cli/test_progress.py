@@ -35,10 +35,10 @@ def test_log_records_go_through_the_bars_console_while_bars_are_live():
     try:
         screen = io.StringIO()
         logs = _LogsAbove(Console(file=screen, width=200))
-        logging.getLogger("packbench.service.scheduler").warning("SIGINT: giving back held screens and stopping")
+        logging.getLogger("packbench.service.dispatcher").warning("SIGINT: giving back held screens and stopping")
         logs.close()
         assert "SIGINT: giving back held screens" in screen.getvalue() and terminal.getvalue() == ""
-        logging.getLogger("packbench.service.scheduler").warning("after the bars")
+        logging.getLogger("packbench.service.dispatcher").warning("after the bars")
         assert "after the bars" in terminal.getvalue()  # the stream handler is back
     finally:
         root.removeHandler(direct)

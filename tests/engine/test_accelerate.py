@@ -77,7 +77,7 @@ def _body(model: Path, **changes) -> dict:
 
 def test_the_worker_holds_one_conditions_device_state_at_a_time(tiny, monkeypatch):
     pytest.importorskip("torchao")
-    import packbench.engine.worker as w
+    import packbench.engine.conditions.quantized as w  # the runtime that builds QuantizedModel
 
     body = _body(tiny)
     assert body["schema"] == 6 and body["conditions"][2]["params"]["mode"] == "compile"

@@ -8,7 +8,7 @@ import torch
 
 from packbench.engine.episode import run_episode
 from packbench.engine.model import CpuFirstModel
-from packbench.engine.policies import POLICIES
+from packbench.engine.conditions import POLICIES
 
 CONTINUATION = 4
 PREFIX = 12

@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from packbench.engine.ledger import Recorder
-from packbench.engine.policies import DenseStream, HostWeights, copies_ahead
+from packbench.engine.policies.base import HostWeights
+from packbench.engine.policies.dense import DenseStream, copies_ahead
 
 HIDDEN, FFN = 8, 32
 

@@ -12,7 +12,8 @@ import torch
 from packbench.engine.episode import run_episode
 from packbench.engine.ledger import Recorder
 from packbench.engine.model import CpuFirstModel
-from packbench.engine.policies import DenseStream, HostWeights
+from packbench.engine.policies.base import HostWeights
+from packbench.engine.policies.dense import DenseStream
 from packbench.engine.synth import synth_checkpoint
 
 pytestmark = pytest.mark.gpu

@@ -2,7 +2,7 @@
 
 import torch
 
-from packbench.engine.policies import forecast_split
+from packbench.engine.policies.host_gather import forecast_split
 
 
 def replay(calls: list[list[int]]) -> list[tuple[list[int], int, int]]:

@@ -8,8 +8,8 @@ import torch
 
 from packbench.engine.episode import run_episode
 from packbench.engine.model import CpuFirstModel
-from packbench.engine.policies import (POLICIES, Int8DenseStream, Int8DevicePacket, Int8Packet, dequantize_into, int8_layout,
-                             quantize_rows)
+from packbench.engine.conditions import POLICIES
+from packbench.engine.policies.int8 import Int8DenseStream, Int8DevicePacket, Int8Packet, dequantize_into, int8_layout, quantize_rows
 from packbench.engine.policies.int8 import slab_views
 from packbench.engine.shapes import SHAPES
 

@@ -2,7 +2,7 @@
 
 import numpy as np
 
-from packbench.engine.policies import lru_plan
+from packbench.engine.policies.host_gather import lru_plan
 
 
 def run(sequence, *, ffn=10, slots=3):

@@ -8,7 +8,11 @@ import torch
 
 from packbench.core.registry import POLICY_PARAMS, SCHEMA3_DEFAULTS, ChoiceParam, IntParam
 from packbench.engine.model import CpuFirstModel
-from packbench.engine.policies import PACKET_GATHERS, POLICIES, DevicePacket, LoaderPolicy, Packet
+from packbench.engine.conditions import POLICIES
+from packbench.engine.conditions.packet import PACKET_GATHERS
+from packbench.engine.policies.base import LoaderPolicy
+from packbench.engine.policies.device_gather import DevicePacket
+from packbench.engine.policies.host_gather import Packet
 
 
 def constructions(name: str):

@@ -88,7 +88,7 @@ def test_a_released_competitor_leaves_no_reference_behind(calibrated, monkeypatc
     import gc
     import weakref
 
-    import packbench.engine.worker as worker_module
+    import packbench.engine.conditions.quantized as worker_module  # the runtime that builds QuantizedModel
 
     alive: list[weakref.ref] = []
 

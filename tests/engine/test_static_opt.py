@@ -8,7 +8,7 @@ import torch
 from packbench.engine.episode import run_episode
 from packbench.engine.graph import graph_refusal
 from packbench.engine.model import CpuFirstModel
-from packbench.engine.policies import POLICIES
+from packbench.engine.conditions import POLICIES
 
 CONTINUATION = 5
 PARAMS = {"sparse-extents": {"block_rows": 16}, "row-retention": {"rows_per_layer": 48}}

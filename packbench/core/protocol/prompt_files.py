@@ -7,12 +7,13 @@ from pathlib import Path
 
 from packbench.core.errors import ProtocolError
 from packbench.core.files import NotReadable, read_bounded, size_text
-from packbench.core.protocol.fields import _fail, _token_lists
+from packbench.core.protocol.fields import fail, token_lists_field
 
 TEXT_SEPARATOR = "---"  # a line holding only this separates prompts in a text_file
 # A prompt file holds at most MAX_PROMPT_TOKENS (2**21) ids, ~16 MiB as JSON; text is longer per
 # token (~4-5 bytes of English each). Past this a file is refused by its size, before it is read.
 MAX_PROMPT_FILE_BYTES = 64 << 20
+
 
 def _where(field: str) -> str:
     """`--prompts` for a command's option, "protocol field `prompts.token_file`" for a protocol's."""
@@ -51,11 +52,11 @@ def read_prompt_file(kind: str, path: Path, *, field: str) -> tuple[bytes, list]
         except (UnicodeDecodeError, ValueError) as e:
             raise ProtocolError(f"protocol field `{field}`: {path} is not JSON ({e}); "
                                 f"write a list of token-id lists") from None
-        return data, _token_lists(ids, f"{field} ({Path(path).name})")
+        return data, token_lists_field(ids, f"{field} ({Path(path).name})")
     try:
         texts = split_texts(data.decode("utf-8"))
     except UnicodeDecodeError:
         raise ProtocolError(f"protocol field `{field}`: {path} is not UTF-8 text") from None
     if not texts:
-        _fail(field, f"{path} holds no text; write prompts separated by `{TEXT_SEPARATOR}` lines")
+        fail(field, f"{path} holds no text; write prompts separated by `{TEXT_SEPARATOR}` lines")
     return data, texts

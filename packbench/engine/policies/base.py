@@ -68,14 +68,14 @@ class HostWeights:
     @property
     def host_bytes(self) -> int:
         per = sum(w.numel() * w.element_size() for w in self.original)
-        return per * (2 if self._transposed is not None else 1) + _nbytes(*(self.int8 or ()))
+        return per * (2 if self._transposed is not None else 1) + nbytes(*(self.int8 or ()))
 
     @property
     def pinned_bytes(self) -> int:
         return self.host_bytes if self.pin else 0
 
 
-def _nbytes(*tensors: torch.Tensor) -> int:
+def nbytes(*tensors: torch.Tensor) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
@@ -127,7 +127,7 @@ def stream_dense(host: HostWeights, layer: int, workspace: torch.Tensor, recorde
     """Copy layer `layer`'s whole outgoing weight into `workspace`, charged as ffn rows."""
     src = host.original[layer]
     workspace.copy_(src, non_blocking=host.pin)
-    recorder.add(layer, rows=src.shape[1], weight_bytes=_nbytes(src))
+    recorder.add(layer, rows=src.shape[1], weight_bytes=nbytes(src))
     return workspace
 
 

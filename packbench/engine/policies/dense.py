@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 import torch
 
 from packbench.engine.ledger import Recorder
-from packbench.engine.policies.base import HostWeights, _nbytes, stream_dense, zeroed_workspace
+from packbench.engine.policies.base import HostWeights, nbytes, stream_dense, zeroed_workspace
 
 
 class Resident:
@@ -33,7 +33,7 @@ class Resident:
         return self.weights[layer]
 
     def device_bytes(self) -> int:
-        return _nbytes(*(self.weights or ()))
+        return nbytes(*(self.weights or ()))
 
     def pinned_bytes(self) -> int:
         return 0
@@ -64,7 +64,7 @@ class DoubleBuffer:
         return self.workspaces[layer % 2]
 
     def device_bytes(self) -> int:
-        return _nbytes(*self.workspaces)
+        return nbytes(*self.workspaces)
 
     def join(self, stream: "torch.cuda.Stream") -> None:
         """Make `stream` wait for every copy issued so far. A captured graph piece must rejoin

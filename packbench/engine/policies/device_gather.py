@@ -10,7 +10,7 @@ import torch
 
 from packbench.engine.gather import complete_forecast, gather_active_rows
 from packbench.engine.ledger import CallLedger, Recorder
-from packbench.engine.policies.base import HostWeights, _nbytes, build_gather_layout, zeroed_workspace
+from packbench.engine.policies.base import HostWeights, nbytes, build_gather_layout, zeroed_workspace
 from packbench.engine.policies.dense import DenseStream, DoubleBuffer, copies_ahead
 
 
@@ -24,7 +24,7 @@ class Mapped:
     counted_call: int = -1  # recorder.serial of the call `counts` belongs to
 
     def device_bytes(self) -> int:
-        return _nbytes(self.workspace, self.counts)
+        return nbytes(self.workspace, self.counts)
 
 
 class DevicePacket:
@@ -140,7 +140,7 @@ class DevicePhaseSwitched:
     def device_bytes(self) -> int:
         if self.dense.buffers is None:
             return 0
-        return self.dense.device_bytes() + _nbytes(self.packet.buffers.counts)  # the workspace is dense-stream's
+        return self.dense.device_bytes() + nbytes(self.packet.buffers.counts)  # the workspace is dense-stream's
 
     def pinned_bytes(self) -> int:
         return 0
@@ -157,7 +157,7 @@ class DeviceForecastBuffers(DoubleBuffer):
     counted_call: int = -1  # recorder.serial of the call `counts` belongs to
 
     def device_bytes(self) -> int:
-        return super().device_bytes() + _nbytes(self.prev, self.counts)
+        return super().device_bytes() + nbytes(self.prev, self.counts)
 
 
 class DeviceForecast:

@@ -14,7 +14,7 @@ import torch
 
 from packbench.core.registry import check_param, param_default
 from packbench.engine.ledger import Recorder
-from packbench.engine.policies.base import (INDEX_BYTES, INDEX_DTYPE, HostWeights, RowPacket, _nbytes, build_gather_layout,
+from packbench.engine.policies.base import (INDEX_BYTES, INDEX_DTYPE, HostWeights, RowPacket, nbytes, build_gather_layout,
                                   stream_dense, zeroed_workspace)
 
 
@@ -34,10 +34,10 @@ class Staging:
         return workspace, packet, torch.zeros(host.shape[1], dtype=torch.bool, pin_memory=host.pin)
 
     def device_bytes(self) -> int:
-        return _nbytes(self.workspace, self.packet.landed)
+        return nbytes(self.workspace, self.packet.landed)
 
     def pinned_bytes(self) -> int:
-        return _nbytes(self.packet.staged, self.mask) if self.packet.pinned else 0
+        return nbytes(self.packet.staged, self.mask) if self.packet.pinned else 0
 
 
 class HostGather:
@@ -83,7 +83,7 @@ class HostGather:
             torch.cuda.current_stream(self.device).synchronize()
         wait_s = time.perf_counter() - t0
         active = mask_host.nonzero().squeeze(1)
-        self.recorder.add(layer, active=active.numel(), d2h_bytes=_nbytes(mask_host), wait_s=wait_s)
+        self.recorder.add(layer, active=active.numel(), d2h_bytes=nbytes(mask_host), wait_s=wait_s)
         return active
 
     def send(self, layer: int, rows: torch.Tensor, index: torch.Tensor) -> None:
@@ -211,7 +211,7 @@ class Retention(Staging):
     last_used: np.ndarray = field(kw_only=True)  # (layers, slots) last call a slot served
 
     def device_bytes(self) -> int:
-        return super().device_bytes() + _nbytes(self.cache)
+        return super().device_bytes() + nbytes(self.cache)
 
 
 class RowRetention(HostGather):
@@ -274,10 +274,10 @@ class Forecast(Staging):
     pending: dict[int, tuple[torch.Tensor, object]] = field(kw_only=True, default_factory=dict)
 
     def device_bytes(self) -> int:
-        return super().device_bytes() + _nbytes(self.forecast.landed)
+        return super().device_bytes() + nbytes(self.forecast.landed)
 
     def pinned_bytes(self) -> int:
-        return super().pinned_bytes() + (_nbytes(self.forecast.staged) if self.forecast.pinned else 0)
+        return super().pinned_bytes() + (nbytes(self.forecast.staged) if self.forecast.pinned else 0)
 
 
 class EarlyForecast(HostGather):

@@ -27,7 +27,7 @@ import torch
 from packbench.core.registry import INT8_SCALE_BYTES
 from packbench.engine.gather import gather_active_int8_rows
 from packbench.engine.ledger import Recorder
-from packbench.engine.policies.base import INDEX_BYTES, INDEX_DTYPE, HostWeights, _nbytes, zeroed_workspace
+from packbench.engine.policies.base import INDEX_BYTES, INDEX_DTYPE, HostWeights, nbytes, zeroed_workspace
 from packbench.engine.policies.dense import DenseStream
 from packbench.engine.policies.device_gather import DevicePacket, Mapped
 from packbench.engine.policies.host_gather import HostGather, Staging
@@ -104,7 +104,7 @@ class Int8DenseStream(DenseStream):
         self.workspace = None
 
     def landing(self, host: HostWeights, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        size = _nbytes(host.int8[0])
+        size = nbytes(host.int8[0])
         return (torch.zeros(size, dtype=torch.uint8, device=device),
                 torch.zeros(size, dtype=torch.uint8, device=device))
 
@@ -121,7 +121,7 @@ class Int8DenseStream(DenseStream):
         return dequantize_into(self.workspace, rows.t(), scales[None, :])
 
     def device_bytes(self) -> int:
-        return 0 if self.buffers is None else self.buffers.device_bytes() + _nbytes(self.workspace)
+        return 0 if self.buffers is None else self.buffers.device_bytes() + nbytes(self.workspace)
 
 
 @dataclass

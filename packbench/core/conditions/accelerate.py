@@ -1,0 +1,27 @@
+"""`accelerate`: Hugging Face accelerate's big-model offload (a competitor, tier exact); its
+runtime is engine/conditions/accelerate.py over engine/accelerate.py."""
+
+from typing import Any, Mapping
+
+from packbench.core.conditions.base import MODE_PARAM, CallInputs, Competitor, ConditionKind
+
+LIBRARY = "accelerate"
+# Its hooks copy in Python on every call: nothing to capture, so mode eager only.
+CAPTURE_REFUSAL = "accelerate's hooks copy each offloaded weight from pageable host memory in Python on every call"
+
+
+def h2d_bytes(params: Mapping[str, Any], call: CallInputs) -> float:
+    """The parameters beyond the allowance, whole layers every call (an upper estimate: not per layer)."""
+    shape = call.shape
+    return float(max(0, shape.param_count() * (call.row_bytes // shape.hidden) - call.allowance_bytes))
+
+
+KIND = ConditionKind(
+    name="accelerate",
+    summary="accelerate's offload: whole layers beyond the allowance copied every call",
+    params={"mode": MODE_PARAM},  # device_map, max_memory = the allowance
+    h2d_bytes=h2d_bytes,
+    since=6,
+    competitor=Competitor(library=lambda params: LIBRARY, fastest_mode=lambda params: "eager",
+                          capture_refusal=lambda params: CAPTURE_REFUSAL),
+)

@@ -1,0 +1,148 @@
+"""What every condition kind declares, torch-free: its parameters and their defaults, its tier,
+the first schema that can say it, its byte estimate and, for a competitor, its library, modes
+and refusals (`ConditionKind`). The protocol schema, `protocol plan`, the estimate, the worker
+and the report read these declarations; the runtime half of a kind (builder and lifecycle)
+lives in engine/conditions/ under the same module name.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable, Mapping
+
+if TYPE_CHECKING:  # annotations only: core/estimate.py imports this package
+    from packbench.core.estimate import Activity, ModelShape
+
+
+@dataclass(frozen=True)
+class IntParam:
+    """An integer policy parameter; `default` None means the condition must give it."""
+
+    minimum: int
+    default: int | None = None
+
+    def check(self, name: str, value: Any) -> int:
+        if isinstance(value, bool) or not isinstance(value, int) or value < self.minimum:
+            raise ValueError(f"{name} must be an integer >= {self.minimum}, got {value!r}")
+        return value
+
+
+@dataclass(frozen=True)
+class ChoiceParam:
+    """A policy parameter taking one of `choices`; omitted in schema 1 or 2, it is left out of
+    the frozen form and means `default` (so protocols written before the parameter existed keep
+    their hash); schema 3 may write a newer default into the body instead (`schema_defaults`).
+    `default` None: the condition must give it (and the frozen body always holds it)."""
+
+    choices: tuple[str, ...]
+    default: str | None
+    # The first schema that may say this parameter: a protocol of a lower schema is refused when it
+    # gives it, and a condition giving it freezes in that schema (core/protocol/schema.py). Omitted,
+    # it is left out of every frozen body and means `default`, so no older hash moves.
+    since: int = 1
+
+    def check(self, name: str, value: Any) -> str:
+        if value not in self.choices:
+            raise ValueError(f"{name} must be one of {', '.join(self.choices)}, got {value!r}")
+        return value
+
+
+Param = IntParam | ChoiceParam
+
+# How the outgoing weights travel (engine/policies/int8.py): `dtype`, the protocol's precision
+# as the checkpoint holds it; `int8`, weight-only int8 rows with one float32 absmax scale per
+# outgoing row, dequantized on the device after the copy (about half of fp16's bytes per row).
+# An int8 loader is exact against the int8 dense-stream (faithfulness) and approximate against a
+# reference of the protocol's precision. Sayable from schema 6.
+WEIGHT_FORMATS = ("dtype", "int8")
+INT8_SCALE_BYTES = 4  # one float32 scale per int8 row: a row moves hidden + 4 bytes
+WEIGHTS_SCHEMA = 6
+WEIGHTS_PARAM = ChoiceParam(choices=WEIGHT_FORMATS, default="dtype", since=WEIGHTS_SCHEMA)
+GATHER_PARAM = ChoiceParam(choices=("host", "device"), default="host")
+
+# How a competitor runs its calls (schema 6, `params.mode`): eager; "graph", one CUDA graph per
+# decode step over a static KV cache; "compile", the decode step compiled by torch.compile over
+# the same cache and captured as one CUDA graph (engine/quantized.py). Omitted in a schema-5 body: eager.
+COMPETITOR_MODES = ("eager", "graph", "compile")
+MODE_PARAM = ChoiceParam(choices=COMPETITOR_MODES, default="eager")
+
+# A condition is exact (bit-identical to its reference: every packbench loader) or approximate
+# (a low-bit resident model); the two tiers are never ranked together unlabelled.
+TIERS = ("exact", "approximate")
+# How a kind's byte estimate bounds what it will move (printed beside its numbers by `protocol plan`).
+BOUNDS = ("about", "at most", "at least")
+INDEX_BYTES = 8  # engine/policies/base.py INDEX_DTYPE is int64
+
+
+@dataclass(frozen=True)
+class CallInputs:
+    """One forward call as the byte estimate sees it (core/estimate.py builds it): its phase
+    (`prefill` or `decode`), the tokens whose active rows it needs (a batch's union), the model's
+    shape, the bytes of one outgoing row as it travels, the expected activity and the allowance."""
+
+    phase: str
+    tokens: int
+    shape: ModelShape
+    row_bytes: int
+    activity: Activity
+    allowance_bytes: int = 0
+
+    def dense(self) -> float:
+        """Every outgoing row of every layer (dense-stream's copy)."""
+        return float(self.shape.ffn * self.row_bytes) * self.shape.layers
+
+    def packet(self) -> float:
+        """The expected active rows of every layer and their int64 indices (an exact packet)."""
+        k = self.shape.ffn * self.activity.union_fraction(self.tokens)
+        return k * (self.row_bytes + INDEX_BYTES) * self.shape.layers
+
+
+def nothing_moves(params: Mapping[str, Any], call: CallInputs) -> float:
+    """The byte estimate of a kind whose weights were placed once at start."""
+    return 0.0 * call.shape.layers
+
+
+@dataclass(frozen=True)
+class Competitor:
+    """What a competitor (a condition that is not packbench's own loader: it runs its own model
+    on a library) declares beyond a loader: each as a function of the condition's params."""
+
+    library: Callable[[Mapping[str, Any]], str]  # the library it runs on (imported only on a worker)
+    # The mode an omitted `mode` is written out as at batch 1 (measured fastest on the H200).
+    fastest_mode: Callable[[Mapping[str, Any]], str]
+    # Why its calls cannot be captured (None: they can): a mode other than eager is refused.
+    capture_refusal: Callable[[Mapping[str, Any]], str | None] = lambda params: None
+    # Why `mode` failed on the measured CUDA stack (None: it ran): a CUDA worker refuses it at load.
+    stack_refusal: Callable[[Mapping[str, Any], str], str | None] = lambda params, mode: None
+
+
+@dataclass(frozen=True)
+class ConditionKind:
+    """One kind of condition, as a protocol names it in `policy`.
+
+    `params`: the keyword-only parameters its engine builder takes, with their defaults;
+    `h2d_bytes(params, call)`: the expected host-to-device bytes of one call, all layers (the
+    transfer floor is these bytes at a stated rate), and `bound` how they bound the truth;
+    `since`: the first schema that can say this kind (a protocol naming it freezes there);
+    `schema_defaults`: per schema, what an omitted parameter means where that differs from its
+    default (written into the frozen body, so old hashes hold); `competitor`: set for a kind
+    that is not packbench's own loader.
+    """
+
+    name: str
+    summary: str
+    params: Mapping[str, Param]
+    h2d_bytes: Callable[[Mapping[str, Any], CallInputs], float]
+    tier: str = "exact"
+    bound: str = "about"
+    since: int = 1
+    schema_defaults: Mapping[int, Mapping[str, str]] = field(default_factory=dict)
+    competitor: Competitor | None = None
+
+    def __post_init__(self) -> None:
+        if self.tier not in TIERS:
+            raise ValueError(f"condition kind {self.name}: tier must be one of {', '.join(TIERS)}, got {self.tier!r}")
+        if self.bound not in BOUNDS:
+            raise ValueError(f"condition kind {self.name}: bound must be one of {', '.join(BOUNDS)}, got {self.bound!r}")
+        if isinstance(self.since, bool) or not isinstance(self.since, int) or self.since < 1:
+            raise ValueError(f"condition kind {self.name}: since must be a schema >= 1, got {self.since!r}")

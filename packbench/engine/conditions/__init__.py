@@ -1,0 +1,39 @@
+"""The runtime half of every condition kind, one module per kind, named as its declaration in
+core/conditions/ (`ConditionKind`: parameters, tier, estimate, refusals).
+
+`RUNTIMES` maps each kind's name to its runtime (`LoaderRuntime` for packbench's loader
+policies over the CPU-first model, a `CompetitorRuntime` for a kind with a model of its own);
+tests/engine/test_policy_registry.py proves it has exactly the kinds of core's `CONDITIONS`.
+The worker reaches a kind only through it. docs/engine.md, "Adding a condition kind", walks
+through a new one.
+"""
+
+from packbench.engine.conditions import (accelerate, dense_stream, early_forecast, packet, phase_switched, quantized,
+                                         resident, row_retention, sparse_extents)
+from packbench.engine.conditions.base import ConditionRuntime, LoaderRuntime
+from packbench.engine.policies.base import LoaderPolicy
+
+RUNTIMES: dict[str, ConditionRuntime] = {
+    "resident": resident.RUNTIME,
+    "dense-stream": dense_stream.RUNTIME,
+    "sparse-extents": sparse_extents.RUNTIME,
+    "packet": packet.RUNTIME,
+    "phase-switched": phase_switched.RUNTIME,
+    "row-retention": row_retention.RUNTIME,
+    "early-forecast": early_forecast.RUNTIME,
+    "quantized": quantized.RUNTIME,
+    "accelerate": accelerate.RUNTIME,
+}
+
+
+def loader_policy(name: str, **params) -> LoaderPolicy:
+    """A fresh loader policy of kind `name` (a ValueError for a kind that is not a loader)."""
+    runtime = RUNTIMES[name]
+    if not isinstance(runtime, LoaderRuntime):
+        raise ValueError(f"{name} is not a loader policy (it runs a model of its own); use one of "
+                         f"{', '.join(n for n, r in RUNTIMES.items() if isinstance(r, LoaderRuntime))}")
+    return runtime.policy(**params)
+
+
+# The loader policies' builders, by name: a view of RUNTIMES (benches and tests iterate it).
+POLICIES = {name: runtime.policy for name, runtime in RUNTIMES.items() if isinstance(runtime, LoaderRuntime)}
