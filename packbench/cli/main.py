@@ -242,7 +242,7 @@ def submit(
                                                           "whose leases keep expiring is failed.")] = 3,
     gpu_type: Annotated[Optional[str], typer.Option(help="Only a worker with this GPU type (Ray's accelerator_type, "
                                                          "e.g. H200) may run it; overrides placement.accelerator_type.")] = None,
-    replicas: Annotated[int, typer.Option(min=1, max=1000, help="Queue this many screens of the protocol.")] = 1,
+    replicas: Annotated[int, typer.Option(min=1, help="Queue this many screens of the protocol.")] = 1,
     spread: Annotated[bool, typer.Option("--spread", metavar="", help="Run the replicas on distinct nodes.")] = False,
     keep_queued: Annotated[bool, typer.Option(
         "--keep-queued", metavar="", help="With --wait: an interrupted (Ctrl-C) screen stays queued for the next `packbench "
