@@ -273,6 +273,10 @@ def audit_reexecute_cmd(
     settings = settings_of(ctx, db_url=db, address=address)
     if trust and (archive is None or screens):
         raise PackbenchError("--trust checks the signature of one --archive file; give --archive without screen ids")
+    if model_dir is not None:  # its config is checked before episodes are drawn and a worker is asked for
+        from packbench.engine.config import read_config
+
+        read_config(model_dir)
     say = (lambda msg: None) if json_out else (lambda msg: typer.echo(msg, err=True))
     if archive is not None and not (screens or all_screens or since or protocol):
         static = _static_audit(_existing(archive), _trusted(trust))

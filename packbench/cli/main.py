@@ -30,7 +30,9 @@ class PackbenchGroup(TyperGroup):
     def invoke(self, ctx: typer.Context):
         try:
             return super().invoke(ctx)
-        except PackbenchError:
+        except (typer.Exit, typer.Abort, typer.TyperException, KeyboardInterrupt):
+            raise  # an exit code, or a usage error: no traceback to show
+        except Exception:  # bad input (PackbenchError) or a bug: `main` prints the one line
             if isinstance(ctx.obj, Settings) and ctx.obj.debug:
                 traceback.print_exc()
             raise
@@ -283,6 +285,10 @@ def submit(
                              f"dispatch --address {address}`")
     if wait:
         output_dir(settings.archive_dir, "--archive-dir")  # before a screen is queued
+        if settings.signing_key is not None:  # an unreadable key fails here, not after queuing the screen
+            from packbench.core.provenance import Signer
+
+            Signer.load(settings.signing_key)
     if wait and settings.address:
         from packbench.cluster.runtime import ensure_ray
 
@@ -336,7 +342,7 @@ def dispatch(
     follow: Annotated[bool, typer.Option("--follow", metavar="", help="Keep serving the queue until interrupted (SIGINT/SIGTERM "
                                                           "give held screens back to the queue), waiting out a "
                                                           "database outage of any length.")] = False,
-    workers: Annotated[Optional[int], typer.Option(min=1, help="Worker actors to keep (default: one per GPU of the "
+    workers: Annotated[Optional[int], typer.Option(min=1, max=1024, help="Worker actors to keep (default: one per GPU of the "
                                                               "cluster).")] = None,
     lease: Annotated[float, typer.Option(min=1.0, callback=seconds, help="Seconds a claim holds without renewal; renewed every third.")] = 60.0,
     archive_dir: ArchiveDir = Path("archives"),
@@ -436,7 +442,8 @@ model_stats.register(model_app)
 
 def main() -> None:
     """Console entry point: user errors print one line and exit 2, never a traceback (--debug adds it);
-    so do typer's usage errors (an unknown option, a missing argument), not rich's boxes."""
+    so do typer's usage errors (an unknown option, a missing argument), not rich's boxes. Any other
+    exception is a bug: one line naming the file its traceback went to, exit 70."""
     try:
         code = app(standalone_mode=False, prog_name="packbench")  # usage errors reach us here: one line
         if isinstance(code, int) and code:

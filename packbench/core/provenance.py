@@ -66,11 +66,14 @@ def _crypto():
 
 
 def _read_small(path: Path, what: str) -> bytes:
+    from packbench.core.files import NotReadable, read_bounded
+
     path = Path(path)
     try:
-        if path.stat().st_size > MAX_KEY_FILE_BYTES:
-            raise ProvenanceError(f"{path} is too large to be a {what}; pass the file `packbench keys init` wrote")
-        return path.read_bytes()
+        return read_bounded(path, limit=MAX_KEY_FILE_BYTES)  # a FIFO or /dev/zero as a key: refused, not read
+    except NotReadable as e:
+        why = f"is too large to be a {what}" if e.too_large else str(e)
+        raise ProvenanceError(f"{path} {why}; pass the {what} file `packbench keys init` wrote") from None
     except OSError as e:
         raise ProvenanceError(f"cannot read the {what} {path} ({e.strerror or e}); check the path") from None
 

@@ -106,7 +106,7 @@ def test_plan_rates_match_a_row_by_its_resolved_directory():
 def test_an_interrupted_wait_says_once_what_becomes_of_its_screen(tmp_path, tiny, packbench_cli, monkeypatch):
     """SIGINT during `submit --wait` printed "attempt 1 interrupted ... screen 1 queued for attempt
     2", then "screen 1 cancelled": two stories. Now one line: cancelled, its attempt kept."""
-    import packbench.service.scheduler
+    import packbench.service.dispatcher
     from packbench.service.screen import ScreenOutcome
 
     url = f"sqlite:///{tmp_path / 'pb.db'}"
@@ -132,7 +132,7 @@ def test_an_interrupted_wait_says_once_what_becomes_of_its_screen(tmp_path, tiny
             self.on_outcome(outcome)
             return [outcome]
 
-    monkeypatch.setattr(packbench.service.scheduler, "Scheduler", Interrupted)
+    monkeypatch.setattr(packbench.service.dispatcher, "Dispatcher", Interrupted)
     body = yaml.safe_load((ROOT / "protocols" / "quickstart.yaml").read_text())
     body["model"]["path"] = str(tiny)
     (tmp_path / "p.yaml").write_text(yaml.safe_dump(body))

@@ -14,7 +14,7 @@ import yaml
 
 from packbench.core.canonical import canonical_json, sha256_hex
 from packbench.core.errors import ProtocolError
-from packbench.core.protocol.prompt_files import NotReadable, read_bounded
+from packbench.core.files import NotReadable, read_bounded
 from packbench.core.protocol.schema import SCHEMA_VERSION, validate
 from packbench.core.protocol.spec import Protocol, expand
 from packbench.core.text import one_line, show

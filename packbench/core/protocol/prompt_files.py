@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import json
-import os
-import stat
 from pathlib import Path
 
 from packbench.core.errors import ProtocolError
+from packbench.core.files import NotReadable, read_bounded, size_text
 from packbench.core.protocol.fields import fail, token_lists_field
 
 TEXT_SEPARATOR = "---"  # a line holding only this separates prompts in a text_file
@@ -15,49 +14,10 @@ TEXT_SEPARATOR = "---"  # a line holding only this separates prompts in a text_f
 # token (~4-5 bytes of English each). Past this a file is refused by its size, before it is read.
 MAX_PROMPT_FILE_BYTES = 64 << 20
 
-_KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISCHR, "a device"),
-          (stat.S_ISBLK, "a device"), (stat.S_ISSOCK, "a socket"))
-
-
-class NotReadable(ValueError):
-    """A file that is not a regular file, or larger than the reader's limit (`too_large`): the
-    message says which."""
-
-    def __init__(self, reason: str, *, too_large: bool = False) -> None:
-        super().__init__(reason)
-        self.too_large = too_large
-
-
-def read_bounded(path: Path, *, limit: int) -> bytes:
-    """The bytes of the regular file `path`, at most `limit` of them; NotReadable("is a FIFO
-    ...") for anything else, before any byte is read: a directory, a FIFO (an ordinary open
-    would wait for a writer), a device (/dev/zero never ends), a socket, or a file over `limit`
-    (by its size, and the read stops at `limit` + 1 bytes for a file that grows or, like
-    /proc's, says 0). OSError (missing, no permission) passes to the caller."""
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # O_NONBLOCK: a FIFO opens at once; then fstat says what it is
-    try:
-        mode = os.fstat(fd)
-        for test, kind in _KINDS:
-            if test(mode.st_mode):
-                raise NotReadable(f"is {kind}, not a regular file")
-        if mode.st_size > limit:
-            raise NotReadable(f"is {mode.st_size} bytes, more than the {_size(limit)} limit", too_large=True)
-        with os.fdopen(os.dup(fd), "rb") as f:
-            data = f.read(limit + 1)
-    finally:
-        os.close(fd)
-    if len(data) > limit:
-        raise NotReadable(f"holds more than the {_size(limit)} limit", too_large=True)
-    return data
-
 
 def _where(field: str) -> str:
     """`--prompts` for a command's option, "protocol field `prompts.token_file`" for a protocol's."""
     return field if field.startswith("--") else f"protocol field `{field}`"
-
-
-def _size(n: int) -> str:
-    return f"{n >> 20} MiB" if n >= 1 << 20 and n % (1 << 20) == 0 else f"{n} bytes"
 
 
 def split_texts(text: str) -> list[str]:
@@ -79,7 +39,7 @@ def read_prompt_file(kind: str, path: Path, *, field: str) -> tuple[bytes, list]
         data = read_bounded(Path(path), limit=MAX_PROMPT_FILE_BYTES)
     except NotReadable as e:
         raise ProtocolError(f"{_where(field)}: {path} {e}; give a {kind.replace('_', ' ')} of prompts "
-                            f"(a regular file of at most {_size(MAX_PROMPT_FILE_BYTES)})") from None
+                            f"(a regular file of at most {size_text(MAX_PROMPT_FILE_BYTES)})") from None
     except OSError as e:
         raise ProtocolError(f"{_where(field)}: cannot read {path} ({e.strerror})"
                             + ("" if field.startswith("--") else "; paths are relative to the protocol file")) from None
