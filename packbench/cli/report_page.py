@@ -102,7 +102,7 @@ def _audit_cell(result: str) -> str:
     return '<td class="pass">AGREE</td>' if result == "agree" else '<td class="fail">DISAGREE</td>'
 
 
-def html_plot(name: str, svg: str | None, missing: str, caption: str | None = None) -> str:
+def plot_figure(name: str, svg: str | None, missing: str, caption: str | None = None) -> str:
     if svg is None:
         return f'<p class="missing" data-missing="{esc(name)}">{esc(missing)}</p>'
     return (f'<figure class="plot" data-plot="{esc(name)}">{svg}'
@@ -125,9 +125,9 @@ def protocol_section(s: ScreenData) -> str:
     # Full width below the facts, its parameters free to wrap: beside them, in half the page, a
     # competitor's parameters ran past the table's box at 1400 px.
     conditions = html_table(["condition", "tier", "policy", "params", "warmups"],
-                        [[f'<td class="name">{esc(c.name)}</td>', c.tier, c.policy,
-                          f'<td class="wrap">{esc(json.dumps(c.resolved_params) if c.resolved_params else "-")}</td>',
-                          str(p.warmups[c.name])] for c in p.conditions], cls="conditions")
+                            [[f'<td class="name">{esc(c.name)}</td>', c.tier, c.policy,
+                              f'<td class="wrap">{esc(json.dumps(c.resolved_params) if c.resolved_params else "-")}</td>',
+                              str(p.warmups[c.name])] for c in p.conditions], cls="conditions")
     prompts = p.prompts
     source = {"generator": f"generator (seed {prompts.seed})", "token_ids": "inline token ids"}.get(
         prompts.source, f"{prompts.source} {prompts.path} (sha256 {(prompts.sha256 or '')[:16]})")
@@ -203,7 +203,7 @@ def verdict_section(s: ScreenData) -> str:
     if not rows:
         return head + '<p class="missing">no verdicts.json: the screen did not finish</p>'
     return head + html_table(["gate", "condition", "tier", "phase", "verdict", "threshold", "value", "interval", "detail"],
-                         rows)
+                             rows)
 
 
 def _spread(sp: dict, fmt: str) -> str:
@@ -308,8 +308,8 @@ def serving_section(s: ScreenData) -> str:
               _two(_fmt(_ms(r["outside_s"]), "{:.4g}"), _fmt(_ms(r["outside_wall_s"]), "outside the wall {:.4g}")),
               _two(_fmt(_ms(r["steady_call_s"]), "{:.4g}"), _once(r))] for r in rows]
     table = html_table(["condition", "tier", "scored", "TTFT ms: warm, first use", "TPOT ms", "ITL ms: p50, p90 / p99", "decode tokens/s",
-                    "wall ms", "outside the calls ms (the wall)", "decode call ms: steady, once per episode"],
-                   srows, cls="conditions")
+                        "wall ms", "outside the calls ms (the wall)", "decode call ms: steady, once per episode"],
+                       srows, cls="conditions")
     ratios = data.runtime_ratios(s)
     rrows = []
     for r in ratios:
@@ -323,13 +323,13 @@ def serving_section(s: ScreenData) -> str:
                       f'<td class="wrap{" fail" if r["disagree"] else ""}">'
                       f'{esc(("disagree " + r["because"]) if r["disagree"] else ("agree; " + (r["outliers_text"] or "no outliers beyond 3 IQR")))}</td>'])
     rtable = (html_table(["condition", "tier", "control", "gate", "summed walls", "bootstrap interval", "ratio of medians",
-                      "paired interval", "readings"], rrows, cls="conditions") if rrows
-              else '<p class="missing">no runtime readings: no condition pairs with the reference</p>')
+                          "paired interval", "readings"], rrows, cls="conditions") if rrows
+                  else '<p class="missing">no runtime readings: no condition pairs with the reference</p>')
     previous = data.steady_by_previous(s)
     ptable = html_table(["condition", "tier", "steady decode call ms by what ran before it in the worker (episodes)"],
-                    [[f'<td class="name">{esc(r["condition"])}</td>', r["tier"],
-                      f'<td class="wrap">{esc(_previous_text(r["previous"]))}</td>'] for r in previous],
-                    cls="conditions") if previous else ""
+                        [[f'<td class="name">{esc(r["condition"])}</td>', r["tier"],
+                          f'<td class="wrap">{esc(_previous_text(r["previous"]))}</td>'] for r in previous],
+                        cls="conditions") if previous else ""
     check = data.plan_positions([s])
     position = (f'<p id="position" class="{"fail" if check["flagged"] else ""}">{esc(serving.position_text(check))}'
                 f'; each episode\'s wall over its condition\'s median, against the {serving.NEIGHBOURS} plan '
@@ -405,8 +405,8 @@ def cost_section(s: ScreenData) -> str:
     if not rows:
         return head + lede + '<p class="missing">no finished scored episode carries both passes\' figures</p>'
     return head + lede + html_table(["condition", "scored", "timing wall (median)", "recording wall (median)",
-                                 "recording / timing", "decode call: timing, recording (median)"], rows,
-                                cls="conditions")
+                                     "recording / timing", "decode call: timing, recording (median)"], rows,
+                                    cls="conditions")
 
 
 def workload_caption(workload: dict | None) -> str | None:
@@ -433,31 +433,31 @@ def plots_section(s: ScreenData) -> str:
     cpu = not s.environment.get("gpu")
     return "".join([
         '<h2 id="transfer">Host-to-device bytes per call</h2>',
-        html_plot("h2d", figs.h2d_figure(data.h2d_per_call(s), c, s.protocol.reference),
+        plot_figure("h2d", figs.h2d_figure(data.h2d_per_call(s), c, s.protocol.reference),
               "no call ledgers with byte counts (recording off, or no finished scored episode)"),
         '<h2 id="runtime">Episode wall and the paired runtime interval</h2>',
-        html_plot("wall", figs.wall_figure(data.wall_per_episode(s), data.runtime_intervals(s), c),
+        plot_figure("wall", figs.wall_figure(data.wall_per_episode(s), data.runtime_intervals(s), c),
               "no finished scored episode"),
         '<h2 id="decode">Decode milliseconds per token</h2>',
-        html_plot("decode", figs.decode_figure(data.decode_ms_per_token(s), c), "no decode calls"),
+        plot_figure("decode", figs.decode_figure(data.decode_ms_per_token(s), c), "no decode calls"),
         '<h2 id="memory">Sampled GPU memory against the allowance</h2>',
-        html_plot("memory", figs.memory_figure(data.memory_traces(s), c, s.protocol.allowance_bytes),
+        plot_figure("memory", figs.memory_figure(data.memory_traces(s), c, s.protocol.allowance_bytes),
               "no GPU memory samples: " + ("a CPU run samples no GPU" if cpu else "the archive holds no traces/")),
         '<h2 id="activity">Active rows per layer</h2>',
-        html_plot("heatmap", figs.heatmap_figure(heat),
+        plot_figure("heatmap", figs.heatmap_figure(heat),
               "no condition observed active rows (dense-stream and resident do not; recording off records none)",
               caption=None if heat is None else PLOT_CAPTIONS["heatmap"] + f" Condition {heat['condition']}: the "
               "active set is the model's and the prompt's, identical under every exact policy."),
         '<h2 id="union">Union sparsity</h2>',
-        html_plot("union", figs.union_figure(union), "no observed activity, or the neurons per layer are unknown"),
+        plot_figure("union", figs.union_figure(union), "no observed activity, or the neurons per layer are unknown"),
         '<h2 id="workload">Activity by layer, against the profile and real OPT</h2>',
-        html_plot("workload", figs.workload_figure(workload),
+        plot_figure("workload", figs.workload_figure(workload),
               "no condition observed active rows, or the neurons per layer are unknown",
               caption=workload_caption(workload)),
         '<h2 id="frontier">Frontier: decode time against memory, by tier</h2>',
-        html_plot("frontier", figs.frontier_figure(data.frontier(s), c), "no finished scored episode with decode calls"),
+        plot_figure("frontier", figs.frontier_figure(data.frontier(s), c), "no finished scored episode with decode calls"),
         '<h2 id="energy">Energy</h2>',
-        html_plot("energy", figs.energy_figure(data.energy(s), c),
+        plot_figure("energy", figs.energy_figure(data.energy(s), c),
               "no energy readings: " + ("NVML has no GPU to read on a CPU run" if cpu
                                         else "the episodes carry no energy_j")),
     ])
@@ -556,13 +556,13 @@ def compare_page(screens: list[ScreenData], audits: list[AuditStatus]) -> str:
     agreement = data.verdict_agreement(screens)
     conditions = list(dict.fromkeys(c for s in screens for c in s.conditions))
     ident = html_table(["", "screen", "protocol", "frozen SHA-256", "machine", "GPU", "torch", "archive SHA-256",
-                    "audits"],
-                   [[labels[n], f'<td class="wrap">{esc(s.label)}</td>', s.protocol.name,
-                     f'<td class="mono">{esc(s.protocol.sha256[:16])}</td>',
-                     s.environment.get("host"), s.environment.get("gpu") or "CPU", s.environment.get("torch"),
-                     f'<td class="mono">{esc(s.archive_sha256[:16])}</td>',
-                     "-" if a.source is None else (", ".join(r["result"] for r in a.rows) or "none")]
-                    for n, (s, a) in enumerate(zip(screens, audits))])
+                        "audits"],
+                       [[labels[n], f'<td class="wrap">{esc(s.label)}</td>', s.protocol.name,
+                         f'<td class="mono">{esc(s.protocol.sha256[:16])}</td>',
+                         s.environment.get("host"), s.environment.get("gpu") or "CPU", s.environment.get("torch"),
+                         f'<td class="mono">{esc(s.archive_sha256[:16])}</td>',
+                         "-" if a.source is None else (", ".join(r["result"] for r in a.rows) or "none")]
+                        for n, (s, a) in enumerate(zip(screens, audits))])
     judged, agree = agreement["judged_by_all"], agreement["agree"]
     what = "the same frozen protocol" if agreement["same_protocol"] else "different protocols"
     head = (f'<h2 id="agreement">Verdict agreement: {agree} of {judged} verdicts judged by every screen agree</h2>'
@@ -583,8 +583,8 @@ def compare_page(screens: list[ScreenData], audits: list[AuditStatus]) -> str:
                           _spread(r["wall_s_spread"], "{:.3g}"), _spread(r["decode_ms_spread"], "{:.3g}"),
                           _mib(r["peak_sampled_bytes"]), _num(r["energy_j_per_token"], "{:.4g} J")])
     stable = html_table(["condition", "screen", "scored", "H2D / prefill call", "H2D / decode call", "mean wall",
-                     "wall s: median, p10-p90", "decode ms/token: median, p10-p90", "peak sampled GPU",
-                     "energy / token"], srows, cls="conditions")
+                         "wall s: median, p10-p90", "decode ms/token: median, p10-p90", "peak sampled GPU",
+                         "energy / token"], srows, cls="conditions")
     ratio_rows = []
     for n, s in enumerate(screens):
         for r in data.runtime_ratios(s):
@@ -596,7 +596,7 @@ def compare_page(screens: list[ScreenData], audits: list[AuditStatus]) -> str:
                                f'<td class="wrap{" fail" if r["disagree"] else ""}">'
                                f'{esc(("disagree " + r["because"]) if r["disagree"] else "agree")}</td>'])
     rtable = html_table(["condition", "screen", "control", "summed walls", "interval", "gate threshold", "from",
-                     "ratio of medians", "paired interval", "readings"], ratio_rows, cls="conditions")
+                         "ratio of medians", "paired interval", "readings"], ratio_rows, cls="conditions")
     serving_rows = []
     for c in conditions:
         for n, s in enumerate(screens):
@@ -610,21 +610,21 @@ def compare_page(screens: list[ScreenData], audits: list[AuditStatus]) -> str:
                                  _num(r["decode_tokens_per_s"], "{:,.4g}"), _ms_cell(r["wall_s"], r["outliers"]["wall_s"]),
                                  _two(_fmt(_ms(r["steady_call_s"]), "{:.4g}"), _once(r))])
     stable_serving = html_table(["condition", "screen", "tier", "TTFT ms: warm, first use", "TPOT ms", "ITL ms: p50, p99",
-                             "decode tokens/s", "wall ms", "decode call ms: steady, once per episode"],
-                            serving_rows, cls="conditions")
+                                 "decode tokens/s", "wall ms", "decode call ms: steady, once per episode"],
+                                serving_rows, cls="conditions")
     with figs.style():
         plots = "".join([
             '<h2 id="decode">Decode milliseconds per token</h2>',
-            html_plot("compare-decode", figs.compare_decode_figure(labels, [data.decode_ms_per_token(s) for s in screens],
+            plot_figure("compare-decode", figs.compare_decode_figure(labels, [data.decode_ms_per_token(s) for s in screens],
                                                                conditions), "no decode calls",
                   caption="Decode ms per generated token per condition, one box per screen (A, B, ...)."),
             '<h2 id="transfer">Host-to-device bytes per decode call</h2>',
-            html_plot("compare-h2d", figs.compare_bars_figure(
+            plot_figure("compare-h2d", figs.compare_bars_figure(
                 "compare-h2d", labels, [{c: r["decode_h2d_per_call"] for c, r in summ.items()} for summ in summaries],
                 conditions, "mean H2D MB per decode call", scale=1e6), "no byte counts",
                 caption="Mean host-to-device bytes per decode call per condition, one bar per screen."),
             '<h2 id="wall">Mean episode wall</h2>', _compare_sharing(labels, screens),
-            html_plot("compare-wall", figs.compare_bars_figure(
+            plot_figure("compare-wall", figs.compare_bars_figure(
                 "compare-wall", labels, [{c: r["wall_s_mean"] for c, r in summ.items()} for summ in summaries],
                 conditions, "mean wall s per scored episode", ranges=[_wall_ranges(s) for s in screens]),
                 "no finished episodes",

@@ -302,7 +302,8 @@ def capacity(episodes: list[dict], *, condition: str, start: dict | None, allowa
 # ----------------------------------------------------------------------------- paired comparisons
 
 
-def paired_episodes(episodes: list[dict], condition: str, control: str) -> tuple[list[tuple[dict, dict]], list[str], list[int]]:
+def paired_episodes(episodes: list[dict], condition: str,
+                    control: str) -> tuple[list[tuple[dict, dict]], list[str], list[int]]:
     """Scored episodes of `condition` and `control` paired by (repetition, prompt).
 
     Returns the pairs in key order, the reasons some key has no usable pair, and every plan
