@@ -43,20 +43,20 @@ class RoutingProfile:
 
     shared: float  # the shared direction's weight in every embedding, against the random part's norm
     skew: float  # std of the per-expert router offset along u, in units of the router rows' scale
-    window: float  # tokens of context each attention head averages
+    window: float  # tokens of context each attention head averages (sets the rotary pairs used)
+    sharpness: float  # the attention score's scale: how fast the weight falls with distance
     context: float  # how strongly that context enters the residual stream
     rho: float  # correlation of consecutive layers' routers (through a permutation)
-    temperature: float  # router logit scale
     readout: float  # lm_head gain: peaked next tokens
 
 
 # One profile per published routing (core/routing.py PUBLISHED); calibrated by
 # `packbench model stats` on the tiny and real shapes (docs/workloads.md gives the measurements).
 PROFILES: dict[str, RoutingProfile] = {
-    "mixtral": RoutingProfile(shared=1.0, skew=0.12, window=6.0, context=1.5, rho=0.6, temperature=4.0, readout=6.0),
-    "olmoe": RoutingProfile(shared=1.0, skew=0.45, window=6.0, context=1.5, rho=0.6, temperature=4.0, readout=6.0),
+    "mixtral": RoutingProfile(shared=1.0, skew=0.0, window=6.0, sharpness=20.0, context=2.0, rho=0.4, readout=6.0),
+    "olmoe": RoutingProfile(shared=1.0, skew=1.0, window=6.0, sharpness=20.0, context=2.0, rho=0.4, readout=6.0),
     # No locality, no skew, no cross-layer link: what a random router gives (the check's negative).
-    "uniform": RoutingProfile(shared=0.0, skew=0.0, window=0.0, context=0.0, rho=0.0, temperature=1.0, readout=6.0),
+    "uniform": RoutingProfile(shared=0.0, skew=0.0, window=0.0, sharpness=0.0, context=0.0, rho=0.0, readout=6.0),
 }
 
 
@@ -111,7 +111,7 @@ def _window_query(angles: torch.Tensor, window: float, head_dim: int) -> torch.T
 
 
 def synth_moe(out: Path, *, shape: str, seed: int = 0, dtype: str = "float32", layers: int | None = None,
-              profile: str | None = None, device: str = "cpu") -> Path:
+              profile: str | None = None, device: str = "cpu", recipe: RoutingProfile | None = None) -> Path:
     """Write a synthetic MoE checkpoint of `shape` to `out` (config.json + safetensors, as
     save_pretrained writes them) and return `out`. `layers` below the shape's depth keeps the real
     layer shapes with fewer layers; `profile` defaults to the published routing of the shape's family."""
@@ -120,7 +120,7 @@ def synth_moe(out: Path, *, shape: str, seed: int = 0, dtype: str = "float32", l
     name = profile or ROUTING_OF[shape]
     if name not in PROFILES:
         raise ValueError(f"profile must be one of {', '.join(PROFILES)}, got {name!r}")
-    p = PROFILES[name]
+    p = recipe or PROFILES[name]  # `recipe`: a profile's knobs tried out before it gets a name
     config, family = _config(shape, layers, dtype)
     s = MOE_SHAPES[shape]
     H, E, hd = s["hidden"], s["experts"], s["head_dim"]
@@ -132,14 +132,30 @@ def synth_moe(out: Path, *, shape: str, seed: int = 0, dtype: str = "float32", l
 
     with torch.device(dev):
         model = model_class(family)(config)
+    params = dict(model.named_parameters())
+    drawn: set[str] = set()
+
+    class _Into(dict):
+        """Each drawn tensor goes straight into its parameter (one layer's experts are GBs)."""
+
+        def __setitem__(self, name: str, value: torch.Tensor) -> None:
+            with torch.no_grad():
+                params[name].copy_(value)
+            drawn.add(name)
     u = normal(H)
     u = u / u.norm()
-    sd = {}
+    sd = _Into()
+    norms: dict[str, float] = {}  # RMSNorm weights other than 1
     emb = normal(s["vocab"], H, std=1.0)
     emb = emb - (emb @ u)[:, None] * u[None, :]  # the random part is orthogonal to u ...
     sd["model.embed_tokens.weight"] = emb + p.shared * math.sqrt(H) * u[None, :]  # ... u's weight is set alone
     angles = _rotary_angles(config, hd)
     wq = _window_query(angles, p.window, hd).float().to(dev) if p.window > 0 else None
+    # After input_layernorm (weight 1) every token has rms 1, so |x| = sqrt(H), and its component
+    # along u is sqrt(H) sin(phi) with tan(phi) = shared (the random part is orthogonal to u).
+    phi = math.atan(p.shared)
+    along_u = math.sqrt(H) * math.sin(phi)
+    qk_norm = family in ("qwen3_moe", "olmoe")  # q and k pass an RMSNorm before the rotary
     prev_router = None
     for li in range(config.num_hidden_layers):
         pre = f"model.layers.{li}."
@@ -148,41 +164,49 @@ def synth_moe(out: Path, *, shape: str, seed: int = 0, dtype: str = "float32", l
             q = normal(nq * hd, H, std=INIT_STD)
             k = normal(nkv * hd, H, std=INIT_STD)
         else:
-            # q = k = (window query) x (u . x): a scale of sqrt(hd) x log(window)-ish makes the
-            # softmax favour the recent tokens the angles keep in phase.
-            gain = 4.0 * math.sqrt(hd)
+            # Each head's query and key are the unit vector wq times (u . x) times a gain, so the
+            # score is sharpness x sum_i c_i^2 cos(angle_i d): highest for the token itself and
+            # falling with distance. With a q/k RMSNorm the norm's weight sets the scale instead.
+            gain = 1.0 if qk_norm else math.sqrt(p.sharpness * math.sqrt(hd)) / along_u
             q = (wq.repeat(nq)[:, None] * u[None, :]) * gain
             k = (wq.repeat(nkv)[:, None] * u[None, :]) * gain
+            if qk_norm:
+                norms[pre + "self_attn.q_norm.weight"] = math.sqrt(p.sharpness / math.sqrt(hd))
+                norms[pre + "self_attn.k_norm.weight"] = math.sqrt(p.sharpness / math.sqrt(hd))
         sd[pre + "self_attn.q_proj.weight"] = q
         sd[pre + "self_attn.k_proj.weight"] = k
-        sd[pre + "self_attn.v_proj.weight"] = normal(nkv * hd, H, std=1.0 / math.sqrt(H))
-        # The output projection writes the window's content orthogonally to u (u stays the shared part).
+        # Values blind to u: the window carries only the tokens' own parts (u would add the same
+        # vector to every token's context, shifting all routing alike: load skew, not locality).
+        v = normal(nkv * hd, H, std=1.0 / math.sqrt(H))
+        sd[pre + "self_attn.v_proj.weight"] = v - (v @ u)[:, None] * u[None, :]
+        # The output projection writes the window's content orthogonally to u (u stays the shared
+        # part); `context` sets its size against a token's own embedding.
         o = normal(H, nq * hd, std=p.context / math.sqrt(nq * hd))
         sd[pre + "self_attn.o_proj.weight"] = o - u[:, None] * (u[None, :] @ o)
         router = normal(E, H, std=1.0 / math.sqrt(H))
+        router = router - (router @ u)[:, None] * u[None, :]
         if prev_router is not None and p.rho > 0:
             perm = torch.randperm(E, generator=g, device=dev)
             router = p.rho * prev_router[perm] + math.sqrt(1 - p.rho ** 2) * router
         prev_router = router
-        bias = normal(E, std=p.skew * math.sqrt(H) / math.sqrt(H)) if p.skew > 0 else torch.zeros(E, device=dev)
-        sd[pre + "mlp.gate.weight"] = p.temperature * (router - (router @ u)[:, None] * u[None, :]) \
-            + p.temperature * bias[:, None] * u[None, :] * math.sqrt(1.0)
+        # A token's random-part logit has std about cos(phi); the offset along u, bias_e x sqrt(H)
+        # sin(phi), gets std skew x cos(phi).
+        bias = normal(E, std=p.skew * math.cos(phi) / along_u) if p.skew > 0 and along_u > 0 \
+            else torch.zeros(E, device=dev)
+        sd[pre + "mlp.gate.weight"] = router + bias[:, None] * u[None, :]
         I = s["intermediate"]
         sd[pre + "mlp.experts.gate_up_proj"] = normal(E, 2 * I, H, std=INIT_STD)
         sd[pre + "mlp.experts.down_proj"] = normal(E, H, I, std=INIT_STD)
     head = normal(s["vocab"], H, std=p.readout / math.sqrt(H))
     sd["lm_head.weight"] = head - (head @ u)[:, None] * u[None, :]  # blind to u: no token wins every call
-    params = dict(model.named_parameters())
-    missing = [n for n in params if n not in sd and not n.endswith("norm.weight")]
+    missing = [n for n in params if n not in drawn and not n.endswith("norm.weight")]
     if missing:
         raise RuntimeError(f"synth_moe leaves {missing[:3]} at transformers' init: the recipe must draw them")
     torch_dtype = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[dtype]
     with torch.no_grad():
-        for n, t in sd.items():
-            params[n].copy_(t)
         for n, prm in params.items():
             if n.endswith("norm.weight"):
-                prm.fill_(1.0)
+                prm.fill_(norms.get(n, 1.0))
     model = model.to(torch_dtype)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
