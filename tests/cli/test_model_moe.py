@@ -1,0 +1,40 @@
+"""`packbench model synth --shape <MoE>` and `packbench model stats` on an MoE checkpoint: the
+routing statistics beside the published figures, as JSON; bad input in one line, exit 2."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from typer.testing import CliRunner
+
+from packbench.cli.main import app
+
+
+def test_synth_then_stats_json_meets_the_published_figures(tmp_path):
+    out = tmp_path / "olmoe"
+    made = CliRunner().invoke(app, ["model", "synth", "--out", str(out), "--shape", "olmoe-tiny", "--layers", "2"])
+    assert made.exit_code == 0, made.output
+    assert "routing profile olmoe, 2 of 3 layers" in made.stdout
+    result = CliRunner().invoke(app, ["model", "stats", str(out), "--json", "--prefix", "256", "--count", "3"])
+    assert result.exit_code == 0, result.output
+    s = json.loads(result.stdout.splitlines()[-1])
+    assert s["experts"] == 16 and s["k"] == 4 and len(s["layers"]) == 2
+    layer = s["layers"][0]
+    assert set(layer) >= {"skew", "carry80", "reuse", "temporal_lift", "union", "cache", "next_layer", "loads"}
+    assert set(layer["reuse"]) == {"1", "2", "4", "8"}  # k-apart reuse
+    for c in layer["cache"].values():  # the oracle bounds LRU
+        assert c["belady"] >= c["lru"]
+    assert s["published"]["name"] == "olmoe" and "allenai/OLMoE" in s["published"]["source"]
+    assert all(row["ok"] for row in s["checks"]), s["checks"]
+
+
+def test_bad_moe_synth_input_is_one_line_exit_2(tmp_path):
+    for args, cause in ((["--profile", "opt"], "not a routing profile"), (["--sparsity", "0.9"], "OPT recipes"),
+                        (["--layers", "9"], "--layers 9 must be in 1..3")):
+        r = subprocess.run([sys.executable, "-m", "packbench", "model", "synth", "--out", str(tmp_path / "x"),
+                            "--shape", "mixtral-tiny", *args], capture_output=True, text=True,
+                           cwd=Path(__file__).resolve().parents[2])
+        assert r.returncode == 2, (r.stdout, r.stderr)
+        assert cause in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+        assert "Traceback" not in r.stderr
