@@ -32,7 +32,8 @@ from packbench.engine.allowance import impose
 from packbench.engine.episode import run_episode
 from packbench.engine.model import CpuFirstModel
 from packbench.engine.sampler import device_uuid, nvml_handle
-from packbench.engine.shapes import DTYPES, SHAPES, dtype_of
+from packbench.core.registry import SHAPES
+from packbench.engine.dtypes import DTYPES, dtype_of
 from packbench.engine.synth import synth_checkpoint
 
 MIB = 1 << 20

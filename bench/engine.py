@@ -33,7 +33,7 @@ from packbench.engine.conditions import POLICIES
 from packbench.engine.policies.base import HostWeights, stream_dense, zeroed_workspace
 from packbench.engine.allowance import impose
 from packbench.engine.sampler import MemorySampler, device_uuid, nvml_handle
-from packbench.engine.shapes import dtype_of
+from packbench.engine.dtypes import dtype_of
 from packbench.engine.synth import synth_checkpoint
 
 MIB = 1 << 20

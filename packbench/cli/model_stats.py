@@ -57,7 +57,7 @@ def stats(
 
     import torch
 
-    from packbench.engine.shapes import dtype_of
+    from packbench.engine.dtypes import dtype_of
     from packbench.engine.stats import measure, summarise
 
     if device != "cpu" and not torch.cuda.is_available():

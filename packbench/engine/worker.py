@@ -34,7 +34,7 @@ from packbench.engine.passes import PassMismatch, two_passes
 from packbench.engine.policies.base import BUFFERS_LAYOUT
 from packbench.engine.allowance import impose, lift
 from packbench.engine.sampler import MemorySampler, device_uuid, nvml_handle
-from packbench.engine.shapes import dtype_of
+from packbench.engine.dtypes import dtype_of
 from packbench.engine.synth import synth_checkpoint
 
 

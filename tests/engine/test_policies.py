@@ -8,7 +8,7 @@ from packbench.engine.checkpoint import build_model
 from packbench.engine.episode import run_episode
 from packbench.engine.model import CpuFirstModel
 from packbench.engine.conditions import POLICIES
-from packbench.engine.shapes import SHAPES
+from packbench.core.registry import SHAPES
 from packbench.engine.synth import synth_checkpoint
 
 CONTINUATION = 5

@@ -11,7 +11,7 @@ import torch
 from packbench.engine.episode import run_episode
 from packbench.engine.model import CpuFirstModel
 from packbench.engine.conditions import POLICIES
-from packbench.engine.shapes import SHAPES
+from packbench.core.registry import SHAPES
 from packbench.engine.synth import synth_checkpoint
 
 pytestmark = pytest.mark.gpu
