@@ -20,7 +20,7 @@ def _db_given_first(ctx: typer.Context, param: typer.CallbackParam, value: str |
     return value
 
 
-def _db_not_empty(ctx: typer.Context, param: typer.CallbackParam, value: str | None) -> str | None:
+def db_not_empty(ctx: typer.Context, param: typer.CallbackParam, value: str | None) -> str | None:
     """`--db ''` (an unset variable in a script, say) is refused, not read as "the default"."""
     if value is not None and not value.strip():
         raise typer.BadParameter(f"is empty; give a database URL such as {DEFAULT_DB_URL}, or leave --db out")
@@ -28,7 +28,7 @@ def _db_not_empty(ctx: typer.Context, param: typer.CallbackParam, value: str | N
 
 
 def _db_option(ctx: typer.Context, param: typer.CallbackParam, value: str | None) -> str | None:
-    return _db_not_empty(ctx, param, _db_given_first(ctx, param, value))
+    return db_not_empty(ctx, param, _db_given_first(ctx, param, value))
 
 
 # Integers the database stores are PostgreSQL `integer` columns (32-bit, SQLite takes 64):

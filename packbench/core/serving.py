@@ -404,10 +404,10 @@ def robust_runtime(records: list[Mapping], *, condition: str, control: str, gate
     reading's upper bound passes it and the other's does not. `because` names the outliers when
     there are any ("because of 1 outlier beyond 3 IQR: episode 38"). None when there are no
     pairs (the gate fails closed and says why)."""
-    from packbench.core.gates import _pairs, _seconds_of  # the gate's own pairing, read-only
+    from packbench.core.gates import paired_episodes, seconds_of  # the gate's own pairing, read-only
 
-    pairs, bad, _ = _pairs(list(records), condition, control)
-    values = [(_seconds_of(a, "all"), _seconds_of(b, "all"), a, b) for a, b in pairs]
+    pairs, bad, _ = paired_episodes(list(records), condition, control)
+    values = [(seconds_of(a, "all"), seconds_of(b, "all"), a, b) for a, b in pairs]
     values = [v for v in values if v[0] is not None and v[1] is not None]
     if not values:
         return None
