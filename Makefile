@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 DEMO_DIR := .packbench
 export RAY_AUTH_MODE ?= disabled
 
-.PHONY: demo test venv browser clean
+.PHONY: demo test venv browser clean mutate
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -39,5 +39,16 @@ browser:
 test: $(STAMP) browser
 	$(BIN)/python -m pytest -q -m "not gpu"
 
+# Mutation testing (mutmut) of the modules that decide verdicts and evidence, each against its own
+# tests, one worker, module by module (docs/mutation.md); not part of `make test`.
+# `make mutate MODULES="core/gates.py core/audit.py"` runs some; a rerun resumes where one stopped.
+MUTATE_STAMP := $(VENV)/.installed-mutate
+$(MUTATE_STAMP): pyproject.toml | $(STAMP)
+	$(BIN)/python -m pip install -q -e '.[test,mutate]'
+	touch $(MUTATE_STAMP)
+
+mutate: $(MUTATE_STAMP)
+	$(BIN)/python tests/mutate.py $(MODULES)
+
 clean:
-	rm -rf $(VENV) $(DEMO_DIR) packbench.db archives
+	rm -rf $(VENV) $(DEMO_DIR) packbench.db archives .mutate

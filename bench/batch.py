@@ -32,13 +32,14 @@ from packbench.engine.allowance import impose
 from packbench.engine.episode import run_episode
 from packbench.engine.model import CpuFirstModel
 from packbench.engine.sampler import device_uuid, nvml_handle
-from packbench.engine.shapes import DTYPES, SHAPES, dtype_of
+from packbench.core.registry import SHAPES
+from packbench.engine.dtypes import DTYPES, dtype_of
 from packbench.engine.synth import synth_checkpoint
 
 MIB = 1 << 20
 LOADERS = {"dense-stream": ("dense-stream", {}), "packet": ("packet", {"gather": "device"})}
 COMPETITOR = "int8-weight-only"
-MAX_BATCH = 1 << 16  # far past where packets and dense-stream meet at opt-2.7b (docs/benchmarks.md)
+MAX_BATCH = 1 << 16  # far past where packets and dense-stream meet at opt-2.7b (docs/experiments/batched.md)
 
 
 def batch_prompts(batch: int, *, length: int, vocab: int, seed: int = 0) -> list[list[int]]:

@@ -13,7 +13,7 @@
 # tokens ran out of memory at opt-2.7b; for opt-13b about 22528), BATCH_TIMEOUT (480 s: each
 # batch size compiles the competitor's step again), COMPETITOR_BATCHES (every batch; at opt-13b
 # each compiled batch takes 2-4 minutes, so one call holds the loaders' sweep and one or two of
-# them: docs/benchmarks.md, "OPT-13B, measured"). Each batch's line carries its bytes and packet's
+# them: docs/experiments/batched.md, "OPT-13B, measured"). Each batch's line carries its bytes and packet's
 # bit check, so a call cut short keeps them.
 set -uo pipefail
 root=$PWD; out=${OUT:-$root/batch-out}; mkdir -p "$out"

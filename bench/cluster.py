@@ -1,4 +1,4 @@
-"""The job queue's own costs, measured on this machine (docs/benchmarks.md, "Cluster queue").
+"""The job queue's own costs, measured on this machine (docs/experiments/queue.md).
 
     python -m bench.cluster                 # queue-path overheads + 1 vs 2 logical GPUs (CPU machine)
     python -m bench.cluster --simulate      # 8 logical GPU nodes, 4 dispatchers, 200 screens, PostgreSQL
@@ -49,7 +49,7 @@ def protocol(folder: Path, *, prompts: int, continuation: int, name: str = "benc
 
 
 class Timeline:
-    """One attempt as the scheduler's observer heard it (driver-side perf_counter clock)."""
+    """One attempt as the dispatcher's observer heard it (driver-side perf_counter clock)."""
 
     def __init__(self, run) -> None:
         self.run = run  # the attempt's ScreenRun: its episodes, start record and attempt row
@@ -65,13 +65,13 @@ class Timeline:
 
 
 class Timelines:
-    """A scheduler's observer (one per scheduler): every attempt's timeline, in claim order."""
+    """A dispatcher's observer (one per dispatcher): every attempt's timeline, in claim order."""
 
     def __init__(self) -> None:
         self.by_run: dict[int, Timeline] = {}
 
     def __call__(self, event) -> None:
-        from packbench.service.scheduler_state import Moment
+        from packbench.service.dispatcher.state import Moment
 
         t = self.by_run.setdefault(id(event.run), Timeline(event.run))
         if event.moment is Moment.CLAIMED:
@@ -84,7 +84,7 @@ class Timelines:
             t.timings.append((event.at, event.seconds))
 
     def runs(self) -> list[Timeline]:
-        """Every attempt the scheduler claimed, in claim order."""
+        """Every attempt the dispatcher claimed, in claim order."""
         return list(self.by_run.values())
 
 
@@ -115,7 +115,7 @@ def one_run(gpus: int, screens: int, prompts: int, continuation: int) -> dict:
     from packbench.cluster.pool import RayPool
     from packbench.core.settings import Settings
     from packbench.db.store import Store
-    from packbench.service.scheduler import Scheduler
+    from packbench.service.dispatcher import Dispatcher
     from packbench.service.submit import submit
 
     with tempfile.TemporaryDirectory(prefix="bench-cluster-") as tmp:
@@ -125,7 +125,7 @@ def one_run(gpus: int, screens: int, prompts: int, continuation: int) -> dict:
         submit(store, protocol(tmp, prompts=prompts, continuation=continuation), replicas=screens)
         settings = Settings(archive_dir=tmp / "archives", model_cache=tmp / "models", embedded_gpus=gpus)
         timelines = Timelines()
-        d = Scheduler(store, settings, RayPool(settings), lease_s=60, observer=timelines)
+        d = Dispatcher(store, settings, RayPool(settings), lease_s=60, observer=timelines)
         from packbench.cluster.runtime import ensure_ray
 
         ensure_ray(settings)
@@ -248,7 +248,7 @@ def simulate(args) -> None:
     from packbench.cluster.pool import RayPool
     from packbench.core.settings import Settings
     from packbench.db.store import Store
-    from packbench.service.scheduler import Scheduler
+    from packbench.service.dispatcher import Dispatcher
     from packbench.service.submit import submit
 
     base = args.pg_url or os.environ.get("PACKBENCH_TEST_PG_URL")
@@ -279,7 +279,7 @@ def simulate(args) -> None:
 
             for _ in range(args.dispatchers):
                 heard = Timelines()
-                d = Scheduler(Store(url), settings, RayPool(settings, worker_class=actor),
+                d = Dispatcher(Store(url), settings, RayPool(settings, worker_class=actor),
                               workers=args.nodes // args.dispatchers, lease_s=30, observer=heard,
                               look_ahead=not args.no_look_ahead)
                 dispatchers.append(d)

@@ -46,7 +46,7 @@ def child(model_dir: str, dtype: str, variant: str, prefix: int) -> None:
     import packbench.engine.model as m
     from packbench.engine.checkpoint import build_weights
     from packbench.engine.episode import run_episode
-    from packbench.engine.shapes import dtype_of
+    from packbench.engine.dtypes import dtype_of
 
     t_import = time.perf_counter()
     mode = "eager"
@@ -89,7 +89,7 @@ def probe(model_dir: str, dtype: str, name: str, threads: int | None) -> None:
 
     import packbench.engine.checkpoint as ck
     from packbench.engine.model import is_outgoing
-    from packbench.engine.shapes import dtype_of
+    from packbench.engine.dtypes import dtype_of
 
     t_import = time.perf_counter()
     cuda = torch.cuda.is_available()
@@ -209,7 +209,7 @@ def profile(model_dir: Path, dtype: str) -> None:
 
     import packbench.engine.checkpoint as ck
     from packbench.engine.model import is_outgoing
-    from packbench.engine.shapes import dtype_of
+    from packbench.engine.dtypes import dtype_of
 
     dt, device = dtype_of(dtype), torch.device("cuda:0")
     torch.zeros(1, device=device)

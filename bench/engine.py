@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from packbench.core.plan import BOS
+from packbench.core.serving import condition_serving, outlier_text
 from packbench.engine import gather
 from packbench.engine.episode import run_episode
 from packbench.engine.graph import check_mode
@@ -32,7 +33,7 @@ from packbench.engine.conditions import POLICIES
 from packbench.engine.policies.base import HostWeights, stream_dense, zeroed_workspace
 from packbench.engine.allowance import impose
 from packbench.engine.sampler import MemorySampler, device_uuid, nvml_handle
-from packbench.engine.shapes import dtype_of
+from packbench.engine.dtypes import dtype_of
 from packbench.engine.synth import synth_checkpoint
 
 MIB = 1 << 20
@@ -44,7 +45,7 @@ class SingleStreamDense:
     only: one workspace, each layer's copy issued at fetch on the compute stream. Same bytes,
     same logits; kept here so one alternated run can compare both schedules."""
 
-    name = "dense-stream"  # captured in mode graph like dense-stream (engine/graph.py GRAPH_SAFE)
+    name = "dense-stream"  # captured in mode graph like dense-stream (engine/conditions/dense_stream.py graph_safe)
     starts_early = False
 
     def activate(self, host: HostWeights, device: torch.device, recorder: Recorder) -> None:
@@ -265,6 +266,33 @@ def oom(row: dict) -> str:
     return f" ({len(row['failed'])} failed)" if row["failed"] else ""
 
 
+def serving_record(walls: list[float], wall_s: float, decode_graph: str | None, *,
+                   tokens: list[int] | None = None) -> dict:
+    """An episode as core/serving.py reads an archived record: its calls' walls (the first the
+    prefill), its wall and its decode graph; what the report and `packbench results` read."""
+    tokens = tokens or [1] * len(walls)
+    calls = [{"phase": "prefill" if n == 0 else "decode", "wall_s": w, "tokens": t}
+             for n, (w, t) in enumerate(zip(walls, tokens))]
+    return {"status": "ok", "wall_s": wall_s, "calls": calls, "engine": {"decode_graph": decode_graph}}
+
+
+def serving_table(rows: dict, policies: list[str], w: int) -> None:
+    """The serving figures of docs/metrics.md over the same episodes, by the same functions as the
+    report, `packbench results` and the API (core.serving.condition_serving)."""
+    print(f"\nserving figures (docs/metrics.md; medians over episodes, ITL over every decode call)")
+    print(f"{'condition':{w}}{'TTFT ms':>9}{'TPOT ms':>9}{'ITL p50':>9}{'p90':>8}{'p99':>8}{'tok/s':>9}"
+          f"{'steady ms':>10}{'once ms':>9}{'capture ms':>11}  beyond 3 IQR (walls)")
+    for name in policies:
+        if not rows[name]["records"]:
+            continue
+        f = condition_serving(rows[name]["records"])
+        ms = lambda v: float("nan") if v is None else v * 1e3  # noqa: E731
+        print(f"{name:{w}}{ms(f['ttft_s']):9.3f}{ms(f['tpot_s']):9.3f}{ms(f['itl_p50_s']):9.3f}"
+              f"{ms(f['itl_p90_s']):8.3f}{ms(f['itl_p99_s']):8.3f}{f['decode_tokens_per_s'] or float('nan'):9.1f}"
+              f"{ms(f['steady_call_s']):10.3f}{ms(f['first_decode_excess_s']):9.3f}{ms(f['capture_s']):11.1f}"
+              f"  {outlier_text(len(f['outliers']['wall_s'])) or 'none'}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", default="opt-125m")
@@ -367,7 +395,7 @@ def main() -> None:
 
     keys = ("decode_ms", "prefill_s", "decode_h2d", "prefill_h2d", "peak_sampled", "peak_alloc", "exact",
             "failed", "wasted", "wait_ms", "device_bytes", "graph", "first_ms", "episode_s", "host_ms",
-            "episode_h2d", "episode_rows", "fc_used", "fc_wasted")
+            "episode_h2d", "episode_rows", "fc_used", "fc_wasted", "records")
     rows: dict[str, dict[str, list]] = {p: {k: [] for k in keys} for p in policies}
     total = torch.cuda.get_device_properties(device).total_memory if cuda else 0
     scopes: set = set()  # "process" unless NVML cannot attribute memory to processes here
@@ -379,6 +407,7 @@ def main() -> None:
                 if name == "accelerate":
                     accelerate[0].send(prompt)
                     out = receive(accelerate)
+                    row["records"].append(serving_record(out["walls"], sum(out["walls"]), None))
                     row["prefill_s"].append(out["walls"][0])
                     row["decode_ms"] += [w * 1e3 for w in out["walls"][1:]]
                     row["peak_sampled"].append(out["peak_sampled"])
@@ -409,6 +438,8 @@ def main() -> None:
                 sampled = sampler.stop()
                 row["peak_sampled"].append(sampled["peak_sampled_bytes"] or 0)
                 scopes.add(sampled["scope"])
+                row["records"].append(serving_record([c.wall_s for c in out.calls], out.wall_s, out.decode_graph,
+                                                     tokens=[c.tokens for c in out.calls]))
                 row["prefill_s"].append(out.calls[0].wall_s)
                 row["decode_ms"] += [c.wall_s * 1e3 for c in out.calls[1:]]
                 row["first_ms"] += [c.wall_s * 1e3 for c in out.calls[1:2]]  # mode graph: the capture's call
@@ -491,6 +522,7 @@ def main() -> None:
         gbps = per_call / (res[name] / 1e3) / 1e9
         print(f"{name} decode moves {gbps:.1f} GB/s = {gbps / bw:.0%} of the pinned copy bandwidth")
     workload(rows, policies)
+    serving_table(rows, policies, w)
     resident = res.get("resident", res.get("resident+unbounded=yes"))
     for name in ("packet", "packet+gather=device"):
         if name in res and resident:

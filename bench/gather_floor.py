@@ -58,7 +58,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from packbench.engine import gather
 from packbench.engine.checkpoint import HOST_REGISTER_DEFAULT, PAGE, _aligned, _Mapping
 from packbench.engine.mapped import cuda_view
-from packbench.engine.shapes import SHAPES
+from packbench.core.registry import SHAPES
 from packbench.engine.triton_gather import _active_rows
 
 

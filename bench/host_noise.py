@@ -1,8 +1,8 @@
 """A second worker's host gathers, without its GPU (issue 13's proxy on a one-GPU machine).
 
-Two workers on one host slowed each other's host-gathering policies (docs/benchmarks.md, "Queue
-on two GPUs"). On a machine of one GPU, a second worker would also share the GPU, so this stands
-in for it on the host side alone: it gathers the active rows of each layer's outgoing weights
+Two workers on one host slowed each other's host-gathering policies (docs/experiments/queue.md,
+"Queue on two GPUs"). On a machine of one GPU, a second worker would also share the GPU, so this
+stands in for it on the host side alone: it gathers the active rows of each layer's outgoing weights
 with `torch.index_select` on the OMP threads, as `RowPacket.pack` does, then idles as a worker
 waits for its device, until it is stopped (SIGTERM/SIGINT). Its gathers per second go to stdout.
 

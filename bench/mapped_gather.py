@@ -40,7 +40,7 @@ GRID = tuple((br, bh, nw) for br in (1, 4, 16, 32, 64, 128) for bh in (64, 128, 
 def main() -> None:
     import argparse
 
-    from packbench.engine.shapes import SHAPES
+    from packbench.core.registry import SHAPES
     from packbench.engine.triton_gather import gather_active_rows_cuda
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call (issue 11): the opt-13b decode table beside opt-2.7b and opt-6.7b
-# (docs/benchmarks.md). Synthetic OPT-13B fp16 (25.7 GB), 3 prompts x 512 + 16 tokens, 2 rounds
+# (docs/experiments/engine.md). Synthetic OPT-13B fp16 (25.7 GB), 3 prompts x 512 + 16 tokens, 2 rounds
 # alternated, mode graph, allowance 20480 MiB (the whole model, 24.0 GiB, does not fit; the
 # CPU-first start keeps the 8.4 GB of outgoing FFN weights on the host). Full log in $OUT.
 set -uo pipefail

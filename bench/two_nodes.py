@@ -6,7 +6,7 @@ Usage:  python -m bench.two_nodes ADDRESS_FILE [--gpus 2] [--cpus-per-node 8]
 Writes the cluster's address to ADDRESS_FILE once every node is up, then holds the cluster
 until SIGTERM/SIGINT. `ray start --head` + `ray start --address` do the same from a shell; on
 the device machine the second node could not reach the head's GCS at the host's address
-(docs/benchmarks.md), while `ray.cluster_utils.Cluster` (loopback, as the CPU tests use it)
+(docs/experiments/queue.md), while `ray.cluster_utils.Cluster` (loopback, as the CPU tests use it)
 can. Used by bench/queue_device.sh (issue 13, parts 2 and 3).
 """
 

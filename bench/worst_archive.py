@@ -2,7 +2,7 @@
 
 Usage:  python -m bench.worst_archive --case bytes|members|json [--out PATH]
 
-Cases (docs/benchmarks.md, "Worst legal archive"), each a sealed, consistent synthetic screen
+Cases (docs/experiments/storage-audit.md, "Worst legal archive"), each a sealed, consistent synthetic screen
 (bench.audit.write_synthetic_screen) that audits as AGREE, so every check runs:
 
 - bytes:   members at the total bound: 4 episodes whose float32 logits are 159 MiB each

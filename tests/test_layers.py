@@ -35,7 +35,7 @@ ONLY_IN = {
     "torch": {"engine", "cluster", "cli"},  # cluster: inside the actor; cli: `model stats` only
 }
 # The one place for exceptions to the tables, each with its reason: {(module, imported name): why}.
-# None are needed: cluster imports neither service nor db (the scheduler, which catches
+# None are needed: cluster imports neither service nor db (the dispatcher, which catches
 # db.errors, lives in service). bench/ and tests/ are harnesses over every layer and not checked
 # for layers, only for the import name (test_nothing_imports_a_layer_by_a_bare_name).
 ALLOWED: dict[tuple[str, str], str] = {}

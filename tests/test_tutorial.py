@@ -203,3 +203,23 @@ def test_the_protocol_example_validates_and_plans_as_copied(tmp_path):
             Command(f"packbench protocol plan {m_name.group(1)}", 0)]
     outputs = run_all(cmds, cwd=tmp_path, env=env, where="docs/protocol.md, Example")
     assert "phase-switched-2.7b" in outputs[0]
+
+
+def test_the_tutorials_validate_output_is_what_validate_prints(tmp_path, tiny, packbench_cli):
+    """The tutorial showed `read as schema 5` after the newest schema had become 7: the block it
+    shows is compared with what `protocol validate` prints for its own protocol."""
+    doc = (ROOT / "docs" / "tutorial.md").read_text()
+    body = re.search(r"cat > protocols/first\.yaml <<'EOF'\n(.*?)\nEOF\n", doc, re.S).group(1)
+    shown = re.search(r"```text\n(valid: first-protocol .*?)\n```", doc, re.S).group(1)
+    (tmp_path / "protocols").mkdir()
+    (tmp_path / "protocols" / "first.yaml").write_text(body + "\n")
+    (tmp_path / ".packbench" / "models").mkdir(parents=True)
+    (tmp_path / ".packbench" / "models" / "tiny").symlink_to(tiny)
+    r = packbench_cli("protocol", "validate", "protocols/first.yaml", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == shown.strip()
+
+
+def test_the_quickstart_protocol_says_what_a_file_without_schema_reads_as():
+    text = (ROOT / "protocols" / "quickstart.yaml").read_text()
+    assert "read at the newest schema" in text and "read as schema 3" not in text

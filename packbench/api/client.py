@@ -125,9 +125,9 @@ class Client:
             archive_dir: str | Path | None = None, workers: int | None = None) -> list:
         """Run queued screens now on GPU worker actors (embedded Ray, or `settings.address`), as
         `packbench dispatch` does; `screen`: only that one (`submit --wait`). Returns the
-        scheduler's outcomes (`service.screen.ScreenOutcome`)."""
+        dispatcher's outcomes (`service.screen.ScreenOutcome`)."""
         from packbench.cluster.pool import RayPool
-        from packbench.service.scheduler import Scheduler
+        from packbench.service.dispatcher import Dispatcher
 
         base = settings or Settings(db_url=self.url)
         if archive_dir is not None:
@@ -139,7 +139,7 @@ class Client:
             options["workers"] = 1
         elif workers is not None:
             options["workers"] = workers
-        return Scheduler(self.store, base, RayPool(base), **options).run()
+        return Dispatcher(self.store, base, RayPool(base), **options).run()
 
     def wait(self, screen: int | str, *, timeout_s: float | None = None, poll_s: float = 1.0,
              sleep: Callable[[float], None] = time.sleep):

@@ -18,7 +18,7 @@ from typing import Annotated, Optional
 import typer
 from typer.core import TyperGroup
 
-from packbench.cli.common import DbUrl, settings_of
+from packbench.cli.common import DbUrl, finite, not_a_file, settings_of
 from packbench.cli.summary import verdict_table
 from packbench.core.errors import PackbenchError
 from packbench.core.text import one_line
@@ -78,21 +78,21 @@ audit_app = typer.Typer(cls=AuditGroup, help=(
     "meaning: `audit latest` and `audit --all --ray` audit screens, `audit --archive FILE` a file alone, "
     "`audit SCREEN --reexecute K` re-executes."))
 
-OnRay = Annotated[bool, typer.Option("--ray", help="Run the audits as Ray tasks (embedded, or --address).")]
+OnRay = Annotated[bool, typer.Option("--ray", metavar="", help="Run the audits as Ray tasks (embedded, or --address).")]
 # No envvar here: $PACKBENCH_RAY_ADDRESS is where screens run; an audit goes to a cluster only when told.
 RayAddress = Annotated[Optional[str], typer.Option(help="Ray cluster to run on (implies --ray for audits).")]
 Trust = Annotated[Optional[list[Path]], typer.Option(
     help="A trusted signer's public key file (repeatable). The archive's signature (ARCHIVE.sig) must be valid "
          "and by one of them; unsigned, unknown-signer and bad-signature archives never agree.")]
 MaxMib = Annotated[Optional[int], typer.Option(
-    min=1, help="Raise the archive size bounds (1 GiB file, 640 MiB of members) to this many MiB for a large "
+    min=1, max=1 << 20, help="Raise the archive size bounds (1 GiB file, 640 MiB of members) to this many MiB for a large "
                 "archive you trust; the stated audit time and memory bound then no longer hold.")]
 Screens = Annotated[Optional[list[str]], typer.Argument(help="Screen ids, or `latest`.")]
-AllScreens = Annotated[bool, typer.Option("--all", help="Every screen that ran.")]
+AllScreens = Annotated[bool, typer.Option("--all", metavar="", help="Every screen that ran.")]
 Since = Annotated[Optional[str], typer.Option(help="Screens whose latest attempt started on or after this ISO "
                                                    "date/time (UTC).")]
 ProtocolRef = Annotated[Optional[str], typer.Option(help="Screens of this protocol (name or SHA-256 prefix).")]
-JsonLines = Annotated[bool, typer.Option("--json", help="One JSON object per audit, one per line (JSON Lines).")]
+JsonLines = Annotated[bool, typer.Option("--json", metavar="", help="One JSON object per audit, one per line (JSON Lines).")]
 
 
 def _trusted(trust: list[Path] | None):
@@ -104,8 +104,11 @@ def _trusted(trust: list[Path] | None):
 
 
 def _existing(path: Path) -> Path:
-    if not path.is_file():
+    kind = not_a_file(path)
+    if kind == "missing":
         raise PackbenchError(f"no archive at {path}; check the path")
+    if kind is not None:
+        raise PackbenchError(f"{path} is {kind}, not an archive file; give a raw archive (.zip) written by packbench")
     return path
 
 
@@ -151,11 +154,11 @@ def audit_screen_cmd(
         help="Audit this archive file as the one screen's (exactly one screen id).")] = None,
     on_ray: OnRay = False,
     address: RayAddress = None,
-    concurrency: Annotated[int, typer.Option(min=1, help="Audit tasks in flight at once (--ray).")] = 8,
+    concurrency: Annotated[int, typer.Option(min=1, max=1024, help="Audit tasks in flight at once (--ray).")] = 8,
     other_node: Annotated[Optional[bool], typer.Option(
         "--other-node/--any-node", help="Audit on a node other than the archive's producer (--ray; default: "
                                         "when the cluster has several nodes).")] = None,
-    repeat: Annotated[int, typer.Option(min=1, help="Audit each archive this many times on distinct nodes "
+    repeat: Annotated[int, typer.Option(min=1, max=1024, help="Audit each archive this many times on distinct nodes "
                                                     "(--ray); their digests must agree.")] = 1,
     max_mib: MaxMib = None,
     db: DbUrl = None,
@@ -239,12 +242,12 @@ def audit_reexecute_cmd(
     ctx: typer.Context,
     screens: Screens = None,
     count: Annotated[int, typer.Option(
-        "--count", min=1, help="Re-run this many episodes drawn by --seed (at least one per condition) on a GPU "
+        "--count", min=1, max=100_000, help="Re-run this many episodes drawn by --seed (at least one per condition) on a GPU "
                                "worker of the archive's accelerator type; logits, tokens and every ledger byte must "
                                "be equal, times and memory peaks within the tolerances of docs/archive.md.")] = 1,
-    seed: Annotated[int, typer.Option(min=0, help="Seed of the draw.")] = 0,
+    seed: Annotated[int, typer.Option(min=0, max=2**63 - 1, help="Seed of the draw.")] = 0,
     time_factor: Annotated[Optional[float], typer.Option(
-        help="How far (a factor either way) a condition's median episode wall may be from the archived one "
+        callback=finite, help="How far (a factor either way) a condition's median episode wall may be from the archived one "
              "(default 2; recorded with the audit). Tiny CPU episodes are noise: widen it there.")] = None,
     archive: Annotated[Optional[Path], typer.Option(
         help="Re-execute this archive file: alone (no database), or as the one screen's.")] = None,
@@ -354,10 +357,15 @@ def _print_audit(o, *, json_out: bool, detail: bool) -> None:
         typer.echo(f"error: audit of {what}: {o.error}", err=True)
         return
     report = o.report
+    if getattr(report, "unreadable", False) and not json_out:  # not an archive: one line, no empty verdict table
+        typer.echo(f"error: {what} is not an archive packbench can read: {one_line(report.problems[0])}", err=True)
+        return
     if o.unfinished and not json_out:
+        held = ("some without a row yet (`packbench db reconcile` inserts them)" if report.rows_pending
+                else "each as the database holds it")
         typer.echo(f"audit of {what}: PARTIAL (attempt {o.attempt_number} {o.attempt_status}: "
-                   f"{report.record['episodes']} of {report.record['planned']} planned episodes archived, each "
-                   f"as the database holds it; digest {report.digest[:16]}, on {o.where})")
+                   f"{report.record['episodes']} of {report.record['planned']} planned episodes archived, "
+                   f"{held}; digest {report.digest[:16]}, on {o.where})")
         return
     if json_out:
         typer.echo(json.dumps({"screen_id": o.screen_id, "attempt": o.attempt_number, "archive_path": str(o.archive_path),

@@ -20,9 +20,48 @@ def _db_given_first(ctx: typer.Context, param: typer.CallbackParam, value: str |
     return value
 
 
+def db_not_empty(ctx: typer.Context, param: typer.CallbackParam, value: str | None) -> str | None:
+    """`--db ''` (an unset variable in a script, say) is refused, not read as "the default"."""
+    if value is not None and not value.strip():
+        raise typer.BadParameter(f"is empty; give a database URL such as {DEFAULT_DB_URL}, or leave --db out")
+    return value
+
+
+def _db_option(ctx: typer.Context, param: typer.CallbackParam, value: str | None) -> str | None:
+    return db_not_empty(ctx, param, _db_given_first(ctx, param, value))
+
+
+# Integers the database stores are PostgreSQL `integer` columns (32-bit, SQLite takes 64):
+# a value beyond them is refused where it is read, not by the driver (an OverflowError on SQLite).
+DB_INT_MAX = 2**31 - 1
+DB_INT_MIN = -(2**31)
+# The longest wait an option may ask for: a `timedelta` holds ~2.7e11 days; a day of seconds
+# times ten thousand is far past any real lease or timeout and far inside every clock type.
+MAX_SECONDS = 86_400 * 10_000
+
+
+def finite(ctx: typer.Context, param: typer.CallbackParam, value: float | None) -> float | None:
+    """A float option's callback: nan and +-inf are refused (click's ranges pass nan)."""
+    import math
+
+    if value is not None and not math.isfinite(value):
+        raise typer.BadParameter(f"{value} is not a finite number")
+    return value
+
+
+def seconds(ctx: typer.Context, param: typer.CallbackParam, value: float | None) -> float | None:
+    """A duration option's callback: a finite number of seconds > 0, at most MAX_SECONDS."""
+    value = finite(ctx, param, value)
+    if value is not None and not 0 < value <= MAX_SECONDS:
+        raise typer.BadParameter(f"{value} is not a number of seconds in (0, {MAX_SECONDS}]")
+    return value
+
+
 DB_HELP = f"Database URL (default {DEFAULT_DB_URL}); also `packbench --db URL COMMAND`."
-DbUrl = Annotated[Optional[str], typer.Option("--db", envvar=DB_URL_ENV, callback=_db_given_first, help=DB_HELP)]
-Json = Annotated[bool, typer.Option("--json", help="Print the result as one JSON document on stdout.")]
+DbUrl = Annotated[Optional[str], typer.Option("--db", envvar=DB_URL_ENV, callback=_db_option, help=DB_HELP)]
+# metavar "": typer 0.29 prints a flag as `--wait <bool>`, though a flag takes no value (`--wait true` is
+# refused), so every packbench flag declares an empty one.
+Json = Annotated[bool, typer.Option("--json", metavar="", help="Print the result as one JSON document on stdout.")]
 Address = Annotated[Optional[str], typer.Option(
     envvar=RAY_ADDRESS_ENV, help="Join this Ray cluster (host:port of the head) instead of an embedded local one.")]
 ArchiveDir = Annotated[Path, typer.Option("--archive-dir", envvar=ARCHIVE_DIR_ENV, help="Where raw archives are written.")]
@@ -56,9 +95,15 @@ def echo_json(document) -> None:
 
 
 def open_store(url: str | None, *, at_head: bool = True):
-    """The results store; refuses a database that is not at the migration head unless told not to."""
+    """The results store; refuses a database that is not at the migration head unless told not to
+    (a SQLite file that does not exist is refused without being created)."""
+    from packbench.db.session import sqlite_file
     from packbench.db.store import Store
 
+    missing = sqlite_file(url) if at_head else None
+    if missing is not None and not missing.exists():  # SQLite would create an empty file, then refuse it
+        raise PackbenchError(f"no database at {missing} (no such file here); run `packbench db upgrade` to create "
+                             f"it, or give --db (or PACKBENCH_DB_URL) the database that holds your screens")
     store = Store(url)
     if at_head:
         store.check_head()
@@ -92,3 +137,20 @@ def write_output(path: Path, text: str, option: str) -> None:
         hint = "create that directory or" if not path.parent.is_dir() else "free space, check permissions, or"
         raise PackbenchError(f"{option} {path}: cannot write it ({e.strerror or type(e).__name__}); "
                              f"{hint} choose another {option}") from None
+
+
+def not_a_file(path: Path) -> str | None:
+    """What `path` is when it is no regular file to read ("a directory", "a FIFO (named pipe)",
+    "a device", "a socket", "missing"), None when it is one; from its status, never opened (a
+    FIFO's open waits for a writer)."""
+    import stat
+
+    try:
+        mode = path.stat().st_mode
+    except OSError:
+        return "missing"
+    for test, kind in ((stat.S_ISREG, None), (stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO (named pipe)"),
+                       (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return kind
+    return "a device"

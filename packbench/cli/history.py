@@ -53,7 +53,7 @@ def history_cmd(
     fail_above: FailAbove = None,
     html: Annotated[Optional[Path], typer.Option("--html", help="Write an HTML page with one plot per figure.")] = None,
     db: DbUrl = None,
-    json_out: Annotated[bool, typer.Option("--json", help="Print the history as one JSON object.")] = False,
+    json_out: Annotated[bool, typer.Option("--json", metavar="", help="Print the history as one JSON object.")] = False,
 ) -> None:
     """A protocol's screens in order of their source commit (then date): each figure's median and
     spread per commit, the steps found, and with --fail-above an exit code for CI.
@@ -77,7 +77,9 @@ def history_cmd(
         typer.echo(f"{h.protocol}: {len(h.points)} screens over {len(rows)} commits (median [min-max] of the "
                    f"screens' medians; STEP: a confirmed change beyond {hist.K:g} spreads, CHANGED: an exact "
                    f"counter moved)")
-        typer.echo(table(rows, list(rows[0])))
+        for title, columns, condition_rows in by_condition(rows):
+            typer.echo(f"\n{title}")
+            typer.echo(table(condition_rows, columns))
         for s in h.series:
             for st in s.steps:
                 p = h.points[st.index]
@@ -91,6 +93,20 @@ def history_cmd(
         typer.echo(f"regression: {line}", err=True)
     if regressions:
         raise typer.Exit(1)
+
+
+def by_condition(rows: list[dict]) -> list[tuple[str, list[str], list[dict]]]:
+    """The per-commit rows as one table per condition: (condition, columns, rows), the columns
+    the commit's and that condition's figures named by metric alone. One table of every
+    condition's figures ran to 330 characters a line."""
+    fixed = [k for k in rows[0] if ":" not in k]
+    conditions = list(dict.fromkeys(k.split(":", 1)[0] for k in rows[0] if ":" in k))
+    out = []
+    for c in conditions:
+        keys = [k for k in rows[0] if k.startswith(f"{c}:")]
+        metric_rows = [{**{k: r[k] for k in fixed}, **{k.split(":", 1)[1]: r[k] for k in keys}} for r in rows]
+        out.append((c, [*fixed, *(k.split(":", 1)[1] for k in keys)], metric_rows))
+    return out
 
 
 def _far_line(far: dict | None) -> str:

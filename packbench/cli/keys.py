@@ -24,7 +24,7 @@ def keys_init(
     key: Annotated[Path, typer.Option(help="Where to write the private key (its public half goes to KEY.pub).")] = DEFAULT_KEY,
     name: Annotated[str, typer.Option(help="A name for this deployment's key in the database.")] = "local",
     db: DbUrl = None,
-    no_db: Annotated[bool, typer.Option("--no-db", help="Write the key files only.")] = False,
+    no_db: Annotated[bool, typer.Option("--no-db", metavar="", help="Write the key files only.")] = False,
     json_out: Json = False,
 ) -> None:
     """Create this deployment's signing key; the dispatcher signs sealed archives with it

@@ -13,7 +13,8 @@ import typer
 from typer.core import TyperGroup
 
 from packbench.cli import audit_cmd, history, ingest, keys, labels, model_moe, model_stats, protocol_cmd, query, report
-from packbench.cli.common import DB_HELP, Address, ArchiveDir, DbUrl, Json, echo_json, open_store, output_dir, settings_of
+from packbench.cli.common import (DB_HELP, DB_INT_MAX, DB_INT_MIN, Address, ArchiveDir, DbUrl, Json,
+                                  db_not_empty, echo_json, open_store, seconds, output_dir, settings_of)
 from packbench.cli.summary import screen_summary, verdict_table
 from packbench.core.errors import ClusterUnreachable, PackbenchError
 from packbench.core.settings import (DB_URL_ENV, DEFAULT_CONNECT_TIMEOUT_S, DEFAULT_PLACEMENT_TIMEOUT_S, ENVIRONMENT,
@@ -66,7 +67,7 @@ def model_synth(
         help="Uniform recipe: fraction of neurons per layer that fire far more often, in [0, 1).")] = None,
     hot_bias: Annotated[Optional[float], typer.Option(
         help="Uniform recipe: their fc1 bias in units of std*sqrt(hidden), finite (0.0: ~50% active).")] = None,
-    force: Annotated[bool, typer.Option(help="Replace a checkpoint already in --out.")] = False,
+    force: Annotated[bool, typer.Option(metavar="", help="Replace a checkpoint already in --out.")] = False,
     layers: Annotated[Optional[int], typer.Option(
         help="MoE shapes: the real layer shapes with fewer layers (default: the shape's depth).")] = None,
     device: Annotated[str, typer.Option(help="MoE shapes: where the weights are drawn (cpu, cuda[:N]).")] = "cpu",
@@ -123,6 +124,9 @@ def model_digest(
 
     if not model_dir.is_dir():
         raise PackbenchError(f"no checkpoint directory at {model_dir}; give the folder holding config.json")
+    if not (model_dir / "config.json").is_file():
+        raise PackbenchError(f"{model_dir} is a directory without config.json, not a checkpoint; give the folder "
+                             f"holding config.json")
     digest = checkpoint_digest(model_dir)
     typer.echo(json.dumps({"path": str(model_dir), "sha256": digest}) if json_out else digest)
 
@@ -143,7 +147,8 @@ def db_upgrade(db: DbUrl = None, json_out: Json = False) -> None:
 def db_reconcile(db: DbUrl = None, json_out: Json = False) -> None:
     """Insert the rows of archived episodes the database lacks (after a database outage).
 
-    Every attempt that is not running and whose archive is on this host: each episode the
+    Every attempt that is not running, or runs for a dispatcher on this host whose process is
+    gone (a one-shot dispatch that stopped in an outage), and whose archive is on this host: each episode the
     archive holds without a row is checked against the archive's SHA-256 manifest entry (an
     unsealed archive: its zip CRC-32s) and inserted; rows already there are kept. Exit 1 when an
     archived episode was refused (it is named)."""
@@ -202,16 +207,16 @@ def _print_version(value: bool) -> None:
 @app.callback()
 def options(
     ctx: typer.Context,
-    version: Annotated[bool, typer.Option("--version", callback=_print_version, is_eager=True,
+    version: Annotated[bool, typer.Option("--version", metavar="", callback=_print_version, is_eager=True,
                                           help="Print packbench's version and exit.")] = False,
-    verbose: Annotated[bool, typer.Option("--verbose", "-v", envvar="PACKBENCH_VERBOSE",
+    verbose: Annotated[bool, typer.Option("--verbose", "-v", metavar="", envvar="PACKBENCH_VERBOSE",
                                           help="Log events, and let worker logs reach this terminal.")] = False,
     placement_timeout: Annotated[float, typer.Option(
-        envvar="PACKBENCH_PLACEMENT_TIMEOUT_S", help="Seconds a GPU worker may stay unplaced.")] = DEFAULT_PLACEMENT_TIMEOUT_S,
+        callback=seconds, envvar="PACKBENCH_PLACEMENT_TIMEOUT_S", help="Seconds a GPU worker may stay unplaced.")] = DEFAULT_PLACEMENT_TIMEOUT_S,
     connect_timeout: Annotated[float, typer.Option(
-        envvar="PACKBENCH_CONNECT_TIMEOUT_S", help="Seconds joining a Ray cluster (--address) may take.")] = DEFAULT_CONNECT_TIMEOUT_S,
+        callback=seconds, envvar="PACKBENCH_CONNECT_TIMEOUT_S", help="Seconds joining a Ray cluster (--address) may take.")] = DEFAULT_CONNECT_TIMEOUT_S,
     embedded_gpus: Annotated[Optional[int], typer.Option(
-        min=1, envvar="PACKBENCH_EMBEDDED_GPUS",
+        min=1, max=1024, envvar="PACKBENCH_EMBEDDED_GPUS",
         help="GPUs the embedded Ray declares (default: the host's; one logical GPU on a CPU-only machine).")] = None,
     model_cache: Annotated[Optional[Path], typer.Option(
         envvar="PACKBENCH_MODEL_CACHE", help="Where workers generate synthetic checkpoints "
@@ -219,9 +224,9 @@ def options(
     signing_key: Annotated[Optional[Path], typer.Option(
         envvar="PACKBENCH_SIGNING_KEY", help="Ed25519 private key (`packbench keys init`) that signs every "
                                              "sealed archive (ARCHIVE.sig).")] = None,
-    debug: Annotated[bool, typer.Option("--debug", envvar="PACKBENCH_DEBUG",
+    debug: Annotated[bool, typer.Option("--debug", metavar="", envvar="PACKBENCH_DEBUG",
                                         help="On an error, print its traceback before the one-line message.")] = False,
-    db: Annotated[Optional[str], typer.Option("--db", envvar=DB_URL_ENV, help=DB_HELP)] = None,
+    db: Annotated[Optional[str], typer.Option("--db", envvar=DB_URL_ENV, callback=db_not_empty, help=DB_HELP)] = None,
     threads: Annotated[Optional[str], typer.Option(
         "--worker-threads", envvar=WORKER_THREADS_ENV, show_default=False,
         help="Host threads of each GPU worker's gathers (default: its share of the host's cores).")] = None,
@@ -244,17 +249,18 @@ def options(
 def submit(
     ctx: typer.Context,
     protocol: Annotated[Path, typer.Argument(help="Protocol YAML file.")],
-    wait: Annotated[bool, typer.Option("--wait", help="Run the screen now (this command claims it) and wait for "
+    wait: Annotated[bool, typer.Option("--wait", metavar="", show_default=False, help="Run the screen now (this command claims it) and wait for "
                                                       "its verdicts.")] = False,
-    priority: Annotated[int, typer.Option(help="Higher runs first; FIFO within a priority.")] = 0,
-    max_attempts: Annotated[int, typer.Option(min=1, help="Claims before a screen whose workers keep dying or "
+    priority: Annotated[int, typer.Option(min=DB_INT_MIN, max=DB_INT_MAX,
+                                          help="Higher runs first; FIFO within a priority.")] = 0,
+    max_attempts: Annotated[int, typer.Option(min=1, max=DB_INT_MAX, help="Claims before a screen whose workers keep dying or "
                                                           "whose leases keep expiring is failed.")] = 3,
     gpu_type: Annotated[Optional[str], typer.Option(help="Only a worker with this GPU type (Ray's accelerator_type, "
                                                          "e.g. H200) may run it; overrides placement.accelerator_type.")] = None,
     replicas: Annotated[int, typer.Option(min=1, help="Queue this many screens of the protocol.")] = 1,
-    spread: Annotated[bool, typer.Option("--spread", help="Run the replicas on distinct nodes.")] = False,
+    spread: Annotated[bool, typer.Option("--spread", metavar="", help="Run the replicas on distinct nodes.")] = False,
     keep_queued: Annotated[bool, typer.Option(
-        "--keep-queued", help="With --wait: an interrupted (Ctrl-C) screen stays queued for the next `packbench "
+        "--keep-queued", metavar="", help="With --wait: an interrupted (Ctrl-C) screen stays queued for the next `packbench "
                               "dispatch` instead of being cancelled.")] = False,
     name: labels.Name = None,
     tag: Annotated[Optional[list[str]], typer.Option("--tag", help="KEY=VALUE label, repeatable.")] = None,
@@ -278,6 +284,9 @@ def submit(
     store = open_store(settings.db_url)  # refuse an old database before anything else
     from packbench.service.submit import submit as queue_screens
 
+    if keep_queued and not wait:
+        raise PackbenchError("--keep-queued says what an interrupted --wait leaves behind; without --wait the "
+                             "screen is only queued (nothing was queued): add --wait, or drop --keep-queued")
     if wait and replicas > 1:
         raise PackbenchError("--wait runs one screen; queue replicas without --wait and run `packbench dispatch`")
     if sweep and (replicas > 1 or spread):
@@ -329,8 +338,10 @@ def interrupted_screen(store, screen_id: int, *, keep_queued: bool) -> str:
     except PackbenchError as e:  # it finished meanwhile, or the database is gone
         return f"interrupted: screen {screen_id} not cancelled: {e}"
     if row.status == "cancelled":
-        return (f"interrupted: screen {screen_id} cancelled, so no `packbench dispatch` runs it unasked (its "
-                f"interrupted attempt is kept); `packbench screens retry {screen_id}` queues it again")
+        attempt = store.latest_attempt(screen_id)
+        kept = f"attempt {attempt.number}, interrupted, is kept" if attempt is not None else "no attempt had started"
+        return (f"interrupted: screen {screen_id} cancelled, so no `packbench dispatch` runs it unasked ({kept}); "
+                f"`packbench screens retry {screen_id}` queues it again")
     return (f"interrupted: screen {screen_id} is still running elsewhere; a cancel is requested and it stops "
             f"after the episode in flight")
 
@@ -339,21 +350,22 @@ def interrupted_screen(store, screen_id: int, *, keep_queued: bool) -> str:
 def dispatch(
     ctx: typer.Context,
     address: Address = None,
-    follow: Annotated[bool, typer.Option("--follow", help="Keep serving the queue until interrupted (SIGINT/SIGTERM "
+    follow: Annotated[bool, typer.Option("--follow", metavar="", help="Keep serving the queue until interrupted (SIGINT/SIGTERM "
                                                           "give held screens back to the queue), waiting out a "
                                                           "database outage of any length.")] = False,
     workers: Annotated[Optional[int], typer.Option(min=1, help="Worker actors to keep (default: one per GPU of the "
                                                               "cluster).")] = None,
-    lease: Annotated[float, typer.Option(min=1.0, help="Seconds a claim holds without renewal; renewed every third.")] = 60.0,
+    lease: Annotated[float, typer.Option(min=1.0, callback=seconds, help="Seconds a claim holds without renewal; renewed every third.")] = 60.0,
     archive_dir: ArchiveDir = Path("archives"),
     db: DbUrl = None,
-    json_out: Annotated[bool, typer.Option("--json", help="One JSON object per screen, one per line (JSON Lines).")] = False,
+    json_out: Annotated[bool, typer.Option("--json", metavar="", help="One JSON object per screen, one per line (JSON Lines).")] = False,
 ) -> None:
     """Run queued screens on a pool of GPU workers, one screen per worker at a time.
 
     Exit codes: 0 every screen it ran is done and every verdict passed; 1 a verdict failed, or a
     screen failed, was cancelled or lost; 2 bad input (an unreadable protocol or checkpoint);
-    130/143 stopped by SIGINT/SIGTERM (held screens are back in the queue). With the database
+    74 the archive storage refused a write (a full disk: that screen is requeued, nothing more
+    is claimed); 130/143 stopped by SIGINT/SIGTERM (held screens are back in the queue). With the database
     down, a one-shot dispatch gives up after its retries (exit 1); `--follow` waits for it, then
     reconciles the episodes its archives hold without rows and continues.
     """
@@ -364,7 +376,7 @@ def dispatch(
 def _dispatch(store, settings: Settings, *, json_out: bool, keep_queued: bool = False, **options) -> None:
     from packbench.cli.progress import view
     from packbench.cluster.pool import RayPool
-    from packbench.service.scheduler import Scheduler
+    from packbench.service.dispatcher import Dispatcher
 
     progress = view(json_out=json_out)
 
@@ -373,6 +385,8 @@ def _dispatch(store, settings: Settings, *, json_out: bool, keep_queued: bool = 
         if json_out:
             typer.echo(json.dumps(summary, default=str, sort_keys=True))
             return
+        if outcome.requeued and outcome.status == "interrupted" and options.get("only_screen") is not None:
+            return  # submit --wait: `interrupted_screen` says what becomes of the screen (cancelled, or kept queued)
         if outcome.requeued:  # the attempt failed, not the screen: say what happens next
             kept = (f"partial archive kept: {outcome.archive_path}" if Path(outcome.archive_path).exists()
                     else "no archive")
@@ -381,16 +395,22 @@ def _dispatch(store, settings: Settings, *, json_out: bool, keep_queued: bool = 
                           err=True)
             return
         progress.echo(verdict_table(summary["verdicts"]) if summary["verdicts"] else "no verdicts")
-        progress.echo(f"screen {outcome.screen_id}: {outcome.status}; archive: {outcome.archive_path}")
+        # An archive never created (the storage refused it) is not named as if it were there.
+        where = f"archive: {outcome.archive_path}" if Path(outcome.archive_path).exists() else "no archive"
+        progress.echo(f"screen {outcome.screen_id}: {outcome.status}; {where}")
         if outcome.status != "done":
             progress.echo(f"error: screen {outcome.screen_id} {outcome.status}: {one_line(outcome.error or '')}",
                           err=True)
 
-    dispatcher = Scheduler(store, settings, RayPool(settings), progress=progress, on_outcome=report, **options)
+    dispatcher = Dispatcher(store, settings, RayPool(settings), progress=progress, on_outcome=report, **options)
     try:
         outcomes = dispatcher.run()
     finally:
         progress.close()
+    if dispatcher.stopping == "archive":  # the storage's fault, not the input's: its own exit code
+        typer.echo(f"error: {dispatcher.fatal}; every other screen stays queued: free space (or fix the mount) "
+                   f"under {settings.archive_dir}, then run `packbench dispatch` again", err=True)
+        raise typer.Exit(74)
     if dispatcher.fatal:
         typer.echo(f"error: {dispatcher.fatal}", err=True)
         raise typer.Exit(1)
@@ -458,5 +478,29 @@ def main() -> None:
             os._exit(2)
         sys.exit(2)
     except KeyboardInterrupt:
-        typer.echo("interrupted; the attempt is recorded as interrupted", err=True)
+        typer.echo("interrupted", err=True)
         sys.exit(130)
+    except Exception as e:  # a bug, not bad input: its own exit code, and the traceback kept in a file
+        typer.echo(unexpected(e), err=True)
+        sys.exit(UNEXPECTED_EXIT)
+
+
+UNEXPECTED_EXIT = 70  # sysexits.h EX_SOFTWARE: an internal error, never 2 (bad input)
+
+
+def unexpected(error: Exception) -> str:
+    """One line for an unexpected exception, naming the file its traceback was written to
+    (a temporary file: the terminal gets one line, the report gets the whole story)."""
+    import tempfile
+
+    text = "".join(traceback.format_exception(error))
+    try:
+        fd, where = tempfile.mkstemp(prefix="packbench-traceback-", suffix=".txt")
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(f"packbench {' '.join(sys.argv[1:])}\n{text}")
+        kept = f"traceback in {where}"
+    except OSError:  # no writable temporary directory: the traceback goes to the terminal after all
+        sys.stderr.write(text)
+        kept = "traceback above"
+    return one_line(f"error: unexpected {type(error).__name__}: {str(error)[:300]} ({kept}); this is a packbench bug: "
+                    f"report it with the command you ran and that traceback")

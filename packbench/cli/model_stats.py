@@ -14,6 +14,9 @@ from packbench.core.errors import PackbenchError
 from packbench.core.registry import DTYPE_NAMES
 
 MAX_PREFIX = 2048  # OPT's positions
+DEFAULT_PREFIX = 512
+MAX_COUNT = 1000  # prompts measured one after another: 1000 x 512 tokens is hours on a CPU already
+MAX_SEED = 2**63 - 1
 
 
 def register(model_app: typer.Typer) -> None:
@@ -27,24 +30,24 @@ def stats(
     prompts: Annotated[Optional[Path], typer.Option(
         help="A text file of prompts (separated by lines of `---`), encoded by the checkpoint's tokenizer; "
              "default: generated prompts (BOS + uniform token ids, as a protocol's generator makes).")] = None,
-    count: Annotated[int, typer.Option(help="Generated prompts (>= 1).")] = 2,
-    seed: Annotated[int, typer.Option(help="Seed of the generated prompts.")] = 0,
-    prefix: Annotated[int, typer.Option(help="Tokens of each prompt: the prefill call (the union curve's k runs to it).")] = 512,
+    count: Annotated[int, typer.Option(min=1, max=MAX_COUNT, help="Generated prompts.")] = 2,
+    seed: Annotated[int, typer.Option(min=0, max=MAX_SEED, help="Seed of the generated prompts.")] = 0,
+    prefix: Annotated[Optional[int], typer.Option(
+        show_default=False, help=f"Tokens of each prompt: the prefill call (the union curve's k runs to it); default "
+                                 f"{DEFAULT_PREFIX}, or what the model's positions leave beside --continuation.")] = None,
     continuation: Annotated[int, typer.Option(help="Calls per episode: the prefill, then continuation - 1 greedy decode calls.")] = 16,
     dtype: Annotated[str, typer.Option(help=f"One of {', '.join(DTYPE_NAMES)}.",
                                        autocompletion=lambda: list(DTYPE_NAMES))] = "float32",
     device: Annotated[str, typer.Option(help="cpu, or cuda[:N].")] = "cpu",
-    json_out: Annotated[bool, typer.Option("--json", help="Print every figure (the whole union curve too) as JSON.")] = False,
+    json_out: Annotated[bool, typer.Option("--json", metavar="", help="Print every figure (the whole union curve too) as JSON.")] = False,
 ) -> None:
     """Per-layer density, union growth, consecutive overlap, hot neurons and next-token entropy of an OPT checkpoint;
     for an MoE checkpoint, per layer its load, k-apart reuse, union growth, cross-layer predictability and LRU
     against Belady, beside the published figures."""
-    if not 1 <= prefix <= MAX_PREFIX:
+    if prefix is not None and not 1 <= prefix <= MAX_PREFIX:
         raise PackbenchError(f"--prefix {prefix} must be in 1..{MAX_PREFIX} (OPT's positions)")
-    if continuation < 1 or prefix + continuation > MAX_PREFIX:
-        raise PackbenchError(f"--continuation {continuation} must be >= 1 with --prefix + --continuation <= {MAX_PREFIX}")
-    if count < 1 or seed < 0:
-        raise PackbenchError("--count must be >= 1 and --seed >= 0")
+    if not 1 <= continuation <= MAX_PREFIX:
+        raise PackbenchError(f"--continuation {continuation} must be in 1..{MAX_PREFIX} (OPT's positions)")
     if dtype not in DTYPE_NAMES:
         raise PackbenchError(f"unknown --dtype {dtype!r}; use one of {', '.join(DTYPE_NAMES)}")
     if not (device == "cpu" or device == "cuda" or (device.startswith("cuda:") and device[5:].isdigit())):
@@ -57,17 +60,19 @@ def stats(
         vocab = int(_json.loads((model_dir / "config.json").read_text())["vocab_size"])
         from packbench.cli.model_moe import stats as moe_stats
 
-        moe_stats(model_dir, _prompts(model_dir, prompts, count=count, seed=seed, prefix=prefix, vocab=vocab),
+        moe_stats(model_dir, _prompts(model_dir, prompts, count=count, seed=seed, prefix=prefix or DEFAULT_PREFIX,
+                                      vocab=vocab),
                   dtype=dtype, json_out=json_out)
         return
     from packbench.engine.config import read_config
 
     config = read_config(model_dir)
+    prefix = _prefix(prefix, continuation=continuation, positions=config.get("max_position_embeddings", MAX_PREFIX))
     ids = _prompts(model_dir, prompts, count=count, seed=seed, prefix=prefix, vocab=int(config["vocab_size"]))
 
     import torch
 
-    from packbench.engine.shapes import dtype_of
+    from packbench.engine.dtypes import dtype_of
     from packbench.engine.stats import measure, summarise
 
     if device != "cpu" and not torch.cuda.is_available():
@@ -88,6 +93,27 @@ def stats(
         typer.echo(json.dumps(_finite(summary), sort_keys=True))
         return
     typer.echo(render(summary))
+
+
+def _prefix(prefix: int | None, *, continuation: int, positions) -> int:
+    """--prefix, or the default cut to what the model's positions leave beside --continuation
+    (the tiny shape has 256); an explicit one that does not fit is refused here, not by an
+    IndexError inside the model."""
+    from packbench.core.protocol.schema import positions_refusal
+
+    if not isinstance(positions, int) or isinstance(positions, bool) or positions < 1:
+        positions = MAX_PREFIX
+    if prefix is None:
+        prefix = min(DEFAULT_PREFIX, positions - continuation + 1)
+        if prefix < 1:
+            raise PackbenchError(f"--continuation {continuation} leaves no position for a prompt in the model's "
+                                 f"{positions}; lower --continuation")
+        return prefix
+    refusal = positions_refusal(prefix, continuation, positions=positions, model="the model")
+    if refusal:
+        raise PackbenchError(refusal.replace("prefix_tokens", "--prefix").replace("continuation_tokens",
+                                                                                 "--continuation"))
+    return prefix
 
 
 def _prompts(model_dir: Path, path: Path | None, *, count: int, seed: int, prefix: int, vocab: int) -> list[list[int]]:

@@ -29,10 +29,14 @@ def device_here() -> str:
     return CPU
 
 
-def model_key(protocol) -> str:
-    """The database's `model` of a protocol: `synth:<shape>` or model.path (db/store.py)."""
+def model_key(protocol, *, model_dir: Path | None = None) -> str:
+    """What identifies a protocol's model among earlier episodes: `synth:<shape>`, or the
+    checkpoint's resolved directory (`model_dir`, as submit stores it in each screen), not the
+    spelling of model.path (`../models/x` and `/abs/models/x` are one checkpoint)."""
     synth = protocol.model.synth
-    return f"synth:{synth.shape}" if synth is not None else str(protocol.model.path)
+    if synth is not None:
+        return f"synth:{synth.shape}"
+    return str(model_dir) if model_dir is not None else str(protocol.model.path)
 
 
 def comparable(rows: list[dict], *, model: str, dtype: str, device: str, host: str) -> list[dict]:
@@ -43,7 +47,7 @@ def comparable(rows: list[dict], *, model: str, dtype: str, device: str, host: s
         return kind == device and (device != CPU or r.get("host") == host)
 
     return [r for r in rows if r.get("status") == "ok" and (r.get("n_tokens") or 0) > 0 and (r.get("wall_s") or 0) > 0
-            and r.get("model") == model and r.get("dtype") == dtype and same_device(r)]
+            and model in (r.get("model"), r.get("model_dir")) and r.get("dtype") == dtype and same_device(r)]
 
 
 def measured_estimate(rows: list[dict], *, planned: dict[str, int], tokens: int) -> dict:

@@ -16,7 +16,7 @@ from typing import Annotated, Optional
 import typer
 
 from packbench.cli.choices import Shape
-from packbench.cli.common import DbUrl
+from packbench.cli.common import DbUrl, finite
 from packbench.cli.plan_rates import CPU, comparable, device_here, earlier_episodes, measured_estimate, model_key, this_host
 from packbench.cli.summary import table
 from packbench.core.errors import PackbenchError
@@ -35,9 +35,7 @@ def register(app: typer.Typer) -> None:
 
 
 def _load(path: Path) -> FrozenProtocol:
-    if not path.is_file():
-        raise PackbenchError(f"no protocol file {path}; give the path of a protocol YAML (see docs/protocol.md)")
-    return load(path)
+    return load(path)  # a missing path, a directory, a FIFO or a device: one line that says which
 
 
 def _policy(c: Condition) -> str:
@@ -55,14 +53,16 @@ def _schema(frozen: FrozenProtocol) -> str:
 
 def validate(
     protocol: ProtocolFile,
-    json_out: Annotated[bool, typer.Option("--json", help="Print the same as one JSON object.")] = False,
+    json_out: Annotated[bool, typer.Option("--json", metavar="", help="Print the same as one JSON object.")] = False,
 ) -> None:
     """Check every field and freeze the protocol; print its name, schema, SHA-256, episode count
     and what each condition runs with."""
     from packbench.core.plan import plan
+    from packbench.service.submit import check_positions
 
     frozen = _load(protocol)
     p = frozen.protocol
+    check_positions(frozen)  # model.path: a checkpoint directory whose positions hold an episode, as submit checks
     if json_out:
         typer.echo(json.dumps({"valid": True, "name": p.name, "schema": frozen.body["schema"],
                                "read_as": frozen.read_as or frozen.body["schema"], "sha256": frozen.sha256,
@@ -78,9 +78,9 @@ def validate(
 
 def show(
     protocol: ProtocolFile,
-    full: Annotated[bool, typer.Option("--full", help="The full schema-2 form (every default spelled out) instead "
+    full: Annotated[bool, typer.Option("--full", metavar="", help="The full schema-2 form (every default spelled out) instead "
                                                       "of the frozen body.")] = False,
-    json_out: Annotated[bool, typer.Option("--json", help="One JSON object: name, SHA-256, schema, body.")] = False,
+    json_out: Annotated[bool, typer.Option("--json", metavar="", help="One JSON object: name, SHA-256, schema, body.")] = False,
 ) -> None:
     """Print the frozen body (what is hashed and archived) and its SHA-256, after `#` lines
     saying what each condition runs with."""
@@ -122,10 +122,10 @@ def _written_activity(model_dir):
 def plan_cmd(
     protocol: ProtocolFile,
     sparsity: Annotated[Optional[float], typer.Option(
-        help="Fraction of post-ReLU activations exactly zero per token (default: model.synth's; required for "
+        callback=finite, help="Fraction of post-ReLU activations exactly zero per token (default: model.synth's; required for "
              "model.path, e.g. 0.94: pretrained OPT shows 0.90-0.97).")] = None,
     h2d_gbps: Annotated[float, typer.Option(
-        "--h2d-gbps", help="Host-to-device rate for the transfer floor, GB/s (default: pinned copies on the H200).")]
+        "--h2d-gbps", callback=finite, help="Host-to-device rate for the transfer floor, GB/s (default: pinned copies on the H200).")]
     = 55.0,
     shape: Annotated[Optional[Shape], typer.Option(
         help="The model's shape when model.path's config.json is not on this machine.")] = None,
@@ -133,7 +133,7 @@ def plan_cmd(
         help="The accelerator kind to estimate the time for, as attempts record it (e.g. 'NVIDIA H200', or cpu; "
              "default: this machine's).")] = None,
     db: DbUrl = None,
-    json_out: Annotated[bool, typer.Option("--json", help="Print the plan and the estimate as JSON.")] = False,
+    json_out: Annotated[bool, typer.Option("--json", metavar="", help="Print the plan and the estimate as JSON.")] = False,
     sweep: Annotated[Optional[list[str]], typer.Option(
         "--sweep", help="FIELD=V1,V2,... (repeatable): list the points `submit --sweep` would queue, each with its "
                         "protocol hash and estimated bytes and transfer time.")] = None,
@@ -158,9 +158,10 @@ def plan_cmd(
         return
     activity = _activity(frozen, sparsity)
     shape = _shape(frozen, None if shape is None else shape.value)
+    _check_positions(frozen, shape)
     entries = plan(p)
     est = estimate(p, shape=shape, activity=activity, h2d_gbps=h2d_gbps)
-    timing = _timing(p, est, device=device or device_here(), db=db)
+    timing = _timing(p, est, device=device or device_here(), db=db, model=model_key(p, model_dir=frozen.model_dir()))
     if json_out:
         typer.echo(json.dumps({"protocol": p.name, "sha256": p.sha256, "entries": entries, "estimate": est,
                                "time": timing}, indent=2, sort_keys=True))
@@ -171,6 +172,23 @@ def plan_cmd(
     typer.echo(table(entries, ["index", "condition", "role", "prompt", "repetition"]))
     typer.echo("")
     _print_estimate(p, est, timing, shape=shape, h2d_gbps=h2d_gbps)
+
+
+def _check_positions(frozen: FrozenProtocol, shape) -> None:
+    """An episode must fit the model's positions: the checkpoint's own when it is here (what
+    submit checks), else the --shape the plan is made for."""
+    from packbench.core.protocol.schema import positions_refusal
+    from packbench.service.submit import check_positions
+
+    model_dir = frozen.model_dir()
+    if model_dir is not None and model_dir.exists():
+        check_positions(frozen)
+        return
+    p = frozen.protocol
+    refusal = positions_refusal(p.prefix_tokens, p.continuation_tokens, positions=shape.max_positions,
+                                model=f"the {shape.layers}-layer shape the plan is made for")
+    if refusal:
+        raise PackbenchError(f"protocol field `prefix_tokens`: {refusal}")
 
 
 def _activity(frozen: FrozenProtocol, sparsity: float | None):
@@ -195,10 +213,9 @@ def _activity(frozen: FrozenProtocol, sparsity: float | None):
     return activity
 
 
-def _timing(p, est: dict, *, device: str, db: str | None) -> dict:
+def _timing(p, est: dict, *, device: str, db: str | None, model: str) -> dict:
     """The screen's time: `measured` (rates of earlier episodes on `device`), else `gpu-bound` (the
     transfer floor, a lower bound on a GPU) or `unknown` (a CPU screen with no earlier episodes)."""
-    model = model_key(p)
     rows, unread = earlier_episodes(db, model=model, dtype=p.dtype)
     rows = comparable(rows, model=model, dtype=p.dtype, device=device, host=this_host())
     planned = {r["condition"]: r["episodes"] for r in est["conditions"]}

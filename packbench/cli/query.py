@@ -16,7 +16,7 @@ import typer
 
 from packbench.cli import labels
 from packbench.cli.history import check_fail_above, fail_compare
-from packbench.cli.common import DbUrl, Json, open_store
+from packbench.cli.common import DB_INT_MAX, DbUrl, Json, finite, open_store, seconds
 from packbench.cli.summary import print_json, screen_summary, table, verdict_record, verdict_table
 from packbench.core.archive import WORKER_NAME, ArchiveReader, worker_parts
 from packbench.core.errors import PackbenchError
@@ -33,7 +33,8 @@ SORT_HELP = ", ".join(SORT_NAMES)
 
 Format = Annotated[Optional[str], typer.Option("--format", help="Output: table, json or csv.",
                                                autocompletion=lambda: list(FORMATS))]
-Limit = Annotated[Optional[int], typer.Option("--limit", help="At most this many rows; 0 for all.")]
+Limit = Annotated[Optional[int], typer.Option("--limit", max=DB_INT_MAX,
+                                             help="At most this many rows; 0 for all.")]
 ProtocolRef = Annotated[Optional[str], typer.Option("--protocol", help="Protocol name or SHA-256 prefix.")]
 
 
@@ -72,18 +73,21 @@ def results(
                                   "(failed) any gate without --gate.")] = None,
     status: Annotated[Optional[str], typer.Option(help="Episode status: ok or failed.",
                                                   autocompletion=lambda: ["ok", "failed"])] = None,
+    role: Annotated[Optional[str], typer.Option(
+        help="scored or warmup: e.g. --role scored --sort wall_s ranks the scored episodes alone.",
+        autocompletion=lambda: ["scored", "warmup"])] = None,
     since: Annotated[Optional[str], typer.Option(help="Attempts started on or after this ISO date/time (UTC).")] = None,
     until: Annotated[Optional[str], typer.Option(
         help="Attempts started before this ISO date/time; a bare date includes that day.")] = None,
     machine: Annotated[Optional[str], typer.Option(help="Substring of the host, node or GPU name.")] = None,
     min_energy: Annotated[Optional[float], typer.Option(
-        "--min-energy", help="Only episodes whose GPU energy (NVML, joules) is at least this.")] = None,
+        "--min-energy", callback=finite, help="Only episodes whose GPU energy (NVML, joules) is at least this.")] = None,
     max_energy: Annotated[Optional[float], typer.Option(
-        "--max-energy", help="Only episodes whose GPU energy (NVML, joules) is at most this.")] = None,
+        "--max-energy", callback=finite, help="Only episodes whose GPU energy (NVML, joules) is at most this.")] = None,
     sort: Annotated[Optional[str], typer.Option(
         help=f"Order by this column (episodes without a value last): {SORT_HELP}.",
         autocompletion=lambda: list(SORT_NAMES))] = None,
-    desc: Annotated[bool, typer.Option("--desc", help="With --sort: largest first.")] = False,
+    desc: Annotated[bool, typer.Option("--desc", metavar="", help="With --sort: largest first.")] = False,
     tag: labels.Tags = None,
     limit: Limit = None,
     fmt: Format = None,
@@ -95,7 +99,7 @@ def results(
 
     filters = dict(protocol=protocol, model=model, dtype=dtype, condition=condition, gate=gate, phase=phase,
                    passed=passed, status=status, since=since, until=until, machine=machine,
-                   min_energy_j=min_energy, max_energy_j=max_energy, sort=sort)
+                   min_energy_j=min_energy, max_energy_j=max_energy, sort=sort, role=role)
     if all(v is None for v in filters.values()) and not desc and fmt is None and limit is None and not tag:
         _screen_view(open_store(db), screen or "latest", json_out=json_out)
         return
@@ -117,7 +121,16 @@ def results(
         empty = _unknown_condition(store, condition) or empty
         if out != "table" and empty != "no episodes match":
             typer.echo(f"note: {empty}", err=True)  # stdout stays pure JSON / CSV
-    _emit([Section(records, columns, empty=empty)], out)
+    _emit([Section(records, columns, empty=empty, fields=_result_fields(gated=gate is not None))], out)
+
+
+def _result_fields(*, gated: bool) -> list[str]:
+    """Every field of a `results` record, in order: the CSV header, the same with no matching
+    episode as with many (a script reading column 20 must not meet 16 columns)."""
+    from packbench.db.queries import ResultRow
+
+    fields = [*ResultRow._fields, "tier"]
+    return fields if gated else [f for f in fields if f not in ("gate", "phase", "passed", "value", "threshold")]
 
 
 def _result_records(store, rows, *, gated: bool) -> tuple[list[dict], list[str]]:
@@ -160,8 +173,9 @@ def _unknown_condition(store, condition: str) -> str | None:
 def _screen_view(store, ref: str, *, json_out: bool) -> None:
     """One screen's latest attempt: its episodes, each condition's wall spread, verdicts and audit."""
     summary = screen_summary(store, ref)
+    readings = readings_of(summary.get("archive_path"))
     if json_out:
-        print_json(summary)
+        print_json({**summary, **(readings or {})})
         return
     typer.echo(one_line(f"screen {summary['screen_id']} ({summary['protocol']}, {summary['status']}) "
                         f"archive {summary['archive_path']}"))
@@ -174,12 +188,96 @@ def _screen_view(store, ref: str, *, json_out: bool) -> None:
     if summary["spread"]:
         typer.echo("episode wall per condition (scored ok episodes, seconds)")
         typer.echo(table(summary["spread"], ["condition", "tier", "n", "median", "p10", "p90", "p90_over_p10"]))
+    if readings is not None:
+        print_readings(readings)
     typer.echo(verdict_table(summary["verdicts"]) if summary["verdicts"] else "no verdicts")
     a = summary.get("audit")
     typer.echo("audit: none; run `packbench audit`" if a is None else
                f"audit: {a['result'].upper()} ({a['kind'] or 'local'} on {_host_and_node(a['machine'], a['node'])}"
                f", {a['finished_at']}, digest {a['digest'][:16]}"
                f"{_sha_note(a['archive_sha256_matches'])}; {a['audits']} audit(s))")
+
+
+def readings_of(archive_path: str | None) -> dict | None:
+    """What the screen's archive says beside the stored totals (core/serving.py, docs/metrics.md):
+    {serving: per condition, runtime_ratios: the median ratio beside the summed-walls gate,
+    position: the plan-position check}; None when the archive is not readable here."""
+    from packbench.core.report import plan_positions, read_screen, runtime_ratios, serving_rows, steady_by_previous
+
+    if not archive_path:
+        return None
+    try:
+        screen = read_screen(archive_path)
+    except (OSError, PackbenchError, ValueError, KeyError, TypeError):
+        return None
+    return {"serving": serving_rows(screen), "runtime_ratios": runtime_ratios(screen),
+            "position": plan_positions([screen]), "steady_by_previous": steady_by_previous(screen)}
+
+
+def _ms(value: float | None) -> str | None:
+    return None if value is None else f"{value * 1e3:.4g}"
+
+
+def _outliers_cell(flagged: dict) -> str:
+    """`wall 1 (38); TPOT 1 (38)`: per figure, how many episodes lie beyond 3 IQR, and which."""
+    parts = [f"{name} {len(v)} ({', '.join(map(str, v[:4]))}{'...' if len(v) > 4 else ''})"
+             for name, v in (("wall", flagged.get("wall_s", [])), ("TTFT", flagged.get("ttft_s", [])),
+                             ("TPOT", flagged.get("tpot_s", []))) if v]
+    return "; ".join(parts) or "none"
+
+
+SERVING_COLUMNS = ["condition", "tier", "n", "TTFT ms", "first-use TTFT ms", "TPOT ms", "ITL p50 ms", "ITL p90 ms", "ITL p99 ms",
+                   "decode tok/s", "wall ms", "outside calls ms", "steady call ms", "once/episode ms",
+                   "beyond 3 IQR"]
+
+
+def serving_table_rows(rows: list[dict]) -> list[dict]:
+    """The serving figures as the table shows them: milliseconds, tokens per second."""
+    return [{"condition": r["condition"], "tier": r["tier"], "n": r["episodes"], "TTFT ms": _ms(r["ttft_s"]),
+             "first-use TTFT ms": _ms(r.get("ttft_first_s")),
+             "TPOT ms": _ms(r["tpot_s"]), "ITL p50 ms": _ms(r["itl_p50_s"]), "ITL p90 ms": _ms(r["itl_p90_s"]),
+             "ITL p99 ms": _ms(r["itl_p99_s"]),
+             "decode tok/s": None if r["decode_tokens_per_s"] is None else f"{r['decode_tokens_per_s']:.4g}",
+             "wall ms": _ms(r["wall_s"]), "outside calls ms": _ms(r["outside_s"]),
+             "steady call ms": _ms(r["steady_call_s"]), "once/episode ms": _ms(r["first_decode_excess_s"]),
+             "beyond 3 IQR": _outliers_cell(r["outliers"])} for r in rows]
+
+
+def ratio_table_rows(rows: list[dict]) -> list[dict]:
+    """The runtime readings side by side: the gate's summed walls (frozen) and the median ratio."""
+    out = []
+    for r in rows:
+        gi, m = r["gate_interval"], r["median"]
+        gate = "-" if r["gate_value"] is None else f"{r['gate_value']:.4g}" + (f" [{gi[0]:.4g}, {gi[1]:.4g}]" if gi else "")
+        if r["passed"] is not None:
+            gate = ("PASS " if r["passed"] else "FAIL ") + gate
+        out.append({"condition": r["condition"], "tier": r["tier"], "control": r["control"],
+                    "summed walls (gate)": gate,
+                    "median ratio": f"{m['value']:.4g} [{m['interval'][0]:.4g}, {m['interval'][1]:.4g}]",
+                    "beyond 3 IQR": ", ".join(map(str, r["outliers"])) or "none",
+                    "readings": ("DISAGREE " + r["because"]) if r["disagree"] else "agree"})
+    return out
+
+
+def print_readings(readings: dict) -> None:
+    """The serving figures, the runtime ratios and the position check, as tables and a line."""
+    from packbench.core.serving import position_text
+
+    typer.echo("serving figures per condition (scored ok episodes, medians; ITL percentiles over every decode "
+               "call; once/episode: the first decode call over the steady call; docs/metrics.md)")
+    typer.echo(table(serving_table_rows(readings["serving"]), SERVING_COLUMNS))
+    if readings["runtime_ratios"]:
+        typer.echo("runtime ratio per condition: the gate's summed walls beside the ratio of medians (paired "
+                   "0.95 bootstrap intervals)")
+        typer.echo(table(ratio_table_rows(readings["runtime_ratios"]),
+                         ["condition", "tier", "control", "summed walls (gate)", "median ratio", "beyond 3 IQR",
+                          "readings"]))
+    if readings.get("steady_by_previous"):
+        typer.echo("steady decode call by what the worker ran before (ms, episodes)")
+        for r in readings["steady_by_previous"]:
+            typer.echo(f"  {r['condition']} ({r['tier']}): " + "; ".join(
+                f"after {p['condition']} {_ms(p['median']) or '-'} ({p['n']})" for p in r["previous"]))
+    typer.echo(position_text(readings["position"]))
 
 
 def _sha_note(matches: bool | None) -> str:
@@ -245,7 +343,7 @@ def screens_show(
     typer.echo(one_line(f"model dir: {s.model_dir or '-'}; started {_when(s.started_at) or '-'}, "
                         f"finished {_when(s.finished_at) or '-'}"))
     if not detail.attempts:
-        typer.echo("no attempts yet; run it with `packbench dispatch`")
+        typer.echo(no_attempts_advice(s.id, s.status))
         return
     tiers = store.condition_tiers([p.sha256]).get(p.sha256, {})
     attempts, verdicts, audits = [], [], []
@@ -335,6 +433,16 @@ def screens_cancel(
                    f"renews its lease (`packbench status` shows it)")
 
 
+def no_attempts_advice(screen_id: int, status: str) -> str:
+    """What to do with a screen that has no attempt: only a queued one is run by `dispatch`."""
+    if status == "queued":
+        return "no attempts yet; run it with `packbench dispatch`"
+    if status == "cancelled":
+        return (f"no attempts: cancelled before any ran, so no `packbench dispatch` runs it; "
+                f"`packbench screens retry {screen_id}` queues it again")
+    return f"no attempts ({status})"
+
+
 def screens_retry(
     screen: Annotated[str, typer.Argument(help="Screen id, or `latest`.")],
     db: DbUrl = None,
@@ -363,10 +471,10 @@ def _liveness(d) -> str:
 
 def status(
     live_within: Annotated[float, typer.Option(
-        "--live-within", help="A dispatcher is live if it sent a heartbeat within this many seconds.")] = 30.0,
+        "--live-within", callback=seconds, help="A dispatcher is live if it sent a heartbeat within this many seconds.")] = 30.0,
     fmt: Format = None,
     db: DbUrl = None,
-    json_out: Annotated[bool, typer.Option("--json", help="Same as --format json.")] = False,
+    json_out: Annotated[bool, typer.Option("--json", metavar="", help="Same as --format json.")] = False,
 ) -> None:
     """The queue: screens per state, running screens with progress and placement, the queue in
     claim order (with why a screen cannot be placed), dispatchers and their workers."""
@@ -431,7 +539,7 @@ def compare(
         "an exact counter (bytes, rows, tokens) differs."))] = None,
     fmt: Format = None,
     db: DbUrl = None,
-    json_out: Annotated[bool, typer.Option("--json", help="Same as --format json.")] = False,
+    json_out: Annotated[bool, typer.Option("--json", metavar="", help="Same as --format json.")] = False,
 ) -> None:
     """Compare two screens' latest attempts (scored totals with B/A ratios, energy per episode and
     per generated token, and verdicts), or with --protocol every machine that screened one protocol."""
@@ -477,7 +585,12 @@ def compare(
                     "noise": r["noise"]} for r in spread]
     spread_records = [{"condition": r["condition"], "tier": tier(r["condition"]), **{f"{side}_{k}": r[side][k] for side in "ab" for k in r[side]},
                        **{k: r[k] for k in ("mean_ratio", "ratio_lo", "ratio_hi", "noise")}} for r in spread]
+    readings = [readings_of(getattr(a, "archive_path", None)) if a is not None else None for a in attempts]
+    serving_records, ratio_records = compare_readings(readings)
     document = {**dataclasses.asdict(c), "spread": spread_records,
+                "serving": serving_records, "runtime_ratios": ratio_records,
+                "position": {"a": None if readings[0] is None else readings[0]["position"],
+                             "b": None if readings[1] is None else readings[1]["position"]},
                 "metrics": [{**dataclasses.asdict(m), "tier": tier(m.condition)} for m in c.metrics],
                 "verdicts": [{**dataclasses.asdict(v), "tier": tier(v.condition)} for v in c.verdicts],
                 "shared_host": {"a": sharing[0], "b": sharing[1]}}
@@ -489,12 +602,53 @@ def compare(
            Section(spread_records, list(spread_rows[0]) if spread_rows else [], rows=spread_rows,
                    title="episode wall spread per condition (scored ok episodes; B/A of the mean walls and its 0.95 "
                          "bootstrap interval; within noise when it holds 1)", empty="no scored episodes"),
+           Section(serving_records, ["condition", "tier", "figure", "A", "B", "B/A", "A beyond 3 IQR",
+                                     "B beyond 3 IQR"],
+                   rows=[{**r, **{k: _ms(r[k]) if r["figure"] != "decode_tokens_per_s" and r[k] is not None
+                                  else r[k] for k in ("A", "B")}} for r in serving_records],
+                   title="serving figures per condition (ms, decode tokens/s; medians over scored ok episodes, "
+                         "read from each archive; docs/metrics.md)", empty="no archive readable here"),
+           Section(ratio_records, ["screen", "condition", "tier", "control", "summed walls (gate)", "median ratio",
+                                   "beyond 3 IQR", "readings"],
+                   title="runtime ratio within each screen: the gate's summed walls beside the ratio of medians",
+                   empty="no runtime readings"),
            Section([{**dataclasses.asdict(v), "tier": tier(v.condition)} for v in c.verdicts],
                    ["gate", "condition", "tier", "phase", "A", "B"],
                    title="verdicts", rows=verdicts, fields=[*_field_names(VerdictPair), "tier"])],
           out, document=document)
+    if out == "table":
+        from packbench.core.serving import position_text
+
+        for label, r in zip("AB", readings):
+            if r is not None:
+                typer.echo(f"{label}: {position_text(r['position'])}")
     if fail_above is not None:
         fail_compare(store, c.a.screen_id, c.b.screen_id, fail_above)
+
+
+COMPARED_FIGURES = ("ttft_s", "ttft_first_s", "tpot_s", "itl_p50_s", "itl_p99_s", "decode_tokens_per_s", "steady_call_s",
+                    "first_decode_excess_s", "wall_s", "outside_s")
+# Whose outliers beyond 3 IQR stand beside a figure: its own where they are counted, else the walls'.
+OUTLIERS_OF = {"ttft_s": "ttft_s", "tpot_s": "tpot_s", "decode_tokens_per_s": "tpot_s"}
+
+
+def compare_readings(readings: list[dict | None]) -> tuple[list[dict], list[dict]]:
+    """Two screens' archive readings side by side: per condition and serving figure A, B and B/A
+    with each side's outliers beyond 3 IQR (walls); and each screen's runtime ratios (summed walls
+    beside medians), labelled by screen."""
+    a, b = [{r["condition"]: r for r in (x or {}).get("serving", [])} for x in readings]
+    serving = []
+    for cond in list(a) + [c for c in b if c not in a]:
+        ra, rb = a.get(cond), b.get(cond)
+        for fig in COMPARED_FIGURES:
+            va, vb = (None if r is None else r[fig] for r in (ra, rb))
+            serving.append({"condition": cond, "tier": (ra or rb)["tier"], "figure": fig, "A": va, "B": vb,
+                            "B/A": vb / va if va and vb is not None else None,
+                            "A beyond 3 IQR": None if ra is None else len(ra["outliers"][OUTLIERS_OF.get(fig, "wall_s")]),
+                            "B beyond 3 IQR": None if rb is None else len(rb["outliers"][OUTLIERS_OF.get(fig, "wall_s")])})
+    ratios = [{"screen": label, **row} for label, x in zip("AB", readings)
+              for row in ratio_table_rows((x or {}).get("runtime_ratios", []))]
+    return serving, ratios
 
 
 def _noise_warnings(c, sharing: list, spread: list[dict]) -> None:

@@ -13,7 +13,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from packbench.cli.common import DbUrl, Json, echo_json, open_store, write_output
+from packbench.cli.common import DbUrl, Json, echo_json, not_a_file, open_store, write_output
 from packbench.core.errors import PackbenchError
 
 
@@ -25,7 +25,7 @@ def report(
     screens: Annotated[Optional[list[str]], typer.Argument(
         help="An archive file (.zip), or a screen id or `latest` (its latest attempt's archive, via the database). "
              "With --compare, two or more.", show_default=False)] = None,
-    compare: Annotated[bool, typer.Option("--compare", help="Put the screens side by side, with their verdict "
+    compare: Annotated[bool, typer.Option("--compare", metavar="", help="Put the screens side by side, with their verdict "
                                                             "agreement.")] = False,
     sweep: Annotated[Optional[str], typer.Option(
         "--sweep", help="Instead of screens: a sweep id (`submit --sweep`); each condition's decode ms/token, bytes "
@@ -92,8 +92,11 @@ def _load(ref: str, db: str | None):
 
     path = Path(ref)
     if path.suffix == ".zip" or path.exists():
-        if not path.is_file():
+        kind = not_a_file(path)
+        if kind == "missing":
             raise PackbenchError(f"no archive {ref}: give an existing .zip, or a screen id / `latest`")
+        if kind is not None:
+            raise PackbenchError(f"{ref} is {kind}, not an archive file; give a .zip, or a screen id / `latest`")
         screen = read_screen(path)
         if db is None:
             return screen, AuditStatus()

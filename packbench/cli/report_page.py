@@ -16,6 +16,7 @@ from packbench.cli import report_figures as figs
 from packbench.cli.summary import detail_text
 from packbench.cli.report_template import CSS, PAGE
 from packbench.core import report as data
+from packbench.core import serving
 from packbench.core.protocol import MIB
 from packbench.core.dispersion import noisy_host, spread
 from packbench.core.report import ScreenData
@@ -24,7 +25,8 @@ PLOT_CAPTIONS = {
     "h2d": "Host-to-device bytes (outgoing weights + indices) of every call of the scored episodes; bar: the mean, "
            "in MB above it, with its share of the reference's mean.",
     "wall": "Left: wall time of every scored episode. Right: the paired (repetition, prompt) whole-episode time ratio "
-            "to the control, with its bootstrap interval.",
+            "to the control, with its bootstrap interval: the runtime gate's ratio of summed walls, which one slow "
+            "episode moves; the ratio of medians beside it is in the runtime ratio table above.",
     "decode": "Milliseconds per generated token of every decode call of the scored episodes (box: quartiles).",
     "memory": "GPU memory sampled by NVML during every episode (warmups included), against the protocol's allowance.",
     "heatmap": "Active outgoing rows per layer over the calls of the scored episodes, in plan order.",
@@ -120,9 +122,12 @@ def _mib(value: float | None) -> str:
 
 def protocol_section(s: ScreenData) -> str:
     p = s.protocol
+    # Full width below the facts, its parameters free to wrap: beside them, in half the page, a
+    # competitor's parameters ran past the table's box at 1400 px.
     conditions = _table(["condition", "tier", "policy", "params", "warmups"],
-                        [[c.name, c.tier, c.policy, json.dumps(c.resolved_params) if c.resolved_params else "-",
-                          str(p.warmups[c.name])] for c in p.conditions])
+                        [[f'<td class="name">{esc(c.name)}</td>', c.tier, c.policy,
+                          f'<td class="wrap">{esc(json.dumps(c.resolved_params) if c.resolved_params else "-")}</td>',
+                          str(p.warmups[c.name])] for c in p.conditions], cls="conditions")
     prompts = p.prompts
     source = {"generator": f"generator (seed {prompts.seed})", "token_ids": "inline token ids"}.get(
         prompts.source, f"{prompts.source} {prompts.path} (sha256 {(prompts.sha256 or '')[:16]})")
@@ -138,9 +143,9 @@ def protocol_section(s: ScreenData) -> str:
                 ("order", f"{p.order}{', reference first' if p.baseline_first else ''}"),
                 ("allowance", f"{p.allowance_mib} MiB"), ("recording", p.recording), ("passes", p.passes),
                 ("planned episodes", s.planned)]),
-        "</div><div>", conditions,
+        "</div><div>",
         "<h3>Gates as frozen</h3>", _gates_table(p.full_dict()["gates"]),
-        "</div></div>",
+        "</div></div>", "<h3>Conditions as frozen</h3>", conditions,
         "<h3>Source freeze</h3>",
         _facts([("package version", freeze.get("package_version")), ("git commit", _mono(freeze.get("git_commit"))),
                 ("git dirty", freeze.get("git_dirty")), ("engine SHA-256", _mono(freeze.get("engine_sha256")))])
@@ -258,6 +263,104 @@ def _fmt(value: Any, fmt: str) -> str:
     return "-" if value is None else fmt.format(value)
 
 
+def headline_section(s: ScreenData) -> str:
+    """What won by how much, per tier, and the runtime readings that say more than their table."""
+    lines = data.headline(s)
+    if not lines:
+        return ('<h2 id="headline">Headline</h2><p class="missing">no finished scored episode with decode calls: '
+                'nothing to rank</p>')
+    return '<h2 id="headline">Headline</h2><ul class="headline">' + "".join(f"<li>{esc(t)}</li>" for t in lines) + "</ul>"
+
+
+def _ms_cell(seconds: float | None, outliers: list | None = None, *, first: float | None = None) -> str:
+    """Milliseconds, with the hyperfine-style flag below when episodes lie beyond 3 IQR (and for
+    TTFT, the cold one: the condition's first episode, its first use)."""
+    if seconds is None:
+        return '<td class="num none">-</td>'
+    cold = "" if first is None else f'<br><span class="detail">first use {first * 1e3:.4g}</span>'
+    flag = serving.outlier_text(len(outliers or []))
+    # the flag wraps under its figure (a nowrap cell of three flags ran past the page at 1400 px)
+    below = f'<br><span class="detail fail" style="white-space: normal">{esc(flag)}</span>' if flag else ""
+    return f'<td class="num">{esc(f"{seconds * 1e3:.4g}")}{cold}{below}</td>'
+
+
+def _once(r: dict) -> str:
+    """The first decode call over the steady one, and where it is known what it held: the graph
+    captured in it, or a competitor's unshelve before the wall."""
+    first = _fmt(_ms(r["first_decode_excess_s"]), "+{:.4g} first call")
+    if r["capture_s"] is not None:
+        return f"{first} (capture {_ms(r['capture_s']):.4g})"
+    if r["unshelve_s"] is not None:
+        return f"{first}; unshelve {_ms(r['unshelve_s']):.4g} before the wall"
+    return first
+
+
+def serving_section(s: ScreenData) -> str:
+    """Serving figures per condition (docs/metrics.md), the runtime ratio of medians beside the
+    frozen gate's summed walls, and the plan-position check."""
+    rows = data.serving_rows(s)
+    srows = [[f'<td class="name">{esc(r["condition"])}</td>', r["tier"], _num(r["episodes"], "{}"),
+              _ms_cell(r["ttft_s"], r["outliers"]["ttft_s"], first=r["ttft_first_s"]),
+              _ms_cell(r["tpot_s"], r["outliers"]["tpot_s"]),
+              _two(_fmt(_ms(r["itl_p50_s"]), "{:.4g}"), _fmt(_ms(r["itl_p90_s"]), "p90 {:.4g}") + " / "
+                   + _fmt(_ms(r["itl_p99_s"]), "p99 {:.4g}")),
+              _num(r["decode_tokens_per_s"], "{:,.4g}"), _ms_cell(r["wall_s"], r["outliers"]["wall_s"]),
+              _two(_fmt(_ms(r["outside_s"]), "{:.4g}"), _fmt(_ms(r["outside_wall_s"]), "outside the wall {:.4g}")),
+              _two(_fmt(_ms(r["steady_call_s"]), "{:.4g}"), _once(r))] for r in rows]
+    table = _table(["condition", "tier", "scored", "TTFT ms: warm, first use", "TPOT ms", "ITL ms: p50, p90 / p99", "decode tokens/s",
+                    "wall ms", "outside the calls ms (the wall)", "decode call ms: steady, once per episode"],
+                   srows, cls="conditions")
+    ratios = data.runtime_ratios(s)
+    rrows = []
+    for r in ratios:
+        m, gi = r["median"], r["gate_interval"]
+        mi = m["interval"]
+        rrows.append([f'<td class="name">{esc(r["condition"])}</td>', r["tier"], r["control"],
+                      _passed(r["passed"]), _num(r["gate_value"], "{:.4g}"),
+                      f'<td class="num">{esc("-" if not gi else f"[{gi[0]:.4g}, {gi[1]:.4g}]")}</td>',
+                      _num(m["value"], "{:.4g}"),
+                      f'<td class="num">{esc(f"[{mi[0]:.4g}, {mi[1]:.4g}]")}</td>',
+                      f'<td class="wrap{" fail" if r["disagree"] else ""}">'
+                      f'{esc(("disagree " + r["because"]) if r["disagree"] else ("agree; " + (r["outliers_text"] or "no outliers beyond 3 IQR")))}</td>'])
+    rtable = (_table(["condition", "tier", "control", "gate", "summed walls", "bootstrap interval", "ratio of medians",
+                      "paired interval", "readings"], rrows, cls="conditions") if rrows
+              else '<p class="missing">no runtime readings: no condition pairs with the reference</p>')
+    previous = data.steady_by_previous(s)
+    ptable = _table(["condition", "tier", "steady decode call ms by what ran before it in the worker (episodes)"],
+                    [[f'<td class="name">{esc(r["condition"])}</td>', r["tier"],
+                      f'<td class="wrap">{esc(_previous_text(r["previous"]))}</td>'] for r in previous],
+                    cls="conditions") if previous else ""
+    check = data.plan_positions([s])
+    position = (f'<p id="position" class="{"fail" if check["flagged"] else ""}">{esc(serving.position_text(check))}'
+                f'; each episode\'s wall over its condition\'s median, against the {serving.NEIGHBOURS} plan '
+                f'positions each side.</p>')
+    blocks = [b for b in check["blocks"] if b["block"] != "warmup"]
+    btable = ('<p class="detail">By block (each prompt and repetition\'s episodes), the median wall over its '
+              'condition\'s median: ' + esc(", ".join(f"{b['block']}: {b['relative']:.2f}" for b in blocks)) + "</p>")
+    return "".join([
+        '<h2 id="serving">Serving figures (scored episodes)</h2>',
+        '<p>TTFT: the prefill call, from its start to the first logit on the host (warm: the median scored '
+        'episode\'s; below it the first use, the condition\'s first episode). TPOT: the rest of the episode '
+        'over its decode calls. ITL: every decode call, pooled. Decode tokens/s: the median episode\'s. The '
+        'steady decode call is the median of every decode call but the first; once per episode: the first '
+        'decode call over it (a graph capture shows here). Medians over the scored episodes; the flag below a '
+        'figure counts episodes beyond 3 IQR of the quartiles (docs/metrics.md).</p>', table,
+        '<h3 id="ratios">Runtime ratio: the frozen gate beside the ratio of medians</h3>',
+        '<p>The gate judges the ratio of summed walls on its bootstrap upper bound (frozen with the protocol); '
+        'the ratio of medians over the same pairs, with its paired bootstrap interval, is not moved by one slow '
+        'episode. Where the two disagree the outliers that explain it are named.</p>', rtable,
+        '<h3 id="previous">What ran before</h3>',
+        '<p>Each record names the condition its worker ran just before it. A condition whose steady decode call '
+        'moves with what ran before is measured differently in different places (a library\'s state, a parked '
+        'model, the allocator): the same condition should read the same after every other.</p>', ptable,
+        '<h3 id="positions">Plan position</h3>', position, btable,
+    ])
+
+
+def _previous_text(rows: list[dict]) -> str:
+    return "; ".join(f"after {p['condition']}: {_fmt(_ms(p['median']), '{:.4g}')} ({p['n']})" for p in rows)
+
+
 def summary_section(s: ScreenData) -> str:
     summary = data.condition_summary(s)
     approximate = any(r["tier"] == "approximate" for r in summary)
@@ -306,10 +409,27 @@ def cost_section(s: ScreenData) -> str:
                                 cls="conditions")
 
 
+def workload_caption(workload: dict | None) -> str | None:
+    """The activity-by-layer caption, naming only the lines the figure draws: the profile's target
+    (dashed) only for a synthetic checkpoint with a profile, real OPT's figures (dotted) only where
+    docs/workloads.md has them for this shape and prefix."""
+    if workload is None:
+        return None
+    drawn = [p for p in ("decode", "prefill") if workload.get(p)]
+    text = f"Each layer's active fraction in {' and '.join(drawn)} calls (solid, measured)"
+    text += ("; dashed, what the synthetic profile targets per token" if workload.get("target")
+             else "; no profile target is drawn (not a synthetic checkpoint with a profile)")
+    text += ("; dotted, real OPT's measured mean for this shape and prefix (docs/workloads.md)."
+             if workload.get("anchors") else "; no real-OPT figure is drawn (docs/workloads.md has none for "
+                                             "this shape and prefix).")
+    return text + " `packbench model stats` gives every figure of a checkpoint."
+
+
 def plots_section(s: ScreenData) -> str:
     c = s.conditions
     heat = data.active_heatmap(s)
     union = data.union_sparsity(s)
+    workload = data.workload_by_layer(s)
     cpu = not s.environment.get("gpu")
     return "".join([
         '<h2 id="transfer">Host-to-device bytes per call</h2>',
@@ -331,8 +451,9 @@ def plots_section(s: ScreenData) -> str:
         '<h2 id="union">Union sparsity</h2>',
         _plot("union", figs.union_figure(union), "no observed activity, or the neurons per layer are unknown"),
         '<h2 id="workload">Activity by layer, against the profile and real OPT</h2>',
-        _plot("workload", figs.workload_figure(data.workload_by_layer(s)),
-              "no condition observed active rows, or the neurons per layer are unknown"),
+        _plot("workload", figs.workload_figure(workload),
+              "no condition observed active rows, or the neurons per layer are unknown",
+              caption=workload_caption(workload)),
         '<h2 id="frontier">Frontier: decode time against memory, by tier</h2>',
         _plot("frontier", figs.frontier_figure(data.frontier(s), c), "no finished scored episode with decode calls"),
         '<h2 id="energy">Energy</h2>',
@@ -393,7 +514,8 @@ def screen_page(s: ScreenData, *, audit: AuditStatus) -> str:
             f"{passed} of {len(s.verdicts)} verdicts pass; {s.environment.get('gpu') or 'CPU'}")
     with figs.style():
         plots = plots_section(s)
-    body = "".join([verdict_section(s), summary_section(s), cost_section(s), plots, protocol_section(s),
+    body = "".join([headline_section(s), verdict_section(s), summary_section(s), serving_section(s), cost_section(s),
+                    plots, protocol_section(s),
                     machine_section(s), audit_section(s, audit)])
     return _page(f"packbench report: {s.label}", lede, body)
 
@@ -465,11 +587,31 @@ def compare_page(screens: list[ScreenData], audits: list[AuditStatus]) -> str:
                      "energy / token"], srows, cls="conditions")
     ratio_rows = []
     for n, s in enumerate(screens):
-        for i in data.runtime_intervals(s):
-            ratio_rows.append([i["condition"], labels[n], i["control"], _num(i["value"], "{:.4g}"),
-                               f'<td class="num">{esc(data.interval_text(i))}</td>',
-                               _num(i["threshold"], "{!r}"), i["source"]])
-    rtable = _table(["condition", "screen", "control", "wall ratio", "interval", "gate threshold", "from"], ratio_rows)
+        for r in data.runtime_ratios(s):
+            gi, mi = r["gate_interval"], r["median"]["interval"]
+            ratio_rows.append([r["condition"], labels[n], r["control"], _num(r["gate_value"], "{:.4g}"),
+                               f'<td class="num">{esc("-" if not gi else f"[{gi[0]:.4g}, {gi[1]:.4g}]")}</td>',
+                               _num(r["threshold"], "{!r}"), r["source"], _num(r["median"]["value"], "{:.4g}"),
+                               f'<td class="num">{esc(f"[{mi[0]:.4g}, {mi[1]:.4g}]")}</td>',
+                               f'<td class="wrap{" fail" if r["disagree"] else ""}">'
+                               f'{esc(("disagree " + r["because"]) if r["disagree"] else "agree")}</td>'])
+    rtable = _table(["condition", "screen", "control", "summed walls", "interval", "gate threshold", "from",
+                     "ratio of medians", "paired interval", "readings"], ratio_rows, cls="conditions")
+    serving_rows = []
+    for c in conditions:
+        for n, s in enumerate(screens):
+            r = next((x for x in data.serving_rows(s) if x["condition"] == c), None)
+            if r is None or not r["episodes"]:
+                continue
+            serving_rows.append([f'<td class="name">{esc(c)}</td>', labels[n], r["tier"],
+                                 _ms_cell(r["ttft_s"], r["outliers"]["ttft_s"], first=r["ttft_first_s"]),
+                                 _ms_cell(r["tpot_s"], r["outliers"]["tpot_s"]),
+                                 _two(_fmt(_ms(r["itl_p50_s"]), "{:.4g}"), _fmt(_ms(r["itl_p99_s"]), "p99 {:.4g}")),
+                                 _num(r["decode_tokens_per_s"], "{:,.4g}"), _ms_cell(r["wall_s"], r["outliers"]["wall_s"]),
+                                 _two(_fmt(_ms(r["steady_call_s"]), "{:.4g}"), _once(r))])
+    stable_serving = _table(["condition", "screen", "tier", "TTFT ms: warm, first use", "TPOT ms", "ITL ms: p50, p99",
+                             "decode tokens/s", "wall ms", "decode call ms: steady, once per episode"],
+                            serving_rows, cls="conditions")
     with figs.style():
         plots = "".join([
             '<h2 id="decode">Decode milliseconds per token</h2>',
@@ -491,7 +633,11 @@ def compare_page(screens: list[ScreenData], audits: list[AuditStatus]) -> str:
             ])
     body = "".join([
         '<h2 id="screens">Screens</h2>', ident, head, vtable,
-        '<h2 id="conditions">Conditions side by side</h2>', stable, '<h3>Paired runtime ratios</h3>', rtable, plots,
+        '<h2 id="conditions">Conditions side by side</h2>', stable,
+        '<h3 id="serving">Serving figures (docs/metrics.md)</h3>', stable_serving,
+        '<h3>Paired runtime ratios: the gate\'s summed walls beside the ratio of medians</h3>', rtable,
+        "".join(f'<p class="{"fail" if c["unexplained"] else ""}">Screen {labels[n]}: {esc(serving.position_text(c))}</p>'
+                for n, c in enumerate(data.plan_positions([s]) for s in screens)), plots,
         *[f'<h2 id="audit-{labels[n]}">Screen {labels[n]}: archive and audit</h2>' + audit_section(s, a)
           .replace('<h2 id="audit">Archive and audit</h2>', "") for n, (s, a) in enumerate(zip(screens, audits))],
     ])

@@ -1,4 +1,4 @@
-"""The scheduler's worker pool on Ray: what service/scheduler_pool.py `WorkerPool` asks for.
+"""The dispatcher's worker pool on Ray: what service/dispatcher/pool.py `WorkerPool` asks for.
 
 GPU worker actors (cluster/worker.py) on the embedded or joined runtime (cluster/runtime.py);
 `ray.wait` brings back whichever call is done first. Ray's retries are off everywhere
@@ -17,7 +17,7 @@ from packbench.core.settings import Settings
 
 class RayPool:
     """One actor per worker; every call's object ref is kept with its worker and the
-    scheduler's tag until its reply is taken (or the worker is killed)."""
+    dispatcher's tag until its reply is taken (or the worker is killed)."""
 
     def __init__(self, settings: Settings, *, worker_class: Any = None) -> None:
         self.settings = settings
@@ -59,7 +59,7 @@ class RayPool:
         """The replies that are back (all of them with `every`, else at least one), in the
         order their calls went out. A worker runs its calls in order, but `ray.wait` may see a
         later call's result before an earlier one's (a look-ahead episode before the one the
-        scheduler must record first): a call's reply is never handed over before the replies of
+        dispatcher must record first): a call's reply is never handed over before the replies of
         that worker's earlier calls."""
         refs = list(self._calls)
         if not refs:

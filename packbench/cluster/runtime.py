@@ -131,7 +131,7 @@ def ensure_ray(settings: Settings | None = None):
     def join() -> None:
         try:
             # Ray warns that a driver joined from another thread sets no SIGTERM handler: the
-            # scheduler sets its own (service/scheduler.py), so the warning is only noise.
+            # dispatcher sets its own (service/dispatcher/loop.py), so the warning is only noise.
             loggers = [logging.getLogger(name) for name in ("ray", "ray._private.worker")]
             levels = [lg.level for lg in loggers]
             for lg in loggers:

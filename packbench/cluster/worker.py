@@ -24,7 +24,7 @@ class RayWorker:
 
     The engine is imported inside the actor, never by the driver: a dispatcher does not need
     torch, and importing it there cost seconds before the first worker was even asked for
-    (docs/benchmarks.md "Queue on two GPUs").
+    (docs/experiments/queue.md "Where the wall goes").
     """
 
     def __init__(self, env: dict[str, str] | None = None, *, threads: int | None = None, pin: bool = False) -> None:

@@ -86,6 +86,9 @@ class AuditReport:
     # Incomplete, and every problem says only that: a prefix of the plan whose every member
     # checks (a failed or interrupted attempt's archive). Not in the record: digests stay as they were.
     partial: bool = False
+    # Incomplete, and every problem says only that, or that an archived episode has no row yet
+    # (an attempt whose driver stopped in a database outage: `db reconcile` inserts the rows).
+    rows_pending: bool = False
 
     @property
     def agrees(self) -> bool:
@@ -294,6 +297,7 @@ class _Audit:
         self.unreadable = False
         self.problems: list[str] = []
         self.incomplete_notes = 0  # problems that say only "incomplete" (AuditReport.partial)
+        self.rows_lacking = 0  # problems that say only that an archived episode has no row (AuditReport.rows_pending)
         self.complete = False  # the archive is sealed (set by run)
         self.names: set[str] = set()  # every member name the zip holds (set by run)
         self.readable: set[str] = set()  # ... less those a verify() problem names: the trusted ones
@@ -452,7 +456,9 @@ class _Audit:
         if db_verdicts is not None and (self.complete or db_verdicts):
             self.problems += _compare_verdicts(verdicts, db_verdicts, "database")
         if db_episodes is not None:
-            self.problems += _compare_episodes(episodes, db_episodes)
+            found = _compare_episodes(episodes, db_episodes)
+            self.rows_lacking += sum(p.startswith("database lacks episode ") for p in found)
+            self.problems += found
 
     def check_records(self, reader: ArchiveReader, worker: Any, proto: Protocol, entries: list[dict]) -> None:
         """Cross-checks between records: the manifest's environment and source freeze are
@@ -635,9 +641,11 @@ def audit_archive(path: Path, *, expected_sha256: str | None = None, db_verdicts
                   f"the archive is hostile or damaged")
     record = audit.record
     partial = not record["complete"] and not audit.unreadable and len(audit.problems) == audit.incomplete_notes
+    pending = (not record["complete"] and not audit.unreadable and audit.rows_lacking > 0
+               and len(audit.problems) == audit.incomplete_notes + audit.rows_lacking)
     record["problems"] = _bounded(record["problems"])
     record["result"] = "agree" if record["complete"] and not record["problems"] else "disagree"
-    return AuditReport(record, unreadable=audit.unreadable, partial=partial)
+    return AuditReport(record, unreadable=audit.unreadable, partial=partial, rows_pending=pending)
 
 
 MAX_PROBLEM_CHARS = 2000  # a problem is one readable line, whatever a hostile record holds

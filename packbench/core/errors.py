@@ -20,6 +20,11 @@ class ArchiveError(PackbenchError):
     """A raw archive is missing, unreadable or hostile."""
 
 
+class ArchiveStorageError(ArchiveError):
+    """The archive's storage refused a write (a full disk, a quota, a read-only mount, an I/O
+    error): the storage's fault, not the screen's; `packbench dispatch` exits 74 for it."""
+
+
 class ClusterUnreachable(PackbenchError):
     """No Ray cluster answered at the address given (nothing there, another service, a timeout).
 

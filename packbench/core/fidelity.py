@@ -21,6 +21,7 @@ Computed in float64 from float32 logits (what archives hold); row blocks keep a
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import asdict, dataclass
 from typing import Any, Sequence
 
@@ -151,6 +152,13 @@ def forced_reference(episode: dict, by_index: dict[int, dict], *, reference: str
     return ref
 
 
+def _token_ids(tokens: list) -> bool:
+    """One list of integer token ids, or one such list per sequence (a batch)."""
+    def ids(t: Any) -> bool:
+        return isinstance(t, list) and all(isinstance(x, numbers.Integral) and not isinstance(x, bool) for x in t)
+    return ids(tokens) or all(ids(t) for t in tokens)
+
+
 def of_episode(episode: dict, by_index: dict[int, dict], *, reference: str) -> Fidelity:
     """Fidelity of one finished approximate episode (with `forced_logits`, `forced_from`,
     `tokens`) against the reference episode it was forced on. ValueError naming what is missing."""
@@ -159,4 +167,9 @@ def of_episode(episode: dict, by_index: dict[int, dict], *, reference: str) -> F
     ref = forced_reference(episode, by_index, reference=reference)
     if episode.get("forced_logits") is None or not isinstance(episode.get("tokens"), list):
         raise ValueError("has no teacher-forced logits or tokens")
+    # A gate never raises on a record: tokens that are not ids (a hostile archive's [[1, 2], 3])
+    # are refused here, as a ValueError the gate turns into a failed verdict.
+    for whose, tokens in (("its", episode["tokens"]), (f"reference episode {episode['forced_from']}'s", ref["tokens"])):
+        if not _token_ids(tokens):
+            raise ValueError(f"{whose} tokens are not token ids (one list, or one list per sequence)")
     return fidelity(ref["logits"], episode["forced_logits"], reference_tokens=ref["tokens"], tokens=episode["tokens"])

@@ -302,7 +302,8 @@ def capacity(episodes: list[dict], *, condition: str, start: dict | None, allowa
 # ----------------------------------------------------------------------------- paired comparisons
 
 
-def _pairs(episodes: list[dict], condition: str, control: str) -> tuple[list[tuple[dict, dict]], list[str], list[int]]:
+def paired_episodes(episodes: list[dict], condition: str,
+                    control: str) -> tuple[list[tuple[dict, dict]], list[str], list[int]]:
     """Scored episodes of `condition` and `control` paired by (repetition, prompt).
 
     Returns the pairs in key order, the reasons some key has no usable pair, and every plan
@@ -348,7 +349,7 @@ def _h2d(e: dict, phase: str) -> int | None:
     return _count(e, "phases", phase, "h2d_bytes")
 
 
-def _seconds_of(e: dict, phase: str) -> float | None:
+def seconds_of(e: dict, phase: str) -> float | None:
     """Whole-episode wall time, or one phase's forward-call time (its calls interleave with host
     work, so a phase has no wall of its own; call_s is recomputed from the ledger on audit)."""
     return _seconds(e, "wall_s") if phase == "all" else _seconds(e, "phases", phase, "call_s")
@@ -361,7 +362,7 @@ def acquisition(episodes: list[dict], *, condition: str, control: str, max_ratio
     control bytes, compared exactly in integers and fractions (a float ratio at the boundary
     must not decide a verdict).
     """
-    pairs, bad, used = _pairs(episodes, condition, control)
+    pairs, bad, used = paired_episodes(episodes, condition, control)
     values = [(_h2d(a, phase), _h2d(b, phase)) for a, b in pairs]
     missing = [f"episode {_index(a if x is None else b)} has no {phase} H2D byte count"
                for (a, b), (x, y) in zip(pairs, values) if x is None or y is None]
@@ -414,8 +415,8 @@ def runtime(episodes: list[dict], *, condition: str, control: str, max_ratio: fl
     value = sum of times / sum of control times; the verdict is decided on the UPPER bound of a
     paired bootstrap interval (`bootstrap_ratio`): passed when hi <= max_ratio.
     """
-    pairs, bad, used = _pairs(episodes, condition, control)
-    values = [(_seconds_of(a, phase), _seconds_of(b, phase)) for a, b in pairs]
+    pairs, bad, used = paired_episodes(episodes, condition, control)
+    values = [(seconds_of(a, phase), seconds_of(b, phase)) for a, b in pairs]
     missing = [f"episode {_index(a if x is None else b)} has no {'wall' if phase == 'all' else phase + ' call'} time"
                for (a, b), (x, y) in zip(pairs, values) if x is None or y is None]
     zero = [f"control episode {_index(b)} took 0 s" for (a, b), (x, y) in zip(pairs, values) if y == 0.0]

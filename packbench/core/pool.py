@@ -1,6 +1,6 @@
-"""The values a pool of GPU workers hands back to the scheduler.
+"""The values a pool of GPU workers hands back to the dispatcher.
 
-The scheduler (service/scheduler.py) drives a `WorkerPool` (service/scheduler_pool.py) that
+The dispatcher (service/dispatcher/) drives a `WorkerPool` (service/dispatcher/pool.py) that
 `cluster/pool.py` implements on Ray; both sides build and read these, so they live below both.
 """
 
@@ -35,7 +35,7 @@ class Reply:
 def in_worker_order(calls: list, ready: set, *, worker_of: Callable[[Any], Any]) -> list:
     """The calls of `ready` that may be handed over now, in the order `calls` went out: a call
     waits while an earlier call to the same worker is not back (a worker runs its calls in
-    order, so the scheduler records its episodes in plan order, whatever order the runtime
+    order, so the dispatcher records its episodes in plan order, whatever order the runtime
     reports them in)."""
     waiting, out = set(), []
     for call in calls:

@@ -137,6 +137,10 @@ EPISODE_FIELDS: tuple[Field, ...] = (
     # The worker's time for the plan entry: the policy's activation, the episode and its
     # measurements (a failed one: until the failure); wall_s is the episode alone.
     _kept("episode_s", float),
+    # What the worker ran just before this episode ({condition, plan_index, load: the worker's
+    # load count, so another screen's shows}; None for its first): interference shows by it
+    # (core/serving.py by_previous). Absent from older archives.
+    _kept("previous", dict),
 )
 STORED_FIELDS: tuple[Field, ...] = tuple(f for f in EPISODE_FIELDS if f.column is not None)
 LEDGER_FIELDS: tuple[Field, ...] = tuple(f for f in EPISODE_FIELDS if f.ledger)

@@ -18,12 +18,10 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from packbench.core.conditions import CONDITIONS
-from packbench.core.conditions.accelerate import CAPTURE_REFUSAL as _ACCELERATE_REFUSAL
+from packbench.core.conditions import accelerate as accelerate_kind
+from packbench.core.conditions import quantized as quantized_kind
 from packbench.core.conditions.base import (COMPETITOR_MODES, INT8_SCALE_BYTES, TIERS, WEIGHT_FORMATS, WEIGHTS_PARAM,
                                             WEIGHTS_SCHEMA, ChoiceParam, ConditionKind, IntParam)
-from packbench.core.conditions.quantized import CAPTURE_REFUSALS as _METHOD_REFUSALS
-from packbench.core.conditions.quantized import FASTEST_MODE as _METHOD_FASTEST
-from packbench.core.conditions.quantized import QUANT_METHODS, STACK_REFUSALS
 from packbench.core.errors import PackbenchError
 from packbench.core.text import show
 
@@ -37,11 +35,13 @@ POLICY_NAMES = tuple(POLICY_PARAMS)
 COMPETITOR_PARAMS = {n: p for n, p in CONDITION_PARAMS.items() if CONDITIONS[n].competitor is not None}
 APPROXIMATE_POLICIES = tuple(n for n, k in CONDITIONS.items() if k.tier == "approximate")
 LOWBIT_EXTRA = "lowbit"
-COMPETITOR_LIBRARIES = (*dict.fromkeys(QUANT_METHODS.values()), "accelerate")
-# Why a method's or a library's calls cannot be captured (core/conditions/quantized.py, accelerate.py).
-CAPTURE_REFUSALS: dict[str, str] = {**_METHOD_REFUSALS, "accelerate": _ACCELERATE_REFUSAL}
-# The fastest mode of each method, or of a competitor without one (core/conditions/quantized.py).
-FASTEST_MODE: dict[str, str] = {**_METHOD_FASTEST, "accelerate": "eager"}
+# The competitors' own tables (core/conditions/quantized.py, accelerate.py), seen from here.
+QUANT_METHODS, STACK_REFUSALS = quantized_kind.QUANT_METHODS, quantized_kind.STACK_REFUSALS
+COMPETITOR_LIBRARIES = (*dict.fromkeys(QUANT_METHODS.values()), accelerate_kind.LIBRARY)
+# Why a method's or a library's calls cannot be captured.
+CAPTURE_REFUSALS: dict[str, str] = {**quantized_kind.CAPTURE_REFUSALS, accelerate_kind.LIBRARY: accelerate_kind.CAPTURE_REFUSAL}
+# The fastest mode of each method, or of a competitor without one.
+FASTEST_MODE: dict[str, str] = {**quantized_kind.FASTEST_MODE, "accelerate": "eager"}
 
 
 def kind_of(policy: str) -> ConditionKind:
@@ -223,6 +223,9 @@ def _show(value: Any) -> str:
     return show(value, 60)  # built to 60 characters: a hostile value is never rendered whole
 
 
+MAX_SEED = 2**63 - 1  # torch.Generator.manual_seed takes a signed 64-bit integer (larger: a ValueError)
+
+
 class SynthArgumentError(PackbenchError, ValueError):
     """A synthetic-model argument outside what can be generated. It names the argument and
     what it allows; each caller spells the argument its own way (`model.synth.shape` in a
@@ -287,8 +290,8 @@ def synth_spec(*, shape: Any, dtype: Any, seed: Any, sparsity: Any = None, hot_f
                                      choice=False)
     else:
         sparsity = _number("sparsity", sparsity, low=0.0, low_open=True, high=1.0)
-    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
-        raise SynthArgumentError("seed", seed, "an integer >= 0", choice=False)
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= MAX_SEED:  # torch's seed: 64 bits
+        raise SynthArgumentError("seed", seed, f"an integer in [0, {MAX_SEED}]", choice=False)
     if profile is not None:
         return {"shape": shape, "dtype": dtype, "seed": seed, "profile": profile}
     return {

@@ -29,6 +29,7 @@ from packbench.core.plan import plan
 from packbench.core.protocol import MIB, Protocol, expand
 from packbench.core.record import token_count
 from packbench.core.registry import SHAPES
+from packbench.core.serving import by_previous, condition_serving, episode_serving, position_check, robust_runtime, scored_ok
 
 PHASES = ("prefill", "decode")
 # The runtime interval shown for a condition without a declared runtime gate: the gate's own
@@ -95,8 +96,8 @@ class ScreenData:
         m = self.manifest
         where = self.environment.get("gpu") or self.environment.get("device") or ""
         host = self.environment.get("host")
-        if "screen_id" in m:
-            text = f"{self.protocol.name} screen {m['screen_id']}.{m.get('attempt', '?')}"
+        if "screen_id" in m:  # "screen 7.1" read as a version number: the attempt is named
+            text = f"{self.protocol.name} screen {m['screen_id']}, attempt {m.get('attempt', '?')}"
         else:
             text = f"{self.protocol.name} ({self.path.name})"
         return f"{text} on {host}{' ' + where if where else ''}" if host else text
@@ -217,6 +218,115 @@ def runtime_intervals(screen: ScreenData) -> list[dict]:
         out.append({"condition": c, "control": control, "value": v["value"], "interval": v["interval"],
                     "threshold": None, "passed": None, "source": "computed"})
     return out
+
+
+def serving_rows(screen: ScreenData) -> list[dict]:
+    """One row per condition (protocol order) with its tier: the serving figures of its scored
+    finished episodes (core.serving.condition_serving; docs/metrics.md defines each)."""
+    records = [e.record for e in screen.episodes]
+    return [{"condition": c.name, "tier": c.tier, **condition_serving(scored_ok(records, c.name)),
+             "ttft_first_s": first_use_ttft(records, c.name)} for c in screen.protocol.conditions]
+
+
+def first_use_ttft(records: list[dict], condition: str) -> float | None:
+    """Cold TTFT: the prefill call of the condition's first finished episode in the screen (a
+    warmup where it has one: its first use in the worker); the `ttft_s` of serving_rows is the
+    warm one, the median over scored episodes (docs/metrics.md)."""
+    mine = sorted((r for r in records if r.get("condition") == condition and r.get("status") == "ok"),
+                  key=lambda r: r.get("plan_index", 0))
+    for r in mine:
+        f = episode_serving(r)
+        if f is not None:
+            return f["ttft_s"]
+    return None
+
+
+FIRST_IN_WORKER = "nothing (first in the worker)"
+
+
+def steady_by_previous(screen: ScreenData) -> list[dict]:
+    """Per condition (protocol order), its steady decode call split by the condition the worker ran
+    just before each scored episode (core.serving.by_previous): a figure that moves with what ran
+    before is interference, not the condition's own speed. [{condition, tier, previous: [{condition,
+    n, median}]}]."""
+    records = [e.record for e in screen.episodes]
+    out = []
+    for c in screen.protocol.conditions:
+        split = by_previous(records, c.name)
+        if split:
+            out.append({"condition": c.name, "tier": c.tier,
+                        "previous": [{"condition": FIRST_IN_WORKER if p is None else p, "n": v["n"],
+                                      "median": v["median"]} for p, v in split.items()]})
+    return out
+
+
+def runtime_ratios(screen: ScreenData) -> list[dict]:
+    """Beside each runtime reading of `runtime_intervals` (the frozen gate's summed walls and its
+    bootstrap bound, or that gate's function where none is declared): the ratio of median walls
+    over the same pairs with its paired interval, the outliers beyond 3 IQR, and whether the two
+    disagree (core.serving.robust_runtime). Each row keeps the condition's tier."""
+    records = [{**e.record, "repetition": e.repetition} for e in screen.episodes]
+    tiers = {c.name: c.tier for c in screen.protocol.conditions}
+    declared = {g.control: g for g in screen.protocol.gates.runtime if g.phase == "all"}
+    out = []
+    for row in runtime_intervals(screen):
+        g = declared.get(row["control"])  # the gate's own interval settings, where it declares them
+        robust = robust_runtime(records, condition=row["condition"], control=row["control"], gate=row,
+                                confidence=g.confidence if g and g.confidence else DEFAULT_CONFIDENCE,
+                                resamples=g.resamples if g and g.resamples else DEFAULT_RESAMPLES,
+                                seed=g.seed if g and g.seed is not None else DEFAULT_SEED)
+        if robust is not None:
+            out.append({**robust, "tier": tiers.get(row["condition"]), "passed": row["passed"],
+                        "source": row["source"]})
+    return out
+
+
+def plan_positions(screens: list[ScreenData]) -> dict:
+    """core.serving.position_check over one or more screens of one protocol."""
+    prompts = screens[0].protocol.prompt_count if screens else None
+    return position_check([[{**e.record, "repetition": e.repetition} for e in s.episodes] for s in screens],
+                          prompts=prompts)
+
+
+def headline(screen: ScreenData) -> list[str]:
+    """What won, by how much, one line per tier (exact and approximate are never ranked together):
+    the conditions ordered by their steady decode call (the median decode call but each episode's
+    first: one rule for every condition, docs/metrics.md), the fastest named with its factor over
+    the tier's slowest and over the reference, and its TPOT and once-per-episode cost apart; then
+    one line per runtime reading: the frozen gate beside the ratio of medians, and whether the two
+    disagree."""
+    lines = []
+    ref = screen.protocol.reference
+    rows = serving_rows(screen)
+    steady = {r["condition"]: r["steady_call_s"] for r in rows}
+    for tier in ("exact", "approximate"):
+        ranked = sorted((r for r in rows if r["tier"] == tier and r["steady_call_s"]), key=lambda r: r["steady_call_s"])
+        if not ranked:
+            continue
+        best, worst = ranked[0], ranked[-1]
+        text = (f"{tier.capitalize()} tier, by the steady decode call ({best['episodes']} scored episodes): "
+                f"{best['condition']} {best['steady_call_s'] * 1e3:.3g} ms")
+        if len(ranked) > 1:
+            text += f", {worst['steady_call_s'] / best['steady_call_s']:.3g}x faster than the slowest, {worst['condition']}"
+        if ref not in (best["condition"], worst["condition"]) and steady.get(ref):
+            text += f", {steady[ref] / best['steady_call_s']:.3g}x the reference {ref}'s {steady[ref] * 1e3:.3g} ms"
+        if best["tpot_s"] is not None:
+            text += f" (its TPOT {best['tpot_s'] * 1e3:.3g} ms"
+            once = best["first_decode_excess_s"]
+            text += f", once per episode {once * 1e3:+.3g} ms)" if once is not None else ")"
+        text += "; order: " + ", ".join(f"{r['condition']} {r['steady_call_s'] * 1e3:.3g}" for r in ranked) + " ms"
+        lines.append(text)
+    for r in runtime_ratios(screen):
+        m = r["median"]
+        gate = "" if r["gate_value"] is None else f"summed walls {r['gate_value']:.3g}"
+        if r["passed"] is not None:
+            gate = f"runtime gate {'PASS' if r['passed'] else 'FAIL'} ({gate}, bound {r['gate_interval'][1]:.3g})"
+        text = (f"{r['condition']} ({r['tier']}) over {r['control']}: {gate}; ratio of medians {m['value']:.3g} "
+                f"[{m['interval'][0]:.3g}, {m['interval'][1]:.3g}]")
+        if r["disagree"]:
+            text += f"; the two readings disagree {r['because']}"
+        lines.append(text)
+    return lines
 
 
 def decode_ms_per_token(screen: ScreenData) -> dict[str, list[float]]:

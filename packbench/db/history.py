@@ -11,7 +11,7 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from packbench.db.models import SqlAttempt, SqlProtocol, SqlScreen
-from packbench.db.queries import _protocol_matches
+from packbench.db.queries import protocol_matches
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,7 +42,7 @@ def runs(session: Session, protocol: str) -> list[HistoryRun]:
              .join(SqlProtocol, SqlProtocol.id == SqlScreen.protocol_id)
              .join(latest, latest.c.screen_id == SqlScreen.id)
              .join(SqlAttempt, (SqlAttempt.screen_id == SqlScreen.id) & (SqlAttempt.number == latest.c.number))
-             .where(_protocol_matches(protocol))
+             .where(protocol_matches(protocol))
              .order_by(SqlAttempt.started_at, SqlScreen.id))
     out = []
     for sid, aid, number, pname, sha, name, freeze, started, node, gpu in session.execute(query):

@@ -24,7 +24,7 @@ from sqlalchemy.orm import Session
 
 from packbench.core.record import stored_values
 from packbench.db.errors import Conflict
-from packbench.db.models import SqlAttempt, SqlEpisode, SqlMachine, SqlProtocol, SqlScreen, SqlVerdict, json_text
+from packbench.db.models import SqlAttempt, SqlDispatcher, SqlEpisode, SqlMachine, SqlProtocol, SqlScreen, SqlVerdict, json_text
 from packbench.db.queries import get_row
 from packbench.db.queue import new_attempt_key
 from packbench.db.records import AttemptRow, ReconcileTarget
@@ -102,17 +102,29 @@ def insert_episode_sqlite(connection: sqlite3.Connection, row: dict[str, Any], d
     return inserted == 1
 
 
-def reconcile_targets(session: Session, *, attempt_ids: Collection[int] | None,
-                      finished_since: datetime | None) -> list[ReconcileTarget]:
+def reconcile_targets(session: Session, *, attempt_ids: Collection[int] | None, finished_since: datetime | None,
+                      host: str | None = None, alive: Callable[[int, datetime], bool] | None = None
+                      ) -> list[ReconcileTarget]:
     """The attempts `Store.reconcile_targets` names, each with its stored plan indexes."""
     query = select(SqlAttempt).order_by(SqlAttempt.id)
     if attempt_ids is not None:
         query = query.where(SqlAttempt.id.in_(list(attempt_ids)))
     else:
-        query = query.where(SqlAttempt.status != "running")
+        ended = SqlAttempt.status != "running"
         if finished_since is not None:
-            query = query.where(SqlAttempt.finished_at >= finished_since)
-    attempts = session.scalars(query).all()
+            ended = ended & (SqlAttempt.finished_at >= finished_since)
+        query = query.where(ended)
+    attempts = list(session.scalars(query).all())
+    if attempt_ids is None and host is not None and alive is not None:
+        # Running attempts whose dispatcher on this host is gone: nobody writes their archives
+        # any more (a one-shot dispatch that stopped in a database outage, a killed driver).
+        orphans = session.execute(
+            select(SqlAttempt, SqlDispatcher.pid, SqlDispatcher.started_at)
+            .join(SqlDispatcher, SqlDispatcher.id == SqlAttempt.dispatcher_id)
+            .where(SqlAttempt.status == "running", SqlDispatcher.host == host, SqlDispatcher.pid.is_not(None))
+        ).all()
+        attempts += [a for a, pid, started_at in orphans if not alive(pid, started_at)]
+        attempts.sort(key=lambda a: a.id)
     stored: dict[int, set[int]] = {a.id: set() for a in attempts}
     ids = list(stored)
     for chunk in range(0, len(ids), 500):  # bounded IN lists

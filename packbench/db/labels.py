@@ -16,7 +16,7 @@ from sqlalchemy.orm import Session
 from packbench.core.canonical import canonical_json
 from packbench.db.errors import InvalidFilter
 from packbench.db.models import SCREEN_STATUSES, SqlProtocol, SqlScreen, SqlScreenTag
-from packbench.db.queries import _one_of, _protocol_matches, find_screen
+from packbench.db.queries import check_one_of, protocol_matches, find_screen
 from packbench.db.records import ScreenRow
 
 TAG_KEY = re.compile(r"[A-Za-z0-9_.:-]{1,100}")
@@ -30,15 +30,16 @@ def check_tags(tags: Mapping[str, str]) -> dict[str, str]:
         if not isinstance(key, str) or not TAG_KEY.fullmatch(key):
             raise InvalidFilter(f"tag key {key!r} must be 1-100 letters, digits or _.:-; write e.g. --tag team=infra")
         value = str(value)
-        if len(value) > MAX_VALUE or "\n" in value:
-            raise InvalidFilter(f"tag {key}: its value must be one line of at most {MAX_VALUE} characters")
+        if len(value) > MAX_VALUE or "\n" in value or "\x00" in value:  # NUL: PostgreSQL refuses it, so both do
+            raise InvalidFilter(f"tag {key}: its value must be one line of at most {MAX_VALUE} characters, "
+                                f"without NUL")
         out[key] = value
     return out
 
 
 def check_name(name: str | None) -> str | None:
-    if name is not None and not (0 < len(name) <= MAX_NAME and "\n" not in name):
-        raise InvalidFilter(f"screen name {name[:40]!r} must be one line of 1-{MAX_NAME} characters")
+    if name is not None and not (0 < len(name) <= MAX_NAME and "\n" not in name and "\x00" not in name):
+        raise InvalidFilter(f"screen name {name[:40]!r} must be one line of 1-{MAX_NAME} characters, without NUL")
     return name
 
 
@@ -50,6 +51,8 @@ def label(session: Session, ref: int | str, *, name: str | None = None, note: st
     if name is not None:
         screen.name = check_name(name)
     if note is not None:
+        if "\x00" in note:
+            raise InvalidFilter("a note cannot hold a NUL character (PostgreSQL refuses it); remove it")
         screen.note = note
     drop = set(untag)
     if drop:
@@ -101,11 +104,11 @@ def screens(session: Session, *, protocol: str | None = None, status: str | None
             ids: Iterable[int] | None = None, limit: int | None = None) -> list[ScreenRow]:
     """Screens, newest first, filtered by protocol (name or SHA-256 prefix), status, name (exact),
     every one of `tags`, sweep id, or an id list."""
-    _one_of(status, SCREEN_STATUSES, "screen status")
+    check_one_of(status, SCREEN_STATUSES, "screen status")
     query = (select(SqlScreen).join(SqlProtocol, SqlProtocol.id == SqlScreen.protocol_id)
              .order_by(SqlScreen.id.desc()))
     if protocol is not None:
-        query = query.where(_protocol_matches(protocol))
+        query = query.where(protocol_matches(protocol))
     if status is not None:
         query = query.where(SqlScreen.status == status)
     if name is not None:

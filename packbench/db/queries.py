@@ -26,6 +26,7 @@ from sqlalchemy.orm import Session
 
 from packbench.core.protocol import DTYPE_NAMES, GATE_NAMES, PHASES
 from packbench.core.record import SORT_NAMES
+from packbench.core.text import one_line
 from packbench.db.errors import InvalidFilter, NotFound
 from packbench.db.models import (
     EPISODE_STATUSES,
@@ -74,7 +75,7 @@ def _is_bare_date(text: str) -> bool:
     return True
 
 
-def _one_of(value: str | None, allowed: tuple[str, ...], what: str) -> None:
+def check_one_of(value: str | None, allowed: tuple[str, ...], what: str) -> None:
     if value is not None and value not in allowed:
         raise InvalidFilter(f"unknown {what} {value!r}; use one of {', '.join(allowed)}")
 
@@ -93,7 +94,7 @@ class ResultFilter:
     passed: with `gate`, that verdict passed (True) or failed (False). Without `gate`: True
         keeps episodes whose condition has verdicts and all passed, False those whose
         condition failed at least one.
-    status: the episode's status, 'ok' or 'failed'.
+    status: the episode's status, 'ok' or 'failed'. role: 'scored' or 'warmup'.
     since, until: when the episode's attempt started, since <= started_at < until.
     machine: a case-insensitive substring of the host, node or GPU name.
     min_energy_j, max_energy_j: the episode's NVML energy in joules lies in
@@ -121,13 +122,15 @@ class ResultFilter:
     descending: bool = False
     screen_id: int | None = None
     limit: int | None = None
+    role: str | None = None
 
     def __post_init__(self) -> None:
-        _one_of(self.gate, GATES, "gate")
-        _one_of(self.phase, PHASES, "phase")
+        check_one_of(self.gate, GATES, "gate")
+        check_one_of(self.role, ("scored", "warmup"), "role")
+        check_one_of(self.phase, PHASES, "phase")
         if self.phase is not None and self.gate is None:
             raise InvalidFilter(f"--phase {self.phase} picks a verdict of a gate; give --gate too")
-        _one_of(self.sort, tuple(SORT_KEYS), "sort column")
+        check_one_of(self.sort, tuple(SORT_KEYS), "sort column")
         if self.descending and self.sort is None:
             raise InvalidFilter("--desc reverses a --sort column; give --sort too, e.g. --sort energy_j --desc")
         for name in ("min_energy_j", "max_energy_j"):
@@ -139,8 +142,8 @@ class ResultFilter:
                 and self.min_energy_j > self.max_energy_j):
             raise InvalidFilter(f"--min-energy {self.min_energy_j} J is above --max-energy {self.max_energy_j} J; "
                                 f"swap them")
-        _one_of(self.dtype, DTYPE_NAMES, "dtype")
-        _one_of(self.status, EPISODE_STATUSES, "episode status")
+        check_one_of(self.dtype, DTYPE_NAMES, "dtype")
+        check_one_of(self.status, EPISODE_STATUSES, "episode status")
         for name in ("since", "until"):
             moment = getattr(self, name)
             if moment is not None and moment.tzinfo is None:
@@ -219,7 +222,7 @@ SORT_KEYS: dict[str, Any] = {
 }
 
 
-def _protocol_matches(ref: str) -> ColumnElement[bool]:
+def protocol_matches(ref: str) -> ColumnElement[bool]:
     condition = SqlProtocol.name == ref
     lowered = ref.lower()
     if lowered and all(c in "0123456789abcdef" for c in lowered):
@@ -297,7 +300,7 @@ def _result_criteria(f: ResultFilter) -> list[ColumnElement[bool]]:
     elif f.passed is False:
         criteria.append(_same_condition_verdicts(~SqlVerdict.passed))
     if f.protocol is not None:
-        criteria.append(_protocol_matches(f.protocol))
+        criteria.append(protocol_matches(f.protocol))
     if f.model is not None:
         criteria.append(or_(SqlProtocol.model.icontains(f.model, autoescape=True),
                             SqlScreen.model_dir.icontains(f.model, autoescape=True)))
@@ -307,6 +310,8 @@ def _result_criteria(f: ResultFilter) -> list[ColumnElement[bool]]:
         criteria.append(SqlEpisode.condition == f.condition)
     if f.status is not None:
         criteria.append(SqlEpisode.status == f.status)
+    if f.role is not None:
+        criteria.append(SqlEpisode.role == f.role)
     if f.since is not None:
         criteria.append(SqlAttempt.started_at >= f.since)
     if f.until is not None:
@@ -424,6 +429,9 @@ def get_row(session: Session, model: type, key: int, noun: str, *, for_update: b
     return obj
 
 
+MAX_ID = 2**31 - 1  # ids are `integer` columns: 32-bit on PostgreSQL
+
+
 def find_screen(session: Session, ref: int | str, *, for_update: bool = False) -> SqlScreen:
     """The screen with id `ref` (an int or a string of digits), or 'latest' (highest id);
     `for_update` locks its row (PostgreSQL) for a read-then-write."""
@@ -433,8 +441,11 @@ def find_screen(session: Session, ref: int | str, *, for_update: bool = False) -
         if screen is None:
             raise NotFound("there is no screen yet; submit one with `packbench submit`")
         return screen
-    if isinstance(ref, str) and not ref.isdigit():
-        raise NotFound(f"no screen {ref!r}; give a screen id or 'latest'")
+    if isinstance(ref, str) and not (ref.isascii() and ref.isdigit()):
+        raise NotFound(f"no screen {one_line(ref[:60])!r}; give a screen id or 'latest'")
+    if not 0 <= int(ref) <= MAX_ID:  # beyond the id column: no such screen (SQLite's driver would overflow)
+        raise NotFound(f"no screen with id {str(ref)[:30]}{'...' if len(str(ref)) > 30 else ''}; ids are at most "
+                       f"{MAX_ID}; list them with `packbench screens list`")
     screen = session.get(SqlScreen, int(ref), with_for_update=True if for_update else None)
     if screen is None:
         raise NotFound(f"no screen with id {ref}; list them with `packbench screens list`")
@@ -449,7 +460,7 @@ def list_screens(
     limit: int | None = None,
 ) -> list[ScreenSummary]:
     """Screens, newest first, optionally by status and protocol (name or SHA-256 prefix)."""
-    _one_of(status, SCREEN_STATUSES, "screen status")
+    check_one_of(status, SCREEN_STATUSES, "screen status")
     if limit is not None and limit < 1:
         raise InvalidFilter(f"limit {limit} must be >= 1 (or None for every screen)")
     attempts = (
@@ -485,7 +496,7 @@ def list_screens(
     if status is not None:
         query = query.where(SqlScreen.status == status)
     if protocol is not None:
-        query = query.where(_protocol_matches(protocol))
+        query = query.where(protocol_matches(protocol))
     if limit is not None:
         query = query.limit(limit)
     return [

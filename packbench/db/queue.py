@@ -412,30 +412,50 @@ def renew_lease(session: Session, attempt_id: int, lease_s: float, *, clock: Clo
     return screen.cancel_requested_at is None
 
 
-def _expired(now: datetime, dialect: str) -> Any:
-    """SELECT the running attempts whose lease expired before `now`; on PostgreSQL skipping
+def _reapable(now: datetime, dialect: str, host: str | None) -> Any:
+    """SELECT the running attempts whose lease expired before `now`, and (with `host`) every
+    running attempt of a dispatcher on `host`, each with its dispatcher; on PostgreSQL skipping
     rows another reaper or a renewal holds, so every dispatcher may reap at once."""
+    expired = SqlAttempt.lease_expires_at < now
     query = (
-        select(SqlAttempt)
-        .where(SqlAttempt.status == "running", SqlAttempt.lease_expires_at < now)
+        select(SqlAttempt, SqlDispatcher)
+        .outerjoin(SqlDispatcher, SqlDispatcher.id == SqlAttempt.dispatcher_id)
+        .where(SqlAttempt.status == "running", expired if host is None else or_(expired, SqlDispatcher.host == host))
         .order_by(SqlAttempt.id)
     )
-    return query.with_for_update(skip_locked=True) if dialect == "postgresql" else query
+    return query.with_for_update(skip_locked=True, of=SqlAttempt) if dialect == "postgresql" else query
 
 
-def reap_expired(session: Session, now: datetime | None, *, clock: Clock) -> list[Reaped]:
+def reap_expired(session: Session, now: datetime | None, *, clock: Clock, host: str | None = None,
+                 alive: Callable[[int, datetime], bool] | None = None) -> list[Reaped]:
     """Turn running attempts whose lease expired before `now` (default: the clock) into
     `lost` ones (their partial archives stay, auditable as incomplete). Each screen is
     requeued while attempts_used < max_attempts, else failed; a screen with a cancel
     request becomes cancelled. Safe to call from every dispatcher at once: an attempt is
-    reaped once (PostgreSQL skips rows another reaper or a renewal holds)."""
+    reaped once (PostgreSQL skips rows another reaper or a renewal holds).
+
+    `host` and `alive(pid, started_at)` (the reaper's host, and whether the process `pid`
+    started by `started_at` still runs there): an attempt whose dispatcher is on this host is
+    judged by its process, not its lease: never reaped while it lives (a live `dispatch
+    --follow` renews its leases once a database outage ends, however long it was), reaped at
+    once when it is gone (a killed driver holds nothing for the rest of its lease)."""
     now = now or clock()
     reaped = []
-    for attempt in session.scalars(_expired(now, session.get_bind().dialect.name)).all():
+    judge_host = host is not None and alive is not None
+    for attempt, dispatcher in session.execute(_reapable(now, session.get_bind().dialect.name,
+                                                         host if judge_host else None)).all():
+        here = judge_host and dispatcher is not None and dispatcher.host == host and dispatcher.pid is not None
+        if here and alive(dispatcher.pid, dispatcher.started_at):
+            continue  # its holder lives on this host: it renews the lease once it can
+        if here:
+            why = f"its dispatcher (pid {dispatcher.pid} on {host}) is gone"
+            attempt.error = f"dispatcher {attempt.dispatcher_id} is gone: its process (pid {dispatcher.pid} on {host}) ended"
+        else:
+            why = "lease expired"
+            attempt.error = (f"lease expired at {attempt.lease_expires_at.isoformat(timespec='seconds')}: "
+                             f"dispatcher {attempt.dispatcher_id} stopped renewing it")
         attempt.status = "lost"
         attempt.finished_at = now
-        attempt.error = (f"lease expired at {attempt.lease_expires_at.isoformat(timespec='seconds')}: "
-                         f"dispatcher {attempt.dispatcher_id} stopped renewing it")
         screen = session.get_one(SqlScreen, attempt.screen_id, with_for_update=True)
         if screen.cancel_requested_at is not None:
             screen.status, screen.finished_at = "cancelled", now
@@ -443,7 +463,7 @@ def reap_expired(session: Session, now: datetime | None, *, clock: Clock) -> lis
             screen.status, screen.finished_at = "queued", None
         else:
             screen.status, screen.finished_at = "failed", now
-        reaped.append(Reaped(attempt_id=attempt.id, screen_id=screen.id, screen_status=screen.status))
+        reaped.append(Reaped(attempt_id=attempt.id, screen_id=screen.id, screen_status=screen.status, why=why))
     return reaped
 
 

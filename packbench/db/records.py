@@ -196,6 +196,7 @@ class Reaped:
     attempt_id: int
     screen_id: int
     screen_status: str  # queued (requeued) | failed (max_attempts used) | cancelled
+    why: str = "lease expired"  # or: its dispatcher on the reaper's host is gone
 
 
 @dataclass(frozen=True, slots=True)

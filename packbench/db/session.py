@@ -6,20 +6,24 @@ cluster database). Anything else is refused up front, because only these two are
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.engine import URL, make_url
 from sqlalchemy.exc import (
     ArgumentError,
+    DataError,
     DBAPIError,
     IntegrityError,
     NoSuchModuleError,
     SQLAlchemyError,
 )
 from sqlalchemy.orm import Session
+from sqlalchemy.pool import QueuePool
 
 from packbench.core.settings import DB_URL_ENV, DEFAULT_DB_URL, environ_db_url
 from packbench.db.errors import DatabaseError, DatabaseLocked, DatabaseUnavailable, SchemaNotAtHead
@@ -48,8 +52,16 @@ def make_engine(url: str | None = None) -> Engine:
     backend = parsed.get_backend_name()
     try:
         if backend == "sqlite":
-            engine = create_engine(parsed)
-            _configure_sqlite(engine)
+            read_only = _read_only_sqlite(parsed)
+            if read_only is not None:  # read it as it is: no WAL files to create, no write lock to take
+                import sqlite3  # here: a PostgreSQL URL never imports it
+
+                engine = create_engine("sqlite://", poolclass=QueuePool, creator=lambda: sqlite3.connect(
+                    read_only, uri=True, check_same_thread=False))
+                engine.url = parsed  # messages name the file, not the URI
+            else:
+                engine = create_engine(parsed)
+            _configure_sqlite(engine, read_only=read_only is not None)
         else:
             connect_args = {}
             if "connect_timeout" not in parsed.query:
@@ -84,7 +96,31 @@ def _parse(text: str) -> URL:
     return parsed
 
 
-def _configure_sqlite(engine: Engine) -> None:
+def sqlite_file(url: str | None = None) -> Path | None:
+    """The file a SQLite URL names (None: PostgreSQL, or an in-memory database)."""
+    parsed = _parse(url if url is not None else default_url())
+    if parsed.get_backend_name() != "sqlite" or parsed.database in (None, "", ":memory:") or parsed.query \
+            or parsed.database.startswith("file:"):  # a URI (`?uri=true`, `mode=ro`): SQLite's own business
+        return None
+    return Path(parsed.database)
+
+
+def _read_only_sqlite(parsed: URL) -> str | None:
+    """A `file:` URI that opens an existing SQLite file read-only when it, or the folder beside
+    it that SQLite writes its WAL files into, cannot be written (a read-only mount, say); None
+    otherwise. With no WAL file there it is opened immutable (nothing can be changing it); with
+    one, read-only, as SQLite allows when the -shm file exists."""
+    if parsed.database in (None, "", ":memory:") or parsed.query:
+        return None
+    path = Path(parsed.database)
+    if not path.is_file() or (os.access(path, os.W_OK) and os.access(path.parent or Path("."), os.W_OK)):
+        return None
+    wal = path.with_name(path.name + "-wal")
+    flags = "mode=ro" if wal.exists() else "mode=ro&immutable=1"
+    return f"{path.absolute().as_uri()}?{flags}"
+
+
+def _configure_sqlite(engine: Engine, *, read_only: bool = False) -> None:
     """Per-connection SQLite settings packbench relies on.
 
     - busy_timeout: concurrent writers wait (up to 30 s) for the lock instead of failing.
@@ -105,13 +141,14 @@ def _configure_sqlite(engine: Engine) -> None:
         try:
             cursor.execute(f"PRAGMA busy_timeout = {SQLITE_BUSY_TIMEOUT_MS}")
             cursor.execute("PRAGMA foreign_keys = ON")
-            cursor.execute("PRAGMA journal_mode = WAL")
+            if not read_only:
+                cursor.execute("PRAGMA journal_mode = WAL")
         finally:
             cursor.close()
 
     @event.listens_for(engine, "begin")
     def _on_begin(connection) -> None:  # type: ignore[no-untyped-def]
-        connection.exec_driver_sql("BEGIN IMMEDIATE")
+        connection.exec_driver_sql("BEGIN" if read_only else "BEGIN IMMEDIATE")  # read-only: no write lock to take
 
 
 @contextmanager
@@ -257,9 +294,21 @@ def translate(exc: BaseException, url: URL) -> DatabaseError:
             f"{where} refused a write that breaks a constraint ({detail}); this is a packbench "
             f"bug: report it with the command you ran"
         )
+    state = _sqlstate(orig)
+    if isinstance(exc, DataError) or (state or "").startswith("22"):  # data_exception: the value, not the schema
+        return DatabaseError(
+            f"{where} cannot store a value it was given ({type(orig).__name__}: {detail}); change that value "
+            f"(a NUL character in text, a number out of range) and retry"
+        )
+    if state == "25006":  # read_only_sql_transaction: a standby, or default_transaction_read_only
+        return DatabaseError(
+            f"{where} accepts no writes here ({detail}); point {ENV_VAR} at the primary, or make the "
+            f"database writable"
+        )
+    upgrade = state is not None and state.startswith("42")  # syntax or access rule: maybe an old schema
     return DatabaseError(
         f"database error on {where} ({type(orig).__name__}: {detail}); check the database "
-        f"and {ENV_VAR}, or run `packbench db upgrade` if packbench was updated"
+        f"and {ENV_VAR}" + (", or run `packbench db upgrade` if packbench was updated" if upgrade else "")
     )
 
 

@@ -205,7 +205,7 @@ class Store:
         (claims allowed before a screen whose leases keep expiring is failed, >= 1),
         `gpu_type` (only a worker of that GPU type may claim it), `placement_node` (only a
         worker on that node), `exclusive_node` (no other screen runs on its node meanwhile),
-        `replica_group` (screens sharing one, e.g. from `create_replicas`, run on distinct nodes),
+        `replica_group` (screens sharing one, e.g. from `create_screens(spread=True)`, run on distinct nodes),
         `resources` (custom Ray resources its node must have free: only a claim whose
         `node_resources` cover them, beside what runs there already, can take it).
         """
@@ -218,15 +218,25 @@ class Store:
                 gpu_type=gpu_type, placement_node=placement_node, exclusive_node=exclusive_node,
                 replica_group=replica_group, resources=resources)[0]
 
-    def create_replicas(self, replicas: int, **screen: Any) -> list[int]:
-        """Queue `replicas` screens of one protocol (`create_screen`'s arguments) in one
-        transaction, sharing a new random replica_group so that they run on distinct nodes
-        (`submit --replicas N --spread`); return their ids."""
-        if replicas < 1:
-            raise ValueError(f"replicas {replicas} must be >= 1")
+    def create_screens(self, count: int, *, spread: bool = False, name: str | None = None, note: str | None = None,
+                       tags: Mapping[str, str] | None = None, **screen: Any) -> list[int]:
+        """Queue `count` screens of one protocol (`create_screen`'s arguments), labelled with
+        `name`, `note` and `tags` when given, in one transaction: all of them or none (an error
+        or an interrupt part-way queues nothing). `spread`: they share a new random
+        replica_group, so that they run on distinct nodes (`submit --replicas N --spread`).
+        Return their ids."""
+        if count < 1:
+            raise ValueError(f"count {count} must be >= 1")
+        if screen.get("max_attempts", 1) < 1:
+            raise ValueError(f"max_attempts {screen['max_attempts']} must be >= 1")
         with self._session() as session:
-            group = new_attempt_key()
-            return queue.enqueue(session, clock=self._clock, count=replicas, **{**screen, "replica_group": group})
+            if spread:
+                screen["replica_group"] = new_attempt_key()
+            ids = queue.enqueue(session, clock=self._clock, count=count, **screen)
+            if name is not None or note is not None or tags:
+                for screen_id in ids:
+                    labels.label(session, screen_id, name=name, note=note, tags=tags)
+            return ids
 
     def queued_screens(self) -> list[ScreenRow]:
         """Screens waiting for a worker in claim order: highest priority, then oldest."""
@@ -359,11 +369,13 @@ class Store:
             return queue.renew_lease(session, attempt_id, lease_s, clock=self._clock)
 
     @retried
-    def reap_expired(self, now: datetime | None = None) -> list[Reaped]:
-        """Turn running attempts whose lease expired before `now` (default: the clock) into `lost` ones
+    def reap_expired(self, now: datetime | None = None, *, host: str | None = None,
+                     alive: Callable[[int, datetime], bool] | None = None) -> list[Reaped]:
+        """Turn running attempts whose lease expired before `now` (default: the clock) into `lost` ones;
+        with `host` and `alive`, those of a dispatcher on `host` by whether its process lives
         (`db.queue.reap_expired`)."""
         with self._session() as session:
-            return queue.reap_expired(session, now, clock=self._clock)
+            return queue.reap_expired(session, now, clock=self._clock, host=host, alive=alive)
 
     @retried
     def release(self, attempt_id: int, reason: str) -> str:
@@ -442,14 +454,18 @@ class Store:
             session.execute(select(1))
 
     @retried
-    def reconcile_targets(self, *, attempt_ids: Collection[int] | None = None,
-                          finished_since: datetime | None = None) -> list[ReconcileTarget]:
+    def reconcile_targets(self, *, attempt_ids: Collection[int] | None = None, finished_since: datetime | None = None,
+                          host: str | None = None, alive: Callable[[int, datetime], bool] | None = None
+                          ) -> list[ReconcileTarget]:
         """Attempts whose archive may hold episodes without a row, with the plan indexes
         stored for each: `attempt_ids` (running ones included), or every attempt that is not
         running (its dispatcher writes it, and reconciles its own when the database is back),
-        only those finished at or after `finished_since` when given."""
+        only those finished at or after `finished_since` when given; with `host` and
+        `alive(pid, started_at)`, also the running attempts of a dispatcher on `host` whose
+        process is gone (nobody writes their archives any more)."""
         with self._session() as session:
-            return ingest.reconcile_targets(session, attempt_ids=attempt_ids, finished_since=finished_since)
+            return ingest.reconcile_targets(session, attempt_ids=attempt_ids, finished_since=finished_since,
+                                            host=host, alive=alive)
 
     @retried
     def put_reconciled(self, attempt_id: int, records: Sequence[Mapping[str, Any]], *, check: str) -> int:

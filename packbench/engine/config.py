@@ -11,13 +11,17 @@ def read_config(model_dir: Path) -> dict:
     """config.json of an OPT checkpoint, or a one-line CheckpointError naming the fix."""
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
+        if model_dir.exists() or model_dir.is_symlink():  # a file (or a dangling link): never synthesise over it
+            raise CheckpointError(f"model path {model_dir} is not a directory; point model.path at a Hugging Face "
+                                  f"OPT checkpoint directory (the folder holding config.json)")
         raise CheckpointError(
             f"model directory {model_dir} does not exist; create one with "
             f"`packbench model synth --out {model_dir}` or set model.path to a local OPT checkpoint"
         )
     path = model_dir / "config.json"
     if not path.is_file():
-        raise CheckpointError(f"{model_dir} has no config.json; point model.path at a Hugging Face OPT directory")
+        raise CheckpointError(f"{model_dir} is a directory without config.json, not a model checkpoint; point "
+                              f"model.path at a Hugging Face OPT directory (or `packbench model synth --out DIR`)")
     config = _json(path)
     if config.get("model_type") != "opt":
         raise CheckpointError(

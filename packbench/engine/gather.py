@@ -34,7 +34,8 @@ import torch
 
 # Tile of the CUDA kernel: BLOCK_R neurons per program, their rows read BLOCK_H elements at a
 # time by NUM_WARPS warps, activity tested BLOCK_T tokens at a time. Chosen on the H200 by decode
-# time in bench.engine (`+tile=` variants alternated; docs/benchmarks.md, "The device gather's tile") after
+# time in bench.engine (`+tile=` variants alternated; docs/experiments/gather.md, "The device
+# gather's tile") after
 # `python -m bench.mapped_gather --grid` narrowed the candidates: 64 neurons per program against
 # the earlier 16 made decode 16 % faster at opt-13b, 10 % at opt-6.7b, and kept opt-2.7b's.
 BLOCK_R, BLOCK_H, NUM_WARPS, BLOCK_T = 64, 128, 8, 8

@@ -7,7 +7,7 @@ a lock file under /tmp/packbench-gpu-locks held with flock(LOCK_EX | LOCK_NB), r
 the kernel when the process ends, even by SIGKILL. A second worker on that GPU learns who holds it.
 
 A worker on another GPU of the host, or on its CPU, still shares the host's cores and memory:
-two workers on one two-GPU host slowed each other's host gathers by 30-50 % (docs/benchmarks.md,
+two workers on one two-GPU host slowed each other's host gathers by 30-50 % (docs/experiments/queue.md,
 "Queue on two GPUs"), and one of another cluster was on no record. So every worker, whatever its
 device, also marks the host (`HostPresence`), and each episode records which other packbench
 workers were busy there meanwhile.

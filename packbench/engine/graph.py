@@ -4,7 +4,7 @@ MODES:
 - "eager": stock transformers' OPT forward with a DynamicCache (packbench's first path; every
   protocol written before modes existed means this).
 - "graph": packbench's own decoder (`engine/static_opt.py`) on a static KV cache. Prefill runs
-  eagerly; on CUDA, for a policy whose decode step makes no host decision (`GRAPH_SAFE`: resident, dense-stream
+  eagerly; on CUDA, for a policy whose decode step makes no host decision (a kind's `graph_safe`, engine/conditions/: resident, dense-stream
   (int8 too), packet (int8 too), early-forecast and phase-switched with `gather: device`), the step is captured once per episode, in pieces around
   attention (one graph per layer boundary). The first time a decoder meets a policy class, the
   episode's first decode call runs eagerly on the side stream before the capture (the warm-up:
@@ -34,7 +34,6 @@ the logits, as in eager mode.
 import contextlib
 import functools
 import time
-from collections.abc import Callable
 
 import torch
 
@@ -44,16 +43,6 @@ from packbench.engine.static_opt import StaticKV, StaticOPT
 
 MODES = ENGINE_MODES  # one list: what a protocol's engine.mode may say is what the engine runs
 
-# Which policies' decode steps may be captured: no host reads, no host decisions, every
-# buffer fixed for the episode. Keyed by policy name; a missing name stays eager.
-GRAPH_SAFE: dict[str, Callable[[object], bool]] = {
-    "resident": lambda p: True,
-    "dense-stream": lambda p: p.host.pin,  # the copy from pinned memory is a graph memcpy node, on a forked stream
-    # DevicePacket and its int8 twin (one Triton kernel each); the host gather reads a mask back
-    "packet": lambda p: p.gather == "device",
-    "early-forecast": lambda p: p.gather == "device",  # DeviceForecast: its side stream is joined as dense-stream's
-    "phase-switched": lambda p: p.gather == "device",  # DevicePhaseSwitched: decode is DevicePacket's gather
-}
 
 
 @contextlib.contextmanager
@@ -90,7 +79,11 @@ def graph_refusal(policy, device: torch.device) -> str | None:
     """Why this policy's decode step is not captured on `device` (None: it is captured)."""
     if device.type != "cuda":
         return f"no CUDA graphs on {device.type}"
-    safe = GRAPH_SAFE.get(policy.name)
+    from packbench.engine.conditions import RUNTIMES  # the kinds' table imports every policy module
+
+    # A kind says whether its policy's decode step may be captured (LoaderRuntime.graph_safe): no
+    # host reads, no host decisions, every buffer fixed for the episode. Anything else stays eager.
+    safe = getattr(RUNTIMES.get(policy.name), "graph_safe", None)
     if safe is None or not safe(policy):
         return f"{policy.name} decides on the host"
     return None

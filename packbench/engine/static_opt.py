@@ -104,7 +104,7 @@ class StaticOPT:
         kernels run. span = kv.capacity attends over the whole static cache with the unwritten
         keys masked (finfo.min, exact zeros after softmax): no host int left in the step, so it
         can be captured whole, but softmax and attn @ V then reduce over a longer row and may
-        round differently from stock (docs/benchmarks.md, "Graph decode", says what that did).
+        round differently from stock (docs/experiments/engine.md, "Graph decode", says what that did).
         """
         mask = None if span < kv.capacity else self.mask(pos, span)
         return self._forward(ids, pos, kv, span=span, mask=mask)

@@ -27,7 +27,7 @@ from safetensors.torch import save_file
 
 from packbench.core.errors import CheckpointError
 from packbench.core.registry import PROFILES, SHAPES, SynthProfile, synth_spec
-from packbench.engine.shapes import dtype_of
+from packbench.engine.dtypes import dtype_of
 
 INIT_STD = 0.02  # OPT's initializer_range
 

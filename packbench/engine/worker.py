@@ -34,7 +34,7 @@ from packbench.engine.passes import PassMismatch, two_passes
 from packbench.engine.policies.base import BUFFERS_LAYOUT
 from packbench.engine.allowance import impose, lift
 from packbench.engine.sampler import MemorySampler, device_uuid, nvml_handle
-from packbench.engine.shapes import dtype_of
+from packbench.engine.dtypes import dtype_of
 from packbench.engine.synth import synth_checkpoint
 
 
@@ -149,6 +149,7 @@ class Worker:
         self.reference_runs: dict[int, tuple[int, list[int]]] = {}
         self.reference: str | None = None
         self.loads = 0
+        self.previous: dict | None = None  # the last episode this worker ran: each record names it
         self.conditions: dict[str, tuple[str, dict]] = {}
         self.separate_passes = False  # the loaded protocol's `passes: separate` (engine/passes.py)
         uuid = device_uuid(self.device.index) if self.device.type == "cuda" else None
@@ -165,7 +166,7 @@ class Worker:
         if self.device.type == "cuda":
             # Host gathers run on OMP threads. One worker per GPU shares the host's cores with the
             # others: two workers of 32 threads each on a 32-core host ran a screen 7x slower than
-            # one alone (nvidia-h200-x2, docs/benchmarks.md "Queue on two GPUs").
+            # one alone (nvidia-h200-x2, docs/experiments/queue.md "Queue on two GPUs").
             # `threads` (--worker-threads, core/settings.py) fixes the count instead.
             torch.set_num_threads(threads or max(1, (os.cpu_count() or 1) // max(1, host_gpus())))
             index = host_gpu_index(uuid) if uuid and pin else None
@@ -198,6 +199,7 @@ class Worker:
         try:
             return self._load(protocol, model_dir, model_cache=model_cache, reuse=reuse, mode=mode)
         finally:
+            gc.freeze()  # the model and libraries live on: out of every later collection's scan
             self.presence.idle()
 
     def _load(self, protocol: Protocol | dict, model_dir: str | None, *, model_cache: str | None, reuse: bool,
@@ -350,6 +352,7 @@ class Worker:
             self.model.slot.policy.deactivate()
         self.model, self.model_key = None, None
         self.competitor, self.parked, self.shelf = None, False, {}
+        gc.unfreeze()  # the dropped model's cycles must be collectable
         self._free()
 
     def run(self, entry: dict, prompt: list[int] | list[list[int]]) -> dict:
@@ -367,11 +370,17 @@ class Worker:
         started = time.time()
         before = cpu_snapshot()
         self.presence.busy()
+        collecting = gc.isenabled()
+        gc.disable()  # no collection inside an episode's wall (docs/metrics.md, "Plan position")
         try:
             record = self._run(entry, prompt)
         finally:
+            if collecting:
+                gc.enable()
             self.presence.idle()
-        return {**record, "host_workers": self.presence.others(since=started),
+        previous, self.previous = self.previous, {"condition": entry["condition"], "plan_index": entry["index"],
+                                                  "load": self.loads}
+        return {**record, "previous": previous, "host_workers": self.presence.others(since=started),
                 "host_load": host_load(before, cpu_snapshot())}
 
     def _run(self, entry: dict, prompt: list[int] | list[list[int]]) -> dict:

@@ -43,12 +43,16 @@ class AuditOutcome:
 
     @property
     def unfinished(self) -> bool:
-        """An attempt that failed, was interrupted, lost or cancelled, whose evidence is all
-        consistent: no archive at all, or a partial one whose every member checks. Reported as
-        such; it is what the attempt left, not a disagreement."""
-        if not _unfinished(self.attempt_status):
+        """An attempt that is still running, failed, was interrupted, lost or cancelled, whose
+        evidence is all consistent: no archive at all, or a partial one whose every member
+        checks, its archived episodes either in the database as archived or without a row yet
+        (a driver stopped in a database outage: `packbench db reconcile` inserts them).
+        Reported as such; it is what the attempt left (so far), not a disagreement."""
+        if not _unfinished(self.attempt_status) and self.attempt_status != "running":
             return False
-        return self.no_archive is not None or (self.report is not None and self.report.partial)
+        if self.report is not None and (self.report.partial or self.report.rows_pending):
+            return True
+        return self.no_archive is not None and self.attempt_status != "running"
 
     @property
     def result(self) -> str | None:

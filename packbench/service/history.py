@@ -147,12 +147,43 @@ class Series:
     changes: list[int] = field(default_factory=list)  # exact counters: indexes whose value differs from the previous
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, repr=False)
 class History:
     protocol: str
     points: list[ScreenFigures]
     series: list[Series]
     far: dict[str, Any] | None  # the measured false-alarm rate: commit, runs, shuffles, rate
+
+    def __repr__(self) -> str:  # the fields print kilobytes of figures: a summary, as a notebook shows it
+        commits = len({p.commit for p in self.points})
+        steps = sum(len(s.steps) for s in self.series)
+        changes = sum(len(s.changes) for s in self.series)
+        return (f"History({self.protocol!r}: {len(self.points)} screens over {commits} commits, "
+                f"{len(self.series)} series, {steps} steps, {changes} changes; .rows() or .frame() for the figures)")
+
+    def rows(self) -> list[dict[str, Any]]:
+        """One row per screen, condition and figure, in history order: screen_id, commit,
+        started_at, name, condition, metric, value, and whether a step or a change lands there."""
+        out = []
+        for s in self.series:
+            steps = {st.index for st in s.steps}
+            for i, p in enumerate(self.points):
+                out.append({"screen_id": p.screen_id, "commit": p.commit, "started_at": p.started_at, "name": p.name,
+                            "condition": s.condition, "metric": s.metric, "value": s.values[i],
+                            "step": i in steps, "changed": i in s.changes})
+        return out
+
+    def frame(self):
+        """`rows()` as a pandas DataFrame (pandas: `pip install 'packbench[api]'`)."""
+        from packbench.core.errors import PackbenchError
+
+        try:
+            import pandas as pd
+        except ImportError:
+            raise PackbenchError("History.frame() needs pandas, which is not installed: "
+                                 "pip install 'packbench[api]'") from None
+        return pd.DataFrame(self.rows(), columns=["screen_id", "commit", "started_at", "name", "condition", "metric",
+                                                  "value", "step", "changed"])
 
     def regressions(self, fail_above_pct: float) -> list[str]:
         """One line per timed step slower by more than `fail_above_pct` percent, and per exact

@@ -23,6 +23,7 @@ Pure Python over the archive and a Store; no Ray, no SQLAlchemy.
 from __future__ import annotations
 
 import hashlib
+import platform
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -151,12 +152,16 @@ def reconcile_attempt(store, attempt, *, stored: Iterable[int],
 def reconcile(store, *, attempt_ids: Iterable[int] | None = None, finished_since: datetime | None = None,
               expected: Mapping[int, Mapping[str, Mapping[str, Any]]] | None = None) -> ReconcileReport:
     """Every attempt not running (finished at or after `finished_since` when given; or those of
-    `attempt_ids`, running ones included) whose archive is on this host: insert the rows of
-    archived episodes the database lacks. `expected`: per attempt id, the live writer's member
-    table (the dispatcher's own)."""
+    `attempt_ids`, running ones included) whose archive is on this host, and every running
+    attempt whose dispatcher on this host is gone (a one-shot `dispatch` that stopped in a
+    database outage: its lease has not run out yet, but nothing writes its archive): insert the
+    rows of archived episodes the database lacks. `expected`: per attempt id, the live writer's
+    member table (the dispatcher's own)."""
+    from packbench.service.dispatcher.holders import holder_alive
+
     report = ReconcileReport()
     targets = store.reconcile_targets(attempt_ids=None if attempt_ids is None else list(attempt_ids),
-                                      finished_since=finished_since)
+                                      finished_since=finished_since, host=platform.node(), alive=holder_alive)
     for target in targets:
         attempt = target.attempt
         path = Path(attempt.archive_path)

@@ -1,6 +1,6 @@
 """Running one attempt of a screen: what the driver does with each thing a worker returns.
 
-`ScreenRun` holds no Ray: whoever talks to the worker (the scheduler, service/scheduler.py)
+`ScreenRun` holds no Ray: whoever talks to the worker (the dispatcher, service/dispatcher/)
 calls `begin`, `loaded`, `record` per finished episode, then `finish` or `fail`. The database
 and the archive are written by the driver only, in this order per episode: the archive member
 (fsynced), then the database row, so a crash between the two leaves the evidence and loses no
@@ -37,6 +37,7 @@ class ScreenOutcome:
     status: str  # done | failed | interrupted | lost | cancelled
     error: str | None
     bad_input: bool = False  # failed on input the user can correct (a broken checkpoint): exit 2
+    storage: bool = False  # failed because the archive's storage refused a write (a full disk): exit 74
     attempt_number: int | None = None
     screen_status: str | None = None  # the screen's after this attempt: `queued` when it runs again
 
@@ -158,15 +159,17 @@ class ScreenRun:
         return ScreenOutcome(self.screen.id, self.attempt.id, self.archive_path, sha, "done", None,
                              attempt_number=self.attempt.number, screen_status="done")
 
-    def fail(self, status: str, error: str, *, requeue: bool = False, bad_input: bool = False) -> ScreenOutcome:
+    def fail(self, status: str, error: str, *, requeue: bool = False, bad_input: bool = False,
+             storage: bool = False) -> ScreenOutcome:
         """End the attempt without verdicts; its partial archive stays on disk as evidence.
 
-        `requeue`: the cause was not the screen's (its worker died): the screen goes back to
-        the queue while it has attempts left (Store.finish_attempt)."""
+        `requeue`: the cause was not the screen's (its worker died, its archive's disk is
+        full): the screen goes back to the queue while it has attempts left
+        (Store.finish_attempt)."""
         after = self.store.finish_attempt(self.attempt.id, status=status, error=error, requeue=requeue)
         log.info("screen %s attempt %s %s: %s", self.screen.id, self.attempt.number, status, error)
         return ScreenOutcome(self.screen.id, self.attempt.id, self.archive_path, None, status, error, bad_input,
-                             attempt_number=self.attempt.number, screen_status=after)
+                             storage=storage, attempt_number=self.attempt.number, screen_status=after)
 
 
 def cause_of(e: BaseException) -> str:

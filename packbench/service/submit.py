@@ -9,9 +9,13 @@ import getpass
 from collections.abc import Mapping
 from pathlib import Path
 
-from packbench.core.errors import ProtocolError
+from packbench.core.errors import PackbenchError, ProtocolError
 from packbench.core.plan import prompts
 from packbench.core.protocol import FrozenProtocol, Protocol, load
+
+# Screens one submit may queue: they go in one transaction (all or none), and a typo such as
+# `--replicas 100000000` must not queue work for months (unbounded, one queued 47,473 screens in 60 s).
+MAX_REPLICAS = 1000
 
 
 def vocab_size(frozen: FrozenProtocol) -> int:
@@ -74,6 +78,7 @@ def submit_frozen(store, frozen: FrozenProtocol, *, priority: int = 0, max_attem
     `spread` puts the `replicas` on distinct nodes. Returns the screen ids.
     """
     protocol = frozen.protocol
+    check_replicas(replicas)
     store.check_labels(name=name, tags=tags or {})  # a bad tag queues nothing
     check_frozen(frozen)
     model_dir = frozen.model_dir()
@@ -86,14 +91,15 @@ def submit_frozen(store, frozen: FrozenProtocol, *, priority: int = 0, max_attem
                   gpu_type=gpu_type or protocol.placement.accelerator_type,
                   placement_node=protocol.placement.node, exclusive_node=protocol.placement.exclusive_node,
                   resources=protocol.placement.resources_dict or None)
-    if spread:
-        ids = store.create_replicas(replicas, **screen)
-    else:
-        ids = [store.create_screen(**screen) for _ in range(replicas)]
-    if name is not None or note is not None or tags:
-        for screen_id in ids:
-            store.label_screen(screen_id, name=name, note=note, tags=tags)
-    return ids
+    # One transaction, labels included: an interrupted submit queues none of its screens.
+    return store.create_screens(replicas, spread=spread, name=name, note=note, tags=tags, **screen)
+
+
+def check_replicas(replicas: int) -> None:
+    """Refuse a replica count outside 1..MAX_REPLICAS before anything is stored."""
+    if not 1 <= replicas <= MAX_REPLICAS:
+        raise PackbenchError(f"--replicas {replicas}: give 1 to {MAX_REPLICAS} screens per submit (for more, "
+                             f"submit again: each submit queues its screens all at once or not at all)")
 
 
 def check_frozen(frozen: FrozenProtocol) -> None:
@@ -102,10 +108,29 @@ def check_frozen(frozen: FrozenProtocol) -> None:
     protocol = frozen.protocol
     check_libraries(protocol)
     vocab = vocab_size(frozen)  # a broken config.json is the checkpoint's error (CheckpointError), not the prompts'
+    check_positions(frozen)
     try:
         screen_prompts(protocol, vocab=vocab, model_dir=frozen.model_dir(), prompt_file=frozen.prompt_file())
     except ValueError as e:
         raise ProtocolError(f"protocol field `prompts`: {e}") from None
+
+
+def check_positions(frozen: FrozenProtocol) -> None:
+    """A model.path checkpoint's positions (config.json's max_position_embeddings) hold an
+    episode's prompt and continuation; a synthetic shape's are checked by validation."""
+    model_dir = frozen.model_dir()
+    if model_dir is None:
+        return
+    from packbench.core.protocol.schema import positions_refusal
+    from packbench.engine.config import read_config
+
+    positions = read_config(model_dir).get("max_position_embeddings")
+    if isinstance(positions, int) and not isinstance(positions, bool):
+        p = frozen.protocol
+        refusal = positions_refusal(p.prefix_tokens, p.continuation_tokens, positions=positions,
+                                    model=f"checkpoint {model_dir} (config.json max_position_embeddings)")
+        if refusal:
+            raise ProtocolError(f"protocol field `prefix_tokens`: {refusal}")
 
 
 def submitter() -> str:

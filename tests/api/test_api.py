@@ -64,6 +64,12 @@ def test_verdicts_and_audits(db):
     (series,) = h.series
     assert series.values[1] == pytest.approx(2 * series.values[0])  # too few runs for a step: none claimed
     assert series.steps == [] and h.regressions(50.0) == []
+    # Printed in a notebook: one line, not the 5 KB dataclass of every figure; the figures as a frame.
+    assert repr(h) == ("History('quickstart-v1': 2 screens over 2 commits, 1 series, 0 steps, 0 changes; .rows() or "
+                       ".frame() for the figures)")
+    frame = h.frame()
+    assert list(frame["screen_id"]) == [1, 2] and set(frame["metric"]) == {"wall_ms"}
+    assert frame["value"].iloc[1] == pytest.approx(2 * frame["value"].iloc[0]) and not frame["step"].any()
 
 
 def test_labels_filter_every_listing(db):
@@ -124,3 +130,23 @@ def test_wait_returns_once_the_screen_has_ended(db):
     assert db.wait(queued, poll_s=0.01, sleep=sleep).status == "cancelled"
     with pytest.raises(TimeoutError, match="still queued"):
         db.wait(db.store.create_screen(protocol_id=1, submitter="t"), timeout_s=0.0)
+
+
+def test_an_archive_gives_the_serving_figures_results_and_the_report_show():
+    """Issue 43: the API's serving figures are the report's and `results`' (one function), per
+    condition and per episode, with the runtime readings and the position check."""
+    from packbench.core.report import read_screen, serving_rows
+
+    archive = packbench.read_archive(QUICKSTART)
+    rows = archive.serving()
+    assert rows.dicts() == serving_rows(read_screen(QUICKSTART))
+    assert [r["condition"] for r in rows] == ["dense-stream", "packet"] and rows[0]["tier"] == "exact"
+    per = archive.episode_serving()
+    assert len(per) == 8 and per[0]["previous"] is None and per[1]["previous"] == per[0]["condition"]
+    for r in per:
+        assert r["tpot_s"] == (r["wall_s"] - r["ttft_s"]) / len(r["itl_s"])
+    assert {"ttft_s", "tpot_s", "itl_p99_s", "decode_tokens_per_s", "outside_s"} <= set(rows.frame().columns)
+    assert [r["condition"] for r in archive.runtime_ratios()] == ["packet"]
+    # quickstart-v1's own walls: its first scored episode took 64 ms and plan index 5 47 ms where
+    # the others took 18-21 ms: both flagged, as the report and `results` flag them
+    assert archive.positions()["flagged"] == [2, 5]

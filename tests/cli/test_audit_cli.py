@@ -67,7 +67,8 @@ def test_unreadable_input_is_2_without_a_traceback(world, cli):
     junk.write_bytes(b"this is not a zip at all" * 10)
     r = cli("audit", "--archive", str(junk), cwd=d, db=world["db"])
     assert r.returncode == 2 and "Traceback" not in r.stderr, (r.stdout, r.stderr)
-    assert "not a readable zip archive" in r.stdout
+    assert "not a readable zip archive" in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert r.stdout == ""  # no empty verdict table, no DISAGREE line for what is no archive
     r = cli("audit", "--archive", str(d / "absent.zip"), cwd=d, db=world["db"])
     assert r.returncode == 2 and r.stderr.strip().startswith("error: no archive at"), r.stderr
     r = cli("audit", "--archive", str(world["archive"]), "--trust", str(junk), cwd=d, db=world["db"])

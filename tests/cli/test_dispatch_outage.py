@@ -15,7 +15,7 @@ from packbench.db.store import Store
 ])
 def test_what_dispatch_says_when_the_database_is_down(tmp_path, monkeypatch, follow, code, words):
     """The command's last line for each way a dispatcher leaves a database outage."""
-    import packbench.service.scheduler
+    import packbench.service.dispatcher
 
     db_url = f"sqlite:///{tmp_path / 'packbench.db'}"
     with Store(db_url) as store:
@@ -33,7 +33,7 @@ def test_what_dispatch_says_when_the_database_is_down(tmp_path, monkeypatch, fol
                 self.stopping, self.fatal = "database", "cannot connect to postgresql at h:5432 (connection refused); ..."
             return []
 
-    monkeypatch.setattr(packbench.service.scheduler, "Scheduler", Stub)
+    monkeypatch.setattr(packbench.service.dispatcher, "Dispatcher", Stub)
     out = CliRunner().invoke(app, ["dispatch", "--db", db_url, *(["--follow"] if follow else [])])
     assert out.exit_code == code
     assert out.output.strip().splitlines()[-1].startswith(words)

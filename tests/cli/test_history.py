@@ -83,6 +83,12 @@ def test_the_table_names_each_commit_and_the_step(url, cli):
     assert "STEP" in next(ln for ln in lines if ln.startswith("3333333333"))
     assert any(ln.startswith("step: packet wall_ms +") for ln in lines)
     assert "false-alarm rate on 500 shuffles" in out.stdout
+    # Every figure of every condition: one table per condition, each line within a terminal's width
+    # (one table of them all ran to 330 characters).
+    out = cli("history", "quickstart-v1", url=url)
+    lines = out.stdout.splitlines()
+    assert {"dense-stream", "packet"} <= set(lines), lines[:3]
+    assert max(map(len, lines[1:])) <= 200, max(lines[1:], key=len)
 
 
 def test_fail_above_is_a_ci_gate(url, cli):

@@ -138,7 +138,7 @@ def test_an_alias_bomb_below_the_limit_is_shown_cut_not_rendered(tmp_path, db, t
 
 
 def test_values_shown_in_messages_are_bounded():
-    from packbench.core.protocol.fields import _show
+    from packbench.core.protocol.fields import shown as _show
     from packbench.core.registry import _show as registry_show
 
     a: list = ["x"] * 9
@@ -306,7 +306,7 @@ def test_a_killed_worker_is_reported_as_the_attempt_failing_and_what_comes_next(
 
 
 def _fake_dispatcher(monkeypatch, outcomes) -> None:
-    import packbench.service.scheduler
+    import packbench.service.dispatcher
 
     class Fake:
         fatal = stopping = None
@@ -320,41 +320,7 @@ def _fake_dispatcher(monkeypatch, outcomes) -> None:
                 self.on_outcome(o)
             return outcomes
 
-    monkeypatch.setattr(packbench.service.scheduler, "Scheduler", Fake)
-
-
-def test_a_full_disk_at_the_archive_leaves_no_file_and_exits_2_as_mid_screen(tmp_path, db, tiny, monkeypatch):
-    import errno
-
-    import packbench.core.archive.writer
-    from packbench.core.errors import ArchiveError
-    from packbench.core.settings import Settings
-    from packbench.service.scheduler import Scheduler
-    from packbench.service.scheduler_state import Active, Slot
-
-    def full(*args, **kwargs):
-        raise OSError(errno.ENOSPC, "No space left on device")
-
-    store, claim, run = _claimed(db, tiny, tmp_path)
-    with monkeypatch.context() as m:
-        m.setattr(packbench.core.archive.writer, "_write_at", full)
-        dispatcher = Scheduler(store, Settings(archive_dir=tmp_path / "archives"), pool=None)
-        dispatcher.claims.start(Slot(name="w0", worker=None), claim)  # fails at the archive, before any worker call
-    (at_start,) = dispatcher.outcomes
-    assert at_start.status == "failed" and "No space left on device" in at_start.error
-    assert not Path(claim.attempt.archive_path).exists()  # no 0-byte archive left behind
-
-    def mid_screen(active, value):
-        raise ArchiveError("could not append to the archive (No space left on device)")
-
-    store.retry_screen(claim.screen.id)
-    _, claim2, run2 = _claimed(db, tiny, tmp_path)
-    active2 = Active(slot=Slot(name="w1", worker=None), run=run2, protocol=run2.protocol)
-    active2.slot.active = active2
-    run2.begin({"device": "cpu"})
-    dispatcher.lifecycle.guarded(active2, mid_screen, {})
-    mid = dispatcher.outcomes[-1]
-    assert at_start.bad_input and mid.bad_input  # one cause, one exit code (2) wherever it strikes
+    monkeypatch.setattr(packbench.service.dispatcher, "Dispatcher", Fake)
 
 
 def test_audit_all_reports_unfinished_attempts_without_failing(tmp_path, db, tiny, capsys):
@@ -394,7 +360,9 @@ def test_audit_all_reports_unfinished_attempts_without_failing(tmp_path, db, tin
     assert audits.count(">PARTIAL<") == 2 and "DISAGREE" not in audits
 
 
-def test_dispatch_says_which_screens_a_dead_dispatcher_holds_and_when_they_return(tmp_path, db, tiny, capsys):
+def test_dispatch_takes_a_dead_dispatchers_screen_at_once(tmp_path, db, tiny, capsys):
+    """A driver killed with SIGKILL held its screen for its whole 60 s lease although `dispatch`
+    already said that its process was gone: on its own host it now loses the lease at once."""
     import platform
     import subprocess
 
@@ -408,19 +376,17 @@ def test_dispatch_says_which_screens_a_dead_dispatcher_holds_and_when_they_retur
     dead = store.register_dispatcher(f"dispatch-{platform.node()}-{gone.pid}", platform.node(), pid=gone.pid)
     store.claim_screen(dead, lease_s=60, archive_dir=str(tmp_path / "archives"), source_freeze={})
     r = pb(capsys, "dispatch")
-    assert r.code == 0 and r.out.strip() == "no queued screens", (r.out, r.err)
-    (line,) = r.err.strip().splitlines()
-    assert line.startswith(f"screen 1 is held by dispatcher dispatch-{platform.node()}-{gone.pid} (its process "
-                           f"(pid {gone.pid} on this host) is gone): attempt 1's lease expires at "), line
-    assert "(in 60 s)" in line or "(in 59 s)" in line
-    assert "a `packbench dispatch` after that marks the attempt lost and runs the screen again" in line
+    assert r.code == 0, (r.out, r.err)
+    assert (f"screen 1: attempt 1 lost (its dispatcher (pid {gone.pid} on {platform.node()}) is gone), screen "
+            f"queued") in r.out + r.err
+    assert [a.status for a in store.attempts(1)] == ["lost", "done"]
 
 
 def test_a_silent_dispatcher_on_another_host_is_named_a_live_one_is_not():
     from datetime import datetime, timedelta, timezone
     from types import SimpleNamespace
 
-    from packbench.service.scheduler_state import held_by_silent
+    from packbench.service.dispatcher.rules import held_by_silent
 
     now = datetime(2026, 12, 1, 12, 0, tzinfo=timezone.utc)
     running = [SimpleNamespace(screen_id=i, attempt=1, dispatcher=f"d{i}", lease_expires_at=now + timedelta(seconds=40))

@@ -35,10 +35,10 @@ def test_log_records_go_through_the_bars_console_while_bars_are_live():
     try:
         screen = io.StringIO()
         logs = _LogsAbove(Console(file=screen, width=200))
-        logging.getLogger("packbench.service.scheduler").warning("SIGINT: giving back held screens and stopping")
+        logging.getLogger("packbench.service.dispatcher").warning("SIGINT: giving back held screens and stopping")
         logs.close()
         assert "SIGINT: giving back held screens" in screen.getvalue() and terminal.getvalue() == ""
-        logging.getLogger("packbench.service.scheduler").warning("after the bars")
+        logging.getLogger("packbench.service.dispatcher").warning("after the bars")
         assert "after the bars" in terminal.getvalue()  # the stream handler is back
     finally:
         root.removeHandler(direct)
@@ -66,8 +66,12 @@ def test_an_interrupted_wait_cancels_its_screen_unless_kept_queued(tmp_path, mon
     monkeypatch.setattr(cli_main, "_dispatch", interrupted)
     r = CliRunner().invoke(cli_main.app, ["submit", str(_protocol(tmp_path)), "--wait", "--db", url])
     assert r.exit_code == 130
-    assert r.stderr.strip() == ("interrupted: screen 1 cancelled, so no `packbench dispatch` runs it unasked (its "
-                                "interrupted attempt is kept); `packbench screens retry 1` queues it again")
+    # Stopped before its first episode: no attempt exists, so none is promised kept.
+    assert r.stderr.strip() == ("interrupted: screen 1 cancelled, so no `packbench dispatch` runs it unasked (no "
+                                "attempt had started); `packbench screens retry 1` queues it again")
+    r = CliRunner().invoke(cli_main.app, ["screens", "show", "1", "--db", url])
+    assert "no attempts: cancelled before any ran, so no `packbench dispatch` runs it; `packbench screens retry 1` " \
+           "queues it again" in r.stdout and "run it with `packbench dispatch`" not in r.stdout, r.stdout
     r = CliRunner().invoke(cli_main.app, ["submit", str(_protocol(tmp_path)), "--wait", "--keep-queued", "--db", url])
     assert r.exit_code == 130 and "screen 2 stays queued (--keep-queued)" in r.stderr
     with Store(url) as store:

@@ -595,3 +595,62 @@ def test_compare_labels_tiers_and_compares_fidelity(tiered):
     assert not any(m.startswith("fidelity") for c, m in metrics if c == "dense-stream")
     table = invoke(tiered, "compare", "1", "2").stdout
     assert re.search(r"int8\s+approximate\s+fidelity_top1_min\s+1\s+0\.75", table), table
+
+
+@pytest.fixture(scope="module")
+def archived(tmp_path_factory) -> Path:
+    """Two screens whose attempts point at a real archive (tests/data/gates-v2.zip): 18 recorded
+    episodes of four exact conditions with their call ledgers."""
+    import shutil
+
+    root = tmp_path_factory.mktemp("archived")
+    zips = [shutil.copy(ROOT / "tests" / "data" / "gates-v2.zip", root / f"s{i}.zip") for i in (1, 2)]
+    path = root / "packbench.db"
+    with Store(f"sqlite:///{path}") as store:
+        store.upgrade()
+        proto = store.put_protocol(sha256="ef" * 32, name="gates-v2", canonical_json=body("gates-v2", "tiny", "float32"))
+        machine = store.put_machine(host="box-a", gpu_name="cpu", driver="", torch="2.13", cuda="")
+        for z in zips:
+            screen_id = store.create_screen(protocol_id=proto, submitter="alice")
+            attempt = store.start_attempt(screen_id=screen_id, worker="w", node="node-1", gpu_name="cpu",
+                                          gpu_index=0, machine_id=machine, source_freeze={}, archive_path=str(z))
+            store.put_episodes(attempt.id, [episode(0, "dense-stream"), episode(1, "packet")])
+            store.finish_attempt(attempt.id, status="done", archive_sha256="e" * 64)
+    return path
+
+
+def test_results_show_serving_figures_runtime_ratios_and_the_position_check_from_the_archive(archived):
+    """Issue 43: TTFT, TPOT, ITL percentiles, decode tokens/s and the wall outside the calls, the
+    median ratio beside the summed-walls gate, and the plan-position check, in the table and in
+    --json, computed from the archive's ledgers (the same functions as the report's)."""
+    from packbench.core.report import read_screen
+    from packbench.core.serving import episode_serving
+
+    summary = json.loads(invoke(archived, "results", "--screen", "1", "--json").stdout)
+    rows = {r["condition"]: r for r in summary["serving"]}
+    assert list(rows) == ["dense-stream", "packet", "phase-switched", "extents"]
+    screen = read_screen(ROOT / "tests" / "data" / "gates-v2.zip")
+    packet = [e.record for e in screen.of("packet")]
+    ttft = sorted(r["calls"][0]["wall_s"] for r in packet)
+    assert rows["packet"]["ttft_s"] == pytest.approx((ttft[1] + ttft[2]) / 2)  # median of 4 by hand
+    tpots = sorted((r["wall_s"] - r["calls"][0]["wall_s"]) / (len(r["calls"]) - 1) for r in packet)
+    assert rows["packet"]["tpot_s"] == pytest.approx((tpots[1] + tpots[2]) / 2)
+    assert rows["packet"]["tier"] == "exact" and rows["packet"]["episodes"] == 4
+    assert [episode_serving(r)["ttft_s"] for r in packet] == [r["calls"][0]["wall_s"] for r in packet]
+    ratios = {r["condition"]: r for r in summary["runtime_ratios"]}
+    assert set(ratios) == {"packet", "phase-switched", "extents"} and ratios["extents"]["control"] == "dense-stream"
+    assert summary["position"]["flagged"] == [] and len(summary["position"]["positions"]) == 16
+    out = invoke(archived, "results", "--screen", "1").stdout
+    for text in ("TTFT ms", "TPOT ms", "ITL p99 ms", "decode tok/s", "outside calls ms", "beyond 3 IQR",
+                 "summed walls (gate)", "median ratio", "position check: no plan position above 2x"):
+        assert text in out, text
+
+
+def test_compare_shows_serving_figures_and_each_screens_runtime_ratios(archived):
+    c = json.loads(invoke(archived, "compare", "1", "2", "--json").stdout)
+    tpot = {r["condition"]: r for r in c["serving"] if r["figure"] == "tpot_s"}
+    assert tpot["packet"]["B/A"] == pytest.approx(1.0) and tpot["packet"]["tier"] == "exact"
+    assert {r["screen"] for r in c["runtime_ratios"]} == {"A", "B"}
+    assert c["position"]["a"]["flagged"] == []
+    out = invoke(archived, "compare", "1", "2").stdout
+    assert "serving figures per condition" in out and "A: position check" in out

@@ -1,4 +1,4 @@
-"""The replies a pool hands the scheduler keep each worker's call order (core/pool.py, cluster/pool.py)."""
+"""The replies a pool hands the dispatcher keep each worker's call order (core/pool.py, cluster/pool.py)."""
 
 from packbench.cluster.pool import RayPool
 from packbench.core.pool import in_worker_order

@@ -39,7 +39,7 @@ def test_raylet_lines_are_logged_not_printed_and_worker_output_still_prints(monk
 def test_the_driver_never_imports_torch():
     """The dispatcher, the CLI and the actor's class are torch-free on the driver: the engine is
     imported inside the actor (importing torch cost the dispatcher seconds before its first claim)."""
-    code = ("import sys, packbench.cli.main, packbench.service.scheduler, packbench.cluster.pool, packbench.cluster.worker, packbench.cluster.reexecute, packbench.cluster.audit; "
+    code = ("import sys, packbench.cli.main, packbench.service.dispatcher, packbench.cluster.pool, packbench.cluster.worker, packbench.cluster.reexecute, packbench.cluster.audit; "
             "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('packbench.engine.worker')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"

@@ -421,10 +421,10 @@ def test_zip64_records_match_zipfile():
         return zi
 
     def ours(infos, cd_offset):
-        central = b"".join(archive._central_entry(
+        central = b"".join(archive.central_entry(
             zi.filename.encode(), method=zi.compress_type, crc=zi.CRC, csize=zi.compress_size, size=zi.file_size,
             offset=zi.header_offset, version=zi.extract_version) for zi in infos)
-        return central + archive._end_records(len(infos), cd_offset, len(central))
+        return central + archive.end_records(len(infos), cd_offset, len(central))
 
     big = 5 << 30
     cases = [
@@ -439,8 +439,8 @@ def test_zip64_records_match_zipfile():
         assert ours(infos, cd_offset) == theirs(infos, cd_offset)
     for size, zip64 in ((100, False), (big, True), (2_100_000_000, True)):
         zi = info("x.npy", 0, size, size, zipfile.ZIP_STORED, zip64)
-        assert archive._local_header(b"x.npy", method=zipfile.ZIP_STORED, crc=zi.CRC, csize=size, size=size,
-                                     zip64=zip64) == zi.FileHeader(zip64)
+        assert archive.local_header(b"x.npy", method=zipfile.ZIP_STORED, crc=zi.CRC, csize=size, size=size,
+                                    zip64=zip64) == zi.FileHeader(zip64)
 
 
 def test_the_guard_sees_a_replaced_or_rewritten_file(tmp_path: Path):

@@ -280,7 +280,8 @@ def test_reader_refuses_unknown_and_unsafe_lookups(sealed: Path):
 
 
 def test_random_damage_never_crashes_the_reader(sealed: Path):
-    """Random byte damage anywhere (headers, central directory, data): ArchiveError or a report."""
+    """Random byte damage anywhere (headers, central directory, data): ArchiveError or a report,
+    and the report names a problem whenever the file differs from the sealed one."""
     orig = sealed.read_bytes()
     rng = random.Random(1234)
     for _ in range(300):
@@ -296,6 +297,7 @@ def test_random_damage_never_crashes_the_reader(sealed: Path):
             continue
         with r:
             problems = r.verify()
+            assert problems or bytes(raw) == orig, "a damaged archive verified as intact"
             assert all(isinstance(p, Problem) and p.kind in PROBLEM_KINDS and "\n" not in p.message
                        and (p.member is not None or p.kind in ("too-large", "layout")) for p in problems)
             for name in r.names:

@@ -101,7 +101,7 @@ def test_a_huge_non_zip_is_refused_before_it_is_hashed(tmp_path, monkeypatch):
 def test_a_forged_member_count_is_refused_before_zipfile_parses(tmp_path):
     path = tmp_path / "count.zip"
     with open(path, "wb") as f:  # a count past the bound, through the zip64 records
-        f.write(zipformat._end_records(archive.MAX_MEMBERS + 1, 0, 0))
+        f.write(zipformat.end_records(archive.MAX_MEMBERS + 1, 0, 0))
     with pytest.raises(ArchiveError, match="over the bounds"):
         ArchiveReader(path)
 
@@ -207,11 +207,11 @@ def test_bytes_hidden_after_a_deflate_stream_are_found(tmp_path):
     packer = zlib.compressobj(zlib.Z_DEFAULT_COMPRESSION, zlib.DEFLATED, -15)
     payload = packer.compress(data) + packer.flush() + b"JUNK"
     name = b"plan.json"
-    header = zipformat._local_header(name, method=8, crc=zlib.crc32(data), csize=len(payload), size=len(data),
-                                   zip64=False)
-    entry = zipformat._central_entry(name, method=8, crc=zlib.crc32(data), csize=len(payload), size=len(data),
-                                   offset=0, version=20)
-    raw = header + payload + entry + zipformat._end_records(1, len(header) + len(payload), len(entry))
+    header = zipformat.local_header(name, method=8, crc=zlib.crc32(data), csize=len(payload), size=len(data),
+                                  zip64=False)
+    entry = zipformat.central_entry(name, method=8, crc=zlib.crc32(data), csize=len(payload), size=len(data),
+                                  offset=0, version=20)
+    raw = header + payload + entry + zipformat.end_records(1, len(header) + len(payload), len(entry))
     path = tmp_path / "junk.zip"
     path.write_bytes(raw)
     with zipfile.ZipFile(path) as zf:

@@ -142,7 +142,7 @@ def test_expand_upgrades_schema1_to_the_full_form():
 
 
 def test_synth_shapes_match_the_engine():
-    from packbench.engine.shapes import SHAPES
+    from packbench.core.registry import SHAPES
 
     assert set(SYNTH_SHAPES) == set(SHAPES)
 

@@ -75,8 +75,9 @@ def test_synth_spec_fills_defaults_and_normalises_numbers():
      "unknown --dtype 'float8'; use one of float32"),
     ("sparsity", 1.0, "1.0 is not a finite number > 0.0 and < 1.0", "--sparsity 1.0 is not a finite number > 0.0"),
     ("sparsity", math.nan, "nan is not a finite number > 0.0 and < 1.0", "--sparsity nan is not"),
-    ("seed", -1, "-1 is not an integer >= 0", "--seed -1 is not an integer >= 0"),
-    ("seed", True, "True is not an integer >= 0", "--seed True is not"),
+    ("seed", -1, "-1 is not an integer in [0, 9223372036854775807]", "--seed -1 is not an integer in [0, "),
+    ("seed", 2**64, "18446744073709551616 is not an integer in [0, 9223372036854775807]", "--seed 18446744073709551616 is not"),
+    ("seed", True, "True is not an integer in [0, 9223372036854775807]", "--seed True is not"),
     ("hot_fraction", 1.0, "1.0 is not a finite number >= 0.0 and < 1.0", "--hot-fraction 1.0 is not"),
     ("hot_bias", math.inf, "inf is not a finite number >= -inf", "--hot-bias inf is not a finite number"),
 ])

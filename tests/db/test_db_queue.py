@@ -111,7 +111,7 @@ def test_claim_places_on_nodes(queue):
     p = protocol(queue)
     pinned = queue.create_screen(protocol_id=p, submitter="a", placement_node="node-b", priority=9)
     d = queue.register_dispatcher("d", "h")
-    replicas = queue.create_replicas(3, protocol_id=p, submitter="a", priority=5)
+    replicas = queue.create_screens(3, spread=True, protocol_id=p, submitter="a", priority=5)
     assert len({queue.screen(i).replica_group for i in replicas}) == 1
     # node-a: the pinned screen is not for it; one replica only.
     first = claim(queue, d, node="node-a")
@@ -161,7 +161,7 @@ def test_a_look_ahead_claim_ignores_the_slots_own_attempt_on_the_node(queue):
     assert claim(queue, d, node="n1") is None
     # ... but not the worker that runs it, once it looks ahead in turn.
     assert claim(queue, d, node="n1", follows_attempt=after.attempt.id) is not None
-    group = queue.create_replicas(2, protocol_id=p, submitter="a", priority=3)
+    group = queue.create_screens(2, spread=True, protocol_id=p, submitter="a", priority=3)
     on_n2 = claim(queue, d, node="n2")
     assert on_n2.screen.id == group[0]
     assert claim(queue, d, node="n2", follows_attempt=on_n2.attempt.id) is None  # its replica needs another node
@@ -336,6 +336,57 @@ def test_renew_and_expiry_requeue_up_to_max_attempts(queue, clock):
     assert screen.status == "failed" and screen.finished_at == clock.now
     assert [a.status for a in queue.attempts(screen_id)] == ["lost", "lost"]
     assert claim(queue, d) is None
+
+
+def test_a_holder_on_the_reapers_host_is_judged_by_its_process_not_its_lease(queue, clock):
+    """A live dispatcher on the reaper's host keeps its expired lease (a `dispatch --follow` that
+    waited out a database outage longer than the lease renews it once it can: reaping it threw
+    away 23 episodes); a dead one loses its unexpired lease at once (a SIGKILLed driver held its
+    screen for the whole lease). Another host's leases are judged by expiry alone."""
+    p = protocol(queue)
+    live_screen, far_screen, dead_screen = (queue.create_screen(protocol_id=p, submitter="a") for _ in range(3))
+    live = queue.register_dispatcher("live", "here", pid=101)
+    dead = queue.register_dispatcher("dead", "here", pid=202)
+    far = queue.register_dispatcher("far", "elsewhere", pid=202)
+    claim(queue, live, lease_s=10)
+    clock.advance(5)
+    claim(queue, far, lease_s=10)
+    claim(queue, dead, lease_s=600)
+    clock.advance(8)  # live's lease expired 3 s ago; far's and dead's have not
+    seen = []
+
+    def alive(pid, started_at):
+        seen.append((pid, started_at))
+        return pid == 101
+
+    reaped = queue.reap_expired(host="here", alive=alive)
+    assert [(r.screen_id, r.why) for r in reaped] == [(dead_screen, "its dispatcher (pid 202 on here) is gone")]
+    assert queue.latest_attempt(dead_screen).status == "lost" and queue.screen(dead_screen).status == "queued"
+    assert "pid 202 on here" in queue.latest_attempt(dead_screen).error
+    assert queue.latest_attempt(live_screen).status == "running" and (101, T0) in seen
+    clock.advance(10)  # far's lease expires: another host's process cannot be seen, its lease decides
+    assert [r.screen_id for r in queue.reap_expired(host="here", alive=alive)] == [far_screen]
+    assert queue.latest_attempt(live_screen).status == "running"
+    assert [r.screen_id for r in queue.reap_expired()] == [live_screen]  # without a host: leases alone
+
+
+def test_reconcile_targets_a_dead_holders_running_attempt_on_this_host(queue, clock):
+    """`db reconcile` after a one-shot dispatch died in an outage: its attempt still runs (the
+    lease has not run out) and nobody writes its archive any more; a live holder's, or one
+    whose process this host cannot see, is left to its dispatcher."""
+    p = protocol(queue)
+    for _ in range(3):
+        queue.create_screen(protocol_id=p, submitter="a")
+    dead = queue.register_dispatcher("dead", "here", pid=202)
+    live = queue.register_dispatcher("live", "here", pid=101)
+    far = queue.register_dispatcher("far", "elsewhere", pid=202)
+    orphan = claim(queue, dead).attempt
+    claim(queue, live)
+    claim(queue, far)
+    alive = lambda pid, started_at: pid == 101  # noqa: E731
+    assert queue.reconcile_targets() == []  # running attempts are their dispatchers' own
+    (target,) = queue.reconcile_targets(host="here", alive=alive)
+    assert target.attempt.id == orphan.id and target.stored == frozenset()
 
 
 def test_attempts_without_a_lease_are_never_reaped(queue, clock):

@@ -11,7 +11,7 @@ from packbench.engine.model import CpuFirstModel
 from packbench.engine.conditions import POLICIES
 from packbench.engine.policies.int8 import Int8DenseStream, Int8DevicePacket, Int8Packet, dequantize_into, int8_layout, quantize_rows
 from packbench.engine.policies.int8 import slab_views
-from packbench.engine.shapes import SHAPES
+from packbench.core.registry import SHAPES
 
 CONTINUATION = 5
 PREFILLS = (1, 64)

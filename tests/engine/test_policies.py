@@ -8,7 +8,7 @@ from packbench.engine.checkpoint import build_model
 from packbench.engine.episode import run_episode
 from packbench.engine.model import CpuFirstModel
 from packbench.engine.conditions import POLICIES
-from packbench.engine.shapes import SHAPES
+from packbench.core.registry import SHAPES
 from packbench.engine.synth import synth_checkpoint
 
 CONTINUATION = 5
@@ -167,3 +167,69 @@ def test_row_retention_copies_only_misses(runs):
         rr, pk = outs["row-retention", n].calls, outs["packet", n].calls
         assert rr[0].rows_copied == pk[0].rows_copied  # a cold cache misses everything
         assert sum(sum(c.rows_copied) for c in rr) <= sum(sum(c.rows_copied) for c in pk)
+
+
+def active_sets(path, dtype, prompt, tokens, cache_kw) -> list[list[set[int]]]:
+    """The active neurons themselves per call and layer, from hooks on a stock model."""
+    stock = build_model(path, dtype=dtype)
+    per_call: list[set[int]] = []
+    for layer in stock.model.decoder.layers:
+        layer.fc2.register_forward_hook(
+            lambda m, args, out: per_call.append(set((args[0] != 0).reshape(-1, args[0].shape[-1]).any(dim=0)
+                                                     .nonzero().flatten().tolist())))
+    from transformers import DynamicCache
+
+    cache, sets = DynamicCache(), []
+    with torch.inference_mode():
+        for token in [None] + tokens[:-1]:
+            per_call.clear()
+            feed = torch.tensor([prompt]) if token is None else torch.tensor([[token]])
+            stock(input_ids=feed, use_cache=True, **{cache_kw: cache})
+            sets.append(list(per_call))
+    return sets
+
+
+def test_index_bytes_are_pinned_for_every_policy(runs):
+    """h2d_index_bytes per call and layer, from the active sets counted on a stock model and
+    each policy's documented transfer (8-byte indices): what every policy charges for indices."""
+    shape, dtype, path, model, outs = runs
+    s = SHAPES[shape]
+    zero = [0] * s["layers"]
+    for n in PREFILLS:
+        sets = active_sets(path, getattr(torch, dtype), prompt_of(n, model.vocab), outs["packet", n].tokens,
+                           model._cache_kw)
+        sizes = [[len(a) for a in call] for call in sets]
+        for name in ("resident", "dense-stream", "packet+gather=device", "early-forecast+gather=device",
+                     "phase-switched+gather=device"):
+            assert all(c.h2d_index_bytes == zero for c in outs[name, n].calls), name  # no index crosses
+        # packet: one index per active row
+        assert [c.h2d_index_bytes for c in outs["packet", n].calls] == [[8 * k for k in call] for call in sizes]
+        # phase-switched: none in the dense prefill, packet's in decode
+        ps = outs["phase-switched", n].calls
+        assert ps[0].h2d_index_bytes == zero
+        assert [c.h2d_index_bytes for c in ps[1:]] == [[8 * k for k in call] for call in sizes[1:]]
+        # sparse-extents: one index per 16-row block that holds an active row
+        blocks = [[len({j // 16 for j in a}) for a in call] for call in sets]
+        se = outs["sparse-extents", n].calls
+        assert [c.h2d_index_bytes for c in se] == [[8 * b for b in call] for call in blocks]
+        assert [c.rows_copied for c in se] == [[16 * b for b in call] for call in blocks]  # ffn is a multiple of 16
+        # early-forecast: decode calls send the previous call's rows (the forecast) then the
+        # remainder, each row with its index; the prefill has no forecast
+        ef = outs["early-forecast", n].calls
+        for i, call in enumerate(ef):
+            for layer, active in enumerate(sets[i]):
+                forecast = sets[i - 1][layer] if i >= 1 else set()
+                rows = len(forecast) + len(active - forecast)
+                assert (call.rows_copied[layer], call.rows_wasted[layer], call.h2d_index_bytes[layer]) == \
+                    (rows, len(forecast - active), 8 * rows), ("early-forecast", n, i, layer)
+        # row-retention: misses carry their index; hits are gathered on the device by a (row,
+        # slot) index pair; the rows written into the cache by a slot index. Cold first call: all miss.
+        slots = min(PARAMS["row-retention"]["rows_per_layer"], s["ffn"])
+        rr = outs["row-retention", n].calls
+        assert rr[0].rows_copied == sizes[0] and rr[0].h2d_index_bytes == [8 * (k + min(k, slots)) for k in sizes[0]]
+        hits = 0
+        for call, active in zip(rr, sizes):
+            for miss, k, index in zip(call.rows_copied, active, call.h2d_index_bytes):
+                hits += k - miss
+                assert index == 8 * (miss + 2 * (k - miss) + min(miss, slots))
+        assert hits > 0  # the cache served rows: the pair charge was exercised

@@ -11,7 +11,7 @@ import torch
 from packbench.engine.episode import run_episode
 from packbench.engine.model import CpuFirstModel
 from packbench.engine.conditions import POLICIES
-from packbench.engine.shapes import SHAPES
+from packbench.core.registry import SHAPES
 from packbench.engine.synth import synth_checkpoint
 
 pytestmark = pytest.mark.gpu
@@ -27,18 +27,27 @@ def checkpoint_125m(tmp_path_factory):
                             sparsity=0.94, seed=0)
 
 
+@pytest.fixture(scope="module")
+def checkpoint_profile(tmp_path_factory):
+    """The calibrated profile (docs/workloads.md): heavy-tailed rates, peaked logits, as the CPU twin has."""
+    return synth_checkpoint(tmp_path_factory.mktemp("ck") / "tiny-opt", shape="tiny", dtype="float32", seed=0,
+                            profile="opt")
+
+
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
-@pytest.mark.parametrize("which", ["tiny", "opt-125m"])
-def test_cuda_policies_bit_identical(dtype, which, checkpoints, checkpoint_125m):
-    path = checkpoints["float32"] if which == "tiny" else checkpoint_125m
+@pytest.mark.parametrize("which", ["tiny", "opt-125m", "tiny-profile-opt"])
+def test_cuda_policies_bit_identical(dtype, which, checkpoints, checkpoint_125m, checkpoint_profile):
+    path = {"tiny": checkpoints["float32"], "opt-125m": checkpoint_125m, "tiny-profile-opt": checkpoint_profile}[which]
     model = CpuFirstModel(path, dtype=getattr(torch, dtype), device=torch.device("cuda"))
     model.use("dense-stream")
     ref = run_episode(model, PROMPT, continuation=CONTINUATION)
     again = run_episode(model, PROMPT, continuation=CONTINUATION)
     assert np.array_equal(ref.logits, again.logits), "the reference does not reproduce itself"
     # Registry defaults; row-retention has none (a protocol must state it): 1024 rows a layer.
+    # Every gather=device variant the CPU twin runs (tests/engine/test_policies.py VARIANTS).
     variants = [(name, PARAMS.get(name, {})) for name in POLICIES] + [("packet", {"gather": "device"}),
-                                                                       ("early-forecast", {"gather": "device"})]
+                                                                       ("early-forecast", {"gather": "device"}),
+                                                                       ("phase-switched", {"gather": "device"})]
     for name, params in variants:
         model.use(name, **params)
         out = run_episode(model, PROMPT, continuation=CONTINUATION)

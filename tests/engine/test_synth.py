@@ -5,7 +5,7 @@ import hashlib
 import torch
 
 from packbench.engine.checkpoint import build_model, read_config
-from packbench.engine.shapes import SHAPES
+from packbench.core.registry import SHAPES
 from packbench.engine.synth import fc1_bias_for, synth_checkpoint
 
 

@@ -196,3 +196,43 @@ def test_a_worker_whose_lock_directory_is_unusable_runs_and_records_none(tiny, t
     entry = plan(b)[0]
     record = worker.run(entry, prompts(b, vocab=start["vocab"])[entry["prompt"]])
     assert record["status"] == "ok" and record["host_workers"] is None  # unknown, not "nobody"
+
+
+def test_no_collection_runs_inside_an_episode_and_each_record_names_what_ran_before(tiny):
+    """A collection inside an episode's wall was a position effect (issue 43): with the collector's
+    thresholds at 1 (a collection at nearly every allocation) none may run while an episode does;
+    and every record names the worker's previous episode (None for its first)."""
+    import gc
+
+    b = body(tiny)
+    worker = Worker(device="cpu")
+    start = worker.load(b, str(tiny))
+    ids = prompts(b, vocab=start["vocab"])
+    inside, seen = [False], []
+    real = worker._run
+
+    def spy(entry, prompt):
+        inside[0] = True
+        try:
+            return real(entry, prompt)
+        finally:
+            inside[0] = False
+
+    def on_gc(phase, info):
+        if phase == "start" and inside[0]:
+            seen.append(info["generation"])
+
+    worker._run = spy
+    thresholds = gc.get_threshold()
+    gc.callbacks.append(on_gc)
+    gc.set_threshold(1, 1, 1)
+    try:
+        records = [worker.run(e, ids[e["prompt"]]) for e in plan(b)]
+    finally:
+        gc.set_threshold(*thresholds)
+        gc.callbacks.remove(on_gc)
+        gc.unfreeze()
+    assert seen == []
+    assert records[0]["previous"] is None
+    for before, r in zip(records, records[1:]):
+        assert r["previous"] == {"condition": before["condition"], "plan_index": before["plan_index"], "load": 1}

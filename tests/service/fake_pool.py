@@ -1,4 +1,4 @@
-"""An in-process worker pool for the scheduler's tests: no Ray, no engine, no processes.
+"""An in-process worker pool for the dispatcher's tests: no Ray, no engine, no processes.
 
 Each worker runs its calls one after another in the order they were sent, each taking a set
 time of the real clock (`load_s`, `episode_s`): a reply is ready once its worker has spent that
@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
 from packbench.core.pool import NodeInfo, Reply
+from packbench.core.metrics import opt_bytes
 from packbench.core.registry import SHAPES
 
 
@@ -45,7 +46,7 @@ class Pending:
 
 
 class FakePool:
-    """The scheduler's WorkerPool (service/scheduler_pool.py), in this process."""
+    """The dispatcher's WorkerPool (service/dispatcher/pool.py), in this process."""
 
     def __init__(self, *, gpus: int = 1, episode_s: float = 0.002, load_s: float = 0.0,
                  fault: Callable[[FakeWorker, dict], Any] | None = None) -> None:
@@ -75,9 +76,11 @@ class FakePool:
         worker.models.add(key)
         self.loads.append((worker.index, state))
         shape = protocol.model.synth.shape if protocol.model.synth else "tiny"
+        held = opt_bytes(**SHAPES[shape], dtype=protocol.dtype)  # what the auditor expects of the shape
         self._send(worker, tag, self.load_s, value={
             "vocab": SHAPES[shape]["vocab"], "model_dir": model_dir or "", "model_state": state, "read_s": 0.0,
-            "pin_s": 0.0, "place_s": 0.0, "param_bytes": 0, "device_param_bytes": 0, "host_outgoing_bytes": 0,
+            "pin_s": 0.0, "place_s": 0.0, **{k: held[k] for k in ("param_bytes", "device_param_bytes",
+                                                                "host_outgoing_bytes")},
             "cpu_first": True, "allowance_bytes": 0, "context_bytes": 0, "device": "fake",
             "entry_to_loaded_s": 0.0})
 

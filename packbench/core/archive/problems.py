@@ -33,7 +33,7 @@ class Problem:
         return self.message
 
 
-class _MemberError(Exception):
+class MemberError(Exception):
     """Internal: a member could not be read.
 
     ``phrase`` is a verb phrase completing "member NAME ...", ``cause`` the short cause used in

@@ -22,9 +22,9 @@ from typing import Any, Iterator
 import numpy as np
 
 from packbench.core.archive.layout import MANIFEST_NAME, EpisodeMembers, episode_index, episode_members, name_problem
-from packbench.core.archive.problems import Problem, _MemberError
+from packbench.core.archive.problems import Problem, MemberError
 from packbench.core.archive.verify import layout_problems, manifest_shape_problem, verify
-from packbench.core.archive.zipformat import _is_symlink, _locate_end, stock_deflate
+from packbench.core.archive.zipformat import is_symlink, locate_end, stock_deflate
 from packbench.core.canonical import canonical_json
 from packbench.core.errors import ArchiveError
 from packbench.core.text import one_line
@@ -40,7 +40,7 @@ MAX_JSON_BYTES = 16 << 20  # one JSON member, uncompressed (16 MiB of `[{},{},..
 MAX_ARRAY_BYTES = 256 << 20  # one .npy member
 MAX_TOTAL_BYTES = 640 << 20  # every member together, uncompressed (the audit keeps the logits: RSS ~ this + 350 MiB)
 # JSON members together, uncompressed: parsing, the canonical check and the ledger checks cost
-# ~0.4 s per MiB (with the recompression check) on the 2-core box (docs/benchmarks.md, "Worst legal archive"); arrays ~0.01.
+# ~0.4 s per MiB (with the recompression check) on the 2-core box (docs/experiments/storage-audit.md, "Worst legal archive"); arrays ~0.01.
 MAX_JSON_TOTAL_BYTES = 48 << 20
 _MAX_NPY_HEADER = 1 << 16
 
@@ -128,7 +128,7 @@ class ArchiveReader:
             )
         self._raw = open(self.path, "rb")
         try:
-            count, cd_size, _, tail = _locate_end(self._raw, self.size)
+            count, cd_size, _, tail = locate_end(self._raw, self.size)
         except (ValueError, struct.error, OSError) as e:
             self._raw.close()
             raise ArchiveError(
@@ -207,13 +207,13 @@ class ArchiveReader:
                 if check_first is not None and at == 0:
                     check_first(chunk, info.file_size)
                 if at + len(chunk) > len(buf):
-                    raise _MemberError(name, f"yields more than the {info.file_size} bytes it declares",
-                                       "the archive is damaged: run verify()")
+                    raise MemberError(name, f"yields more than the {info.file_size} bytes it declares",
+                                      "the archive is damaged: run verify()")
                 buf[at:at + len(chunk)] = chunk
                 at += len(chunk)
             if check_first is not None and at == 0:
                 check_first(b"", info.file_size)
-        except _MemberError as e:
+        except MemberError as e:
             raise ArchiveError(f"member {name} of archive {self.path} {e.phrase}; {e.fix}") from None
         del buf[at:]
         self.bytes_read += at
@@ -239,7 +239,7 @@ class ArchiveReader:
         data = self._read(name, check_first=check)
         try:
             return _load_npy(data)
-        except _MemberError as e:
+        except MemberError as e:
             raise ArchiveError(f"member {name} of archive {self.path} {e.phrase}; {e.fix}") from None
 
     def episodes(self) -> list[EpisodeMembers]:
@@ -264,12 +264,12 @@ class ArchiveReader:
                 MANIFEST_NAME, "duplicate", f"duplicate member {MANIFEST_NAME}: cannot tell which is real")
             return
         info = infos[0]
-        if _is_symlink(info):
+        if is_symlink(info):
             self._manifest_problem = Problem(MANIFEST_NAME, "symlink", f"symlink member {MANIFEST_NAME}")
             return
         try:
             data = b"".join(self._chunks(info, self.max_json_bytes, exact=True))
-        except _MemberError as e:
+        except MemberError as e:
             self._manifest_problem = Problem(
                 MANIFEST_NAME, "unreadable", f"unreadable member {MANIFEST_NAME}: {e.cause}")
             return
@@ -308,7 +308,7 @@ class ArchiveReader:
                 f"refusing unsafe member name {info.orig_filename!r} in archive {self.path} "
                 f"(contains a NUL byte); the archive is hostile or damaged"
             )
-        if _is_symlink(info):
+        if is_symlink(info):
             raise ArchiveError(
                 f"refusing symlink member {name} in archive {self.path}; "
                 f"raw archives hold regular files only"
@@ -316,24 +316,24 @@ class ArchiveReader:
         return info
 
     def _chunks(self, info: zipfile.ZipInfo, limit: int, *, exact: bool = False) -> Iterator[bytes]:
-        """Yield the member's bytes, never more than ``limit`` in total; raise _MemberError.
+        """Yield the member's bytes, never more than ``limit`` in total; raise MemberError.
         ``exact`` (verify): a DEFLATE member must also be the very stream the writer's zlib
         produces for its content (see _exact_chunks)."""
         name = info.filename
         if info.file_size > limit:
-            raise _MemberError(
+            raise MemberError(
                 name,
                 f"declares {info.file_size} bytes, over the bound of {limit}",
                 "raise max_member_bytes if the archive is trusted",
             )
         if info.compress_type not in _SUPPORTED_COMPRESSION:
-            raise _MemberError(
+            raise MemberError(
                 name,
                 f"uses unsupported compression method {info.compress_type}",
                 "raw archives use STORED or DEFLATED only",
             )
         if info.flag_bits & 0x1:
-            raise _MemberError(name, "is encrypted", "raw archives are never encrypted")
+            raise MemberError(name, "is encrypted", "raw archives are never encrypted")
         data_at = self._data_at.get(id(info))
         if data_at is not None:
             yield from self._exact_chunks(info, data_at, limit, recompress=exact)
@@ -348,22 +348,22 @@ class ArchiveReader:
                         break
                     total += len(chunk)
                     if total > limit:
-                        raise _MemberError(
+                        raise MemberError(
                             name,
                             f"inflates past the bound of {limit} bytes",
                             "the archive is hostile or damaged",
                         )
                     yield chunk
-        except _MemberError:
+        except MemberError:
             raise
         except Exception as e:  # hostile bytes may trip any parser path: report, never crash
             kind = "zlib.error" if isinstance(e, zlib.error) else type(e).__name__
             cause = one_line(f"{kind}: {e}")
-            raise _MemberError(
+            raise MemberError(
                 name, f"cannot be read ({cause})", "the archive is damaged: run verify()", cause
             ) from None
         if total != info.file_size:
-            raise _MemberError(
+            raise MemberError(
                 name,
                 f"holds {total} bytes but its zip entry declares {info.file_size}",
                 "the archive is damaged: run verify()",
@@ -381,8 +381,8 @@ class ArchiveReader:
         a flipped bit there would change the file but not one member hash."""
         name = info.filename
 
-        def fail(cause: str) -> _MemberError:
-            return _MemberError(name, f"cannot be read ({cause})", "the archive is damaged: run verify()", cause)
+        def fail(cause: str) -> MemberError:
+            return MemberError(name, f"cannot be read ({cause})", "the archive is damaged: run verify()", cause)
 
         fd = self._raw.fileno()
         inflate = zlib.decompressobj(-15) if info.compress_type == zipfile.ZIP_DEFLATED else None
@@ -394,7 +394,7 @@ class ArchiveReader:
             nonlocal total, crc
             total += len(chunk)
             if total > limit:
-                raise _MemberError(name, f"inflates past the bound of {limit} bytes", "the archive is hostile or damaged")
+                raise MemberError(name, f"inflates past the bound of {limit} bytes", "the archive is hostile or damaged")
             crc = zlib.crc32(chunk, crc)
             if packer is not None:
                 again.update(packer.compress(chunk))
@@ -435,8 +435,8 @@ class ArchiveReader:
         except OSError as e:
             raise fail(one_line(f"{type(e).__name__}: {e}")) from None
         if total != info.file_size:
-            raise _MemberError(name, f"holds {total} bytes but its zip entry declares {info.file_size}",
-                               "the archive is damaged: run verify()")
+            raise MemberError(name, f"holds {total} bytes but its zip entry declares {info.file_size}",
+                              "the archive is damaged: run verify()")
         if crc != info.CRC:
             raise fail(f"BadZipFile: Bad CRC-32 for file {name!r}")
         if packer is not None:
@@ -468,20 +468,20 @@ def _npy_header(first: bytes, size: int, *, dtype: str | None = None, ndim: int 
     try:
         shape, fortran, got = _npy_header_fields(fp)
     except _READ_ERRORS as e:
-        raise _MemberError("", f"is not a .npy array ({one_line(str(e))[:200]})", "the archive is damaged") from None
+        raise MemberError("", f"is not a .npy array ({one_line(str(e))[:200]})", "the archive is damaged") from None
     if got.hasobject:
-        raise _MemberError("", f"is a pickled object array (dtype {got}), refused",
-                           "raw archives hold numeric arrays only; the archive is hostile or damaged")
+        raise MemberError("", f"is a pickled object array (dtype {got}), refused",
+                          "raw archives hold numeric arrays only; the archive is hostile or damaged")
     if dtype is not None and (got.str != dtype or fortran):
-        raise _MemberError("", f"is a {'Fortran-order ' if fortran else ''}{got.str} array, the format says C-order "
-                               f"{dtype} (docs/archive.md)", "the archive was not written by packbench")
+        raise MemberError("", f"is a {'Fortran-order ' if fortran else ''}{got.str} array, the format says C-order "
+                              f"{dtype} (docs/archive.md)", "the archive was not written by packbench")
     if ndim is not None and len(shape) != ndim:
-        raise _MemberError("", f"has {len(shape)} dimensions, the format says {ndim}", "the archive is damaged")
+        raise MemberError("", f"has {len(shape)} dimensions, the format says {ndim}", "the archive is damaged")
     expected = math.prod(shape) * got.itemsize
     held = size - fp.tell()
     if held != expected:
-        raise _MemberError("", f"declares shape {shape} of {got} ({expected} bytes) but holds {held} data bytes",
-                           "the archive is damaged")
+        raise MemberError("", f"declares shape {shape} of {got} ({expected} bytes) but holds {held} data bytes",
+                          "the archive is damaged")
 
 
 def _load_npy(data: bytes | bytearray) -> np.ndarray:
@@ -490,9 +490,9 @@ def _load_npy(data: bytes | bytearray) -> np.ndarray:
     try:
         shape, fortran, dtype = _npy_header_fields(fp)
     except _READ_ERRORS as e:
-        raise _MemberError("", f"is not a .npy array ({e})", "the archive is damaged") from None
+        raise MemberError("", f"is not a .npy array ({e})", "the archive is damaged") from None
     if dtype.hasobject:
-        raise _MemberError(
+        raise MemberError(
             "",
             f"is a pickled object array (dtype {dtype}), refused",
             "raw archives hold numeric arrays only; the archive is hostile or damaged",
@@ -500,7 +500,7 @@ def _load_npy(data: bytes | bytearray) -> np.ndarray:
     expected = math.prod(shape) * dtype.itemsize
     held = len(data) - fp.tell()
     if held != expected:
-        raise _MemberError(
+        raise MemberError(
             "",
             f"declares shape {shape} of {dtype} ({expected} bytes) but holds {held} data bytes",
             "the archive is damaged",
@@ -511,5 +511,5 @@ def _load_npy(data: bytes | bytearray) -> np.ndarray:
         flat = np.frombuffer(data, dtype=dtype, count=math.prod(shape), offset=fp.tell())
         arr = flat.reshape(shape, order="F" if fortran else "C")
     except _READ_ERRORS as e:
-        raise _MemberError("", f"is not a loadable .npy array ({e})", "the archive is damaged") from None
+        raise MemberError("", f"is not a loadable .npy array ({e})", "the archive is damaged") from None
     return arr

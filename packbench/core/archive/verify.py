@@ -17,15 +17,15 @@ import zipfile
 from typing import TYPE_CHECKING, Any
 
 from packbench.core.archive.layout import FORMAT_VERSION, MANIFEST_NAME, expected_method, name_problem
-from packbench.core.archive.problems import Problem, _MemberError
+from packbench.core.archive.problems import Problem, MemberError
 from packbench.core.archive.zipformat import (
-    _VERSION,
-    _ZIP64_LIMIT,
-    _ZIP64_VERSION,
-    _central_entry,
-    _end_records,
-    _is_symlink,
-    _local_header,
+    VERSION,
+    ZIP64_LIMIT,
+    ZIP64_VERSION,
+    central_entry,
+    end_records,
+    is_symlink,
+    local_header,
 )
 from packbench.core.text import one_line
 
@@ -144,7 +144,7 @@ def _member_problem(reader: ArchiveReader, info: zipfile.ZipInfo, listed: dict[s
     why = _entry_name_problem(info)
     if why is not None:
         return Problem(name, "unsafe", f"unsafe member name {shown} ({why})")
-    if _is_symlink(info):
+    if is_symlink(info):
         return Problem(name, "symlink", f"symlink member {shown}")
     if name == MANIFEST_NAME:
         return None  # checked while loading; its hash cannot be listed inside itself
@@ -165,7 +165,7 @@ def _member_problem(reader: ArchiveReader, info: zipfile.ZipInfo, listed: dict[s
         for chunk in reader._chunks(info, limit, exact=True):
             digest.update(chunk)
             size += len(chunk)
-    except _MemberError as e:
+    except MemberError as e:
         return Problem(name, "unreadable", f"unreadable member {shown}: {e.cause}")
     if entry is None:
         return None  # incomplete archive: readable is all we can say
@@ -225,9 +225,9 @@ def layout_problems(fd: int, size: int, tail_bytes: int, infos: list[zipfile.Zip
             what = f"{at - pos} bytes before member {shown} belong to no member" if at > pos else \
                 f"member {shown} overlaps the member before it"
             out.append(Problem(info.filename if at < pos else None, "layout", f"layout: {what} (offset {pos})"))
-        zip64 = info.file_size * 1.05 > _ZIP64_LIMIT
-        header = _local_header(raw, method=info.compress_type, crc=info.CRC, csize=info.compress_size,
-                               size=info.file_size, zip64=zip64)
+        zip64 = info.file_size * 1.05 > ZIP64_LIMIT
+        header = local_header(raw, method=info.compress_type, crc=info.CRC, csize=info.compress_size,
+                              size=info.file_size, zip64=zip64)
         try:
             actual = os.pread(fd, len(header), at) if at >= 0 else b""
         except OSError:
@@ -239,9 +239,9 @@ def layout_problems(fd: int, size: int, tail_bytes: int, infos: list[zipfile.Zip
         else:
             data_at[id(info)] = at + len(header)
         pos = max(pos, at + len(header) + info.compress_size)
-        expected_cd += _central_entry(raw, method=info.compress_type, crc=info.CRC, csize=info.compress_size,
-                                      size=info.file_size, offset=at,
-                                      version=_ZIP64_VERSION if zip64 else _VERSION)
+        expected_cd += central_entry(raw, method=info.compress_type, crc=info.CRC, csize=info.compress_size,
+                                     size=info.file_size, offset=at,
+                                     version=ZIP64_VERSION if zip64 else VERSION)
     if sealed and infos[-1].filename != MANIFEST_NAME:
         out.append(Problem(None, "layout", f"layout: {MANIFEST_NAME} is not the last member (the writer seals last)"))
     cd_at = size - tail_bytes - len(expected_cd)
@@ -259,7 +259,7 @@ def layout_problems(fd: int, size: int, tail_bytes: int, infos: list[zipfile.Zip
     if actual_cd != expected_cd:
         out.append(Problem(None, "layout", "layout: the central directory holds fields, bytes or entries the "
                                            "writer never writes"))
-    tail = _end_records(len(infos), cd_at, len(expected_cd))
+    tail = end_records(len(infos), cd_at, len(expected_cd))
     if actual_tail != tail:
         why = f"a zip comment of {len(comment)} bytes" if comment else "bytes the writer never writes"
         out.append(Problem(None, "layout", f"layout: the end of central directory record holds {why}"))

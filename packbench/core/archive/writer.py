@@ -34,16 +34,16 @@ from packbench.core.archive.layout import (
     name_problem,
 )
 from packbench.core.archive.zipformat import (
-    _MAX_END_RECORDS,
-    _VERSION,
-    _ZIP64_LIMIT,
-    _ZIP64_VERSION,
-    _central_entry,
-    _end_records,
-    _local_header,
+    MAX_END_RECORDS,
+    VERSION,
+    ZIP64_LIMIT,
+    ZIP64_VERSION,
+    central_entry,
+    end_records,
+    local_header,
 )
 from packbench.core.canonical import canonical_json, sha256_hex
-from packbench.core.errors import ArchiveError
+from packbench.core.errors import ArchiveError, ArchiveStorageError
 
 _MIN_ROOM = 1 << 20
 
@@ -118,11 +118,11 @@ class ArchiveWriter:
                 f"write this attempt to a new path"
             ) from None
         except OSError as e:
-            raise ArchiveError(f"could not create archive {self.path} ({e}); check disk space and permissions") from None
+            raise ArchiveStorageError(f"could not create archive {self.path} ({e}); check disk space and permissions") from None
         self._closer = weakref.finalize(self, os.close, self._fd)
         try:
             # An empty but valid zip (its end record alone): the attempt exists from the first moment.
-            self._tail = _end_records(0, 0, 0)
+            self._tail = end_records(0, 0, 0)
             _write_at(self._fd, (self._tail,), 0)
             os.fsync(self._fd)
             _fsync_dir(self.path.parent)  # and so does its directory entry
@@ -134,7 +134,7 @@ class ArchiveWriter:
             # no empty archive behind for every later audit to trip on.
             with contextlib.suppress(OSError):
                 os.unlink(self.path)
-            raise ArchiveError(
+            raise ArchiveStorageError(
                 f"could not create archive {self.path} ({e}); check disk space and permissions"
             ) from None
 
@@ -191,7 +191,7 @@ class ArchiveWriter:
         # One fsync for the episode, after its last member: a crash before it leaves a valid zip
         # holding a prefix of the members (each write keeps the file a zip), and the record is
         # durable when this returns, as before. Three fsyncs an episode (record, logits, trace)
-        # cost the driver about 2 ms on the shared 2-core box (docs/benchmarks.md, queue path).
+        # cost the driver about 2 ms on the shared 2-core box (docs/experiments/queue.md, the queue path).
         for i, (name, data, method) in enumerate(parts):
             self._write(name, data, method, sync=i == len(parts) - 1)
         return names
@@ -307,15 +307,15 @@ class ArchiveWriter:
         else:
             payload = data
         size, csize, crc = len(data), len(payload), zlib.crc32(data)
-        zip64 = size * 1.05 > _ZIP64_LIMIT  # decided before compressing, as zipfile does
-        if not zip64 and csize > _ZIP64_LIMIT:
+        zip64 = size * 1.05 > ZIP64_LIMIT  # decided before compressing, as zipfile does
+        if not zip64 and csize > ZIP64_LIMIT:
             raise ArchiveError(
                 f"member {name} compresses to {csize} bytes, past the zip32 limit its header was "
                 f"sized for; store it uncompressed (add_array) or split it"
             )
-        header = _local_header(raw_name, method=compress_type, crc=crc, csize=csize, size=size, zip64=zip64)
-        entry = _central_entry(raw_name, method=compress_type, crc=crc, csize=csize, size=size,
-                               offset=self._end, version=_ZIP64_VERSION if zip64 else _VERSION)
+        header = local_header(raw_name, method=compress_type, crc=crc, csize=csize, size=size, zip64=zip64)
+        entry = central_entry(raw_name, method=compress_type, crc=crc, csize=csize, size=size,
+                              offset=self._end, version=ZIP64_VERSION if zip64 else VERSION)
         try:
             self._commit(header, payload, entry, name, last=last, sync=sync)
         except OSError as e:
@@ -324,7 +324,7 @@ class ArchiveWriter:
     def _append_failed(self, name: str, e: OSError) -> ArchiveError:
         """Mark the writer failed; the one-line error for a member that could not be appended."""
         self._fail(f"{type(e).__name__}: {e}")
-        return ArchiveError(f"could not append member {name} to archive {self.path} ({e}); check disk space, "
+        return ArchiveStorageError(f"could not append member {name} to archive {self.path} ({e}); check disk space, "
                             f"permissions and who else touches the file, then rerun as a new attempt")
 
     def _commit(self, header: bytes, payload: bytes, entry: bytes, name: str, *, last: bool,
@@ -348,7 +348,7 @@ class ArchiveWriter:
             cd_at = self._cd_at
         else:
             cd_at = member_end + _room(member_end, len(self._central))
-        tail = _end_records(count, cd_at, len(self._central))
+        tail = end_records(count, cd_at, len(self._central))
         size = cd_at + len(self._central) + len(tail)
         with memoryview(self._central) as central:
             if last:
@@ -429,7 +429,7 @@ def _room(member_end: int, central: int) -> int:
     hole, where the file system has them) but for the old directory it replaced, until members
     fill it; seal() closes it.
     """
-    return max(_MIN_ROOM, member_end // 4, central + _MAX_END_RECORDS)
+    return max(_MIN_ROOM, member_end // 4, central + MAX_END_RECORDS)
 
 
 def _fsync_dir(path: Path) -> None:

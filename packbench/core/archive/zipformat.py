@@ -3,7 +3,7 @@
 The writer emits these records itself (so that it can keep the central directory in memory
 instead of re-parsing it for every member) and the reader checks every byte of a file against
 them (docs/archive.md, "Exact layout"); tests/core/test_archive.py compares both with zipfile.
-Pure: bytes in, bytes out; ``_locate_end`` reads from an open file.
+Pure: bytes in, bytes out; ``locate_end`` reads from an open file.
 """
 
 from __future__ import annotations
@@ -25,56 +25,56 @@ _CENTRAL = struct.Struct("<4s4B4HL2L5H2L")
 _END = struct.Struct("<4s4H2LH")
 _END64 = struct.Struct("<4sQ2H2L4Q")
 _LOCATOR64 = struct.Struct("<4sLQL")
-_ZIP64_LIMIT = (1 << 31) - 1  # zipfile.ZIP64_LIMIT: a size or offset past it needs a zip64 field
+ZIP64_LIMIT = (1 << 31) - 1  # zipfile.ZIP64_LIMIT: a size or offset past it needs a zip64 field
 _COUNT_LIMIT = 0xFFFF  # entries the classic end record can count
-_VERSION, _ZIP64_VERSION = 20, 45  # "version needed to extract", as zipfile writes them
+VERSION, ZIP64_VERSION = 20, 45  # "version needed to extract", as zipfile writes them
 _UNIX = 3
-_MAX_END_RECORDS = _END64.size + _LOCATOR64.size + _END.size
+MAX_END_RECORDS = _END64.size + _LOCATOR64.size + _END.size
 _DOS_DATE = (_DATE_TIME[0] - 1980) << 9 | _DATE_TIME[1] << 5 | _DATE_TIME[2]
 _DOS_TIME = _DATE_TIME[3] << 11 | _DATE_TIME[4] << 5 | _DATE_TIME[5] // 2
 
 
-def _local_header(name: bytes, *, method: int, crc: int, csize: int, size: int, zip64: bool) -> bytes:
+def local_header(name: bytes, *, method: int, crc: int, csize: int, size: int, zip64: bool) -> bytes:
     """A local file header. ``zip64`` as zipfile decides it before writing: size * 1.05 > limit."""
     extra = b""
-    version = _VERSION
+    version = VERSION
     if zip64:
         extra = struct.pack("<HHQQ", 1, 16, size, csize)
         size = csize = 0xFFFFFFFF
-        version = _ZIP64_VERSION
+        version = ZIP64_VERSION
     return _LOCAL.pack(b"PK\x03\x04", version, 0, 0, method, _DOS_TIME, _DOS_DATE, crc, csize, size,
                        len(name), len(extra)) + name + extra
 
 
-def _central_entry(name: bytes, *, method: int, crc: int, csize: int, size: int, offset: int,
-                   version: int) -> bytes:
+def central_entry(name: bytes, *, method: int, crc: int, csize: int, size: int, offset: int,
+                  version: int) -> bytes:
     """A central directory entry; ``version`` is the local header's (zipfile reuses it)."""
     values = []
-    if size > _ZIP64_LIMIT or csize > _ZIP64_LIMIT:
+    if size > ZIP64_LIMIT or csize > ZIP64_LIMIT:
         values += [size, csize]
         size = csize = 0xFFFFFFFF
-    if offset > _ZIP64_LIMIT:
+    if offset > ZIP64_LIMIT:
         values.append(offset)
         offset = 0xFFFFFFFF
     extra = b""
     if values:
         extra = struct.pack("<HH" + "Q" * len(values), 1, 8 * len(values), *values)
-        version = _ZIP64_VERSION
+        version = ZIP64_VERSION
     return _CENTRAL.pack(b"PK\x01\x02", version, _UNIX, version, 0, 0, method, _DOS_TIME, _DOS_DATE, crc,
                          csize, size, len(name), len(extra), 0, 0, 0, _REGULAR_FILE_ATTR, offset) + name + extra
 
 
-def _end_records(count: int, cd_offset: int, cd_size: int) -> bytes:
+def end_records(count: int, cd_offset: int, cd_size: int) -> bytes:
     """End of central directory, preceded by the zip64 end record and locator when needed."""
     out = b""
-    if count > _COUNT_LIMIT or cd_offset > _ZIP64_LIMIT or cd_size > _ZIP64_LIMIT:
+    if count > _COUNT_LIMIT or cd_offset > ZIP64_LIMIT or cd_size > ZIP64_LIMIT:
         out = (_END64.pack(b"PK\x06\x06", 44, 45, 45, 0, 0, count, count, cd_size, cd_offset)
                + _LOCATOR64.pack(b"PK\x06\x07", 0, cd_offset + cd_size, 1))
         count, cd_size, cd_offset = min(count, 0xFFFF), min(cd_size, 0xFFFFFFFF), min(cd_offset, 0xFFFFFFFF)
     return out + _END.pack(b"PK\x05\x06", 0, 0, count, count, cd_size, cd_offset, 0)
 
 
-def _locate_end(f, size: int) -> tuple[int, int, int, int]:
+def locate_end(f, size: int) -> tuple[int, int, int, int]:
     """(entry count, central directory size, its start as the end record states it, bytes of the
     end records incl. any comment) read from the file's tail, before zipfile parses anything."""
     if size < _END.size:
@@ -108,7 +108,7 @@ def _locate_end(f, size: int) -> tuple[int, int, int, int]:
     return count, cd_size, cd_offset, tail
 
 
-def _is_symlink(info: zipfile.ZipInfo) -> bool:
+def is_symlink(info: zipfile.ZipInfo) -> bool:
     return stat.S_ISLNK(info.external_attr >> 16)
 
 

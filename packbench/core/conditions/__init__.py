@@ -18,3 +18,22 @@ from packbench.core.conditions.base import ConditionKind
 CONDITIONS: dict[str, ConditionKind] = {m.KIND.name: m.KIND for m in (
     resident, dense_stream, sparse_extents, packet, phase_switched, row_retention, early_forecast,
     quantized, accelerate)}
+
+
+def kinds_table() -> str:
+    """The kinds as a Markdown table (docs/engine.md holds it verbatim; a test compares): name,
+    what it does, parameters with their defaults, tier, first schema, and how its byte estimate
+    bounds the truth."""
+    def param(kind: ConditionKind, name: str, p) -> str:
+        default = "required" if p.default is None else f"default {p.default}"
+        default += "".join(f", {d[name]} from schema {s}" for s, d in sorted(kind.schema_defaults.items()) if name in d)
+        if hasattr(p, "choices"):
+            return f"`{name}`: {' / '.join(p.choices)} ({default}{f'; sayable from schema {p.since}' if p.since > 1 else ''})"
+        return f"`{name}`: integer >= {p.minimum} ({default})"
+
+    rows = ["| kind | what it does | parameters | tier | schema | estimate |", "| --- | --- | --- | --- | --- | --- |"]
+    for name, kind in CONDITIONS.items():
+        params = "; ".join(param(kind, n, p) for n, p in kind.params.items()) or "none"
+        role = " (competitor)" if kind.competitor is not None else ""
+        rows.append(f"| `{name}`{role} | {kind.summary} | {params} | {kind.tier} | {kind.since} | {kind.bound} |")
+    return "\n".join(rows) + "\n"

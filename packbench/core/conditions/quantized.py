@@ -35,7 +35,7 @@ STACK_REFUSALS: dict[tuple[str, str], str] = {
 }
 
 # The fastest mode each method was measured in on the H200 (calibrated synthetic OPT-2.7B fp16,
-# decode ms/token through one screen, docs/benchmarks.md "Every low-bit method in its modes"):
+# decode ms/token through one screen, docs/experiments/competitors.md "Every low-bit method in each of its modes"):
 # torchao int8 weight-only compile 2.45 (eager 24.77 in an earlier screen), int4 weight-only
 # compile 2.59 against eager 49.01, bitsandbytes nf4 compile 3.04 against eager 21.81; llm-int8
 # cannot be captured (CAPTURE_REFUSALS), so eager. What schema 6 writes for an omitted `mode` at

@@ -14,6 +14,7 @@ import yaml
 
 from packbench.core.canonical import canonical_json, sha256_hex
 from packbench.core.errors import ProtocolError
+from packbench.core.protocol.prompt_files import NotReadable, read_bounded
 from packbench.core.protocol.schema import SCHEMA_VERSION, validate
 from packbench.core.protocol.spec import Protocol, expand
 from packbench.core.text import one_line, show
@@ -107,10 +108,16 @@ def load(path: Path) -> FrozenProtocol:
     length): each limit is a one-line ProtocolError naming it, never a crash of the parser.
     """
     path = Path(path)
-    if not path.is_file():
+    if not path.exists():
         raise ProtocolError(
             f"no protocol file at {path}; pass the path of a protocol YAML (see protocols/quickstart.yaml)")
     raw = _parse(_read_text(path), path)
+    if raw is None:  # an empty file, or comments only
+        raise ProtocolError(f"{path} holds no protocol (it is empty or only comments); write its fields, "
+                            f"see protocols/quickstart.yaml")
+    if not isinstance(raw, dict):
+        raise ProtocolError(f"{path} holds a YAML {type(raw).__name__}, not a protocol; a protocol is a mapping of "
+                            f"fields (name:, model:, ...), see protocols/quickstart.yaml")
     return freeze(raw, source=path.resolve())
 
 
@@ -124,11 +131,14 @@ MAX_INT_DIGITS = 100  # the largest bound any field has is 20 digits (2**64)
 
 def _read_text(path: Path) -> str:
     try:
-        size = path.stat().st_size
-        if size > MAX_PROTOCOL_BYTES:
+        data = read_bounded(path, limit=MAX_PROTOCOL_BYTES)
+    except NotReadable as e:
+        if e.too_large:
+            size = path.stat().st_size
             raise ProtocolError(f"{path} is {size} bytes; a protocol file is at most {MAX_PROTOCOL_BYTES >> 20} MiB "
-                                f"(put a large prompt set in prompts.token_file)")
-        data = path.read_bytes()
+                                f"(put a large prompt set in prompts.token_file)") from None
+        raise ProtocolError(f"the protocol {path} {e}; pass the path of a protocol YAML file "
+                            f"(see protocols/quickstart.yaml)") from None
     except OSError as e:
         raise ProtocolError(f"cannot read the protocol file {path} ({e.strerror}); check its permissions") from None
     try:

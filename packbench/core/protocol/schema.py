@@ -37,8 +37,9 @@ from typing import Any
 
 from packbench.core.errors import ProtocolError
 from packbench.core.protocol.compat import schema1_form
-from packbench.core.protocol.fields import (_bool, _choice, _fail, _int, _join, _mapping, _number, _optional_mapping, _show,
-                                  _string, _token_lists)
+from packbench.core.protocol.fields import (bool_field, choice_field, fail, int_field, join_path, mapping_field,
+                                            number_field, optional_mapping_field, shown, string_field,
+                                            token_lists_field)
 from packbench.core.protocol.prompt_files import TEXT_SEPARATOR, read_prompt_file
 # Policies and their parameters, dtypes and synthetic shapes live in one registry shared with the
 # engine and the CLI; re-exported here for code that imports them from core.protocol.
@@ -48,6 +49,7 @@ from packbench.core.registry import (
     POLICY_NAMES,
     POLICY_PARAMS,
     SCHEMA3_DEFAULTS,
+    SHAPES,
     SYNTH_SHAPES,
     DEFAULT_PROFILE,
     fastest_mode,
@@ -79,6 +81,7 @@ MAX_EPISODES = 100_000  # planned episodes, warmups included
 MAX_CONDITIONS = 16
 MAX_PROMPTS = 100_000
 MAX_PROMPT_TOKENS = 1 << 21  # prompts x prefix_tokens: the token ids plan.json holds (<= ~13 MB of JSON)
+MAX_NAME = 200  # a protocol's name: `screens list` prints it in every row
 MAX_BATCH = 64  # sequences decoded together (issue 26 measures 1 to 32)
 MAX_RESAMPLES = 100_000  # per runtime gate entry
 # Draws of every runtime bootstrap of a screen together: sum over runtime entries and compared
@@ -102,25 +105,25 @@ _SHA256 = re.compile(r"[0-9a-f]{64}")
 
 
 def _model(value: Any, *, schema: int) -> dict:
-    m = _mapping(value, "model", allowed={"path": False, "synth": False, "sha256": False})
+    m = mapping_field(value, "model", allowed={"path": False, "synth": False, "sha256": False})
     if ("path" in m) == ("synth" in m):
-        _fail("model", "give exactly one of path (a local checkpoint directory) or synth (a synthetic spec)")
+        fail("model", "give exactly one of path (a local checkpoint directory) or synth (a synthetic spec)")
     if "sha256" in m and "path" not in m:
-        _fail("model.sha256", "pins a model.path checkpoint's content (a synthetic model is pinned by its spec)")
+        fail("model.sha256", "pins a model.path checkpoint's content (a synthetic model is pinned by its spec)")
     if "path" in m:
-        out = {"path": _string(m["path"], "model.path", "a path to a local Hugging Face OPT directory")}
+        out = {"path": string_field(m["path"], "model.path", "a path to a local Hugging Face OPT directory")}
         if "sha256" in m:
             # The checkpoint's content digest (core.provenance.checkpoint_digest; the start record of a run shows it):
             # a worker whose checkpoint hashes otherwise refuses the screen before loading it.
             if not isinstance(m["sha256"], str) or not _SHA256.fullmatch(m["sha256"]):
-                _fail("model.sha256", f"{_show(m['sha256'])} is not allowed; expected 64 lowercase hex digits")
+                fail("model.sha256", f"{shown(m['sha256'])} is not allowed; expected 64 lowercase hex digits")
             out["sha256"] = m["sha256"]
         return out
     # A profile (calibrated activation statistics, core/registry.py PROFILES) or the uniform recipe
     # (sparsity, hot neurons). Schema 4 gives a synth with neither the default profile, written
     # out; schemas 1-3 require sparsity, so every body they froze keeps its meaning and hash.
     uniform = "profile" not in m["synth"] if isinstance(m["synth"], dict) else True
-    s = _mapping(m["synth"], "model.synth", allowed={
+    s = mapping_field(m["synth"], "model.synth", allowed={
         "shape": True, "dtype": True, "sparsity": uniform and schema < 4, "seed": True, "hot_fraction": False,
         "hot_bias": False, "profile": False})
     if "profile" not in s and "sparsity" not in s:
@@ -128,56 +131,56 @@ def _model(value: Any, *, schema: int) -> dict:
     try:
         return {"synth": synth_spec(**s)}
     except SynthArgumentError as e:
-        _fail(f"model.synth.{e.arg}", e.reason)
+        fail(f"model.synth.{e.arg}", e.reason)
 
 
 def _prompt_file(kind: str, value: Any, *, base_dir: Path | None, prefix_tokens: int) -> dict:
     path = f"prompts.{kind}"
-    spec = {"path": value} if isinstance(value, str) else _mapping(
+    spec = {"path": value} if isinstance(value, str) else mapping_field(
         value, path, allowed={"path": True, "sha256": False, "count": False})
-    rel = _string(spec["path"], f"{path}.path", "a path relative to the protocol file")
+    rel = string_field(spec["path"], f"{path}.path", "a path relative to the protocol file")
     if "sha256" in spec and (not isinstance(spec["sha256"], str) or not _SHA256.fullmatch(spec["sha256"])):
-        _fail(f"{path}.sha256", f"{_show(spec['sha256'])} is not allowed; expected 64 lowercase hex digits")
+        fail(f"{path}.sha256", f"{shown(spec['sha256'])} is not allowed; expected 64 lowercase hex digits")
     if "count" in spec:
-        _int(spec["count"], f"{path}.count", minimum=1, maximum=MAX_PROMPTS)
+        int_field(spec["count"], f"{path}.count", minimum=1, maximum=MAX_PROMPTS)
     if base_dir is None:
         # A frozen body (re-read from a database or an archive): the file is not at hand.
         if "sha256" not in spec or "count" not in spec:
-            _fail(path, "needs the protocol file's folder to read the file; load the protocol from its file "
-                        "(a frozen body carries path, sha256 and count)")
+            fail(path, "needs the protocol file's folder to read the file; load the protocol from its file "
+                       "(a frozen body carries path, sha256 and count)")
         return {"path": rel, "sha256": spec["sha256"], "count": spec["count"]}
     data, items = read_prompt_file(kind, base_dir / rel, field=path)
     digest, count = hashlib.sha256(data).hexdigest(), len(items)
     if spec.get("sha256", digest) != digest:
-        _fail(f"{path}.sha256", f"{spec['sha256']} does not match {rel} (sha256 {digest}); "
-                                f"the file changed since the protocol was written")
+        fail(f"{path}.sha256", f"{spec['sha256']} does not match {rel} (sha256 {digest}); "
+                               f"the file changed since the protocol was written")
     if spec.get("count", count) != count:
-        _fail(f"{path}.count", f"{spec['count']} does not match the {count} prompts in {rel}")
+        fail(f"{path}.count", f"{spec['count']} does not match the {count} prompts in {rel}")
     if kind == "token_file":
         for i, ids in enumerate(items):
             if len(ids) < prefix_tokens:
-                _fail(f"{path}", f"prompt {i} of {rel} has {len(ids)} ids, fewer than prefix_tokens={prefix_tokens}")
+                fail(f"{path}", f"prompt {i} of {rel} has {len(ids)} ids, fewer than prefix_tokens={prefix_tokens}")
     return {"path": rel, "sha256": digest, "count": count}
 
 
 def _prompts(value: Any, *, base_dir: Path | None, prefix_tokens: int) -> dict:
-    p = _mapping(value, "prompts", allowed={name: False for name in PROMPT_SOURCES})
+    p = mapping_field(value, "prompts", allowed={name: False for name in PROMPT_SOURCES})
     if len(p) != 1:
-        _fail("prompts", f"give exactly one of {', '.join(PROMPT_SOURCES)}; got {', '.join(p) or 'none'}")
+        fail("prompts", f"give exactly one of {', '.join(PROMPT_SOURCES)}; got {', '.join(p) or 'none'}")
     (kind, spec), = p.items()
     if kind == "generator":
-        g = _mapping(spec, "prompts.generator", allowed={"seed": True, "count": True})
-        return {"generator": {"seed": _int(g["seed"], "prompts.generator.seed", minimum=0),
-                              "count": _int(g["count"], "prompts.generator.count", minimum=1, maximum=MAX_PROMPTS)}}
+        g = mapping_field(spec, "prompts.generator", allowed={"seed": True, "count": True})
+        return {"generator": {"seed": int_field(g["seed"], "prompts.generator.seed", minimum=0),
+                              "count": int_field(g["count"], "prompts.generator.count", minimum=1, maximum=MAX_PROMPTS)}}
     if kind == "token_ids":
-        ids = _token_lists(spec, "prompts.token_ids")
+        ids = token_lists_field(spec, "prompts.token_ids")
         if len(ids) > MAX_PROMPTS:
-            _fail("prompts.token_ids", f"{len(ids)} prompts, more than {MAX_PROMPTS}")
+            fail("prompts.token_ids", f"{len(ids)} prompts, more than {MAX_PROMPTS}")
         for i, prompt in enumerate(ids):
             if len(prompt) > MAX_TOKENS:
-                _fail(f"prompts.token_ids[{i}]", f"has {len(prompt)} ids, more than {MAX_TOKENS}")
+                fail(f"prompts.token_ids[{i}]", f"has {len(prompt)} ids, more than {MAX_TOKENS}")
             if len(prompt) < prefix_tokens:
-                _fail(f"prompts.token_ids[{i}]", f"has {len(prompt)} ids, fewer than prefix_tokens={prefix_tokens}")
+                fail(f"prompts.token_ids[{i}]", f"has {len(prompt)} ids, fewer than prefix_tokens={prefix_tokens}")
         return {"token_ids": ids}
     return {kind: _prompt_file(kind, spec, base_dir=base_dir, prefix_tokens=prefix_tokens)}
 
@@ -188,49 +191,49 @@ def _params(policy: str, value: Any, path: str, *, schema: int) -> dict:
     if value is None:
         value = {}
     if not isinstance(value, dict):
-        _fail(path, f"expected a mapping, got {_show(value)}")
+        fail(path, f"expected a mapping, got {shown(value)}")
     for key in value:
         if key not in spec:
             takes = f"takes {', '.join(sorted(spec))}" if spec else "takes no params"
-            _fail(_join(path, str(key)), f"unknown param; policy {policy} {takes}")
+            fail(join_path(path, str(key)), f"unknown param; policy {policy} {takes}")
     out = {}
     for key, param in spec.items():
         if key in value and getattr(param, "since", 1) > schema:
-            _fail(_join(path, key), f"needs schema {param.since}; write schema: {param.since} or omit `schema:`")
+            fail(join_path(path, key), f"needs schema {param.since}; write schema: {param.since} or omit `schema:`")
         if isinstance(param, ChoiceParam):
             if key in value:
-                out[key] = _choice(value[key], _join(path, key), param.choices)
+                out[key] = choice_field(value[key], join_path(path, key), param.choices)
             elif param.default is None:
-                _fail(_join(path, key), f"is required by policy {policy} (one of {', '.join(param.choices)})")
+                fail(join_path(path, key), f"is required by policy {policy} (one of {', '.join(param.choices)})")
             elif key in newer:  # schema 3/4: written out, so the frozen (schema-2) body says what runs
                 out[key] = newer[key]
             # else omitted in schema 1 or 2: left out, meaning the registry's default (old hashes hold)
             continue
         if key not in value and param.default is None:
-            _fail(_join(path, key), f"is required by policy {policy} (an integer >= {param.minimum})")
-        out[key] = _int(value.get(key, param.default), _join(path, key), minimum=param.minimum)
+            fail(join_path(path, key), f"is required by policy {policy} (an integer >= {param.minimum})")
+        out[key] = int_field(value.get(key, param.default), join_path(path, key), minimum=param.minimum)
     return out
 
 
 def _conditions(value: Any, *, schema: int, batch: int = 1) -> list[dict]:
     if not isinstance(value, list) or not value:
-        _fail("conditions", f"{_show(value)} is not allowed; expected a non-empty list of {{name, policy, params}}")
+        fail("conditions", f"{shown(value)} is not allowed; expected a non-empty list of {{name, policy, params}}")
     if len(value) > MAX_CONDITIONS:
-        _fail("conditions", f"{len(value)} conditions, more than {MAX_CONDITIONS}; split the screen")
+        fail("conditions", f"{len(value)} conditions, more than {MAX_CONDITIONS}; split the screen")
     out, names = [], set()
     for i, c in enumerate(value):
         path = f"conditions[{i}]"
-        c = _mapping(c, path, allowed={"name": False, "policy": True, "params": False})
-        policy = _choice(c["policy"], f"{path}.policy", tuple(CONDITIONS))
+        c = mapping_field(c, path, allowed={"name": False, "policy": True, "params": False})
+        policy = choice_field(c["policy"], f"{path}.policy", tuple(CONDITIONS))
         kind = CONDITIONS[policy]
         needs = kind.since
         if schema < needs:
-            _fail(f"{path}.policy", f"{policy!r} needs schema {needs}; write schema: {needs} or omit `schema:`")
+            fail(f"{path}.policy", f"{policy!r} needs schema {needs}; write schema: {needs} or omit `schema:`")
         name = c.get("name", policy)
         if not isinstance(name, str) or not _CONDITION_NAME.fullmatch(name):
-            _fail(f"{path}.name", f"{_show(name)} is not allowed; use letters, digits, '.', '_' and '-'")
+            fail(f"{path}.name", f"{shown(name)} is not allowed; use letters, digits, '.', '_' and '-'")
         if name in names:
-            _fail(f"{path}.name", f"{name!r} is already used; condition names are unique")
+            fail(f"{path}.name", f"{name!r} is already used; condition names are unique")
         names.add(name)
         params = _params(policy, c.get("params"), f"{path}.params", schema=schema)
         if kind.competitor is not None:
@@ -245,14 +248,14 @@ def _competitor_mode(policy: str, params: dict, path: str, *, schema: int, batch
     library cannot run is refused here, before anything is queued."""
     if schema < MODE_SCHEMA:
         if "mode" in params:
-            _fail(path, f"needs schema {MODE_SCHEMA}; write schema: {MODE_SCHEMA} or omit `schema:`")
+            fail(path, f"needs schema {MODE_SCHEMA}; write schema: {MODE_SCHEMA} or omit `schema:`")
         return params
     # An omitted mode at a batch stays eager, as frozen before captured batches ran: FASTEST_MODE
     # was measured at batch 1.
     mode = params.get("mode") or ("eager" if batch > 1 else fastest_mode(policy, params))
     why = mode_refusal(policy, params, mode)
     if why is not None:
-        _fail(path, f"{mode} is not possible for {params.get('method', policy)} ({why}); use mode eager")
+        fail(path, f"{mode} is not possible for {params.get('method', policy)} ({why}); use mode eager")
     return {**params, "mode": mode}
 
 
@@ -260,12 +263,12 @@ def _warmups(value: Any, names: tuple[str, ...]) -> dict[str, int]:
     if isinstance(value, dict):
         for key in value:
             if key not in names:
-                _fail(f"warmups.{key}", f"unknown condition; use one of {', '.join(names)}")
+                fail(f"warmups.{key}", f"unknown condition; use one of {', '.join(names)}")
         for name in names:
             if name not in value:
-                _fail(f"warmups.{name}", "is required; list every condition or give one integer")
-        return {name: _int(value[name], f"warmups.{name}", minimum=0, maximum=MAX_EPISODES) for name in names}
-    n = _int(value, "warmups", minimum=0, maximum=MAX_EPISODES)
+                fail(f"warmups.{name}", "is required; list every condition or give one integer")
+        return {name: int_field(value[name], f"warmups.{name}", minimum=0, maximum=MAX_EPISODES) for name in names}
+    n = int_field(value, "warmups", minimum=0, maximum=MAX_EPISODES)
     return {name: n for name in names}
 
 
@@ -273,28 +276,28 @@ def _comparisons(value: Any, path: str, names: tuple[str, ...], *, extra: dict[s
     """acquisition/runtime: one mapping or a list of them, one per phase."""
     items = value if isinstance(value, list) else [value]
     if not items:
-        _fail(path, "expected a mapping or a non-empty list of mappings (one per phase)")
+        fail(path, "expected a mapping or a non-empty list of mappings (one per phase)")
     out, phases = [], set()
     for i, item in enumerate(items):
         where = f"{path}[{i}]" if isinstance(value, list) else path
-        g = _mapping(item, where, allowed={"control": True, "max_ratio": True, "phase": False, **extra})
-        control = _choice(g["control"], f"{where}.control", names)
+        g = mapping_field(item, where, allowed={"control": True, "max_ratio": True, "phase": False, **extra})
+        control = choice_field(g["control"], f"{where}.control", names)
         if len(names) < 2:
-            _fail(f"{where}.control", f"{control!r} has no other condition to compare with")
-        phase = _choice(g.get("phase", "all"), f"{where}.phase", PHASES)
+            fail(f"{where}.control", f"{control!r} has no other condition to compare with")
+        phase = choice_field(g.get("phase", "all"), f"{where}.phase", PHASES)
         if phase in phases:
-            _fail(f"{where}.phase", f"{phase!r} is already gated; give one entry per phase")
+            fail(f"{where}.phase", f"{phase!r} is already gated; give one entry per phase")
         phases.add(phase)
         # A byte ratio of 0 is a real bound (move nothing); a time ratio of 0 could never pass.
         timed = "confidence" in extra
         out.append({"control": control, "phase": phase,
-                    "max_ratio": _number(g["max_ratio"], f"{where}.max_ratio", minimum=0.0, exclusive=timed)})
+                    "max_ratio": number_field(g["max_ratio"], f"{where}.max_ratio", minimum=0.0, exclusive=timed)})
         if timed:
             out[-1].update(
-                confidence=_number(g.get("confidence", 0.95), f"{where}.confidence", minimum=0.0, exclusive=True,
+                confidence=number_field(g.get("confidence", 0.95), f"{where}.confidence", minimum=0.0, exclusive=True,
                                    maximum=1.0),
-                resamples=_int(g.get("resamples", 10000), f"{where}.resamples", minimum=100, maximum=MAX_RESAMPLES),
-                seed=_int(g.get("seed", 0), f"{where}.seed", minimum=0))
+                resamples=int_field(g.get("resamples", 10000), f"{where}.resamples", minimum=100, maximum=MAX_RESAMPLES),
+                seed=int_field(g.get("seed", 0), f"{where}.seed", minimum=0))
     return sorted(out, key=lambda g: PHASES.index(g["phase"]))
 
 
@@ -306,70 +309,70 @@ def _fidelity(value: Any, conditions: list[dict], *, reference: str) -> list[dic
     approximate = tuple(n for n in names if tier_of(policy[n]) == "approximate")
     items = value if isinstance(value, list) else [value]
     if not items:
-        _fail("gates.fidelity", "expected a mapping or a non-empty list of mappings (one per condition)")
+        fail("gates.fidelity", "expected a mapping or a non-empty list of mappings (one per condition)")
     out: dict[str, dict] = {}
     for i, item in enumerate(items):
         where = f"gates.fidelity[{i}]" if isinstance(value, list) else "gates.fidelity"
-        g = _mapping(item, where, allowed={"condition": False, **{b: False for b in FIDELITY_BOUNDS}})
+        g = mapping_field(item, where, allowed={"condition": False, **{b: False for b in FIDELITY_BOUNDS}})
         bounds: dict[str, Any] = {}
         for b in FIDELITY_BOUNDS:
             if b not in g:
                 continue
             if b == "min_divergence_step":
-                bounds[b] = _int(g[b], f"{where}.{b}", minimum=0, maximum=MAX_CONTINUATION)
+                bounds[b] = int_field(g[b], f"{where}.{b}", minimum=0, maximum=MAX_CONTINUATION)
             else:
-                bounds[b] = _number(g[b], f"{where}.{b}", minimum=0.0)
+                bounds[b] = number_field(g[b], f"{where}.{b}", minimum=0.0)
                 if b == "min_top1" and bounds[b] > 1:
-                    _fail(f"{where}.{b}", f"{_show(g[b])} is not a fraction in [0, 1] (top-1 agreement)")
+                    fail(f"{where}.{b}", f"{shown(g[b])} is not a fraction in [0, 1] (top-1 agreement)")
         if not bounds:
-            _fail(where, f"give at least one threshold: {', '.join(FIDELITY_BOUNDS)}")
+            fail(where, f"give at least one threshold: {', '.join(FIDELITY_BOUNDS)}")
         if "condition" in g:
-            name = _choice(g["condition"], f"{where}.condition", names)
+            name = choice_field(g["condition"], f"{where}.condition", names)
             if name == reference:
-                _fail(f"{where}.condition", f"{name!r} is the reference: fidelity compares another condition with it; "
-                                            f"name an approximate condition ({', '.join(approximate) or 'none here'})")
+                fail(f"{where}.condition", f"{name!r} is the reference: fidelity compares another condition with it; "
+                                           f"name an approximate condition ({', '.join(approximate) or 'none here'})")
             if tier_of(policy[name]) != "approximate":
-                _fail(f"{where}.condition", f"{name!r} is exact: the faithfulness gate judges it bit for bit; "
-                                            f"name an approximate condition ({', '.join(approximate) or 'none here'})")
+                fail(f"{where}.condition", f"{name!r} is exact: the faithfulness gate judges it bit for bit; "
+                                           f"name an approximate condition ({', '.join(approximate) or 'none here'})")
             targets: tuple[str, ...] = (name,)
         else:
             if not approximate:
-                _fail(where, "no approximate condition to judge; add a quantized condition or drop the gate")
+                fail(where, "no approximate condition to judge; add a quantized condition or drop the gate")
             targets = approximate
         for name in targets:
             if name in out:
-                _fail(where, f"{name!r} is already gated; give one entry per condition")
+                fail(where, f"{name!r} is already gated; give one entry per condition")
             out[name] = {"condition": name, **bounds}
     return [out[n] for n in names if n in out]
 
 
 def _gates(value: Any, names: tuple[str, ...], conditions: list[dict], *, reference: str, schema: int) -> dict:
-    g = _mapping(value, "gates", allowed={name: False for name in GATE_NAMES})
+    g = mapping_field(value, "gates", allowed={name: False for name in GATE_NAMES})
     out: dict[str, Any] = {}
     if "faithfulness" in g:
-        f = _optional_mapping(g["faithfulness"], "gates.faithfulness", allowed={"tolerance": False})
-        tolerance = _number(f.get("tolerance", 0.0), "gates.faithfulness.tolerance", minimum=0.0)
+        f = optional_mapping_field(g["faithfulness"], "gates.faithfulness", allowed={"tolerance": False})
+        tolerance = number_field(f.get("tolerance", 0.0), "gates.faithfulness.tolerance", minimum=0.0)
         out["faithfulness"] = {"tolerance": tolerance}
     for name in ("resources", "capacity"):
         if name in g:
-            out[name] = dict(_optional_mapping(g[name], f"gates.{name}", allowed={}))
+            out[name] = dict(optional_mapping_field(g[name], f"gates.{name}", allowed={}))
     if "acquisition" in g:
         out["acquisition"] = _comparisons(g["acquisition"], "gates.acquisition", names, extra={})
     if "runtime" in g:
         out["runtime"] = _comparisons(g["runtime"], "gates.runtime", names,
                                       extra={"confidence": False, "resamples": False, "seed": False})
     if "useful_latency" in g:
-        u = _mapping(g["useful_latency"], "gates.useful_latency",
-                     allowed={"max_first_episode_s": True, "max_cold_start_s": True})
+        u = mapping_field(g["useful_latency"], "gates.useful_latency",
+                          allowed={"max_first_episode_s": True, "max_cold_start_s": True})
         out["useful_latency"] = {
-            key: _number(u[key], f"gates.useful_latency.{key}", minimum=0.0, exclusive=True)
+            key: number_field(u[key], f"gates.useful_latency.{key}", minimum=0.0, exclusive=True)
             for key in ("max_first_episode_s", "max_cold_start_s")}
     if "fidelity" in g:
         if schema < COMPETITOR_SCHEMA:
-            _fail("gates.fidelity", f"needs schema {COMPETITOR_SCHEMA}; write schema: {COMPETITOR_SCHEMA} or omit `schema:`")
+            fail("gates.fidelity", f"needs schema {COMPETITOR_SCHEMA}; write schema: {COMPETITOR_SCHEMA} or omit `schema:`")
         out["fidelity"] = _fidelity(g["fidelity"], conditions, reference=reference)
     if not out:
-        _fail("gates", f"declare at least one gate: {', '.join(GATE_NAMES)}")
+        fail("gates", f"declare at least one gate: {', '.join(GATE_NAMES)}")
     return out
 
 
@@ -379,8 +382,8 @@ def _engine(value: Any) -> dict:
     makes no host decision; engine/graph.py). Only a non-default mode is kept."""
     if value is None:
         return {}
-    e = _mapping(value, "engine", allowed={"mode": False})
-    mode = _choice(e.get("mode", "eager"), "engine.mode", ENGINE_MODES)
+    e = mapping_field(value, "engine", allowed={"mode": False})
+    mode = choice_field(e.get("mode", "eager"), "engine.mode", ENGINE_MODES)
     return {} if mode == "eager" else {"mode": mode}
 
 
@@ -388,16 +391,16 @@ def _batch(value: Any, *, schema: int, given: bool) -> int:
     """Sequences decoded together: every call feeds `batch` prompts at once (core/plan.py
     `batch_prompts` says which), the packet being the union of their active rows."""
     if given and schema < MODE_SCHEMA:
-        _fail("batch", f"needs schema {MODE_SCHEMA}; write schema: {MODE_SCHEMA} or omit `schema:`")
-    return _int(value, "batch", minimum=1, maximum=MAX_BATCH)
+        fail("batch", f"needs schema {MODE_SCHEMA}; write schema: {MODE_SCHEMA} or omit `schema:`")
+    return int_field(value, "batch", minimum=1, maximum=MAX_BATCH)
 
 
 def _passes(value: Any, *, schema: int, given: bool) -> str:
     """How each episode is measured (PASSES): `separate` times a pass with the ledger and the
     sampler off, then records a second pass with them on (engine/worker.py)."""
     if given and schema < PASSES_SCHEMA:
-        _fail("passes", f"needs schema {PASSES_SCHEMA}; write schema: {PASSES_SCHEMA} or omit `schema:`")
-    return _choice(value, "passes", PASSES)
+        fail("passes", f"needs schema {PASSES_SCHEMA}; write schema: {PASSES_SCHEMA} or omit `schema:`")
+    return choice_field(value, "passes", PASSES)
 
 
 def _placement(value: Any) -> dict:
@@ -405,14 +408,14 @@ def _placement(value: Any) -> dict:
     id), and whether it wants its node to itself. Only what is given is kept."""
     if value is None:
         return {}
-    p = _mapping(value, "placement", allowed={"accelerator_type": False, "node": False, "exclusive_node": False,
-                                              "resources": False})
+    p = mapping_field(value, "placement", allowed={"accelerator_type": False, "node": False, "exclusive_node": False,
+                                                   "resources": False})
     out: dict[str, Any] = {}
     if "accelerator_type" in p:
-        out["accelerator_type"] = _string(p["accelerator_type"], "placement.accelerator_type", "a GPU type, e.g. H200")
+        out["accelerator_type"] = string_field(p["accelerator_type"], "placement.accelerator_type", "a GPU type, e.g. H200")
     if "node" in p:
-        out["node"] = _string(p["node"], "placement.node", "a Ray node id (`ray list nodes`)")
-    if _bool(p.get("exclusive_node", False), "placement.exclusive_node"):
+        out["node"] = string_field(p["node"], "placement.node", "a Ray node id (`ray list nodes`)")
+    if bool_field(p.get("exclusive_node", False), "placement.exclusive_node"):
         out["exclusive_node"] = True
     resources = _resources(p.get("resources"))
     if resources:  # absent or empty: left out, so protocols written before it keep their hash
@@ -426,17 +429,17 @@ def _resources(value: Any) -> dict[str, int | float]:
     if value is None:
         return {}
     if not isinstance(value, dict):
-        _fail("placement.resources", f"{_show(value)} is not a mapping; write e.g. {{fast_nvme: 1}}")
+        fail("placement.resources", f"{shown(value)} is not a mapping; write e.g. {{fast_nvme: 1}}")
     out: dict[str, int | float] = {}
     for name, amount in value.items():
         where = f"placement.resources.{name}"
         if not isinstance(name, str) or not name.strip():
-            _fail("placement.resources", f"{_show(name)} is not a resource name; use the name a node declares "
-                                         f"with `ray start --resources`")
+            fail("placement.resources", f"{shown(name)} is not a resource name; use the name a node declares "
+                                        f"with `ray start --resources`")
         if is_builtin_resource(name):
-            _fail(where, f"{name} is Ray's own resource (every worker gets its GPU and CPUs); name a custom "
-                         f"resource a node declares with `ray start --resources`, e.g. fast_nvme")
-        number = _number(amount, where, minimum=0.0, exclusive=True)
+            fail(where, f"{name} is Ray's own resource (every worker gets its GPU and CPUs); name a custom "
+                        f"resource a node declares with `ray start --resources`, e.g. fast_nvme")
+        number = number_field(amount, where, minimum=0.0, exclusive=True)
         out[name] = int(number) if float(number).is_integer() else float(number)
     return out
 
@@ -452,7 +455,7 @@ def is_builtin_resource(name: str) -> bool:
 
 def _full(raw: Any, *, base_dir: Path | None) -> dict:
     """Validate `raw` (a YAML mapping or any frozen body) into the full schema-2 form."""
-    p = _mapping(raw, "", allowed={
+    p = mapping_field(raw, "", allowed={
         "schema": False, "name": True, "model": True, "dtype": True, "prompts": True, "prefix_tokens": True,
         "continuation_tokens": True, "conditions": True, "reference": True, "warmups": False,
         "repetitions": False, "order": False, "baseline_first": False, "allowance_mib": True,
@@ -462,29 +465,29 @@ def _full(raw: Any, *, base_dir: Path | None) -> dict:
     declared = p.get("schema", SCHEMA_VERSION)
     if isinstance(declared, bool) or declared not in SCHEMAS:
         readable = ", ".join(map(str, SCHEMAS[:-1])) + f" and {SCHEMAS[-1]}"
-        _fail("schema", f"{_show(declared)} is not supported; this packbench reads schema {readable} "
-                        f"(omit `schema:` for the newest, {SCHEMA_VERSION})")
-    prefix = _int(p["prefix_tokens"], "prefix_tokens", minimum=1, maximum=MAX_TOKENS)
+        fail("schema", f"{shown(declared)} is not supported; this packbench reads schema {readable} "
+                       f"(omit `schema:` for the newest, {SCHEMA_VERSION})")
+    prefix = int_field(p["prefix_tokens"], "prefix_tokens", minimum=1, maximum=MAX_TOKENS)
     batch = _batch(p.get("batch", 1), schema=declared, given="batch" in p)
     conditions = _conditions(p["conditions"], schema=declared, batch=batch)
     names = tuple(c["name"] for c in conditions)
     full = {
         "schema": 2,
-        "name": _string(p["name"], "name", "a non-empty string"),
+        "name": string_field(p["name"], "name", f"a non-empty string of at most {MAX_NAME} characters", max_chars=MAX_NAME),
         "model": _model(p["model"], schema=declared),
-        "dtype": _choice(p["dtype"], "dtype", DTYPE_NAMES),
+        "dtype": choice_field(p["dtype"], "dtype", DTYPE_NAMES),
         "prompts": _prompts(p["prompts"], base_dir=base_dir, prefix_tokens=prefix),
         "prefix_tokens": prefix,
-        "continuation_tokens": _int(p["continuation_tokens"], "continuation_tokens", minimum=1,
+        "continuation_tokens": int_field(p["continuation_tokens"], "continuation_tokens", minimum=1,
                                     maximum=MAX_CONTINUATION),
         "conditions": conditions,
-        "reference": (reference := _choice(p["reference"], "reference", names)),
+        "reference": (reference := choice_field(p["reference"], "reference", names)),
         "warmups": _warmups(p.get("warmups", 1), names),
-        "repetitions": _int(p.get("repetitions", 1), "repetitions", minimum=1, maximum=MAX_EPISODES),
-        "order": _choice(p.get("order", "alternating"), "order", ORDERS),
-        "baseline_first": _bool(p.get("baseline_first", True), "baseline_first"),
-        "allowance_mib": _int(p["allowance_mib"], "allowance_mib", minimum=1),
-        "recording": _bool(p.get("recording", True), "recording"),
+        "repetitions": int_field(p.get("repetitions", 1), "repetitions", minimum=1, maximum=MAX_EPISODES),
+        "order": choice_field(p.get("order", "alternating"), "order", ORDERS),
+        "baseline_first": bool_field(p.get("baseline_first", True), "baseline_first"),
+        "allowance_mib": int_field(p["allowance_mib"], "allowance_mib", minimum=1),
+        "recording": bool_field(p.get("recording", True), "recording"),
         "gates": _gates(p["gates"], names, conditions, reference=reference, schema=declared),
     }
     if "fidelity" in full["gates"]:
@@ -509,60 +512,82 @@ def _full(raw: Any, *, base_dir: Path | None) -> dict:
         full["placement"] = placement
     _cross_checks(full)
     if declared == 1 and schema1_form(full) is None:
-        _fail("schema", "1 cannot express this protocol (it uses schema-2 fields); write schema: 2 or drop the field")
+        fail("schema", "1 cannot express this protocol (it uses schema-2 fields); write schema: 2 or drop the field")
     return full
+
+
+def positions_needed(prefix_tokens: int, continuation_tokens: int) -> int:
+    """Positions an episode's sequence reaches: the prompt, then one token fed back per decode
+    call (the last generated token is never fed back)."""
+    return prefix_tokens + continuation_tokens - 1
+
+
+def positions_refusal(prefix_tokens: int, continuation_tokens: int, *, positions: int, model: str) -> str | None:
+    """Why an episode cannot fit `model`'s `positions`, or None: checked before anything is
+    queued (a sequence past the last position is an IndexError inside the model, at run time)."""
+    needed = positions_needed(prefix_tokens, continuation_tokens)
+    if needed <= positions:
+        return None
+    return (f"prefix_tokens {prefix_tokens} + continuation_tokens {continuation_tokens} - 1 = {needed} positions, "
+            f"but {model} has {positions}; lower prefix_tokens or continuation_tokens")
 
 
 def _cross_checks(full: dict) -> None:
     """Rules that tie sections together: a protocol whose gates could never be decided is refused."""
     gates, ref = full["gates"], full["reference"]
     if "text_file" in full["prompts"] and "path" not in full["model"]:
-        _fail("prompts.text_file", "needs model.path: the checkpoint's tokenizer encodes the text "
-                                   "(a synthetic model has none); use token_file or generator")
+        fail("prompts.text_file", "needs model.path: the checkpoint's tokenizer encodes the text "
+                                  "(a synthetic model has none); use token_file or generator")
     if "faithfulness" in gates and full["warmups"][ref] == 0 and full["repetitions"] == 1:
-        _fail(f"warmups.{ref}", f"0 leaves the reference {ref!r} nothing to reproduce itself against; "
-                                f"declare >= 1 reference warmup or repetitions >= 2")
+        fail(f"warmups.{ref}", f"0 leaves the reference {ref!r} nothing to reproduce itself against; "
+                               f"declare >= 1 reference warmup or repetitions >= 2")
     episodes = sum(full["warmups"].values()) + full["repetitions"] * prompt_total(full["prompts"]) * len(full["conditions"])
     if episodes > MAX_EPISODES:
-        _fail("repetitions", f"the plan would hold {episodes} episodes, more than {MAX_EPISODES}; "
-                             f"split the screen into shorter protocols")
+        fail("repetitions", f"the plan would hold {episodes} episodes, more than {MAX_EPISODES}; "
+                            f"split the screen into shorter protocols")
     prompts_n = prompt_total(full["prompts"])
     if prompts_n > MAX_PROMPTS or prompts_n * full["prefix_tokens"] > MAX_PROMPT_TOKENS:
-        _fail("prompts", f"{prompts_n} prompts of {full['prefix_tokens']} tokens: more than {MAX_PROMPTS} prompts "
-                         f"or {MAX_PROMPT_TOKENS} prompt tokens; split the screen")
+        fail("prompts", f"{prompts_n} prompts of {full['prefix_tokens']} tokens: more than {MAX_PROMPTS} prompts "
+                        f"or {MAX_PROMPT_TOKENS} prompt tokens; split the screen")
     batch = full.get("batch", 1)
     if batch > prompts_n:
-        _fail("batch", f"{batch} sequences need at least {batch} prompts, the protocol declares {prompts_n}; "
-                       f"declare more prompts or a smaller batch")
+        fail("batch", f"{batch} sequences need at least {batch} prompts, the protocol declares {prompts_n}; "
+                      f"declare more prompts or a smaller batch")
     if batch * full["continuation_tokens"] > MAX_CONTINUATION:
-        _fail("batch", f"{batch} x {full['continuation_tokens']} continuation tokens keep "
-                       f"{batch * full['continuation_tokens']} logits rows an episode, more than {MAX_CONTINUATION}; "
-                       f"lower batch or continuation_tokens")
+        fail("batch", f"{batch} x {full['continuation_tokens']} continuation tokens keep "
+                      f"{batch * full['continuation_tokens']} logits rows an episode, more than {MAX_CONTINUATION}; "
+                      f"lower batch or continuation_tokens")
     pairs = full["repetitions"] * prompts_n  # scored episodes per condition: the bootstrap's pairs
     draws = sum(g["resamples"] * pairs * (len(full["conditions"]) - 1) for g in gates.get("runtime", []))
     if draws > MAX_BOOTSTRAP_DRAWS:
-        _fail("gates.runtime", f"the runtime bootstraps would draw {draws} pair indices (resamples x pairs x "
-                               f"compared conditions), more than {MAX_BOOTSTRAP_DRAWS}; lower resamples")
+        fail("gates.runtime", f"the runtime bootstraps would draw {draws} pair indices (resamples x pairs x "
+                              f"compared conditions), more than {MAX_BOOTSTRAP_DRAWS}; lower resamples")
     if not full["recording"] and full.get("passes") == "separate":
-        _fail("passes", "separate needs recording: true (its recording pass writes the ledger); "
-                        "drop recording: false or write passes: together")
+        fail("passes", "separate needs recording: true (its recording pass writes the ledger); "
+                       "drop recording: false or write passes: together")
     if not full["recording"] and "acquisition" in gates:
-        _fail("gates.acquisition", "needs recording: true (byte counts come from the per-call ledger)")
+        fail("gates.acquisition", "needs recording: true (byte counts come from the per-call ledger)")
     policies = {c["name"]: c["policy"] for c in full["conditions"]}
     if "faithfulness" in gates:
         _exact_references(full)
     if "fidelity" in gates:
         if tier_of(policies[ref]) == "approximate":
-            _fail("reference", f"{ref!r} is approximate: fidelity is judged against an exact reference "
-                               f"(e.g. dense-stream)")
+            fail("reference", f"{ref!r} is approximate: fidelity is judged against an exact reference "
+                              f"(e.g. dense-stream)")
         if not full["baseline_first"]:
-            _fail("gates.fidelity", "needs baseline_first: true (each approximate episode is teacher-forced on "
-                                    "the tokens of its block's reference episode, which must run first)")
+            fail("gates.fidelity", "needs baseline_first: true (each approximate episode is teacher-forced on "
+                                   "the tokens of its block's reference episode, which must run first)")
     if full.get("engine", {}).get("mode", "eager") != "eager" and full["schema"] < MODE_SCHEMA:
         for i, c in enumerate(full["conditions"]):
             if CONDITIONS[c["policy"]].competitor is not None:
-                _fail(f"conditions[{i}].policy", f"{c['policy']!r} runs in engine mode eager only; drop "
-                                                 f"engine.mode {full['engine']['mode']} or the condition")
+                fail(f"conditions[{i}].policy", f"{c['policy']!r} runs in engine mode eager only; drop "
+                                                f"engine.mode {full['engine']['mode']} or the condition")
+    if "synth" in full["model"]:  # a model.path checkpoint's positions are its config.json's (service/submit.py)
+        shape = full["model"]["synth"]["shape"]
+        refusal = positions_refusal(full["prefix_tokens"], full["continuation_tokens"],
+                                    positions=SHAPES[shape]["max_positions"], model=f"the synthetic {shape} shape")
+        if refusal:
+            fail("prefix_tokens", refusal)
 
 
 def _exact_references(full: dict) -> None:
@@ -576,13 +601,13 @@ def _exact_references(full: dict) -> None:
         ref = exact_reference(conditions, full["reference"], c["name"])
         if ref is None:
             weights = weights_of(c["policy"], c["params"])
-            _fail(f"conditions[{i}].params.weights", f"{weights} has no dense-stream with weights {weights} to be "
-                                                     f"judged against (faithfulness); add one, e.g. "
-                                                     f"{{policy: dense-stream, params: {{weights: {weights}}}}}")
+            fail(f"conditions[{i}].params.weights", f"{weights} has no dense-stream with weights {weights} to be "
+                                                    f"judged against (faithfulness); add one, e.g. "
+                                                    f"{{policy: dense-stream, params: {{weights: {weights}}}}}")
         if ref == c["name"] != full["reference"] and full["warmups"][ref] == 0 and full["repetitions"] == 1:
-            _fail(f"warmups.{ref}", f"0 leaves {ref!r}, the reference of weights "
-                                    f"{weights_of(c['policy'], c['params'])}, nothing to reproduce itself against; "
-                                    f"declare >= 1 warmup or repetitions >= 2")
+            fail(f"warmups.{ref}", f"0 leaves {ref!r}, the reference of weights "
+                                   f"{weights_of(c['policy'], c['params'])}, nothing to reproduce itself against; "
+                                   f"declare >= 1 warmup or repetitions >= 2")
 
 
 def validate(raw: Any, *, base_dir: Path | None = None) -> dict:

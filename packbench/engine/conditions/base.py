@@ -84,10 +84,12 @@ class LoaderRuntime:
     """A packbench loader policy over the worker's CPU-first model. `policy(**params)` makes a
     fresh policy (keyword-only parameters, exactly the kind's, with its defaults);
     `lifts_allowance(params)` says an episode runs without the protocol's device cap (resident's
-    `allowance: unbounded`, re-imposed after the episode as after every one)."""
+    `allowance: unbounded`, re-imposed after the episode as after every one); `graph_safe(policy)`
+    says mode graph may capture the active policy's decode step on CUDA (engine/graph.py)."""
 
     policy: Callable[..., LoaderPolicy]
     lifts_allowance: Callable[[dict], bool] = lambda params: False
+    graph_safe: Callable[[Any], bool] = lambda policy: False
     record_key: str | None = None
     start_key: str | None = None
 
@@ -109,7 +111,14 @@ class LoaderRuntime:
 class CompetitorRuntime:
     """A kind that runs a model of its own (a competitor). Subclasses give `build`, and may
     give `identity` (what else than the policy, dtype and checkpoint tells two built models
-    apart), `check` and `prepare`. `unavailable` is the error a refused condition raises."""
+    apart), `check` and `prepare`. `unavailable` is the error a refused condition raises.
+
+    Lifecycle: built (`build`, at `prepare` or at its first episode) -> held on the device alone
+    while its episodes run (`Holder.hold`, the CPU-first model parked) -> released when another
+    condition takes the device: shelved on the host where its model says `can_shelve` (then
+    `shelve()`, and `unshelve()` when its condition runs again), else dropped and rebuilt. The
+    model offers what the episode loop reads (`device`, `recorder`, `mode`, `new_cache`,
+    `forward`) and `stats.as_dict()`, its build figures (`device_bytes` among them)."""
 
     record_key: str | None = None
     start_key: str | None = None

@@ -16,4 +16,5 @@ def dense_stream(*, weights: str = param_default("dense-stream", "weights")) -> 
     return DENSE_WEIGHTS[check_param("dense-stream", "weights", weights)]()
 
 
-RUNTIME = LoaderRuntime(policy=dense_stream)
+# Captured where its host copy is pinned: the copy is a graph memcpy node, on a forked stream.
+RUNTIME = LoaderRuntime(policy=dense_stream, graph_safe=lambda policy: policy.host.pin)

@@ -15,4 +15,5 @@ def early_forecast(*, gather: str = param_default("early-forecast", "gather")) -
     return FORECAST_GATHERS[check_param("early-forecast", "gather", gather)]()
 
 
-RUNTIME = LoaderRuntime(policy=early_forecast)
+# DeviceForecast is captured: its side stream is joined as dense-stream's.
+RUNTIME = LoaderRuntime(policy=early_forecast, graph_safe=lambda policy: policy.gather == "device")

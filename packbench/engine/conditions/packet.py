@@ -23,4 +23,5 @@ def packet(*, gather: str = param_default("packet", "gather"),
     return by_gather[check_param("packet", "gather", gather)]()
 
 
-RUNTIME = LoaderRuntime(policy=packet)
+# DevicePacket and its int8 twin are captured (one Triton kernel each); the host gather reads a mask back.
+RUNTIME = LoaderRuntime(policy=packet, graph_safe=lambda policy: policy.gather == "device")

@@ -15,4 +15,5 @@ def phase_switched(*, gather: str = param_default("phase-switched", "gather")) -
     return PHASE_SWITCHED_GATHERS[check_param("phase-switched", "gather", gather)]()
 
 
-RUNTIME = LoaderRuntime(policy=phase_switched)
+# DevicePhaseSwitched is captured: its decode is DevicePacket's gather.
+RUNTIME = LoaderRuntime(policy=phase_switched, graph_safe=lambda policy: policy.gather == "device")

@@ -3,4 +3,5 @@
 from packbench.engine.conditions.base import LoaderRuntime
 from packbench.engine.policies.dense import Resident
 
-RUNTIME = LoaderRuntime(policy=Resident, lifts_allowance=lambda params: params.get("allowance") == "unbounded")
+RUNTIME = LoaderRuntime(policy=Resident, lifts_allowance=lambda params: params.get("allowance") == "unbounded",
+                        graph_safe=lambda policy: True)

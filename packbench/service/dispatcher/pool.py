@@ -1,8 +1,8 @@
-"""What the scheduler needs of a pool of GPU workers, and nothing more (service/scheduler.py).
+"""What the dispatcher needs of a pool of GPU workers, and nothing more.
 
-`cluster/pool.py` implements it on Ray (`RayPool`); tests drive the scheduler with an in-process
-fake (tests/service/fake_pool.py). The scheduler never learns what the transport is: a worker
-is an opaque handle, a call is sent with a `tag` the scheduler chose, and what comes back is a
+`cluster/pool.py` implements it on Ray (`RayPool`); tests drive the dispatcher with an in-process
+fake (tests/service/fake_pool.py). The dispatcher never learns what the transport is: a worker
+is an opaque handle, a call is sent with a `tag` the dispatcher chose, and what comes back is a
 `Reply` carrying that tag (core/pool.py: the values both sides share).
 """
 
@@ -27,7 +27,7 @@ class WorkerPool(Protocol):
         """GPUs of the pool's cluster (at least 1): the default number of workers."""
 
     def start_worker(self, tag: Any, *, pool_size: int) -> Any:
-        """Start one worker (of `pool_size` that the scheduler intends to run); returns its
+        """Start one worker (of `pool_size` that the dispatcher intends to run); returns its
         handle. Its environment (host, pid, gpu, node_id, ...) comes back as a reply to `tag`."""
 
     def load(self, worker: Any, tag: Any, protocol: ScreenProtocol, model_dir: str | None, *,

@@ -1,8 +1,7 @@
-"""The scheduler's workers (`Fleet`): started on the pool, placed or refused, lost, replaced.
+"""The dispatcher's workers (`Fleet`): started on the pool, placed or refused, lost, replaced.
 
-What happens to the screens a worker held is the scheduler's (service/scheduler.py,
-service/scheduler_lifecycle.py); this module only keeps the slots true to what the pool says of
-its workers.
+What happens to the screens a lost worker held is the loop's (loop.py hands them to
+lifecycle.py); this part only keeps `State.slots` true to what the pool says of its workers.
 """
 
 from __future__ import annotations
@@ -11,11 +10,11 @@ import logging
 import time
 from typing import Callable
 
-from packbench.service.scheduler_pool import WorkerPool
-from packbench.service.scheduler_state import Active, Call, CallKind, Slot
+from packbench.service.dispatcher.pool import WorkerPool
+from packbench.service.dispatcher.state import Active, Call, CallKind, Slot, State
 from packbench.service.screen import cause_of
 
-log = logging.getLogger("packbench.service.scheduler")
+log = logging.getLogger("packbench.service.dispatcher")
 
 DEAD_ON_ARRIVAL_MAX = 3  # workers that die before they are ready, after which none is replaced
 
@@ -23,42 +22,32 @@ DEAD_ON_ARRIVAL_MAX = 3  # workers that die before they are ready, after which n
 class Fleet:
     """One slot per worker; `planned` workers (None: one per GPU of the pool's cluster)."""
 
-    def __init__(self, pool: WorkerPool, *, planned: int | None, progress: Callable[..., None]) -> None:
-        self.pool, self.planned, self.progress = pool, planned, progress
-        self.slots: list[Slot] = []
-        self.refusals: list[str] = []  # workers refused (their GPU taken) or dead before ready
-        self._dead_on_arrival = 0  # workers that died before ever being ready
-        self._started = 0
-
-    def ready(self) -> list[Slot]:
-        return [s for s in self.slots if s.ready]
-
-    def screens(self) -> list[Active]:
-        """Every screen a worker holds: the one it runs and the one claimed behind it."""
-        return [a for s in self.slots for a in s.screens()]
+    def __init__(self, state: State, pool: WorkerPool, *, planned: int | None,
+                 progress: Callable[..., None]) -> None:
+        self.state, self.pool, self.planned, self.progress = state, pool, planned, progress
 
     def start(self) -> None:
         for _ in range(self.planned or self.pool.gpus()):
             self.add()
 
     def add(self) -> None:
-        self._started += 1
-        slot = Slot(name=f"worker-{self._started}", worker=None, placing_since=time.monotonic())
+        self.state.started += 1
+        slot = Slot(name=f"worker-{self.state.started}", worker=None, placing_since=time.monotonic())
         slot.worker = self.pool.start_worker(Call(CallKind.DESCRIBE, slot), pool_size=self.planned or self.pool.gpus())
-        self.slots.append(slot)
+        self.state.slots.append(slot)
 
     def placed(self, slot: Slot, env: dict) -> None:
         """The worker said where it is: ready, or refused (its GPU taken, or another worker's)."""
         if env.get("gpu_busy"):
             # Its GPU is held by a worker of another cluster on this host: never share it.
-            self.refusals.append(env["gpu_busy"])
+            self.state.refusals.append(env["gpu_busy"])
             log.warning("%s refused: %s", slot.name, env["gpu_busy"])
             self.drop(slot)
             return
         slot.env, slot.placing_since = env, None
         info = self.pool.nodes().get(slot.node)
         slot.gpu_type, slot.resources = (info.accelerator, dict(info.resources or {})) if info else (None, {})
-        twin = next((s for s in self.slots if s is not slot and s.ready and env.get("gpu_uuid")
+        twin = next((s for s in self.state.slots if s is not slot and s.ready and env.get("gpu_uuid")
                      and s.env.get("gpu_uuid") == env["gpu_uuid"] and s.node == slot.node), None)
         if twin is not None:
             # Two workers on one physical GPU would contaminate each other's measurements.
@@ -70,36 +59,36 @@ class Fleet:
 
     def drop(self, slot: Slot) -> None:
         self.pool.kill(slot.worker)  # its calls in flight are dropped with it
-        self.slots.remove(slot)
+        self.state.slots.remove(slot)
 
     def drop_unplaced(self, timeout_s: float) -> None:
         now = time.monotonic()
-        for slot in [s for s in self.slots if not s.ready]:
+        for slot in [s for s in self.state.slots if not s.ready]:
             if now - slot.placing_since > timeout_s:
                 log.warning("%s was not placed within %.0f s; dropped", slot.name, timeout_s)
                 self.drop(slot)
 
-    def lose(self, slot: Slot, e: BaseException) -> tuple[str, list[Active], bool]:
-        """The worker died: dropped. Returns the cause naming it, the screens it held (nothing is
-        promoted onto a dead worker) and whether it had ever been ready."""
+    def lose(self, slot: Slot, e: BaseException, *, stopping: bool) -> tuple[str, list[Active]]:
+        """The worker died: dropped, and replaced unless workers keep dying before they are
+        ready (or the dispatcher is stopping). Returns the cause naming it and the screens it
+        held (nothing is promoted onto a dead worker)."""
         cause = f"worker {slot.name} (pid {slot.env.get('pid')}, node {slot.node[:8] or '?'}) died: {cause_of(e)}"
         log.warning(cause)
         held = slot.screens()
         slot.active = slot.next = None
         never_ready = not slot.ready
         self.drop(slot)
-        return cause, held, never_ready
-
-    def replace(self, slot: Slot, cause: str, *, never_ready: bool, stopping: bool) -> None:
-        """Start a replacement for a lost worker, unless workers keep dying before they are ready."""
-        self._dead_on_arrival += never_ready
-        if self._dead_on_arrival >= DEAD_ON_ARRIVAL_MAX:
+        self.state.dead_on_arrival += never_ready
+        if self.state.dead_on_arrival >= DEAD_ON_ARRIVAL_MAX:
             # Workers that cannot even start (a broken install on a node, say) are not replaced forever.
-            self.refusals.append(f"{self._dead_on_arrival} workers died before they were ready; last: {cause}")
-            log.error("not replacing %s: %d workers died before they were ready", slot.name, self._dead_on_arrival)
+            self.state.refusals.append(f"{self.state.dead_on_arrival} workers died before they were ready; "
+                                       f"last: {cause}")
+            log.error("not replacing %s: %d workers died before they were ready", slot.name,
+                      self.state.dead_on_arrival)
         elif not stopping:
             self.add()  # the pool places it wherever a GPU is free
+        return cause, held
 
     def kill_all(self) -> None:
-        for slot in self.slots:
+        for slot in self.state.slots:
             self.pool.kill(slot.worker)

@@ -1,11 +1,8 @@
-"""Torch's side of the registry: dtype names to torch dtypes. Shapes are pure data in
-core/registry.py, re-exported here for the engine's callers."""
+"""Torch's side of the registry's dtype names (core/registry.py DTYPE_NAMES): name to torch dtype."""
 
 import torch
 
-from packbench.core.registry import DTYPE_NAMES, SHAPES
-
-__all__ = ["DTYPES", "SHAPES", "dtype_of"]
+from packbench.core.registry import DTYPE_NAMES
 
 DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in DTYPE_NAMES}
 

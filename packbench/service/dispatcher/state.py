@@ -1,24 +1,21 @@
-"""The scheduler's state, as small types: workers (`Slot`), the screens they run (`Active`),
-calls in flight (`Call`), and what an observer hears (`ScreenEvent`). Plus the pure decisions
-beside them (silent dispatchers, unplaceable screens). A database outage waited out is
-service/scheduler_outage.py's (`Outage`).
+"""Everything a dispatcher changes as it runs, in one place (`State`): the workers (`Slot`), the
+screens they run (`Active`), the calls in flight (`Call`), a database outage waited out
+(`Outage`), what became of each screen, and the clocks of the upkeep. Its one owner is
+`Dispatcher` (loop.py), which makes one `State` and hands it to each part; no part keeps state
+of its own. What an observer hears (`ScreenEvent`) is here too; the pure decisions read from it
+are rules.py's.
 """
 
 from __future__ import annotations
 
 import enum
-import json
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
-from packbench.core.errors import PackbenchError
-from packbench.core.protocol import Protocol, resources_fit
+from packbench.core.protocol import Protocol
 
 LOOKAHEAD = 2  # episodes submitted to a worker at once: one running, one waiting
-UPKEEP_MAX_S = 2.0  # longest pause between lease renewals (and so before a cancel is seen)
-SILENT_AFTER_S = 5 * UPKEEP_MAX_S  # a dispatcher heartbeats at least every UPKEEP_MAX_S
 
 
 class Stop(enum.StrEnum):
@@ -46,7 +43,7 @@ class Call:
 
 @dataclass(eq=False)
 class Slot:
-    """One worker and what the scheduler knows of it."""
+    """One worker and what the dispatcher knows of it."""
 
     name: str
     worker: Any  # the pool's handle
@@ -103,7 +100,7 @@ class Active:
 
 
 class Moment(enum.Enum):
-    """What an observer of the scheduler hears about an attempt (bench/cluster.py times them)."""
+    """What an observer of the dispatcher hears about an attempt (bench/cluster.py times them)."""
 
     CLAIMED = "claimed"  # the attempt was claimed; `seconds`: the claim's own duration
     LOADED = "loaded"  # its model's load came back to the driver
@@ -119,65 +116,55 @@ class ScreenEvent:
     seconds: float = 0.0
 
 
+@dataclass
+class Outage:
+    """A database outage that a following dispatcher waits out (what tests observe)."""
+
+    cause: str
+    since: float  # time.monotonic() of its first failed try (the Store's retries come before it is noticed)
+    started_at: str  # the same, as UTC wall time for the line
+    delays: Iterator[float]
+    next_probe: float = 0.0
+    probes: int = 0  # failed probes so far
+
+    def schedule(self, now: float) -> float:
+        delay = next(self.delays)
+        self.next_probe = now + delay
+        return delay
+
+
+@dataclass(eq=False)
+class State:
+    """Everything a dispatcher changes while it runs, in one place. `Dispatcher` owns it; the
+    parts (claims.py, lifecycle.py, upkeep.py, fleet.py, outage.py) are handed it and hold
+    nothing else that changes."""
+
+    slots: list[Slot] = field(default_factory=list)  # one per worker
+    outcomes: list[Any] = field(default_factory=list)  # ScreenOutcome of every screen ended, in order
+    refusals: list[str] = field(default_factory=list)  # workers refused (their GPU taken) or dead before ready
+    started: int = 0  # workers ever started (their names count up)
+    dead_on_arrival: int = 0  # workers that died before ever being ready
+    outage: Outage | None = None  # the database is down and `follow` waits for it
+    waited: list[dict] = field(default_factory=list)  # each outage waited out: seconds, probes, rows reconciled
+    deferred: list[Callable[[], None]] = field(default_factory=list)  # database writes that wait for it
+    next_upkeep: float = 0.0  # time.monotonic() of the next upkeep
+    no_reap_until: float = 0.0  # after an outage: time.monotonic() before which no lease is reaped
+    id: int | None = None  # this dispatcher's row
+    stopping: str | None = None  # SIGINT | SIGTERM | database | archive, or set by a caller to stop
+    fatal: str | None = None  # why the dispatcher had to stop (the database stayed down, the archive disk)
+    held: list[str] = field(default_factory=list)  # with nothing queued: screens silent dispatchers hold
+    done: bool = False
+
+    def ready(self) -> list[Slot]:
+        return [s for s in self.slots if s.ready]
+
+    def screens(self) -> list[Active]:
+        """Every screen a worker holds: the one it runs and the one claimed behind it."""
+        return [a for s in self.slots for a in s.screens()]
+
+
 def now() -> float:
     return time.perf_counter()
-
-
-def held_by_silent(status, *, host: str, alive: Callable[[int], bool]) -> list[str]:
-    """One line per running screen whose dispatcher is gone (its pid on this host is not a
-    process) or silent (no heartbeat for SILENT_AFTER_S): which screen, and when its lease
-    expires and a dispatcher started then requeues it. `status` is a db QueueStatus."""
-    by_name = {d.name: d for d in status.dispatchers}
-    out = []
-    for r in status.running:
-        d = by_name.get(r.dispatcher)
-        if d is None or r.lease_expires_at is None:
-            continue
-        silent_s = (status.now - d.heartbeat_at).total_seconds()
-        if d.host == host and d.pid is not None and not alive(d.pid):
-            why = f"its process (pid {d.pid} on this host) is gone"
-        elif silent_s > SILENT_AFTER_S:
-            why = f"no heartbeat for {silent_s:.0f} s"
-        else:
-            continue
-        left = max(0.0, (r.lease_expires_at - status.now).total_seconds())
-        out.append(f"screen {r.screen_id} is held by dispatcher {d.name} ({why}): attempt {r.attempt}'s lease "
-                   f"expires at {r.lease_expires_at.isoformat(timespec='seconds')} (in {left:.0f} s); a "
-                   f"`packbench dispatch` after that marks the attempt lost and runs the screen again")
-    return out
-
-
-def archive_dir(path: Path) -> None:
-    """Create the archive directory, or say in one line why it cannot be (nothing is claimed)."""
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise PackbenchError(f"cannot create the archive directory {path} ({e.strerror or type(e).__name__}); "
-                             f"give --archive-dir (PACKBENCH_ARCHIVE_DIR) a writable directory") from None
-
-
-def unplaceable_reason(screen, ready: list[Slot], *, replica_nodes: Callable[[str], list]) -> str | None:
-    """Why no ready worker of the pool can ever take the queued `screen` (a db QueuedScreen),
-    or None; `replica_nodes(group)`: the nodes its replica group has run on."""
-    types = {s.gpu_type for s in ready if s.gpu_type}
-    nodes = {s.node for s in ready}
-    needs = screen.needs
-    if screen.gpu_type and screen.gpu_type not in types:
-        return f"needs GPU type {screen.gpu_type}; this cluster's workers have {', '.join(sorted(types)) or 'none'}"
-    if screen.placement_node and screen.placement_node not in nodes:
-        return f"needs node {screen.placement_node}, which has no worker"
-    if needs and not any(resources_fit(needs, s.resources) for s in ready):
-        have = sorted({f"{k}: {v:g}" for s in ready for k, v in s.resources.items()})
-        return (f"needs Ray resources {show(needs)} on one node; no node with a worker declares them "
-                f"(declared: {', '.join(have) or 'none'}); start a node with `ray start --resources "
-                f"'{json.dumps(needs)}'` or change the protocol's placement.resources")
-    if screen.replica_group and len(replica_nodes(screen.replica_group)) >= len(nodes):
-        return f"its replicas need distinct nodes; the cluster has {len(nodes)} with workers"
-    return None
-
-
-def show(resources: dict) -> str:
-    return "{" + ", ".join(f"{k}: {v:g}" for k, v in sorted(resources.items())) + "}"
 
 
 def gpu_index(env: dict) -> int:

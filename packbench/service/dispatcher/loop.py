@@ -1,56 +1,19 @@
-"""The scheduler: drains the database queue onto a pool of GPU workers (`packbench dispatch`).
-
-Plain Python over a `WorkerPool` (service/scheduler_pool.py): `cluster/pool.py` runs it on Ray,
-tests on an in-process fake. The database is the record and the queue; the pool is the transport
-and the placement engine.
-
-- One worker per GPU of the cluster (or `workers`), kept across screens: a worker keeps its
-  loaded checkpoint for the next screen of the same model (`model_state` warm/cold).
-- Each idle worker claims one screen (`Store.claim_screen`: atomic, a lease). Screens run
-  concurrently, one per worker; a screen's episodes run in plan order on its worker, submitted
-  one ahead (and the next one handed out before the driver persists the one that came back)
-  so the worker never waits for the driver. The pool's `wait` returns as soon as any call is back.
-- A worker whose screen has handed out its last episodes claims its next screen at once (the
-  `next` of its slot): the new archive is opened and the load is queued on the same worker
-  behind those episodes, so claim, archive creation and load overlap the screen's end. The
-  claim ignores the slot's own running attempt in node checks (shared_node, exclusive_node):
-  the two screens run one after the other on one worker, never side by side.
-- Leases are renewed every third of their length; a renewal refused means the screen was
-  cancelled (stop after the episode in flight, attempt `cancelled`) or the attempt was reaped
-  as lost (stop touching it). Expired leases of any dispatcher are reaped here too.
-- A worker that dies fails its attempt with a cause naming it, and the screen is requeued
-  (up to its max_attempts); a replacement worker is started.
-- SIGINT/SIGTERM: stop claiming, give every held attempt back (`interrupted`, requeued), exit.
-- The database down (`DatabaseUnavailable`, after the Store's own retries): a one-shot
-  scheduler stops (`fatal`); `follow` waits it out however long it lasts (`Outage`): no new
-  claims or episodes, the episodes in flight go to their archives without rows, one probe per
-  backoff step (doubling up to a cap), one line when the wait starts and one when it ends.
-  When the database answers: reconcile the rows its archives hold (service/reconcile.py),
-  renew its leases (an attempt reaped meanwhile ends as lost), do the writes it deferred, in
-  order, reconcile the archives on this host of attempts that ended since the outage began,
-  and continue, reaping no other dispatcher's lease for one lease length.
-
-The pool's own retries are off (Ray: max_restarts=0, max_task_retries=0): ordering comes from
-the database, never from the transport's retries (with max_task_retries > 0, Ray 2.60 ran
-retried calls out of submission order in 3 of 3 runs, and retried a call that kills its actor
-until the restart budget was gone).
-
-`Scheduler` is the loop and its stop; each thing it reacts to has its own class:
-`Claims` (service/scheduler_claims.py: idle workers and look-ahead claim, a claimed screen is
-started), `Lifecycle` (service/scheduler_lifecycle.py: a screen's load and episodes come back,
-it ends), `Upkeep` (service/scheduler_upkeep.py: leases, reaping, heartbeat on a clock),
-`OutageWatch` (service/scheduler_outage.py: the database goes down and comes back) and `Fleet`
-(service/scheduler_fleet.py: workers placed, lost, replaced).
+"""The dispatcher's loop (`Dispatcher`): register, start the workers, then turn by turn run
+the upkeep, start what the claims bring and hand each reply to its part; ride out a database
+outage (`follow`); stop on a signal, the database gone (one-shot) or the archive storage
+failing, giving every held screen back. What it does is the package's docstring (__init__.py).
 """
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import platform
 import signal
 import threading
 import time
+from pathlib import Path
 from typing import Callable
 
 from packbench.core.errors import PackbenchError
@@ -58,23 +21,26 @@ from packbench.core.provenance import Signer
 from packbench.core.settings import Settings
 from packbench.core.source import source_freeze
 from packbench.db.errors import DatabaseUnavailable
-from packbench.service.scheduler_claims import Claims
-from packbench.service.scheduler_fleet import Fleet
-from packbench.service.scheduler_lifecycle import Lifecycle
-from packbench.service.scheduler_outage import OUTAGE_BACKOFF_S, Outage, OutageWatch
-from packbench.service.scheduler_pool import Reply, WorkerPool
-from packbench.service.scheduler_state import CallKind, ScreenEvent, Slot, Stop, archive_dir, held_by_silent
-from packbench.service.scheduler_upkeep import Upkeep
+from packbench.service.dispatcher.claims import Claims
+from packbench.service.dispatcher.fleet import Fleet
+from packbench.service.dispatcher.holders import holder_alive, process_alive
+from packbench.service.dispatcher.lifecycle import Lifecycle
+from packbench.service.dispatcher.outage import OutageWatch
+from packbench.service.dispatcher.pool import Reply, WorkerPool
+from packbench.service.dispatcher.rules import OUTAGE_BACKOFF_S, held_by_silent
+from packbench.service.dispatcher.state import Active, CallKind, Outage, ScreenEvent, Slot, State, Stop
+from packbench.service.dispatcher.upkeep import Upkeep
 from packbench.service.screen import ScreenOutcome
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("packbench.service.dispatcher")
 
 
-class Scheduler:
+class Dispatcher:
     """Drain the queue (or serve it, `follow`) onto a pool of GPU workers.
 
-    `observer(ScreenEvent)` hears each attempt's claim, load, first episodes out and every
-    record (bench/cluster.py times the queue path from them); the product passes none.
+    Owns the one `State` the parts share (state.py); `observer(ScreenEvent)` hears each
+    attempt's claim, load, first episodes out and every record (bench/cluster.py times the
+    queue path from them); the product passes none.
     """
 
     def __init__(self, store, settings: Settings, pool: WorkerPool, *, workers: int | None = None,
@@ -85,84 +51,118 @@ class Scheduler:
                  outage_backoff: tuple[float, float] = OUTAGE_BACKOFF_S) -> None:
         self.store, self.settings, self.pool = store, settings, pool
         self.follow, self.only_screen, self.progress = follow, only_screen, progress
-        self.stopping: str | None = None  # SIGINT | SIGTERM | database, or set by a caller to stop
-        self.fatal: str | None = None  # why the scheduler had to stop (the database stayed down)
-        self.held: list[str] = []  # with nothing queued: screens that dispatchers gone silent hold (held_by_silent)
-        self.done = False
-        self.id: int | None = None
-        self.fleet = Fleet(pool, planned=workers, progress=progress)
-        self.watch = OutageWatch(store, follow=follow, lease_s=lease_s, backoff=outage_backoff, progress=progress)
-        self.lifecycle = Lifecycle(store, pool, self.fleet, self.watch, progress=progress, on_outcome=on_outcome,
-                                   observer=observer)
-        self.outcomes = self.lifecycle.outcomes  # what became of every screen this scheduler ran
-        self.upkeep = Upkeep(store, settings, self.fleet, self.lifecycle, lease_s=lease_s, progress=progress)
+        self.state = state = State()
+        self.fleet = Fleet(state, pool, planned=workers, progress=progress)
+        self.watch = OutageWatch(state, store, follow=follow, lease_s=lease_s, backoff=outage_backoff,
+                                 progress=progress)
+        freeze = source_freeze()
         # The deployment's key signs every sealed archive (<archive>.sig, core/provenance.py).
         signer = Signer.load(settings.signing_key) if settings.signing_key else None
-        self.claims = Claims(store, settings, pool, self.fleet, self.lifecycle, lease_s=lease_s,
-                             freeze=source_freeze(), signer=signer, only_screen=only_screen,
-                             look_ahead=look_ahead, progress=progress)
+        self.lifecycle = Lifecycle(state, store, pool, self.watch, freeze=freeze, signer=signer,
+                                   model_cache=None if settings.model_cache is None else str(settings.model_cache),
+                                   progress=progress, on_outcome=on_outcome, observer=observer)
+        self.upkeep = Upkeep(state, store, lease_s=lease_s, progress=progress, alive=holder_alive)
+        self.claims = Claims(state, store, archive_dir=str(settings.archive_dir.resolve()), lease_s=lease_s,
+                             freeze=freeze, only_screen=only_screen, look_ahead=look_ahead)
+
+    # What callers read (the CLI, the API, tests): views of the state.
+
+    @property
+    def id(self) -> int | None:
+        """This dispatcher's row, once registered."""
+        return self.state.id
+
+    @property
+    def outcomes(self) -> list[ScreenOutcome]:
+        """What became of every screen this dispatcher ran, in order."""
+        return self.state.outcomes
 
     @property
     def slots(self) -> list[Slot]:
-        return self.fleet.slots
+        return self.state.slots
 
     @property
     def refusals(self) -> list[str]:
-        return self.fleet.refusals
+        return self.state.refusals
+
+    @property
+    def held(self) -> list[str]:
+        """With nothing queued: screens that dispatchers gone silent hold (held_by_silent)."""
+        return self.state.held
+
+    @property
+    def fatal(self) -> str | None:
+        """Why the dispatcher had to stop (the database stayed down, the archive storage failed)."""
+        return self.state.fatal
+
+    @property
+    def stopping(self) -> str | None:
+        """SIGINT | SIGTERM | database | archive; a caller in another thread stops it by setting it."""
+        return self.state.stopping
+
+    @stopping.setter
+    def stopping(self, why: str | None) -> None:
+        self.state.stopping = why
 
     @property
     def outage(self) -> Outage | None:
         """The database outage `follow` is waiting out, if any."""
-        return self.watch.outage
+        return self.state.outage
 
     @property
     def outages(self) -> list[dict]:
         """Each outage waited out: seconds, probes, rows reconciled."""
-        return self.watch.waited
+        return self.state.waited
 
     # ------------------------------------------------------------------------- the loop
 
     def run(self) -> list[ScreenOutcome]:
-        """Until drained (or stopped); returns what became of every screen this scheduler ran."""
+        """Until drained (or stopped); returns what became of every screen this dispatcher ran."""
         if not self.follow and self.only_screen is None:
-            self.upkeep.reap()  # a dead dispatcher's screens count as queued once their leases expired
+            # A dead dispatcher's screens count as queued once their leases expired, or at once
+            # when it ran on this host and its process is gone.
+            self.upkeep.reap()
             if not self.store.queued_screens():
-                from packbench.engine.gpu_lock import process_alive  # torch-free: /proc only
-
-                # Nothing to drain: no pool is started (seconds, for nothing). Screens a dead
-                # dispatcher still holds are said, with when their leases let them go.
-                self.held = held_by_silent(self.store.queue_status(), host=platform.node(), alive=process_alive)
+                # Nothing to drain: no pool is started (seconds, for nothing). Screens a silent
+                # dispatcher elsewhere still holds are said, with when their leases let them go.
+                self.state.held = held_by_silent(self.store.queue_status(), host=platform.node(), alive=process_alive)
                 return self.outcomes
         archive_dir(self.settings.archive_dir)  # before a claim: a claimed attempt would fail on it
         self.pool.connect()
-        # Signals reach the main thread only; a scheduler in another thread (tests) is stopped by
+        # Frozen out of the collector for the dispatcher's run: what is alive now (the libraries,
+        # Ray's client). Unfrozen, the driver's full collections took 60-260 ms on a 2-core host at
+        # the same episode count of every screen, a core taken from the worker mid-episode: plan
+        # index 38 of 39- and 48-episode screens ran ~10x its neighbours (docs/metrics.md).
+        gc.freeze()
+        # Signals reach the main thread only; a dispatcher in another thread (tests) is stopped by
         # setting `stopping`.
         main = threading.current_thread() is threading.main_thread()
         previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)} if main else {}
         try:
             self._register()
-            if self.id is not None:
+            if self.state.id is not None:
                 self.fleet.start()
-            while not self.stopping and self.id is not None:
+            while not self.stopping and self.state.id is not None:
                 try:
-                    if self.watch.outage is not None:
+                    if self.state.outage is not None:
                         self._ride_out()
                     else:
                         self._step()
                 except DatabaseUnavailable as e:
                     if self.follow:
-                        self.watch.went_down(e, self.fleet.screens())
+                        self.watch.went_down(e)
                         continue
                     # Retried with backoff already (Store): stop claiming; the archives hold every
                     # finished episode; leases expire and a later dispatcher requeues the screens.
-                    self.stopping, self.fatal = "database", str(e)
+                    self.state.stopping, self.state.fatal = "database", str(e)
                     held = [str(s.active.run.archive_path) for s in self.slots if s.active]
                     log.error("database unavailable; stopping. Archives kept as evidence: %s", ", ".join(held) or "none")
                     break
-                if self.done:
+                if self.state.done:
                     break
         finally:
             self._shutdown()
+            gc.unfreeze()
             for s, handler in previous.items():
                 signal.signal(s, handler)
         return self.outcomes
@@ -172,27 +172,38 @@ class Scheduler:
         name = f"dispatch-{platform.node()}-{os.getpid()}"
         while not self.stopping:
             try:
-                if self.watch.outage is not None:
+                if self.state.outage is not None:
                     wait = self.watch.probe_in()
                     if wait > 0:
                         time.sleep(wait)
                         continue
                     self.store.ping()  # one try per probe; the register below retries on its own
-                self.id = self.store.register_dispatcher(name, platform.node(), pid=os.getpid())
-                if self.watch.outage is not None:
+                self.state.id = self.store.register_dispatcher(name, platform.node(), pid=os.getpid())
+                if self.state.outage is not None:
                     self._database_back()
                 return
             except DatabaseUnavailable as e:
                 if not self.follow:
                     raise
-                self.watch.went_down(e, self.fleet.screens())
+                self.watch.went_down(e)
 
     def _step(self) -> None:
         """One turn: upkeep, claims for idle workers, then whatever the workers returned."""
-        self.upkeep.tick(self.id)
-        claimed = not self.stopping and self.claims.fill(self.id)
+        stopped = self.upkeep.tick()
+        if stopped is not None:  # the upkeep was due: so is dropping workers never placed
+            self.fleet.drop_unplaced(self.settings.placement_timeout_s)
+            for active in stopped:
+                self.lifecycle.end_stopped(active)
+        claimed = False
+        if not self.stopping:
+            for c in self.claims.fill():
+                claimed = True
+                if self.stopping:  # an earlier start of this turn found the archive storage failing
+                    self.store.release(c.claim.attempt.id, f"dispatcher stopped ({self.stopping}) before it started")
+                    continue
+                self.lifecycle.start(c.slot, c.claim, queued=c.queued, claim_s=c.claim_s)
         if self._finished(claimed):
-            self.done = True
+            self.state.done = True
             return
         if not self.pool.in_flight():
             time.sleep(0.2)
@@ -219,9 +230,13 @@ class Scheduler:
 
     def _database_back(self) -> None:
         """The database answers again: catch up, in order, then carry on (see the module doc)."""
-        self.watch.came_back(self.fleet.screens(), renew=self.upkeep.renew)
+        self.watch.came_back(renew=self._renew)
         self.upkeep.after_outage()
         self.lifecycle.resume()
+
+    def _renew(self, screens: list[Active]) -> None:
+        for active in self.upkeep.renew(screens):
+            self.lifecycle.end_stopped(active)
 
     def _handle(self, reply: Reply) -> None:
         """A reply: a worker's description, its death, or a screen's load or episode."""
@@ -234,11 +249,10 @@ class Scheduler:
             self.lifecycle.reply(call, reply)
 
     def _worker_died(self, slot: Slot, e: BaseException) -> None:
-        cause, held, never_ready = self.fleet.lose(slot, e)
+        cause, held = self.fleet.lose(slot, e, stopping=bool(self.stopping))
         for active in held:
             if active.stop != Stop.LOST:
                 self.lifecycle.fail(active, "failed", cause, requeue=True)
-        self.fleet.replace(slot, cause, never_ready=never_ready, stopping=bool(self.stopping))
 
     # ------------------------------------------------------------------------- the end
 
@@ -262,15 +276,15 @@ class Scheduler:
         return not queued
 
     def _on_signal(self, signum, frame) -> None:  # noqa: ARG002 (signal handler signature)
-        self.stopping = signal.Signals(signum).name
+        self.state.stopping = signal.Signals(signum).name
         log.warning("%s: giving back held screens and stopping", self.stopping)
 
     def _shutdown(self) -> None:
         reason = f"dispatcher stopped ({self.stopping})" if self.stopping else "dispatcher stopped"
         # With the database down nothing can be given back: the leases expire and a later
         # dispatcher requeues the screens; the archives keep every episode (db reconcile).
-        offline = self.stopping == "database" or self.watch.outage is not None
-        for active in self.fleet.screens():
+        offline = self.stopping == "database" or self.state.outage is not None
+        for active in self.state.screens():
             if active.stop != Stop.LOST and not offline:
                 try:
                     status = self.store.release(active.run.attempt.id, reason)
@@ -279,8 +293,17 @@ class Scheduler:
                 except PackbenchError as e:
                     log.error("could not give back screen %s: %s", active.run.screen.id, e)
         self.fleet.kill_all()
-        if self.id is not None and not offline:
+        if self.state.id is not None and not offline:
             try:
-                self.store.stop_dispatcher(self.id)
+                self.store.stop_dispatcher(self.state.id)
             except PackbenchError as e:
                 log.error("could not record the dispatcher's stop: %s", e)
+
+
+def archive_dir(path: Path) -> None:
+    """Create the archive directory, or say in one line why it cannot be (nothing is claimed)."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise PackbenchError(f"cannot create the archive directory {path} ({e.strerror or type(e).__name__}); "
+                             f"give --archive-dir (PACKBENCH_ARCHIVE_DIR) a writable directory") from None

@@ -1,41 +1,84 @@
-"""What becomes of a claimed screen on its worker (`Lifecycle`): its load comes back, its
-episodes go out one ahead and come back to be archived and recorded, and it ends (done, failed,
-cancelled, lost), handing its worker to the screen claimed behind it.
+"""What becomes of a claimed screen on its worker (`Lifecycle`): it starts (its archive opened,
+its load sent), its load comes back, its episodes go out one ahead and come back to be archived
+and recorded, and it ends (done, failed, cancelled, lost), handing its worker to the screen
+claimed behind it.
 
-Claiming and starting a screen is service/scheduler_claims.py's; a database outage pauses the
-episodes and defers the writes through service/scheduler_outage.py's `OutageWatch`.
+Which screen a worker claims is claims.py's; a database outage pauses the episodes and defers
+the writes through outage.py's `OutageWatch`. A write the archive's storage refuses (a full
+disk) fails that screen only and stops the dispatcher from claiming more (`State.fatal`).
 """
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 from typing import Callable
 
 from packbench.core.dispersion import NOISY_CORES, other_cores
-from packbench.core.errors import PackbenchError
+from packbench.core.errors import ArchiveStorageError, PackbenchError
 from packbench.core.plan import episode_input
+from packbench.core.protocol import expand
+from packbench.core.provenance import Signer
 from packbench.db.errors import DatabaseUnavailable
-from packbench.service.scheduler_fleet import Fleet
-from packbench.service.scheduler_outage import OutageWatch
-from packbench.service.scheduler_pool import Reply, WorkerPool
-from packbench.service.scheduler_state import LOOKAHEAD, Active, Call, CallKind, Moment, ScreenEvent, Stop, now
+from packbench.service.dispatcher.outage import OutageWatch
+from packbench.service.dispatcher.pool import Reply, WorkerPool
+from packbench.service.dispatcher.state import (LOOKAHEAD, Active, Call, CallKind, Moment, ScreenEvent, Slot, State,
+                                                Stop, now)
 from packbench.service.screen import ScreenOutcome, ScreenRun, cause_of, is_bad_input
 from packbench.service.submit import screen_prompts
 
-log = logging.getLogger("packbench.service.scheduler")
+log = logging.getLogger("packbench.service.dispatcher")
 
 
 class Lifecycle:
-    """The screens the fleet's workers run, from their load's reply to their end; `outcomes`:
-    what became of each one ended, in order."""
+    """The screens the workers run, from their start to their end (`State.outcomes`: what
+    became of each one ended, in order)."""
 
-    def __init__(self, store, pool: WorkerPool, fleet: Fleet, watch: OutageWatch, *,
-                 progress: Callable[..., None], on_outcome: Callable[[ScreenOutcome], None],
-                 observer: Callable[[ScreenEvent], None] | None) -> None:
-        self.store, self.pool, self.fleet, self.watch = store, pool, fleet, watch
+    def __init__(self, state: State, store, pool: WorkerPool, watch: OutageWatch, *, freeze: dict,
+                 signer: Signer | None, model_cache: str | None, progress: Callable[..., None],
+                 on_outcome: Callable[[ScreenOutcome], None], observer: Callable[[ScreenEvent], None] | None) -> None:
+        self.state, self.store, self.pool, self.watch = state, store, pool, watch
+        self.freeze, self.signer, self.model_cache = freeze, signer, model_cache
         self.progress, self.on_outcome, self.observer = progress, on_outcome, observer
-        self.outcomes: list[ScreenOutcome] = []
+
+    def start(self, slot: Slot, claim, *, queued: bool = False, claim_s: float = 0.0) -> Active:
+        """Open the claimed screen's archive and send its load; `queued`: as the slot's next
+        screen (the load waits on the worker behind the running screen's last episodes)."""
+        protocol = expand(json.loads(claim.protocol.canonical_json))
+        run = ScreenRun(self.store, screen=claim.screen, attempt=claim.attempt, protocol=protocol,
+                        archive_path=Path(claim.attempt.archive_path), freeze=self.freeze,
+                        progress=self.progress, signer=self.signer)
+        self.tell(Moment.CLAIMED, run, now(), claim_s)
+        active = Active(slot=slot, run=run, protocol=protocol)
+        if queued:
+            slot.next = active
+        else:
+            slot.active = active
+        try:
+            run.begin(slot.env)
+        except PackbenchError as e:  # the archive cannot be written: the attempt fails, never stays running
+            self.archive_failed(active, e)
+            return active
+        # A protocol that judges the cold start gets a cold model; any other reuses a warm one.
+        reuse = protocol.gates.useful_latency is None
+        self.pool.load(slot.worker, Call(CallKind.LOAD, slot, active), protocol, claim.screen.model_dir,
+                       model_cache=self.model_cache, reuse=reuse)
+        active.inflight += 1
+        return active
+
+    def archive_failed(self, active: Active, e: PackbenchError) -> None:
+        """The screen's archive refused a write. Its storage (a full disk, a read-only mount, an
+        I/O error): not the screen's fault, so the attempt fails with its screen requeued, and
+        the dispatcher claims nothing more (every later screen would fail the same way; they
+        stay queued). Anything else the archive refuses is the screen's input (exit 2)."""
+        if isinstance(e, ArchiveStorageError):
+            if self.state.fatal is None:
+                self.state.fatal = f"the archive storage failed: {e}"
+            self.state.stopping = self.state.stopping or "archive"
+            self.fail(active, "failed", str(e), requeue=True, storage=True)
+        else:
+            self.fail(active, "failed", str(e), bad_input=True)
 
     def tell(self, moment: Moment, run: ScreenRun, at: float, seconds: float = 0.0) -> None:
         if self.observer is not None:
@@ -64,8 +107,8 @@ class Lifecycle:
             step(active, value)
         except DatabaseUnavailable:
             raise
-        except PackbenchError as e:
-            self.fail(active, "failed", str(e), bad_input=True)
+        except PackbenchError as e:  # the archive (or the prompts) refused it
+            self.archive_failed(active, e)
 
     def _loaded(self, active: Active, start: dict) -> None:
         run = active.run
@@ -98,7 +141,7 @@ class Lifecycle:
             log.warning("screen %s: placement not recorded: %s", active.run.screen.id, e)
 
     def _submit_next(self, active: Active) -> None:
-        if active.submitted >= len(active.entries) or active.stop or self.watch.outage is not None:
+        if active.submitted >= len(active.entries) or active.stop or self.state.outage is not None:
             return  # an outage pauses the screen: `resume` submits again
         entry = active.entries[active.submitted]
         active.submitted += 1
@@ -108,7 +151,7 @@ class Lifecycle:
 
     def resume(self) -> None:
         """After an outage: every running screen gets its look-ahead episodes again."""
-        for active in self.fleet.screens():
+        for active in self.state.screens():
             if active.entries and active.stop is None and not active.ended:
                 while active.submitted - active.run.done_count < LOOKAHEAD and active.submitted < len(active.entries):
                     self._submit_next(active)
@@ -123,7 +166,7 @@ class Lifecycle:
         self._note_host_sharing(active, record)
         t0 = now()
         try:
-            active.run.record(record, persist=self.watch.outage is None)  # archived either way
+            active.run.record(record, persist=self.state.outage is None)  # archived either way
         except DatabaseUnavailable:
             self.tell(Moment.RECORDED, active.run, t0, now() - t0)  # archived, its row deferred
             self.watch.defer(lambda: self._recorded(active))
@@ -159,7 +202,7 @@ class Lifecycle:
                           f"times may be inflated (each episode records it: host_load)")
         if active.host_shared:
             return
-        mine = {s.env.get("pid") for s in self.fleet.slots if s.env.get("host") == host}
+        mine = {s.env.get("pid") for s in self.state.slots if s.env.get("host") == host}
         foreign = [p for p in record.get("host_workers") or [] if p[0] not in mine]
         if foreign:
             active.host_shared = True
@@ -186,15 +229,16 @@ class Lifecycle:
                                            "the lease expired; the screen was requeued by a reaper"))
 
     def fail(self, active: Active, status: str, error: str, *, requeue: bool = False,
-             bad_input: bool = False) -> None:
-        self.watch.when_db(lambda: self._fail_now(active, status, error, requeue=requeue, bad_input=bad_input))
+             bad_input: bool = False, storage: bool = False) -> None:
+        self.watch.when_db(lambda: self._fail_now(active, status, error, requeue=requeue, bad_input=bad_input,
+                                                  storage=storage))
 
     def _fail_now(self, active: Active, status: str, error: str, *, requeue: bool = False,
-                  bad_input: bool = False) -> None:
+                  bad_input: bool = False, storage: bool = False) -> None:
         if active.ended:
             return
         try:
-            self.end(active, active.run.fail(status, error, requeue=requeue, bad_input=bad_input))
+            self.end(active, active.run.fail(status, error, requeue=requeue, bad_input=bad_input, storage=storage))
         except DatabaseUnavailable:
             raise
         except PackbenchError as e:
@@ -209,7 +253,7 @@ class Lifecycle:
         slot = active.slot
         active.run.episodes = [{**e, "logits": None, "calls": None} for e in active.run.episodes]
         if outcome is not None:
-            self.outcomes.append(outcome)
+            self.state.outcomes.append(outcome)
             self.on_outcome(outcome)
         if slot.next is active:
             slot.next = None

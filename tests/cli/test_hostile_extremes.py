@@ -1,0 +1,398 @@
+"""Hostile input at the edges: every numeric option at its extremes (huge integers, inf, nan),
+every file argument as a directory, FIFO, device or huge file, a read-only database, a
+protocol the model cannot hold. Each case is one line naming the cause, exit 2, no traceback,
+nothing queued and no file left behind; a bug, by contrast, exits 70 with its traceback in a file.
+
+Commands run in this process (tests/in_process.py): a FIFO that hung a reader would hang the
+test, so each such case runs under a deadline (`within`)."""
+
+from __future__ import annotations
+
+import os
+import signal
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+HUGE = str(10**23)  # past SQLite's 64-bit integers and PostgreSQL's
+
+
+@contextmanager
+def within(seconds: int):
+    """Fail (instead of hanging the suite) if the block takes longer: a read of a FIFO or of
+    /dev/zero that was not bounded would never end."""
+    def expired(*_):
+        raise TimeoutError(f"still running after {seconds} s: an unbounded read or a hang")
+
+    old = signal.signal(signal.SIGALRM, expired)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
+
+
+def one_line_error(r, *fragments: str) -> str:
+    assert r.returncode == 2, (r.returncode, r.stdout, r.stderr)
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "Traceback" not in r.stderr, r.stderr
+    for f in fragments:
+        assert f in lines[0], lines[0]
+    return lines[0]
+
+
+@pytest.fixture(scope="module")
+def upgraded(tmp_path_factory) -> Path:
+    """An empty database at the newest schema, made once (a migration run costs ~0.3 s)."""
+    from packbench.db.store import Store
+
+    path = tmp_path_factory.mktemp("db") / "pb.db"
+    with Store(f"sqlite:///{path}") as store:
+        store.upgrade()
+    return path
+
+
+@pytest.fixture()
+def world(tmp_path, packbench_cli, upgraded):
+    """A copy of the upgraded SQLite database in tmp_path, and `pb(*args)` running packbench there."""
+    import sqlite3
+
+    db = tmp_path / "pb.db"
+    with sqlite3.connect(upgraded) as source, sqlite3.connect(db) as copy:
+        source.backup(copy)  # the WAL's pages too
+    env = {"PACKBENCH_DB_URL": f"sqlite:///{db}"}
+
+    def pb(*args: str, cwd: Path = tmp_path):
+        return packbench_cli(*args, env=env, cwd=cwd)
+
+    return pb
+
+
+def queued(tmp_path: Path) -> list:
+    from packbench.db.store import Store
+
+    with Store(f"sqlite:///{tmp_path / 'pb.db'}") as store:
+        return store.list_screens()
+
+
+def protocol(tmp_path: Path, model: dict, file: str = "p.yaml", **changes) -> Path:
+    body = yaml.safe_load((ROOT / "protocols" / "quickstart.yaml").read_text())
+    body["model"] = model
+    body.update(changes)
+    path = tmp_path / file
+    path.write_text(yaml.safe_dump(body))
+    return path
+
+
+@pytest.fixture()
+def fifo(tmp_path) -> Path:
+    path = tmp_path / "fifo"
+    os.mkfifo(path)
+    return path
+
+
+@pytest.fixture()
+def huge_file(tmp_path) -> Path:
+    """A 3 GB sparse file: no disk used, but its size is what a reader sees."""
+    path = tmp_path / "huge"
+    with open(path, "wb") as f:
+        f.truncate(3 << 30)
+    return path
+
+
+# ----------------------------------------------------------------------------- numbers
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (["results", "--screen", HUGE], "no screen with id 100000000000000000000000; ids are at most 2147483647"),
+    (["screens", "show", HUGE], "ids are at most 2147483647"),
+    (["screens", "cancel", HUGE], "ids are at most 2147483647"),
+    (["screens", "retry", HUGE], "ids are at most 2147483647"),
+    (["audit", "screen", HUGE], "ids are at most 2147483647"),
+    (["report", HUGE], "ids are at most 2147483647"),
+    (["compare", HUGE, "1"], "ids are at most 2147483647"),
+    (["results", "--limit", HUGE], "'--limit'"),
+    (["screens", "list", "--limit", HUGE], "'--limit'"),
+    (["screens", "list", "--limit", "-1"], "--limit"),
+    (["results", "--min-energy", "nan"], "nan is not a finite number"),
+    (["status", "--live-within", "inf"], "inf is not a finite number"),
+    (["status", "--live-within", "1e308"], "not a number of seconds in (0, 864000000]"),
+    (["status", "--live-within", "0"], "not a number of seconds in (0, 864000000]"),
+    (["compare", "1", "2", "--fail-above", "nan"], "--fail-above nan must be"),
+    (["dispatch", "--lease", "inf"], "inf is not a finite number"),
+    (["dispatch", "--lease", "1e308"], "not a number of seconds"),
+    (["dispatch", "--lease", "nan"], "'--lease'"),
+    (["--placement-timeout", "nan", "status"], "nan is not a finite number"),
+    (["--placement-timeout", "1e308", "status"], "not a number of seconds"),
+    (["--connect-timeout", "inf", "status"], "inf is not a finite number"),
+    (["--embedded-gpus", HUGE, "status"], "'--embedded-gpus'"),
+    (["audit", "reexecute", "1", "--count", HUGE], "'--count'"),
+    (["audit", "reexecute", "1", "--seed", HUGE], "'--seed'"),
+    (["audit", "screen", "1", "--concurrency", HUGE], "'--concurrency'"),
+    (["audit", "screen", "1", "--max-mib", HUGE], "'--max-mib'"),
+    (["--db", "", "status"], "is empty; give a database URL"),
+])
+def test_a_numeric_option_at_its_extreme_is_one_line(world, args, fragment):
+    """Each of these was an OverflowError or ValueError traceback (SQLite's driver, timedelta,
+    Settings), or ran on with a value no database can hold."""
+    one_line_error(world(*args), fragment)
+
+
+def test_submit_priority_and_attempts_beyond_the_database_queue_nothing(tmp_path, world, tiny):
+    p = protocol(tmp_path, {"path": str(tiny)})
+    for option in ("--priority", "--max-attempts"):
+        one_line_error(world("submit", str(p), option, HUGE), f"'{option}'", "2147483647")
+    one_line_error(world("submit", str(p), "--priority", str(-10**23)), "'--priority'")
+    one_line_error(world("submit", str(p), "--keep-queued"), "--keep-queued", "without --wait", "add --wait")
+    assert queued(tmp_path) == []
+    assert world("submit", str(p), "--priority", str(2**31 - 1)).returncode == 0  # the largest the column holds
+    from packbench.db.store import Store
+
+    with Store(f"sqlite:///{tmp_path / 'pb.db'}") as store:
+        assert store.screen(1).priority == 2**31 - 1
+
+
+def test_model_synth_with_a_huge_seed_leaves_no_out_directory(tmp_path, world):
+    out = tmp_path / "model"
+    one_line_error(world("model", "synth", "--out", str(out), "--seed", HUGE), "--seed", "9223372036854775807")
+    assert not out.exists()
+
+
+def test_a_protocol_synth_seed_beyond_torch_is_refused_at_validation(tmp_path, world):
+    p = protocol(tmp_path, {"synth": {"shape": "tiny", "dtype": "float32", "sparsity": 0.94, "seed": 2**64}})
+    one_line_error(world("protocol", "validate", str(p)), "model.synth.seed", "9223372036854775807")
+
+
+# ----------------------------------------------------------------------------- an unexpected error
+
+
+def test_an_unexpected_error_exits_70_with_its_traceback_in_a_file(world, monkeypatch):
+    """A bug is not bad input: not exit 2, not a traceback on the terminal, but one line saying
+    where the traceback went."""
+    import packbench.db.store
+
+    def broken(self, *args, **kwargs):
+        raise RuntimeError("a bug\nspanning lines")
+
+    monkeypatch.setattr(packbench.db.store.Store, "list_screens", broken)
+    r = world("screens", "list")
+    assert r.returncode == 70, (r.returncode, r.stderr)
+    (line,) = r.stderr.strip().splitlines()
+    assert line.startswith("error: unexpected RuntimeError: a bug\\nspanning lines (traceback in ") and "bug" in line
+    where = Path(line.split("(traceback in ", 1)[1].split(")", 1)[0])
+    try:
+        text = where.read_text()
+        assert "Traceback (most recent call last)" in text and "RuntimeError: a bug" in text and "screens list" in text
+    finally:
+        where.unlink()
+
+
+# ----------------------------------------------------------------------------- file arguments
+
+
+@pytest.mark.parametrize("kind", ["directory", "fifo", "device", "huge", "empty", "a list"])
+def test_a_protocol_path_that_is_no_protocol_file_is_one_line(tmp_path, world, fifo, huge_file, kind):
+    path = {"directory": tmp_path, "fifo": fifo, "device": Path("/dev/zero"), "huge": huge_file,
+            "empty": tmp_path / "empty.yaml", "a list": tmp_path / "list.yaml"}[kind]
+    (tmp_path / "empty.yaml").write_text("# nothing here\n")
+    (tmp_path / "list.yaml").write_text("- name: q\n")
+    expected = {"directory": "is a directory, not a regular file", "fifo": "is a FIFO (named pipe), not a regular file",
+                "device": "is a device, not a regular file", "huge": "is 3221225472 bytes; a protocol file is at most",
+                "empty": "holds no protocol (it is empty or only comments)",
+                "a list": "holds a YAML list, not a protocol"}[kind]
+    for command in (["protocol", "validate"], ["protocol", "show"], ["submit"]):
+        with within(10):
+            one_line_error(world(*command, str(path)), expected)
+    assert queued(tmp_path) == []
+
+
+@pytest.mark.parametrize("source", ["token_file", "text_file"])
+@pytest.mark.parametrize("kind", ["directory", "fifo", "device", "huge"])
+def test_a_prompt_file_that_is_no_regular_file_is_refused_before_it_is_read(tmp_path, world, tiny, fifo, huge_file,
+                                                                            source, kind):
+    """/dev/zero grew validate to 10.7 GB in 20 s; a FIFO hung it; a 3 GB file took 18 s."""
+    path = {"directory": tmp_path, "fifo": fifo, "device": Path("/dev/zero"), "huge": huge_file}[kind]
+    p = protocol(tmp_path, {"path": str(tiny)}, prompts={source: str(path)})
+    expected = {"directory": "is a directory", "fifo": "is a FIFO (named pipe)", "device": "is a device",
+                "huge": "is 3221225472 bytes, more than the 64 MiB limit"}[kind]
+    with within(10):
+        one_line_error(world("protocol", "validate", str(p)), f"`prompts.{source}`", expected)
+
+
+def test_read_bounded_stops_at_its_limit_for_a_file_that_says_0_bytes():
+    """/proc files say 0 bytes and hold more: the read itself is bounded, not only the size."""
+    from packbench.core.protocol.prompt_files import NotReadable, read_bounded
+
+    with pytest.raises(NotReadable, match="holds more than the 16 bytes limit"):
+        read_bounded(Path("/proc/self/status"), limit=16)
+    assert read_bounded(Path("/proc/self/status"), limit=1 << 20).startswith(b"Name:")
+
+
+@pytest.mark.parametrize("kind", ["directory", "fifo", "device", "text"])
+def test_an_archive_argument_that_is_no_archive_is_one_line(tmp_path, world, fifo, kind):
+    text = tmp_path / "notes.txt"
+    text.write_text("hello\n")
+    path = {"directory": tmp_path, "fifo": fifo, "device": Path("/dev/zero"), "text": text}[kind]
+    for command in (["audit", "archive"], ["report"]):
+        with within(10):
+            r = world(*command, str(path))
+        one_line_error(r, "is not a readable zip archive" if kind == "text" else "not an archive file")
+        assert r.stdout == "", r.stdout  # no empty verdict table before the line
+
+
+# ----------------------------------------------------------------------------- the model
+
+
+@pytest.fixture()
+def model_paths(tmp_path) -> dict[str, Path]:
+    (tmp_path / "a-file").write_text("root:x:0:0:root:/root:/bin/bash\n")
+    (tmp_path / "no-config").mkdir()
+    return {"missing": tmp_path / "nonexistent", "a file": tmp_path / "a-file", "no config": tmp_path / "no-config"}
+
+
+@pytest.mark.parametrize("kind, fragment", [
+    ("missing", "does not exist; create one with `packbench model synth"),
+    ("a file", "is not a directory; point model.path at a Hugging Face OPT checkpoint directory"),
+    ("no config", "is a directory without config.json, not a model checkpoint"),
+])
+def test_protocol_validate_checks_the_model_path_and_says_what_it_is(tmp_path, world, model_paths, kind, fragment):
+    p = protocol(tmp_path, {"path": str(model_paths[kind])})
+    line = one_line_error(world("protocol", "validate", str(p)), fragment)
+    if kind == "a file":
+        assert "model synth" not in line  # never the advice to synthesise over an existing file
+
+
+def test_an_episode_beyond_the_models_positions_is_refused_before_anything_runs(tmp_path, world, tiny):
+    """prefix 250 + 8 continuation tokens need 257 positions; the tiny model has 256. This passed
+    validate and plan, and submit --wait ran every episode into an IndexError."""
+    p = protocol(tmp_path, {"path": str(tiny)}, prefix_tokens=250, continuation_tokens=8)
+    expected = ("prefix_tokens 250 + continuation_tokens 8 - 1 = 257 positions, but checkpoint", "has 256")
+    one_line_error(world("protocol", "validate", str(p)), *expected)
+    one_line_error(world("protocol", "plan", str(p), "--sparsity", "0.94"), *expected)
+    one_line_error(world("submit", str(p)), *expected)
+    assert queued(tmp_path) == []
+    fits = protocol(tmp_path, {"path": str(tiny)}, "fits.yaml", prefix_tokens=249, continuation_tokens=8)
+    assert world("protocol", "validate", str(fits)).returncode == 0
+    synth = protocol(tmp_path, {"synth": {"shape": "tiny", "dtype": "float32", "sparsity": 0.94, "seed": 0}}, "synth.yaml",
+                     prefix_tokens=250, continuation_tokens=8)
+    one_line_error(world("protocol", "validate", str(synth)), "but the synthetic tiny shape has 256")
+    one_line_error(world("protocol", "plan", str(p), "--shape", "tiny", "--sparsity", "0.94"), "257 positions")
+
+
+def test_model_stats_defaults_fit_the_tiny_model_and_its_extremes_are_one_line(tmp_path, world, tiny, fifo):
+    """The demo's own model with default options was an 80-line IndexError (prefix 512 > 256)."""
+    r = world("model", "stats", str(tiny), "--count", "1", "--continuation", "2", "--json")
+    assert r.returncode == 0, r.stderr
+    import json
+
+    assert json.loads(r.stdout)["prefix_tokens"] == 255  # 256 positions: 255 + 2 - 1
+    one_line_error(world("model", "stats", str(tiny), "--prefix", "1000"), "--prefix 1000 + --continuation 16 - 1",
+                   "the model has 256")
+    one_line_error(world("model", "stats", str(tiny), "--count", HUGE), "'--count'")
+    one_line_error(world("model", "stats", str(tiny), "--count", "99999999999"), "'--count'")
+    one_line_error(world("model", "stats", str(tiny), "--seed", HUGE), "'--seed'")
+    for path, what in ((Path("/dev/zero"), "is a device"), (fifo, "is a FIFO"), (tmp_path, "is a directory")):
+        with within(10):
+            one_line_error(world("model", "stats", str(tiny), "--prompts", str(path)), "--prompts", what)
+
+
+def test_model_digest_of_a_directory_without_config_is_refused(tmp_path, world, model_paths):
+    one_line_error(world("model", "digest", str(model_paths["no config"])), "without config.json")
+
+
+# ----------------------------------------------------------------------------- names
+
+
+@pytest.mark.parametrize("name, fragment", [
+    ("q\x00evil", "holds a NUL character"),
+    ("x" * (1 << 20), "1048576 characters, more than 200"),
+], ids=["nul", "a-megabyte"])
+def test_a_protocol_name_with_nul_or_a_megabyte_is_refused_on_sqlite_too(tmp_path, world, tiny, name, fragment):
+    p = protocol(tmp_path, {"path": str(tiny)}, name=name)
+    one_line_error(world("submit", str(p)), "protocol field `name`", fragment)
+    assert queued(tmp_path) == []
+
+
+def test_labels_with_nul_are_refused_on_sqlite_too(tmp_path, world, tiny):
+    from packbench.core.errors import PackbenchError
+    from packbench.db.store import Store
+
+    assert world("submit", str(protocol(tmp_path, {"path": str(tiny)}))).returncode == 0
+    with Store(f"sqlite:///{tmp_path / 'pb.db'}") as store:
+        for labels in ({"name": "a\x00b"}, {"note": "a\x00b"}, {"tags": {"k": "a\x00b"}}):
+            with pytest.raises(PackbenchError, match="NUL"):
+                store.label_screen(1, **labels)
+        assert store.screen(1).name is None
+
+
+# ----------------------------------------------------------------------------- the database
+
+
+def test_results_in_an_empty_folder_leaves_no_database_file(tmp_path, packbench_cli):
+    r = packbench_cli("results", env={"PACKBENCH_DB_URL": ""}, cwd=tmp_path)
+    one_line_error(r, "no database at packbench.db", "packbench db upgrade")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_read_only_sqlite_database_is_read_by_status_and_results(tmp_path, world, tiny, monkeypatch):
+    """On a read-only mount SQLite cannot create the WAL's -shm file, so even a read failed. Stood
+    in for here by a directory where -shm goes (SQLite cannot create it either) and a file system
+    that says it is not writable."""
+    import packbench.db.session
+
+    import sqlite3
+
+    assert world("submit", str(protocol(tmp_path, {"path": str(tiny)}))).returncode == 0
+    with sqlite3.connect(tmp_path / "pb.db") as c:  # the WAL's rows into the file, as a clean shutdown leaves it
+        c.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    (tmp_path / "pb.db-shm").unlink(missing_ok=True)
+    (tmp_path / "pb.db-wal").unlink(missing_ok=True)
+    (tmp_path / "pb.db-shm").mkdir()
+    real_access = os.access
+    monkeypatch.setattr(packbench.db.session.os, "access",
+                        lambda path, mode: False if mode & os.W_OK else real_access(path, mode))
+    r = world("screens", "list")
+    assert r.returncode == 0 and "quickstart" in r.stdout, (r.stdout, r.stderr)
+    assert world("status").returncode == 0
+    assert world("results", "--screen", "1").returncode == 0
+    one_line_error(world("screens", "cancel", "1"), "is read-only", "make the file and its directory writable")
+
+
+def test_postgresql_errors_that_are_not_the_schema_do_not_advise_an_upgrade():
+    """A NUL in text, an integer out of range and a read-only transaction said "or run
+    `packbench db upgrade`"; only a schema-like error does now."""
+    import psycopg
+    import psycopg.errors
+    from sqlalchemy.engine import make_url
+    from sqlalchemy.exc import DataError, InternalError, ProgrammingError
+
+    from packbench.db.session import translate
+
+    url = make_url("postgresql+psycopg://u@db:5432/x")
+    nul = translate(DataError("INSERT", {}, psycopg.DataError("PostgreSQL text fields cannot contain NUL (0x00) "
+                                                              "bytes")), url)
+    out_of_range = translate(DataError("SELECT", {}, psycopg.errors.NumericValueOutOfRange("integer out of range")),
+                             url)
+    read_only = translate(InternalError("INSERT", {}, psycopg.errors.ReadOnlySqlTransaction(
+        "cannot execute INSERT in a read-only transaction")), url)
+    for e in (nul, out_of_range, read_only):
+        assert "db upgrade" not in str(e), str(e)
+    assert "cannot store a value it was given" in str(nul) and "NUL" in str(nul)
+    assert "integer out of range" in str(out_of_range)
+    assert "accepts no writes here" in str(read_only)
+    schema = translate(ProgrammingError("SELECT", {}, psycopg.errors.InsufficientPrivilege("permission denied")), url)
+    assert "db upgrade" in str(schema)
+
+
+# ----------------------------------------------------------------------------- words
+
+
+def test_help_shows_no_value_beside_a_flag(packbench_cli):
+    r = packbench_cli("submit", "--help", env={"COLUMNS": "200"})
+    assert r.returncode == 0
+    wait = next(line for line in r.stdout.splitlines() if "--wait" in line and "Run the screen" in line)
+    assert "<bool>" not in wait, wait

@@ -1,0 +1,153 @@
+"""`make mutate`: mutation testing (mutmut 3) of the modules that decide verdicts and evidence,
+each against its own test files, one module at a time and one worker (a 2-core host).
+
+    python tests/mutate.py                      # every module, smallest first
+    python tests/mutate.py core/dispersion.py   # some of them
+    python tests/mutate.py --list               # the modules and their test files
+
+mutmut reads its settings from the working directory's pyproject.toml, so each module runs in
+its own directory .mutate/<module>/ holding a pyproject.toml written here, links to packbench/
+and tests/, and mutmut's mutants/ (which keeps results: a rerun tries only what changed). The
+score of every module run so far is printed at the end and written to .mutate/score.json.
+Not a test file (pytest collects test_*.py only); docs/mutation.md records the latest scores.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+WORK = ROOT / ".mutate"
+
+# module (under packbench/) -> the test files that speak for it
+MODULES: dict[str, list[str]] = {  # in the order `make mutate` runs them: quick ones first
+    "engine/ledger.py": ["tests/engine/test_ledger.py"],
+    "core/dispersion.py": ["tests/core/test_dispersion.py"],
+    "core/fidelity.py": ["tests/core/test_fidelity.py", "tests/core/test_fidelity_edges.py",
+                         "tests/core/test_exact_bounds.py"],
+    "core/gates.py": ["tests/core/test_gates.py", "tests/core/test_exact_bounds.py"],
+    "core/audit.py": ["tests/core/test_audit.py", "tests/core/test_audit_fields.py"],
+    "db/queue.py": ["tests/db/test_db_queue.py"],
+    # test_archive_members.py runs a real screen (9 s a fixture): too slow to repeat per mutant
+    "core/archive/": ["tests/core/test_archive.py", "tests/core/test_archive_hostile.py"],
+    "core/protocol/": ["tests/core/test_protocol.py", "tests/core/test_protocol_batch.py",
+                       "tests/core/test_protocol_passes.py", "tests/core/test_protocol_schema3.py",
+                       "tests/core/test_protocol_schema4.py", "tests/core/test_protocol_schema5.py",
+                       "tests/core/test_protocol_schema6.py", "tests/core/test_protocol_weights.py",
+                       "tests/core/test_protocol_bounds.py"],
+}
+
+# What the tests read besides packbench/ and tests/ (protocols/quickstart.yaml, bench/audit.py's
+# synthetic screens): linked into each module's directory and copied into mutmut's mutants/.
+ALSO = ("bench", "protocols", "docs", "README.md")
+
+# mutmut's statuses, as `mutmut results --all true` prints them
+KILLED = ("killed", "timeout")
+NOT_RUN = ("not checked", "check was interrupted by user")  # a stopped run: a rerun resumes there
+
+
+def _settings(module: str, tests: list[str]) -> str:
+    pattern = f"packbench/{module}*" if module.endswith("/") else f"packbench/{module}"
+    lines = [
+        "[tool.mutmut]",
+        'source_paths = ["packbench"]',
+        f"only_mutate = [{json.dumps(pattern)}]",
+        f"pytest_add_cli_args_test_selection = {json.dumps(tests)}",
+        # -x: one failing test kills the mutant; no cache writes from forked runs
+        'pytest_add_cli_args = ["-x", "-q", "-p", "no:cacheprovider", "-m", "not gpu and not ray"]',
+        "use_git_change_detection = false",
+        f"also_copy = {json.dumps(list(ALSO))}",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def _prepare(module: str) -> Path:
+    d = WORK / module.strip("/").replace("/", "-")
+    d.mkdir(parents=True, exist_ok=True)
+    (WORK / ".gitignore").write_text("*\n")  # scratch: never committed
+    for name in ("packbench", "tests", *ALSO):
+        link = d / name
+        if not link.exists():
+            link.symlink_to(ROOT / name)
+    settings = _settings(module, MODULES[module])
+    path = d / "pyproject.toml"
+    if not path.exists() or path.read_text() != settings:
+        path.write_text(settings)
+    return d
+
+
+def _mutmut() -> list[str]:
+    return [sys.executable, "-c", "import sys; from mutmut.__main__ import cli; sys.exit(cli())"]
+
+
+def _results(d: Path) -> dict[str, str]:
+    out = subprocess.run(_mutmut() + ["results", "--all", "true"], cwd=d, capture_output=True, text=True,
+                         check=True).stdout
+    statuses = {}
+    for line in out.splitlines():
+        name, sep, status = line.strip().rpartition(": ")
+        if sep:
+            statuses[name] = status
+    return statuses
+
+
+def run(module: str) -> dict:
+    d = _prepare(module)
+    env = {**os.environ, "RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "disabled")}
+    ran = subprocess.run(_mutmut() + ["run", "--max-children", "1"], cwd=d, env=env)
+    if ran.returncode != 0:  # e.g. the clean run of its tests failed: named, the next module still runs
+        return {"module": module, "mutants": 0, "killed": 0, "score": None,
+                "not_killed": {f"mutmut run exited {ran.returncode}": "error"}}
+    # mutmut keeps a result once it has one, even when tests were added since: every mutant not
+    # killed is tried again against today's tests (a killed one stays killed while tests only grow)
+    again = [n for n, s in _results(d).items() if s not in KILLED and s not in NOT_RUN]
+    if again:
+        subprocess.run(_mutmut() + ["run", "--max-children", "1", *again], cwd=d, env=env,
+                       stdout=subprocess.DEVNULL)
+    everything = _results(d)
+    # "not checked": the run was stopped before it came to them (a rerun resumes there)
+    statuses = {n: s for n, s in everything.items() if s not in NOT_RUN}
+    killed = sum(s in KILLED for s in statuses.values())
+    survivors = sorted(n for n, s in statuses.items() if s not in KILLED)
+    # each survivor's diff, to judge it equivalent or write the test that kills it
+    with open(d / "survivors.diff", "w") as f:
+        for name in survivors:
+            f.write(subprocess.run(_mutmut() + ["show", name], cwd=d, capture_output=True, text=True).stdout)
+    return {"module": module, "mutants": len(statuses), "killed": killed, "not_run": len(everything) - len(statuses),
+            "score": round(100 * killed / len(statuses), 1) if statuses else None,
+            "not_killed": {n: statuses[n] for n in survivors}}
+
+
+def main(argv: list[str]) -> int:
+    if argv[:1] == ["--list"]:
+        for m, tests in MODULES.items():
+            print(f"packbench/{m}: {' '.join(tests)}")
+        return 0
+    unknown = [m for m in argv if m not in MODULES]
+    if unknown:
+        print(f"unknown module(s) {unknown}; choose from {list(MODULES)}", file=sys.stderr)
+        return 2
+    scores_path = WORK / "score.json"
+    scores = json.loads(scores_path.read_text()) if scores_path.exists() else {}
+    for module in argv or list(MODULES):
+        scores[module] = run(module)
+        WORK.mkdir(exist_ok=True)
+        scores_path.write_text(json.dumps(scores, indent=1, sort_keys=True))
+    total = sum(s["mutants"] for s in scores.values())
+    killed = sum(s["killed"] for s in scores.values())
+    for s in scores.values():
+        rest = f"; {s['not_run']} not run yet" if s.get("not_run") else ""
+        print(f"{s['module']:24} {s['killed']:5} / {s['mutants']:5} killed ({s['score']} %){rest}")
+        for name, status in s["not_killed"].items():
+            print(f"    {status:10} {name}")
+    if total:
+        print(f"{'all run so far':24} {killed:5} / {total:5} killed ({100 * killed / total:.1f} %)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,76 @@
+"""After a one-shot `dispatch` dies in a database outage: its attempt is still `running` (its
+lease has not run out) and its archive holds episodes without rows. `db reconcile`
+(service/reconcile.py) inserts them at once, since the dispatcher's process on this host is gone,
+and the audit calls the attempt unfinished (PARTIAL), never DISAGREE."""
+
+from __future__ import annotations
+
+from packbench.db.errors import DatabaseUnavailable
+from packbench.service.audit import audit_screens
+from packbench.service.reconcile import reconcile
+from packbench.service.submit import submit
+from tests.service.fake_pool import FakePool
+from tests.service.screens import dispatcher, process_gone, protocol_file, rows
+
+
+def died_in_an_outage(store, tmp_path, monkeypatch, *, gone: bool):
+    """A one-shot dispatcher whose database goes away after two rows; `gone`: its process has
+    ended since (else it lives on, as this test's process)."""
+    (screen_id,) = submit(store, protocol_file(tmp_path, prompts=3))  # 8 episodes
+    real, written = store.put_episode, []
+
+    def put_episode(attempt_id, record):
+        if len(written) == 2:
+            raise DatabaseUnavailable("connection refused")
+        written.append(record["plan_index"])
+        return real(attempt_id, record)
+
+    monkeypatch.setattr(store, "put_episode", put_episode)
+    monkeypatch.setattr(store, "release", lambda *a, **k: None)  # the database is gone: nothing is given back
+    d = dispatcher(store, tmp_path, FakePool(episode_s=0.01), workers=1)
+    d.run()
+    monkeypatch.undo()
+    assert d.stopping == "database" and d.fatal
+    if gone:
+        process_gone(tmp_path / "packbench.db", d.state.id)
+    (attempt,) = store.attempts(screen_id)
+    assert attempt.status == "running" and rows(store, attempt.id) == [0, 1]
+    return screen_id, attempt
+
+
+def test_db_reconcile_finds_the_rows_of_a_dead_dispatchers_running_attempt(store, tmp_path, monkeypatch):
+    screen_id, attempt = died_in_an_outage(store, tmp_path, monkeypatch, gone=True)
+    (before,) = audit_screens(store, [screen_id])
+    assert before.unfinished and before.result == "partial" and before.report.rows_pending  # not DISAGREE
+    report = reconcile(store)
+    assert report.inserted >= 1  # said "reconciled 0" while a row was missing
+    (done,) = report.attempts
+    assert done.attempt_id == attempt.id and done.check == "crc32"
+    archived = rows(store, attempt.id)
+    assert archived[:2] == [0, 1] and len(archived) == 2 + report.inserted
+    (after,) = audit_screens(store, [screen_id])
+    assert after.result == "partial" and not after.report.rows_pending
+
+
+def test_the_commands_say_partial_and_reconcile_the_rows(store, tmp_path, monkeypatch):
+    """`packbench audit --all` said DISAGREE for the attempt until its lease ran out, and
+    `packbench db reconcile` said "reconciled 0" while a row was missing."""
+    from typer.testing import CliRunner
+
+    from packbench.cli.main import app
+
+    screen_id, attempt = died_in_an_outage(store, tmp_path, monkeypatch, gone=True)
+    url = f"sqlite:///{tmp_path / 'packbench.db'}"
+    audit = CliRunner().invoke(app, ["audit", "--all", "--db", url])
+    assert audit.exit_code == 0, audit.output
+    assert audit.output.startswith(f"audit of screen {screen_id}: PARTIAL (attempt 1 running: ")
+    assert "some without a row yet (`packbench db reconcile` inserts them)" in audit.output
+    fixed = CliRunner().invoke(app, ["db", "reconcile", "--db", url])
+    assert fixed.exit_code == 0 and "reconciled 0" not in fixed.output, fixed.output
+    assert len(rows(store, attempt.id)) > 2
+
+
+def test_a_live_dispatchers_running_attempt_is_left_to_it(store, tmp_path, monkeypatch):
+    """Its archive is still being written: it reconciles its own rows when the database is back."""
+    screen_id, attempt = died_in_an_outage(store, tmp_path, monkeypatch, gone=False)
+    assert reconcile(store).inserted == 0 and rows(store, attempt.id) == [0, 1]

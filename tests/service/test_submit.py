@@ -1,0 +1,43 @@
+"""Submitting screens (service/submit.py): `--replicas` bounded, and queued all at once or not at
+all, labels included."""
+
+from __future__ import annotations
+
+import pytest
+
+import packbench.db.labels
+from packbench.core.errors import PackbenchError
+from packbench.service.submit import MAX_REPLICAS, submit
+from tests.service.screens import protocol_file
+
+
+def test_replicas_are_bounded_before_anything_is_stored(store, tmp_path):
+    """The bug caught: an unbounded count, with which `submit q.yaml --replicas 100000000` queued
+    47,473 screens in the 60 s it ran."""
+    for count in (MAX_REPLICAS + 1, 100_000_000, 0):
+        with pytest.raises(PackbenchError, match=rf"^--replicas {count}: give 1 to {MAX_REPLICAS} screens per submit"):
+            submit(store, protocol_file(tmp_path), replicas=count)
+    assert store.list_screens() == []
+
+
+def test_replicas_are_queued_in_one_transaction_labels_included(store, tmp_path, monkeypatch):
+    """An interrupt part-way (here: labelling the third replica) queues none of them. The bug
+    caught: one transaction per replica, which left every replica before the interrupt queued."""
+    real, calls = packbench.db.labels.label, []
+
+    def label(session, ref, **options):
+        calls.append(ref)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real(session, ref, **options)
+
+    monkeypatch.setattr(packbench.db.labels, "label", label)
+    with pytest.raises(KeyboardInterrupt):
+        submit(store, protocol_file(tmp_path), replicas=5, name="batch", tags={"k": "v"})
+    assert len(calls) == 3 and store.list_screens() == [] and store.queued_screens() == []
+    monkeypatch.setattr(packbench.db.labels, "label", real)
+    ids = submit(store, protocol_file(tmp_path), replicas=5, name="batch", spread=True)
+    screens = store.queued_screens()
+    assert [s.id for s in screens] == ids and len(ids) == 5
+    assert len({s.replica_group for s in screens}) == 1 and screens[0].replica_group
+    assert {s.name for s in screens} == {"batch"}
