@@ -13,13 +13,13 @@ and to stock transformers with the weights resident. (The grouped and batched ke
 
 import json
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from packbench.core.moe import FAMILIES
 from packbench.engine.ledger import Recorder
+from packbench.engine.model import StartStats  # host_outgoing_bytes: the experts, in host memory
 from packbench.engine.moe.host import ExpertHost
 from packbench.engine.moe.policies import EXPERT_POLICIES, ExpertPolicy
 
@@ -50,14 +50,6 @@ def force_eager(config) -> None:
     config._attn_implementation = "eager"
     if hasattr(config, "_experts_implementation") or "experts_implementation" in getattr(config, "__dict__", {}):
         config._experts_implementation = "eager"
-
-
-@dataclass(frozen=True)
-class StartStats:
-    read_s: float
-    place_s: float
-    device_param_bytes: int
-    host_outgoing_bytes: int  # the experts, in host memory
 
 
 def _experts_modules(model) -> list:
