@@ -58,11 +58,12 @@ def validate(
     """Check every field and freeze the protocol; print its name, schema, SHA-256, episode count
     and what each condition runs with."""
     from packbench.core.plan import plan
-    from packbench.service.submit import check_positions
+    from packbench.service.submit import check_family, check_positions
 
     frozen = _load(protocol)
     p = frozen.protocol
     check_positions(frozen)  # model.path: a checkpoint directory whose positions hold an episode, as submit checks
+    check_family(frozen)  # an MoE checkpoint: expert policies only, an allowance for one layer's routed experts
     if json_out:
         typer.echo(json.dumps({"valid": True, "name": p.name, "schema": frozen.body["schema"],
                                "read_as": frozen.read_as or frozen.body["schema"], "sha256": frozen.sha256,

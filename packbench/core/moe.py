@@ -8,7 +8,8 @@ Layer rule: core. Imports nothing outside core (no torch, no transformers).
 from dataclasses import dataclass
 
 # config.json's `model_type` -> what transformers calls the family's causal LM, and the config
-# keys of its expert count, experts per token and expert width.
+# keys of its expert count and expert width. (transformers 5.2x writes Qwen3-MoE's and OLMoE's
+# expert count as `num_local_experts`, the published config.json says `num_experts`: either is read.)
 FAMILIES: dict[str, dict[str, str]] = {
     "mixtral": dict(model="MixtralForCausalLM", experts="num_local_experts", intermediate="intermediate_size"),
     "qwen3_moe": dict(model="Qwen3MoeForCausalLM", experts="num_experts", intermediate="moe_intermediate_size"),
@@ -85,16 +86,56 @@ class MoeShape:
         return m * (self.expert_bytes(dtype) + INDEX_BYTES)
 
 
-def moe_refusal(*, shape: str, layers: int | None, dtype: str, policy: str, allowance_bytes: int) -> str | None:
-    """Why a condition cannot run on a synthetic MoE model of `shape`, or None. Pure: the schema
-    calls it with the protocol's values and prints the line."""
-    if policy not in MOE_POLICIES:
-        return (f"policy {policy} moves OPT's neuron rows and does not fit an MoE model ({shape}); "
-                f"use one of {', '.join(MOE_POLICIES)}")
-    s = MoeShape.of(shape, layers=layers)
-    need = s.device_part_bytes(dtype) + s.routed_bytes(dtype, 1)
-    if allowance_bytes < need:
-        return (f"allowance {allowance_bytes // 2**20} MiB is too small for {shape} in {dtype}: the device part "
-                f"({s.device_part_bytes(dtype) // 2**20} MiB) plus one layer's routed experts "
-                f"({s.routed_bytes(dtype, 1) // 2**20} MiB) need {-(-need // 2**20)} MiB; raise gpu.allowance_mib")
+def config_experts(config: dict):
+    """The expert count of an MoE config.json, under either name."""
+    key = FAMILIES[config["model_type"]]["experts"]
+    return config.get(key, config.get("num_local_experts", config.get("num_experts")))
+
+
+def shape_of_config(config: dict) -> MoeShape:
+    """The byte arithmetic's view of an MoE config.json (its family's keys, FAMILIES)."""
+    f = FAMILIES[config["model_type"]]
+    heads = config["num_attention_heads"]
+    return MoeShape(hidden=config["hidden_size"], intermediate=config[f["intermediate"]],
+                    layers=config["num_hidden_layers"], experts=config_experts(config), k=config["num_experts_per_tok"],
+                    vocab=config["vocab_size"], heads=heads, kv_heads=config.get("num_key_value_heads") or heads,
+                    head_dim=config.get("head_dim") or config["hidden_size"] // heads)
+
+
+def policy_need_bytes(shape: MoeShape, dtype: str, policy: str) -> int:
+    """Device bytes an expert policy holds besides the device part (engine/moe/policies.py):
+    resident every layer's experts; dense-stream one layer's workspace; packet and phase-switched
+    the workspace and the landing buffer of a layer's packet (every expert of a layer and its index)."""
+    layer = shape.experts * shape.expert_bytes(dtype)
+    return {"resident": shape.layers * layer, "dense-stream": layer}.get(
+        policy, layer + shape.experts * (shape.expert_bytes(dtype) + INDEX_BYTES))
+
+
+def moe_refusal(config: dict, *, dtype: str, conditions: list[tuple[str, str, dict]], allowance_bytes: int,
+                model: str) -> tuple[str, str] | None:
+    """(field, why) a protocol's conditions cannot run on MoE checkpoint `config`, or None. Pure:
+    submit and `protocol check` call it with config.json's mapping. A policy that moves OPT's
+    neuron rows does not fit the family; an allowance must hold the device part plus one layer's
+    routed experts (the least any expert policy moves) and what the policy's buffers hold."""
+    s = shape_of_config(config)
+    for i, (name, policy, params) in enumerate(conditions):
+        if policy not in MOE_POLICIES:
+            return (f"conditions[{i}].policy", f"{policy!r} does not fit {model}, a {config['model_type']} MoE "
+                                               f"model; use one of {', '.join(MOE_POLICIES)}")
+        if params.get("weights", "dtype") != "dtype":
+            return (f"conditions[{i}].params.weights", f"{params['weights']} is not available for MoE models; "
+                                                       f"drop it")
+    part, routed = s.device_part_bytes(dtype), s.routed_bytes(dtype, 1)
+    if allowance_bytes < part + routed:
+        return ("allowance_mib", f"{allowance_bytes // 2**20} MiB cannot hold {model}'s device part "
+                                 f"({part / 2**20:.0f} MiB) and one layer's routed experts ({routed / 2**20:.1f} MiB); "
+                                 f"raise allowance_mib to at least {-(-(part + routed) // 2**20)}")
+    for i, (name, policy, params) in enumerate(conditions):
+        if policy == "resident" and params.get("allowance") == "unbounded":
+            continue
+        need = part + policy_need_bytes(s, dtype, policy)
+        if allowance_bytes < need:
+            return ("allowance_mib", f"{allowance_bytes // 2**20} MiB cannot hold condition {name!r} ({policy}) on "
+                                     f"{model}: the device part and its expert buffers need {-(-need // 2**20)} MiB; "
+                                     f"raise allowance_mib or drop the condition")
     return None
