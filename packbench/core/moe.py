@@ -102,13 +102,17 @@ def shape_of_config(config: dict) -> MoeShape:
                     head_dim=config.get("head_dim") or config["hidden_size"] // heads)
 
 
-def policy_need_bytes(shape: MoeShape, dtype: str, policy: str) -> int:
+def policy_need_bytes(shape: MoeShape, dtype: str, policy: str, gather: str = "host") -> int:
     """Device bytes an expert policy holds besides the device part (engine/moe/policies.py):
     resident every layer's experts; dense-stream one layer's workspace; packet and phase-switched
-    the workspace and the landing buffer of a layer's packet (every expert of a layer and its index)."""
+    the workspace, and with the host gather the landing buffer of a layer's packet (every expert
+    of a layer and its index)."""
     layer = shape.experts * shape.expert_bytes(dtype)
-    return {"resident": shape.layers * layer, "dense-stream": layer}.get(
-        policy, layer + shape.experts * (shape.expert_bytes(dtype) + INDEX_BYTES))
+    if policy == "resident":
+        return shape.layers * layer
+    if policy == "dense-stream" or gather == "device":
+        return layer
+    return layer + shape.experts * (shape.expert_bytes(dtype) + INDEX_BYTES)
 
 
 def moe_refusal(config: dict, *, dtype: str, conditions: list[tuple[str, str, dict]], allowance_bytes: int,
@@ -133,7 +137,7 @@ def moe_refusal(config: dict, *, dtype: str, conditions: list[tuple[str, str, di
     for i, (name, policy, params) in enumerate(conditions):
         if policy == "resident" and params.get("allowance") == "unbounded":
             continue
-        need = part + policy_need_bytes(s, dtype, policy)
+        need = part + policy_need_bytes(s, dtype, policy, params.get("gather", "host"))
         if allowance_bytes < need:
             return ("allowance_mib", f"{allowance_bytes // 2**20} MiB cannot hold condition {name!r} ({policy}) on "
                                      f"{model}: the device part and its expert buffers need {-(-need // 2**20)} MiB; "

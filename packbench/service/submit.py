@@ -148,7 +148,7 @@ def check_family(frozen: FrozenProtocol) -> None:
         return
     p = frozen.protocol
     refusal = moe_refusal(config, dtype=p.dtype, allowance_bytes=p.allowance_bytes, model=f"checkpoint {model_dir}",
-                          conditions=[(c.name, c.policy, dict(c.params)) for c in p.conditions])
+                          conditions=[(c.name, c.policy, dict(c.resolved_params)) for c in p.conditions])
     if refusal:
         raise ProtocolError(f"protocol field `{refusal[0]}`: {refusal[1]}")
 

@@ -15,6 +15,8 @@ SHAPES = ("mixtral-tiny", "qwen3-moe-tiny", "olmoe-tiny")
 DTYPES = ("float32", "float16", "bfloat16")
 PROMPT = list(range(7, 31))  # 24 tokens: a prefill that routes to most experts, decodes to few
 CONTINUATION = 5
+RUNS = [(name, name, {}) for name in EXPERT_POLICIES] + [
+    ("packet-device", "packet", {"gather": "device"}), ("phase-device", "phase-switched", {"gather": "device"})]
 
 
 @pytest.fixture(scope="module")
@@ -49,10 +51,10 @@ def test_every_policy_is_dense_stream_bit_for_bit_with_exact_ledgers(checkpoints
     expert_bytes = 3 * s["hidden"] * s["intermediate"] * getattr(torch, dtype).itemsize
     assert model.host.expert_bytes == expert_bytes
     outs = {}
-    for name in EXPERT_POLICIES:
-        model.use(name)
-        outs[name] = run_episode(model, PROMPT, continuation=CONTINUATION)
-        outs[name].routes = list(model.routes)
+    for label, name, params in RUNS:
+        model.use(name, **params)
+        outs[label] = run_episode(model, PROMPT, continuation=CONTINUATION)
+        outs[label].routes = list(model.routes)
     ref = outs["dense-stream"]
     for name, out in outs.items():
         # Catches a loader whose expert loop takes another arithmetic path (other token counts,
@@ -80,6 +82,10 @@ def test_every_policy_is_dense_stream_bit_for_bit_with_exact_ledgers(checkpoints
         assert all(list(r) == sorted(set(r)) for r in routes)
     assert all(len(r) <= s["k"] for r in packet.routes[1])  # a decode call routes one token's k experts
     assert packet.calls[0].rows_copied != ref.calls[0].rows_copied or experts <= s["k"] * len(PROMPT)
+    for call, want in zip(outs["packet-device"].calls, packet.calls):  # the same experts, no index
+        assert call.rows_copied == want.rows_copied and call.h2d_weight_bytes == want.h2d_weight_bytes
+        assert call.h2d_index_bytes == [0] * layers
+    assert outs["phase-device"].calls[0].rows_copied == [experts] * layers
     phase = outs["phase-switched"]
     assert phase.calls[0].rows_copied == [experts] * layers  # dense prefill
     for got, want in zip(phase.calls[1:], packet.calls[1:]):  # packets in decode, as packet's

@@ -52,9 +52,10 @@ def test_the_worker_runs_every_expert_policy_exactly(moe_dir):
             assert r["status"] == "ok", (name, r.get("error"))
             assert np.array_equal(r["logits"], ref["logits"]) and r["tokens"] == ref["tokens"], name
     expert_bytes = worker.model.host.expert_bytes
-    for call in records["packet"][0]["calls"]:
-        assert call["h2d_weight_bytes"] == [m * expert_bytes for m in call["rows_copied"]]
-        assert call["h2d_index_bytes"] == [8 * m for m in call["rows_copied"]]
+    for label, index in (("packet", 0), ("packet-host", 8)):  # a new protocol's packet gathers on the device
+        for call in records[label][0]["calls"]:
+            assert call["h2d_weight_bytes"] == [m * expert_bytes for m in call["rows_copied"]]
+            assert call["h2d_index_bytes"] == [index * m for m in call["rows_copied"]]
 
 
 def test_submit_refuses_an_opt_policy(moe_dir):

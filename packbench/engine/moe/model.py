@@ -164,7 +164,7 @@ class CpuFirstMoE:
         if policy_name not in EXPERT_POLICIES:
             raise MoeCheckpointError(f"policy {policy_name} does not fit an MoE model; use one of "
                                      f"{', '.join(EXPERT_POLICIES)}")
-        self.use_policy(EXPERT_POLICIES[policy_name]())
+        self.use_policy(_expert_policy(policy_name, params.get("gather", "host")))
 
     def use_policy(self, policy) -> None:
         """Activate `policy`, releasing the previous one. An OPT loader policy of the same name
@@ -174,7 +174,7 @@ class CpuFirstMoE:
             if name not in EXPERT_POLICIES:
                 raise MoeCheckpointError(f"policy {name} does not fit an MoE model; use one of "
                                          f"{', '.join(EXPERT_POLICIES)}")
-            policy = EXPERT_POLICIES[name]()
+            policy = _expert_policy(name, getattr(policy, "gather", "host"))
         if self.slot.policy is not None:
             self.slot.policy.deactivate()
             self.slot.policy = None
@@ -197,6 +197,12 @@ class CpuFirstMoE:
         """One call: (B, T) ids in, last-position logits out, (vocab,) at batch 1."""
         out = self.model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
         return out.logits[0, -1] if ids.shape[0] == 1 else out.logits[:, -1]
+
+
+def _expert_policy(name: str, gather: str) -> ExpertPolicy:
+    """A fresh expert policy; packet and phase-switched keep the kind's `gather`."""
+    cls = EXPERT_POLICIES[name]
+    return cls(gather=gather) if name in ("packet", "phase-switched") else cls()
 
 
 class _Slot:

@@ -9,8 +9,13 @@ streaming every expert (tests/engine/test_moe.py, fp32/fp16/bf16).
 | --- | --- | --- |
 | `resident` | nothing: every expert lives on the device | the experts' device bytes |
 | `dense-stream` | every expert of the layer, one copy of each fused tensor into the workspace | E x expert bytes |
-| `packet` | the union of the call's routed experts: a host gather into one pinned buffer `[m int64 | m gate_up | m down]`, one upload, an index copy into the workspace | m x expert bytes + 8m B; E B routing readback |
-| `phase-switched` | dense-stream in prefill calls, packet in decode calls | as those |
+| `packet {gather: host}` | the union of the call's routed experts: a host gather into one pinned buffer `[m int64 | m gate_up | m down]`, one upload, an index copy into the workspace | m x expert bytes + 8m B; E B routing readback |
+| `packet {gather: device}` | the same experts, each read by the copy engine straight from its contiguous pinned slices into its workspace slot (2m copies queued at once, no host memcpy, no index: the expert id is the copy's destination) | m x expert bytes; E B routing readback |
+| `phase-switched` | dense-stream in prefill calls, packet (either gather) in decode calls | as those |
+
+An expert is a contiguous slice of each fused tensor, so the device gather reaches the copy
+engine's pinned rate; the host gather first copies the whole packet through the CPU (a host
+memcpy of m experts) to send it as one transfer with its index.
 
 The ledger's `active_rows` and `rows_copied` count experts here (routed, moved), and the model
 keeps the routed set of every call and layer (`CpuFirstMoE.routes`): the trace a cache or a
@@ -188,12 +193,25 @@ class ExpertPacket:
         return self.landed.numel()
 
 
+def send_direct(host: ExpertHost, layer: int, ids: list[int], ws: Workspace, recorder: Recorder) -> None:
+    """Copy experts `ids` of `layer` straight from their host slices into their workspace slots."""
+    gu, dn = host.gate_up[layer], host.down[layer]
+    for e in ids:
+        ws.gate_up[e].copy_(gu[e], non_blocking=host.pin)
+        ws.down[e].copy_(dn[e], non_blocking=host.pin)
+    recorder.add(layer, rows=len(ids), weight_bytes=len(ids) * host.expert_bytes)
+
+
 class ExpertPacketPolicy:
-    """The union of the call's routed experts, one transfer per layer, exact."""
+    """The union of the call's routed experts, exact: one staged transfer with its index (`gather`
+    host) or each expert's contiguous slices copied straight into place (`gather` device)."""
 
     name = "packet"
 
-    def __init__(self) -> None:
+    def __init__(self, gather: str = "host") -> None:
+        if gather not in ("host", "device"):
+            raise ValueError(f"gather must be one of host, device, got {gather!r}")
+        self.gather = gather
         self.host: ExpertHost | None = None
         self.workspace: Workspace | None = None
         self.packet: ExpertPacket | None = None
@@ -205,17 +223,22 @@ class ExpertPacketPolicy:
     def activate(self, host: ExpertHost, device: torch.device, recorder: Recorder) -> None:
         self.host, self.recorder = host, recorder
         self.workspace = Workspace.zeros(host, device)
-        self.packet = ExpertPacket.allocate(host, device)
+        self.packet = ExpertPacket.allocate(host, device) if self.gather == "host" else None
 
     def deactivate(self) -> None:
         self.host = self.workspace = self.packet = self.recorder = None
 
     def experts(self, layer: int, routed: list[int] | None) -> tuple[torch.Tensor, torch.Tensor]:
-        self.packet.send(self.host, layer, routed, self.workspace, self.recorder)
+        if self.packet is not None:
+            self.packet.send(self.host, layer, routed, self.workspace, self.recorder)
+        else:
+            send_direct(self.host, layer, routed, self.workspace, self.recorder)
         return self.workspace.gate_up, self.workspace.down
 
     def device_bytes(self) -> int:
-        return 0 if self.workspace is None else self.workspace.nbytes + self.packet.nbytes
+        if self.workspace is None:
+            return 0
+        return self.workspace.nbytes + (0 if self.packet is None else self.packet.nbytes)
 
     def pinned_bytes(self) -> int:
         return 0 if self.packet is None or not self.host.pin else self.packet.staged.numel()
