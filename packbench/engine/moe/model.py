@@ -96,7 +96,7 @@ class CpuFirstMoE:
         t0 = time.perf_counter()
         cls = model_class(family)
         kwargs = {"attn_implementation": "eager"}
-        model = cls.from_pretrained(model_dir, dtype=dtype, device_map="cpu", **kwargs)
+        model = cls.from_pretrained(model_dir, dtype=dtype, **kwargs)  # into host memory
         force_eager(model.config)
         model.eval()
         t1 = time.perf_counter()
