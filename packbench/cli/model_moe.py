@@ -56,7 +56,7 @@ def synth(out: Path, *, shape: str, dtype: str, seed: int, profile: str | None, 
                f"to {path}")
 
 
-def stats(model_dir: Path, ids: list[list[int]], *, dtype: str, json_out: bool) -> None:
+def stats(model_dir: Path, ids: list[list[int]], *, dtype: str, json_out: bool, device: str = "cpu") -> None:
     """Routing statistics of an MoE checkpoint over prompts `ids` (each one prefill call)."""
     import torch
 
@@ -66,7 +66,9 @@ def stats(model_dir: Path, ids: list[list[int]], *, dtype: str, json_out: bool) 
     def progress(done: int, total: int) -> None:
         typer.echo(f"routed prompt {done}/{total}", err=True)
 
-    traces, meta = routing_traces(model_dir, ids, dtype=getattr(torch, dtype), progress=progress)
+    if device != "cpu" and not torch.cuda.is_available():
+        raise PackbenchError(f"--device {device}: CUDA is not available here; use --device cpu")
+    traces, meta = routing_traces(model_dir, ids, dtype=getattr(torch, dtype), device=device, progress=progress)
     summary = summarise(traces, experts=meta["experts"], k=meta["k"])
     recipe_file = Path(model_dir) / "packbench_synth.json"
     recipe = json.loads(recipe_file.read_text()) if recipe_file.exists() else None

@@ -62,7 +62,7 @@ def stats(
 
         moe_stats(model_dir, _prompts(model_dir, prompts, count=count, seed=seed, prefix=prefix or DEFAULT_PREFIX,
                                       vocab=vocab),
-                  dtype=dtype, json_out=json_out)
+                  dtype=dtype, json_out=json_out, device=device)
         return
     from packbench.engine.config import read_config
 

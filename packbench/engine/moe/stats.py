@@ -1,6 +1,6 @@
 """Routing traces of an MoE checkpoint (`packbench model stats` on an MoE model): stock
 transformers' forward over prompts, each layer's router output kept per token
-(core/routing.py's trace layout), the experts resident on the host (no device needed)."""
+(core/routing.py's trace layout); the whole model on `device` (the CPU by default)."""
 
 from pathlib import Path
 
@@ -11,13 +11,13 @@ from packbench.engine.moe.model import force_eager, model_class, moe_family
 
 
 def routing_traces(model_dir: Path, prompts: list[list[int]], *, dtype: torch.dtype = torch.float32,
-                   progress=None) -> tuple[list[np.ndarray], dict]:
+                   device: str = "cpu", progress=None) -> tuple[list[np.ndarray], dict]:
     """One (layers, tokens, k) int array per prompt (one prefill call each), and the model's
     (experts, k, layers). The routers' own top-k, read by a hook on each router's output."""
     family = moe_family(model_dir)
     model = model_class(family).from_pretrained(model_dir, dtype=dtype, attn_implementation="eager")
     force_eager(model.config)
-    model.eval()
+    model.eval().to(device)
     routers = [(i, layer.mlp.gate) for i, layer in enumerate(model.model.layers)
                if getattr(getattr(layer, "mlp", None), "experts", None) is not None]
     seen: dict[int, torch.Tensor] = {}
@@ -28,8 +28,8 @@ def routing_traces(model_dir: Path, prompts: list[list[int]], *, dtype: torch.dt
         with torch.inference_mode():
             for n, prompt in enumerate(prompts):
                 seen.clear()
-                model(input_ids=torch.tensor([prompt]), use_cache=False, logits_to_keep=1)
-                traces.append(np.stack([seen[i].reshape(len(prompt), -1).numpy() for i, _ in routers]))
+                model(input_ids=torch.tensor([prompt], device=device), use_cache=False, logits_to_keep=1)
+                traces.append(np.stack([seen[i].reshape(len(prompt), -1).cpu().numpy() for i, _ in routers]))
                 if progress:
                     progress(n + 1, len(prompts))
     finally:
