@@ -107,3 +107,23 @@ def test_protocol_validate_prints_the_refusal_in_one_line_exit_2(tmp_path):
                        text=True, cwd=Path(__file__).resolve().parents[2])
     assert r.returncode == 2, (r.stdout, r.stderr)
     assert len(r.stderr.strip().splitlines()) == 1 and "allowance_mib" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_a_broken_moe_config_is_one_line_naming_the_key(tmp_path):
+    import json
+
+    from packbench.core.errors import CheckpointError
+    from packbench.engine.config import read_config
+    from packbench.engine.moe.synth import moe_config
+
+    d = tmp_path / "broken"
+    d.mkdir()
+    config = moe_config("olmoe-tiny")
+    del config["num_experts_per_tok"]
+    (d / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match="num_experts_per_tok is None, not a positive integer; fix config.json"):
+        read_config(d)
+    config = moe_config("olmoe-tiny")  # the published name of the expert count, or transformers 5.2x's
+    config["num_local_experts"] = config.pop("num_experts")
+    (d / "config.json").write_text(json.dumps(config))
+    assert read_config(d)["num_local_experts"] == 16
