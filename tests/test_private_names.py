@@ -9,16 +9,10 @@ from pathlib import Path
 
 from test_layers import ROOT, modules
 
-# Private names still imported across modules, each with why it is not fixed yet: this list only
-# shrinks (a fixed entry must leave it, test_the_allowlist_holds_only_live_entries).
-ALLOWED: dict[tuple[str, str, str], str] = {
-    **{("packbench/cli/history.py", "packbench.cli.report_page", name):
-       "the HTML page helpers history and sweep pages share; made public with cli/report_page.py's next edit"
-       for name in ("_facts", "_page", "_plot", "_table")},
-    **{("packbench/cli/sweep_page.py", "packbench.cli.report_page", name):
-       "the HTML page helpers history and sweep pages share; made public with cli/report_page.py's next edit"
-       for name in ("_facts", "_page", "_plot", "_table")},
-}
+# Private names still imported across modules, each with why it is not fixed yet:
+# {(module path, imported module, name): why}. Empty: keep it so (a fixed entry must leave it,
+# test_the_allowlist_holds_only_live_entries).
+ALLOWED: dict[tuple[str, str, str], str] = {}
 
 
 def private_imports(root: Path = ROOT) -> list[tuple[str, str, str]]:

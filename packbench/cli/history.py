@@ -127,7 +127,7 @@ PLOT_UNITS = {"wall_ms": "ms per episode", "call_ms": "ms of forward calls per e
 def history_page(h) -> str:
     """The whole HTML page: the per-commit table and one static SVG plot per figure."""
     from packbench.cli import report_figures as figs
-    from packbench.cli.report_page import Markup, _facts, _page, _plot, _table, esc
+    from packbench.cli.report_page import Markup, html_facts, html_page, plot_figure, html_table, esc
     from packbench.service import history as hist
 
     rows = hist.by_commit(h)
@@ -142,15 +142,15 @@ def history_page(h) -> str:
                        f"episodes; bars: min-max); dashed lines divide commits; red triangles mark steps."
                        if m in hist.TIMED else
                        f"{PLOT_UNITS.get(m, m)} of each screen (exact: any change is flagged).")
-            plots.append(_plot(m, svg, f"no values of {m}", caption))
-    facts = _facts([("protocol", h.protocol), ("screens", len(h.points)), ("commits", len(rows)),
-                    ("method", Markup(esc(f"a change beyond {hist.K:g} spreads of the {hist.MIN_BEFORE}-"
-                                          f"{hist.WINDOW} runs before it, confirmed by the run after"))),
-                    ("false alarms", _far_line(h.far))])
-    body = (f"<section><h2>History</h2>{facts}{_condition_tables(rows, _table, esc)}</section>"
+            plots.append(plot_figure(m, svg, f"no values of {m}", caption))
+    facts = html_facts([("protocol", h.protocol), ("screens", len(h.points)), ("commits", len(rows)),
+                        ("method", Markup(esc(f"a change beyond {hist.K:g} spreads of the {hist.MIN_BEFORE}-"
+                                              f"{hist.WINDOW} runs before it, confirmed by the run after"))),
+                        ("false alarms", _far_line(h.far))])
+    body = (f"<section><h2>History</h2>{facts}{_condition_tables(rows, html_table, esc)}</section>"
             f"<section><h2>Figures</h2>{''.join(plots)}</section>")
     lede = f"{len(h.points)} screens of {h.protocol} over {len(rows)} commits"
-    return _page(f"packbench history: {h.protocol}", lede, body, plural="s")
+    return html_page(f"packbench history: {h.protocol}", lede, body, plural="s")
 
 
 def _condition_tables(rows: list[dict], table, esc) -> str:

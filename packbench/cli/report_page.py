@@ -64,7 +64,7 @@ def _num(value: Any, fmt: str = "{:,.4g}") -> str:
     return f'<td class="num">{esc(fmt.format(value))}</td>'
 
 
-def _table(head: Iterable[str], rows: Iterable[Iterable[str]], *, cls: str = "") -> str:
+def html_table(head: Iterable[str], rows: Iterable[Iterable[str]], *, cls: str = "") -> str:
     """Rows of already-rendered <td> cells (strings that start with <td) or plain text, in a box
     that scrolls sideways when the table is wider than the page."""
     klass = f' class="{cls}"' if cls else ""
@@ -75,7 +75,7 @@ def _table(head: Iterable[str], rows: Iterable[Iterable[str]], *, cls: str = "")
     return "".join(out)
 
 
-def _facts(pairs: Iterable[tuple[str, Any]]) -> str:
+def html_facts(pairs: Iterable[tuple[str, Any]]) -> str:
     return '<dl class="facts">' + "".join(f"<dt>{esc(k)}</dt><dd>{v if isinstance(v, Markup) else esc(v)}</dd>"
                                           for k, v in pairs) + "</dl>"
 
@@ -102,7 +102,7 @@ def _audit_cell(result: str) -> str:
     return '<td class="pass">AGREE</td>' if result == "agree" else '<td class="fail">DISAGREE</td>'
 
 
-def _plot(name: str, svg: str | None, missing: str, caption: str | None = None) -> str:
+def plot_figure(name: str, svg: str | None, missing: str, caption: str | None = None) -> str:
     if svg is None:
         return f'<p class="missing" data-missing="{esc(name)}">{esc(missing)}</p>'
     return (f'<figure class="plot" data-plot="{esc(name)}">{svg}'
@@ -124,17 +124,17 @@ def protocol_section(s: ScreenData) -> str:
     p = s.protocol
     # Full width below the facts, its parameters free to wrap: beside them, in half the page, a
     # competitor's parameters ran past the table's box at 1400 px.
-    conditions = _table(["condition", "tier", "policy", "params", "warmups"],
-                        [[f'<td class="name">{esc(c.name)}</td>', c.tier, c.policy,
-                          f'<td class="wrap">{esc(json.dumps(c.resolved_params) if c.resolved_params else "-")}</td>',
-                          str(p.warmups[c.name])] for c in p.conditions], cls="conditions")
+    conditions = html_table(["condition", "tier", "policy", "params", "warmups"],
+                            [[f'<td class="name">{esc(c.name)}</td>', c.tier, c.policy,
+                              f'<td class="wrap">{esc(json.dumps(c.resolved_params) if c.resolved_params else "-")}</td>',
+                              str(p.warmups[c.name])] for c in p.conditions], cls="conditions")
     prompts = p.prompts
     source = {"generator": f"generator (seed {prompts.seed})", "token_ids": "inline token ids"}.get(
         prompts.source, f"{prompts.source} {prompts.path} (sha256 {(prompts.sha256 or '')[:16]})")
     freeze = s.manifest.get("source_freeze") or {}
     return "".join([
         '<h2 id="protocol">Protocol</h2><div class="grid"><div>',
-        _facts([("name", p.name), ("frozen SHA-256", _mono(p.sha256)), ("schema", p.body.get("schema", 1)),
+        html_facts([("name", p.name), ("frozen SHA-256", _mono(p.sha256)), ("schema", p.body.get("schema", 1)),
                 ("model", data.model_label(s)), ("dtype", p.dtype),
                 ("prompts", f"{prompts.count} from {source}"),
                 ("tokens", f"{p.prefix_tokens} prefix + {p.continuation_tokens} generated "
@@ -147,7 +147,7 @@ def protocol_section(s: ScreenData) -> str:
         "<h3>Gates as frozen</h3>", _gates_table(p.full_dict()["gates"]),
         "</div></div>", "<h3>Conditions as frozen</h3>", conditions,
         "<h3>Source freeze</h3>",
-        _facts([("package version", freeze.get("package_version")), ("git commit", _mono(freeze.get("git_commit"))),
+        html_facts([("package version", freeze.get("package_version")), ("git commit", _mono(freeze.get("git_commit"))),
                 ("git dirty", freeze.get("git_dirty")), ("engine SHA-256", _mono(freeze.get("engine_sha256")))])
         if freeze else '<p class="missing">the archive has no source freeze (no manifest)</p>',
     ])
@@ -159,7 +159,7 @@ def _gates_table(gates: dict) -> str:
         for entry in spec if isinstance(spec, list) else [spec]:
             text = ", ".join(f"{k} {v}" for k, v in entry.items()) if isinstance(entry, dict) else str(entry)
             rows.append([gate, f'<td class="wrap">{esc(text or "-")}</td>'])
-    return _table(["gate", "parameters"], rows)
+    return html_table(["gate", "parameters"], rows)
 
 
 def machine_section(s: ScreenData) -> str:
@@ -168,11 +168,11 @@ def machine_section(s: ScreenData) -> str:
     cold = [c for c in cold if isinstance(c, (int, float))]
     return "".join([
         '<h2 id="machine">Machine and GPU</h2><div class="grid"><div>',
-        _facts([("host", env.get("host")), ("GPU", env.get("gpu") or "none (CPU run)"),
+        html_facts([("host", env.get("host")), ("GPU", env.get("gpu") or "none (CPU run)"),
                 ("device", env.get("device") or start.get("device")), ("driver", env.get("driver") or "-"),
                 ("torch", env.get("torch")), ("CUDA", env.get("cuda") or "-"), ("python", env.get("python"))]),
         "</div><div>",
-        _facts([("parameter bytes", _fmt_bytes(start.get("param_bytes"))),
+        html_facts([("parameter bytes", _fmt_bytes(start.get("param_bytes"))),
                 ("on the device at start", _fmt_bytes(start.get("device_param_bytes"))),
                 ("outgoing weights on the host", _fmt_bytes(start.get("host_outgoing_bytes"))),
                 ("CPU-first", start.get("cpu_first")),
@@ -202,8 +202,8 @@ def verdict_section(s: ScreenData) -> str:
     head = f'<h2 id="verdicts">Verdicts: {passed} of {len(s.verdicts)} pass</h2>'
     if not rows:
         return head + '<p class="missing">no verdicts.json: the screen did not finish</p>'
-    return head + _table(["gate", "condition", "tier", "phase", "verdict", "threshold", "value", "interval", "detail"],
-                         rows)
+    return head + html_table(["gate", "condition", "tier", "phase", "verdict", "threshold", "value", "interval", "detail"],
+                             rows)
 
 
 def _spread(sp: dict, fmt: str) -> str:
@@ -307,9 +307,9 @@ def serving_section(s: ScreenData) -> str:
               _num(r["decode_tokens_per_s"], "{:,.4g}"), _ms_cell(r["wall_s"], r["outliers"]["wall_s"]),
               _two(_fmt(_ms(r["outside_s"]), "{:.4g}"), _fmt(_ms(r["outside_wall_s"]), "outside the wall {:.4g}")),
               _two(_fmt(_ms(r["steady_call_s"]), "{:.4g}"), _once(r))] for r in rows]
-    table = _table(["condition", "tier", "scored", "TTFT ms: warm, first use", "TPOT ms", "ITL ms: p50, p90 / p99", "decode tokens/s",
-                    "wall ms", "outside the calls ms (the wall)", "decode call ms: steady, once per episode"],
-                   srows, cls="conditions")
+    table = html_table(["condition", "tier", "scored", "TTFT ms: warm, first use", "TPOT ms", "ITL ms: p50, p90 / p99", "decode tokens/s",
+                        "wall ms", "outside the calls ms (the wall)", "decode call ms: steady, once per episode"],
+                       srows, cls="conditions")
     ratios = data.runtime_ratios(s)
     rrows = []
     for r in ratios:
@@ -322,14 +322,14 @@ def serving_section(s: ScreenData) -> str:
                       f'<td class="num">{esc(f"[{mi[0]:.4g}, {mi[1]:.4g}]")}</td>',
                       f'<td class="wrap{" fail" if r["disagree"] else ""}">'
                       f'{esc(("disagree " + r["because"]) if r["disagree"] else ("agree; " + (r["outliers_text"] or "no outliers beyond 3 IQR")))}</td>'])
-    rtable = (_table(["condition", "tier", "control", "gate", "summed walls", "bootstrap interval", "ratio of medians",
-                      "paired interval", "readings"], rrows, cls="conditions") if rrows
-              else '<p class="missing">no runtime readings: no condition pairs with the reference</p>')
+    rtable = (html_table(["condition", "tier", "control", "gate", "summed walls", "bootstrap interval", "ratio of medians",
+                          "paired interval", "readings"], rrows, cls="conditions") if rrows
+                  else '<p class="missing">no runtime readings: no condition pairs with the reference</p>')
     previous = data.steady_by_previous(s)
-    ptable = _table(["condition", "tier", "steady decode call ms by what ran before it in the worker (episodes)"],
-                    [[f'<td class="name">{esc(r["condition"])}</td>', r["tier"],
-                      f'<td class="wrap">{esc(_previous_text(r["previous"]))}</td>'] for r in previous],
-                    cls="conditions") if previous else ""
+    ptable = html_table(["condition", "tier", "steady decode call ms by what ran before it in the worker (episodes)"],
+                        [[f'<td class="name">{esc(r["condition"])}</td>', r["tier"],
+                          f'<td class="wrap">{esc(_previous_text(r["previous"]))}</td>'] for r in previous],
+                        cls="conditions") if previous else ""
     check = data.plan_positions([s])
     position = (f'<p id="position" class="{"fail" if check["flagged"] else ""}">{esc(serving.position_text(check))}'
                 f'; each episode\'s wall over its condition\'s median, against the {serving.NEIGHBOURS} plan '
@@ -371,7 +371,7 @@ def summary_section(s: ScreenData) -> str:
              *([_two(_fmt(r["fidelity_mean_kl_max"], "KL {:.4g}"), _fmt(r["fidelity_top1_min"], "top-1 {:.4g}"))]
                if approximate else [])] for r in summary]
     return ('<h2 id="conditions">Conditions (scored episodes)</h2>' + _sharing_notes(s)
-            + _table(["condition", "tier", "policy", "scored", "H2D / prefill call", "H2D / decode call",
+            + html_table(["condition", "tier", "policy", "scored", "H2D / prefill call", "H2D / decode call",
                       "wall s: median, p10-p90", "decode ms/token: median, p10-p90", "peak sampled GPU",
                       "energy / episode, / token", *(["worst mean KL, top-1"] if approximate else [])],
                      rows, cls="conditions"))
@@ -404,9 +404,9 @@ def cost_section(s: ScreenData) -> str:
             for r in cost["conditions"]]
     if not rows:
         return head + lede + '<p class="missing">no finished scored episode carries both passes\' figures</p>'
-    return head + lede + _table(["condition", "scored", "timing wall (median)", "recording wall (median)",
-                                 "recording / timing", "decode call: timing, recording (median)"], rows,
-                                cls="conditions")
+    return head + lede + html_table(["condition", "scored", "timing wall (median)", "recording wall (median)",
+                                     "recording / timing", "decode call: timing, recording (median)"], rows,
+                                    cls="conditions")
 
 
 def workload_caption(workload: dict | None) -> str | None:
@@ -433,31 +433,31 @@ def plots_section(s: ScreenData) -> str:
     cpu = not s.environment.get("gpu")
     return "".join([
         '<h2 id="transfer">Host-to-device bytes per call</h2>',
-        _plot("h2d", figs.h2d_figure(data.h2d_per_call(s), c, s.protocol.reference),
+        plot_figure("h2d", figs.h2d_figure(data.h2d_per_call(s), c, s.protocol.reference),
               "no call ledgers with byte counts (recording off, or no finished scored episode)"),
         '<h2 id="runtime">Episode wall and the paired runtime interval</h2>',
-        _plot("wall", figs.wall_figure(data.wall_per_episode(s), data.runtime_intervals(s), c),
+        plot_figure("wall", figs.wall_figure(data.wall_per_episode(s), data.runtime_intervals(s), c),
               "no finished scored episode"),
         '<h2 id="decode">Decode milliseconds per token</h2>',
-        _plot("decode", figs.decode_figure(data.decode_ms_per_token(s), c), "no decode calls"),
+        plot_figure("decode", figs.decode_figure(data.decode_ms_per_token(s), c), "no decode calls"),
         '<h2 id="memory">Sampled GPU memory against the allowance</h2>',
-        _plot("memory", figs.memory_figure(data.memory_traces(s), c, s.protocol.allowance_bytes),
+        plot_figure("memory", figs.memory_figure(data.memory_traces(s), c, s.protocol.allowance_bytes),
               "no GPU memory samples: " + ("a CPU run samples no GPU" if cpu else "the archive holds no traces/")),
         '<h2 id="activity">Active rows per layer</h2>',
-        _plot("heatmap", figs.heatmap_figure(heat),
+        plot_figure("heatmap", figs.heatmap_figure(heat),
               "no condition observed active rows (dense-stream and resident do not; recording off records none)",
               caption=None if heat is None else PLOT_CAPTIONS["heatmap"] + f" Condition {heat['condition']}: the "
               "active set is the model's and the prompt's, identical under every exact policy."),
         '<h2 id="union">Union sparsity</h2>',
-        _plot("union", figs.union_figure(union), "no observed activity, or the neurons per layer are unknown"),
+        plot_figure("union", figs.union_figure(union), "no observed activity, or the neurons per layer are unknown"),
         '<h2 id="workload">Activity by layer, against the profile and real OPT</h2>',
-        _plot("workload", figs.workload_figure(workload),
+        plot_figure("workload", figs.workload_figure(workload),
               "no condition observed active rows, or the neurons per layer are unknown",
               caption=workload_caption(workload)),
         '<h2 id="frontier">Frontier: decode time against memory, by tier</h2>',
-        _plot("frontier", figs.frontier_figure(data.frontier(s), c), "no finished scored episode with decode calls"),
+        plot_figure("frontier", figs.frontier_figure(data.frontier(s), c), "no finished scored episode with decode calls"),
         '<h2 id="energy">Energy</h2>',
-        _plot("energy", figs.energy_figure(data.energy(s), c),
+        plot_figure("energy", figs.energy_figure(data.energy(s), c),
               "no energy readings: " + ("NVML has no GPU to read on a CPU run" if cpu
                                         else "the episodes carry no energy_j")),
     ])
@@ -468,7 +468,7 @@ def audit_section(s: ScreenData, audit: AuditStatus) -> str:
     intact = (f"intact: {members} members match the manifest" if s.complete and not s.problems
               else f"{len(s.problems)} problems")
     parts = ['<h2 id="audit">Archive and audit</h2>',
-             _facts([("archive", _mono(s.path)), ("file SHA-256", _mono(s.archive_sha256)),
+             html_facts([("archive", _mono(s.path)), ("file SHA-256", _mono(s.archive_sha256)),
                      ("size", f"{s.archive_bytes:,} B"),
                      ("episodes recorded", f"{len(s.episodes)} of {s.planned} planned"),
                      ("manifest check (now)", intact)])]
@@ -480,7 +480,7 @@ def audit_section(s: ScreenData, audit: AuditStatus) -> str:
     elif not audit.rows:
         parts.append(f'<p class="missing">never audited in {esc(audit.source)}; run <code>packbench audit</code></p>')
     else:
-        parts.append(f"<h3>Audits recorded in {esc(audit.source)}</h3>" + _table(
+        parts.append(f"<h3>Audits recorded in {esc(audit.source)}</h3>" + html_table(
             ["result", "where", "started", "finished", "digest", "problems"],
             [[_audit_cell(r["result"]), r["machine"],
               r["started"], r["finished"], f'<td class="mono">{esc(r["digest"])}</td>', str(r["problems"])]
@@ -497,7 +497,7 @@ def audit_section(s: ScreenData, audit: AuditStatus) -> str:
 # ----------------------------------------------------------------------------- pages
 
 
-def _page(title: str, lede: str, body: str, *, plural: str = "") -> str:
+def html_page(title: str, lede: str, body: str, *, plural: str = "") -> str:
     import matplotlib
 
     try:
@@ -517,7 +517,7 @@ def screen_page(s: ScreenData, *, audit: AuditStatus) -> str:
     body = "".join([headline_section(s), verdict_section(s), summary_section(s), serving_section(s), cost_section(s),
                     plots, protocol_section(s),
                     machine_section(s), audit_section(s, audit)])
-    return _page(f"packbench report: {s.label}", lede, body)
+    return html_page(f"packbench report: {s.label}", lede, body)
 
 
 def _wall_ranges(s: ScreenData) -> dict[str, tuple[float, float] | None]:
@@ -555,14 +555,14 @@ def compare_page(screens: list[ScreenData], audits: list[AuditStatus]) -> str:
     labels = [f"{chr(65 + n)}" for n in range(len(screens))]
     agreement = data.verdict_agreement(screens)
     conditions = list(dict.fromkeys(c for s in screens for c in s.conditions))
-    ident = _table(["", "screen", "protocol", "frozen SHA-256", "machine", "GPU", "torch", "archive SHA-256",
-                    "audits"],
-                   [[labels[n], f'<td class="wrap">{esc(s.label)}</td>', s.protocol.name,
-                     f'<td class="mono">{esc(s.protocol.sha256[:16])}</td>',
-                     s.environment.get("host"), s.environment.get("gpu") or "CPU", s.environment.get("torch"),
-                     f'<td class="mono">{esc(s.archive_sha256[:16])}</td>',
-                     "-" if a.source is None else (", ".join(r["result"] for r in a.rows) or "none")]
-                    for n, (s, a) in enumerate(zip(screens, audits))])
+    ident = html_table(["", "screen", "protocol", "frozen SHA-256", "machine", "GPU", "torch", "archive SHA-256",
+                        "audits"],
+                       [[labels[n], f'<td class="wrap">{esc(s.label)}</td>', s.protocol.name,
+                         f'<td class="mono">{esc(s.protocol.sha256[:16])}</td>',
+                         s.environment.get("host"), s.environment.get("gpu") or "CPU", s.environment.get("torch"),
+                         f'<td class="mono">{esc(s.archive_sha256[:16])}</td>',
+                         "-" if a.source is None else (", ".join(r["result"] for r in a.rows) or "none")]
+                        for n, (s, a) in enumerate(zip(screens, audits))])
     judged, agree = agreement["judged_by_all"], agreement["agree"]
     what = "the same frozen protocol" if agreement["same_protocol"] else "different protocols"
     head = (f'<h2 id="agreement">Verdict agreement: {agree} of {judged} verdicts judged by every screen agree</h2>'
@@ -570,7 +570,7 @@ def compare_page(screens: list[ScreenData], audits: list[AuditStatus]) -> str:
     vrows = [[r["gate"], r["condition"], r["phase"], *[_passed(p) for p in r["passed"]],
               ('<td class="pass">agree</td>' if r["agree"] else '<td class="fail">differ</td>') if r["all_judged"]
               else '<td class="none">not judged by all</td>'] for r in agreement["rows"]]
-    vtable = _table(["gate", "condition", "phase", *labels, "agreement"], vrows)
+    vtable = html_table(["gate", "condition", "phase", *labels, "agreement"], vrows)
     summaries = [{r["condition"]: r for r in data.condition_summary(s)} for s in screens]
     srows = []
     for c in conditions:
@@ -582,9 +582,9 @@ def compare_page(screens: list[ScreenData], audits: list[AuditStatus]) -> str:
                           _mb(r["decode_h2d_per_call"]), _num(r["wall_s_mean"], "{:.4g} s"),
                           _spread(r["wall_s_spread"], "{:.3g}"), _spread(r["decode_ms_spread"], "{:.3g}"),
                           _mib(r["peak_sampled_bytes"]), _num(r["energy_j_per_token"], "{:.4g} J")])
-    stable = _table(["condition", "screen", "scored", "H2D / prefill call", "H2D / decode call", "mean wall",
-                     "wall s: median, p10-p90", "decode ms/token: median, p10-p90", "peak sampled GPU",
-                     "energy / token"], srows, cls="conditions")
+    stable = html_table(["condition", "screen", "scored", "H2D / prefill call", "H2D / decode call", "mean wall",
+                         "wall s: median, p10-p90", "decode ms/token: median, p10-p90", "peak sampled GPU",
+                         "energy / token"], srows, cls="conditions")
     ratio_rows = []
     for n, s in enumerate(screens):
         for r in data.runtime_ratios(s):
@@ -595,8 +595,8 @@ def compare_page(screens: list[ScreenData], audits: list[AuditStatus]) -> str:
                                f'<td class="num">{esc(f"[{mi[0]:.4g}, {mi[1]:.4g}]")}</td>',
                                f'<td class="wrap{" fail" if r["disagree"] else ""}">'
                                f'{esc(("disagree " + r["because"]) if r["disagree"] else "agree")}</td>'])
-    rtable = _table(["condition", "screen", "control", "summed walls", "interval", "gate threshold", "from",
-                     "ratio of medians", "paired interval", "readings"], ratio_rows, cls="conditions")
+    rtable = html_table(["condition", "screen", "control", "summed walls", "interval", "gate threshold", "from",
+                         "ratio of medians", "paired interval", "readings"], ratio_rows, cls="conditions")
     serving_rows = []
     for c in conditions:
         for n, s in enumerate(screens):
@@ -609,22 +609,22 @@ def compare_page(screens: list[ScreenData], audits: list[AuditStatus]) -> str:
                                  _two(_fmt(_ms(r["itl_p50_s"]), "{:.4g}"), _fmt(_ms(r["itl_p99_s"]), "p99 {:.4g}")),
                                  _num(r["decode_tokens_per_s"], "{:,.4g}"), _ms_cell(r["wall_s"], r["outliers"]["wall_s"]),
                                  _two(_fmt(_ms(r["steady_call_s"]), "{:.4g}"), _once(r))])
-    stable_serving = _table(["condition", "screen", "tier", "TTFT ms: warm, first use", "TPOT ms", "ITL ms: p50, p99",
-                             "decode tokens/s", "wall ms", "decode call ms: steady, once per episode"],
-                            serving_rows, cls="conditions")
+    stable_serving = html_table(["condition", "screen", "tier", "TTFT ms: warm, first use", "TPOT ms", "ITL ms: p50, p99",
+                                 "decode tokens/s", "wall ms", "decode call ms: steady, once per episode"],
+                                serving_rows, cls="conditions")
     with figs.style():
         plots = "".join([
             '<h2 id="decode">Decode milliseconds per token</h2>',
-            _plot("compare-decode", figs.compare_decode_figure(labels, [data.decode_ms_per_token(s) for s in screens],
+            plot_figure("compare-decode", figs.compare_decode_figure(labels, [data.decode_ms_per_token(s) for s in screens],
                                                                conditions), "no decode calls",
                   caption="Decode ms per generated token per condition, one box per screen (A, B, ...)."),
             '<h2 id="transfer">Host-to-device bytes per decode call</h2>',
-            _plot("compare-h2d", figs.compare_bars_figure(
+            plot_figure("compare-h2d", figs.compare_bars_figure(
                 "compare-h2d", labels, [{c: r["decode_h2d_per_call"] for c, r in summ.items()} for summ in summaries],
                 conditions, "mean H2D MB per decode call", scale=1e6), "no byte counts",
                 caption="Mean host-to-device bytes per decode call per condition, one bar per screen."),
             '<h2 id="wall">Mean episode wall</h2>', _compare_sharing(labels, screens),
-            _plot("compare-wall", figs.compare_bars_figure(
+            plot_figure("compare-wall", figs.compare_bars_figure(
                 "compare-wall", labels, [{c: r["wall_s_mean"] for c, r in summ.items()} for summ in summaries],
                 conditions, "mean wall s per scored episode", ranges=[_wall_ranges(s) for s in screens]),
                 "no finished episodes",
@@ -642,4 +642,4 @@ def compare_page(screens: list[ScreenData], audits: list[AuditStatus]) -> str:
           .replace('<h2 id="audit">Archive and audit</h2>', "") for n, (s, a) in enumerate(zip(screens, audits))],
     ])
     lede = f"{len(screens)} screens of {what}: " + "; ".join(f"{labels[n]} = {s.label}" for n, s in enumerate(screens))
-    return _page("packbench comparison", lede, body, plural="s")
+    return html_page("packbench comparison", lede, body, plural="s")

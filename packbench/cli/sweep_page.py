@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from packbench.cli import report_figures as figs
-from packbench.cli.report_page import _facts, _page, _plot, _table
+from packbench.cli.report_page import html_facts, html_page, plot_figure, html_table
 
 FIGURES = {"decode_ms_per_token": "decode ms per token (median over the scored ok episodes; bars: min-max)",
            "bytes_per_token": "host-to-device bytes per generated token (scored ok episodes)"}
@@ -87,21 +87,21 @@ def verdict_figure(points: list) -> str | None:
 
 def sweep_page(sweep_id: str, points: list) -> str:
     with figs.style():
-        plots = [_plot(key, figure(points, key), f"no {key} yet", FIGURES[key] + " against the swept field.")
+        plots = [plot_figure(key, figure(points, key), f"no {key} yet", FIGURES[key] + " against the swept field.")
                  for key in FIGURES]
-        plots.append(_plot("verdicts", verdict_figure(points), "no verdicts yet",
-                           "Each verdict of each point: a green circle passed, a red cross failed."))
+        plots.append(plot_figure("verdicts", verdict_figure(points), "no verdicts yet",
+                                 "Each verdict of each point: a green circle passed, a red cross failed."))
     # One row per point and condition: a column per condition and figure ran past the page.
     head = ["screen", "point", "status", "protocol", "condition", "decode ms/token: median [min-max]",
             "H2D bytes per token"]
     rows = [[str(p.screen_id), ", ".join(f"{k}={v}" for k, v in p.values.items()), p.status, p.protocol_sha256[:12],
              c, _decode_cell(p.figures.get(c, {})), _fmt(p.figures.get(c, {}).get("bytes_per_token"), "{:,.0f}")]
             for p in points for c in (_conditions([p]) or ["-"])]
-    facts = _facts([("sweep", sweep_id), ("points", len(points)),
-                    ("fields", ", ".join(points[0].values) if points else "-")])
-    body = (f"<section><h2>Sweep</h2>{facts}{_table(head, rows)}</section>"
+    facts = html_facts([("sweep", sweep_id), ("points", len(points)),
+                        ("fields", ", ".join(points[0].values) if points else "-")])
+    body = (f"<section><h2>Sweep</h2>{facts}{html_table(head, rows)}</section>"
             f"<section><h2>Figures</h2>{''.join(plots)}</section>")
-    return _page(f"packbench sweep {sweep_id}", f"{len(points)} screens, one per point", body, plural="s")
+    return html_page(f"packbench sweep {sweep_id}", f"{len(points)} screens, one per point", body, plural="s")
 
 
 def _conditions(points: list) -> list[str]:

@@ -481,7 +481,7 @@ def test_a_wide_conditions_table_fits_the_page(tmp_path, monkeypatch):
     """Nine conditions with parameters, GPU peaks, energy and fidelity: the conditions table fits the
     page's width in Chromium (its policy parameters wrap under the policy, paired figures share a
     cell), where one column per figure ran past the page."""
-    from packbench.cli.report_page import _page, summary_section
+    from packbench.cli.report_page import html_page, summary_section
 
     if chromium() is None:
         pytest.fail(INSTALL_HINT)
@@ -489,7 +489,7 @@ def test_a_wide_conditions_table_fits_the_page(tmp_path, monkeypatch):
     rows = wide_summary(data.condition_summary(s))
     monkeypatch.setattr(data, "condition_summary", lambda screen: rows)
     page = tmp_path / "wide.html"
-    page.write_text(_page("wide", "", summary_section(s)))
+    page.write_text(html_page("wide", "", summary_section(s)))
     check = check_page(page, width=1400)
     assert len(check.tables) == 1 and check.tables[0]["cls"] == "conditions"
     assert check.overflowing == [], check.tables
