@@ -143,3 +143,16 @@ def moe_refusal(config: dict, *, dtype: str, conditions: list[tuple[str, str, di
                                      f"{model}: the device part and its expert buffers need {-(-need // 2**20)} MiB; "
                                      f"raise allowance_mib or drop the condition")
     return None
+
+
+def call_bytes(shape: MoeShape, dtype: str, policy: str, *, tokens: int, phase: str, gather: str = "device") -> int:
+    """Host-to-device bytes one call moves, all MoE layers: exact for dense-stream and resident, at
+    most for a packet (the union of `tokens` tokens' k experts a layer is at most min(E, k x tokens))."""
+    layer_all = shape.experts * shape.expert_bytes(dtype)
+    if policy == "resident":
+        return 0
+    if policy == "dense-stream" or (policy == "phase-switched" and phase == "prefill"):
+        return shape.layers * layer_all
+    m = min(shape.experts, shape.k * tokens)
+    index = INDEX_BYTES * m if gather == "host" else 0
+    return shape.layers * (m * shape.expert_bytes(dtype) + index)

@@ -38,3 +38,24 @@ def test_bad_moe_synth_input_is_one_line_exit_2(tmp_path):
         assert r.returncode == 2, (r.stdout, r.stderr)
         assert cause in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
         assert "Traceback" not in r.stderr
+
+
+def test_protocol_plan_on_an_moe_checkpoint_estimates_expert_bytes(tmp_path):
+    """`protocol plan` on an MoE checkpoint: dense-stream moves every expert of every layer per call
+    (exact); a decode packet at most k experts a layer (bounds the ledger of tests/engine/test_moe.py)."""
+    import yaml
+
+    out = tmp_path / "mx"
+    assert CliRunner().invoke(app, ["model", "synth", "--out", str(out), "--shape", "mixtral-tiny"]).exit_code == 0
+    body = {"name": "plan", "model": {"path": str(out)}, "dtype": "float32",
+            "prompts": {"generator": {"seed": 0, "count": 1}}, "prefix_tokens": 16, "continuation_tokens": 4,
+            "conditions": [{"policy": "dense-stream"}, {"policy": "packet"}], "reference": "dense-stream",
+            "warmups": 1, "allowance_mib": 64, "gates": {"faithfulness": {}}}
+    (tmp_path / "p.yaml").write_text(yaml.safe_dump(body))
+    result = CliRunner().invoke(app, ["protocol", "plan", str(tmp_path / "p.yaml"), "--json"])
+    assert result.exit_code == 0, result.output
+    rows = {r["condition"]: r for r in json.loads(result.stdout)["moe"]}
+    expert = 3 * 64 * 96 * 4  # gate_up + down of one mixtral-tiny expert in float32
+    assert rows["dense-stream"]["decode_bytes"] == rows["dense-stream"]["prefill_bytes"] == 3 * 8 * expert
+    assert rows["packet"]["decode_bytes"] == 3 * 2 * expert and rows["packet"]["bound"] == "at most"
+    assert rows["packet"]["prefill_bytes"] == 3 * 8 * expert  # 16 tokens x top 2 >= 8 experts
