@@ -31,7 +31,7 @@ for spec in "${specs[@]}"; do
     echo "-- A: bench.moe rc $? in $(( $(date +%s) - t0 )) s"
     grep -vE "^W[0-9]|Warn|warn|Loading|Writing|output = func|torchao" "$out/$shape-engine.log" | tail -10
     t0=$(date +%s)  # the routing statistics beside the published figures, on the GPU
-    pb model stats "$dir" --dtype float16 --device "$DEV" --prefix 256 --count 2 > "$out/$shape-stats.txt" 2> "$out/$shape-stats.err"
+    pb model stats "$dir" --dtype float16 --device "$DEV" --prefix 256 --count 2 --figure "$out/$shape-routing.svg" > "$out/$shape-stats.txt" 2> "$out/$shape-stats.err"
     echo "-- A: model stats rc $? in $(( $(date +%s) - t0 )) s"; grep -A8 "^published" "$out/$shape-stats.txt"
   fi
   if [ "${ONLY:-B}" = B ] || [ -z "${ONLY:-}" ]; then

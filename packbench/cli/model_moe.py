@@ -56,7 +56,8 @@ def synth(out: Path, *, shape: str, dtype: str, seed: int, profile: str | None, 
                f"to {path}")
 
 
-def stats(model_dir: Path, ids: list[list[int]], *, dtype: str, json_out: bool, device: str = "cpu") -> None:
+def stats(model_dir: Path, ids: list[list[int]], *, dtype: str, json_out: bool, device: str = "cpu",
+          figure: Path | None = None) -> None:
     """Routing statistics of an MoE checkpoint over prompts `ids` (each one prefill call)."""
     import torch
 
@@ -78,6 +79,13 @@ def stats(model_dir: Path, ids: list[list[int]], *, dtype: str, json_out: bool, 
                         "prompts": len(ids), "tokens": len(ids[0])}
     summary["published"] = {"name": published, **{k: v for k, v in PUBLISHED[published].items()}}
     summary["checks"] = check(summary, published)
+    if figure is not None:
+        from packbench.cli.report_figures import routing_figure
+
+        try:
+            figure.write_text(routing_figure(summary))
+        except OSError as e:
+            raise PackbenchError(f"--figure {figure}: cannot write it ({e.strerror}); choose another path") from None
     if json_out:
         typer.echo(json.dumps(_finite(summary), sort_keys=True, default=list))
         return

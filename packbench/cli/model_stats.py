@@ -40,6 +40,8 @@ def stats(
                                        autocompletion=lambda: list(DTYPE_NAMES))] = "float32",
     device: Annotated[str, typer.Option(help="cpu, or cuda[:N].")] = "cpu",
     json_out: Annotated[bool, typer.Option("--json", metavar="", help="Print every figure (the whole union curve too) as JSON.")] = False,
+    figure: Annotated[Optional[Path], typer.Option(
+        help="MoE checkpoints: also write the routing figure (load, reuse, LRU against Belady) as SVG here.")] = None,
 ) -> None:
     """Per-layer density, union growth, consecutive overlap, hot neurons and next-token entropy of an OPT checkpoint;
     for an MoE checkpoint, per layer its load, k-apart reuse, union growth, cross-layer predictability and LRU
@@ -62,8 +64,10 @@ def stats(
 
         moe_stats(model_dir, _prompts(model_dir, prompts, count=count, seed=seed, prefix=prefix or DEFAULT_PREFIX,
                                       vocab=vocab),
-                  dtype=dtype, json_out=json_out, device=device)
+                  dtype=dtype, json_out=json_out, device=device, figure=figure)
         return
+    if figure is not None:
+        raise PackbenchError("--figure draws an MoE checkpoint's routing; drop it for an OPT checkpoint")
     from packbench.engine.config import read_config
 
     config = read_config(model_dir)

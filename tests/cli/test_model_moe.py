@@ -16,7 +16,9 @@ def test_synth_then_stats_json_meets_the_published_figures(tmp_path):
     made = CliRunner().invoke(app, ["model", "synth", "--out", str(out), "--shape", "olmoe-tiny", "--layers", "2"])
     assert made.exit_code == 0, made.output
     assert "routing profile olmoe, 2 of 3 layers" in made.stdout
-    result = CliRunner().invoke(app, ["model", "stats", str(out), "--json", "--prefix", "256", "--count", "3"])
+    svg = tmp_path / "routing.svg"
+    result = CliRunner().invoke(app, ["model", "stats", str(out), "--json", "--prefix", "256", "--count", "3",
+                                      "--figure", str(svg)])
     assert result.exit_code == 0, result.output
     s = json.loads(result.stdout.splitlines()[-1])
     assert s["experts"] == 16 and s["k"] == 4 and len(s["layers"]) == 2
@@ -27,6 +29,7 @@ def test_synth_then_stats_json_meets_the_published_figures(tmp_path):
         assert c["belady"] >= c["lru"]
     assert s["published"]["name"] == "olmoe" and "allenai/OLMoE" in s["published"]["source"]
     assert all(row["ok"] for row in s["checks"]), s["checks"]
+    assert svg.read_text().startswith("<svg") and "Belady" in svg.read_text()
 
 
 def test_bad_moe_synth_input_is_one_line_exit_2(tmp_path):
