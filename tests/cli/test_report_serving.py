@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from browser import INSTALL_HINT, check_page, chromium  # tests/cli/browser.py
-from packbench.cli.report_page import (AuditStatus, _page, protocol_section, screen_page, serving_section,
+from packbench.cli.report_page import (AuditStatus, html_page, protocol_section, screen_page, serving_section,
                                        workload_caption)
 from packbench.core import report as data
 from packbench.core.protocol import freeze
@@ -125,7 +125,7 @@ def test_the_protocol_and_serving_tables_fit_the_page_at_1400_px(screen, tmp_pat
     if chromium() is None:
         pytest.fail(INSTALL_HINT)
     page = tmp_path / "protocol.html"
-    page.write_text(_page("protocol", "", protocol_section(competitors_screen(screen)) + serving_section(screen)))
+    page.write_text(html_page("protocol", "", protocol_section(competitors_screen(screen)) + serving_section(screen)))
     check = check_page(page, width=1400)
     assert len(check.tables) >= 4 and check.overflowing == [], check.tables
     assert "int8-weight-only" in page.read_text()

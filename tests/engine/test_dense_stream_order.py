@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from packbench.engine.ledger import Recorder
-from packbench.engine.policies import DenseStream, HostWeights
+from packbench.engine.policies.base import HostWeights
+from packbench.engine.policies.dense import DenseStream
 
 HIDDEN, FFN = 8, 32
 
