@@ -46,6 +46,9 @@ def main() -> None:
     ap.add_argument("--prefix", type=int, default=128)
     ap.add_argument("--continuation", type=int, default=16)
     ap.add_argument("--conditions", default=",".join(CONDITIONS))
+    ap.add_argument("--stock", action="store_true",
+                    help="Also run stock transformers (experts resident, eager) on the first prompt and compare its "
+                         "logits with dense-stream's, bit for bit.")
     a = ap.parse_args()
     torch.set_num_threads(min(8, torch.get_num_threads()))
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -90,6 +93,38 @@ def main() -> None:
         floor = decode_ms["resident"][0] + decode_ms["packet"][1] * 1e6 / rate * 1e3
         print(f"floor (resident {decode_ms['resident'][0]:.2f} ms + packet {decode_ms['packet'][1]:.1f} MB at "
               f"{rate / 1e9:.2f} GB/s) = {floor:.2f} ms/token; packet {decode_ms['packet'][0] / floor:.2f}x the floor")
+
+
+    if a.stock:
+        first = ref[0]
+        del model, runs
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        stock = stock_logits(a.model, prompts[0], dtype=getattr(torch, a.dtype), device=device,
+                             continuation=a.continuation)
+        same = np.array_equal(stock, first.logits)
+        print(f"stock transformers (experts resident, eager) == dense-stream, prompt 0: {same}"
+              + ("" if same else f" (max |diff| {np.abs(stock - first.logits).max():.3g})"))
+
+
+def stock_logits(path: Path, prompt: list[int], *, dtype: torch.dtype, device: torch.device,
+                 continuation: int) -> np.ndarray:
+    """Greedy (calls, vocab) float32 logits of stock transformers with every weight on `device`."""
+    from transformers import DynamicCache
+
+    from packbench.engine.moe.model import force_eager, model_class, moe_family
+
+    model = model_class(moe_family(path)).from_pretrained(path, dtype=dtype, attn_implementation="eager")
+    force_eager(model.config)
+    model = model.eval().to(device)
+    cache, ids, rows = DynamicCache(), torch.tensor([prompt], device=device), []
+    with torch.inference_mode():
+        for _ in range(continuation):
+            logits = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[0, -1]
+            row = logits.float().cpu().numpy()
+            rows.append(row)
+            ids = torch.tensor([[int(row.argmax())]], device=device)
+    return np.stack(rows)
 
 
 if __name__ == "__main__":

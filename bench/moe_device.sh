@@ -4,7 +4,8 @@
 #   calibrated to the published figures, drawn on the GPU; the real layer shapes, fewer layers:
 #   QWEN_LAYERS=12 of 48 (12 x 1.125 GiB of experts) and MIXTRAL_LAYERS=4 of 32 (4 x 2.625 GiB),
 #   so that a checkpoint writes, reads and pins within the call's 10 minutes and 64 GB of disk):
-#   A. bench.moe: every expert policy exact against dense-stream, decode ms/token, bytes per token,
+#   A. bench.moe: every expert policy exact against dense-stream (and dense-stream against stock
+#      transformers with every weight on the GPU, eager), decode ms/token, bytes per token,
 #      and the floor (resident's decode time + the packet's bytes at the pinned copy rate); then
 #      `model stats` on the GPU: the checkpoint's routing beside the published figures;
 #   B. the same policies through `packbench submit --wait` under a 24 GiB allowance, then `audit`.
@@ -27,9 +28,9 @@ for spec in "${specs[@]}"; do
   echo "== $shape, $layers layers: synth rc $? in $(( $(date +%s) - t0 )) s ($(du -sh "$dir" | cut -f1))"
   if [ "${ONLY:-A}" = A ] || [ -z "${ONLY:-}" ]; then
     t0=$(date +%s)
-    python3 -m bench.moe --model "$dir" --dtype float16 --prefix "$P" --continuation "$C" > "$out/$shape-engine.log" 2>&1
+    python3 -m bench.moe --model "$dir" --dtype float16 --prefix "$P" --continuation "$C" --stock > "$out/$shape-engine.log" 2>&1
     echo "-- A: bench.moe rc $? in $(( $(date +%s) - t0 )) s"
-    grep -vE "^W[0-9]|Warn|warn|Loading|Writing|output = func|torchao" "$out/$shape-engine.log" | tail -10
+    grep -vE "^W[0-9]|Warn|warn|Loading|Writing|output = func|torchao" "$out/$shape-engine.log" | tail -12
     t0=$(date +%s)  # the routing statistics beside the published figures, on the GPU
     pb model stats "$dir" --dtype float16 --device "$DEV" --prefix 256 --count 2 --figure "$out/$shape-routing.svg" > "$out/$shape-stats.txt" 2> "$out/$shape-stats.err"
     echo "-- A: model stats rc $? in $(( $(date +%s) - t0 )) s"; grep -A8 "^published" "$out/$shape-stats.txt"
