@@ -19,8 +19,8 @@ class ExpertHost:
         self.gate_up = [None if t is None else place(t) for t in gate_up]
         self.down = [None if t is None else place(t) for t in down]
         self.pin_s = time.perf_counter() - t0
-        first = next(i for i, t in enumerate(self.gate_up) if t is not None)
-        self._first = first
+        # The first layer with experts: every MoE layer of a model has the same expert shapes.
+        self.first = next(i for i, t in enumerate(self.gate_up) if t is not None)
 
     @property
     def layers(self) -> int:
@@ -31,16 +31,16 @@ class ExpertHost:
 
     @property
     def experts(self) -> int:
-        return self.gate_up[self._first].shape[0]
+        return self.gate_up[self.first].shape[0]
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.gate_up[self._first].dtype
+        return self.gate_up[self.first].dtype
 
     @property
     def expert_bytes(self) -> int:
         """One expert's weights as they travel: its gate_up slice and its down slice."""
-        gu, dn = self.gate_up[self._first], self.down[self._first]
+        gu, dn = self.gate_up[self.first], self.down[self.first]
         return (gu[0].numel() + dn[0].numel()) * gu.element_size()
 
     @property

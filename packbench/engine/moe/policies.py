@@ -69,7 +69,7 @@ class Workspace:
 
     @classmethod
     def zeros(cls, host: ExpertHost, device: torch.device) -> "Workspace":
-        i = host._first
+        i = host.first
         return cls(torch.zeros(host.gate_up[i].shape, dtype=host.dtype, device=device),
                    torch.zeros(host.down[i].shape, dtype=host.dtype, device=device))
 
