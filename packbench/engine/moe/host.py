@@ -9,15 +9,20 @@ import torch
 
 class ExpertHost:
     """`gate_up[l]`, `down[l]`: layer l's experts on the host (pinned on CUDA, so copies run
-    asynchronously), contiguous. Layers without experts (a dense layer of Qwen3-MoE's
+    asynchronously), contiguous; the lists given are filled in place. Layers without experts (a dense layer of Qwen3-MoE's
     `mlp_only_layers`) hold None."""
 
     def __init__(self, gate_up: list[torch.Tensor | None], down: list[torch.Tensor | None], *, pin: bool) -> None:
         self.pin = pin
         t0 = time.perf_counter()
         place = (lambda t: t.contiguous().pin_memory()) if pin else (lambda t: t.contiguous())
-        self.gate_up = [None if t is None else place(t) for t in gate_up]
-        self.down = [None if t is None else place(t) for t in down]
+        # In place, one tensor at a time: each original is released as its pinned copy is made, so
+        # host memory peaks at the experts plus one tensor, not twice the experts.
+        for tensors in (gate_up, down):
+            for i, t in enumerate(tensors):
+                if t is not None:
+                    tensors[i] = place(t)
+        self.gate_up, self.down = gate_up, down
         self.pin_s = time.perf_counter() - t0
         # The first layer with experts: every MoE layer of a model has the same expert shapes.
         self.first = next(i for i, t in enumerate(self.gate_up) if t is not None)
