@@ -9,6 +9,7 @@ import csv
 import dataclasses
 import json
 import sys
+import textwrap
 from datetime import datetime
 from typing import Annotated, Any, Optional
 
@@ -218,6 +219,10 @@ def _ms(value: float | None) -> str | None:
     return None if value is None else f"{value * 1e3:.4g}"
 
 
+def _ms3(value: float | None) -> str:
+    return "-" if value is None else f"{value * 1e3:.3g}"
+
+
 def _outliers_cell(flagged: dict) -> str:
     """`wall 1 (38); TPOT 1 (38)`: per figure, how many episodes lie beyond 3 IQR, and which."""
     parts = [f"{name} {len(v)} ({', '.join(map(str, v[:4]))}{'...' if len(v) > 4 else ''})"
@@ -226,20 +231,19 @@ def _outliers_cell(flagged: dict) -> str:
     return "; ".join(parts) or "none"
 
 
-SERVING_COLUMNS = ["condition", "tier", "n", "TTFT ms", "first-use TTFT ms", "TPOT ms", "ITL p50 ms", "ITL p90 ms", "ITL p99 ms",
-                   "decode tok/s", "wall ms", "outside calls ms", "steady call ms", "once/episode ms",
-                   "beyond 3 IQR"]
+SERVING_COLUMNS = ["condition", "tier", "n", "TTFT (first use)", "TPOT", "ITL p50/p90/p99", "tok/s", "wall",
+                   "outside calls", "steady call", "once/episode", "beyond 3 IQR"]
 
 
 def serving_table_rows(rows: list[dict]) -> list[dict]:
-    """The serving figures as the table shows them: milliseconds, tokens per second."""
-    return [{"condition": r["condition"], "tier": r["tier"], "n": r["episodes"], "TTFT ms": _ms(r["ttft_s"]),
-             "first-use TTFT ms": _ms(r.get("ttft_first_s")),
-             "TPOT ms": _ms(r["tpot_s"]), "ITL p50 ms": _ms(r["itl_p50_s"]), "ITL p90 ms": _ms(r["itl_p90_s"]),
-             "ITL p99 ms": _ms(r["itl_p99_s"]),
-             "decode tok/s": None if r["decode_tokens_per_s"] is None else f"{r['decode_tokens_per_s']:.4g}",
-             "wall ms": _ms(r["wall_s"]), "outside calls ms": _ms(r["outside_s"]),
-             "steady call ms": _ms(r["steady_call_s"]), "once/episode ms": _ms(r["first_decode_excess_s"]),
+    """The serving figures as the table shows them: milliseconds to 3 digits, tokens per second."""
+    return [{"condition": r["condition"], "tier": r["tier"], "n": r["episodes"],
+             "TTFT (first use)": f"{_ms3(r['ttft_s'])} ({_ms3(r.get('ttft_first_s'))})",
+             "TPOT": _ms3(r["tpot_s"]),
+             "ITL p50/p90/p99": "/".join(_ms3(r[k]) for k in ("itl_p50_s", "itl_p90_s", "itl_p99_s")),
+             "tok/s": "-" if r["decode_tokens_per_s"] is None else f"{r['decode_tokens_per_s']:.4g}",
+             "wall": _ms3(r["wall_s"]), "outside calls": _ms3(r["outside_s"]),
+             "steady call": _ms3(r["steady_call_s"]), "once/episode": _ms3(r["first_decode_excess_s"]),
              "beyond 3 IQR": _outliers_cell(r["outliers"])} for r in rows]
 
 
@@ -263,12 +267,10 @@ def print_readings(readings: dict) -> None:
     """The serving figures, the runtime ratios and the position check, as tables and a line."""
     from packbench.core.serving import position_text
 
-    typer.echo("serving figures per condition (scored ok episodes, medians; ITL percentiles over every decode "
-               "call; once/episode: the first decode call over the steady call; docs/metrics.md)")
+    typer.echo("serving figures per condition, ms (scored ok episodes; docs/metrics.md)")
     typer.echo(table(serving_table_rows(readings["serving"]), SERVING_COLUMNS))
     if readings["runtime_ratios"]:
-        typer.echo("runtime ratio per condition: the gate's summed walls beside the ratio of medians (paired "
-                   "0.95 bootstrap intervals)")
+        typer.echo("runtime ratio: the gate's summed walls beside the ratio of medians (paired bootstrap intervals)")
         typer.echo(table(ratio_table_rows(readings["runtime_ratios"]),
                          ["condition", "tier", "control", "summed walls (gate)", "median ratio", "beyond 3 IQR",
                           "readings"]))
@@ -277,7 +279,7 @@ def print_readings(readings: dict) -> None:
         for r in readings["steady_by_previous"]:
             typer.echo(f"  {r['condition']} ({r['tier']}): " + "; ".join(
                 f"after {p['condition']} {_ms(p['median']) or '-'} ({p['n']})" for p in r["previous"]))
-    typer.echo(position_text(readings["position"]))
+    typer.echo(textwrap.fill(position_text(readings["position"]), width=110, subsequent_indent="  "))
 
 
 def _sha_note(matches: bool | None) -> str:

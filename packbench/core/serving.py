@@ -430,7 +430,7 @@ def robust_runtime(records: list[Mapping], *, condition: str, control: str, gate
     because = ""
     if disagree:
         because = (f"because of {outlier_text(len(flagged))}: episode{'s' if len(flagged) > 1 else ''} "
-                   f"{', '.join(map(str, flagged))}" if flagged else "not because of outliers (none beyond 3 IQR)")
+                   f"{', '.join(map(str, flagged))}" if flagged else "though no episode lies beyond 3 IQR")
     return {"condition": condition, "control": control, "median": med, "gate_value": gate_value,
             "gate_interval": gate_interval, "threshold": threshold, "outliers": flagged,
             "outliers_text": outlier_text(len(flagged)), "disagree": disagree, "because": because}

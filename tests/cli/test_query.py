@@ -640,9 +640,12 @@ def test_results_show_serving_figures_runtime_ratios_and_the_position_check_from
     ratios = {r["condition"]: r for r in summary["runtime_ratios"]}
     assert set(ratios) == {"packet", "phase-switched", "extents"} and ratios["extents"]["control"] == "dense-stream"
     assert summary["position"]["flagged"] == [] and len(summary["position"]["positions"]) == 16
+    previous = {r["condition"]: r for r in summary["steady_by_previous"]}
+    assert sum(p["n"] for p in previous["packet"]["previous"]) == 4  # gates-v2 predates the record's field: the plan says
     out = invoke(archived, "results", "--screen", "1").stdout
-    for text in ("TTFT ms", "TPOT ms", "ITL p99 ms", "decode tok/s", "outside calls ms", "beyond 3 IQR",
-                 "summed walls (gate)", "median ratio", "position check: no plan position above 2x"):
+    for text in ("TTFT (first use)", "TPOT", "ITL p50/p90/p99", "tok/s", "outside calls", "beyond 3 IQR",
+                 "summed walls (gate)", "median ratio", "position check: no plan position above 2x",
+                 "steady decode call by what the worker ran before"):
         assert text in out, text
 
 

@@ -202,3 +202,13 @@ def test_a_slow_position_on_a_busy_host_is_said_apart_not_dropped():
     assert "1 of them ran while other processes kept half a core or more busy" in serving.position_text(check)
     quiet = serving.position_check([plan_records(slow=38)], prompts=13)
     assert quiet["on_busy_host"] == [] and quiet["unexplained"] == [38]
+
+
+def test_readings_that_part_with_no_outlier_say_so():
+    records = plan_records()
+    for r in records:
+        r["wall_s"] = 0.010 * (1 + 0.01 * (r["prompt"] % 3))
+    gate = {"value": 3.0, "interval": [2.9, 3.1], "threshold": None}  # a summed-walls reading far from the medians'
+    row = serving.robust_runtime(records, condition="packet", control="dense-stream", gate=gate, resamples=500)
+    assert row["disagree"] and row["outliers"] == []
+    assert serving.robust_text(row).endswith("disagrees with the summed walls though no episode lies beyond 3 IQR")

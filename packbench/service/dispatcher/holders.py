@@ -10,6 +10,8 @@ import os
 from datetime import datetime
 from pathlib import Path
 
+HOLDER_CLOCK_SLACK_S = 60.0
+
 
 def process_alive(pid: int) -> bool:
     """Whether process `pid` exists on this host (engine/gpu_lock.py's, torch-free: /proc only)."""
@@ -31,4 +33,7 @@ def holder_alive(pid: int, started_at: datetime) -> bool:
     except (OSError, ValueError, IndexError, StopIteration):
         return True
     began = boot + ticks / os.sysconf("SC_CLK_TCK")
-    return began <= started_at.timestamp() + 2.0  # btime is whole seconds
+    # A minute of slack: btime is whole seconds and moves when the wall clock is stepped, and a
+    # live holder judged dead loses its work, while a pid given again within a minute of the
+    # holder's start (and still running) only holds its screens until that process ends.
+    return began <= started_at.timestamp() + HOLDER_CLOCK_SLACK_S

@@ -58,7 +58,7 @@ class Lifecycle:
         try:
             run.begin(slot.env)
         except PackbenchError as e:  # the archive cannot be written: the attempt fails, never stays running
-            self.archive_failed(active, e)
+            self.refused(active, e)
             return active
         # A protocol that judges the cold start gets a cold model; any other reuses a warm one.
         reuse = protocol.gates.useful_latency is None
@@ -67,11 +67,12 @@ class Lifecycle:
         active.inflight += 1
         return active
 
-    def archive_failed(self, active: Active, e: PackbenchError) -> None:
-        """The screen's archive refused a write. Its storage (a full disk, a read-only mount, an
-        I/O error): not the screen's fault, so the attempt fails with its screen requeued, and
-        the dispatcher claims nothing more (every later screen would fail the same way; they
-        stay queued). Anything else the archive refuses is the screen's input (exit 2)."""
+    def refused(self, active: Active, e: PackbenchError) -> None:
+        """A step of the screen was refused (`e`). By the archive's storage (a full disk, a
+        read-only mount, an I/O error): not the screen's fault, so the attempt fails with its
+        screen requeued, and the dispatcher claims nothing more (every later screen would fail
+        the same way; they stay queued). Anything else (the archive, the prompts) is the
+        screen's input (exit 2)."""
         if isinstance(e, ArchiveStorageError):
             if self.state.fatal is None:
                 self.state.fatal = f"the archive storage failed: {e}"
@@ -107,8 +108,8 @@ class Lifecycle:
             step(active, value)
         except DatabaseUnavailable:
             raise
-        except PackbenchError as e:  # the archive (or the prompts) refused it
-            self.archive_failed(active, e)
+        except PackbenchError as e:  # the archive or the prompts refused it
+            self.refused(active, e)
 
     def _loaded(self, active: Active, start: dict) -> None:
         run = active.run

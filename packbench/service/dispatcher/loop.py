@@ -130,9 +130,9 @@ class Dispatcher:
         archive_dir(self.settings.archive_dir)  # before a claim: a claimed attempt would fail on it
         self.pool.connect()
         # Frozen out of the collector for the dispatcher's run: what is alive now (the libraries,
-        # Ray's client). Unfrozen, the driver's full collections took 60-260 ms on a 2-core host at
-        # the same episode count of every screen, a core taken from the worker mid-episode: plan
-        # index 38 of 39- and 48-episode screens ran ~10x its neighbours (docs/metrics.md).
+        # Ray's client). Unfrozen, the driver's full collections took 45-480 ms on a 2-core host,
+        # a core taken from the worker mid-episode: one ran while plan index 38, the last of a
+        # 39-episode screen, ran (the slow position of docs/metrics.md, "Plan position").
         gc.freeze()
         # Signals reach the main thread only; a dispatcher in another thread (tests) is stopped by
         # setting `stopping`.
@@ -204,6 +204,8 @@ class Dispatcher:
                 self.lifecycle.start(c.slot, c.claim, queued=c.queued, claim_s=c.claim_s)
         if self._finished(claimed):
             self.state.done = True
+            return
+        if self.stopping:  # a start found the archive storage failing: leave without a pause
             return
         if not self.pool.in_flight():
             time.sleep(0.2)
