@@ -12,13 +12,14 @@ from typing import Annotated, Optional
 import typer
 from typer.core import TyperGroup
 
-from packbench.cli import audit_cmd, history, ingest, keys, labels, model_stats, protocol_cmd, query, report
+from packbench.cli import audit_cmd, history, ingest, keys, labels, model_moe, model_stats, protocol_cmd, query, report
 from packbench.cli.common import (DB_HELP, DB_INT_MAX, DB_INT_MIN, Address, ArchiveDir, DbUrl, Json,
                                   db_not_empty, echo_json, open_store, seconds, output_dir, settings_of)
 from packbench.cli.summary import screen_summary, verdict_table
 from packbench.core.errors import ClusterUnreachable, PackbenchError
 from packbench.core.settings import (DB_URL_ENV, DEFAULT_CONNECT_TIMEOUT_S, DEFAULT_PLACEMENT_TIMEOUT_S, ENVIRONMENT,
                            WORKER_PIN_ENV, WORKER_THREADS_ENV, Settings, worker_pin, worker_threads)
+from packbench.core.moe import MOE_SHAPES
 from packbench.core.registry import DEFAULT_PROFILE, DTYPE_NAMES, PROFILES, SYNTH_SHAPES, SynthArgumentError, synth_spec
 from packbench.core.text import one_line
 
@@ -52,8 +53,8 @@ app.add_typer(db_app, name="db")
 @model_app.command("synth")
 def model_synth(
     out: Annotated[Path, typer.Option(help="Output directory (Hugging Face layout).")],
-    shape: Annotated[str, typer.Option(help=f"One of {', '.join(SYNTH_SHAPES)}.",
-                                       autocompletion=lambda: list(SYNTH_SHAPES))] = "tiny",
+    shape: Annotated[str, typer.Option(help=f"One of {', '.join(SYNTH_SHAPES)}; MoE: {', '.join(MOE_SHAPES)}.",
+                                       autocompletion=lambda: [*SYNTH_SHAPES, *MOE_SHAPES])] = "tiny",
     dtype: Annotated[str, typer.Option(help=f"One of {', '.join(DTYPE_NAMES)}.",
                                        autocompletion=lambda: list(DTYPE_NAMES))] = "float32",
     profile: Annotated[Optional[str], typer.Option(
@@ -69,9 +70,25 @@ def model_synth(
     hot_bias: Annotated[Optional[float], typer.Option(
         help="Uniform recipe: their fc1 bias in units of std*sqrt(hidden), finite (0.0: ~50% active).")] = None,
     force: Annotated[bool, typer.Option(metavar="", help="Replace a checkpoint already in --out.")] = False,
+    layers: Annotated[Optional[int], typer.Option(
+        help="MoE shapes: the real layer shapes with fewer layers (default: the shape's depth).")] = None,
+    device: Annotated[str, typer.Option(help="MoE shapes: where the weights are drawn (cpu, cuda[:N]).")] = "cpu",
     json_out: Json = False,
 ) -> None:
-    """Write a synthetic OPT checkpoint with real OPT shapes: a calibrated profile, or a uniform sparsity."""
+    """Write a synthetic checkpoint with real shapes: OPT (a calibrated profile, or a uniform sparsity) or an
+    MoE family (Mixtral, Qwen3-MoE, OLMoE) with routing calibrated to published figures."""
+    if shape in MOE_SHAPES:
+        if sparsity is not None or hot_fraction is not None or hot_bias is not None:
+            raise PackbenchError(f"--sparsity, --hot-fraction and --hot-bias are OPT recipes; {shape} is an MoE shape "
+                                 f"(give --profile {' or '.join(model_moe.ROUTING_PROFILES)}, or none)")
+        if dtype not in DTYPE_NAMES:
+            raise PackbenchError(f"unknown --dtype {dtype!r}; use one of {', '.join(DTYPE_NAMES)}")
+        output_dir(out, "--out") if not force else None
+        model_moe.synth(out, shape=shape, dtype=dtype, seed=seed, profile=profile, layers=layers, device=device,
+                        json_out=json_out)
+        return
+    if layers is not None or device != "cpu":
+        raise PackbenchError(f"--layers and --device are for MoE shapes ({', '.join(MOE_SHAPES)}); drop them for {shape}")
     if profile is None and sparsity is None:
         profile = DEFAULT_PROFILE
     try:  # the same check a protocol's model.synth gets, before torch is imported

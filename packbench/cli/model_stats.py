@@ -24,7 +24,8 @@ def register(model_app: typer.Typer) -> None:
 
 
 def stats(
-    model_dir: Annotated[Path, typer.Argument(help="A local OPT checkpoint directory (Hugging Face layout).",
+    model_dir: Annotated[Path, typer.Argument(help="A local OPT or MoE (Mixtral, Qwen3-MoE, OLMoE) checkpoint "
+                                                   "directory (Hugging Face layout).",
                                               show_default=False)],
     prompts: Annotated[Optional[Path], typer.Option(
         help="A text file of prompts (separated by lines of `---`), encoded by the checkpoint's tokenizer; "
@@ -39,8 +40,12 @@ def stats(
                                        autocompletion=lambda: list(DTYPE_NAMES))] = "float32",
     device: Annotated[str, typer.Option(help="cpu, or cuda[:N].")] = "cpu",
     json_out: Annotated[bool, typer.Option("--json", metavar="", help="Print every figure (the whole union curve too) as JSON.")] = False,
+    figure: Annotated[Optional[Path], typer.Option(
+        help="MoE checkpoints: also write the routing figure (load, reuse, LRU against Belady) as SVG here.")] = None,
 ) -> None:
-    """Per-layer density, union growth, consecutive overlap, hot neurons and next-token entropy of a checkpoint."""
+    """Per-layer density, union growth, consecutive overlap, hot neurons and next-token entropy of an OPT checkpoint;
+    for an MoE checkpoint, per layer its load, k-apart reuse, union growth, cross-layer predictability and LRU
+    against Belady, beside the published figures."""
     if prefix is not None and not 1 <= prefix <= MAX_PREFIX:
         raise PackbenchError(f"--prefix {prefix} must be in 1..{MAX_PREFIX} (OPT's positions)")
     if not 1 <= continuation <= MAX_PREFIX:
@@ -49,6 +54,20 @@ def stats(
         raise PackbenchError(f"unknown --dtype {dtype!r}; use one of {', '.join(DTYPE_NAMES)}")
     if not (device == "cpu" or device == "cuda" or (device.startswith("cuda:") and device[5:].isdigit())):
         raise PackbenchError(f"--device {device!r}: use cpu, cuda or cuda:N")
+    from packbench.cli.model_moe import is_moe_dir
+
+    if is_moe_dir(model_dir):  # routing statistics: the prefill's per-token routes are the trace
+        import json as _json
+
+        vocab = int(_json.loads((model_dir / "config.json").read_text())["vocab_size"])
+        from packbench.cli.model_moe import stats as moe_stats
+
+        moe_stats(model_dir, _prompts(model_dir, prompts, count=count, seed=seed, prefix=prefix or DEFAULT_PREFIX,
+                                      vocab=vocab),
+                  dtype=dtype, json_out=json_out, device=device, figure=figure)
+        return
+    if figure is not None:
+        raise PackbenchError("--figure draws an MoE checkpoint's routing; drop it for an OPT checkpoint")
     from packbench.engine.config import read_config
 
     config = read_config(model_dir)

@@ -58,11 +58,12 @@ def validate(
     """Check every field and freeze the protocol; print its name, schema, SHA-256, episode count
     and what each condition runs with."""
     from packbench.core.plan import plan
-    from packbench.service.submit import check_positions
+    from packbench.service.submit import check_family, check_positions
 
     frozen = _load(protocol)
     p = frozen.protocol
     check_positions(frozen)  # model.path: a checkpoint directory whose positions hold an episode, as submit checks
+    check_family(frozen)  # an MoE checkpoint: expert policies only, an allowance for one layer's routed experts
     if json_out:
         typer.echo(json.dumps({"valid": True, "name": p.name, "schema": frozen.body["schema"],
                                "read_as": frozen.read_as or frozen.body["schema"], "sha256": frozen.sha256,
@@ -145,6 +146,11 @@ def plan_cmd(
 
     frozen = _load(protocol)
     p = frozen.protocol
+    from packbench.cli.model_moe import is_moe_dir
+
+    if frozen.model_dir() is not None and is_moe_dir(frozen.model_dir()):
+        _moe_plan(frozen, h2d_gbps=h2d_gbps, json_out=json_out)
+        return
     if sparsity is not None and not 0 < sparsity < 1:
         raise PackbenchError(f"--sparsity {sparsity} is not in (0, 1)")
     if h2d_gbps <= 0:
@@ -172,6 +178,45 @@ def plan_cmd(
     typer.echo(table(entries, ["index", "condition", "role", "prompt", "repetition"]))
     typer.echo("")
     _print_estimate(p, est, timing, shape=shape, h2d_gbps=h2d_gbps)
+
+
+def _moe_plan(frozen: FrozenProtocol, *, h2d_gbps: float, json_out: bool) -> None:
+    """The plan of a screen on an MoE checkpoint: its episodes, and per condition the bytes of the
+    prefill call and of a decode call (core/moe.py call_bytes) with their transfer floor."""
+    from packbench.core.moe import MoeShape, call_bytes, shape_of_config
+    from packbench.core.plan import plan
+    from packbench.engine.config import read_config
+    from packbench.service.submit import check_family, check_positions
+
+    if h2d_gbps <= 0:
+        raise PackbenchError(f"--h2d-gbps {h2d_gbps} must be > 0")
+    check_positions(frozen)
+    check_family(frozen)
+    p = frozen.protocol
+    s: MoeShape = shape_of_config(read_config(frozen.model_dir()))
+    batch = p.batch
+    rows = []
+    for c in p.conditions:
+        gather = c.resolved_params.get("gather", "device")
+        pre = call_bytes(s, p.dtype, c.policy, tokens=batch * p.prefix_tokens, phase="prefill", gather=gather)
+        dec = call_bytes(s, p.dtype, c.policy, tokens=batch, phase="decode", gather=gather)
+        bound = "exact" if c.policy in ("resident", "dense-stream") else "at most"
+        rows.append({"condition": c.name, "policy": c.policy, "prefill_bytes": pre, "decode_bytes": dec, "bound": bound,
+                     "decode_floor_ms": dec / (h2d_gbps * 1e9) * 1e3})
+    entries = plan(p)
+    if json_out:
+        typer.echo(json.dumps({"protocol": p.name, "sha256": p.sha256, "entries": entries, "moe": rows}, indent=2,
+                              sort_keys=True))
+        return
+    typer.echo(f"{one_line(p.name)}: sha256 {p.sha256}")
+    typer.echo(f"{len(entries)} episodes in this order, each 1 prefill call of {p.prefix_tokens} tokens + "
+               f"{p.continuation_tokens - 1} decode calls")
+    typer.echo(table(entries, ["index", "condition", "role", "prompt", "repetition"]))
+    typer.echo(f"\nMoE: {s.layers} layers x {s.experts} experts (top {s.k}) of {s.expert_bytes(p.dtype) / 2**20:.1f} MiB; "
+               f"bytes host-to-device per call, floor at {h2d_gbps} GB/s")
+    typer.echo(table([{**r, "prefill_MB": f"{r['prefill_bytes'] / 1e6:.1f}", "decode_MB": f"{r['decode_bytes'] / 1e6:.1f}",
+                       "decode_floor_ms": f"{r['decode_floor_ms']:.2f}"} for r in rows],
+                     ["condition", "policy", "prefill_MB", "decode_MB", "bound", "decode_floor_ms"]))
 
 
 def _check_positions(frozen: FrozenProtocol, shape) -> None:

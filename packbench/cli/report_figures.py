@@ -456,3 +456,29 @@ def compare_bars_figure(name: str, labels: list[str], values: list[dict[str, flo
     ax.set_ylabel(ylabel)
     ax.legend(loc="upper right")
     return to_svg(fig, name)
+
+
+def routing_figure(summary: dict) -> str:
+    """An MoE checkpoint's routing (packbench model stats --figure): per layer the load curve
+    (expert shares, busiest first, against uniform), consecutive and k-apart reuse against the
+    same routing shuffled, and each cache size's LRU hit rate beside Belady's."""
+    layers = summary["layers"]
+    with style():
+        fig, (load, reuse, cache) = _figure(11.0, 3.2, ncols=3)
+        experts = summary["experts"]
+        for r in layers:
+            load.plot(range(1, experts + 1), r["loads"], color=colour(r["layer"]), label=f"layer {r['layer']}")
+        load.axhline(1 / experts, color="grey", linestyle=":", label="uniform")
+        load.set(xlabel="expert (busiest first)", ylabel="share of routed slots", title="load")
+        for r in layers:
+            ds = sorted(int(d) for d in r["reuse"])
+            reuse.plot(ds, [r["reuse"][d] for d in ds], marker="o", color=colour(r["layer"]))
+            reuse.axhline(r["reuse_shuffled"], color=colour(r["layer"]), linestyle=":")
+        reuse.set(xlabel="tokens apart", ylabel="shared experts / k", title="reuse (dotted: shuffled)")
+        for r in layers:
+            cs = sorted(int(c) for c in r["cache"])
+            cache.plot(cs, [r["cache"][c]["lru"] for c in cs], marker="o", color=colour(r["layer"]))
+            cache.plot(cs, [r["cache"][c]["belady"] for c in cs], marker="^", linestyle="--", color=colour(r["layer"]))
+        cache.set(xlabel="cache size (experts a layer)", ylabel="hit rate", title="LRU (o) and Belady (^)", ylim=(0, 1))
+        load.legend(fontsize="small")
+        return to_svg(fig, "routing")

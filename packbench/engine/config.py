@@ -23,9 +23,14 @@ def read_config(model_dir: Path) -> dict:
         raise CheckpointError(f"{model_dir} is a directory without config.json, not a model checkpoint; point "
                               f"model.path at a Hugging Face OPT directory (or `packbench model synth --out DIR`)")
     config = _json(path)
+    from packbench.core.moe import FAMILIES
+
+    if config.get("model_type") in FAMILIES:  # an MoE family: engine/moe/ runs it
+        return _moe(config, path)
     if config.get("model_type") != "opt":
         raise CheckpointError(
-            f"{model_dir} is a {show(config.get('model_type'))} model; packbench supports OPT (model_type 'opt') only"
+            f"{model_dir} is a {show(config.get('model_type'))} model; packbench supports OPT (model_type 'opt') and the "
+            f"MoE families {', '.join(FAMILIES)}"
         )
     for key in ("hidden_size", "vocab_size"):
         value = config.get(key)
@@ -41,6 +46,19 @@ def read_config(model_dir: Path) -> dict:
         )
     if config.get("word_embed_proj_dim", config["hidden_size"]) != config["hidden_size"]:
         raise CheckpointError(f"{model_dir} projects embeddings (word_embed_proj_dim != hidden_size); unsupported")
+    return config
+
+
+def _moe(config: dict, path: Path) -> dict:
+    """An MoE config.json: every key the byte arithmetic reads is a positive integer."""
+    from packbench.core.moe import FAMILIES, config_experts
+
+    f = FAMILIES[config["model_type"]]
+    for key in ("hidden_size", "vocab_size", "num_hidden_layers", "num_attention_heads", "num_experts_per_tok",
+                f["experts"], f["intermediate"]):
+        value = config_experts(config) if key == f["experts"] else config.get(key)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise CheckpointError(f"{path}: {key} is {show(value)}, not a positive integer; fix config.json")
     return config
 
 

@@ -97,6 +97,16 @@ def model_dir_for(protocol: Protocol, model_dir: str | None, *, cache: Path | No
     return out
 
 
+def load_model(path: Path, *, dtype: torch.dtype, device: torch.device, mode: str):
+    """The CPU-first model of a checkpoint: OPT (CpuFirstModel) or an MoE family (CpuFirstMoE,
+    engine/moe/), which runs the same condition runtimes at expert granularity."""
+    from packbench.engine.moe.model import CpuFirstMoE, moe_family
+
+    if moe_family(path) is not None:
+        return CpuFirstMoE(path, dtype=dtype, device=device, mode=mode)
+    return CpuFirstModel(path, dtype=dtype, device=device, mode=mode)
+
+
 def checkpoint_key(path: Path) -> tuple:
     """What identifies a checkpoint's bytes cheaply: its folder and each file's name, size, mtime."""
     path = Path(path).resolve()
@@ -229,7 +239,7 @@ class Worker:
             self.allowance = allowance
             context = impose(self.device, allowance, self.nvml) if self.device.type == "cuda" else 0
             if not warm:
-                self.model = CpuFirstModel(path, dtype=dtype_of(protocol.dtype), device=self.device, mode=self.mode)
+                self.model = load_model(path, dtype=dtype_of(protocol.dtype), device=self.device, mode=self.mode)
                 self.model_key = key
         if pending is not None:
             try:

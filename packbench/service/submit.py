@@ -109,6 +109,7 @@ def check_frozen(frozen: FrozenProtocol) -> None:
     check_libraries(protocol)
     vocab = vocab_size(frozen)  # a broken config.json is the checkpoint's error (CheckpointError), not the prompts'
     check_positions(frozen)
+    check_family(frozen)
     try:
         screen_prompts(protocol, vocab=vocab, model_dir=frozen.model_dir(), prompt_file=frozen.prompt_file())
     except ValueError as e:
@@ -131,6 +132,25 @@ def check_positions(frozen: FrozenProtocol) -> None:
                                     model=f"checkpoint {model_dir} (config.json max_position_embeddings)")
         if refusal:
             raise ProtocolError(f"protocol field `prefix_tokens`: {refusal}")
+
+
+def check_family(frozen: FrozenProtocol) -> None:
+    """A model.path MoE checkpoint runs only the expert policies, within an allowance that holds its
+    device part and one layer's routed experts (core/moe.py moe_refusal); OPT checkpoints pass."""
+    model_dir = frozen.model_dir()
+    if model_dir is None:
+        return
+    from packbench.core.moe import FAMILIES, moe_refusal
+    from packbench.engine.config import read_config
+
+    config = read_config(model_dir)
+    if config.get("model_type") not in FAMILIES:
+        return
+    p = frozen.protocol
+    refusal = moe_refusal(config, dtype=p.dtype, allowance_bytes=p.allowance_bytes, model=f"checkpoint {model_dir}",
+                          conditions=[(c.name, c.policy, dict(c.resolved_params)) for c in p.conditions])
+    if refusal:
+        raise ProtocolError(f"protocol field `{refusal[0]}`: {refusal[1]}")
 
 
 def submitter() -> str:

@@ -1,0 +1,131 @@
+"""`packbench model synth --shape <MoE shape>` and `packbench model stats DIR` on an MoE
+checkpoint: routing-calibrated synthesis (engine/moe/synth.py) and routing statistics beside the
+published figures (engine/moe/stats.py, core/routing.py)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import typer
+
+from packbench.core.errors import PackbenchError
+from packbench.core.moe import FAMILIES, MOE_SHAPES, ROUTING_OF
+from packbench.core.routing import PUBLISHED
+
+ROUTING_PROFILES = ("mixtral", "olmoe", "uniform")  # engine/moe/synth.py PROFILES
+
+
+def is_moe_dir(model_dir: Path) -> bool:
+    """config.json names an MoE family packbench runs (read without torch)."""
+    try:
+        return json.loads((Path(model_dir) / "config.json").read_text()).get("model_type") in FAMILIES
+    except (OSError, ValueError):
+        return False
+
+
+def synth(out: Path, *, shape: str, dtype: str, seed: int, profile: str | None, layers: int | None,
+          device: str, json_out: bool) -> None:
+    if profile is not None and profile not in ROUTING_PROFILES:
+        raise PackbenchError(f"--profile {profile!r} is not a routing profile; use one of {', '.join(ROUTING_PROFILES)} "
+                             f"(or omit it: {shape} takes {ROUTING_OF[shape]})")
+    full = MOE_SHAPES[shape]["layers"]
+    if layers is not None and not 1 <= layers <= full:
+        raise PackbenchError(f"--layers {layers} must be in 1..{full} ({shape}'s depth)")
+    if not (device == "cpu" or device == "cuda" or (device.startswith("cuda:") and device[5:].isdigit())):
+        raise PackbenchError(f"--device {device!r}: use cpu, cuda or cuda:N")
+    import torch
+
+    if device != "cpu" and not torch.cuda.is_available():
+        raise PackbenchError(f"--device {device}: CUDA is not available here; use --device cpu")
+    from packbench.engine.moe.synth import synth_moe
+
+    try:
+        path = synth_moe(out, shape=shape, seed=seed, dtype=dtype, layers=layers, profile=profile, device=device)
+    except OSError as e:
+        raise PackbenchError(f"--out {out}: cannot write the checkpoint ({e.strerror or type(e).__name__}); "
+                             f"free space or choose another --out") from None
+    name = profile or ROUTING_OF[shape]
+    depth = layers or full
+    if json_out:
+        typer.echo(json.dumps({"path": str(path), "shape": shape, "dtype": dtype, "profile": name, "seed": seed,
+                               "layers": depth}))
+        return
+    typer.echo(f"wrote {shape} {dtype} checkpoint (routing profile {name}, {depth} of {full} layers, seed {seed}) "
+               f"to {path}")
+
+
+def stats(model_dir: Path, ids: list[list[int]], *, dtype: str, json_out: bool, device: str = "cpu",
+          figure: Path | None = None) -> None:
+    """Routing statistics of an MoE checkpoint over prompts `ids` (each one prefill call)."""
+    import torch
+
+    from packbench.core.routing import check, summarise
+    from packbench.engine.moe.stats import routing_traces
+
+    def progress(done: int, total: int) -> None:
+        typer.echo(f"routed prompt {done}/{total}", err=True)
+
+    if device != "cpu" and not torch.cuda.is_available():
+        raise PackbenchError(f"--device {device}: CUDA is not available here; use --device cpu")
+    traces, meta = routing_traces(model_dir, ids, dtype=getattr(torch, dtype), device=device, progress=progress)
+    summary = summarise(traces, experts=meta["experts"], k=meta["k"])
+    recipe_file = Path(model_dir) / "packbench_synth.json"
+    recipe = json.loads(recipe_file.read_text()) if recipe_file.exists() else None
+    published = (recipe or {}).get("profile") if (recipe or {}).get("profile") in PUBLISHED else \
+        ("mixtral" if meta["family"] == "mixtral" else "olmoe")
+    summary["model"] = {"dir": str(model_dir), "family": meta["family"], "dtype": dtype, "recipe": recipe,
+                        "prompts": len(ids), "tokens": len(ids[0])}
+    summary["published"] = {"name": published, **{k: v for k, v in PUBLISHED[published].items()}}
+    summary["checks"] = check(summary, published)
+    if figure is not None:
+        from packbench.cli.report_figures import routing_figure
+
+        try:
+            figure.write_text(routing_figure(summary))
+        except OSError as e:
+            raise PackbenchError(f"--figure {figure}: cannot write it ({e.strerror}); choose another path") from None
+    if json_out:
+        typer.echo(json.dumps(_finite(summary), sort_keys=True, default=list))
+        return
+    typer.echo(render(summary))
+
+
+def _finite(value):
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {str(k): _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
+
+
+def render(s: dict) -> str:
+    m, p = s["model"], s["published"]
+    lines = [f"{m['dir']}: {m['family']}, {s['experts']} experts, top {s['k']}, {m['dtype']}; "
+             f"{m['prompts']} prompts x {m['tokens']} tokens",
+             f"(repeat of any expert between consecutive tokens by chance: {100 * s['repeat_any_chance']:.1f} %)", ""]
+    caches = list(s["layers"][0]["cache"])
+    head = (f"{'layer':>5} {'skew':>6} {'c80':>4} {'reuse1':>7} {'lift':>5} {'any':>6} "
+            + " ".join(f"{'u' + str(n):>6}" for n in s["layers"][0]["union"])
+            + f" {'next':>5} " + " ".join(f"{'lru/opt c=' + str(c):>15}" for c in caches))
+    lines.append(head)
+    for r in s["layers"]:
+        nxt = r.get("next_layer", {}).get("lift")
+        lines.append(f"{r['layer']:>5} {r['skew']:6.2f} {r['carry80']:4d} {r['reuse'][1]:7.3f} {r['temporal_lift']:5.2f} "
+                     f"{100 * r['repeat_any']:5.1f}% "
+                     + " ".join(f"{v:6.1f}" for v in r["union"].values())
+                     + f" {'-' if nxt is None else f'{nxt:.2f}':>5} "
+                     + " ".join(f"{r['cache'][c]['lru']:7.3f}/{r['cache'][c]['belady']:.3f}" for c in caches))
+    lines += ["", "skew: busiest expert / mean; c80: experts carrying 80 %; reuse1: shared experts of consecutive tokens / k;",
+              "lift: reuse1 over the same routing shuffled; any: consecutive tokens sharing an expert; uN: distinct experts",
+              "among the first N tokens; next: cross-layer lift of the first choice; lru/opt: hit rates of a c-expert cache.",
+              "", f"published ({p['name']}: {p['source']}):"]
+    for row in s["checks"]:
+        lo, hi = row["published"]
+        want = f">= {lo}" if hi is None else f"{lo}-{hi}"
+        got = f"{row['measured'][0]:.2f}-{row['measured'][1]:.2f}"
+        lines.append(f"  {row['target']:<52} published {want:<14} this {got:<14} {'ok' if row['ok'] else 'OUTSIDE'}")
+    return "\n".join(lines)

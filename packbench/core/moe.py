@@ -1,0 +1,158 @@
+"""Mixture-of-Experts checkpoints as core sees them, torch-free: the families packbench runs,
+their real and test shapes, the loader policies that fit an MoE model, and the byte arithmetic
+the schema's refusals use (an expert's bytes, one layer's routed experts).
+
+Layer rule: core. Imports nothing outside core (no torch, no transformers).
+"""
+
+from dataclasses import dataclass
+
+# config.json's `model_type` -> what transformers calls the family's causal LM, and the config
+# keys of its expert count and expert width. (transformers 5.2x writes Qwen3-MoE's and OLMoE's
+# expert count as `num_local_experts`, the published config.json says `num_experts`: either is read.)
+FAMILIES: dict[str, dict[str, str]] = {
+    "mixtral": dict(model="MixtralForCausalLM", experts="num_local_experts", intermediate="intermediate_size"),
+    "qwen3_moe": dict(model="Qwen3MoeForCausalLM", experts="num_experts", intermediate="moe_intermediate_size"),
+    "olmoe": dict(model="OlmoeForCausalLM", experts="num_experts", intermediate="intermediate_size"),
+}
+
+# The loader policies defined at expert granularity (engine/moe/policies.py). Every other kind
+# (sparse-extents, row-retention, early-forecast, the competitors) moves OPT's neuron rows and is
+# refused for an MoE model, as these are for nothing else than their OPT versions.
+MOE_POLICIES = ("resident", "dense-stream", "packet", "phase-switched")
+
+# Real shapes (each model's published config.json) and tiny test shapes of each family.
+MOE_SHAPES: dict[str, dict] = {
+    "mixtral-8x7b": dict(family="mixtral", hidden=4096, intermediate=14336, layers=32, heads=32, kv_heads=8,
+                         head_dim=128, experts=8, k=2, vocab=32000, norm_topk_prob=True),
+    "qwen3-30b-a3b": dict(family="qwen3_moe", hidden=2048, intermediate=768, layers=48, heads=32, kv_heads=4,
+                          head_dim=128, experts=128, k=8, vocab=151936, norm_topk_prob=True),
+    "olmoe-1b-7b": dict(family="olmoe", hidden=2048, intermediate=1024, layers=16, heads=16, kv_heads=16,
+                        head_dim=128, experts=64, k=8, vocab=50304, norm_topk_prob=False),
+    "mixtral-tiny": dict(family="mixtral", hidden=64, intermediate=96, layers=3, heads=4, kv_heads=2,
+                         head_dim=16, experts=8, k=2, vocab=512, norm_topk_prob=True),
+    "qwen3-moe-tiny": dict(family="qwen3_moe", hidden=64, intermediate=32, layers=3, heads=4, kv_heads=2,
+                           head_dim=16, experts=16, k=4, vocab=512, norm_topk_prob=True),
+    "olmoe-tiny": dict(family="olmoe", hidden=64, intermediate=32, layers=3, heads=4, kv_heads=4,
+                       head_dim=16, experts=16, k=4, vocab=512, norm_topk_prob=False),
+}
+# Which published routing figures a shape is calibrated to (core/routing.py PUBLISHED).
+ROUTING_OF = {"mixtral-8x7b": "mixtral", "mixtral-tiny": "mixtral", "qwen3-30b-a3b": "olmoe",
+              "olmoe-1b-7b": "olmoe", "qwen3-moe-tiny": "olmoe", "olmoe-tiny": "olmoe"}
+
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+INDEX_BYTES = 8  # engine/moe/policies.py INDEX_DTYPE is int64
+
+
+def is_moe_shape(shape: str) -> bool:
+    return shape in MOE_SHAPES
+
+
+@dataclass(frozen=True)
+class MoeShape:
+    """What the byte arithmetic needs of an MoE model."""
+
+    hidden: int
+    intermediate: int
+    layers: int
+    experts: int
+    k: int
+    vocab: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+
+    @classmethod
+    def of(cls, shape: str, *, layers: int | None = None) -> "MoeShape":
+        s = MOE_SHAPES[shape]
+        return cls(hidden=s["hidden"], intermediate=s["intermediate"], layers=layers or s["layers"],
+                   experts=s["experts"], k=s["k"], vocab=s["vocab"], heads=s["heads"], kv_heads=s["kv_heads"],
+                   head_dim=s["head_dim"])
+
+    def expert_bytes(self, dtype: str) -> int:
+        """gate_up (2 x intermediate, hidden) + down (hidden, intermediate)."""
+        return 3 * self.hidden * self.intermediate * DTYPE_BYTES[dtype]
+
+    def device_part_bytes(self, dtype: str) -> int:
+        """What a CPU-first MoE model places on the device: embeddings, lm_head, attention, norms,
+        routers (experts excluded)."""
+        attn = self.hidden * self.heads * self.head_dim * 2 + self.hidden * self.kv_heads * self.head_dim * 2
+        per_layer = attn + self.experts * self.hidden + 2 * self.hidden
+        return (2 * self.vocab * self.hidden + self.layers * per_layer + self.hidden) * DTYPE_BYTES[dtype]
+
+    def routed_bytes(self, dtype: str, tokens: int) -> int:
+        """One layer's routed experts for a call of `tokens` tokens at most, and their indices."""
+        m = min(self.experts, self.k * tokens)
+        return m * (self.expert_bytes(dtype) + INDEX_BYTES)
+
+
+def config_experts(config: dict):
+    """The expert count of an MoE config.json, under either name."""
+    key = FAMILIES[config["model_type"]]["experts"]
+    return config.get(key, config.get("num_local_experts", config.get("num_experts")))
+
+
+def shape_of_config(config: dict) -> MoeShape:
+    """The byte arithmetic's view of an MoE config.json (its family's keys, FAMILIES)."""
+    f = FAMILIES[config["model_type"]]
+    heads = config["num_attention_heads"]
+    return MoeShape(hidden=config["hidden_size"], intermediate=config[f["intermediate"]],
+                    layers=config["num_hidden_layers"], experts=config_experts(config), k=config["num_experts_per_tok"],
+                    vocab=config["vocab_size"], heads=heads, kv_heads=config.get("num_key_value_heads") or heads,
+                    head_dim=config.get("head_dim") or config["hidden_size"] // heads)
+
+
+def policy_need_bytes(shape: MoeShape, dtype: str, policy: str, gather: str = "host") -> int:
+    """Device bytes an expert policy holds besides the device part (engine/moe/policies.py):
+    resident every layer's experts; dense-stream one layer's workspace; packet and phase-switched
+    the workspace, and with the host gather the landing buffer of a layer's packet (every expert
+    of a layer and its index)."""
+    layer = shape.experts * shape.expert_bytes(dtype)
+    if policy == "resident":
+        return shape.layers * layer
+    if policy == "dense-stream" or gather == "device":
+        return layer
+    return layer + shape.experts * (shape.expert_bytes(dtype) + INDEX_BYTES)
+
+
+def moe_refusal(config: dict, *, dtype: str, conditions: list[tuple[str, str, dict]], allowance_bytes: int,
+                model: str) -> tuple[str, str] | None:
+    """(field, why) a protocol's conditions cannot run on MoE checkpoint `config`, or None. Pure:
+    submit and `protocol check` call it with config.json's mapping. A policy that moves OPT's
+    neuron rows does not fit the family; an allowance must hold the device part plus one layer's
+    routed experts (the least any expert policy moves) and what the policy's buffers hold."""
+    s = shape_of_config(config)
+    for i, (name, policy, params) in enumerate(conditions):
+        if policy not in MOE_POLICIES:
+            return (f"conditions[{i}].policy", f"{policy!r} does not fit {model}, a {config['model_type']} MoE "
+                                               f"model; use one of {', '.join(MOE_POLICIES)}")
+        if params.get("weights", "dtype") != "dtype":
+            return (f"conditions[{i}].params.weights", f"{params['weights']} is not available for MoE models; "
+                                                       f"drop it")
+    part, routed = s.device_part_bytes(dtype), s.routed_bytes(dtype, 1)
+    if allowance_bytes < part + routed:
+        return ("allowance_mib", f"{allowance_bytes // 2**20} MiB cannot hold {model}'s device part "
+                                 f"({part / 2**20:.0f} MiB) and one layer's routed experts ({routed / 2**20:.1f} MiB); "
+                                 f"raise allowance_mib to at least {-(-(part + routed) // 2**20)}")
+    for i, (name, policy, params) in enumerate(conditions):
+        if policy == "resident" and params.get("allowance") == "unbounded":
+            continue
+        need = part + policy_need_bytes(s, dtype, policy, params.get("gather", "host"))
+        if allowance_bytes < need:
+            return ("allowance_mib", f"{allowance_bytes // 2**20} MiB cannot hold condition {name!r} ({policy}) on "
+                                     f"{model}: the device part and its expert buffers need {-(-need // 2**20)} MiB; "
+                                     f"raise allowance_mib or drop the condition")
+    return None
+
+
+def call_bytes(shape: MoeShape, dtype: str, policy: str, *, tokens: int, phase: str, gather: str = "device") -> int:
+    """Host-to-device bytes one call moves, all MoE layers: exact for dense-stream and resident, at
+    most for a packet (the union of `tokens` tokens' k experts a layer is at most min(E, k x tokens))."""
+    layer_all = shape.experts * shape.expert_bytes(dtype)
+    if policy == "resident":
+        return 0
+    if policy == "dense-stream" or (policy == "phase-switched" and phase == "prefill"):
+        return shape.layers * layer_all
+    m = min(shape.experts, shape.k * tokens)
+    index = INDEX_BYTES * m if gather == "host" else 0
+    return shape.layers * (m * shape.expert_bytes(dtype) + index)

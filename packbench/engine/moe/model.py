@@ -1,0 +1,212 @@
+"""`CpuFirstMoE`: a transformers MoE model (Mixtral, Qwen3-MoE, OLMoE) whose experts stay in host
+memory behind an expert loader policy; attention, norms, routers, embeddings and lm_head (and
+any shared expert) live on the device.
+
+The expert arithmetic is stock transformers' own expert loop (`experts_implementation`
+"eager": for each routed expert, in ascending id order, its tokens' rows through `gate_up`,
+the activation, `down`, scaled by the routing weight and index-added), run over the policy's
+device tensors. Every policy therefore multiplies the same rows by the same weights in the
+same order, whatever the number of tokens per expert: logits are bit-identical across policies
+and to stock transformers with the weights resident. (The grouped and batched kernels of other
+`experts_implementation`s reduce in another order and would not be; they are never used here.)
+"""
+
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from packbench.core.moe import FAMILIES
+from packbench.engine.ledger import Recorder
+from packbench.engine.model import StartStats  # host_outgoing_bytes: the experts, in host memory
+from packbench.engine.moe.host import ExpertHost
+from packbench.engine.moe.policies import EXPERT_POLICIES, ExpertPolicy
+
+
+class MoeCheckpointError(ValueError):
+    """A checkpoint packbench cannot run as an MoE model (the message names the fix)."""
+
+
+def moe_family(model_dir: Path) -> str | None:
+    """config.json's model_type when it is an MoE family packbench runs, else None."""
+    try:
+        config = json.loads((Path(model_dir) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    kind = config.get("model_type")
+    return kind if kind in FAMILIES else None
+
+
+def model_class(family: str):
+    import transformers
+
+    return getattr(transformers, FAMILIES[family]["model"])
+
+
+def force_eager(config) -> None:
+    """Eager attention (SDPA is not reproducible run to run on CUDA in decode) and the eager
+    expert loop (the one path every policy shares)."""
+    config._attn_implementation = "eager"
+    if hasattr(config, "_experts_implementation") or "experts_implementation" in getattr(config, "__dict__", {}):
+        config._experts_implementation = "eager"
+
+
+def _experts_modules(model) -> list:
+    """Per decoder layer, its experts module (fused 3-D `gate_up_proj` / `down_proj`) or None."""
+    out = []
+    for layer in model.model.layers:
+        experts = getattr(getattr(layer, "mlp", None), "experts", None)
+        if experts is not None and not hasattr(experts, "gate_up_proj"):
+            raise MoeCheckpointError(
+                f"this transformers keeps {type(experts).__name__} as separate modules, not fused 3-D tensors; "
+                f"packbench's MoE engine needs transformers >= 5 (pip install 'transformers>=5')")
+        out.append(experts)
+    return out
+
+
+def _param_bytes(module: torch.nn.Module) -> int:
+    seen, total = set(), 0
+    for t in (*module.parameters(), *module.buffers()):
+        if id(t) not in seen:
+            seen.add(id(t))
+            total += t.numel() * t.element_size()
+    return total
+
+
+class CpuFirstMoE:
+    """Reads an MoE checkpoint into host memory, keeps the experts there, moves the rest.
+
+    Offers what the episode loop and the worker read from a model: `device`, `recorder`, `mode`
+    ("eager" only), `new_cache`, `forward`, `use`/`use_policy`, `slot.policy`, `host`,
+    `start`, `weights`, `vocab`. `routes[c][l]` is the sorted tuple of experts call c routed to
+    in layer l (None where the policy did not read the routing back, or a dense layer): the
+    per-call, per-layer trace of experts.
+    """
+
+    def __init__(self, model_dir: Path, *, dtype: torch.dtype, device: torch.device, mode: str = "eager") -> None:
+        if mode != "eager":
+            raise MoeCheckpointError(f"mode {mode} is not available for MoE models yet; freeze the protocol "
+                                     f"with engine mode eager")
+        family = moe_family(model_dir)
+        if family is None:
+            raise MoeCheckpointError(f"{model_dir}/config.json is not one of the MoE families "
+                                     f"{', '.join(FAMILIES)}; give an MoE checkpoint")
+        self.family, self.mode, self.device, self.dtype, self.model_dir = family, mode, device, dtype, Path(model_dir)
+        t0 = time.perf_counter()
+        cls = model_class(family)
+        kwargs = {"attn_implementation": "eager"}
+        model = cls.from_pretrained(model_dir, dtype=dtype, **kwargs)  # into host memory
+        force_eager(model.config)
+        model.eval()
+        t1 = time.perf_counter()
+        self.experts_modules = _experts_modules(model)
+        gate_up, down = [], []
+        for experts in self.experts_modules:
+            if experts is None:
+                gate_up.append(None), down.append(None)
+                continue
+            gate_up.append(experts.gate_up_proj.detach())
+            down.append(experts.down_proj.detach())
+            # The fused tensors stop being parameters: they never move with the model.
+            del experts._parameters["gate_up_proj"], experts._parameters["down_proj"]
+        self.host = ExpertHost(gate_up, down, pin=device.type == "cuda")
+        del gate_up, down
+        self.weights = model.to(device)
+        self.recorder = Recorder(len(self.experts_modules))
+        self.slot = _Slot()
+        self.routes: list[list[tuple[int, ...] | None]] = []
+        self._hooks = [e.register_forward_pre_hook(self._pre_experts(i), with_kwargs=True)
+                       for i, e in enumerate(self.experts_modules) if e is not None]
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        self.start = StartStats(read_s=t1 - t0, place_s=time.perf_counter() - t1,
+                                device_param_bytes=_param_bytes(self.weights),
+                                host_outgoing_bytes=self.host.host_bytes)
+        self.config = model.config
+        self.vocab = model.config.vocab_size
+        self.model = model
+        self._park_empty()
+
+    def _park_empty(self) -> None:
+        # Until a policy is active the experts modules hold nothing (a call without one fails loudly).
+        for e in self.experts_modules:
+            if e is not None:
+                e.gate_up_proj = e.down_proj = None
+
+    def _pre_experts(self, layer: int):
+        def hook(module, args, kwargs):
+            top_k_index = args[1] if len(args) > 1 else kwargs["top_k_index"]
+            policy = self.slot.policy
+            routed = None
+            if policy.observes():
+                # (tokens, k) expert ids -> which experts this call routed to: E bytes read back.
+                hit = torch.bincount(top_k_index.reshape(-1), minlength=self.host.experts) > 0
+                routed = hit.nonzero().reshape(-1).cpu().tolist()
+                self.recorder.add(layer, active=len(routed), d2h_bytes=self.host.experts)
+                if self.recorder.current is not None:
+                    self._call_routes()[layer] = tuple(routed)
+            module.gate_up_proj, module.down_proj = policy.experts(layer, routed)
+        return hook
+
+    def _call_routes(self) -> list:
+        index = self.recorder.current.index
+        while len(self.routes) <= index:
+            self.routes.append([None] * self.recorder.layers)
+        return self.routes[index]
+
+    def use(self, policy_name: str, **params) -> None:
+        """A fresh MoE policy of kind `policy_name`. The only parameters are OPT's row formats
+        (`gather`, `weights`); `weights` other than the checkpoint's dtype is refused."""
+        if params.get("weights", "dtype") != "dtype":
+            raise MoeCheckpointError(f"weights {params['weights']} is not available for MoE models; "
+                                     f"drop it from the condition")
+        if policy_name not in EXPERT_POLICIES:
+            raise MoeCheckpointError(f"policy {policy_name} does not fit an MoE model; use one of "
+                                     f"{', '.join(EXPERT_POLICIES)}")
+        self.use_policy(_expert_policy(policy_name, params.get("gather", "host")))
+
+    def use_policy(self, policy) -> None:
+        """Activate `policy`, releasing the previous one. An OPT loader policy of the same name
+        (what the condition runtimes build) is replaced by its expert version."""
+        if not isinstance(policy, ExpertPolicy) or type(policy) not in EXPERT_POLICIES.values():
+            name = getattr(policy, "name", type(policy).__name__)
+            if name not in EXPERT_POLICIES:
+                raise MoeCheckpointError(f"policy {name} does not fit an MoE model; use one of "
+                                         f"{', '.join(EXPERT_POLICIES)}")
+            policy = _expert_policy(name, getattr(policy, "gather", "host"))
+        if self.slot.policy is not None:
+            self.slot.policy.deactivate()
+            self.slot.policy = None
+            self._park_empty()
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+        self.routes = []
+        policy.activate(self.host, self.device, self.recorder)
+        self.slot.policy = policy
+
+    def new_cache(self, capacity: int | None = None, *, mode: str | None = None, batch: int = 1):
+        if (mode or self.mode) != "eager":
+            raise MoeCheckpointError("MoE models run in mode eager; freeze the protocol with engine mode eager")
+        from transformers import DynamicCache
+
+        return DynamicCache()
+
+    @torch.inference_mode()
+    def forward(self, ids: torch.Tensor, cache) -> torch.Tensor:
+        """One call: (B, T) ids in, last-position logits out, (vocab,) at batch 1."""
+        out = self.model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        return out.logits[0, -1] if ids.shape[0] == 1 else out.logits[:, -1]
+
+
+def _expert_policy(name: str, gather: str) -> ExpertPolicy:
+    """A fresh expert policy; packet and phase-switched keep the kind's `gather`."""
+    cls = EXPERT_POLICIES[name]
+    return cls(gather=gather) if name in ("packet", "phase-switched") else cls()
+
+
+class _Slot:
+    """Which expert policy the layers use now."""
+
+    def __init__(self) -> None:
+        self.policy: ExpertPolicy | None = None

@@ -1,0 +1,64 @@
+"""`packbench model synth --shape <MoE>` and `packbench model stats` on an MoE checkpoint: the
+routing statistics beside the published figures, as JSON; bad input in one line, exit 2."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from typer.testing import CliRunner
+
+from packbench.cli.main import app
+
+
+def test_synth_then_stats_json_meets_the_published_figures(tmp_path):
+    out = tmp_path / "olmoe"
+    made = CliRunner().invoke(app, ["model", "synth", "--out", str(out), "--shape", "olmoe-tiny", "--layers", "2"])
+    assert made.exit_code == 0, made.output
+    assert "routing profile olmoe, 2 of 3 layers" in made.stdout
+    svg = tmp_path / "routing.svg"
+    result = CliRunner().invoke(app, ["model", "stats", str(out), "--json", "--prefix", "256", "--count", "3",
+                                      "--figure", str(svg)])
+    assert result.exit_code == 0, result.output
+    s = json.loads(result.stdout.splitlines()[-1])
+    assert s["experts"] == 16 and s["k"] == 4 and len(s["layers"]) == 2
+    layer = s["layers"][0]
+    assert set(layer) >= {"skew", "carry80", "reuse", "temporal_lift", "union", "cache", "next_layer", "loads"}
+    assert set(layer["reuse"]) == {"1", "2", "4", "8"}  # k-apart reuse
+    for c in layer["cache"].values():  # the oracle bounds LRU
+        assert c["belady"] >= c["lru"]
+    assert s["published"]["name"] == "olmoe" and "allenai/OLMoE" in s["published"]["source"]
+    assert all(row["ok"] for row in s["checks"]), s["checks"]
+    assert svg.read_text().startswith("<svg") and "Belady" in svg.read_text()
+
+
+def test_bad_moe_synth_input_is_one_line_exit_2(tmp_path):
+    for args, cause in ((["--profile", "opt"], "not a routing profile"), (["--sparsity", "0.9"], "OPT recipes"),
+                        (["--layers", "9"], "--layers 9 must be in 1..3")):
+        r = subprocess.run([sys.executable, "-m", "packbench", "model", "synth", "--out", str(tmp_path / "x"),
+                            "--shape", "mixtral-tiny", *args], capture_output=True, text=True,
+                           cwd=Path(__file__).resolve().parents[2])
+        assert r.returncode == 2, (r.stdout, r.stderr)
+        assert cause in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+        assert "Traceback" not in r.stderr
+
+
+def test_protocol_plan_on_an_moe_checkpoint_estimates_expert_bytes(tmp_path):
+    """`protocol plan` on an MoE checkpoint: dense-stream moves every expert of every layer per call
+    (exact); a decode packet at most k experts a layer (bounds the ledger of tests/engine/test_moe.py)."""
+    import yaml
+
+    out = tmp_path / "mx"
+    assert CliRunner().invoke(app, ["model", "synth", "--out", str(out), "--shape", "mixtral-tiny"]).exit_code == 0
+    body = {"name": "plan", "model": {"path": str(out)}, "dtype": "float32",
+            "prompts": {"generator": {"seed": 0, "count": 1}}, "prefix_tokens": 16, "continuation_tokens": 4,
+            "conditions": [{"policy": "dense-stream"}, {"policy": "packet"}], "reference": "dense-stream",
+            "warmups": 1, "allowance_mib": 64, "gates": {"faithfulness": {}}}
+    (tmp_path / "p.yaml").write_text(yaml.safe_dump(body))
+    result = CliRunner().invoke(app, ["protocol", "plan", str(tmp_path / "p.yaml"), "--json"])
+    assert result.exit_code == 0, result.output
+    rows = {r["condition"]: r for r in json.loads(result.stdout)["moe"]}
+    expert = 3 * 64 * 96 * 4  # gate_up + down of one mixtral-tiny expert in float32
+    assert rows["dense-stream"]["decode_bytes"] == rows["dense-stream"]["prefill_bytes"] == 3 * 8 * expert
+    assert rows["packet"]["decode_bytes"] == 3 * 2 * expert and rows["packet"]["bound"] == "at most"
+    assert rows["packet"]["prefill_bytes"] == 3 * 8 * expert  # 16 tokens x top 2 >= 8 experts

@@ -1,0 +1,64 @@
+"""core/routing.py against hand counts: each statistic on a trace small enough to count."""
+
+import numpy as np
+import pytest
+
+from packbench.core.routing import (belady_hits, carry80, check, cross_layer, load_shares, lru_hits, repeat_any,
+                                    repeat_any_chance, reuse, shuffled, skew, summarise, union)
+
+ROUTES = np.array([[0, 1], [1, 2], [1, 2], [3, 4]])  # (tokens, k) of one layer, 5 experts
+
+
+def test_load_skew_and_carry80_by_hand():
+    shares = load_shares(ROUTES, 5)  # counts 1, 3, 2, 1, 1 of 8 slots
+    assert shares.tolist() == [1 / 8, 3 / 8, 2 / 8, 1 / 8, 1 / 8]
+    assert skew(shares) == pytest.approx((3 / 8) / (1 / 5))
+    assert carry80(shares) == 4  # 3 + 2 + 1 = 6 of 8 is 75 %: a fourth expert is needed
+
+
+def test_reuse_repeat_and_union_by_hand():
+    assert reuse(ROUTES, 1) == pytest.approx((1 + 2 + 0) / 3 / 2)  # shared experts / k, per pair
+    assert reuse(ROUTES, 2) == pytest.approx((1 + 0) / 2 / 2)
+    assert repeat_any(ROUTES) == pytest.approx(2 / 3)
+    assert [union(ROUTES, n) for n in (1, 2, 3, 4)] == [2, 3, 3, 5]
+    assert repeat_any_chance(8, 2) == pytest.approx(1 - 15 / 28)  # Mixtral's chance level, 46.4 %
+
+
+def test_shuffling_removes_order_and_only_order():
+    runs = np.array([[0, 1]] * 10 + [[2, 3]] * 10)
+    mixed = shuffled(runs, seed=1)
+    assert sorted(map(tuple, mixed)) == sorted(map(tuple, runs))  # the same routing, loads unchanged
+    assert reuse(runs, 1) == pytest.approx(18 / 19)
+    assert reuse(mixed, 1) < 0.8  # catches a "shuffle" that keeps the order
+
+
+def test_cross_layer_best_map_by_hand():
+    acc, base = cross_layer(np.array([0, 0, 1, 1]), np.array([2, 2, 3, 2]))
+    assert (acc, base) == (3 / 4, 3 / 4)  # 0 -> 2 twice, 1 -> 3 or 2 once; always 2: 3 of 4
+    acc, base = cross_layer(np.array([0, 0, 1, 1]), np.array([5, 5, 6, 6]))
+    assert (acc, base) == (1.0, 0.5)
+
+
+def test_lru_and_belady_by_hand():
+    cycle = [[1], [2], [3], [1], [2], [3]]
+    assert lru_hits(cycle, 2) == (0, 6)  # LRU's worst case: a cycle one longer than the cache
+    assert belady_hits(cycle, 2) == (2, 6)  # keeps 1 (hit), then 3 (hit)
+    repeat = [[1, 2], [1, 2], [3, 1]]
+    assert lru_hits(repeat, 2) == (2, 6)  # 3 evicts 1, the least recent, needed next
+    assert belady_hits(repeat, 2) == (3, 6)  # 3 evicts 2, never used again
+    for c in (1, 2, 3):  # Belady is an upper bound of LRU on any trace
+        rng = np.random.default_rng(c)
+        trace = [list(rng.choice(6, 2, replace=False)) for _ in range(50)]
+        assert belady_hits(trace, c + 1)[0] >= lru_hits(trace, c + 1)[0]
+
+
+def test_uniform_routing_fails_the_locality_and_skew_checks():
+    """A router that picks experts independently and uniformly must fail (the issue's negative)."""
+    rng = np.random.default_rng(0)
+    traces = [np.stack([np.stack([rng.choice(64, 8, replace=False) for _ in range(256)]) for _ in range(3)])
+              for _ in range(3)]
+    s = summarise(traces, experts=64, k=8)
+    rows = {r["target"]: r for r in check(s, "olmoe")}
+    assert not rows["temporal lift (consecutive reuse / shuffled)"]["ok"]
+    assert not rows["load skew (busiest / mean)"]["ok"]
+    assert all(0.9 < r["temporal_lift"] < 1.1 for r in s["layers"])

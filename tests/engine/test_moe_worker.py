@@ -1,0 +1,129 @@
+"""MoE through the condition interface: the worker loads an MoE checkpoint, runs the same
+condition runtimes (resident, dense-stream, packet, phase-switched) at expert granularity, and
+every record is bit-identical to dense-stream with its expert ledger; submit's check refuses a
+policy that does not fit the family and an allowance too small for one layer's routed experts."""
+
+import numpy as np
+import pytest
+import torch
+
+from packbench.core.errors import ProtocolError
+from packbench.core.plan import plan, prompts
+from packbench.core.protocol import freeze
+from packbench.engine.moe.policies import ExpertPacketPolicy, ExpertPhaseSwitched
+from packbench.engine.moe.synth import synth_moe
+from packbench.engine.worker import Worker
+from packbench.service.submit import check_family
+
+
+@pytest.fixture(scope="module")
+def moe_dir(tmp_path_factory):
+    torch.set_num_threads(1)
+    return synth_moe(tmp_path_factory.mktemp("moe") / "qwen3", shape="qwen3-moe-tiny", seed=2, dtype="bfloat16")
+
+
+def raw(path, **changes):
+    return {"name": "moe", "model": {"path": str(path)}, "dtype": "bfloat16",
+            "prompts": {"generator": {"seed": 0, "count": 1}}, "prefix_tokens": 16, "continuation_tokens": 4,
+            "conditions": [{"policy": "dense-stream"}, {"policy": "resident"}, {"policy": "packet"},
+                           {"name": "packet-host", "policy": "packet", "params": {"gather": "host"}},
+                           {"policy": "phase-switched"}],
+            "reference": "dense-stream", "warmups": 1, "allowance_mib": 64, "gates": {"faithfulness": {}}, **changes}
+
+
+def test_the_worker_runs_every_expert_policy_exactly(moe_dir):
+    b = freeze(raw(moe_dir)).body
+    check_family(freeze(raw(moe_dir)))  # fits: nothing raised
+    worker = Worker(device="cpu")
+    start = worker.load(b, str(moe_dir))
+    assert start["host_outgoing_bytes"] == worker.model.host.host_bytes > 0  # the experts stay on the host
+    ids = prompts(b, vocab=start["vocab"])
+    records = {}
+    for e in plan(b):
+        records.setdefault(e["condition"], []).append(worker.run(e, ids[e["prompt"]]))
+        if e["condition"].startswith("packet"):
+            assert type(worker.model.slot.policy) is ExpertPacketPolicy  # either gather: the expert packet
+        if e["condition"] == "phase-switched":
+            assert type(worker.model.slot.policy) is ExpertPhaseSwitched
+    ref = records["dense-stream"][0]
+    assert ref["status"] == "ok", ref.get("error")
+    for name, runs in records.items():
+        for r in runs:
+            assert r["status"] == "ok", (name, r.get("error"))
+            assert np.array_equal(r["logits"], ref["logits"]) and r["tokens"] == ref["tokens"], name
+    expert_bytes = worker.model.host.expert_bytes
+    for label, index in (("packet", 0), ("packet-host", 8)):  # a new protocol's packet gathers on the device
+        for call in records[label][0]["calls"]:
+            assert call["h2d_weight_bytes"] == [m * expert_bytes for m in call["rows_copied"]]
+            assert call["h2d_index_bytes"] == [index * m for m in call["rows_copied"]]
+
+
+def test_submit_refuses_an_opt_policy(moe_dir):
+    with pytest.raises(ProtocolError, match=r"conditions\[1\].policy.*'row-retention' does not fit.*qwen3_moe MoE"):
+        check_family(freeze(raw(moe_dir, conditions=[{"policy": "dense-stream"},
+                                                     {"policy": "row-retention", "params": {"rows_per_layer": 8}}])))
+
+
+def _real_config_dir(tmp_path, shape: str):
+    """config.json alone: submit's checks read no weights."""
+    import json
+
+    from packbench.engine.moe.synth import moe_config
+
+    d = tmp_path / shape
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(moe_config(shape, dtype="float16")))
+    return d
+
+
+def test_allowance_must_hold_the_device_part_and_one_layers_routed_experts(tmp_path):
+    """Qwen3-30B-A3B in fp16: the device part is 2.87 GiB (embeddings and lm_head of a 151936-token
+    vocabulary, attention, routers); 2 GiB cannot hold it, 24 GiB holds it and every buffer."""
+    d = _real_config_dir(tmp_path, "qwen3-30b-a3b")
+    body = dict(raw(d), dtype="float16", conditions=[{"policy": "dense-stream"}, {"policy": "packet"}])
+    with pytest.raises(ProtocolError, match=r"`allowance_mib`: 2048 MiB cannot hold .* one layer's routed experts"):
+        check_family(freeze({**body, "allowance_mib": 2048}))
+    check_family(freeze({**body, "allowance_mib": 24 * 1024}))
+    # resident holds every layer's experts (48 x 1.125 GiB): refused at 24 GiB unless unbounded.
+    with pytest.raises(ProtocolError, match="condition 'resident' \\(resident\\)"):
+        check_family(freeze({**body, "allowance_mib": 24 * 1024,
+                             "conditions": [{"policy": "dense-stream"}, {"policy": "resident"}]}))
+    check_family(freeze({**body, "allowance_mib": 24 * 1024, "conditions": [
+        {"policy": "dense-stream"}, {"policy": "resident", "params": {"allowance": "unbounded"}}]}))
+
+
+def test_protocol_validate_prints_the_refusal_in_one_line_exit_2(tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import yaml
+
+    d = _real_config_dir(tmp_path, "mixtral-8x7b")
+    body = dict(raw(d), dtype="float16", allowance_mib=1024, conditions=[{"policy": "dense-stream"}])
+    f = tmp_path / "p.yaml"
+    f.write_text(yaml.safe_dump(body))
+    r = subprocess.run([sys.executable, "-m", "packbench", "protocol", "validate", str(f)], capture_output=True,
+                       text=True, cwd=Path(__file__).resolve().parents[2])
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    assert len(r.stderr.strip().splitlines()) == 1 and "allowance_mib" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_a_broken_moe_config_is_one_line_naming_the_key(tmp_path):
+    import json
+
+    from packbench.core.errors import CheckpointError
+    from packbench.engine.config import read_config
+    from packbench.engine.moe.synth import moe_config
+
+    d = tmp_path / "broken"
+    d.mkdir()
+    config = moe_config("olmoe-tiny")
+    del config["num_experts_per_tok"]
+    (d / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match="num_experts_per_tok is None, not a positive integer; fix config.json"):
+        read_config(d)
+    config = moe_config("olmoe-tiny")  # the published name of the expert count, or transformers 5.2x's
+    config["num_local_experts"] = config.pop("num_experts")
+    (d / "config.json").write_text(json.dumps(config))
+    assert read_config(d)["num_local_experts"] == 16
