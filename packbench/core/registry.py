@@ -12,6 +12,7 @@ frozen body (core/protocol/schema.py), so a new default needs a new schema, neve
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any, Mapping
@@ -307,6 +308,11 @@ class SynthProfile:
     # Per shape: (dims, magnitude, share of layers) of LayerNorm-output outlier features
     # (LLM.int8: from ~6.7B on, a few hidden dims of large magnitude in most layers).
     outliers: Mapping[str, tuple[int, float, float]]
+    # Directions of the residual stream (None: all of `hidden`; capped at hidden / 4): every weight
+    # reads and writes only these, as trained weights' activations align with a few large singular
+    # directions, so weight noise that fills every direction (quantization) reaches the signal at
+    # about rank / hidden of its power. A fixed rank makes larger shapes more robust (docs/workloads.md).
+    rank: int | None = None
 
     def layer_densities(self, shape: str) -> list[float]:
         """Each layer's target density: log-linear from first to last, mean `density[shape]`."""
@@ -325,6 +331,9 @@ PROFILES: dict[str, SynthProfile] = {
         outliers={"opt-6.7b": (6, 20.0, 0.75), "opt-13b": (6, 25.0, 0.75)},
     ),
 }
+# `opt` with its weights in a low-rank residual stream: the same activation statistics, and real
+# OPT's response to weight quantization (engine/robustness.py REAL_OPT, docs/workloads.md).
+PROFILES["opt2"] = dataclasses.replace(PROFILES["opt"], rank=160)
 DEFAULT_PROFILE = "opt"  # what a schema-4 model.synth without profile or sparsity gets
 
 
