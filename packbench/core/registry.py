@@ -334,6 +334,21 @@ PROFILES: dict[str, SynthProfile] = {
 # `opt` with its weights in a low-rank residual stream: the same activation statistics, and real
 # OPT's response to weight quantization (engine/robustness.py REAL_OPT, docs/workloads.md).
 PROFILES["opt2"] = dataclasses.replace(PROFILES["opt"], rank=160)
+# Where a profile's response to weight quantization is calibrated to real OPT's published figures
+# (engine/robustness.py REAL_OPT; opt-125m: GPTQ's per-channel RTN, checked on the CPU).
+ROBUSTNESS_SHAPES: dict[str, tuple[str, ...]] = {"opt2": ("opt-125m", "opt-1.3b", "opt-2.7b", "opt-6.7b", "opt-13b")}
+
+
+def robustness_caveat(synth: Mapping[str, Any]) -> str | None:
+    """For a synthetic checkpoint's recipe (config.json's packbench_synth, a protocol's model.synth):
+    None where its response to quantization is calibrated to real OPT, else the line a fidelity
+    figure on it carries."""
+    shape, profile = synth.get("shape"), synth.get("profile")
+    if profile is not None and shape in ROBUSTNESS_SHAPES.get(profile, ()):
+        return None
+    recipe = f"profile {profile}" if profile is not None else "the uniform recipe"
+    return (f"synthetic checkpoint ({recipe}, {shape}) is not calibrated for robustness: its fidelity to low-bit "
+            f"weights need not be real OPT's (profile opt2 is, at {', '.join(ROBUSTNESS_SHAPES['opt2'])})")
 DEFAULT_PROFILE = "opt"  # what a schema-4 model.synth without profile or sparsity gets
 
 

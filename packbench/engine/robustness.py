@@ -228,3 +228,20 @@ def measure(model_dir: Path, sequences: list[list[int]], *, score_from: list[int
         if progress is not None:
             progress(name)
     return out
+
+
+def robustness(model_dir: Path, prompts: list[list[int]], *, sampled: int, seed: int, text: bool,
+               dtype: torch.dtype = torch.float32, device: str = "cpu",
+               progress: Callable[[str], None] | None = None) -> dict[str, dict]:
+    """`measure` on the model's own text: each prompt followed by `sampled` tokens it samples at
+    temperature 1 (scored: those tokens), or, `text` True, the prompts themselves (a text file's
+    tokens; scored: every token after the first)."""
+    from packbench.engine.checkpoint import build_model
+
+    model = build_model(Path(model_dir), dtype=dtype).to(device)
+    if text:
+        return measure(model_dir, prompts, score_from=[1] * len(prompts), dtype=dtype, device=device, model=model,
+                       progress=progress)
+    sequences = sample_continuations(model, prompts, tokens=sampled, seed=seed, device=device)
+    return measure(model_dir, sequences, score_from=[len(p) for p in prompts], dtype=dtype, device=device,
+                   model=model, progress=progress)

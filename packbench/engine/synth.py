@@ -184,7 +184,6 @@ class _Draws:
     embed_std: float  # rms entry of token + position
     update: float  # each attention / FFN update's std over the embedding's
     basis: torch.Tensor | None = None
-
     def normal(self, *size: int, std: float = INIT_STD) -> torch.Tensor:
         return torch.randn(*size, generator=self.gen) * std
 
