@@ -67,10 +67,14 @@ def nf4_blocks(w: torch.Tensor, *, block: int = 64) -> torch.Tensor:
     if x.numel() % block:
         raise ValueError(f"a block of {block} does not divide {x.numel()} weights")
     x = x.reshape(-1, block)
-    scale = x.abs().amax(dim=1, keepdim=True).clamp_min(1e-12)
     code = torch.tensor(NF4_CODE, device=w.device)
-    nearest = ((x / scale).unsqueeze(-1) - code).abs().argmin(dim=-1)  # (blocks, block)
-    return (code[nearest] * scale).reshape(w.shape).to(w.dtype)
+    out = torch.empty_like(x)
+    for i in range(0, x.shape[0], 1 << 18):  # (blocks, block, 16) distances a chunk at a time: 1 GiB, not 16 weights' worth
+        chunk = x[i:i + (1 << 18)]
+        scale = chunk.abs().amax(dim=1, keepdim=True).clamp_min(1e-12)
+        nearest = ((chunk / scale).unsqueeze(-1) - code).abs().argmin(dim=-1)  # (blocks, block)
+        out[i:i + (1 << 18)] = code[nearest] * scale
+    return out.reshape(w.shape).to(w.dtype)
 
 
 @dataclass(frozen=True)

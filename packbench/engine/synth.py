@@ -345,3 +345,18 @@ def _ffn(d: _Draws, p: SynthProfile, pre: str, gain: torch.Tensor, density: floa
         bias = -(fc2.double() @ mean).float()
     return {pre + "fc1.weight": fc1.to(dtype), pre + "fc1.bias": (offsets * std).to(dtype),
             pre + "fc2.weight": fc2.to(dtype), pre + "fc2.bias": bias.to(dtype)}
+
+
+def profile_model(shape: str, *, seed: int, profile: str, dtype: torch.dtype) -> torch.nn.Module:
+    """Stock transformers' OPTForCausalLM holding `profile_tensors`, in host memory, never written to
+    disk: the same weights `synth_checkpoint` writes (bench/robustness.py draws large shapes this way)."""
+    from transformers import OPTConfig, OPTForCausalLM
+
+    from packbench.engine.checkpoint import _assign
+
+    config = OPTConfig(**opt_config(shape, str(dtype).removeprefix("torch.")))
+    config._attn_implementation = "eager"  # as engine.checkpoint.build_model
+    with torch.device("meta"):
+        model = OPTForCausalLM(config)
+    _assign(model, profile_tensors(shape, seed=seed, profile=profile, dtype=dtype), Path(f"<profile {profile} {shape}>"))
+    return model.to(dtype)
