@@ -363,7 +363,7 @@ def _dispatch(store, settings: Settings, *, json_out: bool, keep_queued: bool = 
                           f"screen {outcome.screen_id} queued for attempt {outcome.attempt_number + 1} ({kept})",
                           err=True)
             return
-        progress.echo(verdict_table(summary["verdicts"]) if summary["verdicts"] else "no verdicts")
+        progress.echo(verdict_table(summary["verdicts"], caveat=summary["fidelity_caveat"]) if summary["verdicts"] else "no verdicts")
         progress.echo(f"screen {outcome.screen_id}: {outcome.status}; archive: {outcome.archive_path}")
         if outcome.status != "done":
             progress.echo(f"error: screen {outcome.screen_id} {outcome.status}: {one_line(outcome.error or '')}",
