@@ -18,7 +18,7 @@ from packbench.cli.summary import screen_summary, verdict_table
 from packbench.core.errors import ClusterUnreachable, PackbenchError
 from packbench.core.settings import (DB_URL_ENV, DEFAULT_CONNECT_TIMEOUT_S, DEFAULT_PLACEMENT_TIMEOUT_S, ENVIRONMENT,
                            WORKER_PIN_ENV, WORKER_THREADS_ENV, Settings, worker_pin, worker_threads)
-from packbench.core.registry import DEFAULT_PROFILE, DTYPE_NAMES, PROFILES, SYNTH_SHAPES, SynthArgumentError, synth_spec
+from packbench.core.registry import NEWEST_PROFILE, DTYPE_NAMES, PROFILES, SYNTH_SHAPES, SynthArgumentError, synth_spec
 from packbench.core.text import one_line
 
 
@@ -70,7 +70,7 @@ def model_synth(
 ) -> None:
     """Write a synthetic OPT checkpoint with real OPT shapes: a calibrated profile, or a uniform sparsity."""
     if profile is None and sparsity is None:
-        profile = DEFAULT_PROFILE
+        profile = NEWEST_PROFILE  # what a protocol of the newest schema means (core/protocol/schema.py)
     try:  # the same check a protocol's model.synth gets, before torch is imported
         spec = synth_spec(shape=shape, dtype=dtype, sparsity=sparsity, seed=seed, hot_fraction=hot_fraction,
                           hot_bias=hot_bias, profile=profile)

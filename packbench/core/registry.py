@@ -349,7 +349,14 @@ def robustness_caveat(synth: Mapping[str, Any]) -> str | None:
     recipe = f"profile {profile}" if profile is not None else "the uniform recipe"
     return (f"synthetic checkpoint ({recipe}, {shape}) is not calibrated for robustness: its fidelity to low-bit "
             f"weights need not be real OPT's (profile opt2 is, at {', '.join(ROBUSTNESS_SHAPES['opt2'])})")
-DEFAULT_PROFILE = "opt"  # what a schema-4 model.synth without profile or sparsity gets
+DEFAULT_PROFILE = "opt"  # what a schema-4 to -7 model.synth without profile or sparsity gets
+PROFILE_SCHEMA = 8  # from this schema on, such a model.synth gets NEWEST_PROFILE (calibrated for robustness too)
+NEWEST_PROFILE = "opt2"
+
+
+def default_profile(schema: int) -> str:
+    """The profile a protocol of `schema` means by a model.synth without profile or sparsity."""
+    return NEWEST_PROFILE if schema >= PROFILE_SCHEMA else DEFAULT_PROFILE
 
 
 def _show(value: Any) -> str:
