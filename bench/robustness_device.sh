@@ -21,10 +21,13 @@ command -v nvidia-smi >/dev/null && device_header
 shapes=${SHAPES:-opt-1.3b opt-2.7b opt-6.7b opt-13b}
 profiles=${PROFILES:-opt2 opt}
 pids=()
+start=$(date +%s)
 for shape in $shapes; do
   (
     for profile in $profiles; do
-      timeout 560 python3 -m bench.robustness --shape "$shape" --profile "$profile" --dtype "${DTYPE:-float16}" \
+      left=$(( start + ${BUDGET_S:-570} - $(date +%s) ))  # the call's 10 minutes: what is left of them
+      [ "$left" -gt 30 ] || { echo "== $shape $profile skipped: ${left} s left"; continue; }
+      timeout "$left" python3 -m bench.robustness --shape "$shape" --profile "$profile" --dtype "${DTYPE:-float16}" \
         --device "${DEVICE:-cuda}" --prompts "${PROMPTS:-8}" --prefix "${PREFIX:-128}" --sampled "${SAMPLED:-128}" \
         --json "$out/$shape-$profile.json" > "$out/$shape-$profile.log" 2>&1
       echo "== $shape $profile rc $?"; grep -E "dCE|drawn" "$out/$shape-$profile.log"
