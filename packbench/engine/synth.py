@@ -3,9 +3,10 @@
 Two recipes. A **profile** (core/registry.py PROFILES; `profile_tensors` below, docs/workloads.md)
 makes weights whose activation statistics match measured real OPT: per-token density with a layer
 trend, the growth of a prompt's union of active neurons, the overlap of consecutive tokens,
-heavy-tailed firing rates, peaked next-token distributions, and (opt-6.7b, opt-13b) outlier
-features. The **uniform** recipe (`sparsity`, optional hot neurons), what every protocol written
-before profiles froze, sets every neuron's firing rate alike:
+heavy-tailed firing rates, peaked next-token distributions, (opt-6.7b, opt-13b) outlier features,
+and (`opt2`) real OPT's response to weight quantization. The **uniform** recipe (`sparsity`,
+optional hot neurons), what every protocol written before profiles froze, sets every neuron's
+firing rate alike:
 
 Why the fc1 bias sets sparsity: in a pre-LN OPT layer, fc1 sees LayerNorm output x with unit
 weight and zero bias, so every token has mean 0 and variance 1 across `hidden`. With fc1 rows
@@ -184,6 +185,7 @@ class _Draws:
     embed_std: float  # rms entry of token + position
     update: float  # each attention / FFN update's std over the embedding's
     basis: torch.Tensor | None = None
+
     def normal(self, *size: int, std: float = INIT_STD) -> torch.Tensor:
         return torch.randn(*size, generator=self.gen) * std
 
@@ -240,6 +242,12 @@ def profile_tensors(shape: str, *, seed: int, profile: str, dtype: torch.dtype =
       by `magnitude` (LayerNorm gains are where pretrained models carry them), and the columns of
       q/k/v and fc1 that read those dims are divided by it, so the linear layers meet inputs of
       large magnitude while every pre-activation keeps its distribution.
+    - Robustness (a profile with a `rank`, `opt2`): all of the above lives in `rank` directions of
+      the hidden dims (`_Draws.basis`): embeddings are drawn there, every weight reading the stream
+      reads only them and every weight writing it writes only into them, with the same
+      pre-activation and update scales. Rounding noise in a weight fills every hidden dim, so only
+      about rank / hidden of its power meets the signal, as in trained weights whose activations
+      align with a few large singular directions (docs/workloads.md, "Robustness").
     Drawn in float32 from one generator seeded with `seed`, in a fixed order, then cast.
     """
     p = PROFILES[profile]
