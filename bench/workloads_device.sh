@@ -8,7 +8,8 @@
 #   B. protocols/seed-v040.yaml and seed-v042.yaml through `packbench submit --wait`, then audit.
 # Full logs under $OUT (or ./workloads-out); the tables last. Run from the project root with .whl
 # carried: bash bench/workloads_device.sh   (ONLY=A or ONLY=B runs one part; a CPU dry run:
-# SKIP_WHEELS=1 SHAPE27=tiny SHAPE13=tiny PREFIX=64 ONLY=A bash bench/workloads_device.sh)
+# SKIP_WHEELS=1 SHAPE27=tiny SHAPE13=tiny PREFIX=64 ONLY=A bash bench/workloads_device.sh; PROFILE=opt2 for part A on
+# that profile)
 set -uo pipefail
 root=$PWD
 out=${OUT:-$root/workloads-out}; mkdir -p "$out"
@@ -19,7 +20,7 @@ command -v nvidia-smi >/dev/null && device_header
 S27=${SHAPE27:-opt-2.7b}; S13=${SHAPE13:-opt-1.3b}; P=${PREFIX:-512}
 engine() {  # log-name args...: the run's whole output in $out, its workload lines here
   local name=$1; shift
-  python3 -m bench.engine --profile opt --prompts 3 --rounds 1 --continuation 16 "$@" > "$out/$name.log" 2>&1
+  python3 -m bench.engine --profile "${PROFILE:-opt}" --prompts 3 --rounds 1 --continuation 16 "$@" > "$out/$name.log" 2>&1
   echo "== $name (rc $?): $*"
   grep -E "reproduces itself|^  [a-z-]+.*: decode|exact$| True| False" "$out/$name.log" | grep -vE "^(condition|pinned)" | tail -14
 }

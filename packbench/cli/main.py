@@ -20,7 +20,7 @@ from packbench.core.errors import ClusterUnreachable, PackbenchError
 from packbench.core.settings import (DB_URL_ENV, DEFAULT_CONNECT_TIMEOUT_S, DEFAULT_PLACEMENT_TIMEOUT_S, ENVIRONMENT,
                            WORKER_PIN_ENV, WORKER_THREADS_ENV, Settings, worker_pin, worker_threads)
 from packbench.core.moe import MOE_SHAPES
-from packbench.core.registry import DEFAULT_PROFILE, DTYPE_NAMES, PROFILES, SYNTH_SHAPES, SynthArgumentError, synth_spec
+from packbench.core.registry import NEWEST_PROFILE, DTYPE_NAMES, PROFILES, SYNTH_SHAPES, SynthArgumentError, synth_spec
 from packbench.core.text import one_line
 
 
@@ -90,7 +90,7 @@ def model_synth(
     if layers is not None or device != "cpu":
         raise PackbenchError(f"--layers and --device are for MoE shapes ({', '.join(MOE_SHAPES)}); drop them for {shape}")
     if profile is None and sparsity is None:
-        profile = DEFAULT_PROFILE
+        profile = NEWEST_PROFILE  # what a protocol of the newest schema means (core/protocol/schema.py)
     try:  # the same check a protocol's model.synth gets, before torch is imported
         spec = synth_spec(shape=shape, dtype=dtype, sparsity=sparsity, seed=seed, hot_fraction=hot_fraction,
                           hot_bias=hot_bias, profile=profile)
@@ -401,7 +401,7 @@ def _dispatch(store, settings: Settings, *, json_out: bool, keep_queued: bool = 
                           f"screen {outcome.screen_id} queued for attempt {outcome.attempt_number + 1} ({kept})",
                           err=True)
             return
-        progress.echo(verdict_table(summary["verdicts"]) if summary["verdicts"] else "no verdicts")
+        progress.echo(verdict_table(summary["verdicts"], caveat=summary["fidelity_caveat"]) if summary["verdicts"] else "no verdicts")
         # An archive never created (the storage refused it) is not named as if it were there.
         where = f"archive: {outcome.archive_path}" if Path(outcome.archive_path).exists() else "no archive"
         progress.echo(f"screen {outcome.screen_id}: {outcome.status}; {where}")

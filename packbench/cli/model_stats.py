@@ -42,14 +42,23 @@ def stats(
     json_out: Annotated[bool, typer.Option("--json", metavar="", help="Print every figure (the whole union curve too) as JSON.")] = False,
     figure: Annotated[Optional[Path], typer.Option(
         help="MoE checkpoints: also write the routing figure (load, reuse, LRU against Belady) as SVG here.")] = None,
+    robustness: Annotated[bool, typer.Option(
+        "--robustness", help="Instead: fake-quantization sensitivity (int8 per-channel, int4 per-channel and "
+                             "group-128 RTN, nf4 block-64; every decoder Linear weight), teacher-forced on the "
+                             "model's own sampled text (or the --prompts text), beside real OPT's figures.")] = False,
+    sampled: Annotated[int, typer.Option(help="With --robustness and generated prompts: tokens sampled (temperature 1) "
+                                              "after each prompt and scored.")] = 128,
 ) -> None:
     """Per-layer density, union growth, consecutive overlap, hot neurons and next-token entropy of an OPT checkpoint;
     for an MoE checkpoint, per layer its load, k-apart reuse, union growth, cross-layer predictability and LRU
-    against Belady, beside the published figures."""
+    against Belady, beside the published figures. With --robustness: how far an OPT checkpoint's outputs move
+    under weight quantization, beside real OPT's figures."""
     if prefix is not None and not 1 <= prefix <= MAX_PREFIX:
         raise PackbenchError(f"--prefix {prefix} must be in 1..{MAX_PREFIX} (OPT's positions)")
     if not 1 <= continuation <= MAX_PREFIX:
         raise PackbenchError(f"--continuation {continuation} must be in 1..{MAX_PREFIX} (OPT's positions)")
+    if robustness and not 1 <= sampled <= MAX_PREFIX:
+        raise PackbenchError(f"--sampled {sampled} must be in 1..{MAX_PREFIX} (OPT's positions)")
     if dtype not in DTYPE_NAMES:
         raise PackbenchError(f"unknown --dtype {dtype!r}; use one of {', '.join(DTYPE_NAMES)}")
     if not (device == "cpu" or device == "cuda" or (device.startswith("cuda:") and device[5:].isdigit())):
@@ -57,6 +66,9 @@ def stats(
     from packbench.cli.model_moe import is_moe_dir
 
     if is_moe_dir(model_dir):  # routing statistics: the prefill's per-token routes are the trace
+        if robustness:
+            raise PackbenchError("--robustness measures OPT checkpoints (real OPT's figures are its targets); "
+                                 f"{model_dir} is an MoE checkpoint: drop --robustness")
         import json as _json
 
         vocab = int(_json.loads((model_dir / "config.json").read_text())["vocab_size"])
@@ -71,7 +83,10 @@ def stats(
     from packbench.engine.config import read_config
 
     config = read_config(model_dir)
-    prefix = _prefix(prefix, continuation=continuation, positions=config.get("max_position_embeddings", MAX_PREFIX))
+    # --robustness scores the prompt plus --sampled tokens; the statistics the prompt plus --continuation
+    prefix = _prefix(prefix, continuation=sampled if robustness else continuation,
+                     positions=config.get("max_position_embeddings", MAX_PREFIX),
+                     flag="--sampled" if robustness else "--continuation")
     ids = _prompts(model_dir, prompts, count=count, seed=seed, prefix=prefix, vocab=int(config["vocab_size"]))
 
     import torch
@@ -81,6 +96,10 @@ def stats(
 
     if device != "cpu" and not torch.cuda.is_available():
         raise PackbenchError(f"--device {device}: CUDA is not available here; use --device cpu")
+    if robustness:
+        _robustness(model_dir, config, ids, prompts=prompts, sampled=sampled, seed=seed, dtype=dtype, device=device,
+                    json_out=json_out)
+        return
 
     def progress(done: int, total: int) -> None:  # on stderr: stdout is the table or the JSON alone
         typer.echo(f"measured prompt {done}/{total}", err=True)
@@ -99,7 +118,7 @@ def stats(
     typer.echo(render(summary))
 
 
-def _prefix(prefix: int | None, *, continuation: int, positions) -> int:
+def _prefix(prefix: int | None, *, continuation: int, positions, flag: str = "--continuation") -> int:
     """--prefix, or the default cut to what the model's positions leave beside --continuation
     (the tiny shape has 256); an explicit one that does not fit is refused here, not by an
     IndexError inside the model."""
@@ -110,14 +129,63 @@ def _prefix(prefix: int | None, *, continuation: int, positions) -> int:
     if prefix is None:
         prefix = min(DEFAULT_PREFIX, positions - continuation + 1)
         if prefix < 1:
-            raise PackbenchError(f"--continuation {continuation} leaves no position for a prompt in the model's "
-                                 f"{positions}; lower --continuation")
+            raise PackbenchError(f"{flag} {continuation} leaves no position for a prompt in the model's "
+                                 f"{positions}; lower {flag}")
         return prefix
     refusal = positions_refusal(prefix, continuation, positions=positions, model="the model")
     if refusal:
-        raise PackbenchError(refusal.replace("prefix_tokens", "--prefix").replace("continuation_tokens",
-                                                                                 "--continuation"))
+        raise PackbenchError(refusal.replace("prefix_tokens", "--prefix").replace("continuation_tokens", flag))
     return prefix
+
+
+def _robustness(model_dir: Path, config: dict, ids: list[list[int]], *, prompts: Path | None, sampled: int, seed: int,
+                dtype: str, device: str, json_out: bool) -> None:
+    """`model stats --robustness`: engine/robustness.py's figures beside real OPT's for the shape."""
+    from packbench.core.registry import robustness_caveat
+    from packbench.engine.robustness import VARIANTS, real_opt, robustness as measure_robustness
+    from packbench.engine.dtypes import dtype_of
+
+    figures = measure_robustness(model_dir, ids, sampled=sampled, seed=seed, text=prompts is not None,
+                                 dtype=dtype_of(dtype), device=device,
+                                 progress=lambda name: typer.echo(f"measured {name}", err=True))
+    shape = _shape_of(config)
+    real = real_opt(shape)
+    synth = config.get("packbench_synth")
+    out = {"model": {"dir": str(model_dir), "shape": shape, "dtype": dtype, "recipe": synth,
+                     "caveat": robustness_caveat(synth) if synth else None},
+           "text": "file" if prompts else f"generator seed {seed}: {len(ids)} prompts x {len(ids[0])} tokens, "
+                                          f"then {sampled} sampled tokens each (scored)",
+           "variants": {name: {"label": VARIANTS[name].label, **f, "real_opt": real.get(name)}
+                        for name, f in figures.items()}}
+    if json_out:
+        typer.echo(json.dumps(_finite(out), sort_keys=True))
+        return
+    typer.echo(render_robustness(out))
+
+
+def render_robustness(s: dict) -> str:
+    """The terminal table of `model stats --robustness`: one row per variant, real OPT's figure beside it."""
+    m = s["model"]
+    lines = [f"{m['dir']}: {m['shape'] or 'unknown shape'}, {m['dtype']}; {s['text']}", "",
+             f"{'variant':42} {'dCE nats/token (95 %)':>28} {'mean KL':>8} {'p99 KL':>8} {'top-1':>6} {'real OPT':>9}"]
+    sources = []
+    for f in s["variants"].values():
+        interval = "" if f["dce_low"] is None or not math.isfinite(f["dce_low"]) else \
+            f" ({f['dce_low']:.4f}..{f['dce_high']:.4f})"
+        real = f["real_opt"]
+        if real and real["source"] not in sources:
+            sources.append(real["source"])
+        mark = f"{real['ln_ratio']:.3f} [{sources.index(real['source']) + 1}]" if real else "-"
+        lines.append(f"{f['label']:42} {f['dce']:>10.4f}{interval:>18} {f['mean_kl']:8.4f} {f['p99_kl']:8.3f} "
+                     f"{f['top1']:6.3f} {mark:>9}")
+    tokens = next(iter(s["variants"].values()))
+    lines.append(f"({tokens['tokens']} tokens in {tokens['sequences']} sequences; dCE = ln of the perplexity ratio)")
+    lines += [f"[{i}] {src}" for i, src in enumerate(sources, 1)]
+    if not sources:
+        lines.append(f"real OPT has no published figure of these variants at {m['shape'] or 'this shape'}")
+    if m.get("caveat"):
+        lines += ["", m["caveat"]]
+    return "\n".join(lines)
 
 
 def _prompts(model_dir: Path, path: Path | None, *, count: int, seed: int, prefix: int, vocab: int) -> list[list[int]]:

@@ -191,7 +191,7 @@ def _screen_view(store, ref: str, *, json_out: bool) -> None:
         typer.echo(table(summary["spread"], ["condition", "tier", "n", "median", "p10", "p90", "p90_over_p10"]))
     if readings is not None:
         print_readings(readings)
-    typer.echo(verdict_table(summary["verdicts"]) if summary["verdicts"] else "no verdicts")
+    typer.echo(verdict_table(summary["verdicts"], caveat=summary["fidelity_caveat"]) if summary["verdicts"] else "no verdicts")
     a = summary.get("audit")
     typer.echo("audit: none; run `packbench audit`" if a is None else
                f"audit: {a['result'].upper()} ({a['kind'] or 'local'} on {_host_and_node(a['machine'], a['node'])}"

@@ -13,7 +13,7 @@ from importlib import metadata
 from typing import Any, Iterable
 
 from packbench.cli import report_figures as figs
-from packbench.cli.summary import detail_text
+from packbench.cli.summary import detail_text, fidelity_caveat
 from packbench.cli.report_template import CSS, PAGE
 from packbench.core import report as data
 from packbench.core import serving
@@ -202,8 +202,10 @@ def verdict_section(s: ScreenData) -> str:
     head = f'<h2 id="verdicts">Verdicts: {passed} of {len(s.verdicts)} pass</h2>'
     if not rows:
         return head + '<p class="missing">no verdicts.json: the screen did not finish</p>'
+    synth = s.protocol.model.synth
+    caveat = fidelity_caveat(None if synth is None else synth.as_dict(), s.verdicts)
     return head + html_table(["gate", "condition", "tier", "phase", "verdict", "threshold", "value", "interval", "detail"],
-                             rows)
+                         rows) + (f'<p class="caveat">fidelity: {esc(caveat)}</p>' if caveat else "")
 
 
 def _spread(sp: dict, fmt: str) -> str:

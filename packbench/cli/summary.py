@@ -36,7 +36,20 @@ def screen_summary(store, ref: str | int) -> dict:
                         **({"error": e.error} if e.status != "ok" else {})}  # why, without opening the archive
                        for e in store.episodes(attempt.id)]
     out["spread"] = condition_spread(out["episodes"])
+    out["fidelity_caveat"] = fidelity_caveat(json.loads(protocol.canonical_json).get("model", {}).get("synth"),
+                                             out["verdicts"])
     return out
+
+
+def fidelity_caveat(synth: dict | None, verdicts: list[dict]) -> str | None:
+    """The line a screen's fidelity verdicts carry when they were judged on a synthetic checkpoint
+    whose response to quantization is not calibrated to real OPT's (core.registry.robustness_caveat);
+    None for a real checkpoint, a calibrated one, or a screen without a fidelity verdict."""
+    from packbench.core.registry import robustness_caveat
+
+    if synth is None or not any(v.get("gate") == "fidelity" for v in verdicts):
+        return None
+    return robustness_caveat(synth)
 
 
 def condition_spread(episodes: list[dict]) -> list[dict]:
@@ -141,7 +154,7 @@ def decided_by(v: dict) -> str:
     return f"upper bound {_g(hi)} {'<=' if v.get('passed') else '>'} {_g(t)}"
 
 
-def verdict_table(verdicts: list[dict], *, lead: tuple[str, ...] = ()) -> str:
+def verdict_table(verdicts: list[dict], *, lead: tuple[str, ...] = (), caveat: str | None = None) -> str:
     """Verdicts with what each was judged on: value, interval (where the gate judges one), the
     threshold with its comparison, and the bound that decided. A FAIL's detail follows the table."""
     rows = []
@@ -160,7 +173,7 @@ def verdict_table(verdicts: list[dict], *, lead: tuple[str, ...] = ()) -> str:
     why = [f"  {''.join(f'{k} {v[k]} ' for k in lead)}{v['gate']} {v['condition']} {v.get('phase', 'all')}: "
            f"{detail_text(v['detail'])}" for v in verdicts
            if not v["passed"] and v.get("detail")]
-    return "\n".join([out, *(["FAIL detail:"] + why if why else [])])
+    return "\n".join([out, *(["FAIL detail:"] + why if why else []), *([f"fidelity: {caveat}"] if caveat else [])])
 
 
 def print_json(obj) -> None:

@@ -13,6 +13,7 @@ body (core/protocol/schema.py), so a new default needs a new schema, never an ed
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any, Mapping
@@ -198,6 +199,11 @@ class SynthProfile:
     # Per shape: (dims, magnitude, share of layers) of LayerNorm-output outlier features
     # (LLM.int8: from ~6.7B on, a few hidden dims of large magnitude in most layers).
     outliers: Mapping[str, tuple[int, float, float]]
+    # Directions of the residual stream (None: all of `hidden`; capped at hidden / 4): every weight
+    # reads and writes only these, as trained weights' activations align with a few large singular
+    # directions, so weight noise that fills every direction (quantization) reaches the signal at
+    # about rank / hidden of its power. A fixed rank makes larger shapes more robust (docs/workloads.md).
+    rank: int | None = None
 
     def layer_densities(self, shape: str) -> list[float]:
         """Each layer's target density: log-linear from first to last, mean `density[shape]`."""
@@ -216,7 +222,32 @@ PROFILES: dict[str, SynthProfile] = {
         outliers={"opt-6.7b": (6, 20.0, 0.75), "opt-13b": (6, 25.0, 0.75)},
     ),
 }
-DEFAULT_PROFILE = "opt"  # what a schema-4 model.synth without profile or sparsity gets
+# `opt` with its weights in a low-rank residual stream: the same activation statistics, and real
+# OPT's response to weight quantization (engine/robustness.py REAL_OPT, docs/workloads.md).
+PROFILES["opt2"] = dataclasses.replace(PROFILES["opt"], rank=160)
+# Where a profile's response to weight quantization is calibrated to real OPT's published figures
+# (engine/robustness.py REAL_OPT; opt-125m: GPTQ's per-channel RTN, checked on the CPU).
+ROBUSTNESS_SHAPES: dict[str, tuple[str, ...]] = {"opt2": ("opt-125m", "opt-1.3b", "opt-2.7b", "opt-6.7b", "opt-13b")}
+
+
+def robustness_caveat(synth: Mapping[str, Any]) -> str | None:
+    """For a synthetic checkpoint's recipe (config.json's packbench_synth, a protocol's model.synth):
+    None where its response to quantization is calibrated to real OPT, else the line a fidelity
+    figure on it carries."""
+    shape, profile = synth.get("shape"), synth.get("profile")
+    if profile is not None and shape in ROBUSTNESS_SHAPES.get(profile, ()):
+        return None
+    recipe = f"profile {profile}" if profile is not None else "the uniform recipe"
+    return (f"synthetic checkpoint ({recipe}, {shape}) is not calibrated for robustness: its fidelity to low-bit "
+            f"weights need not be real OPT's (profile opt2 is, at {', '.join(ROBUSTNESS_SHAPES['opt2'])})")
+DEFAULT_PROFILE = "opt"  # what a schema-4 to -7 model.synth without profile or sparsity gets
+PROFILE_SCHEMA = 8  # from this schema on, such a model.synth gets NEWEST_PROFILE (calibrated for robustness too)
+NEWEST_PROFILE = "opt2"
+
+
+def default_profile(schema: int) -> str:
+    """The profile a protocol of `schema` means by a model.synth without profile or sparsity."""
+    return NEWEST_PROFILE if schema >= PROFILE_SCHEMA else DEFAULT_PROFILE
 
 
 def _show(value: Any) -> str:

@@ -378,7 +378,7 @@ def _stream_to_device(pool: ThreadPoolExecutor, jobs: list, device: torch.device
     clock.lap("stream_device")
 
 
-def _assign(model: torch.nn.Module, sd: dict[str, torch.Tensor], model_dir: Path) -> None:
+def assign_state(model: torch.nn.Module, sd: dict[str, torch.Tensor], model_dir: Path) -> None:
     """Assign `sd` to a model built on `meta`, every shape checked; lm_head tied to the embedding."""
     expected = {k: v.shape for k, v in model.state_dict().items()}
     if "lm_head.weight" not in sd:  # tied to the token embedding in every OPT
@@ -413,7 +413,7 @@ def build_weights(model_dir: Path, *, dtype: torch.dtype, device: torch.device |
         sd = read_state_dict(model_dir, dtype=dtype)
     with torch.device("meta"):
         weights = OPTWeights(config)
-    _assign(weights, sd, model_dir)
+    assign_state(weights, sd, model_dir)
     return weights
 
 
@@ -429,5 +429,5 @@ def build_model(model_dir: Path, *, dtype: torch.dtype):
     config._attn_implementation = "eager"
     with torch.device("meta"):
         model = OPTForCausalLM(config)
-    _assign(model, read_state_dict(model_dir, dtype=dtype), model_dir)
+    assign_state(model, read_state_dict(model_dir, dtype=dtype), model_dir)
     return model.to(dtype)

@@ -3,9 +3,10 @@
 Two recipes. A **profile** (core/registry.py PROFILES; `profile_tensors` below, docs/workloads.md)
 makes weights whose activation statistics match measured real OPT: per-token density with a layer
 trend, the growth of a prompt's union of active neurons, the overlap of consecutive tokens,
-heavy-tailed firing rates, peaked next-token distributions, and (opt-6.7b, opt-13b) outlier
-features. The **uniform** recipe (`sparsity`, optional hot neurons), what every protocol written
-before profiles froze, sets every neuron's firing rate alike:
+heavy-tailed firing rates, peaked next-token distributions, (opt-6.7b, opt-13b) outlier features,
+and (`opt2`) real OPT's response to weight quantization. The **uniform** recipe (`sparsity`,
+optional hot neurons), what every protocol written before profiles froze, sets every neuron's
+firing rate alike:
 
 Why the fc1 bias sets sparsity: in a pre-LN OPT layer, fc1 sees LayerNorm output x with unit
 weight and zero bias, so every token has mean 0 and variance 1 across `hidden`. With fc1 rows
@@ -167,19 +168,57 @@ READOUT_POSITION = 0.25  # the readout's fc1 weight on those dims (measured: at 
 class _Draws:
     """What the steps of `profile_tensors` share: the one generator, drawn from in a fixed order
     (embeddings, outlier dims, then layer by layer), and the scales derived from the shape and
-    profile. Every tensor is drawn in float32 and cast to `dtype` when stored."""
+    profile. Every tensor is drawn in float32 and cast to `dtype` when stored.
+
+    `basis` (a profile with a `rank`): the (hidden, dims) orthonormal directions the residual
+    stream lives in, orthogonal to the all-ones vector (so LayerNorm's centring leaves them
+    alone). Every weight that reads the stream reads only these directions, every weight that
+    writes it writes only into them; without it, dims == hidden and the stream fills them all."""
 
     gen: torch.Generator
     dtype: torch.dtype
     hidden: int
     ffn: int
-    n_pos: int  # positions live in the first `n_pos` hidden dims ...
+    dims: int  # the residual stream's directions: `hidden`, or the profile's rank
+    n_pos: int  # positions live in the first `n_pos` of them ...
     pos_std: float  # ... with `position_share` of the embedding's variance
     embed_std: float  # rms entry of token + position
     update: float  # each attention / FFN update's std over the embedding's
+    basis: torch.Tensor | None = None
 
     def normal(self, *size: int, std: float = INIT_STD) -> torch.Tensor:
         return torch.randn(*size, generator=self.gen) * std
+
+    def read(self, rows: int, gain: torch.Tensor, columns: torch.Tensor | None = None) -> torch.Tensor:
+        """A (rows, hidden) weight that reads the stream's LayerNorm output (times `gain`): iid
+        INIT_STD over the stream's directions, `columns` weighting them, divided by `gain` per
+        hidden dim. A pre-activation's std is INIT_STD * sqrt(hidden) either way, since the
+        LayerNorm output has norm sqrt(hidden) in its directions."""
+        if self.basis is None:
+            w = self.normal(rows, self.hidden) / gain
+            return w if columns is None else w * columns
+        w = self.normal(rows, self.dims)
+        if columns is not None:
+            w *= columns
+        return (w @ self.basis.T) / gain
+
+    def write(self, inputs: int, std: float) -> torch.Tensor:
+        """A (hidden, inputs) weight that writes into the stream: an output of the same norm as
+        iid N(0, std^2) entries would give, in the stream's directions only."""
+        if self.basis is None:
+            return self.normal(self.hidden, inputs, std=std)
+        return self.basis @ self.normal(self.dims, inputs, std=std * math.sqrt(self.hidden / self.dims))
+
+    def stream(self, latent: torch.Tensor) -> torch.Tensor:
+        """(n, dims) coordinates in the stream's directions -> (n, hidden)."""
+        return latent if self.basis is None else latent @ self.basis.T
+
+
+def _basis(gen: torch.Generator, hidden: int, dims: int) -> torch.Tensor:
+    """(hidden, dims) orthonormal columns orthogonal to the all-ones vector, drawn from `gen`."""
+    g = torch.randn(hidden, dims, generator=gen, dtype=torch.float64)
+    q, _ = torch.linalg.qr(g - g.mean(dim=0))
+    return q.float()
 
 
 def profile_tensors(shape: str, *, seed: int, profile: str, dtype: torch.dtype = torch.float32,
@@ -203,16 +242,25 @@ def profile_tensors(shape: str, *, seed: int, profile: str, dtype: torch.dtype =
       by `magnitude` (LayerNorm gains are where pretrained models carry them), and the columns of
       q/k/v and fc1 that read those dims are divided by it, so the linear layers meet inputs of
       large magnitude while every pre-activation keeps its distribution.
+    - Robustness (a profile with a `rank`, `opt2`): all of the above lives in `rank` directions of
+      the hidden dims (`_Draws.basis`): embeddings are drawn there, every weight reading the stream
+      reads only them and every weight writing it writes only into them, with the same
+      pre-activation and update scales. Rounding noise in a weight fills every hidden dim, so only
+      about rank / hidden of its power meets the signal, as in trained weights whose activations
+      align with a few large singular directions (docs/workloads.md, "Robustness").
     Drawn in float32 from one generator seeded with `seed`, in a fixed order, then cast.
     """
     p = PROFILES[profile]
     s = SHAPES[shape]
     h, layers = s["hidden"], s["layers"]
-    n_pos = max(1, round(POSITION_DIMS * h))
-    d = _Draws(gen=torch.Generator().manual_seed(seed), dtype=dtype, hidden=h, ffn=s["ffn"], n_pos=n_pos,
+    gen = torch.Generator().manual_seed(seed)
+    dims = h if p.rank is None else min(p.rank, h // 4)
+    basis = None if p.rank is None else _basis(gen, h, dims)
+    n_pos = max(1, round(POSITION_DIMS * dims))
+    d = _Draws(gen=gen, dtype=dtype, hidden=h, ffn=s["ffn"], dims=dims, n_pos=n_pos,
                pos_std=INIT_STD * math.sqrt(p.position_share / (1.0 - p.position_share) * h / n_pos),
                embed_std=INIT_STD / math.sqrt(1.0 - p.position_share),
-               update=math.sqrt(p.update_share / (2 * layers)))
+               update=math.sqrt(p.update_share / (2 * layers)), basis=basis)
     sd = _embeddings(d, p, vocab=s["vocab"], max_positions=s["max_positions"])
     readout_inputs = _readout_inputs(d)
     n_out, magnitude, share = p.outliers.get(shape, (0, 1.0, 0.0))
@@ -226,8 +274,10 @@ def profile_tensors(shape: str, *, seed: int, profile: str, dtype: torch.dtype =
         sd.update(_ffn(d, p, pre, gain, density, readout=readout_inputs if i == layers - 1 else None))
         if progress is not None:
             progress(i + 1, layers)
-    # logits = embed_tokens @ (gain * LayerNorm(x)): std gain * INIT_STD * sqrt(h)
-    sd["model.decoder.final_layer_norm.weight"] = torch.full((h,), p.logit_std / (INIT_STD * math.sqrt(h)), dtype=dtype)
+    # logits = embed_tokens @ (gain * LayerNorm(x)): std gain * INIT_STD * sqrt(h), or, token rows and
+    # LayerNorm output both in the stream's `dims` directions, gain * INIT_STD * h / sqrt(dims)
+    logit_gain = INIT_STD * (math.sqrt(h) if d.basis is None else h / math.sqrt(d.dims))
+    sd["model.decoder.final_layer_norm.weight"] = torch.full((h,), p.logit_std / logit_gain, dtype=dtype)
     sd["model.decoder.final_layer_norm.bias"] = torch.zeros(h, dtype=dtype)
     return sd
 
@@ -239,11 +289,13 @@ def _embeddings(d: _Draws, p: SynthProfile, *, vocab: int, max_positions: int) -
     phase = torch.rand(POSITION_FEATURES, generator=d.gen, dtype=torch.float64) * 2 * math.pi
     t = torch.arange(max_positions + 2, dtype=torch.float64) - 2  # OPT's positions carry an offset of 2
     basis = (math.sqrt(2.0 / POSITION_FEATURES) * torch.cos(t[:, None] * omega + phase)).float()
-    positions = torch.zeros(max_positions + 2, d.hidden)
+    positions = torch.zeros(max_positions + 2, d.dims)
     positions[:, :d.n_pos] = basis @ d.normal(POSITION_FEATURES, d.n_pos, std=d.pos_std)
+    # token rows of norm INIT_STD * sqrt(hidden) in the stream's directions
+    tokens = d.normal(vocab, d.dims, std=INIT_STD * math.sqrt(d.hidden / d.dims))
     return {
-        "model.decoder.embed_tokens.weight": d.normal(vocab, d.hidden, std=INIT_STD).to(d.dtype),
-        "model.decoder.embed_positions.weight": positions.to(d.dtype),
+        "model.decoder.embed_tokens.weight": d.stream(tokens).to(d.dtype),
+        "model.decoder.embed_positions.weight": d.stream(positions).to(d.dtype),
     }
 
 
@@ -252,10 +304,11 @@ def _readout_inputs(d: _Draws) -> tuple[torch.Tensor, torch.Tensor]:
     READOUT_POSITION of their weight, so the next token follows the token and its context more
     than its position. Its pre-activation std is over LayerNorm(token + position), whose
     per-dim variance is (tok^2 [+ pos^2]) / embed^2."""
-    variance = torch.full((d.hidden,), INIT_STD ** 2)
+    variance = torch.full((d.dims,), INIT_STD ** 2 * (d.hidden / d.dims))
     variance[:d.n_pos] += d.pos_std ** 2
     variance /= variance.mean()
-    columns = torch.ones(d.hidden)
+    variance *= d.hidden / d.dims  # the LayerNorm output's norm is sqrt(hidden) over `dims` directions
+    columns = torch.ones(d.dims)
     columns[:d.n_pos] = READOUT_POSITION
     return columns, variance
 
@@ -268,10 +321,10 @@ def _attention(d: _Draws, pre: str, gain: torch.Tensor) -> dict[str, torch.Tenso
         sd[pre + f"{norm}.weight"] = gain.to(dtype, copy=True)
         sd[pre + f"{norm}.bias"] = torch.zeros(h, dtype=dtype)
     for proj in ("q_proj", "k_proj", "v_proj"):
-        sd[pre + f"self_attn.{proj}.weight"] = (d.normal(h, h) / gain).to(dtype)
+        sd[pre + f"self_attn.{proj}.weight"] = d.read(h, gain).to(dtype)
         sd[pre + f"self_attn.{proj}.bias"] = torch.zeros(h, dtype=dtype)
     # (h, h) @ v: entries ~ std * sqrt(h) * (INIT_STD * sqrt(h)); scaled to `update` x embed_std
-    sd[pre + "self_attn.out_proj.weight"] = d.normal(h, h, std=d.update * d.embed_std / (INIT_STD * h)).to(dtype)
+    sd[pre + "self_attn.out_proj.weight"] = d.write(h, d.update * d.embed_std / (INIT_STD * h)).to(dtype)
     sd[pre + "self_attn.out_proj.bias"] = torch.zeros(h, dtype=dtype)
     return sd
 
@@ -281,11 +334,10 @@ def _ffn(d: _Draws, p: SynthProfile, pre: str, gain: torch.Tensor, density: floa
     """One layer's fc1 (each neuron's bias its own offset: mean density `density`) and fc2
     (scaled so the update is `update`, or for the readout `p.readout`, times the embedding)."""
     h, f, dtype = d.hidden, d.ffn, d.dtype
-    fc1 = d.normal(f, h) / gain
+    fc1 = d.read(f, gain, None if readout is None else readout[0])
     std = INIT_STD * math.sqrt(h)  # std of a neuron's fc1 pre-activation before its bias
     if readout is not None:
         columns, variance = readout
-        fc1 *= columns
         std = INIT_STD * math.sqrt(float((columns ** 2 * variance).sum()))
     mu = NormalDist().inv_cdf(density) * math.sqrt(1.0 + p.rate_spread ** 2)  # mean of Phi(mu + spread Z) = density
     offsets = (mu + p.rate_spread * torch.randn(f, generator=d.gen, dtype=torch.float64))
@@ -293,7 +345,7 @@ def _ffn(d: _Draws, p: SynthProfile, pre: str, gain: torch.Tensor, density: floa
     m = offsets
     square = float(((m * m + 1) * torch.special.ndtr(m) + m * torch.exp(-m * m / 2) / math.sqrt(2 * math.pi)).mean())
     scale = p.readout if readout is not None else d.update
-    fc2 = d.normal(h, f, std=scale * d.embed_std / (std * math.sqrt(f * square)))
+    fc2 = d.write(f, scale * d.embed_std / (std * math.sqrt(f * square)))
     bias = torch.zeros(h)
     if readout is not None:  # centred: its bias cancels the mean output, E[relu(z)] = std (m Phi(m) + phi(m)), so
         # no token is favoured by every input (measured: uncentred, greedy decode fell into repeats)
@@ -301,3 +353,18 @@ def _ffn(d: _Draws, p: SynthProfile, pre: str, gain: torch.Tensor, density: floa
         bias = -(fc2.double() @ mean).float()
     return {pre + "fc1.weight": fc1.to(dtype), pre + "fc1.bias": (offsets * std).to(dtype),
             pre + "fc2.weight": fc2.to(dtype), pre + "fc2.bias": bias.to(dtype)}
+
+
+def profile_model(shape: str, *, seed: int, profile: str, dtype: torch.dtype) -> torch.nn.Module:
+    """Stock transformers' OPTForCausalLM holding `profile_tensors`, in host memory, never written to
+    disk: the same weights `synth_checkpoint` writes (bench/robustness.py draws large shapes this way)."""
+    from transformers import OPTConfig, OPTForCausalLM
+
+    from packbench.engine.checkpoint import assign_state
+
+    config = OPTConfig(**opt_config(shape, str(dtype).removeprefix("torch.")))
+    config._attn_implementation = "eager"  # as engine.checkpoint.build_model
+    with torch.device("meta"):
+        model = OPTForCausalLM(config)
+    assign_state(model, profile_tensors(shape, seed=seed, profile=profile, dtype=dtype), Path(f"<profile {profile} {shape}>"))
+    return model.to(dtype)

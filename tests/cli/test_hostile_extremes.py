@@ -501,9 +501,10 @@ FILE_ARGS = {  # (command, parameter) -> the command line with F where the hosti
     (("audit", "reexecute"), "--trust"): ["audit", "reexecute", "--archive", str(ARCHIVE), "--trust", "F"],
 }
 # Directories to write into, read by a worker, or checked by their own tests (test_hostile_input.py
-# for --archive-dir, the key test above for --signing-key).
+# for --archive-dir, the key test above for --signing-key); model stats --figure is an SVG written,
+# never read (tests/cli/test_model_moe.py).
 NOT_READ_HERE = {((), "--model-cache"), ((), "--signing-key"), (("submit",), "--archive-dir"),
-                 (("dispatch",), "--archive-dir")}
+                 (("dispatch",), "--archive-dir"), (("model", "stats"), "--figure")}
 
 
 def file_parameters() -> set[tuple[tuple[str, ...], str]]:

@@ -95,7 +95,7 @@ def test_results_screen_view_is_unchanged(db):
     """`results --screen N --json` keeps the summary shape `submit --json` prints."""
     summary = json.loads(invoke(db, "results", "--screen", "2", "--json").stdout)
     assert set(summary) == {"screen_id", "status", "protocol", "protocol_sha256", "attempt", "archive_path",
-                            "archive_sha256", "error", "audit", "verdicts", "episodes", "spread"}
+                            "archive_sha256", "error", "audit", "verdicts", "episodes", "spread", "fidelity_caveat"}
     assert summary["screen_id"] == 2 and [e["index"] for e in summary["episodes"]] == [0, 1, 2, 3]
     assert set(summary["episodes"][0]) == {"index", "condition", "tier", "role", "prompt", "status", "tokens",
                                            "h2d_bytes", "d2h_bytes", "wall_s"}  # tier: exact or approximate

@@ -22,12 +22,22 @@ TINY = {"shape": "tiny", "dtype": "float32", "seed": 0}
 
 
 def test_a_new_synth_without_sparsity_is_the_calibrated_profile_written_out():
-    frozen = freeze(protocol(TINY))
+    frozen = freeze(protocol(TINY, schema=7))
     assert frozen.body["model"] == {"synth": {**TINY, "profile": DEFAULT_PROFILE}}
     assert frozen.body["schema"] == 2  # schema 4 is never frozen: its default is written out
     assert expand(frozen.body).model.synth.as_dict() == {**TINY, "profile": "opt"}
     assert validate(frozen.body) == frozen.body  # a frozen body validates to itself
     assert freeze(protocol({**TINY, "profile": "opt"})).sha256 == frozen.sha256  # said or defaulted: one hash
+
+
+def test_schema_8_means_opt2_and_every_older_synth_keeps_its_body_and_hash():
+    """A synth without profile is opt2 from schema 8 on (written out: the body says 2); the same
+    file declaring schema 4 to 7 still means opt, with the hash it always had."""
+    newest = freeze(protocol(TINY))
+    assert newest.body["model"] == {"synth": {**TINY, "profile": "opt2"}} and newest.body["schema"] == 2
+    assert freeze(protocol({**TINY, "profile": "opt2"}, schema=4)).sha256 == newest.sha256  # said: any schema >= 4
+    older = {freeze(protocol(TINY, schema=s)).sha256 for s in (4, 5, 6, 7)}
+    assert older == {freeze(protocol({**TINY, "profile": "opt"})).sha256} and newest.sha256 not in older
 
 
 def test_a_uniform_sparsity_freezes_as_every_older_schema_froze_it():

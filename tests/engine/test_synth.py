@@ -140,3 +140,72 @@ def test_outlier_features_meet_the_linear_layers_and_leave_the_activations_alone
         noisy = (x * loud[pre + norm + ".weight"]) @ loud[pre + name + ".weight"].T
         assert torch.allclose(quiet, noisy, atol=1e-5)
     assert (x * loud[pre + "final_layer_norm.weight"]).abs().max() > 20
+
+
+# ----------------------------------------------------------------------------- robustness (profile opt2)
+
+
+def test_the_opt_profile_draws_the_weights_it_always_drew(tmp_path):
+    """opt2 is a new name beside opt: opt's weights, which frozen protocols name, stay byte for byte
+    (a change in the shared draw code that moved them would show here)."""
+    path = synth_checkpoint(tmp_path / "t", shape="tiny", dtype="float32", seed=0, profile="opt")
+    assert digest(path) == "73238767d175ada2f3bcb439a622d34b85962068d88f1dd4e629a4212c5d4818"
+
+
+def test_opt2_is_deterministic_and_lives_in_a_low_rank_stream(tmp_path):
+    a = synth_checkpoint(tmp_path / "a", shape="tiny", dtype="float32", seed=3, profile="opt2")
+    b = synth_checkpoint(tmp_path / "b", shape="tiny", dtype="float32", seed=3, profile="opt2")
+    c = synth_checkpoint(tmp_path / "c", shape="tiny", dtype="float32", seed=4, profile="opt2")
+    assert digest(a) == digest(b) != digest(c)
+    sd = build_model(a, dtype=torch.float32).state_dict()
+    rank = lambda w: int(torch.linalg.matrix_rank(w.double(), rtol=1e-5))  # noqa: E731
+    # tiny: hidden 64, the stream's rank capped at 64 / 4; readers' columns and writers' rows span it
+    assert rank(sd["model.decoder.embed_tokens.weight"]) == 16
+    assert rank(sd["model.decoder.layers.0.fc1.weight"]) == 16 and rank(sd["model.decoder.layers.1.fc2.weight"]) == 16
+    assert rank(sd["model.decoder.layers.0.self_attn.q_proj.weight"]) == 16
+
+
+def robustness_of(path, *, prompts: int, prefix: int, sampled: int):
+    import numpy as np
+
+    from packbench.engine.robustness import robustness
+
+    rng = np.random.Generator(np.random.PCG64(0))
+    vocab = read_config(path)["vocab_size"]
+    ids = [[2] + rng.integers(4, vocab, size=prefix - 1).tolist() for _ in range(prompts)]
+    return robustness(path, ids, sampled=sampled, seed=0, text=False)
+
+
+def test_opt2_responds_to_quantization_like_real_opt_on_opt_125m(tmp_path):
+    """The calibrated targets on the CPU's largest practical shape: int8 per-channel <= 0.003 nats
+    (real OPT: <= 0.002, optimum-quanto) and int4 per-channel RTN within 1.5x of GPTQ's Table 3
+    (ln(37.28 / 27.65) = 0.299), while every activation statistic keeps opt's targets. On the
+    model's own sampled text, the mean KL is the expected dCE with far less noise: it is what is
+    checked. Profile opt (measured alike): int8 0.0071, int4 per-channel 1.57, group-128 0.50."""
+    torch.set_num_threads(1)
+    path = synth_checkpoint(tmp_path / "m", shape="opt-125m", dtype="float32", seed=0, profile="opt2")
+    r = robustness_of(path, prompts=4, prefix=16, sampled=32)
+    assert r["int8-channel"]["mean_kl"] <= 0.003
+    assert 0.299 / 1.5 <= r["int4-channel"]["mean_kl"] <= 0.299 * 1.5, r["int4-channel"]
+    assert r["int4-g128"]["mean_kl"] < r["int4-channel"]["mean_kl"] and r["nf4-b64"]["mean_kl"] < 0.25
+    s = profile_stats(path, prefix=128)
+    from packbench.core.registry import PROFILES
+
+    p = PROFILES["opt2"]
+    assert within(s["density"]["decode"], p.density["opt-125m"]) and within(s["overlap"]["decode_next"], 0.494)
+    assert within(s["hot"]["0.8"], 0.26) and within(s["next_token"]["entropy_nats"], 2.52)
+    assert 0.25 < s["union"]["32"] < s["union"]["128"] < 0.75
+
+
+def test_opt2_on_the_tiny_shape_is_far_less_fragile_than_opt(tmp_path):
+    """tiny has no real figure: the stated target is int8 per-channel <= 0.003 nats and int4
+    group-128 at most half of opt's (measured: opt2 0.11 against opt 0.59 mean KL)."""
+    old, new = (robustness_of(synth_checkpoint(tmp_path / name, shape="tiny", dtype="float32", seed=0, profile=name),
+                              prompts=4, prefix=16, sampled=64) for name in ("opt", "opt2"))
+    assert new["int8-channel"]["mean_kl"] <= 0.003
+    assert new["int4-g128"]["mean_kl"] <= 0.5 * old["int4-g128"]["mean_kl"]
+    s = profile_stats(synth_checkpoint(tmp_path / "s", shape="tiny", dtype="float32", seed=0, profile="opt2"),
+                      prefix=64, prompts=4)
+    from packbench.core.registry import PROFILES
+
+    assert within(s["density"]["decode"], PROFILES["opt2"].density["tiny"], 0.3) and s["next_token"]["top1_prob"] > 0.3

@@ -23,6 +23,9 @@ Schema 7 adds `passes`: `together` (the default, left out of the body: one measu
 episode, its ledger and sampler inside the timed calls) or `separate` (a timing pass with the
 ledger and the sampler off, then a recording pass with them on; engine/worker.py). A protocol
 with `passes: separate` freezes as 7; any other keeps the body and hash it had.
+Schema 8 is schema 7 where a `model.synth` without `sparsity` or `profile` means profile `opt2`
+(core.registry.NEWEST_PROFILE: `opt`'s statistics and real OPT's response to weight quantization),
+written out like schema 4's, so it freezes as the schema 7 and lower bodies do and no body says 8.
 Every rule a field obeys is written once, here; docs/protocol.md describes them for users.
 """
 
@@ -51,7 +54,7 @@ from packbench.core.registry import (
     SCHEMA3_DEFAULTS,
     SHAPES,
     SYNTH_SHAPES,
-    DEFAULT_PROFILE,
+    default_profile,
     fastest_mode,
     exact_reference,
     mode_refusal,
@@ -64,8 +67,8 @@ from packbench.core.registry import (
     synth_spec,
 )
 
-SCHEMA_VERSION = 7  # the newest schema this packbench reads: what a YAML without `schema:` means
-SCHEMAS = (1, 2, 3, 4, 5, 6, 7)  # every schema it reads; frozen bodies say 1, 2, 5, 6 or 7 (module docstring)
+SCHEMA_VERSION = 8  # the newest schema this packbench reads: what a YAML without `schema:` means
+SCHEMAS = (1, 2, 3, 4, 5, 6, 7, 8)  # every schema it reads; frozen bodies say 1, 2, 5, 6 or 7 (module docstring)
 COMPETITOR_SCHEMA = 5  # the first schema that can say a competitor condition or a fidelity gate
 MODE_SCHEMA = 6  # the first schema that can say a competitor's `mode` (a kind's own schema: its `since`)
 PASSES_SCHEMA = 7  # the first schema that can say `passes`
@@ -127,7 +130,7 @@ def _model(value: Any, *, schema: int) -> dict:
         "shape": True, "dtype": True, "sparsity": uniform and schema < 4, "seed": True, "hot_fraction": False,
         "hot_bias": False, "profile": False})
     if "profile" not in s and "sparsity" not in s:
-        s = {**s, "profile": DEFAULT_PROFILE}
+        s = {**s, "profile": default_profile(schema)}
     try:
         return {"synth": synth_spec(**s)}
     except SynthArgumentError as e:

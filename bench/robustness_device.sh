@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# One device call (issue 42): the synthetic profiles' response to weight quantization at the four
+# real OPT shapes, beside real OPT's published figures (docs/workloads.md, "Robustness").
+# Each shape is drawn on the host from the profile's seed (the same weights `model synth` writes),
+# moved to the GPU in fp16, then 8 prompts x 128 generated tokens + 128 tokens it samples are
+# teacher-forced through the fp16 model and each fake-quantized variant (bench/robustness.py).
+# The four shapes run side by side (one process each), the profiles one after another in it.
+# Full logs and JSON under $OUT (or ./robustness-out); the table last. Run from the project root
+# with .whl carried:  bash bench/robustness_device.sh
+#   PROFILES="opt2 opt" (default; the first is the table's ratio column), SHAPES="opt-1.3b opt-2.7b
+#   opt-6.7b opt-13b", PROMPTS=8, PREFIX=128, SAMPLED=128.
+# CPU dry run: SKIP_WHEELS=1 DEVICE=cpu DTYPE=float32 SHAPES=tiny PROMPTS=2 PREFIX=16 SAMPLED=16 bash bench/robustness_device.sh
+# The byte rows of docs/workloads.md on profile opt2: PROFILE=opt2 ONLY=A bash bench/workloads_device.sh
+set -uo pipefail
+root=$PWD
+out=${OUT:-$root/robustness-out}; mkdir -p "$out"
+source bench/device_common.sh
+install_wheels
+export RAY_AUTH_MODE=disabled
+command -v nvidia-smi >/dev/null && device_header
+shapes=${SHAPES:-opt-1.3b opt-2.7b opt-6.7b opt-13b}
+profiles=${PROFILES:-opt2 opt}
+pids=()
+start=$(date +%s)
+for shape in $shapes; do
+  (
+    for profile in $profiles; do
+      left=$(( start + ${BUDGET_S:-570} - $(date +%s) ))  # the call's 10 minutes: what is left of them
+      [ "$left" -gt 30 ] || { echo "== $shape $profile skipped: ${left} s left"; continue; }
+      timeout "$left" python3 -m bench.robustness --shape "$shape" --profile "$profile" --dtype "${DTYPE:-float16}" \
+        --device "${DEVICE:-cuda}" --prompts "${PROMPTS:-8}" --prefix "${PREFIX:-128}" --sampled "${SAMPLED:-128}" \
+        --json "$out/$shape-$profile.json" > "$out/$shape-$profile.log" 2>&1
+      echo "== $shape $profile rc $?"; grep -E "dCE|drawn" "$out/$shape-$profile.log"
+    done
+  ) &
+  pids+=($!)
+done
+wait "${pids[@]}"
+files=()
+for profile in $profiles; do for shape in $shapes; do
+  [ -f "$out/$shape-$profile.json" ] && files+=("$out/$shape-$profile.json")
+done; done
+echo; python3 -m bench.robustness table "${files[@]}" | tee "$out/table.md"

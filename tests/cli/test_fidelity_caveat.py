@@ -1,0 +1,32 @@
+"""A fidelity verdict judged on a synthetic checkpoint not calibrated for robustness says so
+(terminal table, screen JSON, report page)."""
+
+from packbench.cli.summary import fidelity_caveat, verdict_table
+
+FIDELITY = {"gate": "fidelity", "condition": "int8", "phase": "all", "passed": False, "value": 0.01,
+            "threshold": 0.002, "detail": "mean KL 0.01 (bound <= 0.002)"}
+RUNTIME = {**FIDELITY, "gate": "runtime", "passed": True, "detail": None}
+
+
+def test_the_caveat_rides_with_fidelity_verdicts_on_uncalibrated_synthetic_checkpoints():
+    opt = {"shape": "opt-2.7b", "dtype": "float16", "seed": 0, "profile": "opt"}
+    caveat = fidelity_caveat(opt, [RUNTIME, FIDELITY])
+    assert "not calibrated for robustness" in caveat and "profile opt, opt-2.7b" in caveat
+    assert fidelity_caveat({**opt, "profile": "opt2"}, [FIDELITY]) is None  # calibrated there
+    assert fidelity_caveat(opt, [RUNTIME]) is None  # no fidelity verdict: nothing to qualify
+    assert fidelity_caveat(None, [FIDELITY]) is None  # a real checkpoint (model.path)
+    assert verdict_table([FIDELITY], caveat=caveat).splitlines()[-1] == f"fidelity: {caveat}"
+    assert "fidelity:" not in verdict_table([FIDELITY])
+
+
+def test_the_report_page_prints_it_under_the_verdicts():
+    from types import SimpleNamespace
+
+    from packbench.cli.report_page import verdict_section
+    from packbench.core.protocol.spec import SynthSpec
+
+    synth = SynthSpec(shape="opt-13b", dtype="float16", seed=0, profile="opt")
+    s = SimpleNamespace(verdicts=[FIDELITY], protocol=SimpleNamespace(
+        model=SimpleNamespace(synth=synth), conditions=[], dtype="float16"))
+    html = verdict_section(s)
+    assert "not calibrated for robustness" in html and "profile opt, opt-13b" in html

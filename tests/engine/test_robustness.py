@@ -1,0 +1,127 @@
+"""`packbench model stats --robustness`: fake quantization and the statistics against values
+computed by hand, and the measurement on a tiny model."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from packbench.engine.robustness import (NF4_CODE, absmax_symmetric, decoder_linears, mean_interval, measure,
+                                         minmax_asymmetric, nf4_blocks, real_opt, sample_continuations, summarise,
+                                         token_figures)
+
+
+def test_absmax_is_per_row_and_symmetric():
+    """2 bits: levels -1, 0, 1 times each row's own absmax (a per-tensor scale would give row 2 zeros)."""
+    w = torch.tensor([[1.0, -0.4, 0.6], [0.5, 0.2, -0.3]])
+    assert absmax_symmetric(w, bits=2).tolist() == [[1.0, 0.0, 1.0], [0.5, 0.0, -0.5]]
+    x = torch.randn(4, 256, generator=torch.Generator().manual_seed(0))
+    step = x.abs().amax(1, keepdim=True) / 127
+    assert ((absmax_symmetric(x, bits=8) - x).abs() <= step / 2 + 1e-7).all()
+
+
+def test_minmax_has_an_integer_zero_point_and_groups():
+    # row 2: low -1, high 2, scale 1, zero 1: 0.4 -> 0, 1.6 -> 2
+    w = torch.tensor([[0.0, 3.0, 1.4, 2.6], [-1.0, 2.0, 0.4, 1.6]])
+    assert minmax_asymmetric(w, bits=2).tolist() == [[0.0, 3.0, 1.0, 3.0], [-1.0, 2.0, 0.0, 2.0]]
+    # groups of 2 keep the small group's resolution (per row, 0.3 rounds to 0)
+    w = torch.tensor([[0.0, 0.3, 0.0, 3.0]])
+    assert minmax_asymmetric(w, bits=2).tolist() == [[0.0, 0.0, 0.0, 3.0]]
+    assert torch.allclose(minmax_asymmetric(w, bits=2, group=2), w)
+    # a row shorter than the group is one group (the tiny shape's 64-wide rows at group 128)
+    assert torch.equal(minmax_asymmetric(w, bits=2, group=128), minmax_asymmetric(w, bits=2))
+
+
+def test_nf4_maps_each_block_to_the_nearest_code_value():
+    w = torch.tensor([[1.0, 0.5], [-2.0, 0.1]])
+    # block 1: absmax 1, 0.5 is nearer 0.4407 than 0.5626; block 2: absmax 2, 0.05 is nearer 0.0796 than 0
+    expected = [[1.0, NF4_CODE[12]], [-2.0, 2 * NF4_CODE[8]]]
+    assert torch.allclose(nf4_blocks(w, block=2), torch.tensor(expected))
+
+
+def test_token_figures_by_hand():
+    ref = torch.tensor([[math.log(3.0), 0.0], [0.0, math.log(3.0)]])  # p = (3/4, 1/4), (1/4, 3/4)
+    out = torch.tensor([[0.0, math.log(3.0)], [0.0, math.log(3.0)]])  # q = (1/4, 3/4) twice
+    f = token_figures(ref, out, torch.tensor([0, 1]))
+    assert f["dce"] == pytest.approx([math.log(3.0), 0.0], abs=1e-6)  # -ln(1/4) + ln(3/4); unchanged
+    assert f["kl"] == pytest.approx([0.75 * math.log(3.0) + 0.25 * math.log(1 / 3), 0.0], abs=1e-6)
+    assert f["agree"].tolist() == [False, True]
+
+
+def test_the_interval_treats_sequences_as_the_units():
+    # tokens 1, 3 | 5: pooled mean 3; residual sums -2, +2; se = sqrt(8 * 2) / 3; t(1 df) = 12.706
+    mean, low, high = mean_interval([np.array([1.0, 3.0]), np.array([5.0])])
+    assert mean == 3.0 and high - mean == pytest.approx(12.706 * 4 / 3) and mean - low == pytest.approx(12.706 * 4 / 3)
+    # identical sequence means: no spread, however noisy the tokens
+    assert mean_interval([np.array([0.0, 4.0]), np.array([2.0, 2.0])])[1:] == (2.0, 2.0)
+    assert all(math.isnan(x) for x in mean_interval([np.array([1.0, 2.0])])[1:])
+
+
+def test_summarise_by_hand():
+    seqs = [{"dce": np.array([0.1, 0.3]), "kl": np.array([0.0, 1.0]), "agree": np.array([True, False])},
+            {"dce": np.array([0.2]), "kl": np.array([0.5]), "agree": np.array([True])}]
+    s = summarise(seqs)
+    assert s["dce"] == pytest.approx(0.2) and s["mean_kl"] == pytest.approx(0.5) and s["top1"] == pytest.approx(2 / 3)
+    assert s["p99_kl"] == pytest.approx(np.percentile([0.0, 1.0, 0.5], 99)) and s["tokens"] == 3 and s["sequences"] == 2
+
+
+def test_real_opt_figures_name_their_sources():
+    figures = real_opt("opt-2.7b")
+    assert figures["int4-channel"]["ln_ratio"] == pytest.approx(0.305, abs=0.001)
+    assert figures["int4-g128"]["ln_ratio"] == 0.043 and "AffineQuant" in figures["int4-g128"]["source"]
+    assert real_opt("tiny") == {}
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tiny):
+    from packbench.engine.checkpoint import build_model
+
+    return build_model(tiny, dtype=torch.float32)
+
+
+def test_measure_restores_the_weights_and_leaves_embeddings_alone(tiny, tiny_model):
+    """A variant quantizes the decoder's Linears only, and every weight is the original afterwards
+    (else the next variant would quantize quantized weights)."""
+    before = {k: v.clone() for k, v in tiny_model.state_dict().items()}
+    assert len(decoder_linears(tiny_model)) == 6 * tiny_model.config.num_hidden_layers
+    seqs = sample_continuations(tiny_model, [[2, 5, 9, 11]] * 2, tokens=8, seed=0, device="cpu")
+    assert [len(s) for s in seqs] == [12, 12] and seqs[0] != seqs[1]  # sampled, not greedy
+    out = measure(tiny, seqs, score_from=[4, 4], model=tiny_model)
+    after = tiny_model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert set(out) == {"int8-channel", "int4-channel", "int4-g128", "nf4-b64"}
+    assert out["int8-channel"]["tokens"] == 16 and out["int8-channel"]["mean_kl"] < out["int4-channel"]["mean_kl"]
+
+
+def test_model_stats_robustness_prints_json_a_table_and_refuses_bad_options(tiny):
+    import json
+
+    from typer.testing import CliRunner
+
+    from packbench.cli.main import app
+    from packbench.core.errors import PackbenchError
+
+    args = ["model", "stats", str(tiny), "--robustness", "--prefix", "8", "--sampled", "8", "--count", "2"]
+    r = CliRunner().invoke(app, [*args, "--json"])
+    assert r.exit_code == 0, r.output
+    s = json.loads(r.stdout)
+    assert set(s["variants"]) == {"int8-channel", "int4-channel", "int4-g128", "nf4-b64"}
+    v = s["variants"]["int4-g128"]
+    assert v["tokens"] == 16 and v["sequences"] == 2 and v["dce_low"] <= v["dce"] <= v["dce_high"] and v["real_opt"] is None
+    # the session's tiny checkpoint is profile opt: its fidelity figures carry the caveat
+    assert "not calibrated for robustness" in s["model"]["caveat"]
+    r = CliRunner().invoke(app, args)
+    assert r.exit_code == 0 and "int4 group-128 RTN" in r.stdout and "not calibrated for robustness" in r.stdout
+    r = CliRunner().invoke(app, [*args[:4], "--prefix", "2040", "--sampled", "16"])
+    assert isinstance(r.exception, PackbenchError) and str(r.exception) == ("--prefix 2040 + --sampled 16 - 1 = 2055 positions, but the model has 256; "
+                                                                  "lower --prefix or --sampled")
+
+
+def test_the_caveat_names_uncalibrated_checkpoints_only():
+    from packbench.core.registry import robustness_caveat
+
+    assert robustness_caveat({"shape": "opt-2.7b", "profile": "opt2"}) is None
+    assert "profile opt, opt-2.7b" in robustness_caveat({"shape": "opt-2.7b", "profile": "opt"})
+    assert "uniform recipe" in robustness_caveat({"shape": "opt-2.7b", "sparsity": 0.94})
+    assert "profile opt2, tiny" in robustness_caveat({"shape": "tiny", "profile": "opt2"})
