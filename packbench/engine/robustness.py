@@ -189,7 +189,9 @@ def sample_continuations(model: torch.nn.Module, prompts: list[list[int]], *, to
         for prompt in prompts:
             ids, cache, seq = torch.tensor([prompt], device=device), DynamicCache(config=model.config), list(prompt)
             for _ in range(tokens):
-                logits = model(input_ids=ids, cache=cache, use_cache=True).logits[0, -1].float().cpu()
+                # The cache positionally: transformers 5.25 names it `cache`, 5.17 `past_key_values`, and a
+                # misspelt keyword is swallowed by **kwargs (every token sampled without its context).
+                logits = model(ids, None, cache, use_cache=True).logits[0, -1].float().cpu()
                 nxt = int(torch.multinomial(torch.softmax(logits, -1), 1, generator=gen))
                 seq.append(nxt)
                 ids = torch.tensor([[nxt]], device=device)

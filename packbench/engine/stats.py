@@ -67,7 +67,7 @@ def measure(model_dir: Path, prompts: list[list[int]], *, continuation: int, dty
                 ids, cache = torch.tensor([prompt], device=device), DynamicCache(config=model.config)
                 for _ in range(continuation):
                     masks.clear()
-                    out = model(input_ids=ids, cache=cache, use_cache=True)
+                    out = model(ids, None, cache, use_cache=True)  # positional: 5.17 calls it past_key_values
                     logp = torch.log_softmax(out.logits[0].float(), dim=-1)  # (T, vocab)
                     entropy.append(-(logp.exp() * logp).sum(-1).cpu())
                     top1.append(logp.max(-1).values.exp().cpu())

@@ -94,6 +94,22 @@ def test_measure_restores_the_weights_and_leaves_embeddings_alone(tiny, tiny_mod
     assert out["int8-channel"]["tokens"] == 16 and out["int8-channel"]["mean_kl"] < out["int4-channel"]["mean_kl"]
 
 
+def test_each_sampled_token_sees_its_whole_context(tiny_model):
+    """Sampling through the KV cache draws what a full forward of the sequence so far would: the
+    same seeded draws over the same distributions give the same tokens. Catches the cache passed
+    under a name the installed transformers does not take (5.17 says `past_key_values`, 5.25
+    `cache`): the keyword vanishes into **kwargs, every token is drawn without its context, and
+    the model's "own" text is no longer its own (dCE on it came out below zero on the H200)."""
+    prompt = [2, 5, 9, 11]
+    (cached,) = sample_continuations(tiny_model, [prompt], tokens=12, seed=3, device="cpu")
+    gen, seq = torch.Generator().manual_seed(3), list(prompt)
+    with torch.inference_mode():
+        for _ in range(12):
+            logits = tiny_model(torch.tensor([seq])).logits[0, -1].float()
+            seq.append(int(torch.multinomial(torch.softmax(logits, -1), 1, generator=gen)))
+    assert cached == seq
+
+
 def test_model_stats_robustness_prints_json_a_table_and_refuses_bad_options(tiny):
     import json
 
