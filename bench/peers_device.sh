@@ -16,8 +16,8 @@ source bench/device_common.sh
 product_env
 # The peers' wheels even on a warm machine whose /tmp/site already holds ray (install_wheels skips then).
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-  .whl/deepspeed-*.whl .whl/hjson-*.whl .whl/py_cpuinfo-*.whl .whl/ninja-*.whl .whl/einops-*.whl \
-  .whl/flexgen-*.whl 2>&1 | tail -2
+  $(ls .whl/*.whl | grep -v '/ray-') 2>&1 | tail -2
+python3 -c "import deepspeed" 2>&1 | tail -1  # DeepSpeed's import-time needs, shown before the screen
 device_header | tee "$out/header.txt"
 start=$(date +%s)
 cat > "$work/peers.yaml" <<YAML
