@@ -8,7 +8,7 @@
 # same checkpoint: it runs or prints its exact error. Budget: one call under 10 minutes (DEADLINE).
 # Carry .whl, built here first (deepspeed is an sdist, built against the local torch):
 #   pip wheel --no-build-isolation --no-deps deepspeed==0.19.8 -w .whl
-#   EXTRA="hjson py-cpuinfo ninja einops msgpack psutil pydantic pydantic-core annotated-types typing-inspection flexgen==0.1.8 pulp attrs" bash ../shared/device/wheelhouse.sh
+#   EXTRA="hjson py-cpuinfo ninja einops msgpack psutil pydantic pydantic-core annotated-types typing-inspection typing-extensions flexgen==0.1.8 pulp attrs" bash ../shared/device/wheelhouse.sh
 #   bash bench/peers_device.sh      (run with carry [".whl"])
 set -uo pipefail
 root=$PWD; out=${OUT:-$root/peers-out}; mkdir -p "$out"
