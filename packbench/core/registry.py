@@ -95,8 +95,13 @@ def exact_reference(conditions: Mapping[str, tuple[str, Mapping[str, Any]]], ref
     return None
 
 
-def lowbit_fix() -> str:
-    return f"pip install 'packbench[{LOWBIT_EXTRA}]'"
+def lowbit_fix(extra: str = LOWBIT_EXTRA) -> str:
+    return f"pip install 'packbench[{extra}]'"
+
+
+def library_fix(policy: str) -> str:
+    """The install command that brings competitor `policy`'s library (its kind's extra)."""
+    return lowbit_fix(kind_of(policy).competitor.extra)
 
 
 def missing_library(method: str) -> str | None:

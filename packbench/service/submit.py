@@ -44,16 +44,17 @@ def screen_prompts(protocol: Protocol, *, vocab: int, model_dir: Path | None,
 def check_libraries(protocol: Protocol) -> None:
     """A competitor whose library is not installed here is refused before anything is queued
     (found without importing it): one line naming the condition and the extra that brings it."""
-    from packbench.core.registry import COMPETITOR_PARAMS, lowbit_fix, missing_library
+    from packbench.core.registry import COMPETITOR_PARAMS, competitor_library, library_fix, missing_library
 
     for i, c in enumerate(protocol.conditions):
         if c.policy in COMPETITOR_PARAMS:
-            what = c.params.get("method", c.policy)  # a quantized method, or accelerate itself
+            # a quantized method, or the library the kind runs on (accelerate, deepspeed)
+            what = c.params["method"] if "method" in c.params else competitor_library(c.policy, c.params)
             missing = missing_library(what)
             if missing is not None:
                 field = "params.method" if "method" in c.params else "policy"
                 raise ProtocolError(f"protocol field `conditions[{i}].{field}`: {what} "
-                                    f"(condition {c.name}) requires {missing}, which is not installed: {lowbit_fix()}")
+                                    f"(condition {c.name}) requires {missing}, which is not installed: {library_fix(c.policy)}")
 
 
 def submit(store, path: Path, *, priority: int = 0, max_attempts: int = 3, gpu_type: str | None = None,

@@ -114,6 +114,8 @@ class Competitor:
     capture_refusal: Callable[[Mapping[str, Any]], str | None] = lambda params: None
     # Why `mode` failed on the measured CUDA stack (None: it ran): a CUDA worker refuses it at load.
     stack_refusal: Callable[[Mapping[str, Any], str], str | None] = lambda params, mode: None
+    # The pyproject extra that installs `library` (the fix printed when it is missing at submit).
+    extra: str = "lowbit"
 
 
 @dataclass(frozen=True)

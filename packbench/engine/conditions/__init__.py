@@ -9,7 +9,7 @@ through a new one.
 """
 
 from packbench.engine.conditions import (accelerate, dense_stream, early_forecast, packet, phase_switched, quantized,
-                                         resident, row_retention, sparse_extents)
+                                         resident, row_retention, sparse_extents, zero_inference)
 from packbench.engine.conditions.base import ConditionRuntime, LoaderRuntime
 from packbench.engine.policies.base import LoaderPolicy
 
@@ -23,6 +23,7 @@ RUNTIMES: dict[str, ConditionRuntime] = {
     "early-forecast": early_forecast.RUNTIME,
     "quantized": quantized.RUNTIME,
     "accelerate": accelerate.RUNTIME,
+    "zero-inference": zero_inference.RUNTIME,
 }
 
 
