@@ -37,7 +37,7 @@ browser:
 	  echo "warning: headless Chromium is missing and could not be installed here (needs root and apt-get): the report's browser tests will fail; install Debian's chromium package"
 
 test: $(STAMP) browser
-	$(BIN)/python -m pytest -q -m "not gpu"
+	$(BIN)/python -m pytest -q -m "not gpu and not deepspeed"
 
 # Mutation testing (mutmut) of the modules that decide verdicts and evidence, each against its own
 # tests, one worker, module by module (docs/mutation.md); not part of `make test`.
