@@ -392,3 +392,86 @@ def test_compute_verdicts_ignores_records_that_are_not_the_plan():
     dup = records() + [records()[3]]
     assert [e["plan_index"] for e in planned_episodes(body, dup)] == [0, 1, 2]  # 3 twice: neither counts
     assert planned_episodes(body, [None, "x", {"plan_index": True}]) == []
+
+
+# ----------------------------------------------------------------------------- fidelity, in full
+
+from packbench.core.fidelity import fidelity as figures  # noqa: E402
+from packbench.core.gates import fidelity  # noqa: E402
+from packbench.core.protocol import FidelityBounds  # noqa: E402
+
+
+def ref_ep(i, prompt, tokens=(3, 4)):
+    return {"plan_index": i, "condition": "dense", "role": "scored", "prompt": prompt, "status": "ok",
+            "tokens": list(tokens), "logits": np.tile(np.float32([[1.0, 0.0, 0.0]]), (2, 1))}
+
+
+def q8_ep(i, prompt, forced_from, *, agree=2, shift=0.0, tokens=(3, 4), role="scored"):
+    forced = np.tile(np.float32([[1.0, 0.0, 0.0]]), (2, 1))
+    forced[agree:] = [0.0, 2.0, 0.0]  # rows past `agree` change their argmax
+    forced[0, 2] = shift
+    return {"plan_index": i, "condition": "q8", "role": role, "prompt": prompt, "status": "ok",
+            "tokens": list(tokens), "forced_from": forced_from, "forced_logits": forced, "logits": None}
+
+
+def fidelity_verdict(**kw):
+    return {"gate": "fidelity", "condition": "q8", "phase": "all", "interval": None, **kw}
+
+
+def test_no_scored_episode_fails_closed():
+    eps = [ref_ep(0, 0), q8_ep(1, 0, 0, role="warmup")]  # a warmup is not judged
+    v = fidelity(eps, reference="dense", bounds=FidelityBounds("q8", min_top1=0.5, max_mean_kl=0.1))
+    assert v == fidelity_verdict(passed=False, value=None, threshold=0.1, episodes=[],
+                        detail="fail closed: no scored episodes")
+
+
+def test_an_episode_it_cannot_judge_fails_closed_naming_it():
+    eps = [ref_ep(0, 0), q8_ep(1, 0, 0), q8_ep(3, 1, 2)]  # episode 3 was forced on a missing episode 2
+    v = fidelity(eps, reference="dense", bounds=FidelityBounds("q8", max_abs_logit=1.0))
+    assert v == fidelity_verdict(passed=False, value=None, threshold=1.0, episodes=[0, 1, 2, 3],
+                        detail="fail closed: episode 3: forced_from 2 is not a dense episode of prompt 1")
+    many = [ref_ep(0, 0)] + [{**q8_ep(10 + k, 0, 0), "status": "failed"} for k in range(7)]
+    v = fidelity(many, reference="dense", bounds=FidelityBounds("q8", max_abs_logit=1.0))
+    assert v["detail"] == "fail closed: " + "; ".join(f"episode {10 + k}: did not finish" for k in range(5))
+
+
+def test_every_declared_bound_is_judged_and_the_first_gives_the_value():
+    eps = [ref_ep(0, 0), ref_ep(1, 1), q8_ep(2, 0, 0, agree=2, shift=0.25),
+           q8_ep(3, 1, 1, agree=1, tokens=(3, 9)), q8_ep(5, 1, 1, role="warmup", agree=0)]
+    a = figures(eps[0]["logits"], eps[2]["forced_logits"], reference_tokens=[3, 4], tokens=[3, 4])
+    b = figures(eps[1]["logits"], eps[3]["forced_logits"], reference_tokens=[3, 4], tokens=[3, 9])
+    assert (a.top1, b.top1, a.divergence_step, b.divergence_step) == (1.0, 0.5, None, 1)
+    worst_kl, worst_logit = max(a.mean_kl, b.mean_kl), max(a.max_abs_logit, b.max_abs_logit)
+    bounds = FidelityBounds("q8", max_mean_kl=10.0, min_top1=0.5, max_abs_logit=5.0, min_divergence_step=1)
+    v = fidelity(eps, reference="dense", bounds=bounds)
+    assert v == fidelity_verdict(passed=True, value=worst_kl, threshold=10.0, episodes=[0, 1, 2, 3],
+                        detail=f"2 episodes against dense: mean_kl worst {worst_kl!r} (bound <= 10.0); "
+                               f"top1 worst 0.5 (bound >= 0.5); max_abs_logit worst {worst_logit!r} (bound <= 5.0); "
+                               f"divergence_step worst 1 (bound >= 1)")
+    # top-1 first in the order when no KL bound is declared; each episode outside a bound is named
+    bounds = FidelityBounds("q8", min_top1=0.75, max_p99_kl=0.0, min_divergence_step=2)
+    v = fidelity(eps, reference="dense", bounds=bounds)
+    worst_p99 = max(a.p99_kl, b.p99_kl)
+    assert v == fidelity_verdict(passed=False, value=worst_p99, threshold=0.0, episodes=[0, 1, 2, 3],
+                        detail=f"2 episodes against dense: p99_kl worst {worst_p99!r} (bound <= 0.0); "
+                               f"top1 worst 0.5 (bound >= 0.75); divergence_step worst 1 (bound >= 2); "
+                               f"outside: episode 2 p99_kl {a.p99_kl!r}, episode 3 p99_kl {b.p99_kl!r}, "
+                               f"episode 3 top1 0.5, episode 3 divergence_step 1")
+    v = fidelity(eps, reference="dense", bounds=FidelityBounds("q8", min_top1=0.75))
+    assert (v["value"], v["threshold"], v["passed"]) == (0.5, 0.75, False)
+
+
+def test_divergence_worst_is_the_earliest_of_those_that_diverged():
+    eps = [ref_ep(0, 0), ref_ep(1, 1), q8_ep(2, 0, 0), q8_ep(3, 1, 1, tokens=(3, 9))]
+    v = fidelity(eps, reference="dense", bounds=FidelityBounds("q8", min_divergence_step=0))
+    assert v["value"] == 1.0 and v["passed"] and "divergence_step worst 1 (bound >= 0)" in v["detail"]
+    v = fidelity(eps[:3], reference="dense", bounds=FidelityBounds("q8", min_divergence_step=5))
+    assert v["value"] is None and v["passed"] and v["detail"].endswith("divergence_step worst never (bound >= 5)")
+
+
+def test_at_most_five_episodes_are_named_outside():
+    eps = [ref_ep(0, 0)] + [q8_ep(1 + k, 0, 0, agree=0) for k in range(7)]
+    v = fidelity(eps, reference="dense", bounds=FidelityBounds("q8", min_top1=0.5))
+    assert not v["passed"] and v["detail"].endswith(
+        "outside: " + ", ".join(f"episode {1 + k} top1 0.0" for k in range(5)))
+    assert v["episodes"] == list(range(8))
