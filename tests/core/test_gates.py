@@ -475,3 +475,185 @@ def test_at_most_five_episodes_are_named_outside():
     assert not v["passed"] and v["detail"].endswith(
         "outside: " + ", ".join(f"episode {1 + k} top1 0.0" for k in range(5)))
     assert v["episodes"] == list(range(8))
+
+
+# ----------------------------------------------------------------------------- every verdict in full
+# The audit compares every key of a verdict, its detail included, with what was stored: each is
+# evidence. These pin them on the pass, fail and fail-closed paths of each gate.
+
+
+def head(v):
+    return {k: v[k] for k in ("gate", "condition", "phase", "passed", "value", "threshold", "interval")}
+
+
+def test_resources_verdicts_in_full():
+    eps = screen()
+    v = resources(eps, condition="packet", allowance_bytes=30)
+    assert v == {"gate": "resources", "condition": "packet", "phase": "all", "passed": True, "value": 30.0,
+                 "threshold": 30.0, "interval": None, "episodes": [1, 3],
+                 "detail": "largest peak 30 B <= allowance 30 B over 2 episodes"}
+    v = resources(eps, condition="packet", allowance_bytes=29)
+    assert (v["passed"], v["detail"]) == (False, "largest peak 30 B > allowance 29 B over 2 episodes")
+    v = resources([], condition="packet", allowance_bytes=29)
+    assert v == {"gate": "resources", "condition": "packet", "phase": "all", "passed": False, "value": None,
+                 "threshold": 29.0, "interval": None, "episodes": [], "detail": "fail closed: no episodes"}
+    eps[1]["status"] = "failed"
+    del eps[3]["memory"]["peak_sampled_bytes"]
+    more = [ep(5 + k, "packet", "scored", 0, status="failed") for k in range(5)]
+    v = resources(eps + more, condition="packet", allowance_bytes=29)
+    assert head(v) == {"gate": "resources", "condition": "packet", "phase": "all", "passed": False, "value": None,
+                       "threshold": 29.0, "interval": None}
+    assert v["episodes"] == [1, 3, 5, 6, 7, 8, 9]
+    assert v["detail"] == ("fail closed: episode 1 status 'failed'; episode 3 has no memory.peak_sampled_bytes; "
+                           "episode 5 status 'failed'; episode 6 status 'failed'; episode 7 status 'failed'")
+    # the first peaks are kept looking at after a failed episode: the largest is of a later one
+    eps = screen()
+    eps[1]["status"] = "failed"
+    eps[3]["memory"]["peak_reserved_bytes"] = 99
+    assert resources([eps[3]], condition="packet", allowance_bytes=100)["value"] == 99.0
+    assert resources([{**ep(0, "packet", "scored", 0, peaks=(0, 0, 0))}], condition="packet",
+                     allowance_bytes=0)["value"] == 0.0  # an idle GPU: the largest peak is 0
+
+
+def test_capacity_verdicts_in_full():
+    eps = screen()
+    v = capacity(eps, condition="packet", start=start(), allowance_bytes=ALLOWANCE)
+    assert v == {"gate": "capacity", "condition": "packet", "phase": "all", "passed": True,
+                 "value": float(ALLOWANCE + 1), "threshold": float(ALLOWANCE), "interval": None, "episodes": [1, 3],
+                 "detail": f"parameters {ALLOWANCE + 1} B exceed the allowance {ALLOWANCE} B; CPU-first start; "
+                           f"2 episodes ok"}
+    v = capacity(eps, condition="packet", start=start(param_bytes=ALLOWANCE), allowance_bytes=ALLOWANCE)
+    assert (v["passed"], v["detail"]) == (False, f"parameters {ALLOWANCE} B fit the allowance {ALLOWANCE} B; "
+                                                 f"CPU-first start; 2 episodes ok")
+    v = capacity(eps, condition="packet", start=start(cpu_first=False), allowance_bytes=ALLOWANCE)
+    assert v == {"gate": "capacity", "condition": "packet", "phase": "all", "passed": False,
+                 "value": float(ALLOWANCE + 1), "threshold": float(ALLOWANCE), "interval": None, "episodes": [1, 3],
+                 "detail": "the start was not CPU-first: no capacity claim"}
+    bad = {"param_bytes": None, "cpu_first": "yes"}
+    eps[1]["status"] = "failed"
+    v = capacity(eps, condition="packet", start=bad, allowance_bytes=ALLOWANCE)
+    assert v == {"gate": "capacity", "condition": "packet", "phase": "all", "passed": False, "value": None,
+                 "threshold": float(ALLOWANCE), "interval": None, "episodes": [1, 3],
+                 "detail": "fail closed: start has no param_bytes; start has no cpu_first flag; start has no "
+                           "allowance_bytes; episodes [1] did not finish"}
+    v = capacity([], condition="packet", start=start(allowance_bytes=1), allowance_bytes=ALLOWANCE)
+    assert v["detail"] == (f"fail closed: the worker imposed 1 B, the protocol allows {ALLOWANCE} B; no episodes")
+    assert v["value"] == float(ALLOWANCE + 1) and v["episodes"] == []
+    v = capacity(eps, condition="packet", start=None, allowance_bytes=ALLOWANCE)
+    assert v["detail"] == "fail closed: no worker start record; episodes [1] did not finish" and v["value"] is None
+
+
+def test_acquisition_verdicts_in_full_and_index_bytes_count():
+    eps = [ep(0, "dense", "scored", 0, h2d=100), {**ep(1, "packet", "scored", 0, h2d=40), "h2d_index_bytes": 10}]
+    v = acquisition(eps, condition="packet", control="dense", max_ratio=0.5, phase="all")
+    assert v == {"gate": "acquisition", "condition": "packet", "phase": "all", "passed": True, "value": 0.5,
+                 "threshold": 0.5, "interval": None, "episodes": [0, 1],
+                 "detail": "50 B / 100 B over 1 pairs vs dense"}  # weights + indices
+    del eps[1]["phases"]["decode"]["h2d_bytes"]
+    v = acquisition(eps, condition="packet", control="dense", max_ratio=0.5, phase="decode")
+    assert v == {"gate": "acquisition", "condition": "packet", "phase": "decode", "passed": False, "value": None,
+                 "threshold": 0.5, "interval": None, "episodes": [0, 1],
+                 "detail": "fail closed: episode 1 has no decode H2D byte count"}
+    eps = [ep(0, "dense", "scored", 0, h2d=100), ep(1, "packet", "scored", 0, h2d=10)]
+    del eps[0]["phases"]["prefill"]["h2d_bytes"]  # the control's count missing: the control is named
+    v = acquisition(eps, condition="packet", control="dense", max_ratio=0.5, phase="prefill")
+    assert v["detail"] == "fail closed: episode 0 has no prefill H2D byte count"
+    eps = [ep(0, "dense", "scored", 0, h2d=0), ep(1, "packet", "scored", 0, h2d=0)]
+    v = acquisition(eps, condition="packet", control="dense", max_ratio=0.5, phase="prefill")
+    assert head(v) == {"gate": "acquisition", "condition": "packet", "phase": "prefill", "passed": False,
+                       "value": None, "threshold": 0.5, "interval": None}
+    assert v["detail"] == "fail closed: control dense moved 0 bytes"
+    v = acquisition([ep(1, "packet", "scored", 0), ep(3, "packet", "scored", 1)], condition="packet",
+                    control="dense", max_ratio=0.5)
+    assert v["detail"] == "fail closed: repetition 0 prompt 0: no dense episode; repetition 0 prompt 1: no dense episode"
+
+
+def test_runtime_verdicts_in_full_and_its_defaults():
+    walls = [(0.30, 1.00), (0.35, 1.10), (0.28, 0.95)]
+    eps = paired(walls)
+    v = runtime(eps, condition="packet", control="dense", max_ratio=0.5)
+    lo, hi = bootstrap_ratio([w for w, _ in walls], [c for _, c in walls], confidence=0.95, resamples=10000, seed=0)
+    import math
+    num, den = math.fsum(w for w, _ in walls), math.fsum(c for _, c in walls)
+    assert v == {"gate": "runtime", "condition": "packet", "phase": "all", "passed": True, "value": num / den,
+                 "threshold": 0.5, "interval": [lo, hi], "episodes": [0, 1, 2, 3, 4, 5],
+                 "detail": f"{num!r} s / {den!r} s over 3 pairs vs dense; 0.95 bootstrap upper bound {hi!r} <= 0.5"}
+    v = runtime(eps, condition="packet", control="dense", max_ratio=0.3, confidence=0.9, resamples=500, seed=7)
+    lo, hi = bootstrap_ratio([w for w, _ in walls], [c for _, c in walls], confidence=0.9, resamples=500, seed=7)
+    assert v["interval"] == [lo, hi] and not v["passed"]
+    assert v["detail"].endswith(f"0.9 bootstrap upper bound {hi!r} > 0.3")
+    eps[0]["wall_s"] = None
+    v = runtime(eps, condition="packet", control="dense", max_ratio=0.5, phase="all")
+    assert head(v) == {"gate": "runtime", "condition": "packet", "phase": "all", "passed": False, "value": None,
+                       "threshold": 0.5, "interval": None}
+    assert v["detail"] == "fail closed: episode 0 has no wall time"
+    eps = paired(walls)
+    eps[1]["phases"]["prefill"]["call_s"] = None
+    eps[2]["phases"]["prefill"]["call_s"] = 0.0
+    v = runtime(eps, condition="packet", control="dense", max_ratio=0.5, phase="prefill")
+    assert (v["phase"], v["detail"]) == ("prefill", "fail closed: episode 1 has no prefill call time; "
+                                                    "control episode 2 took 0 s")
+
+
+def test_bootstrap_ratio_is_the_documented_draw_over_blocks():
+    """One (R, n) draw of PCG64(seed) raw outputs mod n, sums in index order, order statistics
+    floor(a R) and ceil((1 - a) R) - 1: computed here in one piece, against the gate's blocks."""
+    import math
+
+    def by_hand(num, den, confidence, r, seed):
+        idx = (np.random.PCG64(seed).random_raw(size=(r, len(num))) % np.uint64(len(num))).astype(np.intp)
+        a, b = np.asarray(num), np.asarray(den)
+        ratios = np.sort(np.cumsum(a[idx], axis=1)[:, -1] / np.cumsum(b[idx], axis=1)[:, -1])
+        alpha = (1 - confidence) / 2
+        return float(ratios[math.floor(alpha * r)]), float(ratios[math.ceil((1 - alpha) * r) - 1])
+
+    rng = np.random.default_rng(3)
+    num, den = rng.uniform(0.2, 0.5, 1024).tolist(), rng.uniform(0.9, 1.2, 1024).tolist()
+    # 1024 pairs: blocks of 1024 resamples, so 2500 resamples take three blocks, the last short
+    assert bootstrap_ratio(num, den, confidence=0.95, resamples=2500, seed=5) == by_hand(num, den, 0.95, 2500, 5)
+    few_num, few_den = [0.3, 0.5, 0.2, 0.4], [1.0, 1.1, 0.9, 1.3]
+    for confidence, r in ((0.95, 10), (0.5, 7), (0.99, 1), (0.8, 2)):  # a R < 1: the extremes themselves
+        assert bootstrap_ratio(few_num, few_den, confidence=confidence, resamples=r, seed=1) == \
+            by_hand(few_num, few_den, confidence, r, 1), (confidence, r)
+
+
+def test_useful_latency_verdicts_in_full():
+    eps = latency_screen()
+    v = useful_latency(eps, condition="packet", max_first_episode_s=5.0, max_cold_start_s=10.0)
+    assert v == {"gate": "useful_latency", "condition": "packet", "phase": "all", "passed": True, "value": 2.0,
+                 "threshold": 5.0, "interval": None, "episodes": [0, 1],
+                 "detail": "first episode 2.0 s <= 5.0 s; cold start 8.0 s (worker entry to the first dense logit, "
+                           "episode 0) <= 10.0 s"}
+    v = useful_latency(eps, condition="packet", max_first_episode_s=1.0, max_cold_start_s=7.0)
+    assert (v["passed"], v["detail"]) == (False, "first episode 2.0 s > 1.0 s; cold start 8.0 s (worker entry to "
+                                                 "the first dense logit, episode 0) > 7.0 s")
+    # the smallest cold start wins, whichever episode gave it; a tie goes to the earlier episode
+    eps = latency_screen()
+    eps[3]["first_logit_since_entry_s"] = 3.0
+    v = useful_latency(eps, condition="packet", max_first_episode_s=5.0, max_cold_start_s=10.0)
+    assert v["episodes"] == [1, 3] and "cold start 3.0 s (worker entry to the first packet logit, episode 3)" \
+        in v["detail"]
+    eps[0]["first_logit_since_entry_s"] = 3.0  # dense, episode 0, ties packet's episode 3
+    v = useful_latency(eps, condition="packet", max_first_episode_s=5.0, max_cold_start_s=10.0)
+    assert "the first dense logit, episode 0)" in v["detail"] and v["episodes"] == [0, 1]
+    v = useful_latency([], condition="packet", max_first_episode_s=5.0, max_cold_start_s=10.0)
+    assert v == {"gate": "useful_latency", "condition": "packet", "phase": "all", "passed": False, "value": None,
+                 "threshold": 5.0, "interval": None, "episodes": [],
+                 "detail": "fail closed: no episodes; no finished episode gives a cold start"}
+    eps = latency_screen() + [ep(4 + k, "dense", "scored", 1) for k in range(5)]
+    for e in eps:
+        e.pop("first_logit_since_entry_s")
+    v = useful_latency(eps, condition="packet", max_first_episode_s=5.0, max_cold_start_s=10.0)
+    assert v["detail"] == "fail closed: episodes [0, 1, 2, 3, 4] have no first_logit_since_entry_s"
+    assert (v["value"], v["episodes"]) == (2.0, [1])
+
+
+def test_planned_episodes_keeps_the_good_records_after_bad_ones():
+    body = protocol(faithfulness=None, acquisition={"control": "dense", "max_ratio": 0.5})
+    eps = records()
+    twice = dict(eps[0])
+    bad = [None, {"plan_index": 9, "condition": "dense", "role": "warmup", "prompt": 0}, {**eps[2], "prompt": 5}]
+    got = planned_episodes(body, bad + [eps[1], eps[3], eps[0]])  # episode 2 only as a mismatch
+    assert [(e["plan_index"], e["repetition"]) for e in got] == [(1, None), (3, 0), (0, None)]
+    assert planned_episodes(body, [twice, eps[0]]) == []
+    assert planned_episodes(body, [{**eps[1], "plan_index": True}]) == []  # True is not plan index 1
