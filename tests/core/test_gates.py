@@ -16,7 +16,7 @@ from packbench.core.gates import (
     runtime,
     useful_latency,
 )
-from packbench.core.protocol import MIB, freeze
+from packbench.core.protocol import MIB, expand, freeze
 
 ALLOWANCE = 4800 * MIB
 
@@ -657,3 +657,54 @@ def test_planned_episodes_keeps_the_good_records_after_bad_ones():
     assert [(e["plan_index"], e["repetition"]) for e in got] == [(1, None), (3, 0), (0, None)]
     assert planned_episodes(body, [twice, eps[0]]) == []
     assert planned_episodes(body, [{**eps[1], "plan_index": True}]) == []  # True is not plan index 1
+
+
+def records_for(body) -> list[dict]:
+    """A finished record for every planned episode of `body`: equal logits and tokens, walls that
+    differ by episode (so a bootstrap has something to resample)."""
+    from packbench.core.plan import plan
+
+    return [{k: v for k, v in ep(e["index"], e["condition"], e["role"], e["prompt"],
+                                 wall=0.5 + 0.1 * e["index"]).items() if k != "repetition"} for e in plan(body)]
+
+
+def test_compute_verdicts_passes_each_gate_its_parameters():
+    body = freeze({
+        "schema": 2, "name": "t", "model": {"path": "m"}, "dtype": "float32",
+        "prompts": {"generator": {"seed": 0, "count": 8}}, "prefix_tokens": 4, "continuation_tokens": 2,
+        "conditions": [{"name": "dense", "policy": "dense-stream"}, {"name": "packet", "policy": "packet"}],
+        "reference": "dense", "warmups": 1, "allowance_mib": 4800,
+        "gates": {"faithfulness": {"tolerance": 0.5},
+                  "runtime": {"control": "dense", "max_ratio": 2.0, "resamples": 150, "seed": 3, "confidence": 0.8}}
+    }).body
+    recs = records_for(body)
+    eps = planned_episodes(body, recs)
+    vs = {(v["gate"], v["condition"]): v for v in compute_verdicts(body, recs)}
+    assert vs["runtime", "packet"] == runtime(eps, condition="packet", control="dense", max_ratio=2.0,
+                                              confidence=0.8, resamples=150, seed=3)
+    assert vs["runtime", "packet"]["interval"] != runtime(eps, condition="packet", control="dense", max_ratio=2.0,
+                                                          confidence=0.8, resamples=150, seed=0)["interval"]
+    assert vs["faithfulness", "packet"] == faithfulness(eps, reference="dense", condition="packet", tolerance=0.5)
+    assert vs["faithfulness", "packet"]["threshold"] == 0.5
+
+
+def test_compute_verdicts_judges_an_int8_loader_against_the_int8_dense_stream_and_says_so():
+    from tests.core.test_protocol_weights import int8
+
+    body = freeze(int8(gates={"faithfulness": {"tolerance": 0.0}})).body
+    vs = {v["condition"]: v for v in compute_verdicts(body, records_for(body)) if v["gate"] == "faithfulness"}
+    assert vs["packet-int8"]["passed"] and vs["packet-int8"]["detail"].startswith(
+        "against 'dense-int8' (weights int8): ")
+    assert not vs["packet"]["detail"].startswith("against") and vs["packet"]["passed"]
+    assert vs["packet-int8"]["detail"].endswith("max |logit diff| 0.0 <= 0.0")
+
+
+def test_compute_verdicts_runs_the_fidelity_gate_as_declared():
+    from tests.core.test_protocol_schema5 import competitor
+
+    body = freeze(competitor()).body
+    recs = records_for(body)
+    (v,) = [v for v in compute_verdicts(body, recs) if v["gate"] == "fidelity"]
+    (bounds,) = expand(body).gates.fidelity
+    assert v == fidelity(planned_episodes(body, recs), reference=body["reference"], bounds=bounds)
+    assert v["condition"] == "int8" and not v["passed"] and "was not teacher-forced" in v["detail"]
