@@ -708,3 +708,88 @@ def test_compute_verdicts_runs_the_fidelity_gate_as_declared():
     (bounds,) = expand(body).gates.fidelity
     assert v == fidelity(planned_episodes(body, recs), reference=body["reference"], bounds=bounds)
     assert v["condition"] == "int8" and not v["passed"] and "was not teacher-forced" in v["detail"]
+
+
+def faith_verdict(**kw):
+    return {"gate": "faithfulness", "condition": "packet", "phase": "all", "interval": None, **kw}
+
+
+def test_faithfulness_verdicts_in_full():
+    v = faithfulness(screen(), reference="dense", condition="packet", tolerance=0.25)
+    assert v == faith_verdict(passed=True, value=0.0, threshold=0.25, episodes=[1, 2, 3],
+                              detail="2 episodes, max |logit diff| 0.0 <= 0.25")
+    logits = np.ones((2, 4), np.float32)
+    logits[0, 0] = 1.5  # the first row, the first value: every row is looked at
+    v = faithfulness(screen(packet_logits=logits), reference="dense", condition="packet", tolerance=0.25)
+    assert v == faith_verdict(passed=False, value=0.5, threshold=0.25, episodes=[1, 2, 3],
+                              detail="max |logit diff| 0.5 > tolerance 0.25")
+    v = faithfulness([e for e in screen() if e["condition"] == "dense"], reference="dense", condition="packet")
+    assert v == faith_verdict(passed=False, value=None, threshold=0.0, episodes=[], detail="fail closed: no episodes")
+    no_warmup = [e for e in screen() if e["role"] == "scored"]
+    v = faithfulness(no_warmup, reference="dense", condition="dense")
+    assert v == {**faith_verdict(passed=False, value=None, threshold=0.0, episodes=[],
+                                 detail="fail closed: no reference warmup or repetition to repeat against"),
+                 "condition": "dense"}
+
+
+def test_faithfulness_names_every_problem_in_order():
+    eps = screen()
+    eps += [ep(4, "packet", "scored", 1), ep(5, "packet", "scored", 0, rep=1, logits=np.ones((2, 4), np.int64)),
+            ep(6, "packet", "scored", 0, rep=1, logits=np.ones(4, np.float32)),
+            ep(7, "packet", "scored", 0, rep=1, logits=np.full((2, 4), np.inf, np.float32)),
+            ep(8, "packet", "scored", 0, rep=1, tokens=(5, 9)), ep(9, "packet", "scored", 0, rep=1, status="failed")]
+    eps[3]["tokens"] = None
+    v = faithfulness(eps, reference="dense", condition="packet")
+    assert v == faith_verdict(passed=False, value=None, threshold=0.0, episodes=[1, 2, 3, 4, 5, 6, 7, 8, 9], detail=(
+        "episode 3: missing tokens; episode 4: no usable reference for prompt 1; "
+        "episode 5: logits int64(2, 4) vs reference float32(2, 4); "
+        "episode 6: logits float32(4,) vs reference float32(2, 4); episode 7: non-finite logits; "
+        "episode 8: tokens differ from reference episode 2; episode 9: failed or missing logits"))
+    one_d = screen()
+    for e in one_d:
+        e["logits"] = np.ones(4, np.float32)
+    assert faithfulness(one_d, reference="dense", condition="packet")["detail"] == (
+        "episode 1: logits float32(4,) vs reference float32(4,); episode 3: logits float32(4,) vs reference float32(4,)")
+    ints = screen()
+    ints[2]["logits"] = np.ones((2, 4), np.int32)  # the reference's logits are not floats
+    assert "episode 1: logits float32(2, 4) vs reference int32(2, 4)" in faithfulness(
+        ints, reference="dense", condition="packet")["detail"]
+    nameless = screen()
+    del nameless[3]["plan_index"]  # a record without a plan index is listed as -1
+    assert faithfulness(nameless, reference="dense", condition="packet")["episodes"] == [-1, 1, 2]
+
+
+def test_faithfulness_compares_every_sequence_of_a_batch():
+    batch = np.ones((2, 3, 4), np.float32)  # (sequences, calls, vocab)
+    eps = screen(packet_logits=batch.copy())
+    for e in eps:
+        if e["condition"] == "dense":
+            e["logits"] = batch.copy()
+    eps[1]["logits"] = batch.copy()
+    assert faithfulness(eps, reference="dense", condition="packet")["passed"]
+    eps[3]["logits"][1, 2, 3] = 2.0  # the second sequence's last call
+    v = faithfulness(eps, reference="dense", condition="packet")
+    assert (v["passed"], v["value"]) == (False, 1.0)
+
+
+def test_pairs_report_duplicates_gaps_and_order():
+    eps = [ep(0, "dense", "scored", 0), ep(1, "packet", "scored", 0), ep(2, "packet", "scored", 0)]
+    v = acquisition(eps, condition="packet", control="dense", max_ratio=1.0)
+    assert v["detail"] == "fail closed: repetition 0 prompt 0: more than one scored episode"
+    v = acquisition([ep(0, "dense", "scored", 0)] * 2 + [ep(1, "packet", "scored", 0)], condition="packet",
+                    control="dense", max_ratio=1.0)
+    assert v["detail"] == "fail closed: repetition 0 prompt 0: more than one scored episode"
+    v = acquisition([ep(0, "dense", "scored", 0)], condition="packet", control="dense", max_ratio=1.0)
+    assert v["detail"] == "fail closed: repetition 0 prompt 0: no packet episode"
+    v = acquisition([], condition="packet", control="dense", max_ratio=1.0)
+    assert v["detail"] == "fail closed: no scored episodes"
+    # prompts in numeric order (10 after 2), a hostile non-integer prompt after them: no crash
+    walls = {2: (0.2, 1.0), 10: (0.9, 1.0), 3: (0.4, 1.1)}
+    eps = []
+    for i, (p, (mine, ctrl)) in enumerate(walls.items()):
+        eps += [ep(2 * i, "dense", "scored", p, wall=ctrl), ep(2 * i + 1, "packet", "scored", p, wall=mine)]
+    v = runtime(eps, condition="packet", control="dense", max_ratio=2.0, resamples=300, seed=2)
+    lo, hi = bootstrap_ratio([0.2, 0.4, 0.9], [1.0, 1.1, 1.0], confidence=0.95, resamples=300, seed=2)
+    assert v["interval"] == [lo, hi]
+    eps += [ep(8, "dense", "scored", "x"), ep(9, "packet", "scored", "x")]
+    assert acquisition(eps, condition="packet", control="dense", max_ratio=2.0)["detail"].endswith("over 4 pairs vs dense")
