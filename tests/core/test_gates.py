@@ -793,3 +793,52 @@ def test_pairs_report_duplicates_gaps_and_order():
     assert v["interval"] == [lo, hi]
     eps += [ep(8, "dense", "scored", "x"), ep(9, "packet", "scored", "x")]
     assert acquisition(eps, condition="packet", control="dense", max_ratio=2.0)["detail"].endswith("over 4 pairs vs dense")
+
+
+def test_faithfulness_keeps_looking_after_missing_logits_and_reads_long_arrays_to_the_end():
+    eps = screen(packet_tokens=(5, 7))
+    eps[1]["logits"] = None  # the packet warmup: its logits missing, the reference's present
+    v = faithfulness(eps, reference="dense", condition="packet")
+    assert v["detail"] == "episode 1: failed or missing logits; episode 3: tokens differ from reference episode 2"
+    # 3000 calls x 1000 tokens: blocks of 1048 rows; the only difference is in the last row
+    ref = np.zeros((3000, 1000), np.float32)
+    mine = ref.copy()
+    mine[2999, 999] = 0.5
+    eps = [ep(0, "dense", "scored", 0, logits=ref), ep(1, "packet", "scored", 0, logits=mine)]
+    assert faithfulness(eps, reference="dense", condition="packet")["value"] == 0.5
+
+
+def _walls(n):
+    # seed 45: walls whose 10001st resample lands above the upper bound, so 10000 and 10001
+    # resamples give different intervals (for most walls the extra one falls below and they agree)
+    rng = np.random.default_rng(45)
+    return [(float(a), float(b)) for a, b in zip(rng.uniform(0.1, 0.9, n), rng.uniform(0.9, 1.1, n))]
+
+
+def test_runtime_resamples_pairs_in_numeric_prompt_order_with_its_documented_defaults():
+    walls = _walls(12)  # prompts 0..11: "10" and "11" sort before "2" as text
+    eps = paired(walls)
+    num, den = [w for w, _ in walls], [c for _, c in walls]
+    v = runtime(eps, condition="packet", control="dense", max_ratio=2.0)
+    assert v["interval"] == list(bootstrap_ratio(num, den, confidence=0.95, resamples=10000, seed=0))
+    as_text = sorted(range(12), key=repr)
+    assert v["interval"] != list(bootstrap_ratio([num[i] for i in as_text], [den[i] for i in as_text],
+                                                 confidence=0.95, resamples=10000, seed=0))
+    for changed in ({"resamples": 10001}, {"seed": 1}, {"confidence": 0.9}):  # the defaults are those
+        assert v["interval"] != list(bootstrap_ratio(num, den, **{"confidence": 0.95, "resamples": 10000, "seed": 0,
+                                                                  **changed}))
+
+
+def test_compute_verdicts_judges_fidelity_against_the_protocols_reference():
+    from packbench.core.plan import plan
+    from tests.core.test_protocol_schema5 import competitor
+
+    body = freeze(competitor()).body
+    recs = records_for(body)
+    scored_ref = {e["prompt"]: e["index"] for e in plan(body) if e["condition"] == body["reference"]
+                  and e["role"] == "scored"}
+    for r in recs:
+        if r["condition"] == "int8":
+            r.update(forced_from=scored_ref[r["prompt"]], forced_logits=r["logits"])
+    (v,) = [v for v in compute_verdicts(body, recs) if v["gate"] == "fidelity"]
+    assert v["passed"] and v["detail"].startswith(f"{len(scored_ref)} episodes against {body['reference']}: "), v
