@@ -636,6 +636,10 @@ def test_useful_latency_verdicts_in_full():
     eps[0]["first_logit_since_entry_s"] = 3.0  # dense, episode 0, ties packet's episode 3
     v = useful_latency(eps, condition="packet", max_first_episode_s=5.0, max_cold_start_s=10.0)
     assert "the first dense logit, episode 0)" in v["detail"] and v["episodes"] == [0, 1]
+    eps = latency_screen()  # packet's episode 1 ties dense's episode 2: the earlier, not the name, decides
+    eps[1]["first_logit_since_entry_s"] = eps[2]["first_logit_since_entry_s"] = 3.0
+    v = useful_latency(eps, condition="packet", max_first_episode_s=5.0, max_cold_start_s=10.0)
+    assert "the first packet logit, episode 1)" in v["detail"] and v["episodes"] == [1]
     v = useful_latency([], condition="packet", max_first_episode_s=5.0, max_cold_start_s=10.0)
     assert v == {"gate": "useful_latency", "condition": "packet", "phase": "all", "passed": False, "value": None,
                  "threshold": 5.0, "interval": None, "episodes": [],
