@@ -90,3 +90,84 @@ def test_every_audited_episode_column_changed_in_the_database_disagrees(screen, 
                    else _up(old) if isinstance(old, float) else old + 1)
     report = audit_archive(screen["path"], db_episodes=rows)
     assert report.problems == [f"database episode {row['plan_index']} {column} {row[column]!r} != archive {old!r}"]
+
+
+# ----------------------------------------------------------------------------- the comparison's own lines
+
+
+def test_stored_verdicts_that_are_not_verdicts_duplicates_gaps_and_extras_are_named(screen):
+    verdicts = db_verdicts(screen)
+    for bad in ("not a list", verdicts[:2] + ["not a verdict"]):
+        report = audit_archive(screen["path"], db_verdicts=bad)
+        assert report.problems == ["database verdicts are not a list of verdicts"]
+    twice, lost = verdicts[0], verdicts[-1]
+    extra = {**verdicts[1], "gate": "made-up", "condition": "x", "phase": "all"}
+    report = audit_archive(screen["path"], db_verdicts=verdicts[:-1] + [dict(twice), extra])
+    key = f"{twice['gate']}/{twice['condition']}/{twice['phase']}"
+    assert report.problems == [f"database has verdict {key} twice",
+                               f"database lacks verdict {lost['gate']}/{lost['condition']}/{lost['phase']}",
+                               "database has an extra verdict made-up/x/all"]
+    changed = db_verdicts(screen)
+    changed[0]["value"] = 123.5
+    (line,) = audit_archive(screen["path"], db_verdicts=changed).problems
+    assert line == f"database verdict {key} differs in value: recomputed [{verdicts[0]['value']!r}] vs stored [123.5]"
+
+
+def test_a_stored_detail_in_the_old_wording_agrees_and_a_missing_one_does_not(screen):
+    verdicts = db_verdicts(screen)
+    acq = next(v for v in verdicts if v["gate"] == "acquisition")
+    assert acq["detail"].endswith(" vs dense-stream") and " pairs " in acq["detail"]
+    acq["detail"] = acq["detail"].replace(" pairs ", " prompts ")  # packbench 0.1's words
+    assert audit_archive(screen["path"], db_verdicts=verdicts).agrees
+    acq["detail"] = None
+    (line,) = audit_archive(screen["path"], db_verdicts=verdicts).problems
+    assert " differs in detail: recomputed " in line and line.endswith("vs stored [None]")
+
+
+def test_stored_episode_rows_that_are_not_rows_and_extra_rows_in_order(screen):
+    rows = db_episodes(screen)
+    for bad in ("not a list", rows[:2] + ["not a row"]):
+        assert audit_archive(screen["path"], db_episodes=bad).problems == ["database episodes are not a list of rows"]
+    extra = [dict(rows[0], plan_index=99), dict(rows[0], plan_index="x"), dict(rows[0], plan_index=100)]
+    assert audit_archive(screen["path"], db_episodes=rows + extra).problems == [
+        "database has episode x that the archive lacks", "database has episode 100 that the archive lacks",
+        "database has episode 99 that the archive lacks"]  # sorted by repr: "'x'", "100", "99"; no TypeError
+
+
+def test_an_interrupted_prefix_is_partial_and_a_gap_is_not(screen, tmp_path):
+    from packbench.core.archive import MANIFEST_NAME, ArchiveReader, ArchiveWriter
+
+    with ArchiveReader(screen["path"]) as r:
+        data = {n: r.read_bytes(n) for n in r.names}
+
+    def cut(keep, name):
+        w = ArchiveWriter(tmp_path / name)
+        for member, raw in data.items():
+            if member != MANIFEST_NAME and keep(member):
+                w.add_bytes(member, raw)
+        return audit_archive(tmp_path / name)
+
+    def episode(member):
+        return int(member.split("/")[1].split(".")[0]) if member.startswith(("episodes/", "logits/", "traces/")) \
+            else None
+
+    prefix = cut(lambda m: not m.startswith("verdicts") and (episode(m) is None or episode(m) < 3), "prefix.zip")
+    assert prefix.partial and not prefix.complete and prefix.record["episodes"] == 3
+    gap = cut(lambda m: not m.startswith("verdicts") and (episode(m) is None or episode(m) >= 9), "gap.zip")
+    assert not gap.partial
+    assert ("archive incomplete and not a prefix of the plan: episodes [0, 1, 2, 3, 4, 5, 6, 7, 8] are missing "
+            "before later ones") in gap.problems
+    one = cut(lambda m: not m.startswith("verdicts") and episode(m) != 1, "one.zip")
+    assert "archive incomplete and not a prefix of the plan: episodes [1] are missing before later ones" in one.problems
+    assert not one.partial
+
+
+def test_no_problem_names_the_archives_path_however_it_was_reached(tmp_path):
+    real = tmp_path / "real"
+    real.mkdir()
+    (real / "a.zip").write_bytes(b"not a zip at all")
+    (tmp_path / "link").symlink_to(real)
+    for path in (tmp_path / "link" / "a.zip", real / "a.zip"):
+        report = audit_archive(path)
+        assert report.problems and not any(str(tmp_path) in p or "a.zip" in p for p in report.problems), \
+            report.problems
