@@ -171,3 +171,52 @@ def test_no_problem_names_the_archives_path_however_it_was_reached(tmp_path):
         report = audit_archive(path)
         assert report.problems and not any(str(tmp_path) in p or "a.zip" in p for p in report.problems), \
             report.problems
+
+
+def resealed(src, dst, name, edit):
+    """A consistent forgery: one JSON member edited, the manifest recomputed over the result."""
+    import json
+
+    from packbench.core.archive import MANIFEST_NAME, ArchiveReader, ArchiveWriter
+    from packbench.core.canonical import canonical_json
+
+    with ArchiveReader(src) as r:
+        data = {n: r.read_bytes(n) for n in r.names}
+    w = ArchiveWriter(dst)
+    for member, raw in data.items():
+        if member == MANIFEST_NAME:
+            continue
+        if member == name:
+            obj = json.loads(raw)
+            edit(obj)
+            raw = canonical_json(obj)
+        w.add_bytes(member, raw)
+    old = json.loads(data[MANIFEST_NAME])
+    w.seal({k: v for k, v in old.items() if k not in ("members", "format_version")})
+    return dst
+
+
+@pytest.mark.parametrize("edit, line", [
+    (lambda p: p["entries"].pop(), "plan.json is not the plan of protocol.json (first difference at entry 9; "
+                                   "9 entries, the protocol plans 10)"),
+    (lambda p: p["entries"][4].update(prompts=[0, 1]), "plan.json is not the plan of protocol.json (first "
+                                                       "difference at entry 4; 10 entries, the protocol plans 10)"),
+    (lambda p: p["prompts"][1].pop(), "plan.json prompts are not 2 prompts of 8 token ids"),
+    (lambda p: p.update(prompts=None), "plan.json prompts are not 2 prompts of 8 token ids"),
+])
+def test_a_forged_plan_json_is_named(screen, tmp_path, edit, line):
+    report = audit_archive(resealed(screen["path"], tmp_path / "forged.zip", "plan.json", edit))
+    assert line in report.problems and not any(p.startswith("cannot audit") for p in report.problems), \
+        report.problems
+
+
+def test_token_id_prompts_are_recomputed_too(tmp_path):
+    raw = synthetic_protocol(prompts_n=2, repetitions=1)
+    raw["prompts"] = {"token_ids": [[2] + list(range(10, 17)), [2] + list(range(20, 27))]}
+    out = write_synthetic_screen(tmp_path / "ids.zip", raw)
+    assert audit_archive(tmp_path / "ids.zip").agrees
+
+    def swap(plan):
+        plan["prompts"][0][3] = plan["prompts"][0][3] + 1  # the same shape, another id
+    report = audit_archive(resealed(tmp_path / "ids.zip", tmp_path / "forged.zip", "plan.json", swap))
+    assert "plan.json prompts are not the protocol's prompts" in report.problems and out["sha256"]
