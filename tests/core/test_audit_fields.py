@@ -173,8 +173,9 @@ def test_no_problem_names_the_archives_path_however_it_was_reached(tmp_path):
             report.problems
 
 
-def resealed(src, dst, name, edit):
-    """A consistent forgery: one JSON member edited, the manifest recomputed over the result."""
+def resealed(src, dst, name, edit, drop=()):
+    """A consistent forgery: one JSON member edited (members in `drop` left out), the manifest
+    recomputed over the result."""
     import json
 
     from packbench.core.archive import MANIFEST_NAME, ArchiveReader, ArchiveWriter
@@ -184,7 +185,7 @@ def resealed(src, dst, name, edit):
         data = {n: r.read_bytes(n) for n in r.names}
     w = ArchiveWriter(dst)
     for member, raw in data.items():
-        if member == MANIFEST_NAME:
+        if member == MANIFEST_NAME or member in drop:
             continue
         if member == name:
             obj = json.loads(raw)
@@ -220,3 +221,34 @@ def test_token_id_prompts_are_recomputed_too(tmp_path):
         plan["prompts"][0][3] = plan["prompts"][0][3] + 1  # the same shape, another id
     report = audit_archive(resealed(tmp_path / "ids.zip", tmp_path / "forged.zip", "plan.json", swap))
     assert "plan.json prompts are not the protocol's prompts" in report.problems and out["sha256"]
+
+
+def test_a_records_device_parameter_bytes_must_be_the_workers(screen, tmp_path):
+    theirs = screen["start"]["device_param_bytes"]
+
+    def mine(value):
+        return lambda rec: rec["memory"].update(device_param_bytes=value)
+    same = audit_archive(resealed(screen["path"], tmp_path / "same.zip", "episodes/00001.json", mine(theirs)))
+    assert same.agrees, same.problems
+    other = audit_archive(resealed(screen["path"], tmp_path / "other.zip", "episodes/00001.json", mine(theirs + 1)))
+    assert other.problems == [f"episodes/00001.json: memory.device_param_bytes {theirs + 1} != worker.json's {theirs}"]
+
+
+def test_a_run_that_sampled_memory_keeps_its_trace(screen, tmp_path):
+    report = audit_archive(resealed(screen["path"], tmp_path / "a.zip", "episodes/00002.json", lambda rec: None,
+                                    drop=("traces/00002.npy",)))
+    assert "episodes/00002.json: the run sampled memory but traces/00002.npy is missing" in report.problems
+
+    def samples_only(rec):  # no sampled peak stated, but the sampler says it took samples
+        rec["memory"]["peak_sampled_bytes"] = None
+        rec["sampler"] = {"samples": 3}
+    report = audit_archive(resealed(screen["path"], tmp_path / "b.zip", "episodes/00002.json", samples_only,
+                                    drop=("traces/00002.npy",)))
+    assert "episodes/00002.json: the run sampled memory but traces/00002.npy is missing" in report.problems
+
+    def no_samples(rec):
+        rec["memory"]["peak_sampled_bytes"] = None
+        rec["sampler"] = {"samples": 0}
+    report = audit_archive(resealed(screen["path"], tmp_path / "c.zip", "episodes/00002.json", no_samples,
+                                    drop=("traces/00002.npy",)))
+    assert not any("the run sampled memory" in p for p in report.problems)
