@@ -5,6 +5,7 @@ the archive; and an unchanged database agrees."""
 
 import math
 
+import numpy as np
 import pytest
 
 from bench.audit import synthetic_protocol, write_synthetic_screen
@@ -252,3 +253,51 @@ def test_a_run_that_sampled_memory_keeps_its_trace(screen, tmp_path):
     report = audit_archive(resealed(screen["path"], tmp_path / "c.zip", "episodes/00002.json", no_samples,
                                     drop=("traces/00002.npy",)))
     assert not any("the run sampled memory" in p for p in report.problems)
+
+
+def replaced(src, dst, name, raw):
+    """A consistent forgery of one member's bytes (the manifest recomputed)."""
+    import json
+
+    from packbench.core.archive import MANIFEST_NAME, ArchiveReader, ArchiveWriter
+
+    with ArchiveReader(src) as r:
+        data = {n: r.read_bytes(n) for n in r.names}
+    w = ArchiveWriter(dst)
+    for member, old in data.items():
+        if member != MANIFEST_NAME:
+            w.add_bytes(member, raw if member == name else old)
+    w.seal({k: v for k, v in json.loads(data[MANIFEST_NAME]).items() if k not in ("members", "format_version")})
+    return dst
+
+
+def npy(arr) -> bytes:
+    import io
+
+    buf = io.BytesIO()
+    np.save(buf, arr, allow_pickle=False)
+    return buf.getvalue()
+
+
+def test_a_record_must_match_its_plan_entry_in_value_and_json_type(screen, tmp_path):
+    for k, edit in enumerate((lambda r: r.update(plan_index=1.0), lambda r: r.update(plan_index=True),
+                                lambda r: r.update(prompts=[0]))):
+        report = audit_archive(resealed(screen["path"], tmp_path / f"p{k}.zip", "episodes/00001.json", edit))
+        assert "episodes/00001.json does not match plan entry 1" in report.problems, report.problems
+
+
+def test_logits_and_traces_of_the_wrong_form_are_named(screen, tmp_path):
+    from packbench.core.archive import ArchiveReader
+
+    with ArchiveReader(screen["path"]) as r:
+        logits = r.read_array("logits/00001.npy")
+        trace = r.read_array("traces/00000.npy")
+    for k, bad in enumerate((logits.astype(np.float64), logits[None])):  # float64; a batch's 3-D in batch 1
+        report = audit_archive(replaced(screen["path"], tmp_path / f"l{k}.zip", "logits/00001.npy", npy(bad)))
+        assert not report.agrees and any("logits/00001.npy" in p for p in report.problems), report.problems
+    wide = np.concatenate([trace, trace[:, :1]], axis=1)  # (samples, 3)
+    report = audit_archive(replaced(screen["path"], tmp_path / "t.zip", "traces/00000.npy", npy(wide)))
+    assert "traces/00000.npy: a memory trace is (samples, 2) [seconds, bytes]" in report.problems
+    empty = np.zeros((0, 2), np.float64)
+    report = audit_archive(replaced(screen["path"], tmp_path / "e.zip", "traces/00000.npy", npy(empty)))
+    assert any(p.startswith("traces/00000.npy: empty trace but peak_sampled_bytes ") for p in report.problems)
