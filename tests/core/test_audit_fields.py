@@ -301,3 +301,25 @@ def test_logits_and_traces_of_the_wrong_form_are_named(screen, tmp_path):
     empty = np.zeros((0, 2), np.float64)
     report = audit_archive(replaced(screen["path"], tmp_path / "e.zip", "traces/00000.npy", npy(empty)))
     assert any(p.startswith("traces/00000.npy: empty trace but peak_sampled_bytes ") for p in report.problems)
+
+
+def test_the_start_records_bytes_must_add_up_and_match_the_synthetic_shape(screen, tmp_path):
+    start = screen["start"]
+    p, d, h = start["param_bytes"], start["device_param_bytes"], start["host_outgoing_bytes"]
+
+    def forge(name, **changes):
+        return audit_archive(resealed(screen["path"], tmp_path / name, "worker.json",
+                                      lambda w: w["start"].update(**changes))).problems
+
+    problems = forge("p.zip", param_bytes=p + 1)
+    assert f"worker.json: param_bytes {p + 1} != device_param_bytes {d} + host_outgoing_bytes {h}" in problems
+    assert f"worker.json: param_bytes {p + 1} is not the {p} of a opt-2.7b model in float16" in problems
+    problems = forge("d.zip", device_param_bytes=d + 1, host_outgoing_bytes=h - 1)  # adds up, wrong shape
+    assert not any("!= device_param_bytes" in x for x in problems)
+    assert f"worker.json: device_param_bytes {d + 1} is not the {d} of a opt-2.7b model in float16" in problems
+    assert f"worker.json: host_outgoing_bytes {h - 1} is not the {h} of a opt-2.7b model in float16" in problems
+    problems = forge("s.zip", model_sha256="ABC")
+    assert "worker.json: model_sha256 'ABC' is not 64 lowercase hex digits" in problems
+    assert not any("model_sha256" in x for x in forge("ok.zip", model_sha256="0" * 64))
+    problems = forge("b.zip", param_bytes=True)  # a bool is no byte count: no sum is checked
+    assert not any("!= device_param_bytes" in x for x in problems)
