@@ -323,3 +323,36 @@ def test_the_start_records_bytes_must_add_up_and_match_the_synthetic_shape(scree
     assert not any("model_sha256" in x for x in forge("ok.zip", model_sha256="0" * 64))
     problems = forge("b.zip", param_bytes=True)  # a bool is no byte count: no sum is checked
     assert not any("!= device_param_bytes" in x for x in problems)
+
+
+def test_records_cross_check_the_manifest_and_the_layout(screen, tmp_path):
+    import json
+
+    from packbench.core.archive import MANIFEST_NAME, ArchiveReader, ArchiveWriter
+
+    with ArchiveReader(screen["path"]) as r:
+        data = {n: r.read_bytes(n) for n in r.names}
+    manifest = json.loads(data[MANIFEST_NAME])
+
+    def sealed(name, *, extra=(), worker=None, **fields):
+        w = ArchiveWriter(tmp_path / name)
+        for member, raw in data.items():
+            if member != MANIFEST_NAME:
+                w.add_bytes(member, raw if member != "worker.json" or worker is None else worker)
+        for member in extra:
+            w.add_bytes(member, b"{}")
+        w.seal({**{k: v for k, v in manifest.items() if k not in ("members", "format_version")}, **fields})
+        return audit_archive(tmp_path / name).problems
+
+    assert sealed("env.zip", environment={"host": "elsewhere"}) == ["the manifest's environment differs from worker.json's"]
+    worker = json.loads(data["worker.json"])
+    worker["source_freeze"] = {"git_commit": "abc"}
+    from packbench.core.canonical import canonical_json
+
+    assert sealed("freeze.zip", worker=canonical_json(worker)) == [
+        "the manifest's source_freeze differs from worker.json's"]
+    assert "the manifest's source_freeze is not a mapping" in sealed("notmap.zip", source_freeze=[1])
+    strays = [f"episodes/{i:05d}.json" for i in range(50, 62)] + ["notes/x.json"]  # forced/: exact screens have none
+    problems = sealed("strays.zip", extra=strays)
+    assert problems == [f"member {n!r} is not part of the archive of this plan" for n in strays[:10]] + [
+        "... and 3 more members that are not part of the archive of this plan"]
