@@ -4,6 +4,7 @@ each against its own test files, one module at a time and one worker (a 2-core h
     python tests/mutate.py                      # every module, smallest first
     python tests/mutate.py core/dispersion.py   # some of them
     python tests/mutate.py --list               # the modules and their test files
+    python tests/mutate.py --retry core/gates.py  # only the mutants left alive, against today's tests
 
 mutmut reads its settings from the working directory's pyproject.toml, so each module runs in
 its own directory .mutate/<module>/ holding a pyproject.toml written here, links to packbench/
@@ -95,13 +96,14 @@ def _results(d: Path) -> dict[str, str]:
     return statuses
 
 
-def run(module: str) -> dict:
+def run(module: str, *, retry_only: bool = False) -> dict:
     d = _prepare(module)
     env = {**os.environ, "RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "disabled")}
-    ran = subprocess.run(_mutmut() + ["run", "--max-children", "1"], cwd=d, env=env)
-    if ran.returncode != 0:  # e.g. the clean run of its tests failed: named, the next module still runs
-        return {"module": module, "mutants": 0, "killed": 0, "score": None,
-                "not_killed": {f"mutmut run exited {ran.returncode}": "error"}}
+    if not retry_only:
+        ran = subprocess.run(_mutmut() + ["run", "--max-children", "1"], cwd=d, env=env)
+        if ran.returncode != 0:  # e.g. the clean run of its tests failed: named, the next module still runs
+            return {"module": module, "mutants": 0, "killed": 0, "score": None,
+                    "not_killed": {f"mutmut run exited {ran.returncode}": "error"}}
     # mutmut keeps a result once it has one, even when tests were added since: every mutant not
     # killed is tried again against today's tests (a killed one stays killed while tests only grow)
     again = [n for n, s in _results(d).items() if s not in KILLED and s not in NOT_RUN]
@@ -113,10 +115,12 @@ def run(module: str) -> dict:
     statuses = {n: s for n, s in everything.items() if s not in NOT_RUN}
     killed = sum(s in KILLED for s in statuses.values())
     survivors = sorted(n for n, s in statuses.items() if s not in KILLED)
-    # each survivor's diff, to judge it equivalent or write the test that kills it
-    with open(d / "survivors.diff", "w") as f:
-        for name in survivors:
-            f.write(subprocess.run(_mutmut() + ["show", name], cwd=d, capture_output=True, text=True).stdout)
+    # each survivor's diff, to judge it equivalent or write the test that kills it (about a
+    # second each: MUTATE_DIFFS=0 leaves them out)
+    if os.environ.get("MUTATE_DIFFS", "1") != "0":
+        with open(d / "survivors.diff", "w") as f:
+            for name in survivors:
+                f.write(subprocess.run(_mutmut() + ["show", name], cwd=d, capture_output=True, text=True).stdout)
     return {"module": module, "mutants": len(statuses), "killed": killed, "not_run": len(everything) - len(statuses),
             "score": round(100 * killed / len(statuses), 1) if statuses else None,
             "not_killed": {n: statuses[n] for n in survivors}}
@@ -127,6 +131,9 @@ def main(argv: list[str]) -> int:
         for m, tests in MODULES.items():
             print(f"packbench/{m}: {' '.join(tests)}")
         return 0
+    # --retry: only try again the mutants a run left alive (after tests were added); no new ones
+    retry_only = argv[:1] == ["--retry"]
+    argv = argv[1:] if retry_only else argv
     unknown = [m for m in argv if m not in MODULES]
     if unknown:
         print(f"unknown module(s) {unknown}; choose from {list(MODULES)}", file=sys.stderr)
@@ -134,7 +141,7 @@ def main(argv: list[str]) -> int:
     scores_path = WORK / "score.json"
     scores = json.loads(scores_path.read_text()) if scores_path.exists() else {}
     for module in argv or list(MODULES):
-        scores[module] = run(module)
+        scores[module] = run(module, retry_only=retry_only)
         WORK.mkdir(exist_ok=True)
         scores_path.write_text(json.dumps(scores, indent=1, sort_keys=True))
     total = sum(s["mutants"] for s in scores.values())

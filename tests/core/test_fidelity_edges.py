@@ -170,3 +170,31 @@ def test_a_reference_that_is_not_a_record_is_refused():
     _, mine = episodes()
     with pytest.raises(ValueError, match="forced_from 4 is not a dense episode"):
         forced_reference(mine, {4: "not a record"}, reference="dense")
+
+
+def test_log_softmax_shifts_each_row_by_its_own_maximum():
+    # one shift for the whole array would underflow the small row to exp(-1000) = 0 and log(0)
+    out = log_softmax(np.array([[0.0, 0.0], [1000.0, 1000.0]]))
+    assert out.tolist() == [[-math.log(2)] * 2, [-math.log(2)] * 2]
+
+
+def test_a_vocabulary_of_one_is_comparable():
+    f = fidelity(np.zeros((2, 1), np.float32), np.ones((2, 1), np.float32), reference_tokens=[0, 0], tokens=[0, 0])
+    assert (f.positions, f.mean_kl, f.top1, f.max_abs_logit, f.divergence_step) == (2, 0.0, 1.0, 1.0, None)
+
+
+def test_max_abs_logit_reaches_the_last_rows_of_a_long_narrow_array():
+    # 3000 positions x 1000 tokens: blocks of 1048 rows; the difference is in the last row
+    ref = np.zeros((3000, 1000), np.float32)
+    cond = ref.copy()
+    cond[2999, 5] = 0.75
+    f = fidelity(ref, cond, reference_tokens=[1], tokens=[1])
+    assert f.max_abs_logit == 0.75 and f.top1_agree == 2999
+
+
+def test_of_episode_takes_a_batch():
+    ref, mine = episodes()
+    ref.update(tokens=[[3, 4], [3, 4]], logits=np.zeros((2, 2, 3), np.float32))
+    mine.update(tokens=[[3, 4], [3, 9]], forced_logits=np.zeros((2, 2, 3), np.float32))
+    f = of_episode(mine, {4: ref}, reference="dense")
+    assert (f.positions, f.divergence_step, f.top1) == (4, 1, 1.0)
