@@ -228,7 +228,7 @@ def previous_conditions(records: Iterable[Mapping]) -> dict[int, str | None]:
 def by_previous(records: list[Mapping], condition: str, *, key: str = "steady_call_s") -> dict[str | None, dict]:
     """A condition's serving figure `key` split by what ran in the worker before each of its
     scored episodes: {previous condition: {n, median, episodes}}. A steady-state figure that
-    moves with what ran before is interference (issue 43), not the condition's own speed."""
+    moves with what ran before is interference, not the condition's own speed."""
     prev = previous_conditions(records)
     out: dict[str | None, dict] = {}
     for r in scored_ok(records, condition):

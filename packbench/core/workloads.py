@@ -58,7 +58,7 @@ ANCHORS: tuple[Anchor, ...] = (
            "PowerInfer (Song et al. 2023): 26 % of an OPT-30B block's neurons give 80 % of its activations"),
 )
 
-TOLERANCE = 0.20  # a profile matches a figure when within 20 % of it (issue: every row of the table)
+TOLERANCE = 0.20  # a profile matches a figure when within 20 % of it (every row of the table)
 
 
 def lookup(summary: dict, key: str) -> float:

@@ -85,7 +85,7 @@ MAX_CONDITIONS = 16
 MAX_PROMPTS = 100_000
 MAX_PROMPT_TOKENS = 1 << 21  # prompts x prefix_tokens: the token ids plan.json holds (<= ~13 MB of JSON)
 MAX_NAME = 200  # a protocol's name: `screens list` prints it in every row
-MAX_BATCH = 64  # sequences decoded together (issue 26 measures 1 to 32)
+MAX_BATCH = 64  # sequences decoded together (docs/experiments/batched.md measures 1 to 32)
 MAX_RESAMPLES = 100_000  # per runtime gate entry
 # Draws of every runtime bootstrap of a screen together: sum over runtime entries and compared
 # conditions of resamples x pairs. 2**27 draws take ~2-4 s on one core (docs/benchmarks.md).
