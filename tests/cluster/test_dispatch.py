@@ -26,6 +26,7 @@ from packbench.core.settings import Settings
 from packbench.db.errors import DatabaseLocked, DatabaseUnavailable
 from packbench.db.store import Store
 from packbench.service.submit import submit
+from tests.service.screens import protocol_file as screen_protocol
 
 pytestmark = pytest.mark.ray
 ROOT = Path(__file__).resolve().parents[2]
@@ -54,15 +55,8 @@ def models(tmp_path_factory) -> Path:
 
 
 def protocol_file(folder: Path, *, prompts: int = 1, continuation: int = 4, name: str = "tiny-screen") -> Path:
-    body = {"schema": 2, "name": name,
-            "model": {"synth": {"shape": "tiny", "dtype": "float32", "sparsity": 0.94, "seed": 0}},
-            "dtype": "float32", "prompts": {"generator": {"seed": 0, "count": prompts}}, "prefix_tokens": 8,
-            "continuation_tokens": continuation,
-            "conditions": [{"policy": "dense-stream"}, {"policy": "packet"}], "reference": "dense-stream",
-            "warmups": 1, "allowance_mib": 64, "gates": {"faithfulness": {}}}
-    path = folder / f"{name}-{prompts}x{continuation}.yaml"
-    path.write_text(yaml.safe_dump(body))
-    return path
+    """The dispatcher tests' protocol (tests/service/screens.py), with this file's defaults."""
+    return screen_protocol(folder, prompts=prompts, continuation=continuation, name=name)
 
 
 def settings(cluster, tmp_path, models, **changes) -> Settings:
