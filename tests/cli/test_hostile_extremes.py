@@ -423,9 +423,9 @@ def test_a_key_file_that_is_no_regular_file_is_refused_before_anything_is_queued
 # ----------------------------------------------------------------------------- every numeric option
 
 
-def numeric_options() -> list[tuple[tuple[str, ...], str, str]]:
-    """(command path, option, 'int' or 'float') of every numeric option packbench has, read from
-    the app itself: an option added later is probed without anyone listing it here."""
+def cli_parameters() -> list[tuple[tuple[str, ...], object]]:
+    """(command path, click parameter) of every parameter packbench's app has, the root's
+    options (path ()) included, read from the app itself."""
     import typer
 
     from packbench.cli.main import app
@@ -435,15 +435,21 @@ def numeric_options() -> list[tuple[tuple[str, ...], str, str]]:
             for name, sub in command.commands.items():
                 yield from walk(sub, (*path, name))
             return
-        for p in command.params:
-            kind = getattr(getattr(p, "type_descriptor", None), "annotation", None)
-            if kind in (int, float) and p.opts and p.opts[0].startswith("--"):
-                yield path, p.opts[0], kind.__name__
+        yield from ((path, p) for p in command.params)
 
     root = typer.main.get_command(app)
-    found = [((), p.opts[0], p.type_descriptor.annotation.__name__) for p in root.params
-             if getattr(getattr(p, "type_descriptor", None), "annotation", None) in (int, float)]
-    return found + list(walk(root, ()))
+    return [((), p) for p in root.params] + list(walk(root, ()))
+
+
+def annotation(p) -> object:
+    return getattr(getattr(p, "type_descriptor", None), "annotation", None)
+
+
+def numeric_options() -> list[tuple[tuple[str, ...], str, str]]:
+    """(command path, option, 'int' or 'float') of every numeric option packbench has, read from
+    the app itself: an option added later is probed without anyone listing it here."""
+    return [(path, p.opts[0], annotation(p).__name__) for path, p in cli_parameters()
+            if annotation(p) in (int, float) and p.opts and p.opts[0].startswith("--")]
 
 
 EXTREMES = {"int": [str(10**23), str(-10**23)], "float": ["inf", "-inf", "nan", "1e308", "-1e308"]}
@@ -508,24 +514,8 @@ NOT_READ_HERE = {((), "--model-cache"), ((), "--signing-key"), (("submit",), "--
 
 
 def file_parameters() -> set[tuple[tuple[str, ...], str]]:
-    import typer
-
-    from packbench.cli.main import app
-
-    def is_path(p) -> bool:
-        return "Path" in str(getattr(getattr(p, "type_descriptor", None), "annotation", ""))
-
-    def walk(command, path):
-        if hasattr(command, "commands"):
-            for name, sub in command.commands.items():
-                yield from walk(sub, (*path, name))
-            return
-        for p in command.params:
-            if is_path(p):
-                yield path, p.opts[0] if p.opts and p.opts[0].startswith("--") else p.name
-
-    root = typer.main.get_command(app)
-    return {((), p.opts[0]) for p in root.params if is_path(p)} | set(walk(root, ()))
+    return {(path, p.opts[0] if p.opts and p.opts[0].startswith("--") else p.name)
+            for path, p in cli_parameters() if "Path" in str(annotation(p) or "")}
 
 
 def test_every_file_parameter_is_probed():
