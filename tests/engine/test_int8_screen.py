@@ -3,18 +3,14 @@ int8 loader is judged bit for bit against the int8 dense-stream and passes, its 
 hidden + 4 bytes a row, and the archive of the screen audits AGREE (the auditor checks int8
 rows at their own size)."""
 
-import json
 from pathlib import Path
 
 import pytest
 import yaml
 
-from packbench.core.archive import PLAN_NAME, PROTOCOL_NAME, VERDICTS_NAME, WORKER_NAME, ArchiveWriter
+from cpu_screen import archive_screen
 from packbench.core.audit import audit_archive
-from packbench.core.gates import compute_verdicts
-from packbench.core.plan import plan, prompts
 from packbench.core.protocol import freeze
-from packbench.engine.worker import Worker
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -24,28 +20,8 @@ def screen(tmp_path_factory, checkpoints):
     raw = yaml.safe_load((ROOT / "protocols" / "int8-packets.yaml").read_text())
     raw["model"] = {"path": str(checkpoints["float32"])}
     raw["prompts"] = {"generator": {"seed": 0, "count": 2}}
-    frozen = freeze(raw)
-    body = json.loads(frozen.canonical)
-    worker = Worker(device="cpu")
-    start = worker.load(body, str(checkpoints["float32"]))
-    ids = prompts(body, vocab=start.pop("vocab"))
-    entries = plan(body)
     path = tmp_path_factory.mktemp("int8-screen") / "screen.zip"
-    writer = ArchiveWriter(path)
-    writer.add_json(PROTOCOL_NAME, body)
-    writer.add_json(PLAN_NAME, {"entries": entries, "prompts": ids})
-    env = worker.describe()
-    writer.add_json(WORKER_NAME, {"environment": env, "start": start})
-    episodes = []
-    for entry in entries:
-        record = worker.run(entry, ids[entry["prompt"]])
-        logits, trace = record.pop("logits"), record.pop("trace", None)
-        record.pop("forced_logits", None)
-        writer.add_episode(record, logits, trace)
-        episodes.append({**record, "logits": logits})
-    verdicts = compute_verdicts(body, episodes, start=start)
-    writer.add_json(VERDICTS_NAME, verdicts)
-    writer.seal({"protocol_sha256": frozen.sha256, "screen_id": 0, "attempt": 1, "environment": env})
+    body, episodes, verdicts = archive_screen(freeze(raw), checkpoints["float32"], path)
     return body, episodes, verdicts, path
 
 

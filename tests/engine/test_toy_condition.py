@@ -6,25 +6,21 @@ touched: the protocol validates it, the plan and the estimate include it, the wo
 the CPU, the archive holds it and the auditor agrees. A kind that needed an edit anywhere else
 (a name branch in the schema, the estimate or the worker) fails here."""
 
-import json
-
 import pytest
 import torch
 
-from packbench.core.archive import PLAN_NAME, PROTOCOL_NAME, VERDICTS_NAME, WORKER_NAME, ArchiveWriter
+from cpu_screen import archive_screen
 from packbench.core.audit import audit_archive
 from packbench.core.conditions import CONDITIONS
 from packbench.core.conditions.base import CallInputs, ConditionKind, IntParam
 from packbench.core.errors import ProtocolError
 from packbench.core.estimate import Activity, ModelShape, estimate
-from packbench.core.gates import compute_verdicts
-from packbench.core.plan import plan, prompts
+from packbench.core.plan import plan
 from packbench.core.protocol import freeze
 from packbench.engine.conditions import RUNTIMES
 from packbench.engine.conditions.base import LoaderRuntime
 from packbench.engine.ledger import Recorder
 from packbench.engine.policies.base import HostWeights, nbytes, zeroed_workspace
-from packbench.engine.worker import Worker
 
 
 class Pieces:
@@ -114,28 +110,8 @@ def test_the_plan_and_the_estimate_include_it(registered, tiny):
 @pytest.fixture(scope="module")
 def screen(registered, tiny, tmp_path_factory):
     """The toy's screen on the CPU, archived as the driver archives one."""
-    frozen = freeze(raw_protocol(tiny, pieces=3))
-    body = json.loads(frozen.canonical)
-    worker = Worker(device="cpu")
-    start = worker.load(body, str(tiny))
-    ids = prompts(body, vocab=start.pop("vocab"))
-    entries = plan(body)
     path = tmp_path_factory.mktemp("toy-screen") / "screen.zip"
-    writer = ArchiveWriter(path)
-    writer.add_json(PROTOCOL_NAME, body)
-    writer.add_json(PLAN_NAME, {"entries": entries, "prompts": ids})
-    env = worker.describe()
-    writer.add_json(WORKER_NAME, {"environment": env, "start": start})
-    episodes = []
-    for entry in entries:
-        record = worker.run(entry, ids[entry["prompt"]])
-        logits, trace = record.pop("logits"), record.pop("trace", None)
-        record.pop("forced_logits", None)
-        writer.add_episode(record, logits, trace)
-        episodes.append({**record, "logits": logits})
-    verdicts = compute_verdicts(body, episodes, start=start)
-    writer.add_json(VERDICTS_NAME, verdicts)
-    writer.seal({"protocol_sha256": frozen.sha256, "screen_id": 0, "attempt": 1, "environment": env})
+    _, episodes, verdicts = archive_screen(freeze(raw_protocol(tiny, pieces=3)), tiny, path)
     return episodes, verdicts, path
 
 

@@ -1,0 +1,38 @@
+"""A screen run on the CPU in this process and archived as the driver archives one (no database,
+no Ray): what the tests that audit a whole screen's archive share."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from packbench.core.archive import PLAN_NAME, PROTOCOL_NAME, VERDICTS_NAME, WORKER_NAME, ArchiveWriter
+from packbench.core.gates import compute_verdicts
+from packbench.core.plan import plan, prompts
+from packbench.engine.worker import Worker
+
+
+def archive_screen(frozen, model_dir: Path, path: Path) -> tuple[dict, list[dict], list[dict]]:
+    """(body, episodes with their logits, verdicts) of the frozen protocol run on the CPU, every
+    episode in plan order; the sealed archive at `path`."""
+    body = json.loads(frozen.canonical)
+    worker = Worker(device="cpu")
+    start = worker.load(body, str(model_dir))
+    ids = prompts(body, vocab=start.pop("vocab"))
+    entries = plan(body)
+    writer = ArchiveWriter(path)
+    writer.add_json(PROTOCOL_NAME, body)
+    writer.add_json(PLAN_NAME, {"entries": entries, "prompts": ids})
+    env = worker.describe()
+    writer.add_json(WORKER_NAME, {"environment": env, "start": start})
+    episodes = []
+    for entry in entries:
+        record = worker.run(entry, ids[entry["prompt"]])
+        logits, trace = record.pop("logits"), record.pop("trace", None)
+        record.pop("forced_logits", None)
+        writer.add_episode(record, logits, trace)
+        episodes.append({**record, "logits": logits})
+    verdicts = compute_verdicts(body, episodes, start=start)
+    writer.add_json(VERDICTS_NAME, verdicts)
+    writer.seal({"protocol_sha256": frozen.sha256, "screen_id": 0, "attempt": 1, "environment": env})
+    return body, episodes, verdicts
