@@ -4,12 +4,14 @@ It converts a packbench checkpoint (safetensors) into FlexGen's own layout (one 
 names without the `model.` prefix: what flexgen.opt_config.download_opt_weights writes from the Hub
 `.bin` files, which cannot be fetched on the GPU machine), builds `OptLM` under a placement policy
 that keeps the weights inside the allowance (weights GPU/CPU percentages from FlexGen's model-size
-arithmetic, cache and activations on the GPU, compression off), and generates greedily at batch 1.
-It prints the versions, then either the decode ms/token or the exact exception and where it was
-raised. FlexGen's cost model / policy search (experimental/cost_model.py) is not in the 0.1.8
+arithmetic, cache and activations on the GPU, compression off), and generates greedily at each
+batch of `--batches` (FlexGen's `gpu_batch_size`, one GPU batch; a fresh OptLM per batch, since the
+policy fixes it; the cache's share of the allowance grows with the batch, the weights' shrinks). It
+prints the versions, then per batch either the decode ms/token or the exact exception and where it
+was raised. FlexGen's cost model / policy search (experimental/cost_model.py) is not in the 0.1.8
 wheel, so the policy printed here is the probe's, not FlexGen's search's.
 
-    python -m bench.flexgen_probe CHECKPOINT_DIR --allowance-mib 4800 [--gen 16] [--prompt 512]
+    python -m bench.flexgen_probe CHECKPOINT_DIR --allowance-mib 4800 [--gen 16] [--prompt 512] [--batches 1,8,32]
 """
 
 import argparse
@@ -20,17 +22,89 @@ import traceback
 from pathlib import Path
 
 
-def convert(checkpoint: Path, out: Path) -> None:
-    """FlexGen's numpy layout from packbench's safetensors (names as FlexGen's loader reads them)."""
+def flexgen_name(name: str) -> str:
+    """A transformers OPT tensor name as FlexGen's converter (opt_config.download_opt_weights) writes it."""
+    return name.removeprefix("model.").replace("decoder.final_layer_norm", "decoder.layer_norm")
+
+
+def convert(checkpoint: Path, out: Path) -> list[str]:
+    """FlexGen's numpy layout from packbench's safetensors, as download_opt_weights writes it from
+    the Hub's `.bin` files: bare names (no `.npy` suffix), `lm_head.weight` a copy of the tied
+    embedding. Returns the names written."""
     import numpy as np
     from safetensors.torch import load_file
 
     out.mkdir(parents=True, exist_ok=True)
+    written = []
     for f in sorted(checkpoint.glob("*.safetensors")):
         for name, t in load_file(f).items():
-            name = name.removeprefix("model.")
-            with open(out / name, "wb") as fh:  # no `.npy` suffix: FlexGen's loader opens the bare name
-                np.save(fh, t.float().numpy().astype(np.float16) if t.is_floating_point() else t.numpy())
+            name = flexgen_name(name)
+            arr = t.float().numpy().astype(np.float16) if t.is_floating_point() else t.numpy()
+            targets = [name] + (["lm_head.weight"] if name == "decoder.embed_tokens.weight" else [])
+            for target in targets:
+                with open(out / target, "wb") as fh:
+                    np.save(fh, arr)
+                written.append(target)
+    return written
+
+
+def policy_for(config, *, batch: int, prompt: int, gen: int, allowance_mib: int):
+    """FlexGen's Policy for one GPU batch of `batch`: cache and activations on the GPU, the weights'
+    GPU share what the allowance leaves after the cache and 512 MiB of working space (FlexGen's own
+    model_bytes / cache_bytes arithmetic), the rest pinned on the CPU, compression off."""
+    from flexgen.compression import CompressionConfig
+    from flexgen.flex_opt import Policy
+
+    budget = allowance_mib * 2**20 - config.cache_bytes(batch, prompt + gen) - (512 << 20)
+    w_gpu = max(0, min(100, int(100 * budget / config.model_bytes())))
+    return Policy(batch, 1, w_gpu, 100 - w_gpu, 100, 0, 100, 0, overlap=True, sep_layer=True, pin_weight=True,
+                  cpu_cache_compute=False, attn_sparsity=1.0, compress_weight=False,
+                  comp_weight_config=CompressionConfig(num_bits=4, group_size=64, group_dim=0, symmetric=False),
+                  compress_cache=False,
+                  comp_cache_config=CompressionConfig(num_bits=4, group_size=64, group_dim=2, symmetric=False))
+
+
+def failure(e: BaseException) -> dict:
+    """The verdict of a failed step: the exception verbatim and the line that raised it."""
+    where = traceback.extract_tb(e.__traceback__)[-1]
+    return {"verdict": "fails", "error": f"{type(e).__name__}: {e}",
+            "at": f"{where.filename.split('site-packages/')[-1]}:{where.lineno}: {where.line}"}
+
+
+def run_batch(config, env, weights_root: Path, *, batch: int, prompt: int, gen: int, allowance_mib: int) -> dict:
+    """One OptLM under the batch's policy: a warm-up generate, then a timed one; its figures."""
+    import torch
+    from flexgen.flex_opt import OptLM
+
+    policy = policy_for(config, batch=batch, prompt=prompt, gen=gen, allowance_mib=allowance_mib)
+    row = {"batch": batch, "policy": {"w_gpu_percent": policy.w_gpu_percent, "w_cpu_percent": policy.w_cpu_percent,
+                                      "cache_gpu_percent": 100, "act_gpu_percent": 100, "compress": False}}
+    torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    model = OptLM(config, env, str(weights_root), policy)
+    row["load_s"] = time.perf_counter() - t0
+    try:
+        prompts = [[2] + [100 + (b * 7 + k) % 50000 for k in range(prompt - 1)] for b in range(batch)]
+        model.generate(prompts, max_new_tokens=2)  # warm-up
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        model.generate(prompts, max_new_tokens=1)  # the prefill alone: TTFT
+        torch.cuda.synchronize()
+        row["ttft_s"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        model.generate(prompts, max_new_tokens=gen)
+        torch.cuda.synchronize()
+        row["generate_s"] = time.perf_counter() - t0
+        # FlexGen's own decode figure (its benchmark's): (generate - prefill) / (gen - 1), per sequence too
+        row["decode_ms_per_token"] = 1e3 * (row["generate_s"] - row["ttft_s"]) / max(1, gen - 1)
+        row["decode_ms_per_token_per_seq"] = row["decode_ms_per_token"] / batch
+        row["peak_allocated_mib"] = torch.cuda.max_memory_allocated() / 2**20
+        row["verdict"] = "runs"
+    finally:
+        model.delete_all_weights()
+        del model
+        torch.cuda.empty_cache()
+    return row
 
 
 def main() -> int:
@@ -40,6 +114,7 @@ def main() -> int:
     ap.add_argument("--gen", type=int, default=16)
     ap.add_argument("--prompt", type=int, default=512)
     ap.add_argument("--shape", default="opt-2.7b")
+    ap.add_argument("--batches", type=lambda v: [int(x) for x in v.split(",") if x], default=[1])
     ap.add_argument("--work", type=Path, default=Path("/tmp/flexgen-probe"))
     a = ap.parse_args()
     import torch
@@ -51,41 +126,28 @@ def main() -> int:
         import importlib.metadata as md
 
         facts["flexgen"] = md.version("flexgen")
-        from flexgen.compression import CompressionConfig
-        from flexgen.flex_opt import OptLM, Policy, get_opt_config
+        from flexgen.flex_opt import get_opt_config
         from flexgen.pytorch_backend import TorchDevice, TorchDisk, TorchMixedDevice
         from flexgen.utils import ExecutionEnv
 
         config = get_opt_config(f"facebook/{a.shape}")
-        budget = a.allowance_mib * 2**20 - config.cache_bytes(1, a.prompt + a.gen) - (512 << 20)
-        w_gpu = max(0, min(100, int(100 * budget / config.model_bytes())))
-        policy = Policy(1, 1, w_gpu, 100 - w_gpu, 100, 0, 100, 0, overlap=True, sep_layer=True, pin_weight=True,
-                        cpu_cache_compute=False, attn_sparsity=1.0, compress_weight=False,
-                        comp_weight_config=CompressionConfig(num_bits=4, group_size=64, group_dim=0, symmetric=False),
-                        compress_cache=False,
-                        comp_cache_config=CompressionConfig(num_bits=4, group_size=64, group_dim=2, symmetric=False))
-        facts["policy"] = {"w_gpu_percent": w_gpu, "w_cpu_percent": 100 - w_gpu, "cache_gpu_percent": 100,
-                           "act_gpu_percent": 100, "compress": False}
-        weights = a.work / "weights" / f"{a.shape}-np"
-        convert(a.checkpoint, weights)
+        facts["converted"] = len(convert(a.checkpoint, a.work / "weights" / f"{a.shape}-np"))
         gpu, cpu, disk = TorchDevice("cuda:0"), TorchDevice("cpu"), TorchDisk(str(a.work / "offload"))
         env = ExecutionEnv(gpu=gpu, cpu=cpu, disk=disk, mixed=TorchMixedDevice([gpu, cpu, disk]))
-        model = OptLM(config, env, str(a.work / "weights"), policy)
-        prompt = [[2] + list(range(100, 100 + a.prompt - 1))]
-        model.generate(prompt, max_new_tokens=2)  # warm-up
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        model.generate(prompt, max_new_tokens=a.gen)
-        torch.cuda.synchronize()
-        facts["generate_s"] = time.perf_counter() - t0
-        facts["ms_per_token_incl_prefill"] = 1e3 * facts["generate_s"] / a.gen
-        facts["peak_allocated_mib"] = torch.cuda.max_memory_allocated() / 2**20
-        facts["verdict"] = "runs"
     except BaseException as e:  # the verdict is the exception itself, verbatim
-        where = traceback.extract_tb(e.__traceback__)[-1]
-        facts["verdict"] = "fails"
-        facts["error"] = f"{type(e).__name__}: {e}"
-        facts["at"] = f"{where.filename.split('site-packages/')[-1]}:{where.lineno}: {where.line}"
+        facts.update(failure(e))
+        print(json.dumps(facts, indent=1))
+        return 0
+    facts["batches"] = []
+    for batch in a.batches:
+        try:
+            facts["batches"].append(run_batch(config, env, a.work / "weights", batch=batch, prompt=a.prompt,
+                                              gen=a.gen, allowance_mib=a.allowance_mib))
+        except BaseException as e:
+            facts["batches"].append({"batch": batch, **failure(e)})
+        print(json.dumps(facts["batches"][-1]), file=sys.stderr, flush=True)  # a call cut short keeps it
+    env.close_copy_threads()
+    facts["verdict"] = "runs" if any(b.get("verdict") == "runs" for b in facts["batches"]) else "fails"
     print(json.dumps(facts, indent=1))
     return 0
 

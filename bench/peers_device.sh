@@ -1,73 +1,132 @@
 #!/usr/bin/env bash
-# One device call (issue 48): the offloading peers beside exact packets through `packbench submit
-# --wait` and `packbench audit`, calibrated synthetic OPT (SHAPE, default opt-2.7b, fp16, profile
-# opt; PROMPTS x 512 + 16) under ALLOWANCE (default 4800 MiB, the packets' allowance): packet
-# (device gather), dense-stream, accelerate and zero-inference (DeepSpeed ZeRO-3, parameters in
-# pinned host memory, DeepSpeed's ZeRO-Inference settings), packbench's loaders in engine mode graph,
-# every competitor in its one mode (eager). Then FlexGen's probe (bench/flexgen_probe.py) on the
-# same checkpoint: it runs or prints its exact error. Budget: one call under 10 minutes (DEADLINE).
-# Carry .whl, built here first (deepspeed is an sdist, built against the local torch):
-#   pip wheel --no-build-isolation --no-deps deepspeed==0.19.8 -w .whl
+# One device call (issue 48): the offloading peers beside exact packets, through `packbench submit
+# --wait` and `packbench audit`, on calibrated synthetic OPT (SHAPE, default opt-2.7b, fp16, profile
+# opt): dense-stream (the reference), packet and phase-switched ({gather: device}, engine mode graph),
+# accelerate and zero-inference (DeepSpeed ZeRO-3, parameters in pinned host memory, DeepSpeed's
+# ZeRO-Inference settings: engine/zero_inference.py ds_config), every competitor in its one mode
+# (eager). Two screens: batch 1 (PROMPTS x PREFIX + 16, ALLOWANCE MiB: the latency configuration)
+# and, per entry of BATCHES, batch B (B prompts x BATCH_PREFIX + 16, BATCH_ALLOWANCE MiB: the
+# throughput configuration; docs/experiments/batched.md: per-token time falls with the batch up to
+# the KV cache's limit, 32 x 64 tokens at 5700 MiB for opt-2.7b). Then FlexGen's probe
+# (bench/flexgen_probe.py) on the same checkpoint at batch 1 and FLEXGEN_BATCHES: it runs or
+# prints its exact error. A table last: one row per (screen, condition), the steady decode call
+# (docs/metrics.md: the median decode call but each episode's first, one rule for every condition)
+# per token per sequence, warm TTFT, bytes per decode call and per token, peaks, tier, faithfulness.
+# Budget: one call under 10 minutes (DEADLINE seconds for the whole script, 560).
+#
+# Wheels (carry [".whl"], 56 MiB; built on the CPU machine, python 3.12 manylinux for the device):
+#   pip wheel --no-build-isolation --no-deps deepspeed==0.19.8 -w .whl   # an sdist; pure Python, 2.1 MB
 #   EXTRA="hjson py-cpuinfo ninja einops msgpack psutil pydantic pydantic-core annotated-types typing-inspection typing-extensions flexgen==0.1.8 pulp attrs" bash ../shared/device/wheelhouse.sh
-#   bash bench/peers_device.sh      (run with carry [".whl"])
+#   (in a git worktree, whose .git is a file, run wheelhouse.sh from a folder holding .git/info/ with
+#   WHEELHOUSE=<worktree>/.whl: it appends to .git/info/exclude)
+#   bash bench/peers_device.sh
+# Knobs: SHAPE, PROMPTS (2), PREFIX (512), ALLOWANCE (4800), BATCHES ("32"; "" for none), BATCH_PREFIX (64),
+# BATCH_ALLOWANCE (5700), CONDITIONS (the five names above), SKIP_FLEXGEN, FLEXGEN_BATCHES ("8,32"),
+# SCREEN_TIMEOUT (300), DEADLINE (560). TINY=1: the same path on the CPU on tiny shapes (float32,
+# 16-token prefixes, engine mode eager, 64 MiB allowances; no FlexGen, which needs CUDA), to check the
+# script end to end where there is no GPU.
 set -uo pipefail
 root=$PWD; out=${OUT:-$root/peers-out}; mkdir -p "$out"
 source bench/device_common.sh
-product_env
-# The peers' wheels even on a warm machine whose /tmp/site already holds ray (install_wheels skips then).
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-  $(ls .whl/*.whl | grep -v '/ray-') 2>&1 | tail -2
-python3 -c "import deepspeed" 2>&1 | tail -1  # DeepSpeed's import-time needs, shown before the screen
-device_header | tee "$out/header.txt"
+if [ -n "${TINY:-}" ]; then  # the CPU check: the Python that runs the tests, deepspeed on its path
+  SHAPE=${SHAPE:-tiny} DTYPE=float32 PREFIX=${PREFIX:-16} CONT=6 ALLOWANCE=${ALLOWANCE:-64}
+  BATCHES=${BATCHES-2} BATCH_PREFIX=${BATCH_PREFIX:-16} BATCH_ALLOWANCE=${BATCH_ALLOWANCE:-64} MODE=eager SKIP_FLEXGEN=1
+  work=$(mktemp -d); mkdir -p "$work/bin"; printf '#!/bin/sh\nexec %s "$@"\n' "${PYTHON:-$root/.venv/bin/python}" > "$work/bin/python3"
+  chmod +x "$work/bin/python3"
+  export PATH=$work/bin:$PATH PYTHONPATH=${TINY_PATH:+$TINY_PATH:}$root PYTHONUNBUFFERED=1 RAY_AUTH_MODE=disabled
+  export PACKBENCH_DB_URL="sqlite:///$work/pb.db" PACKBENCH_ARCHIVE_DIR="$work/archives" PACKBENCH_MODEL_CACHE="$work/models"
+  python3 -m packbench db upgrade > /dev/null
+else
+  product_env
+  # The peers' wheels even on a warm machine whose /tmp/site already holds ray (install_wheels skips then).
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+    $(ls .whl/*.whl | grep -v '/ray-') 2>&1 | tail -2
+  device_header | tee "$out/header.txt"
+fi
+SHAPE=${SHAPE:-opt-2.7b} DTYPE=${DTYPE:-float16} CONT=${CONT:-16} MODE=${MODE:-graph}
+python3 -c "import deepspeed, transformers; print('deepspeed', deepspeed.__version__, 'transformers', transformers.__version__)" \
+  2>&1 | tail -1  # DeepSpeed's import-time needs, shown before the screens
 start=$(date +%s)
-cat > "$work/peers.yaml" <<YAML
-name: peers
-model: {synth: {shape: ${SHAPE:-opt-2.7b}, dtype: float16, seed: 0, profile: opt}}
-dtype: float16
-prompts: {generator: {seed: 0, count: ${PROMPTS:-2}}}
-prefix_tokens: 512
-continuation_tokens: 16
-conditions:
-  - {name: dense-stream, policy: dense-stream}
-  - {name: packet, policy: packet, params: {gather: device}}
-  - {name: accelerate, policy: accelerate}
-  - {name: zero-inference, policy: zero-inference}
-reference: dense-stream
-warmups: 1
-allowance_mib: ${ALLOWANCE:-4800}
-engine: {mode: graph}
-gates:
-  faithfulness: {tolerance: 0.0}
-  resources: {}
-YAML
-timeout "${SCREEN_TIMEOUT:-420}" python3 -m packbench submit "$work/peers.yaml" --wait > "$out/peers.log" 2>&1
-echo "== peers: submit rc $? in $(( $(date +%s) - start )) s"
-pb audit latest >> "$out/peers.log" 2>&1; echo "   audit rc $?"
-grep -E "^(faithfulness|resources) |audit of|error" "$out/peers.log" | sort -u | head -20
-pb results --screen latest --json > "$out/peers.json" 2>/dev/null
-python3 - <<'PY'  # per condition: steady decode (median per call), TTFT, bytes/token, peak, tier
+condition_line() {  # name -> its protocol entry
+  case $1 in
+    dense-stream) echo "  - {name: dense-stream, policy: dense-stream}" ;;
+    packet) echo "  - {name: packet, policy: packet, params: {gather: device}}" ;;
+    phase-switched) echo "  - {name: phase-switched, policy: phase-switched, params: {gather: device}}" ;;
+    accelerate) echo "  - {name: accelerate, policy: accelerate}" ;;
+    zero-inference) echo "  - {name: zero-inference, policy: zero-inference}" ;;
+    *) echo "unknown condition $1" >&2; exit 2 ;;
+  esac
+}
+screen() {  # name batch prompts prefix allowance
+  local name=$1 batch=$2 prompts=$3 prefix=$4 allowance=$5
+  { echo "name: $name"
+    echo "model: {synth: {shape: $SHAPE, dtype: $DTYPE, seed: 0, profile: opt}}"; echo "dtype: $DTYPE"
+    echo "prompts: {generator: {seed: 0, count: $prompts}}"; echo "prefix_tokens: $prefix"; echo "continuation_tokens: $CONT"
+    [ "$batch" -gt 1 ] && echo "batch: $batch"
+    echo "conditions:"
+    for c in ${CONDITIONS:-dense-stream packet phase-switched accelerate zero-inference}; do condition_line "$c"; done
+    echo "reference: dense-stream"; echo "warmups: 1"; echo "allowance_mib: $allowance"
+    echo "engine: {mode: $MODE}"  # packbench's loaders in their fastest mode; competitors in their own (eager)
+    echo "gates:"; echo "  faithfulness: {tolerance: 0.0}"; echo "  resources: {}"; } > "$work/$name.yaml"
+  local t0 limit=${SCREEN_TIMEOUT:-300} left
+  t0=$(date +%s); left=$(( ${DEADLINE:-560} - (t0 - start) - ${RESERVE:-30} ))
+  [ "$left" -lt "$limit" ] && limit=$left
+  [ "$limit" -gt 30 ] || { echo "== $name: skipped, $left s left of DEADLINE"; return; }
+  timeout "$limit" python3 -m packbench submit "$work/$name.yaml" --wait > "$out/$name.log" 2>&1
+  echo "== $name (batch $batch, $prompts x $prefix + $CONT, $allowance MiB): submit rc $? in $(( $(date +%s) - t0 )) s (limit $limit s)"
+  python3 -m packbench audit latest >> "$out/$name.log" 2>&1; echo "   audit rc $?"
+  grep -E "^(faithfulness|resources) |audit of|rror" "$out/$name.log" | sort -u | head -20
+  python3 -m packbench results --screen latest --json > "$out/$name.json" 2>/dev/null
+}
+screen peers-b1 1 "${PROMPTS:-2}" "${PREFIX:-512}" "${ALLOWANCE:-4800}"
+for b in ${BATCHES-32}; do screen "peers-b$b" "$b" "$b" "${BATCH_PREFIX:-64}" "${BATCH_ALLOWANCE:-5700}"; done
+# FlexGen last: it converts the checkpoint to its own layout (a second copy on disk) and may fail.
+ck=$(ls -d "$PACKBENCH_MODEL_CACHE"/*/ 2>/dev/null | head -1)
+left=$(( ${DEADLINE:-560} - ($(date +%s) - start) - 25 ))
+if [ -z "${SKIP_FLEXGEN:-}" ] && [ "$left" -gt 40 ] && [ -n "$ck" ]; then
+  echo "== flexgen probe ($left s)"
+  timeout "$left" python3 -m bench.flexgen_probe "$ck" --shape "$SHAPE" --allowance-mib "${ALLOWANCE:-4800}" \
+    --batches "1,${FLEXGEN_BATCHES:-8,32}" --prompt "${PREFIX:-512}" --gen "$CONT" 2> "$out/flexgen.err" > "$out/flexgen.json"
+  echo "   probe rc $?"; tail -c 3000 "$out/flexgen.json"; grep -v Warning "$out/flexgen.err" | tail -5
+else echo "== flexgen probe: skipped (SKIP_FLEXGEN=${SKIP_FLEXGEN:-}, $left s left, checkpoint '${ck}')"; fi
+python3 - <<'PY' | tee "$out/table.txt"  # the table: one rule for every condition (module comment)
 import statistics
+from packbench.core.report import read_screen, serving_rows
 from packbench.db.store import Store
-s, n = Store(), 15
+
+s = Store()
 med = lambda xs: statistics.median(xs) if xs else float("nan")
+print(f"{'screen':10} {'condition':15} {'batch':>5} {'ok':>3} {'TTFT ms':>8} {'steady ms/tok/seq':>17} "
+      f"{'MB/call':>8} {'MB/tok':>7} {'peak alloc MiB':>14} {'peak sampled MiB':>16} {'tier':11} faithful")
 for screen in s.list_screens():
     a = s.latest_attempt(screen.id)
-    print(f"screen {screen.id}: {a.status}")
-    by = {}
-    for e in s.episodes(a.id):
+    if a is None:
+        continue
+    try:
+        data = read_screen(a.archive_path)
+    except Exception as e:  # a screen cut short has no readable archive: say so, go on
+        print(f"{screen.id}: {a.status}, archive not readable ({type(e).__name__}: {e})")
+        continue
+    batch = data.protocol.body.get("batch", 1)
+    verdicts = {}
+    for v in data.verdicts:
+        key = (v.get("condition"), v.get("gate"))
+        verdicts[key] = verdicts.get(key, True) and bool(v.get("passed"))
+    eps = s.episodes(a.id)
+    for e in eps:
         if e.status != "ok":
-            print(f"  episode {e.plan_index} {e.condition} failed: {(e.error or '')[:400]}")
-        if e.role == "scored":
-            by.setdefault(e.condition, []).append(e)
-    print(f"  {'condition':16} {'ok':>3} {'TTFT ms':>8} {'decode ms/tok':>13} {'MB/token':>9} {'peak MiB':>9} tier")
-    for c, eps in by.items():
-        ok = [x for x in eps if x.status == "ok"]
-        print(f"  {c:16} {len(ok):>3} {med([(x.prefill_call_s or 0) * 1e3 for x in ok]):>8.1f} "
-              f"{med([(x.decode_call_s or 0) / n * 1e3 for x in ok]):>13.2f} "
-              f"{med([(x.decode_h2d_bytes or 0) / n / 1e6 for x in ok]):>9.1f} "
-              f"{max([(x.peak_sampled_bytes or 0) for x in ok], default=0) / 2**20:>9.0f} {getattr(ok[0], 'tier', '') if ok else ''}")
+            print(f"  {data.protocol.body['name']}: episode {e.plan_index} {e.condition} failed: {(e.error or '')[:300]}")
+    for r in serving_rows(data):
+        c = r["condition"]
+        ok = [x for x in eps if x.condition == c and x.role == "scored" and x.status == "ok"]
+        calls = max(1, (data.protocol.body["continuation_tokens"] - 1))
+        per_call = med([(x.decode_h2d_bytes or 0) / calls / 1e6 for x in ok])
+        steady = r["steady_call_s"]
+        faithful = verdicts.get((c, "faithfulness"), "-")
+        print(f"{data.protocol.body['name']:10} {c:15} {batch:>5} {len(ok):>3} "
+              f"{(r['ttft_s'] or float('nan')) * 1e3:>8.1f} {(steady / batch * 1e3 if steady else float('nan')):>17.3f} "
+              f"{per_call:>8.1f} {per_call / batch:>7.1f} "
+              f"{max([(x.peak_allocated_bytes or 0) for x in ok], default=0) / 2**20:>14.0f} "
+              f"{max([(x.peak_sampled_bytes or 0) for x in ok], default=0) / 2**20:>16.0f} {r['tier']:11} {faithful}")
 PY
-ck=$(ls -d "$PACKBENCH_MODEL_CACHE"/*/ 2>/dev/null | head -1)
-left=$(( ${DEADLINE:-560} - ($(date +%s) - start) ))
-[ "$left" -gt 40 ] && [ -n "$ck" ] && timeout "$left" python3 -m bench.flexgen_probe "$ck" --shape "${SHAPE:-opt-2.7b}" \
-  --allowance-mib "${ALLOWANCE:-4800}" 2> "$out/flexgen.err" | tee "$out/flexgen.json"
+echo "done in $(( $(date +%s) - start )) s"

@@ -38,6 +38,17 @@ def test_a_batch_freezes_as_schema_6_and_validates_to_itself():
     assert freeze({**quick, "schema": 6, "batch": 3}).body["schema"] == 6
 
 
+def test_a_batch_keeps_the_higher_schema_a_later_kind_needs():
+    """A batch says schema 6 at least, not at most: a screen of a schema-7 kind (zero-inference) at
+    batch 2 must freeze as 7 and validate to itself (a freeze that lowered it to 6 refused its own
+    body: "'zero-inference' needs schema 7")."""
+    conditions = [{"policy": "dense-stream"}, {"policy": "zero-inference"}]
+    frozen = freeze(protocol(TINY, batch=2, conditions=conditions))
+    assert frozen.body["schema"] == 7 and frozen.body["batch"] == 2
+    assert validate(frozen.body) == frozen.body and expand(frozen.body).batch == 2
+    assert freeze(protocol(TINY, conditions=conditions)).body["schema"] == 7  # the kind alone, at batch 1
+
+
 def test_the_plan_decodes_consecutive_prompts_wrapping_round():
     body = freeze(protocol(TINY, batch=2)).body  # quickstart: 3 prompts, 1 warmup each
     entries = plan(body)

@@ -503,7 +503,7 @@ def _full(raw: Any, *, base_dir: Path | None) -> dict:
                                              for c in conditions for key in c["params"])])
     if batch > 1:  # batch 1 (or absent) is left out, so every protocol frozen before it keeps its hash
         full["batch"] = batch
-        full["schema"] = MODE_SCHEMA
+        full["schema"] = max(full["schema"], MODE_SCHEMA)  # a later kind (zero-inference: 7) keeps its schema
     if _passes(p.get("passes", "together"), schema=declared, given="passes" in p) == "separate":
         full["passes"] = "separate"  # together (or absent) is left out: every body frozen before keeps its hash
         full["schema"] = max(full["schema"], PASSES_SCHEMA)
