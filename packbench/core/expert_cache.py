@@ -1,0 +1,167 @@
+"""Expert caches and forecasts as decisions, torch-free: what the engine's `expert-cache` and
+`expert-forecast` policies keep, fetch and waste, and Belady's optimal bound for the same
+capacity. The engine (engine/moe/policies.py) takes every decision through this module, so a
+weightless replay of the same routing (a trace, `packbench simulate`) counts exactly what the
+engine counted, and the auditor recomputes an archive's figures from its recorded routing.
+
+A **request** is one call's routed set in one layer: the distinct experts any token of the call
+was routed to (a decode call at batch 1: its k experts; a prefill: the prompt's union). Every
+expert of a request must be on the device during the call; a cache of `capacity` experts per
+layer decides which of them stay for later calls.
+
+- `LayerCache(capacity, rule)`, `step(routed) -> CacheStep(hits, misses, evicted)`: hits are the
+  routed experts the cache held before the call; misses are fetched (in the call's packet).
+  After the call the cache holds the `capacity` experts that rank highest among those it held
+  and those just routed (every one of them is on the device: keeping one costs no transfer),
+  ranked by the rule's key, larger first:
+  - `lru`: (last call that routed it, -id): the most recently routed; among experts routed in
+    the same call, the lower id is kept;
+  - `lfu`: (calls that routed it since the cache was made, last call that routed it, -id): the
+    most often routed, counting every call since the start (an evicted expert keeps its count,
+    so a popular expert returns); ties go to the more recent, then to the lower id.
+  An expert that ranks below the cache's own is not admitted (a miss that stays a miss), so
+  `evicted` lists only experts that were cached before the call.
+- `belady_hits(requests, capacity)`: the most hits any cache of `capacity` experts could have had
+  on the same requests, knowing the future: after each request keep the experts (among those held
+  and those just routed) whose next request comes soonest (ties: the lower id; experts never
+  requested again last). With the admission choice above this greedy choice is optimal: swapping a
+  kept expert for one requested sooner never loses a hit (tests/core/test_expert_cache.py checks
+  it against exhaustive search on small traces).
+- `lru_hits` / `lfu_hits`: the `LayerCache` over a list of requests, summed.
+- `forecast_step(forecast, cached, routed) -> ForecastStep(prefetched, used, wasted)`: a forecast
+  prefetches what it predicts and the cache does not hold; `used` are the prefetched experts the
+  call routed to, `wasted` the ones it did not (moved for nothing). The cache steps on the routed
+  set alone: a wasted prefetch is never admitted.
+
+A request's bytes: misses plus prefetched experts move host-to-device, each `expert_bytes`;
+hits move nothing (engine/moe/policies.py copies them on the device). hits + misses = routed.
+
+Layer rule: core. Pure Python, no imports outside the standard library.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+CACHE_RULES = ("lru", "lfu")
+
+
+@dataclass(frozen=True)
+class CacheStep:
+    """One request's outcome: each a sorted tuple of expert ids."""
+
+    hits: tuple[int, ...]
+    misses: tuple[int, ...]
+    evicted: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class ForecastStep:
+    """One forecast's outcome: prefetched = used + wasted, sorted tuples of expert ids."""
+
+    prefetched: tuple[int, ...]
+    used: tuple[int, ...]
+    wasted: tuple[int, ...]
+
+
+def _routed_set(routed: Iterable[int]) -> tuple[int, ...]:
+    return tuple(sorted({int(e) for e in routed}))
+
+
+class LayerCache:
+    """One layer's cache of `capacity` experts under `rule` (module docstring: the ranking and its
+    tie-break). `cached` is what it holds now, `step(routed)` one call."""
+
+    def __init__(self, capacity: int, rule: str = "lru") -> None:
+        if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 0:
+            raise ValueError(f"capacity must be an integer >= 0, got {capacity!r}")
+        if rule not in CACHE_RULES:
+            raise ValueError(f"rule must be one of {', '.join(CACHE_RULES)}, got {rule!r}")
+        self.capacity, self.rule = capacity, rule
+        self.clock = 0  # calls stepped
+        self.last: dict[int, int] = {}  # expert -> the last call that routed it
+        self.count: dict[int, int] = {}  # expert -> calls that routed it
+        self._held: set[int] = set()
+
+    @property
+    def cached(self) -> frozenset[int]:
+        return frozenset(self._held)
+
+    def _key(self, e: int) -> tuple:
+        if self.rule == "lru":
+            return (self.last[e], -e)
+        return (self.count[e], self.last[e], -e)
+
+    def step(self, routed: Iterable[int]) -> CacheStep:
+        """Serve one call's routed set, then keep the best `capacity` of held + routed."""
+        need = _routed_set(routed)
+        self.clock += 1
+        hits = tuple(e for e in need if e in self._held)
+        misses = tuple(e for e in need if e not in self._held)
+        for e in need:
+            self.last[e] = self.clock
+            self.count[e] = self.count.get(e, 0) + 1
+        candidates = self._held | set(need)
+        keep = set(sorted(candidates, key=self._key, reverse=True)[:self.capacity])
+        evicted = tuple(sorted(self._held - keep))
+        self._held = keep
+        return CacheStep(hits=hits, misses=misses, evicted=evicted)
+
+
+def cache_hits(requests: Sequence[Iterable[int]], capacity: int, rule: str = "lru") -> tuple[int, int]:
+    """(hits, routed) of a fresh `LayerCache(capacity, rule)` over `requests`."""
+    cache = LayerCache(capacity, rule)
+    hits = total = 0
+    for r in requests:
+        s = cache.step(r)
+        hits += len(s.hits)
+        total += len(s.hits) + len(s.misses)
+    return hits, total
+
+
+def lru_hits(requests: Sequence[Iterable[int]], capacity: int) -> tuple[int, int]:
+    """(hits, routed) of an LRU cache of `capacity` experts over `requests`."""
+    return cache_hits(requests, capacity, "lru")
+
+
+def lfu_hits(requests: Sequence[Iterable[int]], capacity: int) -> tuple[int, int]:
+    """(hits, routed) of an LFU cache of `capacity` experts over `requests`."""
+    return cache_hits(requests, capacity, "lfu")
+
+
+def belady_hits(requests: Sequence[Iterable[int]], capacity: int) -> tuple[int, int]:
+    """(hits, routed) of Belady's optimal cache of `capacity` experts over `requests` (module
+    docstring): after each request keep the experts whose next request is soonest."""
+    sets = [_routed_set(r) for r in requests]
+    never = len(sets)
+    # next_use[t][e]: the first request after t that routes e (never: none).
+    next_use: list[dict[int, int]] = [{} for _ in sets]
+    upcoming: dict[int, int] = {}
+    for t in range(len(sets) - 1, -1, -1):
+        next_use[t] = dict(upcoming)
+        for e in sets[t]:
+            upcoming[e] = t
+    held: set[int] = set()
+    hits = total = 0
+    for t, need in enumerate(sets):
+        hits += sum(1 for e in need if e in held)
+        total += len(need)
+        candidates = held | set(need)
+        nxt = next_use[t]
+        held = set(sorted(candidates, key=lambda e: (nxt.get(e, never), e))[:capacity])
+    return hits, total
+
+
+def forecast_step(forecast: Iterable[int], cached: Iterable[int], routed: Iterable[int]) -> ForecastStep:
+    """What a forecast moved and whether the call used it: the forecast experts the cache did not
+    hold are prefetched; those routed are used, the rest wasted."""
+    held, need = set(cached), set(_routed_set(routed))
+    prefetched = tuple(e for e in _routed_set(forecast) if e not in held)
+    return ForecastStep(prefetched=prefetched, used=tuple(e for e in prefetched if e in need),
+                        wasted=tuple(e for e in prefetched if e not in need))
+
+
+def rate(hits: int, total: int) -> float | None:
+    """hits / total, None when nothing was routed."""
+    return hits / total if total else None
