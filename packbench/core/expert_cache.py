@@ -134,23 +134,29 @@ def belady_hits(requests: Sequence[Iterable[int]], capacity: int) -> tuple[int, 
     """(hits, routed) of Belady's optimal cache of `capacity` experts over `requests` (module
     docstring): after each request keep the experts whose next request is soonest."""
     sets = [_routed_set(r) for r in requests]
+    return sum(_belady_per_request(sets, capacity)), sum(len(r) for r in sets)
+
+
+def _belady_per_request(requests: Sequence[Iterable[int]], capacity: int) -> list[int]:
+    """Belady's hits at each request."""
+    sets = [_routed_set(r) for r in requests]
     never = len(sets)
     # next_use[t][e]: the first request after t that routes e (never: none).
     next_use: list[dict[int, int]] = [{} for _ in sets]
     upcoming: dict[int, int] = {}
     for t in range(len(sets) - 1, -1, -1):
-        next_use[t] = dict(upcoming)
+        next_use[t] = {e: upcoming.get(e, never) for e in sets[t]}
         for e in sets[t]:
             upcoming[e] = t
-    held: set[int] = set()
-    hits = total = 0
+    # Only the experts of request t change their next use at t: the others keep theirs.
+    held: dict[int, int] = {}  # expert -> its next use
+    hits = []
     for t, need in enumerate(sets):
-        hits += sum(1 for e in need if e in held)
-        total += len(need)
-        candidates = held | set(need)
-        nxt = next_use[t]
-        held = set(sorted(candidates, key=lambda e: (nxt.get(e, never), e))[:capacity])
-    return hits, total
+        hits.append(sum(1 for e in need if e in held))
+        for e in need:
+            held[e] = next_use[t].get(e, never)
+        held = dict(sorted(held.items(), key=lambda kv: (kv[1], kv[0]))[:capacity])
+    return hits
 
 
 def forecast_step(forecast: Iterable[int], cached: Iterable[int], routed: Iterable[int]) -> ForecastStep:
@@ -165,3 +171,50 @@ def forecast_step(forecast: Iterable[int], cached: Iterable[int], routed: Iterab
 def rate(hits: int, total: int) -> float | None:
     """hits / total, None when nothing was routed."""
     return hits / total if total else None
+
+
+def episode_figures(routes: Sequence[Sequence[Sequence[int] | None]], phases: Sequence[str], *, capacity: int,
+                    rule: str, forecasts: Sequence[Sequence[Sequence[int] | None]] | None = None) -> dict:
+    """An episode's cache and forecast figures, replayed from its routing alone.
+
+    `routes[c][l]`: call c's routed experts in layer l (None: a layer without experts);
+    `phases[c]`: "prefill" or "decode"; `forecasts[c][l]`: the experts forecast for layer l in
+    call c (None: no forecast). Per layer a fresh `LayerCache(capacity, rule)` steps over the
+    calls in order, each forecast accounted against the cache before its call; Belady's hits are
+    for the same capacity on the same requests. Totals over every call and over decode calls:
+    `routed`, `hits`, `misses`, `prefetched`, `used`, `wasted`, `belady_hits`, and the rates
+    `hit_rate`, `belady_rate` (None when nothing was routed)."""
+    layers = max((len(call) for call in routes), default=0)
+    keys = ("routed", "hits", "misses", "prefetched", "used", "wasted", "belady_hits")
+    total = dict.fromkeys(keys, 0)
+    decode = dict.fromkeys(keys, 0)
+    per_layer = []
+    for layer in range(layers):
+        requests = [(c, call[layer]) for c, call in enumerate(routes) if layer < len(call) and call[layer] is not None]
+        if not requests:
+            continue
+        cache = LayerCache(capacity, rule)
+        row = dict.fromkeys(keys, 0)
+        for c, routed in requests:
+            forecast = None if forecasts is None or c >= len(forecasts) else forecasts[c][layer]
+            f = forecast_step(forecast, cache.cached, routed) if forecast is not None else ForecastStep((), (), ())
+            s = cache.step(routed)
+            counts = dict(routed=len(s.hits) + len(s.misses), hits=len(s.hits), misses=len(s.misses),
+                          prefetched=len(f.prefetched), used=len(f.used), wasted=len(f.wasted))
+            for k, v in counts.items():
+                row[k] += v
+                total[k] += v
+                if phases[c] == "decode":
+                    decode[k] += v
+        # Belady over the whole episode; its hits counted per call, so the decode share is its own.
+        belady = _belady_per_request([r for _, r in requests], capacity)
+        row["belady_hits"] = sum(belady)
+        total["belady_hits"] += row["belady_hits"]
+        decode["belady_hits"] += sum(h for (c, _), h in zip(requests, belady) if phases[c] == "decode")
+        per_layer.append({"layer": layer, **row})
+    out = {**total, "hit_rate": rate(total["hits"], total["routed"]),
+           "belady_rate": rate(total["belady_hits"], total["routed"]),
+           "decode": {**decode, "hit_rate": rate(decode["hits"], decode["routed"]),
+                      "belady_rate": rate(decode["belady_hits"], decode["routed"])},
+           "layers": per_layer}
+    return out
