@@ -183,7 +183,7 @@ def plan_cmd(
 def _moe_plan(frozen: FrozenProtocol, *, h2d_gbps: float, json_out: bool) -> None:
     """The plan of a screen on an MoE checkpoint: its episodes, and per condition the bytes of the
     prefill call and of a decode call (core/moe.py call_bytes) with their transfer floor."""
-    from packbench.core.moe import MoeShape, call_bytes, shape_of_config
+    from packbench.core.moe import MoeShape, call_bytes, call_bytes_bound, shape_of_config
     from packbench.core.plan import plan
     from packbench.engine.config import read_config
     from packbench.service.submit import check_family, check_positions
@@ -200,7 +200,7 @@ def _moe_plan(frozen: FrozenProtocol, *, h2d_gbps: float, json_out: bool) -> Non
         gather = c.resolved_params.get("gather", "device")
         pre = call_bytes(s, p.dtype, c.policy, tokens=batch * p.prefix_tokens, phase="prefill", gather=gather)
         dec = call_bytes(s, p.dtype, c.policy, tokens=batch, phase="decode", gather=gather)
-        bound = "exact" if c.policy in ("resident", "dense-stream") else "at most"
+        bound = call_bytes_bound(c.policy, dict(c.resolved_params))
         rows.append({"condition": c.name, "policy": c.policy, "prefill_bytes": pre, "decode_bytes": dec, "bound": bound,
                      "decode_floor_ms": dec / (h2d_gbps * 1e9) * 1e3})
     entries = plan(p)

@@ -218,3 +218,42 @@ def episode_figures(routes: Sequence[Sequence[Sequence[int] | None]], phases: Se
                       "belady_rate": rate(decode["belady_hits"], decode["routed"])},
            "layers": per_layer}
     return out
+
+
+FIGURE_KEYS = ("routed", "hits", "misses", "prefetched", "used", "wasted", "belady_hits", "hit_rate", "belady_rate",
+               "decode", "layers")
+
+
+def figure_problems(experts: dict, calls: list[dict]) -> list[str]:
+    """What is wrong with an episode record's `experts` section (engine/moe/cache.py), recomputed
+    from its routing and the call ledger alone (the auditor's check; empty when it holds):
+    the totals are a replay of the recorded routing and forecasts; per call and layer the counted
+    hits + misses are the ledger's routed experts, the counted waste is its `rows_wasted`, and it
+    moved exactly the prefetched experts plus the misses no forecast brought (`rows_copied`)."""
+    try:
+        routes, counted = experts["routes"], experts["counted"]
+        phases = [c["phase"] for c in calls]
+        forecasts = [[None if n is None else n.get("forecast") for n in call] for call in counted]
+        replay = episode_figures(routes, phases, capacity=experts["capacity"], rule=experts["rule"],
+                                 forecasts=forecasts)
+    except (KeyError, TypeError, ValueError, IndexError) as e:
+        return [f"experts section unreadable ({type(e).__name__}: {e})"]
+    out = [f"experts {k} {experts.get(k)!r} is not the replay of its routing's {replay[k]!r}"
+           for k in FIGURE_KEYS if experts.get(k) != replay[k]]
+    if len(counted) != len(calls) or len(routes) != len(calls):
+        return out + [f"experts holds {len(routes)} calls' routing for {len(calls)} calls"]
+    for c, (call, per_layer) in enumerate(zip(calls, counted)):
+        for layer, n in enumerate(per_layer):
+            if n is None:
+                continue
+            where = f"call {c} layer {layer}"
+            if n["hits"] + n["misses"] != call["active_rows"][layer]:
+                out.append(f"experts {where}: hits + misses {n['hits'] + n['misses']} != routed "
+                           f"{call['active_rows'][layer]}")
+            moved = n.get("prefetched", 0) + n["misses"] - n.get("used", 0)
+            if moved != call["rows_copied"][layer]:
+                out.append(f"experts {where}: prefetched + misses - used {moved} != rows_copied "
+                           f"{call['rows_copied'][layer]}")
+            if n.get("wasted", 0) != call.get("rows_wasted", [0] * len(per_layer))[layer]:
+                out.append(f"experts {where}: wasted {n.get('wasted', 0)} != rows_wasted")
+    return out[:5]
