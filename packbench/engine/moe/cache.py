@@ -35,7 +35,7 @@ import torch
 from packbench.core.expert_cache import LayerCache, forecast_step
 from packbench.engine.ledger import Recorder
 from packbench.engine.moe.host import ExpertHost
-from packbench.engine.moe.policies import Workspace, _nbytes
+from packbench.engine.moe.policies import Workspace
 
 
 class _Slots:
@@ -51,7 +51,7 @@ class _Slots:
 
     @property
     def nbytes(self) -> int:
-        return _nbytes(self.gate_up, self.down)
+        return sum(t.numel() * t.element_size() for t in (self.gate_up, self.down))
 
 
 class ExpertCache:
