@@ -14,11 +14,15 @@ import pytest
 import torch
 import yaml
 
+from cpu_screen import archive_screen
+from packbench.cli.query import expert_cache_table_rows
+from packbench.cli.report_page import expert_cache_section
+from packbench.core.audit import audit_archive
 from packbench.core.errors import ProtocolError
 from packbench.core.expert_cache import figure_problems
 from packbench.core.plan import plan, prompts
 from packbench.core.protocol import freeze
-from packbench.engine.moe.cache import ExpertCache
+from packbench.core.report import expert_cache_rows, read_screen
 from packbench.engine.moe.synth import moe_config, synth_moe
 from packbench.engine.worker import Worker
 from packbench.service.submit import check_family
@@ -44,18 +48,14 @@ def raw(path, **changes):
             "gates": {"faithfulness": {}}, **changes}
 
 
-def test_the_worker_runs_caches_and_forecasts_exactly_and_records_their_figures(moe_dir):
+def test_the_worker_runs_caches_and_forecasts_exactly_and_records_their_figures(moe_dir, tmp_path):
     frozen = freeze(raw(moe_dir))
     check_family(frozen)  # fits: nothing raised
-    b = frozen.body
-    worker = Worker(device="cpu")
-    start = worker.load(b, str(moe_dir))
-    ids = prompts(b, vocab=start["vocab"])
+    path = tmp_path / "screen.zip"
+    _, episodes, verdicts = archive_screen(frozen, moe_dir, path)
     records = {}
-    for e in plan(b):
-        records.setdefault(e["condition"], []).append(worker.run(e, ids[e["prompt"]]))
-        if e["condition"] != "dense-stream":
-            assert type(worker.model.slot.policy) is ExpertCache
+    for e in episodes:
+        records.setdefault(e["condition"], []).append(e)
     ref = records["dense-stream"][0]
     assert "experts" not in ref  # only a cache or forecast has the section
     for name in ("lru4", "lfu4", "expert-forecast", "lru4-forecast"):
@@ -67,16 +67,32 @@ def test_the_worker_runs_caches_and_forecasts_exactly_and_records_their_figures(
         assert x["hit_rate"] == x["hits"] / x["routed"] and x["belady_rate"] == x["belady_hits"] / x["routed"]
         assert x["belady_hits"] >= x["hits"]  # the oracle bounds every cache
         assert x["wasted"] == r["rows_wasted"]  # the ledger's waste is the forecast's
-        # The record's section survives the archive's JSON and replays clean.
         assert figure_problems(json.loads(json.dumps(x)), r["calls"]) == []
     assert records["expert-forecast"][0]["experts"]["hits"] == 0 and records["expert-forecast"][0]["experts"]["prefetched"] > 0
-    # A tampered count is caught by the replay (the auditor's check).
+    assert all(v["passed"] for v in verdicts if v["gate"] == "faithfulness")
+    # The auditor replays every experts section from the archive and agrees.
+    report = audit_archive(path)
+    assert report.agrees, report.record["problems"]
+    # A tampered count is caught by the replay (the auditor's check), and so is a ledger that
+    # disagrees with the counted waste.
     x = copy.deepcopy(records["lru4"][0]["experts"])
     x["hits"] += 1
     assert any("hits" in p for p in figure_problems(x, records["lru4"][0]["calls"]))
     calls = copy.deepcopy(records["lru4-forecast"][0]["calls"])
     calls[2]["rows_wasted"][1] += 1
     assert any("rows_wasted" in p for p in figure_problems(records["lru4-forecast"][0]["experts"], calls))
+    # results and the report: each condition's hit rate beside Belady's, summed over scored episodes.
+    screen = read_screen(path)
+    rows = {r["condition"]: r for r in expert_cache_rows(screen)}
+    assert list(rows) == ["lru4", "lfu4", "expert-forecast", "lru4-forecast"]
+    scored = [e for e in records["lfu4"] if e["role"] == "scored"]
+    hits, routed = sum(e["experts"]["hits"] for e in scored), sum(e["experts"]["routed"] for e in scored)
+    belady = sum(e["experts"]["belady_hits"] for e in scored)
+    assert (rows["lfu4"]["hit_rate"], rows["lfu4"]["belady_rate"]) == (hits / routed, belady / routed)
+    assert rows["lfu4"]["cache"] == "4 lfu" and rows["expert-forecast"]["cache"] == "no cache + forecast"
+    table = expert_cache_table_rows(list(rows.values()))
+    assert table[1]["hit rate / Belady"] == f"{100 * hits / routed:.1f}% / {100 * belady / routed:.1f}%"
+    assert "Belady" in expert_cache_section(screen) and "lru4-forecast" in expert_cache_section(screen)
 
 
 def _validate(tmp_path, body) -> subprocess.CompletedProcess:
@@ -134,3 +150,20 @@ def test_submit_refuses_a_cache_on_an_opt_checkpoint_and_fits_one_that_holds(tmp
     # 1 x 32 x 336 MiB = 10.5 GiB of slots fits 24 GiB with the device part and one workspace.
     check_family(freeze(dict(raw(mixtral), dtype="float16", allowance_mib=24 * 1024, conditions=[
         {"policy": "dense-stream"}, {"policy": "expert-cache", "params": {"capacity": 1, "forecast": "on"}}])))
+
+
+def test_separate_passes_start_each_pass_from_an_empty_cache(moe_dir):
+    """With `passes: separate` the recording pass rebuilds the policy (an empty cache, no pending
+    forecast): its logits equal the timing pass's and its figures replay clean (catches a cache
+    that carries the timing pass's state into the recording pass, or loses its parameters)."""
+    b = freeze(raw(moe_dir, passes="separate", conditions=[CONDITIONS[0], CONDITIONS[4]])).body
+    worker = Worker(device="cpu")
+    start = worker.load(b, str(moe_dir))
+    ids = prompts(b, vocab=start["vocab"])
+    records = {e["condition"]: worker.run(e, ids[e["prompt"]]) for e in plan(b)}
+    r, ref = records["lru4-forecast"], records["dense-stream"]
+    assert r["status"] == "ok", r.get("error")
+    assert np.array_equal(r["logits"], ref["logits"])
+    assert worker.model.slot.policy.capacity == 4 and worker.model.slot.policy.forecast
+    assert r["experts"]["counted"][0][0]["hits"] == 0  # the recording pass's prefill met an empty cache
+    assert figure_problems(r["experts"], r["calls"]) == []
