@@ -1,7 +1,8 @@
 """The short table of bench/moe_cache_device.sh: for the newest screen archive under a
 directory, per condition (scored finished episodes): decode ms per token (the median decode
 call), host-to-device MB per decode token, the measured hit rate beside Belady's for the same
-capacity (all calls / decode calls), and the forecast's used / wasted experts
+capacity (all calls / decode calls), the decode ready rate ((hits + used prefetches) / routed),
+and the forecast's used / wasted experts
 (core/report.py expert_cache_rows; docs/metrics.md).
 
 Usage:  python -m bench.moe_cache ARCHIVE_DIR
@@ -22,7 +23,7 @@ def table(archive: Path) -> str:
     screen = read_screen(archive)
     cache = {r["condition"]: r for r in expert_cache_rows(screen)}
     head = (f"{'condition':<22} {'tier':<6} {'decode ms/tok':>13} {'MB/tok':>9} {'hit/Belady (all)':>17} "
-            f"{'hit/Belady (decode)':>20} {'used/wasted':>12}")
+            f"{'hit/Belady (decode)':>20} {'ready (decode)':>14} {'used/wasted':>12}")
     lines = [f"{archive.name}: {screen.protocol.name}", head]
     for c in screen.protocol.conditions:
         eps = [e for e in screen.episodes if e.condition == c.name and e.scored and e.ok]
@@ -35,7 +36,9 @@ def table(archive: Path) -> str:
                      f"{(statistics.mean(mb) / 1e6 if mb else float('nan')):9.3f} "
                      + (f"{_pct(r['hit_rate']) + ' / ' + _pct(r['belady_rate']):>17} "
                         f"{_pct(r['decode_hit_rate']) + ' / ' + _pct(r['decode_belady_rate']):>20} "
-                        f"{str(r['used']) + '/' + str(r['wasted']):>12}" if r else f"{'-':>17} {'-':>20} {'-':>12}"))
+                        f"{_pct(r['decode_ready_rate']):>14} "
+                        f"{str(r['used']) + '/' + str(r['wasted']):>12}" if r
+                        else f"{'-':>17} {'-':>20} {'-':>14} {'-':>12}"))
     return "\n".join(lines)
 
 

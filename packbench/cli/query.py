@@ -288,8 +288,8 @@ def print_readings(readings: dict) -> None:
     typer.echo(textwrap.fill(position_text(readings["position"]), width=110, subsequent_indent="  "))
 
 
-EXPERT_CACHE_COLUMNS = ["condition", "cache", "hit rate / Belady", "decode hit rate / Belady", "prefetched",
-                        "used", "wasted", "decode MB/token"]
+EXPERT_CACHE_COLUMNS = ["condition", "cache", "hit rate / Belady", "decode hit rate / Belady", "decode ready",
+                        "prefetched", "used", "wasted", "decode MB/token"]
 
 
 def _pct(value: float | None) -> str:
@@ -302,6 +302,7 @@ def expert_cache_table_rows(rows: list[dict]) -> list[dict]:
              "cache": r["cache"],
              "hit rate / Belady": f"{_pct(r['hit_rate'])} / {_pct(r['belady_rate'])}",
              "decode hit rate / Belady": f"{_pct(r['decode_hit_rate'])} / {_pct(r['decode_belady_rate'])}",
+             "decode ready": _pct(r["decode_ready_rate"]),
              "prefetched": r["prefetched"], "used": r["used"], "wasted": r["wasted"],
              "decode MB/token": "-" if r["decode_bytes_per_token"] is None else f"{r['decode_bytes_per_token'] / 1e6:.4g}"}
             for r in rows]

@@ -372,6 +372,7 @@ def expert_cache_section(s: ScreenData) -> str:
     trows = [[f'<td class="name">{esc(r["condition"])}</td>', r["tier"],
               esc(r["cache"]),
               pct(r["hit_rate"]), pct(r["belady_rate"]), pct(r["decode_hit_rate"]), pct(r["decode_belady_rate"]),
+              pct(r["decode_ready_rate"]),
               _num(r["prefetched"], "{}"), _num(r["used"], "{}"), _num(r["wasted"], "{}"),
               _num(None if r["decode_bytes_per_token"] is None else r["decode_bytes_per_token"] / 1e6, "{:.4g}")]
              for r in rows]
@@ -379,9 +380,10 @@ def expert_cache_section(s: ScreenData) -> str:
             '<p>Hit rate: routed experts the cache held before the call, over routed experts. Belady: the most '
             'hits any cache of the same capacity could have had on the same routing, knowing the future. The '
             'gap between them is what a better policy could still win. A forecast\'s prefetched experts are used '
-            'or wasted (moved for nothing).</p>'
+            'or wasted (moved for nothing); ready: routed experts already on the device when the routing was '
+            'known, by a hit or a used prefetch.</p>'
             + html_table(["condition", "tier", "cache", "hit rate", "Belady", "decode hit rate", "decode Belady",
-                          "prefetched", "used", "wasted", "decode MB/token"], trows, cls="conditions"))
+                          "decode ready", "prefetched", "used", "wasted", "decode MB/token"], trows, cls="conditions"))
 
 
 def _previous_text(rows: list[dict]) -> str:

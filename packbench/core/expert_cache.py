@@ -183,7 +183,9 @@ def episode_figures(routes: Sequence[Sequence[Sequence[int] | None]], phases: Se
     calls in order, each forecast accounted against the cache before its call; Belady's hits are
     for the same capacity on the same requests. Totals over every call and over decode calls:
     `routed`, `hits`, `misses`, `prefetched`, `used`, `wasted`, `belady_hits`, and the rates
-    `hit_rate`, `belady_rate` (None when nothing was routed)."""
+    `hit_rate`, `belady_rate` and `ready_rate` ((hits + used) / routed: the routed experts already
+    on the device when the routing was known, by the cache or the forecast) (None when nothing
+    was routed)."""
     layers = max((len(call) for call in routes), default=0)
     keys = ("routed", "hits", "misses", "prefetched", "used", "wasted", "belady_hits")
     total = dict.fromkeys(keys, 0)
@@ -214,14 +216,16 @@ def episode_figures(routes: Sequence[Sequence[Sequence[int] | None]], phases: Se
         per_layer.append({"layer": layer, **row})
     out = {**total, "hit_rate": rate(total["hits"], total["routed"]),
            "belady_rate": rate(total["belady_hits"], total["routed"]),
+           "ready_rate": rate(total["hits"] + total["used"], total["routed"]),
            "decode": {**decode, "hit_rate": rate(decode["hits"], decode["routed"]),
-                      "belady_rate": rate(decode["belady_hits"], decode["routed"])},
+                      "belady_rate": rate(decode["belady_hits"], decode["routed"]),
+                      "ready_rate": rate(decode["hits"] + decode["used"], decode["routed"])},
            "layers": per_layer}
     return out
 
 
 FIGURE_KEYS = ("routed", "hits", "misses", "prefetched", "used", "wasted", "belady_hits", "hit_rate", "belady_rate",
-               "decode", "layers")
+               "ready_rate", "decode", "layers")
 
 
 def figure_problems(experts: dict, calls: list[dict]) -> list[str]:

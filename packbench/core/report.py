@@ -231,8 +231,8 @@ def serving_rows(screen: ScreenData) -> list[dict]:
 def expert_cache_rows(screen: ScreenData) -> list[dict]:
     """One row per expert-cache or expert-forecast condition (protocol order) over its scored
     finished episodes: the measured hit rate beside Belady's for the same capacity on the same
-    routing (every call, and decode calls alone), the forecast's prefetched, used and wasted
-    experts, and host-to-device bytes per decode token (core/expert_cache.py; docs/metrics.md).
+    routing (every call, and decode calls alone), the ready rate ((hits + forecast used) / routed),
+    the forecast's prefetched, used and wasted experts, and host-to-device bytes per decode token (core/expert_cache.py; docs/metrics.md).
     Rates are summed hits over summed routed experts; None where nothing was routed."""
     keys = ("routed", "hits", "belady_hits", "prefetched", "used", "wasted")
     out = []
@@ -242,7 +242,7 @@ def expert_cache_rows(screen: ScreenData) -> list[dict]:
         if not mine:
             continue
         total = {k: sum(r["experts"][k] for r in mine) for k in keys}
-        decode = {k: sum(r["experts"]["decode"][k] for r in mine) for k in ("routed", "hits", "belady_hits")}
+        decode = {k: sum(r["experts"]["decode"][k] for r in mine) for k in ("routed", "hits", "belady_hits", "used")}
         tokens = sum(r.get("phases", {}).get("decode", {}).get("calls", 0) for r in mine)
         decode_h2d = sum(r.get("phases", {}).get("decode", {}).get("h2d_bytes", 0) for r in mine)
         x = mine[0]["experts"]
@@ -252,8 +252,10 @@ def expert_cache_rows(screen: ScreenData) -> list[dict]:
                     "cache": cache + (" + forecast" if x["forecast"] == "on" else ""), **total,
                     "hit_rate": _rate(total["hits"], total["routed"]),
                     "belady_rate": _rate(total["belady_hits"], total["routed"]),
+                    "ready_rate": _rate(total["hits"] + total["used"], total["routed"]),
                     "decode_hit_rate": _rate(decode["hits"], decode["routed"]),
                     "decode_belady_rate": _rate(decode["belady_hits"], decode["routed"]),
+                    "decode_ready_rate": _rate(decode["hits"] + decode["used"], decode["routed"]),
                     "decode_bytes_per_token": decode_h2d / tokens if tokens else None})
     return out
 

@@ -102,10 +102,11 @@ def _check_ledgers(outs: dict, *, layers: int, experts: int, expert_bytes: int) 
                                  forecasts=[[None if n is None else n.get("forecast") for n in call]
                                             for call in rec["counted"]])
         for key in ("routed", "hits", "misses", "prefetched", "used", "wasted", "belady_hits", "hit_rate",
-                    "belady_rate", "decode", "layers"):
+                    "belady_rate", "ready_rate", "decode", "layers"):
             assert rec[key] == replay[key], (label, key)
         counted = sum(n["hits"] for call in rec["counted"] for n in call if n is not None)
         assert rec["hits"] == counted and rec["belady_hits"] >= rec["hits"], label
+        assert rec["ready_rate"] == (rec["hits"] + rec["used"]) / rec["routed"]
         assert rec["routed"] == sum(sum(call.active_rows) for call in out.calls)
 
 
