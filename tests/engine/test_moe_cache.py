@@ -6,6 +6,7 @@ The CUDA test runs the same on the GPU (side stream, events); the CPU tests are 
 
 from collections import OrderedDict
 
+import numpy as np
 import pytest
 import torch
 
@@ -194,3 +195,48 @@ def test_caches_and_forecasts_on_cuda(checkpoints):
         assert (out.logits == ref.logits).all(), label
     _check_ledgers(outs, layers=s["layers"], experts=s["experts"],
                    expert_bytes=3 * s["hidden"] * s["intermediate"] * 2)
+
+
+@pytest.mark.parametrize("rule", ("lru", "lfu"))
+@pytest.mark.parametrize("forecast", ("off", "on"))
+def test_every_routed_expert_reads_its_own_weights_on_any_sequence(rule, forecast):
+    """Driven directly over crafted and random routed sets (no model): after `experts`, every
+    routed expert of the call reads exactly its host weights, whatever was hit, admitted, evicted
+    (a hit evicted for a higher-ranked miss included) or prefetched. Catches a slot reused while
+    its expert is still read in the call, or a view that answers another expert's slot."""
+    from packbench.engine.ledger import Recorder
+    from packbench.engine.moe.host import ExpertHost
+
+    g = torch.Generator().manual_seed(0)
+    experts, layers = 6, 2
+    host = ExpertHost([torch.randn(experts, 4, 3, generator=g) for _ in range(layers)],
+                      [torch.randn(experts, 3, 2, generator=g) for _ in range(layers)], pin=False)
+    recorder = Recorder(layers)
+    policy = ExpertCache(capacity=2, rule=rule, forecast=forecast)
+    policy.activate(host, torch.device("cpu"), recorder)
+    # At [1, 2, 4] both rules keep 1 and 2 (equal recency and count: the lower ids) and evict 4,
+    # a hit of that very call: its slot is freed while the call still reads expert 4.
+    crafted = [[1, 2], [4, 5], [1, 2, 4], [1], [1], [2], [2], [2], [1, 2], [3, 4, 5], [1, 2, 3], [0], [0, 5]]
+    rng = np.random.default_rng(1)
+    sequence = crafted + [sorted(rng.choice(experts, int(rng.integers(1, 5)), replace=False).tolist())
+                          for _ in range(40)]
+    evicted_hit = False
+    for call, routed in enumerate(sequence):
+        recorder.begin(phase="decode", tokens=1)
+        for layer in range(layers):
+            if layer == 1 and forecast == "on":
+                policy.prefetch(1, sorted(rng.choice(experts, 2, replace=False).tolist()))
+            held = set(policy.caches[layer].cached)
+            gu, dn = policy.experts(layer, routed)
+            kept = policy.caches[layer].cached
+            evicted_hit |= bool((held & set(routed)) - kept)
+            for e in routed:
+                assert torch.equal(gu[e], host.gate_up[layer][e]) and torch.equal(dn[e], host.down[layer][e]), \
+                    (call, layer, e)
+            # Slots hold exactly the cached experts' weights after the call.
+            slots = policy.slots[layer]
+            assert set(slots.slot_of) == set(kept)
+            for e, s in slots.slot_of.items():
+                assert torch.equal(slots.gate_up[s], host.gate_up[layer][e])
+        recorder.end(wall_s=0.0, logits_d2h_bytes=0)
+    assert evicted_hit  # the crafted calls reached the evicted-hit path

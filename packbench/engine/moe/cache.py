@@ -6,12 +6,15 @@ counts exactly what this policy counted (the auditor does it from the archive).
 
 Per layer and call, with the routed set known (read back, as for a packet):
 
-- **cache** (`capacity` c > 0): `LayerCache(c, rule).step(routed)`. Hits are copied on the device
-  from their cache slot into the workspace (device-to-device: no host-to-device byte); misses
-  that no forecast brought are copied from their pinned host slices into the workspace (the
-  packet's device gather: no index moves, the expert id is the copy's destination); then every
-  expert the cache admitted is copied from the workspace into a free slot (evicted experts free
-  theirs). The slots, c per layer, live on the device and are charged to the allowance.
+- **cache** (`capacity` c > 0): `LayerCache(c, rule).step(routed)`. Hits are read in place from
+  their cache slot (no copy: the experts module reads each routed expert through `_ExpertView`,
+  which answers its slot or its workspace slot). Misses that no forecast brought are copied from
+  their pinned host slices (the packet's device gather: no index moves, the expert id is the
+  copy's destination) straight into a free cache slot when the rule admits them, else into the
+  workspace; a used prefetch the rule admits is copied from the workspace into its slot (device
+  to device). Evicted experts free their slots (one routed in this call, a hit evicted for a miss
+  that ranks higher, is first copied into the workspace). The slots, c per layer, live on the
+  device and are charged to the allowance.
 - **forecast**: in layer l's call, once its routing is known, layer l+1's router is applied to
   layer l's MoE input (the hidden state the model has computed; nothing later), its top-k union
   read back (E bytes), and the forecast experts the cache of l+1 does not hold are copied on a
@@ -52,6 +55,22 @@ class _Slots:
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.gate_up, self.down))
+
+
+class _ExpertView:
+    """What the experts module reads as `gate_up_proj` or `down_proj` in one call: indexed by the
+    global expert id (stock transformers' eager loop reads `self.gate_up_proj[expert_idx]` for
+    each routed expert and nothing else), it answers the expert's cache slot or workspace slot.
+    Either holds the expert's exact bits in the same contiguous layout, so each product is the
+    one dense-stream computes."""
+
+    def __init__(self, at: dict[int, tuple[torch.Tensor, torch.Tensor]], fallback: torch.Tensor, part: int) -> None:
+        self.at, self.fallback, self.part = at, fallback, part
+
+    def __getitem__(self, index) -> torch.Tensor:
+        e = int(index)
+        found = self.at.get(e)
+        return self.fallback[e] if found is None else found[self.part]
 
 
 class ExpertCache:
@@ -146,28 +165,44 @@ class ExpertCache:
             self.recorder.add(layer, wasted=len(f.wasted))
         step = cache.step(routed)
         count.update(hits=len(step.hits), misses=len(step.misses))
-        for e in step.hits:  # on the device: from its slot into the workspace
-            s = slots.slot_of[e]
-            ws.gate_up[e].copy_(slots.gate_up[s])
-            ws.down[e].copy_(slots.down[s])
-        fetch = [e for e in step.misses if e not in brought]
-        for e in fetch:  # the device gather: each expert's contiguous pinned slices into its slot
-            ws.gate_up[e].copy_(gu[e], non_blocking=self.host.pin)
-            ws.down[e].copy_(dn[e], non_blocking=self.host.pin)
-        self.recorder.add(layer, rows=len(fetch), weight_bytes=len(fetch) * self.host.expert_bytes)
-        admitted = 0
+        # Where each routed expert is read from in this call: its cache slot, or the workspace.
+        at: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        d2d = 0
         if slots is not None:
             for e in step.evicted:
-                slots.free.append(slots.slot_of.pop(e))
-            for e in sorted(cache.cached - slots.slot_of.keys()):  # admitted: routed now, so in the workspace
+                s = slots.slot_of.pop(e)
+                slots.free.append(s)
+                if e in step.hits:  # routed, yet evicted for a miss that ranks higher: read from the
+                    # workspace, copied before an admission reuses the slot (queued in that order)
+                    ws.gate_up[e].copy_(slots.gate_up[s])
+                    ws.down[e].copy_(slots.down[s])
+                    at[e] = (ws.gate_up[e], ws.down[e])
+                    d2d += 1
+            for e in step.hits:
+                if e in slots.slot_of:
+                    s = slots.slot_of[e]
+                    at[e] = (slots.gate_up[s], slots.down[s])
+            for e in sorted(cache.cached - slots.slot_of.keys()):  # admitted: misses of this call
                 s = slots.free.pop()
                 slots.slot_of[e] = s
-                slots.gate_up[s].copy_(ws.gate_up[e])
-                slots.down[s].copy_(ws.down[e])
-                admitted += 1
-        # Device-to-device copies: hits out of their slots, admitted experts into theirs.
-        self.d2d_bytes += (len(step.hits) + admitted) * self.host.expert_bytes
-        return ws.gate_up, ws.down
+                src_gu, src_dn = (ws.gate_up[e], ws.down[e]) if e in brought else (gu[e], dn[e])
+                slots.gate_up[s].copy_(src_gu, non_blocking=self.host.pin)
+                slots.down[s].copy_(src_dn, non_blocking=self.host.pin)
+                at[e] = (slots.gate_up[s], slots.down[s])
+                d2d += e in brought  # a used prefetch moves from the workspace into its slot
+        fetched = 0
+        for e in step.misses:
+            if e in brought:
+                at.setdefault(e, (ws.gate_up[e], ws.down[e]))
+                continue
+            fetched += 1
+            if e not in at:  # not admitted: the device gather into the workspace slot
+                ws.gate_up[e].copy_(gu[e], non_blocking=self.host.pin)
+                ws.down[e].copy_(dn[e], non_blocking=self.host.pin)
+                at[e] = (ws.gate_up[e], ws.down[e])
+        self.recorder.add(layer, rows=fetched, weight_bytes=fetched * self.host.expert_bytes)
+        self.d2d_bytes += d2d * self.host.expert_bytes
+        return _ExpertView(at, ws.gate_up, 0), _ExpertView(at, ws.down, 1)
 
     def device_bytes(self) -> int:
         return (sum(w.nbytes for w in self.workspaces)

@@ -12,7 +12,7 @@ streaming every expert (tests/engine/test_moe.py, fp32/fp16/bf16).
 | `packet {gather: host}` | the union of the call's routed experts: a host gather into one pinned buffer `[m int64 | m gate_up | m down]`, one upload, an index copy into the workspace | m x expert bytes + 8m B; E B routing readback |
 | `packet {gather: device}` | the same experts, each read by the copy engine straight from its contiguous pinned slices into its workspace slot (2m copies queued at once, no host memcpy, no index: the expert id is the copy's destination) | m x expert bytes; E B routing readback |
 | `phase-switched` | dense-stream in prefill calls, packet (either gather) in decode calls | as those |
-| `expert-cache {capacity: c, rule, forecast}` | hits copied on the device from c slots a layer; misses as packet's device gather; admitted experts copied into slots (engine/moe/cache.py) | misses x expert bytes; E B routing readback; c x layers slots |
+| `expert-cache {capacity: c, rule, forecast}` | hits read in place from c slots a layer; misses as packet's device gather, into a slot when admitted (engine/moe/cache.py) | misses x expert bytes; E B routing readback; c x layers slots |
 | `expert-forecast` | the next layer's router on this layer's input, its experts prefetched on a side stream; the rest of the demand fetched | (prefetched + misses not prefetched) x expert bytes; 2E B readbacks |
 
 An expert is a contiguous slice of each fused tensor, so the device gather reaches the copy
