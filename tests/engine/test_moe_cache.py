@@ -189,6 +189,8 @@ def test_caches_and_forecasts_on_cuda(checkpoints):
         pytest.skip("needs CUDA")
     model = CpuFirstMoE(checkpoints[("qwen3-moe-tiny", "float16")], dtype=torch.float16, device=torch.device("cuda"))
     s = MOE_SHAPES["qwen3-moe-tiny"]
+    model.use("expert-forecast")
+    assert model.slot.policy.side is not None  # the prefetch runs on its own CUDA stream
     outs = _run_all(model)
     ref = outs["dense-stream"][0]
     for label, (out, _) in outs.items():
@@ -240,3 +242,27 @@ def test_every_routed_expert_reads_its_own_weights_on_any_sequence(rule, forecas
                 assert torch.equal(slots.gate_up[s], host.gate_up[layer][e])
         recorder.end(wall_s=0.0, logits_d2h_bytes=0)
     assert evicted_hit  # the crafted calls reached the evicted-hit path
+
+
+def test_the_forecast_is_the_next_routers_choice_on_the_current_input(checkpoints):
+    """The forecast for layer l+1 is layer l+1's router applied to the hidden state layer l's
+    experts received (only what the model had computed), recomputed here from a hook of our own
+    (catches a forecast that peeks at layer l+1's real input or routing, or uses the wrong router)."""
+    model = CpuFirstMoE(checkpoints[("qwen3-moe-tiny", "float32")], dtype=torch.float32, device=torch.device("cpu"))
+    seen: dict[tuple[int, int], torch.Tensor] = {}
+    hooks = [m.register_forward_pre_hook(
+        lambda mod, args, l=layer: seen.__setitem__((model.recorder.current.index, l), args[0].clone()))
+        for layer, m in enumerate(model.experts_modules)]
+    model.use("expert-forecast")
+    run_episode(model, PROMPT, continuation=CONTINUATION)
+    for h in hooks:
+        h.remove()
+    counted = model.slot.policy.counts
+    layers = len(model.experts_modules)
+    for call in range(CONTINUATION):
+        assert "forecast" not in counted[call][0]  # nothing before the first layer
+        for layer in range(1, layers):
+            gate = model.model.model.layers[layer].mlp.gate
+            with torch.inference_mode():
+                index = gate(seen[(call, layer - 1)])[2]
+            assert counted[call][layer]["forecast"] == sorted(set(index.reshape(-1).tolist())), (call, layer)
