@@ -151,6 +151,13 @@ def plan_cmd(
     if frozen.model_dir() is not None and is_moe_dir(frozen.model_dir()):
         _moe_plan(frozen, h2d_gbps=h2d_gbps, json_out=json_out)
         return
+    from packbench.core.moe import experts_only_refusal
+
+    refusal = experts_only_refusal([c.policy for c in p.conditions], model=f"the OPT shape this plan is for "
+                                   f"({frozen.model_dir() or 'model.synth'})")
+    if refusal:  # an MoE checkpoint's plan reads its config.json, which is not here
+        raise PackbenchError(f"protocol field `{refusal[0]}`: {refusal[1]} (protocol plan reads an MoE "
+                             f"checkpoint's shape from its config.json: plan where the checkpoint is)")
     if sparsity is not None and not 0 < sparsity < 1:
         raise PackbenchError(f"--sparsity {sparsity} is not in (0, 1)")
     if h2d_gbps <= 0:

@@ -95,11 +95,12 @@ def test_the_worker_runs_caches_and_forecasts_exactly_and_records_their_figures(
     assert "Belady" in expert_cache_section(screen) and "lru4-forecast" in expert_cache_section(screen)
 
 
-def _validate(tmp_path, body) -> subprocess.CompletedProcess:
+def _validate(tmp_path, body, *command: str) -> subprocess.CompletedProcess:
     f = tmp_path / "p.yaml"
     f.write_text(yaml.safe_dump(body))
-    return subprocess.run([sys.executable, "-m", "packbench", "protocol", "validate", str(f)], capture_output=True,
-                          text=True, cwd=ROOT)
+    return subprocess.run([sys.executable, "-m", "packbench", "protocol", *(command or ("validate",)), str(f),
+                           *(("--shape", "opt-125m") if command == ("plan",) else ())],
+                          capture_output=True, text=True, cwd=ROOT)
 
 
 def _config_dir(tmp_path, shape: str) -> Path:
@@ -129,8 +130,12 @@ def test_refusals_are_one_line_exit_2(tmp_path):
               conditions=[{"policy": "dense-stream"}, {"policy": "expert-forecast"}]),
          "is not an MoE model"),
     ]
-    for body, words in cases:
-        r = _validate(tmp_path, body)
+    # `protocol plan --shape` of an OPT shape, the checkpoint not here: the cache cannot be planned.
+    plan_case = (dict(base, model={"path": str(tmp_path / "absent")},
+                      conditions=[{"policy": "dense-stream"}, {"policy": "expert-cache", "params": {"capacity": 1}}]),
+                 "plan where the checkpoint is")
+    for (body, words), command in [(c, ()) for c in cases] + [(plan_case, ("plan",))]:
+        r = _validate(tmp_path, body, *command)
         assert r.returncode == 2, (words, r.stdout, r.stderr)
         lines = r.stderr.strip().splitlines()
         assert len(lines) == 1 and words in lines[0] and "Traceback" not in r.stderr, (words, r.stderr)
