@@ -248,8 +248,8 @@ def figure_problems(experts: dict, calls: list[dict]) -> list[str]:
         return out + [f"experts holds {len(routes)} calls' routing for {len(calls)} calls"]
     for c, (call, per_layer) in enumerate(zip(calls, counted)):
         for layer, n in enumerate(per_layer):
-            if n is None:
-                continue
+            if n is None or call["active_rows"][layer] is None:
+                continue  # a layer without experts, or a ledger not recorded (`recording: false`)
             where = f"call {c} layer {layer}"
             if n["hits"] + n["misses"] != call["active_rows"][layer]:
                 out.append(f"experts {where}: hits + misses {n['hits'] + n['misses']} != routed "

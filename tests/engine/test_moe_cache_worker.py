@@ -172,3 +172,17 @@ def test_separate_passes_start_each_pass_from_an_empty_cache(moe_dir):
     assert worker.model.slot.policy.capacity == 4 and worker.model.slot.policy.forecast
     assert r["experts"]["counted"][0][0]["hits"] == 0  # the recording pass's prefill met an empty cache
     assert figure_problems(r["experts"], r["calls"]) == []
+
+
+def test_without_recording_the_figures_stand_on_the_routing_alone(moe_dir, tmp_path):
+    """`recording: false` leaves the per-layer ledger empty; the experts section is still the replay
+    of its routing and the auditor agrees (catches an audit that compares with counts never made)."""
+    frozen = freeze(raw(moe_dir, recording=False, conditions=[CONDITIONS[0], CONDITIONS[4]],
+                        gates={"faithfulness": {}}))
+    path = tmp_path / "screen.zip"
+    _, episodes, _ = archive_screen(frozen, moe_dir, path)
+    r = next(e for e in episodes if e["condition"] == "lru4-forecast")
+    assert r["status"] == "ok" and r["calls"][0]["active_rows"][0] is None
+    assert r["experts"]["routed"] > 0 and figure_problems(r["experts"], r["calls"]) == []
+    report = audit_archive(path)
+    assert report.agrees, report.record["problems"]
