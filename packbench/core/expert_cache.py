@@ -33,6 +33,12 @@ layer decides which of them stay for later calls.
   call routed to, `wasted` the ones it did not (moved for nothing). The cache steps on the routed
   set alone: a wasted prefetch is never admitted.
 
+- `episode_figures(routes, phases, capacity=, rule=, forecasts=)`: an episode's totals (every
+  call and decode calls: routed, hits, misses, prefetched, used, wasted, Belady's hits, and the
+  hit, Belady and ready rates) replayed from its recorded routing; the engine writes them into
+  the episode record's `experts` section and `figure_problems(experts, calls)` is the auditor's
+  check of that section against its own replay and the call ledger.
+
 A request's bytes: misses plus prefetched experts move host-to-device, each `expert_bytes`;
 hits move nothing (engine/moe/policies.py copies them on the device). hits + misses = routed.
 
