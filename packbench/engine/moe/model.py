@@ -153,7 +153,7 @@ class CpuFirstMoE:
             if policy.forecasts() and nxt < len(self.experts_modules) and self.experts_modules[nxt] is not None:
                 # The next layer's router on this layer's MoE input: only what the model has computed.
                 hidden = args[0] if args else kwargs["hidden_states"]
-                _, _, index = self.model.model.layers[nxt].mlp.gate(hidden)
+                index = _forecast_index(self.model.model.layers[nxt].mlp.gate(hidden), k=top_k_index.shape[-1])
                 hit = torch.bincount(index.reshape(-1), minlength=self.host.experts) > 0
                 policy.prefetch(nxt, hit.nonzero().reshape(-1).cpu().tolist())
         return hook
@@ -227,6 +227,13 @@ class CpuFirstMoE:
         """One call: (B, T) ids in, last-position logits out, (vocab,) at batch 1."""
         out = self.model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
         return out.logits[0, -1] if ids.shape[0] == 1 else out.logits[:, -1]
+
+
+def _forecast_index(out, *, k: int) -> torch.Tensor:
+    """The expert ids a router's output picks: transformers 5's top-k routers return (logits,
+    scores, indices), the last is the choice; a router that returns its logits alone is read by
+    its k largest (the softmax keeps their order)."""
+    return out[-1] if isinstance(out, tuple) else torch.topk(out, k, dim=-1).indices
 
 
 def _expert_policy(name: str, gather: str) -> ExpertPolicy:
