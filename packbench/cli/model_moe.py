@@ -110,7 +110,7 @@ def render(s: dict) -> str:
     caches = list(s["layers"][0]["cache"])
     head = (f"{'layer':>5} {'skew':>6} {'c80':>4} {'reuse1':>7} {'lift':>5} {'any':>6} "
             + " ".join(f"{'u' + str(n):>6}" for n in s["layers"][0]["union"])
-            + f" {'next':>5} " + " ".join(f"{'lru/opt c=' + str(c):>15}" for c in caches))
+            + f" {'next':>5} " + " ".join(f"{'lru/lfu/opt c=' + str(c):>21}" for c in caches))
     lines.append(head)
     for r in s["layers"]:
         nxt = r.get("next_layer", {}).get("lift")
@@ -118,10 +118,12 @@ def render(s: dict) -> str:
                      f"{100 * r['repeat_any']:5.1f}% "
                      + " ".join(f"{v:6.1f}" for v in r["union"].values())
                      + f" {'-' if nxt is None else f'{nxt:.2f}':>5} "
-                     + " ".join(f"{r['cache'][c]['lru']:7.3f}/{r['cache'][c]['belady']:.3f}" for c in caches))
+                     + " ".join(f"{r['cache'][c]['lru']:9.3f}/{r['cache'][c]['lfu']:.3f}/{r['cache'][c]['belady']:.3f}"
+                              for c in caches))
     lines += ["", "skew: busiest expert / mean; c80: experts carrying 80 %; reuse1: shared experts of consecutive tokens / k;",
               "lift: reuse1 over the same routing shuffled; any: consecutive tokens sharing an expert; uN: distinct experts",
-              "among the first N tokens; next: cross-layer lift of the first choice; lru/opt: hit rates of a c-expert cache.",
+              "among the first N tokens; next: cross-layer lift of the first choice; lru/lfu/opt: hit rates of a c-expert cache",
+              "per layer, each token's experts one request: LRU, LFU and Belady's optimum (core/expert_cache.py).",
               "", f"published ({p['name']}: {p['source']}):"]
     for row in s["checks"]:
         lo, hi = row["published"]

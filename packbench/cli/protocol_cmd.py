@@ -151,6 +151,13 @@ def plan_cmd(
     if frozen.model_dir() is not None and is_moe_dir(frozen.model_dir()):
         _moe_plan(frozen, h2d_gbps=h2d_gbps, json_out=json_out)
         return
+    from packbench.core.moe import experts_only_refusal
+
+    refusal = experts_only_refusal([c.policy for c in p.conditions], model=f"the OPT shape this plan is for "
+                                   f"({frozen.model_dir() or 'model.synth'})")
+    if refusal:  # an MoE checkpoint's plan reads its config.json, which is not here
+        raise PackbenchError(f"protocol field `{refusal[0]}`: {refusal[1]} (protocol plan reads an MoE "
+                             f"checkpoint's shape from its config.json: plan where the checkpoint is)")
     if sparsity is not None and not 0 < sparsity < 1:
         raise PackbenchError(f"--sparsity {sparsity} is not in (0, 1)")
     if h2d_gbps <= 0:
@@ -183,7 +190,7 @@ def plan_cmd(
 def _moe_plan(frozen: FrozenProtocol, *, h2d_gbps: float, json_out: bool) -> None:
     """The plan of a screen on an MoE checkpoint: its episodes, and per condition the bytes of the
     prefill call and of a decode call (core/moe.py call_bytes) with their transfer floor."""
-    from packbench.core.moe import MoeShape, call_bytes, shape_of_config
+    from packbench.core.moe import MoeShape, call_bytes, call_bytes_bound, shape_of_config
     from packbench.core.plan import plan
     from packbench.engine.config import read_config
     from packbench.service.submit import check_family, check_positions
@@ -200,7 +207,7 @@ def _moe_plan(frozen: FrozenProtocol, *, h2d_gbps: float, json_out: bool) -> Non
         gather = c.resolved_params.get("gather", "device")
         pre = call_bytes(s, p.dtype, c.policy, tokens=batch * p.prefix_tokens, phase="prefill", gather=gather)
         dec = call_bytes(s, p.dtype, c.policy, tokens=batch, phase="decode", gather=gather)
-        bound = "exact" if c.policy in ("resident", "dense-stream") else "at most"
+        bound = call_bytes_bound(c.policy, dict(c.resolved_params))
         rows.append({"condition": c.name, "policy": c.policy, "prefill_bytes": pre, "decode_bytes": dec, "bound": bound,
                      "decode_floor_ms": dec / (h2d_gbps * 1e9) * 1e3})
     entries = plan(p)

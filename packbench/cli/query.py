@@ -203,7 +203,8 @@ def readings_of(archive_path: str | None) -> dict | None:
     """What the screen's archive says beside the stored totals (core/serving.py, docs/metrics.md):
     {serving: per condition, runtime_ratios: the median ratio beside the summed-walls gate,
     position: the plan-position check}; None when the archive is not readable here."""
-    from packbench.core.report import plan_positions, read_screen, runtime_ratios, serving_rows, steady_by_previous
+    from packbench.core.report import (expert_cache_rows, plan_positions, read_screen, runtime_ratios, serving_rows,
+                                       steady_by_previous)
 
     if not archive_path:
         return None
@@ -212,7 +213,8 @@ def readings_of(archive_path: str | None) -> dict | None:
     except (OSError, PackbenchError, ValueError, KeyError, TypeError):
         return None
     return {"serving": serving_rows(screen), "runtime_ratios": runtime_ratios(screen),
-            "position": plan_positions([screen]), "steady_by_previous": steady_by_previous(screen)}
+            "position": plan_positions([screen]), "steady_by_previous": steady_by_previous(screen),
+            "expert_cache": expert_cache_rows(screen)}
 
 
 def _ms(value: float | None) -> str | None:
@@ -279,7 +281,31 @@ def print_readings(readings: dict) -> None:
         for r in readings["steady_by_previous"]:
             typer.echo(f"  {r['condition']} ({r['tier']}): " + "; ".join(
                 f"after {p['condition']} {_ms(p['median']) or '-'} ({p['n']})" for p in r["previous"]))
+    if readings.get("expert_cache"):
+        typer.echo("expert caches and forecasts: hit rate beside Belady's optimum for the same capacity "
+                   "(scored episodes; docs/metrics.md)")
+        typer.echo(table(expert_cache_table_rows(readings["expert_cache"]), EXPERT_CACHE_COLUMNS))
     typer.echo(textwrap.fill(position_text(readings["position"]), width=110, subsequent_indent="  "))
+
+
+EXPERT_CACHE_COLUMNS = ["condition", "cache", "hit rate / Belady", "decode hit rate / Belady", "decode ready",
+                        "prefetched", "used", "wasted", "decode MB/token"]
+
+
+def _pct(value: float | None) -> str:
+    return "-" if value is None else f"{100 * value:.1f}%"
+
+
+def expert_cache_table_rows(rows: list[dict]) -> list[dict]:
+    """The expert-cache readings as the table shows them: each hit rate beside Belady's."""
+    return [{"condition": r["condition"],
+             "cache": r["cache"],
+             "hit rate / Belady": f"{_pct(r['hit_rate'])} / {_pct(r['belady_rate'])}",
+             "decode hit rate / Belady": f"{_pct(r['decode_hit_rate'])} / {_pct(r['decode_belady_rate'])}",
+             "decode ready": _pct(r["decode_ready_rate"]),
+             "prefetched": r["prefetched"], "used": r["used"], "wasted": r["wasted"],
+             "decode MB/token": "-" if r["decode_bytes_per_token"] is None else f"{r['decode_bytes_per_token'] / 1e6:.4g}"}
+            for r in rows]
 
 
 def _sha_note(matches: bool | None) -> str:

@@ -359,6 +359,33 @@ def serving_section(s: ScreenData) -> str:
     ])
 
 
+def expert_cache_section(s: ScreenData) -> str:
+    """Expert caches and forecasts: each measured hit rate beside Belady's optimum for the same
+    capacity on the episode's own routing (docs/metrics.md); empty for a screen without one."""
+    rows = data.expert_cache_rows(s)
+    if not rows:
+        return ""
+
+    def pct(v):
+        return _num(None if v is None else 100 * v, "{:.1f}%")
+
+    trows = [[f'<td class="name">{esc(r["condition"])}</td>', r["tier"],
+              esc(r["cache"]),
+              pct(r["hit_rate"]), pct(r["belady_rate"]), pct(r["decode_hit_rate"]), pct(r["decode_belady_rate"]),
+              pct(r["decode_ready_rate"]),
+              _num(r["prefetched"], "{}"), _num(r["used"], "{}"), _num(r["wasted"], "{}"),
+              _num(None if r["decode_bytes_per_token"] is None else r["decode_bytes_per_token"] / 1e6, "{:.4g}")]
+             for r in rows]
+    return ('<h2 id="expert-cache">Expert caches against Belady\'s optimum (scored episodes)</h2>'
+            '<p>Hit rate: routed experts the cache held before the call, over routed experts. Belady: the most '
+            'hits any cache of the same capacity could have had on the same routing, knowing the future. The '
+            'gap between them is what a better policy could still win. A forecast\'s prefetched experts are used '
+            'or wasted (moved for nothing); ready: routed experts already on the device when the routing was '
+            'known, by a hit or a used prefetch.</p>'
+            + html_table(["condition", "tier", "cache", "hit rate", "Belady", "decode hit rate", "decode Belady",
+                          "decode ready", "prefetched", "used", "wasted", "decode MB/token"], trows, cls="conditions"))
+
+
 def _previous_text(rows: list[dict]) -> str:
     return "; ".join(f"after {p['condition']}: {_fmt(_ms(p['median']), '{:.4g}')} ({p['n']})" for p in rows)
 
@@ -516,7 +543,8 @@ def screen_page(s: ScreenData, *, audit: AuditStatus) -> str:
             f"{passed} of {len(s.verdicts)} verdicts pass; {s.environment.get('gpu') or 'CPU'}")
     with figs.style():
         plots = plots_section(s)
-    body = "".join([headline_section(s), verdict_section(s), summary_section(s), serving_section(s), cost_section(s),
+    body = "".join([headline_section(s), verdict_section(s), summary_section(s), serving_section(s),
+                    expert_cache_section(s), cost_section(s),
                     plots, protocol_section(s),
                     machine_section(s), audit_section(s, audit)])
     return html_page(f"packbench report: {s.label}", lede, body)

@@ -10,7 +10,8 @@ What is checked (each finding is one line in `problems`, naming the member or ep
 - every planned episode has a record that matches its plan entry; a finished one has a
   well-formed call ledger, one call per continuation token (prefill first), totals equal to
   those recomputed from the ledger, and tokens that are the argmax of its stored logits; with
-  separate passes, both passes' figures (core/passes.py);
+  separate passes, both passes' figures (core/passes.py); an expert cache's or forecast's hits,
+  waste and Belady bound replayed from its recorded routing (core/expert_cache.py);
 - the verdicts recomputed from those records (with worker.json's start record) equal
   verdicts.json and the database's; the database's episodes equal the archive's.
 
@@ -56,6 +57,7 @@ from packbench.core.metrics import (
     stored_total_problems,
     wall_problems,
 )
+from packbench.core.expert_cache import figure_problems
 from packbench.core.passes import pass_problems
 from packbench.core.provenance import check_signature, signature_path
 from packbench.core.plan import plan as make_plan
@@ -205,6 +207,8 @@ def _episode_problems(name: str, rec: dict, logits: np.ndarray | None, protocol:
     out = [f"{name}: {p}" for p in stored_total_problems(rec, totals)]
     out += [f"{name}: {p}" for p in wall_problems(rec, totals)]
     out += [f"{name}: {p}" for p in pass_problems(rec, separate=protocol.separate_passes)]  # schema 7's two passes
+    if "experts" in rec:  # an expert cache or forecast: its figures replayed from its routing and ledger
+        out += [f"{name}: {p}" for p in figure_problems(rec["experts"], calls)]
     # An int8 condition's rows are hidden int8 values plus a scale: its own row size (slot 1).
     cond = rec.get("condition")
     slot = int(cond in protocol.condition_names and weights_of(protocol.condition(cond).policy,

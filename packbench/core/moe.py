@@ -16,10 +16,12 @@ FAMILIES: dict[str, dict[str, str]] = {
     "olmoe": dict(model="OlmoeForCausalLM", experts="num_experts", intermediate="intermediate_size"),
 }
 
-# The loader policies defined at expert granularity (engine/moe/policies.py). Every other kind
-# (sparse-extents, row-retention, early-forecast, the competitors) moves OPT's neuron rows and is
-# refused for an MoE model, as these are for nothing else than their OPT versions.
-MOE_POLICIES = ("resident", "dense-stream", "packet", "phase-switched")
+# The loader policies defined at expert granularity (engine/moe/policies.py, cache.py). Every other
+# kind (sparse-extents, row-retention, early-forecast, the competitors) moves OPT's neuron rows and
+# is refused for an MoE model; the first four are the expert versions of OPT loaders of the same
+# name, the last two (core/conditions' `experts_only` kinds) exist for MoE models alone.
+MOE_POLICIES = ("resident", "dense-stream", "packet", "phase-switched", "expert-cache", "expert-forecast")
+CACHE_POLICIES = ("expert-cache", "expert-forecast")
 
 # Real shapes (each model's published config.json) and tiny test shapes of each family.
 MOE_SHAPES: dict[str, dict] = {
@@ -102,17 +104,38 @@ def shape_of_config(config: dict) -> MoeShape:
                     head_dim=config.get("head_dim") or config["hidden_size"] // heads)
 
 
-def policy_need_bytes(shape: MoeShape, dtype: str, policy: str, gather: str = "host") -> int:
-    """Device bytes an expert policy holds besides the device part (engine/moe/policies.py):
-    resident every layer's experts; dense-stream one layer's workspace; packet and phase-switched
-    the workspace, and with the host gather the landing buffer of a layer's packet (every expert
-    of a layer and its index)."""
+def forecasting(policy: str, params: dict) -> bool:
+    """Whether an expert policy prefetches forecast experts (expert-forecast, expert-cache forecast on)."""
+    return policy == "expert-forecast" or (policy == "expert-cache" and params.get("forecast") == "on")
+
+
+def policy_need_bytes(shape: MoeShape, dtype: str, policy: str, gather: str = "host", params: dict | None = None) -> int:
+    """Device bytes an expert policy holds besides the device part (engine/moe/policies.py,
+    cache.py): resident every layer's experts; dense-stream one layer's workspace; packet and
+    phase-switched the workspace, and with the host gather the landing buffer of a layer's packet
+    (every expert of a layer and its index); expert-cache its c slots in every layer and the
+    workspace, two workspaces when it forecasts (the prefetch lands in the one the current layer
+    does not read); expert-forecast those two workspaces."""
     layer = shape.experts * shape.expert_bytes(dtype)
+    params = params or {}
     if policy == "resident":
         return shape.layers * layer
+    if policy in CACHE_POLICIES:
+        slots = params.get("capacity", 0) * shape.layers * shape.expert_bytes(dtype)
+        return slots + (2 if forecasting(policy, params) else 1) * layer
     if policy == "dense-stream" or gather == "device":
         return layer
     return layer + shape.experts * (shape.expert_bytes(dtype) + INDEX_BYTES)
+
+
+def experts_only_refusal(policies: list[str], *, model: str) -> tuple[str, str] | None:
+    """(field, why) a protocol's conditions name an expert-only kind on a model without experts
+    (an OPT checkpoint or synthetic shape), or None."""
+    for i, policy in enumerate(policies):
+        if policy in CACHE_POLICIES:
+            return (f"conditions[{i}].policy", f"{policy!r} caches MoE experts, and {model} is not an MoE model; "
+                                               f"give an MoE checkpoint in model.path or drop the condition")
+    return None
 
 
 def moe_refusal(config: dict, *, dtype: str, conditions: list[tuple[str, str, dict]], allowance_bytes: int,
@@ -129,6 +152,9 @@ def moe_refusal(config: dict, *, dtype: str, conditions: list[tuple[str, str, di
         if params.get("weights", "dtype") != "dtype":
             return (f"conditions[{i}].params.weights", f"{params['weights']} is not available for MoE models; "
                                                        f"drop it")
+        if policy == "expert-cache" and params["capacity"] > s.experts:
+            return (f"conditions[{i}].params.capacity", f"{params['capacity']} experts a layer, but {model} has "
+                                                        f"{s.experts}; give a capacity from 0 to {s.experts}")
     part, routed = s.device_part_bytes(dtype), s.routed_bytes(dtype, 1)
     if allowance_bytes < part + routed:
         return ("allowance_mib", f"{allowance_bytes // 2**20} MiB cannot hold {model}'s device part "
@@ -137,7 +163,14 @@ def moe_refusal(config: dict, *, dtype: str, conditions: list[tuple[str, str, di
     for i, (name, policy, params) in enumerate(conditions):
         if policy == "resident" and params.get("allowance") == "unbounded":
             continue
-        need = part + policy_need_bytes(s, dtype, policy, params.get("gather", "host"))
+        need = part + policy_need_bytes(s, dtype, policy, params.get("gather", "host"), params)
+        if allowance_bytes < need and policy == "expert-cache":
+            slots = params["capacity"] * s.layers * s.expert_bytes(dtype)
+            return ("allowance_mib", f"{allowance_bytes // 2**20} MiB cannot hold condition {name!r} (expert-cache): "
+                                     f"its capacity {params['capacity']} x {s.layers} layers x "
+                                     f"{s.expert_bytes(dtype) / 2**20:.1f} MiB an expert = {slots / 2**20:.0f} MiB of "
+                                     f"cache, with the device part and workspace {-(-need // 2**20)} MiB; lower "
+                                     f"capacity or raise allowance_mib")
         if allowance_bytes < need:
             return ("allowance_mib", f"{allowance_bytes // 2**20} MiB cannot hold condition {name!r} ({policy}) on "
                                      f"{model}: the device part and its expert buffers need {-(-need // 2**20)} MiB; "
@@ -147,7 +180,12 @@ def moe_refusal(config: dict, *, dtype: str, conditions: list[tuple[str, str, di
 
 def call_bytes(shape: MoeShape, dtype: str, policy: str, *, tokens: int, phase: str, gather: str = "device") -> int:
     """Host-to-device bytes one call moves, all MoE layers: exact for dense-stream and resident, at
-    most for a packet (the union of `tokens` tokens' k experts a layer is at most min(E, k x tokens))."""
+    most for a packet (the union of `tokens` tokens' k experts a layer is at most min(E, k x tokens))
+    and for an expert cache (only its misses move: at most the packet's experts, no index); for
+    expert-forecast the packet's experts, at least (wrong forecasts add, up to min(E, k x tokens)
+    more a layer)."""
+    if policy in CACHE_POLICIES:
+        gather = "device"  # the cache's fetches and prefetches are device-gather copies: no index
     layer_all = shape.experts * shape.expert_bytes(dtype)
     if policy == "resident":
         return 0
@@ -156,3 +194,14 @@ def call_bytes(shape: MoeShape, dtype: str, policy: str, *, tokens: int, phase: 
     m = min(shape.experts, shape.k * tokens)
     index = INDEX_BYTES * m if gather == "host" else 0
     return shape.layers * (m * shape.expert_bytes(dtype) + index)
+
+
+def call_bytes_bound(policy: str, params: dict) -> str:
+    """How `call_bytes` bounds what `policy` moves: exact (resident, dense-stream), at most (a
+    packet, a cache: misses only), at least (a forecast alone: wrong forecasts add), about (a
+    cache that forecasts: fewer misses, some waste)."""
+    if policy in ("resident", "dense-stream"):
+        return "exact"
+    if policy == "expert-forecast":
+        return "at least"
+    return "about" if forecasting(policy, params) else "at most"

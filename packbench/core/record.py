@@ -110,6 +110,11 @@ EPISODE_FIELDS: tuple[Field, ...] = (
     _kept("quantization", dict),  # engine/quantized.py QuantizationStats: what building the model cost
     _kept("offload", dict),  # engine/accelerate.py OffloadStats: what accelerate placed where, and its cost
     _kept("first_logit_since_entry_s", float),
+    # An expert cache or forecast (MoE; engine/moe/cache.py): capacity, rule, forecast, the
+    # per-call, per-layer routing and what the policy counted, and the totals a replay of that
+    # routing gives (core/expert_cache.py episode_figures): hits, misses, prefetched, used,
+    # wasted, hit_rate beside belady_rate for the same capacity; the auditor replays them.
+    _kept("experts", dict),
     # Separate passes (protocol `passes`, schema 7): {timing_wall_s (= wall_s), recording_wall_s,
     # recording_call_s: one per call}; every time above is the timing pass's, every count and
     # memory figure the recording pass's (engine/passes.py runs them, core/passes.py checks them).

@@ -228,6 +228,42 @@ def serving_rows(screen: ScreenData) -> list[dict]:
              "ttft_first_s": first_use_ttft(records, c.name)} for c in screen.protocol.conditions]
 
 
+def expert_cache_rows(screen: ScreenData) -> list[dict]:
+    """One row per expert-cache or expert-forecast condition (protocol order) over its scored
+    finished episodes: the measured hit rate beside Belady's for the same capacity on the same
+    routing (every call, and decode calls alone), the ready rate ((hits + forecast used) / routed),
+    the forecast's prefetched, used and wasted experts, and host-to-device bytes per decode token (core/expert_cache.py; docs/metrics.md).
+    Rates are summed hits over summed routed experts; None where nothing was routed."""
+    keys = ("routed", "hits", "belady_hits", "prefetched", "used", "wasted")
+    out = []
+    for c in screen.protocol.conditions:
+        mine = [e.record for e in screen.episodes
+                if e.condition == c.name and e.scored and e.ok and isinstance(e.record.get("experts"), dict)]
+        if not mine:
+            continue
+        total = {k: sum(r["experts"][k] for r in mine) for k in keys}
+        decode = {k: sum(r["experts"]["decode"][k] for r in mine) for k in ("routed", "hits", "belady_hits", "used")}
+        tokens = sum(r.get("phases", {}).get("decode", {}).get("calls", 0) for r in mine)
+        decode_h2d = sum(r.get("phases", {}).get("decode", {}).get("h2d_bytes", 0) for r in mine)
+        x = mine[0]["experts"]
+        cache = f"{x['capacity']} {x['rule']}" if x["capacity"] else "no cache"
+        out.append({"condition": c.name, "tier": c.tier, "episodes": len(mine), "capacity": x["capacity"],
+                    "rule": x["rule"], "forecast": x["forecast"],
+                    "cache": cache + (" + forecast" if x["forecast"] == "on" else ""), **total,
+                    "hit_rate": _rate(total["hits"], total["routed"]),
+                    "belady_rate": _rate(total["belady_hits"], total["routed"]),
+                    "ready_rate": _rate(total["hits"] + total["used"], total["routed"]),
+                    "decode_hit_rate": _rate(decode["hits"], decode["routed"]),
+                    "decode_belady_rate": _rate(decode["belady_hits"], decode["routed"]),
+                    "decode_ready_rate": _rate(decode["hits"] + decode["used"], decode["routed"]),
+                    "decode_bytes_per_token": decode_h2d / tokens if tokens else None})
+    return out
+
+
+def _rate(hits: int, total: int) -> float | None:
+    return hits / total if total else None
+
+
 def first_use_ttft(records: list[dict], condition: str) -> float | None:
     """Cold TTFT: the prefill call of the condition's first finished episode in the screen (a
     warmup where it has one: its first use in the worker); the `ttft_s` of serving_rows is the

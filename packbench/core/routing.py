@@ -17,17 +17,18 @@ routers). Every statistic is a function of traces alone:
 - `cross_layer(a, b)`: how well layer a's first choice predicts layer b's, by the best map from
   a's expert to b's (accuracy), over always guessing b's busiest (base); lift = accuracy / base
   (the measure computed from the OLMoE repository's cross-layer counts);
-- `lru_hits` / `belady_hits`: a cache of c experts per layer fed each token's routed experts in
-  order; Belady evicts the cached expert whose next use is furthest away (optimal for this
-  sequence of single requests).
+- `cache`: the hit rates of an LRU, an LFU and Belady's optimal cache of c experts per layer,
+  each token's routed set one request (core/expert_cache.py, the module the engine's
+  `expert-cache` decides with: the same rules and tie-breaks).
 
-Layer rule: core. numpy only.
+Layer rule: core. numpy and core only.
 """
 
-from collections import OrderedDict
 from math import comb
 
 import numpy as np
+
+from packbench.core.expert_cache import belady_hits, lfu_hits, lru_hits
 
 # Published routing figures. OLMoE-1B-7B (64 experts, top 8) and Mixtral-8x7B (8, top 2): the
 # allenai/OLMoE repository's `scripts/routing_output/{olmoe,mistral}` (commit 357454f4f647,
@@ -116,44 +117,6 @@ def cross_layer(first_a: np.ndarray, first_b: np.ndarray) -> tuple[float, float]
     return float(accuracy), float(base)
 
 
-def lru_hits(requests: list[list[int]], capacity: int) -> tuple[int, int]:
-    """(hits, requests) of an LRU cache of `capacity` experts over per-token request lists."""
-    cache: OrderedDict[int, None] = OrderedDict()
-    hits = total = 0
-    for token in requests:
-        for e in token:
-            total += 1
-            if e in cache:
-                hits += 1
-                cache.move_to_end(e)
-            else:
-                if len(cache) >= capacity:
-                    cache.popitem(last=False)
-                cache[e] = None
-    return hits, total
-
-
-def belady_hits(requests: list[list[int]], capacity: int) -> tuple[int, int]:
-    """(hits, requests) of Belady's optimal cache: evict the expert used furthest in the future."""
-    flat = [e for token in requests for e in token]
-    never = len(flat)
-    next_use = [never] * len(flat)
-    seen: dict[int, int] = {}
-    for i in range(len(flat) - 1, -1, -1):
-        next_use[i] = seen.get(flat[i], never)
-        seen[flat[i]] = i
-    cache: dict[int, int] = {}  # expert -> its next use
-    hits = 0
-    for i, e in enumerate(flat):
-        if e in cache:
-            hits += 1
-        elif len(cache) >= capacity:
-            victim = max(cache, key=lambda x: (cache[x], x))
-            del cache[victim]
-        cache[e] = next_use[i]
-    return hits, len(flat)
-
-
 def summarise(traces: list[np.ndarray], *, experts: int, k: int, unions=(1, 32, 128, 512),
               apart=(1, 2, 4, 8), caches: tuple[int, ...] | None = None, seed: int = 0) -> dict:
     """Every statistic per layer over `traces` (each (layers, tokens, k)); plain floats and lists."""
@@ -179,8 +142,9 @@ def summarise(traces: list[np.ndarray], *, experts: int, k: int, unions=(1, 32, 
         requests = [list(map(int, tok)) for s in seqs for tok in s]
         for c in caches:
             lru, total = lru_hits(requests, c)
+            lfu, _ = lfu_hits(requests, c)
             opt, _ = belady_hits(requests, c)
-            row["cache"][c] = {"lru": lru / total, "belady": opt / total}
+            row["cache"][c] = {"lru": lru / total, "lfu": lfu / total, "belady": opt / total}
         if layer + 1 < layers:
             acc, base = cross_layer(np.concatenate([s[:, 0] for s in seqs]),
                                     np.concatenate([t[layer + 1][:, 0] for t in traces]))

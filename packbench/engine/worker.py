@@ -429,9 +429,13 @@ class Worker:
         if entry["condition"] == self.reference:
             self.reference_runs.setdefault(entry["prompt"], (entry["index"], list(out.tokens)))
         p = self.model.slot.policy if model is self.model else None
+        # An expert cache or forecast: its counts, the episode's routing and the figures replayed
+        # from it (core/expert_cache.py); None for every other policy and model.
+        experts = getattr(model, "expert_record", lambda: None)()
         context = impose(self.device, self.allowance, self.nvml) if self.device.type == "cuda" else 0
         record["episode_s"] = time.perf_counter() - t0  # wall_s plus activation and measurement
         return {**record, **self._finished(out, sampled, policy=p, built=built, context=context),
+                **({"experts": experts} if experts is not None else {}),
                 **({"passes": passes} if passes is not None else {}),
                 **({RUNTIMES[policy].record_key: built} if RUNTIMES[policy].record_key is not None else {}),
                 **({"forced_from": forced_from, "forced_s": forced_s} if tier == "approximate" else {}),

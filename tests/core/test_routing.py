@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from packbench.core.routing import (belady_hits, carry80, check, cross_layer, load_shares, lru_hits, repeat_any,
+from packbench.core.routing import (carry80, check, cross_layer, load_shares, repeat_any,
                                     repeat_any_chance, reuse, shuffled, skew, summarise, union)
 
 ROUTES = np.array([[0, 1], [1, 2], [1, 2], [3, 4]])  # (tokens, k) of one layer, 5 experts
@@ -37,19 +37,6 @@ def test_cross_layer_best_map_by_hand():
     assert (acc, base) == (3 / 4, 3 / 4)  # 0 -> 2 twice, 1 -> 3 or 2 once; always 2: 3 of 4
     acc, base = cross_layer(np.array([0, 0, 1, 1]), np.array([5, 5, 6, 6]))
     assert (acc, base) == (1.0, 0.5)
-
-
-def test_lru_and_belady_by_hand():
-    cycle = [[1], [2], [3], [1], [2], [3]]
-    assert lru_hits(cycle, 2) == (0, 6)  # LRU's worst case: a cycle one longer than the cache
-    assert belady_hits(cycle, 2) == (2, 6)  # keeps 1 (hit), then 3 (hit)
-    repeat = [[1, 2], [1, 2], [3, 1]]
-    assert lru_hits(repeat, 2) == (2, 6)  # 3 evicts 1, the least recent, needed next
-    assert belady_hits(repeat, 2) == (3, 6)  # 3 evicts 2, never used again
-    for c in (1, 2, 3):  # Belady is an upper bound of LRU on any trace
-        rng = np.random.default_rng(c)
-        trace = [list(rng.choice(6, 2, replace=False)) for _ in range(50)]
-        assert belady_hits(trace, c + 1)[0] >= lru_hits(trace, c + 1)[0]
 
 
 def test_uniform_routing_fails_the_locality_and_skew_checks():

@@ -10,14 +10,16 @@ and docs/engine.md says how to add one.
 Layer rule: core. Imports nothing outside core (no torch): validation runs on any machine.
 """
 
-from packbench.core.conditions import (accelerate, dense_stream, early_forecast, packet, phase_switched, quantized,
-                                       resident, row_retention, sparse_extents, zero_inference)
+from packbench.core.conditions import (accelerate, dense_stream, early_forecast, expert_cache, expert_forecast, packet,
+                                       phase_switched, quantized, resident, row_retention, sparse_extents,
+                                       zero_inference)
 from packbench.core.conditions.base import ConditionKind
 
-# Loaders first, in the order every earlier packbench listed them; then the competitors.
+# Loaders first, in the order every earlier packbench listed them; then the MoE-only loaders; then
+# the competitors.
 CONDITIONS: dict[str, ConditionKind] = {m.KIND.name: m.KIND for m in (
     resident, dense_stream, sparse_extents, packet, phase_switched, row_retention, early_forecast,
-    quantized, accelerate, zero_inference)}
+    expert_cache, expert_forecast, quantized, accelerate, zero_inference)}
 
 
 def kinds_table() -> str:

@@ -140,6 +140,7 @@ class ConditionKind:
     since: int = 1
     schema_defaults: Mapping[int, Mapping[str, str]] = field(default_factory=dict)
     competitor: Competitor | None = None
+    experts_only: bool = False
 
     def __post_init__(self) -> None:
         if self.tier not in TIERS:

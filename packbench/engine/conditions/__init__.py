@@ -8,8 +8,10 @@ The worker reaches a kind only through it. docs/engine.md, "Adding a condition k
 through a new one.
 """
 
-from packbench.engine.conditions import (accelerate, dense_stream, early_forecast, packet, phase_switched, quantized,
-                                         resident, row_retention, sparse_extents, zero_inference)
+from packbench.core.conditions import CONDITIONS
+from packbench.engine.conditions import (accelerate, dense_stream, early_forecast, expert_cache, expert_forecast,
+                                         packet, phase_switched, quantized, resident, row_retention, sparse_extents,
+                                         zero_inference)
 from packbench.engine.conditions.base import ConditionRuntime, LoaderRuntime
 from packbench.engine.policies.base import LoaderPolicy
 
@@ -21,6 +23,8 @@ RUNTIMES: dict[str, ConditionRuntime] = {
     "phase-switched": phase_switched.RUNTIME,
     "row-retention": row_retention.RUNTIME,
     "early-forecast": early_forecast.RUNTIME,
+    "expert-cache": expert_cache.RUNTIME,
+    "expert-forecast": expert_forecast.RUNTIME,
     "quantized": quantized.RUNTIME,
     "accelerate": accelerate.RUNTIME,
     "zero-inference": zero_inference.RUNTIME,
@@ -36,5 +40,9 @@ def loader_policy(name: str, **params) -> LoaderPolicy:
     return runtime.policy(**params)
 
 
-# The loader policies' builders, by name: a view of RUNTIMES (benches and tests iterate it).
-POLICIES = {name: runtime.policy for name, runtime in RUNTIMES.items() if isinstance(runtime, LoaderRuntime)}
+# The loader policies' builders that run on every model family (OPT rows, and an MoE model's
+# experts through the expert version of the same name), by name: a view of RUNTIMES (benches and
+# tests iterate it over OPT models). The expert-only kinds (`experts_only`: expert-cache,
+# expert-forecast) build MoE policies and are left out; RUNTIMES holds them.
+POLICIES = {name: runtime.policy for name, runtime in RUNTIMES.items()
+            if isinstance(runtime, LoaderRuntime) and not CONDITIONS[name].experts_only}

@@ -17,9 +17,11 @@ from pathlib import Path
 
 import torch
 
+from packbench.core.expert_cache import episode_figures
 from packbench.core.moe import FAMILIES
 from packbench.engine.ledger import Recorder
 from packbench.engine.model import StartStats  # host_outgoing_bytes: the experts, in host memory
+from packbench.engine.moe.cache import CACHE_KINDS, ExpertCache
 from packbench.engine.moe.host import ExpertHost
 from packbench.engine.moe.policies import EXPERT_POLICIES, ExpertPolicy
 
@@ -147,6 +149,13 @@ class CpuFirstMoE:
                 if self.recorder.current is not None:
                     self._call_routes()[layer] = tuple(routed)
             module.gate_up_proj, module.down_proj = policy.experts(layer, routed)
+            nxt = layer + 1
+            if policy.forecasts() and nxt < len(self.experts_modules) and self.experts_modules[nxt] is not None:
+                # The next layer's router on this layer's MoE input: only what the model has computed.
+                hidden = args[0] if args else kwargs["hidden_states"]
+                index = _forecast_index(self.model.model.layers[nxt].mlp.gate(hidden), k=top_k_index.shape[-1])
+                hit = torch.bincount(index.reshape(-1), minlength=self.host.experts) > 0
+                policy.prefetch(nxt, hit.nonzero().reshape(-1).cpu().tolist())
         return hook
 
     def _call_routes(self) -> list:
@@ -156,20 +165,26 @@ class CpuFirstMoE:
         return self.routes[index]
 
     def use(self, policy_name: str, **params) -> None:
-        """A fresh MoE policy of kind `policy_name`. The only parameters are OPT's row formats
-        (`gather`, `weights`); `weights` other than the checkpoint's dtype is refused."""
+        """A fresh MoE policy of kind `policy_name` with the condition's `params`: OPT's row formats
+        (`gather`, `weights`; `weights` other than the checkpoint's dtype is refused) or the expert
+        cache's (`capacity`, `rule`, `forecast`)."""
         if params.get("weights", "dtype") != "dtype":
             raise MoeCheckpointError(f"weights {params['weights']} is not available for MoE models; "
                                      f"drop it from the condition")
+        if policy_name in CACHE_KINDS:
+            self.use_policy(CACHE_KINDS[policy_name](**params))
+            return
         if policy_name not in EXPERT_POLICIES:
             raise MoeCheckpointError(f"policy {policy_name} does not fit an MoE model; use one of "
-                                     f"{', '.join(EXPERT_POLICIES)}")
+                                     f"{', '.join((*EXPERT_POLICIES, *CACHE_KINDS))}")
         self.use_policy(_expert_policy(policy_name, params.get("gather", "host")))
 
     def use_policy(self, policy) -> None:
         """Activate `policy`, releasing the previous one. An OPT loader policy of the same name
         (what the condition runtimes build) is replaced by its expert version."""
-        if not isinstance(policy, ExpertPolicy) or type(policy) not in EXPERT_POLICIES.values():
+        if isinstance(policy, ExpertCache):
+            pass  # an expert-only kind: built for this model by its runtime
+        elif not isinstance(policy, ExpertPolicy) or type(policy) not in EXPERT_POLICIES.values():
             name = getattr(policy, "name", type(policy).__name__)
             if name not in EXPERT_POLICIES:
                 raise MoeCheckpointError(f"policy {name} does not fit an MoE model; use one of "
@@ -185,6 +200,21 @@ class CpuFirstMoE:
         policy.activate(self.host, self.device, self.recorder)
         self.slot.policy = policy
 
+    def expert_record(self) -> dict | None:
+        """The episode record's `experts` section for a cache or forecast policy (None for the
+        others): its parameters and counts, the episode's routing, and the figures a replay of
+        that routing gives (core/expert_cache.py episode_figures: hit rates beside Belady's)."""
+        policy = self.slot.policy
+        if not isinstance(policy, ExpertCache):
+            return None
+        phases = [c.phase for c in self.recorder.calls]
+        figures = policy.figures()
+        routes = [[None if r is None else list(r) for r in call] for call in self.routes]
+        return {**figures, "routes": routes,
+                **episode_figures(routes, phases, capacity=policy.capacity, rule=policy.rule,
+                                  forecasts=[[None if c is None else c.get("forecast") for c in call]
+                                             for call in figures["counted"]])}
+
     def new_cache(self, capacity: int | None = None, *, mode: str | None = None, batch: int = 1):
         if (mode or self.mode) != "eager":
             raise MoeCheckpointError("MoE models run in mode eager; freeze the protocol with engine mode eager")
@@ -197,6 +227,13 @@ class CpuFirstMoE:
         """One call: (B, T) ids in, last-position logits out, (vocab,) at batch 1."""
         out = self.model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
         return out.logits[0, -1] if ids.shape[0] == 1 else out.logits[:, -1]
+
+
+def _forecast_index(out, *, k: int) -> torch.Tensor:
+    """The expert ids a router's output picks: transformers 5's top-k routers return (logits,
+    scores, indices), the last is the choice; a router that returns its logits alone is read by
+    its k largest (the softmax keeps their order)."""
+    return out[-1] if isinstance(out, tuple) else torch.topk(out, k, dim=-1).indices
 
 
 def _expert_policy(name: str, gather: str) -> ExpertPolicy:

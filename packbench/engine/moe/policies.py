@@ -12,6 +12,8 @@ streaming every expert (tests/engine/test_moe.py, fp32/fp16/bf16).
 | `packet {gather: host}` | the union of the call's routed experts: a host gather into one pinned buffer `[m int64 | m gate_up | m down]`, one upload, an index copy into the workspace | m x expert bytes + 8m B; E B routing readback |
 | `packet {gather: device}` | the same experts, each read by the copy engine straight from its contiguous pinned slices into its workspace slot (2m copies queued at once, no host memcpy, no index: the expert id is the copy's destination) | m x expert bytes; E B routing readback |
 | `phase-switched` | dense-stream in prefill calls, packet (either gather) in decode calls | as those |
+| `expert-cache {capacity: c, rule, forecast}` | hits read in place from c slots a layer; misses as packet's device gather, into a slot when admitted (engine/moe/cache.py) | misses x expert bytes; E B routing readback; c x layers slots |
+| `expert-forecast` | the next layer's router on this layer's input, its experts prefetched on a side stream; the rest of the demand fetched | (prefetched + misses not prefetched) x expert bytes; 2E B readbacks |
 
 An expert is a contiguous slice of each fused tensor, so the device gather reaches the copy
 engine's pinned rate; the host gather first copies the whole packet through the CPU (a host
@@ -42,6 +44,10 @@ class ExpertPolicy(Protocol):
 
     def observes(self) -> bool:
         """Whether this call's `experts` needs the routed set (read back from the device)."""
+
+    def forecasts(self) -> bool:
+        """Whether the model should apply the next layer's router to this layer's input and hand
+        the forecast to `prefetch(next_layer, experts)` (engine/moe/cache.py)."""
 
     def activate(self, host: ExpertHost, device: torch.device, recorder: Recorder) -> None: ...
 
@@ -89,6 +95,9 @@ class ExpertResident:
     def observes(self) -> bool:
         return False
 
+    def forecasts(self) -> bool:
+        return False
+
     def activate(self, host: ExpertHost, device: torch.device, recorder: Recorder) -> None:
         self.weights = [None if gu is None else (gu.to(device), dn.to(device))
                         for gu, dn in zip(host.gate_up, host.down)]
@@ -118,6 +127,9 @@ class ExpertDenseStream:
         self.recorder: Recorder | None = None
 
     def observes(self) -> bool:
+        return False
+
+    def forecasts(self) -> bool:
         return False
 
     def activate(self, host: ExpertHost, device: torch.device, recorder: Recorder) -> None:
@@ -220,6 +232,9 @@ class ExpertPacketPolicy:
     def observes(self) -> bool:
         return True
 
+    def forecasts(self) -> bool:
+        return False
+
     def activate(self, host: ExpertHost, device: torch.device, recorder: Recorder) -> None:
         self.host, self.recorder = host, recorder
         self.workspace = Workspace.zeros(host, device)
@@ -258,8 +273,10 @@ class ExpertPhaseSwitched(ExpertPacketPolicy):
         return super().experts(layer, routed)
 
 
-# Every MoE policy, by the name a protocol gives it (the kinds in core/conditions/ of the same
-# names; core/moe.py MOE_POLICIES lists them torch-free for the schema).
+# Every MoE policy that replaces an OPT loader of the same name (the kinds in core/conditions/ of
+# the same names; core/moe.py MOE_POLICIES lists them, with the expert-only kinds, torch-free for
+# the schema). The expert-only kinds (`expert-cache`, `expert-forecast`) are built by their own
+# runtimes (engine/conditions/expert_cache.py), from engine/moe/cache.py.
 EXPERT_POLICIES: dict[str, type] = {
     "resident": ExpertResident,
     "dense-stream": ExpertDenseStream,
