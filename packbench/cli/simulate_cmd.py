@@ -101,9 +101,10 @@ def load_machine(spec: str) -> dict:
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
     except OSError as e:
         raise PackbenchError(f"--machine {spec}: cannot read it ({e.strerror}); give a machine JSON file") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise PackbenchError(f"--machine {spec} is not a regular file; give a machine JSON file")
     with os.fdopen(fd, "rb") as f:
-        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
-            raise PackbenchError(f"--machine {spec} is not a regular file; give a machine JSON file")
         data = f.read(MAX_MACHINE_BYTES + 1)
     if len(data) > MAX_MACHINE_BYTES:
         raise PackbenchError(f"--machine {spec} is over {MAX_MACHINE_BYTES} bytes; a machine file is a small JSON object")

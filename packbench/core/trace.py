@@ -234,10 +234,11 @@ def read_trace(path: Path | str) -> Trace:
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
     except OSError as e:
         raise TraceError(f"{path}: cannot read it ({e.strerror}); give a trace file") from None
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        raise TraceError(f"{path} is not a regular file; give a trace file (docs/traces.md)")
     with os.fdopen(fd, "rb") as f:
-        st = os.fstat(f.fileno())
-        if not stat.S_ISREG(st.st_mode):
-            raise TraceError(f"{path} is not a regular file; give a trace file (docs/traces.md)")
         if st.st_size > MAX_FILE_BYTES:
             raise TraceError(f"{path} is {st.st_size} bytes, over the bound of {MAX_FILE_BYTES}; split the trace")
         try:
