@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -72,8 +73,10 @@ def stats(
     if trace is not None:
         if robustness:
             raise PackbenchError("--trace records the active sets of episodes; drop --robustness or --trace")
-        if trace.is_dir() or not trace.parent.is_dir():
-            raise PackbenchError(f"--trace {trace}: give a file path in an existing directory")
+        if os.path.lexists(trace):  # a trace is never overwritten (nor a FIFO or device opened)
+            raise PackbenchError(f"--trace {trace} exists; give a new file path")
+        if not trace.parent.is_dir():
+            raise PackbenchError(f"--trace {trace}: its directory does not exist; give a path in an existing directory")
     if is_moe_dir(model_dir):  # routing statistics: the prefill's per-token routes are the trace
         if robustness:
             raise PackbenchError("--robustness measures OPT checkpoints (real OPT's figures are its targets); "
