@@ -268,3 +268,24 @@ def test_machine_files_are_checked():
     assert "pinned_h2d_gbps" in sim.machine_problem({**MACHINE, "pinned_h2d_gbps": {"value": 0, "source": "s"}})
     assert "shape:layers" in sim.machine_problem({**MACHINE, "decode_compute_ms": {"mixtral": {"value": 1, "source": "s"}}})
     assert sim.machine_problem([]) is not None
+
+
+def test_the_docs_example_writes_a_trace_packbench_reads(tmp_path):
+    """docs/traces.md's few lines for a published routing dump, run as written."""
+    import re
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "traces.md").read_text()
+    ns: dict = {}
+    exec(re.search(r"```python\n(.*?)```", doc, re.S).group(1), ns)
+    rng = np.random.default_rng(0)
+    routes = [np.stack([np.stack([rng.choice(8, 2, replace=False) for _ in range(20)]) for _ in range(4)])
+              for _ in range(2)]  # 2 episodes: (layers 4, tokens 20, k 2)
+    ns["write"](tmp_path / "pub.trace", routes, prefix=12, experts=8, k=2, expert_bytes=352_321_536)
+    t = read_trace(tmp_path / "pub.trace")
+    # Catches a doc example that drifted from the format: 2 episodes of 1 prefill + 8 decode calls,
+    # each decode call k = 2 experts in each of the 4 layers.
+    assert [(c.episode, c.phase, c.tokens) for c in t.calls[:2]] == [(0, "prefill", 12), (0, "decode", 1)]
+    assert len(t.calls) == 18 and t.model.shape == "mixtral-8x7b"
+    decode = sim.totals(sim.ledger(t, "packet", {"gather": "device"}))["decode"]
+    assert decode["rows_copied"] == 16 * 4 * 2 and decode["h2d_weight_bytes"] == 128 * 352_321_536
