@@ -48,8 +48,8 @@ class Tracer:
     def _row(self) -> list[np.ndarray] | None:
         """The current call's sets (a new call opens at the recorder's next serial)."""
         rec = self.recorder
-        if rec.current is None:
-            return None  # outside an episode: not traced
+        if rec.current is None or not rec.enabled:
+            return None  # outside an episode, or a timing pass (engine/passes.py): not traced
         if self._serial != rec.serial:
             self._serial = rec.serial
             if rec.phase == "prefill" or self._episode < 0:

@@ -463,7 +463,7 @@ def _full(raw: Any, *, base_dir: Path | None) -> dict:
         "continuation_tokens": True, "conditions": True, "reference": True, "warmups": False,
         "repetitions": False, "order": False, "baseline_first": False, "allowance_mib": True,
         "recording": False, "gates": True, "placement": False, "engine": False, "batch": False,
-        "passes": False,
+        "passes": False, "trace": False,
     })
     declared = p.get("schema", SCHEMA_VERSION)
     if isinstance(declared, bool) or declared not in SCHEMAS:
@@ -510,6 +510,15 @@ def _full(raw: Any, *, base_dir: Path | None) -> dict:
     engine = _engine(p.get("engine"))
     if engine:  # eager (or absent): left out, so every protocol frozen before modes keeps its hash
         full["engine"] = engine
+    if bool_field(p.get("trace", False), "trace"):
+        # Every episode archives its trace of active sets (docs/traces.md). false (or absent) is
+        # left out: every body frozen before keeps its hash, and no schema is needed to say it.
+        if not bool_field(p.get("recording", True), "recording"):
+            fail("trace", "needs recording: true (a trace is recorded with the ledger); drop recording: false or trace")
+        if engine:
+            fail("trace", f"needs engine mode eager (a captured {engine['mode']} step runs no hooks to read the "
+                          f"active sets); drop engine.mode or trace")
+        full["trace"] = True
     placement = _placement(p.get("placement"))
     if placement:  # absent or empty: left out, so protocols written before it keep their hash
         full["placement"] = placement
