@@ -45,6 +45,11 @@ def test_a_trace_the_screen_cannot_record_is_refused(tiny):
         freeze(raw(tiny, trace=True, recording=False))
     with pytest.raises(ProtocolError, match="trace"):
         freeze(raw(tiny, trace="yes"))
+    # 4 x 20,000 + 4 warmups: a plan an untraced screen may hold, but 4 members an episode would
+    # pass the archive's member bound.
+    freeze(raw(tiny, repetitions=20_000))
+    with pytest.raises(ProtocolError, match="at most 75000"):
+        freeze(raw(tiny, trace=True, repetitions=20_000))
 
 
 @pytest.fixture(scope="module")

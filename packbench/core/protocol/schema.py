@@ -81,6 +81,7 @@ MIB = 1 << 20
 MAX_TOKENS = 1 << 16  # prefix_tokens
 MAX_CONTINUATION = 8192  # continuation_tokens: calls per episode (ledger and logits rows)
 MAX_EPISODES = 100_000  # planned episodes, warmups included
+MAX_TRACED_EPISODES = (3 * MAX_EPISODES) // 4  # record, logits, memory trace and active sets: within the archive's members
 MAX_CONDITIONS = 16
 MAX_PROMPTS = 100_000
 MAX_PROMPT_TOKENS = 1 << 21  # prompts x prefix_tokens: the token ids plan.json holds (<= ~13 MB of JSON)
@@ -557,6 +558,9 @@ def _cross_checks(full: dict) -> None:
     if episodes > MAX_EPISODES:
         fail("repetitions", f"the plan would hold {episodes} episodes, more than {MAX_EPISODES}; "
                             f"split the screen into shorter protocols")
+    if full.get("trace") and episodes > MAX_TRACED_EPISODES:
+        fail("trace", f"the plan would hold {episodes} episodes; a traced screen archives 4 members an episode and "
+                      f"an archive holds at most 3 x {MAX_EPISODES} + 5, so at most {MAX_TRACED_EPISODES}: split the screen")
     prompts_n = prompt_total(full["prompts"])
     if prompts_n > MAX_PROMPTS or prompts_n * full["prefix_tokens"] > MAX_PROMPT_TOKENS:
         fail("prompts", f"{prompts_n} prompts of {full['prefix_tokens']} tokens: more than {MAX_PROMPTS} prompts "
