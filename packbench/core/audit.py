@@ -69,6 +69,9 @@ from packbench.core.record import AUDITED
 from packbench.core.registry import INT8_SCALE_BYTES, SHAPES, weights_of
 from packbench.core.text import one_line
 
+# An archived trace of active sets (docs/traces.md) is read with each of its members at most this
+# (16 MiB compressed in the archive may inflate; the trace format's own bounds are for files).
+ACTIVE_SETS_CAP = 64 << 20
 LOGITS_DTYPE, TRACE_DTYPE = "<f4", "<f8"  # docs/archive.md: little-endian float32 logits, float64 traces
 START_BYTES = ("param_bytes", "device_param_bytes", "host_outgoing_bytes")
 
@@ -330,7 +333,7 @@ class _Audit:
             return
         try:
             with zipfile.ZipFile(io.BytesIO(reader.read_bytes(name))) as zf:
-                t = parse_trace(zf)
+                t = parse_trace(zf, cap=ACTIVE_SETS_CAP)
         except (ArchiveError, TraceError, zipfile.BadZipFile, zlib.error, EOFError, RuntimeError, OSError) as e:
             self.add(f"{name} is not a readable trace: {one_line(str(e))[:200]}")
             return

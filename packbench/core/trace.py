@@ -38,12 +38,13 @@ MEMBERS = (HEADER_NAME, OFFSETS_NAME, INDICES_NAME)
 UNITS = ("row", "expert")
 PHASES = ("prefill", "decode")
 
-# Bounds a reader holds to (docs/traces.md, "Bounds"): an OPT-175B episode of 513 calls with
-# every neuron of every layer active is 96 x 49152 x 513 ids (9.7 GB): no trace needs that; a
-# decode call's set is a few percent of it.
+# Bounds a reader holds to (docs/traces.md, "Bounds"), so that reading costs at most a few GiB of
+# memory whatever a file claims: OPT-175B (96 layers x 49,152 rows) decoding at 3 % density is
+# ~140,000 ids a call, so 2^28 ids hold ~1,900 of its decode calls; 2^22 sets, 43,000 calls of it.
 MAX_FILE_BYTES = 2 * 2**30
 MAX_HEADER_BYTES = 64 * 2**20
-MAX_INDICES = 2**30  # 4 GiB of uint32 ids
+MAX_INDICES = 2**28  # 1 GiB of uint32 ids
+MAX_SETS = 2**22  # calls x layers: one array object each once read
 MAX_CALLS = 1_000_000
 MAX_LAYERS = 4096
 MAX_UNITS = 2**31 - 1
@@ -163,14 +164,17 @@ def _read_npy(data: bytes, name: str, dtype: str) -> np.ndarray:
     return arr
 
 
-def parse_trace(zf: zipfile.ZipFile) -> Trace:
-    """A Trace from an open zip, every field and id checked (raises TraceError)."""
+def parse_trace(zf: zipfile.ZipFile, *, cap: int | None = None) -> Trace:
+    """A Trace from an open zip, every field and id checked (raises TraceError). `cap` lowers
+    every member's bound (the auditor reads an archived trace under its own budget)."""
     infos = {i.filename: i for i in zf.infolist()}
     missing = [n for n in MEMBERS if n not in infos]
     if missing:
         raise TraceError(f"the trace has no {missing[0]}; a trace file holds {', '.join(MEMBERS)} (docs/traces.md)")
-    limits = {HEADER_NAME: MAX_HEADER_BYTES, OFFSETS_NAME: 8 * (MAX_CALLS * MAX_LAYERS + 1) + 256,
+    limits = {HEADER_NAME: MAX_HEADER_BYTES, OFFSETS_NAME: 8 * (MAX_SETS + 1) + 256,
               INDICES_NAME: 4 * MAX_INDICES + 256}
+    if cap is not None:
+        limits = {name: min(limit, cap) for name, limit in limits.items()}
     raw = {}
     for name in MEMBERS:
         info = infos[name]
@@ -193,6 +197,9 @@ def parse_trace(zf: zipfile.ZipFile) -> Trace:
                          f"upgrade packbench or rewrite the trace in version {VERSION}")
     model = _check_model(header.get("model"))
     calls = _check_calls(header.get("calls"))
+    if len(calls) * model.layers > MAX_SETS:
+        raise TraceError(f"{len(calls)} calls x {model.layers} layers is more than {MAX_SETS} sets; "
+                         f"split the trace into several files")
     source = header.get("source", {})
     if not isinstance(source, dict):
         raise TraceError("header.json's source must be an object")

@@ -289,3 +289,19 @@ def test_the_docs_example_writes_a_trace_packbench_reads(tmp_path):
     assert len(t.calls) == 18 and t.model.shape == "mixtral-8x7b"
     decode = sim.totals(sim.ledger(t, "packet", {"gather": "device"}))["decode"]
     assert decode["rows_copied"] == 16 * 4 * 2 and decode["h2d_weight_bytes"] == 128 * 352_321_536
+
+
+def test_the_estimate_prices_an_index_as_the_ledger_does():
+    from packbench.core import charges
+    from packbench.core import moe
+    from packbench.core.conditions import base
+
+    # Catches an estimator (core/conditions, core/moe.py) whose index size drifted from the ledger's.
+    assert base.INDEX_BYTES == moe.INDEX_BYTES == charges.INDEX_BYTES == 8
+
+
+def test_too_many_sets_are_refused_before_the_sets_are_made(tmp_path, monkeypatch):
+    data = trace_bytes(opt_trace([[[0], [1]]] * 3))
+    monkeypatch.setattr(tr, "MAX_SETS", 5)
+    # 3 calls x 2 layers = 6 sets: catches a reader that builds one array per set of any count.
+    _refused(tmp_path, data, "more than 5 sets")
