@@ -15,7 +15,8 @@ CONTINUATION = 5
 OPT_RUNS = [("resident", {}), ("dense-stream", {}), ("packet", {}), ("packet", {"gather": "device"}),
             ("phase-switched", {}), ("phase-switched", {"gather": "device"}), ("sparse-extents", {"block_rows": 4}),
             ("row-retention", {"rows_per_layer": 16}), ("early-forecast", {}), ("early-forecast", {"gather": "device"}),
-            ("packet", {"weights": "int8"}), ("dense-stream", {"weights": "int8"})]
+            ("packet", {"weights": "int8"}), ("packet", {"gather": "device", "weights": "int8"}),
+            ("dense-stream", {"weights": "int8"})]
 MOE_RUNS = [("resident", {}), ("dense-stream", {}), ("packet", {}), ("packet", {"gather": "device"}),
             ("phase-switched", {}), ("phase-switched", {"gather": "device"})]
 
