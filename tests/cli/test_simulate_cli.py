@@ -88,3 +88,29 @@ def test_bad_input_is_one_line(opt_trace, packbench_cli, tmp_path):
     one_line(packbench_cli("simulate", str(tmp_path / "absent.trace")), "TRACE", "cannot read it")
     # An existing --trace is never overwritten.
     one_line(packbench_cli("model", "stats", str(tmp_path), "--trace", str(opt_trace)), "exists")
+
+
+def test_hostile_trace_files_are_one_line_exit_2(opt_trace, packbench_cli, tmp_path):
+    import io
+    import zipfile
+
+    data = opt_trace.read_bytes()
+    with zipfile.ZipFile(io.BytesIO(data)) as zf:
+        members = {n: zf.read(n) for n in zf.namelist()}
+
+    def rezip(**changes) -> bytes:
+        header = json.loads(members["header.json"])
+        header.update({k: v for k, v in changes.items() if k != "model"})
+        header["model"].update(changes.get("model", {}))
+        buf = io.BytesIO()
+        with zipfile.ZipFile(buf, "w") as zf:
+            for n, v in {**members, "header.json": json.dumps(header).encode()}.items():
+                zf.writestr(n, v)
+        return buf.getvalue()
+
+    # Each: the command names the file's problem on one line and exits 2, never a traceback.
+    for body, words in ((data[: len(data) // 3], "truncated"), (rezip(version=9), "version 9"),
+                        (rezip(model={"units": 4}), "out of range")):
+        bad = tmp_path / "bad.trace"
+        bad.write_bytes(body)
+        one_line(packbench_cli("simulate", str(bad)), "TRACE", words)
