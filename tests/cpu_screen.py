@@ -30,7 +30,7 @@ def archive_screen(frozen, model_dir: Path, path: Path) -> tuple[dict, list[dict
         record = worker.run(entry, ids[entry["prompt"]])
         logits, trace = record.pop("logits"), record.pop("trace", None)
         record.pop("forced_logits", None)
-        writer.add_episode(record, logits, trace)
+        writer.add_episode(record, logits, trace, active=record.pop("active_sets", None))
         episodes.append({**record, "logits": logits})
     verdicts = compute_verdicts(body, episodes, start=start)
     writer.add_json(VERDICTS_NAME, verdicts)

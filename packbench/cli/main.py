@@ -12,7 +12,8 @@ from typing import Annotated, Optional
 import typer
 from typer.core import TyperGroup
 
-from packbench.cli import audit_cmd, history, ingest, keys, labels, model_moe, model_stats, protocol_cmd, query, report
+from packbench.cli import (audit_cmd, history, ingest, keys, labels, model_moe, model_stats, protocol_cmd, query, report,
+                           simulate_cmd)
 from packbench.cli.common import (DB_HELP, DB_INT_MAX, DB_INT_MIN, Address, ArchiveDir, DbUrl, Json,
                                   db_not_empty, echo_json, open_store, seconds, output_dir, settings_of)
 from packbench.cli.summary import screen_summary, verdict_table
@@ -455,6 +456,7 @@ keys.register(app)
 ingest.register(app)
 audit_cmd.register(app)
 history.register(app)
+simulate_cmd.register(app)
 model_stats.register(model_app)
 
 

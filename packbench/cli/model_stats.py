@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -48,6 +49,10 @@ def stats(
                              "model's own sampled text (or the --prompts text), beside real OPT's figures.")] = False,
     sampled: Annotated[int, typer.Option(help="With --robustness and generated prompts: tokens sampled (temperature 1) "
                                               "after each prompt and scored.")] = 128,
+    trace: Annotated[Optional[Path], typer.Option(
+        help="Also write a trace file here (docs/traces.md): per call and layer the active neurons (OPT) or routed "
+             "experts (MoE) of each prompt's episode (prefill + continuation - 1 decode calls), run by the "
+             "CPU-first engine; `packbench simulate` replays every policy on it.")] = None,
 ) -> None:
     """Per-layer density, union growth, consecutive overlap, hot neurons and next-token entropy of an OPT checkpoint;
     for an MoE checkpoint, per layer its load, k-apart reuse, union growth, cross-layer predictability and LRU
@@ -65,6 +70,13 @@ def stats(
         raise PackbenchError(f"--device {device!r}: use cpu, cuda or cuda:N")
     from packbench.cli.model_moe import is_moe_dir
 
+    if trace is not None:
+        if robustness:
+            raise PackbenchError("--trace records the active sets of episodes; drop --robustness or --trace")
+        if os.path.lexists(trace):  # a trace is never overwritten (nor a FIFO or device opened)
+            raise PackbenchError(f"--trace {trace} exists; give a new file path")
+        if not trace.parent.is_dir():
+            raise PackbenchError(f"--trace {trace}: its directory does not exist; give a path in an existing directory")
     if is_moe_dir(model_dir):  # routing statistics: the prefill's per-token routes are the trace
         if robustness:
             raise PackbenchError("--robustness measures OPT checkpoints (real OPT's figures are its targets); "
@@ -74,9 +86,11 @@ def stats(
         vocab = int(_json.loads((model_dir / "config.json").read_text())["vocab_size"])
         from packbench.cli.model_moe import stats as moe_stats
 
-        moe_stats(model_dir, _prompts(model_dir, prompts, count=count, seed=seed, prefix=prefix or DEFAULT_PREFIX,
-                                      vocab=vocab),
-                  dtype=dtype, json_out=json_out, device=device, figure=figure)
+        ids = _prompts(model_dir, prompts, count=count, seed=seed, prefix=prefix or DEFAULT_PREFIX, vocab=vocab)
+        moe_stats(model_dir, ids, dtype=dtype, json_out=json_out, device=device, figure=figure)
+        if trace is not None:
+            _write_trace(trace, model_dir, ids, continuation=continuation, dtype=dtype, device=device,
+                         prompts="file" if prompts else f"generator seed {seed}")
         return
     if figure is not None:
         raise PackbenchError("--figure draws an MoE checkpoint's routing; drop it for an OPT checkpoint")
@@ -114,8 +128,29 @@ def stats(
     summary["real_opt"] = compare(summary, shape=shape) if shape else []
     if json_out:
         typer.echo(json.dumps(_finite(summary), sort_keys=True))
-        return
-    typer.echo(render(summary))
+    else:
+        typer.echo(render(summary))
+    if trace is not None:
+        _write_trace(trace, model_dir, ids, continuation=continuation, dtype=dtype, device=device,
+                     prompts="file" if prompts else f"generator seed {seed}")
+
+
+def _write_trace(out: Path, model_dir: Path, ids: list[list[int]], *, continuation: int, dtype: str, device: str,
+                 prompts: str) -> None:
+    """`model stats --trace OUT`: the prompts' episodes through the CPU-first engine, traced."""
+    from packbench.core.trace import TraceError, write_trace
+    from packbench.engine.dtypes import dtype_of
+    from packbench.engine.tracing import record_trace
+
+    t = record_trace(model_dir, ids, continuation=continuation, dtype=dtype_of(dtype), device=device,
+                     source={"tool": "packbench model stats --trace", "prompts": prompts, "episode": None,
+                             "protocol": None},
+                     progress=lambda done, total: typer.echo(f"traced prompt {done}/{total}", err=True))
+    try:
+        write_trace(t, out)
+    except TraceError as e:
+        raise PackbenchError(f"--trace: {e}") from None
+    typer.echo(f"wrote the trace of {len(ids)} episodes ({len(t.calls)} calls) to {out}", err=True)
 
 
 def _prefix(prefix: int | None, *, continuation: int, positions, flag: str = "--continuation") -> int:

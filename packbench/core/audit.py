@@ -23,7 +23,10 @@ of the same archive against the same database rows, on any machine.
 
 from __future__ import annotations
 
+import io
 import re
+import zipfile
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -66,7 +69,11 @@ from packbench.core.protocol import Protocol, expand
 from packbench.core.protocol.schema import MAX_BATCH, MAX_CONTINUATION
 from packbench.core.record import AUDITED
 from packbench.core.registry import INT8_SCALE_BYTES, SHAPES, weights_of
+from packbench.core.text import one_line
 
+# An archived trace of active sets (docs/traces.md) is read with each of its members at most this
+# (16 MiB compressed in the archive may inflate; the trace format's own bounds are for files).
+ACTIVE_SETS_CAP = 64 << 20
 LOGITS_DTYPE, TRACE_DTYPE = "<f4", "<f8"  # docs/archive.md: little-endian float32 logits, float64 traces
 START_BYTES = ("param_bytes", "device_param_bytes", "host_outgoing_bytes")
 
@@ -318,6 +325,36 @@ class _Audit:
     def add(self, message: str) -> None:
         self.problems.append(self.scrub(message))
 
+    def check_active_sets(self, reader: ArchiveReader, name: str, rec: dict) -> None:
+        """A traced protocol's episode: its trace file (docs/traces.md) is there, reads under the
+        trace format's bounds, and has the record's calls (phase and tokens) and, where the ledger
+        observed activity, as many active units per layer as the ledger counted."""
+        from packbench.core.trace import TraceError, parse_trace
+
+        if name not in self.readable:
+            if self.complete or name in self.names:
+                self.add(f"{name}: the protocol says trace: true, the episode's trace is missing or unreadable")
+            return
+        try:
+            with zipfile.ZipFile(io.BytesIO(reader.read_bytes(name))) as zf:
+                t = parse_trace(zf, cap=ACTIVE_SETS_CAP)
+        except (ArchiveError, TraceError, zipfile.BadZipFile, zlib.error, EOFError, RuntimeError, OSError) as e:
+            self.add(f"{name} is not a readable trace: {one_line(str(e))[:200]}")
+            return
+        calls = rec.get("calls")
+        if not isinstance(calls, list) or len(calls) != len(t.calls):
+            self.add(f"{name} holds {len(t.calls)} calls, the record {len(calls) if isinstance(calls, list) else 'none'}")
+            return
+        for c, (call, traced) in enumerate(zip(calls, t.calls)):
+            if not isinstance(call, dict) or call.get("phase") != traced.phase or call.get("tokens") != traced.tokens:
+                self.add(f"{name}: call {c}'s phase or tokens differ from the record's")
+                return
+            active = call.get("active_rows")
+            sizes = [s.size for s in t.sets[c]]
+            if isinstance(active, list) and any(a is not None and a != n for a, n in zip(active, sizes)):
+                self.add(f"{name}: call {c}'s active sets differ in size from the ledger's active_rows")
+                return
+
     def read(self, reader: ArchiveReader, name: str, kind: str, **checks: Any) -> Any:
         try:
             return reader.read_array(name, **checks) if kind == "array" else reader.read_json(name)
@@ -426,6 +463,8 @@ class _Audit:
             self.check_sampled(name, trace_name, rec, self.names)
         if ok and trace_name in self.readable:
             self.check_trace(trace_name, self.read(reader, trace_name, "array", dtype=TRACE_DTYPE, ndim=2), rec)
+        if ok and proto.traced and rec.get("tier") == "exact":
+            self.check_active_sets(reader, members.active, rec)
         if ok:
             self.check_memory(name, rec, start)
             for p in _episode_problems(name, rec, logits, proto, row_bytes):
@@ -480,6 +519,8 @@ class _Audit:
         for e in entries:
             m = episode_members(e["index"])
             allowed |= {m.record, m.logits, m.trace}
+            if proto.traced and proto.tier(e["condition"]) == "exact":
+                allowed.add(m.active)  # a competitor runs a model of its own: no trace
             if proto.tier(e["condition"]) == "approximate":
                 allowed.add(m.forced)
         strays = [n for n in reader.names if n not in allowed]

@@ -43,7 +43,7 @@ ROUTING_OF = {"mixtral-8x7b": "mixtral", "mixtral-tiny": "mixtral", "qwen3-30b-a
               "olmoe-1b-7b": "olmoe", "qwen3-moe-tiny": "olmoe", "olmoe-tiny": "olmoe"}
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
-INDEX_BYTES = 8  # engine/moe/policies.py INDEX_DTYPE is int64
+INDEX_BYTES = 8  # engine/moe/policies.py INDEX_DTYPE is int64: core/charges.py INDEX_BYTES, the ledger's rule
 
 
 def is_moe_shape(shape: str) -> bool:

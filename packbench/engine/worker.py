@@ -23,6 +23,7 @@ from packbench.core.errors import CheckpointError
 from packbench.core.metrics import episode_totals
 from packbench.core.provenance import checkpoint_digest
 from packbench.core.registry import mode_refusal, tier_of
+from packbench.core.trace import trace_bytes
 from packbench.core.protocol import Protocol, expand
 from packbench.engine.conditions import RUNTIMES
 from packbench.engine.conditions.base import CompetitorRuntime
@@ -162,6 +163,7 @@ class Worker:
         self.previous: dict | None = None  # the last episode this worker ran: each record names it
         self.conditions: dict[str, tuple[str, dict]] = {}
         self.separate_passes = False  # the loaded protocol's `passes: separate` (engine/passes.py)
+        self.traced, self.protocol_sha = False, None  # the loaded protocol's `trace: true`, its hash
         uuid = device_uuid(self.device.index) if self.device.type == "cuda" else None
         self.gpu_uuid = uuid  # which physical GPU: two workers on one GPU would share it
         # One worker per physical GPU on this host, even across clusters (engine/gpu_lock.py).
@@ -254,6 +256,8 @@ class Worker:
                                   f"a new protocol")
         self.model.recorder.enabled = protocol.recording
         self.separate_passes = protocol.separate_passes  # a timing pass, then a recording pass (engine/passes.py)
+        self.traced = protocol.traced  # each episode's trace of active sets archived (docs/traces.md)
+        self.protocol_sha = protocol.sha256
         self.conditions = {c.name: (c.policy, dict(c.params)) for c in protocol.conditions}
         self.reference, self.reference_runs = protocol.reference, {}
         self.path, self.dtype, self.capacity = path, dtype_of(protocol.dtype), protocol.prefix_tokens + protocol.continuation_tokens
@@ -404,7 +408,14 @@ class Worker:
         forced, forced_from, forced_s = None, None, None
         try:
             model, mode, built = RUNTIMES[policy].enter(self, policy, params)
-            out, sampled, passes = self._measure(model, prompt, mode, policy=policy, params=params)
+            tracer = self._tracer(entry) if model is self.model else None
+            try:
+                out, sampled, passes = self._measure(model, prompt, mode, policy=policy, params=params)
+            finally:
+                if tracer is not None:
+                    tracer.close()
+            if tracer is not None:
+                record["active_sets"] = trace_bytes(tracer.trace())
             if built is not None and out.decode_graph is None:  # a competitor in mode eager: say why
                 why = mode_refusal(policy, params, "graph")
                 out.decode_graph = f"eager: {why or 'the mode its condition froze'}"
@@ -440,6 +451,17 @@ class Worker:
                 **({RUNTIMES[policy].record_key: built} if RUNTIMES[policy].record_key is not None else {}),
                 **({"forced_from": forced_from, "forced_s": forced_s} if tier == "approximate" else {}),
                 "forced_logits": forced}
+
+    def _tracer(self, entry: dict):
+        """A Tracer on the model for this episode when the protocol says `trace: true`, else None.
+        Its readbacks are not charged to the ledger; they run inside the timed calls."""
+        if not self.traced:
+            return None
+        from packbench.engine.tracing import Tracer
+
+        return Tracer(self.model, source={"checkpoint": str(self.path), "protocol": self.protocol_sha,
+                                          "episode": entry["index"], "condition": entry["condition"],
+                                          "tool": "packbench worker"})
 
     def _measure(self, model, prompt: list[int] | list[list[int]], mode: str, *, policy: str,
                  params: dict) -> tuple[EpisodeOutput, dict, dict | None]:

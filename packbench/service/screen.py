@@ -101,9 +101,10 @@ class ScreenRun:
         this bookkeeping, so that the caller learns the database is down."""
         logits, trace = record.pop("logits"), record.pop("trace")
         forced = record.pop("forced_logits", None)
+        active = record.pop("active_sets", None)  # a traced protocol's trace file (docs/traces.md)
         if record.get("tier") == "approximate":
             record["fidelity"] = self.fidelity_of({**record, "forced_logits": forced})
-        self.writer.add_episode(record, logits, trace, forced)
+        self.writer.add_episode(record, logits, trace, forced, active=active)
         failure: DatabaseUnavailable | None = None
         if persist:
             try:

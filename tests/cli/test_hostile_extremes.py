@@ -494,6 +494,8 @@ FILE_ARGS = {  # (command, parameter) -> the command line with F where the hosti
     (("model", "digest"), "model_dir"): ["model", "digest", "F"],
     (("model", "stats"), "model_dir"): ["model", "stats", "F"],
     (("model", "stats"), "--prompts"): ["model", "stats", "TINY", "--prompts", "F"],
+    (("model", "stats"), "--trace"): ["model", "stats", "TINY", "--trace", "F"],
+    (("simulate",), "trace"): ["simulate", "F"],
     (("protocol", "validate"), "protocol"): ["protocol", "validate", "F"],
     (("protocol", "show"), "protocol"): ["protocol", "show", "F"],
     (("protocol", "plan"), "protocol"): ["protocol", "plan", "F"],

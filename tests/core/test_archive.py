@@ -230,7 +230,8 @@ def test_the_layout_is_owned_here():
     assert logits_member(7) == "logits/00007.npy"
     assert trace_member(12345) == "traces/12345.npy"
     assert episode_members(3) == EpisodeMembers(3, "episodes/00003.json", "logits/00003.npy", "traces/00003.npy",
-                                                "forced/00003.npy")  # teacher-forced logits: approximate episodes only
+                                                "forced/00003.npy",  # teacher-forced logits: approximate episodes only
+                                                "active/00003.trace")  # active sets: a protocol's trace: true
 
 
 def test_add_episode_writes_its_members_in_order_and_skips_none(tmp_path: Path):

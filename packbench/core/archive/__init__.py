@@ -25,6 +25,7 @@ from packbench.core.archive.layout import (
     WORKER_NAME,
     WORKER_PARTS,
     EpisodeMembers,
+    active_sets_member,
     episode_index,
     episode_member,
     episode_members,
@@ -56,7 +57,7 @@ from packbench.core.archive.zipformat import stock_deflate
 
 __all__ = [
     "FIXED_MEMBERS", "FORMAT_VERSION", "MANIFEST_NAME", "PLAN_NAME", "PROTOCOL_NAME", "VERDICTS_NAME", "WORKER_NAME",
-    "WORKER_PARTS", "EpisodeMembers", "episode_index", "episode_member", "episode_members", "expected_method",
+    "WORKER_PARTS", "EpisodeMembers", "active_sets_member", "episode_index", "episode_member", "episode_members", "expected_method",
     "forced_member", "logits_member", "name_problem", "plan_entries", "plan_json", "plan_prompts", "trace_member",
     "worker_json", "worker_parts", "PROBLEM_KINDS", "Problem", "MAX_ARCHIVE_BYTES", "MAX_ARRAY_BYTES",
     "MAX_DIRECTORY_BYTES", "MAX_JSON_BYTES", "MAX_JSON_TOTAL_BYTES", "MAX_MEMBERS", "MAX_TOTAL_BYTES",

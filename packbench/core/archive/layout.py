@@ -52,6 +52,12 @@ def trace_member(index: int) -> str:
     return f"traces/{index:05d}.npy"
 
 
+def active_sets_member(index: int) -> str:
+    """The trace file of active sets of episode ``index`` (docs/traces.md; a protocol's
+    ``trace: true``): a zip of its own, kept as it is."""
+    return f"active/{index:05d}.trace"
+
+
 @dataclass(frozen=True)
 class EpisodeMembers:
     """The member names of one episode; whether each is present is the archive's business."""
@@ -61,11 +67,12 @@ class EpisodeMembers:
     logits: str
     trace: str
     forced: str
+    active: str = ""  # the trace of active sets (active_sets_member)
 
 
 def episode_members(index: int) -> EpisodeMembers:
     return EpisodeMembers(index, episode_member(index), logits_member(index), trace_member(index),
-                          forced_member(index))
+                          forced_member(index), active_sets_member(index))
 
 
 def episode_index(name: str) -> int | None:
@@ -108,9 +115,10 @@ def name_problem(name: Any) -> str | None:
 
 
 def expected_method(name: str) -> int | None:
-    """The compression the writer uses for a member: ``.npy`` arrays STORED (never a bomb),
-    ``.json`` DEFLATED; None (either) for other names (add_bytes / add_array of other names)."""
-    if name.endswith(".npy"):
+    """The compression the writer uses for a member: ``.npy`` arrays and ``.trace`` files (zips
+    deflated inside) STORED (never a bomb), ``.json`` DEFLATED; None (either) for other names
+    (add_bytes / add_array of other names)."""
+    if name.endswith((".npy", ".trace")):
         return zipfile.ZIP_STORED
     if name.endswith(".json"):
         return zipfile.ZIP_DEFLATED

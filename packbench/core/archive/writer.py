@@ -166,10 +166,11 @@ class ArchiveWriter:
         self._write(name, bytes(data), zipfile.ZIP_DEFLATED if method is None else method)
 
     def add_episode(self, record: dict, logits: np.ndarray | None = None,
-                    trace: np.ndarray | None = None, forced: np.ndarray | None = None) -> EpisodeMembers:
+                    trace: np.ndarray | None = None, forced: np.ndarray | None = None, *,
+                    active: bytes | None = None) -> EpisodeMembers:
         """Write one finished episode: its record (``episodes/NNNNN.json``, NNNNN being
-        ``record["plan_index"]``), then its logits, memory trace and teacher-forced logits when
-        given (None skips).
+        ``record["plan_index"]``), then its logits, memory trace, teacher-forced logits and trace
+        file of active sets (``active``: core/trace.py's bytes) when given (None skips).
 
         Everything is checked before the first byte is written, so a refused episode leaves no
         member behind; each member is on disk (fsynced) when this returns.
@@ -186,6 +187,11 @@ class ArchiveWriter:
         for name, arr in ((names.logits, logits), (names.trace, trace), (names.forced, forced)):
             if arr is not None:
                 parts.append((name, self._array_bytes(name, arr), zipfile.ZIP_STORED))
+        if active is not None:  # a zip of its own, deflated inside: stored as it is
+            if not isinstance(active, bytes):
+                raise ArchiveError(f"member {names.active} must be the bytes of a trace file, got "
+                                   f"{type(active).__name__}")
+            parts.append((names.active, active, zipfile.ZIP_STORED))
         for name, _, _ in parts:
             self._check_name(name)
         # One fsync for the episode, after its last member: a crash before it leaves a valid zip

@@ -71,7 +71,7 @@ MODE_PARAM = ChoiceParam(choices=COMPETITOR_MODES, default="eager")
 TIERS = ("exact", "approximate")
 # How a kind's byte estimate bounds what it will move (printed beside its numbers by `protocol plan`).
 BOUNDS = ("about", "at most", "at least")
-INDEX_BYTES = 8  # engine/policies/base.py INDEX_DTYPE is int64
+INDEX_BYTES = 8  # every index travels as int64: core/charges.py INDEX_BYTES, the ledger's rule (kept numpy-free here)
 
 
 @dataclass(frozen=True)

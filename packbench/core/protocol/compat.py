@@ -21,7 +21,7 @@ def schema1_form(full: dict) -> dict | None:
         and full["repetitions"] == 1 and full["order"] == "alternating" and full["baseline_first"]
         and full["recording"]
         and "placement" not in full and "engine" not in full and "batch" not in full
-        and "passes" not in full
+        and "passes" not in full and "trace" not in full
         and set(gates) <= {"faithfulness", "acquisition"}
         and len(acq) == 1 and acq[0]["phase"] == "all"
     )

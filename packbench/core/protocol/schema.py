@@ -82,6 +82,7 @@ MIB = 1 << 20
 MAX_TOKENS = 1 << 16  # prefix_tokens
 MAX_CONTINUATION = 8192  # continuation_tokens: calls per episode (ledger and logits rows)
 MAX_EPISODES = 100_000  # planned episodes, warmups included
+MAX_TRACED_EPISODES = (3 * MAX_EPISODES) // 4  # record, logits, memory trace and active sets: within the archive's members
 MAX_CONDITIONS = 16
 MAX_PROMPTS = 100_000
 MAX_PROMPT_TOKENS = 1 << 21  # prompts x prefix_tokens: the token ids plan.json holds (<= ~13 MB of JSON)
@@ -464,7 +465,7 @@ def _full(raw: Any, *, base_dir: Path | None) -> dict:
         "continuation_tokens": True, "conditions": True, "reference": True, "warmups": False,
         "repetitions": False, "order": False, "baseline_first": False, "allowance_mib": True,
         "recording": False, "gates": True, "placement": False, "engine": False, "batch": False,
-        "passes": False,
+        "passes": False, "trace": False,
     })
     declared = p.get("schema", SCHEMA_VERSION)
     if isinstance(declared, bool) or declared not in SCHEMAS:
@@ -511,6 +512,15 @@ def _full(raw: Any, *, base_dir: Path | None) -> dict:
     engine = _engine(p.get("engine"))
     if engine:  # eager (or absent): left out, so every protocol frozen before modes keeps its hash
         full["engine"] = engine
+    if bool_field(p.get("trace", False), "trace"):
+        # Every episode archives its trace of active sets (docs/traces.md). false (or absent) is
+        # left out: every body frozen before keeps its hash, and no schema is needed to say it.
+        if not bool_field(p.get("recording", True), "recording"):
+            fail("trace", "needs recording: true (a trace is recorded with the ledger); drop recording: false or trace")
+        if engine:
+            fail("trace", f"needs engine mode eager (a captured {engine['mode']} step runs no hooks to read the "
+                          f"active sets); drop engine.mode or trace")
+        full["trace"] = True
     placement = _placement(p.get("placement"))
     if placement:  # absent or empty: left out, so protocols written before it keep their hash
         full["placement"] = placement
@@ -549,6 +559,9 @@ def _cross_checks(full: dict) -> None:
     if episodes > MAX_EPISODES:
         fail("repetitions", f"the plan would hold {episodes} episodes, more than {MAX_EPISODES}; "
                             f"split the screen into shorter protocols")
+    if full.get("trace") and episodes > MAX_TRACED_EPISODES:
+        fail("trace", f"the plan would hold {episodes} episodes; a traced screen archives 4 members an episode and "
+                      f"an archive holds at most 3 x {MAX_EPISODES} + 5, so at most {MAX_TRACED_EPISODES}: split the screen")
     prompts_n = prompt_total(full["prompts"])
     if prompts_n > MAX_PROMPTS or prompts_n * full["prefix_tokens"] > MAX_PROMPT_TOKENS:
         fail("prompts", f"{prompts_n} prompts of {full['prefix_tokens']} tokens: more than {MAX_PROMPTS} prompts "

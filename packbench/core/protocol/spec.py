@@ -193,6 +193,11 @@ class Protocol:
         raise KeyError(f"no condition {name!r} in protocol {self.name!r}")
 
     @property
+    def traced(self) -> bool:
+        """Each episode archives its trace of active sets (`trace: true`, docs/traces.md)."""
+        return bool(self.full.get("trace", False))
+
+    @property
     def separate_passes(self) -> bool:
         """Each episode runs twice: timed with recording off, then recorded (core/passes.py)."""
         return self.passes == "separate"

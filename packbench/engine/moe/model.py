@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from packbench.core import charges
 from packbench.core.expert_cache import episode_figures
 from packbench.core.moe import FAMILIES
 from packbench.engine.ledger import Recorder
@@ -145,7 +146,7 @@ class CpuFirstMoE:
                 # (tokens, k) expert ids -> which experts this call routed to: E bytes read back.
                 hit = torch.bincount(top_k_index.reshape(-1), minlength=self.host.experts) > 0
                 routed = hit.nonzero().reshape(-1).cpu().tolist()
-                self.recorder.add(layer, active=len(routed), d2h_bytes=self.host.experts)
+                self.recorder.add(layer, **charges.activity_readback(len(routed), self.host.experts))
                 if self.recorder.current is not None:
                     self._call_routes()[layer] = tuple(routed)
             module.gate_up_proj, module.down_proj = policy.experts(layer, routed)

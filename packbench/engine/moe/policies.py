@@ -29,11 +29,12 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
+from packbench.core import charges
 from packbench.engine.ledger import Recorder
 from packbench.engine.moe.host import ExpertHost
 
 INDEX_DTYPE = torch.int64
-INDEX_BYTES = 8
+INDEX_BYTES = charges.INDEX_BYTES
 
 
 @runtime_checkable
@@ -154,7 +155,7 @@ def stream_all(host: ExpertHost, layer: int, ws: Workspace, recorder: Recorder) 
     gu, dn = host.gate_up[layer], host.down[layer]
     ws.gate_up.copy_(gu, non_blocking=host.pin)
     ws.down.copy_(dn, non_blocking=host.pin)
-    recorder.add(layer, rows=gu.shape[0], weight_bytes=_nbytes(gu, dn))
+    recorder.add(layer, **charges.dense_copy(gu.shape[0], host.expert_bytes))
     return ws.gate_up, ws.down
 
 
@@ -198,7 +199,7 @@ class ExpertPacket:
         ws.down.index_copy_(0, d_idx, d_dn)
         # The staging buffer is reused by the next layer: that layer's routing readback, queued
         # on the same stream after this upload, returns only once the upload is done.
-        recorder.add(layer, rows=m, weight_bytes=m * host.expert_bytes, index_bytes=m * INDEX_BYTES)
+        recorder.add(layer, **charges.unit_packet(m, host.expert_bytes))
 
     @property
     def nbytes(self) -> int:
@@ -211,7 +212,7 @@ def send_direct(host: ExpertHost, layer: int, ids: list[int], ws: Workspace, rec
     for e in ids:
         ws.gate_up[e].copy_(gu[e], non_blocking=host.pin)
         ws.down[e].copy_(dn[e], non_blocking=host.pin)
-    recorder.add(layer, rows=len(ids), weight_bytes=len(ids) * host.expert_bytes)
+    recorder.add(layer, **charges.unit_packet(len(ids), host.expert_bytes, index=0))
 
 
 class ExpertPacketPolicy:

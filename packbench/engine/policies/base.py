@@ -17,10 +17,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from packbench.core import charges
 from packbench.engine.ledger import Recorder
 
 INDEX_DTYPE = torch.int64  # index_copy_ wants int64 indices on every backend
-INDEX_BYTES = 8
+INDEX_BYTES = charges.INDEX_BYTES
 
 
 class HostWeights:
@@ -127,7 +128,7 @@ def stream_dense(host: HostWeights, layer: int, workspace: torch.Tensor, recorde
     """Copy layer `layer`'s whole outgoing weight into `workspace`, charged as ffn rows."""
     src = host.original[layer]
     workspace.copy_(src, non_blocking=host.pin)
-    recorder.add(layer, rows=src.shape[1], weight_bytes=nbytes(src))
+    recorder.add(layer, **charges.dense_copy(src.shape[1], host.row_bytes))
     return workspace
 
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from packbench.core import charges
 from packbench.engine.gather import complete_forecast, gather_active_rows
 from packbench.engine.ledger import CallLedger, Recorder
 from packbench.engine.policies.base import HostWeights, nbytes, build_gather_layout, zeroed_workspace
@@ -89,7 +90,7 @@ class DevicePacket:
         counts = self.buffers.counts
         row_bytes = self.row_bytes()
         for layer, k in enumerate(counts.tolist()):
-            self.recorder.add(layer, active=k, rows=k, weight_bytes=k * row_bytes, d2h_bytes=counts.element_size())
+            self.recorder.add(layer, **charges.device_counts(k, row_bytes))
 
     def device_bytes(self) -> int:
         return 0 if self.buffers is None else self.buffers.device_bytes()
@@ -255,11 +256,9 @@ class DeviceForecast:
     def settle(self, call: CallLedger) -> None:
         """The call has ended: read the four counts of every layer at once."""
         active, forecast, missed, wasted = self.buffers.counts.tolist()
-        row_bytes, d2h = self.host.row_bytes, 4 * self.buffers.counts.element_size()
         for layer in range(self.host.layers):
-            rows = forecast[layer] + missed[layer]
-            self.recorder.add(layer, active=active[layer], rows=rows, weight_bytes=rows * row_bytes,
-                              d2h_bytes=d2h, wasted=wasted[layer])
+            self.recorder.add(layer, **charges.device_counts(active[layer], self.host.row_bytes, counters=4,
+                                                             rows=forecast[layer] + missed[layer], wasted=wasted[layer]))
 
     def device_bytes(self) -> int:
         return 0 if self.buffers is None else self.buffers.device_bytes()

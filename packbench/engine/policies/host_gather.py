@@ -12,9 +12,11 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from packbench.core import charges
+from packbench.core.charges import lru_plan  # noqa: F401  (the LRU's decisions live in core; re-exported)
 from packbench.core.registry import check_param, param_default
 from packbench.engine.ledger import Recorder
-from packbench.engine.policies.base import (INDEX_BYTES, INDEX_DTYPE, HostWeights, RowPacket, nbytes, build_gather_layout,
+from packbench.engine.policies.base import (INDEX_DTYPE, HostWeights, RowPacket, nbytes, build_gather_layout,
                                   stream_dense, zeroed_workspace)
 
 
@@ -83,7 +85,7 @@ class HostGather:
             torch.cuda.current_stream(self.device).synchronize()
         wait_s = time.perf_counter() - t0
         active = mask_host.nonzero().squeeze(1)
-        self.recorder.add(layer, active=active.numel(), d2h_bytes=nbytes(mask_host), wait_s=wait_s)
+        self.recorder.add(layer, **charges.activity_readback(active.numel(), mask_host.numel()), wait_s=wait_s)
         return active
 
     def send(self, layer: int, rows: torch.Tensor, index: torch.Tensor) -> None:
@@ -95,7 +97,7 @@ class HostGather:
         packet.upload(size, non_blocking=self.host.pin)
         k, n = rows.numel(), index.numel()
         b.workspace.index_copy_(1, self.expand(packet.index(n)), packet.rows(n, k).t())
-        self.recorder.add(layer, rows=k, weight_bytes=k * self.host.row_bytes, index_bytes=n * INDEX_BYTES)
+        self.recorder.add(layer, **charges.unit_packet(k, self.host.row_bytes, index=n))
 
     def expand(self, index: torch.Tensor) -> torch.Tensor:
         return index  # the index is the row list itself (sparse-extents sends block ids)
@@ -160,7 +162,7 @@ class SparseExtents(HostGather):
 
     def fetch(self, layer: int, h: torch.Tensor) -> torch.Tensor:
         active = self.observe(layer, h)
-        blocks = torch.unique(active // self.block_rows)
+        blocks = torch.from_numpy(charges.extent_blocks(active.numpy(), self.block_rows))
         self.send(layer, self.rows_of(blocks, self.buffers.offsets_host), blocks)
         return self.buffers.workspace
 
@@ -174,32 +176,6 @@ class PhaseSwitched(HostGather):
         if self.recorder.phase == "prefill":
             return stream_dense(self.host, layer, self.buffers.workspace, self.recorder)
         return self.send_active(layer, h)
-
-
-def lru_plan(slot_of: np.ndarray, last_used: np.ndarray, active: np.ndarray, now: int):
-    """One call of an LRU row cache, decided on host arrays (mutated in place).
-
-    slot_of: (ffn,) cache slot of each neuron or -1; last_used: (slots,) last call a slot served;
-    active: sorted neuron ids this call needs. Returns (hit_rows, hit_slots, miss_rows,
-    fill_rows, fill_slots): hits are served from the cache, misses are copied, and the last
-    `slots` misses are then written into the least recently used slots (hits of this call are
-    evicted last, since their rows were already scattered into the workspace).
-    """
-    slots = last_used.shape[0]
-    hit = slot_of[active] >= 0
-    hit_rows, miss_rows = active[hit], active[~hit]
-    hit_slots = slot_of[hit_rows]
-    last_used[hit_slots] = now
-    fill_rows = miss_rows[-slots:] if miss_rows.size > slots else miss_rows
-    fill_slots = np.argsort(last_used, kind="stable")[: fill_rows.size]
-    owner = np.full(slots, -1, dtype=np.int64)
-    owner[slot_of[slot_of >= 0]] = np.nonzero(slot_of >= 0)[0]
-    evicted = owner[fill_slots]
-    slot_of[evicted[evicted >= 0]] = -1
-    slot_of[fill_rows] = fill_slots
-    last_used[fill_slots] = now
-    return hit_rows, hit_slots, miss_rows, fill_rows, fill_slots
-
 
 
 @dataclass
@@ -243,24 +219,21 @@ class RowRetention(HostGather):
             dev_slots = torch.from_numpy(hit_slots).to(self.device, non_blocking=False)
             dev_rows = torch.from_numpy(hit_rows).to(self.device, non_blocking=False)
             b.workspace.index_copy_(1, dev_rows, cache.index_select(0, dev_slots).t())
-            self.recorder.add(layer, index_bytes=2 * hit_rows.size * INDEX_BYTES)
+            self.recorder.add(layer, **charges.retention_hits(hit_rows.size))
         self.send(layer, torch.from_numpy(miss_rows), torch.from_numpy(miss_rows))
         if fill_rows.size:
             # The filled rows are the tail of the packet just sent, already on the device.
             n = miss_rows.size
             sent = b.packet.rows(n, n)[n - fill_rows.size:]
             cache.index_copy_(0, torch.from_numpy(fill_slots).to(self.device), sent)
-            self.recorder.add(layer, index_bytes=fill_slots.size * INDEX_BYTES)
+            self.recorder.add(layer, **charges.retention_fills(fill_slots.size))
         return b.workspace
 
 
 def forecast_split(predicted: torch.Tensor, active: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """(remainder, wasted): the active rows the forecast missed, which must still be sent, and
-    how many forecast rows turned out inactive. Exactness never depends on the forecast: every
-    active row is either forecast or in the remainder."""
-    hit = torch.isin(active, predicted)
-    return active[~hit], predicted.numel() - int(hit.sum())
-
+    """(remainder, wasted) of host int64 tensors: core/charges.py `forecast_split`'s decision."""
+    remainder, wasted = charges.forecast_split(predicted.numpy(), active.numpy())
+    return torch.from_numpy(remainder), wasted
 
 
 @dataclass
@@ -313,7 +286,7 @@ class EarlyForecast(HostGather):
             b.forecast.upload(size, non_blocking=False)
             event = None
         b.pending[layer] = (predicted, event)
-        self.recorder.add(layer, rows=k, weight_bytes=k * self.host.row_bytes, index_bytes=k * INDEX_BYTES)
+        self.recorder.add(layer, **charges.unit_packet(k, self.host.row_bytes))
 
     def fetch(self, layer: int, h: torch.Tensor) -> torch.Tensor:
         b = self.buffers

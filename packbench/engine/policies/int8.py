@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from packbench.core import charges
 from packbench.core.registry import INT8_SCALE_BYTES
 from packbench.engine.gather import gather_active_int8_rows
 from packbench.engine.ledger import Recorder
@@ -112,7 +113,7 @@ class Int8DenseStream(DenseStream):
         src = self.host.int8[layer]
         workspace.copy_(src, non_blocking=self.host.pin)
         ffn = self.host.shape[1]
-        self.recorder.add(layer, rows=ffn, weight_bytes=ffn * int8_row_bytes(self.host))
+        self.recorder.add(layer, **charges.dense_copy(ffn, int8_row_bytes(self.host)))
 
     def fetch(self, layer: int, h: torch.Tensor) -> torch.Tensor:
         slab = super().fetch(layer, h)  # waited for: the copy has landed
@@ -199,7 +200,7 @@ class Int8Packet(HostGather):
         landed = torch.empty((k, hidden), dtype=self.host.dtype, device=b.workspace.device)
         dequantize_into(landed, packet.rows(n, k), packet.scales(n, k)[:, None])
         b.workspace.index_copy_(1, packet.index(n), landed.t())
-        self.recorder.add(layer, rows=k, weight_bytes=k * int8_row_bytes(self.host), index_bytes=n * INDEX_BYTES)
+        self.recorder.add(layer, **charges.unit_packet(k, int8_row_bytes(self.host), index=n))
 
     def fetch(self, layer: int, h: torch.Tensor) -> torch.Tensor:
         return self.send_active(layer, h)

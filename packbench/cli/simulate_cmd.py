@@ -1,0 +1,153 @@
+"""`packbench simulate TRACE`: every policy's ledger replayed on a trace file (core/simulate.py),
+with a predicted decode time on a named machine (bench/machines/NAME.json, or a file)."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from packbench.core.errors import PackbenchError
+
+# Machine files: the checkout's bench/machines/, or the working directory's (an installed wheel).
+MACHINE_DIRS = (Path(__file__).resolve().parents[2] / "bench" / "machines", Path("bench") / "machines")
+MAX_MACHINE_BYTES = 1 << 20
+
+
+def register(app: typer.Typer) -> None:
+    app.command("simulate")(simulate)
+
+
+def simulate(
+    trace: Annotated[Path, typer.Argument(help="A trace file (docs/traces.md): `packbench model stats DIR --trace OUT`, "
+                                                "a screen's archived trace, or one written from a published routing dump.",
+                                           show_default=False)],
+    policy: Annotated[Optional[list[str]], typer.Option(
+        help="A policy to replay, `name` or `name:key=value,...` (packet:gather=device, "
+             "row-retention:rows_per_layer=512, dense-stream:weights=int8); repeat it. Default: every policy "
+             "the trace's model family has.")] = None,
+    machine: Annotated[Optional[str], typer.Option(
+        help="Predict decode time on this machine: a name under bench/machines/ (h200) or a JSON file of its "
+             "measured rates (docs/traces.md, \"Machines\").")] = None,
+    per_call: Annotated[bool, typer.Option("--per-call", help="Also print every call's bytes (JSON: always there).")] = False,
+    json_out: Annotated[bool, typer.Option("--json", metavar="", help="Print every figure as JSON.")] = False,
+) -> None:
+    """Replay every loader policy's ledger (bytes host-to-device, rows or experts moved, readbacks, cache hits,
+    forecast waste) on a trace of active sets, as the engine counts them, with no weights; with --machine, the
+    decode time predicted from that machine's measured rates. A simulation, never a measurement."""
+    from packbench.core import simulate as sim
+    from packbench.core.trace import TraceError, read_trace
+
+    try:
+        t = read_trace(trace)
+    except TraceError as e:
+        raise PackbenchError(f"TRACE: {e}") from None
+    m = t.model
+    specs = policy or default_policies(m)
+    try:
+        parsed = [(text, *sim.parse_policy(text, m.unit)) for text in specs]
+    except sim.SimulateError as e:
+        raise PackbenchError(f"--policy: {e}") from None
+    rates = load_machine(machine) if machine is not None else None
+    rows = []
+    for text, name, params in parsed:
+        try:
+            calls = sim.ledger(t, name, params)
+        except (sim.SimulateError, ValueError) as e:
+            raise PackbenchError(f"--policy {text}: {e}") from None
+        totals = sim.totals(calls)
+        row = {"policy": text, "name": name, "params": params, "totals": totals, "calls": calls}
+        if rates is not None:
+            row["prediction"] = sim.predict(t, name, params, totals, rates)
+        rows.append(row)
+    out = {"trace": str(trace), "model": m.as_dict(), "source": t.source, "calls": len(t.calls),
+           "episodes": len(t.episodes()), "policies": rows,
+           "assumptions": ASSUMPTIONS, "machine": rates}
+    if json_out:
+        typer.echo(json.dumps(out, sort_keys=True))
+        return
+    typer.echo(render(out, per_call=per_call))
+
+
+ASSUMPTIONS = ("a simulation from a trace, not a measurement: bytes are the engine's ledger rules (core/charges.py) "
+               "on the trace's sets, each episode with a fresh policy as a screen runs it; time per decode token = "
+               "the machine's measured resident compute + the decode bytes at its pinned copy rate, serial "
+               "(overlapped, the larger of the two, for OPT dense-stream); index bytes count as copied bytes")
+
+
+def default_policies(model) -> list[str]:
+    from packbench.core.simulate import DEFAULT_POLICIES
+
+    rows = max(1, model.units // 10)  # row-retention: a cache of a tenth of each layer's rows
+    return [p.replace("ROWS", str(rows)) for p in DEFAULT_POLICIES[model.unit]]
+
+
+def load_machine(spec: str) -> dict:
+    """A machine's rates: bench/machines/SPEC.json for a bare name, else the file SPEC."""
+    from packbench.core.simulate import machine_problem
+
+    by_name = "/" not in spec and not spec.endswith(".json")
+    path = next((d / f"{spec}.json" for d in MACHINE_DIRS if (d / f"{spec}.json").is_file()), None) if by_name \
+        else Path(spec)
+    if path is None:
+        known = sorted({p.stem for d in MACHINE_DIRS if d.is_dir() for p in d.glob("*.json")})
+        raise PackbenchError(f"--machine {spec}: no such machine; use one of {', '.join(known) or 'none'} "
+                             f"or a JSON file of its rates")
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    except OSError as e:
+        raise PackbenchError(f"--machine {spec}: cannot read it ({e.strerror}); give a machine JSON file") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise PackbenchError(f"--machine {spec} is not a regular file; give a machine JSON file")
+    with os.fdopen(fd, "rb") as f:
+        data = f.read(MAX_MACHINE_BYTES + 1)
+    if len(data) > MAX_MACHINE_BYTES:
+        raise PackbenchError(f"--machine {spec} is over {MAX_MACHINE_BYTES} bytes; a machine file is a small JSON object")
+    try:
+        machine = json.loads(data)
+    except ValueError:
+        raise PackbenchError(f"--machine {spec} is not JSON; write the object docs/traces.md shows") from None
+    problem = machine_problem(machine)
+    if problem:
+        raise PackbenchError(f"--machine {spec}: {problem}")
+    return machine
+
+
+def _mb(n: float) -> str:
+    return f"{n / 1e6:,.3f}"
+
+
+def render(out: dict, *, per_call: bool = False) -> str:
+    m = out["model"]
+    unit = m["unit"] + "s"
+    lines = [f"{out['trace']}: {m['family']} {m['shape'] or '(unnamed shape)'}, {m['layers']} layers x {m['units']} "
+             f"{unit} of {m['unit_bytes']:,} B, {m['dtype']}; {out['episodes']} episodes, {out['calls']} calls",
+             f"source: {json.dumps(out['source'], sort_keys=True)}", "",
+             f"{'policy':38} {'prefill MB/call':>16} {'decode MB/token':>16} {unit + '/decode':>14} "
+             f"{'wasted':>8} {'hits':>8} {'pred ms/token':>14}"]
+    for row in out["policies"]:
+        p, d = row["totals"]["prefill"], row["totals"]["decode"]
+        pre = (p["h2d_weight_bytes"] + p["h2d_index_bytes"]) / p["calls"] if p["calls"] else 0
+        dec = (d["h2d_weight_bytes"] + d["h2d_index_bytes"]) / d["tokens"] if d["tokens"] else 0
+        moved = d["rows_copied"] / d["calls"] if d["calls"] else 0
+        pred = row.get("prediction", {}).get("decode_ms_per_token")
+        lines.append(f"{row['policy']:38} {_mb(pre):>16} {_mb(dec):>16} {moved:14.1f} "
+                     f"{d['rows_wasted'] + p['rows_wasted']:8d} {'-' if d['hits'] is None else d['hits']:>8} "
+                     f"{'-' if pred is None else f'{pred:.2f}':>14}")
+        if per_call:
+            for c in row["calls"]:
+                lines.append(f"    call {c['index']:4d} ep {c['episode']} {c['phase']:7} {c['tokens']:5d} tok: "
+                             f"{sum(c['h2d_weight_bytes']):,} B weights, {sum(c['h2d_index_bytes']):,} B index, "
+                             f"{sum(c['rows_copied'])} {unit}")
+    if out["machine"] is not None:
+        lines += ["", f"machine {out['machine']['name']}: pinned copy {out['machine']['pinned_h2d_gbps']['value']} GB/s "
+                      f"({out['machine']['pinned_h2d_gbps']['source']})"]
+        first = next((r["prediction"] for r in out["policies"]), {})
+        lines.append("compute: " + (first.get("compute_source") or first.get("why", "-")))
+    lines += ["", "MB: 10^6 bytes host-to-device (weights and indices). " + out["assumptions"] + "."]
+    return "\n".join(lines)

@@ -1,0 +1,362 @@
+"""`packbench simulate TRACE`: every loader policy's ledger replayed on a trace of active sets,
+with no weights, counted as the engine counts it, and a stated time prediction.
+
+A policy here is a table entry (`SIMULATED`): for a unit ("row": OPT, "expert": MoE) and a
+policy name, a function of the trace's model and the condition's params that returns a fresh
+`step(phase, layer, active) -> Step` for one episode (the engine makes a fresh policy for every
+episode: `CpuFirstModel.use`, so caches and forecasts start empty each episode here too). A
+step lists the `Recorder.add` charges the engine's policy makes for that layer, from the same
+functions (core/charges.py), in the same order; the ledger sums them as `Recorder.add` does.
+Adding a policy (an expert cache, a forecast) is one function and one entry.
+
+Time (`predict`): per decode token, the machine's measured compute time of a resident decode
+token at the trace's shape (scaled per layer from a measurement at another depth, and said so)
+plus the decode call's host-to-device bytes at the machine's pinned copy rate: copies and
+compute run one after the other (every packet waits for its layer's activity; an MoE layer's
+experts are copied before its expert loop), except OPT's dense-stream, whose copies run on a
+stream of their own beside compute (engine/policies/dense.py), so its time is the larger of
+the two. It is a prediction from stated rates, never a measurement.
+
+Layer rule: core. numpy only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from packbench.core import charges
+from packbench.core.registry import INT8_SCALE_BYTES
+from packbench.core.trace import Trace, TraceModel
+
+LEDGER_KEYS = ("active_rows", "rows_copied", "h2d_weight_bytes", "h2d_index_bytes", "d2h_bytes", "rows_wasted")
+_ADD_KEYS = {"rows": "rows_copied", "weight_bytes": "h2d_weight_bytes", "index_bytes": "h2d_index_bytes",
+             "d2h_bytes": "d2h_bytes", "wasted": "rows_wasted"}
+
+
+class SimulateError(ValueError):
+    """A policy or parameter the simulation cannot replay (the message names the fix)."""
+
+
+@dataclass
+class Step:
+    """One layer of one call: the engine's `Recorder.add` charges in order, and the hits of a
+    cache (not in the engine's ledger; reported beside it)."""
+
+    charges: list[dict] = field(default_factory=list)
+    hits: int | None = None
+
+
+Stepper = Callable[[str, int, np.ndarray], Step]
+
+
+def _unit_bytes(model: TraceModel, params: dict) -> int:
+    """A unit's bytes as the condition moves it: an int8 row is hidden int8 values and a scale."""
+    if params.get("weights", "dtype") == "int8":
+        if model.unit != "row" or not model.hidden:
+            raise SimulateError("weights int8 moves OPT rows of hidden + 4 bytes; the trace has no OPT hidden size")
+        return model.hidden + INT8_SCALE_BYTES
+    return model.unit_bytes
+
+
+# ----------------------------------------------------------------------------- OPT rows
+
+
+def _resident(model: TraceModel, params: dict) -> Stepper:
+    return lambda phase, layer, active: Step()  # resident: nothing to fetch
+
+
+def _dense_stream(model: TraceModel, params: dict) -> Stepper:
+    rb = _unit_bytes(model, params)
+    return lambda phase, layer, active: Step([charges.dense_copy(model.units, rb)])
+
+
+def _host_packet(model: TraceModel, active: np.ndarray, rb: int) -> list[dict]:
+    """packet {gather: host}: the mask readback, then the active rows indexed by themselves."""
+    return [charges.activity_readback(active.size, model.units), charges.unit_packet(active.size, rb)]
+
+
+def _packet(model: TraceModel, params: dict) -> Stepper:
+    rb = _unit_bytes(model, params)
+    if params.get("gather", "host") == "device":
+        return lambda phase, layer, active: Step([charges.device_counts(active.size, rb)])
+    return lambda phase, layer, active: Step(_host_packet(model, active, rb))
+
+
+def _phase_switched(model: TraceModel, params: dict) -> Stepper:
+    decode = _packet(model, params)
+    rb = _unit_bytes(model, params)
+
+    def step(phase: str, layer: int, active: np.ndarray) -> Step:
+        if phase == "prefill":
+            return Step([charges.dense_copy(model.units, rb)])
+        return decode(phase, layer, active)
+    return step
+
+
+def _sparse_extents(model: TraceModel, params: dict) -> Stepper:
+    from packbench.core.registry import check_param, param_default
+
+    block = check_param("sparse-extents", "block_rows", params.get("block_rows",
+                                                                   param_default("sparse-extents", "block_rows")))
+
+    def step(phase: str, layer: int, active: np.ndarray) -> Step:
+        blocks = charges.extent_blocks(active, block)
+        rows = charges.extent_rows(blocks, block, model.units)
+        return Step([charges.activity_readback(active.size, model.units),
+                     charges.unit_packet(rows, model.unit_bytes, index=blocks.size)])
+    return step
+
+
+def _row_retention(model: TraceModel, params: dict) -> Stepper:
+    from packbench.core.registry import check_param
+
+    if "rows_per_layer" not in params:
+        raise SimulateError("row-retention needs rows_per_layer (e.g. row-retention:rows_per_layer=512)")
+    slots = min(check_param("row-retention", "rows_per_layer", params["rows_per_layer"]), model.units)
+    slot_of = np.full((model.layers, model.units), -1, dtype=np.int64)
+    last_used = np.full((model.layers, slots), -1, dtype=np.int64)
+    clock = {"call": 0, "layer": model.layers}
+
+    def step(phase: str, layer: int, active: np.ndarray) -> Step:
+        if layer <= clock["layer"]:  # a new call (layers run in order): the recorder's serial moves on
+            clock["call"] += 1
+        clock["layer"] = layer
+        hit_rows, _, miss_rows, fill_rows, _ = charges.lru_plan(slot_of[layer], last_used[layer], active,
+                                                                clock["call"])
+        out = [charges.activity_readback(active.size, model.units)]
+        if hit_rows.size:
+            out.append(charges.retention_hits(hit_rows.size))
+        out.append(charges.unit_packet(miss_rows.size, model.unit_bytes))
+        if fill_rows.size:
+            out.append(charges.retention_fills(fill_rows.size))
+        return Step(out, hits=int(hit_rows.size))
+    return step
+
+
+def _early_forecast(model: TraceModel, params: dict) -> Stepper:
+    rb = model.unit_bytes
+    if params.get("gather", "host") == "device":
+        prev = [np.zeros(0, dtype=np.int64) for _ in range(model.layers)]  # the device's `prev`: zeros
+
+        def device_step(phase: str, layer: int, active: np.ndarray) -> Step:
+            predicted = prev[layer] if phase == "decode" else np.zeros(0, dtype=np.int64)
+            missed, wasted = charges.forecast_split(predicted, active)
+            prev[layer] = active
+            return Step([charges.device_counts(active.size, rb, counters=4, rows=predicted.size + missed.size,
+                                               wasted=wasted)])
+        return device_step
+    previous: list[np.ndarray | None] = [None] * model.layers
+
+    def step(phase: str, layer: int, active: np.ndarray) -> Step:
+        out = []
+        predicted = previous[layer] if phase == "decode" else None
+        if predicted is not None and predicted.size == 0:
+            predicted = None  # nothing forecast: the layer sends its whole demand after fc1
+        if predicted is not None:  # before_layer: the forecast's packet
+            out.append(charges.unit_packet(predicted.size, rb))
+        out.append(charges.activity_readback(active.size, model.units))
+        previous[layer] = active
+        if predicted is None:
+            out.append(charges.unit_packet(active.size, rb))
+        else:
+            remainder, wasted = charges.forecast_split(predicted, active)
+            out.append(dict(wasted=wasted))
+            out.append(charges.unit_packet(remainder.size, rb))
+        return Step(out)
+    return step
+
+
+# ----------------------------------------------------------------------------- MoE experts
+
+
+def _expert_dense(model: TraceModel, params: dict) -> Stepper:
+    return lambda phase, layer, active: Step([charges.dense_copy(model.units, model.unit_bytes)])
+
+
+def _expert_packet(model: TraceModel, params: dict) -> Stepper:
+    device = params.get("gather", "host") == "device"
+
+    def step(phase: str, layer: int, active: np.ndarray) -> Step:
+        return Step([charges.activity_readback(active.size, model.units),
+                     charges.unit_packet(active.size, model.unit_bytes, index=0 if device else None)])
+    return step
+
+
+def _expert_phase_switched(model: TraceModel, params: dict) -> Stepper:
+    packet = _expert_packet(model, params)
+
+    def step(phase: str, layer: int, active: np.ndarray) -> Step:
+        if phase == "prefill":
+            return Step([charges.dense_copy(model.units, model.unit_bytes)])
+        return packet(phase, layer, active)
+    return step
+
+
+# Every policy the simulation replays, by unit and name, with the params it reads. An expert
+# cache or an expert forecast is one more entry here.
+SIMULATED: dict[tuple[str, str], tuple[Callable[[TraceModel, dict], Stepper], tuple[str, ...]]] = {
+    ("row", "resident"): (_resident, ()),
+    ("row", "dense-stream"): (_dense_stream, ("weights",)),
+    ("row", "packet"): (_packet, ("gather", "weights")),
+    ("row", "phase-switched"): (_phase_switched, ("gather",)),
+    ("row", "sparse-extents"): (_sparse_extents, ("block_rows",)),
+    ("row", "row-retention"): (_row_retention, ("rows_per_layer",)),
+    ("row", "early-forecast"): (_early_forecast, ("gather",)),
+    ("expert", "resident"): (_resident, ()),
+    ("expert", "dense-stream"): (_expert_dense, ()),
+    ("expert", "packet"): (_expert_packet, ("gather",)),
+    ("expert", "phase-switched"): (_expert_phase_switched, ("gather",)),
+}
+# Policies whose copies overlap compute in the engine (predict takes the larger of the two).
+OVERLAPPED = {("row", "dense-stream")}
+# What `simulate` replays when no --policy is given.
+DEFAULT_POLICIES = {
+    "row": ["resident", "dense-stream", "packet", "packet:gather=device", "phase-switched",
+            "phase-switched:gather=device", "sparse-extents", "row-retention:rows_per_layer=ROWS",
+            "early-forecast", "early-forecast:gather=device"],
+    "expert": ["resident", "dense-stream", "packet", "packet:gather=device", "phase-switched",
+               "phase-switched:gather=device"],
+}
+_PARAM_VALUES = {"gather": ("host", "device"), "weights": ("dtype", "int8")}
+
+
+def parse_policy(text: str, unit: str) -> tuple[str, dict]:
+    """`name` or `name:key=value,key=value` (e.g. `packet:gather=device`,
+    `row-retention:rows_per_layer=512`) -> (name, params), checked against the table."""
+    name, _, rest = text.partition(":")
+    if (unit, name) not in SIMULATED:
+        names = sorted(n for u, n in SIMULATED if u == unit)
+        raise SimulateError(f"policy {name!r} cannot be simulated on a trace of {unit}s; use one of {', '.join(names)}")
+    allowed = SIMULATED[(unit, name)][1]
+    params: dict = {}
+    for item in filter(None, rest.split(",")):
+        key, eq, value = item.partition("=")
+        if not eq or key not in allowed:
+            raise SimulateError(f"policy {name}: parameter {item!r} is not one of "
+                                f"{', '.join(allowed) or 'none'} (write {name}:key=value)")
+        if key in _PARAM_VALUES:
+            if value not in _PARAM_VALUES[key]:
+                raise SimulateError(f"policy {name}: {key} must be one of {', '.join(_PARAM_VALUES[key])}")
+            params[key] = value
+        else:
+            try:
+                params[key] = int(value)
+            except ValueError:
+                raise SimulateError(f"policy {name}: {key} must be an integer, got {value!r}") from None
+    return name, params
+
+
+def ledger(trace: Trace, name: str, params: dict) -> list[dict]:
+    """Per call, the engine's CallLedger fields (index, phase, tokens and the per-layer lists of
+    LEDGER_KEYS) as `name {params}` would record them on this trace, plus `hits` per layer
+    (None where the policy has no cache)."""
+    m = trace.model
+    make = SIMULATED[(m.unit, name)][0]
+    skip = set(m.layers_without_units)
+    calls = []
+    for episode in trace.episodes():
+        step = make(m, params)  # fresh per episode, as the engine's policy is
+        for c in episode:
+            call = trace.calls[c]
+            row = {"index": c, "episode": call.episode, "phase": call.phase, "tokens": call.tokens,
+                   "active_rows": [None] * m.layers, "rows_copied": [0] * m.layers,
+                   "h2d_weight_bytes": [0] * m.layers, "h2d_index_bytes": [0] * m.layers,
+                   "d2h_bytes": [0] * m.layers, "rows_wasted": [0] * m.layers, "hits": [None] * m.layers}
+            for layer in range(m.layers):
+                if layer in skip:
+                    continue  # a dense layer of an MoE model: no experts, nothing charged
+                s = step(call.phase, layer, trace.sets[c][layer])
+                row["hits"][layer] = s.hits
+                for add in s.charges:
+                    if add.get("active") is not None:
+                        row["active_rows"][layer] = add["active"]
+                    for key, field_name in _ADD_KEYS.items():
+                        row[field_name][layer] += add.get(key, 0)
+            calls.append(row)
+    return calls
+
+
+def totals(calls: list[dict]) -> dict:
+    """Per phase: calls, tokens, units moved, H2D weight and index bytes, D2H bytes, wasted
+    units, cache hits (None when the policy has no cache)."""
+    out = {}
+    for phase in ("prefill", "decode"):
+        mine = [c for c in calls if c["phase"] == phase]
+        hits = [h for c in mine for h in c["hits"] if h is not None]
+        out[phase] = {"calls": len(mine), "tokens": sum(c["tokens"] for c in mine),
+                      "rows_copied": sum(sum(c["rows_copied"]) for c in mine),
+                      "active_rows": sum(sum(a for a in c["active_rows"] if a is not None) for c in mine),
+                      "h2d_weight_bytes": sum(sum(c["h2d_weight_bytes"]) for c in mine),
+                      "h2d_index_bytes": sum(sum(c["h2d_index_bytes"]) for c in mine),
+                      "d2h_bytes": sum(sum(c["d2h_bytes"]) for c in mine),
+                      "rows_wasted": sum(sum(c["rows_wasted"]) for c in mine),
+                      "hits": sum(hits) if hits else None}
+    return out
+
+
+# ----------------------------------------------------------------------------- machines
+
+
+def machine_problem(machine: object) -> str | None:
+    """Why a machine file's mapping cannot price a trace (docs/traces.md, "Machines"), or None."""
+    if not isinstance(machine, dict) or not isinstance(machine.get("name"), str):
+        return "a machine file is a JSON object with name, pinned_h2d_gbps and decode_compute_ms"
+    rate = machine.get("pinned_h2d_gbps")
+    if not isinstance(rate, dict) or not _positive(rate.get("value")) or not isinstance(rate.get("source"), str):
+        return "pinned_h2d_gbps must be {value: a rate > 0 in GB/s, source: the command and date that measured it}"
+    compute = machine.get("decode_compute_ms", {})
+    if not isinstance(compute, dict):
+        return "decode_compute_ms must map shape:layers to {value, source}"
+    for key, v in compute.items():
+        shape, _, layers = key.rpartition(":")
+        if not shape or not layers.isdigit() or int(layers) < 1:
+            return f"decode_compute_ms key {key!r} must be shape:layers, e.g. qwen3-30b-a3b:12"
+        if not isinstance(v, dict) or not _positive(v.get("value")) or not isinstance(v.get("source"), str):
+            return f"decode_compute_ms[{key!r}] must be {{value: ms > 0, source: command and date}}"
+    return None
+
+
+def _positive(v: object) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < float("inf")
+
+
+def compute_ms(machine: dict, model: TraceModel) -> tuple[float, str] | None:
+    """(ms of compute per decode token, how it was found) at the trace's shape and depth: the
+    measured entry of that depth, or one of the same shape scaled by layers; None without one."""
+    entries = machine.get("decode_compute_ms", {})
+    if model.shape is None:
+        return None
+    exact = entries.get(f"{model.shape}:{model.layers}")
+    if exact is not None:
+        return float(exact["value"]), f"measured at {model.shape}:{model.layers} ({exact['source']})"
+    for key, v in sorted(entries.items()):
+        shape, _, layers = key.rpartition(":")
+        if shape == model.shape:
+            scaled = float(v["value"]) * model.layers / int(layers)
+            return scaled, (f"scaled by layers from {key}'s {v['value']} ms ({v['source']}): "
+                            f"{model.layers}/{layers} of it")
+    return None
+
+
+def predict(trace: Trace, name: str, params: dict, phase_totals: dict, machine: dict) -> dict:
+    """The predicted decode ms per token of `name` on `machine` (module doc: the model)."""
+    m = trace.model
+    rate = float(machine["pinned_h2d_gbps"]["value"])
+    d = phase_totals["decode"]
+    out = {"machine": machine["name"], "pinned_h2d_gbps": rate,
+           "overlap": "overlapped" if (m.unit, name) in OVERLAPPED else "serial"}
+    if not d["tokens"]:
+        return {**out, "decode_ms_per_token": None, "why": "the trace has no decode call"}
+    copy_ms = (d["h2d_weight_bytes"] + d["h2d_index_bytes"]) / d["tokens"] / (rate * 1e9) * 1e3
+    found = compute_ms(machine, m)
+    out["copy_ms_per_token"] = copy_ms
+    if found is None:
+        return {**out, "decode_ms_per_token": None,
+                "why": f"{machine['name']} has no measured compute rate for {m.shape or 'this unnamed shape'}; "
+                       f"add decode_compute_ms['{m.shape or 'SHAPE'}:{m.layers}'] to the machine file"}
+    compute, how = found
+    total = max(compute, copy_ms) if out["overlap"] == "overlapped" else compute + copy_ms
+    return {**out, "compute_ms_per_token": compute, "compute_source": how, "decode_ms_per_token": total}

@@ -1,0 +1,300 @@
+"""Trace files: the active set of every call and layer of a run (OPT's active neurons, or an MoE
+model's routed experts), with what pricing them needs; docs/traces.md is the format's reference.
+
+A trace file is a zip of three members:
+
+- `header.json`: `format` ("packbench-trace"), `version` (1), `model` (family, unit "row" or
+  "expert", layers, units per layer, unit_bytes, hidden, dtype, index_bytes, k, shape,
+  layers_without_units), `source` (checkpoint, protocol, episode, tool: free provenance) and
+  `calls` (per call: episode, phase "prefill" or "decode", tokens);
+- `offsets.npy`: int64 (calls x layers + 1,) offsets into `indices`, call-major: the set of call
+  c, layer l is `indices[offsets[c * layers + l]:offsets[c * layers + l + 1]]`;
+- `indices.npy`: uint32 (n,) the sets' unit ids, each set strictly increasing.
+
+Reading is bounded: the file's size, each member's stated and actual size, the number of calls
+and layers, and every id are checked before use, and a bad file raises `TraceError` naming the
+cause. Pure: numpy, zipfile and json only.
+
+Layer rule: core. numpy only.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import stat
+import zipfile
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+FORMAT = "packbench-trace"
+VERSION = 1
+HEADER_NAME, OFFSETS_NAME, INDICES_NAME = "header.json", "offsets.npy", "indices.npy"
+MEMBERS = (HEADER_NAME, OFFSETS_NAME, INDICES_NAME)
+UNITS = ("row", "expert")
+PHASES = ("prefill", "decode")
+
+# Bounds a reader holds to (docs/traces.md, "Bounds"), so that reading costs at most a few GiB of
+# memory whatever a file claims: OPT-175B (96 layers x 49,152 rows) decoding at 3 % density is
+# ~140,000 ids a call, so 2^28 ids hold ~1,900 of its decode calls; 2^22 sets, 43,000 calls of it.
+MAX_FILE_BYTES = 2 * 2**30
+MAX_HEADER_BYTES = 64 * 2**20
+MAX_INDICES = 2**28  # 1 GiB of uint32 ids
+MAX_SETS = 2**22  # calls x layers: one array object each once read
+MAX_CALLS = 1_000_000
+MAX_LAYERS = 4096
+MAX_UNITS = 2**31 - 1
+
+
+class TraceError(ValueError):
+    """A trace file packbench cannot read or a trace it cannot write (the message names the fix)."""
+
+
+@dataclass(frozen=True)
+class TraceModel:
+    """What pricing a trace needs of its model."""
+
+    family: str  # "opt", or an MoE family (core/moe.py FAMILIES), or a name a user gives
+    unit: str  # "row": an OPT outgoing row; "expert": an MoE expert
+    layers: int
+    units: int  # rows (ffn) or experts per layer
+    unit_bytes: int  # one unit as it travels in the model's dtype
+    hidden: int = 0  # OPT: a row's values (an int8 row is hidden + 4 bytes); 0 when unknown
+    dtype: str = ""
+    index_bytes: int = 8
+    k: int = 0  # MoE: experts per token; 0 for OPT
+    shape: str | None = None  # a preset name (core/registry.py SHAPES, core/moe.py MOE_SHAPES), if one fits
+    layers_without_units: tuple[int, ...] = ()  # MoE dense layers: nothing to move there
+
+    def as_dict(self) -> dict:
+        d = dict(vars(self))
+        d["layers_without_units"] = list(self.layers_without_units)
+        return d
+
+
+@dataclass(frozen=True)
+class TraceCall:
+    episode: int
+    phase: str
+    tokens: int
+
+
+@dataclass
+class Trace:
+    model: TraceModel
+    calls: list[TraceCall]
+    sets: list[list[np.ndarray]]  # [call][layer] sorted int64 unit ids
+    source: dict = field(default_factory=dict)
+
+    def episodes(self) -> list[list[int]]:
+        """Call indices grouped by episode, in trace order (a new episode starts where the
+        episode number changes)."""
+        out: list[list[int]] = []
+        last = None
+        for i, c in enumerate(self.calls):
+            if c.episode != last:
+                out.append([])
+                last = c.episode
+            out[-1].append(i)
+        return out
+
+
+def _check_model(m: dict) -> TraceModel:
+    if not isinstance(m, dict):
+        raise TraceError("header.json's model is not an object; write the fields docs/traces.md lists")
+
+    def num(key: str, lo: int, hi: int, default: int | None = None) -> int:
+        v = m.get(key, default)
+        if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:
+            raise TraceError(f"header.json's model.{key} is {v!r}; it must be an integer in {lo}..{hi}")
+        return v
+
+    unit = m.get("unit")
+    if unit not in UNITS:
+        raise TraceError(f"header.json's model.unit is {unit!r}; use one of {', '.join(UNITS)}")
+    family = m.get("family")
+    if not isinstance(family, str) or not family:
+        raise TraceError("header.json's model.family is missing; name the model family (opt, mixtral, ...)")
+    layers = num("layers", 1, MAX_LAYERS)
+    skip = m.get("layers_without_units", [])
+    if not isinstance(skip, list) or not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < layers
+                                             for i in skip):
+        raise TraceError(f"header.json's model.layers_without_units must list layer numbers in 0..{layers - 1}")
+    shape = m.get("shape")
+    if shape is not None and not isinstance(shape, str):
+        raise TraceError("header.json's model.shape must be a string or null")
+    dtype = m.get("dtype", "")
+    if not isinstance(dtype, str):
+        raise TraceError("header.json's model.dtype must be a string")
+    return TraceModel(family=family, unit=unit, layers=layers, units=num("units", 1, MAX_UNITS),
+                      unit_bytes=num("unit_bytes", 1, 2**40), hidden=num("hidden", 0, 2**24, 0), dtype=dtype,
+                      index_bytes=num("index_bytes", 1, 16, 8), k=num("k", 0, MAX_UNITS, 0), shape=shape,
+                      layers_without_units=tuple(sorted(set(skip))))
+
+
+def _check_calls(calls) -> list[TraceCall]:
+    if not isinstance(calls, list) or not calls:
+        raise TraceError("header.json's calls must be a non-empty list of {episode, phase, tokens}")
+    if len(calls) > MAX_CALLS:
+        raise TraceError(f"the trace has {len(calls)} calls, more than {MAX_CALLS}; split it into several files")
+    out = []
+    for i, c in enumerate(calls):
+        if not isinstance(c, dict) or c.get("phase") not in PHASES:
+            raise TraceError(f"header.json's calls[{i}].phase must be one of {', '.join(PHASES)}")
+        ep, tokens = c.get("episode"), c.get("tokens")
+        for name, v in (("episode", ep), ("tokens", tokens)):
+            if not isinstance(v, int) or isinstance(v, bool) or v < (0 if name == "episode" else 1) or v > 2**40:
+                raise TraceError(f"header.json's calls[{i}].{name} is {v!r}; it must be an integer "
+                                 f"{'>= 0' if name == 'episode' else '>= 1'}")
+        out.append(TraceCall(episode=ep, phase=c["phase"], tokens=tokens))
+    return out
+
+
+def _read_npy(data: bytes, name: str, dtype: str) -> np.ndarray:
+    try:
+        arr = np.lib.format.read_array(io.BytesIO(data), allow_pickle=False)
+    except (ValueError, OSError, EOFError) as e:
+        raise TraceError(f"{name} is not a readable .npy array ({e}); rewrite the trace") from None
+    if arr.ndim != 1 or arr.dtype != np.dtype(dtype):
+        raise TraceError(f"{name} must be a 1-D {np.dtype(dtype).str} array, got {arr.dtype.str} of shape {arr.shape}")
+    return arr
+
+
+def parse_trace(zf: zipfile.ZipFile, *, cap: int | None = None) -> Trace:
+    """A Trace from an open zip, every field and id checked (raises TraceError). `cap` lowers
+    every member's bound (the auditor reads an archived trace under its own budget)."""
+    infos = {i.filename: i for i in zf.infolist()}
+    missing = [n for n in MEMBERS if n not in infos]
+    if missing:
+        raise TraceError(f"the trace has no {missing[0]}; a trace file holds {', '.join(MEMBERS)} (docs/traces.md)")
+    limits = {HEADER_NAME: MAX_HEADER_BYTES, OFFSETS_NAME: 8 * (MAX_SETS + 1) + 256,
+              INDICES_NAME: 4 * MAX_INDICES + 256}
+    if cap is not None:
+        limits = {name: min(limit, cap) for name, limit in limits.items()}
+    raw = {}
+    for name in MEMBERS:
+        info = infos[name]
+        if info.file_size > limits[name]:
+            raise TraceError(f"{name} states {info.file_size} bytes, over the bound of {limits[name]}; "
+                             f"split the trace into several files")
+        with zf.open(info) as f:
+            data = f.read(limits[name] + 1)  # never more than the bound, whatever the entry claims
+        if len(data) > limits[name]:
+            raise TraceError(f"{name} holds more than {limits[name]} bytes; split the trace into several files")
+        raw[name] = data
+    try:
+        header = json.loads(raw[HEADER_NAME])
+    except ValueError:
+        raise TraceError("header.json is not JSON; rewrite the trace") from None
+    if not isinstance(header, dict) or header.get("format") != FORMAT:
+        raise TraceError(f"header.json does not say format {FORMAT!r}; this is not a packbench trace file")
+    if header.get("version") != VERSION:
+        raise TraceError(f"trace version {header.get('version')!r} is not one this packbench reads ({VERSION}); "
+                         f"upgrade packbench or rewrite the trace in version {VERSION}")
+    model = _check_model(header.get("model"))
+    calls = _check_calls(header.get("calls"))
+    if len(calls) * model.layers > MAX_SETS:
+        raise TraceError(f"{len(calls)} calls x {model.layers} layers is more than {MAX_SETS} sets; "
+                         f"split the trace into several files")
+    source = header.get("source", {})
+    if not isinstance(source, dict):
+        raise TraceError("header.json's source must be an object")
+    offsets = _read_npy(raw[OFFSETS_NAME], OFFSETS_NAME, "<i8")
+    indices = _read_npy(raw[INDICES_NAME], INDICES_NAME, "<u4")
+    n = len(calls) * model.layers
+    if offsets.size != n + 1 or offsets[0] != 0 or offsets[-1] != indices.size or np.any(np.diff(offsets) < 0):
+        raise TraceError(f"offsets.npy must hold calls x layers + 1 = {n + 1} non-decreasing offsets from 0 to "
+                         f"indices' {indices.size}; the file is truncated or inconsistent")
+    ids = indices.astype(np.int64)
+    if ids.size and ids.max() >= model.units:
+        raise TraceError(f"unit id {int(ids.max())} is out of range: the model has {model.units} {model.unit}s "
+                         f"per layer; fix model.units or the sets")
+    # Each set strictly increasing: a step <= 0 inside a set (not across a set boundary) is refused.
+    steps = np.diff(ids)
+    inside = np.ones(max(ids.size - 1, 0), dtype=bool)
+    boundaries = offsets[1:-1]
+    inside[boundaries[(boundaries > 0) & (boundaries < ids.size)] - 1] = False
+    if np.any((steps <= 0) & inside):
+        raise TraceError("a set in indices.npy is not strictly increasing; sort each set and drop repeats")
+    skip = set(model.layers_without_units)
+    sets = []
+    for c in range(len(calls)):
+        row = []
+        for layer in range(model.layers):
+            s = ids[offsets[c * model.layers + layer]:offsets[c * model.layers + layer + 1]]
+            if layer in skip and s.size:
+                raise TraceError(f"call {c} has units in layer {layer}, which model.layers_without_units lists")
+            row.append(s)
+        sets.append(row)
+    return Trace(model=model, calls=calls, sets=sets, source=source)
+
+
+def read_trace(path: Path | str) -> Trace:
+    """Read and check a trace file (raises TraceError with one line naming the cause and fix)."""
+    path = Path(path)
+    try:
+        # O_NONBLOCK: opening a FIFO must not wait for a writer; the fstat below refuses it.
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    except OSError as e:
+        raise TraceError(f"{path}: cannot read it ({e.strerror}); give a trace file") from None
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        raise TraceError(f"{path} is not a regular file; give a trace file (docs/traces.md)")
+    with os.fdopen(fd, "rb") as f:
+        if st.st_size > MAX_FILE_BYTES:
+            raise TraceError(f"{path} is {st.st_size} bytes, over the bound of {MAX_FILE_BYTES}; split the trace")
+        try:
+            with zipfile.ZipFile(f) as zf:
+                return parse_trace(zf)
+        except (zipfile.BadZipFile, zipfile.LargeZipFile, EOFError, NotImplementedError) as e:
+            raise TraceError(f"{path} is not a readable trace zip ({e}); it is truncated or not a trace") from None
+        except (RuntimeError, OSError, zlib.error) as e:  # encrypted members, CRC or decompression errors
+            raise TraceError(f"{path}: a member cannot be read ({e}); rewrite the trace") from None
+
+
+def _npy(arr: np.ndarray) -> bytes:
+    buf = io.BytesIO()
+    np.lib.format.write_array(buf, arr, allow_pickle=False)
+    return buf.getvalue()
+
+
+def trace_bytes(trace: Trace) -> bytes:
+    """The file's bytes (checked as a reader would: a trace written is a trace readable)."""
+    m = trace.model
+    if len(trace.sets) != len(trace.calls) or any(len(row) != m.layers for row in trace.sets):
+        raise TraceError("a trace needs one set per call and layer")
+    lengths, parts = [], []
+    for row in trace.sets:
+        for s in row:
+            a = np.asarray(s, dtype=np.int64)
+            lengths.append(a.size)
+            parts.append(a)
+    offsets = np.zeros(len(lengths) + 1, dtype="<i8")
+    np.cumsum(lengths, out=offsets[1:])
+    indices = np.concatenate(parts).astype("<u4") if parts else np.zeros(0, dtype="<u4")
+    header = {"format": FORMAT, "version": VERSION, "model": m.as_dict(), "source": trace.source,
+              "calls": [vars(c) for c in trace.calls]}
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w", compression=zipfile.ZIP_DEFLATED) as zf:
+        zf.writestr(HEADER_NAME, json.dumps(header, sort_keys=True, indent=1))
+        zf.writestr(OFFSETS_NAME, _npy(offsets))
+        zf.writestr(INDICES_NAME, _npy(indices))
+    data = buf.getvalue()
+    with zipfile.ZipFile(io.BytesIO(data)) as zf:
+        parse_trace(zf)
+    return data
+
+
+def write_trace(trace: Trace, path: Path | str) -> Path:
+    path = Path(path)
+    data = trace_bytes(trace)
+    try:
+        path.write_bytes(data)
+    except OSError as e:
+        raise TraceError(f"{path}: cannot write the trace ({e.strerror}); choose another path") from None
+    return path

@@ -1,0 +1,116 @@
+"""`packbench model stats DIR --trace OUT` then `packbench simulate OUT`: the trace of real episodes
+replayed by every policy, with a predicted time from a machine file; bad input in one line, exit 2."""
+
+import json
+
+import pytest
+
+from packbench.core import simulate as sim
+from packbench.core.trace import read_trace
+
+
+def one_line(r, *fragments):
+    assert r.returncode == 2, (r.returncode, r.stdout, r.stderr)
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "Traceback" not in r.stderr, r.stderr
+    for f in fragments:
+        assert f in lines[0], lines[0]
+
+
+@pytest.fixture(scope="module")
+def opt_trace(tiny, tmp_path_factory):
+    from in_process import run_packbench
+
+    out = tmp_path_factory.mktemp("trace") / "tiny.trace"
+    r = run_packbench("model", "stats", str(tiny), "--prefix", "16", "--continuation", "4", "--count", "2",
+                      "--trace", str(out))
+    assert r.returncode == 0, r.stderr
+    assert "wrote the trace of 2 episodes (8 calls)" in r.stderr
+    return out
+
+
+def test_simulate_json_is_the_ledger_of_every_policy(opt_trace, packbench_cli):
+    r = packbench_cli("simulate", str(opt_trace), "--json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    t = read_trace(opt_trace)
+    assert [p["policy"] for p in out["policies"]] == [
+        "resident", "dense-stream", "packet", "packet:gather=device", "phase-switched", "phase-switched:gather=device",
+        "sparse-extents", "row-retention:rows_per_layer=25", "early-forecast", "early-forecast:gather=device"]
+    # Catches a CLI that prints other figures than the library's ledger (or drops calls).
+    for p in out["policies"]:
+        assert p["calls"] == json.loads(json.dumps(sim.ledger(t, p["name"], p["params"])))
+    assert out["model"]["shape"] == "tiny" and out["source"]["tool"] == "packbench model stats --trace"
+    assert "not a measurement" in out["assumptions"]
+
+
+def test_a_machine_file_predicts_compute_plus_copy(opt_trace, packbench_cli, tmp_path):
+    machine = {"name": "box", "pinned_h2d_gbps": {"value": 0.001, "source": "made up"},
+               "decode_compute_ms": {"tiny:2": {"value": 2.5, "source": "made up"}}}
+    (tmp_path / "box.json").write_text(json.dumps(machine))
+    r = packbench_cli("simulate", str(opt_trace), "--policy", "packet", "--policy", "dense-stream",
+                      "--machine", str(tmp_path / "box.json"), "--json")
+    assert r.returncode == 0, r.stderr
+    rows = {p["policy"]: p for p in json.loads(r.stdout)["policies"]}
+    d = rows["packet"]["totals"]["decode"]
+    copy_ms = (d["h2d_weight_bytes"] + d["h2d_index_bytes"]) / d["tokens"] / 1e6 * 1e3
+    # packet: serial; OPT dense-stream: overlapped with compute (the larger of the two).
+    assert rows["packet"]["prediction"]["decode_ms_per_token"] == pytest.approx(2.5 + copy_ms)
+    dense = rows["dense-stream"]["totals"]["decode"]["h2d_weight_bytes"] / 6 / 1e6 * 1e3
+    assert rows["dense-stream"]["prediction"]["decode_ms_per_token"] == pytest.approx(max(2.5, dense))
+    text = packbench_cli("simulate", str(opt_trace), "--machine", "h200")
+    assert text.returncode == 0 and "no measured compute rate for tiny" in text.stdout
+
+
+def test_moe_trace_decode_moves_k_experts_a_layer(tmp_path, packbench_cli):
+    r = packbench_cli("model", "synth", "--out", str(tmp_path / "m"), "--shape", "mixtral-tiny", "--layers", "2")
+    assert r.returncode == 0, r.stderr
+    r = packbench_cli("model", "stats", str(tmp_path / "m"), "--prefix", "16", "--continuation", "3", "--count", "1",
+                      "--json", "--trace", str(tmp_path / "m.trace"))
+    assert r.returncode == 0, r.stderr
+    out = json.loads(packbench_cli("simulate", str(tmp_path / "m.trace"), "--json").stdout)
+    rows = {p["policy"]: p for p in out["policies"]}
+    # One decode token routes exactly k = 2 distinct experts in each of the 2 layers.
+    for c in rows["packet"]["calls"]:
+        if c["phase"] == "decode":
+            assert c["rows_copied"] == [2, 2]
+    assert rows["dense-stream"]["totals"]["decode"]["rows_copied"] == 2 * 2 * 8
+    assert set(rows) == {"resident", "dense-stream", "packet", "packet:gather=device", "phase-switched",
+                         "phase-switched:gather=device"}
+
+
+def test_bad_input_is_one_line(opt_trace, packbench_cli, tmp_path):
+    one_line(packbench_cli("simulate", str(opt_trace), "--policy", "warp"), "--policy", "cannot be simulated")
+    one_line(packbench_cli("simulate", str(opt_trace), "--policy", "row-retention"), "rows_per_layer")
+    one_line(packbench_cli("simulate", str(opt_trace), "--machine", "nowhere"), "no such machine", "h200")
+    (tmp_path / "bad.json").write_text(json.dumps({"name": "x", "pinned_h2d_gbps": 5}))
+    one_line(packbench_cli("simulate", str(opt_trace), "--machine", str(tmp_path / "bad.json")), "pinned_h2d_gbps")
+    one_line(packbench_cli("simulate", str(tmp_path / "absent.trace")), "TRACE", "cannot read it")
+    # An existing --trace is never overwritten.
+    one_line(packbench_cli("model", "stats", str(tmp_path), "--trace", str(opt_trace)), "exists")
+
+
+def test_hostile_trace_files_are_one_line_exit_2(opt_trace, packbench_cli, tmp_path):
+    import io
+    import zipfile
+
+    data = opt_trace.read_bytes()
+    with zipfile.ZipFile(io.BytesIO(data)) as zf:
+        members = {n: zf.read(n) for n in zf.namelist()}
+
+    def rezip(**changes) -> bytes:
+        header = json.loads(members["header.json"])
+        header.update({k: v for k, v in changes.items() if k != "model"})
+        header["model"].update(changes.get("model", {}))
+        buf = io.BytesIO()
+        with zipfile.ZipFile(buf, "w") as zf:
+            for n, v in {**members, "header.json": json.dumps(header).encode()}.items():
+                zf.writestr(n, v)
+        return buf.getvalue()
+
+    # Each: the command names the file's problem on one line and exits 2, never a traceback.
+    for body, words in ((data[: len(data) // 3], "truncated"), (rezip(version=9), "version 9"),
+                        (rezip(model={"units": 4}), "out of range")):
+        bad = tmp_path / "bad.trace"
+        bad.write_bytes(body)
+        one_line(packbench_cli("simulate", str(bad)), "TRACE", words)
