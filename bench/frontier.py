@@ -11,6 +11,10 @@ from __future__ import annotations
 import sys
 
 
+def _num(x: float | None, width: int, digits: int) -> str:
+    return f"{'-':>{width}}" if x is None else f"{x:{width}.{digits}f}"
+
+
 def lines(path: str) -> list[str]:
     from packbench.core.report import frontier, read_screen
 
@@ -22,11 +26,10 @@ def lines(path: str) -> list[str]:
            f"  {'condition':24} {'tier':11} {'decode ms/tok':>13} {'memory MiB':>10} {'worst mean KL':>13} "
            f"{'worst top-1':>11}  fidelity"]
     for p in sorted(view["points"], key=lambda p: (p["tier"], p["decode_ms"] if p["decode_ms"] is not None else 1e9)):
-        num = lambda x, f: "-" if x is None else format(x, f)  # noqa: E731
         verdict = {None: "-", True: "PASS", False: "FAIL"}[p["fidelity_passed"]]
-        out.append(f"  {p['condition']:24} {p['tier']:11} {num(p['decode_ms'], '13.2f')} "
-                   f"{num(None if p['memory_bytes'] is None else p['memory_bytes'] / 2**20, '10.0f')} "
-                   f"{num(p['fidelity_mean_kl_max'], '13.5f')} {num(p['fidelity_top1_min'], '11.3f')}  {verdict}")
+        memory = None if p["memory_bytes"] is None else p["memory_bytes"] / 2**20
+        out.append(f"  {p['condition']:24} {p['tier']:11} {_num(p['decode_ms'], 13, 2)} {_num(memory, 10, 0)} "
+                   f"{_num(p['fidelity_mean_kl_max'], 13, 5)} {_num(p['fidelity_top1_min'], 11, 3)}  {verdict}")
     return out
 
 
