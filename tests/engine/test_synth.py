@@ -294,10 +294,13 @@ def test_opt3_responds_to_quantization_like_real_opt_on_opt_125m(tmp_path):
     within 1.5x of GPTQ's 0.299; and per-channel at least 2.5x group-128, what the salient channels
     are for (real OPT: 4-7x at 2.7b-13b; opt2, Gaussian rows: about 1.6x here). The rank, 60 against
     opt2's 160, must keep every activation statistic on its target. Catches salient channels that stop
-    widening row ranges (ratio), or a reparameterisation that moves the statistics."""
+    widening row ranges (ratio), or a reparameterisation that moves the statistics.
+    Measured with docs/workloads.md's 4 x 32 + 64 tokens: per-channel 0.398, group-128 0.126, int8
+    0.0022. Shorter text reads more fragile here (4 x 16 + 32: per-channel 0.487), so the docs'
+    length is the one checked."""
     torch.set_num_threads(1)
     path = synth_checkpoint(tmp_path / "m", shape="opt-125m", dtype="float32", seed=0, profile="opt3")
-    r = robustness_of(path, prompts=4, prefix=16, sampled=32)
+    r = robustness_of(path, prompts=4, prefix=32, sampled=64)
     assert r["int8-channel"]["mean_kl"] <= 0.003
     assert 0.299 / 1.5 <= r["int4-channel"]["mean_kl"] <= 0.299 * 1.5, r["int4-channel"]
     assert r["int4-channel"]["mean_kl"] >= 2.5 * r["int4-g128"]["mean_kl"], r
