@@ -242,7 +242,7 @@ def profile_tensors(shape: str, *, seed: int, profile: str, dtype: torch.dtype =
       by `magnitude` (LayerNorm gains are where pretrained models carry them), and the columns of
       q/k/v and fc1 that read those dims are divided by it, so the linear layers meet inputs of
       large magnitude while every pre-activation keeps its distribution.
-    - Robustness (a profile with a `rank`, `opt2`): all of the above lives in `rank` directions of
+    - Robustness (a profile with a `rank`, `opt2`, `opt3`): all of the above lives in `rank` directions of
       the hidden dims (`_Draws.basis`): embeddings are drawn there, every weight reading the stream
       reads only them and every weight writing it writes only into them, with the same
       pre-activation and update scales. Rounding noise in a weight fills every hidden dim, so only
