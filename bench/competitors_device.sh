@@ -16,14 +16,16 @@
 # PER_METHOD=1 runs one screen per method (the checkpoint synthesised once), so a method that
 # runs long leaves the others' figures; DEADLINE (seconds from the start) caps every screen's
 # SCREEN_TIMEOUT to what is left of it; SKIP_PACKET, SKIP_RESIDENT leave those out; VERBOSE=1
-# prints the worker's own output (Ray's log_to_driver) into each screen's log.
+# prints the worker's own output (Ray's log_to_driver) into each screen's log. PROFILE names the
+# synthetic checkpoint's profile (default: none written, so the newest schema's, core.registry.NEWEST_PROFILE).
+# Last, each archive's frontier and fidelity verdicts (bench/frontier.py).
 set -uo pipefail
 root=$PWD; out=${OUT:-$root/competitors-out}; mkdir -p "$out"
 source bench/device_common.sh
 product_env
 screen() {  # name methods...
   local name=$1; shift
-  { echo "name: $name"; echo "model: {synth: {shape: ${SHAPE:-opt-2.7b}, dtype: float16, seed: 0}}"; echo "dtype: float16"
+  { echo "name: $name"; echo "model: {synth: {shape: ${SHAPE:-opt-2.7b}, dtype: float16, seed: 0${PROFILE:+, profile: $PROFILE}}}"; echo "dtype: float16"
     echo "prompts: {generator: {seed: 0, count: ${PROMPTS:-3}}}"; echo "prefix_tokens: ${PREFIX:-512}"; echo "continuation_tokens: 16"
     echo "conditions:"; echo "  - {name: dense-stream, policy: dense-stream}"
     [ -n "${SKIP_PACKET:-}" ] || echo "  - {name: packet, policy: packet, params: {gather: device}}"
@@ -83,6 +85,7 @@ for screen in s.list_screens():
               f"{med([(x.decode_h2d_bytes or 0) / n / 1e6 for x in ok]):>9.1f} "
               f"{(med(kl) if kl else float('nan')):>9.5f} {(med(top) if top else float('nan')):>6.3f}")
 PY
+echo; python3 -m bench.frontier "$PACKBENCH_ARCHIVE_DIR"/*.zip 2>&1 | tee "$out/frontier.txt"
 if [ -z "${SKIP_TESTS:-}" ]; then
   timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -q -m gpu -p no:cacheprovider tests/engine/test_accelerate_cuda.py \
     tests/engine/test_quantized_cuda.py tests/engine/test_int8_packets_cuda.py > "$out/pytest.log" 2>&1

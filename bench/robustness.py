@@ -4,7 +4,12 @@ model's own text (prompts of generated tokens, then tokens it samples at tempera
 real OPT's published figures. One shape and profile per process; bench/robustness_device.sh runs
 the four shapes side by side and prints the table.
 
-    python -m bench.robustness --shape opt-2.7b --profile opt2 --dtype float16 --device cuda --json out.json
+    python -m bench.robustness --shape opt-2.7b --profile opt3 --dtype float16 --device cuda --json out.json
+
+`--profile opt3+rank=48+salient=0.01:5` measures a candidate: the named profile with fields replaced
+(`rank`, `salient` as share:scale), labelled as written; a published profile never changes (core/registry.py).
+`--layers N` draws a proxy on a CPU: the shape's widths with N decoder layers (each layer's density
+from the N-layer trend); docs/workloads.md's opt-2.7b proxy is `--shape opt-2.7b --layers 4`.
 """
 
 from __future__ import annotations
@@ -20,21 +25,32 @@ import torch
 def main(argv: list[str] | None = None) -> None:
     from packbench.core.plan import BOS
     from packbench.core.registry import PROFILES, SHAPES
-    from packbench.engine.robustness import measure, real_opt, sample_continuations
+    from packbench.engine.robustness import VARIANTS, measure, real_opt, sample_continuations
     from packbench.engine.dtypes import dtype_of
     from packbench.engine.synth import profile_model
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", required=True, choices=tuple(SHAPES))
-    ap.add_argument("--profile", required=True, choices=tuple(PROFILES))
+    ap.add_argument("--profile", required=True, help=f"one of {', '.join(PROFILES)}, or NAME+field=value+...")
     ap.add_argument("--dtype", default="float16")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--prefix", type=int, default=128)
     ap.add_argument("--sampled", type=int, default=128)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--layers", type=int, default=None, help="a proxy: the shape's widths with this many layers")
+    ap.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated, of " + ", ".join(VARIANTS))
     ap.add_argument("--json", default=None, help="write the figures here")
     args = ap.parse_args(argv)
+    try:
+        PROFILES[args.profile] = candidate(args.profile, PROFILES)  # this process's table only
+    except ValueError as e:
+        ap.error(f"--profile {args.profile!r}: {e}")
+    variants = tuple(v for v in args.variants.split(",") if v)
+    if not variants or set(variants) - set(VARIANTS):
+        ap.error(f"--variants {args.variants!r}: give some of {', '.join(VARIANTS)}")
+    if args.layers is not None:  # a proxy: this process's shape table only (profile_tensors reads it)
+        SHAPES[args.shape] = {**SHAPES[args.shape], "layers": args.layers}
     from transformers import OPTForCausalLM  # noqa: F401  (imported before the clock starts: drawn_s is the draw)
 
     t0 = time.time()
@@ -45,9 +61,9 @@ def main(argv: list[str] | None = None) -> None:
     vocab = SHAPES[args.shape]["vocab"]
     prompts = [[BOS] + rng.integers(4, vocab, size=args.prefix - 1).tolist() for _ in range(args.prompts)]
     seqs = sample_continuations(model, prompts, tokens=args.sampled, seed=args.seed, device=args.device)
-    figures = measure(None, seqs, score_from=[args.prefix] * args.prompts, dtype=dtype_of(args.dtype),
-                      device=args.device, model=model)
-    out = {"shape": args.shape, "profile": args.profile, "dtype": args.dtype, "prompts": args.prompts,
+    figures = measure(None, seqs, score_from=[args.prefix] * args.prompts, variants=variants,
+                      dtype=dtype_of(args.dtype), device=args.device, model=model)
+    out = {"shape": args.shape, "layers": SHAPES[args.shape]["layers"], "profile": args.profile, "dtype": args.dtype, "prompts": args.prompts,
            "prefix": args.prefix, "sampled": args.sampled, "drawn_s": round(drawn, 1),
            "total_s": round(time.time() - t0, 1), "variants": figures, "real_opt": real_opt(args.shape)}
     for name, f in figures.items():
@@ -59,6 +75,27 @@ def main(argv: list[str] | None = None) -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1, default=float)
+
+
+def candidate(spec: str, profiles: dict):
+    """The profile `NAME+field=value+...` names: profiles[NAME] with `rank` (an integer) or `salient`
+    (share:scale) replaced. A ValueError names what is wrong."""
+    import dataclasses
+
+    name, *changes = spec.split("+")
+    if name not in profiles:
+        raise ValueError(f"no profile {name!r}; use one of {', '.join(profiles)}")
+    fields = {}
+    for change in changes:
+        key, _, value = change.partition("=")
+        if key == "rank" and value.isdigit():
+            fields["rank"] = int(value)
+        elif key == "salient" and value.count(":") == 1:
+            share, scale = (float(x) for x in value.split(":"))
+            fields["salient"] = (share, scale)
+        else:
+            raise ValueError(f"{change!r} is not rank=N or salient=SHARE:SCALE")
+    return dataclasses.replace(profiles[name], **fields)
 
 
 def table(paths: list[str]) -> str:

@@ -1,14 +1,17 @@
 #!/usr/bin/env bash
-# One device call (issue 42): the synthetic profiles' response to weight quantization at the four
-# real OPT shapes, beside real OPT's published figures (docs/workloads.md, "Robustness").
+# One device call: the synthetic profiles' response to weight quantization at the four real OPT
+# shapes, beside real OPT's published figures (docs/workloads.md, "Robustness").
 # Each shape is drawn on the host from the profile's seed (the same weights `model synth` writes),
 # moved to the GPU in fp16, then 8 prompts x 128 generated tokens + 128 tokens it samples are
 # teacher-forced through the fp16 model and each fake-quantized variant (bench/robustness.py).
 # The four shapes run side by side (one process each), the profiles one after another in it.
 # Full logs and JSON under $OUT (or ./robustness-out); the table last. Run from the project root
 # with .whl carried:  bash bench/robustness_device.sh
-#   PROFILES="opt2 opt" (default; the first is the table's ratio column), SHAPES="opt-1.3b opt-2.7b
-#   opt-6.7b opt-13b", PROMPTS=8, PREFIX=128, SAMPLED=128.
+#   PROFILES="opt3" (default; several: one after another in each shape's process, the first is the
+#   table's ratio column; "opt3 opt2" takes about twice as long), SHAPES="opt-1.3b opt-2.7b opt-6.7b
+#   opt-13b", PROMPTS=8, PREFIX=128, SAMPLED=128, VARIANTS (comma-separated; default every one:
+#   int8-channel,int4-channel,int4-g128,nf4-b64), BUDGET_S=570 (what the runs may take in all).
+#   A candidate beside the profile: PROFILES="opt3 opt3+rank=48+salient=0.01:5" (bench/robustness.py).
 # CPU dry run: SKIP_WHEELS=1 DEVICE=cpu DTYPE=float32 SHAPES=tiny PROMPTS=2 PREFIX=16 SAMPLED=16 bash bench/robustness_device.sh
 # The byte rows of docs/workloads.md on profile opt2: PROFILE=opt2 ONLY=A bash bench/workloads_device.sh
 set -uo pipefail
@@ -19,18 +22,20 @@ install_wheels
 export RAY_AUTH_MODE=disabled
 command -v nvidia-smi >/dev/null && device_header
 shapes=${SHAPES:-opt-1.3b opt-2.7b opt-6.7b opt-13b}
-profiles=${PROFILES:-opt2 opt}
+profiles=${PROFILES:-opt3}
+variants=${VARIANTS:-int8-channel,int4-channel,int4-g128,nf4-b64}
 pids=()
 start=$(date +%s)
 for shape in $shapes; do
   (
     for profile in $profiles; do
+      tag=$shape-${profile//[^A-Za-z0-9._-]/_}  # a candidate's + = : in no file name
       left=$(( start + ${BUDGET_S:-570} - $(date +%s) ))  # the call's 10 minutes: what is left of them
       [ "$left" -gt 30 ] || { echo "== $shape $profile skipped: ${left} s left"; continue; }
       timeout "$left" python3 -m bench.robustness --shape "$shape" --profile "$profile" --dtype "${DTYPE:-float16}" \
         --device "${DEVICE:-cuda}" --prompts "${PROMPTS:-8}" --prefix "${PREFIX:-128}" --sampled "${SAMPLED:-128}" \
-        --json "$out/$shape-$profile.json" > "$out/$shape-$profile.log" 2>&1
-      echo "== $shape $profile rc $?"; grep -E "dCE|drawn" "$out/$shape-$profile.log"
+        --variants "$variants" --json "$out/$tag.json" > "$out/$tag.log" 2>&1
+      echo "== $shape $profile rc $?"; grep -E "dCE|drawn" "$out/$tag.log"
     done
   ) &
   pids+=($!)
@@ -38,6 +43,6 @@ done
 wait "${pids[@]}"
 files=()
 for profile in $profiles; do for shape in $shapes; do
-  [ -f "$out/$shape-$profile.json" ] && files+=("$out/$shape-$profile.json")
+  tag=$shape-${profile//[^A-Za-z0-9._-]/_}; [ -f "$out/$tag.json" ] && files+=("$out/$tag.json")
 done; done
 echo; python3 -m bench.robustness table "${files[@]}" | tee "$out/table.md"

@@ -4,7 +4,7 @@ Two recipes. A **profile** (core/registry.py PROFILES; `profile_tensors` below, 
 makes weights whose activation statistics match measured real OPT: per-token density with a layer
 trend, the growth of a prompt's union of active neurons, the overlap of consecutive tokens,
 heavy-tailed firing rates, peaked next-token distributions, (opt-6.7b, opt-13b) outlier features,
-and (`opt2`) real OPT's response to weight quantization. The **uniform** recipe (`sparsity`,
+and (`opt2`, `opt3`) real OPT's response to weight quantization. The **uniform** recipe (`sparsity`,
 optional hot neurons), what every protocol written before profiles froze, sets every neuron's
 firing rate alike:
 
@@ -242,12 +242,17 @@ def profile_tensors(shape: str, *, seed: int, profile: str, dtype: torch.dtype =
       by `magnitude` (LayerNorm gains are where pretrained models carry them), and the columns of
       q/k/v and fc1 that read those dims are divided by it, so the linear layers meet inputs of
       large magnitude while every pre-activation keeps its distribution.
-    - Robustness (a profile with a `rank`, `opt2`): all of the above lives in `rank` directions of
+    - Robustness (a profile with a `rank`, `opt2`, `opt3`): all of the above lives in `rank` directions of
       the hidden dims (`_Draws.basis`): embeddings are drawn there, every weight reading the stream
       reads only them and every weight writing it writes only into them, with the same
       pre-activation and update scales. Rounding noise in a weight fills every hidden dim, so only
       about rank / hidden of its power meets the signal, as in trained weights whose activations
       align with a few large singular directions (docs/workloads.md, "Robustness").
+    - Salient input channels (a profile with `salient`, `opt3`): after each layer is drawn, every
+      decoder Linear gets a share of heavy input columns, by a reparameterisation exact in real
+      arithmetic (`_salient_channels`), drawn from a second generator (seed + 1), so every other
+      weight is the one the profile draws without them. With a power-of-two scale the
+      reparameterisation is exact in binary floating point too (both factors scale exponents only).
     Drawn in float32 from one generator seeded with `seed`, in a fixed order, then cast.
     """
     p = PROFILES[profile]
@@ -265,13 +270,18 @@ def profile_tensors(shape: str, *, seed: int, profile: str, dtype: torch.dtype =
     readout_inputs = _readout_inputs(d)
     n_out, magnitude, share = p.outliers.get(shape, (0, 1.0, 0.0))
     out_dims = torch.randperm(h, generator=d.gen)[:n_out]
+    # the salient channels' own stream: the rest of the weights are the same draws as without them
+    salient_gen = None if p.salient is None else torch.Generator().manual_seed((seed + 1) % 2**63)
     for i, density in enumerate(p.layer_densities(shape)):
         pre = f"model.decoder.layers.{i}."
         gain = torch.ones(h)
         if n_out and (i + 1) * share // 1 != i * share // 1:  # `share` of the layers, spread evenly
             gain[out_dims] = magnitude
-        sd.update(_attention(d, pre, gain))
-        sd.update(_ffn(d, p, pre, gain, density, readout=readout_inputs if i == layers - 1 else None))
+        layer = {**_attention(d, pre, gain),
+                 **_ffn(d, p, pre, gain, density, readout=readout_inputs if i == layers - 1 else None)}
+        if salient_gen is not None:
+            _salient_channels(layer, pre, salient_gen, *p.salient)
+        sd.update({k: v.to(dtype) for k, v in layer.items()})
         if progress is not None:
             progress(i + 1, layers)
     # logits = embed_tokens @ (gain * LayerNorm(x)): std gain * INIT_STD * sqrt(h), or, token rows and
@@ -314,26 +324,27 @@ def _readout_inputs(d: _Draws) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _attention(d: _Draws, pre: str, gain: torch.Tensor) -> dict[str, torch.Tensor]:
-    """One layer's LayerNorms (gain: the outlier dims' magnitude) and attention projections."""
-    h, dtype = d.hidden, d.dtype
+    """One layer's LayerNorms (gain: the outlier dims' magnitude) and attention projections, float32."""
+    h = d.hidden
     sd: dict[str, torch.Tensor] = {}
     for norm in ("self_attn_layer_norm", "final_layer_norm"):
-        sd[pre + f"{norm}.weight"] = gain.to(dtype, copy=True)
-        sd[pre + f"{norm}.bias"] = torch.zeros(h, dtype=dtype)
+        sd[pre + f"{norm}.weight"] = gain.clone()
+        sd[pre + f"{norm}.bias"] = torch.zeros(h)
     for proj in ("q_proj", "k_proj", "v_proj"):
-        sd[pre + f"self_attn.{proj}.weight"] = d.read(h, gain).to(dtype)
-        sd[pre + f"self_attn.{proj}.bias"] = torch.zeros(h, dtype=dtype)
+        sd[pre + f"self_attn.{proj}.weight"] = d.read(h, gain)
+        sd[pre + f"self_attn.{proj}.bias"] = torch.zeros(h)
     # (h, h) @ v: entries ~ std * sqrt(h) * (INIT_STD * sqrt(h)); scaled to `update` x embed_std
-    sd[pre + "self_attn.out_proj.weight"] = d.write(h, d.update * d.embed_std / (INIT_STD * h)).to(dtype)
-    sd[pre + "self_attn.out_proj.bias"] = torch.zeros(h, dtype=dtype)
+    sd[pre + "self_attn.out_proj.weight"] = d.write(h, d.update * d.embed_std / (INIT_STD * h))
+    sd[pre + "self_attn.out_proj.bias"] = torch.zeros(h)
     return sd
 
 
 def _ffn(d: _Draws, p: SynthProfile, pre: str, gain: torch.Tensor, density: float, *,
          readout: tuple[torch.Tensor, torch.Tensor] | None) -> dict[str, torch.Tensor]:
     """One layer's fc1 (each neuron's bias its own offset: mean density `density`) and fc2
-    (scaled so the update is `update`, or for the readout `p.readout`, times the embedding)."""
-    h, f, dtype = d.hidden, d.ffn, d.dtype
+    (scaled so the update is `update`, or for the readout `p.readout`, times the embedding), in float32
+    (fc1's bias in float64: cast once, as it always was)."""
+    h, f = d.hidden, d.ffn
     fc1 = d.read(f, gain, None if readout is None else readout[0])
     std = INIT_STD * math.sqrt(h)  # std of a neuron's fc1 pre-activation before its bias
     if readout is not None:
@@ -351,8 +362,43 @@ def _ffn(d: _Draws, p: SynthProfile, pre: str, gain: torch.Tensor, density: floa
         # no token is favoured by every input (measured: uncentred, greedy decode fell into repeats)
         mean = std * (m * torch.special.ndtr(m) + torch.exp(-m * m / 2) / math.sqrt(2 * math.pi))
         bias = -(fc2.double() @ mean).float()
-    return {pre + "fc1.weight": fc1.to(dtype), pre + "fc1.bias": (offsets * std).to(dtype),
-            pre + "fc2.weight": fc2.to(dtype), pre + "fc2.bias": bias.to(dtype)}
+    return {pre + "fc1.weight": fc1, pre + "fc1.bias": offsets * std, pre + "fc2.weight": fc2,
+            pre + "fc2.bias": bias}
+
+
+def _salient_channels(sd: dict[str, torch.Tensor], pre: str, gen: torch.Generator, share: float,
+                      scale: float) -> None:
+    """Give one layer's Linears salient input channels, in place and exactly in real arithmetic: in
+    each, a `share` of the input channels (at least one, drawn from `gen`) has its weight column
+    multiplied by `scale`, and what feeds the channel is divided by it:
+    - q, k, v read the attention LayerNorm (y = gain * norm(x) + bias: gain and bias divided), fc1
+      the FFN's LayerNorm (the same);
+    - out_proj reads the attention's mix of values, linear in v_proj's output: v_proj's row and
+      bias divided (the softmax weights do not depend on v);
+    - fc2 reads relu(fc1 x + b), positively homogeneous: fc1's row and bias divided, so every
+      neuron fires exactly when it did, and every activation statistic stays.
+    A row's largest entries then sit in a few columns, so a per-row quantizer's step grows with
+    `scale`, while a group-128 quantizer's grows only in the groups that hold a salient column."""
+
+    def channels(n: int) -> torch.Tensor:
+        c = torch.ones(n)
+        c[torch.randperm(n, generator=gen)[:max(1, round(share * n))]] = scale
+        return c
+
+    attn, mlp = pre + "self_attn.", pre
+    for norm, readers in ((pre + "self_attn_layer_norm", ("q_proj", "k_proj", "v_proj")),
+                          (pre + "final_layer_norm", ("fc1",))):
+        c = channels(sd[norm + ".weight"].numel())
+        sd[norm + ".weight"] = sd[norm + ".weight"] / c
+        sd[norm + ".bias"] = sd[norm + ".bias"] / c
+        for name in readers:
+            key = (attn if name != "fc1" else mlp) + name + ".weight"
+            sd[key] = sd[key] * c
+    for reader, writer in ((attn + "out_proj", attn + "v_proj"), (mlp + "fc2", mlp + "fc1")):
+        c = channels(sd[reader + ".weight"].shape[1])
+        sd[reader + ".weight"] = sd[reader + ".weight"] * c
+        sd[writer + ".weight"] = sd[writer + ".weight"] / c[:, None]
+        sd[writer + ".bias"] = sd[writer + ".bias"] / c
 
 
 def profile_model(shape: str, *, seed: int, profile: str, dtype: torch.dtype) -> torch.nn.Module:

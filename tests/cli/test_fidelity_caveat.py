@@ -12,7 +12,9 @@ def test_the_caveat_rides_with_fidelity_verdicts_on_uncalibrated_synthetic_check
     opt = {"shape": "opt-2.7b", "dtype": "float16", "seed": 0, "profile": "opt"}
     caveat = fidelity_caveat(opt, [RUNTIME, FIDELITY])
     assert "not calibrated for robustness" in caveat and "profile opt, opt-2.7b" in caveat
-    assert fidelity_caveat({**opt, "profile": "opt2"}, [FIDELITY]) is None  # calibrated there
+    # listed only where measured within the targets: opt2 at opt-125m (CPU), not at opt-2.7b (the H200 missed)
+    assert fidelity_caveat({**opt, "shape": "opt-125m", "profile": "opt2"}, [FIDELITY]) is None
+    assert "profile opt2, opt-2.7b" in fidelity_caveat({**opt, "profile": "opt2"}, [FIDELITY])
     assert fidelity_caveat(opt, [RUNTIME]) is None  # no fidelity verdict: nothing to qualify
     assert fidelity_caveat(None, [FIDELITY]) is None  # a real checkpoint (model.path)
     assert verdict_table([FIDELITY], caveat=caveat).splitlines()[-1] == f"fidelity: {caveat}"

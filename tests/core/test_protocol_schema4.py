@@ -31,13 +31,25 @@ def test_a_new_synth_without_sparsity_is_the_calibrated_profile_written_out():
 
 
 def test_schema_8_means_opt2_and_every_older_synth_keeps_its_body_and_hash():
-    """A synth without profile is opt2 from schema 8 on (written out: the body says 2); the same
+    """A synth without profile is opt2 in schema 8 (written out: the body says 2); the same
     file declaring schema 4 to 7 still means opt, with the hash it always had."""
-    newest = freeze(protocol(TINY))
-    assert newest.body["model"] == {"synth": {**TINY, "profile": "opt2"}} and newest.body["schema"] == 2
-    assert freeze(protocol({**TINY, "profile": "opt2"}, schema=4)).sha256 == newest.sha256  # said: any schema >= 4
+    eight = freeze(protocol(TINY, schema=8))
+    assert eight.body["model"] == {"synth": {**TINY, "profile": "opt2"}} and eight.body["schema"] == 2
+    assert freeze(protocol({**TINY, "profile": "opt2"}, schema=4)).sha256 == eight.sha256  # said: any schema >= 4
     older = {freeze(protocol(TINY, schema=s)).sha256 for s in (4, 5, 6, 7)}
-    assert older == {freeze(protocol({**TINY, "profile": "opt"})).sha256} and newest.sha256 not in older
+    assert older == {freeze(protocol({**TINY, "profile": "opt"})).sha256} and eight.sha256 not in older
+
+
+def test_schema_9_means_opt3_and_schema_8_keeps_opt2():
+    """From schema 9 (the newest: a file without `schema:`) a synth without profile is opt3, written
+    out (the body says 2, as schema 8's did), so a schema-8 file keeps its body and hash (catches a
+    default that moved under an old schema, or a body that says 9)."""
+    newest, nine = freeze(protocol(TINY)), freeze(protocol(TINY, schema=9))
+    assert newest.sha256 == nine.sha256 and newest.body["model"] == {"synth": {**TINY, "profile": "opt3"}}
+    assert newest.body["schema"] == 2 and expand(newest.body).model.synth.profile == "opt3"
+    assert freeze(protocol({**TINY, "profile": "opt3"}, schema=4)).sha256 == newest.sha256  # said: any schema >= 4
+    eight = freeze(protocol(TINY, schema=8))
+    assert eight.sha256 == freeze(protocol({**TINY, "profile": "opt2"})).sha256 != newest.sha256
 
 
 def test_a_uniform_sparsity_freezes_as_every_older_schema_froze_it():

@@ -20,7 +20,7 @@ def competitor(**changes) -> dict:
 
 def test_a_protocol_without_competitors_freezes_as_schema_4_froze_it():
     for raw in (protocol(TINY), protocol({**TINY, "sparsity": 0.9})):
-        # schema 7, not the newest: 8 makes the profile opt2
+        # schema 7, not the newest: 8 and 9 make the profile opt2, opt3
         assert freeze({**raw, "schema": 5}).body == freeze({**raw, "schema": 4}).body == freeze({**raw, "schema": 7}).body
 
 

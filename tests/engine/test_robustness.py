@@ -137,7 +137,10 @@ def test_model_stats_robustness_prints_json_a_table_and_refuses_bad_options(tiny
 def test_the_caveat_names_uncalibrated_checkpoints_only():
     from packbench.core.registry import robustness_caveat
 
-    assert robustness_caveat({"shape": "opt-2.7b", "profile": "opt2"}) is None
+    # listed where measured within the targets only: opt2 and opt3 at opt-125m (CPU); opt2 missed at 2.7b (H200)
+    assert robustness_caveat({"shape": "opt-125m", "profile": "opt2"}) is None
+    assert robustness_caveat({"shape": "opt-125m", "profile": "opt3"}) is None
+    assert "profile opt2, opt-2.7b" in robustness_caveat({"shape": "opt-2.7b", "profile": "opt2"})
     assert "profile opt, opt-2.7b" in robustness_caveat({"shape": "opt-2.7b", "profile": "opt"})
     assert "uniform recipe" in robustness_caveat({"shape": "opt-2.7b", "sparsity": 0.94})
     assert "profile opt2, tiny" in robustness_caveat({"shape": "tiny", "profile": "opt2"})

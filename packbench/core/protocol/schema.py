@@ -26,6 +26,9 @@ with `passes: separate` freezes as 7; any other keeps the body and hash it had.
 Schema 8 is schema 7 where a `model.synth` without `sparsity` or `profile` means profile `opt2`
 (core.registry.NEWEST_PROFILE: `opt`'s statistics and real OPT's response to weight quantization),
 written out like schema 4's, so it freezes as the schema 7 and lower bodies do and no body says 8.
+Schema 9 is schema 8 where such a `model.synth` means profile `opt3` (core.registry.PROFILE_SCHEMAS: `opt2`
+with salient input channels, real OPT's per-channel / group-128 response to weight quantization), written
+out the same way, so no body says 9 and every older file keeps its meaning and hash.
 Every rule a field obeys is written once, here; docs/protocol.md describes them for users.
 """
 
@@ -68,8 +71,8 @@ from packbench.core.registry import (
     synth_spec,
 )
 
-SCHEMA_VERSION = 8  # the newest schema this packbench reads: what a YAML without `schema:` means
-SCHEMAS = (1, 2, 3, 4, 5, 6, 7, 8)  # every schema it reads; frozen bodies say 1, 2, 5, 6 or 7 (module docstring)
+SCHEMA_VERSION = 9  # the newest schema this packbench reads: what a YAML without `schema:` means
+SCHEMAS = (1, 2, 3, 4, 5, 6, 7, 8, 9)  # every schema it reads; frozen bodies say 1, 2, 5, 6 or 7 (module docstring)
 COMPETITOR_SCHEMA = 5  # the first schema that can say a competitor condition or a fidelity gate
 MODE_SCHEMA = 6  # the first schema that can say a competitor's `mode` (a kind's own schema: its `since`)
 PASSES_SCHEMA = 7  # the first schema that can say `passes`
