@@ -7,6 +7,8 @@ Layer rule: core. Imports nothing outside core (no torch, no transformers).
 
 from dataclasses import dataclass
 
+from packbench.core.conditions import CONDITIONS
+
 # config.json's `model_type` -> what transformers calls the family's causal LM, and the config
 # keys of its expert count and expert width. (transformers 5.2x writes Qwen3-MoE's and OLMoE's
 # expert count as `num_local_experts`, the published config.json says `num_experts`: either is read.)
@@ -16,10 +18,14 @@ FAMILIES: dict[str, dict[str, str]] = {
     "olmoe": dict(model="OlmoeForCausalLM", experts="num_experts", intermediate="intermediate_size"),
 }
 
-# The loader policies defined at expert granularity (engine/moe/policies.py). Every other kind
-# (sparse-extents, row-retention, early-forecast, the competitors) moves OPT's neuron rows and is
-# refused for an MoE model, as these are for nothing else than their OPT versions.
-MOE_POLICIES = ("resident", "dense-stream", "packet", "phase-switched")
+# The kinds that run on an MoE model (their declaration's `families` holds "moe"): the loader
+# policies defined at expert granularity (engine/moe/policies.py), accelerate's offload of the
+# stock model, and host-experts (engine/moe/host_experts.py). Every other kind moves OPT's neuron
+# rows and is refused for an MoE model; a kind for MoE models alone is refused for OPT.
+MOE_POLICIES = tuple(n for n, k in CONDITIONS.items() if "moe" in k.families)
+# Kinds that place the device part themselves and hold no expert buffers of packbench's: their
+# need is the allowance's global floor (accelerate fills what is left with whole layers).
+NO_EXPERT_BUFFERS = tuple(n for n, k in CONDITIONS.items() if "moe" in k.families and k.competitor is not None)
 
 # Real shapes (each model's published config.json) and tiny test shapes of each family.
 MOE_SHAPES: dict[str, dict] = {
@@ -104,15 +110,29 @@ def shape_of_config(config: dict) -> MoeShape:
 
 def policy_need_bytes(shape: MoeShape, dtype: str, policy: str, gather: str = "host") -> int:
     """Device bytes an expert policy holds besides the device part (engine/moe/policies.py):
-    resident every layer's experts; dense-stream one layer's workspace; packet and phase-switched
+    none for a competitor (accelerate places what fits itself, host-experts keeps every expert on
+    the host); resident every layer's experts; dense-stream one layer's workspace; packet and phase-switched
     the workspace, and with the host gather the landing buffer of a layer's packet (every expert
     of a layer and its index)."""
     layer = shape.experts * shape.expert_bytes(dtype)
+    if policy in NO_EXPERT_BUFFERS:
+        return 0
     if policy == "resident":
         return shape.layers * layer
     if policy == "dense-stream" or gather == "device":
         return layer
     return layer + shape.experts * (shape.expert_bytes(dtype) + INDEX_BYTES)
+
+
+def family_refusal(conditions: list[tuple[str, str, dict]], *, family: str, model: str) -> tuple[str, str] | None:
+    """(field, why) the first condition whose kind does not run on model family `family` ("opt" or
+    "moe", core/conditions/base.py MODEL_FAMILIES), or None. Pure."""
+    fits = tuple(n for n, k in CONDITIONS.items() if family in k.families)
+    for i, (name, policy, params) in enumerate(conditions):
+        if family not in CONDITIONS[policy].families:
+            what = "an OPT model" if family == "opt" else "an MoE model"
+            return (f"conditions[{i}].policy", f"{policy!r} does not fit {model}, {what}; use one of {', '.join(fits)}")
+    return None
 
 
 def moe_refusal(config: dict, *, dtype: str, conditions: list[tuple[str, str, dict]], allowance_bytes: int,

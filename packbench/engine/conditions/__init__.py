@@ -8,8 +8,8 @@ The worker reaches a kind only through it. docs/engine.md, "Adding a condition k
 through a new one.
 """
 
-from packbench.engine.conditions import (accelerate, dense_stream, early_forecast, packet, phase_switched, quantized,
-                                         resident, row_retention, sparse_extents, zero_inference)
+from packbench.engine.conditions import (accelerate, dense_stream, early_forecast, host_experts, packet, phase_switched,
+                                         quantized, resident, row_retention, sparse_extents, zero_inference)
 from packbench.engine.conditions.base import ConditionRuntime, LoaderRuntime
 from packbench.engine.policies.base import LoaderPolicy
 
@@ -24,6 +24,7 @@ RUNTIMES: dict[str, ConditionRuntime] = {
     "quantized": quantized.RUNTIME,
     "accelerate": accelerate.RUNTIME,
     "zero-inference": zero_inference.RUNTIME,
+    "host-experts": host_experts.RUNTIME,
 }
 
 

@@ -118,6 +118,9 @@ class CpuFirstMoE:
         self.routes: list[list[tuple[int, ...] | None]] = []
         self._hooks = [e.register_forward_pre_hook(self._pre_experts(i), with_kwargs=True)
                        for i, e in enumerate(self.experts_modules) if e is not None]
+        for i, e in enumerate(self.experts_modules):
+            if e is not None:  # an instance attribute: nn.Module's call finds it before the class's
+                e.forward = self._experts_forward(i, e)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         self.start = StartStats(read_s=t1 - t0, place_s=time.perf_counter() - t1,
@@ -138,6 +141,8 @@ class CpuFirstMoE:
         def hook(module, args, kwargs):
             top_k_index = args[1] if len(args) > 1 else kwargs["top_k_index"]
             policy = self.slot.policy
+            if getattr(policy, "computes", False):
+                return  # it runs the whole expert computation itself (_experts_forward)
             routed = None
             if policy.observes():
                 # (tokens, k) expert ids -> which experts this call routed to: E bytes read back.
@@ -148,6 +153,23 @@ class CpuFirstMoE:
                     self._call_routes()[layer] = tuple(routed)
             module.gate_up_proj, module.down_proj = policy.experts(layer, routed)
         return hook
+
+    def _experts_forward(self, layer: int, module):
+        """Layer `layer`'s experts forward: stock transformers' (over the weights the pre-hook
+        placed), or, for a policy that `computes` the experts itself (host-experts), that policy's
+        `compute`, given the stock loop to run over weights of its choosing."""
+        stock_forward = module.forward  # the class's (experts_implementation eager), bound
+
+        def stock(gate_up, down, hidden_states, top_k_index, top_k_weights):
+            module.gate_up_proj, module.down_proj = gate_up, down
+            return stock_forward(hidden_states, top_k_index, top_k_weights)
+
+        def forward(hidden_states, top_k_index, top_k_weights):
+            policy = self.slot.policy
+            if getattr(policy, "computes", False):
+                return policy.compute(layer, stock, hidden_states, top_k_index, top_k_weights)
+            return stock_forward(hidden_states, top_k_index, top_k_weights)
+        return forward
 
     def _call_routes(self) -> list:
         index = self.recorder.current.index

@@ -29,6 +29,7 @@ import torch
 
 from packbench.engine.ledger import Recorder
 from packbench.engine.moe.host import ExpertHost
+from packbench.engine.moe.host_experts import HostExperts
 
 INDEX_DTYPE = torch.int64
 INDEX_BYTES = 8
@@ -258,11 +259,14 @@ class ExpertPhaseSwitched(ExpertPacketPolicy):
         return super().experts(layer, routed)
 
 
-# Every MoE policy, by the name a protocol gives it (the kinds in core/conditions/ of the same
-# names; core/moe.py MOE_POLICIES lists them torch-free for the schema).
+# Every MoE policy over CpuFirstMoE's host experts, by the name a protocol gives it (the kinds in
+# core/conditions/ of the same names; core/moe.py MOE_POLICIES lists them torch-free for the
+# schema, with accelerate, which runs a model of its own). host-experts moves no weight: it
+# computes the experts on the host (engine/moe/host_experts.py).
 EXPERT_POLICIES: dict[str, type] = {
     "resident": ExpertResident,
     "dense-stream": ExpertDenseStream,
     "packet": ExpertPacketPolicy,
     "phase-switched": ExpertPhaseSwitched,
+    "host-experts": HostExperts,
 }
