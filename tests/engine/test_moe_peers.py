@@ -184,3 +184,26 @@ def test_the_screen_audits_agree(screen):
     *_, path = screen
     report = audit_archive(path)
     assert report.agrees, report.record["problems"]
+
+
+def test_the_screen_summary_keeps_cold_apart_and_each_direction_apart(screen, capsys):
+    """bench.moe_peers_screen over the sealed archive (what bench/moe_peers_device.sh prints last):
+    the warm-up episode is each condition's cold row, the scored ones its warm row; host-experts moves
+    no weight and sends its hidden states down (catches a summary that mixes roles or directions)."""
+    from bench import moe_peers_screen
+
+    body, episodes, _, path = screen
+    records, verdicts = moe_peers_screen.episodes(path)
+    got = {(r["condition"], r["state"]): r for r in moe_peers_screen.rows(records, verdicts)}
+    names = [c["name"] for c in body["conditions"]]
+    assert sorted(got) == sorted((n, s) for n in names for s in ("cold", "warm"))
+    assert all(got[(n, "cold")]["episodes"] == 1 and got[(n, "warm")]["episodes"] == 2 for n in names)
+    host = got[("host-experts", "warm")]
+    assert host["h2d_weight"] == 0 and host["verdict"] == "fidelity PASS" and host["tier"] == "approximate"
+    hidden = 64 * 2  # qwen3-moe-tiny, bf16: one token's hidden state, 3 layers, each direction
+    assert host["h2d_other"] == 3 * hidden and host["d2h"] == 3 * (hidden + 4 * 8 + 4 * 2)
+    assert host["mean_kl"] == 0.0 and host["top1"] == 1.0
+    assert got[("packet", "warm")]["verdict"] == got[("accelerate", "warm")]["verdict"] == "faithfulness PASS"
+    assert got[("packet", "warm")]["d2h"] == 3 * 16  # the routing mask: one byte an expert a layer
+    moe_peers_screen.main([str(path)])
+    assert len(capsys.readouterr().out.strip().splitlines()) == 1 + 2 * len(names)
