@@ -86,6 +86,13 @@ class MoeShape:
         per_layer = attn + self.experts * self.hidden + 2 * self.hidden
         return (2 * self.vocab * self.hidden + self.layers * per_layer + self.hidden) * DTYPE_BYTES[dtype]
 
+    def layer_bytes(self, dtype: str) -> int:
+        """One decoder layer's weights: its experts, attention, router and norms (what accelerate's
+        hooks copy for a layer they offload)."""
+        attn = self.hidden * self.heads * self.head_dim * 2 + self.hidden * self.kv_heads * self.head_dim * 2
+        return self.experts * self.expert_bytes(dtype) + (attn + self.experts * self.hidden + 2 * self.hidden) * \
+            DTYPE_BYTES[dtype]
+
     def routed_bytes(self, dtype: str, tokens: int) -> int:
         """One layer's routed experts for a call of `tokens` tokens at most, and their indices."""
         m = min(self.experts, self.k * tokens)
@@ -166,11 +173,17 @@ def moe_refusal(config: dict, *, dtype: str, conditions: list[tuple[str, str, di
 
 
 def call_bytes(shape: MoeShape, dtype: str, policy: str, *, tokens: int, phase: str, gather: str = "device") -> int:
-    """Host-to-device bytes one call moves, all MoE layers: exact for dense-stream and resident, at
-    most for a packet (the union of `tokens` tokens' k experts a layer is at most min(E, k x tokens))."""
+    """Host-to-device bytes one call moves, all MoE layers: exact for dense-stream, resident and
+    host-experts (the experts' outputs coming back, one hidden-sized row a token a layer), at most
+    for a packet (the union of `tokens` tokens' k experts a layer is at most min(E, k x tokens)) and
+    for accelerate (every layer offloaded: its whole weights each call)."""
     layer_all = shape.experts * shape.expert_bytes(dtype)
     if policy == "resident":
         return 0
+    if policy == "host-experts":
+        return shape.layers * tokens * shape.hidden * DTYPE_BYTES[dtype]
+    if policy == "accelerate":
+        return shape.layers * shape.layer_bytes(dtype)
     if policy == "dense-stream" or (policy == "phase-switched" and phase == "prefill"):
         return shape.layers * layer_all
     m = min(shape.experts, shape.k * tokens)

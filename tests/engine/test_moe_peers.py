@@ -207,3 +207,42 @@ def test_the_screen_summary_keeps_cold_apart_and_each_direction_apart(screen, ca
     assert got[("packet", "warm")]["d2h"] == 3 * 16  # the routing mask: one byte an expert a layer
     moe_peers_screen.main([str(path)])
     assert len(capsys.readouterr().out.strip().splitlines()) == 1 + 2 * len(names)
+
+
+def test_the_plans_bytes_for_the_moe_competitors_by_hand():
+    """core/moe.py call_bytes, hand-counted at the real shapes: host-experts brings one hidden-sized
+    fp16 row a token a layer back (catches an estimate that charges it the packet's weights);
+    accelerate at most every layer whole (Mixtral-8x7B: 8 experts of 3 x 4096 x 14336, attention
+    32 + 8 heads of 128 twice, router and two norms)."""
+    from packbench.core.moe import MoeShape, call_bytes
+
+    qwen = MoeShape.of("qwen3-30b-a3b")
+    assert call_bytes(qwen, "float16", "host-experts", tokens=1, phase="decode") == 48 * 2048 * 2
+    assert call_bytes(qwen, "float16", "host-experts", tokens=128, phase="prefill") == 48 * 128 * 2048 * 2
+    mixtral = MoeShape.of("mixtral-8x7b", layers=4)
+    layer = 8 * 3 * 4096 * 14336 * 2 + (4096 * 32 * 128 * 2 + 4096 * 8 * 128 * 2) * 2 + 8 * 4096 * 2 + 2 * 4096 * 2
+    assert layer == 2_902_540_288
+    assert call_bytes(mixtral, "float16", "accelerate", tokens=1, phase="decode") == 4 * layer
+
+
+def test_the_worker_refuses_host_experts_on_an_opt_model_before_any_episode(tiny):
+    """A protocol that reached a worker without submit's check (an old queue, a hand-made body):
+    the runtime's check refuses it in one line and drops the model just read."""
+    from packbench.engine.conditions.host_experts import RUNTIME, HostExpertsUnavailable
+    from packbench.engine.model import CpuFirstModel
+
+    class Holder:
+        model = CpuFirstModel(tiny, dtype=torch.float32, device=torch.device("cpu"))
+        path, device = tiny, torch.device("cpu")
+        dropped = False
+
+        def drop_model(self):
+            self.dropped = True
+
+    class Condition:
+        name, policy, resolved_params = "host-experts", "host-experts", {"mode": "eager"}
+
+    holder = Holder()
+    with pytest.raises(HostExpertsUnavailable, match=r"is not an MoE checkpoint; drop the condition$"):
+        RUNTIME.check(holder, [Condition()])
+    assert holder.dropped
