@@ -43,6 +43,7 @@ import inspect
 import re
 import time
 from dataclasses import asdict, dataclass
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -56,6 +57,8 @@ from packbench.engine.opt_weights import stock_model
 NO_SPLIT = ["OPTDecoderLayer"]  # accelerate places whole decoder layers
 KV_MARGIN = 256 << 20  # activations of a call beside the weights (a 2048-token prefill of OPT-13B: ~200 MiB)
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)(?:\.|$)")
+# An MoE layer's fused experts tensors (transformers >= 5): a hook's bytes of these are whole experts.
+EXPERT_TENSOR = re.compile(r"(?:^|\.)experts\.(?:gate_up_proj|down_proj)$")
 
 
 class AccelerateUnavailable(PackbenchError):
@@ -129,10 +132,13 @@ def _moe_model(model_dir: Path, dtype: torch.dtype, family: str):
     return model.eval(), None, row, list(cls._no_split_modules)
 
 
-def count_copies(model: torch.nn.Module, recorder: Recorder, *, row_bytes: int) -> int:
+def count_copies(model: torch.nn.Module, recorder: Recorder, *, row_bytes: int,
+                 is_row: Callable[[str], bool] | None = None) -> int:
     """Wrap the pre_forward of every offloading AlignDevicesHook in `model` so that the bytes it
     copies to another device are added to `recorder`'s current call (module docstring).
-    Returns how many hooks were wrapped."""
+    `is_row(full tensor name)`: the tensors whose bytes count as rows (an MoE layer's fused
+    experts tensors, EXPERT_TENSOR), every other one's going to the index bytes; None: all of a
+    hook's bytes, in whole rows and a remainder (OPT). Returns how many hooks were wrapped."""
     from accelerate.hooks import AlignDevicesHook, SequentialHook
 
     layers = recorder.layers
@@ -141,12 +147,13 @@ def count_copies(model: torch.nn.Module, recorder: Recorder, *, row_bytes: int) 
         hook = getattr(module, "_hf_hook", None)
         for h in (hook.hooks if isinstance(hook, SequentialHook) else [hook]):
             if isinstance(h, AlignDevicesHook) and h.offload:
-                _wrap(h, recorder, layer_of(name, layers), row_bytes)
+                _wrap(h, recorder, layer_of(name, layers), row_bytes, prefix=name, is_row=is_row)
                 wrapped += 1
     return wrapped
 
 
-def _wrap(hook, recorder: Recorder, layer: int, row_bytes: int) -> None:
+def _wrap(hook, recorder: Recorder, layer: int, row_bytes: int, *, prefix: str = "",
+          is_row: Callable[[str], bool] | None = None) -> None:
     from accelerate.utils import named_module_tensors
 
     inner = hook.pre_forward
@@ -161,9 +168,14 @@ def _wrap(hook, recorder: Recorder, layer: int, row_bytes: int) -> None:
         out = inner(module, *args, **kwargs)
         placed = dict(named_module_tensors(module, include_buffers=hook.offload_buffers,
                                            recurse=hook.place_submodules, remove_non_persistent=True))
-        moved = sum(placed[n].numel() * placed[n].element_size() for n in names
-                    if n not in reused and placed[n].device != sources[n].device)
-        rows, rest = divmod(moved, row_bytes)
+        moved = {n: placed[n].numel() * placed[n].element_size() for n in names
+                 if n not in reused and placed[n].device != sources[n].device}
+        if is_row is None:
+            rows, rest = divmod(sum(moved.values()), row_bytes)
+        else:  # a whole layer's hook moves its experts (whole rows) and its attention, norms, router
+            row_part = sum(b for n, b in moved.items() if is_row(f"{prefix}.{n}" if prefix else n))
+            rows, extra = divmod(row_part, row_bytes)
+            rest = sum(moved.values()) - row_part + extra
         recorder.add(layer, rows=rows, weight_bytes=rows * row_bytes, index_bytes=rest)
         return out
 
@@ -210,7 +222,8 @@ class AcceleratedModel:
         self.recorder = Recorder(self.config.num_hidden_layers)
         self._model = model
         self.row_bytes = row_bytes
-        hooked = count_copies(model, self.recorder, row_bytes=row_bytes)
+        hooked = count_copies(model, self.recorder, row_bytes=row_bytes,
+                              is_row=None if family is None else EXPERT_TENSOR.search)
         on_device = sum(_bytes(model, prefix) for prefix, where in device_map.items() if where not in ("cpu", "disk"))
         params = inspect.signature(model.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"

@@ -98,27 +98,45 @@ def test_host_experts_computes_with_the_host_weights(moe_checkpoints):
 
 
 def test_accelerate_counts_an_offloaded_moe_layer_as_whole_experts(moe_checkpoints):
-    """Every module offloaded with `meta` as the execution device: the experts module's hook moves
-    the fused tensors, E rows of one expert each; an attention projection is no whole expert and
-    goes to h2d_index_bytes (the auditor's row check: bytes = rows x expert bytes)."""
+    """Hooks that place tensors on `meta` stand in for the GPU. Per-module hooks (cpu_offload): the
+    experts module moves the fused tensors, E rows of one expert each; an attention projection is no
+    whole expert and goes to h2d_index_bytes. One hook over a whole decoder layer (what dispatch_model
+    attaches to an offloaded no-split layer): still E rows, the rest of the layer in index bytes
+    (catches rows counted from the layer's total, which would call attention bytes experts)."""
     from accelerate import cpu_offload
+    from accelerate.hooks import AlignDevicesHook, add_hook_to_module
+
+    from packbench.engine.accelerate import EXPERT_TENSOR
 
     path = moe_checkpoints[("qwen3-moe-tiny", "float32")]
+    s = MOE_SHAPES["qwen3-moe-tiny"]
+    expert = 3 * s["hidden"] * s["intermediate"] * 4
+    q = s["heads"] * s["head_dim"] * s["hidden"] * 4
     acc = AcceleratedModel(path, dtype=torch.float32, device=torch.device("cpu"), allowance_bytes=64 << 20)
     model = acc._model
     cpu_offload(model, execution_device=torch.device("meta"))
-    s = MOE_SHAPES["qwen3-moe-tiny"]
     recorder = Recorder(s["layers"])
-    assert count_copies(model, recorder, row_bytes=acc.row_bytes) > 0
+    assert count_copies(model, recorder, row_bytes=acc.row_bytes, is_row=EXPERT_TENSOR.search) > 0
     layer = model.model.layers[1]
     recorder.begin(phase="decode", tokens=1)
     layer.mlp.experts._hf_hook.pre_forward(layer.mlp.experts)
     layer.self_attn.q_proj(torch.zeros((1, 1, s["hidden"]), device="meta"))
     call = recorder.current
-    expert = 3 * s["hidden"] * s["intermediate"] * 4
-    q = s["heads"] * s["head_dim"] * s["hidden"] * 4
     assert call.rows_copied == [0, s["experts"], 0] and call.h2d_weight_bytes == [0, s["experts"] * expert, 0]
     assert call.h2d_index_bytes == [0, q, 0]
+
+    whole = AcceleratedModel(path, dtype=torch.float32, device=torch.device("cpu"), allowance_bytes=64 << 20)
+    layer = whole._model.model.layers[2]
+    layer_bytes = sum(t.numel() * 4 for t in layer.state_dict().values())
+    add_hook_to_module(layer, AlignDevicesHook(execution_device=torch.device("meta"), offload=True,
+                                               place_submodules=True))
+    recorder = Recorder(s["layers"])
+    assert count_copies(whole._model, recorder, row_bytes=whole.row_bytes, is_row=EXPERT_TENSOR.search) == 1
+    recorder.begin(phase="decode", tokens=1)
+    layer._hf_hook.pre_forward(layer)
+    call = recorder.current
+    assert call.rows_copied == [0, 0, s["experts"]] and call.h2d_weight_bytes == [0, 0, s["experts"] * expert]
+    assert call.h2d_index_bytes == [0, 0, layer_bytes - s["experts"] * expert] and layer_bytes > s["experts"] * expert
 
 
 def _raw(path, **changes) -> dict:
