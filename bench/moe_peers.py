@@ -1,7 +1,8 @@
 """The crossover batch of an MoE model: host-computed experts (`host-experts`, Fiddler-style,
 packbench's implementation) against exact expert packets and dense-stream, at each batch size;
 the first batch where moving the weights (a packet) decodes faster than moving the activations
-to the experts on the host is where moving the weights starts to pay.
+to the experts on the host is where moving the weights starts to pay. `--hot N` adds host-experts
+with N experts a layer held on the device (`host-hot`, its hit rate printed beside its fidelity).
 
   python -m bench.moe_peers --model DIR --dtype float16 --batches 1,2,4,8,16,32,64
 
@@ -63,27 +64,30 @@ def figures(out, device_bytes: int) -> dict:
             "device_bytes": device_bytes}
 
 
-def judge(name: str, runs: list, refs: list, model, prompts, continuation: int) -> str:
+def judge(name: str, runs: list, refs: list, model, prompts, continuation: int, *, conditions: dict) -> str:
     """`exact` or `NOT EXACT` for a loader; fidelity figures for host-experts (teacher-forced on the
     reference's tokens, rerun after the timed episodes)."""
-    if name != HOST:
+    if conditions[name][0] != HOST:
         same = all(np.array_equal(r.logits, q.logits) and r.tokens == q.tokens for r, q in zip(runs, refs))
         return "exact" if same else "NOT EXACT"
     ref = refs[0]
-    model.use(CONDITIONS[name][0], **CONDITIONS[name][1])
+    model.use(conditions[name][0], **conditions[name][1])
     forced = run_episode(model, prompts if len(prompts) > 1 else prompts[0], continuation=continuation,
                          forced=ref.tokens)
     f = fidelity(ref.logits, forced.logits, reference_tokens=ref.tokens, tokens=runs[0].tokens)
     div = "never" if f.divergence_step is None else f.divergence_step
-    return f"KL {f.mean_kl:.2e} top1 {f.top1:.3f} max|d| {f.max_abs_logit:.3g} diverges {div}"
+    hits = model.slot.policy.hit_rate if model.slot.policy.hot else None
+    return (f"KL {f.mean_kl:.2e} top1 {f.top1:.3f} max|d| {f.max_abs_logit:.3g} diverges {div}"
+            + ("" if hits is None else f" hit rate {hits:.3f}"))
 
 
-def run_batch(model, batch: int, *, names: list[str], prefix: int, continuation: int, rounds: int) -> dict:
+def run_batch(model, batch: int, *, conditions: dict, prefix: int, continuation: int, rounds: int) -> dict:
+    names = list(conditions)
     prompts = batch_prompts(batch, length=prefix, vocab=model.vocab, seed=batch)
     episode_input = prompts if batch > 1 else prompts[0]
     cold, warm, outs = {}, {n: [] for n in names}, {n: [] for n in names}
     for n in names:  # the warm-up episode at this batch: printed apart as cold
-        model.use(CONDITIONS[n][0], **CONDITIONS[n][1])
+        model.use(conditions[n][0], **conditions[n][1])
         try:
             cold[n] = figures(run_episode(model, episode_input, continuation=continuation),
                               model.slot.policy.device_bytes())
@@ -94,11 +98,11 @@ def run_batch(model, batch: int, *, names: list[str], prefix: int, continuation:
     live = [n for n in names if "error" not in cold[n]]
     for r in range(rounds):
         for n in live[r % len(live):] + live[:r % len(live)]:
-            model.use(CONDITIONS[n][0], **CONDITIONS[n][1])
+            model.use(conditions[n][0], **conditions[n][1])
             out = run_episode(model, episode_input, continuation=continuation)
             outs[n].append(out)
             warm[n].append(figures(out, model.slot.policy.device_bytes()))
-    verdicts = {n: (judge(n, outs[n], outs[REFERENCE], model, prompts, continuation)
+    verdicts = {n: (judge(n, outs[n], outs[REFERENCE], model, prompts, continuation, conditions=conditions)
                     if REFERENCE in live and n in live else "-") for n in names}
     return {"cold": cold, "warm": warm, "verdict": verdicts}
 
@@ -133,12 +137,16 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--threads", type=int, default=None, help="host threads (host-experts' arithmetic)")
     ap.add_argument("--conditions", default=",".join(CONDITIONS))
+    ap.add_argument("--hot", type=int, default=0,
+                    help="also host-experts with this many experts a layer held on the device (condition host-hot)")
     a = ap.parse_args(argv)
+    known = {**CONDITIONS, **({"host-hot": ("host-experts", {"hot": a.hot})} if a.hot else {})}
     if a.threads:
         torch.set_num_threads(a.threads)
-    names = a.conditions.split(",")
+    names = a.conditions.split(",") + (["host-hot"] if a.hot else [])
     if REFERENCE not in names:
         names.insert(0, REFERENCE)
+    conditions = {n: known[n] for n in names}
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     t0 = time.perf_counter()
     model = CpuFirstMoE(a.model, dtype=getattr(torch, a.dtype), device=device)
@@ -151,7 +159,7 @@ def main(argv: list[str] | None = None) -> None:
     print(head, flush=True)
     decode_ms: dict[int, dict[str, float]] = {}
     for b in (int(x) for x in a.batches.split(",")):
-        res = run_batch(model, b, names=names, prefix=a.prefix, continuation=a.continuation, rounds=a.rounds)
+        res = run_batch(model, b, conditions=conditions, prefix=a.prefix, continuation=a.continuation, rounds=a.rounds)
         decode_ms[b] = {}
         for n in names:
             c = res["cold"][n]

@@ -3,13 +3,15 @@
 #   A synthetic checkpoint of SHAPE (qwen3-30b-a3b, 12 of 48 layers, by default; mixtral-8x7b with
 #   LAYERS=4 of 32), fp16, routing calibrated, drawn on the GPU, then:
 #   A. bench.moe_peers: the crossover batch. At batches 1..64, dense-stream, `packet {gather: device}`
-#      and host-experts (Fiddler-style, packbench's implementation): decode ms per call, prefill apart,
+#      and host-experts (Fiddler-style, packbench's implementation; also with HOT experts a layer held on
+#      the device, its hit rate printed): decode ms per call, prefill apart,
 #      bytes per call each direction, cold (warm-up) apart from warm, packets bit-identical to
 #      dense-stream and host-experts' fidelity at each batch; the first batch from which the packet
 #      (moving the weights) decodes faster than computing the experts on the host;
 #   B. one screen through `packbench submit --wait` and `packbench audit`: dense-stream, packet,
 #      accelerate (its device_map offload, tier exact, judged by faithfulness) and host-experts (tier
-#      approximate, judged by fidelity), 1 warm-up + 2 prompts each; then bench.moe_peers_screen on
+#      approximate, judged by fidelity), every expert on the host and with a hot set of HOT experts a
+#      layer on the device, 1 warm-up + 2 prompts each; then bench.moe_peers_screen on
 #      its archive: TTFT and decode ms/token, tokens/s, bytes per decode token each direction,
 #      experts per layer, tier and verdict, cold and warm apart.
 #   The allowance puts about the share of the model on the device that 24 GiB puts of the full model
@@ -30,7 +32,9 @@ source bench/device_common.sh
 product_env
 command -v nvidia-smi >/dev/null && device_header
 DEV=${DEVICE:-cuda}; SHAPE=${SHAPE:-qwen3-30b-a3b}; LAYERS=${LAYERS:-12}
-case "$SHAPE" in mixtral-8x7b) ALLOW=${ALLOWANCE_MIB:-4608};; *) ALLOW=${ALLOWANCE_MIB:-7168};; esac
+# HOT: experts a layer host-experts-hot holds on the device (Fiddler's GPU-resident popular experts):
+# about 1.7 GiB at Qwen3 (16 x 9 MiB x 12 layers), 2.6 GiB at Mixtral (2 x 336 MiB x 4 layers).
+case "$SHAPE" in mixtral-8x7b) ALLOW=${ALLOWANCE_MIB:-4608}; HOT=${HOT:-2};; *) ALLOW=${ALLOWANCE_MIB:-7168}; HOT=${HOT:-16};; esac
 P=${PREFIX:-128}; C=${CONT:-16}; BATCHES=${BATCHES:-1,2,4,8,16,32,64}
 dir=$work/$SHAPE
 t0=$(date +%s)
@@ -40,7 +44,7 @@ filter() { grep -vE "^W[0-9]|Warn|warn|Loading|Writing|output = func|torchao"; }
 if [ "${ONLY:-A}" = A ]; then
   t0=$(date +%s)  # decode is what the crossover is about: short prefixes keep host prefills of B x 16 tokens short
   python3 -m bench.moe_peers --model "$dir" --dtype float16 --batches "$BATCHES" --prefix 16 --continuation 8 \
-    --rounds 2 > "$out/crossover.log" 2>&1
+    --rounds 2 --hot "$HOT" > "$out/crossover.log" 2>&1
   echo "-- A: bench.moe_peers rc $? in $(( $(date +%s) - t0 )) s"
   filter < "$out/crossover.log" | grep -E "warm|crossover|host-experts /|experts x" | tail -30
 fi
@@ -57,6 +61,7 @@ conditions:
   - {policy: packet}
   - {policy: accelerate}
   - {policy: host-experts}
+  - {name: host-experts-hot, policy: host-experts, params: {hot: $HOT}}
 reference: dense-stream
 warmups: 1
 allowance_mib: $ALLOW

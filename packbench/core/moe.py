@@ -115,13 +115,15 @@ def shape_of_config(config: dict) -> MoeShape:
                     head_dim=config.get("head_dim") or config["hidden_size"] // heads)
 
 
-def policy_need_bytes(shape: MoeShape, dtype: str, policy: str, gather: str = "host") -> int:
+def policy_need_bytes(shape: MoeShape, dtype: str, policy: str, gather: str = "host", *, hot: int = 0) -> int:
     """Device bytes an expert policy holds besides the device part (engine/moe/policies.py):
-    none for a competitor (accelerate places what fits itself, host-experts keeps every expert on
-    the host); resident every layer's experts; dense-stream one layer's workspace; packet and phase-switched
+    none for accelerate (it places what fits itself); host-experts its `hot` experts a layer;
+    resident every layer's experts; dense-stream one layer's workspace; packet and phase-switched
     the workspace, and with the host gather the landing buffer of a layer's packet (every expert
     of a layer and its index)."""
     layer = shape.experts * shape.expert_bytes(dtype)
+    if policy == "host-experts":
+        return shape.layers * min(hot, shape.experts) * shape.expert_bytes(dtype)
     if policy in NO_EXPERT_BUFFERS:
         return 0
     if policy == "resident":
@@ -156,6 +158,9 @@ def moe_refusal(config: dict, *, dtype: str, conditions: list[tuple[str, str, di
         if params.get("weights", "dtype") != "dtype":
             return (f"conditions[{i}].params.weights", f"{params['weights']} is not available for MoE models; "
                                                        f"drop it")
+        if params.get("hot", 0) > s.experts:
+            return (f"conditions[{i}].params.hot", f"{params['hot']} is more than the {s.experts} experts of a "
+                                                   f"layer of {model}; give at most {s.experts}")
     part, routed = s.device_part_bytes(dtype), s.routed_bytes(dtype, 1)
     if allowance_bytes < part + routed:
         return ("allowance_mib", f"{allowance_bytes // 2**20} MiB cannot hold {model}'s device part "
@@ -164,7 +169,7 @@ def moe_refusal(config: dict, *, dtype: str, conditions: list[tuple[str, str, di
     for i, (name, policy, params) in enumerate(conditions):
         if policy == "resident" and params.get("allowance") == "unbounded":
             continue
-        need = part + policy_need_bytes(s, dtype, policy, params.get("gather", "host"))
+        need = part + policy_need_bytes(s, dtype, policy, params.get("gather", "host"), hot=params.get("hot", 0))
         if allowance_bytes < need:
             return ("allowance_mib", f"{allowance_bytes // 2**20} MiB cannot hold condition {name!r} ({policy}) on "
                                      f"{model}: the device part and its expert buffers need {-(-need // 2**20)} MiB; "
@@ -172,16 +177,19 @@ def moe_refusal(config: dict, *, dtype: str, conditions: list[tuple[str, str, di
     return None
 
 
-def call_bytes(shape: MoeShape, dtype: str, policy: str, *, tokens: int, phase: str, gather: str = "device") -> int:
+def call_bytes(shape: MoeShape, dtype: str, policy: str, *, tokens: int, phase: str, gather: str = "device",
+               hot: int = 0) -> int:
     """Host-to-device bytes one call moves, all MoE layers: exact for dense-stream, resident and
-    host-experts (the experts' outputs coming back, one hidden-sized row a token a layer), at most
+    host-experts (the experts' outputs coming back, one hidden-sized row a token a layer; its `hot`
+    experts a layer moved once, in the prefill call: at most the outputs then), at most
     for a packet (the union of `tokens` tokens' k experts a layer is at most min(E, k x tokens)) and
     for accelerate (every layer offloaded: its whole weights each call)."""
     layer_all = shape.experts * shape.expert_bytes(dtype)
     if policy == "resident":
         return 0
     if policy == "host-experts":
-        return shape.layers * tokens * shape.hidden * DTYPE_BYTES[dtype]
+        placed = min(hot, shape.experts) * shape.expert_bytes(dtype) if phase == "prefill" else 0
+        return shape.layers * (tokens * shape.hidden * DTYPE_BYTES[dtype] + placed)
     if policy == "accelerate":
         return shape.layers * shape.layer_bytes(dtype)
     if policy == "dense-stream" or (policy == "phase-switched" and phase == "prefill"):

@@ -25,11 +25,11 @@ def test_each_batch_reports_every_condition_cold_and_warm(tmp_path, capsys):
     torch.set_num_threads(1)
     path = synth_moe(tmp_path / "olmoe", shape="olmoe-tiny", seed=1, dtype="float32")
     moe_peers.main(["--model", str(path), "--dtype", "float32", "--batches", "1,2", "--prefix", "8",
-                    "--continuation", "3", "--rounds", "1", "--threads", "1"])
+                    "--continuation", "3", "--rounds", "1", "--threads", "1", "--hot", "16"])
     out = capsys.readouterr().out
     rows = re.findall(r"^ *(\d+) (\S+) +(cold|warm) .*$", out, re.M)
-    assert sorted(set(rows)) == sorted({(b, n, s) for b in ("1", "2") for n in moe_peers.CONDITIONS
-                                        for s in ("cold", "warm")}), out
+    names = [*moe_peers.CONDITIONS, "host-hot"]
+    assert sorted(set(rows)) == sorted({(b, n, s) for b in ("1", "2") for n in names for s in ("cold", "warm")}), out
     warm = {(m.group(1), m.group(2)): m.group(0) for m in re.finditer(r"^ *(\d+) (\S+) +warm .*$", out, re.M)}
     for b in ("1", "2"):
         assert warm[(b, "packet")].endswith("exact") and warm[(b, "dense-stream")].endswith("exact")
@@ -37,4 +37,7 @@ def test_each_batch_reports_every_condition_cold_and_warm(tmp_path, capsys):
         assert "KL 0.00e+00 top1 1.000 max|d| 0 diverges never" in warm[(b, "host-experts")]
         h2d = float(warm[(b, "host-experts")].split()[6])  # MB/call: B tokens' outputs, 3 layers of 64 fp32
         assert h2d == round(int(b) * 64 * 4 * 3 / 1e6, 3)
+        # every expert held on the device (olmoe-tiny has 16): dense-stream's bits, all hits, nothing moves
+        assert "KL 0.00e+00 top1 1.000" in warm[(b, "host-hot")] and warm[(b, "host-hot")].endswith("hit rate 1.000")
+        assert float(warm[(b, "host-hot")].split()[6]) == 0.0
     assert re.search(r"^crossover: (packet faster from batch [12]|packet never faster) ", out, re.M), out

@@ -264,3 +264,50 @@ def test_the_worker_refuses_host_experts_on_an_opt_model_before_any_episode(tiny
     with pytest.raises(HostExpertsUnavailable, match=r"is not an MoE checkpoint; drop the condition$"):
         RUNTIME.check(holder, [Condition()])
     assert holder.dropped
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_a_hot_set_on_the_device_and_the_rest_on_the_host(moe_checkpoints, shape):
+    """host-experts {hot: h}: the h experts each layer's prefill routed the most tokens to move to
+    the device once (charged in the prefill, as whole experts) and serve their tokens there. hot = E
+    holds every expert: one loop in ascending id order, so dense-stream's logits bit for bit and a hit
+    rate of 1 with no hidden state sent down (catches a hot set that still ships every token to the
+    host, or that moves weights every call). A partial hot set adds two partial sums: close, not
+    bit for bit (fidelity), and its hit rate is strictly between 0 and 1 here."""
+    from packbench.engine.moe.host_experts import HostExperts
+
+    path, dt = moe_checkpoints[(shape, "float32")], torch.float32
+    s = MOE_SHAPES[shape]
+    layers, experts, expert = s["layers"], s["experts"], 3 * s["hidden"] * s["intermediate"] * 4
+    model = CpuFirstMoE(path, dtype=dt, device=torch.device("cpu"))
+    model.use("dense-stream")
+    ref = run_episode(model, PROMPT, continuation=CONTINUATION)
+    for hot in (experts, 2):
+        model.use_policy(HostExperts(hot=hot))
+        out = run_episode(model, PROMPT, continuation=CONTINUATION)
+        policy = model.slot.policy
+        first, rest = out.calls[0], out.calls[1:]
+        assert first.rows_copied == [hot] * layers and first.h2d_weight_bytes == [hot * expert] * layers
+        assert all(c.h2d_weight_bytes == [0] * layers and c.rows_copied == [0] * layers for c in rest)
+        assert policy.device_bytes() == layers * (hot * expert + (experts + 1) * 8)
+        if hot == experts:
+            assert np.array_equal(out.logits, ref.logits) and out.tokens == ref.tokens
+            assert policy.hit_rate == 1.0
+            assert all(c.h2d_index_bytes == [0] * layers for c in out.calls)  # nothing computed on the host
+            assert all(c.d2h_bytes == [c.tokens * s["k"] * 8] * layers for c in rest)  # the ids alone
+        else:
+            forced = run_episode(model, PROMPT, continuation=CONTINUATION, forced=ref.tokens)
+            from packbench.core.fidelity import fidelity
+
+            f = fidelity(ref.logits, forced.logits, reference_tokens=ref.tokens, tokens=out.tokens)
+            assert f.mean_kl < 1e-6 and f.top1 == 1.0, f
+            assert 0 < policy.hit_rate < 1
+    with pytest.raises(ValueError, match="hot must be an integer >= 0"):
+        HostExperts(hot=-1)
+
+
+def test_a_hot_set_larger_than_a_layer_is_refused(moe_checkpoints):
+    moe = moe_checkpoints[("olmoe-tiny", "float32")]
+    with pytest.raises(ProtocolError, match=r"conditions\[1\].params.hot.*17 is more than the 16 experts"):
+        check_family(freeze(_raw(moe, conditions=[{"policy": "dense-stream"},
+                                                  {"policy": "host-experts", "params": {"hot": 17}}])))

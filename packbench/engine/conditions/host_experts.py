@@ -30,7 +30,7 @@ class HostExpertsRuntime(CompetitorRuntime):
     def enter(self, holder: Holder, policy: str, params: dict) -> Entered:
         holder.release_competitor()
         holder.unpark()
-        holder.model.use_policy(HostExperts())
+        holder.model.use_policy(HostExperts(hot=params.get("hot", 0)))
         return Entered(holder.model, "eager")
 
 

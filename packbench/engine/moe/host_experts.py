@@ -30,40 +30,96 @@ def _nbytes(*tensors: torch.Tensor) -> int:
 
 
 class HostExperts:
-    """Every routed expert computed on the host (module docstring). No device buffers."""
+    """Every routed expert computed on the host (module docstring); with `hot` > 0, the `hot`
+    experts of each MoE layer that the layer's first call (the episode's prefill) routed the most
+    tokens to are copied to the device once and computed there for the rest of the episode, the
+    others on the host (Fiddler's popularity placement, measured on the episode's own prompt)."""
 
     name = "host-experts"
     computes = True  # CpuFirstMoE hands it the whole expert computation, not a request for weights
 
-    def __init__(self) -> None:
+    def __init__(self, hot: int = 0) -> None:
+        if isinstance(hot, bool) or not isinstance(hot, int) or hot < 0:
+            raise ValueError(f"hot must be an integer >= 0, got {hot!r}")
+        self.hot = hot
         self.host: ExpertHost | None = None
         self.recorder: Recorder | None = None
+        self.device: torch.device | None = None
+        # layer -> (hot gate_up (h, 2I, H), hot down (h, H, I) on the device, expert id -> slot on the
+        # device (E + 1,), the experts sentinel E for an expert not held; which ids are held (E + 1,) host)
+        self.resident: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self.hits = self.routes = 0  # (token, expert) pairs the device's hot set served, of all routed
 
     def observes(self) -> bool:
         return False  # the routing goes down with the hidden states; nothing is read back apart
 
     def activate(self, host: ExpertHost, device: torch.device, recorder: Recorder) -> None:
-        self.host, self.recorder = host, recorder
+        self.host, self.recorder, self.device = host, recorder, device
 
     def deactivate(self) -> None:
-        self.host = self.recorder = None
+        self.host = self.recorder = self.device = None
+        self.resident = {}
 
     def experts(self, layer: int, routed: list[int] | None) -> tuple[torch.Tensor, torch.Tensor]:
         raise RuntimeError("host-experts computes the experts on the host; it hands no device weights")
 
+    def _place(self, layer: int, top_k_index: torch.Tensor) -> None:
+        """The layer's hot set from this call's routing: the `hot` experts with the most tokens (ties
+        to the lower id), copied to the device in ascending id order; charged as rows (experts) moved
+        and the E token counts read back."""
+        experts = self.host.experts
+        counts = torch.bincount(top_k_index.reshape(-1), minlength=experts + 1)[:experts].to("cpu")
+        ranked = sorted(range(experts), key=lambda e: (-int(counts[e]), e))
+        ids = torch.tensor(sorted(ranked[:min(self.hot, experts)]), dtype=torch.int64)
+        gate_up = self.host.gate_up[layer].index_select(0, ids).to(self.device)
+        down = self.host.down[layer].index_select(0, ids).to(self.device)
+        slot = torch.full((experts + 1,), experts, dtype=torch.int64)
+        slot[ids] = torch.arange(len(ids))
+        held = torch.zeros(experts + 1, dtype=torch.bool)
+        held[ids] = True
+        self.resident[layer] = (gate_up, down, slot.to(self.device), held)
+        self.recorder.add(layer, rows=len(ids), weight_bytes=len(ids) * self.host.expert_bytes,
+                          d2h_bytes=_nbytes(counts))
+
     def compute(self, layer: int, stock: StockExperts, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
-        """Layer `layer`'s expert output on the device of `hidden_states`, computed on the host."""
+        """Layer `layer`'s expert output on the device of `hidden_states`: the hot set's part on the
+        device (stock loop over the held experts, the others mapped to its skipped sentinel), the rest
+        computed on the host (the held ones mapped to the sentinel there), the two parts added."""
         device = hidden_states.device
-        # (tokens, hidden), (tokens, k), (tokens, k): down the link in one synchronising copy each
-        down = [t.to("cpu") for t in (hidden_states, top_k_index, top_k_weights)]
-        out = stock(self.host.gate_up[layer], self.host.down[layer], *down)  # (tokens, hidden), on the host
-        routed = int(torch.unique(down[1]).numel())
-        self.recorder.add(layer, active=routed, d2h_bytes=_nbytes(*down), index_bytes=_nbytes(out))
-        return out.to(device)
+        experts = self.host.experts
+        if not self.hot:
+            # (tokens, hidden), (tokens, k), (tokens, k): down the link in one synchronising copy each
+            down = [t.to("cpu") for t in (hidden_states, top_k_index, top_k_weights)]
+            out = stock(self.host.gate_up[layer], self.host.down[layer], *down)  # (tokens, hidden), host
+            self.routes += down[1].numel()
+            self.recorder.add(layer, active=int(torch.unique(down[1]).numel()), d2h_bytes=_nbytes(*down),
+                              index_bytes=_nbytes(out))
+            return out.to(device)
+        if layer not in self.resident:
+            self._place(layer, top_k_index)
+        gate_up, down_w, slot, held = self.resident[layer]
+        on_device = stock(gate_up, down_w, hidden_states, slot[top_k_index], top_k_weights)
+        ids = top_k_index.to("cpu")  # (tokens, k): which pairs the host must compute
+        cold = ~held[ids]
+        self.hits += int((~cold).sum())
+        self.routes += ids.numel()
+        routed = int(torch.unique(ids).numel())
+        if not bool(cold.any()):
+            self.recorder.add(layer, active=routed, d2h_bytes=_nbytes(ids))
+            return on_device
+        sent = [hidden_states.to("cpu"), top_k_weights.to("cpu")]
+        out = stock(self.host.gate_up[layer], self.host.down[layer], sent[0], torch.where(cold, ids, experts), sent[1])
+        self.recorder.add(layer, active=routed, d2h_bytes=_nbytes(ids, *sent), index_bytes=_nbytes(out))
+        return on_device + out.to(device)
+
+    @property
+    def hit_rate(self) -> float | None:
+        """The share of routed (token, expert) pairs the device's hot set served (None: none routed)."""
+        return self.hits / self.routes if self.routes else None
 
     def device_bytes(self) -> int:
-        return 0
+        return sum(_nbytes(gu, dn, slot) for gu, dn, slot, _ in self.resident.values())
 
     def pinned_bytes(self) -> int:
         return 0

@@ -186,7 +186,7 @@ class CpuFirstMoE:
         if policy_name not in EXPERT_POLICIES:
             raise MoeCheckpointError(f"policy {policy_name} does not fit an MoE model; use one of "
                                      f"{', '.join(EXPERT_POLICIES)}")
-        self.use_policy(_expert_policy(policy_name, params.get("gather", "host")))
+        self.use_policy(_expert_policy(policy_name, params))
 
     def use_policy(self, policy) -> None:
         """Activate `policy`, releasing the previous one. An OPT loader policy of the same name
@@ -196,7 +196,7 @@ class CpuFirstMoE:
             if name not in EXPERT_POLICIES:
                 raise MoeCheckpointError(f"policy {name} does not fit an MoE model; use one of "
                                          f"{', '.join(EXPERT_POLICIES)}")
-            policy = _expert_policy(name, getattr(policy, "gather", "host"))
+            policy = _expert_policy(name, {"gather": getattr(policy, "gather", "host")})
         if self.slot.policy is not None:
             self.slot.policy.deactivate()
             self.slot.policy = None
@@ -221,10 +221,12 @@ class CpuFirstMoE:
         return out.logits[0, -1] if ids.shape[0] == 1 else out.logits[:, -1]
 
 
-def _expert_policy(name: str, gather: str) -> ExpertPolicy:
-    """A fresh expert policy; packet and phase-switched keep the kind's `gather`."""
+def _expert_policy(name: str, params: dict) -> ExpertPolicy:
+    """A fresh expert policy; packet and phase-switched keep the kind's `gather`, host-experts its `hot`."""
     cls = EXPERT_POLICIES[name]
-    return cls(gather=gather) if name in ("packet", "phase-switched") else cls()
+    if name in ("packet", "phase-switched"):
+        return cls(gather=params.get("gather", "host"))
+    return cls(hot=params.get("hot", 0)) if name == "host-experts" else cls()
 
 
 class _Slot:
