@@ -185,7 +185,7 @@ def test_the_screen_puts_each_in_its_tier_and_judges_it(screen):
     body, episodes, verdicts, _ = screen
     assert body["schema"] == 8  # host-experts is sayable from schema 8
     assert [c["params"] for c in body["conditions"] if c["policy"] in ("accelerate", "host-experts")] == \
-        [{"mode": "eager"}, {"mode": "eager"}]
+        [{"mode": "eager"}, {"hot": 0, "mode": "eager"}]  # defaults written out
     assert all(e["status"] == "ok" for e in episodes), [e.get("error") for e in episodes]
     tiers = {e["condition"]: e["tier"] for e in episodes}
     assert tiers == {"dense-stream": "exact", "packet": "exact", "accelerate": "exact", "host-experts": "approximate"}
