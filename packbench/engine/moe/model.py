@@ -178,8 +178,9 @@ class CpuFirstMoE:
         return self.routes[index]
 
     def use(self, policy_name: str, **params) -> None:
-        """A fresh MoE policy of kind `policy_name`. The only parameters are OPT's row formats
-        (`gather`, `weights`); `weights` other than the checkpoint's dtype is refused."""
+        """A fresh MoE policy of kind `policy_name`. The parameters read are OPT's row formats
+        (`gather`, `weights`) and host-experts' `hot`; `weights` other than the checkpoint's dtype is
+        refused, anything else (a competitor's `mode`) ignored."""
         if params.get("weights", "dtype") != "dtype":
             raise MoeCheckpointError(f"weights {params['weights']} is not available for MoE models; "
                                      f"drop it from the condition")
