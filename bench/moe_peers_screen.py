@@ -74,19 +74,19 @@ def rows(records: list[dict], verdicts: list[dict]) -> list[dict]:
 
 
 def table(out: list[dict]) -> str:
-    head = (f"{'condition':<13} {'state':<5} {'n':>2} {'tier':<11} {'TTFT ms':>9} {'decode ms/tok':>13} "
+    head = (f"{'condition':<16} {'state':<5} {'n':>2} {'tier':<11} {'TTFT ms':>9} {'decode ms/tok':>13} "
             f"{'tok/s':>7} {'h2d MB/tok w+other':>19} {'d2h KB/tok':>10} {'experts/layer':>13} "
             f"{'worst KL':>9} {'top1':>5}  verdict")
     lines = [head]
     for r in out:
         if "error" in r:
-            lines.append(f"{r['condition']:<13} {r['state']:<5} failed: {r['error']}")
+            lines.append(f"{r['condition']:<16} {r['state']:<5} failed: {r['error']}")
             continue
         routed = "-" if r["routed"] is None else f"{r['routed']:.2f}"
         kl = "-" if r["mean_kl"] is None else f"{r['mean_kl']:.2e}"
         top1 = "-" if r["top1"] is None else f"{r['top1']:.3f}"
         moved = f"{r['h2d_weight'] / 1e6:.1f}+{r['h2d_other'] / 1e6:.2f}"
-        lines.append(f"{r['condition']:<13} {r['state']:<5} {r['episodes']:2d} {r['tier']:<11} {r['ttft_ms']:9.1f} "
+        lines.append(f"{r['condition']:<16} {r['state']:<5} {r['episodes']:2d} {r['tier']:<11} {r['ttft_ms']:9.1f} "
                      f"{r['decode_ms']:13.2f} {r['tokens_per_s']:7.2f} {moved:>19} {r['d2h'] / 1e3:10.2f} "
                      f"{routed:>13} {kl:>9} {top1:>5}  {r['verdict']}")
     return "\n".join(lines)
