@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 from packbench.core.archive import PLAN_NAME, PROTOCOL_NAME, VERDICTS_NAME, WORKER_NAME, ArchiveWriter
+from packbench.core.fidelity import of_episode
 from packbench.core.gates import compute_verdicts
 from packbench.core.plan import plan, prompts
 from packbench.engine.worker import Worker
@@ -14,7 +15,8 @@ from packbench.engine.worker import Worker
 
 def archive_screen(frozen, model_dir: Path, path: Path) -> tuple[dict, list[dict], list[dict]]:
     """(body, episodes with their logits, verdicts) of the frozen protocol run on the CPU, every
-    episode in plan order; the sealed archive at `path`."""
+    episode in plan order, an approximate one with its teacher-forced logits and fidelity; the
+    sealed archive at `path`."""
     body = json.loads(frozen.canonical)
     worker = Worker(device="cpu")
     start = worker.load(body, str(model_dir))
@@ -29,9 +31,16 @@ def archive_screen(frozen, model_dir: Path, path: Path) -> tuple[dict, list[dict
     for entry in entries:
         record = worker.run(entry, ids[entry["prompt"]])
         logits, trace = record.pop("logits"), record.pop("trace", None)
-        record.pop("forced_logits", None)
-        writer.add_episode(record, logits, trace, active=record.pop("active_sets", None))
-        episodes.append({**record, "logits": logits})
+        forced = record.pop("forced_logits", None)
+        if record.get("tier") == "approximate":  # as the driver does (service/screen.py ScreenRun.record)
+            try:
+                record["fidelity"] = of_episode({**record, "forced_logits": forced},
+                                                {e["plan_index"]: e for e in episodes},
+                                                reference=body["reference"]).as_dict()
+            except ValueError:
+                record["fidelity"] = None
+        writer.add_episode(record, logits, trace, forced, active=record.pop("active_sets", None))
+        episodes.append({**record, "logits": logits, "forced_logits": forced})
     verdicts = compute_verdicts(body, episodes, start=start)
     writer.add_json(VERDICTS_NAME, verdicts)
     writer.seal({"protocol_sha256": frozen.sha256, "screen_id": 0, "attempt": 1, "environment": env})

@@ -151,10 +151,10 @@ def plan_cmd(
     if frozen.model_dir() is not None and is_moe_dir(frozen.model_dir()):
         _moe_plan(frozen, h2d_gbps=h2d_gbps, json_out=json_out)
         return
-    from packbench.core.moe import experts_only_refusal
+    from packbench.core.moe import family_refusal
 
-    refusal = experts_only_refusal([c.policy for c in p.conditions], model=f"the OPT shape this plan is for "
-                                   f"({frozen.model_dir() or 'model.synth'})")
+    refusal = family_refusal([(c.name, c.policy, dict(c.resolved_params)) for c in p.conditions], family="opt",
+                             model=f"the OPT shape this plan is for ({frozen.model_dir() or 'model.synth'})")
     if refusal:  # an MoE checkpoint's plan reads its config.json, which is not here
         raise PackbenchError(f"protocol field `{refusal[0]}`: {refusal[1]} (protocol plan reads an MoE "
                              f"checkpoint's shape from its config.json: plan where the checkpoint is)")
@@ -205,8 +205,9 @@ def _moe_plan(frozen: FrozenProtocol, *, h2d_gbps: float, json_out: bool) -> Non
     rows = []
     for c in p.conditions:
         gather = c.resolved_params.get("gather", "device")
-        pre = call_bytes(s, p.dtype, c.policy, tokens=batch * p.prefix_tokens, phase="prefill", gather=gather)
-        dec = call_bytes(s, p.dtype, c.policy, tokens=batch, phase="decode", gather=gather)
+        hot = c.resolved_params.get("hot", 0)
+        pre = call_bytes(s, p.dtype, c.policy, tokens=batch * p.prefix_tokens, phase="prefill", gather=gather, hot=hot)
+        dec = call_bytes(s, p.dtype, c.policy, tokens=batch, phase="decode", gather=gather, hot=hot)
         bound = call_bytes_bound(c.policy, dict(c.resolved_params))
         rows.append({"condition": c.name, "policy": c.policy, "prefill_bytes": pre, "decode_bytes": dec, "bound": bound,
                      "decode_floor_ms": dec / (h2d_gbps * 1e9) * 1e3})

@@ -7,6 +7,8 @@ Layer rule: core. Imports nothing outside core (no torch, no transformers).
 
 from dataclasses import dataclass
 
+from packbench.core.conditions import CONDITIONS
+
 # config.json's `model_type` -> what transformers calls the family's causal LM, and the config
 # keys of its expert count and expert width. (transformers 5.2x writes Qwen3-MoE's and OLMoE's
 # expert count as `num_local_experts`, the published config.json says `num_experts`: either is read.)
@@ -16,12 +18,15 @@ FAMILIES: dict[str, dict[str, str]] = {
     "olmoe": dict(model="OlmoeForCausalLM", experts="num_experts", intermediate="intermediate_size"),
 }
 
-# The loader policies defined at expert granularity (engine/moe/policies.py, cache.py). Every other
-# kind (sparse-extents, row-retention, early-forecast, the competitors) moves OPT's neuron rows and
-# is refused for an MoE model; the first four are the expert versions of OPT loaders of the same
-# name, the last two (core/conditions' `experts_only` kinds) exist for MoE models alone.
-MOE_POLICIES = ("resident", "dense-stream", "packet", "phase-switched", "expert-cache", "expert-forecast")
-CACHE_POLICIES = ("expert-cache", "expert-forecast")
+# The kinds that run on an MoE model (their declaration's `families` holds "moe"): the loader
+# policies defined at expert granularity (engine/moe/policies.py), accelerate's offload of the
+# stock model, and host-experts (engine/moe/host_experts.py). Every other kind moves OPT's neuron
+# rows and is refused for an MoE model; a kind for MoE models alone is refused for OPT.
+MOE_POLICIES = tuple(n for n, k in CONDITIONS.items() if "moe" in k.families)
+# Kinds that place the device part themselves and hold no expert buffers of packbench's: their
+# need is the allowance's global floor (accelerate fills what is left with whole layers).
+NO_EXPERT_BUFFERS = tuple(n for n, k in CONDITIONS.items() if "moe" in k.families and k.competitor is not None)
+CACHE_POLICIES = ("expert-cache", "expert-forecast")  # MoE models alone: core/conditions families ("moe",)
 
 # Real shapes (each model's published config.json) and tiny test shapes of each family.
 MOE_SHAPES: dict[str, dict] = {
@@ -82,6 +87,13 @@ class MoeShape:
         per_layer = attn + self.experts * self.hidden + 2 * self.hidden
         return (2 * self.vocab * self.hidden + self.layers * per_layer + self.hidden) * DTYPE_BYTES[dtype]
 
+    def layer_bytes(self, dtype: str) -> int:
+        """One decoder layer's weights: its experts, attention, router and norms (what accelerate's
+        hooks copy for a layer they offload)."""
+        attn = self.hidden * self.heads * self.head_dim * 2 + self.hidden * self.kv_heads * self.head_dim * 2
+        return self.experts * self.expert_bytes(dtype) + (attn + self.experts * self.hidden + 2 * self.hidden) * \
+            DTYPE_BYTES[dtype]
+
     def routed_bytes(self, dtype: str, tokens: int) -> int:
         """One layer's routed experts for a call of `tokens` tokens at most, and their indices."""
         m = min(self.experts, self.k * tokens)
@@ -111,13 +123,18 @@ def forecasting(policy: str, params: dict) -> bool:
 
 def policy_need_bytes(shape: MoeShape, dtype: str, policy: str, gather: str = "host", params: dict | None = None) -> int:
     """Device bytes an expert policy holds besides the device part (engine/moe/policies.py,
-    cache.py): resident every layer's experts; dense-stream one layer's workspace; packet and
+    cache.py): none for accelerate (it places what fits itself); host-experts its `hot` experts a
+    layer; resident every layer's experts; dense-stream one layer's workspace; packet and
     phase-switched the workspace, and with the host gather the landing buffer of a layer's packet
     (every expert of a layer and its index); expert-cache its c slots in every layer and the
     workspace, two workspaces when it forecasts (the prefetch lands in the one the current layer
     does not read); expert-forecast those two workspaces."""
     layer = shape.experts * shape.expert_bytes(dtype)
     params = params or {}
+    if policy == "host-experts":
+        return shape.layers * min(params.get("hot", 0), shape.experts) * shape.expert_bytes(dtype)
+    if policy in NO_EXPERT_BUFFERS:
+        return 0
     if policy == "resident":
         return shape.layers * layer
     if policy in CACHE_POLICIES:
@@ -128,13 +145,14 @@ def policy_need_bytes(shape: MoeShape, dtype: str, policy: str, gather: str = "h
     return layer + shape.experts * (shape.expert_bytes(dtype) + INDEX_BYTES)
 
 
-def experts_only_refusal(policies: list[str], *, model: str) -> tuple[str, str] | None:
-    """(field, why) a protocol's conditions name an expert-only kind on a model without experts
-    (an OPT checkpoint or synthetic shape), or None."""
-    for i, policy in enumerate(policies):
-        if policy in CACHE_POLICIES:
-            return (f"conditions[{i}].policy", f"{policy!r} caches MoE experts, and {model} is not an MoE model; "
-                                               f"give an MoE checkpoint in model.path or drop the condition")
+def family_refusal(conditions: list[tuple[str, str, dict]], *, family: str, model: str) -> tuple[str, str] | None:
+    """(field, why) the first condition whose kind does not run on model family `family` ("opt" or
+    "moe", core/conditions/base.py MODEL_FAMILIES), or None. Pure."""
+    fits = tuple(n for n, k in CONDITIONS.items() if family in k.families)
+    for i, (name, policy, params) in enumerate(conditions):
+        if family not in CONDITIONS[policy].families:
+            what = "an OPT model" if family == "opt" else "an MoE model"
+            return (f"conditions[{i}].policy", f"{policy!r} does not fit {model}, {what}; use one of {', '.join(fits)}")
     return None
 
 
@@ -155,6 +173,9 @@ def moe_refusal(config: dict, *, dtype: str, conditions: list[tuple[str, str, di
         if policy == "expert-cache" and params["capacity"] > s.experts:
             return (f"conditions[{i}].params.capacity", f"{params['capacity']} experts a layer, but {model} has "
                                                         f"{s.experts}; give a capacity from 0 to {s.experts}")
+        if params.get("hot", 0) > s.experts:
+            return (f"conditions[{i}].params.hot", f"{params['hot']} is more than the {s.experts} experts of a "
+                                                   f"layer of {model}; give at most {s.experts}")
     part, routed = s.device_part_bytes(dtype), s.routed_bytes(dtype, 1)
     if allowance_bytes < part + routed:
         return ("allowance_mib", f"{allowance_bytes // 2**20} MiB cannot hold {model}'s device part "
@@ -178,17 +199,25 @@ def moe_refusal(config: dict, *, dtype: str, conditions: list[tuple[str, str, di
     return None
 
 
-def call_bytes(shape: MoeShape, dtype: str, policy: str, *, tokens: int, phase: str, gather: str = "device") -> int:
-    """Host-to-device bytes one call moves, all MoE layers: exact for dense-stream and resident, at
-    most for a packet (the union of `tokens` tokens' k experts a layer is at most min(E, k x tokens))
-    and for an expert cache (only its misses move: at most the packet's experts, no index); for
-    expert-forecast the packet's experts, at least (wrong forecasts add, up to min(E, k x tokens)
-    more a layer)."""
+def call_bytes(shape: MoeShape, dtype: str, policy: str, *, tokens: int, phase: str, gather: str = "device",
+               hot: int = 0) -> int:
+    """Host-to-device bytes one call moves, all MoE layers: exact for dense-stream, resident and
+    host-experts (the experts' outputs coming back, one hidden-sized row a token a layer; its `hot`
+    experts a layer moved once, in the prefill call: at most the outputs then), at most for a
+    packet (the union of `tokens` tokens' k experts a layer is at most min(E, k x tokens)), for
+    accelerate (every layer offloaded: its whole weights each call) and for an expert cache (only
+    its misses move: at most the packet's experts, no index); for expert-forecast the packet's
+    experts, at least (wrong forecasts add, up to min(E, k x tokens) more a layer)."""
     if policy in CACHE_POLICIES:
         gather = "device"  # the cache's fetches and prefetches are device-gather copies: no index
     layer_all = shape.experts * shape.expert_bytes(dtype)
     if policy == "resident":
         return 0
+    if policy == "host-experts":
+        placed = min(hot, shape.experts) * shape.expert_bytes(dtype) if phase == "prefill" else 0
+        return shape.layers * (tokens * shape.hidden * DTYPE_BYTES[dtype] + placed)
+    if policy == "accelerate":
+        return shape.layers * shape.layer_bytes(dtype)
     if policy == "dense-stream" or (policy == "phase-switched" and phase == "prefill"):
         return shape.layers * layer_all
     m = min(shape.experts, shape.k * tokens)

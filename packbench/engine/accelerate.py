@@ -21,6 +21,17 @@ auditor checks); a remainder that is not a whole row would go to `h2d_index_byte
 tensor accelerate already holds on the device in the same call is not counted again. Inputs are
 not counted: token ids are made on the device and every module runs there.
 
+**MoE checkpoints** (Mixtral, Qwen3-MoE, OLMoE: core/moe.py FAMILIES) run the same way, as
+accelerate's users run them: transformers' own `from_pretrained` into host memory (eager attention
+and the eager expert loop, as CpuFirstMoE forces them, so the arithmetic is the loader policies'),
+then `infer_auto_device_map` with the model class's own `_no_split_modules` (its whole decoder
+layer: what `from_pretrained(device_map="auto", max_memory=...)` uses) fills the allowance with
+whole layers, embeddings first, and leaves the rest, experts and all, on the host for its hooks to
+copy every call. A row of the ledger is then one expert (`3 x hidden x intermediate` values, the
+row of every MoE loader policy, so the auditor's row check holds across the screen): an offloaded
+layer's fused experts tensors move as E whole rows; attention, norms and routers (not whole
+experts) go to `h2d_index_bytes`.
+
 `AcceleratedModel` offers what the episode loop (engine/episode.py) reads: `device`,
 `recorder`, `mode`, `new_cache`, `forward`. Mode eager only (core.registry.CAPTURE_REFUSALS).
 """
@@ -32,6 +43,7 @@ import inspect
 import re
 import time
 from dataclasses import asdict, dataclass
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -45,6 +57,8 @@ from packbench.engine.opt_weights import stock_model
 NO_SPLIT = ["OPTDecoderLayer"]  # accelerate places whole decoder layers
 KV_MARGIN = 256 << 20  # activations of a call beside the weights (a 2048-token prefill of OPT-13B: ~200 MiB)
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)(?:\.|$)")
+# An MoE layer's fused experts tensors (transformers >= 5): a hook's bytes of these are whole experts.
+EXPERT_TENSOR = re.compile(r"(?:^|\.)experts\.(?:gate_up_proj|down_proj)$")
 
 
 class AccelerateUnavailable(PackbenchError):
@@ -80,22 +94,51 @@ def library():
 
 def layer_of(name: str, layers: int) -> int:
     """The decoder layer whose ledger a hooked module's bytes go to: its own, else the last
-    (final LayerNorm, head) or the first (embeddings)."""
+    (final norm, head) or the first (embeddings)."""
     m = _LAYER.search(name)
     if m:
         return int(m.group(1))
-    return layers - 1 if ("final_layer_norm" in name or "lm_head" in name) else 0
+    return layers - 1 if ("final_layer_norm" in name or "lm_head" in name or name == "model.norm") else 0
 
 
 def kv_bytes(config, capacity: int, dtype: torch.dtype) -> int:
-    """An episode's KV cache: keys and values of every layer for `capacity` positions."""
-    return 2 * config.num_hidden_layers * capacity * config.hidden_size * torch.finfo(dtype).bits // 8
+    """An episode's KV cache: keys and values of every layer for `capacity` positions (grouped-query
+    attention: the key-value heads' width, where the config says it)."""
+    heads = getattr(config, "num_key_value_heads", None)
+    head_dim = getattr(config, "head_dim", None)
+    width = heads * head_dim if heads and head_dim else config.hidden_size
+    return 2 * config.num_hidden_layers * capacity * width * torch.finfo(dtype).bits // 8
 
 
-def count_copies(model: torch.nn.Module, recorder: Recorder, *, row_bytes: int) -> int:
+def _opt_model(model_dir: Path, dtype: torch.dtype):
+    """(stock OPT over the checkpoint's weights in host memory, the weights, a ledger row's bytes:
+    one `hidden`-sized row, whole decoder layers kept together)."""
+    weights = build_weights(model_dir, dtype=dtype)  # CPU-first: every tensor in host memory
+    model = stock_model(weights, vars(weights.config))
+    return model, weights, weights.config.hidden_size * torch.finfo(dtype).bits // 8, NO_SPLIT
+
+
+def _moe_model(model_dir: Path, dtype: torch.dtype, family: str):
+    """(the stock MoE model in host memory, eager attention and expert loop, None, a ledger row's
+    bytes: one expert, the model class's own unsplittable modules)."""
+    from packbench.engine.moe.model import force_eager, model_class
+
+    cls = model_class(family)
+    model = cls.from_pretrained(model_dir, dtype=dtype, attn_implementation="eager")
+    force_eager(model.config)
+    c = model.config
+    intermediate = getattr(c, "moe_intermediate_size", None) or c.intermediate_size
+    row = 3 * c.hidden_size * intermediate * torch.finfo(dtype).bits // 8
+    return model.eval(), None, row, list(cls._no_split_modules)
+
+
+def count_copies(model: torch.nn.Module, recorder: Recorder, *, row_bytes: int,
+                 is_row: Callable[[str], bool] | None = None) -> int:
     """Wrap the pre_forward of every offloading AlignDevicesHook in `model` so that the bytes it
     copies to another device are added to `recorder`'s current call (module docstring).
-    Returns how many hooks were wrapped."""
+    `is_row(full tensor name)`: the tensors whose bytes count as rows (an MoE layer's fused
+    experts tensors, EXPERT_TENSOR), every other one's going to the index bytes; None: all of a
+    hook's bytes, in whole rows and a remainder (OPT). Returns how many hooks were wrapped."""
     from accelerate.hooks import AlignDevicesHook, SequentialHook
 
     layers = recorder.layers
@@ -104,12 +147,13 @@ def count_copies(model: torch.nn.Module, recorder: Recorder, *, row_bytes: int) 
         hook = getattr(module, "_hf_hook", None)
         for h in (hook.hooks if isinstance(hook, SequentialHook) else [hook]):
             if isinstance(h, AlignDevicesHook) and h.offload:
-                _wrap(h, recorder, layer_of(name, layers), row_bytes)
+                _wrap(h, recorder, layer_of(name, layers), row_bytes, prefix=name, is_row=is_row)
                 wrapped += 1
     return wrapped
 
 
-def _wrap(hook, recorder: Recorder, layer: int, row_bytes: int) -> None:
+def _wrap(hook, recorder: Recorder, layer: int, row_bytes: int, *, prefix: str = "",
+          is_row: Callable[[str], bool] | None = None) -> None:
     from accelerate.utils import named_module_tensors
 
     inner = hook.pre_forward
@@ -124,9 +168,14 @@ def _wrap(hook, recorder: Recorder, layer: int, row_bytes: int) -> None:
         out = inner(module, *args, **kwargs)
         placed = dict(named_module_tensors(module, include_buffers=hook.offload_buffers,
                                            recurse=hook.place_submodules, remove_non_persistent=True))
-        moved = sum(placed[n].numel() * placed[n].element_size() for n in names
-                    if n not in reused and placed[n].device != sources[n].device)
-        rows, rest = divmod(moved, row_bytes)
+        moved = {n: placed[n].numel() * placed[n].element_size() for n in names
+                 if n not in reused and placed[n].device != sources[n].device}
+        if is_row is None:
+            rows, rest = divmod(sum(moved.values()), row_bytes)
+        else:  # a whole layer's hook moves its experts (whole rows) and its attention, norms, router
+            row_part = sum(b for n, b in moved.items() if is_row(f"{prefix}.{n}" if prefix else n))
+            rows, extra = divmod(row_part, row_bytes)
+            rest = sum(moved.values()) - row_part + extra
         recorder.add(layer, rows=rows, weight_bytes=rows * row_bytes, index_bytes=rest)
         return out
 
@@ -143,11 +192,14 @@ class AcceleratedModel:
         lib = library()
         from accelerate import dispatch_model, infer_auto_device_map
 
+        from packbench.engine.moe.model import moe_family
+
         cuda = device.type == "cuda"
         t0 = time.perf_counter()
-        weights = build_weights(model_dir, dtype=dtype)  # CPU-first: every tensor in host memory
-        self.config = weights.config
-        model = stock_model(weights, vars(self.config))
+        family = moe_family(model_dir)
+        model, weights, row_bytes, no_split = (_opt_model(model_dir, dtype) if family is None
+                                               else _moe_model(model_dir, dtype, family))
+        self.config = model.config
         # What the worker still holds on the device counts too: a torchao model shelved on the host
         # left 258 MiB there on the H200 (docs/benchmarks.md), and accelerate, told the device was
         # empty, placed weights into it until the allowance's cap refused an allocation.
@@ -157,7 +209,7 @@ class AcceleratedModel:
         if cuda:
             # Every host byte accelerate may use: the model is in host memory already.
             budget = {device.index or 0: max_memory, "cpu": host_bytes or (1 << 50)}
-            device_map = infer_auto_device_map(model, max_memory=budget, no_split_module_classes=NO_SPLIT,
+            device_map = infer_auto_device_map(model, max_memory=budget, no_split_module_classes=no_split,
                                                dtype=dtype)
         else:
             device_map = {"": "cpu"}  # no device to offload to: accelerate places everything on the CPU
@@ -169,8 +221,9 @@ class AcceleratedModel:
         self.vocab = self.config.vocab_size
         self.recorder = Recorder(self.config.num_hidden_layers)
         self._model = model
-        row_bytes = self.config.hidden_size * torch.finfo(dtype).bits // 8
-        hooked = count_copies(model, self.recorder, row_bytes=row_bytes)
+        self.row_bytes = row_bytes
+        hooked = count_copies(model, self.recorder, row_bytes=row_bytes,
+                              is_row=None if family is None else EXPERT_TENSOR.search)
         on_device = sum(_bytes(model, prefix) for prefix, where in device_map.items() if where not in ("cpu", "disk"))
         params = inspect.signature(model.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"

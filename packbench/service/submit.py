@@ -136,19 +136,20 @@ def check_positions(frozen: FrozenProtocol) -> None:
 
 
 def check_family(frozen: FrozenProtocol) -> None:
-    """A model.path MoE checkpoint runs only the expert policies, within an allowance that holds its
-    device part and one layer's routed experts (core/moe.py moe_refusal); an OPT checkpoint runs
-    every kind but the expert-only ones (expert-cache, expert-forecast)."""
+    """A model.path MoE checkpoint runs only the kinds that fit an MoE model, within an allowance that
+    holds its device part and one layer's routed experts (core/moe.py moe_refusal); an OPT checkpoint
+    refuses a kind for MoE models alone (family_refusal)."""
     model_dir = frozen.model_dir()
     if model_dir is None:
         return
-    from packbench.core.moe import FAMILIES, experts_only_refusal, moe_refusal
+    from packbench.core.moe import FAMILIES, family_refusal, moe_refusal
     from packbench.engine.config import read_config
 
     config = read_config(model_dir)
     p = frozen.protocol
     if config.get("model_type") not in FAMILIES:
-        refusal = experts_only_refusal([c.policy for c in p.conditions], model=f"checkpoint {model_dir}")
+        refusal = family_refusal([(c.name, c.policy, dict(c.resolved_params)) for c in p.conditions], family="opt",
+                                 model=f"checkpoint {model_dir}")
         if refusal:
             raise ProtocolError(f"protocol field `{refusal[0]}`: {refusal[1]}")
         return

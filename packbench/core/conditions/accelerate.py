@@ -1,5 +1,6 @@
-"""`accelerate`: Hugging Face accelerate's big-model offload (a competitor, tier exact); its
-runtime is engine/conditions/accelerate.py over engine/accelerate.py."""
+"""`accelerate`: Hugging Face accelerate's big-model offload (a competitor, tier exact), on OPT and
+on MoE checkpoints (stock transformers' modules either way); its runtime is
+engine/conditions/accelerate.py over engine/accelerate.py."""
 
 from typing import Any, Mapping
 
@@ -24,4 +25,5 @@ KIND = ConditionKind(
     since=6,
     competitor=Competitor(library=lambda params: LIBRARY, fastest_mode=lambda params: "eager",
                           capture_refusal=lambda params: CAPTURE_REFUSAL),
+    families=("opt", "moe"),
 )

@@ -71,6 +71,9 @@ MODE_PARAM = ChoiceParam(choices=COMPETITOR_MODES, default="eager")
 TIERS = ("exact", "approximate")
 # How a kind's byte estimate bounds what it will move (printed beside its numbers by `protocol plan`).
 BOUNDS = ("about", "at most", "at least")
+# The model families a kind runs on: OPT's ReLU FFN rows, or an MoE model's experts (core/moe.py).
+# A protocol naming a kind on a family it does not fit is refused before anything is queued.
+MODEL_FAMILIES = ("opt", "moe")
 INDEX_BYTES = 8  # every index travels as int64: core/charges.py INDEX_BYTES, the ledger's rule (kept numpy-free here)
 
 
@@ -128,7 +131,7 @@ class ConditionKind:
     `since`: the first schema that can say this kind (a protocol naming it freezes there);
     `schema_defaults`: per schema, what an omitted parameter means where that differs from its
     default (written into the frozen body, so old hashes hold); `competitor`: set for a kind
-    that is not packbench's own loader.
+    that is not packbench's own loader; `families`: the model families it runs on (MODEL_FAMILIES).
     """
 
     name: str
@@ -140,12 +143,15 @@ class ConditionKind:
     since: int = 1
     schema_defaults: Mapping[int, Mapping[str, str]] = field(default_factory=dict)
     competitor: Competitor | None = None
-    experts_only: bool = False
+    families: tuple[str, ...] = ("opt",)
 
     def __post_init__(self) -> None:
         if self.tier not in TIERS:
             raise ValueError(f"condition kind {self.name}: tier must be one of {', '.join(TIERS)}, got {self.tier!r}")
         if self.bound not in BOUNDS:
             raise ValueError(f"condition kind {self.name}: bound must be one of {', '.join(BOUNDS)}, got {self.bound!r}")
+        if not self.families or not set(self.families) <= set(MODEL_FAMILIES):
+            raise ValueError(f"condition kind {self.name}: families must be some of {', '.join(MODEL_FAMILIES)}, "
+                             f"got {self.families!r}")
         if isinstance(self.since, bool) or not isinstance(self.since, int) or self.since < 1:
             raise ValueError(f"condition kind {self.name}: since must be a schema >= 1, got {self.since!r}")

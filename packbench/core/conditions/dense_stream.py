@@ -14,4 +14,5 @@ KIND = ConditionKind(
     summary="copy every outgoing weight every call",
     params={"weights": WEIGHTS_PARAM},
     h2d_bytes=h2d_bytes,
+    families=("opt", "moe"),  # an MoE model runs it at expert granularity (engine/moe/policies.py)
 )

@@ -21,5 +21,5 @@ KIND = ConditionKind(
             "forecast": ChoiceParam(choices=("off", "on"), default="off")},
     h2d_bytes=h2d_bytes,
     bound="at most",
-    experts_only=True,
+    families=("moe",),
 )

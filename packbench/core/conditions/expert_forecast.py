@@ -17,5 +17,5 @@ KIND = ConditionKind(
     params={},
     h2d_bytes=h2d_bytes,
     bound="at least",
-    experts_only=True,
+    families=("moe",),
 )

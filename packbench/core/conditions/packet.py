@@ -18,4 +18,5 @@ KIND = ConditionKind(
     # Schema 3: the device gather is the fast exact mechanism; the host gather (the seed's v0.40
     # mechanism) stays available as `gather: host`.
     schema_defaults={3: {"gather": "device"}},
+    families=("opt", "moe"),  # an MoE model runs it at expert granularity (engine/moe/policies.py)
 )

@@ -18,4 +18,5 @@ KIND = ConditionKind(
     # Schema 4 decodes with the device gather, as packet does since schema 3 (the host gather kept
     # it from mode graph's capture).
     schema_defaults={4: {"gather": "device"}},
+    families=("opt", "moe"),  # an MoE model runs it at expert granularity (engine/moe/policies.py)
 )

@@ -9,4 +9,5 @@ KIND = ConditionKind(
     # speed reference where the model does not fit (its resources verdict still says so). Schema 6.
     params={"allowance": ChoiceParam(choices=("held", "unbounded"), default="held", since=WEIGHTS_SCHEMA)},
     h2d_bytes=nothing_moves,  # the weights were placed once at start
+    families=("opt", "moe"),  # an MoE model runs it at expert granularity (engine/moe/policies.py)
 )

@@ -50,7 +50,7 @@ from packbench.core.protocol.prompt_files import TEXT_SEPARATOR, read_prompt_fil
 # Policies and their parameters, dtypes and synthetic shapes live in one registry shared with the
 # engine and the CLI; re-exported here for code that imports them from core.protocol.
 from packbench.core.conditions import CONDITIONS
-from packbench.core.moe import experts_only_refusal
+from packbench.core.moe import family_refusal
 from packbench.core.registry import (
     DTYPE_NAMES,
     POLICY_NAMES,
@@ -604,8 +604,9 @@ def _cross_checks(full: dict) -> None:
                                                 f"engine.mode {full['engine']['mode']} or the condition")
     if "synth" in full["model"]:  # a model.path checkpoint's positions are its config.json's (service/submit.py)
         shape = full["model"]["synth"]["shape"]
-        # A synthetic shape is an OPT model: no experts to cache (an MoE checkpoint is a model.path).
-        refusal = experts_only_refusal([c["policy"] for c in full["conditions"]], model=f"the synthetic {shape} shape")
+        # A synthetic spec is an OPT shape: a kind for MoE models alone does not fit it.
+        refusal = family_refusal([(c["name"], c["policy"], c["params"]) for c in full["conditions"]], family="opt",
+                                 model=f"the synthetic {shape} shape")
         if refusal:
             fail(*refusal)
         refusal = positions_refusal(full["prefix_tokens"], full["continuation_tokens"],

@@ -10,8 +10,8 @@ through a new one.
 
 from packbench.core.conditions import CONDITIONS
 from packbench.engine.conditions import (accelerate, dense_stream, early_forecast, expert_cache, expert_forecast,
-                                         packet, phase_switched, quantized, resident, row_retention, sparse_extents,
-                                         zero_inference)
+                                         host_experts, packet, phase_switched, quantized, resident, row_retention,
+                                         sparse_extents, zero_inference)
 from packbench.engine.conditions.base import ConditionRuntime, LoaderRuntime
 from packbench.engine.policies.base import LoaderPolicy
 
@@ -28,6 +28,7 @@ RUNTIMES: dict[str, ConditionRuntime] = {
     "quantized": quantized.RUNTIME,
     "accelerate": accelerate.RUNTIME,
     "zero-inference": zero_inference.RUNTIME,
+    "host-experts": host_experts.RUNTIME,
 }
 
 
@@ -42,7 +43,7 @@ def loader_policy(name: str, **params) -> LoaderPolicy:
 
 # The loader policies' builders that run on every model family (OPT rows, and an MoE model's
 # experts through the expert version of the same name), by name: a view of RUNTIMES (benches and
-# tests iterate it over OPT models). The expert-only kinds (`experts_only`: expert-cache,
+# tests iterate it over OPT models). The kinds for MoE models alone (expert-cache,
 # expert-forecast) build MoE policies and are left out; RUNTIMES holds them.
 POLICIES = {name: runtime.policy for name, runtime in RUNTIMES.items()
-            if isinstance(runtime, LoaderRuntime) and not CONDITIONS[name].experts_only}
+            if isinstance(runtime, LoaderRuntime) and "opt" in CONDITIONS[name].families}

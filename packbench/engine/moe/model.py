@@ -121,6 +121,9 @@ class CpuFirstMoE:
         self.routes: list[list[tuple[int, ...] | None]] = []
         self._hooks = [e.register_forward_pre_hook(self._pre_experts(i), with_kwargs=True)
                        for i, e in enumerate(self.experts_modules) if e is not None]
+        for i, e in enumerate(self.experts_modules):
+            if e is not None:  # an instance attribute: nn.Module's call finds it before the class's
+                e.forward = self._experts_forward(i, e)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         self.start = StartStats(read_s=t1 - t0, place_s=time.perf_counter() - t1,
@@ -141,6 +144,8 @@ class CpuFirstMoE:
         def hook(module, args, kwargs):
             top_k_index = args[1] if len(args) > 1 else kwargs["top_k_index"]
             policy = self.slot.policy
+            if getattr(policy, "computes", False):
+                return  # it runs the whole expert computation itself (_experts_forward)
             routed = None
             if policy.observes():
                 # (tokens, k) expert ids -> which experts this call routed to: E bytes read back.
@@ -159,6 +164,23 @@ class CpuFirstMoE:
                 policy.prefetch(nxt, hit.nonzero().reshape(-1).cpu().tolist())
         return hook
 
+    def _experts_forward(self, layer: int, module):
+        """Layer `layer`'s experts forward: stock transformers' (over the weights the pre-hook
+        placed), or, for a policy that `computes` the experts itself (host-experts), that policy's
+        `compute`, given the stock loop to run over weights of its choosing."""
+        stock_forward = module.forward  # the class's (experts_implementation eager), bound
+
+        def stock(gate_up, down, hidden_states, top_k_index, top_k_weights):
+            module.gate_up_proj, module.down_proj = gate_up, down
+            return stock_forward(hidden_states, top_k_index, top_k_weights)
+
+        def forward(hidden_states, top_k_index, top_k_weights):
+            policy = self.slot.policy
+            if getattr(policy, "computes", False):
+                return policy.compute(layer, stock, hidden_states, top_k_index, top_k_weights)
+            return stock_forward(hidden_states, top_k_index, top_k_weights)
+        return forward
+
     def _call_routes(self) -> list:
         index = self.recorder.current.index
         while len(self.routes) <= index:
@@ -166,9 +188,10 @@ class CpuFirstMoE:
         return self.routes[index]
 
     def use(self, policy_name: str, **params) -> None:
-        """A fresh MoE policy of kind `policy_name` with the condition's `params`: OPT's row formats
-        (`gather`, `weights`; `weights` other than the checkpoint's dtype is refused) or the expert
-        cache's (`capacity`, `rule`, `forecast`)."""
+        """A fresh MoE policy of kind `policy_name`. The parameters read are OPT's row formats
+        (`gather`, `weights`), the expert cache's (`capacity`, `rule`, `forecast`) and host-experts'
+        `hot`; `weights` other than the checkpoint's dtype is refused, anything else (a competitor's
+        `mode`) ignored."""
         if params.get("weights", "dtype") != "dtype":
             raise MoeCheckpointError(f"weights {params['weights']} is not available for MoE models; "
                                      f"drop it from the condition")
@@ -178,7 +201,7 @@ class CpuFirstMoE:
         if policy_name not in EXPERT_POLICIES:
             raise MoeCheckpointError(f"policy {policy_name} does not fit an MoE model; use one of "
                                      f"{', '.join((*EXPERT_POLICIES, *CACHE_KINDS))}")
-        self.use_policy(_expert_policy(policy_name, params.get("gather", "host")))
+        self.use_policy(_expert_policy(policy_name, params))
 
     def use_policy(self, policy) -> None:
         """Activate `policy`, releasing the previous one. An OPT loader policy of the same name
@@ -190,7 +213,7 @@ class CpuFirstMoE:
             if name not in EXPERT_POLICIES:
                 raise MoeCheckpointError(f"policy {name} does not fit an MoE model; use one of "
                                          f"{', '.join(EXPERT_POLICIES)}")
-            policy = _expert_policy(name, getattr(policy, "gather", "host"))
+            policy = _expert_policy(name, {"gather": getattr(policy, "gather", "host")})
         if self.slot.policy is not None:
             self.slot.policy.deactivate()
             self.slot.policy = None
@@ -237,10 +260,12 @@ def _forecast_index(out, *, k: int) -> torch.Tensor:
     return out[-1] if isinstance(out, tuple) else torch.topk(out, k, dim=-1).indices
 
 
-def _expert_policy(name: str, gather: str) -> ExpertPolicy:
-    """A fresh expert policy; packet and phase-switched keep the kind's `gather`."""
+def _expert_policy(name: str, params: dict) -> ExpertPolicy:
+    """A fresh expert policy; packet and phase-switched keep the kind's `gather`, host-experts its `hot`."""
     cls = EXPERT_POLICIES[name]
-    return cls(gather=gather) if name in ("packet", "phase-switched") else cls()
+    if name in ("packet", "phase-switched"):
+        return cls(gather=params.get("gather", "host"))
+    return cls(hot=params.get("hot", 0)) if name == "host-experts" else cls()
 
 
 class _Slot:

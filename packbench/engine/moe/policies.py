@@ -32,6 +32,7 @@ import torch
 from packbench.core import charges
 from packbench.engine.ledger import Recorder
 from packbench.engine.moe.host import ExpertHost
+from packbench.engine.moe.host_experts import HostExperts
 
 INDEX_DTYPE = torch.int64
 INDEX_BYTES = charges.INDEX_BYTES
@@ -274,13 +275,16 @@ class ExpertPhaseSwitched(ExpertPacketPolicy):
         return super().experts(layer, routed)
 
 
-# Every MoE policy that replaces an OPT loader of the same name (the kinds in core/conditions/ of
-# the same names; core/moe.py MOE_POLICIES lists them, with the expert-only kinds, torch-free for
-# the schema). The expert-only kinds (`expert-cache`, `expert-forecast`) are built by their own
-# runtimes (engine/conditions/expert_cache.py), from engine/moe/cache.py.
+# Every MoE policy over CpuFirstMoE's host experts that a protocol names by an OPT loader's name or
+# host-experts' (the kinds in core/conditions/ of the same names; core/moe.py MOE_POLICIES lists
+# them torch-free for the schema, with accelerate, which runs a model of its own). host-experts
+# moves no weight: it computes the experts on the host (engine/moe/host_experts.py). The kinds for
+# MoE models alone (`expert-cache`, `expert-forecast`) are built by their own runtimes
+# (engine/conditions/expert_cache.py), from engine/moe/cache.py.
 EXPERT_POLICIES: dict[str, type] = {
     "resident": ExpertResident,
     "dense-stream": ExpertDenseStream,
     "packet": ExpertPacketPolicy,
     "phase-switched": ExpertPhaseSwitched,
+    "host-experts": HostExperts,
 }

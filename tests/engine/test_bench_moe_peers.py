@@ -1,0 +1,43 @@
+"""bench.moe_peers on the CPU (the twin of bench/moe_peers_device.sh's crossover sweep): every
+batch's line per condition, cold apart from warm, the loaders bit-identical to dense-stream at
+the same batch, host-experts judged by fidelity; and the crossover rule on its own."""
+
+import re
+
+import torch
+
+from bench import moe_peers
+from packbench.engine.moe.synth import synth_moe
+
+
+def test_the_crossover_is_the_first_batch_from_which_the_packet_stays_faster():
+    # Catches a rule that takes the first batch where the packet wins once (2 here), not for good.
+    ms = {1: {"packet": 3.0, "host-experts": 1.0}, 2: {"packet": 1.0, "host-experts": 2.0},
+          4: {"packet": 5.0, "host-experts": 4.0}, 8: {"packet": 5.0, "host-experts": 6.0},
+          16: {"packet": 6.0, "host-experts": 9.0}}
+    assert moe_peers.crossover(ms) == 8
+    assert moe_peers.crossover({1: {"packet": 2.0, "host-experts": 1.0}}) is None
+    assert moe_peers.crossover({1: {"packet": 1.0, "host-experts": 1.0}}) == 1  # a tie pays already
+    assert moe_peers.crossover({1: {"packet": 1.0}}) is None  # host-experts not measured: no claim
+
+
+def test_each_batch_reports_every_condition_cold_and_warm(tmp_path, capsys):
+    torch.set_num_threads(1)
+    path = synth_moe(tmp_path / "olmoe", shape="olmoe-tiny", seed=1, dtype="float32")
+    moe_peers.main(["--model", str(path), "--dtype", "float32", "--batches", "1,2", "--prefix", "8",
+                    "--continuation", "3", "--rounds", "1", "--threads", "1", "--hot", "16"])
+    out = capsys.readouterr().out
+    rows = re.findall(r"^ *(\d+) (\S+) +(cold|warm) .*$", out, re.M)
+    names = [*moe_peers.CONDITIONS, "host-hot"]
+    assert sorted(set(rows)) == sorted({(b, n, s) for b in ("1", "2") for n in names for s in ("cold", "warm")}), out
+    warm = {(m.group(1), m.group(2)): m.group(0) for m in re.finditer(r"^ *(\d+) (\S+) +warm .*$", out, re.M)}
+    for b in ("1", "2"):
+        assert warm[(b, "packet")].endswith("exact") and warm[(b, "dense-stream")].endswith("exact")
+        # on the CPU the host's arithmetic is the device's: fidelity is perfect here
+        assert "KL 0.00e+00 top1 1.000 max|d| 0 diverges never" in warm[(b, "host-experts")]
+        h2d = float(warm[(b, "host-experts")].split()[6])  # MB/call: B tokens' outputs, 3 layers of 64 fp32
+        assert h2d == round(int(b) * 64 * 4 * 3 / 1e6, 3)
+        # every expert held on the device (olmoe-tiny has 16): dense-stream's bits, all hits, nothing moves
+        assert "KL 0.00e+00 top1 1.000" in warm[(b, "host-hot")] and warm[(b, "host-hot")].endswith("hit rate 1.000")
+        assert float(warm[(b, "host-hot")].split()[6]) == 0.0
+    assert re.search(r"^crossover: (packet faster from batch [12]|packet never faster) ", out, re.M), out
