@@ -128,7 +128,7 @@ def test_refusals_are_one_line_exit_2(tmp_path):
          "lower capacity or raise allowance_mib"),
         (dict(base, model={"synth": {"shape": "opt-125m", "dtype": "float16", "seed": 0}},
               conditions=[{"policy": "dense-stream"}, {"policy": "expert-forecast"}]),
-         "is not an MoE model"),
+         "does not fit the synthetic opt-125m shape, an OPT model"),
     ]
     # `protocol plan --shape` of an OPT shape, the checkpoint not here: the cache cannot be planned.
     plan_case = (dict(base, model={"path": str(tmp_path / "absent")},
@@ -149,7 +149,7 @@ def test_submit_refuses_a_cache_on_an_opt_checkpoint_and_fits_one_that_holds(tmp
     (opt / "config.json").write_text(json.dumps(opt_config("opt-125m", "float16")))
     body = dict(raw(opt), dtype="float16", conditions=[{"policy": "dense-stream"},
                                                        {"policy": "expert-cache", "params": {"capacity": 1}}])
-    with pytest.raises(ProtocolError, match=r"conditions\[1\].policy.*caches MoE experts.*not an MoE model"):
+    with pytest.raises(ProtocolError, match=r"conditions\[1\].policy.*.expert-cache. does not fit checkpoint .*, an OPT model"):
         check_family(freeze(body))
     mixtral = _config_dir(tmp_path, "mixtral-8x7b")
     # 1 x 32 x 336 MiB = 10.5 GiB of slots fits 24 GiB with the device part and one workspace.
