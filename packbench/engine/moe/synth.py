@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from packbench.core.moe import MOE_SHAPES, ROUTING_OF
+from packbench.core.moe import MAX_POSITIONS, MOE_SHAPES, ROUTING_OF
 from packbench.engine.moe.model import model_class
 
 INIT_STD = 0.02
@@ -65,7 +65,7 @@ def moe_config(shape: str, *, layers: int | None = None, dtype: str = "float32")
     s = MOE_SHAPES[shape]
     common = dict(hidden_size=s["hidden"], num_hidden_layers=layers or s["layers"], num_attention_heads=s["heads"],
                   num_key_value_heads=s["kv_heads"], head_dim=s["head_dim"], vocab_size=s["vocab"],
-                  num_experts_per_tok=s["k"], max_position_embeddings=4096, rms_norm_eps=1e-6,
+                  num_experts_per_tok=s["k"], max_position_embeddings=MAX_POSITIONS, rms_norm_eps=1e-6,
                   tie_word_embeddings=False, bos_token_id=None, eos_token_id=None, pad_token_id=None,
                   dtype=dtype, output_router_logits=False, router_aux_loss_coef=0.0)
     if s["family"] == "mixtral":
