@@ -157,39 +157,26 @@ def policy_need_bytes(shape: MoeShape, dtype: str, policy: str, gather: str = "h
 
 
 def moe_refusal(config: dict, *, dtype: str, conditions: list[tuple[str, str, dict]], allowance_bytes: int,
-                model: str, mode: str = "eager") -> tuple[str, str] | None:
+                model: str) -> tuple[str, str] | None:
     """(field, why) a protocol's conditions cannot run on MoE checkpoint `config`, or None. Pure:
     submit and `protocol check` call it with config.json's mapping (shape_refusal says the rest)."""
     return shape_refusal(shape_of_config(config), config["model_type"], dtype=dtype, conditions=conditions,
-                         allowance_bytes=allowance_bytes, model=model, mode=mode)
-
-
-# The policies (and gathers) whose MoE decode step makes no host decision: mode graph captures it
-# (engine/moe/graph.py). The host and device gathers read each layer's routed set back first.
-def graph_refusal(policy: str, params: dict) -> str | None:
-    """Why condition (policy, params) cannot run an MoE model in engine mode graph, or None."""
-    gather = params.get("gather", "host")
-    if policy in ("packet", "phase-switched") and gather != "mapped":
-        return (f"{policy} with gather {gather} reads each layer's routed experts back to the host, which a "
-                f"CUDA graph cannot capture; use gather mapped or engine mode eager")
-    return None
+                         allowance_bytes=allowance_bytes, model=model)
 
 
 def shape_refusal(s: MoeShape, family: str, *, dtype: str, conditions: list[tuple[str, str, dict]],
-                  allowance_bytes: int, model: str, mode: str = "eager") -> tuple[str, str] | None:
+                  allowance_bytes: int, model: str) -> tuple[str, str] | None:
     """(field, why) a protocol's conditions cannot run on an MoE model of shape `s`, or None. Pure:
     the schema calls it for a synthetic MoE shape, submit for an MoE checkpoint. A policy that
     moves OPT's neuron rows does not fit the family; an allowance must hold the device part plus
     one layer's routed experts (the least any expert policy moves) and what the policy's buffers
-    hold; mode graph needs a policy whose decode makes no host decision."""
+    hold. (In mode graph a policy that reads the routing back runs eagerly, as OPT's do: no refusal.)"""
     for i, (name, policy, params) in enumerate(conditions):
         if policy not in MOE_POLICIES:
             return (f"conditions[{i}].policy", f"{policy!r} does not fit {model}, a {family} MoE "
                                                f"model; use one of {', '.join(MOE_POLICIES)}")
         if params.get("gather") == "mapped" and policy not in ("packet", "phase-switched"):
             return (f"conditions[{i}].params.gather", "mapped is an expert packet's gather; drop it")
-        if mode == "graph" and graph_refusal(policy, params):
-            return (f"conditions[{i}].params.gather", graph_refusal(policy, params))
         if params.get("weights", "dtype") != "dtype":
             return (f"conditions[{i}].params.weights", f"{params['weights']} is not available for MoE models; "
                                                        f"drop it")

@@ -156,8 +156,7 @@ def check_family(frozen: FrozenProtocol) -> None:
                                     f"host memory: use gather device")
         return
     refusal = moe_refusal(config, dtype=p.dtype, allowance_bytes=p.allowance_bytes, model=f"checkpoint {model_dir}",
-                          conditions=[(c.name, c.policy, dict(c.resolved_params)) for c in p.conditions],
-                          mode=p.engine_mode)
+                          conditions=[(c.name, c.policy, dict(c.resolved_params)) for c in p.conditions])
     if refusal:
         raise ProtocolError(f"protocol field `{refusal[0]}`: {refusal[1]}")
 

@@ -1,7 +1,7 @@
 """A protocol's `model.synth` may name an MoE shape (core/moe.py MOE_SHAPES): {shape, dtype, seed,
 layers, routing}, every field written out, and the schema refuses what cannot run on it in one
 line naming the field: an OPT policy, an allowance below the device part plus one layer's routed
-experts, an unknown routing profile, layers out of range, mode graph with a gather that reads back."""
+experts, an unknown routing profile, layers out of range; gather mapped on an OPT model."""
 
 import pytest
 
@@ -50,7 +50,6 @@ def test_fewer_layers_and_each_routing_profile_are_valid():
     ({}, {"conditions": [{"policy": "dense-stream"}, {"policy": "row-retention", "params": {"rows_per_layer": 8}}]},
      "conditions[1].policy", "'row-retention' does not fit the synthetic qwen3-moe-tiny shape"),
     ({"shape": "qwen3-30b-a3b", "layers": 2}, {"allowance_mib": 1024}, "allowance_mib", "one layer's routed experts"),
-    ({}, {"engine": {"mode": "graph"}}, "conditions[1].params.gather", "use gather mapped or engine mode eager"),
 ])
 def test_refusals_name_the_field(synth, changes, field, words):
     with pytest.raises(ProtocolError) as e:

@@ -612,12 +612,11 @@ def _cross_checks(full: dict) -> None:
 
 def _moe_conditions(full: dict) -> None:
     """A synthetic MoE model's conditions: expert policies only, an allowance that holds the device
-    part and one layer's routed experts and each policy's buffers, mode graph only where the decode
-    makes no host decision (core/moe.py shape_refusal)."""
+    part and one layer's routed experts and each policy's buffers (core/moe.py shape_refusal)."""
     synth = full["model"]["synth"]
     refusal = shape_refusal(MoeShape.of(synth["shape"], layers=synth["layers"]), family_of_shape(synth["shape"]),
                             dtype=full["dtype"], allowance_bytes=full["allowance_mib"] * MIB,
-                            model=f"the synthetic {synth['shape']} shape", mode=full.get("engine", {}).get("mode", "eager"),
+                            model=f"the synthetic {synth['shape']} shape",
                             conditions=[(c["name"], c["policy"], c["params"]) for c in full["conditions"]])
     if refusal:
         fail(*refusal)
