@@ -76,3 +76,48 @@ def test_mode_graph_takes_the_mapped_gather_and_opt_refuses_it():
     opt = dict(ok, model={"synth": {"shape": "tiny", "dtype": "float32", "seed": 0}}, dtype="float32")
     with pytest.raises(ProtocolError, match=r"`conditions\[2\].params.gather`: mapped gathers an MoE model's experts"):
         validate(opt)
+
+
+@pytest.mark.parametrize("command", ["validate", "plan"])
+@pytest.mark.parametrize("synth, changes, words", [
+    ({"routing": "zipf"}, {}, "model.synth.routing"),
+    ({"layers": 49, "shape": "qwen3-30b-a3b"}, {}, "model.synth.layers"),
+    ({"shape": "qwen3-30b-a3b", "layers": 2}, {"allowance_mib": 1024}, "allowance_mib"),
+    ({}, {"conditions": [{"policy": "dense-stream"}, {"policy": "sparse-extents"}]}, "conditions[1].policy"),
+])
+def test_validate_and_plan_refuse_in_one_line_exit_2(tmp_path, command, synth, changes, words):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import yaml
+
+    f = tmp_path / "p.yaml"
+    f.write_text(yaml.safe_dump(body(synth, **changes)))
+    r = subprocess.run([sys.executable, "-m", "packbench", "protocol", command, str(f)], capture_output=True, text=True,
+                       cwd=Path(__file__).resolve().parents[2])
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    assert len(r.stderr.strip().splitlines()) == 1 and words in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_plan_prints_the_expert_bytes_of_the_stated_depth(tmp_path):
+    """`protocol plan` of a synthetic MoE shape: its bytes per call at the stated layers, no
+    checkpoint needed (would catch the plan reading OPT's shape table, or the full depth)."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import yaml
+
+    f = tmp_path / "p.yaml"
+    f.write_text(yaml.safe_dump(body({"shape": "qwen3-30b-a3b", "layers": 12, "dtype": "float16"}, dtype="float16",
+                                     allowance_mib=24 * 1024, conditions=[
+                                         {"policy": "dense-stream"}, {"policy": "packet", "params": {"gather": "mapped"}}])))
+    r = subprocess.run([sys.executable, "-m", "packbench", "protocol", "plan", str(f), "--json"], capture_output=True,
+                       text=True, cwd=Path(__file__).resolve().parents[2])
+    assert r.returncode == 0, r.stderr
+    rows = {row["condition"]: row for row in json.loads(r.stdout)["moe"]}
+    expert = 3 * 2048 * 768 * 2
+    assert rows["dense-stream"]["decode_bytes"] == 12 * 128 * expert
+    assert rows["packet"]["decode_bytes"] == 12 * 8 * expert  # k experts a layer, no index

@@ -270,7 +270,8 @@ class LayerGraphs:
         if not getattr(policy, "on_device", False):
             name = getattr(policy, "name", None)
             gather = getattr(policy, "gather", None)
-            return f"{name}{f' with gather {gather}' if gather else ''} reads the routing back: experts run eagerly"
+            return (f"{name}{f' with gather {gather}' if gather else ''} runs stock transformers' expert loop, which "
+                    f"reads the routing on the host: experts run eagerly")
         if model.device.type != "cuda":
             return f"no CUDA graphs on {model.device.type}: experts run eagerly, sync-free"
         return None
