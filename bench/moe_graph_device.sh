@@ -77,9 +77,10 @@ YAML
     t0=$(date +%s)
     pb submit "$work/$shape.yaml" --wait >> "$out/$shape-submit.log" 2>&1; echo "-- B: submit rc $? in $(( $(date +%s) - t0 )) s"
     pb audit latest >> "$out/$shape-submit.log" 2>&1; echo "   audit rc $?"
-    grep -E "^(faithfulness|resources|capacity) |condition|decode|graph|audit|digest|agree" "$out/$shape-submit.log" | head -16
+    grep -iE "^(faithfulness|resources|capacity) |^audit|agree" "$out/$shape-submit.log" | head -12
     { echo "== $shape ($layers layers), submit (engine mode graph) + audit:"
-      grep -E "^(faithfulness|resources) |agree|differ|mismatch" "$out/$shape-submit.log" | head -8; } >> "$summary"
+      grep -E "^(faithfulness|resources) " "$out/$shape-submit.log" | sort -u | head -8
+      grep -iE "^audit|agree|differ" "$out/$shape-submit.log" | head -2; } >> "$summary"
   fi
   rm -rf "$dir"  # the next shape's checkpoint needs the disk
 done
