@@ -12,11 +12,17 @@ cross-layer lift (chance-corrected and raw) and the temporal lift. --shrink 1 is
 import argparse
 import json
 import math
+import re
 import tempfile
 from pathlib import Path
 
 import numpy as np
 import torch
+
+
+# An expert's down projection as save_pretrained writes it: per expert (`experts.N.down_proj.weight`,
+# Mixtral's `experts.N.w2.weight`) or fused (`experts.down_proj`).
+DOWN = re.compile(r"experts\.(\d+\.(down_proj|w2)\.weight|down_proj)$")
 
 
 def proxy_checkpoint(out: Path, *, shape: str, layers: int, shrink: int, seed: int, profile: str | None) -> Path:
@@ -35,10 +41,14 @@ def proxy_checkpoint(out: Path, *, shape: str, layers: int, shrink: int, seed: i
     synth_moe(out, shape=name, layers=layers, seed=seed, profile=profile)
     if shrink > 1:
         scale = math.sqrt(core_moe.MOE_SHAPES[shape]["intermediate"] / core_moe.MOE_SHAPES[name]["intermediate"])
+        scaled = 0
         for f in out.glob("*.safetensors"):
             sd = load_file(f)
-            save_file({k: v * scale if k.endswith("down_proj") else v for k, v in sd.items()}, f,
-                      metadata={"format": "pt"})
+            down = {k for k in sd if DOWN.search(k)}
+            scaled += len(down)
+            save_file({k: v * scale if k in down else v for k, v in sd.items()}, f, metadata={"format": "pt"})
+        if not scaled:  # a layout this does not know: the proxy would not be one
+            raise SystemExit(f"no expert down projection found in {out}; update DOWN")
     return out
 
 
