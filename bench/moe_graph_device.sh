@@ -27,7 +27,7 @@ if [ -n "${TINY:-}" ]; then
   DEVICE=cpu; QWEN_SHAPE=qwen3-moe-tiny; MIXTRAL_SHAPE=mixtral-tiny; QWEN_LAYERS=3; MIXTRAL_LAYERS=2
   PREFIX=${PREFIX:-16}; CONT=${CONT:-4}; ALLOWANCE_MIB=${ALLOWANCE_MIB:-256}; B_MODEL=${B_MODEL:-synth}
   py=${PYTHON:-/work/main/.venv/bin/python}; [ -x "$py" ] || py=python3
-  python3() { "$py" "$@"; }
+  python3() { command "$py" "$@"; }
 fi
 source bench/device_common.sh
 product_env
