@@ -79,7 +79,7 @@ YAML
     pb audit latest >> "$out/$shape-submit.log" 2>&1; echo "   audit rc $?"
     grep -iE "^(faithfulness|resources|capacity) |^audit|agree" "$out/$shape-submit.log" | head -12
     { echo "== $shape ($layers layers), submit (engine mode graph) + audit:"
-      grep -E "^(faithfulness|resources) " "$out/$shape-submit.log" | sort -u | head -8
+      grep -E "^(faithfulness|resources) +[^ ]+ +(exact|approximate) " "$out/$shape-submit.log" | head -8
       grep -iE "^audit|agree|differ" "$out/$shape-submit.log" | head -2; } >> "$summary"
   fi
   rm -rf "$dir"  # the next shape's checkpoint needs the disk
