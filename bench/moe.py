@@ -1,6 +1,8 @@
 """Every expert policy on one MoE checkpoint: exactness against dense-stream, decode ms per
 token, bytes per token and the floor (resident's decode time plus the packet's bytes at the
-pinned copy rate measured here).
+pinned copy rate measured here). `mapped` is `packet {gather: mapped}` (the sync-free gather)
+eager, `mapped-graph` the same policy with each layer's experts captured as a CUDA graph
+(engine/moe/model.py, mode graph).
 
 Usage (GPU machine):  python -m bench.moe --model DIR --dtype float16 [--prefix 128 --continuation 16]
 One process, one CPU-first MoE model (engine/moe/), no allowance imposed (the submit path of
@@ -20,9 +22,14 @@ import torch
 from packbench.engine.episode import run_episode
 from packbench.engine.moe.model import CpuFirstMoE
 
-CONDITIONS = {"dense-stream": ("dense-stream", {}), "resident": ("resident", {}),
-              "packet": ("packet", {"gather": "device"}), "packet-host": ("packet", {"gather": "host"}),
-              "phase-switched": ("phase-switched", {"gather": "device"})}
+# name -> (policy, params, engine mode)
+CONDITIONS = {"dense-stream": ("dense-stream", {}, "eager"), "resident": ("resident", {}, "eager"),
+              "packet": ("packet", {"gather": "device"}, "eager"), "packet-host": ("packet", {"gather": "host"}, "eager"),
+              "phase-switched": ("phase-switched", {"gather": "device"}, "eager"),
+              "mapped": ("packet", {"gather": "mapped"}, "eager"),
+              "mapped-graph": ("packet", {"gather": "mapped"}, "graph"),
+              "phase-mapped-graph": ("phase-switched", {"gather": "mapped"}, "graph")}
+DEFAULT_CONDITIONS = "dense-stream,resident,packet,packet-host,phase-switched"
 
 
 def pinned_rate(device: torch.device, nbytes: int = 1 << 30) -> float:
@@ -46,7 +53,8 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=2)
     ap.add_argument("--prefix", type=int, default=128)
     ap.add_argument("--continuation", type=int, default=16)
-    ap.add_argument("--conditions", default=",".join(CONDITIONS))
+    ap.add_argument("--conditions", default=DEFAULT_CONDITIONS, help=f"Comma-separated, from {', '.join(CONDITIONS)}; "
+                                                                        f"dense-stream (the reference) first.")
     ap.add_argument("--stock", action="store_true",
                     help="Also run stock transformers (experts resident, eager) on the first prompt and compare its "
                          "logits with dense-stream's, bit for bit.")
@@ -63,16 +71,32 @@ def main() -> None:
     vocab = model.vocab
     prompts = [[1] + rng.integers(4, vocab, size=a.prefix - 1).tolist() for _ in range(a.prompts)]
     names = a.conditions.split(",")
+    unknown = [n for n in names if n not in CONDITIONS]
+    if unknown or names[0] != "dense-stream":
+        raise SystemExit(f"--conditions: {', '.join(unknown) or names[0]}: give dense-stream first, then any of "
+                         f"{', '.join(CONDITIONS)}")
     runs: dict[str, list] = {n: [] for n in names}
+
+    def episode(n: str, prompt: list[int], continuation: int):
+        policy, params, mode = CONDITIONS[n]
+        model.use(policy, **params)
+        out = run_episode(model, prompt, continuation=continuation, mode=mode)
+        out.device_bytes = model.slot.policy.device_bytes()
+        return out
+
     for n in names:  # warm-up: kernels, allocator, pinned pages
-        model.use(CONDITIONS[n][0], **CONDITIONS[n][1])
-        run_episode(model, prompts[0], continuation=2)
-    for i, prompt in enumerate(prompts):
+        episode(n, prompts[0], 2)
+    # The reference must reproduce itself before anything is judged against it.
+    again = [episode("dense-stream", prompts[0], a.continuation) for _ in range(2)]
+    print(f"dense-stream reproduces itself (prompt 0, twice): "
+          f"{np.array_equal(again[0].logits, again[1].logits) and again[0].tokens == again[1].tokens}")
+    for i, prompt in enumerate(prompts):  # alternated: each prompt rotates the order
         for n in names[i % len(names):] + names[:i % len(names)]:
-            model.use(CONDITIONS[n][0], **CONDITIONS[n][1])
-            out = run_episode(model, prompt, continuation=a.continuation)
-            out.device_bytes = model.slot.policy.device_bytes()
-            runs[n].append(out)
+            runs[n].append(episode(n, prompt, a.continuation))
+    for n in names:
+        described = {r.decode_graph for r in runs[n] if r.decode_graph}
+        if described:
+            print(f"{n}: mode {runs[n][0].mode}; decode {'; '.join(sorted(described))}")
     ref = runs["dense-stream"]
     rate = pinned_rate(device) if device.type == "cuda" else float("nan")
     print(f"pinned host-to-device rate {rate / 1e9:.2f} GB/s; {a.prompts} prompts x {a.prefix} + {a.continuation} "
@@ -90,10 +114,14 @@ def main() -> None:
         decode_ms[n] = (ms, mb)
         print(f"{n:<15} {str(exact):>5} {ms:13.2f} {mb:13.1f} {pre:10.1f} {moved:17.2f} "
               f"{runs[n][0].device_bytes / 2**30:10.2f}")
-    if "resident" in decode_ms and "packet" in decode_ms and rate == rate:
-        floor = decode_ms["resident"][0] + decode_ms["packet"][1] * 1e6 / rate * 1e3
-        print(f"floor (resident {decode_ms['resident'][0]:.2f} ms + packet {decode_ms['packet'][1]:.1f} MB at "
-              f"{rate / 1e9:.2f} GB/s) = {floor:.2f} ms/token; packet {decode_ms['packet'][0] / floor:.2f}x the floor")
+    if "resident" in decode_ms and rate == rate:
+        for n in names:
+            if n in ("dense-stream", "resident", "packet-host") or not decode_ms[n][1]:
+                continue
+            floor = decode_ms["resident"][0] + decode_ms[n][1] * 1e6 / rate * 1e3
+            print(f"floor of {n} (resident {decode_ms['resident'][0]:.2f} ms + {decode_ms[n][1]:.1f} MB at "
+                  f"{rate / 1e9:.2f} GB/s) = {floor:.2f} ms/token; {n} {decode_ms[n][0]:.2f} ms = "
+                  f"{decode_ms[n][0] / floor:.2f}x the floor")
 
 
     if a.stock:

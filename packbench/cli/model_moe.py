@@ -11,10 +11,8 @@ from pathlib import Path
 import typer
 
 from packbench.core.errors import PackbenchError
-from packbench.core.moe import FAMILIES, MOE_SHAPES, ROUTING_OF
+from packbench.core.moe import FAMILIES, MOE_SHAPES, ROUTING_OF, ROUTING_PROFILES
 from packbench.core.routing import PUBLISHED
-
-ROUTING_PROFILES = ("mixtral", "olmoe", "uniform")  # engine/moe/synth.py PROFILES
 
 
 def is_moe_dir(model_dir: Path) -> bool:

@@ -148,7 +148,8 @@ def plan_cmd(
     p = frozen.protocol
     from packbench.cli.model_moe import is_moe_dir
 
-    if frozen.model_dir() is not None and is_moe_dir(frozen.model_dir()):
+    synth = p.model.synth
+    if (synth is not None and synth.is_moe) or (frozen.model_dir() is not None and is_moe_dir(frozen.model_dir())):
         _moe_plan(frozen, h2d_gbps=h2d_gbps, json_out=json_out)
         return
     from packbench.core.moe import family_refusal
@@ -197,10 +198,13 @@ def _moe_plan(frozen: FrozenProtocol, *, h2d_gbps: float, json_out: bool) -> Non
 
     if h2d_gbps <= 0:
         raise PackbenchError(f"--h2d-gbps {h2d_gbps} must be > 0")
-    check_positions(frozen)
-    check_family(frozen)
     p = frozen.protocol
-    s: MoeShape = shape_of_config(read_config(frozen.model_dir()))
+    if p.model.synth is not None:  # a synthetic MoE shape: the schema checked positions and conditions
+        s: MoeShape = MoeShape.of(p.model.synth.shape, layers=p.model.synth.layers)
+    else:
+        check_positions(frozen)
+        check_family(frozen)
+        s = shape_of_config(read_config(frozen.model_dir()))
     batch = p.batch
     rows = []
     for c in p.conditions:

@@ -6,6 +6,9 @@ Layer rule: core. Imports nothing outside core (no torch, no transformers).
 """
 
 from dataclasses import dataclass
+from typing import Any
+
+from packbench.core.registry import DTYPE_NAMES, MAX_SEED, SynthArgumentError
 
 from packbench.core.conditions import CONDITIONS
 
@@ -47,12 +50,48 @@ MOE_SHAPES: dict[str, dict] = {
 ROUTING_OF = {"mixtral-8x7b": "mixtral", "mixtral-tiny": "mixtral", "qwen3-30b-a3b": "olmoe",
               "olmoe-1b-7b": "olmoe", "qwen3-moe-tiny": "olmoe", "olmoe-tiny": "olmoe"}
 
+# The routing profiles of engine/moe/synth.py PROFILES (tests/engine/test_moe_synth.py holds them equal):
+# each shape's default is the published routing it is calibrated to (ROUTING_OF); `uniform` is the
+# random router the calibration is judged against.
+ROUTING_PROFILES = ("mixtral", "olmoe", "uniform")
+# config.json's max_position_embeddings of every synthetic MoE checkpoint (engine/moe/synth.py moe_config).
+MAX_POSITIONS = 4096
+
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 INDEX_BYTES = 8  # engine/moe/policies.py INDEX_DTYPE is int64: core/charges.py INDEX_BYTES, the ledger's rule
 
 
-def is_moe_shape(shape: str) -> bool:
-    return shape in MOE_SHAPES
+def is_moe_shape(shape: Any) -> bool:
+    return isinstance(shape, str) and shape in MOE_SHAPES
+
+
+def moe_synth_spec(*, shape: Any, dtype: Any, seed: Any, layers: Any = None, routing: Any = None) -> dict[str, Any]:
+    """A protocol's `model.synth` for an MoE shape, checked and normalised: {shape, dtype, seed,
+    layers, routing}, every field written out (`layers` defaults to the shape's depth, `routing` to
+    its published routing, ROUTING_OF), so the frozen body says what the worker generates
+    (engine/moe/synth.py synth_moe). Raises SynthArgumentError for the first bad argument."""
+    if not is_moe_shape(shape):
+        raise SynthArgumentError("shape", shape, f"one of {', '.join(MOE_SHAPES)}", choice=True)
+    if not isinstance(dtype, str) or dtype not in DTYPE_NAMES:
+        raise SynthArgumentError("dtype", dtype, f"one of {', '.join(DTYPE_NAMES)}", choice=True)
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= MAX_SEED:
+        raise SynthArgumentError("seed", seed, f"an integer in [0, {MAX_SEED}]", choice=False)
+    depth = MOE_SHAPES[shape]["layers"]
+    if layers is None:
+        layers = depth
+    if isinstance(layers, bool) or not isinstance(layers, int) or not 1 <= layers <= depth:
+        raise SynthArgumentError("layers", layers, f"an integer in [1, {depth}] ({shape}'s depth; fewer layers keep "
+                                                   f"the real layer shapes)", choice=False)
+    if routing is None:
+        routing = ROUTING_OF[shape]
+    if not isinstance(routing, str) or routing not in ROUTING_PROFILES:
+        raise SynthArgumentError("routing", routing, f"one of {', '.join(ROUTING_PROFILES)}", choice=True)
+    return {"shape": shape, "dtype": dtype, "seed": seed, "layers": layers, "routing": routing}
+
+
+def family_of_shape(shape: str) -> str:
+    """config.json's model_type of a synthetic MoE shape."""
+    return MOE_SHAPES[shape]["family"]
 
 
 @dataclass(frozen=True)
@@ -142,6 +181,8 @@ def policy_need_bytes(shape: MoeShape, dtype: str, policy: str, gather: str = "h
         return slots + (2 if forecasting(policy, params) else 1) * layer
     if policy == "dense-stream" or gather == "device":
         return layer
+    if gather == "mapped":  # the workspace and the k slots a batch-1 decode call gathers into
+        return layer + shape.k * shape.expert_bytes(dtype)
     return layer + shape.experts * (shape.expert_bytes(dtype) + INDEX_BYTES)
 
 
@@ -159,14 +200,24 @@ def family_refusal(conditions: list[tuple[str, str, dict]], *, family: str, mode
 def moe_refusal(config: dict, *, dtype: str, conditions: list[tuple[str, str, dict]], allowance_bytes: int,
                 model: str) -> tuple[str, str] | None:
     """(field, why) a protocol's conditions cannot run on MoE checkpoint `config`, or None. Pure:
-    submit and `protocol check` call it with config.json's mapping. A policy that moves OPT's
-    neuron rows does not fit the family; an allowance must hold the device part plus one layer's
-    routed experts (the least any expert policy moves) and what the policy's buffers hold."""
-    s = shape_of_config(config)
+    submit and `protocol check` call it with config.json's mapping (shape_refusal says the rest)."""
+    return shape_refusal(shape_of_config(config), config["model_type"], dtype=dtype, conditions=conditions,
+                         allowance_bytes=allowance_bytes, model=model)
+
+
+def shape_refusal(s: MoeShape, family: str, *, dtype: str, conditions: list[tuple[str, str, dict]],
+                  allowance_bytes: int, model: str) -> tuple[str, str] | None:
+    """(field, why) a protocol's conditions cannot run on an MoE model of shape `s`, or None. Pure:
+    the schema calls it for a synthetic MoE shape, submit for an MoE checkpoint. A policy that
+    moves OPT's neuron rows does not fit the family; an allowance must hold the device part plus
+    one layer's routed experts (the least any expert policy moves) and what the policy's buffers
+    hold. (In mode graph a policy that reads the routing back runs eagerly, as OPT's do: no refusal.)"""
     for i, (name, policy, params) in enumerate(conditions):
         if policy not in MOE_POLICIES:
-            return (f"conditions[{i}].policy", f"{policy!r} does not fit {model}, a {config['model_type']} MoE "
+            return (f"conditions[{i}].policy", f"{policy!r} does not fit {model}, a {family} MoE "
                                                f"model; use one of {', '.join(MOE_POLICIES)}")
+        if params.get("gather") == "mapped" and policy not in ("packet", "phase-switched"):
+            return (f"conditions[{i}].params.gather", "mapped is an expert packet's gather; drop it")
         if params.get("weights", "dtype") != "dtype":
             return (f"conditions[{i}].params.weights", f"{params['weights']} is not available for MoE models; "
                                                        f"drop it")
@@ -221,7 +272,7 @@ def call_bytes(shape: MoeShape, dtype: str, policy: str, *, tokens: int, phase: 
     if policy == "dense-stream" or (policy == "phase-switched" and phase == "prefill"):
         return shape.layers * layer_all
     m = min(shape.experts, shape.k * tokens)
-    index = INDEX_BYTES * m if gather == "host" else 0
+    index = INDEX_BYTES * m if gather == "host" else 0  # device and mapped gathers upload no index
     return shape.layers * (m * shape.expert_bytes(dtype) + index)
 
 

@@ -143,6 +143,8 @@ def model_label(screen: ScreenData) -> str:
     m = screen.protocol.model
     if m.synth is not None:
         s = m.synth
+        if s.is_moe:
+            return f"synthetic {s.shape} {s.dtype} ({s.layers} layers, routing {s.routing}, seed {s.seed})"
         if s.profile is not None:
             return f"synthetic {s.shape} {s.dtype} (profile {s.profile}, seed {s.seed})"
         hot = f", {s.hot_fraction:g} hot" if s.hot_fraction else ""
@@ -154,7 +156,7 @@ def neurons_per_layer(screen: ScreenData) -> int | None:
     """FFN neurons (outgoing rows) per layer: the synthetic shape's, else derived from the
     worker's host outgoing bytes over layers x bytes per row (a call that copied rows gives
     the row size). None when the archive cannot say."""
-    if screen.protocol.model.synth is not None:
+    if screen.protocol.model.synth is not None and not screen.protocol.model.synth.is_moe:
         return SHAPES[screen.protocol.model.synth.shape]["ffn"]
     host = screen.start.get("host_outgoing_bytes")
     for e in screen.episodes:

@@ -88,7 +88,13 @@ def model_dir_for(protocol: Protocol, model_dir: str | None, *, cache: Path | No
         # Before, two workers writing one folder let one read a half-written checkpoint.
         tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")
         shutil.rmtree(tmp, ignore_errors=True)
-        synth_checkpoint(tmp, **spec)
+        if synth.is_moe:  # a routing-calibrated MoE checkpoint, drawn on the CPU: the same bytes on every node
+            from packbench.engine.moe.synth import synth_moe
+
+            synth_moe(tmp, shape=spec["shape"], seed=spec["seed"], dtype=spec["dtype"], layers=spec["layers"],
+                      profile=spec["routing"])
+        else:
+            synth_checkpoint(tmp, **spec)
         try:
             tmp.rename(out)
         except OSError:

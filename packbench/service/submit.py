@@ -22,9 +22,11 @@ def vocab_size(frozen: FrozenProtocol) -> int:
     """The model's vocabulary, read from config.json (or the synthetic shape) without torch."""
     model_dir = frozen.model_dir()
     if model_dir is None:
+        from packbench.core.moe import MOE_SHAPES
         from packbench.core.registry import SHAPES
 
-        return SHAPES[frozen.protocol.model.synth.shape]["vocab"]
+        shape = frozen.protocol.model.synth.shape
+        return (MOE_SHAPES if frozen.protocol.model.synth.is_moe else SHAPES)[shape]["vocab"]
     from packbench.engine.config import read_config
 
     return read_config(model_dir)["vocab_size"]
@@ -152,6 +154,11 @@ def check_family(frozen: FrozenProtocol) -> None:
                                  model=f"checkpoint {model_dir}")
         if refusal:
             raise ProtocolError(f"protocol field `{refusal[0]}`: {refusal[1]}")
+        for i, c in enumerate(p.conditions):
+            if c.resolved_params.get("gather") == "mapped":
+                raise ProtocolError(f"protocol field `conditions[{i}].params.gather`: mapped gathers an MoE model's "
+                                    f"experts; checkpoint {model_dir} is OPT, whose device gather already reads mapped "
+                                    f"host memory: use gather device")
         return
     refusal = moe_refusal(config, dtype=p.dtype, allowance_bytes=p.allowance_bytes, model=f"checkpoint {model_dir}",
                           conditions=[(c.name, c.policy, dict(c.resolved_params)) for c in p.conditions])

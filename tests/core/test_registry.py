@@ -57,8 +57,10 @@ def test_check_param_names_what_is_allowed():
         check_param("sparse-extents", "block_rows", 0)
     with pytest.raises(ValueError, match="rows_per_layer must be an integer >= 1, got True"):
         check_param("row-retention", "rows_per_layer", True)
-    with pytest.raises(ValueError, match="gather must be one of host, device, got 'gpu'"):
-        check_param("packet", "gather", "gpu")
+    with pytest.raises(ValueError, match="gather must be one of host, device, mapped, got 'gpu'"):
+        check_param("packet", "gather", "gpu")  # mapped: an MoE model's expert gather
+    with pytest.raises(ValueError, match="gather must be one of host, device, got 'mapped'"):
+        check_param("early-forecast", "gather", "mapped")
     assert set(POLICY_PARAMS) == set(protocol.POLICY_NAMES)
 
 

@@ -3,8 +3,8 @@
 import numpy as np
 import pytest
 
-from packbench.core.routing import (carry80, check, cross_layer, load_shares, repeat_any,
-                                    repeat_any_chance, reuse, shuffled, skew, summarise, union)
+from packbench.core.routing import (carry80, check, cross_layer, cross_layer_chance, cross_layer_lift, load_shares,
+                                    repeat_any, repeat_any_chance, reuse, shuffled, skew, summarise, union)
 
 ROUTES = np.array([[0, 1], [1, 2], [1, 2], [3, 4]])  # (tokens, k) of one layer, 5 experts
 
@@ -37,6 +37,33 @@ def test_cross_layer_best_map_by_hand():
     assert (acc, base) == (3 / 4, 3 / 4)  # 0 -> 2 twice, 1 -> 3 or 2 once; always 2: 3 of 4
     acc, base = cross_layer(np.array([0, 0, 1, 1]), np.array([5, 5, 6, 6]))
     assert (acc, base) == (1.0, 0.5)
+
+
+def test_cross_layer_lift_counts_only_what_beats_chance():
+    """Layers routed independently (128 experts, 512 tokens, OLMoE-like loads) get a best-map lift
+    of several x from overfitting alone; the chance-corrected lift must stay near 1 (would catch
+    a synthetic with no cross-layer link passing, or one with a link judged too high: the
+    Qwen3-shaped checkpoint's 3.0-11.1). A deterministic map keeps its full lift."""
+    rng = np.random.default_rng(0)
+    p = rng.dirichlet(np.full(128, 0.3))
+    a, b = rng.choice(128, 512, p=p), rng.choice(128, 512, p=p)
+    acc, base = cross_layer(a, b)
+    chance = cross_layer_chance(a, b, seed=0)
+    assert acc / base > 2.0  # the plug-in estimate overfits
+    assert 0.7 < cross_layer_lift(acc, base, chance) < 1.3
+    linked = (a * 7 + 3) % 128  # b a function of a: predictable from it exactly
+    acc, base = cross_layer(a, linked)
+    lift = cross_layer_lift(acc, base, cross_layer_chance(a, linked, seed=0))
+    assert acc == 1.0 and lift > 2.0 and lift <= 1.0 / base
+    assert cross_layer_chance(a, b, seed=3) == cross_layer_chance(a, b, seed=3)  # seeded
+
+
+def test_summarise_reports_the_corrected_and_the_raw_lift():
+    rng = np.random.default_rng(1)
+    trace = np.stack([np.stack([rng.choice(16, 4, replace=False) for _ in range(64)]) for _ in range(2)])
+    row = summarise([trace], experts=16, k=4)["layers"][0]["next_layer"]
+    assert row["raw_lift"] == pytest.approx(row["accuracy"] / row["base"])
+    assert row["lift"] == pytest.approx((row["accuracy"] - row["chance"] + row["base"]) / row["base"])
 
 
 def test_uniform_routing_fails_the_locality_and_skew_checks():

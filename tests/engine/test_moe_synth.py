@@ -49,3 +49,31 @@ def test_uniform_profile_fails_the_locality_check(tmp_path):
     traces, meta = routing_traces(path, _prompts("olmoe-tiny"))
     rows = {r["target"]: r for r in check(summarise(traces, experts=meta["experts"], k=meta["k"]), "olmoe")}
     assert not rows["temporal lift (consecutive reuse / shuffled)"]["ok"]
+
+
+def test_experts_are_blind_to_the_shared_direction(tmp_path):
+    """Every token embedding carries the same component along u; an expert that read it (or wrote
+    along it) would give every token's output a common part, which the next routers see as a
+    per-expert offset: a load skew growing with depth (the Mixtral-8x7B shape's deeper layers
+    reached 1.4-1.6 against the published 1.08-1.33). u is recovered exactly: every embedding row
+    is its own part (orthogonal to u) plus the same multiple of u, so emb @ x = 1 is solved by u / c."""
+    from safetensors.torch import load_file
+
+    torch.set_num_threads(1)
+    path = synth_moe(tmp_path / "m", shape="mixtral-tiny", seed=1)
+    sd = {k: v.double() for f in path.glob("*.safetensors") for k, v in load_file(f).items()}
+    emb = sd["model.embed_tokens.weight"]
+    x = torch.linalg.lstsq(emb, torch.ones(emb.shape[0], 1, dtype=torch.float64)).solution[:, 0]
+    assert torch.allclose(emb @ x, torch.ones(emb.shape[0], dtype=torch.float64), atol=1e-4)  # u / c solves it
+    u = x / x.norm()
+    reads = [v for k, v in sd.items() if k.endswith((".w1.weight", ".w3.weight"))]  # (I, H) gate, up
+    writes = [v for k, v in sd.items() if k.endswith(".w2.weight")]  # (H, I) down (Mixtral's names on disk)
+    s = MOE_SHAPES["mixtral-tiny"]
+    assert len(reads) == 2 * len(writes) == 2 * s["layers"] * s["experts"]
+    for w in reads:
+        assert (w @ u).abs().max() < 1e-5 * w.abs().max()
+    for w in writes:
+        assert (u @ w).abs().max() < 1e-5 * w.abs().max()
+    for layer in range(s["layers"]):  # the mixtral profile: no per-expert offset along u either
+        router = next(v for k, v in sd.items() if k.startswith(f"model.layers.{layer}.") and k.endswith("gate.weight"))
+        assert (router @ u).abs().max() < 1e-5 * router.abs().max()

@@ -127,3 +127,29 @@ def test_a_broken_moe_config_is_one_line_naming_the_key(tmp_path):
     config["num_local_experts"] = config.pop("num_experts")
     (d / "config.json").write_text(json.dumps(config))
     assert read_config(d)["num_local_experts"] == 16
+
+
+def test_the_worker_generates_a_synthetic_moe_model_from_the_protocol(tmp_path):
+    """model.synth naming an MoE shape: the worker draws it once into its model cache (the spec's
+    folder), with the stated layers and routing profile, and runs the expert policies on it
+    exactly (would catch the worker handing an MoE spec to OPT's synthesis, or ignoring layers)."""
+    import json
+
+    from packbench.engine.worker import model_dir_for
+
+    body = dict(raw("unused"), model={"synth": {"shape": "olmoe-tiny", "dtype": "bfloat16", "seed": 5, "layers": 2,
+                                                "routing": "mixtral"}},
+                conditions=[{"policy": "dense-stream"}, {"policy": "packet"}])
+    frozen = freeze(body)
+    b = frozen.body
+    d = model_dir_for(frozen.protocol, None, cache=tmp_path)
+    recipe = json.loads((d / "packbench_synth.json").read_text())
+    assert (recipe["shape"], recipe["layers"], recipe["profile"], recipe["seed"]) == ("olmoe-tiny", 2, "mixtral", 5)
+    assert json.loads((d / "config.json").read_text())["num_hidden_layers"] == 2
+    assert model_dir_for(frozen.protocol, None, cache=tmp_path) == d  # generated once, then reused
+    worker = Worker(device="cpu")
+    start = worker.load(b, None, model_cache=str(tmp_path))
+    ids = prompts(b, vocab=start["vocab"])
+    records = [worker.run(e, ids[e["prompt"]]) for e in plan(b)]
+    assert all(r["status"] == "ok" for r in records), [r.get("error") for r in records]
+    assert all(np.array_equal(r["logits"], records[0]["logits"]) for r in records)

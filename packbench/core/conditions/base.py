@@ -59,6 +59,11 @@ INT8_SCALE_BYTES = 4  # one float32 scale per int8 row: a row moves hidden + 4 b
 WEIGHTS_SCHEMA = 6
 WEIGHTS_PARAM = ChoiceParam(choices=WEIGHT_FORMATS, default="dtype", since=WEIGHTS_SCHEMA)
 GATHER_PARAM = ChoiceParam(choices=("host", "device"), default="host")
+# packet's and phase-switched's: also `mapped`, an MoE model's sync-free expert gather (the device
+# reads the routed experts from mapped host memory, indexed by the router's top-k on the device;
+# engine/moe/policies.py). Refused for OPT models (core/protocol/schema.py, service/submit.py),
+# whose device gather already reads mapped memory. No earlier body says it, so no hash moves.
+PACKET_GATHER_PARAM = ChoiceParam(choices=("host", "device", "mapped"), default="host")
 
 # How a competitor runs its calls (schema 6, `params.mode`): eager; "graph", one CUDA graph per
 # decode step over a static KV cache; "compile", the decode step compiled by torch.compile over

@@ -2,7 +2,7 @@
 
 from typing import Any, Mapping
 
-from packbench.core.conditions.base import GATHER_PARAM, CallInputs, ConditionKind
+from packbench.core.conditions.base import PACKET_GATHER_PARAM, CallInputs, ConditionKind
 
 
 def h2d_bytes(params: Mapping[str, Any], call: CallInputs) -> float:
@@ -13,7 +13,7 @@ KIND = ConditionKind(
     name="phase-switched",
     summary="dense prefill calls, packet decode calls",
     # Added after schemas 1-3 froze phase-switched without params: host there.
-    params={"gather": GATHER_PARAM},
+    params={"gather": PACKET_GATHER_PARAM},
     h2d_bytes=h2d_bytes,
     # Schema 4 decodes with the device gather, as packet does since schema 3 (the host gather kept
     # it from mode graph's capture).

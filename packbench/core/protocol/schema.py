@@ -51,6 +51,8 @@ from packbench.core.protocol.prompt_files import TEXT_SEPARATOR, read_prompt_fil
 # engine and the CLI; re-exported here for code that imports them from core.protocol.
 from packbench.core.conditions import CONDITIONS
 from packbench.core.moe import family_refusal
+from packbench.core.moe import MAX_POSITIONS as MOE_MAX_POSITIONS
+from packbench.core.moe import MoeShape, family_of_shape, is_moe_shape, moe_synth_spec, shape_refusal
 from packbench.core.registry import (
     DTYPE_NAMES,
     POLICY_NAMES,
@@ -130,6 +132,15 @@ def _model(value: Any, *, schema: int) -> dict:
     # A profile (calibrated activation statistics, core/registry.py PROFILES) or the uniform recipe
     # (sparsity, hot neurons). Schema 4 gives a synth with neither the default profile, written
     # out; schemas 1-3 require sparsity, so every body they froze keeps its meaning and hash.
+    if isinstance(m["synth"], dict) and is_moe_shape(m["synth"].get("shape")):
+        # An MoE shape (core/moe.py MOE_SHAPES, refused by every earlier packbench: no old body says
+        # one): its own fields, every one written out, the routing profile instead of an activation one.
+        s = mapping_field(m["synth"], "model.synth", allowed={
+            "shape": True, "dtype": True, "seed": True, "layers": False, "routing": False})
+        try:
+            return {"synth": moe_synth_spec(**s)}
+        except SynthArgumentError as e:
+            fail(f"model.synth.{e.arg}", e.reason)
     uniform = "profile" not in m["synth"] if isinstance(m["synth"], dict) else True
     s = mapping_field(m["synth"], "model.synth", allowed={
         "shape": True, "dtype": True, "sparsity": uniform and schema < 4, "seed": True, "hot_fraction": False,
@@ -604,15 +615,40 @@ def _cross_checks(full: dict) -> None:
                                                 f"engine.mode {full['engine']['mode']} or the condition")
     if "synth" in full["model"]:  # a model.path checkpoint's positions are its config.json's (service/submit.py)
         shape = full["model"]["synth"]["shape"]
-        # A synthetic spec is an OPT shape: a kind for MoE models alone does not fit it.
-        refusal = family_refusal([(c["name"], c["policy"], c["params"]) for c in full["conditions"]], family="opt",
-                                 model=f"the synthetic {shape} shape")
-        if refusal:
-            fail(*refusal)
+        moe = is_moe_shape(shape)
         refusal = positions_refusal(full["prefix_tokens"], full["continuation_tokens"],
-                                    positions=SHAPES[shape]["max_positions"], model=f"the synthetic {shape} shape")
+                                    positions=MOE_MAX_POSITIONS if moe else SHAPES[shape]["max_positions"],
+                                    model=f"the synthetic {shape} shape")
         if refusal:
             fail("prefix_tokens", refusal)
+        if moe:
+            _moe_conditions(full)
+        else:
+            # An OPT shape: a kind for MoE models alone does not fit it.
+            refusal = family_refusal([(c["name"], c["policy"], c["params"]) for c in full["conditions"]], family="opt",
+                                     model=f"the synthetic {shape} shape")
+            if refusal:
+                fail(*refusal)
+            _no_mapped_gather(full, f"the synthetic {shape} shape")
+
+
+def _moe_conditions(full: dict) -> None:
+    """A synthetic MoE model's conditions: expert policies only, an allowance that holds the device
+    part and one layer's routed experts and each policy's buffers (core/moe.py shape_refusal)."""
+    synth = full["model"]["synth"]
+    refusal = shape_refusal(MoeShape.of(synth["shape"], layers=synth["layers"]), family_of_shape(synth["shape"]),
+                            dtype=full["dtype"], allowance_bytes=full["allowance_mib"] * MIB,
+                            model=f"the synthetic {synth['shape']} shape",
+                            conditions=[(c["name"], c["policy"], c["params"]) for c in full["conditions"]])
+    if refusal:
+        fail(*refusal)
+
+
+def _no_mapped_gather(full: dict, model: str) -> None:
+    for i, c in enumerate(full["conditions"]):
+        if c["params"].get("gather") == "mapped":
+            fail(f"conditions[{i}].params.gather", f"mapped gathers an MoE model's experts; {model} is OPT, whose "
+                                                   f"device gather already reads mapped host memory: use gather device")
 
 
 def _exact_references(full: dict) -> None:

@@ -20,7 +20,8 @@ from packbench.core.registry import resolved_params, tier_of
 
 @dataclass(frozen=True)
 class SynthSpec:
-    """A synthetic OPT checkpoint the worker generates (engine/synth.py)."""
+    """A synthetic checkpoint the worker generates: OPT (engine/synth.py) or, with `routing`, an MoE
+    shape (engine/moe/synth.py; core/moe.py moe_synth_spec)."""
 
     shape: str
     dtype: str
@@ -29,9 +30,19 @@ class SynthSpec:
     hot_fraction: float | None = None
     hot_bias: float | None = None
     profile: str | None = None  # a calibrated recipe (core.registry.PROFILES)
+    layers: int | None = None  # an MoE shape: the layers generated (its depth, or fewer, stated)
+    routing: str | None = None  # an MoE shape: its routing profile (core/moe.py ROUTING_PROFILES)
+
+    @property
+    def is_moe(self) -> bool:
+        return self.routing is not None
 
     def as_dict(self) -> dict:
-        """The frozen `model.synth` (core.registry.synth_spec's form): synth_checkpoint's arguments."""
+        """The frozen `model.synth` (core.registry.synth_spec's or core.moe.moe_synth_spec's form):
+        synth_checkpoint's or synth_moe's arguments."""
+        if self.routing is not None:
+            return {"shape": self.shape, "dtype": self.dtype, "seed": self.seed, "layers": self.layers,
+                    "routing": self.routing}
         if self.profile is not None:
             return {"shape": self.shape, "dtype": self.dtype, "seed": self.seed, "profile": self.profile}
         return {"shape": self.shape, "dtype": self.dtype, "sparsity": self.sparsity, "seed": self.seed,

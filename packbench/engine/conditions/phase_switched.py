@@ -3,11 +3,14 @@ mask readback per layer) or by the device (engine/policies/host_gather.py, devic
 
 from packbench.core.registry import check_param, param_default
 from packbench.engine.conditions.base import LoaderRuntime
+from packbench.engine.moe.policies import ExpertMappedPhaseSwitched
 from packbench.engine.policies.base import LoaderPolicy
 from packbench.engine.policies.device_gather import DevicePhaseSwitched
 from packbench.engine.policies.host_gather import PhaseSwitched
 
-PHASE_SWITCHED_GATHERS: dict[str, type[LoaderPolicy]] = {"host": PhaseSwitched, "device": DevicePhaseSwitched}
+# `mapped` is an MoE model's (the schema and submit refuse it for OPT).
+PHASE_SWITCHED_GATHERS: dict[str, type[LoaderPolicy]] = {"host": PhaseSwitched, "device": DevicePhaseSwitched,
+                                                         "mapped": ExpertMappedPhaseSwitched}
 
 
 def phase_switched(*, gather: str = param_default("phase-switched", "gather")) -> LoaderPolicy:
@@ -16,4 +19,4 @@ def phase_switched(*, gather: str = param_default("phase-switched", "gather")) -
 
 
 # DevicePhaseSwitched is captured: its decode is DevicePacket's gather.
-RUNTIME = LoaderRuntime(policy=phase_switched, graph_safe=lambda policy: policy.gather == "device")
+RUNTIME = LoaderRuntime(policy=phase_switched, graph_safe=lambda policy: policy.gather in ("device", "mapped"))

@@ -9,6 +9,17 @@ device tensors. Every policy therefore multiplies the same rows by the same weig
 same order, whatever the number of tokens per expert: logits are bit-identical across policies
 and to stock transformers with the weights resident. (The grouped and batched kernels of other
 `experts_implementation`s reduce in another order and would not be; they are never used here.)
+A policy that keeps the routing on the device (`packet {gather: mapped}`) computes a call of one
+token with that loop's arithmetic minus its host decisions (engine/moe/gather.py
+single_token_experts): the same bits.
+
+Modes: "eager", and "graph": on CUDA, each layer's experts of a one-token call under a policy
+that keeps the routing on the device (the mapped gather) are captured as one CUDA graph per
+layer at the first such call (after an eager run that warms the kernels up) and replayed after;
+attention, norms and routers run eagerly between them with stock shapes (DynamicCache), so the
+logits keep stock's bits. Policies that read the routing back run the same forward eagerly in
+mode graph (their step cannot be captured), as OPT's do (engine/graph.py). On the CPU nothing is
+captured (the CPU twin).
 """
 
 import json
@@ -24,7 +35,9 @@ from packbench.engine.ledger import Recorder
 from packbench.engine.model import StartStats  # host_outgoing_bytes: the experts, in host memory
 from packbench.engine.moe.cache import CACHE_KINDS, ExpertCache
 from packbench.engine.moe.host import ExpertHost
-from packbench.engine.moe.policies import EXPERT_POLICIES, ExpertPolicy
+from packbench.engine.moe.policies import EXPERT_POLICIES, MAPPED_POLICIES, ExpertPolicy
+
+MOE_MODES = ("eager", "graph")  # engine/graph.py MODES, the protocol's engine.mode
 
 
 class MoeCheckpointError(ValueError):
@@ -88,9 +101,9 @@ class CpuFirstMoE:
     """
 
     def __init__(self, model_dir: Path, *, dtype: torch.dtype, device: torch.device, mode: str = "eager") -> None:
-        if mode != "eager":
-            raise MoeCheckpointError(f"mode {mode} is not available for MoE models yet; freeze the protocol "
-                                     f"with engine mode eager")
+        if mode not in MOE_MODES:
+            raise MoeCheckpointError(f"mode {mode} is not available for MoE models; freeze the protocol "
+                                     f"with engine mode {' or '.join(MOE_MODES)}")
         family = moe_family(model_dir)
         if family is None:
             raise MoeCheckpointError(f"{model_dir}/config.json is not one of the MoE families "
@@ -119,11 +132,10 @@ class CpuFirstMoE:
         self.recorder = Recorder(len(self.experts_modules))
         self.slot = _Slot()
         self.routes: list[list[tuple[int, ...] | None]] = []
-        self._hooks = [e.register_forward_pre_hook(self._pre_experts(i), with_kwargs=True)
-                       for i, e in enumerate(self.experts_modules) if e is not None]
+        self.graphs = LayerGraphs()
         for i, e in enumerate(self.experts_modules):
-            if e is not None:  # an instance attribute: nn.Module's call finds it before the class's
-                e.forward = self._experts_forward(i, e)
+            if e is not None:  # the instance's forward: nn.Module.__call__ reads self.forward
+                e.forward = self._experts_forward(i, e, e.forward)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         self.start = StartStats(read_s=t1 - t0, place_s=time.perf_counter() - t1,
@@ -140,12 +152,30 @@ class CpuFirstMoE:
             if e is not None:
                 e.gate_up_proj = e.down_proj = None
 
-    def _pre_experts(self, layer: int):
-        def hook(module, args, kwargs):
-            top_k_index = args[1] if len(args) > 1 else kwargs["top_k_index"]
+    def _experts_forward(self, layer: int, module, stock_forward):
+        """Layer `layer`'s experts forward, wrapping stock transformers' (`stock_forward`, the
+        class's eager loop, bound): a policy that `computes` the experts itself (host-experts) gets
+        the call with the stock loop to run over weights of its choosing; a mapped gather
+        (`on_device`) reads the routed experts with the routing on the device; every other policy
+        places the weights for the routed set (read back when it `observes`), prefetches the next
+        layer's forecast experts when it `forecasts`, and the stock loop runs over them."""
+
+        def stock(gate_up, down, hidden_states, top_k_index, top_k_weights):
+            module.gate_up_proj, module.down_proj = gate_up, down
+            return stock_forward(hidden_states, top_k_index, top_k_weights)
+
+        def forward(hidden_states, top_k_index, top_k_weights):
             policy = self.slot.policy
             if getattr(policy, "computes", False):
-                return  # it runs the whole expert computation itself (_experts_forward)
+                return policy.compute(layer, stock, hidden_states, top_k_index, top_k_weights)
+            if getattr(policy, "on_device", False):  # the routing never leaves the device
+                if hidden_states.shape[0] == 1 and policy.takes_single_token():
+                    out = self.graphs.run(self, layer, policy, hidden_states, top_k_index, top_k_weights,
+                                          module.act_fn)
+                    policy.charge_single_token(layer, top_k_index.shape[1])
+                    return out
+                module.gate_up_proj, module.down_proj = policy.union(layer, top_k_index)
+                return stock_forward(hidden_states, top_k_index, top_k_weights)
             routed = None
             if policy.observes():
                 # (tokens, k) expert ids -> which experts this call routed to: E bytes read back.
@@ -158,26 +188,9 @@ class CpuFirstMoE:
             nxt = layer + 1
             if policy.forecasts() and nxt < len(self.experts_modules) and self.experts_modules[nxt] is not None:
                 # The next layer's router on this layer's MoE input: only what the model has computed.
-                hidden = args[0] if args else kwargs["hidden_states"]
-                index = _forecast_index(self.model.model.layers[nxt].mlp.gate(hidden), k=top_k_index.shape[-1])
+                index = _forecast_index(self.model.model.layers[nxt].mlp.gate(hidden_states), k=top_k_index.shape[-1])
                 hit = torch.bincount(index.reshape(-1), minlength=self.host.experts) > 0
                 policy.prefetch(nxt, hit.nonzero().reshape(-1).cpu().tolist())
-        return hook
-
-    def _experts_forward(self, layer: int, module):
-        """Layer `layer`'s experts forward: stock transformers' (over the weights the pre-hook
-        placed), or, for a policy that `computes` the experts itself (host-experts), that policy's
-        `compute`, given the stock loop to run over weights of its choosing."""
-        stock_forward = module.forward  # the class's (experts_implementation eager), bound
-
-        def stock(gate_up, down, hidden_states, top_k_index, top_k_weights):
-            module.gate_up_proj, module.down_proj = gate_up, down
-            return stock_forward(hidden_states, top_k_index, top_k_weights)
-
-        def forward(hidden_states, top_k_index, top_k_weights):
-            policy = self.slot.policy
-            if getattr(policy, "computes", False):
-                return policy.compute(layer, stock, hidden_states, top_k_index, top_k_weights)
             return stock_forward(hidden_states, top_k_index, top_k_weights)
         return forward
 
@@ -206,14 +219,16 @@ class CpuFirstMoE:
     def use_policy(self, policy) -> None:
         """Activate `policy`, releasing the previous one. An OPT loader policy of the same name
         (what the condition runtimes build) is replaced by its expert version."""
+        known = (*EXPERT_POLICIES.values(), *MAPPED_POLICIES.values())
         if isinstance(policy, ExpertCache):
-            pass  # an expert-only kind: built for this model by its runtime
-        elif not isinstance(policy, ExpertPolicy) or type(policy) not in EXPERT_POLICIES.values():
+            pass  # a kind for MoE models alone: built for this model by its runtime
+        elif not isinstance(policy, ExpertPolicy) or type(policy) not in known:
             name = getattr(policy, "name", type(policy).__name__)
             if name not in EXPERT_POLICIES:
                 raise MoeCheckpointError(f"policy {name} does not fit an MoE model; use one of "
                                          f"{', '.join(EXPERT_POLICIES)}")
             policy = _expert_policy(name, {"gather": getattr(policy, "gather", "host")})
+        self.graphs.clear()  # a capture holds the previous policy's buffers
         if self.slot.policy is not None:
             self.slot.policy.deactivate()
             self.slot.policy = None
@@ -240,11 +255,17 @@ class CpuFirstMoE:
                                              for call in figures["counted"]])}
 
     def new_cache(self, capacity: int | None = None, *, mode: str | None = None, batch: int = 1):
-        if (mode or self.mode) != "eager":
-            raise MoeCheckpointError("MoE models run in mode eager; freeze the protocol with engine mode eager")
+        mode = mode or self.mode
+        if mode not in MOE_MODES:
+            raise MoeCheckpointError(f"MoE models run in mode {' or '.join(MOE_MODES)}; freeze the protocol with one")
         from transformers import DynamicCache
 
-        return DynamicCache()
+        cache = DynamicCache()
+        # What the episode record says of mode graph (engine/episode.py reads `graph` / `eager_reason`).
+        self.graphs.enabled = mode == "graph"
+        cache.graph, cache.eager_reason = (self.graphs, None) if self.graphs.captures(self) else \
+            (None, self.graphs.refusal(self))
+        return cache
 
     @torch.inference_mode()
     def forward(self, ids: torch.Tensor, cache) -> torch.Tensor:
@@ -261,7 +282,10 @@ def _forecast_index(out, *, k: int) -> torch.Tensor:
 
 
 def _expert_policy(name: str, params: dict) -> ExpertPolicy:
-    """A fresh expert policy; packet and phase-switched keep the kind's `gather`, host-experts its `hot`."""
+    """A fresh expert policy; packet and phase-switched keep the kind's `gather` (mapped: the
+    on-device gather), host-experts its `hot`."""
+    if params.get("gather") == "mapped" and name in MAPPED_POLICIES:
+        return MAPPED_POLICIES[name]()
     cls = EXPERT_POLICIES[name]
     if name in ("packet", "phase-switched"):
         return cls(gather=params.get("gather", "host"))
@@ -273,3 +297,68 @@ class _Slot:
 
     def __init__(self) -> None:
         self.policy: ExpertPolicy | None = None
+
+
+class LayerGraphs:
+    """Mode graph's captures: per layer, one CUDA graph of a one-token call's experts under a
+    policy that keeps the routing on the device (gather, sort, k expert products), with its static
+    inputs (hidden (1, H), top-k ids and weights (1, k)) and output. Captured at a layer's first
+    such call after that call has run eagerly on a side stream (kernels compiled, cuBLAS's
+    workspace made); later calls copy their inputs in and replay. All layers share one memory
+    pool; `clear` drops them when the policy changes. Off CUDA, or off mode graph, `run` is the
+    eager call."""
+
+    def __init__(self) -> None:
+        self.enabled = False
+        self.graphs: dict[int, tuple] = {}
+        self.pool = None
+        self.capture_s = 0.0
+
+    def captures(self, model) -> bool:
+        return self.refusal(model) is None
+
+    def refusal(self, model) -> str | None:
+        if not self.enabled:
+            return "mode eager"
+        policy = model.slot.policy
+        if not getattr(policy, "on_device", False):
+            name = getattr(policy, "name", None)
+            gather = getattr(policy, "gather", None)
+            return (f"{name}{f' with gather {gather}' if gather else ''} runs stock transformers' expert loop, which "
+                    f"reads the routing on the host: experts run eagerly")
+        if model.device.type != "cuda":
+            return f"no CUDA graphs on {model.device.type}: experts run eagerly, sync-free"
+        return None
+
+    def clear(self) -> None:
+        self.graphs, self.pool = {}, None
+
+    def describe(self) -> str:
+        return (f"experts captured: {len(self.graphs)} layer graphs ({self.capture_s * 1e3:.0f} ms to capture), "
+                f"attention eager between them")
+
+    def run(self, model, layer: int, policy, hidden, top_k_index, top_k_weights, act_fn):
+        if not self.enabled or model.device.type != "cuda":
+            return policy.single_token(layer, hidden, top_k_index, top_k_weights, act_fn)
+        entry = self.graphs.get(layer)
+        if entry is not None:
+            graph, (h, idx, w), out = entry
+            h.copy_(hidden), idx.copy_(top_k_index), w.copy_(top_k_weights)
+            graph.replay()
+            return out
+        import time
+
+        side = torch.cuda.Stream(model.device)
+        side.wait_stream(torch.cuda.current_stream(model.device))
+        with torch.cuda.stream(side):  # this call's output, computed eagerly; it warms the kernels up
+            result = policy.single_token(layer, hidden, top_k_index, top_k_weights, act_fn)
+        torch.cuda.current_stream(model.device).wait_stream(side)
+        t0 = time.perf_counter()
+        static = (hidden.clone(), top_k_index.clone(), top_k_weights.clone())
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            out = policy.single_token(layer, *static, act_fn)
+        self.pool = graph.pool()
+        self.graphs[layer] = (graph, static, out)
+        self.capture_s += time.perf_counter() - t0
+        return result

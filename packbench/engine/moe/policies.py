@@ -11,7 +11,8 @@ streaming every expert (tests/engine/test_moe.py, fp32/fp16/bf16).
 | `dense-stream` | every expert of the layer, one copy of each fused tensor into the workspace | E x expert bytes |
 | `packet {gather: host}` | the union of the call's routed experts: a host gather into one pinned buffer `[m int64 | m gate_up | m down]`, one upload, an index copy into the workspace | m x expert bytes + 8m B; E B routing readback |
 | `packet {gather: device}` | the same experts, each read by the copy engine straight from its contiguous pinned slices into its workspace slot (2m copies queued at once, no host memcpy, no index: the expert id is the copy's destination) | m x expert bytes; E B routing readback |
-| `phase-switched` | dense-stream in prefill calls, packet (either gather) in decode calls | as those |
+| `packet {gather: mapped}` | the same experts, read by the device itself from mapped pinned host memory, indexed by the router's top-k on the device (engine/moe/gather.py): no readback, no index, no host decision, so mode graph captures it | m x expert bytes, m the distinct routed experts (a call of one token: its k; longer calls: the union, deduplicated on the device and counted there, 4 B a layer read after the call) |
+| `phase-switched` | dense-stream in prefill calls, packet (any gather) in decode calls | as those |
 | `expert-cache {capacity: c, rule, forecast}` | hits read in place from c slots a layer; misses as packet's device gather, into a slot when admitted (engine/moe/cache.py) | misses x expert bytes; E B routing readback; c x layers slots |
 | `expert-forecast` | the next layer's router on this layer's input, its experts prefetched on a side stream; the rest of the demand fetched | (prefetched + misses not prefetched) x expert bytes; 2E B readbacks |
 
@@ -261,6 +262,136 @@ class ExpertPacketPolicy:
         return 0 if self.packet is None or not self.host.pin else self.packet.staged.numel()
 
 
+class ExpertMappedPacket:
+    """The union of the call's routed experts, gathered by the device from mapped host memory with
+    no host decision (`packet {gather: mapped}`). The model hands it the router's top-k tensors
+    (`on_device`) instead of a routed set read back.
+
+    A call of one token (a batch-1 decode) computes its k experts with `single_token_experts`
+    from k slots the gather fills in ascending id order: no synchronisation anywhere, so mode graph
+    captures the layer (engine/moe/model.py). A longer call gathers its union into the workspace
+    (slot = expert id; a device-side hit mask dedupes, the device counts it) and runs the stock
+    expert loop over it, whose own `nonzero` synchronises as it does for every policy."""
+
+    name = "packet"
+    on_device = True
+
+    def __init__(self, gather: str = "mapped") -> None:
+        if gather != "mapped":
+            raise ValueError(f"ExpertMappedPacket gathers mapped, got {gather!r}")
+        self.gather = gather
+        self.host: ExpertHost | None = None
+        self.recorder: Recorder | None = None
+        self.workspace: Workspace | None = None
+        self.slots: Workspace | None = None
+        self.source: list[tuple[torch.Tensor, torch.Tensor] | None] = []
+        self.counts: torch.Tensor | None = None
+        self.counted_call = -1
+
+    def observes(self) -> bool:
+        return False
+
+    def forecasts(self) -> bool:
+        return False  # the routing never leaves the device: nothing to forecast from on the host
+
+    def takes_single_token(self) -> bool:
+        """Whether a one-token call takes the sync-free path (phase-switched: not in prefill)."""
+        return True
+
+    def activate(self, host: ExpertHost, device: torch.device, recorder: Recorder) -> None:
+        self.host, self.recorder, self.device = host, recorder, device
+        self.workspace = Workspace.zeros(host, device)
+        if device.type == "cuda":
+            from packbench.engine.mapped import cuda_view
+
+            view = cuda_view
+        else:
+            view = lambda t: t  # noqa: E731 - the CPU twin reads host memory directly
+        self.source = [None if gu is None else (view(gu), view(dn)) for gu, dn in zip(host.gate_up, host.down)]
+        self.counts = torch.zeros(host.layers, dtype=torch.int32, device=device)
+        self.arange = torch.arange(host.experts, dtype=INDEX_DTYPE, device=device)
+        self.zero_index = torch.zeros(1, dtype=INDEX_DTYPE, device=device)
+        self.slots = None  # k slots, made at the first one-token call (k is the router's)
+
+    def deactivate(self) -> None:
+        self.host = self.recorder = self.workspace = self.slots = self.counts = None
+        self.source = []
+
+    def experts(self, layer: int, routed: list[int] | None) -> tuple[torch.Tensor, torch.Tensor]:
+        raise RuntimeError("packet {gather: mapped} is handed the router's top-k (forward), never a routed set")
+
+    def ensure_slots(self, k: int) -> Workspace:
+        if self.slots is None or self.slots.gate_up.shape[0] != k:
+            ws = self.workspace
+            self.slots = Workspace(torch.zeros((k, *ws.gate_up.shape[1:]), dtype=ws.gate_up.dtype, device=self.device),
+                                   torch.zeros((k, *ws.down.shape[1:]), dtype=ws.down.dtype, device=self.device))
+        return self.slots
+
+    def single_token(self, layer: int, hidden: torch.Tensor, top_k_index: torch.Tensor,
+                     top_k_weights: torch.Tensor, act_fn) -> torch.Tensor:
+        """A one-token call's expert output, every step on the device (capturable); not charged
+        here (`charge_single_token`: what a replay of it moves is known on the host)."""
+        from packbench.engine.moe.gather import gather_experts, single_token_experts, sorted_routes
+
+        ids, weights = sorted_routes(top_k_index, top_k_weights)
+        slots = self.ensure_slots(ids.shape[0])
+        gu, dn = self.source[layer]
+        gather_experts(ids, gu, slots.gate_up)
+        gather_experts(ids, dn, slots.down)
+        return single_token_experts(hidden, weights, slots.gate_up, slots.down, act_fn, self.zero_index)
+
+    def charge_single_token(self, layer: int, k: int) -> None:
+        # The token's k experts are distinct (top-k): k experts move, no index, nothing read back.
+        self.recorder.add(layer, active=k, rows=k, weight_bytes=k * self.host.expert_bytes)
+
+    def union(self, layer: int, top_k_index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A longer call: its distinct routed experts gathered into their workspace slots, counted
+        on the device (read once after the call)."""
+        from packbench.engine.moe.gather import gather_experts
+
+        if self.counted_call != self.recorder.serial:  # the call's first layer
+            self.counted_call = self.recorder.serial
+            self.counts.zero_()
+            self.recorder.defer(self.settle)
+        hit = torch.zeros(self.host.experts, dtype=torch.int32, device=self.device)
+        hit.index_fill_(0, top_k_index.reshape(-1), 1)
+        sel = torch.where(hit > 0, self.arange, -1)
+        gu, dn = self.source[layer]
+        gather_experts(sel, gu, self.workspace.gate_up)
+        gather_experts(sel, dn, self.workspace.down)
+        self.counts[layer] = hit.sum()
+        return self.workspace.gate_up, self.workspace.down
+
+    def settle(self, call) -> None:
+        """The call has ended: each layer's count of gathered experts (4 B a layer, charged as D2H)."""
+        for layer, m in enumerate(self.counts.tolist()):
+            if self.source[layer] is not None and m:
+                self.recorder.add(layer, active=m, rows=m, weight_bytes=m * self.host.expert_bytes,
+                                  d2h_bytes=self.counts.element_size())
+
+    def device_bytes(self) -> int:
+        if self.workspace is None:
+            return 0
+        return self.workspace.nbytes + (0 if self.slots is None else self.slots.nbytes) + _nbytes(self.counts)
+
+    def pinned_bytes(self) -> int:
+        return 0  # the experts' own pinned memory, charged by the model (host.pinned_bytes)
+
+
+class ExpertMappedPhaseSwitched(ExpertMappedPacket):
+    """Dense-stream in prefill calls, the mapped gather in decode calls (`phase-switched {gather: mapped}`)."""
+
+    name = "phase-switched"
+
+    def takes_single_token(self) -> bool:
+        return self.recorder.phase != "prefill"
+
+    def union(self, layer: int, top_k_index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.recorder.phase == "prefill":
+            return stream_all(self.host, layer, self.workspace, self.recorder)
+        return super().union(layer, top_k_index)
+
+
 class ExpertPhaseSwitched(ExpertPacketPolicy):
     """Dense-stream in prefill calls (a prompt's union is most of the experts), packets in decode."""
 
@@ -288,3 +419,5 @@ EXPERT_POLICIES: dict[str, type] = {
     "phase-switched": ExpertPhaseSwitched,
     "host-experts": HostExperts,
 }
+# The mapped gathers, by policy name: what `gather: mapped` makes of packet and phase-switched.
+MAPPED_POLICIES: dict[str, type] = {"packet": ExpertMappedPacket, "phase-switched": ExpertMappedPhaseSwitched}

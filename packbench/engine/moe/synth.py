@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from packbench.core.moe import MOE_SHAPES, ROUTING_OF
+from packbench.core.moe import MAX_POSITIONS, MOE_SHAPES, ROUTING_OF
 from packbench.engine.moe.model import model_class
 
 INIT_STD = 0.02
@@ -65,7 +65,7 @@ def moe_config(shape: str, *, layers: int | None = None, dtype: str = "float32")
     s = MOE_SHAPES[shape]
     common = dict(hidden_size=s["hidden"], num_hidden_layers=layers or s["layers"], num_attention_heads=s["heads"],
                   num_key_value_heads=s["kv_heads"], head_dim=s["head_dim"], vocab_size=s["vocab"],
-                  num_experts_per_tok=s["k"], max_position_embeddings=4096, rms_norm_eps=1e-6,
+                  num_experts_per_tok=s["k"], max_position_embeddings=MAX_POSITIONS, rms_norm_eps=1e-6,
                   tie_word_embeddings=False, bos_token_id=None, eos_token_id=None, pad_token_id=None,
                   dtype=dtype, output_router_logits=False, router_aux_loss_coef=0.0)
     if s["family"] == "mixtral":
@@ -195,8 +195,17 @@ def synth_moe(out: Path, *, shape: str, seed: int = 0, dtype: str = "float32", l
             else torch.zeros(E, device=dev)
         sd[pre + "mlp.gate.weight"] = router + bias[:, None] * u[None, :]
         I = s["intermediate"]
-        sd[pre + "mlp.experts.gate_up_proj"] = normal(E, 2 * I, H, std=INIT_STD)
-        sd[pre + "mlp.experts.down_proj"] = normal(E, H, I, std=INIT_STD)
+        # Experts blind to u, in and out (as the values and lm_head are): every token carries the same
+        # component along u, so an expert reading it would give every token's output a common part,
+        # which the next layers' routers see as a per-expert offset, a load skew that grows with
+        # depth (the Mixtral-8x7B shape's deeper layers reached 1.4-1.6 against the published 1.08-1.33).
+        gate_up = normal(E, 2 * I, H, std=INIT_STD)
+        down = normal(E, H, I, std=INIT_STD)
+        for e in range(E):  # one expert at a time: a whole layer's temporaries would be GBs
+            gate_up[e] -= (gate_up[e] @ u)[:, None] * u[None, :]
+            down[e] -= u[:, None] * (u[None, :] @ down[e])
+        sd[pre + "mlp.experts.gate_up_proj"] = gate_up
+        sd[pre + "mlp.experts.down_proj"] = down
     head = normal(s["vocab"], H, std=p.readout / math.sqrt(H))
     sd["lm_head.weight"] = head - (head @ u)[:, None] * u[None, :]  # blind to u: no token wins every call
     missing = [n for n in params if n not in drawn and not n.endswith("norm.weight")]
