@@ -385,16 +385,15 @@ def _salient_channels(sd: dict[str, torch.Tensor], pre: str, gen: torch.Generato
         c[torch.randperm(n, generator=gen)[:max(1, round(share * n))]] = scale
         return c
 
-    attn, mlp = pre + "self_attn.", pre
-    for norm, readers in ((pre + "self_attn_layer_norm", ("q_proj", "k_proj", "v_proj")),
-                          (pre + "final_layer_norm", ("fc1",))):
-        c = channels(sd[norm + ".weight"].numel())
+    attn = pre + "self_attn."
+    for norm, readers in ((pre + "self_attn_layer_norm", (attn + "q_proj", attn + "k_proj", attn + "v_proj")),
+                          (pre + "final_layer_norm", (pre + "fc1",))):
+        c = channels(sd[norm + ".weight"].numel())  # (hidden,)
         sd[norm + ".weight"] = sd[norm + ".weight"] / c
         sd[norm + ".bias"] = sd[norm + ".bias"] / c
-        for name in readers:
-            key = (attn if name != "fc1" else mlp) + name + ".weight"
-            sd[key] = sd[key] * c
-    for reader, writer in ((attn + "out_proj", attn + "v_proj"), (mlp + "fc2", mlp + "fc1")):
+        for reader in readers:
+            sd[reader + ".weight"] = sd[reader + ".weight"] * c  # (out, hidden): columns
+    for reader, writer in ((attn + "out_proj", attn + "v_proj"), (pre + "fc2", pre + "fc1")):
         c = channels(sd[reader + ".weight"].shape[1])
         sd[reader + ".weight"] = sd[reader + ".weight"] * c
         sd[writer + ".weight"] = sd[writer + ".weight"] / c[:, None]

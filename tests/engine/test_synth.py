@@ -281,6 +281,10 @@ def test_opt3_scales_one_percent_of_each_linears_input_columns_by_four(monkeypat
 
 
 def test_opt3_is_deterministic_for_a_seed(tmp_path):
+    """The same seed, the same bytes; and opt3's tiny weights pinned as published (the digest of the
+    commit that made opt3 the default), so a later change that moved them shows here."""
+    pinned = synth_checkpoint(tmp_path / "p", shape="tiny", dtype="float32", seed=0, profile="opt3")
+    assert digest(pinned) == "224f10afc89ec1803571e8e4cfb3abd30e92782ceb5604804af76794536dc35a"
     a = synth_checkpoint(tmp_path / "a", shape="tiny", dtype="float16", seed=3, profile="opt3")
     b = synth_checkpoint(tmp_path / "b", shape="tiny", dtype="float16", seed=3, profile="opt3")
     c = synth_checkpoint(tmp_path / "c", shape="tiny", dtype="float16", seed=4, profile="opt3")
