@@ -15,6 +15,7 @@ wheel, so the policy printed here is the probe's, not FlexGen's search's.
 """
 
 import argparse
+import inspect
 import json
 import sys
 import time
@@ -125,10 +126,11 @@ def reference_tokens(checkpoint: Path, prompt: list[int], gen: int) -> list[int]
     model = OPTForCausalLM.from_pretrained(checkpoint, dtype=torch.float16, attn_implementation="eager").cuda().eval()
     try:
         out, cache, ids = [], DynamicCache(), torch.tensor([prompt], device="cuda")
+        # the cache's keyword: past_key_values in transformers 5.17, cache in 5.25 (as engine/accelerate.py finds it)
+        kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
         with torch.inference_mode():
             for _ in range(gen):  # plain greedy, no EOS stop (FlexGen's generate has none either)
-                # the cache positionally: its keyword is past_key_values in transformers 5.17, cache in 5.25
-                logits = model(ids, None, cache, use_cache=True).logits[0, -1]
+                logits = model(input_ids=ids, use_cache=True, **{kw: cache}).logits[0, -1]
                 out.append(int(logits.argmax()))
                 ids = torch.tensor([[out[-1]]], device="cuda")
         return out
