@@ -1,9 +1,10 @@
 """The `zero-inference` competitor (DeepSpeed ZeRO-3 parameter offload) on the CPU.
 
 DeepSpeed is an sdist built against the installed torch (`pip install --no-build-isolation`), so it
-is not in the `test` extra (an isolated build would fetch a second, CUDA torch): these tests carry
-the `deepspeed` marker, which the default run deselects; run them where the `[offload]` extra is
-installed with `pytest -m deepspeed tests/engine/test_zero_inference.py`. The submit refusal
+is not in the `test` extra (an isolated build would fetch a second, CUDA torch): `make test` installs the
+`[offload]` extra with --no-build-isolation and runs these tests (the `deepspeed` marker, which a
+bare `pytest` deselects) in a pytest process of their own: `pytest -m deepspeed
+tests/engine/test_zero_inference.py`. The submit refusal
 (tests/service) runs everywhere. On the CPU DeepSpeed's gather finds each partition on the
 execution device already (nothing crosses a link: 0 bytes in the ledger); the counting itself is
 proved with `meta` standing in for the GPU, as for accelerate."""
