@@ -106,6 +106,14 @@ def init_process_group(ds, device: torch.device) -> None:
     import torch.distributed as dist
 
     os.environ.setdefault("LOCAL_RANK", "0")
+    if device.type == "cpu":
+        # DeepSpeed's CPU backend JIT-compiles a C++ op for shared-memory collectives between the
+        # ranks of one host (deepspeed.comm.torch.build_shm_op, tens of seconds of g++ per fresh
+        # machine); at world size 1 there is no other rank and ZeRO's gather is a plain copy
+        # (NoGatherHandle), so the op is marked unusable and gloo's one-rank group serves instead.
+        import deepspeed.ops
+
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     if not dist.is_initialized():
         with socket.socket() as s:  # a free port on this host, for the one-rank rendezvous
             s.bind(("127.0.0.1", 0))
