@@ -12,10 +12,15 @@ $(BIN)/python:
 	$(PY) -m venv $(VENV)
 
 # torch first and pinned: 2.13.0 is the CPU build on local disk; a bare "torch" would fetch CUDA wheels.
+# The [offload] extra (deepspeed) is an sdist whose build imports torch: built against the torch
+# above with --no-build-isolation (an isolated build would fetch a second, CUDA torch), so the build
+# backends go in first; its tests run in `make test` (their own pytest process, below).
 $(STAMP): pyproject.toml | $(BIN)/python
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q torch==2.13.0
 	$(BIN)/python -m pip install -q -e '.[test]'
+	$(BIN)/python -m pip install -q 'setuptools>=77' wheel
+	$(BIN)/python -m pip install -q --no-build-isolation -e '.[test,offload]'
 	touch $(STAMP)
 
 venv: $(STAMP)
@@ -36,8 +41,13 @@ browser:
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; } || \
 	  echo "warning: headless Chromium is missing and could not be installed here (needs root and apt-get): the report's browser tests will fail; install Debian's chromium package"
 
+# The deepspeed tests in a second pytest process: DeepSpeed binds its accelerator and a one-rank
+# process group for the life of a process (engine/zero_inference.py), state no other test should
+# run beside. The cause of their Ray test failing after the in-process ones (a rendezvous left in
+# the environment) is fixed, so the split isolates DeepSpeed's process-wide state, not a known bug.
 test: $(STAMP) browser
 	$(BIN)/python -m pytest -q -m "not gpu and not deepspeed"
+	$(BIN)/python -m pytest -q -m deepspeed tests/engine/test_zero_inference.py
 
 # Mutation testing (mutmut) of the modules that decide verdicts and evidence, each against its own
 # tests, one worker, module by module (docs/mutation.md); not part of `make test`.

@@ -15,6 +15,7 @@ wheel, so the policy printed here is the probe's, not FlexGen's search's.
 """
 
 import argparse
+import inspect
 import json
 import sys
 import time
@@ -64,6 +65,11 @@ def policy_for(config, *, batch: int, prompt: int, gen: int, allowance_mib: int)
                   comp_cache_config=CompressionConfig(num_bits=4, group_size=64, group_dim=2, symmetric=False))
 
 
+def prompt_ids(length: int, sequence: int) -> list[int]:
+    """The probe's prompt `sequence` of `length` ids (BOS, then a ramp that differs per sequence)."""
+    return [2] + [100 + (sequence * 7 + k) % 50000 for k in range(length - 1)]
+
+
 def failure(e: BaseException) -> dict:
     """The verdict of a failed step: the exception verbatim and the line that raised it."""
     where = traceback.extract_tb(e.__traceback__)[-1]
@@ -76,6 +82,9 @@ def run_batch(config, env, weights_root: Path, *, batch: int, prompt: int, gen: 
     import torch
     from flexgen.flex_opt import OptLM
 
+    from flexgen.timer import timers
+
+    timers.timers.clear()  # FlexGen's global timers: a generate that raised leaves "generate" started
     policy = policy_for(config, batch=batch, prompt=prompt, gen=gen, allowance_mib=allowance_mib)
     row = {"batch": batch, "policy": {"w_gpu_percent": policy.w_gpu_percent, "w_cpu_percent": policy.w_cpu_percent,
                                       "cache_gpu_percent": 100, "act_gpu_percent": 100, "compress": False}}
@@ -84,7 +93,7 @@ def run_batch(config, env, weights_root: Path, *, batch: int, prompt: int, gen: 
     model = OptLM(config, env, str(weights_root), policy)
     row["load_s"] = time.perf_counter() - t0
     try:
-        prompts = [[2] + [100 + (b * 7 + k) % 50000 for k in range(prompt - 1)] for b in range(batch)]
+        prompts = [prompt_ids(prompt, b) for b in range(batch)]
         model.generate(prompts, max_new_tokens=2)  # warm-up
         torch.cuda.synchronize()
         t0 = time.perf_counter()
@@ -92,19 +101,48 @@ def run_batch(config, env, weights_root: Path, *, batch: int, prompt: int, gen: 
         torch.cuda.synchronize()
         row["ttft_s"] = time.perf_counter() - t0
         t0 = time.perf_counter()
-        model.generate(prompts, max_new_tokens=gen)
+        ids = model.generate(prompts, max_new_tokens=gen)
         torch.cuda.synchronize()
         row["generate_s"] = time.perf_counter() - t0
+        row["tokens"] = [list(map(int, r[prompt:])) for r in ids[:1]]  # the first sequence's, for fidelity
         # FlexGen's own decode figure (its benchmark's): (generate - prefill) / (gen - 1), per sequence too
         row["decode_ms_per_token"] = 1e3 * (row["generate_s"] - row["ttft_s"]) / max(1, gen - 1)
         row["decode_ms_per_token_per_seq"] = row["decode_ms_per_token"] / batch
         row["peak_allocated_mib"] = torch.cuda.max_memory_allocated() / 2**20
         row["verdict"] = "runs"
     finally:
-        model.delete_all_weights()
-        del model
+        del model  # OptLM.__del__ frees its weights
         torch.cuda.empty_cache()
     return row
+
+
+def reference_tokens(checkpoint: Path, prompt: list[int], gen: int) -> list[int]:
+    """Stock transformers' greedy continuation of `prompt` from the same checkpoint, resident on the
+    GPU with eager attention: dense-stream's tokens (every exact policy gives the resident model's
+    logits bit for bit under eager attention on the H200, /work/shared/device/NOTES.md)."""
+    import torch
+    from transformers import DynamicCache, OPTForCausalLM
+
+    model = OPTForCausalLM.from_pretrained(checkpoint, dtype=torch.float16, attn_implementation="eager").cuda().eval()
+    try:
+        out, cache, ids = [], DynamicCache(), torch.tensor([prompt], device="cuda")
+        # the cache's keyword: past_key_values in transformers 5.17, cache in 5.25 (as engine/accelerate.py finds it)
+        kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+        with torch.inference_mode():
+            for _ in range(gen):  # plain greedy, no EOS stop (FlexGen's generate has none either)
+                logits = model(input_ids=ids, use_cache=True, **{kw: cache}).logits[0, -1]
+                out.append(int(logits.argmax()))
+                ids = torch.tensor([[out[-1]]], device="cuda")
+        return out
+    finally:
+        del model
+        torch.cuda.empty_cache()
+
+
+def agreement(got: list[int], want: list[int]) -> dict:
+    """Greedy tokens against the reference's: equal or not, and the first step where they differ."""
+    first = next((i for i, (g, w) in enumerate(zip(got, want)) if g != w), None)
+    return {"tokens_equal": got == want, "first_divergence_step": first, "steps": len(want)}
 
 
 def main() -> int:
@@ -147,6 +185,14 @@ def main() -> int:
             facts["batches"].append({"batch": batch, **failure(e)})
         print(json.dumps(facts["batches"][-1]), file=sys.stderr, flush=True)  # a call cut short keeps it
     env.close_copy_threads()
+    ran = [b for b in facts["batches"] if b.get("tokens")]
+    if ran:  # fidelity: FlexGen's greedy tokens (first sequence of its smallest batch) against stock transformers'
+        try:
+            want = reference_tokens(a.checkpoint, prompt_ids(a.prompt, 0), a.gen)
+            facts["fidelity"] = {"batch": ran[0]["batch"], "reference": "transformers OPT, resident, eager attention",
+                                 **agreement(ran[0]["tokens"][0], want)}
+        except BaseException as e:
+            facts["fidelity"] = failure(e)
     facts["verdict"] = "runs" if any(b.get("verdict") == "runs" for b in facts["batches"]) else "fails"
     print(json.dumps(facts, indent=1))
     return 0

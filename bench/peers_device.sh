@@ -21,8 +21,13 @@
 #   WHEELHOUSE=<worktree>/.whl: it appends to .git/info/exclude)
 #   bash bench/peers_device.sh
 # Knobs: SHAPE, PROMPTS (2), PREFIX (512), ALLOWANCE (4800), BATCHES ("32"; "" for none), BATCH_PREFIX (64),
-# BATCH_ALLOWANCE (5700), CONDITIONS (the five names above), SKIP_FLEXGEN, FLEXGEN_BATCHES ("8,32"),
-# SCREEN_TIMEOUT (300), DEADLINE (560). TINY=1: the same path on the CPU on tiny shapes (float32,
+# BATCH_ALLOWANCE (5700), CONDITIONS (the five names above), SKIP_B1 (no batch-1 screen), SKIP_FLEXGEN,
+# FLEXGEN_BATCHES ("8,32"), CONT (16), SCREEN_TIMEOUT (300), DEADLINE (560). A batch-B screen plans B
+# scored episodes per condition (one starting at each prompt), so batch 32 is the long one: where one
+# call cannot hold everything, split it (docs/experiments/competitors.md, "The H200 run"):
+#   BATCHES= bash bench/peers_device.sh                          # batch 1 + FlexGen's sweep
+#   SKIP_B1=1 SKIP_FLEXGEN=1 BATCHES="8 32" bash bench/peers_device.sh
+#   SHAPE=opt-13b ALLOWANCE=20480 BATCHES= SKIP_FLEXGEN=1 bash bench/peers_device.sh TINY=1: the same path on the CPU on tiny shapes (float32,
 # 16-token prefixes, engine mode eager, 64 MiB allowances; no FlexGen, which needs CUDA), to check the
 # script end to end where there is no GPU.
 set -uo pipefail
@@ -78,7 +83,7 @@ screen() {  # name batch prompts prefix allowance
   grep -E "^(faithfulness|resources) |audit of|rror" "$out/$name.log" | sort -u | head -20
   python3 -m packbench results --screen latest --json > "$out/$name.json" 2>/dev/null
 }
-screen peers-b1 1 "${PROMPTS:-2}" "${PREFIX:-512}" "${ALLOWANCE:-4800}"
+[ -n "${SKIP_B1:-}" ] || screen peers-b1 1 "${PROMPTS:-2}" "${PREFIX:-512}" "${ALLOWANCE:-4800}"
 for b in ${BATCHES-32}; do screen "peers-b$b" "$b" "$b" "${BATCH_PREFIX:-64}" "${BATCH_ALLOWANCE:-5700}"; done
 # FlexGen last: it converts the checkpoint to its own layout (a second copy on disk) and may fail.
 ck=$(ls -d "$PACKBENCH_MODEL_CACHE"/*/ 2>/dev/null | head -1)
@@ -98,7 +103,7 @@ s = Store()
 med = lambda xs: statistics.median(xs) if xs else float("nan")
 print(f"{'screen':10} {'condition':15} {'batch':>5} {'ok':>3} {'TTFT ms':>8} {'steady ms/tok/seq':>17} "
       f"{'MB/call':>8} {'MB/tok':>7} {'peak alloc MiB':>14} {'peak sampled MiB':>16} {'tier':11} faithful")
-for screen in s.list_screens():
+for screen in sorted(s.list_screens(), key=lambda x: x.id):
     a = s.latest_attempt(screen.id)
     if a is None:
         continue

@@ -96,19 +96,33 @@ def ds_config(*, hidden: int, dtype: torch.dtype, pin_memory: bool) -> dict:
 
 
 def init_process_group(ds, device: torch.device) -> None:
-    """A one-process group for DeepSpeed (world size 1, rank 0; DeepSpeed reads LOCAL_RANK) where
-    none exists: gloo on the CPU, nccl on CUDA (the worker's one visible GPU is cuda:0)."""
+    """A one-process group for DeepSpeed (world size 1, rank 0) where none exists: gloo on the CPU,
+    nccl on CUDA (the worker's one visible GPU is cuda:0), rendezvous over an explicit TCP address on
+    a free port. Nothing of the rendezvous goes into the process environment: MASTER_ADDR /
+    MASTER_PORT / RANK / WORLD_SIZE left behind there would reach every process this one starts (a
+    Ray head started later hands them to its workers, whose own group then rendezvoused on a port
+    this process still holds). Only LOCAL_RANK is set, where absent: DeepSpeed's engine reads it
+    from the environment and has no other way to be told."""
     import torch.distributed as dist
 
-    if dist.is_initialized():
-        return
-    with socket.socket() as s:  # a free port on this host, for the one-rank rendezvous
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    for k, v in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
-                 "MASTER_PORT": str(port)}.items():
-        os.environ.setdefault(k, v)
-    ds.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo", verbose=False)
+    os.environ.setdefault("LOCAL_RANK", "0")
+    if device.type == "cpu":
+        # DeepSpeed's CPU backend JIT-compiles a C++ op for shared-memory collectives between the
+        # ranks of one host (deepspeed.comm.torch.build_shm_op, tens of seconds of g++ per fresh
+        # machine); at world size 1 there is no other rank and ZeRO's gather is a plain copy
+        # (NoGatherHandle), so the op is marked unusable and gloo's one-rank group serves instead.
+        import deepspeed.ops
+
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    if not dist.is_initialized():
+        with socket.socket() as s:  # a free port on this host, for the one-rank rendezvous
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}",
+                                rank=0, world_size=1)
+    # DeepSpeed adopts the group torch already has (no MPI discovery, no environment rendezvous).
+    ds.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo", auto_mpi_discovery=False,
+                        verbose=False)
 
 
 def moved_bytes(params, device: torch.device) -> list[tuple[torch.nn.Parameter, int]]:

@@ -1,9 +1,10 @@
 """The `zero-inference` competitor (DeepSpeed ZeRO-3 parameter offload) on the CPU.
 
 DeepSpeed is an sdist built against the installed torch (`pip install --no-build-isolation`), so it
-is not in the `test` extra (an isolated build would fetch a second, CUDA torch): these tests carry
-the `deepspeed` marker, which the default run deselects; run them where the `[offload]` extra is
-installed with `pytest -m deepspeed tests/engine/test_zero_inference.py`. The submit refusal
+is not in the `test` extra (an isolated build would fetch a second, CUDA torch): `make test` installs the
+`[offload]` extra with --no-build-isolation and runs these tests (the `deepspeed` marker, which a
+bare `pytest` deselects) in a pytest process of their own: `pytest -m deepspeed
+tests/engine/test_zero_inference.py`. The submit refusal
 (tests/service) runs everywhere. On the CPU DeepSpeed's gather finds each partition on the
 execution device already (nothing crosses a link: 0 bytes in the ledger); the counting itself is
 proved with `meta` standing in for the GPU, as for accelerate."""
@@ -114,6 +115,23 @@ def test_a_deepspeed_bound_to_another_accelerator_is_refused_in_one_line(tiny, z
     assert "\n" not in str(e.value)
 
 
+RENDEZVOUS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")
+
+
+def test_deepspeed_leaves_no_rendezvous_in_the_process_environment(tiny, zi):
+    """The one-rank group DeepSpeed needs rendezvouses over an explicit address: the process
+    environment keeps no MASTER_ADDR / MASTER_PORT / RANK / WORLD_SIZE of it. Written there, they
+    reached every process started afterwards (a Ray head, its workers), whose own group then
+    rendezvoused on a port this process still held: the Ray screen test below failed after the
+    in-process tests above."""
+    before = {k: os.environ.get(k) for k in RENDEZVOUS}
+    model = zi(tiny, torch.float32)
+    import torch.distributed as dist
+
+    assert dist.is_initialized() and dist.get_world_size() == 1 and model.gathered_bytes == 0
+    assert {k: os.environ.get(k) for k in RENDEZVOUS} == before
+
+
 def _body(model: Path) -> dict:
     raw = {"name": "z", "model": {"path": str(model)}, "dtype": "float32",
            "prompts": {"generator": {"seed": 0, "count": 2}}, "prefix_tokens": 16, "continuation_tokens": 6,
@@ -160,7 +178,7 @@ def test_submit_wait_runs_and_audits_a_zero_inference_screen(tmp_path, tiny, pac
     assert cli("db", "upgrade").returncode == 0
     out = subprocess.run([sys.executable, "-m", "packbench", "submit", "protocol.yaml", "--wait", "--json"], cwd=tmp_path,
                          capture_output=True, text=True, env=env, timeout=600)
-    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.returncode == 0, out.stderr[-3000:] + out.stdout[-3000:]
     summary = json.loads(out.stdout)
     verdicts = {(v["gate"], v["condition"]): v["passed"] for v in summary["verdicts"]}
     assert verdicts[("faithfulness", "zero-inference")] is True, summary["verdicts"]
