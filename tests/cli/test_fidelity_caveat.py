@@ -15,6 +15,9 @@ def test_the_caveat_rides_with_fidelity_verdicts_on_uncalibrated_synthetic_check
     # listed only where measured within the targets: opt2 at opt-125m (CPU), not at opt-2.7b (the H200 missed)
     assert fidelity_caveat({**opt, "shape": "opt-125m", "profile": "opt2"}, [FIDELITY]) is None
     assert "profile opt2, opt-2.7b" in fidelity_caveat({**opt, "profile": "opt2"}, [FIDELITY])
+    # opt3: opt-2.7b met every target on the H200; opt-13b missed int4 per-channel (1.9x real OPT's)
+    assert fidelity_caveat({**opt, "profile": "opt3"}, [FIDELITY]) is None
+    assert "profile opt3, opt-13b" in fidelity_caveat({**opt, "shape": "opt-13b", "profile": "opt3"}, [FIDELITY])
     assert fidelity_caveat(opt, [RUNTIME]) is None  # no fidelity verdict: nothing to qualify
     assert fidelity_caveat(None, [FIDELITY]) is None  # a real checkpoint (model.path)
     assert verdict_table([FIDELITY], caveat=caveat).splitlines()[-1] == f"fidelity: {caveat}"
