@@ -90,7 +90,7 @@ def test_hostile_files_are_refused_with_one_line(tmp_path):
     # Each catches a reader that trusts what it was given: a truncated zip, another version,
     # an id past the model's units, an unsorted set, offsets that do not cover the ids, a missing member.
     _refused(tmp_path, data[: len(data) // 2], "truncated")
-    _refused(tmp_path, _zip(_with_header(good, version=2)), "version 2", "upgrade")
+    _refused(tmp_path, _zip(_with_header(good, version=3)), "version 3", "upgrade")
     _refused(tmp_path, _zip(_with_header(good, format="other")), "not a packbench trace")
     _refused(tmp_path, _zip(_with_header(good, model_units=3)), "out of range", "3 rows")
     _refused(tmp_path, _zip({**good, "indices.npy": _npy(np.array([3, 0, 1, 3], dtype="<u4"))}), "strictly increasing")
