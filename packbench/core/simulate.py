@@ -3,11 +3,14 @@ with no weights, counted as the engine counts it, and a stated time prediction.
 
 A policy here is a table entry (`SIMULATED`): for a unit ("row": OPT, "expert": MoE) and a
 policy name, a function of the trace's model and the condition's params that returns a fresh
-`step(phase, layer, active) -> Step` for one episode (the engine makes a fresh policy for every
+`step(phase, layer, active, forecast) -> Step` for one episode (the engine makes a fresh policy for every
 episode: `CpuFirstModel.use`, so caches and forecasts start empty each episode here too). A
 step lists the `Recorder.add` charges the engine's policy makes for that layer, from the same
 functions (core/charges.py), in the same order; the ledger sums them as `Recorder.add` does.
-Adding a policy (an expert cache, a forecast) is one function and one entry.
+Adding a policy is one function and one entry. The expert caches (`expert-cache`, LRU or LFU,
+forecast off or on) and `expert-forecast` decide through core/expert_cache.py, as the engine
+does; a forecast reads the trace's forecast set of the layer (trace version 2), and a trace
+without one refuses them.
 
 Time (`predict`): per decode token, the machine's measured compute time of a resident decode
 token at the trace's shape (scaled per layer from a measurement at another depth, and said so)
@@ -235,8 +238,7 @@ def _expert_forecast(model: TraceModel, params: dict) -> Stepper:
     return _expert_cache(model, {"capacity": 0, "forecast": "on"})
 
 
-# Every policy the simulation replays, by unit and name, with the params it reads. An expert
-# cache or an expert forecast is one more entry here.
+# Every policy the simulation replays, by unit and name, with the params it reads.
 SIMULATED: dict[tuple[str, str], tuple[Callable[[TraceModel, dict], Stepper], tuple[str, ...]]] = {
     ("row", "resident"): (_resident, ()),
     ("row", "dense-stream"): (_dense_stream, ("weights",)),
