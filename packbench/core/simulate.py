@@ -18,7 +18,9 @@ plus the decode call's host-to-device bytes at the machine's pinned copy rate: c
 compute run one after the other (every packet waits for its layer's activity; an MoE layer's
 experts are copied before its expert loop), except OPT's dense-stream, whose copies run on a
 stream of their own beside compute (engine/policies/dense.py), so its time is the larger of
-the two. It is a prediction from stated rates, never a measurement.
+the two. An expert cache's hit moves nothing, so costs nothing; a forecast's prefetch is counted
+as serial copy time (the engine overlaps it with the previous layer's compute; not modelled).
+It is a prediction from stated rates, never a measurement.
 
 Layer rule: core. numpy only.
 """
