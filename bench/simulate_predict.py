@@ -43,7 +43,6 @@ from pathlib import Path
 
 import numpy as np
 
-from packbench.core import simulate as sim
 from packbench.core.moe import MOE_SHAPES, MoeShape
 from packbench.core.trace import Trace, TraceCall, TraceModel, read_trace, write_trace
 
