@@ -159,7 +159,8 @@ def cache_section(work: Path, machine_name: str, *, prefix: int, cont: int, laye
         notes.append(f"Compute of {shape} ({depth}): " + (f"{compute['value']} ms, {compute['source']}" if compute
                                                            else f"none in the machine file: no time predicted"))
     lines = [f"## Predicted before the runs: bench/moe_cache_device.sh on {machine['name']} ({today})", "",
-             f"`python -m bench.simulate_predict --only cache --machine {machine_name}` (CPU), {today}. The synthetic "
+             f"`python -m bench.simulate_predict --only cache --machine {machine_name} --qwen-layers "
+             f"{layers['qwen3-30b-a3b']} --mixtral-layers {layers['mixtral-8x7b']}` (CPU), {today}. The synthetic "
              f"checkpoints of bench/moe_cache_device.sh's shapes (seed 0, fp16) with fewer layers (host memory: "
              + ", ".join(f"{k} {v} of {CACHE_SHAPES[k][0]}" for k, v in recorded.items()) + "; synth draws layer "
              f"by layer from one seeded generator, so the recorded layers hold the device checkpoints' first layers' "
