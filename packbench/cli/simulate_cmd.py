@@ -47,7 +47,7 @@ def simulate(
     except TraceError as e:
         raise PackbenchError(f"TRACE: {e}") from None
     m = t.model
-    specs = policy or default_policies(m)
+    specs = policy or default_policies(m, has_forecasts=t.forecasts is not None)
     try:
         parsed = [(text, *sim.parse_policy(text, m.unit)) for text in specs]
     except sim.SimulateError as e:
@@ -76,14 +76,20 @@ def simulate(
 ASSUMPTIONS = ("a simulation from a trace, not a measurement: bytes are the engine's ledger rules (core/charges.py) "
                "on the trace's sets, each episode with a fresh policy as a screen runs it; time per decode token = "
                "the machine's measured resident compute + the decode bytes at its pinned copy rate, serial "
-               "(overlapped, the larger of the two, for OPT dense-stream); index bytes count as copied bytes")
+               "(overlapped, the larger of the two, for OPT dense-stream); index bytes count as copied bytes; an expert "
+               "cache hit costs no copy, and a forecast's prefetch counts as serial copy time (its overlap is not "
+               "modelled)")
 
 
-def default_policies(model) -> list[str]:
+def default_policies(model, *, has_forecasts: bool = True) -> list[str]:
     from packbench.core.simulate import DEFAULT_POLICIES
 
     rows = max(1, model.units // 10)  # row-retention: a cache of a tenth of each layer's rows
-    return [p.replace("ROWS", str(rows)) for p in DEFAULT_POLICIES[model.unit]]
+    cap = max(1, model.units // 4)  # expert caches: a quarter of each layer's experts
+    names = [p.replace("ROWS", str(rows)).replace("CAP", str(cap)) for p in DEFAULT_POLICIES[model.unit]]
+    if getattr(model, "unit", None) == "expert" and not has_forecasts:
+        names = [n for n in names if "forecast" not in n]  # a trace without forecast sets cannot replay them
+    return names
 
 
 def load_machine(spec: str) -> dict:
@@ -118,6 +124,14 @@ def load_machine(spec: str) -> dict:
     return machine
 
 
+def _opt(v) -> str:
+    return "-" if v is None else str(v)
+
+
+def _pct(v) -> str:
+    return "-" if v is None else f"{100 * v:.1f}"
+
+
 def _mb(n: float) -> str:
     return f"{n / 1e6:,.3f}"
 
@@ -128,26 +142,33 @@ def render(out: dict, *, per_call: bool = False) -> str:
     lines = [f"{out['trace']}: {m['family']} {m['shape'] or '(unnamed shape)'}, {m['layers']} layers x {m['units']} "
              f"{unit} of {m['unit_bytes']:,} B, {m['dtype']}; {out['episodes']} episodes, {out['calls']} calls",
              f"source: {json.dumps(out['source'], sort_keys=True)}", "",
-             f"{'policy':38} {'prefill MB/call':>16} {'decode MB/token':>16} {unit + '/decode':>14} "
-             f"{'wasted':>8} {'hits':>8} {'pred ms/token':>14}"]
+             f"{'policy':44} {'prefill MB/call':>16} {'decode MB/token':>16} {unit + '/decode':>14} "
+             f"{'wasted':>8} {'hits':>8} {'misses':>8} {'hit%':>6} {'belady%':>8} {'prefetch':>8} {'used':>8} "
+             f"{'pred ms/token':>14}"]
     for row in out["policies"]:
         p, d = row["totals"]["prefill"], row["totals"]["decode"]
         pre = (p["h2d_weight_bytes"] + p["h2d_index_bytes"]) / p["calls"] if p["calls"] else 0
         dec = (d["h2d_weight_bytes"] + d["h2d_index_bytes"]) / d["tokens"] if d["tokens"] else 0
         moved = d["rows_copied"] / d["calls"] if d["calls"] else 0
         pred = row.get("prediction", {}).get("decode_ms_per_token")
-        lines.append(f"{row['policy']:38} {_mb(pre):>16} {_mb(dec):>16} {moved:14.1f} "
-                     f"{d['rows_wasted'] + p['rows_wasted']:8d} {'-' if d['hits'] is None else d['hits']:>8} "
-                     f"{'-' if pred is None else f'{pred:.2f}':>14}")
+        lines.append(f"{row['policy']:44} {_mb(pre):>16} {_mb(dec):>16} {moved:14.1f} "
+                     f"{d['rows_wasted'] + p['rows_wasted']:8d} {_opt(d.get('hits')):>8} {_opt(d.get('misses')):>8} "
+                     f"{_pct(d.get('hit_rate')):>6} {_pct(d.get('belady_rate')):>8} {_opt(d.get('prefetched')):>8} "
+                     f"{_opt(d.get('used')):>8} {'-' if pred is None else f'{pred:.2f}':>14}")
         if per_call:
             for c in row["calls"]:
+                cache = "".join(f", {key} {sum(v for v in c[key] if v is not None)}"
+                                for key in ("hits", "misses", "prefetched", "used", "belady_hits")
+                                if any(v is not None for v in c.get(key, [])))
                 lines.append(f"    call {c['index']:4d} ep {c['episode']} {c['phase']:7} {c['tokens']:5d} tok: "
                              f"{sum(c['h2d_weight_bytes']):,} B weights, {sum(c['h2d_index_bytes']):,} B index, "
-                             f"{sum(c['rows_copied'])} {unit}")
+                             f"{sum(c['rows_copied'])} {unit}{cache}")
     if out["machine"] is not None:
         lines += ["", f"machine {out['machine']['name']}: pinned copy {out['machine']['pinned_h2d_gbps']['value']} GB/s "
                       f"({out['machine']['pinned_h2d_gbps']['source']})"]
         first = next((r["prediction"] for r in out["policies"]), {})
         lines.append("compute: " + (first.get("compute_source") or first.get("why", "-")))
-    lines += ["", "MB: 10^6 bytes host-to-device (weights and indices). " + out["assumptions"] + "."]
+    lines += ["", "MB: 10^6 bytes host-to-device (weights and indices). hits, misses, hit% (of routed), belady% "
+                  "(Belady's optimal cache of the same capacity), prefetch and used (forecast): decode calls. "
+              + out["assumptions"] + "."]
     return "\n".join(lines)

@@ -45,6 +45,20 @@ def device_counts(active: int, unit_bytes: int, *, counters: int = 1, rows: int 
     return dict(active=active, rows=k, weight_bytes=k * unit_bytes, d2h_bytes=counters * COUNT_BYTES, wasted=wasted)
 
 
+def expert_prefetch(prefetched: int, unit_bytes: int, units: int) -> dict:
+    """An expert forecast for the next layer (expert-cache {forecast: on}, expert-forecast): the
+    next router's top-k union read back (one byte per expert), then the forecast experts the next
+    layer's cache does not hold copied with no index; charged to the layer they are for."""
+    return dict(rows=prefetched, weight_bytes=prefetched * unit_bytes, d2h_bytes=units)
+
+
+def expert_fetch(fetched: int, unit_bytes: int, *, wasted: int = 0) -> dict:
+    """An expert cache's layer once its routing is known: the misses no forecast brought copied
+    with no index (the device gather), and the prefetched experts the call did not route
+    (`wasted`). Hits move nothing."""
+    return dict(rows=fetched, weight_bytes=fetched * unit_bytes, wasted=wasted)
+
+
 def extent_blocks(active: np.ndarray, block_rows: int) -> np.ndarray:
     """Sorted ids of the `block_rows`-row blocks holding an active row (sparse-extents)."""
     return np.unique(np.asarray(active, dtype=np.int64) // block_rows)

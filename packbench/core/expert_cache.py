@@ -140,10 +140,10 @@ def belady_hits(requests: Sequence[Iterable[int]], capacity: int) -> tuple[int, 
     """(hits, routed) of Belady's optimal cache of `capacity` experts over `requests` (module
     docstring): after each request keep the experts whose next request is soonest."""
     sets = [_routed_set(r) for r in requests]
-    return sum(_belady_per_request(sets, capacity)), sum(len(r) for r in sets)
+    return sum(belady_per_request(sets, capacity)), sum(len(r) for r in sets)
 
 
-def _belady_per_request(requests: Sequence[Iterable[int]], capacity: int) -> list[int]:
+def belady_per_request(requests: Sequence[Iterable[int]], capacity: int) -> list[int]:
     """Belady's hits at each request."""
     sets = [_routed_set(r) for r in requests]
     never = len(sets)
@@ -215,7 +215,7 @@ def episode_figures(routes: Sequence[Sequence[Sequence[int] | None]], phases: Se
                 if phases[c] == "decode":
                     decode[k] += v
         # Belady over the whole episode; its hits counted per call, so the decode share is its own.
-        belady = _belady_per_request([r for _, r in requests], capacity)
+        belady = belady_per_request([r for _, r in requests], capacity)
         row["belady_hits"] = sum(belady)
         total["belady_hits"] += row["belady_hits"]
         decode["belady_hits"] += sum(h for (c, _), h in zip(requests, belady) if phases[c] == "decode")

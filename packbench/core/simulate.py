@@ -3,11 +3,14 @@ with no weights, counted as the engine counts it, and a stated time prediction.
 
 A policy here is a table entry (`SIMULATED`): for a unit ("row": OPT, "expert": MoE) and a
 policy name, a function of the trace's model and the condition's params that returns a fresh
-`step(phase, layer, active) -> Step` for one episode (the engine makes a fresh policy for every
+`step(phase, layer, active, forecast) -> Step` for one episode (the engine makes a fresh policy for every
 episode: `CpuFirstModel.use`, so caches and forecasts start empty each episode here too). A
 step lists the `Recorder.add` charges the engine's policy makes for that layer, from the same
 functions (core/charges.py), in the same order; the ledger sums them as `Recorder.add` does.
-Adding a policy (an expert cache, a forecast) is one function and one entry.
+Adding a policy is one function and one entry. The expert caches (`expert-cache`, LRU or LFU,
+forecast off or on) and `expert-forecast` decide through core/expert_cache.py, as the engine
+does; a forecast reads the trace's forecast set of the layer (trace version 2), and a trace
+without one refuses them.
 
 Time (`predict`): per decode token, the machine's measured compute time of a resident decode
 token at the trace's shape (scaled per layer from a measurement at another depth, and said so)
@@ -15,7 +18,9 @@ plus the decode call's host-to-device bytes at the machine's pinned copy rate: c
 compute run one after the other (every packet waits for its layer's activity; an MoE layer's
 experts are copied before its expert loop), except OPT's dense-stream, whose copies run on a
 stream of their own beside compute (engine/policies/dense.py), so its time is the larger of
-the two. It is a prediction from stated rates, never a measurement.
+the two. An expert cache's hit moves nothing, so costs nothing; a forecast's prefetch is counted
+as serial copy time (the engine overlaps it with the previous layer's compute; not modelled).
+It is a prediction from stated rates, never a measurement.
 
 Layer rule: core. numpy only.
 """
@@ -28,8 +33,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from packbench.core import charges
+from packbench.core.expert_cache import CACHE_RULES, LayerCache, belady_per_request, forecast_step
 from packbench.core.registry import INT8_SCALE_BYTES
-from packbench.core.trace import Trace, TraceModel
+from packbench.core.trace import Trace, TraceModel, forecast_possible
 
 LEDGER_KEYS = ("active_rows", "rows_copied", "h2d_weight_bytes", "h2d_index_bytes", "d2h_bytes", "rows_wasted")
 _ADD_KEYS = {"rows": "rows_copied", "weight_bytes": "h2d_weight_bytes", "index_bytes": "h2d_index_bytes",
@@ -43,13 +49,19 @@ class SimulateError(ValueError):
 @dataclass
 class Step:
     """One layer of one call: the engine's `Recorder.add` charges in order, and the hits of a
-    cache (not in the engine's ledger; reported beside it)."""
+    cache (not in the engine's ledger; reported beside it); an expert cache also reports its
+    misses and its forecast's prefetched and used experts (the wasted ones are the ledger's)."""
 
     charges: list[dict] = field(default_factory=list)
     hits: int | None = None
+    misses: int | None = None
+    prefetched: int | None = None
+    used: int | None = None
 
 
-Stepper = Callable[[str, int, np.ndarray], Step]
+# step(phase, layer, active, forecast): `forecast` is the trace's forecast set for the layer
+# (core/trace.py; None where the trace has none or no forecast can be made).
+Stepper = Callable[[str, int, np.ndarray, "np.ndarray | None"], Step]
 
 
 def _unit_bytes(model: TraceModel, params: dict) -> int:
@@ -65,12 +77,12 @@ def _unit_bytes(model: TraceModel, params: dict) -> int:
 
 
 def _resident(model: TraceModel, params: dict) -> Stepper:
-    return lambda phase, layer, active: Step()  # resident: nothing to fetch
+    return lambda phase, layer, active, forecast=None: Step()  # resident: nothing to fetch
 
 
 def _dense_stream(model: TraceModel, params: dict) -> Stepper:
     rb = _unit_bytes(model, params)
-    return lambda phase, layer, active: Step([charges.dense_copy(model.units, rb)])
+    return lambda phase, layer, active, forecast=None: Step([charges.dense_copy(model.units, rb)])
 
 
 def _host_packet(model: TraceModel, active: np.ndarray, rb: int) -> list[dict]:
@@ -81,15 +93,15 @@ def _host_packet(model: TraceModel, active: np.ndarray, rb: int) -> list[dict]:
 def _packet(model: TraceModel, params: dict) -> Stepper:
     rb = _unit_bytes(model, params)
     if params.get("gather", "host") == "device":
-        return lambda phase, layer, active: Step([charges.device_counts(active.size, rb)])
-    return lambda phase, layer, active: Step(_host_packet(model, active, rb))
+        return lambda phase, layer, active, forecast=None: Step([charges.device_counts(active.size, rb)])
+    return lambda phase, layer, active, forecast=None: Step(_host_packet(model, active, rb))
 
 
 def _phase_switched(model: TraceModel, params: dict) -> Stepper:
     decode = _packet(model, params)
     rb = _unit_bytes(model, params)
 
-    def step(phase: str, layer: int, active: np.ndarray) -> Step:
+    def step(phase: str, layer: int, active: np.ndarray, forecast: np.ndarray | None = None) -> Step:
         if phase == "prefill":
             return Step([charges.dense_copy(model.units, rb)])
         return decode(phase, layer, active)
@@ -102,7 +114,7 @@ def _sparse_extents(model: TraceModel, params: dict) -> Stepper:
     block = check_param("sparse-extents", "block_rows", params.get("block_rows",
                                                                    param_default("sparse-extents", "block_rows")))
 
-    def step(phase: str, layer: int, active: np.ndarray) -> Step:
+    def step(phase: str, layer: int, active: np.ndarray, forecast: np.ndarray | None = None) -> Step:
         blocks = charges.extent_blocks(active, block)
         rows = charges.extent_rows(blocks, block, model.units)
         return Step([charges.activity_readback(active.size, model.units),
@@ -120,7 +132,7 @@ def _row_retention(model: TraceModel, params: dict) -> Stepper:
     last_used = np.full((model.layers, slots), -1, dtype=np.int64)
     clock = {"call": 0, "layer": model.layers}
 
-    def step(phase: str, layer: int, active: np.ndarray) -> Step:
+    def step(phase: str, layer: int, active: np.ndarray, forecast: np.ndarray | None = None) -> Step:
         if layer <= clock["layer"]:  # a new call (layers run in order): the recorder's serial moves on
             clock["call"] += 1
         clock["layer"] = layer
@@ -141,7 +153,7 @@ def _early_forecast(model: TraceModel, params: dict) -> Stepper:
     if params.get("gather", "host") == "device":
         prev = [np.zeros(0, dtype=np.int64) for _ in range(model.layers)]  # the device's `prev`: zeros
 
-        def device_step(phase: str, layer: int, active: np.ndarray) -> Step:
+        def device_step(phase: str, layer: int, active: np.ndarray, forecast: np.ndarray | None = None) -> Step:
             predicted = prev[layer] if phase == "decode" else np.zeros(0, dtype=np.int64)
             missed, wasted = charges.forecast_split(predicted, active)
             prev[layer] = active
@@ -150,7 +162,7 @@ def _early_forecast(model: TraceModel, params: dict) -> Stepper:
         return device_step
     previous: list[np.ndarray | None] = [None] * model.layers
 
-    def step(phase: str, layer: int, active: np.ndarray) -> Step:
+    def step(phase: str, layer: int, active: np.ndarray, forecast: np.ndarray | None = None) -> Step:
         out = []
         predicted = previous[layer] if phase == "decode" else None
         if predicted is not None and predicted.size == 0:
@@ -173,13 +185,13 @@ def _early_forecast(model: TraceModel, params: dict) -> Stepper:
 
 
 def _expert_dense(model: TraceModel, params: dict) -> Stepper:
-    return lambda phase, layer, active: Step([charges.dense_copy(model.units, model.unit_bytes)])
+    return lambda phase, layer, active, forecast=None: Step([charges.dense_copy(model.units, model.unit_bytes)])
 
 
 def _expert_packet(model: TraceModel, params: dict) -> Stepper:
     device = params.get("gather", "host") == "device"
 
-    def step(phase: str, layer: int, active: np.ndarray) -> Step:
+    def step(phase: str, layer: int, active: np.ndarray, forecast: np.ndarray | None = None) -> Step:
         return Step([charges.activity_readback(active.size, model.units),
                      charges.unit_packet(active.size, model.unit_bytes, index=0 if device else None)])
     return step
@@ -188,15 +200,47 @@ def _expert_packet(model: TraceModel, params: dict) -> Stepper:
 def _expert_phase_switched(model: TraceModel, params: dict) -> Stepper:
     packet = _expert_packet(model, params)
 
-    def step(phase: str, layer: int, active: np.ndarray) -> Step:
+    def step(phase: str, layer: int, active: np.ndarray, forecast: np.ndarray | None = None) -> Step:
         if phase == "prefill":
             return Step([charges.dense_copy(model.units, model.unit_bytes)])
         return packet(phase, layer, active)
     return step
 
 
-# Every policy the simulation replays, by unit and name, with the params it reads. An expert
-# cache or an expert forecast is one more entry here.
+def _expert_cache(model: TraceModel, params: dict) -> Stepper:
+    """expert-cache {capacity, rule, forecast} and expert-forecast (capacity 0, forecast on), as
+    engine/moe/cache.py decides them: per layer a `LayerCache` (core/expert_cache.py), the layer's
+    forecast (made in the previous layer) accounted against the cache before its step."""
+    if "capacity" not in params:
+        raise SimulateError("expert-cache needs capacity (e.g. expert-cache:capacity=4,rule=lru,forecast=off)")
+    capacity, rule = params["capacity"], params.get("rule", "lru")
+    forecasting = params.get("forecast", "off") == "on"
+    caches = [LayerCache(capacity, rule) for _ in range(model.layers)]  # raises ValueError on a bad capacity
+    eb, units = model.unit_bytes, model.units
+
+    def step(phase: str, layer: int, active: np.ndarray, forecast: np.ndarray | None = None) -> Step:
+        cache = caches[layer]
+        out = [charges.activity_readback(active.size, units)]
+        prefetched = used = None
+        wasted = 0
+        brought: set[int] = set()
+        if forecasting and forecast is not None:
+            f = forecast_step(forecast.tolist(), cache.cached, active.tolist())
+            # Charged to this layer while the previous one ran (engine: `prefetch(layer, ...)`).
+            out.insert(0, charges.expert_prefetch(len(f.prefetched), eb, units))
+            prefetched, used, wasted, brought = len(f.prefetched), len(f.used), len(f.wasted), set(f.used)
+        s = cache.step(active.tolist())
+        fetched = sum(1 for e in s.misses if e not in brought)
+        out.append(charges.expert_fetch(fetched, eb, wasted=wasted))
+        return Step(out, hits=len(s.hits), misses=len(s.misses), prefetched=prefetched, used=used)
+    return step
+
+
+def _expert_forecast(model: TraceModel, params: dict) -> Stepper:
+    return _expert_cache(model, {"capacity": 0, "forecast": "on"})
+
+
+# Every policy the simulation replays, by unit and name, with the params it reads.
 SIMULATED: dict[tuple[str, str], tuple[Callable[[TraceModel, dict], Stepper], tuple[str, ...]]] = {
     ("row", "resident"): (_resident, ()),
     ("row", "dense-stream"): (_dense_stream, ("weights",)),
@@ -209,7 +253,18 @@ SIMULATED: dict[tuple[str, str], tuple[Callable[[TraceModel, dict], Stepper], tu
     ("expert", "dense-stream"): (_expert_dense, ()),
     ("expert", "packet"): (_expert_packet, ("gather",)),
     ("expert", "phase-switched"): (_expert_phase_switched, ("gather",)),
+    ("expert", "expert-cache"): (_expert_cache, ("capacity", "rule", "forecast")),
+    ("expert", "expert-forecast"): (_expert_forecast, ()),
 }
+# Expert caches: ledger() adds Belady's hits for the same capacity (core/expert_cache.py).
+EXPERT_CACHES = {"expert-cache", "expert-forecast"}
+
+
+def needs_forecast(name: str, params: dict) -> bool:
+    """Whether the policy reads the trace's forecast sets (core/trace.py, version 2)."""
+    return name == "expert-forecast" or (name == "expert-cache" and params.get("forecast", "off") == "on")
+
+
 # Policies whose copies overlap compute in the engine (predict takes the larger of the two).
 OVERLAPPED = {("row", "dense-stream")}
 # What `simulate` replays when no --policy is given.
@@ -218,9 +273,11 @@ DEFAULT_POLICIES = {
             "phase-switched:gather=device", "sparse-extents", "row-retention:rows_per_layer=ROWS",
             "early-forecast", "early-forecast:gather=device"],
     "expert": ["resident", "dense-stream", "packet", "packet:gather=device", "phase-switched",
-               "phase-switched:gather=device"],
+               "phase-switched:gather=device", "expert-cache:capacity=CAP,rule=lru", "expert-cache:capacity=CAP,rule=lfu",
+               "expert-forecast", "expert-cache:capacity=CAP,rule=lru,forecast=on"],
 }
-_PARAM_VALUES = {"gather": ("host", "device"), "weights": ("dtype", "int8")}
+_PARAM_VALUES = {"gather": ("host", "device"), "weights": ("dtype", "int8"), "rule": CACHE_RULES,
+                 "forecast": ("off", "on")}
 
 
 def parse_policy(text: str, unit: str) -> tuple[str, dict]:
@@ -249,43 +306,65 @@ def parse_policy(text: str, unit: str) -> tuple[str, dict]:
     return name, params
 
 
+CACHE_KEYS = ("hits", "misses", "prefetched", "used", "belady_hits")
+
+
 def ledger(trace: Trace, name: str, params: dict) -> list[dict]:
     """Per call, the engine's CallLedger fields (index, phase, tokens and the per-layer lists of
-    LEDGER_KEYS) as `name {params}` would record them on this trace, plus `hits` per layer
-    (None where the policy has no cache)."""
+    LEDGER_KEYS) as `name {params}` would record them on this trace, plus per layer the cache's
+    `hits` (None where the policy has no cache) and, for an expert cache, `misses`, the forecast's
+    `prefetched` and `used` (None where no forecast was made), and `belady_hits`: Belady's optimal
+    hits for the same capacity on the episode's same requests (core/expert_cache.py)."""
     m = trace.model
     make = SIMULATED[(m.unit, name)][0]
+    if needs_forecast(name, params) and trace.forecasts is None:
+        raise SimulateError(f"{name} needs the trace's forecast sets, which this trace does not hold; record it "
+                            f"with packbench's tracer (trace version 2) from the MoE checkpoint")
     skip = set(m.layers_without_units)
     calls = []
     for episode in trace.episodes():
         step = make(m, params)  # fresh per episode, as the engine's policy is
+        first = len(calls)
         for c in episode:
             call = trace.calls[c]
             row = {"index": c, "episode": call.episode, "phase": call.phase, "tokens": call.tokens,
                    "active_rows": [None] * m.layers, "rows_copied": [0] * m.layers,
                    "h2d_weight_bytes": [0] * m.layers, "h2d_index_bytes": [0] * m.layers,
-                   "d2h_bytes": [0] * m.layers, "rows_wasted": [0] * m.layers, "hits": [None] * m.layers}
+                   "d2h_bytes": [0] * m.layers, "rows_wasted": [0] * m.layers,
+                   **{key: [None] * m.layers for key in CACHE_KEYS}}
             for layer in range(m.layers):
                 if layer in skip:
                     continue  # a dense layer of an MoE model: no experts, nothing charged
-                s = step(call.phase, layer, trace.sets[c][layer])
-                row["hits"][layer] = s.hits
+                forecast = trace.forecasts[c][layer] if (trace.forecasts is not None
+                                                         and forecast_possible(m, layer)) else None
+                s = step(call.phase, layer, trace.sets[c][layer], forecast)
+                for key in ("hits", "misses", "prefetched", "used"):
+                    row[key][layer] = getattr(s, key)
                 for add in s.charges:
                     if add.get("active") is not None:
                         row["active_rows"][layer] = add["active"]
                     for key, field_name in _ADD_KEYS.items():
                         row[field_name][layer] += add.get(key, 0)
             calls.append(row)
+        if name in EXPERT_CACHES:
+            capacity = params.get("capacity", 0)
+            for layer in range(m.layers):
+                if layer in skip:
+                    continue
+                hits = belady_per_request([trace.sets[c][layer].tolist() for c in episode], capacity)
+                for row, h in zip(calls[first:], hits):
+                    row["belady_hits"][layer] = h
     return calls
 
 
 def totals(calls: list[dict]) -> dict:
     """Per phase: calls, tokens, units moved, H2D weight and index bytes, D2H bytes, wasted
-    units, cache hits (None when the policy has no cache)."""
+    units, and the cache's hits, misses, prefetched, used, Belady's hits (None when the policy
+    has none of them) with `hit_rate` and `belady_rate` over the units observed active."""
     out = {}
     for phase in ("prefill", "decode"):
         mine = [c for c in calls if c["phase"] == phase]
-        hits = [h for c in mine for h in c["hits"] if h is not None]
+        cache = {key: [v for c in mine for v in c[key] if v is not None] for key in CACHE_KEYS}
         out[phase] = {"calls": len(mine), "tokens": sum(c["tokens"] for c in mine),
                       "rows_copied": sum(sum(c["rows_copied"]) for c in mine),
                       "active_rows": sum(sum(a for a in c["active_rows"] if a is not None) for c in mine),
@@ -293,7 +372,10 @@ def totals(calls: list[dict]) -> dict:
                       "h2d_index_bytes": sum(sum(c["h2d_index_bytes"]) for c in mine),
                       "d2h_bytes": sum(sum(c["d2h_bytes"]) for c in mine),
                       "rows_wasted": sum(sum(c["rows_wasted"]) for c in mine),
-                      "hits": sum(hits) if hits else None}
+                      **{key: sum(v) if v else None for key, v in cache.items()}}
+        routed = out[phase]["active_rows"]
+        for key, num in (("hit_rate", "hits"), ("belady_rate", "belady_hits")):
+            out[phase][key] = out[phase][num] / routed if out[phase][num] is not None and routed else None
     return out
 
 

@@ -9,7 +9,13 @@ A trace file is a zip of three members:
   `calls` (per call: episode, phase "prefill" or "decode", tokens);
 - `offsets.npy`: int64 (calls x layers + 1,) offsets into `indices`, call-major: the set of call
   c, layer l is `indices[offsets[c * layers + l]:offsets[c * layers + l + 1]]`;
-- `indices.npy`: uint32 (n,) the sets' unit ids, each set strictly increasing.
+- `indices.npy`: uint32 (n,) the sets' unit ids, each set strictly increasing;
+- version 2 only, optional (both or neither): `forecast_offsets.npy` and `forecast_indices.npy`,
+  the same layout, for an MoE model: the set of call c, layer l is the experts layer l's router
+  picks from layer l-1's MoE input (what `expert-forecast` prefetches), empty where no forecast
+  can be made (layer 0, and a layer with or after a layer without units).
+
+Version 1 files (no forecast members) are still read. Writing gives version 2.
 
 Reading is bounded: the file's size, each member's stated and actual size, the number of calls
 and layers, and every id are checked before use, and a bad file raises `TraceError` naming the
@@ -32,9 +38,12 @@ from pathlib import Path
 import numpy as np
 
 FORMAT = "packbench-trace"
-VERSION = 1
+VERSION = 2
+READABLE_VERSIONS = (1, 2)
 HEADER_NAME, OFFSETS_NAME, INDICES_NAME = "header.json", "offsets.npy", "indices.npy"
 MEMBERS = (HEADER_NAME, OFFSETS_NAME, INDICES_NAME)
+FORECAST_OFFSETS_NAME, FORECAST_INDICES_NAME = "forecast_offsets.npy", "forecast_indices.npy"
+FORECAST_MEMBERS = (FORECAST_OFFSETS_NAME, FORECAST_INDICES_NAME)
 UNITS = ("row", "expert")
 PHASES = ("prefill", "decode")
 
@@ -89,6 +98,9 @@ class Trace:
     calls: list[TraceCall]
     sets: list[list[np.ndarray]]  # [call][layer] sorted int64 unit ids
     source: dict = field(default_factory=dict)
+    # [call][layer] sorted int64 expert ids forecast for the layer (module docstring), or None:
+    # a trace without forecasts (OPT, a version-1 file, or one written from a routing dump).
+    forecasts: list[list[np.ndarray]] | None = None
 
     def episodes(self) -> list[list[int]]:
         """Call indices grouped by episode, in trace order (a new episode starts where the
@@ -101,6 +113,13 @@ class Trace:
                 last = c.episode
             out[-1].append(i)
         return out
+
+
+def forecast_possible(model: TraceModel, layer: int) -> bool:
+    """Whether the engine forecasts `layer` (engine/moe/model.py): from the previous layer's MoE
+    input, so both it and the previous layer have experts."""
+    skip = set(model.layers_without_units)
+    return model.unit == "expert" and layer > 0 and layer not in skip and layer - 1 not in skip
 
 
 def _check_model(m: dict) -> TraceModel:
@@ -171,12 +190,17 @@ def parse_trace(zf: zipfile.ZipFile, *, cap: int | None = None) -> Trace:
     missing = [n for n in MEMBERS if n not in infos]
     if missing:
         raise TraceError(f"the trace has no {missing[0]}; a trace file holds {', '.join(MEMBERS)} (docs/traces.md)")
+    present = [n for n in FORECAST_MEMBERS if n in infos]
+    if len(present) == 1:
+        raise TraceError(f"the trace has {present[0]} without its pair; a trace holds both "
+                         f"{' and '.join(FORECAST_MEMBERS)} or neither; rewrite it")
     limits = {HEADER_NAME: MAX_HEADER_BYTES, OFFSETS_NAME: 8 * (MAX_SETS + 1) + 256,
-              INDICES_NAME: 4 * MAX_INDICES + 256}
+              INDICES_NAME: 4 * MAX_INDICES + 256, FORECAST_OFFSETS_NAME: 8 * (MAX_SETS + 1) + 256,
+              FORECAST_INDICES_NAME: 4 * MAX_INDICES + 256}
     if cap is not None:
         limits = {name: min(limit, cap) for name, limit in limits.items()}
     raw = {}
-    for name in MEMBERS:
+    for name in (*MEMBERS, *present):
         info = infos[name]
         if info.file_size > limits[name]:
             raise TraceError(f"{name} states {info.file_size} bytes, over the bound of {limits[name]}; "
@@ -192,9 +216,12 @@ def parse_trace(zf: zipfile.ZipFile, *, cap: int | None = None) -> Trace:
         raise TraceError("header.json is not JSON; rewrite the trace") from None
     if not isinstance(header, dict) or header.get("format") != FORMAT:
         raise TraceError(f"header.json does not say format {FORMAT!r}; this is not a packbench trace file")
-    if header.get("version") != VERSION:
-        raise TraceError(f"trace version {header.get('version')!r} is not one this packbench reads ({VERSION}); "
-                         f"upgrade packbench or rewrite the trace in version {VERSION}")
+    if header.get("version") not in READABLE_VERSIONS:
+        raise TraceError(f"trace version {header.get('version')!r} is not one this packbench reads "
+                         f"({', '.join(map(str, READABLE_VERSIONS))}); upgrade packbench or rewrite the trace "
+                         f"in version {VERSION}")
+    if present and header["version"] < 2:
+        raise TraceError("a version-1 trace holds no forecast members; drop them or write version 2")
     model = _check_model(header.get("model"))
     calls = _check_calls(header.get("calls"))
     if len(calls) * model.layers > MAX_SETS:
@@ -203,12 +230,31 @@ def parse_trace(zf: zipfile.ZipFile, *, cap: int | None = None) -> Trace:
     source = header.get("source", {})
     if not isinstance(source, dict):
         raise TraceError("header.json's source must be an object")
-    offsets = _read_npy(raw[OFFSETS_NAME], OFFSETS_NAME, "<i8")
-    indices = _read_npy(raw[INDICES_NAME], INDICES_NAME, "<u4")
-    n = len(calls) * model.layers
+    sets = _read_sets(raw[OFFSETS_NAME], raw[INDICES_NAME], model, len(calls), (OFFSETS_NAME, INDICES_NAME))
+    forecasts = None
+    if present:
+        forecasts = _read_sets(raw[FORECAST_OFFSETS_NAME], raw[FORECAST_INDICES_NAME], model, len(calls),
+                               FORECAST_MEMBERS)
+        if model.unit != "expert":
+            raise TraceError("forecast members are for a trace of experts; drop them from a trace of rows")
+        for c, row in enumerate(forecasts):
+            for layer, f in enumerate(row):
+                if f.size and not forecast_possible(model, layer):
+                    raise TraceError(f"call {c} has a forecast for layer {layer}, where none can be made (layer 0, "
+                                     f"or a layer with or after a layer without units); empty it")
+    return Trace(model=model, calls=calls, sets=sets, source=source, forecasts=forecasts)
+
+
+def _read_sets(offsets_raw: bytes, indices_raw: bytes, model: TraceModel, ncalls: int,
+               names: tuple[str, str]) -> list[list[np.ndarray]]:
+    """[call][layer] sets from an offsets and an indices member, every id and bound checked."""
+    offsets_name, indices_name = names
+    offsets = _read_npy(offsets_raw, offsets_name, "<i8")
+    indices = _read_npy(indices_raw, indices_name, "<u4")
+    n = ncalls * model.layers
     if offsets.size != n + 1 or offsets[0] != 0 or offsets[-1] != indices.size or np.any(np.diff(offsets) < 0):
-        raise TraceError(f"offsets.npy must hold calls x layers + 1 = {n + 1} non-decreasing offsets from 0 to "
-                         f"indices' {indices.size}; the file is truncated or inconsistent")
+        raise TraceError(f"{offsets_name} must hold calls x layers + 1 = {n + 1} non-decreasing offsets from 0 to "
+                         f"{indices_name}' {indices.size}; the file is truncated or inconsistent")
     ids = indices.astype(np.int64)
     if ids.size and ids.max() >= model.units:
         raise TraceError(f"unit id {int(ids.max())} is out of range: the model has {model.units} {model.unit}s "
@@ -219,10 +265,10 @@ def parse_trace(zf: zipfile.ZipFile, *, cap: int | None = None) -> Trace:
     boundaries = offsets[1:-1]
     inside[boundaries[(boundaries > 0) & (boundaries < ids.size)] - 1] = False
     if np.any((steps <= 0) & inside):
-        raise TraceError("a set in indices.npy is not strictly increasing; sort each set and drop repeats")
+        raise TraceError(f"a set in {indices_name} is not strictly increasing; sort each set and drop repeats")
     skip = set(model.layers_without_units)
     sets = []
-    for c in range(len(calls)):
+    for c in range(ncalls):
         row = []
         for layer in range(model.layers):
             s = ids[offsets[c * model.layers + layer]:offsets[c * model.layers + layer + 1]]
@@ -230,7 +276,7 @@ def parse_trace(zf: zipfile.ZipFile, *, cap: int | None = None) -> Trace:
                 raise TraceError(f"call {c} has units in layer {layer}, which model.layers_without_units lists")
             row.append(s)
         sets.append(row)
-    return Trace(model=model, calls=calls, sets=sets, source=source)
+    return sets
 
 
 def read_trace(path: Path | str) -> Trace:
@@ -263,13 +309,9 @@ def _npy(arr: np.ndarray) -> bytes:
     return buf.getvalue()
 
 
-def trace_bytes(trace: Trace) -> bytes:
-    """The file's bytes (checked as a reader would: a trace written is a trace readable)."""
-    m = trace.model
-    if len(trace.sets) != len(trace.calls) or any(len(row) != m.layers for row in trace.sets):
-        raise TraceError("a trace needs one set per call and layer")
+def _offsets_indices(sets: list[list[np.ndarray]]) -> tuple[np.ndarray, np.ndarray]:
     lengths, parts = [], []
-    for row in trace.sets:
+    for row in sets:
         for s in row:
             a = np.asarray(s, dtype=np.int64)
             lengths.append(a.size)
@@ -277,6 +319,18 @@ def trace_bytes(trace: Trace) -> bytes:
     offsets = np.zeros(len(lengths) + 1, dtype="<i8")
     np.cumsum(lengths, out=offsets[1:])
     indices = np.concatenate(parts).astype("<u4") if parts else np.zeros(0, dtype="<u4")
+    return offsets, indices
+
+
+def trace_bytes(trace: Trace) -> bytes:
+    """The file's bytes (checked as a reader would: a trace written is a trace readable)."""
+    m = trace.model
+    if len(trace.sets) != len(trace.calls) or any(len(row) != m.layers for row in trace.sets):
+        raise TraceError("a trace needs one set per call and layer")
+    if trace.forecasts is not None and (len(trace.forecasts) != len(trace.calls)
+                                        or any(len(row) != m.layers for row in trace.forecasts)):
+        raise TraceError("a trace's forecasts need one set per call and layer")
+    offsets, indices = _offsets_indices(trace.sets)
     header = {"format": FORMAT, "version": VERSION, "model": m.as_dict(), "source": trace.source,
               "calls": [vars(c) for c in trace.calls]}
     buf = io.BytesIO()
@@ -284,6 +338,10 @@ def trace_bytes(trace: Trace) -> bytes:
         zf.writestr(HEADER_NAME, json.dumps(header, sort_keys=True, indent=1))
         zf.writestr(OFFSETS_NAME, _npy(offsets))
         zf.writestr(INDICES_NAME, _npy(indices))
+        if trace.forecasts is not None:
+            f_offsets, f_indices = _offsets_indices(trace.forecasts)
+            zf.writestr(FORECAST_OFFSETS_NAME, _npy(f_offsets))
+            zf.writestr(FORECAST_INDICES_NAME, _npy(f_indices))
     data = buf.getvalue()
     with zipfile.ZipFile(io.BytesIO(data)) as zf:
         parse_trace(zf)

@@ -2,7 +2,9 @@
 neurons active in any token of the call (fc2's input non-zero), or the experts an MoE layer's
 router chose for any token. A `Tracer` hooks the model's outgoing layers (OPT) or experts
 modules (MoE), reads the set back whatever the policy, and groups the sets by the recorder's
-calls; the episode loop is unchanged.
+calls; the episode loop is unchanged. For an MoE model it also records, per call and layer, the
+experts layer l's router picks from layer l-1's MoE input (`CpuFirstMoE.forecast`, the very
+function `expert-forecast` prefetches by), so `simulate` replays the forecast policies.
 
 What tracing costs is not charged to the ledger (a trace is recording, like the logits): the
 set's readback synchronises each layer on a GPU, so an episode traced is not timed as one that
@@ -27,6 +29,7 @@ class Tracer:
         self.recorder = model.recorder
         self.calls: list[TraceCall] = []
         self.sets: list[list[np.ndarray]] = []
+        self.forecasts: list[list[np.ndarray]] = []  # MoE: per call and layer, what layer l-1 forecast for it
         self._serial = None
         self._episode = -1
         self.meta = _model_meta(model)
@@ -56,6 +59,7 @@ class Tracer:
                 self._episode += 1
             self.calls.append(TraceCall(episode=self._episode, phase=rec.phase, tokens=rec.current.tokens))
             self.sets.append([np.zeros(0, dtype=np.int64) for _ in range(self.meta.layers)])
+            self.forecasts.append([np.zeros(0, dtype=np.int64) for _ in range(self.meta.layers)])
         return self.sets[-1]
 
     def _row_hook(self, layer: int):
@@ -75,11 +79,16 @@ class Tracer:
                 top_k_index = args[1] if len(args) > 1 else kwargs["top_k_index"]
                 hit = torch.bincount(top_k_index.reshape(-1), minlength=experts) > 0
                 row[layer] = hit.nonzero().reshape(-1).cpu().numpy()
+                # The next layer's forecast, computed as the engine's expert-forecast computes it.
+                forecast = self.model.forecast(layer, args, kwargs)
+                if forecast is not None:
+                    self.forecasts[-1][layer + 1] = np.asarray(forecast, dtype=np.int64)
         return hook
 
     def trace(self) -> Trace:
+        forecasts = [list(r) for r in self.forecasts] if self.meta.unit == "expert" else None
         return Trace(model=self.meta, calls=list(self.calls), sets=[list(r) for r in self.sets],
-                     source=dict(self.source))
+                     source=dict(self.source), forecasts=forecasts)
 
 
 def _model_meta(model) -> TraceModel:

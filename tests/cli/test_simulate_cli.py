@@ -76,7 +76,54 @@ def test_moe_trace_decode_moves_k_experts_a_layer(tmp_path, packbench_cli):
             assert c["rows_copied"] == [2, 2]
     assert rows["dense-stream"]["totals"]["decode"]["rows_copied"] == 2 * 2 * 8
     assert set(rows) == {"resident", "dense-stream", "packet", "packet:gather=device", "phase-switched",
-                         "phase-switched:gather=device"}
+                         "phase-switched:gather=device", "expert-cache:capacity=2,rule=lru",
+                         "expert-cache:capacity=2,rule=lfu", "expert-forecast",
+                         "expert-cache:capacity=2,rule=lru,forecast=on"}
+    # The caches' figures are the library's replay of the same trace (hits beside Belady's), and
+    # a forecast made in one layer prefetched experts for the next (layer 1 only).
+    t = read_trace(tmp_path / "m.trace")
+    for name in ("expert-cache:capacity=2,rule=lru", "expert-forecast"):
+        assert rows[name]["calls"] == json.loads(json.dumps(sim.ledger(t, rows[name]["name"], rows[name]["params"])))
+    lru = rows["expert-cache:capacity=2,rule=lru"]["totals"]["decode"]
+    assert lru["hits"] + lru["misses"] == lru["active_rows"] == 2 * 2 * 2 and lru["belady_hits"] >= lru["hits"]
+    assert all(c["prefetched"][0] is None and c["prefetched"][1] >= 1 for c in rows["expert-forecast"]["calls"])
+    # The table shows the cache columns: a cache's hits and Belady's rate, a forecast's used.
+    text = packbench_cli("simulate", str(tmp_path / "m.trace"), "--policy", "expert-cache:capacity=2,rule=lfu",
+                         "--policy", "expert-forecast", "--policy", "packet", "--per-call")
+    assert text.returncode == 0, text.stderr
+    header = next(line for line in text.stdout.splitlines() if line.startswith("policy"))
+    for column in ("hits", "misses", "hit%", "belady%", "prefetch", "used"):
+        assert column in header.split(), header
+    lfu_line = next(line for line in text.stdout.splitlines() if line.startswith("expert-cache:capacity=2,rule=lfu"))
+    lfu = rows["expert-cache:capacity=2,rule=lfu"]["totals"]["decode"]
+    assert f" {lfu['hits']} " in lfu_line and f"{100 * lfu['belady_rate']:.1f}" in lfu_line, lfu_line
+    assert "belady_hits" in text.stdout and "prefetched" in text.stdout  # --per-call shows them
+
+
+def test_forecast_policies_refuse_a_trace_without_forecasts(tmp_path, packbench_cli):
+    import io
+    import zipfile
+
+    r = packbench_cli("model", "synth", "--out", str(tmp_path / "m"), "--shape", "qwen3-moe-tiny", "--layers", "2")
+    assert r.returncode == 0, r.stderr
+    r = packbench_cli("model", "stats", str(tmp_path / "m"), "--prefix", "8", "--continuation", "3", "--count", "1",
+                      "--json", "--trace", str(tmp_path / "m.trace"))
+    assert r.returncode == 0, r.stderr
+    with zipfile.ZipFile(tmp_path / "m.trace") as zf:
+        members = {n: zf.read(n) for n in zf.namelist() if not n.startswith("forecast_")}
+    header = json.loads(members["header.json"])
+    members["header.json"] = json.dumps({**header, "version": 1}).encode()
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w") as zf:
+        for n, v in members.items():
+            zf.writestr(n, v)
+    (tmp_path / "v1.trace").write_bytes(buf.getvalue())
+    # A version-1 trace: the default list leaves the forecast policies out; asking for one is one line.
+    out = json.loads(packbench_cli("simulate", str(tmp_path / "v1.trace"), "--json").stdout)
+    names = [p["policy"] for p in out["policies"]]
+    assert "expert-cache:capacity=4,rule=lru" in names and not any("forecast" in n for n in names)
+    one_line(packbench_cli("simulate", str(tmp_path / "v1.trace"), "--policy", "expert-forecast"),
+             "--policy expert-forecast", "forecast sets")
 
 
 def test_bad_input_is_one_line(opt_trace, packbench_cli, tmp_path):

@@ -90,7 +90,7 @@ def test_hostile_files_are_refused_with_one_line(tmp_path):
     # Each catches a reader that trusts what it was given: a truncated zip, another version,
     # an id past the model's units, an unsorted set, offsets that do not cover the ids, a missing member.
     _refused(tmp_path, data[: len(data) // 2], "truncated")
-    _refused(tmp_path, _zip(_with_header(good, version=2)), "version 2", "upgrade")
+    _refused(tmp_path, _zip(_with_header(good, version=3)), "version 3", "upgrade")
     _refused(tmp_path, _zip(_with_header(good, format="other")), "not a packbench trace")
     _refused(tmp_path, _zip(_with_header(good, model_units=3)), "out of range", "3 rows")
     _refused(tmp_path, _zip({**good, "indices.npy": _npy(np.array([3, 0, 1, 3], dtype="<u4"))}), "strictly increasing")
@@ -223,6 +223,102 @@ def test_experts_by_hand():
     assert _per_call("dense-stream", {}, "h2d_weight_bytes", t) == [[8000, 0, 8000], [8000, 0, 8000]]
     assert _per_call("phase-switched", {}, "h2d_weight_bytes", t) == [[8000, 0, 8000], [2000, 0, 2000]]
     assert _per_call("phase-switched", {}, "d2h_bytes", t) == [[0, 0, 0], [8, 0, 8]]
+
+
+def cache_trace(*, forecasts: bool = True) -> Trace:
+    """Two MoE layers of 4 experts (1000 B each), one episode of a prefill and 3 decode calls.
+    Layer 0 routes 01, 01, 23, 01: frequency and recency disagree at the last call. Layer 1
+    routes 01, 23, 23, 03, and layer 0's input forecast 02, 23, 12, 03 for it."""
+    model = TraceModel(family="mixtral", unit="expert", layers=2, units=4, unit_bytes=1000, k=2)
+    a = lambda *ids: np.array(ids, dtype=np.int64)  # noqa: E731
+    sets = [[a(0, 1), a(0, 1)], [a(0, 1), a(2, 3)], [a(2, 3), a(2, 3)], [a(0, 1), a(0, 3)]]
+    f = [[a(), a(0, 2)], [a(), a(2, 3)], [a(), a(1, 2)], [a(), a(0, 3)]]
+    calls = [TraceCall(0, "prefill", 3)] + [TraceCall(0, "decode", 1)] * 3
+    return Trace(model=model, calls=calls, sets=sets, forecasts=f if forecasts else None)
+
+
+def test_expert_caches_by_hand():
+    t = cache_trace()
+    lru, lfu = {"capacity": 2, "rule": "lru"}, {"capacity": 2, "rule": "lfu"}
+    # Layer 0, capacity 2. LRU: 23 evicts 01 at call 2, so call 3 misses both; LFU keeps 01
+    # (routed twice) over 23 (once) and hits both. Belady (the future known) hits as LFU.
+    # Catches a cache with the other rule's ranking, or a miss admitted over a more frequent expert.
+    assert [h[0] for h in _per_call("expert-cache", lru, "hits", t)] == [0, 2, 0, 0]
+    assert [h[0] for h in _per_call("expert-cache", lfu, "hits", t)] == [0, 2, 0, 2]
+    assert [h[0] for h in _per_call("expert-cache", lru, "belady_hits", t)] == [0, 2, 0, 2]
+    assert [h[0] for h in _per_call("expert-cache", lfu, "misses", t)] == [2, 0, 2, 0]
+    # Misses move, hits do not; the routing readback is one byte per expert (4 B).
+    assert _per_call("expert-cache", lfu, "h2d_weight_bytes", t) == [[2000, 2000], [0, 2000], [2000, 0], [0, 1000]]
+    assert _per_call("expert-cache", lfu, "d2h_bytes", t) == [[4, 4]] * 4
+    assert _per_call("expert-cache", lfu, "h2d_index_bytes", t) == [[0, 0]] * 4  # the device gather: no index
+    d = sim.totals(sim.ledger(t, "expert-cache", lru))["decode"]
+    assert (d["hits"], d["misses"], d["belady_hits"], d["active_rows"]) == (2 + 2 + 1, 4 + 2 + 0 + 1, 4 + 3, 12)
+    assert d["hit_rate"] == pytest.approx(5 / 12) and d["belady_rate"] == pytest.approx(7 / 12)
+
+
+def test_expert_forecasts_by_hand():
+    t = cache_trace()
+    # expert-forecast (no cache): layer 1's forecast 02 for routed 01 prefetches 02 (0 used, 2
+    # wasted) and fetches 1; each forecast also reads the next router's choice back (4 B).
+    # Layer 0 has no forecast (nothing before it). Catches a forecast charged to the wrong layer,
+    # waste not counted, or a used prefetch fetched again.
+    assert _per_call("expert-forecast", {}, "rows_copied", t) == [[2, 3], [2, 2], [2, 3], [2, 2]]
+    assert _per_call("expert-forecast", {}, "rows_wasted", t) == [[0, 1], [0, 0], [0, 1], [0, 0]]
+    assert _per_call("expert-forecast", {}, "prefetched", t) == [[None, 2]] * 4
+    assert _per_call("expert-forecast", {}, "used", t) == [[None, 1], [None, 2], [None, 1], [None, 2]]
+    assert _per_call("expert-forecast", {}, "d2h_bytes", t) == [[4, 8]] * 4
+    # LRU 2 + forecast, layer 1: call 2 holds 23, so the forecast 12 prefetches 1 alone (wasted);
+    # call 3 holds 23, prefetches 0 (used) and hits 3. A prefetch is never admitted unless routed.
+    on = {"capacity": 2, "rule": "lru", "forecast": "on"}
+    assert [r[1] for r in _per_call("expert-cache", on, "hits", t)] == [0, 0, 2, 1]
+    assert [r[1] for r in _per_call("expert-cache", on, "misses", t)] == [2, 2, 0, 1]
+    assert [r[1] for r in _per_call("expert-cache", on, "prefetched", t)] == [2, 2, 1, 1]
+    assert [r[1] for r in _per_call("expert-cache", on, "used", t)] == [1, 2, 0, 1]
+    assert [r[1] for r in _per_call("expert-cache", on, "rows_wasted", t)] == [1, 0, 1, 0]
+    assert [r[1] for r in _per_call("expert-cache", on, "rows_copied", t)] == [3, 2, 1, 1]
+    # Forecast off: the forecast sets are not read.
+    assert [r[1] for r in _per_call("expert-cache", {"capacity": 2}, "prefetched", t)] == [None] * 4
+
+
+def test_forecast_sets_round_trip_and_old_files_still_read(tmp_path):
+    t = cache_trace()
+    back = reread(t)
+    # Catches a writer that drops the forecast members or shifts a set by one offset.
+    assert [[f.tolist() for f in row] for row in back.forecasts] == [[f.tolist() for f in row] for row in t.forecasts]
+    # A version-1 file (no forecast members) still reads; the forecast policies refuse it in one
+    # line, the others replay it.
+    v1 = _with_header(_members(cache_trace(forecasts=False)), version=1)
+    p = tmp_path / "v1.trace"
+    p.write_bytes(_zip(v1))
+    old = read_trace(p)
+    assert old.forecasts is None and len(old.calls) == 4
+    assert [h[0] for h in [c["hits"] for c in sim.ledger(old, "expert-cache", {"capacity": 2, "rule": "lfu"})]] == [
+        0, 2, 0, 2]
+    for name, params in (("expert-forecast", {}), ("expert-cache", {"capacity": 2, "forecast": "on"})):
+        with pytest.raises(sim.SimulateError, match="forecast sets") as e:
+            sim.ledger(old, name, params)
+        assert "\n" not in str(e.value)
+    good = _members(t)
+    # Each catches a reader that trusts a forecast member: one without its pair, forecast members
+    # in a version-1 file, a forecast for layer 0 (nothing before it to forecast from).
+    _refused(tmp_path, _zip({k: v for k, v in good.items() if k != "forecast_indices.npy"}), "without its pair")
+    _refused(tmp_path, _zip(_with_header(good, version=1)), "version-1")
+    bad = {**good, "forecast_offsets.npy": _npy(np.array([0, 1, 3, 3, 5, 5, 7, 7, 9], dtype="<i8")),
+           "forecast_indices.npy": _npy(np.array([3, 0, 2, 2, 3, 1, 2, 0, 3], dtype="<u4"))}
+    _refused(tmp_path, _zip(bad), "layer 0")
+
+
+def test_expert_cache_specs_are_checked():
+    assert sim.parse_policy("expert-cache:capacity=4,rule=lfu,forecast=on", "expert") == (
+        "expert-cache", {"capacity": 4, "rule": "lfu", "forecast": "on"})
+    with pytest.raises(sim.SimulateError, match="lru, lfu"):
+        sim.parse_policy("expert-cache:capacity=4,rule=fifo", "expert")
+    with pytest.raises(sim.SimulateError, match="cannot be simulated"):
+        sim.parse_policy("expert-cache:capacity=4", "row")
+    with pytest.raises(sim.SimulateError, match="needs capacity"):
+        sim.ledger(cache_trace(), "expert-cache", {})
+    with pytest.raises(ValueError, match="capacity"):
+        sim.ledger(cache_trace(), "expert-cache", {"capacity": -1})
 
 
 # ----------------------------------------------------------------------------- policies and time

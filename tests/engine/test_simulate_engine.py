@@ -91,3 +91,68 @@ def test_record_trace_runs_the_prompts_as_episodes(tiny):
     assert [(c.episode, c.phase, c.tokens) for c in t.calls] == [
         (0, "prefill", 18), (0, "decode", 1), (0, "decode", 1), (1, "prefill", 18), (1, "decode", 1), (1, "decode", 1)]
     assert t.source["tool"] == "test" and t.source["checkpoint"] == str(tiny)
+
+
+def cache_runs(k: int) -> list[tuple[str, dict]]:
+    """expert-cache lru and lfu at capacities k and 2k (a decode call's routing, and twice it),
+    forecast off and on, and expert-forecast."""
+    runs = [("expert-cache", {"capacity": c, "rule": rule, "forecast": f})
+            for c in (k, 2 * k) for rule in ("lru", "lfu") for f in ("off", "on")]
+    return runs + [("expert-forecast", {})]
+
+
+@pytest.mark.parametrize("shape", ["qwen3-moe-tiny", "mixtral-tiny", "olmoe-tiny"])
+def test_expert_caches_and_forecasts_simulated_equal_the_engine(shape, tmp_path):
+    from packbench.core.moe import MOE_SHAPES
+    from packbench.engine.moe.model import CpuFirstMoE
+    from packbench.engine.moe.synth import synth_moe
+
+    torch.set_num_threads(1)
+    path = synth_moe(tmp_path / shape, shape=shape, seed=3, dtype="float32")
+    model = CpuFirstMoE(path, dtype=torch.float32, device=torch.device("cpu"))
+    runs = cache_runs(MOE_SHAPES[shape]["k"])
+    out, records = [], []
+    for i, (name, params) in enumerate(runs):
+        tracer = Tracer(model, source={"run": name})
+        engine, experts = [], []
+        for prompt in PROMPTS:
+            model.use(name, **params)
+            engine += [c.to_dict() for c in run_episode(model, prompt, continuation=CONTINUATION).calls]
+            experts.append(model.expert_record())
+        tracer.close()
+        trace = read_trace(write_trace(tracer.trace(), tmp_path / f"{i}.trace"))
+        out.append((name, params, engine, sim.ledger(trace, name, params), trace, []))
+        records.append(experts)
+    assert_equal_call_by_call(out)
+    for (name, params, engine, simulated, trace, _), experts in zip(out, records):
+        # The forecast sets the trace recorded are the ones the engine's policy forecast (the same
+        # CpuFirstMoE.forecast): a tracer that read another hidden state would differ here.
+        if sim.needs_forecast(name, params):
+            counted = [call for record in experts for call in record["counted"]]
+            assert [[None if n is None else n.get("forecast") for n in call] for call in counted] == [
+                [f.tolist() if f.size else None for f in row] for row in trace.forecasts], (name, params)
+        for ep, record in enumerate(experts):
+            mine = [c for c in simulated if c["episode"] == ep]
+            assert len(mine) == len(record["counted"]) == CONTINUATION
+            for c, (s, counted) in enumerate(zip(mine, record["counted"])):
+                for layer, n in enumerate(counted):
+                    # Catches a simulated cache whose tie-break, admission or forecast accounting
+                    # differs from the engine's in any call or layer: hits, misses, prefetched,
+                    # used and wasted, field by field.
+                    want = {"hits": n["hits"], "misses": n["misses"], "prefetched": n.get("prefetched"),
+                            "used": n.get("used"), "rows_wasted": n.get("wasted", 0)}
+                    got = {key: s[key][layer] for key in ("hits", "misses", "prefetched", "used")}
+                    got["rows_wasted"] = s["rows_wasted"][layer]
+                    assert got == want, (name, params, ep, c, layer)
+            # Belady's hits and the episode's totals: the simulation's per-call figures sum to
+            # the engine's record (its replay of its own routing).
+            for key, rec in (("hits", "hits"), ("misses", "misses"), ("belady_hits", "belady_hits"),
+                             ("rows_wasted", "wasted")):
+                assert sum(v or 0 for c in mine for v in c[key]) == record[rec], (name, params, ep, key)
+            decode = [c for c in mine if c["phase"] == "decode"]
+            assert sum(v or 0 for c in decode for v in c["belady_hits"]) == record["decode"]["belady_hits"]
+    # Not vacuous: some cache hit, some forecast was used and some wasted.
+    lru = sim.totals(out[0][3])["decode"]
+    assert lru["hits"] > 0 and lru["misses"] > 0 and lru["belady_hits"] >= lru["hits"]
+    forecast = sim.totals(out[-1][3])
+    assert forecast["decode"]["used"] > 0 and forecast["decode"]["prefetched"] > forecast["decode"]["used"]

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import torch
 
+from packbench.core import charges
 from packbench.core.expert_cache import LayerCache, forecast_step
 from packbench.engine.ledger import Recorder
 from packbench.engine.moe.host import ExpertHost
@@ -147,13 +148,13 @@ class ExpertCache:
                 ws.gate_up[e].copy_(gu[e])
                 ws.down[e].copy_(dn[e])
         self.pending[layer] = (tuple(sorted(set(forecast))), cached, event)
-        self.recorder.add(layer, rows=len(ids), weight_bytes=len(ids) * self.host.expert_bytes,
-                          d2h_bytes=self.host.experts)
+        self.recorder.add(layer, **charges.expert_prefetch(len(ids), self.host.expert_bytes, self.host.experts))
 
     def experts(self, layer: int, routed: list[int] | None) -> tuple[torch.Tensor, torch.Tensor]:
         ws, gu, dn = self._workspace(layer), self.host.gate_up[layer], self.host.down[layer]
         cache, slots = self.caches[layer], self.slots[layer]
         brought: set[int] = set()
+        wasted = 0
         count = self._count(layer)
         if layer in self.pending:
             forecast, cached, event = self.pending.pop(layer)
@@ -162,7 +163,7 @@ class ExpertCache:
             f = forecast_step(forecast, cached, routed)
             brought = set(f.used)
             count.update(forecast=list(forecast), prefetched=len(f.prefetched), used=len(f.used), wasted=len(f.wasted))
-            self.recorder.add(layer, wasted=len(f.wasted))
+            wasted = len(f.wasted)
         step = cache.step(routed)
         count.update(hits=len(step.hits), misses=len(step.misses))
         # Where each routed expert is read from in this call: its cache slot, or the workspace.
@@ -200,7 +201,7 @@ class ExpertCache:
                 ws.gate_up[e].copy_(gu[e], non_blocking=self.host.pin)
                 ws.down[e].copy_(dn[e], non_blocking=self.host.pin)
                 at[e] = (ws.gate_up[e], ws.down[e])
-        self.recorder.add(layer, rows=fetched, weight_bytes=fetched * self.host.expert_bytes)
+        self.recorder.add(layer, **charges.expert_fetch(fetched, self.host.expert_bytes, wasted=wasted))
         self.d2d_bytes += d2d * self.host.expert_bytes
         return _ExpertView(at, ws.gate_up, 0), _ExpertView(at, ws.down, 1)
 

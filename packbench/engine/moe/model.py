@@ -185,14 +185,25 @@ class CpuFirstMoE:
                 if self.recorder.current is not None:
                     self._call_routes()[layer] = tuple(routed)
             module.gate_up_proj, module.down_proj = policy.experts(layer, routed)
-            nxt = layer + 1
-            if policy.forecasts() and nxt < len(self.experts_modules) and self.experts_modules[nxt] is not None:
-                # The next layer's router on this layer's MoE input: only what the model has computed.
-                index = _forecast_index(self.model.model.layers[nxt].mlp.gate(hidden_states), k=top_k_index.shape[-1])
-                hit = torch.bincount(index.reshape(-1), minlength=self.host.experts) > 0
-                policy.prefetch(nxt, hit.nonzero().reshape(-1).cpu().tolist())
+            if policy.forecasts():
+                forecast = self.forecast(layer, (hidden_states, top_k_index), {})
+                if forecast is not None:
+                    policy.prefetch(layer + 1, forecast)
             return stock_forward(hidden_states, top_k_index, top_k_weights)
         return forward
+
+    def forecast(self, layer: int, args: tuple, kwargs: dict) -> list[int] | None:
+        """The experts layer l+1's router picks from layer l's MoE input (an experts module's
+        call `args`/`kwargs`): only what the model has computed. None where layer l+1 has no
+        experts (or there is none). `expert-forecast` prefetches them; a trace records them."""
+        nxt = layer + 1
+        if nxt >= len(self.experts_modules) or self.experts_modules[nxt] is None:
+            return None
+        top_k_index = args[1] if len(args) > 1 else kwargs["top_k_index"]
+        hidden = args[0] if args else kwargs["hidden_states"]
+        index = _forecast_index(self.model.model.layers[nxt].mlp.gate(hidden), k=top_k_index.shape[-1])
+        hit = torch.bincount(index.reshape(-1), minlength=self.host.experts) > 0
+        return hit.nonzero().reshape(-1).cpu().tolist()
 
     def _call_routes(self) -> list:
         index = self.recorder.current.index
