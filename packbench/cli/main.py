@@ -74,22 +74,28 @@ def model_synth(
     layers: Annotated[Optional[int], typer.Option(
         help="MoE shapes: the real layer shapes with fewer layers (default: the shape's depth).")] = None,
     device: Annotated[str, typer.Option(help="MoE shapes: where the weights are drawn (cpu, cuda[:N]).")] = "cpu",
+    routing: Annotated[Optional[str], typer.Option(
+        help="MoE shapes: the routing profile (a protocol's model.synth.routing; --profile says the same).")] = None,
     json_out: Json = False,
 ) -> None:
     """Write a synthetic checkpoint with real shapes: OPT (a calibrated profile, or a uniform sparsity) or an
     MoE family (Mixtral, Qwen3-MoE, OLMoE) with routing calibrated to published figures."""
     if shape in MOE_SHAPES:
+        if routing is not None and profile is not None and routing != profile:
+            raise PackbenchError(f"--routing {routing} and --profile {profile} name two routing profiles; give one")
+        profile = routing if routing is not None else profile
         if sparsity is not None or hot_fraction is not None or hot_bias is not None:
             raise PackbenchError(f"--sparsity, --hot-fraction and --hot-bias are OPT recipes; {shape} is an MoE shape "
-                                 f"(give --profile {' or '.join(model_moe.ROUTING_PROFILES)}, or none)")
+                                 f"(give --routing {' or '.join(model_moe.ROUTING_PROFILES)}, or none)")
         if dtype not in DTYPE_NAMES:
             raise PackbenchError(f"unknown --dtype {dtype!r}; use one of {', '.join(DTYPE_NAMES)}")
+        model_moe.check_synth(shape=shape, profile=profile, layers=layers, device=device)
         output_dir(out, "--out") if not force else None
         model_moe.synth(out, shape=shape, dtype=dtype, seed=seed, profile=profile, layers=layers, device=device,
                         json_out=json_out)
         return
-    if layers is not None or device != "cpu":
-        raise PackbenchError(f"--layers and --device are for MoE shapes ({', '.join(MOE_SHAPES)}); drop them for {shape}")
+    if layers is not None or device != "cpu" or routing is not None:
+        raise PackbenchError(f"--layers, --device and --routing are for MoE shapes ({', '.join(MOE_SHAPES)}); drop them for {shape}")
     if profile is None and sparsity is None:
         profile = NEWEST_PROFILE  # what a protocol of the newest schema means (core/protocol/schema.py)
     try:  # the same check a protocol's model.synth gets, before torch is imported

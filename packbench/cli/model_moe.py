@@ -23,10 +23,10 @@ def is_moe_dir(model_dir: Path) -> bool:
         return False
 
 
-def synth(out: Path, *, shape: str, dtype: str, seed: int, profile: str | None, layers: int | None,
-          device: str, json_out: bool) -> None:
+def check_synth(*, shape: str, profile: str | None, layers: int | None, device: str) -> None:
+    """`model synth`'s MoE options, refused in one line before anything is written."""
     if profile is not None and profile not in ROUTING_PROFILES:
-        raise PackbenchError(f"--profile {profile!r} is not a routing profile; use one of {', '.join(ROUTING_PROFILES)} "
+        raise PackbenchError(f"--routing {profile!r} is not a routing profile; use one of {', '.join(ROUTING_PROFILES)} "
                              f"(or omit it: {shape} takes {ROUTING_OF[shape]})")
     full = MOE_SHAPES[shape]["layers"]
     if layers is not None and not 1 <= layers <= full:
@@ -37,7 +37,14 @@ def synth(out: Path, *, shape: str, dtype: str, seed: int, profile: str | None, 
 
     if device != "cpu" and not torch.cuda.is_available():
         raise PackbenchError(f"--device {device}: CUDA is not available here; use --device cpu")
+
+
+def synth(out: Path, *, shape: str, dtype: str, seed: int, profile: str | None, layers: int | None,
+          device: str, json_out: bool) -> None:
+    check_synth(shape=shape, profile=profile, layers=layers, device=device)
     from packbench.engine.moe.synth import synth_moe
+
+    full = MOE_SHAPES[shape]["layers"]
 
     try:
         path = synth_moe(out, shape=shape, seed=seed, dtype=dtype, layers=layers, profile=profile, device=device)

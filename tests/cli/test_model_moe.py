@@ -62,3 +62,31 @@ def test_protocol_plan_on_an_moe_checkpoint_estimates_expert_bytes(tmp_path):
     assert rows["dense-stream"]["decode_bytes"] == rows["dense-stream"]["prefill_bytes"] == 3 * 8 * expert
     assert rows["packet"]["decode_bytes"] == 3 * 2 * expert and rows["packet"]["bound"] == "at most"
     assert rows["packet"]["prefill_bytes"] == 3 * 8 * expert  # 16 tokens x top 2 >= 8 experts
+
+
+def test_routing_names_the_profile_a_protocol_calls_routing(tmp_path):
+    """`model synth --routing` is `--profile` for an MoE shape (a protocol's model.synth.routing):
+    the same checkpoint bytes; two different names, or --routing on an OPT shape, are refused in
+    one line (would catch --routing silently ignored, the calibrated profile drawn instead)."""
+    import hashlib
+
+    def digest(d):
+        return hashlib.sha256(b"".join(p.read_bytes() for p in sorted(d.glob("*.safetensors")))).hexdigest()
+
+    a, b = tmp_path / "a", tmp_path / "b"
+    made = CliRunner().invoke(app, ["model", "synth", "--out", str(a), "--shape", "mixtral-tiny", "--routing", "uniform",
+                                    "--json"])
+    assert made.exit_code == 0 and json.loads(made.stdout)["profile"] == "uniform", made.output
+    assert CliRunner().invoke(app, ["model", "synth", "--out", str(b), "--shape", "mixtral-tiny",
+                                    "--profile", "uniform"]).exit_code == 0
+    assert digest(a) == digest(b)
+    calibrated = tmp_path / "c"
+    assert CliRunner().invoke(app, ["model", "synth", "--out", str(calibrated), "--shape", "mixtral-tiny"]).exit_code == 0
+    assert digest(calibrated) != digest(a)
+    for args, words in [(["--shape", "mixtral-tiny", "--routing", "uniform", "--profile", "mixtral"], "give one"),
+                        (["--shape", "tiny", "--routing", "uniform"], "are for MoE shapes"),
+                        (["--shape", "mixtral-tiny", "--routing", "bogus"], "is not a routing profile")]:
+        r = subprocess.run([sys.executable, "-m", "packbench", "model", "synth", "--out", str(tmp_path / "x"), *args],
+                           capture_output=True, text=True, cwd=Path(__file__).resolve().parents[2])
+        assert r.returncode == 2 and words in r.stderr and len(r.stderr.strip().splitlines()) == 1, (args, r.stderr)
+        assert r.stdout == "" and not (tmp_path / "x").exists(), args  # nothing written, nothing printed
