@@ -277,8 +277,8 @@ def submit(
 ) -> None:
     """Freeze a protocol and queue a screen; with --wait, run it on a GPU worker actor now.
 
-    Exit codes with --wait: 0 the screen is done and every verdict passed; 1 a verdict failed or the
-    screen failed; 2 bad input (one line says which and how to fix it); 130/143 interrupted
+    Exit codes with --wait: 0 the screen is done, every episode ok and every verdict passed; 1 a
+    verdict or an episode failed, or the screen failed (every episode failed); 2 bad input (one line says which and how to fix it); 130/143 interrupted
     (SIGINT/SIGTERM): the screen is cancelled, its interrupted attempt kept (--keep-queued: it stays
     queued instead).
     """
@@ -368,8 +368,8 @@ def dispatch(
 ) -> None:
     """Run queued screens on a pool of GPU workers, one screen per worker at a time.
 
-    Exit codes: 0 every screen it ran is done and every verdict passed; 1 a verdict failed, or a
-    screen failed, was cancelled or lost; 2 bad input (an unreadable protocol or checkpoint);
+    Exit codes: 0 every screen it ran is done, every episode ok and every verdict passed; 1 a
+    verdict or an episode failed, or a screen failed (every episode failed), was cancelled or lost; 2 bad input (an unreadable protocol or checkpoint);
     74 the archive storage refused a write (a full disk: that screen is requeued, nothing more
     is claimed); 130/143 stopped by SIGINT/SIGTERM (held screens are back in the queue). With the database
     down, a one-shot dispatch gives up after its retries (exit 1); `--follow` waits for it, then
@@ -408,6 +408,10 @@ def _dispatch(store, settings: Settings, *, json_out: bool, keep_queued: bool = 
         if outcome.status != "done":
             progress.echo(f"error: screen {outcome.screen_id} {outcome.status}: {one_line(outcome.error or '')}",
                           err=True)
+        elif outcome.failed_episodes:  # done, measured, yet not every episode ran: never silent (exit 1)
+            progress.echo(f"error: screen {outcome.screen_id}: {outcome.failed_episodes} of {outcome.episodes} "
+                          f"episodes failed; the first, {one_line(outcome.first_failure or '')} (each episode's "
+                          f"error: `packbench screens show {outcome.screen_id} --json`)", err=True)
 
     dispatcher = Dispatcher(store, settings, RayPool(settings), progress=progress, on_outcome=report, **options)
     try:
@@ -444,6 +448,8 @@ def _dispatch(store, settings: Settings, *, json_out: bool, keep_queued: bool = 
         o.requeued and any(later.screen_id == o.screen_id for later in outcomes[i + 1:]))]
     if failed:
         raise typer.Exit(2 if all(o.bad_input for o in failed) else 1)
+    if any(o.failed_episodes for o in outcomes):
+        raise typer.Exit(1)  # a done screen with failed episodes: a script can tell
     if any(not v.passed for o in outcomes for v in store.verdicts(o.attempt_id)):
         raise typer.Exit(1)  # a failed verdict: a script can tell (the screen itself is done)
 

@@ -40,6 +40,9 @@ class ScreenOutcome:
     storage: bool = False  # failed because the archive's storage refused a write (a full disk): exit 74
     attempt_number: int | None = None
     screen_status: str | None = None  # the screen's after this attempt: `queued` when it runs again
+    failed_episodes: int = 0  # of a sealed attempt: its episodes that failed (every one: the attempt failed)
+    episodes: int = 0  # of a sealed attempt: its episodes
+    first_failure: str | None = None  # of a sealed attempt with failed episodes: the first one, on one line
 
     @property
     def requeued(self) -> bool:
@@ -134,7 +137,8 @@ class ScreenRun:
             return None
 
     def finish(self) -> ScreenOutcome:
-        """Every planned episode is in: verdicts, seal, store them, attempt done."""
+        """Every planned episode is in: verdicts, seal, store them; the attempt is done, or
+        failed when every episode failed (`sealed_status`: it is kept, not requeued)."""
         if self._sealed is None:  # a finish the database interrupted resumes after the seal
             verdicts = compute_verdicts(self.protocol, self.episodes, start=self.start)
             self.writer.add_json(VERDICTS_NAME, verdicts)
@@ -154,10 +158,14 @@ class ScreenRun:
         if key_id is not None or model_sha is not None:
             self.store.set_attempt_evidence(self.attempt.id, model_sha256=model_sha, signer_key_id=key_id)
         self.store.put_verdicts(self.attempt.id, verdicts)
-        self.store.finish_attempt(self.attempt.id, status="done", archive_sha256=sha)
-        log.info("screen %s attempt %s done: %s", self.screen.id, self.attempt.number, self.archive_path)
-        return ScreenOutcome(self.screen.id, self.attempt.id, self.archive_path, sha, "done", None,
-                             attempt_number=self.attempt.number, screen_status="done")
+        status, error = sealed_status(self.episodes, screen_id=self.screen.id)
+        after = self.store.finish_attempt(self.attempt.id, status=status, error=error, archive_sha256=sha)
+        log.info("screen %s attempt %s %s: %s", self.screen.id, self.attempt.number, status, self.archive_path)
+        failed = [e for e in self.episodes if e.get("status") != "ok"]
+        return ScreenOutcome(self.screen.id, self.attempt.id, self.archive_path, sha, status, error,
+                             attempt_number=self.attempt.number, screen_status=after,
+                             failed_episodes=len(failed), episodes=len(self.episodes),
+                             first_failure=failure_line(failed[0]) if failed else None)
 
     def fail(self, status: str, error: str, *, requeue: bool = False, bad_input: bool = False,
              storage: bool = False) -> ScreenOutcome:
@@ -170,6 +178,31 @@ class ScreenRun:
         log.info("screen %s attempt %s %s: %s", self.screen.id, self.attempt.number, status, error)
         return ScreenOutcome(self.screen.id, self.attempt.id, self.archive_path, None, status, error, bad_input,
                              storage=storage, attempt_number=self.attempt.number, screen_status=after)
+
+
+def failure_line(episode: dict) -> str:
+    """`episode 3 (packet): ValueError: ...`: a failed episode and its error, on one line."""
+    error = str(episode.get("error") or "no error recorded").splitlines()
+    return f"episode {episode.get('plan_index')} ({episode.get('condition')}): {error[0] if error else ''}"
+
+
+def sealed_status(episodes: list[dict], *, screen_id: int) -> tuple[str, str | None]:
+    """(status, error) of an attempt whose every planned episode came back and was sealed.
+
+    `done` when at least one episode is ok: the screen ran, its failed episodes are counted
+    (`screens show`, column `failed`), their verdicts fail closed, and `submit --wait` /
+    `dispatch` say how many failed and exit 1. `failed` when every episode failed (or there
+    were none): nothing was measured, so the screen did not run, whatever the verdicts say.
+    Its archive is sealed and kept (it audits like a done one); it is not requeued, as the
+    queue requeues only causes that were not the screen's (a worker that died, a full disk):
+    an episode's own error is the screen's result, and `packbench screens retry` runs it again
+    when the cause was passing."""
+    if any(e.get("status") == "ok" for e in episodes):
+        return "done", None
+    first = failure_line(episodes[0]) if episodes else "the plan has no episodes"
+    return "failed", (f"every episode failed ({len(episodes)} of {len(episodes)}); the first, {first}; fix that "
+                      f"cause (each episode's error: `packbench screens show {screen_id} --json`) and submit the "
+                      f"corrected protocol")
 
 
 def cause_of(e: BaseException) -> str:
