@@ -21,6 +21,7 @@ from packbench.core.archive import PLAN_NAME, PROTOCOL_NAME, VERDICTS_NAME, WORK
 from packbench.core.errors import PackbenchError
 from packbench.core.fidelity import of_episode
 from packbench.core.gates import compute_verdicts
+from packbench.core.outcome import failure_line, sealed_status
 from packbench.core.plan import plan
 from packbench.db.errors import DatabaseUnavailable
 from packbench.core.protocol import Protocol, expand
@@ -178,31 +179,6 @@ class ScreenRun:
         log.info("screen %s attempt %s %s: %s", self.screen.id, self.attempt.number, status, error)
         return ScreenOutcome(self.screen.id, self.attempt.id, self.archive_path, None, status, error, bad_input,
                              storage=storage, attempt_number=self.attempt.number, screen_status=after)
-
-
-def failure_line(episode: dict) -> str:
-    """`episode 3 (packet): ValueError: ...`: a failed episode and its error, on one line."""
-    error = str(episode.get("error") or "no error recorded").splitlines()
-    return f"episode {episode.get('plan_index')} ({episode.get('condition')}): {error[0] if error else ''}"
-
-
-def sealed_status(episodes: list[dict], *, screen_id: int) -> tuple[str, str | None]:
-    """(status, error) of an attempt whose every planned episode came back and was sealed.
-
-    `done` when at least one episode is ok: the screen ran, its failed episodes are counted
-    (`screens show`, column `failed`), their verdicts fail closed, and `submit --wait` /
-    `dispatch` say how many failed and exit 1. `failed` when every episode failed (or there
-    were none): nothing was measured, so the screen did not run, whatever the verdicts say.
-    Its archive is sealed and kept (it audits like a done one); it is not requeued, as the
-    queue requeues only causes that were not the screen's (a worker that died, a full disk):
-    an episode's own error is the screen's result, and `packbench screens retry` runs it again
-    when the cause was passing."""
-    if any(e.get("status") == "ok" for e in episodes):
-        return "done", None
-    first = failure_line(episodes[0]) if episodes else "the plan has no episodes"
-    return "failed", (f"every episode failed ({len(episodes)} of {len(episodes)}); the first, {first}; fix that "
-                      f"cause (each episode's error: `packbench screens show {screen_id} --json`) and submit the "
-                      f"corrected protocol")
 
 
 def cause_of(e: BaseException) -> str:

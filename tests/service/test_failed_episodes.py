@@ -17,7 +17,7 @@ from packbench.cli.main import app
 from packbench.core.archive import ArchiveReader
 from packbench.db.store import Store
 from packbench.service.audit import audit_screens
-from packbench.service.screen import sealed_status
+from packbench.core.outcome import sealed_status
 from packbench.service.submit import submit
 from tests.service.fake_pool import EpisodeFails, FakePool
 from tests.service.screens import dispatcher, protocol_file, rows
