@@ -1,6 +1,6 @@
 """A screen whose every episode failed ends its attempt `failed`, not `done`; one where only some
 failed ends `done` with its failures counted and said; one where none failed ends `done` as
-before (service/screen.py sealed_status). The dispatcher runs on the fake pool, whose records
+before (core/outcome.py sealed_status). The dispatcher runs on the fake pool, whose records
 mirror the real worker's (ok, or failed with its cause), and once end to end on real CPU workers
 (tests/cpu_screen.py CpuPool) with a condition kind that raises in every episode."""
 
