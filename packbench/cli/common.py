@@ -2,6 +2,7 @@
 
 import contextlib
 import dataclasses
+import tempfile
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -112,13 +113,22 @@ def open_store(url: str | None, *, at_head: bool = True):
 
 def output_dir(path: Path, option: str) -> Path:
     """`path` as a directory to write into, created if missing; one line naming `option` if it
-    cannot be (a file there, no permission, a read-only or virtual file system)."""
+    cannot be (a file there, no permission, a read-only or virtual file system). An existing
+    directory is written to once (a temporary file, removed): a read-only mount or a directory
+    without write permission is found here, before a screen is queued or weights are drawn,
+    not by the first write after them."""
     try:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         why = "a file is in the way" if path.exists() or isinstance(e, (FileExistsError, NotADirectoryError)) \
             else e.strerror or type(e).__name__
         raise PackbenchError(f"{option} {path}: cannot create that directory ({why}); "
+                             f"give {option} a writable directory") from None
+    try:
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as e:
+        raise PackbenchError(f"{option} {path}: cannot write into that directory ({e.strerror or type(e).__name__}); "
                              f"give {option} a writable directory") from None
     return path
 

@@ -376,7 +376,9 @@ def dispatch(
     reconciles the episodes its archives hold without rows and continues.
     """
     settings = settings_of(ctx, db_url=db, address=address, archive_dir=archive_dir)
-    _dispatch(open_store(settings.db_url), settings, json_out=json_out, follow=follow, workers=workers, lease_s=lease)
+    store = open_store(settings.db_url)
+    output_dir(settings.archive_dir, "--archive-dir")  # unwritable from the start: claim nothing (no attempt spent)
+    _dispatch(store, settings, json_out=json_out, follow=follow, workers=workers, lease_s=lease)
 
 
 def _dispatch(store, settings: Settings, *, json_out: bool, keep_queued: bool = False, **options) -> None:
