@@ -644,9 +644,10 @@ class Store:
     # -- labels, sweeps and history (db.labels, db.history) -----------------------------
 
     @staticmethod
-    def check_labels(*, name: str | None = None, tags: Mapping[str, str] | None = None) -> None:
-        """Refuse (InvalidFilter, one line) a name or tags that `label_screen` would refuse."""
+    def check_labels(*, name: str | None = None, note: str | None = None, tags: Mapping[str, str] | None = None) -> None:
+        """Refuse (InvalidFilter, one line) a name, note or tags that `label_screen` would refuse."""
         labels.check_name(name)
+        labels.check_note(note)
         labels.check_tags(tags or {})
 
     def label_screen(self, ref: int | str, *, name: str | None = None, note: str | None = None,
