@@ -95,13 +95,14 @@ def echo_json(document) -> None:
     typer.echo(json.dumps(document, sort_keys=True, default=str))
 
 
-def open_store(url: str | None, *, at_head: bool = True):
+def open_store(url: str | None, *, at_head: bool = True, must_exist: bool | None = None):
     """The results store; refuses a database that is not at the migration head unless told not to
-    (a SQLite file that does not exist is refused without being created)."""
+    (a SQLite file that does not exist is refused without being created, unless `must_exist` is
+    False: `db upgrade` creates it; by default it must exist when it must be at the head)."""
     from packbench.db.session import sqlite_file
     from packbench.db.store import Store
 
-    missing = sqlite_file(url) if at_head else None
+    missing = sqlite_file(url) if (at_head if must_exist is None else must_exist) else None
     if missing is not None and not missing.exists():  # SQLite would create an empty file, then refuse it
         raise PackbenchError(f"no database at {missing} (no such file here); run `packbench db upgrade` to create "
                              f"it, or give --db (or PACKBENCH_DB_URL) the database that holds your screens")

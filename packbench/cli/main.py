@@ -175,7 +175,7 @@ def db_reconcile(db: DbUrl = None, json_out: Json = False) -> None:
 @db_app.command("current")
 def db_current(db: DbUrl = None, json_out: Json = False) -> None:
     """Print the database's schema revision."""
-    store = open_store(db, at_head=False)
+    store = open_store(db, at_head=False, must_exist=True)  # a read: it creates no empty file
     current, head = store.current(), store.head()
     if json_out:
         echo_json({"revision": current, "head": head, "at_head": current == head})
@@ -186,7 +186,9 @@ def db_current(db: DbUrl = None, json_out: Json = False) -> None:
 @db_app.command("history")
 def db_history(db: DbUrl = None, json_out: Json = False) -> None:
     """List the schema revisions, newest first."""
-    lines = open_store(db, at_head=False).history()
+    from packbench.db.store import Store
+
+    lines = Store.history()  # the shipped revisions: no database is opened (nor an empty file created)
     if json_out:
         echo_json({"revisions": list(lines)})
         return

@@ -344,6 +344,18 @@ def test_results_in_an_empty_folder_leaves_no_database_file(tmp_path, packbench_
     assert list(tmp_path.iterdir()) == []
 
 
+def test_db_current_and_history_of_a_missing_file_create_no_database(tmp_path, packbench_cli):
+    """`db current` left an empty packbench.db behind (then said `empty`), `db history` too."""
+    env = {"PACKBENCH_DB_URL": ""}
+    one_line_error(packbench_cli("db", "current", env=env, cwd=tmp_path), "no database at packbench.db",
+                   "packbench db upgrade")
+    from packbench.db.store import Store
+
+    r = packbench_cli("db", "history", env=env, cwd=tmp_path)
+    assert r.returncode == 0 and r.stdout.startswith(f"{Store.head()}: "), (r.stdout, r.stderr)
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_a_read_only_sqlite_database_is_read_by_status_and_results(tmp_path, world, tiny, monkeypatch):
     """On a read-only mount SQLite cannot create the WAL's -shm file, so even a read failed. Stood
     in for here by a directory where -shm goes (SQLite cannot create it either) and a file system
