@@ -632,3 +632,16 @@ def test_model_stats_refuses_sampled_without_robustness(world, tiny):
         one_line_error(world("model", "stats", str(tiny), "--sampled", value), f"--sampled {value} is the text "
                        "--robustness scores; without --robustness nothing is sampled")
     one_line_error(world("model", "stats", str(tiny), "--robustness", "--sampled", "0"), "--sampled 0 must be in 1..2048")
+
+
+def test_a_condition_name_is_bounded_and_so_is_every_error_line_naming_conditions(tmp_path, world, tiny):
+    """A 100,000-character condition name validated (then stored in every episode row), and a
+    reference outside the conditions printed every name whole: a 100 KB error line."""
+    dense = {"name": "d" * 201, "policy": "dense-stream"}
+    p = protocol(tmp_path, {"path": str(tiny)}, conditions=[dense, {"name": "packet", "policy": "packet"}],
+                 reference="d" * 201)
+    one_line_error(world("protocol", "validate", str(p)), "conditions[0].name", "201 characters, more than 200")
+    long = [{"name": f"{i:02d}" + "c" * 198, "policy": "packet"} for i in range(16)]
+    p = protocol(tmp_path, {"path": str(tiny)}, conditions=long, reference="nope", gates={"faithfulness": {}})
+    line = one_line_error(world("protocol", "validate", str(p)), "`reference`", "is not allowed; use one of")
+    assert len(line) < 16 * 80, len(line)  # each name shown to 60 characters, not whole
