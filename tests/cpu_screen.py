@@ -1,5 +1,6 @@
 """A screen run on the CPU in this process and archived as the driver archives one (no database,
-no Ray): what the tests that audit a whole screen's archive share."""
+no Ray): what the tests that audit a whole screen's archive share; and `CpuPool`, real workers
+in this process behind the dispatcher's pool interface, for a screen run end to end without Ray."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from pathlib import Path
 from packbench.core.archive import PLAN_NAME, PROTOCOL_NAME, VERDICTS_NAME, WORKER_NAME, ArchiveWriter
 from packbench.core.fidelity import of_episode
 from packbench.core.gates import compute_verdicts
+from packbench.core.pool import NodeInfo, Reply
 from packbench.core.plan import plan, prompts
 from packbench.engine.worker import Worker
 
@@ -45,3 +47,50 @@ def archive_screen(frozen, model_dir: Path, path: Path) -> tuple[dict, list[dict
     writer.add_json(VERDICTS_NAME, verdicts)
     writer.seal({"protocol_sha256": frozen.sha256, "screen_id": 0, "attempt": 1, "environment": env})
     return body, episodes, verdicts
+
+
+class CpuPool:
+    """The dispatcher's WorkerPool (service/dispatcher/pool.py) with real engine Workers on this
+    CPU, in this process: each call runs when it is sent and its reply waits for `wait`. The
+    dispatcher, ScreenRun, the archive and the database are the product's; only Ray is left out."""
+
+    def __init__(self) -> None:
+        self.replies: list[tuple[Worker, Reply]] = []
+        self.workers: list[Worker] = []
+
+    def connect(self) -> None:
+        pass  # nothing to start: the workers live in this process
+
+    def gpus(self) -> int:
+        return 1
+
+    def start_worker(self, tag, *, pool_size: int) -> Worker:
+        worker = Worker(device="cpu")
+        self.workers.append(worker)
+        self._call(worker, tag, lambda: {**worker.describe(), "node_id": "cpu-node"})
+        return worker
+
+    def load(self, worker: Worker, tag, protocol, model_dir, *, model_cache, reuse: bool) -> None:
+        self._call(worker, tag, lambda: worker.load(protocol, model_dir, model_cache=model_cache, reuse=reuse))
+
+    def run(self, worker: Worker, tag, entry: dict, prompt) -> None:
+        self._call(worker, tag, lambda: worker.run(entry, prompt))
+
+    def in_flight(self) -> int:
+        return len(self.replies)
+
+    def wait(self, timeout: float, *, every: bool = False):
+        while self.replies:
+            yield self.replies.pop(0)[1]
+
+    def kill(self, worker: Worker) -> None:
+        self.replies = [(w, r) for w, r in self.replies if w is not worker]
+
+    def nodes(self) -> dict[str, NodeInfo]:
+        return {"cpu-node": NodeInfo(None, {})}
+
+    def _call(self, worker: Worker, tag, call) -> None:
+        try:
+            self.replies.append((worker, Reply(tag, value=call())))
+        except Exception as e:  # the worker raised: the call failed, the worker lives (as on Ray)
+            self.replies.append((worker, Reply(tag, error=e)))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -12,6 +13,14 @@ from packbench.core.settings import Settings
 from packbench.api.frames import Records
 
 ENDED = ("done", "failed", "cancelled")
+MAX_WORKERS = 1024  # as `packbench dispatch --workers`
+
+
+def _seconds(value: Any, *, zero: bool) -> bool:
+    """A finite real number of seconds, > 0 (or >= 0 with `zero`); never a bool."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        return False
+    return value >= 0 if zero else value > 0
 
 
 def connect(url: str | None = None, *, upgrade: bool = False) -> Client:
@@ -134,6 +143,9 @@ class Client:
             import dataclasses
 
             base = dataclasses.replace(base, archive_dir=Path(archive_dir))
+        if workers is not None and (type(workers) is not int or not 1 <= workers <= MAX_WORKERS):
+            raise PackbenchError(f"workers={workers!r}: give an integer from 1 to {MAX_WORKERS}, or None for one "
+                                 f"per GPU of the cluster")
         options: dict[str, Any] = {"only_screen": screen}
         if screen is not None:
             options["workers"] = 1
@@ -144,15 +156,23 @@ class Client:
     def wait(self, screen: int | str, *, timeout_s: float | None = None, poll_s: float = 1.0,
              sleep: Callable[[float], None] = time.sleep):
         """Block until the screen has ended (done, failed or cancelled) while something else runs
-        it (a `packbench dispatch`); returns its ScreenRow. TimeoutError after `timeout_s`."""
+        it (a `packbench dispatch`); returns its ScreenRow. TimeoutError after `timeout_s`
+        (None: no limit); the database is read every `poll_s` seconds (never past the timeout).
+        Both are finite numbers of seconds: `timeout_s` >= 0, `poll_s` > 0."""
+        if timeout_s is not None and not _seconds(timeout_s, zero=True):
+            raise PackbenchError(f"timeout_s={timeout_s!r}: give a finite number of seconds >= 0, or None to wait "
+                                 f"without a limit")
+        if not _seconds(poll_s, zero=False):
+            raise PackbenchError(f"poll_s={poll_s!r}: give a finite number of seconds > 0, e.g. 1.0")
         start = time.monotonic()
         while True:
             row = self.store.screen(screen)
             if row.status in ENDED:
                 return row
-            if timeout_s is not None and time.monotonic() - start >= timeout_s:
+            waited = time.monotonic() - start
+            if timeout_s is not None and waited >= timeout_s:
                 raise TimeoutError(f"screen {row.id} is still {row.status} after {timeout_s:g} s")
-            sleep(poll_s)
+            sleep(poll_s if timeout_s is None else min(poll_s, timeout_s - waited))
 
     # -- internals ------------------------------------------------------------------------
 

@@ -2,6 +2,7 @@
 
 import contextlib
 import dataclasses
+import tempfile
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -94,13 +95,14 @@ def echo_json(document) -> None:
     typer.echo(json.dumps(document, sort_keys=True, default=str))
 
 
-def open_store(url: str | None, *, at_head: bool = True):
+def open_store(url: str | None, *, at_head: bool = True, must_exist: bool | None = None):
     """The results store; refuses a database that is not at the migration head unless told not to
-    (a SQLite file that does not exist is refused without being created)."""
+    (a SQLite file that does not exist is refused without being created, unless `must_exist` is
+    False: `db upgrade` creates it; by default it must exist when it must be at the head)."""
     from packbench.db.session import sqlite_file
     from packbench.db.store import Store
 
-    missing = sqlite_file(url) if at_head else None
+    missing = sqlite_file(url) if (at_head if must_exist is None else must_exist) else None
     if missing is not None and not missing.exists():  # SQLite would create an empty file, then refuse it
         raise PackbenchError(f"no database at {missing} (no such file here); run `packbench db upgrade` to create "
                              f"it, or give --db (or PACKBENCH_DB_URL) the database that holds your screens")
@@ -112,13 +114,22 @@ def open_store(url: str | None, *, at_head: bool = True):
 
 def output_dir(path: Path, option: str) -> Path:
     """`path` as a directory to write into, created if missing; one line naming `option` if it
-    cannot be (a file there, no permission, a read-only or virtual file system)."""
+    cannot be (a file there, no permission, a read-only or virtual file system). An existing
+    directory is written to once (a temporary file, removed): a read-only mount or a directory
+    without write permission is found here, before a screen is queued or weights are drawn,
+    not by the first write after them."""
     try:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         why = "a file is in the way" if path.exists() or isinstance(e, (FileExistsError, NotADirectoryError)) \
             else e.strerror or type(e).__name__
         raise PackbenchError(f"{option} {path}: cannot create that directory ({why}); "
+                             f"give {option} a writable directory") from None
+    try:
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as e:
+        raise PackbenchError(f"{option} {path}: cannot write into that directory ({e.strerror or type(e).__name__}); "
                              f"give {option} a writable directory") from None
     return path
 

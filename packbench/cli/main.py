@@ -182,7 +182,7 @@ def db_reconcile(db: DbUrl = None, json_out: Json = False) -> None:
 @db_app.command("current")
 def db_current(db: DbUrl = None, json_out: Json = False) -> None:
     """Print the database's schema revision."""
-    store = open_store(db, at_head=False)
+    store = open_store(db, at_head=False, must_exist=True)  # a read: it creates no empty file
     current, head = store.current(), store.head()
     if json_out:
         echo_json({"revision": current, "head": head, "at_head": current == head})
@@ -193,7 +193,9 @@ def db_current(db: DbUrl = None, json_out: Json = False) -> None:
 @db_app.command("history")
 def db_history(db: DbUrl = None, json_out: Json = False) -> None:
     """List the schema revisions, newest first."""
-    lines = open_store(db, at_head=False).history()
+    from packbench.db.store import Store
+
+    lines = Store.history()  # the shipped revisions: no database is opened (nor an empty file created)
     if json_out:
         echo_json({"revisions": list(lines)})
         return
@@ -284,8 +286,8 @@ def submit(
 ) -> None:
     """Freeze a protocol and queue a screen; with --wait, run it on a GPU worker actor now.
 
-    Exit codes with --wait: 0 the screen is done and every verdict passed; 1 a verdict failed or the
-    screen failed; 2 bad input (one line says which and how to fix it); 130/143 interrupted
+    Exit codes with --wait: 0 the screen is done, every episode ok and every verdict passed; 1 a
+    verdict or an episode failed, or the screen failed (every episode failed); 2 bad input (one line says which and how to fix it); 130/143 interrupted
     (SIGINT/SIGTERM): the screen is cancelled, its interrupted attempt kept (--keep-queued: it stays
     queued instead).
     """
@@ -375,15 +377,17 @@ def dispatch(
 ) -> None:
     """Run queued screens on a pool of GPU workers, one screen per worker at a time.
 
-    Exit codes: 0 every screen it ran is done and every verdict passed; 1 a verdict failed, or a
-    screen failed, was cancelled or lost; 2 bad input (an unreadable protocol or checkpoint);
+    Exit codes: 0 every screen it ran is done, every episode ok and every verdict passed; 1 a
+    verdict or an episode failed, or a screen failed (every episode failed), was cancelled or lost; 2 bad input (an unreadable protocol or checkpoint);
     74 the archive storage refused a write (a full disk: that screen is requeued, nothing more
     is claimed); 130/143 stopped by SIGINT/SIGTERM (held screens are back in the queue). With the database
     down, a one-shot dispatch gives up after its retries (exit 1); `--follow` waits for it, then
     reconciles the episodes its archives hold without rows and continues.
     """
     settings = settings_of(ctx, db_url=db, address=address, archive_dir=archive_dir)
-    _dispatch(open_store(settings.db_url), settings, json_out=json_out, follow=follow, workers=workers, lease_s=lease)
+    store = open_store(settings.db_url)
+    output_dir(settings.archive_dir, "--archive-dir")  # unwritable from the start: claim nothing (no attempt spent)
+    _dispatch(store, settings, json_out=json_out, follow=follow, workers=workers, lease_s=lease)
 
 
 def _dispatch(store, settings: Settings, *, json_out: bool, keep_queued: bool = False, **options) -> None:
@@ -415,6 +419,10 @@ def _dispatch(store, settings: Settings, *, json_out: bool, keep_queued: bool = 
         if outcome.status != "done":
             progress.echo(f"error: screen {outcome.screen_id} {outcome.status}: {one_line(outcome.error or '')}",
                           err=True)
+        elif outcome.failed_episodes:  # done, measured, yet not every episode ran: never silent (exit 1)
+            progress.echo(f"error: screen {outcome.screen_id}: {outcome.failed_episodes} of {outcome.episodes} "
+                          f"episodes failed; the first, {one_line(outcome.first_failure or '')} (each episode's "
+                          f"error: `packbench screens show {outcome.screen_id} --json`)", err=True)
 
     dispatcher = Dispatcher(store, settings, RayPool(settings), progress=progress, on_outcome=report, **options)
     try:
@@ -451,6 +459,8 @@ def _dispatch(store, settings: Settings, *, json_out: bool, keep_queued: bool = 
         o.requeued and any(later.screen_id == o.screen_id for later in outcomes[i + 1:]))]
     if failed:
         raise typer.Exit(2 if all(o.bad_input for o in failed) else 1)
+    if any(o.failed_episodes for o in outcomes):
+        raise typer.Exit(1)  # a done screen with failed episodes: a script can tell
     if any(not v.passed for o in outcomes for v in store.verdicts(o.attempt_id)):
         raise typer.Exit(1)  # a failed verdict: a script can tell (the screen itself is done)
 

@@ -16,6 +16,7 @@ from packbench.core.registry import DTYPE_NAMES
 
 MAX_PREFIX = 2048  # OPT's positions
 DEFAULT_PREFIX = 512
+DEFAULT_SAMPLED = 128  # tokens --robustness samples after each generated prompt
 MAX_COUNT = 1000  # prompts measured one after another: 1000 x 512 tokens is hours on a CPU already
 MAX_SEED = 2**63 - 1
 
@@ -47,8 +48,9 @@ def stats(
         "--robustness", help="Instead: fake-quantization sensitivity (int8 per-channel, int4 per-channel and "
                              "group-128 RTN, nf4 block-64; every decoder Linear weight), teacher-forced on the "
                              "model's own sampled text (or the --prompts text), beside real OPT's figures.")] = False,
-    sampled: Annotated[int, typer.Option(help="With --robustness and generated prompts: tokens sampled (temperature 1) "
-                                              "after each prompt and scored.")] = 128,
+    sampled: Annotated[Optional[int], typer.Option(
+        show_default=False, help=f"With --robustness and generated prompts: tokens sampled (temperature 1) after each "
+                                 f"prompt and scored; default {DEFAULT_SAMPLED}.")] = None,
     trace: Annotated[Optional[Path], typer.Option(
         help="Also write a trace file here (docs/traces.md): per call and layer the active neurons (OPT) or routed "
              "experts (MoE) of each prompt's episode (prefill + continuation - 1 decode calls), run by the "
@@ -62,8 +64,12 @@ def stats(
         raise PackbenchError(f"--prefix {prefix} must be in 1..{MAX_PREFIX} (OPT's positions)")
     if not 1 <= continuation <= MAX_PREFIX:
         raise PackbenchError(f"--continuation {continuation} must be in 1..{MAX_PREFIX} (OPT's positions)")
-    if robustness and not 1 <= sampled <= MAX_PREFIX:
+    if sampled is not None and not robustness:  # it would be ignored: say so rather than measure something else
+        raise PackbenchError(f"--sampled {sampled} is the text --robustness scores; without --robustness nothing is "
+                             f"sampled: add --robustness, or drop --sampled")
+    if sampled is not None and not 1 <= sampled <= MAX_PREFIX:
         raise PackbenchError(f"--sampled {sampled} must be in 1..{MAX_PREFIX} (OPT's positions)")
+    sampled = DEFAULT_SAMPLED if sampled is None else sampled
     if dtype not in DTYPE_NAMES:
         raise PackbenchError(f"unknown --dtype {dtype!r}; use one of {', '.join(DTYPE_NAMES)}")
     if not (device == "cpu" or device == "cuda" or (device.startswith("cuda:") and device[5:].isdigit())):

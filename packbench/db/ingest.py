@@ -22,6 +22,7 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session
 
+from packbench.core.outcome import sealed_status
 from packbench.core.record import stored_values
 from packbench.db.errors import Conflict
 from packbench.db.models import SqlAttempt, SqlDispatcher, SqlEpisode, SqlMachine, SqlProtocol, SqlScreen, SqlVerdict, json_text
@@ -170,9 +171,12 @@ def ingest_attempt(session: Session, *, clock: Callable[[], datetime], protocol_
                        finished_at=now, priority=0, max_attempts=1, attempts_used=1)
     session.add(screen)
     session.flush()
+    # The driver's rule (core/outcome.py): a sealed archive whose every episode failed is a failed attempt.
+    status, error = sealed_status([dict(e) for e in episodes], screen_id=screen.id)
+    screen.status = status
     row = SqlAttempt(attempt_key=new_attempt_key(), screen_id=screen.id, number=1,
                      worker=str(attempt.get("worker") or "ingested"), node=str(attempt.get("node") or ""),
-                     gpu_name=key["gpu_name"], gpu_index=0, machine_id=machine_id, status="done",
+                     gpu_name=key["gpu_name"], gpu_index=0, machine_id=machine_id, status=status, error=error,
                      archive_path=str(attempt["archive_path"]), archive_sha256=attempt["archive_sha256"],
                      source_freeze=json_text(attempt.get("source_freeze") or {}), started_at=now,
                      finished_at=now, model_sha256=attempt.get("model_sha256"),

@@ -16,11 +16,12 @@ from sqlalchemy.orm import Session
 from packbench.core.canonical import canonical_json
 from packbench.db.errors import InvalidFilter
 from packbench.db.models import SCREEN_STATUSES, SqlProtocol, SqlScreen, SqlScreenTag
-from packbench.db.queries import check_one_of, protocol_matches, find_screen
+from packbench.db.queries import check_limit, check_one_of, protocol_matches, find_screen
 from packbench.db.records import ScreenRow
 
 TAG_KEY = re.compile(r"[A-Za-z0-9_.:-]{1,100}")
 MAX_NAME, MAX_VALUE = 200, 200
+MAX_NOTE = 10_000  # a paragraph or two; `screens tag` echoes it, the report and --json carry it
 
 
 def check_tags(tags: Mapping[str, str]) -> dict[str, str]:
@@ -38,9 +39,24 @@ def check_tags(tags: Mapping[str, str]) -> dict[str, str]:
 
 
 def check_name(name: str | None) -> str | None:
-    if name is not None and not (0 < len(name) <= MAX_NAME and "\n" not in name and "\x00" not in name):
-        raise InvalidFilter(f"screen name {name[:40]!r} must be one line of 1-{MAX_NAME} characters, without NUL")
+    if name is not None and not (isinstance(name, str) and 0 < len(name) <= MAX_NAME and "\n" not in name
+                                 and "\x00" not in name):
+        raise InvalidFilter(f"screen name {str(name)[:40]!r} must be one line of 1-{MAX_NAME} characters, without NUL")
     return name
+
+
+def check_note(note: str | None) -> str | None:
+    """A note is text of at most MAX_NOTE characters, without NUL (PostgreSQL refuses it, so both do)."""
+    if note is None:
+        return None
+    if not isinstance(note, str):
+        raise InvalidFilter(f"a note is text, not {type(note).__name__}; pass a string")
+    if "\x00" in note:
+        raise InvalidFilter("a note cannot hold a NUL character (PostgreSQL refuses it); remove it")
+    if len(note) > MAX_NOTE:
+        raise InvalidFilter(f"a note of {len(note)} characters is more than {MAX_NOTE}; shorten it (or keep the text "
+                            f"in a file and note its path)")
+    return note
 
 
 def label(session: Session, ref: int | str, *, name: str | None = None, note: str | None = None,
@@ -51,9 +67,7 @@ def label(session: Session, ref: int | str, *, name: str | None = None, note: st
     if name is not None:
         screen.name = check_name(name)
     if note is not None:
-        if "\x00" in note:
-            raise InvalidFilter("a note cannot hold a NUL character (PostgreSQL refuses it); remove it")
-        screen.note = note
+        screen.note = check_note(note)
     drop = set(untag)
     if drop:
         session.execute(delete(SqlScreenTag).where(SqlScreenTag.screen_id == screen.id, SqlScreenTag.key.in_(drop)))
@@ -119,6 +133,7 @@ def screens(session: Session, *, protocol: str | None = None, status: str | None
         query = query.where(SqlScreen.id.in_(list(ids)))
     if tags:
         query = query.where(SqlScreen.id.in_(_having_tags(check_tags(tags))))
+    check_limit(limit, "screen")
     if limit is not None:
         query = query.limit(limit)
     return [s.to_record() for s in session.scalars(query)]

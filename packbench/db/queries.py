@@ -153,8 +153,7 @@ class ResultFilter:
                 f"since {self.since.isoformat()} is not before until {self.until.isoformat()}; "
                 f"swap them or widen the range"
             )
-        if self.limit is not None and self.limit < 1:
-            raise InvalidFilter(f"limit {self.limit} must be >= 1 (or None for every row)")
+        check_limit(self.limit, "row")
 
 
 # -- results -------------------------------------------------------------------------------
@@ -432,6 +431,15 @@ def get_row(session: Session, model: type, key: int, noun: str, *, for_update: b
 MAX_ID = 2**31 - 1  # ids are `integer` columns: 32-bit on PostgreSQL
 
 
+def check_limit(limit: Any, what: str) -> None:
+    """A row limit is None (every row) or an integer 1..MAX_ID: a float, a bool, 0, a negative
+    or a number past what a LIMIT takes (SQLite's driver overflows at 2**63) is refused."""
+    if limit is None:
+        return
+    if type(limit) is not int or not 1 <= limit <= MAX_ID:
+        raise InvalidFilter(f"limit {str(limit)[:30]!s} must be an integer from 1 to {MAX_ID} (or None for every {what})")
+
+
 def find_screen(session: Session, ref: int | str, *, for_update: bool = False) -> SqlScreen:
     """The screen with id `ref` (an int or a string of digits), or 'latest' (highest id);
     `for_update` locks its row (PostgreSQL) for a read-then-write."""
@@ -443,6 +451,8 @@ def find_screen(session: Session, ref: int | str, *, for_update: bool = False) -
         return screen
     if isinstance(ref, str) and not (ref.isascii() and ref.isdigit()):
         raise NotFound(f"no screen {one_line(ref[:60])!r}; give a screen id or 'latest'")
+    if not isinstance(ref, (int, str)) or isinstance(ref, bool):  # a float (nan, inf, 1.5), True, None, ...
+        raise NotFound(f"no screen {one_line(repr(ref)[:60])}; give a screen id (an integer) or 'latest'")
     if not 0 <= int(ref) <= MAX_ID:  # beyond the id column: no such screen (SQLite's driver would overflow)
         raise NotFound(f"no screen with id {str(ref)[:30]}{'...' if len(str(ref)) > 30 else ''}; ids are at most "
                        f"{MAX_ID}; list them with `packbench screens list`")
@@ -461,8 +471,7 @@ def list_screens(
 ) -> list[ScreenSummary]:
     """Screens, newest first, optionally by status and protocol (name or SHA-256 prefix)."""
     check_one_of(status, SCREEN_STATUSES, "screen status")
-    if limit is not None and limit < 1:
-        raise InvalidFilter(f"limit {limit} must be >= 1 (or None for every screen)")
+    check_limit(limit, "screen")
     attempts = (
         select(
             SqlAttempt.screen_id.label("screen_id"),

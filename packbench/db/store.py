@@ -632,8 +632,9 @@ class Store:
                        machine: Mapping[str, str | None], attempt: Mapping[str, Any],
                        episodes: list[Mapping[str, Any]], verdicts: list[Mapping[str, Any]]) -> AttemptRow:
         """Record a screen audited elsewhere (`packbench ingest`) in ONE transaction: its
-        protocol (idempotent), machine (idempotent), a done screen, one done attempt marked
-        with `ingested_from`, its episodes and verdicts. Nothing is written if any part fails.
+        protocol (idempotent), machine (idempotent), a screen and its one attempt marked with
+        `ingested_from`, done (failed when every episode failed: core/outcome.py), its
+        episodes and verdicts. Nothing is written if any part fails.
         The same archive (by SHA-256) is never ingested twice."""
         with self._session() as session:
             return ingest.ingest_attempt(session, clock=self._clock, protocol_sha256=protocol_sha256,
@@ -643,9 +644,10 @@ class Store:
     # -- labels, sweeps and history (db.labels, db.history) -----------------------------
 
     @staticmethod
-    def check_labels(*, name: str | None = None, tags: Mapping[str, str] | None = None) -> None:
-        """Refuse (InvalidFilter, one line) a name or tags that `label_screen` would refuse."""
+    def check_labels(*, name: str | None = None, note: str | None = None, tags: Mapping[str, str] | None = None) -> None:
+        """Refuse (InvalidFilter, one line) a name, note or tags that `label_screen` would refuse."""
         labels.check_name(name)
+        labels.check_note(note)
         labels.check_tags(tags or {})
 
     def label_screen(self, ref: int | str, *, name: str | None = None, note: str | None = None,

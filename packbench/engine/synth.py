@@ -16,14 +16,18 @@ exact zeros after ReLU, equal `sparsity` (0.94 gives about -1.555 * std * sqrt(h
 -1.6 the design notes measured against pretrained OPT).
 """
 
+import contextlib
 import json
 import math
-from collections.abc import Callable
+import os
+import re
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from statistics import NormalDist
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import save_file
 
 from packbench.core.errors import CheckpointError
@@ -148,10 +152,25 @@ def synth_checkpoint(
                                           "hot_fraction": hot_fraction, "hot_bias": hot_bias})
 
 
+@contextlib.contextmanager
+def os_errors() -> Iterator[None]:
+    """safetensors reports a write the file system refused (a full disk, a read-only mount) as its
+    own SafetensorError ("I/O error: Read-only file system (os error 30)"), not an OSError: raise
+    it as the OSError it is, so callers that handle a refused write handle this one too."""
+    try:
+        yield
+    except SafetensorError as e:
+        code = re.search(r"\(os error (\d+)\)", str(e))
+        if code is None:
+            raise
+        raise OSError(int(code.group(1)), os.strerror(int(code.group(1)))) from e
+
+
 def _write(out: Path, sd: dict[str, torch.Tensor], shape: str, dtype: str, recipe: dict) -> Path:
     """model.safetensors and config.json (whose `packbench_synth` says how the weights were made)."""
     out.mkdir(parents=True, exist_ok=True)
-    save_file(sd, str(out / "model.safetensors"), metadata={"format": "pt"})
+    with os_errors():
+        save_file(sd, str(out / "model.safetensors"), metadata={"format": "pt"})
     config = opt_config(shape, dtype)
     config["packbench_synth"] = recipe
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")

@@ -21,6 +21,7 @@ from packbench.core.archive import PLAN_NAME, PROTOCOL_NAME, VERDICTS_NAME, WORK
 from packbench.core.errors import PackbenchError
 from packbench.core.fidelity import of_episode
 from packbench.core.gates import compute_verdicts
+from packbench.core.outcome import failure_line, sealed_status
 from packbench.core.plan import plan
 from packbench.db.errors import DatabaseUnavailable
 from packbench.core.protocol import Protocol, expand
@@ -40,6 +41,9 @@ class ScreenOutcome:
     storage: bool = False  # failed because the archive's storage refused a write (a full disk): exit 74
     attempt_number: int | None = None
     screen_status: str | None = None  # the screen's after this attempt: `queued` when it runs again
+    failed_episodes: int = 0  # of a sealed attempt: its episodes that failed (every one: the attempt failed)
+    episodes: int = 0  # of a sealed attempt: its episodes
+    first_failure: str | None = None  # of a sealed attempt with failed episodes: the first one, on one line
 
     @property
     def requeued(self) -> bool:
@@ -135,7 +139,8 @@ class ScreenRun:
             return None
 
     def finish(self) -> ScreenOutcome:
-        """Every planned episode is in: verdicts, seal, store them, attempt done."""
+        """Every planned episode is in: verdicts, seal, store them; the attempt is done, or
+        failed when every episode failed (`sealed_status`: it is kept, not requeued)."""
         if self._sealed is None:  # a finish the database interrupted resumes after the seal
             verdicts = compute_verdicts(self.protocol, self.episodes, start=self.start)
             self.writer.add_json(VERDICTS_NAME, verdicts)
@@ -155,10 +160,14 @@ class ScreenRun:
         if key_id is not None or model_sha is not None:
             self.store.set_attempt_evidence(self.attempt.id, model_sha256=model_sha, signer_key_id=key_id)
         self.store.put_verdicts(self.attempt.id, verdicts)
-        self.store.finish_attempt(self.attempt.id, status="done", archive_sha256=sha)
-        log.info("screen %s attempt %s done: %s", self.screen.id, self.attempt.number, self.archive_path)
-        return ScreenOutcome(self.screen.id, self.attempt.id, self.archive_path, sha, "done", None,
-                             attempt_number=self.attempt.number, screen_status="done")
+        status, error = sealed_status(self.episodes, screen_id=self.screen.id)
+        after = self.store.finish_attempt(self.attempt.id, status=status, error=error, archive_sha256=sha)
+        log.info("screen %s attempt %s %s: %s", self.screen.id, self.attempt.number, status, self.archive_path)
+        failed = [e for e in self.episodes if e.get("status") != "ok"]
+        return ScreenOutcome(self.screen.id, self.attempt.id, self.archive_path, sha, status, error,
+                             attempt_number=self.attempt.number, screen_status=after,
+                             failed_episodes=len(failed), episodes=len(self.episodes),
+                             first_failure=failure_line(failed[0]) if failed else None)
 
     def fail(self, status: str, error: str, *, requeue: bool = False, bad_input: bool = False,
              storage: bool = False) -> ScreenOutcome:

@@ -82,7 +82,8 @@ def submit_frozen(store, frozen: FrozenProtocol, *, priority: int = 0, max_attem
     """
     protocol = frozen.protocol
     check_replicas(replicas)
-    store.check_labels(name=name, tags=tags or {})  # a bad tag queues nothing
+    check_queue_options(priority=priority, max_attempts=max_attempts, gpu_type=gpu_type)
+    store.check_labels(name=name, note=note, tags=tags or {})  # a bad tag queues nothing
     check_frozen(frozen)
     model_dir = frozen.model_dir()
     prompt_file = frozen.prompt_file()
@@ -98,9 +99,26 @@ def submit_frozen(store, frozen: FrozenProtocol, *, priority: int = 0, max_attem
     return store.create_screens(replicas, spread=spread, name=name, note=note, tags=tags, **screen)
 
 
+DB_INT = 2**31 - 1  # priority and max_attempts are `integer` columns: 32-bit on PostgreSQL
+MAX_GPU_TYPE = 100  # a Ray accelerator type (H200, A100-80G): short, one line
+
+
+def check_queue_options(*, priority: int, max_attempts: int, gpu_type: str | None) -> None:
+    """Refuse what the screens table cannot hold, before anything is stored (the command line
+    bounds these itself; the API, packbench.connect().submit, comes through here)."""
+    if type(priority) is not int or not -DB_INT - 1 <= priority <= DB_INT:
+        raise PackbenchError(f"--priority {str(priority)[:30]}: give an integer from {-DB_INT - 1} to {DB_INT}")
+    if type(max_attempts) is not int or not 1 <= max_attempts <= DB_INT:
+        raise PackbenchError(f"--max-attempts {str(max_attempts)[:30]}: give an integer from 1 to {DB_INT}")
+    if gpu_type is not None and not (isinstance(gpu_type, str) and 0 < len(gpu_type) <= MAX_GPU_TYPE
+                                     and gpu_type.isprintable() and gpu_type.strip()):
+        raise PackbenchError(f"--gpu-type {str(gpu_type)[:40]!r}: give a GPU type of 1-{MAX_GPU_TYPE} printable "
+                             f"characters, e.g. H200 (Ray's accelerator_type)")
+
+
 def check_replicas(replicas: int) -> None:
     """Refuse a replica count outside 1..MAX_REPLICAS before anything is stored."""
-    if not 1 <= replicas <= MAX_REPLICAS:
+    if type(replicas) is not int or not 1 <= replicas <= MAX_REPLICAS:
         raise PackbenchError(f"--replicas {replicas}: give 1 to {MAX_REPLICAS} screens per submit (for more, "
                              f"submit again: each submit queues its screens all at once or not at all)")
 

@@ -344,6 +344,18 @@ def test_results_in_an_empty_folder_leaves_no_database_file(tmp_path, packbench_
     assert list(tmp_path.iterdir()) == []
 
 
+def test_db_current_and_history_of_a_missing_file_create_no_database(tmp_path, packbench_cli):
+    """`db current` left an empty packbench.db behind (then said `empty`), `db history` too."""
+    env = {"PACKBENCH_DB_URL": ""}
+    one_line_error(packbench_cli("db", "current", env=env, cwd=tmp_path), "no database at packbench.db",
+                   "packbench db upgrade")
+    from packbench.db.store import Store
+
+    r = packbench_cli("db", "history", env=env, cwd=tmp_path)
+    assert r.returncode == 0 and r.stdout.startswith(f"{Store.head()}: "), (r.stdout, r.stderr)
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_a_read_only_sqlite_database_is_read_by_status_and_results(tmp_path, world, tiny, monkeypatch):
     """On a read-only mount SQLite cannot create the WAL's -shm file, so even a read failed. Stood
     in for here by a directory where -shm goes (SQLite cannot create it either) and a file system
@@ -452,7 +464,10 @@ def numeric_options() -> list[tuple[tuple[str, ...], str, str]]:
             if annotation(p) in (int, float) and p.opts and p.opts[0].startswith("--")]
 
 
-EXTREMES = {"int": [str(10**23), str(-10**23)], "float": ["inf", "-inf", "nan", "1e308", "-1e308"]}
+# 0, -1 and 2**63 (one past a signed 64-bit integer) as well as the far extremes: a bound that is
+# off by one, or checked only for huge values, shows at these.
+EXTREMES = {"int": ["0", "-1", str(2**63), str(10**23), str(-10**23)],
+            "float": ["0", "-1", str(2**63), "inf", "-inf", "nan", "1e308", "-1e308"]}
 NEEDS = {  # the arguments each command needs besides the option (files made by the test)
     ("submit",): ["p.yaml"], ("compare",): ["1", "2"], ("history",): ["quickstart"],
     ("model", "synth"): ["--out", "out"], ("model", "stats"): ["TINY"], ("protocol", "plan"): ["p.yaml"],
@@ -464,20 +479,22 @@ NEEDS = {  # the arguments each command needs besides the option (files made by 
                          else str(v))
 def test_every_numeric_option_at_its_extremes_is_refused_or_used_never_a_traceback(tmp_path, world, tiny, path,
                                                                                    option, kind):
-    """Huge integers, inf, nan and 1e308 in every numeric option: exit 0 (a value it can use) or
-    one line and exit 2, never a traceback (70) and never a command that runs on."""
+    """0, -1, 2**63, huge integers, inf, nan and 1e308 in every numeric option: exit 0 (a value it
+    can use) or one line and exit 2, never a traceback (70) and never a command that runs on; a
+    refused value queues nothing."""
     protocol(tmp_path, {"path": str(tiny)})
     (tmp_path / "notes.txt").write_text("hello\n")
     needs = [str(tiny) if a == "TINY" else a for a in NEEDS.get(path, [])]
     for value in EXTREMES[kind]:
         args = [option, value, "screens", "list"] if not path else [*path, *needs, option, value]
+        before = len(queued(tmp_path))
         with within(20):
             r = world(*args)
         assert r.returncode in (0, 2), (args, r.returncode, r.stderr)
         if r.returncode == 2:
             lines = r.stderr.strip().splitlines()
             assert len(lines) == 1 and lines[0].startswith("error: ") and "Traceback" not in r.stderr, (args, r.stderr)
-    assert queued(tmp_path) == []  # no extreme queued a screen
+            assert len(queued(tmp_path)) == before, args  # a refused value queued a screen
 
 
 # ----------------------------------------------------------------------------- every file argument
@@ -540,3 +557,93 @@ def test_every_file_argument_as_a_directory_fifo_device_or_huge_file_is_one_line
             lines = r.stderr.strip().splitlines()
             assert len(lines) == 1 and lines[0].startswith("error: ") and "Traceback" not in r.stderr, (args, r.stderr)
     assert queued(tmp_path) == []
+
+
+# ----------------------------------------------------------------------------- read-only output folders
+
+
+@pytest.fixture()
+def read_only(monkeypatch):
+    """`read_only(folder)`: from now on the file system refuses to create files in `folder`, as
+    a read-only mount does (EROFS), for the probe write that packbench makes before it starts
+    work there. Root ignores permission bits, so a chmod would not stand in for it; a real
+    read-only bind mount was probed by hand (`mount -o remount,ro,bind`) with the same lines."""
+    import errno
+    import tempfile
+
+    refused: set[Path] = set()
+    real = tempfile.TemporaryFile
+
+    def temporary_file(*args, dir=None, **kwargs):
+        if dir is not None and Path(dir).resolve() in refused:
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS))
+        return real(*args, dir=dir, **kwargs)
+
+    monkeypatch.setattr(tempfile, "TemporaryFile", temporary_file)
+    return lambda folder: refused.add(Path(folder).resolve())
+
+
+def test_model_synth_into_a_read_only_folder_is_one_line_before_any_weight_is_drawn(tmp_path, world, read_only):
+    """Was exit 70: safetensors' own SafetensorError ("I/O error: Read-only file system") after the
+    weights were drawn, for an --out that exists on a read-only mount."""
+    out = tmp_path / "ro"
+    out.mkdir()
+    read_only(out)
+    one_line_error(world("model", "synth", "--shape", "tiny", "--out", str(out)), f"--out {out}: cannot write into "
+                   "that directory (Read-only file system); give --out a writable directory")
+    assert list(out.iterdir()) == []
+
+
+def test_safetensors_write_errors_are_raised_as_os_errors():
+    """engine/synth.py os_errors: what lets `model synth` say a full disk in one line (exit 2, not 70)."""
+    import errno
+
+    from safetensors import SafetensorError
+
+    from packbench.engine.synth import os_errors
+
+    with pytest.raises(OSError) as caught, os_errors():
+        raise SafetensorError('Error while serializing: I/O error: No space left on device (os error 28) at path "x"')
+    assert caught.value.errno == errno.ENOSPC and caught.value.strerror == os.strerror(errno.ENOSPC)
+    with pytest.raises(SafetensorError), os_errors():  # not an I/O error: left as it is (a bug is not bad input)
+        raise SafetensorError("invalid dtype")
+
+
+def test_a_read_only_archive_dir_queues_and_claims_nothing(tmp_path, world, tiny, read_only):
+    """`submit --wait --archive-dir RO` queued the screen, started Ray, spent an attempt and exited
+    74 with the screen left queued; `dispatch` spent an attempt of the screen it claimed."""
+    archives = tmp_path / "ro-archives"
+    archives.mkdir()
+    read_only(archives)
+    p = protocol(tmp_path, {"path": str(tiny)})
+    expected = f"--archive-dir {archives}: cannot write into that directory (Read-only file system)"
+    one_line_error(world("submit", str(p), "--wait", "--archive-dir", str(archives)), expected)
+    assert queued(tmp_path) == []
+    assert world("submit", str(p)).returncode == 0
+    one_line_error(world("dispatch", "--archive-dir", str(archives)), expected)
+    from packbench.db.store import Store
+
+    with Store(f"sqlite:///{tmp_path / 'pb.db'}") as store:
+        (screen,) = store.list_screens()
+        assert screen.status == "queued" and store.attempts(screen.id) == []  # no attempt spent
+
+
+def test_model_stats_refuses_sampled_without_robustness(world, tiny):
+    """--sampled 0, -1 or 2**63 without --robustness was ignored (exit 0 after a full measurement)."""
+    for value in ("0", "-1", str(2**63), "64"):
+        one_line_error(world("model", "stats", str(tiny), "--sampled", value), f"--sampled {value} is the text "
+                       "--robustness scores; without --robustness nothing is sampled")
+    one_line_error(world("model", "stats", str(tiny), "--robustness", "--sampled", "0"), "--sampled 0 must be in 1..2048")
+
+
+def test_a_condition_name_is_bounded_and_so_is_every_error_line_naming_conditions(tmp_path, world, tiny):
+    """A 100,000-character condition name validated (then stored in every episode row), and a
+    reference outside the conditions printed every name whole: a 100 KB error line."""
+    dense = {"name": "d" * 201, "policy": "dense-stream"}
+    p = protocol(tmp_path, {"path": str(tiny)}, conditions=[dense, {"name": "packet", "policy": "packet"}],
+                 reference="d" * 201)
+    one_line_error(world("protocol", "validate", str(p)), "conditions[0].name", "201 characters, more than 200")
+    long = [{"name": f"{i:02d}" + "c" * 198, "policy": "packet"} for i in range(16)]
+    p = protocol(tmp_path, {"path": str(tiny)}, conditions=long, reference="nope", gates={"faithfulness": {}})
+    line = one_line_error(world("protocol", "validate", str(p)), "`reference`", "is not allowed; use one of")
+    assert len(line) < 16 * 80, len(line)  # each name shown to 60 characters, not whole

@@ -208,7 +208,7 @@ def test_an_archive_dir_that_cannot_be_created_queues_nothing(tmp_path, db, tiny
     # dispatch: refused before Ray starts or anything is claimed; the queued screen stays queued.
     assert pb(capsys, "submit", str(p)).code == 0
     r = pb(capsys, "dispatch", "--archive-dir", str(tmp_path / "a-file" / "archives"))
-    one_line_error(r, "cannot create the archive directory", "--archive-dir")
+    one_line_error(r, "--archive-dir", "cannot create that directory")  # the words submit --wait uses
     assert [s.status for s in queued(db)] == ["queued"]
 
 

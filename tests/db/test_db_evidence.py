@@ -53,3 +53,17 @@ def test_attempt_evidence_is_recorded(db_url):
         store.set_attempt_evidence(row.id, model_sha256="d" * 64, signer_key_id="fedcba9876543210")
         got = store.latest_attempt(row.screen_id)
         assert (got.model_sha256, got.signer_key_id) == ("d" * 64, "fedcba9876543210")
+
+
+def test_ingesting_an_archive_whose_every_episode_failed_records_a_failed_attempt(db_url):
+    # Bug caught: ingest recorded a `done` screen for evidence in which nothing ran, where the
+    # driver that sealed it ends the attempt `failed` (core/outcome.py).
+    with Store(db_url) as store:
+        store.upgrade()
+        failed = {**EPISODE, "status": "failed", "error": "IndexError: index out of range in self"}
+        row = ingest(store, "e" * 64, episodes=[failed, {**failed, "plan_index": 1}])
+        assert row.status == "failed" and store.screen(row.screen_id).status == "failed"
+        assert row.error.startswith("every episode failed (2 of 2); the first, episode 0 (dense-stream): IndexError: ")
+        assert [e.status for e in store.episodes(row.id)] == ["failed", "failed"]  # kept, as sealed
+        some = ingest(store, "f" * 64, episodes=[failed, {**EPISODE, "plan_index": 1}])
+        assert some.status == "done" and some.error is None

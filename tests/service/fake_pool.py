@@ -2,10 +2,12 @@
 
 Each worker runs its calls one after another in the order they were sent, each taking a set
 time of the real clock (`load_s`, `episode_s`): a reply is ready once its worker has spent that
-long on it after its earlier calls. Records have the shape of real episode records (status
-`failed` with a stated cause, so no gate can pass on them). `fault(worker, entry)` decides per
-episode: None (it runs), "die" (the worker dies: this call and every later one of that worker
-reply as died), or an exception (the call raises, the worker lives).
+long on it after its earlier calls. Records have the shape of real episode records: `ok`, with
+tokens and logits that are the same for every condition of a prompt (no ledger, no memory
+figures: a gate that reads them fails on them). `fault(worker, entry)` decides per episode:
+None (it runs, ok), `EpisodeFails(error)` (it fails as the real worker's episodes fail: a record
+with status `failed`, its cause and a traceback, no logits), "die" (the worker dies: this call and
+every later one of that worker reply as died), or an exception (the call raises, the worker lives).
 """
 
 from __future__ import annotations
@@ -14,9 +16,18 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
+import numpy as np
+
 from packbench.core.pool import NodeInfo, Reply
-from packbench.core.metrics import opt_bytes
+from packbench.core.metrics import episode_totals, opt_bytes
 from packbench.core.registry import SHAPES
+
+
+@dataclass(frozen=True)
+class EpisodeFails:
+    """A fault: the episode runs and fails with `error` (engine/worker.py Worker._failed's record)."""
+
+    error: str
 
 
 @dataclass(eq=False)
@@ -27,6 +38,7 @@ class FakeWorker:
     dead_at: float | None = None  # dies then (every call ready after it replies as died)
     killed: bool = False
     models: set = field(default_factory=set)  # model keys loaded before (warm)
+    shape: tuple[int, int, int, int] = (8, 1, 2, 8)  # (prefix, continuation, layers, vocab) of the loaded protocol
     episodes: list[int] = field(default_factory=list)  # plan indices it ran, in order
 
     @property
@@ -74,6 +86,8 @@ class FakePool:
         key = protocol.sha256
         state = "warm" if reuse and key in worker.models else "cold"
         worker.models.add(key)
+        dims = SHAPES[protocol.model.synth.shape if protocol.model.synth else "tiny"]
+        worker.shape = (protocol.prefix_tokens, protocol.continuation_tokens, dims["layers"], dims["vocab"])
         self.loads.append((worker.index, state))
         shape = protocol.model.synth.shape if protocol.model.synth else "tiny"
         held = opt_bytes(**SHAPES[shape], dtype=protocol.dtype)  # what the auditor expects of the shape
@@ -86,11 +100,23 @@ class FakePool:
 
     def run(self, worker: FakeWorker, tag: Any, entry: dict, prompt: list[int]) -> None:
         fault = self.fault(worker, entry) if self.fault else None
-        pending = self._send(worker, tag, self.episode_s, value={
-            "plan_index": entry["index"], "condition": entry["condition"], "role": entry["role"],
-            "prompt": entry["prompt"], "policy": "fake", "params": {}, "status": "failed",
-            "error": "fake episode (no engine)", "traceback": "", "episode_s": self.episode_s, "logits": None,
-            "trace": None})
+        record = {"plan_index": entry["index"], "condition": entry["condition"], "role": entry["role"],
+                  "prompt": entry["prompt"], "policy": "fake", "params": {}, "episode_s": self.episode_s}
+        if isinstance(fault, EpisodeFails):
+            record.update(status="failed", error=fault.error, traceback=f"Traceback (fake)\n{fault.error}\n",
+                          logits=None, trace=None, forced_logits=None)
+        else:
+            prefix, calls, layers, vocab = worker.shape
+            logits = np.zeros((calls, vocab), dtype=np.float32)
+            logits[:, entry["prompt"] % vocab] = 1.0  # the same for every condition of a prompt: exact
+            zeros = [0] * layers  # a ledger that moved nothing: what the auditor recomputes, and agrees with
+            ledger = [{"index": k, "phase": "decode" if k else "prefill", "tokens": 1 if k else prefix,
+                       "layers": layers, "active_rows": zeros, "rows_copied": zeros, "h2d_weight_bytes": zeros,
+                       "h2d_index_bytes": zeros, "d2h_bytes": zeros, "logits_d2h_bytes": 0, "wall_s": 0.0}
+                      for k in range(calls)]
+            record.update(status="ok", error=None, tokens=[entry["prompt"] % vocab] * calls, wall_s=self.episode_s,
+                          calls=ledger, **episode_totals(ledger), logits=logits, trace=None, forced_logits=None)
+        pending = self._send(worker, tag, self.episode_s, value=record)
         if fault == "die":
             worker.dead_at = pending.ready_at
         elif isinstance(fault, BaseException):

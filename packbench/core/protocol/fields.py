@@ -75,8 +75,13 @@ def bool_field(value: Any, path: str) -> bool:
 
 def choice_field(value: Any, path: str, choices: tuple[str, ...]) -> str:
     if not isinstance(value, str) or value not in choices:
-        fail(path, f"{shown(value)} is not allowed; use one of {', '.join(choices)}")
+        listed = ", ".join(show(c, 60) if len(c) > 60 else c for c in choices[:MAX_CHOICES_SHOWN])
+        more = f" (and {len(choices) - MAX_CHOICES_SHOWN} more)" if len(choices) > MAX_CHOICES_SHOWN else ""
+        fail(path, f"{shown(value)} is not allowed; use one of {listed}{more}")
     return value
+
+
+MAX_CHOICES_SHOWN = 40  # an error names choices, it does not print a hostile list whole
 
 
 MAX_STRING = 4096  # PATH_MAX: the longest path a file system takes; a name is far shorter

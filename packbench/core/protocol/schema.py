@@ -108,6 +108,7 @@ FIDELITY_BOUNDS = ("max_mean_kl", "max_p99_kl", "min_top1", "max_abs_logit", "mi
 PROMPT_SOURCES = ("token_ids", "token_file", "text_file", "generator")
 
 _CONDITION_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+MAX_CONDITION_NAME = 200  # as a protocol's name: a 100,000-character one made a 100 KB error line
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 
 
@@ -251,6 +252,8 @@ def _conditions(value: Any, *, schema: int, batch: int = 1) -> list[dict]:
         name = c.get("name", policy)
         if not isinstance(name, str) or not _CONDITION_NAME.fullmatch(name):
             fail(f"{path}.name", f"{shown(name)} is not allowed; use letters, digits, '.', '_' and '-'")
+        if len(name) > MAX_CONDITION_NAME:  # stored in every episode row, printed in every table and error
+            fail(f"{path}.name", f"{len(name)} characters, more than {MAX_CONDITION_NAME}; give a shorter name")
         if name in names:
             fail(f"{path}.name", f"{name!r} is already used; condition names are unique")
         names.add(name)

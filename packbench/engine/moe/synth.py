@@ -33,6 +33,7 @@ import torch
 
 from packbench.core.moe import MAX_POSITIONS, MOE_SHAPES, ROUTING_OF
 from packbench.engine.moe.model import model_class
+from packbench.engine.synth import os_errors
 
 INIT_STD = 0.02
 
@@ -219,7 +220,8 @@ def synth_moe(out: Path, *, shape: str, seed: int = 0, dtype: str = "float32", l
     model = model.to(torch_dtype)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out)
+    with os_errors():  # a full disk or a read-only mount: an OSError, as the command expects
+        model.save_pretrained(out)
     recipe = {"shape": shape, "seed": seed, "dtype": dtype, "layers": config.num_hidden_layers,
               "profile": name, **asdict(p)}
     (out / "packbench_synth.json").write_text(json.dumps(recipe, indent=1, sort_keys=True))

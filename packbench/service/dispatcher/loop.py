@@ -118,6 +118,9 @@ class Dispatcher:
 
     def run(self) -> list[ScreenOutcome]:
         """Until drained (or stopped); returns what became of every screen this dispatcher ran."""
+        if self.only_screen is not None and self.store.screen(self.only_screen).status in ("done", "failed",
+                                                                                         "cancelled"):
+            return self.outcomes  # no such screen (NotFound) or it has ended: no pool is started for it
         if not self.follow and self.only_screen is None:
             # A dead dispatcher's screens count as queued once their leases expired, or at once
             # when it ran on this host and its process is gone.
