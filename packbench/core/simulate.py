@@ -3,7 +3,7 @@ with no weights, counted as the engine counts it, and a stated time prediction.
 
 A policy here is a table entry (`SIMULATED`): for a unit ("row": OPT, "expert": MoE) and a
 policy name, a function of the trace's model and the condition's params that returns a fresh
-`step(phase, layer, active, forecast) -> Step` for one episode (the engine makes a fresh policy for every
+`step(phase, layer, active, forecast) -> Charge` for one episode (the engine makes a fresh policy for every
 episode: `CpuFirstModel.use`, so caches and forecasts start empty each episode here too). A
 step lists the `Recorder.add` charges the engine's policy makes for that layer, from the same
 functions (core/charges.py), in the same order; the ledger sums them as `Recorder.add` does.
@@ -47,7 +47,7 @@ class SimulateError(ValueError):
 
 
 @dataclass
-class Step:
+class Charge:
     """One layer of one call: the engine's `Recorder.add` charges in order, and the hits of a
     cache (not in the engine's ledger; reported beside it); an expert cache also reports its
     misses and its forecast's prefetched and used experts (the wasted ones are the ledger's)."""
@@ -61,7 +61,7 @@ class Step:
 
 # step(phase, layer, active, forecast): `forecast` is the trace's forecast set for the layer
 # (core/trace.py; None where the trace has none or no forecast can be made).
-Stepper = Callable[[str, int, np.ndarray, "np.ndarray | None"], Step]
+Stepper = Callable[[str, int, np.ndarray, "np.ndarray | None"], Charge]
 
 
 def _unit_bytes(model: TraceModel, params: dict) -> int:
@@ -77,12 +77,12 @@ def _unit_bytes(model: TraceModel, params: dict) -> int:
 
 
 def _resident(model: TraceModel, params: dict) -> Stepper:
-    return lambda phase, layer, active, forecast=None: Step()  # resident: nothing to fetch
+    return lambda phase, layer, active, forecast=None: Charge()  # resident: nothing to fetch
 
 
 def _dense_stream(model: TraceModel, params: dict) -> Stepper:
     rb = _unit_bytes(model, params)
-    return lambda phase, layer, active, forecast=None: Step([charges.dense_copy(model.units, rb)])
+    return lambda phase, layer, active, forecast=None: Charge([charges.dense_copy(model.units, rb)])
 
 
 def _host_packet(model: TraceModel, active: np.ndarray, rb: int) -> list[dict]:
@@ -93,17 +93,17 @@ def _host_packet(model: TraceModel, active: np.ndarray, rb: int) -> list[dict]:
 def _packet(model: TraceModel, params: dict) -> Stepper:
     rb = _unit_bytes(model, params)
     if params.get("gather", "host") == "device":
-        return lambda phase, layer, active, forecast=None: Step([charges.device_counts(active.size, rb)])
-    return lambda phase, layer, active, forecast=None: Step(_host_packet(model, active, rb))
+        return lambda phase, layer, active, forecast=None: Charge([charges.device_counts(active.size, rb)])
+    return lambda phase, layer, active, forecast=None: Charge(_host_packet(model, active, rb))
 
 
 def _phase_switched(model: TraceModel, params: dict) -> Stepper:
     decode = _packet(model, params)
     rb = _unit_bytes(model, params)
 
-    def step(phase: str, layer: int, active: np.ndarray, forecast: np.ndarray | None = None) -> Step:
+    def step(phase: str, layer: int, active: np.ndarray, forecast: np.ndarray | None = None) -> Charge:
         if phase == "prefill":
-            return Step([charges.dense_copy(model.units, rb)])
+            return Charge([charges.dense_copy(model.units, rb)])
         return decode(phase, layer, active)
     return step
 
@@ -114,10 +114,10 @@ def _sparse_extents(model: TraceModel, params: dict) -> Stepper:
     block = check_param("sparse-extents", "block_rows", params.get("block_rows",
                                                                    param_default("sparse-extents", "block_rows")))
 
-    def step(phase: str, layer: int, active: np.ndarray, forecast: np.ndarray | None = None) -> Step:
+    def step(phase: str, layer: int, active: np.ndarray, forecast: np.ndarray | None = None) -> Charge:
         blocks = charges.extent_blocks(active, block)
         rows = charges.extent_rows(blocks, block, model.units)
-        return Step([charges.activity_readback(active.size, model.units),
+        return Charge([charges.activity_readback(active.size, model.units),
                      charges.unit_packet(rows, model.unit_bytes, index=blocks.size)])
     return step
 
@@ -132,7 +132,7 @@ def _row_retention(model: TraceModel, params: dict) -> Stepper:
     last_used = np.full((model.layers, slots), -1, dtype=np.int64)
     clock = {"call": 0, "layer": model.layers}
 
-    def step(phase: str, layer: int, active: np.ndarray, forecast: np.ndarray | None = None) -> Step:
+    def step(phase: str, layer: int, active: np.ndarray, forecast: np.ndarray | None = None) -> Charge:
         if layer <= clock["layer"]:  # a new call (layers run in order): the recorder's serial moves on
             clock["call"] += 1
         clock["layer"] = layer
@@ -144,7 +144,7 @@ def _row_retention(model: TraceModel, params: dict) -> Stepper:
         out.append(charges.unit_packet(miss_rows.size, model.unit_bytes))
         if fill_rows.size:
             out.append(charges.retention_fills(fill_rows.size))
-        return Step(out, hits=int(hit_rows.size))
+        return Charge(out, hits=int(hit_rows.size))
     return step
 
 
@@ -153,16 +153,16 @@ def _early_forecast(model: TraceModel, params: dict) -> Stepper:
     if params.get("gather", "host") == "device":
         prev = [np.zeros(0, dtype=np.int64) for _ in range(model.layers)]  # the device's `prev`: zeros
 
-        def device_step(phase: str, layer: int, active: np.ndarray, forecast: np.ndarray | None = None) -> Step:
+        def device_step(phase: str, layer: int, active: np.ndarray, forecast: np.ndarray | None = None) -> Charge:
             predicted = prev[layer] if phase == "decode" else np.zeros(0, dtype=np.int64)
             missed, wasted = charges.forecast_split(predicted, active)
             prev[layer] = active
-            return Step([charges.device_counts(active.size, rb, counters=4, rows=predicted.size + missed.size,
+            return Charge([charges.device_counts(active.size, rb, counters=4, rows=predicted.size + missed.size,
                                                wasted=wasted)])
         return device_step
     previous: list[np.ndarray | None] = [None] * model.layers
 
-    def step(phase: str, layer: int, active: np.ndarray, forecast: np.ndarray | None = None) -> Step:
+    def step(phase: str, layer: int, active: np.ndarray, forecast: np.ndarray | None = None) -> Charge:
         out = []
         predicted = previous[layer] if phase == "decode" else None
         if predicted is not None and predicted.size == 0:
@@ -177,7 +177,7 @@ def _early_forecast(model: TraceModel, params: dict) -> Stepper:
             remainder, wasted = charges.forecast_split(predicted, active)
             out.append(dict(wasted=wasted))
             out.append(charges.unit_packet(remainder.size, rb))
-        return Step(out)
+        return Charge(out)
     return step
 
 
@@ -185,14 +185,14 @@ def _early_forecast(model: TraceModel, params: dict) -> Stepper:
 
 
 def _expert_dense(model: TraceModel, params: dict) -> Stepper:
-    return lambda phase, layer, active, forecast=None: Step([charges.dense_copy(model.units, model.unit_bytes)])
+    return lambda phase, layer, active, forecast=None: Charge([charges.dense_copy(model.units, model.unit_bytes)])
 
 
 def _expert_packet(model: TraceModel, params: dict) -> Stepper:
     device = params.get("gather", "host") == "device"
 
-    def step(phase: str, layer: int, active: np.ndarray, forecast: np.ndarray | None = None) -> Step:
-        return Step([charges.activity_readback(active.size, model.units),
+    def step(phase: str, layer: int, active: np.ndarray, forecast: np.ndarray | None = None) -> Charge:
+        return Charge([charges.activity_readback(active.size, model.units),
                      charges.unit_packet(active.size, model.unit_bytes, index=0 if device else None)])
     return step
 
@@ -200,9 +200,9 @@ def _expert_packet(model: TraceModel, params: dict) -> Stepper:
 def _expert_phase_switched(model: TraceModel, params: dict) -> Stepper:
     packet = _expert_packet(model, params)
 
-    def step(phase: str, layer: int, active: np.ndarray, forecast: np.ndarray | None = None) -> Step:
+    def step(phase: str, layer: int, active: np.ndarray, forecast: np.ndarray | None = None) -> Charge:
         if phase == "prefill":
-            return Step([charges.dense_copy(model.units, model.unit_bytes)])
+            return Charge([charges.dense_copy(model.units, model.unit_bytes)])
         return packet(phase, layer, active)
     return step
 
@@ -218,7 +218,7 @@ def _expert_cache(model: TraceModel, params: dict) -> Stepper:
     caches = [LayerCache(capacity, rule) for _ in range(model.layers)]  # raises ValueError on a bad capacity
     eb, units = model.unit_bytes, model.units
 
-    def step(phase: str, layer: int, active: np.ndarray, forecast: np.ndarray | None = None) -> Step:
+    def step(phase: str, layer: int, active: np.ndarray, forecast: np.ndarray | None = None) -> Charge:
         cache = caches[layer]
         out = [charges.activity_readback(active.size, units)]
         prefetched = used = None
@@ -232,7 +232,7 @@ def _expert_cache(model: TraceModel, params: dict) -> Stepper:
         s = cache.step(active.tolist())
         fetched = sum(1 for e in s.misses if e not in brought)
         out.append(charges.expert_fetch(fetched, eb, wasted=wasted))
-        return Step(out, hits=len(s.hits), misses=len(s.misses), prefetched=prefetched, used=used)
+        return Charge(out, hits=len(s.hits), misses=len(s.misses), prefetched=prefetched, used=used)
     return step
 
 

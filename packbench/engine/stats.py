@@ -35,7 +35,7 @@ HOT_SHARES = (0.5, 0.8, 0.95)
 
 
 @dataclass
-class Trace:
+class PromptActivity:
     """One prompt's activity: `prefill` (layers, prefix, ffn) and `decode` (layers, calls - 1, ffn)
     bool masks of exactly non-zero post-ReLU activations; `entropy` and `top1` (nats,
     probability) of every next-token distribution the calls produced (prefill positions, then
@@ -48,8 +48,8 @@ class Trace:
 
 
 def measure(model_dir: Path, prompts: list[list[int]], *, continuation: int, dtype: torch.dtype = torch.float32,
-            device: str = "cpu", progress: Callable[[int, int], None] | None = None) -> list[Trace]:
-    """One Trace per prompt: the prompt as one prefill call, then `continuation - 1` greedy decode
+            device: str = "cpu", progress: Callable[[int, int], None] | None = None) -> list[PromptActivity]:
+    """One PromptActivity per prompt: the prompt as one prefill call, then `continuation - 1` greedy decode
     calls (an episode of `continuation` calls), on stock transformers' OPT."""
     from transformers import DynamicCache
 
@@ -73,7 +73,7 @@ def measure(model_dir: Path, prompts: list[list[int]], *, continuation: int, dty
                     top1.append(logp.max(-1).values.exp().cpu())
                     calls.append(torch.stack(masks).cpu().numpy())  # (layers, T, ffn)
                     ids = out.logits[0, -1].argmax().view(1, 1)
-                traces.append(Trace(prefill=calls[0], decode=np.concatenate(calls[1:], axis=1) if calls[1:]
+                traces.append(PromptActivity(prefill=calls[0], decode=np.concatenate(calls[1:], axis=1) if calls[1:]
                                     else np.zeros(calls[0].shape[:1] + (0,) + calls[0].shape[2:], dtype=bool),
                                     entropy=torch.cat(entropy).numpy(), top1=torch.cat(top1).numpy()))
                 if progress is not None:
@@ -107,8 +107,8 @@ def hot_shares(counts: np.ndarray, shares: tuple[float, ...] = HOT_SHARES) -> di
     return {f"{s:g}": float((np.searchsorted(cum, s - 1e-12) + 1) / c.size) for s in shares}
 
 
-def summarise(traces: list[Trace]) -> dict:
-    """The figures of the module docstring, from one Trace per prompt (all prompts of one length)."""
+def summarise(traces: list[PromptActivity]) -> dict:
+    """The figures of the module docstring, from one PromptActivity per prompt (all prompts of one length)."""
     if not traces:
         raise ValueError("no traces: give at least one prompt")
     prefill = np.stack([t.prefill for t in traces])  # (P, layers, T, ffn)

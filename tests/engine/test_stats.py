@@ -8,17 +8,17 @@ from typer.testing import CliRunner
 
 from packbench.cli.main import app
 from packbench.core.errors import PackbenchError
-from packbench.engine.stats import Trace, hot_shares, summarise, union_curve
+from packbench.engine.stats import PromptActivity, hot_shares, summarise, union_curve
 
 
-def trace() -> Trace:
+def trace() -> PromptActivity:
     """1 layer, 4 neurons; prefill of 3 tokens, 2 decode calls."""
     prefill = np.array([[[1, 0, 0, 0],
                          [1, 1, 0, 0],
                          [0, 0, 1, 0]]], dtype=bool)
     decode = np.array([[[1, 0, 0, 1],
                         [1, 1, 0, 0]]], dtype=bool)
-    return Trace(prefill=prefill, decode=decode, entropy=np.array([1.0, 2.0, 3.0, 0.5, 0.5]),
+    return PromptActivity(prefill=prefill, decode=decode, entropy=np.array([1.0, 2.0, 3.0, 0.5, 0.5]),
                  top1=np.array([0.5, 0.25, 0.2, 0.9, 0.9]))
 
 
