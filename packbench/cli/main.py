@@ -390,7 +390,7 @@ def _dispatch(store, settings: Settings, *, json_out: bool, keep_queued: bool = 
     def report(outcome) -> None:
         summary = screen_summary(store, outcome.screen_id)
         if json_out:  # what `results --screen N --json` prints: the stored summary and the archive's readings
-            readings = query.readings_of(summary.get("archive_path")) or {}
+            readings = query.readings_of(summary.get("archive_path"), screen_id=outcome.screen_id) or {}
             typer.echo(json.dumps({**summary, **readings}, default=str, sort_keys=True))
             return
         if outcome.requeued and outcome.status == "interrupted" and options.get("only_screen") is not None:
