@@ -93,10 +93,9 @@ def audit_file(path: Path, *, on_ray: bool = False, settings: Settings | None = 
     if on_ray and trust is None:
         from packbench.cluster.audit import audit_on_cluster
 
-        report = audit_on_cluster(Path(path), settings=settings, target=f"archive {path}",
-                                  **({"max_mib": max_mib} if max_mib else {}))
+        report = audit_on_cluster(Path(path), settings=settings, **({"max_mib": max_mib} if max_mib else {}))
     else:
-        report = audit_archive(Path(path), trust=trust, max_mib=max_mib, target=f"archive {path}")
+        report = audit_archive(Path(path), trust=trust, max_mib=max_mib)
     return AuditOutcome(report, Path(path), None, None, platform.node(), False, None, host=platform.node())
 
 

@@ -95,3 +95,13 @@ def test_results_and_screens_show_name_the_bound_and_the_fix(world):
     invoke("audit", "1", "--db", url)
     text = invoke("screens", "show", "1", "--db", url).stdout + invoke("results", "--screen", "1", "--db", url).stdout
     assert "never hashed" in text and "of another archive SHA-256" not in text, text
+
+
+def test_audit_archive_over_the_bound_names_the_file_in_its_fix(world):
+    """`audit archive FILE` (no database): exit 2 and one line whose command names the very file."""
+    r = invoke("audit", "archive", str(world["archive"]))
+    assert r.exit_code == 2, (r.stdout, r.stderr)
+    [line] = r.stderr.strip().splitlines()
+    # Catches a fix that says "audit archive the archive" (the record's scrubbed path) or FILE.
+    assert line.endswith(f"`packbench audit archive {world['archive']} --max-mib {mib_to_admit(world['size'])}`"), line
+    assert r.stdout == ""
