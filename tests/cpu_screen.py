@@ -9,14 +9,16 @@ from pathlib import Path
 from packbench.core.archive import PLAN_NAME, PROTOCOL_NAME, VERDICTS_NAME, WORKER_NAME, ArchiveWriter
 from packbench.core.fidelity import of_episode
 from packbench.core.gates import compute_verdicts
-from packbench.core.plan import episode_input, plan, prompts
+from packbench.core.plan import plan, prompts
 from packbench.engine.worker import Worker
 
 
 def archive_screen(frozen, model_dir: Path, path: Path) -> tuple[dict, list[dict], list[dict]]:
     """(body, episodes with their logits, verdicts) of the frozen protocol run on the CPU, every
     episode in plan order, an approximate one with its teacher-forced logits and fidelity; the
-    sealed archive at `path`."""
+    sealed archive at `path`. A batch entry runs its prompts together, as the driver runs it."""
+    from packbench.core.plan import episode_input as plan_input
+
     body = json.loads(frozen.canonical)
     worker = Worker(device="cpu")
     start = worker.load(body, str(model_dir))
@@ -29,7 +31,7 @@ def archive_screen(frozen, model_dir: Path, path: Path) -> tuple[dict, list[dict
     writer.add_json(WORKER_NAME, {"environment": env, "start": start})
     episodes = []
     for entry in entries:
-        record = worker.run(entry, episode_input(ids, entry))  # a batch entry: its prompts together
+        record = worker.run(entry, plan_input(ids, entry))  # a batch entry: its prompts together
         logits, trace = record.pop("logits"), record.pop("trace", None)
         forced = record.pop("forced_logits", None)
         if record.get("tier") == "approximate":  # as the driver does (service/screen.py ScreenRun.record)
