@@ -190,6 +190,11 @@ def plan_cmd(
     typer.echo(table(entries, ["index", "condition", "role", "prompt", "repetition"]))
     typer.echo("")
     _print_estimate(p, est, timing, shape=shape, h2d_gbps=h2d_gbps)
+    _print_archive(archive, warning)
+
+
+def _print_archive(archive: dict, warning: str | None) -> None:
+    """`archive: about X MiB (...)` and, over the audit bound, the `warning:` line on stderr."""
     typer.echo(f"archive: about {archive['bytes'] / (1 << 20):,.1f} MiB ({archive['episodes']} episodes' float32 logits of "
                f"{archive['episode_logits_bytes']:,} bytes each"
                + (f", {archive['forced_episodes']} teacher-forced" if archive["forced_episodes"] else "") + ")")
@@ -200,6 +205,7 @@ def plan_cmd(
 def _moe_plan(frozen: FrozenProtocol, *, h2d_gbps: float, json_out: bool) -> None:
     """The plan of a screen on an MoE checkpoint: its episodes, and per condition the bytes of the
     prefill call and of a decode call (core/moe.py call_bytes) with their transfer floor."""
+    from packbench.core.estimate import archive_bytes, archive_warning
     from packbench.core.moe import MoeShape, call_bytes, call_bytes_bound, shape_of_config
     from packbench.core.plan import plan
     from packbench.engine.config import read_config
@@ -222,9 +228,12 @@ def _moe_plan(frozen: FrozenProtocol, *, h2d_gbps: float, json_out: bool) -> Non
         rows.append({"condition": c.name, "policy": c.policy, "prefill_bytes": pre, "decode_bytes": dec, "bound": bound,
                      "decode_floor_ms": dec / (h2d_gbps * 1e9) * 1e3})
     entries = plan(p)
+    vocab = read_config(frozen.model_dir()).get("vocab_size", 50272)
+    archive = archive_bytes(p, vocab=vocab if isinstance(vocab, int) and vocab > 0 else 50272)
+    warning = archive_warning(archive)
     if json_out:
-        typer.echo(json.dumps({"protocol": p.name, "sha256": p.sha256, "entries": entries, "moe": rows}, indent=2,
-                              sort_keys=True))
+        typer.echo(json.dumps({"protocol": p.name, "sha256": p.sha256, "entries": entries, "moe": rows,
+                               "archive": {**archive, "warning": warning}}, indent=2, sort_keys=True))
         return
     typer.echo(f"{one_line(p.name)}: sha256 {p.sha256}")
     typer.echo(f"{len(entries)} episodes in this order, each 1 prefill call of {p.prefix_tokens} tokens + "
@@ -235,6 +244,7 @@ def _moe_plan(frozen: FrozenProtocol, *, h2d_gbps: float, json_out: bool) -> Non
     typer.echo(table([{**r, "prefill_MB": f"{r['prefill_bytes'] / 1e6:.1f}", "decode_MB": f"{r['decode_bytes'] / 1e6:.1f}",
                        "decode_floor_ms": f"{r['decode_floor_ms']:.2f}"} for r in rows],
                      ["condition", "policy", "prefill_MB", "decode_MB", "bound", "decode_floor_ms"]))
+    _print_archive(archive, warning)
 
 
 def _check_positions(frozen: FrozenProtocol, shape) -> None:
