@@ -44,7 +44,6 @@ from packbench.core.archive import (
     ArchiveReader,
     ArchiveTooLarge,
     episode_members,
-    over_bound_line,
     file_sha256,
     plan_entries,
     plan_prompts,
@@ -725,7 +724,7 @@ def _run_audit(audit: _Audit, path: Path, *, expected_sha256: str | None, db_ver
         audit.unreadable = True
         # The archive's path is "the archive" in a record (its digest does not depend on where it lies),
         # so a file's audit names `archive FILE`; a screen's names its id.
-        audit.problems.append(over_bound_line("the archive", e.size, e.bound, target=target or "archive FILE"))
+        audit.problems.append(e.line(target or "archive FILE", path="the archive"))
         if trust is not None:
             audit.record["signature"] = {"status": "bad-signature", "key_id": None}
             audit.add("signature: the archive is over the size bound, so no signature can hold for it")

@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 
 from bench.audit import synthetic_protocol, write_synthetic_screen
 from packbench.cli.main import app
-from packbench.core.archive import MANIFEST_NAME, ArchiveReader, file_sha256, mib_to_admit
+from packbench.core.archive import MANIFEST_NAME, MAX_JSON_TOTAL_BYTES, ArchiveReader, file_sha256, mib_to_admit
 from packbench.core.archive import reader as archive_reader
 from packbench.core.provenance import Signer
 from packbench.db.store import Store
@@ -51,7 +51,7 @@ def test_an_audit_over_the_bound_is_recorded_with_one_line_and_the_max_mib_that_
     assert r.exit_code == 2, (r.stdout, r.stderr)
     assert "None" not in r.stderr and "differs" not in r.stderr and "not recorded" not in r.stderr, r.stderr
     [line] = r.stderr.strip().splitlines()
-    n = mib_to_admit(size)
+    n = mib_to_admit(size + MAX_JSON_TOTAL_BYTES)
     # The audit names the file "the archive" (its record and digest do not depend on where it lies).
     assert line == (f"error: audit of screen 1: the archive is {size} bytes, over the audit bound of {bound} bytes, "
                     f"so it was not read; only for an archive you trust, audit it with `packbench audit 1 --max-mib "
@@ -78,12 +78,12 @@ def test_json_audit_over_the_bound_says_unhashed_and_exits_2(world):
     assert r.exit_code == 2, (r.stdout, r.stderr)
     doc = json.loads(r.stdout)
     assert (doc["result"], doc["archive_sha256"], len(doc["problems"])) == ("disagree", None, 2)
-    assert f"--max-mib {mib_to_admit(world['size'])}" in doc["problems"][0]
+    assert f"--max-mib {mib_to_admit(world['size'] + MAX_JSON_TOTAL_BYTES)}" in doc["problems"][0]
 
 
 def test_results_and_screens_show_name_the_bound_and_the_fix(world):
     url, size = world["url"], world["size"]
-    fix = f"`packbench audit 1 --max-mib {mib_to_admit(size)}`"
+    fix = f"`packbench audit 1 --max-mib {mib_to_admit(size + MAX_JSON_TOTAL_BYTES)}`"
     doc = json.loads(invoke("results", "--screen", "1", "--db", url, "--json").stdout)
     # Catches readings that vanish silently (None) for an archive that is only too large to read.
     assert doc["archive_not_read"].endswith(fix) and f"is {size} bytes" in doc["archive_not_read"]
@@ -103,5 +103,5 @@ def test_audit_archive_over_the_bound_names_the_file_in_its_fix(world):
     assert r.exit_code == 2, (r.stdout, r.stderr)
     [line] = r.stderr.strip().splitlines()
     # Catches a fix that says "audit archive the archive" (the record's scrubbed path) or FILE.
-    assert line.endswith(f"`packbench audit archive {world['archive']} --max-mib {mib_to_admit(world['size'])}`"), line
+    assert line.endswith(f"`packbench audit archive {world['archive']} --max-mib {mib_to_admit(world['size'] + MAX_JSON_TOTAL_BYTES)}`"), line
     assert r.stdout == ""

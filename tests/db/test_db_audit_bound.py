@@ -7,7 +7,7 @@ import json
 import platform
 
 from bench.audit import synthetic_protocol, write_synthetic_screen
-from packbench.core.archive import file_sha256, mib_to_admit
+from packbench.core.archive import MAX_JSON_TOTAL_BYTES, file_sha256, mib_to_admit
 from packbench.core.archive import reader as archive_reader
 from packbench.db.store import Store
 from packbench.service.audit import audit_screens
@@ -31,5 +31,5 @@ def test_an_over_bound_audit_is_recorded_unhashed(db_url, tmp_path, monkeypatch)
         assert (outcome.recorded, outcome.record_error, outcome.result) == (True, None, "disagree")
         [audit] = store.audits(attempt.id)
     line = (f"the archive is {size} bytes, over the audit bound of {size - 1} bytes, so it was not read; only for an "
-            f"archive you trust, audit it with `packbench audit {screen_id} --max-mib {mib_to_admit(size)}`")
+            f"archive you trust, audit it with `packbench audit {screen_id} --max-mib {mib_to_admit(size + MAX_JSON_TOTAL_BYTES)}`")
     assert (audit.result, audit.archive_sha256, audit.problems, audit.kind) == ("disagree", None, (line,), "local")

@@ -10,13 +10,14 @@ def mib_to_admit(size: int) -> int:
     return max(1, -(-int(size) // (1 << 20)))
 
 
-def over_bound_line(path: Path | str, size: int, bound: int, *, what: str = "is", target: str | None = None) -> str:
+def over_bound_line(path: Path | str, size: int, bound: int, *, what: str = "is", target: str | None = None,
+                    admit: int | None = None) -> str:
     """One line for an archive over an audit bound: its size, the bound, and the fix (`--max-mib`
-    sized from the file, for an archive the user trusts). `target` is what `packbench audit` takes
-    (a screen id; default `archive PATH`)."""
+    admitting `admit` bytes, default `size`, for an archive the user trusts). `target` is what
+    `packbench audit` takes (a screen id; default `archive PATH`)."""
     target = target or f"archive {path}"
     return (f"{path} {what} {_bytes(size)}, over the audit bound of {_bytes(bound)}, so it was not read; only for "
-            f"an archive you trust, audit it with `packbench audit {target} --max-mib {mib_to_admit(size)}`")
+            f"an archive you trust, audit it with `packbench audit {target} --max-mib {mib_to_admit(size if admit is None else admit)}`")
 
 
 def _bytes(n: int) -> str:
