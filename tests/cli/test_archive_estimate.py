@@ -133,4 +133,4 @@ def test_plan_on_an_moe_checkpoint_estimates_its_archive_with_its_vocabulary(tmp
     archive = json.loads(result.stdout)["archive"]
     assert (archive["episode_logits_bytes"], archive["episodes"], archive["warning"]) == (4 * vocab * 4 + 128, 4, None)
     text = CliRunner().invoke(app, ["protocol", "plan", str(tmp_path / "p.yaml")]).stdout
-    assert f"\narchive: about " in text and f"{4 * vocab * 4 + 128:,} bytes each" in text
+    assert "\narchive: about " in text and f"{4 * vocab * 4 + 128:,} bytes each" in text
