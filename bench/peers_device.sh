@@ -97,6 +97,7 @@ else echo "== flexgen probe: skipped (SKIP_FLEXGEN=${SKIP_FLEXGEN:-}, $left s le
 python3 - <<'PY' | tee "$out/table.txt"  # the table: one rule for every condition (module comment)
 import statistics
 from packbench.core.report import read_screen, serving_rows
+from packbench.core.archive import ArchiveTooLarge
 from packbench.db.store import Store
 
 s = Store()
@@ -110,7 +111,8 @@ for screen in sorted(s.list_screens(), key=lambda x: x.id):
     try:
         data = read_screen(a.archive_path)
     except Exception as e:  # a screen cut short has no readable archive: say so, go on
-        print(f"{screen.id}: {a.status}, archive not readable ({type(e).__name__}: {e})")
+        why = e.line(str(screen.id)) if isinstance(e, ArchiveTooLarge) else f"{type(e).__name__}: {e}"
+        print(f"{screen.id}: {a.status}, archive not readable ({why})")
         continue
     batch = data.protocol.body.get("batch", 1)
     verdicts = {}

@@ -18,7 +18,9 @@ from packbench.engine.worker import Worker
 def archive_screen(frozen, model_dir: Path, path: Path) -> tuple[dict, list[dict], list[dict]]:
     """(body, episodes with their logits, verdicts) of the frozen protocol run on the CPU, every
     episode in plan order, an approximate one with its teacher-forced logits and fidelity; the
-    sealed archive at `path`."""
+    sealed archive at `path`. A batch entry runs its prompts together, as the driver runs it."""
+    from packbench.core.plan import episode_input as plan_input
+
     body = json.loads(frozen.canonical)
     worker = Worker(device="cpu")
     start = worker.load(body, str(model_dir))
@@ -31,7 +33,7 @@ def archive_screen(frozen, model_dir: Path, path: Path) -> tuple[dict, list[dict
     writer.add_json(WORKER_NAME, {"environment": env, "start": start})
     episodes = []
     for entry in entries:
-        record = worker.run(entry, ids[entry["prompt"]])
+        record = worker.run(entry, plan_input(ids, entry))  # a batch entry: its prompts together
         logits, trace = record.pop("logits"), record.pop("trace", None)
         forced = record.pop("forced_logits", None)
         if record.get("tier") == "approximate":  # as the driver does (service/screen.py ScreenRun.record)

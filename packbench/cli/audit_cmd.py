@@ -361,6 +361,11 @@ def _print_audit(o, *, json_out: bool, detail: bool) -> None:
         typer.echo(f"error: audit of {what}: {o.error}", err=True)
         return
     report = o.report
+    if getattr(report, "unreadable", False) and not json_out and report.record.get("archive_sha256") is None:
+        # over the file bound, never hashed: the line names its size, the bound and `--max-mib`
+        line = report.problems[0].replace("`packbench audit archive FILE ", f"`packbench audit archive {o.archive_path} ")
+        typer.echo(f"error: audit of {what}: {one_line(line)}", err=True)
+        return
     if getattr(report, "unreadable", False) and not json_out:  # not an archive: one line, no empty verdict table
         typer.echo(f"error: {what} is not an archive packbench can read: {one_line(report.problems[0])}", err=True)
         return

@@ -328,6 +328,7 @@ def submit(
         return
     ids = queue_screens(store, protocol, priority=priority, max_attempts=max_attempts, gpu_type=gpu_type,
                         replicas=replicas, spread=spread, name=name, note=note, tags=labels.parse_tags(tag))
+    _warn_archive(protocol)
     if not wait and json_out:
         echo_json({"queued": ids})
         return
@@ -340,6 +341,17 @@ def submit(
     except KeyboardInterrupt:  # before the dispatcher's own handler (Ray starting) or after it
         typer.echo(interrupted_screen(store, ids[0], keep_queued=keep_queued), err=True)
         raise typer.Exit(130) from None
+
+
+def _warn_archive(protocol: Path) -> None:
+    """`warning: ...` on stderr when the queued screen's archive will be over the audit bound
+    (service/submit.py archive_warning_of); stdout stays the command's own."""
+    from packbench.core.protocol import load
+    from packbench.service.submit import archive_warning_of
+
+    warning = archive_warning_of(load(protocol))
+    if warning is not None:
+        typer.echo(f"warning: {warning}", err=True)
 
 
 def interrupted_screen(store, screen_id: int, *, keep_queued: bool) -> str:
@@ -400,7 +412,7 @@ def _dispatch(store, settings: Settings, *, json_out: bool, keep_queued: bool = 
     def report(outcome) -> None:
         summary = screen_summary(store, outcome.screen_id)
         if json_out:  # what `results --screen N --json` prints: the stored summary and the archive's readings
-            readings = query.readings_of(summary.get("archive_path")) or {}
+            readings = query.readings_of(summary.get("archive_path"), screen_id=outcome.screen_id) or {}
             typer.echo(json.dumps({**summary, **readings}, default=str, sort_keys=True))
             return
         if outcome.requeued and outcome.status == "interrupted" and options.get("only_screen") is not None:

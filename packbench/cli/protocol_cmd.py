@@ -58,14 +58,15 @@ def validate(
     """Check every field and freeze the protocol; print its name, schema, SHA-256, episode count
     and what each condition runs with."""
     from packbench.core.plan import plan
-    from packbench.service.submit import check_family, check_positions
+    from packbench.service.submit import archive_warning_of, check_family, check_positions
 
     frozen = _load(protocol)
     p = frozen.protocol
     check_positions(frozen)  # model.path: a checkpoint directory whose positions hold an episode, as submit checks
     check_family(frozen)  # an MoE checkpoint: expert policies only, an allowance for one layer's routed experts
+    warning = archive_warning_of(frozen)  # valid still: a trusted archive is audited with --max-mib
     if json_out:
-        typer.echo(json.dumps({"valid": True, "name": p.name, "schema": frozen.body["schema"],
+        typer.echo(json.dumps({"valid": True, "name": p.name, "schema": frozen.body["schema"], "warning": warning,
                                "read_as": frozen.read_as or frozen.body["schema"], "sha256": frozen.sha256,
                                "planned_episodes": len(plan(p)),
                                "conditions": [{"name": c.name, "policy": c.policy, "params": c.resolved_params}
@@ -75,6 +76,8 @@ def validate(
                f"{len(p.conditions)} conditions, {len(plan(p))} planned episodes")
     for c in p.conditions:
         typer.echo(f"  {c.name}: {_policy(c)}")
+    if warning is not None:
+        typer.echo(f"warning: {warning}", err=True)
 
 
 def show(
@@ -141,7 +144,7 @@ def plan_cmd(
 ) -> None:
     """Print the ordered episodes and, per condition, the bytes the screen will move and its time:
     measured rates of earlier episodes on the same device (the database), else the GPU transfer floor."""
-    from packbench.core.estimate import estimate
+    from packbench.core.estimate import archive_bytes, archive_warning, estimate
     from packbench.core.plan import plan
 
     frozen = _load(protocol)
@@ -176,9 +179,11 @@ def plan_cmd(
     entries = plan(p)
     est = estimate(p, shape=shape, activity=activity, h2d_gbps=h2d_gbps)
     timing = _timing(p, est, device=device or device_here(), db=db, model=model_key(p, model_dir=frozen.model_dir()))
+    archive = archive_bytes(p, vocab=shape.vocab)  # the audit bound: docs/archive.md, "Bounds"
+    warning = archive_warning(archive)
     if json_out:
         typer.echo(json.dumps({"protocol": p.name, "sha256": p.sha256, "entries": entries, "estimate": est,
-                               "time": timing}, indent=2, sort_keys=True))
+                               "time": timing, "archive": {**archive, "warning": warning}}, indent=2, sort_keys=True))
         return
     typer.echo(f"{one_line(p.name)}: sha256 {p.sha256}")
     typer.echo(f"{len(entries)} episodes in this order, each 1 prefill call of {p.prefix_tokens} tokens + "
@@ -186,11 +191,22 @@ def plan_cmd(
     typer.echo(table(entries, ["index", "condition", "role", "prompt", "repetition"]))
     typer.echo("")
     _print_estimate(p, est, timing, shape=shape, h2d_gbps=h2d_gbps)
+    _print_archive(archive, warning)
+
+
+def _print_archive(archive: dict, warning: str | None) -> None:
+    """`archive: about X MiB (...)` and, over the audit bound, the `warning:` line on stderr."""
+    typer.echo(f"archive: about {archive['bytes'] / (1 << 20):,.1f} MiB ({archive['episodes']} episodes' float32 logits of "
+               f"{archive['episode_logits_bytes']:,} bytes each"
+               + (f", {archive['forced_episodes']} teacher-forced" if archive["forced_episodes"] else "") + ")")
+    if warning is not None:
+        typer.echo(f"warning: {warning}", err=True)
 
 
 def _moe_plan(frozen: FrozenProtocol, *, h2d_gbps: float, json_out: bool) -> None:
     """The plan of a screen on an MoE checkpoint: its episodes, and per condition the bytes of the
     prefill call and of a decode call (core/moe.py call_bytes) with their transfer floor."""
+    from packbench.core.estimate import archive_bytes, archive_warning
     from packbench.core.moe import MoeShape, call_bytes, call_bytes_bound, shape_of_config
     from packbench.core.plan import plan
     from packbench.engine.config import read_config
@@ -216,9 +232,12 @@ def _moe_plan(frozen: FrozenProtocol, *, h2d_gbps: float, json_out: bool) -> Non
         rows.append({"condition": c.name, "policy": c.policy, "prefill_bytes": pre, "decode_bytes": dec, "bound": bound,
                      "decode_floor_ms": dec / (h2d_gbps * 1e9) * 1e3})
     entries = plan(p)
+    vocab = read_config(frozen.model_dir()).get("vocab_size", 50272)
+    archive = archive_bytes(p, vocab=vocab if isinstance(vocab, int) and vocab > 0 else 50272)
+    warning = archive_warning(archive)
     if json_out:
-        typer.echo(json.dumps({"protocol": p.name, "sha256": p.sha256, "entries": entries, "moe": rows}, indent=2,
-                              sort_keys=True))
+        typer.echo(json.dumps({"protocol": p.name, "sha256": p.sha256, "entries": entries, "moe": rows,
+                               "archive": {**archive, "warning": warning}}, indent=2, sort_keys=True))
         return
     typer.echo(f"{one_line(p.name)}: sha256 {p.sha256}")
     typer.echo(f"{len(entries)} episodes in this order, each 1 prefill call of {p.prefix_tokens} tokens + "
@@ -229,6 +248,7 @@ def _moe_plan(frozen: FrozenProtocol, *, h2d_gbps: float, json_out: bool) -> Non
     typer.echo(table([{**r, "prefill_MB": f"{r['prefill_bytes'] / 1e6:.1f}", "decode_MB": f"{r['decode_bytes'] / 1e6:.1f}",
                        "decode_floor_ms": f"{r['decode_floor_ms']:.2f}"} for r in rows],
                      ["condition", "policy", "prefill_MB", "decode_MB", "bound", "decode_floor_ms"]))
+    _print_archive(archive, warning)
 
 
 def _check_positions(frozen: FrozenProtocol, shape) -> None:

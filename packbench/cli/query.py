@@ -19,7 +19,7 @@ from packbench.cli import labels
 from packbench.cli.history import check_fail_above, fail_compare
 from packbench.cli.common import DB_INT_MAX, DbUrl, Json, finite, open_store, seconds
 from packbench.cli.summary import print_json, screen_summary, table, verdict_record, verdict_table
-from packbench.core.archive import WORKER_NAME, ArchiveReader, worker_parts
+from packbench.core.archive import WORKER_NAME, ArchiveReader, ArchiveTooLarge, worker_parts
 from packbench.core.errors import PackbenchError
 from packbench.core.protocol import DTYPE_NAMES, GATE_NAMES, PHASES
 from packbench.core.record import SORT_NAMES
@@ -174,7 +174,7 @@ def _unknown_condition(store, condition: str) -> str | None:
 def _screen_view(store, ref: str, *, json_out: bool) -> None:
     """One screen's latest attempt: its episodes, each condition's wall spread, verdicts and audit."""
     summary = screen_summary(store, ref)
-    readings = readings_of(summary.get("archive_path"))
+    readings = readings_of(summary.get("archive_path"), screen_id=summary.get("screen_id"))
     if json_out:
         print_json({**summary, **(readings or {})})
         return
@@ -189,20 +189,24 @@ def _screen_view(store, ref: str, *, json_out: bool) -> None:
     if summary["spread"]:
         typer.echo("episode wall per condition (scored ok episodes, seconds)")
         typer.echo(table(summary["spread"], ["condition", "tier", "n", "median", "p10", "p90", "p90_over_p10"]))
-    if readings is not None:
+    if readings is not None and "archive_not_read" in readings:
+        typer.echo(f"archive readings: none; {readings['archive_not_read']}")
+    elif readings is not None:
         print_readings(readings)
     typer.echo(verdict_table(summary["verdicts"], caveat=summary["fidelity_caveat"]) if summary["verdicts"] else "no verdicts")
     a = summary.get("audit")
     typer.echo("audit: none; run `packbench audit`" if a is None else
                f"audit: {a['result'].upper()} ({a['kind'] or 'local'} on {_host_and_node(a['machine'], a['node'])}"
                f", {a['finished_at']}, digest {a['digest'][:16]}"
-               f"{_sha_note(a['archive_sha256_matches'])}; {a['audits']} audit(s))")
+               f"{_sha_note(a['archive_sha256_matches'], a.get('archive_hashed', True))}; {a['audits']} audit(s))")
 
 
-def readings_of(archive_path: str | None) -> dict | None:
+def readings_of(archive_path: str | None, *, screen_id: int | None = None) -> dict | None:
     """What the screen's archive says beside the stored totals (core/serving.py, docs/metrics.md):
     {serving: per condition, runtime_ratios: the median ratio beside the summed-walls gate,
-    position: the plan-position check}; None when the archive is not readable here."""
+    position: the plan-position check}; None when the archive is not readable here, and
+    {archive_not_read: one line} when it is over the reader's size bound (its size, the bound and
+    `packbench audit SCREEN --max-mib N`)."""
     from packbench.core.report import (expert_cache_rows, plan_positions, read_screen, runtime_ratios, serving_rows,
                                        steady_by_previous)
 
@@ -210,6 +214,8 @@ def readings_of(archive_path: str | None) -> dict | None:
         return None
     try:
         screen = read_screen(archive_path)
+    except ArchiveTooLarge as e:
+        return {"archive_not_read": e.line(None if screen_id is None else str(screen_id))}
     except (OSError, PackbenchError, ValueError, KeyError, TypeError):
         return None
     return {"serving": serving_rows(screen), "runtime_ratios": runtime_ratios(screen),
@@ -308,8 +314,10 @@ def expert_cache_table_rows(rows: list[dict]) -> list[dict]:
             for r in rows]
 
 
-def _sha_note(matches: bool | None) -> str:
+def _sha_note(matches: bool | None, hashed: bool = True) -> str:
     """Whether the latest audit read the archive whose SHA-256 the attempt stored."""
+    if not hashed:
+        return ", of an archive over the size bound, never hashed (`packbench audit SCREEN --max-mib N` reads it)"
     if matches is None:
         return ", of the unfinished attempt's partial archive (no SHA-256 stored)"
     return "" if matches else ", of another archive SHA-256"
@@ -418,8 +426,10 @@ def attempt_time(attempt) -> dict[str, Any]:
             start = worker_parts(worker).get("start") or {}
             records = [archive.read_json(e.record) for e in archive.episodes()]
     except (OSError, PackbenchError) as e:
+        why = (f": {e.line(str(attempt.screen_id))}" if isinstance(e, ArchiveTooLarge)  # the size, bound and fix
+               else f" ({type(e).__name__})")
         return {**row, "load": None, "episodes_wall": None, "around_episodes": None,
-                "note": f"archive not readable here ({type(e).__name__})"}
+                "note": f"archive not readable here{why}"}
     load = start.get("entry_to_loaded_s")
     if attempt.model_state == "warm":
         load = 0.0  # the worker kept its model: nothing was read

@@ -26,8 +26,11 @@ def screen_summary(store, ref: str | int) -> dict:
         "result": audits[-1].result, "digest": audits[-1].digest, "kind": audits[-1].kind,
         "machine": audits[-1].machine, "node": audits[-1].node, "finished_at": str(audits[-1].finished_at),
         "audits": len(audits),
-        # None: an attempt that did not finish never stored its archive's SHA-256, so there is nothing to match.
-        "archive_sha256_matches": None if attempt.archive_sha256 is None else audits[-1].archive_sha256 == attempt.archive_sha256}
+        # None: an attempt that did not finish never stored its archive's SHA-256, or the audit never
+        # hashed the archive (over the size bound: `archive_hashed` false), so there is nothing to match.
+        "archive_sha256_matches": None if attempt.archive_sha256 is None or audits[-1].archive_sha256 is None
+        else audits[-1].archive_sha256 == attempt.archive_sha256,
+        "archive_hashed": audits[-1].archive_sha256 is not None}
     out["episodes"] = [{"index": e.plan_index, "condition": e.condition, "tier": tiers.get(e.condition),
                         "role": e.role, "prompt": e.prompt, "status": e.status, "tokens": list(e.tokens),
                         "h2d_bytes": e.h2d_weight_bytes + e.h2d_index_bytes, "d2h_bytes": e.d2h_bytes,

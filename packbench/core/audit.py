@@ -33,15 +33,16 @@ from typing import Any
 
 import numpy as np
 
+from packbench.core.archive import reader as archive_reader
 from packbench.core.archive import (
     FIXED_MEMBERS,
     MANIFEST_NAME,
-    MAX_ARCHIVE_BYTES,
     PLAN_NAME,
     PROTOCOL_NAME,
     VERDICTS_NAME,
     WORKER_NAME,
     ArchiveReader,
+    ArchiveTooLarge,
     episode_members,
     file_sha256,
     plan_entries,
@@ -652,7 +653,8 @@ class _Audit:
 
 def audit_archive(path: Path, *, expected_sha256: str | None = None, db_verdicts: list[dict] | None = None,
                   db_episodes: list[dict] | None = None, trust: list[bytes] | None = None,
-                  signature: Path | None = None, max_mib: int | None = None) -> AuditReport:
+                  signature: Path | None = None, max_mib: int | None = None,
+                  target: str | None = None) -> AuditReport:
     """Audit one archive. `expected_sha256`, `db_verdicts` and `db_episodes` come from the
     database when it is at hand; every one given must agree for the result to be "agree".
 
@@ -664,6 +666,9 @@ def audit_archive(path: Path, *, expected_sha256: str | None = None, db_verdicts
 
     `max_mib` raises the archive-file and total-member bounds (docs/archive.md, "Bounds") for an
     archive known to be large and trusted; the stated audit time and memory then no longer hold.
+    An archive over them is one problem line naming its size, the bound and the `packbench audit
+    TARGET --max-mib N` that reads it (`target`: a screen id; default `archive PATH`); a file over
+    the file bound is never hashed (record `archive_sha256` None), so no SHA-256 is compared.
 
     Cheap checks first: the file's size and zip end record are read before anything is hashed.
     Raises ArchiveError only when there is no file at `path`; everything wrong with the file
@@ -675,7 +680,7 @@ def audit_archive(path: Path, *, expected_sha256: str | None = None, db_verdicts
     audit = _Audit(path, None)
     try:
         _run_audit(audit, path, expected_sha256=expected_sha256, db_verdicts=db_verdicts, db_episodes=db_episodes,
-                   trust=trust, signature=signature, max_mib=max_mib)
+                   trust=trust, signature=signature, max_mib=max_mib, target=target)
     except MemoryError:
         audit.add("out of memory while auditing: the archive needs more memory than this machine gave the audit "
                   "(docs/archive.md, Bounds)")
@@ -708,18 +713,26 @@ def _bounded(problems: list[str]) -> list[str]:
 
 def _run_audit(audit: _Audit, path: Path, *, expected_sha256: str | None, db_verdicts: list[dict] | None,
                db_episodes: list[dict] | None, trust: list[bytes] | None, signature: Path | None,
-               max_mib: int | None = None) -> None:
+               max_mib: int | None = None, target: str | None = None) -> None:
     limits = {}
     if max_mib is not None:
-        big = max(int(max_mib) << 20, MAX_ARCHIVE_BYTES)
+        big = max(int(max_mib) << 20, archive_reader.MAX_ARCHIVE_BYTES)
         limits = {"max_archive_bytes": big, "max_total_bytes": big}
     try:
         reader = ArchiveReader(path, **limits)
+    except ArchiveTooLarge as e:  # never hashed: there is no SHA-256 to compare, only the bound to name
+        audit.unreadable = True
+        # The archive's path is "the archive" in a record (its digest does not depend on where it lies),
+        # so a file's audit names `archive FILE`; a screen's names its id.
+        audit.problems.append(e.line(target or "archive FILE", path="the archive"))
+        if trust is not None:
+            audit.record["signature"] = {"status": "bad-signature", "key_id": None}
+            audit.add("signature: the archive is over the size bound, so no signature can hold for it")
+        return
     except ArchiveError as e:
         reader = None
         opened = str(e)
-    if reader is not None or path.stat().st_size <= limits.get("max_archive_bytes", MAX_ARCHIVE_BYTES):
-        audit.record["archive_sha256"] = file_sha256(path)  # a huge non-zip is refused unhashed
+    audit.record["archive_sha256"] = file_sha256(path)  # within the file bound: hashed, zip or not
     if expected_sha256 is not None and audit.record["archive_sha256"] != expected_sha256:
         audit.add(f"archive SHA-256 {audit.record['archive_sha256']} differs from the database's {expected_sha256}")
     if reader is None:
@@ -729,6 +742,7 @@ def _run_audit(audit: _Audit, path: Path, *, expected_sha256: str | None, db_ver
             audit.record["signature"] = {"status": "bad-signature", "key_id": None}
             audit.add("signature: the archive is unreadable, so no signature can hold for it")
         return
+    reader.audit_target = target  # verify's total-bound line names the command that reads the archive
     with reader:
         manifest_sha = None
         if trust is not None and reader.complete:

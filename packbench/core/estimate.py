@@ -150,3 +150,59 @@ def estimate(protocol: Protocol | dict, *, shape: ModelShape, activity: Activity
             "param_bytes": params_bytes, "outgoing_bytes": outgoing, "allowance_bytes": p.allowance_bytes,
             "total_bytes": sum(r["total_bytes"] for r in rows),
             "total_transfer_s": sum(r["total_transfer_s"] for r in rows)}
+
+
+# What the writer archives besides the logits (measured on CPU screens of the tiny model,
+# tests/core/test_archive_estimate.py): an episode's record is ~1.4 KB plus ~280 B per call and
+# a few bytes per generated token; the manifest lists every member in ~100 B; protocol, plan,
+# worker and verdicts take a few KB; a memory trace is an .npy of (samples, 2) float64.
+NPY_HEADER_BYTES = 128
+RECORD_BYTES, RECORD_CALL_BYTES, RECORD_TOKEN_BYTES = 1400, 280, 8
+MANIFEST_MEMBER_BYTES = 100
+FIXED_BYTES = 8 << 10
+LOGIT_BYTES = 4  # float32: every call's last-position logits, upcast exactly (engine/episode.py)
+
+
+def archive_bytes(protocol: Protocol | dict, *, vocab: int) -> dict:
+    """The archive a screen of `protocol` will write, estimated from its plan: every planned
+    episode (warmups included) stores its logits, (batch, calls, vocab) float32; an episode of an
+    approximate condition also its teacher-forced logits of the same shape (an upper estimate:
+    only those whose prompt the reference already ran have them); plus records, memory traces
+    (their headers), the manifest and the fixed members. Uncompressed member bytes, what the
+    reader's total bound (MAX_TOTAL_BYTES) counts and, logits being stored, about the file's size.
+    Trace files of active sets (`trace: true`) are not counted. Returns {bytes, logits_bytes,
+    episodes, forced_episodes, episode_logits_bytes}."""
+    from packbench.core.registry import tier_of
+
+    p = expand(protocol)
+    entries = plan(p)
+    calls, batch = p.continuation_tokens, p.batch
+    tiers = {c.name: tier_of(c.policy) for c in p.conditions}
+    forced = sum(tiers.get(e["condition"]) == "approximate" for e in entries)
+    one = batch * calls * vocab * LOGIT_BYTES + NPY_HEADER_BYTES
+    logits = (len(entries) + forced) * one
+    records = len(entries) * (RECORD_BYTES + calls * RECORD_CALL_BYTES + batch * calls * RECORD_TOKEN_BYTES
+                              + NPY_HEADER_BYTES)  # the memory trace's header
+    members = 3 * len(entries) + forced + 5
+    total = logits + records + members * MANIFEST_MEMBER_BYTES + FIXED_BYTES
+    return {"bytes": total, "logits_bytes": logits, "episodes": len(entries), "forced_episodes": forced,
+            "episode_logits_bytes": one}
+
+
+def archive_warning(estimated: dict) -> str | None:
+    """One line when the estimated archive is over the audit's bound (the smaller of the reader's
+    file and total-member bounds, core/archive/reader.py): the estimate, the bound and the fixes;
+    None within it. Not a refusal: a trusted archive is audited with `--max-mib`."""
+    from packbench.core.archive import reader
+    from packbench.core.archive.bounds import mib_to_admit
+
+    bound = min(reader.MAX_ARCHIVE_BYTES, reader.MAX_TOTAL_BYTES)
+    size = int(estimated["bytes"])
+    if size <= bound:
+        return None
+    forced = estimated["forced_episodes"]
+    episodes = f"{estimated['episodes']} episodes" + (f" + {forced} teacher-forced" if forced else "")
+    return (f"this screen's archive will be about {size / (1 << 20):,.0f} MiB ({episodes} x "
+            f"{estimated['episode_logits_bytes'] / (1 << 20):,.1f} MiB of float32 logits), over the audit bound of "
+            f"{bound >> 20} MiB, so `packbench audit` will refuse it: plan fewer prompts, episodes or tokens, or "
+            f"audit it with `packbench audit SCREEN --max-mib {mib_to_admit(size)}` (only an archive you trust)")

@@ -474,7 +474,8 @@ class SqlAudit(Base):
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     attempt_id: Mapped[int] = mapped_column(ForeignKey("attempts.id"), index=True)
-    archive_sha256: Mapped[str] = mapped_column(String(64))
+    # None: the archive was over the reader's size bound and never hashed (0012).
+    archive_sha256: Mapped[str | None] = mapped_column(String(64))
     digest: Mapped[str] = mapped_column(String)
     result: Mapped[str] = mapped_column(String(16))
     problems_json: Mapped[str] = mapped_column(Text)  # canonical JSON list of strings

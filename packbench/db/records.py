@@ -156,7 +156,7 @@ class StoredVerdict:
 class AuditRow:
     id: int
     attempt_id: int
-    archive_sha256: str
+    archive_sha256: str | None  # None: an archive over the size bound, never hashed
     digest: str
     result: str  # agree | disagree | partial (an unfinished attempt's consistent archive)
     problems: tuple[str, ...]

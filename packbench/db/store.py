@@ -511,11 +511,12 @@ class Store:
     # -- audits ------------------------------------------------------------------------
 
     @retried
-    def put_audit(self, *, attempt_id: int, archive_sha256: str, digest: str, result: str, problems: list[str],
+    def put_audit(self, *, attempt_id: int, archive_sha256: str | None, digest: str, result: str, problems: list[str],
                   machine: str, started_at: datetime, finished_at: datetime, node: str | None = None,
                   kind: str | None = None) -> int:
         """Append one audit run ('agree', 'disagree', or 'partial': an unfinished attempt's
-        consistent archive); return its id. Never deduplicated:
+        consistent archive); return its id. `archive_sha256` is None for an archive over the
+        reader's size bound, never hashed. Never deduplicated:
         repeat audits are evidence in their own right. Times must be timezone-aware.
         `machine` is the host that asked for the audit, `node` the one it ran on (a Ray
         node for kind 'ray', the same host for 'local')."""

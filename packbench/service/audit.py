@@ -137,7 +137,8 @@ def audit_screens(store, screen_ids: list[int], *, on_ray: bool = False, setting
                                       attempt_status=attempt.status, no_archive=_left(attempt, "an empty archive file")))
             continue
         compare = dict(expected_sha256=attempt.archive_sha256, db_verdicts=verdict_dicts(store.verdicts(attempt.id)),
-                       db_episodes=episode_dicts(store.episodes(attempt.id)))
+                       db_episodes=episode_dicts(store.episodes(attempt.id)),
+                       target=str(screen_id))  # an archive over the bound names `packbench audit <id> --max-mib N`
         if max_mib is not None:
             compare["max_mib"] = max_mib
         jobs.append((screen_id, attempt, path, compare))
@@ -333,7 +334,8 @@ def reexecute_screens(store, screen_ids: list[int], *, k: int, seed: int = 0, se
         started = datetime.now(timezone.utc)
         static = audit_archive(path, expected_sha256=attempt.archive_sha256,
                                db_verdicts=verdict_dicts(store.verdicts(attempt.id)),
-                               db_episodes=episode_dicts(store.episodes(attempt.id)), **_signed_by(store, attempt))
+                               db_episodes=episode_dicts(store.episodes(attempt.id)), target=str(screen_id),
+                               **_signed_by(store, attempt))
         screen = store.screen(screen_id)
         out = reexecute_archive(path, k=k, seed=seed, settings=settings, static=static, progress=progress,
                                 model_dir=screen.model_dir, screen_id=screen_id, time_factor=time_factor)

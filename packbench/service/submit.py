@@ -155,6 +155,25 @@ def check_positions(frozen: FrozenProtocol) -> None:
             raise ProtocolError(f"protocol field `prefix_tokens`: {refusal}")
 
 
+def archive_warning_of(frozen: FrozenProtocol) -> str | None:
+    """One line when the screen's archive, estimated from its plan (core/estimate.py
+    archive_bytes), will be over the audit's bound; None within it. The vocabulary is the
+    synthetic shape's or the checkpoint's config.json's (OPT's 50272 when it names none)."""
+    from packbench.core.estimate import archive_bytes, archive_warning
+    from packbench.core.registry import SHAPES
+
+    synth = frozen.protocol.model.synth
+    if synth is not None:
+        vocab = SHAPES[synth.shape]["vocab"]
+    else:
+        from packbench.engine.config import read_config
+
+        vocab = read_config(frozen.model_dir()).get("vocab_size", 50272)
+    if not isinstance(vocab, int) or isinstance(vocab, bool) or vocab < 1:
+        return None  # a config.json without a usable vocabulary: the worker refuses it with its own words
+    return archive_warning(archive_bytes(frozen.protocol, vocab=vocab))
+
+
 def check_family(frozen: FrozenProtocol) -> None:
     """A model.path MoE checkpoint runs only the kinds that fit an MoE model, within an allowance that
     holds its device part and one layer's routed experts (core/moe.py moe_refusal); an OPT checkpoint

@@ -95,7 +95,10 @@ def test_a_huge_non_zip_is_refused_before_it_is_hashed(tmp_path, monkeypatch):
     report = audit_archive(path)
     assert hashed == [] and report.unreadable and not report.agrees
     assert report.record["archive_sha256"] is None
-    assert "over the bound" in report.problems[0]
+    # One line: the size, the bound and the `--max-mib` that reads it (never "SHA-256 None differs").
+    assert report.problems == [f"the archive is {archive.MAX_ARCHIVE_BYTES + 1} bytes (1024.0 MiB), over the audit "
+                               f"bound of {archive.MAX_ARCHIVE_BYTES} bytes (1024 MiB), so it was not read; only for an "
+                               f"archive you trust, audit it with `packbench audit archive FILE --max-mib 1073`"]  # the file + 48 MiB of JSON
 
 
 def test_a_forged_member_count_is_refused_before_zipfile_parses(tmp_path):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+from datetime import datetime, timezone
 
 import pytest
 from alembic.autogenerate import compare_metadata
@@ -239,6 +240,44 @@ def test_partial_audits_revision_widens_the_result_and_goes_down_as_disagree(db_
     assert _rows(db_url, "SELECT result FROM audits ORDER BY id") == [("disagree",), ("agree",)]
     with pytest.raises(Exception):
         _run(db_url, "UPDATE audits SET result = 'partial' WHERE id = 1")
+    with Store(db_url) as store:
+        store.upgrade()
+    assert schema_diff(db_url) == []
+
+
+def test_unhashed_audits_revision_stores_a_null_sha_and_refuses_to_go_down_over_one(db_url):
+    """0012: an audit of an archive over the size bound is stored with a null SHA-256 (0011's NOT
+    NULL lost it); going down refuses while such a row exists, keeps every row, and goes down once
+    it is gone, with NOT NULL back."""
+    with Store(db_url) as store:
+        store.upgrade()
+    when = "'2026-01-01 00:00:00'"
+    _run(db_url,
+         f"INSERT INTO protocols (id, sha256, name, canonical_json, created_at) VALUES (1, '{'a' * 64}', 'p', '{{}}', {when})",
+         f"INSERT INTO screens (id, protocol_id, status, repetitions, submitter, created_at) VALUES (1, 1, 'queued', 1, 'x', {when})",
+         f"INSERT INTO attempts (id, screen_id, number, worker, node, gpu_name, gpu_index, status, archive_path, "
+         f"source_freeze, started_at, attempt_key) VALUES (1, 1, 1, 'w', 'n', 'g', 0, 'done', 'a1.zip', '{{}}', "
+         f"{when}, '{'k' * 32}')")
+    with Store(db_url) as store:  # through the store, as `packbench audit` records it
+        now = datetime.now(timezone.utc)
+        store.put_audit(attempt_id=1, archive_sha256=None, digest="e", result="disagree",
+                        problems=["a1.zip is over the bound"], machine="m", started_at=now, finished_at=now)
+        store.put_audit(attempt_id=1, archive_sha256="d" * 64, digest="e", result="agree", problems=[],
+                        machine="m", started_at=now, finished_at=now)
+        # Catches a model or AuditRow that lost the null or the order.
+        assert [(u.archive_sha256, u.result, u.problems) for u in store.audits(1)] == [
+            (None, "disagree", ("a1.zip is over the bound",)), ("d" * 64, "agree", ())]
+        with pytest.raises(Exception, match="1 audit"):  # catches a downgrade that invents a hash or drops the row
+            store.downgrade("0011_partial_audits")
+    assert _rows(db_url, "SELECT archive_sha256 FROM audits ORDER BY id") == [(None,), ("d" * 64,)]
+    with Store(db_url) as store:
+        assert store.current() == "0012_unhashed_audits"
+    _run(db_url, "DELETE FROM audits WHERE archive_sha256 IS NULL")
+    with Store(db_url) as store:
+        store.downgrade("0011_partial_audits")
+    with pytest.raises(Exception):  # the old NOT NULL is back
+        _run(db_url, f"INSERT INTO audits (attempt_id, archive_sha256, digest, result, problems_json, machine, "
+                     f"started_at, finished_at) VALUES (1, NULL, 'e', 'agree', '[]', 'm', {when}, {when})")
     with Store(db_url) as store:
         store.upgrade()
     assert schema_diff(db_url) == []

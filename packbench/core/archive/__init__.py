@@ -50,8 +50,10 @@ from packbench.core.archive.reader import (
     MAX_MEMBERS,
     MAX_TOTAL_BYTES,
     ArchiveReader,
+    ArchiveTooLarge,
     file_sha256,
 )
+from packbench.core.archive.bounds import mib_to_admit, over_bound_line
 from packbench.core.archive.writer import ArchiveWriter
 from packbench.core.archive.zipformat import stock_deflate
 
@@ -61,5 +63,5 @@ __all__ = [
     "forced_member", "logits_member", "name_problem", "plan_entries", "plan_json", "plan_prompts", "trace_member",
     "worker_json", "worker_parts", "PROBLEM_KINDS", "Problem", "MAX_ARCHIVE_BYTES", "MAX_ARRAY_BYTES",
     "MAX_DIRECTORY_BYTES", "MAX_JSON_BYTES", "MAX_JSON_TOTAL_BYTES", "MAX_MEMBERS", "MAX_TOTAL_BYTES",
-    "ArchiveReader", "file_sha256", "ArchiveWriter", "stock_deflate",
+    "ArchiveReader", "ArchiveTooLarge", "file_sha256", "mib_to_admit", "over_bound_line", "ArchiveWriter", "stock_deflate",
 ]

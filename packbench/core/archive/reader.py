@@ -21,6 +21,7 @@ from typing import Any, Iterator
 
 import numpy as np
 
+from packbench.core.archive.bounds import over_bound_line
 from packbench.core.archive.layout import MANIFEST_NAME, EpisodeMembers, episode_index, episode_members, name_problem
 from packbench.core.archive.problems import Problem, MemberError
 from packbench.core.archive.verify import layout_problems, manifest_shape_problem, verify
@@ -45,6 +46,25 @@ MAX_JSON_TOTAL_BYTES = 48 << 20
 _MAX_NPY_HEADER = 1 << 16
 
 _CHUNK = 1 << 20
+
+
+class ArchiveTooLarge(ArchiveError):
+    """A file over the reader's size bound (MAX_ARCHIVE_BYTES or the one given): refused before it
+    is hashed or parsed. `line(target)` names the `packbench audit` command that reads it: its
+    `--max-mib` admits the file and the JSON members' total bound besides (`admit`), since deflated
+    JSON members hold more bytes uncompressed than in the file and `--max-mib` is the total-member
+    bound too."""
+
+    def __init__(self, path: Path, size: int, bound: int) -> None:
+        self.path, self.size, self.bound = Path(path), int(size), int(bound)
+        self.admit = self.size + MAX_JSON_TOTAL_BYTES
+        super().__init__(self.line())
+
+    def line(self, target: str | None = None, *, path: Path | str | None = None) -> str:
+        return over_bound_line(self.path if path is None else path, self.size, self.bound, target=target,
+                               admit=self.admit)
+
+
 _SUPPORTED_COMPRESSION = (zipfile.ZIP_STORED, zipfile.ZIP_DEFLATED)
 # Errors that reading a damaged or hostile zip member may raise inside zipfile/zlib/numpy.
 _READ_ERRORS = (
@@ -58,7 +78,6 @@ _READ_ERRORS = (
     KeyError,
     OverflowError,
 )
-
 
 
 def file_sha256(path: Path) -> str:
@@ -104,7 +123,7 @@ class ArchiveReader:
         *,
         max_member_bytes: int = MAX_ARRAY_BYTES,
         max_total_bytes: int = MAX_TOTAL_BYTES,
-        max_archive_bytes: int = MAX_ARCHIVE_BYTES,
+        max_archive_bytes: int | None = None,
         max_json_bytes: int = MAX_JSON_BYTES,
         max_json_total_bytes: int = MAX_JSON_TOTAL_BYTES,
     ):
@@ -120,12 +139,10 @@ class ArchiveReader:
                 f"that owns them)"
             )
         self.size = self.path.stat().st_size
-        if self.size > max_archive_bytes:
+        bound = MAX_ARCHIVE_BYTES if max_archive_bytes is None else int(max_archive_bytes)  # the bound as it is now
+        if self.size > bound:
             # Before hashing or parsing: a huge file costs nothing to refuse.
-            raise ArchiveError(
-                f"{self.path} is {self.size} bytes, over the bound of {max_archive_bytes} for a raw archive; "
-                f"raise max_archive_bytes if the archive is trusted"
-            )
+            raise ArchiveTooLarge(self.path, self.size, bound)
         self._raw = open(self.path, "rb")
         try:
             count, cd_size, _, tail = locate_end(self._raw, self.size)

@@ -16,6 +16,7 @@ import re
 import zipfile
 from typing import TYPE_CHECKING, Any
 
+from packbench.core.archive.bounds import over_bound_line
 from packbench.core.archive.layout import FORMAT_VERSION, MANIFEST_NAME, expected_method, name_problem
 from packbench.core.archive.problems import Problem, MemberError
 from packbench.core.archive.zipformat import (
@@ -124,8 +125,9 @@ def _too_large(reader: ArchiveReader) -> Problem | None:
     if declared_total > reader.max_total_bytes:
         return Problem(
             None, "too-large",
-            f"archive too large: its members declare {declared_total} bytes in total, "
-            f"the bound is {reader.max_total_bytes} (raise max_total_bytes if trusted)"
+            "archive too large: " + over_bound_line(reader.path, declared_total, reader.max_total_bytes,
+                                                    what="declares members of",
+                                                    target=getattr(reader, "audit_target", None))
         )
     if declared_json > reader.max_json_total_bytes:
         return Problem(
