@@ -1,0 +1,324 @@
+"""The audit's paths that exact, batch-1 screens never take: approximate screens (fidelity
+figures recomputed from the teacher-forced logits, `forced/` members, the database's fidelity
+columns), batch screens (one token check per sequence), and the bounds an audit keeps on what a
+hostile record carries. Each test names the bug it catches; the archives are synthetic
+(bench/audit.py), a few milliseconds each."""
+
+import json
+import math
+
+import numpy as np
+import pytest
+
+from bench.audit import synthetic_protocol, write_synthetic_screen
+from packbench.core.archive import MANIFEST_NAME, ArchiveReader, ArchiveWriter
+from packbench.core.audit import (
+    _DROPPED,
+    EPISODE_FIELDS,
+    MAX_PROBLEM_CHARS,
+    MAX_PROBLEMS,
+    RETAINED,
+    _Audit,
+    _bounded,
+    _int8_row_bytes,
+    _kept_tokens,
+    _retained,
+    _small,
+    audit_archive,
+)
+from packbench.core.canonical import canonical_json
+from packbench.core.protocol import expand, freeze
+from packbench.core.protocol.schema import MAX_BATCH, MAX_CONTINUATION
+from packbench.core.registry import INT8_SCALE_BYTES, SHAPES
+
+
+def approximate_protocol() -> dict:
+    """dense-stream (the exact reference) and an int8 `quantized` competitor (schema 5)."""
+    raw = synthetic_protocol(prompts_n=2, repetitions=1, conditions=("dense-stream", "int8"))
+    raw["schema"] = 5
+    raw["conditions"][1] = {"name": "int8", "policy": "quantized", "params": {"method": "int8-weight-only"}}
+    gates = raw["gates"]
+    gates.pop("acquisition"), gates.pop("runtime")
+    gates["faithfulness"] = None
+    gates["fidelity"] = {"max_mean_kl": 0.01, "min_top1": 0.7}
+    return raw
+
+
+@pytest.fixture(scope="module")
+def approx(tmp_path_factory) -> dict:
+    path = tmp_path_factory.mktemp("approx") / "approx.zip"
+    return {**write_synthetic_screen(path, approximate_protocol()), "path": path}
+
+
+@pytest.fixture(scope="module")
+def batch(tmp_path_factory) -> dict:
+    path = tmp_path_factory.mktemp("batch") / "batch.zip"
+    raw = {**synthetic_protocol(prompts_n=3, repetitions=1), "schema": 6, "batch": 2}
+    return {**write_synthetic_screen(path, raw), "path": path}
+
+
+def members(path) -> dict[str, bytes]:
+    with ArchiveReader(path) as r:
+        return {n: r.read_bytes(n) for n in r.names}
+
+
+def forged(src, dst, *, edit=None, replace=None, extra=None, drop=()):
+    """A consistent forgery (the manifest recomputed): JSON members edited in place by
+    `edit[name]`, raw members replaced or added, members dropped; only recomputation can tell."""
+    data = members(src)
+    w = ArchiveWriter(dst)
+    for name, raw in {**data, **(extra or {})}.items():
+        if name == MANIFEST_NAME or name in drop:
+            continue
+        if name in (edit or {}):
+            obj = json.loads(raw)
+            edit[name](obj)
+            raw = canonical_json(obj)
+        w.add_bytes(name, (replace or {}).get(name, raw))
+    w.seal({k: v for k, v in json.loads(data[MANIFEST_NAME]).items() if k not in ("members", "format_version")})
+    return dst
+
+
+def npy(arr) -> bytes:
+    import io
+
+    buf = io.BytesIO()
+    np.save(buf, arr, allow_pickle=False)
+    return buf.getvalue()
+
+
+def db_episodes(screen) -> list[dict]:
+    rows = []
+    for e in screen["episodes"]:
+        row = {"plan_index": e["plan_index"]}
+        for column, path in EPISODE_FIELDS.items():
+            value = e
+            for key in path:
+                value = value.get(key) if isinstance(value, dict) else None
+            if value is not None:
+                row[column] = value
+        rows.append(row)
+    return rows
+
+
+# ----------------------------------------------------------------------------- approximate screens
+
+
+def test_an_approximate_screen_agrees_and_its_fidelity_verdict_is_recomputed(approx):
+    # Bugs: the forced/ member counted a stray of the plan's layout, forced logits not read (or
+    # read as the free run's), fidelity figures dropped from the retained record: each changes
+    # the recomputed fidelity verdict or adds a problem, and an unchanged archive must agree.
+    report = audit_archive(approx["path"], expected_sha256=approx["sha256"])
+    assert report.agrees, report.problems
+    assert report.record["verdicts"] == [{k: v[k] for k in report.record["verdicts"][0]} for v in approx["verdicts"]]
+    fid = [v for v in report.record["verdicts"] if v["gate"] == "fidelity"]
+    assert len(fid) == 1 and fid[0]["passed"] is True and fid[0]["value"] > 0  # a real figure, not a default
+    with ArchiveReader(approx["path"]) as r:
+        assert {n for n in r.names if n.startswith("forced/")} == {"forced/00001.npy", "forced/00003.npy",
+                                                                  "forced/00005.npy"}
+
+
+def test_a_forged_fidelity_figure_is_named_with_both_figures(approx, tmp_path):
+    # Bug: the recorded figures not compared with the ones recomputed from the logits (or compared
+    # only when they differ by much): one ulp of mean_kl must be named, with both figures.
+    rec = next(e for e in approx["episodes"] if e["plan_index"] == 3)
+    fid = dict(sorted(rec["fidelity"].items()))  # as the archive's canonical JSON holds it
+    fid["mean_kl"] = math.nextafter(fid["mean_kl"], 1.0)
+    report = audit_archive(forged(approx["path"], tmp_path / "f.zip",
+                                  edit={"episodes/00003.json": lambda r: r.update(fidelity=fid)}))
+    assert report.problems == [f"episodes/00003.json: fidelity {fid!r} != {rec['fidelity']!r} recomputed from the logits"]
+
+
+def test_forged_teacher_forced_logits_change_the_recomputed_figures(approx, tmp_path):
+    # Bug: the fidelity check reads the record's figures, not the forced/ member: logits forced
+    # onto the reference exactly (KL 0) no longer back the recorded figures.
+    with ArchiveReader(approx["path"]) as r:
+        ref = r.read_array("logits/00000.npy")
+    report = audit_archive(forged(approx["path"], tmp_path / "l.zip", replace={"forced/00001.npy": npy(ref)}))
+    (line,) = [p for p in report.problems if "fidelity" in p]
+    assert line.startswith("episodes/00001.json: fidelity {") and "'mean_kl': 0.0," in line.split(" != ")[1]
+
+
+def test_figures_that_cannot_be_recomputed_must_be_stated_as_none(approx, tmp_path):
+    # Bug: a ValueError from of_episode (here: forced_from names no reference episode) crashes
+    # the audit or is taken as agreement: the recorded figures are then compared with None.
+    rec = next(e for e in approx["episodes"] if e["plan_index"] == 3)
+    report = audit_archive(forged(approx["path"], tmp_path / "n.zip",
+                                  edit={"episodes/00003.json": lambda r: r.update(forced_from=4)}))
+    stated = dict(sorted(rec["fidelity"].items()))  # as the archive's canonical JSON holds it
+    assert f"episodes/00003.json: fidelity {stated!r} != None recomputed from the logits" in report.problems
+    assert not any(p.startswith("cannot audit") for p in report.problems)
+
+
+def test_a_records_tier_must_be_its_conditions(approx, tmp_path):
+    # Bugs: the stated tier not checked, checked against the wrong condition, or a stated
+    # fidelity accepted on an exact episode.
+    report = audit_archive(forged(approx["path"], tmp_path / "t.zip", edit={
+        "episodes/00002.json": lambda r: r.update(tier="approximate"),
+        "episodes/00004.json": lambda r: r.update(fidelity={"mean_kl": 0.0})}))
+    assert "episodes/00002.json: tier 'approximate' is not its condition's (exact)" in report.problems
+    assert ("episodes/00004.json: fidelity figures on an episode that is not a finished approximate one"
+            in report.problems)
+    report = audit_archive(forged(approx["path"], tmp_path / "e.zip", edit={
+        "episodes/00003.json": lambda r: r.update(tier="exact")}))
+    assert "episodes/00003.json: tier 'exact' is not its condition's (approximate)" in report.problems
+
+
+def test_a_failed_approximate_episode_with_figures_is_named(approx, tmp_path):
+    # Bug: fidelity checked on any approximate episode, finished or not (a failed one has no
+    # logits to recompute from, and must state none).
+    def fail(r):
+        r.update(status="failed", error="RuntimeError: boom")
+    report = audit_archive(forged(approx["path"], tmp_path / "x.zip", edit={"episodes/00005.json": fail},
+                                  drop=("logits/00005.npy", "traces/00005.npy")))
+    assert ("episodes/00005.json: fidelity figures on an episode that is not a finished approximate one"
+            in report.problems)
+
+
+def test_forced_logits_of_an_exact_episode_are_named(approx, tmp_path):
+    # Bugs: a forced/ member accepted beside an exact episode, or not counted a stray of the layout.
+    with ArchiveReader(approx["path"]) as r:
+        forced = r.read_bytes("forced/00001.npy")
+    report = audit_archive(forged(approx["path"], tmp_path / "x.zip", extra={"forced/00002.npy": forced}))
+    assert report.problems == ["member 'forced/00002.npy' is not part of the archive of this plan",
+                               "forced/00002.npy: teacher-forced logits of an episode that is not approximate"]
+
+
+def test_the_database_fidelity_columns_are_compared(approx):
+    # Bug: the fidelity_* columns (read through the retained `fidelity` mapping) never compared.
+    rows = db_episodes(approx)
+    assert audit_archive(approx["path"], db_episodes=rows).agrees
+    fid_columns = [c for c in EPISODE_FIELDS if c.startswith("fidelity_")]
+    row = next(r for r in rows if r["plan_index"] == 3)
+    assert set(fid_columns) - {"fidelity_divergence_step"} <= set(row)  # divergence_step None: not stored
+    for column in set(fid_columns) & set(row):
+        changed = [dict(r) for r in rows]
+        mine = next(r for r in changed if r["plan_index"] == 3)
+        old = mine[column]
+        mine[column] = math.nextafter(old, math.inf)
+        assert audit_archive(approx["path"], db_episodes=changed).problems == [
+            f"database episode 3 {column} {mine[column]!r} != archive {old!r}"]
+
+
+# ----------------------------------------------------------------------------- batch screens
+
+
+def test_a_batch_screen_agrees(batch):
+    # Bugs: a batch's tokens kept as one flat list, its calls' shape judged as batch 1's, its
+    # logits read 2-D: each is a problem or a different verdict on a screen that is right.
+    report = audit_archive(batch["path"], expected_sha256=batch["sha256"])
+    assert report.agrees, report.problems
+    assert report.record["verdicts"] == [{k: v[k] for k in report.record["verdicts"][0]} for v in batch["verdicts"]]
+
+
+def test_a_batch_sequences_tokens_are_checked_one_by_one(batch, tmp_path):
+    # Bug: only the first sequence checked, or sequences named wrongly.
+    def flip(r):
+        r["tokens"][1][2] = (r["tokens"][1][2] + 1) % 64
+    report = audit_archive(forged(batch["path"], tmp_path / "s.zip", edit={"episodes/00002.json": flip}))
+    assert "episodes/00002.json sequence 1: tokens are not the argmax of the stored logits" in report.problems
+    assert not any("sequence 0" in p for p in report.problems)
+
+
+@pytest.mark.parametrize("edit, line", [
+    (lambda r: r.update(tokens=r["tokens"][:1]), "episodes/00002.json: tokens are not 2 lists, one per sequence of the batch"),
+    (lambda r: r.update(tokens="none"), "episodes/00002.json: tokens are not 2 lists, one per sequence of the batch"),
+])
+def test_a_batch_record_without_one_token_list_per_sequence_is_named(batch, tmp_path, edit, line):
+    report = audit_archive(forged(batch["path"], tmp_path / "t.zip", edit={"episodes/00002.json": edit}))
+    assert line in report.problems
+
+
+def test_a_batch_logits_of_the_wrong_batch_are_named(batch, tmp_path):
+    # Bug: a batch's logits not checked to hold one (calls, vocab) slab per sequence.
+    with ArchiveReader(batch["path"]) as r:
+        logits = r.read_array("logits/00002.npy")
+    three = np.concatenate([logits, logits[:1]])
+    report = audit_archive(forged(batch["path"], tmp_path / "l.zip", replace={"logits/00002.npy": npy(three)}))
+    assert "episodes/00002.json: logits are not 2 sequences' (batch, calls, vocab)" in report.problems
+
+
+def test_a_batch_call_shape_names_the_batch(batch, tmp_path):
+    # Bug: the call shape of a batch judged as batch 1's (prefill of `prefix` tokens, decode of
+    # 1), or its line not saying that tokens count every sequence's.
+    def one(r):
+        r["calls"][1]["tokens"] = 1
+    report = audit_archive(forged(batch["path"], tmp_path / "c.zip", edit={"episodes/00002.json": one}))
+    assert ("episodes/00002.json: calls are not one 8-token prefill then 3 one-token decode calls of a batch of 2 "
+            "(tokens count every sequence's)") in report.problems
+
+
+# ----------------------------------------------------------------------------- bounds on hostile records
+
+
+def test_small_keeps_scalars_and_strings_up_to_1024_characters():
+    # Bugs: the 1,024-character bound moved by one, a bool or None dropped, a list or a str
+    # subclass kept (a hostile record's payload held in audit memory).
+    for v in (None, True, 0, 1.5, "", "x" * 1024):
+        assert _small(v) == v and type(_small(v)) is type(v)
+    for v in ("x" * 1025, [1], {"a": 1}, (1,)):
+        assert _small(v) == _DROPPED
+
+
+def test_kept_tokens_are_bounded_per_sequence_and_per_batch():
+    # Bugs: MAX_CONTINUATION + 1 or MAX_BATCH + 1 moved by one, a batch kept flat, ids not scrubbed.
+    n = MAX_CONTINUATION + 1
+    assert _kept_tokens(list(range(n + 5))) == list(range(n))
+    assert _kept_tokens(list(range(n))) == list(range(n))
+    assert _kept_tokens([1, "x" * 2000]) == [1, _DROPPED]
+    seqs = [list(range(n + 2))] * (MAX_BATCH + 3)
+    kept = _kept_tokens(seqs)
+    assert len(kept) == MAX_BATCH + 1 and all(s == list(range(n)) for s in kept)
+    assert _kept_tokens([[1, 2], [3, "x" * 2000]]) == [[1, 2], [3, _DROPPED]]
+    assert _kept_tokens([]) == [] and _kept_tokens(None) is None and _kept_tokens("x" * 2000) == _DROPPED
+    assert _kept_tokens([[1], 2]) == [_DROPPED, 2]  # not every element a list: a flat list of scalars
+
+
+def test_retained_keeps_what_the_gates_and_database_read_and_bounds_the_rest():
+    # Bugs: a RETAINED field dropped (the gates or the database comparison then read None), the
+    # 64 memory or phase keys or 16 fidelity keys moved, a phase other than prefill/decode kept,
+    # non-mapping phases/fidelity kept whole.
+    rec = {k: f"v-{k}" for k in RETAINED if k != "tokens"} | {"tokens": [1, 2], "calls": [{"big": 1}], "other": 1}
+    keys = {f"k{i:03d}": i for i in range(70)}
+    rec |= {"memory": dict(keys), "phases": {"prefill": dict(keys), "decode": 3, "extra": {"a": 1}},
+            "fidelity": dict(keys)}
+    out = _retained(rec)
+    assert set(out) == set(RETAINED) | {"memory", "phases", "fidelity"}
+    assert all(out[k] == f"v-{k}" for k in RETAINED if k != "tokens") and out["tokens"] == [1, 2]
+    assert out["memory"] == {f"k{i:03d}": i for i in range(64)}
+    assert out["phases"] == {"prefill": {f"k{i:03d}": i for i in range(64)}, "decode": 3}
+    assert out["fidelity"] == {f"k{i:03d}": i for i in range(16)}
+    assert _retained({"phases": ["x"] * 3, "fidelity": ["y"], "memory": 5}) == {"phases": _DROPPED,
+                                                                                 "fidelity": _DROPPED}
+    assert _retained({"phases": None, "fidelity": None}) == {"phases": None, "fidelity": None}
+    assert _retained({}) == {}
+
+
+def test_problems_are_bounded_in_number_and_length():
+    # Bugs: MAX_PROBLEMS or MAX_PROBLEM_CHARS moved by one, the rest not named.
+    line = "x" * MAX_PROBLEM_CHARS
+    assert _bounded([line]) == [line]
+    assert _bounded([line + "yz"]) == [f"{line}... (2 more characters)"]
+    assert _bounded(["p"] * MAX_PROBLEMS) == ["p"] * MAX_PROBLEMS
+    assert _bounded(["p"] * (MAX_PROBLEMS + 3)) == ["p"] * MAX_PROBLEMS + ["... and 3 more problems"]
+
+
+def test_an_incomplete_archive_names_its_first_ten_gaps(tmp_path):
+    # Bug: the gaps named moved off ten, or the count of episodes recorded wrong.
+    audit = _Audit(tmp_path / "a.zip", None)
+    audit.note_incomplete([0, 1, 15], 20)
+    assert audit.problems == [
+        "archive incomplete and not a prefix of the plan: episodes [2, 3, 4, 5, 6, 7, 8, 9, 10, 11] are missing "
+        "before later ones",
+        "archive incomplete: 3 of 20 planned episodes recorded; verdicts from a partial screen are not the screen's"]
+    assert audit.incomplete_notes == 1
+    audit = _Audit(tmp_path / "a.zip", None)
+    audit.note_incomplete([0, 1], 3)
+    assert audit.problems == ["archive incomplete: 2 of 3 planned episodes recorded; verdicts from a partial "
+                              "screen are not the screen's"]
+
+
+def test_int8_row_bytes_are_the_hidden_values_and_a_scale():
+    # Bug: an int8 row's size taken as the dtype's, or the scale left out.
+    proto = expand(freeze(synthetic_protocol()).body)
+    assert _int8_row_bytes(proto) == SHAPES["opt-2.7b"]["hidden"] + INT8_SCALE_BYTES
