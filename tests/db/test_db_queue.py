@@ -6,8 +6,10 @@ Time is a fake clock handed to the Store, so lease expiry is tested without slee
 
 from __future__ import annotations
 
+import shutil
 import threading
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 
 import pytest
 
@@ -42,11 +44,23 @@ def clock() -> Clock:
     return Clock()
 
 
-@pytest.fixture
-def queue(db_url, clock):
-    """A Store at head on an empty database, with the fake clock."""
-    with Store(db_url, clock=clock, retry_delays=()) as store:
+@pytest.fixture(scope="module")
+def sqlite_at_head(tmp_path_factory) -> Path:
+    """An empty SQLite database migrated to head once, copied for each SQLite test: the
+    migrations take most of a queue test's time, and every test still gets its own file."""
+    path = tmp_path_factory.mktemp("head") / "packbench.db"
+    with Store(f"sqlite:///{path}") as store:
         store.upgrade()
+    return path
+
+
+@pytest.fixture
+def queue(db_url, clock, request):
+    """A Store at head on an empty database, with the fake clock."""
+    if db_url.startswith("sqlite:///"):
+        shutil.copyfile(request.getfixturevalue("sqlite_at_head"), db_url.removeprefix("sqlite:///"))
+    with Store(db_url, clock=clock, retry_delays=()) as store:
+        store.upgrade()  # from the copy: already at head
         yield store
 
 
