@@ -31,7 +31,8 @@ MODULES: dict[str, list[str]] = {  # in the order `make mutate` runs them: quick
     "core/fidelity.py": ["tests/core/test_fidelity.py", "tests/core/test_fidelity_edges.py",
                          "tests/core/test_exact_bounds.py"],
     "core/gates.py": ["tests/core/test_gates.py", "tests/core/test_exact_bounds.py"],
-    "core/audit.py": ["tests/core/test_audit.py", "tests/core/test_audit_fields.py", "tests/core/test_audit_paths.py"],
+    "core/audit.py": ["tests/core/test_audit.py", "tests/core/test_audit_fields.py", "tests/core/test_audit_paths.py",
+                      "tests/core/test_evidence.py"],
     "db/queue.py": ["tests/db/test_db_queue.py"],
     # test_archive_members.py runs a real screen (9 s a fixture): too slow to repeat per mutant
     "core/archive/": ["tests/core/test_archive.py", "tests/core/test_archive_hostile.py"],
