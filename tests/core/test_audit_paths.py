@@ -322,3 +322,92 @@ def test_int8_row_bytes_are_the_hidden_values_and_a_scale():
     # Bug: an int8 row's size taken as the dtype's, or the scale left out.
     proto = expand(freeze(synthetic_protocol()).body)
     assert _int8_row_bytes(proto) == SHAPES["opt-2.7b"]["hidden"] + INT8_SCALE_BYTES
+
+
+# ----------------------------------------------------------------------------- provenance
+
+
+@pytest.fixture(scope="module")
+def signer(tmp_path_factory):
+    from packbench.core.provenance import Signer, generate_key
+
+    key, _, _ = generate_key(tmp_path_factory.mktemp("key") / "key")
+    return Signer.load(key)
+
+
+def signed(src, dst, signer):
+    """A copy of archive `src` at `dst`, signed as the dispatcher signs it."""
+    import shutil
+
+    from packbench.core.archive import file_sha256
+    from packbench.core.canonical import sha256_hex
+
+    shutil.copyfile(src, dst)
+    with ArchiveReader(dst) as r:
+        manifest = r.read_bytes(MANIFEST_NAME)
+    signer.sign_archive(dst, file_sha256(dst), sha256_hex(manifest))
+    return dst
+
+
+def test_a_signed_archive_agrees_only_under_a_trusted_key(approx, tmp_path, signer):
+    # Bugs: the manifest digest not passed (every signature "bad"), the status or key id not
+    # recorded, an untrusted or missing signature still agreeing, `signature` ignored.
+    path = signed(approx["path"], tmp_path / "s.zip", signer)
+    report = audit_archive(path, trust=[signer.public_raw])
+    assert report.agrees, report.problems
+    assert report.record["signature"] == {"status": "valid", "key_id": signer.key_id}
+    other = audit_archive(path, trust=[bytes(32)])
+    assert other.record["signature"] == {"status": "unknown-signer", "key_id": signer.key_id}
+    assert other.problems == [f"signature: valid, but by key {signer.key_id}, which is not trusted here"]
+    assert "signature" not in audit_archive(path).record  # no trust given: provenance not checked
+    moved = tmp_path / "elsewhere.sig"
+    (tmp_path / "s.zip.sig").rename(moved)
+    unsigned = audit_archive(path, trust=[signer.public_raw])
+    assert unsigned.record["signature"] == {"status": "unsigned", "key_id": None} and not unsigned.agrees
+    assert audit_archive(path, trust=[signer.public_raw], signature=moved).agrees
+
+
+def test_a_signature_of_an_unreadable_or_unsealed_archive_never_holds(tmp_path, signer):
+    # Bugs: an unreadable file given a signature status other than bad-signature, or an
+    # unsealed archive's (absent) manifest digest checked as if it were there.
+    junk = tmp_path / "junk.zip"
+    junk.write_bytes(b"not a zip")
+    report = audit_archive(junk, trust=[signer.public_raw])
+    assert report.unreadable and report.record["signature"] == {"status": "bad-signature", "key_id": None}
+    assert report.problems[-1] == "signature: the archive is unreadable, so no signature can hold for it"
+    assert "signature" not in audit_archive(junk).record
+    path = tmp_path / "open.zip"
+    write_synthetic_screen(path, synthetic_protocol(prompts_n=1), seal=False)
+    sig = signer.envelope("0" * 64, "0" * 64)
+    (tmp_path / "open.zip.sig").write_bytes(canonical_json(sig))
+    report = audit_archive(path, trust=[signer.public_raw])
+    assert report.record["signature"]["status"] == "bad-signature"
+    assert "signature: the archive has no readable manifest to check it against" in report.problems
+
+
+def test_max_mib_is_mebibytes_and_a_huge_non_zip_is_not_hashed(tmp_path, monkeypatch):
+    # Bugs: max_mib's MiB taken as another unit (<< 21, >> 20) or capped by the default bound
+    # (min for max), the size check of a file that is no zip off by one (a huge one hashed whole).
+    import packbench.core.audit as audit_module
+    from packbench.core.archive import file_sha256
+
+    monkeypatch.setattr(audit_module, "MAX_ARCHIVE_BYTES", 1000)
+    monkeypatch.setattr(ArchiveReader.__init__, "__kwdefaults__",
+                        {**ArchiveReader.__init__.__kwdefaults__, "max_total_bytes": 1000, "max_archive_bytes": 1000})
+    big = tmp_path / "big.zip"
+    w = ArchiveWriter(big)
+    w.add_bytes("blob.npy", np.random.default_rng(0).bytes(3 << 19))  # 1.5 MiB, stored
+    w.seal({})
+    size = big.stat().st_size
+    assert audit_archive(big, max_mib=1).problems == [
+        f"the archive is {size} bytes, over the bound of {1 << 20} for a raw archive; raise max_archive_bytes if the "
+        f"archive is trusted"]
+    report = audit_archive(big, max_mib=2)  # file and members within 2 MiB: opened and checked
+    assert not report.unreadable and not any(" over the bound " in p or "too large" in p for p in report.problems)
+    for size, hashed in ((1000, True), (1001, False)):
+        junk = tmp_path / f"junk{size}.zip"
+        junk.write_bytes(b"x" * size)
+        report = audit_archive(junk)
+        assert report.unreadable and report.record["archive_sha256"] == (file_sha256(junk) if hashed else None)
+    report = audit_archive(tmp_path / "junk1000.zip", expected_sha256="0" * 64)
+    assert report.problems[0] == f"archive SHA-256 {file_sha256(tmp_path / 'junk1000.zip')} differs from the database's {'0' * 64}"
