@@ -411,3 +411,30 @@ def test_max_mib_is_mebibytes_and_a_huge_non_zip_is_not_hashed(tmp_path, monkeyp
         assert report.unreadable and report.record["archive_sha256"] == (file_sha256(junk) if hashed else None)
     report = audit_archive(tmp_path / "junk1000.zip", expected_sha256="0" * 64)
     assert report.problems[0] == f"archive SHA-256 {file_sha256(tmp_path / 'junk1000.zip')} differs from the database's {'0' * 64}"
+
+
+# ----------------------------------------------------------------------------- the record itself
+
+
+def test_the_record_of_an_archive_with_nothing_to_recompute(tmp_path, approx):
+    # Bugs: a default of the record changed (audit_version, planned/episodes not 0, verdicts not
+    # empty, complete or result not the fail-closed ones): the digest of every such audit moves,
+    # and an unreadable archive could read as complete. The flags partial/rows_pending must stay
+    # off when the file is unreadable.
+    from packbench.core.archive import file_sha256
+
+    junk = tmp_path / "junk.zip"
+    junk.write_bytes(b"not a zip" * 20)
+    report = audit_archive(junk)
+    assert report.record == {"audit_version": 2, "archive_sha256": file_sha256(junk), "protocol_sha256": None,
+                             "complete": False, "planned": 0, "episodes": 0, "verdicts": [],
+                             "problems": report.problems, "result": "disagree"}
+    assert report.unreadable and not report.partial and not report.rows_pending and not report.complete
+    assert len(report.problems) == 1
+    # sealed, but without a protocol: nothing planned, nothing recomputed
+    path = forged(approx["path"], tmp_path / "np.zip", drop=("protocol.json",))
+    report = audit_archive(path)
+    assert report.problems == ["cannot recompute: no readable protocol.json"]
+    assert {k: report.record[k] for k in ("protocol_sha256", "complete", "planned", "episodes", "verdicts")} == {
+        "protocol_sha256": None, "complete": True, "planned": 0, "episodes": 0, "verdicts": []}
+    assert not report.unreadable and not report.partial and not report.rows_pending
