@@ -602,3 +602,47 @@ def test_attempt_numbers_count_per_screen(queue):
     assert [(c.screen.id, c.attempt.number) for c in claims] == [(i, 1) for i in ids]
     queue.finish_attempt(claims[0].attempt.id, status="failed", error="died", requeue=True)
     assert claim(queue, d).attempt.number == 2
+
+
+# -- arguments checked before any transaction (no database) ---------------------------------
+
+
+def test_argument_checks_refuse_exactly_what_is_outside_their_sets():
+    # Bugs: a lease of 0 s accepted (every claim expires at once) or a tiny positive one
+    # refused; an unknown model state, attempt status or worker state stored; messages that
+    # do not name the value and the choices.
+    from packbench.db.queue import check_final_status, check_lease, check_model_state, worker_list
+
+    check_lease(1e-9)
+    for bad in (0, -1):
+        with pytest.raises(ValueError, match=rf"^lease_s {bad} must be > 0$"):
+            check_lease(bad)
+    for ok in (None, "cold", "warm"):
+        check_model_state(ok)
+    with pytest.raises(ValueError, match=r"^model_state 'hot' is not one of cold, warm$"):
+        check_model_state("hot")
+    for ok in ("done", "failed", "interrupted", "cancelled"):
+        check_final_status(ok)
+    with pytest.raises(ValueError, match=r"^attempt status 'lost' is not one of \['cancelled', 'done', 'failed', "
+                                         r"'interrupted'\]$"):
+        check_final_status("lost")
+    workers = [{"name": "w0", "state": "idle"}, {"name": "w1", "state": "busy", "gpu": "H200"}]
+    listed = worker_list(workers)
+    assert listed == workers and listed[0] is not workers[0]  # copies: the caller's dicts are not stored
+    assert worker_list([]) == []
+    with pytest.raises(ValueError, match=r"^worker state None is not one of idle, busy$"):
+        worker_list([{"name": "w0", "state": "idle"}, {"name": "w1"}])
+
+
+def test_names_keys_and_resources_json():
+    # Bugs: archive names not zero-padded to 5 digits (their sort order breaks), keys shorter
+    # than 128 bits or repeated, resource needs not canonical (equal needs stored as different
+    # strings never match the claim's IN), empty needs stored as "{}".
+    from packbench.db.queue import archive_file_name, new_attempt_key, resources_json
+
+    assert archive_file_name(7, 2, "k") == "screen-00007-attempt-2-k.zip"
+    assert archive_file_name(123456, 10, "k") == "screen-123456-attempt-10-k.zip"
+    keys = {new_attempt_key() for _ in range(50)}
+    assert len(keys) == 50 and all(len(k) == 32 and int(k, 16) >= 0 for k in keys)
+    assert resources_json({"b": 1.0, "a": 2}) == '{"a":2,"b":1.0}' == resources_json({"a": 2, "b": 1.0})
+    assert resources_json({}) is None and resources_json(None) is None
