@@ -438,3 +438,32 @@ def test_the_record_of_an_archive_with_nothing_to_recompute(tmp_path, approx):
     assert {k: report.record[k] for k in ("protocol_sha256", "complete", "planned", "episodes", "verdicts")} == {
         "protocol_sha256": None, "complete": True, "planned": 0, "episodes": 0, "verdicts": []}
     assert not report.unreadable and not report.partial and not report.rows_pending
+
+
+def test_the_checkpoint_a_protocol_pins_must_be_the_one_measured(tmp_path):
+    # Bugs: the pinned digest not compared (a screen of another checkpoint agrees), compared
+    # when the protocol pins none, or a start record that is no mapping crashing the check;
+    # a checkpoint of unknown shape given a row size.
+    raw = synthetic_protocol()
+    raw["model"] = {"path": "models/x", "sha256": "a" * 64}
+    pinned = expand(freeze(raw).body)
+    cases = [({"model_sha256": "a" * 64}, []),
+             ({"model_sha256": "b" * 64},
+              [f"worker.json: the checkpoint measured has digest {'b' * 64!r}, the protocol pins {'a' * 64}"]),
+             (None, [f"worker.json: the checkpoint measured has digest None, the protocol pins {'a' * 64}"]),
+             ({"model_sha256": 5}, ["worker.json: the checkpoint measured has digest 5, the protocol pins " + "a" * 64,
+                                    "worker.json: model_sha256 5 is not 64 lowercase hex digits"])]
+    for start, lines in cases:
+        audit = _Audit(tmp_path / "a.zip", None)
+        assert audit.check_start(start, pinned) is None  # no synthetic shape: no row size
+        assert audit.problems == lines
+    unpinned = expand(freeze(synthetic_protocol()).body)
+    audit = _Audit(tmp_path / "a.zip", None)
+    assert audit.check_start({"model_sha256": "b" * 64}, unpinned) == opt_row_bytes()
+    assert audit.check_start(["not", "a", "start"], unpinned) is None and audit.problems == []
+
+
+def opt_row_bytes() -> int:
+    from packbench.core.metrics import opt_bytes
+
+    return opt_bytes(**SHAPES["opt-2.7b"], dtype="float16")["row_bytes"]
