@@ -467,3 +467,84 @@ def opt_row_bytes() -> int:
     from packbench.core.metrics import opt_bytes
 
     return opt_bytes(**SHAPES["opt-2.7b"], dtype="float16")["row_bytes"]
+
+
+# ----------------------------------------------------------------------------- one episode's checks
+
+
+@pytest.fixture(scope="module")
+def exact(tmp_path_factory) -> dict:
+    path = tmp_path_factory.mktemp("exact") / "exact.zip"
+    return {**write_synthetic_screen(path, synthetic_protocol()), "path": path}
+
+
+def int8_protocol():
+    raw = synthetic_protocol()
+    raw.pop("schema")
+    raw["conditions"] = [{"name": "dense-stream", "policy": "dense-stream"},
+                         {"name": "dense-int8", "policy": "dense-stream", "params": {"weights": "int8"}},
+                         {"name": "packet", "policy": "packet", "params": {"weights": "int8"}}]
+    return expand(freeze(raw).body)
+
+
+def test_int8_rows_are_judged_by_their_own_row_size(exact):
+    # Bugs: an int8 condition's rows judged by the dtype's row size (its condition not looked
+    # up, its weights not read), the known row size not passed (the first row would fix any
+    # size), or the size a first row fixed not kept for the next episode.
+    from packbench.core.audit import _episode_problems
+
+    proto = int8_protocol()
+    dtype_row, int8_row = opt_row_bytes(), SHAPES["opt-2.7b"]["hidden"] + INT8_SCALE_BYTES
+    packet = next(e for e in exact["episodes"] if e["condition"] == "packet")
+
+    def moved(row, condition):
+        calls = [dict(c, h2d_weight_bytes=[r * row for r in c["rows_copied"]]) for c in packet["calls"]]
+        return {**packet, "condition": condition, "calls": calls}
+
+    def copies(rec, row_bytes):
+        return [p for p in _episode_problems("e", rec, rec["logits"], proto, row_bytes) if "impossible copy" in p]
+
+    assert copies(moved(int8_row, "packet"), [dtype_row, int8_row]) == []
+    assert copies(moved(int8_row, "dense-int8"), [dtype_row, int8_row]) == []
+    assert len(copies(moved(dtype_row, "packet"), [dtype_row, int8_row])) == 3  # at most three named
+    assert copies(moved(dtype_row, "dense-stream"), [dtype_row, int8_row]) == []
+    wrong = copies(moved(dtype_row + 2, "dense-stream"), [dtype_row, int8_row])  # consistent, but not the model's
+    assert wrong[0].startswith(f"e: impossible copy: call 0 layer 0 moved ") and wrong[0].endswith(f" of {dtype_row} B")
+    fixed = [None, None]  # a checkpoint of unknown shape: the first row seen fixes the size, per slot
+    assert copies(moved(6, "dense-stream"), fixed) == [] and fixed == [6, None]
+    assert copies(moved(10, "packet"), fixed) == [] and fixed == [6, 10]
+    assert len(copies(moved(8, "dense-stream"), fixed)) == 3
+
+
+def test_one_episodes_ledger_shape_and_passes_lines(exact):
+    # Bugs: a malformed ledger's first three problems not the ones named (or more named),
+    # the separate-passes check run as passes together, a batch-1 call shape worded as a batch's.
+    from packbench.core.audit import _episode_problems
+
+    proto = expand(freeze(synthetic_protocol()).body)
+    rec = next(e for e in exact["episodes"] if e["condition"] == "packet")
+    row = [opt_row_bytes(), None]
+    junk = {**rec, "calls": [{"x": 1}] * 2}
+    assert _episode_problems("e", junk, rec["logits"], proto, row) == [
+        "e: malformed call ledger: call 0 phase None is not prefill or decode; call 0 tokens None is not an integer "
+        ">= 1; call 0 layers None is not an integer >= 1"]
+    calls = [dict(c) for c in rec["calls"]]
+    calls[1]["tokens"] = 2
+    problems = _episode_problems("e", {**rec, "calls": calls}, rec["logits"], proto, row)
+    assert "e: calls are not one 8-token prefill then 3 one-token decode calls" in problems
+    raw = synthetic_protocol()
+    raw.update(schema=7, passes="separate")
+    separate = expand(freeze(raw).body)
+    assert ("e: separate passes but no recording pass figures (passes is missing or not a mapping)"
+            in _episode_problems("e", rec, rec["logits"], separate, row))
+    assert _episode_problems("e", rec, rec["logits"], proto, row) == []
+
+
+def test_prompts_that_cannot_be_recomputed_are_named(tmp_path):
+    # Bug: a protocol whose prompts cannot be drawn for the logits' vocabulary (ids from [4, 4))
+    # crashes the audit or passes unnamed.
+    proto = expand(freeze(synthetic_protocol()).body)
+    audit = _Audit(tmp_path / "a.zip", None)
+    audit.check_prompts({"prompts": [[2] * 8, [2] * 8]}, proto, vocab=4)
+    (line,) = audit.problems
+    assert line.startswith("cannot recompute the prompts: ") and len(line) > len("cannot recompute the prompts: ")
