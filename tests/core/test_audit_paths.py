@@ -236,6 +236,10 @@ def test_a_batch_logits_of_the_wrong_batch_are_named(batch, tmp_path):
     three = np.concatenate([logits, logits[:1]])
     report = audit_archive(forged(batch["path"], tmp_path / "l.zip", replace={"logits/00002.npy": npy(three)}))
     assert "episodes/00002.json: logits are not 2 sequences' (batch, calls, vocab)" in report.problems
+    # one sequence's 2-D logits: the reader refuses them, and the record is named, not a crash
+    report = audit_archive(forged(batch["path"], tmp_path / "m.zip", replace={"logits/00002.npy": npy(logits[0])}))
+    assert "episodes/00002.json: logits are not 2 sequences' (batch, calls, vocab)" in report.problems
+    assert not any(p.startswith("cannot audit") for p in report.problems)
 
 
 def test_a_batch_call_shape_names_the_batch(batch, tmp_path):
