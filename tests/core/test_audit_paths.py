@@ -552,3 +552,20 @@ def test_prompts_that_cannot_be_recomputed_are_named(tmp_path):
     audit.check_prompts({"prompts": [[2] * 8, [2] * 8]}, proto, vocab=4)
     (line,) = audit.problems
     assert line.startswith("cannot recompute the prompts: ") and len(line) > len("cannot recompute the prompts: ")
+
+
+def test_token_problems_each_line_at_its_boundary():
+    # Bugs: logits with a row too many or too few taken as covering the calls (and then blamed on
+    # the tokens), a vocabulary of one refused, integer logits accepted, a bool token taken for an id.
+    from packbench.core.audit import _token_problems
+
+    logits = np.float32([[0.0, 1.0], [2.0, 0.0]])
+    assert _token_problems("e", [1, 0], logits, 2) == []
+    assert _token_problems("e", [0, 0], np.zeros((2, 1), np.float32), 2) == []  # a vocabulary of one
+    for bad in (np.vstack([logits, logits[:1]]), logits[:1], logits.astype(np.int32), logits[None], None,
+                np.zeros((2, 0), np.float32)):
+        assert _token_problems("e", [1, 0], bad, 2) == ["e: logits do not cover every call"]
+    assert _token_problems("e", [1], logits, 2) == ["e: tokens do not cover every call"]
+    assert _token_problems("e", (1, 0), logits, 2) == ["e: tokens do not cover every call"]
+    assert _token_problems("e", [True, 0], logits, 2) == ["e: tokens are not all integers"]
+    assert _token_problems("e", [0, 0], logits, 2) == ["e: tokens are not the argmax of the stored logits"]
