@@ -569,3 +569,16 @@ def test_token_problems_each_line_at_its_boundary():
     assert _token_problems("e", (1, 0), logits, 2) == ["e: tokens do not cover every call"]
     assert _token_problems("e", [True, 0], logits, 2) == ["e: tokens are not all integers"]
     assert _token_problems("e", [0, 0], logits, 2) == ["e: tokens are not the argmax of the stored logits"]
+
+
+def test_one_sample_is_a_sampled_run_and_a_record_without_memory_has_no_peak(tmp_path):
+    # Bugs: a sampler that took exactly one sample not counted as sampling (its missing trace
+    # unnamed); a record whose memory is no mapping crashing the trace check.
+    audit = _Audit(tmp_path / "a.zip", None)
+    audit.check_sampled("episodes/00000.json", "traces/00000.npy", {"sampler": {"samples": 1}}, set())
+    audit.check_sampled("episodes/00001.json", "traces/00001.npy", {"sampler": {"samples": 0}, "memory": 3}, set())
+    audit.check_sampled("episodes/00002.json", "traces/00002.npy", {"sampler": {"samples": 1}}, {"traces/00002.npy"})
+    assert audit.problems == ["episodes/00000.json: the run sampled memory but traces/00000.npy is missing"]
+    audit = _Audit(tmp_path / "a.zip", None)
+    audit.check_trace("traces/00000.npy", np.array([[0.0, 7.0], [1.0, 9.0]]), {"memory": 5})
+    assert audit.problems == ["traces/00000.npy: peak_sampled_bytes None != 9 recomputed from the trace"]
