@@ -582,3 +582,13 @@ def test_one_sample_is_a_sampled_run_and_a_record_without_memory_has_no_peak(tmp
     audit = _Audit(tmp_path / "a.zip", None)
     audit.check_trace("traces/00000.npy", np.array([[0.0, 7.0], [1.0, 9.0]]), {"memory": 5})
     assert audit.problems == ["traces/00000.npy: peak_sampled_bytes None != 9 recomputed from the trace"]
+
+
+@pytest.mark.parametrize("field, value", [("condition", "dense-stream"), ("role", "scored"), ("prompt", 1),
+                                          ("prompt", 0.0)])
+def test_a_record_must_match_its_plan_entrys_condition_role_and_prompt(exact, tmp_path, field, value):
+    # Bug: one of the plan entry's fields left out of the comparison (the record of another
+    # condition, role or prompt accepted in this entry's place); 0.0 is not the prompt 0.
+    report = audit_archive(forged(exact["path"], tmp_path / "p.zip",
+                                  edit={"episodes/00001.json": lambda r: r.update({field: value})}))
+    assert "episodes/00001.json does not match plan entry 1" in report.problems, report.problems
