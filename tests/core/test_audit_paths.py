@@ -592,3 +592,19 @@ def test_a_record_must_match_its_plan_entrys_condition_role_and_prompt(exact, tm
     report = audit_archive(forged(exact["path"], tmp_path / "p.zip",
                                   edit={"episodes/00001.json": lambda r: r.update({field: value})}))
     assert "episodes/00001.json does not match plan entry 1" in report.problems, report.problems
+
+
+def test_traces_are_read_as_float64_and_only_when_present(exact, tmp_path):
+    # Bugs: a trace read without its dtype check (float32 seconds and bytes accepted), or a
+    # trace looked for on an episode that kept none (a run that did not sample needs none).
+    with ArchiveReader(exact["path"]) as r:
+        trace = r.read_array("traces/00000.npy")
+    report = audit_archive(forged(exact["path"], tmp_path / "f.zip",
+                                  replace={"traces/00000.npy": npy(trace.astype(np.float32))}))
+    assert any(p.startswith("cannot read traces/00000.npy") for p in report.problems), report.problems
+
+    def unsampled(rec):
+        rec["memory"]["peak_sampled_bytes"] = None
+    report = audit_archive(forged(exact["path"], tmp_path / "n.zip", edit={"episodes/00002.json": unsampled},
+                                  drop=("traces/00002.npy",)))
+    assert not any("traces/00002.npy" in p for p in report.problems), report.problems
