@@ -608,3 +608,65 @@ def test_traces_are_read_as_float64_and_only_when_present(exact, tmp_path):
     report = audit_archive(forged(exact["path"], tmp_path / "n.zip", edit={"episodes/00002.json": unsampled},
                                   drop=("traces/00002.npy",)))
     assert not any("traces/00002.npy" in p for p in report.problems), report.problems
+
+
+def test_a_failed_episode_is_not_an_unknown_status(exact, tmp_path):
+    # Bug: the status check reads another field or word, so a failed episode is named as
+    # "neither ok nor failed" (and an unknown status is not).
+    def fail(r):
+        r.update(status="failed", error="RuntimeError: boom")
+    report = audit_archive(forged(exact["path"], tmp_path / "f.zip", edit={"episodes/00003.json": fail},
+                                  drop=("logits/00003.npy", "traces/00003.npy")))
+    assert not any("neither ok nor failed" in p for p in report.problems), report.problems
+    report = audit_archive(forged(exact["path"], tmp_path / "w.zip",
+                                  edit={"episodes/00003.json": lambda r: r.update(status="weird")}))
+    assert "episodes/00003.json: status 'weird' is neither ok nor failed" in report.problems
+
+
+def test_teacher_forced_logits_are_read_as_float32_of_the_episodes_shape(approx, tmp_path):
+    # Bug: forced/ read without the dtype or shape check (float64 or 3-D teacher-forced logits
+    # of a batch-1 screen accepted).
+    with ArchiveReader(approx["path"]) as r:
+        forced = r.read_array("forced/00003.npy")
+    for k, bad in enumerate((forced.astype(np.float64), forced[None])):
+        report = audit_archive(forged(approx["path"], tmp_path / f"f{k}.zip", replace={"forced/00003.npy": npy(bad)}))
+        assert any(p.startswith("cannot read forced/00003.npy") for p in report.problems), report.problems
+
+
+def test_an_interrupted_screen_is_compared_with_the_database_as_far_as_it_went(exact, tmp_path):
+    # Bugs: an incomplete archive's verdicts never compared with the database's rows (a partial
+    # screen's forged rows pass), or archived episodes without rows not counted (the attempt
+    # reads as disagreeing instead of as rows pending `db reconcile`).
+    data = members(exact["path"])
+    w = ArchiveWriter(tmp_path / "cut.zip")
+    for name, raw in data.items():
+        if name != MANIFEST_NAME and not name.startswith("verdicts") and not name.endswith(("00003.json", "00003.npy")) \
+                and not any(name.endswith(f"{i:05d}.{ext}") for i in range(3, 10) for ext in ("json", "npy")):
+            w.add_bytes(name, raw)
+    path = tmp_path / "cut.zip"
+    rows = db_episodes(exact)[:2]  # episodes 0, 1 stored; 2 archived without a row
+    report = audit_archive(path, db_episodes=rows)
+    assert report.rows_pending and not report.partial and report.problems[-1] == "database lacks episode 2"
+    forged_verdicts = [dict(v, value=123.0) for v in exact["verdicts"]]
+    report = audit_archive(path, db_verdicts=forged_verdicts)
+    assert any(p.startswith("database verdict ") and " differs in " in p for p in report.problems), report.problems
+    assert audit_archive(path, db_verdicts=[]).partial  # no rows yet: nothing to compare
+
+
+def test_a_source_freeze_the_manifest_and_worker_agree_on_is_no_problem(exact, tmp_path):
+    # Bug: the manifest's source_freeze read under another key (every archive whose worker
+    # states a freeze then disagrees).
+    import json as _json
+
+    data = members(exact["path"])
+    worker = _json.loads(data["worker.json"])
+    worker["source_freeze"] = {"git_commit": "abc"}
+    w = ArchiveWriter(tmp_path / "ok.zip")
+    for name, raw in data.items():
+        if name != MANIFEST_NAME:
+            w.add_bytes(name, canonical_json(worker) if name == "worker.json" else raw)
+    manifest = _json.loads(data[MANIFEST_NAME])
+    w.seal({**{k: v for k, v in manifest.items() if k not in ("members", "format_version")},
+            "source_freeze": {"git_commit": "abc"}})
+    report = audit_archive(tmp_path / "ok.zip")
+    assert report.agrees, report.problems
