@@ -670,3 +670,10 @@ def test_a_source_freeze_the_manifest_and_worker_agree_on_is_no_problem(exact, t
             "source_freeze": {"git_commit": "abc"}})
     report = audit_archive(tmp_path / "ok.zip")
     assert report.agrees, report.problems
+
+
+def test_ten_strays_are_named_without_a_rest_line(exact, tmp_path):
+    # Bug: the "... and N more" line written at exactly ten strays ("and 0 more").
+    strays = {f"notes/{i}.json": b"{}" for i in range(10)}
+    report = audit_archive(forged(exact["path"], tmp_path / "s.zip", extra=strays))
+    assert report.problems == [f"member {n!r} is not part of the archive of this plan" for n in strays]
