@@ -326,6 +326,9 @@ def test_int8_row_bytes_are_the_hidden_values_and_a_scale():
     # Bug: an int8 row's size taken as the dtype's, or the scale left out.
     proto = expand(freeze(synthetic_protocol()).body)
     assert _int8_row_bytes(proto) == SHAPES["opt-2.7b"]["hidden"] + INT8_SCALE_BYTES
+    raw = synthetic_protocol()
+    raw["model"] = {"path": "models/x"}  # a checkpoint of unknown shape: no row size
+    assert _int8_row_bytes(expand(freeze(raw).body)) is None
 
 
 # ----------------------------------------------------------------------------- provenance
@@ -677,3 +680,15 @@ def test_ten_strays_are_named_without_a_rest_line(exact, tmp_path):
     strays = {f"notes/{i}.json": b"{}" for i in range(10)}
     report = audit_archive(forged(exact["path"], tmp_path / "s.zip", extra=strays))
     assert report.problems == [f"member {n!r} is not part of the archive of this plan" for n in strays]
+    strays["notes/10.json"] = b"{}"  # eleven: ten named, the rest counted
+    report = audit_archive(forged(exact["path"], tmp_path / "e.zip", extra=strays))
+    assert report.problems[10:] == ["... and 1 more members that are not part of the archive of this plan"]
+
+
+def test_a_record_of_a_condition_the_protocol_lacks_is_named_not_a_crash(exact, tmp_path):
+    # Bug: the tier looked up for a condition the protocol does not have (a KeyError: the audit
+    # ends in "cannot audit" instead of naming the record).
+    report = audit_archive(forged(exact["path"], tmp_path / "g.zip",
+                                  edit={"episodes/00001.json": lambda r: r.update(condition="ghost")}))
+    assert "episodes/00001.json does not match plan entry 1" in report.problems
+    assert not any(p.startswith("cannot audit") for p in report.problems), report.problems
