@@ -692,3 +692,32 @@ def test_a_record_of_a_condition_the_protocol_lacks_is_named_not_a_crash(exact, 
                                   edit={"episodes/00001.json": lambda r: r.update(condition="ghost")}))
     assert "episodes/00001.json does not match plan entry 1" in report.problems
     assert not any(p.startswith("cannot audit") for p in report.problems), report.problems
+
+
+def test_a_plan_or_worker_record_verify_names_is_not_read(exact, tmp_path):
+    # Bugs: plan.json or worker.json read although verify() named it altered (an altered member
+    # that still parses would be trusted); a complete archive without a plan not named.
+    from tests.core.test_audit import exact_zip
+
+    data = members(exact["path"])
+    plan = data["plan.json"].replace(b'"prompts":[[2,', b'"prompts":[[3,', 1)  # still JSON, same size
+    assert plan != data["plan.json"]
+    report = audit_archive(exact_zip(tmp_path / "p.zip", {**data, "plan.json": plan}))
+    assert "plan.json is missing or unreadable" in report.problems
+    assert not any(p.startswith("plan.json prompts") for p in report.problems), report.problems
+    worker = data["worker.json"].replace(b'"synthetic"', b'"synthetiK"')
+    assert worker != data["worker.json"]
+    report = audit_archive(exact_zip(tmp_path / "w.zip", {**data, "worker.json": worker}))
+    assert "altered member worker.json (sha256 mismatch)" in report.problems
+    assert "the manifest's environment differs from worker.json's" not in report.problems
+    report = audit_archive(forged(exact["path"], tmp_path / "n.zip", drop=("plan.json",)))
+    assert "plan.json is missing or unreadable" in report.problems
+
+
+def test_an_archive_over_the_bounds_is_not_recomputed(exact, monkeypatch):
+    # Bug: the too-large check not stopping the audit (the work the bounds cap is done anyway).
+    monkeypatch.setattr(ArchiveReader.__init__, "__kwdefaults__",
+                        {**ArchiveReader.__init__.__kwdefaults__, "max_total_bytes": 1000})
+    report = audit_archive(exact["path"])
+    assert len(report.problems) == 1 and report.problems[0].startswith("archive too large")
+    assert report.record["planned"] == 0 and report.record["protocol_sha256"] is None
