@@ -721,3 +721,31 @@ def test_an_archive_over_the_bounds_is_not_recomputed(exact, monkeypatch):
     report = audit_archive(exact["path"])
     assert len(report.problems) == 1 and report.problems[0].startswith("archive too large")
     assert report.record["planned"] == 0 and report.record["protocol_sha256"] is None
+
+
+@pytest.mark.parametrize("kept", [("protocol.json",), ("protocol.json", "plan.json"),
+                                  ("protocol.json", "plan.json", "worker.json")])
+def test_an_archive_interrupted_before_any_episode_is_partial(exact, tmp_path, kept):
+    # Bugs: an unsealed archive without plan.json blamed for lacking it; prompts recomputed with
+    # no vocabulary known yet (no episode has logits): either makes it more than partial.
+    data = members(exact["path"])
+    w = ArchiveWriter(tmp_path / "early.zip")
+    for name in kept:
+        w.add_bytes(name, data[name])
+    report = audit_archive(tmp_path / "early.zip")
+    assert report.partial, report.problems
+
+
+def test_a_failed_first_episode_and_a_batchs_prompts(exact, batch, tmp_path):
+    # Bugs: the vocabulary taken from an episode without logits (the first one failed: a crash),
+    # or never from a batch's 3-D logits (a batch screen's forged prompts then go unchecked).
+    def fail(r):
+        r.update(status="failed", error="RuntimeError: boom")
+    report = audit_archive(forged(exact["path"], tmp_path / "f.zip", edit={"episodes/00000.json": fail},
+                                  drop=("logits/00000.npy", "traces/00000.npy")))
+    assert not any(p.startswith("cannot audit") for p in report.problems), report.problems
+
+    def swap(plan):
+        plan["prompts"][0][3] = (plan["prompts"][0][3] + 1) % 64
+    report = audit_archive(forged(batch["path"], tmp_path / "b.zip", edit={"plan.json": swap}))
+    assert "plan.json prompts are not the protocol's prompts" in report.problems, report.problems
