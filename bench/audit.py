@@ -22,9 +22,10 @@ from pathlib import Path
 import numpy as np
 
 from packbench.core.archive import PLAN_NAME, PROTOCOL_NAME, VERDICTS_NAME, WORKER_NAME, ArchiveWriter
+from packbench.core.fidelity import of_episode
 from packbench.core.gates import compute_verdicts
 from packbench.core.metrics import episode_totals, opt_bytes
-from packbench.core.registry import SHAPES
+from packbench.core.registry import SHAPES, tier_of
 from packbench.core.plan import plan, prompts
 from packbench.core.protocol import MIB, freeze
 
@@ -63,8 +64,9 @@ def synthetic_protocol(*, prompts_n: int = 2, repetitions: int = 1, prefix: int 
 
 
 def _calls(rng: np.random.Generator, policy: str, *, prefix: int, continuation: int, layers: int, hidden: int,
-           ffn: int, itemsize: int) -> list[dict]:
-    """A per-call ledger shaped like engine.ledger.CallLedger.to_dict()."""
+           ffn: int, itemsize: int, batch: int = 1) -> list[dict]:
+    """A per-call ledger shaped like engine.ledger.CallLedger.to_dict() (a batch's calls count
+    every sequence's tokens)."""
     out = []
     for index in range(continuation):
         phase = "prefill" if index == 0 else "decode"
@@ -79,7 +81,7 @@ def _calls(rng: np.random.Generator, policy: str, *, prefix: int, continuation: 
             active, rows = [None] * layers, [ffn] * layers
             weight, index_b, d2h = [ffn * hidden * itemsize] * layers, [0] * layers, [0] * layers
             wall = float(rng.uniform(0.20, 0.22) if phase == "prefill" else rng.uniform(0.18, 0.2))
-        out.append({"index": index, "phase": phase, "tokens": prefix if phase == "prefill" else 1, "layers": layers,
+        out.append({"index": index, "phase": phase, "tokens": batch * (prefix if phase == "prefill" else 1), "layers": layers,
                     "active_rows": active, "rows_copied": rows, "h2d_weight_bytes": weight,
                     "h2d_index_bytes": index_b, "d2h_bytes": d2h, "rows_wasted": [0] * layers,
                     "copy_wait_s": [0.0] * layers, "logits_d2h_bytes": 0, "wall_s": wall})
@@ -93,7 +95,12 @@ def write_synthetic_screen(path: Path, raw: dict | None = None, *, vocab: int = 
     way cluster/screen.py does; return {body, entries, episodes, start, verdicts, sha256}.
 
     All conditions produce the same logits for a prompt (so faithfulness holds); packet moves
-    few bytes and is faster; every total is episode_totals() of the ledger. The records are
+    few bytes and is faster; every total is episode_totals() of the ledger. An approximate
+    condition's episode (a `quantized` competitor, schema 5) is teacher-forced on the first
+    reference episode of its prompt, as engine/worker.py does: its forced logits are the
+    prompt's plus a little noise, its record states `tier`, `forced_from` and the `fidelity`
+    figures service/screen.py records. A batch (schema 6) stacks its sequences' logits and
+    tokens. The records are
     physically possible (docs/archive.md, "Invariants"): a synthetic model's shape sets the
     layers, row bytes and parameter bytes (overriding `layers`, `hidden`, `ffn`), the sampled
     peak has its trace, the manifest's environment is worker.json's.
@@ -118,6 +125,10 @@ def write_synthetic_screen(path: Path, raw: dict | None = None, *, vocab: int = 
              "cpu_first": True, "allowance_bytes": allowance, "device": "cuda:0"}
     environment = {"host": "synthetic", "device": "cuda:0"}
     policies = {c["name"]: c["policy"] for c in body["conditions"]}
+    tiers = {name: tier_of(policy) for name, policy in policies.items()}
+    stated = "approximate" in tiers.values()  # records state their tier (as the worker's do) where it matters
+    batch = body.get("batch", 1)
+    first_reference: dict[int, int] = {}  # prompt -> the reference episode approximate ones are forced on
     w = ArchiveWriter(path)
     w.add_json(PROTOCOL_NAME, body)
     w.add_json(PLAN_NAME, {"entries": entries, "prompts": token_ids})
@@ -127,11 +138,12 @@ def write_synthetic_screen(path: Path, raw: dict | None = None, *, vocab: int = 
     clock = 5.0  # worker entry to the first episode
     for entry in entries:
         rng = np.random.Generator(np.random.PCG64([seed, entry["index"]]))
-        prompt_rng = np.random.Generator(np.random.PCG64([seed, 1000 + entry["prompt"]]))
-        logits = prompt_rng.standard_normal((n, vocab), dtype=np.float32)
+        seqs = [np.random.Generator(np.random.PCG64([seed, 1000 + p])).standard_normal((n, vocab), dtype=np.float32)
+                for p in entry.get("prompts", [entry["prompt"]])]
+        logits = seqs[0] if batch == 1 else np.stack(seqs)
         policy = policies[entry["condition"]]
         calls = _calls(rng, policy, prefix=prefix, continuation=n, layers=layers, hidden=hidden, ffn=ffn,
-                       itemsize=itemsize)
+                       itemsize=itemsize, batch=batch)
         for c in calls:
             c["logits_d2h_bytes"] = vocab * 4
         totals = episode_totals(calls)
@@ -141,22 +153,46 @@ def write_synthetic_screen(path: Path, raw: dict | None = None, *, vocab: int = 
         peak = allowance - 10 * MIB
         record = {"plan_index": entry["index"], "condition": entry["condition"], "role": entry["role"],
                   "prompt": entry["prompt"], "policy": policy, "status": "ok", "error": None,
-                  "tokens": [int(t) for t in logits.argmax(axis=1)], "wall_s": wall,
+                  "tokens": _argmax(logits), "wall_s": wall,
                   "first_logit_since_entry_s": clock + calls[0]["wall_s"], **totals,
                   "memory": {"peak_allocated_bytes": peak - MIB, "peak_reserved_bytes": peak,
                              "peak_sampled_bytes": peak + 5 * MIB, "kv_bytes": 4096,
                              "policy_device_bytes": 1 << 20, "host_outgoing_bytes": start["host_outgoing_bytes"]},
                   "calls": calls}
+        if batch > 1:
+            record["prompts"] = entry["prompts"]
+        forced = None
+        if stated:
+            record["tier"] = tiers[entry["condition"]]
+        if entry["condition"] == body["reference"]:
+            first_reference.setdefault(entry["prompt"], entry["index"])
+        elif tiers[entry["condition"]] == "approximate":
+            record["forced_from"] = first_reference.get(entry["prompt"])
+            if record["forced_from"] is not None:
+                forced = logits + np.float32(0.05) * rng.standard_normal(logits.shape, dtype=np.float32)
+            by_index = {e["plan_index"]: e for e in episodes}
+            try:
+                record["fidelity"] = of_episode({**record, "forced_logits": forced}, by_index,
+                                                reference=body["reference"]).as_dict()
+            except ValueError:
+                record["fidelity"] = None
         clock += wall + 0.01
         trace = np.array([[0.0, float(peak)], [0.01, float(peak + 5 * MIB)]], dtype=np.float64)
-        w.add_episode(record, logits, trace)
-        episodes.append({**record, "logits": logits})
+        w.add_episode(record, logits, trace, forced)
+        episodes.append({**record, "logits": logits, "forced_logits": forced})
     verdicts = compute_verdicts(body, episodes, start=start)
     w.add_json(VERDICTS_NAME, verdicts)
     sha = w.seal({"protocol_sha256": frozen.sha256, "screen_id": 1, "attempt": 1,
                   "environment": environment, "source_freeze": {}}) if seal else None
     return {"body": body, "entries": entries, "episodes": episodes, "start": start, "verdicts": verdicts,
             "sha256": sha}
+
+
+def _argmax(logits: np.ndarray) -> list:
+    """Token ids: one list per call's argmax, or a batch's one list per sequence."""
+    if logits.ndim == 3:
+        return [_argmax(seq) for seq in logits]
+    return [int(t) for t in logits.argmax(axis=1)]
 
 
 def build_bench_archive(path: Path) -> None:

@@ -31,7 +31,8 @@ MODULES: dict[str, list[str]] = {  # in the order `make mutate` runs them: quick
     "core/fidelity.py": ["tests/core/test_fidelity.py", "tests/core/test_fidelity_edges.py",
                          "tests/core/test_exact_bounds.py"],
     "core/gates.py": ["tests/core/test_gates.py", "tests/core/test_exact_bounds.py"],
-    "core/audit.py": ["tests/core/test_audit.py", "tests/core/test_audit_fields.py"],
+    "core/audit.py": ["tests/core/test_audit.py", "tests/core/test_audit_fields.py", "tests/core/test_audit_paths.py",
+                      "tests/core/test_evidence.py"],
     "db/queue.py": ["tests/db/test_db_queue.py"],
     # test_archive_members.py runs a real screen (9 s a fixture): too slow to repeat per mutant
     "core/archive/": ["tests/core/test_archive.py", "tests/core/test_archive_hostile.py"],
@@ -51,15 +52,21 @@ KILLED = ("killed", "timeout")
 NOT_RUN = ("not checked", "check was interrupted by user")  # a stopped run: a rerun resumes there
 
 
+# Modules whose runs keep real fsyncs: the rest load tests/mutate_nofsync.py (disk flushes of
+# the archives the tests write are most of their time, and no mutant of theirs touches one).
+KEEP_FSYNC = ("core/archive/",)
+
+
 def _settings(module: str, tests: list[str]) -> str:
     pattern = f"packbench/{module}*" if module.endswith("/") else f"packbench/{module}"
+    fast = [] if module in KEEP_FSYNC else ["-p", "tests.mutate_nofsync"]
     lines = [
         "[tool.mutmut]",
         'source_paths = ["packbench"]',
         f"only_mutate = [{json.dumps(pattern)}]",
         f"pytest_add_cli_args_test_selection = {json.dumps(tests)}",
         # -x: one failing test kills the mutant; no cache writes from forked runs
-        'pytest_add_cli_args = ["-x", "-q", "-p", "no:cacheprovider", "-m", "not gpu and not ray"]',
+        f"pytest_add_cli_args = {json.dumps(['-x', '-q', '-p', 'no:cacheprovider', *fast, '-m', 'not gpu and not ray'])}",
         "use_git_change_detection = false",
         f"also_copy = {json.dumps(list(ALSO))}",
     ]

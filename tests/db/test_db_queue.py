@@ -6,8 +6,10 @@ Time is a fake clock handed to the Store, so lease expiry is tested without slee
 
 from __future__ import annotations
 
+import shutil
 import threading
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 
 import pytest
 
@@ -42,11 +44,23 @@ def clock() -> Clock:
     return Clock()
 
 
-@pytest.fixture
-def queue(db_url, clock):
-    """A Store at head on an empty database, with the fake clock."""
-    with Store(db_url, clock=clock, retry_delays=()) as store:
+@pytest.fixture(scope="module")
+def sqlite_at_head(tmp_path_factory) -> Path:
+    """An empty SQLite database migrated to head once, copied for each SQLite test: the
+    migrations take most of a queue test's time, and every test still gets its own file."""
+    path = tmp_path_factory.mktemp("head") / "packbench.db"
+    with Store(f"sqlite:///{path}") as store:
         store.upgrade()
+    return path
+
+
+@pytest.fixture
+def queue(db_url, clock, request):
+    """A Store at head on an empty database, with the fake clock."""
+    if db_url.startswith("sqlite:///"):
+        shutil.copyfile(request.getfixturevalue("sqlite_at_head"), db_url.removeprefix("sqlite:///"))
+    with Store(db_url, clock=clock, retry_delays=()) as store:
+        store.upgrade()  # from the copy: already at head
         yield store
 
 
@@ -319,7 +333,9 @@ def test_renew_and_expiry_requeue_up_to_max_attempts(queue, clock):
     [reaped] = queue.reap_expired()
     assert (reaped.attempt_id, reaped.screen_id, reaped.screen_status) == (first.attempt.id, screen_id, "queued")
     lost = queue.latest_attempt(screen_id)
-    assert lost.status == "lost" and "lease expired" in lost.error and lost.finished_at == clock.now
+    assert lost.status == "lost" and lost.finished_at == clock.now and reaped.why == "lease expired"
+    # the stored reason names when the lease ran out and whose it was (`packbench status` shows it)
+    assert lost.error == "lease expired at 2026-11-30T12:00:50+00:00: dispatcher %d stopped renewing it" % d
     assert queue.reap_expired() == []  # reaped once
     assert queue.renew_lease(first.attempt.id, 30) is False  # the old dispatcher must stop
     with pytest.raises(Conflict):
@@ -362,7 +378,7 @@ def test_a_holder_on_the_reapers_host_is_judged_by_its_process_not_its_lease(que
     reaped = queue.reap_expired(host="here", alive=alive)
     assert [(r.screen_id, r.why) for r in reaped] == [(dead_screen, "its dispatcher (pid 202 on here) is gone")]
     assert queue.latest_attempt(dead_screen).status == "lost" and queue.screen(dead_screen).status == "queued"
-    assert "pid 202 on here" in queue.latest_attempt(dead_screen).error
+    assert queue.latest_attempt(dead_screen).error == f"dispatcher {dead} is gone: its process (pid 202 on here) ended"
     assert queue.latest_attempt(live_screen).status == "running" and (101, T0) in seen
     clock.advance(10)  # far's lease expires: another host's process cannot be seen, its lease decides
     assert [r.screen_id for r in queue.reap_expired(host="here", alive=alive)] == [far_screen]
@@ -588,3 +604,47 @@ def test_attempt_numbers_count_per_screen(queue):
     assert [(c.screen.id, c.attempt.number) for c in claims] == [(i, 1) for i in ids]
     queue.finish_attempt(claims[0].attempt.id, status="failed", error="died", requeue=True)
     assert claim(queue, d).attempt.number == 2
+
+
+# -- arguments checked before any transaction (no database) ---------------------------------
+
+
+def test_argument_checks_refuse_exactly_what_is_outside_their_sets():
+    # Bugs: a lease of 0 s accepted (every claim expires at once) or a tiny positive one
+    # refused; an unknown model state, attempt status or worker state stored; messages that
+    # do not name the value and the choices.
+    from packbench.db.queue import check_final_status, check_lease, check_model_state, worker_list
+
+    check_lease(1e-9)
+    for bad in (0, -1):
+        with pytest.raises(ValueError, match=rf"^lease_s {bad} must be > 0$"):
+            check_lease(bad)
+    for ok in (None, "cold", "warm"):
+        check_model_state(ok)
+    with pytest.raises(ValueError, match=r"^model_state 'hot' is not one of cold, warm$"):
+        check_model_state("hot")
+    for ok in ("done", "failed", "interrupted", "cancelled"):
+        check_final_status(ok)
+    with pytest.raises(ValueError, match=r"^attempt status 'lost' is not one of \['cancelled', 'done', 'failed', "
+                                         r"'interrupted'\]$"):
+        check_final_status("lost")
+    workers = [{"name": "w0", "state": "idle"}, {"name": "w1", "state": "busy", "gpu": "H200"}]
+    listed = worker_list(workers)
+    assert listed == workers and listed[0] is not workers[0]  # copies: the caller's dicts are not stored
+    assert worker_list([]) == []
+    with pytest.raises(ValueError, match=r"^worker state None is not one of idle, busy$"):
+        worker_list([{"name": "w0", "state": "idle"}, {"name": "w1"}])
+
+
+def test_names_keys_and_resources_json():
+    # Bugs: archive names not zero-padded to 5 digits (their sort order breaks), keys shorter
+    # than 128 bits or repeated, resource needs not canonical (equal needs stored as different
+    # strings never match the claim's IN), empty needs stored as "{}".
+    from packbench.db.queue import archive_file_name, new_attempt_key, resources_json
+
+    assert archive_file_name(7, 2, "k") == "screen-00007-attempt-2-k.zip"
+    assert archive_file_name(123456, 10, "k") == "screen-123456-attempt-10-k.zip"
+    keys = {new_attempt_key() for _ in range(50)}
+    assert len(keys) == 50 and all(len(k) == 32 and int(k, 16) >= 0 for k in keys)
+    assert resources_json({"b": 1.0, "a": 2}) == '{"a":2,"b":1.0}' == resources_json({"a": 2, "b": 1.0})
+    assert resources_json({}) is None and resources_json(None) is None
