@@ -33,15 +33,22 @@ def check_fail_above(pct: float | None, *, protocol: str | None = None) -> None:
         raise PackbenchError("--fail-above judges B against A; give two screen ids instead of --protocol")
 
 
-def fail_compare(store, screen_a: int, screen_b: int, pct: float) -> None:
-    """`compare A B --fail-above PCT`: one `regression:` line each on stderr, then exit 1."""
-    from packbench.service.history import compare_regressions
-
-    regressions = compare_regressions(store, screen_a, screen_b, pct)
+def judge(regressions: list[str], pct: float) -> None:
+    """The --fail-above judgement on stderr: one `regression:` line each, then exit 1; or one
+    `no regression` line, so a CI log that exits 0 says what was judged."""
     for line in regressions:
         typer.echo(f"regression: {line}", err=True)
     if regressions:
         raise typer.Exit(1)
+    typer.echo(f"no regression: nothing slower by more than {pct:g}% and no exact counter changed", err=True)
+
+
+def fail_compare(store, screen_a: int, screen_b: int, pct: float) -> None:
+    """`compare A B --fail-above PCT`: one `regression:` line each on stderr, then exit 1 (`judge`)."""
+    from packbench.service.history import compare_regressions
+
+    regressions = compare_regressions(store, screen_a, screen_b, pct)
+    judge(regressions, pct)
 
 
 def history_cmd(
@@ -89,10 +96,8 @@ def history_cmd(
         typer.echo(_far_line(h.far))
         if html is not None:
             typer.echo(f"wrote {html} ({html.stat().st_size:,} bytes)")
-    for line in regressions:
-        typer.echo(f"regression: {line}", err=True)
-    if regressions:
-        raise typer.Exit(1)
+    if fail_above is not None:
+        judge(regressions, fail_above)
 
 
 def by_condition(rows: list[dict]) -> list[tuple[str, list[str], list[dict]]]:

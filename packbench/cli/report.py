@@ -28,7 +28,7 @@ def report(
     compare: Annotated[bool, typer.Option("--compare", metavar="", help="Put the screens side by side, with their verdict "
                                                             "agreement.")] = False,
     sweep: Annotated[Optional[str], typer.Option(
-        "--sweep", help="Instead of screens: a sweep id (`submit --sweep`); each condition's decode ms/token, bytes "
+        "--sweep", help="Instead of screens: a sweep id (`submit --sweep`) or `latest` (the newest sweep); each condition's decode ms/token, bytes "
                         "per token and verdicts against the swept field.")] = None,
     out: Annotated[Optional[Path], typer.Option(
         "--out", "-o", help="HTML file to write (default here: report-<archive stem or screen-ID>.html, "

@@ -84,8 +84,9 @@ def plan_sweep(protocol: Path, specs: list[str], *, estimate_of: Callable[[Any],
 def report_sweep(store, sweep_id: str, out: Path | None) -> None:
     """`report --sweep ID`: write the sweep's page."""
     from packbench.cli.sweep_page import sweep_page
-    from packbench.service.sweep import sweep_points
+    from packbench.service.sweep import resolve_sweep, sweep_points
 
+    sweep_id = resolve_sweep(store, sweep_id)
     pts = sweep_points(store, sweep_id)
     if not any(p.figures for p in pts):
         raise PackbenchError(f"sweep {sweep_id} has no episodes yet; run its screens with `packbench dispatch`")

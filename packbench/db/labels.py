@@ -139,6 +139,12 @@ def screens(session: Session, *, protocol: str | None = None, status: str | None
     return [s.to_record() for s in session.scalars(query)]
 
 
+def latest_sweep(session: Session) -> str | None:
+    """The sweep id of the newest screen that is part of a sweep, or None when no screen is."""
+    query = select(SqlScreen.sweep_id).where(SqlScreen.sweep_id.is_not(None)).order_by(SqlScreen.id.desc()).limit(1)
+    return session.scalars(query).first()
+
+
 def tagged_ids(session: Session, tags: Mapping[str, str]) -> set[int]:
     """The ids of the screens carrying every one of `tags`."""
     return set(session.scalars(_having_tags(check_tags(tags))))

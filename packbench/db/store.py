@@ -677,6 +677,11 @@ class Store:
         with self._session() as session:
             return labels.screens(session, **filters)
 
+    def latest_sweep(self) -> str | None:
+        """The sweep id of the newest screen in a sweep (`db.labels.latest_sweep`), or None."""
+        with self._session() as session:
+            return labels.latest_sweep(session)
+
     def history_runs(self, protocol: str) -> list[HistoryRun]:
         """A protocol's done screens with their recorded source commits (`db.history.runs`)."""
         with self._session() as session:

@@ -137,6 +137,18 @@ def submit_sweep(store, path: Path, axes: Sequence[Axis], **submit: Any) -> tupl
     return sweep_id, queued
 
 
+def resolve_sweep(store, ref: str) -> str:
+    """A sweep id as given, or for 'latest' the sweep of the newest screen that is part of one."""
+    from packbench.core.errors import PackbenchError
+
+    if ref != "latest":
+        return ref
+    found = store.latest_sweep()
+    if found is None:
+        raise PackbenchError("there is no sweep yet; queue one with `packbench submit PROTOCOL --sweep FIELD=V1,V2`")
+    return found
+
+
 @dataclass(frozen=True)
 class SweepPoint:
     """One screen of a sweep as `report --sweep` plots it: its point, status and per-condition figures."""

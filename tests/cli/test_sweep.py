@@ -121,3 +121,13 @@ def test_a_bad_sweep_queues_nothing(pb):
     assert pb("screens", "list", "--json").stdout == before
     out = pb("report", "--sweep", "sw-nope")
     assert out.returncode == 2 and "no sweep 'sw-nope'" in out.stderr
+
+
+def test_report_sweep_latest_without_a_sweep_says_so(packbench_cli, tmp_path):
+    """`report --sweep latest` (docs/api.md's form) on a database with screens but no sweep: one
+    line naming how to queue one, exit 2; a None id passed on would have read as `no sweep None`."""
+    db = {"PACKBENCH_DB_URL": f"sqlite:///{tmp_path / 'empty.db'}"}
+    assert packbench_cli("db", "upgrade", env=db, cwd=tmp_path).returncode == 0
+    out = packbench_cli("report", "--sweep", "latest", env=db, cwd=tmp_path)
+    assert out.returncode == 2 and "there is no sweep yet" in out.stderr, out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1
