@@ -232,8 +232,8 @@ def _moe_plan(frozen: FrozenProtocol, *, h2d_gbps: float, json_out: bool) -> Non
         rows.append({"condition": c.name, "policy": c.policy, "prefill_bytes": pre, "decode_bytes": dec, "bound": bound,
                      "decode_floor_ms": dec / (h2d_gbps * 1e9) * 1e3})
     entries = plan(p)
-    vocab = read_config(frozen.model_dir()).get("vocab_size", 50272)
-    archive = archive_bytes(p, vocab=vocab if isinstance(vocab, int) and vocab > 0 else 50272)
+    # the shape's vocabulary: a synthetic MoE shape's own, a checkpoint's from its config.json
+    archive = archive_bytes(p, vocab=s.vocab if isinstance(s.vocab, int) and s.vocab > 0 else 50272)
     warning = archive_warning(archive)
     if json_out:
         typer.echo(json.dumps({"protocol": p.name, "sha256": p.sha256, "entries": entries, "moe": rows,
