@@ -115,22 +115,3 @@ def test_validate_and_plan_warn_in_one_line_and_still_accept(over, tmp_path, mon
     monkeypatch.setattr(archive_reader, "MAX_TOTAL_BYTES", 10 << 20)  # within the bound: no line at all
     r = CliRunner().invoke(app, ["protocol", "validate", str(over)])
     assert r.exit_code == 0 and r.stderr == "", r.stderr
-
-
-def test_plan_on_an_moe_checkpoint_estimates_its_archive_with_its_vocabulary(tmp_path):
-    """`protocol plan` on an MoE checkpoint (its own plan path) prints the archive estimate too,
-    from the checkpoint's config.json vocabulary (catches OPT's 50272 assumed)."""
-    out = tmp_path / "mx"
-    assert CliRunner().invoke(app, ["model", "synth", "--out", str(out), "--shape", "mixtral-tiny"]).exit_code == 0
-    body = {"name": "plan", "model": {"path": str(out)}, "dtype": "float32",
-            "prompts": {"generator": {"seed": 0, "count": 1}}, "prefix_tokens": 16, "continuation_tokens": 4,
-            "conditions": [{"policy": "dense-stream"}, {"policy": "packet"}], "reference": "dense-stream",
-            "warmups": 1, "allowance_mib": 64, "gates": {"faithfulness": {}}}
-    (tmp_path / "p.yaml").write_text(yaml.safe_dump(body))
-    result = CliRunner().invoke(app, ["protocol", "plan", str(tmp_path / "p.yaml"), "--json"])
-    assert result.exit_code == 0, result.output
-    vocab = json.loads((out / "config.json").read_text())["vocab_size"]
-    archive = json.loads(result.stdout)["archive"]
-    assert (archive["episode_logits_bytes"], archive["episodes"], archive["warning"]) == (4 * vocab * 4 + 128, 4, None)
-    text = CliRunner().invoke(app, ["protocol", "plan", str(tmp_path / "p.yaml")]).stdout
-    assert "\narchive: about " in text and f"{4 * vocab * 4 + 128:,} bytes each" in text

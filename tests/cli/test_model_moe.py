@@ -43,9 +43,8 @@ def test_bad_moe_synth_input_is_one_line_exit_2(tmp_path):
         assert "Traceback" not in r.stderr
 
 
-def test_protocol_plan_on_an_moe_checkpoint_estimates_expert_bytes(tmp_path):
-    """`protocol plan` on an MoE checkpoint: dense-stream moves every expert of every layer per call
-    (exact); a decode packet at most k experts a layer (bounds the ledger of tests/engine/test_moe.py)."""
+def plan_mixtral_tiny(tmp_path, *args):
+    """A mixtral-tiny checkpoint and `protocol plan` of a dense-stream/packet protocol on it."""
     import yaml
 
     out = tmp_path / "mx"
@@ -55,13 +54,31 @@ def test_protocol_plan_on_an_moe_checkpoint_estimates_expert_bytes(tmp_path):
             "conditions": [{"policy": "dense-stream"}, {"policy": "packet"}], "reference": "dense-stream",
             "warmups": 1, "allowance_mib": 64, "gates": {"faithfulness": {}}}
     (tmp_path / "p.yaml").write_text(yaml.safe_dump(body))
-    result = CliRunner().invoke(app, ["protocol", "plan", str(tmp_path / "p.yaml"), "--json"])
+    result = CliRunner().invoke(app, ["protocol", "plan", str(tmp_path / "p.yaml"), *args])
     assert result.exit_code == 0, result.output
+    return out, result
+
+
+def test_protocol_plan_on_an_moe_checkpoint_estimates_expert_bytes(tmp_path):
+    """`protocol plan` on an MoE checkpoint: dense-stream moves every expert of every layer per call
+    (exact); a decode packet at most k experts a layer (bounds the ledger of tests/engine/test_moe.py)."""
+    _, result = plan_mixtral_tiny(tmp_path, "--json")
     rows = {r["condition"]: r for r in json.loads(result.stdout)["moe"]}
     expert = 3 * 64 * 96 * 4  # gate_up + down of one mixtral-tiny expert in float32
     assert rows["dense-stream"]["decode_bytes"] == rows["dense-stream"]["prefill_bytes"] == 3 * 8 * expert
     assert rows["packet"]["decode_bytes"] == 3 * 2 * expert and rows["packet"]["bound"] == "at most"
     assert rows["packet"]["prefill_bytes"] == 3 * 8 * expert  # 16 tokens x top 2 >= 8 experts
+
+
+def test_plan_on_an_moe_checkpoint_estimates_its_archive_with_its_vocabulary(tmp_path):
+    """`protocol plan` on an MoE checkpoint (its own plan path) prints the archive estimate too,
+    from the checkpoint's config.json vocabulary (catches OPT's 50272 assumed)."""
+    out, result = plan_mixtral_tiny(tmp_path, "--json")
+    vocab = json.loads((out / "config.json").read_text())["vocab_size"]
+    archive = json.loads(result.stdout)["archive"]
+    assert (archive["episode_logits_bytes"], archive["episodes"], archive["warning"]) == (4 * vocab * 4 + 128, 4, None)
+    text = CliRunner().invoke(app, ["protocol", "plan", str(tmp_path / "p.yaml")]).stdout
+    assert "\narchive: about " in text and f"{4 * vocab * 4 + 128:,} bytes each" in text
 
 
 def test_routing_names_the_profile_a_protocol_calls_routing(tmp_path):
