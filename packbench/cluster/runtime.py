@@ -151,7 +151,7 @@ def ensure_ray(settings: Settings | None = None):
     if not done.wait(settings.connect_timeout_s):
         raise ClusterUnreachable(f"--address {address}: no Ray cluster answered within {settings.connect_timeout_s:.0f} s "
                              f"(another service on that port?); check `ray status` on the head node or raise "
-                             f"--connect-timeout")
+                             f"`packbench --connect-timeout S` (an option before the command)")
     if failure:
         e = failure[0]
         raise ClusterUnreachable(f"cannot join the Ray cluster at {address!r} ({str(e).splitlines()[0] if str(e) else type(e).__name__}); "
