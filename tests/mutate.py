@@ -40,7 +40,7 @@ MODULES: dict[str, list[str]] = {  # in the order `make mutate` runs them: quick
                        "tests/core/test_protocol_passes.py", "tests/core/test_protocol_schema3.py",
                        "tests/core/test_protocol_schema4.py", "tests/core/test_protocol_schema5.py",
                        "tests/core/test_protocol_schema6.py", "tests/core/test_protocol_weights.py",
-                       "tests/core/test_protocol_bounds.py"],
+                       "tests/core/test_protocol_bounds.py", "tests/core/test_protocol_scored.py"],
 }
 
 # What the tests read besides packbench/ and tests/ (protocols/quickstart.yaml, bench/audit.py's

@@ -39,6 +39,17 @@ class Clock:
         self.now += timedelta(seconds=seconds)
 
 
+@pytest.fixture(autouse=True)
+def fresh_claim_statements():
+    """Every test builds the claim statements it uses: `db/queue.py` caches them once built
+    (functools.lru_cache), and mutation testing forks each mutant from a process whose earlier
+    tests filled the cache, so a mutant of the statement's builder would never be run."""
+    from packbench.db import queue as q
+
+    q._claim_statement.cache_clear()
+    q._pg_claim_statement.cache_clear()
+
+
 @pytest.fixture
 def clock() -> Clock:
     return Clock()
