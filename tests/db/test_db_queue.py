@@ -659,3 +659,22 @@ def test_names_keys_and_resources_json():
     assert len(keys) == 50 and all(len(k) == 32 and int(k, 16) >= 0 for k in keys)
     assert resources_json({"b": 1.0, "a": 2}) == '{"a":2,"b":1.0}' == resources_json({"a": 2, "b": 1.0})
     assert resources_json({}) is None and resources_json(None) is None
+
+
+@pytest.mark.parametrize("call, noun", [
+    (lambda q: q.heartbeat(999_999, []), "dispatcher"),
+    (lambda q: q.stop_dispatcher(999_999), "dispatcher"),
+    (lambda q: q.place_attempt(999_999, worker="w"), "attempt"),
+    (lambda q: q.renew_lease(999_999, 60.0), "attempt"),
+    (lambda q: q.release(999_999, "shutting down"), "attempt"),
+    (lambda q: q.finish_attempt(999_999, status="done"), "attempt"),
+    (lambda q: q.start_attempt(screen_id=999_999, worker="w", node="n", gpu_name="g", gpu_index=0, machine_id="m",
+                               source_freeze={}, archive_path="a.zip"), "screen"),
+])
+def test_an_id_that_does_not_exist_is_not_found_naming_what_was_looked_for(queue, call, noun):
+    """Every call that takes a dispatcher, attempt or screen id refuses one that does not exist with
+    one line naming the kind of row and the id (catches a lookup that names the wrong thing, or
+    none, and a missing row treated as a no-op)."""
+    with pytest.raises(NotFound) as e:
+        call(queue)
+    assert str(e.value) == f"no {noun} with id 999999; list screens with `packbench screens list`"
