@@ -2,8 +2,9 @@
 # One device call (issue 48): the offloading peers beside exact packets, through `packbench submit
 # --wait` and `packbench audit`, on calibrated synthetic OPT (SHAPE, default opt-2.7b, fp16, profile
 # opt): dense-stream (the reference), packet and phase-switched ({gather: device}, engine mode graph),
-# accelerate and zero-inference (DeepSpeed ZeRO-3, parameters in pinned host memory, DeepSpeed's
-# ZeRO-Inference settings: engine/zero_inference.py ds_config), every competitor in its one mode
+# accelerate and zero-inference (DeepSpeed ZeRO-3, parameters in pinned host memory, partitioned
+# before deepspeed.initialize, prefetch bucket and live parameters from the allowance, reuse distance
+# 0: engine/zero_inference.py ZeroBudget; its configuration is printed above the table), every competitor in its one mode
 # (eager). Two screens: batch 1 (PROMPTS x PREFIX + 16, ALLOWANCE MiB: the latency configuration)
 # and, per entry of BATCHES, batch B (B prompts x BATCH_PREFIX + 16, BATCH_ALLOWANCE MiB: the
 # throughput configuration; docs/experiments/batched.md: per-token time falls with the batch up to
@@ -123,6 +124,16 @@ for screen in sorted(s.list_screens(), key=lambda x: x.id):
     for e in eps:
         if e.status != "ok":
             print(f"  {data.protocol.body['name']}: episode {e.plan_index} {e.condition} failed: {(e.error or '')[:300]}")
+    offload = next((e.record.get("offload") for e in data.episodes
+                    if e.record.get("condition") == "zero-inference" and e.record.get("offload")), None)
+    if offload:  # the configuration zero-inference ran with, and the allowance's arithmetic behind it
+        zo, b = offload["ds_config"]["zero_optimization"], offload.get("budget") or {}
+        print(f"  {data.protocol.body['name']}: zero-inference max_live/prefetch {zo['stage3_max_live_parameters']}"
+              f"/{zo['stage3_prefetch_bucket_size']} elements, reuse {zo.get('stage3_max_reuse_distance', 'default')}, "
+              f"gather budget {b.get('gather_bytes', 0) / 2**20:.0f} MiB, needs {b.get('needed_bytes', 0) / 2**20:.0f} MiB, "
+              f"context {b.get('context', 0) / 2**20:.0f} MiB, KV {b.get('kv', 0) / 2**20:.0f} MiB, "
+              f"activations {b.get('activations', 0) / 2**20:.0f} MiB, device after partitioning "
+              f"{offload.get('device_bytes', 0) / 2**20:.0f} MiB")
     for r in serving_rows(data):
         c = r["condition"]
         ok = [x for x in eps if x.condition == c and x.role == "scored" and x.status == "ok"]
