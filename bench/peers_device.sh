@@ -23,7 +23,7 @@
 #   bash bench/peers_device.sh
 # Knobs: SHAPE, PROMPTS (2), PREFIX (512), ALLOWANCE (4800), BATCHES ("32"; "" for none), BATCH_PREFIX (64),
 # BATCH_ALLOWANCE (5700), CONDITIONS (the five names above), SKIP_B1 (no batch-1 screen), SKIP_FLEXGEN,
-# FLEXGEN_BATCHES ("8,32"), CONT (16), SCREEN_TIMEOUT (300), DEADLINE (560). A batch-B screen plans B
+# FLEXGEN_BATCHES ("8,32"), SKIP_ZI_TEST (no zero-inference CUDA test), CONT (16), SCREEN_TIMEOUT (300), DEADLINE (560). A batch-B screen plans B
 # scored episodes per condition (one starting at each prompt), so batch 32 is the long one: where one
 # call cannot hold everything, split it (docs/experiments/competitors.md, "The H200 run"):
 #   BATCHES= bash bench/peers_device.sh                          # batch 1 + FlexGen's sweep
@@ -86,6 +86,13 @@ screen() {  # name batch prompts prefix allowance
 }
 [ -n "${SKIP_B1:-}" ] || screen peers-b1 1 "${PROMPTS:-2}" "${PREFIX:-512}" "${ALLOWANCE:-4800}"
 for b in ${BATCHES-32}; do screen "peers-b$b" "$b" "$b" "${BATCH_PREFIX:-64}" "${BATCH_ALLOWANCE:-5700}"; done
+# zero-inference's CUDA test (its own process: DeepSpeed binds its accelerator at first import): built
+# under an allowance below the model's bytes, it decodes within it, logits dense-stream's.
+if [ -z "${TINY:-}" ] && [ -z "${SKIP_ZI_TEST:-}" ]; then
+  timeout 150 python3 -m pytest -q -m "deepspeed and gpu" -p no:cacheprovider tests/engine/test_zero_inference_cuda.py \
+    > "$out/zi-cuda-test.log" 2>&1
+  echo "== zero-inference CUDA test: rc $?"; grep -E "passed|failed|Error|assert" "$out/zi-cuda-test.log" | tail -6
+fi
 # FlexGen last: it converts the checkpoint to its own layout (a second copy on disk) and may fail.
 ck=$(ls -d "$PACKBENCH_MODEL_CACHE"/*/ 2>/dev/null | head -1)
 left=$(( ${DEADLINE:-560} - ($(date +%s) - start) - 25 ))
