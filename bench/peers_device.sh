@@ -2,8 +2,9 @@
 # One device call (issue 48): the offloading peers beside exact packets, through `packbench submit
 # --wait` and `packbench audit`, on calibrated synthetic OPT (SHAPE, default opt-2.7b, fp16, profile
 # opt): dense-stream (the reference), packet and phase-switched ({gather: device}, engine mode graph),
-# accelerate and zero-inference (DeepSpeed ZeRO-3, parameters in pinned host memory, DeepSpeed's
-# ZeRO-Inference settings: engine/zero_inference.py ds_config), every competitor in its one mode
+# accelerate and zero-inference (DeepSpeed ZeRO-3, parameters in pinned host memory, partitioned
+# before deepspeed.initialize, prefetch bucket and live parameters from the allowance, reuse distance
+# 0: engine/zero_inference.py ZeroBudget; its configuration is printed above the table), every competitor in its one mode
 # (eager). Two screens: batch 1 (PROMPTS x PREFIX + 16, ALLOWANCE MiB: the latency configuration)
 # and, per entry of BATCHES, batch B (B prompts x BATCH_PREFIX + 16, BATCH_ALLOWANCE MiB: the
 # throughput configuration; docs/experiments/batched.md: per-token time falls with the batch up to
@@ -22,7 +23,7 @@
 #   bash bench/peers_device.sh
 # Knobs: SHAPE, SCORED (1: scored batches a condition at batch > 1), BATCH_CONT (8: their continuation), PROMPTS (2), PREFIX (512), ALLOWANCE (4800), BATCHES ("32"; "" for none), BATCH_PREFIX (64),
 # BATCH_ALLOWANCE (5700), CONDITIONS (the five names above), SKIP_B1 (no batch-1 screen), SKIP_FLEXGEN,
-# FLEXGEN_BATCHES ("8,32"), CONT (16), SCREEN_TIMEOUT (300), DEADLINE (560). A batch-B screen plans B
+# FLEXGEN_BATCHES ("8,32"), SKIP_ZI_TEST (no zero-inference CUDA test), CONT (16), SCREEN_TIMEOUT (300), DEADLINE (560). A batch-B screen plans B
 # scored episodes per condition (one starting at each prompt), so batch 32 is the long one: where one
 # call cannot hold everything, split it (docs/experiments/competitors.md, "The H200 run"):
 #   BATCHES= bash bench/peers_device.sh                          # batch 1 + FlexGen's sweep
@@ -89,6 +90,13 @@ screen() {  # name batch prompts prefix allowance
 # Batched screens decode BATCH_CONT (8) tokens: 5 conditions x 2 episodes x 32 sequences' logits then
 # stay within the audit's 640 MiB bound (16 tokens would be 982 MiB: tests/cli/test_archive_estimate.py).
 for b in ${BATCHES-32}; do CONT=${BATCH_CONT:-8} screen "peers-b$b" "$b" "$b" "${BATCH_PREFIX:-64}" "${BATCH_ALLOWANCE:-5700}"; done
+# zero-inference's CUDA test (its own process: DeepSpeed binds its accelerator at first import): built
+# under an allowance below the model's bytes, it decodes within it, logits dense-stream's.
+if [ -z "${TINY:-}" ] && [ -z "${SKIP_ZI_TEST:-}" ]; then
+  timeout 150 python3 -m pytest -q -m "deepspeed and gpu" -p no:cacheprovider tests/engine/test_zero_inference_cuda.py \
+    > "$out/zi-cuda-test.log" 2>&1
+  echo "== zero-inference CUDA test: rc $?"; grep -E "passed|failed|Error|assert" "$out/zi-cuda-test.log" | tail -6
+fi
 # FlexGen last: it converts the checkpoint to its own layout (a second copy on disk) and may fail.
 ck=$(ls -d "$PACKBENCH_MODEL_CACHE"/*/ 2>/dev/null | head -1)
 left=$(( ${DEADLINE:-560} - ($(date +%s) - start) - 25 ))
@@ -127,6 +135,16 @@ for screen in sorted(s.list_screens(), key=lambda x: x.id):
     for e in eps:
         if e.status != "ok":
             print(f"  {data.protocol.body['name']}: episode {e.plan_index} {e.condition} failed: {(e.error or '')[:300]}")
+    offload = next((e.record.get("offload") for e in data.episodes
+                    if e.record.get("condition") == "zero-inference" and e.record.get("offload")), None)
+    if offload:  # the configuration zero-inference ran with, and the allowance's arithmetic behind it
+        zo, b = offload["ds_config"]["zero_optimization"], offload.get("budget") or {}
+        print(f"  {data.protocol.body['name']}: zero-inference max_live/prefetch {zo['stage3_max_live_parameters']}"
+              f"/{zo['stage3_prefetch_bucket_size']} elements, reuse {zo.get('stage3_max_reuse_distance', 'default')}, "
+              f"gather budget {b.get('gather_bytes', 0) / 2**20:.0f} MiB, needs {b.get('needed_bytes', 0) / 2**20:.0f} MiB, "
+              f"context {b.get('context', 0) / 2**20:.0f} MiB, KV {b.get('kv', 0) / 2**20:.0f} MiB, "
+              f"activations {b.get('activations', 0) / 2**20:.0f} MiB, device after partitioning "
+              f"{offload.get('device_bytes', 0) / 2**20:.0f} MiB")
     for r in serving_rows(data):
         c = r["condition"]
         ok = [x for x in eps if x.condition == c and x.role == "scored" and x.status == "ok"]

@@ -268,6 +268,7 @@ class Worker:
         self.reference, self.reference_runs = protocol.reference, {}
         self.path, self.dtype, self.capacity = path, dtype_of(protocol.dtype), protocol.prefix_tokens + protocol.continuation_tokens
         self.context = context
+        self.batch = protocol.batch  # sequences decoded together: a competitor sizes its KV cache by it
         self.continuation = protocol.continuation_tokens
         self._prepare(protocol)
         s = self.model.start

@@ -10,10 +10,20 @@ them after. The arithmetic is stock OPT's on the same device, so its logits may 
 bit for bit: on the CPU they are (tests/engine/test_zero_inference.py); the faithfulness gate
 decides on the GPU.
 
-The configuration is DeepSpeed's own for ZeRO-Inference (DeepSpeedExamples,
-inference/huggingface/zero_inference/run_model.py): prefetch bucket and live parameters
-2 x hidden^2, persistence threshold `hidden` (vectors below it stay on the device), pinned host
-memory. It is written into every episode record (`ZeroStats.ds_config`).
+The model is partitioned before `deepspeed.initialize` (`deepspeed.zero.Init(module=...)`, what
+DeepSpeedExamples' inference/huggingface/zero_inference/run_model.py gets by building the model
+under `HfDeepSpeedConfig`): handed an unpartitioned module, initialize first moves the whole model
+onto the device (`_configure_distributed_model`), which no allowance below the model holds.
+
+The configuration keeps DeepSpeed's own prefetching and pinned host memory, persistence threshold
+`hidden` (vectors below it stay on the device), and sizes it from the protocol's allowance
+(`ZeroBudget`): what is left after the CUDA context, persistent parameters, the KV cache and one
+call's activations is the gathered-parameter budget; live parameters and prefetch bucket are that
+budget less the largest module (the tied embedding, which DeepSpeed fetches whatever the limit
+says), reuse distance 0. An allowance below that minimum is refused in one line naming the
+allowance it needs. Without an allowance it is DeepSpeedExamples' latency setting (prefetch
+bucket and live parameters 2 x hidden^2). Both the configuration and the arithmetic are written
+into every episode record (`ZeroStats.ds_config`, `ZeroStats.budget`).
 
 Bytes are COUNTED, not estimated: the coordinator's gather of a set of parameters
 (`PartitionedParameterCoordinator.__all_gather_params_`, fetches and prefetches alike) is wrapped
@@ -77,19 +87,107 @@ def library(device: torch.device):
     return ds
 
 
-def ds_config(*, hidden: int, dtype: torch.dtype, pin_memory: bool) -> dict:
-    """DeepSpeed's ZeRO-Inference configuration for batch-1 latency (module docstring), a plain dict."""
+MIB = 1 << 20
+SLACK = 64 * MIB  # the CUDA caching allocator's rounding and the collectives' buffers, beside the estimate
+
+
+@dataclass(frozen=True)
+class ZeroBudget:
+    """What the allowance leaves DeepSpeed for gathered parameters, and the configuration derived
+    from it (every number in bytes unless it says elements; written into every episode record).
+
+    DeepSpeed fetches a module's own parameters whenever it runs, whatever `stage3_max_live_parameters`
+    says; the limit only stops prefetching. So the gathered parameters of a call stay within
+    `max_live + largest module` elements, and the live limit is the budget less the largest
+    module (OPT's token embedding, gathered again by the tied `lm_head`). The prefetch bucket may
+    take all of it (DeepSpeed's own prefetching, as large as the allowance lets it run ahead).
+    Reuse distance 0: a parameter is freed as soon as its module ran (DeepSpeed's default, 1e9
+    elements, keeps the tied embedding gathered through the whole call of a model under 1e9)."""
+
+    allowance: int
+    context: int  # the CUDA context (measured by the worker); 0 on the CPU
+    held: int  # what the worker holds on the device beside this model
+    persistent: int  # parameters of at most `threshold` elements: DeepSpeed keeps them on the device
+    kv: int  # the episode's KV cache at its batch
+    activations: int  # one call's activations at its batch (estimate), plus SLACK on CUDA
+    largest_module: int  # elements: the largest set of parameters one module fetches
+    element_bytes: int
+    threshold: int  # stage3_param_persistence_threshold, elements
+
+    @property
+    def gather_bytes(self) -> int:
+        """What is left for gathered parameters at the peak of a call."""
+        return self.allowance - self.context - self.held - self.persistent - self.kv - self.activations
+
+    @property
+    def needed(self) -> int:
+        """The smallest allowance DeepSpeed can run in: the largest module gathered, nothing prefetched."""
+        return self.allowance - self.gather_bytes + self.largest_module * self.element_bytes
+
+    @property
+    def max_live(self) -> int:
+        return self.gather_bytes // self.element_bytes - self.largest_module
+
+    def as_dict(self) -> dict:
+        return {**asdict(self), "gather_bytes": self.gather_bytes, "needed_bytes": self.needed,
+                "max_live_parameters": self.max_live}
+
+
+def activation_bytes(config, capacity: int, batch: int, dtype: torch.dtype) -> int:
+    """One call's activations, at most: a prefill of `capacity` tokens of each of `batch` sequences
+    (hidden states, query/key/value and the FFN's hidden, eager attention's scores; logits of one
+    position, float32)."""
+    e = torch.finfo(dtype).bits // 8
+    t = capacity * batch
+    return (t * (6 * config.hidden_size + config.ffn_dim) * e
+            + batch * config.num_attention_heads * capacity * capacity * e * 2 + batch * config.vocab_size * 4)
+
+
+def budget(model: torch.nn.Module, config, *, dtype: torch.dtype, allowance: int, context: int, held: int,
+           capacity: int, batch: int, cuda: bool) -> ZeroBudget:
+    """`model`'s budget under `allowance` (ZeroBudget); `model` not yet partitioned."""
+    from packbench.engine.accelerate import kv_bytes
+
+    threshold = config.hidden_size
+    seen = {id(p): p for p in model.parameters()}.values()
+    persistent = sum(p.numel() * p.element_size() for p in seen if p.numel() <= threshold)
+    largest = max(sum(p.numel() for p in m.parameters(recurse=False) if p.numel() > threshold)
+                  for m in model.modules())
+    return ZeroBudget(allowance=allowance, context=context, held=held, persistent=persistent,
+                      kv=kv_bytes(config, capacity, dtype) * batch,
+                      activations=activation_bytes(config, capacity, batch, dtype) + (SLACK if cuda else 0),
+                      largest_module=largest, element_bytes=torch.finfo(dtype).bits // 8, threshold=threshold)
+
+
+class AllowanceTooSmall(ZeroInferenceUnavailable):
+    """The allowance cannot hold DeepSpeed's minimum (one line, naming the allowance it needs)."""
+
+
+def ds_config(*, hidden: int, dtype: torch.dtype, pin_memory: bool, plan: ZeroBudget | None = None) -> dict:
+    """DeepSpeed's ZeRO-Inference configuration, a plain dict. With `plan`, prefetch bucket and live
+    parameters from the allowance (ZeroBudget) and reuse distance 0; without, DeepSpeedExamples'
+    latency settings (2 x hidden^2 for both, reuse distance left at DeepSpeed's default)."""
+    zero = {
+        "stage": 3,
+        "offload_param": {"device": "cpu", "pin_memory": pin_memory},
+        "stage3_prefetch_bucket_size": 2 * hidden * hidden,
+        "stage3_param_persistence_threshold": hidden,
+        "stage3_max_live_parameters": 2 * hidden * hidden,
+    }
+    if plan is not None:
+        if plan.max_live < 0:
+            raise AllowanceTooSmall(
+                f"condition policy zero-inference needs an allowance of at least {-(-plan.needed // MIB)} MiB "
+                f"(the largest module's {plan.largest_module} parameters gathered beside the KV cache, "
+                f"activations and persistent parameters), the protocol gives {plan.allowance // MIB} MiB: "
+                f"raise allowance_mib or drop the condition")
+        zero.update(stage3_prefetch_bucket_size=plan.max_live, stage3_max_live_parameters=plan.max_live,
+                    stage3_max_reuse_distance=0, stage3_param_persistence_threshold=plan.threshold)
     return {
         "train_micro_batch_size_per_gpu": 1,
         "fp16": {"enabled": dtype == torch.float16},
         "bf16": {"enabled": dtype == torch.bfloat16},
-        "zero_optimization": {
-            "stage": 3,
-            "offload_param": {"device": "cpu", "pin_memory": pin_memory},
-            "stage3_prefetch_bucket_size": 2 * hidden * hidden,
-            "stage3_param_persistence_threshold": hidden,
-            "stage3_max_live_parameters": 2 * hidden * hidden,
-        },
+        "zero_optimization": zero,
         "steps_per_print": 1 << 30,
         "wall_clock_breakdown": False,
     }
@@ -168,6 +266,7 @@ class ZeroStats:
     library_version: str
     load_s: float  # host read + partitioning, to the last synchronisation
     ds_config: dict  # the DeepSpeed configuration, verbatim
+    budget: dict | None  # ZeroBudget.as_dict(): the allowance's arithmetic behind ds_config (None: no allowance)
     device_bytes: int  # what the device holds after partitioning (persistent parameters), measured
     offloaded_bytes: int  # the host partitions of every parameter, each once
 
@@ -181,7 +280,8 @@ class ZeroInferenceModel:
     mode = "eager"
     can_shelve = False
 
-    def __init__(self, model_dir: Path, *, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, model_dir: Path, *, dtype: torch.dtype, device: torch.device, allowance_bytes: int | None = None,
+                 context_bytes: int = 0, capacity: int = 0, batch: int = 1) -> None:
         ds = library(device)
         cuda = device.type == "cuda"
         t0 = time.perf_counter()
@@ -190,8 +290,18 @@ class ZeroInferenceModel:
         model = stock_model(weights, vars(self.config)).eval()
         hidden = self.config.hidden_size
         before = torch.cuda.memory_allocated(device) if cuda else 0
-        self.ds_config = ds_config(hidden=hidden, dtype=dtype, pin_memory=cuda)  # pinning needs a device
+        self.budget = None if allowance_bytes is None else budget(
+            model, self.config, dtype=dtype, allowance=allowance_bytes, context=context_bytes, held=before,
+            capacity=capacity, batch=batch, cuda=cuda)
+        # pinning needs a device; AllowanceTooSmall (one line) where the allowance cannot hold DeepSpeed's minimum
+        self.ds_config = ds_config(hidden=hidden, dtype=dtype, pin_memory=cuda, plan=self.budget)
         init_process_group(ds, device)
+        # Partition first, as ZeRO-Inference's users do (DeepSpeedExamples' run_model.py builds the model
+        # under HfDeepSpeedConfig, i.e. deepspeed.zero.Init): each parameter goes to its pinned host
+        # partition one at a time. Handed an unpartitioned module, deepspeed.initialize moves the whole
+        # model onto the device first (engine._configure_distributed_model: module.to(device)), which
+        # no allowance below the model's size holds: on the H200 it filled 3.91 of 3.95 GiB and failed.
+        ds.zero.Init(module=model, config_dict_or_path=self.ds_config, remote_device="cpu", pin_memory=cuda)
         engine = ds.initialize(model=model, config_params=self.ds_config)[0]
         engine.module.eval()
         if cuda:
@@ -213,6 +323,7 @@ class ZeroInferenceModel:
         seen = {id(p): p for p in self._model.parameters()}
         self.stats = ZeroStats(
             library_version=ds.__version__, load_s=time.perf_counter() - t0, ds_config=self.ds_config,
+            budget=None if self.budget is None else self.budget.as_dict(),
             device_bytes=(torch.cuda.memory_allocated(device) - before) if cuda else 0,
             offloaded_bytes=sum(p.ds_tensor.numel() * p.ds_tensor.element_size() for p in seen.values()))
 

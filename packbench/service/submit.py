@@ -191,7 +191,14 @@ def check_family(frozen: FrozenProtocol) -> None:
                                  model=f"checkpoint {model_dir}")
         if refusal:
             raise ProtocolError(f"protocol field `{refusal[0]}`: {refusal[1]}")
+        from packbench.core.conditions.zero_inference import allowance_refusal
+
         for i, c in enumerate(p.conditions):
+            if c.policy == "zero-inference" and "hidden_size" in config:
+                refusal = allowance_refusal(config, dtype=p.dtype, capacity=p.prefix_tokens + p.continuation_tokens,
+                                            batch=p.batch, allowance_bytes=p.allowance_bytes)
+                if refusal:
+                    raise ProtocolError(f"protocol field `allowance_mib`: {refusal}")
             if c.resolved_params.get("gather") == "mapped":
                 raise ProtocolError(f"protocol field `conditions[{i}].params.gather`: mapped gathers an MoE model's "
                                     f"experts; checkpoint {model_dir} is OPT, whose device gather already reads mapped "

@@ -186,20 +186,81 @@ def test_submit_wait_runs_and_audits_a_zero_inference_screen(tmp_path, tiny, pac
     assert audit.returncode == 0, audit.stdout[-2000:] + audit.stderr[-2000:]
 
 
-def test_the_memory_probe_reports_the_gathered_peak_per_variant(tiny):
-    """bench/zero_memory_probe.py, the CPU twin of the H200 probe: each variant in its own process,
-    one JSON line each, the variant's configuration as run, and a gathered peak that is positive
-    and at most the model's parameters (catches a probe that counts nothing, or counts a parameter
-    twice: the tied embedding is one parameter)."""
-    r = subprocess.run([sys.executable, "-m", "bench.zero_memory_probe", str(tiny), "--variants", "default,small",
-                        "--prefix", "8", "--decode", "2"], capture_output=True, text=True, cwd=ROOT, timeout=300)
-    assert r.returncode == 0, r.stderr
-    rows = [json.loads(line) for line in r.stdout.splitlines()]
-    assert [row["variant"] for row in rows] == ["default", "small"]
-    assert "stage3_max_reuse_distance" not in rows[0]["config"]
-    assert rows[1]["config"]["stage3_max_reuse_distance"] == 0 and rows[1]["config"]["stage3_prefetch_bucket_size"] == 0
-    for row in rows:
-        assert "error" not in row, row
-        for phase in ("prefill", "decode"):
-            assert 0 < row[phase]["gathered"] <= row["parameters"], row
-            assert row[phase]["gathered_at"].startswith("enter ")
+def _peak_gathered(model, calls) -> int:
+    """The most parameter elements DeepSpeed held gathered (available or in flight, persistent ones
+    aside) at any module boundary of the last of `calls` (token-id lists, one cache)."""
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+    params = list({id(p): p for p in model._model.parameters()}.values())
+    peak = [0]
+
+    def hook(*_):
+        peak[0] = max(peak[0], sum(p.ds_numel for p in params
+                                   if p.ds_status != ZeroParamStatus.NOT_AVAILABLE and not p.ds_persist))
+
+    handles = [h for m in model._model.modules() for h in (m.register_forward_pre_hook(hook), m.register_forward_hook(hook))]
+    cache = model.new_cache()
+    for ids in calls:
+        peak[0] = 0
+        model.forward(torch.tensor([ids]), cache)
+    for h in handles:
+        h.remove()
+    return peak[0]
+
+
+def test_a_decode_call_gathers_no_more_than_the_allowance_leaves(tiny):
+    """The configuration derived from the allowance bounds what a decode call holds gathered: its
+    peak is within the budget (allowance less KV cache, activations and persistent parameters).
+    DeepSpeedExamples' settings (live parameters and prefetch at 2 x hidden^2, reuse distance 1e9)
+    go over the same budget: the tied embedding stays gathered through the call while the next
+    layers are prefetched. And the model is partitioned before deepspeed.initialize: handed an
+    unpartitioned module, initialize moved the whole model onto the device first (module.to), the
+    out-of-memory of every episode on the H200. Logits stay dense-stream's bit for bit."""
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    from packbench.engine.opt_weights import stock_model
+    from packbench.engine.checkpoint import build_weights
+    from packbench.engine.zero_inference import ZeroInferenceModel, budget
+
+    cpu = torch.device("cpu")
+    weights = build_weights(tiny, dtype=torch.float32)
+    hidden = weights.config.hidden_size
+    probe = budget(stock_model(weights, vars(weights.config)), weights.config, dtype=torch.float32, allowance=0,
+                   context=0, held=0, capacity=22, batch=1, cuda=False)
+    allowance = probe.needed + 2 * hidden * hidden * 4  # room for one prefetch bucket of DeepSpeed's own size
+    partitioned = []
+    real = DeepSpeedEngine._configure_distributed_model
+
+    def spy(self, model):
+        partitioned.append(all(hasattr(p, "ds_id") for p in model.parameters()))
+        return real(self, model)
+
+    DeepSpeedEngine._configure_distributed_model = spy
+    try:
+        z = ZeroInferenceModel(tiny, dtype=torch.float32, device=cpu, allowance_bytes=allowance, capacity=22)
+    finally:
+        DeepSpeedEngine._configure_distributed_model = real
+    assert partitioned == [True]
+    calls = [list(range(4, 20)), [5], [6]]
+    b = z.budget
+    assert b.largest_module == weights.config.vocab_size * hidden  # OPT's tied token embedding
+    assert 0 < _peak_gathered(z, calls) * 4 <= b.gather_bytes
+    zo = z.stats.ds_config["zero_optimization"]
+    assert zo["stage3_max_reuse_distance"] == 0 and zo["stage3_max_live_parameters"] == b.max_live
+    assert z.stats.budget["gather_bytes"] == b.gather_bytes
+    today = ZeroInferenceModel(tiny, dtype=torch.float32, device=cpu)  # DeepSpeedExamples' settings, no allowance
+    assert _peak_gathered(today, calls) * 4 > b.gather_bytes  # the bound above can fail
+    ref = CpuFirstModel(tiny, dtype=torch.float32, device=cpu)
+    ref.use("dense-stream")
+    a, r = run_episode(z, calls[0], continuation=6), run_episode(ref, calls[0], continuation=6)
+    assert np.array_equal(a.logits, r.logits) and a.tokens == r.tokens
+
+
+def test_an_allowance_below_deepspeeds_minimum_is_refused_naming_the_allowance_it_needs(tiny):
+    """Below one module's gathered parameters beside the KV cache and activations, DeepSpeed cannot
+    run: one line naming the allowance that would do, before anything is partitioned."""
+    from packbench.engine.zero_inference import AllowanceTooSmall, ZeroInferenceModel
+
+    with pytest.raises(AllowanceTooSmall, match=r"needs an allowance of at least \d+ MiB") as e:
+        ZeroInferenceModel(tiny, dtype=torch.float32, device=torch.device("cpu"), allowance_bytes=1 << 10, capacity=22)
+    assert "\n" not in str(e.value)

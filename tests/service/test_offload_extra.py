@@ -34,3 +34,40 @@ def test_a_present_deepspeed_is_not_refused(monkeypatch, tiny):
     monkeypatch.setattr(importlib.util, "find_spec",
                         lambda name, *a: object() if name == "deepspeed" else real(name, *a))
     check_libraries(_frozen("zero-inference", tiny).protocol)
+
+
+def test_an_allowance_below_deepspeeds_minimum_is_refused_at_validate_naming_the_allowance_it_needs(tiny):
+    """validate/plan/submit (check_family) refuse a zero-inference condition whose allowance cannot
+    hold the token embedding gathered beside the KV cache and activations, in one line naming the
+    allowance that would do; the torch-free minimum is the worker's own (engine ZeroBudget.needed on
+    the CPU, where there is no context), so the two never disagree about a protocol."""
+    import torch
+
+    from packbench.core.conditions.zero_inference import allowance_refusal, minimum_allowance
+    from packbench.engine.checkpoint import build_weights
+    from packbench.engine.config import read_config
+    from packbench.engine.opt_weights import stock_model
+    from packbench.engine.zero_inference import budget
+    from packbench.service.submit import check_family
+
+    config = read_config(tiny)
+    need = minimum_allowance(config, dtype="float32", capacity=10, batch=1)
+    w = build_weights(tiny, dtype=torch.float32)
+    engine = budget(stock_model(w, vars(w.config)), w.config, dtype=torch.float32, allowance=0, context=0, held=0,
+                    capacity=10, batch=1, cuda=False)
+    assert need == engine.needed
+    check_family(_frozen("zero-inference", tiny))  # 64 MiB holds a tiny model
+    refusal = allowance_refusal(config, dtype="float32", capacity=10, batch=1, allowance_bytes=need - 1)
+    assert refusal and "\n" not in refusal and f"at least {-(-need // (1 << 20))} MiB" in refusal
+    assert allowance_refusal(config, dtype="float32", capacity=10, batch=1, allowance_bytes=need) is None
+
+
+def test_validate_refuses_zero_inference_on_an_opt_125m_under_64_mib(checkpoint_125m):
+    """The refusal reaches the protocol: OPT-125m's token embedding alone (38.6M float32 values,
+    147 MiB) is over 64 MiB, so the protocol is refused before anything is queued."""
+    from packbench.service.submit import check_family
+
+    with pytest.raises(ProtocolError, match=r"allowance_mib.*zero-inference needs an allowance of at least \d+ MiB") as e:
+        check_family(_frozen("zero-inference", checkpoint_125m))
+    assert "\n" not in str(e.value)
+    check_family(_frozen("accelerate", checkpoint_125m))  # only zero-inference is refused

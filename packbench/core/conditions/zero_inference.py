@@ -9,6 +9,38 @@ from packbench.core.conditions.base import MODE_PARAM, CallInputs, Competitor, C
 
 LIBRARY = "deepspeed"
 EXTRA = "offload"  # pyproject.toml's [offload] extra brings it
+MIB = 1 << 20
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+
+def minimum_allowance(config: Mapping[str, Any], *, dtype: str, capacity: int, batch: int) -> int:
+    """The smallest allowance DeepSpeed's ZeRO-3 offload can run an OPT `config` (config.json) in,
+    the CUDA context aside: the largest module's parameters gathered (the tied token embedding,
+    vocab x hidden), the KV cache, one call's activations and the persistent vectors (engine/zero_inference.py ZeroBudget,
+    torch-free; the worker adds the measured context and refuses with the same words)."""
+    e = DTYPE_BYTES[dtype]
+    h, f, heads = config["hidden_size"], config["ffn_dim"], config["num_attention_heads"]
+    layers, vocab = config["num_hidden_layers"], config["vocab_size"]
+    kv = 2 * layers * capacity * h * e * batch
+    activations = capacity * batch * (6 * h + f) * e + batch * heads * capacity * capacity * e * 2 + batch * vocab * 4
+    # DeepSpeed keeps every parameter of at most `hidden` elements on the device: per layer the four
+    # attention biases, fc2's bias and two LayerNorms (9 x hidden), and the final LayerNorm
+    persistent = (9 * layers + 2) * h * e
+    return vocab * h * e + kv + activations + persistent
+
+
+def allowance_refusal(config: Mapping[str, Any], *, dtype: str, capacity: int, batch: int,
+                      allowance_bytes: int) -> str | None:
+    """One line where the allowance is below `minimum_allowance`, naming the allowance it needs."""
+    need = minimum_allowance(config, dtype=dtype, capacity=capacity, batch=batch)
+    if allowance_bytes >= need:
+        return None
+    return (f"condition policy zero-inference needs an allowance of at least {-(-need // MIB)} MiB beside the CUDA "
+            f"context (the token embedding's {config['vocab_size'] * config['hidden_size']} parameters gathered "
+            f"beside the KV cache and activations), the protocol gives {allowance_bytes // MIB} MiB: raise "
+            f"allowance_mib or drop the condition")
+
+
 CAPTURE_REFUSAL = "DeepSpeed's ZeRO-3 hooks gather and free each module's parameters in Python on every call"
 
 

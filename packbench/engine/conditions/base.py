@@ -42,6 +42,7 @@ class Holder(Protocol):
     allowance: int  # the protocol's allowance, bytes
     context: int  # the CUDA context's bytes
     capacity: int  # prefix + continuation tokens of an episode
+    batch: int  # sequences decoded together (the protocol's batch)
 
     def hold(self, policy: str, params: dict, runtime: CompetitorRuntime) -> tuple[Any, str]: ...
     def release_competitor(self) -> None: ...
