@@ -217,10 +217,9 @@ class SynthProfile:
     # a group-128 one's only in the groups that hold one (docs/workloads.md, "Robustness").
     salient: tuple[float, float] | None = None
     # Salient channels per Linear as a count, whatever its width (None: `salient`'s share of the width; set,
-    # the share is unused and `salient`'s scale applies).
-    # LLM.int8 finds a handful of outlier feature dims (about 6) at every size from 6.7B on, not a share of
-    # the width: a fixed count keeps a row's range (the largest of its salient entries) the same at every
-    # width, so per-channel RTN grows more robust with size as group-128 does (docs/workloads.md, `opt4`).
+    # the share is unused and `salient`'s scale applies). A fixed count keeps a row's range the same at every
+    # width; tried as a candidate (bench/robustness.py salient_count=N), it did not make per-channel RTN
+    # fall with size on the CPU proxies, so no profile uses it (docs/workloads.md, "A fixed count").
     salient_count: int | None = None
 
     def layer_densities(self, shape: str) -> list[float]:
@@ -248,13 +247,6 @@ PROFILES["opt2"] = dataclasses.replace(PROFILES["opt"], rank=160)
 # a narrower stream: per-channel RTN 3-7x as fragile as group-128 (CPU: 3.2 at opt-125m, 6.6 on an opt-2.7b-wide
 # proxy), as real OPT's 4-7x (docs/workloads.md). 4 is a power of two: the reparameterisation is exact in floats too.
 PROFILES["opt3"] = dataclasses.replace(PROFILES["opt"], rank=60, salient=(0.01, 4.0))
-# `opt3` with a fixed handful of salient channels per Linear (4, x8) instead of 1 % of its width: opt3's
-# share gives a wider row more salient entries, whose largest sets a per-channel quantizer's step, so its
-# per-channel figure stays flat with size (H200: 0.22 / 0.19 / 0.21 at 2.7b / 6.7b / 13b) while group-128's
-# falls with rank / hidden. 4 x8 keeps opt-2.7b's per-channel range about opt3's; 8 is a power of two, so
-# the reparameterisation stays exact in floats. A candidate for the H200 (bench/robustness_device.sh runs it
-# beside opt3), not the default: docs/workloads.md, "`opt4`".
-PROFILES["opt4"] = dataclasses.replace(PROFILES["opt3"], salient=(0.0, 8.0), salient_count=4)
 # Where a profile's response to weight quantization is measured within the targets of real OPT's published
 # figures (engine/robustness.py REAL_OPT; docs/workloads.md, "Robustness"): int8 per-channel <= 0.003 nats,
 # int4 per-channel RTN within 1.5x of GPTQ's figure (opt-125m, 2.7b, 6.7b, 13b), int4 group-128 within 1.5x

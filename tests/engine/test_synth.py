@@ -334,31 +334,29 @@ def test_opt3_on_the_tiny_shape(tmp_path):
     assert within(s["density"]["decode"], PROFILES["opt3"].density["tiny"], 0.3) and s["next_token"]["top1_prob"] > 0.3
 
 
-# ----------------------------------------------------------------------------- a fixed count of salient channels (opt4)
+# ----------------------------------------------------------------------------- a fixed count of salient channels
 
 
-def test_opt4_is_opt3s_function_with_a_fixed_count_of_salient_columns_x8(monkeypatch):
-    """opt4 differs from opt3 in its salient channels only: the same draws, so in float32 the same
-    logits bit for bit (8 is a power of two: the reparameterisation changes exponents only, and both
-    equal the plain model's), hence every activation statistic opt3 meets. Each Linear has exactly
-    `salient_count` columns x8 whatever its width (tiny's fc2 reads 256 channels, q 64), where opt3's
-    count follows the width. Catches a count that still follows the share, a scale not applied, or a
-    change that moves any other weight (the activation statistics would move with it)."""
+def test_a_salient_count_gives_every_linear_that_many_columns_and_keeps_the_function(monkeypatch):
+    """`salient_count` (a candidate's field: opt3+salient=0:8+salient_count=4): the same draws as opt3,
+    so in float32 the same logits bit for bit (8 is a power of two), and each Linear has exactly that
+    many columns x8 whatever its width (tiny's fc2 reads 256 channels, q 64), where opt3's count
+    follows the width. Catches a count that still follows the share, or a change to any other weight;
+    and opt3 itself is untouched by the field existing (its pinned digest, above)."""
     import dataclasses
 
     from packbench.core import registry
     from packbench.engine.synth import profile_model
 
-    p = registry.PROFILES["opt4"]
-    assert p.salient_count == 4 and p.salient[1] == 8.0
-    assert dataclasses.replace(p, salient=registry.PROFILES["opt3"].salient, salient_count=None) == registry.PROFILES["opt3"]
-    monkeypatch.setitem(registry.PROFILES, "plain", dataclasses.replace(p, salient=None, salient_count=None))
-    models = {n: profile_model("tiny", seed=0, profile=n, dtype=torch.float32).eval() for n in ("opt4", "opt3", "plain")}
+    monkeypatch.setitem(registry.PROFILES, "count", dataclasses.replace(registry.PROFILES["opt3"], salient=(0.0, 8.0),
+                                                                         salient_count=4))
+    monkeypatch.setitem(registry.PROFILES, "plain", dataclasses.replace(registry.PROFILES["opt3"], salient=None))
+    models = {n: profile_model("tiny", seed=0, profile=n, dtype=torch.float32).eval() for n in ("count", "opt3", "plain")}
     ids = torch.randint(4, 512, (2, 40), generator=torch.Generator().manual_seed(0))
     with torch.inference_mode():
         logits = {n: m(ids).logits for n, m in models.items()}
-    assert torch.equal(logits["opt4"], logits["plain"]) and torch.equal(logits["opt3"], logits["plain"])
-    s4, sp = models["opt4"].state_dict(), models["plain"].state_dict()
+    assert torch.equal(logits["count"], logits["plain"]) and torch.equal(logits["opt3"], logits["plain"])
+    s4, sp = models["count"].state_dict(), models["plain"].state_dict()
     pre = "model.decoder.layers.0."
     fc1_rows = s4[pre + "fc1.bias"] / sp[pre + "fc1.bias"]
     for reader in ("self_attn.q_proj", "self_attn.out_proj", "fc1", "fc2"):
@@ -368,14 +366,3 @@ def test_opt4_is_opt3s_function_with_a_fixed_count_of_salient_columns_x8(monkeyp
         cols = ratio[0]
         assert torch.equal(ratio, cols.expand_as(ratio)) and set(cols.tolist()) == {1.0, 8.0}, reader
         assert int((cols == 8.0).sum()) == 4, reader
-
-
-def test_opt4_is_deterministic_for_a_seed_and_leaves_opt3_as_published(tmp_path):
-    """The same seed, the same bytes, another seed other bytes; and opt3's pinned digest (test above)
-    is untouched by the count field existing (its default, None, keeps the share)."""
-    a = synth_checkpoint(tmp_path / "a", shape="tiny", dtype="float16", seed=3, profile="opt4")
-    b = synth_checkpoint(tmp_path / "b", shape="tiny", dtype="float16", seed=3, profile="opt4")
-    c = synth_checkpoint(tmp_path / "c", shape="tiny", dtype="float16", seed=4, profile="opt4")
-    o3 = synth_checkpoint(tmp_path / "o", shape="tiny", dtype="float16", seed=3, profile="opt3")
-    assert digest(a) == digest(b) != digest(c) and digest(a) != digest(o3)
-    assert read_config(a)["packbench_synth"] == {"shape": "tiny", "dtype": "float16", "seed": 3, "profile": "opt4"}
