@@ -8,10 +8,11 @@
 # Full logs and JSON under $OUT (or ./robustness-out); the table last. Run from the project root
 # with .whl carried:  bash bench/robustness_device.sh
 #   PROFILES="opt3" (default; several: one after another in each shape's process, the first is the
-#   table's ratio column; "opt3 opt2" takes about twice as long), SHAPES="opt-1.3b opt-2.7b opt-6.7b
+#   table's ratio column; opt3 alone took 204 s on the H200, so two take about 410 s of the 570),
+#   SHAPES="opt-1.3b opt-2.7b opt-6.7b
 #   opt-13b", PROMPTS=8, PREFIX=128, SAMPLED=128, VARIANTS (comma-separated; default every one:
 #   int8-channel,int4-channel,int4-g128,nf4-b64), BUDGET_S=570 (what the runs may take in all).
-#   A candidate beside the profile: PROFILES="opt3 opt3+rank=48+salient=0.01:5" (bench/robustness.py).
+#   A candidate beside the profile: PROFILES="opt3 opt3+salient=0:8+salient_count=4" (bench/robustness.py).
 # CPU dry run: SKIP_WHEELS=1 DEVICE=cpu DTYPE=float32 SHAPES=tiny PROMPTS=2 PREFIX=16 SAMPLED=16 bash bench/robustness_device.sh
 # The byte rows of docs/workloads.md on profile opt2: PROFILE=opt2 ONLY=A bash bench/workloads_device.sh
 set -uo pipefail

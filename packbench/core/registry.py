@@ -216,6 +216,12 @@ class SynthProfile:
     # in trained weights (AWQ: ~1 % salient channels). A per-row quantizer's step grows with them;
     # a group-128 one's only in the groups that hold one (docs/workloads.md, "Robustness").
     salient: tuple[float, float] | None = None
+    # Salient channels per Linear as a count, whatever its width (None: `salient`'s share of the width; set,
+    # the share is unused and `salient`'s scale applies). A fixed count keeps a row's range the same at every
+    # width; a candidate field (bench/robustness.py salient_count=N), no profile uses it yet: on the CPU
+    # proxies 4 x8 left per-channel RTN as flat with size as opt3's, 26 x4 made it fall in part
+    # (docs/workloads.md, "A fixed count").
+    salient_count: int | None = None
 
     def layer_densities(self, shape: str) -> list[float]:
         """Each layer's target density: log-linear from first to last, mean `density[shape]`."""

@@ -299,7 +299,7 @@ def profile_tensors(shape: str, *, seed: int, profile: str, dtype: torch.dtype =
         layer = {**_attention(d, pre, gain),
                  **_ffn(d, p, pre, gain, density, readout=readout_inputs if i == layers - 1 else None)}
         if salient_gen is not None:
-            _salient_channels(layer, pre, salient_gen, *p.salient)
+            _salient_channels(layer, pre, salient_gen, *p.salient, count=p.salient_count)
         sd.update({k: v.to(dtype) for k, v in layer.items()})
         if progress is not None:
             progress(i + 1, layers)
@@ -386,10 +386,10 @@ def _ffn(d: _Draws, p: SynthProfile, pre: str, gain: torch.Tensor, density: floa
 
 
 def _salient_channels(sd: dict[str, torch.Tensor], pre: str, gen: torch.Generator, share: float,
-                      scale: float) -> None:
+                      scale: float, count: int | None = None) -> None:
     """Give one layer's Linears salient input channels, in place and exactly in real arithmetic: in
-    each, a `share` of the input channels (at least one, drawn from `gen`) has its weight column
-    multiplied by `scale`, and what feeds the channel is divided by it:
+    each, a `share` of the input channels (at least one; or `count` of them whatever the width; drawn
+    from `gen`) has its weight column multiplied by `scale`, and what feeds the channel is divided by it:
     - q, k, v read the attention LayerNorm (y = gain * norm(x) + bias: gain and bias divided), fc1
       the FFN's LayerNorm (the same);
     - out_proj reads the attention's mix of values, linear in v_proj's output: v_proj's row and
@@ -401,7 +401,7 @@ def _salient_channels(sd: dict[str, torch.Tensor], pre: str, gen: torch.Generato
 
     def channels(n: int) -> torch.Tensor:
         c = torch.ones(n)
-        c[torch.randperm(n, generator=gen)[:max(1, round(share * n))]] = scale
+        c[torch.randperm(n, generator=gen)[:max(1, round(share * n)) if count is None else min(count, n)]] = scale
         return c
 
     attn = pre + "self_attn."

@@ -332,3 +332,37 @@ def test_opt3_on_the_tiny_shape(tmp_path):
     from packbench.core.registry import PROFILES
 
     assert within(s["density"]["decode"], PROFILES["opt3"].density["tiny"], 0.3) and s["next_token"]["top1_prob"] > 0.3
+
+
+# ----------------------------------------------------------------------------- a fixed count of salient channels
+
+
+def test_a_salient_count_gives_every_linear_that_many_columns_and_keeps_the_function(monkeypatch):
+    """`salient_count` (a candidate's field: opt3+salient=0:8+salient_count=4): the same draws as opt3,
+    so in float32 the same logits bit for bit (8 is a power of two), and each Linear has exactly that
+    many columns x8 whatever its width (tiny's fc2 reads 256 channels, q 64), where opt3's count
+    follows the width. Catches a count that still follows the share, or a change to any other weight;
+    and opt3 itself is untouched by the field existing (its pinned digest, above)."""
+    import dataclasses
+
+    from packbench.core import registry
+    from packbench.engine.synth import profile_model
+
+    monkeypatch.setitem(registry.PROFILES, "count", dataclasses.replace(registry.PROFILES["opt3"], salient=(0.0, 8.0),
+                                                                         salient_count=4))
+    monkeypatch.setitem(registry.PROFILES, "plain", dataclasses.replace(registry.PROFILES["opt3"], salient=None))
+    models = {n: profile_model("tiny", seed=0, profile=n, dtype=torch.float32).eval() for n in ("count", "opt3", "plain")}
+    ids = torch.randint(4, 512, (2, 40), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        logits = {n: m(ids).logits for n, m in models.items()}
+    assert torch.equal(logits["count"], logits["plain"]) and torch.equal(logits["opt3"], logits["plain"])
+    s4, sp = models["count"].state_dict(), models["plain"].state_dict()
+    pre = "model.decoder.layers.0."
+    fc1_rows = s4[pre + "fc1.bias"] / sp[pre + "fc1.bias"]
+    for reader in ("self_attn.q_proj", "self_attn.out_proj", "fc1", "fc2"):
+        ratio = s4[pre + reader + ".weight"] / sp[pre + reader + ".weight"]
+        if reader == "fc1":
+            ratio = ratio / fc1_rows[:, None]
+        cols = ratio[0]
+        assert torch.equal(ratio, cols.expand_as(ratio)) and set(cols.tolist()) == {1.0, 8.0}, reader
+        assert int((cols == 8.0).sum()) == 4, reader
