@@ -27,3 +27,45 @@ product_env() {  # the wheels on the path, and a fresh database, archive and mod
   python3 -m packbench db upgrade > /dev/null
 }
 pb() { python3 -m packbench "$@"; }
+
+# ----------------------------------------------------------------------------- the MoE scripts' preamble
+
+moe_tiny() {  # TINY=1: the CPU-sized run on the tiny MoE shapes (no wheels, no GPU), this checkout's
+  # packbench and a python with torch (PYTHON, else the shared venv's, else python3); a script sets
+  # its own tiny values first, these fill the rest
+  [ -n "${TINY:-}" ] || return 0
+  export SKIP_WHEELS=1 PYTHONPATH=$PWD
+  DEVICE=cpu
+  : "${QWEN_SHAPE:=qwen3-moe-tiny}" "${QWEN_LAYERS:=3}" "${MIXTRAL_SHAPE:=mixtral-tiny}" "${MIXTRAL_LAYERS:=3}"
+  : "${PREFIX:=16}" "${CONT:=4}" "${ALLOWANCE_MIB:=64}"
+  py=${PYTHON:-/work/main/.venv/bin/python}; [ -x "$py" ] || py=python3
+  python3() { command "$py" "$@"; }
+}
+
+moe_begin() {  # after $out is set: TINY's values, the product's environment, the machine; DEV P C ALLOW
+  moe_tiny
+  product_env
+  if command -v nvidia-smi >/dev/null; then device_header; fi
+  DEV=${DEVICE:-cuda}; P=${PREFIX:-128}; C=${CONT:-16}; ALLOW=${ALLOWANCE_MIB:-24576}
+}
+
+moe_specs() {  # one "shape layers" line per shape SHAPES names (default "qwen mixtral")
+  if [[ "${SHAPES:-qwen mixtral}" == *qwen* ]]; then echo "${QWEN_SHAPE:-qwen3-30b-a3b} ${QWEN_LAYERS:-12}"; fi
+  if [[ "${SHAPES:-qwen mixtral}" == *mixtral* ]]; then echo "${MIXTRAL_SHAPE:-mixtral-8x7b} ${MIXTRAL_LAYERS:-4}"; fi
+}
+
+moe_synth() {  # SHAPE LAYERS DIR [DTYPE]: the synthetic checkpoint drawn on $DEV (log $out/SHAPE-synth.log), one line
+  local t0 rc
+  t0=$(date +%s)
+  pb model synth --out "$3" --shape "$1" --dtype "${4:-float16}" --layers "$2" --device "$DEV" > "$out/$1-synth.log" 2>&1
+  rc=$?
+  echo "== $1, $2 layers: synth rc $rc in $(( $(date +%s) - t0 )) s ($(du -sh "$3" | cut -f1))"
+}
+
+log_filter() {  # a run's log without the libraries' warnings and progress bars
+  grep -vE "^W[0-9]|Warn|warn|Loading|Writing|output = func|torchao"
+}
+
+moe_end() {  # the screens' archives beside the logs
+  cp -r "$work/archives" "$out/" 2>/dev/null
+}

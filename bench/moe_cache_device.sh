@@ -17,25 +17,18 @@ set -uo pipefail
 root=$PWD
 out=${OUT:-$root/moe-cache-out}; mkdir -p "$out"
 if [ -n "${TINY:-}" ]; then
-  export SKIP_WHEELS=1 DEVICE=cpu
-  : "${QWEN_SHAPE:=qwen3-moe-tiny}" "${QWEN_LAYERS:=3}" "${QWEN_CAPS:=2 4 8}"
-  : "${MIXTRAL_SHAPE:=mixtral-tiny}" "${MIXTRAL_LAYERS:=3}" "${MIXTRAL_CAPS:=2 4 6}"
-  : "${PREFIX:=16}" "${CONT:=4}" "${ALLOWANCE_MIB:=64}" "${DTYPE:=float32}"
+  : "${QWEN_CAPS:=2 4 8}" "${DTYPE:=float32}"
 fi
 source bench/device_common.sh
-product_env
-command -v nvidia-smi >/dev/null && device_header
-DEV=${DEVICE:-cuda}; P=${PREFIX:-128}; C=${CONT:-16}; ALLOW=${ALLOWANCE_MIB:-24576}; DT=${DTYPE:-float16}
-specs=()
-[ "${ONLY:-qwen}" = qwen ] && specs+=("${QWEN_SHAPE:-qwen3-30b-a3b}|${QWEN_LAYERS:-12}|${QWEN_CAPS:-16 32 64}")
-[ "${ONLY:-mixtral}" = mixtral ] && specs+=("${MIXTRAL_SHAPE:-mixtral-8x7b}|${MIXTRAL_LAYERS:-4}|${MIXTRAL_CAPS:-2 4 6}")
+moe_begin
+DT=${DTYPE:-float16}
+SHAPES=${ONLY:-qwen mixtral}
+mapfile -t specs < <(moe_specs)
 for spec in "${specs[@]}"; do
-  IFS='|' read -r shape layers caps <<< "$spec"
+  set -- $spec; shape=$1; layers=$2; dir=$work/$shape
+  if [ "$shape" = "${QWEN_SHAPE:-qwen3-30b-a3b}" ]; then caps=${QWEN_CAPS:-16 32 64}; else caps=${MIXTRAL_CAPS:-2 4 6}; fi
   set -- $caps; lo=$1; mid=$2; hi=$3
-  dir=$work/$shape
-  t0=$(date +%s)
-  pb model synth --out "$dir" --shape "$shape" --dtype "$DT" --layers "$layers" --device "$DEV" > "$out/$shape-synth.log" 2>&1
-  echo "== $shape, $layers layers: synth rc $? in $(( $(date +%s) - t0 )) s ($(du -sh "$dir" | cut -f1))"
+  moe_synth "$shape" "$layers" "$dir" "$DT"
   cat > "$work/$shape.yaml" <<YAML
 name: moe-cache-$shape-$layers
 model: {path: $dir}
@@ -71,4 +64,4 @@ if [ "$DEV" = cuda ]; then
   timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/engine/test_moe_cache.py > "$out/pytest.log" 2>&1
   echo "pytest rc $?"; grep -E "passed|failed|Error" "$out/pytest.log" | tail -4
 fi
-cp -r "$work/archives" "$out/" 2>/dev/null
+moe_end

@@ -10,27 +10,22 @@
 #      `model stats` on the GPU: the checkpoint's routing beside the published figures;
 #   B. the same policies through `packbench submit --wait` under a 24 GiB allowance, then `audit`.
 # Run from the project root with .whl carried:  bash bench/moe_device.sh
-# Logs under $OUT (or ./moe-out); ONLY=A or ONLY=B runs one part. A CPU dry run:
-#   SKIP_WHEELS=1 DEVICE=cpu QWEN_SHAPE=qwen3-moe-tiny MIXTRAL_SHAPE=mixtral-tiny QWEN_LAYERS=3 MIXTRAL_LAYERS=3 \
-#   PREFIX=32 CONT=4 bash bench/moe_device.sh
+# Logs under $OUT (or ./moe-out); ONLY=A or ONLY=B runs one part; SHAPES="qwen" or "mixtral" one
+# shape. The CPU-sized version on the tiny shapes (no wheels, no GPU):  TINY=1 bash bench/moe_device.sh
 set -uo pipefail
 root=$PWD
 out=${OUT:-$root/moe-out}; mkdir -p "$out"
 source bench/device_common.sh
-product_env
-command -v nvidia-smi >/dev/null && device_header
-DEV=${DEVICE:-cuda}; P=${PREFIX:-128}; C=${CONT:-16}; ALLOW=${ALLOWANCE_MIB:-24576}
-specs=("${QWEN_SHAPE:-qwen3-30b-a3b} ${QWEN_LAYERS:-12}" "${MIXTRAL_SHAPE:-mixtral-8x7b} ${MIXTRAL_LAYERS:-4}")
+moe_begin
+mapfile -t specs < <(moe_specs)
 for spec in "${specs[@]}"; do
   set -- $spec; shape=$1; layers=$2; dir=$work/$shape
-  t0=$(date +%s)
-  pb model synth --out "$dir" --shape "$shape" --dtype float16 --layers "$layers" --device "$DEV" > "$out/$shape-synth.log" 2>&1
-  echo "== $shape, $layers layers: synth rc $? in $(( $(date +%s) - t0 )) s ($(du -sh "$dir" | cut -f1))"
+  moe_synth "$shape" "$layers" "$dir"
   if [ "${ONLY:-A}" = A ] || [ -z "${ONLY:-}" ]; then
     t0=$(date +%s)
     python3 -m bench.moe --model "$dir" --dtype float16 --prefix "$P" --continuation "$C" --stock > "$out/$shape-engine.log" 2>&1
     echo "-- A: bench.moe rc $? in $(( $(date +%s) - t0 )) s"
-    grep -vE "^W[0-9]|Warn|warn|Loading|Writing|output = func|torchao" "$out/$shape-engine.log" | tail -12
+    log_filter < "$out/$shape-engine.log" | tail -12
     t0=$(date +%s)  # the routing statistics beside the published figures, on the GPU
     pb model stats "$dir" --dtype float16 --device "$DEV" --prefix 256 --count 2 --figure "$out/$shape-routing.svg" > "$out/$shape-stats.txt" 2> "$out/$shape-stats.err"
     echo "-- A: model stats rc $? in $(( $(date +%s) - t0 )) s"; grep -A8 "^published" "$out/$shape-stats.txt"
@@ -61,4 +56,4 @@ YAML
   fi
   rm -rf "$dir"  # the next shape's checkpoint needs the disk
 done
-cp -r "$work/archives" "$out/" 2>/dev/null
+moe_end

@@ -23,32 +23,23 @@ set -uo pipefail
 root=$PWD
 out=${OUT:-$root/moe-graph-out}; mkdir -p "$out"
 if [ -n "${TINY:-}" ]; then
-  export SKIP_WHEELS=1 PYTHONPATH=$root
-  DEVICE=cpu; QWEN_SHAPE=qwen3-moe-tiny; MIXTRAL_SHAPE=mixtral-tiny; QWEN_LAYERS=3; MIXTRAL_LAYERS=2
-  PREFIX=${PREFIX:-16}; CONT=${CONT:-4}; ALLOWANCE_MIB=${ALLOWANCE_MIB:-256}; B_MODEL=${B_MODEL:-synth}
-  py=${PYTHON:-/work/main/.venv/bin/python}; [ -x "$py" ] || py=python3
-  python3() { command "$py" "$@"; }
+  : "${MIXTRAL_LAYERS:=2}" "${ALLOWANCE_MIB:=256}" "${B_MODEL:=synth}"
 fi
 source bench/device_common.sh
-product_env
-command -v nvidia-smi >/dev/null && device_header
-DEV=${DEVICE:-cuda}; P=${PREFIX:-128}; C=${CONT:-16}; ALLOW=${ALLOWANCE_MIB:-24576}; B_MODEL=${B_MODEL:-path}
+moe_begin
+B_MODEL=${B_MODEL:-path}
 CONDS=dense-stream,resident,packet,mapped,mapped-graph
-specs=()
-[[ "${SHAPES:-qwen mixtral}" == *qwen* ]] && specs+=("${QWEN_SHAPE:-qwen3-30b-a3b} ${QWEN_LAYERS:-12}")
-[[ "${SHAPES:-qwen mixtral}" == *mixtral* ]] && specs+=("${MIXTRAL_SHAPE:-mixtral-8x7b} ${MIXTRAL_LAYERS:-4}")
+mapfile -t specs < <(moe_specs)
 summary=$out/summary.txt; : > "$summary"
 for spec in "${specs[@]}"; do
   set -- $spec; shape=$1; layers=$2; dir=$work/$shape
-  t0=$(date +%s)
-  pb model synth --out "$dir" --shape "$shape" --dtype float16 --layers "$layers" --device "$DEV" > "$out/$shape-synth.log" 2>&1
-  echo "== $shape, $layers layers: synth rc $? in $(( $(date +%s) - t0 )) s ($(du -sh "$dir" | cut -f1))"
+  moe_synth "$shape" "$layers" "$dir"
   if [ "${ONLY:-A}" = A ] || [ -z "${ONLY:-}" ]; then
     t0=$(date +%s)
     python3 -m bench.moe --model "$dir" --dtype float16 --prefix "$P" --continuation "$C" --conditions "$CONDS" \
       --stock > "$out/$shape-engine.log" 2>&1
     echo "-- A: bench.moe rc $? in $(( $(date +%s) - t0 )) s"
-    grep -vE "^W[0-9]|Warn|warn|Loading|Writing|output = func|torchao" "$out/$shape-engine.log" | tail -16
+    log_filter < "$out/$shape-engine.log" | tail -16
     { echo "== $shape ($layers layers), bench.moe:"
       grep -E "^(dense-stream|resident|packet|mapped|condition|floor|stock)" "$out/$shape-engine.log"; } >> "$summary"
   fi
@@ -89,5 +80,5 @@ if [ -z "${TINY:-}" ] && [ -z "${SKIP_TESTS:-}" ]; then
   timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider tests/engine/test_moe_mapped.py > "$out/pytest.log" 2>&1
   echo "pytest rc $?"; grep -E "passed|failed|Error" "$out/pytest.log" | tail -4 | tee -a "$summary"
 fi
-cp -r "$work/archives" "$out/" 2>/dev/null
+moe_end
 echo; echo "==== summary"; cat "$summary"

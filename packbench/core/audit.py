@@ -201,6 +201,99 @@ def _int8_row_bytes(protocol: Protocol) -> int | None:
     return SHAPES[synth.shape]["hidden"] + INT8_SCALE_BYTES if synth is not None and synth.shape in SHAPES else None
 
 
+# An episode's replay disagreements shown (the first ones: one is enough to disagree).
+REPLAY_PROBLEMS_SHOWN = 5
+_COUNTED_KEYS = ("hits", "misses", "prefetched", "used", "wasted")
+
+
+def replay_problems(trace: Any, rec: dict, policy: str, params: dict) -> list[str]:
+    """An exact episode's archived trace replayed through the simulator's ledger
+    (core/simulate.py, whose bytes are core/charges.py's, the engine's one formula): per call and
+    layer the record's ledger fields equal the replay's; for an expert cache or forecast, its
+    counted hits, misses, prefetched, used and wasted experts, its routing and forecast sets equal
+    the trace's and the replay's, and its figures (Belady's included) equal those recomputed from
+    the trace's own sets. Each problem names the call, the layer and the field. Empty when the
+    simulator has no entry for the policy on this unit (nothing to replay)."""
+    from packbench.core import simulate as sim
+    from packbench.core.expert_cache import FIGURE_KEYS, episode_figures
+    from packbench.core.trace import forecast_possible
+
+    m = trace.model
+    if (m.unit, policy) not in sim.SIMULATED:
+        return []
+    if len({c.episode for c in trace.calls}) > 1:
+        return ["the trace holds more than one episode"]
+    try:
+        replay = sim.ledger(trace, policy, params)
+    except ValueError as e:  # SimulateError, a capacity the cache refuses
+        return [f"cannot replay {policy} on its trace: {one_line(str(e))[:200]}"]
+    out: list[str] = []
+    calls = rec.get("calls")
+    for c, (call, r) in enumerate(zip(calls, replay)):
+        for key in sim.LEDGER_KEYS:
+            got, want = call.get(key), r[key]
+            if got == want:
+                continue
+            if not isinstance(got, list) or len(got) != len(want):
+                out.append(f"call {c} {key}: recorded {one_line(repr(got))[:80]}, the trace's replay {want!r}")
+                continue
+            layer = next(i for i, (g, w) in enumerate(zip(got, want)) if g != w)
+            out.append(f"call {c} layer {layer} {key}: recorded {got[layer]!r}, the trace's replay {want[layer]!r}")
+    if policy not in sim.EXPERT_CACHES:
+        return out
+    experts = rec.get("experts")
+    if not isinstance(experts, dict):
+        return out + ["an expert cache's record has no experts section"]
+    forecasting = sim.needs_forecast(policy, params)
+    try:
+        counted, routes = experts["counted"], experts["routes"]
+        if len(counted) != len(replay) or len(routes) != len(replay):
+            return out + [f"experts holds {len(counted)} calls' counts and {len(routes)} calls' routing, "
+                          f"the trace {len(replay)} calls"]
+        skip = set(m.layers_without_units)
+        for c, (per_layer, routed, r) in enumerate(zip(counted, routes, replay)):
+            if len(per_layer) != m.layers or len(routed) != m.layers:
+                out.append(f"call {c} experts: {len(per_layer)} layers counted, the trace has {m.layers}")
+                continue
+            for layer in range(m.layers):
+                n = per_layer[layer]
+                if layer in skip:
+                    if n is not None or routed[layer] is not None:
+                        out.append(f"call {c} layer {layer}: experts counted in a layer without experts")
+                    continue
+                where = f"call {c} layer {layer}"
+                if routed[layer] != trace.sets[c][layer].tolist():
+                    out.append(f"{where} routing: recorded {routed[layer]!r}, the trace's active set "
+                               f"{trace.sets[c][layer].tolist()!r}")
+                wasted = r["rows_wasted"][layer] if r["prefetched"][layer] is not None else None
+                want = {"hits": r["hits"][layer], "misses": r["misses"][layer],
+                        "prefetched": r["prefetched"][layer], "used": r["used"][layer], "wasted": wasted}
+                for key in _COUNTED_KEYS:
+                    if n.get(key) != want[key]:
+                        out.append(f"{where} {key}: recorded {n.get(key)!r}, the trace's replay {want[key]!r}")
+                made = forecasting and trace.forecasts is not None and forecast_possible(m, layer)
+                want_forecast = trace.forecasts[c][layer].tolist() if made else None
+                if n.get("forecast") != want_forecast:
+                    out.append(f"{where} forecast: recorded {n.get('forecast')!r}, the trace's forecast set "
+                               f"{want_forecast!r}")
+    except (KeyError, TypeError, AttributeError) as e:
+        return out + [f"experts section unreadable against its trace ({type(e).__name__}: {e})"]
+    # The figures (Belady's among them) recomputed from the trace's own sets, not the record's routing.
+    skip = set(m.layers_without_units)
+    t_routes = [[None if layer in skip else s.tolist() for layer, s in enumerate(row)] for row in trace.sets]
+    t_forecasts = None
+    if forecasting and trace.forecasts is not None:
+        t_forecasts = [[f.tolist() if forecast_possible(m, layer) else None for layer, f in enumerate(row)]
+                       for row in trace.forecasts]
+    figures = episode_figures(t_routes, [c.phase for c in trace.calls], capacity=params.get("capacity", 0),
+                              rule=params.get("rule", "lru"), forecasts=t_forecasts)
+    for key in FIGURE_KEYS:
+        if experts.get(key) != figures[key]:
+            out.append(f"experts {key}: recorded {one_line(repr(experts.get(key)))[:120]}, "
+                       f"recomputed from the trace {one_line(repr(figures[key]))[:120]}")
+    return out
+
+
 def _episode_problems(name: str, rec: dict, logits: np.ndarray | None, protocol: Protocol,
                       row_bytes: list[int | None]) -> list[str]:
     """Recompute a finished episode's totals and tokens from its ledger and logits, and check
@@ -301,43 +394,6 @@ def _retained(rec: dict) -> dict:
 # ----------------------------------------------------------------------------- the audit
 
 
-def trace_experts_problem(trace, experts: Any) -> str | None:
-    """Whether an MoE episode's trace (core/trace.py) and its record's `experts` section
-    (engine/moe/cache.py) tell the same routing: every call's and layer's routed experts, and every
-    forecast the policy counted (the experts forecast for a layer, which the trace records for
-    every MoE episode), as sets. None when they agree or the record has no experts section (a
-    policy without a cache or forecast); else one line naming the first call and layer that differ."""
-    if not isinstance(experts, dict) or not isinstance(experts.get("routes"), list):
-        return None
-    routes, counted = experts["routes"], experts.get("counted")
-    if len(routes) != len(trace.sets):
-        return f"the record's experts section routes {len(routes)} calls, the trace {len(trace.sets)}"
-    for c, per_layer in enumerate(routes):
-        if not isinstance(per_layer, list) or len(per_layer) != len(trace.sets[c]):
-            return f"call {c}: the record's routing has another number of layers than the trace"
-        for layer, routed in enumerate(per_layer):
-            if routed is not None and _as_set(routed) != set(trace.sets[c][layer].tolist()):
-                return f"call {c} layer {layer}: the trace's active experts are not the record's routing"
-    if trace.forecasts is None or not isinstance(counted, list):
-        return None
-    for c, per_layer in enumerate(counted[:len(trace.forecasts)]):
-        for layer, n in enumerate(per_layer if isinstance(per_layer, list) else []):
-            said = n.get("forecast") if isinstance(n, dict) else None
-            if said is None:
-                continue  # this layer was not forecast in this call (the first layer never is)
-            traced = trace.forecasts[c][layer] if layer < len(trace.forecasts[c]) else None
-            if traced is None or _as_set(said) != set(traced.tolist()):
-                return f"call {c} layer {layer}: the trace's forecast is not the one the record counted"
-    return None
-
-
-def _as_set(values: Any) -> set | None:
-    try:
-        return {int(v) for v in values}
-    except (TypeError, ValueError):
-        return None
-
-
 class _Audit:
     """One audit's state; `run` fills `record`."""
 
@@ -363,10 +419,11 @@ class _Audit:
     def add(self, message: str) -> None:
         self.problems.append(self.scrub(message))
 
-    def check_active_sets(self, reader: ArchiveReader, name: str, rec: dict) -> None:
+    def check_active_sets(self, reader: ArchiveReader, name: str, rec: dict, proto: Protocol) -> None:
         """A traced protocol's episode: its trace file (docs/traces.md) is there, reads under the
         trace format's bounds, and has the record's calls (phase and tokens) and, where the ledger
-        observed activity, as many active units per layer as the ledger counted."""
+        observed activity, as many active units per layer as the ledger counted; then the trace
+        replayed through the simulator (`replay_problems`) equals the record."""
         from packbench.core.trace import TraceError, parse_trace
 
         if name not in self.readable:
@@ -392,9 +449,11 @@ class _Audit:
             if isinstance(active, list) and any(a is not None and a != n for a, n in zip(active, sizes)):
                 self.add(f"{name}: call {c}'s active sets differ in size from the ledger's active_rows")
                 return
-        problem = trace_experts_problem(t, rec.get("experts"))
-        if problem:
-            self.add(f"{name}: {problem}")
+        cond = rec.get("condition")
+        if cond in proto.condition_names:
+            c = proto.condition(cond)
+            for p in replay_problems(t, rec, c.policy, c.resolved_params)[:REPLAY_PROBLEMS_SHOWN]:
+                self.add(f"{name}: {p}")
 
     def read(self, reader: ArchiveReader, name: str, kind: str, **checks: Any) -> Any:
         try:
@@ -505,7 +564,7 @@ class _Audit:
         if ok and trace_name in self.readable:
             self.check_trace(trace_name, self.read(reader, trace_name, "array", dtype=TRACE_DTYPE, ndim=2), rec)
         if ok and proto.traced and rec.get("tier") == "exact":
-            self.check_active_sets(reader, members.active, rec)
+            self.check_active_sets(reader, members.active, rec, proto)
         if ok:
             self.check_memory(name, rec, start)
             for p in _episode_problems(name, rec, logits, proto, row_bytes):

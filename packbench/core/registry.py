@@ -287,6 +287,9 @@ def _show(value: Any) -> str:
     return show(value, 60)  # built to 60 characters: a hostile value is never rendered whole
 
 
+# |hot_bias| below this: its fc1 bias (hot_bias x 0.02 x sqrt(hidden), at most ~2,200 at the
+# largest shape) stays finite in float16; 1e308 validated and synthesised infinite weights.
+MAX_HOT_BIAS = 1000.0
 MAX_SEED = 2**63 - 1  # torch.Generator.manual_seed takes a signed 64-bit integer (larger: a ValueError)
 
 
@@ -365,6 +368,6 @@ def synth_spec(*, shape: Any, dtype: Any, seed: Any, sparsity: Any = None, hot_f
         "seed": seed,
         "hot_fraction": _number("hot_fraction", 0.0 if hot_fraction is None else hot_fraction, low=0.0,
                                 low_open=False, high=1.0),
-        "hot_bias": _number("hot_bias", 0.0 if hot_bias is None else hot_bias, low=-math.inf, low_open=False,
-                            high=None),
+        "hot_bias": _number("hot_bias", 0.0 if hot_bias is None else hot_bias, low=-MAX_HOT_BIAS, low_open=False,
+                            high=MAX_HOT_BIAS),
     }

@@ -192,7 +192,7 @@ def _runtime(d, **kw):
     (lambda d: d["conditions"][1].update(params={"block_rows": 64}),
      "`conditions[1].params.block_rows`: unknown param; policy packet takes gather"),
     (lambda d: d["conditions"].append({"policy": "sparse-extents", "params": {"block_rows": 0}}),
-     "`conditions[2].params.block_rows`: 0 is not an integer >= 1"),
+     "`conditions[2].params.block_rows`: 0 is not an integer in [1, 2147483647]"),
     (lambda d: d["conditions"].append({"policy": "sparse-extents", "params": {"rows": 8}}),
      "`conditions[2].params.rows`: unknown param; policy sparse-extents takes block_rows"),
     (lambda d: d["conditions"].append({"policy": "row-retention"}),

@@ -65,8 +65,8 @@ def test_packet_gathers_are_the_registry_choices():
 
 @pytest.mark.parametrize("name, params, fragment", [
     ("packet", {"gather": "gpu"}, "gather must be one of host, device"),
-    ("sparse-extents", {"block_rows": 0}, "block_rows must be an integer >= 1"),
-    ("row-retention", {"rows_per_layer": -1}, "rows_per_layer must be an integer >= 1"),
+    ("sparse-extents", {"block_rows": 0}, "block_rows must be an integer in \\[1, 2147483647\\]"),
+    ("row-retention", {"rows_per_layer": -1}, "rows_per_layer must be an integer in \\[1, 2147483647\\]"),
 ])
 def test_bad_values_are_refused_naming_what_is_allowed(name, params, fragment):
     with pytest.raises(ValueError, match=fragment):

@@ -14,16 +14,22 @@ if TYPE_CHECKING:  # annotations only: core/estimate.py imports this package
     from packbench.core.estimate import Activity, ModelShape
 
 
+MAX_INT_PARAM = (1 << 31) - 1
+
+
 @dataclass(frozen=True)
 class IntParam:
     """An integer policy parameter; `default` None means the condition must give it."""
 
     minimum: int
     default: int | None = None
+    # Every count a policy takes (rows, blocks, experts) is far below this; a larger value would
+    # reach numpy's and torch's 64-bit integers at run time (an OverflowError), so it is refused.
+    maximum: int = MAX_INT_PARAM
 
     def check(self, name: str, value: Any) -> int:
-        if isinstance(value, bool) or not isinstance(value, int) or value < self.minimum:
-            raise ValueError(f"{name} must be an integer >= {self.minimum}, got {value!r}")
+        if isinstance(value, bool) or not isinstance(value, int) or not self.minimum <= value <= self.maximum:
+            raise ValueError(f"{name} must be an integer in [{self.minimum}, {self.maximum}], got {value!r}")
         return value
 
 

@@ -59,6 +59,7 @@ from packbench.core.moe import MAX_POSITIONS as MOE_MAX_POSITIONS
 from packbench.core.moe import MoeShape, family_of_shape, is_moe_shape, moe_synth_spec, shape_refusal
 from packbench.core.registry import (
     DTYPE_NAMES,
+    MAX_SEED,
     POLICY_NAMES,
     POLICY_PARAMS,
     SCHEMA3_DEFAULTS,
@@ -99,6 +100,9 @@ MAX_PROMPT_TOKENS = 1 << 21  # prompts x prefix_tokens: the token ids plan.json 
 MAX_NAME = 200  # a protocol's name: `screens list` prints it in every row
 MAX_BATCH = 64  # sequences decoded together (docs/experiments/batched.md measures 1 to 32)
 MAX_RESAMPLES = 100_000  # per runtime gate entry
+# 16 TiB, more than any device holds; in bytes far inside a signed 64-bit integer (the gates'
+# thresholds, the database's columns): 2**63 MiB validated and overflowed later.
+MAX_ALLOWANCE_MIB = 1 << 24
 # Draws of every runtime bootstrap of a screen together: sum over runtime entries and compared
 # conditions of resamples x pairs. 2**27 draws take ~2-4 s on one core (docs/benchmarks.md).
 MAX_BOOTSTRAP_DRAWS = 1 << 27
@@ -195,7 +199,7 @@ def _prompts(value: Any, *, base_dir: Path | None, prefix_tokens: int) -> dict:
     (kind, spec), = p.items()
     if kind == "generator":
         g = mapping_field(spec, "prompts.generator", allowed={"seed": True, "count": True})
-        return {"generator": {"seed": int_field(g["seed"], "prompts.generator.seed", minimum=0),
+        return {"generator": {"seed": int_field(g["seed"], "prompts.generator.seed", minimum=0, maximum=MAX_SEED),
                               "count": int_field(g["count"], "prompts.generator.count", minimum=1, maximum=MAX_PROMPTS)}}
     if kind == "token_ids":
         ids = token_lists_field(spec, "prompts.token_ids")
@@ -236,7 +240,8 @@ def _params(policy: str, value: Any, path: str, *, schema: int) -> dict:
             continue
         if key not in value and param.default is None:
             fail(join_path(path, key), f"is required by policy {policy} (an integer >= {param.minimum})")
-        out[key] = int_field(value.get(key, param.default), join_path(path, key), minimum=param.minimum)
+        out[key] = int_field(value.get(key, param.default), join_path(path, key), minimum=param.minimum,
+                             maximum=param.maximum)
     return out
 
 
@@ -324,7 +329,7 @@ def _comparisons(value: Any, path: str, names: tuple[str, ...], *, extra: dict[s
                 confidence=number_field(g.get("confidence", 0.95), f"{where}.confidence", minimum=0.0, exclusive=True,
                                    maximum=1.0),
                 resamples=int_field(g.get("resamples", 10000), f"{where}.resamples", minimum=100, maximum=MAX_RESAMPLES),
-                seed=int_field(g.get("seed", 0), f"{where}.seed", minimum=0))
+                seed=int_field(g.get("seed", 0), f"{where}.seed", minimum=0, maximum=MAX_SEED))
     return sorted(out, key=lambda g: PHASES.index(g["phase"]))
 
 
@@ -473,11 +478,14 @@ def _resources(value: Any) -> dict[str, int | float]:
         if is_builtin_resource(name):
             fail(where, f"{name} is Ray's own resource (every worker gets its GPU and CPUs); name a custom "
                         f"resource a node declares with `ray start --resources`, e.g. fast_nvme")
-        number = number_field(amount, where, minimum=0.0, exclusive=True)
+        number = number_field(amount, where, minimum=0.0, exclusive=True, maximum=MAX_RESOURCE)
         out[name] = int(number) if float(number).is_integer() else float(number)
     return out
 
 
+# A custom resource's amount is below this: Ray keeps amounts in fixed point (1/10,000 units) in a
+# 64-bit integer, so 1e308 validated and failed at placement.
+MAX_RESOURCE = 1e9
 # Resources Ray defines itself: not a protocol's to ask for (the worker already holds its share).
 BUILTIN_RESOURCES = ("CPU", "GPU", "memory", "object_store_memory")
 BUILTIN_RESOURCE_PREFIXES = ("node:", "accelerator_type:")
@@ -520,7 +528,7 @@ def _full(raw: Any, *, base_dir: Path | None) -> dict:
         "repetitions": int_field(p.get("repetitions", 1), "repetitions", minimum=1, maximum=MAX_EPISODES),
         "order": choice_field(p.get("order", "alternating"), "order", ORDERS),
         "baseline_first": bool_field(p.get("baseline_first", True), "baseline_first"),
-        "allowance_mib": int_field(p["allowance_mib"], "allowance_mib", minimum=1),
+        "allowance_mib": int_field(p["allowance_mib"], "allowance_mib", minimum=1, maximum=MAX_ALLOWANCE_MIB),
         "recording": bool_field(p.get("recording", True), "recording"),
         "gates": _gates(p["gates"], names, conditions, reference=reference, schema=declared),
     }

@@ -1,0 +1,132 @@
+"""The auditor replays an MoE screen's archived traces (format v2, with forecasts) through the
+simulator's ledger: a real tiny screen with expert caches and a forecast audits AGREE, and a
+same-size edit of one forecast set, one active set or one stored hit count is a DISAGREE that
+names the episode, call, layer and field."""
+
+import io
+import json
+import zipfile
+
+import numpy as np
+import pytest
+import torch
+
+from cpu_screen import archive_screen
+from packbench.core.archive import MANIFEST_NAME, ArchiveReader, ArchiveWriter, episode_members
+from packbench.core.audit import audit_archive
+from packbench.core.protocol import freeze
+from packbench.core.trace import parse_trace, trace_bytes
+from packbench.engine.moe.synth import synth_moe
+
+CONDITIONS = [{"policy": "dense-stream"}, {"policy": "packet"},
+              {"name": "lru4", "policy": "expert-cache", "params": {"capacity": 4}},
+              {"name": "lru4-forecast", "policy": "expert-cache", "params": {"capacity": 4, "forecast": "on"}}]
+
+
+@pytest.fixture(scope="module")
+def screen(tmp_path_factory):
+    torch.set_num_threads(1)
+    base = tmp_path_factory.mktemp("replay")
+    moe = synth_moe(base / "mixtral", shape="mixtral-tiny", seed=2, dtype="float32")
+    raw = {"name": "moe-trace", "model": {"path": str(moe)}, "dtype": "float32",
+           "prompts": {"generator": {"seed": 0, "count": 1}}, "prefix_tokens": 16, "continuation_tokens": 5,
+           "conditions": CONDITIONS, "reference": "dense-stream", "warmups": 1, "allowance_mib": 64,
+           "gates": {"faithfulness": {}}, "trace": True}
+    path = base / "screen.zip"
+    _, episodes, _ = archive_screen(freeze(raw), moe, path)
+    return path, episodes
+
+
+def forged(path, tmp_path, edit) -> "audit report":
+    """The archive with `edit(members)` applied to its member bytes, resealed, then audited."""
+    with ArchiveReader(path) as reader:
+        names = [n for n in reader.names if n != MANIFEST_NAME]
+        manifest = reader.manifest
+        members = {n: reader.read_bytes(n) for n in names}
+    edit(members)
+    out = tmp_path / "forged.zip"
+    w = ArchiveWriter(out)
+    for n in names:
+        if n.endswith(".json"):
+            w.add_json(n, json.loads(members[n]))
+        else:
+            w.add_bytes(n, members[n])
+    w.seal({k: v for k, v in manifest.items() if k != "members"})
+    return audit_archive(out)
+
+
+def scored(episodes, condition) -> dict:
+    return next(e for e in episodes if e["condition"] == condition and e["role"] == "scored")
+
+
+def edit_trace(members, index, which):
+    """Replace the first non-empty decode set of `which` ("sets" or "forecasts") by a set of the
+    same size with one expert swapped for one it lacks; (call, layer) edited."""
+    name = episode_members(index).active
+    t = parse_trace(zipfile.ZipFile(io.BytesIO(members[name])))
+    rows, units = getattr(t, which), t.model.units
+    for c, row in enumerate(rows):
+        if t.calls[c].phase != "decode":
+            continue
+        for layer, s in enumerate(row):
+            if s.size:
+                missing = next(e for e in range(units) if e not in s.tolist())
+                row[layer] = np.sort(np.concatenate([s[1:], [missing]])).astype(s.dtype)
+                members[name] = trace_bytes(t)
+                return c, layer
+    raise AssertionError(f"no non-empty decode {which}")
+
+
+def test_a_traced_moe_screen_with_caches_and_a_forecast_audits_agree(screen):
+    path, episodes = screen
+    assert {e["status"] for e in episodes} == {"ok"}
+    assert scored(episodes, "lru4-forecast")["experts"]["prefetched"] > 0  # the forecast ran
+    report = audit_archive(path)
+    assert report.agrees, report.record["problems"]
+
+
+def test_a_same_size_edit_of_one_forecast_set_is_named(screen, tmp_path):
+    path, episodes = screen
+    e = scored(episodes, "lru4-forecast")
+    where = {}
+    report = forged(path, tmp_path, lambda m: where.update(cl=edit_trace(m, e["plan_index"], "forecasts")))
+    c, layer = where["cl"]
+    # Catches an auditor that checks only the trace's set sizes (the edit keeps every size).
+    assert not report.agrees
+    name = episode_members(e["plan_index"]).active
+    assert any(p.startswith(f"{name}: call {c} layer {layer} forecast") for p in report.record["problems"]), \
+        report.record["problems"]
+
+
+def test_a_same_size_edit_of_one_active_set_is_named(screen, tmp_path):
+    path, episodes = screen
+    e = scored(episodes, "lru4")
+    where = {}
+    report = forged(path, tmp_path, lambda m: where.update(cl=edit_trace(m, e["plan_index"], "sets")))
+    c, layer = where["cl"]
+    assert not report.agrees
+    name = episode_members(e["plan_index"]).active
+    # Catches a replay that reads the record's own routing rather than the archived trace.
+    assert any(p.startswith(f"{name}: call {c} layer {layer} routing") for p in report.record["problems"]), \
+        report.record["problems"]
+
+
+def test_an_edit_of_one_stored_hit_count_is_named(screen, tmp_path):
+    path, episodes = screen
+    e = scored(episodes, "lru4")
+    counted = e["experts"]["counted"]
+    c, layer = next(c for c, row in enumerate(counted) if row[0]["misses"]), 0
+
+    def edit(members):
+        name = episode_members(e["plan_index"]).record
+        rec = json.loads(members[name])
+        n = rec["experts"]["counted"][c][layer]
+        n["hits"], n["misses"] = n["hits"] + 1, n["misses"] - 1  # hits + misses unchanged: the ledger agrees
+        members[name] = json.dumps(rec).encode()
+
+    report = forged(path, tmp_path, edit)
+    assert not report.agrees
+    name = episode_members(e["plan_index"]).active
+    # Catches a check of the counts against their sum alone (the edit keeps hits + misses).
+    assert any(p.startswith(f"{name}: call {c} layer {layer} hits") for p in report.record["problems"]), \
+        report.record["problems"]
