@@ -22,11 +22,12 @@ from packbench.core.serving import episode_serving
 
 
 def episodes(path: Path) -> tuple[list[dict], list[dict]]:
-    """(episode records in plan order, verdicts) of a sealed archive."""
+    """(episode records in plan order, verdicts) of an archive; an archive sealed without verdicts
+    (a screen that failed before its gates) gives no verdicts, and its episodes still print."""
     with zipfile.ZipFile(path) as z:
         names = sorted(n for n in z.namelist() if n.startswith("episodes/") and n.endswith(".json"))
         records = [json.loads(z.read(n)) for n in names]
-        verdicts = json.loads(z.read("verdicts.json"))
+        verdicts = json.loads(z.read("verdicts.json")) if "verdicts.json" in z.namelist() else []
     return records, verdicts
 
 

@@ -20,7 +20,7 @@
 #   (in a git worktree, whose .git is a file, run wheelhouse.sh from a folder holding .git/info/ with
 #   WHEELHOUSE=<worktree>/.whl: it appends to .git/info/exclude)
 #   bash bench/peers_device.sh
-# Knobs: SHAPE, PROMPTS (2), PREFIX (512), ALLOWANCE (4800), BATCHES ("32"; "" for none), BATCH_PREFIX (64),
+# Knobs: SHAPE, SCORED (1: scored batches a condition at batch > 1), BATCH_CONT (8: their continuation), PROMPTS (2), PREFIX (512), ALLOWANCE (4800), BATCHES ("32"; "" for none), BATCH_PREFIX (64),
 # BATCH_ALLOWANCE (5700), CONDITIONS (the five names above), SKIP_B1 (no batch-1 screen), SKIP_FLEXGEN,
 # FLEXGEN_BATCHES ("8,32"), CONT (16), SCREEN_TIMEOUT (300), DEADLINE (560). A batch-B screen plans B
 # scored episodes per condition (one starting at each prompt), so batch 32 is the long one: where one
@@ -67,7 +67,9 @@ screen() {  # name batch prompts prefix allowance
   { echo "name: $name"
     echo "model: {synth: {shape: $SHAPE, dtype: $DTYPE, seed: 0, profile: opt}}"; echo "dtype: $DTYPE"
     echo "prompts: {generator: {seed: 0, count: $prompts}}"; echo "prefix_tokens: $prefix"; echo "continuation_tokens: $CONT"
-    [ "$batch" -gt 1 ] && echo "batch: $batch"
+    # A batch scores SCORED (1) batches of B prompts a condition, not B overlapping ones (protocol
+    # schema 10): 32 x 32 sequences' logits put the first batch-32 screen's archive at 10 GB.
+    [ "$batch" -gt 1 ] && echo "batch: $batch" && echo "scored_prompts: ${SCORED:-1}"
     echo "conditions:"
     for c in ${CONDITIONS:-dense-stream packet phase-switched accelerate zero-inference}; do condition_line "$c"; done
     echo "reference: dense-stream"; echo "warmups: 1"; echo "allowance_mib: $allowance"
@@ -84,7 +86,9 @@ screen() {  # name batch prompts prefix allowance
   python3 -m packbench results --screen latest --json > "$out/$name.json" 2>/dev/null
 }
 [ -n "${SKIP_B1:-}" ] || screen peers-b1 1 "${PROMPTS:-2}" "${PREFIX:-512}" "${ALLOWANCE:-4800}"
-for b in ${BATCHES-32}; do screen "peers-b$b" "$b" "$b" "${BATCH_PREFIX:-64}" "${BATCH_ALLOWANCE:-5700}"; done
+# Batched screens decode BATCH_CONT (8) tokens: 5 conditions x 2 episodes x 32 sequences' logits then
+# stay within the audit's 640 MiB bound (16 tokens would be 982 MiB: tests/cli/test_archive_estimate.py).
+for b in ${BATCHES-32}; do CONT=${BATCH_CONT:-8} screen "peers-b$b" "$b" "$b" "${BATCH_PREFIX:-64}" "${BATCH_ALLOWANCE:-5700}"; done
 # FlexGen last: it converts the checkpoint to its own layout (a second copy on disk) and may fail.
 ck=$(ls -d "$PACKBENCH_MODEL_CACHE"/*/ 2>/dev/null | head -1)
 left=$(( ${DEADLINE:-560} - ($(date +%s) - start) - 25 ))

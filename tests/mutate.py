@@ -33,14 +33,15 @@ MODULES: dict[str, list[str]] = {  # in the order `make mutate` runs them: quick
     "core/gates.py": ["tests/core/test_gates.py", "tests/core/test_exact_bounds.py"],
     "core/audit.py": ["tests/core/test_audit.py", "tests/core/test_audit_fields.py", "tests/core/test_audit_paths.py",
                       "tests/core/test_evidence.py"],
-    "db/queue.py": ["tests/db/test_db_queue.py"],
+    "db/queue.py": ["tests/db/test_db_queue.py", "tests/db/test_db_store.py", "tests/db/test_db_faults.py",
+                    "tests/db/test_db_reconcile.py", "tests/db/test_db_queries.py"],
     # test_archive_members.py runs a real screen (9 s a fixture): too slow to repeat per mutant
     "core/archive/": ["tests/core/test_archive.py", "tests/core/test_archive_hostile.py"],
     "core/protocol/": ["tests/core/test_protocol.py", "tests/core/test_protocol_batch.py",
                        "tests/core/test_protocol_passes.py", "tests/core/test_protocol_schema3.py",
                        "tests/core/test_protocol_schema4.py", "tests/core/test_protocol_schema5.py",
                        "tests/core/test_protocol_schema6.py", "tests/core/test_protocol_weights.py",
-                       "tests/core/test_protocol_bounds.py"],
+                       "tests/core/test_protocol_bounds.py", "tests/core/test_protocol_scored.py"],
 }
 
 # What the tests read besides packbench/ and tests/ (protocols/quickstart.yaml, bench/audit.py's

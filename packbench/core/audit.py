@@ -301,6 +301,43 @@ def _retained(rec: dict) -> dict:
 # ----------------------------------------------------------------------------- the audit
 
 
+def trace_experts_problem(trace, experts: Any) -> str | None:
+    """Whether an MoE episode's trace (core/trace.py) and its record's `experts` section
+    (engine/moe/cache.py) tell the same routing: every call's and layer's routed experts, and every
+    forecast the policy counted (the experts forecast for a layer, which the trace records for
+    every MoE episode), as sets. None when they agree or the record has no experts section (a
+    policy without a cache or forecast); else one line naming the first call and layer that differ."""
+    if not isinstance(experts, dict) or not isinstance(experts.get("routes"), list):
+        return None
+    routes, counted = experts["routes"], experts.get("counted")
+    if len(routes) != len(trace.sets):
+        return f"the record's experts section routes {len(routes)} calls, the trace {len(trace.sets)}"
+    for c, per_layer in enumerate(routes):
+        if not isinstance(per_layer, list) or len(per_layer) != len(trace.sets[c]):
+            return f"call {c}: the record's routing has another number of layers than the trace"
+        for layer, routed in enumerate(per_layer):
+            if routed is not None and _as_set(routed) != set(trace.sets[c][layer].tolist()):
+                return f"call {c} layer {layer}: the trace's active experts are not the record's routing"
+    if trace.forecasts is None or not isinstance(counted, list):
+        return None
+    for c, per_layer in enumerate(counted[:len(trace.forecasts)]):
+        for layer, n in enumerate(per_layer if isinstance(per_layer, list) else []):
+            said = n.get("forecast") if isinstance(n, dict) else None
+            if said is None:
+                continue  # this layer was not forecast in this call (the first layer never is)
+            traced = trace.forecasts[c][layer] if layer < len(trace.forecasts[c]) else None
+            if traced is None or _as_set(said) != set(traced.tolist()):
+                return f"call {c} layer {layer}: the trace's forecast is not the one the record counted"
+    return None
+
+
+def _as_set(values: Any) -> set | None:
+    try:
+        return {int(v) for v in values}
+    except (TypeError, ValueError):
+        return None
+
+
 class _Audit:
     """One audit's state; `run` fills `record`."""
 
@@ -355,6 +392,9 @@ class _Audit:
             if isinstance(active, list) and any(a is not None and a != n for a, n in zip(active, sizes)):
                 self.add(f"{name}: call {c}'s active sets differ in size from the ledger's active_rows")
                 return
+        problem = trace_experts_problem(t, rec.get("experts"))
+        if problem:
+            self.add(f"{name}: {problem}")
 
     def read(self, reader: ArchiveReader, name: str, kind: str, **checks: Any) -> Any:
         try:

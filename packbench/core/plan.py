@@ -137,8 +137,9 @@ def plan(protocol: Protocol | dict) -> list[dict]:
     """Every planned episode, in run order: {index, condition, role, prompt, repetition}, plus
     `prompts` (the batch's, `batch_prompts`) when the protocol's batch is above 1.
 
-    Warmup w of a condition uses prompt w mod prompts and has repetition None. Scored block
-    b = repetition * prompts + prompt.
+    Warmup w of a condition uses prompt w mod prompts and has repetition None. The scored episodes
+    of a repetition start at the first `scored_prompts` prompts (every prompt unless the protocol
+    says fewer); scored block b = repetition * scored_prompts + prompt.
     """
     proto = expand(protocol)
     ref = proto.reference
@@ -149,9 +150,10 @@ def plan(protocol: Protocol | dict) -> list[dict]:
     entries: list[tuple[str, str, int, int | None]] = []
     for cond in first:
         entries += [(cond, "warmup", w % n_prompts, None) for w in range(proto.warmups[cond])]
+    n_scored = proto.scored_prompts
     for rep in range(proto.repetitions):
-        for p in range(n_prompts):
-            block = rep * n_prompts + p
+        for p in range(n_scored):
+            block = rep * n_scored + p
             if proto.baseline_first:
                 seq = [ref] + arrange(others, block, proto.order)
             else:

@@ -115,3 +115,22 @@ def test_validate_and_plan_warn_in_one_line_and_still_accept(over, tmp_path, mon
     monkeypatch.setattr(archive_reader, "MAX_TOTAL_BYTES", 10 << 20)  # within the bound: no line at all
     r = CliRunner().invoke(app, ["protocol", "validate", str(over)])
     assert r.exit_code == 0 and r.stderr == "", r.stderr
+
+
+def test_the_same_batch_32_screen_scoring_one_batch_fits_the_bound():
+    """`scored_prompts: 1` (schema 10): the batch-32 screen above scores one batch of 32 prompts a
+    condition instead of 32 overlapping ones: 10 episodes (5 warmups, 5 scored). At 16 tokens that
+    is still 982 MiB, over the audit's 640 MiB; at the 8 tokens bench/peers_device.sh's batched
+    screens now decode it fits, without a warning (catches the plan still scoring every prompt)."""
+    body = {"name": "b32", "model": {"synth": {"shape": "opt-2.7b", "dtype": "float16", "seed": 0}},
+            "dtype": "float16", "prompts": {"generator": {"seed": 0, "count": 32}}, "prefix_tokens": 64,
+            "continuation_tokens": 8, "batch": 32, "scored_prompts": 1, "warmups": 1, "reference": "dense-stream",
+            "allowance_mib": 8192,
+            "conditions": [{"policy": "dense-stream"}, {"policy": "packet", "params": {"gather": "device"}},
+                           {"policy": "phase-switched", "params": {"gather": "device"}}, {"policy": "accelerate"},
+                           {"policy": "zero-inference"}],
+            "gates": {"faithfulness": {"tolerance": 0.0}}}
+    est = archive_bytes(freeze(body).protocol, vocab=50272)
+    assert est["episodes"] == 10 and est["episode_logits_bytes"] == 32 * 8 * 50272 * 4 + 128
+    assert archive_warning(est) is None
+    assert archive_warning(archive_bytes(freeze({**body, "continuation_tokens": 16}).protocol, vocab=50272))

@@ -40,6 +40,17 @@ class Clock:
         self.now += timedelta(seconds=seconds)
 
 
+@pytest.fixture(autouse=True)
+def fresh_claim_statements():
+    """Every test builds the claim statements it uses: `db/queue.py` caches them once built
+    (functools.lru_cache), and mutation testing forks each mutant from a process whose earlier
+    tests filled the cache, so a mutant of the statement's builder would never be run."""
+    from packbench.db import queue as q
+
+    q._claim_statement.cache_clear()
+    q._pg_claim_statement.cache_clear()
+
+
 @pytest.fixture
 def clock() -> Clock:
     return Clock()
@@ -659,3 +670,82 @@ def test_names_keys_and_resources_json():
     assert len(keys) == 50 and all(len(k) == 32 and int(k, 16) >= 0 for k in keys)
     assert resources_json({"b": 1.0, "a": 2}) == '{"a":2,"b":1.0}' == resources_json({"a": 2, "b": 1.0})
     assert resources_json({}) is None and resources_json(None) is None
+
+
+@pytest.mark.parametrize("call, noun", [
+    (lambda q: q.heartbeat(999_999, []), "dispatcher"),
+    (lambda q: q.stop_dispatcher(999_999), "dispatcher"),
+    (lambda q: q.place_attempt(999_999, worker="w"), "attempt"),
+    (lambda q: q.renew_lease(999_999, 60.0), "attempt"),
+    (lambda q: q.release(999_999, "shutting down"), "attempt"),
+    (lambda q: q.finish_attempt(999_999, status="done"), "attempt"),
+    (lambda q: q.start_attempt(screen_id=999_999, worker="w", node="n", gpu_name="g", gpu_index=0, machine_id="m",
+                               source_freeze={}, archive_path="a.zip"), "screen"),
+])
+def test_an_id_that_does_not_exist_is_not_found_naming_what_was_looked_for(queue, call, noun):
+    """Every call that takes a dispatcher, attempt or screen id refuses one that does not exist with
+    one line naming the kind of row and the id (catches a lookup that names the wrong thing, or
+    none, and a missing row treated as a no-op)."""
+    with pytest.raises(NotFound) as e:
+        call(queue)
+    assert str(e.value) == f"no {noun} with id 999999; list screens with `packbench screens list`"
+
+
+def test_replica_nodes_are_those_of_the_group_with_a_running_or_done_attempt(queue, clock):
+    """Catches the group filter dropped (another group's nodes counted), the status filter dropped
+    or misspelt (a failed attempt's node counted, a done one's not), and a join that pairs an
+    attempt with the wrong screen."""
+    p = protocol(queue)
+    d = queue.register_dispatcher("d", "h")
+    ours = queue.create_screens(3, spread=True, protocol_id=p, submitter="a", priority=5)
+    theirs = queue.create_screens(2, spread=True, protocol_id=p, submitter="a", priority=1)
+    group, other = queue.screen(ours[0]).replica_group, queue.screen(theirs[0]).replica_group
+    assert group != other
+    done = claim(queue, d, node="node-a", screen_id=ours[0])
+    queue.finish_attempt(done.attempt.id, status="done")
+    claim(queue, d, node="node-b", screen_id=ours[1])  # running
+    failed = claim(queue, d, node="node-c", screen_id=ours[2], lease_s=5)
+    queue.finish_attempt(failed.attempt.id, status="failed", error="boom")
+    claim(queue, d, node="node-x", screen_id=theirs[0])
+    assert queue.replica_nodes(group) == {"node-a", "node-b"}
+    assert queue.replica_nodes(other) == {"node-x"}
+    assert queue.replica_nodes("no-such-group") == set()
+
+
+def test_set_unplaceable_marks_the_named_queued_screen_only(queue):
+    """Catches the id filter dropped: every queued screen would take the reason."""
+    p = protocol(queue, BODY)
+    one, two = (queue.create_screen(protocol_id=p, submitter="a", gpu_type="B200") for _ in range(2))
+    assert queue.set_unplaceable(two, "no B200") is True
+    reasons = {q.screen_id: q.unplaceable_reason for q in queue.queue_status().queued}
+    assert reasons == {one: None, two: "no B200"}
+    assert queue.set_unplaceable(999_999, "nothing") is False
+
+
+def test_a_lease_is_reaped_after_it_expires_not_at_the_instant(queue, clock):
+    """The lease runs until lease_expires_at: an attempt whose lease ends exactly now is alive
+    (catches `<` written `<=`: a dispatcher renewing on the boundary would lose its attempt)."""
+    screen_id = queue.create_screen(protocol_id=protocol(queue), submitter="a")
+    d = queue.register_dispatcher("d", "h")
+    c = claim(queue, d, lease_s=10)
+    clock.advance(10)
+    queue.reap_expired()
+    assert queue.latest_attempt(screen_id).status == "running"
+    clock.advance(1e-3)
+    queue.reap_expired()
+    assert queue.latest_attempt(screen_id).status != "running" and c.attempt.id == queue.latest_attempt(screen_id).id
+
+
+def test_retry_of_a_screen_that_is_not_failed_or_cancelled_says_why(queue):
+    screen_id = queue.create_screen(protocol_id=protocol(queue), submitter="a")
+    with pytest.raises(Conflict) as e:
+        queue.retry_screen(screen_id)
+    assert str(e.value) == f"screen {screen_id} is queued; only a failed or cancelled screen can be retried"
+
+
+def test_a_worker_of_an_unknown_state_is_named_with_its_state():
+    from packbench.db.queue import worker_list
+
+    with pytest.raises(ValueError) as e:
+        worker_list([{"name": "w0", "state": "sleeping"}])
+    assert str(e.value) == "worker state 'sleeping' is not one of idle, busy"

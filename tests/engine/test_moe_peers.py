@@ -289,7 +289,7 @@ def test_a_hot_set_on_the_device_and_the_rest_on_the_host(moe_checkpoints, shape
         first, rest = out.calls[0], out.calls[1:]
         assert first.rows_copied == [hot] * layers and first.h2d_weight_bytes == [hot * expert] * layers
         assert all(c.h2d_weight_bytes == [0] * layers and c.rows_copied == [0] * layers for c in rest)
-        assert policy.device_bytes() == layers * (hot * expert + (experts + 1) * 8)
+        assert policy.device_bytes() == layers * (hot * expert + experts * 8)
         if hot == experts:
             assert np.array_equal(out.logits, ref.logits) and out.tokens == ref.tokens
             assert policy.hit_rate == 1.0
@@ -304,6 +304,32 @@ def test_a_hot_set_on_the_device_and_the_rest_on_the_host(moe_checkpoints, shape
             assert 0 < policy.hit_rate < 1
     with pytest.raises(ValueError, match="hot must be an integer >= 0"):
         HostExperts(hot=-1)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_a_split_call_never_hands_the_stock_loop_its_sentinel_id(moe_checkpoints, shape, monkeypatch):
+    """transformers' eager expert loop before 5.2x one-hots the ids into num_experts classes (no
+    skipped sentinel class): an id of num_experts is an out-of-range one_hot, a device-side assert
+    on CUDA (what the H200's transformers 5.17 hit in host-experts {hot}). Here one_hot is held to
+    that older contract: every id the stock loop sees must be a real expert, and the split call
+    still adds up to the same output as before (catches the sentinel coming back)."""
+    from packbench.engine.moe.host_experts import HostExperts
+
+    stock_one_hot = torch.nn.functional.one_hot
+
+    def older_one_hot(tensor, num_classes=-1):
+        assert int(tensor.max()) < num_classes - 1, "the stock loop was handed its sentinel id"
+        return stock_one_hot(tensor, num_classes)
+
+    path, dt = moe_checkpoints[(shape, "float32")], torch.float32
+    model = CpuFirstMoE(path, dtype=dt, device=torch.device("cpu"))
+    model.use("dense-stream")
+    ref = run_episode(model, PROMPT, continuation=CONTINUATION)
+    monkeypatch.setattr(torch.nn.functional, "one_hot", older_one_hot)
+    model.use_policy(HostExperts(hot=2))
+    out = run_episode(model, PROMPT, continuation=CONTINUATION, forced=ref.tokens)
+    assert 0 < model.slot.policy.hit_rate < 1  # both sides computed pairs
+    assert np.abs(out.logits - ref.logits).max() < 1e-4
 
 
 def test_a_hot_set_larger_than_a_layer_is_refused(moe_checkpoints):

@@ -184,3 +184,22 @@ def test_submit_wait_runs_and_audits_a_zero_inference_screen(tmp_path, tiny, pac
     assert verdicts[("faithfulness", "zero-inference")] is True, summary["verdicts"]
     audit = cli("audit", str(summary["screen_id"]))
     assert audit.returncode == 0, audit.stdout[-2000:] + audit.stderr[-2000:]
+
+
+def test_the_memory_probe_reports_the_gathered_peak_per_variant(tiny):
+    """bench/zero_memory_probe.py, the CPU twin of the H200 probe: each variant in its own process,
+    one JSON line each, the variant's configuration as run, and a gathered peak that is positive
+    and at most the model's parameters (catches a probe that counts nothing, or counts a parameter
+    twice: the tied embedding is one parameter)."""
+    r = subprocess.run([sys.executable, "-m", "bench.zero_memory_probe", str(tiny), "--variants", "default,small",
+                        "--prefix", "8", "--decode", "2"], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert r.returncode == 0, r.stderr
+    rows = [json.loads(line) for line in r.stdout.splitlines()]
+    assert [row["variant"] for row in rows] == ["default", "small"]
+    assert "stage3_max_reuse_distance" not in rows[0]["config"]
+    assert rows[1]["config"]["stage3_max_reuse_distance"] == 0 and rows[1]["config"]["stage3_prefetch_bucket_size"] == 0
+    for row in rows:
+        assert "error" not in row, row
+        for phase in ("prefill", "decode"):
+            assert 0 < row[phase]["gathered"] <= row["parameters"], row
+            assert row[phase]["gathered_at"].startswith("enter ")

@@ -29,6 +29,10 @@ written out like schema 4's, so it freezes as the schema 7 and lower bodies do a
 Schema 9 is schema 8 where such a `model.synth` means profile `opt3` (core.registry.PROFILE_SCHEMAS: `opt2`
 with salient input channels, real OPT's per-channel / group-128 response to weight quantization), written
 out the same way, so no body says 9 and every older file keeps its meaning and hash.
+Schema 10 adds `scored_prompts`: the scored episodes of each repetition start at the first N prompts
+only (default: every prompt, left out of the body). With `batch` B each episode still decodes B
+prompts, so a batched screen can score one batch of 32 prompts per repetition instead of 32
+overlapping ones (32x the logits in the archive). A protocol giving it freezes as 10.
 Every rule a field obeys is written once, here; docs/protocol.md describes them for users.
 """
 
@@ -73,11 +77,12 @@ from packbench.core.registry import (
     synth_spec,
 )
 
-SCHEMA_VERSION = 9  # the newest schema this packbench reads: what a YAML without `schema:` means
-SCHEMAS = (1, 2, 3, 4, 5, 6, 7, 8, 9)  # every schema it reads; frozen bodies say 1, 2, 5, 6 or 7 (module docstring)
+SCHEMA_VERSION = 10  # the newest schema this packbench reads: what a YAML without `schema:` means
+SCHEMAS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 10)  # every schema it reads; frozen bodies say 1, 2, 5, 6, 7 or 10 (module docstring)
 COMPETITOR_SCHEMA = 5  # the first schema that can say a competitor condition or a fidelity gate
 MODE_SCHEMA = 6  # the first schema that can say a competitor's `mode` (a kind's own schema: its `since`)
 PASSES_SCHEMA = 7  # the first schema that can say `passes`
+SCORED_SCHEMA = 10  # the first schema that can say `scored_prompts`
 # How an episode is measured: one run with the ledger and the sampler inside its timed calls
 # (`together`, every schema's meaning), or a timing pass with them off, then a recording pass.
 PASSES = ("together", "separate")
@@ -417,6 +422,13 @@ def _batch(value: Any, *, schema: int, given: bool) -> int:
     return int_field(value, "batch", minimum=1, maximum=MAX_BATCH)
 
 
+def _scored_prompts(value: Any, *, schema: int) -> int:
+    """How many prompts start a scored episode in each repetition: the first N (core/plan.py)."""
+    if schema < SCORED_SCHEMA:
+        fail("scored_prompts", f"needs schema {SCORED_SCHEMA}; write schema: {SCORED_SCHEMA} or omit `schema:`")
+    return int_field(value, "scored_prompts", minimum=1, maximum=MAX_PROMPTS)
+
+
 def _passes(value: Any, *, schema: int, given: bool) -> str:
     """How each episode is measured (PASSES): `separate` times a pass with the ledger and the
     sampler off, then records a second pass with them on (engine/worker.py)."""
@@ -482,7 +494,7 @@ def _full(raw: Any, *, base_dir: Path | None) -> dict:
         "continuation_tokens": True, "conditions": True, "reference": True, "warmups": False,
         "repetitions": False, "order": False, "baseline_first": False, "allowance_mib": True,
         "recording": False, "gates": True, "placement": False, "engine": False, "batch": False,
-        "passes": False, "trace": False,
+        "passes": False, "trace": False, "scored_prompts": False,
     })
     declared = p.get("schema", SCHEMA_VERSION)
     if isinstance(declared, bool) or declared not in SCHEMAS:
@@ -526,6 +538,9 @@ def _full(raw: Any, *, base_dir: Path | None) -> dict:
     if _passes(p.get("passes", "together"), schema=declared, given="passes" in p) == "separate":
         full["passes"] = "separate"  # together (or absent) is left out: every body frozen before keeps its hash
         full["schema"] = max(full["schema"], PASSES_SCHEMA)
+    if "scored_prompts" in p:  # absent: every prompt, left out so every body frozen before keeps its hash
+        full["scored_prompts"] = _scored_prompts(p["scored_prompts"], schema=declared)
+        full["schema"] = max(full["schema"], SCORED_SCHEMA)
     engine = _engine(p.get("engine"))
     if engine:  # eager (or absent): left out, so every protocol frozen before modes keeps its hash
         full["engine"] = engine
@@ -545,6 +560,11 @@ def _full(raw: Any, *, base_dir: Path | None) -> dict:
     if declared == 1 and schema1_form(full) is None:
         fail("schema", "1 cannot express this protocol (it uses schema-2 fields); write schema: 2 or drop the field")
     return full
+
+
+def scored_total(full: dict) -> int:
+    """Prompts that start a scored episode in each repetition (`scored_prompts`, else every prompt)."""
+    return full.get("scored_prompts", prompt_total(full["prompts"]))
 
 
 def positions_needed(prefix_tokens: int, continuation_tokens: int) -> int:
@@ -572,14 +592,18 @@ def _cross_checks(full: dict) -> None:
     if "faithfulness" in gates and full["warmups"][ref] == 0 and full["repetitions"] == 1:
         fail(f"warmups.{ref}", f"0 leaves the reference {ref!r} nothing to reproduce itself against; "
                                f"declare >= 1 reference warmup or repetitions >= 2")
-    episodes = sum(full["warmups"].values()) + full["repetitions"] * prompt_total(full["prompts"]) * len(full["conditions"])
+    prompts_n = prompt_total(full["prompts"])
+    scored_n = scored_total(full)
+    if scored_n > prompts_n:
+        fail("scored_prompts", f"{scored_n} scored prompts, but the protocol declares {prompts_n} prompts; "
+                               f"declare more prompts or lower scored_prompts")
+    episodes = sum(full["warmups"].values()) + full["repetitions"] * scored_n * len(full["conditions"])
     if episodes > MAX_EPISODES:
         fail("repetitions", f"the plan would hold {episodes} episodes, more than {MAX_EPISODES}; "
                             f"split the screen into shorter protocols")
     if full.get("trace") and episodes > MAX_TRACED_EPISODES:
         fail("trace", f"the plan would hold {episodes} episodes; a traced screen archives 4 members an episode and "
                       f"an archive holds at most 3 x {MAX_EPISODES} + 5, so at most {MAX_TRACED_EPISODES}: split the screen")
-    prompts_n = prompt_total(full["prompts"])
     if prompts_n > MAX_PROMPTS or prompts_n * full["prefix_tokens"] > MAX_PROMPT_TOKENS:
         fail("prompts", f"{prompts_n} prompts of {full['prefix_tokens']} tokens: more than {MAX_PROMPTS} prompts "
                         f"or {MAX_PROMPT_TOKENS} prompt tokens; split the screen")
@@ -591,7 +615,7 @@ def _cross_checks(full: dict) -> None:
         fail("batch", f"{batch} x {full['continuation_tokens']} continuation tokens keep "
                       f"{batch * full['continuation_tokens']} logits rows an episode, more than {MAX_CONTINUATION}; "
                       f"lower batch or continuation_tokens")
-    pairs = full["repetitions"] * prompts_n  # scored episodes per condition: the bootstrap's pairs
+    pairs = full["repetitions"] * scored_n  # scored episodes per condition: the bootstrap's pairs
     draws = sum(g["resamples"] * pairs * (len(full["conditions"]) - 1) for g in gates.get("runtime", []))
     if draws > MAX_BOOTSTRAP_DRAWS:
         fail("gates.runtime", f"the runtime bootstraps would draw {draws} pair indices (resamples x pairs x "

@@ -14,7 +14,7 @@ from typing import Any, Mapping
 
 from packbench.core.canonical import canonical_json, sha256_hex
 from packbench.core.protocol.compat import schema1_form
-from packbench.core.protocol.schema import MIB, full_form
+from packbench.core.protocol.schema import MIB, full_form, scored_total
 from packbench.core.registry import resolved_params, tier_of
 
 
@@ -181,6 +181,7 @@ class Protocol:
     engine_mode: str  # eager | graph (engine/graph.py)
     batch: int  # sequences decoded together (1: one prompt an episode, as every schema before 6)
     passes: str  # together | separate (schema 7): the timing pass apart from the recording pass
+    scored_prompts: int  # prompts that start a scored episode in each repetition (schema 10; else every prompt)
     full: Mapping[str, Any]  # the full schema-2 form (read-only), as docs/protocol.md lists it
 
     def __eq__(self, other: object) -> bool:
@@ -301,7 +302,8 @@ def expand(body: Any) -> Protocol:
         repetitions=full["repetitions"], order=full["order"], baseline_first=full["baseline_first"],
         allowance_mib=full["allowance_mib"], recording=full["recording"], gates=_gates(full["gates"]),
         placement=Placement(**full.get("placement", {})), engine_mode=full.get("engine", {}).get("mode", "eager"),
-        batch=full.get("batch", 1), passes=full.get("passes", "together"), full=_freeze_data(full))
+        batch=full.get("batch", 1), passes=full.get("passes", "together"),
+        scored_prompts=scored_total(full), full=_freeze_data(full))
 
 
 def prompt_count(body: Any) -> int:

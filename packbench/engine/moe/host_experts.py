@@ -29,6 +29,12 @@ def _nbytes(*tensors: torch.Tensor) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
+def _unrouted(index: torch.Tensor, weights: torch.Tensor, mine: torch.Tensor, fill: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(index, weights) for one side of a split expert call: the pairs that are not `mine` point at
+    expert `fill` (one this side computes) with weight 0, so they add exactly 0 to their token."""
+    return torch.where(mine, index, fill), torch.where(mine, weights, torch.zeros_like(weights))
+
+
 class HostExperts:
     """Every routed expert computed on the host (module docstring); with `hot` > 0, the `hot`
     experts of each MoE layer that the layer's first call (the episode's prefill) routed the most
@@ -76,9 +82,10 @@ class HostExperts:
         ids = torch.tensor(sorted(ranked[:min(self.hot, experts)]), dtype=torch.int64)
         gate_up = self.host.gate_up[layer].index_select(0, ids).to(self.device)
         down = self.host.down[layer].index_select(0, ids).to(self.device)
-        slot = torch.full((experts + 1,), experts, dtype=torch.int64)
+        # Slot 0 stands in for every expert not held (its pairs weigh 0 on the device: _unrouted).
+        slot = torch.zeros(experts, dtype=torch.int64)
         slot[ids] = torch.arange(len(ids))
-        held = torch.zeros(experts + 1, dtype=torch.bool)
+        held = torch.zeros(experts, dtype=torch.bool)
         held[ids] = True
         self.resident[layer] = (gate_up, down, slot.to(self.device), held)
         self.recorder.add(layer, rows=len(ids), weight_bytes=len(ids) * self.host.expert_bytes,
@@ -87,10 +94,13 @@ class HostExperts:
     def compute(self, layer: int, stock: StockExperts, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
         """Layer `layer`'s expert output on the device of `hidden_states`: the hot set's part on the
-        device (stock loop over the held experts, the others mapped to its skipped sentinel), the rest
-        computed on the host (the held ones mapped to the sentinel there), the two parts added."""
+        device (stock loop over the held experts), the rest computed on the host, the two parts added.
+        Each side's pairs that belong to the other side are given an expert it computes anyway and
+        weight 0 (`_unrouted`), so each contributes exactly 0 to its token's sum: stock's skipped
+        sentinel id (num_experts) is not used, since transformers' eager loop before 5.2x one-hots
+        the ids into num_experts classes only (an id of num_experts is out of range: a device-side
+        assert on CUDA, an error on the CPU)."""
         device = hidden_states.device
-        experts = self.host.experts
         if not self.hot:
             # (tokens, hidden), (tokens, k), (tokens, k): down the link in one synchronising copy each
             down = [t.to("cpu") for t in (hidden_states, top_k_index, top_k_weights)]
@@ -102,9 +112,10 @@ class HostExperts:
         if layer not in self.resident:
             self._place(layer, top_k_index)
         gate_up, down_w, slot, held = self.resident[layer]
-        on_device = stock(gate_up, down_w, hidden_states, slot[top_k_index], top_k_weights)
         ids = top_k_index.to("cpu")  # (tokens, k): which pairs the host must compute
         cold = ~held[ids]
+        on_device = stock(gate_up, down_w, hidden_states,
+                          *_unrouted(slot[top_k_index], top_k_weights, (~cold).to(top_k_weights.device), 0))
         self.hits += int((~cold).sum())
         self.routes += ids.numel()
         routed = int(torch.unique(ids).numel())
@@ -112,7 +123,8 @@ class HostExperts:
             self.recorder.add(layer, active=routed, d2h_bytes=_nbytes(ids))
             return on_device
         sent = [hidden_states.to("cpu"), top_k_weights.to("cpu")]
-        out = stock(self.host.gate_up[layer], self.host.down[layer], sent[0], torch.where(cold, ids, experts), sent[1])
+        fill = int(ids[cold][0])  # a cold expert the host computes anyway stands in for the held pairs
+        out = stock(self.host.gate_up[layer], self.host.down[layer], sent[0], *_unrouted(ids, sent[1], cold, fill))
         self.recorder.add(layer, active=routed, d2h_bytes=_nbytes(ids, *sent), index_bytes=_nbytes(out))
         return on_device + out.to(device)
 
