@@ -749,3 +749,84 @@ def test_a_worker_of_an_unknown_state_is_named_with_its_state():
     with pytest.raises(ValueError) as e:
         worker_list([{"name": "w0", "state": "sleeping"}])
     assert str(e.value) == "worker state 'sleeping' is not one of idle, busy"
+
+
+# -- promises the mutation run of db/queue.py found untested (docs/mutation.md) -------------
+
+
+def test_start_attempt_numbers_per_screen_and_starts_the_screen_once(queue, clock):
+    """A started attempt is running since now, numbered after its own screen's attempts (another
+    screen's do not count), with the placement's source freeze; the screen runs and keeps the
+    started_at of its first attempt. Catches the number counted over every screen or from 2, a
+    status or start time not stored, the source freeze dropped, started_at moved by each attempt."""
+    p = protocol(queue)
+    first, second = queue.create_screen(protocol_id=p, submitter="a"), queue.create_screen(protocol_id=p, submitter="a")
+    place = dict(worker="w", node="n", gpu_name="g", gpu_index=0, machine_id=None, archive_path="a.zip")
+    a1 = queue.start_attempt(screen_id=first, source_freeze=FREEZE, **place)
+    assert (a1.number, a1.status, a1.started_at, a1.source_freeze) == (1, "running", T0, FREEZE)
+    assert (queue.screen(first).status, queue.screen(first).started_at) == ("running", T0)
+    clock.advance(5)
+    queue.finish_attempt(a1.id, status="failed", error="boom")
+    a2 = queue.start_attempt(screen_id=first, source_freeze=FREEZE, **place)
+    assert (a2.number, a2.started_at) == (2, T0 + timedelta(seconds=5))
+    assert (queue.screen(first).status, queue.screen(first).started_at) == ("running", T0)
+    b1 = queue.start_attempt(screen_id=second, source_freeze=FREEZE, **place)
+    assert (b1.number, b1.started_at) == (1, T0 + timedelta(seconds=5))
+    stored = queue.latest_attempt(first)
+    assert (stored.id, stored.status, stored.started_at, stored.source_freeze) == (
+        a2.id, "running", T0 + timedelta(seconds=5), FREEZE)
+
+
+def test_release_gives_back_one_claim_and_a_requested_cancel_wins(queue, clock):
+    """release() takes back exactly the claim it releases (attempts_used 2 -> 1, not 0), stamps
+    the attempt's finished_at, and a screen whose cancel was requested becomes cancelled then,
+    not queued again. Catches the count lowered by 2, finished_at not stored, a cancelled
+    screen requeued or its status misspelt, and a Conflict that does not say why."""
+    screen_id = queue.create_screen(protocol_id=protocol(queue), submitter="a", max_attempts=3)
+    d = queue.register_dispatcher("d", "h")
+    first = claim(queue, d)
+    assert queue.finish_attempt(first.attempt.id, status="failed", error="worker died", requeue=True) == "queued"
+    second = claim(queue, d)
+    assert queue.screen(screen_id).attempts_used == 2
+    clock.advance(7)
+    assert queue.release(second.attempt.id, "shutting down") == "queued"
+    assert queue.screen(screen_id).attempts_used == 1
+    assert queue.latest_attempt(screen_id).finished_at == T0 + timedelta(seconds=7)
+    third = claim(queue, d)
+    queue.cancel_screen(screen_id)
+    clock.advance(3)
+    assert queue.release(third.attempt.id, "shutting down") == "cancelled"
+    screen = queue.screen(screen_id)
+    assert (screen.status, screen.finished_at) == ("cancelled", T0 + timedelta(seconds=10))
+    with pytest.raises(Conflict) as e:
+        queue.release(third.attempt.id, "again")
+    assert str(e.value) == f"attempt {third.attempt.id} is already interrupted; nothing to release"
+
+
+def test_placing_an_attempt_that_no_longer_runs_says_why(queue):
+    """Catches the Conflict's reason dropped: the dispatcher logs it and stops working on the
+    attempt."""
+    queue.create_screen(protocol_id=protocol(queue), submitter="a")
+    d = queue.register_dispatcher("d", "h")
+    c = claim(queue, d)
+    queue.finish_attempt(c.attempt.id, status="done")
+    with pytest.raises(Conflict) as e:
+        queue.place_attempt(c.attempt.id, node="n1")
+    assert str(e.value) == f"attempt {c.attempt.id} is done, not running; stop working on it"
+
+
+def test_dispatchers_and_queued_screens_keep_their_order_after_updates(queue, clock):
+    """Dispatchers come back by id and queued screens of one priority oldest first (a retried
+    screen keeps its place by id) even after the older rows were updated (PostgreSQL stores an
+    updated row anew, so an order left to the table's storage or an index puts it last).
+    Catches an ORDER BY (or its id tie-break) dropped; SQLite returns rowid order either way,
+    so only the PostgreSQL case can fail on that."""
+    p = protocol(queue)
+    older, newer = queue.create_screen(protocol_id=p, submitter="a"), queue.create_screen(protocol_id=p, submitter="a")
+    first, second = queue.register_dispatcher("d1", "h"), queue.register_dispatcher("d2", "h")
+    clock.advance(1)  # a heartbeat that changes nothing writes nothing
+    queue.heartbeat(first, [{"name": "w0", "state": "idle"}])
+    queue.cancel_screen(older)  # then queued again: a changed status is a new row version in every index
+    queue.retry_screen(older)
+    assert [d.id for d in queue.dispatchers()] == [first, second]
+    assert [s.id for s in queue.queued_screens()] == [older, newer]
