@@ -830,3 +830,74 @@ def test_dispatchers_and_queued_screens_keep_their_order_after_updates(queue, cl
     queue.retry_screen(older)
     assert [d.id for d in queue.dispatchers()] == [first, second]
     assert [s.id for s in queue.queued_screens()] == [older, newer]
+
+
+def _started(store: Store) -> tuple[int, int]:
+    """A claimed screen's (screen id, attempt id)."""
+    screen_id = store.create_screen(protocol_id=protocol(store), submitter="a")
+    return screen_id, claim(store, store.register_dispatcher("d", "h")).attempt.id
+
+
+# Each case: (what another writer changes while holding the row's lock, the call, what the call must
+# answer once that writer commits). The call has to lock the row before reading it (FOR UPDATE);
+# one that reads first acts on the row as it was and overwrites the other writer's change.
+ROW_LOCK_CASES = {
+    "finish_attempt": ("UPDATE attempts SET status = 'lost' WHERE id = {attempt}",
+                       lambda q, s, a: q.finish_attempt(a, status="done"), Conflict),
+    "release": ("UPDATE attempts SET status = 'lost' WHERE id = {attempt}",
+                lambda q, s, a: q.release(a, "shutting down"), Conflict),
+    "renew_lease": ("UPDATE attempts SET status = 'lost' WHERE id = {attempt}",
+                    lambda q, s, a: q.renew_lease(a, 60.0), False),
+    "place_attempt": ("UPDATE attempts SET status = 'lost' WHERE id = {attempt}",
+                      lambda q, s, a: q.place_attempt(a, worker="w1"), Conflict),
+    "start_attempt": ("UPDATE screens SET started_at = '2026-01-01T00:00:00+00:00' WHERE id = {screen}",
+                      lambda q, s, a: q.start_attempt(screen_id=s, worker="w", node="n", gpu_name="g", gpu_index=0,
+                                                      machine_id=None, source_freeze={}, archive_path="b.zip")
+                      and q.screen(s).started_at, datetime(2026, 1, 1, tzinfo=UTC)),
+    "cancel_screen": ("UPDATE screens SET status = 'done' WHERE id = {screen}",
+                      lambda q, s, a: q.cancel_screen(s), Conflict),
+    "retry_screen": ("UPDATE screens SET status = 'queued' WHERE id = {screen}",
+                     lambda q, s, a: q.retry_screen(s), Conflict),
+}
+
+
+@pytest.mark.parametrize("case", sorted(ROW_LOCK_CASES))
+def test_a_change_committed_under_a_row_lock_is_seen_not_overwritten(pg_url, clock, case):
+    """PostgreSQL only (SQLite serializes every write transaction at BEGIN IMMEDIATE): each call
+    that reads a row and then decides on it locks the row first, so a writer holding the lock is
+    waited for and its change is what the call decides on. Catches a FOR UPDATE dropped: the
+    call would finish a lost attempt, renew its lease, cancel a done screen, retry a queued
+    one or move a screen's start time."""
+    from sqlalchemy import create_engine
+    from sqlalchemy.pool import NullPool
+
+    change, call, expected = ROW_LOCK_CASES[case]
+    with Store(pg_url, clock=clock, retry_delays=()) as store:
+        store.upgrade()
+        screen_id, attempt_id = _started(store)
+        if case == "retry_screen":
+            store.finish_attempt(attempt_id, status="failed", error="boom")
+        if case == "start_attempt":  # a screen no attempt has started yet
+            screen_id = store.create_screen(protocol_id=protocol(store), submitter="a")
+        engine = create_engine(pg_url, poolclass=NullPool)
+        answer: dict = {}
+
+        def run():
+            try:
+                answer["value"] = call(store, screen_id, attempt_id)
+            except Exception as error:  # noqa: BLE001 - the answer is the exception's type
+                answer["value"] = type(error)
+
+        with engine.connect() as other:
+            table = "attempts" if "attempts" in change else "screens"
+            key = attempt_id if table == "attempts" else screen_id
+            other.exec_driver_sql(f"SELECT id FROM {table} WHERE id = {key} FOR UPDATE")
+            other.exec_driver_sql(change.format(attempt=attempt_id, screen=screen_id))
+            thread = threading.Thread(target=run)
+            thread.start()
+            thread.join(0.5)
+            assert thread.is_alive(), "the call did not wait for the other writer's lock"
+            other.commit()
+            thread.join(30)
+        engine.dispose()
+        assert answer["value"] == expected
