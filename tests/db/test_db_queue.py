@@ -901,3 +901,32 @@ def test_a_change_committed_under_a_row_lock_is_seen_not_overwritten(pg_url, clo
             thread.join(30)
         engine.dispose()
         assert answer["value"] == expected
+
+
+def test_a_nodes_free_resources_are_its_capacity_less_what_runs_there(queue):
+    """What a node has free is its declared capacity less the needs of the screens running on it
+    (each counted by its own screen's needs; the look-ahead slot's own attempt left out; a need
+    the node no longer declares counts against zero), and screens needing nothing stay claimable
+    beside them. Catches running needs joined to other screens' needs, the capacity ignored for
+    a running need, the look-ahead exception turned into 'nothing runs', an undeclared need
+    crashing the claim, and screens without needs breaking the fit check."""
+    p = protocol(queue)
+    d = queue.register_dispatcher("d", "h")
+
+    def screen(priority, resources=None):
+        return queue.create_screen(protocol_id=p, submitter="a", priority=priority, resources=resources)
+
+    big, x, y, w = screen(5, {"nvme": 2}), screen(4, {"nvme": 1}), screen(3, {"nvme": 1}), screen(2, {"nvme": 1})
+    plain1, plain2 = screen(0), screen(0)
+    done = claim(queue, d, node="n2", node_resources={"nvme": 2}, screen_id=big)
+    queue.finish_attempt(done.attempt.id, status="done")
+    assert claim(queue, d, node="n1", node_resources={"nvme": 2}, screen_id=x).screen.id == x
+    # n1 has 2 - 1 free: y fits (the done screen's 2 are not n1's, nor are the queued ones' needs)
+    assert claim(queue, d, node="n1", node_resources={"nvme": 2}).screen.id == y
+    beside = claim(queue, d, node="n1", node_resources={"nvme": 2}, screen_id=plain1)
+    # x and y use both: w does not fit, even for the slot of plain1 (which needs nothing) looking ahead
+    after = claim(queue, d, node="n1", node_resources={"nvme": 2}, follows_attempt=beside.attempt.id)
+    assert after.screen.id == plain2
+    # n1 now declares no nvme: what runs there still uses 2 of none, and nothing is claimed
+    assert claim(queue, d, node="n1", node_resources={"other": 1}) is None
+    assert [s.id for s in queue.queued_screens()] == [w]
