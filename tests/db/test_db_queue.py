@@ -858,6 +858,15 @@ ROW_LOCK_CASES = {
                       lambda q, s, a: q.cancel_screen(s), Conflict),
     "retry_screen": ("UPDATE screens SET status = 'queued' WHERE id = {screen}",
                      lambda q, s, a: q.retry_screen(s), Conflict),
+    # the screen's lock, taken after the attempt's: a cancel requested meanwhile wins
+    "finish_attempt screen": ("UPDATE screens SET cancel_requested_at = now() WHERE id = {screen}",
+                              lambda q, s, a: q.finish_attempt(a, status="failed", error="died", requeue=True),
+                              "cancelled"),
+    "release screen": ("UPDATE screens SET cancel_requested_at = now() WHERE id = {screen}",
+                       lambda q, s, a: q.release(a, "shutting down"), "cancelled"),
+    "reap_expired screen": ("UPDATE screens SET cancel_requested_at = now() WHERE id = {screen}",
+                            lambda q, s, a: [r.screen_status for r in q.reap_expired(T0 + timedelta(hours=1))],
+                            ["cancelled"]),
 }
 
 
@@ -889,7 +898,7 @@ def test_a_change_committed_under_a_row_lock_is_seen_not_overwritten(pg_url, clo
                 answer["value"] = type(error)
 
         with engine.connect() as other:
-            table = "attempts" if "attempts" in change else "screens"
+            table = "attempts" if change.startswith("UPDATE attempts") else "screens"
             key = attempt_id if table == "attempts" else screen_id
             other.exec_driver_sql(f"SELECT id FROM {table} WHERE id = {key} FOR UPDATE")
             other.exec_driver_sql(change.format(attempt=attempt_id, screen=screen_id))
@@ -930,3 +939,45 @@ def test_a_nodes_free_resources_are_its_capacity_less_what_runs_there(queue):
     # n1 now declares no nvme: what runs there still uses 2 of none, and nothing is claimed
     assert claim(queue, d, node="n1", node_resources={"other": 1}) is None
     assert [s.id for s in queue.queued_screens()] == [w]
+
+
+def test_a_finished_attempt_keeps_its_outcome_and_time_and_refusals_say_why(queue, clock):
+    """Catches finish_attempt dropping the error, the archive's hash or the finish time (of the
+    attempt or its screen), a registered dispatcher without its first heartbeat, and the
+    refusals to finish twice or cancel a finished screen losing their reason."""
+    screen_id = queue.create_screen(protocol_id=protocol(queue), submitter="a")
+    d = queue.register_dispatcher("d", "h")
+    assert (queue.dispatchers()[0].started_at, queue.dispatchers()[0].heartbeat_at) == (T0, T0)
+    c = claim(queue, d)
+    clock.advance(9)
+    assert queue.finish_attempt(c.attempt.id, status="done", error="note", archive_sha256="f" * 64) == "done"
+    a = queue.latest_attempt(screen_id)
+    assert (a.status, a.error, a.archive_sha256, a.finished_at) == ("done", "note", "f" * 64, T0 + timedelta(seconds=9))
+    assert queue.screen(screen_id).finished_at == T0 + timedelta(seconds=9)
+    with pytest.raises(Conflict) as e:
+        queue.finish_attempt(c.attempt.id, status="failed")
+    assert str(e.value) == (f"attempt {c.attempt.id} is already done; finished attempts are kept as they are: "
+                            f"start a new attempt instead")
+    with pytest.raises(Conflict) as e:
+        queue.cancel_screen(screen_id)
+    assert str(e.value) == f"screen {screen_id} is already done; only a queued or running screen can be cancelled"
+
+
+def test_sharing_a_node_marks_its_running_attempts_only_and_unmarked_ones_too(queue):
+    """An attempt started outside a claim has no shared_node mark yet (NULL); a claim on its node
+    marks it shared, and leaves attempts on other nodes and finished ones alone. Catches the
+    node and status filters dropped from the marking and NULL marks left unmarked."""
+    p = protocol(queue)
+    d = queue.register_dispatcher("d", "h")
+    started_id, other_id, old_id, new_id = (queue.create_screen(protocol_id=p, submitter="a") for _ in range(4))
+    place = dict(worker="w", gpu_name="g", gpu_index=0, machine_id=None, source_freeze={}, archive_path="a.zip")
+    started = queue.start_attempt(screen_id=started_id, node="n1", **place)
+    assert started.shared_node is None
+    old = claim(queue, d, node="n1", screen_id=old_id)
+    queue.finish_attempt(old.attempt.id, status="done")
+    claim(queue, d, node="n2", screen_id=other_id)
+    new = claim(queue, d, node="n1", screen_id=new_id)
+    assert new.attempt.shared_node is True
+    assert queue.latest_attempt(started_id).shared_node is True
+    assert queue.latest_attempt(other_id).shared_node is False
+    assert queue.latest_attempt(old_id).shared_node is True  # marked while it ran beside `started`, kept
