@@ -981,3 +981,25 @@ def test_sharing_a_node_marks_its_running_attempts_only_and_unmarked_ones_too(qu
     assert queue.latest_attempt(started_id).shared_node is True
     assert queue.latest_attempt(other_id).shared_node is False
     assert queue.latest_attempt(old_id).shared_node is True  # marked while it ran beside `started`, kept
+
+
+def test_a_claim_stores_what_it_was_given(queue):
+    """The claimed attempt as stored: its machine, its source freeze, its archive path under the
+    archive directory however that is written (a trailing '/' is not doubled, nothing else is cut); a model state
+    outside cold / warm is refused before anything is claimed; node resources without a node
+    place nothing that needs them. Catches the machine or source freeze not stored, the
+    directory's trailing '/' kept, the model-state check skipped and a node-less slot's
+    declared resources used."""
+    p = protocol(queue)
+    d = queue.register_dispatcher("d", "h")
+    needs = queue.create_screen(protocol_id=p, submitter="a", resources={"nvme": 1}, priority=1)
+    plain = queue.create_screen(protocol_id=p, submitter="a")
+    machine = queue.put_machine(host="n1", gpu_name="H200", driver=None, torch=None, cuda=None)
+    with pytest.raises(ValueError, match=r"^model_state 'hot' is not one of cold, warm$"):
+        claim(queue, d, model_state="hot")
+    assert [s.id for s in queue.queued_screens()] == [needs, plain]
+    c = claim(queue, d, archive_dir="/archives-X/", machine_id=machine, node_resources={"nvme": 4})
+    assert c.screen.id == plain
+    stored = queue.latest_attempt(plain)
+    assert (stored.machine_id, stored.source_freeze) == (machine, FREEZE)
+    assert stored.archive_path == f"/archives-X/screen-{plain:05d}-attempt-1-{stored.attempt_key}.zip"
