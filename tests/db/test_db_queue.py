@@ -1003,3 +1003,31 @@ def test_a_claim_stores_what_it_was_given(queue):
     stored = queue.latest_attempt(plain)
     assert (stored.machine_id, stored.source_freeze) == (machine, FREEZE)
     assert stored.archive_path == f"/archives-X/screen-{plain:05d}-attempt-1-{stored.attempt_key}.zip"
+
+
+def test_a_claims_node_checks_count_every_other_running_attempt_and_every_done_replica(queue):
+    """A look-ahead slot leaves out its own attempt only: another screen running on the node
+    still keeps an exclusive screen off it. A replica that ran to the end (done) on a node keeps
+    its siblings off that node; one that failed there does not. A screen needing nothing is
+    claimed before a lower-priority one whose needs fit. Catches the look-ahead exception
+    leaving out every running attempt, the replica check counting failed attempts or missing
+    done ones, and screens without needs dropped when some needs fit."""
+    p = protocol(queue)
+    d = queue.register_dispatcher("d", "h")
+    mine, theirs = (queue.create_screen(protocol_id=p, submitter="a", priority=9) for _ in range(2))
+    slot, other = claim(queue, d, node="n1", screen_id=mine), claim(queue, d, node="n1", screen_id=theirs)
+    exclusive = queue.create_screen(protocol_id=p, submitter="a", exclusive_node=True, priority=8)
+    assert claim(queue, d, node="n1", follows_attempt=slot.attempt.id) is None  # `theirs` still runs on n1
+    queue.finish_attempt(other.attempt.id, status="done")
+    assert claim(queue, d, node="n1", follows_attempt=slot.attempt.id).screen.id == exclusive
+    done_group = queue.create_screens(2, spread=True, protocol_id=p, submitter="a", priority=7)
+    ran = claim(queue, d, node="n2", screen_id=done_group[0])
+    queue.finish_attempt(ran.attempt.id, status="done")
+    assert claim(queue, d, node="n2", screen_id=done_group[1]) is None  # its sibling is done on n2
+    failed_group = queue.create_screens(2, spread=True, protocol_id=p, submitter="a", priority=7)
+    broke = claim(queue, d, node="n3", screen_id=failed_group[0])
+    queue.finish_attempt(broke.attempt.id, status="failed", error="boom")
+    assert claim(queue, d, node="n3", screen_id=failed_group[1]).screen.id == failed_group[1]
+    plain = queue.create_screen(protocol_id=p, submitter="a", priority=20)
+    queue.create_screen(protocol_id=p, submitter="a", priority=19, resources={"nvme": 1})
+    assert claim(queue, d, node="n4", node_resources={"nvme": 1}).screen.id == plain
