@@ -1031,3 +1031,20 @@ def test_a_claims_node_checks_count_every_other_running_attempt_and_every_done_r
     plain = queue.create_screen(protocol_id=p, submitter="a", priority=20)
     queue.create_screen(protocol_id=p, submitter="a", priority=19, resources={"nvme": 1})
     assert claim(queue, d, node="n4", node_resources={"nvme": 1}).screen.id == plain
+
+
+def test_a_new_screen_is_queued_now_with_the_documented_defaults(queue, clock):
+    """A screen created without options (one, or a batch): queued at the clock's time, no attempt used, 1
+    repetition, priority 0, 3 attempts at most, the node not exclusive; a protocol id that is
+    not stored is refused naming the protocol. Catches a default changed, the status, creation
+    time or attempt count not set, and the refusal naming something else."""
+    clock.advance(3)
+    s = queue.screen(queue.create_screen(protocol_id=protocol(queue), submitter="a"))
+    assert (s.status, s.created_at, s.attempts_used, s.repetitions, s.priority, s.max_attempts, s.exclusive_node) == (
+        "queued", T0 + timedelta(seconds=3), 0, 1, 0, 3, False)
+    for i in queue.create_screens(2, protocol_id=protocol(queue), submitter="a"):  # the batch path's own defaults
+        s = queue.screen(i)
+        assert (s.status, s.attempts_used, s.repetitions, s.priority, s.max_attempts) == ("queued", 0, 1, 0, 3)
+    with pytest.raises(NotFound) as e:
+        queue.create_screen(protocol_id=999_999, submitter="a")
+    assert str(e.value) == "no protocol with id 999999; list screens with `packbench screens list`"
