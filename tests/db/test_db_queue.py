@@ -13,7 +13,6 @@ from pathlib import Path
 
 import pytest
 
-from packbench.db import queue as queue_module
 from packbench.db.errors import Conflict, NotFound
 from packbench.db.store import Store
 
@@ -54,16 +53,6 @@ def fresh_claim_statements():
 @pytest.fixture
 def clock() -> Clock:
     return Clock()
-
-
-@pytest.fixture(autouse=True)
-def fresh_claim_statements():
-    """Each test builds the claim statements anew: they are cached per filter shape
-    (`functools.lru_cache`), and a cache filled before a test (by an earlier test, or before
-    `make mutate` forks for each mutant of `_claim_candidate` / `_claim_update`) would hide a
-    change to how they are built."""
-    queue_module._claim_statement.cache_clear()
-    queue_module._pg_claim_statement.cache_clear()
 
 
 @pytest.fixture(scope="module")
