@@ -738,3 +738,302 @@ def test_a_worker_of_an_unknown_state_is_named_with_its_state():
     with pytest.raises(ValueError) as e:
         worker_list([{"name": "w0", "state": "sleeping"}])
     assert str(e.value) == "worker state 'sleeping' is not one of idle, busy"
+
+
+# -- promises the mutation run of db/queue.py found untested (docs/mutation.md) -------------
+
+
+def test_start_attempt_numbers_per_screen_and_starts_the_screen_once(queue, clock):
+    """A started attempt is running since now, numbered after its own screen's attempts (another
+    screen's do not count), with the placement's source freeze; the screen runs and keeps the
+    started_at of its first attempt. Catches the number counted over every screen or from 2, a
+    status or start time not stored, the source freeze dropped, started_at moved by each attempt."""
+    p = protocol(queue)
+    first, second = queue.create_screen(protocol_id=p, submitter="a"), queue.create_screen(protocol_id=p, submitter="a")
+    place = dict(worker="w", node="n", gpu_name="g", gpu_index=0, machine_id=None, archive_path="a.zip")
+    a1 = queue.start_attempt(screen_id=first, source_freeze=FREEZE, **place)
+    assert (a1.number, a1.status, a1.started_at, a1.source_freeze) == (1, "running", T0, FREEZE)
+    assert (queue.screen(first).status, queue.screen(first).started_at) == ("running", T0)
+    clock.advance(5)
+    queue.finish_attempt(a1.id, status="failed", error="boom")
+    a2 = queue.start_attempt(screen_id=first, source_freeze=FREEZE, **place)
+    assert (a2.number, a2.started_at) == (2, T0 + timedelta(seconds=5))
+    assert (queue.screen(first).status, queue.screen(first).started_at) == ("running", T0)
+    b1 = queue.start_attempt(screen_id=second, source_freeze=FREEZE, **place)
+    assert (b1.number, b1.started_at) == (1, T0 + timedelta(seconds=5))
+    stored = queue.latest_attempt(first)
+    assert (stored.id, stored.status, stored.started_at, stored.source_freeze) == (
+        a2.id, "running", T0 + timedelta(seconds=5), FREEZE)
+
+
+def test_release_gives_back_one_claim_and_a_requested_cancel_wins(queue, clock):
+    """release() takes back exactly the claim it releases (attempts_used 2 -> 1, not 0), stamps
+    the attempt's finished_at, and a screen whose cancel was requested becomes cancelled then,
+    not queued again. Catches the count lowered by 2, finished_at not stored, a cancelled
+    screen requeued or its status misspelt, and a Conflict that does not say why."""
+    screen_id = queue.create_screen(protocol_id=protocol(queue), submitter="a", max_attempts=3)
+    d = queue.register_dispatcher("d", "h")
+    first = claim(queue, d)
+    assert queue.finish_attempt(first.attempt.id, status="failed", error="worker died", requeue=True) == "queued"
+    second = claim(queue, d)
+    assert queue.screen(screen_id).attempts_used == 2
+    clock.advance(7)
+    assert queue.release(second.attempt.id, "shutting down") == "queued"
+    assert queue.screen(screen_id).attempts_used == 1
+    assert queue.latest_attempt(screen_id).finished_at == T0 + timedelta(seconds=7)
+    third = claim(queue, d)
+    queue.cancel_screen(screen_id)
+    clock.advance(3)
+    assert queue.release(third.attempt.id, "shutting down") == "cancelled"
+    screen = queue.screen(screen_id)
+    assert (screen.status, screen.finished_at) == ("cancelled", T0 + timedelta(seconds=10))
+    with pytest.raises(Conflict) as e:
+        queue.release(third.attempt.id, "again")
+    assert str(e.value) == f"attempt {third.attempt.id} is already interrupted; nothing to release"
+
+
+def test_placing_an_attempt_that_no_longer_runs_says_why(queue):
+    """Catches the Conflict's reason dropped: the dispatcher logs it and stops working on the
+    attempt."""
+    queue.create_screen(protocol_id=protocol(queue), submitter="a")
+    d = queue.register_dispatcher("d", "h")
+    c = claim(queue, d)
+    queue.finish_attempt(c.attempt.id, status="done")
+    with pytest.raises(Conflict) as e:
+        queue.place_attempt(c.attempt.id, node="n1")
+    assert str(e.value) == f"attempt {c.attempt.id} is done, not running; stop working on it"
+
+
+def test_dispatchers_and_queued_screens_keep_their_order_after_updates(queue, clock):
+    """Dispatchers come back by id and queued screens of one priority oldest first (a retried
+    screen keeps its place by id) even after the older rows were updated (PostgreSQL stores an
+    updated row anew, so an order left to the table's storage or an index puts it last).
+    Catches an ORDER BY (or its id tie-break) dropped; SQLite returns rowid order either way,
+    so only the PostgreSQL case can fail on that."""
+    p = protocol(queue)
+    older, newer = queue.create_screen(protocol_id=p, submitter="a"), queue.create_screen(protocol_id=p, submitter="a")
+    first, second = queue.register_dispatcher("d1", "h"), queue.register_dispatcher("d2", "h")
+    clock.advance(1)  # a heartbeat that changes nothing writes nothing
+    queue.heartbeat(first, [{"name": "w0", "state": "idle"}])
+    queue.cancel_screen(older)  # then queued again: a changed status is a new row version in every index
+    queue.retry_screen(older)
+    assert [d.id for d in queue.dispatchers()] == [first, second]
+    assert [s.id for s in queue.queued_screens()] == [older, newer]
+
+
+def _started(store: Store) -> tuple[int, int]:
+    """A claimed screen's (screen id, attempt id)."""
+    screen_id = store.create_screen(protocol_id=protocol(store), submitter="a")
+    return screen_id, claim(store, store.register_dispatcher("d", "h")).attempt.id
+
+
+# Each case: (what another writer changes while holding the row's lock, the call, what the call must
+# answer once that writer commits). The call has to lock the row before reading it (FOR UPDATE);
+# one that reads first acts on the row as it was and overwrites the other writer's change.
+ROW_LOCK_CASES = {
+    "finish_attempt": ("UPDATE attempts SET status = 'lost' WHERE id = {attempt}",
+                       lambda q, s, a: q.finish_attempt(a, status="done"), Conflict),
+    "release": ("UPDATE attempts SET status = 'lost' WHERE id = {attempt}",
+                lambda q, s, a: q.release(a, "shutting down"), Conflict),
+    "renew_lease": ("UPDATE attempts SET status = 'lost' WHERE id = {attempt}",
+                    lambda q, s, a: q.renew_lease(a, 60.0), False),
+    "place_attempt": ("UPDATE attempts SET status = 'lost' WHERE id = {attempt}",
+                      lambda q, s, a: q.place_attempt(a, worker="w1"), Conflict),
+    "start_attempt": ("UPDATE screens SET started_at = '2026-01-01T00:00:00+00:00' WHERE id = {screen}",
+                      lambda q, s, a: q.start_attempt(screen_id=s, worker="w", node="n", gpu_name="g", gpu_index=0,
+                                                      machine_id=None, source_freeze={}, archive_path="b.zip")
+                      and q.screen(s).started_at, datetime(2026, 1, 1, tzinfo=UTC)),
+    "cancel_screen": ("UPDATE screens SET status = 'done' WHERE id = {screen}",
+                      lambda q, s, a: q.cancel_screen(s), Conflict),
+    "retry_screen": ("UPDATE screens SET status = 'queued' WHERE id = {screen}",
+                     lambda q, s, a: q.retry_screen(s), Conflict),
+    # the screen's lock, taken after the attempt's: a cancel requested meanwhile wins
+    "finish_attempt screen": ("UPDATE screens SET cancel_requested_at = now() WHERE id = {screen}",
+                              lambda q, s, a: q.finish_attempt(a, status="failed", error="died", requeue=True),
+                              "cancelled"),
+    "release screen": ("UPDATE screens SET cancel_requested_at = now() WHERE id = {screen}",
+                       lambda q, s, a: q.release(a, "shutting down"), "cancelled"),
+    "reap_expired screen": ("UPDATE screens SET cancel_requested_at = now() WHERE id = {screen}",
+                            lambda q, s, a: [r.screen_status for r in q.reap_expired(T0 + timedelta(hours=1))],
+                            ["cancelled"]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(ROW_LOCK_CASES))
+def test_a_change_committed_under_a_row_lock_is_seen_not_overwritten(pg_url, clock, case):
+    """PostgreSQL only (SQLite serializes every write transaction at BEGIN IMMEDIATE): each call
+    that reads a row and then decides on it locks the row first, so a writer holding the lock is
+    waited for and its change is what the call decides on. Catches a FOR UPDATE dropped: the
+    call would finish a lost attempt, renew its lease, cancel a done screen, retry a queued
+    one or move a screen's start time."""
+    from sqlalchemy import create_engine
+    from sqlalchemy.pool import NullPool
+
+    change, call, expected = ROW_LOCK_CASES[case]
+    with Store(pg_url, clock=clock, retry_delays=()) as store:
+        store.upgrade()
+        screen_id, attempt_id = _started(store)
+        if case == "retry_screen":
+            store.finish_attempt(attempt_id, status="failed", error="boom")
+        if case == "start_attempt":  # a screen no attempt has started yet
+            screen_id = store.create_screen(protocol_id=protocol(store), submitter="a")
+        engine = create_engine(pg_url, poolclass=NullPool)
+        answer: dict = {}
+
+        def run():
+            try:
+                answer["value"] = call(store, screen_id, attempt_id)
+            except Exception as error:  # noqa: BLE001 - the answer is the exception's type
+                answer["value"] = type(error)
+
+        with engine.connect() as other:
+            table = "attempts" if change.startswith("UPDATE attempts") else "screens"
+            key = attempt_id if table == "attempts" else screen_id
+            other.exec_driver_sql(f"SELECT id FROM {table} WHERE id = {key} FOR UPDATE")
+            other.exec_driver_sql(change.format(attempt=attempt_id, screen=screen_id))
+            thread = threading.Thread(target=run)
+            thread.start()
+            thread.join(0.5)
+            assert thread.is_alive(), "the call did not wait for the other writer's lock"
+            other.commit()
+            thread.join(30)
+        engine.dispose()
+        assert answer["value"] == expected
+
+
+def test_a_nodes_free_resources_are_its_capacity_less_what_runs_there(queue):
+    """What a node has free is its declared capacity less the needs of the screens running on it
+    (each counted by its own screen's needs; the look-ahead slot's own attempt left out; a need
+    the node no longer declares counts against zero), and screens needing nothing stay claimable
+    beside them. Catches running needs joined to other screens' needs, the capacity ignored for
+    a running need, the look-ahead exception turned into 'nothing runs', an undeclared need
+    crashing the claim, and screens without needs breaking the fit check."""
+    p = protocol(queue)
+    d = queue.register_dispatcher("d", "h")
+
+    def screen(priority, resources=None):
+        return queue.create_screen(protocol_id=p, submitter="a", priority=priority, resources=resources)
+
+    big, x, y, w = screen(5, {"nvme": 2}), screen(4, {"nvme": 1}), screen(3, {"nvme": 1}), screen(2, {"nvme": 1})
+    plain1, plain2 = screen(0), screen(0)
+    done = claim(queue, d, node="n2", node_resources={"nvme": 2}, screen_id=big)
+    queue.finish_attempt(done.attempt.id, status="done")
+    assert claim(queue, d, node="n1", node_resources={"nvme": 2}, screen_id=x).screen.id == x
+    # n1 has 2 - 1 free: y fits (the done screen's 2 are not n1's, nor are the queued ones' needs)
+    assert claim(queue, d, node="n1", node_resources={"nvme": 2}).screen.id == y
+    beside = claim(queue, d, node="n1", node_resources={"nvme": 2}, screen_id=plain1)
+    # x and y use both: w does not fit, even for the slot of plain1 (which needs nothing) looking ahead
+    after = claim(queue, d, node="n1", node_resources={"nvme": 2}, follows_attempt=beside.attempt.id)
+    assert after.screen.id == plain2
+    # n1 now declares no nvme: what runs there still uses 2 of none, and nothing is claimed
+    assert claim(queue, d, node="n1", node_resources={"other": 1}) is None
+    assert [s.id for s in queue.queued_screens()] == [w]
+
+
+def test_a_finished_attempt_keeps_its_outcome_and_time_and_refusals_say_why(queue, clock):
+    """Catches finish_attempt dropping the error, the archive's hash or the finish time (of the
+    attempt or its screen), a registered dispatcher without its first heartbeat, and the
+    refusals to finish twice or cancel a finished screen losing their reason."""
+    screen_id = queue.create_screen(protocol_id=protocol(queue), submitter="a")
+    d = queue.register_dispatcher("d", "h")
+    assert (queue.dispatchers()[0].started_at, queue.dispatchers()[0].heartbeat_at) == (T0, T0)
+    c = claim(queue, d)
+    clock.advance(9)
+    assert queue.finish_attempt(c.attempt.id, status="done", error="note", archive_sha256="f" * 64) == "done"
+    a = queue.latest_attempt(screen_id)
+    assert (a.status, a.error, a.archive_sha256, a.finished_at) == ("done", "note", "f" * 64, T0 + timedelta(seconds=9))
+    assert queue.screen(screen_id).finished_at == T0 + timedelta(seconds=9)
+    with pytest.raises(Conflict) as e:
+        queue.finish_attempt(c.attempt.id, status="failed")
+    assert str(e.value) == (f"attempt {c.attempt.id} is already done; finished attempts are kept as they are: "
+                            f"start a new attempt instead")
+    with pytest.raises(Conflict) as e:
+        queue.cancel_screen(screen_id)
+    assert str(e.value) == f"screen {screen_id} is already done; only a queued or running screen can be cancelled"
+
+
+def test_sharing_a_node_marks_its_running_attempts_only_and_unmarked_ones_too(queue):
+    """An attempt started outside a claim has no shared_node mark yet (NULL); a claim on its node
+    marks it shared, and leaves attempts on other nodes and finished ones alone. Catches the
+    node and status filters dropped from the marking and NULL marks left unmarked."""
+    p = protocol(queue)
+    d = queue.register_dispatcher("d", "h")
+    started_id, other_id, old_id, new_id = (queue.create_screen(protocol_id=p, submitter="a") for _ in range(4))
+    place = dict(worker="w", gpu_name="g", gpu_index=0, machine_id=None, source_freeze={}, archive_path="a.zip")
+    started = queue.start_attempt(screen_id=started_id, node="n1", **place)
+    assert started.shared_node is None
+    old = claim(queue, d, node="n1", screen_id=old_id)
+    queue.finish_attempt(old.attempt.id, status="done")
+    claim(queue, d, node="n2", screen_id=other_id)
+    new = claim(queue, d, node="n1", screen_id=new_id)
+    assert new.attempt.shared_node is True
+    assert queue.latest_attempt(started_id).shared_node is True
+    assert queue.latest_attempt(other_id).shared_node is False
+    assert queue.latest_attempt(old_id).shared_node is True  # marked while it ran beside `started`, kept
+
+
+def test_a_claim_stores_what_it_was_given(queue):
+    """The claimed attempt as stored: its machine, its source freeze, its archive path under the
+    archive directory however that is written (a trailing '/' is not doubled, nothing else is cut); a model state
+    outside cold / warm is refused before anything is claimed; node resources without a node
+    place nothing that needs them. Catches the machine or source freeze not stored, the
+    directory's trailing '/' kept, the model-state check skipped and a node-less slot's
+    declared resources used."""
+    p = protocol(queue)
+    d = queue.register_dispatcher("d", "h")
+    needs = queue.create_screen(protocol_id=p, submitter="a", resources={"nvme": 1}, priority=1)
+    plain = queue.create_screen(protocol_id=p, submitter="a")
+    machine = queue.put_machine(host="n1", gpu_name="H200", driver=None, torch=None, cuda=None)
+    with pytest.raises(ValueError, match=r"^model_state 'hot' is not one of cold, warm$"):
+        claim(queue, d, model_state="hot")
+    assert [s.id for s in queue.queued_screens()] == [needs, plain]
+    c = claim(queue, d, archive_dir="/archives-X/", machine_id=machine, node_resources={"nvme": 4})
+    assert c.screen.id == plain
+    stored = queue.latest_attempt(plain)
+    assert (stored.machine_id, stored.source_freeze) == (machine, FREEZE)
+    assert stored.archive_path == f"/archives-X/screen-{plain:05d}-attempt-1-{stored.attempt_key}.zip"
+
+
+def test_a_claims_node_checks_count_every_other_running_attempt_and_every_done_replica(queue):
+    """A look-ahead slot leaves out its own attempt only: another screen running on the node
+    still keeps an exclusive screen off it. A replica that ran to the end (done) on a node keeps
+    its siblings off that node; one that failed there does not. A screen needing nothing is
+    claimed before a lower-priority one whose needs fit. Catches the look-ahead exception
+    leaving out every running attempt, the replica check counting failed attempts or missing
+    done ones, and screens without needs dropped when some needs fit."""
+    p = protocol(queue)
+    d = queue.register_dispatcher("d", "h")
+    mine, theirs = (queue.create_screen(protocol_id=p, submitter="a", priority=9) for _ in range(2))
+    slot, other = claim(queue, d, node="n1", screen_id=mine), claim(queue, d, node="n1", screen_id=theirs)
+    exclusive = queue.create_screen(protocol_id=p, submitter="a", exclusive_node=True, priority=8)
+    assert claim(queue, d, node="n1", follows_attempt=slot.attempt.id) is None  # `theirs` still runs on n1
+    queue.finish_attempt(other.attempt.id, status="done")
+    assert claim(queue, d, node="n1", follows_attempt=slot.attempt.id).screen.id == exclusive
+    done_group = queue.create_screens(2, spread=True, protocol_id=p, submitter="a", priority=7)
+    ran = claim(queue, d, node="n2", screen_id=done_group[0])
+    queue.finish_attempt(ran.attempt.id, status="done")
+    assert claim(queue, d, node="n2", screen_id=done_group[1]) is None  # its sibling is done on n2
+    failed_group = queue.create_screens(2, spread=True, protocol_id=p, submitter="a", priority=7)
+    broke = claim(queue, d, node="n3", screen_id=failed_group[0])
+    queue.finish_attempt(broke.attempt.id, status="failed", error="boom")
+    assert claim(queue, d, node="n3", screen_id=failed_group[1]).screen.id == failed_group[1]
+    plain = queue.create_screen(protocol_id=p, submitter="a", priority=20)
+    queue.create_screen(protocol_id=p, submitter="a", priority=19, resources={"nvme": 1})
+    assert claim(queue, d, node="n4", node_resources={"nvme": 1}).screen.id == plain
+
+
+def test_a_new_screen_is_queued_now_with_the_documented_defaults(queue, clock):
+    """A screen created without options (one, or a batch): queued at the clock's time, no attempt used, 1
+    repetition, priority 0, 3 attempts at most, the node not exclusive; a protocol id that is
+    not stored is refused naming the protocol. Catches a default changed, the status, creation
+    time or attempt count not set, and the refusal naming something else."""
+    clock.advance(3)
+    s = queue.screen(queue.create_screen(protocol_id=protocol(queue), submitter="a"))
+    assert (s.status, s.created_at, s.attempts_used, s.repetitions, s.priority, s.max_attempts, s.exclusive_node) == (
+        "queued", T0 + timedelta(seconds=3), 0, 1, 0, 3, False)
+    for i in queue.create_screens(2, protocol_id=protocol(queue), submitter="a"):  # the batch path's own defaults
+        s = queue.screen(i)
+        assert (s.status, s.attempts_used, s.repetitions, s.priority, s.max_attempts) == ("queued", 0, 1, 0, 3)
+    with pytest.raises(NotFound) as e:
+        queue.create_screen(protocol_id=999_999, submitter="a")
+    assert str(e.value) == "no protocol with id 999999; list screens with `packbench screens list`"
