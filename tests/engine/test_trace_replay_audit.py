@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from cpu_screen import archive_screen
-from packbench.core.archive import MANIFEST_NAME, ArchiveReader, ArchiveWriter, episode_members
+from cpu_screen import archive_screen, resealed
+from packbench.core.archive import episode_members
 from packbench.core.audit import audit_archive
 from packbench.core.protocol import freeze
 from packbench.core.trace import parse_trace, trace_bytes
@@ -37,22 +37,9 @@ def screen(tmp_path_factory):
     return path, episodes
 
 
-def forged(path, tmp_path, edit) -> "audit report":
+def forged(path, tmp_path, edit):
     """The archive with `edit(members)` applied to its member bytes, resealed, then audited."""
-    with ArchiveReader(path) as reader:
-        names = [n for n in reader.names if n != MANIFEST_NAME]
-        manifest = reader.manifest
-        members = {n: reader.read_bytes(n) for n in names}
-    edit(members)
-    out = tmp_path / "forged.zip"
-    w = ArchiveWriter(out)
-    for n in names:
-        if n.endswith(".json"):
-            w.add_json(n, json.loads(members[n]))
-        else:
-            w.add_bytes(n, members[n])
-    w.seal({k: v for k, v in manifest.items() if k != "members"})
-    return audit_archive(out)
+    return audit_archive(resealed(path, tmp_path / "forged.zip", edit))
 
 
 def scored(episodes, condition) -> dict:
@@ -85,29 +72,19 @@ def test_a_traced_moe_screen_with_caches_and_a_forecast_audits_agree(screen):
     assert report.agrees, report.record["problems"]
 
 
-def test_a_same_size_edit_of_one_forecast_set_is_named(screen, tmp_path):
+@pytest.mark.parametrize("condition, which, field", [("lru4-forecast", "forecasts", "forecast"),
+                                                     ("lru4", "sets", "routing")])
+def test_a_same_size_edit_of_one_forecast_or_active_set_is_named(screen, tmp_path, condition, which, field):
+    """Catches an auditor that checks only the trace's set sizes (the edit keeps every size), and a
+    replay that reads the record's own routing rather than the archived trace."""
     path, episodes = screen
-    e = scored(episodes, "lru4-forecast")
+    e = scored(episodes, condition)
     where = {}
-    report = forged(path, tmp_path, lambda m: where.update(cl=edit_trace(m, e["plan_index"], "forecasts")))
-    c, layer = where["cl"]
-    # Catches an auditor that checks only the trace's set sizes (the edit keeps every size).
-    assert not report.agrees
-    name = episode_members(e["plan_index"]).active
-    assert any(p.startswith(f"{name}: call {c} layer {layer} forecast") for p in report.record["problems"]), \
-        report.record["problems"]
-
-
-def test_a_same_size_edit_of_one_active_set_is_named(screen, tmp_path):
-    path, episodes = screen
-    e = scored(episodes, "lru4")
-    where = {}
-    report = forged(path, tmp_path, lambda m: where.update(cl=edit_trace(m, e["plan_index"], "sets")))
+    report = forged(path, tmp_path, lambda m: where.update(cl=edit_trace(m, e["plan_index"], which)))
     c, layer = where["cl"]
     assert not report.agrees
     name = episode_members(e["plan_index"]).active
-    # Catches a replay that reads the record's own routing rather than the archived trace.
-    assert any(p.startswith(f"{name}: call {c} layer {layer} routing") for p in report.record["problems"]), \
+    assert any(p.startswith(f"{name}: call {c} layer {layer} {field}") for p in report.record["problems"]), \
         report.record["problems"]
 
 
