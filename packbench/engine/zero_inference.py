@@ -133,19 +133,10 @@ class ZeroBudget:
                 "max_live_parameters": self.max_live}
 
 
-def activation_bytes(config, capacity: int, batch: int, dtype: torch.dtype) -> int:
-    """One call's activations, at most: a prefill of `capacity` tokens of each of `batch` sequences
-    (hidden states, query/key/value and the FFN's hidden, eager attention's scores; logits of one
-    position, float32)."""
-    e = torch.finfo(dtype).bits // 8
-    t = capacity * batch
-    return (t * (6 * config.hidden_size + config.ffn_dim) * e
-            + batch * config.num_attention_heads * capacity * capacity * e * 2 + batch * config.vocab_size * 4)
-
-
 def budget(model: torch.nn.Module, config, *, dtype: torch.dtype, allowance: int, context: int, held: int,
            capacity: int, batch: int, cuda: bool) -> ZeroBudget:
     """`model`'s budget under `allowance` (ZeroBudget); `model` not yet partitioned."""
+    from packbench.core.conditions.zero_inference import activation_bytes
     from packbench.engine.accelerate import kv_bytes
 
     threshold = config.hidden_size
@@ -155,7 +146,8 @@ def budget(model: torch.nn.Module, config, *, dtype: torch.dtype, allowance: int
                   for m in model.modules())
     return ZeroBudget(allowance=allowance, context=context, held=held, persistent=persistent,
                       kv=kv_bytes(config, capacity, dtype) * batch,
-                      activations=activation_bytes(config, capacity, batch, dtype) + (SLACK if cuda else 0),
+                      activations=activation_bytes(vars(config), capacity=capacity, batch=batch,
+                                                   element_bytes=torch.finfo(dtype).bits // 8) + (SLACK if cuda else 0),
                       largest_module=largest, element_bytes=torch.finfo(dtype).bits // 8, threshold=threshold)
 
 

@@ -160,12 +160,9 @@ def archive_warning_of(frozen: FrozenProtocol) -> str | None:
     archive_bytes), will be over the audit's bound; None within it. The vocabulary is the
     synthetic shape's or the checkpoint's config.json's (OPT's 50272 when it names none)."""
     from packbench.core.estimate import archive_bytes, archive_warning
-    from packbench.core.moe import MOE_SHAPES
-    from packbench.core.registry import SHAPES
 
-    synth = frozen.protocol.model.synth
-    if synth is not None:  # a synthetic OPT or MoE shape's own vocabulary
-        vocab = (MOE_SHAPES if synth.shape in MOE_SHAPES else SHAPES)[synth.shape]["vocab"]
+    if frozen.protocol.model.synth is not None:  # a synthetic OPT or MoE shape's own vocabulary
+        vocab = vocab_size(frozen)
     else:
         from packbench.engine.config import read_config
 

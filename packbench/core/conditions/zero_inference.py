@@ -13,16 +13,24 @@ MIB = 1 << 20
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 
+def activation_bytes(config: Mapping[str, Any], *, capacity: int, batch: int, element_bytes: int) -> int:
+    """One call's activations, at most: a prefill of `capacity` tokens of each of `batch` sequences
+    (hidden states, query/key/value and the FFN's hidden, eager attention's scores; logits of one
+    position, float32). `config`: an OPT config.json's fields."""
+    e, t = element_bytes, capacity * batch
+    return (t * (6 * config["hidden_size"] + config["ffn_dim"]) * e
+            + batch * config["num_attention_heads"] * capacity * capacity * e * 2 + batch * config["vocab_size"] * 4)
+
+
 def minimum_allowance(config: Mapping[str, Any], *, dtype: str, capacity: int, batch: int) -> int:
     """The smallest allowance DeepSpeed's ZeRO-3 offload can run an OPT `config` (config.json) in,
     the CUDA context aside: the largest module's parameters gathered (the tied token embedding,
     vocab x hidden), the KV cache, one call's activations and the persistent vectors (engine/zero_inference.py ZeroBudget,
     torch-free; the worker adds the measured context and refuses with the same words)."""
     e = DTYPE_BYTES[dtype]
-    h, f, heads = config["hidden_size"], config["ffn_dim"], config["num_attention_heads"]
-    layers, vocab = config["num_hidden_layers"], config["vocab_size"]
+    h, layers, vocab = config["hidden_size"], config["num_hidden_layers"], config["vocab_size"]
     kv = 2 * layers * capacity * h * e * batch
-    activations = capacity * batch * (6 * h + f) * e + batch * heads * capacity * capacity * e * 2 + batch * vocab * 4
+    activations = activation_bytes(config, capacity=capacity, batch=batch, element_bytes=e)
     # DeepSpeed keeps every parameter of at most `hidden` elements on the device: per layer the four
     # attention biases, fc2's bias and two LayerNorms (9 x hidden), and the final LayerNorm
     persistent = (9 * layers + 2) * h * e
