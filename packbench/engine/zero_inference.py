@@ -97,10 +97,15 @@ class ZeroBudget:
     from it (every number in bytes unless it says elements; written into every episode record).
 
     DeepSpeed fetches a module's own parameters whenever it runs, whatever `stage3_max_live_parameters`
-    says; the limit only stops prefetching. So the gathered parameters of a call stay within
-    `max_live + largest module` elements, and the live limit is the budget less the largest
-    module (OPT's token embedding, gathered again by the tied `lm_head`). The prefetch bucket may
-    take all of it (DeepSpeed's own prefetching, as large as the allowance lets it run ahead).
+    says; the limit only stops prefetching, and its prefetch loop (PartitionedParameterCoordinator
+    .fetch_sub_module) adds parameters while the count is still under the limit, so the last one
+    goes past it by up to one parameter. The gathered parameters of a call therefore stay within
+    `max_live + 2 x largest module` elements (the module's own fetch, the prefetch's overshoot), and
+    the live limit is the budget less twice the largest module (OPT's token embedding, gathered
+    again by the tied `lm_head`), never below 0 (no prefetch). On the H200 the limit of the budget
+    less one largest module went over it (OPT-2.7B, 4800 MiB: a decode call's prefetch asked for
+    the embedding's 246 MiB with 3.78 GiB allocated; `python -m bench.zero_memory_probe`). The
+    prefetch bucket may take all of it (DeepSpeed's own prefetching, as far ahead as the allowance lets it run).
     Reuse distance 0: a parameter is freed as soon as its module ran (DeepSpeed's default, 1e9
     elements, keeps the tied embedding gathered through the whole call of a model under 1e9)."""
 
@@ -125,8 +130,13 @@ class ZeroBudget:
         return self.allowance - self.gather_bytes + self.largest_module * self.element_bytes
 
     @property
+    def fits(self) -> bool:
+        """Whether the largest module can be gathered at all (the allowance is at least `needed`)."""
+        return self.gather_bytes >= self.largest_module * self.element_bytes
+
+    @property
     def max_live(self) -> int:
-        return self.gather_bytes // self.element_bytes - self.largest_module
+        return max(0, self.gather_bytes // self.element_bytes - 2 * self.largest_module)
 
     def as_dict(self) -> dict:
         return {**asdict(self), "gather_bytes": self.gather_bytes, "needed_bytes": self.needed,
@@ -167,7 +177,7 @@ def ds_config(*, hidden: int, dtype: torch.dtype, pin_memory: bool, plan: ZeroBu
         "stage3_max_live_parameters": 2 * hidden * hidden,
     }
     if plan is not None:
-        if plan.max_live < 0:
+        if not plan.fits:
             raise AllowanceTooSmall(
                 f"condition policy zero-inference needs an allowance of at least {-(-plan.needed // MIB)} MiB "
                 f"(the largest module's {plan.largest_module} parameters gathered beside the KV cache, "

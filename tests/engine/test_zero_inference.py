@@ -227,7 +227,8 @@ def test_a_decode_call_gathers_no_more_than_the_allowance_leaves(tiny):
     hidden = weights.config.hidden_size
     probe = budget(stock_model(weights, vars(weights.config)), weights.config, dtype=torch.float32, allowance=0,
                    context=0, held=0, capacity=22, batch=1, cuda=False)
-    allowance = probe.needed + 2 * hidden * hidden * 4  # room for one prefetch bucket of DeepSpeed's own size
+    # room for one prefetch bucket of DeepSpeed's own size beyond the second largest module the limit reserves
+    allowance = probe.needed + (probe.largest_module + 2 * hidden * hidden) * 4
     partitioned = []
     real = DeepSpeedEngine._configure_distributed_model
 
@@ -254,6 +255,26 @@ def test_a_decode_call_gathers_no_more_than_the_allowance_leaves(tiny):
     ref.use("dense-stream")
     a, r = run_episode(z, calls[0], continuation=6), run_episode(ref, calls[0], continuation=6)
     assert np.array_equal(a.logits, r.logits) and a.tokens == r.tokens
+
+
+def test_the_live_limit_leaves_room_for_the_modules_own_fetch_and_the_prefetchs_overshoot():
+    """DeepSpeed's prefetch loop adds parameters while the live count is under the limit (the last
+    one goes past it by up to one parameter) and a module fetches its own parameters whatever the
+    limit says, so the limit is the gather budget less twice the largest module, never below 0.
+    The bug it catches: the limit of the budget less one largest module, which ran out of memory on
+    the H200 (OPT-2.7B at 4800 MiB, a decode call's prefetch asking for the embedding's 246 MiB)."""
+    from packbench.engine.zero_inference import ZeroBudget
+
+    def plan(gather_elements: int, largest: int = 1000) -> ZeroBudget:
+        return ZeroBudget(allowance=gather_elements * 2 + 700, context=300, held=100, persistent=100, kv=100,
+                          activations=100, largest_module=largest, element_bytes=2, threshold=8)
+
+    assert plan(5000).gather_bytes == 10000
+    assert plan(5000).max_live == 3000 and plan(2000).max_live == 0 and plan(2001).max_live == 1
+    assert plan(1500).max_live == 0 and plan(1500).fits  # one module gathered, nothing prefetched
+    assert plan(1000).fits and not plan(999).fits  # below one module: refused (ds_config raises)
+    assert plan(1000).needed == plan(1000).allowance and plan(999).needed == plan(999).allowance + 2
+    assert plan(5000).as_dict()["max_live_parameters"] == 3000
 
 
 def test_an_allowance_below_deepspeeds_minimum_is_refused_naming_the_allowance_it_needs(tiny):
