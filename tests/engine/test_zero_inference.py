@@ -250,7 +250,9 @@ def test_a_decode_call_gathers_no_more_than_the_allowance_leaves(tiny):
     assert zo["stage3_max_reuse_distance"] == 0 and zo["stage3_max_live_parameters"] == b.max_live
     assert z.stats.budget["gather_bytes"] == b.gather_bytes
     today = ZeroInferenceModel(tiny, dtype=torch.float32, device=cpu)  # DeepSpeedExamples' settings, no allowance
-    assert _peak_gathered(today, calls) * 4 > b.gather_bytes  # the bound above can fail
+    # the bound above can fail: the example's setting gathers more than an allowance of the minimum
+    # plus one of its own prefetch buckets leaves
+    assert _peak_gathered(today, calls) * 4 > (b.largest_module + 2 * hidden * hidden) * 4
     ref = CpuFirstModel(tiny, dtype=torch.float32, device=cpu)
     ref.use("dense-stream")
     a, r = run_episode(z, calls[0], continuation=6), run_episode(ref, calls[0], continuation=6)
