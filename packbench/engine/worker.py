@@ -359,6 +359,8 @@ class Worker:
             if getattr(model, "can_shelve", False):
                 model.shelve()
                 self.shelf[key] = model
+            elif hasattr(model, "release"):  # a library holding it from module-level state (zero-inference)
+                model.release()
             del model
             self._free()
 
@@ -371,6 +373,8 @@ class Worker:
         """Release the loaded model (host and device memory) before another one is read."""
         if self.model is not None and self.model.slot.policy is not None:
             self.model.slot.policy.deactivate()
+        if self.competitor is not None and hasattr(self.competitor[1], "release"):
+            self.competitor[1].release()
         self.model, self.model_key = None, None
         self.competitor, self.parked, self.shelf = None, False, {}
         gc.unfreeze()  # the dropped model's cycles must be collectable

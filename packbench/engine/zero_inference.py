@@ -175,6 +175,10 @@ def ds_config(*, hidden: int, dtype: torch.dtype, pin_memory: bool, plan: ZeroBu
         "stage3_prefetch_bucket_size": 2 * hidden * hidden,
         "stage3_param_persistence_threshold": hidden,
         "stage3_max_live_parameters": 2 * hidden * hidden,
+        # On (DeepSpeed's default), zero.Init replaces torch.nn.functional.linear for the whole process
+        # ("This will persist unless manually reset"): every condition after this one in the worker would
+        # compute its Linear layers through DeepSpeed's autograd function. It saves memory in training only.
+        "memory_efficient_linear": False,
     }
     if plan is not None:
         if not plan.fits:
@@ -328,6 +332,29 @@ class ZeroInferenceModel:
             budget=None if self.budget is None else self.budget.as_dict(),
             device_bytes=(torch.cuda.memory_allocated(device) - before) if cuda else 0,
             offloaded_bytes=sum(p.ds_tensor.numel() * p.ds_tensor.element_size() for p in seen.values()))
+
+    def release(self) -> None:
+        """Let the model and every parameter it holds gathered be freed (the worker calls this when
+        another condition takes the device): DeepSpeed's hooks removed (`DeepSpeedEngine.destroy`) and
+        the model taken off DeepSpeed's module-level stack (`parameter_offload.FWD_MODULE_STACK`, to
+        which `deepspeed.initialize` appends the top module for good) and out of the coordinator's
+        class-wide `lru_cache` of the parameters to release per submodule, keyed by coordinator and
+        module (emptied whole: a worker holds one zero-inference model at a time). Without it the
+        engine outlived the condition: on the H200 its gathered parameters held 3.4 GiB of a 4800 MiB
+        allowance and every later episode of the screen ran out of memory."""
+        from deepspeed.runtime.zero import parameter_offload
+        from deepspeed.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator
+
+        if self._engine is None:
+            return
+        self._engine.destroy()
+        stack = parameter_offload.FWD_MODULE_STACK
+        stack[:] = [m for m in stack if m is not self._model]
+        cached = PartitionedParameterCoordinator._PartitionedParameterCoordinator__params_to_release
+        while not hasattr(cached, "cache_clear"):  # inside DeepSpeed's instrument_w_nvtx: its closure holds it
+            cached = next(c.cell_contents for c in cached.__closure__ if callable(c.cell_contents))
+        cached.cache_clear()
+        self._engine = self._model = None
 
     @property
     def gathered_bytes(self) -> int:

@@ -159,6 +159,50 @@ def test_the_worker_runs_zero_inference_beside_loaders_and_records_its_configura
             assert np.array_equal(logits, by[("dense-stream", prompt, role)])
 
 
+def test_a_released_zero_inference_model_leaves_the_process_as_it_found_it(tiny, monkeypatch):
+    """The worker interleaves conditions: once another takes the device, nothing of DeepSpeed's may
+    stay. The bugs it catches, both found on the H200 (every episode after zero-inference's first ran
+    out of memory, accelerate's failed on a device mismatch): the engine kept alive by DeepSpeed's
+    module-level stack and its coordinator's lru_cache (its gathered parameters with it), and
+    zero.Init's memory_efficient_linear replacing torch.nn.functional.linear for the whole process."""
+    import gc
+    import weakref
+
+    import torch.nn.functional as F
+    from deepspeed.runtime.zero import parameter_offload
+
+    import packbench.engine.zero_inference as zim
+
+    linear = F.linear
+    built = []
+    real = zim.ZeroInferenceModel.__init__
+
+    def spy(self, *a, **k):
+        real(self, *a, **k)
+        built.append((weakref.ref(self._engine), weakref.ref(self._model)))
+
+    monkeypatch.setattr(zim.ZeroInferenceModel, "__init__", spy)
+    body = _body(tiny)
+    worker = Worker(device="cpu")
+    start = worker.load(body, str(tiny))
+    ids = prompts(body, vocab=start["vocab"])
+    entries = plan(body)
+    records = []
+    for entry in entries:
+        records.append(worker.run(entry, ids[entry["prompt"]]))
+        if entry["condition"] == "zero-inference":
+            assert F.linear is linear  # not DeepSpeed's zero3_linear_wrap, even while it is held
+    loader = next(e for e in entries if e["condition"] == "packet")
+    records.append(worker.run(loader, ids[loader["prompt"]]))  # whatever ran last, a loader takes the device
+    assert all(r["status"] == "ok" for r in records), [r.get("error") for r in records]
+    assert len(built) >= 1
+    gc.collect()
+    assert all(engine() is None and model() is None for engine, model in built), "a released engine outlived its condition"
+    assert not any(m is model() for m in parameter_offload.FWD_MODULE_STACK for _, model in built)
+    assert F.linear is linear
+    worker.drop_model()
+
+
 @pytest.mark.ray
 def test_submit_wait_runs_and_audits_a_zero_inference_screen(tmp_path, tiny, packbench_cli, ray_address):
     """Archive and audit: `submit --wait` then `audit` agree, and faithfulness passes at tolerance 0."""
