@@ -200,9 +200,12 @@ def ds_config(*, hidden: int, dtype: torch.dtype, pin_memory: bool, plan: ZeroBu
 
 
 def init_process_group(ds, device: torch.device) -> None:
-    """A one-process group for DeepSpeed (world size 1, rank 0) where none exists: gloo on the CPU,
-    nccl on CUDA (the worker's one visible GPU is cuda:0), rendezvous over an explicit TCP address on
-    a free port. Nothing of the rendezvous goes into the process environment: MASTER_ADDR /
+    """A one-process group for DeepSpeed (world size 1, rank 0) where none exists, gloo on either
+    device, rendezvous over an explicit TCP address on a free port. Not nccl on CUDA: at world size 1
+    ZeRO's gathers are plain copies and no collective needs it, while its communicator took about
+    480 MiB of device memory outside PyTorch's allocator for the rest of the worker's life (the H200:
+    the cap every later episode runs under fell from 3.95 to 3.47 GiB at 4800 MiB, and dense-stream,
+    packet and phase-switched, which use nearly all of it, ran out of memory). Nothing of the rendezvous goes into the process environment: MASTER_ADDR /
     MASTER_PORT / RANK / WORLD_SIZE left behind there would reach every process this one starts (a
     Ray head started later hands them to its workers, whose own group then rendezvoused on a port
     this process still holds). Only LOCAL_RANK is set, where absent: DeepSpeed's engine reads it
@@ -222,10 +225,10 @@ def init_process_group(ds, device: torch.device) -> None:
         with socket.socket() as s:  # a free port on this host, for the one-rank rendezvous
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}",
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}",
                                 rank=0, world_size=1)
     # DeepSpeed adopts the group torch already has (no MPI discovery, no environment rendezvous).
-    ds.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo", auto_mpi_discovery=False,
+    ds.init_distributed(dist_backend="gloo", auto_mpi_discovery=False,
                         verbose=False)
 
 
