@@ -239,6 +239,8 @@ def _params(policy: str, value: Any, path: str, *, schema: int) -> dict:
             # else omitted in schema 1 or 2: left out, meaning the registry's default (old hashes hold)
             continue
         if key not in value and param.default is None:
+            if param.optional:  # chosen on the worker (flexgen's w_gpu_percent): left out of the body
+                continue
             fail(join_path(path, key), f"is required by policy {policy} (an integer >= {param.minimum})")
         out[key] = int_field(value.get(key, param.default), join_path(path, key), minimum=param.minimum,
                              maximum=param.maximum)
