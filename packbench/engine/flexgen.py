@@ -249,7 +249,10 @@ class FlexGenModel:
     can_shelve = False
 
     def __init__(self, model_dir: Path, *, dtype: torch.dtype, device: torch.device, params: dict,
-                 allowance_bytes: int, context_bytes: int, capacity: int, batch: int, cache: Path) -> None:
+                 allowance_bytes: int, context_bytes: int, capacity: int, batch: int, cache: Path,
+                 env=None) -> None:
+        """`env`: FlexGen's ExecutionEnv (default: the process's one for `device`; tests give one
+        whose "gpu" is a second CPU device)."""
         why = refusal(device, dtype)
         if why is not None:
             raise FlexGenUnavailable(why)
@@ -261,16 +264,17 @@ class FlexGenModel:
         t0 = time.perf_counter()
         root = converted(Path(model_dir), cache)
         convert_s = time.perf_counter() - t0
-        held = torch.cuda.memory_allocated(device)
+        cuda = device.type == "cuda"
+        held = torch.cuda.memory_allocated(device) if cuda else 0
         # the cache for every position of an episode; the prefill's working space at the whole capacity (from above)
         from packbench.core.conditions.flexgen import PolicyRefused
 
         try:
             self.plan = choose_policy(config, params, allowance=allowance_bytes, context=context_bytes, held=held,
-                                      batch=batch, prompt=capacity, gen=0, cuda=True)
+                                      batch=batch, prompt=capacity, gen=0, cuda=cuda)
         except PolicyRefused as e:
             raise FlexGenUnavailable(str(e)) from None
-        env = environment(device, root / "offload")
+        env = env if env is not None else environment(device, root / "offload")
         self.device, self.config, self.vocab = device, config, config["vocab_size"]
         self.layers = config["num_hidden_layers"]
         self.recorder = Recorder(self.layers)
@@ -278,11 +282,13 @@ class FlexGenModel:
         self._episode: Episode | None = None
         self._lm = fg.OptLM(opt_config(fg, config), env, str(root), flexgen_policy(fg, self.plan))
         self._wire(env)
-        torch.cuda.synchronize(device)
+        if cuda:
+            torch.cuda.synchronize(device)
         pinned = sum(int(t.bytes) for holder in self._lm.weight_home for t in holder.val if t.device is env.cpu)
         self.stats = FlexGenStats(library_version=importlib.metadata.version("flexgen"),
                                   load_s=time.perf_counter() - t0, convert_s=convert_s, policy=self.plan.as_dict(),
-                                  device_bytes=torch.cuda.memory_allocated(device) - held, pinned_bytes=pinned)
+                                  device_bytes=torch.cuda.memory_allocated(device) - held if cuda else 0,
+                                  pinned_bytes=pinned)
 
     def _wire(self, env) -> None:
         """FlexGen's sites, instance by instance: the GPU device's output embedding, each layer's
@@ -328,12 +334,15 @@ class FlexGenModel:
         if len(prompts) != self.plan.gpu_batch_size:
             raise ValueError(f"flexgen was placed for a GPU batch of {self.plan.gpu_batch_size}, got {len(prompts)}")
         device = self.device
-        torch.cuda.reset_peak_memory_stats(device)
+        cuda = device.type == "cuda"
+        if cuda:
+            torch.cuda.reset_peak_memory_stats(device)
         fed = None if forced is None else torch.tensor([f[:continuation - 1] for f in forced], dtype=torch.long,
                                                        device=device)
         ep = Episode(batch=len(prompts), steps=continuation, layers=self.layers, forced=fed)
         self._episode = ep
-        torch.cuda.synchronize(device)
+        if cuda:
+            torch.cuda.synchronize(device)
         t_start = time.perf_counter()
         try:
             self._lm.generate(prompts, max_new_tokens=continuation)
