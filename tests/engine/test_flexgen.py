@@ -130,7 +130,7 @@ def test_the_policy_is_frozen_when_given_and_left_to_the_worker_when_omitted(tin
     ({"w_gpu_percent": 101}, None, r"w_gpu_percent"),
     ({"cache_gpu_percent": -1}, None, r"cache_gpu_percent"),
     ({"activations": "disk"}, None, r"activations"),
-    ({"mode": "graph"}, None, r"graph is not possible for flexgen \(FlexGen's OptLM runs its own Python schedule"),
+    ({"mode": "graph"}, None, r"graph is not possible for flexgen \(cannot be captured: FlexGen's OptLM runs its own Python schedule"),
     (None, 9, r"'flexgen' needs schema 10"),
 ])
 def test_bad_flexgen_params_are_refused_in_one_line(tiny, params, schema, match):
