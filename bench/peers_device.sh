@@ -4,8 +4,9 @@
 # opt): dense-stream (the reference), packet and phase-switched ({gather: device}, engine mode graph),
 # accelerate and zero-inference (DeepSpeed ZeRO-3, parameters in pinned host memory, partitioned
 # before deepspeed.initialize, prefetch bucket and live parameters from the allowance, reuse distance
-# 0: engine/zero_inference.py ZeroBudget; its configuration is printed above the table), every competitor in its one mode
-# (eager). Two screens: batch 1 (PROMPTS x PREFIX + 16, ALLOWANCE MiB: the latency configuration)
+# 0: engine/zero_inference.py ZeroBudget; its configuration is printed above the table) and flexgen
+# (FlexGen's OptLM as a condition, tier approximate, judged by a fidelity gate: engine/flexgen.py),
+# every competitor in its one mode (eager). Two screens: batch 1 (PROMPTS x PREFIX + 16, ALLOWANCE MiB: the latency configuration)
 # and, per entry of BATCHES, batch B (B prompts x BATCH_PREFIX + 16, BATCH_ALLOWANCE MiB: the
 # throughput configuration; docs/experiments/batched.md: per-token time falls with the batch up to
 # the KV cache's limit, 32 x 64 tokens at 5700 MiB for opt-2.7b). Then FlexGen's probe
@@ -22,7 +23,7 @@
 #   WHEELHOUSE=<worktree>/.whl: it appends to .git/info/exclude)
 #   bash bench/peers_device.sh
 # Knobs: SHAPE, SCORED (1: scored batches a condition at batch > 1), BATCH_CONT (8: their continuation), PROMPTS (2), PREFIX (512), ALLOWANCE (4800), BATCHES ("32"; "" for none), BATCH_PREFIX (64),
-# BATCH_ALLOWANCE (5700), CONDITIONS (the five names above), SKIP_B1 (no batch-1 screen), SKIP_FLEXGEN,
+# BATCH_ALLOWANCE (5700), CONDITIONS (the six names above; TINY: the five but flexgen), SKIP_B1 (no batch-1 screen), SKIP_FLEXGEN,
 # FLEXGEN_BATCHES ("8,32"), SKIP_ZI_TEST (no zero-inference CUDA test), CONT (16), SCREEN_TIMEOUT (300), DEADLINE (560). A batch-B screen plans B
 # scored episodes per condition (one starting at each prompt), so batch 32 is the long one: where one
 # call cannot hold everything, split it (docs/experiments/competitors.md, "The H200 run"):
@@ -53,6 +54,9 @@ SHAPE=${SHAPE:-opt-2.7b} DTYPE=${DTYPE:-float16} CONT=${CONT:-16} MODE=${MODE:-g
 python3 -c "import deepspeed, transformers; print('deepspeed', deepspeed.__version__, 'transformers', transformers.__version__)" \
   2>&1 | tail -1  # DeepSpeed's import-time needs, shown before the screens
 start=$(date +%s)
+# flexgen runs on CUDA only (a CPU worker refuses the screen at load): not in TINY's default
+peers="dense-stream packet phase-switched accelerate zero-inference"; [ -n "${TINY:-}" ] || peers="$peers flexgen"
+conditions=${CONDITIONS:-$peers}
 condition_line() {  # name -> its protocol entry
   case $1 in
     dense-stream) echo "  - {name: dense-stream, policy: dense-stream}" ;;
@@ -60,6 +64,9 @@ condition_line() {  # name -> its protocol entry
     phase-switched) echo "  - {name: phase-switched, policy: phase-switched, params: {gather: device}}" ;;
     accelerate) echo "  - {name: accelerate, policy: accelerate}" ;;
     zero-inference) echo "  - {name: zero-inference, policy: zero-inference}" ;;
+    # FlexGen's OptLM (engine/flexgen.py): placement chosen on the worker from the allowance
+    # (core/conditions/flexgen.py choose_policy), written into every record as offload.policy
+    flexgen) echo "  - {name: flexgen, policy: flexgen}" ;;
     *) echo "unknown condition $1" >&2; exit 2 ;;
   esac
 }
@@ -72,10 +79,13 @@ screen() {  # name batch prompts prefix allowance
     # schema 10): 32 x 32 sequences' logits put the first batch-32 screen's archive at 10 GB.
     [ "$batch" -gt 1 ] && echo "batch: $batch" && echo "scored_prompts: ${SCORED:-1}"
     echo "conditions:"
-    for c in ${CONDITIONS:-dense-stream packet phase-switched accelerate zero-inference}; do condition_line "$c"; done
+    for c in $conditions; do condition_line "$c"; done
     echo "reference: dense-stream"; echo "warmups: 1"; echo "allowance_mib: $allowance"
     echo "engine: {mode: $MODE}"  # packbench's loaders in their fastest mode; competitors in their own (eager)
-    echo "gates:"; echo "  faithfulness: {tolerance: 0.0}"; echo "  resources: {}"; } > "$work/$name.yaml"
+    echo "gates:"; echo "  faithfulness: {tolerance: 0.0}"; echo "  resources: {}"
+    # flexgen is approximate (its own kernels): judged by fidelity, teacher-forced on dense-stream's tokens
+    case " $conditions " in *" flexgen "*) echo "  fidelity: {condition: flexgen, min_top1: 0.9}" ;; esac
+  } > "$work/$name.yaml"
   local t0 limit=${SCREEN_TIMEOUT:-300} left
   t0=$(date +%s); left=$(( ${DEADLINE:-560} - (t0 - start) - ${RESERVE:-30} ))
   [ "$left" -lt "$limit" ] && limit=$left

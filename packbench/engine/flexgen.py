@@ -102,7 +102,10 @@ def convert(checkpoint: Path, out: Path) -> list[str]:
     for f in sorted(checkpoint.glob("*.safetensors")):
         for name, t in load_file(f).items():
             name = flexgen_name(name)
-            arr = t.float().numpy().astype(np.float16) if t.is_floating_point() else t.numpy()
+            if t.dtype == torch.float16 or not t.is_floating_point():
+                arr = t.numpy()
+            else:  # float32 / bfloat16 checkpoints: rounded to FlexGen's float16 (numpy has no bfloat16)
+                arr = t.float().numpy().astype(np.float16)
             for target in [name] + (["lm_head.weight"] if name == "decoder.embed_tokens.weight" else []):
                 with open(out / target, "wb") as fh:
                     np.save(fh, arr)
