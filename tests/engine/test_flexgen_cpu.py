@@ -108,25 +108,28 @@ def test_every_call_counts_the_weights_flexgen_copied_from_their_host_home(cpu_f
     assert [c.phase for c in out.calls] == ["prefill", "decode", "decode", "decode"]
 
 
-def test_the_worker_runs_flexgen_and_records_its_policy_and_forced_logits(cpu_flexgen, checkpoints):
-    """Through the plugin table: built beside dense-stream, every record ok, tier approximate, the
-    policy FlexGen ran with (chosen from the allowance) in `offload.policy`, forced logits kept."""
-    from packbench.core.plan import plan, prompts
+def test_the_worker_runs_flexgen_its_archive_holds_the_policy_and_the_audit_agrees(cpu_flexgen, checkpoints,
+                                                                                  tmp_path):
+    """Through the plugin table, as the driver archives a screen: built beside dense-stream, every
+    episode ok, tier approximate, the policy FlexGen ran with (chosen from the allowance) in
+    `offload.policy`, judged by the fidelity gate on teacher-forced logits; the auditor agrees."""
+    from cpu_screen import archive_screen
+
+    from packbench.core.audit import audit_archive
     from packbench.core.protocol import freeze
-    from packbench.engine.worker import Worker
 
     ck = checkpoints["float16"]
-    body = freeze({"name": "fg", "model": {"path": str(ck)}, "dtype": "float16",
-                   "prompts": {"generator": {"seed": 0, "count": 2}}, "prefix_tokens": 8, "continuation_tokens": 3,
-                   "conditions": [{"policy": "dense-stream"}, {"policy": "flexgen"}], "reference": "dense-stream",
-                   "warmups": 1, "allowance_mib": 256,
-                   "gates": {"faithfulness": {}, "fidelity": {"min_top1": 0.5}}}).body
-    worker = Worker(device="cpu")
-    start = worker.load(body, str(ck))
-    ids = prompts(body, vocab=start["vocab"])
-    records = [worker.run(entry, ids[entry["prompt"]]) for entry in plan(body)]
-    assert all(r["status"] == "ok" for r in records), [r.get("error") for r in records]
-    fg = [r for r in records if r["condition"] == "flexgen"]
-    assert fg and all(r["tier"] == "approximate" and r["offload"]["policy"]["chosen"]
-                      and r["offload"]["policy"]["w_gpu_percent"] == 100 for r in fg)
-    assert any(r["forced_logits"] is not None for r in fg)
+    frozen = freeze({"name": "fg", "model": {"path": str(ck)}, "dtype": "float16",
+                     "prompts": {"generator": {"seed": 0, "count": 2}}, "prefix_tokens": 8, "continuation_tokens": 3,
+                     "conditions": [{"policy": "dense-stream"}, {"policy": "flexgen"}], "reference": "dense-stream",
+                     "warmups": 1, "allowance_mib": 256,
+                     "gates": {"faithfulness": {}, "fidelity": {"min_top1": 0.5}}})
+    _, episodes, verdicts = archive_screen(frozen, ck, tmp_path / "screen.zip")
+    assert all(e["status"] == "ok" for e in episodes), [e.get("error") for e in episodes]
+    fg = [e for e in episodes if e["condition"] == "flexgen"]
+    assert fg and all(e["tier"] == "approximate" and e["offload"]["policy"]["chosen"]
+                      and e["offload"]["policy"]["w_gpu_percent"] == 100 for e in fg)
+    fidelity = [v for v in verdicts if v["gate"] == "fidelity"]
+    assert fidelity and all(v["passed"] for v in fidelity), fidelity
+    report = audit_archive(tmp_path / "screen.zip")
+    assert report.agrees, report.record["problems"]
