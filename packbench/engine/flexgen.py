@@ -344,6 +344,11 @@ class FlexGenModel:
                                                        device=device)
         ep = Episode(batch=len(prompts), steps=continuation, layers=self.layers, forced=fed)
         self._episode = ep
+        from flexgen.timer import timers
+
+        # FlexGen's process-wide timer: a generate that raised (out of memory, say) leaves it started, and
+        # every later generate would then fail its assert; reset also drops the costs it keeps per step
+        timers("generate").reset()
         if cuda:
             torch.cuda.synchronize(device)
         t_start = time.perf_counter()

@@ -133,3 +133,19 @@ def test_the_worker_runs_flexgen_its_archive_holds_the_policy_and_the_audit_agre
     assert fidelity and all(v["passed"] for v in fidelity), fidelity
     report = audit_archive(tmp_path / "screen.zip")
     assert report.agrees, report.record["problems"]
+
+
+def test_an_episode_after_a_failed_generate_runs(cpu_flexgen, checkpoints):
+    """FlexGen's process-wide "generate" timer is left started by a generate that raised; without a
+    reset every later episode of the screen would fail FlexGen's assert (`has already been started`)."""
+    fg = cpu_flexgen(checkpoints["float16"], params={"w_gpu_percent": 100})
+    store = fg._lm.store_hidden
+
+    def broken(i, j, k):
+        raise RuntimeError("CUDA out of memory (stand-in)")
+
+    fg._lm.store_hidden = broken
+    with pytest.raises(RuntimeError, match="stand-in"):
+        run_episode(fg, PROMPTS[0], continuation=3)
+    fg._lm.store_hidden = store
+    assert len(run_episode(fg, PROMPTS[0], continuation=3).calls) == 3
