@@ -23,7 +23,8 @@
 #   WHEELHOUSE=<worktree>/.whl: it appends to .git/info/exclude)
 #   bash bench/peers_device.sh
 # Knobs: SHAPE, SCORED (1: scored batches a condition at batch > 1), BATCH_CONT (8: their continuation), PROMPTS (2), PREFIX (512), ALLOWANCE (4800), BATCHES ("32"; "" for none), BATCH_PREFIX (64),
-# BATCH_ALLOWANCE (5700), CONDITIONS (the six names above; TINY: the five but flexgen), SKIP_B1 (no batch-1 screen), SKIP_FLEXGEN,
+# BATCH_ALLOWANCE (5700), CONDITIONS (the six names above; TINY: the five but flexgen), BATCH_CONDITIONS
+# (the batched screens': CONDITIONS, else the five but flexgen), SKIP_B1 (no batch-1 screen), SKIP_FLEXGEN,
 # FLEXGEN_BATCHES ("8,32"), SKIP_ZI_TEST (no zero-inference CUDA test), CONT (16), SCREEN_TIMEOUT (300), DEADLINE (560). A batch-B screen plans B
 # scored episodes per condition (one starting at each prompt), so batch 32 is the long one: where one
 # call cannot hold everything, split it (docs/experiments/competitors.md, "The H200 run"):
@@ -99,7 +100,13 @@ screen() {  # name batch prompts prefix allowance
 [ -n "${SKIP_B1:-}" ] || screen peers-b1 1 "${PROMPTS:-2}" "${PREFIX:-512}" "${ALLOWANCE:-4800}"
 # Batched screens decode BATCH_CONT (8) tokens: 5 conditions x 2 episodes x 32 sequences' logits then
 # stay within the audit's 640 MiB bound (16 tokens would be 982 MiB: tests/cli/test_archive_estimate.py).
-for b in ${BATCHES-32}; do CONT=${BATCH_CONT:-8} screen "peers-b$b" "$b" "$b" "${BATCH_PREFIX:-64}" "${BATCH_ALLOWANCE:-5700}"; done
+# flexgen is left out of them by default: its teacher-forced logits are a seventh episode's worth, and
+# the batch-32 screen's archive would be 687 MiB, over the audit's 640 (core/estimate.py archive_bytes;
+# BATCH_CONDITIONS="... flexgen" with BATCH_CONT=7 fits, 601 MiB). FlexGen's batch sweep is its probe's below.
+for b in ${BATCHES-32}; do
+  conditions=${BATCH_CONDITIONS:-${CONDITIONS:-dense-stream packet phase-switched accelerate zero-inference}} \
+    CONT=${BATCH_CONT:-8} screen "peers-b$b" "$b" "$b" "${BATCH_PREFIX:-64}" "${BATCH_ALLOWANCE:-5700}"
+done
 # zero-inference's CUDA test (its own process: DeepSpeed binds its accelerator at first import): built
 # under an allowance below the model's bytes, it decodes within it, logits dense-stream's.
 if [ -z "${TINY:-}" ] && [ -z "${SKIP_ZI_TEST:-}" ]; then
@@ -108,7 +115,7 @@ if [ -z "${TINY:-}" ] && [ -z "${SKIP_ZI_TEST:-}" ]; then
   echo "== zero-inference CUDA test: rc $?"; grep -E "passed|failed|Error|assert" "$out/zi-cuda-test.log" | tail -6
 fi
 # FlexGen last: it converts the checkpoint to its own layout (a second copy on disk) and may fail.
-ck=$(ls -d "$PACKBENCH_MODEL_CACHE"/*/ 2>/dev/null | head -1)
+ck=$(ls -d "$PACKBENCH_MODEL_CACHE"/*/ 2>/dev/null | grep -v '/flexgen/$' | head -1)  # flexgen/: the condition's converted layouts
 left=$(( ${DEADLINE:-560} - ($(date +%s) - start) - 25 ))
 if [ -z "${SKIP_FLEXGEN:-}" ] && [ "$left" -gt 40 ] && [ -n "$ck" ]; then
   echo "== flexgen probe ($left s)"
@@ -155,6 +162,17 @@ for screen in sorted(s.list_screens(), key=lambda x: x.id):
               f"context {b.get('context', 0) / 2**20:.0f} MiB, KV {b.get('kv', 0) / 2**20:.0f} MiB, "
               f"activations {b.get('activations', 0) / 2**20:.0f} MiB, device after partitioning "
               f"{offload.get('device_bytes', 0) / 2**20:.0f} MiB")
+    fg = next((e.record.get("offload") for e in data.episodes
+               if e.record.get("condition") == "flexgen" and e.record.get("offload")), None)
+    if fg:  # the placement FlexGen ran with (chosen on the worker from the allowance, or frozen)
+        p = fg["policy"]
+        print(f"  {data.protocol.body['name']}: flexgen {p['w_gpu_percent']}% of weights on the GPU "
+              f"({'chosen' if p['chosen'] else 'frozen'}), cache {p['cache_gpu_percent']}%, activations "
+              f"{p['act_gpu_percent']}%, GPU batch {p['gpu_batch_size']}: weights {p['weights_gpu'] / 2**20:.0f} MiB, "
+              f"KV {p['cache_gpu'] / 2**20:.0f} MiB, working {p['working'] / 2**20:.0f} MiB, context "
+              f"{p['context'] / 2**20:.0f} MiB, needs {p['needed_bytes'] / 2**20:.0f} of {p['allowance'] / 2**20:.0f} MiB; "
+              f"pinned host {fg['pinned_bytes'] / 2**20:.0f} MiB, device after placement "
+              f"{fg['device_bytes'] / 2**20:.0f} MiB, convert {fg['convert_s']:.1f} s, load {fg['load_s']:.1f} s")
     for r in serving_rows(data):
         c = r["condition"]
         ok = [x for x in eps if x.condition == c and x.role == "scored" and x.status == "ok"]
@@ -162,6 +180,8 @@ for screen in sorted(s.list_screens(), key=lambda x: x.id):
         per_call = med([(x.decode_h2d_bytes or 0) / calls / 1e6 for x in ok])
         steady = r["steady_call_s"]
         faithful = verdicts.get((c, "faithfulness"), "-")
+        if (c, "fidelity") in verdicts:  # an approximate condition (flexgen): its fidelity gate's verdict
+            faithful = f"fidelity {'PASS' if verdicts[(c, 'fidelity')] else 'FAIL'}"
         print(f"{data.protocol.body['name']:10} {c:15} {batch:>5} {len(ok):>3} "
               f"{(r['ttft_s'] or float('nan')) * 1e3:>8.1f} {(steady / batch * 1e3 if steady else float('nan')):>17.3f} "
               f"{per_call:>8.1f} {per_call / batch:>7.1f} "
