@@ -75,6 +75,13 @@ def test_the_probes_policy_is_refused_and_the_chosen_one_fits_4800_mib_at_opt_2_
     assert p.cache_gpu == 2 * 527 * 2560 * 2 * 32  # keys and values of 527 positions (prompt + gen - 1), fp16
     assert choose_policy(c, {}, allowance=4800 * MIB, context=600 * MIB, held=0, batch=1, prompt=528, gen=0,
                          cuda=True).needed <= 4800 * MIB  # the context is inside the allowance
+    # `protocol plan`'s estimate of the omitted share: the same 75 % here (81 % places 4903 MiB > 4800)
+    from packbench.core.conditions.base import CallInputs
+    from packbench.core.estimate import Activity, ModelShape
+
+    call = CallInputs(phase="decode", tokens=1, shape=ModelShape.of("opt-2.7b"), row_bytes=2 * 2560,
+                      activity=Activity(0.1), allowance_bytes=4800 * MIB)
+    assert h2d_bytes({}, call) == (32 * (2560 * 2560 + 2560 + 4 * 2560 * 2560) + 2 * 2560) * 2
 
 
 def test_opt_13b_under_20480_mib_by_hand():

@@ -168,15 +168,16 @@ def choose_policy(config: Mapping[str, Any], params: Mapping[str, Any], *, allow
 
 def h2d_bytes(params: Mapping[str, Any], call: CallInputs) -> float:
     """The host-homed weights, every call (FlexGen copies them layer by layer each step): by its
-    placement rule at a frozen `w_gpu_percent`; omitted, the weights beyond the allowance (the
-    worker chooses the share there). About: the cache's host part and activations aside."""
+    placement rule at a frozen `w_gpu_percent`; omitted, at the largest share whose GPU weights
+    alone fit the allowance (the worker's choice also leaves room for the cache, working space and
+    context, so it may place less on the GPU). About: the cache's host part and activations aside."""
     s = call.shape
     config = {"hidden_size": s.hidden, "vocab_size": s.vocab, "max_position_embeddings": s.max_positions,
               "num_hidden_layers": s.layers}
-    if params.get("w_gpu_percent") is not None:
-        return float(sum(placement(config, params["w_gpu_percent"])[1]))
-    total, _ = placement(config, 100)
-    return float(max(0, total - call.allowance_bytes))
+    share = params.get("w_gpu_percent")
+    if share is None:
+        share = next((g for g in range(100, -1, -1) if placement(config, g)[0] <= call.allowance_bytes), 0)
+    return float(sum(placement(config, share)[1]))
 
 
 PERCENT = dict(minimum=0, maximum=100)
