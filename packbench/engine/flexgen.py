@@ -171,7 +171,7 @@ def environment(device: torch.device, scratch: Path):
     return _ENVS[name]
 
 
-class Episode:
+class GenerateRecord:
     """One generate's record, filled at FlexGen's sites: float32 logits and host stamps per step,
     the forced ids, bytes per step and layer."""
 
@@ -282,7 +282,7 @@ class FlexGenModel:
         self.layers = config["num_hidden_layers"]
         self.recorder = Recorder(self.layers)
         self.row_bytes = config["hidden_size"] * 2
-        self._episode: Episode | None = None
+        self._episode: GenerateRecord | None = None
         self._lm = fg.OptLM(opt_config(fg, config), env, str(root), flexgen_policy(fg, self.plan))
         self._wire(env)
         if cuda:
@@ -300,7 +300,7 @@ class FlexGenModel:
 
         lm, ref = self._lm, weakref.ref(self)
 
-        def episode_of() -> Episode | None:
+        def episode_of() -> GenerateRecord | None:
             # weak: the process's one ExecutionEnv outlives this model, and must not keep its weights on the device
             model = ref()
             return None if model is None else model._episode
@@ -342,7 +342,7 @@ class FlexGenModel:
             torch.cuda.reset_peak_memory_stats(device)
         fed = None if forced is None else torch.tensor([f[:continuation - 1] for f in forced], dtype=torch.long,
                                                        device=device)
-        ep = Episode(batch=len(prompts), steps=continuation, layers=self.layers, forced=fed)
+        ep = GenerateRecord(batch=len(prompts), steps=continuation, layers=self.layers, forced=fed)
         self._episode = ep
         from flexgen.timer import timers
 
@@ -362,7 +362,7 @@ class FlexGenModel:
                                f"{continuation} tokens")
         return self.finish(ep, prompts, t_start=t_start, wall=wall)
 
-    def finish(self, ep: Episode, prompts: list[list[int]], *, t_start: float, wall: float) -> EpisodeOutput:
+    def finish(self, ep: GenerateRecord, prompts: list[list[int]], *, t_start: float, wall: float) -> EpisodeOutput:
         """The episode's output from its record: per call a ledger (bytes per layer, wall between stamps)."""
         recorder, batch, cuda = self.recorder, len(prompts), self.device.type == "cuda"
         recorder.calls = []

@@ -243,7 +243,7 @@ def test_the_output_embedding_keeps_float32_logits_and_feeds_the_forced_token():
     """FlexGen's opt_output_embed returns only argmax ids; the wrapper keeps the last position's
     logits (float32, exact upcast) and feeds the forced token while the episode is forced (not at
     its last step), the argmax after that and outside an episode."""
-    from packbench.engine.flexgen import Episode, output_embed
+    from packbench.engine.flexgen import GenerateRecord, output_embed
 
     torch.manual_seed(0)
     b, s, h, v = 2, 5, 8, 16
@@ -251,7 +251,7 @@ def test_the_output_embedding_keeps_float32_logits_and_feeds_the_forced_token():
     w_ln, b_ln, w_tok = torch.randn(h).half(), torch.randn(h).half(), torch.randn(v, h).half()
     want = torch.nn.functional.linear(torch.nn.functional.layer_norm(inputs, (h,), w_ln, b_ln), w_tok)[:, -1, :]
     forced = torch.tensor([[3, 4], [5, 6]])
-    ep = Episode(batch=b, steps=3, layers=1, forced=forced)
+    ep = GenerateRecord(batch=b, steps=3, layers=1, forced=forced)
     embed = output_embed(lambda: ep, StandIn)
     args = (StandIn(w_ln), StandIn(b_ln), StandIn(w_tok), [False], False, 1.0)
     ids = [embed(None, StandIn(inputs), *args).data for _ in range(3)]
@@ -267,13 +267,13 @@ def test_an_episode_record_is_built_from_flexgens_stamps_and_loads():
     """Call i's wall is the time between the stamps of steps i - 1 and i (call 0's from the start),
     its bytes the loads that served it, in whole rows per ledger layer; tokens are the argmax of
     the float32 logits; nothing is invented for a step FlexGen did not stamp."""
-    from packbench.engine.flexgen import Episode, FlexGenModel
+    from packbench.engine.flexgen import GenerateRecord, FlexGenModel
     from packbench.engine.ledger import Recorder
 
     m = FlexGenModel.__new__(FlexGenModel)
     m.device, m.config, m.row_bytes = torch.device("cpu"), opt("tiny"), 128
     m.recorder = Recorder(2)
-    ep = Episode(batch=1, steps=3, layers=2, forced=None)
+    ep = GenerateRecord(batch=1, steps=3, layers=2, forced=None)
     ep.logits = [np.eye(4, dtype=np.float32)[[k]] for k in (1, 2, 3)]
     ep.logits_at, ep.stamps = [10.5, 11.5, 12.5], [10.6, 11.7, 12.6]
     ep.moved[0] = [300, 0]
