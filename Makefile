@@ -46,8 +46,9 @@ browser:
 # run beside. The cause of their Ray test failing after the in-process ones (a rendezvous left in
 # the environment) is fixed, so the split isolates DeepSpeed's process-wide state, not a known bug.
 test: $(STAMP) browser
-	$(BIN)/python -m pytest -q -m "not gpu and not deepspeed"
+	$(BIN)/python -m pytest -q -m "not gpu and not deepspeed and not flexgen"
 	$(BIN)/python -m pytest -q -m deepspeed tests/engine/test_zero_inference.py
+	$(BIN)/python -m pytest -q -m flexgen tests/engine/test_flexgen_cpu.py
 
 # Mutation testing (mutmut) of the modules that decide verdicts and evidence, each against its own
 # tests, one worker, module by module (docs/mutation.md); not part of `make test`.

@@ -22,31 +22,7 @@ import time
 import traceback
 from pathlib import Path
 
-
-def flexgen_name(name: str) -> str:
-    """A transformers OPT tensor name as FlexGen's converter (opt_config.download_opt_weights) writes it."""
-    return name.removeprefix("model.").replace("decoder.final_layer_norm", "decoder.layer_norm")
-
-
-def convert(checkpoint: Path, out: Path) -> list[str]:
-    """FlexGen's numpy layout from packbench's safetensors, as download_opt_weights writes it from
-    the Hub's `.bin` files: bare names (no `.npy` suffix), `lm_head.weight` a copy of the tied
-    embedding. Returns the names written."""
-    import numpy as np
-    from safetensors.torch import load_file
-
-    out.mkdir(parents=True, exist_ok=True)
-    written = []
-    for f in sorted(checkpoint.glob("*.safetensors")):
-        for name, t in load_file(f).items():
-            name = flexgen_name(name)
-            arr = t.float().numpy().astype(np.float16) if t.is_floating_point() else t.numpy()
-            targets = [name] + (["lm_head.weight"] if name == "decoder.embed_tokens.weight" else [])
-            for target in targets:
-                with open(out / target, "wb") as fh:
-                    np.save(fh, arr)
-                written.append(target)
-    return written
+from packbench.engine.flexgen import convert  # the product's converter (the flexgen condition reads the same layout)
 
 
 def policy_for(config, *, batch: int, prompt: int, gen: int, allowance_mib: int):

@@ -4,8 +4,9 @@
 # opt): dense-stream (the reference), packet and phase-switched ({gather: device}, engine mode graph),
 # accelerate and zero-inference (DeepSpeed ZeRO-3, parameters in pinned host memory, partitioned
 # before deepspeed.initialize, prefetch bucket and live parameters from the allowance, reuse distance
-# 0: engine/zero_inference.py ZeroBudget; its configuration is printed above the table), every competitor in its one mode
-# (eager). Two screens: batch 1 (PROMPTS x PREFIX + 16, ALLOWANCE MiB: the latency configuration)
+# 0: engine/zero_inference.py ZeroBudget; its configuration is printed above the table) and flexgen
+# (FlexGen's OptLM as a condition, tier approximate, judged by a fidelity gate: engine/flexgen.py),
+# every competitor in its one mode (eager). Two screens: batch 1 (PROMPTS x PREFIX + 16, ALLOWANCE MiB: the latency configuration)
 # and, per entry of BATCHES, batch B (B prompts x BATCH_PREFIX + 16, BATCH_ALLOWANCE MiB: the
 # throughput configuration; docs/experiments/batched.md: per-token time falls with the batch up to
 # the KV cache's limit, 32 x 64 tokens at 5700 MiB for opt-2.7b). Then FlexGen's probe
@@ -22,7 +23,8 @@
 #   WHEELHOUSE=<worktree>/.whl: it appends to .git/info/exclude)
 #   bash bench/peers_device.sh
 # Knobs: SHAPE, SCORED (1: scored batches a condition at batch > 1), BATCH_CONT (8: their continuation), PROMPTS (2), PREFIX (512), ALLOWANCE (4800), BATCHES ("32"; "" for none), BATCH_PREFIX (64),
-# BATCH_ALLOWANCE (5700), CONDITIONS (the five names above), SKIP_B1 (no batch-1 screen), SKIP_FLEXGEN,
+# BATCH_ALLOWANCE (5700), CONDITIONS (the six names above; TINY: the five but flexgen), BATCH_CONDITIONS
+# (the batched screens': CONDITIONS, else the five but flexgen), SKIP_B1 (no batch-1 screen), SKIP_FLEXGEN,
 # FLEXGEN_BATCHES ("8,32"), SKIP_ZI_TEST (no zero-inference CUDA test), CONT (16), SCREEN_TIMEOUT (300), DEADLINE (560). A batch-B screen plans B
 # scored episodes per condition (one starting at each prompt), so batch 32 is the long one: where one
 # call cannot hold everything, split it (docs/experiments/competitors.md, "The H200 run"):
@@ -53,6 +55,9 @@ SHAPE=${SHAPE:-opt-2.7b} DTYPE=${DTYPE:-float16} CONT=${CONT:-16} MODE=${MODE:-g
 python3 -c "import deepspeed, transformers; print('deepspeed', deepspeed.__version__, 'transformers', transformers.__version__)" \
   2>&1 | tail -1  # DeepSpeed's import-time needs, shown before the screens
 start=$(date +%s)
+# flexgen runs on CUDA only (a CPU worker refuses the screen at load): not in TINY's default
+peers="dense-stream packet phase-switched accelerate zero-inference"; [ -n "${TINY:-}" ] || peers="$peers flexgen"
+conditions=${CONDITIONS:-$peers}
 condition_line() {  # name -> its protocol entry
   case $1 in
     dense-stream) echo "  - {name: dense-stream, policy: dense-stream}" ;;
@@ -60,6 +65,9 @@ condition_line() {  # name -> its protocol entry
     phase-switched) echo "  - {name: phase-switched, policy: phase-switched, params: {gather: device}}" ;;
     accelerate) echo "  - {name: accelerate, policy: accelerate}" ;;
     zero-inference) echo "  - {name: zero-inference, policy: zero-inference}" ;;
+    # FlexGen's OptLM (engine/flexgen.py): placement chosen on the worker from the allowance
+    # (core/conditions/flexgen.py choose_policy), written into every record as offload.policy
+    flexgen) echo "  - {name: flexgen, policy: flexgen}" ;;
     *) echo "unknown condition $1" >&2; exit 2 ;;
   esac
 }
@@ -72,10 +80,13 @@ screen() {  # name batch prompts prefix allowance
     # schema 10): 32 x 32 sequences' logits put the first batch-32 screen's archive at 10 GB.
     [ "$batch" -gt 1 ] && echo "batch: $batch" && echo "scored_prompts: ${SCORED:-1}"
     echo "conditions:"
-    for c in ${CONDITIONS:-dense-stream packet phase-switched accelerate zero-inference}; do condition_line "$c"; done
+    for c in $conditions; do condition_line "$c"; done
     echo "reference: dense-stream"; echo "warmups: 1"; echo "allowance_mib: $allowance"
     echo "engine: {mode: $MODE}"  # packbench's loaders in their fastest mode; competitors in their own (eager)
-    echo "gates:"; echo "  faithfulness: {tolerance: 0.0}"; echo "  resources: {}"; } > "$work/$name.yaml"
+    echo "gates:"; echo "  faithfulness: {tolerance: 0.0}"; echo "  resources: {}"
+    # flexgen is approximate (its own kernels): judged by fidelity, teacher-forced on dense-stream's tokens
+    case " $conditions " in *" flexgen "*) echo "  fidelity: {condition: flexgen, min_top1: 0.9}" ;; esac
+  } > "$work/$name.yaml"
   local t0 limit=${SCREEN_TIMEOUT:-300} left
   t0=$(date +%s); left=$(( ${DEADLINE:-560} - (t0 - start) - ${RESERVE:-30} ))
   [ "$left" -lt "$limit" ] && limit=$left
@@ -89,7 +100,13 @@ screen() {  # name batch prompts prefix allowance
 [ -n "${SKIP_B1:-}" ] || screen peers-b1 1 "${PROMPTS:-2}" "${PREFIX:-512}" "${ALLOWANCE:-4800}"
 # Batched screens decode BATCH_CONT (8) tokens: 5 conditions x 2 episodes x 32 sequences' logits then
 # stay within the audit's 640 MiB bound (16 tokens would be 982 MiB: tests/cli/test_archive_estimate.py).
-for b in ${BATCHES-32}; do CONT=${BATCH_CONT:-8} screen "peers-b$b" "$b" "$b" "${BATCH_PREFIX:-64}" "${BATCH_ALLOWANCE:-5700}"; done
+# flexgen is left out of them by default: its teacher-forced logits are a seventh episode's worth, and
+# the batch-32 screen's archive would be 687 MiB, over the audit's 640 (core/estimate.py archive_bytes;
+# BATCH_CONDITIONS="... flexgen" with BATCH_CONT=7 fits, 601 MiB). FlexGen's batch sweep is its probe's below.
+for b in ${BATCHES-32}; do
+  conditions=${BATCH_CONDITIONS:-${CONDITIONS:-dense-stream packet phase-switched accelerate zero-inference}} \
+    CONT=${BATCH_CONT:-8} screen "peers-b$b" "$b" "$b" "${BATCH_PREFIX:-64}" "${BATCH_ALLOWANCE:-5700}"
+done
 # zero-inference's CUDA test (its own process: DeepSpeed binds its accelerator at first import): built
 # under an allowance below the model's bytes, it decodes within it, logits dense-stream's.
 if [ -z "${TINY:-}" ] && [ -z "${SKIP_ZI_TEST:-}" ]; then
@@ -98,7 +115,7 @@ if [ -z "${TINY:-}" ] && [ -z "${SKIP_ZI_TEST:-}" ]; then
   echo "== zero-inference CUDA test: rc $?"; grep -E "passed|failed|Error|assert" "$out/zi-cuda-test.log" | tail -6
 fi
 # FlexGen last: it converts the checkpoint to its own layout (a second copy on disk) and may fail.
-ck=$(ls -d "$PACKBENCH_MODEL_CACHE"/*/ 2>/dev/null | head -1)
+ck=$(ls -d "$PACKBENCH_MODEL_CACHE"/*/ 2>/dev/null | grep -v '/flexgen/$' | head -1)  # flexgen/: the condition's converted layouts
 left=$(( ${DEADLINE:-560} - ($(date +%s) - start) - 25 ))
 if [ -z "${SKIP_FLEXGEN:-}" ] && [ "$left" -gt 40 ] && [ -n "$ck" ]; then
   echo "== flexgen probe ($left s)"
@@ -145,6 +162,17 @@ for screen in sorted(s.list_screens(), key=lambda x: x.id):
               f"context {b.get('context', 0) / 2**20:.0f} MiB, KV {b.get('kv', 0) / 2**20:.0f} MiB, "
               f"activations {b.get('activations', 0) / 2**20:.0f} MiB, device after partitioning "
               f"{offload.get('device_bytes', 0) / 2**20:.0f} MiB")
+    fg = next((e.record.get("offload") for e in data.episodes
+               if e.record.get("condition") == "flexgen" and e.record.get("offload")), None)
+    if fg:  # the placement FlexGen ran with (chosen on the worker from the allowance, or frozen)
+        p = fg["policy"]
+        print(f"  {data.protocol.body['name']}: flexgen {p['w_gpu_percent']}% of weights on the GPU "
+              f"({'chosen' if p['chosen'] else 'frozen'}), cache {p['cache_gpu_percent']}%, activations "
+              f"{p['act_gpu_percent']}%, GPU batch {p['gpu_batch_size']}: weights {p['weights_gpu'] / 2**20:.0f} MiB, "
+              f"KV {p['cache_gpu'] / 2**20:.0f} MiB, working {p['working'] / 2**20:.0f} MiB, context "
+              f"{p['context'] / 2**20:.0f} MiB, needs {p['needed_bytes'] / 2**20:.0f} of {p['allowance'] / 2**20:.0f} MiB; "
+              f"pinned host {fg['pinned_bytes'] / 2**20:.0f} MiB, device after placement "
+              f"{fg['device_bytes'] / 2**20:.0f} MiB, convert {fg['convert_s']:.1f} s, load {fg['load_s']:.1f} s")
     for r in serving_rows(data):
         c = r["condition"]
         ok = [x for x in eps if x.condition == c and x.role == "scored" and x.status == "ok"]
@@ -152,6 +180,8 @@ for screen in sorted(s.list_screens(), key=lambda x: x.id):
         per_call = med([(x.decode_h2d_bytes or 0) / calls / 1e6 for x in ok])
         steady = r["steady_call_s"]
         faithful = verdicts.get((c, "faithfulness"), "-")
+        if (c, "fidelity") in verdicts:  # an approximate condition (flexgen): its fidelity gate's verdict
+            faithful = f"fidelity {'PASS' if verdicts[(c, 'fidelity')] else 'FAIL'}"
         print(f"{data.protocol.body['name']:10} {c:15} {batch:>5} {len(ok):>3} "
               f"{(r['ttft_s'] or float('nan')) * 1e3:>8.1f} {(steady / batch * 1e3 if steady else float('nan')):>17.3f} "
               f"{per_call:>8.1f} {per_call / batch:>7.1f} "

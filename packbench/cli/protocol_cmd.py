@@ -40,7 +40,7 @@ def _load(path: Path) -> FrozenProtocol:
 
 def _policy(c: Condition) -> str:
     """`packet, gather device`: a condition's policy and every parameter it runs with."""
-    return ", ".join([c.policy, *(f"{k} {v}" for k, v in c.resolved_params.items())])
+    return ", ".join([c.policy, *(f"{k} {v if v is not None else 'chosen on the worker'}" for k, v in c.resolved_params.items())])
 
 
 def _schema(frozen: FrozenProtocol) -> str:

@@ -108,7 +108,7 @@ EPISODE_FIELDS: tuple[Field, ...] = (
     _kept("forced_from", int),  # the reference episode an approximate one was teacher-forced on
     _kept("forced_s", float),  # the teacher-forced pass's seconds (not part of wall_s)
     _kept("quantization", dict),  # engine/quantized.py QuantizationStats: what building the model cost
-    _kept("offload", dict),  # engine/accelerate.py OffloadStats: what accelerate placed where, and its cost
+    _kept("offload", dict),  # engine/accelerate.py OffloadStats, zero_inference.py ZeroStats, flexgen.py FlexGenStats: placement and its cost
     _kept("first_logit_since_entry_s", float),
     # An expert cache or forecast (MoE; engine/moe/cache.py): capacity, rule, forecast, the
     # per-call, per-layer routing and what the policy counted, and the totals a replay of that

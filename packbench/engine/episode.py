@@ -83,7 +83,12 @@ def _check(prompts: list[list[int]], continuation: int, forced: list[list[int]] 
 
 def _generate(model: CpuFirstModel, prompts: list[list[int]], *, continuation: int, mode: str,
               forced: list[list[int]] | None) -> EpisodeOutput:
-    """The episode loop over a (B, T) batch; tokens (B lists) and logits (B, calls, vocab)."""
+    """The episode loop over a (B, T) batch; tokens (B lists) and logits (B, calls, vocab). A model
+    that runs whole episodes (`episode`: engine/flexgen.py, whose library owns the generate loop)
+    runs this one itself and records its calls at its own sites."""
+    whole = getattr(model, "episode", None)
+    if whole is not None:
+        return whole(prompts, continuation=continuation, mode=mode, forced=forced)
     device = model.device
     recorder = model.recorder
     recorder.calls = []

@@ -231,6 +231,7 @@ class Worker:
         protocol = expand(protocol)  # a typed Protocol passes through; a stored body is validated once
         self.mode = check_mode(mode or protocol.engine_mode)
         path = model_dir_for(protocol, model_dir, cache=None if model_cache is None else Path(model_cache))
+        self.model_cache = None if model_cache is None else Path(model_cache)  # flexgen converts its layout there
         key = (checkpoint_key(path), protocol.dtype, self.mode)
         # What is measured is pinned: the content digest of every checkpoint file, hashed once
         # per checkpoint_key (a warm model keeps it). A cold load hashes while it reads (hashlib

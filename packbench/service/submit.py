@@ -43,6 +43,28 @@ def screen_prompts(protocol: Protocol, *, vocab: int, model_dir: Path | None,
     return prompts(protocol, vocab=vocab, prompt_file=prompt_file, tokenize=tokenize)
 
 
+def check_flexgen(i: int, c, p: Protocol, config: dict) -> None:
+    """A flexgen condition FlexGen cannot run is refused before anything is queued, in one line: a
+    dtype other than float16, an MLP other than 4 x hidden, a placement the allowance cannot hold
+    even before the CUDA context (core/conditions/flexgen.py choose_policy, which the worker runs
+    again with the context it measures)."""
+    from packbench.core.conditions.flexgen import PolicyRefused, check_shape, choose_policy
+
+    if p.dtype != "float16":
+        raise ProtocolError(f"protocol field `dtype`: condition {c.name} (flexgen) runs in float16 only "
+                            f"(FlexGen's OptConfig.dtype), the protocol says {p.dtype}: use dtype float16")
+    bad = check_shape(config)
+    if bad:
+        raise ProtocolError(f"protocol field `conditions[{i}].policy`: {bad}")
+    try:
+        choose_policy(config, c.resolved_params, allowance=p.allowance_bytes, context=0, held=0, batch=p.batch,
+                      prompt=p.prefix_tokens + p.continuation_tokens, gen=0, cuda=True)
+    except PolicyRefused as e:
+        field = f"conditions[{i}].params.w_gpu_percent" if c.resolved_params.get("w_gpu_percent") is not None \
+            else "allowance_mib"
+        raise ProtocolError(f"protocol field `{field}`: {e}") from None
+
+
 def check_libraries(protocol: Protocol) -> None:
     """A competitor whose library is not installed here is refused before anything is queued
     (found without importing it): one line naming the condition and the extra that brings it."""
@@ -197,6 +219,8 @@ def check_family(frozen: FrozenProtocol) -> None:
                                             batch=p.batch, allowance_bytes=p.allowance_bytes)
                 if refusal:
                     raise ProtocolError(f"protocol field `allowance_mib`: {refusal}")
+            if c.policy == "flexgen" and "hidden_size" in config:
+                check_flexgen(i, c, p, config)
             if c.resolved_params.get("gather") == "mapped":
                 raise ProtocolError(f"protocol field `conditions[{i}].params.gather`: mapped gathers an MoE model's "
                                     f"experts; checkpoint {model_dir} is OPT, whose device gather already reads mapped "

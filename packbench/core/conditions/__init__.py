@@ -11,9 +11,9 @@ Layer rule: core. Imports nothing outside core (no torch): validation runs on an
 """
 
 from packbench.core.conditions import (accelerate, dense_stream, early_forecast, expert_cache, expert_forecast,
-                                       host_experts, packet, phase_switched, quantized, resident, row_retention,
-                                       sparse_extents, zero_inference)
-from packbench.core.conditions.base import ConditionKind
+                                       flexgen, host_experts, packet, phase_switched, quantized, resident,
+                                       row_retention, sparse_extents, zero_inference)
+from packbench.core.conditions.base import MAX_INT_PARAM, ConditionKind
 
 FAMILY_NAMES = {"opt": "OPT", "moe": "MoE"}  # base.MODEL_FAMILIES as the docs' table names them
 
@@ -21,7 +21,7 @@ FAMILY_NAMES = {"opt": "OPT", "moe": "MoE"}  # base.MODEL_FAMILIES as the docs' 
 # alone; then the competitors.
 CONDITIONS: dict[str, ConditionKind] = {m.KIND.name: m.KIND for m in (
     resident, dense_stream, sparse_extents, packet, phase_switched, row_retention, early_forecast,
-    expert_cache, expert_forecast, quantized, accelerate, zero_inference, host_experts)}
+    expert_cache, expert_forecast, quantized, accelerate, zero_inference, host_experts, flexgen)}
 
 
 def kinds_table() -> str:
@@ -33,6 +33,10 @@ def kinds_table() -> str:
         default += "".join(f", {d[name]} from schema {s}" for s, d in sorted(kind.schema_defaults.items()) if name in d)
         if hasattr(p, "choices"):
             return f"`{name}`: {' / '.join(p.choices)} ({default}{f'; sayable from schema {p.since}' if p.since > 1 else ''})"
+        if p.optional:
+            default = "omitted: chosen on the worker"
+        if p.maximum != MAX_INT_PARAM:
+            return f"`{name}`: integer in [{p.minimum}, {p.maximum}] ({default})"
         return f"`{name}`: integer >= {p.minimum} ({default})"
 
     rows = ["| kind | what it does | parameters | models | tier | schema | estimate |",

@@ -19,13 +19,16 @@ MAX_INT_PARAM = (1 << 31) - 1
 
 @dataclass(frozen=True)
 class IntParam:
-    """An integer policy parameter; `default` None means the condition must give it."""
+    """An integer policy parameter; `default` None means the condition must give it (unless `optional`)."""
 
     minimum: int
     default: int | None = None
     # Every count a policy takes (rows, blocks, experts) is far below this; a larger value would
     # reach numpy's and torch's 64-bit integers at run time (an OverflowError), so it is refused.
     maximum: int = MAX_INT_PARAM
+    # Omitted (with `default` None): left out of the frozen body, and the runtime chooses the value
+    # on the worker (flexgen's `w_gpu_percent`, from the allowance); given, it is frozen.
+    optional: bool = False
 
     def check(self, name: str, value: Any) -> int:
         if isinstance(value, bool) or not isinstance(value, int) or not self.minimum <= value <= self.maximum:

@@ -32,7 +32,10 @@ out the same way, so no body says 9 and every older file keeps its meaning and h
 Schema 10 adds `scored_prompts`: the scored episodes of each repetition start at the first N prompts
 only (default: every prompt, left out of the body). With `batch` B each episode still decodes B
 prompts, so a batched screen can score one batch of 32 prompts per repetition instead of 32
-overlapping ones (32x the logits in the archive). A protocol giving it freezes as 10.
+overlapping ones (32x the logits in the archive). A protocol giving it freezes as 10. The `flexgen`
+competitor (its kind's `since` is 10) came with no schema of its own: a new kind moves no older
+body (its name was not sayable) and every earlier reader refuses the unknown policy in one line;
+a protocol naming it freezes as 10.
 Every rule a field obeys is written once, here; docs/protocol.md describes them for users.
 """
 
@@ -239,6 +242,8 @@ def _params(policy: str, value: Any, path: str, *, schema: int) -> dict:
             # else omitted in schema 1 or 2: left out, meaning the registry's default (old hashes hold)
             continue
         if key not in value and param.default is None:
+            if param.optional:  # chosen on the worker (flexgen's w_gpu_percent): left out of the body
+                continue
             fail(join_path(path, key), f"is required by policy {policy} (an integer >= {param.minimum})")
         out[key] = int_field(value.get(key, param.default), join_path(path, key), minimum=param.minimum,
                              maximum=param.maximum)

@@ -10,7 +10,7 @@ through a new one.
 
 from packbench.core.conditions import CONDITIONS
 from packbench.engine.conditions import (accelerate, dense_stream, early_forecast, expert_cache, expert_forecast,
-                                         host_experts, packet, phase_switched, quantized, resident, row_retention,
+                                         flexgen, host_experts, packet, phase_switched, quantized, resident, row_retention,
                                          sparse_extents, zero_inference)
 from packbench.engine.conditions.base import ConditionRuntime, LoaderRuntime
 from packbench.engine.policies.base import LoaderPolicy
@@ -29,6 +29,7 @@ RUNTIMES: dict[str, ConditionRuntime] = {
     "accelerate": accelerate.RUNTIME,
     "zero-inference": zero_inference.RUNTIME,
     "host-experts": host_experts.RUNTIME,
+    "flexgen": flexgen.RUNTIME,
 }
 
 
