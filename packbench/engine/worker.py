@@ -455,7 +455,8 @@ class Worker:
         # An expert cache or forecast: its counts, the episode's routing and the figures replayed
         # from it (core/expert_cache.py); None for every other policy and model.
         experts = getattr(model, "expert_record", lambda: None)()
-        context = impose(self.device, self.allowance, self.nvml) if self.device.type == "cuda" else 0
+        # the context as it is now (it grows as kernels load): what the next competitor is sized from
+        context = self.context = impose(self.device, self.allowance, self.nvml) if self.device.type == "cuda" else 0
         record["episode_s"] = time.perf_counter() - t0  # wall_s plus activation and measurement
         return {**record, **self._finished(out, sampled, policy=p, built=built, context=context),
                 **({"experts": experts} if experts is not None else {}),
@@ -501,11 +502,17 @@ class Worker:
         # A failed competitor is dropped, not kept or shelved: it may be half built or half
         # moved, and it must not hold the device the next condition needs (an OOM must not
         # poison the episodes after it).
+        if self.competitor is not None and hasattr(self.competitor[1], "release"):
+            try:
+                self.competitor[1].release()
+            except Exception:  # noqa: BLE001 - half built: what could be released was
+                pass
         self.competitor = None
         self._free()
         if self.device.type == "cuda":
             try:
-                impose(self.device, self.allowance, self.nvml)  # lifted for an unbounded resident
+                # lifted for an unbounded resident; the context as it is now, for the next competitor's sizing
+                self.context = impose(self.device, self.allowance, self.nvml)
             except Exception:  # noqa: BLE001 - a broken context fails the next episode, with its own words
                 pass
         return {**record, "status": "failed", **failure, "episode_s": time.perf_counter() - t0,
