@@ -218,9 +218,9 @@ class SynthProfile:
     salient: tuple[float, float] | None = None
     # Salient channels per Linear as a count, whatever its width (None: `salient`'s share of the width; set,
     # the share is unused and `salient`'s scale applies). A fixed count keeps a row's range the same at every
-    # width; a candidate field (bench/robustness.py salient_count=N), no profile uses it yet: on the CPU
-    # proxies 4 x8 left per-channel RTN as flat with size as opt3's, 26 x4 made it fall in part
-    # (docs/workloads.md, "A fixed count").
+    # width; a candidate field (bench/robustness.py salient_count=N), no profile uses it: on the CPU
+    # proxies 4 x8 left per-channel RTN as flat with size as opt3's; on the H200 26 x4 met the per-channel
+    # target at opt-6.7b and 13b but made opt-2.7b too robust (docs/workloads.md, "A fixed count").
     salient_count: int | None = None
 
     def layer_densities(self, shape: str) -> list[float]:
