@@ -383,7 +383,10 @@ def _print_audit(o, *, json_out: bool, detail: bool) -> None:
                               sort_keys=True, default=str))
         return
     if detail:
-        typer.echo(verdict_table(report.record["verdicts"]))
+        from packbench.core.audit import detail_key
+
+        # with each recomputed verdict's detail: which way a fidelity bound compares, why one failed
+        typer.echo(verdict_table([{**v, "detail": report.details.get(detail_key(v))} for v in report.record["verdicts"]]))
         for p in report.problems:
             typer.echo(f"problem: {one_line(p)}")
     elif report.problems:

@@ -59,7 +59,8 @@ def _audit_here(path: str, data: bytes | None, compare: dict) -> dict:
 
 
 def _report(report: AuditReport) -> dict:
-    return {"record": report.record, "unreadable": report.unreadable, "partial": report.partial}
+    return {"record": report.record, "unreadable": report.unreadable, "partial": report.partial,
+            "details": report.details}
 
 
 def _read_bytes(path: str) -> bytes:
@@ -146,7 +147,9 @@ def fan_out(jobs: list[AuditJob], *, settings: Settings, concurrency: int = 8, o
                 progress(len(results), total)
             continue
         results[(i, r)] = AuditDone(job, AuditReport(out["record"], unreadable=out.get("unreadable", False),
-                                                        partial=out.get("partial", False)), out["node"], out["host"], out["shipped"])
+                                                        partial=out.get("partial", False),
+                                                        details=out.get("details", {})),
+                                    out["node"], out["host"], out["shipped"])
         if progress is not None:
             progress(len(results), total)
     return [results[k] for k in sorted(results)]

@@ -27,7 +27,7 @@ import io
 import re
 import zipfile
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -86,6 +86,11 @@ PLAN_KEYS = ("index", "condition", "role", "prompt")
 EPISODE_FIELDS: dict[str, tuple[str, ...]] = dict(AUDITED)
 
 
+def detail_key(verdict: dict) -> str:
+    """Where AuditReport.details keeps a verdict's detail."""
+    return f"{verdict['gate']}|{verdict['condition']}|{verdict.get('phase', 'all')}"
+
+
 @dataclass(frozen=True)
 class AuditReport:
     """record: audit_version, archive_sha256, protocol_sha256, complete, planned, episodes,
@@ -99,6 +104,10 @@ class AuditReport:
     # Incomplete, and every problem says only that, or that an archived episode has no row yet
     # (an attempt whose driver stopped in a database outage: `db reconcile` inserts the rows).
     rows_pending: bool = False
+    # The recomputed verdicts' details, "gate|condition|phase" -> detail: what the terminal table shows
+    # beside the record (which way a fidelity bound compares, why a verdict failed). Not in the record:
+    # digests stay as they were.
+    details: dict = field(default_factory=dict)
 
     @property
     def agrees(self) -> bool:
@@ -586,6 +595,7 @@ class _Audit:
         the database's episodes against the archive's."""
         verdicts = compute_verdicts(proto, episodes, start=start)
         self.record["verdicts"] = [{k: v[k] for k in VERDICT_KEYS + ("episodes",)} for v in verdicts]
+        self.details = {detail_key(v): v["detail"] for v in verdicts if v.get("detail")}
         if not self.complete:
             # docs/archive.md: verdicts of a partial screen fail closed; the ones computed from
             # the episodes present are compared below, never reported as passing.
@@ -794,7 +804,8 @@ def audit_archive(path: Path, *, expected_sha256: str | None = None, db_verdicts
                and len(audit.problems) == audit.incomplete_notes + audit.rows_lacking)
     record["problems"] = _bounded(record["problems"])
     record["result"] = "agree" if record["complete"] and not record["problems"] else "disagree"
-    return AuditReport(record, unreadable=audit.unreadable, partial=partial, rows_pending=pending)
+    return AuditReport(record, unreadable=audit.unreadable, partial=partial, rows_pending=pending,
+                       details=getattr(audit, "details", {}))
 
 
 MAX_PROBLEM_CHARS = 2000  # a problem is one readable line, whatever a hostile record holds

@@ -518,7 +518,7 @@ def test_int8_rows_are_judged_by_their_own_row_size(exact):
     assert len(copies(moved(dtype_row, "packet"), [dtype_row, int8_row])) == 3  # at most three named
     assert copies(moved(dtype_row, "dense-stream"), [dtype_row, int8_row]) == []
     wrong = copies(moved(dtype_row + 2, "dense-stream"), [dtype_row, int8_row])  # consistent, but not the model's
-    assert wrong[0].startswith(f"e: impossible copy: call 0 layer 0 moved ") and wrong[0].endswith(f" of {dtype_row} B")
+    assert wrong[0].startswith("e: impossible copy: call 0 layer 0 moved ") and wrong[0].endswith(f" of {dtype_row} B")
     fixed = [None, None]  # a checkpoint of unknown shape: the first row seen fixes the size, per slot
     assert copies(moved(6, "dense-stream"), fixed) == [] and fixed == [6, None]
     assert copies(moved(10, "packet"), fixed) == [] and fixed == [6, 10]
@@ -751,3 +751,24 @@ def test_a_failed_first_episode_and_a_batchs_prompts(exact, batch, tmp_path):
         plan["prompts"][0][3] = (plan["prompts"][0][3] + 1) % 64
     report = audit_archive(forged(batch["path"], tmp_path / "b.zip", edit={"plan.json": swap}))
     assert "plan.json prompts are not the protocol's prompts" in report.problems, report.problems
+
+
+def test_the_audits_table_says_which_way_a_fidelity_bound_compares(tmp_path):
+    # Bug: the audit's record keeps no verdict detail (its digest must not move), so `packbench
+    # audit`'s table printed every fidelity threshold as an upper bound: "<= 0.7" for min_top1,
+    # where `results` said ">= 0.7". The recomputed details ride beside the record.
+    from packbench.cli.summary import verdict_table
+    from packbench.core.audit import detail_key
+
+    raw = approximate_protocol()
+    raw["gates"]["fidelity"] = {"min_top1": 0.7}
+    path = tmp_path / "top1.zip"
+    write_synthetic_screen(path, raw)
+    report = audit_archive(path)
+    assert report.agrees, report.problems
+    (fid,) = [v for v in report.record["verdicts"] if v["gate"] == "fidelity"]
+    assert "detail" not in fid and "(bound >= 0.7" in report.details[detail_key(fid)]
+    row = next(line for line in verdict_table([{**v, "detail": report.details.get(detail_key(v))}
+                                                for v in report.record["verdicts"]]).splitlines()
+               if line.startswith("fidelity"))
+    assert ">= 0.7" in row and "<= 0.7" not in row
