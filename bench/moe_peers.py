@@ -39,9 +39,12 @@ from packbench.engine.episode import run_episode
 from packbench.engine.moe.model import CpuFirstMoE
 
 CONDITIONS = {"dense-stream": ("dense-stream", {}), "packet": ("packet", {"gather": "device"}),
-              "host-experts": ("host-experts", {})}
+              "packet-mapped": ("packet", {"gather": "mapped"}), "host-experts": ("host-experts", {})}
 REFERENCE = "dense-stream"
-MOVER, HOST = "packet", "host-experts"  # the crossover compares these two
+# The crossover compares host-experts with each packet that moves the weights: the device gather
+# (routing read back to the host, then a copy of the routed experts) and the mapped gather (the
+# device reads the routed experts from mapped host memory, no readback: docs/engine.md).
+MOVERS, HOST = ("packet", "packet-mapped"), "host-experts"
 
 
 def batch_prompts(batch: int, *, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
@@ -117,12 +120,12 @@ def summary(figs: list[dict]) -> dict:
             "routed": statistics.mean(x for f in figs for x in f["routed"]) if any(f["routed"] for f in figs) else None}
 
 
-def crossover(decode_ms: dict[int, dict[str, float]]) -> int | None:
-    """The first batch from which the packet decodes at least as fast as host-experts at every larger
-    batch measured (None: never within the batches given). Pure."""
-    batches = sorted(b for b, d in decode_ms.items() if MOVER in d and HOST in d)
+def crossover(decode_ms: dict[int, dict[str, float]], mover: str = "packet") -> int | None:
+    """The first batch from which `mover` (a packet) decodes at least as fast as host-experts at every
+    larger batch measured (None: never within the batches given). Pure."""
+    batches = sorted(b for b, d in decode_ms.items() if mover in d and HOST in d)
     for i, b in enumerate(batches):
-        if all(decode_ms[c][MOVER] <= decode_ms[c][HOST] for c in batches[i:]):
+        if all(decode_ms[c][mover] <= decode_ms[c][HOST] for c in batches[i:]):
             return b
     return None
 
@@ -173,12 +176,13 @@ def main(argv: list[str] | None = None) -> None:
                       f"{res['verdict'][n] if state == 'warm' else ''}", flush=True)
                 if state == "warm":
                     decode_ms[b][n] = s["decode_ms"]
-    at = crossover(decode_ms)
-    ratios = "  ".join(f"B={b}: {d[HOST] / d[MOVER]:.2f}x" for b, d in sorted(decode_ms.items())
-                       if MOVER in d and HOST in d)
-    print(f"host-experts / packet decode time per call: {ratios}")
-    print(f"crossover: {'packet faster from batch ' + str(at) if at is not None else 'packet never faster'} "
-          f"(decode, warm medians; {device})")
+    for mover in (m for m in MOVERS if m in names):
+        at = crossover(decode_ms, mover)
+        ratios = "  ".join(f"B={b}: {d[HOST] / d[mover]:.2f}x" for b, d in sorted(decode_ms.items())
+                           if mover in d and HOST in d)
+        print(f"host-experts / {mover} decode time per call: {ratios}")
+        print(f"crossover: {mover + ' faster from batch ' + str(at) if at is not None else mover + ' never faster'} "
+              f"(decode, warm medians; {device})")
 
 
 if __name__ == "__main__":

@@ -2,8 +2,8 @@
 # One device call per shape (issue 45, item 4): the MoE competitors beside exact expert packets on the H200.
 #   A synthetic checkpoint of SHAPE (qwen3-30b-a3b, 12 of 48 layers, by default; mixtral-8x7b with
 #   LAYERS=4 of 32), fp16, routing calibrated, drawn on the GPU, then:
-#   A. bench.moe_peers: the crossover batch. At batches 1..64, dense-stream, `packet {gather: device}`
-#      and host-experts (Fiddler-style, packbench's implementation; also with HOT experts a layer held on
+#   A. bench.moe_peers: the crossover batch. At batches 1..64, dense-stream, `packet {gather: device}`,
+#      `packet {gather: mapped}` (its own crossover) and host-experts (Fiddler-style, packbench's implementation; also with HOT experts a layer held on
 #      the device, its hit rate printed): decode ms per call, prefill apart,
 #      bytes per call each direction, cold (warm-up) apart from warm, packets bit-identical to
 #      dense-stream and host-experts' fidelity at each batch; the first batch from which the packet

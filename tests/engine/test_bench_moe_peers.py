@@ -19,6 +19,10 @@ def test_the_crossover_is_the_first_batch_from_which_the_packet_stays_faster():
     assert moe_peers.crossover({1: {"packet": 2.0, "host-experts": 1.0}}) is None
     assert moe_peers.crossover({1: {"packet": 1.0, "host-experts": 1.0}}) == 1  # a tie pays already
     assert moe_peers.crossover({1: {"packet": 1.0}}) is None  # host-experts not measured: no claim
+    # each mover on its own figures: the mapped packet's crossover is not the device gather's
+    both = {1: {"packet": 3.0, "packet-mapped": 0.5, "host-experts": 1.0},
+            2: {"packet": 1.0, "packet-mapped": 0.5, "host-experts": 2.0}}
+    assert moe_peers.crossover(both) == 2 and moe_peers.crossover(both, "packet-mapped") == 1
 
 
 def test_each_batch_reports_every_condition_cold_and_warm(tmp_path, capsys):
@@ -33,6 +37,7 @@ def test_each_batch_reports_every_condition_cold_and_warm(tmp_path, capsys):
     warm = {(m.group(1), m.group(2)): m.group(0) for m in re.finditer(r"^ *(\d+) (\S+) +warm .*$", out, re.M)}
     for b in ("1", "2"):
         assert warm[(b, "packet")].endswith("exact") and warm[(b, "dense-stream")].endswith("exact")
+        assert warm[(b, "packet-mapped")].endswith("exact")
         # on the CPU the host's arithmetic is the device's: fidelity is perfect here
         assert "KL 0.00e+00 top1 1.000 max|d| 0 diverges never" in warm[(b, "host-experts")]
         h2d = float(warm[(b, "host-experts")].split()[6])  # MB/call: B tokens' outputs, 3 layers of 64 fp32
@@ -40,4 +45,5 @@ def test_each_batch_reports_every_condition_cold_and_warm(tmp_path, capsys):
         # every expert held on the device (olmoe-tiny has 16): dense-stream's bits, all hits, nothing moves
         assert "KL 0.00e+00 top1 1.000" in warm[(b, "host-hot")] and warm[(b, "host-hot")].endswith("hit rate 1.000")
         assert float(warm[(b, "host-hot")].split()[6]) == 0.0
-    assert re.search(r"^crossover: (packet faster from batch [12]|packet never faster) ", out, re.M), out
+    for mover in moe_peers.MOVERS:
+        assert re.search(rf"^crossover: ({mover} faster from batch [12]|{mover} never faster) ", out, re.M), out
