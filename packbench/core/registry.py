@@ -226,7 +226,8 @@ class SynthProfile:
     # none lose them): "inputs", the ones reading its LayerNorms (q, k, v, fc1), whose large inputs are then the
     # outlier features themselves (LLM.int8's emergent features from ~6.7B on: the magnitude sits in the
     # activation, not in the weight column); "layer", all six. A candidate field (bench/robustness.py
-    # outlier_salience=inputs), no profile uses it (docs/workloads.md, "Salient channels where outliers emerge").
+    # outlier_salience=inputs), no profile uses it yet (docs/workloads.md, "Salient channels where outlier
+    # features emerge").
     outlier_salience: str | None = None
 
     def layer_densities(self, shape: str) -> list[float]:
