@@ -7,7 +7,7 @@ the four shapes side by side and prints the table.
     python -m bench.robustness --shape opt-2.7b --profile opt3 --dtype float16 --device cuda --json out.json
 
 `--profile opt3+rank=48+salient=0.01:5` measures a candidate: the named profile with fields replaced
-(`rank`, `salient` as share:scale, `salient_count`; `outliers=none` as a diagnostic), labelled as written; a published profile never changes (core/registry.py).
+(`rank`, `salient` as share:scale, `salient_count`, `outlier_salience`; `outliers=none` as a diagnostic), labelled as written; a published profile never changes (core/registry.py).
 `--layers N` draws a proxy on a CPU: the shape's widths with N decoder layers (each layer's density
 from the N-layer trend); docs/workloads.md's opt-2.7b proxy is `--shape opt-2.7b --layers 4`.
 """
@@ -95,10 +95,13 @@ def candidate(spec: str, profiles: dict):
             fields["salient"] = (share, scale)
         elif key == "salient_count" and value.isdigit():
             fields["salient_count"] = int(value)
+        elif key == "outlier_salience" and value in ("inputs", "layer"):
+            fields["outlier_salience"] = value
         elif key == "outliers" and value == "none":  # a diagnostic: no outlier dims at any shape
             fields["outliers"] = {}
         else:
-            raise ValueError(f"{change!r} is not rank=N, salient=SHARE:SCALE salient_count=N or outliers=none")
+            raise ValueError(f"{change!r} is not rank=N, salient=SHARE:SCALE, salient_count=N, "
+                             "outlier_salience=inputs|layer or outliers=none")
     return dataclasses.replace(profiles[name], **fields)
 
 

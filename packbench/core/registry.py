@@ -222,6 +222,13 @@ class SynthProfile:
     # proxies 4 x8 left per-channel RTN as flat with size as opt3's; on the H200 26 x4 met the per-channel
     # target at opt-6.7b and 13b but made opt-2.7b too robust (docs/workloads.md, "A fixed count").
     salient_count: int | None = None
+    # Where a layer carries outlier dims (`outliers`), which of its Linears lose their salient columns (None:
+    # none lose them): "inputs", the ones reading its LayerNorms (q, k, v, fc1), whose large inputs are then the
+    # outlier features themselves (LLM.int8's emergent features from ~6.7B on: the magnitude sits in the
+    # activation, not in the weight column); "layer", all six. A candidate field (bench/robustness.py
+    # outlier_salience=inputs), no profile uses it yet (docs/workloads.md, "Salient channels where outlier
+    # features emerge").
+    outlier_salience: str | None = None
 
     def layer_densities(self, shape: str) -> list[float]:
         """Each layer's target density: log-linear from first to last, mean `density[shape]`."""

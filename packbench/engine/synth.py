@@ -299,7 +299,9 @@ def profile_tensors(shape: str, *, seed: int, profile: str, dtype: torch.dtype =
         layer = {**_attention(d, pre, gain),
                  **_ffn(d, p, pre, gain, density, readout=readout_inputs if i == layers - 1 else None)}
         if salient_gen is not None:
-            _salient_channels(layer, pre, salient_gen, *p.salient, count=p.salient_count)
+            flat = () if p.outlier_salience is None or not bool((gain != 1.0).any()) else \
+                _OUTLIER_FLAT[p.outlier_salience]
+            _salient_channels(layer, pre, salient_gen, *p.salient, count=p.salient_count, flat=flat)
         sd.update({k: v.to(dtype) for k, v in layer.items()})
         if progress is not None:
             progress(i + 1, layers)
@@ -385,8 +387,13 @@ def _ffn(d: _Draws, p: SynthProfile, pre: str, gain: torch.Tensor, density: floa
             pre + "fc2.bias": bias}
 
 
+# SynthProfile.outlier_salience: in a layer with outlier dims, the inputs whose salient columns stay flat
+_OUTLIER_FLAT = {"inputs": ("self_attn_layer_norm", "final_layer_norm"),
+                 "layer": ("self_attn_layer_norm", "final_layer_norm", "out_proj", "fc2")}
+
+
 def _salient_channels(sd: dict[str, torch.Tensor], pre: str, gen: torch.Generator, share: float,
-                      scale: float, count: int | None = None) -> None:
+                      scale: float, count: int | None = None, flat: tuple[str, ...] = ()) -> None:
     """Give one layer's Linears salient input channels, in place and exactly in real arithmetic: in
     each, a `share` of the input channels (at least one; or `count` of them whatever the width; drawn
     from `gen`) has its weight column multiplied by `scale`, and what feeds the channel is divided by it:
@@ -397,23 +404,25 @@ def _salient_channels(sd: dict[str, torch.Tensor], pre: str, gen: torch.Generato
     - fc2 reads relu(fc1 x + b), positively homogeneous: fc1's row and bias divided, so every
       neuron fires exactly when it did, and every activation statistic stays.
     A row's largest entries then sit in a few columns, so a per-row quantizer's step grows with
-    `scale`, while a group-128 quantizer's grows only in the groups that hold a salient column."""
+    `scale`, while a group-128 quantizer's grows only in the groups that hold a salient column.
+    `flat` names inputs (a LayerNorm, "out_proj", "fc2") whose readers keep their columns as drawn: their
+    channels are still drawn from `gen`, so every other Linear's are the same as without `flat`."""
 
-    def channels(n: int) -> torch.Tensor:
+    def channels(n: int, name: str) -> torch.Tensor:
         c = torch.ones(n)
         c[torch.randperm(n, generator=gen)[:max(1, round(share * n)) if count is None else min(count, n)]] = scale
-        return c
+        return torch.ones(n) if name in flat else c
 
     attn = pre + "self_attn."
     for norm, readers in ((pre + "self_attn_layer_norm", (attn + "q_proj", attn + "k_proj", attn + "v_proj")),
                           (pre + "final_layer_norm", (pre + "fc1",))):
-        c = channels(sd[norm + ".weight"].numel())  # (hidden,)
+        c = channels(sd[norm + ".weight"].numel(), norm.removeprefix(pre))  # (hidden,)
         sd[norm + ".weight"] = sd[norm + ".weight"] / c
         sd[norm + ".bias"] = sd[norm + ".bias"] / c
         for reader in readers:
             sd[reader + ".weight"] = sd[reader + ".weight"] * c  # (out, hidden): columns
     for reader, writer in ((attn + "out_proj", attn + "v_proj"), (pre + "fc2", pre + "fc1")):
-        c = channels(sd[reader + ".weight"].shape[1])
+        c = channels(sd[reader + ".weight"].shape[1], reader.removeprefix(attn).removeprefix(pre))
         sd[reader + ".weight"] = sd[reader + ".weight"] * c
         sd[writer + ".weight"] = sd[writer + ".weight"] / c[:, None]
         sd[writer + ".bias"] = sd[writer + ".bias"] / c

@@ -366,3 +366,55 @@ def test_a_salient_count_gives_every_linear_that_many_columns_and_keeps_the_func
         cols = ratio[0]
         assert torch.equal(ratio, cols.expand_as(ratio)) and set(cols.tolist()) == {1.0, 8.0}, reader
         assert int((cols == 8.0).sum()) == 4, reader
+
+
+def test_outlier_salience_flattens_the_salient_columns_where_outlier_dims_are_and_keeps_the_function(monkeypatch):
+    """`outlier_salience` (a candidate's field: opt3+outlier_salience=inputs): in a layer that carries
+    outlier dims, the Linears reading its LayerNorms ("inputs") or all six ("layer") keep their columns
+    as drawn; every other Linear, and every layer without outlier dims, is opt3's to the bit, and the
+    float32 logits are those of the same draws without salient channels. Shown on tiny's widths with 4
+    layers and the outliers of opt-6.7b moved there (layers 1-3 carry them). Catches a flattening that
+    misses a reader, leaks into a layer without outliers, shifts the later layers' salient draws, or
+    breaks exactness; and at a shape without outlier dims (tiny itself) the field changes nothing."""
+    import dataclasses
+
+    from packbench.core import registry
+    from packbench.engine.synth import profile_model
+
+    monkeypatch.setitem(registry.SHAPES, "wide", dict(registry.SHAPES["tiny"], layers=4))
+    base = dataclasses.replace(registry.PROFILES["opt3"], density={"wide": 0.06, "tiny": 0.06},
+                               outliers={"wide": (6, 20.0, 0.75)})
+    for name, prof in (("base", base), ("plain", dataclasses.replace(base, salient=None)),
+                       ("inputs", dataclasses.replace(base, outlier_salience="inputs")),
+                       ("layer", dataclasses.replace(base, outlier_salience="layer"))):
+        monkeypatch.setitem(registry.PROFILES, name, prof)
+    models = {n: profile_model("wide", seed=0, profile=n, dtype=torch.float32).eval()
+              for n in ("base", "plain", "inputs", "layer")}
+    ids = torch.randint(4, 512, (2, 40), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        logits = {n: m(ids).logits for n, m in models.items()}
+    assert all(torch.equal(logits[n], logits["plain"]) for n in ("base", "inputs", "layer"))
+    sd = {n: m.state_dict() for n, m in models.items()}
+    loud = [i for i in range(4) if sd["base"][f"model.decoder.layers.{i}.final_layer_norm.weight"].abs().max() > 4]
+    assert loud == [1, 2, 3]
+    for i in range(4):
+        pre = f"model.decoder.layers.{i}."
+        keys = [k for k in sd["base"] if k.startswith(pre)]
+        if i not in loud:  # no outlier dims: opt3's salient channels, bit for bit
+            assert all(torch.equal(sd["inputs"][k], sd["base"][k]) and torch.equal(sd["layer"][k], sd["base"][k])
+                       for k in keys), i
+            continue
+        assert all(torch.equal(sd["layer"][k], sd["plain"][k]) for k in keys), i
+        for reader in ("self_attn.q_proj", "self_attn.k_proj"):  # read the LayerNorm: as drawn
+            assert torch.equal(sd["inputs"][pre + reader + ".weight"], sd["plain"][pre + reader + ".weight"]), (i, reader)
+        assert torch.equal(sd["inputs"][pre + "final_layer_norm.weight"], sd["plain"][pre + "final_layer_norm.weight"])
+        for reader in ("self_attn.out_proj", "fc2"):  # read v_proj's and fc1's outputs: opt3's channels
+            w = pre + reader + ".weight"
+            assert torch.equal(sd["inputs"][w], sd["base"][w]) and not torch.equal(sd["base"][w], sd["plain"][w]), (i, reader)
+        assert torch.equal(sd["inputs"][pre + "fc1.bias"], sd["base"][pre + "fc1.bias"])
+    for name in ("inputs", "layer"):  # no outlier dims at tiny: opt3 itself
+        monkeypatch.setitem(registry.PROFILES, name + "-tiny",
+                            dataclasses.replace(registry.PROFILES["opt3"], outlier_salience=name))
+        a = profile_model("tiny", seed=0, profile=name + "-tiny", dtype=torch.float32).state_dict()
+        b = profile_model("tiny", seed=0, profile="opt3", dtype=torch.float32).state_dict()
+        assert all(torch.equal(a[k], b[k]) for k in b)
