@@ -566,3 +566,53 @@ def test_episode_index_reads_only_the_names_the_layout_writes():
     assert episode_index(episode_member(123456)) == 123456
     for other in ("episodes/7.json", "episodes/000007.json", "logits/00007.npy", "episodes/00007.json.bak"):
         assert episode_index(other) is None
+
+
+def test_add_episode_stores_an_active_set_trace_as_given_and_refuses_other_types(tmp_path: Path):
+    """`active=` bytes land as `active/NNNNN.trace`, stored byte for byte; anything else is refused
+    by name before a byte is written. Catches the trace member dropped, the type check inverted or
+    its message losing the member or the type."""
+    from packbench.core.archive import active_sets_member
+    path = tmp_path / "a.zip"
+    w = ArchiveWriter(path)
+    trace_file = b"PK\x05\x06" + bytes(18)  # any bytes: a trace file is a zip of its own
+    w.add_episode({"plan_index": 4}, active=trace_file)
+    before = path.read_bytes()
+    with pytest.raises(ArchiveError) as e:
+        w.add_episode({"plan_index": 5}, active=bytearray(b"x"))
+    assert str(e.value) == "member active/00005.trace must be the bytes of a trace file, got bytearray"
+    assert path.read_bytes() == before
+    w.seal({})
+    with ArchiveReader(path) as r:
+        assert r.names == ["episodes/00004.json", active_sets_member(4), "manifest.json"]
+        assert r.read_bytes(active_sets_member(4)) == trace_file
+        assert r.verify() == []
+
+
+def test_add_episode_refusals_name_what_was_wrong(tmp_path: Path):
+    """A record that is not a dict, a record that is not canonical JSON and an object-dtype array
+    are refused with ArchiveError naming the member concerned. Catches the dict check dropped
+    (an AttributeError instead) and the member's name lost from the message."""
+    w = ArchiveWriter(tmp_path / "a.zip")
+    with pytest.raises(ArchiveError, match=r"^an episode record needs an int plan_index >= 0 \(got None\)"):
+        w.add_episode([("plan_index", 1)])
+    with pytest.raises(ArchiveError, match=r"^member episodes/00001\.json is not canonical JSON"):
+        w.add_episode({"plan_index": 1, "x": float("nan")})
+    with pytest.raises(ArchiveError, match=r"^member logits/00001\.npy has object dtype object"):
+        w.add_episode({"plan_index": 1}, np.array([{}], dtype=object))
+    assert w.members == {}
+
+
+def test_add_episode_fsyncs_once_after_its_last_member(tmp_path: Path, monkeypatch):
+    """One fsync an episode, when every member of it is written (docs/archive.md: each member is
+    on disk when add_episode returns). Catches the fsync skipped, or done after the record but
+    before the arrays (a crash then loses members the driver thinks are durable)."""
+    path = tmp_path / "a.zip"
+    w = ArchiveWriter(path)
+    synced = []
+    real = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(sorted(w.members)), real(fd)))
+    w.add_episode({"plan_index": 0}, LOGITS[0], np.zeros((2, 2)), LOGITS[0])
+    # the one fsync comes inside the last member's write: the three before it are listed already
+    assert synced == [["episodes/00000.json", "logits/00000.npy", "traces/00000.npy"]]
+    assert sorted(w.members) == ["episodes/00000.json", "forced/00000.npy", "logits/00000.npy", "traces/00000.npy"]

@@ -305,3 +305,115 @@ def test_random_damage_never_crashes_the_reader(sealed: Path):
                     r.read_bytes(name)
                 except ArchiveError:
                     pass
+
+
+# ----------------------------------------------------------------------------- array headers, word for word
+
+
+def _npy(arr: np.ndarray, *, version=(1, 0)) -> bytes:
+    out = io.BytesIO()
+    header = np.lib.format.header_data_from_array_1_0(arr)
+    np.lib.format.write_array_header_1_0(out, header) if version == (1, 0) else \
+        np.lib.format.write_array_header_2_0(out, header)
+    data = arr.tobytes(order="F" if header["fortran_order"] else "C")
+    return out.getvalue() + data
+
+
+def _array_archive(tmp_path: Path, members: dict[str, bytes]) -> Path:
+    path = tmp_path / "arrays.zip"
+    w = ArchiveWriter(path)
+    for name, data in members.items():
+        w.add_bytes(name, data)
+    w.seal({})
+    return path
+
+
+def test_read_array_refusals_name_the_member_the_cause_and_the_fix(tmp_path: Path):
+    """Each refusal of `read_array` is one line: the member, what is wrong with its header, and the
+    fix. Catches a check dropped or inverted (dtype, Fortran order, rank, declared shape, pickle)
+    and a message that loses its cause or its fix (the audit prints these lines)."""
+    f4 = np.arange(6, dtype="<f4").reshape(2, 3)
+    header = io.BytesIO()
+    np.lib.format.write_array_header_1_0(header, {"descr": "<f4", "fortran_order": False, "shape": (3,)})
+    pickled = io.BytesIO()
+    np.lib.format.write_array_header_1_0(pickled, {"descr": "|O", "fortran_order": False, "shape": (1,)})
+    path = _array_archive(tmp_path, {
+        "a.npy": _npy(f4.astype("<f8")),
+        "b.npy": _npy(np.asfortranarray(f4)),
+        "c.npy": _npy(f4),
+        "d.npy": header.getvalue() + bytes(8),  # declares 12 data bytes, holds 8
+        "e.npy": pickled.getvalue() + b"x" * 16,
+        "f.npy": _npy(np.asfortranarray(f4).astype("<f8")),
+    })
+    fix_format = "the archive was not written by packbench"
+    with ArchiveReader(path) as r:
+        def refusal(name, **kw):
+            with pytest.raises(ArchiveError) as e:
+                r.read_array(name, **kw)
+            return str(e.value)
+
+        at = f"of archive {path}"
+        assert refusal("a.npy", dtype="<f4") == \
+            f"member a.npy {at} is a <f8 array, the format says C-order <f4 (docs/archive.md); {fix_format}"
+        assert refusal("b.npy", dtype="<f4") == \
+            f"member b.npy {at} is a Fortran-order <f4 array, the format says C-order <f4 (docs/archive.md); {fix_format}"
+        assert refusal("f.npy", dtype="<f4") == \
+            f"member f.npy {at} is a Fortran-order <f8 array, the format says C-order <f4 (docs/archive.md); {fix_format}"
+        assert refusal("c.npy", ndim=3) == f"member c.npy {at} has 2 dimensions, the format says 3; the archive is damaged"
+        assert refusal("d.npy") == (f"member d.npy {at} declares shape (3,) of float32 (12 bytes) but holds 8 data "
+                                    f"bytes; the archive is damaged")
+        assert refusal("e.npy") == (f"member e.npy {at} is a pickled object array (dtype object), refused; raw "
+                                    f"archives hold numeric arrays only; the archive is hostile or damaged")
+        # what the format asks for is read back as written
+        np.testing.assert_array_equal(r.read_array("c.npy", dtype="<f4", ndim=2), f4)
+        np.testing.assert_array_equal(r.read_array("b.npy", ndim=2), f4)  # Fortran order allowed when no dtype is asked
+
+
+def test_npy_version_2_headers_are_read_and_other_versions_refused(tmp_path: Path):
+    """Catches the version-2 branch of the header parser broken (numpy writes v2 for headers
+    over 64 KiB) and an unknown version's refusal losing its words."""
+    arr = np.arange(4, dtype="<f4")
+    v3 = bytearray(_npy(arr))
+    v3[6] = 3  # the major version byte
+    path = _array_archive(tmp_path, {"v2.npy": _npy(arr, version=(2, 0)), "v3.npy": bytes(v3)})
+    with ArchiveReader(path) as r:
+        np.testing.assert_array_equal(r.read_array("v2.npy", dtype="<f4", ndim=1), arr)
+        with pytest.raises(ArchiveError) as e:
+            r.read_array("v3.npy")
+    assert str(e.value) == (f"member v3.npy of archive {path} is not a .npy array (unsupported .npy version "
+                            f"(3, 0)); the archive is damaged")
+
+
+def test_a_header_numpy_will_not_parse_is_named_with_200_characters_of_its_cause(tmp_path: Path):
+    """A header numpy refuses (here one of 64 KiB, over numpy's own header bound) is named with at
+    most 200 characters of numpy's words, on one line. Catches the cause dropped or cut elsewhere."""
+    body = "{'descr': '<f4', 'fortran_order': False, 'shape': (3,), }"
+    body = body + " " * (65535 - len(body) - 1) + "\n"
+    big = np.lib.format.magic(1, 0) + struct.pack("<H", len(body)) + body.encode("latin1")
+    path = _array_archive(tmp_path, {"big.npy": big + bytes(12)})
+    with ArchiveReader(path) as r, pytest.raises(ArchiveError) as e:
+        r.read_array("big.npy")
+    message = str(e.value)
+    prefix, suffix = f"member big.npy of archive {path} is not a .npy array (", "); the archive is damaged"
+    assert message.startswith(prefix) and message.endswith(suffix), message
+    cause = message[len(prefix):-len(suffix)]
+    assert len(cause) == 200 and "\n" not in cause and cause.startswith("Header info length (65535)"), cause
+
+
+def test_over_bound_line_gives_size_and_bound_in_bytes_and_mib():
+    """The words `packbench audit` prints for an archive over its bound: bytes below 1 MiB, whole
+    MiB when exact, one decimal otherwise. Catches the MiB threshold or the rounding changed."""
+    from packbench.core.archive.bounds import over_bound_line
+    cases = {
+        6941: "6941 bytes",
+        (1 << 20) - 1: "1048575 bytes",
+        1 << 20: "1048576 bytes (1 MiB)",
+        3 << 20: "3145728 bytes (3 MiB)",
+        (2 << 20) + 1: "2097153 bytes (2.0 MiB)",
+        10193506778: "10193506778 bytes (9721.3 MiB)",
+    }
+    for size, words in cases.items():
+        line = over_bound_line("a.zip", size, 1 << 30)
+        assert line == (f"a.zip is {words}, over the audit bound of 1073741824 bytes (1024 MiB), so it was not "
+                        f"read; only for an archive you trust, audit it with `packbench audit archive a.zip "
+                        f"--max-mib {max(1, -(-size // (1 << 20)))}`"), line
