@@ -417,3 +417,95 @@ def test_over_bound_line_gives_size_and_bound_in_bytes_and_mib():
         assert line == (f"a.zip is {words}, over the audit bound of 1073741824 bytes (1024 MiB), so it was not "
                         f"read; only for an archive you trust, audit it with `packbench audit archive a.zip "
                         f"--max-mib {max(1, -(-size // (1 << 20)))}`"), line
+
+
+# ----------------------------------------------------------------------------- JSON members and the manifest's shape
+
+
+def test_read_json_refusals_say_which_rule_the_member_breaks(tmp_path: Path):
+    """A duplicate key, a NaN and a non-canonical form are each named by the rule they break, on
+    one line of at most 200 characters of cause; a key repeated in another object is no duplicate.
+    Catches the duplicate check dropped, inverted or its set shared, NaN let through, and the
+    causes' words lost."""
+    long_key = "k" * 300
+    path = _array_archive(tmp_path, {
+        "dup.json": b'{"a":1,"a":2}',
+        "nested.json": b'{"a":{"a":1},"b":{"a":2}}',
+        "nan.json": b'{"a":NaN}',
+        "order.json": b'{"b":1,"a":2}',
+        "long.json": ('{"%s":1,"%s":2}' % (long_key, long_key)).encode(),
+    })
+    with ArchiveReader(path) as r:
+        def refusal(name):
+            with pytest.raises(ArchiveError) as e:
+                r.read_json(name)
+            return str(e.value)
+
+        def line(name, cause):
+            return f"member {name} of archive {path} is not valid JSON ({cause}); the archive is damaged: run verify()"
+
+        assert r.read_json("nested.json") == {"a": {"a": 1}, "b": {"a": 2}}
+        assert refusal("dup.json") == line("dup.json", "duplicate key 'a' (another parser may keep the other value)")
+        assert refusal("nan.json") == line("nan.json", "non-standard JSON constant NaN")
+        assert refusal("order.json") == line(
+            "order.json", "not canonical JSON (sorted keys, compact, UTF-8, as core.canonical writes it)")
+        assert refusal("long.json") == line("long.json", f"duplicate key '{long_key}"[:200])
+
+
+def test_read_json_keeps_to_the_json_member_bound(tmp_path: Path):
+    """A JSON member over `max_json_bytes` is refused though the array bound would admit it, and
+    the total bound admits a member that fills it exactly. Catches the JSON bound not passed to
+    the read and the total budget's arithmetic off by one or in sign."""
+    body = canonical_json({"a": "x" * 100})
+    path = _array_archive(tmp_path, {"a.json": body, "b.bin": bytes(50)})
+    with ArchiveReader(path, max_json_bytes=len(body) - 1) as r, pytest.raises(ArchiveError, match="a.json"):
+        r.read_json("a.json")
+    with ArchiveReader(path, max_total_bytes=len(body) + 50) as r:
+        assert r.read_json("a.json") == {"a": "x" * 100}
+        assert r.read_bytes("b.bin") == bytes(50)  # exactly the rest of the budget
+        with pytest.raises(ArchiveError, match="total bound"):
+            r.read_bytes("b.bin")
+
+
+def test_manifest_shape_problems_are_named():
+    """Each way a manifest can be malformed has its own words (verify prints them after
+    'malformed member manifest.json: '), and every field of a member entry is checked. Catches
+    a check of the entry dropped (an `and` made `or`) and the words changed."""
+    from packbench.core.archive.verify import manifest_shape_problem
+    good = {"sha256": "0" * 64, "size": 3}
+    ok = {"format_version": 1, "members": {"a": good}}
+    assert manifest_shape_problem(ok) is None
+    assert manifest_shape_problem([]) == "not a JSON object"
+    assert manifest_shape_problem({"format_version": 1}) == "'members' is missing or not an object"
+    assert manifest_shape_problem({"format_version": 1, "members": {MANIFEST_NAME: good}}) == \
+        "'members' lists manifest.json itself"
+    for bad in ([], {**good, "x": 1}, {"sha256": 5, "size": 3}, {"sha256": "g" * 64, "size": 3},
+                {"sha256": "0" * 63, "size": 3}, {**good, "size": "3"}, {**good, "size": True}, {**good, "size": -1}):
+        assert manifest_shape_problem({"format_version": 1, "members": {"a": bad}}) == \
+            "entry for 'a' is not {sha256: 64 hex digits, size: int >= 0}", bad
+
+
+def test_mib_to_admit_and_an_archive_too_large_name_the_command_that_reads_it(tmp_path: Path):
+    """`--max-mib` is the size in whole MiB rounded up, at least 1; an archive over the reader's
+    bound is refused with the line that names it, its size, the bound and a `--max-mib` admitting
+    it and the JSON members besides. Catches the rounding, the floor of 1, the admitted total and
+    the line's fields changed."""
+    from packbench.core.archive import MAX_JSON_TOTAL_BYTES, mib_to_admit
+    from packbench.core.archive.bounds import over_bound_line
+    from packbench.core.archive.reader import ArchiveTooLarge
+    assert [mib_to_admit(n) for n in (0, 1, 1 << 20, (1 << 20) + 1, 5 << 20, (5 << 20) + 1)] == [1, 1, 1, 2, 5, 6]
+    assert over_bound_line("a.zip", 10, 5, what="would be", target="7", admit=3 << 20) == (
+        "a.zip would be 10 bytes, over the audit bound of 5 bytes, so it was not read; only for an archive you "
+        "trust, audit it with `packbench audit 7 --max-mib 3`")
+    path = tmp_path / "a.zip"
+    path.write_bytes(bytes(3000))
+    with pytest.raises(ArchiveTooLarge) as e:
+        ArchiveReader(path, max_archive_bytes=2000)
+    admit = mib_to_admit(3000 + MAX_JSON_TOTAL_BYTES)
+    assert (e.value.path, e.value.size, e.value.bound, e.value.admit) == (path, 3000, 2000, 3000 + MAX_JSON_TOTAL_BYTES)
+    assert str(e.value) == e.value.line() == (
+        f"{path} is 3000 bytes, over the audit bound of 2000 bytes, so it was not read; only for an archive you "
+        f"trust, audit it with `packbench audit archive {path} --max-mib {admit}`")
+    assert e.value.line("12", path="elsewhere.zip") == (
+        "elsewhere.zip is 3000 bytes, over the audit bound of 2000 bytes, so it was not read; only for an archive "
+        f"you trust, audit it with `packbench audit 12 --max-mib {admit}`")
