@@ -6,6 +6,7 @@ Every test uses real zip files under tmp_path and runs in milliseconds (the zip-
 compresses 50 MB of zeros, about 0.1 s).
 """
 
+import copy
 import io
 import os
 import pickle
@@ -19,7 +20,8 @@ import numpy as np
 import pytest
 
 from archive_samples import (
-    EPISODES, LOGITS, MEMBERS, PLAN, append_entry, content, data_offset, edit_manifest, lines, rewrite, sealed_screen,
+    EPISODES, LOGITS, MEMBERS, PLAN, append_entry, content, data_offset, edit_manifest, lines, problems_of, rewrite,
+    sealed_screen,
     tree, verify,
 )
 from packbench.core.archive import MANIFEST_NAME, PROBLEM_KINDS, ArchiveReader, ArchiveWriter, Problem
@@ -509,3 +511,104 @@ def test_mib_to_admit_and_an_archive_too_large_name_the_command_that_reads_it(tm
     assert e.value.line("12", path="elsewhere.zip") == (
         "elsewhere.zip is 3000 bytes, over the audit bound of 2000 bytes, so it was not read; only for an archive "
         f"you trust, audit it with `packbench audit 12 --max-mib {admit}`")
+
+
+# ----------------------------------------------------------------------------- members of several chunks, bounds
+
+
+def test_members_over_one_chunk_read_and_verify_whole(tmp_path: Path):
+    """The reader reads in 1 MiB chunks: a bytes member and an array of several chunks come back
+    whole, count whole against the total bound, and verify whole; an empty array member is named.
+    Catches a chunk written over the previous one, the running size or byte count reset per
+    chunk, and the empty member's header check skipped."""
+    blob = np.random.default_rng(3).integers(0, 255, (5 << 20) // 2, dtype=np.uint8).tobytes()
+    arr = np.arange((3 << 20) // 4, dtype="<f4").reshape(-1, 4)
+    path = tmp_path / "big.zip"
+    w = ArchiveWriter(path)
+    w.add_bytes("blob.bin", blob)
+    w.add_array("arr.npy", arr)
+    w.add_bytes("empty.npy", b"")
+    w.seal({})
+    with ArchiveReader(path) as r:
+        assert r.verify() == []
+        assert r.read_bytes("blob.bin") == blob
+        np.testing.assert_array_equal(r.read_array("arr.npy", dtype="<f4", ndim=2), arr)
+        assert r.bytes_read == len(blob) + len(ArchiveWriter._array_bytes("arr.npy", arr))
+        with pytest.raises(ArchiveError) as e:
+            r.read_array("empty.npy")
+    assert str(e.value).startswith(f"member empty.npy of archive {path} is not a .npy array (EOF: reading magic "
+                                   f"string"), str(e.value)
+    # one byte changed in the second chunk of each: the hash of the whole member tells
+    rewrite(path, replace={"blob.bin": blob[:(3 << 20) // 2] + b"\x00\x01"[blob[(3 << 20) // 2] == 0:][:1]
+                           + blob[(3 << 20) // 2 + 1:]})
+    assert content(problems_of(path)) == [Problem("blob.bin", "altered", "altered member blob.bin (sha256 mismatch)")]
+
+
+def test_verify_names_a_size_mismatch_with_both_sizes(sealed: Path):
+    """Catches the size problem's member, kind or either size lost from its line."""
+    longer = canonical_json({**EPISODES[0], "tokens": [2, 7, 9, 11]})
+    declared = len(canonical_json(EPISODES[0]))
+    rewrite(sealed, replace={"episodes/00000.json": longer})
+    assert problems_of(sealed) == [Problem(
+        "episodes/00000.json", "size",
+        f"size mismatch for member episodes/00000.json: manifest says {declared}, archive holds {len(longer)}")]
+
+
+def _json_and_array(tmp_path: Path) -> Path:
+    path = tmp_path / "ja.zip"
+    w = ArchiveWriter(path)
+    w.add_json("big.json", {"x": [i * i % 977 for i in range(1000)]})  # about 4 kB, deflates
+    w.add_array("arr.npy", np.zeros(2000, dtype="<f4"))  # 8 kB
+    w.seal({})
+    return path
+
+
+def test_verify_bounds_json_members_by_the_json_bound_and_arrays_by_the_member_bound(tmp_path: Path):
+    """verify reads a JSON member under `max_json_bytes` and an array under `max_member_bytes`.
+    Catches the two bounds swapped or one used for both."""
+    path = _json_and_array(tmp_path)
+    with zipfile.ZipFile(path) as zf:
+        size, array = zf.getinfo("big.json").file_size, zf.getinfo("arr.npy").file_size
+    assert array > size > zf.getinfo(MANIFEST_NAME).file_size
+    found = problems_of(path, max_json_bytes=size - 1, max_member_bytes=array)
+    assert found == [Problem("big.json", "unreadable",
+                             f"unreadable member big.json: declares {size} bytes, over the bound of {size - 1}")]
+    assert problems_of(path, max_json_bytes=size, max_member_bytes=array) == []
+
+
+def test_verify_refuses_a_deflate_stream_the_writer_would_not_make(tmp_path: Path):
+    """Same content, same CRC and hash, deflated at another level: bits no hash covers changed,
+    which verify must name. Catches the exact-stream check turned off in verify."""
+    path = _json_and_array(tmp_path)
+    tmp = tmp_path / "other.zip"
+    with zipfile.ZipFile(path) as src, zipfile.ZipFile(tmp, "w") as dst:
+        for info in src.infolist():
+            level = 1 if info.filename == "big.json" else None
+            dst.writestr(copy.copy(info), src.read(info), compress_type=info.compress_type, compresslevel=level)
+    with zipfile.ZipFile(path) as a, zipfile.ZipFile(tmp) as b:
+        assert a.read("big.json") == b.read("big.json")
+        assert a.getinfo("big.json").compress_size != b.getinfo("big.json").compress_size  # another stream
+    found = [p for p in content(problems_of(tmp)) if p.member == "big.json"]
+    assert found == [Problem("big.json", "unreadable", "unreadable member big.json: its DEFLATE stream is not the "
+                             "one the writer's zlib (default level) makes of its content: bits the member hash does "
+                             "not cover were changed")], found
+
+
+def test_verify_names_the_total_and_json_bounds_with_the_command_that_reads_the_archive(sealed: Path):
+    """Over the total bound: the declared total, the bound and the `packbench audit` target the
+    auditor set; over the JSON total: the JSON members' declared total (arrays not counted).
+    Catches the total compared with >=, the `.npy` test of the JSON total and the line's fields."""
+    with zipfile.ZipFile(sealed) as zf:
+        infos = zf.infolist()
+    total = sum(i.file_size for i in infos)
+    json_total = sum(i.file_size for i in infos if not i.filename.endswith(".npy"))
+    assert problems_of(sealed, max_total_bytes=total, max_json_total_bytes=json_total) == []
+    with ArchiveReader(sealed, max_total_bytes=total - 1) as r:
+        r.audit_target = "42"
+        (problem,) = r.verify()
+    assert problem == Problem(None, "too-large", "archive too large: " + (
+        f"{sealed} declares members of {total} bytes, over the audit bound of {total - 1} bytes, so it was not read; "
+        f"only for an archive you trust, audit it with `packbench audit 42 --max-mib 1`"))
+    (problem,) = problems_of(sealed, max_json_total_bytes=json_total - 1)
+    assert problem == Problem(None, "too-large", f"archive too large: its JSON members declare {json_total} bytes in "
+                              f"total, the bound is {json_total - 1} (raise max_json_total_bytes if trusted)")
