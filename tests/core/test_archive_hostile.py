@@ -612,3 +612,53 @@ def test_verify_names_the_total_and_json_bounds_with_the_command_that_reads_the_
     (problem,) = problems_of(sealed, max_json_total_bytes=json_total - 1)
     assert problem == Problem(None, "too-large", f"archive too large: its JSON members declare {json_total} bytes in "
                               f"total, the bound is {json_total - 1} (raise max_json_total_bytes if trusted)")
+
+
+# ----------------------------------------------------------------------------- members not in the writer's layout
+
+
+def _zipfile_archive(tmp_path: Path, members: dict[str, tuple[bytes, int]]) -> Path:
+    """Members written by zipfile with another timestamp: their local headers are not the
+    writer's, so the reader takes them through zipfile (its path for foreign layouts)."""
+    path = tmp_path / "z.zip"
+    with zipfile.ZipFile(path, "w") as zf:
+        for name, (data, method) in members.items():
+            info = zipfile.ZipInfo(name, date_time=(2001, 2, 3, 4, 5, 6))
+            info.compress_type = method
+            zf.writestr(info, data)
+    return path
+
+
+def test_a_foreign_layout_member_is_read_whole_up_to_its_bound(tmp_path: Path):
+    """A member the writer did not lay out is still read whole (several chunks, deflated or
+    stored) when it is within the bound, exactly at the bound included, and refused by name
+    over it. Catches the zipfile path's reads cut short, its running total reset, and the
+    bound compared with >=."""
+    blob = np.random.default_rng(4).integers(0, 4, (5 << 20) // 2, dtype=np.uint8).tobytes()
+    path = _zipfile_archive(tmp_path, {"d.bin": (blob, zipfile.ZIP_DEFLATED), "s.bin": (blob[:5000], zipfile.ZIP_STORED)})
+    with ArchiveReader(path, max_member_bytes=len(blob)) as r:
+        assert r._data_at == {}  # neither member is in the writer's layout
+        assert r.read_bytes("d.bin") == blob
+        assert r.read_bytes("s.bin") == blob[:5000]
+    with ArchiveReader(path, max_member_bytes=len(blob) - 1) as r, pytest.raises(ArchiveError) as e:
+        r.read_bytes("d.bin")
+    assert str(e.value) == (f"member d.bin of archive {path} declares {len(blob)} bytes, over the bound of "
+                            f"{len(blob) - 1}; raise max_member_bytes if the archive is trusted")
+
+
+def test_unsupported_compression_and_encryption_are_refused_by_name(tmp_path: Path):
+    """Catches either refusal dropped, the encryption flag tested on the wrong bit, or their
+    words lost."""
+    path = _zipfile_archive(tmp_path, {"b.bin": (b"x" * 100, zipfile.ZIP_BZIP2)})
+    with ArchiveReader(path) as r, pytest.raises(ArchiveError) as e:
+        r.read_bytes("b.bin")
+    assert str(e.value) == (f"member b.bin of archive {path} uses unsupported compression method 12; raw archives "
+                            f"use STORED or DEFLATED only")
+    path = _zipfile_archive(tmp_path, {"e.bin": (b"x" * 100, zipfile.ZIP_STORED)})
+    raw = bytearray(path.read_bytes())  # zipfile writes no encrypted member: set the flag's bit 0 by hand
+    raw[6] |= 0x1  # the local header's flags
+    raw[raw.index(b"PK\x01\x02") + 8] |= 0x1  # the directory entry's
+    path.write_bytes(raw)
+    with ArchiveReader(path) as r, pytest.raises(ArchiveError) as e:
+        r.read_bytes("e.bin")
+    assert str(e.value) == f"member e.bin of archive {path} is encrypted; raw archives are never encrypted"
