@@ -14,6 +14,7 @@ import random
 import stat
 import struct
 import zipfile
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -662,3 +663,59 @@ def test_unsupported_compression_and_encryption_are_refused_by_name(tmp_path: Pa
     with ArchiveReader(path) as r, pytest.raises(ArchiveError) as e:
         r.read_bytes("e.bin")
     assert str(e.value) == f"member e.bin of archive {path} is encrypted; raw archives are never encrypted"
+
+
+# ----------------------------------------------------------------------------- DEFLATE streams in the writer's layout
+
+
+def _one_deflated_member(path: Path, name: str, content: bytes, payload: bytes, *, size: int | None = None) -> Path:
+    """An archive of one DEFLATED member whose headers are exactly the writer's for `content`
+    (CRC, sizes) but whose stored bytes are `payload`: the reader takes its exact path."""
+    from packbench.core.archive.zipformat import VERSION, central_entry, end_records, local_header
+    size = len(content) if size is None else size
+    fields = dict(method=zipfile.ZIP_DEFLATED, crc=zlib.crc32(content), csize=len(payload), size=size)
+    head = local_header(name.encode(), zip64=False, **fields)
+    cd = central_entry(name.encode(), offset=0, version=VERSION, **fields)
+    path.write_bytes(head + payload + cd + end_records(1, len(head) + len(payload), len(cd)))
+    return path
+
+
+def _raw_deflate(data: bytes, *, finish: bool = True) -> bytes:
+    z = zlib.compressobj(zlib.Z_DEFAULT_COMPRESSION, zlib.DEFLATED, -15)
+    return z.compress(data) + z.flush(zlib.Z_FINISH if finish else zlib.Z_SYNC_FLUSH)
+
+
+@pytest.mark.parametrize("case", ["junk after the stream", "junk past the first chunk", "no final block", "not deflate"])
+def test_damaged_deflate_streams_are_named_by_what_is_wrong(tmp_path: Path, case: str):
+    """Bytes after the end of a member's DEFLATE stream (in its first chunk or past it), a stream
+    without its final block and bytes that are no DEFLATE stream at all: each is read as
+    'cannot be read (cause)' and verified as 'unreadable member NAME: cause'. Catches a check
+    dropped, the count of trailing bytes wrong, and a cause or the fix lost."""
+    content = b"packbench " * 300
+    stream = _raw_deflate(content)
+    payload, cause = {
+        "junk after the stream": (stream + bytes(4), "4 bytes after the end of its DEFLATE stream"),
+        "junk past the first chunk": (stream + bytes((1 << 20) + 10),
+                                      f"{len(stream) + 10} bytes after the end of its DEFLATE stream"),
+        "no final block": (_raw_deflate(content, finish=False), "truncated DEFLATE stream"),
+        "not deflate": (b"\xff" * 20, "zlib.error: Error -3 while decompressing data: invalid block type"),
+    }[case]
+    path = _one_deflated_member(tmp_path / "d.zip", "m.bin", content, payload)
+    with ArchiveReader(path) as r:
+        assert r._data_at  # the writer's layout: read straight from the file
+        with pytest.raises(ArchiveError) as e:
+            r.read_bytes("m.bin")
+        found = [p for p in r.verify() if p.member == "m.bin"]
+    assert str(e.value) == f"member m.bin of archive {path} cannot be read ({cause}); the archive is damaged: run verify()"
+    assert found == [Problem("m.bin", "unreadable", f"unreadable member m.bin: {cause}")]
+
+
+def test_a_member_inflating_past_the_bound_is_named_with_the_bound(tmp_path: Path):
+    """The writer's layout, a size declared within the bound, more bytes inflated: refused at the
+    bound with its words. Catches the bound's message or fix lost on the exact path."""
+    content = bytes(5000)
+    path = _one_deflated_member(tmp_path / "b.zip", "m.bin", content, _raw_deflate(content), size=100)
+    with ArchiveReader(path, max_member_bytes=1000) as r, pytest.raises(ArchiveError) as e:
+        r.read_bytes("m.bin")
+    assert str(e.value) == (f"member m.bin of archive {path} inflates past the bound of 1000 bytes; the archive is "
+                            f"hostile or damaged")
