@@ -188,3 +188,85 @@ def test_an_experts_section_of_the_wrong_shape_is_named():
     rec = copy.deepcopy(good)
     del rec["experts"]["routes"]
     assert replay_problems(t, rec, policy, params) == ["experts section unreadable against its trace (KeyError: 'routes')"]
+
+
+# ----------------------------------------------------------------------------- the episode's trace member
+
+
+class _Condition:
+    def __init__(self, policy: str, params: dict):
+        self.policy, self.resolved_params = policy, params
+
+
+class _Protocol:
+    """The two things check_active_sets asks of a protocol: its condition names, and a condition."""
+    def __init__(self, **conditions: _Condition):
+        self.condition_names = tuple(conditions)
+        self._conditions = conditions
+
+    def condition(self, name: str) -> _Condition:
+        return self._conditions[name]
+
+
+NAME = "active/00000.trace"
+
+
+def _check(tmp_path, rec: dict, data: bytes | None, *, complete=True, readable=True, proto=None) -> list[str]:
+    from packbench.core.archive import ArchiveReader, ArchiveWriter
+    from packbench.core.audit import _Audit
+    path = tmp_path / "a.zip"
+    w = ArchiveWriter(path)
+    if data is not None:
+        w.add_bytes(NAME, data)
+    w.seal({})
+    audit = _Audit(path, None)
+    audit.complete = complete
+    with ArchiveReader(path) as r:
+        audit.names = set(r.names)
+        audit.readable = set(r.names) if readable else set()
+        audit.check_active_sets(r, NAME, rec, proto or _Protocol())
+    return audit.problems
+
+
+def test_an_episodes_trace_member_is_checked_against_its_record(tmp_path):
+    """The trace member must be there (in a sealed archive, or named by the zip), be a trace, hold
+    the record's calls with their phases and tokens, and active sets of the ledger's sizes; then
+    its replay under the episode's condition must agree (the first 5 disagreements shown). Catches
+    each check dropped, a missing trace tolerated in a sealed archive, and the replay run for a
+    condition the protocol does not have or under another condition's policy."""
+    from packbench.core.trace import trace_bytes
+    t = row_trace()
+    data = trace_bytes(t)
+    good = {**faithful(t, "packet", {}), "condition": "p"}
+    for call, traced in zip(good["calls"], t.calls):
+        call.update(phase=traced.phase, tokens=traced.tokens)
+    proto = _Protocol(p=_Condition("packet", {}), d=_Condition("dense-stream", {}))
+    missing = f"{NAME}: the protocol says trace: true, the episode's trace is missing or unreadable"
+    assert _check(tmp_path / "1", good, data, proto=proto) == []
+    assert _check(tmp_path / "2", good, None) == [missing]
+    assert _check(tmp_path / "3", good, None, complete=False) == []  # an interrupted screen: not written yet
+    assert _check(tmp_path / "4", good, data, complete=False, readable=False) == [missing]  # held, but untrusted
+    assert _check(tmp_path / "5", good, b"not a zip") == [f"{NAME} is not a readable trace: File is not a zip file"]
+    assert _check(tmp_path / "6", {**good, "calls": good["calls"][:2]}, data) == [f"{NAME} holds 3 calls, the record 2"]
+    assert _check(tmp_path / "7", {**good, "calls": None}, data) == [f"{NAME} holds 3 calls, the record none"]
+    for c, change in [(1, {"phase": "prefill"}), (2, {"tokens": 2}), (0, None)]:
+        rec = copy.deepcopy(good)
+        rec["calls"][c] = "call" if change is None else {**rec["calls"][c], **change}
+        assert _check(tmp_path / f"8{c}", rec, data) == [f"{NAME}: call {c}'s phase or tokens differ from the record's"]
+    rec = copy.deepcopy(good)
+    rec["calls"][2]["active_rows"] = [2, 1]  # the trace's call 2 has sets of 2 and 1 rows
+    rec["calls"][1]["active_rows"] = [None, 2]  # not observed in layer 0: nothing to compare there
+    assert _check(tmp_path / "9", rec, data) == []
+    rec["calls"][2]["active_rows"] = [1, 2]
+    assert _check(tmp_path / "10", rec, data) == [f"{NAME}: call 2's active sets differ in size from the ledger's "
+                                                  f"active_rows"]
+    rec = copy.deepcopy(good)
+    for call in rec["calls"]:
+        call["d2h_bytes"] = [1, 1]
+        call["h2d_weight_bytes"] = [1, 1]
+    shown = _check(tmp_path / "11", rec, data, proto=proto)
+    assert len(shown) == 5 and shown[0] == f"{NAME}: call 0 layer 0 h2d_weight_bytes: recorded 1, the trace's replay 500"
+    assert _check(tmp_path / "12", {**rec, "condition": "other"}, data, proto=proto) == []
+    # replayed under the episode's own condition: packet's record is not dense-stream's
+    assert _check(tmp_path / "13", {**good, "condition": "d"}, data, proto=proto)[0] == \
+        f"{NAME}: call 0 layer 0 active_rows: recorded 5, the trace's replay None"
