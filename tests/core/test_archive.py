@@ -6,6 +6,7 @@ Every test uses real zip files under tmp_path and runs in milliseconds.
 """
 
 import errno
+import hashlib
 import io
 import os
 import stat
@@ -619,3 +620,30 @@ def test_add_episode_fsyncs_once_after_its_last_member(tmp_path: Path, monkeypat
     # the one fsync comes inside the last member's write: the three before it are listed already
     assert synced == [["episodes/00000.json", "logits/00000.npy", "traces/00000.npy"]]
     assert sorted(w.members) == ["episodes/00000.json", "forced/00000.npy", "logits/00000.npy", "traces/00000.npy"]
+
+
+def test_writer_refusals_name_the_member_and_the_type_given(tmp_path: Path):
+    """Each refusal of the writer says what it got and what to do. Catches the type or the
+    member dropped from the line, and the manifest's SHA-256 (what a signer signs) not kept."""
+    path = tmp_path / "a.zip"
+    w = ArchiveWriter(path)
+    with pytest.raises(ArchiveError) as e:
+        w.add_bytes("x.bin", "text")
+    assert str(e.value) == "member x.bin must be bytes, got str; use add_json or add_array for structured data"
+    with pytest.raises(ArchiveError) as e:
+        w.add_array("l.npy", [1, 2])
+    assert str(e.value) == "member l.npy must be a numpy ndarray, got list; convert it with np.asarray first"
+    with pytest.raises(ArchiveError) as e:
+        w.add_json("n.json", {"x": float("nan")})
+    assert str(e.value).startswith("member n.json is not canonical JSON (") and \
+        str(e.value).endswith("); pass plain data without NaN/Infinity")
+    with pytest.raises(ArchiveError) as e:
+        w.seal([])
+    assert str(e.value) == f"the manifest of {path} must be a dict, got list"
+    with pytest.raises(ArchiveError) as e:
+        w.seal({"x": float("inf")})
+    assert str(e.value).startswith(f"the manifest for {path} is not canonical JSON (") and \
+        str(e.value).endswith("); pass plain data without NaN/Infinity")
+    w.seal({"screen_id": 1})
+    with zipfile.ZipFile(path) as zf:
+        assert w.manifest_sha256 == hashlib.sha256(zf.read("manifest.json")).hexdigest()
