@@ -647,3 +647,68 @@ def test_writer_refusals_name_the_member_and_the_type_given(tmp_path: Path):
     w.seal({"screen_id": 1})
     with zipfile.ZipFile(path) as zf:
         assert w.manifest_sha256 == hashlib.sha256(zf.read("manifest.json")).hexdigest()
+
+
+def test_short_writes_are_continued_and_a_write_of_nothing_is_an_error(tmp_path: Path, monkeypatch):
+    """pwritev may write less than asked: the writer goes on from where it stopped, across the
+    parts of one append, and the archive is byte for byte what it would be otherwise; a write
+    that makes no progress is an I/O error naming the member. Catches the loop restarting at
+    the wrong offset or part, and a zero-byte write spinning or passing."""
+    from packbench.core.archive import writer as writer_module
+    real = os.pwritev
+    monkeypatch.setattr(writer_module.os, "pwritev", lambda fd, views, offset: real(fd, [views[0][:7]], offset))
+    short = tmp_path / "short.zip"
+    write_screen(short)
+    monkeypatch.setattr(writer_module.os, "pwritev", real)
+    whole = tmp_path / "whole.zip"
+    write_screen(whole)
+    assert short.read_bytes() == whole.read_bytes()
+    w = ArchiveWriter(tmp_path / "zero.zip")
+    monkeypatch.setattr(writer_module.os, "pwritev", lambda fd, views, offset: 0)
+    with pytest.raises(ArchiveError) as e:
+        w.add_bytes("a.bin", b"abc")
+    assert str(e.value) == (f"could not append member a.bin to archive {tmp_path / 'zero.zip'} ([Errno 5] short "
+                            f"write); check disk space, permissions and who else touches the file, then rerun as a new "
+                            f"attempt")
+    with pytest.raises(ArchiveError, match=r"is unusable after a failed write \(OSError: \[Errno 5\] short write\)"):
+        w.add_bytes("b.bin", b"abc")
+
+
+def test_a_writer_that_finds_its_file_changed_says_so_and_stays_unusable(tmp_path: Path):
+    """Someone else appends to, truncates or removes the file: the next append refuses with
+    the reason, and every later call names it. Catches a reason lost and the size-and-mtime
+    guard weakened to one of the two."""
+    cases = {"appended": lambda p: p.open("ab").write(b"x"),
+             "truncated": lambda p: os.truncate(p, p.stat().st_size - 1),
+             "removed": lambda p: p.unlink()}
+    why = {"appended": "archive changed behind the writer", "truncated": "torn or truncated file",
+           "removed": "file vanished"}
+    for case, change in cases.items():
+        path = tmp_path / f"{case}.zip"
+        w = ArchiveWriter(path)
+        w.add_bytes("a.bin", b"abc")
+        change(path)
+        with pytest.raises(ArchiveError):
+            w.add_bytes("b.bin", b"abc")
+        with pytest.raises(ArchiveError) as e:
+            w.add_bytes("c.bin", b"abc")
+        assert str(e.value).startswith(f"archive {path} is unusable after a failed write ({why[case]}); "), str(e.value)
+    # same size, same end record, another mtime: still someone else's write
+    path = tmp_path / "touched.zip"
+    w = ArchiveWriter(path)
+    w.add_bytes("a.bin", b"abc")
+    st = path.stat()
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+    with pytest.raises(ArchiveError, match="no longer holds exactly the members this writer wrote"):
+        w.add_bytes("b.bin", b"abc")
+
+
+def test_the_room_is_a_quarter_of_the_members_at_least_1_mib_and_holds_the_directory():
+    """docs/archive.md: a moved directory leaves room for about a quarter more member data, at
+    least 1 MiB, and more than the directory plus its end records. Catches any of the three
+    terms dropped or changed."""
+    from packbench.core.archive.writer import MAX_END_RECORDS, _room
+    assert _room(0, 0) == 1 << 20
+    assert _room(8 << 20, 100) == 2 << 20
+    assert _room((8 << 20) + 7, 0) == ((8 << 20) + 7) // 4
+    assert _room(0, 3 << 20) == (3 << 20) + MAX_END_RECORDS
