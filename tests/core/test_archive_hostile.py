@@ -719,3 +719,65 @@ def test_a_member_inflating_past_the_bound_is_named_with_the_bound(tmp_path: Pat
         r.read_bytes("m.bin")
     assert str(e.value) == (f"member m.bin of archive {path} inflates past the bound of 1000 bytes; the archive is "
                             f"hostile or damaged")
+
+
+# ----------------------------------------------------------------------------- names and offsets
+
+
+def _stored_zip(path: Path, members: list[tuple[bytes, bytes, int | None]], gap: int = 0) -> Path:
+    """Members STORED with the writer's own records; `gap` junk bytes before the second member,
+    or an explicit offset (the third field) for its directory entry."""
+    from packbench.core.archive.zipformat import VERSION, central_entry, end_records, local_header
+    body, cd = b"", b""
+    for i, (name, data, offset) in enumerate(members):
+        if i == 1:
+            body += bytes(gap)
+        fields = dict(method=zipfile.ZIP_STORED, crc=zlib.crc32(data), csize=len(data), size=len(data))
+        at = len(body)
+        body += local_header(name, zip64=False, **fields) + data
+        cd += central_entry(name, offset=at if offset is None else offset, version=VERSION, **fields)
+    path.write_bytes(body + cd + end_records(len(members), len(body), len(cd)))
+    return path
+
+
+def test_bytes_between_members_and_overlapping_members_are_layout_problems(tmp_path: Path):
+    """Catches the gap and the overlap confused, their sizes or offsets wrong, and the problem
+    kind or member lost (a gap belongs to no member; an overlap names the later member)."""
+    a = (b"a.bin", b"x" * 50, None)
+    gap = _stored_zip(tmp_path / "gap.zip", [a, (b"b.bin", b"y" * 20, None)], gap=5)
+    first = 30 + 5 + 50  # a's local header (30 + 5-byte name) and data
+    assert [p for p in problems_of(gap) if p.kind == "layout"][0] == Problem(
+        None, "layout", f"layout: 5 bytes before member b.bin belong to no member (offset {first})")
+    over = _stored_zip(tmp_path / "over.zip", [a, (b"b.bin", b"y" * 20, 10)])
+    assert [p for p in problems_of(over) if p.kind == "layout"][0] == Problem(
+        "b.bin", "layout", f"layout: member b.bin overlaps the member before it (offset {first})")
+
+
+def test_a_name_with_a_nul_byte_or_outside_ascii_is_named_as_such(tmp_path: Path):
+    """zipfile cuts a name at a NUL byte, so the name the archive holds is not the one read:
+    verify and read say so; a non-ASCII name is a layout problem of that member. Catches the
+    NUL check's words lost and the non-ASCII problem's member or kind changed."""
+    path = _stored_zip(tmp_path / "nul.zip", [(b"a\x00b.bin", b"x", None)])
+    with ArchiveReader(path) as r:
+        assert [p for p in r.verify() if p.kind == "unsafe"] == [
+            Problem("a", "unsafe", "unsafe member name a (contains a NUL byte)")]
+        with pytest.raises(ArchiveError) as e:
+            r.read_bytes("a")
+    assert str(e.value) == (f"refusing unsafe member name 'a\\x00b.bin' in archive {path} (contains a NUL byte); "
+                            f"the archive is hostile or damaged")
+    path = tmp_path / "utf8.zip"
+    with zipfile.ZipFile(path, "w") as zf:
+        zf.writestr("\u00e9.bin", b"x")
+    assert Problem("\u00e9.bin", "layout", "layout: member \u00e9.bin has a non-ASCII name") in problems_of(path)
+
+
+def test_a_duplicate_member_does_not_stop_the_check_of_those_after_it(sealed: Path):
+    """Catches verify giving up at the first duplicate."""
+    with zipfile.ZipFile(sealed) as zf:
+        plan = zf.read("plan.json")
+    with pytest.warns(UserWarning, match="Duplicate name"):  # zipfile's own, writing the forgery
+        append_entry(sealed, "plan.json", plan)
+    append_entry(sealed, "late.bin", b"x")
+    found = content(problems_of(sealed))
+    assert Problem("plan.json", "duplicate", "duplicate member plan.json") in found
+    assert Problem("late.bin", "extra", "extra member late.bin") in found
