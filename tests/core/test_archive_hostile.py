@@ -781,3 +781,53 @@ def test_a_duplicate_member_does_not_stop_the_check_of_those_after_it(sealed: Pa
     found = content(problems_of(sealed))
     assert Problem("plan.json", "duplicate", "duplicate member plan.json") in found
     assert Problem("late.bin", "extra", "extra member late.bin") in found
+
+
+# ----------------------------------------------------------------------------- the manifest itself
+
+
+def test_every_problem_of_the_manifest_itself_is_named_on_manifest_json(sealed: Path, tmp_path: Path):
+    """A duplicate, a symlink, an unparseable (200 characters of cause), a malformed manifest and
+    one deflated at another level: each one Problem naming manifest.json with its kind, and the
+    archive is not complete. Catches a check dropped, its member or kind lost, and the manifest
+    read without the exact-stream check."""
+    with zipfile.ZipFile(sealed) as zf:
+        body = zf.read(MANIFEST_NAME)
+
+    def manifest_problems(path: Path) -> list[Problem]:
+        with ArchiveReader(path) as r:
+            assert not r.complete
+            return [p for p in r.verify() if p.member == MANIFEST_NAME]
+
+    dup = tmp_path / "dup.zip"
+    dup.write_bytes(sealed.read_bytes())
+    with pytest.warns(UserWarning, match="Duplicate name"):
+        append_entry(dup, MANIFEST_NAME, body)
+    assert Problem(MANIFEST_NAME, "duplicate", "duplicate member manifest.json: cannot tell which is real") in \
+        manifest_problems(dup)
+    link = tmp_path / "link.zip"
+    with zipfile.ZipFile(link, "w") as zf:
+        info = zipfile.ZipInfo(MANIFEST_NAME)
+        info.external_attr = (stat.S_IFLNK | 0o777) << 16
+        zf.writestr(info, b"plan.json")
+    assert Problem(MANIFEST_NAME, "symlink", "symlink member manifest.json") in manifest_problems(link)
+    long_key = "k" * 300
+    unparseable = tmp_path / "unparseable.zip"
+    with zipfile.ZipFile(unparseable, "w", zipfile.ZIP_DEFLATED) as zf:
+        zf.writestr(MANIFEST_NAME, ('{"%s":1,"%s":2}' % (long_key, long_key)).encode())
+    cause = f"duplicate key '{long_key}"[:200]
+    assert Problem(MANIFEST_NAME, "manifest", f"unparseable member manifest.json: {cause}") in \
+        manifest_problems(unparseable)
+    malformed = tmp_path / "malformed.zip"
+    with zipfile.ZipFile(malformed, "w", zipfile.ZIP_DEFLATED) as zf:
+        zf.writestr(MANIFEST_NAME, canonical_json([]))
+    assert Problem(MANIFEST_NAME, "manifest", "malformed member manifest.json: not a JSON object") in \
+        manifest_problems(malformed)
+    big = canonical_json({"format_version": 1, "members": {}, "pad": [i * i % 977 for i in range(1000)]})
+    z = zlib.compressobj(1, zlib.DEFLATED, -15)
+    level1 = z.compress(big) + z.flush()
+    assert level1 != _raw_deflate(big)
+    other = _one_deflated_member(tmp_path / "level1.zip", MANIFEST_NAME, big, level1)
+    (problem,) = manifest_problems(other)
+    assert (problem.kind, problem.message.split(": its DEFLATE stream")[0]) == (
+        "unreadable", "unreadable member manifest.json"), problem
