@@ -32,6 +32,7 @@ MODULES: dict[str, list[str]] = {  # in the order `make mutate` runs them: quick
                          "tests/core/test_exact_bounds.py"],
     "core/gates.py": ["tests/core/test_gates.py", "tests/core/test_exact_bounds.py"],
     "core/audit.py": ["tests/core/test_audit.py", "tests/core/test_audit_fields.py", "tests/core/test_audit_paths.py",
+                      "tests/core/test_audit_replay.py",
                       "tests/core/test_evidence.py"],
     "db/queue.py": ["tests/db/test_db_queue.py", "tests/db/test_db_store.py", "tests/db/test_db_faults.py",
                     "tests/db/test_db_reconcile.py", "tests/db/test_db_queries.py"],

@@ -6,6 +6,7 @@ Every test uses real zip files under tmp_path and runs in milliseconds.
 """
 
 import errno
+import hashlib
 import io
 import os
 import stat
@@ -322,7 +323,10 @@ def test_every_append_leaves_a_valid_zip_of_every_member_so_far(tmp_path: Path):
         size = int(rng.integers(10, 300_000))
         name = f"m/{i:03d}.bin"
         if i % 2:
-            data = rng.integers(0, 4, size, dtype=np.uint8).tobytes()  # compressible, not trivially
+            # compressible, not trivially: random bytes in runs of 1 to 64 (zlib deflates runs
+            # fast; 2-bit noise took it 7 s over the test's writes and the reader's re-deflates)
+            runs = rng.integers(1, 65, size // 16 + 1)
+            data = np.repeat(rng.integers(0, 255, runs.size, dtype=np.uint8), runs)[:size].tobytes()
             w.add_bytes(name, data)
         else:
             arr = rng.integers(0, 255, size, dtype=np.uint8)
@@ -566,3 +570,145 @@ def test_episode_index_reads_only_the_names_the_layout_writes():
     assert episode_index(episode_member(123456)) == 123456
     for other in ("episodes/7.json", "episodes/000007.json", "logits/00007.npy", "episodes/00007.json.bak"):
         assert episode_index(other) is None
+
+
+def test_add_episode_stores_an_active_set_trace_as_given_and_refuses_other_types(tmp_path: Path):
+    """`active=` bytes land as `active/NNNNN.trace`, stored byte for byte; anything else is refused
+    by name before a byte is written. Catches the trace member dropped, the type check inverted or
+    its message losing the member or the type."""
+    from packbench.core.archive import active_sets_member
+    path = tmp_path / "a.zip"
+    w = ArchiveWriter(path)
+    trace_file = b"PK\x05\x06" + bytes(18)  # any bytes: a trace file is a zip of its own
+    w.add_episode({"plan_index": 4}, active=trace_file)
+    before = path.read_bytes()
+    with pytest.raises(ArchiveError) as e:
+        w.add_episode({"plan_index": 5}, active=bytearray(b"x"))
+    assert str(e.value) == "member active/00005.trace must be the bytes of a trace file, got bytearray"
+    assert path.read_bytes() == before
+    w.seal({})
+    with ArchiveReader(path) as r:
+        assert r.names == ["episodes/00004.json", active_sets_member(4), "manifest.json"]
+        assert r.read_bytes(active_sets_member(4)) == trace_file
+        assert r.verify() == []
+
+
+def test_add_episode_refusals_name_what_was_wrong(tmp_path: Path):
+    """A record that is not a dict, a record that is not canonical JSON and an object-dtype array
+    are refused with ArchiveError naming the member concerned. Catches the dict check dropped
+    (an AttributeError instead) and the member's name lost from the message."""
+    w = ArchiveWriter(tmp_path / "a.zip")
+    with pytest.raises(ArchiveError, match=r"^an episode record needs an int plan_index >= 0 \(got None\)"):
+        w.add_episode([("plan_index", 1)])
+    with pytest.raises(ArchiveError, match=r"^member episodes/00001\.json is not canonical JSON"):
+        w.add_episode({"plan_index": 1, "x": float("nan")})
+    with pytest.raises(ArchiveError, match=r"^member logits/00001\.npy has object dtype object"):
+        w.add_episode({"plan_index": 1}, np.array([{}], dtype=object))
+    assert w.members == {}
+
+
+def test_add_episode_fsyncs_once_after_its_last_member(tmp_path: Path, monkeypatch):
+    """One fsync an episode, when every member of it is written (docs/archive.md: each member is
+    on disk when add_episode returns). Catches the fsync skipped, or done after the record but
+    before the arrays (a crash then loses members the driver thinks are durable)."""
+    path = tmp_path / "a.zip"
+    w = ArchiveWriter(path)
+    synced = []
+    real = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(sorted(w.members)), real(fd)))
+    w.add_episode({"plan_index": 0}, LOGITS[0], np.zeros((2, 2)), LOGITS[0])
+    # the one fsync comes inside the last member's write: the three before it are listed already
+    assert synced == [["episodes/00000.json", "logits/00000.npy", "traces/00000.npy"]]
+    assert sorted(w.members) == ["episodes/00000.json", "forced/00000.npy", "logits/00000.npy", "traces/00000.npy"]
+
+
+def test_writer_refusals_name_the_member_and_the_type_given(tmp_path: Path):
+    """Each refusal of the writer says what it got and what to do. Catches the type or the
+    member dropped from the line, and the manifest's SHA-256 (what a signer signs) not kept."""
+    path = tmp_path / "a.zip"
+    w = ArchiveWriter(path)
+    with pytest.raises(ArchiveError) as e:
+        w.add_bytes("x.bin", "text")
+    assert str(e.value) == "member x.bin must be bytes, got str; use add_json or add_array for structured data"
+    with pytest.raises(ArchiveError) as e:
+        w.add_array("l.npy", [1, 2])
+    assert str(e.value) == "member l.npy must be a numpy ndarray, got list; convert it with np.asarray first"
+    with pytest.raises(ArchiveError) as e:
+        w.add_json("n.json", {"x": float("nan")})
+    assert str(e.value).startswith("member n.json is not canonical JSON (") and \
+        str(e.value).endswith("); pass plain data without NaN/Infinity")
+    with pytest.raises(ArchiveError) as e:
+        w.seal([])
+    assert str(e.value) == f"the manifest of {path} must be a dict, got list"
+    with pytest.raises(ArchiveError) as e:
+        w.seal({"x": float("inf")})
+    assert str(e.value).startswith(f"the manifest for {path} is not canonical JSON (") and \
+        str(e.value).endswith("); pass plain data without NaN/Infinity")
+    w.seal({"screen_id": 1})
+    with zipfile.ZipFile(path) as zf:
+        assert w.manifest_sha256 == hashlib.sha256(zf.read("manifest.json")).hexdigest()
+
+
+def test_short_writes_are_continued_and_a_write_of_nothing_is_an_error(tmp_path: Path, monkeypatch):
+    """pwritev may write less than asked: the writer goes on from where it stopped, across the
+    parts of one append, and the archive is byte for byte what it would be otherwise; a write
+    that makes no progress is an I/O error naming the member. Catches the loop restarting at
+    the wrong offset or part, and a zero-byte write spinning or passing."""
+    from packbench.core.archive import writer as writer_module
+    real = os.pwritev
+    monkeypatch.setattr(writer_module.os, "pwritev", lambda fd, views, offset: real(fd, [views[0][:7]], offset))
+    short = tmp_path / "short.zip"
+    write_screen(short)
+    monkeypatch.setattr(writer_module.os, "pwritev", real)
+    whole = tmp_path / "whole.zip"
+    write_screen(whole)
+    assert short.read_bytes() == whole.read_bytes()
+    w = ArchiveWriter(tmp_path / "zero.zip")
+    monkeypatch.setattr(writer_module.os, "pwritev", lambda fd, views, offset: 0)
+    with pytest.raises(ArchiveError) as e:
+        w.add_bytes("a.bin", b"abc")
+    assert str(e.value) == (f"could not append member a.bin to archive {tmp_path / 'zero.zip'} ([Errno 5] short "
+                            f"write); check disk space, permissions and who else touches the file, then rerun as a new "
+                            f"attempt")
+    with pytest.raises(ArchiveError, match=r"is unusable after a failed write \(OSError: \[Errno 5\] short write\)"):
+        w.add_bytes("b.bin", b"abc")
+
+
+def test_a_writer_that_finds_its_file_changed_says_so_and_stays_unusable(tmp_path: Path):
+    """Someone else appends to, truncates or removes the file: the next append refuses with
+    the reason, and every later call names it. Catches a reason lost and the size-and-mtime
+    guard weakened to one of the two."""
+    cases = {"appended": lambda p: p.open("ab").write(b"x"),
+             "truncated": lambda p: os.truncate(p, p.stat().st_size - 1),
+             "removed": lambda p: p.unlink()}
+    why = {"appended": "archive changed behind the writer", "truncated": "torn or truncated file",
+           "removed": "file vanished"}
+    for case, change in cases.items():
+        path = tmp_path / f"{case}.zip"
+        w = ArchiveWriter(path)
+        w.add_bytes("a.bin", b"abc")
+        change(path)
+        with pytest.raises(ArchiveError):
+            w.add_bytes("b.bin", b"abc")
+        with pytest.raises(ArchiveError) as e:
+            w.add_bytes("c.bin", b"abc")
+        assert str(e.value).startswith(f"archive {path} is unusable after a failed write ({why[case]}); "), str(e.value)
+    # same size, same end record, another mtime: still someone else's write
+    path = tmp_path / "touched.zip"
+    w = ArchiveWriter(path)
+    w.add_bytes("a.bin", b"abc")
+    st = path.stat()
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+    with pytest.raises(ArchiveError, match="no longer holds exactly the members this writer wrote"):
+        w.add_bytes("b.bin", b"abc")
+
+
+def test_the_room_is_a_quarter_of_the_members_at_least_1_mib_and_holds_the_directory():
+    """docs/archive.md: a moved directory leaves room for about a quarter more member data, at
+    least 1 MiB, and more than the directory plus its end records. Catches any of the three
+    terms dropped or changed."""
+    from packbench.core.archive.writer import MAX_END_RECORDS, _room
+    assert _room(0, 0) == 1 << 20
+    assert _room(8 << 20, 100) == 2 << 20
+    assert _room((8 << 20) + 7, 0) == ((8 << 20) + 7) // 4
+    assert _room(0, 3 << 20) == (3 << 20) + MAX_END_RECORDS

@@ -6,6 +6,7 @@ Every test uses real zip files under tmp_path and runs in milliseconds (the zip-
 compresses 50 MB of zeros, about 0.1 s).
 """
 
+import copy
 import io
 import os
 import pickle
@@ -13,13 +14,15 @@ import random
 import stat
 import struct
 import zipfile
+import zlib
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from archive_samples import (
-    EPISODES, LOGITS, MEMBERS, PLAN, append_entry, content, data_offset, edit_manifest, lines, rewrite, sealed_screen,
+    EPISODES, LOGITS, MEMBERS, PLAN, append_entry, content, data_offset, edit_manifest, lines, problems_of, rewrite,
+    sealed_screen,
     tree, verify,
 )
 from packbench.core.archive import MANIFEST_NAME, PROBLEM_KINDS, ArchiveReader, ArchiveWriter, Problem
@@ -305,3 +308,526 @@ def test_random_damage_never_crashes_the_reader(sealed: Path):
                     r.read_bytes(name)
                 except ArchiveError:
                     pass
+
+
+# ----------------------------------------------------------------------------- array headers, word for word
+
+
+def _npy(arr: np.ndarray, *, version=(1, 0)) -> bytes:
+    out = io.BytesIO()
+    header = np.lib.format.header_data_from_array_1_0(arr)
+    np.lib.format.write_array_header_1_0(out, header) if version == (1, 0) else \
+        np.lib.format.write_array_header_2_0(out, header)
+    data = arr.tobytes(order="F" if header["fortran_order"] else "C")
+    return out.getvalue() + data
+
+
+def _array_archive(tmp_path: Path, members: dict[str, bytes]) -> Path:
+    path = tmp_path / "arrays.zip"
+    w = ArchiveWriter(path)
+    for name, data in members.items():
+        w.add_bytes(name, data)
+    w.seal({})
+    return path
+
+
+def test_read_array_refusals_name_the_member_the_cause_and_the_fix(tmp_path: Path):
+    """Each refusal of `read_array` is one line: the member, what is wrong with its header, and the
+    fix. Catches a check dropped or inverted (dtype, Fortran order, rank, declared shape, pickle)
+    and a message that loses its cause or its fix (the audit prints these lines)."""
+    f4 = np.arange(6, dtype="<f4").reshape(2, 3)
+    header = io.BytesIO()
+    np.lib.format.write_array_header_1_0(header, {"descr": "<f4", "fortran_order": False, "shape": (3,)})
+    pickled = io.BytesIO()
+    np.lib.format.write_array_header_1_0(pickled, {"descr": "|O", "fortran_order": False, "shape": (1,)})
+    path = _array_archive(tmp_path, {
+        "a.npy": _npy(f4.astype("<f8")),
+        "b.npy": _npy(np.asfortranarray(f4)),
+        "c.npy": _npy(f4),
+        "d.npy": header.getvalue() + bytes(8),  # declares 12 data bytes, holds 8
+        "e.npy": pickled.getvalue() + b"x" * 16,
+        "f.npy": _npy(np.asfortranarray(f4).astype("<f8")),
+    })
+    fix_format = "the archive was not written by packbench"
+    with ArchiveReader(path) as r:
+        def refusal(name, **kw):
+            with pytest.raises(ArchiveError) as e:
+                r.read_array(name, **kw)
+            return str(e.value)
+
+        at = f"of archive {path}"
+        assert refusal("a.npy", dtype="<f4") == \
+            f"member a.npy {at} is a <f8 array, the format says C-order <f4 (docs/archive.md); {fix_format}"
+        assert refusal("b.npy", dtype="<f4") == \
+            f"member b.npy {at} is a Fortran-order <f4 array, the format says C-order <f4 (docs/archive.md); {fix_format}"
+        assert refusal("f.npy", dtype="<f4") == \
+            f"member f.npy {at} is a Fortran-order <f8 array, the format says C-order <f4 (docs/archive.md); {fix_format}"
+        assert refusal("c.npy", ndim=3) == f"member c.npy {at} has 2 dimensions, the format says 3; the archive is damaged"
+        assert refusal("d.npy") == (f"member d.npy {at} declares shape (3,) of float32 (12 bytes) but holds 8 data "
+                                    f"bytes; the archive is damaged")
+        assert refusal("e.npy") == (f"member e.npy {at} is a pickled object array (dtype object), refused; raw "
+                                    f"archives hold numeric arrays only; the archive is hostile or damaged")
+        # what the format asks for is read back as written
+        np.testing.assert_array_equal(r.read_array("c.npy", dtype="<f4", ndim=2), f4)
+        np.testing.assert_array_equal(r.read_array("b.npy", ndim=2), f4)  # Fortran order allowed when no dtype is asked
+
+
+def test_npy_version_2_headers_are_read_and_other_versions_refused(tmp_path: Path):
+    """Catches the version-2 branch of the header parser broken (numpy writes v2 for headers
+    over 64 KiB) and an unknown version's refusal losing its words."""
+    arr = np.arange(4, dtype="<f4")
+    v3 = bytearray(_npy(arr))
+    v3[6] = 3  # the major version byte
+    path = _array_archive(tmp_path, {"v2.npy": _npy(arr, version=(2, 0)), "v3.npy": bytes(v3)})
+    with ArchiveReader(path) as r:
+        np.testing.assert_array_equal(r.read_array("v2.npy", dtype="<f4", ndim=1), arr)
+        with pytest.raises(ArchiveError) as e:
+            r.read_array("v3.npy")
+    assert str(e.value) == (f"member v3.npy of archive {path} is not a .npy array (unsupported .npy version "
+                            f"(3, 0)); the archive is damaged")
+
+
+def test_a_header_numpy_will_not_parse_is_named_with_200_characters_of_its_cause(tmp_path: Path):
+    """A header numpy refuses (here one of 64 KiB, over numpy's own header bound) is named with at
+    most 200 characters of numpy's words, on one line. Catches the cause dropped or cut elsewhere."""
+    body = "{'descr': '<f4', 'fortran_order': False, 'shape': (3,), }"
+    body = body + " " * (65535 - len(body) - 1) + "\n"
+    big = np.lib.format.magic(1, 0) + struct.pack("<H", len(body)) + body.encode("latin1")
+    path = _array_archive(tmp_path, {"big.npy": big + bytes(12)})
+    with ArchiveReader(path) as r, pytest.raises(ArchiveError) as e:
+        r.read_array("big.npy")
+    message = str(e.value)
+    prefix, suffix = f"member big.npy of archive {path} is not a .npy array (", "); the archive is damaged"
+    assert message.startswith(prefix) and message.endswith(suffix), message
+    cause = message[len(prefix):-len(suffix)]
+    assert len(cause) == 200 and "\n" not in cause and cause.startswith("Header info length (65535)"), cause
+
+
+def test_over_bound_line_gives_size_and_bound_in_bytes_and_mib():
+    """The words `packbench audit` prints for an archive over its bound: bytes below 1 MiB, whole
+    MiB when exact, one decimal otherwise. Catches the MiB threshold or the rounding changed."""
+    from packbench.core.archive.bounds import over_bound_line
+    cases = {
+        6941: "6941 bytes",
+        (1 << 20) - 1: "1048575 bytes",
+        1 << 20: "1048576 bytes (1 MiB)",
+        3 << 20: "3145728 bytes (3 MiB)",
+        (2 << 20) + 1: "2097153 bytes (2.0 MiB)",
+        10193506778: "10193506778 bytes (9721.3 MiB)",
+    }
+    for size, words in cases.items():
+        line = over_bound_line("a.zip", size, 1 << 30)
+        assert line == (f"a.zip is {words}, over the audit bound of 1073741824 bytes (1024 MiB), so it was not "
+                        f"read; only for an archive you trust, audit it with `packbench audit archive a.zip "
+                        f"--max-mib {max(1, -(-size // (1 << 20)))}`"), line
+
+
+# ----------------------------------------------------------------------------- JSON members and the manifest's shape
+
+
+def test_read_json_refusals_say_which_rule_the_member_breaks(tmp_path: Path):
+    """A duplicate key, a NaN and a non-canonical form are each named by the rule they break, on
+    one line of at most 200 characters of cause; a key repeated in another object is no duplicate.
+    Catches the duplicate check dropped, inverted or its set shared, NaN let through, and the
+    causes' words lost."""
+    long_key = "k" * 300
+    path = _array_archive(tmp_path, {
+        "dup.json": b'{"a":1,"a":2}',
+        "nested.json": b'{"a":{"a":1},"b":{"a":2}}',
+        "nan.json": b'{"a":NaN}',
+        "order.json": b'{"b":1,"a":2}',
+        "long.json": ('{"%s":1,"%s":2}' % (long_key, long_key)).encode(),
+    })
+    with ArchiveReader(path) as r:
+        def refusal(name):
+            with pytest.raises(ArchiveError) as e:
+                r.read_json(name)
+            return str(e.value)
+
+        def line(name, cause):
+            return f"member {name} of archive {path} is not valid JSON ({cause}); the archive is damaged: run verify()"
+
+        assert r.read_json("nested.json") == {"a": {"a": 1}, "b": {"a": 2}}
+        assert refusal("dup.json") == line("dup.json", "duplicate key 'a' (another parser may keep the other value)")
+        assert refusal("nan.json") == line("nan.json", "non-standard JSON constant NaN")
+        assert refusal("order.json") == line(
+            "order.json", "not canonical JSON (sorted keys, compact, UTF-8, as core.canonical writes it)")
+        assert refusal("long.json") == line("long.json", f"duplicate key '{long_key}"[:200])
+
+
+def test_read_json_keeps_to_the_json_member_bound(tmp_path: Path):
+    """A JSON member over `max_json_bytes` is refused though the array bound would admit it, and
+    the total bound admits a member that fills it exactly. Catches the JSON bound not passed to
+    the read and the total budget's arithmetic off by one or in sign."""
+    body = canonical_json({"a": "x" * 100})
+    path = _array_archive(tmp_path, {"a.json": body, "b.bin": bytes(50)})
+    with ArchiveReader(path, max_json_bytes=len(body) - 1) as r, pytest.raises(ArchiveError, match="a.json"):
+        r.read_json("a.json")
+    with ArchiveReader(path, max_total_bytes=len(body) + 50) as r:
+        assert r.read_json("a.json") == {"a": "x" * 100}
+        assert r.read_bytes("b.bin") == bytes(50)  # exactly the rest of the budget
+        with pytest.raises(ArchiveError, match="total bound"):
+            r.read_bytes("b.bin")
+
+
+def test_manifest_shape_problems_are_named():
+    """Each way a manifest can be malformed has its own words (verify prints them after
+    'malformed member manifest.json: '), and every field of a member entry is checked. Catches
+    a check of the entry dropped (an `and` made `or`) and the words changed."""
+    from packbench.core.archive.verify import manifest_shape_problem
+    good = {"sha256": "0" * 64, "size": 3}
+    ok = {"format_version": 1, "members": {"a": good}}
+    assert manifest_shape_problem(ok) is None
+    assert manifest_shape_problem([]) == "not a JSON object"
+    assert manifest_shape_problem({"format_version": 1}) == "'members' is missing or not an object"
+    assert manifest_shape_problem({"format_version": 1, "members": {MANIFEST_NAME: good}}) == \
+        "'members' lists manifest.json itself"
+    for bad in ([], {**good, "x": 1}, {"sha256": 5, "size": 3}, {"sha256": "g" * 64, "size": 3},
+                {"sha256": "0" * 63, "size": 3}, {**good, "size": "3"}, {**good, "size": True}, {**good, "size": -1}):
+        assert manifest_shape_problem({"format_version": 1, "members": {"a": bad}}) == \
+            "entry for 'a' is not {sha256: 64 hex digits, size: int >= 0}", bad
+
+
+def test_mib_to_admit_and_an_archive_too_large_name_the_command_that_reads_it(tmp_path: Path):
+    """`--max-mib` is the size in whole MiB rounded up, at least 1; an archive over the reader's
+    bound is refused with the line that names it, its size, the bound and a `--max-mib` admitting
+    it and the JSON members besides. Catches the rounding, the floor of 1, the admitted total and
+    the line's fields changed."""
+    from packbench.core.archive import MAX_JSON_TOTAL_BYTES, mib_to_admit
+    from packbench.core.archive.bounds import over_bound_line
+    from packbench.core.archive.reader import ArchiveTooLarge
+    assert [mib_to_admit(n) for n in (0, 1, 1 << 20, (1 << 20) + 1, 5 << 20, (5 << 20) + 1)] == [1, 1, 1, 2, 5, 6]
+    assert over_bound_line("a.zip", 10, 5, what="would be", target="7", admit=3 << 20) == (
+        "a.zip would be 10 bytes, over the audit bound of 5 bytes, so it was not read; only for an archive you "
+        "trust, audit it with `packbench audit 7 --max-mib 3`")
+    path = tmp_path / "a.zip"
+    path.write_bytes(bytes(3000))
+    with pytest.raises(ArchiveTooLarge) as e:
+        ArchiveReader(path, max_archive_bytes=2000)
+    admit = mib_to_admit(3000 + MAX_JSON_TOTAL_BYTES)
+    assert (e.value.path, e.value.size, e.value.bound, e.value.admit) == (path, 3000, 2000, 3000 + MAX_JSON_TOTAL_BYTES)
+    assert str(e.value) == e.value.line() == (
+        f"{path} is 3000 bytes, over the audit bound of 2000 bytes, so it was not read; only for an archive you "
+        f"trust, audit it with `packbench audit archive {path} --max-mib {admit}`")
+    assert e.value.line("12", path="elsewhere.zip") == (
+        "elsewhere.zip is 3000 bytes, over the audit bound of 2000 bytes, so it was not read; only for an archive "
+        f"you trust, audit it with `packbench audit 12 --max-mib {admit}`")
+
+
+# ----------------------------------------------------------------------------- members of several chunks, bounds
+
+
+def test_members_over_one_chunk_read_and_verify_whole(tmp_path: Path):
+    """The reader reads in 1 MiB chunks: a bytes member and an array of several chunks come back
+    whole, count whole against the total bound, and verify whole; an empty array member is named.
+    Catches a chunk written over the previous one, the running size or byte count reset per
+    chunk, and the empty member's header check skipped."""
+    blob = np.random.default_rng(3).integers(0, 255, (5 << 20) // 2, dtype=np.uint8).tobytes()
+    arr = np.arange((3 << 20) // 4, dtype="<f4").reshape(-1, 4)
+    path = tmp_path / "big.zip"
+    w = ArchiveWriter(path)
+    w.add_bytes("blob.bin", blob)
+    w.add_array("arr.npy", arr)
+    w.add_bytes("empty.npy", b"")
+    w.seal({})
+    with ArchiveReader(path) as r:
+        assert r.verify() == []
+        assert r.read_bytes("blob.bin") == blob
+        np.testing.assert_array_equal(r.read_array("arr.npy", dtype="<f4", ndim=2), arr)
+        assert r.bytes_read == len(blob) + len(ArchiveWriter._array_bytes("arr.npy", arr))
+        with pytest.raises(ArchiveError) as e:
+            r.read_array("empty.npy")
+    assert str(e.value).startswith(f"member empty.npy of archive {path} is not a .npy array (EOF: reading magic "
+                                   f"string"), str(e.value)
+    # one byte changed in the second chunk of each: the hash of the whole member tells
+    rewrite(path, replace={"blob.bin": blob[:(3 << 20) // 2] + b"\x00\x01"[blob[(3 << 20) // 2] == 0:][:1]
+                           + blob[(3 << 20) // 2 + 1:]})
+    assert content(problems_of(path)) == [Problem("blob.bin", "altered", "altered member blob.bin (sha256 mismatch)")]
+
+
+def test_verify_names_a_size_mismatch_with_both_sizes(sealed: Path):
+    """Catches the size problem's member, kind or either size lost from its line."""
+    longer = canonical_json({**EPISODES[0], "tokens": [2, 7, 9, 11]})
+    declared = len(canonical_json(EPISODES[0]))
+    rewrite(sealed, replace={"episodes/00000.json": longer})
+    assert problems_of(sealed) == [Problem(
+        "episodes/00000.json", "size",
+        f"size mismatch for member episodes/00000.json: manifest says {declared}, archive holds {len(longer)}")]
+
+
+def _json_and_array(tmp_path: Path) -> Path:
+    path = tmp_path / "ja.zip"
+    w = ArchiveWriter(path)
+    w.add_json("big.json", {"x": [i * i % 977 for i in range(1000)]})  # about 4 kB, deflates
+    w.add_array("arr.npy", np.zeros(2000, dtype="<f4"))  # 8 kB
+    w.seal({})
+    return path
+
+
+def test_verify_bounds_json_members_by_the_json_bound_and_arrays_by_the_member_bound(tmp_path: Path):
+    """verify reads a JSON member under `max_json_bytes` and an array under `max_member_bytes`.
+    Catches the two bounds swapped or one used for both."""
+    path = _json_and_array(tmp_path)
+    with zipfile.ZipFile(path) as zf:
+        size, array = zf.getinfo("big.json").file_size, zf.getinfo("arr.npy").file_size
+    assert array > size > zf.getinfo(MANIFEST_NAME).file_size
+    found = problems_of(path, max_json_bytes=size - 1, max_member_bytes=array)
+    assert found == [Problem("big.json", "unreadable",
+                             f"unreadable member big.json: declares {size} bytes, over the bound of {size - 1}")]
+    assert problems_of(path, max_json_bytes=size, max_member_bytes=array) == []
+
+
+def test_verify_refuses_a_deflate_stream_the_writer_would_not_make(tmp_path: Path):
+    """Same content, same CRC and hash, deflated at another level: bits no hash covers changed,
+    which verify must name. Catches the exact-stream check turned off in verify."""
+    path = _json_and_array(tmp_path)
+    tmp = tmp_path / "other.zip"
+    with zipfile.ZipFile(path) as src, zipfile.ZipFile(tmp, "w") as dst:
+        for info in src.infolist():
+            level = 1 if info.filename == "big.json" else None
+            dst.writestr(copy.copy(info), src.read(info), compress_type=info.compress_type, compresslevel=level)
+    with zipfile.ZipFile(path) as a, zipfile.ZipFile(tmp) as b:
+        assert a.read("big.json") == b.read("big.json")
+        assert a.getinfo("big.json").compress_size != b.getinfo("big.json").compress_size  # another stream
+    found = [p for p in content(problems_of(tmp)) if p.member == "big.json"]
+    assert found == [Problem("big.json", "unreadable", "unreadable member big.json: its DEFLATE stream is not the "
+                             "one the writer's zlib (default level) makes of its content: bits the member hash does "
+                             "not cover were changed")], found
+
+
+def test_verify_names_the_total_and_json_bounds_with_the_command_that_reads_the_archive(sealed: Path):
+    """Over the total bound: the declared total, the bound and the `packbench audit` target the
+    auditor set; over the JSON total: the JSON members' declared total (arrays not counted).
+    Catches the total compared with >=, the `.npy` test of the JSON total and the line's fields."""
+    with zipfile.ZipFile(sealed) as zf:
+        infos = zf.infolist()
+    total = sum(i.file_size for i in infos)
+    json_total = sum(i.file_size for i in infos if not i.filename.endswith(".npy"))
+    assert problems_of(sealed, max_total_bytes=total, max_json_total_bytes=json_total) == []
+    with ArchiveReader(sealed, max_total_bytes=total - 1) as r:
+        r.audit_target = "42"
+        (problem,) = r.verify()
+    assert problem == Problem(None, "too-large", "archive too large: " + (
+        f"{sealed} declares members of {total} bytes, over the audit bound of {total - 1} bytes, so it was not read; "
+        f"only for an archive you trust, audit it with `packbench audit 42 --max-mib 1`"))
+    (problem,) = problems_of(sealed, max_json_total_bytes=json_total - 1)
+    assert problem == Problem(None, "too-large", f"archive too large: its JSON members declare {json_total} bytes in "
+                              f"total, the bound is {json_total - 1} (raise max_json_total_bytes if trusted)")
+
+
+# ----------------------------------------------------------------------------- members not in the writer's layout
+
+
+def _zipfile_archive(tmp_path: Path, members: dict[str, tuple[bytes, int]]) -> Path:
+    """Members written by zipfile with another timestamp: their local headers are not the
+    writer's, so the reader takes them through zipfile (its path for foreign layouts)."""
+    path = tmp_path / "z.zip"
+    with zipfile.ZipFile(path, "w") as zf:
+        for name, (data, method) in members.items():
+            info = zipfile.ZipInfo(name, date_time=(2001, 2, 3, 4, 5, 6))
+            info.compress_type = method
+            zf.writestr(info, data)
+    return path
+
+
+def test_a_foreign_layout_member_is_read_whole_up_to_its_bound(tmp_path: Path):
+    """A member the writer did not lay out is still read whole (several chunks, deflated or
+    stored) when it is within the bound, exactly at the bound included, and refused by name
+    over it. Catches the zipfile path's reads cut short, its running total reset, and the
+    bound compared with >=."""
+    blob = np.random.default_rng(4).integers(0, 4, (5 << 20) // 2, dtype=np.uint8).tobytes()
+    path = _zipfile_archive(tmp_path, {"d.bin": (blob, zipfile.ZIP_DEFLATED), "s.bin": (blob[:5000], zipfile.ZIP_STORED)})
+    with ArchiveReader(path, max_member_bytes=len(blob)) as r:
+        assert r._data_at == {}  # neither member is in the writer's layout
+        assert r.read_bytes("d.bin") == blob
+        assert r.read_bytes("s.bin") == blob[:5000]
+    with ArchiveReader(path, max_member_bytes=len(blob) - 1) as r, pytest.raises(ArchiveError) as e:
+        r.read_bytes("d.bin")
+    assert str(e.value) == (f"member d.bin of archive {path} declares {len(blob)} bytes, over the bound of "
+                            f"{len(blob) - 1}; raise max_member_bytes if the archive is trusted")
+
+
+def test_unsupported_compression_and_encryption_are_refused_by_name(tmp_path: Path):
+    """Catches either refusal dropped, the encryption flag tested on the wrong bit, or their
+    words lost."""
+    path = _zipfile_archive(tmp_path, {"b.bin": (b"x" * 100, zipfile.ZIP_BZIP2)})
+    with ArchiveReader(path) as r, pytest.raises(ArchiveError) as e:
+        r.read_bytes("b.bin")
+    assert str(e.value) == (f"member b.bin of archive {path} uses unsupported compression method 12; raw archives "
+                            f"use STORED or DEFLATED only")
+    path = _zipfile_archive(tmp_path, {"e.bin": (b"x" * 100, zipfile.ZIP_STORED)})
+    raw = bytearray(path.read_bytes())  # zipfile writes no encrypted member: set the flag's bit 0 by hand
+    raw[6] |= 0x1  # the local header's flags
+    raw[raw.index(b"PK\x01\x02") + 8] |= 0x1  # the directory entry's
+    path.write_bytes(raw)
+    with ArchiveReader(path) as r, pytest.raises(ArchiveError) as e:
+        r.read_bytes("e.bin")
+    assert str(e.value) == f"member e.bin of archive {path} is encrypted; raw archives are never encrypted"
+
+
+# ----------------------------------------------------------------------------- DEFLATE streams in the writer's layout
+
+
+def _one_deflated_member(path: Path, name: str, content: bytes, payload: bytes, *, size: int | None = None) -> Path:
+    """An archive of one DEFLATED member whose headers are exactly the writer's for `content`
+    (CRC, sizes) but whose stored bytes are `payload`: the reader takes its exact path."""
+    from packbench.core.archive.zipformat import VERSION, central_entry, end_records, local_header
+    size = len(content) if size is None else size
+    fields = dict(method=zipfile.ZIP_DEFLATED, crc=zlib.crc32(content), csize=len(payload), size=size)
+    head = local_header(name.encode(), zip64=False, **fields)
+    cd = central_entry(name.encode(), offset=0, version=VERSION, **fields)
+    path.write_bytes(head + payload + cd + end_records(1, len(head) + len(payload), len(cd)))
+    return path
+
+
+def _raw_deflate(data: bytes, *, finish: bool = True) -> bytes:
+    z = zlib.compressobj(zlib.Z_DEFAULT_COMPRESSION, zlib.DEFLATED, -15)
+    return z.compress(data) + z.flush(zlib.Z_FINISH if finish else zlib.Z_SYNC_FLUSH)
+
+
+@pytest.mark.parametrize("case", ["junk after the stream", "junk past the first chunk", "no final block", "not deflate"])
+def test_damaged_deflate_streams_are_named_by_what_is_wrong(tmp_path: Path, case: str):
+    """Bytes after the end of a member's DEFLATE stream (in its first chunk or past it), a stream
+    without its final block and bytes that are no DEFLATE stream at all: each is read as
+    'cannot be read (cause)' and verified as 'unreadable member NAME: cause'. Catches a check
+    dropped, the count of trailing bytes wrong, and a cause or the fix lost."""
+    content = b"packbench " * 300
+    stream = _raw_deflate(content)
+    payload, cause = {
+        "junk after the stream": (stream + bytes(4), "4 bytes after the end of its DEFLATE stream"),
+        "junk past the first chunk": (stream + bytes((1 << 20) + 10),
+                                      f"{len(stream) + 10} bytes after the end of its DEFLATE stream"),
+        "no final block": (_raw_deflate(content, finish=False), "truncated DEFLATE stream"),
+        "not deflate": (b"\xff" * 20, "zlib.error: Error -3 while decompressing data: invalid block type"),
+    }[case]
+    path = _one_deflated_member(tmp_path / "d.zip", "m.bin", content, payload)
+    with ArchiveReader(path) as r:
+        assert r._data_at  # the writer's layout: read straight from the file
+        with pytest.raises(ArchiveError) as e:
+            r.read_bytes("m.bin")
+        found = [p for p in r.verify() if p.member == "m.bin"]
+    assert str(e.value) == f"member m.bin of archive {path} cannot be read ({cause}); the archive is damaged: run verify()"
+    assert found == [Problem("m.bin", "unreadable", f"unreadable member m.bin: {cause}")]
+
+
+def test_a_member_inflating_past_the_bound_is_named_with_the_bound(tmp_path: Path):
+    """The writer's layout, a size declared within the bound, more bytes inflated: refused at the
+    bound with its words. Catches the bound's message or fix lost on the exact path."""
+    content = bytes(5000)
+    path = _one_deflated_member(tmp_path / "b.zip", "m.bin", content, _raw_deflate(content), size=100)
+    with ArchiveReader(path, max_member_bytes=1000) as r, pytest.raises(ArchiveError) as e:
+        r.read_bytes("m.bin")
+    assert str(e.value) == (f"member m.bin of archive {path} inflates past the bound of 1000 bytes; the archive is "
+                            f"hostile or damaged")
+
+
+# ----------------------------------------------------------------------------- names and offsets
+
+
+def _stored_zip(path: Path, members: list[tuple[bytes, bytes, int | None]], gap: int = 0) -> Path:
+    """Members STORED with the writer's own records; `gap` junk bytes before the second member,
+    or an explicit offset (the third field) for its directory entry."""
+    from packbench.core.archive.zipformat import VERSION, central_entry, end_records, local_header
+    body, cd = b"", b""
+    for i, (name, data, offset) in enumerate(members):
+        if i == 1:
+            body += bytes(gap)
+        fields = dict(method=zipfile.ZIP_STORED, crc=zlib.crc32(data), csize=len(data), size=len(data))
+        at = len(body)
+        body += local_header(name, zip64=False, **fields) + data
+        cd += central_entry(name, offset=at if offset is None else offset, version=VERSION, **fields)
+    path.write_bytes(body + cd + end_records(len(members), len(body), len(cd)))
+    return path
+
+
+def test_bytes_between_members_and_overlapping_members_are_layout_problems(tmp_path: Path):
+    """Catches the gap and the overlap confused, their sizes or offsets wrong, and the problem
+    kind or member lost (a gap belongs to no member; an overlap names the later member)."""
+    a = (b"a.bin", b"x" * 50, None)
+    gap = _stored_zip(tmp_path / "gap.zip", [a, (b"b.bin", b"y" * 20, None)], gap=5)
+    first = 30 + 5 + 50  # a's local header (30 + 5-byte name) and data
+    assert [p for p in problems_of(gap) if p.kind == "layout"][0] == Problem(
+        None, "layout", f"layout: 5 bytes before member b.bin belong to no member (offset {first})")
+    over = _stored_zip(tmp_path / "over.zip", [a, (b"b.bin", b"y" * 20, 10)])
+    assert [p for p in problems_of(over) if p.kind == "layout"][0] == Problem(
+        "b.bin", "layout", f"layout: member b.bin overlaps the member before it (offset {first})")
+
+
+def test_a_name_with_a_nul_byte_or_outside_ascii_is_named_as_such(tmp_path: Path):
+    """zipfile cuts a name at a NUL byte, so the name the archive holds is not the one read:
+    verify and read say so; a non-ASCII name is a layout problem of that member. Catches the
+    NUL check's words lost and the non-ASCII problem's member or kind changed."""
+    path = _stored_zip(tmp_path / "nul.zip", [(b"a\x00b.bin", b"x", None)])
+    with ArchiveReader(path) as r:
+        assert [p for p in r.verify() if p.kind == "unsafe"] == [
+            Problem("a", "unsafe", "unsafe member name a (contains a NUL byte)")]
+        with pytest.raises(ArchiveError) as e:
+            r.read_bytes("a")
+    assert str(e.value) == (f"refusing unsafe member name 'a\\x00b.bin' in archive {path} (contains a NUL byte); "
+                            f"the archive is hostile or damaged")
+    path = tmp_path / "utf8.zip"
+    with zipfile.ZipFile(path, "w") as zf:
+        zf.writestr("\u00e9.bin", b"x")
+    assert Problem("\u00e9.bin", "layout", "layout: member \u00e9.bin has a non-ASCII name") in problems_of(path)
+
+
+def test_a_duplicate_member_does_not_stop_the_check_of_those_after_it(sealed: Path):
+    """Catches verify giving up at the first duplicate."""
+    with zipfile.ZipFile(sealed) as zf:
+        plan = zf.read("plan.json")
+    with pytest.warns(UserWarning, match="Duplicate name"):  # zipfile's own, writing the forgery
+        append_entry(sealed, "plan.json", plan)
+    append_entry(sealed, "late.bin", b"x")
+    found = content(problems_of(sealed))
+    assert Problem("plan.json", "duplicate", "duplicate member plan.json") in found
+    assert Problem("late.bin", "extra", "extra member late.bin") in found
+
+
+# ----------------------------------------------------------------------------- the manifest itself
+
+
+def test_every_problem_of_the_manifest_itself_is_named_on_manifest_json(sealed: Path, tmp_path: Path):
+    """A duplicate, a symlink, an unparseable (200 characters of cause), a malformed manifest and
+    one deflated at another level: each one Problem naming manifest.json with its kind, and the
+    archive is not complete. Catches a check dropped, its member or kind lost, and the manifest
+    read without the exact-stream check."""
+    with zipfile.ZipFile(sealed) as zf:
+        body = zf.read(MANIFEST_NAME)
+
+    def manifest_problems(path: Path) -> list[Problem]:
+        with ArchiveReader(path) as r:
+            assert not r.complete
+            return [p for p in r.verify() if p.member == MANIFEST_NAME]
+
+    dup = tmp_path / "dup.zip"
+    dup.write_bytes(sealed.read_bytes())
+    with pytest.warns(UserWarning, match="Duplicate name"):
+        append_entry(dup, MANIFEST_NAME, body)
+    assert Problem(MANIFEST_NAME, "duplicate", "duplicate member manifest.json: cannot tell which is real") in \
+        manifest_problems(dup)
+    link = tmp_path / "link.zip"
+    with zipfile.ZipFile(link, "w") as zf:
+        info = zipfile.ZipInfo(MANIFEST_NAME)
+        info.external_attr = (stat.S_IFLNK | 0o777) << 16
+        zf.writestr(info, b"plan.json")
+    assert Problem(MANIFEST_NAME, "symlink", "symlink member manifest.json") in manifest_problems(link)
+    long_key = "k" * 300
+    unparseable = tmp_path / "unparseable.zip"
+    with zipfile.ZipFile(unparseable, "w", zipfile.ZIP_DEFLATED) as zf:
+        zf.writestr(MANIFEST_NAME, ('{"%s":1,"%s":2}' % (long_key, long_key)).encode())
+    cause = f"duplicate key '{long_key}"[:200]
+    assert Problem(MANIFEST_NAME, "manifest", f"unparseable member manifest.json: {cause}") in \
+        manifest_problems(unparseable)
+    malformed = tmp_path / "malformed.zip"
+    with zipfile.ZipFile(malformed, "w", zipfile.ZIP_DEFLATED) as zf:
+        zf.writestr(MANIFEST_NAME, canonical_json([]))
+    assert Problem(MANIFEST_NAME, "manifest", "malformed member manifest.json: not a JSON object") in \
+        manifest_problems(malformed)
+    big = canonical_json({"format_version": 1, "members": {}, "pad": [i * i % 977 for i in range(1000)]})
+    z = zlib.compressobj(1, zlib.DEFLATED, -15)
+    level1 = z.compress(big) + z.flush()
+    assert level1 != _raw_deflate(big)
+    other = _one_deflated_member(tmp_path / "level1.zip", MANIFEST_NAME, big, level1)
+    (problem,) = manifest_problems(other)
+    assert (problem.kind, problem.message.split(": its DEFLATE stream")[0]) == (
+        "unreadable", "unreadable member manifest.json"), problem
