@@ -8,8 +8,8 @@
 #      bytes per call each direction, cold (warm-up) apart from warm, packets bit-identical to
 #      dense-stream and host-experts' fidelity at each batch; the first batch from which the packet
 #      (moving the weights) decodes faster than computing the experts on the host;
-#   B. one screen through `packbench submit --wait` and `packbench audit`: dense-stream, packet,
-#      accelerate (its device_map offload, tier exact, judged by faithfulness) and host-experts (tier
+#   B. one screen through `packbench submit --wait` and `packbench audit`: dense-stream, packet (host
+#      gather), packet-mapped (`{gather: mapped}`), accelerate (its device_map offload, tier exact, judged by faithfulness) and host-experts (tier
 #      approximate, judged by fidelity), every expert on the host and with a hot set of HOT experts a
 #      layer on the device, 1 warm-up + 2 prompts each; then bench.moe_peers_screen on
 #      its archive: TTFT and decode ms/token, tokens/s, bytes per decode token each direction,
@@ -59,6 +59,7 @@ continuation_tokens: $C
 conditions:
   - {policy: dense-stream}
   - {policy: packet}
+  - {name: packet-mapped, policy: packet, params: {gather: mapped}}
   - {policy: accelerate}
   - {policy: host-experts}
   - {name: host-experts-hot, policy: host-experts, params: {hot: $HOT}}
