@@ -125,6 +125,13 @@ def host_rss_peak_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
+def release(model) -> None:
+    """Let a dropped competitor go: one whose library holds it from process-wide state
+    (zero-inference: engine/zero_inference.py `release`) frees what it holds there."""
+    if hasattr(model, "release"):
+        model.release()
+
+
 def core_share(cores: list[int], index: int, count: int) -> list[int]:
     """The `index`-th of `count` contiguous, near-equal slices of `cores` (never empty)."""
     if not 0 <= index < count:
@@ -360,8 +367,8 @@ class Worker:
             if getattr(model, "can_shelve", False):
                 model.shelve()
                 self.shelf[key] = model
-            elif hasattr(model, "release"):  # a library holding it from module-level state (zero-inference)
-                model.release()
+            else:
+                release(model)
             del model
             self._free()
 
@@ -374,8 +381,8 @@ class Worker:
         """Release the loaded model (host and device memory) before another one is read."""
         if self.model is not None and self.model.slot.policy is not None:
             self.model.slot.policy.deactivate()
-        if self.competitor is not None and hasattr(self.competitor[1], "release"):
-            self.competitor[1].release()
+        if self.competitor is not None:
+            release(self.competitor[1])
         self.model, self.model_key = None, None
         self.competitor, self.parked, self.shelf = None, False, {}
         gc.unfreeze()  # the dropped model's cycles must be collectable
@@ -502,9 +509,9 @@ class Worker:
         # A failed competitor is dropped, not kept or shelved: it may be half built or half
         # moved, and it must not hold the device the next condition needs (an OOM must not
         # poison the episodes after it).
-        if self.competitor is not None and hasattr(self.competitor[1], "release"):
+        if self.competitor is not None:
             try:
-                self.competitor[1].release()
+                release(self.competitor[1])
             except Exception:  # noqa: BLE001 - half built: what could be released was
                 pass
         self.competitor = None
