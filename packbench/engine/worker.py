@@ -126,8 +126,8 @@ def host_rss_peak_bytes() -> int:
 
 
 def release(model) -> None:
-    """Let a dropped competitor go: one whose library holds it from process-wide state
-    (zero-inference: engine/zero_inference.py `release`) frees what it holds there."""
+    """Let a dropped competitor go: one whose library holds it from process-wide state (DeepSpeed's,
+    engine/zero_inference.py `release`) frees what it holds there."""
     if hasattr(model, "release"):
         model.release()
 
