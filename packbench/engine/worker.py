@@ -126,8 +126,8 @@ def host_rss_peak_bytes() -> int:
 
 
 def release(model) -> None:
-    """Let a dropped competitor go: one whose library holds it from process-wide state (DeepSpeed's,
-    engine/zero_inference.py `release`) frees what it holds there."""
+    """Let a dropped competitor go: one whose library holds it from process-wide state (DeepSpeed's
+    module-level stack and caches) frees what it holds there, through its own `release`."""
     if hasattr(model, "release"):
         model.release()
 
