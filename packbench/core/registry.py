@@ -225,10 +225,18 @@ class SynthProfile:
     # Where a layer carries outlier dims (`outliers`), which of its Linears lose their salient columns (None:
     # none lose them): "inputs", the ones reading its LayerNorms (q, k, v, fc1), whose large inputs are then the
     # outlier features themselves (LLM.int8's emergent features from ~6.7B on: the magnitude sits in the
-    # activation, not in the weight column); "layer", all six. A candidate field (bench/robustness.py
-    # outlier_salience=inputs), no profile uses it yet (docs/workloads.md, "Salient channels where outlier
-    # features emerge").
+    # activation, not in the weight column); "layer", all six. Profile opt4 is opt3 with "inputs"
+    # (docs/workloads.md, "opt4").
     outlier_salience: str | None = None
+    # The stream's readers at OPT's weight scale (False: as `rank` leaves them): in a low-rank stream
+    # (`rank`), q, k, v and fc1 read `dims` directions with entries INIT_STD * sqrt(dims / hidden), ~10x
+    # smaller than OPT's (0.0022 against 0.02 at opt-13b) while their outputs are the same, so a kernel that
+    # multiplies activations by int8 weights before scaling (torchao's int8 weight-only: x @ W_int8, then the
+    # row scales) overflows float16 (int8 units of 107,000 at opt-13b; 65,504 is float16's largest). True:
+    # those weights times s, the LayerNorms feeding them divided by s, s the power of two nearest
+    # sqrt(hidden / dims) (8 from opt-1.3b to opt-13b): the function, exactly as before in real arithmetic
+    # and in binary floating point (both factors scale exponents only), with readers of std ~0.02.
+    opt_scale_readers: bool = False
 
     def layer_densities(self, shape: str) -> list[float]:
         """Each layer's target density: log-linear from first to last, mean `density[shape]`."""
@@ -255,6 +263,14 @@ PROFILES["opt2"] = dataclasses.replace(PROFILES["opt"], rank=160)
 # a narrower stream: per-channel RTN 3-7x as fragile as group-128 (CPU: 3.2 at opt-125m, 6.6 on an opt-2.7b-wide
 # proxy), as real OPT's 4-7x (docs/workloads.md). 4 is a power of two: the reparameterisation is exact in floats too.
 PROFILES["opt3"] = dataclasses.replace(PROFILES["opt"], rank=60, salient=(0.01, 4.0))
+# `opt3` where outlier features emerge (opt-6.7b, opt-13b): in a layer with outlier dims, the Linears that read
+# its LayerNorms (q, k, v, fc1) keep no salient columns, their large inputs being the outlier features themselves
+# (LLM.int8). At opt-2.7b and below (no outlier dims) it computes opt3's function. On the H200 it brings int4
+# per-channel RTN from opt3's 1.7-1.9x real OPT's to 1.02x (6.7b) and 1.14x (13b), as real OPT's falls with
+# size (docs/workloads.md, "opt4").
+# Its stream's readers carry OPT's weight scale (`opt_scale_readers`): the same function, int8 kernels that
+# accumulate in float16 stay finite as on real OPT.
+PROFILES["opt4"] = dataclasses.replace(PROFILES["opt3"], outlier_salience="inputs", opt_scale_readers=True)
 # Where a profile's response to weight quantization is measured within the targets of real OPT's published
 # figures (engine/robustness.py REAL_OPT; docs/workloads.md, "Robustness"): int8 per-channel <= 0.003 nats,
 # int4 per-channel RTN within 1.5x of GPTQ's figure (opt-125m, 2.7b, 6.7b, 13b), int4 group-128 within 1.5x
@@ -262,7 +278,10 @@ PROFILES["opt3"] = dataclasses.replace(PROFILES["opt"], rank=60, salient=(0.01, 
 # per-channel at 6.7b only, group-128 at 1.3b only. opt3 joins a shape when the H200 measures it within them.
 # opt3 at opt-2.7b: every target met on the H200 (docs/workloads.md); at opt-1.3b int8 is 0.0036 (target
 # <= 0.003), at opt-6.7b and opt-13b int4 per-channel 1.7-1.9x real OPT's (target within 1.5x).
-ROBUSTNESS_SHAPES: dict[str, tuple[str, ...]] = {"opt2": ("opt-125m",), "opt3": ("opt-125m", "opt-2.7b")}
+# opt4 computes opt3's function at opt-125m to opt-2.7b (no outlier dims) and met every target at opt-6.7b and
+# opt-13b. At opt-1.3b (opt3's weights there), 32 prompts gave int8 0.0011 where 8 had given 0.0036 (0.0014..0.0059).
+ROBUSTNESS_SHAPES: dict[str, tuple[str, ...]] = {"opt2": ("opt-125m",), "opt3": ("opt-125m", "opt-1.3b", "opt-2.7b"),
+                                                 "opt4": ("opt-125m", "opt-1.3b", "opt-2.7b", "opt-6.7b", "opt-13b")}
 
 
 def robustness_caveat(synth: Mapping[str, Any]) -> str | None:
@@ -280,8 +299,9 @@ def robustness_caveat(synth: Mapping[str, Any]) -> str | None:
 
 DEFAULT_PROFILE = "opt"  # what a schema-4 to -7 model.synth without profile or sparsity gets
 # From each schema on, the profile such a model.synth gets (schema 8: opt2; 9: opt3, calibrated for robustness
-# per channel and per group); frozen protocols write it out, so their bodies and hashes never move.
-PROFILE_SCHEMAS: dict[int, str] = {4: DEFAULT_PROFILE, 8: "opt2", 9: "opt3"}
+# per channel and per group; 11: opt4, calibrated at the outlier shapes too); frozen protocols write it out, so
+# their bodies and hashes never move.
+PROFILE_SCHEMAS: dict[int, str] = {4: DEFAULT_PROFILE, 8: "opt2", 9: "opt3", 11: "opt4"}
 NEWEST_PROFILE = PROFILE_SCHEMAS[max(PROFILE_SCHEMAS)]  # `model synth`'s default: the newest schema's
 
 

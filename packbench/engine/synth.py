@@ -261,7 +261,7 @@ def profile_tensors(shape: str, *, seed: int, profile: str, dtype: torch.dtype =
       by `magnitude` (LayerNorm gains are where pretrained models carry them), and the columns of
       q/k/v and fc1 that read those dims are divided by it, so the linear layers meet inputs of
       large magnitude while every pre-activation keeps its distribution.
-    - Robustness (a profile with a `rank`, `opt2`, `opt3`): all of the above lives in `rank` directions of
+    - Robustness (a profile with a `rank`, `opt2` to `opt4`): all of the above lives in `rank` directions of
       the hidden dims (`_Draws.basis`): embeddings are drawn there, every weight reading the stream
       reads only them and every weight writing it writes only into them, with the same
       pre-activation and update scales. Rounding noise in a weight fills every hidden dim, so only
@@ -272,6 +272,8 @@ def profile_tensors(shape: str, *, seed: int, profile: str, dtype: torch.dtype =
       arithmetic (`_salient_channels`), drawn from a second generator (seed + 1), so every other
       weight is the one the profile draws without them. With a power-of-two scale the
       reparameterisation is exact in binary floating point too (both factors scale exponents only).
+    - Readers at OPT's scale (a profile with `opt_scale_readers`, `opt4`): q, k, v and fc1 times a power
+      of two, their LayerNorms divided by it (`_scale_readers`), exact as the salient channels are.
     Drawn in float32 from one generator seeded with `seed`, in a fixed order, then cast.
     """
     p = PROFILES[profile]
@@ -302,6 +304,8 @@ def profile_tensors(shape: str, *, seed: int, profile: str, dtype: torch.dtype =
             flat = () if p.outlier_salience is None or not bool((gain != 1.0).any()) else \
                 _OUTLIER_FLAT[p.outlier_salience]
             _salient_channels(layer, pre, salient_gen, *p.salient, count=p.salient_count, flat=flat)
+        if p.opt_scale_readers and d.basis is not None:
+            _scale_readers(layer, pre, 2.0 ** round(math.log2(math.sqrt(h / dims))))
         sd.update({k: v.to(dtype) for k, v in layer.items()})
         if progress is not None:
             progress(i + 1, layers)
@@ -385,6 +389,19 @@ def _ffn(d: _Draws, p: SynthProfile, pre: str, gain: torch.Tensor, density: floa
         bias = -(fc2.double() @ mean).float()
     return {pre + "fc1.weight": fc1, pre + "fc1.bias": offsets * std, pre + "fc2.weight": fc2,
             pre + "fc2.bias": bias}
+
+
+def _scale_readers(sd: dict[str, torch.Tensor], pre: str, scale: float) -> None:
+    """SynthProfile.opt_scale_readers, in place: q, k, v and fc1 times `scale` (a power of two), the
+    LayerNorms feeding them (gain and bias) divided by it. y = (W s)(x / s) + b is y, in binary floating
+    point too, while x @ W_int8 (int8 units: W over its row's step) falls by `scale`."""
+    attn = pre + "self_attn."
+    for norm, readers in ((pre + "self_attn_layer_norm", (attn + "q_proj", attn + "k_proj", attn + "v_proj")),
+                          (pre + "final_layer_norm", (pre + "fc1",))):
+        sd[norm + ".weight"] = sd[norm + ".weight"] / scale
+        sd[norm + ".bias"] = sd[norm + ".bias"] / scale
+        for reader in readers:
+            sd[reader + ".weight"] = sd[reader + ".weight"] * scale
 
 
 # SynthProfile.outlier_salience: in a layer with outlier dims, the inputs whose salient columns stay flat

@@ -91,7 +91,7 @@ def test_protocol_model_submit_report_ingest_print_one_document(world, tiny, tmp
     assert shown["body"]["name"] == shown["name"] and len(shown["sha256"]) == 64
     assert document("model", "digest", str(tiny), "--json")["sha256"] == invoke("model", "digest", str(tiny)).stdout.strip()
     synth = document("model", "synth", "--out", str(tmp_path / "m"), "--shape", "tiny", "--json")
-    assert synth["profile"] == "opt3" and Path(synth["path"], "config.json").is_file()  # the newest profile
+    assert synth["profile"] == "opt4" and Path(synth["path"], "config.json").is_file()  # the newest profile
     assert document("model", "stats", str(tiny), "--prefix", "8", "--json")
     url = f"sqlite:///{tmp_path / 'q.db'}"
     assert document("db", "upgrade", "--db", url, "--json")

@@ -18,6 +18,10 @@ def test_the_caveat_rides_with_fidelity_verdicts_on_uncalibrated_synthetic_check
     # opt3: opt-2.7b met every target on the H200; opt-13b missed int4 per-channel (1.9x real OPT's)
     assert fidelity_caveat({**opt, "profile": "opt3"}, [FIDELITY]) is None
     assert "profile opt3, opt-13b" in fidelity_caveat({**opt, "shape": "opt-13b", "profile": "opt3"}, [FIDELITY])
+    # opt4: every target met on the H200 at opt-1.3b to opt-13b (and opt-125m on the CPU); tiny is not a real shape
+    for shape in ("opt-125m", "opt-1.3b", "opt-2.7b", "opt-6.7b", "opt-13b"):
+        assert fidelity_caveat({**opt, "shape": shape, "profile": "opt4"}, [FIDELITY]) is None, shape
+    assert "profile opt4, tiny" in fidelity_caveat({**opt, "shape": "tiny", "profile": "opt4"}, [FIDELITY])
     assert fidelity_caveat(opt, [RUNTIME]) is None  # no fidelity verdict: nothing to qualify
     assert fidelity_caveat(None, [FIDELITY]) is None  # a real checkpoint (model.path)
     assert verdict_table([FIDELITY], caveat=caveat).splitlines()[-1] == f"fidelity: {caveat}"

@@ -17,10 +17,10 @@ def test_synth_reports_layers_then_the_write(tmp_path):
     assert result.stdout.splitlines() == [
         "synthesising tiny float32: 1/2 layers",
         "synthesising tiny float32: 2/2 layers; writing model.safetensors",
-        f"wrote tiny float32 checkpoint (profile opt3, seed 0) to {out}",
+        f"wrote tiny float32 checkpoint (profile opt4, seed 0) to {out}",
     ]
     config = json.loads((out / "config.json").read_text())
-    assert config["num_hidden_layers"] == 2 and config["packbench_synth"]["profile"] == "opt3"
+    assert config["num_hidden_layers"] == 2 and config["packbench_synth"]["profile"] == "opt4"
 
 
 def test_plain_lines_stay_few_for_many_layers(capsys):

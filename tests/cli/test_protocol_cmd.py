@@ -66,16 +66,16 @@ def test_a_new_protocol_shows_the_device_gather_it_runs(tmp_path):
     assert frozen.body["conditions"][1]["params"] == {"gather": "device"}
     r = invoke("protocol", "validate", str(path))
     assert r.exit_code == 0, r.output
-    assert "(read as schema 10, frozen as schema 2)" in r.output and "  packet: packet, gather device\n" in r.output
+    assert "(read as schema 11, frozen as schema 2)" in r.output and "  packet: packet, gather device\n" in r.output
     r = invoke("protocol", "show", str(path))
     assert "#   packet: packet, gather device\n" in r.output
     assert json.loads(r.output.split("\n", 5)[5])["conditions"][1]["params"] == {"gather": "device"}
     r = invoke("protocol", "plan", str(path))
     assert r.exit_code == 0 and "packet, gather device" in r.output, r.output
-    path.write_text(GATES.read_text().replace("schema: 2", "schema: 11"))
+    path.write_text(GATES.read_text().replace("schema: 2", "schema: 12"))
     r = run("protocol", "validate", str(path))
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
-    assert "11 is not supported; this packbench reads schema 1, 2, 3, 4, 5, 6, 7, 8, 9 and 10" in r.stderr
+    assert "12 is not supported; this packbench reads schema 1, 2, 3, 4, 5, 6, 7, 8, 9, 10 and 11" in r.stderr
 
 
 def test_plan_lists_the_episodes_in_order_and_what_each_condition_moves():

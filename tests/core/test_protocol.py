@@ -225,7 +225,7 @@ def _runtime(d, **kw):
      "`gates.faithfulness.tolerance`: nan is not a finite number >= 0.0"),
     (lambda d: d.update(gates={}), "`gates`: declare at least one gate"),
     (lambda d: d.update(gates={"speed": {}}), "`gates.speed`: unknown field; allowed fields are acquisition, capacity"),
-    (lambda d: d.update(schema=11), "`schema`: 11 is not supported; this packbench reads schema 1, 2, 3, 4, 5, 6, 7, 8, 9 and 10"),
+    (lambda d: d.update(schema=12), "`schema`: 12 is not supported; this packbench reads schema 1, 2, 3, 4, 5, 6, 7, 8, 9, 10 and 11"),
     (lambda d: d.update(schema=1, repetitions=2), "`schema`: 1 cannot express this protocol"),
     (lambda d: d.update(prompts={"text_file": "t.txt"}, model={"synth": {"shape": "tiny", "dtype": "float32",
                                                                          "sparsity": 0.9, "seed": 0}}),

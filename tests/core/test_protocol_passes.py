@@ -82,6 +82,6 @@ def test_the_cli_refuses_bad_passes_in_one_line_exit_2(tmp_path, packbench_cli):
     (tmp_path / "p.yaml").write_text(yaml.safe_dump(protocol(TINY, passes="separate")))
     r = packbench_cli("protocol", "validate", str(tmp_path / "p.yaml"))
     # read as the newest (8), frozen in the lowest that says separate passes (7)
-    assert r.returncode == 0 and "(read as schema 10, frozen as schema 7)" in r.stdout, r.stdout
+    assert r.returncode == 0 and "(read as schema 11, frozen as schema 7)" in r.stdout, r.stdout
     r = packbench_cli("protocol", "plan", str(tmp_path / "p.yaml"), "--db", f"sqlite:///{tmp_path / 'none.db'}")
     assert r.returncode == 0 and "passes: separate: every episode runs twice" in r.stdout, r.stdout + r.stderr

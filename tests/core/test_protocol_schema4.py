@@ -41,15 +41,27 @@ def test_schema_8_means_opt2_and_every_older_synth_keeps_its_body_and_hash():
 
 
 def test_schema_9_means_opt3_and_schema_8_keeps_opt2():
-    """From schema 9 (the newest: a file without `schema:`) a synth without profile is opt3, written
-    out (the body says 2, as schema 8's did), so a schema-8 file keeps its body and hash (catches a
-    default that moved under an old schema, or a body that says 9)."""
-    newest, nine = freeze(protocol(TINY)), freeze(protocol(TINY, schema=9))
-    assert newest.sha256 == nine.sha256 and newest.body["model"] == {"synth": {**TINY, "profile": "opt3"}}
-    assert newest.body["schema"] == 2 and expand(newest.body).model.synth.profile == "opt3"
-    assert freeze(protocol({**TINY, "profile": "opt3"}, schema=4)).sha256 == newest.sha256  # said: any schema >= 4
+    """In schemas 9 and 10 a synth without profile is opt3, written out (the body says 2, as schema 8's
+    did), so a schema-8 file keeps its body and hash (catches a default that moved under an old schema,
+    or a body that says 9)."""
+    nine, ten = freeze(protocol(TINY, schema=9)), freeze(protocol(TINY, schema=10))
+    assert nine.sha256 == ten.sha256 and nine.body["model"] == {"synth": {**TINY, "profile": "opt3"}}
+    assert nine.body["schema"] == 2 and expand(nine.body).model.synth.profile == "opt3"
+    assert freeze(protocol({**TINY, "profile": "opt3"}, schema=4)).sha256 == nine.sha256  # said: any schema >= 4
     eight = freeze(protocol(TINY, schema=8))
-    assert eight.sha256 == freeze(protocol({**TINY, "profile": "opt2"})).sha256 != newest.sha256
+    assert eight.sha256 == freeze(protocol({**TINY, "profile": "opt2"})).sha256 != nine.sha256
+
+
+def test_schema_11_means_opt4_and_schema_10_keeps_opt3():
+    """From schema 11 (the newest: a file without `schema:`) a synth without profile is opt4, written out
+    (the body says 2), so a schema-9 or -10 file keeps opt3 with its body and hash (catches a default that
+    moved under an old schema, or a body that says 11)."""
+    newest, eleven = freeze(protocol(TINY)), freeze(protocol(TINY, schema=11))
+    assert newest.sha256 == eleven.sha256 and newest.body["model"] == {"synth": {**TINY, "profile": "opt4"}}
+    assert newest.body["schema"] == 2 and expand(newest.body).model.synth.profile == "opt4"
+    assert freeze(protocol({**TINY, "profile": "opt4"}, schema=4)).sha256 == newest.sha256  # said: any schema >= 4
+    older = {freeze(protocol(TINY, schema=s)).sha256 for s in (9, 10)}
+    assert older == {freeze(protocol({**TINY, "profile": "opt3"})).sha256} and newest.sha256 not in older
 
 
 def test_a_uniform_sparsity_freezes_as_every_older_schema_froze_it():

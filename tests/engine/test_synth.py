@@ -2,6 +2,7 @@
 
 import hashlib
 
+import pytest
 import torch
 
 from packbench.engine.checkpoint import build_model, read_config
@@ -418,3 +419,60 @@ def test_outlier_salience_flattens_the_salient_columns_where_outlier_dims_are_an
         a = profile_model("tiny", seed=0, profile=name + "-tiny", dtype=torch.float32).state_dict()
         b = profile_model("tiny", seed=0, profile="opt3", dtype=torch.float32).state_dict()
         assert all(torch.equal(a[k], b[k]) for k in b)
+
+
+# ----------------------------------------------------------------------------- readers at OPT's scale (profile opt4)
+
+def test_opt4_is_opt3_with_flat_outlier_inputs_and_readers_at_opts_weight_scale(monkeypatch):
+    """opt4 = opt3 + outlier_salience "inputs" + opt_scale_readers. The readers of the low-rank stream (q, k,
+    v, fc1) are times s, a power of two near sqrt(hidden / dims) (tiny: 64 / 16 -> 2; opt-125m: 768 / 60 ->
+    4; opt-1.3b to opt-13b: 8), their LayerNorms divided by s; every other tensor is the unscaled draw's.
+    float32 logits equal the unscaled draw's bit for bit, and x @ W_int8 (the int8 units torchao's int8
+    weight-only multiplies in the activation dtype before its row scales) falls by s. Catches a scale
+    that is not a power of two, one that misses a reader or its LayerNorm (the function moves), one that
+    touches a writer, and a rule that leaves opt4's readers ~10x smaller than OPT's (float16 overflow at
+    opt-13b on the H200: non-finite logits)."""
+    import dataclasses
+    import math
+
+    from packbench.core import registry
+    from packbench.engine.synth import profile_model
+
+    opt4 = registry.PROFILES["opt4"]
+    assert opt4 == dataclasses.replace(registry.PROFILES["opt3"], outlier_salience="inputs", opt_scale_readers=True)
+    monkeypatch.setitem(registry.PROFILES, "unscaled", dataclasses.replace(opt4, opt_scale_readers=False))
+    for shape, s in (("opt-125m", 4.0), ("opt-1.3b", 8.0), ("opt-2.7b", 8.0), ("opt-6.7b", 8.0), ("opt-13b", 8.0)):
+        h = registry.SHAPES[shape]["hidden"]
+        assert 2.0 ** round(math.log2(math.sqrt(h / min(opt4.rank, h // 4)))) == s, shape
+    models = {n: profile_model("tiny", seed=0, profile=n, dtype=torch.float32).eval() for n in ("opt4", "unscaled")}
+    ids = torch.randint(4, 512, (2, 40), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        logits = {n: m(ids).logits for n, m in models.items()}
+    assert torch.equal(logits["opt4"], logits["unscaled"])
+    a, b = models["opt4"].state_dict(), models["unscaled"].state_dict()
+    readers = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight", "fc1.weight")
+    norms = ("self_attn_layer_norm.weight", "self_attn_layer_norm.bias", "final_layer_norm.weight", "final_layer_norm.bias")
+    for k in b:
+        tail = k.split(".", 4)[-1] if k.startswith("model.decoder.layers.") else None
+        if tail in readers:
+            assert torch.equal(a[k], b[k] * 2.0), k
+        elif tail in norms:
+            assert torch.equal(a[k], b[k] / 2.0), k
+        else:
+            assert torch.equal(a[k], b[k]), k  # writers, biases, embeddings, the final LayerNorm
+    assert 0.01 < float(a["model.decoder.layers.0.fc1.weight"].std()) < 0.04  # OPT's init std is 0.02
+
+    units = {}
+    for n, m in models.items():
+        seen = []
+
+        def hook(mod, inp, out):
+            w = mod.weight
+            step = w.abs().amax(dim=1) / 127
+            seen.append(float((inp[0] @ torch.round(w / step[:, None]).T).abs().max()))
+        handle = m.model.decoder.layers[0].self_attn.q_proj.register_forward_hook(hook)
+        with torch.inference_mode():
+            m(ids)
+        handle.remove()
+        units[n] = seen[0]
+    assert units["opt4"] == pytest.approx(units["unscaled"] / 2.0, rel=1e-5)

@@ -7,8 +7,9 @@ The package, along its seams:
   schemas 3 and 4 are schema 2 with newer defaults written out, so they freeze as 2 or 1;
   schema 5 adds competitor conditions and the fidelity gate, which freeze as 5; schema 6 the
   accelerate competitor, competitor modes, `weights` and `batch` (6); schema 7
-  `passes: separate` (7); schema 8 profile `opt2` for a model.synth without one, schema 9 (the
-  newest) profile `opt3` (written out, so nothing freezes as 8 or 9);
+  `passes: separate` (7); schema 8 profile `opt2` for a model.synth without one, schema 9
+  profile `opt3` (written out, so nothing freezes as 8 or 9); schema 10 `scored_prompts` and the
+  `flexgen` competitor (10); schema 11 (the newest) profile `opt4` (written out: nothing freezes as 11);
 - `compat.py`: schema 1, what packbench 0.1 froze; a protocol is frozen in the LOWEST schema
   that says its meaning, so every old hash still holds;
 - `spec.py`: the typed, frozen `Protocol` that `expand` returns, validated once and read by the

@@ -36,6 +36,9 @@ overlapping ones (32x the logits in the archive). A protocol giving it freezes a
 competitor (its kind's `since` is 10) came with no schema of its own: a new kind moves no older
 body (its name was not sayable) and every earlier reader refuses the unknown policy in one line;
 a protocol naming it freezes as 10.
+Schema 11 is schema 10 where a `model.synth` without `sparsity` or `profile` means profile `opt4`
+(`opt3` calibrated at the outlier shapes too), written out as schema 8's and 9's were, so no body
+says 11 and every older file keeps its meaning and hash.
 Every rule a field obeys is written once, here; docs/protocol.md describes them for users.
 """
 
@@ -81,8 +84,8 @@ from packbench.core.registry import (
     synth_spec,
 )
 
-SCHEMA_VERSION = 10  # the newest schema this packbench reads: what a YAML without `schema:` means
-SCHEMAS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 10)  # every schema it reads; frozen bodies say 1, 2, 5, 6, 7 or 10 (module docstring)
+SCHEMA_VERSION = 11  # the newest schema this packbench reads: what a YAML without `schema:` means
+SCHEMAS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11)  # every schema it reads; frozen bodies say 1, 2, 5, 6, 7 or 10 (module docstring)
 COMPETITOR_SCHEMA = 5  # the first schema that can say a competitor condition or a fidelity gate
 MODE_SCHEMA = 6  # the first schema that can say a competitor's `mode` (a kind's own schema: its `since`)
 PASSES_SCHEMA = 7  # the first schema that can say `passes`
