@@ -7,7 +7,7 @@
 # The four shapes run side by side (one process each), the profiles one after another in it.
 # Full logs and JSON under $OUT (or ./robustness-out); the table last. Run from the project root
 # with .whl carried:  bash bench/robustness_device.sh
-#   PROFILES="opt3" (default; several: one after another in each shape's process, the first is the
+#   PROFILES="opt4" (default; several: one after another in each shape's process, the first is the
 #   table's ratio column; opt3 alone took 204 s on the H200, so two take about 410 s of the 570),
 #   SHAPES="opt-1.3b opt-2.7b opt-6.7b
 #   opt-13b", PROMPTS=8, PREFIX=128, SAMPLED=128, VARIANTS (comma-separated; default every one:
@@ -23,7 +23,7 @@ install_wheels
 export RAY_AUTH_MODE=disabled
 command -v nvidia-smi >/dev/null && device_header
 shapes=${SHAPES:-opt-1.3b opt-2.7b opt-6.7b opt-13b}
-profiles=${PROFILES:-opt3}
+profiles=${PROFILES:-opt4}
 variants=${VARIANTS:-int8-channel,int4-channel,int4-g128,nf4-b64}
 pids=()
 start=$(date +%s)
