@@ -476,3 +476,20 @@ def test_opt4_is_opt3_with_flat_outlier_inputs_and_readers_at_opts_weight_scale(
         handle.remove()
         units[n] = seen[0]
     assert units["opt4"] == pytest.approx(units["unscaled"] / 2.0, rel=1e-5)
+
+    # every fake-quantized figure is the unscaled draw's: (W s)_q = s W_q for a per-row, per-group or
+    # per-block step, so the quantized models' logits are equal too (catches a scale that is not a power
+    # of two, which would move each variant's rounding and so docs/workloads.md's H200 figures)
+    from packbench.engine.robustness import VARIANTS, decoder_linears
+
+    for variant in VARIANTS.values():
+        quantized = {}
+        for n in ("opt4", "unscaled"):
+            m = profile_model("tiny", seed=0, profile=n, dtype=torch.float32).eval()
+            with torch.no_grad():
+                for linear in decoder_linears(m):
+                    linear.weight.copy_(variant.quantize(linear.weight))
+            with torch.inference_mode():
+                quantized[n] = m(ids).logits
+        assert torch.equal(quantized["opt4"], quantized["unscaled"]), variant.name
+        assert not torch.equal(quantized["opt4"], logits["opt4"]), variant.name  # the rounding did something
