@@ -99,7 +99,7 @@ VARIANTS: dict[str, Variant] = {v.name: v for v in (
 
 # Real OPT: WikiText-2 perplexity, ln(quantized / fp16): what a synthetic checkpoint of the shape
 # is calibrated against (docs/workloads.md). (variant, shape) -> (ln ratio, how it reads, source).
-GPTQ = "GPTQ (Frantar et al. 2022) Table 3, RTN 4-bit per-channel"
+GPTQ = "GPTQ (Frantar et al. 2022, arXiv 2210.17323v2) Table 3, RTN 4-bit per-channel"
 AWQ = ("AWQ (Lin et al. 2023) RTN w4 g128, as reproduced in AffineQuant's README figure "
        "(bytedance/AffineQuant, fig/weight-only-opt.png)")
 GPTQ3 = "GPTQ (Frantar et al. 2022, arXiv 2210.17323v2) Table 3, RTN 3-bit per-channel"
