@@ -10,8 +10,10 @@
 #   PROFILES="opt4" (default; several: one after another in each shape's process, the first is the
 #   table's ratio column; opt3 alone took 204 s on the H200, so two take about 410 s of the 570),
 #   SHAPES="opt-1.3b opt-2.7b opt-6.7b
-#   opt-13b", PROMPTS=8, PREFIX=128, SAMPLED=128, VARIANTS (comma-separated; default every one:
-#   int8-channel,int4-channel,int4-g128,nf4-b64), BUDGET_S=570 (what the runs may take in all).
+#   opt-13b", PROMPTS=8, PREFIX=128, SAMPLED=128, VARIANTS (comma-separated; default the four with
+#   calibrated targets or an nf4 reference: int8-channel,int4-channel,int4-g128,nf4-b64; append
+#   int3-channel,int3-g128 for the 3-bit rows of docs/workloads.md, "Beyond the targets"),
+#   BUDGET_S=570 (what the runs may take in all).
 #   A candidate beside the profile: PROFILES="opt3 opt3+salient=0:8+salient_count=4" (bench/robustness.py).
 # CPU dry run: SKIP_WHEELS=1 DEVICE=cpu DTYPE=float32 SHAPES=tiny PROMPTS=2 PREFIX=16 SAMPLED=16 bash bench/robustness_device.sh
 # The byte rows of docs/workloads.md on profile opt2: PROFILE=opt2 ONLY=A bash bench/workloads_device.sh

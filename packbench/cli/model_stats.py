@@ -45,8 +45,8 @@ def stats(
     figure: Annotated[Optional[Path], typer.Option(
         help="MoE checkpoints: also write the routing figure (load, reuse, LRU against Belady) as SVG here.")] = None,
     robustness: Annotated[bool, typer.Option(
-        "--robustness", help="Instead: fake-quantization sensitivity (int8 per-channel, int4 per-channel and "
-                             "group-128 RTN, nf4 block-64; every decoder Linear weight), teacher-forced on the "
+        "--robustness", help="Instead: fake-quantization sensitivity (int8 per-channel, int4 and int3 per-channel "
+                             "and group-128 RTN, nf4 block-64; every decoder Linear weight), teacher-forced on the "
                              "model's own sampled text (or the --prompts text), beside real OPT's figures.")] = False,
     sampled: Annotated[Optional[int], typer.Option(
         show_default=False, help=f"With --robustness and generated prompts: tokens sampled (temperature 1) after each "

@@ -91,18 +91,24 @@ VARIANTS: dict[str, Variant] = {v.name: v for v in (
     Variant("int4-channel", "int4 per-channel RTN, asymmetric min-max", lambda w: minmax_asymmetric(w, bits=4)),
     Variant("int4-g128", "int4 group-128 RTN, asymmetric min-max", lambda w: minmax_asymmetric(w, bits=4, group=128)),
     Variant("nf4-b64", "nf4 block-64 (bitsandbytes' code)", lambda w: nf4_blocks(w, block=64)),
+    # Beyond the calibrated targets (docs/workloads.md, "Beyond the targets: other bit widths"):
+    # the same RTN at 3 bits, which real OPT's tables also report; no profile is fitted to them.
+    Variant("int3-channel", "int3 per-channel RTN, asymmetric min-max", lambda w: minmax_asymmetric(w, bits=3)),
+    Variant("int3-g128", "int3 group-128 RTN, asymmetric min-max", lambda w: minmax_asymmetric(w, bits=3, group=128)),
 )}
 
 # Real OPT: WikiText-2 perplexity, ln(quantized / fp16): what a synthetic checkpoint of the shape
 # is calibrated against (docs/workloads.md). (variant, shape) -> (ln ratio, how it reads, source).
-GPTQ = "GPTQ (Frantar et al. 2022) Table 3, RTN 4-bit per-channel"
+GPTQ = "GPTQ (Frantar et al. 2022, arXiv 2210.17323v2) Table 3, RTN 4-bit per-channel"
 AWQ = ("AWQ (Lin et al. 2023) RTN w4 g128, as reproduced in AffineQuant's README figure "
        "(bytedance/AffineQuant, fig/weight-only-opt.png)")
+GPTQ3 = "GPTQ (Frantar et al. 2022, arXiv 2210.17323v2) Table 3, RTN 3-bit per-channel"
+AWQ3 = "AWQ (Lin et al. 2023, arXiv 2306.00978v6) Table 3, RTN INT3 group-128"
 QUANTO = "optimum-quanto's OPT perplexity charts (huggingface/optimum-quanto, bench/generation/charts/), int8 weights"
 REAL_OPT: dict[tuple[str, str], tuple[float, str, str]] = {
     ("int8-channel", "opt-1.3b"): (0.002, "<= 0.002 (15.27 -> 15.24)", QUANTO),
     ("int4-channel", "opt-125m"): (math.log(37.28 / 27.65), "27.65 -> 37.28", GPTQ),
-    ("int4-channel", "opt-1.3b"): (math.log(48.17 / 14.62), "14.62 -> 48.17", GPTQ),
+    ("int4-channel", "opt-1.3b"): (math.log(48.17 / 14.63), "14.63 -> 48.17", GPTQ),
     ("int4-channel", "opt-2.7b"): (math.log(16.92 / 12.47), "12.47 -> 16.92", GPTQ),
     ("int4-channel", "opt-6.7b"): (math.log(12.10 / 10.86), "10.86 -> 12.10", GPTQ),
     ("int4-channel", "opt-13b"): (math.log(11.32 / 10.13), "10.13 -> 11.32", GPTQ),
@@ -110,6 +116,17 @@ REAL_OPT: dict[tuple[str, str], tuple[float, str, str]] = {
     ("int4-g128", "opt-2.7b"): (0.043, "0.043", AWQ),
     ("int4-g128", "opt-6.7b"): (0.026, "0.026", AWQ),
     ("int4-g128", "opt-13b"): (0.018, "0.018", AWQ),
+    # Beyond the calibrated targets: 3-bit RTN, which no profile is fitted to (docs/workloads.md,
+    # "Beyond the targets: other bit widths"). Real OPT collapses there, and not monotonically in size.
+    ("int3-channel", "opt-125m"): (math.log(1.3e3 / 27.65), "27.65 -> 1.3e3", GPTQ3),
+    ("int3-channel", "opt-1.3b"): (math.log(1.3e4 / 14.63), "14.63 -> 1.3e4", GPTQ3),
+    ("int3-channel", "opt-2.7b"): (math.log(1.6e4 / 12.47), "12.47 -> 1.6e4", GPTQ3),
+    ("int3-channel", "opt-6.7b"): (math.log(5.8e3 / 10.86), "10.86 -> 5.8e3", GPTQ3),
+    ("int3-channel", "opt-13b"): (math.log(3.4e3 / 10.13), "10.13 -> 3.4e3", GPTQ3),
+    ("int3-g128", "opt-1.3b"): (math.log(119.47 / 14.62), "14.62 -> 119.47", AWQ3),
+    ("int3-g128", "opt-2.7b"): (math.log(298.00 / 12.47), "12.47 -> 298.00", AWQ3),
+    ("int3-g128", "opt-6.7b"): (math.log(23.54 / 10.86), "10.86 -> 23.54", AWQ3),
+    ("int3-g128", "opt-13b"): (math.log(46.04 / 10.13), "10.13 -> 46.04", AWQ3),
 }
 
 

@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 import torch
 
-from packbench.engine.robustness import (NF4_CODE, absmax_symmetric, decoder_linears, mean_interval, measure,
-                                         minmax_asymmetric, nf4_blocks, real_opt, sample_continuations, summarise,
-                                         token_figures)
+from packbench.engine.robustness import (NF4_CODE, VARIANTS, absmax_symmetric, decoder_linears, mean_interval,
+                                         measure, minmax_asymmetric, nf4_blocks, real_opt, sample_continuations,
+                                         summarise, token_figures)
 
 
 def test_absmax_is_per_row_and_symmetric():
@@ -31,6 +31,21 @@ def test_minmax_has_an_integer_zero_point_and_groups():
     assert torch.allclose(minmax_asymmetric(w, bits=2, group=2), w)
     # a row shorter than the group is one group (the tiny shape's 64-wide rows at group 128)
     assert torch.equal(minmax_asymmetric(w, bits=2, group=128), minmax_asymmetric(w, bits=2))
+
+
+def test_int3_variants_round_to_eight_levels_per_row_or_per_group():
+    """int3: 2^3 - 1 = 7 steps between a row's (or a group's) range ends, which include 0."""
+    # row 1: low 0, high 7, step 1: 3.4 -> 3, 5.6 -> 6; row 2: low -2, high 5, step 1, zero 2: 0.4 -> 0, -0.6 -> -1
+    w = torch.tensor([[0.0, 7.0, 3.4, 5.6], [-2.0, 5.0, 0.4, -0.6]])
+    assert VARIANTS["int3-channel"].quantize(w).tolist() == [[0.0, 7.0, 3.0, 6.0], [-2.0, 5.0, 0.0, -1.0]]
+    # two groups of 128: the first spans 0..0.7 (step 0.1), the second 0..7 (step 1)
+    w = torch.zeros(1, 256)
+    w[0, 1], w[0, 2], w[0, 129], w[0, 130] = 0.7, 0.34, 7.0, 3.4
+    grouped = VARIANTS["int3-g128"].quantize(w)
+    assert grouped[0, [1, 2, 129, 130]].tolist() == pytest.approx([0.7, 0.3, 7.0, 3.0])
+    # one step of 1 for the whole row: the small group's entries round to 1 and 0
+    assert VARIANTS["int3-channel"].quantize(w)[0, [1, 2, 129, 130]].tolist() == [1.0, 0.0, 7.0, 3.0]
+    assert grouped[0, [0] + list(range(3, 129)) + list(range(131, 256))].abs().max() == 0.0
 
 
 def test_nf4_maps_each_block_to_the_nearest_code_value():
@@ -71,6 +86,11 @@ def test_real_opt_figures_name_their_sources():
     assert figures["int4-channel"]["ln_ratio"] == pytest.approx(0.305, abs=0.001)
     assert figures["int4-g128"]["ln_ratio"] == 0.043 and "AffineQuant" in figures["int4-g128"]["source"]
     assert real_opt("tiny") == {}
+    # 3-bit RTN, beyond the calibrated targets: GPTQ's per-channel and AWQ's group-128 tables
+    assert figures["int3-channel"]["ln_ratio"] == pytest.approx(math.log(1.6e4 / 12.47))
+    assert "Table 3" in figures["int3-channel"]["source"] and "GPTQ" in figures["int3-channel"]["source"]
+    assert figures["int3-g128"]["ln_ratio"] == pytest.approx(math.log(298.00 / 12.47))
+    assert "AWQ" in figures["int3-g128"]["source"] and "int3-g128" not in real_opt("opt-125m")
 
 
 @pytest.fixture(scope="module")
@@ -90,8 +110,10 @@ def test_measure_restores_the_weights_and_leaves_embeddings_alone(tiny, tiny_mod
     out = measure(tiny, seqs, score_from=[4, 4], model=tiny_model)
     after = tiny_model.state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before)
-    assert set(out) == {"int8-channel", "int4-channel", "int4-g128", "nf4-b64"}
+    assert set(out) == set(VARIANTS) >= {"int8-channel", "int4-channel", "int4-g128", "nf4-b64", "int3-channel",
+                                          "int3-g128"}
     assert out["int8-channel"]["tokens"] == 16 and out["int8-channel"]["mean_kl"] < out["int4-channel"]["mean_kl"]
+    assert out["int4-channel"]["mean_kl"] < out["int3-channel"]["mean_kl"]  # fewer levels, larger steps
 
 
 def test_each_sampled_token_sees_its_whole_context(tiny_model):
@@ -122,13 +144,14 @@ def test_model_stats_robustness_prints_json_a_table_and_refuses_bad_options(tiny
     r = CliRunner().invoke(app, [*args, "--json"])
     assert r.exit_code == 0, r.output
     s = json.loads(r.stdout)
-    assert set(s["variants"]) == {"int8-channel", "int4-channel", "int4-g128", "nf4-b64"}
+    assert set(s["variants"]) == set(VARIANTS)
     v = s["variants"]["int4-g128"]
     assert v["tokens"] == 16 and v["sequences"] == 2 and v["dce_low"] <= v["dce"] <= v["dce_high"] and v["real_opt"] is None
     # the session's tiny checkpoint is profile opt: its fidelity figures carry the caveat
     assert "not calibrated for robustness" in s["model"]["caveat"]
     r = CliRunner().invoke(app, args)
     assert r.exit_code == 0 and "int4 group-128 RTN" in r.stdout and "not calibrated for robustness" in r.stdout
+    assert "int3 per-channel RTN" in r.stdout and "int3 group-128 RTN" in r.stdout
     r = CliRunner().invoke(app, [*args[:4], "--prefix", "2040", "--sampled", "16"])
     assert isinstance(r.exception, PackbenchError) and str(r.exception) == ("--prefix 2040 + --sampled 16 - 1 = 2055 positions, but the model has 256; "
                                                                   "lower --prefix or --sampled")
@@ -144,3 +167,23 @@ def test_the_caveat_names_uncalibrated_checkpoints_only():
     assert "profile opt, opt-2.7b" in robustness_caveat({"shape": "opt-2.7b", "profile": "opt"})
     assert "uniform recipe" in robustness_caveat({"shape": "opt-2.7b", "sparsity": 0.94})
     assert "profile opt2, tiny" in robustness_caveat({"shape": "tiny", "profile": "opt2"})
+
+
+def test_the_table_prints_real_opt_beside_each_variant_with_its_source():
+    """`model stats --robustness` at a shape with published figures: each variant's row ends in
+    real OPT's ln ratio and a footnote number, the footnotes name the tables (3-bit rows included)."""
+    from packbench.cli.model_stats import render_robustness
+
+    real = real_opt("opt-2.7b")
+    figures = {"dce": 0.5, "dce_low": 0.4, "dce_high": 0.6, "mean_kl": 0.5, "p99_kl": 2.0, "top1": 0.7,
+               "tokens": 64, "sequences": 2}
+    s = {"model": {"dir": "m", "shape": "opt-2.7b", "dtype": "float16", "caveat": None}, "text": "two prompts",
+         "variants": {name: {"label": v.label, **figures, "real_opt": real.get(name)} for name, v in VARIANTS.items()}}
+    lines = render_robustness(s).splitlines()
+    row = next(line for line in lines if line.startswith(VARIANTS["int3-channel"].label))
+    footnote = row.rsplit("[", 1)[1].rstrip("]")
+    assert f"{math.log(1.6e4 / 12.47):.3f} [" in row
+    assert f"[{footnote}] {real['int3-channel']['source']}" in lines
+    row = next(line for line in lines if line.startswith(VARIANTS["int3-g128"].label))
+    assert f"{math.log(298.00 / 12.47):.3f} [" in row
+    assert next(line for line in lines if line.startswith(VARIANTS["nf4-b64"].label)).endswith("-")  # no figure
