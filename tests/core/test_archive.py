@@ -712,3 +712,261 @@ def test_the_room_is_a_quarter_of_the_members_at_least_1_mib_and_holds_the_direc
     assert _room(8 << 20, 100) == 2 << 20
     assert _room((8 << 20) + 7, 0) == ((8 << 20) + 7) // 4
     assert _room(0, 3 << 20) == (3 << 20) + MAX_END_RECORDS
+
+
+# ----------------------------------------------------------------------------- zip records, names, the reader's door
+
+
+def _locate(data: bytes) -> tuple[int, int, int, int]:
+    from packbench.core.archive.zipformat import locate_end
+    return locate_end(io.BytesIO(data), len(data))
+
+
+def _zipfile_bytes(comment: bytes = b"", members: int = 0) -> bytes:
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w") as zf:
+        for i in range(members):
+            zf.writestr(f"m{i}.bin", b"x" * (i + 1))
+        zf.comment = comment
+    return buf.getvalue()
+
+
+def test_locate_end_reads_what_zipfiles_end_record_says():
+    """(count, directory size, directory start, bytes from the end record to the file's end),
+    whatever the comment holds (zipfile itself is misled by an end record's signature in it)."""
+    empty = _zipfile_bytes()
+    assert len(empty) == 22 and _locate(empty) == (0, 0, 0, 22)  # the smallest zip: its end record alone
+    base = _zipfile_bytes(members=3)
+    with zipfile.ZipFile(io.BytesIO(base)) as zf:
+        start = zf.start_dir
+        assert len(zf.namelist()) == 3
+    cd_size = len(base) - 22 - start
+    for comment in (b"", b"c" * 10, b"PK\x05\x06", b"PK\x05\x06" + b"z" * 30, b"z" * 5 + b"PK\x05\x06" + b"q" * 17,
+                    b"w" * 0xFFFF):
+        data = base[:-2] + len(comment).to_bytes(2, "little") + comment
+        assert _locate(data) == (3, cd_size, start, 22 + len(comment)), comment[:12]
+
+
+def test_locate_end_refuses_what_holds_no_end_record():
+    for data, why in ((b"", "too short"), (b"PK\x05\x06" + bytes(17), "too short"), (bytes(22), "no zip end record"),
+                      (b"PK\x05\x06" + bytes(17) + b"!", "no zip end record"),  # 1 byte after, no comment declared
+                      (b"PK\x05\x06" + bytes(16) + b"\x02\x00" + b"!", "no zip end record")):  # 2 declared, 1 held
+        with pytest.raises(ValueError, match=why):
+            _locate(data)
+
+
+def test_locate_end_follows_the_zip64_locator_to_the_zip64_record():
+    from packbench.core.archive.zipformat import end_records
+    # A zip64 end record at the very start of the file (offset 0 is a valid place for it).
+    data = end_records(70_000, 0, 0)
+    assert len(data) == 56 + 20 + 22
+    assert _locate(data) == (70_000, 0, 0, len(data))
+    # Count, size and start are three distinct fields, read from the zip64 record.
+    body = b"d" * 300
+    data = body + end_records(70_001, 120, 180)
+    assert _locate(data) == (70_001, 180, 120, len(data) - 300)
+    # A locator that points past the file, or at bytes that are no zip64 record, is ignored:
+    # the classic record's values stand.
+    tail = end_records(70_002, 120, 180)[56:]  # locator + end record, the zip64 record left out
+    assert _locate(body + tail) == (0xFFFF, 180, 120, 42 - 20)
+    assert _locate(b"x" * 10 + tail) == (0xFFFF, 180, 120, 42 - 20)  # it would point inside nothing
+
+
+def test_end_records_switch_to_zip64_exactly_where_zipfile_does():
+    from packbench.core.archive.zipformat import ZIP64_LIMIT, end_records
+
+    def zipfile_end(count: int, cd_offset: int, cd_size: int) -> bytes:
+        zf = zipfile.ZipFile(io.BytesIO(), "w")
+        sink = io.BytesIO()
+
+        class Sink:
+            def write(self, b):
+                sink.write(b)
+
+            def tell(self):
+                return cd_offset + cd_size + sink.tell()
+
+            def flush(self):
+                pass
+
+        zf.filelist, zf.start_dir, zf.fp = [], cd_offset, Sink()
+        zf._didModify = True
+        try:
+            # zipfile counts its filelist; stand in the count by a list of that length
+            zf.filelist = _NoEntries(count)
+            zf._write_end_record()
+        finally:
+            zf.fp = None
+        return sink.getvalue()
+
+    for count, cd_offset, cd_size in ((0xFFFF, 10, 20), (0x10000, 10, 20), (3, ZIP64_LIMIT, 20),
+                                      (3, ZIP64_LIMIT + 1, 20), (3, 10, ZIP64_LIMIT), (3, 10, ZIP64_LIMIT + 1),
+                                      (3, 0xFFFFFFFF + 5, 0xFFFFFFFF + 9)):
+        ours = end_records(count, cd_offset, cd_size)
+        assert ours == zipfile_end(count, cd_offset, cd_size), (count, cd_offset, cd_size)
+        assert len(ours) == (22 if max(cd_offset, cd_size) <= ZIP64_LIMIT and count <= 0xFFFF else 98)
+
+
+class _NoEntries(list):
+    """A filelist of `n` entries whose central records are empty: zipfile's end records need
+    only its length."""
+
+    def __init__(self, n: int):
+        super().__init__()
+        self.n = n
+
+    def __len__(self):
+        return self.n
+
+    def __iter__(self):
+        return iter(())
+
+
+def test_central_entries_switch_to_zip64_exactly_where_zipfile_does():
+    from packbench.core.archive.zipformat import VERSION, ZIP64_LIMIT, central_entry
+
+    def zipfile_central(size, csize, offset):
+        zi = zipfile.ZipInfo("m/x.npy", date_time=(1980, 1, 1, 0, 0, 0))
+        zi.create_system, zi.external_attr, zi.compress_type = 3, (stat.S_IFREG | 0o644) << 16, zipfile.ZIP_STORED
+        zi.header_offset, zi.file_size, zi.compress_size, zi.CRC = offset, size, csize, 0x0BADF00D
+        zi.FileHeader(max(size, csize) > 0xFFFFFFFF)  # sets the versions as writing the local header does
+        zf = zipfile.ZipFile(io.BytesIO(), "w")
+        sink = io.BytesIO()
+        zf.filelist, zf.start_dir, zf.fp = [zi], 0, sink
+        try:
+            zf._write_end_record()
+        finally:
+            zf.fp = None
+        data = sink.getvalue()
+        return data[:data.index(b"PK\x05\x06") if b"PK\x06\x06" not in data else data.index(b"PK\x06\x06")]
+
+    L = ZIP64_LIMIT
+    for size, csize, offset in ((L, L, L), (L + 1, L, 0), (L, L + 1, 0), (5, 5, L + 1), (L + 1, L + 2, L + 3),
+                                (0xFFFFFFFF + 1, 7, 9)):
+        ours = central_entry(b"m/x.npy", method=zipfile.ZIP_STORED, crc=0x0BADF00D, csize=csize, size=size,
+                             offset=offset, version=VERSION)
+        assert ours == zipfile_central(size, csize, offset), (size, csize, offset)
+
+
+def test_local_headers_are_zipfiles():
+    from packbench.core.archive.zipformat import local_header
+    for size, csize, zip64, method in ((0, 0, False, zipfile.ZIP_STORED), (1000, 321, False, zipfile.ZIP_DEFLATED),
+                                       (7 << 30, 6 << 30, True, zipfile.ZIP_DEFLATED)):
+        zi = zipfile.ZipInfo("a/b.json", date_time=(1980, 1, 1, 0, 0, 0))
+        zi.compress_type, zi.file_size, zi.compress_size, zi.CRC = method, size, csize, 0xFEEDBEEF
+        assert local_header(b"a/b.json", method=method, crc=0xFEEDBEEF, csize=csize, size=size,
+                            zip64=zip64) == zi.FileHeader(zip64)
+
+
+@pytest.mark.parametrize("name, why", [
+    ("", "empty or not a string"), (None, "empty or not a string"), (7, "empty or not a string"),
+    (b"a.json", "empty or not a string"),
+    ("a\\b", "contains a backslash"), ("C:\\x", "contains a backslash"), ("/a\\b", "contains a backslash"),
+    ("a\x00b", "contains a NUL byte"), ("/\x00", "contains a NUL byte"),
+    ("C:x", "starts with a drive letter"), ("z:/x", "starts with a drive letter"),
+    ("/etc/x", "is absolute"), ("/a b", "is absolute"), ("/", "is absolute"),
+    ("sp ace", "has characters outside [A-Za-z0-9._/-]"), ("ü.json", "has characters outside [A-Za-z0-9._/-]"),
+    ("1:x", "has characters outside [A-Za-z0-9._/-]"), ("ab:c", "has characters outside [A-Za-z0-9._/-]"),
+    ("a/b\n", "has characters outside [A-Za-z0-9._/-]"),
+    ("..", "contains a '..' segment"), ("a/../b", "contains a '..' segment"), ("../a//", "contains a '..' segment"),
+    ("a//b", "has an empty or '.' segment"), ("./a", "has an empty or '.' segment"),
+    ("dir/", "has an empty or '.' segment"), ("a/./..", "has an empty or '.' segment"),
+])
+def test_name_problem_says_which_rule_a_name_breaks(name, why):
+    from packbench.core.archive import name_problem
+    assert name_problem(name) == why
+
+
+@pytest.mark.parametrize("name", ["a", "a.json", ".hidden", "a..b", "...", "x/.y/z", "A-Z_0.9/b-c", "episodes/00000.json"])
+def test_name_problem_admits_relative_posix_names(name):
+    from packbench.core.archive import name_problem
+    assert name_problem(name) is None
+
+
+def test_expected_method_stores_arrays_and_traces_and_deflates_json():
+    from packbench.core.archive import expected_method
+    assert expected_method("logits/00000.npy") == zipfile.ZIP_STORED
+    assert expected_method("active/00000.trace") == zipfile.ZIP_STORED
+    assert expected_method("a.json.npy") == zipfile.ZIP_STORED
+    assert expected_method("episodes/00000.json") == zipfile.ZIP_DEFLATED
+    assert expected_method("a.npy.json") == zipfile.ZIP_DEFLATED
+    for other in ("notes.bin", "npy", "json", "a.NPY", "a.Json", "a.tracex", "a.npy/"):
+        assert expected_method(other) is None, other
+
+
+def _open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def test_the_reader_refuses_at_the_door_with_the_cause_and_closes_its_file(tmp_path: Path):
+    """Refusals before any member is read: each names the file, the cause and what to do, and
+    leaves no file open behind it."""
+    from packbench.core.archive import MAX_DIRECTORY_BYTES, MAX_MEMBERS
+    from packbench.core.archive.zipformat import end_records
+    path = tmp_path / "a.zip"
+    before = _open_fds()
+
+    def refusal(data: bytes) -> str:
+        path.write_bytes(data)
+        with pytest.raises(ArchiveError) as e:
+            ArchiveReader(path)
+        assert _open_fds() == before
+        return str(e.value)
+
+    assert refusal(b"short") == (f"{path} is not a readable zip archive (too short for a zip end record); "
+                                 f"point at a raw archive written by packbench")
+    assert refusal(bytes(100)) == (f"{path} is not a readable zip archive (no zip end record); "
+                                   f"point at a raw archive written by packbench")
+    over = MAX_MEMBERS + 1
+    assert refusal(end_records(over, 0, 0)) == (
+        f"{path} declares {over} members in a 0-byte directory, over the bounds of {MAX_MEMBERS} members and "
+        f"{MAX_DIRECTORY_BYTES} bytes; it is not a raw archive packbench reads")
+    big = MAX_DIRECTORY_BYTES + 1
+    assert refusal(end_records(1, 0, big)) == (
+        f"{path} declares 1 members in a {big}-byte directory, over the bounds of {MAX_MEMBERS} members and "
+        f"{MAX_DIRECTORY_BYTES} bytes; it is not a raw archive packbench reads")
+    # At the bounds the counts pass on to zipfile (which reads no entry in an empty directory).
+    path.write_bytes(end_records(MAX_MEMBERS, 0, 0))
+    with ArchiveReader(path) as r:
+        assert r.names == [] and not r.complete
+    assert refusal(end_records(1, 0, MAX_DIRECTORY_BYTES)).startswith(f"{path} is not a readable zip archive (")
+    # zipfile's own refusal, in its words
+    assert refusal(b"PK\x03\x04" + end_records(1, 0, 46)) == (
+        f"{path} is not a readable zip archive (Bad offset for central directory); "
+        f"point at a raw archive written by packbench")
+
+
+def test_the_reader_refuses_a_file_over_its_size_bound_before_reading_it(tmp_path: Path):
+    from packbench.core.archive import MAX_ARCHIVE_BYTES, ArchiveTooLarge
+    path = tmp_path / "huge.zip"
+    with open(path, "wb") as f:  # sparse: nothing written
+        f.truncate(MAX_ARCHIVE_BYTES + 1)
+    with pytest.raises(ArchiveTooLarge) as e:
+        ArchiveReader(path)
+    assert (e.value.size, e.value.bound) == (MAX_ARCHIVE_BYTES + 1, MAX_ARCHIVE_BYTES)
+    with open(path, "r+b") as f:
+        f.truncate(MAX_ARCHIVE_BYTES)  # at the bound: read (and found to be no zip)
+    with pytest.raises(ArchiveError, match="no zip end record"):
+        ArchiveReader(path)
+    small = sealed_screen(tmp_path)
+    size = small.stat().st_size
+    with pytest.raises(ArchiveTooLarge) as e:
+        ArchiveReader(small, max_archive_bytes=size - 1)
+    assert (e.value.size, e.value.bound) == (size, size - 1)
+    with ArchiveReader(small, max_archive_bytes=size) as r:
+        assert r.complete and r.verify() == []
+
+
+def test_the_reader_keeps_its_bounds_and_counts_from_nothing_read(sealed: Path):
+    with ArchiveReader(sealed) as r:
+        from packbench.core.archive.reader import MAX_ARRAY_BYTES, MAX_JSON_BYTES, MAX_JSON_TOTAL_BYTES, MAX_TOTAL_BYTES
+        assert (r.path, r.size, r.bytes_read) == (sealed, sealed.stat().st_size, 0)
+        assert (r.max_member_bytes, r.max_total_bytes, r.max_json_bytes, r.max_json_total_bytes) == (
+            MAX_ARRAY_BYTES, MAX_TOTAL_BYTES, MAX_JSON_BYTES, MAX_JSON_TOTAL_BYTES)
+        assert r.names == MEMBERS
+    with ArchiveReader(str(sealed), max_member_bytes=100, max_json_bytes=1000, max_total_bytes=5000,
+                       max_json_total_bytes=700) as r:
+        assert isinstance(r.path, Path)
+        assert (r.max_member_bytes, r.max_total_bytes, r.max_json_bytes, r.max_json_total_bytes) == (100, 5000, 100, 700)
+    with ArchiveReader(sealed, max_member_bytes=1000, max_json_bytes=100) as r:
+        assert (r.max_member_bytes, r.max_json_bytes) == (1000, 100)
