@@ -970,3 +970,65 @@ def test_the_reader_keeps_its_bounds_and_counts_from_nothing_read(sealed: Path):
         assert (r.max_member_bytes, r.max_total_bytes, r.max_json_bytes, r.max_json_total_bytes) == (100, 5000, 100, 700)
     with ArchiveReader(sealed, max_member_bytes=1000, max_json_bytes=100) as r:
         assert (r.max_member_bytes, r.max_json_bytes) == (1000, 100)
+
+
+def test_zip64_records_are_zipfiles_with_the_limit_scaled_down(tmp_path: Path, monkeypatch):
+    """zipfile's zip64 decisions (a member of size x 1.05 over the limit, offsets, sizes and the
+    directory past it) made at a limit of 4,000 bytes instead of 2 GiB, in zipfile and in the
+    archive modules alike: the writer's archive is still zipfile's byte for byte, verifies
+    clean and reads back. Catches the writer's or the layout check's zip64 decision dropped,
+    inverted, or made on another threshold, and the zip32 guard applied to zip64 members."""
+    import packbench.core.archive.verify as verify_module
+    import packbench.core.archive.writer as writer_module
+    import packbench.core.archive.zipformat as zipformat
+    for module in (zipfile, zipformat, writer_module, verify_module):
+        monkeypatch.setattr(module, "ZIP64_LIMIT", 4000)
+    rng = np.random.default_rng(5)
+    noise = rng.integers(0, 256, 10_000, dtype=np.uint8).tobytes()
+    members = {
+        "small.bin": b"s" * 100,  # zip32 at offset 0
+        "edge.npy": rng.integers(0, 256, 3000, dtype=np.uint8).tobytes(),  # 3,150 after x 1.05: zip32
+        "over.bin": noise[:3900],  # 4,095 after x 1.05: zip64 header, sizes under the limit
+        "noise.bin": noise,  # deflates to more than the limit: zip64 sizes and offset
+        "late.json": canonical_json({"after": "the limit"}),  # offset past the limit
+    }
+    path = tmp_path / "z64.zip"
+    w = ArchiveWriter(path)
+    for name, data in members.items():
+        if name.endswith(".json"):
+            w.add_json(name, {"after": "the limit"})
+        else:
+            w.add_bytes(name, data)
+    w.seal(MANIFEST)
+    ref = tmp_path / "ref.zip"
+    zipfile_reference(path, ref)
+    assert path.read_bytes() == ref.read_bytes()
+    assert b"PK\x06\x06" in path.read_bytes()  # the zip64 end record: the directory starts past the limit
+    with ArchiveReader(path) as r:
+        assert r.verify() == []
+        for name, data in members.items():
+            assert r.read_bytes(name) == data
+
+
+def test_a_new_writer_makes_missing_directories_and_a_file_of_mode_0666_less_umask(tmp_path: Path):
+    path = tmp_path / "a" / "b" / "c.zip"
+    old = os.umask(0o022)
+    try:
+        w = ArchiveWriter(path)
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o644
+    assert (w.sha256, w.manifest_sha256, w.members, w.format_version) == (None, None, {}, 1)
+    assert path.read_bytes() == b"PK\x05\x06" + bytes(18)  # an empty zip from the first moment
+    w.add_bytes("x.bin", b"x")
+    w.seal({})
+    assert verify(path) == []
+
+
+def test_a_writer_under_a_file_says_that_is_no_directory(tmp_path: Path):
+    (tmp_path / "f").write_bytes(b"")
+    path = tmp_path / "f" / "a.zip"
+    with pytest.raises(ArchiveError) as e:
+        ArchiveWriter(path)
+    assert str(e.value) == (f"could not create archive {path}: {tmp_path / 'f'} is not a directory; write archives "
+                            f"to a directory")

@@ -1056,3 +1056,53 @@ def test_a_member_zipfile_writes_as_zip64_has_the_writers_zip64_headers(tmp_path
         with open(path, "rb") as f:
             found, data_at = layout_problems(f.fileno(), path.stat().st_size, len(end), [info], b"")
         assert (found, data_at) == ([], {id(info): len(head)}), (size, zip64)
+
+
+def test_a_name_that_does_not_print_is_shown_escaped(sealed: Path):
+    """Catches a hostile name printed raw (a control character in a problem line) or its
+    escape lost."""
+    append_entry(sealed, "a\x01b", b"x")
+    assert Problem("a\x01b", "unsafe", "unsafe member name 'a\\x01b' (has characters outside [A-Za-z0-9._/-])") \
+        in problems_of(sealed)
+
+
+def test_an_unsafe_name_listed_in_the_manifest_is_a_problem_of_that_name(sealed: Path):
+    edit_manifest(sealed, lambda m: m["members"].update({"../evil": {"sha256": "0" * 64, "size": 1}}))
+    assert problems_of(sealed) == [Problem(
+        "../evil", "unsafe", "unsafe member name ../evil (listed in manifest.json; contains a '..' segment)")]
+
+
+def test_a_duplicate_key_is_named_by_the_key_repeated(tmp_path: Path):
+    path = tmp_path / "d.zip"
+    w = ArchiveWriter(path)
+    w.add_bytes("d.json", b'{"a":1,"b":2,"b":3}')
+    w.seal({})
+    with ArchiveReader(path) as r, pytest.raises(ArchiveError) as e:
+        r.read_json("d.json")
+    assert str(e.value) == (f"member d.json of archive {path} is not valid JSON (duplicate key 'b' (another parser "
+                            f"may keep the other value)); the archive is damaged: run verify()")
+
+
+def test_a_manifest_of_several_chunks_is_read_whole(tmp_path: Path):
+    """manifest.json over the 1 MiB read chunk. Catches its chunks joined with anything between."""
+    path = tmp_path / "m.zip"
+    w = ArchiveWriter(path)
+    w.add_bytes("x.bin", b"x")
+    notes = "".join(f"{i:08d}" for i in range(200_000))  # 1.6 MB, deflated well under one chunk
+    w.seal({"notes": notes})
+    with ArchiveReader(path) as r:
+        assert r.complete and r.manifest["notes"] == notes
+        assert r.verify() == []
+
+
+def test_a_symlink_manifest_is_named_first(sealed: Path):
+    """A symlink manifest.json is what verify names first, as every problem of the manifest
+    itself (audit lines keep verify's order). Catches the manifest's problem dropped when it loads."""
+    rewrite(sealed, drop=[MANIFEST_NAME])
+    info = zipfile.ZipInfo(MANIFEST_NAME)
+    info.create_system = 3
+    info.external_attr = (stat.S_IFLNK | 0o777) << 16
+    append_entry(sealed, info, b"/etc/passwd")
+    found = problems_of(sealed)
+    assert found[0] == Problem(MANIFEST_NAME, "symlink", "symlink member manifest.json")
+    assert found.count(found[0]) == 1
