@@ -745,6 +745,14 @@ def test_locate_end_reads_what_zipfiles_end_record_says():
                     b"w" * 0xFFFF):
         data = base[:-2] + len(comment).to_bytes(2, "little") + comment
         assert _locate(data) == (3, cd_size, start, 22 + len(comment)), comment[:12]
+    # End record signatures in a member's data, before the real one, are passed over too.
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w") as zf:
+        zf.writestr("sig.bin", b"PK\x05\x06" * 3 + bytes(40))
+    data = buf.getvalue()
+    with zipfile.ZipFile(io.BytesIO(data)) as zf:
+        start = zf.start_dir
+    assert _locate(data) == (1, len(data) - 22 - start, start, 22)
 
 
 def test_locate_end_refuses_what_holds_no_end_record():
