@@ -1040,3 +1040,46 @@ def test_a_writer_under_a_file_says_that_is_no_directory(tmp_path: Path):
         ArchiveWriter(path)
     assert str(e.value) == (f"could not create archive {path}: {tmp_path / 'f'} is not a directory; write archives "
                             f"to a directory")
+
+
+def test_a_member_that_fills_the_room_exactly_goes_into_it(tmp_path: Path):
+    """The room before the directory is used up to its last byte before the directory moves.
+    Catches the fit compared with < (a directory moved for nothing, 1 MiB of file each time)."""
+    path = tmp_path / "a.zip"
+    w = ArchiveWriter(path)
+    w.add_bytes("a.bin", b"a")
+    before = path.stat().st_size
+    end = w._end
+    name = "fill.npy"  # STORED: the payload is the data
+    w.add_bytes(name, bytes(w._cd_at - end - 30 - len(name)))
+    assert w._end == w._cd_at  # the room is full ...
+    assert path.stat().st_size == before + 46 + len(name)  # ... and only the directory's new entry was added
+    w.seal({})
+    assert verify(path) == []
+
+
+def test_a_file_that_changes_size_while_a_member_is_written_stops_the_writer(tmp_path: Path, monkeypatch):
+    """Something else writing to the archive between the writer's write and its check: the
+    append is refused with the sizes and the writer stays unusable. Catches the check's words
+    or the writer's failed state lost."""
+    import packbench.core.archive.writer as writer_module
+    path = tmp_path / "a.zip"
+    w = ArchiveWriter(path)
+    real = os.fstat
+
+    class Grown:
+        def __init__(self, st):
+            self.st_size, self.st_dev, self.st_ino, self.st_mtime_ns = st.st_size + 5, st.st_dev, st.st_ino, st.st_mtime_ns
+
+    monkeypatch.setattr(writer_module.os, "fstat", lambda fd: Grown(real(fd)))
+    with pytest.raises(ArchiveError) as e:
+        w.add_bytes("a.bin", b"abc")
+    monkeypatch.undo()
+    size = path.stat().st_size
+    assert str(e.value) == (f"archive {path} is {size + 5} bytes after writing member a.bin, this writer wrote "
+                            f"{size}: something else writes to it; keep it for inspection and rerun the screen as a "
+                            f"new attempt")
+    with pytest.raises(ArchiveError) as e:
+        w.add_bytes("b.bin", b"b")
+    assert str(e.value) == (f"archive {path} is unusable after a failed write (archive changed behind the writer); "
+                            f"keep it as an interrupted attempt and start a new one")
