@@ -1083,3 +1083,58 @@ def test_a_file_that_changes_size_while_a_member_is_written_stops_the_writer(tmp
         w.add_bytes("b.bin", b"b")
     assert str(e.value) == (f"archive {path} is unusable after a failed write (archive changed behind the writer); "
                             f"keep it as an interrupted attempt and start a new one")
+
+
+def test_every_single_member_and_the_seal_are_fsynced_before_the_call_returns(tmp_path: Path, monkeypatch):
+    """add_json, add_array, add_bytes and seal: each member is on disk when the call returns
+    (docs/archive.md). Catches the fsync of a single member or of the manifest skipped."""
+    path = tmp_path / "a.zip"
+    w = ArchiveWriter(path)
+    synced = []
+    real = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(len(w.members)), real(fd)))
+    w.add_json("a.json", {"a": 1})
+    w.add_array("b.npy", LOGITS[0])
+    w.add_bytes("c.bin", b"c")
+    assert synced == [0, 1, 2]  # inside each member's write, before it is listed
+    w.seal({})
+    assert len(synced) == 4 and synced[3] == 3
+
+
+def test_a_new_archive_that_cannot_be_written_is_removed_and_named(tmp_path: Path, monkeypatch):
+    """The file is created but its first bytes cannot be made durable (a full disk): it is
+    removed, and the error names the file, the cause and the fix. Catches the removal dropped
+    or its words lost."""
+    import packbench.core.archive.writer as writer_module
+    path = tmp_path / "a.zip"
+
+    def full(fd):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(writer_module.os, "fsync", full)
+    with pytest.raises(ArchiveError) as e:
+        ArchiveWriter(path)
+    monkeypatch.undo()
+    assert str(e.value) == (f"could not create archive {path} ([Errno 28] No space left on device); check disk space "
+                            f"and permissions")
+    assert not path.exists()
+    long = tmp_path / ("n" * 300 + ".zip")  # the file system refuses the name itself
+    with pytest.raises(ArchiveError) as e:
+        ArchiveWriter(long)
+    assert str(e.value) == (f"could not create archive {long} ([Errno 36] File name too long: '{long}'); check disk "
+                            f"space and permissions")
+
+
+def test_an_archive_path_that_cannot_be_looked_up_stops_the_append_by_name(tmp_path: Path):
+    """The archive's directory replaced by a file between two appends: the path cannot even be
+    looked up. Catches the cause or the member's name lost from the error."""
+    d = tmp_path / "d"
+    path = d / "a.zip"
+    w = ArchiveWriter(path)
+    d.rename(tmp_path / "moved")
+    d.write_bytes(b"")
+    with pytest.raises(ArchiveError) as e:
+        w.add_bytes("x.bin", b"x")
+    assert str(e.value) == (f"could not append member x.bin to archive {path} ([Errno 20] Not a directory: "
+                            f"'{path}'); check disk space, permissions and who else touches the file, then rerun "
+                            f"as a new attempt")

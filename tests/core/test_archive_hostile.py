@@ -1106,3 +1106,35 @@ def test_a_symlink_manifest_is_named_first(sealed: Path):
     found = problems_of(sealed)
     assert found[0] == Problem(MANIFEST_NAME, "symlink", "symlink member manifest.json")
     assert found.count(found[0]) == 1
+
+
+def test_reading_a_member_does_not_demand_the_writers_deflate_stream_verify_does(tmp_path: Path):
+    """A valid DEFLATE stream other than the writer's: read gives its content (the content is
+    what a reader asks for), verify names the stream (the file is not the writer's). Catches
+    every read made to recompress."""
+    content = b"packbench " * 300
+    z = zlib.compressobj(0, zlib.DEFLATED, -15)
+    path = _one_deflated_member(tmp_path / "o.zip", "m.bin", content, z.compress(content) + z.flush())
+    with ArchiveReader(path) as r:
+        assert r.read_bytes("m.bin") == content
+        assert [p.kind for p in r.verify() if p.member == "m.bin"] == ["unreadable"]
+
+
+def test_a_bomb_is_refused_before_it_inflates_in_memory(tmp_path: Path):
+    """A small member inflating to 32 MiB with a bound of 1,000 bytes is refused having held
+    about one bounded read of output, not the whole inflated member. Catches the inflation's
+    output bound dropped."""
+    import tracemalloc
+    content = bytes(32 << 20)
+    path = _one_deflated_member(tmp_path / "bomb.zip", "m.bin", content, _raw_deflate(content), size=100)
+    with ArchiveReader(path, max_member_bytes=1000) as r:
+        tracemalloc.start()
+        try:
+            with pytest.raises(ArchiveError, match="inflates past the bound of 1000 bytes"):
+                r.read_bytes("m.bin")
+            found = [p for p in r.verify() if p.member == "m.bin"]
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+    assert found == [Problem("m.bin", "unreadable", "unreadable member m.bin: inflates past the bound of 1000 bytes")]
+    assert peak < 4 << 20, peak
