@@ -1138,3 +1138,26 @@ def test_a_bomb_is_refused_before_it_inflates_in_memory(tmp_path: Path):
             tracemalloc.stop()
     assert found == [Problem("m.bin", "unreadable", "unreadable member m.bin: inflates past the bound of 1000 bytes")]
     assert peak < 4 << 20, peak
+
+
+def test_records_holding_values_no_writer_record_can_hold_are_one_layout_problem(tmp_path: Path):
+    """A directory entry whose zip64 field gives a 5 GiB compressed size for a 10-byte member:
+    no local header of the writer can hold it (a zip32 header, by the size). The reader opens
+    the archive, names that as one layout problem with its cause, and reads the
+    member through zipfile (which stops at its declared 10 bytes). Catches the problem's kind,
+    words or cause lost and the members' data offsets left unset."""
+    from packbench.core.archive.zipformat import VERSION, end_records, local_header
+    data = b"0123456789"
+    crc = zlib.crc32(data)
+    head = local_header(b"m.bin", method=zipfile.ZIP_STORED, crc=crc, csize=len(data), size=len(data), zip64=False)
+    extra = struct.pack("<HHQ", 1, 8, 5 << 30)
+    cd = struct.pack("<4s4B4HL2L5H2L", b"PK\x01\x02", VERSION, 3, VERSION, 0, 0, zipfile.ZIP_STORED, 0, 33, crc,
+                     0xFFFFFFFF, len(data), 5, len(extra), 0, 0, 0, (stat.S_IFREG | 0o644) << 16, 0) + b"m.bin" + extra
+    path = tmp_path / "big.zip"
+    path.write_bytes(head + data + cd + end_records(1, len(head) + len(data), len(cd)))
+    with ArchiveReader(path) as r:
+        assert r._data_at == {}
+        assert [p for p in r.verify() if p.kind == "layout"] == [Problem(
+            None, "layout", "layout: the zip records hold values the writer never writes ('L' format requires "
+                            "0 <= number <= 4294967295)")]
+        assert r.read_bytes("m.bin") == data
