@@ -1138,3 +1138,38 @@ def test_an_archive_path_that_cannot_be_looked_up_stops_the_append_by_name(tmp_p
     assert str(e.value) == (f"could not append member x.bin to archive {path} ([Errno 20] Not a directory: "
                             f"'{path}'); check disk space, permissions and who else touches the file, then rerun "
                             f"as a new attempt")
+
+
+def test_locate_end_finds_the_true_end_record_among_signatures_before_and_after_it():
+    """Signatures in a member's data before the end record and in its comment after it; an end
+    record at byte 0 of the file behind a comment holding a signature. Catches the backward
+    search made forward or kept off the file's first byte."""
+    from packbench.core.archive.zipformat import end_records
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w") as zf:
+        zf.writestr("sig.bin", b"PK\x05\x06" * 2 + bytes(30))
+    base = buf.getvalue()
+    with zipfile.ZipFile(io.BytesIO(base)) as zf:
+        start = zf.start_dir
+    comment = b"PK\x05\x06 not an end record"
+    data = base[:-2] + len(comment).to_bytes(2, "little") + comment
+    assert _locate(data) == (1, len(base) - 22 - start, start, 22 + len(comment))
+    data = end_records(0, 0, 0)[:-2] + len(comment).to_bytes(2, "little") + comment
+    assert _locate(data) == (0, 0, 0, len(data))
+
+
+def test_locate_end_honours_a_locator_wherever_its_zip64_record_lies_in_the_file():
+    """The locator just before the end record is followed to any zip64 record wholly inside the
+    file, even one at the file's very end (here: the comment), and a record that would run past
+    the end is ignored. Catches the bounds on the locator's position and target moved."""
+    import struct as st
+    end64 = st.pack("<4sQ2H2L4Q", b"PK\x06\x06", 44, 45, 45, 0, 0, 70_000, 70_000, 11, 22)
+    locator = st.pack("<4sLQL", b"PK\x06\x07", 0, 20 + 22, 1)  # the file's first bytes
+    end = st.pack("<4s4H2LH", b"PK\x05\x06", 0, 0, 0xFFFF, 0xFFFF, 11, 22, len(end64))
+    data = locator + end + end64
+    assert _locate(data) == (70_000, 11, 22, len(data) - 42)
+    short = b"PK\x06\x06" + bytes(26)  # a zip64 signature 30 bytes before the end: no whole record fits
+    locator = st.pack("<4sLQL", b"PK\x06\x07", 0, 10 + 20 + 22 + 6, 1)  # at the signature
+    end = st.pack("<4s4H2LH", b"PK\x05\x06", 0, 0, 3, 3, 11, 22, 6 + len(short))
+    data = b"x" * 10 + locator + end + bytes(6) + short
+    assert _locate(data) == (3, 11, 22, 22 + 6 + len(short))
