@@ -3,6 +3,7 @@ hash (the frozen body), and the work bounds of docs/protocol.md ("Bounds") refus
 one past them and accept one at them."""
 
 import copy
+import importlib
 
 import pytest
 
@@ -132,3 +133,111 @@ def test_the_prompt_count_is_bounded_on_its_own():
     with pytest.raises(ProtocolError, match=rf"`prompts.generator.count`: {MAX_PROMPTS + 1} is not an integer in "
                                             rf"\[1, {MAX_PROMPTS}\]"):
         freeze(prompts(MAX_PROMPTS + 1, 1))
+
+
+# ----------------------------------------------------------------------------- the YAML file's own bounds (freeze.load)
+
+
+def _parsed(text: str):
+    from packbench.core.protocol.freeze import _parse
+    return _parse(text, "p.yaml")
+
+
+def _refusal(text: str) -> str:
+    with pytest.raises(ProtocolError) as e:
+        _parsed(text)
+    return str(e.value)
+
+
+def test_nesting_is_refused_one_level_past_32_with_its_line():
+    """Lists and mappings nested 32 deep parse; 33 are refused, naming the line. Catches the
+    depth compared with >= or counted from another level."""
+    nested: list = []
+    for _ in range(31):
+        nested = [nested]
+    assert _parsed("[" * 32 + "]" * 32) == nested
+    deep = "\n" * 2 + "[" * 33 + "]" * 33
+    assert _refusal(deep) == ("protocol line 3: values nest deeper than 32 levels, the limit; a protocol nests 4 "
+                              "(see docs/protocol.md)")
+    assert _parsed("a: " + "{b: " * 31 + "1" + "}" * 31) is not None  # 32 mappings
+    assert "nest deeper than 32 levels" in _refusal("a: " + "{b: " * 32 + "1" + "}" * 32)
+
+
+def test_an_alias_nests_as_deep_as_what_it_repeats():
+    """An alias counts the levels of the collection it repeats, where it stands. Catches the
+    anchor's levels lost, counted from the wrong depth, or not kept per open collection."""
+    anchored = "[" * 30 + "]" * 30  # 30 levels
+    ok = f"a: &x {anchored}\nb: *x\n"  # 1 (mapping) + 30
+    assert _parsed(ok)["b"] == _parsed(ok)["a"]
+    assert _parsed(f"a: &x {anchored}\nb: [*x]\n") is not None  # 1 + 1 + 30 = 32
+    assert _refusal(f"a: &x {anchored}\nb: [[*x]]\n") == (
+        "protocol line 2: values nest deeper than 32 levels, the limit; a protocol nests 4 (see docs/protocol.md)")
+    # the anchor's depth is its own, not that of what came before it at its level
+    inner = "[" * 28 + "]" * 28
+    assert _parsed(f"a: [{inner}, &y [1]]\nb: [[[[[[[[[[[[[[[[[[[[[[[[[[[[[[*y]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]\n") \
+        is not None  # y is 1 level: 1 + 30 + 1 = 32
+
+
+def test_values_are_counted_with_what_each_alias_repeats(monkeypatch):
+    """Every collection and scalar counts one, an alias what its anchor holds (a scalar one).
+    At the limit the file parses; one past it is refused at the line that passes it."""
+    freeze_module = importlib.import_module("packbench.core.protocol.freeze")
+    text = "a: &x [1, 2, 3]\nb: [*x, *x]\nc: &y 5\nd: [*y]\n"
+    # mapping 1, a 1, [1,2,3] 4, b 1, [..] 1, 2 x 4, c 1, 5 1, d 1, [..] 1, *y 1 = 21
+    monkeypatch.setattr(freeze_module, "MAX_VALUES", 21)
+    assert _parsed(text) == {"a": [1, 2, 3], "b": [[1, 2, 3], [1, 2, 3]], "c": 5, "d": [5]}
+    monkeypatch.setattr(freeze_module, "MAX_VALUES", 20)
+    assert _refusal(text) == ("protocol line 4: the file expands to more than 20 values, the limit (YAML aliases "
+                              "count as what they repeat); write the values out, or put a large prompt set in "
+                              "prompts.token_file")
+    monkeypatch.setattr(freeze_module, "MAX_VALUES", 15)
+    assert "line 2: the file expands to more than 15 values" in _refusal(text)  # the second *x passes 15
+
+
+def test_integers_have_at_most_100_digits():
+    assert _parsed("a: " + "9" * 100) == {"a": int("9" * 100)}
+    assert _refusal("\na: " + "9" * 101) == ("protocol line 2: an integer written with 101 characters; integers "
+                                             "have at most 100 digits")
+
+
+def test_a_key_given_twice_is_named_shown_bounded():
+    assert _refusal("x: 1\n\nx: 2\n") == "protocol line 3: key `x` is given twice; keep one"
+    long = "k" * 61
+    message = _refusal(f"{long}: 1\n{long}: 2\n")
+    assert message.startswith("protocol line 2: key `") and long not in message
+    assert _refusal("1: a\n1: b\n") == "protocol line 2: key `1` is given twice; keep one"
+    assert _parsed("k" * 60 + ": 1\n" + "k" * 59 + ": 2\n") == {"k" * 60: 1, "k" * 59: 2}
+
+
+def test_a_protocol_file_that_cannot_be_read_as_yaml_says_why(tmp_path, monkeypatch):
+    from packbench.core.protocol import load
+    freeze_module = importlib.import_module("packbench.core.protocol.freeze")
+    missing = tmp_path / "none.yaml"
+    with pytest.raises(ProtocolError) as e:
+        load(missing)
+    assert str(e.value) == (f"no protocol file at {missing}; pass the path of a protocol YAML (see "
+                            f"protocols/quickstart.yaml)")
+    p = tmp_path / "p.yaml"
+    for text, why in (("# only a comment\n", f"{p} holds no protocol (it is empty or only comments); write its "
+                                             f"fields, see protocols/quickstart.yaml"),
+                      ("- a\n- b\n", f"{p} holds a YAML list, not a protocol; a protocol is a mapping of fields "
+                                     f"(name:, model:, ...), see protocols/quickstart.yaml"),
+                      ("a: [1, 2\nb: 3\n", f"{p} is not valid YAML at line 2; fix the syntax")):
+        p.write_text(text)
+        with pytest.raises(ProtocolError) as e:
+            load(p)
+        assert str(e.value) == why, text
+    p.write_bytes(b"a: \xff\n")
+    with pytest.raises(ProtocolError) as e:
+        load(p)
+    assert str(e.value) == f"{p} is not UTF-8 text (byte 0xff at offset 3); save it as UTF-8"
+    with pytest.raises(ProtocolError) as e:
+        load(tmp_path)
+    assert str(e.value) == (f"the protocol {tmp_path} is a directory, not a regular file; pass the path of a "
+                            f"protocol YAML file (see protocols/quickstart.yaml)")
+    monkeypatch.setattr(freeze_module, "MAX_PROTOCOL_BYTES", 1 << 20)
+    p.write_bytes(b"#" * ((1 << 20) + 1))
+    with pytest.raises(ProtocolError) as e:
+        load(p)
+    assert str(e.value) == (f"{p} is {(1 << 20) + 1} bytes; a protocol file is at most 1 MiB (put a large prompt "
+                            f"set in prompts.token_file)")
