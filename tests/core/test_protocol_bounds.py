@@ -202,9 +202,9 @@ def test_integers_have_at_most_100_digits():
 
 def test_a_key_given_twice_is_named_shown_bounded():
     assert _refusal("x: 1\n\nx: 2\n") == "protocol line 3: key `x` is given twice; keep one"
-    long = "k" * 61
-    message = _refusal(f"{long}: 1\n{long}: 2\n")
-    assert message.startswith("protocol line 2: key `") and long not in message
+    long = "k" * 61  # over 60 characters a key is shown cut, quoted
+    assert _refusal(f"{long}: 1\n{long}: 2\n") == f"protocol line 2: key `'{'k' * 56}...` is given twice; keep one"
+    assert _refusal(f"{long[1:]}: 1\n{long[1:]}: 2\n") == f"protocol line 2: key `{long[1:]}` is given twice; keep one"
     assert _refusal("1: a\n1: b\n") == "protocol line 2: key `1` is given twice; keep one"
     assert _parsed("k" * 60 + ": 1\n" + "k" * 59 + ": 2\n") == {"k" * 60: 1, "k" * 59: 2}
 
@@ -241,3 +241,14 @@ def test_a_protocol_file_that_cannot_be_read_as_yaml_says_why(tmp_path, monkeypa
         load(p)
     assert str(e.value) == (f"{p} is {(1 << 20) + 1} bytes; a protocol file is at most 1 MiB (put a large prompt "
                             f"set in prompts.token_file)")
+
+
+def test_an_unknown_alias_or_a_character_yaml_refuses_is_invalid_yaml():
+    """Catches the alias count crashing on an alias with no anchor, and the message crashing on
+    a YAML error without a position."""
+    assert _refusal("a: 1\nb: *nope\n") == "p.yaml is not valid YAML at line 2; fix the syntax"
+    assert _refusal("a: \x07\n") == "p.yaml is not valid YAML; fix the syntax"
+
+
+def test_an_alias_of_a_scalar_nests_no_deeper_than_where_it_stands():
+    assert _parsed("a: &s 1\nb: " + "[" * 31 + "*s" + "]" * 31 + "\n") is not None  # 1 + 31 levels
