@@ -252,3 +252,14 @@ def test_an_unknown_alias_or_a_character_yaml_refuses_is_invalid_yaml():
 
 def test_an_alias_of_a_scalar_nests_no_deeper_than_where_it_stands():
     assert _parsed("a: &s 1\nb: " + "[" * 31 + "*s" + "]" * 31 + "\n") is not None  # 1 + 31 levels
+
+
+def test_an_anchors_levels_are_its_own_whatever_nested_before_it():
+    """A two-level anchor after a deeper collection elsewhere: its alias adds two levels, no more
+    and no fewer. Catches a collection's depth passed to the wrong parent or read from a deeper
+    collection that ended before it."""
+    for before in ("", "p: [[[[[[[1]]]]]]]\n"):
+        text = before + "a: &x [[1]]\nb: " + "[" * 29 + "*x" + "]" * 29 + "\n"  # 1 + 29 + 2 = 32
+        assert _parsed(text)["b"] is not None
+        deeper = before + "a: &x [[1]]\nb: " + "[" * 30 + "*x" + "]" * 30 + "\n"
+        assert "nest deeper than 32 levels" in _refusal(deeper)
