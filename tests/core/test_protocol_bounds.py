@@ -263,3 +263,10 @@ def test_an_anchors_levels_are_its_own_whatever_nested_before_it():
         assert _parsed(text)["b"] is not None
         deeper = before + "a: &x [[1]]\nb: " + "[" * 30 + "*x" + "]" * 30 + "\n"
         assert "nest deeper than 32 levels" in _refusal(deeper)
+
+
+def test_a_collection_as_a_key_is_refused_on_one_line():
+    """YAML allows a list or a mapping as a key (`? [1, 2]`); the loader refused it with a
+    TypeError from the duplicate check, a crash. Found by a mutant of that check."""
+    assert _refusal("a: 1\n? [1, 2]\n: x\n") == "protocol line 2: key `[1, 2]` is a list; a protocol's keys are names"
+    assert _refusal("{{a: 1}: 2}\n") == "protocol line 1: key `{'a': 1}` is a dict; a protocol's keys are names"
