@@ -270,3 +270,54 @@ def test_a_collection_as_a_key_is_refused_on_one_line():
     TypeError from the duplicate check, a crash. Found by a mutant of that check."""
     assert _refusal("a: 1\n? [1, 2]\n: x\n") == "protocol line 2: key `[1, 2]` is a list; a protocol's keys are names"
     assert _refusal("{{a: 1}: 2}\n") == "protocol line 1: key `{'a': 1}` is a dict; a protocol's keys are names"
+
+
+# ----------------------------------------------------------------------------- prompt files and token lists
+
+
+def test_prompt_file_refusals_name_the_field_the_file_and_the_fix(tmp_path):
+    """A directory, a missing file, lists nested too deep, bytes that are not UTF-8: each named
+    by its field (a command's option as given, a protocol's field quoted), the path and the fix.
+    Catches any of them losing its words."""
+    from packbench.core.protocol import read_prompt_file
+
+    def refusal(kind, path, field):
+        with pytest.raises(ProtocolError) as e:
+            read_prompt_file(kind, path, field=field)
+        return str(e.value)
+
+    assert refusal("token_file", tmp_path, "prompts.token_file") == (
+        f"protocol field `prompts.token_file`: {tmp_path} is a directory, not a regular file; give a token file of "
+        f"prompts (a regular file of at most 64 MiB)")
+    assert refusal("text_file", tmp_path, "--prompts") == (
+        f"--prompts: {tmp_path} is a directory, not a regular file; give a text file of prompts (a regular file of "
+        f"at most 64 MiB)")
+    missing = tmp_path / "missing.txt"
+    assert refusal("text_file", missing, "--prompts") == f"--prompts: cannot read {missing} (No such file or directory)"
+    assert refusal("text_file", missing, "prompts.text_file") == (
+        f"protocol field `prompts.text_file`: cannot read {missing} (No such file or directory); paths are relative "
+        f"to the protocol file")
+    deep = tmp_path / "deep.json"
+    deep.write_text("[" * 100_000 + "]" * 100_000)
+    assert refusal("token_file", deep, "prompts.token_file") == (
+        f"protocol field `prompts.token_file`: {deep} nests its lists too deeply; write a list of token-id lists")
+    bad = tmp_path / "bad.txt"
+    bad.write_bytes(b"a\xffb")
+    assert refusal("text_file", bad, "prompts.text_file") == f"protocol field `prompts.text_file`: {bad} is not UTF-8 text"
+
+
+def test_token_lists_are_non_empty_lists_of_non_empty_lists():
+    from packbench.core.protocol.fields import token_lists_field
+    for ids, why in (([], "protocol field `p`: [] is not allowed; expected a non-empty list of token-id lists"),
+                     ("x", "protocol field `p`: 'x' is not allowed; expected a non-empty list of token-id lists"),
+                     ([[1], []], "protocol field `p[1]`: [] is not allowed; expected a non-empty list of token ids"),
+                     ([[1], "a"], "protocol field `p[1]`: 'a' is not allowed; expected a non-empty list of token ids")):
+        with pytest.raises(ProtocolError) as e:
+            token_lists_field(ids, "p")
+        assert str(e.value) == why
+    assert token_lists_field([[1, 2], [3]], "p") == [[1, 2], [3]]
+
+
+def test_a_text_file_splits_on_separator_lines_keeping_each_prompts_lines():
+    from packbench.core.protocol import split_texts
+    assert split_texts("a\nb\n---\nc\n  ---  \n\n---\nd") == ["a\nb", "c", "d"]
