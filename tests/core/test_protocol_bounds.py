@@ -320,4 +320,14 @@ def test_token_lists_are_non_empty_lists_of_non_empty_lists():
 
 def test_a_text_file_splits_on_separator_lines_keeping_each_prompts_lines():
     from packbench.core.protocol import split_texts
-    assert split_texts("a\nb\n---\nc\n  ---  \n\n---\nd") == ["a\nb", "c", "d"]
+    assert split_texts("a\nb\n---\nc\n  ---  \n\n---\nd\ne") == ["a\nb", "c", "d\ne"]
+
+
+def test_a_text_file_without_text_is_refused_by_its_field(tmp_path):
+    from packbench.core.protocol import read_prompt_file
+    empty = tmp_path / "empty.txt"
+    empty.write_text("\n---\n  \n---\n")
+    with pytest.raises(ProtocolError) as e:
+        read_prompt_file("text_file", empty, field="prompts.text_file")
+    assert str(e.value) == (f"protocol field `prompts.text_file`: {empty} holds no text; write prompts separated by "
+                            f"`---` lines")
