@@ -712,3 +712,464 @@ def test_the_room_is_a_quarter_of_the_members_at_least_1_mib_and_holds_the_direc
     assert _room(8 << 20, 100) == 2 << 20
     assert _room((8 << 20) + 7, 0) == ((8 << 20) + 7) // 4
     assert _room(0, 3 << 20) == (3 << 20) + MAX_END_RECORDS
+
+
+# ----------------------------------------------------------------------------- zip records, names, the reader's door
+
+
+def _locate(data: bytes) -> tuple[int, int, int, int]:
+    from packbench.core.archive.zipformat import locate_end
+    return locate_end(io.BytesIO(data), len(data))
+
+
+def _zipfile_bytes(comment: bytes = b"", members: int = 0) -> bytes:
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w") as zf:
+        for i in range(members):
+            zf.writestr(f"m{i}.bin", b"x" * (i + 1))
+        zf.comment = comment
+    return buf.getvalue()
+
+
+def test_locate_end_reads_what_zipfiles_end_record_says():
+    """(count, directory size, directory start, bytes from the end record to the file's end),
+    whatever the comment holds (zipfile itself is misled by an end record's signature in it)."""
+    empty = _zipfile_bytes()
+    assert len(empty) == 22 and _locate(empty) == (0, 0, 0, 22)  # the smallest zip: its end record alone
+    base = _zipfile_bytes(members=3)
+    with zipfile.ZipFile(io.BytesIO(base)) as zf:
+        start = zf.start_dir
+        assert len(zf.namelist()) == 3
+    cd_size = len(base) - 22 - start
+    for comment in (b"", b"c" * 10, b"PK\x05\x06", b"PK\x05\x06" + b"z" * 30, b"z" * 5 + b"PK\x05\x06" + b"q" * 17,
+                    b"w" * 0xFFFF):
+        data = base[:-2] + len(comment).to_bytes(2, "little") + comment
+        assert _locate(data) == (3, cd_size, start, 22 + len(comment)), comment[:12]
+    # End record signatures in a member's data, before the real one, are passed over too.
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w") as zf:
+        zf.writestr("sig.bin", b"PK\x05\x06" * 3 + bytes(40))
+    data = buf.getvalue()
+    with zipfile.ZipFile(io.BytesIO(data)) as zf:
+        start = zf.start_dir
+    assert _locate(data) == (1, len(data) - 22 - start, start, 22)
+
+
+def test_locate_end_refuses_what_holds_no_end_record():
+    for data, why in ((b"", "too short"), (b"PK\x05\x06" + bytes(17), "too short"), (bytes(22), "no zip end record"),
+                      (b"PK\x05\x06" + bytes(17) + b"!", "no zip end record"),  # 1 byte after, no comment declared
+                      (b"PK\x05\x06" + bytes(16) + b"\x02\x00" + b"!", "no zip end record")):  # 2 declared, 1 held
+        with pytest.raises(ValueError, match=why):
+            _locate(data)
+
+
+def test_locate_end_follows_the_zip64_locator_to_the_zip64_record():
+    from packbench.core.archive.zipformat import end_records
+    # A zip64 end record at the very start of the file (offset 0 is a valid place for it).
+    data = end_records(70_000, 0, 0)
+    assert len(data) == 56 + 20 + 22
+    assert _locate(data) == (70_000, 0, 0, len(data))
+    # Count, size and start are three distinct fields, read from the zip64 record.
+    body = b"d" * 300
+    data = body + end_records(70_001, 120, 180)
+    assert _locate(data) == (70_001, 180, 120, len(data) - 300)
+    # A locator that points past the file, or at bytes that are no zip64 record, is ignored:
+    # the classic record's values stand.
+    tail = end_records(70_002, 120, 180)[56:]  # locator + end record, the zip64 record left out
+    assert _locate(body + tail) == (0xFFFF, 180, 120, 42 - 20)
+    assert _locate(b"x" * 10 + tail) == (0xFFFF, 180, 120, 42 - 20)  # it would point inside nothing
+
+
+def test_end_records_switch_to_zip64_exactly_where_zipfile_does():
+    from packbench.core.archive.zipformat import ZIP64_LIMIT, end_records
+
+    def zipfile_end(count: int, cd_offset: int, cd_size: int) -> bytes:
+        zf = zipfile.ZipFile(io.BytesIO(), "w")
+        sink = io.BytesIO()
+
+        class Sink:
+            def write(self, b):
+                sink.write(b)
+
+            def tell(self):
+                return cd_offset + cd_size + sink.tell()
+
+            def flush(self):
+                pass
+
+        zf.filelist, zf.start_dir, zf.fp = [], cd_offset, Sink()
+        zf._didModify = True
+        try:
+            # zipfile counts its filelist; stand in the count by a list of that length
+            zf.filelist = _NoEntries(count)
+            zf._write_end_record()
+        finally:
+            zf.fp = None
+        return sink.getvalue()
+
+    for count, cd_offset, cd_size in ((0xFFFF, 10, 20), (0x10000, 10, 20), (3, ZIP64_LIMIT, 20),
+                                      (3, ZIP64_LIMIT + 1, 20), (3, 10, ZIP64_LIMIT), (3, 10, ZIP64_LIMIT + 1),
+                                      (3, 0xFFFFFFFF + 5, 0xFFFFFFFF + 9)):
+        ours = end_records(count, cd_offset, cd_size)
+        assert ours == zipfile_end(count, cd_offset, cd_size), (count, cd_offset, cd_size)
+        assert len(ours) == (22 if max(cd_offset, cd_size) <= ZIP64_LIMIT and count <= 0xFFFF else 98)
+
+
+class _NoEntries(list):
+    """A filelist of `n` entries whose central records are empty: zipfile's end records need
+    only its length."""
+
+    def __init__(self, n: int):
+        super().__init__()
+        self.n = n
+
+    def __len__(self):
+        return self.n
+
+    def __iter__(self):
+        return iter(())
+
+
+def test_central_entries_switch_to_zip64_exactly_where_zipfile_does():
+    from packbench.core.archive.zipformat import VERSION, ZIP64_LIMIT, central_entry
+
+    def zipfile_central(size, csize, offset):
+        zi = zipfile.ZipInfo("m/x.npy", date_time=(1980, 1, 1, 0, 0, 0))
+        zi.create_system, zi.external_attr, zi.compress_type = 3, (stat.S_IFREG | 0o644) << 16, zipfile.ZIP_STORED
+        zi.header_offset, zi.file_size, zi.compress_size, zi.CRC = offset, size, csize, 0x0BADF00D
+        zi.FileHeader(max(size, csize) > 0xFFFFFFFF)  # sets the versions as writing the local header does
+        zf = zipfile.ZipFile(io.BytesIO(), "w")
+        sink = io.BytesIO()
+        zf.filelist, zf.start_dir, zf.fp = [zi], 0, sink
+        try:
+            zf._write_end_record()
+        finally:
+            zf.fp = None
+        data = sink.getvalue()
+        return data[:data.index(b"PK\x05\x06") if b"PK\x06\x06" not in data else data.index(b"PK\x06\x06")]
+
+    L = ZIP64_LIMIT
+    for size, csize, offset in ((L, L, L), (L + 1, L, 0), (L, L + 1, 0), (5, 5, L + 1), (L + 1, L + 2, L + 3),
+                                (0xFFFFFFFF + 1, 7, 9)):
+        ours = central_entry(b"m/x.npy", method=zipfile.ZIP_STORED, crc=0x0BADF00D, csize=csize, size=size,
+                             offset=offset, version=VERSION)
+        assert ours == zipfile_central(size, csize, offset), (size, csize, offset)
+
+
+def test_local_headers_are_zipfiles():
+    from packbench.core.archive.zipformat import local_header
+    for size, csize, zip64, method in ((0, 0, False, zipfile.ZIP_STORED), (1000, 321, False, zipfile.ZIP_DEFLATED),
+                                       (7 << 30, 6 << 30, True, zipfile.ZIP_DEFLATED)):
+        zi = zipfile.ZipInfo("a/b.json", date_time=(1980, 1, 1, 0, 0, 0))
+        zi.compress_type, zi.file_size, zi.compress_size, zi.CRC = method, size, csize, 0xFEEDBEEF
+        assert local_header(b"a/b.json", method=method, crc=0xFEEDBEEF, csize=csize, size=size,
+                            zip64=zip64) == zi.FileHeader(zip64)
+
+
+@pytest.mark.parametrize("name, why", [
+    ("", "empty or not a string"), (None, "empty or not a string"), (7, "empty or not a string"),
+    (b"a.json", "empty or not a string"),
+    ("a\\b", "contains a backslash"), ("C:\\x", "contains a backslash"), ("/a\\b", "contains a backslash"),
+    ("a\x00b", "contains a NUL byte"), ("/\x00", "contains a NUL byte"),
+    ("C:x", "starts with a drive letter"), ("z:/x", "starts with a drive letter"),
+    ("/etc/x", "is absolute"), ("/a b", "is absolute"), ("/", "is absolute"),
+    ("sp ace", "has characters outside [A-Za-z0-9._/-]"), ("ü.json", "has characters outside [A-Za-z0-9._/-]"),
+    ("1:x", "has characters outside [A-Za-z0-9._/-]"), ("ab:c", "has characters outside [A-Za-z0-9._/-]"),
+    ("a/b\n", "has characters outside [A-Za-z0-9._/-]"),
+    ("..", "contains a '..' segment"), ("a/../b", "contains a '..' segment"), ("../a//", "contains a '..' segment"),
+    ("a//b", "has an empty or '.' segment"), ("./a", "has an empty or '.' segment"),
+    ("dir/", "has an empty or '.' segment"), ("a/./..", "has an empty or '.' segment"),
+])
+def test_name_problem_says_which_rule_a_name_breaks(name, why):
+    from packbench.core.archive import name_problem
+    assert name_problem(name) == why
+
+
+@pytest.mark.parametrize("name", ["a", "a.json", ".hidden", "a..b", "...", "x/.y/z", "A-Z_0.9/b-c", "episodes/00000.json"])
+def test_name_problem_admits_relative_posix_names(name):
+    from packbench.core.archive import name_problem
+    assert name_problem(name) is None
+
+
+def test_expected_method_stores_arrays_and_traces_and_deflates_json():
+    from packbench.core.archive import expected_method
+    assert expected_method("logits/00000.npy") == zipfile.ZIP_STORED
+    assert expected_method("active/00000.trace") == zipfile.ZIP_STORED
+    assert expected_method("a.json.npy") == zipfile.ZIP_STORED
+    assert expected_method("episodes/00000.json") == zipfile.ZIP_DEFLATED
+    assert expected_method("a.npy.json") == zipfile.ZIP_DEFLATED
+    for other in ("notes.bin", "npy", "json", "a.NPY", "a.Json", "a.tracex", "a.npy/"):
+        assert expected_method(other) is None, other
+
+
+def _open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def test_the_reader_refuses_at_the_door_with_the_cause_and_closes_its_file(tmp_path: Path):
+    """Refusals before any member is read: each names the file, the cause and what to do, and
+    leaves no file open behind it."""
+    from packbench.core.archive import MAX_DIRECTORY_BYTES, MAX_MEMBERS
+    from packbench.core.archive.zipformat import end_records
+    path = tmp_path / "a.zip"
+    before = _open_fds()
+
+    def refusal(data: bytes) -> str:
+        path.write_bytes(data)
+        with pytest.raises(ArchiveError) as e:
+            ArchiveReader(path)
+        assert _open_fds() == before
+        return str(e.value)
+
+    assert refusal(b"short") == (f"{path} is not a readable zip archive (too short for a zip end record); "
+                                 f"point at a raw archive written by packbench")
+    assert refusal(bytes(100)) == (f"{path} is not a readable zip archive (no zip end record); "
+                                   f"point at a raw archive written by packbench")
+    over = MAX_MEMBERS + 1
+    assert refusal(end_records(over, 0, 0)) == (
+        f"{path} declares {over} members in a 0-byte directory, over the bounds of {MAX_MEMBERS} members and "
+        f"{MAX_DIRECTORY_BYTES} bytes; it is not a raw archive packbench reads")
+    big = MAX_DIRECTORY_BYTES + 1
+    assert refusal(end_records(1, 0, big)) == (
+        f"{path} declares 1 members in a {big}-byte directory, over the bounds of {MAX_MEMBERS} members and "
+        f"{MAX_DIRECTORY_BYTES} bytes; it is not a raw archive packbench reads")
+    # At the bounds the counts pass on to zipfile (which reads no entry in an empty directory).
+    path.write_bytes(end_records(MAX_MEMBERS, 0, 0))
+    with ArchiveReader(path) as r:
+        assert r.names == [] and not r.complete
+    assert refusal(end_records(1, 0, MAX_DIRECTORY_BYTES)).startswith(f"{path} is not a readable zip archive (")
+    # zipfile's own refusal, in its words
+    assert refusal(b"PK\x03\x04" + end_records(1, 0, 46)) == (
+        f"{path} is not a readable zip archive (Bad offset for central directory); "
+        f"point at a raw archive written by packbench")
+
+
+def test_the_reader_refuses_a_file_over_its_size_bound_before_reading_it(tmp_path: Path):
+    from packbench.core.archive import MAX_ARCHIVE_BYTES, ArchiveTooLarge
+    path = tmp_path / "huge.zip"
+    with open(path, "wb") as f:  # sparse: nothing written
+        f.truncate(MAX_ARCHIVE_BYTES + 1)
+    with pytest.raises(ArchiveTooLarge) as e:
+        ArchiveReader(path)
+    assert (e.value.size, e.value.bound) == (MAX_ARCHIVE_BYTES + 1, MAX_ARCHIVE_BYTES)
+    with open(path, "r+b") as f:
+        f.truncate(MAX_ARCHIVE_BYTES)  # at the bound: read (and found to be no zip)
+    with pytest.raises(ArchiveError, match="no zip end record"):
+        ArchiveReader(path)
+    small = sealed_screen(tmp_path)
+    size = small.stat().st_size
+    with pytest.raises(ArchiveTooLarge) as e:
+        ArchiveReader(small, max_archive_bytes=size - 1)
+    assert (e.value.size, e.value.bound) == (size, size - 1)
+    with ArchiveReader(small, max_archive_bytes=size) as r:
+        assert r.complete and r.verify() == []
+
+
+def test_the_reader_keeps_its_bounds_and_counts_from_nothing_read(sealed: Path):
+    with ArchiveReader(sealed) as r:
+        from packbench.core.archive.reader import MAX_ARRAY_BYTES, MAX_JSON_BYTES, MAX_JSON_TOTAL_BYTES, MAX_TOTAL_BYTES
+        assert (r.path, r.size, r.bytes_read) == (sealed, sealed.stat().st_size, 0)
+        assert (r.max_member_bytes, r.max_total_bytes, r.max_json_bytes, r.max_json_total_bytes) == (
+            MAX_ARRAY_BYTES, MAX_TOTAL_BYTES, MAX_JSON_BYTES, MAX_JSON_TOTAL_BYTES)
+        assert r.names == MEMBERS
+    with ArchiveReader(str(sealed), max_member_bytes=100, max_json_bytes=1000, max_total_bytes=5000,
+                       max_json_total_bytes=700) as r:
+        assert isinstance(r.path, Path)
+        assert (r.max_member_bytes, r.max_total_bytes, r.max_json_bytes, r.max_json_total_bytes) == (100, 5000, 100, 700)
+    with ArchiveReader(sealed, max_member_bytes=1000, max_json_bytes=100) as r:
+        assert (r.max_member_bytes, r.max_json_bytes) == (1000, 100)
+
+
+def test_zip64_records_are_zipfiles_with_the_limit_scaled_down(tmp_path: Path, monkeypatch):
+    """zipfile's zip64 decisions (a member of size x 1.05 over the limit, offsets, sizes and the
+    directory past it) made at a limit of 4,000 bytes instead of 2 GiB, in zipfile and in the
+    archive modules alike: the writer's archive is still zipfile's byte for byte, verifies
+    clean and reads back. Catches the writer's or the layout check's zip64 decision dropped,
+    inverted, or made on another threshold, and the zip32 guard applied to zip64 members."""
+    import packbench.core.archive.verify as verify_module
+    import packbench.core.archive.writer as writer_module
+    import packbench.core.archive.zipformat as zipformat
+    for module in (zipfile, zipformat, writer_module, verify_module):
+        monkeypatch.setattr(module, "ZIP64_LIMIT", 4000)
+    rng = np.random.default_rng(5)
+    noise = rng.integers(0, 256, 10_000, dtype=np.uint8).tobytes()
+    members = {
+        "small.bin": b"s" * 100,  # zip32 at offset 0
+        "edge.npy": rng.integers(0, 256, 3000, dtype=np.uint8).tobytes(),  # 3,150 after x 1.05: zip32
+        "over.bin": noise[:3900],  # 4,095 after x 1.05: zip64 header, sizes under the limit
+        "noise.bin": noise,  # deflates to more than the limit: zip64 sizes and offset
+        "late.json": canonical_json({"after": "the limit"}),  # offset past the limit
+    }
+    path = tmp_path / "z64.zip"
+    w = ArchiveWriter(path)
+    for name, data in members.items():
+        if name.endswith(".json"):
+            w.add_json(name, {"after": "the limit"})
+        else:
+            w.add_bytes(name, data)
+    w.seal(MANIFEST)
+    ref = tmp_path / "ref.zip"
+    zipfile_reference(path, ref)
+    assert path.read_bytes() == ref.read_bytes()
+    assert b"PK\x06\x06" in path.read_bytes()  # the zip64 end record: the directory starts past the limit
+    with ArchiveReader(path) as r:
+        assert r.verify() == []
+        for name, data in members.items():
+            assert r.read_bytes(name) == data
+
+
+def test_a_new_writer_makes_missing_directories_and_a_file_of_mode_0666_less_umask(tmp_path: Path):
+    path = tmp_path / "a" / "b" / "c.zip"
+    old = os.umask(0o022)
+    try:
+        w = ArchiveWriter(path)
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o644
+    assert (w.sha256, w.manifest_sha256, w.members, w.format_version) == (None, None, {}, 1)
+    assert path.read_bytes() == b"PK\x05\x06" + bytes(18)  # an empty zip from the first moment
+    w.add_bytes("x.bin", b"x")
+    w.seal({})
+    assert verify(path) == []
+
+
+def test_a_writer_under_a_file_says_that_is_no_directory(tmp_path: Path):
+    (tmp_path / "f").write_bytes(b"")
+    path = tmp_path / "f" / "a.zip"
+    with pytest.raises(ArchiveError) as e:
+        ArchiveWriter(path)
+    assert str(e.value) == (f"could not create archive {path}: {tmp_path / 'f'} is not a directory; write archives "
+                            f"to a directory")
+
+
+def test_a_member_that_fills_the_room_exactly_goes_into_it(tmp_path: Path):
+    """The room before the directory is used up to its last byte before the directory moves.
+    Catches the fit compared with < (a directory moved for nothing, 1 MiB of file each time)."""
+    path = tmp_path / "a.zip"
+    w = ArchiveWriter(path)
+    w.add_bytes("a.bin", b"a")
+    before = path.stat().st_size
+    end = w._end
+    name = "fill.npy"  # STORED: the payload is the data
+    w.add_bytes(name, bytes(w._cd_at - end - 30 - len(name)))
+    assert w._end == w._cd_at  # the room is full ...
+    assert path.stat().st_size == before + 46 + len(name)  # ... and only the directory's new entry was added
+    w.seal({})
+    assert verify(path) == []
+
+
+def test_a_file_that_changes_size_while_a_member_is_written_stops_the_writer(tmp_path: Path, monkeypatch):
+    """Something else writing to the archive between the writer's write and its check: the
+    append is refused with the sizes and the writer stays unusable. Catches the check's words
+    or the writer's failed state lost."""
+    import packbench.core.archive.writer as writer_module
+    path = tmp_path / "a.zip"
+    w = ArchiveWriter(path)
+    real = os.fstat
+
+    class Grown:
+        def __init__(self, st):
+            self.st_size, self.st_dev, self.st_ino, self.st_mtime_ns = st.st_size + 5, st.st_dev, st.st_ino, st.st_mtime_ns
+
+    monkeypatch.setattr(writer_module.os, "fstat", lambda fd: Grown(real(fd)))
+    with pytest.raises(ArchiveError) as e:
+        w.add_bytes("a.bin", b"abc")
+    monkeypatch.undo()
+    size = path.stat().st_size
+    assert str(e.value) == (f"archive {path} is {size + 5} bytes after writing member a.bin, this writer wrote "
+                            f"{size}: something else writes to it; keep it for inspection and rerun the screen as a "
+                            f"new attempt")
+    with pytest.raises(ArchiveError) as e:
+        w.add_bytes("b.bin", b"b")
+    assert str(e.value) == (f"archive {path} is unusable after a failed write (archive changed behind the writer); "
+                            f"keep it as an interrupted attempt and start a new one")
+
+
+def test_every_single_member_and_the_seal_are_fsynced_before_the_call_returns(tmp_path: Path, monkeypatch):
+    """add_json, add_array, add_bytes and seal: each member is on disk when the call returns
+    (docs/archive.md). Catches the fsync of a single member or of the manifest skipped."""
+    path = tmp_path / "a.zip"
+    w = ArchiveWriter(path)
+    synced = []
+    real = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(len(w.members)), real(fd)))
+    w.add_json("a.json", {"a": 1})
+    w.add_array("b.npy", LOGITS[0])
+    w.add_bytes("c.bin", b"c")
+    assert synced == [0, 1, 2]  # inside each member's write, before it is listed
+    w.seal({})
+    assert len(synced) == 4 and synced[3] == 3
+
+
+def test_a_new_archive_that_cannot_be_written_is_removed_and_named(tmp_path: Path, monkeypatch):
+    """The file is created but its first bytes cannot be made durable (a full disk): it is
+    removed, and the error names the file, the cause and the fix. Catches the removal dropped
+    or its words lost."""
+    import packbench.core.archive.writer as writer_module
+    path = tmp_path / "a.zip"
+
+    def full(fd):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(writer_module.os, "fsync", full)
+    with pytest.raises(ArchiveError) as e:
+        ArchiveWriter(path)
+    monkeypatch.undo()
+    assert str(e.value) == (f"could not create archive {path} ([Errno 28] No space left on device); check disk space "
+                            f"and permissions")
+    assert not path.exists()
+    long = tmp_path / ("n" * 300 + ".zip")  # the file system refuses the name itself
+    with pytest.raises(ArchiveError) as e:
+        ArchiveWriter(long)
+    assert str(e.value) == (f"could not create archive {long} ([Errno 36] File name too long: '{long}'); check disk "
+                            f"space and permissions")
+
+
+def test_an_archive_path_that_cannot_be_looked_up_stops_the_append_by_name(tmp_path: Path):
+    """The archive's directory replaced by a file between two appends: the path cannot even be
+    looked up. Catches the cause or the member's name lost from the error."""
+    d = tmp_path / "d"
+    path = d / "a.zip"
+    w = ArchiveWriter(path)
+    d.rename(tmp_path / "moved")
+    d.write_bytes(b"")
+    with pytest.raises(ArchiveError) as e:
+        w.add_bytes("x.bin", b"x")
+    assert str(e.value) == (f"could not append member x.bin to archive {path} ([Errno 20] Not a directory: "
+                            f"'{path}'); check disk space, permissions and who else touches the file, then rerun "
+                            f"as a new attempt")
+
+
+def test_locate_end_finds_the_true_end_record_among_signatures_before_and_after_it():
+    """Signatures in a member's data before the end record and in its comment after it; an end
+    record at byte 0 of the file behind a comment holding a signature. Catches the backward
+    search made forward or kept off the file's first byte."""
+    from packbench.core.archive.zipformat import end_records
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w") as zf:
+        zf.writestr("sig.bin", b"PK\x05\x06" * 2 + bytes(30))
+    base = buf.getvalue()
+    with zipfile.ZipFile(io.BytesIO(base)) as zf:
+        start = zf.start_dir
+    comment = b"PK\x05\x06 not an end record"
+    data = base[:-2] + len(comment).to_bytes(2, "little") + comment
+    assert _locate(data) == (1, len(base) - 22 - start, start, 22 + len(comment))
+    data = end_records(0, 0, 0)[:-2] + len(comment).to_bytes(2, "little") + comment
+    assert _locate(data) == (0, 0, 0, len(data))
+
+
+def test_locate_end_honours_a_locator_wherever_its_zip64_record_lies_in_the_file():
+    """The locator just before the end record is followed to any zip64 record wholly inside the
+    file, even one at the file's very end (here: the comment), and a record that would run past
+    the end is ignored. Catches the bounds on the locator's position and target moved."""
+    import struct as st
+    end64 = st.pack("<4sQ2H2L4Q", b"PK\x06\x06", 44, 45, 45, 0, 0, 70_000, 70_000, 11, 22)
+    locator = st.pack("<4sLQL", b"PK\x06\x07", 0, 20 + 22, 1)  # the file's first bytes
+    end = st.pack("<4s4H2LH", b"PK\x05\x06", 0, 0, 0xFFFF, 0xFFFF, 11, 22, len(end64))
+    data = locator + end + end64
+    assert _locate(data) == (70_000, 11, 22, len(data) - 42)
+    short = b"PK\x06\x06" + bytes(26)  # a zip64 signature 30 bytes before the end: no whole record fits
+    locator = st.pack("<4sLQL", b"PK\x06\x07", 0, 10 + 20 + 22 + 6, 1)  # at the signature
+    end = st.pack("<4s4H2LH", b"PK\x05\x06", 0, 0, 3, 3, 11, 22, 6 + len(short))
+    data = b"x" * 10 + locator + end + bytes(6) + short
+    assert _locate(data) == (3, 11, 22, 22 + 6 + len(short))

@@ -685,7 +685,8 @@ def _raw_deflate(data: bytes, *, finish: bool = True) -> bytes:
     return z.compress(data) + z.flush(zlib.Z_FINISH if finish else zlib.Z_SYNC_FLUSH)
 
 
-@pytest.mark.parametrize("case", ["junk after the stream", "junk past the first chunk", "no final block", "not deflate"])
+@pytest.mark.parametrize("case", ["junk after the stream", "junk past the first chunk", "junk over three chunks",
+                                  "no final block", "not deflate"])
 def test_damaged_deflate_streams_are_named_by_what_is_wrong(tmp_path: Path, case: str):
     """Bytes after the end of a member's DEFLATE stream (in its first chunk or past it), a stream
     without its final block and bytes that are no DEFLATE stream at all: each is read as
@@ -696,7 +697,9 @@ def test_damaged_deflate_streams_are_named_by_what_is_wrong(tmp_path: Path, case
     payload, cause = {
         "junk after the stream": (stream + bytes(4), "4 bytes after the end of its DEFLATE stream"),
         "junk past the first chunk": (stream + bytes((1 << 20) + 10),
-                                      f"{len(stream) + 10} bytes after the end of its DEFLATE stream"),
+                                      f"{(1 << 20) + 10} bytes after the end of its DEFLATE stream"),
+        "junk over three chunks": (stream + bytes((5 << 19) + 3),
+                                   f"{(5 << 19) + 3} bytes after the end of its DEFLATE stream"),
         "no final block": (_raw_deflate(content, finish=False), "truncated DEFLATE stream"),
         "not deflate": (b"\xff" * 20, "zlib.error: Error -3 while decompressing data: invalid block type"),
     }[case]
@@ -831,3 +834,330 @@ def test_every_problem_of_the_manifest_itself_is_named_on_manifest_json(sealed: 
     (problem,) = manifest_problems(other)
     assert (problem.kind, problem.message.split(": its DEFLATE stream")[0]) == (
         "unreadable", "unreadable member manifest.json"), problem
+
+
+# ----------------------------------------------------------------------------- read failures on both paths, by name
+
+
+def _set_sizes(path: Path, name: str, *, size: int) -> None:
+    """Declare `size` uncompressed bytes for member `name` in its local header and its
+    directory entry alike (the stored bytes and the CRC stay)."""
+    raw = bytearray(path.read_bytes())
+    at = raw.index(b"PK\x03\x04")
+    struct.pack_into("<L", raw, at + 22, size)
+    cd = raw.index(b"PK\x01\x02")
+    struct.pack_into("<L", raw, cd + 24, size)
+    path.write_bytes(raw)
+
+
+def _read_failure(path: Path, name: str) -> tuple[str, list[Problem]]:
+    with ArchiveReader(path) as r:
+        with pytest.raises(ArchiveError) as e:
+            r.read_bytes(name)
+        return str(e.value), [p for p in r.verify() if p.member == name and p.kind != "layout"]
+
+
+def test_a_foreign_layout_member_that_fails_to_read_is_named_with_its_cause(tmp_path: Path):
+    """Through zipfile (a member the writer did not lay out): a bad CRC, a stream that is no
+    DEFLATE and a member holding fewer bytes than it declares are each refused by read with the
+    cause and the fix, and named by verify as unreadable with the cause. Catches the cause's
+    kind (zlib.error) or words lost, the fix lost, and the size check after the last chunk
+    skipped."""
+    content = b"packbench " * 50
+    path = _zipfile_archive(tmp_path, {"c.bin": (content, zipfile.ZIP_STORED)})
+    raw = bytearray(path.read_bytes())
+    raw[raw.index(content) + 7] ^= 0x20  # one byte of the data: the CRC no longer holds
+    path.write_bytes(raw)
+    cause = "BadZipFile: Bad CRC-32 for file 'c.bin'"
+    assert _read_failure(path, "c.bin") == (
+        f"member c.bin of archive {path} cannot be read ({cause}); the archive is damaged: run verify()",
+        [Problem("c.bin", "unreadable", f"unreadable member c.bin: {cause}")])
+
+    path = _zipfile_archive(tmp_path, {"z.bin": (content, zipfile.ZIP_DEFLATED)})
+    raw = bytearray(path.read_bytes())
+    start = data_offset(bytes(raw), zipfile.ZipFile(path).getinfo("z.bin"))
+    raw[start] = 0xFF  # a reserved block type
+    path.write_bytes(raw)
+    cause = "zlib.error: Error -3 while decompressing data: invalid block type"
+    assert _read_failure(path, "z.bin") == (
+        f"member z.bin of archive {path} cannot be read ({cause}); the archive is damaged: run verify()",
+        [Problem("z.bin", "unreadable", f"unreadable member z.bin: {cause}")])
+
+    path = _zipfile_archive(tmp_path, {"s.bin": (content, zipfile.ZIP_DEFLATED)})
+    _set_sizes(path, "s.bin", size=len(content) + 9)  # the stream ends 9 bytes early; its CRC is right
+    phrase = f"holds {len(content)} bytes but its zip entry declares {len(content) + 9}"
+    assert _read_failure(path, "s.bin") == (
+        f"member s.bin of archive {path} {phrase}; the archive is damaged: run verify()",
+        [Problem("s.bin", "unreadable", f"unreadable member s.bin: {phrase}")])
+
+
+def _stored_exact(path: Path, name: bytes, data: bytes, *, size: int, csize: int) -> Path:
+    """One STORED member whose headers are the writer's for the sizes given (the reader's exact
+    path), then its directory and end record."""
+    from packbench.core.archive.zipformat import VERSION, central_entry, end_records, local_header
+    fields = dict(method=zipfile.ZIP_STORED, crc=zlib.crc32(data), csize=csize, size=size)
+    head = local_header(name, zip64=False, **fields)
+    cd = central_entry(name, offset=0, version=VERSION, **fields)
+    path.write_bytes(head + data + cd + end_records(1, len(head) + len(data), len(cd)))
+    return path
+
+
+def test_an_exact_layout_member_that_fails_to_read_is_named_with_its_cause(tmp_path: Path):
+    """Read straight from the file (the writer's layout): a member holding fewer bytes than it
+    declares, and one whose stored bytes run past the end of the file. Catches either check's
+    words or fix lost."""
+    data = b"0123456789" * 3
+    path = _stored_exact(tmp_path / "short.zip", b"m.bin", data, size=len(data) + 4, csize=len(data))
+    phrase = f"holds {len(data)} bytes but its zip entry declares {len(data) + 4}"
+    with ArchiveReader(path) as r:
+        assert r._data_at
+    assert _read_failure(path, "m.bin") == (
+        f"member m.bin of archive {path} {phrase}; the archive is damaged: run verify()",
+        [Problem("m.bin", "unreadable", f"unreadable member m.bin: {phrase}")])
+    path = _stored_exact(tmp_path / "past.zip", b"m.bin", data, size=5000, csize=5000)
+    with ArchiveReader(path) as r:
+        assert r._data_at
+    cause = "the file ends inside the member"
+    assert _read_failure(path, "m.bin") == (
+        f"member m.bin of archive {path} cannot be read ({cause}); the archive is damaged: run verify()",
+        [Problem("m.bin", "unreadable", f"unreadable member m.bin: {cause}")])
+
+
+def test_a_member_yielding_more_than_it_declares_is_refused(tmp_path: Path):
+    """A DEFLATE stream inflating to more bytes than its entry declares (under the bound): read
+    refuses it as yielding more than declared, verify names what it holds. Catches the read's
+    buffer overrun check dropped or its words lost."""
+    content = b"abc" * 400
+    path = _one_deflated_member(tmp_path / "more.zip", "m.bin", content, _raw_deflate(content), size=100)
+    message, found = _read_failure(path, "m.bin")
+    assert message == (f"member m.bin of archive {path} yields more than the 100 bytes it declares; the archive is "
+                       f"damaged: run verify()")
+    assert found == [Problem("m.bin", "unreadable",
+                             f"unreadable member m.bin: holds {len(content)} bytes but its zip entry declares 100")]
+
+
+def test_a_deflated_member_inflating_to_many_chunks_from_one_read_comes_back_whole(tmp_path: Path):
+    """A compressible member: one read of its stored bytes inflates to several 1 MiB chunks
+    (zlib keeps the input it has not used yet). Catches that input dropped."""
+    blob = b"".join(b"row %07d packbench\n" % i for i in range(200_000))  # 4 MiB, a few hundred KiB deflated
+    path = tmp_path / "c.zip"
+    w = ArchiveWriter(path)
+    w.add_bytes("rows.json.txt", blob)  # not .json: any bytes, deflated
+    w.seal({})
+    with ArchiveReader(path) as r:
+        assert r.verify() == []
+        assert r.read_bytes("rows.json.txt") == blob
+
+
+def test_an_empty_array_member_is_named_by_the_header_check_with_numpys_words(tmp_path: Path):
+    """Catches the empty member's header check fed other bytes than none."""
+    path = tmp_path / "e.zip"
+    w = ArchiveWriter(path)
+    w.add_bytes("empty.npy", b"")
+    w.seal({})
+    with ArchiveReader(path) as r, pytest.raises(ArchiveError) as e:
+        r.read_array("empty.npy")
+    assert str(e.value) == (f"member empty.npy of archive {path} is not a .npy array (EOF: reading magic string, "
+                            f"expected 8 bytes got 0); the archive is damaged")
+
+
+def test_a_deflate_stream_that_cannot_be_checked_here_says_so(tmp_path: Path, monkeypatch):
+    """On a Python whose zlib does not deflate as stock zlib does, a stream other than the
+    writer's is named as uncheckable here, not as altered."""
+    import packbench.core.archive.reader as reader
+    content = b"packbench " * 300
+    z = zlib.compressobj(0, zlib.DEFLATED, -15)  # stored blocks: valid, not the writer's stream
+    other = z.compress(content) + z.flush()
+    assert other != _raw_deflate(content)
+    path = _one_deflated_member(tmp_path / "o.zip", "m.bin", content, other)
+    monkeypatch.setattr(reader, "stock_deflate", lambda: False)
+    with ArchiveReader(path) as r:
+        found = [p for p in r.verify() if p.member == "m.bin"]
+    assert found == [Problem("m.bin", "unreadable", (
+        f"unreadable member m.bin: its DEFLATE stream cannot be checked here: this Python's zlib "
+        f"({zlib.ZLIB_RUNTIME_VERSION}) does not deflate as stock zlib does; audit with a Python built on stock zlib"))]
+
+
+# ----------------------------------------------------------------------------- the layout's problems, each by its words
+
+
+def test_a_member_stored_with_the_other_method_is_a_layout_problem_of_that_member(tmp_path: Path):
+    path = _zipfile_archive(tmp_path, {"a.npy": (b"x" * 40, zipfile.ZIP_DEFLATED)})
+    assert [p for p in problems_of(path) if "compression method" in p.message] == [Problem(
+        "a.npy", "layout", "layout: member a.npy uses compression method 8, the writer uses 0 for it")]
+
+
+def test_bytes_before_the_central_directory_of_a_sealed_archive_belong_to_no_member(tmp_path: Path):
+    """Sealed (manifest.json last), junk between the last member and the directory: named with
+    its size and offset. Catches the count or the kind or member lost."""
+    from packbench.core.archive.zipformat import VERSION, central_entry, end_records, local_header
+    data = canonical_json({"format_version": 1, "members": {}})
+    fields = dict(method=zipfile.ZIP_STORED, crc=zlib.crc32(data), csize=len(data), size=len(data))
+    body = local_header(MANIFEST_NAME.encode(), zip64=False, **fields) + data
+    cd = central_entry(MANIFEST_NAME.encode(), offset=0, version=VERSION, **fields)
+    path = tmp_path / "g.zip"
+    path.write_bytes(body + bytes(7) + cd + end_records(1, len(body) + 7, len(cd)))
+    layout = [p for p in problems_of(path) if p.kind == "layout"]
+    assert Problem(None, "layout", f"layout: 7 bytes between the last member and the central directory belong to "
+                                   f"no member (offset {len(body)})") in layout
+
+
+def test_a_member_running_into_the_directory_of_an_unsealed_archive_is_a_layout_problem(tmp_path: Path):
+    """Unsealed (no manifest yet): a member whose stored size reaches into the directory. Catches
+    the check kept for sealed archives only, and its words or kind lost."""
+    path = _stored_exact(tmp_path / "into.zip", b"m.bin", b"z" * 30, size=60, csize=60)
+    layout = [p for p in problems_of(path) if p.kind == "layout"]
+    assert Problem(None, "layout", "layout: the central directory is not where the members end") in layout
+
+
+def test_foreign_directory_fields_and_end_records_are_named(sealed: Path):
+    """A directory entry with another attribute, an end record counting entries differently on
+    this disk, and a comment: each named by what holds it. Catches the words or kinds lost."""
+    raw = sealed.read_bytes()
+    cd = raw.index(b"PK\x01\x02")
+    changed = bytearray(raw)
+    changed[cd + 38] ^= 0x01  # the first entry's external attributes: zipfile reads on, CRCs hold
+    sealed.write_bytes(changed)
+    assert [p for p in problems_of(sealed) if p.kind == "layout"] == [Problem(
+        None, "layout", "layout: the central directory holds fields, bytes or entries the writer never writes")]
+    changed = bytearray(raw)
+    end = raw.rindex(b"PK\x05\x06")
+    struct.pack_into("<H", changed, end + 8, len(MEMBERS) - 1)  # entries on this disk; the total stays
+    sealed.write_bytes(changed)
+    assert [p for p in problems_of(sealed) if p.kind == "layout"] == [Problem(
+        None, "layout", "layout: the end of central directory record holds bytes the writer never writes")]
+    changed = bytearray(raw)
+    struct.pack_into("<H", changed, end + 20, 6)
+    sealed.write_bytes(bytes(changed) + b"hidden")
+    assert [p for p in problems_of(sealed) if p.kind == "layout"] == [Problem(
+        None, "layout", "layout: the end of central directory record holds a zip comment of 6 bytes")]
+
+
+def test_a_member_zipfile_writes_as_zip64_has_the_writers_zip64_headers(tmp_path: Path):
+    """The zip64 decision is zipfile's (size x 1.05 over 2^31 - 1), made from the entry's size:
+    checked on the records alone (a member of that size is not written: the layout check reads
+    headers only). Catches the decision dropped, inverted or moved off zipfile's threshold."""
+    from packbench.core.archive.verify import layout_problems
+    from packbench.core.archive.zipformat import (
+        VERSION, ZIP64_LIMIT, ZIP64_VERSION, central_entry, end_records, local_header,
+    )
+    first_zip64 = next(n for n in range(2045222500, 2045222600) if n * 1.05 > ZIP64_LIMIT)
+    for size, zip64 in ((first_zip64 - 1, False), (first_zip64, True), (2_100_000_000, True)):
+        data = b"q" * 10  # what the entry says it compresses to
+        info = zipfile.ZipInfo("a.bin", date_time=(1980, 1, 1, 0, 0, 0))
+        info.compress_type, info.CRC, info.file_size, info.compress_size = zipfile.ZIP_DEFLATED, 7, size, len(data)
+        info.header_offset = 0
+        fields = dict(method=zipfile.ZIP_DEFLATED, crc=7, csize=len(data), size=size)
+        head = local_header(b"a.bin", zip64=zip64, **fields)
+        cd = central_entry(b"a.bin", offset=0, version=ZIP64_VERSION if zip64 else VERSION, **fields)
+        end = end_records(1, len(head) + len(data), len(cd))
+        path = tmp_path / "z64.bin"
+        path.write_bytes(head + data + cd + end)
+        with open(path, "rb") as f:
+            found, data_at = layout_problems(f.fileno(), path.stat().st_size, len(end), [info], b"")
+        assert (found, data_at) == ([], {id(info): len(head)}), (size, zip64)
+
+
+def test_a_name_that_does_not_print_is_shown_escaped(sealed: Path):
+    """Catches a hostile name printed raw (a control character in a problem line) or its
+    escape lost."""
+    append_entry(sealed, "a\x01b", b"x")
+    assert Problem("a\x01b", "unsafe", "unsafe member name 'a\\x01b' (has characters outside [A-Za-z0-9._/-])") \
+        in problems_of(sealed)
+
+
+def test_an_unsafe_name_listed_in_the_manifest_is_a_problem_of_that_name(sealed: Path):
+    edit_manifest(sealed, lambda m: m["members"].update({"../evil": {"sha256": "0" * 64, "size": 1}}))
+    assert problems_of(sealed) == [Problem(
+        "../evil", "unsafe", "unsafe member name ../evil (listed in manifest.json; contains a '..' segment)")]
+
+
+def test_a_duplicate_key_is_named_by_the_key_repeated(tmp_path: Path):
+    path = tmp_path / "d.zip"
+    w = ArchiveWriter(path)
+    w.add_bytes("d.json", b'{"a":1,"b":2,"b":3}')
+    w.seal({})
+    with ArchiveReader(path) as r, pytest.raises(ArchiveError) as e:
+        r.read_json("d.json")
+    assert str(e.value) == (f"member d.json of archive {path} is not valid JSON (duplicate key 'b' (another parser "
+                            f"may keep the other value)); the archive is damaged: run verify()")
+
+
+def test_a_manifest_of_several_chunks_is_read_whole(tmp_path: Path):
+    """manifest.json over the 1 MiB read chunk. Catches its chunks joined with anything between."""
+    path = tmp_path / "m.zip"
+    w = ArchiveWriter(path)
+    w.add_bytes("x.bin", b"x")
+    notes = "".join(f"{i:08d}" for i in range(200_000))  # 1.6 MB, deflated well under one chunk
+    w.seal({"notes": notes})
+    with ArchiveReader(path) as r:
+        assert r.complete and r.manifest["notes"] == notes
+        assert r.verify() == []
+
+
+def test_a_symlink_manifest_is_named_first(sealed: Path):
+    """A symlink manifest.json is what verify names first, as every problem of the manifest
+    itself (audit lines keep verify's order). Catches the manifest's problem dropped when it loads."""
+    rewrite(sealed, drop=[MANIFEST_NAME])
+    info = zipfile.ZipInfo(MANIFEST_NAME)
+    info.create_system = 3
+    info.external_attr = (stat.S_IFLNK | 0o777) << 16
+    append_entry(sealed, info, b"/etc/passwd")
+    found = problems_of(sealed)
+    assert found[0] == Problem(MANIFEST_NAME, "symlink", "symlink member manifest.json")
+    assert found.count(found[0]) == 1
+
+
+def test_reading_a_member_does_not_demand_the_writers_deflate_stream_verify_does(tmp_path: Path):
+    """A valid DEFLATE stream other than the writer's: read gives its content (the content is
+    what a reader asks for), verify names the stream (the file is not the writer's). Catches
+    every read made to recompress."""
+    content = b"packbench " * 300
+    z = zlib.compressobj(0, zlib.DEFLATED, -15)
+    path = _one_deflated_member(tmp_path / "o.zip", "m.bin", content, z.compress(content) + z.flush())
+    with ArchiveReader(path) as r:
+        assert r.read_bytes("m.bin") == content
+        assert [p.kind for p in r.verify() if p.member == "m.bin"] == ["unreadable"]
+
+
+def test_a_bomb_is_refused_before_it_inflates_in_memory(tmp_path: Path):
+    """A small member inflating to 32 MiB with a bound of 1,000 bytes is refused having held
+    about one bounded read of output, not the whole inflated member. Catches the inflation's
+    output bound dropped."""
+    import tracemalloc
+    content = bytes(32 << 20)
+    path = _one_deflated_member(tmp_path / "bomb.zip", "m.bin", content, _raw_deflate(content), size=100)
+    with ArchiveReader(path, max_member_bytes=1000) as r:
+        tracemalloc.start()
+        try:
+            with pytest.raises(ArchiveError, match="inflates past the bound of 1000 bytes"):
+                r.read_bytes("m.bin")
+            found = [p for p in r.verify() if p.member == "m.bin"]
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+    assert found == [Problem("m.bin", "unreadable", "unreadable member m.bin: inflates past the bound of 1000 bytes")]
+    assert peak < 4 << 20, peak
+
+
+def test_records_holding_values_no_writer_record_can_hold_are_one_layout_problem(tmp_path: Path):
+    """A directory entry whose zip64 field gives a 5 GiB compressed size for a 10-byte member:
+    no local header of the writer can hold it (a zip32 header, by the size). The reader opens
+    the archive, names that as one layout problem with its cause, and reads the
+    member through zipfile (which stops at its declared 10 bytes). Catches the problem's kind,
+    words or cause lost and the members' data offsets left unset."""
+    from packbench.core.archive.zipformat import VERSION, end_records, local_header
+    data = b"0123456789"
+    crc = zlib.crc32(data)
+    head = local_header(b"m.bin", method=zipfile.ZIP_STORED, crc=crc, csize=len(data), size=len(data), zip64=False)
+    extra = struct.pack("<HHQ", 1, 8, 5 << 30)
+    cd = struct.pack("<4s4B4HL2L5H2L", b"PK\x01\x02", VERSION, 3, VERSION, 0, 0, zipfile.ZIP_STORED, 0, 33, crc,
+                     0xFFFFFFFF, len(data), 5, len(extra), 0, 0, 0, (stat.S_IFREG | 0o644) << 16, 0) + b"m.bin" + extra
+    path = tmp_path / "big.zip"
+    path.write_bytes(head + data + cd + end_records(1, len(head) + len(data), len(cd)))
+    with ArchiveReader(path) as r:
+        assert r._data_at == {}
+        assert [p for p in r.verify() if p.kind == "layout"] == [Problem(
+            None, "layout", "layout: the zip records hold values the writer never writes ('L' format requires "
+                            "0 <= number <= 4294967295)")]
+        assert r.read_bytes("m.bin") == data

@@ -3,6 +3,7 @@ hash (the frozen body), and the work bounds of docs/protocol.md ("Bounds") refus
 one past them and accept one at them."""
 
 import copy
+import importlib
 
 import pytest
 
@@ -132,3 +133,201 @@ def test_the_prompt_count_is_bounded_on_its_own():
     with pytest.raises(ProtocolError, match=rf"`prompts.generator.count`: {MAX_PROMPTS + 1} is not an integer in "
                                             rf"\[1, {MAX_PROMPTS}\]"):
         freeze(prompts(MAX_PROMPTS + 1, 1))
+
+
+# ----------------------------------------------------------------------------- the YAML file's own bounds (freeze.load)
+
+
+def _parsed(text: str):
+    from packbench.core.protocol.freeze import _parse
+    return _parse(text, "p.yaml")
+
+
+def _refusal(text: str) -> str:
+    with pytest.raises(ProtocolError) as e:
+        _parsed(text)
+    return str(e.value)
+
+
+def test_nesting_is_refused_one_level_past_32_with_its_line():
+    """Lists and mappings nested 32 deep parse; 33 are refused, naming the line. Catches the
+    depth compared with >= or counted from another level."""
+    nested: list = []
+    for _ in range(31):
+        nested = [nested]
+    assert _parsed("[" * 32 + "]" * 32) == nested
+    deep = "\n" * 2 + "[" * 33 + "]" * 33
+    assert _refusal(deep) == ("protocol line 3: values nest deeper than 32 levels, the limit; a protocol nests 4 "
+                              "(see docs/protocol.md)")
+    assert _parsed("a: " + "{b: " * 31 + "1" + "}" * 31) is not None  # 32 mappings
+    assert "nest deeper than 32 levels" in _refusal("a: " + "{b: " * 32 + "1" + "}" * 32)
+
+
+def test_an_alias_nests_as_deep_as_what_it_repeats():
+    """An alias counts the levels of the collection it repeats, where it stands. Catches the
+    anchor's levels lost, counted from the wrong depth, or not kept per open collection."""
+    anchored = "[" * 30 + "]" * 30  # 30 levels
+    ok = f"a: &x {anchored}\nb: *x\n"  # 1 (mapping) + 30
+    assert _parsed(ok)["b"] == _parsed(ok)["a"]
+    assert _parsed(f"a: &x {anchored}\nb: [*x]\n") is not None  # 1 + 1 + 30 = 32
+    assert _refusal(f"a: &x {anchored}\nb: [[*x]]\n") == (
+        "protocol line 2: values nest deeper than 32 levels, the limit; a protocol nests 4 (see docs/protocol.md)")
+    # the anchor's depth is its own, not that of what came before it at its level
+    inner = "[" * 28 + "]" * 28
+    assert _parsed(f"a: [{inner}, &y [1]]\nb: [[[[[[[[[[[[[[[[[[[[[[[[[[[[[[*y]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]\n") \
+        is not None  # y is 1 level: 1 + 30 + 1 = 32
+
+
+def test_values_are_counted_with_what_each_alias_repeats(monkeypatch):
+    """Every collection and scalar counts one, an alias what its anchor holds (a scalar one).
+    At the limit the file parses; one past it is refused at the line that passes it."""
+    freeze_module = importlib.import_module("packbench.core.protocol.freeze")
+    text = "a: &x [1, 2, 3]\nb: [*x, *x]\nc: &y 5\nd: [*y]\n"
+    # mapping 1, a 1, [1,2,3] 4, b 1, [..] 1, 2 x 4, c 1, 5 1, d 1, [..] 1, *y 1 = 21
+    monkeypatch.setattr(freeze_module, "MAX_VALUES", 21)
+    assert _parsed(text) == {"a": [1, 2, 3], "b": [[1, 2, 3], [1, 2, 3]], "c": 5, "d": [5]}
+    monkeypatch.setattr(freeze_module, "MAX_VALUES", 20)
+    assert _refusal(text) == ("protocol line 4: the file expands to more than 20 values, the limit (YAML aliases "
+                              "count as what they repeat); write the values out, or put a large prompt set in "
+                              "prompts.token_file")
+    monkeypatch.setattr(freeze_module, "MAX_VALUES", 15)
+    assert "line 2: the file expands to more than 15 values" in _refusal(text)  # the second *x passes 15
+
+
+def test_integers_have_at_most_100_digits():
+    assert _parsed("a: " + "9" * 100) == {"a": int("9" * 100)}
+    assert _refusal("\na: " + "9" * 101) == ("protocol line 2: an integer written with 101 characters; integers "
+                                             "have at most 100 digits")
+
+
+def test_a_key_given_twice_is_named_shown_bounded():
+    assert _refusal("x: 1\n\nx: 2\n") == "protocol line 3: key `x` is given twice; keep one"
+    long = "k" * 61  # over 60 characters a key is shown cut, quoted
+    assert _refusal(f"{long}: 1\n{long}: 2\n") == f"protocol line 2: key `'{'k' * 56}...` is given twice; keep one"
+    assert _refusal(f"{long[1:]}: 1\n{long[1:]}: 2\n") == f"protocol line 2: key `{long[1:]}` is given twice; keep one"
+    assert _refusal("1: a\n1: b\n") == "protocol line 2: key `1` is given twice; keep one"
+    assert _parsed("k" * 60 + ": 1\n" + "k" * 59 + ": 2\n") == {"k" * 60: 1, "k" * 59: 2}
+
+
+def test_a_protocol_file_that_cannot_be_read_as_yaml_says_why(tmp_path, monkeypatch):
+    from packbench.core.protocol import load
+    freeze_module = importlib.import_module("packbench.core.protocol.freeze")
+    missing = tmp_path / "none.yaml"
+    with pytest.raises(ProtocolError) as e:
+        load(missing)
+    assert str(e.value) == (f"no protocol file at {missing}; pass the path of a protocol YAML (see "
+                            f"protocols/quickstart.yaml)")
+    p = tmp_path / "p.yaml"
+    for text, why in (("# only a comment\n", f"{p} holds no protocol (it is empty or only comments); write its "
+                                             f"fields, see protocols/quickstart.yaml"),
+                      ("- a\n- b\n", f"{p} holds a YAML list, not a protocol; a protocol is a mapping of fields "
+                                     f"(name:, model:, ...), see protocols/quickstart.yaml"),
+                      ("a: [1, 2\nb: 3\n", f"{p} is not valid YAML at line 2; fix the syntax")):
+        p.write_text(text)
+        with pytest.raises(ProtocolError) as e:
+            load(p)
+        assert str(e.value) == why, text
+    p.write_bytes(b"a: \xff\n")
+    with pytest.raises(ProtocolError) as e:
+        load(p)
+    assert str(e.value) == f"{p} is not UTF-8 text (byte 0xff at offset 3); save it as UTF-8"
+    with pytest.raises(ProtocolError) as e:
+        load(tmp_path)
+    assert str(e.value) == (f"the protocol {tmp_path} is a directory, not a regular file; pass the path of a "
+                            f"protocol YAML file (see protocols/quickstart.yaml)")
+    monkeypatch.setattr(freeze_module, "MAX_PROTOCOL_BYTES", 1 << 20)
+    p.write_bytes(b"#" * ((1 << 20) + 1))
+    with pytest.raises(ProtocolError) as e:
+        load(p)
+    assert str(e.value) == (f"{p} is {(1 << 20) + 1} bytes; a protocol file is at most 1 MiB (put a large prompt "
+                            f"set in prompts.token_file)")
+
+
+def test_an_unknown_alias_or_a_character_yaml_refuses_is_invalid_yaml():
+    """Catches the alias count crashing on an alias with no anchor, and the message crashing on
+    a YAML error without a position."""
+    assert _refusal("a: 1\nb: *nope\n") == "p.yaml is not valid YAML at line 2; fix the syntax"
+    assert _refusal("a: \x07\n") == "p.yaml is not valid YAML; fix the syntax"
+
+
+def test_an_alias_of_a_scalar_nests_no_deeper_than_where_it_stands():
+    assert _parsed("a: &s 1\nb: " + "[" * 31 + "*s" + "]" * 31 + "\n") is not None  # 1 + 31 levels
+
+
+def test_an_anchors_levels_are_its_own_whatever_nested_before_it():
+    """A two-level anchor after a deeper collection elsewhere: its alias adds two levels, no more
+    and no fewer. Catches a collection's depth passed to the wrong parent or read from a deeper
+    collection that ended before it."""
+    for before in ("", "p: [[[[[[[1]]]]]]]\n"):
+        text = before + "a: &x [[1]]\nb: " + "[" * 29 + "*x" + "]" * 29 + "\n"  # 1 + 29 + 2 = 32
+        assert _parsed(text)["b"] is not None
+        deeper = before + "a: &x [[1]]\nb: " + "[" * 30 + "*x" + "]" * 30 + "\n"
+        assert "nest deeper than 32 levels" in _refusal(deeper)
+
+
+def test_a_collection_as_a_key_is_refused_on_one_line():
+    """YAML allows a list or a mapping as a key (`? [1, 2]`); the loader refused it with a
+    TypeError from the duplicate check, a crash. Found by a mutant of that check."""
+    assert _refusal("a: 1\n? [1, 2]\n: x\n") == "protocol line 2: key `[1, 2]` is a list; a protocol's keys are names"
+    assert _refusal("{{a: 1}: 2}\n") == "protocol line 1: key `{'a': 1}` is a dict; a protocol's keys are names"
+
+
+# ----------------------------------------------------------------------------- prompt files and token lists
+
+
+def test_prompt_file_refusals_name_the_field_the_file_and_the_fix(tmp_path):
+    """A directory, a missing file, lists nested too deep, bytes that are not UTF-8: each named
+    by its field (a command's option as given, a protocol's field quoted), the path and the fix.
+    Catches any of them losing its words."""
+    from packbench.core.protocol import read_prompt_file
+
+    def refusal(kind, path, field):
+        with pytest.raises(ProtocolError) as e:
+            read_prompt_file(kind, path, field=field)
+        return str(e.value)
+
+    assert refusal("token_file", tmp_path, "prompts.token_file") == (
+        f"protocol field `prompts.token_file`: {tmp_path} is a directory, not a regular file; give a token file of "
+        f"prompts (a regular file of at most 64 MiB)")
+    assert refusal("text_file", tmp_path, "--prompts") == (
+        f"--prompts: {tmp_path} is a directory, not a regular file; give a text file of prompts (a regular file of "
+        f"at most 64 MiB)")
+    missing = tmp_path / "missing.txt"
+    assert refusal("text_file", missing, "--prompts") == f"--prompts: cannot read {missing} (No such file or directory)"
+    assert refusal("text_file", missing, "prompts.text_file") == (
+        f"protocol field `prompts.text_file`: cannot read {missing} (No such file or directory); paths are relative "
+        f"to the protocol file")
+    deep = tmp_path / "deep.json"
+    deep.write_text("[" * 100_000 + "]" * 100_000)
+    assert refusal("token_file", deep, "prompts.token_file") == (
+        f"protocol field `prompts.token_file`: {deep} nests its lists too deeply; write a list of token-id lists")
+    bad = tmp_path / "bad.txt"
+    bad.write_bytes(b"a\xffb")
+    assert refusal("text_file", bad, "prompts.text_file") == f"protocol field `prompts.text_file`: {bad} is not UTF-8 text"
+
+
+def test_token_lists_are_non_empty_lists_of_non_empty_lists():
+    from packbench.core.protocol.fields import token_lists_field
+    for ids, why in (([], "protocol field `p`: [] is not allowed; expected a non-empty list of token-id lists"),
+                     ("x", "protocol field `p`: 'x' is not allowed; expected a non-empty list of token-id lists"),
+                     ([[1], []], "protocol field `p[1]`: [] is not allowed; expected a non-empty list of token ids"),
+                     ([[1], "a"], "protocol field `p[1]`: 'a' is not allowed; expected a non-empty list of token ids")):
+        with pytest.raises(ProtocolError) as e:
+            token_lists_field(ids, "p")
+        assert str(e.value) == why
+    assert token_lists_field([[1, 2], [3]], "p") == [[1, 2], [3]]
+
+
+def test_a_text_file_splits_on_separator_lines_keeping_each_prompts_lines():
+    from packbench.core.protocol import split_texts
+    assert split_texts("a\nb\n---\nc\n  ---  \n\n---\nd\ne") == ["a\nb", "c", "d\ne"]
+
+
+def test_a_text_file_without_text_is_refused_by_its_field(tmp_path):
+    from packbench.core.protocol import read_prompt_file
+    empty = tmp_path / "empty.txt"
+    empty.write_text("\n---\n  \n---\n")
+    with pytest.raises(ProtocolError) as e:
+        read_prompt_file("text_file", empty, field="prompts.text_file")
+    assert str(e.value) == (f"protocol field `prompts.text_file`: {empty} holds no text; write prompts separated by "
+                            f"`---` lines")

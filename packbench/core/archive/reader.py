@@ -431,8 +431,9 @@ class ArchiveReader:
                     continue
                 buf = raw
                 while buf:
-                    if inflate.eof:
-                        raise fail(f"{len(buf) + remaining} bytes after the end of its DEFLATE stream")
+                    if inflate.eof:  # the stream ended in an earlier read: its rest is unused_data
+                        raise fail(f"{len(inflate.unused_data) + len(buf) + remaining} bytes after the end of its "
+                                   f"DEFLATE stream")
                     out = inflate.decompress(buf, min(_CHUNK, limit - total + 1))
                     buf = inflate.unconsumed_tail
                     if out:

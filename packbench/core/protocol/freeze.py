@@ -90,6 +90,9 @@ def _construct_mapping(loader: _UniqueKeyLoader, node: yaml.MappingNode, deep: b
     seen: set = set()
     for key_node, _ in node.value:
         key = loader.construct_object(key_node, deep=True)
+        if isinstance(key, (list, dict)):  # `? [1, 2]` is a YAML key; a set of such keys cannot be checked
+            raise ProtocolError(one_line(f"protocol line {key_node.start_mark.line + 1}: key `{show(key)}` is a "
+                                         f"{type(key).__name__}; a protocol's keys are names"))
         if key in seen:
             shown = key if isinstance(key, str) and len(key) <= 60 else show(key)
             raise ProtocolError(one_line(f"protocol line {key_node.start_mark.line + 1}: key `{shown}` is given twice; "
