@@ -286,6 +286,15 @@ def test_episodes_lists_the_records_held_in_index_order(tmp_path: Path):
 # ----------------------------------------------------------------------------- write scheme
 
 
+def _zip_of_one_member(payload: bytes) -> tuple[bytes, int]:
+    """zipfile's bytes of one stored member `sig.bin` holding `payload`, and its central directory's offset."""
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w") as zf:
+        zf.writestr("sig.bin", payload)
+    with zipfile.ZipFile(io.BytesIO(buf.getvalue())) as zf:
+        return buf.getvalue(), zf.start_dir
+
+
 def zipfile_reference(path: Path, ref: Path) -> None:
     """The same members written by Python's zipfile in one go (what the old writer produced)."""
     with zipfile.ZipFile(path) as src, zipfile.ZipFile(ref, "w") as dst:
@@ -746,12 +755,7 @@ def test_locate_end_reads_what_zipfiles_end_record_says():
         data = base[:-2] + len(comment).to_bytes(2, "little") + comment
         assert _locate(data) == (3, cd_size, start, 22 + len(comment)), comment[:12]
     # End record signatures in a member's data, before the real one, are passed over too.
-    buf = io.BytesIO()
-    with zipfile.ZipFile(buf, "w") as zf:
-        zf.writestr("sig.bin", b"PK\x05\x06" * 3 + bytes(40))
-    data = buf.getvalue()
-    with zipfile.ZipFile(io.BytesIO(data)) as zf:
-        start = zf.start_dir
+    data, start = _zip_of_one_member(b"PK\x05\x06" * 3 + bytes(40))
     assert _locate(data) == (1, len(data) - 22 - start, start, 22)
 
 
@@ -1145,12 +1149,7 @@ def test_locate_end_finds_the_true_end_record_among_signatures_before_and_after_
     record at byte 0 of the file behind a comment holding a signature. Catches the backward
     search made forward or kept off the file's first byte."""
     from packbench.core.archive.zipformat import end_records
-    buf = io.BytesIO()
-    with zipfile.ZipFile(buf, "w") as zf:
-        zf.writestr("sig.bin", b"PK\x05\x06" * 2 + bytes(30))
-    base = buf.getvalue()
-    with zipfile.ZipFile(io.BytesIO(base)) as zf:
-        start = zf.start_dir
+    base, start = _zip_of_one_member(b"PK\x05\x06" * 2 + bytes(30))
     comment = b"PK\x05\x06 not an end record"
     data = base[:-2] + len(comment).to_bytes(2, "little") + comment
     assert _locate(data) == (1, len(base) - 22 - start, start, 22 + len(comment))

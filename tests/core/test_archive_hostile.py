@@ -949,14 +949,20 @@ def test_a_deflated_member_inflating_to_many_chunks_from_one_read_comes_back_who
         assert r.read_bytes("rows.json.txt") == blob
 
 
-def test_an_empty_array_member_is_named_by_the_header_check_with_numpys_words(tmp_path: Path):
-    """Catches the empty member's header check fed other bytes than none."""
-    path = tmp_path / "e.zip"
+def _read_error(path: Path, name: str, payload: bytes, read: str) -> tuple[Path, pytest.ExceptionInfo]:
+    """A sealed archive of one member `name` holding `payload`, and the ArchiveError its reader's `read`
+    method raises on it."""
     w = ArchiveWriter(path)
-    w.add_bytes("empty.npy", b"")
+    w.add_bytes(name, payload)
     w.seal({})
     with ArchiveReader(path) as r, pytest.raises(ArchiveError) as e:
-        r.read_array("empty.npy")
+        getattr(r, read)(name)
+    return path, e
+
+
+def test_an_empty_array_member_is_named_by_the_header_check_with_numpys_words(tmp_path: Path):
+    """Catches the empty member's header check fed other bytes than none."""
+    path, e = _read_error(tmp_path / "e.zip", "empty.npy", b"", "read_array")
     assert str(e.value) == (f"member empty.npy of archive {path} is not a .npy array (EOF: reading magic string, "
                             f"expected 8 bytes got 0); the archive is damaged")
 
@@ -1073,12 +1079,7 @@ def test_an_unsafe_name_listed_in_the_manifest_is_a_problem_of_that_name(sealed:
 
 
 def test_a_duplicate_key_is_named_by_the_key_repeated(tmp_path: Path):
-    path = tmp_path / "d.zip"
-    w = ArchiveWriter(path)
-    w.add_bytes("d.json", b'{"a":1,"b":2,"b":3}')
-    w.seal({})
-    with ArchiveReader(path) as r, pytest.raises(ArchiveError) as e:
-        r.read_json("d.json")
+    path, e = _read_error(tmp_path / "d.zip", "d.json", b'{"a":1,"b":2,"b":3}', "read_json")
     assert str(e.value) == (f"member d.json of archive {path} is not valid JSON (duplicate key 'b' (another parser "
                             f"may keep the other value)); the archive is damaged: run verify()")
 
