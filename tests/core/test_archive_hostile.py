@@ -857,6 +857,12 @@ def _read_failure(path: Path, name: str) -> tuple[str, list[Problem]]:
         return str(e.value), [p for p in r.verify() if p.member == name and p.kind != "layout"]
 
 
+def _unreadable(path: Path, name: str, cause: str) -> tuple[str, list]:
+    """What `_read_failure` gives for a member whose bytes cannot be read: read's error, verify's problem."""
+    return (f"member {name} of archive {path} cannot be read ({cause}); the archive is damaged: run verify()",
+            [Problem(name, "unreadable", f"unreadable member {name}: {cause}")])
+
+
 def test_a_foreign_layout_member_that_fails_to_read_is_named_with_its_cause(tmp_path: Path):
     """Through zipfile (a member the writer did not lay out): a bad CRC, a stream that is no
     DEFLATE and a member holding fewer bytes than it declares are each refused by read with the
@@ -869,9 +875,7 @@ def test_a_foreign_layout_member_that_fails_to_read_is_named_with_its_cause(tmp_
     raw[raw.index(content) + 7] ^= 0x20  # one byte of the data: the CRC no longer holds
     path.write_bytes(raw)
     cause = "BadZipFile: Bad CRC-32 for file 'c.bin'"
-    assert _read_failure(path, "c.bin") == (
-        f"member c.bin of archive {path} cannot be read ({cause}); the archive is damaged: run verify()",
-        [Problem("c.bin", "unreadable", f"unreadable member c.bin: {cause}")])
+    assert _read_failure(path, "c.bin") == _unreadable(path, "c.bin", cause)
 
     path = _zipfile_archive(tmp_path, {"z.bin": (content, zipfile.ZIP_DEFLATED)})
     raw = bytearray(path.read_bytes())
@@ -879,9 +883,7 @@ def test_a_foreign_layout_member_that_fails_to_read_is_named_with_its_cause(tmp_
     raw[start] = 0xFF  # a reserved block type
     path.write_bytes(raw)
     cause = "zlib.error: Error -3 while decompressing data: invalid block type"
-    assert _read_failure(path, "z.bin") == (
-        f"member z.bin of archive {path} cannot be read ({cause}); the archive is damaged: run verify()",
-        [Problem("z.bin", "unreadable", f"unreadable member z.bin: {cause}")])
+    assert _read_failure(path, "z.bin") == _unreadable(path, "z.bin", cause)
 
     path = _zipfile_archive(tmp_path, {"s.bin": (content, zipfile.ZIP_DEFLATED)})
     _set_sizes(path, "s.bin", size=len(content) + 9)  # the stream ends 9 bytes early; its CRC is right
