@@ -391,13 +391,18 @@ def _ffn(d: _Draws, p: SynthProfile, pre: str, gain: torch.Tensor, density: floa
             pre + "fc2.bias": bias}
 
 
+def _norm_readers(pre: str) -> tuple[tuple[str, tuple[str, ...]], ...]:
+    """A layer's two LayerNorms, each with the Linears that read its output."""
+    attn = pre + "self_attn."
+    return ((pre + "self_attn_layer_norm", (attn + "q_proj", attn + "k_proj", attn + "v_proj")),
+            (pre + "final_layer_norm", (pre + "fc1",)))
+
+
 def _scale_readers(sd: dict[str, torch.Tensor], pre: str, scale: float) -> None:
     """SynthProfile.opt_scale_readers, in place: q, k, v and fc1 times `scale` (a power of two), the
     LayerNorms feeding them (gain and bias) divided by it. y = (W s)(x / s) + b is y, in binary floating
     point too, while x @ W_int8 (int8 units: W over its row's step) falls by `scale`."""
-    attn = pre + "self_attn."
-    for norm, readers in ((pre + "self_attn_layer_norm", (attn + "q_proj", attn + "k_proj", attn + "v_proj")),
-                          (pre + "final_layer_norm", (pre + "fc1",))):
+    for norm, readers in _norm_readers(pre):
         sd[norm + ".weight"] = sd[norm + ".weight"] / scale
         sd[norm + ".bias"] = sd[norm + ".bias"] / scale
         for reader in readers:
@@ -431,8 +436,7 @@ def _salient_channels(sd: dict[str, torch.Tensor], pre: str, gen: torch.Generato
         return torch.ones(n) if name in flat else c
 
     attn = pre + "self_attn."
-    for norm, readers in ((pre + "self_attn_layer_norm", (attn + "q_proj", attn + "k_proj", attn + "v_proj")),
-                          (pre + "final_layer_norm", (pre + "fc1",))):
+    for norm, readers in _norm_readers(pre):
         c = channels(sd[norm + ".weight"].numel(), norm.removeprefix(pre))  # (hidden,)
         sd[norm + ".weight"] = sd[norm + ".weight"] / c
         sd[norm + ".bias"] = sd[norm + ".bias"] / c
