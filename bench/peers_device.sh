@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One device call (issue 48): the offloading peers beside exact packets, through `packbench submit
-# --wait` and `packbench audit`, on calibrated synthetic OPT (SHAPE, default opt-2.7b, fp16, profile
-# opt): dense-stream (the reference), packet and phase-switched ({gather: device}, engine mode graph),
+# --wait` and `packbench audit`, on calibrated synthetic OPT (SHAPE, default opt-2.7b, fp16, PROFILE,
+# default opt4: calibrated for bytes and for quantization, so flexgen's fidelity verdict means what
+# it says): dense-stream (the reference), packet and phase-switched ({gather: device}, engine mode graph),
 # accelerate and zero-inference (DeepSpeed ZeRO-3, parameters in pinned host memory, partitioned
 # before deepspeed.initialize, prefetch bucket and live parameters from the allowance, reuse distance
 # 0: engine/zero_inference.py ZeroBudget; its configuration is printed above the table) and flexgen
@@ -22,7 +23,7 @@
 #   (in a git worktree, whose .git is a file, run wheelhouse.sh from a folder holding .git/info/ with
 #   WHEELHOUSE=<worktree>/.whl: it appends to .git/info/exclude)
 #   bash bench/peers_device.sh
-# Knobs: SHAPE, SCORED (1: scored batches a condition at batch > 1), BATCH_CONT (8: their continuation), PROMPTS (2), PREFIX (512), ALLOWANCE (4800), BATCHES ("32"; "" for none), BATCH_PREFIX (64),
+# Knobs: SHAPE, PROFILE (opt4), SCORED (1: scored batches a condition at batch > 1), BATCH_CONT (8: their continuation), PROMPTS (2), PREFIX (512), ALLOWANCE (4800), BATCHES ("32"; "" for none), BATCH_PREFIX (64),
 # BATCH_ALLOWANCE (5700), CONDITIONS (the six names above; TINY: the five but flexgen), BATCH_CONDITIONS
 # (the batched screens': CONDITIONS, else the five but flexgen), SKIP_B1 (no batch-1 screen), SKIP_FLEXGEN,
 # FLEXGEN_BATCHES ("8,32"), SKIP_ZI_TEST (no zero-inference CUDA test), CONT (16), SCREEN_TIMEOUT (300), DEADLINE (560). A batch-B screen plans B
@@ -74,7 +75,7 @@ condition_line() {  # name -> its protocol entry
 screen() {  # name batch prompts prefix allowance
   local name=$1 batch=$2 prompts=$3 prefix=$4 allowance=$5
   { echo "name: $name"
-    echo "model: {synth: {shape: $SHAPE, dtype: $DTYPE, seed: 0, profile: opt}}"; echo "dtype: $DTYPE"
+    echo "model: {synth: {shape: $SHAPE, dtype: $DTYPE, seed: 0, profile: ${PROFILE:-opt4}}}"; echo "dtype: $DTYPE"
     echo "prompts: {generator: {seed: 0, count: $prompts}}"; echo "prefix_tokens: $prefix"; echo "continuation_tokens: $CONT"
     # A batch scores SCORED (1) batches of B prompts a condition, not B overlapping ones (protocol
     # schema 10): 32 x 32 sequences' logits put the first batch-32 screen's archive at 10 GB.
