@@ -4,7 +4,7 @@ with them (docs/experiments/simulate.md, "The check in one call").
 
   measure:  the copy rate (1 GiB from pinned memory on CUDA, as bench/moe.py measures it; a host
             memcpy on the CPU) and resident compute (the checkpoint's experts all on the device,
-            the protocol's prompt, 1 warm-up and REPEATS episodes, the median decode call: the
+            the protocol's prompt, 1 warm-up and REPEATS episodes, the steady decode call: the
             screen's rule) into a machine file, with the overhead fragment of bench/moe_overhead.py;
             then the routing those runs will see: one traced episode of the same prompt, resident
             (every policy computes the same bits, so the same routing: engine/tracing.py).
@@ -12,7 +12,8 @@ with them (docs/experiments/simulate.md, "The check in one call").
             predictions.md (the table, the rates and their sources, the trace's and machine's
             sha256) and predictions.json, and prints their sha256.
   compare:  the newest screen archive's measurements beside predictions.json: per condition
-            decode ms/token (median decode call of the scored episodes), MB per decode token,
+            decode ms/token (the steady decode call, docs/metrics.md: the median of every decode
+            call but each episode's first, over the scored episodes), MB per decode token,
             decode hit rate; measured / predicted and whether within 15 %.
 
 Usage:
@@ -77,7 +78,8 @@ def measure(a: argparse.Namespace) -> None:
     model.use("resident")
     run_episode(model, prompt, continuation=min(a.continuation, 4))  # warm-up: kernels, allocator
     runs = [run_episode(model, prompt, continuation=a.continuation) for _ in range(a.repeats)]
-    decode = [c.wall_s for r in runs for c in r.calls if c.phase == "decode"]
+    # The screen's steady decode call (docs/metrics.md): every decode call but the first.
+    decode = [c.wall_s for r in runs for c in r.calls[2:] if c.phase == "decode"]
     compute = statistics.median(decode) * 1e3
     tracer = Tracer(model, source={"checkpoint": str(a.model), "tool": "bench.simulate_check measure",
                                    "prompts": f"generator seed {a.seed}", "device": str(device)})
@@ -101,7 +103,7 @@ def measure(a: argparse.Namespace) -> None:
         "pinned_h2d_gbps": {"value": round(rate / 1e9, 3),
                             "source": f"{kind} rate, median of 5 copies of {(1 << 30) if device.type == 'cuda' else (1 << 28)} B: {cmd}, {where}"},
         "decode_compute_ms": {key: {"value": round(compute, 3),
-                                    "source": f"resident decode ms/token (median decode call), {a.dtype}, 1 warm-up + "
+                                    "source": f"resident decode ms/token (steady decode call), {a.dtype}, 1 warm-up + "
                                               f"{a.repeats} episodes of the protocol's prompt (generator seed {a.seed}) x "
                                               f"{a.prefix} + {a.continuation}: {cmd}, {where}"}},
         **fragment,
@@ -174,7 +176,7 @@ def predict(a: argparse.Namespace) -> None:
 
 
 def measured(archive: Path) -> dict:
-    """Per condition of the screen: decode ms/token (median decode call of the scored finished
+    """Per condition of the screen: decode ms/token (the steady decode call of the scored finished
     episodes), MB per decode token, the decode hit rate and the scored episodes counted."""
     from packbench.core.report import expert_cache_rows, read_screen
 
@@ -184,12 +186,25 @@ def measured(archive: Path) -> dict:
     for c in screen.protocol.conditions:
         eps = [e for e in screen.episodes if e.condition == c.name and e.scored and e.ok]
         calls = [call for e in eps for call in e.calls if call["phase"] == "decode"]
-        if not calls:
+        steady = [call["wall_s"] for e in eps for call in e.calls[2:] if call["phase"] == "decode"]
+        if not steady:
             continue
-        out[c.name] = {"episodes": len(eps), "ms": statistics.median(call["wall_s"] for call in calls) * 1e3,
+        out[c.name] = {"episodes": len(eps), "ms": statistics.median(steady) * 1e3,
                        "mb": statistics.mean(sum(call["h2d_weight_bytes"]) + sum(call["h2d_index_bytes"])
                                              for call in calls) / 1e6,
                        "hit_rate": cache[c.name]["decode_hit_rate"] if c.name in cache else None}
+    return out
+
+
+def judged(rows: list[dict], got: dict) -> list[dict]:
+    """Per predicted condition: the measurement beside it, measured / predicted and whether that is
+    within 15 % (None where the condition was not measured or has no predicted time)."""
+    out = []
+    for r in rows:
+        m = got.get(r["condition"])
+        ratio = m["ms"] / r["ms"] if m is not None and r["ms"] else None
+        out.append({**r, "measured": m, "ratio": ratio,
+                    "within": None if ratio is None else abs(ratio - 1) <= TOLERANCE + 1e-12})
     return out
 
 
@@ -198,26 +213,18 @@ def compare(a: argparse.Namespace) -> None:
     archives = sorted(Path(a.archives).rglob("*.zip"), key=lambda p: p.stat().st_mtime)
     if not archives:
         sys.exit(f"no archive under {a.archives}: the screen did not finish; nothing measured to compare")
-    got = measured(archives[-1])
+    rows = judged(pred["rows"], measured(archives[-1]))
     print(f"{archives[-1].name}: predicted ({Path(a.predictions).name}, written before the screen) against measured")
-    head = (f"{'condition':<20} {'eps':>3} {'pred ms':>9} {'meas ms':>9} {'meas/pred':>9} {'within 15%':>10} "
-            f"{'pred MB':>10} {'meas MB':>10} {'pred hit%':>9} {'meas hit%':>9}")
-    print(head)
-    within = judged = 0
-    for r in pred["rows"]:
-        m = got.get(r["condition"])
-        if m is None:
-            print(f"{r['condition']:<20} {'0':>3} {_f(r['ms']):>9} {'-':>9} {'-':>9} {'not run':>10} "
-                  f"{_f(r['mb'], ',.1f'):>10} {'-':>10} {_pct(r['hit_rate']):>9} {'-':>9}")
-            continue
-        ratio = m["ms"] / r["ms"] if r["ms"] else None
-        ok = ratio is not None and abs(ratio - 1) <= TOLERANCE
-        judged += ratio is not None
-        within += ok
-        print(f"{r['condition']:<20} {m['episodes']:>3} {_f(r['ms']):>9} {m['ms']:9.2f} {_f(ratio, '.3f'):>9} "
-              f"{('yes' if ok else 'NO') if ratio is not None else '-':>10} {_f(r['mb'], ',.1f'):>10} "
-              f"{m['mb']:10,.1f} {_pct(r['hit_rate']):>9} {_pct(m['hit_rate']):>9}")
-    print(f"within 15 %: {within} of {judged} conditions with a prediction")
+    print(f"{'condition':<20} {'eps':>3} {'pred ms':>9} {'meas ms':>9} {'meas/pred':>9} {'within 15%':>10} "
+          f"{'pred MB':>10} {'meas MB':>10} {'pred hit%':>9} {'meas hit%':>9}")
+    for r in rows:
+        m = r["measured"] or {}
+        verdict = "not run" if not m else "-" if r["within"] is None else "yes" if r["within"] else "NO"
+        print(f"{r['condition']:<20} {m.get('episodes', 0):>3} {_f(r['ms']):>9} {_f(m.get('ms')):>9} "
+              f"{_f(r['ratio'], '.3f'):>9} {verdict:>10} {_f(r['mb'], ',.1f'):>10} {_f(m.get('mb'), ',.1f'):>10} "
+              f"{_pct(r['hit_rate']):>9} {_pct(m.get('hit_rate')):>9}")
+    done = [r for r in rows if r["within"] is not None]
+    print(f"within 15 %: {sum(r['within'] for r in done)} of {len(done)} conditions measured with a prediction")
 
 
 def main() -> None:

@@ -70,3 +70,16 @@ def test_a_negative_fit_is_written_as_zero_and_said_so():
     fragment = moe_overhead.overhead(_table(us), source="s", log=lambda line: None)
     assert fragment["packet"]["layer_us"]["value"] == 0.0
     assert "(fitted -5.00, written as 0)" in fragment["packet"]["layer_us"]["source"]
+
+
+def test_the_comparison_judges_measured_over_predicted_within_15_percent():
+    from bench.simulate_check import judged
+
+    rows = [{"condition": c, "ms": 10.0} for c in ("at-edge", "over", "under", "not-run")]
+    rows.append({"condition": "unpriced", "ms": None})
+    got = {"at-edge": {"ms": 11.5}, "over": {"ms": 11.6}, "under": {"ms": 8.5}, "unpriced": {"ms": 3.0}}
+    out = {r["condition"]: r for r in judged(rows, got)}
+    assert out["at-edge"]["within"] is True and out["at-edge"]["ratio"] == pytest.approx(1.15)
+    assert out["over"]["within"] is False and out["under"]["within"] is True
+    assert out["not-run"]["within"] is None and out["not-run"]["measured"] is None
+    assert out["unpriced"]["within"] is None  # a prediction the machine file could not make is not judged
