@@ -489,9 +489,10 @@ def overhead_ms(trace: Trace, name: str, params: dict, phase_totals: dict, machi
         us = {term: float(table[f][term]["value"]) if term in table[f] else 0.0 for term in OVERHEAD_TERMS}
         part = (layers * us["layer_us"] + moved * us["moved_us"] + routed * us["routed_us"]) / d["tokens"] / 1e3
         total += part
-        parts.append(f"{f} {part:.2f} ms ({layers / d['tokens']:g} layers x {us['layer_us']:g} us + "
-                     f"{moved / d['tokens']:g} moved x {us['moved_us']:g} us + {routed / d['tokens']:g} routed x "
-                     f"{us['routed_us']:g} us)")
+        per_token = {"layer_us": (layers, "layers"), "moved_us": (moved, "moved"), "routed_us": (routed, "routed")}
+        parts.append(f"{f} {part:.2f} ms (" + " + ".join(
+            f"{n / d['tokens']:g} {what} x {us[term]:g} us" for term, (n, what) in per_token.items() if term in table[f])
+            + ")")
     return total, "; ".join(parts) + " per token"
 
 

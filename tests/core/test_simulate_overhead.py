@@ -74,6 +74,12 @@ def test_overhead_adds_the_machine_terms_to_compute_and_copy(trace, spec, expect
     assert p["compute_ms_per_token"] + p["copy_ms_per_token"] + overhead == pytest.approx(expected)
 
 
+def test_the_overhead_says_how_it_adds_up_per_token(trace):
+    p = predicted(trace, "expert-forecast", machine())
+    assert p["overhead"] == ("expert-cache 0.47 ms (2 layers x 200 us + 2.5 moved x 20 us + 4 routed x 5 us); "
+                             "forecast 0.06 ms (1 layers x 50 us + 2 moved x 7 us) per token")
+
+
 def test_a_machine_file_without_overhead_predicts_compute_plus_copy_and_says_so(trace):
     p = predicted(trace, "packet:gather=device", machine(overhead=None))
     assert p["decode_ms_per_token"] == pytest.approx(10.004)
