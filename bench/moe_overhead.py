@@ -164,9 +164,9 @@ def fit(rows: list[tuple[list[float], float]]) -> tuple[np.ndarray, float]:
 
 
 def measure(*, device: torch.device, dtype: torch.dtype, calls: int, rounds: int, capacity: int, experts: int,
-            layers: int, log=print) -> tuple[dict, float, list[str]]:
-    """Every family's per-call overhead over resident at each k: ({(family, k, routing): (us,
-    counts)}, the copy rate, the log lines)."""
+            layers: int, log=print) -> tuple[dict, float]:
+    """Every family's per-call overhead over resident at each k, less its bytes at the copy rate:
+    ({(family, k, routing): (us, the engine's counts)}, the copy rate in B/s)."""
     from packbench.engine.moe.cache import ExpertCache
 
     rate = copy_rate(device)
