@@ -20,9 +20,9 @@ experts are copied before its expert loop), except OPT's dense-stream, whose cop
 stream of their own beside compute (engine/policies/dense.py), so its time is the larger of
 the two. An expert cache's hit moves nothing, so costs nothing; a forecast's prefetch is counted
 as serial copy time (the engine overlaps it with the previous layer's compute; not modelled).
-Where the machine file holds `overhead_us` (docs/traces.md, "Machines"), each decode call also
-pays the engine's fixed costs beyond compute and bytes, measured on that machine at negligible
-bytes (bench/moe_overhead.py): per MoE layer (the routing readback that synchronises the layer,
+Where the machine file holds `overhead_us` (docs/traces.md, "Time: machines and the model"),
+each decode call also pays the engine's fixed costs beyond compute and bytes, measured on that
+machine at negligible bytes (bench/moe_overhead.py): per MoE layer (the routing readback that synchronises the layer,
 the policy's per-layer bookkeeping), per expert moved (its copies' issue and latency), per
 routed expert of a cache (read through the cache's view) and per forecast (the next router
 applied, read back, its prefetch issued), added serially (`overhead_ms`). A file without them
