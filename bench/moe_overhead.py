@@ -1,6 +1,6 @@
 """The engine's fixed costs per MoE decode call beyond compute and bytes, measured on a machine:
-the `overhead_us` of a machine file (docs/traces.md, "Time: machines and the
-model"; core/simulate.py overhead_ms).
+the `overhead_us` of a machine file (docs/traces.md, "Time: machines and the model";
+core/simulate.py overhead_ms).
 
 What a decode call pays per MoE layer, read from the engine (engine/moe/model.py, policies.py,
 cache.py), besides the resident expert loop (the compute) and the bytes:

@@ -22,11 +22,11 @@ the two. An expert cache's hit moves nothing, so costs nothing; a forecast's pre
 as serial copy time (the engine overlaps it with the previous layer's compute; not modelled).
 Where the machine file holds `overhead_us` (docs/traces.md, "Time: machines and the model"),
 each decode call also pays the engine's fixed costs beyond compute and bytes, measured on that
-machine at negligible bytes (bench/moe_overhead.py): per MoE layer (the routing readback that synchronises the layer,
-the policy's per-layer bookkeeping), per expert moved (its copies' issue and latency), per
-routed expert of a cache (read through the cache's view) and per forecast (the next router
-applied, read back, its prefetch issued), added serially (`overhead_ms`). A file without them
-still predicts compute + copy, and the prediction says the term is missing.
+machine at negligible bytes (bench/moe_overhead.py): per MoE layer (the routing readback that
+synchronises the layer, the policy's per-layer bookkeeping), per expert moved (its copies' issue
+and latency), per routed expert of a cache (read through the cache's view) and per forecast (the
+next router applied, read back, its prefetch issued), added serially (`overhead_ms`). A file
+without them still predicts compute + copy, and the prediction says the term is missing.
 It is a prediction from stated rates, never a measurement.
 
 Layer rule: core. numpy only.
