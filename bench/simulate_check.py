@@ -21,7 +21,7 @@ Usage:
       --trace-out R.trace --overhead FRAGMENT.json [--device cuda] [--dtype float16]
   python -m bench.simulate_check predict --trace R.trace --machine M.json --out predictions.md \
       --condition NAME=SPEC ...
-  python -m bench.simulate_check compare --predictions predictions.json --archives DIR
+  python -m bench.simulate_check compare --predictions predictions.json --archives DIR [--out compare.md]
 """
 
 from __future__ import annotations
@@ -224,7 +224,20 @@ def compare(a: argparse.Namespace) -> None:
               f"{_f(r['ratio'], '.3f'):>9} {verdict:>10} {_f(r['mb'], ',.1f'):>10} {_f(m.get('mb'), ',.1f'):>10} "
               f"{_pct(r['hit_rate']):>9} {_pct(m.get('hit_rate')):>9}")
     done = [r for r in rows if r["within"] is not None]
-    print(f"within 15 %: {sum(r['within'] for r in done)} of {len(done)} conditions measured with a prediction")
+    summary = f"within 15 %: {sum(r['within'] for r in done)} of {len(done)} conditions measured with a prediction"
+    print(summary)
+    if a.out is not None:  # the same table in markdown, for docs/experiments/simulate.md
+        lines = [f"Screen {archives[-1].name} against {Path(a.predictions).name} (sha256 {sha256(Path(a.predictions))}).",
+                 "", "| condition | predicted ms | measured ms | measured / predicted | within 15 % | predicted MB / "
+                     "measured MB | predicted hit % / measured | scored episodes |",
+                 "| --- | ---: | ---: | ---: | --- | ---: | ---: | ---: |"]
+        for r in rows:
+            m = r["measured"] or {}
+            verdict = "not run" if not m else "-" if r["within"] is None else "yes" if r["within"] else "**no**"
+            lines.append(f"| {r['condition']} | {_f(r['ms'])} | {_f(m.get('ms'))} | {_f(r['ratio'])} | {verdict} | "
+                         f"{_f(r['mb'], ',.1f')} / {_f(m.get('mb'), ',.1f')} | {_pct(r['hit_rate'])} / "
+                         f"{_pct(m.get('hit_rate'))} | {m.get('episodes', 0)} |")
+        Path(a.out).write_text("\n".join(lines + ["", summary + "."]) + "\n")
 
 
 def main() -> None:
@@ -249,6 +262,7 @@ def main() -> None:
     c = sub.add_parser("compare")
     c.add_argument("--predictions", type=Path, required=True)
     c.add_argument("--archives", type=Path, required=True)
+    c.add_argument("--out", type=Path, default=None, help="also write the table in markdown here")
     a = ap.parse_args()
     {"measure": measure, "predict": predict, "compare": compare}[a.step](a)
 

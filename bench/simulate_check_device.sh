@@ -104,7 +104,7 @@ fi
 
 echo "== (v) predicted against measured"
 python3 -m bench.simulate_check compare --predictions "$out/predictions.json" --archives "$work/archives" \
-  | tee "$out/compare.txt"
+  --out "$out/compare.md" | tee "$out/compare.txt"
 rm -rf "$dir"
 moe_end
 echo "done in $(( $(date +%s) - t_start )) s"
