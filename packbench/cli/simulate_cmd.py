@@ -76,9 +76,11 @@ def simulate(
 ASSUMPTIONS = ("a simulation from a trace, not a measurement: bytes are the engine's ledger rules (core/charges.py) "
                "on the trace's sets, each episode with a fresh policy as a screen runs it; time per decode token = "
                "the machine's measured resident compute + the decode bytes at its pinned copy rate, serial "
-               "(overlapped, the larger of the two, for OPT dense-stream); index bytes count as copied bytes; an expert "
-               "cache hit costs no copy, and a forecast's prefetch counts as serial copy time (its overlap is not "
-               "modelled)")
+               "(overlapped, the larger of the two, for OPT dense-stream) + the engine's fixed costs of MoE policies "
+               "where the machine file measured them (overhead_us: per layer, per expert moved, per routed expert of "
+               "a cache, per forecast; serial; the output says where the term is missing); index bytes count as "
+               "copied bytes; an expert cache hit costs no copy, and a forecast's prefetch counts as serial copy time "
+               "(its overlap is not modelled)")
 
 
 def default_policies(model, *, has_forecasts: bool = True) -> list[str]:
@@ -168,6 +170,9 @@ def render(out: dict, *, per_call: bool = False) -> str:
                       f"({out['machine']['pinned_h2d_gbps']['source']})"]
         first = next((r["prediction"] for r in out["policies"]), {})
         lines.append("compute: " + (first.get("compute_source") or first.get("why", "-")))
+        for r in out["policies"]:
+            if r["prediction"].get("overhead"):
+                lines.append(f"overhead of {r['policy']}: {r['prediction']['overhead']}")
     lines += ["", "MB: 10^6 bytes host-to-device (weights and indices). hits, misses, hit% (of routed), belady% "
                   "(Belady's optimal cache of the same capacity), prefetch and used (forecast): decode calls. "
               + out["assumptions"] + "."]

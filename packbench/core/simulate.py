@@ -20,6 +20,13 @@ experts are copied before its expert loop), except OPT's dense-stream, whose cop
 stream of their own beside compute (engine/policies/dense.py), so its time is the larger of
 the two. An expert cache's hit moves nothing, so costs nothing; a forecast's prefetch is counted
 as serial copy time (the engine overlaps it with the previous layer's compute; not modelled).
+Where the machine file holds `overhead_us` (docs/traces.md, "Time: machines and the model"),
+each decode call also pays the engine's fixed costs beyond compute and bytes, measured on that
+machine at negligible bytes (bench/moe_overhead.py): per MoE layer (the routing readback that
+synchronises the layer, the policy's per-layer bookkeeping), per expert moved (its copies' issue
+and latency), per routed expert of a cache (read through the cache's view) and per forecast (the
+next router applied, read back, its prefetch issued), added serially (`overhead_ms`). A file
+without them still predicts compute + copy, and the prediction says the term is missing.
 It is a prediction from stated rates, never a measurement.
 
 Layer rule: core. numpy only.
@@ -400,11 +407,93 @@ def machine_problem(machine: object) -> str | None:
             return f"decode_compute_ms key {key!r} must be shape:layers, e.g. qwen3-30b-a3b:12"
         if not isinstance(v, dict) or not _positive(v.get("value")) or not isinstance(v.get("source"), str):
             return f"decode_compute_ms[{key!r}] must be {{value: ms > 0, source: command and date}}"
+    return _overhead_problem(machine.get("overhead_us", {}))
+
+
+def _overhead_problem(overhead: object) -> str | None:
+    if not isinstance(overhead, dict):
+        return f"overhead_us must map a policy family ({', '.join(OVERHEAD_FAMILIES)}) to its terms"
+    for family, terms in overhead.items():
+        if family not in OVERHEAD_FAMILIES:
+            return f"overhead_us key {family!r} must be one of {', '.join(OVERHEAD_FAMILIES)}"
+        if not isinstance(terms, dict) or not terms:
+            return f"overhead_us[{family!r}] must map {', '.join(OVERHEAD_TERMS)} to {{value, source}}"
+        for term, v in terms.items():
+            if term not in OVERHEAD_TERMS:
+                return f"overhead_us[{family!r}] key {term!r} must be one of {', '.join(OVERHEAD_TERMS)}"
+            if not isinstance(v, dict) or not _non_negative(v.get("value")) or not isinstance(v.get("source"), str):
+                return f"overhead_us[{family!r}][{term!r}] must be {{value: microseconds >= 0, source: command and date}}"
     return None
 
 
 def _positive(v: object) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < float("inf")
+
+
+def _non_negative(v: object) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v < float("inf")
+
+
+# The engine's fixed costs a decode call pays beyond resident compute and bytes, by policy family
+# (machine files' `overhead_us`, measured by bench/moe_overhead.py). Per family, microseconds:
+# `layer_us` per MoE layer of a call (for `forecast`: per layer that receives a forecast),
+# `moved_us` per expert moved host-to-device (for `forecast`: per expert prefetched; for the
+# others: per expert fetched on demand), `routed_us` per routed expert of the layer.
+OVERHEAD_FAMILIES = ("dense-stream", "packet", "packet-host", "expert-cache", "forecast")
+OVERHEAD_TERMS = ("layer_us", "moved_us", "routed_us")
+
+
+def overhead_families(unit: str, name: str, params: dict) -> tuple[str, ...] | None:
+    """The overhead families a policy's decode calls pay: () for resident (its time is the
+    compute), None where the model has none (OPT rows: not measured)."""
+    if unit != "expert":
+        return None
+    if name == "resident":
+        return ()
+    if name == "dense-stream":
+        return ("dense-stream",)
+    if name in ("packet", "phase-switched"):  # phase-switched's decode calls are packets
+        return ("packet",) if params.get("gather", "host") == "device" else ("packet-host",)
+    return ("expert-cache", "forecast") if needs_forecast(name, params) else ("expert-cache",)
+
+
+def overhead_ms(trace: Trace, name: str, params: dict, phase_totals: dict, machine: dict) -> tuple[float | None, str]:
+    """(ms per decode token of the engine's fixed costs, how they add up) from the machine's
+    `overhead_us` and the decode calls' counts: layers with experts, experts routed, fetched on
+    demand (moved less prefetched) and prefetched, layers that received a forecast. (None, why)
+    where the machine file or the model has no such term."""
+    m = trace.model
+    families = overhead_families(m.unit, name, params)
+    if families is None:
+        return None, "not modelled for OPT rows (overhead_us holds MoE policies' families)"
+    if not families:
+        return 0.0, "none: resident's time is the measured compute"
+    table = machine.get("overhead_us")
+    if not table:
+        return None, (f"missing: {machine['name']} has no overhead_us (measure it: python -m bench.moe_overhead); "
+                      f"the prediction is compute + copy alone")
+    lacking = [f for f in families if f not in table]
+    if lacking:
+        return None, (f"missing: {machine['name']}'s overhead_us has no {', '.join(lacking)} entry; "
+                      f"the prediction is compute + copy alone")
+    d = phase_totals["decode"]
+    moe_layers = m.layers - len(set(m.layers_without_units))
+    forecast_layers = sum(forecast_possible(m, layer) for layer in range(m.layers))
+    prefetched = d.get("prefetched") or 0
+    # Per family, over the decode calls: (layers paying layer_us, experts paying moved_us, routed_us).
+    demand = (d["calls"] * moe_layers, d["rows_copied"] - prefetched, d["active_rows"])
+    counts = {"forecast": (d["calls"] * forecast_layers, prefetched, 0)}
+    total, parts = 0.0, []
+    for f in families:
+        layers, moved, routed = counts.get(f, demand)
+        us = {term: float(table[f][term]["value"]) if term in table[f] else 0.0 for term in OVERHEAD_TERMS}
+        part = (layers * us["layer_us"] + moved * us["moved_us"] + routed * us["routed_us"]) / d["tokens"] / 1e3
+        total += part
+        per_token = {"layer_us": (layers, "layers"), "moved_us": (moved, "moved"), "routed_us": (routed, "routed")}
+        parts.append(f"{f} {part:.2f} ms (" + " + ".join(
+            f"{n / d['tokens']:g} {what} x {us[term]:g} us" for term, (n, what) in per_token.items() if term in table[f])
+            + ")")
+    return total, "; ".join(parts) + " per token"
 
 
 def compute_ms(machine: dict, model: TraceModel) -> tuple[float, str] | None:
@@ -426,7 +515,9 @@ def compute_ms(machine: dict, model: TraceModel) -> tuple[float, str] | None:
 
 
 def predict(trace: Trace, name: str, params: dict, phase_totals: dict, machine: dict) -> dict:
-    """The predicted decode ms per token of `name` on `machine` (module doc: the model)."""
+    """The predicted decode ms per token of `name` on `machine` (module doc: the model): compute +
+    copy (the larger of the two where overlapped) + the engine's fixed costs where the machine
+    file measured them (`overhead_ms_per_token`, None and `overhead` saying so where it did not)."""
     m = trace.model
     rate = float(machine["pinned_h2d_gbps"]["value"])
     d = phase_totals["decode"]
@@ -443,4 +534,6 @@ def predict(trace: Trace, name: str, params: dict, phase_totals: dict, machine: 
                        f"add decode_compute_ms['{m.shape or 'SHAPE'}:{m.layers}'] to the machine file"}
     compute, how = found
     total = max(compute, copy_ms) if out["overlap"] == "overlapped" else compute + copy_ms
-    return {**out, "compute_ms_per_token": compute, "compute_source": how, "decode_ms_per_token": total}
+    extra, what = overhead_ms(trace, name, params, phase_totals, machine)
+    return {**out, "compute_ms_per_token": compute, "compute_source": how, "overhead_ms_per_token": extra,
+            "overhead": what, "decode_ms_per_token": total + (extra or 0.0)}

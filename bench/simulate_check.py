@@ -1,0 +1,271 @@
+"""The steps of bench/simulate_check_device.sh around the screen: rates and routing measured on the
+machine, `packbench simulate`'s predictions written down before the runs, and the runs compared
+with them (docs/experiments/simulate.md, "The check in one call").
+
+  measure:  the copy rate (1 GiB from pinned memory on CUDA, as bench/moe.py measures it; a host
+            memcpy on the CPU) and resident compute (the checkpoint's experts all on the device,
+            the protocol's prompt, 1 warm-up and REPEATS episodes, the steady decode call: the
+            screen's rule) into a machine file, with the overhead fragment of bench/moe_overhead.py;
+            then the routing those runs will see: one traced episode of the same prompt, resident
+            (every policy computes the same bits, so the same routing: engine/tracing.py).
+  predict:  `packbench simulate TRACE --machine FILE --json` for each condition; writes
+            predictions.md (the table, the rates and their sources, the trace's and machine's
+            sha256) and predictions.json, and prints their sha256.
+  compare:  the newest screen archive's measurements beside predictions.json: per condition
+            decode ms/token (the steady decode call, docs/metrics.md: the median of every decode
+            call but each episode's first, over the scored episodes), MB per decode token,
+            decode hit rate; measured / predicted and whether within 15 %.
+
+Usage:
+  python -m bench.simulate_check measure --model DIR --prefix P --continuation C --machine-out M.json \
+      --trace-out R.trace --overhead FRAGMENT.json [--device cuda] [--dtype float16]
+  python -m bench.simulate_check predict --trace R.trace --machine M.json --out predictions.md \
+      --condition NAME=SPEC ...
+  python -m bench.simulate_check compare --predictions predictions.json --archives DIR [--out compare.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import hashlib
+import json
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+TOLERANCE = 0.15
+
+
+def sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _today() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).date().isoformat()
+
+
+# ----------------------------------------------------------------------------- measure
+
+
+def measure(a: argparse.Namespace) -> None:
+    import numpy as np
+    import torch
+
+    from bench.moe_overhead import copy_rate, machine_name
+    from packbench.core.plan import BOS
+    from packbench.core.trace import write_trace
+    from packbench.engine.episode import run_episode
+    from packbench.engine.moe.model import CpuFirstMoE
+    from packbench.engine.tracing import Tracer
+
+    device = torch.device(a.device)
+    dtype = getattr(torch, a.dtype)
+    if device.type == "cuda":  # the screen's worker's threads (engine/worker.py): its compute is what is predicted
+        import os
+
+        from packbench.engine.gpu_lock import host_gpus
+
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, host_gpus())))
+    cmd = "`bash bench/simulate_check_device.sh` (bench.simulate_check measure)"
+    where = f"{machine_name(device)}, {_today()}"
+    rate = copy_rate(device, nbytes=(1 << 30) if device.type == "cuda" else (1 << 28))
+    print(f"copy rate {rate / 1e9:.2f} GB/s", flush=True)
+    model = CpuFirstMoE(a.model, dtype=dtype, device=device)
+    rng = np.random.Generator(np.random.PCG64(a.seed))  # the protocol's generator prompt (core/plan.py prompts)
+    prompt = [BOS] + rng.integers(4, model.vocab, size=a.prefix - 1).tolist()
+    model.use("resident")
+    run_episode(model, prompt, continuation=min(a.continuation, 4))  # warm-up: kernels, allocator
+    runs = [run_episode(model, prompt, continuation=a.continuation) for _ in range(a.repeats)]
+    # The screen's steady decode call (docs/metrics.md): every decode call but the first.
+    decode = [c.wall_s for r in runs for c in r.calls[2:] if c.phase == "decode"]
+    compute = statistics.median(decode) * 1e3
+    tracer = Tracer(model, source={"checkpoint": str(a.model), "tool": "bench.simulate_check measure",
+                                   "prompts": f"generator seed {a.seed}", "device": str(device)})
+    try:
+        traced = run_episode(model, prompt, continuation=a.continuation)
+    finally:
+        tracer.close()
+    trace = tracer.trace()
+    if traced.tokens != runs[0].tokens:  # said, not fatal: the screen's hit columns will show it
+        print("WARNING: the traced episode's tokens differ from the timed ones; its routing may not be the runs'",
+              flush=True)
+    write_trace(trace, a.trace_out)
+    key = f"{trace.model.shape}:{trace.model.layers}"
+    print(f"resident decode {compute:.2f} ms/token ({key}, median of {len(decode)} decode calls); trace of "
+          f"{len(trace.calls)} calls to {a.trace_out}", flush=True)
+    fragment = json.loads(Path(a.overhead).read_text()) if a.overhead else {}
+    kind = "pinned host-to-device copy" if device.type == "cuda" else "host memcpy (the CPU twin: no device)"
+    machine = {
+        "name": machine_name(device),
+        "description": f"Rates measured in one call by bench/simulate_check_device.sh before the runs they predict, {where}.",
+        "pinned_h2d_gbps": {"value": round(rate / 1e9, 3),
+                            "source": f"{kind} rate, median of 5 copies of {(1 << 30) if device.type == 'cuda' else (1 << 28)} B: {cmd}, {where}"},
+        "decode_compute_ms": {key: {"value": round(compute, 3),
+                                    "source": f"resident decode ms/token (steady decode call), {a.dtype}, 1 warm-up + "
+                                              f"{a.repeats} episodes of the protocol's prompt (generator seed {a.seed}) x "
+                                              f"{a.prefix} + {a.continuation}: {cmd}, {where}"}},
+        **fragment,
+    }
+    Path(a.machine_out).write_text(json.dumps(machine, indent=1) + "\n")
+    print(f"wrote {a.machine_out}", flush=True)
+
+
+# ----------------------------------------------------------------------------- predict
+
+
+def simulate(trace: Path, machine: Path, specs: list[str]) -> dict:
+    args = [sys.executable, "-m", "packbench", "simulate", str(trace), "--machine", str(machine), "--json"]
+    for s in specs:
+        args += ["--policy", s]
+    r = subprocess.run(args, capture_output=True, text=True)
+    if r.returncode != 0:
+        sys.exit(f"packbench simulate failed ({r.returncode}): {r.stderr.strip()[-600:]}")
+    return json.loads(r.stdout)
+
+
+def _f(v, fmt: str = ".2f") -> str:
+    return "-" if v is None else format(v, fmt)
+
+
+def _pct(v) -> str:
+    return "-" if v is None else f"{100 * v:.1f}"
+
+
+def predict(a: argparse.Namespace) -> None:
+    conditions = [c.split("=", 1) for c in a.condition]
+    out = simulate(a.trace, a.machine, [spec for _, spec in conditions])
+    machine = json.loads(Path(a.machine).read_text())
+    rows = []
+    for (name, spec), p in zip(conditions, out["policies"]):
+        d, pred = p["totals"]["decode"], p["prediction"]
+        rows.append({"condition": name, "policy": spec, "ms": pred.get("decode_ms_per_token"),
+                     "compute_ms": pred.get("compute_ms_per_token"), "copy_ms": pred.get("copy_ms_per_token"),
+                     "overhead_ms": pred.get("overhead_ms_per_token"), "overhead": pred.get("overhead"),
+                     "mb": (d["h2d_weight_bytes"] + d["h2d_index_bytes"]) / d["tokens"] / 1e6 if d["tokens"] else None,
+                     "hit_rate": d.get("hit_rate"), "belady_rate": d.get("belady_rate")})
+    m = out["model"]
+    lines = [f"# Predicted before the runs: {m['shape']} ({m['layers']} layers) on {machine['name']}", "",
+             f"`packbench simulate {Path(a.trace).name} --machine {Path(a.machine).name}`, {_today()}; trace sha256 "
+             f"{sha256(Path(a.trace))} ({out['calls']} calls, {out['episodes']} episode, recorded on the device "
+             f"before the screen), machine file sha256 {sha256(Path(a.machine))}. A prediction, not a measurement.",
+             "", "| condition | policy | predicted decode ms/token | compute | copy | overhead | MB per decode token "
+                 "| hit % | Belady % |", "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for r in rows:
+        lines.append(f"| {r['condition']} | `{r['policy']}` | {_f(r['ms'])} | {_f(r['compute_ms'])} | "
+                     f"{_f(r['copy_ms'])} | {_f(r['overhead_ms'])} | {_f(r['mb'], ',.1f')} | {_pct(r['hit_rate'])} | "
+                     f"{_pct(r['belady_rate'])} |")
+    lines += ["", "Rates (the machine file, measured in this call before the predictions):", "",
+              f"- copy: {machine['pinned_h2d_gbps']['value']} GB/s ({machine['pinned_h2d_gbps']['source']})"]
+    for key, v in machine.get("decode_compute_ms", {}).items():
+        lines.append(f"- compute {key}: {v['value']} ms ({v['source']})")
+    for family, terms in machine.get("overhead_us", {}).items():
+        lines.append(f"- overhead {family}: " + ", ".join(f"{t} {v['value']} us" for t, v in terms.items())
+                     + f" ({next(iter(terms.values()))['source']})")
+    lines += ["", "Overhead per condition:", ""] + [f"- {r['condition']}: {r['overhead']}" for r in rows]
+    lines += ["", "Model: " + out["assumptions"] + "."]
+    Path(a.out).write_text("\n".join(lines) + "\n")
+    js = Path(a.out).with_suffix(".json")
+    js.write_text(json.dumps({"model": m, "machine": machine["name"], "rows": rows}, indent=1) + "\n")
+    print("\n".join(lines[:len(rows) + 6]))
+    print(f"sha256 {sha256(Path(a.out))}  {a.out}\nsha256 {sha256(js)}  {js}")
+
+
+# ----------------------------------------------------------------------------- compare
+
+
+def measured(archive: Path) -> dict:
+    """Per condition of the screen: decode ms/token (the steady decode call of the scored finished
+    episodes), MB per decode token, the decode hit rate and the scored episodes counted."""
+    from packbench.core.report import expert_cache_rows, read_screen
+
+    screen = read_screen(archive)
+    cache = {r["condition"]: r for r in expert_cache_rows(screen)}
+    out = {}
+    for c in screen.protocol.conditions:
+        eps = [e for e in screen.episodes if e.condition == c.name and e.scored and e.ok]
+        calls = [call for e in eps for call in e.calls if call["phase"] == "decode"]
+        steady = [call["wall_s"] for e in eps for call in e.calls[2:] if call["phase"] == "decode"]
+        if not steady:
+            continue
+        out[c.name] = {"episodes": len(eps), "ms": statistics.median(steady) * 1e3,
+                       "mb": statistics.mean(sum(call["h2d_weight_bytes"]) + sum(call["h2d_index_bytes"])
+                                             for call in calls) / 1e6,
+                       "hit_rate": cache[c.name]["decode_hit_rate"] if c.name in cache else None}
+    return out
+
+
+def judged(rows: list[dict], got: dict) -> list[dict]:
+    """Per predicted condition: the measurement beside it, measured / predicted and whether that is
+    within 15 % (None where the condition was not measured or has no predicted time)."""
+    out = []
+    for r in rows:
+        m = got.get(r["condition"])
+        ratio = m["ms"] / r["ms"] if m is not None and r["ms"] else None
+        out.append({**r, "measured": m, "ratio": ratio,
+                    "within": None if ratio is None else abs(ratio - 1) <= TOLERANCE + 1e-12})
+    return out
+
+
+def compare(a: argparse.Namespace) -> None:
+    pred = json.loads(Path(a.predictions).read_text())
+    archives = sorted(Path(a.archives).rglob("*.zip"), key=lambda p: p.stat().st_mtime)
+    if not archives:
+        sys.exit(f"no archive under {a.archives}: the screen did not finish; nothing measured to compare")
+    rows = judged(pred["rows"], measured(archives[-1]))
+    print(f"{archives[-1].name}: predicted ({Path(a.predictions).name}, written before the screen) against measured")
+    print(f"{'condition':<20} {'eps':>3} {'pred ms':>9} {'meas ms':>9} {'meas/pred':>9} {'within 15%':>10} "
+          f"{'pred MB':>10} {'meas MB':>10} {'pred hit%':>9} {'meas hit%':>9}")
+    for r in rows:
+        m = r["measured"] or {}
+        verdict = "not run" if not m else "-" if r["within"] is None else "yes" if r["within"] else "NO"
+        print(f"{r['condition']:<20} {m.get('episodes', 0):>3} {_f(r['ms']):>9} {_f(m.get('ms')):>9} "
+              f"{_f(r['ratio'], '.3f'):>9} {verdict:>10} {_f(r['mb'], ',.1f'):>10} {_f(m.get('mb'), ',.1f'):>10} "
+              f"{_pct(r['hit_rate']):>9} {_pct(m.get('hit_rate')):>9}")
+    done = [r for r in rows if r["within"] is not None]
+    summary = f"within 15 %: {sum(r['within'] for r in done)} of {len(done)} conditions measured with a prediction"
+    print(summary)
+    if a.out is not None:  # the same table in markdown, for docs/experiments/simulate.md
+        lines = [f"Screen {archives[-1].name} against {Path(a.predictions).name} (sha256 {sha256(Path(a.predictions))}).",
+                 "", "| condition | predicted ms | measured ms | measured / predicted | within 15 % | predicted MB / "
+                     "measured MB | predicted hit % / measured | scored episodes |",
+                 "| --- | ---: | ---: | ---: | --- | ---: | ---: | ---: |"]
+        for r in rows:
+            m = r["measured"] or {}
+            verdict = "not run" if not m else "-" if r["within"] is None else "yes" if r["within"] else "**no**"
+            lines.append(f"| {r['condition']} | {_f(r['ms'])} | {_f(m.get('ms'))} | {_f(r['ratio'])} | {verdict} | "
+                         f"{_f(r['mb'], ',.1f')} / {_f(m.get('mb'), ',.1f')} | {_pct(r['hit_rate'])} / "
+                         f"{_pct(m.get('hit_rate'))} | {m.get('episodes', 0)} |")
+        Path(a.out).write_text("\n".join(lines + ["", summary + "."]) + "\n")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="step", required=True)
+    m = sub.add_parser("measure")
+    m.add_argument("--model", type=Path, required=True)
+    m.add_argument("--device", default="cuda")
+    m.add_argument("--dtype", default="float16")
+    m.add_argument("--prefix", type=int, default=128)
+    m.add_argument("--continuation", type=int, default=16)
+    m.add_argument("--seed", type=int, default=0)
+    m.add_argument("--repeats", type=int, default=3)
+    m.add_argument("--overhead", type=Path, default=None, help="bench.moe_overhead's fragment (JSON)")
+    m.add_argument("--machine-out", type=Path, required=True)
+    m.add_argument("--trace-out", type=Path, required=True)
+    p = sub.add_parser("predict")
+    p.add_argument("--trace", type=Path, required=True)
+    p.add_argument("--machine", type=Path, required=True)
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--condition", action="append", required=True, help="NAME=SPEC (a simulate --policy)")
+    c = sub.add_parser("compare")
+    c.add_argument("--predictions", type=Path, required=True)
+    c.add_argument("--archives", type=Path, required=True)
+    c.add_argument("--out", type=Path, default=None, help="also write the table in markdown here")
+    a = ap.parse_args()
+    {"measure": measure, "predict": predict, "compare": compare}[a.step](a)
+
+
+if __name__ == "__main__":
+    main()

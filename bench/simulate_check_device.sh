@@ -1,0 +1,110 @@
+#!/usr/bin/env bash
+# One device call per shape (issue 45): is `packbench simulate`'s time a prediction? In order, for a
+# Qwen3-30B-A3B-shaped (12 of 48 layers) or Mixtral-8x7B-shaped (4 of 32) synthetic checkpoint, fp16:
+#   (i)   the rates into $OUT/machine.json: bench.moe_overhead's fixed costs (a tiny synthetic layer
+#         set, never the conditions below), the pinned copy rate and resident compute of this
+#         checkpoint (bench.simulate_check measure);
+#   (ii)  the routing the runs will see: one traced resident episode of the protocol's prompt, full
+#         depth, on the device ($OUT/routing.trace);
+#   (iii) `packbench simulate` on that trace with that machine file: $OUT/predictions.md (and .json),
+#         sha256 printed, BEFORE any measured condition starts;
+#   (iv)  the screen through `packbench submit --wait` + `packbench audit` under a 24 GiB allowance:
+#         dense-stream (the reference), packet (device gather), LRU at three capacities, LFU,
+#         expert-forecast, LRU + forecast, REPS scored episodes each (default 2);
+#   (v)   predicted against measured per condition: ms/token, MB/token, hit %, ratio, within 15 %.
+# Run from the project root with .whl carried:  ONLY=qwen bash bench/simulate_check_device.sh
+#                                                ONLY=mixtral bash bench/simulate_check_device.sh
+# Logs under $OUT (or ./simulate-check-out). DEADLINE (s, default 560) bounds the call: the screen
+# gets what is left less the comparison's margin; REPS=1 if a shape runs short; OVERHEAD_FROM=FILE takes
+# the fixed costs from an earlier call's overhead.json instead of measuring them again. The CPU-sized
+# version on the tiny shapes:
+#   TINY=1 bash bench/simulate_check_device.sh
+set -uo pipefail
+t_start=$(date +%s)
+root=$PWD
+out=${OUT:-$root/simulate-check-out}; mkdir -p "$out"
+if [ -n "${TINY:-}" ]; then
+  : "${QWEN_CAPS:=2 4 8}" "${DTYPE:=float32}" "${OVERHEAD_ARGS:=--calls 10 --rounds 1}"
+fi
+source bench/device_common.sh
+moe_begin
+DT=${DTYPE:-float16}
+REPS=${REPS:-2}
+DEADLINE=${DEADLINE:-560}
+left() { echo $(( DEADLINE - ($(date +%s) - t_start) )); }
+SHAPES=${ONLY:-qwen}
+mapfile -t specs < <(moe_specs)
+set -- ${specs[0]}; shape=$1; layers=$2; dir=$work/$shape
+if [ "$shape" = "${QWEN_SHAPE:-qwen3-30b-a3b}" ]; then caps=${QWEN_CAPS:-16 32 64}; else caps=${MIXTRAL_CAPS:-2 4 6}; fi
+set -- $caps; lo=$1; mid=$2; hi=$3
+
+echo "== (i) rates: the engine's fixed costs (bench.moe_overhead, tiny synthetic layers)"
+if [ -n "${OVERHEAD_FROM:-}" ]; then  # a fragment this machine kind measured in an earlier call (saves ~1 min)
+  cp "$OVERHEAD_FROM" "$out/overhead.json"; echo "-- moe_overhead: taken from $OVERHEAD_FROM"
+else
+  t0=$(date +%s)
+  python3 -m bench.moe_overhead --device "$DEV" ${OVERHEAD_ARGS:-} --out "$out/overhead.json" > /dev/null 2> "$out/overhead.log"
+  echo "-- moe_overhead rc $? in $(( $(date +%s) - t0 )) s"; grep -E "^(copy|packet|dense|expert|forecast)" "$out/overhead.log"
+fi
+moe_synth "$shape" "$layers" "$dir" "$DT"
+ov=(); [ -s "$out/overhead.json" ] && ov=(--overhead "$out/overhead.json")  # without it: predictions say the term is missing
+t0=$(date +%s)
+python3 -m bench.simulate_check measure --model "$dir" --device "$DEV" --dtype "$DT" --prefix "$P" --continuation "$C" \
+  "${ov[@]}" --machine-out "$out/machine.json" --trace-out "$out/routing.trace" \
+  > "$out/measure.log" 2>&1
+rc=$?; echo "-- (i)+(ii) copy rate, resident compute, trace: rc $rc in $(( $(date +%s) - t0 )) s"
+grep -E "^(copy rate|resident|wrote|WARNING)" "$out/measure.log"
+[ $rc = 0 ] || { tail -5 "$out/measure.log"; moe_end; exit 1; }
+sha256sum "$out/machine.json" "$out/routing.trace"
+
+echo "== (iii) predictions, written before any measured condition"
+names=(dense-stream packet lru-$lo lru-$mid lru-$hi lfu-$mid expert-forecast lru-$mid-forecast)
+policies=(dense-stream packet:gather=device "expert-cache:capacity=$lo,rule=lru" "expert-cache:capacity=$mid,rule=lru"
+          "expert-cache:capacity=$hi,rule=lru" "expert-cache:capacity=$mid,rule=lfu" expert-forecast
+          "expert-cache:capacity=$mid,rule=lru,forecast=on")
+cond_args=(); for i in "${!names[@]}"; do cond_args+=(--condition "${names[$i]}=${policies[$i]}"); done
+python3 -m bench.simulate_check predict --trace "$out/routing.trace" --machine "$out/machine.json" \
+  --out "$out/predictions.md" "${cond_args[@]}" 2> "$out/predict.err"
+rc=$?; echo "-- predict rc $rc"; [ $rc = 0 ] || { tail -5 "$out/predict.err"; moe_end; exit 1; }
+
+echo "== (iv) the screen ($(left) s left)"
+cat > "$work/$shape.yaml" <<YAML
+name: simulate-check-$shape-$layers
+model: {path: $dir}
+dtype: $DT
+prompts: {generator: {seed: 0, count: 1}}
+prefix_tokens: $P
+continuation_tokens: $C
+conditions:
+  - {policy: dense-stream}
+  - {policy: packet, params: {gather: device}}
+  - {name: lru-$lo, policy: expert-cache, params: {capacity: $lo}}
+  - {name: lru-$mid, policy: expert-cache, params: {capacity: $mid}}
+  - {name: lru-$hi, policy: expert-cache, params: {capacity: $hi}}
+  - {name: lfu-$mid, policy: expert-cache, params: {capacity: $mid, rule: lfu}}
+  - {policy: expert-forecast}
+  - {name: lru-$mid-forecast, policy: expert-cache, params: {capacity: $mid, forecast: "on"}}
+reference: dense-stream
+warmups: 1
+repetitions: $REPS
+allowance_mib: $ALLOW
+gates: {faithfulness: {}}
+YAML
+pb protocol plan "$work/$shape.yaml" > "$out/plan.log" 2>&1; echo "-- plan rc $?"; tail -4 "$out/plan.log"
+budget=$(( $(left) - 45 ))  # the comparison and the archive copy need the rest
+if [ "$budget" -lt 60 ]; then
+  echo "-- submit skipped: $budget s left of DEADLINE $DEADLINE (run this shape alone, or with REPS=1 / OVERHEAD_FROM)"
+else
+  t0=$(date +%s)
+  timeout "$budget" "${py:-python3}" -m packbench submit "$work/$shape.yaml" --wait > "$out/submit.log" 2>&1
+  echo "-- submit rc $? in $(( $(date +%s) - t0 )) s (limit $budget s)"
+  pb audit latest >> "$out/submit.log" 2>&1; echo "   audit rc $?"
+  grep -E "^(faithfulness|resources|capacity) " "$out/submit.log" | head -12
+fi
+
+echo "== (v) predicted against measured"
+python3 -m bench.simulate_check compare --predictions "$out/predictions.json" --archives "$work/archives" \
+  --out "$out/compare.md" | tee "$out/compare.txt"
+rm -rf "$dir"
+moe_end
+echo "done in $(( $(date +%s) - t_start )) s"
