@@ -62,6 +62,21 @@ moe_synth() {  # SHAPE LAYERS DIR [DTYPE]: the synthetic checkpoint drawn on $DE
   echo "== $1, $2 layers: synth rc $rc in $(( $(date +%s) - t0 )) s ($(du -sh "$3" | cut -f1))"
 }
 
+moe_cache_caps() {  # SHAPE: "lo mid hi", the three expert-cache capacities of that shape
+  if [ "$1" = "${QWEN_SHAPE:-qwen3-30b-a3b}" ]; then echo "${QWEN_CAPS:-16 32 64}"; else echo "${MIXTRAL_CAPS:-2 4 6}"; fi
+}
+
+moe_cache_conditions() {  # LO MID HI: the caches' and forecasts' protocol entries (after dense-stream and packet)
+  cat <<YAML
+  - {name: lru-$1, policy: expert-cache, params: {capacity: $1}}
+  - {name: lru-$2, policy: expert-cache, params: {capacity: $2}}
+  - {name: lru-$3, policy: expert-cache, params: {capacity: $3}}
+  - {name: lfu-$2, policy: expert-cache, params: {capacity: $2, rule: lfu}}
+  - {policy: expert-forecast}
+  - {name: lru-$2-forecast, policy: expert-cache, params: {capacity: $2, forecast: "on"}}
+YAML
+}
+
 log_filter() {  # a run's log without the libraries' warnings and progress bars
   grep -vE "^W[0-9]|Warn|warn|Loading|Writing|output = func|torchao"
 }

@@ -26,7 +26,7 @@ SHAPES=${ONLY:-qwen mixtral}
 mapfile -t specs < <(moe_specs)
 for spec in "${specs[@]}"; do
   set -- $spec; shape=$1; layers=$2; dir=$work/$shape
-  if [ "$shape" = "${QWEN_SHAPE:-qwen3-30b-a3b}" ]; then caps=${QWEN_CAPS:-16 32 64}; else caps=${MIXTRAL_CAPS:-2 4 6}; fi
+  caps=$(moe_cache_caps "$shape")
   set -- $caps; lo=$1; mid=$2; hi=$3
   moe_synth "$shape" "$layers" "$dir" "$DT"
   cat > "$work/$shape.yaml" <<YAML
@@ -39,12 +39,7 @@ continuation_tokens: $C
 conditions:
   - {policy: dense-stream}
   - {policy: packet}
-  - {name: lru-$lo, policy: expert-cache, params: {capacity: $lo}}
-  - {name: lru-$mid, policy: expert-cache, params: {capacity: $mid}}
-  - {name: lru-$hi, policy: expert-cache, params: {capacity: $hi}}
-  - {name: lfu-$mid, policy: expert-cache, params: {capacity: $mid, rule: lfu}}
-  - {policy: expert-forecast}
-  - {name: lru-$mid-forecast, policy: expert-cache, params: {capacity: $mid, forecast: "on"}}
+$(moe_cache_conditions $lo $mid $hi)
 reference: dense-stream
 warmups: 1
 allowance_mib: $ALLOW

@@ -35,7 +35,7 @@ left() { echo $(( DEADLINE - ($(date +%s) - t_start) )); }
 SHAPES=${ONLY:-qwen}
 mapfile -t specs < <(moe_specs)
 set -- ${specs[0]}; shape=$1; layers=$2; dir=$work/$shape
-if [ "$shape" = "${QWEN_SHAPE:-qwen3-30b-a3b}" ]; then caps=${QWEN_CAPS:-16 32 64}; else caps=${MIXTRAL_CAPS:-2 4 6}; fi
+caps=$(moe_cache_caps "$shape")
 set -- $caps; lo=$1; mid=$2; hi=$3
 
 echo "== (i) rates: the engine's fixed costs (bench.moe_overhead, tiny synthetic layers)"
@@ -78,12 +78,7 @@ continuation_tokens: $C
 conditions:
   - {policy: dense-stream}
   - {policy: packet, params: {gather: device}}
-  - {name: lru-$lo, policy: expert-cache, params: {capacity: $lo}}
-  - {name: lru-$mid, policy: expert-cache, params: {capacity: $mid}}
-  - {name: lru-$hi, policy: expert-cache, params: {capacity: $hi}}
-  - {name: lfu-$mid, policy: expert-cache, params: {capacity: $mid, rule: lfu}}
-  - {policy: expert-forecast}
-  - {name: lru-$mid-forecast, policy: expert-cache, params: {capacity: $mid, forecast: "on"}}
+$(moe_cache_conditions $lo $mid $hi)
 reference: dense-stream
 warmups: 1
 repetitions: $REPS
