@@ -549,6 +549,28 @@ def test_one_episodes_ledger_shape_and_passes_lines(exact):
     assert _episode_problems("e", rec, rec["logits"], proto, row) == []
 
 
+def test_an_expert_sections_figures_are_replayed_beside_the_ledgers_lines(exact):
+    # Bugs: an episode's `experts` section (an expert cache or forecast) not replayed from its
+    # routing (its key misspelt, the section not passed), or its lines replacing those before them.
+    from packbench.core.audit import _episode_problems
+    from packbench.core.expert_cache import episode_figures
+
+    proto = expand(freeze(synthetic_protocol()).body)
+    rec = next(e for e in exact["episodes"] if e["condition"] == "packet")
+    row = [opt_row_bytes(), None]
+    layers, calls = len(rec["calls"][0]["active_rows"]), len(rec["calls"])
+    routes = [[None] * layers for _ in range(calls)]  # every layer without experts: nothing routed
+    figures = episode_figures(routes, [c["phase"] for c in rec["calls"]], capacity=1, rule="lru")
+    experts = {"routes": routes, "counted": [[None] * layers for _ in range(calls)], "capacity": 1, "rule": "lru",
+               **figures}
+    assert _episode_problems("e", {**rec, "experts": experts}, rec["logits"], proto, row) == []
+    forged = {**rec, "experts": {**experts, "hits": 3}, "h2d_weight_bytes": rec["h2d_weight_bytes"] + 1}
+    assert _episode_problems("e", forged, rec["logits"], proto, row) == [
+        f"e: stored h2d_weight_bytes {rec['h2d_weight_bytes'] + 1} != {rec['h2d_weight_bytes']} recomputed from "
+        f"the call ledger",
+        "e: experts hits 3 is not the replay of its routing's 0"]
+
+
 def test_prompts_that_cannot_be_recomputed_are_named(tmp_path):
     # Bug: a protocol whose prompts cannot be drawn for the logits' vocabulary (ids from [4, 4))
     # crashes the audit or passes unnamed.
