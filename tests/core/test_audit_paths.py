@@ -794,3 +794,16 @@ def test_the_audits_table_says_which_way_a_fidelity_bound_compares(tmp_path):
                                                 for v in report.record["verdicts"]]).splitlines()
                if line.startswith("fidelity"))
     assert ">= 0.7" in row and "<= 0.7" not in row
+
+
+def test_each_verdicts_detail_rides_under_its_own_gate_condition_and_phase(exact):
+    # Bug: verdicts of one gate and condition at several phases (acquisition over all, prefill,
+    # decode) kept under one key, so the table showed one phase's detail beside every phase's row.
+    from packbench.core.audit import detail_key
+
+    report = audit_archive(exact["path"])
+    assert report.agrees, report.problems
+    want = {f"{v['gate']}|{v['condition']}|{v['phase']}": v["detail"] for v in exact["verdicts"] if v.get("detail")}
+    assert {k.split("|")[2] for k in want if k.startswith("acquisition|")} == {"all", "prefill", "decode"}
+    assert report.details == want
+    assert all(report.details[detail_key(v)] == v["detail"] for v in exact["verdicts"] if v.get("detail"))
