@@ -807,3 +807,40 @@ def test_each_verdicts_detail_rides_under_its_own_gate_condition_and_phase(exact
     assert {k.split("|")[2] for k in want if k.startswith("acquisition|")} == {"all", "prefill", "decode"}
     assert report.details == want
     assert all(report.details[detail_key(v)] == v["detail"] for v in exact["verdicts"] if v.get("detail"))
+
+
+def test_a_traced_screens_exact_episodes_have_their_traces_read_and_replayed(tmp_path):
+    # Bugs: a traced protocol's trace members never looked for (the episode's tier misread, the
+    # check run for the competitor's approximate episodes instead of the exact ones), or the
+    # check handed another member, record, reader or protocol than the episode's.
+    from packbench.core.archive import episode_members
+    from packbench.core.trace import Trace, TraceCall, TraceModel, trace_bytes
+
+    raw = approximate_protocol()  # dense-stream (exact) and an int8 competitor (approximate: no trace)
+    raw["trace"] = True
+    screen = write_synthetic_screen(tmp_path / "t.zip", raw)
+    exact_episodes = [e for e in screen["episodes"] if e["condition"] == "dense-stream"]
+    missing = "{}: the protocol says trace: true, the episode's trace is missing or unreadable"
+    assert audit_archive(tmp_path / "t.zip").problems == [
+        missing.format(episode_members(e["plan_index"]).active) for e in exact_episodes]
+
+    rec = exact_episodes[0]
+    name = episode_members(rec["plan_index"]).active
+    shape = SHAPES["opt-2.7b"]
+    layers = len(rec["calls"][0]["active_rows"])
+
+    def trace(row_bytes):  # three rows of every layer active in every call
+        model = TraceModel(family="opt", unit="row", layers=layers, units=shape["ffn"], unit_bytes=row_bytes,
+                           hidden=shape["hidden"], dtype="float16")
+        return trace_bytes(Trace(model=model, calls=[TraceCall(0, c["phase"], c["tokens"]) for c in rec["calls"]],
+                                 sets=[[np.arange(3, dtype=np.int64)] * layers for _ in rec["calls"]]))
+
+    rest = [missing.format(episode_members(e["plan_index"]).active) for e in exact_episodes[1:]]
+    # dense-stream moves every row of a layer: a trace of the model's row size replays to the record
+    agreeing = forged(tmp_path / "t.zip", tmp_path / "a.zip", extra={name: trace(opt_row_bytes())})
+    assert audit_archive(agreeing).problems == rest
+    recorded, replayed = shape["ffn"] * opt_row_bytes(), shape["ffn"] * 2 * opt_row_bytes()
+    doubled = forged(tmp_path / "t.zip", tmp_path / "d.zip", extra={name: trace(2 * opt_row_bytes())})
+    assert audit_archive(doubled).problems == [
+        f"{name}: call {c} layer 0 h2d_weight_bytes: recorded {recorded}, the trace's replay {replayed}"
+        for c in range(len(rec["calls"]))] + rest
