@@ -811,8 +811,9 @@ def test_each_verdicts_detail_rides_under_its_own_gate_condition_and_phase(exact
 
 def test_a_traced_screens_exact_episodes_have_their_traces_read_and_replayed(tmp_path):
     # Bugs: a traced protocol's trace members never looked for (the episode's tier misread, the
-    # check run for the competitor's approximate episodes instead of the exact ones), or the
-    # check handed another member, record, reader or protocol than the episode's.
+    # check run for the competitor's approximate episodes instead of the exact ones), the check
+    # handed another member, record, reader or protocol than the episode's, or the trace members
+    # the plan allows (an exact episode's) mistaken.
     from packbench.core.archive import episode_members
     from packbench.core.trace import Trace, TraceCall, TraceModel, trace_bytes
 
@@ -844,3 +845,7 @@ def test_a_traced_screens_exact_episodes_have_their_traces_read_and_replayed(tmp
     assert audit_archive(doubled).problems == [
         f"{name}: call {c} layer 0 h2d_weight_bytes: recorded {recorded}, the trace's replay {replayed}"
         for c in range(len(rec["calls"]))] + rest
+    # a competitor runs a model of its own: a trace member beside its episode is not of this plan
+    competitor = episode_members(next(e for e in screen["episodes"] if e["condition"] == "int8")["plan_index"]).active
+    stray = forged(tmp_path / "t.zip", tmp_path / "s.zip", extra={name: trace(opt_row_bytes()), competitor: b"x"})
+    assert audit_archive(stray).problems == [f"member {competitor!r} is not part of the archive of this plan"] + rest
