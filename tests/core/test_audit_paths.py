@@ -394,7 +394,8 @@ def test_a_signature_of_an_unreadable_or_unsealed_archive_never_holds(tmp_path, 
 
 def test_max_mib_is_mebibytes_and_a_huge_non_zip_is_not_hashed(tmp_path, monkeypatch):
     # Bugs: max_mib's MiB taken as another unit (<< 21, >> 20) or capped by the default bound
-    # (min for max), the size check of a file that is no zip off by one (a huge one hashed whole).
+    # (min for max), the size check of a file that is no zip off by one (a huge one hashed whole), the
+    # screen id a command gives (`target`) not the one the line names.
     import packbench.core.archive.reader as archive_reader
     from packbench.core.archive import file_sha256
 
@@ -411,6 +412,7 @@ def test_max_mib_is_mebibytes_and_a_huge_non_zip_is_not_hashed(tmp_path, monkeyp
     assert audit_archive(big, max_mib=1).problems == [
         f"the archive is {size} bytes ({size / (1 << 20):.1f} MiB), over the audit bound of {1 << 20} bytes (1 MiB), "
         f"so it was not read; only for an archive you trust, audit it with `packbench audit archive FILE --max-mib 50`"]
+    assert audit_archive(big, max_mib=1, target="3").problems[0].endswith("`packbench audit 3 --max-mib 50`")
     report = audit_archive(big, max_mib=2)  # file and members within 2 MiB: opened and checked
     assert not report.unreadable and not any(" over the bound " in p or "too large" in p for p in report.problems)
     for size, hashed in ((1000, True), (1001, False)):
