@@ -665,7 +665,8 @@ def test_teacher_forced_logits_are_read_as_float32_of_the_episodes_shape(approx,
 def test_an_interrupted_screen_is_compared_with_the_database_as_far_as_it_went(exact, tmp_path):
     # Bugs: an incomplete archive's verdicts never compared with the database's rows (a partial
     # screen's forged rows pass), or archived episodes without rows not counted (the attempt
-    # reads as disagreeing instead of as rows pending `db reconcile`).
+    # reads as disagreeing instead of as rows pending `db reconcile`), or rows said pending where
+    # none lacks (a partial screen whose rows are all stored, a sealed one that agrees).
     data = members(exact["path"])
     w = ArchiveWriter(tmp_path / "cut.zip")
     for name, raw in data.items():
@@ -679,7 +680,12 @@ def test_an_interrupted_screen_is_compared_with_the_database_as_far_as_it_went(e
     forged_verdicts = [dict(v, value=123.0) for v in exact["verdicts"]]
     report = audit_archive(path, db_verdicts=forged_verdicts)
     assert any(p.startswith("database verdict ") and " differs in " in p for p in report.problems), report.problems
-    assert audit_archive(path, db_verdicts=[]).partial  # no rows yet: nothing to compare
+    report = audit_archive(path, db_verdicts=[])  # no rows yet: nothing to compare
+    assert report.partial and not report.rows_pending
+    report = audit_archive(path, db_episodes=db_episodes(exact)[:3])  # every archived episode has its row
+    assert report.partial and not report.rows_pending
+    sealed = audit_archive(exact["path"], db_episodes=db_episodes(exact))
+    assert sealed.agrees and not sealed.partial and not sealed.rows_pending
 
 
 def test_a_source_freeze_the_manifest_and_worker_agree_on_is_no_problem(exact, tmp_path):
