@@ -374,15 +374,22 @@ def test_a_signed_archive_agrees_only_under_a_trusted_key(approx, tmp_path, sign
     assert audit_archive(path, trust=[signer.public_raw], signature=moved).agrees
 
 
-def test_a_signature_of_an_unreadable_or_unsealed_archive_never_holds(tmp_path, signer):
-    # Bugs: an unreadable file given a signature status other than bad-signature, or an
-    # unsealed archive's (absent) manifest digest checked as if it were there.
+def test_a_signature_of_an_unreadable_or_unsealed_archive_never_holds(tmp_path, signer, monkeypatch):
+    # Bugs: an unreadable file or one over the size bound given a signature status other than
+    # bad-signature, or an unsealed archive's (absent) manifest digest checked as if it were there.
+    import packbench.core.archive.reader as archive_reader
+
     junk = tmp_path / "junk.zip"
     junk.write_bytes(b"not a zip")
     report = audit_archive(junk, trust=[signer.public_raw])
     assert report.unreadable and report.record["signature"] == {"status": "bad-signature", "key_id": None}
     assert report.problems[-1] == "signature: the archive is unreadable, so no signature can hold for it"
     assert "signature" not in audit_archive(junk).record
+    with monkeypatch.context() as m:
+        m.setattr(archive_reader, "MAX_ARCHIVE_BYTES", 4)
+        report = audit_archive(junk, trust=[signer.public_raw])
+    assert report.unreadable and report.record["signature"] == {"status": "bad-signature", "key_id": None}
+    assert report.problems[-1] == "signature: the archive is over the size bound, so no signature can hold for it"
     path = tmp_path / "open.zip"
     write_synthetic_screen(path, synthetic_protocol(prompts_n=1), seal=False)
     sig = signer.envelope("0" * 64, "0" * 64)
@@ -431,7 +438,7 @@ def test_the_record_of_an_archive_with_nothing_to_recompute(tmp_path, approx):
     # Bugs: a default of the record changed (audit_version, planned/episodes not 0, verdicts not
     # empty, complete or result not the fail-closed ones): the digest of every such audit moves,
     # and an unreadable archive could read as complete. The flags partial/rows_pending must stay
-    # off when the file is unreadable.
+    # off when the file is unreadable, and nothing recomputed has no details (an empty mapping).
     from packbench.core.archive import file_sha256
 
     junk = tmp_path / "junk.zip"
@@ -441,14 +448,14 @@ def test_the_record_of_an_archive_with_nothing_to_recompute(tmp_path, approx):
                              "complete": False, "planned": 0, "episodes": 0, "verdicts": [],
                              "problems": report.problems, "result": "disagree"}
     assert report.unreadable and not report.partial and not report.rows_pending and not report.complete
-    assert len(report.problems) == 1
+    assert len(report.problems) == 1 and report.details == {}
     # sealed, but without a protocol: nothing planned, nothing recomputed
     path = forged(approx["path"], tmp_path / "np.zip", drop=("protocol.json",))
     report = audit_archive(path)
     assert report.problems == ["cannot recompute: no readable protocol.json"]
     assert {k: report.record[k] for k in ("protocol_sha256", "complete", "planned", "episodes", "verdicts")} == {
         "protocol_sha256": None, "complete": True, "planned": 0, "episodes": 0, "verdicts": []}
-    assert not report.unreadable and not report.partial and not report.rows_pending
+    assert not report.unreadable and not report.partial and not report.rows_pending and report.details == {}
 
 
 def test_the_checkpoint_a_protocol_pins_must_be_the_one_measured(tmp_path):
