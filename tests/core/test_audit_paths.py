@@ -429,6 +429,18 @@ def test_max_mib_is_mebibytes_and_a_huge_non_zip_is_not_hashed(tmp_path, monkeyp
         assert report.unreadable and report.record["archive_sha256"] == (file_sha256(junk) if hashed else None)
     report = audit_archive(tmp_path / "junk1000.zip", expected_sha256="0" * 64)
     assert report.problems[0] == f"archive SHA-256 {file_sha256(tmp_path / 'junk1000.zip')} differs from the database's {'0' * 64}"
+    # a file within its bound whose members declare more than theirs: the same command, never the
+    # record's scrubbed path ("packbench audit archive the archive")
+    monkeypatch.setattr(archive_reader, "MAX_ARCHIVE_BYTES", 1 << 20)
+    members_over = tmp_path / "members.zip"
+    w = ArchiveWriter(members_over)
+    w.add_bytes("blob.npy", bytes(3000))
+    w.seal({})
+    for target, named in ((None, "archive FILE"), ("3", "3")):
+        (line,) = audit_archive(members_over, target=target).problems
+        assert line.startswith("archive too large: the archive declares members of ") and \
+            line.endswith(f"over the audit bound of 1000 bytes, so it was not read; only for an archive you trust, "
+                          f"audit it with `packbench audit {named} --max-mib 1`"), line
 
 
 # ----------------------------------------------------------------------------- the record itself
