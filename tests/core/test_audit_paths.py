@@ -376,7 +376,8 @@ def test_a_signed_archive_agrees_only_under_a_trusted_key(approx, tmp_path, sign
 
 def test_a_signature_of_an_unreadable_or_unsealed_archive_never_holds(tmp_path, signer, monkeypatch):
     # Bugs: an unreadable file or one over the size bound given a signature status other than
-    # bad-signature, or an unsealed archive's (absent) manifest digest checked as if it were there.
+    # bad-signature, or an unsealed archive's (absent or malformed) manifest digest checked as if it
+    # were there.
     import packbench.core.archive.reader as archive_reader
 
     junk = tmp_path / "junk.zip"
@@ -397,6 +398,19 @@ def test_a_signature_of_an_unreadable_or_unsealed_archive_never_holds(tmp_path, 
     report = audit_archive(path, trust=[signer.public_raw])
     assert report.record["signature"]["status"] == "bad-signature"
     assert "signature: the archive has no readable manifest to check it against" in report.problems
+    # a manifest.json that is no readable manifest: a signature over its bytes holds no more
+    import zipfile
+
+    from packbench.core.archive import file_sha256
+    from packbench.core.canonical import sha256_hex
+
+    malformed = tmp_path / "malformed.zip"
+    with zipfile.ZipFile(malformed, "w") as zf:
+        zf.writestr(MANIFEST_NAME, b'{"format_version": 99}')
+    signer.sign_archive(malformed, file_sha256(malformed), sha256_hex(b'{"format_version": 99}'))
+    report = audit_archive(malformed, trust=[signer.public_raw])
+    assert report.record["signature"]["status"] == "bad-signature"
+    assert report.problems[-1] == "signature: the archive has no readable manifest to check it against"
 
 
 def test_max_mib_is_mebibytes_and_a_huge_non_zip_is_not_hashed(tmp_path, monkeypatch):
