@@ -33,8 +33,11 @@ def expert_trace(*, skip=()) -> Trace:
     routed = [[a(0, 1), a(0, 1), a(1, 2)], [a(0, 1), a(2, 3), a(0, 2)], [a(2, 3), a(2, 3), a(1, 3)],
               [a(0, 1), a(0, 3), a(0, 1)]]
     sets = [[a() if layer in skip else s for layer, s in enumerate(row)] for row in routed]
-    forecasts = [[a(), a(0, 2), a(1, 3)], [a(), a(2, 3), a(0, 1)], [a(), a(1, 2), a(1, 3)], [a(), a(0, 3), a(2, 3)]]
+    made = [[a(), a(0, 2), a(1, 3)], [a(), a(2, 3), a(0, 1)], [a(), a(1, 2), a(1, 3)], [a(), a(0, 3), a(2, 3)]]
     calls = [TraceCall(0, "prefill", 3)] + [TraceCall(0, "decode", 1)] * 3
+    # none where none can be made (layer 0, a layer without experts and the one after it): as
+    # parse_trace requires of a trace file
+    forecasts = [[f if forecast_possible(model, layer) else a() for layer, f in enumerate(row)] for row in made]
     return Trace(model=model, calls=calls, sets=sets, forecasts=forecasts)
 
 
