@@ -852,7 +852,9 @@ def _run_audit(audit: _Audit, path: Path, *, expected_sha256: str | None, db_ver
             audit.record["signature"] = {"status": "bad-signature", "key_id": None}
             audit.add("signature: the archive is unreadable, so no signature can hold for it")
         return
-    reader.audit_target = target  # verify's total-bound line names the command that reads the archive
+    # verify's total-bound line names the command that reads the archive: as the file bound's line
+    # above, never the scrubbed path ("archive the archive")
+    reader.audit_target = target or "archive FILE"
     with reader:
         manifest_sha = None
         if trust is not None and reader.complete:

@@ -374,15 +374,23 @@ def test_a_signed_archive_agrees_only_under_a_trusted_key(approx, tmp_path, sign
     assert audit_archive(path, trust=[signer.public_raw], signature=moved).agrees
 
 
-def test_a_signature_of_an_unreadable_or_unsealed_archive_never_holds(tmp_path, signer):
-    # Bugs: an unreadable file given a signature status other than bad-signature, or an
-    # unsealed archive's (absent) manifest digest checked as if it were there.
+def test_a_signature_of_an_unreadable_or_unsealed_archive_never_holds(tmp_path, signer, monkeypatch):
+    # Bugs: an unreadable file or one over the size bound given a signature status other than
+    # bad-signature, or an unsealed archive's (absent or malformed) manifest digest checked as if it
+    # were there.
+    import packbench.core.archive.reader as archive_reader
+
     junk = tmp_path / "junk.zip"
     junk.write_bytes(b"not a zip")
     report = audit_archive(junk, trust=[signer.public_raw])
     assert report.unreadable and report.record["signature"] == {"status": "bad-signature", "key_id": None}
     assert report.problems[-1] == "signature: the archive is unreadable, so no signature can hold for it"
     assert "signature" not in audit_archive(junk).record
+    with monkeypatch.context() as m:
+        m.setattr(archive_reader, "MAX_ARCHIVE_BYTES", 4)
+        report = audit_archive(junk, trust=[signer.public_raw])
+    assert report.unreadable and report.record["signature"] == {"status": "bad-signature", "key_id": None}
+    assert report.problems[-1] == "signature: the archive is over the size bound, so no signature can hold for it"
     path = tmp_path / "open.zip"
     write_synthetic_screen(path, synthetic_protocol(prompts_n=1), seal=False)
     sig = signer.envelope("0" * 64, "0" * 64)
@@ -390,11 +398,25 @@ def test_a_signature_of_an_unreadable_or_unsealed_archive_never_holds(tmp_path, 
     report = audit_archive(path, trust=[signer.public_raw])
     assert report.record["signature"]["status"] == "bad-signature"
     assert "signature: the archive has no readable manifest to check it against" in report.problems
+    # a manifest.json that is no readable manifest: a signature over its bytes holds no more
+    import zipfile
+
+    from packbench.core.archive import file_sha256
+    from packbench.core.canonical import sha256_hex
+
+    malformed = tmp_path / "malformed.zip"
+    with zipfile.ZipFile(malformed, "w") as zf:
+        zf.writestr(MANIFEST_NAME, b'{"format_version": 99}')
+    signer.sign_archive(malformed, file_sha256(malformed), sha256_hex(b'{"format_version": 99}'))
+    report = audit_archive(malformed, trust=[signer.public_raw])
+    assert report.record["signature"]["status"] == "bad-signature"
+    assert report.problems[-1] == "signature: the archive has no readable manifest to check it against"
 
 
 def test_max_mib_is_mebibytes_and_a_huge_non_zip_is_not_hashed(tmp_path, monkeypatch):
     # Bugs: max_mib's MiB taken as another unit (<< 21, >> 20) or capped by the default bound
-    # (min for max), the size check of a file that is no zip off by one (a huge one hashed whole).
+    # (min for max), the size check of a file that is no zip off by one (a huge one hashed whole), the
+    # screen id a command gives (`target`) not the one the line names.
     import packbench.core.archive.reader as archive_reader
     from packbench.core.archive import file_sha256
 
@@ -411,6 +433,7 @@ def test_max_mib_is_mebibytes_and_a_huge_non_zip_is_not_hashed(tmp_path, monkeyp
     assert audit_archive(big, max_mib=1).problems == [
         f"the archive is {size} bytes ({size / (1 << 20):.1f} MiB), over the audit bound of {1 << 20} bytes (1 MiB), "
         f"so it was not read; only for an archive you trust, audit it with `packbench audit archive FILE --max-mib 50`"]
+    assert audit_archive(big, max_mib=1, target="3").problems[0].endswith("`packbench audit 3 --max-mib 50`")
     report = audit_archive(big, max_mib=2)  # file and members within 2 MiB: opened and checked
     assert not report.unreadable and not any(" over the bound " in p or "too large" in p for p in report.problems)
     for size, hashed in ((1000, True), (1001, False)):
@@ -420,6 +443,18 @@ def test_max_mib_is_mebibytes_and_a_huge_non_zip_is_not_hashed(tmp_path, monkeyp
         assert report.unreadable and report.record["archive_sha256"] == (file_sha256(junk) if hashed else None)
     report = audit_archive(tmp_path / "junk1000.zip", expected_sha256="0" * 64)
     assert report.problems[0] == f"archive SHA-256 {file_sha256(tmp_path / 'junk1000.zip')} differs from the database's {'0' * 64}"
+    # a file within its bound whose members declare more than theirs: the same command, never the
+    # record's scrubbed path ("packbench audit archive the archive")
+    monkeypatch.setattr(archive_reader, "MAX_ARCHIVE_BYTES", 1 << 20)
+    members_over = tmp_path / "members.zip"
+    w = ArchiveWriter(members_over)
+    w.add_bytes("blob.npy", bytes(3000))
+    w.seal({})
+    for target, named in ((None, "archive FILE"), ("3", "3")):
+        (line,) = audit_archive(members_over, target=target).problems
+        assert line.startswith("archive too large: the archive declares members of ") and \
+            line.endswith(f"over the audit bound of 1000 bytes, so it was not read; only for an archive you trust, "
+                          f"audit it with `packbench audit {named} --max-mib 1`"), line
 
 
 # ----------------------------------------------------------------------------- the record itself
@@ -429,7 +464,7 @@ def test_the_record_of_an_archive_with_nothing_to_recompute(tmp_path, approx):
     # Bugs: a default of the record changed (audit_version, planned/episodes not 0, verdicts not
     # empty, complete or result not the fail-closed ones): the digest of every such audit moves,
     # and an unreadable archive could read as complete. The flags partial/rows_pending must stay
-    # off when the file is unreadable.
+    # off when the file is unreadable, and nothing recomputed has no details (an empty mapping).
     from packbench.core.archive import file_sha256
 
     junk = tmp_path / "junk.zip"
@@ -439,14 +474,14 @@ def test_the_record_of_an_archive_with_nothing_to_recompute(tmp_path, approx):
                              "complete": False, "planned": 0, "episodes": 0, "verdicts": [],
                              "problems": report.problems, "result": "disagree"}
     assert report.unreadable and not report.partial and not report.rows_pending and not report.complete
-    assert len(report.problems) == 1
+    assert len(report.problems) == 1 and report.details == {}
     # sealed, but without a protocol: nothing planned, nothing recomputed
     path = forged(approx["path"], tmp_path / "np.zip", drop=("protocol.json",))
     report = audit_archive(path)
     assert report.problems == ["cannot recompute: no readable protocol.json"]
     assert {k: report.record[k] for k in ("protocol_sha256", "complete", "planned", "episodes", "verdicts")} == {
         "protocol_sha256": None, "complete": True, "planned": 0, "episodes": 0, "verdicts": []}
-    assert not report.unreadable and not report.partial and not report.rows_pending
+    assert not report.unreadable and not report.partial and not report.rows_pending and report.details == {}
 
 
 def test_the_checkpoint_a_protocol_pins_must_be_the_one_measured(tmp_path):
@@ -549,6 +584,28 @@ def test_one_episodes_ledger_shape_and_passes_lines(exact):
     assert _episode_problems("e", rec, rec["logits"], proto, row) == []
 
 
+def test_an_expert_sections_figures_are_replayed_beside_the_ledgers_lines(exact):
+    # Bugs: an episode's `experts` section (an expert cache or forecast) not replayed from its
+    # routing (its key misspelt, the section not passed), or its lines replacing those before them.
+    from packbench.core.audit import _episode_problems
+    from packbench.core.expert_cache import episode_figures
+
+    proto = expand(freeze(synthetic_protocol()).body)
+    rec = next(e for e in exact["episodes"] if e["condition"] == "packet")
+    row = [opt_row_bytes(), None]
+    layers, calls = len(rec["calls"][0]["active_rows"]), len(rec["calls"])
+    routes = [[None] * layers for _ in range(calls)]  # every layer without experts: nothing routed
+    figures = episode_figures(routes, [c["phase"] for c in rec["calls"]], capacity=1, rule="lru")
+    experts = {"routes": routes, "counted": [[None] * layers for _ in range(calls)], "capacity": 1, "rule": "lru",
+               **figures}
+    assert _episode_problems("e", {**rec, "experts": experts}, rec["logits"], proto, row) == []
+    forged = {**rec, "experts": {**experts, "hits": 3}, "h2d_weight_bytes": rec["h2d_weight_bytes"] + 1}
+    assert _episode_problems("e", forged, rec["logits"], proto, row) == [
+        f"e: stored h2d_weight_bytes {rec['h2d_weight_bytes'] + 1} != {rec['h2d_weight_bytes']} recomputed from "
+        f"the call ledger",
+        "e: experts hits 3 is not the replay of its routing's 0"]
+
+
 def test_prompts_that_cannot_be_recomputed_are_named(tmp_path):
     # Bug: a protocol whose prompts cannot be drawn for the logits' vocabulary (ids from [4, 4))
     # crashes the audit or passes unnamed.
@@ -641,7 +698,8 @@ def test_teacher_forced_logits_are_read_as_float32_of_the_episodes_shape(approx,
 def test_an_interrupted_screen_is_compared_with_the_database_as_far_as_it_went(exact, tmp_path):
     # Bugs: an incomplete archive's verdicts never compared with the database's rows (a partial
     # screen's forged rows pass), or archived episodes without rows not counted (the attempt
-    # reads as disagreeing instead of as rows pending `db reconcile`).
+    # reads as disagreeing instead of as rows pending `db reconcile`), or rows said pending where
+    # none lacks (a partial screen whose rows are all stored, a sealed one that agrees).
     data = members(exact["path"])
     w = ArchiveWriter(tmp_path / "cut.zip")
     for name, raw in data.items():
@@ -655,7 +713,12 @@ def test_an_interrupted_screen_is_compared_with_the_database_as_far_as_it_went(e
     forged_verdicts = [dict(v, value=123.0) for v in exact["verdicts"]]
     report = audit_archive(path, db_verdicts=forged_verdicts)
     assert any(p.startswith("database verdict ") and " differs in " in p for p in report.problems), report.problems
-    assert audit_archive(path, db_verdicts=[]).partial  # no rows yet: nothing to compare
+    report = audit_archive(path, db_verdicts=[])  # no rows yet: nothing to compare
+    assert report.partial and not report.rows_pending
+    report = audit_archive(path, db_episodes=db_episodes(exact)[:3])  # every archived episode has its row
+    assert report.partial and not report.rows_pending
+    sealed = audit_archive(exact["path"], db_episodes=db_episodes(exact))
+    assert sealed.agrees and not sealed.partial and not sealed.rows_pending
 
 
 def test_a_source_freeze_the_manifest_and_worker_agree_on_is_no_problem(exact, tmp_path):
@@ -772,3 +835,58 @@ def test_the_audits_table_says_which_way_a_fidelity_bound_compares(tmp_path):
                                                 for v in report.record["verdicts"]]).splitlines()
                if line.startswith("fidelity"))
     assert ">= 0.7" in row and "<= 0.7" not in row
+
+
+def test_each_verdicts_detail_rides_under_its_own_gate_condition_and_phase(exact):
+    # Bug: verdicts of one gate and condition at several phases (acquisition over all, prefill,
+    # decode) kept under one key, so the table showed one phase's detail beside every phase's row.
+    from packbench.core.audit import detail_key
+
+    report = audit_archive(exact["path"])
+    assert report.agrees, report.problems
+    want = {f"{v['gate']}|{v['condition']}|{v['phase']}": v["detail"] for v in exact["verdicts"] if v.get("detail")}
+    assert {k.split("|")[2] for k in want if k.startswith("acquisition|")} == {"all", "prefill", "decode"}
+    assert report.details == want
+    assert all(report.details[detail_key(v)] == v["detail"] for v in exact["verdicts"] if v.get("detail"))
+
+
+def test_a_traced_screens_exact_episodes_have_their_traces_read_and_replayed(tmp_path):
+    # Bugs: a traced protocol's trace members never looked for (the episode's tier misread, the
+    # check run for the competitor's approximate episodes instead of the exact ones), the check
+    # handed another member, record, reader or protocol than the episode's, or the trace members
+    # the plan allows (an exact episode's) mistaken.
+    from packbench.core.archive import episode_members
+    from packbench.core.trace import Trace, TraceCall, TraceModel, trace_bytes
+
+    raw = approximate_protocol()  # dense-stream (exact) and an int8 competitor (approximate: no trace)
+    raw["trace"] = True
+    screen = write_synthetic_screen(tmp_path / "t.zip", raw)
+    exact_episodes = [e for e in screen["episodes"] if e["condition"] == "dense-stream"]
+    missing = "{}: the protocol says trace: true, the episode's trace is missing or unreadable"
+    assert audit_archive(tmp_path / "t.zip").problems == [
+        missing.format(episode_members(e["plan_index"]).active) for e in exact_episodes]
+
+    rec = exact_episodes[0]
+    name = episode_members(rec["plan_index"]).active
+    shape = SHAPES["opt-2.7b"]
+    layers = len(rec["calls"][0]["active_rows"])
+
+    def trace(row_bytes):  # three rows of every layer active in every call
+        model = TraceModel(family="opt", unit="row", layers=layers, units=shape["ffn"], unit_bytes=row_bytes,
+                           hidden=shape["hidden"], dtype="float16")
+        return trace_bytes(Trace(model=model, calls=[TraceCall(0, c["phase"], c["tokens"]) for c in rec["calls"]],
+                                 sets=[[np.arange(3, dtype=np.int64)] * layers for _ in rec["calls"]]))
+
+    rest = [missing.format(episode_members(e["plan_index"]).active) for e in exact_episodes[1:]]
+    # dense-stream moves every row of a layer: a trace of the model's row size replays to the record
+    agreeing = forged(tmp_path / "t.zip", tmp_path / "a.zip", extra={name: trace(opt_row_bytes())})
+    assert audit_archive(agreeing).problems == rest
+    recorded, replayed = shape["ffn"] * opt_row_bytes(), shape["ffn"] * 2 * opt_row_bytes()
+    doubled = forged(tmp_path / "t.zip", tmp_path / "d.zip", extra={name: trace(2 * opt_row_bytes())})
+    assert audit_archive(doubled).problems == [
+        f"{name}: call {c} layer 0 h2d_weight_bytes: recorded {recorded}, the trace's replay {replayed}"
+        for c in range(len(rec["calls"]))] + rest
+    # a competitor runs a model of its own: a trace member beside its episode is not of this plan
+    competitor = episode_members(next(e for e in screen["episodes"] if e["condition"] == "int8")["plan_index"]).active
+    stray = forged(tmp_path / "t.zip", tmp_path / "s.zip", extra={name: trace(opt_row_bytes()), competitor: b"x"})
+    assert audit_archive(stray).problems == [f"member {competitor!r} is not part of the archive of this plan"] + rest

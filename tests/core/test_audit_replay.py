@@ -33,8 +33,11 @@ def expert_trace(*, skip=()) -> Trace:
     routed = [[a(0, 1), a(0, 1), a(1, 2)], [a(0, 1), a(2, 3), a(0, 2)], [a(2, 3), a(2, 3), a(1, 3)],
               [a(0, 1), a(0, 3), a(0, 1)]]
     sets = [[a() if layer in skip else s for layer, s in enumerate(row)] for row in routed]
-    forecasts = [[a(), a(0, 2), a(1, 3)], [a(), a(2, 3), a(0, 1)], [a(), a(1, 2), a(1, 3)], [a(), a(0, 3), a(2, 3)]]
+    made = [[a(), a(0, 2), a(1, 3)], [a(), a(2, 3), a(0, 1)], [a(), a(1, 2), a(1, 3)], [a(), a(0, 3), a(2, 3)]]
     calls = [TraceCall(0, "prefill", 3)] + [TraceCall(0, "decode", 1)] * 3
+    # none where none can be made (layer 0, a layer without experts and the one after it): as
+    # parse_trace requires of a trace file
+    forecasts = [[f if forecast_possible(model, layer) else a() for layer, f in enumerate(row)] for row in made]
     return Trace(model=model, calls=calls, sets=sets, forecasts=forecasts)
 
 
@@ -190,6 +193,43 @@ def test_an_experts_section_of_the_wrong_shape_is_named():
     assert replay_problems(t, rec, policy, params) == ["experts section unreadable against its trace (KeyError: 'routes')"]
 
 
+def test_a_disagreement_does_not_hide_the_ones_after_it():
+    """A ledger field of another shape, a call counted over the wrong number of layers and a
+    layer without experts each leave the rest compared: the call's later fields, the later
+    calls, the later layers. Catches the comparison of a call, of the calls after it or of the
+    layers after a layer without experts stopped at the first line it writes."""
+    t = row_trace()
+    good = faithful(t, "packet", {})
+    rec = copy.deepcopy(good)
+    rec["calls"][1]["h2d_index_bytes"] = [16]  # another length: named whole
+    rec["calls"][1]["d2h_bytes"] = [16, 99]  # a later field of the same call
+    assert replay_problems(t, rec, "packet", {}) == [
+        "call 1 h2d_index_bytes: recorded [16], the trace's replay [16, 16]",
+        "call 1 layer 1 d2h_bytes: recorded 99, the trace's replay 16"]
+    t = expert_trace(skip=(1,))  # a layer without experts between two with them
+    policy, params = CACHE
+    good = faithful(t, policy, params)
+    rec = copy.deepcopy(good)
+    rec["experts"]["counted"][1] = rec["experts"]["counted"][1][:2]
+    rec["experts"]["counted"][3][2]["hits"] = 99
+    want = good["experts"]["counted"][3][2]["hits"]
+    assert replay_problems(t, rec, policy, params) == [
+        "call 1 experts: 2 layers counted, the trace has 3",
+        f"call 3 layer 2 hits: recorded 99, the trace's replay {want!r}"]
+
+
+def test_a_forged_figure_is_shown_in_its_first_120_characters():
+    """A figure's line is bounded, whatever a hostile record holds there: 120 characters of each
+    side. Catches another cut (the line's width is what `packbench audit` prints)."""
+    t = expert_trace(skip=(2,))
+    policy, params = CACHE
+    rec = faithful(t, policy, params)
+    want = repr(rec["experts"]["decode"])[:120]
+    rec["experts"]["decode"] = "d" * 300
+    assert replay_problems(t, rec, policy, params) == [
+        f"experts decode: recorded '{'d' * 119}, recomputed from the trace {want}"]
+
+
 # ----------------------------------------------------------------------------- the episode's trace member
 
 
@@ -270,3 +310,36 @@ def test_an_episodes_trace_member_is_checked_against_its_record(tmp_path):
     # replayed under the episode's own condition: packet's record is not dense-stream's
     assert _check(tmp_path / "13", {**good, "condition": "d"}, data, proto=proto)[0] == \
         f"{NAME}: call 0 layer 0 active_rows: recorded 5, the trace's replay None"
+
+
+def test_an_episodes_trace_is_read_under_the_audits_bound_and_a_refusal_named_in_one_line(tmp_path, monkeypatch):
+    """The auditor reads an archived trace's members under its own bound (ACTIVE_SETS_CAP, far
+    below the trace format's 64 MiB header and 1 GiB of ids), and names a trace it refuses with
+    the first 200 characters of the cause. Catches the bound left out (a forged trace member
+    inflating to the format's bounds in the audit's memory) and a line cut elsewhere."""
+    import io
+    import json
+    import zipfile
+
+    from packbench.core import audit
+    from packbench.core.trace import HEADER_NAME, trace_bytes
+    t = row_trace()
+    data = trace_bytes(t)
+    rec = {"calls": [{"phase": c.phase, "tokens": c.tokens} for c in t.calls]}
+    assert _check(tmp_path / "1", rec, data) == []
+    with zipfile.ZipFile(io.BytesIO(data)) as zf:
+        members = {i.filename: zf.read(i) for i in zf.infolist()}
+    header = len(members[HEADER_NAME])
+    monkeypatch.setattr(audit, "ACTIVE_SETS_CAP", header - 1)
+    assert _check(tmp_path / "2", rec, data) == [
+        f"{NAME} is not a readable trace: {HEADER_NAME} states {header} bytes, over the bound of {header - 1}; "
+        f"split the trace into several files"]
+    monkeypatch.undo()
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w") as zf:
+        for member, body in members.items():
+            if member == HEADER_NAME:
+                body = json.dumps({**json.loads(body), "version": "v" * 300}).encode()
+            zf.writestr(member, body)
+    assert _check(tmp_path / "3", rec, buf.getvalue()) == [
+        f"{NAME} is not a readable trace: {('trace version ' + repr('v' * 300))[:200]}"]

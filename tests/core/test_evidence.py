@@ -125,14 +125,26 @@ def test_a_json_member_over_its_bound_is_refused(screen, tmp_path):
     assert any("unreadable member plan.json" in p and "over the bound" in p for p in found), found
 
 
-def test_out_of_memory_is_one_line_and_a_failed_audit(screen, monkeypatch):
+@pytest.mark.parametrize("error, line", [
+    (MemoryError(), "out of memory while auditing: the archive needs more memory than this machine gave the audit "
+                    "(docs/archive.md, Bounds)"),
+    (RecursionError(), "the archive nests its records too deeply to audit"),
+    (ValueError("x" * 300 + "\nsecond line"),
+     f"cannot audit: ValueError while recomputing ({'x' * 200}); the archive is hostile or damaged"),
+    (KeyError("k"), "cannot audit: KeyError while recomputing ('k'); the archive is hostile or damaged"),
+    (RuntimeError(), "cannot audit: RuntimeError while recomputing (); the archive is hostile or damaged"),
+])
+def test_an_audit_that_fails_midway_is_one_line_and_a_failed_audit(screen, monkeypatch, error, line):
+    """Out of memory, records nested too deep, and any error no check foresaw: one line naming
+    what happened (the error's type and the first 200 characters of its first line), never a
+    traceback, never agreement. Catches each line's wording and the error's type or text lost."""
     def boom(self, reader, **kw):
-        raise MemoryError
+        raise error
 
     monkeypatch.setattr("packbench.core.audit._Audit.run", boom)
     report = audit_archive(screen["path"])
     assert not report.agrees
-    assert report.problems[-1].startswith("out of memory while auditing")
+    assert report.problems == [line]
 
 
 def test_the_bootstrap_draws_in_blocks_bit_for_bit():
