@@ -12,6 +12,7 @@ FILE` is `audit archive FILE`, `audit SCREEN --reexecute K` is `audit reexecute 
 from __future__ import annotations
 
 import json
+import shlex
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -361,10 +362,15 @@ def _print_audit(o, *, json_out: bool, detail: bool) -> None:
         typer.echo(f"error: audit of {what}: {o.error}", err=True)
         return
     report = o.report
+
+    def named(problem: str) -> str:  # a file's audit: the command a line suggests names the file itself
+        if o.screen_id is not None:
+            return problem
+        return problem.replace("`packbench audit archive FILE ", f"`packbench audit archive {shlex.quote(str(o.archive_path))} ")
+
     if getattr(report, "unreadable", False) and not json_out and report.record.get("archive_sha256") is None:
         # over the file bound, never hashed: the line names its size, the bound and `--max-mib`
-        line = report.problems[0].replace("`packbench audit archive FILE ", f"`packbench audit archive {o.archive_path} ")
-        typer.echo(f"error: audit of {what}: {one_line(line)}", err=True)
+        typer.echo(f"error: audit of {what}: {one_line(named(report.problems[0]))}", err=True)
         return
     if getattr(report, "unreadable", False) and not json_out:  # not an archive: one line, no empty verdict table
         typer.echo(f"error: {what} is not an archive packbench can read: {one_line(report.problems[0])}", err=True)
@@ -388,9 +394,9 @@ def _print_audit(o, *, json_out: bool, detail: bool) -> None:
         # with each recomputed verdict's detail: which way a fidelity bound compares, why one failed
         typer.echo(verdict_table([{**v, "detail": report.details.get(detail_key(v))} for v in report.record["verdicts"]]))
         for p in report.problems:
-            typer.echo(f"problem: {one_line(p)}")
+            typer.echo(f"problem: {one_line(named(p))}")
     elif report.problems:
-        typer.echo(f"problem: {what}: {one_line(report.problems[0])}" + (f" (+{len(report.problems) - 1} more)"
+        typer.echo(f"problem: {what}: {one_line(named(report.problems[0]))}" + (f" (+{len(report.problems) - 1} more)"
                                                               if len(report.problems) > 1 else ""))
     sig = report.record.get("signature")
     if sig is not None and sig["status"] == "valid":

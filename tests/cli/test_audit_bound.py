@@ -105,3 +105,24 @@ def test_audit_archive_over_the_bound_names_the_file_in_its_fix(world):
     # Catches a fix that says "audit archive the archive" (the record's scrubbed path) or FILE.
     assert line.endswith(f"`packbench audit archive {world['archive']} --max-mib {mib_to_admit(world['size'] + MAX_JSON_TOTAL_BYTES)}`"), line
     assert r.stdout == ""
+
+
+def test_audit_archive_whose_members_are_over_the_bound_names_the_file_in_its_fix(tmp_path, monkeypatch):
+    """A file within the file bound whose members declare more than the members' bound: the
+    suggested command names the very file, quoted where the shell needs it, never the placeholder
+    `archive FILE` nor the record's scrubbed "the archive"."""
+    from packbench.core.archive import ArchiveWriter
+
+    monkeypatch.setattr(archive_reader, "MAX_ARCHIVE_BYTES", 1 << 20)  # the file: within its bound
+    monkeypatch.setattr(ArchiveReader.__init__, "__kwdefaults__",  # its members: over theirs
+                        {**ArchiveReader.__init__.__kwdefaults__, "max_total_bytes": 1000})
+    archive = tmp_path / "with space" / "members.zip"
+    archive.parent.mkdir()
+    w = ArchiveWriter(archive)
+    w.add_bytes("blob.npy", bytes(3000))
+    w.seal({})
+    r = invoke("audit", "archive", str(archive))
+    assert r.exit_code != 0, (r.stdout, r.stderr)
+    out = r.stdout + r.stderr
+    assert "declares members of" in out and f"`packbench audit archive '{archive}' --max-mib 1`" in out, out
+    assert "archive FILE" not in out and "archive the archive" not in out, out
