@@ -901,6 +901,72 @@ def test_a_change_committed_under_a_row_lock_is_seen_not_overwritten(pg_url, clo
         assert answer["value"] == expected
 
 
+
+def _held_elsewhere(pg_url: str, table: str, row_id: int, call, wait_s: float = 10.0):
+    """Run `call()` in a thread while another connection holds row `row_id` of `table` FOR UPDATE;
+    return (whether the call finished while the row was held, its answer). The lock is then
+    released (rolled back) and the thread joined."""
+    from sqlalchemy import create_engine
+    from sqlalchemy.pool import NullPool
+
+    engine = create_engine(pg_url, poolclass=NullPool)
+    answer: dict = {}
+
+    def run():
+        try:
+            answer["value"] = call()
+        except Exception as error:  # noqa: BLE001 - the answer is the exception's type
+            answer["value"] = type(error)
+
+    with engine.connect() as other:
+        other.exec_driver_sql(f"SELECT id FROM {table} WHERE id = {row_id} FOR UPDATE")
+        thread = threading.Thread(target=run)
+        thread.start()
+        thread.join(wait_s)
+        finished = not thread.is_alive()
+        other.rollback()
+        thread.join(30)
+    engine.dispose()
+    return finished, answer.get("value")
+
+
+def test_a_claim_passes_over_a_screen_another_claimer_holds(pg_url, clock):
+    """PostgreSQL only: a claimer takes the best queued screen no other transaction holds, at once
+    (`FOR UPDATE SKIP LOCKED`), so dispatchers never queue behind each other. Catches the
+    candidate's row lock dropped or made blocking: the claim would wait for the other claimer's
+    screen (and then take nothing, or take it), instead of taking the next one."""
+    with Store(pg_url, clock=clock, retry_delays=()) as store:
+        store.upgrade()
+        p = protocol(store)
+        first = store.create_screen(protocol_id=p, submitter="a", priority=5)
+        second = store.create_screen(protocol_id=p, submitter="a", priority=1)
+        d = store.register_dispatcher("d", "h")
+        finished, got = _held_elsewhere(pg_url, "screens", first, lambda: claim(store, d))
+        assert finished, "the claim waited for the screen another transaction holds"
+        assert got.screen.id == second and got.attempt.number == 1
+        assert claim(store, d).screen.id == first  # released: the best screen is claimable again
+
+
+def test_a_reaper_passes_over_an_attempt_another_transaction_holds(pg_url, clock):
+    """PostgreSQL only: every dispatcher reaps at once, each skipping the expired attempts another
+    reaper or a renewal holds, and reaping the rest in id order. Catches the reaper's row lock
+    dropped or made blocking (it would wait for the holder, then reap an attempt the holder may
+    just have renewed) and the id order dropped."""
+    with Store(pg_url, clock=clock, retry_delays=()) as store:
+        store.upgrade()
+        p = protocol(store)
+        d = store.register_dispatcher("d", "h")
+        ids = []
+        for _ in range(3):
+            store.create_screen(protocol_id=p, submitter="a")
+            ids.append(claim(store, d).attempt.id)
+        clock.advance(61)  # every lease (60 s) expired
+        finished, reaped = _held_elsewhere(pg_url, "attempts", ids[0], store.reap_expired)
+        assert finished, "the reaper waited for an attempt another transaction holds"
+        assert [(r.attempt_id, r.why) for r in reaped] == [(ids[1], "lease expired"), (ids[2], "lease expired")]
+        assert [r.attempt_id for r in store.reap_expired()] == [ids[0]]  # released: reaped once, now
+
+
 def test_a_nodes_free_resources_are_its_capacity_less_what_runs_there(queue):
     """What a node has free is its declared capacity less the needs of the screens running on it
     (each counted by its own screen's needs; the look-ahead slot's own attempt left out; a need
