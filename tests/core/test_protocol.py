@@ -431,3 +431,42 @@ def test_the_protocol_and_the_engine_name_the_same_modes():
     from packbench.engine.graph import MODES
 
     assert MODES is ENGINE_MODES  # one tuple, not two copies kept equal
+
+
+def test_placement_resources_refusals_word_for_word_and_whole_amounts_freeze_as_integers():
+    """A name that is not a non-empty string, and an amount at Ray's fixed-point bound (1e9), are
+    refused naming the field; a whole amount is frozen as the integer (its canonical JSON says 1,
+    as the bodies frozen before resources took floats)."""
+    from packbench.core.canonical import canonical_json
+
+    for resources, refusal in (
+            ({1: 1}, "`placement.resources`: 1 is not a resource name; use the name a node declares with "
+                     "`ray start --resources`"),
+            ({" ": 1}, "`placement.resources`: ' ' is not a resource name; use the name a node declares with "
+                       "`ray start --resources`"),
+            ({"fast_nvme": 1e9}, "`placement.resources.fast_nvme`: 1000000000.0 is not a finite number > 0.0 and "
+                                 "< 1000000000.0")):
+        with pytest.raises(ProtocolError) as e:
+            freeze(v2(placement={"resources": resources}))
+        assert str(e.value) == f"protocol field {refusal}"
+    assert freeze(v2(placement={"resources": {"a": 999_999_999.5}})).body["placement"] == {"resources": {"a": 999_999_999.5}}
+    for amount in (1, 1.0):
+        assert b'"resources":{"fast_nvme":1}' in canonical_json(freeze(v2(placement={"resources": {"fast_nvme": amount}})).body)
+
+
+def test_resources_fit_when_every_need_is_free_in_full():
+    from packbench.core.protocol import resources_fit
+
+    assert resources_fit({"a": 1}, {"a": 1}) and resources_fit({}, {}) and resources_fit({"a": 0.5}, {"a": 2, "b": 1})
+    assert not resources_fit({"a": 1.5}, {"a": 1}) and not resources_fit({"b": 0.5}, {"a": 2})  # an undeclared one is 0
+
+
+def test_protocols_are_equal_hashed_and_pickled_by_their_identity():
+    """Equality and hashing go by the sha256; a pickled protocol is re-validated from its body."""
+    import pickle
+
+    a, same, other = freeze(raw()).protocol, expand(freeze(raw()).body), freeze(v2()).protocol
+    assert a == same and a is not same and hash(a) == hash(same) == hash(a.sha256)
+    assert a != other and a != a.sha256 and len({a, same, other}) == 2
+    back = pickle.loads(pickle.dumps(other))
+    assert back == other and back.body_dict() == other.body_dict() and back is not other
