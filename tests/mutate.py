@@ -70,11 +70,6 @@ def _settings(module: str, tests: list[str]) -> str:
         # -x: one failing test kills the mutant; no cache writes from forked runs
         f"pytest_add_cli_args = {json.dumps(['-x', '-q', '-p', 'no:cacheprovider', *fast, '-m', 'not gpu and not ray'])}",
         "use_git_change_detection = false",
-        # A mutant's CPU limit is ceil((its tests' seconds + 1) x multiplier x 2): 5x here. mutmut's
-        # default (15, 30x) let each mutant that hangs a test cost 2 to 5 minutes (core/protocol/'s
-        # SynthSpec.as_dict: 75 s each; a hang in schema._full would cost 300 s); a mutant that makes
-        # its tests 5 times slower is caught either way.
-        "timeout_multiplier = 2.5",
         f"also_copy = {json.dumps(list(ALSO))}",
     ]
     return "\n".join(lines) + "\n"
