@@ -107,7 +107,11 @@ def _results(d: Path) -> dict[str, str]:
 
 def run(module: str, *, retry_only: bool = False) -> dict:
     d = _prepare(module)
-    env = {**os.environ, "RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "disabled")}
+    # One OpenMP thread: mutmut forks each mutant's run from a process that has imported torch, and
+    # a forked child's first parallel region can wait forever on the parent's OpenMP pool (a
+    # test of 4 s ran into mutmut's 70 s wall limit, counted a timeout, i.e. a kill).
+    env = {**os.environ, "RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "disabled"),
+           "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     if not retry_only:
         ran = subprocess.run(_mutmut() + ["run", "--max-children", "1"], cwd=d, env=env)
         if ran.returncode != 0:  # e.g. the clean run of its tests failed: named, the next module still runs

@@ -470,3 +470,34 @@ def test_protocols_are_equal_hashed_and_pickled_by_their_identity():
     assert a != other and a != a.sha256 and len({a, same, other}) == 2
     back = pickle.loads(pickle.dumps(other))
     assert back == other and back.body_dict() == other.body_dict() and back is not other
+
+
+def test_token_file_refusals_word_for_word(tmp_path):
+    """Each refusal of a prompt file's spec names its field, the value and what to write;
+    a frozen body must carry the path, the sha256 and the count (the file is not at hand)."""
+    (tmp_path / "ids.json").write_text("[[2, 3, 4, 5]]")
+    digest = hashlib.sha256(b"[[2, 3, 4, 5]]").hexdigest()
+
+    def refusal(spec, *, frozen=False):
+        with pytest.raises(ProtocolError) as e:
+            if frozen:
+                validate(v2(prefix_tokens=4, prompts={"token_file": spec}))
+            else:
+                load(write_protocol(tmp_path, prompts={"token_file": spec}))
+        return str(e.value).removeprefix("protocol field ")
+
+    assert refusal({"path": "../ids.json", "lines": 1}) == (
+        "`prompts.token_file.lines`: unknown field; allowed fields are count, path, sha256")
+    assert refusal({"sha256": digest, "count": 1}) == "`prompts.token_file.path`: is required"
+    assert refusal({"path": " "}) == "`prompts.token_file.path`: ' ' is not allowed; expected a path relative to the protocol file"
+    for count in (0, 100_001):
+        assert refusal({"path": "../ids.json", "count": count}) == (
+            f"`prompts.token_file.count`: {count} is not an integer in [1, 100000]")
+    for spec in ({"path": "ids.json", "sha256": digest}, {"path": "ids.json", "count": 1}, {"path": "ids.json"}):
+        assert refusal(spec, frozen=True) == (
+            "`prompts.token_file`: needs the protocol file's folder to read the file; load the protocol from its file "
+            "(a frozen body carries path, sha256 and count)")
+    assert load(write_protocol(tmp_path, prompts={"token_file": {"path": "../ids.json", "count": 1}})).body["prompts"] == {
+        "token_file": {"path": "../ids.json", "sha256": digest, "count": 1}}
+    (tmp_path / "ids.json").write_text("[[2, 3, 4, 5], [2, 3]]")
+    assert refusal("../ids.json") == "`prompts.token_file`: prompt 1 of ../ids.json has 2 ids, fewer than prefix_tokens=4"
