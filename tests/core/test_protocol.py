@@ -501,3 +501,51 @@ def test_token_file_refusals_word_for_word(tmp_path):
         "token_file": {"path": "../ids.json", "sha256": digest, "count": 1}}
     (tmp_path / "ids.json").write_text("[[2, 3, 4, 5], [2, 3]]")
     assert refusal("../ids.json") == "`prompts.token_file`: prompt 1 of ../ids.json has 2 ids, fewer than prefix_tokens=4"
+
+
+def test_a_synth_spec_gives_back_the_frozen_model_synth():
+    """`SynthSpec.as_dict` is what the worker generates the checkpoint from: the frozen
+    `model.synth` as it stands, for the uniform recipe and for a profile."""
+    for synth in ({"shape": "tiny", "dtype": "float32", "sparsity": 0.9, "seed": 3, "hot_fraction": 0.1, "hot_bias": 2.0},
+                  {"shape": "tiny", "dtype": "float16", "seed": 4, "profile": "opt"}):
+        frozen = freeze(v2(model={"synth": synth}))
+        assert frozen.body["model"]["synth"] == synth
+        assert frozen.protocol.model.synth.as_dict() == synth and not frozen.protocol.model.synth.is_moe
+
+
+def test_the_typed_protocol_carries_every_frozen_field():
+    """`expand` is what the plan, the gates, the worker and the auditor read: each typed field is
+    the frozen one (a field dropped or read under another key would go unnoticed by the hash)."""
+    from packbench.core.protocol import Comparison, UsefulLatency
+
+    sha = "ab" * 32
+    data = raw()
+    data.update(model={"path": "m", "sha256": sha}, baseline_first=False, recording=False,
+                prompts={"token_ids": [[2] * 32, [3] * 32]})
+    data["gates"] = {"resources": {}, "runtime": [{"control": "dense-stream", "max_ratio": 0.8, "phase": "decode",
+                                                    "confidence": 0.9, "resamples": 200, "seed": 7}],
+                     "useful_latency": {"max_first_episode_s": 5, "max_cold_start_s": 20}}
+    p = expand(freeze(data).body)
+    assert (p.model.path, p.model.sha256, p.model.synth) == ("m", sha, None)
+    assert (p.baseline_first, p.recording) == (False, False)
+    assert (p.prompts.source, p.prompts.count, p.prompts.token_ids) == ("token_ids", 2, ((2,) * 32, (3,) * 32))
+    g = p.gates
+    assert (g.faithfulness_tolerance, g.resources, g.capacity, g.acquisition, g.fidelity) == (None, True, False, (), ())
+    assert g.runtime == (Comparison(control="dense-stream", phase="decode", max_ratio=0.8, confidence=0.9,
+                                    resamples=200, seed=7),)
+    assert g.useful_latency == UsefulLatency(max_first_episode_s=5.0, max_cold_start_s=20.0)
+    q = expand(freeze(raw()).body).gates  # the quickstart's: faithfulness and acquisition only
+    assert (q.faithfulness_tolerance, q.resources, q.capacity, q.runtime, q.useful_latency) == (0.0, False, False, (), None)
+    assert q.acquisition == (Comparison(control="dense-stream", phase="all", max_ratio=0.5),)
+    d = raw()
+    d["gates"] = {"capacity": {}}
+    assert (expand(freeze(d).body).gates.capacity, expand(freeze(d).body).gates.resources) == (True, False)
+    with pytest.raises(KeyError, match="no condition 'lru' in protocol 'quickstart'"):
+        p.condition("lru")
+
+
+def test_a_prompt_files_typed_spec_keeps_its_path_and_digest():
+    sha = "cd" * 32
+    p = expand(validate(v2(prompts={"token_file": {"path": "ids.json", "sha256": sha, "count": 3}})))
+    assert (p.prompts.source, p.prompts.count, p.prompts.path, p.prompts.sha256, p.prompts.token_ids) == (
+        "token_file", 3, "ids.json", sha, None)
