@@ -549,3 +549,38 @@ def test_a_prompt_files_typed_spec_keeps_its_path_and_digest():
     p = expand(validate(v2(prompts={"token_file": {"path": "ids.json", "sha256": sha, "count": 3}})))
     assert (p.prompts.source, p.prompts.count, p.prompts.path, p.prompts.sha256, p.prompts.token_ids) == (
         "token_file", 3, "ids.json", sha, None)
+
+
+@pytest.mark.parametrize("change, refusal", [
+    (lambda d: d["gates"].update(acquisition={"max_ratio": 0.5}), "`gates.acquisition.control`: is required"),
+    (lambda d: d.update(conditions=[{"policy": "dense-stream"}],
+                        gates={"acquisition": {"control": "dense-stream", "max_ratio": 0.5}}),
+     "`gates.acquisition.control`: 'dense-stream' has no other condition to compare with"),
+    (lambda d: _runtime(d, seed=2**63), "`gates.runtime.seed`: 9223372036854775808 is not an integer in "
+                                        "[0, 9223372036854775807]"),
+    (lambda d: d.update(engine={"turbo": 1}), "`engine.turbo`: unknown field; allowed fields are mode"),
+    (lambda d: d.update(engine="graph"), "`engine`: expected a mapping, got 'graph'"),
+    (lambda d: d.update(placement={"accelerator_type": ""}),
+     "`placement.accelerator_type`: '' is not allowed; expected a GPU type, e.g. H200"),
+    (lambda d: d.update(placement={"node": 5}), "`placement.node`: 5 is not allowed; expected a Ray node id (`ray list nodes`)"),
+    (lambda d: d.update(model=v2()["model"], conditions=[{"policy": "dense-stream"},
+                                                         {"policy": "packet", "params": {"gather": "mapped"}}]),
+     "`conditions[1].params.gather`: mapped gathers an MoE model's experts; the synthetic tiny shape is OPT, whose "
+     "device gather already reads mapped host memory: use gather device"),
+    (lambda d: d.update(model=v2()["model"], prefix_tokens=250),
+     "`prefix_tokens`: prefix_tokens 250 + continuation_tokens 8 - 1 = 257 positions, but the synthetic tiny shape "
+     "has 256; lower prefix_tokens or continuation_tokens"),
+])
+def test_refusals_word_for_word(change, refusal):
+    data = raw()
+    change(data)
+    with pytest.raises(ProtocolError) as e:
+        freeze(data)
+    assert str(e.value) == f"protocol field {refusal}"
+
+
+def test_an_episode_may_reach_the_last_position_of_a_synthetic_shape_and_a_node_is_kept():
+    """tiny has 256 positions: 249 prompt tokens and 8 generated (the last never fed back) fit."""
+    assert freeze(v2(prefix_tokens=249)).body["prefix_tokens"] == 249
+    pinned = freeze(v2(placement={"node": "n1"}))
+    assert pinned.body["placement"] == {"node": "n1"} and expand(pinned.body).placement.node == "n1"
