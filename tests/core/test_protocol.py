@@ -584,3 +584,75 @@ def test_an_episode_may_reach_the_last_position_of_a_synthetic_shape_and_a_node_
     assert freeze(v2(prefix_tokens=249)).body["prefix_tokens"] == 249
     pinned = freeze(v2(placement={"node": "n1"}))
     assert pinned.body["placement"] == {"node": "n1"} and expand(pinned.body).placement.node == "n1"
+
+
+@pytest.mark.parametrize("change, refusal", [
+    (lambda d: d["gates"].update(useful_latency={"max_cold_start_s": 20}),
+     "`gates.useful_latency.max_first_episode_s`: is required"),
+    (lambda d: d["gates"].update(useful_latency={"max_first_episode_s": 0, "max_cold_start_s": 20}),
+     "`gates.useful_latency.max_first_episode_s`: 0 is not a finite number > 0.0"),
+    (lambda d: d.update(gates={}),
+     "`gates`: declare at least one gate: faithfulness, resources, capacity, acquisition, runtime, useful_latency, fidelity"),
+    (lambda d: d.update(prompts={"seeds": 1}),
+     "`prompts.seeds`: unknown field; allowed fields are generator, text_file, token_file, token_ids"),
+    (lambda d: d.update(prompts={}), "`prompts`: give exactly one of token_ids, token_file, text_file, generator; got none"),
+    (lambda d: d.update(prompts={"token_ids": [[2] * 32], "generator": {"seed": 0, "count": 1}}),
+     "`prompts`: give exactly one of token_ids, token_file, text_file, generator; got token_ids, generator"),
+    (lambda d: d.update(prompts={"generator": {"seed": 0, "count": 1, "n": 2}}),
+     "`prompts.generator.n`: unknown field; allowed fields are count, seed"),
+    (lambda d: d.update(prompts={"generator": {"count": 1}}), "`prompts.generator.seed`: is required"),
+    (lambda d: d.update(prompts={"generator": {"seed": 0}}), "`prompts.generator.count`: is required"),
+    (lambda d: d.update(prompts={"generator": {"seed": 2**63, "count": 1}}),
+     "`prompts.generator.seed`: 9223372036854775808 is not an integer in [0, 9223372036854775807]"),
+    (lambda d: d.update(prompts={"token_ids": []}),
+     "`prompts.token_ids`: [] is not allowed; expected a non-empty list of token-id lists"),
+    (lambda d: d.update(prompts={"token_ids": [[2] * 32, [2, 3]]}),
+     "`prompts.token_ids[1]`: has 2 ids, fewer than prefix_tokens=32"),
+    (lambda d: d.update(prompts={"token_ids": [[2] * 65_537]}), "`prompts.token_ids[0]`: has 65537 ids, more than 65536"),
+    (lambda d: d.update(prefix_tokens=1, prompts={"token_ids": [[2]] * 100_001}),
+     "`prompts.token_ids`: 100001 prompts, more than 100000"),
+    (lambda d: d.update(warmups=100_001), "`warmups`: 100001 is not an integer in [0, 100000]"),
+    (lambda d: d.update(warmups={"dense-stream": 1, "packet": 100_001}),
+     "`warmups.packet`: 100001 is not an integer in [0, 100000]"),
+])
+def test_gate_prompt_and_warmup_refusals_word_for_word(change, refusal):
+    data = raw()
+    change(data)
+    with pytest.raises(ProtocolError) as e:
+        freeze(data)
+    assert str(e.value) == f"protocol field {refusal}"
+
+
+def test_prompt_lists_and_latency_bounds_at_their_edges():
+    """65,536 ids in a prompt and 100,000 prompts are allowed; a latency bound only needs to be
+    above 0."""
+    from tests.core.test_protocol_schema4 import TINY, protocol
+
+    data = raw()
+    data["prompts"] = {"token_ids": [[2] * 65_536]}
+    assert len(freeze(data).body["prompts"]["token_ids"][0]) == 65_536
+    many = protocol(TINY, prefix_tokens=1, prompts={"token_ids": [[2]] * 100_000}, scored_prompts=1)
+    assert len(freeze(many).body["prompts"]["token_ids"]) == 100_000
+    data = raw()
+    data["gates"]["useful_latency"] = {"max_first_episode_s": 0.5, "max_cold_start_s": 0.25}
+    assert freeze(data).body["gates"]["useful_latency"] == {"max_first_episode_s": 0.5, "max_cold_start_s": 0.25}
+
+
+UNIFORM = {"shape": "tiny", "dtype": "float32", "seed": 0, "sparsity": 0.9}
+
+
+@pytest.mark.parametrize("model, refusal", [
+    ({"path": "m", "x": 1}, "`model.x`: unknown field; allowed fields are path, sha256, synth"),
+    ({"synth": UNIFORM, "sha256": "ab" * 32},
+     "`model.sha256`: pins a model.path checkpoint's content (a synthetic model is pinned by its spec)"),
+    ({"path": ""}, "`model.path`: '' is not allowed; expected a path to a local Hugging Face OPT directory"),
+    ({"path": "m", "sha256": "AB" * 32}, f"`model.sha256`: '{'AB' * 28}... is not allowed; expected 64 lowercase hex digits"),
+    ({"path": "m", "sha256": 5}, "`model.sha256`: 5 is not allowed; expected 64 lowercase hex digits"),
+    ({"synth": 5}, "`model.synth`: expected a mapping, got 5"),
+    *[({"synth": {k: v for k, v in UNIFORM.items() if k != key}}, f"`model.synth.{key}`: is required")
+      for key in ("shape", "dtype", "seed")],
+])
+def test_model_refusals_word_for_word(model, refusal):
+    with pytest.raises(ProtocolError) as e:
+        freeze(v2(model=model))
+    assert str(e.value) == f"protocol field {refusal}"
