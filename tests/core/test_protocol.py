@@ -656,3 +656,69 @@ def test_model_refusals_word_for_word(model, refusal):
     with pytest.raises(ProtocolError) as e:
         freeze(v2(model=model))
     assert str(e.value) == f"protocol field {refusal}"
+
+
+@pytest.mark.parametrize("conditions, refusal", [
+    ("dense-stream", "`conditions`: 'dense-stream' is not allowed; expected a non-empty list of {name, policy, params}"),
+    ([], "`conditions`: [] is not allowed; expected a non-empty list of {name, policy, params}"),
+    ([{"policy": "dense-stream"}, {"policy": "packet", "x": 1}],
+     "`conditions[1].x`: unknown field; allowed fields are name, params, policy"),
+    ([{"policy": "dense-stream"}, {"name": "p"}], "`conditions[1].policy`: is required"),
+    ([{"policy": "dense-stream"}, {"policy": "packet", "name": "p" * 201}],
+     "`conditions[1].name`: 201 characters, more than 200; give a shorter name"),
+    ([{"policy": "dense-stream"}, {"policy": "packet", "params": "x"}], "`conditions[1].params`: expected a mapping, got 'x'"),
+    ([{"policy": "dense-stream"}, {"policy": "expert-forecast", "params": {"x": 1}}],
+     "`conditions[1].params.x`: unknown param; policy expert-forecast takes no params"),
+])
+def test_condition_refusals_word_for_word(conditions, refusal):
+    with pytest.raises(ProtocolError) as e:
+        freeze(v2(conditions=conditions, reference="dense-stream"))
+    assert str(e.value) == f"protocol field {refusal}"
+
+
+def test_conditions_at_their_bounds_and_every_integer_default_written_out():
+    """16 conditions and a 200-character name are allowed; an integer parameter's default is
+    written into the body even after an optional one left to the worker (flexgen's)."""
+    from tests.core.test_protocol_schema4 import TINY, protocol
+
+    sixteen = [{"policy": "dense-stream"}] + [{"name": f"p{i}", "policy": "packet"} for i in range(15)]
+    assert len(freeze(v2(conditions=sixteen, warmups=1)).body["conditions"]) == 16
+    named = freeze(v2(conditions=[{"policy": "dense-stream"}, {"policy": "packet", "name": "p" * 200}], warmups=1))
+    assert named.body["conditions"][1]["name"] == "p" * 200
+    flexgen = freeze(protocol(TINY, conditions=[{"policy": "dense-stream"}, {"policy": "flexgen"}]))
+    assert flexgen.body["conditions"][1]["params"] == {"cache_gpu_percent": 100, "mode": "eager"}
+
+
+REQUIRED = ("name", "model", "dtype", "prompts", "prefix_tokens", "continuation_tokens", "conditions", "reference",
+            "allowance_mib")
+
+
+@pytest.mark.parametrize("change, refusal", [
+    *[(lambda d, key=key: d.pop(key), f"`{key}`: is required") for key in REQUIRED],
+    (lambda d: d.update(name=""), "`name`: '' is not allowed; expected a non-empty string of at most 200 characters"),
+    (lambda d: d.update(name="n" * 201),
+     "`name`: 201 characters, more than 200; expected a non-empty string of at most 200 characters"),
+    (lambda d: d.update(allowance_mib=2**24 + 1), "`allowance_mib`: 16777217 is not an integer in [1, 16777216]"),
+    (lambda d: d.update(recording="yes"), "`recording`: 'yes' is not allowed; use true or false"),
+    (lambda d: d.update(trace="yes"), "`trace`: 'yes' is not allowed; use true or false"),
+    (lambda d: d.update(trace=True, recording=False),
+     "`trace`: needs recording: true (a trace is recorded with the ledger); drop recording: false or trace"),
+    (lambda d: d.update(trace=True, engine={"mode": "graph"}),
+     "`trace`: needs engine mode eager (a captured graph step runs no hooks to read the active sets); drop "
+     "engine.mode or trace"),
+])
+def test_top_level_refusals_word_for_word(change, refusal):
+    data = v2()
+    change(data)
+    with pytest.raises(ProtocolError) as e:
+        freeze(data)
+    assert str(e.value) == f"protocol field {refusal}"
+
+
+def test_trace_is_frozen_only_when_true():
+    """trace: true (recording on, eager) is a meaning of its own; false or absent keeps the body."""
+    base = freeze(v2())
+    traced = freeze(v2(trace=True))
+    assert traced.body["trace"] is True and traced.sha256 != base.sha256 and expand(traced.body).traced
+    assert freeze(v2(trace=True, recording=True)).sha256 == traced.sha256
+    assert freeze(v2(trace=False)).sha256 == base.sha256 and "trace" not in base.body and not expand(base.body).traced
