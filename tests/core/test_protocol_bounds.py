@@ -419,3 +419,25 @@ def test_text_prompts_need_a_checkpoints_tokenizer_word_for_word(tmp_path):
         load(f)
     assert str(e.value) == ("protocol field `prompts.text_file`: needs model.path: the checkpoint's tokenizer encodes "
                             "the text (a synthetic model has none); use token_file or generator")
+
+
+def test_field_checks_show_values_and_choices_bounded():
+    """A refusal shows at most 40 choices and says how many more, a choice or a value over 60
+    characters cut to 60; a string at its length bound is allowed, one holding NUL is not."""
+    from packbench.core.protocol.fields import choice_field, int_field, string_field
+
+    def refusal(check, *args, **kwargs) -> str:
+        with pytest.raises(ProtocolError) as e:
+            check(*args, **kwargs)
+        return str(e.value).removeprefix("protocol field ")
+
+    forty = ", ".join(f"c{i}" for i in range(40))
+    assert refusal(choice_field, "x", "p", tuple(f"c{i}" for i in range(41))) == (
+        f"`p`: 'x' is not allowed; use one of {forty} (and 1 more)")
+    assert refusal(choice_field, "x", "p", tuple(f"c{i}" for i in range(40))) == f"`p`: 'x' is not allowed; use one of {forty}"
+    assert refusal(choice_field, "x", "p", ("a" * 60, "b" * 61)) == (
+        f"`p`: 'x' is not allowed; use one of {'a' * 60}, '{'b' * 56}...")
+    assert refusal(int_field, "x", "p", minimum=0) == "`p`: 'x' is not an integer >= 0"
+    assert refusal(int_field, "y" * 100, "p", minimum=0, maximum=3) == f"`p`: '{'y' * 56}... is not an integer in [0, 3]"
+    assert string_field("a" * 10, "p", "a name", max_chars=10) == "a" * 10
+    assert refusal(string_field, "a\x00b", "p", "a name") == "`p`: 'a\\x00b' holds a NUL character; expected a name"
