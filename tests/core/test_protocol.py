@@ -722,3 +722,13 @@ def test_trace_is_frozen_only_when_true():
     assert traced.body["trace"] is True and traced.sha256 != base.sha256 and expand(traced.body).traced
     assert freeze(v2(trace=True, recording=True)).sha256 == traced.sha256
     assert freeze(v2(trace=False)).sha256 == base.sha256 and "trace" not in base.body and not expand(base.body).traced
+
+
+def test_schema_1_refuses_a_condition_parameter_as_a_schema_2_field():
+    data = raw()
+    data["schema"] = 1
+    data["conditions"].append({"policy": "sparse-extents", "params": {"block_rows": 64}})
+    with pytest.raises(ProtocolError) as e:
+        freeze(data)
+    assert str(e.value) == ("protocol field `schema`: 1 cannot express this protocol (it uses schema-2 fields); write "
+                            "schema: 2 or drop the field")
