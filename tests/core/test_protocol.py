@@ -732,3 +732,22 @@ def test_schema_1_refuses_a_condition_parameter_as_a_schema_2_field():
         freeze(data)
     assert str(e.value) == ("protocol field `schema`: 1 cannot express this protocol (it uses schema-2 fields); write "
                             "schema: 2 or drop the field")
+
+
+def test_a_field_schema_1_cannot_say_moves_the_body_out_of_schema_1():
+    """schema1_form must refuse every field schema 1 has no word for (the field would be dropped
+    from the frozen body, and the hash with it); a protocol with only the faithfulness gate is
+    still schema 1 (its acquisition gate is absent, not `phase: all`)."""
+    def frozen(**changes) -> dict:
+        data = raw()
+        data.update(changes)
+        return freeze(data).body
+
+    only_faithfulness = frozen(gates={"faithfulness": {"tolerance": 0.0}})
+    assert only_faithfulness["schema"] == 1 and only_faithfulness["gates"] == {"faithfulness": {"tolerance": 0.0}}
+    assert frozen(model={"path": "m", "sha256": "ab" * 32})["model"] == {"path": "m", "sha256": "ab" * 32}
+    assert (frozen(trace=True)["schema"], frozen(trace=True)["trace"]) == (2, True)
+    batched = frozen(schema=6, batch=2)
+    assert (batched["schema"], batched["batch"]) == (6, 2)
+    separate = frozen(schema=7, passes="separate")
+    assert (separate["schema"], separate["passes"]) == (7, "separate")
