@@ -441,3 +441,21 @@ def test_field_checks_show_values_and_choices_bounded():
     assert refusal(int_field, "y" * 100, "p", minimum=0, maximum=3) == f"`p`: '{'y' * 56}... is not an integer in [0, 3]"
     assert string_field("a" * 10, "p", "a name", max_chars=10) == "a" * 10
     assert refusal(string_field, "a\x00b", "p", "a name") == "`p`: 'a\\x00b' holds a NUL character; expected a name"
+
+
+def test_mapping_field_refusals_name_the_key_bounded_and_the_fix():
+    from packbench.core.protocol.fields import mapping_field
+
+    def refusal(value, path, allowed) -> str:
+        with pytest.raises(ProtocolError) as e:
+            mapping_field(value, path, allowed=allowed)
+        return str(e.value)
+
+    assert refusal([1], "", {"a": True}) == "a protocol is a mapping of fields (name:, model:, ...), got [1]"
+    assert refusal({"k" * 60: 1}, "p", {"a": False}) == f"protocol field `p.{'k' * 60}`: unknown field; allowed fields are a"
+    assert refusal({"k" * 61: 1}, "p", {"a": False}) == (
+        f"protocol field `p.'{'k' * 56}...`: unknown field; allowed fields are a")
+    assert refusal({5: 1}, "p", {"a": False}) == "protocol field `p.5`: unknown field; allowed fields are a"
+    assert refusal({"x": 1}, "gates.resources", {}) == (
+        "protocol field `gates.resources.x`: unknown field; `gates.resources` takes none (write `resources: {}`)")
+    assert refusal({"x": 1}, "a.b.c", {}) == "protocol field `a.b.c.x`: unknown field; `a.b.c` takes none (write `c: {}`)"
