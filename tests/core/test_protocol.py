@@ -667,6 +667,8 @@ def test_model_refusals_word_for_word(model, refusal):
     ([{"policy": "dense-stream"}, {"policy": "packet", "name": "p" * 201}],
      "`conditions[1].name`: 201 characters, more than 200; give a shorter name"),
     ([{"policy": "dense-stream"}, {"policy": "packet", "params": "x"}], "`conditions[1].params`: expected a mapping, got 'x'"),
+    ([{"policy": "dense-stream"}, {"policy": "packet", "params": {"rows": 1}}],
+     "`conditions[1].params.rows`: unknown param; policy packet takes gather, weights"),
     ([{"policy": "dense-stream"}, {"policy": "expert-forecast", "params": {"x": 1}}],
      "`conditions[1].params.x`: unknown param; policy expert-forecast takes no params"),
 ])
@@ -745,9 +747,12 @@ def test_a_field_schema_1_cannot_say_moves_the_body_out_of_schema_1():
 
     only_faithfulness = frozen(gates={"faithfulness": {"tolerance": 0.0}})
     assert only_faithfulness["schema"] == 1 and only_faithfulness["gates"] == {"faithfulness": {"tolerance": 0.0}}
-    assert frozen(model={"path": "m", "sha256": "ab" * 32})["model"] == {"path": "m", "sha256": "ab" * 32}
+    pinned = frozen(model={"path": "m", "sha256": "ab" * 32})
+    assert (pinned["schema"], pinned["model"]) == (2, {"path": "m", "sha256": "ab" * 32})
     assert (frozen(trace=True)["schema"], frozen(trace=True)["trace"]) == (2, True)
-    batched = frozen(schema=6, batch=2)
+    # conditions whose params stay empty in schemas 6 and 7 (packet's gather is written out there)
+    plain = [{"policy": "dense-stream"}, {"policy": "resident"}]
+    batched = frozen(schema=6, batch=2, conditions=plain)
     assert (batched["schema"], batched["batch"]) == (6, 2)
-    separate = frozen(schema=7, passes="separate")
+    separate = frozen(schema=7, passes="separate", conditions=plain)
     assert (separate["schema"], separate["passes"]) == (7, "separate")
