@@ -756,3 +756,14 @@ def test_a_field_schema_1_cannot_say_moves_the_body_out_of_schema_1():
     assert (batched["schema"], batched["batch"]) == (6, 2)
     separate = frozen(schema=7, passes="separate", conditions=plain)
     assert (separate["schema"], separate["passes"]) == (7, "separate")
+
+
+def test_a_frozen_protocol_says_which_schema_it_was_read_as():
+    """`protocol validate` prints "read as schema N, frozen as schema M": N is the file's `schema:`,
+    or the newest when it has none."""
+    from packbench.core.protocol import SCHEMA_VERSION
+
+    assert (freeze(raw()).read_as, freeze(raw()).body["schema"]) == (2, 1)
+    unsaid = raw()
+    unsaid.pop("schema")
+    assert freeze(unsaid).read_as == SCHEMA_VERSION
