@@ -42,7 +42,9 @@ MODULES: dict[str, list[str]] = {  # in the order `make mutate` runs them: quick
                        "tests/core/test_protocol_passes.py", "tests/core/test_protocol_schema3.py",
                        "tests/core/test_protocol_schema4.py", "tests/core/test_protocol_schema5.py",
                        "tests/core/test_protocol_schema6.py", "tests/core/test_protocol_weights.py",
-                       "tests/core/test_protocol_bounds.py", "tests/core/test_protocol_scored.py"],
+                       "tests/core/test_protocol_bounds.py", "tests/core/test_protocol_scored.py",
+                       # the only tests of the MoE synth shapes (schema._moe_conditions, the MoE branches)
+                       "tests/core/test_protocol_moe_synth.py"],
 }
 
 # What the tests read besides packbench/ and tests/ (protocols/quickstart.yaml, bench/audit.py's
