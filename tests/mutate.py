@@ -42,7 +42,9 @@ MODULES: dict[str, list[str]] = {  # in the order `make mutate` runs them: quick
                        "tests/core/test_protocol_passes.py", "tests/core/test_protocol_schema3.py",
                        "tests/core/test_protocol_schema4.py", "tests/core/test_protocol_schema5.py",
                        "tests/core/test_protocol_schema6.py", "tests/core/test_protocol_weights.py",
-                       "tests/core/test_protocol_bounds.py", "tests/core/test_protocol_scored.py"],
+                       "tests/core/test_protocol_bounds.py", "tests/core/test_protocol_scored.py",
+                       # the only tests of the MoE synth shapes (schema._moe_conditions, the MoE branches)
+                       "tests/core/test_protocol_moe_synth.py"],
 }
 
 # What the tests read besides packbench/ and tests/ (protocols/quickstart.yaml, bench/audit.py's
@@ -107,7 +109,11 @@ def _results(d: Path) -> dict[str, str]:
 
 def run(module: str, *, retry_only: bool = False) -> dict:
     d = _prepare(module)
-    env = {**os.environ, "RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "disabled")}
+    # One OpenMP thread: mutmut forks each mutant's run from a process that has imported torch, and
+    # a forked child's first parallel region can wait forever on the parent's OpenMP pool (a
+    # test of 4 s ran into mutmut's 70 s wall limit, counted a timeout, i.e. a kill).
+    env = {**os.environ, "RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "disabled"),
+           "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     if not retry_only:
         ran = subprocess.run(_mutmut() + ["run", "--max-children", "1"], cwd=d, env=env)
         if ran.returncode != 0:  # e.g. the clean run of its tests failed: named, the next module still runs

@@ -431,3 +431,339 @@ def test_the_protocol_and_the_engine_name_the_same_modes():
     from packbench.engine.graph import MODES
 
     assert MODES is ENGINE_MODES  # one tuple, not two copies kept equal
+
+
+def test_placement_resources_refusals_word_for_word_and_whole_amounts_freeze_as_integers():
+    """A name that is not a non-empty string, and an amount at Ray's fixed-point bound (1e9), are
+    refused naming the field; a whole amount is frozen as the integer (its canonical JSON says 1,
+    as the bodies frozen before resources took floats)."""
+    from packbench.core.canonical import canonical_json
+
+    for resources, refusal in (
+            ({1: 1}, "`placement.resources`: 1 is not a resource name; use the name a node declares with "
+                     "`ray start --resources`"),
+            ({" ": 1}, "`placement.resources`: ' ' is not a resource name; use the name a node declares with "
+                       "`ray start --resources`"),
+            ({"fast_nvme": 1e9}, "`placement.resources.fast_nvme`: 1000000000.0 is not a finite number > 0.0 and "
+                                 "< 1000000000.0")):
+        with pytest.raises(ProtocolError) as e:
+            freeze(v2(placement={"resources": resources}))
+        assert str(e.value) == f"protocol field {refusal}"
+    assert freeze(v2(placement={"resources": {"a": 999_999_999.5}})).body["placement"] == {"resources": {"a": 999_999_999.5}}
+    for amount in (1, 1.0):
+        assert b'"resources":{"fast_nvme":1}' in canonical_json(freeze(v2(placement={"resources": {"fast_nvme": amount}})).body)
+
+
+def test_resources_fit_when_every_need_is_free_in_full():
+    from packbench.core.protocol import resources_fit
+
+    assert resources_fit({"a": 1}, {"a": 1}) and resources_fit({}, {}) and resources_fit({"a": 0.5}, {"a": 2, "b": 1})
+    assert not resources_fit({"a": 1.5}, {"a": 1}) and not resources_fit({"b": 0.5}, {"a": 2})  # an undeclared one is 0
+
+
+def test_protocols_are_equal_hashed_and_pickled_by_their_identity():
+    """Equality and hashing go by the sha256; a pickled protocol is re-validated from its body."""
+    import pickle
+
+    a, same, other = freeze(raw()).protocol, expand(freeze(raw()).body), freeze(v2()).protocol
+    assert a == same and a is not same and hash(a) == hash(same) == hash(a.sha256)
+    assert a != other and a != a.sha256 and len({a, same, other}) == 2
+    back = pickle.loads(pickle.dumps(other))
+    assert back == other and back.body_dict() == other.body_dict() and back is not other
+
+
+def test_token_file_refusals_word_for_word(tmp_path):
+    """Each refusal of a prompt file's spec names its field, the value and what to write;
+    a frozen body must carry the path, the sha256 and the count (the file is not at hand)."""
+    (tmp_path / "ids.json").write_text("[[2, 3, 4, 5]]")
+    digest = hashlib.sha256(b"[[2, 3, 4, 5]]").hexdigest()
+
+    def refusal(spec, *, frozen=False):
+        with pytest.raises(ProtocolError) as e:
+            if frozen:
+                validate(v2(prefix_tokens=4, prompts={"token_file": spec}))
+            else:
+                load(write_protocol(tmp_path, prompts={"token_file": spec}))
+        return str(e.value).removeprefix("protocol field ")
+
+    assert refusal({"path": "../ids.json", "lines": 1}) == (
+        "`prompts.token_file.lines`: unknown field; allowed fields are count, path, sha256")
+    assert refusal({"sha256": digest, "count": 1}) == "`prompts.token_file.path`: is required"
+    assert refusal({"path": " "}) == "`prompts.token_file.path`: ' ' is not allowed; expected a path relative to the protocol file"
+    for count in (0, 100_001):
+        assert refusal({"path": "../ids.json", "count": count}) == (
+            f"`prompts.token_file.count`: {count} is not an integer in [1, 100000]")
+    for spec in ({"path": "ids.json", "sha256": digest}, {"path": "ids.json", "count": 1}, {"path": "ids.json"}):
+        assert refusal(spec, frozen=True) == (
+            "`prompts.token_file`: needs the protocol file's folder to read the file; load the protocol from its file "
+            "(a frozen body carries path, sha256 and count)")
+    assert load(write_protocol(tmp_path, prompts={"token_file": {"path": "../ids.json", "count": 1}})).body["prompts"] == {
+        "token_file": {"path": "../ids.json", "sha256": digest, "count": 1}}
+    (tmp_path / "ids.json").write_text("[[2, 3, 4, 5], [2, 3]]")
+    assert refusal("../ids.json") == "`prompts.token_file`: prompt 1 of ../ids.json has 2 ids, fewer than prefix_tokens=4"
+
+
+def test_a_synth_spec_gives_back_the_frozen_model_synth():
+    """`SynthSpec.as_dict` is what the worker generates the checkpoint from: the frozen
+    `model.synth` as it stands, for the uniform recipe and for a profile."""
+    for synth in ({"shape": "tiny", "dtype": "float32", "sparsity": 0.9, "seed": 3, "hot_fraction": 0.1, "hot_bias": 2.0},
+                  {"shape": "tiny", "dtype": "float16", "seed": 4, "profile": "opt"}):
+        frozen = freeze(v2(model={"synth": synth}))
+        assert frozen.body["model"]["synth"] == synth
+        assert frozen.protocol.model.synth.as_dict() == synth and not frozen.protocol.model.synth.is_moe
+
+
+def test_the_typed_protocol_carries_every_frozen_field():
+    """`expand` is what the plan, the gates, the worker and the auditor read: each typed field is
+    the frozen one (a field dropped or read under another key would go unnoticed by the hash)."""
+    from packbench.core.protocol import Comparison, UsefulLatency
+
+    sha = "ab" * 32
+    data = raw()
+    data.update(model={"path": "m", "sha256": sha}, baseline_first=False, recording=False,
+                prompts={"token_ids": [[2] * 32, [3] * 32]})
+    data["gates"] = {"resources": {}, "runtime": [{"control": "dense-stream", "max_ratio": 0.8, "phase": "decode",
+                                                    "confidence": 0.9, "resamples": 200, "seed": 7}],
+                     "useful_latency": {"max_first_episode_s": 5, "max_cold_start_s": 20}}
+    p = expand(freeze(data).body)
+    assert (p.model.path, p.model.sha256, p.model.synth) == ("m", sha, None)
+    assert (p.baseline_first, p.recording) == (False, False)
+    assert (p.prompts.source, p.prompts.count, p.prompts.token_ids) == ("token_ids", 2, ((2,) * 32, (3,) * 32))
+    g = p.gates
+    assert (g.faithfulness_tolerance, g.resources, g.capacity, g.acquisition, g.fidelity) == (None, True, False, (), ())
+    assert g.runtime == (Comparison(control="dense-stream", phase="decode", max_ratio=0.8, confidence=0.9,
+                                    resamples=200, seed=7),)
+    assert g.useful_latency == UsefulLatency(max_first_episode_s=5.0, max_cold_start_s=20.0)
+    q = expand(freeze(raw()).body).gates  # the quickstart's: faithfulness and acquisition only
+    assert (q.faithfulness_tolerance, q.resources, q.capacity, q.runtime, q.useful_latency) == (0.0, False, False, (), None)
+    assert q.acquisition == (Comparison(control="dense-stream", phase="all", max_ratio=0.5),)
+    d = raw()
+    d["gates"] = {"capacity": {}}
+    assert (expand(freeze(d).body).gates.capacity, expand(freeze(d).body).gates.resources) == (True, False)
+    with pytest.raises(KeyError, match="no condition 'lru' in protocol 'quickstart'"):
+        p.condition("lru")
+
+
+def test_a_prompt_files_typed_spec_keeps_its_path_and_digest():
+    sha = "cd" * 32
+    p = expand(validate(v2(prompts={"token_file": {"path": "ids.json", "sha256": sha, "count": 3}})))
+    assert (p.prompts.source, p.prompts.count, p.prompts.path, p.prompts.sha256, p.prompts.token_ids) == (
+        "token_file", 3, "ids.json", sha, None)
+
+
+@pytest.mark.parametrize("change, refusal", [
+    (lambda d: d["gates"].update(acquisition={"max_ratio": 0.5}), "`gates.acquisition.control`: is required"),
+    (lambda d: d.update(conditions=[{"policy": "dense-stream"}],
+                        gates={"acquisition": {"control": "dense-stream", "max_ratio": 0.5}}),
+     "`gates.acquisition.control`: 'dense-stream' has no other condition to compare with"),
+    (lambda d: _runtime(d, seed=2**63), "`gates.runtime.seed`: 9223372036854775808 is not an integer in "
+                                        "[0, 9223372036854775807]"),
+    (lambda d: d.update(engine={"turbo": 1}), "`engine.turbo`: unknown field; allowed fields are mode"),
+    (lambda d: d.update(engine="graph"), "`engine`: expected a mapping, got 'graph'"),
+    (lambda d: d.update(placement={"accelerator_type": ""}),
+     "`placement.accelerator_type`: '' is not allowed; expected a GPU type, e.g. H200"),
+    (lambda d: d.update(placement={"node": 5}), "`placement.node`: 5 is not allowed; expected a Ray node id (`ray list nodes`)"),
+    (lambda d: d.update(model=v2()["model"], conditions=[{"policy": "dense-stream"},
+                                                         {"policy": "packet", "params": {"gather": "mapped"}}]),
+     "`conditions[1].params.gather`: mapped gathers an MoE model's experts; the synthetic tiny shape is OPT, whose "
+     "device gather already reads mapped host memory: use gather device"),
+    (lambda d: d.update(model=v2()["model"], prefix_tokens=250),
+     "`prefix_tokens`: prefix_tokens 250 + continuation_tokens 8 - 1 = 257 positions, but the synthetic tiny shape "
+     "has 256; lower prefix_tokens or continuation_tokens"),
+])
+def test_refusals_word_for_word(change, refusal):
+    data = raw()
+    change(data)
+    with pytest.raises(ProtocolError) as e:
+        freeze(data)
+    assert str(e.value) == f"protocol field {refusal}"
+
+
+def test_an_episode_may_reach_the_last_position_of_a_synthetic_shape_and_a_node_is_kept():
+    """tiny has 256 positions: 249 prompt tokens and 8 generated (the last never fed back) fit."""
+    assert freeze(v2(prefix_tokens=249)).body["prefix_tokens"] == 249
+    pinned = freeze(v2(placement={"node": "n1"}))
+    assert pinned.body["placement"] == {"node": "n1"} and expand(pinned.body).placement.node == "n1"
+
+
+@pytest.mark.parametrize("change, refusal", [
+    (lambda d: d["gates"].update(useful_latency={"max_cold_start_s": 20}),
+     "`gates.useful_latency.max_first_episode_s`: is required"),
+    (lambda d: d["gates"].update(useful_latency={"max_first_episode_s": 0, "max_cold_start_s": 20}),
+     "`gates.useful_latency.max_first_episode_s`: 0 is not a finite number > 0.0"),
+    (lambda d: d.update(gates={}),
+     "`gates`: declare at least one gate: faithfulness, resources, capacity, acquisition, runtime, useful_latency, fidelity"),
+    (lambda d: d.update(prompts={"seeds": 1}),
+     "`prompts.seeds`: unknown field; allowed fields are generator, text_file, token_file, token_ids"),
+    (lambda d: d.update(prompts={}), "`prompts`: give exactly one of token_ids, token_file, text_file, generator; got none"),
+    (lambda d: d.update(prompts={"token_ids": [[2] * 32], "generator": {"seed": 0, "count": 1}}),
+     "`prompts`: give exactly one of token_ids, token_file, text_file, generator; got token_ids, generator"),
+    (lambda d: d.update(prompts={"generator": {"seed": 0, "count": 1, "n": 2}}),
+     "`prompts.generator.n`: unknown field; allowed fields are count, seed"),
+    (lambda d: d.update(prompts={"generator": {"count": 1}}), "`prompts.generator.seed`: is required"),
+    (lambda d: d.update(prompts={"generator": {"seed": 0}}), "`prompts.generator.count`: is required"),
+    (lambda d: d.update(prompts={"generator": {"seed": 2**63, "count": 1}}),
+     "`prompts.generator.seed`: 9223372036854775808 is not an integer in [0, 9223372036854775807]"),
+    (lambda d: d.update(prompts={"token_ids": []}),
+     "`prompts.token_ids`: [] is not allowed; expected a non-empty list of token-id lists"),
+    (lambda d: d.update(prompts={"token_ids": [[2] * 32, [2, 3]]}),
+     "`prompts.token_ids[1]`: has 2 ids, fewer than prefix_tokens=32"),
+    (lambda d: d.update(prompts={"token_ids": [[2] * 65_537]}), "`prompts.token_ids[0]`: has 65537 ids, more than 65536"),
+    (lambda d: d.update(prefix_tokens=1, prompts={"token_ids": [[2]] * 100_001}),
+     "`prompts.token_ids`: 100001 prompts, more than 100000"),
+    (lambda d: d.update(warmups=100_001), "`warmups`: 100001 is not an integer in [0, 100000]"),
+    (lambda d: d.update(warmups={"dense-stream": 1, "packet": 100_001}),
+     "`warmups.packet`: 100001 is not an integer in [0, 100000]"),
+])
+def test_gate_prompt_and_warmup_refusals_word_for_word(change, refusal):
+    data = raw()
+    change(data)
+    with pytest.raises(ProtocolError) as e:
+        freeze(data)
+    assert str(e.value) == f"protocol field {refusal}"
+
+
+def test_prompt_lists_and_latency_bounds_at_their_edges():
+    """65,536 ids in a prompt and 100,000 prompts are allowed; a latency bound only needs to be
+    above 0."""
+    from tests.core.test_protocol_schema4 import TINY, protocol
+
+    data = raw()
+    data["prompts"] = {"token_ids": [[2] * 65_536]}
+    assert len(freeze(data).body["prompts"]["token_ids"][0]) == 65_536
+    many = protocol(TINY, prefix_tokens=1, prompts={"token_ids": [[2]] * 100_000}, scored_prompts=1)
+    assert len(freeze(many).body["prompts"]["token_ids"]) == 100_000
+    data = raw()
+    data["gates"]["useful_latency"] = {"max_first_episode_s": 0.5, "max_cold_start_s": 0.25}
+    assert freeze(data).body["gates"]["useful_latency"] == {"max_first_episode_s": 0.5, "max_cold_start_s": 0.25}
+
+
+UNIFORM = {"shape": "tiny", "dtype": "float32", "seed": 0, "sparsity": 0.9}
+
+
+@pytest.mark.parametrize("model, refusal", [
+    ({"path": "m", "x": 1}, "`model.x`: unknown field; allowed fields are path, sha256, synth"),
+    ({"synth": UNIFORM, "sha256": "ab" * 32},
+     "`model.sha256`: pins a model.path checkpoint's content (a synthetic model is pinned by its spec)"),
+    ({"path": ""}, "`model.path`: '' is not allowed; expected a path to a local Hugging Face OPT directory"),
+    ({"path": "m", "sha256": "AB" * 32}, f"`model.sha256`: '{'AB' * 28}... is not allowed; expected 64 lowercase hex digits"),
+    ({"path": "m", "sha256": 5}, "`model.sha256`: 5 is not allowed; expected 64 lowercase hex digits"),
+    ({"synth": 5}, "`model.synth`: expected a mapping, got 5"),
+    *[({"synth": {k: v for k, v in UNIFORM.items() if k != key}}, f"`model.synth.{key}`: is required")
+      for key in ("shape", "dtype", "seed")],
+])
+def test_model_refusals_word_for_word(model, refusal):
+    with pytest.raises(ProtocolError) as e:
+        freeze(v2(model=model))
+    assert str(e.value) == f"protocol field {refusal}"
+
+
+@pytest.mark.parametrize("conditions, refusal", [
+    ("dense-stream", "`conditions`: 'dense-stream' is not allowed; expected a non-empty list of {name, policy, params}"),
+    ([], "`conditions`: [] is not allowed; expected a non-empty list of {name, policy, params}"),
+    ([{"policy": "dense-stream"}, {"policy": "packet", "x": 1}],
+     "`conditions[1].x`: unknown field; allowed fields are name, params, policy"),
+    ([{"policy": "dense-stream"}, {"name": "p"}], "`conditions[1].policy`: is required"),
+    ([{"policy": "dense-stream"}, {"policy": "packet", "name": "p" * 201}],
+     "`conditions[1].name`: 201 characters, more than 200; give a shorter name"),
+    ([{"policy": "dense-stream"}, {"policy": "packet", "params": "x"}], "`conditions[1].params`: expected a mapping, got 'x'"),
+    ([{"policy": "dense-stream"}, {"policy": "packet", "params": {"rows": 1}}],
+     "`conditions[1].params.rows`: unknown param; policy packet takes gather, weights"),
+    ([{"policy": "dense-stream"}, {"policy": "expert-forecast", "params": {"x": 1}}],
+     "`conditions[1].params.x`: unknown param; policy expert-forecast takes no params"),
+])
+def test_condition_refusals_word_for_word(conditions, refusal):
+    with pytest.raises(ProtocolError) as e:
+        freeze(v2(conditions=conditions, reference="dense-stream"))
+    assert str(e.value) == f"protocol field {refusal}"
+
+
+def test_conditions_at_their_bounds_and_every_integer_default_written_out():
+    """16 conditions and a 200-character name are allowed; an integer parameter's default is
+    written into the body even after an optional one left to the worker (flexgen's)."""
+    from tests.core.test_protocol_schema4 import TINY, protocol
+
+    sixteen = [{"policy": "dense-stream"}] + [{"name": f"p{i}", "policy": "packet"} for i in range(15)]
+    assert len(freeze(v2(conditions=sixteen, warmups=1)).body["conditions"]) == 16
+    named = freeze(v2(conditions=[{"policy": "dense-stream"}, {"policy": "packet", "name": "p" * 200}], warmups=1))
+    assert named.body["conditions"][1]["name"] == "p" * 200
+    flexgen = freeze(protocol(TINY, conditions=[{"policy": "dense-stream"}, {"policy": "flexgen"}]))
+    assert flexgen.body["conditions"][1]["params"] == {"cache_gpu_percent": 100, "mode": "eager"}
+
+
+REQUIRED = ("name", "model", "dtype", "prompts", "prefix_tokens", "continuation_tokens", "conditions", "reference",
+            "allowance_mib")
+
+
+@pytest.mark.parametrize("change, refusal", [
+    *[(lambda d, key=key: d.pop(key), f"`{key}`: is required") for key in REQUIRED],
+    (lambda d: d.update(name=""), "`name`: '' is not allowed; expected a non-empty string of at most 200 characters"),
+    (lambda d: d.update(name="n" * 201),
+     "`name`: 201 characters, more than 200; expected a non-empty string of at most 200 characters"),
+    (lambda d: d.update(allowance_mib=2**24 + 1), "`allowance_mib`: 16777217 is not an integer in [1, 16777216]"),
+    (lambda d: d.update(recording="yes"), "`recording`: 'yes' is not allowed; use true or false"),
+    (lambda d: d.update(trace="yes"), "`trace`: 'yes' is not allowed; use true or false"),
+    (lambda d: d.update(trace=True, recording=False),
+     "`trace`: needs recording: true (a trace is recorded with the ledger); drop recording: false or trace"),
+    (lambda d: d.update(trace=True, engine={"mode": "graph"}),
+     "`trace`: needs engine mode eager (a captured graph step runs no hooks to read the active sets); drop "
+     "engine.mode or trace"),
+])
+def test_top_level_refusals_word_for_word(change, refusal):
+    data = v2()
+    change(data)
+    with pytest.raises(ProtocolError) as e:
+        freeze(data)
+    assert str(e.value) == f"protocol field {refusal}"
+
+
+def test_trace_is_frozen_only_when_true():
+    """trace: true (recording on, eager) is a meaning of its own; false or absent keeps the body."""
+    base = freeze(v2())
+    traced = freeze(v2(trace=True))
+    assert traced.body["trace"] is True and traced.sha256 != base.sha256 and expand(traced.body).traced
+    assert freeze(v2(trace=True, recording=True)).sha256 == traced.sha256
+    assert freeze(v2(trace=False)).sha256 == base.sha256 and "trace" not in base.body and not expand(base.body).traced
+
+
+def test_schema_1_refuses_a_condition_parameter_as_a_schema_2_field():
+    data = raw()
+    data["schema"] = 1
+    data["conditions"].append({"policy": "sparse-extents", "params": {"block_rows": 64}})
+    with pytest.raises(ProtocolError) as e:
+        freeze(data)
+    assert str(e.value) == ("protocol field `schema`: 1 cannot express this protocol (it uses schema-2 fields); write "
+                            "schema: 2 or drop the field")
+
+
+def test_a_field_schema_1_cannot_say_moves_the_body_out_of_schema_1():
+    """schema1_form must refuse every field schema 1 has no word for (the field would be dropped
+    from the frozen body, and the hash with it); a protocol with only the faithfulness gate is
+    still schema 1 (its acquisition gate is absent, not `phase: all`)."""
+    def frozen(**changes) -> dict:
+        data = raw()
+        data.update(changes)
+        return freeze(data).body
+
+    only_faithfulness = frozen(gates={"faithfulness": {"tolerance": 0.0}})
+    assert only_faithfulness["schema"] == 1 and only_faithfulness["gates"] == {"faithfulness": {"tolerance": 0.0}}
+    pinned = frozen(model={"path": "m", "sha256": "ab" * 32})
+    assert (pinned["schema"], pinned["model"]) == (2, {"path": "m", "sha256": "ab" * 32})
+    assert (frozen(trace=True)["schema"], frozen(trace=True)["trace"]) == (2, True)
+    # conditions whose params stay empty in schemas 6 and 7 (packet's gather is written out there)
+    plain = [{"policy": "dense-stream"}, {"policy": "resident"}]
+    batched = frozen(schema=6, batch=2, conditions=plain)
+    assert (batched["schema"], batched["batch"]) == (6, 2)
+    separate = frozen(schema=7, passes="separate", conditions=plain)
+    assert (separate["schema"], separate["passes"]) == (7, "separate")
+
+
+def test_a_frozen_protocol_says_which_schema_it_was_read_as():
+    """`protocol validate` prints "read as schema N, frozen as schema M": N is the file's `schema:`,
+    or the newest when it has none."""
+    from packbench.core.protocol import SCHEMA_VERSION
+
+    assert (freeze(raw()).read_as, freeze(raw()).body["schema"]) == (2, 1)
+    unsaid = raw()
+    unsaid.pop("schema")
+    assert freeze(unsaid).read_as == SCHEMA_VERSION

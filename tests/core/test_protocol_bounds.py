@@ -331,3 +331,131 @@ def test_a_text_file_without_text_is_refused_by_its_field(tmp_path):
         read_prompt_file("text_file", empty, field="prompts.text_file")
     assert str(e.value) == (f"protocol field `prompts.text_file`: {empty} holds no text; write prompts separated by "
                             f"`---` lines")
+
+
+# ----------------------------------------------------------------------------- the cross-checks' bounds, at their edges
+
+
+def _quickstart(**changes) -> dict:
+    from tests.core.test_protocol import v2
+    return v2(**changes)
+
+
+def _refusal_of(data: dict) -> str:
+    with pytest.raises(ProtocolError) as e:
+        freeze(data)
+    return str(e.value).removeprefix("protocol field ")
+
+
+ONE_PROMPT = {"generator": {"seed": 0, "count": 1}}
+
+
+def test_episodes_are_bounded_at_100000_and_traced_ones_at_75000():
+    # 2 warmups + 49,999 repetitions x 1 prompt x 2 conditions = 100,000: at the bound
+    assert freeze(_quickstart(prompts=ONE_PROMPT, repetitions=49_999)).body["repetitions"] == 49_999
+    assert _refusal_of(_quickstart(prompts=ONE_PROMPT, repetitions=50_000)) == (
+        "`repetitions`: the plan would hold 100002 episodes, more than 100000; split the screen into shorter protocols")
+    assert freeze(_quickstart(prompts=ONE_PROMPT, repetitions=37_500, warmups=0, trace=True)).body["trace"] is True
+    assert _refusal_of(_quickstart(prompts=ONE_PROMPT, repetitions=37_500, warmups={"dense-stream": 1, "packet": 0},
+                                   trace=True)) == (
+        "`trace`: the plan would hold 75001 episodes; a traced screen archives 4 members an episode and an archive "
+        "holds at most 3 x 100000 + 5, so at most 75000: split the screen")
+
+
+def test_100000_prompts_are_allowed_when_few_are_scored():
+    from tests.core.test_protocol_schema4 import TINY, protocol
+    raw = protocol(TINY, prompts={"generator": {"seed": 0, "count": MAX_PROMPTS}}, prefix_tokens=20, scored_prompts=1)
+    assert freeze(raw).body["prompts"]["generator"]["count"] == MAX_PROMPTS  # 2,000,000 prompt tokens
+
+
+def test_batch_times_continuation_is_bounded_at_8192_logits_rows():
+    from tests.core.test_protocol import raw
+    data = raw()
+    data.update(schema=6, batch=2, continuation_tokens=4096)
+    assert freeze(data).body["batch"] == 2
+    data.update(continuation_tokens=4097)
+    assert _refusal_of(data) == ("`batch`: 2 x 4097 continuation tokens keep 8194 logits rows an episode, more than "
+                                 "8192; lower batch or continuation_tokens")
+
+
+def test_runtime_bootstrap_draws_are_bounded_at_2_to_the_27():
+    """resamples x pairs (repetitions x scored prompts) x compared conditions: 65,536 x (512 x 2) x 2
+    is 2**27 and freezes; one repetition more does not."""
+    def screen(repetitions: int) -> dict:
+        data = _quickstart(prompts={"generator": {"seed": 0, "count": 2}}, repetitions=repetitions,
+                           conditions=[{"policy": "dense-stream"}, {"policy": "packet"}, {"policy": "sparse-extents"}])
+        data["gates"] = {"runtime": {"control": "dense-stream", "max_ratio": 0.9, "resamples": 65_536}}
+        return data
+    assert freeze(screen(512)).body["repetitions"] == 512
+    assert _refusal_of(screen(513)) == (
+        "`gates.runtime`: the runtime bootstraps would draw 134479872 pair indices (resamples x pairs x compared "
+        "conditions), more than 134217728; lower resamples")
+
+
+def test_cross_check_refusals_word_for_word():
+    from tests.core.test_protocol_schema4 import TINY, protocol
+    from tests.core.test_protocol_schema5 import competitor
+    assert _refusal_of(protocol(TINY, prompts={"generator": {"seed": 0, "count": 4}}, scored_prompts=5)) == (
+        "`scored_prompts`: 5 scored prompts, but the protocol declares 4 prompts; declare more prompts or lower "
+        "scored_prompts")
+    assert _refusal_of(competitor(baseline_first=False)) == (
+        "`gates.fidelity`: needs baseline_first: true (each approximate episode is teacher-forced on the tokens of "
+        "its block's reference episode, which must run first)")
+    assert _refusal_of(_quickstart(conditions=[{"policy": "dense-stream"},
+                                               {"policy": "expert-cache", "params": {"capacity": 1}}])) == (
+        "`conditions[1].policy`: 'expert-cache' does not fit the synthetic tiny shape, an OPT model; use one of "
+        "resident, dense-stream, sparse-extents, packet, phase-switched, row-retention, early-forecast, quantized, "
+        "accelerate, zero-inference, flexgen")
+
+
+def test_text_prompts_need_a_checkpoints_tokenizer_word_for_word(tmp_path):
+    import yaml
+
+    from packbench.core.protocol import load
+    (tmp_path / "t.txt").write_text("hello world\n")
+    f = tmp_path / "p.yaml"
+    f.write_text(yaml.safe_dump(_quickstart(prompts={"text_file": "t.txt"})))
+    with pytest.raises(ProtocolError) as e:
+        load(f)
+    assert str(e.value) == ("protocol field `prompts.text_file`: needs model.path: the checkpoint's tokenizer encodes "
+                            "the text (a synthetic model has none); use token_file or generator")
+
+
+def test_field_checks_show_values_and_choices_bounded():
+    """A refusal shows at most 40 choices and says how many more, a choice or a value over 60
+    characters cut to 60; a string at its length bound is allowed, one holding NUL is not."""
+    from packbench.core.protocol.fields import choice_field, int_field, string_field
+
+    def refusal(check, *args, **kwargs) -> str:
+        with pytest.raises(ProtocolError) as e:
+            check(*args, **kwargs)
+        return str(e.value).removeprefix("protocol field ")
+
+    forty = ", ".join(f"c{i}" for i in range(40))
+    assert refusal(choice_field, "x", "p", tuple(f"c{i}" for i in range(41))) == (
+        f"`p`: 'x' is not allowed; use one of {forty} (and 1 more)")
+    assert refusal(choice_field, "x", "p", tuple(f"c{i}" for i in range(40))) == f"`p`: 'x' is not allowed; use one of {forty}"
+    assert refusal(choice_field, "x", "p", ("a" * 60, "b" * 61)) == (
+        f"`p`: 'x' is not allowed; use one of {'a' * 60}, '{'b' * 56}...")
+    assert refusal(int_field, "x", "p", minimum=0) == "`p`: 'x' is not an integer >= 0"
+    assert refusal(int_field, "y" * 100, "p", minimum=0, maximum=3) == f"`p`: '{'y' * 56}... is not an integer in [0, 3]"
+    assert string_field("a" * 10, "p", "a name", max_chars=10) == "a" * 10
+    assert refusal(string_field, "a\x00b", "p", "a name") == "`p`: 'a\\x00b' holds a NUL character; expected a name"
+
+
+def test_mapping_field_refusals_name_the_key_bounded_and_the_fix():
+    from packbench.core.protocol.fields import mapping_field
+
+    def refusal(value, path, allowed) -> str:
+        with pytest.raises(ProtocolError) as e:
+            mapping_field(value, path, allowed=allowed)
+        return str(e.value)
+
+    assert refusal([1], "", {"a": True}) == "a protocol is a mapping of fields (name:, model:, ...), got [1]"
+    assert refusal({"k" * 60: 1}, "p", {"a": False}) == f"protocol field `p.{'k' * 60}`: unknown field; allowed fields are a"
+    assert refusal({"k" * 61: 1}, "p", {"a": False}) == (
+        f"protocol field `p.'{'k' * 56}...`: unknown field; allowed fields are a")
+    assert refusal({5: 1}, "p", {"a": False}) == "protocol field `p.5`: unknown field; allowed fields are a"
+    assert refusal({"x": 1}, "gates.resources", {}) == (
+        "protocol field `gates.resources.x`: unknown field; `gates.resources` takes none (write `resources: {}`)")
+    assert refusal({"x": 1}, "a.b.c", {}) == "protocol field `a.b.c.x`: unknown field; `a.b.c` takes none (write `c: {}`)"

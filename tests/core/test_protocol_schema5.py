@@ -158,3 +158,47 @@ def test_the_shipped_int8_protocol_freezes_as_schema_5():
     assert frozen.body["schema"] == 5 and [p.tier(n) for n in p.condition_names] == ["exact", "exact", "approximate"]
     assert p.condition("packet").params == {"gather": "device"}  # schema 3's default, written out
     assert [b.condition for b in p.gates.fidelity] == ["int8"]
+
+
+EXACT_AND_TWO_APPROXIMATE = [{"policy": "dense-stream"}, {"policy": "packet"}, INT8,
+                             {"name": "nf4", "policy": "quantized", "params": {"method": "nf4"}}]
+
+
+@pytest.mark.parametrize("conditions, fidelity, refusal", [
+    (EXACT_AND_TWO_APPROXIMATE, {"condition": "dense-stream", "min_top1": 0.9},
+     "`gates.fidelity.condition`: 'dense-stream' is the reference: fidelity compares another condition with it; "
+     "name an approximate condition (int8, nf4)"),
+    (EXACT_AND_TWO_APPROXIMATE[:2], {"condition": "dense-stream", "min_top1": 0.9},
+     "`gates.fidelity.condition`: 'dense-stream' is the reference: fidelity compares another condition with it; "
+     "name an approximate condition (none here)"),
+    (EXACT_AND_TWO_APPROXIMATE, {"condition": "packet", "min_top1": 0.9},
+     "`gates.fidelity.condition`: 'packet' is exact: the faithfulness gate judges it bit for bit; name an "
+     "approximate condition (int8, nf4)"),
+    (EXACT_AND_TWO_APPROXIMATE[:2], {"condition": "packet", "min_top1": 0.9},
+     "`gates.fidelity.condition`: 'packet' is exact: the faithfulness gate judges it bit for bit; name an "
+     "approximate condition (none here)"),
+    (EXACT_AND_TWO_APPROXIMATE, {"condition": "nope", "min_top1": 0.9},
+     "`gates.fidelity.condition`: 'nope' is not allowed; use one of dense-stream, packet, int8, nf4"),
+    (EXACT_AND_TWO_APPROXIMATE, [], "`gates.fidelity`: expected a mapping or a non-empty list of mappings "
+                                    "(one per condition)"),
+    (EXACT_AND_TWO_APPROXIMATE, {"min_top1": 0.9, "foo": 1},
+     "`gates.fidelity.foo`: unknown field; allowed fields are condition, max_abs_logit, max_mean_kl, max_p99_kl, "
+     "min_divergence_step, min_top1"),
+    (EXACT_AND_TWO_APPROXIMATE, {"min_divergence_step": 8193},
+     "`gates.fidelity.min_divergence_step`: 8193 is not an integer in [0, 8192]"),
+])
+def test_fidelity_refusals_word_for_word(conditions, fidelity, refusal):
+    """Each names the field, the value and what to write instead (the approximate conditions
+    there are, or none). Catches a refusal losing its field, its words or its list."""
+    with pytest.raises(ProtocolError) as e:
+        validate(competitor(conditions=conditions, gates={"faithfulness": None, "fidelity": fidelity}))
+    assert str(e.value) == f"protocol field {refusal}"
+
+
+def test_fidelity_bounds_at_their_edges_are_accepted():
+    """A top-1 agreement of exactly 1 and a divergence step of 0 or 8192 (MAX_CONTINUATION) are
+    bounds a screen can be judged by."""
+    for top1, step in ((1.0, 0), (0.0, 8192)):
+        frozen = validate(competitor(gates={"faithfulness": None,
+                                            "fidelity": {"min_top1": top1, "min_divergence_step": step}}))
+        assert frozen["gates"]["fidelity"] == [{"condition": "int8", "min_top1": top1, "min_divergence_step": step}]

@@ -88,3 +88,17 @@ def test_the_cli_refuses_in_one_line(tmp_path):
     assert r.returncode == 2 and "Traceback" not in r.stderr
     lines = [line for line in (r.stdout + r.stderr).splitlines() if line.strip()]
     assert len(lines) == 1 and "scored_prompts" in lines[0] and "declares 4 prompts" in lines[0]
+
+
+@pytest.mark.parametrize("changes, refusal", [
+    ({"scored_prompts": 0}, "`scored_prompts`: 0 is not an integer in [1, 100000]"),
+    ({"scored_prompts": 100_001}, "`scored_prompts`: 100001 is not an integer in [1, 100000]"),
+    ({"scored_prompts": 2, "schema": 9}, "`scored_prompts`: needs schema 10; write schema: 10 or omit `schema:`"),
+])
+def test_refusals_word_for_word(changes, refusal):
+    """The bound is the prompt bound, checked by the field itself (not only by the comparison
+    with the declared prompts), and an older schema names the one to write."""
+    raw = protocol(TINY, prompts={"generator": {"seed": 0, "count": 4}})
+    with pytest.raises(ProtocolError) as e:
+        freeze({**raw, **changes})
+    assert str(e.value) == f"protocol field {refusal}"

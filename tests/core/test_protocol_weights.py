@@ -148,3 +148,23 @@ def test_an_unbounded_resident_freezes_as_schema_6_and_runs_on_the_cpu(tmp_path)
     assert all(r["status"] == "ok" for r in records), [r.get("error") for r in records]
     verdicts = compute_verdicts(body, records)
     assert {v["condition"]: v["passed"] for v in verdicts if v["gate"] == "faithfulness"}["resident"]
+
+
+def test_each_exact_condition_needs_its_own_reference_and_an_approximate_one_none():
+    """Every exact condition is checked, also after an approximate one (which is judged by the
+    fidelity gate, so needs no dense-stream of its weights); an int8 dense-stream is the reference
+    of its weights and must reproduce itself even with no int8 loader beside it."""
+    from tests.core.test_protocol_schema5 import INT8, competitor
+
+    with pytest.raises(ProtocolError) as e:
+        validate(competitor(schema=6, conditions=[{"policy": "dense-stream"}, INT8, PACKET8]))
+    assert str(e.value) == ("protocol field `conditions[2].params.weights`: int8 has no dense-stream with weights int8 "
+                            "to be judged against (faithfulness); add one, e.g. {policy: dense-stream, params: "
+                            "{weights: int8}}")
+    # an int8 reference: the quantized competitor has dtype weights and no dense-stream of them
+    frozen = validate(competitor(schema=6, reference="dense-int8", conditions=[DENSE8, INT8]))
+    assert [c["name"] for c in frozen["conditions"]] == ["dense-int8", "int8"]
+    with pytest.raises(ProtocolError) as e:
+        validate(int8(conditions=[{"policy": "dense-stream"}, DENSE8], warmups={"dense-stream": 1, "dense-int8": 0}))
+    assert str(e.value) == ("protocol field `warmups.dense-int8`: 0 leaves 'dense-int8', the reference of weights int8, "
+                            "nothing to reproduce itself against; declare >= 1 warmup or repetitions >= 2")
