@@ -49,6 +49,13 @@ def set_path(data: dict, path: tuple, value) -> dict:
 # ----------------------------------------------------------------------------- freezing
 
 
+def refusal_of(data) -> str:
+    """The one line `freeze` refuses `data` with."""
+    with pytest.raises(ProtocolError) as e:
+        freeze(data)
+    return str(e.value)
+
+
 def test_quickstart_freezes_with_its_schema1_hash():
     p = load(QUICKSTART)
     assert p.sha256 == QUICKSTART_SHA256 and p.name == "quickstart" and p.body["schema"] == 1
@@ -446,9 +453,7 @@ def test_placement_resources_refusals_word_for_word_and_whole_amounts_freeze_as_
                        "`ray start --resources`"),
             ({"fast_nvme": 1e9}, "`placement.resources.fast_nvme`: 1000000000.0 is not a finite number > 0.0 and "
                                  "< 1000000000.0")):
-        with pytest.raises(ProtocolError) as e:
-            freeze(v2(placement={"resources": resources}))
-        assert str(e.value) == f"protocol field {refusal}"
+        assert refusal_of(v2(placement={"resources": resources})) == f"protocol field {refusal}"
     assert freeze(v2(placement={"resources": {"a": 999_999_999.5}})).body["placement"] == {"resources": {"a": 999_999_999.5}}
     for amount in (1, 1.0):
         assert b'"resources":{"fast_nvme":1}' in canonical_json(freeze(v2(placement={"resources": {"fast_nvme": amount}})).body)
@@ -574,9 +579,7 @@ def test_a_prompt_files_typed_spec_keeps_its_path_and_digest():
 def test_refusals_word_for_word(change, refusal):
     data = raw()
     change(data)
-    with pytest.raises(ProtocolError) as e:
-        freeze(data)
-    assert str(e.value) == f"protocol field {refusal}"
+    assert refusal_of(data) == f"protocol field {refusal}"
 
 
 def test_an_episode_may_reach_the_last_position_of_a_synthetic_shape_and_a_node_is_kept():
@@ -618,9 +621,7 @@ def test_an_episode_may_reach_the_last_position_of_a_synthetic_shape_and_a_node_
 def test_gate_prompt_and_warmup_refusals_word_for_word(change, refusal):
     data = raw()
     change(data)
-    with pytest.raises(ProtocolError) as e:
-        freeze(data)
-    assert str(e.value) == f"protocol field {refusal}"
+    assert refusal_of(data) == f"protocol field {refusal}"
 
 
 def test_prompt_lists_and_latency_bounds_at_their_edges():
@@ -653,9 +654,7 @@ UNIFORM = {"shape": "tiny", "dtype": "float32", "seed": 0, "sparsity": 0.9}
       for key in ("shape", "dtype", "seed")],
 ])
 def test_model_refusals_word_for_word(model, refusal):
-    with pytest.raises(ProtocolError) as e:
-        freeze(v2(model=model))
-    assert str(e.value) == f"protocol field {refusal}"
+    assert refusal_of(v2(model=model)) == f"protocol field {refusal}"
 
 
 @pytest.mark.parametrize("conditions, refusal", [
@@ -673,9 +672,7 @@ def test_model_refusals_word_for_word(model, refusal):
      "`conditions[1].params.x`: unknown param; policy expert-forecast takes no params"),
 ])
 def test_condition_refusals_word_for_word(conditions, refusal):
-    with pytest.raises(ProtocolError) as e:
-        freeze(v2(conditions=conditions, reference="dense-stream"))
-    assert str(e.value) == f"protocol field {refusal}"
+    assert refusal_of(v2(conditions=conditions, reference="dense-stream")) == f"protocol field {refusal}"
 
 
 def test_conditions_at_their_bounds_and_every_integer_default_written_out():
@@ -712,9 +709,7 @@ REQUIRED = ("name", "model", "dtype", "prompts", "prefix_tokens", "continuation_
 def test_top_level_refusals_word_for_word(change, refusal):
     data = v2()
     change(data)
-    with pytest.raises(ProtocolError) as e:
-        freeze(data)
-    assert str(e.value) == f"protocol field {refusal}"
+    assert refusal_of(data) == f"protocol field {refusal}"
 
 
 def test_trace_is_frozen_only_when_true():
