@@ -22,6 +22,7 @@ import dataclasses
 import functools
 import hashlib
 import json
+import math
 import secrets
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
@@ -77,6 +78,10 @@ def resources_json(resources: Mapping[str, float] | None) -> str | None:
     Canonical so that equal needs are equal strings (the claim matches them with IN)."""
     if not resources:
         return None
+    for name, amount in resources.items():
+        if isinstance(amount, bool) or not isinstance(amount, (int, float)) or not 0 < amount < math.inf:
+            raise ValueError(f"resource {name!r} needs {amount!r}; a need is a finite number > 0 "
+                             f"(as a protocol's placement.resources says it)")
     return json.dumps({k: resources[k] for k in sorted(resources)}, separators=(",", ":"))
 
 
@@ -439,12 +444,13 @@ def reap_expired(session: Session, now: datetime | None, *, clock: Clock, host: 
     judged by its process, not its lease: never reaped while it lives (a live `dispatch
     --follow` renews its leases once a database outage ends, however long it was), reaped at
     once when it is gone (a killed driver holds nothing for the rest of its lease)."""
+    if (host is None) != (alive is None):
+        raise ValueError("reap_expired judges a host's attempts by their process: give host and alive together, "
+                         "or neither (leases only)")
     now = now or clock()
     reaped = []
-    judge_host = host is not None and alive is not None
-    for attempt, dispatcher in session.execute(_reapable(now, session.get_bind().dialect.name,
-                                                         host if judge_host else None)).all():
-        here = judge_host and dispatcher is not None and dispatcher.host == host and dispatcher.pid is not None
+    for attempt, dispatcher in session.execute(_reapable(now, session.get_bind().dialect.name, host)).all():
+        here = host is not None and dispatcher is not None and dispatcher.host == host and dispatcher.pid is not None
         if here and alive(dispatcher.pid, dispatcher.started_at):
             continue  # its holder lives on this host: it renews the lease once it can
         if here:
@@ -656,7 +662,7 @@ def _pg_claim_statement(*, one: bool, exclude: bool, gpu_types: bool, node: bool
     attempt is shared_node when another attempt runs on the node (the statement's snapshot
     does not see the new row, so `shared` leaves it alone).
     """
-    screens, attempts = SqlScreen.__table__, SqlAttempt.__table__
+    attempts = SqlAttempt.__table__
     claimed = _claim_update("postgresql", one=one, exclude=exclude, gpu_types=gpu_types, node=node, follows=follows,
                             fits=fits).cte("claimed")
     here = bindparam("slot_node", type_=String())

@@ -121,3 +121,15 @@ def test_plan_prints_the_expert_bytes_of_the_stated_depth(tmp_path):
     expert = 3 * 2048 * 768 * 2
     assert rows["dense-stream"]["decode_bytes"] == 12 * 128 * expert
     assert rows["packet"]["decode_bytes"] == 12 * 8 * expert  # k experts a layer, no index
+
+
+@pytest.mark.parametrize("missing", ["dtype", "seed"])
+def test_an_moe_synth_without_dtype_or_seed_is_refused_naming_it(missing):
+    # Would catch the MoE branch taking dtype or seed as optional: the spec builder then fails
+    # with a TypeError (a traceback, not a line), or a default nobody wrote would be frozen.
+    # (shape cannot be left out here: without it the synth is not recognised as MoE at all.)
+    b = body()
+    del b["model"]["synth"][missing]
+    with pytest.raises(ProtocolError) as e:
+        validate(b)
+    assert str(e.value) == f"protocol field `model.synth.{missing}`: is required"

@@ -397,6 +397,19 @@ def test_a_holder_on_the_reapers_host_is_judged_by_its_process_not_its_lease(que
     assert [r.screen_id for r in queue.reap_expired()] == [live_screen]  # without a host: leases alone
 
 
+@pytest.mark.parametrize("host, alive", [("here", None), (None, lambda pid, started_at: True)])
+def test_a_reaper_given_only_one_of_host_and_alive_is_refused_and_reaps_nothing(queue, clock, host, alive):
+    """Would catch a reaper that quietly falls back to leases alone when half of the host check is
+    given (or judges by a host with no way to see its processes)."""
+    screen_id = queue.create_screen(protocol_id=protocol(queue), submitter="a")
+    claim(queue, queue.register_dispatcher("d", "here", pid=1), lease_s=10)
+    clock.advance(11)
+    with pytest.raises(ValueError, match=r"^reap_expired judges a host's attempts by their process: give host "
+                                         r"and alive together, or neither \(leases only\)$"):
+        queue.reap_expired(host=host, alive=alive)
+    assert queue.latest_attempt(screen_id).status == "running"
+
+
 def test_reconcile_targets_a_dead_holders_running_attempt_on_this_host(queue, clock):
     """`db reconcile` after a one-shot dispatch died in an outage: its attempt still runs (the
     lease has not run out) and nobody writes its archive any more; a live holder's, or one
@@ -659,6 +672,14 @@ def test_names_keys_and_resources_json():
     assert len(keys) == 50 and all(len(k) == 32 and int(k, 16) >= 0 for k in keys)
     assert resources_json({"b": 1.0, "a": 2}) == '{"a":2,"b":1.0}' == resources_json({"a": 2, "b": 1.0})
     assert resources_json({}) is None and resources_json(None) is None
+    # A need of 0 or less, or not a finite number, is refused: it would fit every node, even one
+    # that declares no such resource (the protocol refuses it too: placement.resources).
+    for amount in (0, -1, 0.0, float("nan"), float("inf"), True, "1", None):
+        with pytest.raises(ValueError) as e:
+            resources_json({"nvme": amount})
+        assert str(e.value) == (f"resource 'nvme' needs {amount!r}; a need is a finite number > 0 "
+                                f"(as a protocol's placement.resources says it)")
+    assert resources_json({"nvme": 1e-4}) == '{"nvme":0.0001}'
 
 
 @pytest.mark.parametrize("call, noun", [
@@ -996,6 +1017,18 @@ def test_a_nodes_free_resources_are_its_capacity_less_what_runs_there(queue):
     assert [s.id for s in queue.queued_screens()] == [w]
 
 
+def test_a_need_the_node_no_longer_declares_counts_against_zero(queue):
+    """Half of a resource runs on n1; n1 then stops declaring it. A queued screen needing the other
+    half must not fit: the undeclared resource has 0 - 0.5 free, not 1 - 0.5 (would catch an
+    undeclared need counted against any capacity but zero)."""
+    p = protocol(queue)
+    d = queue.register_dispatcher("d", "h")
+    first, second = (queue.create_screen(protocol_id=p, submitter="a", resources={"nvme": 0.5}) for _ in range(2))
+    assert claim(queue, d, node="n1", node_resources={"nvme": 0.5}).screen.id == first
+    assert claim(queue, d, node="n1", node_resources={"other": 1}) is None
+    assert claim(queue, d, node="n1", node_resources={"nvme": 1}).screen.id == second
+
+
 def test_a_finished_attempt_keeps_its_outcome_and_time_and_refusals_say_why(queue, clock):
     """Catches finish_attempt dropping the error, the archive's hash or the finish time (of the
     attempt or its screen), a registered dispatcher without its first heartbeat, and the
@@ -1103,3 +1136,37 @@ def test_a_new_screen_is_queued_now_with_the_documented_defaults(queue, clock):
     with pytest.raises(NotFound) as e:
         queue.create_screen(protocol_id=999_999, submitter="a")
     assert str(e.value) == "no protocol with id 999999; list screens with `packbench screens list`"
+
+
+def test_a_claim_that_fails_after_the_nodes_lock_leaves_no_lock_or_transaction_behind(pg_url, clock, monkeypatch):
+    """PostgreSQL only: a claim for a node opens a transaction and takes the node's advisory lock;
+    when it fails midway (here the fit check raises), it must roll both back before the connection
+    goes back to the pool. Catches a missing or broken ROLLBACK: the pooled connection would keep
+    the node locked, and every other dispatcher's claim for the node would wait on it."""
+    from sqlalchemy import create_engine
+    from sqlalchemy.pool import NullPool
+
+    import packbench.db.queue as queue_module
+    from packbench.db.queue import new_attempt_key
+
+    with Store(pg_url, clock=clock, retry_delays=()) as store:
+        store.upgrade()
+        p = protocol(store)
+        d = store.register_dispatcher("d", "h")
+        screen_id = store.create_screen(protocol_id=p, submitter="a", resources={"nvme": 1})
+        node = f"n-{new_attempt_key()}"  # no other run's claim takes this node's lock
+
+        def broken(*args, **kwargs):
+            raise RuntimeError("the fit check failed")
+
+        monkeypatch.setattr(queue_module, "_fitting", broken)
+        with pytest.raises(RuntimeError, match="^the fit check failed$"):
+            claim(store, d, node=node, node_resources={"nvme": 1})
+        monkeypatch.undo()
+        engine = create_engine(pg_url, poolclass=NullPool)
+        with engine.connect() as other:  # another session may take the node's lock at once
+            free = other.exec_driver_sql(f"SELECT pg_try_advisory_xact_lock({queue_module._node_lock_key(node)})")
+            assert free.scalar_one() is True, "the failed claim's connection still holds the node's lock"
+            other.rollback()
+        engine.dispose()
+        assert claim(store, d, node=node, node_resources={"nvme": 1}).screen.id == screen_id
