@@ -243,6 +243,44 @@ def test_a_protocol_file_that_cannot_be_read_as_yaml_says_why(tmp_path, monkeypa
                             f"set in prompts.token_file)")
 
 
+def test_a_protocol_file_the_os_will_not_read_names_the_os_reason(tmp_path, monkeypatch):
+    """An OSError other than the bounded read's own (permission denied, an I/O error) is one line
+    with the OS's words. The tests run as root, whom permissions do not stop, so the read is made
+    to fail. Would catch the reason left out or the error escaping as a traceback."""
+    freeze_module = importlib.import_module("packbench.core.protocol.freeze")
+    p = tmp_path / "p.yaml"
+    p.write_text("name: x\n")
+
+    def denied(path, limit):
+        raise PermissionError(13, "Permission denied", str(path))
+
+    monkeypatch.setattr(freeze_module, "read_bounded", denied)
+    with pytest.raises(ProtocolError) as e:
+        freeze_module.load(p)
+    assert str(e.value) == f"cannot read the protocol file {p} (Permission denied); check its permissions"
+
+
+def test_a_relative_model_path_of_a_protocol_without_a_file_is_read_from_the_working_directory(tmp_path,
+                                                                                              monkeypatch):
+    """A protocol frozen from data (no source file) resolves a relative model.path against the
+    working directory; with a source file, against the file's folder; an absolute path stays
+    itself. Would catch the source file's folder used when there is none (a crash)."""
+    import dataclasses
+
+    def frozen_with(model_path: str):
+        return freeze({"name": "rel", "model": {"path": model_path}, "dtype": "float32",
+                       "prompts": {"generator": {"seed": 0, "count": 1}}, "prefix_tokens": 4,
+                       "continuation_tokens": 2, "conditions": [{"policy": "dense-stream"}, {"policy": "packet"}],
+                       "reference": "dense-stream", "warmups": 1, "allowance_mib": 64, "gates": {"faithfulness": {}}})
+
+    monkeypatch.chdir(tmp_path)
+    here = tmp_path.resolve()
+    elsewhere = tmp_path / "protocols" / "p.yaml"
+    assert frozen_with("ckpt").model_dir() == here / "ckpt"
+    assert dataclasses.replace(frozen_with("ckpt"), source=elsewhere).model_dir() == here / "protocols" / "ckpt"
+    assert dataclasses.replace(frozen_with(str(here / "abs")), source=elsewhere).model_dir() == here / "abs"
+
+
 def test_an_unknown_alias_or_a_character_yaml_refuses_is_invalid_yaml():
     """Catches the alias count crashing on an alias with no anchor, and the message crashing on
     a YAML error without a position."""

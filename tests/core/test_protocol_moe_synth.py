@@ -48,7 +48,10 @@ def test_fewer_layers_and_each_routing_profile_are_valid():
     ({"layers": True}, {}, "model.synth.layers", "an integer in [1, 3]"),
     ({"profile": "opt"}, {}, "model.synth.profile", "allowed fields are dtype, layers, routing, seed, shape"),
     ({}, {"conditions": [{"policy": "dense-stream"}, {"policy": "row-retention", "params": {"rows_per_layer": 8}}]},
-     "conditions[1].policy", "'row-retention' does not fit the synthetic qwen3-moe-tiny shape"),
+     "conditions[1].policy", "'row-retention' does not fit the synthetic qwen3-moe-tiny shape, a qwen3_moe MoE model; "),
+    ({"shape": "mixtral-tiny"}, {"conditions": [{"policy": "dense-stream"}, {"policy": "row-retention",
+                                                                             "params": {"rows_per_layer": 8}}]},
+     "conditions[1].policy", "'row-retention' does not fit the synthetic mixtral-tiny shape, a mixtral MoE model; "),
     ({"shape": "qwen3-30b-a3b", "layers": 2}, {"allowance_mib": 1024}, "allowance_mib", "one layer's routed experts"),
 ])
 def test_refusals_name_the_field(synth, changes, field, words):
