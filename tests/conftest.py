@@ -68,9 +68,16 @@ def ray_address():
 
 
 def pytest_collection_modifyitems(config, items):
-    """`gpu` tests skip with a reason where CUDA is absent, so a bare `pytest` on a CPU machine
+    """PostgreSQL cases (a `pg_url` test, or a database fixture's postgresql case) are marked `postgresql`,
+    so `-m postgresql` selects them alone (tests/mutate.py's PostgreSQL stage).
+    `gpu` tests skip with a reason where CUDA is absent, so a bare `pytest` on a CPU machine
     reports them as skipped instead of failing them ("Torch not compiled with CUDA enabled").
     `make test` still deselects them with `-m "not gpu"`; each has a CPU twin."""
+    for item in items:
+        params = getattr(item, "callspec", None)
+        cases = params.params.values() if params is not None else ()
+        if "pg_url" in getattr(item, "fixturenames", ()) or any(isinstance(v, str) and v == "postgresql" for v in cases):
+            item.add_marker("postgresql")
     gpu_items = [item for item in items if item.get_closest_marker("gpu") is not None]
     if not gpu_items:
         return

@@ -5,6 +5,8 @@ each against its own test files, one module at a time and one worker (a 2-core h
     python tests/mutate.py core/dispersion.py   # some of them
     python tests/mutate.py --list               # the modules and their test files
     python tests/mutate.py --retry core/gates.py  # only the mutants left alive, against today's tests
+    PACKBENCH_TEST_PG_URL=postgresql+psycopg://... python tests/mutate.py db/queue.py
+                                                # its survivors tried again against the PostgreSQL cases
 
 mutmut reads its settings from the working directory's pyproject.toml, so each module runs in
 its own directory .mutate/<module>/ holding a pyproject.toml written here, links to packbench/
@@ -56,36 +58,44 @@ KILLED = ("killed", "timeout")
 NOT_RUN = ("not checked", "check was interrupted by user")  # a stopped run: a rerun resumes there
 
 
+# Modules whose survivors of the SQLite run are tried again against the PostgreSQL cases alone
+# (`-m postgresql`) where PACKBENCH_TEST_PG_URL is set: the claim and the reapers have code that runs
+# on PostgreSQL only (claim_postgresql, FOR UPDATE SKIP LOCKED), and every PostgreSQL case migrates a
+# fresh schema (about 2 s), too slow to run for every mutant. Without the variable: SQLite alone.
+PG_ENV = "PACKBENCH_TEST_PG_URL"
+POSTGRESQL_STAGE = ("db/queue.py",)
+
 # Modules whose runs keep real fsyncs: the rest load tests/mutate_nofsync.py (disk flushes of
 # the archives the tests write are most of their time, and no mutant of theirs touches one).
 KEEP_FSYNC = ("core/archive/",)
 
 
-def _settings(module: str, tests: list[str]) -> str:
+def _settings(module: str, tests: list[str], *, postgresql: bool = False) -> str:
     pattern = f"packbench/{module}*" if module.endswith("/") else f"packbench/{module}"
     fast = [] if module in KEEP_FSYNC else ["-p", "tests.mutate_nofsync"]
+    marks = "postgresql and not gpu and not ray" if postgresql else "not gpu and not ray"
     lines = [
         "[tool.mutmut]",
         'source_paths = ["packbench"]',
         f"only_mutate = [{json.dumps(pattern)}]",
         f"pytest_add_cli_args_test_selection = {json.dumps(tests)}",
         # -x: one failing test kills the mutant; no cache writes from forked runs
-        f"pytest_add_cli_args = {json.dumps(['-x', '-q', '-p', 'no:cacheprovider', *fast, '-m', 'not gpu and not ray'])}",
+        f"pytest_add_cli_args = {json.dumps(['-x', '-q', '-p', 'no:cacheprovider', *fast, '-m', marks])}",
         "use_git_change_detection = false",
         f"also_copy = {json.dumps(list(ALSO))}",
     ]
     return "\n".join(lines) + "\n"
 
 
-def _prepare(module: str) -> Path:
-    d = WORK / module.strip("/").replace("/", "-")
+def _prepare(module: str, *, postgresql: bool = False) -> Path:
+    d = WORK / (module.strip("/").replace("/", "-") + ("-postgresql" if postgresql else ""))
     d.mkdir(parents=True, exist_ok=True)
     (WORK / ".gitignore").write_text("*\n")  # scratch: never committed
     for name in ("packbench", "tests", *ALSO):
         link = d / name
         if not link.exists():
             link.symlink_to(ROOT / name)
-    settings = _settings(module, MODULES[module])
+    settings = _settings(module, MODULES[module], postgresql=postgresql)
     path = d / "pyproject.toml"
     if not path.exists() or path.read_text() != settings:
         path.write_text(settings)
@@ -114,6 +124,7 @@ def run(module: str, *, retry_only: bool = False) -> dict:
     # test of 4 s ran into mutmut's 70 s wall limit, counted a timeout, i.e. a kill).
     env = {**os.environ, "RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "disabled"),
            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    pg_url = env.pop(PG_ENV, None)  # the SQLite run never runs the PostgreSQL cases (stage below)
     if not retry_only:
         ran = subprocess.run(_mutmut() + ["run", "--max-children", "1"], cwd=d, env=env)
         if ran.returncode != 0:  # e.g. the clean run of its tests failed: named, the next module still runs
@@ -128,8 +139,19 @@ def run(module: str, *, retry_only: bool = False) -> dict:
     everything = _results(d)
     # "not checked": the run was stopped before it came to them (a rerun resumes there)
     statuses = {n: s for n, s in everything.items() if s not in NOT_RUN}
-    killed = sum(s in KILLED for s in statuses.values())
-    survivors = sorted(n for n, s in statuses.items() if s not in KILLED)
+    by_postgresql = 0
+    if module in POSTGRESQL_STAGE and pg_url:
+        alive = [n for n, s in statuses.items() if s not in KILLED]
+        d_pg = _prepare(module, postgresql=True)
+        if alive:
+            subprocess.run(_mutmut() + ["run", "--max-children", "1", *alive], cwd=d_pg,
+                           env={**env, PG_ENV: pg_url}, stdout=subprocess.DEVNULL)
+            for name, status in _results(d_pg).items():
+                if name in alive and status in KILLED:
+                    statuses[name] = f"{status} (postgresql)"
+                    by_postgresql += 1
+    killed = sum(s.split(" ")[0] in KILLED for s in statuses.values())
+    survivors = sorted(n for n, s in statuses.items() if s.split(" ")[0] not in KILLED)
     # each survivor's diff, to judge it equivalent or write the test that kills it (about a
     # second each: MUTATE_DIFFS=0 leaves them out)
     if os.environ.get("MUTATE_DIFFS", "1") != "0":
@@ -137,6 +159,7 @@ def run(module: str, *, retry_only: bool = False) -> dict:
             for name in survivors:
                 f.write(subprocess.run(_mutmut() + ["show", name], cwd=d, capture_output=True, text=True).stdout)
     return {"module": module, "mutants": len(statuses), "killed": killed, "not_run": len(everything) - len(statuses),
+            "killed_by_postgresql_cases": by_postgresql,
             "score": round(100 * killed / len(statuses), 1) if statuses else None,
             "not_killed": {n: statuses[n] for n in survivors}}
 
@@ -163,6 +186,8 @@ def main(argv: list[str]) -> int:
     killed = sum(s["killed"] for s in scores.values())
     for s in scores.values():
         rest = f"; {s['not_run']} not run yet" if s.get("not_run") else ""
+        if s.get("killed_by_postgresql_cases"):
+            rest += f"; {s['killed_by_postgresql_cases']} of the kills by the PostgreSQL cases"
         print(f"{s['module']:24} {s['killed']:5} / {s['mutants']:5} killed ({s['score']} %){rest}")
         for name, status in s["not_killed"].items():
             print(f"    {status:10} {name}")
