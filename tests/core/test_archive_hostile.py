@@ -1164,3 +1164,127 @@ def test_records_holding_values_no_writer_record_can_hold_are_one_layout_problem
             None, "layout", "layout: the zip records hold values the writer never writes ('L' format requires "
                             "0 <= number <= 4294967295)")]
         assert r.read_bytes("m.bin") == data
+
+
+# ----------------------------------------------------------------------------- what zlib and the file do rarely
+
+
+class _HoldingBack:
+    """zlib's raw inflater, but the output of the input it is given comes only when it is asked
+    with b"" after the last input, `piece` bytes at a time (within the output bound asked for):
+    what zlib does with output pending behind a bound, drawn out."""
+
+    piece = 1000
+    unconsumed_tail = b""  # every input is taken
+    _zlib_inflater = staticmethod(zlib.decompressobj)  # zlib's own, while the test patches zlib.decompressobj
+
+    def __init__(self, wbits: int) -> None:
+        self._inflate = self._zlib_inflater(wbits)
+        self._held = b""
+
+    def decompress(self, data: bytes, max_length: int = 0) -> bytes:
+        if data:
+            self._held += self._inflate.decompress(data)
+            return b""
+        cut = min(self.piece, max_length or self.piece)
+        out, self._held = self._held[:cut], self._held[cut:]
+        return out
+
+    @property
+    def eof(self) -> bool:
+        return self._inflate.eof and not self._held
+
+    @property
+    def unused_data(self) -> bytes:
+        return self._inflate.unused_data
+
+
+class _Stuck:
+    """An inflater that takes none of its input and gives no output. zlib never does (with room
+    for output it takes input or stops at the stream's end); the reader refuses it rather than
+    loop forever."""
+
+    eof = False
+    unused_data = b""
+
+    def __init__(self, wbits: int) -> None:
+        self.unconsumed_tail = b""
+
+    def decompress(self, data: bytes, max_length: int = 0) -> bytes:
+        self.unconsumed_tail = bytes(data)
+        return b""
+
+
+@pytest.mark.parametrize("case", ["zlib past 1 MiB", "held back in pieces"])
+def test_output_zlib_holds_back_after_the_last_input_is_read_whole(tmp_path: Path, monkeypatch, case: str):
+    """Output still pending once the whole stream is taken is read to the end: by zlib itself for
+    a member 5 bytes past 1 MiB (the first inflate fills its 1 MiB bound and takes all of the
+    stream), and by an inflater that gives everything only after the last input, in pieces.
+    Read gives the content, verify finds nothing. Catches the output after the last input
+    dropped (refused as truncated) or not handed on."""
+    import packbench.core.archive.reader as reader
+    if case == "zlib past 1 MiB":
+        data = bytes((1 << 20) + 5)
+    else:
+        data = b"".join(b"row %05d packbench\n" % i for i in range(1000))
+        monkeypatch.setattr(reader.zlib, "decompressobj", _HoldingBack)
+    path = tmp_path / "h.zip"
+    w = ArchiveWriter(path)
+    w.add_bytes("m.bin", data)
+    w.seal({})
+    with ArchiveReader(path) as r:
+        assert r._data_at  # the writer's layout: read straight from the file
+        assert r.read_bytes("m.bin") == data
+        assert r.verify() == []
+
+
+def test_a_deflate_stream_that_makes_no_progress_is_refused_not_looped_on(tmp_path: Path, monkeypatch):
+    """An inflater that takes nothing and gives nothing with input left: read refuses the member
+    with the cause, verify names it unreadable with the cause, and neither loops. Catches the
+    cause's words lost."""
+    import packbench.core.archive.reader as reader
+    content = b"packbench " * 300
+    path = _one_deflated_member(tmp_path / "s.zip", "m.bin", content, _raw_deflate(content))
+    monkeypatch.setattr(reader.zlib, "decompressobj", _Stuck)
+    assert _read_failure(path, "m.bin") == _unreadable(path, "m.bin", "the DEFLATE stream makes no progress")
+
+
+def test_a_member_the_file_fails_to_give_is_named_with_the_os_error(tmp_path: Path, monkeypatch):
+    """The archive opens, then reading a member's bytes fails (an I/O error of the disk): read
+    refuses the member with the error's type and words, verify names it unreadable with the
+    same, one line each, no traceback. Catches the OS error's cause lost or mangled."""
+    import errno
+    import packbench.core.archive.reader as reader
+    data = b"0123456789" * 3
+    path = _stored_exact(tmp_path / "io.zip", b"m.bin", data, size=len(data), csize=len(data))
+
+    def eio(fd: int, n: int, at: int) -> bytes:
+        raise OSError(errno.EIO, os.strerror(errno.EIO))
+
+    with ArchiveReader(path) as r:
+        assert r._data_at  # the writer's layout: read with os.pread
+        monkeypatch.setattr(reader.os, "pread", eio)
+        with pytest.raises(ArchiveError) as e:
+            r.read_bytes("m.bin")
+        found = [p for p in r.verify() if p.member == "m.bin" and p.kind != "layout"]
+    assert (str(e.value), found) == _unreadable(path, "m.bin", "OSError: [Errno 5] Input/output error")
+
+
+def test_a_long_layout_error_is_named_in_one_line_of_its_first_200_characters(tmp_path: Path, monkeypatch):
+    """Checking the layout fails with a cause of several lines and over 200 characters: the
+    archive still opens, its members are read through zipfile, and the layout problem holds the
+    cause on one line, cut at 200 characters. Catches the cut moved or dropped."""
+    import packbench.core.archive.reader as reader
+    cause = "field out of range\n" + "x" * 300
+
+    def failing(*args: object) -> None:
+        raise ValueError(cause)
+
+    data = b"0123456789"
+    path = _stored_exact(tmp_path / "l.zip", b"m.bin", data, size=len(data), csize=len(data))
+    monkeypatch.setattr(reader, "layout_problems", failing)
+    with ArchiveReader(path) as r:
+        assert r._data_at == {}
+        assert r._layout == [Problem(None, "layout", "layout: the zip records hold values the writer never writes "
+                                                     "(field out of range\\n" + "x" * 180 + ")")]
+        assert r.read_bytes("m.bin") == data
