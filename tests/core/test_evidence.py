@@ -5,6 +5,7 @@ forged the way a suspicious reviewer would: by hand with the writer's own zip he
 zipfile, or re-sealed consistently (manifest recomputed) so only the new checks can object.
 """
 
+import hashlib
 import io
 import json
 import os
@@ -391,6 +392,25 @@ def test_the_checkpoint_digest_pins_every_file(tmp_path):
     first = checkpoint_digest(d)
     assert first == checkpoint_digest(d)
     (d / "model.safetensors").write_bytes(b"\0" * 99 + b"\1")  # same size, other weights
+    assert checkpoint_digest(d) != first
+
+
+def test_the_checkpoint_digest_is_its_documented_formula_and_pins_each_files_name(tmp_path):
+    """checkpoint_digest's contract: SHA-256 of the scheme line, then `path NUL size NUL
+    sha256(bytes) LF` per file in sorted relative-path order; so two checkpoints whose files
+    hold the same bytes under other names (shards swapped, a file renamed) differ. Catches the
+    planted bug "provenance: checkpoint digest without file names"."""
+    d = tmp_path / "ckpt"
+    (d / "sub").mkdir(parents=True)
+    files = {"config.json": b"{}", "model-1.safetensors": b"\0" * 7, "sub/z.bin": b"\1\2"}
+    for name, data in files.items():
+        (d / name).write_bytes(data)
+    h = hashlib.sha256(b"packbench-checkpoint-v1\n")
+    for name in sorted(files):
+        h.update(f"{name}\0{len(files[name])}\0{hashlib.sha256(files[name]).hexdigest()}\n".encode())
+    assert checkpoint_digest(d) == h.hexdigest()
+    first = checkpoint_digest(d)
+    (d / "model-1.safetensors").rename(d / "model-2.safetensors")  # same bytes, another name
     assert checkpoint_digest(d) != first
 
 

@@ -144,6 +144,15 @@ def test_forged_times_are_caught_within_the_stated_tolerance():
     assert rx.compare_times({"packet": ([0.50], [1.2])}, factor=3)[0] == []
 
 
+def test_a_re_run_faster_than_the_factor_is_out_of_tolerance_too():
+    """The medians must agree within the factor *either way* (module docstring): a re-run 4x
+    faster than the archive says is as suspect as one 4x slower (an archive whose times were
+    inflated). Catches the planted bug "reexecute: only a slower re-run is out of tolerance"."""
+    problems, _ = rx.compare_times({"packet": ([1.0, 1.2], [0.25, 0.3]), "dense-stream": ([1.0], [0.5])})
+    assert problems == ["condition packet: median episode wall 0.2750 s re-executed against 1.1000 s archived "
+                        "(tolerance 2x or 10 ms)"]
+
+
 def test_a_different_checkpoint_or_parameter_bytes_are_named():
     archived = {"model_sha256": "a" * 64, "param_bytes": 10, "device_param_bytes": 4, "host_outgoing_bytes": 6}
     assert rx.compare_start(archived, dict(archived)) == []
