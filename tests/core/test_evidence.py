@@ -381,6 +381,23 @@ def test_malformed_signature_files_are_reported(tmp_path, keys):
         assert check.status == "malformed" and check.line.startswith("signature: ")
 
 
+def test_an_envelope_not_in_canonical_json_is_malformed(screen, tmp_path, keys):
+    """The .sig file holds one canonical JSON object (core/provenance.py): the same envelope
+    re-serialised (indented, keys reordered) is not one, even though every field and the
+    signature itself still check. Catches the planted bug "signature: a non-canonical envelope
+    accepted"."""
+    path = signed_copy(screen, tmp_path, keys["a"], "loose.zip")
+    sig = signature_path(path)
+    env = json.loads(sig.read_bytes())
+    assert audit_archive(path, trust=[keys["a_pub"]]).record["signature"]["status"] == "valid"
+    sig.write_bytes(json.dumps(dict(reversed(list(env.items()))), indent=1).encode())
+    with ArchiveReader(path) as r:
+        manifest_sha = hashlib.sha256(r.read_bytes(MANIFEST_NAME)).hexdigest()
+    check = check_signature(sig, archive_sha256=file_sha256(path), manifest_sha256=manifest_sha,
+                            trusted=[keys["a_pub"]])
+    assert (check.status, check.line) == ("malformed", "signature: loose.zip.sig is not a packbench-ed25519-v1 envelope")
+
+
 # ----------------------------------------------------------------------------- 6. what was measured
 
 

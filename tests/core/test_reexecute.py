@@ -135,6 +135,17 @@ def test_failed_episodes_must_fail_the_same_way():
     assert "RuntimeError" in rx.compare_episode(2, archived, None, other)[0]
 
 
+def test_a_reference_with_no_finished_episode_is_not_run_twice(proto, entries):
+    """The reference runs twice only from an ok episode (Draw: "None: no ok reference drawn"):
+    a failed one reproduces no logits to compare, and its failure is judged as any other drawn
+    failure. Catches the planted bug "reexecute: a failed reference episode run twice"."""
+    statuses = {e["index"]: "failed" if e["condition"] == proto.reference else "ok" for e in entries}
+    d = rx.draw(proto, entries, statuses, 2, seed=0)
+    by = {e["index"]: e for e in entries}
+    assert proto.reference in {by[i]["condition"] for i in d.episodes}  # its failure is drawn, to fail again
+    assert d.reference_twice is None
+
+
 def test_forged_times_are_caught_within_the_stated_tolerance():
     problems, medians = rx.compare_times({"packet": ([0.50, 0.52, 0.49], [1.2, 1.1]),
                                           "dense-stream": ([1.0, 1.1], [1.6, 1.5]),
