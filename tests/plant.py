@@ -5,7 +5,9 @@ named for each fail (docs/mutation.md). The checkout itself is never edited.
     python tests/plant.py dispersion # those whose name holds a word
 
 Each bug is (name, file, the text replaced, its replacement, the tests that must fail). A bug
-whose text is no longer in its file is reported as stale: the table must follow the code.
+whose text is no longer in its file is reported as stale: the table must follow the code. The
+named tests run twice in the copy, first without the bug (they must pass: a test that fails
+anyway, say for a file the copy lacks, would call every bug caught), then with it.
 Not a test file (pytest collects test_*.py only).
 """
 
@@ -136,18 +138,33 @@ BUGS: list[tuple[str, str, str, str, list[str]]] = [
 ]
 
 
+# What the scratch copy holds: every tracked part a test reads (tests read protocols/*.yaml, the
+# docs' examples and README's commands; a test that cannot find them fails whatever is planted).
+COPIED_DIRS = ("packbench", "tests", "bench", "protocols", "docs")
+COPIED_FILES = ("pyproject.toml", "README.md", "Makefile")
+
+
 def plant(name: str, file: str, old: str, new: str, tests: list[str]) -> str:
     source = (ROOT / file).read_text()
     if source.count(old) != 1:
         return "stale (the replaced text is not in the file exactly once)"
     with tempfile.TemporaryDirectory(prefix="plant-") as tmp:
-        for part in ("packbench", "tests", "bench"):
+        for part in COPIED_DIRS:
             shutil.copytree(ROOT / part, Path(tmp) / part, ignore=shutil.ignore_patterns("__pycache__"))
-        shutil.copy(ROOT / "pyproject.toml", tmp)
-        (Path(tmp) / file).write_text(source.replace(old, new))
+        for part in COPIED_FILES:
+            shutil.copy(ROOT / part, tmp)
         env = {**os.environ, "PYTHONPATH": tmp, "RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "disabled")}
-        out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rf", "-p", "no:cacheprovider", *tests],
-                             cwd=tmp, env=env, capture_output=True, text=True)
+
+        def pytest() -> subprocess.CompletedProcess:
+            return subprocess.run([sys.executable, "-m", "pytest", "-q", "-rf", "-p", "no:cacheprovider", *tests],
+                                  cwd=tmp, env=env, capture_output=True, text=True)
+
+        # Without the bug the named tests must pass: one that fails anyway would call any bug caught.
+        clean = pytest()
+        if clean.returncode != 0:
+            return f"BASELINE FAILS (pytest exit {clean.returncode} without the bug)"
+        (Path(tmp) / file).write_text(source.replace(old, new))
+        out = pytest()
     if out.returncode != 1:
         return f"NOT CAUGHT (pytest exit {out.returncode})"
     failed = {line.split()[1].split("[")[0] for line in out.stdout.splitlines() if line.startswith("FAILED ")}
