@@ -160,3 +160,29 @@ def test_busy_hosts_name_the_run_whose_host_was_busy():
         "the archived run's host was busy with other processes in 1 of 2 episodes (up to 1.4 cores)",)
     assert _busy_hosts([quiet], [{**quiet, "host_workers": [[7, "cpu"]]}]) == (
         "the re-run's host was shared with other packbench workers in 1 of 1 episodes",)
+
+
+def test_repeated_audits_that_agree_with_different_digests_exit_1(monkeypatch):
+    """`audit --repeat N`: exit 1 when repeated audits differ, though each agrees on its own
+    (the command's docstring and README: "1 ... machines disagree"); the line names the screen.
+    Catches the planted bug "audit cli: repeated audits with different digests exit 0"."""
+    from types import SimpleNamespace
+
+    import typer
+
+    import packbench.cli.audit_cmd as audit_cmd
+
+    monkeypatch.setattr(audit_cmd, "_print_audit", lambda o, **_: None)
+    lines = []
+    monkeypatch.setattr(audit_cmd.typer, "echo", lambda line, err=False: lines.append(line))
+
+    def audit(digest):
+        report = SimpleNamespace(digest=digest, agrees=True, unreadable=False)
+        return SimpleNamespace(screen_id=3, report=report, agrees=True, unfinished=False, record_error=None)
+
+    audit_cmd._finish([audit("a" * 64), audit("a" * 64)], json_out=False)  # the same digest twice: exit 0
+    assert lines == []
+    with pytest.raises(typer.Exit) as e:
+        audit_cmd._finish([audit("a" * 64), audit("b" * 64)], json_out=False)
+    assert e.value.exit_code == 1
+    assert lines == ["problem: screen 3: repeated audits gave 2 different digests"]

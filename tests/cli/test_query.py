@@ -153,6 +153,11 @@ def test_results_limit_says_more_matched(db):
     assert "--limit 0" in result.stderr
     result = invoke(db, "results", "--limit", "0", "--json")
     assert len(json.loads(result.stdout)) == 8 and result.stderr == ""
+    # Exactly the limit matched: nothing more to say (catches the planted bug "results --limit:
+    # the note printed when exactly the limit matched"); one fewer, and more matched.
+    result = invoke(db, "results", "--limit", "8", "--json")
+    assert len(json.loads(result.stdout)) == 8 and result.stderr == ""
+    assert "--limit 0" in invoke(db, "results", "--limit", "7", "--json").stderr
 
 
 def test_screens_list_and_show(db):
@@ -563,7 +568,9 @@ def tiered(tmp_path_factory) -> Path:
                                           node="n", gpu_name="cpu", gpu_index=0, machine_id=box,
                                           source_freeze={}, archive_path="a.zip")
             fid = {"mean_kl": kl, "p99_kl": 2 * kl, "top1": top1, "max_abs_logit": 0.5, "divergence_step": step}
-            store.put_episodes(attempt.id, [episode(0, "dense-stream"), {**episode(1, "int8", h2d=0), "fidelity": fid},
+            # The first int8 episode agrees a little more often: the compared top-1 is the worst one's.
+            store.put_episodes(attempt.id, [episode(0, "dense-stream"),
+                                            {**episode(1, "int8", h2d=0), "fidelity": {**fid, "top1": min(1.0, top1 + 0.125)}},
                                             episode(2, "dense-stream"),
                                             {**episode(3, "int8", h2d=0), "fidelity": {**fid, "mean_kl": kl / 2}}])
             store.finish_attempt(attempt.id, status="done", archive_sha256="e" * 64)
@@ -590,6 +597,8 @@ def test_compare_labels_tiers_and_compares_fidelity(tiered):
     kl = metrics["int8", "fidelity_mean_kl_max"]
     assert (kl["a"], kl["b"]) == (0.001, 0.004) and kl["ratio"] == pytest.approx(4.0)
     assert metrics["int8", "fidelity_mean_kl_mean"]["a"] == pytest.approx(0.00075)
+    # The worst scored episode's top-1 (0.75, not screen 2's other 0.875): catches the planted bug
+    # "compare: the best top-1 shown, not the worst".
     assert (metrics["int8", "fidelity_top1_min"]["b"], metrics["int8", "fidelity_divergence_step_min"]["b"]) == (0.75, 3)
     assert metrics["int8", "fidelity_divergence_step_min"]["a"] is None  # never diverged
     assert not any(m.startswith("fidelity") for c, m in metrics if c == "dense-stream")

@@ -5,6 +5,7 @@ forged the way a suspicious reviewer would: by hand with the writer's own zip he
 zipfile, or re-sealed consistently (manifest recomputed) so only the new checks can object.
 """
 
+import hashlib
 import io
 import json
 import os
@@ -380,6 +381,23 @@ def test_malformed_signature_files_are_reported(tmp_path, keys):
         assert check.status == "malformed" and check.line.startswith("signature: ")
 
 
+def test_an_envelope_not_in_canonical_json_is_malformed(screen, tmp_path, keys):
+    """The .sig file holds one canonical JSON object (core/provenance.py): the same envelope
+    re-serialised (indented, keys reordered) is not one, even though every field and the
+    signature itself still check. Catches the planted bug "signature: a non-canonical envelope
+    accepted"."""
+    path = signed_copy(screen, tmp_path, keys["a"], "loose.zip")
+    sig = signature_path(path)
+    env = json.loads(sig.read_bytes())
+    assert audit_archive(path, trust=[keys["a_pub"]]).record["signature"]["status"] == "valid"
+    sig.write_bytes(json.dumps(dict(reversed(list(env.items()))), indent=1).encode())
+    with ArchiveReader(path) as r:
+        manifest_sha = hashlib.sha256(r.read_bytes(MANIFEST_NAME)).hexdigest()
+    check = check_signature(sig, archive_sha256=file_sha256(path), manifest_sha256=manifest_sha,
+                            trusted=[keys["a_pub"]])
+    assert (check.status, check.line) == ("malformed", "signature: loose.zip.sig is not a packbench-ed25519-v1 envelope")
+
+
 # ----------------------------------------------------------------------------- 6. what was measured
 
 
@@ -391,6 +409,25 @@ def test_the_checkpoint_digest_pins_every_file(tmp_path):
     first = checkpoint_digest(d)
     assert first == checkpoint_digest(d)
     (d / "model.safetensors").write_bytes(b"\0" * 99 + b"\1")  # same size, other weights
+    assert checkpoint_digest(d) != first
+
+
+def test_the_checkpoint_digest_is_its_documented_formula_and_pins_each_files_name(tmp_path):
+    """checkpoint_digest's contract: SHA-256 of the scheme line, then `path NUL size NUL
+    sha256(bytes) LF` per file in sorted relative-path order; so two checkpoints whose files
+    hold the same bytes under other names (shards swapped, a file renamed) differ. Catches the
+    planted bug "provenance: checkpoint digest without file names"."""
+    d = tmp_path / "ckpt"
+    (d / "sub").mkdir(parents=True)
+    files = {"config.json": b"{}", "model-1.safetensors": b"\0" * 7, "sub/z.bin": b"\1\2"}
+    for name, data in files.items():
+        (d / name).write_bytes(data)
+    h = hashlib.sha256(b"packbench-checkpoint-v1\n")
+    for name in sorted(files):
+        h.update(f"{name}\0{len(files[name])}\0{hashlib.sha256(files[name]).hexdigest()}\n".encode())
+    assert checkpoint_digest(d) == h.hexdigest()
+    first = checkpoint_digest(d)
+    (d / "model-1.safetensors").rename(d / "model-2.safetensors")  # same bytes, another name
     assert checkpoint_digest(d) != first
 
 

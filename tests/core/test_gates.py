@@ -56,6 +56,21 @@ def test_faithfulness_passes_on_identical_logits_and_covers_warmups():
     assert v["passed"] and v["value"] == 0.0 and v["episodes"] == [1, 2, 3] and v["interval"] is None
 
 
+def test_faithfulness_compares_against_the_first_scored_reference_of_the_prompt():
+    """The canonical reference of a prompt is its *first* scored reference episode (faithfulness's
+    docstring): a later repetition that drifted is judged against it, and so is the condition, so
+    the drift shows on the reference's own verdict and not as the condition's. Catches the planted
+    bug "faithfulness: the last scored reference episode kept"."""
+    drifted = np.ones((2, 4), np.float32)
+    drifted[0, 1] = 1.5
+    eps = [ep(0, "dense", "scored", 0, rep=0), ep(1, "packet", "scored", 0, rep=0),
+           ep(2, "dense", "scored", 0, rep=1, logits=drifted), ep(3, "packet", "scored", 0, rep=1)]
+    v = faithfulness(eps, reference="dense", condition="packet")
+    assert (v["passed"], v["value"], v["episodes"]) == (True, 0.0, [0, 1, 3])
+    own = faithfulness(eps, reference="dense", condition="dense")
+    assert (own["passed"], own["value"], own["episodes"]) == (False, 0.5, [0, 2])
+
+
 def test_faithfulness_fails_on_one_ulp_and_passes_at_the_tolerance_boundary():
     logits = np.ones((2, 4), np.float32)
     logits[1, 2] = np.nextafter(np.float32(1), np.float32(2))

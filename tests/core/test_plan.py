@@ -134,3 +134,17 @@ def test_arrange_orders():
     assert arrange([], 5, "latin-square") == []
     with pytest.raises(ValueError, match="unknown order"):
         arrange(names, 0, "zigzag")
+
+
+def test_prompt_ids_must_lie_inside_the_vocabulary():
+    """A prompt's ids index the embedding: each must be < vocab (ids 0..vocab-1); a generator draws
+    from [4, vocab). Catches the planted bug "plan: a prompt id equal to the vocabulary accepted"."""
+    from packbench.core.plan import prompts
+
+    data = copy.deepcopy(body())
+    data["prompts"] = {"token_ids": [[2, 3, 4, 99]]}
+    assert prompts(data, vocab=100) == [[2, 3, 4, 99]]
+    with pytest.raises(ValueError, match="prompt token id 100 is outside the model's vocabulary of 100"):
+        prompts({**data, "prompts": {"token_ids": [[2, 3, 4, 100]]}}, vocab=100)
+    drawn = prompts(body(prompts=50), vocab=6)
+    assert {t for p in drawn for t in p[1:]} == {4, 5} and {p[0] for p in drawn} == {2}

@@ -135,6 +135,17 @@ def test_failed_episodes_must_fail_the_same_way():
     assert "RuntimeError" in rx.compare_episode(2, archived, None, other)[0]
 
 
+def test_a_reference_with_no_finished_episode_is_not_run_twice(proto, entries):
+    """The reference runs twice only from an ok episode (Draw: "None: no ok reference drawn"):
+    a failed one reproduces no logits to compare, and its failure is judged as any other drawn
+    failure. Catches the planted bug "reexecute: a failed reference episode run twice"."""
+    statuses = {e["index"]: "failed" if e["condition"] == proto.reference else "ok" for e in entries}
+    d = rx.draw(proto, entries, statuses, 2, seed=0)
+    by = {e["index"]: e for e in entries}
+    assert proto.reference in {by[i]["condition"] for i in d.episodes}  # its failure is drawn, to fail again
+    assert d.reference_twice is None
+
+
 def test_forged_times_are_caught_within_the_stated_tolerance():
     problems, medians = rx.compare_times({"packet": ([0.50, 0.52, 0.49], [1.2, 1.1]),
                                           "dense-stream": ([1.0, 1.1], [1.6, 1.5]),
@@ -142,6 +153,15 @@ def test_forged_times_are_caught_within_the_stated_tolerance():
     assert [p.split(":")[0] for p in problems] == ["condition packet"]
     assert medians["packet"] == {"archived_s": 0.5, "reexecuted_s": pytest.approx(1.15)}
     assert rx.compare_times({"packet": ([0.50], [1.2])}, factor=3)[0] == []
+
+
+def test_a_re_run_faster_than_the_factor_is_out_of_tolerance_too():
+    """The medians must agree within the factor *either way* (module docstring): a re-run 4x
+    faster than the archive says is as suspect as one 4x slower (an archive whose times were
+    inflated). Catches the planted bug "reexecute: only a slower re-run is out of tolerance"."""
+    problems, _ = rx.compare_times({"packet": ([1.0, 1.2], [0.25, 0.3]), "dense-stream": ([1.0], [0.5])})
+    assert problems == ["condition packet: median episode wall 0.2750 s re-executed against 1.1000 s archived "
+                        "(tolerance 2x or 10 ms)"]
 
 
 def test_a_different_checkpoint_or_parameter_bytes_are_named():

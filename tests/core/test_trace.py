@@ -201,6 +201,17 @@ def test_early_forecast_host_and_device_by_hand():
     assert _per_call("early-forecast", {"gather": "device"}, "d2h_bytes") == [[16, 16]] * 3
 
 
+def test_a_prefill_after_decode_calls_is_never_forecast():
+    """early-forecast forecasts decode calls only, with either gather (engine/policies: a prefill
+    has no forecast): an episode's later prefill (a second pass) sends its whole demand after fc1,
+    nothing wasted. Catches the planted bug "simulate: device early-forecast forecasts prefill"."""
+    t = opt_trace([[[0, 1]], [[1, 2]], [[2, 3]]], phases=["prefill", "decode", "prefill"], layers=1)
+    for gather in ("host", "device"):
+        # decode: {0, 1} forecast, {1, 2} active: 0 wasted, 2 sent after fc1 (3 rows in all)
+        assert _per_call("early-forecast", {"gather": gather}, "rows_copied", t) == [[2], [3], [2]], gather
+        assert _per_call("early-forecast", {"gather": gather}, "rows_wasted", t) == [[0], [1], [0]], gather
+
+
 def test_every_episode_starts_with_a_fresh_policy():
     # Two episodes of the same prefill: the second's cache and forecast start empty, as a screen's
     # fresh policy per episode does. Catches state carried across episodes.
@@ -306,6 +317,22 @@ def test_forecast_sets_round_trip_and_old_files_still_read(tmp_path):
     bad = {**good, "forecast_offsets.npy": _npy(np.array([0, 1, 3, 3, 5, 5, 7, 7, 9], dtype="<i8")),
            "forecast_indices.npy": _npy(np.array([3, 0, 2, 2, 3, 1, 2, 0, 3], dtype="<u4"))}
     _refused(tmp_path, _zip(bad), "layer 0")
+
+
+def test_no_forecast_is_made_for_or_after_a_layer_without_experts(tmp_path):
+    """A forecast for layer l comes from layer l-1's MoE input: none for layer 0, a dense layer, or
+    the layer after a dense one (core/trace.py), and a file that holds one there is refused.
+    Catches the planted bug "trace: forecast after a dense layer allowed"."""
+    model = TraceModel(family="mixtral", unit="expert", layers=4, units=4, unit_bytes=1000, k=2,
+                       layers_without_units=(2,))
+    assert [tr.forecast_possible(model, layer) for layer in range(4)] == [False, True, False, False]
+    a = lambda *ids: np.array(ids, dtype=np.int64)  # noqa: E731
+    sets = [[a(0, 1), a(2, 3), a(), a(0, 3)]]
+    t = Trace(model=model, calls=[TraceCall(0, "prefill", 2)], sets=sets, forecasts=[[a(), a(2), a(), a(0)]])
+    with pytest.raises(TraceError, match="call 0 has a forecast for layer 3, where none can be made"):
+        trace_bytes(t)  # the writer reads back what it wrote
+    t.forecasts[0][3] = a()
+    assert [f.tolist() for f in reread(t).forecasts[0]] == [[], [2], [], []]
 
 
 def test_expert_cache_specs_are_checked():

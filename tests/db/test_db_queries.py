@@ -57,8 +57,10 @@ def set_started(url: str, attempt_id: int, when: datetime) -> None:
     engine = make_engine(url)
     try:
         with engine.begin() as connection:
-            # Stored the way UtcDateTime stores it (naive UTC on SQLite).
-            value = when.replace(tzinfo=None) if connection.dialect.name == "sqlite" else when
+            # Stored the way UtcDateTime stores it: on SQLite naive UTC text in SQLAlchemy's format, with
+            # microseconds (sqlite3's own adapter drops ".000000", and text compares it below its instant).
+            value = (when.astimezone(UTC).replace(tzinfo=None).isoformat(" ", "microseconds")
+                     if connection.dialect.name == "sqlite" else when)
             connection.execute(text("UPDATE attempts SET started_at = :t WHERE id = :id"), {"t": value, "id": attempt_id})
     finally:
         engine.dispose()
@@ -155,6 +157,10 @@ def test_results_without_filters_lists_every_episode_in_order(seeded):
         (dict(since=datetime(2026, 2, 1, tzinfo=UTC)), "s2"),
         (dict(until=parse_when("2026-01-10", option="--until", end=True)), "s1"),  # a bare date includes the day
         (dict(until=parse_when("2026-01-10", option="--until")), None),
+        # since <= started_at < until: an attempt started at the --until instant is left out (catches
+        # the planted bug "results: --until includes its instant"), one started at --since kept.
+        (dict(until=FEB), "s1"),
+        (dict(since=FEB), "s2"),
     ],
 )
 def test_results_filters_pick_screens(seeded, filters, expected):

@@ -112,6 +112,24 @@ def test_a_packet_carries_only_the_routed_experts(checkpoints):
     assert not (moved.logits[1] == base.logits[1]).all()
 
 
+def test_device_bytes_charge_each_policys_workspace_and_packet(checkpoints):
+    """What each MoE policy holds on the device is charged to the allowance: one layer's workspace
+    for dense-stream and the packets, plus, for `packet {gather: host}` and its phase-switched
+    twin, the device twin of the staging packet (every expert of a layer and its int64 id);
+    resident holds every layer's experts. Catches the planted bug "moe packet host gather:
+    staging not charged"."""
+    model = CpuFirstMoE(checkpoints[("qwen3-moe-tiny", "float32")], dtype=torch.float32, device=torch.device("cpu"))
+    host = model.host
+    layer, packet = host.layer_bytes, host.experts * (8 + host.expert_bytes)
+    moe_layers = sum(host.has_experts(i) for i in range(host.layers))
+    for name, params, want in (("resident", {}, moe_layers * layer), ("dense-stream", {}, layer),
+                               ("packet", {"gather": "host"}, layer + packet), ("packet", {"gather": "device"}, layer),
+                               ("phase-switched", {"gather": "host"}, layer + packet),
+                               ("phase-switched", {"gather": "device"}, layer)):
+        model.use(name, **params)
+        assert model.slot.policy.device_bytes() == want, (name, params)
+
+
 def test_opt_only_policies_and_formats_are_refused(checkpoints):
     model = CpuFirstMoE(checkpoints[("mixtral-tiny", "float32")], dtype=torch.float32, device=torch.device("cpu"))
     with pytest.raises(MoeCheckpointError, match="does not fit an MoE model"):

@@ -306,6 +306,35 @@ def test_a_hot_set_on_the_device_and_the_rest_on_the_host(moe_checkpoints, shape
         HostExperts(hot=-1)
 
 
+def test_a_hot_sets_tie_goes_to_the_lower_id_and_a_split_call_charges_every_tensor_sent():
+    """host-experts {hot: 1} on a stated routing, with a stand-in for the stock loop: experts 1 and
+    2 tie for the most tokens, so the lower id is held (HostExperts: "ties to the lower id"); the
+    prefill charges that expert and the E token counts, and its split call sends the ids, the
+    hidden states and the routing weights down and the host's outputs up (module docstring).
+    Catches the planted bugs "host-experts: a tie for the hot set goes to the higher id" and
+    "host-experts: the routed ids sent down not charged"."""
+    from types import SimpleNamespace
+
+    from packbench.engine.moe.host_experts import HostExperts
+
+    experts, hidden, inter, tokens, k = 4, 3, 2, 2, 2
+    host = SimpleNamespace(experts=experts, expert_bytes=3 * hidden * inter * 4,
+                           gate_up=[torch.ones(experts, 2 * inter, hidden)], down=[torch.ones(experts, hidden, inter)])
+    recorder = Recorder(1)
+    policy = HostExperts(hot=1)
+    policy.activate(host, torch.device("cpu"), recorder)
+    recorder.begin(phase="prefill", tokens=tokens)
+    index = torch.tensor([[1, 2], [2, 1]])  # experts 1 and 2: two tokens each
+    policy.compute(0, lambda gu, dn, h, i, w: torch.zeros_like(h), torch.ones(tokens, hidden), index,
+                   torch.full((tokens, k), 0.5))
+    recorder.end(wall_s=0.0, logits_d2h_bytes=0)
+    assert policy.resident[0][3].tolist() == [False, True, False, False]
+    call = recorder.calls[0]
+    counts, ids, states, weights = experts * 8, tokens * k * 8, tokens * hidden * 4, tokens * k * 4
+    assert (call.rows_copied, call.h2d_weight_bytes, call.active_rows) == ([1], [host.expert_bytes], [2])
+    assert (call.d2h_bytes, call.h2d_index_bytes) == ([counts + ids + states + weights], [tokens * hidden * 4])
+
+
 @pytest.mark.parametrize("shape", SHAPES)
 def test_a_split_call_never_hands_the_stock_loop_its_sentinel_id(moe_checkpoints, shape, monkeypatch):
     """transformers' eager expert loop before 5.2x one-hots the ids into num_experts classes (no
