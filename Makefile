@@ -46,7 +46,7 @@ browser:
 # run beside. The cause of their Ray test failing after the in-process ones (a rendezvous left in
 # the environment) is fixed, so the split isolates DeepSpeed's process-wide state, not a known bug.
 test: $(STAMP) browser
-	$(BIN)/python -m pytest -q -m "not gpu and not deepspeed and not flexgen"
+	$(BIN)/python -m pytest -q --durations=15 -m "not gpu and not deepspeed and not flexgen"
 	$(BIN)/python -m pytest -q -m deepspeed tests/engine/test_zero_inference.py
 	$(BIN)/python -m pytest -q -m flexgen tests/engine/test_flexgen_cpu.py
 
