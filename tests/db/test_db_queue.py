@@ -374,7 +374,7 @@ def test_a_holder_on_the_reapers_host_is_judged_by_its_process_not_its_lease(que
     live_screen, far_screen, dead_screen = (queue.create_screen(protocol_id=p, submitter="a") for _ in range(3))
     live = queue.register_dispatcher("live", "here", pid=101)
     dead = queue.register_dispatcher("dead", "here", pid=202)
-    far = queue.register_dispatcher("far", "elsewhere", pid=202)
+    far = queue.register_dispatcher("far", "elsewhere", pid=101)  # live's pid, on another host
     claim(queue, live, lease_s=10)
     clock.advance(5)
     claim(queue, far, lease_s=10)
@@ -392,7 +392,9 @@ def test_a_holder_on_the_reapers_host_is_judged_by_its_process_not_its_lease(que
     assert queue.latest_attempt(dead_screen).error == f"dispatcher {dead} is gone: its process (pid 202 on here) ended"
     assert queue.latest_attempt(live_screen).status == "running" and (101, T0) in seen
     clock.advance(10)  # far's lease expires: another host's process cannot be seen, its lease decides
-    assert [r.screen_id for r in queue.reap_expired(host="here", alive=alive)] == [far_screen]
+    # judged by its lease, not by a process of this host that has its pid
+    assert [(r.screen_id, r.why) for r in queue.reap_expired(host="here", alive=alive)] == [(far_screen,
+                                                                                         "lease expired")]
     assert queue.latest_attempt(live_screen).status == "running"
     assert [r.screen_id for r in queue.reap_expired()] == [live_screen]  # without a host: leases alone
 
@@ -840,6 +842,56 @@ def test_dispatchers_and_queued_screens_keep_their_order_after_updates(queue, cl
     queue.retry_screen(older)
     assert [d.id for d in queue.dispatchers()] == [first, second]
     assert [s.id for s in queue.queued_screens()] == [older, newer]
+
+
+def test_a_claim_takes_the_oldest_of_equal_priorities_even_after_it_was_updated(queue):
+    """Of queued screens of one priority a claim takes the oldest (by id), also when the older
+    rows were updated since (PostgreSQL stores an updated row anew, after the others). Catches the
+    claim's id tie-break dropped (only the PostgreSQL case can fail on it: SQLite returns rowid order)."""
+    p = protocol(queue)
+    d = queue.register_dispatcher("d", "h")
+    ids = [queue.create_screen(protocol_id=p, submitter="a") for _ in range(3)]
+    for screen_id in ids[:2]:  # the two older rows written anew (a changed status: in every index too)
+        queue.cancel_screen(screen_id)
+        queue.retry_screen(screen_id)
+    assert [claim(queue, d).screen.id for _ in range(3)] == ids
+
+
+def test_a_reaper_reaps_in_attempt_id_order_even_after_renewals(queue, clock):
+    """Expired attempts are reaped in id order, also when the older ones' leases were renewed
+    since (a renewal is an UPDATE: PostgreSQL stores the row anew, after the others). Catches the
+    reaper's ORDER BY dropped (only the PostgreSQL case can fail on it)."""
+    p = protocol(queue)
+    d = queue.register_dispatcher("d", "h")
+    attempts = []
+    for _ in range(3):
+        queue.create_screen(protocol_id=p, submitter="a")
+        attempts.append(claim(queue, d, lease_s=10).attempt.id)
+    clock.advance(5)
+    for attempt_id in attempts[:2]:
+        assert queue.renew_lease(attempt_id, 10)
+    clock.advance(11)  # every lease expired
+    assert [r.attempt_id for r in queue.reap_expired()] == attempts
+
+
+def test_a_claim_stamps_the_screens_start_as_every_other_write_of_a_time_does(queue, clock, db_url):
+    """The claim writes the screen's started_at in its own statement: it must store the instant in
+    the same form as the ORM stores created_at (on SQLite a text whose order is the time's order), or
+    a `--since`/`--until` comparison in SQL puts a screen started at an instant on the wrong side of it.
+    Catches the statement's `now` parameter left without the column's type (SQLite's default adapter
+    writes '2026-11-30 12:00:00+00:00', the ORM '2026-11-30 12:00:00.000000')."""
+    from sqlalchemy import text
+
+    from packbench.db.session import make_engine
+
+    screen_id = queue.create_screen(protocol_id=protocol(queue), submitter="a")
+    claim(queue, queue.register_dispatcher("d", "h"))  # at the same clock instant as the screen's creation
+    engine = make_engine(db_url)
+    with engine.connect() as connection:
+        created, started = connection.execute(
+            text("SELECT created_at, started_at FROM screens WHERE id = :i"), {"i": screen_id}).one()
+    engine.dispose()
+    assert started == created and queue.screen(screen_id).started_at == T0
 
 
 def _started(store: Store) -> tuple[int, int]:
