@@ -125,6 +125,15 @@ def run(module: str, *, retry_only: bool = False) -> dict:
     env = {**os.environ, "RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "disabled"),
            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     pg_url = env.pop(PG_ENV, None)  # the SQLite run never runs the PostgreSQL cases (stage below)
+    postgresql = module in POSTGRESQL_STAGE and bool(pg_url)
+    if module in POSTGRESQL_STAGE and not postgresql:
+        print(f"{module}: {PG_ENV} is not set, so its PostgreSQL cases do not run and the mutants only they reach "
+              f"(the PostgreSQL claim, the row locks) count as not killed; set it to a PostgreSQL URL "
+              f"(e.g. postgresql+psycopg://postgres@127.0.0.1:5432/test) for the whole score", file=sys.stderr)
+    d_pg = _prepare(module, postgresql=True) if postgresql else None
+    # killed by the PostgreSQL cases in an earlier run: not tried again (tests only grow)
+    killed_pg = ({n for n, s in _results(d_pg).items() if s in KILLED}
+                 if d_pg is not None and (d_pg / "mutants").is_dir() else set())
     if not retry_only:
         ran = subprocess.run(_mutmut() + ["run", "--max-children", "1"], cwd=d, env=env)
         if ran.returncode != 0:  # e.g. the clean run of its tests failed: named, the next module still runs
@@ -132,24 +141,23 @@ def run(module: str, *, retry_only: bool = False) -> dict:
                     "not_killed": {f"mutmut run exited {ran.returncode}": "error"}}
     # mutmut keeps a result once it has one, even when tests were added since: every mutant not
     # killed is tried again against today's tests (a killed one stays killed while tests only grow)
-    again = [n for n, s in _results(d).items() if s not in KILLED and s not in NOT_RUN]
+    again = [n for n, s in _results(d).items() if s not in KILLED and s not in NOT_RUN and n not in killed_pg]
     if again:
         subprocess.run(_mutmut() + ["run", "--max-children", "1", *again], cwd=d, env=env,
                        stdout=subprocess.DEVNULL)
     everything = _results(d)
     # "not checked": the run was stopped before it came to them (a rerun resumes there)
     statuses = {n: s for n, s in everything.items() if s not in NOT_RUN}
-    by_postgresql = 0
-    if module in POSTGRESQL_STAGE and pg_url:
-        alive = [n for n, s in statuses.items() if s not in KILLED]
-        d_pg = _prepare(module, postgresql=True)
+    if d_pg is not None:
+        alive = [n for n, s in statuses.items() if s not in KILLED and n not in killed_pg]
         if alive:
             subprocess.run(_mutmut() + ["run", "--max-children", "1", *alive], cwd=d_pg,
                            env={**env, PG_ENV: pg_url}, stdout=subprocess.DEVNULL)
-            for name, status in _results(d_pg).items():
-                if name in alive and status in KILLED:
-                    statuses[name] = f"{status} (postgresql)"
-                    by_postgresql += 1
+        pg_statuses = _results(d_pg)
+        for name in statuses:
+            if statuses[name] not in KILLED and pg_statuses.get(name) in KILLED:
+                statuses[name] = f"{pg_statuses[name]} (postgresql)"
+    by_postgresql = sum(s.endswith("(postgresql)") for s in statuses.values())
     killed = sum(s.split(" ")[0] in KILLED for s in statuses.values())
     survivors = sorted(n for n, s in statuses.items() if s.split(" ")[0] not in KILLED)
     # each survivor's diff, to judge it equivalent or write the test that kills it (about a
