@@ -329,15 +329,15 @@ BUGS: list[tuple[str, str, str, str, list[str]]] = [
     ("compare machines: unknown checkpoint digests match", "packbench/service/compare.py",
      "return len(digests) <= 1 and None not in digests",
      "return len(digests) <= 1",
-     ["tests/service/test_compare_machines.py::test_an_unknown_checkpoint_digest_is_not_the_same_weights"]),
+     ["tests/service/test_compare_agreement.py::test_an_unknown_checkpoint_digest_is_not_the_same_weights"]),
     ("compare machines: a verdict one machine did not judge agrees", "packbench/service/compare.py",
      "agree=len(judged) == 1 and None not in cells)",
      "agree=len(judged) == 1)",
-     ["tests/service/test_compare_machines.py::test_a_verdict_one_machine_did_not_judge_is_a_disagreement"]),
+     ["tests/service/test_compare_agreement.py::test_a_verdict_one_machine_did_not_judge_is_a_disagreement"]),
     ("compare machines: the first done attempt, not the latest", "packbench/service/compare.py",
      "        a = done[-1]\n",
      "        a = done[0]\n",
-     ["tests/service/test_compare_machines.py::test_a_screen_speaks_by_its_latest_done_attempt"]),
+     ["tests/service/test_compare_agreement.py::test_a_screen_speaks_by_its_latest_done_attempt"]),
 ]
 
 

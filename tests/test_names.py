@@ -31,3 +31,13 @@ def test_the_check_sees_a_name_defined_twice(tmp_path):
         (tmp_path / "packbench" / package).mkdir(parents=True)
         (tmp_path / "packbench" / package / "m.py").write_text("class Point:\n    pass\n")
     assert class_homes(tmp_path)["Point"] == ["packbench/core/m.py", "packbench/service/m.py"]
+
+
+def test_every_test_file_name_is_unique():
+    # tests/ has no __init__.py: pytest imports each test file by its base name, so two files of one
+    # name in different folders stop the whole run at collection ("import file mismatch"), which a
+    # run of either file alone never shows.
+    homes: dict[str, list[str]] = defaultdict(list)
+    for path in (ROOT / "tests").rglob("test_*.py"):
+        homes[path.name].append(str(path.relative_to(ROOT)))
+    assert {name: paths for name, paths in homes.items() if len(paths) > 1} == {}
