@@ -23,6 +23,9 @@ product_env() {  # the wheels on the path, and a fresh database, archive and mod
   install_wheels
   export RAY_AUTH_MODE=disabled
   work=$(mktemp -d)
+  # Removed when the script ends (also at `timeout`'s TERM): a warm machine keeps /tmp between calls,
+  # and three OPT-13B calls' checkpoints left there filled its disk ("the disk is full" at submit).
+  trap 'rm -rf "$work"' EXIT
   export PACKBENCH_DB_URL="sqlite:///$work/pb.db" PACKBENCH_ARCHIVE_DIR="$work/archives" PACKBENCH_MODEL_CACHE="$work/models"
   python3 -m packbench db upgrade > /dev/null
 }

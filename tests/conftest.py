@@ -1,6 +1,7 @@
 """Shared fixtures: synthetic checkpoints (made once per session), a CPU device, the command
 line run in this process, and one local Ray cluster that `packbench` subprocesses join."""
 
+import sys
 from pathlib import Path
 
 import pytest
@@ -43,6 +44,18 @@ def _own_host_marks(tmp_path_factory, monkeypatch):
     import packbench.engine.gpu_lock
 
     monkeypatch.setattr(packbench.engine.gpu_lock, "DEFAULT_LOCK_DIR", tmp_path_factory.mktemp("host-marks"))
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _torch_threads_per_module():
+    """Each test module starts with the host's torch thread count: a module that sets one thread
+    (a module fixture or a test calling `torch.set_num_threads(1)`) keeps it for its own tests
+    only, not for every module collected after it."""
+    torch = sys.modules.get("torch")  # collection imported it where any test module does
+    before = torch.get_num_threads() if torch is not None else None
+    yield
+    if before is not None and torch.get_num_threads() != before:
+        torch.set_num_threads(before)
 
 
 @pytest.fixture
