@@ -10,7 +10,7 @@ echo "== CUDA tests"
 python3 -m pytest -q -m gpu -p no:cacheprovider tests 2>&1 | tail -5
 
 echo "== screen through Ray on the GPU"
-work=$(mktemp -d)
+work_dir
 python3 -m packbench model synth --shape opt-125m --dtype float16 --out "$work/m125"
 cat > "$work/p.yaml" <<YAML
 name: gpu-check

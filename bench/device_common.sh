@@ -19,13 +19,15 @@ install_wheels() {  # the carried .whl into /tmp/site (once per machine), on the
   export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 }
 
+work_dir() {  # $work: a fresh folder, removed when the script ends (also at `timeout`'s TERM); a warm
+  # machine keeps /tmp between calls, and three OPT-13B calls' checkpoints left there filled its disk
+  work=$(mktemp -d); trap 'rm -rf "$work"' EXIT
+}
+
 product_env() {  # the wheels on the path, and a fresh database, archive and model cache in $work; pb runs the CLI
   install_wheels
   export RAY_AUTH_MODE=disabled
-  work=$(mktemp -d)
-  # Removed when the script ends (also at `timeout`'s TERM): a warm machine keeps /tmp between calls,
-  # and three OPT-13B calls' checkpoints left there filled its disk ("the disk is full" at submit).
-  trap 'rm -rf "$work"' EXIT
+  work_dir
   export PACKBENCH_DB_URL="sqlite:///$work/pb.db" PACKBENCH_ARCHIVE_DIR="$work/archives" PACKBENCH_MODEL_CACHE="$work/models"
   python3 -m packbench db upgrade > /dev/null
 }

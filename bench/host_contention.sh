@@ -69,7 +69,7 @@ if [ -n "${PRODUCT:-}" ]; then
   echo "== the every-policy screen through submit --wait and audit (mode graph)"
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
   export PYTHONPATH=/tmp/site:$PWD RAY_AUTH_MODE=disabled
-  root=$PWD; work=$(mktemp -d); cd "$work"; source "$root/bench/every_policy.sh"
+  root=$PWD; work_dir; cd "$work"; source "$root/bench/every_policy.sh"
   export PACKBENCH_DB_URL="sqlite:///$work/pb.db" PACKBENCH_ARCHIVE_DIR="$work/archives"
   MODE=graph every_policy_screen product-opt-1.3b
   python3 -m packbench db upgrade > /dev/null

@@ -24,7 +24,7 @@ pb() { python3 -m packbench "$@"; }
 now() { python3 -c "import time; print(time.time())"; }
 since() { python3 -c "import sys, time; print(round(time.time() - float(sys.argv[1]), 2))" "$1"; }
 source "$PWD/bench/every_policy.sh"
-work=$(mktemp -d); cd "$work"
+work=$(mktemp -d); trap 'rm -rf "$work"' EXIT; cd "$work"  # a warm machine keeps /tmp
 export PACKBENCH_DB_URL="sqlite:///$work/pb.db" PACKBENCH_ARCHIVE_DIR="$work/archives"
 t=$(now); every_policy_screen queue-opt-1.3b
 echo "synth ${SHAPE:-opt-1.3b}: $(since $t) s"

@@ -31,7 +31,7 @@ if [ "${ONLY:-A}" = A ] || [ -z "${ONLY:-}" ]; then
   engine a3-1.3b-32 --shape "$S13" --dtype float32 --prefix 32 --conditions "dense-stream,packet,early-forecast" --allowance-mib 12000
 fi
 if [ "${ONLY:-B}" = B ] || [ -z "${ONLY:-}" ]; then
-  work=$(mktemp -d)
+  work_dir
   export PACKBENCH_DB_URL="sqlite:///$work/pb.db" PACKBENCH_ARCHIVE_DIR="$work/archives" PACKBENCH_MODEL_CACHE="$work/models"
   pb() { python3 -m packbench "$@"; }
   pb db upgrade > /dev/null
