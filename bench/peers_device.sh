@@ -31,7 +31,9 @@
 # call cannot hold everything, split it (docs/experiments/competitors.md, "The H200 run"):
 #   BATCHES= bash bench/peers_device.sh                          # batch 1 + FlexGen's sweep
 #   SKIP_B1=1 SKIP_FLEXGEN=1 BATCHES="8 32" bash bench/peers_device.sh
-#   SHAPE=opt-13b ALLOWANCE=20480 BATCHES= SKIP_FLEXGEN=1 bash bench/peers_device.sh TINY=1: the same path on the CPU on tiny shapes (float32,
+#   SHAPE=opt-13b ALLOWANCE=20480 PROMPTS=1 BATCHES= SKIP_FLEXGEN=1 SKIP_ZI_TEST=1 SCREEN_TIMEOUT=250 DEADLINE=285 bash bench/peers_device.sh
+#   (OPT-13B: the five exact conditions took 233 s at 1 x 512 + 16 and did not finish 2 prompts in 300 s)
+# TINY=1: the same path on the CPU on tiny shapes (float32,
 # 16-token prefixes, engine mode eager, 64 MiB allowances; no FlexGen, which needs CUDA), to check the
 # script end to end where there is no GPU.
 set -uo pipefail
