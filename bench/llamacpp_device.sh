@@ -51,7 +51,7 @@ if [ "${ONLY:-build}" = build ]; then
 fi
 if [ "${ONLY:-run}" = run ]; then
   [ -x "$build/bin/llama-bench" ] || { echo "no build at $build: run ONLY=build first on this (warm) machine"; exit 1; }
-  work=$(mktemp -d); trap 'rm -rf "$work"' EXIT; dir=$work/$SHAPE
+  source "$root/bench/device_common.sh"; work_dir; dir=$work/$SHAPE
   t0=$(date +%s)
   python3 -c "from packbench.engine.moe.synth import synth_moe; synth_moe(__import__('pathlib').Path('$dir'), \
 shape='$SHAPE', dtype='float16' if '$OUTTYPE' == 'f16' else 'float32', layers=$LAYERS, device='$DEV')" \

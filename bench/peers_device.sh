@@ -42,7 +42,7 @@ source bench/device_common.sh
 if [ -n "${TINY:-}" ]; then  # the CPU check: the Python that runs the tests, deepspeed on its path
   SHAPE=${SHAPE:-tiny} DTYPE=float32 PREFIX=${PREFIX:-16} CONT=6 ALLOWANCE=${ALLOWANCE:-64}
   BATCHES=${BATCHES-2} BATCH_PREFIX=${BATCH_PREFIX:-16} BATCH_ALLOWANCE=${BATCH_ALLOWANCE:-64} MODE=eager SKIP_FLEXGEN=1
-  work=$(mktemp -d); trap 'rm -rf "$work"' EXIT; mkdir -p "$work/bin"; printf '#!/bin/sh\nexec %s "$@"\n' "${PYTHON:-$root/.venv/bin/python}" > "$work/bin/python3"
+  work_dir; mkdir -p "$work/bin"; printf '#!/bin/sh\nexec %s "$@"\n' "${PYTHON:-$root/.venv/bin/python}" > "$work/bin/python3"
   chmod +x "$work/bin/python3"
   export PATH=$work/bin:$PATH PYTHONPATH=${TINY_PATH:+$TINY_PATH:}$root PYTHONUNBUFFERED=1 RAY_AUTH_MODE=disabled
   export PACKBENCH_DB_URL="sqlite:///$work/pb.db" PACKBENCH_ARCHIVE_DIR="$work/archives" PACKBENCH_MODEL_CACHE="$work/models"

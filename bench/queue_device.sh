@@ -20,11 +20,10 @@ nvidia-smi -L 2>/dev/null || echo 'no GPU (dry run)'
 # The host's topology: two workers share its cores and memory (hyperthread siblings, NUMA nodes,
 # which CPUs each GPU is near).
 lscpu | grep -E '^(CPU\(s\)|Thread|Core|Socket|NUMA)' ; nvidia-smi topo -m 2>/dev/null | head -6
-pb() { python3 -m packbench "$@"; }
 now() { python3 -c "import time; print(time.time())"; }
 since() { python3 -c "import sys, time; print(round(time.time() - float(sys.argv[1]), 2))" "$1"; }
 source "$PWD/bench/every_policy.sh"
-work=$(mktemp -d); trap 'rm -rf "$work"' EXIT; cd "$work"  # a warm machine keeps /tmp
+source "$PWD/bench/device_common.sh"; work_dir; cd "$work"
 export PACKBENCH_DB_URL="sqlite:///$work/pb.db" PACKBENCH_ARCHIVE_DIR="$work/archives"
 t=$(now); every_policy_screen queue-opt-1.3b
 echo "synth ${SHAPE:-opt-1.3b}: $(since $t) s"

@@ -10,8 +10,7 @@ set -uo pipefail
 export PYTHONPATH=/tmp/site:$PWD RAY_AUTH_MODE=disabled PYTHONUNBUFFERED=1
 root=$PWD
 source "$root/bench/every_policy.sh"
-pb() { python3 -m packbench "$@"; }
-work=$(mktemp -d); trap 'rm -rf "$work"' EXIT; cd "$work"  # a warm machine keeps /tmp
+source "$root/bench/device_common.sh"; work_dir; cd "$work"
 export PACKBENCH_DB_URL="sqlite:///$work/pb.db" PACKBENCH_ARCHIVE_DIR="$work/archives"
 every_policy_screen reexecute-opt-1.3b
 pb db upgrade >/dev/null

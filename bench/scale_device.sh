@@ -13,8 +13,7 @@
 set -uo pipefail
 [ -n "${SKIP_WHEELS:-}" ] || [ -d /tmp/site/ray ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD RAY_AUTH_MODE=disabled PYTHONUNBUFFERED=1
-pb() { python3 -m packbench "$@"; }
-work=$(mktemp -d); trap 'rm -rf "$work"' EXIT; cd "$work"  # a warm machine keeps /tmp
+source "$PWD/bench/device_common.sh"; work_dir; cd "$work"
 export PACKBENCH_DB_URL="sqlite:///$work/pb.db" PACKBENCH_ARCHIVE_DIR="$work/archives"
 pb db upgrade >/dev/null
 protocol() {  # name shape prompts prefix mode allowance conditions...

@@ -148,18 +148,17 @@ def run(module: str, *, retry_only: bool = False) -> dict:
     everything = _results(d)
     # "not checked": the run was stopped before it came to them (a rerun resumes there)
     statuses = {n: s for n, s in everything.items() if s not in NOT_RUN}
+    by_postgresql: set[str] = set()
     if d_pg is not None:
         alive = [n for n, s in statuses.items() if s not in KILLED and n not in killed_pg]
         if alive:
             subprocess.run(_mutmut() + ["run", "--max-children", "1", *alive], cwd=d_pg,
                            env={**env, PG_ENV: pg_url}, stdout=subprocess.DEVNULL)
         pg_statuses = _results(d_pg)
-        for name in statuses:
-            if statuses[name] not in KILLED and pg_statuses.get(name) in KILLED:
-                statuses[name] = f"{pg_statuses[name]} (postgresql)"
-    by_postgresql = sum(s.endswith("(postgresql)") for s in statuses.values())
-    killed = sum(s.split(" ")[0] in KILLED for s in statuses.values())
-    survivors = sorted(n for n, s in statuses.items() if s.split(" ")[0] not in KILLED)
+        by_postgresql = {n for n, s in statuses.items() if s not in KILLED and pg_statuses.get(n) in KILLED}
+        statuses.update({n: pg_statuses[n] for n in by_postgresql})
+    killed = sum(s in KILLED for s in statuses.values())
+    survivors = sorted(n for n, s in statuses.items() if s not in KILLED)
     # each survivor's diff, to judge it equivalent or write the test that kills it (about a
     # second each: MUTATE_DIFFS=0 leaves them out)
     if os.environ.get("MUTATE_DIFFS", "1") != "0":
@@ -167,7 +166,7 @@ def run(module: str, *, retry_only: bool = False) -> dict:
             for name in survivors:
                 f.write(subprocess.run(_mutmut() + ["show", name], cwd=d, capture_output=True, text=True).stdout)
     return {"module": module, "mutants": len(statuses), "killed": killed, "not_run": len(everything) - len(statuses),
-            "killed_by_postgresql_cases": by_postgresql,
+            "killed_by_postgresql_cases": len(by_postgresql),
             "score": round(100 * killed / len(statuses), 1) if statuses else None,
             "not_killed": {n: statuses[n] for n in survivors}}
 
