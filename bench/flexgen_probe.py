@@ -12,6 +12,10 @@ was raised. FlexGen's cost model / policy search (experimental/cost_model.py) is
 wheel, so the policy printed here is the probe's, not FlexGen's search's.
 
     python -m bench.flexgen_probe CHECKPOINT_DIR --allowance-mib 4800 [--gen 16] [--prompt 512] [--batches 1,8,32]
+        [--cache MODEL_CACHE] [--work DIR]
+
+With `--cache` it reads the layout the flexgen condition converted into the model cache (converting it
+there once if absent) instead of writing a second copy under `--work`: an OPT-13B layout is 26 GB.
 """
 
 import argparse
@@ -22,7 +26,7 @@ import time
 import traceback
 from pathlib import Path
 
-from packbench.engine.flexgen import convert  # the product's converter (the flexgen condition reads the same layout)
+from packbench.engine.flexgen import LAYOUT, convert, converted  # the product's converter (the flexgen condition reads the same layout)
 
 
 def policy_for(config, *, batch: int, prompt: int, gen: int, allowance_mib: int):
@@ -130,6 +134,7 @@ def main() -> int:
     ap.add_argument("--shape", default="opt-2.7b")
     ap.add_argument("--batches", type=lambda v: [int(x) for x in v.split(",") if x], default=[1])
     ap.add_argument("--work", type=Path, default=Path("/tmp/flexgen-probe"))
+    ap.add_argument("--cache", type=Path, help="a packbench model cache: reuse (or make) its converted layout")
     a = ap.parse_args()
     import torch
     import transformers
@@ -145,7 +150,15 @@ def main() -> int:
         from flexgen.utils import ExecutionEnv
 
         config = get_opt_config(f"facebook/{a.shape}")
-        facts["converted"] = len(convert(a.checkpoint, a.work / "weights" / f"{a.shape}-np"))
+        layout = a.work / "weights" / f"{a.shape}-np"  # where OptLM reads it: {path}/{config.name}-np
+        if a.cache:  # the condition's copy, linked rather than written twice
+            shared = converted(a.checkpoint, a.cache) / LAYOUT
+            layout.parent.mkdir(parents=True, exist_ok=True)
+            layout.unlink(missing_ok=True)
+            layout.symlink_to(shared, target_is_directory=True)
+            facts["converted"] = len(list(shared.iterdir()))
+        else:
+            facts["converted"] = len(convert(a.checkpoint, layout))
         gpu, cpu, disk = TorchDevice("cuda:0"), TorchDevice("cpu"), TorchDisk(str(a.work / "offload"))
         env = ExecutionEnv(gpu=gpu, cpu=cpu, disk=disk, mixed=TorchMixedDevice([gpu, cpu, disk]))
     except BaseException as e:  # the verdict is the exception itself, verbatim

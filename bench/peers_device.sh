@@ -117,13 +117,15 @@ if [ -z "${TINY:-}" ] && [ -z "${SKIP_ZI_TEST:-}" ]; then
     > "$out/zi-cuda-test.log" 2>&1
   echo "== zero-inference CUDA test: rc $?"; grep -E "passed|failed|Error|assert" "$out/zi-cuda-test.log" | tail -6
 fi
-# FlexGen last: it converts the checkpoint to its own layout (a second copy on disk) and may fail.
+# FlexGen last: it reads the layout the flexgen condition converted into the model cache (or converts it
+# there), its offload folder in $work (a 13B checkpoint and one converted copy fill 52 of the 64 GB disk).
 ck=$(ls -d "$PACKBENCH_MODEL_CACHE"/*/ 2>/dev/null | grep -v '/flexgen/$' | head -1)  # flexgen/: the condition's converted layouts
 left=$(( ${DEADLINE:-560} - ($(date +%s) - start) - 25 ))
 if [ -z "${SKIP_FLEXGEN:-}" ] && [ "$left" -gt 40 ] && [ -n "$ck" ]; then
   echo "== flexgen probe ($left s)"
   timeout "$left" python3 -m bench.flexgen_probe "$ck" --shape "$SHAPE" --allowance-mib "${ALLOWANCE:-4800}" \
-    --batches "1,${FLEXGEN_BATCHES:-8,32}" --prompt "${PREFIX:-512}" --gen "$CONT" 2> "$out/flexgen.err" > "$out/flexgen.json"
+    --batches "1,${FLEXGEN_BATCHES:-8,32}" --prompt "${PREFIX:-512}" --gen "$CONT" \
+    --cache "$PACKBENCH_MODEL_CACHE" --work "$work/flexgen-probe" 2> "$out/flexgen.err" > "$out/flexgen.json"
   echo "   probe rc $?"; tail -c 3000 "$out/flexgen.json"; grep -v Warning "$out/flexgen.err" | tail -5
 else echo "== flexgen probe: skipped (SKIP_FLEXGEN=${SKIP_FLEXGEN:-}, $left s left, checkpoint '${ck}')"; fi
 python3 - <<'PY' | tee "$out/table.txt"  # the table: one rule for every condition (module comment)
