@@ -12,6 +12,7 @@ from typing import Annotated, Optional
 import typer
 
 from packbench.core.errors import PackbenchError
+from packbench.core.text import one_line
 
 # Machine files: the checkout's bench/machines/, or the working directory's (an installed wheel).
 MACHINE_DIRS = (Path(__file__).resolve().parents[2] / "bench" / "machines", Path("bench") / "machines")
@@ -118,7 +119,7 @@ def load_machine(spec: str) -> dict:
         raise PackbenchError(f"--machine {spec} is over {MAX_MACHINE_BYTES} bytes; a machine file is a small JSON object")
     try:
         machine = json.loads(data)
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: arrays nested ~100,000 deep fit in the bound
         raise PackbenchError(f"--machine {spec} is not JSON; write the object docs/traces.md shows") from None
     problem = machine_problem(machine)
     if problem:
@@ -176,4 +177,7 @@ def render(out: dict, *, per_call: bool = False) -> str:
     lines += ["", "MB: 10^6 bytes host-to-device (weights and indices). hits, misses, hit% (of routed), belady% "
                   "(Belady's optimal cache of the same capacity), prefetch and used (forecast): decode calls. "
               + out["assumptions"] + "."]
-    return "\n".join(lines)
+    # A trace's family, shape, dtype and source and a machine file's name and sources are free text:
+    # each line is escaped (core/text.py), so a newline or a terminal escape in one cannot split or
+    # repaint the table.
+    return "\n".join(one_line(line) for line in lines)

@@ -42,6 +42,7 @@ import numpy as np
 from packbench.core import charges
 from packbench.core.expert_cache import CACHE_RULES, LayerCache, belady_per_request, forecast_step
 from packbench.core.registry import INT8_SCALE_BYTES
+from packbench.core.text import show
 from packbench.core.trace import Trace, TraceModel, forecast_possible
 
 LEDGER_KEYS = ("active_rows", "rows_copied", "h2d_weight_bytes", "h2d_index_bytes", "d2h_bytes", "rows_wasted")
@@ -397,16 +398,19 @@ def machine_problem(machine: object) -> str | None:
         return "a machine file is a JSON object with name, pinned_h2d_gbps and decode_compute_ms"
     rate = machine.get("pinned_h2d_gbps")
     if not isinstance(rate, dict) or not _positive(rate.get("value")) or not isinstance(rate.get("source"), str):
-        return "pinned_h2d_gbps must be {value: a rate > 0 in GB/s, source: the command and date that measured it}"
+        return (f"pinned_h2d_gbps must be {{value: a rate > 0 in GB/s, {MIN_VALUE:g} to {MAX_VALUE:g}, source: the command "
+                f"and date that measured it}}")
     compute = machine.get("decode_compute_ms", {})
     if not isinstance(compute, dict):
         return "decode_compute_ms must map shape:layers to {value, source}"
     for key, v in compute.items():
         shape, _, layers = key.rpartition(":")
-        if not shape or not layers.isdigit() or int(layers) < 1:
-            return f"decode_compute_ms key {key!r} must be shape:layers, e.g. qwen3-30b-a3b:12"
+        # ASCII digits only: "²".isdigit() holds, yet int("²") raises; and a layer count has few digits.
+        if not shape or not (layers.isascii() and layers.isdigit()) or len(layers) > 6 or int(layers) < 1:
+            return f"decode_compute_ms key {show(key)} must be shape:layers, e.g. qwen3-30b-a3b:12"
         if not isinstance(v, dict) or not _positive(v.get("value")) or not isinstance(v.get("source"), str):
-            return f"decode_compute_ms[{key!r}] must be {{value: ms > 0, source: command and date}}"
+            return (f"decode_compute_ms[{show(key)}] must be {{value: ms > 0, {MIN_VALUE:g} to {MAX_VALUE:g}, "
+                    f"source: command and date}}")
     return _overhead_problem(machine.get("overhead_us", {}))
 
 
@@ -415,23 +419,41 @@ def _overhead_problem(overhead: object) -> str | None:
         return f"overhead_us must map a policy family ({', '.join(OVERHEAD_FAMILIES)}) to its terms"
     for family, terms in overhead.items():
         if family not in OVERHEAD_FAMILIES:
-            return f"overhead_us key {family!r} must be one of {', '.join(OVERHEAD_FAMILIES)}"
+            return f"overhead_us key {show(family)} must be one of {', '.join(OVERHEAD_FAMILIES)}"
         if not isinstance(terms, dict) or not terms:
             return f"overhead_us[{family!r}] must map {', '.join(OVERHEAD_TERMS)} to {{value, source}}"
         for term, v in terms.items():
             if term not in OVERHEAD_TERMS:
-                return f"overhead_us[{family!r}] key {term!r} must be one of {', '.join(OVERHEAD_TERMS)}"
+                return f"overhead_us[{family!r}] key {show(term)} must be one of {', '.join(OVERHEAD_TERMS)}"
             if not isinstance(v, dict) or not _non_negative(v.get("value")) or not isinstance(v.get("source"), str):
-                return f"overhead_us[{family!r}][{term!r}] must be {{value: microseconds >= 0, source: command and date}}"
+                return (f"overhead_us[{family!r}][{term!r}] must be {{value: microseconds >= 0, at most {MAX_VALUE:g}, "
+                        f"source: command and date}}")
     return None
 
 
+# A machine file's figures as floats bounded far beyond any real rate, ms or us: an integer of 400
+# digits (float() overflows) or a rate of 5e-324 GB/s (the predicted time is inf, and --json's
+# output is no JSON) is refused where it is read, not by the arithmetic that prices a trace.
+MIN_VALUE, MAX_VALUE = 1e-9, 1e12
+
+
+def _number(v: object) -> float | None:
+    if not isinstance(v, (int, float)) or isinstance(v, bool):
+        return None
+    try:
+        return float(v)
+    except OverflowError:
+        return None
+
+
 def _positive(v: object) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < float("inf")
+    f = _number(v)
+    return f is not None and MIN_VALUE <= f <= MAX_VALUE
 
 
 def _non_negative(v: object) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v < float("inf")
+    f = _number(v)
+    return f is not None and (f == 0 or MIN_VALUE <= f <= MAX_VALUE)
 
 
 # The engine's fixed costs a decode call pays beyond resident compute and bytes, by policy family

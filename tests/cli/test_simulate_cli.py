@@ -161,3 +161,53 @@ def test_hostile_trace_files_are_one_line_exit_2(opt_trace, packbench_cli, tmp_p
         bad = tmp_path / "bad.trace"
         bad.write_bytes(body)
         one_line(packbench_cli("simulate", str(bad)), "TRACE", words)
+
+
+def test_hostile_machine_files_are_one_line_exit_2(opt_trace, packbench_cli, tmp_path):
+    """Catches `--machine FILE` figures that reached the arithmetic or `int()` before: a rate of 400
+    digits (OverflowError: int too large to convert to float), a layer count `²` (str.isdigit holds,
+    int() raises) or of 5,000 digits (ValueError past Python's digit limit), arrays nested 100,000
+    deep (RecursionError) each exited 70 as a packbench bug; a rate of 5e-324 GB/s printed an
+    infinite time (`Infinity` in --json, which is no JSON). Each is now one line, exit 2."""
+    good = {"name": "m", "pinned_h2d_gbps": {"value": 10, "source": "s"}}
+    big = "1" + "0" * 400
+    for name, text, words in (
+            ("rate", json.dumps(good).replace('"value": 10', f'"value": {big}'), "pinned_h2d_gbps"),
+            ("small", json.dumps(good).replace('"value": 10', '"value": 5e-324'), "pinned_h2d_gbps"),
+            ("compute", json.dumps({**good, "decode_compute_ms": {"tiny:2": {"value": 1, "source": "s"}}})
+             .replace('"value": 1,', f'"value": {big},'), "decode_compute_ms['tiny:2']"),
+            ("superscript", json.dumps({**good, "decode_compute_ms": {"tiny:\u00b2": {"value": 1, "source": "s"}}}),
+             "shape:layers"),
+            ("digits", json.dumps({**good, "decode_compute_ms": {"tiny:" + "9" * 5000: {"value": 1, "source": "s"}}}),
+             "shape:layers"),
+            ("overhead", json.dumps({**good, "overhead_us": {"packet": {"layer_us": {"value": 1, "source": "s"}}}})
+             .replace('"value": 1,', f'"value": {big},'), "overhead_us['packet']['layer_us']"),
+            ("deep", "[" * 100_000 + "]" * 100_000, "is not JSON")):
+        path = tmp_path / f"{name}.json"
+        path.write_text(text)
+        r = packbench_cli("simulate", str(opt_trace), "--machine", str(path))
+        one_line(r, f"--machine {path}", words)
+        assert len(r.stderr) < 400, r.stderr  # the 5,000-digit key is shown cut
+
+
+def test_free_text_in_a_trace_or_machine_file_cannot_split_the_table(opt_trace, packbench_cli, tmp_path):
+    """Catches the table printing a trace's model.family / shape / dtype and a machine file's name
+    raw: a newline split the header line and an ESC or U+202E reached the terminal."""
+    import io
+    import zipfile
+
+    with zipfile.ZipFile(opt_trace) as zf:
+        members = {n: zf.read(n) for n in zf.namelist()}
+    header = json.loads(members["header.json"])
+    header["model"].update(family="opt\n\x1b[2J", dtype="\u202efloat32")
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w") as zf:
+        for n, v in {**members, "header.json": json.dumps(header).encode()}.items():
+            zf.writestr(n, v)
+    (tmp_path / "t.trace").write_bytes(buf.getvalue())
+    (tmp_path / "m.json").write_text(json.dumps({"name": "box\n\x1b[31m", "pinned_h2d_gbps": {"value": 10, "source": "s"}}))
+    r = packbench_cli("simulate", str(tmp_path / "t.trace"), "--machine", str(tmp_path / "m.json"))
+    assert r.returncode == 0, r.stderr
+    assert "\x1b" not in r.stdout and "\u202e" not in r.stdout, r.stdout
+    assert r.stdout.splitlines()[0].endswith("calls") and "opt\\n\\x1b[2J" in r.stdout.splitlines()[0]
+    assert "machine box\\n\\x1b[31m: pinned copy 10 GB/s" in r.stdout
