@@ -85,11 +85,13 @@ ASSUMPTIONS = ("a simulation from a trace, not a measurement: bytes are the engi
 
 
 def default_policies(model, *, has_forecasts: bool = True) -> list[str]:
-    from packbench.core.simulate import DEFAULT_POLICIES
+    from packbench.core.simulate import DEFAULT_POLICIES, MAX_RETENTION_ROWS
 
     rows = max(1, model.units // 10)  # row-retention: a cache of a tenth of each layer's rows
     cap = max(1, model.units // 4)  # expert caches: a quarter of each layer's experts
     names = [p.replace("ROWS", str(rows)).replace("CAP", str(cap)) for p in DEFAULT_POLICIES[model.unit]]
+    if model.layers * model.units > MAX_RETENTION_ROWS:  # too many rows to keep a slot for each: left out
+        names = [n for n in names if not n.startswith("row-retention")]
     if getattr(model, "unit", None) == "expert" and not has_forecasts:
         names = [n for n in names if "forecast" not in n]  # a trace without forecast sets cannot replay them
     return names

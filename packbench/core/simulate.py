@@ -130,11 +130,20 @@ def _sparse_extents(model: TraceModel, params: dict) -> Stepper:
     return step
 
 
+# row-retention's replay holds an int64 slot for every row of every layer: 2^27 of them is 1 GiB,
+# OPT-175B is 96 x 49,152 = 4.7 M. A trace claiming 2^31 - 1 rows a layer (which the reader
+# allows: ids are only checked against it) asked numpy for 32 GiB and exited 70.
+MAX_RETENTION_ROWS = 2**27
+
+
 def _row_retention(model: TraceModel, params: dict) -> Stepper:
     from packbench.core.registry import check_param
 
     if "rows_per_layer" not in params:
         raise SimulateError("row-retention needs rows_per_layer (e.g. row-retention:rows_per_layer=512)")
+    if model.layers * model.units > MAX_RETENTION_ROWS:
+        raise SimulateError(f"row-retention keeps a slot for every row of every layer: {model.layers} layers x "
+                            f"{model.units} rows is over {MAX_RETENTION_ROWS}; replay it on a trace of fewer layers")
     slots = min(check_param("row-retention", "rows_per_layer", params["rows_per_layer"]), model.units)
     slot_of = np.full((model.layers, model.units), -1, dtype=np.int64)
     last_used = np.full((model.layers, slots), -1, dtype=np.int64)
