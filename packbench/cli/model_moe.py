@@ -16,11 +16,17 @@ from packbench.core.routing import PUBLISHED
 
 
 def is_moe_dir(model_dir: Path) -> bool:
-    """config.json names an MoE family packbench runs (read without torch)."""
+    """config.json names an MoE family packbench runs (read without torch). Anything else is False,
+    for read_config to refuse in one line: a config.json that is a FIFO (read_text waited for a
+    writer), JSON that is no object (`[]`: AttributeError) or nested 100,000 deep
+    (RecursionError), a model_type that is a list (unhashable)."""
+    from packbench.core.files import read_bounded
+
     try:
-        return json.loads((Path(model_dir) / "config.json").read_text()).get("model_type") in FAMILIES
-    except (OSError, ValueError):
+        config = json.loads(read_bounded(Path(model_dir) / "config.json", limit=1 << 20))
+    except (OSError, ValueError, RecursionError):  # NotReadable is a ValueError
         return False
+    return isinstance(config, dict) and isinstance(config.get("model_type"), str) and config["model_type"] in FAMILIES
 
 
 def check_synth(*, shape: str, profile: str | None, layers: int | None, device: str) -> None:

@@ -87,9 +87,9 @@ def stats(
         if robustness:
             raise PackbenchError("--robustness measures OPT checkpoints (real OPT's figures are its targets); "
                                  f"{model_dir} is an MoE checkpoint: drop --robustness")
-        import json as _json
+        from packbench.engine.config import read_config
 
-        vocab = int(_json.loads((model_dir / "config.json").read_text())["vocab_size"])
+        vocab = read_config(model_dir)["vocab_size"]  # every key the MoE engine reads checked, one line if not
         from packbench.cli.model_moe import stats as moe_stats
 
         ids = _prompts(model_dir, prompts, count=count, seed=seed, prefix=prefix or DEFAULT_PREFIX, vocab=vocab)

@@ -10,8 +10,10 @@ engine/model.py's decision (`is_outgoing`).
 
 import ctypes
 import json
+import math
 import mmap
 import os
+import stat
 import struct
 import sys
 import time
@@ -20,9 +22,10 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from packbench.core.errors import CheckpointError
+from packbench.core.text import one_line, show
 from packbench.engine.config import read_config
 from packbench.engine.opt_weights import OPTWeights
 
@@ -38,13 +41,16 @@ def read_state_dict(model_dir: Path, *, dtype: torch.dtype) -> dict[str, torch.T
     sd: dict[str, torch.Tensor] = {}
     for file in files:
         _header(file)  # a damaged file: one line naming it, not the reader's own error
-        with safe_open(str(file), framework="pt", device="cpu") as f:
-            for key in f.keys():
-                name = key
-                for old, new in KEY_PREFIXES.items():
-                    if name.startswith(old):
-                        name = new + name[len(old):]
-                sd[name] = f.get_tensor(key).to(dtype)
+        try:
+            with safe_open(str(file), framework="pt", device="cpu") as f:
+                for key in f.keys():
+                    name = key
+                    for old, new in KEY_PREFIXES.items():
+                        if name.startswith(old):
+                            name = new + name[len(old):]
+                    sd[name] = f.get_tensor(key).to(dtype)
+        except SafetensorError as e:  # what _header does not check (gaps between tensors, metadata's types)
+            raise _broken(file, one_line(str(e))[:200]) from None
     return sd
 
 
@@ -55,14 +61,33 @@ CHUNK = 32 << 20  # one read / one H2D copy: large enough for full-rate copies (
 RING = 8  # pinned chunks in flight per wave; two waves alternate (reads overlap copies)
 
 
+# Bytes per element of safetensors' dtypes: an entry whose shape and dtype do not make its byte
+# length is refused here (the safetensors reader raised its own SafetensorError, exit 70).
+SAFETENSORS_ITEMSIZE = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "I16": 2, "U16": 2, "F16": 2,
+                        "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
+
+
+MAX_HEADER_BYTES = 100_000_000  # the safetensors reader's own bound on a header
+
+
+def _broken(path: Path, why: str) -> CheckpointError:
+    return CheckpointError(f"{path} is not a readable safetensors file ({why}); copy or regenerate the "
+                           f"checkpoint (`packbench model synth` for a synthetic one)")
+
+
 def _header(path: Path) -> tuple[int, dict]:
     """(data start, tensor entries) of a safetensors file; CheckpointError naming the file when it
     is not one (truncated, or another format), before any byte of it is placed."""
     def broken(why: str) -> CheckpointError:
-        return CheckpointError(f"{path} is not a readable safetensors file ({why}); copy or regenerate the "
-                               f"checkpoint (`packbench model synth` for a synthetic one)")
+        return _broken(path, why)
 
-    size = path.stat().st_size
+    try:
+        st = path.stat()
+    except OSError as e:  # a dangling link
+        raise broken(f"it cannot be read: {e.strerror}") from None
+    if not stat.S_ISREG(st.st_mode):  # a FIFO named *.safetensors: open() would wait for a writer
+        raise broken("it is not a regular file")
+    size = st.st_size
     with open(path, "rb") as f:
         head = f.read(8)
         if len(head) < 8:
@@ -70,10 +95,12 @@ def _header(path: Path) -> tuple[int, dict]:
         (n,) = struct.unpack("<Q", head)
         if n > size - 8:
             raise broken(f"the header claims {n} bytes, the file holds {size - 8} after its length")
+        if n > MAX_HEADER_BYTES:
+            raise broken(f"the header claims {n} bytes, over safetensors' own bound of {MAX_HEADER_BYTES}")
         try:
             header = json.loads(f.read(n))
-        except (UnicodeDecodeError, ValueError) as e:
-            raise broken(f"its header is not JSON: {e}") from None
+        except (UnicodeDecodeError, ValueError, RecursionError) as e:
+            raise broken(f"its header is not JSON: {one_line(str(e))[:200]}") from None
     if not isinstance(header, dict):
         raise broken("its header is not a JSON object")
     header.pop("__metadata__", None)
@@ -81,9 +108,16 @@ def _header(path: Path) -> tuple[int, dict]:
         offsets = meta.get("data_offsets") if isinstance(meta, dict) else None
         if not (isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(o, int) for o in offsets)
                 and 0 <= offsets[0] <= offsets[1] and "dtype" in meta and "shape" in meta):
-            raise broken(f"tensor {key!r} has no valid dtype, shape and data_offsets")
+            raise broken(f"tensor {show(key)} has no valid dtype, shape and data_offsets")
         if offsets[1] > size - 8 - n:
-            raise broken(f"tensor {key!r} ends {offsets[1] - (size - 8 - n)} bytes past the end of the file: truncated")
+            raise broken(f"tensor {show(key)} ends {offsets[1] - (size - 8 - n)} bytes past the end of the file: truncated")
+        shape, kind = meta["shape"], meta["dtype"]
+        if not (isinstance(shape, list) and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0
+                                                for d in shape) and isinstance(kind, str)):
+            raise broken(f"tensor {show(key)} has shape {show(shape)} and dtype {show(kind)}; a shape lists sizes >= 0")
+        if kind in SAFETENSORS_ITEMSIZE and math.prod(shape) * SAFETENSORS_ITEMSIZE[kind] != offsets[1] - offsets[0]:
+            raise broken(f"tensor {show(key)} of shape {show(shape)} and dtype {kind} is not the "
+                         f"{offsets[1] - offsets[0]} bytes its data_offsets span")
     return 8 + n, header
 
 

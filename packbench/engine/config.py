@@ -25,17 +25,27 @@ def read_config(model_dir: Path) -> dict:
     config = _json(path)
     from packbench.core.moe import FAMILIES
 
-    if config.get("model_type") in FAMILIES:  # an MoE family: engine/moe/ runs it
+    if isinstance(config.get("model_type"), str) and config["model_type"] in FAMILIES:  # engine/moe/ runs it
         return _moe(config, path)
     if config.get("model_type") != "opt":
         raise CheckpointError(
             f"{model_dir} is a {show(config.get('model_type'))} model; packbench supports OPT (model_type 'opt') and the "
             f"MoE families {', '.join(FAMILIES)}"
         )
-    for key in ("hidden_size", "vocab_size"):
-        value = config.get(key)
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise CheckpointError(f"{path}: {key} is {show(value)}, not a positive integer; fix config.json")
+    for key, most in OPT_INTEGERS.items():
+        value = config.get(key, OPT_DEFAULTS.get(key))
+        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= most:
+            raise CheckpointError(f"{path}: {key} is {show(value)}, not an integer in 1..{most}; fix config.json")
+    if config["hidden_size"] % config["num_attention_heads"]:
+        raise CheckpointError(f"{path}: hidden_size {config['hidden_size']} is not a multiple of num_attention_heads "
+                              f"{config['num_attention_heads']}; fix config.json")
+    pad = config.get("pad_token_id", OPT_DEFAULTS["pad_token_id"])
+    if pad is not None and (isinstance(pad, bool) or not isinstance(pad, int) or not 0 <= pad < config["vocab_size"]):
+        raise CheckpointError(f"{path}: pad_token_id is {show(pad)}, not a token id below vocab_size "
+                              f"{config['vocab_size']}; fix config.json")
+    for key in ("torch_dtype", "dtype"):
+        if not isinstance(config.get(key, ""), (str, type(None))):
+            raise CheckpointError(f"{path}: {key} is {show(config[key])}, not a dtype name; fix config.json")
     if not config.get("do_layer_norm_before", True):
         raise CheckpointError(
             f"{model_dir} is a post-LayerNorm OPT (do_layer_norm_before=false, like OPT-350m); only pre-LN OPT is supported"
@@ -47,6 +57,17 @@ def read_config(model_dir: Path) -> dict:
     if config.get("word_embed_proj_dim", config["hidden_size"]) != config["hidden_size"]:
         raise CheckpointError(f"{model_dir} projects embeddings (word_embed_proj_dim != hidden_size); unsupported")
     return config
+
+
+# The integers an OPT config.json gives the model's shape, each bounded far above any real OPT's
+# (OPT-175B: 12,288 hidden, 49,152 ffn, 96 layers and heads, 2,048 positions, 50,272 tokens):
+# a value outside them (`num_hidden_layers: -1`, `max_position_embeddings: 2**62`, 3 heads of a
+# 64-wide model) was passed to torch or transformers, which raised their own errors (exit 70), or
+# built a million layers for minutes. Every real OPT config.json has all of them; the two with
+# defaults take engine/opt_weights.py's (transformers' OPTConfig's).
+OPT_INTEGERS = {"hidden_size": 1 << 16, "vocab_size": 1 << 22, "num_hidden_layers": 4096, "num_attention_heads": 4096,
+                "ffn_dim": 1 << 20, "max_position_embeddings": 1 << 20}
+OPT_DEFAULTS = {"max_position_embeddings": 2048, "pad_token_id": 1}
 
 
 def _moe(config: dict, path: Path) -> dict:

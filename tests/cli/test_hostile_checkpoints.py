@@ -1,0 +1,109 @@
+"""Hostile checkpoint directories: a config.json or model.safetensors that is wrong in type, value
+or kind of file is one line naming the file and the fix, exit 2; never a traceback (exit 70 with
+torch's, transformers' or safetensors' own error) and never a hang.
+
+Commands run in this process through the console entry point, as tests/cli/test_hostile_input.py's do.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import struct
+from pathlib import Path
+
+import pytest
+
+from test_hostile_input import one_line_error, pb
+
+
+def copy_of(tiny: Path, where: Path, **config) -> Path:
+    shutil.copytree(tiny, where)
+    if config:
+        body = json.loads((where / "config.json").read_text())
+        body.update(config)
+        (where / "config.json").write_text(json.dumps(body))
+    return where
+
+
+@pytest.mark.parametrize("config, fragment", [
+    # Each exited 70 before: transformers or torch raised on the value (or built a million layers).
+    ({"num_attention_heads": 3}, "not a multiple of num_attention_heads 3"),
+    ({"num_hidden_layers": -1}, "num_hidden_layers is -1"),
+    ({"num_hidden_layers": 10**6}, "num_hidden_layers is 1000000"),
+    ({"max_position_embeddings": 2**62}, "max_position_embeddings is 4611686018427387904"),
+    ({"torch_dtype": [1]}, "torch_dtype is [1]"),
+    ({"pad_token_id": 10**6}, "pad_token_id is 1000000"),
+    ({"model_type": ["opt"]}, "is a ['opt'] model"),  # unhashable: `in FAMILIES` raised TypeError
+])
+def test_config_values_torch_or_transformers_refuse_are_one_line(tmp_path, tiny, capsys, config, fragment):
+    """Catches config.json values read_config let through to OPTConfig / OPTForCausalLM (hidden 64
+    with 3 heads: ValueError; -1 layers: `__len__() should return >= 0`; 2^62 positions: storage
+    overflow; a list as torch_dtype: IndexError; a list as model_type: unhashable)."""
+    model = copy_of(tiny, tmp_path / "m", **config)
+    one_line_error(pb(capsys, "model", "stats", str(model), "--prefix", "8", "--count", "1"), fragment)
+
+
+@pytest.mark.parametrize("text, fragment", [
+    ("[]", "is not a JSON object"), ("null", "is not a JSON object"), ('"opt"', "is not a JSON object"),
+    ("[" * 100_000 + "]" * 100_000, "is not JSON"),
+])
+def test_a_config_json_that_is_no_object_is_one_line(tmp_path, tiny, capsys, text, fragment):
+    """Catches `model stats`'s MoE probe (cli/model_moe.py is_moe_dir) calling `.get` on whatever
+    config.json held: a list, null or a string was AttributeError, deep nesting RecursionError (exit 70)."""
+    model = copy_of(tiny, tmp_path / "m")
+    (model / "config.json").write_text(text)
+    one_line_error(pb(capsys, "model", "stats", str(model), "--prefix", "8", "--count", "1"),
+                   f"{model / 'config.json'} {fragment}")
+
+
+def test_a_config_json_that_is_a_fifo_does_not_hang(tmp_path, tiny, capsys):
+    """Catches is_moe_dir's `read_text()` of a config.json that is a FIFO: open() waited for a writer."""
+    model = copy_of(tiny, tmp_path / "m")
+    (model / "config.json").unlink()
+    os.mkfifo(model / "config.json")
+    one_line_error(pb(capsys, "model", "stats", str(model), "--prefix", "8", "--count", "1"), "without config.json")
+
+
+def _with_header(tiny: Path, where: Path, change) -> Path:
+    model = copy_of(tiny, where)
+    data = (tiny / "model.safetensors").read_bytes()
+    (n,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8:8 + n])
+    change(header)
+    raw = json.dumps(header).encode()
+    raw += b" " * (-len(raw) % 8)
+    (model / "model.safetensors").write_bytes(struct.pack("<Q", len(raw)) + raw + data[8 + n:])
+    return model
+
+
+def _first(header: dict) -> str:
+    return next(k for k in header if k != "__metadata__")
+
+
+@pytest.mark.parametrize("change, fragment", [
+    (lambda h: h[_first(h)].update(dtype="F64"), "is not the 66048 bytes its data_offsets span"),
+    (lambda h: h[_first(h)].update(shape=[10**12, 10**12]), "is not the 66048 bytes"),
+    (lambda h: h[_first(h)].update(shape=[-1]), "a shape lists sizes >= 0"),
+    (lambda h: h.update(__metadata__={"a": [1]}), "expected a string"),
+    (lambda h: h.pop(_first(h)), "invalid offset"),
+])
+def test_a_safetensors_header_the_reader_refuses_is_one_line(tmp_path, tiny, capsys, change, fragment):
+    """Catches safetensors' own SafetensorError (exit 70) on a header packbench's check passed: a
+    dtype or shape that does not make the tensor's byte length, a negative size, metadata that is
+    not strings, a gap where a tensor's entry was removed."""
+    model = _with_header(tiny, tmp_path / "m", change)
+    one_line_error(pb(capsys, "model", "stats", str(model), "--prefix", "8", "--count", "1"),
+                   f"{model / 'model.safetensors'} is not a readable safetensors file", fragment)
+
+
+@pytest.mark.parametrize("kind", ["fifo", "directory"])
+def test_a_safetensors_path_that_is_no_file_is_one_line(tmp_path, tiny, capsys, kind):
+    """Catches `open()` of a model.safetensors that is a FIFO (waited for a writer forever) or a
+    directory (IsADirectoryError, exit 70)."""
+    model = copy_of(tiny, tmp_path / "m")
+    (model / "model.safetensors").unlink()
+    os.mkfifo(model / "model.safetensors") if kind == "fifo" else (model / "model.safetensors").mkdir()
+    one_line_error(pb(capsys, "model", "stats", str(model), "--prefix", "8", "--count", "1"),
+                   "model.safetensors is not a readable safetensors file (it is not a regular file)")
