@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 
 import typer
@@ -13,6 +14,7 @@ import typer
 from packbench.core.errors import PackbenchError
 from packbench.core.moe import FAMILIES, MOE_SHAPES, ROUTING_OF, ROUTING_PROFILES
 from packbench.core.routing import PUBLISHED
+from packbench.core.text import one_line
 
 
 def is_moe_dir(model_dir: Path) -> bool:
@@ -80,11 +82,11 @@ def stats(model_dir: Path, ids: list[list[int]], *, dtype: str, json_out: bool, 
 
     if device != "cpu" and not torch.cuda.is_available():
         raise PackbenchError(f"--device {device}: CUDA is not available here; use --device cpu")
+    recipe = _recipe(Path(model_dir) / "packbench_synth.json")  # refused before any prompt is routed
     traces, meta = routing_traces(model_dir, ids, dtype=getattr(torch, dtype), device=device, progress=progress)
     summary = summarise(traces, experts=meta["experts"], k=meta["k"])
-    recipe_file = Path(model_dir) / "packbench_synth.json"
-    recipe = json.loads(recipe_file.read_text()) if recipe_file.exists() else None
-    published = (recipe or {}).get("profile") if (recipe or {}).get("profile") in PUBLISHED else \
+    profile = (recipe or {}).get("profile")
+    published = profile if isinstance(profile, str) and profile in PUBLISHED else \
         ("mixtral" if meta["family"] == "mixtral" else "olmoe")
     summary["model"] = {"dir": str(model_dir), "family": meta["family"], "dtype": dtype, "recipe": recipe,
                         "prompts": len(ids), "tokens": len(ids[0])}
@@ -101,6 +103,24 @@ def stats(model_dir: Path, ids: list[list[int]], *, dtype: str, json_out: bool, 
         typer.echo(json.dumps(_finite(summary), sort_keys=True, default=list))
         return
     typer.echo(render(summary))
+
+
+def _recipe(path: Path) -> dict | None:
+    """The synthetic checkpoint's recipe (engine/moe/synth.py writes it), None without one; a file
+    that is not a JSON object (or a FIFO, which read_text waited on) is one line naming it."""
+    from packbench.core.files import read_bounded
+
+    if not os.path.lexists(path):
+        return None
+    try:
+        recipe = json.loads(read_bounded(path, limit=1 << 20))
+    except (OSError, ValueError, RecursionError) as e:  # NotReadable (a FIFO, a device, too large) is a ValueError
+        raise PackbenchError(f"{path}: cannot read it as JSON ({one_line(str(e))[:120]}); regenerate the checkpoint "
+                             f"with `packbench model synth` or remove that file") from None
+    if not isinstance(recipe, dict):
+        raise PackbenchError(f"{path} is not a JSON object; regenerate the checkpoint with `packbench model synth` "
+                             f"or remove that file")
+    return recipe
 
 
 def _finite(value):

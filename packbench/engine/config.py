@@ -80,6 +80,22 @@ def _moe(config: dict, path: Path) -> dict:
         value = config_experts(config) if key == f["experts"] else config.get(key)
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise CheckpointError(f"{path}: {key} is {show(value)}, not a positive integer; fix config.json")
+    # Values transformers builds from without a word and fails on later: a million layers (built
+    # for minutes), k above the experts (torch.topk's "selected index k out of range" in the first
+    # call), a negative head_dim (a tensor of negative size), kv heads that do not divide the heads.
+    if config["num_hidden_layers"] > OPT_INTEGERS["num_hidden_layers"]:
+        raise CheckpointError(f"{path}: num_hidden_layers is {config['num_hidden_layers']}, more than "
+                              f"{OPT_INTEGERS['num_hidden_layers']}; fix config.json")
+    if config["num_experts_per_tok"] > config_experts(config):
+        raise CheckpointError(f"{path}: num_experts_per_tok {config['num_experts_per_tok']} is more than the "
+                              f"{config_experts(config)} experts; fix config.json")
+    for key in ("head_dim", "num_key_value_heads"):
+        value = config.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 1 << 16):
+            raise CheckpointError(f"{path}: {key} is {show(value)}, not a positive integer; fix config.json")
+    if config["num_attention_heads"] % (config.get("num_key_value_heads") or config["num_attention_heads"]):
+        raise CheckpointError(f"{path}: num_attention_heads {config['num_attention_heads']} is not a multiple of "
+                              f"num_key_value_heads {config['num_key_value_heads']}; fix config.json")
     return config
 
 

@@ -107,3 +107,51 @@ def test_a_safetensors_path_that_is_no_file_is_one_line(tmp_path, tiny, capsys, 
     os.mkfifo(model / "model.safetensors") if kind == "fifo" else (model / "model.safetensors").mkdir()
     one_line_error(pb(capsys, "model", "stats", str(model), "--prefix", "8", "--count", "1"),
                    "model.safetensors is not a readable safetensors file (it is not a regular file)")
+
+
+# ----------------------------------------------------------------------------- MoE checkpoints
+
+
+@pytest.fixture(scope="module")
+def moe(tmp_path_factory) -> Path:
+    from packbench.engine.moe.synth import synth_moe
+
+    return synth_moe(tmp_path_factory.mktemp("moe") / "mixtral", shape="mixtral-tiny", seed=0, dtype="float32",
+                     layers=2)
+
+
+@pytest.mark.parametrize("config, fragment", [
+    # transformers built a random layer 2 (or dropped layer 1) and printed a report: exit 0, figures of noise
+    ({"num_hidden_layers": 3}, "lacks 9 tensors a mixtral model as config.json describes it has"),
+    ({"num_hidden_layers": 1}, "has no place for"),
+    ({"num_local_experts": 16}, "holds 6 tensors in other shapes than config.json gives them"),  # RuntimeError, exit 70
+    ({"num_hidden_layers": 10**6}, "num_hidden_layers is 1000000, more than 4096"),  # built for minutes
+    ({"num_experts_per_tok": 9}, "num_experts_per_tok 9 is more than the 8 experts"),  # topk's RuntimeError
+    ({"head_dim": -1}, "head_dim is -1"),  # a tensor of negative size
+    ({"num_key_value_heads": 3}, "not a multiple of num_key_value_heads 3"),
+    ({"hidden_act": "nope"}, "hidden_act 'nope' is not an activation"),  # KeyError in ACT2FN
+    ({"rope_parameters": [1]}, "transformers' mixtral config refuses it"),  # StrictDataclassFieldValidationError
+])
+def test_an_moe_checkpoint_its_config_does_not_describe_is_one_line(tmp_path, moe, capsys, config, fragment):
+    """Catches `model stats` on an MoE checkpoint handing config.json straight to transformers'
+    from_pretrained: tensors the files lack were initialised at random behind a many-line load
+    report and the routing of noise printed with exit 0; other values raised transformers' or
+    torch's own errors (exit 70) or built a million layers."""
+    model = copy_of(moe, tmp_path / "m", **config)
+    r = pb(capsys, "model", "stats", str(model), "--prefix", "8", "--count", "1")
+    one_line_error(r, str(model), fragment)
+    assert "LOAD REPORT" not in r.err and "Loading weights" not in r.err
+
+
+@pytest.mark.parametrize("text, fragment", [
+    ("{", "cannot read it as JSON"), ("[" * 100_000 + "]" * 100_000, "cannot read it as JSON"),
+    ("[]", "is not a JSON object"), (None, "is a FIFO"),
+])
+def test_a_broken_moe_recipe_file_is_one_line(tmp_path, moe, capsys, text, fragment):
+    """Catches packbench_synth.json read with `json.loads(read_text())` and `.get`: not JSON, too
+    deep or a list exited 70, a FIFO waited forever."""
+    model = copy_of(moe, tmp_path / "m")
+    (model / "packbench_synth.json").unlink()
+    os.mkfifo(model / "packbench_synth.json") if text is None else (model / "packbench_synth.json").write_text(text)
+    one_line_error(pb(capsys, "model", "stats", str(model), "--prefix", "8", "--count", "1"),
+                   f"{model / 'packbench_synth.json'}", fragment)

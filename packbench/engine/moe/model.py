@@ -29,8 +29,10 @@ from pathlib import Path
 import torch
 
 from packbench.core import charges
+from packbench.core.errors import CheckpointError
 from packbench.core.expert_cache import episode_figures
 from packbench.core.moe import FAMILIES
+from packbench.core.text import one_line, show
 from packbench.engine.ledger import Recorder
 from packbench.engine.model import StartStats  # host_outgoing_bytes: the experts, in host memory
 from packbench.engine.moe.cache import CACHE_KINDS, ExpertCache
@@ -40,24 +42,70 @@ from packbench.engine.moe.policies import EXPERT_POLICIES, MAPPED_POLICIES, Expe
 MOE_MODES = ("eager", "graph")  # engine/graph.py MODES, the protocol's engine.mode
 
 
-class MoeCheckpointError(ValueError):
+class MoeCheckpointError(CheckpointError, ValueError):
     """A checkpoint packbench cannot run as an MoE model (the message names the fix)."""
 
 
 def moe_family(model_dir: Path) -> str | None:
     """config.json's model_type when it is an MoE family packbench runs, else None."""
+    from packbench.core.files import read_bounded
+
     try:
-        config = json.loads((Path(model_dir) / "config.json").read_text())
-    except (OSError, ValueError):
+        config = json.loads(read_bounded(Path(model_dir) / "config.json", limit=1 << 20))
+    except (OSError, ValueError, RecursionError):  # NotReadable (a FIFO, /dev/zero) is a ValueError
         return None
-    kind = config.get("model_type")
-    return kind if kind in FAMILIES else None
+    kind = config.get("model_type") if isinstance(config, dict) else None
+    return kind if isinstance(kind, str) and kind in FAMILIES else None
 
 
 def model_class(family: str):
     import transformers
 
     return getattr(transformers, FAMILIES[family]["model"])
+
+
+def load_stock(model_dir: Path, *, family: str, dtype: torch.dtype):
+    """Stock transformers' model of an MoE checkpoint, in host memory, its tensors exactly the
+    checkpoint's. transformers initialises a tensor the files lack (or hold in another shape) at
+    random and prints a report of many lines; here any such tensor, and a config.json its config
+    class or model refuses, is one MoeCheckpointError line (read_config checked the integers)."""
+    from transformers.activations import ACT2FN
+    from transformers.utils import logging as hf_logging
+
+    from packbench.engine.config import read_config
+
+    read_config(model_dir)
+    cls = model_class(family)
+    try:
+        config = cls.config_class.from_pretrained(model_dir)
+    except Exception as e:  # noqa: BLE001 transformers' own validation raises its own types (StrictDataclass...)
+        raise MoeCheckpointError(f"{model_dir}/config.json: transformers' {family} config refuses it "
+                                 f"({one_line(str(e))[:160]}); fix config.json") from None
+    act = getattr(config, "hidden_act", "silu")
+    if not isinstance(act, str) or act not in ACT2FN:
+        raise MoeCheckpointError(f"{model_dir}/config.json: hidden_act {show(act)} is not an activation "
+                                 f"transformers has; fix config.json")
+    verbosity, bar = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
+    hf_logging.set_verbosity_error()  # the load report: what it says is the one line below
+    hf_logging.disable_progress_bar()
+    try:
+        # ignore_mismatched_sizes: a tensor of another shape is listed in `info`, not raised after the report
+        model, info = cls.from_pretrained(model_dir, config=config, dtype=dtype, attn_implementation="eager",
+                                          output_loading_info=True, ignore_mismatched_sizes=True)
+    finally:
+        hf_logging.set_verbosity(verbosity)
+        if bar:
+            hf_logging.enable_progress_bar()
+    for key, what in (("missing_keys", "lacks {n} tensors a {family} model as config.json describes it has"),
+                      ("mismatched_keys", "holds {n} tensors in other shapes than config.json gives them"),
+                      ("unexpected_keys", "holds {n} tensors a {family} model as config.json describes it has no "
+                                          "place for")):
+        # mismatched_keys are (name, its shape, the model's shape)
+        names = sorted(str(n[0] if isinstance(n, tuple) else n) for n in info.get(key) or ())
+        if names:
+            raise MoeCheckpointError(f"{model_dir}: the checkpoint {what.format(n=len(names), family=family)} "
+                                     f"(first: {show(names[0])}); regenerate the checkpoint or fix config.json")
+    return model
 
 
 def force_eager(config) -> None:
@@ -110,9 +158,7 @@ class CpuFirstMoE:
                                      f"{', '.join(FAMILIES)}; give an MoE checkpoint")
         self.family, self.mode, self.device, self.dtype, self.model_dir = family, mode, device, dtype, Path(model_dir)
         t0 = time.perf_counter()
-        cls = model_class(family)
-        kwargs = {"attn_implementation": "eager"}
-        model = cls.from_pretrained(model_dir, dtype=dtype, **kwargs)  # into host memory
+        model = load_stock(model_dir, family=family, dtype=dtype)  # into host memory
         force_eager(model.config)
         model.eval()
         t1 = time.perf_counter()

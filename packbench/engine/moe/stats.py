@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from packbench.engine.moe.model import force_eager, model_class, moe_family
+from packbench.engine.moe.model import force_eager, load_stock, moe_family
 
 
 def routing_traces(model_dir: Path, prompts: list[list[int]], *, dtype: torch.dtype = torch.float32,
@@ -15,7 +15,7 @@ def routing_traces(model_dir: Path, prompts: list[list[int]], *, dtype: torch.dt
     """One (layers, tokens, k) int array per prompt (one prefill call each), and the model's
     (experts, k, layers). The routers' own top-k, read by a hook on each router's output."""
     family = moe_family(model_dir)
-    model = model_class(family).from_pretrained(model_dir, dtype=dtype, attn_implementation="eager")
+    model = load_stock(model_dir, family=family, dtype=dtype)
     force_eager(model.config)
     model.eval().to(device)
     routers = [(i, layer.mlp.gate) for i, layer in enumerate(model.model.layers)
