@@ -508,7 +508,8 @@ def main() -> None:
         typer.echo("aborted", err=True)
         sys.exit(1)
     except PackbenchError as e:
-        typer.echo(f"error: {e}", err=True)
+        # one_line: a message that quotes the input raw (`history $'\n'`'s hint) still prints one line
+        typer.echo(one_line(f"error: {e}"), err=True)
         if isinstance(e, ClusterUnreachable):
             # Ray may still be retrying the join in a background thread (and printing): leave now.
             sys.stdout.flush()

@@ -102,7 +102,8 @@ def results(
                    passed=passed, status=status, since=since, until=until, machine=machine,
                    min_energy_j=min_energy, max_energy_j=max_energy, sort=sort, role=role)
     if all(v is None for v in filters.values()) and not desc and fmt is None and limit is None and not tag:
-        _screen_view(open_store(db), screen or "latest", json_out=json_out)
+        # `--screen ''` (an unset variable in a script) is refused by the store, not read as "latest"
+        _screen_view(open_store(db), "latest" if screen is None else screen, json_out=json_out)
         return
     out = _output_format(fmt, json_out)
     limit = _limit(limit, default=1000)

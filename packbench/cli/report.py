@@ -91,7 +91,7 @@ def _load(ref: str, db: str | None):
     from packbench.core.report import read_screen
 
     path = Path(ref)
-    if path.suffix == ".zip" or path.exists():
+    if ref and (path.suffix == ".zip" or path.exists()):  # Path("") is ".", which exists
         kind = not_a_file(path)
         if kind == "missing":
             raise PackbenchError(f"no archive {ref}: give an existing .zip, or a screen id / `latest`")

@@ -417,3 +417,20 @@ def test_status_says_a_killed_dispatcher_is_not_live_at_once():
     assert _liveness(SimpleNamespace(host=here, pid=gone.pid, live=True)) == "NO (its process is gone)"
     assert _liveness(SimpleNamespace(host=here, pid=os.getpid(), live=True)) == "yes"
     assert _liveness(SimpleNamespace(host="elsewhere", pid=gone.pid, live=False)) == "NO (no heartbeat)"
+
+
+def test_an_empty_screen_reference_is_refused_not_read_as_latest(tmp_path, db, tiny, capsys):
+    """Catches `results --screen ''` (an unset variable in a script) showing the latest screen with
+    exit 0 (`screen or "latest"`), and `report ''` taking '' for the current directory
+    ("error:  is a directory, not an archive file")."""
+    assert pb(capsys, "submit", str(write(tmp_path / "p.yaml", yaml.safe_dump(quickstart(tiny))))).code == 0
+    one_line_error(pb(capsys, "results", "--screen", ""), "no screen ''")
+    one_line_error(pb(capsys, "report", "", "--out", str(tmp_path / "r.html")), "''", "an id or `latest`")
+    assert not (tmp_path / "r.html").exists() and [s.status for s in queued(db)] == ["queued"]
+
+
+def test_an_error_quoting_input_with_a_newline_stays_one_line(tmp_path, db, capsys):
+    """Catches `packbench history $'\\n...'` printing two lines: its hint quoted the protocol raw
+    (`screens list --protocol <newline>`). Every PackbenchError line is now escaped where it is printed."""
+    line = one_line_error(pb(capsys, "history", "q\n\x1b[31m"), "no done screen of protocol")
+    assert "\x1b" not in line and "--protocol q\\n\\x1b[31m" in line
