@@ -81,7 +81,7 @@ def make_engine(url: str | None = None) -> Engine:
 def _parse(text: str) -> URL:
     try:
         parsed = make_url(text)
-    except ArgumentError as exc:
+    except (ArgumentError, ValueError) as exc:  # ValueError: a port that is no number (`h:abc`, `[::1`)
         raise DatabaseError(
             f"cannot parse database URL {_redact(text)!r}; set {ENV_VAR}: {_URL_HINT}"
         ) from exc
@@ -93,13 +93,22 @@ def _parse(text: str) -> URL:
         raise DatabaseError(
             f"unsupported database URL scheme {parsed.drivername!r}; set {ENV_VAR}: {_URL_HINT}"
         )
+    unread = sorted(set(parsed.query) - SQLITE_QUERY) if parsed.get_backend_name() == "sqlite" \
+        and "uri" not in parsed.query else []
+    if unread:  # the driver warned in three lines and ignored them (and `?mode=ro` opened, or created, the file)
+        raise DatabaseError(f"database URL {_redact(text)!r}: SQLite's driver does not read {unread[0]!r}; drop it, "
+                            f"or write a SQLite URI (sqlite:///file:PATH?mode=ro&uri=true)")
     return parsed
+
+
+# The query arguments SQLAlchemy's pysqlite driver reads; any other is SQLite's own, in a URI (`uri=true`).
+SQLITE_QUERY = {"uri", "timeout", "isolation_level", "detect_types", "check_same_thread", "cached_statements"}
 
 
 def sqlite_file(url: str | None = None) -> Path | None:
     """The file a SQLite URL names (None: PostgreSQL, or an in-memory database)."""
     parsed = _parse(url if url is not None else default_url())
-    if parsed.get_backend_name() != "sqlite" or parsed.database in (None, "", ":memory:") or parsed.query \
+    if parsed.get_backend_name() != "sqlite" or parsed.database in (None, "", ":memory:") or "uri" in parsed.query \
             or parsed.database.startswith("file:"):  # a URI (`?uri=true`, `mode=ro`): SQLite's own business
         return None
     return Path(parsed.database)

@@ -344,6 +344,21 @@ def test_results_in_an_empty_folder_leaves_no_database_file(tmp_path, packbench_
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize("url, fragment", [
+    ("postgresql://h:abc/x", "cannot parse database URL"),  # make_url's ValueError: exit 70
+    ("postgresql://u:secret@[::1/x", "cannot parse database URL 'postgresql://u:***@"),
+    ("sqlite:///x.db?foo=bar", "SQLite's driver does not read 'foo'"),  # three lines of SAWarning, an empty x.db
+    ("sqlite:///x.db?mode=ro", "SQLite's driver does not read 'mode'"),
+    ("sqlite:///x.db?timeout=5", "no database at x.db"),  # a driver argument: the file must still exist
+])
+def test_a_database_url_that_cannot_be_used_is_one_line_and_creates_no_file(tmp_path, packbench_cli, url, fragment):
+    """Catches a --db URL with a port that is no number (exit 70), and a SQLite URL with a query:
+    the missing-file check was skipped for any query, so `status` created an empty x.db beside it,
+    and an argument the driver does not read printed its three-line warning."""
+    one_line_error(packbench_cli("status", "--db", url, cwd=tmp_path), fragment)
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_db_current_and_history_of_a_missing_file_create_no_database(tmp_path, packbench_cli):
     """`db current` left an empty packbench.db behind (then said `empty`), `db history` too."""
     env = {"PACKBENCH_DB_URL": ""}
