@@ -13,8 +13,18 @@ import typer
 
 from packbench.cli.common import DbUrl, Json, echo_json, open_store
 from packbench.core.errors import PackbenchError
+from packbench.core.text import one_line
 
 DEFAULT_KEY = Path("~/.config/packbench/signing-key.pem")
+MAX_KEY_NAME = 200  # `keys list` and `compare` print it in a row, as screens list does a protocol's name
+
+
+def key_name(ctx: typer.Context, param: typer.CallbackParam, value: str) -> str:
+    """--name: one printable line of 1-200 characters. Unchecked, `keys init --name $'a\\nb'` split
+    every later `keys list` row in two, and a name of 100,000 characters was stored."""
+    if not 0 < len(value) <= MAX_KEY_NAME or not value.isprintable():
+        raise typer.BadParameter(f"'{one_line(value[:40])}' must be one line of 1-{MAX_KEY_NAME} printable characters")
+    return value
 
 keys_app = typer.Typer(no_args_is_help=True, help="Archive signing keys (Ed25519): create, trust, list.")
 
@@ -22,7 +32,8 @@ keys_app = typer.Typer(no_args_is_help=True, help="Archive signing keys (Ed25519
 @keys_app.command("init")
 def keys_init(
     key: Annotated[Path, typer.Option(help="Where to write the private key (its public half goes to KEY.pub).")] = DEFAULT_KEY,
-    name: Annotated[str, typer.Option(help="A name for this deployment's key in the database.")] = "local",
+    name: Annotated[str, typer.Option(help="A name for this deployment's key in the database.",
+                                      callback=key_name)] = "local",
     db: DbUrl = None,
     no_db: Annotated[bool, typer.Option("--no-db", metavar="", help="Write the key files only.")] = False,
     json_out: Json = False,
@@ -49,7 +60,7 @@ def keys_init(
 @keys_app.command("register")
 def keys_register(
     public_key: Annotated[Path, typer.Argument(help="Another lab's .pub file.")],
-    name: Annotated[str, typer.Option(help="Whose key it is (shown by `keys list` and `compare`).")],
+    name: Annotated[str, typer.Option(help="Whose key it is (shown by `keys list` and `compare`).", callback=key_name)],
     db: DbUrl = None,
     json_out: Json = False,
 ) -> None:
@@ -72,7 +83,7 @@ def keys_list(db: DbUrl = None, json_out: Json = False) -> None:
         echo_json({"keys": [{"key_id": s.key_id, "name": s.name, "local": s.local} for s in signers]})
         return
     for s in signers:
-        typer.echo(f"{s.key_id}  {'local ' if s.local else 'remote'}  {s.name}")
+        typer.echo(f"{s.key_id}  {'local ' if s.local else 'remote'}  {one_line(s.name)}")  # one row, whatever is stored
 
 
 def register(app: typer.Typer) -> None:

@@ -199,6 +199,19 @@ def test_keys_init_where_no_key_can_be_written_is_one_line(tmp_path, db, capsys)
     one_line_error(r, "--key /proc/x/key.pem: cannot write the key there")
 
 
+@pytest.mark.parametrize("name", ["evil\nname", "\x1b[2J", "", "a" * 100_000])
+def test_a_key_name_that_is_not_one_short_line_is_refused_before_any_key_is_written(tmp_path, db, capsys, name):
+    """Catches `keys init --name` / `keys register --name` storing any text: a newline split every
+    later `keys list` row in two, an escape reached the terminal, a 100,000-character name was kept."""
+    one_line_error(pb(capsys, "keys", "init", "--key", str(tmp_path / "k.pem"), "--name", name),
+                   "--name", "must be one line of 1-200 printable characters")
+    assert list(tmp_path.glob("k.pem*")) == []
+    assert pb(capsys, "keys", "init", "--key", str(tmp_path / "k.pem"), "--name", "lab").code == 0
+    one_line_error(pb(capsys, "keys", "register", str(tmp_path / "k.pem.pub"), "--name", name), "--name")
+    r = pb(capsys, "keys", "list")
+    assert r.code == 0 and r.out.count("\n") == 1 and r.out.rstrip().endswith("lab"), r.out
+
+
 def test_an_archive_dir_that_cannot_be_created_queues_nothing(tmp_path, db, tiny, capsys):
     (tmp_path / "a-file").write_text("not a directory")
     p = write(tmp_path / "p.yaml", yaml.safe_dump(quickstart(tiny)))
