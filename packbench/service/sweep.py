@@ -21,6 +21,7 @@ import yaml
 
 from packbench.core.errors import ProtocolError
 from packbench.core.protocol import FrozenProtocol, freeze, load
+from packbench.core.protocol.freeze import parse_value
 
 
 @dataclass(frozen=True)
@@ -51,7 +52,8 @@ def parse_axes(specs: Sequence[str]) -> list[Axis]:
             raise ProtocolError(f"--sweep {spec!r} is not FIELD=V1,V2,...; write e.g. --sweep prefix_tokens=32,64")
         if any(a.field == field for a in axes):
             raise ProtocolError(f"--sweep {field} is given twice; list all its values in one --sweep {field}=V1,V2")
-        parsed = tuple(yaml.safe_load(v.strip()) if v.strip() else "" for v in values.split(","))
+        # The protocol file's loader: `[`, `*a`, `!!bool maybe` or `2001-13-45` exited 70 under yaml.safe_load
+        parsed = tuple(parse_value(v.strip(), f"--sweep {field}") if v.strip() else "" for v in values.split(","))
         if len(set(map(repr, parsed))) != len(parsed):
             raise ProtocolError(f"--sweep {spec!r} repeats a value; give each value once")
         axes.append(Axis(field, parsed))
@@ -72,7 +74,7 @@ def with_value(body: Mapping[str, Any], field: str, value: Any) -> dict:
     for i, key in enumerate(parents):
         node = _child(node, key, ".".join(parents[:i + 1]), field)
     if isinstance(node, list):
-        if not (leaf.isdigit() and int(leaf) < len(node)):
+        if not (_index(leaf) and int(leaf) < len(node)):
             raise ProtocolError(f"--sweep {field}: {'.'.join(parents)} has {len(node)} items; index one of them")
         node[int(leaf)] = value
     elif isinstance(node, dict):
@@ -85,10 +87,15 @@ def with_value(body: Mapping[str, Any], field: str, value: Any) -> dict:
 def _child(node: Any, key: str, where: str, field: str) -> Any:
     if isinstance(node, dict) and key in node:
         return node[key]
-    if isinstance(node, list) and key.isdigit() and int(key) < len(node):
+    if isinstance(node, list) and _index(key) and int(key) < len(node):
         return node[int(key)]
     raise ProtocolError(f"--sweep {field}: the protocol has no {where}; sweep a field the file has (e.g. "
                         f"prefix_tokens, dtype, conditions.1.params.gather)")
+
+
+def _index(key: str) -> bool:
+    """A list index: ASCII digits ("²".isdigit() holds, and int("²") raised ValueError), few of them."""
+    return key.isascii() and key.isdigit() and len(key) <= 9
 
 
 def point_name(name: str, values: Mapping[str, Any]) -> str:

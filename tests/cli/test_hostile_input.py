@@ -447,3 +447,36 @@ def test_an_error_quoting_input_with_a_newline_stays_one_line(tmp_path, db, caps
     (`screens list --protocol <newline>`). Every PackbenchError line is now escaped where it is printed."""
     line = one_line_error(pb(capsys, "history", "q\n\x1b[31m"), "no done screen of protocol")
     assert "\x1b" not in line and "--protocol q\\n\\x1b[31m" in line
+
+
+@pytest.mark.parametrize("value, fragment", [
+    ("!!bool maybe", "'maybe' is not a valid YAML bool"),  # KeyError in PyYAML's constructor
+    ("!!int abc", "'abc' is not a valid YAML int"),  # ValueError
+    ("!!float abc", "'abc' is not a valid YAML float"),
+    ("!!timestamp abc", "'abc' is not a valid YAML timestamp"),  # AttributeError on a failed match
+    ("2001-13-45 25:61:61", "is not a valid YAML timestamp"),  # a plain value YAML reads as a date: ValueError
+    ('"\\ud800"', "a lone surrogate"),  # UnicodeEncodeError when the protocol was hashed
+])
+def test_a_yaml_value_its_tag_cannot_hold_is_one_line_naming_its_line(tmp_path, db, tiny, capsys, value, fragment):
+    """Catches PyYAML's constructors raising KeyError / ValueError / AttributeError (and a lone
+    surrogate reaching the UTF-8 hash) past the protocol loader: `protocol validate` exited 70."""
+    text = yaml.safe_dump(quickstart(tiny)).replace("warmups: 1", f"warmups: {value}")
+    assert f"warmups: {value}" in text
+    one_line_error(pb(capsys, "protocol", "validate", str(write(tmp_path / "p.yaml", text))), "protocol line", fragment)
+
+
+@pytest.mark.parametrize("spec, fragment", [
+    ("prefix_tokens=[", "'[' is not a YAML value"),  # yaml.safe_load's ParserError: exit 70
+    ("prefix_tokens=*a", "undefined alias"),  # ComposerError
+    ("prefix_tokens=!!python/object:os.system", "could not determine a constructor"),
+    ("prefix_tokens=!!bool maybe", "is not a valid YAML bool"),  # KeyError
+    ("prefix_tokens=2001-13-45", "is not a valid YAML timestamp"),  # ValueError
+    ("conditions.\u00b2=x", "conditions has 2 items"),  # "²".isdigit() holds, int("²") raised ValueError
+])
+def test_a_sweep_value_that_is_no_yaml_is_one_line_and_queues_nothing(tmp_path, db, tiny, capsys, spec, fragment):
+    """Catches `--sweep FIELD=V1,...` reading each value with a bare yaml.safe_load (its errors, a
+    tag its constructor cannot hold) and indexing a list with any str.isdigit() key: exit 70."""
+    p = write(tmp_path / "p.yaml", yaml.safe_dump(quickstart(tiny)))
+    one_line_error(pb(capsys, "protocol", "plan", str(p), "--sweep", spec), "--sweep", fragment)
+    one_line_error(pb(capsys, "submit", str(p), "--sweep", spec), "--sweep", fragment)
+    assert queued(db) == []

@@ -85,6 +85,17 @@ class _UniqueKeyLoader(yaml.SafeLoader):
         self._shape.see(event)
         return event
 
+    def construct_object(self, node: yaml.Node, deep: bool = False) -> Any:
+        """A scalar its tag cannot hold (`!!bool maybe`, `!!int abc`, a timestamp of month 13, as
+        plain `2001-13-45 10:00:00` is one) is one line naming its line; PyYAML's constructors
+        raised KeyError, ValueError or AttributeError, exit 70."""
+        try:
+            return super().construct_object(node, deep=deep)
+        except (ValueError, KeyError, AttributeError, TypeError, OverflowError):
+            tag = node.tag.rsplit(":", 1)[-1]
+            raise ProtocolError(f"protocol line {node.start_mark.line + 1}: {show(node.value)} is not a valid YAML {tag}; "
+                                f"fix it, or quote it if it is text") from None
+
 
 def _construct_mapping(loader: _UniqueKeyLoader, node: yaml.MappingNode, deep: bool = False) -> dict:
     seen: set = set()
@@ -149,6 +160,19 @@ def _read_text(path: Path) -> str:
     except UnicodeDecodeError as e:
         raise ProtocolError(f"{path} is not UTF-8 text (byte {data[e.start]:#04x} at offset {e.start}); "
                             f"save it as UTF-8") from None
+
+
+def parse_value(text: str, what: str) -> Any:
+    """One value written in YAML on a command line (`--sweep FIELD=V1,V2`'s values), read by the
+    protocol file's own loader: bounded, no arbitrary tags, a value its tag cannot hold refused;
+    a ProtocolError naming `what` where it is no YAML (`[`, `*a`, `!!python/object:...`)."""
+    try:
+        return yaml.load(text, Loader=_UniqueKeyLoader)
+    except yaml.YAMLError as e:
+        problem = one_line(str(getattr(e, "problem", None) or "cannot be parsed"))[:100]
+        raise ProtocolError(f"{what}: {show(text)} is not a YAML value ({problem}); quote it if it is text") from None
+    except ProtocolError as e:
+        raise ProtocolError(f"{what}: {e}") from None
 
 
 def _parse(text: str, path: Path) -> Any:
@@ -216,3 +240,14 @@ def _construct_int(loader: _UniqueKeyLoader, node: yaml.ScalarNode) -> int:
 
 
 _UniqueKeyLoader.add_constructor("tag:yaml.org,2002:int", _construct_int)
+
+
+def _construct_str(loader: _UniqueKeyLoader, node: yaml.ScalarNode) -> str:
+    value = loader.construct_yaml_str(node)
+    if any("\ud800" <= ch <= "\udfff" for ch in value):  # "\ud800" in double quotes: no UTF-8 encodes it
+        raise ProtocolError(f"protocol line {node.start_mark.line + 1}: a string holds a lone surrogate "
+                            f"({show(value)}); write the character itself, or its pair")
+    return value
+
+
+_UniqueKeyLoader.add_constructor("tag:yaml.org,2002:str", _construct_str)
