@@ -15,6 +15,7 @@ import typer
 
 from packbench.cli.common import DbUrl, Json, echo_json, not_a_file, open_store, write_output
 from packbench.core.errors import PackbenchError
+from packbench.core.text import one_line
 
 
 def register(app: typer.Typer) -> None:
@@ -53,14 +54,22 @@ def report(
     if not compare and len(screens) != 1:
         raise PackbenchError(f"give one screen, or --compare with {len(screens)} of them")
     _check_out(out)
-    loaded = [_load(ref, db) for ref in screens]
-    names = [_name(ref, screen) for ref, (screen, _) in zip(screens, loaded)]
-    if compare:
-        page = compare_page([s for s, _ in loaded], [a for _, a in loaded])
-        default = "compare-" + "-".join(names) + ".html"
-    else:
-        page = screen_page(loaded[0][0], audit=loaded[0][1])
-        default = f"report-{names[0]}.html"
+    try:
+        loaded = [_load(ref, db) for ref in screens]
+        names = [_name(ref, screen) for ref, (screen, _) in zip(screens, loaded)]
+        if compare:
+            page = compare_page([s for s, _ in loaded], [a for _, a in loaded])
+            default = "compare-" + "-".join(names) + ".html"
+        else:
+            page = screen_page(loaded[0][0], audit=loaded[0][1])
+            default = f"report-{names[0]}.html"
+    except (TypeError, KeyError, AttributeError, ValueError, IndexError) as e:
+        # An archive is read as written: a consistent forgery (manifest recomputed) whose worker.json
+        # is null or whose verdicts are not objects reached the page's code (exit 70). The auditor
+        # names the member and field; the report only says that it cannot be drawn.
+        raise PackbenchError(f"{' '.join(screens)}: an archive holds a record that is not of the archive format "
+                             f"({type(e).__name__}: {one_line(str(e))[:120]}); run `packbench audit archive FILE` "
+                             f"to see which member") from None
     path = out or Path(default)
     write_output(path, page, "--out")
     if json_out:

@@ -480,3 +480,45 @@ def test_a_sweep_value_that_is_no_yaml_is_one_line_and_queues_nothing(tmp_path, 
     one_line_error(pb(capsys, "protocol", "plan", str(p), "--sweep", spec), "--sweep", fragment)
     one_line_error(pb(capsys, "submit", str(p), "--sweep", spec), "--sweep", fragment)
     assert queued(db) == []
+
+
+@pytest.fixture(scope="module")
+def synthetic_archive(tmp_path_factory) -> Path:
+    from bench.audit import synthetic_protocol, write_synthetic_screen
+
+    path = tmp_path_factory.mktemp("screen") / "screen.zip"
+    write_synthetic_screen(path, synthetic_protocol(prompts_n=2, repetitions=2))
+    return path
+
+
+def _forged(src: Path, dst: Path, name: str, edit) -> Path:
+    """A consistent forgery: member `name`'s JSON edited, the manifest recomputed over it."""
+    from packbench.core.archive import MANIFEST_NAME, ArchiveReader, ArchiveWriter
+    from packbench.core.canonical import canonical_json
+
+    with ArchiveReader(src) as r:
+        data = {n: r.read_bytes(n) for n in r.names}
+    w = ArchiveWriter(dst)
+    for member, raw in data.items():
+        if member != MANIFEST_NAME:
+            w.add_bytes(member, canonical_json(edit(json.loads(raw))) if member == name else raw)
+    old = json.loads(data[MANIFEST_NAME])
+    w.seal({k: v for k, v in old.items() if k not in ("members", "format_version")})
+    return dst
+
+
+@pytest.mark.parametrize("name, edit", [
+    ("worker.json", lambda w: None),  # AttributeError: 'NoneType' object has no attribute 'get'
+    ("worker.json", lambda w: {**w, "start": "x"}),  # ValueError in dict("x")
+    ("verdicts.json", lambda v: "x"),  # TypeError: string indices must be integers
+    ("verdicts.json", lambda v: [{}]),  # KeyError: 'passed'
+    ("verdicts.json", lambda v: [{**v[0], "condition": None}, *v[1:]]),  # None.startswith
+])
+def test_report_of_a_forged_archive_is_one_line(tmp_path, db, capsys, synthetic_archive, name, edit):
+    """Catches `packbench report FILE.zip` drawing a consistent forgery (manifest recomputed, so
+    the hashes hold) whose worker.json or verdicts.json is not of the format: exit 70 from the
+    page's code. The auditor already named such members; the report now says so in one line."""
+    forged = _forged(synthetic_archive, tmp_path / "forged.zip", name, edit)
+    one_line_error(pb(capsys, "report", str(forged), "--out", str(tmp_path / "r.html")),
+                   "is not of the archive format", "packbench audit archive")
+    assert not (tmp_path / "r.html").exists()
