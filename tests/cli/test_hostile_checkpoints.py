@@ -155,3 +155,21 @@ def test_a_broken_moe_recipe_file_is_one_line(tmp_path, moe, capsys, text, fragm
     os.mkfifo(model / "packbench_synth.json") if text is None else (model / "packbench_synth.json").write_text(text)
     one_line_error(pb(capsys, "model", "stats", str(model), "--prefix", "8", "--count", "1"),
                    f"{model / 'packbench_synth.json'}", fragment)
+
+
+def test_protocol_plan_of_a_checkpoint_whose_config_json_is_a_fifo_does_not_hang(tmp_path, tiny, capsys):
+    """Catches `protocol plan` reading config.json with read_bytes() for the recipe and the shape:
+    a FIFO there waited for a writer forever. Both reads are bounded now, and plan says one line."""
+    import yaml
+
+    from test_hostile_input import ROOT
+
+    model = copy_of(tiny, tmp_path / "m")
+    (model / "config.json").unlink()
+    os.mkfifo(model / "config.json")
+    body = yaml.safe_load((ROOT / "protocols" / "quickstart.yaml").read_text())
+    body["model"]["path"] = str(model)
+    (tmp_path / "p.yaml").write_text(yaml.safe_dump(body))
+    one_line_error(pb(capsys, "protocol", "plan", str(tmp_path / "p.yaml")), "--sparsity")
+    one_line_error(pb(capsys, "protocol", "plan", str(tmp_path / "p.yaml"), "--sparsity", "0.94"),
+                   f"cannot read the model's shape from {model / 'config.json'} (is a FIFO")
