@@ -108,19 +108,16 @@ def stats(model_dir: Path, ids: list[list[int]], *, dtype: str, json_out: bool, 
 def _recipe(path: Path) -> dict | None:
     """The synthetic checkpoint's recipe (engine/moe/synth.py writes it), None without one; a file
     that is not a JSON object (or a FIFO, which read_text waited on) is one line naming it."""
-    from packbench.core.files import read_bounded
+    from packbench.core.files import NOT_AN_OBJECT, read_json_object
 
     if not os.path.lexists(path):
         return None
     try:
-        recipe = json.loads(read_bounded(path, limit=1 << 20))
-    except (OSError, ValueError, RecursionError) as e:  # NotReadable (a FIFO, a device, too large) is a ValueError
-        raise PackbenchError(f"{path}: cannot read it as JSON ({one_line(str(e))[:120]}); regenerate the checkpoint "
-                             f"with `packbench model synth` or remove that file") from None
-    if not isinstance(recipe, dict):
-        raise PackbenchError(f"{path} is not a JSON object; regenerate the checkpoint with `packbench model synth` "
-                             f"or remove that file")
-    return recipe
+        return read_json_object(path, limit=1 << 20)
+    except (OSError, ValueError) as e:  # NotReadable (a FIFO, a device, too large) is a ValueError
+        why = NOT_AN_OBJECT if str(e) == NOT_AN_OBJECT else f"cannot read it as JSON ({one_line(str(e))[:120]})"
+        raise PackbenchError(f"{path} {why}; regenerate the checkpoint with `packbench model synth` "
+                             f"or remove that file") from None
 
 
 def _finite(value):

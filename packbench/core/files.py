@@ -3,6 +3,7 @@ directory, a FIFO, a device or a file of gigabytes, and each is refused before i
 
 from __future__ import annotations
 
+import json
 import os
 import stat
 from pathlib import Path
@@ -41,6 +42,28 @@ def read_bounded(path: Path, *, limit: int) -> bytes:
     if len(data) > limit:
         raise NotReadable(f"holds more than the {size_text(limit)} limit", too_large=True)
     return data
+
+
+NOT_AN_OBJECT = "is not a JSON object"  # read_json_object's reason for JSON that is no object
+
+
+def read_json_object(path: Path, *, limit: int) -> dict:
+    """The JSON object in the small regular file `path` (read whole by `read_bounded`). A file
+    that cannot be one raises ValueError saying why in a few words: NotReadable (a FIFO, a
+    device, over `limit`), not UTF-8, not JSON, nested too deep, or JSON that is no object.
+    OSError (missing, no permission) passes to the caller."""
+    data = read_bounded(path, limit=limit)
+    try:
+        value = json.loads(data.decode("utf-8"))
+    except RecursionError:
+        raise ValueError("nested too deep") from None
+    except NotReadable:
+        raise
+    except ValueError as e:  # UnicodeDecodeError and JSONDecodeError
+        raise ValueError(str(e).splitlines()[0][:120] if str(e) else type(e).__name__) from None
+    if not isinstance(value, dict):
+        raise ValueError(NOT_AN_OBJECT)
+    return value
 
 
 def size_text(n: int) -> str:

@@ -1,6 +1,5 @@
 """config.json of a local OPT checkpoint, checked without importing torch (submit reads it)."""
 
-import json
 from pathlib import Path
 
 from packbench.core.errors import CheckpointError
@@ -104,18 +103,16 @@ MAX_CONFIG_BYTES = 1 << 20  # an OPT config.json is ~1 KB
 
 def _json(path: Path) -> dict:
     """config.json as a mapping, or a one-line CheckpointError naming the file."""
+    from packbench.core.files import NOT_AN_OBJECT, NotReadable, read_json_object
+
     try:
-        if path.stat().st_size > MAX_CONFIG_BYTES:
-            raise CheckpointError(f"{path} is over {MAX_CONFIG_BYTES >> 20} MiB, not an OPT config.json; "
-                                  f"point model.path at a Hugging Face OPT directory")
-        config = json.loads(path.read_bytes().decode("utf-8"))
+        return read_json_object(path, limit=MAX_CONFIG_BYTES)
     except OSError as e:
         raise CheckpointError(f"cannot read {path} ({e.strerror}); check its permissions") from None
-    except (UnicodeDecodeError, ValueError, RecursionError) as e:
-        why = str(e).splitlines()[0][:120] if str(e) else type(e).__name__
-        raise CheckpointError(f"{path} is not JSON ({why}); the checkpoint's config.json must be the JSON "
-                              f"a Hugging Face OPT checkpoint has") from None
-    if not isinstance(config, dict):
-        raise CheckpointError(f"{path} is not a JSON object; the checkpoint's config.json must be the JSON "
-                              f"object a Hugging Face OPT checkpoint has")
-    return config
+    except NotReadable as e:
+        raise CheckpointError(f"{path} {e}, not an OPT config.json; point model.path at a Hugging Face "
+                              f"OPT directory") from None
+    except ValueError as e:
+        what = NOT_AN_OBJECT if str(e) == NOT_AN_OBJECT else f"is not JSON ({e})"
+        raise CheckpointError(f"{path} {what}; the checkpoint's config.json must be the JSON object a "
+                              f"Hugging Face OPT checkpoint has") from None
