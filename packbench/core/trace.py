@@ -216,7 +216,7 @@ def parse_trace(zf: zipfile.ZipFile, *, cap: int | None = None) -> Trace:
         raise TraceError("header.json is not JSON; rewrite the trace") from None
     if not isinstance(header, dict) or header.get("format") != FORMAT:
         raise TraceError(f"header.json does not say format {FORMAT!r}; this is not a packbench trace file")
-    if header.get("version") not in READABLE_VERSIONS:
+    if type(header.get("version")) is not int or header["version"] not in READABLE_VERSIONS:  # not true, not 2.0
         raise TraceError(f"trace version {header.get('version')!r} is not one this packbench reads "
                          f"({', '.join(map(str, READABLE_VERSIONS))}); upgrade packbench or rewrite the trace "
                          f"in version {VERSION}")

@@ -91,6 +91,9 @@ def test_hostile_files_are_refused_with_one_line(tmp_path):
     # an id past the model's units, an unsorted set, offsets that do not cover the ids, a missing member.
     _refused(tmp_path, data[: len(data) // 2], "truncated")
     _refused(tmp_path, _zip(_with_header(good, version=3)), "version 3", "upgrade")
+    # A version that only compares equal to a readable one (`true == 1`, `2.0 == 2`) was read as it.
+    _refused(tmp_path, _zip(_with_header(good, version=True)), "version True", "upgrade")
+    _refused(tmp_path, _zip(_with_header(good, version=2.0)), "version 2.0", "upgrade")
     _refused(tmp_path, _zip(_with_header(good, format="other")), "not a packbench trace")
     _refused(tmp_path, _zip(_with_header(good, model_units=3)), "out of range", "3 rows")
     _refused(tmp_path, _zip({**good, "indices.npy": _npy(np.array([3, 0, 1, 3], dtype="<u4"))}), "strictly increasing")
