@@ -112,3 +112,30 @@ def test_a_verdict_whose_detail_or_episodes_were_edited_disagrees(ran):
     assert line.endswith("]] vs stored [[]]")
     edited(db, f"UPDATE verdicts SET episodes_json = ? {where}", episodes, attempt_id, gate, condition)
     agrees_again(store, screen_id, digest)
+
+
+@pytest.mark.parametrize("table,column,where", [
+    ("episodes", "tokens_json", "attempt_id = :attempt AND plan_index = 2"),
+    ("verdicts", "episodes_json", "attempt_id = :attempt"),
+    ("attempts", "source_freeze", "id = :attempt"),
+])
+def test_a_json_cell_that_is_not_json_is_one_line_exit_2(ran, packbench_cli, table, column, where):
+    # Bug caught: a JSON cell edited into something that is not JSON ended `audit`, `screens show`,
+    # `results` and `compare` in a JSONDecodeError traceback, exit 70 ("a packbench bug").
+    store, db, screen_id, attempt_id, digest = ran
+    with sqlite3.connect(db) as connection:
+        (row_id,) = connection.execute(f"SELECT id FROM {table} WHERE {where} ORDER BY id LIMIT 1",
+                                       {"attempt": attempt_id}).fetchone()
+        connection.execute(f"UPDATE {table} SET {column} = '[1,' WHERE id = ?", (row_id,))
+    line = (f"error: the database's {table} row {row_id}: its {column} is not JSON (JSONDecodeError: Expecting value: "
+            f"line 1 column 4 (char 3)); it was edited or damaged: put that cell back, or restore the database "
+            f"from a backup")
+    commands = [("audit", str(screen_id)), ("results", "--screen", str(screen_id))]
+    if table != "verdicts":  # compare reads no verdict's episodes
+        commands.append(("compare", str(screen_id), str(screen_id)))
+    if table == "attempts":
+        commands.append(("screens", "show", str(screen_id)))
+    for args in commands:
+        r = packbench_cli(*args, env={"PACKBENCH_DB_URL": f"sqlite:///{db}"})
+        assert (r.returncode, r.stderr.strip()) == (2, line), (args, r.stdout, r.stderr)
+    assert [a.result for a in store.audits(attempt_id)] == ["agree"]  # nothing stored was lost or added
