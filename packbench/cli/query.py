@@ -547,6 +547,10 @@ def status(
                     "live": _liveness(d), "heartbeat": _when(d.heartbeat_at),
                     "idle": sum(w.get("state") == "idle" for w in d.workers),
                     "busy": sum(w.get("state") == "busy" for w in d.workers)} for d in st.dispatchers]
+    # The workers of the dispatchers listed live: before, a SIGKILLed dispatcher on this host (live
+    # "NO (its process is gone)", its heartbeat still fresh) still counted its workers as busy.
+    live = [d for d in dispatchers if d["live"] == "yes"]
+    st = dataclasses.replace(st, idle_workers=sum(d["idle"] for d in live), busy_workers=sum(d["busy"] for d in live))
     reconciled = [{"screen": r.screen_id, "attempt": r.attempt, "status": r.status,
                    "reconciled_at": _when(r.reconciled_at), "rows": r.episodes, "checked_against": r.check}
                   for r in st.reconciled]

@@ -445,3 +445,32 @@ def test_status_says_a_killed_dispatcher_is_not_live_at_once():
     assert _liveness(SimpleNamespace(host=here, pid=gone.pid, live=True)) == "NO (its process is gone)"
     assert _liveness(SimpleNamespace(host=here, pid=os.getpid(), live=True)) == "yes"
     assert _liveness(SimpleNamespace(host="elsewhere", pid=gone.pid, live=False)) == "NO (no heartbeat)"
+
+
+def test_status_counts_no_worker_of_a_killed_dispatcher(tmp_path, db, tiny, capsys):
+    """Bug caught: with the only dispatcher SIGKILLed (listed live `NO (its process is gone)`, its
+    heartbeat fresh), `status` still said "workers of live dispatchers: 0 idle, 1 busy", and its
+    --json `busy_workers` 1."""
+    import json
+    import os
+    import platform
+    import subprocess
+
+    from packbench.db.store import Store
+    from packbench.service.submit import submit
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    store = Store(db)
+    submit(store, write(tmp_path / "p.yaml", yaml.safe_dump(quickstart(tiny))))
+    dead = store.register_dispatcher(f"dispatch-{platform.node()}-{gone.pid}", platform.node(), pid=gone.pid)
+    store.claim_screen(dead, lease_s=60, archive_dir=str(tmp_path / "archives"), source_freeze={})
+    store.heartbeat(dead, [{"name": "worker-1", "state": "busy"}])
+    live = store.register_dispatcher(f"dispatch-{platform.node()}-{os.getpid()}", platform.node(), pid=os.getpid())
+    store.heartbeat(live, [{"name": "worker-1", "state": "idle"}])
+    r = pb(capsys, "status")
+    assert r.code == 0 and "NO (its process is gone)" in r.out, (r.out, r.err)
+    assert r.out.rstrip().endswith("workers of live dispatchers: 1 idle, 0 busy"), r.out
+    r = pb(capsys, "status", "--json")
+    document = json.loads(r.out)
+    assert (document["idle_workers"], document["busy_workers"]) == (1, 0)
