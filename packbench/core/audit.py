@@ -649,6 +649,7 @@ class _Audit:
         the bytes of one outgoing row when the shape is known (None otherwise)."""
         pinned = proto.model.sha256
         digest = start.get("model_sha256") if isinstance(start, dict) else None
+        self.model_sha256 = digest  # what the database's attempt must say it measured
         if pinned is not None and digest != pinned:
             self.add(f"{WORKER_NAME}: the checkpoint measured has digest {digest!r}, the protocol pins {pinned}")
         if digest is not None and (not isinstance(digest, str) or re.fullmatch(r"[0-9a-f]{64}", digest) is None):
@@ -768,9 +769,11 @@ class _Audit:
 def audit_archive(path: Path, *, expected_sha256: str | None = None, db_verdicts: list[dict] | None = None,
                   db_episodes: list[dict] | None = None, trust: list[bytes] | None = None,
                   signature: Path | None = None, max_mib: int | None = None,
-                  target: str | None = None, expected_protocol_sha256: str | None = None) -> AuditReport:
+                  target: str | None = None, expected_protocol_sha256: str | None = None,
+                  expected_model_sha256: str | None = None) -> AuditReport:
     """Audit one archive. `expected_sha256`, `db_verdicts`, `db_episodes` and
-    `expected_protocol_sha256` (the SHA-256 of the protocol the database's screen names) come
+    `expected_protocol_sha256` (the SHA-256 of the protocol the database's screen names) and
+    `expected_model_sha256` (the checkpoint digest the database's attempt says it measured) come
     from the database when it is at hand; every one given must agree for the result to be "agree".
 
     `trust`: raw Ed25519 public keys (core.provenance). When given, the archive's detached
@@ -796,7 +799,7 @@ def audit_archive(path: Path, *, expected_sha256: str | None = None, db_verdicts
     try:
         _run_audit(audit, path, expected_sha256=expected_sha256, db_verdicts=db_verdicts, db_episodes=db_episodes,
                    trust=trust, signature=signature, max_mib=max_mib, target=target,
-                   expected_protocol_sha256=expected_protocol_sha256)
+                   expected_protocol_sha256=expected_protocol_sha256, expected_model_sha256=expected_model_sha256)
     except MemoryError:
         audit.add("out of memory while auditing: the archive needs more memory than this machine gave the audit "
                   "(docs/archive.md, Bounds)")
@@ -831,7 +834,7 @@ def _bounded(problems: list[str]) -> list[str]:
 def _run_audit(audit: _Audit, path: Path, *, expected_sha256: str | None, db_verdicts: list[dict] | None,
                db_episodes: list[dict] | None, trust: list[bytes] | None, signature: Path | None,
                max_mib: int | None = None, target: str | None = None,
-               expected_protocol_sha256: str | None = None) -> None:
+               expected_protocol_sha256: str | None = None, expected_model_sha256: str | None = None) -> None:
     limits = {}
     if max_mib is not None:
         big = max(int(max_mib) << 20, archive_reader.MAX_ARCHIVE_BYTES)
@@ -877,6 +880,12 @@ def _run_audit(audit: _Audit, path: Path, *, expected_sha256: str | None, db_ver
         # audited AGREE: `results --protocol` and `compare --protocol` counted it under the wrong one.
         audit.add(f"the archive ran protocol {archived}; the database's screen names protocol "
                   f"{expected_protocol_sha256}")
+    measured = getattr(audit, "model_sha256", None)
+    if expected_model_sha256 is not None and audit.record["protocol_sha256"] is not None and measured != expected_model_sha256:
+        # Before, an attempt whose database row named another checkpoint digest than its archive's
+        # worker.json audited AGREE (`compare` warns on different weights from the rows).
+        audit.add(f"{WORKER_NAME}: the checkpoint measured has digest {measured!r}; the database's attempt says "
+                  f"{expected_model_sha256}")
     if trust is not None:
         check = check_signature(signature or signature_path(path), archive_sha256=audit.record["archive_sha256"],
                                 manifest_sha256=manifest_sha, trusted=list(trust))

@@ -159,6 +159,7 @@ def audit_screens(store, screen_ids: list[int], *, on_ray: bool = False, setting
         compare = dict(expected_sha256=attempt.archive_sha256, db_verdicts=verdict_dicts(store.verdicts(attempt.id)),
                        db_episodes=episode_dicts(store.episodes(attempt.id)),
                        expected_protocol_sha256=protocol_sha256(store, screen_id),
+                       expected_model_sha256=attempt.model_sha256,
                        target=str(screen_id))  # an archive over the bound names `packbench audit <id> --max-mib N`
         if max_mib is not None:
             compare["max_mib"] = max_mib
@@ -356,7 +357,8 @@ def reexecute_screens(store, screen_ids: list[int], *, k: int, seed: int = 0, se
         static = audit_archive(path, expected_sha256=attempt.archive_sha256,
                                db_verdicts=verdict_dicts(store.verdicts(attempt.id)),
                                db_episodes=episode_dicts(store.episodes(attempt.id)), target=str(screen_id),
-                               expected_protocol_sha256=protocol_sha256(store, screen_id), **_signed_by(store, attempt))
+                               expected_protocol_sha256=protocol_sha256(store, screen_id),
+                               expected_model_sha256=attempt.model_sha256, **_signed_by(store, attempt))
         screen = store.screen(screen_id)
         out = reexecute_archive(path, k=k, seed=seed, settings=settings, static=static, progress=progress,
                                 model_dir=screen.model_dir, screen_id=screen_id, time_factor=time_factor)

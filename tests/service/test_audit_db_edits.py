@@ -139,3 +139,16 @@ def test_a_json_cell_that_is_not_json_is_one_line_exit_2(ran, packbench_cli, tab
         r = packbench_cli(*args, env={"PACKBENCH_DB_URL": f"sqlite:///{db}"})
         assert (r.returncode, r.stderr.strip()) == (2, line), (args, r.stdout, r.stderr)
     assert [a.result for a in store.audits(attempt_id)] == ["agree"]  # nothing stored was lost or added
+
+
+def test_an_attempt_naming_a_checkpoint_its_archive_did_not_measure_disagrees(ran):
+    # Bug caught: the attempt's `model_sha256` (what `compare` reads to warn that two screens
+    # measured different weights) was never compared with the digest worker.json records: a row
+    # naming another checkpoint audited AGREE.
+    store, db, screen_id, attempt_id, digest = ran
+    assert store.latest_attempt(screen_id).model_sha256 is None  # the fake pool's start names no digest
+    edited(db, "UPDATE attempts SET model_sha256 = ? WHERE id = ?", "a" * 64, attempt_id)
+    assert problems(store, screen_id) == [
+        f"worker.json: the checkpoint measured has digest None; the database's attempt says {'a' * 64}"]
+    edited(db, "UPDATE attempts SET model_sha256 = NULL WHERE id = ?", attempt_id)
+    agrees_again(store, screen_id, digest)
