@@ -462,14 +462,29 @@ def screens_cancel(
 ) -> None:
     """Cancel a screen: a queued one never runs; a running one stops after the episode in flight
     (its attempt is kept as cancelled, with its partial archive)."""
-    row = open_store(db).cancel_screen(screen)
+    store = open_store(db)
+    row = store.cancel_screen(screen)
     if json_out:
         print_json(_plain(dataclasses.asdict(row)))
     elif row.status == "cancelled":
         typer.echo(f"screen {row.id} cancelled; it will not run (`packbench screens retry {row.id}` queues it again)")
+    elif (gone := _gone_holder(store, row.id)) is not None:
+        # Before, this said the screen stops once its dispatcher renews its lease: a killed
+        # dispatcher never does, and nothing said what ends the attempt.
+        typer.echo(f"screen {row.id} is running under dispatcher {gone.name}, whose process (pid {gone.pid} on "
+                   f"this host) is gone: `packbench dispatch` marks its attempt lost and the screen cancelled")
     else:
         typer.echo(f"screen {row.id} is running: it stops after the episode in flight, once its dispatcher "
                    f"renews its lease (`packbench status` shows it)")
+
+
+def _gone_holder(store, screen_id: int):
+    """The dispatcher holding running screen `screen_id` when it ran on this host and its process
+    is gone (what `status` calls `NO (its process is gone)`); None otherwise."""
+    st = store.queue_status()
+    name = next((r.dispatcher for r in st.running if r.screen_id == screen_id), None)
+    holder = next((d for d in st.dispatchers if d.name == name), None)
+    return holder if holder is not None and _liveness(holder) == "NO (its process is gone)" else None
 
 
 def no_attempts_advice(screen_id: int, status: str) -> str:
@@ -533,6 +548,10 @@ def status(
                     "live": _liveness(d), "heartbeat": _when(d.heartbeat_at),
                     "idle": sum(w.get("state") == "idle" for w in d.workers),
                     "busy": sum(w.get("state") == "busy" for w in d.workers)} for d in st.dispatchers]
+    # The workers of the dispatchers listed live: before, a SIGKILLed dispatcher on this host (live
+    # "NO (its process is gone)", its heartbeat still fresh) still counted its workers as busy.
+    live = [d for d in dispatchers if d["live"] == "yes"]
+    st = dataclasses.replace(st, idle_workers=sum(d["idle"] for d in live), busy_workers=sum(d["busy"] for d in live))
     reconciled = [{"screen": r.screen_id, "attempt": r.attempt, "status": r.status,
                    "reconciled_at": _when(r.reconciled_at), "rows": r.episodes, "checked_against": r.check}
                   for r in st.reconciled]

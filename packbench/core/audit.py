@@ -68,7 +68,7 @@ from packbench.core.plan import plan as make_plan
 from packbench.core.plan import prompts as make_prompts
 from packbench.core.protocol import Protocol, expand
 from packbench.core.protocol.schema import MAX_BATCH, MAX_CONTINUATION
-from packbench.core.record import AUDITED
+from packbench.core.record import AUDITED, FIELDS_BY_NAME
 from packbench.core.registry import INT8_SCALE_BYTES, SHAPES, weights_of
 from packbench.core.text import one_line
 
@@ -193,8 +193,13 @@ def _compare_episodes(episodes: list[dict], rows: Any) -> list[str]:
             out.append(f"database lacks episode {i}")
             continue
         for column, path in EPISODE_FIELDS.items():
+            # A value the record lacks is stored as its field's default (core/record.py
+            # stored_values): None for a nullable one. Before, a lacking value skipped the
+            # comparison, so a row with a peak memory or fidelity the archive never held agreed.
             mine = _at(e, path)
-            if column in row and mine is not None and _norm(row[column]) != mine:
+            if mine is None:
+                mine = FIELDS_BY_NAME[column].default
+            if column in row and _norm(row[column]) != mine:
                 out.append(f"database episode {i} {column} {row[column]!r} != archive {mine!r}")
     for i in sorted(set(stored) - {e["plan_index"] for e in episodes}, key=repr):
         out.append(f"database has episode {i} that the archive lacks")
@@ -644,6 +649,7 @@ class _Audit:
         the bytes of one outgoing row when the shape is known (None otherwise)."""
         pinned = proto.model.sha256
         digest = start.get("model_sha256") if isinstance(start, dict) else None
+        self.model_sha256 = digest  # what the database's attempt must say it measured
         if pinned is not None and digest != pinned:
             self.add(f"{WORKER_NAME}: the checkpoint measured has digest {digest!r}, the protocol pins {pinned}")
         if digest is not None and (not isinstance(digest, str) or re.fullmatch(r"[0-9a-f]{64}", digest) is None):
@@ -763,9 +769,12 @@ class _Audit:
 def audit_archive(path: Path, *, expected_sha256: str | None = None, db_verdicts: list[dict] | None = None,
                   db_episodes: list[dict] | None = None, trust: list[bytes] | None = None,
                   signature: Path | None = None, max_mib: int | None = None,
-                  target: str | None = None) -> AuditReport:
-    """Audit one archive. `expected_sha256`, `db_verdicts` and `db_episodes` come from the
-    database when it is at hand; every one given must agree for the result to be "agree".
+                  target: str | None = None, expected_protocol_sha256: str | None = None,
+                  expected_model_sha256: str | None = None) -> AuditReport:
+    """Audit one archive. `expected_sha256`, `db_verdicts`, `db_episodes` and
+    `expected_protocol_sha256` (the SHA-256 of the protocol the database's screen names) and
+    `expected_model_sha256` (the checkpoint digest the database's attempt says it measured) come
+    from the database when it is at hand; every one given must agree for the result to be "agree".
 
     `trust`: raw Ed25519 public keys (core.provenance). When given, the archive's detached
     signature (`signature`, default `<archive>.sig`) must be a valid one by one of them: the
@@ -789,7 +798,8 @@ def audit_archive(path: Path, *, expected_sha256: str | None = None, db_verdicts
     audit = _Audit(path, None)
     try:
         _run_audit(audit, path, expected_sha256=expected_sha256, db_verdicts=db_verdicts, db_episodes=db_episodes,
-                   trust=trust, signature=signature, max_mib=max_mib, target=target)
+                   trust=trust, signature=signature, max_mib=max_mib, target=target,
+                   expected_protocol_sha256=expected_protocol_sha256, expected_model_sha256=expected_model_sha256)
     except MemoryError:
         audit.add("out of memory while auditing: the archive needs more memory than this machine gave the audit "
                   "(docs/archive.md, Bounds)")
@@ -823,7 +833,8 @@ def _bounded(problems: list[str]) -> list[str]:
 
 def _run_audit(audit: _Audit, path: Path, *, expected_sha256: str | None, db_verdicts: list[dict] | None,
                db_episodes: list[dict] | None, trust: list[bytes] | None, signature: Path | None,
-               max_mib: int | None = None, target: str | None = None) -> None:
+               max_mib: int | None = None, target: str | None = None,
+               expected_protocol_sha256: str | None = None, expected_model_sha256: str | None = None) -> None:
     limits = {}
     if max_mib is not None:
         big = max(int(max_mib) << 20, archive_reader.MAX_ARCHIVE_BYTES)
@@ -863,6 +874,18 @@ def _run_audit(audit: _Audit, path: Path, *, expected_sha256: str | None, db_ver
             except ArchiveError:
                 manifest_sha = None
         audit.run(reader, db_verdicts=db_verdicts, db_episodes=db_episodes)
+    archived = audit.record["protocol_sha256"]
+    if expected_protocol_sha256 is not None and archived is not None and archived != expected_protocol_sha256:
+        # Before, a screen whose database row named another protocol than the one its archive ran
+        # audited AGREE: `results --protocol` and `compare --protocol` counted it under the wrong one.
+        audit.add(f"the archive ran protocol {archived}; the database's screen names protocol "
+                  f"{expected_protocol_sha256}")
+    measured = getattr(audit, "model_sha256", None)
+    if expected_model_sha256 is not None and audit.record["protocol_sha256"] is not None and measured != expected_model_sha256:
+        # Before, an attempt whose database row named another checkpoint digest than its archive's
+        # worker.json audited AGREE (`compare` warns on different weights from the rows).
+        audit.add(f"{WORKER_NAME}: the checkpoint measured has digest {measured!r}; the database's attempt says "
+                  f"{expected_model_sha256}")
     if trust is not None:
         check = check_signature(signature or signature_path(path), archive_sha256=audit.record["archive_sha256"],
                                 manifest_sha256=manifest_sha, trusted=list(trust))

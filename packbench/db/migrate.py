@@ -85,6 +85,16 @@ def current(connection: Connection) -> str | None:
     return MigrationContext.configure(connection).get_current_revision()
 
 
+def lock_migrations(connection: Connection) -> None:
+    """On PostgreSQL, wait for any other migration of this schema to commit (a transaction-scoped
+    advisory lock on the schema's name) before reading its revision. Before, two `packbench db
+    upgrade` run at once both created the tables; the loser failed with a duplicate-key error
+    that called itself a packbench bug. SQLite needs none: its migration transaction takes the
+    write lock at BEGIN IMMEDIATE (db/session.py)."""
+    if connection.dialect.name == "postgresql":
+        connection.exec_driver_sql("SELECT pg_advisory_xact_lock(hashtext('packbench migrate ' || current_schema()))")
+
+
 def upgrade(connection: Connection, revision: str = "head") -> None:
     command.upgrade(alembic_config(connection), revision)
 

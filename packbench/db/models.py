@@ -43,6 +43,7 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 from packbench.core.canonical import canonical_json
 from packbench.core.record import FIELDS_BY_NAME, STORED_FIELDS, Field
+from packbench.db.errors import DatabaseError
 from packbench.db.records import (
     AttemptRow,
     AuditRow,
@@ -54,6 +55,18 @@ from packbench.db.records import (
     SignerRow,
     StoredVerdict,
 )
+
+def json_cell(text: Any, table: str, row_id: Any, column: str) -> Any:
+    """A JSON column's value. A cell that is not JSON (a hand edit, a damaged file) is one line
+    naming the row and the fix: before, the commands reading the row (`screens show`, `results`,
+    `compare`, `audit`) ended in a JSONDecodeError traceback, exit 70."""
+    try:
+        return json.loads(text)
+    except (TypeError, ValueError) as e:
+        raise DatabaseError(f"the database's {table} row {row_id}: its {column} is not JSON "
+                            f"({type(e).__name__}: {str(e)[:80]}); it was edited or damaged: put that cell back, "
+                            f"or restore the database from a backup") from None
+
 
 NAMING_CONVENTION = {
     "ix": "ix_%(table_name)s_%(column_0_N_name)s",
@@ -280,7 +293,7 @@ class SqlDispatcher(Base):
             started_at=self.started_at,
             heartbeat_at=self.heartbeat_at,
             stopped_at=self.stopped_at,
-            workers=tuple(json.loads(self.workers_json)),
+            workers=tuple(json_cell(self.workers_json, "dispatchers", self.id, "workers_json")),
         )
 
 
@@ -347,7 +360,7 @@ class SqlAttempt(Base):
             error=self.error,
             archive_path=self.archive_path,
             archive_sha256=self.archive_sha256,
-            source_freeze=json.loads(self.source_freeze),
+            source_freeze=json_cell(self.source_freeze, "attempts", self.id, "source_freeze"),
             started_at=self.started_at,
             finished_at=self.finished_at,
             attempt_key=self.attempt_key,
@@ -412,7 +425,7 @@ class SqlEpisode(Base):
         values = {f.name: getattr(self, f.column) for f in STORED_FIELDS}  # type: ignore[arg-type]
         for f in STORED_FIELDS:
             if f.stored_as == "json":
-                values[f.name] = tuple(json.loads(values[f.name]))
+                values[f.name] = tuple(json_cell(values[f.name], "episodes", self.id, f.column))
         return EpisodeRow(id=self.id, attempt_id=self.attempt_id, **values)
 
 
@@ -458,7 +471,7 @@ class SqlVerdict(Base):
             value=self.value,
             threshold=self.threshold,
             interval=interval,
-            episodes=tuple(json.loads(self.episodes_json)),
+            episodes=tuple(json_cell(self.episodes_json, "verdicts", self.id, "episodes_json")),
             detail=self.detail,
         )
 
@@ -493,7 +506,7 @@ class SqlAudit(Base):
             archive_sha256=self.archive_sha256,
             digest=self.digest,
             result=self.result,
-            problems=tuple(json.loads(self.problems_json)),
+            problems=tuple(json_cell(self.problems_json, "audits", self.id, "problems_json")),
             machine=self.machine,
             started_at=self.started_at,
             finished_at=self.finished_at,

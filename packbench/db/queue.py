@@ -469,7 +469,8 @@ def reap_expired(session: Session, now: datetime | None, *, clock: Clock, host: 
             screen.status, screen.finished_at = "queued", None
         else:
             screen.status, screen.finished_at = "failed", now
-        reaped.append(Reaped(attempt_id=attempt.id, screen_id=screen.id, screen_status=screen.status, why=why))
+        reaped.append(Reaped(attempt_id=attempt.id, screen_id=screen.id, screen_status=screen.status, why=why,
+                             attempt_number=attempt.number))
     return reaped
 
 

@@ -197,6 +197,7 @@ class Reaped:
     screen_id: int
     screen_status: str  # queued (requeued) | failed (max_attempts used) | cancelled
     why: str = "lease expired"  # or: its dispatcher on the reaper's host is gone
+    attempt_number: int | None = None  # the attempt's number within its screen (what every message names)
 
 
 @dataclass(frozen=True, slots=True)

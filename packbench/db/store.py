@@ -113,6 +113,7 @@ class Store:
     def upgrade(self, revision: str = "head") -> None:
         """Migrate the schema to `revision` (default: head) in one transaction."""
         with self._connection() as connection:
+            migrate.lock_migrations(connection)  # one migration of a schema at a time
             current = migrate.current(connection)
             if current is not None and current not in migrate.known_revisions():
                 raise SchemaNotAtHead(migrate.unknown_revision(self.url, current))
@@ -122,6 +123,7 @@ class Store:
     def downgrade(self, revision: str) -> None:
         """Migrate the schema down to `revision` ('base' drops every table). For developers."""
         with self._connection() as connection:
+            migrate.lock_migrations(connection)
             migrate.downgrade(connection, revision)
         self._schema_checked = False
 

@@ -121,6 +121,18 @@ def _header(path: Path) -> tuple[int, dict]:
     return 8 + n, header
 
 
+def reads_whole(model_dir: Path) -> bool:
+    """Whether `model_dir` holds safetensors files that each read whole: a header and tensor
+    extents that fit the file (`_header`; no weight is read)."""
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    try:
+        for file in files:
+            _header(file)
+    except (CheckpointError, OSError):
+        return False
+    return bool(files)
+
+
 def _entries(model_dir: Path) -> list[tuple[str, Path, int, int, torch.dtype, tuple]]:
     """(name, file, byte offset, byte length, stored dtype, shape) of every tensor, names remapped."""
     files = sorted(Path(model_dir).glob("*.safetensors"))

@@ -37,6 +37,7 @@ from packbench.engine.allowance import impose, lift
 from packbench.engine.sampler import MemorySampler, device_uuid, nvml_handle
 from packbench.engine.dtypes import dtype_of
 from packbench.engine.synth import synth_checkpoint
+from packbench.engine.checkpoint import reads_whole
 
 
 
@@ -82,6 +83,15 @@ def model_dir_for(protocol: Protocol, model_dir: str | None, *, cache: Path | No
         return Path(model_dir)
     spec = synth.as_dict()
     out = synth_dir(spec, cache)
+    if (out / "config.json").exists() and not reads_whole(out):
+        # A cached checkpoint damaged after it was placed (a file truncated or half-copied by hand, a
+        # disk that lost its tail): it is generated again, the damaged folder set aside. Before, every
+        # screen of the spec failed on it, told to run `packbench model synth`, which never writes here.
+        aside = out.with_name(f"{out.name}.damaged-{os.getpid()}-{time.time_ns()}")
+        try:
+            out.rename(aside)
+        except OSError:
+            pass  # another worker set it aside first
     if not (out / "config.json").exists():
         # Several workers on a node may generate the same spec at once: each writes a private
         # folder and renames it into place (atomic); a loser drops its copy and uses the winner's.

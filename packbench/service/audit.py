@@ -13,6 +13,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from packbench.core.audit import AuditReport, audit_archive
+from packbench.core.canonical import sha256_hex
 from packbench.core.errors import ArchiveError, PackbenchError
 from packbench.core.record import STORED_FIELDS
 from packbench.core.settings import Settings
@@ -71,10 +72,29 @@ def host_and_node(host: str, node: str | None) -> str:
 
 
 def verdict_dicts(rows) -> list[dict]:
-    """StoredVerdicts (db.records) in the gates' own dict form (what the auditor compares)."""
+    """StoredVerdicts (db.records) in the gates' own dict form (what the auditor compares), with
+    the episodes each was computed from and its detail: before, those two columns were never
+    compared, so a database verdict whose detail (what `results` and `screens show` print) or
+    episode list had been changed audited AGREE."""
     return [{"gate": v.gate, "condition": v.condition, "phase": v.phase, "passed": v.passed, "value": v.value,
-             "threshold": v.threshold, "interval": list(v.interval) if v.interval is not None else None}
+             "threshold": v.threshold, "interval": list(v.interval) if v.interval is not None else None,
+             "episodes": list(v.episodes), "detail": v.detail}
             for v in rows]
+
+
+def protocol_sha256(store, screen_id: int) -> str:
+    """The SHA-256 of the protocol the database's screen names (what its archive must have run).
+    A protocol row that is gone, or whose stored body does not hash to its SHA-256, is named as
+    such instead, so the audit disagrees rather than stopping or agreeing."""
+    protocol_id = store.screen(screen_id).protocol_id
+    try:
+        row = store.protocol(protocol_id)
+    except PackbenchError:
+        return f"(none: the database lacks protocol row {protocol_id})"
+    body_sha = sha256_hex(row.canonical_json.encode("utf-8"))
+    if body_sha != row.sha256:
+        return f"{row.sha256} (whose stored body hashes to {body_sha})"
+    return row.sha256
 
 
 def episode_dicts(rows) -> list[dict]:
@@ -138,6 +158,8 @@ def audit_screens(store, screen_ids: list[int], *, on_ray: bool = False, setting
             continue
         compare = dict(expected_sha256=attempt.archive_sha256, db_verdicts=verdict_dicts(store.verdicts(attempt.id)),
                        db_episodes=episode_dicts(store.episodes(attempt.id)),
+                       expected_protocol_sha256=protocol_sha256(store, screen_id),
+                       expected_model_sha256=attempt.model_sha256,
                        target=str(screen_id))  # an archive over the bound names `packbench audit <id> --max-mib N`
         if max_mib is not None:
             compare["max_mib"] = max_mib
@@ -335,7 +357,8 @@ def reexecute_screens(store, screen_ids: list[int], *, k: int, seed: int = 0, se
         static = audit_archive(path, expected_sha256=attempt.archive_sha256,
                                db_verdicts=verdict_dicts(store.verdicts(attempt.id)),
                                db_episodes=episode_dicts(store.episodes(attempt.id)), target=str(screen_id),
-                               **_signed_by(store, attempt))
+                               expected_protocol_sha256=protocol_sha256(store, screen_id),
+                               expected_model_sha256=attempt.model_sha256, **_signed_by(store, attempt))
         screen = store.screen(screen_id)
         out = reexecute_archive(path, k=k, seed=seed, settings=settings, static=static, progress=progress,
                                 model_dir=screen.model_dir, screen_id=screen_id, time_factor=time_factor)

@@ -15,8 +15,10 @@ What a member is checked against (`check`, strongest first):
   no manifest yet, so only each member's zip CRC-32 (checked on every read) and the record's
   agreement with plan.json vouch for it. The attempt records which check its rows passed.
 
-An episode whose record says `ok` but whose logits member is absent from an unsealed archive
-was cut off between its members: it was never recorded (the audit agrees) and gets no row.
+The writer puts an episode's record after its other members, so an episode cut off inside its
+writes has no record and no row. In archives written before that order, an episode whose record
+says `ok` but whose logits member is absent from an unsealed archive was cut off between its
+members: it was never recorded (the audit agrees) and gets no row.
 Pure Python over the archive and a Store; no Ray, no SQLAlchemy.
 """
 

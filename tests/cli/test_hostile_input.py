@@ -395,6 +395,34 @@ def test_dispatch_takes_a_dead_dispatchers_screen_at_once(tmp_path, db, tiny, ca
     assert [a.status for a in store.attempts(1)] == ["lost", "done"]
 
 
+def test_cancelling_a_dead_dispatchers_screen_names_what_ends_it(tmp_path, db, tiny, capsys):
+    """Bug caught: `screens cancel` of a screen whose driver was SIGKILLed said it "stops after the
+    episode in flight, once its dispatcher renews its lease"; a dead dispatcher never renews, and
+    the screen stayed running with nothing said about `packbench dispatch`, which ends it."""
+    import platform
+    import subprocess
+
+    from packbench.db.store import Store
+    from packbench.service.submit import submit
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()  # a pid that is no process now
+    store = Store(db)
+    submit(store, write(tmp_path / "p.yaml", yaml.safe_dump(quickstart(tiny))))
+    dead = store.register_dispatcher(f"dispatch-{platform.node()}-{gone.pid}", platform.node(), pid=gone.pid)
+    store.claim_screen(dead, lease_s=60, archive_dir=str(tmp_path / "archives"), source_freeze={})
+    r = pb(capsys, "screens", "cancel", "1")
+    assert r.code == 0 and r.err == "", (r.out, r.err)
+    assert r.out == (f"screen 1 is running under dispatcher dispatch-{platform.node()}-{gone.pid}, whose process "
+                     f"(pid {gone.pid} on this host) is gone: `packbench dispatch` marks its attempt lost and the "
+                     f"screen cancelled\n")
+    from packbench.service.dispatcher.holders import holder_alive
+
+    (reaped,) = store.reap_expired(host=platform.node(), alive=holder_alive)  # what `dispatch` does first
+    assert (reaped.screen_status, reaped.attempt_number) == ("cancelled", 1)
+    assert [a.status for a in store.attempts(1)] == ["lost"] and store.screen(1).status == "cancelled"
+
+
 def test_a_silent_dispatcher_on_another_host_is_named_a_live_one_is_not():
     from datetime import datetime, timedelta, timezone
     from types import SimpleNamespace
@@ -522,3 +550,30 @@ def test_report_of_a_forged_archive_is_one_line(tmp_path, db, capsys, synthetic_
     one_line_error(pb(capsys, "report", str(forged), "--out", str(tmp_path / "r.html")),
                    "is not of the archive format", "packbench audit archive")
     assert not (tmp_path / "r.html").exists()
+def test_status_counts_no_worker_of_a_killed_dispatcher(tmp_path, db, tiny, capsys):
+    """Bug caught: with the only dispatcher SIGKILLed (listed live `NO (its process is gone)`, its
+    heartbeat fresh), `status` still said "workers of live dispatchers: 0 idle, 1 busy", and its
+    --json `busy_workers` 1."""
+    import json
+    import os
+    import platform
+    import subprocess
+
+    from packbench.db.store import Store
+    from packbench.service.submit import submit
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    store = Store(db)
+    submit(store, write(tmp_path / "p.yaml", yaml.safe_dump(quickstart(tiny))))
+    dead = store.register_dispatcher(f"dispatch-{platform.node()}-{gone.pid}", platform.node(), pid=gone.pid)
+    store.claim_screen(dead, lease_s=60, archive_dir=str(tmp_path / "archives"), source_freeze={})
+    store.heartbeat(dead, [{"name": "worker-1", "state": "busy"}])
+    live = store.register_dispatcher(f"dispatch-{platform.node()}-{os.getpid()}", platform.node(), pid=os.getpid())
+    store.heartbeat(live, [{"name": "worker-1", "state": "idle"}])
+    r = pb(capsys, "status")
+    assert r.code == 0 and "NO (its process is gone)" in r.out, (r.out, r.err)
+    assert r.out.rstrip().endswith("workers of live dispatchers: 1 idle, 0 busy"), r.out
+    r = pb(capsys, "status", "--json")
+    document = json.loads(r.out)
+    assert (document["idle_workers"], document["busy_workers"]) == (1, 0)

@@ -281,3 +281,26 @@ def test_unhashed_audits_revision_stores_a_null_sha_and_refuses_to_go_down_over_
     with Store(db_url) as store:
         store.upgrade()
     assert schema_diff(db_url) == []
+
+
+def test_upgrades_run_at_once_all_succeed_and_migrate_once(db_url):
+    """Bug caught (PostgreSQL): `packbench db upgrade` run by several processes at once on an empty
+    schema: each created the tables in its own transaction, and the losers failed with a
+    duplicate-key error that called itself a packbench bug (`refused a write that breaks a
+    constraint ... this is a packbench bug`). They now wait for each other and all succeed."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = str(Path(__file__).resolve().parents[2])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])),
+           "PACKBENCH_DB_URL": db_url}
+    procs = [subprocess.Popen([sys.executable, "-m", "packbench", "db", "upgrade"], env=env, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) for _ in range(4)]
+    ran = [(p.wait(timeout=120), *p.communicate()) for p in procs]
+    assert [r[0] for r in ran] == [0] * 4, ran
+    assert all(out == f"database at {migrate.head()} (head)\n" and err == "" for _, out, err in ran), ran
+    with Store(db_url) as store:
+        store.check_head()
+    assert schema_diff(db_url) == []

@@ -111,6 +111,35 @@ def test_an_episode_cut_off_before_its_logits_gets_no_row(tmp_path):
     assert check == "crc32" and [r["plan_index"] for r in records] == [0] and refused == []
 
 
+def test_an_episode_whose_trace_never_landed_gets_no_row(tmp_path, monkeypatch):
+    """Bug caught: `add_episode` wrote the record first, so a disk that filled at an episode's
+    memory trace (seen with a tmpfs archive directory: `could not append member traces/00007.npy`,
+    ENOSPC) left its record and logits, and `db reconcile` inserted a row for an episode the
+    driver never recorded; on a GPU, whose trace backs the sampled peak, the audit of that partial
+    archive then disagreed. The record now goes last: a cut-off episode has no record, no row."""
+    import errno
+
+    from packbench.core.errors import ArchiveError
+
+    w = archive(tmp_path / "a.zip", range(1), seal=False)
+    append = ArchiveWriter._append
+
+    def full_at_the_trace(self, name, data, compress_type, **options):
+        if name == "traces/00001.npy":
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return append(self, name, data, compress_type, **options)
+
+    monkeypatch.setattr(ArchiveWriter, "_append", full_at_the_trace)
+    sampled = {**record(1), "memory": {"peak_sampled_bytes": 30}, "sampler": {"samples": 2}}
+    with pytest.raises((ArchiveError, OSError)):
+        w.add_episode(sampled, np.zeros((3, 5), dtype=np.float32), np.array([[0.0, 10.0], [0.5, 30.0]]))
+    with ArchiveReader(tmp_path / "a.zip") as reader:
+        assert not reader.complete and episode_member(1) not in reader.names  # what landed: logits/00001.npy
+        assert "logits/00001.npy" in reader.names
+        check, records, refused = missing_records(reader, [])
+    assert check == "crc32" and [r["plan_index"] for r in records] == [0] and refused == []
+
+
 def test_a_record_that_disagrees_with_the_plan_is_refused(tmp_path):
     w = ArchiveWriter(tmp_path / "a.zip")
     w.add_json(PLAN_NAME, {"entries": ENTRIES, "prompts": []})

@@ -141,6 +141,32 @@ def test_workers_generating_one_synthetic_spec_at_once_never_read_a_partial_chec
     assert [p.name for p in tmp_path.iterdir()] == [Path(outs.pop()).name]  # no .tmp-* left
 
 
+def test_a_damaged_cached_checkpoint_is_generated_again_not_used(tmp_path):
+    """Bug caught: a worker's cached synthetic checkpoint whose model.safetensors was cut short
+    after it was placed (half-copied, a disk that lost its tail) was used again: every screen of
+    the spec failed on it, told to run `packbench model synth`, which never writes the cache. Now
+    the worker sets the damaged folder aside and generates the spec again, the same bytes."""
+    from packbench.core.protocol import expand, freeze
+    from packbench.engine.checkpoint import reads_whole
+    from packbench.engine.worker import model_dir_for
+
+    raw = {"name": "s", "model": {"synth": {"shape": "tiny", "dtype": "float32", "sparsity": 0.94, "seed": 5}},
+           "dtype": "float32", "prompts": {"generator": {"seed": 0, "count": 1}}, "prefix_tokens": 8,
+           "continuation_tokens": 2, "conditions": [{"policy": "dense-stream"}], "reference": "dense-stream",
+           "warmups": 1, "allowance_mib": 64, "gates": {"faithfulness": {}}}
+    protocol = expand(freeze(raw).body)
+    out = model_dir_for(protocol, None, cache=tmp_path)
+    weights = (out / "model.safetensors").read_bytes()
+    (out / "model.safetensors").write_bytes(weights[: len(weights) // 2])
+    assert not reads_whole(out)
+    assert model_dir_for(protocol, None, cache=tmp_path) == out
+    assert reads_whole(out) and (out / "model.safetensors").read_bytes() == weights
+    (aside,) = [p for p in tmp_path.iterdir() if p != out]  # the damaged folder, kept aside, no .tmp-* left
+    assert aside.name.startswith(f"{out.name}.damaged-") and (aside / "model.safetensors").stat().st_size == len(weights) // 2
+    assert model_dir_for(protocol, None, cache=tmp_path) == out  # whole: used as it is
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([out.name, aside.name])
+
+
 def test_the_environment_holds_plain_values_a_driver_without_torch_can_unpickle():
     import torch
 

@@ -41,3 +41,24 @@ def test_only_silent_dispatchers_are_named():
     (line,) = held_by_silent(SimpleNamespace(now=now, running=running, dispatchers=dispatchers), host="here",
                              alive=lambda pid: True)
     assert line.startswith("screen 1 is held by dispatcher d1 (no heartbeat for 11 s): attempt 1's lease expires")
+
+
+def test_a_silent_holder_whose_process_lives_here_is_named_with_the_way_out():
+    """Bug caught: a `dispatch` SIGSTOPped (hung) on this host held its screen with no heartbeat,
+    and `dispatch` said "a `packbench dispatch` after that [lease] marks the attempt lost and runs
+    the screen again"; but a holder whose process lives on this host is never reaped
+    (db/queue.py reap_expired), so every later `dispatch` said it again and the screen stayed
+    running. The line now names the process and how to free the screen."""
+    now = datetime(2026, 12, 1, 12, 0, tzinfo=timezone.utc)
+    running = [SimpleNamespace(screen_id=i, attempt=2, dispatcher=f"d{i}", lease_expires_at=now - timedelta(seconds=5))
+               for i in (1, 2)]
+    dispatchers = [SimpleNamespace(name="d1", host="here", pid=5, heartbeat_at=now - timedelta(seconds=72)),
+                   SimpleNamespace(name="d2", host="far", pid=5, heartbeat_at=now - timedelta(seconds=72))]
+    here, far = held_by_silent(SimpleNamespace(now=now, running=running, dispatchers=dispatchers), host="here",
+                               alive=lambda pid: True)
+    assert here == ("screen 1 is held by dispatcher d1 (no heartbeat for 72 s), whose process (pid 5) still runs on "
+                    "this host: no dispatcher here takes attempt 2 from it while it lives; if it hangs, stop it "
+                    "(`kill 5`) and a `packbench dispatch` then marks the attempt lost and runs the screen again")
+    assert far == ("screen 2 is held by dispatcher d2 (no heartbeat for 72 s): attempt 2's lease expires at "
+                   "2026-12-01T11:59:55+00:00 (in 0 s); a `packbench dispatch` after that marks the attempt lost and "
+                   "runs the screen again")  # another host's holder is judged by its lease: that still holds

@@ -76,8 +76,12 @@ def test_reaping_spares_a_live_holder_here_and_takes_a_dead_one_at_once(store, t
     u.reap()
     assert store.latest_attempt(live_screen).status == "running"
     assert store.latest_attempt(dead_screen).status == "lost" and store.screen(dead_screen).status == "queued"
-    assert said == [f"screen {dead_screen}: attempt {store.latest_attempt(dead_screen).id} lost (its dispatcher "
-                    f"(pid 202 on {host}) is gone), screen queued"]
+    # The attempt's number within its screen (1), not its row id (2, the live screen's attempt being 1):
+    # the bug caught said "attempt 2 lost" of a screen whose only attempt is 1 (seen after a SIGKILLed
+    # `submit --wait` of a second screen).
+    lost = store.latest_attempt(dead_screen)
+    assert (lost.number, lost.id) == (1, 2)
+    assert said == [f"screen {dead_screen}: attempt 1 lost (its dispatcher (pid 202 on {host}) is gone), screen queued"]
 
 
 def test_no_reaping_for_one_lease_after_an_outage(store, tmp_path):

@@ -168,9 +168,15 @@ class ArchiveWriter:
     def add_episode(self, record: dict, logits: np.ndarray | None = None,
                     trace: np.ndarray | None = None, forced: np.ndarray | None = None, *,
                     active: bytes | None = None) -> EpisodeMembers:
-        """Write one finished episode: its record (``episodes/NNNNN.json``, NNNNN being
-        ``record["plan_index"]``), then its logits, memory trace, teacher-forced logits and trace
-        file of active sets (``active``: core/trace.py's bytes) when given (None skips).
+        """Write one finished episode: its logits, memory trace, teacher-forced logits and trace
+        file of active sets (``active``: core/trace.py's bytes) when given (None skips), then its
+        record (``episodes/NNNNN.json``, NNNNN being ``record["plan_index"]``) last.
+
+        The record goes last so that an archive cut off inside an episode (a kill, a full disk)
+        never holds the record of an episode without every member written before it. Before, the
+        record went first: a disk that filled at the memory trace left record and logits, which
+        `db reconcile` took for a whole episode and inserted as a row, and the audit of a GPU run
+        (whose trace backs its sampled peak) then disagreed over the missing trace.
 
         Everything is checked before the first byte is written, so a refused episode leaves no
         member behind; each member is on disk (fsynced) when this returns.
@@ -183,7 +189,7 @@ class ArchiveWriter:
                 f"pass the record the worker returned for its plan entry"
             )
         names = episode_members(index)
-        parts = [(names.record, self._json_bytes(names.record, record), zipfile.ZIP_DEFLATED)]
+        parts = []
         for name, arr in ((names.logits, logits), (names.trace, trace), (names.forced, forced)):
             if arr is not None:
                 parts.append((name, self._array_bytes(name, arr), zipfile.ZIP_STORED))
@@ -192,6 +198,7 @@ class ArchiveWriter:
                 raise ArchiveError(f"member {names.active} must be the bytes of a trace file, got "
                                    f"{type(active).__name__}")
             parts.append((names.active, active, zipfile.ZIP_STORED))
+        parts.append((names.record, self._json_bytes(names.record, record), zipfile.ZIP_DEFLATED))  # last
         for name, _, _ in parts:
             self._check_name(name)
         # One fsync for the episode, after its last member: a crash before it leaves a valid zip

@@ -39,11 +39,22 @@ def held_by_silent(status, *, host: str, alive: Callable[[int], bool]) -> list[s
         if d is None or r.lease_expires_at is None:
             continue
         silent_s = (status.now - d.heartbeat_at).total_seconds()
-        if d.host == host and d.pid is not None and not alive(d.pid):
+        here = d.host == host and d.pid is not None
+        if here and not alive(d.pid):
             why = f"its process (pid {d.pid} on this host) is gone"
         elif silent_s > SILENT_AFTER_S:
             why = f"no heartbeat for {silent_s:.0f} s"
         else:
+            continue
+        if here and alive(d.pid):
+            # Its process lives on this host, so no dispatcher here reaps its lease (db/queue.py
+            # reap_expired: it renews once it can, as after a database outage). Before, this line
+            # promised that a `dispatch` after the lease would run the screen again, which never
+            # happened while the holder hung (seen with a SIGSTOPped `dispatch`).
+            out.append(f"screen {r.screen_id} is held by dispatcher {d.name} ({why}), whose process (pid "
+                       f"{d.pid}) still runs on this host: no dispatcher here takes attempt {r.attempt} from it while "
+                       f"it lives; if it hangs, stop it (`kill {d.pid}`) and a `packbench dispatch` then marks the "
+                       f"attempt lost and runs the screen again")
             continue
         left = max(0.0, (r.lease_expires_at - status.now).total_seconds())
         out.append(f"screen {r.screen_id} is held by dispatcher {d.name} ({why}): attempt {r.attempt}'s lease "

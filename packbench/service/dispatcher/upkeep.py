@@ -51,7 +51,9 @@ class Upkeep:
         """Expired leases become lost attempts, except those of a live dispatcher on this host
         (it renews them once it can: after a database outage, say); a dead one's go at once."""
         for reaped in self.store.reap_expired(host=platform.node(), alive=self.alive):
-            self.progress(f"screen {reaped.screen_id}: attempt {reaped.attempt_id} lost ({reaped.why}), "
+            # The attempt's number within its screen, as `screens show` lists it: before, the row
+            # id was named, so a killed driver's attempt 1 of screen 2 was reported "attempt 2 lost".
+            self.progress(f"screen {reaped.screen_id}: attempt {reaped.attempt_number} lost ({reaped.why}), "
                           f"screen {reaped.screen_status}")
 
     def renew(self, screens: list[Active]) -> list[Active]:
