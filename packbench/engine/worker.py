@@ -85,13 +85,16 @@ def model_dir_for(protocol: Protocol, model_dir: str | None, *, cache: Path | No
     out = synth_dir(spec, cache)
     if (out / "config.json").exists() and not reads_whole(out):
         # A cached checkpoint damaged after it was placed (a file truncated or half-copied by hand, a
-        # disk that lost its tail): it is generated again, the damaged folder set aside. Before, every
-        # screen of the spec failed on it, told to run `packbench model synth`, which never writes here.
+        # disk that lost its tail): it is generated again, the damaged folder moved aside (atomic, so
+        # no other worker reads it) and removed, since a node's cache holds checkpoints of tens of GB.
+        # Before, every screen of the spec failed on it, told to run `packbench model synth`, which
+        # never writes here.
         aside = out.with_name(f"{out.name}.damaged-{os.getpid()}-{time.time_ns()}")
         try:
             out.rename(aside)
         except OSError:
-            pass  # another worker set it aside first
+            pass  # another worker moved it aside first
+        shutil.rmtree(aside, ignore_errors=True)
     if not (out / "config.json").exists():
         # Several workers on a node may generate the same spec at once: each writes a private
         # folder and renames it into place (atomic); a loser drops its copy and uses the winner's.
