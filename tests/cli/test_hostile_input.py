@@ -373,9 +373,9 @@ def test_audit_all_reports_unfinished_attempts_without_failing(tmp_path, db, tin
     assert audits.count(">PARTIAL<") == 2 and "DISAGREE" not in audits
 
 
-def test_dispatch_takes_a_dead_dispatchers_screen_at_once(tmp_path, db, tiny, capsys):
-    """A driver killed with SIGKILL held its screen for its whole 60 s lease although `dispatch`
-    already said that its process was gone: on its own host it now loses the lease at once."""
+def _screen_held_by_a_dead_dispatcher(tmp_path, db, tiny):
+    """A queued screen claimed by a dispatcher registered on this host with a pid that is no
+    process now (a driver killed with SIGKILL); returns the store and that pid."""
     import platform
     import subprocess
 
@@ -388,9 +388,18 @@ def test_dispatch_takes_a_dead_dispatchers_screen_at_once(tmp_path, db, tiny, ca
     submit(store, write(tmp_path / "p.yaml", yaml.safe_dump(quickstart(tiny))))
     dead = store.register_dispatcher(f"dispatch-{platform.node()}-{gone.pid}", platform.node(), pid=gone.pid)
     store.claim_screen(dead, lease_s=60, archive_dir=str(tmp_path / "archives"), source_freeze={})
+    return store, gone.pid
+
+
+def test_dispatch_takes_a_dead_dispatchers_screen_at_once(tmp_path, db, tiny, capsys):
+    """A driver killed with SIGKILL held its screen for its whole 60 s lease although `dispatch`
+    already said that its process was gone: on its own host it now loses the lease at once."""
+    import platform
+
+    store, pid = _screen_held_by_a_dead_dispatcher(tmp_path, db, tiny)
     r = pb(capsys, "dispatch")
     assert r.code == 0, (r.out, r.err)
-    assert (f"screen 1: attempt 1 lost (its dispatcher (pid {gone.pid} on {platform.node()}) is gone), screen "
+    assert (f"screen 1: attempt 1 lost (its dispatcher (pid {pid} on {platform.node()}) is gone), screen "
             f"queued") in r.out + r.err
     assert [a.status for a in store.attempts(1)] == ["lost", "done"]
 
@@ -400,22 +409,14 @@ def test_cancelling_a_dead_dispatchers_screen_names_what_ends_it(tmp_path, db, t
     episode in flight, once its dispatcher renews its lease"; a dead dispatcher never renews, and
     the screen stayed running with nothing said about `packbench dispatch`, which ends it."""
     import platform
-    import subprocess
 
-    from packbench.db.store import Store
-    from packbench.service.submit import submit
-
-    gone = subprocess.Popen([sys.executable, "-c", "pass"])
-    gone.wait()  # a pid that is no process now
-    store = Store(db)
-    submit(store, write(tmp_path / "p.yaml", yaml.safe_dump(quickstart(tiny))))
-    dead = store.register_dispatcher(f"dispatch-{platform.node()}-{gone.pid}", platform.node(), pid=gone.pid)
-    store.claim_screen(dead, lease_s=60, archive_dir=str(tmp_path / "archives"), source_freeze={})
+    store, pid = _screen_held_by_a_dead_dispatcher(tmp_path, db, tiny)
     r = pb(capsys, "screens", "cancel", "1")
     assert r.code == 0 and r.err == "", (r.out, r.err)
-    assert r.out == (f"screen 1 is running under dispatcher dispatch-{platform.node()}-{gone.pid}, whose process "
-                     f"(pid {gone.pid} on this host) is gone: `packbench dispatch` marks its attempt lost and the "
+    assert r.out == (f"screen 1 is running under dispatcher dispatch-{platform.node()}-{pid}, whose process "
+                     f"(pid {pid} on this host) is gone: `packbench dispatch` marks its attempt lost and the "
                      f"screen cancelled\n")
+
     from packbench.service.dispatcher.holders import holder_alive
 
     (reaped,) = store.reap_expired(host=platform.node(), alive=holder_alive)  # what `dispatch` does first
