@@ -69,7 +69,7 @@ def report(
         # names the member and field; the report only says that it cannot be drawn.
         raise PackbenchError(f"{' '.join(screens)}: an archive holds a record that is not of the archive format "
                              f"({type(e).__name__}: {one_line(str(e))[:120]}); run `packbench audit archive FILE` "
-                             f"to see which member") from None
+                             f"to see which member") from e  # --debug shows where the page's code stopped
     path = out or Path(default)
     write_output(path, page, "--out")
     if json_out:
