@@ -22,13 +22,13 @@ def is_moe_dir(model_dir: Path) -> bool:
     for read_config to refuse in one line: a config.json that is a FIFO (read_text waited for a
     writer), JSON that is no object (`[]`: AttributeError) or nested 100,000 deep
     (RecursionError), a model_type that is a list (unhashable)."""
-    from packbench.core.files import read_bounded
+    from packbench.core.files import read_json_object
 
     try:
-        config = json.loads(read_bounded(Path(model_dir) / "config.json", limit=1 << 20))
-    except (OSError, ValueError, RecursionError):  # NotReadable is a ValueError
+        config = read_json_object(Path(model_dir) / "config.json", limit=1 << 20)
+    except (OSError, ValueError):
         return False
-    return isinstance(config, dict) and isinstance(config.get("model_type"), str) and config["model_type"] in FAMILIES
+    return isinstance(config.get("model_type"), str) and config["model_type"] in FAMILIES
 
 
 def check_synth(*, shape: str, profile: str | None, layers: int | None, device: str) -> None:

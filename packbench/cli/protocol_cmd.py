@@ -20,7 +20,7 @@ from packbench.cli.common import DbUrl, finite
 from packbench.cli.plan_rates import CPU, comparable, device_here, earlier_episodes, measured_estimate, model_key, this_host
 from packbench.cli.summary import table
 from packbench.core.errors import PackbenchError
-from packbench.core.files import read_bounded
+from packbench.core.files import read_json_object
 from packbench.core.text import one_line
 from packbench.core.protocol import Condition, FrozenProtocol, load
 
@@ -104,9 +104,9 @@ def show(
 def _written_recipe(model_dir) -> dict:
     """How a `packbench model synth` checkpoint was made (its config.json's packbench_synth), or {}."""
     try:
-        # read_bounded: a config.json that is a FIFO hung `protocol plan` in read_bytes (NotReadable is a ValueError)
-        recipe = json.loads(read_bounded(model_dir / "config.json", limit=1 << 20)).get("packbench_synth")
-    except (OSError, ValueError, TypeError, AttributeError, RecursionError):
+        # bounded: a config.json that is a FIFO hung `protocol plan` in read_bytes (NotReadable is a ValueError)
+        recipe = read_json_object(model_dir / "config.json", limit=1 << 20).get("packbench_synth")
+    except (OSError, ValueError):
         return {}
     return recipe if isinstance(recipe, dict) else {}
 
@@ -412,7 +412,7 @@ def _shape(frozen: FrozenProtocol, named: str | None):
         return ModelShape.of(named or synth.shape)
     config = frozen.model_dir() / "config.json"
     try:
-        c = json.loads(read_bounded(config, limit=1 << 20))  # a FIFO or /dev/zero: NotReadable, a ValueError
+        c = read_json_object(config, limit=1 << 20)  # a FIFO, /dev/zero, no JSON object: a ValueError
         return ModelShape(hidden=c["hidden_size"], ffn=c["ffn_dim"], layers=c["num_hidden_layers"],
                           vocab=c.get("vocab_size", 50272), max_positions=c.get("max_position_embeddings", 2048))
     except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:

@@ -56,6 +56,7 @@ from packbench.db.records import (
     StoredVerdict,
 )
 
+
 def json_cell(text: Any, table: str, row_id: Any, column: str) -> Any:
     """A JSON column's value. A cell that is not JSON (a hand edit, a damaged file) is one line
     naming the row and the fix: before, the commands reading the row (`screens show`, `results`,

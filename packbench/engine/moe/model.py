@@ -22,7 +22,6 @@ mode graph (their step cannot be captured), as OPT's do (engine/graph.py). On th
 captured (the CPU twin).
 """
 
-import json
 import time
 from pathlib import Path
 
@@ -48,13 +47,13 @@ class MoeCheckpointError(CheckpointError, ValueError):
 
 def moe_family(model_dir: Path) -> str | None:
     """config.json's model_type when it is an MoE family packbench runs, else None."""
-    from packbench.core.files import read_bounded
+    from packbench.core.files import read_json_object
 
     try:
-        config = json.loads(read_bounded(Path(model_dir) / "config.json", limit=1 << 20))
-    except (OSError, ValueError, RecursionError):  # NotReadable (a FIFO, /dev/zero) is a ValueError
+        config = read_json_object(Path(model_dir) / "config.json", limit=1 << 20)
+    except (OSError, ValueError):  # a FIFO, /dev/zero, no JSON object: read_config names it
         return None
-    kind = config.get("model_type") if isinstance(config, dict) else None
+    kind = config.get("model_type")
     return kind if isinstance(kind, str) and kind in FAMILIES else None
 
 

@@ -40,13 +40,14 @@ def held_by_silent(status, *, host: str, alive: Callable[[int], bool]) -> list[s
             continue
         silent_s = (status.now - d.heartbeat_at).total_seconds()
         here = d.host == host and d.pid is not None
-        if here and not alive(d.pid):
+        lives = here and alive(d.pid)
+        if here and not lives:
             why = f"its process (pid {d.pid} on this host) is gone"
         elif silent_s > SILENT_AFTER_S:
             why = f"no heartbeat for {silent_s:.0f} s"
         else:
             continue
-        if here and alive(d.pid):
+        if lives:
             # Its process lives on this host, so no dispatcher here reaps its lease (db/queue.py
             # reap_expired: it renews once it can, as after a database outage). Before, this line
             # promised that a `dispatch` after the lease would run the screen again, which never
