@@ -178,17 +178,21 @@ def _figure_cell(value, esc) -> str:
     """`median [min-max] STEP` as the median over its range (and mark): one figure per line."""
     import re
 
+    from packbench.cli.report_page import Markup
+
     m = re.fullmatch(r"(\S+) (\[[^\]]*\])(.*)", value or "")
     if m is None:
-        return f"<td>{esc('-' if value is None else value)}</td>"
+        return Markup(f"<td>{esc('-' if value is None else value)}</td>")
     mark = f' <span class="fail">{esc(m.group(3).strip())}</span>' if m.group(3).strip() else ""
-    return f'<td>{esc(m.group(1))}{mark}<br><span class="detail">{esc(m.group(2))}</span></td>'
+    return Markup(f'<td>{esc(m.group(1))}{mark}<br><span class="detail">{esc(m.group(2))}</span></td>')
 
 
 def _fixed_cell(key: str, value, esc) -> str:
+    from packbench.cli.report_page import Markup
+
     if key == "first_run" and isinstance(value, str) and "T" in value:
-        return f'<td title="{esc(value)}">{esc(value[:16].replace("T", " "))}</td>'
-    return f'<td class="wrap">{esc(value)}</td>' if key == "screens" else f"<td>{esc(value)}</td>"
+        return Markup(f'<td title="{esc(value)}">{esc(value[:16].replace("T", " "))}</td>')
+    return Markup(f'<td class="wrap">{esc(value)}</td>') if key == "screens" else Markup(f"<td>{esc(value)}</td>")
 
 
 MAX_TICK_LABELS = 16  # screen/commit labels under a history plot; past this, every k-th one

@@ -60,17 +60,18 @@ def esc(value: Any) -> str:
 
 def _num(value: Any, fmt: str = "{:,.4g}") -> str:
     if value is None:
-        return '<td class="num none">-</td>'
-    return f'<td class="num">{esc(fmt.format(value))}</td>'
+        return Markup('<td class="num none">-</td>')
+    return Markup(f'<td class="num">{esc(fmt.format(value))}</td>')
 
 
-def html_table(head: Iterable[str], rows: Iterable[Iterable[str]], *, cls: str = "") -> str:
-    """Rows of already-rendered <td> cells (strings that start with <td) or plain text, in a box
-    that scrolls sideways when the table is wider than the page."""
+def html_table(head: Iterable[str], rows: Iterable[Iterable[Any]], *, cls: str = "") -> str:
+    """Rows of already-rendered <td> cells (`Markup`) or plain text (escaped), in a box that
+    scrolls sideways when the table is wider than the page. A cell is HTML only by its type: a
+    protocol named `<td>...` is text like any other."""
     klass = f' class="{cls}"' if cls else ""
     out = [f'<div class="scroll"><table{klass}><thead><tr>', *(f"<th>{esc(h)}</th>" for h in head), "</tr></thead><tbody>"]
     for row in rows:
-        out.append("<tr>" + "".join(c if c.startswith("<td") else f"<td>{esc(c)}</td>" for c in row) + "</tr>")
+        out.append("<tr>" + "".join(c if isinstance(c, Markup) else f"<td>{esc(c)}</td>" for c in row) + "</tr>")
     out.append("</tbody></table></div>")
     return "".join(out)
 
@@ -90,16 +91,16 @@ def _mono(text: Any) -> Markup:
 
 def _passed(p: bool | None) -> str:
     if p is None:
-        return '<td class="none">-</td>'
-    return '<td class="pass">PASS</td>' if p else '<td class="fail">FAIL</td>'
+        return Markup('<td class="none">-</td>')
+    return Markup('<td class="pass">PASS</td>') if p else Markup('<td class="fail">FAIL</td>')
 
 
 def _audit_cell(result: str) -> str:
     """A stored audit's result: AGREE, DISAGREE, or PARTIAL (an unfinished attempt's archive whose
     every member checks: what the attempt left, not a disagreement)."""
     if result == "partial":
-        return '<td class="none">PARTIAL</td>'
-    return '<td class="pass">AGREE</td>' if result == "agree" else '<td class="fail">DISAGREE</td>'
+        return Markup('<td class="none">PARTIAL</td>')
+    return Markup('<td class="pass">AGREE</td>') if result == "agree" else Markup('<td class="fail">DISAGREE</td>')
 
 
 def plot_figure(name: str, svg: str | None, missing: str, caption: str | None = None) -> str:
@@ -125,8 +126,8 @@ def protocol_section(s: ScreenData) -> str:
     # Full width below the facts, its parameters free to wrap: beside them, in half the page, a
     # competitor's parameters ran past the table's box at 1400 px.
     conditions = html_table(["condition", "tier", "policy", "params", "warmups"],
-                            [[f'<td class="name">{esc(c.name)}</td>', c.tier, c.policy,
-                              f'<td class="wrap">{esc(json.dumps(c.resolved_params) if c.resolved_params else "-")}</td>',
+                            [[Markup(f'<td class="name">{esc(c.name)}</td>'), c.tier, c.policy,
+                              Markup(f'<td class="wrap">{esc(json.dumps(c.resolved_params) if c.resolved_params else "-")}</td>'),
                               str(p.warmups[c.name])] for c in p.conditions], cls="conditions")
     prompts = p.prompts
     source = {"generator": f"generator (seed {prompts.seed})", "token_ids": "inline token ids"}.get(
@@ -158,7 +159,7 @@ def _gates_table(gates: dict) -> str:
     for gate, spec in gates.items():
         for entry in spec if isinstance(spec, list) else [spec]:
             text = ", ".join(f"{k} {v}" for k, v in entry.items()) if isinstance(entry, dict) else str(entry)
-            rows.append([gate, f'<td class="wrap">{esc(text or "-")}</td>'])
+            rows.append([gate, Markup(f'<td class="wrap">{esc(text or "-")}</td>')])
     return html_table(["gate", "parameters"], rows)
 
 
@@ -195,9 +196,9 @@ def _seconds(v: Any) -> str:
 def verdict_section(s: ScreenData) -> str:
     tier = {c.name: c.tier for c in s.protocol.conditions}
     rows = [[v["gate"], v["condition"], tier.get(v["condition"], "-"), v.get("phase", "all"), _passed(v["passed"]),
-             f'<td class="num">{esc(data.threshold_text(v, s.protocol))}</td>',
-             f'<td class="num">{esc(data.value_text(v))}</td>', f'<td class="num">{esc(data.interval_text(v))}</td>',
-             f'<td class="detail">{esc(detail_text(v.get("detail")))}</td>'] for v in s.verdicts]
+             Markup(f'<td class="num">{esc(data.threshold_text(v, s.protocol))}</td>'),
+             Markup(f'<td class="num">{esc(data.value_text(v))}</td>'), Markup(f'<td class="num">{esc(data.interval_text(v))}</td>'),
+             Markup(f'<td class="detail">{esc(detail_text(v.get("detail")))}</td>')] for v in s.verdicts]
     passed = sum(bool(v["passed"]) for v in s.verdicts)
     head = f'<h2 id="verdicts">Verdicts: {passed} of {len(s.verdicts)} pass</h2>'
     if not rows:
@@ -211,20 +212,20 @@ def verdict_section(s: ScreenData) -> str:
 def _spread(sp: dict, fmt: str) -> str:
     """A median with its p10-p90 on a second line (core/dispersion.py spread); n is the scored column."""
     if not sp["n"]:
-        return '<td class="num none">-</td>'
+        return Markup('<td class="num none">-</td>')
     lo, hi = fmt.format(sp["p10"]), fmt.format(sp["p90"])
-    return f'<td class="num">{esc(fmt.format(sp["median"]))}<br><span class="detail">{esc(lo)}-{esc(hi)}</span></td>'
+    return Markup(f'<td class="num">{esc(fmt.format(sp["median"]))}<br><span class="detail">{esc(lo)}-{esc(hi)}</span></td>')
 
 
 def _policy(r: dict) -> str:
     """The policy with its resolved parameters below it, free to wrap: a competitor's
     `method=int8-weight-only, mode=eager` on one line pushed the table past the page."""
     params = f'<br><span class="detail">{esc(r["params"])}</span>' if r["params"] else ""
-    return f'<td class="wrap">{esc(r["policy"])}{params}</td>'
+    return Markup(f'<td class="wrap">{esc(r["policy"])}{params}</td>')
 
 
 def _episodes(r: dict) -> str:
-    return _num(r["scored"], "{}") if not r["failed"] else f'<td class="num fail">{r["scored"]} ({r["failed"]} failed)</td>'
+    return _num(r["scored"], "{}") if not r["failed"] else Markup(f'<td class="num fail">{r["scored"]} ({r["failed"]} failed)</td>')
 
 
 def _sharing_notes(s: ScreenData) -> str:
@@ -257,8 +258,8 @@ def _sharing_notes(s: ScreenData) -> str:
 def _two(first: str, second: str) -> str:
     """Two figures in one cell, the second smaller below: the table fits the page."""
     if first == second == "-":
-        return '<td class="num none">-</td>'
-    return f'<td class="num">{esc(first)}<br><span class="detail">{esc(second)}</span></td>'
+        return Markup('<td class="num none">-</td>')
+    return Markup(f'<td class="num">{esc(first)}<br><span class="detail">{esc(second)}</span></td>')
 
 
 def _fmt(value: Any, fmt: str) -> str:
@@ -278,12 +279,12 @@ def _ms_cell(seconds: float | None, outliers: list | None = None, *, first: floa
     """Milliseconds, with the hyperfine-style flag below when episodes lie beyond 3 IQR (and for
     TTFT, the cold one: the condition's first episode, its first use)."""
     if seconds is None:
-        return '<td class="num none">-</td>'
+        return Markup('<td class="num none">-</td>')
     cold = "" if first is None else f'<br><span class="detail">first use {first * 1e3:.4g}</span>'
     flag = serving.outlier_text(len(outliers or []))
     # the flag wraps under its figure (a nowrap cell of three flags ran past the page at 1400 px)
     below = f'<br><span class="detail fail" style="white-space: normal">{esc(flag)}</span>' if flag else ""
-    return f'<td class="num">{esc(f"{seconds * 1e3:.4g}")}{cold}{below}</td>'
+    return Markup(f'<td class="num">{esc(f"{seconds * 1e3:.4g}")}{cold}{below}</td>')
 
 
 def _once(r: dict) -> str:
@@ -301,7 +302,7 @@ def serving_section(s: ScreenData) -> str:
     """Serving figures per condition (docs/metrics.md), the runtime ratio of medians beside the
     frozen gate's summed walls, and the plan-position check."""
     rows = data.serving_rows(s)
-    srows = [[f'<td class="name">{esc(r["condition"])}</td>', r["tier"], _num(r["episodes"], "{}"),
+    srows = [[Markup(f'<td class="name">{esc(r["condition"])}</td>'), r["tier"], _num(r["episodes"], "{}"),
               _ms_cell(r["ttft_s"], r["outliers"]["ttft_s"], first=r["ttft_first_s"]),
               _ms_cell(r["tpot_s"], r["outliers"]["tpot_s"]),
               _two(_fmt(_ms(r["itl_p50_s"]), "{:.4g}"), _fmt(_ms(r["itl_p90_s"]), "p90 {:.4g}") + " / "
@@ -317,20 +318,20 @@ def serving_section(s: ScreenData) -> str:
     for r in ratios:
         m, gi = r["median"], r["gate_interval"]
         mi = m["interval"]
-        rrows.append([f'<td class="name">{esc(r["condition"])}</td>', r["tier"], r["control"],
+        rrows.append([Markup(f'<td class="name">{esc(r["condition"])}</td>'), r["tier"], r["control"],
                       _passed(r["passed"]), _num(r["gate_value"], "{:.4g}"),
-                      f'<td class="num">{esc("-" if not gi else f"[{gi[0]:.4g}, {gi[1]:.4g}]")}</td>',
+                      Markup(f'<td class="num">{esc("-" if not gi else f"[{gi[0]:.4g}, {gi[1]:.4g}]")}</td>'),
                       _num(m["value"], "{:.4g}"),
-                      f'<td class="num">{esc(f"[{mi[0]:.4g}, {mi[1]:.4g}]")}</td>',
-                      f'<td class="wrap{" fail" if r["disagree"] else ""}">'
-                      f'{esc(("disagree " + r["because"]) if r["disagree"] else ("agree; " + (r["outliers_text"] or "no outliers beyond 3 IQR")))}</td>'])
+                      Markup(f'<td class="num">{esc(f"[{mi[0]:.4g}, {mi[1]:.4g}]")}</td>'),
+                      Markup(f'<td class="wrap{" fail" if r["disagree"] else ""}">'
+                             f'{esc(("disagree " + r["because"]) if r["disagree"] else ("agree; " + (r["outliers_text"] or "no outliers beyond 3 IQR")))}</td>')])
     rtable = (html_table(["condition", "tier", "control", "gate", "summed walls", "bootstrap interval", "ratio of medians",
                           "paired interval", "readings"], rrows, cls="conditions") if rrows
                   else '<p class="missing">no runtime readings: no condition pairs with the reference</p>')
     previous = data.steady_by_previous(s)
     ptable = html_table(["condition", "tier", "steady decode call ms by what ran before it in the worker (episodes)"],
-                        [[f'<td class="name">{esc(r["condition"])}</td>', r["tier"],
-                          f'<td class="wrap">{esc(_previous_text(r["previous"]))}</td>'] for r in previous],
+                        [[Markup(f'<td class="name">{esc(r["condition"])}</td>'), r["tier"],
+                          Markup(f'<td class="wrap">{esc(_previous_text(r["previous"]))}</td>')] for r in previous],
                         cls="conditions") if previous else ""
     check = data.plan_positions([s])
     position = (f'<p id="position" class="{"fail" if check["flagged"] else ""}">{esc(serving.position_text(check))}'
@@ -369,8 +370,8 @@ def expert_cache_section(s: ScreenData) -> str:
     def pct(v):
         return _num(None if v is None else 100 * v, "{:.1f}%")
 
-    trows = [[f'<td class="name">{esc(r["condition"])}</td>', r["tier"],
-              esc(r["cache"]),
+    trows = [[Markup(f'<td class="name">{esc(r["condition"])}</td>'), r["tier"],
+              r["cache"],
               pct(r["hit_rate"]), pct(r["belady_rate"]), pct(r["decode_hit_rate"]), pct(r["decode_belady_rate"]),
               pct(r["decode_ready_rate"]),
               _num(r["prefetched"], "{}"), _num(r["used"], "{}"), _num(r["wasted"], "{}"),
@@ -393,7 +394,7 @@ def _previous_text(rows: list[dict]) -> str:
 def summary_section(s: ScreenData) -> str:
     summary = data.condition_summary(s)
     approximate = any(r["tier"] == "approximate" for r in summary)
-    rows = [[f'<td class="name">{esc(r["condition"])}</td>', r["tier"], _policy(r), _episodes(r),
+    rows = [[Markup(f'<td class="name">{esc(r["condition"])}</td>'), r["tier"], _policy(r), _episodes(r),
              _mb(r["prefill_h2d_per_call"]), _mb(r["decode_h2d_per_call"]), _spread(r["wall_s_spread"], "{:.3g}"),
              _spread(r["decode_ms_spread"], "{:.3g}"), _mib(r["peak_sampled_bytes"]),
              _two(_fmt(r["energy_j_per_episode"], "{:.4g} J"), _fmt(r["energy_j_per_token"], "{:.4g} J / token")),
@@ -426,7 +427,7 @@ def cost_section(s: ScreenData) -> str:
             'off, then recorded with both on. Every time on this page is the timing pass\'s; every byte, memory and '
             'energy figure the recording pass\'s. The ratio is the median over scored episodes of the recording '
             'wall over the timing wall of the same episode.</p>')
-    rows = [[f'<td class="name">{esc(r["condition"])}</td>', _num(r["n"], "{}"),
+    rows = [[Markup(f'<td class="name">{esc(r["condition"])}</td>'), _num(r["n"], "{}"),
              _num(r["timing_wall_s"], "{:.4g} s"), _num(r["recording_wall_s"], "{:.4g} s"),
              _num(r["ratio"], "{:.4f}"),
              _two(_fmt(_ms(r["timing_decode_s"]), "{:.4g} ms"), _fmt(_ms(r["recording_decode_s"]), "recording {:.4g} ms"))]
@@ -512,7 +513,7 @@ def audit_section(s: ScreenData, audit: AuditStatus) -> str:
         parts.append(f"<h3>Audits recorded in {esc(audit.source)}</h3>" + html_table(
             ["result", "where", "started", "finished", "digest", "problems"],
             [[_audit_cell(r["result"]), r["machine"],
-              r["started"], r["finished"], f'<td class="mono">{esc(r["digest"])}</td>', str(r["problems"])]
+              r["started"], r["finished"], Markup(f'<td class="mono">{esc(r["digest"])}</td>'), str(r["problems"])]
              for r in audit.rows]))
         digests = {r["digest"] for r in audit.rows}
         if len(audit.rows) > 1:
@@ -587,10 +588,10 @@ def compare_page(screens: list[ScreenData], audits: list[AuditStatus]) -> str:
     conditions = list(dict.fromkeys(c for s in screens for c in s.conditions))
     ident = html_table(["", "screen", "protocol", "frozen SHA-256", "machine", "GPU", "torch", "archive SHA-256",
                         "audits"],
-                       [[labels[n], f'<td class="wrap">{esc(s.label)}</td>', s.protocol.name,
-                         f'<td class="mono">{esc(s.protocol.sha256[:16])}</td>',
+                       [[labels[n], Markup(f'<td class="wrap">{esc(s.label)}</td>'), s.protocol.name,
+                         Markup(f'<td class="mono">{esc(s.protocol.sha256[:16])}</td>'),
                          s.environment.get("host"), s.environment.get("gpu") or "CPU", s.environment.get("torch"),
-                         f'<td class="mono">{esc(s.archive_sha256[:16])}</td>',
+                         Markup(f'<td class="mono">{esc(s.archive_sha256[:16])}</td>'),
                          "-" if a.source is None else (", ".join(r["result"] for r in a.rows) or "none")]
                         for n, (s, a) in enumerate(zip(screens, audits))])
     judged, agree = agreement["judged_by_all"], agreement["agree"]
@@ -598,8 +599,8 @@ def compare_page(screens: list[ScreenData], audits: list[AuditStatus]) -> str:
     head = (f'<h2 id="agreement">Verdict agreement: {agree} of {judged} verdicts judged by every screen agree</h2>'
             f"<p>The screens ran {what}; a verdict any screen lacks is shown as -.</p>")
     vrows = [[r["gate"], r["condition"], r["phase"], *[_passed(p) for p in r["passed"]],
-              ('<td class="pass">agree</td>' if r["agree"] else '<td class="fail">differ</td>') if r["all_judged"]
-              else '<td class="none">not judged by all</td>'] for r in agreement["rows"]]
+              (Markup('<td class="pass">agree</td>') if r["agree"] else Markup('<td class="fail">differ</td>')) if r["all_judged"]
+              else Markup('<td class="none">not judged by all</td>')] for r in agreement["rows"]]
     vtable = html_table(["gate", "condition", "phase", *labels, "agreement"], vrows)
     summaries = [{r["condition"]: r for r in data.condition_summary(s)} for s in screens]
     srows = []
@@ -620,11 +621,11 @@ def compare_page(screens: list[ScreenData], audits: list[AuditStatus]) -> str:
         for r in data.runtime_ratios(s):
             gi, mi = r["gate_interval"], r["median"]["interval"]
             ratio_rows.append([r["condition"], labels[n], r["control"], _num(r["gate_value"], "{:.4g}"),
-                               f'<td class="num">{esc("-" if not gi else f"[{gi[0]:.4g}, {gi[1]:.4g}]")}</td>',
+                               Markup(f'<td class="num">{esc("-" if not gi else f"[{gi[0]:.4g}, {gi[1]:.4g}]")}</td>'),
                                _num(r["threshold"], "{!r}"), r["source"], _num(r["median"]["value"], "{:.4g}"),
-                               f'<td class="num">{esc(f"[{mi[0]:.4g}, {mi[1]:.4g}]")}</td>',
-                               f'<td class="wrap{" fail" if r["disagree"] else ""}">'
-                               f'{esc(("disagree " + r["because"]) if r["disagree"] else "agree")}</td>'])
+                               Markup(f'<td class="num">{esc(f"[{mi[0]:.4g}, {mi[1]:.4g}]")}</td>'),
+                               Markup(f'<td class="wrap{" fail" if r["disagree"] else ""}">'
+                                      f'{esc(("disagree " + r["because"]) if r["disagree"] else "agree")}</td>')])
     rtable = html_table(["condition", "screen", "control", "summed walls", "interval", "gate threshold", "from",
                          "ratio of medians", "paired interval", "readings"], ratio_rows, cls="conditions")
     serving_rows = []
@@ -633,7 +634,7 @@ def compare_page(screens: list[ScreenData], audits: list[AuditStatus]) -> str:
             r = next((x for x in data.serving_rows(s) if x["condition"] == c), None)
             if r is None or not r["episodes"]:
                 continue
-            serving_rows.append([f'<td class="name">{esc(c)}</td>', labels[n], r["tier"],
+            serving_rows.append([Markup(f'<td class="name">{esc(c)}</td>'), labels[n], r["tier"],
                                  _ms_cell(r["ttft_s"], r["outliers"]["ttft_s"], first=r["ttft_first_s"]),
                                  _ms_cell(r["tpot_s"], r["outliers"]["tpot_s"]),
                                  _two(_fmt(_ms(r["itl_p50_s"]), "{:.4g}"), _fmt(_ms(r["itl_p99_s"]), "p99 {:.4g}")),

@@ -1,0 +1,29 @@
+"""Text that users type reaching the report, comparison and sweep pages: a protocol's name, a
+swept value. It is shown as text, never read as markup, and never stops the page being drawn."""
+
+import dataclasses
+from pathlib import Path
+
+from packbench.cli.report_page import AuditStatus, compare_page, html_table
+from packbench.core import report as data
+
+DATA = Path(__file__).resolve().parents[2] / "tests" / "data"
+HOSTILE = '<td><img src=x onerror=alert(1)></td></tr></table><script>alert(1)</script>'
+
+
+def test_a_cell_that_looks_like_html_is_escaped():
+    """html_table passed any cell that began with `<td` through as HTML: a protocol named
+    `<td>...` closed the comparison's table and put its own elements on the page."""
+    table = html_table(["protocol"], [[HOSTILE]])
+    assert "<script>" not in table and "<img" not in table
+    assert "&lt;td&gt;&lt;img src=x onerror=alert(1)&gt;" in table
+
+
+def test_a_protocol_named_like_markup_stays_text_on_the_comparison_page():
+    """The comparison's screens table wrote the protocol's name raw when it began with `<td`."""
+    screen = data.read_screen(DATA / "quickstart-v1.zip")
+    hostile = dataclasses.replace(screen, protocol=dataclasses.replace(screen.protocol, name=HOSTILE))
+    page = compare_page([hostile, hostile], [AuditStatus(), AuditStatus()])
+    assert "<script>" not in page and "<img" not in page
+    assert page.count("</table>") == page.count("<table")
+
