@@ -3,8 +3,10 @@ swept value. It is shown as text, never read as markup, and never stops the page
 
 import dataclasses
 from pathlib import Path
+from types import SimpleNamespace
 
 from packbench.cli.report_page import AuditStatus, compare_page, html_table
+from packbench.cli.sweep_page import sweep_page
 from packbench.core import report as data
 
 DATA = Path(__file__).resolve().parents[2] / "tests" / "data"
@@ -27,3 +29,15 @@ def test_a_protocol_named_like_markup_stays_text_on_the_comparison_page():
     assert "<script>" not in page and "<img" not in page
     assert page.count("</table>") == page.count("<table")
 
+
+def test_a_swept_value_with_dollar_signs_is_drawn_as_written():
+    """matplotlib read `$\\foo$` in a tick label as mathematics and raised mid-drawing: `report
+    --sweep` of `--sweep 'name=a$\\foo$b,c'` exited 70 with a ParseFatalException."""
+    def point(n, value):
+        return SimpleNamespace(screen_id=n, values={"name": value}, status="done", protocol_sha256="ab" * 32,
+                               figures={"packet": {"decode_ms_per_token": 1.0 + n, "bytes_per_token": 100.0 * n}},
+                               verdicts=[{"condition": "packet", "gate": "faithfulness", "phase": "all",
+                                          "passed": True}])
+
+    page = sweep_page("sw-1", [point(1, "a$\\foo$b"), point(2, "$^$")])
+    assert "name=a$\\foo$b" in page and page.count('data-plot="') == 3
