@@ -1,6 +1,7 @@
 """packbench: submit frozen protocol screens to Ray GPU workers, query results, audit archives."""
 
 import dataclasses
+import errno
 import json
 import logging
 import os
@@ -22,7 +23,7 @@ from packbench.core.settings import (DB_URL_ENV, DEFAULT_CONNECT_TIMEOUT_S, DEFA
                            WORKER_PIN_ENV, WORKER_THREADS_ENV, Settings, worker_pin, worker_threads)
 from packbench.core.moe import MOE_SHAPES
 from packbench.core.registry import NEWEST_PROFILE, DTYPE_NAMES, PROFILES, SYNTH_SHAPES, SynthArgumentError, synth_spec
-from packbench.core.text import one_line
+from packbench.core.text import one_line, show
 
 
 class PackbenchGroup(TyperGroup):
@@ -519,6 +520,15 @@ def main() -> None:
     except KeyboardInterrupt:
         typer.echo("interrupted", err=True)
         sys.exit(130)
+    except OSError as e:
+        if e.errno != errno.ENAMETOOLONG:  # a bug, as below
+            typer.echo(unexpected(e), err=True)
+            sys.exit(UNEXPECTED_EXIT)
+        # A path given on the command line (an argument, an option, --db's file) with a name the
+        # file system cannot hold: every command reaches its paths through the OS, so one answer.
+        typer.echo(one_line(f"error: the path {show(e.filename)} is longer than the file system allows "
+                            f"({e.strerror}); give a shorter path"), err=True)
+        sys.exit(2)
     except Exception as e:  # a bug, not bad input: its own exit code, and the traceback kept in a file
         typer.echo(unexpected(e), err=True)
         sys.exit(UNEXPECTED_EXIT)
