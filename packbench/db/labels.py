@@ -14,6 +14,7 @@ from sqlalchemy import and_, delete, func, or_, select, true
 from sqlalchemy.orm import Session
 
 from packbench.core.canonical import canonical_json
+from packbench.core.text import show
 from packbench.db.errors import InvalidFilter
 from packbench.db.models import SCREEN_STATUSES, SqlProtocol, SqlScreen, SqlScreenTag
 from packbench.db.queries import check_limit, check_one_of, protocol_matches, find_screen
@@ -25,11 +26,18 @@ MAX_NOTE = 10_000  # a paragraph or two; `screens tag` echoes it, the report and
 
 
 def check_tags(tags: Mapping[str, str]) -> dict[str, str]:
-    """`tags` as a plain dict of strings, or InvalidFilter naming the bad key or value."""
+    """`tags` as a plain dict of strings, or InvalidFilter naming the bad key or value. A value
+    is text or a number (written as text); None or a list would be stored as 'None' or '[...]'."""
+    if not isinstance(tags, Mapping):
+        raise InvalidFilter(f"tags are a mapping of key to value, e.g. tags={{'team': 'infra'}}, not "
+                            f"{type(tags).__name__} {show(tags, 40)}")
     out: dict[str, str] = {}
     for key, value in tags.items():
         if not isinstance(key, str) or not TAG_KEY.fullmatch(key):
-            raise InvalidFilter(f"tag key {key!r} must be 1-100 letters, digits or _.:-; write e.g. --tag team=infra")
+            raise InvalidFilter(f"tag key {show(key)} must be 1-100 letters, digits or _.:-; write e.g. --tag team=infra")
+        if not isinstance(value, (str, int, float)):
+            raise InvalidFilter(f"tag {key}: its value is text or a number, not {type(value).__name__}"
+                                + ("; to drop the tag, untag it" if value is None else ""))
         value = str(value)
         if len(value) > MAX_VALUE or "\n" in value or "\x00" in value:  # NUL: PostgreSQL refuses it, so both do
             raise InvalidFilter(f"tag {key}: its value must be one line of at most {MAX_VALUE} characters, "
@@ -59,6 +67,18 @@ def check_note(note: str | None) -> str | None:
     return note
 
 
+def check_untag(untag: Iterable[str]) -> set[str]:
+    """The tag keys to drop. A string is refused: set('team') is {'t', 'e', 'a', 'm'}, which
+    dropped tags t, e, a and m and kept team."""
+    if isinstance(untag, (str, bytes)) or not isinstance(untag, Iterable):
+        raise InvalidFilter(f"untag={show(untag, 40)}: give the tag keys to drop as a list, e.g. untag=('team',)")
+    keys = list(untag)
+    bad = [k for k in keys if not isinstance(k, str)]
+    if bad:
+        raise InvalidFilter(f"untag: tag key {show(bad[0], 40)} is not text; give keys such as 'team'")
+    return set(keys)
+
+
 def label(session: Session, ref: int | str, *, name: str | None = None, note: str | None = None,
           tags: Mapping[str, str] | None = None, untag: Iterable[str] = ()) -> int:
     """Set a screen's name and note (None leaves each as it is), set `tags` (a key already there
@@ -68,7 +88,7 @@ def label(session: Session, ref: int | str, *, name: str | None = None, note: st
         screen.name = check_name(name)
     if note is not None:
         screen.note = check_note(note)
-    drop = set(untag)
+    drop = check_untag(untag)
     if drop:
         session.execute(delete(SqlScreenTag).where(SqlScreenTag.screen_id == screen.id, SqlScreenTag.key.in_(drop)))
     wanted = check_tags(tags or {})
@@ -119,6 +139,9 @@ def screens(session: Session, *, protocol: str | None = None, status: str | None
     """Screens, newest first, filtered by protocol (name or SHA-256 prefix), status, name (exact),
     every one of `tags`, sweep id, or an id list."""
     check_one_of(status, SCREEN_STATUSES, "screen status")
+    for what, value in (("name", name), ("sweep", sweep_id)):
+        if value is not None and not isinstance(value, str):  # a list reached the driver: "database error"
+            raise InvalidFilter(f"{what}={show(value, 40)}: give a {what} as text, or None for any")
     query = (select(SqlScreen).join(SqlProtocol, SqlProtocol.id == SqlScreen.protocol_id)
              .order_by(SqlScreen.id.desc()))
     if protocol is not None:

@@ -26,7 +26,7 @@ from sqlalchemy.orm import Session
 
 from packbench.core.protocol import DTYPE_NAMES, GATE_NAMES, PHASES
 from packbench.core.record import SORT_NAMES
-from packbench.core.text import one_line
+from packbench.core.text import one_line, show
 from packbench.db.errors import InvalidFilter, NotFound
 from packbench.db.models import (
     EPISODE_STATUSES,
@@ -222,6 +222,8 @@ SORT_KEYS: dict[str, Any] = {
 
 
 def protocol_matches(ref: str) -> ColumnElement[bool]:
+    if not isinstance(ref, str):  # an int or None was an AttributeError (no .lower())
+        raise InvalidFilter(f"protocol {show(ref, 40)}: give a protocol name or SHA-256 prefix as text")
     condition = SqlProtocol.name == ref
     lowered = ref.lower()
     if lowered and all(c in "0123456789abcdef" for c in lowered):

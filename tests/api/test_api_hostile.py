@@ -4,6 +4,7 @@ one PackbenchError naming the argument, stores nothing, never hangs and never ra
 OverflowError or ValueError."""
 
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -132,3 +133,54 @@ def test_run_of_a_screen_that_does_not_exist_starts_no_pool(client, monkeypatch)
     for screen in (HUGE, 99):
         with pytest.raises(PackbenchError, match=f"no screen with id {screen}"):
             client.run(screen=screen)
+
+
+def test_untag_given_one_string_is_refused_and_changes_nothing(client):
+    """untag='team' was read as set('team'): it dropped tags t, e, a and m and kept team."""
+    client.label(1, tags={"team": "infra", "t": "x", "a": "y"})
+    with pytest.raises(PackbenchError, match=r"untag='team': give the tag keys to drop as a list"):
+        client.label(1, name="renamed", untag="team")
+    for untag, fragment in (([None], "tag key None is not text"), (5, "untag=5: give the tag keys")):
+        with pytest.raises(PackbenchError, match=fragment):
+            client.label(1, untag=untag)
+    assert client.store.screen_tags([1])[1] == {"a": "y", "t": "x", "team": "infra"}
+    assert client.screens(screen=1)[0].name is None  # the refused call's name was not kept either
+    client.label(1, untag=("team",))
+    assert client.store.screen_tags([1])[1] == {"a": "y", "t": "x"}
+
+
+@pytest.mark.parametrize("tags, fragment", [
+    (["team=infra"], "tags are a mapping of key to value"), ("team=infra", "tags are a mapping of key to value"),
+    ({"team": None}, "tag team: its value is text or a number, not NoneType; to drop the tag, untag it"),
+    ({"team": ["a"]}, "tag team: its value is text or a number, not list"),
+], ids=["list", "str", "None", "a-list-value"])
+def test_tags_that_are_no_mapping_of_text_are_one_line(client, protocol_file, tags, fragment):
+    """A list or a string was an AttributeError ('no attribute items') from deep in db/labels.py;
+    a value None was stored as the text 'None' and a list as "['a']"."""
+    for call in (lambda: client.label(1, tags=tags), lambda: client.screens(tags=tags),
+                 lambda: client.episodes(tags=tags), lambda: client.submit(protocol_file, tags=tags)):
+        with pytest.raises(PackbenchError, match=re.escape(fragment)):
+            call()
+    assert client.store.screen_tags([1])[1] == {} and [s.id for s in client.screens()] == [1]
+    client.label(1, tags={"run": 3})  # a number is written as text, as before
+    assert client.screens(tags={"run": "3"})[0].id == 1
+
+
+@pytest.mark.parametrize("select, fragment", [
+    ({"protocol": 5}, "protocol 5: give a protocol name or SHA-256 prefix as text"),
+    ({"protocol": ["quickstart"]}, "protocol ['quickstart']: give a protocol name"),
+    ({"name": ["x"]}, "name=['x']: give a name as text"), ({"sweep": 5}, "sweep=5: give a sweep as text"),
+], ids=["protocol-int", "protocol-list", "name-list", "sweep-int"])
+def test_a_filter_that_is_no_text_is_one_line(client, select, fragment):
+    """protocol=5 was an AttributeError ('int' has no 'lower'); name=['x'] reached the driver and
+    was reported as a 'database error' with advice to check the database."""
+    with pytest.raises(PackbenchError, match=re.escape(fragment)):
+        client.screens(**select)
+
+
+def test_history_of_a_protocol_that_is_no_text_is_one_line(client):
+    """history(None) was an AttributeError from the SQL layer."""
+    for protocol in (None, 5):
+        with pytest.raises(PackbenchError, match="give a protocol name or SHA-256 prefix as text"):
+            client.history(protocol)
+
