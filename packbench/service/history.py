@@ -188,6 +188,7 @@ class History:
     def regressions(self, fail_above_pct: float) -> list[str]:
         """One line per timed step slower by more than `fail_above_pct` percent, and per exact
         counter change (any change: exact figures have no noise to hide in)."""
+        check_pct(fail_above_pct)
         out = []
         for s in self.series:
             for st in s.steps:
@@ -285,6 +286,7 @@ def _far(points: list[ScreenFigures], series: list[Series], *, k: float) -> dict
 def compare_regressions(store, ref_a: int | str, ref_b: int | str, fail_above_pct: float) -> list[str]:
     """`compare A B --fail-above PCT`: B's timed figures slower than A's by more than PCT
     percent (per condition, median over scored ok episodes), and any exact counter that differs."""
+    check_pct(fail_above_pct)
     sides = []
     for ref in (ref_a, ref_b):
         row = store.screen(ref)
@@ -303,6 +305,15 @@ def compare_regressions(store, ref_a: int | str, ref_b: int | str, fail_above_pc
             if ea[c][m] != eb[c][m]:
                 out.append(f"{c} {m}: screen {ida} {ea[c][m]}, screen {idb} {eb[c][m]}")
     return out
+
+
+def check_pct(pct: Any) -> None:
+    """A --fail-above percentage is a number >= 0: NaN compares False with everything, so a gate
+    of NaN passed every step (the API reached this without the command line's check)."""
+    from packbench.core.errors import PackbenchError
+
+    if isinstance(pct, bool) or not isinstance(pct, (int, float)) or not pct >= 0:
+        raise PackbenchError(f"fail above {pct!r:.40}: give a percentage >= 0, e.g. 10")
 
 
 def _no_attempt(screen_id: int):

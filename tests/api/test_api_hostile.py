@@ -184,3 +184,16 @@ def test_history_of_a_protocol_that_is_no_text_is_one_line(client):
         with pytest.raises(PackbenchError, match="give a protocol name or SHA-256 prefix as text"):
             client.history(protocol)
 
+
+@pytest.mark.parametrize("pct", [math.nan, -1, "10", None, True], ids=["nan", "-1", "str", "None", "True"])
+def test_regressions_refuse_a_percentage_they_cannot_judge(client, pct):
+    """regressions(nan) compared every step with NaN, found none and returned []: a CI gate that
+    passes whatever happened (the command line refuses nan, the API did not); '10' and None
+    were a TypeError only when a step existed."""
+    history = client.history(client.store.protocol(client.screens(screen=1)[0].protocol_id).name)
+    with pytest.raises(PackbenchError, match="give a percentage >= 0"):
+        history.regressions(pct)
+    from packbench.service.history import compare_regressions
+
+    with pytest.raises(PackbenchError, match="give a percentage >= 0"):
+        compare_regressions(client.store, 1, 1, pct)
