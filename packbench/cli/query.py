@@ -21,12 +21,12 @@ from packbench.cli.common import DB_INT_MAX, DbUrl, Json, finite, open_store, se
 from packbench.cli.summary import print_json, screen_summary, table, verdict_record, verdict_table
 from packbench.core.archive import WORKER_NAME, ArchiveReader, ArchiveTooLarge, worker_parts
 from packbench.core.errors import PackbenchError
+from packbench.core.text import one_line, show
 from packbench.core.protocol import DTYPE_NAMES, GATE_NAMES, PHASES
 from packbench.core.record import SORT_NAMES
 from packbench.core.registry import POLICY_NAMES  # condition names default to their policy's
 from packbench.core.dispersion import noisy_host
 from packbench.core.report import shared_gpu, shared_host
-from packbench.core.text import one_line
 
 FORMATS = ("table", "json", "csv")
 GATE_HELP = ", ".join(GATE_NAMES)
@@ -168,7 +168,7 @@ def _unknown_condition(store, condition: str) -> str | None:
         return None
     near = difflib.get_close_matches(condition, names, n=1, cutoff=0.5)
     hint = f"; did you mean --condition {near[0]}?" if near else ""
-    return (f"no episodes match: no episode has condition {condition!r}{hint} (conditions: "
+    return (f"no episodes match: no episode has condition {show(condition)}{hint} (conditions: "
             f"{', '.join(names) or 'none yet'})")
 
 

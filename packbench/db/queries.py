@@ -80,6 +80,9 @@ def check_one_of(value: str | None, allowed: tuple[str, ...], what: str) -> None
         raise InvalidFilter(f"unknown {what} {value!r}; use one of {', '.join(allowed)}")
 
 
+MAX_SUBSTRING = 4096  # --model and --machine: PATH_MAX
+
+
 @dataclass(frozen=True)
 class ResultFilter:
     """Which episodes `results` returns; every field left None matches everything.
@@ -133,6 +136,12 @@ class ResultFilter:
         check_one_of(self.sort, tuple(SORT_KEYS), "sort column")
         if self.descending and self.sort is None:
             raise InvalidFilter("--desc reverses a --sort column; give --sort too, e.g. --sort energy_j --desc")
+        for option, text in (("--model", self.model), ("--machine", self.machine)):
+            # SQLite refuses a LIKE pattern past 50,000 bytes ("pattern too complex", which read as a
+            # database fault); no path or host name is longer than PATH_MAX.
+            if text is not None and len(text) > MAX_SUBSTRING:
+                raise InvalidFilter(f"{option}: a substring of {len(text)} characters is longer than any path or host "
+                                    f"name ({MAX_SUBSTRING}); give part of one")
         for name in ("min_energy_j", "max_energy_j"):
             bound = getattr(self, name)
             if bound is not None and not (math.isfinite(bound) and bound >= 0):

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from packbench.core.errors import PackbenchError
+from packbench.core.text import show
 
 
 @dataclass(frozen=True)
@@ -60,9 +61,9 @@ def compare_machines(store, protocol: str) -> MachineComparison:
     screens = store.list_screens(protocol=protocol)
     shas = {s.protocol_sha256 for s in screens}
     if not screens:
-        raise PackbenchError(f"no screen of protocol {protocol!r}; list them with `packbench screens list`")
+        raise PackbenchError(f"no screen of protocol {show(protocol)}; list them with `packbench screens list`")
     if len(shas) > 1:
-        raise PackbenchError(f"--protocol {protocol!r} matches {len(shas)} frozen protocols "
+        raise PackbenchError(f"--protocol {show(protocol)} matches {len(shas)} frozen protocols "
                              f"({', '.join(sorted(s[:12] for s in shas))}); give a longer SHA-256 prefix")
     columns, verdicts, skipped = [], [], []
     for s in sorted(screens, key=lambda s: s.id):

@@ -38,6 +38,8 @@ from dataclasses import dataclass, field
 from statistics import median, stdev
 from typing import Any
 
+from packbench.core.text import show
+
 K = 4.0  # spreads beyond the baseline median
 MIN_BEFORE = 5  # runs a baseline needs
 WINDOW = 10  # newest runs a baseline keeps
@@ -230,11 +232,12 @@ def history(store, protocol: str, *, condition: str | None = None, metric: str |
     from packbench.core.errors import PackbenchError
 
     if metric is not None and metric not in METRICS:
-        raise PackbenchError(f"--metric {metric!r} is not one of {', '.join(METRICS)}")
+        raise PackbenchError(f"--metric {show(metric)} is not one of {', '.join(METRICS)}")
     runs = order(store.history_runs(protocol))
     if not runs:
-        raise PackbenchError(f"no done screen of protocol {protocol!r}; list them with `packbench screens list "
-                             f"--protocol {protocol}`")
+        shown = f" --protocol {protocol}" if len(protocol) <= 200 else ""  # no name or SHA-256 is longer
+        raise PackbenchError(f"no done screen of protocol {show(protocol)}; list them with `packbench screens list"
+                             f"{shown}`")
     metrics = (metric,) if metric else METRICS
     points = []
     for r in runs:
@@ -243,7 +246,7 @@ def history(store, protocol: str, *, condition: str | None = None, metric: str |
     conditions = sorted({c for p in points for c in p.timed})
     if condition is not None:
         if condition not in conditions:
-            raise PackbenchError(f"--condition {condition!r}: the protocol's conditions are {', '.join(conditions)}")
+            raise PackbenchError(f"--condition {show(condition)}: the protocol's conditions are {', '.join(conditions)}")
         conditions = [condition]
     series = [_series(points, c, m, k=k) for c in conditions for m in metrics]
     return History(protocol=runs[0].protocol, points=points, series=series, far=_far(points, series, k=k))

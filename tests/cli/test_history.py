@@ -171,3 +171,24 @@ def test_the_history_page_has_one_plot_per_figure_and_renders(url, tmp_path, cli
     assert ">4<" in rows[:rows.index("</figure>")] and "1e6" not in text  # whole counts, no offset
     for p in check.plots:
         assert p["width"] > 500 and p["height"] > 150 and p["drawn"] > 20, p
+
+
+LONG = "x" * 100_000  # about the most one command-line argument holds (Linux: 128 KiB)
+
+
+@pytest.mark.parametrize("args", [
+    ["history", LONG], ["history", "quickstart-v1", "--condition", LONG],
+    ["history", "quickstart-v1", "--metric", LONG], ["compare", "--protocol", LONG],
+    ["results", "--condition", LONG], ["results", "--model", LONG], ["results", "--machine", LONG],
+    ["screens", "list", "--tag", f"{LONG}=v"],
+], ids=["history", "history-condition", "history-metric", "compare-protocol", "results-condition",
+        "results-model", "results-machine", "tag-key"])
+def test_a_long_argument_is_named_in_a_short_line(url, cli, args):
+    """Each line quoted the argument whole: 100 KB of error (history's twice: 200 KB), and
+    results --model/--machine reached SQLite's LIKE limit and said 'database error ... check the
+    database'. The argument is shown cut to 60 characters; nothing else is lost."""
+    out = cli(*args, url=url)
+    assert out.returncode in (0, 2), out.stderr[-300:]
+    text = (out.stderr or out.stdout).strip()
+    assert len(text.splitlines()) == 1 and len(text) < 400, text[:300]
+    assert "database error" not in text and "x" * 60 not in text and "..." in text or "substring of 100000" in text
