@@ -9,6 +9,7 @@ import typer
 
 from packbench.cli.common import DbUrl, Json, open_store
 from packbench.core.errors import PackbenchError
+from packbench.core.text import one_line
 
 Tags = Annotated[Optional[list[str]], typer.Option(
     "--tag", help="KEY=VALUE, repeatable: screens carrying every one (VALUE * matches any value of KEY).")]
@@ -58,7 +59,9 @@ def screens_tag(
                               sort_keys=True))
         return
     shown = ", ".join(f"{k}={v}" for k, v in held.items()) or "none"
-    typer.echo(f"screen {screen_id}: name {row.name or '-'}; tags {shown}" + (f"; note {row.note!r}" if row.note else ""))
+    # one_line: a right-to-left override in a name or tag would reorder the terminal's line
+    typer.echo(one_line(f"screen {screen_id}: name {row.name or '-'}; tags {shown}")
+               + (f"; note {row.note!r}" if row.note else ""))
 
 
 def label_columns(store, records: list[dict]) -> list[str]:

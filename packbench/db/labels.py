@@ -23,6 +23,8 @@ from packbench.db.records import ScreenRow
 TAG_KEY = re.compile(r"[A-Za-z0-9_.:-]{1,100}")
 MAX_NAME, MAX_VALUE = 200, 200
 MAX_NOTE = 10_000  # a paragraph or two; `screens tag` echoes it, the report and --json carry it
+# What str.splitlines breaks at: a name with a carriage return or U+2028 is no more one line than with \n.
+LINE_BREAKS = frozenset("\n\r\v\f\x1c\x1d\x1e\x85\u2028\u2029")
 
 
 def check_tags(tags: Mapping[str, str]) -> dict[str, str]:
@@ -34,12 +36,14 @@ def check_tags(tags: Mapping[str, str]) -> dict[str, str]:
     out: dict[str, str] = {}
     for key, value in tags.items():
         if not isinstance(key, str) or not TAG_KEY.fullmatch(key):
-            raise InvalidFilter(f"tag key {show(key)} must be 1-100 letters, digits or _.:-; write e.g. --tag team=infra")
+            raise InvalidFilter(f"tag key {show(key)} must be 1-100 letters, digits or _.:-; write e.g. "
+                                f"--tag team=infra")
         if not isinstance(value, (str, int, float)):
             raise InvalidFilter(f"tag {key}: its value is text or a number, not {type(value).__name__}"
                                 + ("; to drop the tag, untag it" if value is None else ""))
         value = str(value)
-        if len(value) > MAX_VALUE or "\n" in value or "\x00" in value:  # NUL: PostgreSQL refuses it, so both do
+        # NUL: PostgreSQL refuses it, so both do
+        if len(value) > MAX_VALUE or not LINE_BREAKS.isdisjoint(value) or "\x00" in value:
             raise InvalidFilter(f"tag {key}: its value must be one line of at most {MAX_VALUE} characters, "
                                 f"without NUL")
         out[key] = value
@@ -47,7 +51,7 @@ def check_tags(tags: Mapping[str, str]) -> dict[str, str]:
 
 
 def check_name(name: str | None) -> str | None:
-    if name is not None and not (isinstance(name, str) and 0 < len(name) <= MAX_NAME and "\n" not in name
+    if name is not None and not (isinstance(name, str) and 0 < len(name) <= MAX_NAME and LINE_BREAKS.isdisjoint(name)
                                  and "\x00" not in name):
         raise InvalidFilter(f"screen name {str(name)[:40]!r} must be one line of 1-{MAX_NAME} characters, without NUL")
     return name

@@ -74,7 +74,17 @@ def test_submit_labels_what_it_queues(tmp_path, tiny):
     (("screens", "tag", "1"), "nothing to label"),
     (("screens", "tag", "9", "--tag", "a=b"), "no screen with id 9"),
     (("screens", "list", "--tag", "a=b", "--tag", "a=c"), "--tag a is given twice"),
+    (("screens", "tag", "1", "--name", "a\rb"), "must be one line"),
+    (("screens", "tag", "1", "--name", "a\u2028b"), "must be one line"),
+    (("screens", "tag", "1", "--tag", "k=v\rw"), "its value must be one line"),
 ])
 def test_bad_labels_are_one_line(url, args, words, packbench_cli):
     r = packbench_cli(*args, "--db", url)
     assert r.returncode == 2 and words in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def test_screens_tag_echoes_a_name_as_one_line(url):
+    """A carriage return or a right-to-left override in a name was echoed raw by `screens tag`: the
+    terminal overwrote or reordered the line (the listings escape them; the echo did not)."""
+    out = run("screens", "tag", "1", "--name", "evil\u202e<x>", "--tag", "k=v\u202e", "--db", url)
+    assert out == "screen 1: name evil\\u202e<x>; tags k=v\\u202e\n"
