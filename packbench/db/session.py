@@ -79,6 +79,9 @@ def make_engine(url: str | None = None) -> Engine:
 
 
 def _parse(text: str) -> URL:
+    if not isinstance(text, (str, URL)) or "\x00" in str(text):  # an int was a TypeError, a NUL the driver's ValueError
+        raise DatabaseError(f"database URL {_redact(str(text))[:60]!r}: a URL is text without NUL; set {ENV_VAR}: "
+                            f"{_URL_HINT}")
     try:
         parsed = make_url(text)
     except (ArgumentError, ValueError) as exc:  # ValueError: a port that is no number (`h:abc`, `[::1`)
@@ -122,8 +125,12 @@ def _read_only_sqlite(parsed: URL) -> str | None:
     if parsed.database in (None, "", ":memory:") or parsed.query:
         return None
     path = Path(parsed.database)
-    if not path.is_file() or (os.access(path, os.W_OK) and os.access(path.parent or Path("."), os.W_OK)):
-        return None
+    try:
+        if not path.is_file() or (os.access(path, os.W_OK) and os.access(path.parent or Path("."), os.W_OK)):
+            return None
+    except OSError as exc:  # a name longer than the file system allows (ENAMETOOLONG)
+        raise DatabaseError(f"cannot use sqlite database {str(path)[:60]}... ({exc.strerror}); set {ENV_VAR} to a "
+                            f"shorter path") from exc
     wal = path.with_name(path.name + "-wal")
     flags = "mode=ro" if wal.exists() else "mode=ro&immutable=1"
     return f"{path.absolute().as_uri()}?{flags}"

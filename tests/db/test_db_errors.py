@@ -101,3 +101,17 @@ def test_sqlite_connections_are_configured(tmp_path):
             assert pragma("busy_timeout") == 30000
     finally:
         engine.dispose()
+
+
+@pytest.mark.parametrize("url", ["sqlite:////tmp/a\x00b.db", 5, b"sqlite:///x.db"], ids=["nul", "int", "bytes"])
+def test_a_url_that_is_no_text_or_holds_nul_is_one_line(url):
+    """packbench.connect('sqlite:///a\\x00b.db') was the driver's ValueError ('embedded null byte')
+    from deep inside SQLAlchemy; connect(5) a TypeError from its URL pattern."""
+    message = error_of(lambda: Store(url))
+    assert "a URL is text without NUL" in message and ENV_VAR in message
+
+
+def test_a_sqlite_file_name_longer_than_the_file_system_allows_is_one_line(tmp_path):
+    """Was an OSError ('File name too long') from the read-only probe, through packbench.connect."""
+    message = error_of(lambda: Store(f"sqlite:///{tmp_path / ('y' * 300 + '.db')}"))
+    assert "File name too long" in message and "shorter path" in message and len(message) < 200
