@@ -224,7 +224,8 @@ def _metric_figure(h, metric: str) -> str | None:
             ax.axvline(x - 0.5, color="#7f7f7f", linestyle="--", linewidth=0.8)
         prev = p.commit
     every = -(-len(xs) // MAX_TICK_LABELS)  # 50 screens' two-line labels ran into each other
-    ax.set_xticks(xs[::every], [f"{p.screen_id}\n{p.commit[:7] or '?'}" for p in h.points][::every], fontsize=7)
+    ax.set_xticks(xs[::every], [figs.plain(f"{p.screen_id}\n{p.commit[:7] or '?'}") for p in h.points][::every],
+                  fontsize=7)
     ax.set_xlabel("screen, commit")
     ax.set_ylabel(PLOT_UNITS.get(metric, metric))
     if metric not in hist.TIMED:  # whole counts: no 3.95 rows, and no "1e6" offset above the axis

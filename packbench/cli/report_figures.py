@@ -27,11 +27,15 @@ MB = 1e6
 # tab10, colour-blind-safe enough for up to ten conditions).
 PALETTE = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f",
            "#bcbd22", "#17becf")
-# text.parse_math off: labels carry what users typed (a swept value `a$\foo$`), which mathtext
-# would parse and refuse mid-drawing; no figure here writes mathematics.
 RC = {"svg.fonttype": "none", "font.size": 10, "axes.titlesize": 11, "axes.spines.top": False,
       "axes.spines.right": False, "axes.grid": True, "grid.alpha": 0.3, "legend.fontsize": 9,
-      "legend.frameon": False, "font.family": "DejaVu Sans", "text.parse_math": False}
+      "legend.frameon": False, "font.family": "DejaVu Sans"}
+
+
+def plain(text: str) -> str:
+    """`text` drawn as written: matplotlib reads a pair of `$` as mathematics (a swept value
+    `a$\\foo$` raised mid-drawing). Its own log ticks are mathematics, so parsing stays on."""
+    return text.replace("$", r"\$")
 
 
 def style():

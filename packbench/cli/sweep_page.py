@@ -22,8 +22,8 @@ def axis(points: list) -> tuple[list[float], list[str], str]:
     numeric = values and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values)
     if numeric:
         return [float(v) for v in values], [str(v) for v in values], fields[0]
-    labels = ["\n".join(f"{k}={v}" for k, v in p.values.items()) for p in points]
-    return [float(i) for i in range(len(points))], labels, ", ".join(fields) or "point"
+    labels = [figs.plain("\n".join(f"{k}={v}" for k, v in p.values.items())) for p in points]
+    return [float(i) for i in range(len(points))], labels, figs.plain(", ".join(fields)) or "point"
 
 
 def figure(points: list, key: str) -> str | None:

@@ -2,6 +2,8 @@
 swept value. It is shown as text, never read as markup, and never stops the page being drawn."""
 
 import dataclasses
+import re
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -40,4 +42,32 @@ def test_a_swept_value_with_dollar_signs_is_drawn_as_written():
                                           "passed": True}])
 
     page = sweep_page("sw-1", [point(1, "a$\\foo$b"), point(2, "$^$")])
-    assert "name=a$\\foo$b" in page and page.count('data-plot="') == 3
+    assert page.count('data-plot="') == 3
+    drawn = re.findall(r"<text[^>]*>([^<]*)</text>", page)
+    assert "name=a$\\foo$b" in drawn and "name=$^$" in drawn  # the tick labels, as typed
+
+
+def test_a_commit_with_dollar_signs_is_drawn_in_the_history_page(tmp_path):
+    """An archive from elsewhere records whatever commit its worker wrote: `$\\foo$` in a history
+    tick label raised the same ParseFatalException (`history --html`, exit 70)."""
+    from packbench.cli.history import history_page
+    from packbench.db.store import Store
+    from packbench.service.history import history
+    sys.path.insert(0, str(DATA.parent / "api"))  # the archive-to-screen helper the API tests use
+    from screens import QUICKSTART, ingest_archive
+
+    with Store(f"sqlite:///{tmp_path / 'p.db'}") as store:
+        store.upgrade()
+        ingest_archive(store, QUICKSTART, commit="$\\foo$" + "a" * 34)
+        page = history_page(history(store, "quickstart-v1"))
+    assert "1\n$\\foo$a" in "\n".join(re.findall(r"<text[^>]*>([^<]*)</text>", page))
+
+
+def test_log_axis_ticks_are_still_drawn_as_powers_of_ten():
+    """Turning mathtext off for the whole report (a first fix of the `$` labels) wrote the union
+    plot's log ticks as the literal text `$\\mathdefault{10^{0}}$`."""
+    from packbench.cli.report_page import screen_page
+
+    page = screen_page(data.read_screen(DATA / "gates-v2.zip"), audit=AuditStatus())
+    drawn = re.findall(r"<text[^>]*>([^<]*)</text>", page)
+    assert drawn and not any("mathdefault" in t for t in drawn)
