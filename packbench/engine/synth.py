@@ -17,6 +17,7 @@ exact zeros after ReLU, equal `sparsity` (0.94 gives about -1.555 * std * sqrt(h
 """
 
 import contextlib
+import functools
 import json
 import math
 import os
@@ -152,6 +153,23 @@ def synth_checkpoint(
                                           "hot_fraction": hot_fraction, "hot_bias": hot_bias})
 
 
+def one_thread(draw: Callable) -> Callable:
+    """Run `draw` on one intra-op thread, then give the caller back its own count. A matrix
+    product splits its sums among the threads, so its last bits depend on how many there are: a
+    seed's checkpoint drawn on a node of 2 threads and on one of 4 differed in bytes, and so in
+    the digest a re-execution audit compares. Drawing is random numbers (one stream, drawn in
+    order) and a few products per layer, so one thread costs little."""
+    @functools.wraps(draw)
+    def drawn(*args, **kwargs):
+        before = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            return draw(*args, **kwargs)
+        finally:
+            torch.set_num_threads(before)
+    return drawn
+
+
 @contextlib.contextmanager
 def os_errors() -> Iterator[None]:
     """safetensors reports a write the file system refused (a full disk, a read-only mount) as its
@@ -240,6 +258,7 @@ def _basis(gen: torch.Generator, hidden: int, dims: int) -> torch.Tensor:
     return q.float()
 
 
+@one_thread
 def profile_tensors(shape: str, *, seed: int, profile: str, dtype: torch.dtype = torch.float32,
                     progress: Callable[[int, int], None] | None = None) -> dict[str, torch.Tensor]:
     """The state dict of a calibrated profile (core/registry.py PROFILES; docs/workloads.md).

@@ -32,6 +32,39 @@ def test_deterministic_for_a_seed(tmp_path):
     assert digest(a) == digest(b) != digest(c)
 
 
+def test_a_seed_draws_the_same_bytes_whatever_the_thread_count(tmp_path):
+    # Catches drawing with the caller's thread count: a matrix product's sums are split among the
+    # threads, and profile `opt`'s tiny checkpoint drawn with 2 threads differed in its last bits
+    # from the one drawn with 1 or 4, so two nodes of one cluster made different checkpoints of one
+    # spec (and a re-execution audit named a different model digest). The caller's count is kept.
+    from packbench.engine.moe.synth import synth_moe
+
+    before = torch.get_num_threads()
+    digests = set()
+    try:
+        for n in (1, 2, 4):
+            torch.set_num_threads(n)
+            digests.add(digest(synth_checkpoint(tmp_path / f"t{n}", shape="tiny", dtype="float32", seed=0,
+                                                profile="opt")))
+            assert torch.get_num_threads() == n
+        assert len(digests) == 1
+        # The MoE drawing too (its tiny shapes' products are too small to show it in their bytes).
+        seen = []
+        real_randn = torch.randn
+
+        def randn(*args, **kwargs):
+            seen.append(torch.get_num_threads())
+            return real_randn(*args, **kwargs)
+
+        torch.set_num_threads(2)
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(torch, "randn", randn)
+            synth_moe(tmp_path / "moe", shape="mixtral-tiny", seed=0, layers=1)
+        assert seen and set(seen) == {1} and torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_real_opt_shapes_in_config(tmp_path):
     path = synth_checkpoint(tmp_path / "m", shape="opt-125m", dtype="bfloat16", sparsity=0.94, seed=0)
     config = read_config(path)

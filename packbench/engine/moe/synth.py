@@ -33,7 +33,7 @@ import torch
 
 from packbench.core.moe import MAX_POSITIONS, MOE_SHAPES, ROUTING_OF
 from packbench.engine.moe.model import model_class
-from packbench.engine.synth import os_errors
+from packbench.engine.synth import one_thread, os_errors
 
 INIT_STD = 0.02
 
@@ -111,6 +111,7 @@ def _window_query(angles: torch.Tensor, window: float, head_dim: int) -> torch.T
     return q / q.norm()
 
 
+@one_thread
 def synth_moe(out: Path, *, shape: str, seed: int = 0, dtype: str = "float32", layers: int | None = None,
               profile: str | None = None, device: str = "cpu", recipe: RoutingProfile | None = None) -> Path:
     """Write a synthetic MoE checkpoint of `shape` to `out` (config.json + safetensors, as
