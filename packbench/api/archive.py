@@ -84,6 +84,7 @@ class Archive:
 
 
 def read_archive(path: str | Path) -> Archive:
-    """Read the archive at `path` (no database). An archive with no readable protocol raises
-    `core.errors.ArchiveError`; anything less lands in `Archive.problems`."""
+    """Read the archive at `path` (no database). An archive with no readable protocol, or with
+    verdicts not of the archive format, raises `core.errors.ArchiveError`; anything less lands in
+    `Archive.problems`."""
     return Archive(read_screen(Path(path)))

@@ -16,6 +16,7 @@ import statistics
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -107,9 +108,24 @@ class ScreenData:
                 and (e.ok or not ok_only)]
 
 
+def _verdicts(path: Path, value: Any) -> list[dict]:
+    """verdicts.json as every page reads it: a list of objects, each with a text gate and
+    condition. A consistent forgery (manifest recomputed) may hold anything there: ArchiveError,
+    rather than a page that draws a verdict of condition None."""
+    bad = (f"{type(value).__name__}, not a list of verdicts" if not isinstance(value, list) else
+           next((f"verdict {n} without a text gate and condition" for n, v in enumerate(value)
+                 if not (isinstance(v, dict) and isinstance(v.get("gate"), str)
+                         and isinstance(v.get("condition"), str))), None))
+    if bad is not None:
+        raise ArchiveError(f"{path}: verdicts.json holds {bad}, which is not of the archive format; run "
+                           f"`packbench audit archive {path}` to see what else differs")
+    return value
+
+
 def read_screen(path: Path | str, *, max_member_bytes: int = 1 << 30) -> ScreenData:
     """Read an archive into a ScreenData. Raises ArchiveError when it has no readable frozen
-    protocol (nothing can be reported); anything less is kept in `problems` and shown."""
+    protocol (nothing can be reported) or verdicts not of the archive format; anything less is
+    kept in `problems` and shown."""
     path = Path(path)
     with ArchiveReader(path, max_member_bytes=max_member_bytes) as r:
         problems = tuple(str(p) for p in r.verify())
@@ -120,7 +136,7 @@ def read_screen(path: Path | str, *, max_member_bytes: int = 1 << 30) -> ScreenD
             raise ArchiveError(f"cannot report on {path}: no usable protocol.json ({e})") from None
         manifest = r.manifest or {}
         worker = r.read_json(WORKER_NAME) if WORKER_NAME in names else {}
-        verdicts = r.read_json(VERDICTS_NAME) if VERDICTS_NAME in names else []
+        verdicts = _verdicts(path, r.read_json(VERDICTS_NAME)) if VERDICTS_NAME in names else []
         entries = plan(protocol)
         records = [r.read_json(episode_member(e["index"])) for e in entries if episode_member(e["index"]) in names]
         episodes = []
