@@ -310,6 +310,11 @@ def submit(
         raise PackbenchError(f"--address {address} joins a cluster to run the screen, and without --wait submit only "
                              f"queues it (nothing was queued); add --wait, or drop --address and run `packbench "
                              f"dispatch --address {address}`")
+    if not wait and getattr(ctx.get_parameter_source("archive_dir"), "name", None) == "COMMANDLINE":
+        raise PackbenchError(f"--archive-dir {archive_dir} says where --wait writes the screen's archive, and without "
+                             f"--wait submit only queues it (nothing was queued): the dispatcher that runs it writes "
+                             f"under its own; add --wait, or drop --archive-dir and run `packbench dispatch "
+                             f"--archive-dir {archive_dir}`")
     if wait:
         output_dir(settings.archive_dir, "--archive-dir")  # before a screen is queued
         if settings.signing_key is not None:  # an unreadable key fails here, not after queuing the screen

@@ -270,6 +270,18 @@ def test_address_without_wait_is_refused_and_queues_nothing(tmp_path, db, tiny, 
     assert pb(capsys, "submit", str(p)).code == 0 and len(queued(db)) == 1
 
 
+def test_archive_dir_without_wait_is_refused_and_queues_nothing(tmp_path, db, tiny, capsys, monkeypatch):
+    # Catches a submit that queued the screen and dropped --archive-dir: the dispatcher wrote the
+    # archive under its own folder, and the user looked for it where they had asked.
+    p = write(tmp_path / "p.yaml", yaml.safe_dump(quickstart(tiny)))
+    r = pb(capsys, "submit", str(p), "--archive-dir", str(tmp_path / "mine"))
+    one_line_error(r, "--archive-dir", "without --wait", "add --wait", "packbench dispatch --archive-dir")
+    assert queued(db) == [] and not (tmp_path / "mine").exists()
+    # PACKBENCH_ARCHIVE_DIR is every command's setting, not something this submit was told.
+    monkeypatch.setenv("PACKBENCH_ARCHIVE_DIR", str(tmp_path / "env"))
+    assert pb(capsys, "submit", str(p)).code == 0 and len(queued(db)) == 1
+
+
 # ----------------------------------------------------------------------------- attempts
 
 
