@@ -4,9 +4,10 @@ divided by --shrink and its down_proj scaled by sqrt(shrink), so an expert's out
 real shape's variance (what the next routers see) at a fraction of the bytes. Routing depends on
 the experts only through their outputs; the proxy is named `<shape>-proxy` in the output.
 
-Usage:  python -m bench.moe_routing_proxy --shape mixtral-8x7b --layers 10 --shrink 32 [--count 2 --prefix 256]
+Usage:  python -m bench.moe_routing_proxy --shape mixtral-8x7b --layers 10 --shrink 32 [--count 2 --prefix 256] [--keep DIR]
 Prints core/routing.py check() beside the published figures, and per layer the skew, the
 cross-layer lift (chance-corrected and raw) and the temporal lift. --shrink 1 is the real shape.
+--keep DIR leaves the proxy checkpoint there (a new folder), for `packbench model stats DIR --trace`.
 """
 
 import argparse
@@ -62,13 +63,16 @@ def main() -> None:
     ap.add_argument("--count", type=int, default=2)
     ap.add_argument("--prefix", type=int, default=256)
     ap.add_argument("--json", type=Path, default=None, help="Also write the summary here.")
+    ap.add_argument("--keep", type=Path, default=None, help="Write the proxy checkpoint here (a new folder) and keep it.")
     a = ap.parse_args()
     from packbench.core.routing import check, summarise
     from packbench.engine.moe.stats import routing_traces
 
     torch.set_num_threads(min(4, torch.get_num_threads()))
+    if a.keep is not None and a.keep.exists():
+        ap.error(f"--keep {a.keep} exists; name a new folder")
     with tempfile.TemporaryDirectory() as tmp:
-        d = proxy_checkpoint(Path(tmp) / "m", shape=a.shape, layers=a.layers, shrink=a.shrink, seed=a.seed,
+        d = proxy_checkpoint(a.keep or Path(tmp) / "m", shape=a.shape, layers=a.layers, shrink=a.shrink, seed=a.seed,
                              profile=a.profile)
         config = json.loads((d / "config.json").read_text())
         rng = np.random.Generator(np.random.PCG64(a.seed))
