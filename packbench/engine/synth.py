@@ -155,9 +155,10 @@ def synth_checkpoint(
 
 def one_thread(draw: Callable) -> Callable:
     """Run `draw` on one intra-op thread, then give the caller back its own count. A matrix
-    product splits its sums among the threads, so its last bits depend on how many there are: a
-    seed's checkpoint drawn on a node of 2 threads and on one of 4 differed in bytes, and so in
-    the digest a re-execution audit compares. Drawing is random numbers (one stream, drawn in
+    product splits its sums among its threads, so its last bits depend on how many there are and,
+    on a busy machine, on how many actually took part: a seed's checkpoint drawn with 2 threads
+    beside other work differed in bytes from the one drawn with 1 or 4, and so in the digest a
+    re-execution audit compares. Drawing is random numbers (one stream, drawn in
     order) and a few products per layer, so one thread costs little."""
     @functools.wraps(draw)
     def drawn(*args, **kwargs):

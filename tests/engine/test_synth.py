@@ -179,11 +179,35 @@ def test_outlier_features_meet_the_linear_layers_and_leave_the_activations_alone
 # ----------------------------------------------------------------------------- robustness (profile opt2)
 
 
+def _pinned_fingerprints():
+    import importlib.util
+    from pathlib import Path
+
+    here = Path(__file__).resolve().parents[1] / "data" / "synth_fingerprints.py"
+    spec = importlib.util.spec_from_file_location("synth_fingerprints", here)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def assert_draws_its_pinned_weights(tmp_path, case: str):
+    """A fresh draw of `case` matches tests/data/synth_fingerprints.json within 1e-4 of each
+    tensor's standard deviation (its README: exact bytes follow the CPU in a product's last bit)."""
+    import json
+
+    fp = _pinned_fingerprints()
+    pinned = json.loads(fp.FILE.read_text())[case]
+    drawn = fp.fingerprint(fp.draw(case, tmp_path))
+    assert sorted(drawn) == sorted(pinned)
+    for name, values in drawn.items():
+        tol = 1e-4 * max(pinned[name][1], 1e-12)
+        assert values == pytest.approx(pinned[name], rel=0, abs=tol), name
+
+
 def test_the_opt_profile_draws_the_weights_it_always_drew(tmp_path):
-    """opt2 is a new name beside opt: opt's weights, which frozen protocols name, stay byte for byte
+    """opt2 is a new name beside opt: opt's weights, which frozen protocols name, stay as they were
     (a change in the shared draw code that moved them would show here)."""
-    path = synth_checkpoint(tmp_path / "t", shape="tiny", dtype="float32", seed=0, profile="opt")
-    assert digest(path) == "73238767d175ada2f3bcb439a622d34b85962068d88f1dd4e629a4212c5d4818"
+    assert_draws_its_pinned_weights(tmp_path, "tiny/opt/seed0")
 
 
 def test_opt2_is_deterministic_and_lives_in_a_low_rank_stream(tmp_path):
@@ -249,10 +273,9 @@ def test_opt2_on_the_tiny_shape_is_far_less_fragile_than_opt(tmp_path):
 
 
 def test_opt2_draws_the_weights_it_drew_before_salient_channels_existed(tmp_path):
-    """Frozen schema-8 protocols name opt2: its weights stay byte for byte (digest taken before opt3
-    existed) though every layer is now drawn in float32 and cast once, after the salient step."""
-    path = synth_checkpoint(tmp_path / "t", shape="tiny", dtype="float32", seed=0, profile="opt2")
-    assert digest(path) == "026c7338b433c79be6f618adad63563673cab6c1b9e07421433194c41710ab02"
+    """Frozen schema-8 protocols name opt2: its weights stay as they were before opt3 existed, though
+    every layer is now drawn in float32 and cast once, after the salient step."""
+    assert_draws_its_pinned_weights(tmp_path, "tiny/opt2/seed0")
 
 
 def with_and_without_salient(monkeypatch, shape: str, dtype: torch.dtype):
@@ -315,10 +338,9 @@ def test_opt3_scales_one_percent_of_each_linears_input_columns_by_four(monkeypat
 
 
 def test_opt3_is_deterministic_for_a_seed(tmp_path):
-    """The same seed, the same bytes; and opt3's tiny weights pinned as published (the digest of the
-    commit that made opt3 the default), so a later change that moved them shows here."""
-    pinned = synth_checkpoint(tmp_path / "p", shape="tiny", dtype="float32", seed=0, profile="opt3")
-    assert digest(pinned) == "224f10afc89ec1803571e8e4cfb3abd30e92782ceb5604804af76794536dc35a"
+    """The same seed, the same bytes; and opt3's tiny weights pinned as published, so a later change
+    that moved them shows here."""
+    assert_draws_its_pinned_weights(tmp_path, "tiny/opt3/seed0")
     a = synth_checkpoint(tmp_path / "a", shape="tiny", dtype="float16", seed=3, profile="opt3")
     b = synth_checkpoint(tmp_path / "b", shape="tiny", dtype="float16", seed=3, profile="opt3")
     c = synth_checkpoint(tmp_path / "c", shape="tiny", dtype="float16", seed=4, profile="opt3")
