@@ -313,15 +313,17 @@ def parse_policy(text: str, unit: str) -> tuple[str, dict]:
         if not eq or key not in allowed:
             raise SimulateError(f"policy {name}: parameter {item!r} is not one of "
                                 f"{', '.join(allowed) or 'none'} (write {name}:key=value)")
+        if key in params:  # the row is labelled with the text as written: which of two values ran is not said
+            raise SimulateError(f"policy {name}: {key} is given twice; give it once")
         if key in _PARAM_VALUES:
             if value not in _PARAM_VALUES[key]:
                 raise SimulateError(f"policy {name}: {key} must be one of {', '.join(_PARAM_VALUES[key])}")
             params[key] = value
         else:
-            try:
-                params[key] = int(value)
-            except ValueError:
-                raise SimulateError(f"policy {name}: {key} must be an integer, got {value!r}") from None
+            # ASCII digits only: int() also takes '٤', ' 4' and '1_0', which the row's label would show as written
+            if not (value.isascii() and value.removeprefix("-").isdigit()):
+                raise SimulateError(f"policy {name}: {key} must be an integer, got {value!r}")
+            params[key] = int(value)
     return name, params
 
 

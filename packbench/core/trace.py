@@ -26,9 +26,11 @@ Layer rule: core. numpy only.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
+import secrets
 import stat
 import zipfile
 import zlib
@@ -349,10 +351,19 @@ def trace_bytes(trace: Trace) -> bytes:
 
 
 def write_trace(trace: Trace, path: Path | str) -> Path:
+    """Writes the trace to a temporary file beside `path` and renames it into place: a write that
+    fails part-way (a full disk) or is interrupted leaves nothing at `path`."""
     path = Path(path)
     data = trace_bytes(trace)
+    tmp = path.parent / f".trace-{secrets.token_hex(8)}.partial"  # a short name: `path`'s may be at the limit
     try:
-        path.write_bytes(data)
-    except OSError as e:
-        raise TraceError(f"{path}: cannot write the trace ({e.strerror}); choose another path") from None
+        with open(tmp, "xb") as f:  # the mode umask gives, as a plain write would
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException as e:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        if isinstance(e, OSError):
+            raise TraceError(f"{path}: cannot write the trace ({e.strerror}); choose another path") from None
+        raise
     return path

@@ -43,6 +43,29 @@ def test_a_trace_round_trips_every_field(tmp_path):
     assert back.episodes() == [[0, 1], [2]]
 
 
+def test_a_write_that_fails_part_way_leaves_no_file(tmp_path):
+    """A trace cut short by a full disk was left at its path (model stats --trace then refused every
+    retry: the path exists) and a half-written file is no trace. Here the file size limit
+    (RLIMIT_FSIZE, SIGXFSZ ignored) makes the write fail part-way, as a full disk would."""
+    import resource
+    import signal
+
+    t = opt_trace([[list(range(16)), list(range(0, 16, 3))]] * 200)
+    out = tmp_path / "t.trace"
+    limit = len(trace_bytes(t)) // 2
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    try:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, hard))
+        with pytest.raises(TraceError, match="cannot write the trace"):
+            write_trace(t, out)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        signal.signal(signal.SIGXFSZ, handler)
+    assert os.listdir(tmp_path) == []
+    assert read_trace(write_trace(t, out)).calls == t.calls  # a retry then writes it whole
+
+
 def _zip(members: dict) -> bytes:
     buf = io.BytesIO()
     with zipfile.ZipFile(buf, "w") as zf:
@@ -366,6 +389,20 @@ def test_policy_specs_are_checked():
                 sim.parse_policy(bad, "row")
     with pytest.raises(sim.SimulateError, match="rows_per_layer"):
         sim.ledger(opt_trace(SETS), "row-retention", {})
+
+
+def test_a_parameter_given_twice_or_in_other_digits_is_refused():
+    """`expert-cache:capacity=4,rule=lru,rule=lfu` replayed LFU under a label naming both rules, and
+    `capacity=4,capacity=5` capacity 5; `capacity=٤` (an Arabic-Indic four) ran capacity 4 under a
+    label no table of capacities sorts or matches: each is refused in one line."""
+    for bad, words in (("expert-cache:capacity=4,rule=lru,rule=lfu", "rule is given twice"),
+                       ("expert-cache:capacity=4,capacity=5", "capacity is given twice"),
+                       ("expert-cache:capacity=\u0664", "must be an integer"),
+                       ("expert-cache:capacity=1_0", "must be an integer"),
+                       ("expert-cache:capacity= 4", "must be an integer")):
+        with pytest.raises(sim.SimulateError, match=words):
+            sim.parse_policy(bad, "expert")
+    assert sim.parse_policy("expert-cache:capacity=-1", "expert")[1] == {"capacity": -1}  # the range is the CLI's
 
 
 MACHINE = {"name": "m", "pinned_h2d_gbps": {"value": 50.0, "source": "s"},
