@@ -58,7 +58,7 @@ def figure(points: list, key: str) -> str | None:
 
 def _range_bars(ax, figures: list[dict], xs: list[float], key: str, colour: str) -> None:
     """Each point's min-max over its episodes, where the figure has one (decode ms per token)."""
-    spans = [(x, f[key], f.get(f"{key}_min"), f.get(f"{key}_max")) for x, f in zip(xs, figures)]
+    spans = [(x, f.get(key), f.get(f"{key}_min"), f.get(f"{key}_max")) for x, f in zip(xs, figures)]
     spans = [s for s in spans if None not in s]
     if spans:
         ax.errorbar([s[0] for s in spans], [s[1] for s in spans], fmt="none", ecolor=colour, alpha=0.5, capsize=3,

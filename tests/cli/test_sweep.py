@@ -131,3 +131,20 @@ def test_report_sweep_latest_without_a_sweep_says_so(packbench_cli, tmp_path):
     out = packbench_cli("report", "--sweep", "latest", env=db, cwd=tmp_path)
     assert out.returncode == 2 and "there is no sweep yet" in out.stderr, out.stderr
     assert len(out.stderr.strip().splitlines()) == 1
+
+
+def test_the_sweep_page_of_a_sweep_with_a_failed_point_names_it_failed():
+    """A point whose screen failed has no figures for a condition the other points measured:
+    `report --sweep` raised KeyError on it (exit 70) instead of drawing the points that ran and
+    listing the failed one as failed."""
+    from packbench.cli.sweep_page import sweep_page
+    from packbench.service.sweep import SweepPoint
+
+    ran = {"decode_ms_per_token": 2.0, "decode_ms_per_token_min": 1.5, "decode_ms_per_token_max": 2.5,
+           "bytes_per_token": 1000.0}
+    points = [SweepPoint(1, {"prefix_tokens": 16}, "done", "a" * 64, {"packet": ran},
+                         [{"gate": "faithfulness", "condition": "packet", "phase": "all", "passed": True}]),
+              SweepPoint(2, {"prefix_tokens": 32}, "failed", "b" * 64, {}, [])]
+    page = sweep_page("sw-1", points)
+    assert set(re.findall(r'data-plot="([a-z_]+)"', page)) == {"decode_ms_per_token", "bytes_per_token", "verdicts"}
+    assert re.search(r"<td>2</td><td>prefix_tokens=32</td><td>failed</td>", page), page[-3000:]
