@@ -210,7 +210,8 @@ def table(result: dict) -> list[str]:
     for c, row in result.items():
         for rule, r in row["rules"].items():
             gap = "-" if r["gap_closed"] is None or rule in ("lru", "belady") else f"{round(100 * r['gap_closed'])} %"
-            lines.append(f"| {c} | {rule} | {100 * r['hit_rate']:.1f} | {gap} |")
+            rate = "-" if r["hit_rate"] is None else f"{100 * r['hit_rate']:.1f}"  # nothing routed in a decode call
+            lines.append(f"| {c} | {rule} | {rate} | {gap} |")
     return lines
 
 
@@ -238,7 +239,12 @@ def main(argv: list[str] | None = None) -> None:
         what = (f"{a.shape} proxy (intermediate / {a.shrink}), {a.layers} layers, seed {a.seed}, "
                 f"{a.count} x {a.prefix} generated tokens, each token a request")
     else:
-        streams = trace_streams(a.trace)
+        from packbench.core.trace import TraceError
+
+        try:
+            streams = trace_streams(a.trace)
+        except TraceError as e:  # a missing, damaged or hostile file: its one line, not a traceback
+            ap.error(f"--trace: {e}")
         what = f"{a.trace}: decode calls of every episode and layer"
     result = study(streams, capacities)
     print(what)

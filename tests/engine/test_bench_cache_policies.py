@@ -138,3 +138,26 @@ def test_bad_capacities_are_one_line_and_exit_2(capsys):
             cp.main(["--trace", "t.trace", "--capacities", bad])
         assert e.value.code == 2
         assert "capacit" in capsys.readouterr().err
+
+
+def test_a_damaged_or_missing_trace_is_one_line_and_exit_2(tmp_path, capsys):
+    """`--trace` of a missing file or of a file that is no trace raised the reader's TraceError
+    as a traceback."""
+    (tmp_path / "cut.trace").write_bytes(b"PK\x03\x04 cut short")
+    for path in (tmp_path / "cut.trace", tmp_path / "missing.trace", tmp_path):
+        with pytest.raises(SystemExit) as e:
+            cp.main(["--trace", str(path), "--capacities", "2"])
+        assert e.value.code == 2
+        err = capsys.readouterr().err
+        assert f"error: --trace: {path}" in err and "Traceback" not in err
+
+
+def test_a_trace_without_a_routed_decode_call_prints_its_table(tmp_path, capsys):
+    """A trace of prefill calls only routes nothing in a decode call: every hit rate is None, which
+    the table multiplied by 100 (TypeError) instead of printing '-'."""
+    model = TraceModel(family="mixtral", unit="expert", layers=1, units=8, unit_bytes=10, dtype="float16", k=2)
+    t = Trace(model=model, calls=[TraceCall(episode=0, phase="prefill", tokens=4)],
+              sets=[[np.array([0, 3], dtype=np.int64)]])
+    cp.main(["--trace", str(write_trace(t, tmp_path / "t.trace")), "--capacities", "2"])
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| 2 |")]
+    assert rows and all(line.split("|")[3].strip() == "-" for line in rows)
