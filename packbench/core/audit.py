@@ -650,7 +650,10 @@ class _Audit:
         pinned = proto.model.sha256
         digest = start.get("model_sha256") if isinstance(start, dict) else None
         self.model_sha256 = digest  # what the database's attempt must say it measured
-        if pinned is not None and digest != pinned:
+        # An attempt that stopped before worker.json (a worker refusing a checkpoint whose digest
+        # differs from the pin does) measured nothing: its archive is incomplete, not a disagreement.
+        measured = start is not None or self.complete or WORKER_NAME in self.names
+        if pinned is not None and digest != pinned and measured:
             self.add(f"{WORKER_NAME}: the checkpoint measured has digest {digest!r}, the protocol pins {pinned}")
         if digest is not None and (not isinstance(digest, str) or re.fullmatch(r"[0-9a-f]{64}", digest) is None):
             self.add(f"{WORKER_NAME}: model_sha256 {digest!r} is not 64 lowercase hex digits")

@@ -499,6 +499,7 @@ def test_the_checkpoint_a_protocol_pins_must_be_the_one_measured(tmp_path):
                                     "worker.json: model_sha256 5 is not 64 lowercase hex digits"])]
     for start, lines in cases:
         audit = _Audit(tmp_path / "a.zip", None)
+        audit.complete = True  # a sealed archive: one without a start record measured nothing it may
         assert audit.check_start(start, pinned) is None  # no synthetic shape: no row size
         assert audit.problems == lines
     unpinned = expand(freeze(synthetic_protocol()).body)
@@ -799,6 +800,22 @@ def test_an_archive_interrupted_before_any_episode_is_partial(exact, tmp_path, k
         w.add_bytes(name, data[name])
     report = audit_archive(tmp_path / "early.zip")
     assert report.partial, report.problems
+
+
+def test_an_attempt_refused_its_pinned_checkpoint_before_worker_json_is_partial(tmp_path):
+    """A worker refuses a checkpoint whose digest is not the protocol's pin before it writes
+    worker.json: its archive holds protocol.json alone. The audit blamed the missing start record
+    ('the checkpoint measured has digest None, the protocol pins ...'), so the failed attempt
+    audited DISAGREE and every later `audit --all` exited 1; a sealed archive still must not."""
+    raw = synthetic_protocol()
+    raw["model"] = {"path": "/nowhere/ckpt", "sha256": "f" * 64}
+    w = ArchiveWriter(tmp_path / "refused.zip")
+    w.add_bytes("protocol.json", canonical_json(freeze(raw).body))
+    report = audit_archive(tmp_path / "refused.zip")
+    assert report.partial, report.problems
+    assert not any("the protocol pins" in p for p in report.problems), report.problems
+    w.seal({})
+    assert any("digest None, the protocol pins" in p for p in audit_archive(tmp_path / "refused.zip").problems)
 
 
 def test_a_failed_first_episode_and_a_batchs_prompts(exact, batch, tmp_path):
