@@ -190,6 +190,12 @@ def parse_trace(zf: zipfile.ZipFile, *, cap: int | None = None) -> Trace:
     every member's bound (the auditor reads an archived trace under its own budget)."""
     infos = {i.filename: i for i in zf.infolist()}
     missing = [n for n in MEMBERS if n not in infos]
+    traces = sorted(n for n in infos if n.startswith("active/") and n.endswith(".trace"))
+    if missing and (traces or "manifest.json" in infos):  # a screen's raw archive, given whole
+        held = f"its traces are {', '.join(traces[:3])}{', ...' if len(traces) > 3 else ''}" if traces else \
+            "it holds no trace (its protocol did not say trace: true)"
+        raise TraceError(f"this is a screen's archive, not a trace file: {held}; extract one with "
+                         f"`unzip ARCHIVE active/NNNNN.trace` and give that file (docs/traces.md)")
     if missing:
         raise TraceError(f"the trace has no {missing[0]}; a trace file holds {', '.join(MEMBERS)} (docs/traces.md)")
     present = [n for n in FORECAST_MEMBERS if n in infos]

@@ -468,3 +468,23 @@ def test_too_many_sets_are_refused_before_the_sets_are_made(tmp_path, monkeypatc
     monkeypatch.setattr(tr, "MAX_SETS", 5)
     # 3 calls x 2 layers = 6 sets: catches a reader that builds one array per set of any count.
     _refused(tmp_path, data, "more than 5 sets")
+
+
+def test_a_screens_archive_given_as_a_trace_says_how_to_extract_one(tmp_path):
+    # Catches the bare "the trace has no header.json" for a whole screen archive, which left the
+    # user to find out that a traced screen keeps each episode's trace as a member of its own.
+    archive = tmp_path / "screen.zip"
+    archive.write_bytes(_zip({"manifest.json": b"{}", "active/00003.trace": b"x", "active/00001.trace": b"x",
+                              "episodes/00001.json": b"{}"}))
+    with pytest.raises(TraceError) as e:
+        read_trace(archive)
+    assert "screen's archive" in str(e.value) and "active/00001.trace, active/00003.trace" in str(e.value)
+    assert "unzip ARCHIVE active/NNNNN.trace" in str(e.value) and "\n" not in str(e.value)
+    untraced = tmp_path / "untraced.zip"
+    untraced.write_bytes(_zip({"manifest.json": b"{}", "episodes/00001.json": b"{}"}))
+    with pytest.raises(TraceError, match="holds no trace"):
+        read_trace(untraced)
+    other = tmp_path / "other.zip"  # any other zip keeps the member-by-member message
+    other.write_bytes(_zip({"readme.txt": b"x"}))
+    with pytest.raises(TraceError, match="the trace has no header.json"):
+        read_trace(other)
