@@ -33,6 +33,12 @@ MODULES: dict[str, list[str]] = {  # in the order `make mutate` runs them: quick
     "core/fidelity.py": ["tests/core/test_fidelity.py", "tests/core/test_fidelity_edges.py",
                          "tests/core/test_exact_bounds.py"],
     "core/gates.py": ["tests/core/test_gates.py", "tests/core/test_exact_bounds.py"],
+    # the counts of a cache, a forecast and a weightless replay: its own tests, the hand-made traces of
+    # test_trace.py (simulate's expert-cache policies) and the auditor's replay of an experts section
+    # (not test_moe_cache_worker.py or test_audit_paths.py: they synthesise models or screens)
+    "core/expert_cache.py": ["tests/core/test_expert_cache.py", "tests/core/test_expert_figures.py",
+                             "tests/core/test_trace.py", "tests/core/test_audit_replay.py"],
+    "core/trace.py": ["tests/core/test_trace.py", "tests/core/test_trace_refusals.py"],
     "core/audit.py": ["tests/core/test_audit.py", "tests/core/test_audit_fields.py", "tests/core/test_audit_paths.py",
                       "tests/core/test_audit_replay.py",
                       "tests/core/test_evidence.py"],
