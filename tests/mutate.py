@@ -39,6 +39,11 @@ MODULES: dict[str, list[str]] = {  # in the order `make mutate` runs them: quick
     "core/expert_cache.py": ["tests/core/test_expert_cache.py", "tests/core/test_expert_figures.py",
                              "tests/core/test_trace.py", "tests/core/test_audit_replay.py"],
     "core/trace.py": ["tests/core/test_trace.py", "tests/core/test_trace_refusals.py"],
+    # every policy's weightless replay, its totals and its time forecast: the hand-made traces of
+    # test_trace.py, the auditor's replay and the overhead forecast (not test_simulate_engine.py,
+    # test_trace_screen.py, test_simulate_cli.py or test_bench_moe_overhead.py: they run models or screens)
+    "core/simulate.py": ["tests/core/test_trace.py", "tests/core/test_audit_replay.py",
+                         "tests/core/test_simulate_overhead.py", "tests/core/test_simulate_mutants.py"],
     "core/audit.py": ["tests/core/test_audit.py", "tests/core/test_audit_fields.py", "tests/core/test_audit_paths.py",
                       "tests/core/test_audit_replay.py",
                       "tests/core/test_evidence.py"],
