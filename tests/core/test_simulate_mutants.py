@@ -308,3 +308,24 @@ def test_expert_packets_observe_the_routed_experts(spec):
     # routed_us overhead count and the hit rate's denominator lost).
     t = moe([[0, 1], [2]], episodes=[(0, "prefill"), (0, "decode")])
     assert per_call(t, spec, "active_rows")[1] == [1, None, 1]
+
+
+def test_refusals_and_notes_word_for_word():
+    # Catches each line's words lost or mangled (simulate prints them as the row's reason or exits with them).
+    def refusal(spec, t=None):
+        with pytest.raises(sim.SimulateError) as e:
+            per_call(t or opt(SETS), spec, "rows_copied")
+        return str(e.value)
+
+    assert refusal("row-retention") == "row-retention needs rows_per_layer (e.g. row-retention:rows_per_layer=512)"
+    assert refusal("packet:weights=int8", opt(SETS, hidden=0)) == \
+        "weights int8 moves OPT rows of hidden + 4 bytes; the trace has no OPT hidden size"
+    assert refusal("expert-cache", moe([[0]], episodes=[(0, "prefill")])) == \
+        "expert-cache needs capacity (e.g. expert-cache:capacity=4,rule=lru,forecast=off)"
+    assert sim.machine_problem([]) == "a machine file is a JSON object with name, pinned_h2d_gbps and decode_compute_ms"
+    assert sim.machine_problem({**opt_machine(), "decode_compute_ms": []}) == \
+        "decode_compute_ms must map shape:layers to {value, source}"
+    assert sim.overhead_ms(opt(SETS), "packet", {}, {}, {}) == \
+        (None, "not modelled for OPT rows (overhead_us holds MoE policies' families)")
+    t = moe([[0]], episodes=[(0, "prefill")])
+    assert sim.overhead_ms(t, "resident", {}, {}, {}) == (0.0, "none: resident's time is the measured compute")
