@@ -32,7 +32,8 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from packbench.core.archive import PLAN_NAME, ArchiveReader
+from packbench.core.archive import PLAN_NAME, PROTOCOL_NAME, ArchiveReader
+from packbench.core.canonical import canonical_sha256
 from packbench.core.errors import ArchiveError, PackbenchError
 
 _REQUIRED = ("plan_index", "condition", "role", "prompt", "status")
@@ -138,14 +139,43 @@ def _checked_record(reader: ArchiveReader, members, table, names: set[str]) -> d
     return record
 
 
+def not_this_attempts(store, attempt, reader: ArchiveReader) -> str | None:
+    """Why the archive at `attempt.archive_path` is another screen's (its protocol.json, or its
+    sealed manifest's screen and attempt, differ from the database's), or None. Before, `db
+    reconcile` inserted the episodes of whatever archive lay at the recorded path: an attempt whose
+    path named another screen's archive got that screen's episodes as its own rows."""
+    expected = store.protocol(store.screen(attempt.screen_id).protocol_id).sha256
+    try:
+        archived = canonical_sha256(reader.read_json(PROTOCOL_NAME)) if PROTOCOL_NAME in set(reader.names) else None
+    except ArchiveError:
+        archived = None
+    mine = f"screen {attempt.screen_id} attempt {attempt.number}"
+    if archived is None:
+        return f"archive unreadable: {attempt.archive_path} has no readable {PROTOCOL_NAME}, so nothing ties it to {mine}"
+    if archived != expected:
+        return (f"{attempt.archive_path} ran protocol {archived[:12]}, not {mine}'s {expected[:12]}: it is another "
+                f"screen's archive; nothing was inserted (find this attempt's archive, or audit it)")
+    manifest = reader.manifest if reader.complete else None
+    if isinstance(manifest, dict) and attempt.ingested_from is None:  # an ingested attempt keeps its lab's numbers
+        said = (manifest.get("screen_id"), manifest.get("attempt"))
+        if said != (attempt.screen_id, attempt.number):
+            return (f"{attempt.archive_path} is screen {said[0]} attempt {said[1]}'s archive (its manifest), not "
+                    f"{mine}'s; nothing was inserted (find this attempt's archive, or audit it)")
+    return None
+
+
 def reconcile_attempt(store, attempt, *, stored: Iterable[int],
                       expected: Mapping[str, Mapping[str, Any]] | None = None) -> Reconciled | None:
     """Insert the rows `attempt`'s archive holds and the database lacks. None when nothing is
     missing. Raises `ArchiveError` for an archive that cannot be opened."""
     with ArchiveReader(Path(attempt.archive_path)) as reader:
         check, records, refused = missing_records(reader, stored, expected=expected)
+        foreign = not_this_attempts(store, attempt, reader) if records or refused else None
     if not records and not refused:
         return None
+    if foreign is not None:
+        return Reconciled(attempt.screen_id, attempt.id, attempt.number, attempt.archive_path, 0, check,
+                          (foreign,))
     inserted = store.put_reconciled(attempt.id, records, check=check) if records else 0
     return Reconciled(attempt.screen_id, attempt.id, attempt.number, attempt.archive_path, inserted, check,
                       tuple(refused))
