@@ -42,6 +42,10 @@ def keys_init(
     (--signing-key / PACKBENCH_SIGNING_KEY)."""
     from packbench.core.provenance import generate_key, load_public_key
 
+    # The database is opened (and checked to be at the head) before the key is written: before, a
+    # missing or older database was refused only after the files existed, and the rerun its
+    # message asked for refused the existing key, so that key could never be registered as local.
+    store = None if no_db else open_store(db)
     try:
         path, pub, kid = generate_key(key.expanduser())
     except OSError as e:
@@ -49,8 +53,8 @@ def keys_init(
                              f"choose a --key in a writable directory") from None
     if not json_out:  # said before the database is asked: the files exist whatever it answers
         typer.echo(f"wrote signing key {path} (keep it private) and public key {pub}; key id {kid}")
-    if not no_db:
-        open_store(db).put_signer(key_id=kid, public_key=load_public_key(pub).hex(), name=name, local=True)
+    if store is not None:
+        store.put_signer(key_id=kid, public_key=load_public_key(pub).hex(), name=name, local=True)
     if json_out:
         echo_json({"key": str(path), "public_key": str(pub), "key_id": kid, "registered": not no_db, "name": name})
     elif not no_db:
