@@ -188,6 +188,11 @@ def db_current(db: DbUrl = None, json_out: Json = False) -> None:
     if json_out:
         echo_json({"revision": current, "head": head, "at_head": current == head})
         return
+    if current is not None and current != head and not store.knows(current):
+        # Before, a revision newer than this packbench's was told to run `db upgrade`, which refuses it.
+        typer.echo(f"{current} (unknown to this packbench, whose newest is {head}: a newer packbench wrote it; "
+                   f"install that version)")
+        return
     typer.echo(f"{current or 'empty'}{' (head)' if current == head else f' (head is {head}: run `packbench db upgrade`)'}")
 
 

@@ -142,6 +142,11 @@ class Store:
         """The revision this packbench needs."""
         return migrate.head()
 
+    @staticmethod
+    def knows(revision: str) -> bool:
+        """Whether `revision` is one of this packbench's migrations (else a newer packbench wrote it)."""
+        return revision in migrate.known_revisions()
+
     def check_head(self) -> None:
         """Raise `SchemaNotAtHead` unless the database is at `head()`; an empty one is not."""
         refusal = migrate.not_at_head(self.url, self.current())
