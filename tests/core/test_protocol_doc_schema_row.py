@@ -1,0 +1,18 @@
+"""docs/protocol.md's fields table names the schemas this packbench reads and the newest.
+
+Bug caught: the `schema` row said "1 to 10 | `10`, the newest" after schema 11 (profile opt4)
+became the newest and what a file without `schema:` means; the "Schema versions" table and the
+code (SCHEMAS, SCHEMA_VERSION) said 11."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from packbench.core.protocol import SCHEMA_VERSION, SCHEMAS
+
+DOC = Path(__file__).resolve().parents[2] / "docs" / "protocol.md"
+
+
+def test_the_schema_row_names_the_newest_schema():
+    (row,) = [line for line in DOC.read_text().splitlines() if line.startswith("| `schema` |")]
+    assert f"| {SCHEMAS[0]} to {SCHEMAS[-1]} | `{SCHEMA_VERSION}`, the newest |" in row, row
