@@ -189,6 +189,9 @@ def check_signature(sig_path: Path, *, archive_sha256: str | None, manifest_sha2
     serialization, ed25519 = _crypto()
     sig_path = Path(sig_path)
     if not sig_path.is_file():
+        if os.path.lexists(sig_path):  # before, a directory or FIFO there was called "no ... next to the archive"
+            return SignatureCheck("unsigned", None, f"signature: unsigned ({sig_path.name} next to the archive is not "
+                                                    f"a regular file; put the .sig file the signer wrote there)")
         return SignatureCheck("unsigned", None, f"signature: unsigned (no {sig_path.name} next to the archive)")
     try:
         if sig_path.stat().st_size > MAX_SIGNATURE_BYTES:
