@@ -150,15 +150,15 @@ def not_this_attempts(store, attempt, reader: ArchiveReader) -> str | None:
     except ArchiveError:
         archived = None
     mine = f"screen {attempt.screen_id} attempt {attempt.number}"
-    if archived is None:
-        return f"archive unreadable: {attempt.archive_path} has no readable {PROTOCOL_NAME}, so nothing ties it to {mine}"
-    if archived != expected:
+    # Only what the archive says can contradict the attempt: one without protocol.json (cut short
+    # before it, or made by hand) is checked member by member as before.
+    if archived is not None and archived != expected:
         return (f"{attempt.archive_path} ran protocol {archived[:12]}, not {mine}'s {expected[:12]}: it is another "
                 f"screen's archive; nothing was inserted (find this attempt's archive, or audit it)")
     manifest = reader.manifest if reader.complete else None
     if isinstance(manifest, dict) and attempt.ingested_from is None:  # an ingested attempt keeps its lab's numbers
         said = (manifest.get("screen_id"), manifest.get("attempt"))
-        if said != (attempt.screen_id, attempt.number):
+        if None not in said and said != (attempt.screen_id, attempt.number):
             return (f"{attempt.archive_path} is screen {said[0]} attempt {said[1]}'s archive (its manifest), not "
                     f"{mine}'s; nothing was inserted (find this attempt's archive, or audit it)")
     return None
