@@ -7,25 +7,14 @@ deployment's own. Now the database is checked first and nothing is written."""
 
 from __future__ import annotations
 
-import sys
-
 from packbench.db.store import Store
+from test_hostile_input import pb as run  # tests/cli/test_hostile_input.py: main() as a terminal sees it
 
 
 def pb(capsys, *args: str) -> tuple[int, str]:
-    """(exit code, stdout + stderr) of `packbench ARGS` through main(), as a terminal sees it."""
-    from packbench.cli.main import main
-
-    argv, sys.argv = sys.argv, ["packbench", *args]
-    try:
-        main()
-        code = 0
-    except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-    finally:
-        sys.argv = argv
-    captured = capsys.readouterr()
-    return code, captured.out + captured.err
+    """(exit code, stdout + stderr) of `packbench ARGS`."""
+    r = run(capsys, *args)
+    return r.code, r.out + r.err
 
 
 def test_no_database_writes_no_key(tmp_path, capsys):
