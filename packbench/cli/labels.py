@@ -50,6 +50,11 @@ def screens_tag(
     if not (tags or untag or name is not None or note is not None):
         raise PackbenchError("nothing to label: give --tag KEY=VALUE, --untag KEY, --name or --note")
     store = open_store(db)
+    # An --untag KEY the screen does not carry (a typo, most often) drops nothing: say so.
+    absent = []
+    if untag:
+        before = store.screen_tags([store.screen(screen).id])
+        absent = sorted({k for k in untag if k not in next(iter(before.values()))})
     screen_id = store.label_screen(screen, name=name, note=note, tags=tags, untag=tuple(untag or ()))
     row, held = store.screen(screen_id), store.screen_tags([screen_id])[screen_id]
     if json_out:
@@ -61,7 +66,8 @@ def screens_tag(
     shown = ", ".join(f"{k}={v}" for k, v in held.items()) or "none"
     # one_line: a right-to-left override in a name or tag would reorder the terminal's line
     typer.echo(one_line(f"screen {screen_id}: name {row.name or '-'}; tags {shown}")
-               + (f"; note {row.note!r}" if row.note else ""))
+               + (f"; note {row.note!r}" if row.note else "")
+               + (one_line(f"; no tag {', '.join(absent)} to drop") if absent else ""))
 
 
 def label_columns(store, records: list[dict]) -> list[str]:

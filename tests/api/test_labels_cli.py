@@ -88,3 +88,12 @@ def test_screens_tag_echoes_a_name_as_one_line(url):
     terminal overwrote or reordered the line (the listings escape them; the echo did not)."""
     out = run("screens", "tag", "1", "--name", "evil\u202e<x>", "--tag", "k=v\u202e", "--db", url)
     assert out == "screen 1: name evil\\u202e<x>; tags k=v\\u202e\n"
+
+
+def test_untag_of_a_key_the_screen_lacks_says_so(url):
+    """`--untag tema` (a typo of `team`) drops nothing: the line says which keys were not there,
+    and names only those (a bug listing every --untag key, or none, fails)."""
+    run("screens", "tag", "1", "--tag", "team=infra", "--tag", "box=ci", "--db", url)
+    out = run("screens", "tag", "1", "--untag", "tema", "--untag", "box", "--db", url)
+    assert out.strip() == "screen 1: name -; tags team=infra; no tag tema to drop"
+    assert run("screens", "tag", "1", "--untag", "team", "--db", url).strip() == "screen 1: name -; tags none"
