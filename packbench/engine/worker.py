@@ -155,7 +155,8 @@ def core_share(cores: list[int], index: int, count: int) -> list[int]:
 
 class Worker:
     def __init__(self, device: str | None = None, *, threads: int | None = None, pin: bool = False) -> None:
-        """`threads`: host threads of a CUDA worker's gathers (None: its share of the host's cores);
+        """`threads`: host threads of a CUDA worker's gathers, or of a CPU worker's arithmetic (None:
+        a CUDA worker's share of the host's cores, a CPU worker's OMP_NUM_THREADS or torch's default);
         `pin`: pin a CUDA worker to its GPU's share of the cores (Settings.worker_threads/worker_pin)."""
         self.t_entry = time.perf_counter()
         # Under Ray, CUDA_VISIBLE_DEVICES holds only the assigned GPU: it is index 0 here.
@@ -210,6 +211,12 @@ class Worker:
             index = host_gpu_index(uuid) if uuid and pin else None
             if index is not None:  # threads made from here on (the host gathers' OMP pool) inherit it
                 os.sched_setaffinity(0, core_share(sorted(os.sched_getaffinity(0)), index, host_gpus()))
+        elif threads:
+            # A CPU worker's logits come from host arithmetic, and some of its kernels split their
+            # sums by thread count: a tiny Qwen3-MoE's float32 logits at 2 threads differed from
+            # those at 1, 3 and 4 (tests/engine/test_cpu_threads.py). A re-execution of a CPU
+            # archive runs on the archive's count (cluster/reexecute.py).
+            torch.set_num_threads(threads)
         self.sampler = MemorySampler(uuid)  # one helper process for the worker's life
         # Other packbench workers on this host share its cores and memory, whatever their device
         # or cluster: each episode records which were busy meanwhile (engine/gpu_lock.py).

@@ -205,6 +205,19 @@ def test_reexecution_agrees_and_is_recorded_as_its_own_kind(screen, workdir, env
     assert ("reexecute", "agree", out["digest"]) in kinds
 
 
+def test_reexecution_of_a_cpu_archive_runs_on_its_recorded_threads(screen, workdir, env, ray_env):
+    """CPU logits can depend on the thread count (tests/engine/test_cpu_threads.py): a CPU archive
+    is re-executed on the count its worker recorded, even where --worker-threads asks for another,
+    and the audit checks the worker ran it (catches a re-run on the deployment's own count, which
+    on another host made an honest archive DISAGREE)."""
+    threads = ArchiveReader(Path(screen["archive_path"])).read_json("worker.json")["environment"]["threads"]
+    r = cli_ray("audit", "--archive", screen["archive_path"], "--reexecute", "1", "--seed", "5", "--time-factor",
+                "1000", cwd=workdir, env={**ray_env, "PACKBENCH_WORKER_THREADS": str(threads + 1)})
+    assert r.returncode == 0, r.stdout + r.stderr[-2000:]  # exit 0: agree, no problem (a thread mismatch is one)
+    assert f"a CPU archive: re-executing on its {threads} thread(s)" in r.stderr.splitlines()
+    assert "thread(s), the archive" not in r.stdout + r.stderr
+
+
 def test_reexecution_catches_a_consistent_forgery_the_static_audit_cannot(screen, workdir, env, ray_env, tmp_path):
     """One episode's ledger forged consistently (totals, verdicts, manifest; no key): the static
     audit of the file agrees, the re-execution disagrees naming that episode, exit 1."""
