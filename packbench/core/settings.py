@@ -44,7 +44,8 @@ ENVIRONMENT: dict[str, tuple[str, str]] = {
     "PACKBENCH_EMBEDDED_GPUS": ("--embedded-gpus", "GPUs the embedded Ray declares (default: the host's)"),
     "PACKBENCH_MODEL_CACHE": ("--model-cache", "where workers generate synthetic checkpoints"),
     "PACKBENCH_SIGNING_KEY": ("--signing-key", "the Ed25519 private key that signs sealed archives"),
-    WORKER_THREADS_ENV: ("--worker-threads", "host threads of each GPU worker (default: its share of the cores)"),
+    WORKER_THREADS_ENV: ("--worker-threads", "host threads of each worker: a GPU worker's gathers, a CPU "
+                                             "worker's arithmetic (default: its share of the cores)"),
     WORKER_PIN_ENV: ("--worker-pin", "1: pin each GPU worker to its GPU's share of the host's cores"),
     "PACKBENCH_VERBOSE": ("--verbose", "log events and let worker logs reach the terminal"),
     "PACKBENCH_DEBUG": ("--debug", "print an error's traceback before its one-line message"),
