@@ -214,8 +214,8 @@ class Worker:
         elif threads:
             # A CPU worker's logits come from host arithmetic, and some of its kernels split their
             # sums by thread count: a tiny Qwen3-MoE's float32 logits at 2 threads differed from
-            # those at 1, 3 and 4 (tests/engine/test_cpu_threads.py). A re-execution of a CPU
-            # archive runs on the archive's count (cluster/reexecute.py).
+            # those at 1, 3 and 4 (tests/engine/test_cpu_threads.py). A re-execution runs on the
+            # archive's count (service/audit.py).
             torch.set_num_threads(threads)
         self.sampler = MemorySampler(uuid)  # one helper process for the worker's life
         # Other packbench workers on this host share its cores and memory, whatever their device

@@ -18,7 +18,7 @@ from packbench.core.errors import ArchiveError, PackbenchError
 from packbench.core.record import STORED_FIELDS
 from packbench.core.settings import Settings
 
-MAX_CPU_THREADS = 4096  # past any host's cores: a larger recorded count is not taken
+MAX_THREADS = 4096  # past any host's cores: a larger recorded count is not taken
 
 
 @dataclass(frozen=True)
@@ -254,12 +254,12 @@ class ReexecuteOutcome:
         return self.record["problems"]
 
 
-def cpu_threads(environment: dict) -> int | None:
-    """The thread count a CPU-run archive's worker recorded (worker.json's environment), or None
+def archived_threads(environment: dict) -> int | None:
+    """The host thread count an archive's worker recorded (worker.json's environment), or None
     where it recorded none that a worker could take (an older or forged archive: the re-run then
     uses the deployment's own count)."""
     threads = environment.get("threads")
-    return threads if type(threads) is int and 1 <= threads <= MAX_CPU_THREADS else None
+    return threads if type(threads) is int and 1 <= threads <= MAX_THREADS else None
 
 
 def reexecute_archive(path: Path, *, k: int, seed: int = 0, settings: Settings | None = None,
@@ -288,16 +288,17 @@ def reexecute_archive(path: Path, *, k: int, seed: int = 0, settings: Settings |
         accelerator = archived.environment.get("gpu") or ""
         if not isinstance(accelerator, str):
             raise ValueError("worker.json's environment names no GPU as text")
-        threads = cpu_threads(archived.environment) if not accelerator else None
+        threads = archived_threads(archived.environment)
     except (PackbenchError, KeyError, TypeError, ValueError, IndexError, AttributeError) as e:
         first = static.problems[0] if static.problems else f"{type(e).__name__}: {e}"
         raise PackbenchError(f"{path} cannot be re-executed: its plan or records are malformed ({first}); "
                              f"the static audit (`packbench audit --archive`) names what is wrong") from None
     progress(f"drew episodes {', '.join(map(str, drawn.episodes))} (seed {seed}) of {len(archived.entries)}")
     if threads is not None:
-        # A CPU worker's logits can depend on its thread count (engine/worker.py): the re-run uses
-        # the archive's, whatever --worker-threads says.
-        progress(f"a CPU archive: re-executing on its {threads} thread(s)")
+        # Logits computed on the host (a CPU worker's, host-experts' on a GPU worker) can depend
+        # on the thread count (engine/worker.py): the re-run uses the archive's, whatever
+        # --worker-threads says.
+        progress(f"re-executing on the archive's {threads} host thread(s)")
         settings = dataclasses.replace(settings, worker_threads=threads)
     rerun = run_drawn(archived.protocol_body, model_dir if model_dir is not None else archived.model_dir,
                       entries=archived.entries, prompts=archived.prompts, runs=list(drawn.episodes),
@@ -306,7 +307,7 @@ def reexecute_archive(path: Path, *, k: int, seed: int = 0, settings: Settings |
     problems = [f"static audit: {p}" for p in static.problems]
     if threads is not None and rerun.env.get("threads") != threads:
         problems.append(f"the re-execution worker ran {rerun.env.get('threads')} thread(s), the archive {threads}: "
-                        f"CPU logits can differ by thread count, so a logits mismatch below may be that")
+                        f"host arithmetic can differ by thread count, so a logits mismatch below may be that")
     problems += rx.compare_start(archived.start, rerun.start)
     if rerun.reference_again is not None:
         first = rerun.records[drawn.reference_twice]

@@ -205,8 +205,8 @@ def test_reexecution_agrees_and_is_recorded_as_its_own_kind(screen, workdir, env
     assert ("reexecute", "agree", out["digest"]) in kinds
 
 
-def test_reexecution_of_a_cpu_archive_runs_on_its_recorded_threads(screen, workdir, env, ray_env):
-    """CPU logits can depend on the thread count (tests/engine/test_cpu_threads.py): a CPU archive
+def test_reexecution_runs_on_the_archives_recorded_threads(screen, workdir, env, ray_env):
+    """Host arithmetic can depend on the thread count (tests/engine/test_cpu_threads.py): an archive
     is re-executed on the count its worker recorded, even where --worker-threads asks for another,
     and the audit checks the worker ran it (catches a re-run on the deployment's own count, which
     on another host made an honest archive DISAGREE)."""
@@ -214,7 +214,7 @@ def test_reexecution_of_a_cpu_archive_runs_on_its_recorded_threads(screen, workd
     r = cli_ray("audit", "--archive", screen["archive_path"], "--reexecute", "1", "--seed", "5", "--time-factor",
                 "1000", cwd=workdir, env={**ray_env, "PACKBENCH_WORKER_THREADS": str(threads + 1)})
     assert r.returncode == 0, r.stdout + r.stderr[-2000:]  # exit 0: agree, no problem (a thread mismatch is one)
-    assert f"a CPU archive: re-executing on its {threads} thread(s)" in r.stderr.splitlines()
+    assert f"re-executing on the archive's {threads} host thread(s)" in r.stderr.splitlines()
     assert "thread(s), the archive" not in r.stdout + r.stderr
 
 

@@ -2,12 +2,14 @@
 their sums by thread count: on the 2-core CI machine a tiny Qwen3-MoE's float32 logits at 2
 threads differ from those at 1, 3 and 4, while the same run twice at one count is identical. So a
 CPU worker takes the count it is given (`--worker-threads`, or a re-execution's archived count:
-service/audit.py, tests/cluster/test_submit_audit.py), and records the count it ran."""
+service/audit.py, tests/cluster/test_submit_audit.py), and records the count it ran. The same holds
+for experts computed on the host by a GPU worker (host-experts), so every re-execution takes the
+archive's count."""
 
 import torch
 
 from packbench.engine.worker import Worker
-from packbench.service.audit import MAX_CPU_THREADS, cpu_threads
+from packbench.service.audit import MAX_THREADS, archived_threads
 
 
 def test_a_cpu_worker_runs_on_the_threads_it_is_given_and_records_them():
@@ -26,8 +28,8 @@ def test_a_cpu_worker_runs_on_the_threads_it_is_given_and_records_them():
 def test_only_a_count_a_worker_can_take_is_read_from_an_archive():
     """worker.json is archive input: a forged or old environment gives None (the deployment's own
     count), never a value set_num_threads would refuse or a bool taken as 1."""
-    assert cpu_threads({"threads": 3}) == 3
-    assert cpu_threads({"threads": 1}) == 1 and cpu_threads({"threads": MAX_CPU_THREADS}) == MAX_CPU_THREADS
-    for bad in (0, -2, MAX_CPU_THREADS + 1, True, 2.0, "2", None, [2]):
-        assert cpu_threads({"threads": bad}) is None, bad
-    assert cpu_threads({}) is None
+    assert archived_threads({"threads": 3}) == 3
+    assert archived_threads({"threads": 1}) == 1 and archived_threads({"threads": MAX_THREADS}) == MAX_THREADS
+    for bad in (0, -2, MAX_THREADS + 1, True, 2.0, "2", None, [2]):
+        assert archived_threads({"threads": bad}) is None, bad
+    assert archived_threads({}) is None
