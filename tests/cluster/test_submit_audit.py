@@ -6,6 +6,7 @@ read, check or queue run in this process (tests/in_process.py)."""
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -244,3 +245,19 @@ def test_reexecution_a_worker_refuses_is_one_line_and_exit_2(screen, workdir, ra
     assert r.returncode == 2, r.stdout + r.stderr[-2000:]
     errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "does not exist" in errors[0] and "Traceback" not in r.stderr, r.stderr
+
+
+def test_reexecution_of_a_screen_refuses_a_model_dir_it_would_not_use(screen, workdir, ray_env, tmp_path, tiny):
+    """Bug caught: `audit SCREEN --reexecute K --model-dir DIR` re-executed the checkpoint the
+    screen's row names and dropped --model-dir silently (AGREE, exit 0, whatever DIR held: a
+    checkpoint edited since, another model). --model-dir gives the checkpoint of an --archive file
+    re-executed alone; with screen ids it is refused in one line, exit 2, before any worker runs."""
+    other = tmp_path / "other"
+    shutil.copytree(tiny, other)
+    r = cli_ray("audit", str(screen["screen_id"]), "--reexecute", "1", "--time-factor", "1000", "--model-dir",
+                str(other), cwd=workdir, env=ray_env)
+    assert r.returncode == 2, r.stdout + r.stderr[-2000:]
+    errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "--model-dir" in errors[0] and "--archive" in errors[0], r.stderr
+    assert "re-executing" not in r.stderr and "Traceback" not in r.stderr
+
