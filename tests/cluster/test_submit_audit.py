@@ -261,3 +261,24 @@ def test_reexecution_of_a_screen_refuses_a_model_dir_it_would_not_use(screen, wo
     assert len(errors) == 1 and "--model-dir" in errors[0] and "--archive" in errors[0], r.stderr
     assert "re-executing" not in r.stderr and "Traceback" not in r.stderr
 
+
+
+def test_reexecution_on_a_checkpoint_edited_since_the_screen_is_refused_not_disagree(screen, workdir, ray_env,
+                                                                                     tiny, tmp_path):
+    """Bug caught: a checkpoint whose config.json was edited after its screen ran (here a key no
+    model reads: the logits stay the same) was re-executed anyway and the honest archive audited
+    DISAGREE, exit 1, its only problem `the re-run loaded a checkpoint with digest ..., the archive
+    measured ...` (an edit that changes the model adds a difference for every drawn episode); for
+    a screen that verdict was recorded against it. The re-run cannot check the archive on other
+    weights: it is refused in one line naming both digests and the fix, exit 2, before any episode."""
+    edited = tmp_path / "edited"
+    shutil.copytree(tiny, edited)
+    config = json.loads((edited / "config.json").read_text())
+    (edited / "config.json").write_text(json.dumps({**config, "edited_after_the_screen": True}))
+    r = cli_ray("audit", "--archive", screen["archive_path"], "--reexecute", "1", "--time-factor", "1000",
+                "--model-dir", str(edited), cwd=workdir, env=ray_env)
+    assert r.returncode == 2, r.stdout + r.stderr[-2000:]
+    errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
+    archived = ArchiveReader(Path(screen["archive_path"])).read_json("worker.json")["start"]["model_sha256"]
+    assert len(errors) == 1 and archived in errors[0] and "--model-dir" in errors[0], r.stderr
+    assert "DISAGREE" not in r.stdout and "re-executed episode" not in r.stderr and "Traceback" not in r.stderr
