@@ -461,7 +461,9 @@ class Worker:
         forced, forced_from, forced_s = None, None, None
         try:
             model, mode, built = RUNTIMES[policy].enter(self, policy, params)
-            tracer = self._tracer(entry) if model is self.model else None
+            # Exact episodes only (docs/archive.md): host-experts computes on the CPU-first model
+            # too, yet is approximate, and its trace was a member the auditor refused.
+            tracer = self._tracer(entry) if model is self.model and tier == "exact" else None
             try:
                 out, sampled, passes = self._measure(model, prompt, mode, policy=policy, params=params)
             finally:

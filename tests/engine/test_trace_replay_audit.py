@@ -154,3 +154,23 @@ def test_a_traced_screen_with_an_exact_competitor_audits_agree(tmp_path):
     name = episode_members(packet).active
     damaged = audit_archive(resealed(path, tmp_path / "damaged.zip", lambda m: m.update({name: b"not a trace"})))
     assert any(p.startswith(name) for p in damaged.record["problems"]), damaged.record["problems"]
+
+
+def test_a_traced_screen_with_host_experts_audits_agree(tmp_path):
+    """Bug caught: `trace: true` beside `host-experts` (an approximate competitor that computes
+    the experts on the host with the CPU-first model itself) audited DISAGREE on an honest screen:
+    the worker traced every episode run on its CPU-first model, approximate ones too, and the
+    auditor allows a trace for exact episodes only (docs/archive.md): `member 'active/00002.trace'
+    is not part of the archive of this plan`. Only exact episodes are traced now."""
+    torch.set_num_threads(1)
+    moe = synth_moe(tmp_path / "olmoe", shape="olmoe-tiny", seed=2, dtype="float32", layers=1)
+    raw = {"name": "moe-host", "model": {"path": str(moe)}, "dtype": "float32",
+           "prompts": {"generator": {"seed": 0, "count": 1}}, "prefix_tokens": 8, "continuation_tokens": 3,
+           "conditions": [{"policy": "dense-stream"}, {"policy": "packet"}, {"policy": "host-experts"}],
+           "reference": "dense-stream", "warmups": 1, "allowance_mib": 64, "gates": {"faithfulness": {}},
+           "trace": True}
+    path = tmp_path / "screen.zip"
+    _, episodes, _ = archive_screen(freeze(raw), moe, path)
+    assert {e["status"] for e in episodes} == {"ok"}
+    report = audit_archive(path)
+    assert report.agrees, report.record["problems"]
