@@ -104,13 +104,20 @@ def model_dir_for(protocol: Protocol, model_dir: str | None, *, cache: Path | No
         # Before, two workers writing one folder let one read a half-written checkpoint.
         tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")
         shutil.rmtree(tmp, ignore_errors=True)
-        if synth.is_moe:  # a routing-calibrated MoE checkpoint, drawn on the CPU: the same bytes on every node
-            from packbench.engine.moe.synth import synth_moe
+        try:
+            if synth.is_moe:  # a routing-calibrated MoE checkpoint, drawn on the CPU: the same bytes on every node
+                from packbench.engine.moe.synth import synth_moe
 
-            synth_moe(tmp, shape=spec["shape"], seed=spec["seed"], dtype=spec["dtype"], layers=spec["layers"],
-                      profile=spec["routing"])
-        else:
-            synth_checkpoint(tmp, **spec)
+                synth_moe(tmp, shape=spec["shape"], seed=spec["seed"], dtype=spec["dtype"], layers=spec["layers"],
+                          profile=spec["routing"])
+            else:
+                synth_checkpoint(tmp, **spec)
+        except OSError as e:
+            # A full or read-only cache: the partial copy would keep the space it took (tens of GB).
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise CheckpointError(f"cannot write the synthetic checkpoint into the model cache {out.parent} "
+                                  f"({e.strerror or e}); free space there, or give --model-cache "
+                                  f"(PACKBENCH_MODEL_CACHE) a writable directory with room") from None
         try:
             tmp.rename(out)
         except OSError:
