@@ -274,6 +274,11 @@ def audit_reexecute_cmd(
     settings = settings_of(ctx, db_url=db, address=address)
     if trust and (archive is None or screens):
         raise PackbenchError("--trust checks the signature of one --archive file; give --archive without screen ids")
+    if model_dir is not None and (archive is None or screens or all_screens or since or protocol):
+        # A screen re-executes the checkpoint its row names: DIR would be dropped, silently.
+        raise PackbenchError("--model-dir gives the checkpoint of one --archive file re-executed alone; a screen "
+                             "re-executes the checkpoint its database row names (nothing was re-executed): give "
+                             "--archive FILE without screen ids, or drop --model-dir")
     if model_dir is not None:  # its config is checked before episodes are drawn and a worker is asked for
         from packbench.engine.config import read_config
 

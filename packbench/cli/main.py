@@ -5,7 +5,9 @@ import errno
 import json
 import logging
 import os
+import signal
 import sys
+import threading
 import traceback
 from pathlib import Path
 from typing import Annotated, Optional
@@ -448,10 +450,22 @@ def _dispatch(store, settings: Settings, *, json_out: bool, keep_queued: bool = 
                           f"error: `packbench screens show {outcome.screen_id} --json`)", err=True)
 
     dispatcher = Dispatcher(store, settings, RayPool(settings), progress=progress, on_outcome=report, **options)
+    # Until the dispatcher's own handler is in place (starting Ray takes seconds), SIGTERM exits as
+    # Ray's driver handler, installed by ray.init, makes it exit: sys.exit(15). Caught here, it stops
+    # the dispatcher as its handler would (nothing is claimed yet). Before, submit --wait exited 15
+    # with no line and left its screen queued for the next dispatch to run unasked.
+    main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(signum)) if main else None
     try:
         outcomes = dispatcher.run()
+    except SystemExit as e:
+        if e.code != signal.SIGTERM:
+            raise
+        dispatcher.stopping, outcomes = "SIGTERM", dispatcher.outcomes
     finally:
         progress.close()
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
     if dispatcher.stopping == "archive":  # the storage's fault, not the input's: its own exit code
         typer.echo(f"error: {dispatcher.fatal}; every other screen stays queued: free space (or fix the mount) "
                    f"under {settings.archive_dir}, then run `packbench dispatch` again", err=True)

@@ -51,9 +51,11 @@ def _one_line(e: BaseException) -> PackbenchError:
 
 def run_drawn(protocol_body: dict, model_dir: str | None, *, entries: list[dict], prompts: list[list[int]],
               runs: list[int], warmups: list[int], reference_twice: int | None, accelerator: str,
-              settings: Settings, progress=lambda msg: None) -> Rerun:
+              settings: Settings, progress=lambda msg: None, model_sha256: str | None = None) -> Rerun:
     """Load the protocol's model cold on a fresh worker of `accelerator` ("" for a CPU-run
-    archive) and run `warmups` (discarded), then `runs` in order (the reference one twice)."""
+    archive) and run `warmups` (discarded), then `runs` in order (the reference one twice).
+    `model_sha256`: the checkpoint digest the archive measured; a checkpoint loaded with another
+    is refused before any episode runs."""
     ray = ensure_ray(settings)
     options = {}
     accel_type = _accelerator_type(ray, accelerator)
@@ -64,7 +66,7 @@ def run_drawn(protocol_body: dict, model_dir: str | None, *, entries: list[dict]
     try:
         return _run(ray, actor, protocol_body, model_dir, entries=entries, prompts=prompts, runs=runs, warmups=warmups,
                     reference_twice=reference_twice, accelerator=accelerator, accel_type=accel_type,
-                    settings=settings, progress=progress, t0=t0)
+                    settings=settings, progress=progress, t0=t0, model_sha256=model_sha256)
     except (ray.exceptions.RayError, PackbenchError) as e:
         raise _one_line(e) from None
     finally:
@@ -72,7 +74,7 @@ def run_drawn(protocol_body: dict, model_dir: str | None, *, entries: list[dict]
 
 
 def _run(ray, actor, protocol_body, model_dir, *, entries, prompts, runs, warmups, reference_twice, accelerator,
-         accel_type, settings, progress, t0) -> Rerun:
+         accel_type, settings, progress, t0, model_sha256=None) -> Rerun:
     """run_drawn's body, on a started actor (placement, accelerator check, load, episodes)."""
     ready, _ = ray.wait([ref := actor.describe.remote()], timeout=settings.placement_timeout_s)
     if not ready:
@@ -89,6 +91,15 @@ def _run(ray, actor, protocol_body, model_dir, *, entries, prompts, runs, warmup
     progress(f"re-executing on {env.get('host')} ({env.get('gpu') or 'cpu'}, node {env.get('node_id', '')[:8]})")
     cache = None if settings.model_cache is None else str(settings.model_cache)
     start = ray.get(actor.load.remote(protocol_body, model_dir, model_cache=cache, reuse=False))
+    if model_sha256 is not None and start.get("model_sha256") != model_sha256:
+        # Other weights cannot check the archive: a re-run on them would call an honest archive
+        # DISAGREE (and record it against its screen).
+        synth = (protocol_body.get("model") or {}).get("synth") is not None
+        fix = ("remove that folder, and the worker generates the protocol's synthetic checkpoint again" if synth
+               else "restore it, or give --archive FILE --model-dir DIR with a copy that has the archived digest")
+        raise PackbenchError(f"the checkpoint at {start.get('model_dir')} has content digest "
+                             f"{start.get('model_sha256')}, the archive measured {model_sha256}: it changed since the "
+                             f"screen ran, so nothing was re-executed or recorded; {fix}")
     by_index = {e["index"]: e for e in entries}
     for i in warmups:
         ray.get(actor.run.remote(by_index[i], episode_input(prompts, by_index[i])))

@@ -69,7 +69,7 @@ from packbench.core.plan import prompts as make_prompts
 from packbench.core.protocol import Protocol, expand
 from packbench.core.protocol.schema import MAX_BATCH, MAX_CONTINUATION
 from packbench.core.record import AUDITED, FIELDS_BY_NAME
-from packbench.core.registry import INT8_SCALE_BYTES, SHAPES, weights_of
+from packbench.core.registry import INT8_SCALE_BYTES, SHAPES, kind_of, weights_of
 from packbench.core.text import one_line
 
 # An archived trace of active sets (docs/traces.md) is read with each of its members at most this
@@ -306,6 +306,15 @@ def replay_problems(trace: Any, rec: dict, policy: str, params: dict) -> list[st
             out.append(f"experts {key}: recorded {one_line(repr(experts.get(key)))[:120]}, "
                        f"recomputed from the trace {one_line(repr(figures[key]))[:120]}")
     return out
+
+
+def _traced(protocol: Protocol, condition: Any) -> bool:
+    """Whether a traced protocol's exact episode of `condition` has a trace to check: the worker
+    traces packbench's own loaders, whose model is the CPU-first one, never a competitor's own
+    model (`accelerate`, `zero-inference`: engine/worker.py). A condition the protocol does not
+    name is checked (other problems name it)."""
+    return (condition not in protocol.condition_names
+            or kind_of(protocol.condition(condition).policy).competitor is None)
 
 
 def _episode_problems(name: str, rec: dict, logits: np.ndarray | None, protocol: Protocol,
@@ -577,7 +586,7 @@ class _Audit:
             self.check_sampled(name, trace_name, rec, self.names)
         if ok and trace_name in self.readable:
             self.check_trace(trace_name, self.read(reader, trace_name, "array", dtype=TRACE_DTYPE, ndim=2), rec)
-        if ok and proto.traced and rec.get("tier") == "exact":
+        if ok and proto.traced and rec.get("tier") == "exact" and _traced(proto, rec.get("condition")):
             self.check_active_sets(reader, members.active, rec, proto)
         if ok:
             self.check_memory(name, rec, start)

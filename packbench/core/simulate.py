@@ -3,7 +3,7 @@ with no weights, counted as the engine counts it, and a stated time prediction.
 
 A policy here is a table entry (`SIMULATED`): for a unit ("row": OPT, "expert": MoE) and a
 policy name, a function of the trace's model and the condition's params that returns a fresh
-`step(phase, layer, active, forecast) -> Charge` for one episode (the engine makes a fresh policy for every
+`step(phase, layer, active, forecast, tokens) -> Charge` for one episode (the engine makes a fresh policy for every
 episode: `CpuFirstModel.use`, so caches and forecasts start empty each episode here too). A
 step lists the `Recorder.add` charges the engine's policy makes for that layer, from the same
 functions (core/charges.py), in the same order; the ledger sums them as `Recorder.add` does.
@@ -67,9 +67,9 @@ class Charge:
     used: int | None = None
 
 
-# step(phase, layer, active, forecast): `forecast` is the trace's forecast set for the layer
-# (core/trace.py; None where the trace has none or no forecast can be made).
-Stepper = Callable[[str, int, np.ndarray, "np.ndarray | None"], Charge]
+# step(phase, layer, active, forecast, tokens): `forecast` is the trace's forecast set for the layer
+# (core/trace.py; None where the trace has none or no forecast can be made); `tokens` the call's.
+Stepper = Callable[[str, int, np.ndarray, "np.ndarray | None", int], Charge]
 
 
 def _unit_bytes(model: TraceModel, params: dict) -> int:
@@ -85,12 +85,12 @@ def _unit_bytes(model: TraceModel, params: dict) -> int:
 
 
 def _resident(model: TraceModel, params: dict) -> Stepper:
-    return lambda phase, layer, active, forecast=None: Charge()  # resident: nothing to fetch
+    return lambda phase, layer, active, forecast=None, tokens=1: Charge()  # resident: nothing to fetch
 
 
 def _dense_stream(model: TraceModel, params: dict) -> Stepper:
     rb = _unit_bytes(model, params)
-    return lambda phase, layer, active, forecast=None: Charge([charges.dense_copy(model.units, rb)])
+    return lambda phase, layer, active, forecast=None, tokens=1: Charge([charges.dense_copy(model.units, rb)])
 
 
 def _host_packet(model: TraceModel, active: np.ndarray, rb: int) -> list[dict]:
@@ -101,15 +101,15 @@ def _host_packet(model: TraceModel, active: np.ndarray, rb: int) -> list[dict]:
 def _packet(model: TraceModel, params: dict) -> Stepper:
     rb = _unit_bytes(model, params)
     if params.get("gather", "host") == "device":
-        return lambda phase, layer, active, forecast=None: Charge([charges.device_counts(active.size, rb)])
-    return lambda phase, layer, active, forecast=None: Charge(_host_packet(model, active, rb))
+        return lambda phase, layer, active, forecast=None, tokens=1: Charge([charges.device_counts(active.size, rb)])
+    return lambda phase, layer, active, forecast=None, tokens=1: Charge(_host_packet(model, active, rb))
 
 
 def _phase_switched(model: TraceModel, params: dict) -> Stepper:
     decode = _packet(model, params)
     rb = _unit_bytes(model, params)
 
-    def step(phase: str, layer: int, active: np.ndarray, forecast: np.ndarray | None = None) -> Charge:
+    def step(phase: str, layer: int, active: np.ndarray, forecast: np.ndarray | None = None, tokens: int = 1) -> Charge:
         if phase == "prefill":
             return Charge([charges.dense_copy(model.units, rb)])
         return decode(phase, layer, active)
@@ -122,7 +122,7 @@ def _sparse_extents(model: TraceModel, params: dict) -> Stepper:
     block = check_param("sparse-extents", "block_rows", params.get("block_rows",
                                                                    param_default("sparse-extents", "block_rows")))
 
-    def step(phase: str, layer: int, active: np.ndarray, forecast: np.ndarray | None = None) -> Charge:
+    def step(phase: str, layer: int, active: np.ndarray, forecast: np.ndarray | None = None, tokens: int = 1) -> Charge:
         blocks = charges.extent_blocks(active, block)
         rows = charges.extent_rows(blocks, block, model.units)
         return Charge([charges.activity_readback(active.size, model.units),
@@ -149,7 +149,7 @@ def _row_retention(model: TraceModel, params: dict) -> Stepper:
     last_used = np.full((model.layers, slots), -1, dtype=np.int64)
     clock = {"call": 0, "layer": model.layers}
 
-    def step(phase: str, layer: int, active: np.ndarray, forecast: np.ndarray | None = None) -> Charge:
+    def step(phase: str, layer: int, active: np.ndarray, forecast: np.ndarray | None = None, tokens: int = 1) -> Charge:
         if layer <= clock["layer"]:  # a new call (layers run in order): the recorder's serial moves on
             clock["call"] += 1
         clock["layer"] = layer
@@ -170,7 +170,8 @@ def _early_forecast(model: TraceModel, params: dict) -> Stepper:
     if params.get("gather", "host") == "device":
         prev = [np.zeros(0, dtype=np.int64) for _ in range(model.layers)]  # the device's `prev`: zeros
 
-        def device_step(phase: str, layer: int, active: np.ndarray, forecast: np.ndarray | None = None) -> Charge:
+        def device_step(phase: str, layer: int, active: np.ndarray, forecast: np.ndarray | None = None,
+                        tokens: int = 1) -> Charge:
             predicted = prev[layer] if phase == "decode" else np.zeros(0, dtype=np.int64)
             missed, wasted = charges.forecast_split(predicted, active)
             prev[layer] = active
@@ -179,7 +180,7 @@ def _early_forecast(model: TraceModel, params: dict) -> Stepper:
         return device_step
     previous: list[np.ndarray | None] = [None] * model.layers
 
-    def step(phase: str, layer: int, active: np.ndarray, forecast: np.ndarray | None = None) -> Charge:
+    def step(phase: str, layer: int, active: np.ndarray, forecast: np.ndarray | None = None, tokens: int = 1) -> Charge:
         out = []
         predicted = previous[layer] if phase == "decode" else None
         if predicted is not None and predicted.size == 0:
@@ -202,13 +203,21 @@ def _early_forecast(model: TraceModel, params: dict) -> Stepper:
 
 
 def _expert_dense(model: TraceModel, params: dict) -> Stepper:
-    return lambda phase, layer, active, forecast=None: Charge([charges.dense_copy(model.units, model.unit_bytes)])
+    return lambda phase, layer, active, forecast=None, tokens=1: Charge([charges.dense_copy(model.units,
+                                                                                          model.unit_bytes)])
 
 
 def _expert_packet(model: TraceModel, params: dict) -> Stepper:
-    device = params.get("gather", "host") == "device"
+    gather = params.get("gather", "host")
+    device = gather == "device"
 
-    def step(phase: str, layer: int, active: np.ndarray, forecast: np.ndarray | None = None) -> Charge:
+    def step(phase: str, layer: int, active: np.ndarray, forecast: np.ndarray | None = None, tokens: int = 1) -> Charge:
+        if gather == "mapped":  # the routing stays on the device: nothing read back, no index
+            # A call of more than one token gathers its union, counted on the device and read after
+            # the call (ExpertMappedPacket.settle); a one-token call's k experts are known (top-k).
+            count = [] if tokens == 1 else [dict(d2h_bytes=charges.COUNT_BYTES)]
+            return Charge([dict(active=active.size, **charges.unit_packet(active.size, model.unit_bytes, index=0)),
+                           *count])
         return Charge([charges.activity_readback(active.size, model.units),
                      charges.unit_packet(active.size, model.unit_bytes, index=0 if device else None)])
     return step
@@ -217,10 +226,10 @@ def _expert_packet(model: TraceModel, params: dict) -> Stepper:
 def _expert_phase_switched(model: TraceModel, params: dict) -> Stepper:
     packet = _expert_packet(model, params)
 
-    def step(phase: str, layer: int, active: np.ndarray, forecast: np.ndarray | None = None) -> Charge:
+    def step(phase: str, layer: int, active: np.ndarray, forecast: np.ndarray | None = None, tokens: int = 1) -> Charge:
         if phase == "prefill":
             return Charge([charges.dense_copy(model.units, model.unit_bytes)])
-        return packet(phase, layer, active)
+        return packet(phase, layer, active, tokens=tokens)
     return step
 
 
@@ -237,7 +246,7 @@ def _expert_cache(model: TraceModel, params: dict) -> Stepper:
     caches = [LayerCache(capacity, rule) for _ in range(model.layers)]  # raises ValueError on a bad capacity
     eb, units = model.unit_bytes, model.units
 
-    def step(phase: str, layer: int, active: np.ndarray, forecast: np.ndarray | None = None) -> Charge:
+    def step(phase: str, layer: int, active: np.ndarray, forecast: np.ndarray | None = None, tokens: int = 1) -> Charge:
         cache = caches[layer]
         out = [charges.activity_readback(active.size, units)]
         prefetched = used = None
@@ -358,7 +367,7 @@ def ledger(trace: Trace, name: str, params: dict) -> list[dict]:
                     continue  # a dense layer of an MoE model: no experts, nothing charged
                 forecast = trace.forecasts[c][layer] if (trace.forecasts is not None
                                                          and forecast_possible(m, layer)) else None
-                s = step(call.phase, layer, trace.sets[c][layer], forecast)
+                s = step(call.phase, layer, trace.sets[c][layer], forecast, call.tokens)
                 for key in ("hits", "misses", "prefetched", "used"):
                     row[key][layer] = getattr(s, key)
                 for add in s.charges:

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from packbench.core.canonical import canonical_sha256
+from packbench.core.files import read_json_object
 from packbench.core.errors import CheckpointError
 from packbench.core.metrics import episode_totals
 from packbench.core.provenance import checkpoint_digest
@@ -38,6 +39,7 @@ from packbench.engine.sampler import MemorySampler, device_uuid, nvml_handle
 from packbench.engine.dtypes import dtype_of
 from packbench.engine.synth import synth_checkpoint
 from packbench.engine.checkpoint import reads_whole
+from packbench.engine.config import MAX_CONFIG_BYTES
 
 
 
@@ -83,12 +85,13 @@ def model_dir_for(protocol: Protocol, model_dir: str | None, *, cache: Path | No
         return Path(model_dir)
     spec = synth.as_dict()
     out = synth_dir(spec, cache)
-    if (out / "config.json").exists() and not reads_whole(out):
+    if out.exists() and not _whole(out):
         # A cached checkpoint damaged after it was placed (a file truncated or half-copied by hand, a
-        # disk that lost its tail): it is generated again, the damaged folder moved aside (atomic, so
-        # no other worker reads it) and removed, since a node's cache holds checkpoints of tens of GB.
-        # Before, every screen of the spec failed on it, told to run `packbench model synth`, which
-        # never writes here.
+        # disk that lost its tail, a removal cut short): it is generated again, the damaged folder
+        # moved aside (atomic, so no other worker reads it) and removed, since a node's cache holds
+        # checkpoints of tens of GB. Before, every screen of the spec failed on it, told to run
+        # `packbench model synth`, which never writes here; a folder without config.json failed them
+        # all on the rename of a fresh copy onto it (Directory not empty), leaving the copy behind.
         aside = out.with_name(f"{out.name}.damaged-{os.getpid()}-{time.time_ns()}")
         try:
             out.rename(aside)
@@ -101,13 +104,20 @@ def model_dir_for(protocol: Protocol, model_dir: str | None, *, cache: Path | No
         # Before, two workers writing one folder let one read a half-written checkpoint.
         tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")
         shutil.rmtree(tmp, ignore_errors=True)
-        if synth.is_moe:  # a routing-calibrated MoE checkpoint, drawn on the CPU: the same bytes on every node
-            from packbench.engine.moe.synth import synth_moe
+        try:
+            if synth.is_moe:  # a routing-calibrated MoE checkpoint, drawn on the CPU: the same bytes on every node
+                from packbench.engine.moe.synth import synth_moe
 
-            synth_moe(tmp, shape=spec["shape"], seed=spec["seed"], dtype=spec["dtype"], layers=spec["layers"],
-                      profile=spec["routing"])
-        else:
-            synth_checkpoint(tmp, **spec)
+                synth_moe(tmp, shape=spec["shape"], seed=spec["seed"], dtype=spec["dtype"], layers=spec["layers"],
+                          profile=spec["routing"])
+            else:
+                synth_checkpoint(tmp, **spec)
+        except OSError as e:
+            # A full or read-only cache: the partial copy would keep the space it took (tens of GB).
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise CheckpointError(f"cannot write the synthetic checkpoint into the model cache {out.parent} "
+                                  f"({e.strerror or e}); free space there, or give --model-cache "
+                                  f"(PACKBENCH_MODEL_CACHE) a writable directory with room") from None
         try:
             tmp.rename(out)
         except OSError:
@@ -115,6 +125,17 @@ def model_dir_for(protocol: Protocol, model_dir: str | None, *, cache: Path | No
                 raise
             shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+def _whole(out: Path) -> bool:
+    """Whether a cached synthetic checkpoint folder is still whole: its config.json reads as a JSON
+    object and its safetensors read whole (`reads_whole`). Every worker renames a finished folder
+    into place, so one that exists and is not whole was damaged after it was placed."""
+    try:
+        read_json_object(out / "config.json", limit=MAX_CONFIG_BYTES)
+    except (OSError, ValueError):  # missing, unreadable, not a regular file, not a JSON object
+        return False
+    return reads_whole(out)
 
 
 def load_model(path: Path, *, dtype: torch.dtype, device: torch.device, mode: str):
@@ -447,7 +468,9 @@ class Worker:
         forced, forced_from, forced_s = None, None, None
         try:
             model, mode, built = RUNTIMES[policy].enter(self, policy, params)
-            tracer = self._tracer(entry) if model is self.model else None
+            # Exact episodes only (docs/archive.md): host-experts computes on the CPU-first model
+            # too, yet is approximate, and its trace was a member the auditor refused.
+            tracer = self._tracer(entry) if model is self.model and tier == "exact" else None
             try:
                 out, sampled, passes = self._measure(model, prompt, mode, policy=policy, params=params)
             finally:

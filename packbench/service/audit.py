@@ -303,7 +303,8 @@ def reexecute_archive(path: Path, *, k: int, seed: int = 0, settings: Settings |
     rerun = run_drawn(archived.protocol_body, model_dir if model_dir is not None else archived.model_dir,
                       entries=archived.entries, prompts=archived.prompts, runs=list(drawn.episodes),
                       warmups=list(drawn.warmups), reference_twice=drawn.reference_twice, accelerator=accelerator,
-                      settings=settings, progress=progress)
+                      settings=settings, progress=progress,
+                      model_sha256=archived.start.get("model_sha256") if isinstance(archived.start, dict) else None)
     problems = [f"static audit: {p}" for p in static.problems]
     if threads is not None and rerun.env.get("threads") != threads:
         problems.append(f"the re-execution worker ran {rerun.env.get('threads')} thread(s), the archive {threads}: "

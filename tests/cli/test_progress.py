@@ -76,3 +76,36 @@ def test_an_interrupted_wait_cancels_its_screen_unless_kept_queued(tmp_path, mon
     assert r.exit_code == 130 and "screen 2 stays queued (--keep-queued)" in r.stderr
     with Store(url) as store:
         assert (store.screen(1).status, store.screen(2).status) == ("cancelled", "queued")
+
+
+def test_a_sigterm_while_ray_starts_cancels_the_waited_screen_and_exits_143(tmp_path, monkeypatch):
+    """Bug caught: SIGTERM in the seconds `submit --wait` spends starting Ray, before the
+    dispatcher's own handler is in place, met Ray's driver handler (`sys.exit(15)`): the command
+    exited 15 with no line and left its screen queued, so the next `packbench dispatch` ran it
+    unasked (`packbench submit p.yaml --wait`, killed 2.5 s in: exit 15, `screens list`: queued).
+    SIGINT there already cancelled it; SIGTERM now does as well, exit 143."""
+    import os
+    import signal
+    import sys
+
+    from packbench.cluster.pool import RayPool
+
+    url = f"sqlite:///{tmp_path / 'pb.db'}"
+    with Store(url) as store:
+        store.upgrade()
+
+    def connect(self):
+        signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(signum))  # what ray.init installs
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    monkeypatch.setattr(RayPool, "connect", connect)
+    previous = signal.getsignal(signal.SIGTERM)
+    try:
+        r = CliRunner().invoke(cli_main.app, ["submit", str(_protocol(tmp_path)), "--wait", "--db", url,
+                                              "--archive-dir", str(tmp_path / "archives")])
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert r.exit_code == 143, (r.exit_code, r.stderr)
+    assert r.stderr.strip().startswith("interrupted: screen 1 cancelled, so no `packbench dispatch` runs it unasked")
+    with Store(url) as store:
+        assert store.screen(1).status == "cancelled"

@@ -6,6 +6,7 @@ read, check or queue run in this process (tests/in_process.py)."""
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -244,3 +245,40 @@ def test_reexecution_a_worker_refuses_is_one_line_and_exit_2(screen, workdir, ra
     assert r.returncode == 2, r.stdout + r.stderr[-2000:]
     errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "does not exist" in errors[0] and "Traceback" not in r.stderr, r.stderr
+
+
+def test_reexecution_of_a_screen_refuses_a_model_dir_it_would_not_use(screen, workdir, ray_env, tmp_path, tiny):
+    """Bug caught: `audit SCREEN --reexecute K --model-dir DIR` re-executed the checkpoint the
+    screen's row names and dropped --model-dir silently (AGREE, exit 0, whatever DIR held: a
+    checkpoint edited since, another model). --model-dir gives the checkpoint of an --archive file
+    re-executed alone; with screen ids it is refused in one line, exit 2, before any worker runs."""
+    other = tmp_path / "other"
+    shutil.copytree(tiny, other)
+    r = cli_ray("audit", str(screen["screen_id"]), "--reexecute", "1", "--time-factor", "1000", "--model-dir",
+                str(other), cwd=workdir, env=ray_env)
+    assert r.returncode == 2, r.stdout + r.stderr[-2000:]
+    errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "--model-dir" in errors[0] and "--archive" in errors[0], r.stderr
+    assert "re-executing" not in r.stderr and "Traceback" not in r.stderr
+
+
+
+def test_reexecution_on_a_checkpoint_edited_since_the_screen_is_refused_not_disagree(screen, workdir, ray_env,
+                                                                                     tiny, tmp_path):
+    """Bug caught: a checkpoint whose config.json was edited after its screen ran (here a key no
+    model reads: the logits stay the same) was re-executed anyway and the honest archive audited
+    DISAGREE, exit 1, its only problem `the re-run loaded a checkpoint with digest ..., the archive
+    measured ...` (an edit that changes the model adds a difference for every drawn episode); for
+    a screen that verdict was recorded against it. The re-run cannot check the archive on other
+    weights: it is refused in one line naming both digests and the fix, exit 2, before any episode."""
+    edited = tmp_path / "edited"
+    shutil.copytree(tiny, edited)
+    config = json.loads((edited / "config.json").read_text())
+    (edited / "config.json").write_text(json.dumps({**config, "edited_after_the_screen": True}))
+    r = cli_ray("audit", "--archive", screen["archive_path"], "--reexecute", "1", "--time-factor", "1000",
+                "--model-dir", str(edited), cwd=workdir, env=ray_env)
+    assert r.returncode == 2, r.stdout + r.stderr[-2000:]
+    errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
+    archived = ArchiveReader(Path(screen["archive_path"])).read_json("worker.json")["start"]["model_sha256"]
+    assert len(errors) == 1 and archived in errors[0] and "--model-dir" in errors[0], r.stderr
+    assert "DISAGREE" not in r.stdout and "re-executed episode" not in r.stderr and "Traceback" not in r.stderr

@@ -107,3 +107,70 @@ def test_an_edit_of_one_stored_hit_count_is_named(screen, tmp_path):
     # Catches a check of the counts against their sum alone (the edit keeps hits + misses).
     assert any(p.startswith(f"{name}: call {c} layer {layer} hits") for p in report.record["problems"]), \
         report.record["problems"]
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_a_traced_screen_of_mapped_expert_gathers_audits_agree(tmp_path, batch):
+    """Bug caught: the auditor replayed an archived trace of `packet {gather: mapped}` or
+    `phase-switched {gather: mapped}` as the host gather (the simulator read every gather but
+    `device` as `host`), so an honest traced screen audited DISAGREE: `active/00001.trace: call 1
+    layer 0 h2d_index_bytes: recorded 0, the trace's replay 32` and `d2h_bytes: recorded 0, the
+    trace's replay 16`. The mapped gather uploads no index and reads no routing back; a call of
+    more than one token (a prefill, a batch's decode) reads its 4-byte expert count per layer."""
+    torch.set_num_threads(1)
+    moe = synth_moe(tmp_path / "olmoe", shape="olmoe-tiny", seed=2, dtype="float32", layers=2)
+    raw = {"name": "moe-mapped", "model": {"path": str(moe)}, "dtype": "float32",
+           "prompts": {"generator": {"seed": 0, "count": 2}}, "prefix_tokens": 8, "continuation_tokens": 3,
+           "conditions": [{"policy": "dense-stream"}, {"policy": "packet", "params": {"gather": "mapped"}},
+                          {"policy": "phase-switched", "params": {"gather": "mapped"}}],
+           "reference": "dense-stream", "warmups": 1, "allowance_mib": 64, "gates": {"faithfulness": {}},
+           "trace": True, **({"batch": batch} if batch > 1 else {})}
+    path = tmp_path / "screen.zip"
+    _, episodes, _ = archive_screen(freeze(raw), moe, path)
+    assert {e["status"] for e in episodes} == {"ok"}
+    report = audit_archive(path)
+    assert report.agrees, report.record["problems"]
+
+
+def test_a_traced_screen_with_an_exact_competitor_audits_agree(tmp_path):
+    """Bug caught: `trace: true` beside an exact competitor (`accelerate`, stock transformers'
+    modules under its own hooks) audited DISAGREE on an honest screen: the worker traces only
+    packbench's own loaders (a competitor's model is not the CPU-first one), and the auditor asked
+    every exact episode for one: `active/00002.trace: the protocol says trace: true, the episode's
+    trace is missing or unreadable`. A competitor's episode has no trace to check; a loader's still must."""
+    torch.set_num_threads(1)
+    moe = synth_moe(tmp_path / "olmoe", shape="olmoe-tiny", seed=2, dtype="float32", layers=1)
+    raw = {"name": "moe-peer", "model": {"path": str(moe)}, "dtype": "float32",
+           "prompts": {"generator": {"seed": 0, "count": 1}}, "prefix_tokens": 8, "continuation_tokens": 3,
+           "conditions": [{"policy": "dense-stream"}, {"policy": "packet"}, {"policy": "accelerate"}],
+           "reference": "dense-stream", "warmups": 1, "allowance_mib": 64, "gates": {"faithfulness": {}},
+           "trace": True}
+    path = tmp_path / "screen.zip"
+    _, episodes, _ = archive_screen(freeze(raw), moe, path)
+    assert {e["status"] for e in episodes} == {"ok"}
+    report = audit_archive(path)
+    assert report.agrees, report.record["problems"]
+    packet = scored(episodes, "packet")["plan_index"]
+    name = episode_members(packet).active
+    damaged = audit_archive(resealed(path, tmp_path / "damaged.zip", lambda m: m.update({name: b"not a trace"})))
+    assert any(p.startswith(name) for p in damaged.record["problems"]), damaged.record["problems"]
+
+
+def test_a_traced_screen_with_host_experts_audits_agree(tmp_path):
+    """Bug caught: `trace: true` beside `host-experts` (an approximate competitor that computes
+    the experts on the host with the CPU-first model itself) audited DISAGREE on an honest screen:
+    the worker traced every episode run on its CPU-first model, approximate ones too, and the
+    auditor allows a trace for exact episodes only (docs/archive.md): `member 'active/00002.trace'
+    is not part of the archive of this plan`. Only exact episodes are traced now."""
+    torch.set_num_threads(1)
+    moe = synth_moe(tmp_path / "olmoe", shape="olmoe-tiny", seed=2, dtype="float32", layers=1)
+    raw = {"name": "moe-host", "model": {"path": str(moe)}, "dtype": "float32",
+           "prompts": {"generator": {"seed": 0, "count": 1}}, "prefix_tokens": 8, "continuation_tokens": 3,
+           "conditions": [{"policy": "dense-stream"}, {"policy": "packet"}, {"policy": "host-experts"}],
+           "reference": "dense-stream", "warmups": 1, "allowance_mib": 64, "gates": {"faithfulness": {}},
+           "trace": True}
+    path = tmp_path / "screen.zip"
+    _, episodes, _ = archive_screen(freeze(raw), moe, path)
+    assert {e["status"] for e in episodes} == {"ok"}
+    report = audit_archive(path)
+    assert report.agrees, report.record["problems"]

@@ -4,6 +4,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from packbench.core.plan import plan, prompts
 from packbench.core.protocol import freeze
@@ -263,3 +264,57 @@ def test_no_collection_runs_inside_an_episode_and_each_record_names_what_ran_bef
     assert records[0]["previous"] is None
     for before, r in zip(records, records[1:]):
         assert r["previous"] == {"condition": before["condition"], "plan_index": before["plan_index"], "load": 1}
+
+
+@pytest.mark.parametrize("damage", ["config.json removed", "config.json not JSON"])
+def test_a_cached_moe_checkpoint_without_a_readable_config_is_generated_again(tmp_path, damage):
+    """Bug caught: a cached synthetic MoE checkpoint whose config.json was removed (a removal of
+    the cache folder cut short) made every screen of the spec fail with `OSError: [Errno 39]
+    Directory not empty` from the rename of a fresh copy onto the old folder, leaving that copy
+    behind as <folder>.tmp-PID; one whose config.json no longer read as JSON failed every screen
+    told to fix "the JSON object a Hugging Face OPT checkpoint has", in a folder the user never
+    wrote. Now both are damaged folders like a cut safetensors file: removed and generated again."""
+    from packbench.core.protocol import expand, freeze
+    from packbench.engine.worker import model_dir_for
+
+    raw = {"name": "s", "model": {"synth": {"shape": "olmoe-tiny", "dtype": "float32", "seed": 5, "layers": 1}},
+           "dtype": "float32", "prompts": {"generator": {"seed": 0, "count": 1}}, "prefix_tokens": 8,
+           "continuation_tokens": 2, "conditions": [{"policy": "dense-stream"}], "reference": "dense-stream",
+           "warmups": 1, "allowance_mib": 64, "gates": {"faithfulness": {}}}
+    protocol = expand(freeze(raw).body)
+    out = model_dir_for(protocol, None, cache=tmp_path)
+    config, weights = (out / "config.json").read_bytes(), (out / "model.safetensors").read_bytes()
+    if damage == "config.json removed":
+        (out / "config.json").unlink()
+    else:
+        (out / "config.json").write_bytes(config[: len(config) // 2])
+    assert model_dir_for(protocol, None, cache=tmp_path) == out
+    assert (out / "config.json").read_bytes() == config and (out / "model.safetensors").read_bytes() == weights
+    assert [p.name for p in tmp_path.iterdir()] == [out.name]  # the damaged folder removed, no .tmp-* left
+
+
+def test_a_model_cache_that_refuses_the_write_is_one_line_and_leaves_no_partial_copy(tmp_path, monkeypatch):
+    """Bug caught: a model cache that is full (or read-only) while a worker generates a synthetic
+    MoE checkpoint failed the screen with `OSError: [Errno 28] No space left on device`, naming
+    neither the folder nor the fix, and left the partial copy (<folder>.tmp-PID) holding the space
+    it had taken. Now the copy is removed and one CheckpointError names the cache and the fix."""
+    import errno
+
+    from packbench.core.errors import CheckpointError
+    from packbench.core.protocol import expand, freeze
+    from packbench.engine.moe import synth
+    from packbench.engine.worker import model_dir_for
+
+    def full(out, **spec):
+        Path(out).mkdir(parents=True)
+        (Path(out) / "model.safetensors").write_bytes(b"\0" * 1024)  # part of a checkpoint, then the disk is full
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(synth, "synth_moe", full)
+    raw = {"name": "s", "model": {"synth": {"shape": "olmoe-tiny", "dtype": "float32", "seed": 5, "layers": 1}},
+           "dtype": "float32", "prompts": {"generator": {"seed": 0, "count": 1}}, "prefix_tokens": 8,
+           "continuation_tokens": 2, "conditions": [{"policy": "dense-stream"}], "reference": "dense-stream",
+           "warmups": 1, "allowance_mib": 64, "gates": {"faithfulness": {}}}
+    with pytest.raises(CheckpointError, match=r"model cache .* \(No space left on device\); .*--model-cache"):
+        model_dir_for(expand(freeze(raw).body), None, cache=tmp_path)
+    assert list(tmp_path.iterdir()) == []  # no partial copy left
