@@ -104,15 +104,18 @@ MAX_CONFIG_BYTES = 1 << 20  # an OPT config.json is ~1 KB
 def _json(path: Path) -> dict:
     """config.json as a mapping, or a one-line CheckpointError naming the file."""
     from packbench.core.files import NOT_AN_OBJECT, NotReadable, read_json_object
+    from packbench.core.moe import FAMILIES
+
+    kinds = f"OPT or MoE ({', '.join(FAMILIES)})"
 
     try:
         return read_json_object(path, limit=MAX_CONFIG_BYTES)
     except OSError as e:
         raise CheckpointError(f"cannot read {path} ({e.strerror}); check its permissions") from None
     except NotReadable as e:
-        raise CheckpointError(f"{path} {e}, not an OPT config.json; point model.path at a Hugging Face "
-                              f"OPT directory") from None
+        raise CheckpointError(f"{path} {e}, not a checkpoint's config.json; point model.path at a Hugging "
+                              f"Face {kinds} directory") from None
     except ValueError as e:
         what = NOT_AN_OBJECT if str(e) == NOT_AN_OBJECT else f"is not JSON ({e})"
         raise CheckpointError(f"{path} {what}; the checkpoint's config.json must be the JSON object a "
-                              f"Hugging Face OPT checkpoint has") from None
+                              f"Hugging Face {kinds} checkpoint has") from None

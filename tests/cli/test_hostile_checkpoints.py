@@ -58,6 +58,17 @@ def test_a_config_json_that_is_no_object_is_one_line(tmp_path, tiny, capsys, tex
                    f"{model / 'config.json'} {fragment}")
 
 
+def test_a_broken_config_json_names_every_family_packbench_runs(tmp_path, tiny, capsys):
+    """Catches the fix that said "the JSON object a Hugging Face OPT checkpoint has" to a user whose
+    checkpoint is a Mixtral, Qwen3-MoE or OLMoE one (packbench runs those too)."""
+    from packbench.core.moe import FAMILIES
+
+    model = copy_of(tiny, tmp_path / "m")
+    (model / "config.json").write_text('{"model_type": "mixtral", ')
+    line = one_line_error(pb(capsys, "model", "stats", str(model), "--prefix", "8", "--count", "1"), "is not JSON")
+    assert all(family in line for family in FAMILIES) and "OPT" in line, line
+
+
 def test_a_config_json_that_is_a_fifo_does_not_hang(tmp_path, tiny, capsys):
     """Catches is_moe_dir's `read_text()` of a config.json that is a FIFO: open() waited for a writer."""
     model = copy_of(tiny, tmp_path / "m")
