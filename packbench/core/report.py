@@ -255,13 +255,15 @@ def expert_cache_rows(screen: ScreenData) -> list[dict]:
     keys = ("routed", "hits", "belady_hits", "prefetched", "used", "wasted")
     out = []
     for c in screen.protocol.conditions:
-        mine = [e.record for e in screen.episodes
-                if e.condition == c.name and e.scored and e.ok and isinstance(e.record.get("experts"), dict)]
+        eps = [e for e in screen.episodes
+               if e.condition == c.name and e.scored and e.ok and isinstance(e.record.get("experts"), dict)]
+        mine = [e.record for e in eps]
         if not mine:
             continue
         total = {k: sum(r["experts"][k] for r in mine) for k in keys}
         decode = {k: sum(r["experts"]["decode"][k] for r in mine) for k in ("routed", "hits", "belady_hits", "used")}
-        tokens = sum(r.get("phases", {}).get("decode", {}).get("calls", 0) for r in mine)
+        # Per token: a decode call at batch B feeds B tokens (`packbench simulate` divides alike).
+        tokens = sum(call.get("tokens", 1) for e in eps for call in e.calls if call.get("phase") == "decode")
         decode_h2d = sum(r.get("phases", {}).get("decode", {}).get("h2d_bytes", 0) for r in mine)
         x = mine[0]["experts"]
         cache = f"{x['capacity']} {x['rule']}" if x["capacity"] else "no cache"
