@@ -230,7 +230,7 @@ def _moe_plan(frozen: FrozenProtocol, *, h2d_gbps: float, json_out: bool) -> Non
         hot = c.resolved_params.get("hot", 0)
         pre = call_bytes(s, p.dtype, c.policy, tokens=batch * p.prefix_tokens, phase="prefill", gather=gather, hot=hot)
         dec = call_bytes(s, p.dtype, c.policy, tokens=batch, phase="decode", gather=gather, hot=hot)
-        bound = call_bytes_bound(c.policy, dict(c.resolved_params))
+        bound = call_bytes_bound(c.policy, dict(c.resolved_params), tokens=batch * p.prefix_tokens)  # the longest call
         rows.append({"condition": c.name, "policy": c.policy, "prefill_bytes": pre, "decode_bytes": dec, "bound": bound,
                      "decode_floor_ms": dec / (h2d_gbps * 1e9) * 1e3})
     entries = plan(p)

@@ -258,7 +258,8 @@ def call_bytes(shape: MoeShape, dtype: str, policy: str, *, tokens: int, phase: 
     packet (the union of `tokens` tokens' k experts a layer is at most min(E, k x tokens)), for
     accelerate (every layer offloaded: its whole weights each call) and for an expert cache (only
     its misses move: at most the packet's experts, no index); for expert-forecast the packet's
-    experts, at least (wrong forecasts add, up to min(E, k x tokens) more a layer)."""
+    experts, at least in a call of one token (wrong forecasts add, up to min(E, k x tokens) more a
+    layer), about in a longer one (its tokens may share experts: fewer than min(E, k x tokens))."""
     if policy in CACHE_POLICIES:
         gather = "device"  # the cache's fetches and prefetches are device-gather copies: no index
     layer_all = shape.experts * shape.expert_bytes(dtype)
@@ -276,12 +277,14 @@ def call_bytes(shape: MoeShape, dtype: str, policy: str, *, tokens: int, phase: 
     return shape.layers * (m * shape.expert_bytes(dtype) + index)
 
 
-def call_bytes_bound(policy: str, params: dict) -> str:
-    """How `call_bytes` bounds what `policy` moves: exact (resident, dense-stream), at most (a
-    packet, a cache: misses only), at least (a forecast alone: wrong forecasts add), about (a
-    cache that forecasts: fewer misses, some waste)."""
+def call_bytes_bound(policy: str, params: dict, *, tokens: int = 1) -> str:
+    """How `call_bytes` bounds what `policy` moves in calls of at most `tokens` tokens: exact
+    (resident, dense-stream), at most (a packet, a cache: misses only), at least (a forecast alone
+    in one-token calls: the estimate is then the exact demand, and wrong forecasts add), about (a
+    forecast alone in longer calls, whose tokens may share experts, so the demand can be below the
+    estimate; a cache that forecasts: fewer misses, some waste)."""
     if policy in ("resident", "dense-stream"):
         return "exact"
     if policy == "expert-forecast":
-        return "at least"
+        return "at least" if tokens == 1 else "about"
     return "about" if forecasting(policy, params) else "at most"
