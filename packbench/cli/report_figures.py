@@ -322,7 +322,7 @@ def heatmap_figure(heat: dict | None) -> str | None:
     ax.set_xlabel(f"calls of the scored {heat['condition']} episodes (first of each: prefill)")
     ax.grid(False)
     cb = fig.colorbar(im, ax=ax, pad=0.01)
-    cb.set_label(f"active fraction of {heat['neurons']} neurons" if heat["fraction"] else "active rows")
+    cb.set_label(f"active fraction of {heat['neurons']} {heat['unit']}" if heat["fraction"] else "active rows")
     return to_svg(fig, "heatmap")
 
 
@@ -346,7 +346,7 @@ def union_figure(union: dict | None) -> str | None:
     ax.set_xscale("log")
     ax.set_ylim(0, 1.02)
     ax.set_xlabel("tokens in the call")
-    ax.set_ylabel(f"active fraction of {union['neurons']} neurons")
+    ax.set_ylabel(f"active fraction of {union['neurons']} {union['unit']}")
     ax.set_title(f"union sparsity ({union['condition']})")
     ax.legend(loc="upper left")
     return to_svg(fig, "union")
@@ -369,7 +369,7 @@ def workload_figure(w: dict | None) -> str | None:
     plain_log_ticks(ax.yaxis)
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("layer")
-    ax.set_ylabel("active fraction of neurons")
+    ax.set_ylabel(f"active fraction of {w['unit']}")
     ax.set_title(f"activity by layer ({w['condition']})")
     ax.legend(loc="lower right", fontsize=8)
     return to_svg(fig, "workload")

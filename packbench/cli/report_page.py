@@ -29,8 +29,10 @@ PLOT_CAPTIONS = {
             "episode moves; the ratio of medians beside it is in the runtime ratio table above.",
     "decode": "Milliseconds per generated token of every decode call of the scored episodes (box: quartiles).",
     "memory": "GPU memory sampled by NVML during every episode (warmups included), against the protocol's allowance.",
-    "heatmap": "Active outgoing rows per layer over the calls of the scored episodes, in plan order.",
-    "union": "Active fraction of neurons (the union over a call's tokens) against the tokens in the call.",
+    "heatmap": "Active outgoing rows (an MoE model's routed experts) per layer over the calls of the scored "
+               "episodes, in plan order.",
+    "union": "Active fraction of neurons (an MoE model's experts; the union over a call's tokens) against the tokens "
+             "in the call.",
     "workload": "Each layer's active fraction in decode and prefill calls; dashed, what the synthetic profile "
                 "targets per token; dotted, real OPT's measured mean for this shape and prefix (docs/workloads.md). "
                 "`packbench model stats` gives every figure of a checkpoint.",

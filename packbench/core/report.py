@@ -168,6 +168,15 @@ def model_label(screen: ScreenData) -> str:
     return f"checkpoint {m.path}"
 
 
+def unit_name(screen: ScreenData) -> str:
+    """What an active row of the screen's model is: "experts" (an MoE model: the synthetic
+    shape's family, else the start record's `unit`), else "neurons" (OPT's FFN rows)."""
+    synth = screen.protocol.model.synth
+    if synth is not None:
+        return "experts" if synth.is_moe else "neurons"
+    return "experts" if screen.start.get("unit") == "expert" else "neurons"
+
+
 def neurons_per_layer(screen: ScreenData) -> int | None:
     """FFN neurons (outgoing rows) per layer: the synthetic shape's, else derived from the
     worker's host outgoing bytes over layers x bytes per row (a call that copied rows gives
@@ -427,7 +436,7 @@ def active_heatmap(screen: ScreenData) -> dict | None:
             columns.append([math.nan if v is None else (v / ffn if ffn else v) for v in call["active_rows"]])
             phases.append(call["phase"])
     return {"condition": c, "rows": np.array(columns, dtype=np.float64).T, "fraction": ffn is not None,
-            "neurons": ffn, "episodes": episodes, "phases": phases}
+            "neurons": ffn, "unit": unit_name(screen), "episodes": episodes, "phases": phases}
 
 
 def union_sparsity(screen: ScreenData) -> dict | None:
@@ -448,7 +457,7 @@ def union_sparsity(screen: ScreenData) -> dict | None:
     for t, f in points:
         by_tokens.setdefault(t, []).append(f)
     curve = [(t, statistics.median(fs)) for t, fs in sorted(by_tokens.items())]
-    return {"condition": c, "neurons": ffn, "points": points, "curve": curve}
+    return {"condition": c, "neurons": ffn, "unit": unit_name(screen), "points": points, "curve": curve}
 
 
 def workload_by_layer(screen: ScreenData) -> dict | None:
@@ -481,7 +490,8 @@ def workload_by_layer(screen: ScreenData) -> dict | None:
     anchors = [(f"real {a.shape}: {a.label}", a.value) for a in ANCHORS
                if a.shape == shape and a.prefix_tokens == prefix and a.key.split(".")[1] in
                ("decode_packet_over_dense", "prefill_packet_over_dense")]
-    return {"condition": c, **by_layer, "target": target, "anchors": anchors, "shape": shape}
+    return {"condition": c, **by_layer, "target": target, "anchors": anchors, "shape": shape,
+            "unit": unit_name(screen)}
 
 
 def energy(screen: ScreenData) -> dict[str, list[dict]]:

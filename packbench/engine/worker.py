@@ -327,6 +327,8 @@ class Worker:
                 "cpu_first": True,  # CpuFirstModel never places the outgoing weights on the device
                 "allowance_bytes": allowance, "context_bytes": context, "device": str(self.device),
                 "vocab": self.model.vocab, "model_dir": str(path), "model_state": "warm" if warm else "cold",
+                # what an active row is: an MoE model's expert or OPT's neuron (core/report.py unit_name)
+                "unit": "expert" if hasattr(self.model, "expert_record") else "row",
                 "engine": {"mode": self.mode}, "model_sha256": digest,
                 **self.prepared,
                 "entry_to_loaded_s": time.perf_counter() - self.t_entry}

@@ -142,6 +142,7 @@ def test_series_are_derived_from_the_ledger(screen):
     assert len(per_call["dense-stream"]["decode"]) == 3 * (6 - 1)  # 3 prompts x 5 decode calls
     assert all(0 < b < outgoing for b in per_call["packet"]["decode"])
     assert data.neurons_per_layer(s) == 256  # model.path: derived from bytes, the tiny shape's ffn
+    assert s.start["unit"] == "row" and data.unit_name(s) == "neurons"  # an OPT checkpoint: rows are neurons
     heat = data.active_heatmap(s)
     assert heat["condition"] == "packet" and heat["rows"].shape == (2, 3 * 6)
     union = data.union_sparsity(s)

@@ -186,3 +186,19 @@ def test_without_recording_the_figures_stand_on_the_routing_alone(moe_dir, tmp_p
     assert r["experts"]["routed"] > 0 and figure_problems(r["experts"], r["calls"]) == []
     report = audit_archive(path)
     assert report.agrees, report.record["problems"]
+
+
+def test_a_moe_screens_activity_figures_count_experts_not_neurons(moe_dir, tmp_path):
+    """Catches the report labelling an MoE screen's activity "active fraction of 64 neurons" (the
+    values were fractions of experts): a model.path checkpoint's start record says what a row is,
+    and every activity series carries the word."""
+    from packbench.core import report as data
+
+    path = tmp_path / "screen.zip"
+    archive_screen(freeze(raw(moe_dir, conditions=[CONDITIONS[0], {"policy": "packet"}])), moe_dir, path)
+    s = read_screen(path)
+    assert s.start["unit"] == "expert" and data.unit_name(s) == "experts"
+    experts = json.loads((moe_dir / "config.json").read_text())["num_experts"]
+    assert data.neurons_per_layer(s) == experts
+    for series in (data.active_heatmap(s), data.union_sparsity(s), data.workload_by_layer(s)):
+        assert series["unit"] == "experts"
