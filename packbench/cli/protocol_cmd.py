@@ -178,6 +178,10 @@ def plan_cmd(
     activity = _activity(frozen, sparsity)
     shape = _shape(frozen, None if shape is None else shape.value)
     _check_positions(frozen, shape)
+    if frozen.model_dir() is None or frozen.model_dir().exists():
+        from packbench.service.submit import check_family
+
+        check_family(frozen)  # the offloading peers' refusals (an allowance, a dtype, a placement), as submit's
     entries = plan(p)
     est = estimate(p, shape=shape, activity=activity, h2d_gbps=h2d_gbps)
     timing = _timing(p, est, device=device or device_here(), db=db, model=model_key(p, model_dir=frozen.model_dir()))

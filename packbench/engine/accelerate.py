@@ -9,7 +9,7 @@ OPT's on the same device, so its logits are dense-stream's bit for bit (tests/en
 
 `max_memory` for the device is the protocol's allowance less what the worker holds there beside
 the weights: the CUDA context (measured, `context_bytes`), whatever is allocated already
-(`held_bytes`), the episode's KV cache and a working margin for activations (KV_MARGIN). Given the whole allowance, accelerate fills it with weights
+(`held_bytes`), the episode's KV cache at the protocol's batch and a working margin for activations (KV_MARGIN). Given the whole allowance, accelerate fills it with weights
 and the first call's KV cache has no room under the imposed cap.
 
 Bytes are COUNTED, not estimated: every offloading hook's `pre_forward` is wrapped
@@ -188,7 +188,7 @@ class AcceleratedModel:
     mode = "eager"
 
     def __init__(self, model_dir: Path, *, dtype: torch.dtype, device: torch.device, allowance_bytes: int,
-                 context_bytes: int = 0, capacity: int = 0, host_bytes: int | None = None) -> None:
+                 context_bytes: int = 0, capacity: int = 0, batch: int = 1, host_bytes: int | None = None) -> None:
         lib = library()
         from accelerate import dispatch_model, infer_auto_device_map
 
@@ -204,7 +204,7 @@ class AcceleratedModel:
         # left 258 MiB there on the H200 (docs/benchmarks.md), and accelerate, told the device was
         # empty, placed weights into it until the allowance's cap refused an allocation.
         held = torch.cuda.memory_allocated(device) if cuda else 0
-        reserve = context_bytes + kv_bytes(self.config, capacity, dtype) + KV_MARGIN + held
+        reserve = context_bytes + kv_bytes(self.config, capacity, dtype) * batch + KV_MARGIN + held
         max_memory = max(0, allowance_bytes - reserve) if cuda else 0
         if cuda:
             # Every host byte accelerate may use: the model is in host memory already.

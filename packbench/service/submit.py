@@ -197,30 +197,31 @@ def archive_warning_of(frozen: FrozenProtocol) -> str | None:
 def check_family(frozen: FrozenProtocol) -> None:
     """A model.path MoE checkpoint runs only the kinds that fit an MoE model, within an allowance that
     holds its device part and one layer's routed experts (core/moe.py moe_refusal); an OPT checkpoint
-    refuses a kind for MoE models alone (family_refusal)."""
+    refuses a kind for MoE models alone (family_refusal). The offloading peers' refusals
+    (check_offload) hold for a synthetic OPT shape too, whose config is its preset's."""
     model_dir = frozen.model_dir()
+    p = frozen.protocol
     if model_dir is None:
+        if not p.model.synth.is_moe:  # the schema checked its family and gathers; the peers need its shape
+            from packbench.core.registry import SHAPES
+
+            s = SHAPES[p.model.synth.shape]
+            check_offload(p, {"hidden_size": s["hidden"], "ffn_dim": s["ffn"], "num_hidden_layers": s["layers"],
+                              "num_attention_heads": s["heads"], "vocab_size": s["vocab"],
+                              "max_position_embeddings": s["max_positions"]})
         return
     from packbench.core.moe import FAMILIES, family_refusal, moe_refusal
     from packbench.engine.config import read_config
 
     config = read_config(model_dir)
-    p = frozen.protocol
     if config.get("model_type") not in FAMILIES:
         refusal = family_refusal([(c.name, c.policy, dict(c.resolved_params)) for c in p.conditions], family="opt",
                                  model=f"checkpoint {model_dir}")
         if refusal:
             raise ProtocolError(f"protocol field `{refusal[0]}`: {refusal[1]}")
-        from packbench.core.conditions.zero_inference import allowance_refusal
-
+        if "hidden_size" in config:
+            check_offload(p, config)
         for i, c in enumerate(p.conditions):
-            if c.policy == "zero-inference" and "hidden_size" in config:
-                refusal = allowance_refusal(config, dtype=p.dtype, capacity=p.prefix_tokens + p.continuation_tokens,
-                                            batch=p.batch, allowance_bytes=p.allowance_bytes)
-                if refusal:
-                    raise ProtocolError(f"protocol field `allowance_mib`: {refusal}")
-            if c.policy == "flexgen" and "hidden_size" in config:
-                check_flexgen(i, c, p, config)
             if c.resolved_params.get("gather") == "mapped":
                 raise ProtocolError(f"protocol field `conditions[{i}].params.gather`: mapped gathers an MoE model's "
                                     f"experts; checkpoint {model_dir} is OPT, whose device gather already reads mapped "
@@ -230,6 +231,21 @@ def check_family(frozen: FrozenProtocol) -> None:
                           conditions=[(c.name, c.policy, dict(c.resolved_params)) for c in p.conditions])
     if refusal:
         raise ProtocolError(f"protocol field `{refusal[0]}`: {refusal[1]}")
+
+
+def check_offload(p: Protocol, config: dict) -> None:
+    """The offloading peers' refusals on an OPT `config` (config.json's fields): a zero-inference
+    allowance below DeepSpeed's minimum, what FlexGen cannot run (check_flexgen)."""
+    from packbench.core.conditions.zero_inference import allowance_refusal
+
+    for i, c in enumerate(p.conditions):
+        if c.policy == "zero-inference":
+            refusal = allowance_refusal(config, dtype=p.dtype, capacity=p.prefix_tokens + p.continuation_tokens,
+                                        batch=p.batch, allowance_bytes=p.allowance_bytes)
+            if refusal:
+                raise ProtocolError(f"protocol field `allowance_mib`: {refusal}")
+        if c.policy == "flexgen":
+            check_flexgen(i, c, p, config)
 
 
 def submitter() -> str:

@@ -226,3 +226,18 @@ def test_enum_choices_come_from_the_registry():
     assert tuple(p.value for p in Policy) == POLICY_NAMES
     helptext = CliRunner().invoke(app, ["protocol", "plan", "--help"], env={"COLUMNS": "200"}).output
     assert "<" + "|".join(SYNTH_SHAPES) + ">" in helptext
+
+
+def test_plan_refuses_what_validate_and_submit_refuse_of_an_offloading_peer(tmp_path):
+    """`protocol plan` on an OPT model never ran check_family: a zero-inference condition under an
+    allowance below DeepSpeed's minimum (synthetic OPT-125m, 64 MiB: its embedding alone is 147 MiB)
+    was planned, exit 0, where validate and submit refuse it in one line naming the MiB it needs."""
+    f = tmp_path / "zi.yaml"
+    f.write_text("name: zi\nmodel: {synth: {shape: opt-125m, dtype: float32, seed: 0}}\ndtype: float32\n"
+                 "prompts: {generator: {seed: 0, count: 1}}\nprefix_tokens: 8\ncontinuation_tokens: 2\n"
+                 "conditions: [{policy: dense-stream}, {policy: zero-inference}]\nreference: dense-stream\n"
+                 "warmups: 1\nallowance_mib: 64\ngates: {faithfulness: {}}\n")
+    for command in ("validate", "plan"):
+        r = run("protocol", command, str(f))
+        assert r.returncode == 2 and r.stdout == "", (command, r.stdout, r.stderr)
+        assert r.stderr.count("\n") == 1 and "zero-inference needs an allowance of at least 149 MiB" in r.stderr

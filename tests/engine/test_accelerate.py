@@ -150,3 +150,31 @@ def test_submit_wait_runs_and_audits_an_accelerate_screen(tmp_path, tiny, packbe
     plan_out = cli("protocol", "plan", "protocol.yaml")
     assert plan_out.returncode == 0 and "accelerate (accelerate): mode eager; cannot be captured: accelerate's hooks" \
         in plan_out.stdout, plan_out.stdout
+
+
+def test_max_memory_leaves_room_for_the_whole_batchs_kv_cache(tiny, monkeypatch):
+    """accelerate's max_memory reserved one sequence's KV cache whatever the protocol's batch, so at
+    batch B it placed (B - 1) sequences' cache worth of weights into room the batch then needed (the
+    H200's batch-32 screen: out of memory in both accelerate episodes, 4.74 GiB allocated of the 4.83
+    allowed). The CUDA-only calls are stood in for so that the arithmetic runs on the CPU."""
+    import accelerate
+
+    from packbench.engine.accelerate import KV_MARGIN, kv_bytes
+    from packbench.engine.conditions.accelerate import RUNTIME
+
+    budgets = []
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 0)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(accelerate, "infer_auto_device_map",
+                        lambda model, max_memory, **kw: budgets.append(max_memory[0]) or {"": "cpu"})
+    monkeypatch.setattr(accelerate, "dispatch_model", lambda model, **kw: model)
+    allowance, context, capacity, batch = 1024 << 20, 1 << 20, 40, 8
+
+    class Holder:  # what the runtime reads of the worker
+        path, dtype, device = tiny, torch.float32, torch.device("cuda", 0)
+
+    holder = Holder()
+    holder.allowance, holder.context, holder.capacity, holder.batch = allowance, context, capacity, batch
+    m = RUNTIME.build(holder, {})
+    kv = kv_bytes(m.config, capacity, torch.float32) * batch
+    assert budgets == [allowance - context - kv - KV_MARGIN] == [m.stats.max_memory_bytes]

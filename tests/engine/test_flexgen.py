@@ -239,6 +239,52 @@ class StandIn:
         return cls(data)
 
 
+def test_a_layout_another_worker_placed_meanwhile_is_kept_not_removed(tiny, tmp_path, monkeypatch):
+    """Two workers of one host converting one checkpoint at once: the one that finished second
+    removed the first one's complete layout (`rmtree(root)`) to rename its own into place, while the
+    first one's OptLM may be reading it (its np.load then finds no file). The loser drops its copy."""
+    import packbench.engine.flexgen as fx
+
+    real = fx.convert
+
+    def convert_while_another_worker_finishes(checkpoint, out):
+        names = real(checkpoint, out)
+        monkeypatch.setattr(fx, "convert", real)
+        monkeypatch.setattr(fx.os, "getpid", lambda: 2)  # another process's private folder
+        other = fx.converted(checkpoint, tmp_path)  # the other worker's copy, placed meanwhile
+        (other / "reading").write_text("its OptLM reads from here")
+        return names
+
+    monkeypatch.setattr(fx, "convert", convert_while_another_worker_finishes)
+    root = fx.converted(tiny, tmp_path)
+    assert (root / "reading").exists() and (root / "complete").exists()
+    assert sorted(p.name for p in root.parent.iterdir()) == [root.name]  # the loser's copy is gone
+
+
+def test_a_cache_that_refuses_the_layout_is_one_line_and_leaves_no_partial_copy(tiny, tmp_path, monkeypatch):
+    """A full (or read-only) model cache: the conversion failed with a bare `OSError: [Errno 28] No
+    space left on device` and left its partial .tmpPID copy (a converted OPT-13B is 26 GB) behind."""
+    import errno
+
+    import packbench.engine.flexgen as fx
+
+    real_save = np.save
+    calls = []
+
+    def save(fh, arr):
+        calls.append(1)
+        if len(calls) > 3:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_save(fh, arr)
+
+    monkeypatch.setattr(fx.np, "save", save)
+    with pytest.raises(fx.FlexGenUnavailable) as e:
+        fx.converted(tiny, tmp_path)
+    msg = str(e.value)
+    assert "\n" not in msg and "No space left on device" in msg and str(tmp_path) in msg and "PACKBENCH_MODEL_CACHE" in msg
+    assert list((tmp_path / "flexgen").iterdir()) == []
+
+
 def test_the_output_embedding_keeps_float32_logits_and_feeds_the_forced_token():
     """FlexGen's opt_output_embed returns only argmax ids; the wrapper keeps the last position's
     logits (float32, exact upcast) and feeds the forced token while the episode is forced (not at

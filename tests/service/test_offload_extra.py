@@ -71,3 +71,30 @@ def test_validate_refuses_zero_inference_on_an_opt_125m_under_64_mib(checkpoint_
         check_family(_frozen("zero-inference", checkpoint_125m))
     assert "\n" not in str(e.value)
     check_family(_frozen("accelerate", checkpoint_125m))  # only zero-inference is refused
+
+
+def _synth(policy: str, *, dtype: str = "float32", params: dict | None = None, allowance_mib: int = 64):
+    return freeze({"name": "peers", "model": {"synth": {"shape": "opt-125m", "dtype": dtype, "seed": 0}},
+                   "dtype": dtype, "prompts": {"generator": {"seed": 0, "count": 1}}, "prefix_tokens": 8,
+                   "continuation_tokens": 2,
+                   "conditions": [{"policy": "dense-stream"}, {"policy": policy, **({"params": params} if params else {})}],
+                   "reference": "dense-stream", "warmups": 1, "allowance_mib": allowance_mib,
+                   "gates": {"faithfulness": {}}})
+
+
+@pytest.mark.parametrize("frozen, match", [
+    (lambda: _synth("zero-inference"), r"`allowance_mib`: condition policy zero-inference needs an allowance of at least"),
+    (lambda: _synth("flexgen"), r"`dtype`: condition flexgen \(flexgen\) runs in float16 only"),
+    (lambda: _synth("flexgen", dtype="float16", params={"w_gpu_percent": 100}, allowance_mib=200),
+     r"`conditions\[1\]\.params\.w_gpu_percent`: condition policy flexgen with w_gpu_percent 100 needs"),
+])
+def test_the_offloading_peers_refusals_hold_for_a_synthetic_opt_shape(frozen, match):
+    """check_family returned at once for a `model.synth` protocol, so validate and submit queued a
+    synthetic OPT-125m zero-inference screen under 64 MiB (its embedding alone is 147 MiB) and flexgen
+    in float32 or at a placement over the allowance; each then failed on the worker instead."""
+    from packbench.service.submit import check_family
+
+    with pytest.raises(ProtocolError, match=match) as e:
+        check_family(frozen())
+    assert "\n" not in str(e.value)
+    check_family(_synth("accelerate"))  # only the peers that cannot run are refused
