@@ -16,6 +16,7 @@ exact zeros after ReLU, equal `sparsity` (0.94 gives about -1.555 * std * sqrt(h
 -1.6 the design notes measured against pretrained OPT).
 """
 
+import concurrent.futures
 import contextlib
 import functools
 import json
@@ -153,21 +154,53 @@ def synth_checkpoint(
                                           "hot_fraction": hot_fraction, "hot_bias": hot_bias})
 
 
+@contextlib.contextmanager
+def serial() -> Iterator[None]:
+    """Run the block on one intra-op thread, then give the caller back its own count. A matrix
+    product or a reduction splits its sums among its threads, so its last bits depend on how many
+    there are and, on a busy machine, on how many actually took part: a seed's checkpoint drawn
+    with 2 threads beside other work differed in bytes from the one drawn with 1 or 4, and so in
+    the digest a re-execution audit compares. Random draws (one stream, in order), products and
+    reductions run serially; elementwise arithmetic, whose every element is computed alone, and
+    casts keep the caller's threads (most of a large shape's draw)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+PRODUCT_ROWS = 1024  # rows of one block of a `product`
+
+
+def product(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b, the same bits on any thread count, and the bits one thread gives: fixed blocks of
+    PRODUCT_ROWS rows of `a`, each a one-thread product (a row's sums never split), run side by
+    side on the caller's threads. The draws' products are tall and thin (a (rows, rank) weight
+    times the stream's (rank, hidden) basis): one thread spent most of a large shape's draw on them."""
+    threads = torch.get_num_threads()
+    blocks = torch.split(a, PRODUCT_ROWS)
+    if threads == 1 or len(blocks) == 1:
+        with serial():
+            return a @ b
+    out = torch.empty(a.shape[0], b.shape[1], dtype=torch.promote_types(a.dtype, b.dtype))
+
+    def one(i: int) -> None:
+        torch.set_num_threads(1)  # this thread's own setting (OpenMP's is per thread)
+        torch.matmul(blocks[i], b, out=out[i * PRODUCT_ROWS:i * PRODUCT_ROWS + blocks[i].shape[0]])
+
+    with serial(), concurrent.futures.ThreadPoolExecutor(min(threads, len(blocks))) as pool:
+        list(pool.map(one, range(len(blocks))))
+    return out
+
+
 def one_thread(draw: Callable) -> Callable:
-    """Run `draw` on one intra-op thread, then give the caller back its own count. A matrix
-    product splits its sums among its threads, so its last bits depend on how many there are and,
-    on a busy machine, on how many actually took part: a seed's checkpoint drawn with 2 threads
-    beside other work differed in bytes from the one drawn with 1 or 4, and so in the digest a
-    re-execution audit compares. Drawing is random numbers (one stream, drawn in
-    order) and a few products per layer, so one thread costs little."""
+    """`draw` run wholly within `serial()`."""
     @functools.wraps(draw)
     def drawn(*args, **kwargs):
-        before = torch.get_num_threads()
-        torch.set_num_threads(1)
-        try:
+        with serial():
             return draw(*args, **kwargs)
-        finally:
-            torch.set_num_threads(before)
     return drawn
 
 
@@ -225,7 +258,9 @@ class _Draws:
     basis: torch.Tensor | None = None
 
     def normal(self, *size: int, std: float = INIT_STD) -> torch.Tensor:
-        return torch.randn(*size, generator=self.gen) * std
+        with serial():
+            w = torch.randn(*size, generator=self.gen)
+        return w * std
 
     def read(self, rows: int, gain: torch.Tensor, columns: torch.Tensor | None = None) -> torch.Tensor:
         """A (rows, hidden) weight that reads the stream's LayerNorm output (times `gain`): iid
@@ -238,18 +273,18 @@ class _Draws:
         w = self.normal(rows, self.dims)
         if columns is not None:
             w *= columns
-        return (w @ self.basis.T) / gain
+        return product(w, self.basis.T) / gain
 
     def write(self, inputs: int, std: float) -> torch.Tensor:
         """A (hidden, inputs) weight that writes into the stream: an output of the same norm as
         iid N(0, std^2) entries would give, in the stream's directions only."""
         if self.basis is None:
             return self.normal(self.hidden, inputs, std=std)
-        return self.basis @ self.normal(self.dims, inputs, std=std * math.sqrt(self.hidden / self.dims))
+        return product(self.basis, self.normal(self.dims, inputs, std=std * math.sqrt(self.hidden / self.dims)))
 
     def stream(self, latent: torch.Tensor) -> torch.Tensor:
         """(n, dims) coordinates in the stream's directions -> (n, hidden)."""
-        return latent if self.basis is None else latent @ self.basis.T
+        return latent if self.basis is None else product(latent, self.basis.T)
 
 
 def _basis(gen: torch.Generator, hidden: int, dims: int) -> torch.Tensor:
@@ -259,7 +294,6 @@ def _basis(gen: torch.Generator, hidden: int, dims: int) -> torch.Tensor:
     return q.float()
 
 
-@one_thread
 def profile_tensors(shape: str, *, seed: int, profile: str, dtype: torch.dtype = torch.float32,
                     progress: Callable[[int, int], None] | None = None) -> dict[str, torch.Tensor]:
     """The state dict of a calibrated profile (core/registry.py PROFILES; docs/workloads.md).
@@ -294,23 +328,26 @@ def profile_tensors(shape: str, *, seed: int, profile: str, dtype: torch.dtype =
       reparameterisation is exact in binary floating point too (both factors scale exponents only).
     - Readers at OPT's scale (a profile with `opt_scale_readers`, `opt4`): q, k, v and fc1 times a power
       of two, their LayerNorms divided by it (`_scale_readers`), exact as the salient channels are.
-    Drawn in float32 from one generator seeded with `seed`, in a fixed order, then cast.
+    Drawn in float32 from one generator seeded with `seed`, in a fixed order, then cast; the same
+    bytes on any thread count (`serial`).
     """
     p = PROFILES[profile]
     s = SHAPES[shape]
     h, layers = s["hidden"], s["layers"]
     gen = torch.Generator().manual_seed(seed)
     dims = h if p.rank is None else min(p.rank, h // 4)
-    basis = None if p.rank is None else _basis(gen, h, dims)
+    with serial():
+        basis = None if p.rank is None else _basis(gen, h, dims)
     n_pos = max(1, round(POSITION_DIMS * dims))
     d = _Draws(gen=gen, dtype=dtype, hidden=h, ffn=s["ffn"], dims=dims, n_pos=n_pos,
                pos_std=INIT_STD * math.sqrt(p.position_share / (1.0 - p.position_share) * h / n_pos),
                embed_std=INIT_STD / math.sqrt(1.0 - p.position_share),
                update=math.sqrt(p.update_share / (2 * layers)), basis=basis)
-    sd = _embeddings(d, p, vocab=s["vocab"], max_positions=s["max_positions"])
-    readout_inputs = _readout_inputs(d)
-    n_out, magnitude, share = p.outliers.get(shape, (0, 1.0, 0.0))
-    out_dims = torch.randperm(h, generator=d.gen)[:n_out]
+    with serial():
+        sd = _embeddings(d, p, vocab=s["vocab"], max_positions=s["max_positions"])
+        readout_inputs = _readout_inputs(d)
+        n_out, magnitude, share = p.outliers.get(shape, (0, 1.0, 0.0))
+        out_dims = torch.randperm(h, generator=d.gen)[:n_out]
     # the salient channels' own stream: the rest of the weights are the same draws as without them
     salient_gen = None if p.salient is None else torch.Generator().manual_seed((seed + 1) % 2**63)
     for i, density in enumerate(p.layer_densities(shape)):
@@ -392,21 +429,24 @@ def _ffn(d: _Draws, p: SynthProfile, pre: str, gain: torch.Tensor, density: floa
     h, f = d.hidden, d.ffn
     fc1 = d.read(f, gain, None if readout is None else readout[0])
     std = INIT_STD * math.sqrt(h)  # std of a neuron's fc1 pre-activation before its bias
-    if readout is not None:
-        columns, variance = readout
-        std = INIT_STD * math.sqrt(float((columns ** 2 * variance).sum()))
-    mu = NormalDist().inv_cdf(density) * math.sqrt(1.0 + p.rate_spread ** 2)  # mean of Phi(mu + spread Z) = density
-    offsets = (mu + p.rate_spread * torch.randn(f, generator=d.gen, dtype=torch.float64))
-    # E[relu(z)^2] / pre_std^2 for z ~ N(m pre_std, pre_std^2): (m^2 + 1) Phi(m) + m phi(m)
-    m = offsets
-    square = float(((m * m + 1) * torch.special.ndtr(m) + m * torch.exp(-m * m / 2) / math.sqrt(2 * math.pi)).mean())
+    with serial():  # a draw and reductions
+        if readout is not None:
+            columns, variance = readout
+            std = INIT_STD * math.sqrt(float((columns ** 2 * variance).sum()))
+        mu = NormalDist().inv_cdf(density) * math.sqrt(1.0 + p.rate_spread ** 2)  # mean of Phi(mu + spread Z) = density
+        offsets = (mu + p.rate_spread * torch.randn(f, generator=d.gen, dtype=torch.float64))
+        # E[relu(z)^2] / pre_std^2 for z ~ N(m pre_std, pre_std^2): (m^2 + 1) Phi(m) + m phi(m)
+        m = offsets
+        square = float(((m * m + 1) * torch.special.ndtr(m)
+                        + m * torch.exp(-m * m / 2) / math.sqrt(2 * math.pi)).mean())
     scale = p.readout if readout is not None else d.update
     fc2 = d.write(f, scale * d.embed_std / (std * math.sqrt(f * square)))
     bias = torch.zeros(h)
     if readout is not None:  # centred: its bias cancels the mean output, E[relu(z)] = std (m Phi(m) + phi(m)), so
         # no token is favoured by every input (measured: uncentred, greedy decode fell into repeats)
         mean = std * (m * torch.special.ndtr(m) + torch.exp(-m * m / 2) / math.sqrt(2 * math.pi))
-        bias = -(fc2.double() @ mean).float()
+        with serial():
+            bias = -(fc2.double() @ mean).float()
     return {pre + "fc1.weight": fc1, pre + "fc1.bias": offsets * std, pre + "fc2.weight": fc2,
             pre + "fc2.bias": bias}
 
@@ -452,7 +492,9 @@ def _salient_channels(sd: dict[str, torch.Tensor], pre: str, gen: torch.Generato
 
     def channels(n: int, name: str) -> torch.Tensor:
         c = torch.ones(n)
-        c[torch.randperm(n, generator=gen)[:max(1, round(share * n)) if count is None else min(count, n)]] = scale
+        with serial():
+            drawn = torch.randperm(n, generator=gen)
+        c[drawn[:max(1, round(share * n)) if count is None else min(count, n)]] = scale
         return torch.ones(n) if name in flat else c
 
     attn = pre + "self_attn."

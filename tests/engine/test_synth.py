@@ -552,3 +552,26 @@ def test_opt4_is_opt3_with_flat_outlier_inputs_and_readers_at_opts_weight_scale(
                 quantized[n] = m(ids).logits
         assert torch.equal(quantized["opt4"], quantized["unscaled"]), variant.name
         assert not torch.equal(quantized["opt4"], logits["opt4"]), variant.name  # the rounding did something
+
+
+def test_a_blocked_product_gives_one_threads_bits_on_any_thread_count():
+    """`product` splits the draws' tall products into row blocks run side by side: each row's sums
+    stay in one one-thread product, so the bits are those of a one-thread `a @ b` whatever the
+    thread count (catches blocks that overlap or skip rows at the ragged last block, a product
+    left to torch's own threads, which split sums, or a caller's thread count not given back)."""
+    from packbench.engine.synth import PRODUCT_ROWS, product, serial
+
+    gen = torch.Generator().manual_seed(0)
+    a = torch.randn(2 * PRODUCT_ROWS + 37, 60, generator=gen)
+    b = torch.randn(60, 700, generator=gen)
+    with serial():
+        want = a @ b
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2, 4):
+            torch.set_num_threads(threads)
+            got = product(a, b)
+            assert torch.get_num_threads() == threads
+            assert got.shape == want.shape and torch.equal(got, want), threads
+    finally:
+        torch.set_num_threads(before)
