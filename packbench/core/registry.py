@@ -95,8 +95,15 @@ def exact_reference(conditions: Mapping[str, tuple[str, Mapping[str, Any]]], ref
     return None
 
 
+# Extras with an sdist whose build imports torch (deepspeed): pip's isolated build has no torch
+# (pyproject.toml, the [offload] extra), so they install with --no-build-isolation.
+BUILDS_AGAINST_TORCH = ("offload",)
+
+
 def lowbit_fix(extra: str = LOWBIT_EXTRA) -> str:
-    return f"pip install 'packbench[{extra}]'"
+    """The install command that brings `extra`."""
+    flag = "--no-build-isolation " if extra in BUILDS_AGAINST_TORCH else ""
+    return f"pip install {flag}'packbench[{extra}]'"
 
 
 def library_fix(policy: str) -> str:

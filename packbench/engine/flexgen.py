@@ -66,7 +66,7 @@ class FlexGenUnavailable(PackbenchError):
 
 
 def fix() -> str:
-    return f"pip install 'packbench[{EXTRA}]' (flexgen==0.1.8)"
+    return f"pip install --no-build-isolation 'packbench[{EXTRA}]' (flexgen==0.1.8)"
 
 
 def library():

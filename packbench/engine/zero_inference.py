@@ -66,7 +66,7 @@ class ZeroInferenceUnavailable(PackbenchError):
 
 
 def fix() -> str:
-    return f"pip install 'packbench[{OFFLOAD_EXTRA}]' (deepspeed is an sdist: pip install --no-build-isolation deepspeed)"
+    return f"pip install --no-build-isolation 'packbench[{OFFLOAD_EXTRA}]' (deepspeed is an sdist whose build imports torch)"
 
 
 def library(device: torch.device):

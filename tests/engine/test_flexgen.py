@@ -165,7 +165,7 @@ def test_missing_flexgen_is_refused_at_submit_with_the_offload_extra(monkeypatch
     with pytest.raises(ProtocolError) as e:
         check_libraries(freeze(protocol(tiny)).protocol)
     msg = str(e.value)
-    assert "\n" not in msg and "conditions[1].policy" in msg and msg.endswith("pip install 'packbench[offload]'"), msg
+    assert "\n" not in msg and "conditions[1].policy" in msg and msg.endswith("pip install --no-build-isolation 'packbench[offload]'"), msg
 
 
 class FakeHolder:
@@ -193,7 +193,7 @@ def test_a_missing_flexgen_is_refused_on_the_worker_with_the_fix(monkeypatch):
     from packbench.engine.flexgen import FlexGenUnavailable, library
 
     monkeypatch.setitem(sys.modules, "flexgen.flex_opt", None)  # its import fails, as when not installed
-    with pytest.raises(FlexGenUnavailable, match=r"requires flexgen .*pip install 'packbench\[offload\]'"):
+    with pytest.raises(FlexGenUnavailable, match=r"requires flexgen .*pip install --no-build-isolation 'packbench\[offload\]'"):
         library()
 
 

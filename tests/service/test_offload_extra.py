@@ -25,7 +25,7 @@ def test_missing_deepspeed_is_refused_with_the_offload_extra(monkeypatch, tiny):
         check_libraries(_frozen("zero-inference", tiny).protocol)
     msg = str(e.value)
     assert "\n" not in msg and "conditions[1].policy" in msg and "zero-inference" in msg
-    assert msg.endswith("pip install 'packbench[offload]'"), msg
+    assert msg.endswith("pip install --no-build-isolation 'packbench[offload]'"), msg
 
 
 def test_a_present_deepspeed_is_not_refused(monkeypatch, tiny):
