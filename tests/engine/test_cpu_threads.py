@@ -1,6 +1,7 @@
 """A CPU worker's thread count. Its logits come from host arithmetic, and some CPU kernels split
 their sums by thread count: on the 2-core CI machine a tiny Qwen3-MoE's float32 logits at 2
-threads differ from those at 1, 3 and 4, while the same run twice at one count is identical. So a
+threads differ from those at 1, 3 and 4, while the same run twice at one count is identical
+(`python -m bench.cpu_threads`). So a
 CPU worker takes the count it is given (`--worker-threads`, or a re-execution's archived count:
 service/audit.py, tests/cluster/test_submit_audit.py), and records the count it ran. The same holds
 for experts computed on the host by a GPU worker (host-experts), so every re-execution takes the
