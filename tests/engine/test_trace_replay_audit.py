@@ -132,17 +132,13 @@ def test_a_traced_screen_of_mapped_expert_gathers_audits_agree(tmp_path, batch):
     assert report.agrees, report.record["problems"]
 
 
-def test_a_traced_screen_with_an_exact_competitor_audits_agree(tmp_path):
-    """Bug caught: `trace: true` beside an exact competitor (`accelerate`, stock transformers'
-    modules under its own hooks) audited DISAGREE on an honest screen: the worker traces only
-    packbench's own loaders (a competitor's model is not the CPU-first one), and the auditor asked
-    every exact episode for one: `active/00002.trace: the protocol says trace: true, the episode's
-    trace is missing or unreadable`. A competitor's episode has no trace to check; a loader's still must."""
-    torch.set_num_threads(1)
+def traced_beside(tmp_path, competitor: str):
+    """A `trace: true` screen of dense-stream, packet and `competitor` on a one-layer OLMoE,
+    archived on the CPU: (its path, its episodes), every episode ok and the audit AGREE."""
     moe = synth_moe(tmp_path / "olmoe", shape="olmoe-tiny", seed=2, dtype="float32", layers=1)
-    raw = {"name": "moe-peer", "model": {"path": str(moe)}, "dtype": "float32",
+    raw = {"name": "moe-traced", "model": {"path": str(moe)}, "dtype": "float32",
            "prompts": {"generator": {"seed": 0, "count": 1}}, "prefix_tokens": 8, "continuation_tokens": 3,
-           "conditions": [{"policy": "dense-stream"}, {"policy": "packet"}, {"policy": "accelerate"}],
+           "conditions": [{"policy": "dense-stream"}, {"policy": "packet"}, {"policy": competitor}],
            "reference": "dense-stream", "warmups": 1, "allowance_mib": 64, "gates": {"faithfulness": {}},
            "trace": True}
     path = tmp_path / "screen.zip"
@@ -150,6 +146,16 @@ def test_a_traced_screen_with_an_exact_competitor_audits_agree(tmp_path):
     assert {e["status"] for e in episodes} == {"ok"}
     report = audit_archive(path)
     assert report.agrees, report.record["problems"]
+    return path, episodes
+
+
+def test_a_traced_screen_with_an_exact_competitor_audits_agree(tmp_path):
+    """Bug caught: `trace: true` beside an exact competitor (`accelerate`, stock transformers'
+    modules under its own hooks) audited DISAGREE on an honest screen: the worker traces only
+    packbench's own loaders (a competitor's model is not the CPU-first one), and the auditor asked
+    every exact episode for one: `active/00002.trace: the protocol says trace: true, the episode's
+    trace is missing or unreadable`. A competitor's episode has no trace to check; a loader's still must."""
+    path, episodes = traced_beside(tmp_path, "accelerate")
     packet = scored(episodes, "packet")["plan_index"]
     name = episode_members(packet).active
     damaged = audit_archive(resealed(path, tmp_path / "damaged.zip", lambda m: m.update({name: b"not a trace"})))
@@ -162,15 +168,4 @@ def test_a_traced_screen_with_host_experts_audits_agree(tmp_path):
     the worker traced every episode run on its CPU-first model, approximate ones too, and the
     auditor allows a trace for exact episodes only (docs/archive.md): `member 'active/00002.trace'
     is not part of the archive of this plan`. Only exact episodes are traced now."""
-    torch.set_num_threads(1)
-    moe = synth_moe(tmp_path / "olmoe", shape="olmoe-tiny", seed=2, dtype="float32", layers=1)
-    raw = {"name": "moe-host", "model": {"path": str(moe)}, "dtype": "float32",
-           "prompts": {"generator": {"seed": 0, "count": 1}}, "prefix_tokens": 8, "continuation_tokens": 3,
-           "conditions": [{"policy": "dense-stream"}, {"policy": "packet"}, {"policy": "host-experts"}],
-           "reference": "dense-stream", "warmups": 1, "allowance_mib": 64, "gates": {"faithfulness": {}},
-           "trace": True}
-    path = tmp_path / "screen.zip"
-    _, episodes, _ = archive_screen(freeze(raw), moe, path)
-    assert {e["status"] for e in episodes} == {"ok"}
-    report = audit_archive(path)
-    assert report.agrees, report.record["problems"]
+    traced_beside(tmp_path, "host-experts")
