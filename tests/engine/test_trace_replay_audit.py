@@ -117,7 +117,6 @@ def test_a_traced_screen_of_mapped_expert_gathers_audits_agree(tmp_path, batch):
     layer 0 h2d_index_bytes: recorded 0, the trace's replay 32` and `d2h_bytes: recorded 0, the
     trace's replay 16`. The mapped gather uploads no index and reads no routing back; a call of
     more than one token (a prefill, a batch's decode) reads its 4-byte expert count per layer."""
-    torch.set_num_threads(1)
     moe = synth_moe(tmp_path / "olmoe", shape="olmoe-tiny", seed=2, dtype="float32", layers=2)
     raw = {"name": "moe-mapped", "model": {"path": str(moe)}, "dtype": "float32",
            "prompts": {"generator": {"seed": 0, "count": 2}}, "prefix_tokens": 8, "continuation_tokens": 3,
