@@ -53,8 +53,8 @@ def screens_tag(
     # An --untag KEY the screen does not carry (a typo, most often) drops nothing: say so.
     absent = []
     if untag:
-        before = store.screen_tags([store.screen(screen).id])
-        absent = sorted({k for k in untag if k not in next(iter(before.values()))})
+        held = store.screen_tags([sid := store.screen(screen).id])[sid]
+        absent = sorted(set(untag) - set(held))
     screen_id = store.label_screen(screen, name=name, note=note, tags=tags, untag=tuple(untag or ()))
     row, held = store.screen(screen_id), store.screen_tags([screen_id])[screen_id]
     if json_out:
