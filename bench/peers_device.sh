@@ -26,7 +26,7 @@
 # Knobs: SHAPE, PROFILE (opt4), SCORED (1: scored batches a condition at batch > 1), BATCH_CONT (8: their continuation), PROMPTS (2), PREFIX (512), ALLOWANCE (4800), BATCHES ("32"; "" for none), BATCH_PREFIX (64),
 # BATCH_ALLOWANCE (5700), CONDITIONS (the six names above; TINY: the five but flexgen), BATCH_CONDITIONS
 # (the batched screens': CONDITIONS, else the five but flexgen), SKIP_B1 (no batch-1 screen), SKIP_FLEXGEN,
-# FLEXGEN_BATCHES ("8,32"), SKIP_ZI_TEST (no zero-inference CUDA test), CONT (16), SCREEN_TIMEOUT (300), DEADLINE (560). A batch-B screen plans B
+# FLEXGEN_BATCHES ("8,32"), PREDRAW (draw the checkpoint before each screen, timed), THEN_CONDITIONS (a second batched screen: below), PROBE_BATCHES (the probe's: "1,FLEXGEN_BATCHES"), SKIP_ZI_TEST (no zero-inference CUDA test), CONT (16), SCREEN_TIMEOUT (300), DEADLINE (560). A batch-B screen plans B
 # scored episodes per condition (one starting at each prompt), so batch 32 is the long one: where one
 # call cannot hold everything, split it (docs/experiments/competitors.md, "The H200 run"):
 #   BATCHES= bash bench/peers_device.sh                          # batch 1 + FlexGen's sweep
@@ -94,8 +94,24 @@ screen() {  # name batch prompts prefix allowance
   t0=$(date +%s); left=$(( ${DEADLINE:-560} - (t0 - start) - ${RESERVE:-30} ))
   [ "$left" -lt "$limit" ] && limit=$left
   [ "$limit" -gt 30 ] || { echo "== $name: skipped, $left s left of DEADLINE"; return; }
-  timeout "$limit" python3 -m packbench submit "$work/$name.yaml" --wait > "$out/$name.log" 2>&1
-  echo "== $name (batch $batch, $prompts x $prefix + $CONT, $allowance MiB): submit rc $? in $(( $(date +%s) - t0 )) s (limit $limit s)"
+  if [ -n "${PREDRAW:-}" ]; then  # the checkpoint drawn into the model cache here, timed (the worker then finds it)
+    python3 - "$work/$name.yaml" <<'PY' 2>&1 | tail -2
+import sys, time
+from pathlib import Path
+from packbench.core.protocol import expand
+from packbench.core.protocol.freeze import load
+from packbench.engine.worker import model_dir_for
+import os, torch
+t = time.time()
+path = model_dir_for(expand(dict(load(Path(sys.argv[1])).body)), None, cache=Path(os.environ["PACKBENCH_MODEL_CACHE"]))
+print(f"   predraw: {path.name} in {time.time() - t:.1f} s on {torch.get_num_threads()} threads")
+PY
+    t0=$(date +%s); left=$(( ${DEADLINE:-560} - (t0 - start) - ${RESERVE:-30} )); [ "$left" -lt "$limit" ] && limit=$left
+  fi
+  # each log line stamped with the seconds since the submit began (where the screen's time went)
+  timeout "$limit" python3 -m packbench submit "$work/$name.yaml" --wait 2>&1 \
+    | while IFS= read -r line; do printf '%4d %s\n' $(( $(date +%s) - t0 )) "$line"; done > "$out/$name.log"
+  echo "== $name (batch $batch, $prompts x $prefix + $CONT, $allowance MiB): submit rc ${PIPESTATUS[0]} in $(( $(date +%s) - t0 )) s (limit $limit s)"
   python3 -m packbench audit latest >> "$out/$name.log" 2>&1; echo "   audit rc $?"
   grep -E "^(faithfulness|resources) |audit of|rror" "$out/$name.log" | sort -u | head -20
   python3 -m packbench results --screen latest --json > "$out/$name.json" 2>/dev/null
@@ -109,6 +125,10 @@ screen() {  # name batch prompts prefix allowance
 for b in ${BATCHES-32}; do
   conditions=${BATCH_CONDITIONS:-${CONDITIONS:-dense-stream packet phase-switched accelerate zero-inference}} \
     CONT=${BATCH_CONT:-8} screen "peers-b$b" "$b" "$b" "${BATCH_PREFIX:-64}" "${BATCH_ALLOWANCE:-5700}"
+  # THEN_CONDITIONS: a second screen at the same batch after the first, on the checkpoint already
+  # drawn (e.g. "dense-stream flexgen": a peer whose conversion or batch is slow then costs no other row)
+  [ -z "${THEN_CONDITIONS:-}" ] || conditions=$THEN_CONDITIONS CONT=${BATCH_CONT:-8} \
+    screen "peers-b$b-then" "$b" "$b" "${BATCH_PREFIX:-64}" "${BATCH_ALLOWANCE:-5700}"
 done
 # zero-inference's CUDA test (its own process: DeepSpeed binds its accelerator at first import): built
 # under an allowance below the model's bytes, it decodes within it, logits dense-stream's.
@@ -124,7 +144,7 @@ left=$(( ${DEADLINE:-560} - ($(date +%s) - start) - 25 ))
 if [ -z "${SKIP_FLEXGEN:-}" ] && [ "$left" -gt 40 ] && [ -n "$ck" ]; then
   echo "== flexgen probe ($left s)"
   timeout "$left" python3 -m bench.flexgen_probe "$ck" --shape "$SHAPE" --allowance-mib "${ALLOWANCE:-4800}" \
-    --batches "1,${FLEXGEN_BATCHES:-8,32}" --prompt "${PREFIX:-512}" --gen "$CONT" \
+    --batches "${PROBE_BATCHES:-1,${FLEXGEN_BATCHES:-8,32}}" --prompt "${PREFIX:-512}" --gen "$CONT" \
     --cache "$PACKBENCH_MODEL_CACHE" --work "$work/flexgen-probe" 2> "$out/flexgen.err" > "$out/flexgen.json"
   echo "   probe rc $?"; tail -c 3000 "$out/flexgen.json"; grep -v Warning "$out/flexgen.err" | tail -5
 else echo "== flexgen probe: skipped (SKIP_FLEXGEN=${SKIP_FLEXGEN:-}, $left s left, checkpoint '${ck}')"; fi
