@@ -20,6 +20,7 @@ from packbench.cli import (audit_cmd, history, ingest, keys, labels, model_moe, 
 from packbench.cli.common import (DB_HELP, DB_INT_MAX, DB_INT_MIN, Address, ArchiveDir, DbUrl, Json,
                                   db_not_empty, echo_json, open_store, seconds, output_dir, settings_of)
 from packbench.cli.summary import screen_summary, verdict_table
+from packbench.core import signals
 from packbench.core.errors import ClusterUnreachable, PackbenchError
 from packbench.core.settings import (DB_URL_ENV, DEFAULT_CONNECT_TIMEOUT_S, DEFAULT_PLACEMENT_TIMEOUT_S, ENVIRONMENT,
                            WORKER_PIN_ENV, WORKER_THREADS_ENV, Settings, worker_pin, worker_threads)
@@ -35,8 +36,13 @@ class PackbenchGroup(TyperGroup):
     def invoke(self, ctx: typer.Context):
         try:
             return super().invoke(ctx)
-        except (typer.Exit, typer.Abort, typer.TyperException, KeyboardInterrupt):
+        except (typer.Exit, typer.Abort, typer.TyperException):
             raise  # an exit code, or a usage error: no traceback to show
+        except KeyboardInterrupt:
+            # SIGINT, or SIGTERM once Ray is up (core/signals.py), that no command caught: typer would
+            # make it a bare exit 130 (an `audit reexecute` stopped so said nothing, even for SIGTERM).
+            typer.echo("terminated (SIGTERM)" if signals.received else "interrupted", err=True)
+            raise typer.Exit(signals.exit_code()) from None
         except Exception:  # bad input (PackbenchError) or a bug: `main` prints the one line
             if isinstance(ctx.obj, Settings) and ctx.obj.debug:
                 traceback.print_exc()
@@ -353,7 +359,7 @@ def submit(
         _dispatch(store, settings, json_out=json_out, only_screen=ids[0], workers=1, keep_queued=keep_queued)
     except KeyboardInterrupt:  # before the dispatcher's own handler (Ray starting) or after it
         typer.echo(interrupted_screen(store, ids[0], keep_queued=keep_queued), err=True)
-        raise typer.Exit(130) from None
+        raise typer.Exit(signals.exit_code()) from None
 
 
 def _warn_archive(protocol: Path) -> None:
@@ -541,9 +547,15 @@ def main() -> None:
             sys.stderr.flush()
             os._exit(2)
         sys.exit(2)
-    except KeyboardInterrupt:
-        typer.echo("interrupted", err=True)
-        sys.exit(130)
+    except KeyboardInterrupt:  # SIGINT, or SIGTERM once Ray is up (core/signals.py)
+        typer.echo("terminated (SIGTERM)" if signals.received else "interrupted", err=True)
+        sys.exit(signals.exit_code())
+    except SystemExit as e:
+        # SIGTERM while ray.init runs meets Ray's own handler, `sys.exit(15)`: the same stop, said so.
+        if e.code != signal.SIGTERM:
+            raise
+        typer.echo("terminated (SIGTERM)", err=True)
+        sys.exit(143)
     except OSError as e:
         if e.errno != errno.ENAMETOOLONG:  # a bug, as below
             typer.echo(unexpected(e), err=True)

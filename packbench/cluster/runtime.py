@@ -13,6 +13,7 @@ import socket
 import threading
 from typing import Any, Callable
 
+from packbench.core import signals
 from packbench.core.errors import ClusterUnreachable, PackbenchError
 from packbench.core.settings import Settings
 from packbench.engine.gpu_lock import host_gpus  # torch-free: NVML only
@@ -122,6 +123,7 @@ def ensure_ray(settings: Settings | None = None):
         gpus = settings.embedded_gpus or max(1, host_gpus())
         ray.init("local", num_cpus=os.cpu_count() or 1, num_gpus=gpus,
                  object_store_memory=256 * 2**20, **common)
+        signals.install()  # over Ray's own SIGTERM handlers (core/signals.py)
         return ray
     address = settings.address
     _check_reachable(address, settings.connect_timeout_s)
@@ -157,4 +159,5 @@ def ensure_ray(settings: Settings | None = None):
         raise ClusterUnreachable(f"cannot join the Ray cluster at {address!r} ({str(e).splitlines()[0] if str(e) else type(e).__name__}); "
                              f"start it with `ray start --head` or drop --address") from None
     log.info("joined Ray cluster at %s", address)
+    signals.install()
     return ray

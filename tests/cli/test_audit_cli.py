@@ -186,3 +186,34 @@ def test_repeated_audits_that_agree_with_different_digests_exit_1(monkeypatch):
         audit_cmd._finish([audit("a" * 64), audit("b" * 64)], json_out=False)
     assert e.value.exit_code == 1
     assert lines == ["problem: screen 3: repeated audits gave 2 different digests"]
+
+
+def test_a_reexecution_stopped_by_sigterm_says_so_and_exits_143(world, cli, monkeypatch):
+    """Bug caught: SIGTERM (a scheduler's time limit) while `audit reexecute` waited on its worker
+    ended the command with exit 1 and no line, or 15, or Ray's stack dump and SIGABRT (134): the
+    caller could not tell a stop from a disagreeing audit. Now one line and 143, as for submit; and
+    SIGINT there says "interrupted", 130 (typer made it a bare 130 before)."""
+    import os
+    import signal
+
+    import packbench.cluster.reexecute as reexecute
+    from packbench.core import signals
+
+    def stopped_by(sig):
+        def run_drawn(*args, **kwargs):
+            signals.install()  # as ensure_ray does once Ray is up
+            os.kill(os.getpid(), sig)
+            raise AssertionError("the signal did not stop the re-execution")
+        return run_drawn
+
+    d = world["dir"]
+    previous = signal.getsignal(signal.SIGTERM)
+    try:
+        for sig, code, line in ((signal.SIGTERM, 143, "terminated (SIGTERM)"), (signal.SIGINT, 130, "interrupted")):
+            monkeypatch.setattr(signals, "received", [])
+            monkeypatch.setattr(reexecute, "run_drawn", stopped_by(sig))
+            r = cli("audit", "--archive", str(world["archive"]), "--reexecute", "2", cwd=d, db=world["db"])
+            assert (r.returncode, r.stderr.strip().splitlines()[-1]) == (code, line), (r.stdout, r.stderr)
+            assert "Traceback" not in r.stderr and "re-execution audit" not in r.stdout
+    finally:
+        signal.signal(signal.SIGTERM, previous)

@@ -697,3 +697,34 @@ def test_a_following_dispatcher_waits_for_a_database_down_at_start_and_idle(clus
     with Store(direct) as s:
         (row,) = s.dispatchers()
         assert row.stopped_at is None  # stopped while the database was down: nothing could be written
+
+
+def test_sigterm_in_a_blocking_ray_call_arrives_as_keyboard_interrupt_and_is_remembered(cluster, monkeypatch):
+    """What core/signals.py rests on. Bug caught: `packbench audit reexecute` terminated while it
+    waited on its worker exited 1 with no line (Ray's blocking calls turn a SystemExit raised by a
+    signal handler inside them into SystemExit(1)) or died of SIGABRT after Ray's stack dump (its
+    core worker's C-level SIGTERM handler). After `signals.install`, SIGTERM in `ray.get` reaches
+    the caller as KeyboardInterrupt, and the process knows it was SIGTERM (exit 143, not 130)."""
+    import ray
+
+    from packbench.core import signals
+
+    monkeypatch.setattr(signals, "received", [])
+    previous = signal.getsignal(signal.SIGTERM)
+
+    @ray.remote(num_cpus=1)
+    def slow():
+        time.sleep(60)
+
+    try:
+        signals.install()
+        ref = slow.remote()
+        threading.Timer(1.0, lambda: os.kill(os.getpid(), signal.SIGTERM)).start()
+        t0 = time.monotonic()
+        with pytest.raises(KeyboardInterrupt):
+            ray.get(ref)
+        assert time.monotonic() - t0 < 30  # stopped by the signal, not by the task's end
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    ray.cancel(ref, force=True)
+    assert signals.received == [signal.SIGTERM] and signals.exit_code() == 143
