@@ -61,9 +61,13 @@ def parse_when(text: str, *, option: str, end: bool = False) -> datetime:
         raise InvalidFilter(
             f"{option} {text!r} is not an ISO date; use e.g. 2026-01-31 or 2026-01-31T12:00:00+00:00"
         ) from None
-    value = value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
+    try:
+        value = value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
+    except OverflowError:  # e.g. 0001-01-01T00:00+01:00: a moment before year 1 in UTC
+        raise InvalidFilter(f"{option} {text!r} is outside the years 1-9999 in UTC; give a date within them") from None
     if end and _is_bare_date(text.strip()):
-        value += timedelta(days=1)
+        # the next midnight; after 9999-12-31 there is none, and the end of time includes that day
+        value = datetime.max.replace(tzinfo=UTC) if value.date() == date.max else value + timedelta(days=1)
     return value
 
 

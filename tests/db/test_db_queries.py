@@ -243,6 +243,17 @@ def test_parse_when():
         parse_when("yesterday", option="--since")
 
 
+def test_parse_when_at_the_ends_of_the_calendar_is_no_overflow():
+    """`--until 9999-12-31` (its next midnight does not exist) and a zone that moves a moment past
+    year 1 or 9999 in UTC ended in an OverflowError traceback; the first is the end of time, the
+    second one line naming the range."""
+    assert parse_when("9999-12-31", option="--until", end=True) == datetime.max.replace(tzinfo=UTC)
+    assert parse_when("9999-12-31", option="--since") == datetime(9999, 12, 31, tzinfo=UTC)
+    for moment in ("0001-01-01T00:00+01:00", "9999-12-31T23:59-01:00"):
+        with pytest.raises(InvalidFilter, match=r"outside the years 1-9999 in UTC"):
+            parse_when(moment, option="--since")
+
+
 # -- screens -------------------------------------------------------------------------------
 
 
