@@ -523,6 +523,7 @@ def main() -> None:
     """Console entry point: user errors print one line and exit 2, never a traceback (--debug adds it);
     so do typer's usage errors (an unknown option, a missing argument), not rich's boxes. Any other
     exception is a bug: one line naming the file its traceback went to, exit 70."""
+    stdout = sys.stdout = WatchedOutput(sys.stdout)
     try:
         code = app(standalone_mode=False, prog_name="packbench")  # usage errors reach us here: one line
         if isinstance(code, int) and code:
@@ -557,6 +558,12 @@ def main() -> None:
         typer.echo("terminated (SIGTERM)", err=True)
         sys.exit(143)
     except OSError as e:
+        if e is stdout.refused:
+            # `results > out.csv` on a full disk: where the output goes refused it, no bug
+            typer.echo(one_line(f"error: cannot write the output to stdout ({e.strerror or e}); free space "
+                                f"where stdout goes, or send it elsewhere"), err=True)
+            stdout.silence()
+            sys.exit(2)
         if e.errno != errno.ENAMETOOLONG:  # a bug, as below
             typer.echo(unexpected(e), err=True)
             sys.exit(UNEXPECTED_EXIT)
@@ -568,6 +575,45 @@ def main() -> None:
     except Exception as e:  # a bug, not bad input: its own exit code, and the traceback kept in a file
         typer.echo(unexpected(e), err=True)
         sys.exit(UNEXPECTED_EXIT)
+    finally:
+        if sys.stdout is stdout:
+            sys.stdout = stdout.stream
+
+
+class WatchedOutput:
+    """sys.stdout as it was, remembering the OSError a write or flush of it raised: what lets `main`
+    tell a full disk under `results > out.csv` (no bug) from a failed write of packbench's own."""
+
+    def __init__(self, stream) -> None:
+        self.stream = stream
+        self.refused: OSError | None = None
+
+    def write(self, text):
+        try:
+            return self.stream.write(text)
+        except OSError as e:
+            self.refused = e
+            raise
+
+    def flush(self) -> None:
+        try:
+            self.stream.flush()
+        except OSError as e:
+            self.refused = e
+            raise
+
+    def silence(self) -> None:
+        """Point stdout's descriptor at /dev/null: the interpreter's flush at exit would fail again
+        (printing 'Exception ignored' and exiting 120)."""
+        try:
+            null = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(null, self.stream.fileno())
+            os.close(null)
+        except (OSError, ValueError, AttributeError):  # no descriptor (a test's StringIO): nothing flushes at exit
+            pass
+
+    def __getattr__(self, name):
+        return getattr(self.stream, name)
 
 
 UNEXPECTED_EXIT = 70  # sysexits.h EX_SOFTWARE: an internal error, never 2 (bad input)

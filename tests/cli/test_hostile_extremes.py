@@ -195,6 +195,24 @@ def test_an_unexpected_error_exits_70_with_its_traceback_in_a_file(world, monkey
     Path(r.stderr.split("(traceback in ", 1)[1].split(")", 1)[0]).unlink()
 
 
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full (Linux)")
+def test_stdout_on_a_full_disk_is_one_line_not_a_bug(world, tmp_path):
+    """`screens list > out.txt` on a full disk (stdout on /dev/full) said 'unexpected OSError ...
+    this is a packbench bug' and exited 70: the output's place refused it. One line, exit 2, and no
+    'Exception ignored' from the interpreter's own flush at exit."""
+    import subprocess
+    import sys
+
+    assert world("screens", "list").returncode == 0  # the database exists: the write is what fails
+    with open("/dev/full", "w") as full:
+        r = subprocess.run([sys.executable, "-m", "packbench", "screens", "list", "--json"], stdout=full,
+                           stderr=subprocess.PIPE, text=True, cwd=tmp_path,
+                           env={**os.environ, "PACKBENCH_DB_URL": f"sqlite:///{tmp_path / 'pb.db'}"})
+    assert r.returncode == 2, (r.returncode, r.stderr)
+    assert r.stderr.strip().splitlines() == ["error: cannot write the output to stdout (No space left on device); "
+                                             "free space where stdout goes, or send it elsewhere"], r.stderr
+
+
 # ----------------------------------------------------------------------------- file arguments
 
 
