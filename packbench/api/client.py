@@ -93,12 +93,18 @@ class Client:
                  **select: Any) -> Records:
         """Episode rows (core/record.py's stored fields), optionally one condition or role
         (warmup | scored); the frame leads with screen_id, attempt, protocol and name."""
+        from packbench.db.queries import check_one_of
+
+        check_one_of(role, ("scored", "warmup"), "role")  # as `results --role`: a typo is no empty listing
         return self._per_attempt(self.store.episodes, attempts, select,
                                  keep=lambda e: (condition is None or e.condition == condition)
                                  and (role is None or e.role == role))
 
     def verdicts(self, *, gate: str | None = None, attempts: str = "latest", **select: Any) -> Records:
         """Verdict rows of the selected screens, optionally one gate."""
+        from packbench.db.queries import GATES, check_one_of
+
+        check_one_of(gate, GATES, "gate")  # as `results --gate`: a typo is no empty listing
         return self._per_attempt(self.store.verdicts, attempts, select,
                                  keep=lambda v: gate is None or v.gate == gate)
 

@@ -178,6 +178,18 @@ def test_a_filter_that_is_no_text_is_one_line(client, select, fragment):
         client.screens(**select)
 
 
+@pytest.mark.parametrize("call, fragment", [
+    (lambda c: c.episodes(role="score"), "unknown role 'score'; use one of scored, warmup"),
+    (lambda c: c.verdicts(gate="faithful"), "unknown gate 'faithful'; use one of faithfulness"),
+], ids=["role", "gate"])
+def test_an_unknown_role_or_gate_is_refused_not_an_empty_listing(client, call, fragment):
+    """episodes(role='score') and verdicts(gate='faithful') returned no rows, as if the screen had
+    none, where `results --role/--gate` refuses the typo with the names it knows."""
+    with pytest.raises(PackbenchError, match=re.escape(fragment)):
+        call(client)
+    assert {e.role for e in client.episodes()} == {"scored", "warmup"} and client.verdicts(gate="faithfulness")
+
+
 def test_history_of_a_protocol_that_is_no_text_is_one_line(client):
     """history(None) was an AttributeError from the SQL layer."""
     for protocol in (None, 5):
