@@ -45,7 +45,7 @@ def ingest(
         raise typer.Exit(1)
     if json_out:
         return
-    typer.echo(f"ingested {archive} as screen {outcome.screen_id} (attempt {outcome.attempt_id}), "
+    typer.echo(f"ingested {archive} as screen {outcome.screen_id} (attempt {outcome.attempt_number}), "
                f"{outcome.report.record['episodes']} episodes, signed by {sig.get('key_id')}")
 
 

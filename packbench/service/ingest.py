@@ -26,6 +26,7 @@ class IngestOutcome:
     attempt_id: int | None  # None: refused
     screen_id: int | None
     reasons: list[str]  # why it was refused ([] when ingested)
+    attempt_number: int | None = None  # the attempt's number within its screen (attempt_id is its row id)
 
     @property
     def ingested(self) -> bool:
@@ -66,7 +67,7 @@ def ingest(store, archive: Path, *, trust_files: list[Path]) -> IngestOutcome:
         row = _write(store, archive, report, body, worker, manifest, records, verdicts)
     except Conflict as e:
         return IngestOutcome(report, None, None, [str(e)])
-    return IngestOutcome(report, row.id, row.screen_id, [])
+    return IngestOutcome(report, row.id, row.screen_id, [], attempt_number=row.number)
 
 
 def _write(store, archive: Path, report: AuditReport, body: dict, worker: dict, manifest: dict, records: list,

@@ -116,6 +116,25 @@ def test_ingest_records_agreeing_signed_evidence_once_and_refuses_the_rest(world
     assert r.returncode == 2 and "was not recorded" in r.stderr and "Traceback" not in r.stderr, r.stderr
 
 
+def test_ingest_names_the_attempt_by_its_number_not_its_row_id(world, tmp_path, cli):
+    """Into a database that held another attempt, `ingest` said 'as screen 2 (attempt 2)' for the
+    screen's only attempt: the row id, where every other command names the attempt's number."""
+    d, db = world["dir"], tmp_path / "pb.db"
+    assert cli("db", "upgrade", cwd=d, db=db).returncode == 0
+    other = tmp_path / "other.zip"  # a second signed archive: the same one twice is refused
+    write_synthetic_screen(other, synthetic_protocol(prompts_n=3, repetitions=1))
+    with ArchiveReader(other) as reader:
+        manifest_sha = hashlib.sha256(reader.read_bytes(MANIFEST_NAME)).hexdigest()
+    Signer.load(d / "lab.pem").sign_archive(other, file_sha256(other), manifest_sha)
+    for archive, screen in ((world["signed"], 1), (other, 2)):
+        r = cli("ingest", str(archive), "--trust", str(world["pub"]), cwd=d, db=db)
+        assert r.returncode == 0, (r.stdout, r.stderr)
+        with Store(url_of(db)) as store:
+            attempt = store.latest_attempt(screen)
+        assert attempt.number == 1 and attempt.id == screen
+        assert f"as screen {screen} (attempt 1), " in r.stdout, r.stdout
+
+
 def test_reexecution_refuses_what_it_cannot_rerun_with_one_line(world, tmp_path, cli):
     """Not a zip, or a partial archive: exit 2 and one line, before any worker starts."""
     d = world["dir"]
