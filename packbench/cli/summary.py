@@ -31,9 +31,13 @@ def screen_summary(store, ref: str | int) -> dict:
         "archive_sha256_matches": None if attempt.archive_sha256 is None or audits[-1].archive_sha256 is None
         else audits[-1].archive_sha256 == attempt.archive_sha256,
         "archive_hashed": audits[-1].archive_sha256 is not None}
+    # `recording: false` ran without the per-call ledger: its byte counts are zeros that measured
+    # nothing, shown as not recorded (null, "-") rather than as transfers of 0 bytes.
+    recorded = json.loads(protocol.canonical_json).get("recording", True) is not False
     out["episodes"] = [{"index": e.plan_index, "condition": e.condition, "tier": tiers.get(e.condition),
                         "role": e.role, "prompt": e.prompt, "status": e.status, "tokens": list(e.tokens),
-                        "h2d_bytes": e.h2d_weight_bytes + e.h2d_index_bytes, "d2h_bytes": e.d2h_bytes,
+                        "h2d_bytes": e.h2d_weight_bytes + e.h2d_index_bytes if recorded else None,
+                        "d2h_bytes": e.d2h_bytes if recorded else None,
                         "wall_s": e.wall_s,
                         **({f: getattr(e, f) for f in FIDELITY_FIELDS} if e.fidelity_mean_kl is not None else {}),
                         **({"error": e.error} if e.status != "ok" else {})}  # why, without opening the archive

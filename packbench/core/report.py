@@ -205,6 +205,8 @@ def call_h2d(call: dict) -> int:
 def h2d_per_call(screen: ScreenData) -> dict[str, dict[str, list[int]]]:
     """condition -> phase -> H2D bytes of every call of its scored episodes, in plan order."""
     out = {c: {ph: [] for ph in PHASES} for c in screen.conditions}
+    if not screen.protocol.recording:  # no ledger ran: its calls' byte counts are zeros, not transfers
+        return out
     for c in screen.conditions:
         for e in screen.of(c):
             for call in e.calls:
@@ -570,6 +572,7 @@ def condition_summary(screen: ScreenData) -> list[dict]:
     mean wall per episode and the spread of the walls (n, median, p10, p90: core/dispersion.py),
     median decode ms/token and its spread, largest sampled GPU peak, energy."""
     h2d, walls, dec, en = h2d_per_call(screen), wall_per_episode(screen), decode_ms_per_token(screen), energy(screen)
+    recorded = screen.protocol.recording  # false: no ledger ran, its zero byte counts are not transfers
     rows = []
     for cond in screen.protocol.conditions:
         c = cond.name
@@ -587,7 +590,8 @@ def condition_summary(screen: ScreenData) -> list[dict]:
             "fidelity_mean_kl_max": max(kl) if kl else None, "fidelity_top1_min": min(top1) if top1 else None,
             "params": ", ".join(f"{k}={v}" for k, v in cond.resolved_params.items()),  # defaults spelled out
             "scored": len(scored), "failed": sum(not e.ok for e in scored),
-            "prefill_h2d_per_call": _mean(h2d[c]["prefill"]), "decode_h2d_per_call": _mean(h2d[c]["decode"]),
+            "prefill_h2d_per_call": _mean(h2d[c]["prefill"]) if recorded else None,
+            "decode_h2d_per_call": _mean(h2d[c]["decode"]) if recorded else None,
             "wall_s_mean": _mean([w for _, w in walls[c]]), "decode_ms_median": _median(dec[c]),
             "wall_s_spread": spread([w for _, w in walls[c]]), "decode_ms_spread": spread(dec[c]),
             "peak_sampled_bytes": max(peaks) if peaks else None,

@@ -552,3 +552,23 @@ def test_the_frontier_leaves_overlapping_names_to_its_legend():
     written = [c for c in names if f">{c}<" in body or f"{c}</text>" in body]
     assert "KL 0.001, top-1 0.99, fidelity PASS" in svg and "resident" in body
     assert len(written) <= 1, written
+
+
+def test_a_screen_recorded_without_the_ledger_shows_no_bytes_rather_than_zero(tmp_path):
+    """Bug caught: `recording: false` runs without the per-call ledger, so every byte count in its
+    records is a zero that measured nothing; the report's conditions table said 0 MB per call and
+    `results --screen` listed h2d_bytes 0 for every episode, as if nothing had been moved."""
+    from bench.audit import synthetic_protocol, write_synthetic_screen
+
+    raw = synthetic_protocol(prompts_n=2)
+    raw["recording"] = False
+    raw["gates"].pop("acquisition", None)  # refused without the ledger
+    write_synthetic_screen(tmp_path / "off.zip", raw)
+    write_synthetic_screen(tmp_path / "on.zip", synthetic_protocol(prompts_n=2))
+    off, on = data.read_screen(tmp_path / "off.zip"), data.read_screen(tmp_path / "on.zip")
+    assert not off.protocol.recording and on.protocol.recording
+    for s, recorded in ((off, False), (on, True)):
+        for row in data.condition_summary(s):
+            for key in ("prefill_h2d_per_call", "decode_h2d_per_call"):
+                assert (row[key] is not None) == recorded, (row["condition"], key, row[key])
+        assert any(calls for phases in data.h2d_per_call(s).values() for calls in phases.values()) == recorded
