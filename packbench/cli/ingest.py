@@ -34,7 +34,8 @@ def ingest(
     if json_out:
         echo_json({"archive": str(archive), "ingested": outcome.ingested, "reasons": list(outcome.reasons),
                    "screen_id": outcome.screen_id, "attempt_id": outcome.attempt_id,
-                   "episodes": outcome.report.record.get("episodes"), "key_id": sig.get("key_id")})
+                   "episodes": outcome.report.record.get("episodes"), "key_id": sig.get("key_id"),
+                   "registered": outcome.registered is not None})
     if not outcome.ingested:
         if json_out:
             typer.echo(f"refused {archive}: nothing was written", err=True)
@@ -47,6 +48,9 @@ def ingest(
         return
     typer.echo(f"ingested {archive} as screen {outcome.screen_id} (attempt {outcome.attempt_number}), "
                f"{outcome.report.record['episodes']} episodes, signed by {sig.get('key_id')}")
+    if outcome.registered:
+        typer.echo(f"registered key {outcome.registered} (given with --trust) as a trusted signer here: later "
+                   f"audits of the screen check its signature against it, and ingest trusts it from now on")
 
 
 def register(app: typer.Typer) -> None:

@@ -638,13 +638,18 @@ class Store:
     @retried
     def ingest_attempt(self, *, protocol_sha256: str, protocol_name: str, protocol_json: str,
                        machine: Mapping[str, str | None], attempt: Mapping[str, Any],
-                       episodes: list[Mapping[str, Any]], verdicts: list[Mapping[str, Any]]) -> AttemptRow:
+                       episodes: list[Mapping[str, Any]], verdicts: list[Mapping[str, Any]],
+                       signer: Mapping[str, str] | None = None) -> AttemptRow:
         """Record a screen audited elsewhere (`packbench ingest`) in ONE transaction: its
         protocol (idempotent), machine (idempotent), a screen and its one attempt marked with
         `ingested_from`, done (failed when every episode failed: core/outcome.py), its
-        episodes and verdicts. Nothing is written if any part fails.
-        The same archive (by SHA-256) is never ingested twice."""
+        episodes and verdicts, and `signer` ({key_id, public_key, name}: the key its signature was
+        checked against, when it was not registered; idempotent). Nothing is written if any part
+        fails. The same archive (by SHA-256) is never ingested twice."""
         with self._session() as session:
+            if signer is not None:
+                ingest.insert_ignore(session, SqlSigner, [{**signer, "local": False, "created_at": self._clock()}],
+                                     ["key_id"])
             return ingest.ingest_attempt(session, clock=self._clock, protocol_sha256=protocol_sha256,
                                          protocol_name=protocol_name, protocol_json=protocol_json, machine=machine,
                                          attempt=attempt, episodes=episodes, verdicts=verdicts)

@@ -17,7 +17,7 @@ from packbench.core.archive import PROTOCOL_NAME, VERDICTS_NAME, WORKER_NAME, Ar
 from packbench.core.audit import AuditReport, audit_archive
 from packbench.core.canonical import canonical_json
 from packbench.core.errors import ArchiveError, PackbenchError
-from packbench.core.provenance import load_public_key
+from packbench.core.provenance import key_id, load_public_key
 
 
 @dataclass(frozen=True)
@@ -27,22 +27,19 @@ class IngestOutcome:
     screen_id: int | None
     reasons: list[str]  # why it was refused ([] when ingested)
     attempt_number: int | None = None  # the attempt's number within its screen (attempt_id is its row id)
+    registered: str | None = None  # the signer's key id, when ingest registered it (given by --trust alone)
 
     @property
     def ingested(self) -> bool:
         return self.attempt_id is not None
 
 
-def trusted_keys(store, trust_files: list[Path]) -> list[bytes]:
-    keys = [load_public_key(p) for p in trust_files]
-    keys += [bytes.fromhex(s.public_key) for s in store.signers()]
-    return keys
-
-
 def ingest(store, archive: Path, *, trust_files: list[Path]) -> IngestOutcome:
     """Audit `archive` against the trusted keys; if it agrees, write it to `store`."""
     archive = Path(archive)
-    keys = trusted_keys(store, trust_files)
+    given = {key_id(raw): (raw, path) for path in trust_files for raw in [load_public_key(path)]}
+    registered = {s.key_id: bytes.fromhex(s.public_key) for s in store.signers()}
+    keys = [raw for raw, _ in given.values()] + list(registered.values())
     if not keys:
         raise PackbenchError("no trusted keys: pass --trust PUBKEY_FILE or register the lab's key with "
                              "`packbench keys register`; unsigned evidence is never ingested")
@@ -63,15 +60,24 @@ def ingest(store, archive: Path, *, trust_files: list[Path]) -> IngestOutcome:
         return IngestOutcome(report, None, None, [str(e)])
     from packbench.db.errors import Conflict
 
+    # A signer trusted by --trust alone is registered with the attempt: every later audit of the
+    # screen checks its signature against the key the database names (service/audit.py
+    # `_signed_by`), and without it `audit --all` called accepted evidence DISAGREE forever.
+    signer = report.record.get("signature", {}).get("key_id")
+    new_signer = None
+    if signer in given and signer not in registered:
+        raw, path = given[signer]
+        new_signer = {"key_id": signer, "public_key": raw.hex(), "name": f"{Path(path).name} (--trust at ingest)"}
     try:
-        row = _write(store, archive, report, body, worker, manifest, records, verdicts)
+        row = _write(store, archive, report, body, worker, manifest, records, verdicts, new_signer=new_signer)
     except Conflict as e:
         return IngestOutcome(report, None, None, [str(e)])
-    return IngestOutcome(report, row.id, row.screen_id, [], attempt_number=row.number)
+    return IngestOutcome(report, row.id, row.screen_id, [], attempt_number=row.number,
+                         registered=None if new_signer is None else signer)
 
 
 def _write(store, archive: Path, report: AuditReport, body: dict, worker: dict, manifest: dict, records: list,
-           verdicts: list):
+           verdicts: list, *, new_signer: dict | None):
     env = worker.get("environment") if isinstance(worker.get("environment"), dict) else {}
     start = worker.get("start") if isinstance(worker.get("start"), dict) else {}
     signer = report.record.get("signature", {}).get("key_id")
@@ -85,4 +91,4 @@ def _write(store, archive: Path, report: AuditReport, body: dict, worker: dict, 
                  "signer_key_id": signer, "node": env.get("host"), "worker": "ingested",
                  "submitter": f"ingest@{platform.node()}",
                  "ingested_from": f"{env.get('host') or 'unknown host'} (signed by {signer})"},
-        episodes=records, verdicts=verdicts)
+        episodes=records, verdicts=verdicts, signer=new_signer)

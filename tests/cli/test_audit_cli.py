@@ -236,3 +236,29 @@ def test_a_reexecution_stopped_by_sigterm_says_so_and_exits_143(world, cli, monk
             assert "Traceback" not in r.stderr and "re-execution audit" not in r.stdout
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def test_a_signer_trusted_by_flag_at_ingest_stays_trusted_for_the_screens_later_audits(world, cli, tmp_path):
+    """Bug caught: `ingest ARCHIVE --trust LAB.pub` with a key not registered here accepted the
+    evidence, and every later `audit SCREEN` (so `audit --all` in CI) called it DISAGREE: the
+    signature was checked against the keys registered in the database, which lacked it. The key
+    is now registered in the ingest's own transaction, and said so; a refused ingest registers nothing."""
+    d = world["dir"]
+    db = tmp_path / "other.db"  # a database that has never seen the lab's key
+    assert cli("db", "upgrade", cwd=d, db=db).returncode == 0
+    forged = tmp_path / "forged.zip"
+    raw = bytearray(world["signed"].read_bytes())
+    raw[len(raw) // 2] ^= 0x01
+    forged.write_bytes(bytes(raw))
+    r = cli("ingest", str(forged), "--trust", str(world["pub"]), cwd=d, db=db)
+    assert r.returncode == 1 and Store(url_of(db)).signers() == []  # refused: nothing registered
+    r = cli("ingest", str(world["signed"]), "--trust", str(world["pub"]), cwd=d, db=db)
+    assert r.returncode == 0 and f"registered key {world['key_id']} (given with --trust)" in r.stdout, r.stdout
+    (signer,) = Store(url_of(db)).signers()
+    assert (signer.key_id, signer.name, signer.local) == (world["key_id"], "lab.pem.pub (--trust at ingest)", False)
+    (screen,) = Store(url_of(db)).list_screens()
+    r = cli("audit", str(screen.id), cwd=d, db=db)
+    assert r.returncode == 0 and "AGREE" in r.stdout, (r.stdout, r.stderr)
+    assert f"signature: valid, by trusted key {world['key_id']}" in r.stdout
+    r = cli("ingest", str(world["signed"]), "--trust", str(world["pub"]), cwd=d, db=db)  # again: refused, once
+    assert r.returncode == 1 and "registered key" not in r.stdout and len(Store(url_of(db)).signers()) == 1
