@@ -75,10 +75,15 @@ def test_moe_trace_decode_moves_k_experts_a_layer(tmp_path, packbench_cli):
         if c["phase"] == "decode":
             assert c["rows_copied"] == [2, 2]
     assert rows["dense-stream"]["totals"]["decode"]["rows_copied"] == 2 * 2 * 8
-    assert set(rows) == {"resident", "dense-stream", "packet", "packet:gather=device", "phase-switched",
-                         "phase-switched:gather=device", "expert-cache:capacity=2,rule=lru",
-                         "expert-cache:capacity=2,rule=lfu", "expert-forecast",
+    assert set(rows) == {"resident", "dense-stream", "packet", "packet:gather=device", "packet:gather=mapped",
+                         "phase-switched", "phase-switched:gather=device", "phase-switched:gather=mapped",
+                         "expert-cache:capacity=2,rule=lru", "expert-cache:capacity=2,rule=lfu", "expert-forecast",
                          "expert-cache:capacity=2,rule=lru,forecast=on"}
+    # The mapped gather (an MoE model's sync-free one) moves the routed experts as packet does, and
+    # neither an index nor a readback in a decode call (simulate refused `gather=mapped` before).
+    packet, mapped = rows["packet"]["totals"]["decode"], rows["packet:gather=mapped"]["totals"]["decode"]
+    assert mapped["h2d_weight_bytes"] == packet["h2d_weight_bytes"] > 0 and mapped["rows_copied"] == packet["rows_copied"]
+    assert (mapped["h2d_index_bytes"], mapped["d2h_bytes"]) == (0, 0) and packet["d2h_bytes"] > 0
     # The caches' figures are the library's replay of the same trace (hits beside Belady's), and
     # a forecast made in one layer prefetched experts for the next (layer 1 only).
     t = read_trace(tmp_path / "m.trace")

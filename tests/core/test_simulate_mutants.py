@@ -149,6 +149,9 @@ def test_phase_switched_decode_calls_pay_as_packets():
     # Catches phase-switched given the expert-cache overhead family instead of a packet's.
     assert sim.overhead_families("expert", "phase-switched", {}) == ("packet-host",)
     assert sim.overhead_families("expert", "phase-switched", {"gather": "device"}) == ("packet",)
+    # The mapped gather has no measured family: not charged the host gather's overhead (packet-host).
+    assert sim.overhead_families("expert", "packet", {"gather": "mapped"}) is None
+    assert sim.overhead_families("expert", "phase-switched", {"gather": "mapped"}) is None
 
 
 def _machine(**extra):

@@ -18,7 +18,8 @@ OPT_RUNS = [("resident", {}), ("dense-stream", {}), ("packet", {}), ("packet", {
             ("packet", {"weights": "int8"}), ("packet", {"gather": "device", "weights": "int8"}),
             ("dense-stream", {"weights": "int8"})]
 MOE_RUNS = [("resident", {}), ("dense-stream", {}), ("packet", {}), ("packet", {"gather": "device"}),
-            ("phase-switched", {}), ("phase-switched", {"gather": "device"})]
+            ("phase-switched", {}), ("phase-switched", {"gather": "device"}),
+            ("packet", {"gather": "mapped"}), ("phase-switched", {"gather": "mapped"})]
 
 
 def engine_and_simulation(model, runs, tmp_path):
