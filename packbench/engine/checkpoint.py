@@ -425,9 +425,10 @@ def _stream_to_device(pool: ThreadPoolExecutor, jobs: list, device: torch.device
 
 
 def assign_state(model: torch.nn.Module, sd: dict[str, torch.Tensor], model_dir: Path) -> None:
-    """Assign `sd` to a model built on `meta`, every shape checked; lm_head tied to the embedding."""
+    """Assign `sd` to a model built on `meta`, every shape checked; lm_head tied to the embedding
+    unless config.json unties it."""
     expected = {k: v.shape for k, v in model.state_dict().items()}
-    if "lm_head.weight" not in sd:  # tied to the token embedding in every OPT
+    if "lm_head.weight" not in sd and _tied(model):  # tied to the token embedding: no tensor of its own
         expected.pop("lm_head.weight", None)
     missing = sorted(set(expected) - set(sd))
     if missing:
@@ -440,6 +441,12 @@ def assign_state(model: torch.nn.Module, sd: dict[str, torch.Tensor], model_dir:
     model.load_state_dict({k: sd[k] for k in expected}, strict=False, assign=True)
     model.tie_weights()
     model.eval()
+
+
+def _tied(model: torch.nn.Module) -> bool:
+    """Whether the model's lm_head is the token embedding (config.json's tie_word_embeddings,
+    true by default as in OPTConfig); an untied one needs its own lm_head.weight."""
+    return bool(getattr(model.config, "tie_word_embeddings", True))
 
 
 def build_weights(model_dir: Path, *, dtype: torch.dtype, device: torch.device | None = None,

@@ -98,7 +98,10 @@ class OPTWeights(nn.Module):
             self.lm_head = nn.Linear(self.config.hidden_size, self.config.vocab_size, bias=False)
 
     def tie_weights(self) -> None:
-        self.lm_head.weight = self.model.decoder.embed_tokens.weight  # tied in every OPT
+        # Tied in every published OPT (OPTConfig's default); a config.json with
+        # tie_word_embeddings false keeps the lm_head.weight its files hold, as transformers does.
+        if getattr(self.config, "tie_word_embeddings", True):
+            self.lm_head.weight = self.model.decoder.embed_tokens.weight
 
 
 def stock_model(weights: OPTWeights, config: dict):

@@ -139,3 +139,32 @@ def test_model_logits_do_not_depend_on_the_host_layout(checkpoints, pin, monkeyp
     reference = logits()  # the default layout
     monkeypatch.setattr("packbench.engine.checkpoint.PIN", pin)
     assert (logits() == reference).all()
+
+
+def test_an_untied_opt_keeps_its_own_lm_head_as_transformers_does(tiny, tmp_path):
+    """config.json's tie_word_embeddings false with an lm_head.weight of its own: the engine's
+    logits are transformers' on the same directory (the head used to be tied to the embedding
+    whatever config.json said, its lm_head.weight silently dropped); an untied checkpoint
+    without that tensor is refused as incomplete."""
+    from transformers import OPTForCausalLM
+
+    from packbench.engine.episode import run_episode
+    from packbench.engine.model import CpuFirstModel
+
+    out = variant(tiny, tmp_path, "untied", config={"tie_word_embeddings": False})
+    sd = load_file(out / "model.safetensors")
+    sd["lm_head.weight"] = torch.randn_like(sd["model.decoder.embed_tokens.weight"], generator=torch.Generator().manual_seed(0))
+    save_file(sd, out / "model.safetensors")
+    prompt = list(range(3, 19))
+    model = CpuFirstModel(out, dtype=torch.float32, device=torch.device("cpu"))
+    model.use("dense-stream")
+    ours = torch.from_numpy(run_episode(model, prompt, continuation=1).logits[0])
+    stock = OPTForCausalLM.from_pretrained(out, dtype=torch.float32, attn_implementation="eager").eval()
+    with torch.inference_mode():
+        theirs = stock(input_ids=torch.tensor([prompt]), logits_to_keep=1).logits[0, -1]
+    assert torch.equal(ours, theirs), (ours - theirs).abs().max()
+    assert torch.equal(build_model(out, dtype=torch.float32).lm_head.weight, sd["lm_head.weight"])
+
+    missing = variant(tiny, tmp_path, "untied-headless", config={"tie_word_embeddings": False})
+    with pytest.raises(CheckpointError, match="lacks 1 tensors .first: lm_head.weight"):
+        build_weights(missing, dtype=torch.float32)
