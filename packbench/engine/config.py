@@ -95,7 +95,26 @@ def _moe(config: dict, path: Path) -> dict:
     if config["num_attention_heads"] % (config.get("num_key_value_heads") or config["num_attention_heads"]):
         raise CheckpointError(f"{path}: num_attention_heads {config['num_attention_heads']} is not a multiple of "
                               f"num_key_value_heads {config['num_key_value_heads']}; fix config.json")
+    if config["model_type"] == "qwen3_moe":
+        _qwen3_sparse_layers(config, path)
     return config
+
+
+def _qwen3_sparse_layers(config: dict, path: Path) -> None:
+    """Qwen3-MoE's choice of MoE layers (transformers: layer i has experts iff i is not in
+    `mlp_only_layers` and (i + 1) % `decoder_sparse_step` == 0): a step of 0 raised
+    ZeroDivisionError in the worker, and a model with no MoE layer at all (every layer listed,
+    or a step beyond the depth) failed its screen with a bare StopIteration."""
+    step, dense = config.get("decoder_sparse_step", 1), config.get("mlp_only_layers", [])
+    if isinstance(step, bool) or not isinstance(step, int) or step < 1:
+        raise CheckpointError(f"{path}: decoder_sparse_step is {show(step)}, not a positive integer; fix config.json")
+    dense = [] if dense is None else dense
+    if not isinstance(dense, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in dense):
+        raise CheckpointError(f"{path}: mlp_only_layers is {show(dense)}, not a list of layer indices; fix config.json")
+    if not any(i not in dense and (i + 1) % step == 0 for i in range(config["num_hidden_layers"])):
+        raise CheckpointError(f"{path}: no layer of the {config['num_hidden_layers']} has experts (mlp_only_layers "
+                              f"{show(dense)}, decoder_sparse_step {step}): a dense model, with no experts for "
+                              f"packbench's MoE loaders to move; give a checkpoint with at least one MoE layer")
 
 
 MAX_CONFIG_BYTES = 1 << 20  # an OPT config.json is ~1 KB

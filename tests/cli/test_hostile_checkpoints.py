@@ -154,6 +154,38 @@ def test_an_moe_checkpoint_its_config_does_not_describe_is_one_line(tmp_path, mo
     assert "LOAD REPORT" not in r.err and "Loading weights" not in r.err
 
 
+@pytest.fixture(scope="module")
+def dense_qwen3(tmp_path_factory) -> Path:
+    """A Qwen3-MoE checkpoint whose every layer is in mlp_only_layers (transformers' own save):
+    config.json and tensors agree, and no layer has experts."""
+    import torch
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen3MoeConfig(hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2,
+                            num_attention_heads=2, num_key_value_heads=1, head_dim=16, num_experts=4,
+                            num_experts_per_tok=2, vocab_size=128, max_position_embeddings=64, mlp_only_layers=[0, 1])
+    out = tmp_path_factory.mktemp("qwen3") / "dense"
+    Qwen3MoeForCausalLM(config).save_pretrained(out)
+    return out
+
+
+@pytest.mark.parametrize("config, fragment", [
+    ({}, "no layer of the 2 has experts (mlp_only_layers [0, 1], decoder_sparse_step 1)"),
+    ({"mlp_only_layers": [], "decoder_sparse_step": 3}, "no layer of the 2 has experts (mlp_only_layers [], "
+                                                        "decoder_sparse_step 3)"),
+    ({"decoder_sparse_step": 0}, "decoder_sparse_step is 0, not a positive integer"),  # ZeroDivisionError
+    ({"mlp_only_layers": "0"}, "mlp_only_layers is '0', not a list of layer indices"),
+])
+def test_a_qwen3_moe_checkpoint_without_moe_layers_is_one_line(tmp_path, dense_qwen3, capsys, config, fragment):
+    """Catches a Qwen3-MoE config.json whose mlp_only_layers / decoder_sparse_step leave no layer
+    with experts (a screen failed with ExpertHost's bare `StopIteration:`, `model stats` exited 70
+    with numpy's "need at least one array to stack") or whose step is 0 (transformers'
+    ZeroDivisionError, exit 70)."""
+    model = copy_of(dense_qwen3, tmp_path / "m", **config)
+    one_line_error(pb(capsys, "model", "stats", str(model), "--prefix", "8", "--count", "1"), str(model), fragment)
+
+
 @pytest.mark.parametrize("text, fragment", [
     ("{", "cannot read it as JSON"), ("[" * 100_000 + "]" * 100_000, "cannot read it as JSON"),
     ("[]", "is not a JSON object"), (None, "is a FIFO"),
