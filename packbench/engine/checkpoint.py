@@ -26,7 +26,7 @@ from safetensors import SafetensorError, safe_open
 
 from packbench.core.errors import CheckpointError
 from packbench.core.text import one_line, show
-from packbench.engine.config import read_config
+from packbench.engine.config import check_weight_files, read_config
 from packbench.engine.opt_weights import OPTWeights
 
 # Key remaps: some OPT exports omit the `model.` prefix (OPTModel state dicts).
@@ -35,9 +35,8 @@ KEY_PREFIXES = {"decoder.": "model.decoder."}
 
 def read_state_dict(model_dir: Path, *, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """Every tensor of the checkpoint's safetensors files, in host memory, cast to `dtype`."""
+    check_weight_files(model_dir, moe=False)
     files = sorted(Path(model_dir).glob("*.safetensors"))
-    if not files:
-        raise CheckpointError(f"{model_dir} has no *.safetensors files; packbench reads safetensors only")
     sd: dict[str, torch.Tensor] = {}
     for file in files:
         _header(file)  # a damaged file: one line naming it, not the reader's own error
@@ -135,9 +134,8 @@ def reads_whole(model_dir: Path) -> bool:
 
 def _entries(model_dir: Path) -> list[tuple[str, Path, int, int, torch.dtype, tuple]]:
     """(name, file, byte offset, byte length, stored dtype, shape) of every tensor, names remapped."""
+    check_weight_files(model_dir, moe=False)
     files = sorted(Path(model_dir).glob("*.safetensors"))
-    if not files:
-        raise CheckpointError(f"{model_dir} has no *.safetensors files; packbench reads safetensors only")
     out = []
     for file in files:
         base, header = _header(file)

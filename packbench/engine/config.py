@@ -3,7 +3,7 @@
 from pathlib import Path
 
 from packbench.core.errors import CheckpointError
-from packbench.core.text import show
+from packbench.core.text import one_line, show
 
 
 def read_config(model_dir: Path) -> dict:
@@ -118,6 +118,47 @@ def _qwen3_sparse_layers(config: dict, path: Path) -> None:
 
 
 MAX_CONFIG_BYTES = 1 << 20  # an OPT config.json is ~1 KB
+MAX_INDEX_BYTES = 64 << 20  # a sharded checkpoint's index: ~100 bytes a tensor (Mixtral-8x7B: ~100 KB)
+
+
+def check_weight_files(model_dir: Path, *, moe: bool) -> None:
+    """The weight files the checkpoint's reader opens are there, or a one-line CheckpointError
+    naming the fix. OPT is read from every *.safetensors file (engine/checkpoint.py); an MoE
+    checkpoint by transformers, which also reads pytorch_model.bin. A sharded checkpoint
+    (model.safetensors.index.json, pytorch_model.bin.index.json, read when no single file is
+    there) must hold every shard its index lists: a missing one surfaced as transformers'
+    OSError or FileNotFoundError (exit 70), or for OPT as tensors lacking with no file named."""
+    model_dir = Path(model_dir)
+    if not (model_dir / "model.safetensors").is_file():
+        for name in ("model.safetensors.index.json",) + (("pytorch_model.bin.index.json",) if moe else ()):
+            if (model_dir / name).exists():
+                _check_shards(model_dir, model_dir / name)
+                return
+    if any(model_dir.glob("*.safetensors")) or (moe and (model_dir / "pytorch_model.bin").is_file()):
+        return
+    if not moe and any(model_dir.glob("pytorch_model*.bin")):  # an older OPT export
+        raise CheckpointError(f"{model_dir} holds pytorch_model.bin, packbench reads OPT from *.safetensors only; "
+                              f"convert it: transformers' OPTForCausalLM.from_pretrained(DIR).save_pretrained(DIR) "
+                              f"writes model.safetensors")
+    what = "*.safetensors or pytorch_model.bin files" if moe else "*.safetensors files"
+    raise CheckpointError(f"{model_dir} has no {what}, packbench reads {'those' if moe else 'safetensors only'}; "
+                          f"copy the checkpoint's weights there (transformers' save_pretrained writes safetensors)")
+
+
+def _check_shards(model_dir: Path, index: Path) -> None:
+    from packbench.core.files import read_json_object
+
+    try:
+        weight_map = read_json_object(index, limit=MAX_INDEX_BYTES).get("weight_map")
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{index} cannot be read as a checkpoint index ({one_line(str(e))[:120]}); copy the "
+                              f"checkpoint again") from None
+    if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+        raise CheckpointError(f"{index} has no weight_map of tensor names to file names; copy the checkpoint again")
+    missing = sorted(f for f in set(weight_map.values()) if not (model_dir / f).is_file())
+    if missing:
+        raise CheckpointError(f"{model_dir} lacks {len(missing)} of the {len(set(weight_map.values()))} shards "
+                              f"{index.name} lists (first: {show(missing[0])}); copy the whole checkpoint again")
 
 
 def _json(path: Path) -> dict:

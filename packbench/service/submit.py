@@ -153,6 +153,7 @@ def check_frozen(frozen: FrozenProtocol) -> None:
     vocab = vocab_size(frozen)  # a broken config.json is the checkpoint's error (CheckpointError), not the prompts'
     check_positions(frozen)
     check_family(frozen)
+    check_weights(frozen)
     try:
         screen_prompts(protocol, vocab=vocab, model_dir=frozen.model_dir(), prompt_file=frozen.prompt_file())
     except ValueError as e:
@@ -231,6 +232,19 @@ def check_family(frozen: FrozenProtocol) -> None:
                           conditions=[(c.name, c.policy, dict(c.resolved_params)) for c in p.conditions])
     if refusal:
         raise ProtocolError(f"protocol field `{refusal[0]}`: {refusal[1]}")
+
+
+def check_weights(frozen: FrozenProtocol) -> None:
+    """A model.path checkpoint holds the weight files its worker opens (engine/config.py
+    check_weight_files): refused here, before a screen is queued to fail on them. (`protocol
+    validate` checks a protocol against config.json alone, so it does not call this.)"""
+    model_dir = frozen.model_dir()
+    if model_dir is None:
+        return
+    from packbench.core.moe import FAMILIES
+    from packbench.engine.config import check_weight_files, read_config
+
+    check_weight_files(model_dir, moe=read_config(model_dir).get("model_type") in FAMILIES)
 
 
 def check_offload(p: Protocol, config: dict) -> None:

@@ -186,6 +186,56 @@ def test_a_qwen3_moe_checkpoint_without_moe_layers_is_one_line(tmp_path, dense_q
     one_line_error(pb(capsys, "model", "stats", str(model), "--prefix", "8", "--count", "1"), str(model), fragment)
 
 
+def _sharded(model: Path, where: Path) -> Path:
+    """`model` re-saved as transformers saves a large checkpoint: one file per tensor and
+    model.safetensors.index.json's weight_map naming each tensor's file."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(model, where)
+    sd = load_file(where / "model.safetensors")
+    (where / "model.safetensors").unlink()
+    names = {k: f"model-{i + 1:05d}-of-{len(sd):05d}.safetensors" for i, k in enumerate(sorted(sd))}
+    for k, name in names.items():
+        save_file({k: sd[k]}, where / name, metadata={"format": "pt"})
+    (where / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": names}))
+    return where
+
+
+@pytest.mark.parametrize("family", ["opt", "moe"])
+@pytest.mark.parametrize("damage, fragment", [
+    ("no weights", "has no *.safetensors"),
+    ("a shard", "lacks 1 of the"),
+    ("bin only", None),
+])
+def test_a_checkpoint_without_its_weight_files_is_one_line(tmp_path, tiny, moe, capsys, family, damage, fragment):
+    """Catches an MoE directory without weights, or without one shard of its index (transformers'
+    OSError / FileNotFoundError: exit 70), and an OPT one without a shard (`lacks 13 tensors`,
+    naming no file) or saved as pytorch_model.bin (no fix named). An MoE pytorch_model.bin runs."""
+    import torch
+    from safetensors.torch import load_file
+
+    model = _sharded(tiny if family == "opt" else moe, tmp_path / "m")
+    shards = sorted(model.glob("*.safetensors"))
+    if damage == "no weights":
+        for f in [*shards, model / "model.safetensors.index.json"]:
+            f.unlink()
+    elif damage == "a shard":
+        shards[len(shards) // 2].unlink()
+    else:
+        torch.save({k: v for f in shards for k, v in load_file(f).items()}, model / "pytorch_model.bin")
+        for f in [*shards, model / "model.safetensors.index.json"]:
+            f.unlink()
+    r = pb(capsys, "model", "stats", str(model), "--prefix", "8", "--count", "1")
+    if family == "moe" and damage == "bin only":
+        assert r.code == 0, r.err
+        return
+    if damage == "a shard":
+        fragment += f" {len(shards)} shards model.safetensors.index.json lists (first: '{shards[len(shards) // 2].name}')"
+    elif damage == "bin only":
+        fragment = "holds pytorch_model.bin, packbench reads OPT from *.safetensors only; convert it"
+    one_line_error(r, str(model), fragment)
+
+
 @pytest.mark.parametrize("text, fragment", [
     ("{", "cannot read it as JSON"), ("[" * 100_000 + "]" * 100_000, "cannot read it as JSON"),
     ("[]", "is not a JSON object"), (None, "is a FIFO"),

@@ -41,3 +41,27 @@ def test_replicas_are_queued_in_one_transaction_labels_included(store, tmp_path,
     assert [s.id for s in screens] == ids and len(ids) == 5
     assert len({s.replica_group for s in screens}) == 1 and screens[0].replica_group
     assert {s.name for s in screens} == {"batch"}
+
+
+def test_a_checkpoint_without_weight_files_is_refused_before_a_screen_is_queued(store, tmp_path):
+    """The bug caught: submit read config.json alone, so an OPT directory holding only
+    pytorch_model.bin (or a sharded checkpoint lacking a shard) was queued and its screen failed
+    on the worker, its archive written for nothing."""
+    import json
+
+    import yaml
+
+    from packbench.engine.synth import synth_checkpoint
+
+    model = synth_checkpoint(tmp_path / "m", shape="tiny", dtype="float32", sparsity=0.94, seed=0)
+    (model / "model.safetensors").rename(model / "model-00001-of-00002.safetensors")
+    (model / "model.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}))
+    path = protocol_file(tmp_path)
+    body = yaml.safe_load(path.read_text())
+    body["model"] = {"path": str(model)}
+    path.write_text(yaml.safe_dump(body))
+    with pytest.raises(PackbenchError, match="lacks 1 of the 2 shards model.safetensors.index.json lists "
+                                             "\\(first: 'model-00002-of-00002.safetensors'\\); copy the whole"):
+        submit(store, path)
+    assert store.list_screens() == []

@@ -71,9 +71,10 @@ def load_stock(model_dir: Path, *, family: str, dtype: torch.dtype):
     from transformers.activations import ACT2FN
     from transformers.utils import logging as hf_logging
 
-    from packbench.engine.config import read_config
+    from packbench.engine.config import check_weight_files, read_config
 
     read_config(model_dir)
+    check_weight_files(model_dir, moe=True)
     cls = model_class(family)
     try:
         config = cls.config_class.from_pretrained(model_dir)
