@@ -47,15 +47,21 @@ def read_config(model_dir: Path) -> dict:
             raise CheckpointError(f"{path}: {key} is {show(config[key])}, not a dtype name; fix config.json")
     if not config.get("do_layer_norm_before", True):
         raise CheckpointError(
-            f"{model_dir} is a post-LayerNorm OPT (do_layer_norm_before=false, like OPT-350m); only pre-LN OPT is supported"
+            f"{model_dir} is a post-LayerNorm OPT (do_layer_norm_before=false, like OPT-350m); only pre-LN OPT is "
+            f"supported: {OTHER_OPT}"
         )
     if config.get("activation_function", "relu") != "relu":
         raise CheckpointError(
             f"{model_dir} uses activation {show(config.get('activation_function'))}; exact packets need ReLU"
         )
     if config.get("word_embed_proj_dim", config["hidden_size"]) != config["hidden_size"]:
-        raise CheckpointError(f"{model_dir} projects embeddings (word_embed_proj_dim != hidden_size); unsupported")
+        raise CheckpointError(f"{model_dir} projects embeddings (word_embed_proj_dim {show(config['word_embed_proj_dim'])} "
+                              f"!= hidden_size {config['hidden_size']}, like OPT-350m); unsupported: {OTHER_OPT}")
     return config
+
+
+# The fix for OPT-350m's layout (post-LN, projected embeddings): every other published OPT runs.
+OTHER_OPT = "use another OPT size (opt-125m, opt-1.3b and up are pre-LN, without a projection)"
 
 
 # The integers an OPT config.json gives the model's shape, each bounded far above any real OPT's

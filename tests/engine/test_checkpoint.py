@@ -27,9 +27,11 @@ def variant(tiny, tmp_path, name, *, config=None, drop=None, reshape=None):
 
 @pytest.mark.parametrize("change, fragment", [
     ({"model_type": "llama"}, "is a 'llama' model; packbench supports OPT"),
-    ({"do_layer_norm_before": False}, "post-LayerNorm OPT"),
+    # OPT-350m's two departures: each names the fix (both once ended at "unsupported")
+    ({"do_layer_norm_before": False}, "post-LayerNorm OPT .* only pre-LN OPT is supported: use another OPT size"),
     ({"activation_function": "gelu"}, "uses activation 'gelu'; exact packets need ReLU"),
-    ({"word_embed_proj_dim": 32}, "projects embeddings"),
+    ({"word_embed_proj_dim": 32}, r"projects embeddings \(word_embed_proj_dim 32 != hidden_size 64, like OPT-350m\); "
+                                  r"unsupported: use another OPT size"),
 ])
 def test_unsupported_architectures(tiny, tmp_path, change, fragment):
     path = variant(tiny, tmp_path, "m", config=change)
