@@ -235,10 +235,16 @@ def checkpoint_digest(path: Path) -> str:
     """Content digest of a checkpoint directory: SHA-256 over, for every regular file in sorted
     relative-path order, ``path NUL size NUL sha256(bytes) LF``. A synthetic checkpoint's
     generated files (config.json carries the spec) are hashed the same way, so the digest pins
-    the spec and whatever the generator wrote for it. Reads every byte once (~1-2 GB/s)."""
+    the spec and whatever the generator wrote for it. Reads every byte once (~1-2 GB/s).
+    Hidden entries (a name starting with '.', at any depth) are not the checkpoint: `.git/` of a
+    clone and `.cache/huggingface/` of `huggingface-cli download --local-dir` hold timestamps and
+    download metadata, so the same weights fetched twice had different digests (a `sha256` pin
+    refused the second copy). No generated checkpoint holds one, so no archived digest moves."""
     root = Path(path)
     h = hashlib.sha256(CHECKPOINT_SCHEME)
-    for f in sorted((p for p in root.rglob("*") if p.is_file()), key=lambda p: p.relative_to(root).as_posix()):
+    files = (p for p in root.rglob("*")
+             if p.is_file() and not any(part.startswith(".") for part in p.relative_to(root).parts))
+    for f in sorted(files, key=lambda p: p.relative_to(root).as_posix()):
         fh = hashlib.sha256()
         size = 0
         with open(f, "rb") as fp:

@@ -63,3 +63,24 @@ def test_model_digest_prints_what_a_protocol_pins(tiny):
     out = CliRunner().invoke(app, ["model", "digest", str(tiny)])
     assert out.exit_code == 0 and out.stdout.strip() == checkpoint_digest(tiny)
     assert len(out.stdout.strip()) == 64
+
+
+def test_hidden_folders_of_a_clone_or_download_do_not_move_the_digest(tiny, tmp_path):
+    """Bug caught: the digest hashed every file, so `.git/` of a clone and `.cache/huggingface/` of
+    `huggingface-cli download --local-dir` (download metadata with timestamps) gave the same
+    weights fetched twice two digests, and a protocol pinning one refused the other. A visible
+    file still moves it, at any depth, and a generated checkpoint's digest is the one archived."""
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(tiny, ckpt)
+    digest = checkpoint_digest(ckpt)
+    (ckpt / ".git" / "objects").mkdir(parents=True)
+    (ckpt / ".git" / "objects" / "ab").write_bytes(b"a clone's object")
+    (ckpt / ".cache" / "huggingface" / "download").mkdir(parents=True)
+    (ckpt / ".cache" / "huggingface" / "download" / "model.safetensors.metadata").write_text("etag\n1796479675.1\n")
+    (ckpt / ".gitattributes").write_text("*.safetensors filter=lfs\n")
+    (ckpt / "sub").mkdir()
+    (ckpt / "sub" / ".hidden").write_text("x")
+    assert checkpoint_digest(ckpt) == digest
+    (ckpt / "sub" / "notes.txt").write_text("x")  # a visible file below the top is the checkpoint's
+    assert checkpoint_digest(ckpt) != digest
+    assert Worker(device="cpu").load(body(ckpt), str(ckpt))["model_sha256"] == checkpoint_digest(ckpt)
