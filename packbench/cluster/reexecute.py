@@ -98,8 +98,9 @@ def _run(ray, actor, protocol_body, model_dir, *, entries, prompts, runs, warmup
         fix = ("remove that folder, and the worker generates the protocol's synthetic checkpoint again" if synth
                else "restore it, or give --archive FILE --model-dir DIR with a copy that has the archived digest")
         raise PackbenchError(f"the checkpoint at {start.get('model_dir')} has content digest "
-                             f"{start.get('model_sha256')}, the archive measured {model_sha256}: it changed since the "
-                             f"screen ran, so nothing was re-executed or recorded; {fix}")
+                             f"{start.get('model_sha256')}, the archive measured {model_sha256}: not the weights the screen "
+                             f"measured (another checkpoint, or this one changed since), so nothing was re-executed "
+                             f"or recorded; {fix}")
     by_index = {e["index"]: e for e in entries}
     for i in warmups:
         ray.get(actor.run.remote(by_index[i], episode_input(prompts, by_index[i])))
