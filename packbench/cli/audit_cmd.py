@@ -397,7 +397,8 @@ def _print_audit(o, *, json_out: bool, detail: bool) -> None:
         from packbench.core.audit import detail_key
 
         # with each recomputed verdict's detail: which way a fidelity bound compares, why one failed
-        typer.echo(verdict_table([{**v, "detail": report.details.get(detail_key(v))} for v in report.record["verdicts"]]))
+        typer.echo(verdict_table([{**v, "detail": report.details.get(detail_key(v)), "tier": report.tiers.get(v["condition"])}
+                                  for v in report.record["verdicts"]]))
         for p in report.problems:
             typer.echo(f"problem: {one_line(named(p))}")
     elif report.problems:

@@ -60,7 +60,7 @@ def _audit_here(path: str, data: bytes | None, compare: dict) -> dict:
 
 def _report(report: AuditReport) -> dict:
     return {"record": report.record, "unreadable": report.unreadable, "partial": report.partial,
-            "details": report.details}
+            "details": report.details, "tiers": report.tiers}
 
 
 def _read_bytes(path: str) -> bytes:
@@ -148,7 +148,8 @@ def fan_out(jobs: list[AuditJob], *, settings: Settings, concurrency: int = 8, o
             continue
         results[(i, r)] = AuditDone(job, AuditReport(out["record"], unreadable=out.get("unreadable", False),
                                                         partial=out.get("partial", False),
-                                                        details=out.get("details", {})),
+                                                        details=out.get("details", {}),
+                                                        tiers=out.get("tiers", {})),
                                     out["node"], out["host"], out["shipped"])
         if progress is not None:
             progress(len(results), total)

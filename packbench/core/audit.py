@@ -108,6 +108,9 @@ class AuditReport:
     # beside the record (which way a fidelity bound compares, why a verdict failed). Not in the record:
     # digests stay as they were.
     details: dict = field(default_factory=dict)
+    # Condition name -> tier (exact or approximate) from the archive's protocol: the terminal table
+    # labels each verdict's tier, as every other verdict table does. Not in the record either.
+    tiers: dict = field(default_factory=dict)
 
     @property
     def agrees(self) -> bool:
@@ -610,6 +613,7 @@ class _Audit:
         verdicts = compute_verdicts(proto, episodes, start=start)
         self.record["verdicts"] = [{k: v[k] for k in VERDICT_KEYS + ("episodes",)} for v in verdicts]
         self.details = {detail_key(v): v["detail"] for v in verdicts if v.get("detail")}
+        self.tiers = {c.name: c.tier for c in proto.conditions}
         if not self.complete:
             # docs/archive.md: verdicts of a partial screen fail closed; the ones computed from
             # the episodes present are compared below, never reported as passing.
@@ -827,7 +831,7 @@ def audit_archive(path: Path, *, expected_sha256: str | None = None, db_verdicts
     record["problems"] = _bounded(record["problems"])
     record["result"] = "agree" if record["complete"] and not record["problems"] else "disagree"
     return AuditReport(record, unreadable=audit.unreadable, partial=partial, rows_pending=pending,
-                       details=getattr(audit, "details", {}))
+                       details=getattr(audit, "details", {}), tiers=getattr(audit, "tiers", {}))
 
 
 MAX_PROBLEM_CHARS = 2000  # a problem is one readable line, whatever a hostile record holds

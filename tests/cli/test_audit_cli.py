@@ -262,3 +262,17 @@ def test_a_signer_trusted_by_flag_at_ingest_stays_trusted_for_the_screens_later_
     assert f"signature: valid, by trusted key {world['key_id']}" in r.stdout
     r = cli("ingest", str(world["signed"]), "--trust", str(world["pub"]), cwd=d, db=db)  # again: refused, once
     assert r.returncode == 1 and "registered key" not in r.stdout and len(Store(url_of(db)).signers()) == 1
+
+
+def test_the_audit_verdict_table_labels_each_rows_tier(world, cli):
+    """README: every table labels each row's tier. The audit's verdict table had no tier column
+    (its recomputed verdicts carry none), unlike `submit --wait`'s, `results`' and `screens show`'s;
+    it takes each condition's tier from the archive's protocol, and the digest does not move."""
+    d = world["dir"]
+    r = cli("audit", "--archive", str(world["archive"]), cwd=d, db=world["db"])
+    assert r.returncode == 0, (r.stdout, r.stderr)
+    lines = r.stdout.splitlines()
+    header = next(line for line in lines if line.startswith("gate "))
+    assert header.split()[:4] == ["gate", "condition", "tier", "phase"], header
+    rows = [line.split() for line in lines[lines.index(header) + 1:] if line and not line.startswith("audit of")]
+    assert rows and all(row[2] == "exact" for row in rows), rows
