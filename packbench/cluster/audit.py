@@ -60,7 +60,7 @@ def _audit_here(path: str, data: bytes | None, compare: dict) -> dict:
 
 def _report(report: AuditReport) -> dict:
     return {"record": report.record, "unreadable": report.unreadable, "partial": report.partial,
-            "details": report.details, "tiers": report.tiers}
+            "rows_pending": report.rows_pending, "details": report.details, "tiers": report.tiers}
 
 
 def _read_bytes(path: str) -> bytes:
@@ -148,6 +148,7 @@ def fan_out(jobs: list[AuditJob], *, settings: Settings, concurrency: int = 8, o
             continue
         results[(i, r)] = AuditDone(job, AuditReport(out["record"], unreadable=out.get("unreadable", False),
                                                         partial=out.get("partial", False),
+                                                        rows_pending=out.get("rows_pending", False),
                                                         details=out.get("details", {}),
                                                         tiers=out.get("tiers", {})),
                                     out["node"], out["host"], out["shipped"])

@@ -5,6 +5,8 @@ and the audit calls the attempt unfinished (PARTIAL), never DISAGREE."""
 
 from __future__ import annotations
 
+import pytest
+
 from packbench.db.errors import DatabaseUnavailable
 from packbench.service.audit import audit_screens
 from packbench.service.reconcile import reconcile
@@ -74,3 +76,21 @@ def test_a_live_dispatchers_running_attempt_is_left_to_it(store, tmp_path, monke
     """Its archive is still being written: it reconciles its own rows when the database is back."""
     screen_id, attempt = died_in_an_outage(store, tmp_path, monkeypatch, gone=False)
     assert reconcile(store).inserted == 0 and rows(store, attempt.id) == [0, 1]
+
+
+@pytest.mark.ray
+def test_an_audit_on_ray_calls_rows_pending_partial_not_disagree(store, tmp_path, monkeypatch, ray_address):
+    """`audit --all --ray` said DISAGREE for the attempt a local audit calls PARTIAL (README: an
+    audit calls it PARTIAL, rows pending, not DISAGREE): the report a Ray task sent back dropped
+    its rows_pending flag."""
+    import ray
+
+    from packbench.core.settings import Settings
+
+    screen_id, attempt = died_in_an_outage(store, tmp_path, monkeypatch, gone=True)
+    ray.shutdown()  # an embedded Ray an earlier test left in this process
+    try:
+        (on_ray,) = audit_screens(store, [screen_id], on_ray=True, settings=Settings(address=ray_address))
+    finally:
+        ray.shutdown()
+    assert on_ray.report.rows_pending and on_ray.unfinished and on_ray.result == "partial", on_ray.report.record
