@@ -136,3 +136,26 @@ def test_an_moe_synth_without_dtype_or_seed_is_refused_naming_it(missing):
     with pytest.raises(ProtocolError) as e:
         validate(b)
     assert str(e.value) == f"protocol field `model.synth.{missing}`: is required"
+
+
+def test_an_expert_caches_bare_forecast_on_in_yaml_is_the_choice_on(tmp_path):
+    """docs/protocol.md writes `forecast: on` (or `off`); YAML reads a bare on/off as a boolean,
+    so the file as written was refused: "True is not allowed; use one of off, on". A bare on/off
+    is the choice it spells, one protocol (one hash) with the quoted one."""
+    from packbench.core.protocol import load
+
+    def saved(name: str, forecast: str):
+        path = tmp_path / name
+        path.write_text("name: moe-cache\nmodel: {synth: {shape: qwen3-moe-tiny, dtype: bfloat16, seed: 2}}\n"
+                        "dtype: bfloat16\nprompts: {generator: {seed: 0, count: 1}}\nprefix_tokens: 16\n"
+                        "continuation_tokens: 4\nreference: dense-stream\nwarmups: 1\nallowance_mib: 64\n"
+                        "gates: {faithfulness: {}}\nconditions:\n  - {policy: dense-stream}\n"
+                        f"  - {{policy: expert-cache, params: {{capacity: 2, forecast: {forecast}}}}}\n")
+        return load(path)
+
+    for word in ("on", "off"):
+        bare, quoted = saved(f"bare-{word}.yaml", word), saved(f"quoted-{word}.yaml", f'"{word}"')
+        assert bare.body["conditions"][1]["params"]["forecast"] == word
+        assert bare.sha256 == quoted.sha256
+    with pytest.raises(ProtocolError, match="use one of off, on"):
+        saved("maybe.yaml", "maybe")

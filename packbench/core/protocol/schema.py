@@ -237,7 +237,10 @@ def _params(policy: str, value: Any, path: str, *, schema: int) -> dict:
             fail(join_path(path, key), f"needs schema {param.since}; write schema: {param.since} or omit `schema:`")
         if isinstance(param, ChoiceParam):
             if key in value:
-                out[key] = choice_field(value[key], join_path(path, key), param.choices)
+                given = value[key]
+                if isinstance(given, bool) and set(param.choices) == {"off", "on"}:
+                    given = "on" if given else "off"  # YAML 1.1 reads a bare `on`/`off` as a boolean
+                out[key] = choice_field(given, join_path(path, key), param.choices)
             elif param.default is None:
                 fail(join_path(path, key), f"is required by policy {policy} (one of {', '.join(param.choices)})")
             elif key in newer:  # schema 3/4: written out, so the frozen (schema-2) body says what runs
