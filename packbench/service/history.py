@@ -46,11 +46,18 @@ WINDOW = 10  # newest runs a baseline keeps
 FLOOR = 0.01  # spread floor, as a fraction of the baseline median
 MAD_SCALE = 1.4826  # MAD -> sigma for normal noise
 
+
+def decode_tokens(e: Any) -> int:
+    """An episode's decode tokens: every sequence's tokens but its first, the prefill's (a batch's
+    `tokens` hold one list per sequence, so B x (N - 1) of its B x N; docs/metrics.md)."""
+    return e.n_tokens - (sum(isinstance(t, list) for t in e.tokens) or 1)
+
+
 # Timed figures: a screen's value is the median over its scored ok episodes of one condition.
 TIMED: dict[str, Callable[[Any], float | None]] = {
     "wall_ms": lambda e: 1e3 * e.wall_s,
     "call_ms": lambda e: 1e3 * e.call_s,
-    "decode_ms_per_token": lambda e: 1e3 * e.decode_call_s / (e.n_tokens - 1) if e.n_tokens > 1 else None,
+    "decode_ms_per_token": lambda e: 1e3 * e.decode_call_s / decode_tokens(e) if decode_tokens(e) > 0 else None,
 }
 # Exact counters: one value per screen and condition, over every ok episode (warmups too).
 EXACT: dict[str, Callable[[list], Any]] = {

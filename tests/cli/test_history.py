@@ -21,7 +21,7 @@ sys.path.insert(0, str(ROOT / "tests" / "api"))  # the archive-to-screen helper 
 from browser import INSTALL_HINT, check_page, chromium  # noqa: E402  (tests/cli/browser.py)
 from packbench.db.store import Store  # noqa: E402
 from screens import QUICKSTART, ingest_archive  # noqa: E402
-from packbench.service.history import false_alarm_rate, steps  # noqa: E402
+from packbench.service.history import TIMED, false_alarm_rate, steps  # noqa: E402
 
 COMMITS = ("1" * 40, "2" * 40, "3" * 40)
 RUNS = (7, 3, 3)  # per commit: seven repeats of the first measure the false-alarm rate
@@ -192,3 +192,17 @@ def test_a_long_argument_is_named_in_a_short_line(url, cli, args):
     text = (out.stderr or out.stdout).strip()
     assert len(text.splitlines()) == 1 and len(text) < 400, text[:300]
     assert "database error" not in text and "x" * 60 not in text and "..." in text or "substring of 100000" in text
+
+
+def test_decode_ms_per_token_of_a_batch_divides_by_its_decode_tokens():
+    """A batch of B sequences of N tokens decodes B x (N - 1) tokens, not B x N - 1: the figure
+    is per decode token, as the report's and `results`' (docs/metrics.md). Screen 1 of a
+    `batch: 2` protocol printed 0.3439 ms where its decode tokens give 0.3684."""
+    from types import SimpleNamespace
+
+    figure = TIMED["decode_ms_per_token"]
+    batch = SimpleNamespace(decode_call_s=0.010, n_tokens=12, tokens=([1] * 6, [2] * 6))
+    assert figure(batch) == pytest.approx(1e3 * 0.010 / 10)  # 2 sequences x 5 decode calls
+    single = SimpleNamespace(decode_call_s=0.010, n_tokens=6, tokens=(1,) * 6)
+    assert figure(single) == pytest.approx(1e3 * 0.010 / 5)
+    assert figure(SimpleNamespace(decode_call_s=0.0, n_tokens=1, tokens=(1,))) is None
