@@ -122,7 +122,8 @@ def episode_serving(record: Mapping) -> dict | None:
     steady_call_s: the median decode call but the first (which may hold a capture);
     first_decode_excess_s: the first decode call over that median (a once-per-episode cost).
     outside_s: wall_s - the forward calls' seconds (argmax, the next ids, the recorder).
-    outside_wall_s: episode_s - wall_s (the policy's activation and the record's measurements).
+    outside_wall_s: episode_s - wall_s (the policy's activation and the record's measurements);
+        with separate passes, less the recording pass's wall too (a second run of the episode).
     """
     calls = record.get("calls")
     wall = _time(record.get("wall_s"))
@@ -146,6 +147,10 @@ def episode_serving(record: Mapping) -> dict | None:
     after_first = wall - ttft
     steady = median(decode[1:]) if len(decode) > 1 else None
     episode_s = _time(record.get("episode_s"))
+    passes = record.get("passes")
+    recording = _time(passes.get("recording_wall_s")) if isinstance(passes, Mapping) else None
+    if episode_s is not None and recording is not None:  # schema 7's recording pass ran inside episode_s
+        episode_s -= recording
     return {
         "ttft_s": ttft,
         "tpot_s": after_first / len(decode) if decode else None,

@@ -212,3 +212,12 @@ def test_readings_that_part_with_no_outlier_say_so():
     row = serving.robust_runtime(records, condition="packet", control="dense-stream", gate=gate, resamples=500)
     assert row["disagree"] and row["outliers"] == []
     assert serving.robust_text(row).endswith("disagrees with the summed walls though no episode lies beyond 3 IQR")
+
+
+def test_outside_the_wall_of_separate_passes_leaves_the_recording_pass_out():
+    """With `passes: separate` the worker's episode_s holds the recording pass, a second run of the
+    episode: outside the wall is what lies outside both walls, not the recording pass itself
+    (a 22 ms dense-stream episode showed 24 ms "outside the wall")."""
+    r = episode(0, "packet", passes={"timing_wall_s": 0.11, "recording_wall_s": 0.12, "recording_call_s": []})
+    r["episode_s"] = 0.11 + 0.12 + 0.01
+    assert serving.episode_serving(r)["outside_wall_s"] == pytest.approx(0.01)
