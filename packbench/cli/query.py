@@ -662,8 +662,9 @@ def compare(
                          "bootstrap interval; within noise when it holds 1)", empty="no scored episodes"),
            Section(serving_records, ["condition", "tier", "figure", "A", "B", "B/A", "A beyond 3 IQR",
                                      "B beyond 3 IQR"],
-                   rows=[{**r, **{k: _ms(r[k]) if r["figure"] != "decode_tokens_per_s" and r[k] is not None
-                                  else r[k] for k in ("A", "B")}} for r in serving_records],
+                   rows=[{**r, "figure": _in_ms(r["figure"]),
+                          **{k: _ms(r[k]) if r["figure"] != "decode_tokens_per_s" and r[k] is not None
+                             else r[k] for k in ("A", "B")}} for r in serving_records],
                    title="serving figures per condition (ms, decode tokens/s; medians over scored ok episodes, "
                          "read from each archive; docs/metrics.md)", empty="no archive readable here"),
            Section(ratio_records, ["screen", "condition", "tier", "control", "summed walls (gate)", "median ratio",
@@ -688,6 +689,12 @@ COMPARED_FIGURES = ("ttft_s", "ttft_first_s", "tpot_s", "itl_p50_s", "itl_p99_s"
                     "first_decode_excess_s", "wall_s", "outside_s")
 # Whose outliers beyond 3 IQR stand beside a figure: its own where they are counted, else the walls'.
 OUTLIERS_OF = {"ttft_s": "ttft_s", "tpot_s": "tpot_s", "decode_tokens_per_s": "tpot_s"}
+
+
+def _in_ms(figure: str) -> str:
+    """A compared figure's name where the table shows it in milliseconds: `ttft_s` read "ttft_s" beside
+    a value in ms (the JSON keeps the name and the seconds)."""
+    return figure if figure == "decode_tokens_per_s" else f"{figure.removesuffix('_s')} (ms)"
 
 
 def compare_readings(readings: list[dict | None]) -> tuple[list[dict], list[dict]]:

@@ -666,3 +666,6 @@ def test_compare_shows_serving_figures_and_each_screens_runtime_ratios(archived)
     assert c["position"]["a"]["flagged"] == []
     out = invoke(archived, "compare", "1", "2").stdout
     assert "serving figures per condition" in out and "A: position check" in out
+    # The table shows milliseconds and names them so; it read "tpot_s" beside a value in ms.
+    line = next(x for x in out.splitlines() if x.startswith("packet") and "tpot (ms)" in x)
+    assert f"{tpot['packet']['A'] * 1e3:.4g}"[:4] in line and "tpot_s" not in out, line
