@@ -194,6 +194,10 @@ class Client:
             if any(v is not None for v in (protocol, status, name, tags, sweep)):
                 raise PackbenchError("give either screen= or the filters (protocol, status, name, tags, sweep)")
             return [self.store.screen(screen)]
+        if sweep is not None:  # 'latest' as the CLI reads it (it matched no sweep id: an empty listing)
+            from packbench.service.sweep import resolve_sweep
+
+            sweep = resolve_sweep(self.store, sweep)
         return self.store.find_screens(protocol=protocol, status=status, name=name, tags=tags, sweep_id=sweep,
                                        limit=limit)
 

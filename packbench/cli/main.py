@@ -254,7 +254,8 @@ def options(
     db: Annotated[Optional[str], typer.Option("--db", envvar=DB_URL_ENV, callback=db_not_empty, help=DB_HELP)] = None,
     threads: Annotated[Optional[str], typer.Option(
         "--worker-threads", envvar=WORKER_THREADS_ENV, show_default=False,
-        help="Host threads of each GPU worker's gathers (default: its share of the host's cores).")] = None,
+        help="Host threads of each GPU worker's gathers, or of a CPU worker's arithmetic (default: its share "
+             "of the host's cores).")] = None,
     pin: Annotated[Optional[str], typer.Option(
         "--worker-pin", envvar=WORKER_PIN_ENV, show_default=False,
         help="1: pin each GPU worker to its GPU's share of the host's cores; 0 (default): do not.")] = None,

@@ -320,8 +320,9 @@ def parse_policy(text: str, unit: str) -> tuple[str, dict]:
     for item in filter(None, rest.split(",")):
         key, eq, value = item.partition("=")
         if not eq or key not in allowed:
-            raise SimulateError(f"policy {name}: parameter {item!r} is not one of "
-                                f"{', '.join(allowed) or 'none'} (write {name}:key=value)")
+            raise SimulateError(f"policy {name}: parameter {item!r} is not one of {', '.join(allowed)} (write "
+                                f"{name}:key=value)" if allowed else f"policy {name} takes no parameters; "
+                                f"give it as {name!r} alone, not {text!r}")
         if key in params:  # the row is labelled with the text as written: which of two values ran is not said
             raise SimulateError(f"policy {name}: {key} is given twice; give it once")
         if key in _PARAM_VALUES:

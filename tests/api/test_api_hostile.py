@@ -209,3 +209,16 @@ def test_regressions_refuse_a_percentage_they_cannot_judge(client, pct):
 
     with pytest.raises(PackbenchError, match="give a percentage >= 0"):
         compare_regressions(client.store, 1, 1, pct)
+
+
+def test_sweep_latest_is_the_newest_sweep_as_on_the_command_line(client, protocol_file):
+    """Bug caught: `db.screens(sweep="latest")` matched no sweep id and returned an empty listing,
+    where `results --sweep latest` reads the newest sweep; with no sweep at all it is one line."""
+    with pytest.raises(PackbenchError, match="there is no sweep yet"):
+        client.screens(sweep="latest")
+    (first,) = client.submit(protocol_file)
+    (second,) = client.submit(protocol_file)
+    client.store.set_sweep(first, sweep_id="s-old", point={"allowance_mib": 1})
+    client.store.set_sweep(second, sweep_id="s-new", point={"allowance_mib": 2})
+    assert [s.id for s in client.screens(sweep="latest")] == [second]
+    assert [s.id for s in client.screens(sweep="s-old")] == [first]

@@ -297,11 +297,13 @@ def test_an_unknown_policy_lists_the_units_policies():
                                  "row-retention, sparse-extents")
 
 
-def test_an_unknown_parameter_lists_the_allowed_ones_or_none():
-    # Catches the allowed parameters joined wrongly, and "none" lost for a policy without parameters.
+def test_an_unknown_parameter_lists_the_allowed_ones_or_says_there_are_none():
+    # Catches the allowed parameters joined wrongly, and a policy without parameters told "is not
+    # one of none (write resident:key=value)", which asked for a key it has none of.
     with pytest.raises(sim.SimulateError, match=r"is not one of gather, weights \(write packet:key=value\)"):
         sim.parse_policy("packet:x=1", "row")
-    with pytest.raises(sim.SimulateError, match=r"is not one of none \(write resident:key=value\)"):
+    with pytest.raises(sim.SimulateError, match=r"^policy resident takes no parameters; give it as 'resident' "
+                                                 r"alone, not 'resident:x=1'$"):
         sim.parse_policy("resident:x=1", "row")
 
 
