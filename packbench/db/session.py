@@ -148,7 +148,27 @@ def _configure_sqlite(engine: Engine, *, read_only: bool = False) -> None:
       Taking the write lock at BEGIN makes every transaction wait its turn and keeps
       read-then-write sequences (e.g. attempt numbering) serializable. Transactions here
       are short, so the serialization costs little.
+    - The file it opened: a connection keeps the file it opened, so once the path names
+      another file (removed, moved away, replaced) every write would land in a file no one
+      reads again, while the command reported success. Each transaction first checks that
+      the path still names the file the engine first opened (one stat), and so does each
+      new connection before it opens one, else refuses in one line.
     """
+    path = sqlite_file(engine.url) if not read_only else None
+    path = path.absolute() if path is not None else None  # a later chdir must not look like a replaced file
+    opened: list[tuple[int, int] | None] = []  # the file the engine's first connection opened (and created)
+
+    def check_file() -> None:
+        if path is not None and opened and opened[0] is not None and _file_identity(path) != opened[0]:
+            raise DatabaseError(
+                f"sqlite database {path} was removed or replaced while packbench had it open (its rows since "
+                f"then would land in a file nobody reads); put the file back, or point {ENV_VAR} at the "
+                f"database to use, and run the command again (`packbench db reconcile` inserts the rows of "
+                f"archived episodes)")
+
+    @event.listens_for(engine, "do_connect")
+    def _before_connect(*_args) -> None:  # type: ignore[no-untyped-def]
+        check_file()  # a new connection would open (create) whatever the path names now
 
     @event.listens_for(engine, "connect")
     def _on_connect(dbapi_connection, _record) -> None:  # type: ignore[no-untyped-def]
@@ -161,10 +181,22 @@ def _configure_sqlite(engine: Engine, *, read_only: bool = False) -> None:
                 cursor.execute("PRAGMA journal_mode = WAL")
         finally:
             cursor.close()
+        if path is not None and not opened:
+            opened.append(_file_identity(path))
 
     @event.listens_for(engine, "begin")
     def _on_begin(connection) -> None:  # type: ignore[no-untyped-def]
+        check_file()
         connection.exec_driver_sql("BEGIN" if read_only else "BEGIN IMMEDIATE")  # read-only: no write lock to take
+
+
+def _file_identity(path: Path) -> tuple[int, int] | None:
+    """(device, inode) of the file at `path`; None where there is none."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
 
 
 @contextmanager

@@ -115,3 +115,25 @@ def test_a_sqlite_file_name_longer_than_the_file_system_allows_is_one_line(tmp_p
     """Was an OSError ('File name too long') from the read-only probe, through packbench.connect."""
     message = error_of(lambda: Store(f"sqlite:///{tmp_path / ('y' * 300 + '.db')}"))
     assert "File name too long" in message and "shorter path" in message and len(message) < 200
+
+
+@pytest.mark.parametrize("fault", ["removed", "replaced"])
+def test_a_sqlite_file_removed_or_replaced_while_open_refuses_writes(tmp_path, fault):
+    """The open connection kept writing into the file the path no longer named: `rm pb.db` (or
+    a copy moved over it) under a running `submit --wait` ended `done`, exit 0, with every row
+    after it in a deleted file. Each transaction now checks the path still names the file the
+    engine opened, and no new connection creates an empty file in its place."""
+    path = tmp_path / "packbench.db"
+    with Store(f"sqlite:///{path}") as store:
+        store.upgrade()
+        store.put_protocol(sha256="a" * 64, name="x", canonical_json="{}")
+        path.rename(tmp_path / "away.db")
+        if fault == "replaced":
+            with Store(f"sqlite:///{path}") as other:
+                other.upgrade()
+        message = error_of(lambda: store.put_protocol(sha256="b" * 64, name="y", canonical_json="{}"))
+        assert "removed or replaced" in message and ENV_VAR in message
+        assert path.exists() == (fault == "replaced")  # nothing created where the file was
+        if fault == "removed":  # put back (its WAL is still beside it): the same file, so writes go on
+            (tmp_path / "away.db").replace(path)
+            store.put_protocol(sha256="c" * 64, name="z", canonical_json="{}")
