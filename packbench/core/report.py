@@ -376,7 +376,9 @@ def headline(screen: ScreenData) -> list[str]:
         if len(ranked) > 1:
             text += f", {worst['steady_call_s'] / best['steady_call_s']:.3g}x faster than the slowest, {worst['condition']}"
         if ref not in (best["condition"], worst["condition"]) and steady.get(ref):
-            text += f", {steady[ref] / best['steady_call_s']:.3g}x faster than the reference {ref} ({steady[ref] * 1e3:.3g} ms)"
+            factor = steady[ref] / best["steady_call_s"]  # below 1 where the reference (another tier) is faster
+            text += (f", {factor:.3g}x faster than the reference" if factor >= 1 else
+                     f", {1 / factor:.3g}x slower than the reference") + f" {ref} ({steady[ref] * 1e3:.3g} ms)"
         if best["tpot_s"] is not None:
             text += f" (its TPOT {best['tpot_s'] * 1e3:.3g} ms"
             once = best["first_decode_excess_s"]
