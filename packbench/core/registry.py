@@ -298,7 +298,8 @@ def robustness_caveat(synth: Mapping[str, Any]) -> str | None:
     shape, profile = synth.get("shape"), synth.get("profile")
     if profile is not None and shape in ROBUSTNESS_SHAPES.get(profile, ()):
         return None
-    recipe = f"profile {profile}" if profile is not None else "the uniform recipe"
+    recipe = (f"profile {profile}" if profile is not None else
+              f"routing {synth['routing']}" if synth.get("routing") is not None else "the uniform recipe")  # an MoE shape
     where = "; ".join(f"{p} at {', '.join(shapes)}" for p, shapes in ROBUSTNESS_SHAPES.items())
     return (f"synthetic checkpoint ({recipe}, {shape}) is not calibrated for robustness: its fidelity to low-bit "
             f"weights need not be real OPT's (calibrated: {where})")

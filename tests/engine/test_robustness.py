@@ -169,6 +169,16 @@ def test_the_caveat_names_uncalibrated_checkpoints_only():
     assert "profile opt2, tiny" in robustness_caveat({"shape": "tiny", "profile": "opt2"})
 
 
+def test_an_moe_checkpoints_caveat_names_its_routing_not_the_uniform_recipe():
+    """A qwen3-moe-tiny screen's report and verdict table read `synthetic checkpoint (the uniform
+    recipe, qwen3-moe-tiny)` under a title that says `routing olmoe`: an MoE synth has neither a
+    profile nor OPT's uniform recipe."""
+    from packbench.core.registry import robustness_caveat
+
+    text = robustness_caveat({"shape": "qwen3-moe-tiny", "dtype": "float32", "seed": 0, "layers": 3, "routing": "olmoe"})
+    assert "(routing olmoe, qwen3-moe-tiny)" in text and "uniform recipe" not in text
+
+
 def test_the_table_prints_real_opt_beside_each_variant_with_its_source():
     """`model stats --robustness` at a shape with published figures: each variant's row ends in
     real OPT's ln ratio and a footnote number, the footnotes name the tables (3-bit rows included)."""
