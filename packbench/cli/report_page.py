@@ -292,7 +292,7 @@ def _ms_cell(seconds: float | None, outliers: list | None = None, *, first: floa
 def _once(r: dict) -> str:
     """The first decode call over the steady one, and where it is known what it held: the graph
     captured in it, or a competitor's unshelve before the wall."""
-    first = _fmt(_ms(r["first_decode_excess_s"]), "+{:.4g} first call")
+    first = _fmt(_ms(r["first_decode_excess_s"]), "{:+.4g} first call")
     if r["capture_s"] is not None:
         return f"{first} (capture {_ms(r['capture_s']):.4g})"
     if r["unshelve_s"] is not None:

@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from browser import INSTALL_HINT, check_page, chromium  # tests/cli/browser.py
-from packbench.cli.report_page import (AuditStatus, html_page, protocol_section, screen_page, serving_section,
+from packbench.cli.report_page import (AuditStatus, _once, html_page, protocol_section, screen_page, serving_section,
                                        workload_caption)
 from packbench.core import report as data
 from packbench.core.protocol import freeze
@@ -174,3 +174,12 @@ def test_a_tier_slower_than_the_reference_is_not_called_faster(screen, monkeypat
     ref_s = next(r["steady_call_s"] for r in rows if r["condition"] == ref)
     assert "faster than the reference" not in line
     assert f", {2 * slowest / ref_s:.3g}x slower than the reference {ref} ({ref_s * 1e3:.3g} ms)" in line
+
+
+def test_a_first_decode_call_faster_than_the_steady_one_reads_as_a_negative_number(screen):
+    """A first decode call quicker than the steady median (noise on a 2-core host) read
+    `+-0.03635 first call` in the serving table."""
+    row = {**data.serving_rows(screen)[0], "first_decode_excess_s": -3.635e-5, "capture_s": None, "unshelve_s": None}
+    text = _once(row)
+    assert "-0.03635 first call" in text and "+-" not in text
+    assert "+0.03635 first call" in _once({**row, "first_decode_excess_s": 3.635e-5})
