@@ -114,11 +114,24 @@ def _strip(ax, groups: list[list[float]], labels: list[str], *, scale: float = 1
     ax.set_xlim(-0.6, len(labels) - 0.4)
 
 
+NAME_CHARS = 24  # a condition's name drawn in a figure; the tables beside it write it whole
+
+
+def short(name: str) -> str:
+    """A condition's name cut in the middle to NAME_CHARS: a 200-character name (the most a
+    protocol allows) pushed a panel's axes to nothing and ran across the panel beside it. Both
+    ends stay, so `extents` and `extents-2` still read apart."""
+    if len(name) <= NAME_CHARS:
+        return name
+    half = (NAME_CHARS - 1) // 2
+    return name[:half] + "\u2026" + name[-half:]
+
+
 def condition_ticks(ax, labels: list[str]) -> None:
     """Condition names under their positions, slanted when there are many: eight conditions'
     labels overlapped at 15 degrees in a half-width panel."""
     many = len(labels) > 5
-    ax.set_xticks(range(len(labels)), labels, rotation=35 if many else 0, ha="right" if many else "center",
+    ax.set_xticks(range(len(labels)), [short(label) for label in labels], rotation=35 if many else 0, ha="right" if many else "center",
                   rotation_mode="anchor")
 
 
@@ -174,7 +187,7 @@ def wall_figure(walls: dict[str, list[tuple[int, float]]], intervals: list[dict]
             right.annotate(f"threshold {i['threshold']:g}", (i["threshold"], y + 0.35), textcoords="offset points",
                            xytext=(0, 2), ha="center", fontsize=8, color="#d62728")
     right.axvline(1.0, color="0.5", lw=0.8, ls=":")
-    right.set_yticks(range(len(shown)), [i["condition"] for i in shown])
+    right.set_yticks(range(len(shown)), [short(i["condition"]) for i in shown])
     right.set_ylim(-0.7, len(shown) - 0.3)
     control = shown[0]["control"] if shown else ""
     # Two lines: on one, a long control name ran past the panel.
@@ -227,8 +240,8 @@ def frontier_figure(view: dict, conditions: tuple[str, ...]) -> str | None:
         hollow = p["tier"] == "approximate" and p["fidelity_passed"] is False
         ax.scatter([p["memory_bytes"] / MIB], [p["decode_ms"]], s=70, marker=TIER_MARKERS.get(p["tier"], "s"),
                    facecolors="none" if hollow else colour(n), edgecolors=colour(n), linewidths=1.5,
-                   label=f"{p['condition']} ({p['tier']})", zorder=3)
-        text = p["condition"]
+                   label=f"{short(p['condition'])} ({p['tier']})", zorder=3)
+        text = short(p["condition"])
         if p["tier"] == "approximate" and p["fidelity_mean_kl_max"] is not None:
             verdict = {True: "PASS", False: "FAIL", None: "no gate"}[p["fidelity_passed"]]
             text += f"\nKL {p['fidelity_mean_kl_max']:.3g}, top-1 {p['fidelity_top1_min']:.3g}, fidelity {verdict}"
@@ -293,7 +306,7 @@ def memory_figure(traces: dict[str, list[tuple[int, np.ndarray]]], conditions: t
             ax.plot(t[:, 0], t[:, 1] / MIB, color=colour(n), lw=1, alpha=0.4 + 0.6 / (k + 1),
                     label="one line per episode" if k < 1 else None)
         ax.axhline(allowance_bytes / MIB, color="#d62728", ls="--", lw=1, label="allowance")
-        ax.set_title(c)
+        ax.set_title(short(c))
         ax.set_xlabel("s since episode start")
         if not traces[c]:
             ax.text(0.5, 0.5, "no samples", transform=ax.transAxes, ha="center", color="0.4")
@@ -319,7 +332,7 @@ def heatmap_figure(heat: dict | None) -> str | None:
     from matplotlib.ticker import MaxNLocator
 
     ax.yaxis.set_major_locator(MaxNLocator(integer=True))
-    ax.set_xlabel(f"calls of the scored {heat['condition']} episodes (first of each: prefill)")
+    ax.set_xlabel(f"calls of the scored {short(heat['condition'])} episodes (first of each: prefill)")
     ax.grid(False)
     cb = fig.colorbar(im, ax=ax, pad=0.01)
     cb.set_label(f"active fraction of {heat['neurons']} {heat['unit']}" if heat["fraction"] else "active rows")
@@ -347,7 +360,7 @@ def union_figure(union: dict | None) -> str | None:
     ax.set_ylim(0, 1.02)
     ax.set_xlabel("tokens in the call")
     ax.set_ylabel(f"active fraction of {union['neurons']} {union['unit']}")
-    ax.set_title(f"union sparsity ({union['condition']})")
+    ax.set_title(f"union sparsity ({short(union['condition'])})")
     ax.legend(loc="upper left")
     return to_svg(fig, "union")
 
@@ -370,7 +383,7 @@ def workload_figure(w: dict | None) -> str | None:
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("layer")
     ax.set_ylabel(f"active fraction of {w['unit']}")
-    ax.set_title(f"activity by layer ({w['condition']})")
+    ax.set_title(f"activity by layer ({short(w['condition'])})")
     ax.legend(loc="lower right", fontsize=8)
     return to_svg(fig, "workload")
 

@@ -91,6 +91,13 @@ def _mono(text: Any) -> Markup:
     return Markup(f'<code>{esc(text)}</code>')
 
 
+def _name(condition: str) -> Markup:
+    """A condition's name in a cell that wraps anywhere: a 200-character name (letters, digits,
+    `.`, `_`, `-`: no space to break at) in a nowrap cell pushed its table's other columns off the
+    page."""
+    return Markup(f'<td class="name">{esc(condition)}</td>')
+
+
 def _passed(p: bool | None) -> str:
     if p is None:
         return Markup('<td class="none">-</td>')
@@ -197,7 +204,7 @@ def _seconds(v: Any) -> str:
 
 def verdict_section(s: ScreenData) -> str:
     tier = {c.name: c.tier for c in s.protocol.conditions}
-    rows = [[v["gate"], v["condition"], tier.get(v["condition"], "-"), v.get("phase", "all"), _passed(v["passed"]),
+    rows = [[v["gate"], _name(v["condition"]), tier.get(v["condition"], "-"), v.get("phase", "all"), _passed(v["passed"]),
              Markup(f'<td class="num">{esc(data.threshold_text(v, s.protocol))}</td>'),
              Markup(f'<td class="num">{esc(data.value_text(v))}</td>'), Markup(f'<td class="num">{esc(data.interval_text(v))}</td>'),
              Markup(f'<td class="detail">{esc(detail_text(v.get("detail")))}</td>')] for v in s.verdicts]
@@ -600,7 +607,7 @@ def compare_page(screens: list[ScreenData], audits: list[AuditStatus]) -> str:
     what = "the same frozen protocol" if agreement["same_protocol"] else "different protocols"
     head = (f'<h2 id="agreement">Verdict agreement: {agree} of {judged} verdicts judged by every screen agree</h2>'
             f"<p>The screens ran {what}; a verdict any screen lacks is shown as -.</p>")
-    vrows = [[r["gate"], r["condition"], r["phase"], *[_passed(p) for p in r["passed"]],
+    vrows = [[r["gate"], _name(r["condition"]), r["phase"], *[_passed(p) for p in r["passed"]],
               (Markup('<td class="pass">agree</td>') if r["agree"] else Markup('<td class="fail">differ</td>')) if r["all_judged"]
               else Markup('<td class="none">not judged by all</td>')] for r in agreement["rows"]]
     vtable = html_table(["gate", "condition", "phase", *labels, "agreement"], vrows)
@@ -611,7 +618,7 @@ def compare_page(screens: list[ScreenData], audits: list[AuditStatus]) -> str:
             r = summ.get(c)
             if r is None:
                 continue
-            srows.append([c, labels[n], _episodes(r), _mb(r["prefill_h2d_per_call"]),
+            srows.append([_name(c), labels[n], _episodes(r), _mb(r["prefill_h2d_per_call"]),
                           _mb(r["decode_h2d_per_call"]), _num(r["wall_s_mean"], "{:.4g} s"),
                           _spread(r["wall_s_spread"], "{:.3g}"), _spread(r["decode_ms_spread"], "{:.3g}"),
                           _mib(r["peak_sampled_bytes"]), _num(r["energy_j_per_token"], "{:.4g} J")])
@@ -622,7 +629,7 @@ def compare_page(screens: list[ScreenData], audits: list[AuditStatus]) -> str:
     for n, s in enumerate(screens):
         for r in data.runtime_ratios(s):
             gi, mi = r["gate_interval"], r["median"]["interval"]
-            ratio_rows.append([r["condition"], labels[n], r["control"], _num(r["gate_value"], "{:.4g}"),
+            ratio_rows.append([_name(r["condition"]), labels[n], r["control"], _num(r["gate_value"], "{:.4g}"),
                                Markup(f'<td class="num">{esc("-" if not gi else f"[{gi[0]:.4g}, {gi[1]:.4g}]")}</td>'),
                                _num(r["threshold"], "{!r}"), r["source"], _num(r["median"]["value"], "{:.4g}"),
                                Markup(f'<td class="num">{esc(f"[{mi[0]:.4g}, {mi[1]:.4g}]")}</td>'),

@@ -12,23 +12,23 @@ CSS = """
 * { box-sizing: border-box; }
 body { font: 14px/1.45 "DejaVu Sans", system-ui, sans-serif; color: #1f2328; margin: 0 auto; padding: 1.5rem;
        max-width: 1100px; }
-h1 { font-size: 1.5rem; margin: 0 0 .25rem; }
+h1 { font-size: 1.5rem; margin: 0 0 .25rem; overflow-wrap: anywhere; }
 h2 { font-size: 1.15rem; border-bottom: 1px solid var(--line); padding-bottom: .2rem; margin-top: 2rem; }
 h3 { font-size: 1rem; margin: 1.2rem 0 .3rem; }
-p.lede { color: var(--muted); margin: 0 0 1rem; }
+p.lede { color: var(--muted); margin: 0 0 1rem; overflow-wrap: anywhere; }
 code, .mono { font-family: "DejaVu Sans Mono", ui-monospace, monospace; font-size: 12px; word-break: break-all; }
 div.scroll { overflow-x: auto; max-width: 100%; }
 table.conditions { font-size: 12.5px; }
 table.conditions th, table.conditions td { padding: .25rem .4rem; }
 table.conditions th { min-width: 4.5em; }
 table.conditions td.wrap { min-width: 8em; }
-table.conditions td.name { white-space: normal; min-width: 7em; max-width: 12em; overflow-wrap: anywhere; }
 table.conditions td .detail { font-size: 11px; }
 table { border-collapse: collapse; margin: .4rem 0 1rem; font-size: 13px; }
 th, td { border-bottom: 1px solid var(--line); padding: .25rem .6rem; text-align: left; vertical-align: top; }
 th { background: #f6f8fa; font-weight: 600; }
 td { white-space: nowrap; }
 td.detail, td.wrap { white-space: normal; }
+td.name { white-space: normal; min-width: 7em; max-width: 12em; overflow-wrap: anywhere; }
 td.mono { white-space: normal; word-break: break-all; min-width: 12em; }
 td.num { text-align: right; font-variant-numeric: tabular-nums; white-space: nowrap; }
 .pass { color: var(--ok); font-weight: 700; }

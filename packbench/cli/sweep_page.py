@@ -35,7 +35,7 @@ def figure(points: list, key: str) -> str | None:
         pts = [(x, p.figures[c][key]) for x, p in zip(xs, points) if p.figures.get(c, {}).get(key) is not None]
         if pts:
             drawn = True
-            ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o", color=figs.colour(n), label=c)
+            ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o", color=figs.colour(n), label=figs.short(c))
             _range_bars(ax, [p.figures.get(c, {}) for p in points], xs, key, figs.colour(n))
     if not drawn:
         return None
@@ -78,7 +78,7 @@ def verdict_figure(points: list) -> str | None:
             if v is not None:
                 ax.plot([x], [y], marker="o" if v["passed"] else "x", ms=9, linestyle="none",
                         color="#2ca02c" if v["passed"] else "#d62728")
-    ax.set_yticks(range(len(rows)), [f"{c} {g}" + ("" if ph == "all" else f" {ph}") for c, g, ph in rows], fontsize=8)
+    ax.set_yticks(range(len(rows)), [f"{figs.short(c)} {g}" + ("" if ph == "all" else f" {ph}") for c, g, ph in rows], fontsize=8)
     ax.set_xticks(xs, labels, fontsize=8)
     ax.set_xlabel(title)
     ax.set_ylim(-0.5, len(rows) - 0.5)

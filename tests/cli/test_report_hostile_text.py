@@ -71,3 +71,37 @@ def test_log_axis_ticks_are_still_drawn_as_powers_of_ten():
     page = screen_page(data.read_screen(DATA / "gates-v2.zip"), audit=AuditStatus())
     drawn = re.findall(r"<text[^>]*>([^<]*)</text>", page)
     assert drawn and not any("mathdefault" in t for t in drawn)
+
+
+LONG = "c" + "-very_long.name" * 13  # 196 characters: letters, digits, `.`, `_`, `-` (no space to break at)
+
+
+def test_a_long_condition_name_wraps_in_the_verdict_table():
+    """The verdict table wrote a 196-character condition name in a nowrap cell: the table ran
+    far past the page and squeezed its detail column into rows hundreds of pixels tall."""
+    from packbench.cli.report_page import verdict_section
+
+    screen = data.read_screen(DATA / "quickstart-v1.zip")
+    named = dataclasses.replace(screen, verdicts=[{**v, "condition": LONG} for v in screen.verdicts])
+    assert f'<td class="name">{LONG}</td>' in verdict_section(named)
+    page = compare_page([named, named], [AuditStatus(), AuditStatus()])
+    assert f"<td>{LONG}</td>" not in page and f'<td class="name">{LONG}</td>' in page
+    from packbench.cli.report_template import CSS
+    assert "\ntd.name {" in CSS  # every table's, not only table.conditions'
+
+
+def test_a_long_condition_name_is_shortened_in_the_figures():
+    """A 196-character condition name drawn whole as a tick label collapsed the panels' axes
+    (`constrained_layout not applied`) and ran across the runtime-ratio panel beside it."""
+    from packbench.cli import report_figures as figs
+
+    with figs.style():
+        svgs = [figs.decode_figure({"dense-stream": [1.0, 1.1], LONG: [2.0, 2.1]}, ("dense-stream", LONG)),
+                figs.wall_figure({"dense-stream": [(0, 1.0)], LONG: [(1, 1.2)]},
+                                 [{"condition": LONG, "control": "dense-stream", "value": 1.2,
+                                   "interval": (1.1, 1.3), "threshold": 2.0}], ("dense-stream", LONG))]
+    for svg in svgs:
+        drawn = re.findall(r"<text[^>]*>([^<]*)</text>", svg)
+        assert LONG not in "".join(drawn) and figs.short(LONG) in drawn
+    assert len(figs.short(LONG)) <= figs.NAME_CHARS and figs.short("extents-2") == "extents-2"
+    assert figs.short(LONG).startswith(LONG[:11]) and figs.short(LONG).endswith(LONG[-11:])
