@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import html
 import json
+import re
 from dataclasses import dataclass, field
 from importlib import metadata
 from typing import Any, Iterable
@@ -56,8 +57,16 @@ class AuditStatus:
     note: str | None = None
 
 
+# Bidirectional controls (embeddings, overrides, isolates, marks): a protocol named with U+202E
+# reversed the rest of the title, `screen 2, attempt 1` reading `1 tpmetta ,2 neercs`.
+BIDI = re.compile("[\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069]")
+
+
 def esc(value: Any) -> str:
-    return html.escape("-" if value is None else str(value))
+    """Text for the page: escaped, and a bidirectional control written as its escape (`\\u202e`),
+    as the terminal tables write it (core.text.one_line), so it reorders nothing around it."""
+    text = "-" if value is None else str(value)
+    return html.escape(BIDI.sub(lambda m: ascii(m.group())[1:-1], text))
 
 
 def _num(value: Any, fmt: str = "{:,.4g}") -> str:

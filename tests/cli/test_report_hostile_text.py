@@ -73,6 +73,18 @@ def test_log_axis_ticks_are_still_drawn_as_powers_of_ten():
     assert drawn and not any("mathdefault" in t for t in drawn)
 
 
+def test_a_bidi_override_in_a_protocol_name_does_not_reverse_the_title():
+    """A protocol named with U+202E (right-to-left override) reversed everything after it in the
+    title: `screen 2, attempt 1` read `1 tpmetta ,2 neercs` in Chromium."""
+    from packbench.cli.report_page import screen_page
+
+    screen = data.read_screen(DATA / "quickstart-v1.zip")
+    named = dataclasses.replace(screen, protocol=dataclasses.replace(screen.protocol, name="a\u202emany\u2067b"))
+    page = screen_page(named, audit=AuditStatus())
+    assert "\u202e" not in page and "\u2067" not in page
+    assert "a\\u202emany\\u2067b" in page.split("</h1>")[0]
+
+
 LONG = "c" + "-very_long.name" * 13  # 196 characters: letters, digits, `.`, `_`, `-` (no space to break at)
 
 
