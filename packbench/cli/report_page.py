@@ -288,8 +288,9 @@ def headline_section(s: ScreenData) -> str:
     """What won by how much, per tier, and the runtime readings that say more than their table."""
     lines = data.headline(s)
     if not lines:
-        return ('<h2 id="headline">Headline</h2><p class="missing">no finished scored episode with decode calls: '
-                'nothing to rank</p>')
+        # Episodes of one decode call (continuation_tokens: 2) have decode calls but no steady one.
+        return ('<h2 id="headline">Headline</h2><p class="missing">no steady decode call to rank: no finished scored '
+                'episode has a decode call after its first</p>')
     return '<h2 id="headline">Headline</h2><ul class="headline">' + "".join(f"<li>{esc(t)}</li>" for t in lines) + "</ul>"
 
 

@@ -183,3 +183,15 @@ def test_a_first_decode_call_faster_than_the_steady_one_reads_as_a_negative_numb
     text = _once(row)
     assert "-0.03635 first call" in text and "+-" not in text
     assert "+0.03635 first call" in _once({**row, "first_decode_excess_s": 3.635e-5})
+
+
+def test_episodes_of_one_decode_call_are_not_said_to_have_no_decode_calls(screen, monkeypatch):
+    """With `continuation_tokens: 2` every episode has one decode call, so no steady one to rank:
+    the headline read `no finished scored episode with decode calls` above a table of their
+    decode ms/token and TPOT."""
+    from packbench.cli.report_page import headline_section
+
+    monkeypatch.setattr(data, "headline", lambda s: [])
+    text = headline_section(screen)
+    assert "with decode calls" not in text
+    assert "no steady decode call to rank: no finished scored episode has a decode call after its first" in text
