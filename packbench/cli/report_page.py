@@ -351,7 +351,8 @@ def serving_section(s: ScreenData) -> str:
     ptable = html_table(["condition", "tier", "steady decode call ms by what ran before it in the worker (episodes)"],
                         [[Markup(f'<td class="name">{esc(r["condition"])}</td>'), r["tier"],
                           Markup(f'<td class="wrap">{esc(_previous_text(r["previous"]))}</td>')] for r in previous],
-                        cls="conditions") if previous else ""
+                        cls="conditions") if previous else (
+        '<p class="missing">no steady decode call to split: no finished scored episode has a decode call after its first</p>')
     check = data.plan_positions([s])
     position = (f'<p id="position" class="{"fail" if check["flagged"] else ""}">{esc(serving.position_text(check))}'
                 f'; each episode\'s wall over its condition\'s median, against the {serving.NEIGHBOURS} plan '
@@ -645,8 +646,9 @@ def compare_page(screens: list[ScreenData], audits: list[AuditStatus]) -> str:
                                Markup(f'<td class="num">{esc(f"[{mi[0]:.4g}, {mi[1]:.4g}]")}</td>'),
                                Markup(f'<td class="wrap{" fail" if r["disagree"] else ""}">'
                                       f'{esc(("disagree " + r["because"]) if r["disagree"] else "agree")}</td>')])
-    rtable = html_table(["condition", "screen", "control", "summed walls", "interval", "gate threshold", "from",
-                         "ratio of medians", "paired interval", "readings"], ratio_rows, cls="conditions")
+    rtable = (html_table(["condition", "screen", "control", "summed walls", "interval", "gate threshold", "from",
+                          "ratio of medians", "paired interval", "readings"], ratio_rows, cls="conditions") if ratio_rows
+              else '<p class="missing">no runtime readings: no condition pairs with its screen\'s reference</p>')
     serving_rows = []
     for c in conditions:
         for n, s in enumerate(screens):

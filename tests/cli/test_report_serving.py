@@ -195,3 +195,18 @@ def test_episodes_of_one_decode_call_are_not_said_to_have_no_decode_calls(screen
     text = headline_section(screen)
     assert "with decode calls" not in text
     assert "no steady decode call to rank: no finished scored episode has a decode call after its first" in text
+
+
+def test_an_empty_what_ran_before_and_an_empty_comparison_ratio_table_say_why(screen, monkeypatch):
+    """A one-condition screen of one-decode-call episodes printed `What ran before` with nothing
+    under its explanation, and its `--compare` printed the paired runtime ratio table's header
+    with no rows."""
+    from packbench.cli.report_page import compare_page
+
+    monkeypatch.setattr(data, "steady_by_previous", lambda s: [])
+    monkeypatch.setattr(data, "runtime_ratios", lambda s: [])
+    text = serving_section(screen)
+    assert "no steady decode call to split" in text.split('id="previous"')[1].split('id="positions"')[0]
+    page = compare_page([screen, screen], [AuditStatus(), AuditStatus()])
+    ratios = page.split("the ratio of medians</h3>")[1].split("<h2")[0]
+    assert "<table" not in ratios and "no runtime readings" in ratios
