@@ -181,13 +181,21 @@ def _gates_table(gates: dict) -> str:
     return html_table(["gate", "parameters"], rows)
 
 
+def _gpu(s: ScreenData) -> str:
+    """The GPU the screen ran on, `CPU`, or, where the archive records no environment (a screen
+    that failed before its worker wrote one), unknown: such a page said `CPU` of any machine."""
+    if not s.environment:
+        return "unknown (no environment recorded)"
+    return s.environment.get("gpu") or "CPU"
+
+
 def machine_section(s: ScreenData) -> str:
     env, start = s.environment, s.start
     cold = [e.record.get("first_logit_since_entry_s") for e in s.episodes if e.ok]
     cold = [c for c in cold if isinstance(c, (int, float))]
     return "".join([
         '<h2 id="machine">Machine and GPU</h2><div class="grid"><div>',
-        html_facts([("host", env.get("host")), ("GPU", env.get("gpu") or "none (CPU run)"),
+        html_facts([("host", env.get("host")), ("GPU", {"CPU": "none (CPU run)"}.get(_gpu(s), _gpu(s))),
                 ("device", env.get("device") or start.get("device")), ("driver", env.get("driver") or "-"),
                 ("torch", env.get("torch")), ("CUDA", env.get("cuda") or "-"), ("python", env.get("python"))]),
         "</div><div>",
@@ -480,7 +488,7 @@ def plots_section(s: ScreenData) -> str:
     heat = data.active_heatmap(s)
     union = data.union_sparsity(s)
     workload = data.workload_by_layer(s)
-    cpu = not s.environment.get("gpu")
+    cpu = _gpu(s) == "CPU"
     return "".join([
         '<h2 id="transfer">Host-to-device bytes per call</h2>',
         plot_figure("h2d", figs.h2d_figure(data.h2d_per_call(s), c, s.protocol.reference),
@@ -561,7 +569,7 @@ def html_page(title: str, lede: str, body: str, *, plural: str = "") -> str:
 def screen_page(s: ScreenData, *, audit: AuditStatus) -> str:
     passed = sum(bool(v["passed"]) for v in s.verdicts)
     lede = (f"{data.model_label(s)}, {s.protocol.dtype}; {len(s.episodes)} of {s.planned} episodes; "
-            f"{passed} of {len(s.verdicts)} verdicts pass; {s.environment.get('gpu') or 'CPU'}")
+            f"{passed} of {len(s.verdicts)} verdicts pass; {_gpu(s)}")
     with figs.style():
         plots = plots_section(s)
     body = "".join([headline_section(s), verdict_section(s), summary_section(s), serving_section(s),
@@ -610,7 +618,7 @@ def compare_page(screens: list[ScreenData], audits: list[AuditStatus]) -> str:
                         "audits"],
                        [[labels[n], Markup(f'<td class="wrap">{esc(s.label)}</td>'), s.protocol.name,
                          Markup(f'<td class="mono">{esc(s.protocol.sha256[:16])}</td>'),
-                         s.environment.get("host"), s.environment.get("gpu") or "CPU", s.environment.get("torch"),
+                         s.environment.get("host"), _gpu(s), s.environment.get("torch"),
                          Markup(f'<td class="mono">{esc(s.archive_sha256[:16])}</td>'),
                          "-" if a.source is None else (", ".join(r["result"] for r in a.rows) or "none")]
                         for n, (s, a) in enumerate(zip(screens, audits))])

@@ -210,3 +210,15 @@ def test_an_empty_what_ran_before_and_an_empty_comparison_ratio_table_say_why(sc
     page = compare_page([screen, screen], [AuditStatus(), AuditStatus()])
     ratios = page.split("the ratio of medians</h3>")[1].split("<h2")[0]
     assert "<table" not in ratios and "no runtime readings" in ratios
+
+
+def test_a_screen_that_recorded_no_environment_is_not_called_a_cpu_run(screen):
+    """A screen that failed before its worker wrote anything (a truncated checkpoint: the archive
+    holds protocol.json only) was reported as `CPU` and `none (CPU run)`, whatever machine it ran
+    on; its memory and energy sections said a CPU run samples none."""
+    bare = dataclasses.replace(screen, environment={})
+    page = screen_page(bare, audit=AuditStatus())
+    for claim in ("verdicts pass; CPU", "none (CPU run)", "a CPU run samples no GPU", "no GPU to read on a CPU run"):
+        assert claim not in page
+    assert page.count("unknown (no environment recorded)") == 2  # the line under the title, the machine facts
+    assert "verdicts pass; CPU" in screen_page(screen, audit=AuditStatus())
