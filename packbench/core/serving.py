@@ -123,7 +123,8 @@ def episode_serving(record: Mapping) -> dict | None:
     first_decode_excess_s: the first decode call over that median (a once-per-episode cost).
     outside_s: wall_s - the forward calls' seconds (argmax, the next ids, the recorder).
     outside_wall_s: episode_s - wall_s (the policy's activation and the record's measurements);
-        with separate passes, less the recording pass's wall too (a second run of the episode).
+        less the second runs of the episode inside episode_s: with separate passes the recording
+        pass's wall, for an approximate condition its teacher-forced pass (`forced_s`).
     """
     calls = record.get("calls")
     wall = _time(record.get("wall_s"))
@@ -151,6 +152,9 @@ def episode_serving(record: Mapping) -> dict | None:
     recording = _time(passes.get("recording_wall_s")) if isinstance(passes, Mapping) else None
     if episode_s is not None and recording is not None:  # schema 7's recording pass ran inside episode_s
         episode_s -= recording
+    forced = _time(record.get("forced_s"))
+    if episode_s is not None and forced is not None:  # an approximate condition's teacher-forced rerun, too
+        episode_s -= forced
     return {
         "ttft_s": ttft,
         "tpot_s": after_first / len(decode) if decode else None,

@@ -221,3 +221,19 @@ def test_outside_the_wall_of_separate_passes_leaves_the_recording_pass_out():
     r = episode(0, "packet", passes={"timing_wall_s": 0.11, "recording_wall_s": 0.12, "recording_call_s": []})
     r["episode_s"] = 0.11 + 0.12 + 0.01
     assert serving.episode_serving(r)["outside_wall_s"] == pytest.approx(0.01)
+
+
+def test_outside_the_wall_of_an_approximate_episode_leaves_its_teacher_forced_pass_out():
+    """An approximate condition's worker reruns the episode teacher-forced on the reference's tokens
+    (`forced_s`, inside episode_s): outside the wall is not that second run either. Bug caught: a
+    host-experts episode showed 22 ms "outside the wall" beside 2 ms for the exact conditions, its
+    forced pass counted as activation and measurement."""
+    r = episode(0, "packet")
+    wall = r["wall_s"]
+    r["episode_s"], r["forced_s"] = wall + 0.02 + 0.003, 0.02
+    assert serving.episode_serving(r)["outside_wall_s"] == pytest.approx(0.003)
+    both = episode(0, "packet", passes={"timing_wall_s": wall, "recording_wall_s": 0.12, "recording_call_s": []})
+    both["episode_s"], both["forced_s"] = wall + 0.12 + 0.02 + 0.001, 0.02
+    assert serving.episode_serving(both)["outside_wall_s"] == pytest.approx(0.001)
+    del r["forced_s"]  # an exact condition's record has none: unchanged
+    assert serving.episode_serving(r)["outside_wall_s"] == pytest.approx(0.023)
