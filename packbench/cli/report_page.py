@@ -508,7 +508,9 @@ def plots_section(s: ScreenData) -> str:
               "active set is the model's and the prompt's, identical under every exact policy."),
         '<h2 id="union">Union sparsity</h2>',
         plot_figure("union", figs.union_figure(union), "no observed activity, or the neurons per layer are unknown"),
-        '<h2 id="workload">Activity by layer, against the profile and real OPT</h2>',
+        # an MoE model's activity is routed experts: no OPT profile or real-OPT figure to set it against
+        '<h2 id="workload">Activity by layer' + ("" if data.unit_name(s) == "experts" else
+                                                 ", against the profile and real OPT") + '</h2>',
         plot_figure("workload", figs.workload_figure(workload),
               "no condition observed active rows, or the neurons per layer are unknown",
               caption=workload_caption(workload)),

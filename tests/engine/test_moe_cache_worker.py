@@ -202,3 +202,9 @@ def test_a_moe_screens_activity_figures_count_experts_not_neurons(moe_dir, tmp_p
     assert data.neurons_per_layer(s) == experts
     for series in (data.active_heatmap(s), data.union_sparsity(s), data.workload_by_layer(s)):
         assert series["unit"] == "experts"
+    # The page's activity heading promised "against the profile and real OPT" on an MoE screen,
+    # which has neither an OPT profile nor a real-OPT figure to be set against.
+    from packbench.cli.report_page import plots_section
+
+    page = plots_section(s)
+    assert '<h2 id="workload">Activity by layer</h2>' in page and "real OPT</h2>" not in page
