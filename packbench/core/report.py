@@ -371,7 +371,8 @@ def headline(screen: ScreenData) -> list[str]:
         if not ranked:
             continue
         best, worst = ranked[0], ranked[-1]
-        text = (f"{tier.capitalize()} tier, by the steady decode call ({best['episodes']} scored episodes): "
+        text = (f"{tier.capitalize()} tier, by the steady decode call ({best['episodes']} scored episode"
+                f"{'' if best['episodes'] == 1 else 's'}): "
                 f"{best['condition']} {best['steady_call_s'] * 1e3:.3g} ms")
         if len(ranked) > 1:
             text += f", {worst['steady_call_s'] / best['steady_call_s']:.3g}x faster than the slowest, {worst['condition']}"

@@ -72,6 +72,8 @@ def test_an_approximate_condition_is_ranked_in_its_own_tier(screen, monkeypatch)
     assert lines[0].startswith("Exact tier") and rows[-1]["condition"] not in lines[0].split(";")[0]
     assert lines[1].startswith(f"Approximate tier, by the steady decode call (4 scored episodes): "
                                f"{rows[-1]['condition']}")
+    rows[-1] = {**rows[-1], "episodes": 1}  # one episode is not "1 scored episodes"
+    assert data.headline(screen)[1].startswith("Approximate tier, by the steady decode call (1 scored episode): ")
 
 
 def test_the_serving_section_shows_each_figure_both_runtime_readings_and_the_position_check(screen):
