@@ -157,7 +157,7 @@ def render(out: dict, *, per_call: bool = False) -> str:
         moved = d["rows_copied"] / d["calls"] if d["calls"] else 0
         pred = row.get("prediction", {}).get("decode_ms_per_token")
         lines.append(f"{row['policy']:44} {_mb(pre):>16} {_mb(dec):>16} {moved:14.1f} "
-                     f"{d['rows_wasted'] + p['rows_wasted']:8d} {_opt(d.get('hits')):>8} {_opt(d.get('misses')):>8} "
+                     f"{d['rows_wasted']:8d} {_opt(d.get('hits')):>8} {_opt(d.get('misses')):>8} "
                      f"{_pct(d.get('hit_rate')):>6} {_pct(d.get('belady_rate')):>8} {_opt(d.get('prefetched')):>8} "
                      f"{_opt(d.get('used')):>8} {'-' if pred is None else f'{pred:.2f}':>14}")
         if per_call:

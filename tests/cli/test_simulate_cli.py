@@ -103,6 +103,13 @@ def test_moe_trace_decode_moves_k_experts_a_layer(tmp_path, packbench_cli):
     lfu = rows["expert-cache:capacity=2,rule=lfu"]["totals"]["decode"]
     assert f" {lfu['hits']} " in lfu_line and f"{100 * lfu['belady_rate']:.1f}" in lfu_line, lfu_line
     assert "belady_hits" in text.stdout and "prefetched" in text.stdout  # --per-call shows them
+    # The wasted column is the decode calls', as prefetch and used beside it are: it summed the
+    # prefill's waste too, so used + wasted did not make prefetch.
+    fc_line = next(line for line in text.stdout.splitlines() if line.startswith("expert-forecast"))
+    fc = rows["expert-forecast"]["totals"]["decode"]
+    cells = fc_line.split()
+    assert (int(cells[4]), int(cells[9]), int(cells[10])) == (fc["rows_wasted"], fc["prefetched"], fc["used"])
+    assert fc["used"] + fc["rows_wasted"] == fc["prefetched"]
 
 
 def test_forecast_policies_refuse_a_trace_without_forecasts(tmp_path, packbench_cli):
