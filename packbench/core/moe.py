@@ -107,6 +107,15 @@ class MoeShape:
     heads: int
     kv_heads: int
     head_dim: int
+    # Layers without experts (Qwen3-MoE's `mlp_only_layers` and `decoder_sparse_step`): a dense MLP
+    # of `dense_intermediate` on the device, nothing to move. No named shape has one.
+    dense_layers: int = 0
+    dense_intermediate: int = 0
+
+    @property
+    def moe_layers(self) -> int:
+        """The layers whose experts stay on the host: what every expert policy moves, per layer."""
+        return self.layers - self.dense_layers
 
     @classmethod
     def of(cls, shape: str, *, layers: int | None = None) -> "MoeShape":
@@ -123,8 +132,11 @@ class MoeShape:
         """What a CPU-first MoE model places on the device: embeddings, lm_head, attention, norms,
         routers (experts excluded)."""
         attn = self.hidden * self.heads * self.head_dim * 2 + self.hidden * self.kv_heads * self.head_dim * 2
-        per_layer = attn + self.experts * self.hidden + 2 * self.hidden
-        return (2 * self.vocab * self.hidden + self.layers * per_layer + self.hidden) * DTYPE_BYTES[dtype]
+        per_layer = attn + 2 * self.hidden
+        routers = self.moe_layers * self.experts * self.hidden
+        dense_mlps = self.dense_layers * 3 * self.hidden * self.dense_intermediate
+        return (2 * self.vocab * self.hidden + self.layers * per_layer + routers + dense_mlps + self.hidden) * \
+            DTYPE_BYTES[dtype]
 
     def layer_bytes(self, dtype: str) -> int:
         """One decoder layer's weights: its experts, attention, router and norms (what accelerate's
@@ -132,6 +144,11 @@ class MoeShape:
         attn = self.hidden * self.heads * self.head_dim * 2 + self.hidden * self.kv_heads * self.head_dim * 2
         return self.experts * self.expert_bytes(dtype) + (attn + self.experts * self.hidden + 2 * self.hidden) * \
             DTYPE_BYTES[dtype]
+
+    def dense_layer_bytes(self, dtype: str) -> int:
+        """One layer without experts: its dense MLP, attention and norms (accelerate's hooks copy it)."""
+        attn = self.hidden * self.heads * self.head_dim * 2 + self.hidden * self.kv_heads * self.head_dim * 2
+        return (3 * self.hidden * self.dense_intermediate + attn + 2 * self.hidden) * DTYPE_BYTES[dtype]
 
     def routed_bytes(self, dtype: str, tokens: int) -> int:
         """One layer's routed experts for a call of `tokens` tokens at most, and their indices."""
@@ -149,10 +166,17 @@ def shape_of_config(config: dict) -> MoeShape:
     """The byte arithmetic's view of an MoE config.json (its family's keys, FAMILIES)."""
     f = FAMILIES[config["model_type"]]
     heads = config["num_attention_heads"]
+    layers = config["num_hidden_layers"]
+    dense = 0
+    if config["model_type"] == "qwen3_moe":  # transformers: layer i has experts iff i is not in
+        # mlp_only_layers and (i + 1) % decoder_sparse_step == 0 (engine/config.py checks both keys)
+        step, only = config.get("decoder_sparse_step") or 1, set(config.get("mlp_only_layers") or [])
+        dense = sum(1 for i in range(layers) if i in only or (i + 1) % step)
     return MoeShape(hidden=config["hidden_size"], intermediate=config[f["intermediate"]],
-                    layers=config["num_hidden_layers"], experts=config_experts(config), k=config["num_experts_per_tok"],
+                    layers=layers, experts=config_experts(config), k=config["num_experts_per_tok"],
                     vocab=config["vocab_size"], heads=heads, kv_heads=config.get("num_key_value_heads") or heads,
-                    head_dim=config.get("head_dim") or config["hidden_size"] // heads)
+                    head_dim=config.get("head_dim") or config["hidden_size"] // heads, dense_layers=dense,
+                    dense_intermediate=config.get("intermediate_size", 0) if dense else 0)
 
 
 def forecasting(policy: str, params: dict) -> bool:
@@ -171,13 +195,13 @@ def policy_need_bytes(shape: MoeShape, dtype: str, policy: str, gather: str = "h
     layer = shape.experts * shape.expert_bytes(dtype)
     params = params or {}
     if policy == "host-experts":
-        return shape.layers * min(params.get("hot", 0), shape.experts) * shape.expert_bytes(dtype)
+        return shape.moe_layers * min(params.get("hot", 0), shape.experts) * shape.expert_bytes(dtype)
     if policy in NO_EXPERT_BUFFERS:
         return 0
     if policy == "resident":
-        return shape.layers * layer
+        return shape.moe_layers * layer
     if policy in CACHE_POLICIES:
-        slots = params.get("capacity", 0) * shape.layers * shape.expert_bytes(dtype)
+        slots = params.get("capacity", 0) * shape.moe_layers * shape.expert_bytes(dtype)
         return slots + (2 if forecasting(policy, params) else 1) * layer
     if policy == "dense-stream" or gather == "device":
         return layer
@@ -237,9 +261,9 @@ def shape_refusal(s: MoeShape, family: str, *, dtype: str, conditions: list[tupl
             continue
         need = part + policy_need_bytes(s, dtype, policy, params.get("gather", "host"), params)
         if allowance_bytes < need and policy == "expert-cache":
-            slots = params["capacity"] * s.layers * s.expert_bytes(dtype)
+            slots = params["capacity"] * s.moe_layers * s.expert_bytes(dtype)
             return ("allowance_mib", f"{allowance_bytes // 2**20} MiB cannot hold condition {name!r} (expert-cache): "
-                                     f"its capacity {params['capacity']} x {s.layers} layers x "
+                                     f"its capacity {params['capacity']} x {s.moe_layers} MoE layers x "
                                      f"{s.expert_bytes(dtype) / 2**20:.1f} MiB an expert = {slots / 2**20:.0f} MiB of "
                                      f"cache, with the device part and workspace {-(-need // 2**20)} MiB; lower "
                                      f"capacity or raise allowance_mib")
@@ -267,14 +291,14 @@ def call_bytes(shape: MoeShape, dtype: str, policy: str, *, tokens: int, phase: 
         return 0
     if policy == "host-experts":
         placed = min(hot, shape.experts) * shape.expert_bytes(dtype) if phase == "prefill" else 0
-        return shape.layers * (tokens * shape.hidden * DTYPE_BYTES[dtype] + placed)
+        return shape.moe_layers * (tokens * shape.hidden * DTYPE_BYTES[dtype] + placed)
     if policy == "accelerate":
-        return shape.layers * shape.layer_bytes(dtype)
+        return shape.moe_layers * shape.layer_bytes(dtype) + shape.dense_layers * shape.dense_layer_bytes(dtype)
     if policy == "dense-stream" or (policy == "phase-switched" and phase == "prefill"):
-        return shape.layers * layer_all
+        return shape.moe_layers * layer_all
     m = min(shape.experts, shape.k * tokens)
     index = INDEX_BYTES * m if gather == "host" else 0  # device and mapped gathers upload no index
-    return shape.layers * (m * shape.expert_bytes(dtype) + index)
+    return shape.moe_layers * (m * shape.expert_bytes(dtype) + index)
 
 
 def call_bytes_bound(policy: str, params: dict, *, tokens: int = 1) -> str:
