@@ -41,7 +41,7 @@ class PackbenchGroup(TyperGroup):
         except KeyboardInterrupt:
             # SIGINT, or SIGTERM once Ray is up (core/signals.py), that no command caught: typer would
             # make it a bare exit 130 (an `audit reexecute` stopped so said nothing, even for SIGTERM).
-            typer.echo("terminated (SIGTERM)" if signals.received else "interrupted", err=True)
+            typer.echo(signals.stop_line(), err=True)
             raise typer.Exit(signals.exit_code()) from None
         except Exception:  # bad input (PackbenchError) or a bug: `main` prints the one line
             if isinstance(ctx.obj, Settings) and ctx.obj.debug:
@@ -550,7 +550,7 @@ def main() -> None:
             os._exit(2)
         sys.exit(2)
     except KeyboardInterrupt:  # SIGINT, or SIGTERM once Ray is up (core/signals.py)
-        typer.echo("terminated (SIGTERM)" if signals.received else "interrupted", err=True)
+        typer.echo(signals.stop_line(), err=True)
         sys.exit(signals.exit_code())
     except SystemExit as e:
         # SIGTERM while ray.init runs meets Ray's own handler, `sys.exit(15)`: the same stop, said so.

@@ -144,7 +144,7 @@ def protocol_section(s: ScreenData) -> str:
     # Full width below the facts, its parameters free to wrap: beside them, in half the page, a
     # competitor's parameters ran past the table's box at 1400 px.
     conditions = html_table(["condition", "tier", "policy", "params", "warmups"],
-                            [[Markup(f'<td class="name">{esc(c.name)}</td>'), c.tier, c.policy,
+                            [[_name(c.name), c.tier, c.policy,
                               Markup(f'<td class="wrap">{esc(json.dumps(c.resolved_params) if c.resolved_params else "-")}</td>'),
                               str(p.warmups[c.name])] for c in p.conditions], cls="conditions")
     prompts = p.prompts
@@ -195,7 +195,7 @@ def machine_section(s: ScreenData) -> str:
     cold = [c for c in cold if isinstance(c, (int, float))]
     return "".join([
         '<h2 id="machine">Machine and GPU</h2><div class="grid"><div>',
-        html_facts([("host", env.get("host")), ("GPU", {"CPU": "none (CPU run)"}.get(_gpu(s), _gpu(s))),
+        html_facts([("host", env.get("host")), ("GPU", "none (CPU run)" if _gpu(s) == "CPU" else _gpu(s)),
                 ("device", env.get("device") or start.get("device")), ("driver", env.get("driver") or "-"),
                 ("torch", env.get("torch")), ("CUDA", env.get("cuda") or "-"), ("python", env.get("python"))]),
         "</div><div>",
@@ -292,13 +292,16 @@ def _fmt(value: Any, fmt: str) -> str:
     return "-" if value is None else fmt.format(value)
 
 
+# Why a screen has no steady decode call (the median decode call but each episode's first): episodes
+# of one decode call (continuation_tokens: 2) have decode calls, but none after the first.
+NO_STEADY = "no finished scored episode has a decode call after its first"
+
+
 def headline_section(s: ScreenData) -> str:
     """What won by how much, per tier, and the runtime readings that say more than their table."""
     lines = data.headline(s)
     if not lines:
-        # Episodes of one decode call (continuation_tokens: 2) have decode calls but no steady one.
-        return ('<h2 id="headline">Headline</h2><p class="missing">no steady decode call to rank: no finished scored '
-                'episode has a decode call after its first</p>')
+        return f'<h2 id="headline">Headline</h2><p class="missing">no steady decode call to rank: {NO_STEADY}</p>'
     return '<h2 id="headline">Headline</h2><ul class="headline">' + "".join(f"<li>{esc(t)}</li>" for t in lines) + "</ul>"
 
 
@@ -329,7 +332,7 @@ def serving_section(s: ScreenData) -> str:
     """Serving figures per condition (docs/metrics.md), the runtime ratio of medians beside the
     frozen gate's summed walls, and the plan-position check."""
     rows = data.serving_rows(s)
-    srows = [[Markup(f'<td class="name">{esc(r["condition"])}</td>'), r["tier"], _num(r["episodes"], "{}"),
+    srows = [[_name(r["condition"]), r["tier"], _num(r["episodes"], "{}"),
               _ms_cell(r["ttft_s"], r["outliers"]["ttft_s"], first=r["ttft_first_s"]),
               _ms_cell(r["tpot_s"], r["outliers"]["tpot_s"]),
               _two(_fmt(_ms(r["itl_p50_s"]), "{:.4g}"), _fmt(_ms(r["itl_p90_s"]), "p90 {:.4g}") + " / "
@@ -345,7 +348,7 @@ def serving_section(s: ScreenData) -> str:
     for r in ratios:
         m, gi = r["median"], r["gate_interval"]
         mi = m["interval"]
-        rrows.append([Markup(f'<td class="name">{esc(r["condition"])}</td>'), r["tier"], r["control"],
+        rrows.append([_name(r["condition"]), r["tier"], r["control"],
                       _passed(r["passed"]), _num(r["gate_value"], "{:.4g}"),
                       Markup(f'<td class="num">{esc("-" if not gi else f"[{gi[0]:.4g}, {gi[1]:.4g}]")}</td>'),
                       _num(m["value"], "{:.4g}"),
@@ -357,10 +360,10 @@ def serving_section(s: ScreenData) -> str:
                   else '<p class="missing">no runtime readings: no condition pairs with the reference</p>')
     previous = data.steady_by_previous(s)
     ptable = html_table(["condition", "tier", "steady decode call ms by what ran before it in the worker (episodes)"],
-                        [[Markup(f'<td class="name">{esc(r["condition"])}</td>'), r["tier"],
+                        [[_name(r["condition"]), r["tier"],
                           Markup(f'<td class="wrap">{esc(_previous_text(r["previous"]))}</td>')] for r in previous],
                         cls="conditions") if previous else (
-        '<p class="missing">no steady decode call to split: no finished scored episode has a decode call after its first</p>')
+        f'<p class="missing">no steady decode call to split: {NO_STEADY}</p>')
     check = data.plan_positions([s])
     position = (f'<p id="position" class="{"fail" if check["flagged"] else ""}">{esc(serving.position_text(check))}'
                 f'; each episode\'s wall over its condition\'s median, against the {serving.NEIGHBOURS} plan '
@@ -398,7 +401,7 @@ def expert_cache_section(s: ScreenData) -> str:
     def pct(v):
         return _num(None if v is None else 100 * v, "{:.1f}%")
 
-    trows = [[Markup(f'<td class="name">{esc(r["condition"])}</td>'), r["tier"],
+    trows = [[_name(r["condition"]), r["tier"],
               r["cache"],
               pct(r["hit_rate"]), pct(r["belady_rate"]), pct(r["decode_hit_rate"]), pct(r["decode_belady_rate"]),
               pct(r["decode_ready_rate"]),
@@ -422,7 +425,7 @@ def _previous_text(rows: list[dict]) -> str:
 def summary_section(s: ScreenData) -> str:
     summary = data.condition_summary(s)
     approximate = any(r["tier"] == "approximate" for r in summary)
-    rows = [[Markup(f'<td class="name">{esc(r["condition"])}</td>'), r["tier"], _policy(r), _episodes(r),
+    rows = [[_name(r["condition"]), r["tier"], _policy(r), _episodes(r),
              _mb(r["prefill_h2d_per_call"]), _mb(r["decode_h2d_per_call"]), _spread(r["wall_s_spread"], "{:.3g}"),
              _spread(r["decode_ms_spread"], "{:.3g}"), _mib(r["peak_sampled_bytes"]),
              _two(_fmt(r["energy_j_per_episode"], "{:.4g} J"), _fmt(r["energy_j_per_token"], "{:.4g} J / token")),
@@ -455,7 +458,7 @@ def cost_section(s: ScreenData) -> str:
             'off, then recorded with both on. Every time on this page is the timing pass\'s; every byte, memory and '
             'energy figure the recording pass\'s. The ratio is the median over scored episodes of the recording '
             'wall over the timing wall of the same episode.</p>')
-    rows = [[Markup(f'<td class="name">{esc(r["condition"])}</td>'), _num(r["n"], "{}"),
+    rows = [[_name(r["condition"]), _num(r["n"], "{}"),
              _num(r["timing_wall_s"], "{:.4g} s"), _num(r["recording_wall_s"], "{:.4g} s"),
              _num(r["ratio"], "{:.4f}"),
              _two(_fmt(_ms(r["timing_decode_s"]), "{:.4g} ms"), _fmt(_ms(r["recording_decode_s"]), "recording {:.4g} ms"))]
@@ -665,7 +668,7 @@ def compare_page(screens: list[ScreenData], audits: list[AuditStatus]) -> str:
             r = next((x for x in data.serving_rows(s) if x["condition"] == c), None)
             if r is None or not r["episodes"]:
                 continue
-            serving_rows.append([Markup(f'<td class="name">{esc(c)}</td>'), labels[n], r["tier"],
+            serving_rows.append([_name(c), labels[n], r["tier"],
                                  _ms_cell(r["ttft_s"], r["outliers"]["ttft_s"], first=r["ttft_first_s"]),
                                  _ms_cell(r["tpot_s"], r["outliers"]["tpot_s"]),
                                  _two(_fmt(_ms(r["itl_p50_s"]), "{:.4g}"), _fmt(_ms(r["itl_p99_s"]), "p99 {:.4g}")),

@@ -29,6 +29,11 @@ def install() -> None:
         signal.signal(signal.SIGTERM, on_sigterm)
 
 
+def stop_line() -> str:
+    """What the command says when a KeyboardInterrupt stopped it."""
+    return "terminated (SIGTERM)" if received else "interrupted"
+
+
 def exit_code() -> int:
     """The shell's code for the stop a KeyboardInterrupt stands for: 143 after SIGTERM, else 130 (SIGINT)."""
     return 143 if received else 130

@@ -43,8 +43,6 @@ import hashlib
 import importlib
 import importlib.metadata
 import json
-import os
-import shutil
 import time
 import weakref
 from dataclasses import asdict, dataclass
@@ -57,6 +55,7 @@ from packbench.core.conditions.flexgen import CPU_REFUSAL, EXTRA, cache_bytes, c
 from packbench.core.errors import PackbenchError
 from packbench.engine.episode import EpisodeOutput
 from packbench.engine.ledger import Recorder
+from packbench.engine.placed import place_once
 
 LAYOUT = "packbench-np"  # FlexGen reads `{path}/{config.name}-np/`: config.name is "packbench"
 
@@ -117,38 +116,23 @@ def converted(checkpoint: Path, cache: Path) -> Path:
     """The directory FlexGen's `OptLM` reads (`path`, holding `packbench-np/`), converted once per
     checkpoint (keyed by its files' names, sizes and mtimes) under `cache`; a half-written one (no
     `complete` marker) is converted again. Several workers of a host may convert one checkpoint at
-    once: each writes a private folder and renames it into place; a loser drops its copy and uses
-    the winner's (removing the winner's, as before, pulled the files from under its OptLM). A cache
-    that refuses the copy (full, read-only) is one FlexGenUnavailable, the partial copy removed."""
+    once (engine/placed.py: a loser uses the winner's copy; removing the winner's, as before, pulled
+    the files from under its OptLM). A cache that refuses the copy (full, read-only) is one
+    FlexGenUnavailable, the partial copy removed."""
     files = sorted(checkpoint.glob("*.safetensors"))
     key = hashlib.sha256(json.dumps([[f.name, f.stat().st_size, f.stat().st_mtime_ns] for f in files]).encode())
     root = cache / "flexgen" / key.hexdigest()[:16]
-    if (root / "complete").exists():
-        return root
-    tmp = root.with_name(root.name + f".tmp{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
+
+    def build(tmp: Path) -> None:
         names = convert(checkpoint, tmp / LAYOUT)
         (tmp / "complete").write_text(json.dumps({"checkpoint": str(checkpoint), "tensors": len(names)}))
-    except OSError as e:  # the partial copy would keep the space it took (26 GB converted at OPT-13B)
-        shutil.rmtree(tmp, ignore_errors=True)
+
+    try:
+        return place_once(root, build, whole=lambda d: (d / "complete").exists())
+    except OSError as e:  # a full or read-only cache (26 GB converted at OPT-13B)
         raise FlexGenUnavailable(f"cannot write FlexGen's layout of {checkpoint} into the model cache {cache} "
                                  f"({e.strerror or e}); free space there, or give --model-cache "
                                  f"(PACKBENCH_MODEL_CACHE) a writable directory with room") from None
-    if root.exists() and not (root / "complete").exists():  # a half-written one: moved aside (atomic), removed
-        aside = root.with_name(f"{root.name}.damaged{os.getpid()}")
-        try:
-            root.rename(aside)
-        except OSError:
-            pass  # another worker moved it first
-        shutil.rmtree(aside, ignore_errors=True)
-    try:
-        tmp.rename(root)
-    except OSError:
-        if not (root / "complete").exists():
-            raise
-        shutil.rmtree(tmp, ignore_errors=True)  # another worker placed it meanwhile: use theirs
-    return root
 
 
 def opt_config(fg, config: dict):

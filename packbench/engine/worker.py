@@ -9,7 +9,6 @@ import gc
 import os
 import platform
 import resource
-import shutil
 import time
 import traceback
 from concurrent.futures import ThreadPoolExecutor
@@ -33,6 +32,7 @@ from packbench.engine.gpu_lock import GpuLock, HostPresence, host_gpu_index, hos
 from packbench.engine.graph import check_mode
 from packbench.engine.model import CpuFirstModel
 from packbench.engine.passes import PassMismatch, two_passes
+from packbench.engine.placed import place_once
 from packbench.engine.policies.base import BUFFERS_LAYOUT
 from packbench.engine.allowance import impose, lift
 from packbench.engine.sampler import MemorySampler, device_uuid, nvml_handle
@@ -85,46 +85,27 @@ def model_dir_for(protocol: Protocol, model_dir: str | None, *, cache: Path | No
         return Path(model_dir)
     spec = synth.as_dict()
     out = synth_dir(spec, cache)
-    if out.exists() and not _whole(out):
-        # A cached checkpoint damaged after it was placed (a file truncated or half-copied by hand, a
-        # disk that lost its tail, a removal cut short): it is generated again, the damaged folder
-        # moved aside (atomic, so no other worker reads it) and removed, since a node's cache holds
-        # checkpoints of tens of GB. Before, every screen of the spec failed on it, told to run
-        # `packbench model synth`, which never writes here; a folder without config.json failed them
-        # all on the rename of a fresh copy onto it (Directory not empty), leaving the copy behind.
-        aside = out.with_name(f"{out.name}.damaged-{os.getpid()}-{time.time_ns()}")
-        try:
-            out.rename(aside)
-        except OSError:
-            pass  # another worker moved it aside first
-        shutil.rmtree(aside, ignore_errors=True)
-    if not (out / "config.json").exists():
-        # Several workers on a node may generate the same spec at once: each writes a private
-        # folder and renames it into place (atomic); a loser drops its copy and uses the winner's.
-        # Before, two workers writing one folder let one read a half-written checkpoint.
-        tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")
-        shutil.rmtree(tmp, ignore_errors=True)
-        try:
-            if synth.is_moe:  # a routing-calibrated MoE checkpoint, drawn on the CPU: the same bytes on every node
-                from packbench.engine.moe.synth import synth_moe
 
-                synth_moe(tmp, shape=spec["shape"], seed=spec["seed"], dtype=spec["dtype"], layers=spec["layers"],
-                          profile=spec["routing"])
-            else:
-                synth_checkpoint(tmp, **spec)
-        except OSError as e:
-            # A full or read-only cache: the partial copy would keep the space it took (tens of GB).
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise CheckpointError(f"cannot write the synthetic checkpoint into the model cache {out.parent} "
-                                  f"({e.strerror or e}); free space there, or give --model-cache "
-                                  f"(PACKBENCH_MODEL_CACHE) a writable directory with room") from None
-        try:
-            tmp.rename(out)
-        except OSError:
-            if not (out / "config.json").exists():
-                raise
-            shutil.rmtree(tmp, ignore_errors=True)
-    return out
+    def build(tmp: Path) -> None:
+        if synth.is_moe:  # a routing-calibrated MoE checkpoint, drawn on the CPU: the same bytes on every node
+            from packbench.engine.moe.synth import synth_moe
+
+            synth_moe(tmp, shape=spec["shape"], seed=spec["seed"], dtype=spec["dtype"], layers=spec["layers"],
+                      profile=spec["routing"])
+        else:
+            synth_checkpoint(tmp, **spec)
+
+    # One folder per spec, built once per node (engine/placed.py). A cached checkpoint damaged after
+    # it was placed (a file truncated or half-copied by hand, a disk that lost its tail, a removal cut
+    # short) is generated again: before, every screen of the spec failed on it, told to run `packbench
+    # model synth`, which never writes here. Two workers writing one folder let one read a
+    # half-written checkpoint.
+    try:
+        return place_once(out, build, whole=_whole)
+    except OSError as e:  # a full or read-only cache
+        raise CheckpointError(f"cannot write the synthetic checkpoint into the model cache {out.parent} "
+                              f"({e.strerror or e}); free space there, or give --model-cache "
+                              f"(PACKBENCH_MODEL_CACHE) a writable directory with room") from None
 
 
 def _whole(out: Path) -> bool:

@@ -69,7 +69,8 @@ def ingest(store, archive: Path, *, trust_files: list[Path]) -> IngestOutcome:
         raw, path = given[signer]
         new_signer = {"key_id": signer, "public_key": raw.hex(), "name": f"{Path(path).name} (--trust at ingest)"}
     try:
-        row = _write(store, archive, report, body, worker, manifest, records, verdicts, new_signer=new_signer)
+        row = _write(store, archive, report, body, worker, manifest, records, verdicts, signer=signer,
+                     new_signer=new_signer)
     except Conflict as e:
         return IngestOutcome(report, None, None, [str(e)])
     return IngestOutcome(report, row.id, row.screen_id, [], attempt_number=row.number,
@@ -77,10 +78,9 @@ def ingest(store, archive: Path, *, trust_files: list[Path]) -> IngestOutcome:
 
 
 def _write(store, archive: Path, report: AuditReport, body: dict, worker: dict, manifest: dict, records: list,
-           verdicts: list, *, new_signer: dict | None):
+           verdicts: list, *, signer: str | None, new_signer: dict | None):
     env = worker.get("environment") if isinstance(worker.get("environment"), dict) else {}
     start = worker.get("start") if isinstance(worker.get("start"), dict) else {}
-    signer = report.record.get("signature", {}).get("key_id")
     return store.ingest_attempt(
         protocol_sha256=report.record["protocol_sha256"], protocol_name=str(body.get("name")),
         protocol_json=canonical_json(body).decode(),

@@ -244,13 +244,14 @@ def test_a_layout_another_worker_placed_meanwhile_is_kept_not_removed(tiny, tmp_
     removed the first one's complete layout (`rmtree(root)`) to rename its own into place, while the
     first one's OptLM may be reading it (its np.load then finds no file). The loser drops its copy."""
     import packbench.engine.flexgen as fx
+    import packbench.engine.placed as placed
 
     real = fx.convert
 
     def convert_while_another_worker_finishes(checkpoint, out):
         names = real(checkpoint, out)
         monkeypatch.setattr(fx, "convert", real)
-        monkeypatch.setattr(fx.os, "getpid", lambda: 2)  # another process's private folder
+        monkeypatch.setattr(placed.os, "getpid", lambda: 2)  # another process's private folder
         other = fx.converted(checkpoint, tmp_path)  # the other worker's copy, placed meanwhile
         (other / "reading").write_text("its OptLM reads from here")
         return names
