@@ -32,7 +32,7 @@ def simulate(
              "row-retention:rows_per_layer=512, dense-stream:weights=int8); repeat it. Default: every policy "
              "the trace's model family has.")] = None,
     machine: Annotated[Optional[str], typer.Option(
-        help="Predict decode time on this machine: a name under bench/machines/ (h200) or a JSON file of its "
+        help="Predict decode time on this machine: a name under bench/machines/ (h200, h100) or a JSON file of its "
              "measured rates (docs/traces.md, \"Machines\").")] = None,
     per_call: Annotated[bool, typer.Option("--per-call", help="Also print every call's bytes (JSON: always there).")] = False,
     json_out: Annotated[bool, typer.Option("--json", metavar="", help="Print every figure as JSON.")] = False,
