@@ -100,11 +100,16 @@ def _mono(text: Any) -> Markup:
     return Markup(f'<code>{esc(text)}</code>')
 
 
+SHORT_NAME = 16  # characters: a name this short stays on one line (every policy's own name fits)
+
+
 def _name(condition: str) -> Markup:
-    """A condition's name in a cell that wraps anywhere: a 200-character name (letters, digits,
-    `.`, `_`, `-`: no space to break at) in a nowrap cell pushed its table's other columns off the
-    page."""
-    return Markup(f'<td class="name">{esc(condition)}</td>')
+    """A condition's name in a cell: whole on one line when short (a squeezed table broke
+    `dense-stream` at its hyphen), else wrapping anywhere (a 200-character name of letters, digits,
+    `.`, `_`, `-`, no space to break at, in a nowrap cell pushed its table's other columns off the
+    page)."""
+    kind = "name short" if len(condition) <= SHORT_NAME else "name"
+    return Markup(f'<td class="{kind}">{esc(condition)}</td>')
 
 
 def _passed(p: bool | None) -> str:

@@ -29,6 +29,7 @@ th { background: #f6f8fa; font-weight: 600; }
 td { white-space: nowrap; }
 td.detail, td.wrap { white-space: normal; }
 td.name { white-space: normal; min-width: 7em; max-width: 12em; overflow-wrap: anywhere; }
+td.name.short { white-space: nowrap; max-width: none; }
 td.mono { white-space: normal; word-break: break-all; min-width: 12em; }
 td.num { text-align: right; font-variant-numeric: tabular-nums; white-space: nowrap; }
 .pass { color: var(--ok); font-weight: 700; }
