@@ -762,3 +762,13 @@ def test_a_frozen_protocol_says_which_schema_it_was_read_as():
     unsaid = raw()
     unsaid.pop("schema")
     assert freeze(unsaid).read_as == SCHEMA_VERSION
+
+
+def test_a_float_schema_is_refused_as_no_schema():
+    """The bug caught: `schema: 2.0` (and 5.0) passed, since 2.0 == 2 made it one of the schemas
+    read, and `protocol validate` said "read as schema 2.0"; every other integer field refuses a
+    float."""
+    for value in (2.0, 5.0, 11.0):
+        assert refusal_of(v2(schema=value)) == (
+            f"protocol field `schema`: {value} is not supported; this packbench reads schema 1, 2, 3, 4, 5, 6, 7, 8, "
+            f"9, 10 and 11 (omit `schema:` for the newest, 11)")
