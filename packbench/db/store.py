@@ -245,6 +245,26 @@ class Store:
                     labels.label(session, screen_id, name=name, note=note, tags=tags)
             return ids
 
+    def create_sweep(self, sweep_id: str, points: Sequence[tuple[Mapping[str, str], Mapping[str, Any],
+                                                                Mapping[str, Any]]], *,
+                     name: str | None = None, note: str | None = None,
+                     tags: Mapping[str, str] | None = None) -> list[int]:
+        """Store each point's frozen protocol (`put_protocol`'s sha256, name, canonical_json) and
+        queue one screen of it (`create_screen`'s columns), labelled and recorded as the point
+        `values` of `sweep_id`, all in one transaction: every point or none (an error or an
+        interrupt part-way queues nothing). `points`: (protocol, screen, values) in grid order.
+        Return the screen ids in that order."""
+        ids = []
+        with self._session() as session:
+            for protocol, screen, values in points:
+                protocol_id = ingest.upsert_protocol(session, now=self._clock(), **protocol)
+                (screen_id,) = queue.enqueue(session, clock=self._clock, protocol_id=protocol_id, **screen)
+                if name is not None or note is not None or tags:
+                    labels.label(session, screen_id, name=name, note=note, tags=tags)
+                labels.set_sweep(session, screen_id, sweep_id=sweep_id, point=values)
+                ids.append(screen_id)
+        return ids
+
     def queued_screens(self) -> list[ScreenRow]:
         """Screens waiting for a worker in claim order: highest priority, then oldest."""
         with self._session() as session:

@@ -102,23 +102,29 @@ def submit_frozen(store, frozen: FrozenProtocol, *, priority: int = 0, max_attem
     comes from the protocol's `placement`, `gpu_type` overriding its accelerator_type;
     `spread` puts the `replicas` on distinct nodes. Returns the screen ids.
     """
-    protocol = frozen.protocol
     check_replicas(replicas)
     check_queue_options(priority=priority, max_attempts=max_attempts, gpu_type=gpu_type)
     store.check_labels(name=name, note=note, tags=tags or {})  # a bad tag queues nothing
     check_frozen(frozen)
+    protocol_id = store.put_protocol(sha256=frozen.sha256, name=frozen.name, canonical_json=frozen.canonical.decode())
+    screen = screen_columns(frozen, priority=priority, max_attempts=max_attempts, gpu_type=gpu_type)
+    # One transaction, labels included: an interrupted submit queues none of its screens.
+    return store.create_screens(replicas, spread=spread, name=name, note=note, tags=tags, protocol_id=protocol_id,
+                                **screen)
+
+
+def screen_columns(frozen: FrozenProtocol, *, priority: int, max_attempts: int, gpu_type: str | None) -> dict:
+    """A queued screen's columns for `frozen` (all but its protocol id): where its model and
+    prompt file are, who queued it, its queue options and its placement."""
+    protocol = frozen.protocol
     model_dir = frozen.model_dir()
     prompt_file = frozen.prompt_file()
-    protocol_id = store.put_protocol(sha256=frozen.sha256, name=frozen.name, canonical_json=frozen.canonical.decode())
-    screen = dict(protocol_id=protocol_id, submitter=submitter(),
-                  model_dir=None if model_dir is None else str(model_dir),
-                  prompt_file=None if prompt_file is None else str(prompt_file),
-                  priority=priority, max_attempts=max_attempts,
-                  gpu_type=gpu_type or protocol.placement.accelerator_type,
-                  placement_node=protocol.placement.node, exclusive_node=protocol.placement.exclusive_node,
-                  resources=protocol.placement.resources_dict or None)
-    # One transaction, labels included: an interrupted submit queues none of its screens.
-    return store.create_screens(replicas, spread=spread, name=name, note=note, tags=tags, **screen)
+    return dict(submitter=submitter(), model_dir=None if model_dir is None else str(model_dir),
+                prompt_file=None if prompt_file is None else str(prompt_file),
+                priority=priority, max_attempts=max_attempts,
+                gpu_type=gpu_type or protocol.placement.accelerator_type,
+                placement_node=protocol.placement.node, exclusive_node=protocol.placement.exclusive_node,
+                resources=protocol.placement.resources_dict or None)
 
 
 DB_INT = 2**31 - 1  # priority and max_attempts are `integer` columns: 32-bit on PostgreSQL

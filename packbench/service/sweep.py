@@ -19,9 +19,16 @@ from typing import Any
 
 import yaml
 
+from packbench.core.canonical import canonical_json
 from packbench.core.errors import ProtocolError
 from packbench.core.protocol import FrozenProtocol, freeze, load
 from packbench.core.protocol.freeze import parse_value
+from packbench.core.text import show
+
+# Points one sweep may queue, as many as one submit's replicas (service/submit.py MAX_REPLICAS): they
+# go in one transaction, and `--sweep a=1,...,100 --sweep b=1,...,100 --sweep c=...` must not freeze
+# and queue a million protocols (1,024 points took 8 s to plan).
+MAX_POINTS = 1000
 
 
 @dataclass(frozen=True)
@@ -50,14 +57,35 @@ def parse_axes(specs: Sequence[str]) -> list[Axis]:
         field = field.strip()
         if not sep or not field or not values.strip():
             raise ProtocolError(f"--sweep {spec!r} is not FIELD=V1,V2,...; write e.g. --sweep prefix_tokens=32,64")
+        if field == "name":  # each point's name is made of its values (point_name): a swept name was dropped
+            raise ProtocolError("--sweep name: each point is named for its values (NAME[field=value,...]); sweep "
+                                "another field, or label the screens with --name")
         if any(a.field == field for a in axes):
             raise ProtocolError(f"--sweep {field} is given twice; list all its values in one --sweep {field}=V1,V2")
         # The protocol file's loader: `[`, `*a`, `!!bool maybe` or `2001-13-45` exited 70 under yaml.safe_load
         parsed = tuple(parse_value(v.strip(), f"--sweep {field}") if v.strip() else "" for v in values.split(","))
+        for value in parsed:
+            _plain(value, field)
         if len(set(map(repr, parsed))) != len(parsed):
             raise ProtocolError(f"--sweep {spec!r} repeats a value; give each value once")
         axes.append(Axis(field, parsed))
+    count = 1
+    for a in axes:
+        count *= len(a.values)
+    if count > MAX_POINTS:
+        raise ProtocolError(f"--sweep: {' x '.join(str(len(a.values)) for a in axes)} = {count} points, more than "
+                            f"{MAX_POINTS}; sweep fewer values (or split the sweep)")
     return axes
+
+
+def _plain(value: Any, field: str) -> None:
+    """A point's value is stored as JSON (db/labels.py set_sweep): one YAML reads as a date or
+    bytes (`2001-01-01`, `!!binary`) is refused here, before any point is frozen or queued."""
+    try:
+        canonical_json(value)
+    except (TypeError, ValueError):
+        raise ProtocolError(f"--sweep {field}: {show(value)} is a YAML {type(value).__name__}, not a protocol value; "
+                            f"quote it if it is text") from None
 
 
 def grid(axes: Sequence[Axis]) -> list[dict[str, Any]]:
@@ -66,8 +94,8 @@ def grid(axes: Sequence[Axis]) -> list[dict[str, Any]]:
 
 
 def with_value(body: Mapping[str, Any], field: str, value: Any) -> dict:
-    """A deep copy of `body` with the dotted `field` set to `value`. Its parent must exist (a
-    leaf key may be new: an optional field the file leaves out)."""
+    """A deep copy of `body` with the dotted `field` set to `value`. A mapping on its way that
+    the file leaves out (or leaves empty) is made; a list item must exist."""
     out = copy.deepcopy(dict(body))
     *parents, leaf = field.split(".")
     node: Any = out
@@ -85,7 +113,11 @@ def with_value(body: Mapping[str, Any], field: str, value: Any) -> dict:
 
 
 def _child(node: Any, key: str, where: str, field: str) -> Any:
-    if isinstance(node, dict) and key in node:
+    if isinstance(node, dict):
+        # A mapping the file leaves out (a condition's params, placement) is made: validation names
+        # a key that is no field, and the docs' own `conditions.1.params.gather` fits the quickstart.
+        if node.get(key) is None:
+            node[key] = {}
         return node[key]
     if isinstance(node, list) and _index(key) and int(key) < len(node):
         return node[int(key)]
@@ -94,8 +126,9 @@ def _child(node: Any, key: str, where: str, field: str) -> Any:
 
 
 def _index(key: str) -> bool:
-    """A list index: ASCII digits ("²".isdigit() holds, and int("²") raised ValueError), few of them."""
-    return key.isascii() and key.isdigit() and len(key) <= 9
+    """A list index: ASCII digits ("²".isdigit() holds, and int("²") raised ValueError), few of them,
+    written once (`conditions.01` would be a second axis over `conditions.1`, the later one winning)."""
+    return key.isascii() and key.isdigit() and len(key) <= 9 and key == str(int(key))
 
 
 def point_name(name: str, values: Mapping[str, Any]) -> str:
@@ -127,21 +160,24 @@ def new_sweep_id() -> str:
 
 
 def submit_sweep(store, path: Path, axes: Sequence[Axis], **submit: Any) -> tuple[str, list[tuple[int, Point]]]:
-    """Freeze every point (all before any is queued: a bad point queues nothing), queue one
-    screen of each (`service.submit.submit_frozen`'s options) and record the sweep on each.
-    Returns the sweep id and (screen id, point) in grid order."""
-    from packbench.service.submit import check_frozen, submit_frozen
+    """Freeze every point (all before any is queued: a bad point queues nothing), then queue one
+    screen of each with `submit`'s options (priority, max_attempts, gpu_type, name, note, tags) and
+    the sweep recorded on each, in one transaction (an error or an interrupt part-way queues
+    nothing). Returns the sweep id and (screen id, point) in grid order."""
+    from packbench.service.submit import check_frozen, check_queue_options, screen_columns
 
+    name, note, tags = submit.pop("name", None), submit.pop("note", None), submit.pop("tags", None)
+    options = {"priority": 0, "max_attempts": 3, "gpu_type": None, **submit}
+    check_queue_options(**options)
+    store.check_labels(name=name, note=note, tags=tags or {})
     frozen = points(path, axes)
     for point in frozen:
         check_frozen(point.frozen)
     sweep_id = new_sweep_id()
-    queued = []
-    for point in frozen:
-        (screen_id,) = submit_frozen(store, point.frozen, **submit)
-        store.set_sweep(screen_id, sweep_id=sweep_id, point=point.values)
-        queued.append((screen_id, point))
-    return sweep_id, queued
+    ids = store.create_sweep(sweep_id, [
+        ({"sha256": p.frozen.sha256, "name": p.frozen.name, "canonical_json": p.frozen.canonical.decode()},
+         screen_columns(p.frozen, **options), p.values) for p in frozen], name=name, note=note, tags=tags)
+    return sweep_id, list(zip(ids, frozen))
 
 
 def resolve_sweep(store, ref: str) -> str:

@@ -110,7 +110,7 @@ def test_the_sweep_report_plots_each_figure_against_the_field(sweep, pb, tmp_pat
 def test_a_bad_sweep_queues_nothing(pb):
     before = pb("screens", "list", "--json").stdout
     for args, words in ((["--sweep", "prefix_tokens"], "is not FIELD=V1,V2"),
-                        (["--sweep", "nosuch.field=1"], "the protocol has no nosuch"),
+                        (["--sweep", "nosuch.field=1"], "protocol field `nosuch`: unknown field"),
                         (["--sweep", "prefix_tokens=16,0"], "sweep point prefix_tokens=0: protocol field"),
                         (["--sweep", "prefix_tokens=16,16"], "repeats a value"),
                         (["--sweep", "prefix_tokens=16", "--tag", "oops"], "--tag 'oops' is not KEY=VALUE"),
