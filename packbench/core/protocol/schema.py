@@ -516,7 +516,7 @@ def _full(raw: Any, *, base_dir: Path | None) -> dict:
         "passes": False, "trace": False, "scored_prompts": False,
     })
     declared = p.get("schema", SCHEMA_VERSION)
-    if isinstance(declared, bool) or declared not in SCHEMAS:
+    if type(declared) is not int or declared not in SCHEMAS:  # 2.0 == 2: a float was read as schema 2
         readable = ", ".join(map(str, SCHEMAS[:-1])) + f" and {SCHEMAS[-1]}"
         fail("schema", f"{shown(declared)} is not supported; this packbench reads schema {readable} "
                        f"(omit `schema:` for the newest, {SCHEMA_VERSION})")
