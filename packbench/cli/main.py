@@ -303,8 +303,8 @@ def submit(
 
     Exit codes with --wait: 0 the screen is done, every episode ok and every verdict passed; 1 a
     verdict or an episode failed, or the screen failed (every episode failed); 2 bad input (one line says which and how to fix it); 130/143 interrupted
-    (SIGINT/SIGTERM): the screen is cancelled, its interrupted attempt kept (--keep-queued: it stays
-    queued instead).
+    (SIGINT/SIGTERM): the screen is cancelled, its interrupted attempt kept, and with --sweep the
+    points not yet run are cancelled too (--keep-queued: all stay queued instead).
     """
     settings = settings_of(ctx, db_url=db, address=address, archive_dir=archive_dir)
     store = open_store(settings.db_url)  # refuse an old database before anything else
@@ -344,7 +344,7 @@ def submit(
 
         submit_sweep(store, settings, protocol, sweep, wait=wait, json_out=json_out, priority=priority,
                      max_attempts=max_attempts, gpu_type=gpu_type, name=name, tags=labels.parse_tags(tag), note=note,
-                     run=_dispatch)
+                     run=_dispatch, keep_queued=keep_queued)
         return
     ids = queue_screens(store, protocol, priority=priority, max_attempts=max_attempts, gpu_type=gpu_type,
                         replicas=replicas, spread=spread, name=name, note=note, tags=labels.parse_tags(tag))

@@ -18,8 +18,10 @@ from packbench.core.errors import PackbenchError
 
 
 def submit_sweep(store, settings, protocol: Path, specs: list[str], *, wait: bool, json_out: bool,
-                 run: Callable[..., None], **submit: Any) -> None:
-    """Queue one screen per point; with --wait, run each in turn (exit: the worst of theirs)."""
+                 run: Callable[..., None], keep_queued: bool = False, **submit: Any) -> None:
+    """Queue one screen per point; with --wait, run each in turn (exit: the worst of theirs). An
+    interrupted --wait gives back what it queued as `submit --wait` does its screen: the point
+    running and every point not yet run are cancelled, or with `keep_queued` all stay queued."""
     from packbench.service.sweep import parse_axes, submit_sweep as queue
 
     axes = parse_axes(specs)
@@ -39,17 +41,51 @@ def submit_sweep(store, settings, protocol: Path, specs: list[str], *, wait: boo
     if not wait:
         return
     codes = []
-    for screen_id, _ in queued:
+    for n, (screen_id, _) in enumerate(queued):
         try:
-            run(store, settings, json_out=json_out, only_screen=screen_id, workers=1)
+            run(store, settings, json_out=json_out, only_screen=screen_id, workers=1, keep_queued=keep_queued)
         except typer.Exit as e:
             if e.exit_code in (130, 143):
+                _give_back(store, sweep_id, [i for i, _ in queued[n + 1:]], keep_queued=keep_queued)
                 raise
             codes.append(e.exit_code)
+        except KeyboardInterrupt:  # before the dispatcher's own handler (Ray starting) or after it
+            from packbench.cli.main import interrupted_screen
+            from packbench.core import signals
+
+            typer.echo(interrupted_screen(store, screen_id, keep_queued=keep_queued), err=True)
+            _give_back(store, sweep_id, [i for i, _ in queued[n + 1:]], keep_queued=keep_queued)
+            raise typer.Exit(signals.exit_code()) from None
     if not json_out:
         typer.echo(f"sweep {sweep_id}: plot it with `packbench report --sweep {sweep_id}`")
     if any(codes):
         raise typer.Exit(max(codes))
+
+
+def _give_back(store, sweep_id: str, rest: list[int], *, keep_queued: bool) -> None:
+    """The points an interrupted `submit --sweep --wait` did not reach: cancelled, so no later
+    `packbench dispatch` runs them unasked, or kept queued (--keep-queued); one line says which."""
+    if not rest:
+        return
+    ids = ", ".join(map(str, rest))
+    if keep_queued:
+        typer.echo(f"sweep {sweep_id}: screens {ids} not run, stay queued (--keep-queued); the next "
+                   f"`packbench dispatch` runs them", err=True)
+        return
+    kept = []
+    for screen_id in rest:
+        try:
+            if store.cancel_screen(screen_id).status != "cancelled":
+                kept.append(screen_id)
+        except PackbenchError:  # the database is gone: they stay as they are
+            kept.append(screen_id)
+    done = [i for i in rest if i not in kept]
+    if done:
+        typer.echo(f"sweep {sweep_id}: screens {', '.join(map(str, done))} not run, cancelled; "
+                   f"`packbench screens retry N` queues one again", err=True)
+    if kept:
+        typer.echo(f"sweep {sweep_id}: screens {', '.join(map(str, kept))} could not be cancelled; "
+                   f"`packbench screens cancel N` drops one", err=True)
 
 
 def _point(values: dict) -> str:

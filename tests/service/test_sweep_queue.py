@@ -80,3 +80,41 @@ def test_a_field_under_a_mapping_the_file_leaves_out_can_be_swept(tmp_path):
     assert with_value({"a": {"b": None}}, "a.b.c", 1) == {"a": {"b": {"c": 1}}}
     with pytest.raises(ProtocolError, match="the protocol has no conditions.01"):
         with_value({"conditions": [{}, {}]}, "conditions.01.params.gather", "host")
+
+
+@pytest.mark.parametrize("how", ["exit", "keyboard"])
+@pytest.mark.parametrize("keep", [False, True])
+def test_an_interrupted_sweep_wait_gives_back_the_points_not_run(store, tmp_path, capsys, how, keep):
+    """`submit --sweep ... --wait` stopped by SIGINT/SIGTERM at its second of four points: the
+    running point and the two not reached are cancelled, or with --keep-queued all stay queued,
+    and the exit is the stop's. The bug caught: --keep-queued was never passed on, and the points
+    not yet run stayed queued for any later `packbench dispatch` to run unasked, whatever the flag."""
+    import typer
+
+    from packbench.cli.sweep import submit_sweep as cli_submit_sweep
+    from packbench.core.settings import Settings
+
+    ran, keeps = [], []
+
+    def run(store, settings, *, json_out, only_screen, workers, keep_queued):
+        ran.append(only_screen)
+        keeps.append(keep_queued)
+        if len(ran) == 2:
+            if how == "keyboard":
+                raise KeyboardInterrupt
+            from packbench.cli.main import interrupted_screen  # what _dispatch says when stopped
+            interrupted_screen(store, only_screen, keep_queued=keep_queued)
+            raise typer.Exit(143)
+
+    with pytest.raises(typer.Exit) as stop:
+        cli_submit_sweep(store, Settings(archive_dir=tmp_path / "archives"), protocol_file(tmp_path),
+                         ["continuation_tokens=2,3,4,5"], wait=True, json_out=False, run=run, keep_queued=keep)
+    assert stop.value.exit_code == (130 if how == "keyboard" else 143)
+    screens = sorted(store.find_screens(sweep_id=store.find_screens()[0].sweep_id), key=lambda s: s.id)
+    assert len(ran) == 2 and keeps == [keep, keep]
+    statuses = [s.status for s in screens]
+    assert statuses == (["queued"] * 4 if keep else ["queued", "cancelled", "cancelled", "cancelled"])
+    err = capsys.readouterr().err
+    rest = f"{screens[2].id}, {screens[3].id}"
+    assert (f"screens {rest} not run, stay queued (--keep-queued)" in err if keep
+            else f"screens {rest} not run, cancelled" in err)
