@@ -176,13 +176,26 @@ def _check_calls(calls) -> list[TraceCall]:
 
 
 def _read_npy(data: bytes, name: str, dtype: str) -> np.ndarray:
+    # The header is checked against the member's bytes before any array is made: numpy's
+    # read_array allocates the shape a header states first, so a member of 200 bytes stating
+    # 2^50 offsets asked for 8 PiB (MemoryError, exit 70) whatever the member's bound.
+    fp = io.BytesIO(data)
     try:
-        arr = np.lib.format.read_array(io.BytesIO(data), allow_pickle=False)
+        version = np.lib.format.read_magic(fp)
+        if version not in ((1, 0), (2, 0), (3, 0)):
+            raise ValueError(f"unsupported .npy version {version[0]}.{version[1]}")
+        # 3.0's header has 2.0's layout (UTF-8 text, which an ASCII header of a numeric dtype is)
+        read_header = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+        shape, _, got = read_header(fp)
     except (ValueError, OSError, EOFError) as e:
         raise TraceError(f"{name} is not a readable .npy array ({e}); rewrite the trace") from None
-    if arr.ndim != 1 or arr.dtype != np.dtype(dtype):
-        raise TraceError(f"{name} must be a 1-D {np.dtype(dtype).str} array, got {arr.dtype.str} of shape {arr.shape}")
-    return arr
+    if len(shape) != 1 or got != np.dtype(dtype):
+        raise TraceError(f"{name} must be a 1-D {np.dtype(dtype).str} array, got {got.str} of shape {shape}")
+    held = len(data) - fp.tell()
+    if held != shape[0] * got.itemsize:
+        raise TraceError(f"{name} states {shape[0]} values ({shape[0] * got.itemsize} bytes) but holds {held} "
+                         f"bytes of them; the file is truncated or inconsistent, rewrite the trace")
+    return np.frombuffer(data, dtype=got, count=shape[0], offset=fp.tell())
 
 
 def parse_trace(zf: zipfile.ZipFile, *, cap: int | None = None) -> Trace:

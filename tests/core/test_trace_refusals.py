@@ -172,8 +172,7 @@ def test_member_refusals_word_for_word():
     assert refusal({**good, "indices.npy": npy(np.array([0, 3, 1, 3], dtype="<i4"))}) == (
         "indices.npy must be a 1-D <u4 array, got <i4 of shape (4,)")
     assert refusal({**good, "offsets.npy": npy(np.array([0, 2, 3, 4, 4], dtype=object))}) == (
-        "offsets.npy is not a readable .npy array (Object arrays cannot be loaded when allow_pickle=False); "
-        "rewrite the trace")
+        "offsets.npy must be a 1-D <i8 array, got |O of shape (5,)")  # refused from its header, never unpickled
     assert refusal({**good, "header.json": b"{"}) == "header.json is not JSON; rewrite the trace"
     assert refusal(header(good, model_layers_without_units=[0])) == (
         "call 0 has units in layer 0, which model.layers_without_units lists")
@@ -185,6 +184,30 @@ def test_member_refusals_word_for_word():
         "a version-1 trace holds no forecast members; drop them or write version 2")
     rows = {**good, "forecast_offsets.npy": good["offsets.npy"], "forecast_indices.npy": good["indices.npy"]}
     assert refusal(rows) == "forecast members are for a trace of experts; drop them from a trace of rows"
+
+
+def npy_header(shape, descr="<i8") -> bytes:
+    buf = io.BytesIO()
+    np.lib.format.write_array_header_1_0(buf, {"descr": descr, "fortran_order": False, "shape": shape})
+    return buf.getvalue()
+
+
+@pytest.mark.parametrize("stated", [2**50, 2**34, 6])
+def test_a_member_stating_more_values_than_it_holds_is_refused_before_any_allocation(stated):
+    """Catches a .npy member of a few bytes whose header states a huge shape: numpy's read_array
+    allocated the stated array before reading (2^50 offsets: MemoryError for 8 PiB, `packbench
+    simulate` exit 70 with a traceback), and a member one value short was refused only by the
+    read running out of bytes."""
+    good = members(opt())  # 5 offsets
+    data = npy_header((stated,)) + good["offsets.npy"][-40:]
+    assert refusal({**good, "offsets.npy": data}) == (
+        f"offsets.npy states {stated} values ({stated * 8} bytes) but holds 40 bytes of them; the file is "
+        f"truncated or inconsistent, rewrite the trace")
+    assert refusal({**good, "offsets.npy": npy_header((2**40, 2**40))}) == (
+        "offsets.npy must be a 1-D <i8 array, got <i8 of shape (1099511627776, 1099511627776)")
+    assert refusal({**good, "offsets.npy": b"\x93NUMPY\x09\x00" + good["offsets.npy"][8:]}) == (
+        "offsets.npy is not a readable .npy array (unsupported .npy version 9.0); rewrite the trace")
+    assert parse({**good, "offsets.npy": npy_header((5,)) + good["offsets.npy"][-40:]}).sets[1][0].tolist() == [3]
 
 
 def test_calls_and_sets_are_bounded_at_their_limits(monkeypatch):
