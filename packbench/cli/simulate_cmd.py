@@ -100,6 +100,7 @@ def default_policies(model, *, has_forecasts: bool = True) -> list[str]:
 def load_machine(spec: str) -> dict:
     """A machine's rates: bench/machines/SPEC.json for a bare name, else the file SPEC."""
     from packbench.core.simulate import machine_problem
+    from packbench.core.trace import StrictJSONError, strict_json
 
     by_name = "/" not in spec and not spec.endswith(".json")
     path = next((d / f"{spec}.json" for d in MACHINE_DIRS if (d / f"{spec}.json").is_file()), None) if by_name \
@@ -120,7 +121,9 @@ def load_machine(spec: str) -> dict:
     if len(data) > MAX_MACHINE_BYTES:
         raise PackbenchError(f"--machine {spec} is over {MAX_MACHINE_BYTES} bytes; a machine file is a small JSON object")
     try:
-        machine = json.loads(data)
+        machine = strict_json(data)
+    except StrictJSONError as e:
+        raise PackbenchError(f"--machine {spec} {e}; write the object docs/traces.md shows") from None
     except (ValueError, RecursionError):  # RecursionError: arrays nested ~100,000 deep fit in the bound
         raise PackbenchError(f"--machine {spec} is not JSON; write the object docs/traces.md shows") from None
     problem = machine_problem(machine)

@@ -19,7 +19,7 @@ Version 1 files (no forecast members) are still read. Writing gives version 2.
 
 Reading is bounded: the file's size, each member's stated and actual size, the number of calls
 and layers, and every id are checked before use, and a bad file raises `TraceError` naming the
-cause. Pure: numpy, zipfile and json only.
+cause. Pure: numpy, zipfile, json and core/text.py only.
 
 Layer rule: core. numpy only.
 """
@@ -38,6 +38,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+
+from packbench.core.text import show
 
 FORMAT = "packbench-trace"
 VERSION = 2
@@ -175,6 +177,30 @@ def _check_calls(calls) -> list[TraceCall]:
     return out
 
 
+class StrictJSONError(ValueError):
+    """JSON that Python's parser takes and the standard does not have, or that readers disagree on."""
+
+
+def _no_constant(token: str):
+    raise StrictJSONError(f"holds {token}, which JSON does not have")
+
+
+def _no_duplicates(pairs: list) -> dict:
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        seen: set = set()
+        dup = next(k for k, _ in pairs if k in seen or seen.add(k))
+        raise StrictJSONError(f"gives the key {show(dup)} twice (another reader may keep the other value)")
+    return out
+
+
+def strict_json(data: bytes):
+    """JSON as the standard has it: NaN and Infinity (which `simulate --json` printed back, so its
+    output was no JSON) and a key given twice (Python keeps the last, other readers the first) raise
+    StrictJSONError saying which; anything else that is not JSON raises ValueError or RecursionError."""
+    return json.loads(data, parse_constant=_no_constant, object_pairs_hook=_no_duplicates)
+
+
 def _read_npy(data: bytes, name: str, dtype: str) -> np.ndarray:
     # The header is checked against the member's bytes before any array is made: numpy's
     # read_array allocates the shape a header states first, so a member of 200 bytes stating
@@ -232,8 +258,10 @@ def parse_trace(zf: zipfile.ZipFile, *, cap: int | None = None) -> Trace:
             raise TraceError(f"{name} holds more than {limits[name]} bytes; split the trace into several files")
         raw[name] = data
     try:
-        header = json.loads(raw[HEADER_NAME])
-    except ValueError:
+        header = strict_json(raw[HEADER_NAME])
+    except StrictJSONError as e:
+        raise TraceError(f"header.json {e}; rewrite the trace") from None
+    except (ValueError, RecursionError):
         raise TraceError("header.json is not JSON; rewrite the trace") from None
     if not isinstance(header, dict) or header.get("format") != FORMAT:
         raise TraceError(f"header.json does not say format {FORMAT!r}; this is not a packbench trace file")

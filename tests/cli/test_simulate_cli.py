@@ -248,3 +248,39 @@ def test_a_trace_of_2_31_rows_a_layer_is_replayed_without_row_retention(opt_trac
     assert "packet" in names and not any(n.startswith("row-retention") for n in names), names
     one_line(packbench_cli("simulate", str(tmp_path / "wide.trace"), "--policy", "row-retention:rows_per_layer=8"),
              "--policy row-retention:rows_per_layer=8", "2147483647 rows is over")
+
+
+def test_nan_or_a_key_given_twice_in_a_trace_or_machine_file_is_one_line(opt_trace, packbench_cli, tmp_path):
+    """Catches a trace header or machine file read by Python's lenient JSON: NaN or Infinity in a
+    field no check reads (the trace's source, the machine's description) came back in `--json`'s
+    output, which was then no JSON; a key given twice (`"version": 7, "version": 2`, two
+    `pinned_h2d_gbps`) was read as its last value, where another reader keeps the first."""
+    import io
+    import zipfile
+
+    with zipfile.ZipFile(opt_trace) as zf:
+        members = {n: zf.read(n) for n in zf.namelist()}
+    text = json.dumps(json.loads(members["header.json"]))
+
+    def trace(header: str):
+        buf = io.BytesIO()
+        with zipfile.ZipFile(buf, "w") as zf:
+            for n, v in {**members, "header.json": header.encode()}.items():
+                zf.writestr(n, v)
+        (tmp_path / "t.trace").write_bytes(buf.getvalue())
+        return packbench_cli("simulate", str(tmp_path / "t.trace"), "--policy", "packet", "--json")
+
+    one_line(trace(text.replace('"source": {', '"source": {"note": NaN, ', 1)),
+             "TRACE: header.json holds NaN, which JSON does not have; rewrite the trace")
+    one_line(trace(text.replace('"version": 2', '"version": 7, "version": 2', 1)),
+             "TRACE: header.json gives the key 'version' twice (another reader may keep the other value)")
+    good = '{"name": "m", "pinned_h2d_gbps": {"value": 10, "source": "s"}'
+    for name, body, words in (("nan", good + ', "description": Infinity}', "holds Infinity, which JSON does not have"),
+                              ("twice", good + ', "pinned_h2d_gbps": {"value": 1, "source": "t"}}',
+                               "gives the key 'pinned_h2d_gbps' twice")):
+        path = tmp_path / f"{name}.json"
+        path.write_text(body)
+        one_line(packbench_cli("simulate", str(opt_trace), "--machine", str(path), "--json"), f"--machine {path}", words)
+    path.write_text(good + "}")
+    assert json.loads(packbench_cli("simulate", str(opt_trace), "--machine", str(path), "--json").stdout,
+                      parse_constant=lambda c: pytest.fail(c))["machine"]["pinned_h2d_gbps"]["value"] == 10
