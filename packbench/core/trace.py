@@ -228,6 +228,10 @@ def parse_trace(zf: zipfile.ZipFile, *, cap: int | None = None) -> Trace:
     """A Trace from an open zip, every field and id checked (raises TraceError). `cap` lowers
     every member's bound (the auditor reads an archived trace under its own budget)."""
     infos = {i.filename: i for i in zf.infolist()}
+    names = [i.filename for i in zf.infolist()]
+    twice = next((n for n in (*MEMBERS, *FORECAST_MEMBERS) if names.count(n) > 1), None)
+    if twice is not None:  # the dict above keeps the last; an unzip may extract the first
+        raise TraceError(f"the trace holds {twice} twice: which is the trace's cannot be told; rewrite the trace")
     missing = [n for n in MEMBERS if n not in infos]
     traces = sorted(n for n in infos if n.startswith("active/") and n.endswith(".trace"))
     if missing and (traces or "manifest.json" in infos):  # a screen's raw archive, given whole

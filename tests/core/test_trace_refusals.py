@@ -296,3 +296,21 @@ def test_a_write_into_a_missing_directory_is_one_line(tmp_path):
     with pytest.raises(TraceError) as e:
         write_trace(opt(), path)
     assert str(e.value) == f"{path}: cannot write the trace (No such file or directory); choose another path"
+
+
+def test_a_member_given_twice_is_refused():
+    """Catches a trace zip holding two `indices.npy` (or header.json) members: the reader kept the
+    last one silently, where `unzip` and other readers take the first."""
+    import warnings
+
+    good = members(opt())
+    for name in ("header.json", "indices.npy"):
+        buf = io.BytesIO()
+        with warnings.catch_warnings(), zipfile.ZipFile(buf, "w") as zf:
+            warnings.simplefilter("ignore")  # zipfile warns of the duplicate name, and writes it
+            for n, data in good.items():
+                zf.writestr(n, data)
+            zf.writestr(name, good[name])
+        with pytest.raises(TraceError) as e:
+            parse_trace(zipfile.ZipFile(io.BytesIO(buf.getvalue())))
+        assert str(e.value) == f"the trace holds {name} twice: which is the trace's cannot be told; rewrite the trace"
