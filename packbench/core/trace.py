@@ -27,6 +27,7 @@ Layer rule: core. numpy only.
 from __future__ import annotations
 
 import contextlib
+import errno
 import io
 import json
 import os
@@ -402,19 +403,36 @@ def trace_bytes(trace: Trace) -> bytes:
 
 
 def write_trace(trace: Trace, path: Path | str) -> Path:
-    """Writes the trace to a temporary file beside `path` and renames it into place: a write that
-    fails part-way (a full disk) or is interrupted leaves nothing at `path`."""
+    """Writes the trace to a temporary file beside `path` and links it into place: a write that
+    fails part-way (a full disk) or is interrupted leaves nothing at `path`, and a path that
+    exists, even one made while the trace was being recorded, is refused and kept as it was."""
     path = Path(path)
     data = trace_bytes(trace)
     tmp = path.parent / f".trace-{secrets.token_hex(8)}.partial"  # a short name: `path`'s may be at the limit
     try:
         with open(tmp, "xb") as f:  # the mode umask gives, as a plain write would
             f.write(data)
-        os.replace(tmp, path)
-    except BaseException as e:
+        _place(tmp, path)
+    except FileExistsError:
+        raise TraceError(f"{path} exists; give a new file path") from None
+    except OSError as e:
+        raise TraceError(f"{path}: cannot write the trace ({e.strerror}); choose another path") from None
+    finally:
         with contextlib.suppress(OSError):
             tmp.unlink()
-        if isinstance(e, OSError):
-            raise TraceError(f"{path}: cannot write the trace ({e.strerror}); choose another path") from None
-        raise
     return path
+
+
+def _place(tmp: Path, path: Path) -> None:
+    """`tmp` at `path`, never over an existing path (FileExistsError): a hard link where the file
+    system has them; elsewhere a rename after a check (a path made between the two is replaced)."""
+    try:
+        os.link(tmp, path)
+    except FileExistsError:
+        raise
+    except OSError as e:
+        if e.errno not in (errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOSYS):
+            raise
+        if os.path.lexists(path):
+            raise FileExistsError(errno.EEXIST, "exists") from None
+        os.replace(tmp, path)

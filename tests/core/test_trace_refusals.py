@@ -314,3 +314,20 @@ def test_a_member_given_twice_is_refused():
         with pytest.raises(TraceError) as e:
             parse_trace(zipfile.ZipFile(io.BytesIO(buf.getvalue())))
         assert str(e.value) == f"the trace holds {name} twice: which is the trace's cannot be told; rewrite the trace"
+
+
+def test_a_trace_is_never_written_over_an_existing_path(tmp_path):
+    """Catches write_trace renaming over a file: `model stats --trace OUT` checks OUT before it
+    measures and traces, and a file made at OUT in the meantime (minutes, on a large model) was
+    replaced by the trace, where the docs say an existing path is refused."""
+    path = tmp_path / "t.trace"
+    path.write_bytes(b"someone else's")
+    with pytest.raises(TraceError) as e:
+        write_trace(opt(), path)
+    assert str(e.value) == f"{path} exists; give a new file path"
+    assert path.read_bytes() == b"someone else's" and sorted(p.name for p in tmp_path.iterdir()) == ["t.trace"]
+    (tmp_path / "link").symlink_to(tmp_path / "nowhere")  # a dangling link is a path too: never followed
+    with pytest.raises(TraceError, match="exists; give a new file path"):
+        write_trace(opt(), tmp_path / "link")
+    assert not (tmp_path / "nowhere").exists()
+    assert read_trace(write_trace(opt(), tmp_path / "new.trace")).calls == opt().calls
