@@ -3,7 +3,7 @@ model's routed experts), with what pricing them needs; docs/traces.md is the for
 
 A trace file is a zip of three members:
 
-- `header.json`: `format` ("packbench-trace"), `version` (1), `model` (family, unit "row" or
+- `header.json`: `format` ("packbench-trace"), `version` (2; 1 is still read), `model` (family, unit "row" or
   "expert", layers, units per layer, unit_bytes, hidden, dtype, index_bytes, k, shape,
   layers_without_units), `source` (checkpoint, protocol, episode, tool: free provenance) and
   `calls` (per call: episode, phase "prefill" or "decode", tokens);
