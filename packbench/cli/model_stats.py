@@ -89,10 +89,16 @@ def stats(
                                  f"{model_dir} is an MoE checkpoint: drop --robustness")
         from packbench.engine.config import read_config
 
-        vocab = read_config(model_dir)["vocab_size"]  # every key the MoE engine reads checked, one line if not
+        config = read_config(model_dir)  # every key the MoE engine reads checked, one line if not
         from packbench.cli.model_moe import stats as moe_stats
 
-        ids = _prompts(model_dir, prompts, count=count, seed=seed, prefix=prefix or DEFAULT_PREFIX, vocab=vocab)
+        # The statistics route the prompt alone (one prefill call); a trace decodes --continuation after it.
+        positions = config.get("max_position_embeddings")
+        if trace is None and isinstance(positions, int) and prefix is not None and prefix > positions:
+            raise PackbenchError(f"--prefix {prefix} is more positions than the model's {positions}; "
+                                 f"lower --prefix to at most {positions}")
+        prefix = _prefix(prefix, continuation=continuation if trace is not None else 1, positions=positions)
+        ids = _prompts(model_dir, prompts, count=count, seed=seed, prefix=prefix, vocab=config["vocab_size"])
         moe_stats(model_dir, ids, dtype=dtype, json_out=json_out, device=device, figure=figure)
         if trace is not None:
             _write_trace(trace, model_dir, ids, continuation=continuation, dtype=dtype, device=device,

@@ -107,3 +107,28 @@ def test_routing_names_the_profile_a_protocol_calls_routing(tmp_path):
                            capture_output=True, text=True, cwd=Path(__file__).resolve().parents[2])
         assert r.returncode == 2 and words in r.stderr and len(r.stderr.strip().splitlines()) == 1, (args, r.stderr)
         assert r.stdout == "" and not (tmp_path / "x").exists(), args  # nothing written, nothing printed
+
+
+def test_moe_stats_keep_to_the_models_positions(tmp_path):
+    """Bug caught: `model stats` on an MoE checkpoint ignored config.json's max_position_embeddings
+    (OPT's path cuts the default prefix to it and refuses an explicit one beyond it): a model of 32
+    positions was routed 512-token prompts, and --prefix/--continuation past them were traced,
+    exit 0. Now the default prefix fits, and a prefix (with --trace: plus the decode calls) beyond
+    the positions is one line, exit 2."""
+    out = tmp_path / "mx"
+    assert CliRunner().invoke(app, ["model", "synth", "--out", str(out), "--shape", "mixtral-tiny",
+                                    "--layers", "1"]).exit_code == 0
+    config = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 32}))
+    fits = CliRunner().invoke(app, ["model", "stats", str(out), "--json", "--count", "1"])
+    assert fits.exit_code == 0, fits.output
+    assert json.loads(fits.stdout.splitlines()[-1])["model"]["tokens"] == 32
+    for args, cause in ((["--prefix", "33"], "--prefix 33 is more positions than the model's 32"),
+                        (["--prefix", "30", "--continuation", "4", "--trace", str(tmp_path / "t.trace")],
+                         "--prefix 30 + --continuation 4 - 1 = 33 positions, but the model has 32")):
+        r = subprocess.run([sys.executable, "-m", "packbench", "model", "stats", str(out), "--count", "1", *args],
+                           capture_output=True, text=True, cwd=Path(__file__).resolve().parents[2])
+        assert r.returncode == 2, (r.stdout, r.stderr)
+        assert cause in r.stderr and len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr
+    assert not (tmp_path / "t.trace").exists()
+
