@@ -84,7 +84,7 @@ def stats(model_dir: Path, ids: list[list[int]], *, dtype: str, json_out: bool, 
         raise PackbenchError(f"--device {device}: CUDA is not available here; use --device cpu")
     recipe = _recipe(Path(model_dir) / "packbench_synth.json")  # refused before any prompt is routed
     traces, meta = routing_traces(model_dir, ids, dtype=getattr(torch, dtype), device=device, progress=progress)
-    summary = summarise(traces, experts=meta["experts"], k=meta["k"])
+    summary = summarise(traces, experts=meta["experts"], k=meta["k"], layer_ids=meta["layer_ids"])
     profile = (recipe or {}).get("profile")
     published = profile if isinstance(profile, str) and profile in PUBLISHED else \
         ("mixtral" if meta["family"] == "mixtral" else "olmoe")
@@ -150,8 +150,9 @@ def render(s: dict) -> str:
                               for c in caches))
     lines += ["", "skew: busiest expert / mean; c80: experts carrying 80 %; reuse1: shared experts of consecutive tokens / k;",
               "lift: reuse1 over the same routing shuffled; any: consecutive tokens sharing an expert; uN: distinct experts",
-              "among the first N tokens; next: cross-layer lift of the first choice; lru/lfu/opt: hit rates of a c-expert cache",
-              "per layer, each token's experts one request: LRU, LFU and Belady's optimum (core/expert_cache.py).",
+              "among the first N tokens; next: cross-layer lift of the first choice to the next layer listed; lru/lfu/opt:",
+              "hit rates of a c-expert cache per layer, each token's experts one request: LRU, LFU and Belady's optimum",
+              "(core/expert_cache.py).",
               "", f"published ({p['name']}: {p['source']}):"]
     for row in s["checks"]:
         lo, hi = row["published"]

@@ -137,9 +137,14 @@ def cross_layer_lift(accuracy: float, base: float, chance: float) -> float:
 
 
 def summarise(traces: list[np.ndarray], *, experts: int, k: int, unions=(1, 32, 128, 512),
-              apart=(1, 2, 4, 8), caches: tuple[int, ...] | None = None, seed: int = 0) -> dict:
-    """Every statistic per layer over `traces` (each (layers, tokens, k)); plain floats and lists."""
+              apart=(1, 2, 4, 8), caches: tuple[int, ...] | None = None, seed: int = 0,
+              layer_ids: list[int] | None = None) -> dict:
+    """Every statistic per layer over `traces` (each (layers, tokens, k)); plain floats and lists.
+    `layer_ids`: the model's index of each traced layer (a model whose layers do not all have
+    experts, a Qwen3-MoE with `mlp_only_layers`); by default 0, 1, ... Each row's `layer` is it,
+    and `next_layer` compares a layer with the next traced one."""
     layers = traces[0].shape[0]
+    layer_ids = list(range(layers)) if layer_ids is None else [int(i) for i in layer_ids]
     caches = caches or tuple(sorted({max(k, experts // 8), max(k, experts // 4), max(k, experts // 2)}))
     out = []
     for layer in range(layers):
@@ -148,7 +153,7 @@ def summarise(traces: list[np.ndarray], *, experts: int, k: int, unions=(1, 32, 
         r1 = np.mean([reuse(s, 1) for s in seqs])
         r1_shuffled = np.mean([reuse(shuffled(s, seed + i), 1) for i, s in enumerate(seqs)])
         row = {
-            "layer": layer,
+            "layer": layer_ids[layer],
             "skew": skew(shares), "carry80": carry80(shares),
             "loads": [float(x) for x in np.sort(shares)[::-1]],
             "reuse": {d: float(np.nanmean([reuse(s, d) for s in seqs])) for d in apart},

@@ -132,3 +132,26 @@ def test_moe_stats_keep_to_the_models_positions(tmp_path):
         assert cause in r.stderr and len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr
     assert not (tmp_path / "t.trace").exists()
 
+
+def test_moe_stats_name_each_layer_by_its_index_in_the_model(tmp_path):
+    """Bug caught: a Qwen3-MoE whose layers 0 and 2 are dense (decoder_sparse_step 2) had its MoE
+    layers 1 and 3 listed as layers 0 and 1 (the table, the JSON and the figure counted traced
+    routers, not the model's layers)."""
+    import torch
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen3MoeConfig(hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=4,
+                            num_attention_heads=2, num_key_value_heads=1, head_dim=16, num_experts=6,
+                            num_experts_per_tok=2, vocab_size=128, max_position_embeddings=64,
+                            decoder_sparse_step=2, tie_word_embeddings=False)
+    Qwen3MoeForCausalLM(config).save_pretrained(tmp_path / "q")
+    result = CliRunner().invoke(app, ["model", "stats", str(tmp_path / "q"), "--json", "--prefix", "16"])
+    assert result.exit_code == 0, result.output
+    s = json.loads(result.stdout.splitlines()[-1])
+    assert [r["layer"] for r in s["layers"]] == [1, 3]
+    assert "next_layer" in s["layers"][0] and "next_layer" not in s["layers"][1]
+    table = CliRunner().invoke(app, ["model", "stats", str(tmp_path / "q"), "--prefix", "16"])
+    lines = table.stdout.splitlines()
+    head = next(i for i, line in enumerate(lines) if line.split()[:1] == ["layer"])
+    assert [line.split()[0] for line in lines[head + 1:head + 3]] == ["1", "3"]

@@ -12,8 +12,9 @@ from packbench.engine.moe.model import force_eager, load_stock, moe_family
 
 def routing_traces(model_dir: Path, prompts: list[list[int]], *, dtype: torch.dtype = torch.float32,
                    device: str = "cpu", progress=None) -> tuple[list[np.ndarray], dict]:
-    """One (layers, tokens, k) int array per prompt (one prefill call each), and the model's
-    (experts, k, layers). The routers' own top-k, read by a hook on each router's output."""
+    """One (layers, tokens, k) int array per prompt (one prefill call each), over the layers that
+    have experts, and the model's (experts, k, layers, layer_ids: those layers' indices in the
+    model). The routers' own top-k, read by a hook on each router's output."""
     family = moe_family(model_dir)
     model = load_stock(model_dir, family=family, dtype=dtype)
     force_eager(model.config)
@@ -38,4 +39,4 @@ def routing_traces(model_dir: Path, prompts: list[list[int]], *, dtype: torch.dt
     cfg = model.config
     experts = getattr(cfg, "num_local_experts", None) or cfg.num_experts
     return traces, {"experts": int(experts), "k": int(cfg.num_experts_per_tok), "layers": len(routers),
-                    "family": family}
+                    "layer_ids": [i for i, _ in routers], "family": family}
