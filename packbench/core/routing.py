@@ -199,9 +199,10 @@ def check(summary: dict, published: str) -> list[dict]:
     rows.append(dict(target=f"experts carrying 80 % (of {p['experts']})", published=p["carry80"],
                      measured=(min(carry), max(carry)),
                      ok=all(lo - TOLERANCE * p["experts"] <= c <= hi + TOLERANCE * p["experts"] for c in carry)))
-    lifts = [r["temporal_lift"] for r in layers]
-    rows.append(dict(target="temporal lift (consecutive reuse / shuffled)", published=(TEMPORAL_LIFT_MIN, None),
-                     measured=(min(lifts), max(lifts)), ok=min(lifts) >= TEMPORAL_LIFT_MIN))
+    lifts = [r["temporal_lift"] for r in layers if np.isfinite(r["temporal_lift"])]
+    if lifts:  # none where a prompt has one token (no consecutive pair) or no layer reuses an expert shuffled
+        rows.append(dict(target="temporal lift (consecutive reuse / shuffled)", published=(TEMPORAL_LIFT_MIN, None),
+                         measured=(min(lifts), max(lifts)), ok=min(lifts) >= TEMPORAL_LIFT_MIN))
     cross = [r["next_layer"]["lift"] for r in layers if "next_layer" in r]
     if cross:
         rows.append(dict(target="cross-layer lift (top-1 best map above chance / base)", published=p["cross_layer_lift"],

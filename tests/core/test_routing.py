@@ -76,3 +76,15 @@ def test_uniform_routing_fails_the_locality_and_skew_checks():
     assert not rows["temporal lift (consecutive reuse / shuffled)"]["ok"]
     assert not rows["load skew (busiest / mean)"]["ok"]
     assert all(0.9 < r["temporal_lift"] < 1.1 for r in s["layers"])
+
+
+def test_a_one_token_trace_has_no_temporal_lift_to_judge():
+    """Bug caught: with one token a prompt (`model stats --prefix 1`) there is no consecutive pair,
+    the temporal lift is NaN, and the check still printed it as measured 'nan-nan', OUTSIDE the
+    published range: a verdict on a figure that does not exist. The row is left out, as the
+    cross-layer and union rows are where they cannot be measured."""
+    trace = np.array([[[0, 1]], [[2, 3]]])  # 2 layers x 1 token x k 2
+    s = summarise([trace, trace], experts=8, k=2)
+    assert all(np.isnan(r["temporal_lift"]) for r in s["layers"])
+    targets = [r["target"] for r in check(s, "mixtral")]
+    assert not any(t.startswith("temporal lift") for t in targets) and targets[0].startswith("load skew")
