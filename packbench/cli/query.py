@@ -290,7 +290,8 @@ def print_readings(readings: dict) -> None:
                 f"after {p['condition']} {_ms(p['median']) or '-'} ({p['n']})" for p in r["previous"]))
     if readings.get("expert_cache"):
         typer.echo("expert caches and forecasts: hit rate beside Belady's optimum for the same capacity "
-                   "(scored episodes; docs/metrics.md)")
+                   "(scored episodes; prefetched, used and wasted over every call, the prefill's included; "
+                   "docs/metrics.md)")
         typer.echo(table(expert_cache_table_rows(readings["expert_cache"]), EXPERT_CACHE_COLUMNS))
     typer.echo(textwrap.fill(position_text(readings["position"]), width=110, subsequent_indent="  "))
 

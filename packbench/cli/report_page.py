@@ -417,8 +417,8 @@ def expert_cache_section(s: ScreenData) -> str:
             '<p>Hit rate: routed experts the cache held before the call, over routed experts. Belady: the most '
             'hits any cache of the same capacity could have had on the same routing, knowing the future. The '
             'gap between them is what a better policy could still win. A forecast\'s prefetched experts are used '
-            'or wasted (moved for nothing); ready: routed experts already on the device when the routing was '
-            'known, by a hit or a used prefetch.</p>'
+            'or wasted (moved for nothing), counted over every call, the prefill\'s included; ready: routed '
+            'experts already on the device when the routing was known, by a hit or a used prefetch.</p>'
             + html_table(["condition", "tier", "cache", "hit rate", "Belady", "decode hit rate", "decode Belady",
                           "decode ready", "prefetched", "used", "wasted", "decode MB/token"], trows, cls="conditions"))
 

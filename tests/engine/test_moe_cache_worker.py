@@ -93,6 +93,11 @@ def test_the_worker_runs_caches_and_forecasts_exactly_and_records_their_figures(
     table = expert_cache_table_rows(list(rows.values()))
     assert table[1]["hit rate / Belady"] == f"{100 * hits / routed:.1f}% / {100 * belady / routed:.1f}%"
     assert "Belady" in expert_cache_section(screen) and "lru4-forecast" in expert_cache_section(screen)
+    # prefetched / used / wasted count every call, the prefill's included (the page said nothing,
+    # beside hit rates given for all calls and decode calls apart)
+    assert rows["lru4-forecast"]["prefetched"] == sum(e["experts"]["prefetched"] for e in records["lru4-forecast"]
+                                                      if e["role"] == "scored")
+    assert "counted over every call, the prefill's included" in expert_cache_section(screen)
 
 
 def _validate(tmp_path, body, *command: str) -> subprocess.CompletedProcess:
