@@ -14,7 +14,7 @@ import typer
 from packbench.core.errors import PackbenchError
 from packbench.core.moe import FAMILIES, MOE_SHAPES, ROUTING_OF, ROUTING_PROFILES
 from packbench.core.routing import PUBLISHED
-from packbench.core.text import one_line
+from packbench.core.text import counted, one_line
 
 
 def is_moe_dir(model_dir: Path) -> bool:
@@ -133,7 +133,7 @@ def _finite(value):
 def render(s: dict) -> str:
     m, p = s["model"], s["published"]
     lines = [f"{m['dir']}: {m['family']}, {s['experts']} experts, top {s['k']}, {m['dtype']}; "
-             f"{m['prompts']} prompts x {m['tokens']} tokens",
+             f"{counted(m['prompts'], 'prompt')} x {m['tokens']} tokens",
              f"(repeat of any expert between consecutive tokens by chance: {100 * s['repeat_any_chance']:.1f} %)", ""]
     caches = list(s["layers"][0]["cache"])
     head = (f"{'layer':>5} {'skew':>6} {'c80':>4} {'reuse1':>7} {'lift':>5} {'any':>6} "

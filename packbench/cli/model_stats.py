@@ -13,6 +13,7 @@ import typer
 
 from packbench.core.errors import PackbenchError
 from packbench.core.registry import DTYPE_NAMES
+from packbench.core.text import counted
 
 MAX_PREFIX = 2048  # OPT's positions
 DEFAULT_PREFIX = 512
@@ -162,7 +163,7 @@ def _write_trace(out: Path, model_dir: Path, ids: list[list[int]], *, continuati
         write_trace(t, out)
     except TraceError as e:
         raise PackbenchError(f"--trace: {e}") from None
-    typer.echo(f"wrote the trace of {len(ids)} episodes ({len(t.calls)} calls) to {out}", err=True)
+    typer.echo(f"wrote the trace of {counted(len(ids), 'episode')} ({counted(len(t.calls), 'call')}) to {out}", err=True)
 
 
 def _prefix(prefix: int | None, *, continuation: int, positions, flag: str = "--continuation") -> int:
@@ -200,7 +201,7 @@ def _robustness(model_dir: Path, config: dict, ids: list[list[int]], *, prompts:
     synth = config.get("packbench_synth")
     out = {"model": {"dir": str(model_dir), "shape": shape, "dtype": dtype, "recipe": synth,
                      "caveat": robustness_caveat(synth) if synth else None},
-           "text": "file" if prompts else f"generator seed {seed}: {len(ids)} prompts x {len(ids[0])} tokens, "
+           "text": "file" if prompts else f"generator seed {seed}: {counted(len(ids), 'prompt')} x {len(ids[0])} tokens, "
                                           f"then {sampled} sampled tokens each (scored)",
            "variants": {name: {"label": VARIANTS[name].label, **f, "real_opt": real.get(name)}
                         for name, f in figures.items()}}
@@ -280,8 +281,8 @@ def render(s: dict) -> str:
     pct = lambda x: "-" if x is None or not math.isfinite(x) else f"{100 * x:.2f} %"  # noqa: E731
     d, u, o, n, w = s["density"], s["union"], s["overlap"], s["next_token"], s["workload"]
     m = s["model"]
-    lines = [f"{m['dir']}: {m['shape'] or 'unknown shape'}, {m['dtype']}; {s['prompts']} prompts ({m['prompts']}) "
-             f"x {s['prefix_tokens']} tokens + {s['decode_calls']} decode calls",
+    lines = [f"{m['dir']}: {m['shape'] or 'unknown shape'}, {m['dtype']}; {counted(s['prompts'], 'prompt')} ({m['prompts']}) "
+             f"x {s['prefix_tokens']} tokens + {counted(s['decode_calls'], 'decode call')}",
              "",
              f"active per token     prefill {pct(d['prefill'])}   decode {pct(d['decode'])}",
              "  by layer (decode)  " + " ".join(f"{100 * x:.1f}" for x in d["by_layer_decode"]) + "  (%)",

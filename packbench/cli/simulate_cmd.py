@@ -12,7 +12,7 @@ from typing import Annotated, Optional
 import typer
 
 from packbench.core.errors import PackbenchError
-from packbench.core.text import one_line
+from packbench.core.text import counted, one_line
 
 # Machine files: the checkout's bench/machines/, or the working directory's (an installed wheel).
 MACHINE_DIRS = (Path(__file__).resolve().parents[2] / "bench" / "machines", Path("bench") / "machines")
@@ -148,7 +148,7 @@ def render(out: dict, *, per_call: bool = False) -> str:
     m = out["model"]
     unit = m["unit"] + "s"
     lines = [f"{out['trace']}: {m['family']} {m['shape'] or '(unnamed shape)'}, {m['layers']} layers x {m['units']} "
-             f"{unit} of {m['unit_bytes']:,} B, {m['dtype']}; {out['episodes']} episodes, {out['calls']} calls",
+             f"{unit} of {m['unit_bytes']:,} B, {m['dtype']}; {counted(out['episodes'], 'episode')}, {counted(out['calls'], 'call')}",
              f"source: {json.dumps(out['source'], sort_keys=True)}", "",
              f"{'policy':44} {'prefill MB/call':>16} {'decode MB/token':>16} {unit + '/decode':>14} "
              f"{'wasted':>8} {'hits':>8} {'misses':>8} {'hit%':>6} {'belady%':>8} {'prefetch':>8} {'used':>8} "

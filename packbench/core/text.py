@@ -18,6 +18,11 @@ def one_line(text: str) -> str:
     return "".join(ch if ch.isprintable() else ascii(ch)[1:-1] for ch in text)
 
 
+def counted(n: int, noun: str) -> str:
+    """`1 episode`, `2 episodes`: a count with its noun (plural by an added s)."""
+    return f"{n:,} {noun}" if n == 1 else f"{n:,} {noun}s"
+
+
 def show(value: Any, limit: int = 60) -> str:
     """repr(value), cut to `limit` characters with `...`; never renders more than it shows."""
     parts: list[str] = []

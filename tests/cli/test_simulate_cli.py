@@ -284,3 +284,22 @@ def test_nan_or_a_key_given_twice_in_a_trace_or_machine_file_is_one_line(opt_tra
     path.write_text(good + "}")
     assert json.loads(packbench_cli("simulate", str(opt_trace), "--machine", str(path), "--json").stdout,
                       parse_constant=lambda c: pytest.fail(c))["machine"]["pinned_h2d_gbps"]["value"] == 10
+
+
+def test_one_episode_and_one_call_are_not_plural(tiny, tmp_path, packbench_cli):
+    """`model stats --trace` and `simulate`'s header said "1 episodes" and "1 calls"."""
+    from in_process import run_packbench
+
+    from packbench.core.text import counted
+
+    assert (counted(1, "episode"), counted(0, "call"), counted(1234, "call")) == ("1 episode", "0 calls", "1,234 calls")
+    out = tmp_path / "one.trace"
+    r = run_packbench("model", "stats", str(tiny), "--prefix", "1", "--continuation", "1", "--count", "1",
+                      "--trace", str(out))
+    assert r.returncode == 0, r.stderr
+    assert "wrote the trace of 1 episode (1 call)" in r.stderr
+    r = packbench_cli("simulate", str(out), "--policy", "dense-stream")
+    assert r.returncode == 0, r.stderr
+    assert "; 1 episode, 1 call" in r.stdout
+    r = run_packbench("model", "stats", str(tiny), "--prefix", "2", "--continuation", "2", "--count", "1")
+    assert r.returncode == 0 and "; 1 prompt (" in r.stdout and "+ 1 decode call\n" in r.stdout, r.stdout
