@@ -245,6 +245,12 @@ def history(store, protocol: str, *, condition: str | None = None, metric: str |
         shown = f" --protocol {protocol}" if len(protocol) <= 200 else ""  # no name or SHA-256 is longer
         raise PackbenchError(f"no done screen of protocol {show(protocol)}; list them with `packbench screens list"
                              f"{shown}`")
+    # A name (or short prefix) shared by several frozen protocols (an edited file keeps its name)
+    # would make one series of different measurements: every exact counter "CHANGED", a CI failure.
+    shas = sorted({r.protocol_sha256 for r in runs})
+    if len(shas) > 1:
+        raise PackbenchError(f"{show(protocol)} matches {len(shas)} frozen protocols with done screens "
+                             f"({', '.join(s[:12] for s in shas)}); give a longer SHA-256 prefix")
     metrics = (metric,) if metric else METRICS
     points = []
     for r in runs:

@@ -20,7 +20,8 @@ sys.path.insert(0, str(ROOT / "tests" / "api"))  # the archive-to-screen helper 
 
 from browser import INSTALL_HINT, check_page, chromium  # noqa: E402  (tests/cli/browser.py)
 from packbench.db.store import Store  # noqa: E402
-from screens import QUICKSTART, ingest_archive  # noqa: E402
+from screens import QUICKSTART, archived, ingest_archive  # noqa: E402
+from packbench.core.canonical import canonical_json  # noqa: E402
 from packbench.service.history import TIMED, false_alarm_rate, steps  # noqa: E402
 
 COMMITS = ("1" * 40, "2" * 40, "3" * 40)
@@ -206,3 +207,36 @@ def test_decode_ms_per_token_of_a_batch_divides_by_its_decode_tokens():
     single = SimpleNamespace(decode_call_s=0.010, n_tokens=6, tokens=(1,) * 6)
     assert figure(single) == pytest.approx(1e3 * 0.010 / 5)
     assert figure(SimpleNamespace(decode_call_s=0.0, n_tokens=1, tokens=(1,))) is None
+
+
+def test_a_name_shared_by_two_frozen_protocols_is_refused_not_one_series(tmp_path, cli):
+    """Bug: `history NAME` took the done screens of every protocol of that name as one series. An
+    edited protocol file keeps its name and freezes to a new SHA-256 (another prefix_tokens here):
+    its tokens and bytes differ by construction, and `--fail-above` failed CI on 'changes' that
+    were two different protocols. The name is refused as `compare --protocol` refuses it; each
+    SHA-256 prefix still gives its own history."""
+    import hashlib
+
+    from packbench.core.archive import file_sha256
+
+    url = f"sqlite:///{tmp_path / 'p.db'}"
+    body, records, verdicts, manifest = archived()
+    edited = {**body, "prefix_tokens": body["prefix_tokens"] // 2}
+    edited_json = canonical_json(edited).decode()
+    edited_sha = hashlib.sha256(edited_json.encode()).hexdigest()
+    with Store(url) as store:
+        store.upgrade()
+        ingest_archive(store, QUICKSTART, commit=COMMITS[0], key="1")
+        store.ingest_attempt(
+            protocol_sha256=edited_sha, protocol_name=body["name"], protocol_json=edited_json,
+            machine={"host": "ci-box", "gpu_name": "cpu"},
+            attempt={"archive_path": str(QUICKSTART), "archive_sha256": file_sha256(QUICKSTART)[:48] + "2".rjust(16, "0"),
+                     "source_freeze": {"git_commit": COMMITS[1]}, "ingested_from": "tests/cli", "node": "ci-box"},
+            episodes=[{**r, "h2d_index_bytes": r["h2d_index_bytes"] + 4} for r in records], verdicts=verdicts)
+    out = cli("history", "quickstart-v1", "--fail-above", "50", url=url)
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+    assert "matches 2 frozen protocols" in out.stderr and edited_sha[:12] in out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1
+    for sha in (manifest["protocol_sha256"], edited_sha):
+        one = cli("history", sha[:16], "--fail-above", "50", url=url)
+        assert one.returncode == 0, one.stderr
