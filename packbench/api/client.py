@@ -49,6 +49,7 @@ class Client:
     def __init__(self, store) -> None:
         self.store = store
         self._protocols: dict[int, Any] = {}
+        self._tier_maps: dict[str, dict[str, str]] = {}
 
     @property
     def url(self) -> str:
@@ -92,7 +93,7 @@ class Client:
     def episodes(self, *, condition: str | None = None, role: str | None = None, attempts: str = "latest",
                  **select: Any) -> Records:
         """Episode rows (core/record.py's stored fields), optionally one condition or role
-        (warmup | scored); the frame leads with screen_id, attempt, protocol and name."""
+        (warmup | scored); the frame leads with screen_id, attempt, protocol, name and tier."""
         from packbench.db.queries import check_one_of
 
         check_one_of(role, ("scored", "warmup"), "role")  # as `results --role`: a typo is no empty listing
@@ -101,7 +102,8 @@ class Client:
                                  and (role is None or e.role == role))
 
     def verdicts(self, *, gate: str | None = None, attempts: str = "latest", **select: Any) -> Records:
-        """Verdict rows of the selected screens, optionally one gate."""
+        """Verdict rows of the selected screens, optionally one gate; the frame leads with
+        screen_id, attempt, protocol, name and tier (of the verdict's condition)."""
         from packbench.db.queries import GATES, check_one_of
 
         check_one_of(gate, GATES, "gate")  # as `results --gate`: a typo is no empty listing
@@ -210,11 +212,21 @@ class Client:
             chosen = self.store.attempts(s.id)
             if attempts == "latest":
                 chosen = chosen[-1:]
-            protocol = self._protocol(s.protocol_id).name
+            protocol = self._protocol(s.protocol_id)
+            tiers = self._tiers(protocol.sha256)
             for a in chosen:
                 for row in fetch(a.id):
                     if keep(row):
                         rows.append(row)
-                        context.append({"screen_id": s.id, "attempt": a.number, "protocol": protocol,
-                                        "name": s.name})
+                        # A row of a condition says its tier, as `results` does: a frame sorted by
+                        # wall_s never ranks int8 among exact packets unlabelled.
+                        context.append({"screen_id": s.id, "attempt": a.number, "protocol": protocol.name,
+                                        "name": s.name, **({"tier": tiers.get(row.condition)}
+                                                           if hasattr(row, "condition") else {})})
         return Records(rows, context=context)
+
+    def _tiers(self, sha256: str) -> dict[str, str]:
+        """condition name -> tier (exact | approximate) of the protocol with this SHA-256."""
+        if sha256 not in self._tier_maps:
+            self._tier_maps[sha256] = self.store.condition_tiers([sha256]).get(sha256, {})
+        return self._tier_maps[sha256]

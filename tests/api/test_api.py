@@ -150,3 +150,37 @@ def test_an_archive_gives_the_serving_figures_results_and_the_report_show():
     # quickstart-v1's own walls: its first scored episode took 64 ms and plan index 5 47 ms where
     # the others took 18-21 ms: both flagged, as the report and `results` flag them
     assert archive.positions()["flagged"] == [2, 5]
+
+
+def test_episode_and_verdict_frames_label_each_rows_tier(tmp_path):
+    """Bug: `db.episodes().frame()` and `db.verdicts().frame()` had no tier, so a frame sorted by
+    wall_s ranked an int8 (approximate) condition among exact packets unlabelled, which every
+    `packbench results` row prevents with its tier column. Here the quickstart's packet episodes
+    stand for a `quantized` condition of an edited protocol."""
+    import hashlib
+
+    from packbench.core.archive import file_sha256
+    from packbench.core.canonical import canonical_json
+
+    url = f"sqlite:///{tmp_path / 'p.db'}"
+    body, records, verdicts, _ = archived()
+    mixed = {**body, "conditions": [*body["conditions"], {"name": "int8", "policy": "quantized",
+                                                          "params": {"method": "int8-weight-only"}}]}
+    text = canonical_json(mixed).decode()
+    rename = lambda x: {**x, "condition": "int8"} if x.get("condition") == "packet" else x  # noqa: E731
+    with Store(url) as store:
+        store.upgrade()
+        store.ingest_attempt(
+            protocol_sha256=hashlib.sha256(text.encode()).hexdigest(), protocol_name="mixed", protocol_json=text,
+            machine={"host": "ci-box", "gpu_name": "cpu"},
+            attempt={"archive_path": str(QUICKSTART), "archive_sha256": file_sha256(QUICKSTART),
+                     "source_freeze": {}, "ingested_from": "tests/api", "node": "ci-box"},
+            episodes=[rename(r) for r in records], verdicts=[rename(v) for v in verdicts])
+    with packbench.connect(url) as db:
+        frame = db.episodes(role="scored").frame().sort_values("wall_s")
+        assert list(frame.columns[:5]) == ["screen_id", "attempt", "protocol", "name", "tier"]
+        assert dict(zip(frame["condition"], frame["tier"])) == {"dense-stream": "exact", "int8": "approximate"}
+        tiers = db.verdicts().frame().set_index(["gate", "condition"])["tier"].to_dict()
+        assert tiers == {("faithfulness", "dense-stream"): "exact", ("faithfulness", "int8"): "approximate",
+                         ("acquisition", "int8"): "approximate"}
+        assert "tier" not in db.audits().frame().columns and "tier" not in db.attempts().frame().columns
