@@ -71,8 +71,9 @@ def screens_tag(
 
 
 def label_columns(store, records: list[dict]) -> list[str]:
-    """Add each screen's name, tags and sweep to its record; the columns to show (none when no
-    listed screen has a label, so an unlabelled listing reads as before)."""
+    """Add each screen's name, tags ({key: value}: JSON's object, CSV's JSON text) and sweep to
+    its record; the columns to show (none when no listed screen has a label, so an unlabelled
+    listing reads as before). `tags_cell` writes the tags as the table shows them."""
     ids = [r["id"] for r in records]
     if not ids:
         return []
@@ -80,10 +81,16 @@ def label_columns(store, records: list[dict]) -> list[str]:
     tags = store.screen_tags(ids)
     for r in records:
         s = rows[r["id"]]
-        r.update(name=s.name, tags=",".join(f"{k}={v}" for k, v in tags[r["id"]].items()) or None,
-                 sweep=s.sweep_id)
+        # A mapping, not "k=v,k2=v2": a value may hold "," and "=" (k=v,1), so that text could
+        # not be split back: {a: "1,b=c", d: "e"} and {a: "1", b: "c,d=e"} read the same.
+        r.update(name=s.name, tags=tags[r["id"]] or None, sweep=s.sweep_id)
     shown = [c for c in ("name", "tags", "sweep") if any(r[c] is not None for r in records)]
     for r in records:
         for c in {"name", "tags", "sweep"} - set(shown):
             del r[c]
     return shown
+
+
+def tags_cell(tags: dict[str, str] | None) -> str | None:
+    """A screen's tags in a table cell: `k=v,k2=v2` (JSON and CSV keep the mapping)."""
+    return ",".join(f"{k}={v}" for k, v in tags.items()) if tags else None

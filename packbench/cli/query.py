@@ -357,10 +357,9 @@ def screens_list(
     records = [dataclasses.asdict(r) for r in rows]
     columns = ["id", "protocol", "protocol_sha256", "status", "created_at", "attempts", "passed", "failed"]
     columns += labels.label_columns(store, records)
-    if out == "table":
-        for record in records:
-            record["protocol_sha256"] = record["protocol_sha256"][:12]
-    _emit([Section(records, columns, empty="no screens; submit one with `packbench submit`")], out)
+    shown = [{**r, "protocol_sha256": r["protocol_sha256"][:12],
+              **({"tags": labels.tags_cell(r["tags"])} if "tags" in r else {})} for r in records]
+    _emit([Section(records, columns, rows=shown, empty="no screens; submit one with `packbench submit`")], out)
 
 
 def screens_show(

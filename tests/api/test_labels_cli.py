@@ -37,7 +37,7 @@ def test_screens_tag_then_filter_listings_and_results(url):
                                                          "team=infra", "--db", url)
     run("screens", "tag", "2", "--tag", "team=research", "--tag", "box=ci", "--note", "a rerun", "--db", url)
     listed = json.loads(run("screens", "list", "--tag", "team=infra", "--json", "--db", url))
-    assert [(s["id"], s["name"], s["tags"]) for s in listed] == [(1, "base", "team=infra")]
+    assert [(s["id"], s["name"], s["tags"]) for s in listed] == [(1, "base", {"team": "infra"})]
     both = json.loads(run("screens", "list", "--tag", "team=*", "--json", "--db", url))
     assert [s["id"] for s in both] == [2, 1]
     assert [s["id"] for s in json.loads(run("screens", "list", "--name", "base", "--json", "--db", url))] == [1]
@@ -97,3 +97,22 @@ def test_untag_of_a_key_the_screen_lacks_says_so(url):
     out = run("screens", "tag", "1", "--untag", "tema", "--untag", "box", "--db", url)
     assert out.strip() == "screen 1: name -; tags team=infra; no tag tema to drop"
     assert run("screens", "tag", "1", "--untag", "team", "--db", url).strip() == "screen 1: name -; tags none"
+
+
+def test_screens_list_json_and_csv_keep_tags_that_hold_commas_and_equals(url):
+    """Bug: `screens list --json/--csv` wrote tags as the text "k=v,k2=v2", which cannot be split
+    back when a value holds "," or "=" (both allowed): {a: "1,b=c", d: "e"} and {a: "1", b: "c,d=e"}
+    both read "a=1,b=c,d=e". JSON now gives the mapping, CSV its JSON text; the table still
+    shows k=v pairs."""
+    import csv
+    import io
+
+    run("screens", "tag", "1", "--tag", "a=1,b=c", "--tag", "d=e", "--db", url)
+    run("screens", "tag", "2", "--tag", "a=1", "--tag", "b=c,d=e", "--db", url)
+    want = {1: {"a": "1,b=c", "d": "e"}, 2: {"a": "1", "b": "c,d=e"}, 3: None}
+    listed = json.loads(run("screens", "list", "--json", "--db", url))
+    assert {s["id"]: s["tags"] for s in listed} == want
+    rows = list(csv.DictReader(io.StringIO(run("screens", "list", "--format", "csv", "--db", url))))
+    assert {int(r["id"]): json.loads(r["tags"]) if r["tags"] else None for r in rows} == want
+    table = run("screens", "list", "--db", url)
+    assert "a=1,b=c,d=e" in table and "team" not in table
