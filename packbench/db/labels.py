@@ -118,16 +118,16 @@ def set_sweep(session: Session, screen_id: int, *, sweep_id: str, point: Mapping
 
 
 def tags_of(session: Session, screen_ids: Iterable[int]) -> dict[int, dict[str, str]]:
-    """Each screen's tags ({} for one without), sorted by key."""
+    """Each screen's tags ({} for one without), sorted by key in code-point order (here, not by
+    ORDER BY, which follows PostgreSQL's collation: en_US put 'a' before 'B', SQLite after)."""
     ids = list(screen_ids)
-    out: dict[int, dict[str, str]] = {i: {} for i in ids}
+    found: dict[int, list[tuple[str, str]]] = {i: [] for i in ids}
     for chunk in range(0, len(ids), 500):  # bounded IN lists
         rows = session.execute(select(SqlScreenTag.screen_id, SqlScreenTag.key, SqlScreenTag.value)
-                               .where(SqlScreenTag.screen_id.in_(ids[chunk:chunk + 500]))
-                               .order_by(SqlScreenTag.screen_id, SqlScreenTag.key))
+                               .where(SqlScreenTag.screen_id.in_(ids[chunk:chunk + 500])))
         for screen_id, key, value in rows:
-            out[screen_id][key] = value
-    return out
+            found[screen_id].append((key, value))
+    return {i: dict(sorted(pairs)) for i, pairs in found.items()}
 
 
 def _having_tags(tags: Mapping[str, str]) -> Any:

@@ -411,6 +411,13 @@ class ScreenSummary:
     failed: int
 
 
+def verdict_order(v: StoredVerdict) -> tuple[str, str, str]:
+    """Verdicts in (gate, condition, phase) order by code point, sorted here and not by ORDER BY:
+    PostgreSQL orders text by the database's collation (en_US puts 'packet' before 'Zeta', C and
+    SQLite after), so the two backends listed one attempt's verdicts differently."""
+    return v.gate, v.condition, v.phase
+
+
 def condition_tiers(session: Session, protocol_sha256s: Iterable[str]) -> dict[str, dict[str, str]]:
     """protocol SHA-256 -> condition name -> tier, from each stored protocol's frozen body
     (`Store.condition_tiers`)."""
@@ -571,12 +578,10 @@ def screen_detail(session: Session, ref: int | str) -> ScreenDetail:
         )
     }
     verdicts: dict[int, list[StoredVerdict]] = {i: [] for i in ids}
-    for verdict in session.scalars(
-        select(SqlVerdict)
-        .where(SqlVerdict.attempt_id.in_(ids))
-        .order_by(SqlVerdict.gate, SqlVerdict.condition, SqlVerdict.phase)
-    ):
+    for verdict in session.scalars(select(SqlVerdict).where(SqlVerdict.attempt_id.in_(ids))):
         verdicts[verdict.attempt_id].append(verdict.to_record())
+    for listed in verdicts.values():
+        listed.sort(key=verdict_order)
     audits: dict[int, list[AuditRow]] = {i: [] for i in ids}
     for audit in session.scalars(select(SqlAudit).where(SqlAudit.attempt_id.in_(ids)).order_by(SqlAudit.id)):
         audits[audit.attempt_id].append(audit.to_record())

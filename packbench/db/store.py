@@ -526,14 +526,10 @@ class Store:
             return ingest.insert_ignore(session, SqlVerdict, rows, VERDICT_KEY)
 
     def verdicts(self, attempt_id: int) -> list[StoredVerdict]:
-        """The attempt's verdicts, ordered by (gate, condition, phase)."""
+        """The attempt's verdicts, ordered by (gate, condition, phase) in code-point order."""
         with self._session() as session:
-            query = (
-                select(SqlVerdict)
-                .where(SqlVerdict.attempt_id == attempt_id)
-                .order_by(SqlVerdict.gate, SqlVerdict.condition, SqlVerdict.phase)
-            )
-            return [verdict.to_record() for verdict in session.scalars(query)]
+            query = select(SqlVerdict).where(SqlVerdict.attempt_id == attempt_id)
+            return sorted((verdict.to_record() for verdict in session.scalars(query)), key=queries.verdict_order)
 
     # -- audits ------------------------------------------------------------------------
 

@@ -399,3 +399,31 @@ def test_0002_backfills_model_and_dtype_and_goes_down_with_data(db_url):
         assert {"model", "dtype"}.isdisjoint(columns(db_url, "protocols"))
         store.upgrade()
         assert store.protocol(1).dtype == "float16" and store.screen(1).protocol_id == 1
+
+
+def test_verdicts_and_tags_are_in_code_point_order_whatever_the_servers_collation(pg_url):
+    """Bug: verdicts (gate, condition, phase) and a screen's tags were ordered by ORDER BY, which
+    PostgreSQL applies under the database's collation: on a server made with en_US (or ICU 'en')
+    'packet' came before 'Zeta' and 'a' before 'B', while SQLite and a C-collated server put them
+    after, so `screens show`, `results`' verdict table and `screens list`'s tags differed between
+    backends for the same screen. The columns here take ICU's 'en' collation, as such a server's
+    would; the order must stay SQLite's."""
+    with Store(pg_url) as store:
+        store.upgrade()
+        engine = make_engine(pg_url)
+        with engine.begin() as connection:
+            for table, column in (("verdicts", "condition"), ("screen_tags", "key")):
+                connection.exec_driver_sql(f'ALTER TABLE {table} ALTER COLUMN "{column}" TYPE varchar COLLATE "en-x-icu"')
+        engine.dispose()
+        quick = store.put_protocol(sha256=SHA_QUICK, name="quickstart", canonical_json=body("quickstart", "m", "float32"))
+        machine = store.put_machine(host="laptop", gpu_name=None, driver=None, torch="2.13", cuda=None)
+        screen = store.create_screen(protocol_id=quick, submitter="alice")
+        attempt = start(store, screen, node="laptop", gpu_name="cpu", machine_id=machine)
+        store.put_verdicts(attempt, [verdict("faithfulness", "packet", True), verdict("faithfulness", "Zeta", True),
+                                     verdict("faithfulness", "dense_stream", True)])
+        store.label_screen(screen, tags={"a": "1", "B": "2", "a-b": "3", "a_b": "4"})
+        want = ["Zeta", "dense_stream", "packet"]
+        assert [v.condition for v in store.verdicts(attempt)] == want
+        (detail,) = store.screen_detail(screen).attempts
+        assert [v.condition for v in detail.verdicts] == want
+        assert list(store.screen_tags([screen])[screen]) == ["B", "a", "a-b", "a_b"]
