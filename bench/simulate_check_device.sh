@@ -34,13 +34,17 @@ DEADLINE=${DEADLINE:-560}
 left() { echo $(( DEADLINE - ($(date +%s) - t_start) )); }
 SHAPES=${ONLY:-qwen}
 mapfile -t specs < <(moe_specs)
+[ "${#specs[@]}" = 1 ] || { echo "ONLY=$SHAPES: one shape a call, ONLY=qwen or ONLY=mixtral"; exit 2; }
 set -- ${specs[0]}; shape=$1; layers=$2; dir=$work/$shape
 caps=$(moe_cache_caps "$shape")
 set -- $caps; lo=$1; mid=$2; hi=$3
 
 echo "== (i) rates: the engine's fixed costs (bench.moe_overhead, tiny synthetic layers)"
 if [ -n "${OVERHEAD_FROM:-}" ]; then  # a fragment this machine kind measured in an earlier call (saves ~1 min)
-  cp "$OVERHEAD_FROM" "$out/overhead.json"; echo "-- moe_overhead: taken from $OVERHEAD_FROM"
+  # a path in the checkout (only the checkout travels to the device); a missing one stops the call here,
+  # before predictions without the overhead term are written and screened
+  cp "$OVERHEAD_FROM" "$out/overhead.json" || { echo "-- OVERHEAD_FROM=$OVERHEAD_FROM: not readable here"; exit 1; }
+  echo "-- moe_overhead: taken from $OVERHEAD_FROM"
 else
   t0=$(date +%s)
   python3 -m bench.moe_overhead --device "$DEV" ${OVERHEAD_ARGS:-} --out "$out/overhead.json" > /dev/null 2> "$out/overhead.log"
