@@ -12,8 +12,8 @@ with them (docs/experiments/simulate.md, "The check in one call").
             predictions.md (the table, the rates and their sources, the trace's and machine's
             sha256) and predictions.json, and prints their sha256.
   compare:  the newest screen archive's measurements beside predictions.json: per condition
-            decode ms/token (the steady decode call, docs/metrics.md: the median of every decode
-            call but each episode's first, over the scored episodes), MB per decode token,
+            decode ms/token (the steady decode call, docs/metrics.md: per scored episode the median
+            decode call but its first, the median over episodes, as `packbench report` gives it), MB per decode token,
             decode hit rate; measured / predicted and whether within 15 %.
 
 Usage:
@@ -178,18 +178,28 @@ def predict(a: argparse.Namespace) -> None:
 def measured(archive: Path) -> dict:
     """Per condition of the screen: decode ms/token (the steady decode call of the scored finished
     episodes), MB per decode token, the decode hit rate and the scored episodes counted."""
-    from packbench.core.report import expert_cache_rows, read_screen
+    from packbench.core.report import read_screen
 
-    screen = read_screen(archive)
+    return measured_of(read_screen(archive))
+
+
+def measured_of(screen) -> dict:
+    """measured() of a read screen (core/report.py ScreenData). The time is the condition's steady
+    decode call as `packbench report` gives it (core/serving.py condition_serving, docs/metrics.md):
+    per scored episode the median decode call but its first, per condition the median over episodes."""
+    from packbench.core.report import expert_cache_rows
+    from packbench.core.serving import condition_serving, scored_ok
+
     cache = {r["condition"]: r for r in expert_cache_rows(screen)}
+    records = [e.record for e in screen.episodes]
     out = {}
     for c in screen.protocol.conditions:
-        eps = [e for e in screen.episodes if e.condition == c.name and e.scored and e.ok]
-        calls = [call for e in eps for call in e.calls if call["phase"] == "decode"]
-        steady = [call["wall_s"] for e in eps for call in e.calls[2:] if call["phase"] == "decode"]
-        if not steady:
+        eps = scored_ok(records, c.name)
+        calls = [call for r in eps for call in r["calls"] if call["phase"] == "decode"]
+        steady = condition_serving(eps)["steady_call_s"]
+        if steady is None:
             continue
-        out[c.name] = {"episodes": len(eps), "ms": statistics.median(steady) * 1e3,
+        out[c.name] = {"episodes": len(eps), "ms": steady * 1e3,
                        "mb": statistics.mean(sum(call["h2d_weight_bytes"]) + sum(call["h2d_index_bytes"])
                                              for call in calls) / 1e6,
                        "hit_rate": cache[c.name]["decode_hit_rate"] if c.name in cache else None}

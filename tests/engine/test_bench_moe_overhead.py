@@ -83,3 +83,35 @@ def test_the_comparison_judges_measured_over_predicted_within_15_percent():
     assert out["over"]["within"] is False and out["under"]["within"] is True
     assert out["not-run"]["within"] is None and out["not-run"]["measured"] is None
     assert out["unpriced"]["within"] is None  # a prediction the machine file could not make is not judged
+
+
+def test_the_comparison_measures_the_steady_decode_call_as_packbench_report_does():
+    """bench.simulate_check compare's measured time is the screen's steady decode call as the product
+    gives it (docs/metrics.md: per scored episode the median decode call but its first, then the median
+    over episodes). It pooled every episode's calls into one median, a different figure from
+    `packbench report`'s for the same archive (here 1 ms where the report says 2)."""
+    from types import SimpleNamespace
+
+    from bench.simulate_check import measured_of
+    from packbench.core.report import serving_rows
+
+    def episode(i, role, steady_ms, status="ok"):
+        def call(phase, ms):
+            return {"phase": phase, "wall_s": ms / 1e3, "tokens": 1, "h2d_weight_bytes": [2_000_000],
+                    "h2d_index_bytes": [0]}
+        calls = [call("prefill", 50.0), call("decode", 40.0)] + [call("decode", ms) for ms in steady_ms]
+        record = {"condition": "packet", "role": role, "status": status, "plan_index": i, "calls": calls,
+                  "wall_s": sum(c["wall_s"] for c in calls)}
+        return SimpleNamespace(condition="packet", scored=role == "scored", ok=status == "ok", calls=calls,
+                               record=record)
+
+    screen = SimpleNamespace(
+        protocol=SimpleNamespace(conditions=[SimpleNamespace(name="packet", tier="exact")]),
+        episodes=[episode(0, "warmup", [90.0, 90.0]), episode(1, "scored", [1.0, 1.0, 1.0]),
+                  episode(2, "scored", [2.0]), episode(3, "scored", [3.0]),
+                  episode(4, "scored", [0.5, 0.5], status="failed")])
+    got = measured_of(screen)["packet"]
+    assert got["episodes"] == 3
+    assert got["ms"] == pytest.approx(2.0)  # the pooled median of 1, 1, 1, 2, 3 would be 1
+    assert got["ms"] == pytest.approx(serving_rows(screen)[0]["steady_call_s"] * 1e3)
+    assert got["mb"] == pytest.approx(2.0) and got["hit_rate"] is None
