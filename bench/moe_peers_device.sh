@@ -18,14 +18,20 @@
 #   (Qwen3-30B-A3B fp16 57 GiB: 42 %; Mixtral-8x7B 87 GiB: 28 %): ALLOWANCE_MIB, default 7168 for
 #   qwen3-30b-a3b at 12 layers (16.4 GiB) and 4608 for mixtral-8x7b at 4 layers (11.2 GiB), so that
 #   accelerate offloads as it would at full depth (at 24 GiB the truncated models would fit whole).
-# Run from the project root with .whl carried (ray, sqlalchemy, alembic: bench/wheelhouse.sh; accelerate
-# is on the machine):
+# Run from the project root with .whl carried (ray, sqlalchemy, alembic: `bash ../shared/device/wheelhouse.sh`;
+# accelerate is on the machine):
 #   bash bench/moe_peers_device.sh                                    # Qwen3-30B-A3B-shaped
 #   SHAPE=mixtral-8x7b LAYERS=4 bash bench/moe_peers_device.sh        # Mixtral-8x7B-shaped
-# ONLY=A or ONLY=B runs one part. Logs under $OUT (or ./moe-peers-out). A CPU dry run:
+# ONLY=A or ONLY=B runs one part. DEADLINE (s, default 560) bounds the call: part A stops at what is left
+# less B_SHARE (s, default 300; B's screen, audit and summary) when B follows, less 15 s alone, and prints
+# the batches it finished; B's screen stops 40 s before DEADLINE. Logs under $OUT (or ./moe-peers-out).
+# A CPU dry run (a python3 with torch first on PATH, e.g. the shared venv's bin):
 #   SKIP_WHEELS=1 DEVICE=cpu SHAPE=qwen3-moe-tiny LAYERS=3 ALLOWANCE_MIB=64 BATCHES=1,2 PREFIX=16 CONT=4 \
 #   bash bench/moe_peers_device.sh
 set -uo pipefail
+t_start=$(date +%s)
+DEADLINE=${DEADLINE:-560}
+left() { echo $(( DEADLINE - ($(date +%s) - t_start) )); }
 root=$PWD
 out=${OUT:-$root/moe-peers-out}; mkdir -p "$out"
 source bench/device_common.sh
@@ -42,10 +48,13 @@ pb model synth --out "$dir" --shape "$SHAPE" --dtype float16 --layers "$LAYERS" 
 echo "== $SHAPE, $LAYERS layers: synth rc $? in $(( $(date +%s) - t0 )) s ($(du -sh "$dir" | cut -f1)); allowance $ALLOW MiB"
 filter() { grep -vE "^W[0-9]|Warn|warn|Loading|Writing|output = func|torchao"; }
 if [ "${ONLY:-A}" = A ]; then
-  t0=$(date +%s)  # decode is what the crossover is about: short prefixes keep host prefills of B x 16 tokens short
-  python3 -m bench.moe_peers --model "$dir" --dtype float16 --batches "$BATCHES" --prefix 16 --continuation 8 \
-    --rounds 2 --hot "$HOT" > "$out/crossover.log" 2>&1
-  echo "-- A: bench.moe_peers rc $? in $(( $(date +%s) - t0 )) s"
+  t0=$(date +%s); limit=$(( $(left) - 15 )); [ "${ONLY:-}" = A ] || limit=$(( $(left) - ${B_SHARE:-300} ))
+  # decode is what the crossover is about: short prefixes keep host prefills of B x 16 tokens short
+  [ "$limit" -ge 30 ] || limit=1  # too little left: A stops at once and says so, B keeps its share
+  timeout "$limit" python3 -m bench.moe_peers --model "$dir" --dtype float16 --batches "$BATCHES" --prefix 16 \
+    --continuation 8 --rounds 2 --hot "$HOT" > "$out/crossover.log" 2>&1
+  rc=$?; echo "-- A: bench.moe_peers rc $rc in $(( $(date +%s) - t0 )) s (limit $limit s$([ $rc = 124 ] && echo \
+    ": stopped there, the batches printed below finished; BATCHES fewer or ONLY=A for the rest"))"
   filter < "$out/crossover.log" | grep -E "warm|crossover|host-experts /|experts x" | tail -30
 fi
 if [ "${ONLY:-B}" = B ]; then
@@ -69,10 +78,13 @@ allowance_mib: $ALLOW
 gates: {faithfulness: {}, fidelity: {max_mean_kl: 0.002, min_top1: 0.98}}
 YAML
   t0=$(date +%s)
-  pb submit "$work/peers.yaml" --wait > "$out/submit.log" 2>&1; echo "-- B: submit rc $? in $(( $(date +%s) - t0 )) s"
+  limit=$(( $(left) - 40 )); [ "$limit" -ge 30 ] || limit=1  # the audit and the summary need the rest
+  timeout "$limit" python3 -m packbench submit "$work/peers.yaml" --wait > "$out/submit.log" 2>&1
+  echo "-- B: submit rc $? in $(( $(date +%s) - t0 )) s (limit $limit s)"
   pb audit latest > "$out/audit.log" 2>&1; echo "   audit rc $?"; tail -2 "$out/audit.log"
   archive=$(ls -t "$work"/archives/*.zip "$work"/archives/*/*.zip 2>/dev/null | head -1)
-  python3 -m bench.moe_peers_screen "$archive" > "$out/screen.txt" 2>&1; echo "   summary rc $?"
+  if [ -n "$archive" ]; then python3 -m bench.moe_peers_screen "$archive" > "$out/screen.txt" 2>&1
+  else echo "no archive: the screen did not start" > "$out/screen.txt"; false; fi; echo "   summary rc $?"
   grep -E "accelerate|offload" "$out/submit.log" | head -4
   cat "$out/screen.txt"
 fi
