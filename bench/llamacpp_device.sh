@@ -4,7 +4,7 @@
 #   build: llama.cpp's source (trimmed to CPU + CUDA, 5.9 MB: make it with `bash bench/llamacpp_device.sh
 #          pack` on a machine with network, which writes .llama/llama.cpp-src.tar.gz from the llama-cpp-python
 #          sdist) built with -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 (flash attention off: its kernel
-#          instances are most of the compile time) into .llama/build: llama-bench and llama-batched-bench;
+#          instances are most of the compile time) into .llama-build: llama-bench and llama-batched-bench;
 #   run:   a synthetic SHAPE checkpoint (qwen3-30b-a3b, LAYERS=12 of 48, fp16, drawn on the GPU), converted to
 #          GGUF f16 by bench.llamacpp_gguf (llama.cpp's own convert_hf_to_gguf.py; the synthetic checkpoint's
 #          missing tokenizer is supplied there), then
@@ -12,17 +12,19 @@
 #          computed by the CPU) with and without op offload (-nopo: llama.cpp copies host-resident weights to
 #          the GPU for an op of >= 32 tokens, GGML_OP_OFFLOAD_MIN_BATCH), pp128 and tg16, and
 #          llama-batched-bench --n-cpu-moe LAYERS at batches 1..64: llama.cpp's decode tokens/s against batch.
-# No .whl needed (no ray, no database); carry the tarball and, between the two parts on a warm machine,
-# the build:
+# No .whl needed (no ray, no database); carry the tarball, and make both calls on one warm machine:
 #   run(carry=[".llama"], command="ONLY=build bash bench/llamacpp_device.sh")       # about 4-8 min at -j16
 #   run(carry=[".llama"], command="ONLY=run bash bench/llamacpp_device.sh")         # synth, convert, bench
-# A warm machine keeps .llama/build between calls; a fresh one rebuilds (ONLY unset does both: over 10 min
-# is likely). Logs under $OUT (or ./llamacpp-out). CPU dry run (a CPU build, a tiny shape):
+# The build lives in .llama-build, beside the carried .llama and not in it: a carried path replaces the
+# device's copy, so a build inside .llama would be gone at the second call; the source is unpacked
+# again there when missing. A warm machine keeps .llama-build between calls (an ignored path not
+# carried); a fresh one rebuilds (ONLY unset does both: over 10 min is likely). Logs under $OUT (or
+# ./llamacpp-out). CPU dry run (a CPU build, a tiny shape; sentencepiece and torch on python3's path):
 #   DEVICE=cpu CUDA=OFF SHAPE=qwen3-moe-tiny LAYERS=3 OUTTYPE=f32 bash bench/llamacpp_device.sh
 set -uo pipefail
 root=$PWD
 out=${OUT:-$root/llamacpp-out}; mkdir -p "$out"
-src=$root/.llama/src/llama.cpp; build=$root/.llama/build
+src=$root/.llama/src/llama.cpp; build=$root/.llama-build
 DEV=${DEVICE:-cuda}; CUDA=${CUDA:-ON}; SHAPE=${SHAPE:-qwen3-30b-a3b}; LAYERS=${LAYERS:-12}; OUTTYPE=${OUTTYPE:-f16}
 JOBS=${JOBS:-$(nproc)}
 export PYTHONPATH=$root PYTHONUNBUFFERED=1
@@ -39,8 +41,9 @@ if [ "${1:-}" = pack ]; then  # on a machine with network: the trimmed source, f
 fi
 command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | head -1
 echo "nvcc: $(nvcc --version 2>/dev/null | tail -1); cmake: $(cmake --version | head -1); gcc: $(gcc -dumpfullversion); cores: $(nproc)"
+unpack() { [ -f "$src/CMakeLists.txt" ] || { mkdir -p .llama/src && tar xzf .llama/llama.cpp-src.tar.gz -C .llama/src; }; }
 if [ "${ONLY:-build}" = build ]; then
-  [ -f "$src/CMakeLists.txt" ] || { mkdir -p .llama/src && tar xzf .llama/llama.cpp-src.tar.gz -C .llama/src; } || exit 1
+  unpack || exit 1
   t0=$(date +%s)
   cmake -S "$src" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_CUDA="$CUDA" -DCMAKE_CUDA_ARCHITECTURES=90 \
     -DGGML_CUDA_FA=OFF -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF \
@@ -51,6 +54,7 @@ if [ "${ONLY:-build}" = build ]; then
 fi
 if [ "${ONLY:-run}" = run ]; then
   [ -x "$build/bin/llama-bench" ] || { echo "no build at $build: run ONLY=build first on this (warm) machine"; exit 1; }
+  unpack || exit 1  # the converter (convert_hf_to_gguf.py, gguf-py) is the source's
   source "$root/bench/device_common.sh"; work_dir; dir=$work/$SHAPE
   t0=$(date +%s)
   python3 -c "from packbench.engine.moe.synth import synth_moe; synth_moe(__import__('pathlib').Path('$dir'), \
