@@ -233,3 +233,24 @@ def test_index_bytes_are_pinned_for_every_policy(runs):
                 hits += k - miss
                 assert index == 8 * (miss + 2 * (k - miss) + min(miss, slots))
         assert hits > 0  # the cache served rows: the pair charge was exercised
+
+
+def test_sparse_extents_block_rows_above_ffn_makes_no_buffer_of_block_rows(checkpoints):
+    """Bug: SparseExtents allocated its row offsets as arange(block_rows), on the host and on the
+    device, whatever the layer's ffn; the largest block_rows a protocol accepts (MAX_INT_PARAM)
+    asked for 16 GiB, uncharged, and the episode failed. A block above ffn is the whole layer: its
+    offsets need at most ffn entries, and the policy then sends every row, dense-stream's bits."""
+    from packbench.core.conditions.base import MAX_INT_PARAM
+
+    model = CpuFirstModel(checkpoints["float32"], dtype=torch.float32, device=torch.device("cpu"))
+    prompt = prompt_of(8, model.vocab)
+    model.use("dense-stream")
+    ref = run_episode(model, prompt, continuation=3)
+    model.use("sparse-extents", block_rows=MAX_INT_PARAM)
+    ffn = model.host.shape[1]
+    assert model.slot.policy.buffers.offsets.numel() == ffn
+    out = run_episode(model, prompt, continuation=3)
+    assert np.array_equal(out.logits, ref.logits)
+    for call in out.calls:
+        assert call.rows_copied == [ffn if k else 0 for k in call.active_rows]
+        assert call.h2d_index_bytes == [8 if k else 0 for k in call.active_rows]

@@ -129,8 +129,9 @@ class Packet(HostGather):
 class Extents(Staging):
     """sparse-extents' buffers: the staging, plus the row offsets within a block."""
 
-    # (block_rows,) int64 on the host and on the device. Not charged (block_rows x 8 B), as
-    # before issue 9: charging it would change recorded bytes.
+    # (min(block_rows, ffn),) int64 on the host and on the device: no block holds more rows than
+    # the layer has, so a block_rows above ffn (one block, every row) makes no larger buffer. Not
+    # charged (at most ffn x 8 B), as before issue 9: charging it would change recorded bytes.
     offsets_host: torch.Tensor = field(kw_only=True)
     offsets: torch.Tensor = field(kw_only=True)
 
@@ -150,7 +151,7 @@ class SparseExtents(HostGather):
 
     def allocate(self, host: HostWeights, device: torch.device) -> Extents:
         shared = Staging.parts(host, device)
-        offsets_host = torch.arange(self.block_rows, dtype=INDEX_DTYPE)
+        offsets_host = torch.arange(min(self.block_rows, host.shape[1]), dtype=INDEX_DTYPE)
         return Extents(*shared, offsets_host=offsets_host, offsets=offsets_host.to(device))
 
     def rows_of(self, blocks: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
