@@ -254,3 +254,34 @@ def test_sparse_extents_block_rows_above_ffn_makes_no_buffer_of_block_rows(check
     for call in out.calls:
         assert call.rows_copied == [ffn if k else 0 for k in call.active_rows]
         assert call.h2d_index_bytes == [8 if k else 0 for k in call.active_rows]
+
+
+def test_estimate_bounds_hold_for_what_row_retention_and_device_forecast_charge(checkpoints):
+    """Bug: `protocol plan` said row-retention moves *at most* packet's bytes, but a cold call
+    (every prefill) also writes its fills into the cache by one int64 index each, so it moved
+    more; and it said early-forecast {gather: device} moves *at least* packet's bytes, which
+    include an int64 index per row that the device gather never sends. Each kind's estimate,
+    fed a call and layer's actual active count, must bound what the engine charged there."""
+    import dataclasses
+
+    from packbench.core.conditions import CONDITIONS
+    from packbench.core.conditions.base import CallInputs
+    from packbench.core.estimate import Activity, ModelShape
+
+    model = CpuFirstModel(checkpoints["float32"], dtype=torch.float32, device=torch.device("cpu"))
+    ffn = model.host.shape[1]
+    one_layer = dataclasses.replace(ModelShape.of("tiny"), layers=1)
+    for policy, params, holds in (("row-retention", {"rows_per_layer": 4}, lambda moved, bound: moved <= bound),
+                                  ("row-retention", {"rows_per_layer": 10 ** 6}, lambda moved, bound: moved <= bound),
+                                  ("early-forecast", {"gather": "device"}, lambda moved, bound: moved >= bound),
+                                  ("early-forecast", {"gather": "host"}, lambda moved, bound: moved >= bound)):
+        model.use(policy, **params)
+        out = run_episode(model, [prompt_of(8, model.vocab), prompt_of(8, model.vocab)[::-1]], continuation=4)
+        for call in out.calls:
+            for layer, k in enumerate(call.active_rows):
+                # one token of activity k / ffn: the estimate's union is exactly the k rows seen
+                inputs = CallInputs(phase=call.phase, tokens=1, shape=one_layer, row_bytes=model.host.row_bytes,
+                                    activity=Activity(sparsity=1 - k / ffn))
+                bound = CONDITIONS[policy].h2d_bytes(params, inputs)
+                moved = call.h2d_weight_bytes[layer] + call.h2d_index_bytes[layer]
+                assert holds(moved, round(bound, 6)), (policy, params, call.index, layer, moved, bound)

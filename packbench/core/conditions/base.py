@@ -108,10 +108,14 @@ class CallInputs:
         """Every outgoing row of every layer (dense-stream's copy)."""
         return float(self.shape.ffn * self.row_bytes) * self.shape.layers
 
-    def packet(self) -> float:
-        """The expected active rows of every layer and their int64 indices (an exact packet)."""
-        k = self.shape.ffn * self.activity.union_fraction(self.tokens)
-        return k * (self.row_bytes + INDEX_BYTES) * self.shape.layers
+    def active(self) -> float:
+        """The expected active rows of one layer in this call (the union over its tokens)."""
+        return self.shape.ffn * self.activity.union_fraction(self.tokens)
+
+    def packet(self, *, index: bool = True) -> float:
+        """The expected active rows of every layer and their int64 indices (an exact packet);
+        `index` False: the rows alone (a device gather sends no index)."""
+        return self.active() * (self.row_bytes + (INDEX_BYTES if index else 0)) * self.shape.layers
 
 
 def nothing_moves(params: Mapping[str, Any], call: CallInputs) -> float:

@@ -6,7 +6,9 @@ from packbench.core.conditions.base import GATHER_PARAM, CallInputs, ConditionKi
 
 
 def h2d_bytes(params: Mapping[str, Any], call: CallInputs) -> float:
-    return call.packet()  # at least packet's: the exact demand; wrong forecasts add waste
+    # At least the exact demand: wrong forecasts add waste. The host gather sends each row with
+    # its int64 index; the device gather sends no index, so its floor is the rows alone.
+    return call.packet(index=params.get("gather", "host") == "host")
 
 
 KIND = ConditionKind(
