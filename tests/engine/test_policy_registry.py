@@ -67,6 +67,9 @@ def test_packet_gathers_are_the_registry_choices():
     ("packet", {"gather": "gpu"}, "gather must be one of host, device"),
     ("sparse-extents", {"block_rows": 0}, "block_rows must be an integer in \\[1, 2147483647\\]"),
     ("row-retention", {"rows_per_layer": -1}, "rows_per_layer must be an integer in \\[1, 2147483647\\]"),
+    # Bug: Resident kept any `allowance` and ran held (only "unbounded" lifts the cap), so a
+    # misspelt "unbouned" silently measured the other condition.
+    ("resident", {"allowance": "unbouned"}, "allowance must be one of held, unbounded"),
 ])
 def test_bad_values_are_refused_naming_what_is_allowed(name, params, fragment):
     with pytest.raises(ValueError, match=fragment):

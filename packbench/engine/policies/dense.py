@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from packbench.core.registry import check_param
 from packbench.engine.ledger import Recorder
 from packbench.engine.policies.base import HostWeights, nbytes, stream_dense, zeroed_workspace
 
@@ -17,7 +18,7 @@ class Resident:
 
     def __init__(self, *, allowance: str = "held") -> None:
         # "unbounded": the worker lifts the allocator's cap for this policy's episodes (engine/worker.py)
-        self.allowance = allowance
+        self.allowance = check_param(self.name, "allowance", allowance)
         self.weights: list[torch.Tensor] | None = None  # (hidden, ffn) per layer, while active
 
     def activate(self, host: HostWeights, device: torch.device, recorder: Recorder) -> None:
