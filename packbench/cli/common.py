@@ -99,9 +99,13 @@ def open_store(url: str | None, *, at_head: bool = True, must_exist: bool | None
     """The results store; refuses a database that is not at the migration head unless told not to
     (a SQLite file that does not exist is refused without being created, unless `must_exist` is
     False: `db upgrade` creates it; by default it must exist when it must be at the head)."""
-    from packbench.db.session import sqlite_file
+    from packbench.db.session import sqlite_file, sqlite_in_memory
     from packbench.db.store import Store
 
+    if sqlite_in_memory(url):  # `db upgrade` migrated it and said so, then the next command found it empty
+        raise PackbenchError("an in-memory SQLite database (sqlite://) ends with the command that opened it, so "
+                             "nothing it stores outlives that command; give --db (or PACKBENCH_DB_URL) a file, "
+                             f"e.g. {DEFAULT_DB_URL}")
     missing = sqlite_file(url) if (at_head if must_exist is None else must_exist) else None
     if missing is not None and not missing.exists():  # SQLite would create an empty file, then refuse it
         raise PackbenchError(f"no database at {missing} (no such file here); run `packbench db upgrade` to create "

@@ -117,6 +117,16 @@ def sqlite_file(url: str | None = None) -> Path | None:
     return Path(parsed.database)
 
 
+def sqlite_in_memory(url: str | None = None) -> bool:
+    """Whether the URL names an in-memory SQLite database (`sqlite://`, `sqlite:///:memory:`, a
+    URI with `mode=memory`): one that lives as long as the process that opened it."""
+    parsed = _parse(url if url is not None else default_url())
+    if parsed.get_backend_name() != "sqlite":
+        return False
+    return parsed.database in (None, "", ":memory:") or parsed.database.startswith("file::memory:") \
+        or ("uri" in parsed.query and parsed.query.get("mode") == "memory")
+
+
 def _read_only_sqlite(parsed: URL) -> str | None:
     """A `file:` URI that opens an existing SQLite file read-only when it, or the folder beside
     it that SQLite writes its WAL files into, cannot be written (a read-only mount, say); None

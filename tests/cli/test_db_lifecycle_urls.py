@@ -1,0 +1,23 @@
+"""Database URLs the `packbench db ...` commands and `packbench.connect` refuse, and what they
+leave behind (nothing)."""
+
+from __future__ import annotations
+
+import pytest
+
+MEMORY_URLS = ["sqlite://", "sqlite:///:memory:", "sqlite:///file:pb?mode=memory&uri=true"]
+
+
+@pytest.mark.parametrize("url", MEMORY_URLS)
+@pytest.mark.parametrize("command", [["db", "upgrade"], ["db", "current"], ["results"]])
+def test_an_in_memory_sqlite_url_is_refused_in_one_line(packbench_cli, tmp_path, url, command):
+    """Bug caught: `packbench db upgrade --db sqlite://` printed `database at <head> (head)` and
+    exited 0, and every command after it found that database empty and said to run `packbench db
+    upgrade`, the command just run: an in-memory database ends with its process, and each command
+    is one. Every command now refuses it in one line naming a file URL (exit 2)."""
+    ran = packbench_cli(*command, "--db", url, cwd=tmp_path)
+    assert ran.returncode == 2, ran
+    assert ran.stdout == ""
+    assert ran.stderr.count("\n") == 1 and "in-memory SQLite database" in ran.stderr
+    assert "sqlite:///packbench.db" in ran.stderr and "db upgrade" not in ran.stderr
+    assert list(tmp_path.iterdir()) == []
