@@ -27,8 +27,14 @@ def connect(url: str | None = None, *, upgrade: bool = False) -> Client:
     """The database at `url` (default: $PACKBENCH_DB_URL or sqlite:///packbench.db). A database
     not at the newest schema is refused with the command that fixes it, unless `upgrade`
     migrates it first (as `packbench db upgrade` does)."""
+    from packbench.db.session import sqlite_file
     from packbench.db.store import Store
 
+    missing = None if upgrade else sqlite_file(url)
+    if missing is not None and not missing.exists():  # opening it would leave an empty file there, then refuse it
+        raise PackbenchError(f"no database at {missing} (no such file here); connect(url, upgrade=True) or "
+                             f"`packbench db upgrade` creates it, or give the URL of the database that holds "
+                             f"your screens")
     store = Store(url)
     if upgrade:
         store.upgrade()

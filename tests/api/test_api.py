@@ -107,6 +107,17 @@ def test_an_old_database_is_refused_with_the_command_that_fixes_it(tmp_path):
     packbench.connect(url, upgrade=True).close()
 
 
+def test_a_missing_sqlite_file_is_refused_without_creating_it(tmp_path):
+    """Bug caught: `packbench.connect("sqlite:///typo.db")` created an empty typo.db, then refused
+    it for having no schema; the CLI refuses a missing file without creating one, so should this."""
+    url = f"sqlite:///{tmp_path / 'typo.db'}"
+    with pytest.raises(PackbenchError, match=r"no database at .*typo\.db \(no such file here\)"):
+        packbench.connect(url)
+    assert list(tmp_path.iterdir()) == []
+    packbench.connect(url, upgrade=True).close()  # upgrade=True creates it, as `packbench db upgrade` does
+    assert (tmp_path / "typo.db").is_file()
+
+
 def test_an_archive_reads_without_a_database():
     archive = packbench.read_archive(QUICKSTART)
     assert archive.problems == () and archive.protocol.name == "quickstart-v1"
