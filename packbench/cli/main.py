@@ -153,8 +153,7 @@ def model_digest(
 def db_upgrade(db: DbUrl = None, json_out: Json = False) -> None:
     """Create or migrate the database to the newest schema."""
     store = open_store(db, at_head=False)
-    before = store.current()
-    store.upgrade()
+    before = store.upgrade()  # read under the migration lock: another upgrade may have just run
     if json_out:
         typer.echo(json.dumps({"revision": store.current(), "head": store.head(), "from": before}, sort_keys=True))
         return

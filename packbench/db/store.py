@@ -110,8 +110,10 @@ class Store:
 
     # -- schema ------------------------------------------------------------------------
 
-    def upgrade(self, revision: str = "head") -> None:
-        """Migrate the schema to `revision` (default: head) in one transaction."""
+    def upgrade(self, revision: str = "head") -> str | None:
+        """Migrate the schema to `revision` (default: head) in one transaction; the revision it
+        found (None: no schema), read under the migration lock, so after any migration that ran
+        at the same time."""
         with self._connection() as connection:
             migrate.lock_migrations(connection)  # one migration of a schema at a time
             current = migrate.current(connection)
@@ -119,6 +121,7 @@ class Store:
                 raise SchemaNotAtHead(migrate.unknown_revision(self.url, current))
             migrate.upgrade(connection, revision)
         self._schema_checked = False
+        return current
 
     def downgrade(self, revision: str) -> None:
         """Migrate the schema down to `revision` ('base' drops every table). For developers."""

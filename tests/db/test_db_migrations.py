@@ -283,11 +283,25 @@ def test_unhashed_audits_revision_stores_a_null_sha_and_refuses_to_go_down_over_
     assert schema_diff(db_url) == []
 
 
+def test_upgrade_returns_the_revision_it_found_under_the_lock(db_url):
+    """What `db upgrade --json` reports as `from`: the revision the migration started at, not one
+    read before another store migrated the schema."""
+    with Store(db_url) as late, Store(db_url) as early:
+        assert late.current() is None
+        assert early.upgrade("0010_screen_labels") is None
+        assert late.upgrade() == "0010_screen_labels"
+        assert late.upgrade() == migrate.head()
+
+
 def test_upgrades_run_at_once_all_succeed_and_migrate_once(db_url):
     """Bug caught (PostgreSQL): `packbench db upgrade` run by several processes at once on an empty
     schema: each created the tables in its own transaction, and the losers failed with a
     duplicate-key error that called itself a packbench bug (`refused a write that breaks a
-    constraint ... this is a packbench bug`). They now wait for each other and all succeed."""
+    constraint ... this is a packbench bug`). They now wait for each other and all succeed.
+
+    Bug caught too: each `--json` said `"from": null`, the revision it read before waiting for the
+    others, though only one of them migrated; `from` is now read under the migration lock."""
+    import json
     import os
     import subprocess
     import sys
@@ -296,11 +310,15 @@ def test_upgrades_run_at_once_all_succeed_and_migrate_once(db_url):
     root = str(Path(__file__).resolve().parents[2])
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])),
            "PACKBENCH_DB_URL": db_url}
-    procs = [subprocess.Popen([sys.executable, "-m", "packbench", "db", "upgrade"], env=env, text=True,
+    procs = [subprocess.Popen([sys.executable, "-m", "packbench", "db", "upgrade", "--json"], env=env, text=True,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE) for _ in range(4)]
     ran = [(p.wait(timeout=120), *p.communicate()) for p in procs]
     assert [r[0] for r in ran] == [0] * 4, ran
-    assert all(out == f"database at {migrate.head()} (head)\n" and err == "" for _, out, err in ran), ran
+    assert all(err == "" for _, _, err in ran), ran
+    said = [json.loads(out) for _, out, _ in ran]
+    assert all(s["revision"] == s["head"] == migrate.head() for s in said), said
+    assert sorted(s["from"] is None for s in said) == [False, False, False, True], said  # one migrated
+    assert all(s["from"] in (None, migrate.head()) for s in said), said
     with Store(db_url) as store:
         store.check_head()
     assert schema_diff(db_url) == []
