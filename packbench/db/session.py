@@ -309,8 +309,11 @@ def translate(exc: BaseException, url: URL) -> DatabaseError:
     lowered = detail.lower()
     if url.get_backend_name() == "sqlite":
         where = f"sqlite database {url.database or ':memory:'}"
+        a_folder = bool(url.database) and Path(url.database).is_dir()
         by_code = {
             _SQLITE_CANTOPEN:
+                f"cannot open {where}: it is a directory; name a file in it "
+                f"(sqlite:///{str(url.database).rstrip('/')}/packbench.db) or set {ENV_VAR}" if a_folder else
                 f"cannot open {where} (unable to open database file); create its directory, "
                 f"fix its permissions or set {ENV_VAR}",
             _SQLITE_READONLY:

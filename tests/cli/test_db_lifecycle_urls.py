@@ -21,3 +21,17 @@ def test_an_in_memory_sqlite_url_is_refused_in_one_line(packbench_cli, tmp_path,
     assert ran.stderr.count("\n") == 1 and "in-memory SQLite database" in ran.stderr
     assert "sqlite:///packbench.db" in ran.stderr and "db upgrade" not in ran.stderr
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_directory_as_the_sqlite_path_is_named_as_one(packbench_cli, tmp_path):
+    """Bug caught: `--db sqlite:///SOME_DIR` said "unable to open database file; create its
+    directory, fix its permissions", for a directory that exists and is writable: the fix named
+    was no fix. It now says the path is a directory and names a file in it."""
+    folder = tmp_path / "results"
+    folder.mkdir()
+    for command in (["db", "upgrade"], ["db", "current"]):
+        ran = packbench_cli(*command, "--db", f"sqlite:///{folder}", cwd=tmp_path)
+        assert ran.returncode == 2, ran
+        assert ran.stderr == (f"error: cannot open sqlite database {folder}: it is a directory; name a file in it "
+                              f"(sqlite:///{folder}/packbench.db) or set PACKBENCH_DB_URL\n")
+    assert list(folder.iterdir()) == []
