@@ -17,7 +17,7 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import Connection, Dialect, bindparam, select
+from sqlalchemy import Connection, Dialect, bindparam, select, text
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session
@@ -158,6 +158,11 @@ def ingest_attempt(session: Session, *, clock: Callable[[], datetime], protocol_
                    episodes: list[Mapping[str, Any]], verdicts: list[Mapping[str, Any]]) -> AttemptRow:
     """`Store.ingest_attempt`'s writes (its contract is there), in the caller's transaction.
     `Conflict` if an attempt with the same archive (by SHA-256) is in the database already."""
+    if session.get_bind().dialect.name == "postgresql":
+        # Ingests of one archive wait for each other (SQLite's BEGIN IMMEDIATE does that already):
+        # before, ingests run at once all found no attempt with its SHA-256 and each recorded it.
+        session.execute(text("SELECT pg_advisory_xact_lock(hashtext(:key))"),
+                        {"key": f"packbench ingest {attempt['archive_sha256']}"})
     if session.scalar(select(SqlAttempt.id).where(SqlAttempt.archive_sha256 == attempt["archive_sha256"])):
         raise Conflict(f"an attempt with archive SHA-256 {attempt['archive_sha256'][:16]}... is already "
                        f"in this database; nothing was ingested")

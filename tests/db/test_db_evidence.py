@@ -46,6 +46,50 @@ def test_ingest_writes_everything_or_nothing(db_url):
         assert len(store.list_screens()) == screens  # rolled back: no screen without its rows
 
 
+def test_one_archive_ingested_at_once_by_two_stores_is_recorded_once(pg_url):
+    """Bug caught (PostgreSQL): `packbench ingest` of one archive run by several processes at once,
+    its signer already registered, recorded it once per process (4 screens for 4 ingests): each
+    transaction checked for an attempt with the archive's SHA-256 before any of them committed.
+    The second now waits for the first and is refused (`Conflict`)."""
+    import threading
+    import time
+
+    from sqlalchemy import text
+    from sqlalchemy.orm import Session
+
+    from packbench.db import ingest as db_ingest
+
+    with Store(pg_url) as first, Store(pg_url) as second:
+        first.upgrade()
+        kw = dict(protocol_sha256="p" * 64, protocol_name="x", protocol_json='{"name":"x"}',
+                  machine={"host": "lab-b", "gpu_name": "H200"},
+                  attempt={"archive_path": "/a.zip", "archive_sha256": "e" * 64, "ingested_from": "lab-b"},
+                  episodes=[EPISODE], verdicts=[VERDICT])
+        outcome: list[object] = []
+
+        def ingest_again() -> None:
+            try:
+                outcome.append(second.ingest_attempt(**kw))
+            except Conflict as exc:
+                outcome.append(exc)
+
+        with Session(first._engine) as session:  # the first ingest, not committed yet
+            db_ingest.ingest_attempt(session, clock=first._clock, **kw)
+            thread = threading.Thread(target=ingest_again)
+            thread.start()
+            deadline = time.monotonic() + 60
+            # Until the second waits for a lock (the fix's, or before it the protocol row's) or is done;
+            # the outcome does not hang on it: the commit below ends any wait.
+            with first._engine.connect() as probe:
+                while thread.is_alive() and time.monotonic() < deadline and not probe.execute(text(
+                        "SELECT count(*) FROM pg_locks WHERE NOT granted")).scalar():
+                    time.sleep(0.01)
+            session.commit()
+        thread.join(60)
+        assert len(outcome) == 1 and isinstance(outcome[0], Conflict), outcome
+        assert len(first.list_screens()) == 1
+
+
 def test_attempt_evidence_is_recorded(db_url):
     with Store(db_url) as store:
         store.upgrade()
