@@ -291,7 +291,15 @@ def is_transient(exc: BaseException) -> bool:
 def _connect_refusal(lowered: str) -> bool:
     """A connection the server answered with a refusal that waiting will not change."""
     return any(text in lowered for text in ("authentication failed", "does not exist", "resolve host",
-                                            "translate host name"))
+                                            "translate host name")) or _bad_option(lowered) is not None
+
+
+def _bad_option(detail: str) -> str | None:
+    """libpq's refusal of a connection option the URL gave (`invalid sslmode value: "x"`, `invalid
+    port number: "99999"`, `invalid connection option "x"`): what it says, else None."""
+    found = re.search(r"invalid (?:[\w ]+ value|port number|connection option|integer value)\b.*", detail,
+                      re.IGNORECASE)
+    return found.group(0) if found else None
 
 
 def translate(exc: BaseException, url: URL) -> DatabaseError:
@@ -398,6 +406,8 @@ def _pg_connect_message(lowered: str, detail: str, where: str, url: URL) -> str 
     for needles, message in rules:
         if all(needle in lowered for needle in needles):
             return message
+    if _bad_option(detail) is not None:  # the server was never asked: waiting or retrying changes nothing
+        return f"cannot connect to {where} ({_bad_option(detail)}); fix it in {ENV_VAR}"
     return None
 
 

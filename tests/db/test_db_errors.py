@@ -55,6 +55,24 @@ def test_postgres_server_not_listening():
     assert "s3cret" not in store.url
 
 
+@pytest.mark.parametrize(("url", "said"), [
+    ("postgresql+psycopg://postgres@127.0.0.1:5432/test?sslmode=Bogus", 'invalid sslmode value: "Bogus"'),
+    ("postgresql+psycopg://postgres@127.0.0.1:99999/test", 'invalid port number: "99999"'),
+])
+def test_a_connection_option_libpq_refuses_is_bad_input_not_an_outage(url, said):
+    """Bug caught: a URL option libpq refuses before asking any server (`?sslmode=Bogus`, port
+    99999) was read as an outage: "check that the server is up and reachable, then retry", and
+    `DatabaseUnavailable`, which a write retries for 13 s and `dispatch --follow` waits out. It
+    now names the option and says to fix it in the URL, and is not transient."""
+    from packbench.db.errors import DatabaseUnavailable
+
+    with pytest.raises(DatabaseError) as info:
+        Store(url).current()
+    assert not isinstance(info.value, DatabaseUnavailable)
+    where = "127.0.0.1:99999" if ":99999" in url else "127.0.0.1:5432"
+    assert str(info.value) == f"cannot connect to postgresql at {where} ({said}); fix it in {ENV_VAR}"
+
+
 def test_postgres_unknown_role_and_database(pg_server_url):
     base = make_url(pg_server_url)
     message = error_of(Store(base.set(username="pb_no_such_role")).current)
