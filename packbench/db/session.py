@@ -200,6 +200,20 @@ def _configure_sqlite(engine: Engine, *, read_only: bool = False) -> None:
         connection.exec_driver_sql("BEGIN" if read_only else "BEGIN IMMEDIATE")  # read-only: no write lock to take
 
 
+def _special_file(database: str | None) -> str | None:
+    """What a SQLite path names when it is neither a regular file nor a directory ("a FIFO (named
+    pipe)", "a socket", "a device"); None otherwise or when nothing is there. From its status only."""
+    import stat
+
+    try:
+        mode = os.stat(database).st_mode if database else None
+    except (OSError, ValueError):
+        return None
+    if mode is None or stat.S_ISREG(mode) or stat.S_ISDIR(mode):
+        return None
+    return "a FIFO (named pipe)" if stat.S_ISFIFO(mode) else "a socket" if stat.S_ISSOCK(mode) else "a device"
+
+
 def _file_identity(path: Path) -> tuple[int, int] | None:
     """(device, inode) of the file at `path`; None where there is none."""
     try:
@@ -336,6 +350,10 @@ def translate(exc: BaseException, url: URL) -> DatabaseError:
             _SQLITE_IOERR: f"{where}: disk I/O error; check the disk and retry",
         }
         message = by_code.get(_sqlite_code(orig))  # type: ignore[arg-type]
+        special = _special_file(url.database)
+        if special is not None and _sqlite_code(orig) in (_SQLITE_CANTOPEN, _SQLITE_IOERR, _SQLITE_NOTADB):
+            # SQLite called a FIFO or a device a disk I/O error: "check the disk" named no fix
+            message = f"cannot use {where}: it is {special}, not a database file; point {ENV_VAR} at a file"
         if _sqlite_code(orig) == _SQLITE_BUSY:
             return DatabaseLocked(message)  # another connection holds it: it may let go
         if message is not None:

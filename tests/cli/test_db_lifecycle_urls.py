@@ -35,3 +35,18 @@ def test_a_directory_as_the_sqlite_path_is_named_as_one(packbench_cli, tmp_path)
         assert ran.stderr == (f"error: cannot open sqlite database {folder}: it is a directory; name a file in it "
                               f"(sqlite:///{folder}/packbench.db) or set PACKBENCH_DB_URL\n")
     assert list(folder.iterdir()) == []
+
+
+def test_a_fifo_as_the_sqlite_path_is_named_as_one(packbench_cli, tmp_path):
+    """Bug caught: `--db sqlite:///A_FIFO` (or /dev/null) said "disk I/O error; check the disk and
+    retry", a fix that does nothing: the path names no file. It now says what the path is."""
+    import os
+
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    for command in (["db", "upgrade"], ["db", "current"]):
+        ran = packbench_cli(*command, "--db", f"sqlite:///{fifo}", cwd=tmp_path)
+        assert ran.returncode == 2, ran
+        assert ran.stderr == (f"error: cannot use sqlite database {fifo}: it is a FIFO (named pipe), not a database "
+                              f"file; point PACKBENCH_DB_URL at a file\n")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["pipe"]
