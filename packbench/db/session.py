@@ -79,9 +79,11 @@ def make_engine(url: str | None = None) -> Engine:
 
 
 def _parse(text: str) -> URL:
-    if not isinstance(text, (str, URL)) or "\x00" in str(text):  # an int was a TypeError, a NUL the driver's ValueError
-        raise DatabaseError(f"database URL {_redact(str(text))[:60]!r}: a URL is text without NUL; set {ENV_VAR}: "
-                            f"{_URL_HINT}")
+    # An int was a TypeError, a NUL the driver's ValueError; a line ending (a CRLF env file, a
+    # newline pasted in) passed into the file name, and SQLite created `packbench.db\r` beside it.
+    if not isinstance(text, (str, URL)) or any(ord(c) < 0x20 or c == "\x7f" for c in str(text)):
+        raise DatabaseError(f"database URL {_redact(str(text))[:60]!r}: a URL is text without control characters "
+                            f"(NUL, a line ending); set {ENV_VAR}: {_URL_HINT}")
     try:
         parsed = make_url(text)
     except (ArgumentError, ValueError) as exc:  # ValueError: a port that is no number (`h:abc`, `[::1`)

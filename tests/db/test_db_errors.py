@@ -126,7 +126,18 @@ def test_a_url_that_is_no_text_or_holds_nul_is_one_line(url):
     """packbench.connect('sqlite:///a\\x00b.db') was the driver's ValueError ('embedded null byte')
     from deep inside SQLAlchemy; connect(5) a TypeError from its URL pattern."""
     message = error_of(lambda: Store(url))
-    assert "a URL is text without NUL" in message and ENV_VAR in message
+    assert "a URL is text without control characters (NUL" in message and ENV_VAR in message
+
+
+@pytest.mark.parametrize("end", ["\r", "\n", "\t"], ids=["cr", "lf", "tab"])
+def test_a_url_ending_in_a_line_ending_creates_no_file_named_with_it(packbench_cli, tmp_path, end):
+    """Bug caught: `PACKBENCH_DB_URL` read from a CRLF env file (`sqlite:///pb.db\r`) made
+    `db upgrade` create and migrate a file named `pb.db\r`, exit 0; the next command, given the
+    URL without it, found no database. A control character in the URL is refused in one line."""
+    ran = packbench_cli("db", "upgrade", env={ENV_VAR: f"sqlite:///{tmp_path / 'pb.db'}{end}"}, cwd=tmp_path)
+    assert ran.returncode == 2 and ran.stdout == "", ran
+    assert ran.stderr.count("\n") == 1 and "without control characters" in ran.stderr
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_a_sqlite_file_name_longer_than_the_file_system_allows_is_one_line(tmp_path):
