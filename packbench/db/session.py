@@ -301,7 +301,14 @@ def is_transient(exc: BaseException) -> bool:
         return state in _PG_TRANSIENT or state[:2] in _PG_TRANSIENT_CLASSES
     # psycopg raises OperationalError without a SQLSTATE when no server answered (refused,
     # timed out, reset): libpq reports these as text only.
-    return type(orig).__name__ == "OperationalError" and not _connect_refusal(_first_line(orig).lower())
+    return _operational(orig) and not _connect_refusal(_first_line(orig).lower())
+
+
+def _operational(orig: BaseException) -> bool:
+    """A DBAPI OperationalError, subclasses included: psycopg raises its ConnectionTimeout (one)
+    when connect_timeout expires, which a comparison of the class name alone missed (an unreachable
+    server was then a generic "database error", not an outage to wait out)."""
+    return any(cls.__name__ == "OperationalError" for cls in type(orig).__mro__)
 
 
 def _connect_refusal(lowered: str) -> bool:
@@ -365,7 +372,7 @@ def translate(exc: BaseException, url: URL) -> DatabaseError:
         where = f"postgresql at {url.host or 'localhost'}:{url.port or 5432}"
         state = _sqlstate(orig)
         schema_error = state in _PG_SCHEMA
-        if state is None and type(orig).__name__ == "OperationalError":
+        if state is None and _operational(orig):
             message = _pg_connect_message(lowered, detail, where, url)
             if message is not None:
                 return DatabaseUnavailable(message) if is_transient(exc) else DatabaseError(message)
@@ -418,7 +425,8 @@ def _pg_connect_message(lowered: str, detail: str, where: str, url: URL) -> str 
         (("resolve host",), f"cannot connect to {where} (unknown host); fix the host in {ENV_VAR}"),
         (("translate host name",), f"cannot connect to {where} (unknown host); fix the host in {ENV_VAR}"),
         (("timeout expired",),
-         f"cannot connect to {where} (timed out after {PG_CONNECT_TIMEOUT_S} s); check the "
+         f"cannot connect to {where} (timed out after {url.query.get('connect_timeout', PG_CONNECT_TIMEOUT_S)} s); "
+         f"check the "
          f"host, port and firewall, or set {ENV_VAR}"),
         (("connection failed",),
          f"cannot connect to {where} ({server_says}); check the server and {ENV_VAR}"),

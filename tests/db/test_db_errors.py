@@ -166,3 +166,23 @@ def test_a_sqlite_file_removed_or_replaced_while_open_refuses_writes(tmp_path, f
         if fault == "removed":  # put back (its WAL is still beside it): the same file, so writes go on
             (tmp_path / "away.db").replace(path)
             store.put_protocol(sha256="c" * 64, name="z", canonical_json="{}")
+
+
+def test_a_server_that_never_answers_is_an_outage_after_the_urls_connect_timeout():
+    """Bug caught: psycopg raises ConnectionTimeout (an OperationalError subclass) when
+    connect_timeout expires; the class name was compared with "OperationalError", so an unreachable
+    server was a generic "database error ... check the database", not `DatabaseUnavailable` (the
+    outage `dispatch --follow` waits out), and the message gave 10 s whatever the URL set. A socket
+    that accepts and never answers stands for the unreachable server."""
+    import socket
+
+    from packbench.db.errors import DatabaseUnavailable
+
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(1)
+        port = silent.getsockname()[1]
+        with pytest.raises(DatabaseUnavailable) as info:
+            Store(f"postgresql+psycopg://postgres@127.0.0.1:{port}/test?connect_timeout=1").current()
+    assert str(info.value) == (f"cannot connect to postgresql at 127.0.0.1:{port} (timed out after 1 s); check the "
+                               f"host, port and firewall, or set {ENV_VAR}")
