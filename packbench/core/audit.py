@@ -513,6 +513,10 @@ class _Audit:
         elif stored_plan is not None:
             self.check_plan(stored_plan, entries, proto)
         worker = self.read(reader, WORKER_NAME, "json") if WORKER_NAME in self.readable else None
+        if worker is None and (self.complete or WORKER_NAME in self.names):
+            # The driver writes worker.json before the first episode: a sealed archive without it
+            # lost the start record every check of the environment and start bytes reads.
+            self.add(f"{WORKER_NAME} is missing or unreadable")
         start = worker_parts(worker).get("start")
         self.check_records(reader, worker, proto, entries)
         row_bytes: list[int | None] = [self.check_start(start, proto), _int8_row_bytes(proto)]

@@ -780,6 +780,16 @@ def test_a_plan_or_worker_record_verify_names_is_not_read(exact, tmp_path):
     assert "plan.json is missing or unreadable" in report.problems
 
 
+def test_a_sealed_archive_without_worker_json_does_not_agree(exact, tmp_path):
+    """Bug caught: a sealed archive resealed without worker.json audited AGREE unless a capacity
+    gate read the start record (the quickstart screen did): the start's byte counts, the
+    environment the manifest must repeat, each episode's device parameter bytes and the checkpoint
+    digest went unchecked, and nothing named the missing member the driver always writes."""
+    report = audit_archive(forged(exact["path"], tmp_path / "w.zip", drop=("worker.json",)))
+    assert "worker.json is missing or unreadable" in report.problems
+    assert not report.agrees
+
+
 def test_an_archive_over_the_bounds_is_not_recomputed(exact, monkeypatch):
     # Bug: the too-large check not stopping the audit (the work the bounds cap is done anyway).
     monkeypatch.setattr(ArchiveReader.__init__, "__kwdefaults__",
