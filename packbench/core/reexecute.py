@@ -138,8 +138,8 @@ def _ledger_problems(name: str, archived: list, rerun: list) -> list[str]:
             if key.endswith("_s"):  # times: compared statistically, per episode wall
                 continue
             if a.get(key) != r.get(key):
-                out.append(f"{name}: call {r.get('index')} ({r.get('phase')}) {key}: archived {_show(a.get(key))}, "
-                           f"re-executed {_show(r.get(key))}")
+                out.append(f"{name}: call {r.get('index')} ({r.get('phase')}) {key}: "
+                           f"{_versus(a.get(key), r.get(key))}")
     return out
 
 
@@ -147,6 +147,22 @@ def _show(value: Any) -> str:
     if isinstance(value, list) and len(value) > 6:
         return f"[{', '.join(map(str, value[:6]))}, ... ({len(value)} values)]"
     return repr(value)
+
+
+def _versus(archived: Any, rerun: Any) -> str:
+    """`archived A, re-executed R`; for lists of one length that `_show` would shorten (a token
+    list, a 40-layer ledger field, a batch's token lists), the first values that differ and where,
+    since the shortened lists may read alike."""
+    at = ""
+    while (isinstance(archived, list) and isinstance(rerun, list) and len(archived) == len(rerun)
+           and (len(archived) > 6 or any(isinstance(v, list) for v in archived))):
+        i = next((i for i, (a, r) in enumerate(zip(archived, rerun)) if a != r), None)
+        if i is None:
+            break
+        at += f"[{i}]"
+        archived, rerun = archived[i], rerun[i]
+    first = f" at {at}, the first difference" if at else ""
+    return f"archived {_show(archived)}, re-executed {_show(rerun)}{first}"
 
 
 def buffers_layout(record: dict) -> int:
@@ -170,14 +186,14 @@ def compare_episode(index: int, archived: dict, archived_logits: Any, rerun: dic
         return []
     out = []
     if archived.get("tokens") != rerun.get("tokens"):
-        out.append(f"{name}: tokens differ (archived {_show(archived.get('tokens'))}, "
-                   f"re-executed {_show(rerun.get('tokens'))})")
+        out.append(f"{name}: tokens differ "
+                   f"({_versus(archived.get('tokens'), rerun.get('tokens'))})")
     if not same_logits(_as_f4(archived_logits), _as_f4(rerun.get("logits"))):
         out.append(f"{name}: logits are not bit-identical to the archived ones")
     out += _ledger_problems(name, archived.get("calls"), rerun.get("calls") or [])
     for key in ("h2d_weight_bytes", "h2d_index_bytes", "d2h_bytes", "logits_d2h_bytes", "rows_copied"):
         if archived.get(key) != rerun.get(key):
-            out.append(f"{name}: {key} archived {_show(archived.get(key))}, re-executed {_show(rerun.get(key))}")
+            out.append(f"{name}: {key} {_versus(archived.get(key), rerun.get(key))}")
     for phase in ("prefill", "decode"):
         a = (archived.get("phases") or {}).get(phase) or {}
         r = (rerun.get("phases") or {}).get(phase) or {}

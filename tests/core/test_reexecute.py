@@ -119,6 +119,28 @@ def test_every_exact_field_is_compared(edit, expected):
     assert any(expected in p for p in problems), problems
 
 
+def test_a_difference_past_the_sixth_value_is_named_where_it_is():
+    """Bug caught: a re-executed token or per-layer count that differed past the sixth value read
+    `tokens differ (archived [462, 240, 295, 356, 111, 2, ... (8 values)], re-executed [462, 240,
+    295, 356, 111, 2, ... (8 values)])`: both lists shortened alike, the difference not shown."""
+    archived = record(tokens=[1, 2, 3, 4, 5, 6, 7, 8])
+    rerun = copy.deepcopy(archived)
+    rerun["logits"] = archived["logits"].copy()
+    rerun["tokens"][7] = 9
+    assert rx.compare_episode(4, archived, archived["logits"], rerun) == [
+        "episode 4 (packet): tokens differ (archived 8, re-executed 9 at [7], the first difference)"]
+    rerun["tokens"] = [[1] * 8, [2] * 7 + [3]]  # a batch's token lists
+    archived["tokens"] = [[1] * 8, [2] * 8]
+    assert rx.compare_episode(4, archived, archived["logits"], rerun) == [
+        "episode 4 (packet): tokens differ (archived 2, re-executed 3 at [1][7], the first difference)"]
+    archived, rerun = record(), record()
+    for r in (archived, rerun):
+        r["calls"][0].update(layers=40, h2d_weight_bytes=[16] * 40)
+    rerun["calls"][0]["h2d_weight_bytes"][20] = 32
+    assert rx.compare_episode(4, archived, archived["logits"], rerun) == [
+        "episode 4 (packet): call 1 (decode) h2d_weight_bytes: archived 16, re-executed 32 at [20], the first difference"]
+
+
 def test_peaks_within_the_stated_tolerance_agree():
     archived = record()
     rerun = copy.deepcopy(archived)
