@@ -68,7 +68,7 @@ from packbench.core.plan import plan as make_plan
 from packbench.core.plan import prompts as make_prompts
 from packbench.core.protocol import Protocol, expand
 from packbench.core.protocol.schema import MAX_BATCH, MAX_CONTINUATION
-from packbench.core.record import AUDITED, FIELDS_BY_NAME
+from packbench.core.record import AUDITED, FIELDS_BY_NAME, token_count
 from packbench.core.registry import INT8_SCALE_BYTES, SHAPES, kind_of, weights_of
 from packbench.core.text import one_line
 
@@ -84,6 +84,9 @@ PLAN_KEYS = ("index", "condition", "role", "prompt")
 # Database episode column -> where the archive record holds the same value: the stored,
 # audited fields of the episode record's one home (core/record.py).
 EPISODE_FIELDS: dict[str, tuple[str, ...]] = dict(AUDITED)
+# Columns a revision added without filling them in for the rows already stored (NULL there, a value
+# in the archived record): compared only where the row holds a value.
+NULL_BEFORE_COLUMN = frozenset({"energy_j"})  # migrations/versions/0006_reexecute_energy.py
 
 
 def detail_key(verdict: dict) -> str:
@@ -200,8 +203,12 @@ def _compare_episodes(episodes: list[dict], rows: Any) -> list[str]:
             # stored_values): None for a nullable one. Before, a lacking value skipped the
             # comparison, so a row with a peak memory or fidelity the archive never held agreed.
             mine = _at(e, path)
-            if mine is None:
+            if FIELDS_BY_NAME[column].stored_as == "length":
+                mine = token_count(mine)  # n_tokens: the ids the tokens hold, every sequence's
+            elif mine is None:
                 mine = FIELDS_BY_NAME[column].default
+            if column in NULL_BEFORE_COLUMN and row.get(column) is None:
+                continue
             if column in row and _norm(row[column]) != mine:
                 out.append(f"database episode {i} {column} {row[column]!r} != archive {mine!r}")
     for i in sorted(set(stored) - {e["plan_index"] for e in episodes}, key=repr):

@@ -75,7 +75,7 @@ EPISODE_FIELDS: tuple[Field, ...] = (
     _stored("error", str, nullable=True, audited=False),  # free text; the archive adds a traceback
     # Batch 1: the generated ids, one per call; a batch: one such list per sequence.
     _stored("tokens", list, column="tokens_json", stored_as="json"),
-    _stored("n_tokens", int, "tokens", stored_as="length", audited=False),  # tokens generated, every sequence's
+    _stored("n_tokens", int, "tokens", stored_as="length"),  # tokens generated, every sequence's
     _stored("wall_s", float),
     _stored("call_s", float, ledger=True),
     _stored("h2d_weight_bytes", int, ledger=True),
@@ -88,9 +88,9 @@ EPISODE_FIELDS: tuple[Field, ...] = (
     _stored("decode_call_s", float, "phases", "decode", "call_s", ledger=True),
     _stored("peak_allocated_bytes", int, "memory", "peak_allocated_bytes", nullable=True),
     _stored("peak_sampled_bytes", int, "memory", "peak_sampled_bytes", nullable=True),
-    # Not audited: what the auditor compares is pinned (its digest covers it); the archive's
-    # value is what the database holds, recorded from the same record.
-    _stored("energy_j", float, nullable=True, audited=False),
+    # Audited where the row holds a value: rows stored before revision 0006 hold NULL whatever
+    # their archived record says (core/audit.py NULL_BEFORE_COLUMN).
+    _stored("energy_j", float, nullable=True),
     # An approximate condition's fidelity against its reference (core/fidelity.py): computed by
     # the driver from the logits, recomputed by the auditor. None on exact episodes; a
     # divergence_step of None on an approximate one means its tokens never diverged.

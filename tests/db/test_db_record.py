@@ -45,13 +45,16 @@ def test_the_auditor_compares_what_it_always_compared():
     """Pinned: what the auditor compares is part of what its digest covers."""
     assert EPISODE_FIELDS == AUDITED == {
         "condition": ("condition",), "role": ("role",), "prompt": ("prompt",), "status": ("status",),
-        "tokens": ("tokens",), "wall_s": ("wall_s",), "call_s": ("call_s",),
+        "tokens": ("tokens",), "n_tokens": ("tokens",), "wall_s": ("wall_s",), "call_s": ("call_s",),
         "h2d_weight_bytes": ("h2d_weight_bytes",), "h2d_index_bytes": ("h2d_index_bytes",),
         "d2h_bytes": ("d2h_bytes",),
         "prefill_h2d_bytes": ("phases", "prefill", "h2d_bytes"), "decode_h2d_bytes": ("phases", "decode", "h2d_bytes"),
         "prefill_call_s": ("phases", "prefill", "call_s"), "decode_call_s": ("phases", "decode", "call_s"),
         "peak_allocated_bytes": ("memory", "peak_allocated_bytes"),
         "peak_sampled_bytes": ("memory", "peak_sampled_bytes"),
+        # n_tokens (the tokens' count) and energy_j (where the row holds one) compare equal for
+        # every row stored from its record, so an agreeing audit's digest holds.
+        "energy_j": ("energy_j",),
         # Issue 24: approximate episodes' fidelity (None on every exact one, so archives made
         # before compare as they always did and their audit digests hold).
         "fidelity_mean_kl": ("fidelity", "mean_kl"), "fidelity_p99_kl": ("fidelity", "p99_kl"),

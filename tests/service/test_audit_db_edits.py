@@ -152,3 +152,22 @@ def test_an_attempt_naming_a_checkpoint_its_archive_did_not_measure_disagrees(ra
         f"worker.json: the checkpoint measured has digest None; the database's attempt says {'a' * 64}"]
     edited(db, "UPDATE attempts SET model_sha256 = NULL WHERE id = ?", attempt_id)
     agrees_again(store, screen_id, digest)
+
+
+def test_a_row_whose_token_count_or_energy_was_edited_disagrees(ran):
+    """Bug caught: `n_tokens` (what `history`'s ms per decode token, a sweep's tokens and
+    `compare`'s joules per token divide by) and `energy_j` (`compare`'s joules per episode, `results
+    --sort energy_j`) were never compared with the archive: edited, they audited AGREE. A row stored
+    before revision 0006 holds NULL energy whatever its record says: NULL is not a disagreement."""
+    store, db, screen_id, attempt_id, digest = ran
+    with sqlite3.connect(db) as connection:
+        (n,) = connection.execute("SELECT n_tokens FROM episodes WHERE attempt_id = ? AND plan_index = 2",
+                                  (attempt_id,)).fetchone()
+    edited(db, "UPDATE episodes SET n_tokens = n_tokens + 1 WHERE attempt_id = ? AND plan_index = 2", attempt_id)
+    assert problems(store, screen_id) == [f"database episode 2 n_tokens {n + 1} != archive {n}"]
+    edited(db, "UPDATE episodes SET n_tokens = n_tokens - 1 WHERE attempt_id = ? AND plan_index = 2", attempt_id)
+    agrees_again(store, screen_id, digest)
+    edited(db, "UPDATE episodes SET energy_j = 12.5 WHERE attempt_id = ? AND plan_index = 2", attempt_id)
+    assert problems(store, screen_id) == ["database episode 2 energy_j 12.5 != archive None"]
+    edited(db, "UPDATE episodes SET energy_j = NULL WHERE attempt_id = ? AND plan_index = 2", attempt_id)
+    agrees_again(store, screen_id, digest)
