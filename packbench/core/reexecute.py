@@ -25,6 +25,7 @@ caller's (service/audit.py through cluster/reexecute.py).
 
 from __future__ import annotations
 
+import json
 import statistics
 from dataclasses import dataclass
 from typing import Any
@@ -41,12 +42,13 @@ from packbench.core.archive import (
     worker_parts,
 )
 from packbench.core.audit import LOGITS_DTYPE, START_BYTES
-from packbench.core.canonical import canonical_sha256
+from packbench.core.canonical import canonical_json, canonical_sha256
 from packbench.core.plan import plan as make_plan
 from packbench.core.protocol import expand
 
-REEXECUTE_VERSION = 2  # bump when what a re-execution compares changes: the digest covers it
+REEXECUTE_VERSION = 3  # bump when what a re-execution compares changes: the digest covers it
 # 2: policy_device_bytes is compared only between episodes of the same engine buffer layout
+# 3: an expert cache's experts section (routing, counts, figures) is compared
 TIME_FACTOR = 2.0  # re-run median wall within [1/2, 2] x the archived median of its condition ...
 TIME_SLACK_S = 0.010  # ... or within 10 ms of it (tiny CPU episodes are all noise)
 PEAK_TOLERANCE = {"peak_allocated_bytes": (0.05, 16 << 20), "peak_sampled_bytes": (0.10, 64 << 20)}
@@ -212,9 +214,21 @@ def compare_episode(index: int, archived: dict, archived_logits: Any, rerun: dic
         if (a is None) != (r is None) or (a is not None and not _within(r, a, rel, slack)):
             out.append(f"{name}: memory {key} archived {_show(a)}, re-executed {_show(r)} "
                        f"(tolerance {rel:.0%} + {slack >> 20} MiB)")
+    out += _experts_problems(name, archived.get("experts"), rerun.get("experts"))
     if len(out) > MAX_PROBLEMS_PER_EPISODE:
         out = out[:MAX_PROBLEMS_PER_EPISODE] + [f"{name}: ... and {len(out) - MAX_PROBLEMS_PER_EPISODE} more differences"]
     return out
+
+
+def _experts_problems(name: str, archived: Any, rerun: Any) -> list[str]:
+    """An expert cache's section: its routing, what it counted and the figures a replay of that
+    routing gives (hit rate, Belady's) follow from the same computation as the logits. Only the
+    keys the archived section holds (a newer engine may record more)."""
+    if not isinstance(archived, dict):
+        return []  # no section to compare (the static audit requires one of an expert cache)
+    rerun = json.loads(canonical_json(rerun)) if isinstance(rerun, dict) else {}  # tuples as the archive's lists
+    return [f"{name}: experts {key} {_versus(archived[key], rerun.get(key))}"
+            for key in sorted(archived) if archived[key] != rerun.get(key)]
 
 
 def compare_start(archived: Any, rerun: dict) -> list[str]:

@@ -141,6 +141,25 @@ def test_a_difference_past_the_sixth_value_is_named_where_it_is():
         "episode 4 (packet): call 1 (decode) h2d_weight_bytes: archived 16, re-executed 32 at [20], the first difference"]
 
 
+def test_an_expert_caches_routing_and_figures_are_compared():
+    """Bug caught: re-execution never compared an expert cache's `experts` section: a routing
+    edited in the record and its trace alike (so the static replay agrees) with the per-call
+    counts kept, and its hit rate and Belady figures recomputed, re-executed AGREE though the
+    re-run routed otherwise."""
+    experts = {"capacity": 2, "rule": "lru", "routes": [[[0, 1]], [[1, 2]]], "hits": 1, "belady_hits": 1,
+               "hit_rate": 0.25}
+    archived = record(experts=experts)
+    rerun = copy.deepcopy(archived)
+    rerun["logits"] = archived["logits"].copy()
+    rerun["experts"]["routes"] = (((0, 1),), ((1, 2),))  # a live record's tuples read as the archive's lists
+    assert rx.compare_episode(4, archived, archived["logits"], rerun) == []
+    rerun["experts"].update(routes=[[[0, 1]], [[1, 3]]], belady_hits=0)
+    rerun["experts"]["ready_rate"] = 0.25  # a figure the archived section lacks (an older engine): not compared
+    assert rx.compare_episode(4, archived, archived["logits"], rerun) == [
+        "episode 4 (packet): experts belady_hits archived 1, re-executed 0",
+        "episode 4 (packet): experts routes archived [1, 2], re-executed [1, 3] at [1][0], the first difference"]
+
+
 def test_peaks_within_the_stated_tolerance_agree():
     archived = record()
     rerun = copy.deepcopy(archived)
