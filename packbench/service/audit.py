@@ -125,6 +125,10 @@ def select_screens(store, refs: list[str], *, all_screens: bool = False, since: 
                    protocol: str | None = None) -> list[int]:
     """Screen ids to audit: the given ids (or `latest`), or every screen that ran (optionally
     since a date, or of one protocol: name or SHA-256 prefix), oldest first."""
+    if refs and (all_screens or since or protocol):
+        given = ", ".join(n for n, v in (("--all", all_screens), ("--since", since), ("--protocol", protocol)) if v)
+        raise PackbenchError(f"screen ids and {given} both select screens, and {given} would go unheeded: "
+                             f"give the ids alone, or {given} without ids")
     if refs:
         return [store.screen(r).id for r in refs]
     if not (all_screens or since or protocol):

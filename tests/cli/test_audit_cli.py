@@ -276,3 +276,18 @@ def test_the_audit_verdict_table_labels_each_rows_tier(world, cli):
     assert header.split()[:4] == ["gate", "condition", "tier", "phase"], header
     rows = [line.split() for line in lines[lines.index(header) + 1:] if line and not line.startswith("audit of")]
     assert rows and all(row[2] == "exact" for row in rows), rows
+
+
+def test_screen_ids_with_all_since_or_protocol_are_refused_not_half_heeded(world, cli):
+    """Bug caught: `audit screen 1 --protocol moe-trace` audited screen 1 (another protocol's)
+    and exited 0, `--since` and `--all` beside ids were dropped alike: the ids won and the
+    filter the user asked for went unheeded, unsaid. Now one line, exit 2, nothing audited."""
+    d = world["dir"]
+    for extra, named in ((["--protocol", "x"], "--protocol"), (["--since", "2030-01-01"], "--since"),
+                         (["--all"], "--all")):
+        for form in (["audit", "screen", "1"], ["audit", "reexecute", "1"]):
+            r = cli(*form, *extra, cwd=d, db=world["db"])
+            assert r.returncode == 2 and "Traceback" not in r.stderr, (form, extra, r.stdout, r.stderr)
+            assert r.stderr.strip() == (f"error: screen ids and {named} both select screens, and {named} would go "
+                                        f"unheeded: give the ids alone, or {named} without ids"), r.stderr
+            assert r.stdout == ""
