@@ -17,6 +17,7 @@ from typing import Any
 
 from packbench.cluster.runtime import ensure_ray
 from packbench.core.audit import AuditReport, audit_archive
+from packbench.core.provenance import signature_path
 from packbench.core.settings import Settings
 
 
@@ -40,8 +41,9 @@ class AuditDone:
     error: str | None = None
 
 
-def _audit_here(path: str, data: bytes | None, compare: dict) -> dict:
-    """Runs on the auditing node. Without the file and without bytes: says so (the driver ships them)."""
+def _audit_here(path: str, data: bytes | None, compare: dict, signature: bytes | None = None) -> dict:
+    """Runs on the auditing node. Without the file and without bytes: says so (the driver ships them,
+    and the detached signature beside them when the audit checks one)."""
     import ray
 
     where = {"node": ray.get_runtime_context().get_node_id(), "host": platform.node()}
@@ -53,6 +55,8 @@ def _audit_here(path: str, data: bytes | None, compare: dict) -> dict:
     with tempfile.TemporaryDirectory(prefix="packbench-audit-") as tmp:
         copy = Path(tmp) / p.name
         copy.write_bytes(data)
+        if signature is not None:
+            signature_path(copy).write_bytes(signature)
         report = _report(audit_archive(copy, **compare))
     # Problems name no path (the auditor scrubs its own), so the digest equals a local audit's.
     return {**where, **report, "shipped": True}
@@ -65,6 +69,10 @@ def _report(report: AuditReport) -> dict:
 
 def _read_bytes(path: str) -> bytes:
     return Path(path).read_bytes()
+
+
+def _read_if_there(path: str) -> bytes | None:
+    return Path(path).read_bytes() if Path(path).is_file() else None
 
 
 def _cpu_nodes(ray) -> list[str]:
@@ -108,10 +116,22 @@ def fan_out(jobs: list[AuditJob], *, settings: Settings, concurrency: int = 8, o
         other_node = len(nodes) > 1
     task = ray.remote(num_cpus=1, num_gpus=0, max_retries=0)(_audit_here)
     reader = ray.remote(num_cpus=0, num_gpus=0, max_retries=0)(_read_bytes)
+    sig_reader = ray.remote(num_cpus=0, num_gpus=0, max_retries=0)(_read_if_there)
 
-    def submit(job: AuditJob, node: str | None, data=None):
+    def submit(job: AuditJob, node: str | None, data=None, signature=None):
         options = {} if node is None else {"scheduling_strategy": NodeAffinitySchedulingStrategy(node, soft=False)}
-        return task.options(**options).remote(job.path, data, job.compare)
+        return task.options(**options).remote(job.path, data, job.compare, signature)
+
+    def shipped_signature(job: AuditJob):
+        """The archive's detached signature, where the audit checks one (without it a shipped copy
+        would read as unsigned)."""
+        sig = str(signature_path(Path(job.path)))
+        if job.compare.get("trust") is None:
+            return None
+        if Path(job.path).is_file() or job.producer_node not in nodes:
+            return ray.put(_read_if_there(sig))
+        return sig_reader.options(scheduling_strategy=NodeAffinitySchedulingStrategy(job.producer_node,
+                                                                                     soft=False)).remote(sig)
 
     def shipped_bytes(job: AuditJob):
         if Path(job.path).is_file():
@@ -137,7 +157,7 @@ def fan_out(jobs: list[AuditJob], *, settings: Settings, concurrency: int = 8, o
         i, r, job, node, with_bytes = inflight.pop(ready[0])
         out = ray.get(ready[0])
         if out.get("missing") and not with_bytes:
-            inflight[submit(job, out["node"], shipped_bytes(job))] = (i, r, job, out["node"], True)
+            inflight[submit(job, out["node"], shipped_bytes(job), shipped_signature(job))] = (i, r, job, out["node"], True)
             continue
         if out.get("missing"):
             results[(i, r)] = AuditDone(job, None, out["node"], out["host"], False,

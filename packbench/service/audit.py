@@ -166,7 +166,8 @@ def audit_screens(store, screen_ids: list[int], *, on_ray: bool = False, setting
                        db_episodes=episode_dicts(store.episodes(attempt.id)),
                        expected_protocol_sha256=protocol_sha256(store, screen_id),
                        expected_model_sha256=attempt.model_sha256,
-                       target=str(screen_id))  # an archive over the bound names `packbench audit <id> --max-mib N`
+                       target=str(screen_id),  # an archive over the bound names `packbench audit <id> --max-mib N`
+                       **_signed_by(store, attempt))  # on Ray too: else a signed attempt's digest differs
         if max_mib is not None:
             compare["max_mib"] = max_mib
         jobs.append((screen_id, attempt, path, compare))
@@ -182,7 +183,7 @@ def audit_screens(store, screen_ids: list[int], *, on_ray: bool = False, setting
     else:
         if repeat > 1:
             raise PackbenchError("--repeat runs audits on distinct nodes; add --ray")
-        results = [(job, *_audit_local(job, store)) for job in jobs]
+        results = [(job, *_audit_local(job)) for job in jobs]
         kind = "local"
     outcomes = []
     for (screen_id, attempt, path, _), report, node, host, error in results:
@@ -215,12 +216,12 @@ def _left(attempt, what: str) -> str:
     return f"attempt {attempt.number} {attempt.status} and left {what}" + (f" ({attempt.error})" if attempt.error else "")
 
 
-def _audit_local(job, store) -> tuple[AuditReport | None, str, str, str | None]:
+def _audit_local(job) -> tuple[AuditReport | None, str, str, str | None]:
     """(report, node, host, error) of one job here; an archive missing here is this job's error, not
     the end of every other audit."""
-    _, attempt, path, compare = job
+    _, _, path, compare = job
     try:
-        return audit_archive(path, **compare, **_signed_by(store, attempt)), platform.node(), platform.node(), None
+        return audit_archive(path, **compare), platform.node(), platform.node(), None
     except ArchiveError as e:
         return None, platform.node(), platform.node(), str(e)
 
@@ -400,7 +401,7 @@ def reexecute_screens(store, screen_ids: list[int], *, k: int, seed: int = 0, se
 
 
 def _signed_by(store, attempt) -> dict:
-    """A local audit of a signed attempt also checks its signature, against the key the database
+    """An audit of a signed attempt (local or on Ray) also checks its signature, against the key the database
     says signed it (a database row and an archive rewritten together would still be caught)."""
     if getattr(attempt, "signer_key_id", None) is None:
         return {}
