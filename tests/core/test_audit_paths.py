@@ -29,6 +29,7 @@ from packbench.core.audit import (
 from packbench.core.canonical import canonical_json
 from packbench.core.protocol import expand, freeze
 from packbench.core.protocol.schema import MAX_BATCH, MAX_CONTINUATION
+from packbench.core.record import FIELDS_BY_NAME, token_count
 from packbench.core.registry import INT8_SCALE_BYTES, SHAPES
 
 
@@ -95,6 +96,8 @@ def db_episodes(screen) -> list[dict]:
             value = e
             for key in path:
                 value = value.get(key) if isinstance(value, dict) else None
+            if FIELDS_BY_NAME[column].stored_as == "length":
+                value = token_count(value)  # n_tokens
             if value is not None:
                 row[column] = value
         rows.append(row)
