@@ -27,6 +27,22 @@ def protocol_file(folder: Path, *, prompts: int = 1, continuation: int = 2, name
     return path
 
 
+def interrupt_on_call(monkeypatch, module, name: str, n: int) -> tuple[list, object]:
+    """Patch `module.name` to raise KeyboardInterrupt on its n-th call, the calls before it going
+    through: an interrupt part-way through a transaction. Returns (the first argument of each
+    call, the real function, to patch back)."""
+    real, calls = getattr(module, name), []
+
+    def patched(session, ref, **options):
+        calls.append(ref)
+        if len(calls) == n:
+            raise KeyboardInterrupt
+        return real(session, ref, **options)
+
+    monkeypatch.setattr(module, name, patched)
+    return calls, real
+
+
 def dispatcher(store, tmp_path, pool, **options) -> Dispatcher:
     said: list[str] = []
     options.setdefault("lease_s", 30)

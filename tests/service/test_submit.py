@@ -8,7 +8,7 @@ import pytest
 import packbench.db.labels
 from packbench.core.errors import PackbenchError
 from packbench.service.submit import MAX_REPLICAS, submit
-from tests.service.screens import protocol_file
+from tests.service.screens import interrupt_on_call, protocol_file
 
 
 def test_replicas_are_bounded_before_anything_is_stored(store, tmp_path):
@@ -23,15 +23,7 @@ def test_replicas_are_bounded_before_anything_is_stored(store, tmp_path):
 def test_replicas_are_queued_in_one_transaction_labels_included(store, tmp_path, monkeypatch):
     """An interrupt part-way (here: labelling the third replica) queues none of them. The bug
     caught: one transaction per replica, which left every replica before the interrupt queued."""
-    real, calls = packbench.db.labels.label, []
-
-    def label(session, ref, **options):
-        calls.append(ref)
-        if len(calls) == 3:
-            raise KeyboardInterrupt
-        return real(session, ref, **options)
-
-    monkeypatch.setattr(packbench.db.labels, "label", label)
+    calls, real = interrupt_on_call(monkeypatch, packbench.db.labels, "label", 3)
     with pytest.raises(KeyboardInterrupt):
         submit(store, protocol_file(tmp_path), replicas=5, name="batch", tags={"k": "v"})
     assert len(calls) == 3 and store.list_screens() == [] and store.queued_screens() == []

@@ -11,7 +11,7 @@ import pytest
 import packbench.db.labels
 from packbench.core.errors import ProtocolError
 from packbench.service.sweep import MAX_POINTS, parse_axes, points, submit_sweep, with_value
-from tests.service.screens import protocol_file
+from tests.service.screens import interrupt_on_call, protocol_file
 
 
 def rows(tmp_path) -> dict[str, int]:
@@ -25,15 +25,7 @@ def test_a_sweep_is_queued_in_one_transaction(store, tmp_path, monkeypatch):
     """An interrupt part-way (recording the third point) queues no point. The bug caught: one
     transaction per point and another for its sweep label, which left the points before the
     interrupt queued, the last of them without its sweep id."""
-    real, calls = packbench.db.labels.set_sweep, []
-
-    def set_sweep(session, screen_id, **options):
-        calls.append(screen_id)
-        if len(calls) == 3:
-            raise KeyboardInterrupt
-        return real(session, screen_id, **options)
-
-    monkeypatch.setattr(packbench.db.labels, "set_sweep", set_sweep)
+    calls, real = interrupt_on_call(monkeypatch, packbench.db.labels, "set_sweep", 3)
     path = protocol_file(tmp_path)
     with pytest.raises(KeyboardInterrupt):
         submit_sweep(store, path, parse_axes(["continuation_tokens=2,3,4,5"]), name="sw", tags={"k": "v"})
