@@ -2,7 +2,6 @@
 
 import subprocess
 import sys
-from pathlib import Path
 
 from tests.mutate import MODULES, POSTGRESQL_STAGE, ROOT, _settings
 
@@ -33,7 +32,7 @@ def test_the_postgresql_marker_is_on_every_postgresql_case_and_no_other():
         return [line for line in out.splitlines() if "::" in line]
 
     marked, unmarked = collected("postgresql"), collected("not postgresql")
-    source = Path(ROOT / "tests/db/test_db_queue.py").read_text()
+    source = "".join((ROOT / f).read_text() for f in ("tests/db/test_db_queue.py", "tests/db/test_db_queries.py"))
     pg_only = {line.split("::")[1].split("[")[0] for line in marked if "postgresql" not in line}
     assert pg_only and all(f"def {name}(pg_url" in source for name in pg_only)
     assert all("[postgresql" in line for line in marked if line.split("::")[1].split("[")[0] not in pg_only)
