@@ -374,16 +374,17 @@ def headline(screen: ScreenData) -> list[str]:
         text = (f"{tier.capitalize()} tier, by the steady decode call ({best['episodes']} scored episode"
                 f"{'' if best['episodes'] == 1 else 's'}): "
                 f"{best['condition']} {best['steady_call_s'] * 1e3:.3g} ms")
+        # Its TPOT beside its own figure: after the slowest's or the reference's name it read as theirs.
+        if best["tpot_s"] is not None:
+            text += f" (its TPOT {best['tpot_s'] * 1e3:.3g} ms"
+            once = best["first_decode_excess_s"]
+            text += f", once per episode {once * 1e3:+.3g} ms)" if once is not None else ")"
         if len(ranked) > 1:
             text += f", {worst['steady_call_s'] / best['steady_call_s']:.3g}x faster than the slowest, {worst['condition']}"
         if ref not in (best["condition"], worst["condition"]) and steady.get(ref):
             factor = steady[ref] / best["steady_call_s"]  # below 1 where the reference (another tier) is faster
             text += (f", {factor:.3g}x faster than the reference" if factor >= 1 else
                      f", {1 / factor:.3g}x slower than the reference") + f" {ref} ({steady[ref] * 1e3:.3g} ms)"
-        if best["tpot_s"] is not None:
-            text += f" (its TPOT {best['tpot_s'] * 1e3:.3g} ms"
-            once = best["first_decode_excess_s"]
-            text += f", once per episode {once * 1e3:+.3g} ms)" if once is not None else ")"
         text += "; order: " + ", ".join(f"{r['condition']} {r['steady_call_s'] * 1e3:.3g}" for r in ranked) + " ms"
         lines.append(text)
     for r in runtime_ratios(screen):
