@@ -347,7 +347,7 @@ def submit(
         return
     ids = queue_screens(store, protocol, priority=priority, max_attempts=max_attempts, gpu_type=gpu_type,
                         replicas=replicas, spread=spread, name=name, note=note, tags=labels.parse_tags(tag))
-    _warn_archive(protocol)
+    _warn(protocol)
     if not wait and json_out:
         echo_json({"queued": ids})
         return
@@ -362,14 +362,13 @@ def submit(
         raise typer.Exit(signals.exit_code()) from None
 
 
-def _warn_archive(protocol: Path) -> None:
-    """`warning: ...` on stderr when the queued screen's archive will be over the audit bound
-    (service/submit.py archive_warning_of); stdout stays the command's own."""
+def _warn(protocol: Path) -> None:
+    """`warning: ...` lines on stderr for the queued screen (service/submit.py warnings_of: an
+    archive over the audit bound, approximate conditions no gate judges); stdout stays the command's own."""
     from packbench.core.protocol import load
-    from packbench.service.submit import archive_warning_of
+    from packbench.service.submit import warnings_of
 
-    warning = archive_warning_of(load(protocol))
-    if warning is not None:
+    for warning in warnings_of(load(protocol)):
         typer.echo(f"warning: {warning}", err=True)
 
 

@@ -59,15 +59,17 @@ def validate(
     """Check every field and freeze the protocol; print its name, schema, SHA-256, episode count
     and what each condition runs with."""
     from packbench.core.plan import plan
-    from packbench.service.submit import archive_warning_of, check_family, check_positions
+    from packbench.service.submit import archive_warning_of, check_family, check_positions, unjudged_warning
 
     frozen = _load(protocol)
     p = frozen.protocol
     check_positions(frozen)  # model.path: a checkpoint directory whose positions hold an episode, as submit checks
     check_family(frozen)  # an MoE checkpoint: expert policies only, an allowance for one layer's routed experts
     warning = archive_warning_of(frozen)  # valid still: a trusted archive is audited with --max-mib
+    unjudged = unjudged_warning(frozen)  # valid still: the figures are recorded, only no verdict reads them
     if json_out:
         typer.echo(json.dumps({"valid": True, "name": p.name, "schema": frozen.body["schema"], "warning": warning,
+                               "unjudged": unjudged,
                                "read_as": frozen.read_as or frozen.body["schema"], "sha256": frozen.sha256,
                                "planned_episodes": len(plan(p)),
                                "conditions": [{"name": c.name, "policy": c.policy, "params": c.resolved_params}
@@ -77,8 +79,9 @@ def validate(
                f"{len(p.conditions)} conditions, {len(plan(p))} planned episodes")
     for c in p.conditions:
         typer.echo(f"  {c.name}: {_policy(c)}")
-    if warning is not None:
-        typer.echo(f"warning: {warning}", err=True)
+    for line in (warning, unjudged):
+        if line is not None:
+            typer.echo(f"warning: {line}", err=True)
 
 
 def show(

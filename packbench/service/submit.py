@@ -184,6 +184,25 @@ def check_positions(frozen: FrozenProtocol) -> None:
             raise ProtocolError(f"protocol field `prefix_tokens`: {refusal}")
 
 
+def unjudged_warning(frozen: FrozenProtocol) -> str | None:
+    """One line naming the approximate conditions no fidelity gate judges (their fidelity figures
+    are recorded, but the verdicts say nothing of them); None when every one is judged."""
+    p = frozen.protocol
+    judged = {f.condition for f in p.gates.fidelity}
+    names = [c.name for c in p.conditions if c.tier == "approximate" and c.name not in judged]
+    if not names:
+        return None
+    return (f"{', '.join(names)} {'is' if len(names) == 1 else 'are'} approximate and no fidelity gate judges "
+            f"{'it' if len(names) == 1 else 'them'}: the fidelity figures are recorded, but no verdict says "
+            f"whether they are good enough; add gates.fidelity (docs/protocol.md) to judge {'it' if len(names) == 1 else 'them'}")
+
+
+def warnings_of(frozen: FrozenProtocol) -> list[str]:
+    """What `protocol validate` and `submit` say on stderr about a valid protocol: an archive over
+    the audit's bound, approximate conditions no gate judges."""
+    return [w for w in (archive_warning_of(frozen), unjudged_warning(frozen)) if w is not None]
+
+
 def archive_warning_of(frozen: FrozenProtocol) -> str | None:
     """One line when the screen's archive, estimated from its plan (core/estimate.py
     archive_bytes), will be over the audit's bound; None within it. The vocabulary is the

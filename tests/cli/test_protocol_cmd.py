@@ -241,3 +241,40 @@ def test_plan_refuses_what_validate_and_submit_refuse_of_an_offloading_peer(tmp_
         r = run("protocol", command, str(f))
         assert r.returncode == 2 and r.stdout == "", (command, r.stdout, r.stderr)
         assert r.stderr.count("\n") == 1 and "zero-inference needs an allowance of at least 149 MiB" in r.stderr
+
+
+def test_an_approximate_condition_no_gate_judges_is_named_in_a_warning_and_still_valid(tmp_path):
+    """An approximate competitor without a fidelity gate ran, and the verdicts said nothing of it:
+    `protocol validate` and `submit` name it (one line, exit 0); judged, no line (catches the
+    warning missing, naming a judged or an exact condition, or refusing the protocol)."""
+    import yaml
+
+    body = {"name": "unjudged", "model": {"synth": {"shape": "tiny", "seed": 0, "dtype": "float32"}},
+            "dtype": "float32", "prompts": {"generator": {"seed": 0, "count": 1}}, "prefix_tokens": 8,
+            "continuation_tokens": 3, "reference": "dense-stream", "allowance_mib": 64,
+            "conditions": [{"policy": "dense-stream"}, {"policy": "packet"},
+                           {"name": "q8", "policy": "quantized", "params": {"method": "int8-weight-only"}},
+                           {"name": "q4", "policy": "quantized", "params": {"method": "int4-weight-only"}}],
+            "gates": {"faithfulness": {}, "fidelity": [{"condition": "q4", "min_top1": 0.5}]}}
+    path = tmp_path / "p.yaml"
+    path.write_text(yaml.safe_dump(body))
+    r = invoke("protocol", "validate", str(path))
+    assert r.exit_code == 0 and r.stdout.startswith("valid: "), (r.stdout, r.stderr)
+    assert r.stderr.strip().splitlines() == [
+        "warning: q8 is approximate and no fidelity gate judges it: the fidelity figures are recorded, but no "
+        "verdict says whether they are good enough; add gates.fidelity (docs/protocol.md) to judge it"]
+    doc = json.loads(invoke("protocol", "validate", str(path), "--json").stdout)
+    assert doc["unjudged"] == r.stderr.strip()[len("warning: "):] and doc["warning"] is None
+    db = f"sqlite:///{tmp_path / 's.db'}"
+    assert invoke("db", "upgrade", "--db", db).exit_code == 0
+    r = invoke("submit", str(path), "--db", db, "--json")
+    assert r.exit_code == 0 and json.loads(r.stdout) == {"queued": [1]}, (r.stdout, r.stderr)
+    assert r.stderr.strip() == f"warning: {doc['unjudged']}"
+    body["gates"]["fidelity"].append({"condition": "q8", "min_top1": 0.5})
+    path.write_text(yaml.safe_dump(body))
+    r = invoke("protocol", "validate", str(path))
+    assert r.exit_code == 0 and r.stderr == "", r.stderr
+    body["gates"].pop("fidelity")  # both unjudged: one line names both
+    path.write_text(yaml.safe_dump(body))
+    assert invoke("protocol", "validate", str(path)).stderr.startswith(
+        "warning: q8, q4 are approximate and no fidelity gate judges them")
