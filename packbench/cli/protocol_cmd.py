@@ -203,6 +203,11 @@ def plan_cmd(
     _print_archive(archive, warning)
 
 
+def _mib(n: int) -> str:
+    """Bytes in MiB to three significant figures: a tiny shape's 12 KiB expert read `0.0 MiB`."""
+    return f"{n / 2**20:.3g}"
+
+
 def _print_archive(archive: dict, warning: str | None) -> None:
     """`archive: about X MiB (...)` and, over the audit bound, the `warning:` line on stderr."""
     typer.echo(f"archive: about {archive['bytes'] / (1 << 20):,.1f} MiB ({archive['episodes']} episodes' float32 logits of "
@@ -252,7 +257,7 @@ def _moe_plan(frozen: FrozenProtocol, *, h2d_gbps: float, json_out: bool) -> Non
     typer.echo(f"{len(entries)} episodes in this order, each 1 prefill call of {p.prefix_tokens} tokens + "
                f"{p.continuation_tokens - 1} decode calls")
     typer.echo(table(entries, ["index", "condition", "role", "prompt", "repetition"]))
-    typer.echo(f"\nMoE: {s.layers} layers{f' ({s.moe_layers} with experts)' if s.dense_layers else ''} x {s.experts} experts (top {s.k}) of {s.expert_bytes(p.dtype) / 2**20:.1f} MiB; "
+    typer.echo(f"\nMoE: {s.layers} layers{f' ({s.moe_layers} with experts)' if s.dense_layers else ''} x {s.experts} experts (top {s.k}) of {_mib(s.expert_bytes(p.dtype))} MiB; "
                f"bytes host-to-device per call, floor at {h2d_gbps} GB/s")
     typer.echo(table([{**r, "prefill_MB": f"{r['prefill_bytes'] / 1e6:.1f}", "decode_MB": f"{r['decode_bytes'] / 1e6:.1f}",
                        "decode_floor_ms": f"{r['decode_floor_ms']:.2f}"} for r in rows],

@@ -278,3 +278,22 @@ def test_an_approximate_condition_no_gate_judges_is_named_in_a_warning_and_still
     path.write_text(yaml.safe_dump(body))
     assert invoke("protocol", "validate", str(path)).stderr.startswith(
         "warning: q8, q4 are approximate and no fidelity gate judges them")
+
+
+def test_the_moe_plan_gives_a_tiny_experts_size_in_figures_that_are_not_zero(tmp_path):
+    """A tiny shape's 16 experts of 24 KiB each were printed `of 0.0 MiB` (catches a fixed
+    decimal that rounds a small expert to nothing)."""
+    import yaml
+
+    from packbench.core.moe import MoeShape
+
+    body = {"name": "moe-plan", "model": {"synth": {"shape": "qwen3-moe-tiny", "seed": 0, "dtype": "float32"}},
+            "dtype": "float32", "prompts": {"generator": {"seed": 0, "count": 1}}, "prefix_tokens": 8,
+            "continuation_tokens": 3, "reference": "dense-stream", "allowance_mib": 64,
+            "conditions": [{"policy": "dense-stream"}, {"policy": "packet"}], "gates": {"faithfulness": {}}}
+    path = tmp_path / "p.yaml"
+    path.write_text(yaml.safe_dump(body))
+    r = invoke("protocol", "plan", str(path), "--device", "cpu", "--db", f"sqlite:///{tmp_path / 'n.db'}")
+    assert r.exit_code == 0, (r.stdout, r.stderr)
+    mib = MoeShape.of("qwen3-moe-tiny").expert_bytes("float32") / 2**20
+    assert f"3 layers x 16 experts (top 4) of {mib:.3g} MiB;" in r.stdout and mib > 0.01
