@@ -238,3 +238,17 @@ def test_a_wrong_name_is_caught(tmp_path):
     assert [p for _, p in paths] == ["core/gates.py", "core/nowhere.py"]
     assert not defined_in("no_such_gate", None, [resolve("core/gates.py")])
     assert {n.text for n in names} == {"no_such_gate()", "Nothing_here"}
+
+
+def test_the_readme_names_every_competitor_in_the_tier_it_has():
+    """The README's tier row called `quantized` the only approximate condition after `flexgen` and
+    `host-experts` joined that tier (catches a competitor added without the row following it)."""
+    from packbench.core.registry import CONDITIONS
+
+    row = next(line for line in (ROOT / "README.md").read_text().splitlines() if line.startswith("| tier |"))
+    exact_part, approximate_part = row.split("`approximate`", 1)
+    for name, kind in CONDITIONS.items():
+        if kind.competitor is None:
+            continue  # packbench's own loaders: "every packbench loader"
+        part = exact_part if kind.tier == "exact" else approximate_part
+        assert f"`{name}`" in part, (name, kind.tier)
