@@ -399,3 +399,42 @@ def test_the_audit_names_an_edited_configuration_tier_policy_or_ledger_of_a_zero
     for edit, line in cases:
         problems = forged(edit)
         assert any(p == f"{member}: {line}" or p.startswith(f"{member}: {line}") for p in problems), (line, problems)
+
+
+@pytest.mark.parametrize("tight", [True, False])
+def test_a_steady_decode_calls_ledger_is_the_hand_count_of_the_checkpoints_offloaded_tensors(tiny, tight):
+    """Every byte DeepSpeed's hooks move is in the ledger, against a count made by hand from the
+    checkpoint's own tensors (not DeepSpeed's bookkeeping): each tensor of more than `hidden` elements,
+    once per decode call, in its decoder layer's ledger (embeddings in layer 0); the tied token
+    embedding a second time where the budget frees it between the embedding and `lm_head` (an
+    allowance of the minimum: reuse distance 0 and nothing prefetched), once where it stays gathered
+    through the call (DeepSpeedExamples' reuse distance of 1e9 elements). With `meta` standing in for
+    the device every gathered partition counts as moved. A gather left uncounted, a prefetch counted
+    twice, or a tensor charged to another layer changes a layer's total."""
+    from safetensors.torch import load_file
+
+    from packbench.core.conditions.zero_inference import minimum_allowance
+    from packbench.engine.zero_inference import ZeroInferenceModel, count_gathers
+
+    config = json.loads((tiny / "config.json").read_text())
+    h, layers = config["hidden_size"], config["num_hidden_layers"]
+    kw = dict(allowance_bytes=minimum_allowance(config, dtype="float32", capacity=22, batch=1), capacity=22) \
+        if tight else {}
+    z = ZeroInferenceModel(tiny, dtype=torch.float32, device=torch.device("cpu"), **kw)
+    recorder = Recorder(layers)
+    count_gathers(z._engine.optimizer.get_param_coordinator(), z.owners, recorder, device=torch.device("meta"),
+                  row_bytes=h * 4, tally=[0])
+    hand = [0] * layers
+    for name, t in load_file(tiny / "model.safetensors").items():
+        if t.numel() > h:
+            hand[int(name.split("layers.")[1].split(".")[0]) if ".layers." in name else 0] += t.numel() * 4
+    embedding = config["vocab_size"] * h * 4
+    hand[0] += embedding if tight else 0
+    assert hand[0] > embedding > 0 and hand[1] > 0
+    for ids in ([[5, 6, 7, 8]], [[9]], [[10]], [[11]]):
+        recorder.begin(phase="decode", tokens=len(ids[0]))
+        with torch.inference_mode():
+            z._model(input_ids=torch.tensor(ids))
+        call = recorder.current
+    assert [w + i for w, i in zip(call.h2d_weight_bytes, call.h2d_index_bytes)] == hand
+    assert call.h2d_index_bytes == [0] * layers  # every tensor is whole hidden-sized rows

@@ -146,7 +146,8 @@ CAPTURE_REFUSAL = "DeepSpeed's ZeRO-3 hooks gather and free each module's parame
 
 def h2d_bytes(params: Mapping[str, Any], call: CallInputs) -> float:
     """Every parameter every call, OPT's tied embedding twice (the embedding, then `lm_head`): about,
-    since the persistent vectors (<= hidden elements) stay on the device after the first calls."""
+    since the persistent vectors (<= hidden elements) stay on the device after the first calls, and
+    an allowance with room to keep the embedding gathered through the call moves it once."""
     shape = call.shape
     return float((shape.param_count() + shape.vocab * shape.hidden) * (call.row_bytes // shape.hidden))
 
