@@ -16,6 +16,7 @@ from packbench.core.conditions.flexgen import record_problems as flexgen_problem
 from packbench.core.conditions.zero_inference import SLACK, ZeroBudget, model_terms, zero_config
 from packbench.core.conditions.zero_inference import record_problems as zero_problems
 from packbench.core.registry import shape_config
+from packbench.core.text import one_line
 
 MIB = 1 << 20
 TINY = shape_config("tiny")
@@ -191,3 +192,6 @@ def test_differs_names_the_first_differing_key_and_counts_the_json_type():
     assert differs({}, {"a": 1}) == "a missing, expected 1"
     assert differs([1], {"a": 1}) == "value recorded [1], expected a mapping"
     assert differs({"b": 3}, {"b": {"c": 1}}) == "b recorded 3, expected a mapping"
+    # a hostile record's keys and values: one line, at most 80 characters of each
+    assert differs({"a": 1, "x\ny" * 100: 1}, {"a": 1}) == one_line("x\ny" * 100)[:80] + " recorded but never written"
+    assert len(differs({"a": "z" * 10_000}, {"a": 1})) < 120

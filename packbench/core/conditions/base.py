@@ -151,12 +151,17 @@ def int_fields(section: Any, names) -> dict[str, int] | None:
 def differs(got: Any, want: Mapping[str, Any], prefix: str = "") -> str | None:
     """Where `got` differs from `want` (None: nowhere), as `KEY recorded X, expected Y` at the first
     such key in `want`'s order (then keys `want` lacks), nested keys dotted; the JSON type counts
-    (true is not 1, 1.0 is not 1)."""
+    (true is not 1, 1.0 is not 1). What a record holds is shown on one line, at most 80 characters."""
+    from packbench.core.text import one_line
+
+    def show(v: Any) -> str:
+        return one_line(str(v))[:80]
+
     if not isinstance(got, Mapping):
-        return f"{prefix.rstrip('.') or 'value'} recorded {str(got)[:80]}, expected a mapping"
+        return f"{prefix.rstrip('.') or 'value'} recorded {show(got)}, expected a mapping"
     for k in [*want, *(k for k in got if k not in want)]:
         if k not in want:
-            return f"{prefix}{k} recorded but never written"
+            return f"{prefix}{show(k)} recorded but never written"
         if k not in got:
             return f"{prefix}{k} missing, expected {want[k]}"
         if isinstance(want[k], Mapping):
@@ -164,9 +169,8 @@ def differs(got: Any, want: Mapping[str, Any], prefix: str = "") -> str | None:
             if inner:
                 return inner
         elif type(got[k]) is not type(want[k]) or got[k] != want[k]:
-            return f"{prefix}{k} recorded {str(got[k])[:80]}, expected {want[k]}"
+            return f"{prefix}{k} recorded {show(got[k])}, expected {want[k]}"
     return None
-
 
 
 @dataclass(frozen=True)
