@@ -187,6 +187,9 @@ class Competitor:
     stack_refusal: Callable[[Mapping[str, Any], str], str | None] = lambda params, mode: None
     # The pyproject extra that installs `library` (the fix printed when it is missing at submit).
     extra: str = "lowbit"
+    # Why a CPU worker refuses it before any episode (None: it runs on the CPU too); `protocol plan`
+    # says so on a machine without a GPU, where a screen dispatched there runs on the CPU.
+    cpu_refusal: str | None = None
     # What the auditor finds wrong with a finished episode's record of this kind (its configuration
     # as the worker wrote it, against the condition's params and the RecordContext): one line each.
     record_problems: Callable[[Mapping[str, Any], Mapping[str, Any], RecordContext], list[str]] = \

@@ -238,5 +238,5 @@ KIND = ConditionKind(
     since=10,
     competitor=Competitor(library=lambda params: LIBRARY, fastest_mode=lambda params: "eager",
                           capture_refusal=lambda params: CAPTURE_REFUSAL, extra=EXTRA,
-                          record_problems=record_problems),
+                          record_problems=record_problems, cpu_refusal=CPU_REFUSAL),
 )
