@@ -85,7 +85,7 @@ def history_cmd(
                    f"screens' medians; STEP: a confirmed change beyond {hist.K:g} spreads, CHANGED: an exact "
                    f"counter moved)")
         for title, columns, condition_rows in by_condition(rows):
-            typer.echo(f"\n{title}")
+            typer.echo(f"\n{titled(title, h.tiers)}")
             typer.echo(table(condition_rows, columns))
         for s in h.series:
             for st in s.steps:
@@ -112,6 +112,11 @@ def by_condition(rows: list[dict]) -> list[tuple[str, list[str], list[dict]]]:
         metric_rows = [{**{k: r[k] for k in fixed}, **{k.split(":", 1)[1]: r[k] for k in keys}} for r in rows]
         out.append((c, [*fixed, *(k.split(":", 1)[1] for k in keys)], metric_rows))
     return out
+
+
+def titled(condition: str, tiers: dict[str, str]) -> str:
+    """A condition's heading with its tier, as `results` and `compare` label every row."""
+    return f"{condition} ({tiers[condition]})" if condition in tiers else condition
 
 
 def _far_line(far: dict | None) -> str:
@@ -152,13 +157,13 @@ def history_page(h) -> str:
                         ("method", Markup(esc(f"a change beyond {hist.K:g} spreads of the {hist.MIN_BEFORE}-"
                                               f"{hist.WINDOW} runs before it, confirmed by the run after"))),
                         ("false alarms", _far_line(h.far))])
-    body = (f"<section><h2>History</h2>{facts}{_condition_tables(rows, html_table, esc)}</section>"
+    body = (f"<section><h2>History</h2>{facts}{_condition_tables(rows, html_table, esc, h.tiers)}</section>"
             f"<section><h2>Figures</h2>{''.join(plots)}</section>")
     lede = f"{len(h.points)} screens of {h.protocol} over {len(rows)} commits"
     return html_page(f"packbench history: {h.protocol}", lede, body, plural="s")
 
 
-def _condition_tables(rows: list[dict], table, esc) -> str:
+def _condition_tables(rows: list[dict], table, esc, tiers: dict[str, str]) -> str:
     """The per-commit table, one per condition (commit, screens, first run, that condition's
     figures): one table of every condition's figures ran three columns past the page."""
     fixed = [k for k in rows[0] if ":" not in k]
@@ -170,7 +175,7 @@ def _condition_tables(rows: list[dict], table, esc) -> str:
         # ran past the page; the first run reads to the minute (its date and time).
         body = [[*(_fixed_cell(k, r[k], esc) for k in fixed),
                  *(_figure_cell(r[k], esc) for k in keys)] for r in rows]
-        out.append(f"<h3>{esc(c)}</h3>" + table([*fixed, *(k.split(":", 1)[1] for k in keys)], body, cls="conditions"))
+        out.append(f"<h3>{esc(titled(c, tiers))}</h3>" + table([*fixed, *(k.split(":", 1)[1] for k in keys)], body, cls="conditions"))
     return "".join(out)
 
 

@@ -342,7 +342,7 @@ def _print_estimate(p, est: dict, timing: dict, *, shape, h2d_gbps: float) -> No
         rows.append(row)
     typer.echo(table(rows, list(rows[0])))
     typer.echo(f"screen: {_bytes(est['total_bytes'])} host-to-device")
-    for line in _time_lines(timing, h2d_gbps=h2d_gbps) + _passes_lines(p) + _competitor_modes(p):
+    for line in _time_lines(timing, h2d_gbps=h2d_gbps) + _passes_lines(p) + _competitor_modes(p, cpu=not gpu):
         typer.echo(line)
     allowance = est["allowance_bytes"]
     typer.echo(f"parameters {_bytes(est['param_bytes'])} ({'exceed' if est['param_bytes'] > allowance else 'fit'} "
@@ -376,8 +376,9 @@ def _passes_lines(p) -> list[str]:
             "with them on; the times above are one pass's, the screen takes about twice as long"]
 
 
-def _competitor_modes(p) -> list[str]:
-    """One line per competitor: the mode it runs in, and why its library cannot be captured."""
+def _competitor_modes(p, *, cpu: bool = False) -> list[str]:
+    """One line per competitor: the mode it runs in, and why its library cannot be captured; on a
+    machine without a GPU (`cpu`), that a CPU worker refuses a CUDA-only one before any episode."""
     from packbench.core.conditions import CONDITIONS
     from packbench.core.registry import competitor_library, fastest_mode, mode_refusal, stack_refusal
 
@@ -395,7 +396,10 @@ def _competitor_modes(p) -> list[str]:
                        + (f"; {why}" if why else "")
                        + (f"; a CUDA worker refuses mode {params['mode']} here: {fails}" if fails else "")
                        + (f"; at batch 1 its fastest mode is {fastest} (above batch 1 a mode left out is eager): "
-                          f"write mode: {fastest} to compare it in its fastest mode" if slower else ""))
+                          f"write mode: {fastest} to compare it in its fastest mode" if slower else "")
+                       + (f"; CUDA only: a screen run on the CPU fails before any episode "
+                          f"({CONDITIONS[c.policy].competitor.cpu_refusal}): dispatch it to a GPU worker"
+                          if cpu and CONDITIONS[c.policy].competitor.cpu_refusal else ""))
     return out
 
 

@@ -50,6 +50,7 @@ from packbench.core.archive import (
     worker_parts,
 )
 from packbench.core.canonical import canonical_json, canonical_sha256, sha256_hex
+from packbench.core.conditions.base import RecordContext
 from packbench.core.errors import ArchiveError, ProtocolError
 from packbench.core.fidelity import of_episode
 from packbench.core.gates import compute_verdicts
@@ -69,7 +70,7 @@ from packbench.core.plan import prompts as make_prompts
 from packbench.core.protocol import Protocol, expand
 from packbench.core.protocol.schema import MAX_BATCH, MAX_CONTINUATION
 from packbench.core.record import AUDITED, FIELDS_BY_NAME, token_count
-from packbench.core.registry import INT8_SCALE_BYTES, SHAPES, kind_of, weights_of
+from packbench.core.registry import INT8_SCALE_BYTES, SHAPES, kind_of, shape_config, weights_of
 from packbench.core.text import one_line
 
 # An archived trace of active sets (docs/traces.md) is read with each of its members at most this
@@ -604,6 +605,7 @@ class _Audit:
             self.check_active_sets(reader, members.active, rec, proto)
         if ok:
             self.check_memory(name, rec, start)
+            self.check_condition(name, rec, proto, start)
             for p in _episode_problems(name, rec, logits, proto, row_bytes):
                 self.add(p)
         elif rec.get("status") != "failed":
@@ -616,6 +618,30 @@ class _Audit:
         if forced is not None and rec.get("tier") != "approximate":
             self.add(f"{forced_name}: teacher-forced logits of an episode that is not approximate")
         return {**_retained(rec), "plan_index": i, "logits": logits, "forced_logits": forced}
+
+    def check_condition(self, name: str, rec: dict, proto: Protocol, start: Any) -> None:
+        """A finished episode's record says the condition it ran as the protocol froze it (its
+        `policy` and `params`, where the record holds them: archives of packbench 0.1 lack params),
+        and a competitor's configuration is what its kind would have written (its kind's
+        `record_problems`: zero-inference's DeepSpeed configuration, flexgen's placement policy)."""
+        cond = rec.get("condition")
+        if cond not in proto.condition_names:
+            return  # the plan-entry check names it
+        c = proto.condition(cond)
+        for key, want in (("policy", c.policy), ("params", dict(c.params))):
+            if key in rec and rec[key] != want:
+                self.add(f"{name}: {key} {one_line(repr(rec[key]))[:120]} is not its condition's ({want!r})")
+        competitor = kind_of(c.policy).competitor
+        if competitor is None:
+            return
+        synth = proto.model.synth
+        config = shape_config(synth.shape) if synth is not None and synth.shape in SHAPES else None
+        device = start.get("device") if isinstance(start, dict) else None
+        ctx = RecordContext(allowance_bytes=proto.allowance_bytes, dtype=proto.dtype, batch=proto.batch,
+                            capacity=proto.prefix_tokens + proto.continuation_tokens,
+                            cuda=isinstance(device, str) and device.startswith("cuda"), config=config)
+        for p in competitor.record_problems(c.params, rec, ctx):
+            self.add(f"{name}: {p}")
 
     def judge(self, reader: ArchiveReader, proto: Protocol, episodes: list[dict], start: Any, *,
               db_verdicts: list[dict] | None, db_episodes: list[dict] | None) -> None:

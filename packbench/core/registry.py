@@ -178,6 +178,13 @@ SHAPES: dict[str, dict[str, int]] = {
 SYNTH_SHAPES = tuple(SHAPES)
 
 
+def shape_config(shape: str) -> dict[str, int]:
+    """A preset OPT shape as the config.json fields the offloading peers read (hidden_size, ffn_dim, ...)."""
+    s = SHAPES[shape]
+    return {"hidden_size": s["hidden"], "ffn_dim": s["ffn"], "num_hidden_layers": s["layers"],
+            "num_attention_heads": s["heads"], "vocab_size": s["vocab"], "max_position_embeddings": s["max_positions"]}
+
+
 # ----------------------------------------------------------------------------- synthetic model
 
 

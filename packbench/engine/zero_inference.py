@@ -51,6 +51,7 @@ from pathlib import Path
 
 import torch
 
+from packbench.core.conditions.zero_inference import SLACK, ZeroBudget, zero_config
 from packbench.core.errors import PackbenchError
 from packbench.engine.accelerate import layer_of
 from packbench.engine.checkpoint import build_weights
@@ -88,59 +89,6 @@ def library(device: torch.device):
 
 
 MIB = 1 << 20
-SLACK = 64 * MIB  # the CUDA caching allocator's rounding and the collectives' buffers, beside the estimate
-
-
-@dataclass(frozen=True)
-class ZeroBudget:
-    """What the allowance leaves DeepSpeed for gathered parameters, and the configuration derived
-    from it (every number in bytes unless it says elements; written into every episode record).
-
-    DeepSpeed fetches a module's own parameters whenever it runs, whatever `stage3_max_live_parameters`
-    says; the limit only stops prefetching, and its prefetch loop (PartitionedParameterCoordinator
-    .fetch_sub_module) adds parameters while the count is still under the limit, so the last one
-    goes past it by up to one parameter. The gathered parameters of a call therefore stay within
-    `max_live + 2 x largest module` elements (the module's own fetch, the prefetch's overshoot), and
-    the live limit is the budget less twice the largest module (OPT's token embedding, gathered
-    again by the tied `lm_head`), never below 0 (no prefetch). On the H200 the limit of the budget
-    less one largest module went over it (OPT-2.7B, 4800 MiB: a decode call's prefetch asked for
-    the embedding's 246 MiB with 3.78 GiB allocated; `python -m bench.zero_memory_probe`). The
-    prefetch bucket may take all of it (DeepSpeed's own prefetching, as far ahead as the allowance lets it run).
-    Reuse distance 0: a parameter is freed as soon as its module ran (DeepSpeed's default, 1e9
-    elements, keeps the tied embedding gathered through the whole call of a model under 1e9)."""
-
-    allowance: int
-    context: int  # the CUDA context (measured by the worker); 0 on the CPU
-    held: int  # what the worker holds on the device beside this model
-    persistent: int  # parameters of at most `threshold` elements: DeepSpeed keeps them on the device
-    kv: int  # the episode's KV cache at its batch
-    activations: int  # one call's activations at its batch (estimate), plus SLACK on CUDA
-    largest_module: int  # elements: the largest set of parameters one module fetches
-    element_bytes: int
-    threshold: int  # stage3_param_persistence_threshold, elements
-
-    @property
-    def gather_bytes(self) -> int:
-        """What is left for gathered parameters at the peak of a call."""
-        return self.allowance - self.context - self.held - self.persistent - self.kv - self.activations
-
-    @property
-    def needed(self) -> int:
-        """The smallest allowance DeepSpeed can run in: the largest module gathered, nothing prefetched."""
-        return self.allowance - self.gather_bytes + self.largest_module * self.element_bytes
-
-    @property
-    def fits(self) -> bool:
-        """Whether the largest module can be gathered at all (the allowance is at least `needed`)."""
-        return self.gather_bytes >= self.largest_module * self.element_bytes
-
-    @property
-    def max_live(self) -> int:
-        return max(0, self.gather_bytes // self.element_bytes - 2 * self.largest_module)
-
-    def as_dict(self) -> dict:
-        return {**asdict(self), "gather_bytes": self.gather_bytes, "needed_bytes": self.needed,
-                "max_live_parameters": self.max_live}
 
 
 def budget(model: torch.nn.Module, config, *, dtype: torch.dtype, allowance: int, context: int, held: int,
@@ -166,37 +114,16 @@ class AllowanceTooSmall(ZeroInferenceUnavailable):
 
 
 def ds_config(*, hidden: int, dtype: torch.dtype, pin_memory: bool, plan: ZeroBudget | None = None) -> dict:
-    """DeepSpeed's ZeRO-Inference configuration, a plain dict. With `plan`, prefetch bucket and live
-    parameters from the allowance (ZeroBudget) and reuse distance 0; without, DeepSpeedExamples'
-    latency settings (2 x hidden^2 for both, reuse distance left at DeepSpeed's default)."""
-    zero = {
-        "stage": 3,
-        "offload_param": {"device": "cpu", "pin_memory": pin_memory},
-        "stage3_prefetch_bucket_size": 2 * hidden * hidden,
-        "stage3_param_persistence_threshold": hidden,
-        "stage3_max_live_parameters": 2 * hidden * hidden,
-        # On (DeepSpeed's default), zero.Init replaces torch.nn.functional.linear for the whole process
-        # ("This will persist unless manually reset"): every condition after this one in the worker would
-        # compute its Linear layers through DeepSpeed's autograd function. It saves memory in training only.
-        "memory_efficient_linear": False,
-    }
-    if plan is not None:
-        if not plan.fits:
-            raise AllowanceTooSmall(
-                f"condition policy zero-inference needs an allowance of at least {-(-plan.needed // MIB)} MiB "
-                f"(the largest module's {plan.largest_module} parameters gathered beside the KV cache, "
-                f"activations and persistent parameters), the protocol gives {plan.allowance // MIB} MiB: "
-                f"raise allowance_mib or drop the condition")
-        zero.update(stage3_prefetch_bucket_size=plan.max_live, stage3_max_live_parameters=plan.max_live,
-                    stage3_max_reuse_distance=0, stage3_param_persistence_threshold=plan.threshold)
-    return {
-        "train_micro_batch_size_per_gpu": 1,
-        "fp16": {"enabled": dtype == torch.float16},
-        "bf16": {"enabled": dtype == torch.bfloat16},
-        "zero_optimization": zero,
-        "steps_per_print": 1 << 30,
-        "wall_clock_breakdown": False,
-    }
+    """DeepSpeed's ZeRO-Inference configuration, a plain dict (core/conditions/zero_inference.py
+    zero_config, which the auditor recomputes from the recorded budget). AllowanceTooSmall (one
+    line) where `plan` cannot hold the largest module gathered."""
+    if plan is not None and not plan.fits:
+        raise AllowanceTooSmall(
+            f"condition policy zero-inference needs an allowance of at least {-(-plan.needed // MIB)} MiB "
+            f"(the largest module's {plan.largest_module} parameters gathered beside the KV cache, "
+            f"activations and persistent parameters), the protocol gives {plan.allowance // MIB} MiB: "
+            f"raise allowance_mib or drop the condition")
+    return zero_config(hidden=hidden, dtype=str(dtype).removeprefix("torch."), pin_memory=pin_memory, plan=plan)
 
 
 def init_process_group(ds, device: torch.device) -> None:

@@ -162,6 +162,9 @@ class History:
     points: list[ScreenFigures]
     series: list[Series]
     far: dict[str, Any] | None  # the measured false-alarm rate: commit, runs, shuffles, rate
+    # condition -> tier (exact | approximate): every row and heading says it, as `results` and
+    # `compare` do, so an approximate competitor's figures never stand unlabelled beside exact ones
+    tiers: dict[str, str] = field(default_factory=dict)
 
     def __repr__(self) -> str:  # the fields print kilobytes of figures: a summary, as a notebook shows it
         commits = len({p.commit for p in self.points})
@@ -178,7 +181,8 @@ class History:
             steps = {st.index for st in s.steps}
             for i, p in enumerate(self.points):
                 out.append({"screen_id": p.screen_id, "commit": p.commit, "started_at": p.started_at, "name": p.name,
-                            "condition": s.condition, "metric": s.metric, "value": s.values[i],
+                            "condition": s.condition, "tier": self.tiers.get(s.condition), "metric": s.metric,
+                            "value": s.values[i],
                             "step": i in steps, "changed": i in s.changes})
         return out
 
@@ -262,7 +266,8 @@ def history(store, protocol: str, *, condition: str | None = None, metric: str |
             raise PackbenchError(f"--condition {show(condition)}: the protocol's conditions are {', '.join(conditions)}")
         conditions = [condition]
     series = [_series(points, c, m, k=k) for c in conditions for m in metrics]
-    return History(protocol=runs[0].protocol, points=points, series=series, far=_far(points, series, k=k))
+    return History(protocol=runs[0].protocol, points=points, series=series, far=_far(points, series, k=k),
+                   tiers=store.condition_tiers(shas).get(shas[0], {}))
 
 
 def _series(points: list[ScreenFigures], c: str, m: str, *, k: float) -> Series:
@@ -341,10 +346,11 @@ def _no_attempt(screen_id: int):
 def as_json(h: History) -> dict[str, Any]:
     """The history as plain JSON-ready data."""
     return {"protocol": h.protocol, "method": {"k": K, "min_before": MIN_BEFORE, "window": WINDOW, "floor": FLOOR},
-            "false_alarm": h.far,
+            "false_alarm": h.far, "tiers": h.tiers,
             "screens": [{"screen_id": p.screen_id, "commit": p.commit, "started_at": p.started_at.isoformat(),
                          "name": p.name, "timed": p.timed, "exact": p.exact} for p in h.points],
-            "series": [{"condition": s.condition, "metric": s.metric, "values": s.values,
+            "series": [{"condition": s.condition, "tier": h.tiers.get(s.condition), "metric": s.metric,
+                        "values": s.values,
                         "steps": [{"screen_id": h.points[st.index].screen_id, "before": st.before, "value": st.value,
                                    "change_pct": st.change_pct, "confirmed": st.confirmed} for st in s.steps],
                         "changes": [h.points[i].screen_id for i in s.changes]} for s in h.series]}

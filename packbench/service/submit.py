@@ -229,12 +229,9 @@ def check_family(frozen: FrozenProtocol) -> None:
     p = frozen.protocol
     if model_dir is None:
         if not p.model.synth.is_moe:  # the schema checked its family and gathers; the peers need its shape
-            from packbench.core.registry import SHAPES
+            from packbench.core.registry import shape_config
 
-            s = SHAPES[p.model.synth.shape]
-            check_offload(p, {"hidden_size": s["hidden"], "ffn_dim": s["ffn"], "num_hidden_layers": s["layers"],
-                              "num_attention_heads": s["heads"], "vocab_size": s["vocab"],
-                              "max_position_embeddings": s["max_positions"]})
+            check_offload(p, shape_config(p.model.synth.shape))
         return
     from packbench.core.moe import FAMILIES, family_refusal, moe_refusal
     from packbench.engine.config import read_config

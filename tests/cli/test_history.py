@@ -88,7 +88,7 @@ def test_the_table_names_each_commit_and_the_step(url, cli):
     # (one table of them all ran to 330 characters).
     out = cli("history", "quickstart-v1", url=url)
     lines = out.stdout.splitlines()
-    assert {"dense-stream", "packet"} <= set(lines), lines[:3]
+    assert {"dense-stream (exact)", "packet (exact)"} <= set(lines), lines[:3]  # one heading per condition, its tier
     assert max(map(len, lines[1:])) <= 200, max(lines[1:], key=len)
 
 
@@ -167,7 +167,7 @@ def test_the_history_page_has_one_plot_per_figure_and_renders(url, tmp_path, cli
     assert len(check.plots) == 6
     # one table per condition, in sight: one table of both conditions' 14 figures ran past the page
     assert len(check.tables) == 2 and check.overflowing == [], check.tables
-    assert "<h3>dense-stream</h3>" in text and "<h3>packet</h3>" in text and "STEP</span>" in text
+    assert "<h3>dense-stream (exact)</h3>" in text and "<h3>packet (exact)</h3>" in text and "STEP</span>" in text
     rows = text[text.index('data-plot="rows"'):]
     assert ">4<" in rows[:rows.index("</figure>")] and "1e6" not in text  # whole counts, no offset
     for p in check.plots:
@@ -240,3 +240,37 @@ def test_a_name_shared_by_two_frozen_protocols_is_refused_not_one_series(tmp_pat
     for sha in (manifest["protocol_sha256"], edited_sha):
         one = cli("history", sha[:16], "--fail-above", "50", url=url)
         assert one.returncode == 0, one.stderr
+
+
+def test_an_approximate_conditions_history_is_labelled_with_its_tier(tmp_path, cli):
+    """A competitor of tier approximate beside exact loaders: its table heading, its JSON series and
+    its API rows say `approximate`, as `results` and `compare` label every row. The bug it catches:
+    history printed flexgen's or a low-bit model's figures under the bare condition name, beside the
+    exact conditions' and in the same units, with nothing saying they are not exact."""
+    from bench.audit import synthetic_protocol, write_synthetic_screen
+
+    from packbench.service.history import history
+
+    raw = synthetic_protocol(prompts_n=2, repetitions=1, conditions=("dense-stream", "int8"))
+    raw["schema"] = 5
+    raw["conditions"][1] = {"name": "int8", "policy": "quantized", "params": {"method": "int8-weight-only"}}
+    raw["gates"] = {"faithfulness": None, "fidelity": {"max_mean_kl": 0.01, "min_top1": 0.7}}
+    path = tmp_path / "approx.zip"
+    write_synthetic_screen(path, raw)
+    url = f"sqlite:///{tmp_path / 'h.db'}"
+    with Store(url) as store:
+        store.upgrade()
+        ingest_archive(store, path, commit="1" * 40)
+        h = history(store, raw["name"])
+    assert h.tiers == {"dense-stream": "exact", "int8": "approximate"}
+    assert {(r["condition"], r["tier"]) for r in h.rows()} == {("dense-stream", "exact"), ("int8", "approximate")}
+    out = cli("history", raw["name"], url=url)
+    assert out.returncode == 0, out.stderr
+    headings = [line for line in out.stdout.splitlines() if line in ("dense-stream (exact)", "int8 (approximate)")]
+    assert headings == ["dense-stream (exact)", "int8 (approximate)"]
+    data = json.loads(cli("history", raw["name"], "--json", url=url).stdout)
+    assert data["tiers"] == {"dense-stream": "exact", "int8": "approximate"}
+    assert {(s["condition"], s["tier"]) for s in data["series"]} == {("dense-stream", "exact"), ("int8", "approximate")}
+    page = tmp_path / "h.html"
+    assert cli("history", raw["name"], "--html", str(page), url=url).returncode == 0
+    assert "<h3>int8 (approximate)</h3>" in page.read_text() and "<h3>dense-stream (exact)</h3>" in page.read_text()

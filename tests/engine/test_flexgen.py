@@ -357,3 +357,24 @@ def test_the_episode_loop_hands_a_whole_episode_model_its_episode():
 def test_the_offload_extra_pins_flexgen():
     text = (Path(__file__).resolve().parents[2] / "pyproject.toml").read_text()
     assert '"flexgen==0.1.8"' in text.split("offload = [")[1].split("]")[0]
+
+
+def test_protocol_plan_says_a_cpu_screen_fails_flexgen_before_any_episode(tiny, tmp_path, packbench_cli):
+    """Planned for the CPU, a flexgen condition is named as CUDA only with FlexGen's reason and the
+    fix; planned for a GPU, no such line. The bug it catches: `plan` said a screen dispatched here runs
+    on the CPU and printed flexgen's bytes, and the screen then failed at the worker's check."""
+    import yaml
+
+    path = tmp_path / "fg.yaml"
+    path.write_text(yaml.safe_dump(protocol(tiny)))
+    line = ("flexgen (flexgen): mode eager; cannot be captured: FlexGen's OptLM runs its own Python schedule, "
+            "synchronising after every layer; CUDA only: a screen run on the CPU fails before any episode "
+            "(FlexGen's OptLM makes CUDA streams (flex_opt.py OptLM.__init__: torch.cuda.Stream())): dispatch it "
+            "to a GPU worker")
+    db = ["--db", f"sqlite:///{tmp_path / 'none.db'}"]
+    cpu = packbench_cli("protocol", "plan", str(path), "--device", "cpu", *db)
+    assert cpu.returncode == 0, cpu.stderr
+    assert line in cpu.stdout.splitlines()
+    gpu = packbench_cli("protocol", "plan", str(path), "--device", "NVIDIA H200", *db)
+    assert gpu.returncode == 0, gpu.stderr
+    assert "CUDA only" not in gpu.stdout and line.split("; CUDA only")[0] in gpu.stdout.splitlines()

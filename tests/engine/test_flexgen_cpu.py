@@ -135,6 +135,52 @@ def test_the_worker_runs_flexgen_its_archive_holds_the_policy_and_the_audit_agre
     assert report.agrees, report.record["problems"]
 
 
+def test_the_audit_names_an_edited_flexgen_policy(cpu_flexgen, checkpoints, tmp_path):
+    """A consistent forgery (manifest recomputed) of one flexgen episode's placement policy: a share
+    other than the frozen one, compression on, a chosen flag where the condition froze the share.
+    The bug it catches: the auditor never read `offload.policy`, so each audited AGREE."""
+    import json
+
+    from cpu_screen import archive_screen
+
+    from packbench.core.archive import MANIFEST_NAME, ArchiveReader, ArchiveWriter
+    from packbench.core.audit import audit_archive
+    from packbench.core.canonical import canonical_json
+    from packbench.core.protocol import freeze
+
+    ck = checkpoints["float16"]
+    frozen = freeze({"name": "fg", "model": {"path": str(ck)}, "dtype": "float16",
+                     "prompts": {"generator": {"seed": 0, "count": 1}}, "prefix_tokens": 8, "continuation_tokens": 3,
+                     "conditions": [{"policy": "dense-stream"}, {"policy": "flexgen", "params": {"w_gpu_percent": 50}}],
+                     "reference": "dense-stream", "warmups": 1, "allowance_mib": 256,
+                     "gates": {"faithfulness": {}, "fidelity": {"min_top1": 0.5}}})
+    path = tmp_path / "screen.zip"
+    _, episodes, _ = archive_screen(frozen, ck, path)
+    assert audit_archive(path).agrees
+    fg = next(e for e in episodes if e["condition"] == "flexgen" and e["role"] == "scored")
+    member = f"episodes/{fg['plan_index']:05d}.json"
+    with ArchiveReader(path) as r:
+        data = {n: r.read_bytes(n) for n in r.names}
+    for edit, line in [({"w_gpu_percent": 60}, "offload.policy: w_gpu_percent 60 is not the protocol's 50"),
+                       ({"compress_weight": True}, "offload.policy: compress_weight recorded True, expected False"),
+                       ({"chosen": True}, "offload.policy: chosen True is not the protocol's False")]:
+        out = tmp_path / "forged.zip"
+        out.unlink(missing_ok=True)
+        w = ArchiveWriter(out)
+        for name, raw in data.items():
+            if name == MANIFEST_NAME:
+                continue
+            if name == member:
+                rec = json.loads(raw)
+                rec["offload"]["policy"].update(edit)
+                raw = canonical_json(rec)
+            w.add_bytes(name, raw)
+        w.seal({k: v for k, v in json.loads(data[MANIFEST_NAME]).items() if k not in ("members", "format_version")})
+        report = audit_archive(out)
+        assert not report.agrees and any(p.startswith(f"{member}: {line}") for p in report.record["problems"]), \
+            (line, report.record["problems"])
+
+
 def test_an_episode_after_a_failed_generate_runs(cpu_flexgen, checkpoints):
     """FlexGen's process-wide "generate" timer is left started by a generate that raised; without a
     reset every later episode of the screen would fail FlexGen's assert (`has already been started`)."""

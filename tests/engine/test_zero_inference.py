@@ -331,3 +331,110 @@ def test_an_allowance_below_deepspeeds_minimum_is_refused_naming_the_allowance_i
     with pytest.raises(AllowanceTooSmall, match=r"needs an allowance of at least \d+ MiB") as e:
         ZeroInferenceModel(tiny, dtype=torch.float32, device=torch.device("cpu"), allowance_bytes=1 << 10, capacity=22)
     assert "\n" not in str(e.value)
+
+
+def test_the_audit_names_an_edited_configuration_tier_policy_or_ledger_of_a_zero_inference_archive(tiny, tmp_path):
+    """A consistent forgery (manifest recomputed) of one zero-inference episode: its DeepSpeed
+    configuration, budget, tier, policy, params or ledger edited. The bug it catches: the auditor
+    never read `offload` nor the record's `policy` and `params`, so a screen whose record said ZeRO
+    stage 2, no offload, or another allowance audited AGREE. The unedited archive agrees, and the
+    worker's budget is the torch-free arithmetic of the tiny shape (the check a synthetic model gets)."""
+    from cpu_screen import archive_screen
+
+    from packbench.core.archive import MANIFEST_NAME, ArchiveReader, ArchiveWriter
+    from packbench.core.audit import audit_archive
+    from packbench.core.canonical import canonical_json
+    from packbench.core.conditions.base import RecordContext
+    from packbench.core.conditions.zero_inference import record_problems
+    from packbench.core.registry import shape_config
+
+    frozen = freeze({"name": "z", "model": {"path": str(tiny)}, "dtype": "float32",
+                     "prompts": {"generator": {"seed": 0, "count": 1}}, "prefix_tokens": 16, "continuation_tokens": 4,
+                     "conditions": [{"policy": "dense-stream"}, {"policy": "zero-inference"}],
+                     "reference": "dense-stream", "warmups": 1, "allowance_mib": 64, "gates": {"faithfulness": {}}})
+    path = tmp_path / "screen.zip"
+    _, episodes, _ = archive_screen(frozen, tiny, path)
+    assert audit_archive(path).agrees
+    zero = next(e for e in episodes if e["condition"] == "zero-inference" and e["role"] == "scored")
+    ctx = RecordContext(allowance_bytes=64 << 20, dtype="float32", batch=1, capacity=20, cuda=False,
+                        config=shape_config("tiny"))
+    assert record_problems({"mode": "eager"}, zero, ctx) == []
+    member = f"episodes/{zero['plan_index']:05d}.json"
+
+    def forged(edit) -> list[str]:
+        with ArchiveReader(path) as r:
+            data = {n: r.read_bytes(n) for n in r.names}
+        out = tmp_path / "forged.zip"
+        out.unlink(missing_ok=True)
+        w = ArchiveWriter(out)
+        for name, raw in data.items():
+            if name == MANIFEST_NAME:
+                continue
+            if name == member:
+                rec = json.loads(raw)
+                edit(rec)
+                raw = canonical_json(rec)
+            w.add_bytes(name, raw)
+        w.seal({k: v for k, v in json.loads(data[MANIFEST_NAME]).items() if k not in ("members", "format_version")})
+        report = audit_archive(out)
+        assert not report.agrees
+        return report.record["problems"]
+
+    def zero_opt(rec):
+        return rec["offload"]["ds_config"]["zero_optimization"]
+
+    cases = [
+        (lambda r: zero_opt(r).update(stage=2), "offload.ds_config: zero_optimization.stage recorded 2, expected 3"),
+        (lambda r: zero_opt(r)["offload_param"].update(device="none"),
+         "offload.ds_config: zero_optimization.offload_param.device recorded none, expected cpu"),
+        (lambda r: r["offload"]["budget"].update(allowance=32 << 20),
+         "offload.budget: allowance 33554432 is not the protocol's 67108864"),
+        (lambda r: r.pop("offload"), "offload: no DeepSpeed configuration recorded"),
+        (lambda r: r.update(tier="approximate"), "tier 'approximate' is not its condition's (exact)"),
+        (lambda r: r.update(policy="accelerate"), "policy 'accelerate' is not its condition's ('zero-inference')"),
+        (lambda r: r.update(params={"mode": "graph"}), "params {'mode': 'graph'} is not its condition's"),
+        (lambda r: r["calls"][1].update(h2d_weight_bytes=[256, 0], rows_copied=[1, 0]),
+         "stored h2d_weight_bytes 0 != 256 recomputed from the call ledger"),
+    ]
+    for edit, line in cases:
+        problems = forged(edit)
+        assert any(p == f"{member}: {line}" or p.startswith(f"{member}: {line}") for p in problems), (line, problems)
+
+
+@pytest.mark.parametrize("tight", [True, False])
+def test_a_steady_decode_calls_ledger_is_the_hand_count_of_the_checkpoints_offloaded_tensors(tiny, tight):
+    """Every byte DeepSpeed's hooks move is in the ledger, against a count made by hand from the
+    checkpoint's own tensors (not DeepSpeed's bookkeeping): each tensor of more than `hidden` elements,
+    once per decode call, in its decoder layer's ledger (embeddings in layer 0); the tied token
+    embedding a second time where the budget frees it between the embedding and `lm_head` (an
+    allowance of the minimum: reuse distance 0 and nothing prefetched), once where it stays gathered
+    through the call (DeepSpeedExamples' reuse distance of 1e9 elements). With `meta` standing in for
+    the device every gathered partition counts as moved. A gather left uncounted, a prefetch counted
+    twice, or a tensor charged to another layer changes a layer's total."""
+    from safetensors.torch import load_file
+
+    from packbench.core.conditions.zero_inference import minimum_allowance
+    from packbench.engine.zero_inference import ZeroInferenceModel, count_gathers
+
+    config = json.loads((tiny / "config.json").read_text())
+    h, layers = config["hidden_size"], config["num_hidden_layers"]
+    kw = dict(allowance_bytes=minimum_allowance(config, dtype="float32", capacity=22, batch=1), capacity=22) \
+        if tight else {}
+    z = ZeroInferenceModel(tiny, dtype=torch.float32, device=torch.device("cpu"), **kw)
+    recorder = Recorder(layers)
+    count_gathers(z._engine.optimizer.get_param_coordinator(), z.owners, recorder, device=torch.device("meta"),
+                  row_bytes=h * 4, tally=[0])
+    hand = [0] * layers
+    for name, t in load_file(tiny / "model.safetensors").items():
+        if t.numel() > h:
+            hand[int(name.split("layers.")[1].split(".")[0]) if ".layers." in name else 0] += t.numel() * 4
+    embedding = config["vocab_size"] * h * 4
+    hand[0] += embedding if tight else 0
+    assert hand[0] > embedding > 0 and hand[1] > 0
+    for ids in ([[5, 6, 7, 8]], [[9]], [[10]], [[11]]):
+        recorder.begin(phase="decode", tokens=len(ids[0]))
+        with torch.inference_mode():
+            z._model(input_ids=torch.tensor(ids))
+        call = recorder.current
+    assert [w + i for w, i in zip(call.h2d_weight_bytes, call.h2d_index_bytes)] == hand
+    assert call.h2d_index_bytes == [0] * layers  # every tensor is whole hidden-sized rows

@@ -124,6 +124,56 @@ def nothing_moves(params: Mapping[str, Any], call: CallInputs) -> float:
 
 
 @dataclass(frozen=True)
+class RecordContext:
+    """What the auditor knows of a competitor episode beyond its record (core/audit.py): the
+    protocol's allowance, dtype, batch and capacity (prefix + continuation tokens), whether the
+    worker ran on CUDA (worker.json's start device), and the model's config.json fields where the
+    protocol's synthetic shape gives them (None for a checkpoint: the archive does not hold it)."""
+
+    allowance_bytes: int
+    dtype: str
+    batch: int
+    capacity: int
+    cuda: bool
+    config: Mapping[str, Any] | None = None
+
+
+def int_fields(section: Any, names) -> dict[str, int] | None:
+    """`section`'s `names` where it is a mapping holding each as an integer of at least 0 (None otherwise)."""
+    if not isinstance(section, Mapping):
+        return None
+    got = {n: section.get(n) for n in names}
+    if not all(type(v) is int and v >= 0 for v in got.values()):
+        return None
+    return got
+
+
+def differs(got: Any, want: Mapping[str, Any], prefix: str = "") -> str | None:
+    """Where `got` differs from `want` (None: nowhere), as `KEY recorded X, expected Y` at the first
+    such key in `want`'s order (then keys `want` lacks), nested keys dotted; the JSON type counts
+    (true is not 1, 1.0 is not 1). What a record holds is shown on one line, at most 80 characters."""
+    from packbench.core.text import one_line
+
+    def show(v: Any) -> str:
+        return one_line(str(v))[:80]
+
+    if not isinstance(got, Mapping):
+        return f"{prefix.rstrip('.') or 'value'} recorded {show(got)}, expected a mapping"
+    for k in [*want, *(k for k in got if k not in want)]:
+        if k not in want:
+            return f"{prefix}{show(k)} recorded but never written"
+        if k not in got:
+            return f"{prefix}{k} missing, expected {want[k]}"
+        if isinstance(want[k], Mapping):
+            inner = differs(got[k], want[k], f"{prefix}{k}.")
+            if inner:
+                return inner
+        elif type(got[k]) is not type(want[k]) or got[k] != want[k]:
+            return f"{prefix}{k} recorded {show(got[k])}, expected {want[k]}"
+    return None
+
+
+@dataclass(frozen=True)
 class Competitor:
     """What a competitor (a condition that is not packbench's own loader: it runs its own model
     on a library) declares beyond a loader: each as a function of the condition's params."""
@@ -137,6 +187,13 @@ class Competitor:
     stack_refusal: Callable[[Mapping[str, Any], str], str | None] = lambda params, mode: None
     # The pyproject extra that installs `library` (the fix printed when it is missing at submit).
     extra: str = "lowbit"
+    # Why a CPU worker refuses it before any episode (None: it runs on the CPU too); `protocol plan`
+    # says so on a machine without a GPU, where a screen dispatched there runs on the CPU.
+    cpu_refusal: str | None = None
+    # What the auditor finds wrong with a finished episode's record of this kind (its configuration
+    # as the worker wrote it, against the condition's params and the RecordContext): one line each.
+    record_problems: Callable[[Mapping[str, Any], Mapping[str, Any], RecordContext], list[str]] = \
+        lambda params, record, ctx: []
 
 
 @dataclass(frozen=True)

@@ -25,10 +25,11 @@ Torch-free: core. `config` below is an OPT config.json's fields.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from typing import Any, Mapping
 
-from packbench.core.conditions.base import MODE_PARAM, CallInputs, ChoiceParam, Competitor, ConditionKind, IntParam
+from packbench.core.conditions.base import (MODE_PARAM, CallInputs, ChoiceParam, Competitor, ConditionKind, IntParam,
+                                            RecordContext, differs, int_fields)
 
 LIBRARY = "flexgen"
 EXTRA = "offload"  # pyproject.toml's [offload] extra brings it (flexgen==0.1.8)
@@ -180,6 +181,48 @@ def h2d_bytes(params: Mapping[str, Any], call: CallInputs) -> float:
     return float(sum(placement(config, share)[1]))
 
 
+def record_problems(params: Mapping[str, Any], record: Mapping[str, Any], ctx: RecordContext) -> list[str]:
+    """What the auditor finds wrong with a finished flexgen episode's `offload.policy`: it must be a
+    PolicyPlan's record (its sum and FlexGen's fixed settings, compression off, as `as_dict` writes
+    them) at the protocol's allowance and batch, the condition's frozen `cache_gpu_percent`,
+    `activations` and `w_gpu_percent` (chosen on the worker exactly where the condition omits it),
+    and fit the allowance; for a synthetic shape, the whole plan is `choose_policy`'s at the
+    recorded context and holdings (its weights, cache and working space, and a chosen share the
+    largest that fits). An edited policy DISAGREEs."""
+    offload = record.get("offload")
+    policy = offload.get("policy") if isinstance(offload, Mapping) else None
+    names = [f.name for f in fields(PolicyPlan) if f.name != "chosen"]
+    base = int_fields(policy, names)
+    if base is None or type(policy.get("chosen")) is not bool:
+        return [f"offload.policy: not FlexGen's placement (integers {', '.join(names)} and chosen)"]
+    plan = PolicyPlan(**base, chosen=policy["chosen"])
+    out = []
+    wrong = differs(policy, plan.as_dict())
+    if wrong:
+        out.append(f"offload.policy: {wrong} (recomputed from its own figures)")
+    given = params.get("w_gpu_percent")
+    want = {"cache_gpu_percent": params.get("cache_gpu_percent", 100),
+            "act_gpu_percent": 100 if params.get("activations", "gpu") == "gpu" else 0,
+            "gpu_batch_size": ctx.batch, "allowance": ctx.allowance_bytes, "chosen": given is None,
+            **({} if given is None else {"w_gpu_percent": given})}
+    out += [f"offload.policy: {k} {policy[k]} is not the protocol's {v}" for k, v in want.items() if policy[k] != v]
+    if not 0 <= plan.w_gpu_percent <= 100:
+        out.append(f"offload.policy: w_gpu_percent {plan.w_gpu_percent} is not a percentage")
+    if plan.needed > plan.allowance:
+        out.append(f"offload.policy: needs {plan.needed} bytes, over the allowance of {plan.allowance}: the worker "
+                   f"refuses such a placement")
+    if ctx.config is not None and not out and check_shape(ctx.config) is None:
+        try:
+            chosen = choose_policy(ctx.config, params, allowance=ctx.allowance_bytes, context=plan.context,
+                                   held=plan.held, batch=ctx.batch, prompt=ctx.capacity, gen=0, cuda=ctx.cuda)
+        except PolicyRefused as e:
+            return [f"offload.policy: recorded a placement where FlexGen's rule refuses: {e}"]
+        wrong = differs(policy, chosen.as_dict())
+        if wrong:
+            out.append(f"offload.policy: {wrong} (FlexGen's placement of this model at its context)")
+    return out
+
+
 PERCENT = dict(minimum=0, maximum=100)
 KIND = ConditionKind(
     name="flexgen",
@@ -194,5 +237,6 @@ KIND = ConditionKind(
     # no body frozen before it changes. Its first schema is the newest when it was added.
     since=10,
     competitor=Competitor(library=lambda params: LIBRARY, fastest_mode=lambda params: "eager",
-                          capture_refusal=lambda params: CAPTURE_REFUSAL, extra=EXTRA),
+                          capture_refusal=lambda params: CAPTURE_REFUSAL, extra=EXTRA,
+                          record_problems=record_problems, cpu_refusal=CPU_REFUSAL),
 )
