@@ -30,6 +30,7 @@ import contextlib
 import errno
 import io
 import json
+import math
 import os
 import secrets
 import stat
@@ -195,11 +196,34 @@ def _no_duplicates(pairs: list) -> dict:
     return out
 
 
+def _finite(text: str) -> float:
+    # 1e999 is a JSON number that Python reads as inf, which `simulate --json` printed back as
+    # Infinity (its output no JSON): a number beyond a double's range is refused like Infinity.
+    value = float(text)
+    if not math.isfinite(value):
+        raise StrictJSONError(f"holds the number {show(text[:40])}, beyond a double's range (read as infinity)")
+    return value
+
+
+# Python refuses to read an integer of more digits than this (sys.get_int_max_str_digits' default).
+MAX_INT_DIGITS = 4300
+
+
+def _integer(text: str) -> int:
+    digits = len(text.lstrip("-"))
+    if digits > MAX_INT_DIGITS:
+        raise StrictJSONError(f"holds an integer of {digits} digits, more than {MAX_INT_DIGITS}")
+    return int(text)
+
+
 def strict_json(data: bytes):
     """JSON as the standard has it: NaN and Infinity (which `simulate --json` printed back, so its
-    output was no JSON) and a key given twice (Python keeps the last, other readers the first) raise
-    StrictJSONError saying which; anything else that is not JSON raises ValueError or RecursionError."""
-    return json.loads(data, parse_constant=_no_constant, object_pairs_hook=_no_duplicates)
+    output was no JSON), a number beyond a double's range (1e999, read as infinity), an integer of
+    more digits than Python reads, and a key given twice (Python keeps the last, other readers the
+    first) raise StrictJSONError saying which; anything else that is not JSON raises ValueError or
+    RecursionError."""
+    return json.loads(data, parse_constant=_no_constant, parse_float=_finite, parse_int=_integer,
+                      object_pairs_hook=_no_duplicates)
 
 
 def _read_npy(data: bytes, name: str, dtype: str) -> np.ndarray:

@@ -286,6 +286,46 @@ def test_nan_or_a_key_given_twice_in_a_trace_or_machine_file_is_one_line(opt_tra
                       parse_constant=lambda c: pytest.fail(c))["machine"]["pinned_h2d_gbps"]["value"] == 10
 
 
+def test_a_number_beyond_a_double_or_a_huge_integer_in_a_trace_or_machine_file_is_one_line(
+        opt_trace, packbench_cli, tmp_path):
+    """Catches strict JSON that refused the literals NaN and Infinity yet took 1e999 (a JSON number
+    Python reads as inf): in the trace's source or a machine file's description it came back in
+    `--json`'s output as Infinity or -Infinity, which is no JSON, exit 0; and an integer of 5000
+    digits was said to be "not JSON" (Python's digit limit) without saying what to fix."""
+    import io
+    import zipfile
+
+    with zipfile.ZipFile(opt_trace) as zf:
+        members = {n: zf.read(n) for n in zf.namelist()}
+    text = json.dumps(json.loads(members["header.json"]))
+
+    def trace(header: str):
+        buf = io.BytesIO()
+        with zipfile.ZipFile(buf, "w") as zf:
+            for n, v in {**members, "header.json": header.encode()}.items():
+                zf.writestr(n, v)
+        (tmp_path / "t.trace").write_bytes(buf.getvalue())
+        return packbench_cli("simulate", str(tmp_path / "t.trace"), "--policy", "packet", "--json")
+
+    one_line(trace(text.replace('"source": {', '"source": {"note": 1e999, ', 1)),
+             "TRACE: header.json holds the number '1e999', beyond a double's range (read as infinity); rewrite the trace")
+    one_line(trace(text.replace('"source": {', '"source": {"note": ' + "7" * 4301 + ", ", 1)),
+             "TRACE: header.json holds an integer of 4301 digits, more than 4300; rewrite the trace")
+    good = '{"name": "m", "pinned_h2d_gbps": {"value": 10, "source": "s"}'
+    for name, body, words in (("neg", good + ', "description": -1E+400}', "holds the number '-1E+400', beyond a double"),
+                              ("rate", '{"name": "m", "pinned_h2d_gbps": {"value": 1e309, "source": "s"}}',
+                               "holds the number '1e309', beyond a double's range")):
+        path = tmp_path / f"{name}.json"
+        path.write_text(body)
+        one_line(packbench_cli("simulate", str(opt_trace), "--machine", str(path), "--json"), f"--machine {path}", words)
+    # At the edges: the largest double and an integer of 4300 digits are JSON, read and printed back.
+    (tmp_path / "edge.json").write_text(good + ', "description": [1.7976931348623157e308, ' + "7" * 4300 + "]}")
+    r = packbench_cli("simulate", str(opt_trace), "--policy", "packet", "--machine", str(tmp_path / "edge.json"), "--json")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout, parse_constant=lambda c: pytest.fail(c))["machine"]["description"] == [
+        1.7976931348623157e308, int("7" * 4300)]
+
+
 def test_one_episode_and_one_call_are_not_plural(tiny, tmp_path, packbench_cli):
     """`model stats --trace` and `simulate`'s header said "1 episodes" and "1 calls"."""
     from in_process import run_packbench
