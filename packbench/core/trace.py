@@ -155,10 +155,41 @@ def _check_model(m: dict) -> TraceModel:
     dtype = m.get("dtype", "")
     if not isinstance(dtype, str):
         raise TraceError("header.json's model.dtype must be a string")
-    return TraceModel(family=family, unit=unit, layers=layers, units=num("units", 1, MAX_UNITS),
-                      unit_bytes=num("unit_bytes", 1, 2**40), hidden=num("hidden", 0, 2**24, 0), dtype=dtype,
-                      index_bytes=num("index_bytes", 1, 16, 8), k=num("k", 0, MAX_UNITS, 0), shape=shape,
-                      layers_without_units=tuple(sorted(set(skip))))
+    model = TraceModel(family=family, unit=unit, layers=layers, units=num("units", 1, MAX_UNITS),
+                       unit_bytes=num("unit_bytes", 1, 2**40), hidden=num("hidden", 0, 2**24, 0), dtype=dtype,
+                       index_bytes=num("index_bytes", 1, 16, 8), k=num("k", 0, MAX_UNITS, 0), shape=shape,
+                       layers_without_units=tuple(sorted(set(skip))))
+    problem = preset_problem(model)
+    if problem:
+        raise TraceError(problem)
+    return model
+
+
+def preset_problem(model: TraceModel) -> str | None:
+    """Why `model.shape`, a name of one of packbench's presets (core/registry.py's OPT shapes,
+    core/moe.py's MoE shapes), is not this trace's model, or None (an unknown name is free text).
+    The shape is how a machine file's compute is found: an MoE trace that named opt-13b was
+    predicted with an OPT model's measured compute. The tracer names a preset only when the
+    checkpoint fits it; `hidden` and `k` of 0 (unknown, as a published dump may leave them) are
+    not compared."""
+    from packbench.core.moe import MOE_SHAPES
+    from packbench.core.registry import SHAPES
+
+    if model.shape in SHAPES:
+        d = SHAPES[model.shape]
+        want = {"family": "opt", "unit": "row", "units": d["ffn"], "hidden": d["hidden"], "k": 0}
+    elif model.shape in MOE_SHAPES:
+        d = MOE_SHAPES[model.shape]
+        want = {"family": d["family"], "unit": "expert", "units": d["experts"], "hidden": d["hidden"], "k": d["k"]}
+    else:
+        return None
+    for key, value in want.items():
+        got = getattr(model, key)
+        if got != value and not (key in ("hidden", "k") and got == 0):
+            preset = ", ".join(f"{k} {v!r}" for k, v in want.items())
+            return (f"header.json's model.shape {model.shape!r} is packbench's preset ({preset}), but model.{key} "
+                    f"is {show(got)}; give the shape the trace was recorded from, or null")
+    return None
 
 
 def _check_calls(calls) -> list[TraceCall]:

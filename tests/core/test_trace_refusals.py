@@ -147,6 +147,40 @@ def test_header_fields_at_their_bounds_and_the_defaults_a_header_may_leave_out()
     assert parse(header(members(opt()), model_index_bytes=4, model_k=3)).model.index_bytes == 4
 
 
+def test_a_preset_shape_must_be_the_traces_model():
+    """Catches a trace whose model.shape names one of packbench's presets it is not: an MoE trace
+    of 4 experts that named opt-13b was read, and `simulate --machine` priced its decode with
+    opt-13b's measured compute (an OPT model's, scaled from 40 layers). A preset's family, unit,
+    units a layer, and hidden and k where given must be the preset's; any other name is free."""
+    def preset(**model) -> str:
+        return refusal(header(members(opt()), **{f"model_{k}": v for k, v in model.items()}))
+
+    opt13 = "packbench's preset (family 'opt', unit 'row', units 20480, hidden 5120, k 0)"
+    tiny_moe = "packbench's preset (family 'mixtral', unit 'expert', units 8, hidden 64, k 2)"
+    fix = "; give the shape the trace was recorded from, or null"
+    assert preset(shape="opt-13b") == f"header.json's model.shape 'opt-13b' is {opt13}, but model.units is 16{fix}"
+    assert preset(shape="opt-13b", family="mixtral", unit="expert") == (
+        f"header.json's model.shape 'opt-13b' is {opt13}, but model.family is 'mixtral'{fix}")
+    assert preset(shape="opt-13b", units=20480, unit="expert") == (
+        f"header.json's model.shape 'opt-13b' is {opt13}, but model.unit is 'expert'{fix}")
+    assert preset(shape="opt-13b", units=20480, hidden=5121) == (
+        f"header.json's model.shape 'opt-13b' is {opt13}, but model.hidden is 5121{fix}")
+    assert preset(shape="opt-13b", units=20480, hidden=5120, k=2) == (
+        f"header.json's model.shape 'opt-13b' is {opt13}, but model.k is 2{fix}")
+    assert preset(shape="mixtral-tiny") == (
+        f"header.json's model.shape 'mixtral-tiny' is {tiny_moe}, but model.family is 'opt'{fix}")
+    moe = dict(shape="mixtral-tiny", family="mixtral", unit="expert", units=8, hidden=64)
+    assert preset(**moe, k=3) == f"header.json's model.shape 'mixtral-tiny' is {tiny_moe}, but model.k is 3{fix}"
+    assert preset(**{**moe, "hidden": 63}) == (
+        f"header.json's model.shape 'mixtral-tiny' is {tiny_moe}, but model.hidden is 63{fix}")
+    # Read: the preset itself, with hidden and k given or left 0 (a published dump's unknowns),
+    # fewer layers than the preset's, and any name that is no preset.
+    for model in (dict(moe, k=2), dict(moe, k=0, hidden=0), dict(shape="opt-13b", units=20480, hidden=0),
+                  dict(shape="box-moe", family="mixtral", unit="expert", units=8, k=7)):
+        back = parse(header(members(opt()), **{f"model_{k}": v for k, v in model.items()})).model
+        assert (back.shape, back.unit, back.units) == (model["shape"], model.get("unit", "row"), model["units"])
+
+
 def test_layers_are_bounded_at_4096():
     # Bug: the layer bound one off.
     t = opt(1, layers=4096)
