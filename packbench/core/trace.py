@@ -340,18 +340,34 @@ def parse_trace(zf: zipfile.ZipFile, *, cap: int | None = None) -> Trace:
     if not isinstance(source, dict):
         raise TraceError("header.json's source must be an object")
     sets = _read_sets(raw[OFFSETS_NAME], raw[INDICES_NAME], model, len(calls), (OFFSETS_NAME, INDICES_NAME))
+    _check_routed(sets, calls, model, "routes")
     forecasts = None
     if present:
         forecasts = _read_sets(raw[FORECAST_OFFSETS_NAME], raw[FORECAST_INDICES_NAME], model, len(calls),
                                FORECAST_MEMBERS)
         if model.unit != "expert":
             raise TraceError("forecast members are for a trace of experts; drop them from a trace of rows")
+        _check_routed(forecasts, calls, model, "forecasts")
         for c, row in enumerate(forecasts):
             for layer, f in enumerate(row):
                 if f.size and not forecast_possible(model, layer):
                     raise TraceError(f"call {c} has a forecast for layer {layer}, where none can be made (layer 0, "
                                      f"or a layer with or after a layer without units); empty it")
     return Trace(model=model, calls=calls, sets=sets, source=source, forecasts=forecasts)
+
+
+def _check_routed(sets: list[list[np.ndarray]], calls: list[TraceCall], model: TraceModel, what: str) -> None:
+    """An MoE trace that states k: no call's set in a layer holds more experts than its tokens
+    route (tokens x k; a decode call at batch 1 routes k). A set of 8 experts in a one-token call
+    of top-2 routing was read and replayed as if the router had chosen them."""
+    if model.unit != "expert" or not model.k:
+        return
+    for c, (call, row) in enumerate(zip(calls, sets)):
+        most = call.tokens * model.k
+        layer = next((layer for layer, s in enumerate(row) if s.size > most), None)
+        if layer is not None:
+            raise TraceError(f"call {c} {what} {row[layer].size} experts in layer {layer}, more than its {call.tokens} "
+                             f"token{'s' if call.tokens != 1 else ''} x k {model.k}; fix model.k or the call's tokens")
 
 
 def _read_sets(offsets_raw: bytes, indices_raw: bytes, model: TraceModel, ncalls: int,

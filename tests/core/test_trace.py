@@ -297,7 +297,7 @@ def test_each_phases_belady_bounds_the_caches_of_a_trace_with_a_second_prefill()
     """A published multi-turn episode: prefill, 2 decode calls, a second turn's prefill, a decode.
     Catches `simulate` splitting one plain Belady run by phase: its decode share (5 of 7) was
     below LFU's decode hits (6), so the table printed hit% 85.7 beside belady% 71.4."""
-    model = TraceModel(family="mixtral", unit="expert", layers=1, units=4, unit_bytes=1000, k=2)
+    model = TraceModel(family="mixtral", unit="expert", layers=1, units=4, unit_bytes=1000, k=3)
     phases = ["prefill", "decode", "decode", "prefill", "decode"]
     routes = [[0, 2], [0, 2], [0, 1, 2], [0, 1], [0, 2]]
     t = Trace(model=model, calls=[TraceCall(0, p, 3 if p == "prefill" else 1) for p in phases],

@@ -181,6 +181,38 @@ def test_a_preset_shape_must_be_the_traces_model():
         assert (back.shape, back.unit, back.units) == (model["shape"], model.get("unit", "row"), model["units"])
 
 
+def test_a_call_routing_more_experts_than_its_tokens_times_k_is_refused():
+    """Catches a reader that took a one-token call of top-2 routing whose set held 3 experts (or a
+    forecast of 3): `simulate` replayed experts the router cannot have chosen. At tokens x k it
+    reads; k 0 (not stated) and a trace of rows are not checked."""
+    import dataclasses
+
+    def k2(t: Trace) -> dict:  # written with a k the writer takes, stated as 2 in the header
+        t.model = dataclasses.replace(t.model, k=4)
+        return header(members(t), model_k=2)
+
+    t = moe()  # prefill of 2 tokens, decode of 1
+    assert parse(k2(t)).sets[1][1].tolist() == [0, 3]  # at the bound: 2 experts for 1 token
+    t.sets[1][1] = a(0, 1, 3)
+    assert refusal(k2(t)) == ("call 1 routes 3 experts in layer 1, more than its 1 token x k 2; fix model.k "
+                              "or the call's tokens")
+    t.sets[0][0] = a(0, 1, 2, 3)  # the prefill: 4 experts for 2 tokens is at its bound; call 1 is still named
+    assert refusal(k2(t)).startswith("call 1 routes 3 experts in layer 1")
+    assert parse(header(k2(t), model_k=3)).sets[1][1].tolist() == [0, 1, 3]
+    assert parse(header(k2(t), model_k=0)).model.k == 0
+    t = moe()
+    t.forecasts[1][1] = a(0, 2, 3)
+    assert refusal(k2(t)) == ("call 1 forecasts 3 experts in layer 1, more than its 1 token x k 2; fix model.k "
+                              "or the call's tokens")
+    t = moe()
+    t.sets[0][0] = a(0, 1, 2)
+    assert refusal(header(k2(t), calls=[{**CALL, "phase": "prefill"}, CALL])) == (
+        "call 0 routes 3 experts in layer 0, more than its 1 token x k 2; fix model.k or the call's tokens")
+    rows = opt()  # a trace of rows states no k: its sets are not bounded by one
+    rows.sets[1][0] = a(0, 1, 2, 3, 4, 5)
+    assert parse(header(members(rows), model_k=1)).sets[1][0].size == 6
+
+
 def test_layers_are_bounded_at_4096():
     # Bug: the layer bound one off.
     t = opt(1, layers=4096)
