@@ -343,5 +343,17 @@ def test_one_episode_and_one_call_are_not_plural(tiny, tmp_path, packbench_cli):
     r = packbench_cli("simulate", str(out), "--policy", "dense-stream")
     assert r.returncode == 0, r.stderr
     assert "; 1 episode, 1 call" in r.stdout
+    # ... and "1 layers x 1 experts": a layer and a unit counted as the episodes are.
+    import numpy as np
+
+    from packbench.core.trace import Trace, TraceCall, TraceModel, write_trace
+
+    one = Trace(model=TraceModel(family="mixtral", unit="expert", layers=1, units=1, unit_bytes=1000, k=1),
+                calls=[TraceCall(0, "prefill", 1)], sets=[[np.array([0])]])
+    r = packbench_cli("simulate", str(write_trace(one, tmp_path / "unit.trace")), "--policy", "packet")
+    assert r.returncode == 0, r.stderr
+    assert ": mixtral (unnamed shape), 1 layer x 1 expert of 1,000 B, ; 1 episode, 1 call\n" in r.stdout, r.stdout
+    assert ", 2 layers x 256 rows of 256 B, float32; 1 episode, 1 call\n" in packbench_cli(
+        "simulate", str(out), "--policy", "packet").stdout
     r = run_packbench("model", "stats", str(tiny), "--prefix", "2", "--continuation", "2", "--count", "1")
     assert r.returncode == 0 and "; 1 prompt (" in r.stdout and "+ 1 decode call\n" in r.stdout, r.stdout
