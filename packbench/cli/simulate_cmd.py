@@ -147,8 +147,9 @@ def _mb(n: float) -> str:
 def render(out: dict, *, per_call: bool = False) -> str:
     m = out["model"]
     unit = m["unit"] + "s"
-    lines = [f"{out['trace']}: {m['family']} {m['shape'] or '(unnamed shape)'}, {m['layers']} layers x {m['units']} "
-             f"{unit} of {m['unit_bytes']:,} B, {m['dtype']}; {counted(out['episodes'], 'episode')}, {counted(out['calls'], 'call')}",
+    lines = [f"{out['trace']}: {m['family']} {m['shape'] or '(unnamed shape)'}, {counted(m['layers'], 'layer')} x "
+             f"{counted(m['units'], m['unit'])} of {m['unit_bytes']:,} B, {m['dtype']}; {counted(out['episodes'], 'episode')}, "
+             f"{counted(out['calls'], 'call')}",
              f"source: {json.dumps(out['source'], sort_keys=True)}", "",
              f"{'policy':44} {'prefill MB/call':>16} {'decode MB/token':>16} {unit + '/decode':>14} "
              f"{'wasted':>8} {'hits':>8} {'misses':>8} {'hit%':>6} {'belady%':>8} {'prefetch':>8} {'used':>8} "

@@ -26,7 +26,8 @@ layer decides which of them stay for later calls.
   and those just routed) whose next request comes soonest (ties: the lower id; experts never
   requested again last). With the admission choice above this greedy choice is optimal: swapping a
   kept expert for one requested sooner never loses a hit (tests/core/test_expert_cache.py checks
-  it against exhaustive search on small traces).
+  it against exhaustive search on small traces). `belady_by_phase`: per phase, the run that makes
+  the most hits in that phase's calls (the decode figures' bound).
 - `lru_hits` / `lfu_hits`: the `LayerCache` over a list of requests, summed.
 - `forecast_step(forecast, cached, routed) -> ForecastStep(prefetched, used, wasted)`: a forecast
   prefetches what it predicts and the cache does not hold; `used` are the prefetched experts the
@@ -143,17 +144,24 @@ def belady_hits(requests: Sequence[Iterable[int]], capacity: int) -> tuple[int, 
     return sum(belady_per_request(sets, capacity)), sum(len(r) for r in sets)
 
 
-def belady_per_request(requests: Sequence[Iterable[int]], capacity: int) -> list[int]:
-    """Belady's hits at each request."""
+def belady_per_request(requests: Sequence[Iterable[int]], capacity: int,
+                       counted: Sequence[bool] | None = None) -> list[int]:
+    """Belady's hits at each request. `counted[t]`: whether request t's hits are the ones to
+    maximise (default: every request's); the run is then the most hits over the counted requests
+    alone. An expert whose next request is not counted gains nothing by being held until then
+    (that request routes it onto the device anyway, free to keep), so it ranks as never requested
+    again; with every request counted this is the plain optimum (tests/core/test_expert_cache.py
+    checks both against exhaustive search)."""
     sets = [_routed_set(r) for r in requests]
     never = len(sets)
-    # next_use[t][e]: the first request after t that routes e (never: none).
+    counts = [True] * len(sets) if counted is None else list(counted)
+    # next_use[t][e]: the first request after t that routes e (never: none, or one not counted).
     next_use: list[dict[int, int]] = [{} for _ in sets]
     upcoming: dict[int, int] = {}
     for t in range(len(sets) - 1, -1, -1):
         next_use[t] = {e: upcoming.get(e, never) for e in sets[t]}
         for e in sets[t]:
-            upcoming[e] = t
+            upcoming[e] = t if counts[t] else never
     # Only the experts of request t change their next use at t: the others keep theirs.
     held: dict[int, int] = {}  # expert -> its next use
     hits = []
@@ -163,6 +171,22 @@ def belady_per_request(requests: Sequence[Iterable[int]], capacity: int) -> list
             held[e] = next_use[t].get(e, never)
         held = dict(sorted(held.items(), key=lambda kv: (kv[1], kv[0]))[:capacity])
     return hits
+
+
+def belady_by_phase(requests: Sequence[Iterable[int]], phases: Sequence[str], capacity: int) -> list[int]:
+    """Per request, the hits of Belady's cache that makes the most hits in calls of that request's
+    phase: a phase's sum is the most hits any cache of `capacity` could have had in that phase's
+    calls, so it bounds every cache's hits there. Where the only prefill is the first request (every
+    episode the engine runs) it is the plain optimum's run (`belady_per_request`) call by call: the
+    first request hits nothing in any cache. An episode with a later prefill (a second turn) can
+    otherwise have a plain optimum that trades decode hits for prefill hits, below an LFU's decode hits."""
+    out = [0] * len(phases)
+    for phase in sorted(set(phases)):
+        mine = [p == phase for p in phases]
+        for t, h in enumerate(belady_per_request(requests, capacity, mine)):
+            if mine[t]:
+                out[t] = h
+    return out
 
 
 def forecast_step(forecast: Iterable[int], cached: Iterable[int], routed: Iterable[int]) -> ForecastStep:
@@ -187,7 +211,8 @@ def episode_figures(routes: Sequence[Sequence[Sequence[int] | None]], phases: Se
     `phases[c]`: "prefill" or "decode"; `forecasts[c][l]`: the experts forecast for layer l in
     call c (None: no forecast). Per layer a fresh `LayerCache(capacity, rule)` steps over the
     calls in order, each forecast accounted against the cache before its call; Belady's hits are
-    for the same capacity on the same requests. Totals over every call and over decode calls:
+    for the same capacity on the same requests, the decode share the most hits in decode calls
+    (`belady_by_phase`: the same run where the only prefill is the first call). Totals over every call and over decode calls:
     `routed`, `hits`, `misses`, `prefetched`, `used`, `wasted`, `belady_hits`, and the rates
     `hit_rate`, `belady_rate` and `ready_rate` ((hits + used) / routed: the routed experts already
     on the device when the routing was known, by the cache or the forecast) (None when nothing
@@ -214,11 +239,11 @@ def episode_figures(routes: Sequence[Sequence[Sequence[int] | None]], phases: Se
                 total[k] += v
                 if phases[c] == "decode":
                     decode[k] += v
-        # Belady over the whole episode; its hits counted per call, so the decode share is its own.
-        belady = belady_per_request([r for _, r in requests], capacity)
-        row["belady_hits"] = sum(belady)
+        # Belady over the whole episode; the decode share is the most decode hits (`belady_by_phase`).
+        row["belady_hits"] = sum(belady_per_request([r for _, r in requests], capacity))
         total["belady_hits"] += row["belady_hits"]
-        decode["belady_hits"] += sum(h for (c, _), h in zip(requests, belady) if phases[c] == "decode")
+        by_phase = belady_by_phase([r for _, r in requests], [phases[c] for c, _ in requests], capacity)
+        decode["belady_hits"] += sum(h for (c, _), h in zip(requests, by_phase) if phases[c] == "decode")
         per_layer.append({"layer": layer, **row})
     out = {**total, "hit_rate": rate(total["hits"], total["routed"]),
            "belady_rate": rate(total["belady_hits"], total["routed"]),

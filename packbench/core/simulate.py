@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from packbench.core import charges
-from packbench.core.expert_cache import CACHE_RULES, LayerCache, belady_per_request, forecast_step
+from packbench.core.expert_cache import CACHE_RULES, LayerCache, belady_by_phase, forecast_step
 from packbench.core.registry import INT8_SCALE_BYTES
 from packbench.core.text import show
 from packbench.core.trace import Trace, TraceModel, forecast_possible
@@ -347,7 +347,9 @@ def ledger(trace: Trace, name: str, params: dict) -> list[dict]:
     LEDGER_KEYS) as `name {params}` would record them on this trace, plus per layer the cache's
     `hits` (None where the policy has no cache) and, for an expert cache, `misses`, the forecast's
     `prefetched` and `used` (None where no forecast was made), and `belady_hits`: Belady's optimal
-    hits for the same capacity on the episode's same requests (core/expert_cache.py)."""
+    hits for the same capacity on the episode's same requests, in a call of each phase those of the
+    run that makes the most hits in that phase's calls (core/expert_cache.py `belady_by_phase`), so
+    a phase's sum bounds every cache's hits in it."""
     m = trace.model
     make = SIMULATED[(m.unit, name)][0]
     if needs_forecast(name, params) and trace.forecasts is None:
@@ -384,7 +386,8 @@ def ledger(trace: Trace, name: str, params: dict) -> list[dict]:
             for layer in range(m.layers):
                 if layer in skip:
                     continue
-                hits = belady_per_request([trace.sets[c][layer].tolist() for c in episode], capacity)
+                hits = belady_by_phase([trace.sets[c][layer].tolist() for c in episode],
+                                       [trace.calls[c].phase for c in episode], capacity)
                 for row, h in zip(calls[first:], hits):
                     row["belady_hits"][layer] = h
     return calls

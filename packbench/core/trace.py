@@ -30,6 +30,7 @@ import contextlib
 import errno
 import io
 import json
+import math
 import os
 import secrets
 import stat
@@ -154,10 +155,41 @@ def _check_model(m: dict) -> TraceModel:
     dtype = m.get("dtype", "")
     if not isinstance(dtype, str):
         raise TraceError("header.json's model.dtype must be a string")
-    return TraceModel(family=family, unit=unit, layers=layers, units=num("units", 1, MAX_UNITS),
-                      unit_bytes=num("unit_bytes", 1, 2**40), hidden=num("hidden", 0, 2**24, 0), dtype=dtype,
-                      index_bytes=num("index_bytes", 1, 16, 8), k=num("k", 0, MAX_UNITS, 0), shape=shape,
-                      layers_without_units=tuple(sorted(set(skip))))
+    model = TraceModel(family=family, unit=unit, layers=layers, units=num("units", 1, MAX_UNITS),
+                       unit_bytes=num("unit_bytes", 1, 2**40), hidden=num("hidden", 0, 2**24, 0), dtype=dtype,
+                       index_bytes=num("index_bytes", 1, 16, 8), k=num("k", 0, MAX_UNITS, 0), shape=shape,
+                       layers_without_units=tuple(sorted(set(skip))))
+    problem = preset_problem(model)
+    if problem:
+        raise TraceError(problem)
+    return model
+
+
+def preset_problem(model: TraceModel) -> str | None:
+    """Why `model.shape`, a name of one of packbench's presets (core/registry.py's OPT shapes,
+    core/moe.py's MoE shapes), is not this trace's model, or None (an unknown name is free text).
+    The shape is how a machine file's compute is found: an MoE trace that named opt-13b was
+    predicted with an OPT model's measured compute. The tracer names a preset only when the
+    checkpoint fits it; `hidden` and `k` of 0 (unknown, as a published dump may leave them) are
+    not compared."""
+    from packbench.core.moe import MOE_SHAPES
+    from packbench.core.registry import SHAPES
+
+    if model.shape in SHAPES:
+        d = SHAPES[model.shape]
+        want = {"family": "opt", "unit": "row", "units": d["ffn"], "hidden": d["hidden"], "k": 0}
+    elif model.shape in MOE_SHAPES:
+        d = MOE_SHAPES[model.shape]
+        want = {"family": d["family"], "unit": "expert", "units": d["experts"], "hidden": d["hidden"], "k": d["k"]}
+    else:
+        return None
+    for key, value in want.items():
+        got = getattr(model, key)
+        if got != value and not (key in ("hidden", "k") and got == 0):
+            preset = ", ".join(f"{k} {v!r}" for k, v in want.items())
+            return (f"header.json's model.shape {model.shape!r} is packbench's preset ({preset}), but model.{key} "
+                    f"is {show(got)}; give the shape the trace was recorded from, or null")
+    return None
 
 
 def _check_calls(calls) -> list[TraceCall]:
@@ -195,11 +227,34 @@ def _no_duplicates(pairs: list) -> dict:
     return out
 
 
+def _finite(text: str) -> float:
+    # 1e999 is a JSON number that Python reads as inf, which `simulate --json` printed back as
+    # Infinity (its output no JSON): a number beyond a double's range is refused like Infinity.
+    value = float(text)
+    if not math.isfinite(value):
+        raise StrictJSONError(f"holds the number {show(text[:40])}, beyond a double's range (read as infinity)")
+    return value
+
+
+# Python refuses to read an integer of more digits than this (sys.get_int_max_str_digits' default).
+MAX_INT_DIGITS = 4300
+
+
+def _integer(text: str) -> int:
+    digits = len(text.lstrip("-"))
+    if digits > MAX_INT_DIGITS:
+        raise StrictJSONError(f"holds an integer of {digits} digits, more than {MAX_INT_DIGITS}")
+    return int(text)
+
+
 def strict_json(data: bytes):
     """JSON as the standard has it: NaN and Infinity (which `simulate --json` printed back, so its
-    output was no JSON) and a key given twice (Python keeps the last, other readers the first) raise
-    StrictJSONError saying which; anything else that is not JSON raises ValueError or RecursionError."""
-    return json.loads(data, parse_constant=_no_constant, object_pairs_hook=_no_duplicates)
+    output was no JSON), a number beyond a double's range (1e999, read as infinity), an integer of
+    more digits than Python reads, and a key given twice (Python keeps the last, other readers the
+    first) raise StrictJSONError saying which; anything else that is not JSON raises ValueError or
+    RecursionError."""
+    return json.loads(data, parse_constant=_no_constant, parse_float=_finite, parse_int=_integer,
+                      object_pairs_hook=_no_duplicates)
 
 
 def _read_npy(data: bytes, name: str, dtype: str) -> np.ndarray:
@@ -285,18 +340,34 @@ def parse_trace(zf: zipfile.ZipFile, *, cap: int | None = None) -> Trace:
     if not isinstance(source, dict):
         raise TraceError("header.json's source must be an object")
     sets = _read_sets(raw[OFFSETS_NAME], raw[INDICES_NAME], model, len(calls), (OFFSETS_NAME, INDICES_NAME))
+    _check_routed(sets, calls, model, "routes")
     forecasts = None
     if present:
         forecasts = _read_sets(raw[FORECAST_OFFSETS_NAME], raw[FORECAST_INDICES_NAME], model, len(calls),
                                FORECAST_MEMBERS)
         if model.unit != "expert":
             raise TraceError("forecast members are for a trace of experts; drop them from a trace of rows")
+        _check_routed(forecasts, calls, model, "forecasts")
         for c, row in enumerate(forecasts):
             for layer, f in enumerate(row):
                 if f.size and not forecast_possible(model, layer):
                     raise TraceError(f"call {c} has a forecast for layer {layer}, where none can be made (layer 0, "
                                      f"or a layer with or after a layer without units); empty it")
     return Trace(model=model, calls=calls, sets=sets, source=source, forecasts=forecasts)
+
+
+def _check_routed(sets: list[list[np.ndarray]], calls: list[TraceCall], model: TraceModel, what: str) -> None:
+    """An MoE trace that states k: no call's set in a layer holds more experts than its tokens
+    route (tokens x k; a decode call at batch 1 routes k). A set of 8 experts in a one-token call
+    of top-2 routing was read and replayed as if the router had chosen them."""
+    if model.unit != "expert" or not model.k:
+        return
+    for c, (call, row) in enumerate(zip(calls, sets)):
+        most = call.tokens * model.k
+        layer = next((layer for layer, s in enumerate(row) if s.size > most), None)
+        if layer is not None:
+            raise TraceError(f"call {c} {what} {row[layer].size} experts in layer {layer}, more than its {call.tokens} "
+                             f"token{'s' if call.tokens != 1 else ''} x k {model.k}; fix model.k or the call's tokens")
 
 
 def _read_sets(offsets_raw: bytes, indices_raw: bytes, model: TraceModel, ncalls: int,

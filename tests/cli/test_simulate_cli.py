@@ -169,7 +169,8 @@ def test_hostile_trace_files_are_one_line_exit_2(opt_trace, packbench_cli, tmp_p
 
     # Each: the command names the file's problem on one line and exits 2, never a traceback.
     for body, words in ((data[: len(data) // 3], "truncated"), (rezip(version=9), "version 9"),
-                        (rezip(model={"units": 4}), "out of range")):
+                        (rezip(model={"units": 4, "shape": None}), "out of range"),
+                        (rezip(model={"units": 4}), "model.shape 'tiny' is packbench's preset")):
         bad = tmp_path / "bad.trace"
         bad.write_bytes(body)
         one_line(packbench_cli("simulate", str(bad)), "TRACE", words)
@@ -211,7 +212,8 @@ def test_free_text_in_a_trace_or_machine_file_cannot_split_the_table(opt_trace, 
     with zipfile.ZipFile(opt_trace) as zf:
         members = {n: zf.read(n) for n in zf.namelist()}
     header = json.loads(members["header.json"])
-    header["model"].update(family="opt\n\x1b[2J", dtype="\u202efloat32")
+    # A shape of none of packbench's presets (a preset's family must be the preset's: test_trace.py).
+    header["model"].update(family="opt\n\x1b[2J", dtype="\u202efloat32", shape="tiny\u202e\n")
     buf = io.BytesIO()
     with zipfile.ZipFile(buf, "w") as zf:
         for n, v in {**members, "header.json": json.dumps(header).encode()}.items():
@@ -221,7 +223,7 @@ def test_free_text_in_a_trace_or_machine_file_cannot_split_the_table(opt_trace, 
     r = packbench_cli("simulate", str(tmp_path / "t.trace"), "--machine", str(tmp_path / "m.json"))
     assert r.returncode == 0, r.stderr
     assert "\x1b" not in r.stdout and "\u202e" not in r.stdout, r.stdout
-    assert r.stdout.splitlines()[0].endswith("calls") and "opt\\n\\x1b[2J" in r.stdout.splitlines()[0]
+    assert r.stdout.splitlines()[0].endswith("calls") and "opt\\n\\x1b[2J tiny\\u202e\\n," in r.stdout.splitlines()[0]
     assert "machine box\\n\\x1b[31m: pinned copy 10 GB/s" in r.stdout
 
 
@@ -236,7 +238,7 @@ def test_a_trace_of_2_31_rows_a_layer_is_replayed_without_row_retention(opt_trac
     with zipfile.ZipFile(opt_trace) as zf:
         members = {n: zf.read(n) for n in zf.namelist()}
     header = json.loads(members["header.json"])
-    header["model"]["units"] = 2**31 - 1
+    header["model"].update(units=2**31 - 1, shape=None)  # no preset has that many rows a layer
     buf = io.BytesIO()
     with zipfile.ZipFile(buf, "w") as zf:
         for n, v in {**members, "header.json": json.dumps(header).encode()}.items():
@@ -286,6 +288,46 @@ def test_nan_or_a_key_given_twice_in_a_trace_or_machine_file_is_one_line(opt_tra
                       parse_constant=lambda c: pytest.fail(c))["machine"]["pinned_h2d_gbps"]["value"] == 10
 
 
+def test_a_number_beyond_a_double_or_a_huge_integer_in_a_trace_or_machine_file_is_one_line(
+        opt_trace, packbench_cli, tmp_path):
+    """Catches strict JSON that refused the literals NaN and Infinity yet took 1e999 (a JSON number
+    Python reads as inf): in the trace's source or a machine file's description it came back in
+    `--json`'s output as Infinity or -Infinity, which is no JSON, exit 0; and an integer of 5000
+    digits was said to be "not JSON" (Python's digit limit) without saying what to fix."""
+    import io
+    import zipfile
+
+    with zipfile.ZipFile(opt_trace) as zf:
+        members = {n: zf.read(n) for n in zf.namelist()}
+    text = json.dumps(json.loads(members["header.json"]))
+
+    def trace(header: str):
+        buf = io.BytesIO()
+        with zipfile.ZipFile(buf, "w") as zf:
+            for n, v in {**members, "header.json": header.encode()}.items():
+                zf.writestr(n, v)
+        (tmp_path / "t.trace").write_bytes(buf.getvalue())
+        return packbench_cli("simulate", str(tmp_path / "t.trace"), "--policy", "packet", "--json")
+
+    one_line(trace(text.replace('"source": {', '"source": {"note": 1e999, ', 1)),
+             "TRACE: header.json holds the number '1e999', beyond a double's range (read as infinity); rewrite the trace")
+    one_line(trace(text.replace('"source": {', '"source": {"note": ' + "7" * 4301 + ", ", 1)),
+             "TRACE: header.json holds an integer of 4301 digits, more than 4300; rewrite the trace")
+    good = '{"name": "m", "pinned_h2d_gbps": {"value": 10, "source": "s"}'
+    for name, body, words in (("neg", good + ', "description": -1E+400}', "holds the number '-1E+400', beyond a double"),
+                              ("rate", '{"name": "m", "pinned_h2d_gbps": {"value": 1e309, "source": "s"}}',
+                               "holds the number '1e309', beyond a double's range")):
+        path = tmp_path / f"{name}.json"
+        path.write_text(body)
+        one_line(packbench_cli("simulate", str(opt_trace), "--machine", str(path), "--json"), f"--machine {path}", words)
+    # At the edges: the largest double and an integer of 4300 digits are JSON, read and printed back.
+    (tmp_path / "edge.json").write_text(good + ', "description": [1.7976931348623157e308, ' + "7" * 4300 + "]}")
+    r = packbench_cli("simulate", str(opt_trace), "--policy", "packet", "--machine", str(tmp_path / "edge.json"), "--json")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout, parse_constant=lambda c: pytest.fail(c))["machine"]["description"] == [
+        1.7976931348623157e308, int("7" * 4300)]
+
+
 def test_one_episode_and_one_call_are_not_plural(tiny, tmp_path, packbench_cli):
     """`model stats --trace` and `simulate`'s header said "1 episodes" and "1 calls"."""
     from in_process import run_packbench
@@ -301,5 +343,17 @@ def test_one_episode_and_one_call_are_not_plural(tiny, tmp_path, packbench_cli):
     r = packbench_cli("simulate", str(out), "--policy", "dense-stream")
     assert r.returncode == 0, r.stderr
     assert "; 1 episode, 1 call" in r.stdout
+    # ... and "1 layers x 1 experts": a layer and a unit counted as the episodes are.
+    import numpy as np
+
+    from packbench.core.trace import Trace, TraceCall, TraceModel, write_trace
+
+    one = Trace(model=TraceModel(family="mixtral", unit="expert", layers=1, units=1, unit_bytes=1000, k=1),
+                calls=[TraceCall(0, "prefill", 1)], sets=[[np.array([0])]])
+    r = packbench_cli("simulate", str(write_trace(one, tmp_path / "unit.trace")), "--policy", "packet")
+    assert r.returncode == 0, r.stderr
+    assert ": mixtral (unnamed shape), 1 layer x 1 expert of 1,000 B, ; 1 episode, 1 call\n" in r.stdout, r.stdout
+    assert ", 2 layers x 256 rows of 256 B, float32; 1 episode, 1 call\n" in packbench_cli(
+        "simulate", str(out), "--policy", "packet").stdout
     r = run_packbench("model", "stats", str(tiny), "--prefix", "2", "--continuation", "2", "--count", "1")
     assert r.returncode == 0 and "; 1 prompt (" in r.stdout and "+ 1 decode call\n" in r.stdout, r.stdout

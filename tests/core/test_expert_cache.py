@@ -6,8 +6,9 @@ from itertools import combinations
 import numpy as np
 import pytest
 
-from packbench.core.expert_cache import (CacheStep, ForecastStep, LayerCache, belady_hits, cache_hits, forecast_step,
-                                         lfu_hits, lru_hits, rate)
+from packbench.core.expert_cache import (CacheStep, ForecastStep, LayerCache, belady_by_phase, belady_hits,
+                                         belady_per_request, cache_hits, episode_figures, forecast_step, lfu_hits,
+                                         lru_hits, rate)
 
 
 def test_cycle_one_longer_than_the_cache():
@@ -76,14 +77,15 @@ def test_layer_cache_refuses_bad_parameters():
         LayerCache(2, "fifo")
 
 
-def _exhaustive(requests: list[list[int]], capacity: int) -> int:
-    """The most hits of any cache: after each request, any subset of held + routed of size <= c."""
+def _exhaustive(requests: list[list[int]], capacity: int, counted: list[bool] | None = None) -> int:
+    """The most hits of any cache: after each request, any subset of held + routed of size <= c;
+    with `counted`, the most hits over the counted requests alone."""
     states = {frozenset(): 0}
-    for need in requests:
+    for t, need in enumerate(requests):
         need = set(need)
         nxt: dict[frozenset, int] = {}
         for held, hits in states.items():
-            hits += len(need & held)
+            hits += len(need & held) if counted is None or counted[t] else 0
             pool = sorted(held | need)
             for size in range(min(capacity, len(pool)) + 1):
                 for keep in combinations(pool, size):
@@ -103,6 +105,58 @@ def test_belady_is_the_optimum_and_bounds_lru_and_lfu(seed):
     best = belady_hits(trace, capacity)[0]
     assert best == _exhaustive(trace, capacity)
     assert best >= lru_hits(trace, capacity)[0] and best >= lfu_hits(trace, capacity)[0]
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_belady_of_the_counted_requests_is_their_optimum(seed):
+    """Catches a Belady that maximises hits over some requests only (one phase's) by ranking an
+    expert by its next counted request: an uncounted request in between routes it onto the
+    device anyway, so holding it until then wins nothing (that ranking lost to exhaustive search)."""
+    rng = np.random.default_rng(100 + seed)
+    experts = 5
+    trace = [sorted(rng.choice(experts, int(rng.integers(0, 5)), replace=False).tolist()) for _ in range(8)]
+    counted = [bool(b) for b in rng.random(8) < 0.6]
+    for capacity in range(experts + 1):
+        hits = belady_per_request(trace, capacity, counted)
+        assert sum(h for h, c in zip(hits, counted) if c) == _exhaustive(trace, capacity, counted), capacity
+        assert belady_per_request(trace, capacity, [True] * 8) == belady_per_request(trace, capacity)
+
+
+def test_decode_belady_bounds_every_cache_after_a_second_prefill():
+    """An episode whose second turn is a prefill after decode calls: the plain optimum's run
+    (2 prefill + 5 decode = 7 hits) keeps 1 for the second prefill, so its decode share was 5 where
+    LFU hits 6 times in decode calls; the table showed LFU's decode hit% above Belady's."""
+    routes = [[[0, 2]], [[0, 2]], [[0, 1, 2]], [[0, 1]], [[0, 2]]]
+    phases = ["prefill", "decode", "decode", "prefill", "decode"]
+    requests = [r[0] for r in routes]
+    assert belady_per_request(requests, 2) == [0, 2, 2, 2, 1]
+    assert belady_by_phase(requests, phases, 2) == [0, 2, 2, 2, 2]  # decode 6, prefill 2: each phase's optimum
+    lfu = episode_figures(routes, phases, capacity=2, rule="lfu")
+    lru = episode_figures(routes, phases, capacity=2, rule="lru")
+    assert (lfu["decode"]["hits"], lru["decode"]["hits"], lfu["decode"]["belady_hits"]) == (6, 5, 6)
+    assert (lfu["belady_hits"], lfu["decode"]["routed"]) == (7, 7)  # the total stays the plain optimum
+    assert lfu["decode"]["belady_rate"] == pytest.approx(6 / 7) == lfu["decode"]["hit_rate"]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_each_phase_belady_bounds_lru_and_lfu_and_is_the_plain_run_after_one_prefill(seed):
+    rng = np.random.default_rng(200 + seed)
+    for _ in range(40):
+        n = int(rng.integers(1, 8))
+        requests = [sorted(rng.choice(5, int(rng.integers(1, 5)), replace=False).tolist()) for _ in range(n)]
+        phases = [str(p) for p in rng.choice(["prefill", "decode"], n)]
+        for capacity in range(1, 5):
+            bound = belady_by_phase(requests, phases, capacity)
+            for rule in ("lru", "lfu"):
+                cache = LayerCache(capacity, rule)
+                hits = [len(cache.step(r).hits) for r in requests]
+                for phase in ("prefill", "decode"):
+                    mine = [p == phase for p in phases]
+                    assert sum(h for h, m in zip(hits, mine) if m) <= sum(b for b, m in zip(bound, mine) if m)
+                    assert sum(b for b, m in zip(bound, mine) if m) == _exhaustive(requests, capacity, mine)
+            # A screen's episode (one prefill, first): call by call the plain optimum's run.
+            single = ["prefill"] + ["decode"] * (n - 1)
+            assert belady_by_phase(requests, single, capacity) == belady_per_request(requests, capacity)
 
 
 def test_forecast_accounting_by_hand():

@@ -293,6 +293,30 @@ def test_expert_caches_by_hand():
     assert d["hit_rate"] == pytest.approx(5 / 12) and d["belady_rate"] == pytest.approx(7 / 12)
 
 
+def test_each_phases_belady_bounds_the_caches_of_a_trace_with_a_second_prefill():
+    """A published multi-turn episode: prefill, 2 decode calls, a second turn's prefill, a decode.
+    Catches `simulate` splitting one plain Belady run by phase: its decode share (5 of 7) was
+    below LFU's decode hits (6), so the table printed hit% 85.7 beside belady% 71.4."""
+    model = TraceModel(family="mixtral", unit="expert", layers=1, units=4, unit_bytes=1000, k=3)
+    phases = ["prefill", "decode", "decode", "prefill", "decode"]
+    routes = [[0, 2], [0, 2], [0, 1, 2], [0, 1], [0, 2]]
+    t = Trace(model=model, calls=[TraceCall(0, p, 3 if p == "prefill" else 1) for p in phases],
+              sets=[[np.array(r, dtype=np.int64)] for r in routes])
+    lfu, lru = {"capacity": 2, "rule": "lfu"}, {"capacity": 2, "rule": "lru"}
+    assert [h[0] for h in _per_call("expert-cache", lfu, "hits", t)] == [0, 2, 2, 1, 2]
+    assert [h[0] for h in _per_call("expert-cache", lru, "hits", t)] == [0, 2, 2, 2, 1]  # prefill 2 = its optimum
+    # Per call: in a decode call the hits of the run best for decode calls, in a prefill those of
+    # the run best for prefills; each phase's sum is that phase's optimum.
+    assert [h[0] for h in _per_call("expert-cache", lfu, "belady_hits", t)] == [0, 2, 2, 2, 2]
+    for params in (lfu, lru):
+        tot = sim.totals(sim.ledger(reread(t), "expert-cache", params))
+        assert (tot["decode"]["belady_hits"], tot["decode"]["active_rows"]) == (6, 7)
+        assert (tot["prefill"]["belady_hits"], tot["prefill"]["active_rows"]) == (2, 4)
+        for phase in ("prefill", "decode"):
+            assert tot[phase]["hits"] <= tot[phase]["belady_hits"], (params, phase)
+            assert tot[phase]["hit_rate"] <= tot[phase]["belady_rate"], (params, phase)
+
+
 def test_expert_forecasts_by_hand():
     t = cache_trace()
     # expert-forecast (no cache): layer 1's forecast 02 for routed 01 prefetches 02 (0 used, 2

@@ -147,6 +147,72 @@ def test_header_fields_at_their_bounds_and_the_defaults_a_header_may_leave_out()
     assert parse(header(members(opt()), model_index_bytes=4, model_k=3)).model.index_bytes == 4
 
 
+def test_a_preset_shape_must_be_the_traces_model():
+    """Catches a trace whose model.shape names one of packbench's presets it is not: an MoE trace
+    of 4 experts that named opt-13b was read, and `simulate --machine` priced its decode with
+    opt-13b's measured compute (an OPT model's, scaled from 40 layers). A preset's family, unit,
+    units a layer, and hidden and k where given must be the preset's; any other name is free."""
+    def preset(**model) -> str:
+        return refusal(header(members(opt()), **{f"model_{k}": v for k, v in model.items()}))
+
+    opt13 = "packbench's preset (family 'opt', unit 'row', units 20480, hidden 5120, k 0)"
+    tiny_moe = "packbench's preset (family 'mixtral', unit 'expert', units 8, hidden 64, k 2)"
+    fix = "; give the shape the trace was recorded from, or null"
+    assert preset(shape="opt-13b") == f"header.json's model.shape 'opt-13b' is {opt13}, but model.units is 16{fix}"
+    assert preset(shape="opt-13b", family="mixtral", unit="expert") == (
+        f"header.json's model.shape 'opt-13b' is {opt13}, but model.family is 'mixtral'{fix}")
+    assert preset(shape="opt-13b", units=20480, unit="expert") == (
+        f"header.json's model.shape 'opt-13b' is {opt13}, but model.unit is 'expert'{fix}")
+    assert preset(shape="opt-13b", units=20480, hidden=5121) == (
+        f"header.json's model.shape 'opt-13b' is {opt13}, but model.hidden is 5121{fix}")
+    assert preset(shape="opt-13b", units=20480, hidden=5120, k=2) == (
+        f"header.json's model.shape 'opt-13b' is {opt13}, but model.k is 2{fix}")
+    assert preset(shape="mixtral-tiny") == (
+        f"header.json's model.shape 'mixtral-tiny' is {tiny_moe}, but model.family is 'opt'{fix}")
+    moe = dict(shape="mixtral-tiny", family="mixtral", unit="expert", units=8, hidden=64)
+    assert preset(**moe, k=3) == f"header.json's model.shape 'mixtral-tiny' is {tiny_moe}, but model.k is 3{fix}"
+    assert preset(**{**moe, "hidden": 63}) == (
+        f"header.json's model.shape 'mixtral-tiny' is {tiny_moe}, but model.hidden is 63{fix}")
+    # Read: the preset itself, with hidden and k given or left 0 (a published dump's unknowns),
+    # fewer layers than the preset's, and any name that is no preset.
+    for model in (dict(moe, k=2), dict(moe, k=0, hidden=0), dict(shape="opt-13b", units=20480, hidden=0),
+                  dict(shape="box-moe", family="mixtral", unit="expert", units=8, k=7)):
+        back = parse(header(members(opt()), **{f"model_{k}": v for k, v in model.items()})).model
+        assert (back.shape, back.unit, back.units) == (model["shape"], model.get("unit", "row"), model["units"])
+
+
+def test_a_call_routing_more_experts_than_its_tokens_times_k_is_refused():
+    """Catches a reader that took a one-token call of top-2 routing whose set held 3 experts (or a
+    forecast of 3): `simulate` replayed experts the router cannot have chosen. At tokens x k it
+    reads; k 0 (not stated) and a trace of rows are not checked."""
+    import dataclasses
+
+    def k2(t: Trace) -> dict:  # written with a k the writer takes, stated as 2 in the header
+        t.model = dataclasses.replace(t.model, k=4)
+        return header(members(t), model_k=2)
+
+    t = moe()  # prefill of 2 tokens, decode of 1
+    assert parse(k2(t)).sets[1][1].tolist() == [0, 3]  # at the bound: 2 experts for 1 token
+    t.sets[1][1] = a(0, 1, 3)
+    assert refusal(k2(t)) == ("call 1 routes 3 experts in layer 1, more than its 1 token x k 2; fix model.k "
+                              "or the call's tokens")
+    t.sets[0][0] = a(0, 1, 2, 3)  # the prefill: 4 experts for 2 tokens is at its bound; call 1 is still named
+    assert refusal(k2(t)).startswith("call 1 routes 3 experts in layer 1")
+    assert parse(header(k2(t), model_k=3)).sets[1][1].tolist() == [0, 1, 3]
+    assert parse(header(k2(t), model_k=0)).model.k == 0
+    t = moe()
+    t.forecasts[1][1] = a(0, 2, 3)
+    assert refusal(k2(t)) == ("call 1 forecasts 3 experts in layer 1, more than its 1 token x k 2; fix model.k "
+                              "or the call's tokens")
+    t = moe()
+    t.sets[0][0] = a(0, 1, 2)
+    assert refusal(header(k2(t), calls=[{**CALL, "phase": "prefill"}, CALL])) == (
+        "call 0 routes 3 experts in layer 0, more than its 1 token x k 2; fix model.k or the call's tokens")
+    rows = opt()  # a trace of rows states no k: its sets are not bounded by one
+    rows.sets[1][0] = a(0, 1, 2, 3, 4, 5)
+    assert parse(header(members(rows), model_k=1)).sets[1][0].size == 6
+
+
 def test_layers_are_bounded_at_4096():
     # Bug: the layer bound one off.
     t = opt(1, layers=4096)

@@ -111,7 +111,9 @@ def test_a_traces_decode_calls_per_episode_and_layer(tmp_path):
     episodes = [0, 0, 0, 1, 1]
     sets = [[[0, 1, 2], [], [3, 4, 5]], [[0, 1], [], [3, 4]], [[1, 2], [], [4, 5]],
             [[6, 7], [], [6, 7]], [[0, 7], [], [1, 6]]]
-    t = Trace(model=model, calls=[TraceCall(episode=e, phase=p, tokens=1) for e, p in zip(episodes, phases)],
+    # A prefill of 2 tokens (top-2: up to 4 experts a layer), a decode call of 1.
+    t = Trace(model=model, calls=[TraceCall(episode=e, phase=p, tokens=2 if p == "prefill" else 1)
+                                  for e, p in zip(episodes, phases)],
               sets=[[np.array(s, dtype=np.int64) for s in row] for row in sets])
     streams = cp.trace_streams(write_trace(t, tmp_path / "t.trace"))
     assert [r for r, _ in streams] == [[[0, 1], [1, 2]], [[3, 4], [4, 5]], [[0, 7]], [[1, 6]]]
