@@ -39,7 +39,6 @@ experts) go to `h2d_index_bytes`.
 from __future__ import annotations
 
 import importlib
-import inspect
 import re
 import time
 from dataclasses import asdict, dataclass
@@ -51,6 +50,7 @@ import torch
 from packbench.core.errors import PackbenchError
 from packbench.core.registry import lowbit_fix
 from packbench.engine.checkpoint import build_weights
+from packbench.engine.hf import cache_keyword
 from packbench.engine.ledger import Recorder
 from packbench.engine.opt_weights import stock_model
 
@@ -225,8 +225,7 @@ class AcceleratedModel:
         hooked = count_copies(model, self.recorder, row_bytes=row_bytes,
                               is_row=None if family is None else EXPERT_TENSOR.search)
         on_device = sum(_bytes(model, prefix) for prefix, where in device_map.items() if where not in ("cpu", "disk"))
-        params = inspect.signature(model.forward).parameters
-        self._cache_kw = "cache" if "cache" in params else "past_key_values"
+        self._cache_kw = cache_keyword(model)
         self.stats = OffloadStats(
             library_version=str(getattr(lib, "__version__", "")), load_s=time.perf_counter() - t0,
             max_memory_bytes=max_memory, held_bytes=held, device_bytes=on_device if cuda else 0,

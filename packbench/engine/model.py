@@ -9,6 +9,7 @@ import torch
 from packbench.engine.checkpoint import build_weights
 from packbench.engine.graph import GraphDecoder, check_mode
 from packbench.engine.opt_weights import stock_model
+from packbench.engine.hf import cache_keyword
 from packbench.engine.ledger import Recorder
 from packbench.engine.policies.base import HostWeights, LoaderPolicy, OutgoingLinear, PolicySlot
 from packbench.engine.static_opt import StaticKV
@@ -89,12 +90,8 @@ class CpuFirstModel:
         """Stock transformers' OPTForCausalLM over the same modules (built on first use: mode
         graph alone never imports transformers)."""
         if self._stock is None:
-            import inspect
-
             self._stock = stock_model(self.weights, vars(self.config))
-            params = inspect.signature(self._stock.forward).parameters
-            # transformers 5.2x renamed past_key_values to cache; accept either.
-            self._cache_kw = "cache" if "cache" in params else "past_key_values"
+            self._cache_kw = cache_keyword(self._stock)
         return self._stock
 
     def use(self, policy_name: str, **params) -> None:

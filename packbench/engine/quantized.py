@@ -33,6 +33,7 @@ import torch
 from packbench.core.errors import PackbenchError
 from packbench.core.registry import COMPETITOR_MODES, QUANT_METHODS, lowbit_fix
 from packbench.engine.checkpoint import build_weights
+from packbench.engine.hf import cache_keyword
 from packbench.engine.ledger import Recorder
 from packbench.engine.opt_weights import stock_model
 
@@ -237,10 +238,7 @@ class QuantizedModel:
         self.vocab = self.config.vocab_size
         self.recorder = Recorder(len(weights.model.decoder.layers))
         self._model = stock_model(weights, vars(self.config))
-        import inspect
-
-        params = inspect.signature(self._model.forward).parameters
-        self._cache_kw = "cache" if "cache" in params else "past_key_values"
+        self._cache_kw = cache_keyword(self._model)
         self._static: dict[tuple[int, int], object] = {}  # (capacity, batch) -> the StaticCache modes graph
         # and compile reuse; (capacity, batch, mode) -> the step captured on it
         self._steps: dict[tuple[int, int, str], DecodeStep] = {}

@@ -42,7 +42,6 @@ type before the first import and refuses (one line) a process where DeepSpeed al
 from __future__ import annotations
 
 import importlib
-import inspect
 import os
 import socket
 import time
@@ -55,6 +54,7 @@ from packbench.core.conditions.zero_inference import SLACK, ZeroBudget, zero_con
 from packbench.core.errors import PackbenchError
 from packbench.engine.accelerate import layer_of
 from packbench.engine.checkpoint import build_weights
+from packbench.engine.hf import cache_keyword
 from packbench.engine.ledger import Recorder
 from packbench.engine.opt_weights import stock_model
 
@@ -252,7 +252,7 @@ class ZeroInferenceModel:
         for n, p in self._model.named_parameters(remove_duplicate=False):
             self.owners.setdefault(id(p), layer_of(n, layers))
         self._tally = [0]
-        self._cache_kw = "cache" if "cache" in inspect.signature(self._model.forward).parameters else "past_key_values"
+        self._cache_kw = cache_keyword(self._model)
         coordinator = engine.optimizer.get_param_coordinator()
         row_bytes = hidden * torch.finfo(dtype).bits // 8
         count_gathers(coordinator, self.owners, self.recorder, device=device, row_bytes=row_bytes, tally=self._tally)

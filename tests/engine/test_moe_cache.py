@@ -266,3 +266,27 @@ def test_the_forecast_is_the_next_routers_choice_on_the_current_input(checkpoint
             with torch.inference_mode():
                 index = gate(seen[(call, layer - 1)])[2]
             assert counted[call][layer]["forecast"] == sorted(set(index.reshape(-1).tolist())), (call, layer)
+
+
+def test_an_moe_episode_passes_the_cache_by_the_keyword_its_transformers_takes(checkpoints):
+    """The MoE model passed `past_key_values=` where transformers 5.25 takes `cache` (a FutureWarning
+    in every `model stats` and worker log; an error from 5.40). Catches the old keyword on a
+    release that renamed it, and `cache_keyword` answering from anything but the signature."""
+    import warnings
+
+    from packbench.engine.hf import cache_keyword
+
+    class Renamed:
+        def forward(self, input_ids=None, cache=None): ...
+
+    class Old:
+        def forward(self, input_ids=None, past_key_values=None): ...
+
+    assert (cache_keyword(Renamed()), cache_keyword(Old())) == ("cache", "past_key_values")
+    model = CpuFirstMoE(checkpoints[("qwen3-moe-tiny", "float32")], dtype=torch.float32, device=torch.device("cpu"))
+    assert model._cache_kw == cache_keyword(model.model)
+    model.use("dense-stream")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        run_episode(model, PROMPT, continuation=2)
+    assert not [str(w.message) for w in caught if "past_key_values" in str(w.message)]

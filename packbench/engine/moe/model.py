@@ -32,6 +32,7 @@ from packbench.core.errors import CheckpointError
 from packbench.core.expert_cache import episode_figures
 from packbench.core.moe import FAMILIES
 from packbench.core.text import one_line, show
+from packbench.engine.hf import cache_keyword
 from packbench.engine.ledger import Recorder
 from packbench.engine.model import StartStats  # host_outgoing_bytes: the experts, in host memory
 from packbench.engine.moe.cache import CACHE_KINDS, ExpertCache
@@ -190,6 +191,7 @@ class CpuFirstMoE:
         self.config = model.config
         self.vocab = model.config.vocab_size
         self.model = model
+        self._cache_kw = cache_keyword(model)
         self._park_empty()
 
     def _park_empty(self) -> None:
@@ -327,7 +329,7 @@ class CpuFirstMoE:
     @torch.inference_mode()
     def forward(self, ids: torch.Tensor, cache) -> torch.Tensor:
         """One call: (B, T) ids in, last-position logits out, (vocab,) at batch 1."""
-        out = self.model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        out = self.model(input_ids=ids, **{self._cache_kw: cache}, use_cache=True, logits_to_keep=1)
         return out.logits[0, -1] if ids.shape[0] == 1 else out.logits[:, -1]
 
 
