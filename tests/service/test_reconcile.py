@@ -5,6 +5,8 @@ and the audit calls the attempt unfinished (PARTIAL), never DISAGREE."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from packbench.db.errors import DatabaseUnavailable
@@ -94,3 +96,106 @@ def test_an_audit_on_ray_calls_rows_pending_partial_not_disagree(store, tmp_path
     finally:
         ray.shutdown()
     assert on_ray.report.rows_pending and on_ray.unfinished and on_ray.result == "partial", on_ray.report.record
+
+
+def stopped_after_the_seal(store, tmp_path, monkeypatch):
+    """A one-shot dispatcher whose database goes away as it stores the verdicts of a screen whose
+    archive it has just sealed (a kill in the same window leaves the same state); its process has
+    ended since."""
+    (screen_id,) = submit(store, protocol_file(tmp_path, prompts=3))  # 8 episodes
+
+    def put_verdicts(attempt_id, verdicts):
+        raise DatabaseUnavailable("connection refused")
+
+    monkeypatch.setattr(store, "put_verdicts", put_verdicts)
+    monkeypatch.setattr(store, "release", lambda *a, **k: None)  # the database is gone: nothing is given back
+    d = dispatcher(store, tmp_path, FakePool(episode_s=0.01), workers=1)
+    d.run()
+    monkeypatch.undo()
+    assert d.stopping == "database" and d.fatal
+    process_gone(tmp_path / "packbench.db", d.state.id)
+    (attempt,) = store.attempts(screen_id)
+    assert attempt.status == "running" and rows(store, attempt.id) == list(range(8))
+    assert store.verdicts(attempt.id) == []
+    return screen_id, attempt
+
+
+def test_a_sealed_archive_whose_verdicts_never_reached_the_database(store, tmp_path, monkeypatch):
+    """The bug caught: a dispatcher stopped between sealing the archive and storing its verdicts
+    (killed, or its database gone) left an attempt whose audit said DISAGREE ("database lacks
+    verdict ...", exit 1), as for a tampered database, before and after `db reconcile`, which
+    inserted episode rows only and said "reconciled 0". Now the audit calls it PARTIAL (rows
+    pending) and reconcile inserts the archive's verdicts, checked against its manifest."""
+    from packbench.core.archive import VERDICTS_NAME, ArchiveReader
+
+    screen_id, attempt = stopped_after_the_seal(store, tmp_path, monkeypatch)
+    (before,) = audit_screens(store, [screen_id])
+    assert before.report.record["complete"] and before.report.record["result"] == "disagree"
+    assert before.report.problems and all(p.startswith("database lacks verdict ") for p in before.report.problems)
+    assert before.report.rows_pending and not before.report.partial
+    assert before.unfinished and before.result == "partial"  # not DISAGREE
+    report = reconcile(store)
+    (done,) = report.attempts
+    with ArchiveReader(attempt.archive_path) as reader:
+        archived = reader.read_json(VERDICTS_NAME)
+    assert archived and done.verdicts == report.verdicts == len(archived)
+    assert (done.attempt_id, done.inserted, done.check, done.refused) == (attempt.id, 0, "manifest", ())
+    assert done.line() == (f"screen {screen_id} attempt 1: 0 episode rows and {len(archived)} verdict "
+                           f"row{'s' if len(archived) != 1 else ''} inserted from its archive, checked against "
+                           f"its manifest's SHA-256")
+    stored = store.verdicts(attempt.id)
+    assert [(v.gate, v.condition, v.phase, v.passed, v.value, v.threshold, list(v.episodes), v.detail)
+            for v in stored] == [(v["gate"], v["condition"], v["phase"], v["passed"], v["value"], v["threshold"],
+                                  v["episodes"], v["detail"]) for v in archived]
+    (after,) = audit_screens(store, [screen_id])
+    assert after.result == "agree" and after.report.problems == [] and not after.report.rows_pending
+    again = reconcile(store)
+    assert again.attempts == [] and again.verdicts == 0  # idempotent: nothing is inserted twice
+
+
+def test_a_done_attempt_lacking_its_verdicts_still_disagrees(store, tmp_path, monkeypatch):
+    """The boundary: only an unfinished attempt's missing rows are pending. A done attempt always
+    stored its verdicts before it was finished, so a done one without them disagrees."""
+    import sqlite3
+
+    (screen_id,) = submit(store, protocol_file(tmp_path, prompts=3))
+    dispatcher(store, tmp_path, FakePool(episode_s=0.01), workers=1).run()
+    (attempt,) = store.attempts(screen_id)
+    assert attempt.status == "done"
+    with sqlite3.connect(tmp_path / "packbench.db") as connection:
+        connection.execute("DELETE FROM verdicts WHERE attempt_id = ?", (attempt.id,))
+    (audit,) = audit_screens(store, [screen_id])
+    assert audit.report.rows_pending and not audit.unfinished and audit.result == "disagree"
+
+
+def test_a_verdicts_member_altered_after_the_seal_is_refused_not_inserted(store, tmp_path, monkeypatch):
+    """reconcile inserts only verdicts whose bytes match the manifest's SHA-256 entry; altered
+    ones are named (exit 1 from `db reconcile`) and nothing is inserted."""
+    from packbench.core.canonical import canonical_json
+    from tests.core.archive_samples import rewrite
+
+    screen_id, attempt = stopped_after_the_seal(store, tmp_path, monkeypatch)
+    forged = [{"gate": "faithfulness", "condition": "packet", "phase": "all", "passed": True, "value": 0.0,
+               "threshold": 0.0, "interval": None, "episodes": [], "detail": ""}]
+    rewrite(Path(attempt.archive_path), replace={"verdicts.json": canonical_json(forged)})
+    report = reconcile(store)
+    (done,) = report.attempts
+    assert (done.inserted, done.verdicts, report.refused) == (0, 0, 1)
+    assert done.refused == ("member verdicts.json does not match its SHA-256 entry (altered after it was written)",)
+    assert store.verdicts(attempt.id) == []
+
+
+def test_the_audit_command_says_partial_for_the_sealed_archive(store, tmp_path, monkeypatch):
+    """`packbench audit --all` exited 1 with DISAGREE and "database lacks verdict" lines."""
+    from typer.testing import CliRunner
+
+    from packbench.cli.main import app
+
+    screen_id, _ = stopped_after_the_seal(store, tmp_path, monkeypatch)
+    url = f"sqlite:///{tmp_path / 'packbench.db'}"
+    audit = CliRunner().invoke(app, ["audit", "--all", "--db", url])
+    assert audit.exit_code == 0, audit.output
+    assert audit.output.startswith(f"audit of screen {screen_id}: PARTIAL (attempt 1 running: 8 of 8 planned "
+                                   f"episodes archived, the archive sealed, rows of it not in the database yet "
+                                   f"(`packbench db reconcile` inserts them); digest ")
+    assert "lacks verdict" not in audit.output
