@@ -410,8 +410,13 @@ def _print_audit(o, *, json_out: bool, detail: bool) -> None:
     if sig is not None and sig["status"] == "valid":
         typer.echo(f"signature: valid, by trusted key {sig['key_id']} (proves where it was sealed, not that the "
                    f"numbers are true)")
+    # An attempt the database does not call done (lost, interrupted, failed, still running): a
+    # sealed archive of one agrees when its dispatcher stopped after the seal. Said, so that an
+    # AGREE and a table of passing verdicts are not read as a done screen's.
+    ended = (f"attempt {o.attempt_number} {o.attempt_status} in the database, not done; "
+             if o.attempt_status not in (None, "done") else "")
     typer.echo(f"audit of {what}: {report.record['result'].upper()} "
-               f"({report.record['episodes']} episodes, digest {report.digest[:16]}, on {o.where})")
+               f"({ended}{report.record['episodes']} episodes, digest {report.digest[:16]}, on {o.where})")
 
 
 def register(app: typer.Typer) -> None:

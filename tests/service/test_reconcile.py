@@ -199,3 +199,27 @@ def test_the_audit_command_says_partial_for_the_sealed_archive(store, tmp_path, 
                                    f"episodes archived, the archive sealed, rows of it not in the database yet "
                                    f"(`packbench db reconcile` inserts them); digest ")
     assert "lacks verdict" not in audit.output
+
+
+def test_an_agreeing_audit_of_an_attempt_not_done_names_its_status(store, tmp_path, monkeypatch):
+    """The bug caught: once its verdicts were in (reconciled, or stored before a kill that came
+    before the attempt's end), the sealed archive of a lost or running attempt audited "AGREE
+    (8 episodes, ...)" under a table of passing verdicts, nothing saying the screen never ended
+    done (`screens list` said failed); a done attempt's line is unchanged."""
+    from typer.testing import CliRunner
+
+    from packbench.cli.main import app
+
+    screen_id, _ = stopped_after_the_seal(store, tmp_path, monkeypatch)
+    reconcile(store)
+    url = f"sqlite:///{tmp_path / 'packbench.db'}"
+    audit = CliRunner().invoke(app, ["audit", "screen", str(screen_id), "--db", url])
+    assert audit.exit_code == 0, audit.output
+    last = audit.output.strip().splitlines()[-1]
+    assert last.startswith(f"audit of screen {screen_id}: AGREE (attempt 1 running in the database, not done; "
+                           f"8 episodes, digest "), last
+    (done_id,) = submit(store, protocol_file(tmp_path, prompts=3))
+    dispatcher(store, tmp_path, FakePool(episode_s=0.01), workers=1).run()
+    audit = CliRunner().invoke(app, ["audit", "screen", str(done_id), "--db", url])
+    assert audit.exit_code == 0, audit.output
+    assert audit.output.strip().splitlines()[-1].startswith(f"audit of screen {done_id}: AGREE (8 episodes, digest ")
