@@ -845,7 +845,10 @@ def audit_archive(path: Path, *, expected_sha256: str | None = None, db_verdicts
                   f"the archive is hostile or damaged")
     record = audit.record
     partial = not record["complete"] and not audit.unreadable and len(audit.problems) == audit.incomplete_notes
-    pending = (not audit.unreadable and audit.rows_lacking > 0
+    # A sealed archive's rows are pending only while the database never recorded its seal (no
+    # SHA-256 stored): one whose seal it recorded had stored every row before, so a row it lacks
+    # now was removed (a failed attempt, every episode failed, is sealed and recorded too).
+    pending = (not audit.unreadable and audit.rows_lacking > 0 and (not record["complete"] or expected_sha256 is None)
                and len(audit.problems) == audit.incomplete_notes + audit.rows_lacking)
     record["problems"] = _bounded(record["problems"])
     record["result"] = "agree" if record["complete"] and not record["problems"] else "disagree"

@@ -153,19 +153,24 @@ def test_a_sealed_archive_whose_verdicts_never_reached_the_database(store, tmp_p
     assert again.attempts == [] and again.verdicts == 0  # idempotent: nothing is inserted twice
 
 
-def test_a_done_attempt_lacking_its_verdicts_still_disagrees(store, tmp_path, monkeypatch):
-    """The boundary: only an unfinished attempt's missing rows are pending. A done attempt always
-    stored its verdicts before it was finished, so a done one without them disagrees."""
+@pytest.mark.parametrize("status", ["done", "failed"])
+def test_an_attempt_whose_seal_was_recorded_lacking_its_verdicts_still_disagrees(store, tmp_path, status):
+    """The boundary: a sealed archive's rows are pending only while the database never recorded
+    its seal. An attempt whose seal it recorded (done, or failed with every episode failed, which
+    is sealed too) stored its verdicts before, so one without them now disagrees."""
     import sqlite3
 
     (screen_id,) = submit(store, protocol_file(tmp_path, prompts=3))
     dispatcher(store, tmp_path, FakePool(episode_s=0.01), workers=1).run()
     (attempt,) = store.attempts(screen_id)
-    assert attempt.status == "done"
+    assert attempt.status == "done" and attempt.archive_sha256 is not None
     with sqlite3.connect(tmp_path / "packbench.db") as connection:
         connection.execute("DELETE FROM verdicts WHERE attempt_id = ?", (attempt.id,))
+        connection.execute("UPDATE attempts SET status = ? WHERE id = ?", (status, attempt.id))
     (audit,) = audit_screens(store, [screen_id])
-    assert audit.report.rows_pending and not audit.unfinished and audit.result == "disagree"
+    assert audit.attempt_status == status
+    assert not audit.report.rows_pending and not audit.unfinished and audit.result == "disagree"
+    assert audit.report.problems and all(p.startswith("database lacks verdict ") for p in audit.report.problems)
 
 
 def test_a_verdicts_member_altered_after_the_seal_is_refused_not_inserted(store, tmp_path, monkeypatch):
