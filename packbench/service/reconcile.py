@@ -196,12 +196,15 @@ def not_this_attempts(store, attempt, reader: ArchiveReader) -> str | None:
 def reconcile_attempt(store, attempt, *, stored: Iterable[int],
                       expected: Mapping[str, Mapping[str, Any]] | None = None) -> Reconciled | None:
     """Insert the rows `attempt`'s archive holds and the database lacks: episodes, and a sealed
-    archive's verdicts when the database holds none of them. None when nothing is missing.
+    archive's verdicts when the database holds none of them and never recorded the seal. None
+    when nothing is missing.
     Raises `ArchiveError` for an archive that cannot be opened."""
     verdicts: list[dict] = []
     with ArchiveReader(Path(attempt.archive_path)) as reader:
         check, records, refused = missing_records(reader, stored, expected=expected)
-        if reader.complete and not store.verdicts(attempt.id):
+        # Only while the database never recorded the seal (the rows an audit calls pending): an
+        # attempt whose seal it recorded stored its verdicts first, so lacking them now they were removed.
+        if reader.complete and attempt.archive_sha256 is None and not store.verdicts(attempt.id):
             try:
                 verdicts = sealed_verdicts(reader)
             except PackbenchError as e:  # ArchiveError (a CRC, a bound) or a check above

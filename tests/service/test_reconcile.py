@@ -171,6 +171,7 @@ def test_an_attempt_whose_seal_was_recorded_lacking_its_verdicts_still_disagrees
     assert audit.attempt_status == status
     assert not audit.report.rows_pending and not audit.unfinished and audit.result == "disagree"
     assert audit.report.problems and all(p.startswith("database lacks verdict ") for p in audit.report.problems)
+    assert reconcile(store).attempts == [] and store.verdicts(attempt.id) == []  # not restored over the removal
 
 
 def test_a_verdicts_member_altered_after_the_seal_is_refused_not_inserted(store, tmp_path, monkeypatch):
