@@ -162,8 +162,14 @@ def sealed_verdicts(reader: ArchiveReader) -> list[dict]:
         raise PackbenchError(f"member {VERDICTS_NAME} does not match its SHA-256 entry (altered after it was written)")
     verdicts = reader.read_json(VERDICTS_NAME)
     keys = {"gate": str, "condition": str, "phase": str, "passed": bool}
-    if not isinstance(verdicts, list) or not all(
-            isinstance(v, dict) and all(isinstance(v.get(k), t) for k, t in keys.items()) for v in verdicts):
+
+    def well_formed(v) -> bool:  # what the verdicts' columns take (db/ingest.py verdict_columns)
+        interval, episodes = v.get("interval"), v.get("episodes")
+        return (all(isinstance(v.get(k), t) for k, t in keys.items())
+                and (interval is None or isinstance(interval, list) and len(interval) == 2)
+                and (episodes is None or isinstance(episodes, list)))
+
+    if not isinstance(verdicts, list) or not all(isinstance(v, dict) and well_formed(v) for v in verdicts):
         raise PackbenchError(f"{VERDICTS_NAME} is not a list of verdicts")
     return verdicts
 

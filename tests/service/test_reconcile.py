@@ -229,3 +229,29 @@ def test_an_agreeing_audit_of_an_attempt_not_done_names_its_status(store, tmp_pa
     audit = CliRunner().invoke(app, ["audit", "screen", str(done_id), "--db", url])
     assert audit.exit_code == 0, audit.output
     assert audit.output.strip().splitlines()[-1].startswith(f"audit of screen {done_id}: AGREE (8 episodes, digest ")
+
+
+def test_malformed_verdicts_under_a_consistent_manifest_are_refused_in_one_line(store, tmp_path, monkeypatch):
+    """A verdicts.json whose manifest entry was rewritten to match it, holding a verdict the
+    columns cannot take (an interval that is a number), is refused and named; before the check
+    the insert raised a TypeError."""
+    import hashlib
+    import json
+    import zipfile
+
+    from packbench.core.archive import MANIFEST_NAME
+    from packbench.core.canonical import canonical_json
+    from tests.core.archive_samples import rewrite
+
+    screen_id, attempt = stopped_after_the_seal(store, tmp_path, monkeypatch)
+    path = Path(attempt.archive_path)
+    bad = canonical_json([{"gate": "faithfulness", "condition": "packet", "phase": "all", "passed": True,
+                           "interval": 5}])
+    with zipfile.ZipFile(path) as zf:
+        manifest = json.loads(zf.read(MANIFEST_NAME))
+    manifest["members"]["verdicts.json"] = {"sha256": hashlib.sha256(bad).hexdigest(), "size": len(bad)}
+    rewrite(path, replace={"verdicts.json": bad, MANIFEST_NAME: canonical_json(manifest)})
+    report = reconcile(store)
+    (done,) = report.attempts
+    assert (done.inserted, done.verdicts, done.refused) == (0, 0, ("verdicts.json is not a list of verdicts",))
+    assert store.verdicts(attempt.id) == []
