@@ -381,8 +381,10 @@ def _print_audit(o, *, json_out: bool, detail: bool) -> None:
         typer.echo(f"error: {what} is not an archive packbench can read: {one_line(report.problems[0])}", err=True)
         return
     if o.unfinished and not json_out:
-        held = ("some without a row yet (`packbench db reconcile` inserts them)" if report.rows_pending
-                else "each as the database holds it")
+        held = ("each as the database holds it" if not report.rows_pending
+                else "some without a row yet (`packbench db reconcile` inserts them)" if not report.record["complete"]
+                # sealed: the dispatcher stopped before it stored the verdicts (and perhaps rows)
+                else "the archive sealed, rows of it not in the database yet (`packbench db reconcile` inserts them)")
         typer.echo(f"audit of {what}: PARTIAL (attempt {o.attempt_number} {o.attempt_status}: "
                    f"{report.record['episodes']} of {report.record['planned']} planned episodes archived, "
                    f"{held}; digest {report.digest[:16]}, on {o.where})")
@@ -408,8 +410,13 @@ def _print_audit(o, *, json_out: bool, detail: bool) -> None:
     if sig is not None and sig["status"] == "valid":
         typer.echo(f"signature: valid, by trusted key {sig['key_id']} (proves where it was sealed, not that the "
                    f"numbers are true)")
+    # An attempt the database does not call done (lost, interrupted, failed, still running): a
+    # sealed archive of one agrees when its dispatcher stopped after the seal. Said, so that an
+    # AGREE and a table of passing verdicts are not read as a done screen's.
+    ended = (f"attempt {o.attempt_number} {o.attempt_status} in the database, not done; "
+             if o.attempt_status not in (None, "done") else "")
     typer.echo(f"audit of {what}: {report.record['result'].upper()} "
-               f"({report.record['episodes']} episodes, digest {report.digest[:16]}, on {o.where})")
+               f"({ended}{report.record['episodes']} episodes, digest {report.digest[:16]}, on {o.where})")
 
 
 def register(app: typer.Typer) -> None:

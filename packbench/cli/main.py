@@ -167,20 +167,23 @@ def db_reconcile(db: DbUrl = None, json_out: Json = False) -> None:
     Every attempt that is not running, or runs for a dispatcher on this host whose process is
     gone (a one-shot dispatch that stopped in an outage), and whose archive is on this host: each episode the
     archive holds without a row is checked against the archive's SHA-256 manifest entry (an
-    unsealed archive: its zip CRC-32s) and inserted; rows already there are kept. Exit 1 when an
-    archived episode was refused (it is named)."""
+    unsealed archive: its zip CRC-32s) and inserted; rows already there are kept. A sealed
+    archive's verdicts are inserted the same way when the database holds none of them (its
+    dispatcher stopped between the seal and the verdicts). Exit 1 when an archived episode was
+    refused (it is named)."""
     from packbench.service.reconcile import reconcile
 
     report = reconcile(open_store(db))
     if json_out:
         typer.echo(json.dumps({"checked": report.checked, "inserted": report.inserted, "refused": report.refused,
-                               "attempts": [dataclasses.asdict(r) for r in report.attempts],
+                               "verdicts": report.verdicts, "attempts": [dataclasses.asdict(r) for r in report.attempts],
                                "not_here": report.not_here}, sort_keys=True))
     else:
         for r in report.attempts:
             typer.echo(one_line(r.line()))
         elsewhere = f"; {len(report.not_here)} archives not on this host" if report.not_here else ""
-        typer.echo(f"reconciled {report.inserted} episode row{'s' if report.inserted != 1 else ''} from "
+        verdicts = f" and {report.verdicts} verdict row{'s' if report.verdicts != 1 else ''}" if report.verdicts else ""
+        typer.echo(f"reconciled {report.inserted} episode row{'s' if report.inserted != 1 else ''}{verdicts} from "
                    f"{report.checked} archive{'s' if report.checked != 1 else ''}{elsewhere}"
                    + (f"; {report.refused} refused" if report.refused else ""))
     if report.refused:

@@ -105,8 +105,10 @@ class AuditReport:
     # Incomplete, and every problem says only that: a prefix of the plan whose every member
     # checks (a failed or interrupted attempt's archive). Not in the record: digests stay as they were.
     partial: bool = False
-    # Incomplete, and every problem says only that, or that an archived episode has no row yet
-    # (an attempt whose driver stopped in a database outage: `db reconcile` inserts the rows).
+    # Every problem says only that the archive is incomplete, or that an archived episode (or a
+    # sealed archive's verdicts, none stored) has no row yet (an attempt whose driver stopped in a
+    # database outage or was killed: `db reconcile` inserts the rows). Only an unfinished
+    # attempt's audit reads it (service/audit.py): a done attempt lacking rows disagrees.
     rows_pending: bool = False
     # The recomputed verdicts' details, "gate|condition|phase" -> detail: what the terminal table shows
     # beside the record (which way a fidelity bound compares, why a verdict failed). Not in the record:
@@ -662,7 +664,13 @@ class _Audit:
         elif self.complete and VERDICTS_NAME not in self.names:
             self.add(f"{VERDICTS_NAME} is missing")
         if db_verdicts is not None and (self.complete or db_verdicts):
-            self.problems += _compare_verdicts(verdicts, db_verdicts, "database")
+            found = _compare_verdicts(verdicts, db_verdicts, "database")
+            if not db_verdicts:
+                # None stored for a sealed archive: its driver stopped between the seal and the
+                # verdicts' one transaction (killed, or a database outage). Rows pending, like an
+                # archived episode's: `db reconcile` inserts them from the archive.
+                self.rows_lacking += len(found)
+            self.problems += found
         if db_episodes is not None:
             found = _compare_episodes(episodes, db_episodes)
             self.rows_lacking += sum(p.startswith("database lacks episode ") for p in found)
@@ -863,7 +871,10 @@ def audit_archive(path: Path, *, expected_sha256: str | None = None, db_verdicts
                   f"the archive is hostile or damaged")
     record = audit.record
     partial = not record["complete"] and not audit.unreadable and len(audit.problems) == audit.incomplete_notes
-    pending = (not record["complete"] and not audit.unreadable and audit.rows_lacking > 0
+    # A sealed archive's rows are pending only while the database never recorded its seal (no
+    # SHA-256 stored): one whose seal it recorded had stored every row before, so a row it lacks
+    # now was removed (a failed attempt, every episode failed, is sealed and recorded too).
+    pending = (not audit.unreadable and audit.rows_lacking > 0 and (not record["complete"] or expected_sha256 is None)
                and len(audit.problems) == audit.incomplete_notes + audit.rows_lacking)
     record["problems"] = _bounded(record["problems"])
     record["result"] = "agree" if record["complete"] and not record["problems"] else "disagree"

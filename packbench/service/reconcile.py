@@ -32,7 +32,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from packbench.core.archive import PLAN_NAME, PROTOCOL_NAME, ArchiveReader
+from packbench.core.archive import PLAN_NAME, PROTOCOL_NAME, VERDICTS_NAME, ArchiveReader
 from packbench.core.canonical import canonical_sha256
 from packbench.core.errors import ArchiveError, PackbenchError
 
@@ -50,9 +50,12 @@ class Reconciled:
     inserted: int  # rows inserted now
     check: str  # manifest | writer | crc32
     refused: tuple[str, ...] = ()  # one line per archived episode left without a row, and why
+    verdicts: int = 0  # verdict rows inserted now (a sealed archive whose verdicts the database lacked)
 
     def line(self) -> str:
         rows = f"{self.inserted} episode row{'s' if self.inserted != 1 else ''}"
+        if self.verdicts:
+            rows += f" and {self.verdicts} verdict row{'s' if self.verdicts != 1 else ''}"
         against = {"manifest": "its manifest's SHA-256", "writer": "the writer's SHA-256 (the manifest to be)",
                    "crc32": "zip CRC-32 only (unsealed archive, no manifest)"}[self.check]
         text = f"screen {self.screen_id} attempt {self.attempt_number}: {rows} inserted from its archive, checked against {against}"
@@ -74,6 +77,10 @@ class ReconcileReport:
     @property
     def refused(self) -> int:
         return sum(len(r.refused) for r in self.attempts)
+
+    @property
+    def verdicts(self) -> int:
+        return sum(r.verdicts for r in self.attempts)
 
 
 def _sha256(data: bytes) -> str:
@@ -139,6 +146,34 @@ def _checked_record(reader: ArchiveReader, members, table, names: set[str]) -> d
     return record
 
 
+def sealed_verdicts(reader: ArchiveReader) -> list[dict]:
+    """The verdicts a sealed archive holds, checked against its manifest's SHA-256 entry: what
+    its driver stores in one transaction after the seal (service/screen.py `finish`), so that a
+    driver killed (or cut off by a database outage) between the two leaves them in the archive
+    only. None in the archive: none to insert (the audit names a sealed archive without them).
+    Raises PackbenchError for a member that does not check."""
+    if VERDICTS_NAME not in set(reader.names):
+        return []
+    entry = reader.manifest["members"].get(VERDICTS_NAME)
+    if not isinstance(entry, dict):
+        raise PackbenchError(f"member {VERDICTS_NAME} is in the archive but not in its manifest")
+    data = reader.read_bytes(VERDICTS_NAME)
+    if entry.get("size") != len(data) or entry.get("sha256") != _sha256(data):
+        raise PackbenchError(f"member {VERDICTS_NAME} does not match its SHA-256 entry (altered after it was written)")
+    verdicts = reader.read_json(VERDICTS_NAME)
+    keys = {"gate": str, "condition": str, "phase": str, "passed": bool}
+
+    def well_formed(v) -> bool:  # what the verdicts' columns take (db/ingest.py verdict_columns)
+        interval, episodes = v.get("interval"), v.get("episodes")
+        return (all(isinstance(v.get(k), t) for k, t in keys.items())
+                and (interval is None or isinstance(interval, list) and len(interval) == 2)
+                and (episodes is None or isinstance(episodes, list)))
+
+    if not isinstance(verdicts, list) or not all(isinstance(v, dict) and well_formed(v) for v in verdicts):
+        raise PackbenchError(f"{VERDICTS_NAME} is not a list of verdicts")
+    return verdicts
+
+
 def not_this_attempts(store, attempt, reader: ArchiveReader) -> str | None:
     """Why the archive at `attempt.archive_path` is another screen's (its protocol.json, or its
     sealed manifest's screen and attempt, differ from the database's), or None. Before, `db
@@ -166,19 +201,30 @@ def not_this_attempts(store, attempt, reader: ArchiveReader) -> str | None:
 
 def reconcile_attempt(store, attempt, *, stored: Iterable[int],
                       expected: Mapping[str, Mapping[str, Any]] | None = None) -> Reconciled | None:
-    """Insert the rows `attempt`'s archive holds and the database lacks. None when nothing is
-    missing. Raises `ArchiveError` for an archive that cannot be opened."""
+    """Insert the rows `attempt`'s archive holds and the database lacks: episodes, and a sealed
+    archive's verdicts when the database holds none of them and never recorded the seal. None
+    when nothing is missing.
+    Raises `ArchiveError` for an archive that cannot be opened."""
+    verdicts: list[dict] = []
     with ArchiveReader(Path(attempt.archive_path)) as reader:
         check, records, refused = missing_records(reader, stored, expected=expected)
-        foreign = not_this_attempts(store, attempt, reader) if records or refused else None
-    if not records and not refused:
+        # Only while the database never recorded the seal (the rows an audit calls pending): an
+        # attempt whose seal it recorded stored its verdicts first, so lacking them now they were removed.
+        if reader.complete and attempt.archive_sha256 is None and not store.verdicts(attempt.id):
+            try:
+                verdicts = sealed_verdicts(reader)
+            except PackbenchError as e:  # ArchiveError (a CRC, a bound) or a check above
+                refused.append(str(e))
+        foreign = not_this_attempts(store, attempt, reader) if records or refused or verdicts else None
+    if not records and not refused and not verdicts:
         return None
     if foreign is not None:
         return Reconciled(attempt.screen_id, attempt.id, attempt.number, attempt.archive_path, 0, check,
                           (foreign,))
     inserted = store.put_reconciled(attempt.id, records, check=check) if records else 0
+    added = store.put_verdicts(attempt.id, verdicts) if verdicts else 0
     return Reconciled(attempt.screen_id, attempt.id, attempt.number, attempt.archive_path, inserted, check,
-                      tuple(refused))
+                      tuple(refused), verdicts=added)
 
 
 def reconcile(store, *, attempt_ids: Iterable[int] | None = None, finished_since: datetime | None = None,
