@@ -40,6 +40,8 @@ class FakeWorker:
     models: set = field(default_factory=set)  # model keys loaded before (warm)
     shape: tuple[int, int, int, int] = (8, 1, 2, 8)  # (prefix, continuation, layers, vocab) of the loaded protocol
     episodes: list[int] = field(default_factory=list)  # plan indices it ran, in order
+    # condition -> (policy, params) of the loaded protocol: what a real worker records (the auditor compares them)
+    conditions: dict = field(default_factory=dict)
 
     @property
     def env(self) -> dict:
@@ -88,6 +90,7 @@ class FakePool:
         worker.models.add(key)
         dims = SHAPES[protocol.model.synth.shape if protocol.model.synth else "tiny"]
         worker.shape = (protocol.prefix_tokens, protocol.continuation_tokens, dims["layers"], dims["vocab"])
+        worker.conditions = {c.name: (c.policy, dict(c.params)) for c in protocol.conditions}
         self.loads.append((worker.index, state))
         shape = protocol.model.synth.shape if protocol.model.synth else "tiny"
         held = opt_bytes(**SHAPES[shape], dtype=protocol.dtype)  # what the auditor expects of the shape
@@ -101,7 +104,9 @@ class FakePool:
     def run(self, worker: FakeWorker, tag: Any, entry: dict, prompt: list[int]) -> None:
         fault = self.fault(worker, entry) if self.fault else None
         record = {"plan_index": entry["index"], "condition": entry["condition"], "role": entry["role"],
-                  "prompt": entry["prompt"], "policy": "fake", "params": {}, "episode_s": self.episode_s}
+                  "prompt": entry["prompt"], "episode_s": self.episode_s}
+        policy, params = worker.conditions.get(entry["condition"], ("fake", {}))
+        record.update(policy=policy, params=params)
         if isinstance(fault, EpisodeFails):
             record.update(status="failed", error=fault.error, traceback=f"Traceback (fake)\n{fault.error}\n",
                           logits=None, trace=None, forced_logits=None)
