@@ -80,17 +80,20 @@ def _moe(config: dict, path: Path) -> dict:
     from packbench.core.moe import FAMILIES, config_experts
 
     f = FAMILIES[config["model_type"]]
+    bounds = {**MOE_INTEGERS, f["experts"]: MOE_INTEGERS["experts"], f["intermediate"]: MOE_INTEGERS["intermediate"]}
     for key in ("hidden_size", "vocab_size", "num_hidden_layers", "num_attention_heads", "num_experts_per_tok",
-                f["experts"], f["intermediate"]):
+                f["experts"], f["intermediate"], "max_position_embeddings"):
         value = config_experts(config) if key == f["experts"] else config.get(key)
+        if key == "max_position_embeddings" and key not in config:
+            continue  # transformers' default for the family
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise CheckpointError(f"{path}: {key} is {show(value)}, not a positive integer; fix config.json")
-    # Values transformers builds from without a word and fails on later: a million layers (built
-    # for minutes), k above the experts (torch.topk's "selected index k out of range" in the first
-    # call), a negative head_dim (a tensor of negative size), kv heads that do not divide the heads.
-    if config["num_hidden_layers"] > OPT_INTEGERS["num_hidden_layers"]:
-        raise CheckpointError(f"{path}: num_hidden_layers is {config['num_hidden_layers']}, more than "
-                              f"{OPT_INTEGERS['num_hidden_layers']}; fix config.json")
+        # Values transformers builds from without a word and fails on later: a million layers
+        # (built for minutes), 2**40 experts or hidden units (an allocation of petabytes, exit 70).
+        if value > bounds[key]:
+            raise CheckpointError(f"{path}: {key} is {value}, more than {bounds[key]}; fix config.json")
+    # k above the experts (torch.topk's "selected index k out of range" in the first call), a
+    # negative head_dim (a tensor of negative size), kv heads that do not divide the heads.
     if config["num_experts_per_tok"] > config_experts(config):
         raise CheckpointError(f"{path}: num_experts_per_tok {config['num_experts_per_tok']} is more than the "
                               f"{config_experts(config)} experts; fix config.json")
@@ -98,12 +101,32 @@ def _moe(config: dict, path: Path) -> dict:
         value = config.get(key)
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 1 << 16):
             raise CheckpointError(f"{path}: {key} is {show(value)}, not a positive integer; fix config.json")
+    if config.get("head_dim") is None:
+        # transformers' Qwen3-MoE and OLMoE attention read a head_dim key even when it is null (None ** -0.5:
+        # TypeError, exit 70); without one, and Mixtral's null, it is hidden_size // num_attention_heads,
+        # which a width that is no multiple of the heads floors (to 0 for more heads than hidden units:
+        # ZeroDivisionError) away from the checkpoint's tensors.
+        if "head_dim" in config and config["model_type"] not in NULL_HEAD_DIM:
+            raise CheckpointError(f"{path}: head_dim is None, not a positive integer; give the attention heads' width "
+                                  f"or drop the key (then hidden_size / num_attention_heads); fix config.json")
+        if config["hidden_size"] % config["num_attention_heads"]:
+            raise CheckpointError(f"{path}: hidden_size {config['hidden_size']} is not a multiple of "
+                                  f"num_attention_heads {config['num_attention_heads']}, and no head_dim says the "
+                                  f"heads' width; fix config.json")
     if config["num_attention_heads"] % (config.get("num_key_value_heads") or config["num_attention_heads"]):
         raise CheckpointError(f"{path}: num_attention_heads {config['num_attention_heads']} is not a multiple of "
                               f"num_key_value_heads {config['num_key_value_heads']}; fix config.json")
     if config["model_type"] == "qwen3_moe":
         _qwen3_sparse_layers(config, path)
     return config
+
+
+# The integers an MoE config.json gives the model's shape, each bounded far above any real MoE's
+# (DeepSeek-V3: 7,168 hidden, 256 experts; Mixtral-8x22B: 16,384 expert width; Qwen3: 151,936
+# tokens, 262,144 positions); OPT's bounds where the two share a key.
+MOE_INTEGERS = {**OPT_INTEGERS, "experts": 1 << 16, "intermediate": 1 << 20, "num_experts_per_tok": 1 << 16,
+                "max_position_embeddings": 1 << 30}
+NULL_HEAD_DIM = ("mixtral",)  # families whose config class reads `head_dim: null` as hidden / heads
 
 
 def _qwen3_sparse_layers(config: dict, path: Path) -> None:
@@ -121,6 +144,14 @@ def _qwen3_sparse_layers(config: dict, path: Path) -> None:
         raise CheckpointError(f"{path}: no layer of the {config['num_hidden_layers']} has experts (mlp_only_layers "
                               f"{show(dense)}, decoder_sparse_step {step}): a dense model, with no experts for "
                               f"packbench's MoE loaders to move; give a checkpoint with at least one MoE layer")
+    # A layer without experts holds a dense MLP of intermediate_size (core/moe.py shape_of_config
+    # counts its bytes): a string there was multiplied into the device part (TypeError, exit 70).
+    width = config.get("intermediate_size")
+    dense = [i for i in range(config["num_hidden_layers"]) if i in dense or (i + 1) % step]
+    if dense and (isinstance(width, bool) or not isinstance(width, int) or not 1 <= width <= MOE_INTEGERS["intermediate"]):
+        raise CheckpointError(f"{path}: intermediate_size is {show(width)}, not an integer in "
+                              f"1..{MOE_INTEGERS['intermediate']} (the width of the dense MLP of layer {dense[0]}, which "
+                              f"has no experts); fix config.json")
 
 
 MAX_CONFIG_BYTES = 1 << 20  # an OPT config.json is ~1 KB

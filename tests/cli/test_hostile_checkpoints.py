@@ -154,6 +154,74 @@ def test_an_moe_checkpoint_its_config_does_not_describe_is_one_line(tmp_path, mo
     assert "LOAD REPORT" not in r.err and "Loading weights" not in r.err
 
 
+@pytest.mark.parametrize("config, fragment", [
+    # each reached transformers, which allocated the random init of the tensors config.json gave other shapes
+    # than the files: petabytes, "DefaultCPUAllocator: can't allocate memory" or "Storage size calculation
+    # overflowed" (exit 70); `protocol plan` said to raise allowance_mib to 27670116112900554753
+    ({"num_local_experts": 2**40}, "num_local_experts is 1099511627776, more than 65536"),
+    ({"hidden_size": 2**40}, "hidden_size is 1099511627776, more than 65536"),
+    ({"vocab_size": 2**40}, "vocab_size is 1099511627776, more than 4194304"),
+    ({"intermediate_size": 2**40}, "intermediate_size is 1099511627776, more than 1048576"),
+    ({"num_attention_heads": 2**40}, "num_attention_heads is 1099511627776, more than 4096"),
+    ({"num_experts_per_tok": 2**40}, "num_experts_per_tok is 1099511627776, more than 65536"),
+    # head_dim null (transformers: hidden / heads) of 128 heads on 64 units: 0 (ZeroDivisionError, exit 70)
+    ({"num_attention_heads": 128, "num_key_value_heads": 1, "head_dim": None},
+     "hidden_size 64 is not a multiple of num_attention_heads 128, and no head_dim says the heads' width"),
+    ({"num_attention_heads": 3, "num_key_value_heads": 1, "head_dim": None},
+     "hidden_size 64 is not a multiple of num_attention_heads 3, and no head_dim says the heads' width"),
+    # a string, accepted by submit, refused by transformers' config class on the worker: a failed screen
+    ({"max_position_embeddings": "256"}, "max_position_embeddings is '256', not a positive integer"),
+    ({"max_position_embeddings": 0}, "max_position_embeddings is 0, not a positive integer"),
+    ({"max_position_embeddings": 2**40}, "max_position_embeddings is 1099511627776, more than 1073741824"),
+])
+def test_moe_config_integers_out_of_bounds_are_one_line(tmp_path, moe, capsys, config, fragment):
+    """Catches an MoE config.json whose shape integers were checked positive but not bounded, nor
+    hidden_size against the heads when head_dim is null, nor max_position_embeddings at all
+    (OPT's reader checks all three): exit 70 from torch's allocator or a division, or a screen
+    queued to fail at load."""
+    model = copy_of(moe, tmp_path / "m", **config)
+    one_line_error(pb(capsys, "model", "stats", str(model), "--prefix", "8", "--count", "1"),
+                   f"{model / 'config.json'}: {fragment}; fix config.json")
+
+
+def test_a_mixtral_head_dim_null_of_a_multiple_runs(tmp_path, moe, capsys):
+    """transformers' Mixtral reads `head_dim: null` (what its save_pretrained writes) as hidden /
+    heads: accepted when that is the checkpoint's width (the head_dim check must not refuse it)."""
+    from packbench.engine.config import read_config
+
+    model = copy_of(moe, tmp_path / "m", head_dim=None)
+    assert read_config(model)["head_dim"] is None
+
+
+def submitted(tmp_path, monkeypatch, capsys, model: Path):
+    """`packbench submit` of a two-condition protocol on `model` into a fresh database: (its
+    result, the screens queued)."""
+    import yaml
+
+    from test_hostile_input import ROOT, queued
+
+    from packbench.db.store import Store
+
+    url = f"sqlite:///{tmp_path / 'pb.db'}"
+    monkeypatch.setenv("PACKBENCH_DB_URL", url)
+    with Store(url) as store:
+        store.upgrade()
+    body = yaml.safe_load((ROOT / "protocols" / "quickstart.yaml").read_text())
+    body.update(model={"path": str(model)}, prefix_tokens=8, continuation_tokens=2, allowance_mib=64)
+    (tmp_path / "p.yaml").write_text(yaml.safe_dump(body))
+    r = pb(capsys, "submit", str(tmp_path / "p.yaml"))
+    return r, queued(url)
+
+
+def test_an_moe_config_max_position_string_queues_nothing(tmp_path, moe, capsys, monkeypatch):
+    """Catches `submit` of an MoE checkpoint whose max_position_embeddings is a string: check_positions
+    skipped it, the screen was queued, and its worker failed it at load with transformers' refusal."""
+    model = copy_of(moe, tmp_path / "m", max_position_embeddings="256")
+    r, screens = submitted(tmp_path, monkeypatch, capsys, model)
+    one_line_error(r, f"{model / 'config.json'}: max_position_embeddings is '256', not a positive integer")
+    assert screens == []
+
+
 @pytest.fixture(scope="module")
 def dense_qwen3(tmp_path_factory) -> Path:
     """A Qwen3-MoE checkpoint whose every layer is in mlp_only_layers (transformers' own save):
@@ -184,6 +252,29 @@ def test_a_qwen3_moe_checkpoint_without_moe_layers_is_one_line(tmp_path, dense_q
     ZeroDivisionError, exit 70)."""
     model = copy_of(dense_qwen3, tmp_path / "m", **config)
     one_line_error(pb(capsys, "model", "stats", str(model), "--prefix", "8", "--count", "1"), str(model), fragment)
+
+
+@pytest.mark.parametrize("config, fragment", [
+    # a layer without experts is a dense MLP of intermediate_size: a string there was multiplied into the
+    # device part's bytes (`protocol plan` and `submit`: TypeError, exit 70); one missing, transformers'
+    # default (6144) disagreed with the tensors
+    ({"mlp_only_layers": [0], "intermediate_size": "64"},
+     "intermediate_size is '64', not an integer in 1..1048576 (the width of the dense MLP of layer 0, which has no "
+     "experts)"),
+    ({"mlp_only_layers": [1], "intermediate_size": None}, "intermediate_size is None, not an integer in 1..1048576 "
+                                                          "(the width of the dense MLP of layer 1"),
+    # transformers' Qwen3-MoE attention reads head_dim even when null: None ** -0.5, TypeError (exit 70)
+    ({"mlp_only_layers": [], "head_dim": None}, "head_dim is None, not a positive integer"),
+])
+def test_a_qwen3_moe_config_its_model_cannot_build_is_refused_at_submit(tmp_path, dense_qwen3, capsys,
+                                                                         monkeypatch, config, fragment):
+    """Catches a Qwen3-MoE config.json whose dense layers' intermediate_size or whose head_dim
+    was not checked: `submit` exited 70 (TypeError in the device part's bytes), or queued a
+    screen that its worker failed at load."""
+    model = copy_of(dense_qwen3, tmp_path / "m", **config)
+    r, screens = submitted(tmp_path, monkeypatch, capsys, model)
+    one_line_error(r, f"{model / 'config.json'}: {fragment}")
+    assert screens == []
 
 
 def _sharded(model: Path, where: Path) -> Path:
