@@ -1,5 +1,10 @@
 """config.json of a local OPT checkpoint, checked without importing torch (submit reads it)."""
 
+import json
+import math
+import re
+import stat
+import struct
 from pathlib import Path
 
 from packbench.core.errors import CheckpointError
@@ -169,8 +174,12 @@ def check_weight_files(model_dir: Path, *, moe: bool) -> None:
     if not (model_dir / "model.safetensors").is_file():
         for name in ("model.safetensors.index.json",) + (("pytorch_model.bin.index.json",) if moe else ()):
             if (model_dir / name).exists():
-                _check_shards(model_dir, model_dir / name)
+                shards = _check_shards(model_dir, model_dir / name)
+                if moe and name.endswith(".safetensors.index.json"):
+                    _check_expert_tensors(model_dir, shards)
                 return
+    if (model_dir / "model.safetensors").is_file() and moe:
+        _check_expert_tensors(model_dir, [model_dir / "model.safetensors"])
     if any(model_dir.glob("*.safetensors")) or (moe and (model_dir / "pytorch_model.bin").is_file()):
         return
     if not moe and any(model_dir.glob("pytorch_model*.bin")):  # an older OPT export
@@ -196,6 +205,44 @@ def _check_shards(model_dir: Path, index: Path) -> None:
     if missing:
         raise CheckpointError(f"{model_dir} lacks {len(missing)} of the {len(set(weight_map.values()))} shards "
                               f"{index.name} lists (first: {show(missing[0])}); copy the whole checkpoint again")
+    return [model_dir / f for f in sorted(set(weight_map.values()))]
+
+
+# One expert's tensor in the published layout of an MoE checkpoint (Mixtral's
+# `model.layers.0.block_sparse_moe.experts.3.w1.weight`, Qwen3-MoE's and OLMoE's
+# `model.layers.0.mlp.experts.3.gate_proj.weight`): transformers stacks a layer's experts into one
+# fused tensor as it loads.
+EXPERT_TENSOR = re.compile(r"(.*\.experts\.)(\d+)(\..+)")
+
+
+def _check_expert_tensors(model_dir: Path, files: list[Path]) -> None:
+    """Every layer's per-expert tensors, read from the safetensors headers alone: each of the
+    config.json's experts 0..E-1 holds each of them, all of one shape. transformers' stacking of
+    them failed after its load report, with a RuntimeError that names no tensor (exit 70), where
+    an expert's tensor lacked, was one too many, or had its own shape."""
+    from packbench.core.moe import config_experts
+
+    experts = config_experts(read_config(model_dir))
+    groups: dict[tuple[str, str], dict[int, tuple]] = {}  # (before the id, after it) -> {expert id: shape}
+    for file in files:
+        for name, meta in safetensors_header(file)[1].items():
+            m = EXPERT_TENSOR.fullmatch(name)
+            if m:
+                groups.setdefault((m[1], m[3]), {})[int(m[2])] = tuple(meta["shape"])
+    for (before, after), shapes in sorted(groups.items()):
+        beyond = sorted(i for i in shapes if i >= experts)
+        if beyond:
+            raise CheckpointError(f"{model_dir}: the checkpoint holds {before}{beyond[0]}{after}, but config.json gives "
+                                  f"{experts} experts (0..{experts - 1}); fix config.json or regenerate the checkpoint")
+        lacking = [i for i in range(experts) if i not in shapes]
+        if lacking:
+            raise CheckpointError(f"{model_dir}: the checkpoint lacks {before}{lacking[0]}{after} ({len(lacking)} of the "
+                                  f"{experts} experts config.json gives hold no {after[1:]} there); copy the whole "
+                                  f"checkpoint again or fix config.json")
+        odd = next((i for i in sorted(shapes) if shapes[i] != shapes[0]), None)
+        if odd is not None:
+            raise CheckpointError(f"{model_dir}: tensor {before}{odd}{after} has shape {list(shapes[odd])}, expert 0's "
+                                  f"{list(shapes[0])}; a layer's experts share one shape: regenerate the checkpoint")
 
 
 def _json(path: Path) -> dict:
@@ -216,3 +263,63 @@ def _json(path: Path) -> dict:
         what = NOT_AN_OBJECT if str(e) == NOT_AN_OBJECT else f"is not JSON ({e})"
         raise CheckpointError(f"{path} {what}; the checkpoint's config.json must be the JSON object a "
                               f"Hugging Face {kinds} checkpoint has") from None
+
+
+# Bytes per element of safetensors' dtypes: an entry whose shape and dtype do not make its byte
+# length is refused here (the safetensors reader raised its own SafetensorError, exit 70).
+SAFETENSORS_ITEMSIZE = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "I16": 2, "U16": 2, "F16": 2,
+                        "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
+
+
+MAX_HEADER_BYTES = 100_000_000  # the safetensors reader's own bound on a header
+
+
+def not_safetensors(path: Path, why: str) -> CheckpointError:
+    return CheckpointError(f"{path} is not a readable safetensors file ({why}); copy or regenerate the "
+                           f"checkpoint (`packbench model synth` for a synthetic one)")
+
+
+def safetensors_header(path: Path) -> tuple[int, dict]:
+    """(data start, tensor entries) of a safetensors file; CheckpointError naming the file when it
+    is not one (truncated, or another format), before any byte of it is placed."""
+    def broken(why: str) -> CheckpointError:
+        return not_safetensors(path, why)
+
+    try:
+        st = path.stat()
+    except OSError as e:  # a dangling link
+        raise broken(f"it cannot be read: {e.strerror}") from None
+    if not stat.S_ISREG(st.st_mode):  # a FIFO named *.safetensors: open() would wait for a writer
+        raise broken("it is not a regular file")
+    size = st.st_size
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise broken(f"{size} bytes, shorter than the 8-byte header length")
+        (n,) = struct.unpack("<Q", head)
+        if n > size - 8:
+            raise broken(f"the header claims {n} bytes, the file holds {size - 8} after its length")
+        if n > MAX_HEADER_BYTES:
+            raise broken(f"the header claims {n} bytes, over safetensors' own bound of {MAX_HEADER_BYTES}")
+        try:
+            header = json.loads(f.read(n))
+        except (UnicodeDecodeError, ValueError, RecursionError) as e:
+            raise broken(f"its header is not JSON: {one_line(str(e))[:200]}") from None
+    if not isinstance(header, dict):
+        raise broken("its header is not a JSON object")
+    header.pop("__metadata__", None)
+    for key, meta in header.items():
+        offsets = meta.get("data_offsets") if isinstance(meta, dict) else None
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(o, int) for o in offsets)
+                and 0 <= offsets[0] <= offsets[1] and "dtype" in meta and "shape" in meta):
+            raise broken(f"tensor {show(key)} has no valid dtype, shape and data_offsets")
+        if offsets[1] > size - 8 - n:
+            raise broken(f"tensor {show(key)} ends {offsets[1] - (size - 8 - n)} bytes past the end of the file: truncated")
+        shape, kind = meta["shape"], meta["dtype"]
+        if not (isinstance(shape, list) and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0
+                                                for d in shape) and isinstance(kind, str)):
+            raise broken(f"tensor {show(key)} has shape {show(shape)} and dtype {show(kind)}; a shape lists sizes >= 0")
+        if kind in SAFETENSORS_ITEMSIZE and math.prod(shape) * SAFETENSORS_ITEMSIZE[kind] != offsets[1] - offsets[0]:
+            raise broken(f"tensor {show(key)} of shape {show(shape)} and dtype {kind} is not the "
+                         f"{offsets[1] - offsets[0]} bytes its data_offsets span")
+    return 8 + n, header

@@ -135,7 +135,10 @@ def moe(tmp_path_factory) -> Path:
     # transformers built a random layer 2 (or dropped layer 1) and printed a report: exit 0, figures of noise
     ({"num_hidden_layers": 3}, "lacks 9 tensors a mixtral model as config.json describes it has"),
     ({"num_hidden_layers": 1}, "has no place for"),
-    ({"num_local_experts": 16}, "holds 6 tensors in other shapes than config.json gives them"),  # RuntimeError, exit 70
+    # RuntimeError, exit 70; 16 experts where the files hold 8 are refused from the headers, before transformers
+    ({"num_local_experts": 16}, "lacks model.layers.0.block_sparse_moe.experts.8.w1.weight (8 of the 16 experts"),
+    ({"intermediate_size": 100}, "holds 4 tensors in other shapes than config.json gives them (first: "
+                                 "'model.layers.0.mlp.experts.down_proj')"),
     ({"num_hidden_layers": 10**6}, "num_hidden_layers is 1000000, more than 4096"),  # built for minutes
     ({"num_experts_per_tok": 9}, "num_experts_per_tok 9 is more than the 8 experts"),  # topk's RuntimeError
     ({"head_dim": -1}, "head_dim is -1"),  # a tensor of negative size
@@ -325,6 +328,76 @@ def test_a_checkpoint_without_its_weight_files_is_one_line(tmp_path, tiny, moe, 
     elif damage == "bin only":
         fragment = "holds pytorch_model.bin, packbench reads OPT from *.safetensors only; convert it"
     one_line_error(r, str(model), fragment)
+
+
+@pytest.fixture(scope="module")
+def per_expert(tmp_path_factory) -> Path:
+    """A Mixtral checkpoint as transformers' save_pretrained writes it, and as every published one
+    is laid out: one tensor per expert (`...block_sparse_moe.experts.3.w1.weight`), which
+    transformers stacks into a fused tensor per layer when it loads."""
+    import torch
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    torch.manual_seed(0)
+    config = MixtralConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                           num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, vocab_size=128,
+                           max_position_embeddings=64)
+    out = tmp_path_factory.mktemp("mixtral") / "per-expert"
+    MixtralForCausalLM(config).save_pretrained(out)
+    return out
+
+
+EXPERT = "model.layers.1.block_sparse_moe.experts.{}.w2.weight"
+
+
+@pytest.mark.parametrize("sharded", [False, True])
+@pytest.mark.parametrize("damage, fragment", [
+    ("shape", f"tensor {EXPERT.format(2)} has shape [32, 40], expert 0's [32, 48]; a layer's experts share one "
+              f"shape: regenerate the checkpoint"),
+    ("lack", f"the checkpoint lacks {EXPERT.format(2)} (1 of the 4 experts config.json gives hold no w2.weight "
+             f"there); copy the whole checkpoint again or fix config.json"),
+    ("extra", f"the checkpoint holds {EXPERT.format(4)}, but config.json gives 4 experts (0..3); fix config.json "
+              f"or regenerate the checkpoint"),
+])
+def test_a_per_expert_tensor_transformers_cannot_stack_is_refused_at_submit(tmp_path, per_expert, capsys,
+                                                                            monkeypatch, sharded, damage, fragment):
+    """Catches one expert's tensor of its own shape, one lacking, or one beyond config.json's
+    experts in the published per-expert layout (one file, or shards of an index): transformers'
+    stacking raised "We encountered some issues during automatic conversion of the weights"
+    after its load report, naming no tensor (`model stats`: exit 70; `submit` queued a screen
+    its worker failed at load). Read from the safetensors headers before anything is queued."""
+    from safetensors.torch import load_file, save_file
+
+    model = _sharded(per_expert, tmp_path / "m") if sharded else copy_of(per_expert, tmp_path / "m")
+    file = next(f for f in model.glob("*.safetensors") if EXPERT.format(2) in load_file(f))
+    sd = load_file(file)
+    if damage == "shape":
+        sd[EXPERT.format(2)] = sd[EXPERT.format(2)][:, :40].contiguous()
+    elif damage == "lack":
+        del sd[EXPERT.format(2)]
+    else:
+        sd[EXPERT.format(4)] = sd[EXPERT.format(2)].clone()
+    save_file(sd, file, metadata={"format": "pt"}) if sd else file.unlink()
+    if sharded and damage != "shape":  # the index lists what the shards hold
+        index = json.loads((model / "model.safetensors.index.json").read_text())
+        index["weight_map"].pop(EXPERT.format(2)) if damage == "lack" else \
+            index["weight_map"].__setitem__(EXPERT.format(4), file.name)
+        if not sd:
+            index["weight_map"] = {k: v for k, v in index["weight_map"].items() if v != file.name}
+        (model / "model.safetensors.index.json").write_text(json.dumps(index))
+    one_line_error(pb(capsys, "model", "stats", str(model), "--prefix", "8", "--count", "1"), f"{model}: {fragment}")
+    r, screens = submitted(tmp_path, monkeypatch, capsys, model)
+    one_line_error(r, f"{model}: {fragment}")
+    assert screens == []
+
+
+def test_the_per_expert_layout_runs(tmp_path, per_expert, capsys):
+    """The published layout, whole, in one file or in shards: `model stats` reads its routing (the
+    per-expert check refuses nothing a real checkpoint holds)."""
+    for model in (per_expert, _sharded(per_expert, tmp_path / "m")):
+        r = pb(capsys, "model", "stats", str(model), "--prefix", "8", "--count", "1", "--continuation", "2")
+        assert r.code == 0, r.err
+        assert f"{model}: mixtral, 4 experts, top 2, float32; 1 prompt x 8 tokens" in r.out
 
 
 @pytest.mark.parametrize("text, fragment", [
