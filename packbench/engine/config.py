@@ -27,6 +27,7 @@ def read_config(model_dir: Path) -> dict:
         raise CheckpointError(f"{model_dir} is a directory without config.json, not a model checkpoint; point "
                               f"model.path at a Hugging Face OPT directory (or `packbench model synth --out DIR`)")
     config = _json(path)
+    _finite(config, path)
     from packbench.core.moe import FAMILIES
 
     if isinstance(config.get("model_type"), str) and config["model_type"] in FAMILIES:  # engine/moe/ runs it
@@ -243,6 +244,23 @@ def _check_expert_tensors(model_dir: Path, files: list[Path]) -> None:
         if odd is not None:
             raise CheckpointError(f"{model_dir}: tensor {before}{odd}{after} has shape {list(shapes[odd])}, expert 0's "
                                   f"{list(shapes[0])}; a layer's experts share one shape: regenerate the checkpoint")
+
+
+def _finite(config: dict, path: Path) -> None:
+    """No NaN or Infinity anywhere in config.json (JSON has neither; Python's reader takes both): an
+    rms_norm_eps or rope_theta of NaN ran a whole screen to non-finite logits and failed its
+    faithfulness gate at the end. Walked without recursion (config.json may nest as deep as the
+    JSON reader allows)."""
+    stack = [("", config)]
+    while stack:
+        key, value = stack.pop()
+        if isinstance(value, float) and not math.isfinite(value):
+            raise CheckpointError(f"{path}: {key} is {value}, not a finite number (JSON has no NaN or Infinity); "
+                                  f"fix config.json")
+        if isinstance(value, dict):
+            stack += [(f"{key}.{k}" if key else k, v) for k, v in reversed(value.items())]
+        elif isinstance(value, list):
+            stack += [(f"{key}[{i}]", v) for i, v in reversed(list(enumerate(value)))]
 
 
 def _json(path: Path) -> dict:

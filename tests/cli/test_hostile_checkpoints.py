@@ -225,6 +225,24 @@ def test_an_moe_config_max_position_string_queues_nothing(tmp_path, moe, capsys,
     assert screens == []
 
 
+@pytest.mark.parametrize("family", ["opt", "moe"])
+@pytest.mark.parametrize("config, fragment", [
+    ({"rms_norm_eps": float("nan")}, "rms_norm_eps is nan, not a finite number (JSON has no NaN or Infinity)"),
+    ({"rope_parameters": {"rope_theta": float("inf"), "rope_type": "default"}},
+     "rope_parameters.rope_theta is inf, not a finite number (JSON has no NaN or Infinity)"),
+    ({"eos_token_id": [2, float("-inf")]}, "eos_token_id[1] is -inf, not a finite number (JSON has no NaN or Infinity)"),
+])
+def test_a_non_finite_config_value_queues_nothing(tmp_path, tiny, moe, capsys, monkeypatch, family, config,
+                                                  fragment):
+    """Catches a config.json holding NaN or Infinity (not JSON; Python's reader took them): submit
+    queued the screen, every episode ran to non-finite logits, and the faithfulness gate failed
+    them all at the end."""
+    model = copy_of(tiny if family == "opt" else moe, tmp_path / "m", **config)
+    r, screens = submitted(tmp_path, monkeypatch, capsys, model)
+    one_line_error(r, f"{model / 'config.json'}: {fragment}; fix config.json")
+    assert screens == []
+
+
 @pytest.fixture(scope="module")
 def dense_qwen3(tmp_path_factory) -> Path:
     """A Qwen3-MoE checkpoint whose every layer is in mlp_only_layers (transformers' own save):
