@@ -86,6 +86,12 @@ def _moe(config: dict, path: Path) -> dict:
     from packbench.core.moe import FAMILIES, config_experts
 
     f = FAMILIES[config["model_type"]]
+    # transformers reads either name as the other (each family's attribute_map): two counts that
+    # differ gave the model the last one written, and packbench's byte arithmetic its family's key.
+    both = [config[k] for k in ("num_experts", "num_local_experts") if k in config]
+    if len(both) == 2 and both[0] != both[1]:
+        raise CheckpointError(f"{path}: num_experts is {show(both[0])} and num_local_experts {show(both[1])}, two "
+                              f"names of one expert count; keep one ({f['experts']}); fix config.json")
     bounds = {**MOE_INTEGERS, f["experts"]: MOE_INTEGERS["experts"], f["intermediate"]: MOE_INTEGERS["intermediate"]}
     for key in ("hidden_size", "vocab_size", "num_hidden_layers", "num_attention_heads", "num_experts_per_tok",
                 f["experts"], f["intermediate"], "max_position_embeddings"):

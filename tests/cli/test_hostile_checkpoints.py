@@ -137,6 +137,9 @@ def moe(tmp_path_factory) -> Path:
     ({"num_hidden_layers": 1}, "has no place for"),
     # RuntimeError, exit 70; 16 experts where the files hold 8 are refused from the headers, before transformers
     ({"num_local_experts": 16}, "lacks model.layers.0.block_sparse_moe.experts.8.w1.weight (8 of the 16 experts"),
+    # transformers reads either name as the other: which count the model got depended on their order in the file
+    ({"num_experts": 4}, "num_experts is 4 and num_local_experts 8, two names of one expert count; keep one "
+                         "(num_local_experts)"),
     ({"intermediate_size": 100}, "holds 4 tensors in other shapes than config.json gives them (first: "
                                  "'model.layers.0.mlp.experts.down_proj')"),
     ({"num_hidden_layers": 10**6}, "num_hidden_layers is 1000000, more than 4096"),  # built for minutes
