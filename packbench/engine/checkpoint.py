@@ -9,12 +9,8 @@ engine/model.py's decision (`is_outgoing`).
 """
 
 import ctypes
-import json
-import math
 import mmap
 import os
-import stat
-import struct
 import sys
 import time
 import warnings
@@ -25,8 +21,8 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from packbench.core.errors import CheckpointError
-from packbench.core.text import one_line, show
-from packbench.engine.config import check_weight_files, read_config
+from packbench.core.text import one_line
+from packbench.engine.config import check_weight_files, not_safetensors, read_config, safetensors_header
 from packbench.engine.opt_weights import OPTWeights
 
 # Key remaps: some OPT exports omit the `model.` prefix (OPTModel state dicts).
@@ -39,7 +35,7 @@ def read_state_dict(model_dir: Path, *, dtype: torch.dtype) -> dict[str, torch.T
     files = sorted(Path(model_dir).glob("*.safetensors"))
     sd: dict[str, torch.Tensor] = {}
     for file in files:
-        _header(file)  # a damaged file: one line naming it, not the reader's own error
+        safetensors_header(file)  # a damaged file: one line naming it, not the reader's own error
         try:
             with safe_open(str(file), framework="pt", device="cpu") as f:
                 for key in f.keys():
@@ -48,8 +44,8 @@ def read_state_dict(model_dir: Path, *, dtype: torch.dtype) -> dict[str, torch.T
                         if name.startswith(old):
                             name = new + name[len(old):]
                     sd[name] = f.get_tensor(key).to(dtype)
-        except SafetensorError as e:  # what _header does not check (gaps between tensors, metadata's types)
-            raise _broken(file, one_line(str(e))[:200]) from None
+        except SafetensorError as e:  # what safetensors_header does not check (gaps between tensors, metadata's types)
+            raise not_safetensors(file, one_line(str(e))[:200]) from None
     return sd
 
 
@@ -60,73 +56,13 @@ CHUNK = 32 << 20  # one read / one H2D copy: large enough for full-rate copies (
 RING = 8  # pinned chunks in flight per wave; two waves alternate (reads overlap copies)
 
 
-# Bytes per element of safetensors' dtypes: an entry whose shape and dtype do not make its byte
-# length is refused here (the safetensors reader raised its own SafetensorError, exit 70).
-SAFETENSORS_ITEMSIZE = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "I16": 2, "U16": 2, "F16": 2,
-                        "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
-
-
-MAX_HEADER_BYTES = 100_000_000  # the safetensors reader's own bound on a header
-
-
-def _broken(path: Path, why: str) -> CheckpointError:
-    return CheckpointError(f"{path} is not a readable safetensors file ({why}); copy or regenerate the "
-                           f"checkpoint (`packbench model synth` for a synthetic one)")
-
-
-def _header(path: Path) -> tuple[int, dict]:
-    """(data start, tensor entries) of a safetensors file; CheckpointError naming the file when it
-    is not one (truncated, or another format), before any byte of it is placed."""
-    def broken(why: str) -> CheckpointError:
-        return _broken(path, why)
-
-    try:
-        st = path.stat()
-    except OSError as e:  # a dangling link
-        raise broken(f"it cannot be read: {e.strerror}") from None
-    if not stat.S_ISREG(st.st_mode):  # a FIFO named *.safetensors: open() would wait for a writer
-        raise broken("it is not a regular file")
-    size = st.st_size
-    with open(path, "rb") as f:
-        head = f.read(8)
-        if len(head) < 8:
-            raise broken(f"{size} bytes, shorter than the 8-byte header length")
-        (n,) = struct.unpack("<Q", head)
-        if n > size - 8:
-            raise broken(f"the header claims {n} bytes, the file holds {size - 8} after its length")
-        if n > MAX_HEADER_BYTES:
-            raise broken(f"the header claims {n} bytes, over safetensors' own bound of {MAX_HEADER_BYTES}")
-        try:
-            header = json.loads(f.read(n))
-        except (UnicodeDecodeError, ValueError, RecursionError) as e:
-            raise broken(f"its header is not JSON: {one_line(str(e))[:200]}") from None
-    if not isinstance(header, dict):
-        raise broken("its header is not a JSON object")
-    header.pop("__metadata__", None)
-    for key, meta in header.items():
-        offsets = meta.get("data_offsets") if isinstance(meta, dict) else None
-        if not (isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(o, int) for o in offsets)
-                and 0 <= offsets[0] <= offsets[1] and "dtype" in meta and "shape" in meta):
-            raise broken(f"tensor {show(key)} has no valid dtype, shape and data_offsets")
-        if offsets[1] > size - 8 - n:
-            raise broken(f"tensor {show(key)} ends {offsets[1] - (size - 8 - n)} bytes past the end of the file: truncated")
-        shape, kind = meta["shape"], meta["dtype"]
-        if not (isinstance(shape, list) and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0
-                                                for d in shape) and isinstance(kind, str)):
-            raise broken(f"tensor {show(key)} has shape {show(shape)} and dtype {show(kind)}; a shape lists sizes >= 0")
-        if kind in SAFETENSORS_ITEMSIZE and math.prod(shape) * SAFETENSORS_ITEMSIZE[kind] != offsets[1] - offsets[0]:
-            raise broken(f"tensor {show(key)} of shape {show(shape)} and dtype {kind} is not the "
-                         f"{offsets[1] - offsets[0]} bytes its data_offsets span")
-    return 8 + n, header
-
-
 def reads_whole(model_dir: Path) -> bool:
     """Whether `model_dir` holds safetensors files that each read whole: a header and tensor
-    extents that fit the file (`_header`; no weight is read)."""
+    extents that fit the file (`safetensors_header`; no weight is read)."""
     files = sorted(Path(model_dir).glob("*.safetensors"))
     try:
         for file in files:
-            _header(file)
+            safetensors_header(file)
     except (CheckpointError, OSError):
         return False
     return bool(files)
@@ -138,7 +74,7 @@ def _entries(model_dir: Path) -> list[tuple[str, Path, int, int, torch.dtype, tu
     files = sorted(Path(model_dir).glob("*.safetensors"))
     out = []
     for file in files:
-        base, header = _header(file)
+        base, header = safetensors_header(file)
         for key, meta in header.items():
             name = key
             for old, new in KEY_PREFIXES.items():

@@ -1,5 +1,10 @@
 """config.json of a local OPT checkpoint, checked without importing torch (submit reads it)."""
 
+import json
+import math
+import re
+import stat
+import struct
 from pathlib import Path
 
 from packbench.core.errors import CheckpointError
@@ -22,6 +27,7 @@ def read_config(model_dir: Path) -> dict:
         raise CheckpointError(f"{model_dir} is a directory without config.json, not a model checkpoint; point "
                               f"model.path at a Hugging Face OPT directory (or `packbench model synth --out DIR`)")
     config = _json(path)
+    _finite(config, path)
     from packbench.core.moe import FAMILIES
 
     if isinstance(config.get("model_type"), str) and config["model_type"] in FAMILIES:  # engine/moe/ runs it
@@ -80,17 +86,26 @@ def _moe(config: dict, path: Path) -> dict:
     from packbench.core.moe import FAMILIES, config_experts
 
     f = FAMILIES[config["model_type"]]
+    # transformers reads either name as the other (each family's attribute_map): two counts that
+    # differ gave the model the last one written, and packbench's byte arithmetic its family's key.
+    both = [config[k] for k in ("num_experts", "num_local_experts") if k in config]
+    if len(both) == 2 and both[0] != both[1]:
+        raise CheckpointError(f"{path}: num_experts is {show(both[0])} and num_local_experts {show(both[1])}, two "
+                              f"names of one expert count; keep one ({f['experts']}); fix config.json")
+    bounds = {**MOE_INTEGERS, f["experts"]: MOE_INTEGERS["experts"], f["intermediate"]: MOE_INTEGERS["intermediate"]}
     for key in ("hidden_size", "vocab_size", "num_hidden_layers", "num_attention_heads", "num_experts_per_tok",
-                f["experts"], f["intermediate"]):
+                f["experts"], f["intermediate"], "max_position_embeddings"):
         value = config_experts(config) if key == f["experts"] else config.get(key)
+        if key == "max_position_embeddings" and key not in config:
+            continue  # transformers' default for the family
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise CheckpointError(f"{path}: {key} is {show(value)}, not a positive integer; fix config.json")
-    # Values transformers builds from without a word and fails on later: a million layers (built
-    # for minutes), k above the experts (torch.topk's "selected index k out of range" in the first
-    # call), a negative head_dim (a tensor of negative size), kv heads that do not divide the heads.
-    if config["num_hidden_layers"] > OPT_INTEGERS["num_hidden_layers"]:
-        raise CheckpointError(f"{path}: num_hidden_layers is {config['num_hidden_layers']}, more than "
-                              f"{OPT_INTEGERS['num_hidden_layers']}; fix config.json")
+        # Values transformers builds from without a word and fails on later: a million layers
+        # (built for minutes), 2**40 experts or hidden units (an allocation of petabytes, exit 70).
+        if value > bounds[key]:
+            raise CheckpointError(f"{path}: {key} is {value}, more than {bounds[key]}; fix config.json")
+    # k above the experts (torch.topk's "selected index k out of range" in the first call), a
+    # negative head_dim (a tensor of negative size), kv heads that do not divide the heads.
     if config["num_experts_per_tok"] > config_experts(config):
         raise CheckpointError(f"{path}: num_experts_per_tok {config['num_experts_per_tok']} is more than the "
                               f"{config_experts(config)} experts; fix config.json")
@@ -98,12 +113,32 @@ def _moe(config: dict, path: Path) -> dict:
         value = config.get(key)
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 1 << 16):
             raise CheckpointError(f"{path}: {key} is {show(value)}, not a positive integer; fix config.json")
+    if config.get("head_dim") is None:
+        # transformers' Qwen3-MoE and OLMoE attention read a head_dim key even when it is null (None ** -0.5:
+        # TypeError, exit 70); without one, and Mixtral's null, it is hidden_size // num_attention_heads,
+        # which a width that is no multiple of the heads floors (to 0 for more heads than hidden units:
+        # ZeroDivisionError) away from the checkpoint's tensors.
+        if "head_dim" in config and config["model_type"] not in NULL_HEAD_DIM:
+            raise CheckpointError(f"{path}: head_dim is None, not a positive integer; give the attention heads' width "
+                                  f"or drop the key (then hidden_size / num_attention_heads); fix config.json")
+        if config["hidden_size"] % config["num_attention_heads"]:
+            raise CheckpointError(f"{path}: hidden_size {config['hidden_size']} is not a multiple of "
+                                  f"num_attention_heads {config['num_attention_heads']}, and no head_dim says the "
+                                  f"heads' width; fix config.json")
     if config["num_attention_heads"] % (config.get("num_key_value_heads") or config["num_attention_heads"]):
         raise CheckpointError(f"{path}: num_attention_heads {config['num_attention_heads']} is not a multiple of "
                               f"num_key_value_heads {config['num_key_value_heads']}; fix config.json")
     if config["model_type"] == "qwen3_moe":
         _qwen3_sparse_layers(config, path)
     return config
+
+
+# The integers an MoE config.json gives the model's shape, each bounded far above any real MoE's
+# (DeepSeek-V3: 7,168 hidden, 256 experts; Mixtral-8x22B: 16,384 expert width; Qwen3: 151,936
+# tokens, 262,144 positions); OPT's bounds where the two share a key.
+MOE_INTEGERS = {**OPT_INTEGERS, "experts": 1 << 16, "intermediate": 1 << 20, "num_experts_per_tok": 1 << 16,
+                "max_position_embeddings": 1 << 30}
+NULL_HEAD_DIM = ("mixtral",)  # families whose config class reads `head_dim: null` as hidden / heads
 
 
 def _qwen3_sparse_layers(config: dict, path: Path) -> None:
@@ -121,6 +156,14 @@ def _qwen3_sparse_layers(config: dict, path: Path) -> None:
         raise CheckpointError(f"{path}: no layer of the {config['num_hidden_layers']} has experts (mlp_only_layers "
                               f"{show(dense)}, decoder_sparse_step {step}): a dense model, with no experts for "
                               f"packbench's MoE loaders to move; give a checkpoint with at least one MoE layer")
+    # A layer without experts holds a dense MLP of intermediate_size (core/moe.py shape_of_config
+    # counts its bytes): a string there was multiplied into the device part (TypeError, exit 70).
+    width = config.get("intermediate_size")
+    dense = [i for i in range(config["num_hidden_layers"]) if i in dense or (i + 1) % step]
+    if dense and (isinstance(width, bool) or not isinstance(width, int) or not 1 <= width <= MOE_INTEGERS["intermediate"]):
+        raise CheckpointError(f"{path}: intermediate_size is {show(width)}, not an integer in "
+                              f"1..{MOE_INTEGERS['intermediate']} (the width of the dense MLP of layer {dense[0]}, which "
+                              f"has no experts); fix config.json")
 
 
 MAX_CONFIG_BYTES = 1 << 20  # an OPT config.json is ~1 KB
@@ -138,8 +181,12 @@ def check_weight_files(model_dir: Path, *, moe: bool) -> None:
     if not (model_dir / "model.safetensors").is_file():
         for name in ("model.safetensors.index.json",) + (("pytorch_model.bin.index.json",) if moe else ()):
             if (model_dir / name).exists():
-                _check_shards(model_dir, model_dir / name)
+                shards = _check_shards(model_dir, model_dir / name)
+                if moe and name.endswith(".safetensors.index.json"):
+                    _check_expert_tensors(model_dir, shards)
                 return
+    if (model_dir / "model.safetensors").is_file() and moe:
+        _check_expert_tensors(model_dir, [model_dir / "model.safetensors"])
     if any(model_dir.glob("*.safetensors")) or (moe and (model_dir / "pytorch_model.bin").is_file()):
         return
     if not moe and any(model_dir.glob("pytorch_model*.bin")):  # an older OPT export
@@ -165,6 +212,61 @@ def _check_shards(model_dir: Path, index: Path) -> None:
     if missing:
         raise CheckpointError(f"{model_dir} lacks {len(missing)} of the {len(set(weight_map.values()))} shards "
                               f"{index.name} lists (first: {show(missing[0])}); copy the whole checkpoint again")
+    return [model_dir / f for f in sorted(set(weight_map.values()))]
+
+
+# One expert's tensor in the published layout of an MoE checkpoint (Mixtral's
+# `model.layers.0.block_sparse_moe.experts.3.w1.weight`, Qwen3-MoE's and OLMoE's
+# `model.layers.0.mlp.experts.3.gate_proj.weight`): transformers stacks a layer's experts into one
+# fused tensor as it loads.
+EXPERT_TENSOR = re.compile(r"(.*\.experts\.)(\d+)(\..+)")
+
+
+def _check_expert_tensors(model_dir: Path, files: list[Path]) -> None:
+    """Every layer's per-expert tensors, read from the safetensors headers alone: each of the
+    config.json's experts 0..E-1 holds each of them, all of one shape. transformers' stacking of
+    them failed after its load report, with a RuntimeError that names no tensor (exit 70), where
+    an expert's tensor lacked, was one too many, or had its own shape."""
+    from packbench.core.moe import config_experts
+
+    experts = config_experts(read_config(model_dir))
+    groups: dict[tuple[str, str], dict[int, tuple]] = {}  # (before the id, after it) -> {expert id: shape}
+    for file in files:
+        for name, meta in safetensors_header(file)[1].items():
+            m = EXPERT_TENSOR.fullmatch(name)
+            if m:
+                groups.setdefault((m[1], m[3]), {})[int(m[2])] = tuple(meta["shape"])
+    for (before, after), shapes in sorted(groups.items()):
+        beyond = sorted(i for i in shapes if i >= experts)
+        if beyond:
+            raise CheckpointError(f"{model_dir}: the checkpoint holds {before}{beyond[0]}{after}, but config.json gives "
+                                  f"{experts} experts (0..{experts - 1}); fix config.json or regenerate the checkpoint")
+        lacking = [i for i in range(experts) if i not in shapes]
+        if lacking:
+            raise CheckpointError(f"{model_dir}: the checkpoint lacks {before}{lacking[0]}{after} ({len(lacking)} of the "
+                                  f"{experts} experts config.json gives hold no {after[1:]} there); copy the whole "
+                                  f"checkpoint again or fix config.json")
+        odd = next((i for i in sorted(shapes) if shapes[i] != shapes[0]), None)
+        if odd is not None:
+            raise CheckpointError(f"{model_dir}: tensor {before}{odd}{after} has shape {list(shapes[odd])}, expert 0's "
+                                  f"{list(shapes[0])}; a layer's experts share one shape: regenerate the checkpoint")
+
+
+def _finite(config: dict, path: Path) -> None:
+    """No NaN or Infinity anywhere in config.json (JSON has neither; Python's reader takes both): an
+    rms_norm_eps or rope_theta of NaN ran a whole screen to non-finite logits and failed its
+    faithfulness gate at the end. Walked without recursion (config.json may nest as deep as the
+    JSON reader allows)."""
+    stack = [("", config)]
+    while stack:
+        key, value = stack.pop()
+        if isinstance(value, float) and not math.isfinite(value):
+            raise CheckpointError(f"{path}: {key} is {value}, not a finite number (JSON has no NaN or Infinity); "
+                                  f"fix config.json")
+        if isinstance(value, dict):
+            stack += [(f"{key}.{k}" if key else k, v) for k, v in reversed(value.items())]
+        elif isinstance(value, list):
+            stack += [(f"{key}[{i}]", v) for i, v in reversed(list(enumerate(value)))]
 
 
 def _json(path: Path) -> dict:
@@ -185,3 +287,63 @@ def _json(path: Path) -> dict:
         what = NOT_AN_OBJECT if str(e) == NOT_AN_OBJECT else f"is not JSON ({e})"
         raise CheckpointError(f"{path} {what}; the checkpoint's config.json must be the JSON object a "
                               f"Hugging Face {kinds} checkpoint has") from None
+
+
+# Bytes per element of safetensors' dtypes: an entry whose shape and dtype do not make its byte
+# length is refused here (the safetensors reader raised its own SafetensorError, exit 70).
+SAFETENSORS_ITEMSIZE = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "I16": 2, "U16": 2, "F16": 2,
+                        "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
+
+
+MAX_HEADER_BYTES = 100_000_000  # the safetensors reader's own bound on a header
+
+
+def not_safetensors(path: Path, why: str) -> CheckpointError:
+    return CheckpointError(f"{path} is not a readable safetensors file ({why}); copy or regenerate the "
+                           f"checkpoint (`packbench model synth` for a synthetic one)")
+
+
+def safetensors_header(path: Path) -> tuple[int, dict]:
+    """(data start, tensor entries) of a safetensors file; CheckpointError naming the file when it
+    is not one (truncated, or another format), before any byte of it is placed."""
+    def broken(why: str) -> CheckpointError:
+        return not_safetensors(path, why)
+
+    try:
+        st = path.stat()
+    except OSError as e:  # a dangling link
+        raise broken(f"it cannot be read: {e.strerror}") from None
+    if not stat.S_ISREG(st.st_mode):  # a FIFO named *.safetensors: open() would wait for a writer
+        raise broken("it is not a regular file")
+    size = st.st_size
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise broken(f"{size} bytes, shorter than the 8-byte header length")
+        (n,) = struct.unpack("<Q", head)
+        if n > size - 8:
+            raise broken(f"the header claims {n} bytes, the file holds {size - 8} after its length")
+        if n > MAX_HEADER_BYTES:
+            raise broken(f"the header claims {n} bytes, over safetensors' own bound of {MAX_HEADER_BYTES}")
+        try:
+            header = json.loads(f.read(n))
+        except (UnicodeDecodeError, ValueError, RecursionError) as e:
+            raise broken(f"its header is not JSON: {one_line(str(e))[:200]}") from None
+    if not isinstance(header, dict):
+        raise broken("its header is not a JSON object")
+    header.pop("__metadata__", None)
+    for key, meta in header.items():
+        offsets = meta.get("data_offsets") if isinstance(meta, dict) else None
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(o, int) for o in offsets)
+                and 0 <= offsets[0] <= offsets[1] and "dtype" in meta and "shape" in meta):
+            raise broken(f"tensor {show(key)} has no valid dtype, shape and data_offsets")
+        if offsets[1] > size - 8 - n:
+            raise broken(f"tensor {show(key)} ends {offsets[1] - (size - 8 - n)} bytes past the end of the file: truncated")
+        shape, kind = meta["shape"], meta["dtype"]
+        if not (isinstance(shape, list) and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0
+                                                for d in shape) and isinstance(kind, str)):
+            raise broken(f"tensor {show(key)} has shape {show(shape)} and dtype {show(kind)}; a shape lists sizes >= 0")
+        if kind in SAFETENSORS_ITEMSIZE and math.prod(shape) * SAFETENSORS_ITEMSIZE[kind] != offsets[1] - offsets[0]:
+            raise broken(f"tensor {show(key)} of shape {show(shape)} and dtype {kind} is not the "
+                         f"{offsets[1] - offsets[0]} bytes its data_offsets span")
+    return 8 + n, header
