@@ -181,7 +181,10 @@ def db_reconcile(db: DbUrl = None, json_out: Json = False) -> None:
     else:
         for r in report.attempts:
             typer.echo(one_line(r.line()))
-        elsewhere = f"; {len(report.not_here)} archives not on this host" if report.not_here else ""
+        # Not here: on another host, or never written (an attempt claimed and stopped before its first episode).
+        missing = len(report.not_here)
+        elsewhere = (f"; {missing} archive{'s' if missing != 1 else ''} not found here (on another host, or never "
+                     f"written)") if missing else ""
         verdicts = f" and {report.verdicts} verdict row{'s' if report.verdicts != 1 else ''}" if report.verdicts else ""
         typer.echo(f"reconciled {report.inserted} episode row{'s' if report.inserted != 1 else ''}{verdicts} from "
                    f"{report.checked} archive{'s' if report.checked != 1 else ''}{elsewhere}"

@@ -255,3 +255,18 @@ def test_malformed_verdicts_under_a_consistent_manifest_are_refused_in_one_line(
     (done,) = report.attempts
     assert (done.inserted, done.verdicts, done.refused) == (0, 0, ("verdicts.json is not a list of verdicts",))
     assert store.verdicts(attempt.id) == []
+
+
+def test_reconcile_says_an_archive_it_cannot_find_may_never_have_been_written(store, tmp_path, monkeypatch):
+    """An attempt claimed by a dispatcher that died before its archive existed was counted as
+    "1 archives not on this host": wrong in number, and in meaning where no host holds it."""
+    from typer.testing import CliRunner
+
+    from packbench.cli.main import app
+
+    screen_id, attempt = died_in_an_outage(store, tmp_path, monkeypatch, gone=True)
+    Path(attempt.archive_path).unlink()
+    url = f"sqlite:///{tmp_path / 'packbench.db'}"
+    r = CliRunner().invoke(app, ["db", "reconcile", "--db", url])
+    assert r.exit_code == 0, r.output
+    assert r.output.strip().endswith("; 1 archive not found here (on another host, or never written)"), r.output
