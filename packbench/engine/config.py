@@ -109,6 +109,15 @@ def _moe(config: dict, path: Path) -> dict:
     if config["num_experts_per_tok"] > config_experts(config):
         raise CheckpointError(f"{path}: num_experts_per_tok {config['num_experts_per_tok']} is more than the "
                               f"{config_experts(config)} experts; fix config.json")
+    if config.get("num_key_value_heads") is None and config["model_type"] in KV_HEADS_DEFAULT:
+        # transformers builds Mixtral with 8 and Qwen3-MoE with 4 KV heads where the key is left out (and
+        # refuses null): the byte arithmetic took the attention heads, so the plan and the allowance check
+        # priced another model than the one that loads.
+        if "num_key_value_heads" in config:
+            raise CheckpointError(f"{path}: num_key_value_heads is None, not a positive integer; give the KV "
+                                  f"heads or drop the key (then {KV_HEADS_DEFAULT[config['model_type']]}, "
+                                  f"transformers' default); fix config.json")
+        config = {**config, "num_key_value_heads": KV_HEADS_DEFAULT[config["model_type"]]}
     for key in ("head_dim", "num_key_value_heads"):
         value = config.get(key)
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 1 << 16):
@@ -138,6 +147,9 @@ def _moe(config: dict, path: Path) -> dict:
 # tokens, 262,144 positions); OPT's bounds where the two share a key.
 MOE_INTEGERS = {**OPT_INTEGERS, "experts": 1 << 16, "intermediate": 1 << 20, "num_experts_per_tok": 1 << 16,
                 "max_position_embeddings": 1 << 30}
+# transformers' KV heads where config.json leaves the key out (MixtralConfig, Qwen3MoeConfig; OLMoE's is
+# the attention heads): tests/cli/test_hostile_checkpoints.py holds them equal to the installed classes'.
+KV_HEADS_DEFAULT = {"mixtral": 8, "qwen3_moe": 4}
 NULL_HEAD_DIM = ("mixtral",)  # families whose config class reads `head_dim: null` as hidden / heads
 
 

@@ -451,3 +451,27 @@ def test_protocol_plan_of_a_checkpoint_whose_config_json_is_a_fifo_does_not_hang
     one_line_error(pb(capsys, "protocol", "plan", str(tmp_path / "p.yaml")), "--sparsity")
     one_line_error(pb(capsys, "protocol", "plan", str(tmp_path / "p.yaml"), "--sparsity", "0.94"),
                    f"cannot read the model's shape from {model / 'config.json'} (is a FIFO")
+
+
+def test_kv_heads_left_out_are_transformers_default_in_the_byte_arithmetic(tmp_path, moe, capsys):
+    """A Mixtral or Qwen3-MoE config.json without num_key_value_heads loads with transformers' default
+    (8, 4), while the plan and the allowance check priced the attention heads (catches the arithmetic
+    and the model disagreeing, a default that drifts from the installed transformers, and a null
+    that reached the worker)."""
+    from transformers import MixtralConfig, OlmoeConfig, Qwen3MoeConfig
+
+    from packbench.core.moe import shape_of_config
+    from packbench.engine.config import KV_HEADS_DEFAULT, read_config
+
+    assert KV_HEADS_DEFAULT == {"mixtral": MixtralConfig().num_key_value_heads,
+                                "qwen3_moe": Qwen3MoeConfig().num_key_value_heads}
+    assert OlmoeConfig(num_attention_heads=16).num_key_value_heads == 16  # OLMoE's is the heads: nothing to add
+    model = copy_of(moe, tmp_path / "m")
+    body = json.loads((model / "config.json").read_text())
+    assert body["num_attention_heads"] != 8 and body.pop("num_key_value_heads") is not None
+    body["num_attention_heads"] = 16  # a multiple of 8, as transformers' default needs
+    (model / "config.json").write_text(json.dumps(body))
+    assert shape_of_config(read_config(model)).kv_heads == 8
+    null = copy_of(moe, tmp_path / "n", num_key_value_heads=None)
+    one_line_error(pb(capsys, "model", "stats", str(null), "--prefix", "8", "--count", "1"),
+                   f"{null / 'config.json'}: num_key_value_heads is None, not a positive integer")
