@@ -308,5 +308,6 @@ def render(s: dict) -> str:
             near = "" if r["within"] else "  (outside 20 %)"
             lines.append(f"{r['label'] + ' (' + r['real_shape'] + ')':{width}} {r['real']:10.4f} {r['measured']:10.4f} "
                          f"{r['ratio']:10.2f}{near}")
-        lines.append("(real OPT's figures of this shape and prefix; docs/workloads.md lists every workload's)")
+        lines.append("(real OPT's figures of this shape, prefix and episode length; docs/workloads.md lists every "
+                     "workload's)")
     return "\n".join(lines)

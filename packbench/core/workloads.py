@@ -72,14 +72,17 @@ HOT_MIN_TOKENS = 256  # the hot-neuron share needs many tokens per neuron (fewer
 
 def compare(summary: dict, *, shape: str) -> list[dict]:
     """Each anchor of the summary's own workload against it: measured on `shape` with the same
-    prefix (or shape-free: hot, given HOT_MIN_TOKENS prefix tokens); rows of label, real,
-    measured, measured/real and whether it is within TOLERANCE."""
+    prefix and the same calls per episode (or shape-free: hot, given HOT_MIN_TOKENS prefix tokens);
+    rows of label, real, measured, measured/real and whether it is within TOLERANCE. An episode's
+    length moves its figures (an episode's packets over dense-stream, the forecast counts), so a
+    summary of other episodes is compared with none of them."""
     rows = []
+    calls = summary["decode_calls"] + 1  # the prefill, then the decode calls
     for a in ANCHORS:
         if a.key == "hot.0.8":
             if summary["prefix_tokens"] < HOT_MIN_TOKENS:
                 continue
-        elif a.shape != shape or a.prefix_tokens != summary["prefix_tokens"]:
+        elif a.shape != shape or a.prefix_tokens != summary["prefix_tokens"] or a.calls != calls:
             continue
         measured = lookup(summary, a.key)
         ratio = measured / a.value if a.value else math.nan
