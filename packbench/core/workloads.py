@@ -42,6 +42,10 @@ ANCHORS: tuple[Anchor, ...] = (
     Anchor("workload.episode_packet_over_dense", "episode packets / dense-stream rows (32 + 16 tokens)",
            row_ratio(3_825_246_984 / 80_530_636_800, hidden=2560, dtype_bytes=2), "opt-2.7b", 32, 16,
            "seed v0.40: packets 3,825,246,984 B against dense 80,530,636,800 B (3 x 32-token prefixes, 16 calls)"),
+    Anchor("workload.episode_packet_over_dense", "episode packets / dense-stream rows (16 + 8 tokens, held out)",
+           row_ratio(1_635_580_200 / 25_769_803_776, hidden=2048, dtype_bytes=4), "opt-1.3b", 16, 8,
+           "seed v0.33 and v0.35: packets 1,635,580,200 B against dense 25,769,803,776 B (OPT-1.3B fp32, 2 x "
+           "16-token prefixes, 8 calls each); held out: no profile was tuned to it"),
     Anchor("workload.forecast_extra_over_demand_decode_only", "early-forecast extra rows over demand (decode to decode)",
            193_193 / (4_266_763_400 / 8_200), "opt-1.3b", 32, 16,
            "seed v0.38: 193,193 wasted rows over demand-only 4,266,763,400 B at 8,200 B a row (+37.13 %); "

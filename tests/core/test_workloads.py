@@ -23,6 +23,8 @@ def test_every_anchor_is_its_sources_figure_recomputed_from_the_raw_counts():
         ("workload.prefill_packet_over_dense", "opt-2.7b"): (0.689268 * fp16_27b / (fp16_27b + 8), 512, 16),
         # v0.40: 3 x 32-token prefixes, 16 calls each: dense moved 48 calls x 32 layers x 10240 rows
         ("workload.episode_packet_over_dense", "opt-2.7b"): ((3_825_246_984 / (fp16_27b + 8)) / (48 * 32 * 10240), 32, 16),
+        # v0.33 / v0.35 (held out): 2 x 8 calls x 24 layers x 8192 rows of 8192 B; packets add 8 B a row
+        ("workload.episode_packet_over_dense", "opt-1.3b"): ((1_635_580_200 / (fp32_13b + 8)) / (16 * 24 * 8192), 16, 8),
         # v0.38: early 5,850,946,000 B over demand-only 4,266,763,400 B (+37.1284 %), in 8,200-byte rows
         ("workload.forecast_extra_over_demand_decode_only", "opt-1.3b"):
             ((5_850_946_000 - 4_266_763_400) / 4_266_763_400, 32, 16),
@@ -32,6 +34,8 @@ def test_every_anchor_is_its_sources_figure_recomputed_from_the_raw_counts():
         ("hot.0.8", "opt-30b"): (0.26, 0, 0),
     }
     assert dense_rows_of_v040() == 80_530_636_800 // fp16_27b
+    assert 16 * 24 * 8192 * fp32_13b == 25_769_803_776  # v0.33 / v0.35's dense bytes: OPT-1.3B fp32, 16 calls
+    assert "held out" in anchor("workload.episode_packet_over_dense", "opt-1.3b").source
     assert (5_850_946_000 - 4_266_763_400) / (fp32_13b + 8) == 193_193  # the extra bytes are the wasted rows
     assert sorted((a.key, a.shape) for a in ANCHORS) == sorted(expect)
     for (key, shape), (value, prefix, calls) in expect.items():
@@ -75,6 +79,8 @@ def test_a_summary_is_compared_with_the_figures_of_its_own_workload_only():
     for other in (3, 14, 16):  # 4, 15 and 17 calls an episode: not v0.38's workload
         assert compare(summary(prefix=32, decode_calls=other), shape="opt-1.3b") == [], other
     assert compare(summary(prefix=31, decode_calls=15), shape="opt-1.3b") == []
+    (v035,) = compare(summary(prefix=16, decode_calls=7), shape="opt-1.3b")  # the held-out 16 + 8 row
+    assert (v035["key"], v035["workload"], v035["measured"]) == ("workload.episode_packet_over_dense", "16 + 8", 0.046)
     assert compare(summary(prefix=32, decode_calls=15), shape="opt-6.7b") == []  # no real figure there
     (v040,) = compare(summary(prefix=32, decode_calls=15), shape="opt-2.7b")  # 2.7b's 32 + 16: v0.40's row
     assert (v040["key"], v040["workload"]) == ("workload.episode_packet_over_dense", "32 + 16")
