@@ -84,7 +84,7 @@ def main() -> None:
     print(f"{label}, {a.layers} layers, seed {a.seed}, {a.count} x {a.prefix} tokens; published: {published}")
     for r in check(summary, published):
         lo, hi = r["measured"]
-        print(f"  {'ok ' if r['ok'] else 'OUT'} {r['target']:<55} published {r['published']}  measured {lo:.2f}-{hi:.2f}")
+        print(f"  {'-  ' if r['ok'] is None else 'ok ' if r['ok'] else 'OUT'} {r['target']:<55} published {r['published']}  measured {lo:.2f}-{hi:.2f}")
     rows = summary["layers"]
     print("  skew per layer     ", " ".join(f"{r['skew']:.2f}" for r in rows))
     print("  cross-layer lift   ", " ".join(f"{r['next_layer']['lift']:.2f}" for r in rows if "next_layer" in r))

@@ -158,5 +158,10 @@ def render(s: dict) -> str:
         lo, hi = row["published"]
         want = f">= {lo}" if hi is None else f"{lo}-{hi}"
         got = f"{row['measured'][0]:.2f}-{row['measured'][1]:.2f}"
-        lines.append(f"  {row['target']:<52} published {want:<14} this {got:<14} {'ok' if row['ok'] else 'OUTSIDE'}")
+        lines.append(f"  {row['target']:<52} published {want:<14} this {got:<14} {_verdict(row['ok'])}")
     return "\n".join(lines)
+
+
+def _verdict(ok: bool | None) -> str:
+    """A check row's word: within its target, outside it, or not judged (a bound no measurement can pass)."""
+    return "not judged" if ok is None else "ok" if ok else "OUTSIDE"

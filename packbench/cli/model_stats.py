@@ -223,12 +223,15 @@ def render_robustness(s: dict) -> str:
         real = f["real_opt"]
         if real and real["source"] not in sources:
             sources.append(real["source"])
-        mark = f"{real['ln_ratio']:.3f} [{sources.index(real['source']) + 1}]" if real else "-"
+        mark = f"{'*' if real.get('held_out') else ''}{real['ln_ratio']:.3f} [{sources.index(real['source']) + 1}]" \
+            if real else "-"
         lines.append(f"{f['label']:42} {f['dce']:>10.4f}{interval:>18} {f['mean_kl']:8.4f} {f['p99_kl']:8.3f} "
                      f"{f['top1']:6.3f} {mark:>9}")
     tokens = next(iter(s["variants"].values()))
     lines.append(f"({tokens['tokens']} tokens in {tokens['sequences']} sequences; dCE = ln of the perplexity ratio)")
     lines += [f"[{i}] {src}" for i, src in enumerate(sources, 1)]
+    if any(f["real_opt"] and f["real_opt"].get("held_out") for f in s["variants"].values()):
+        lines.append("* held out: no profile was tuned to this figure (docs/workloads.md)")
     if not sources:
         lines.append(f"real OPT has no published figure of these variants at {m['shape'] or 'this shape'}")
     if m.get("caveat"):
@@ -308,5 +311,6 @@ def render(s: dict) -> str:
             near = "" if r["within"] else "  (outside 20 %)"
             lines.append(f"{r['label'] + ' (' + r['real_shape'] + ')':{width}} {r['real']:10.4f} {r['measured']:10.4f} "
                          f"{r['ratio']:10.2f}{near}")
-        lines.append("(real OPT's figures of this shape and prefix; docs/workloads.md lists every workload's)")
+        lines.append("(real OPT's figures of this shape, prefix and episode length; docs/workloads.md lists every "
+                     "workload's)")
     return "\n".join(lines)

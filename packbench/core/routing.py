@@ -66,7 +66,8 @@ PUBLISHED: dict[str, dict] = {
 }
 # Our tolerances around them (docs/workloads.md): skew and cross-layer lift within the published
 # range widened by 15 %; carry80 within the range +-15 % of the expert count; the union at most
-# the independent bound; temporal lift at least this (the paper: above chance).
+# the independent bound, unwidened, judged only where that bound is below the expert count (check());
+# temporal lift at least this (the paper: above chance).
 TOLERANCE = 0.15
 TEMPORAL_LIFT_MIN = 1.10
 
@@ -211,6 +212,9 @@ def check(summary: dict, published: str) -> list[dict]:
     for n, (lo, hi) in p["union_independent"].items():
         got = [r["union"][n] / scale for r in layers if n in r["union"]]
         if got:
+            # The bound is what tokens routed independently with the published loads would reach: locality only
+            # lowers it, so it takes no widening. Where it is every expert, no union can pass it: a row that cannot
+            # fail is printed, not judged (ok None; widened by 15 %, every union row of both models was such a row).
             rows.append(dict(target=f"union over {n} tokens (of {p['experts']}; <= independent)", published=(lo, hi),
-                             measured=(min(got), max(got)), ok=max(got) <= hi * (1 + TOLERANCE)))
+                             measured=(min(got), max(got)), ok=max(got) <= hi if hi < p["experts"] else None))
     return rows

@@ -42,6 +42,10 @@ ANCHORS: tuple[Anchor, ...] = (
     Anchor("workload.episode_packet_over_dense", "episode packets / dense-stream rows (32 + 16 tokens)",
            row_ratio(3_825_246_984 / 80_530_636_800, hidden=2560, dtype_bytes=2), "opt-2.7b", 32, 16,
            "seed v0.40: packets 3,825,246,984 B against dense 80,530,636,800 B (3 x 32-token prefixes, 16 calls)"),
+    Anchor("workload.episode_packet_over_dense", "episode packets / dense-stream rows (16 + 8 tokens, held out)",
+           row_ratio(1_635_580_200 / 25_769_803_776, hidden=2048, dtype_bytes=4), "opt-1.3b", 16, 8,
+           "seed v0.33 and v0.35: packets 1,635,580,200 B against dense 25,769,803,776 B (OPT-1.3B fp32, 2 x "
+           "16-token prefixes, 8 calls each); held out: no profile was tuned to it"),
     Anchor("workload.forecast_extra_over_demand_decode_only", "early-forecast extra rows over demand (decode to decode)",
            193_193 / (4_266_763_400 / 8_200), "opt-1.3b", 32, 16,
            "seed v0.38: 193,193 wasted rows over demand-only 4,266,763,400 B at 8,200 B a row (+37.13 %); "
@@ -72,14 +76,17 @@ HOT_MIN_TOKENS = 256  # the hot-neuron share needs many tokens per neuron (fewer
 
 def compare(summary: dict, *, shape: str) -> list[dict]:
     """Each anchor of the summary's own workload against it: measured on `shape` with the same
-    prefix (or shape-free: hot, given HOT_MIN_TOKENS prefix tokens); rows of label, real,
-    measured, measured/real and whether it is within TOLERANCE."""
+    prefix and the same calls per episode (or shape-free: hot, given HOT_MIN_TOKENS prefix tokens);
+    rows of label, real, measured, measured/real and whether it is within TOLERANCE. An episode's
+    length moves its figures (an episode's packets over dense-stream, the forecast counts), so a
+    summary of other episodes is compared with none of them."""
     rows = []
+    calls = summary["decode_calls"] + 1  # the prefill, then the decode calls
     for a in ANCHORS:
         if a.key == "hot.0.8":
             if summary["prefix_tokens"] < HOT_MIN_TOKENS:
                 continue
-        elif a.shape != shape or a.prefix_tokens != summary["prefix_tokens"]:
+        elif a.shape != shape or a.prefix_tokens != summary["prefix_tokens"] or a.calls != calls:
             continue
         measured = lookup(summary, a.key)
         ratio = measured / a.value if a.value else math.nan

@@ -78,6 +78,34 @@ def test_uniform_routing_fails_the_locality_and_skew_checks():
     assert all(0.9 < r["temporal_lift"] < 1.1 for r in s["layers"])
 
 
+def test_a_union_row_is_judged_only_where_a_union_can_pass_its_bound():
+    """Bug caught: the union rows compared a union with the published independent bound widened by 15 %,
+    and every such bound (OLMoE 62.4 / 64 / 64 of 64 experts, Mixtral 8 of 8) then reached past the
+    expert count, which no union exceeds: rows that could not fail, printed as passed targets. Now the
+    bound is not widened (locality only lowers a union), a row whose bound is every expert is not judged
+    (ok None), and OLMoE's 32-token row fails a flat router's union. Boundaries: at the bound passes,
+    above it fails."""
+    def at(union32: float, union128: float, experts: int = 64, k: int = 8) -> dict:
+        return {"experts": experts, "k": k, "layers": [{"skew": 4.0, "carry80": 30, "temporal_lift": 1.5,
+                                                        "union": {32: union32, 128: union128}}]}
+
+    def unions(summary: dict, published: str) -> dict:
+        return {r["target"]: (r["ok"], r["published"], r["measured"]) for r in check(summary, published)
+                if r["target"].startswith("union")}
+
+    assert unions(at(62.4, 64.0), "olmoe") == {
+        "union over 32 tokens (of 64; <= independent)": (True, (42.9, 62.4), (62.4, 62.4)),
+        "union over 128 tokens (of 64; <= independent)": (None, (56.2, 64.0), (64.0, 64.0))}
+    assert unions(at(62.5, 64.0), "olmoe")["union over 32 tokens (of 64; <= independent)"][0] is False
+    assert unions(at(15.7, 16.0, experts=16, k=4), "olmoe")["union over 32 tokens (of 64; <= independent)"][0] is False
+    assert unions(at(15.6, 16.0, experts=16, k=4), "olmoe")["union over 32 tokens (of 64; <= independent)"][0] is True
+    assert {ok for ok, _, _ in unions(at(8.0, 8.0, experts=8, k=2), "mixtral").values()} == {None}
+    # independent uniform routing over 64 experts, k 8: 64 (1 - (7/8)^32) = 63.1 experts in 32 tokens
+    rng = np.random.default_rng(0)
+    flat = [np.stack([np.stack([rng.choice(64, 8, replace=False) for _ in range(64)]) for _ in range(3)])]
+    assert unions(summarise(flat, experts=64, k=8), "olmoe")["union over 32 tokens (of 64; <= independent)"][0] is False
+
+
 def test_a_one_token_trace_has_no_temporal_lift_to_judge():
     """Bug caught: with one token a prompt (`model stats --prefix 1`) there is no consecutive pair,
     the temporal lift is NaN, and the check still printed it as measured 'nan-nan', OUTSIDE the
