@@ -270,6 +270,12 @@ def options(
         raise PackbenchError("--placement-timeout and --connect-timeout must be > 0 seconds")
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if not verbose:
+        # transformers imports torchao with an MoE model where it is installed; torchao logs a WARNING
+        # for each CUDA kernel library a CPU build cannot load and for a missing Triton, and torch one
+        # per deprecated Enum registration: six lines of noise above `model stats`' own (--verbose shows them).
+        for name in ("torchao", "torch.utils._pytree"):
+            logging.getLogger(name).setLevel(logging.ERROR)
     ctx.obj = Settings(verbose=verbose, placement_timeout_s=placement_timeout, connect_timeout_s=connect_timeout,
                        model_cache=model_cache, embedded_gpus=embedded_gpus, db_url=db or None, debug=debug,
                        signing_key=signing_key.expanduser() if signing_key else None,

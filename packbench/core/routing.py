@@ -137,6 +137,14 @@ def cross_layer_lift(accuracy: float, base: float, chance: float) -> float:
     return (accuracy - chance + base) / base
 
 
+def _finite_mean(values) -> float:
+    """The mean of the values that are numbers; NaN where none is (a distance past every prompt's
+    length: numpy's nanmean said "Mean of empty slice" on stderr)."""
+    a = np.asarray(values, dtype=float)
+    a = a[np.isfinite(a)]
+    return float(a.mean()) if a.size else float("nan")
+
+
 def summarise(traces: list[np.ndarray], *, experts: int, k: int, unions=(1, 32, 128, 512),
               apart=(1, 2, 4, 8), caches: tuple[int, ...] | None = None, seed: int = 0,
               layer_ids: list[int] | None = None) -> dict:
@@ -157,7 +165,7 @@ def summarise(traces: list[np.ndarray], *, experts: int, k: int, unions=(1, 32, 
             "layer": layer_ids[layer],
             "skew": skew(shares), "carry80": carry80(shares),
             "loads": [float(x) for x in np.sort(shares)[::-1]],
-            "reuse": {d: float(np.nanmean([reuse(s, d) for s in seqs])) for d in apart},
+            "reuse": {d: _finite_mean([reuse(s, d) for s in seqs]) for d in apart},
             "reuse_shuffled": float(r1_shuffled),
             "temporal_lift": float(r1 / r1_shuffled) if r1_shuffled > 0 else float("nan"),
             "repeat_any": float(np.mean([repeat_any(s) for s in seqs])),

@@ -158,3 +158,26 @@ def test_moe_stats_name_each_layer_by_its_index_in_the_model(tmp_path):
     lines = table.stdout.splitlines()
     head = next(i for i, line in enumerate(lines) if line.split()[:1] == ["layer"])
     assert [line.split()[0] for line in lines[head + 1:head + 3]] == ["1", "3"]
+
+
+def test_moe_stats_stderr_holds_its_own_progress_alone(tmp_path):
+    """`model stats` on an MoE checkpoint printed six lines of library noise above its output (the
+    torchao that transformers imports, logging CUDA kernel libraries a CPU build cannot load and a
+    missing Triton; torch's Enum deprecations) and numpy's "Mean of empty slice" for a reuse
+    distance past an 8-token prompt. Catches any line on stderr but the command's own progress;
+    with --verbose the libraries' warnings are shown."""
+    import importlib.util
+
+    out = tmp_path / "q"
+    assert CliRunner().invoke(app, ["model", "synth", "--out", str(out), "--shape", "qwen3-moe-tiny",
+                                    "--layers", "2"]).exit_code == 0
+    r = subprocess.run([sys.executable, "-m", "packbench", "model", "stats", str(out), "--count", "1", "--prefix", "8"],
+                       capture_output=True, text=True, cwd=Path(__file__).resolve().parents[2])
+    assert r.returncode == 0, r.stderr
+    assert r.stderr.splitlines() == ["routed prompt 1/1"], r.stderr
+    assert "reuse" in r.stdout
+    if importlib.util.find_spec("torchao") is not None:  # the [lowbit] extra: its warnings are there to hide
+        loud = subprocess.run([sys.executable, "-m", "packbench", "--verbose", "model", "stats", str(out), "--count",
+                               "1", "--prefix", "8"], capture_output=True, text=True,
+                              cwd=Path(__file__).resolve().parents[2])
+        assert loud.returncode == 0 and "torchao" in loud.stderr, loud.stderr
