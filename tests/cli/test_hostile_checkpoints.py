@@ -147,7 +147,9 @@ def moe(tmp_path_factory) -> Path:
     ({"head_dim": -1}, "head_dim is -1"),  # a tensor of negative size
     ({"num_key_value_heads": 3}, "not a multiple of num_key_value_heads 3"),
     ({"hidden_act": "nope"}, "hidden_act 'nope' is not an activation"),  # KeyError in ACT2FN
-    ({"rope_parameters": [1]}, "transformers' mixtral config refuses it"),  # StrictDataclassFieldValidationError
+    # StrictDataclassFieldValidationError; its message's lines joined by a space (was a literal "\n")
+    ({"rope_parameters": [1]}, "transformers' mixtral config refuses it (Validation error for field "
+                               "'rope_parameters': TypeError: Field 'rope_parameters'"),
 ])
 def test_an_moe_checkpoint_its_config_does_not_describe_is_one_line(tmp_path, moe, capsys, config, fragment):
     """Catches `model stats` on an MoE checkpoint handing config.json straight to transformers'

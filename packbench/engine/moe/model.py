@@ -81,7 +81,7 @@ def load_stock(model_dir: Path, *, family: str, dtype: torch.dtype):
         config = cls.config_class.from_pretrained(model_dir)
     except Exception as e:  # noqa: BLE001 transformers' own validation raises its own types (StrictDataclass...)
         raise MoeCheckpointError(f"{model_dir}/config.json: transformers' {family} config refuses it "
-                                 f"({one_line(str(e))[:160]}); fix config.json") from None
+                                 f"({one_line(' '.join(str(e).split()))[:200]}); fix config.json") from None  # its lines as one
     act = getattr(config, "hidden_act", "silu")
     if not isinstance(act, str) or act not in ACT2FN:
         raise MoeCheckpointError(f"{model_dir}/config.json: hidden_act {show(act)} is not an activation "
