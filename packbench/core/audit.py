@@ -298,7 +298,7 @@ def replay_problems(trace: Any, rec: dict, policy: str, params: dict) -> list[st
                 for key in _COUNTED_KEYS:
                     if n.get(key) != want[key]:
                         out.append(f"{where} {key}: recorded {n.get(key)!r}, the trace's replay {want[key]!r}")
-                made = forecasting and trace.forecasts is not None and forecast_possible(m, layer)
+                made = forecasting and trace.forecasts is not None and forecast_possible(m, layer, trace.version)
                 want_forecast = trace.forecasts[c][layer].tolist() if made else None
                 if n.get("forecast") != want_forecast:
                     out.append(f"{where} forecast: recorded {n.get('forecast')!r}, the trace's forecast set "
@@ -310,7 +310,8 @@ def replay_problems(trace: Any, rec: dict, policy: str, params: dict) -> list[st
     t_routes = [[None if layer in skip else s.tolist() for layer, s in enumerate(row)] for row in trace.sets]
     t_forecasts = None
     if forecasting and trace.forecasts is not None:
-        t_forecasts = [[f.tolist() if forecast_possible(m, layer) else None for layer, f in enumerate(row)]
+        t_forecasts = [[f.tolist() if forecast_possible(m, layer, trace.version) else None
+                        for layer, f in enumerate(row)]
                        for row in trace.forecasts]
     figures = episode_figures(t_routes, [c.phase for c in trace.calls], capacity=params.get("capacity", 0),
                               rule=params.get("rule", "lru"), forecasts=t_forecasts)

@@ -9,8 +9,8 @@ step lists the `Recorder.add` charges the engine's policy makes for that layer, 
 functions (core/charges.py), in the same order; the ledger sums them as `Recorder.add` does.
 Adding a policy is one function and one entry. The expert caches (`expert-cache`, LRU or LFU,
 forecast off or on) and `expert-forecast` decide through core/expert_cache.py, as the engine
-does; a forecast reads the trace's forecast set of the layer (trace version 2), and a trace
-without one refuses them.
+does; a forecast reads the trace's forecast set of the layer (trace version 2 or 3: made in the
+layer with experts before it), and a trace without one refuses them.
 
 Time (`predict`): per decode token, the machine's measured compute time of a resident decode
 token at the trace's shape (scaled per layer from a measurement at another depth, and said so)
@@ -236,7 +236,7 @@ def _expert_phase_switched(model: TraceModel, params: dict) -> Stepper:
 def _expert_cache(model: TraceModel, params: dict) -> Stepper:
     """expert-cache {capacity, rule, forecast} and expert-forecast (capacity 0, forecast on), as
     engine/moe/cache.py decides them: per layer a `LayerCache` (core/expert_cache.py), the layer's
-    forecast (made in the previous layer) accounted against the cache before its step."""
+    forecast (made in the layer with experts before it) accounted against the cache before its step."""
     if "capacity" not in params:
         raise SimulateError("expert-cache needs capacity (e.g. expert-cache:capacity=4,rule=lru,forecast=off)")
     from packbench.core.registry import check_param
@@ -254,7 +254,7 @@ def _expert_cache(model: TraceModel, params: dict) -> Stepper:
         brought: set[int] = set()
         if forecasting and forecast is not None:
             f = forecast_step(forecast.tolist(), cache.cached, active.tolist())
-            # Charged to this layer while the previous one ran (engine: `prefetch(layer, ...)`).
+            # Charged to this layer while the MoE layer before it ran (engine: `prefetch(layer, ...)`).
             out.insert(0, charges.expert_prefetch(len(f.prefetched), eb, units))
             prefetched, used, wasted, brought = len(f.prefetched), len(f.used), len(f.wasted), set(f.used)
         s = cache.step(active.tolist())
@@ -289,7 +289,7 @@ EXPERT_CACHES = {"expert-cache", "expert-forecast"}
 
 
 def needs_forecast(name: str, params: dict) -> bool:
-    """Whether the policy reads the trace's forecast sets (core/trace.py, version 2)."""
+    """Whether the policy reads the trace's forecast sets (core/trace.py, version 2 or 3)."""
     return name == "expert-forecast" or (name == "expert-cache" and params.get("forecast", "off") == "on")
 
 
@@ -354,7 +354,7 @@ def ledger(trace: Trace, name: str, params: dict) -> list[dict]:
     make = SIMULATED[(m.unit, name)][0]
     if needs_forecast(name, params) and trace.forecasts is None:
         raise SimulateError(f"{name} needs the trace's forecast sets, which this trace does not hold; record it "
-                            f"with packbench's tracer (trace version 2) from the MoE checkpoint")
+                            f"with packbench's tracer (trace version 2 or later) from the MoE checkpoint")
     skip = set(m.layers_without_units)
     calls = []
     for episode in trace.episodes():
@@ -371,7 +371,7 @@ def ledger(trace: Trace, name: str, params: dict) -> list[dict]:
                 if layer in skip:
                     continue  # a dense layer of an MoE model: no experts, nothing charged
                 forecast = trace.forecasts[c][layer] if (trace.forecasts is not None
-                                                         and forecast_possible(m, layer)) else None
+                                                         and forecast_possible(m, layer, trace.version)) else None
                 s = step(call.phase, layer, trace.sets[c][layer], forecast, call.tokens)
                 for key in ("hits", "misses", "prefetched", "used"):
                     row[key][layer] = getattr(s, key)
@@ -529,7 +529,7 @@ def overhead_ms(trace: Trace, name: str, params: dict, phase_totals: dict, machi
                       f"the prediction is compute + copy alone")
     d = phase_totals["decode"]
     moe_layers = m.layers - len(set(m.layers_without_units))
-    forecast_layers = sum(forecast_possible(m, layer) for layer in range(m.layers))
+    forecast_layers = sum(forecast_possible(m, layer, trace.version) for layer in range(m.layers))
     prefetched = d.get("prefetched") or 0
     # Per family, over the decode calls: (layers paying layer_us, experts paying moved_us, routed_us).
     demand = (d["calls"] * moe_layers, d["rows_copied"] - prefetched, d["active_rows"])

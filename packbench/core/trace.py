@@ -3,19 +3,23 @@ model's routed experts), with what pricing them needs; docs/traces.md is the for
 
 A trace file is a zip of three members:
 
-- `header.json`: `format` ("packbench-trace"), `version` (2; 1 is still read), `model` (family, unit "row" or
+- `header.json`: `format` ("packbench-trace"), `version` (3; 1 and 2 are still read), `model` (family, unit "row" or
   "expert", layers, units per layer, unit_bytes, hidden, dtype, index_bytes, k, shape,
   layers_without_units), `source` (checkpoint, protocol, episode, tool: free provenance) and
   `calls` (per call: episode, phase "prefill" or "decode", tokens);
 - `offsets.npy`: int64 (calls x layers + 1,) offsets into `indices`, call-major: the set of call
   c, layer l is `indices[offsets[c * layers + l]:offsets[c * layers + l + 1]]`;
 - `indices.npy`: uint32 (n,) the sets' unit ids, each set strictly increasing;
-- version 2 only, optional (both or neither): `forecast_offsets.npy` and `forecast_indices.npy`,
+- version 2 and 3, optional (both or neither): `forecast_offsets.npy` and `forecast_indices.npy`,
   the same layout, for an MoE model: the set of call c, layer l is the experts layer l's router
-  picks from layer l-1's MoE input (what `expert-forecast` prefetches), empty where no forecast
-  can be made (layer 0, and a layer with or after a layer without units).
+  picks from the MoE input of the layer with units before it (what `expert-forecast`
+  prefetches), empty where no forecast can be made (`forecast_possible`): in version 3, a layer
+  without units and the first layer with units; in version 2 a forecast came only from layer
+  l-1, so layer 0 and a layer with or after a layer without units have none.
 
-Version 1 files (no forecast members) are still read. Writing gives version 2.
+Version 1 files (no forecast members) and version 2 files are still read, each by its own rule.
+Writing gives version 3 (version 2 for a trace read from a version-2 file with forecasts: its
+sets keep their meaning).
 
 Reading is bounded: the file's size, each member's stated and actual size, the number of calls
 and layers, and every id are checked before use, and a bad file raises `TraceError` naming the
@@ -44,8 +48,8 @@ import numpy as np
 from packbench.core.text import show
 
 FORMAT = "packbench-trace"
-VERSION = 2
-READABLE_VERSIONS = (1, 2)
+VERSION = 3
+READABLE_VERSIONS = (1, 2, 3)
 HEADER_NAME, OFFSETS_NAME, INDICES_NAME = "header.json", "offsets.npy", "indices.npy"
 MEMBERS = (HEADER_NAME, OFFSETS_NAME, INDICES_NAME)
 FORECAST_OFFSETS_NAME, FORECAST_INDICES_NAME = "forecast_offsets.npy", "forecast_indices.npy"
@@ -107,6 +111,9 @@ class Trace:
     # [call][layer] sorted int64 expert ids forecast for the layer (module docstring), or None:
     # a trace without forecasts (OPT, a version-1 file, or one written from a routing dump).
     forecasts: list[list[np.ndarray]] | None = None
+    # The format version whose rule places the forecast sets (`forecast_possible`): a trace read
+    # from a version-2 file keeps 2.
+    version: int = VERSION
 
     def episodes(self) -> list[list[int]]:
         """Call indices grouped by episode, in trace order (a new episode starts where the
@@ -121,11 +128,22 @@ class Trace:
         return out
 
 
-def forecast_possible(model: TraceModel, layer: int) -> bool:
-    """Whether the engine forecasts `layer` (engine/moe/model.py): from the previous layer's MoE
-    input, so both it and the previous layer have experts."""
+def forecast_possible(model: TraceModel, layer: int, version: int = VERSION) -> bool:
+    """Whether the engine forecasts `layer` (engine/moe/model.py): from the MoE input of the layer
+    with experts before it, so `layer` has experts and some layer before it has. Version-2 files
+    were written by an engine that forecast only from the layer right before (none after a
+    layer without units): they are read by that rule."""
     skip = set(model.layers_without_units)
-    return model.unit == "expert" and layer > 0 and layer not in skip and layer - 1 not in skip
+    if version < 3:
+        return model.unit == "expert" and layer > 0 and layer not in skip and layer - 1 not in skip
+    return model.unit == "expert" and layer not in skip and any(i not in skip for i in range(layer))
+
+
+def no_forecast_where(version: int = VERSION) -> str:
+    """Where `forecast_possible` says no forecast is made, in words."""
+    if version < 3:
+        return "layer 0, or a layer with or after a layer without units"
+    return "a layer without units, or the first layer with units"
 
 
 def _check_model(m: dict) -> TraceModel:
@@ -330,7 +348,7 @@ def parse_trace(zf: zipfile.ZipFile, *, cap: int | None = None) -> Trace:
                          f"({', '.join(map(str, READABLE_VERSIONS))}); upgrade packbench or rewrite the trace "
                          f"in version {VERSION}")
     if present and header["version"] < 2:
-        raise TraceError("a version-1 trace holds no forecast members; drop them or write version 2")
+        raise TraceError("a version-1 trace holds no forecast members; drop them or write version 3")
     model = _check_model(header.get("model"))
     calls = _check_calls(header.get("calls"))
     if len(calls) * model.layers > MAX_SETS:
@@ -350,10 +368,10 @@ def parse_trace(zf: zipfile.ZipFile, *, cap: int | None = None) -> Trace:
         _check_routed(forecasts, calls, model, "forecasts")
         for c, row in enumerate(forecasts):
             for layer, f in enumerate(row):
-                if f.size and not forecast_possible(model, layer):
-                    raise TraceError(f"call {c} has a forecast for layer {layer}, where none can be made (layer 0, "
-                                     f"or a layer with or after a layer without units); empty it")
-    return Trace(model=model, calls=calls, sets=sets, source=source, forecasts=forecasts)
+                if f.size and not forecast_possible(model, layer, header["version"]):
+                    raise TraceError(f"call {c} has a forecast for layer {layer}, where none can be made "
+                                     f"({no_forecast_where(header['version'])}); empty it")
+    return Trace(model=model, calls=calls, sets=sets, source=source, forecasts=forecasts, version=header["version"])
 
 
 def _check_routed(sets: list[list[np.ndarray]], calls: list[TraceCall], model: TraceModel, what: str) -> None:
@@ -456,7 +474,9 @@ def trace_bytes(trace: Trace) -> bytes:
                                         or any(len(row) != m.layers for row in trace.forecasts)):
         raise TraceError("a trace's forecasts need one set per call and layer")
     offsets, indices = _offsets_indices(trace.sets)
-    header = {"format": FORMAT, "version": VERSION, "model": m.as_dict(), "source": trace.source,
+    # Forecast sets keep the rule they were made by (a version-2 file's, rewritten); the rest is VERSION's.
+    version = trace.version if trace.forecasts is not None else VERSION
+    header = {"format": FORMAT, "version": version, "model": m.as_dict(), "source": trace.source,
               "calls": [vars(c) for c in trace.calls]}
     buf = io.BytesIO()
     with zipfile.ZipFile(buf, "w", compression=zipfile.ZIP_DEFLATED) as zf:

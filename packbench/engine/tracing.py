@@ -3,8 +3,9 @@ neurons active in any token of the call (fc2's input non-zero), or the experts a
 router chose for any token. A `Tracer` hooks the model's outgoing layers (OPT) or experts
 modules (MoE), reads the set back whatever the policy, and groups the sets by the recorder's
 calls; the episode loop is unchanged. For an MoE model it also records, per call and layer, the
-experts layer l's router picks from layer l-1's MoE input (`CpuFirstMoE.forecast`, the very
-function `expert-forecast` prefetches by), so `simulate` replays the forecast policies.
+experts layer l's router picks from the MoE input of the layer with experts before it
+(`CpuFirstMoE.forecast`, the very function `expert-forecast` prefetches by: layer l-1 where every
+layer has experts), so `simulate` replays the forecast policies.
 
 What tracing costs is not charged to the ledger (a trace is recording, like the logits): the
 set's readback synchronises each layer on a GPU, so an episode traced is not timed as one that
@@ -29,7 +30,7 @@ class Tracer:
         self.recorder = model.recorder
         self.calls: list[TraceCall] = []
         self.sets: list[list[np.ndarray]] = []
-        self.forecasts: list[list[np.ndarray]] = []  # MoE: per call and layer, what layer l-1 forecast for it
+        self.forecasts: list[list[np.ndarray]] = []  # MoE: per call and layer, what the MoE layer before it forecast for it
         self._serial = None
         self._episode = -1
         self.meta = _model_meta(model)
@@ -79,10 +80,11 @@ class Tracer:
                 top_k_index = args[1] if len(args) > 1 else kwargs["top_k_index"]
                 hit = torch.bincount(top_k_index.reshape(-1), minlength=experts) > 0
                 row[layer] = hit.nonzero().reshape(-1).cpu().numpy()
-                # The next layer's forecast, computed as the engine's expert-forecast computes it.
+                # The next MoE layer's forecast, computed as the engine's expert-forecast computes
+                # it, stored under the layer it is for.
                 forecast = self.model.forecast(layer, args, kwargs)
                 if forecast is not None:
-                    self.forecasts[-1][layer + 1] = np.asarray(forecast, dtype=np.int64)
+                    self.forecasts[-1][self.model.forecast_target(layer)] = np.asarray(forecast, dtype=np.int64)
         return hook
 
     def trace(self) -> Trace:

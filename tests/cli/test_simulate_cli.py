@@ -274,7 +274,7 @@ def test_nan_or_a_key_given_twice_in_a_trace_or_machine_file_is_one_line(opt_tra
 
     one_line(trace(text.replace('"source": {', '"source": {"note": NaN, ', 1)),
              "TRACE: header.json holds NaN, which JSON does not have; rewrite the trace")
-    one_line(trace(text.replace('"version": 2', '"version": 7, "version": 2', 1)),
+    one_line(trace(text.replace('"version": 3', '"version": 7, "version": 3', 1)),
              "TRACE: header.json gives the key 'version' twice (another reader may keep the other value)")
     good = '{"name": "m", "pinned_h2d_gbps": {"value": 10, "source": "s"}'
     for name, body, words in (("nan", good + ', "description": Infinity}', "holds Infinity, which JSON does not have"),

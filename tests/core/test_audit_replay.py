@@ -6,6 +6,7 @@ tests/core/test_trace.py); what is tested here is the auditor's comparison, fiel
 """
 
 import copy
+import dataclasses
 
 import numpy as np
 import pytest
@@ -25,7 +26,7 @@ def row_trace(*, episodes=(0, 0, 0)) -> Trace:
     return Trace(model=model, calls=calls, sets=sets)
 
 
-def expert_trace(*, skip=()) -> Trace:
+def expert_trace(*, skip=(), version=3) -> Trace:
     """Three layers of 4 experts; a prefill and 3 decode calls; forecasts for every layer that
     can have one."""
     model = TraceModel(family="mixtral", unit="expert", layers=3, units=4, unit_bytes=1000, k=2,
@@ -37,8 +38,9 @@ def expert_trace(*, skip=()) -> Trace:
     calls = [TraceCall(0, "prefill", 3)] + [TraceCall(0, "decode", 1)] * 3
     # none where none can be made (layer 0, a layer without experts and the one after it): as
     # parse_trace requires of a trace file
-    forecasts = [[f if forecast_possible(model, layer) else a() for layer, f in enumerate(row)] for row in made]
-    return Trace(model=model, calls=calls, sets=sets, forecasts=forecasts)
+    forecasts = [[f if forecast_possible(model, layer, version) else a() for layer, f in enumerate(row)]
+                 for row in made]
+    return Trace(model=model, calls=calls, sets=sets, forecasts=forecasts, version=version)
 
 
 def faithful(t: Trace, policy: str, params: dict) -> dict:
@@ -55,10 +57,11 @@ def faithful(t: Trace, policy: str, params: dict) -> dict:
         counted.append([None if layer in skip else {
             "hits": r["hits"][layer], "misses": r["misses"][layer], "prefetched": r["prefetched"][layer],
             "used": r["used"][layer], "wasted": r["rows_wasted"][layer] if r["prefetched"][layer] is not None else None,
-            "forecast": t.forecasts[c][layer].tolist() if forecasting and forecast_possible(m, layer) else None,
+            "forecast": t.forecasts[c][layer].tolist() if forecasting and forecast_possible(m, layer, t.version)
+            else None,
         } for layer in range(m.layers)])
         routes.append([None if layer in skip else t.sets[c][layer].tolist() for layer in range(m.layers)])
-        forecasts.append([t.forecasts[c][layer].tolist() if forecast_possible(m, layer) else None
+        forecasts.append([t.forecasts[c][layer].tolist() if forecast_possible(m, layer, t.version) else None
                           for layer in range(m.layers)])
     figures = episode_figures(routes, [c.phase for c in t.calls], capacity=params.get("capacity", 0),
                               rule=params.get("rule", "lru"), forecasts=forecasts if forecasting else None)
@@ -191,6 +194,29 @@ def test_an_experts_section_of_the_wrong_shape_is_named():
     rec = copy.deepcopy(good)
     del rec["experts"]["routes"]
     assert replay_problems(t, rec, policy, params) == ["experts section unreadable against its trace (KeyError: 'routes')"]
+
+
+def test_a_forecast_past_a_dense_layer_is_replayed_by_the_traces_version():
+    """The forecast for the layer after a dense one comes from the MoE layer before it (trace
+    version 3); an archive written before (trace version 2: no forecast there, nothing prefetched)
+    still replays clean by its own rule. Catches a replay that expected no forecast past a dense
+    layer (the engine's expert-forecast forecast nothing there), and one that read an old
+    trace's empty sets there as forecasts made (a readback and zero prefetches the old engine
+    never charged)."""
+    t = expert_trace(skip=(1,))
+    assert [forecast_possible(t.model, layer) for layer in range(3)] == [False, False, True]
+    for policy, params in (CACHE, FORECAST):
+        rec = faithful(t, policy, params)
+        assert [n["forecast"] for n in rec["experts"]["counted"][1] if n is not None] == [None, [0, 1]]
+        assert rec["calls"][1]["d2h_bytes"] == [4, 0, 8]  # routing, and the forecast's readback
+        assert replay_problems(t, rec, policy, params) == []
+    old = expert_trace(skip=(1,), version=2)
+    rec = faithful(old, *FORECAST)
+    assert rec["calls"][1]["d2h_bytes"] == [4, 0, 4] and rec["experts"]["counted"][1][2]["prefetched"] is None
+    assert replay_problems(old, rec, *FORECAST) == []
+    assert replay_problems(dataclasses.replace(old, version=3), rec, *FORECAST)[:2] == [
+        "call 0 layer 2 d2h_bytes: recorded 4, the trace's replay 8",
+        "call 1 layer 2 d2h_bytes: recorded 4, the trace's replay 8"]
 
 
 def test_a_disagreement_does_not_hide_the_ones_after_it():

@@ -113,7 +113,8 @@ def test_hostile_files_are_refused_with_one_line(tmp_path):
     # Each catches a reader that trusts what it was given: a truncated zip, another version,
     # an id past the model's units, an unsorted set, offsets that do not cover the ids, a missing member.
     _refused(tmp_path, data[: len(data) // 2], "truncated")
-    _refused(tmp_path, _zip(_with_header(good, version=3)), "version 3", "upgrade")
+    _refused(tmp_path, _zip(_with_header(good, version=4)), "version 4", "upgrade")
+    _refused(tmp_path, _zip(_with_header(good, version=3.0)), "version 3.0", "upgrade")
     # A version that only compares equal to a readable one (`true == 1`, `2.0 == 2`) was read as it.
     _refused(tmp_path, _zip(_with_header(good, version=True)), "version True", "upgrade")
     _refused(tmp_path, _zip(_with_header(good, version=2.0)), "version 2.0", "upgrade")
@@ -370,19 +371,48 @@ def test_forecast_sets_round_trip_and_old_files_still_read(tmp_path):
 
 
 def test_no_forecast_is_made_for_or_after_a_layer_without_experts(tmp_path):
-    """A forecast for layer l comes from layer l-1's MoE input: none for layer 0, a dense layer, or
-    the layer after a dense one (core/trace.py), and a file that holds one there is refused.
-    Catches the planted bug "trace: forecast after a dense layer allowed"."""
-    model = TraceModel(family="mixtral", unit="expert", layers=4, units=4, unit_bytes=1000, k=2,
-                       layers_without_units=(2,))
-    assert [tr.forecast_possible(model, layer) for layer in range(4)] == [False, True, False, False]
+    """A forecast for layer l comes from the MoE input of the layer with experts before it
+    (version 3): none for a dense layer or the first layer with experts, one for a layer after a
+    dense one (a Qwen3-MoE with `decoder_sparse_step` 2). Version-2 files were written by an
+    engine that forecast from layer l-1 alone (none for layer 0, a dense layer or the layer after
+    one): they are read by that rule, and a file that holds a forecast where its rule makes none
+    is refused. Catches the planted bug "trace: forecast after a dense layer allowed" (version 2),
+    and the bug where version 3 kept that rule: the layer after a dense one never had a forecast,
+    so expert-forecast replayed as a plain packet on such a model."""
+    model = TraceModel(family="qwen3_moe", unit="expert", layers=5, units=4, unit_bytes=1000, k=2,
+                       layers_without_units=(0, 2))
+    assert tr.VERSION == 3
+    assert [tr.forecast_possible(model, layer) for layer in range(5)] == [False, False, False, True, True]
+    assert [tr.forecast_possible(model, layer, 2) for layer in range(5)] == [False, False, False, False, True]
     a = lambda *ids: np.array(ids, dtype=np.int64)  # noqa: E731
-    sets = [[a(0, 1), a(2, 3), a(), a(0, 3)]]
-    t = Trace(model=model, calls=[TraceCall(0, "prefill", 2)], sets=sets, forecasts=[[a(), a(2), a(), a(0)]])
-    with pytest.raises(TraceError, match="call 0 has a forecast for layer 3, where none can be made"):
+    sets = [[a(), a(0, 1), a(), a(0, 3), a(1, 2)]]
+    calls = [TraceCall(0, "prefill", 2)]
+    t = Trace(model=model, calls=calls, sets=sets, forecasts=[[a(), a(2), a(), a(0), a(1)]])
+    with pytest.raises(TraceError) as e:
         trace_bytes(t)  # the writer reads back what it wrote
-    t.forecasts[0][3] = a()
-    assert [f.tolist() for f in reread(t).forecasts[0]] == [[], [2], [], []]
+    assert str(e.value) == ("call 0 has a forecast for layer 1, where none can be made (a layer without units, "
+                            "or the first layer with units); empty it")
+    t.forecasts[0][1] = a()
+    back = reread(t)
+    assert back.version == 3 and json.loads(_members(t)["header.json"])["version"] == 3
+    assert [f.tolist() for f in back.forecasts[0]] == [[], [], [], [0], [1]]
+    ledger = sim.ledger(back, "expert-forecast", {})[0]
+    assert ledger["prefetched"] == [None, None, None, 1, 1] and ledger["used"] == [None, None, None, 1, 1]
+    # A version-2 file: layer 3 (after dense layer 2) has no forecast; one there is refused.
+    old = Trace(model=model, calls=calls, sets=sets, forecasts=[[a(), a(), a(), a(0), a(1)]], version=2)
+    with pytest.raises(TraceError) as e:
+        trace_bytes(old)
+    assert str(e.value) == ("call 0 has a forecast for layer 3, where none can be made (layer 0, or a layer with "
+                            "or after a layer without units); empty it")
+    old.forecasts[0][3] = a()
+    back = reread(old)
+    # Read by its own rule, and written back as version 2 (its sets keep their meaning).
+    assert back.version == 2 and json.loads(_members(old)["header.json"])["version"] == 2
+    ledger = sim.ledger(back, "expert-forecast", {})[0]
+    assert ledger["prefetched"] == [None, None, None, None, 1] and ledger["d2h_bytes"] == [0, 4, 0, 4, 8]
+    # A trace without forecasts is written as version 3, whatever it was read as.
+    plain = Trace(model=model, calls=calls, sets=sets, version=1)
+    assert reread(plain).version == 3
 
 
 def test_expert_cache_specs_are_checked():

@@ -111,8 +111,8 @@ HEADER_REFUSALS = [
     (dict(calls=[CALL, {**CALL, "tokens": 2**40 + 1}]),
      "header.json's calls[1].tokens is 1099511627777; it must be an integer >= 1"),
     (dict(source=[]), "header.json's source must be an object"),
-    (dict(version=3), "trace version 3 is not one this packbench reads (1, 2); upgrade packbench or rewrite the "
-                      "trace in version 2"),
+    (dict(version=4), "trace version 4 is not one this packbench reads (1, 2, 3); upgrade packbench or rewrite "
+                      "the trace in version 3"),
 ]
 
 
@@ -247,7 +247,7 @@ def test_member_refusals_word_for_word():
         "the trace has forecast_offsets.npy without its pair; a trace holds both forecast_offsets.npy and "
         "forecast_indices.npy or neither; rewrite it")
     assert refusal(header(forecast, version=1)) == (
-        "a version-1 trace holds no forecast members; drop them or write version 2")
+        "a version-1 trace holds no forecast members; drop them or write version 3")
     rows = {**good, "forecast_offsets.npy": good["offsets.npy"], "forecast_indices.npy": good["indices.npy"]}
     assert refusal(rows) == "forecast members are for a trace of experts; drop them from a trace of rows"
 

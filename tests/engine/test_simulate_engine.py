@@ -2,6 +2,7 @@
 engine under every loader policy with tracing on, then the trace, written and read back,
 replayed by core/simulate.py; every ledger field of every call and layer must be equal."""
 
+import numpy as np
 import pytest
 import torch
 
@@ -111,14 +112,25 @@ def test_expert_caches_and_forecasts_simulated_equal_the_engine(shape, tmp_path)
     torch.set_num_threads(1)
     path = synth_moe(tmp_path / shape, shape=shape, seed=3, dtype="float32")
     model = CpuFirstMoE(path, dtype=torch.float32, device=torch.device("cpu"))
-    runs = cache_runs(MOE_SHAPES[shape]["k"])
+    check_caches_against_simulation(model, cache_runs(MOE_SHAPES[shape]["k"]), tmp_path)
+
+
+def check_caches_against_simulation(model, runs, tmp_path) -> list:
+    """Every run's engine ledger, counts and forecast sets against its trace's simulation, call by
+    call and layer by layer, and every run's logits dense-stream's bits. The runs end with
+    expert-forecast; the results as engine_and_simulation gives them."""
+    model.use("dense-stream")
+    reference = [run_episode(model, prompt, continuation=CONTINUATION).logits for prompt in PROMPTS]
     out, records = [], []
     for i, (name, params) in enumerate(runs):
         tracer = Tracer(model, source={"run": name})
         engine, experts = [], []
-        for prompt in PROMPTS:
+        for prompt, ref in zip(PROMPTS, reference):
             model.use(name, **params)
-            engine += [c.to_dict() for c in run_episode(model, prompt, continuation=CONTINUATION).calls]
+            episode = run_episode(model, prompt, continuation=CONTINUATION)
+            # Catches a prefetch that lands in the workspace the forecasting layer still reads.
+            assert np.array_equal(episode.logits, ref), (name, params)
+            engine += [c.to_dict() for c in episode.calls]
             experts.append(model.expert_record())
         tracer.close()
         trace = read_trace(write_trace(tracer.trace(), tmp_path / f"{i}.trace"))
@@ -137,6 +149,10 @@ def test_expert_caches_and_forecasts_simulated_equal_the_engine(shape, tmp_path)
             assert len(mine) == len(record["counted"]) == CONTINUATION
             for c, (s, counted) in enumerate(zip(mine, record["counted"])):
                 for layer, n in enumerate(counted):
+                    if n is None:  # a dense layer: nothing counted, nothing replayed
+                        assert [s[key][layer] for key in ("hits", "misses", "prefetched", "used", "rows_wasted")] \
+                            == [None, None, None, None, 0], (name, params, ep, c, layer)
+                        continue
                     # Catches a simulated cache whose tie-break, admission or forecast accounting
                     # differs from the engine's in any call or layer: hits, misses, prefetched,
                     # used and wasted, field by field.
@@ -157,3 +173,55 @@ def test_expert_caches_and_forecasts_simulated_equal_the_engine(shape, tmp_path)
     assert lru["hits"] > 0 and lru["misses"] > 0 and lru["belady_hits"] >= lru["hits"]
     forecast = sim.totals(out[-1][3])
     assert forecast["decode"]["used"] > 0 and forecast["decode"]["prefetched"] > forecast["decode"]["used"]
+    return out
+
+
+def qwen3_with_dense_layers(path, **layout):
+    """A tiny Qwen3-MoE (4 layers, 6 experts, k 2) whose dense layers `layout` places
+    (`decoder_sparse_step`, `mlp_only_layers`), written by transformers' own save."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen3MoeConfig(hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=4,
+                            num_attention_heads=2, num_key_value_heads=1, head_dim=16, num_experts=6,
+                            num_experts_per_tok=2, vocab_size=128, max_position_embeddings=64,
+                            tie_word_embeddings=False, **layout)
+    Qwen3MoeForCausalLM(config).save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize("layout, moe_layers, forecast_layers", [
+    ({"decoder_sparse_step": 2}, [1, 3], [3]),
+    ({"mlp_only_layers": [1]}, [0, 2, 3], [2, 3]),
+    ({"mlp_only_layers": [0, 2]}, [1, 3], [3]),
+])
+def test_forecasts_reach_the_next_layer_with_experts_past_dense_layers(layout, moe_layers, forecast_layers,
+                                                                       tmp_path):
+    """Bug caught: on a Qwen3-MoE whose MoE layers are not adjacent (`decoder_sparse_step` 2,
+    `mlp_only_layers`), the forecast was layer l+1's router, so a layer followed by a dense one
+    forecast nothing: expert-forecast (and expert-cache forecast on) never prefetched into the MoE
+    layer after a dense one (with decoder_sparse_step 2, never at all) while called a forecast.
+    The forecast is the next layer with experts' router on layer l's MoE input; the engine, the
+    trace's forecast sets and simulate's replay agree call by call, and the logits stay
+    dense-stream's bits (the MoE layers alternate workspaces in their own order)."""
+    from packbench.engine.moe.model import CpuFirstMoE
+
+    torch.set_num_threads(1)
+    model = CpuFirstMoE(qwen3_with_dense_layers(tmp_path / "q", **layout), dtype=torch.float32,
+                        device=torch.device("cpu"))
+    assert [i for i, e in enumerate(model.experts_modules) if e is not None] == moe_layers
+    out = check_caches_against_simulation(model, cache_runs(2), tmp_path)
+    for name, params, engine, simulated, trace, _ in out:
+        if not sim.needs_forecast(name, params):
+            continue
+        for c, (call, replayed) in enumerate(zip(engine, simulated)):
+            # Every MoE layer after the first received a forecast: its readback (the routing's 6
+            # bytes and the forecast's 6), its set in the trace, its replayed prefetch.
+            assert call["d2h_bytes"] == [12 if layer in forecast_layers else 6 if layer in moe_layers else 0
+                                         for layer in range(4)], (name, params, c)
+            assert [layer for layer in range(4) if trace.forecasts[c][layer].size] == forecast_layers
+            assert [layer for layer in range(4) if replayed["prefetched"][layer] is not None] == forecast_layers
+        assert trace.version == 3
+    decode = sim.totals(out[-1][3])["decode"]  # expert-forecast
+    assert decode["prefetched"] > 0 and decode["used"] > 0
+    assert [model.forecast_target(layer) for layer in moe_layers] == [*forecast_layers, None]

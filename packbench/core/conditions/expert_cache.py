@@ -1,5 +1,5 @@
 """`expert-cache`: c experts per MoE layer kept on the GPU (LRU or LFU), misses fetched in the
-call's packet, optionally with the next layer's experts forecast and prefetched. MoE models only."""
+call's packet, optionally with the next MoE layer's experts forecast and prefetched. MoE models only."""
 
 from typing import Any, Mapping
 

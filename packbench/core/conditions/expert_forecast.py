@@ -13,7 +13,7 @@ def h2d_bytes(params: Mapping[str, Any], call: CallInputs) -> float:
 
 KIND = ConditionKind(
     name="expert-forecast",
-    summary="MoE only: the next layer's experts forecast by its router and prefetched, then the exact demand completed",
+    summary="MoE only: the next MoE layer's experts forecast by its router and prefetched, then the exact demand completed",
     params={},
     h2d_bytes=h2d_bytes,
     # at least in one-token calls (wrong forecasts add); a longer call's tokens may share experts,

@@ -1,4 +1,4 @@
-"""`expert-forecast`'s runtime: the next layer's experts prefetched on a side stream, the rest of
+"""`expert-forecast`'s runtime: the next MoE layer's experts prefetched on a side stream, the rest of
 the demand fetched (engine/moe/cache.py, capacity 0)."""
 
 from packbench.engine.conditions.base import LoaderRuntime

@@ -15,12 +15,14 @@ Per layer and call, with the routed set known (read back, as for a packet):
   to device). Evicted experts free their slots (one routed in this call, a hit evicted for a miss
   that ranks higher, is first copied into the workspace). The slots, c per layer, live on the
   device and are charged to the allowance.
-- **forecast**: in layer l's call, once its routing is known, layer l+1's router is applied to
-  layer l's MoE input (the hidden state the model has computed; nothing later), its top-k union
-  read back (E bytes), and the forecast experts the cache of l+1 does not hold are copied on a
-  side stream into the workspace layer l+1 will use (layers alternate between two workspaces,
-  so the prefetch never overwrites what layer l reads). Layer l+1 waits for that copy (a CUDA
-  event) before it uses it, takes what the forecast brought, and fetches the rest. Prefetched
+- **forecast**: in layer l's call, once its routing is known, the router of the next layer with
+  experts, n (l+1 where every layer has experts; a Qwen3-MoE's dense layers are skipped), is
+  applied to layer l's MoE input (the hidden state the model has computed; nothing later), its
+  top-k union read back (E bytes), and the forecast experts the cache of n does not hold are
+  copied on a side stream into the workspace n will use (the layers with experts alternate, in
+  their order, between two workspaces, so the prefetch never overwrites what layer l reads).
+  Layer n waits for that copy (a CUDA event) before it uses it, takes what the forecast
+  brought, and fetches the rest. Prefetched
   experts the call did not route are `wasted` (the ledger's `rows_wasted`); they are never
   admitted to the cache. On the CPU the side stream degrades to synchronous copies.
 
@@ -90,6 +92,7 @@ class ExpertCache:
         self.caches: list[LayerCache | None] = []
         self.slots: list[_Slots | None] = []
         self.workspaces: list[Workspace] = []
+        self.workspace_of: list[int] = []  # per layer, the index of the workspace it reads
         self.side: torch.cuda.Stream | None = None
         self.pending: dict[int, tuple[tuple[int, ...], frozenset[int], torch.cuda.Event | None]] = {}
         self.counts: list[list[dict | None]] = []  # per call, per layer: what this policy counted
@@ -106,8 +109,12 @@ class ExpertCache:
         moe = [host.has_experts(layer) for layer in range(host.layers)]
         self.caches = [LayerCache(self.capacity, self.rule) if m else None for m in moe]
         self.slots = [_Slots(host, self.capacity, device) if m and self.capacity else None for m in moe]
-        # Two workspaces when forecasting: layer l+1's prefetch lands in the one layer l does not read.
+        # Two workspaces when forecasting: the next MoE layer's prefetch lands in the one layer l
+        # does not read. They alternate over the layers with experts in order (not over all the
+        # layers: MoE layers 1 and 3 of a model with dense layers 0 and 2 would share one).
         self.workspaces = [Workspace.zeros(host, device) for _ in range(2 if self.forecast else 1)]
+        ordinal = [sum(moe[:layer]) for layer in range(host.layers)]
+        self.workspace_of = [ordinal[layer] % len(self.workspaces) for layer in range(host.layers)]
         self.side = torch.cuda.Stream(device) if device.type == "cuda" and self.forecast else None
         self.pending, self.counts, self.d2d_bytes = {}, [], 0
 
@@ -116,7 +123,7 @@ class ExpertCache:
         self.caches, self.slots, self.workspaces, self.pending = [], [], [], {}
 
     def _workspace(self, layer: int) -> Workspace:
-        return self.workspaces[layer % len(self.workspaces)]
+        return self.workspaces[self.workspace_of[layer]]
 
     def _count(self, layer: int) -> dict:
         call = self.recorder.current
@@ -135,7 +142,8 @@ class ExpertCache:
         ws, gu, dn = self._workspace(layer), self.host.gate_up[layer], self.host.down[layer]
         event = None
         if self.side is not None:
-            # The workspace was last read by layer l-1's expert loop, queued on the main stream.
+            # The workspace was last read by the expert loop of the MoE layer before the one
+            # forecasting, queued on the main stream.
             self.side.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(self.side):
                 for e in ids:
@@ -226,7 +234,7 @@ def expert_cache(*, capacity: int, rule: str = "lru", forecast: str = "off") -> 
 
 
 def expert_forecast() -> ExpertCache:
-    """A fresh `expert-forecast` policy: no cache, the next layer's experts prefetched."""
+    """A fresh `expert-forecast` policy: no cache, the next MoE layer's experts prefetched."""
     return ExpertCache(capacity=0, forecast="on")
 
 

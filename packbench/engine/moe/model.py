@@ -205,8 +205,8 @@ class CpuFirstMoE:
         class's eager loop, bound): a policy that `computes` the experts itself (host-experts) gets
         the call with the stock loop to run over weights of its choosing; a mapped gather
         (`on_device`) reads the routed experts with the routing on the device; every other policy
-        places the weights for the routed set (read back when it `observes`), prefetches the next
-        layer's forecast experts when it `forecasts`, and the stock loop runs over them."""
+        places the weights for the routed set (read back when it `observes`), prefetches the forecast
+        experts of the next layer with experts when it `forecasts`, and the stock loop runs over them."""
 
         def stock(gate_up, down, hidden_states, top_k_index, top_k_weights):
             module.gate_up_proj, module.down_proj = gate_up, down
@@ -236,16 +236,24 @@ class CpuFirstMoE:
             if policy.forecasts():
                 forecast = self.forecast(layer, (hidden_states, top_k_index), {})
                 if forecast is not None:
-                    policy.prefetch(layer + 1, forecast)
+                    policy.prefetch(self.forecast_target(layer), forecast)
             return stock_forward(hidden_states, top_k_index, top_k_weights)
         return forward
 
+    def forecast_target(self, layer: int) -> int | None:
+        """The layer a forecast made in layer `layer` is for: the next layer with experts (l+1
+        where every layer has them; a Qwen3-MoE with `mlp_only_layers` or `decoder_sparse_step`
+        skips its dense layers), None after the last one."""
+        return next((n for n in range(layer + 1, len(self.experts_modules))
+                     if self.experts_modules[n] is not None), None)
+
     def forecast(self, layer: int, args: tuple, kwargs: dict) -> list[int] | None:
-        """The experts layer l+1's router picks from layer l's MoE input (an experts module's
-        call `args`/`kwargs`): only what the model has computed. None where layer l+1 has no
-        experts (or there is none). `expert-forecast` prefetches them; a trace records them."""
-        nxt = layer + 1
-        if nxt >= len(self.experts_modules) or self.experts_modules[nxt] is None:
+        """The experts the next layer with experts (`forecast_target`) picks by its router
+        applied to layer l's MoE input (an experts module's call `args`/`kwargs`): only what the
+        model has computed. None after the last layer with experts. `expert-forecast` prefetches
+        them; a trace records them."""
+        nxt = self.forecast_target(layer)
+        if nxt is None:
             return None
         top_k_index = args[1] if len(args) > 1 else kwargs["top_k_index"]
         hidden = args[0] if args else kwargs["hidden_states"]

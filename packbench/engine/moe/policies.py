@@ -14,7 +14,7 @@ streaming every expert (tests/engine/test_moe.py, fp32/fp16/bf16).
 | `packet {gather: mapped}` | the same experts, read by the device itself from mapped pinned host memory, indexed by the router's top-k on the device (engine/moe/gather.py): no readback, no index, no host decision, so mode graph captures it | m x expert bytes, m the distinct routed experts (a call of one token: its k; longer calls: the union, deduplicated on the device and counted there, 4 B a layer read after the call) |
 | `phase-switched` | dense-stream in prefill calls, packet (any gather) in decode calls | as those |
 | `expert-cache {capacity: c, rule, forecast}` | hits read in place from c slots a layer; misses as packet's device gather, into a slot when admitted (engine/moe/cache.py) | misses x expert bytes; E B routing readback; c x layers slots |
-| `expert-forecast` | the next layer's router on this layer's input, its experts prefetched on a side stream; the rest of the demand fetched | (prefetched + misses not prefetched) x expert bytes; 2E B readbacks |
+| `expert-forecast` | the next MoE layer's router on this layer's input, its experts prefetched on a side stream; the rest of the demand fetched | (prefetched + misses not prefetched) x expert bytes; 2E B readbacks |
 
 An expert is a contiguous slice of each fused tensor, so the device gather reaches the copy
 engine's pinned rate; the host gather first copies the whole packet through the CPU (a host
