@@ -1,0 +1,138 @@
+"""The report's layout as a reader sees it: axes ticked in plain numbers, long condition names
+that neither run off the page nor over each other, panels that say why they are empty, and the
+facts a figure needs to be read (a batched screen's batch)."""
+
+import re
+from pathlib import Path
+from types import SimpleNamespace
+
+from packbench.cli import report_figures as figs
+from packbench.core import report as data
+
+DATA = Path(__file__).resolve().parents[2] / "tests" / "data"
+
+
+def drawn_text(svg: str) -> list[str]:
+    return re.findall(r"<text[^>]*>([^<]*)</text>", svg)
+
+
+def test_the_union_plot_ticks_token_counts_as_plain_numbers():
+    """Bug caught: the union-sparsity plot's log x axis (tokens in the call) was ticked 10^0,
+    2x10^0, 3x10^0, 4x10^0, 6x10^0 on a screen of 8-token prefills (a column of exponents for
+    counts of tokens); the other log axes of the page were already written in plain numbers."""
+    union = {"condition": "packet", "neurons": 256, "unit": "neurons",
+             "points": [(1, 0.10), (1, 0.12), (8, 0.5), (8, 0.52)], "curve": [(1, 0.11), (8, 0.51)]}
+    with figs.style():
+        svg = figs.union_figure(union)
+    text = drawn_text(svg)
+    assert not any("10^" in t or "times" in t or "mathdefault" in t for t in text), text
+    assert not any(re.search(r"[\u00d7\u2212]", t) for t in text), text  # no x10^n glyphs either
+    for tick in ("1", "2", "5"):
+        assert tick in text, (tick, text)
+
+
+LONG = [f"{p}-with-a-very-long-name-that-goes-on-and-on".ljust(60, "x") for p in ("dense-stream", "packet", "int8")]
+
+
+def long_named(s):
+    """gates-v2's serving rows as the int8 screen wrote them (dense-stream, packet, and int8: an
+    approximate competitor whose first decode call and unshelve are written beside its steady
+    call), and its runtime ratios under 60-character names."""
+    rows = [{**r, "condition": n, "itl_p90_s": 0.110188, "itl_p99_s": 0.110188, "outside_wall_s": 0.0038}
+            for r, n in zip(data.serving_rows(s), ("dense-stream", "packet", "int8"))]
+    rows[2].update(tier="approximate", first_decode_excess_s=-0.001541, unshelve_s=0.002105)
+    ratios = [{**r, "condition": n, "control": LONG[0]} for r, n in zip(data.runtime_ratios(s), LONG[1:])]
+    return rows, ratios
+
+
+def test_the_serving_and_runtime_tables_fit_the_page(tmp_path, monkeypatch):
+    """Bugs caught: at 1400 px the serving table's last column (the steady decode call, the
+    headline's figure) ran past the page behind a scroll bar whenever a competitor's cell read
+    `-1.541 first call; unshelve 2.105 before the wall` (a nowrap line), and the runtime-ratio
+    table wrote a 60-character control name in a nowrap cell, pushing its readings off the page."""
+    from browser import INSTALL_HINT, check_page, chromium
+    from packbench.cli.report_page import html_page, serving_section
+
+    if chromium() is None:
+        raise AssertionError(INSTALL_HINT)
+    s = data.read_screen(DATA / "gates-v2.zip")
+    rows, ratios = long_named(s)
+    monkeypatch.setattr(data, "serving_rows", lambda screen: rows)
+    monkeypatch.setattr(data, "runtime_ratios", lambda screen: ratios)
+    section = serving_section(s)
+    assert "-1.541 first call; unshelve 2.105 before the wall" in section
+    assert f'<td class="name">{LONG[0]}</td>' in section.split('id="ratios"')[1]  # the control, wrapping
+    page = tmp_path / "serving.html"
+    page.write_text(html_page("serving", "", section))
+    check = check_page(page, width=1400)
+    assert [t["cls"] for t in check.tables][:2] == ["conditions", "conditions"]
+    assert check.overflowing == [], check.tables
+
+
+def test_the_comparison_and_sweep_tables_wrap_long_names(monkeypatch):
+    """The comparison's runtime-ratio table and the sweep's table wrote a long control or
+    condition name in a nowrap cell (the single-screen tables wrap theirs)."""
+    from packbench.cli.report_page import AuditStatus, compare_page
+    from packbench.cli.sweep_page import sweep_page
+
+    s = data.read_screen(DATA / "gates-v2.zip")
+    _, ratios = long_named(s)
+    monkeypatch.setattr(data, "runtime_ratios", lambda screen: ratios)
+    page = compare_page([s, s], [AuditStatus(), AuditStatus()])
+    assert f"<td>{LONG[0]}</td>" not in page and f'<td class="name">{LONG[0]}</td>' in page
+    point = SimpleNamespace(screen_id=1, values={"prefix_tokens": 8}, status="done", protocol_sha256="ab" * 32,
+                            figures={LONG[1]: {"decode_ms_per_token": 1.0, "bytes_per_token": 100.0}}, verdicts=[])
+    swept = sweep_page("sw-1", [point])
+    assert f"<td>{LONG[1]}</td>" not in swept and f'<td class="name">{LONG[1]}</td>' in swept
+
+
+def tick_rotations(svg: str, labels: list[str]) -> list[bool]:
+    """Whether each label is drawn slanted under its axis (a rotate(-35) on its <text>; the wall
+    figure's ratio panel also writes the names level, as its y ticks)."""
+    out = []
+    for label in labels:
+        tags = re.findall(r"<text([^>]*)>" + re.escape(label) + "</text>", svg)
+        assert tags, label
+        out.append(any(re.search(r"rotate\(-35\b", t) for t in tags))  # level ticks carry rotate(-0 ...)
+    return out
+
+
+def test_long_condition_names_slant_instead_of_running_into_each_other():
+    """Bug caught: three conditions of 60-character names (cut to 24 in figures) were written level
+    under the half-width H2D and wall panels, each running into its neighbours; only more than
+    five conditions slanted. Short names (gates-v2's four) stay level."""
+    names = [figs.short(n) for n in LONG]
+    per_call = {n: {"prefill": [100_000, 110_000], "decode": [10_000, 12_000]} for n in LONG}
+    walls = {n: [(k, 0.2 + 0.01 * k) for k in range(3)] for n in LONG}
+    s = data.read_screen(DATA / "gates-v2.zip")
+    with figs.style():
+        long_h2d = figs.h2d_figure(per_call, tuple(LONG), LONG[0])
+        long_wall = figs.wall_figure(walls, [{"condition": n, "control": LONG[0], "value": 1.0, "interval": (0.9, 1.1),
+                                              "threshold": None} for n in LONG[1:]], tuple(LONG))
+        short_h2d = figs.h2d_figure(data.h2d_per_call(s), s.conditions, s.protocol.reference)
+    assert tick_rotations(long_h2d, names) == [True] * 3 and tick_rotations(long_wall, names) == [True] * 3
+    assert tick_rotations(short_h2d, list(s.conditions)) == [False] * len(s.conditions)
+
+
+def test_the_wall_figure_draws_no_empty_ratio_panel(monkeypatch):
+    """Bug caught: a screen of one condition (nothing paired with the control) drew an empty
+    `runtime ratio: point and interval` panel over the axis label `wall / wall`, and the caption
+    spoke of a right panel. A long control is cut in the ratio panel's label as the ticks are cut
+    (a 60-character one ran past the panel)."""
+    from packbench.cli.report_page import plots_section
+
+    with figs.style():
+        alone = figs.wall_figure({"dense-stream": [(1, 0.013)]}, [], ("dense-stream",))
+        paired = figs.wall_figure({LONG[0]: [(1, 0.2)], LONG[1]: [(2, 0.1)]},
+                                  [{"condition": LONG[1], "control": LONG[0], "value": 0.5, "interval": (0.4, 0.6),
+                                    "threshold": None}], tuple(LONG[:2]))
+    assert "episode wall" in drawn_text(alone)
+    assert not any("runtime ratio" in t or "wall /" in t for t in drawn_text(alone))
+    assert f"wall / {figs.short(LONG[0])} wall" in drawn_text(paired) and LONG[0] not in "".join(drawn_text(paired))
+    s = data.read_screen(DATA / "quickstart-v1.zip")
+    with figs.style():
+        assert "Left: wall time of every scored episode. Right:" in plots_section(s)  # paired: the two panels
+        monkeypatch.setattr(data, "runtime_intervals", lambda screen: [])
+        page = plots_section(s)
+    assert "Right:" not in page
+    assert "Wall time of every scored episode; no runtime ratio: no condition pairs with the control." in page
