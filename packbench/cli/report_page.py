@@ -163,6 +163,9 @@ def protocol_section(s: ScreenData) -> str:
                 ("prompts", f"{prompts.count} from {source}"),
                 ("tokens", f"{p.prefix_tokens} prefix + {p.continuation_tokens} generated "
                            f"(1 prefill + {p.continuation_tokens - 1} decode calls)"),
+                ("batch", _batch(p)),
+                *([("scored prompts", f"{p.scored_prompts} of {prompts.count} start a scored episode each repetition")]
+                  if p.scored_prompts < prompts.count else []),
                 ("reference", p.reference), ("repetitions", p.repetitions),
                 ("order", f"{p.order}{', reference first' if p.baseline_first else ''}"),
                 ("allowance", f"{p.allowance_mib} MiB"), ("recording", p.recording), ("passes", p.passes),
@@ -175,6 +178,14 @@ def protocol_section(s: ScreenData) -> str:
                 ("git dirty", freeze.get("git_dirty")), ("engine SHA-256", _mono(freeze.get("engine_sha256")))])
         if freeze else '<p class="missing">the archive has no source freeze (no manifest)</p>',
     ])
+
+
+def _batch(p) -> str:
+    """The protocol's batch as the page says it: a batched screen's calls each decode B sequences,
+    so its decode call (TPOT, ITL, the steady call) covers B tokens where ms/token covers one."""
+    if p.batch == 1:
+        return "1"
+    return f"{p.batch}: every call decodes {p.batch} prompts together (a decode call is {p.batch} tokens)"
 
 
 def _gates_table(gates: dict) -> str:
@@ -584,7 +595,8 @@ def html_page(title: str, lede: str, body: str, *, plural: str = "") -> str:
 
 def screen_page(s: ScreenData, *, audit: AuditStatus) -> str:
     passed = sum(bool(v["passed"]) for v in s.verdicts)
-    lede = (f"{data.model_label(s)}, {s.protocol.dtype}; {len(s.episodes)} of {s.planned} episodes; "
+    batch = f", batch {s.protocol.batch}" if s.protocol.batch > 1 else ""
+    lede = (f"{data.model_label(s)}, {s.protocol.dtype}{batch}; {len(s.episodes)} of {s.planned} episodes; "
             f"{passed} of {len(s.verdicts)} verdicts pass; {_gpu(s)}")
     with figs.style():
         plots = plots_section(s)
@@ -630,9 +642,10 @@ def compare_page(screens: list[ScreenData], audits: list[AuditStatus]) -> str:
     labels = [f"{chr(65 + n)}" for n in range(len(screens))]
     agreement = data.verdict_agreement(screens)
     conditions = list(dict.fromkeys(c for s in screens for c in s.conditions))
-    ident = html_table(["", "screen", "protocol", "frozen SHA-256", "machine", "GPU", "torch", "archive SHA-256",
-                        "audits"],
+    ident = html_table(["", "screen", "protocol", "batch", "frozen SHA-256", "machine", "GPU", "torch",
+                        "archive SHA-256", "audits"],
                        [[labels[n], Markup(f'<td class="wrap">{esc(s.label)}</td>'), s.protocol.name,
+                         _num(s.protocol.batch, "{}"),
                          Markup(f'<td class="mono">{esc(s.protocol.sha256[:16])}</td>'),
                          s.environment.get("host"), _gpu(s), s.environment.get("torch"),
                          Markup(f'<td class="mono">{esc(s.archive_sha256[:16])}</td>'),

@@ -136,3 +136,27 @@ def test_the_wall_figure_draws_no_empty_ratio_panel(monkeypatch):
         page = plots_section(s)
     assert "Right:" not in page
     assert "Wall time of every scored episode; no runtime ratio: no condition pairs with the control." in page
+
+
+def test_a_batched_screen_says_its_batch():
+    """Bug caught: a `batch: 2` screen's report never said it was batched (nor the comparison of
+    it beside a batch-1 screen), while its decode call (TPOT, ITL, the steady call) covers two
+    tokens where its ms/token covers one: 48.4 ms TPOT beside 22.8 decode ms/token read as a
+    contradiction. A batch-1 page says `1`; `scored_prompts` below the prompt count is named."""
+    import dataclasses
+
+    from packbench.cli.report_page import AuditStatus, compare_page, protocol_section, screen_page
+
+    s = data.read_screen(DATA / "gates-v2.zip")
+    batched = dataclasses.replace(s, protocol=dataclasses.replace(s.protocol, batch=2, scored_prompts=1))
+    assert "<dt>batch</dt><dd>1</dd>" in protocol_section(s) and "scored prompts" not in protocol_section(s)
+    facts = protocol_section(batched)
+    assert "<dt>batch</dt><dd>2: every call decodes 2 prompts together (a decode call is 2 tokens)</dd>" in facts
+    count = s.protocol.prompts.count
+    assert f"<dt>scored prompts</dt><dd>1 of {count} start a scored episode each repetition</dd>" in facts
+    lede = re.search(r'<p class="lede">([^<]*)</p>', screen_page(batched, audit=AuditStatus())).group(1)
+    assert lede.startswith(f"{data.model_label(s)}, {s.protocol.dtype}, batch 2; ")
+    assert ", batch" not in re.search(r'<p class="lede">([^<]*)</p>', screen_page(s, audit=AuditStatus())).group(1)
+    ident = compare_page([s, batched], [AuditStatus(), AuditStatus()]).split("</table>")[0]
+    assert "<th>batch</th>" in ident and ident.count('<td class="num">1</td>') == 1
+    assert ident.count('<td class="num">2</td>') == 1
