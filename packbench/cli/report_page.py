@@ -316,11 +316,20 @@ def _fmt(value: Any, fmt: str) -> str:
 NO_STEADY = "no finished scored episode has a decode call after its first"
 
 
+def _no_steady(s: ScreenData) -> str:
+    """Why there is no steady decode call: a screen that stopped before any scored episode finished
+    (a failed or cancelled attempt) says so, where "no finished scored episode has a decode call
+    after its first" read as if episodes had finished, only too short."""
+    if any(s.of(c) for c in s.conditions):
+        return NO_STEADY
+    return f"no scored episode finished ({len(s.episodes)} of {s.planned} planned episodes recorded)"
+
+
 def headline_section(s: ScreenData) -> str:
     """What won by how much, per tier, and the runtime readings that say more than their table."""
     lines = data.headline(s)
     if not lines:
-        return f'<h2 id="headline">Headline</h2><p class="missing">no steady decode call to rank: {NO_STEADY}</p>'
+        return f'<h2 id="headline">Headline</h2><p class="missing">no steady decode call to rank: {esc(_no_steady(s))}</p>'
     return '<h2 id="headline">Headline</h2><ul class="headline">' + "".join(f"<li>{esc(t)}</li>" for t in lines) + "</ul>"
 
 
@@ -354,8 +363,8 @@ def serving_section(s: ScreenData) -> str:
     srows = [[name_cell(r["condition"]), r["tier"], _num(r["episodes"], "{}"),
               _ms_cell(r["ttft_s"], r["outliers"]["ttft_s"], first=r["ttft_first_s"]),
               _ms_cell(r["tpot_s"], r["outliers"]["tpot_s"]),
-              _two(_fmt(_ms(r["itl_p50_s"]), "{:.4g}"), _fmt(_ms(r["itl_p90_s"]), "p90 {:.4g}") + " / "
-                   + _fmt(_ms(r["itl_p99_s"]), "p99 {:.4g}")),
+              _two(_fmt(_ms(r["itl_p50_s"]), "{:.4g}"), "-" if r["itl_p90_s"] is None else (
+                   _fmt(_ms(r["itl_p90_s"]), "p90 {:.4g}") + " / " + _fmt(_ms(r["itl_p99_s"]), "p99 {:.4g}"))),
               _num(r["decode_tokens_per_s"], "{:,.4g}"), _ms_cell(r["wall_s"], r["outliers"]["wall_s"]),
               _two(_fmt(_ms(r["outside_s"]), "{:.4g}"), _fmt(_ms(r["outside_wall_s"]), "outside the wall {:.4g}")),
               _two(_fmt(_ms(r["steady_call_s"]), "{:.4g}"), _once(r), wrap=True)] for r in rows]
@@ -382,7 +391,7 @@ def serving_section(s: ScreenData) -> str:
                         [[name_cell(r["condition"]), r["tier"],
                           Markup(f'<td class="wrap">{esc(_previous_text(r["previous"]))}</td>')] for r in previous],
                         cls="conditions") if previous else (
-        f'<p class="missing">no steady decode call to split: {NO_STEADY}</p>')
+        f'<p class="missing">no steady decode call to split: {esc(_no_steady(s))}</p>')
     check = data.plan_positions([s])
     position = (f'<p id="position" class="{"fail" if check["flagged"] else ""}">{esc(serving.position_text(check))}'
                 f'; each episode\'s wall over its condition\'s median, against the {serving.NEIGHBOURS} plan '

@@ -160,3 +160,35 @@ def test_a_batched_screen_says_its_batch():
     ident = compare_page([s, batched], [AuditStatus(), AuditStatus()]).split("</table>")[0]
     assert "<th>batch</th>" in ident and ident.count('<td class="num">1</td>') == 1
     assert ident.count('<td class="num">2</td>') == 1
+
+
+def test_a_screen_stopped_before_any_scored_episode_says_so(tmp_path):
+    """Bug caught: a screen that failed before its first episode (FlexGen on a CPU worker) or was
+    cancelled during its warmups had a headline and a 'what ran before' saying `no finished scored
+    episode has a decode call after its first`, as if episodes had finished, only too short; its
+    ITL cell read `- / -` under `-`. Now: no scored episode finished, N of M planned recorded."""
+    from packbench.cli.report_page import AuditStatus, screen_page, serving_section
+    from packbench.core.archive import ArchiveReader, ArchiveWriter, episode_member, logits_member
+
+    src = ArchiveReader(DATA / "gates-v2.zip")
+    partial = tmp_path / "partial.zip"
+    w = ArchiveWriter(partial)
+    for name in ("protocol.json", "plan.json", "worker.json"):
+        w.add_json(name, src.read_json(name))
+    warmups = [i for i in range(18) if src.read_json(episode_member(i))["role"] == "warmup"][:2]
+    for index in warmups:  # the warmups ran, then the screen stopped
+        w.add_episode(src.read_json(episode_member(index)), src.read_array(logits_member(index)))
+    w.close()
+    s = data.read_screen(partial)
+    assert len(s.episodes) == 2 and s.planned == 18
+    page = screen_page(s, audit=AuditStatus())
+    why = "no scored episode finished (2 of 18 planned episodes recorded)"
+    assert f"no steady decode call to rank: {why}" in page and f"no steady decode call to split: {why}" in page
+    assert "has a decode call after its first" not in page and "- / -" not in serving_section(s)
+    # a screen whose episodes finished, each of one decode call, keeps the other reason
+    full = data.read_screen(DATA / "gates-v2.zip")
+    for e in full.episodes:
+        e.record["calls"] = [c for c in e.record["calls"] if c["phase"] == "prefill"] + \
+            [c for c in e.record["calls"] if c["phase"] == "decode"][:1]
+    assert "no steady decode call to split: no finished scored episode has a decode call after its first" in \
+        screen_page(full, audit=AuditStatus())
