@@ -192,3 +192,27 @@ def test_a_screen_stopped_before_any_scored_episode_says_so(tmp_path):
             [c for c in e.record["calls"] if c["phase"] == "decode"][:1]
     assert "no steady decode call to split: no finished scored episode has a decode call after its first" in \
         screen_page(full, audit=AuditStatus())
+
+
+def test_the_headline_names_a_failed_fidelity_where_it_ranks_a_condition(monkeypatch):
+    """Bug caught: an nf4 condition of mean KL 0.47 (fidelity FAIL, the verdicts table below)
+    headed the approximate tier as `nf4 150 ms (its TPOT ...)`, a plain winner; a condition that
+    passed, or has no fidelity verdict, reads as before."""
+    import dataclasses
+
+    s = data.read_screen(DATA / "gates-v2.zip")
+    rows = data.serving_rows(s)
+    slow, fast = rows[1]["condition"], rows[2]["condition"]
+    rows[1] = {**rows[1], "tier": "approximate", "steady_call_s": 0.002}
+    rows[2] = {**rows[2], "tier": "approximate", "steady_call_s": 0.001}
+    monkeypatch.setattr(data, "serving_rows", lambda screen: rows)
+    verdicts = [{"gate": "fidelity", "condition": fast, "phase": "all", "passed": False},
+                {"gate": "fidelity", "condition": slow, "phase": "all", "passed": True}]
+    judged = dataclasses.replace(s, verdicts=[*s.verdicts, *verdicts])
+    line = next(x for x in data.headline(judged) if x.startswith("Approximate tier"))
+    assert line.startswith(f"Approximate tier, by the steady decode call ({rows[2]['episodes']} scored episodes): "
+                           f"{fast} (fidelity FAIL) 1 ms (its TPOT ")
+    assert f", 2x faster than the slowest, {slow}, " in line
+    assert line.endswith(f"; order: {fast} (fidelity FAIL) 1, {slow} 2 ms")
+    plain = next(x for x in data.headline(s) if x.startswith("Approximate tier"))
+    assert "fidelity" not in plain and f": {fast} 1 ms (its TPOT " in plain
