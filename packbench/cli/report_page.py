@@ -653,10 +653,10 @@ def compare_page(screens: list[ScreenData], audits: list[AuditStatus]) -> str:
     conditions = list(dict.fromkeys(c for s in screens for c in s.conditions))
     ident = html_table(["", "screen", "protocol", "batch", "frozen SHA-256", "machine", "GPU", "torch",
                         "archive SHA-256", "audits"],
-                       [[labels[n], Markup(f'<td class="wrap">{esc(s.label)}</td>'), s.protocol.name,
+                       [[labels[n], Markup(f'<td class="wrap" style="overflow-wrap: anywhere">{esc(s.label)}</td>'), s.protocol.name,
                          _num(s.protocol.batch, "{}"),
                          Markup(f'<td class="mono">{esc(s.protocol.sha256[:16])}</td>'),
-                         s.environment.get("host"), _gpu(s), s.environment.get("torch"),
+                         s.environment.get("host"), Markup(f'<td class="wrap">{esc(_gpu(s))}</td>'), s.environment.get("torch"),
                          Markup(f'<td class="mono">{esc(s.archive_sha256[:16])}</td>'),
                          "-" if a.source is None else (", ".join(r["result"] for r in a.rows) or "none")]
                         for n, (s, a) in enumerate(zip(screens, audits))])

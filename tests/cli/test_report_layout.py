@@ -162,24 +162,32 @@ def test_a_batched_screen_says_its_batch():
     assert ident.count('<td class="num">2</td>') == 1
 
 
+def partial_archive(path: Path, episodes: list[int], members=("protocol.json", "plan.json", "worker.json")) -> Path:
+    """gates-v2's protocol, plan and worker record (`members`) with only these episodes: what an
+    attempt that stopped (failed, cancelled) leaves, without a manifest."""
+    from packbench.core.archive import ArchiveReader, ArchiveWriter, episode_member, logits_member
+
+    src = ArchiveReader(DATA / "gates-v2.zip")
+    w = ArchiveWriter(path)
+    for name in members:
+        w.add_json(name, src.read_json(name))
+    for index in episodes:
+        w.add_episode(src.read_json(episode_member(index)), src.read_array(logits_member(index)))
+    w.close()
+    return path
+
+
 def test_a_screen_stopped_before_any_scored_episode_says_so(tmp_path):
     """Bug caught: a screen that failed before its first episode (FlexGen on a CPU worker) or was
     cancelled during its warmups had a headline and a 'what ran before' saying `no finished scored
     episode has a decode call after its first`, as if episodes had finished, only too short; its
     ITL cell read `- / -` under `-`. Now: no scored episode finished, N of M planned recorded."""
     from packbench.cli.report_page import AuditStatus, screen_page, serving_section
-    from packbench.core.archive import ArchiveReader, ArchiveWriter, episode_member, logits_member
+    from packbench.core.archive import ArchiveReader, episode_member
 
     src = ArchiveReader(DATA / "gates-v2.zip")
-    partial = tmp_path / "partial.zip"
-    w = ArchiveWriter(partial)
-    for name in ("protocol.json", "plan.json", "worker.json"):
-        w.add_json(name, src.read_json(name))
     warmups = [i for i in range(18) if src.read_json(episode_member(i))["role"] == "warmup"][:2]
-    for index in warmups:  # the warmups ran, then the screen stopped
-        w.add_episode(src.read_json(episode_member(index)), src.read_array(logits_member(index)))
-    w.close()
-    s = data.read_screen(partial)
+    s = data.read_screen(partial_archive(tmp_path / "partial.zip", warmups))  # the warmups ran, then it stopped
     assert len(s.episodes) == 2 and s.planned == 18
     page = screen_page(s, audit=AuditStatus())
     why = "no scored episode finished (2 of 18 planned episodes recorded)"
@@ -216,3 +224,22 @@ def test_the_headline_names_a_failed_fidelity_where_it_ranks_a_condition(monkeyp
     assert line.endswith(f"; order: {fast} (fidelity FAIL) 1, {slow} 2 ms")
     plain = next(x for x in data.headline(s) if x.startswith("Approximate tier"))
     assert "fidelity" not in plain and f": {fast} 1 ms (its TPOT " in plain
+
+
+def test_the_comparison_screens_table_fits_beside_a_stopped_attempt(tmp_path):
+    """Bug caught: beside a failed attempt (FlexGen on a CPU worker left only protocol.json: its
+    label is the archive's 60-character file name, its GPU `unknown (no environment recorded)` in a nowrap cell) the comparison's
+    screens table ran past the page at 1400 px, its audits column out of sight."""
+    from browser import INSTALL_HINT, check_page, chromium
+    from packbench.cli.report_page import AuditStatus, compare_page
+
+    if chromium() is None:
+        raise AssertionError(INSTALL_HINT)
+    stopped = data.read_screen(partial_archive(
+        tmp_path / "screen-00010-attempt-1-677c5bffe65c36d464fa2fc9eebbe025.zip", [], ("protocol.json",)))
+    full = data.read_screen(DATA / "gates-v2.zip")
+    page = tmp_path / "compare.html"
+    page.write_text(compare_page([stopped, full, stopped], [AuditStatus(), AuditStatus(), AuditStatus()]))
+    assert "unknown (no environment recorded)" in page.read_text()
+    check = check_page(page, width=1400)
+    assert check.tables and check.overflowing == [], check.tables
