@@ -125,7 +125,14 @@ def report_sweep(store, sweep_id: str, out: Path | None) -> None:
     sweep_id = resolve_sweep(store, sweep_id)
     pts = sweep_points(store, sweep_id)
     if not any(p.figures for p in pts):
-        raise PackbenchError(f"sweep {sweep_id} has no episodes yet; run its screens with `packbench dispatch`")
+        waiting = [p.screen_id for p in pts if p.status in ("queued", "running")]
+        if waiting:
+            raise PackbenchError(f"sweep {sweep_id} has no episodes yet; run its screens with `packbench dispatch`")
+        # Every screen stopped (failed or cancelled): dispatch runs none of them, so saying "run its
+        # screens with `packbench dispatch`" sent the user to a command that does nothing.
+        ended = ", ".join(f"{p.screen_id} {p.status}" for p in pts)
+        raise PackbenchError(f"sweep {sweep_id} has no finished scored episode and none to come (screens {ended}); "
+                             f"`packbench screens show N` says why, `packbench screens retry N` queues one again")
     path = out or Path(f"sweep-{sweep_id}.html")
     write_output(path, sweep_page(sweep_id, pts), "--out")
     typer.echo(f"wrote {path} ({path.stat().st_size:,} bytes)")

@@ -6,6 +6,8 @@ import re
 from pathlib import Path
 from types import SimpleNamespace
 
+import pytest
+
 from packbench.cli import report_figures as figs
 from packbench.core import report as data
 
@@ -243,3 +245,29 @@ def test_the_comparison_screens_table_fits_beside_a_stopped_attempt(tmp_path):
     assert "unknown (no environment recorded)" in page.read_text()
     check = check_page(page, width=1400)
     assert check.tables and check.overflowing == [], check.tables
+
+
+def test_a_sweep_of_stopped_screens_is_not_sent_to_dispatch(monkeypatch, tmp_path):
+    """Bug caught: `report --sweep` of a sweep whose every screen had failed (FlexGen on a CPU
+    worker) said `has no episodes yet; run its screens with packbench dispatch`, which runs no
+    failed or cancelled screen. A sweep with a screen still queued or running keeps that advice."""
+    from packbench.cli.sweep import report_sweep
+    from packbench.core.errors import PackbenchError
+    from packbench.service import sweep
+
+    def point(n, status):
+        return SimpleNamespace(screen_id=n, values={"prefix_tokens": n}, status=status, protocol_sha256="ab" * 32,
+                               figures={}, verdicts=[])
+
+    monkeypatch.setattr(sweep, "resolve_sweep", lambda store, ref: "sw-1")
+    monkeypatch.setattr(sweep, "sweep_points", lambda store, sid: [point(14, "failed"), point(15, "cancelled")])
+    with pytest.raises(PackbenchError) as stopped:
+        report_sweep(None, "latest", tmp_path / "s.html")
+    assert str(stopped.value) == ("sweep sw-1 has no finished scored episode and none to come (screens 14 failed, "
+                                  "15 cancelled); `packbench screens show N` says why, `packbench screens retry N` "
+                                  "queues one again")
+    monkeypatch.setattr(sweep, "sweep_points", lambda store, sid: [point(14, "failed"), point(15, "queued")])
+    with pytest.raises(PackbenchError) as waiting:
+        report_sweep(None, "latest", tmp_path / "s.html")
+    assert str(waiting.value) == "sweep sw-1 has no episodes yet; run its screens with `packbench dispatch`"
+    assert not (tmp_path / "s.html").exists()
