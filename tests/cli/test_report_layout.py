@@ -271,3 +271,23 @@ def test_a_sweep_of_stopped_screens_is_not_sent_to_dispatch(monkeypatch, tmp_pat
         report_sweep(None, "latest", tmp_path / "s.html")
     assert str(waiting.value) == "sweep sw-1 has no episodes yet; run its screens with `packbench dispatch`"
     assert not (tmp_path / "s.html").exists()
+
+
+def test_report_sweep_json_prints_one_json_document(monkeypatch, tmp_path, capsys):
+    """Bug caught: `report --sweep ID --json` printed `wrote FILE (N bytes)`, plain text, where
+    `report SCREEN --json` prints {path, bytes, screens}: the sweep's page says the same, with its id."""
+    import json
+
+    from packbench.cli.sweep import report_sweep
+    from packbench.service import sweep
+
+    point = SimpleNamespace(screen_id=6, values={"continuation_tokens": 2}, status="done", protocol_sha256="ab" * 32,
+                            figures={"packet": {"decode_ms_per_token": 1.0, "bytes_per_token": 100.0}}, verdicts=[])
+    monkeypatch.setattr(sweep, "resolve_sweep", lambda store, ref: "sw-1")
+    monkeypatch.setattr(sweep, "sweep_points", lambda store, sid: [point])
+    out = tmp_path / "s.html"
+    report_sweep(None, "latest", out, json_out=True)
+    printed = capsys.readouterr().out
+    assert json.loads(printed) == {"path": str(out), "bytes": out.stat().st_size, "sweep": "sw-1", "screens": [6]}
+    report_sweep(None, "latest", out)
+    assert capsys.readouterr().out == f"wrote {out} ({out.stat().st_size:,} bytes)\n"
