@@ -403,7 +403,7 @@ def workload_figure(w: dict | None) -> str | None:
     ax.set_xlabel("layer")
     ax.set_ylabel(f"active fraction of {w['unit']}")
     ax.set_title(f"activity by layer ({short(w['condition'])})")
-    ax.legend(loc="lower right", fontsize=8)
+    ax.legend(loc="best", fontsize=8)  # "lower right" sat on an MoE screen's flat decode line
     return to_svg(fig, "workload")
 
 

@@ -291,3 +291,26 @@ def test_report_sweep_json_prints_one_json_document(monkeypatch, tmp_path, capsy
     assert json.loads(printed) == {"path": str(out), "bytes": out.stat().st_size, "sweep": "sw-1", "screens": [6]}
     report_sweep(None, "latest", out)
     assert capsys.readouterr().out == f"wrote {out} ({out.stat().st_size:,} bytes)\n"
+
+
+def test_the_activity_legend_leaves_the_lines_visible(monkeypatch):
+    """Bug caught: the activity-by-layer legend sat at the lower right, over the decode line of a
+    qwen3-moe-tiny screen (every layer 0.25 of its experts, the axis's lowest value): a third of
+    the line ran under the legend's text."""
+    import numpy as np
+
+    drawn = {}
+    monkeypatch.setattr(figs, "to_svg", lambda fig, name: drawn.setdefault("fig", fig) and "")
+    w = {"decode": [0.25, 0.25, 0.25], "prefill": [0.64, 0.64, 0.56], "target": None, "anchors": [],
+         "unit": "experts", "condition": "packet"}
+    with figs.style():
+        figs.workload_figure(w)
+        fig = drawn["fig"]
+        fig.draw_without_rendering()
+    ax = fig.axes[0]
+    legend = ax.get_legend().get_window_extent()
+    xs = np.linspace(0, 2, 201)
+    for ys in (w["decode"], w["prefill"]):
+        line = ax.transData.transform(np.column_stack([xs, np.interp(xs, [0, 1, 2], ys)]))
+        assert not any(legend.contains(x, y) for x, y in line)
+
