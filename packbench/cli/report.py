@@ -47,7 +47,7 @@ def report(
         _check_out(out)
         from packbench.cli.sweep import report_sweep
 
-        report_sweep(open_store(db), sweep, out)
+        report_sweep(open_store(db), sweep, out, json_out=json_out)
         return
     if compare and len(screens) < 2:
         raise PackbenchError("--compare needs two or more screens, e.g. `packbench report --compare 3 4`")

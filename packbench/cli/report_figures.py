@@ -127,10 +127,24 @@ def short(name: str) -> str:
     return name[:half] + "\u2026" + name[-half:]
 
 
+def text_inches(text: str) -> float:
+    """How wide `text` is drawn as a tick label, in inches (the report's font and size)."""
+    import matplotlib
+    from matplotlib.font_manager import FontProperties
+    from matplotlib.textpath import TextPath
+
+    prop = FontProperties(family=matplotlib.rcParams["font.family"], size=matplotlib.rcParams["xtick.labelsize"])
+    return TextPath((0, 0), text, prop=prop).get_extents().width / 72 if text else 0.0
+
+
 def condition_ticks(ax, labels: list[str]) -> None:
-    """Condition names under their positions, slanted when there are many: eight conditions'
-    labels overlapped at 15 degrees in a half-width panel."""
-    many = len(labels) > 5
+    """Condition names under their positions, slanted when there are many (eight conditions'
+    labels overlapped at 15 degrees in a half-width panel) or when two neighbours would touch
+    level (three 60-character names, cut to 24, ran into each other under a half-width panel)."""
+    slot = ax.figure.get_figwidth() * ax.get_position().width / max(len(labels), 1)  # inches a condition
+    widths = [text_inches(short(label)) for label in labels]
+    touch = any((a + b) / 2 > 0.95 * slot for a, b in zip(widths, widths[1:]))
+    many = len(labels) > 5 or touch
     ax.set_xticks(range(len(labels)), [short(label) for label in labels], rotation=35 if many else 0, ha="right" if many else "center",
                   rotation_mode="anchor")
 
@@ -171,12 +185,17 @@ def wall_figure(walls: dict[str, list[tuple[int, float]]], intervals: list[dict]
     control with its bootstrap interval (and the gate's threshold where one is declared)."""
     if not any(walls.values()):
         return None
-    fig, (left, right) = _figure(10, 3.9, ncols=2, width_ratios=[3, 2])
+    shown = [i for i in intervals if i["value"] is not None]
+    # Without a pair (one condition, or none paired with the control) the ratio panel was an
+    # empty axis titled "runtime ratio" over "wall / wall": the episode walls alone are drawn.
+    fig, axes = _figure(10, 3.9, ncols=2, width_ratios=[3, 2]) if shown else _figure(10, 3.9)
+    left, right = axes if shown else (axes, None)
     _strip(left, [[w for _, w in walls[c]] for c in conditions], list(conditions))
     left.set_ylabel("wall s per scored episode")
     left.set_title("episode wall")
     left.set_ylim(bottom=0)
-    shown = [i for i in intervals if i["value"] is not None]
+    if not shown:
+        return to_svg(fig, "wall")
     for y, i in enumerate(shown):
         n = conditions.index(i["condition"])
         lo, hi = i["interval"] or (i["value"], i["value"])
@@ -189,9 +208,8 @@ def wall_figure(walls: dict[str, list[tuple[int, float]]], intervals: list[dict]
     right.axvline(1.0, color="0.5", lw=0.8, ls=":")
     right.set_yticks(range(len(shown)), [short(i["condition"]) for i in shown])
     right.set_ylim(-0.7, len(shown) - 0.3)
-    control = shown[0]["control"] if shown else ""
-    # Two lines: on one, a long control name ran past the panel.
-    right.set_xlabel(f"wall / {control} wall\n(paired; bootstrap interval)")
+    # Two lines, the name cut as the ticks cut theirs: a 60-character control ran past the panel.
+    right.set_xlabel(f"wall / {short(shown[0]['control'])} wall\n(paired; bootstrap interval)")
     right.set_title("runtime ratio: point and interval")
     return to_svg(fig, "wall")
 
@@ -357,6 +375,7 @@ def union_figure(union: dict | None) -> str | None:
         xs = np.unique(np.geomspace(1, max(2.0, float(t.max())), 50))
         ax.plot(xs, 1 - (1 - one[0]) ** xs, ls=":", color="0.4", label=f"independent tokens: 1-(1-{one[0]:.3f})^T")
     ax.set_xscale("log")
+    plain_log_ticks(ax.xaxis)  # token counts: 1, 2, 5, 10, not 10^0 and 2x10^0
     ax.set_ylim(0, 1.02)
     ax.set_xlabel("tokens in the call")
     ax.set_ylabel(f"active fraction of {union['neurons']} {union['unit']}")
@@ -384,7 +403,7 @@ def workload_figure(w: dict | None) -> str | None:
     ax.set_xlabel("layer")
     ax.set_ylabel(f"active fraction of {w['unit']}")
     ax.set_title(f"activity by layer ({short(w['condition'])})")
-    ax.legend(loc="lower right", fontsize=8)
+    ax.legend(loc="best", fontsize=8)  # "lower right" sat on an MoE screen's flat decode line
     return to_svg(fig, "workload")
 
 

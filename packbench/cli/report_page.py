@@ -103,7 +103,7 @@ def _mono(text: Any) -> Markup:
 SHORT_NAME = 16  # characters: a name this short stays on one line (every policy's own name fits)
 
 
-def _name(condition: str) -> Markup:
+def name_cell(condition: str) -> Markup:
     """A condition's name in a cell: whole on one line when short (a squeezed table broke
     `dense-stream` at its hyphen), else wrapping anywhere (a 200-character name of letters, digits,
     `.`, `_`, `-`, no space to break at, in a nowrap cell pushed its table's other columns off the
@@ -149,7 +149,7 @@ def protocol_section(s: ScreenData) -> str:
     # Full width below the facts, its parameters free to wrap: beside them, in half the page, a
     # competitor's parameters ran past the table's box at 1400 px.
     conditions = html_table(["condition", "tier", "policy", "params", "warmups"],
-                            [[_name(c.name), c.tier, c.policy,
+                            [[name_cell(c.name), c.tier, c.policy,
                               Markup(f'<td class="wrap">{esc(json.dumps(c.resolved_params) if c.resolved_params else "-")}</td>'),
                               str(p.warmups[c.name])] for c in p.conditions], cls="conditions")
     prompts = p.prompts
@@ -163,6 +163,9 @@ def protocol_section(s: ScreenData) -> str:
                 ("prompts", f"{prompts.count} from {source}"),
                 ("tokens", f"{p.prefix_tokens} prefix + {p.continuation_tokens} generated "
                            f"(1 prefill + {p.continuation_tokens - 1} decode calls)"),
+                ("batch", _batch(p)),
+                *([("scored prompts", f"{p.scored_prompts} of {prompts.count} start a scored episode each repetition")]
+                  if p.scored_prompts < prompts.count else []),
                 ("reference", p.reference), ("repetitions", p.repetitions),
                 ("order", f"{p.order}{', reference first' if p.baseline_first else ''}"),
                 ("allowance", f"{p.allowance_mib} MiB"), ("recording", p.recording), ("passes", p.passes),
@@ -175,6 +178,14 @@ def protocol_section(s: ScreenData) -> str:
                 ("git dirty", freeze.get("git_dirty")), ("engine SHA-256", _mono(freeze.get("engine_sha256")))])
         if freeze else '<p class="missing">the archive has no source freeze (no manifest)</p>',
     ])
+
+
+def _batch(p) -> str:
+    """The protocol's batch as the page says it: a batched screen's calls each decode B sequences,
+    so its decode call (TPOT, ITL, the steady call) covers B tokens where ms/token covers one."""
+    if p.batch == 1:
+        return "1"
+    return f"{p.batch}: every call decodes {p.batch} prompts together (a decode call is {p.batch} tokens)"
 
 
 def _gates_table(gates: dict) -> str:
@@ -226,7 +237,7 @@ def _seconds(v: Any) -> str:
 
 def verdict_section(s: ScreenData) -> str:
     tier = {c.name: c.tier for c in s.protocol.conditions}
-    rows = [[v["gate"], _name(v["condition"]), tier.get(v["condition"], "-"), v.get("phase", "all"), _passed(v["passed"]),
+    rows = [[v["gate"], name_cell(v["condition"]), tier.get(v["condition"], "-"), v.get("phase", "all"), _passed(v["passed"]),
              Markup(f'<td class="num">{esc(data.threshold_text(v, s.protocol))}</td>'),
              Markup(f'<td class="num">{esc(data.value_text(v))}</td>'), Markup(f'<td class="num">{esc(data.interval_text(v))}</td>'),
              Markup(f'<td class="detail">{esc(detail_text(v.get("detail")))}</td>')] for v in s.verdicts]
@@ -286,11 +297,14 @@ def _sharing_notes(s: ScreenData) -> str:
     return warning
 
 
-def _two(first: str, second: str) -> str:
-    """Two figures in one cell, the second smaller below: the table fits the page."""
+def _two(first: str, second: str, *, wrap: bool = False) -> str:
+    """Two figures in one cell, the second smaller below: the table fits the page. `wrap`: the
+    second is words that may wrap under the first (a nowrap `-1.541 first call; unshelve 2.105
+    before the wall` pushed the serving table's last column past the page at 1400 px)."""
     if first == second == "-":
         return Markup('<td class="num none">-</td>')
-    return Markup(f'<td class="num">{esc(first)}<br><span class="detail">{esc(second)}</span></td>')
+    style = ' style="white-space: normal"' if wrap else ""
+    return Markup(f'<td class="num">{esc(first)}<br><span class="detail"{style}>{esc(second)}</span></td>')
 
 
 def _fmt(value: Any, fmt: str) -> str:
@@ -302,11 +316,20 @@ def _fmt(value: Any, fmt: str) -> str:
 NO_STEADY = "no finished scored episode has a decode call after its first"
 
 
+def _no_steady(s: ScreenData) -> str:
+    """Why there is no steady decode call: a screen that stopped before any scored episode finished
+    (a failed or cancelled attempt) says so, where "no finished scored episode has a decode call
+    after its first" read as if episodes had finished, only too short."""
+    if any(s.of(c) for c in s.conditions):
+        return NO_STEADY
+    return f"no scored episode finished ({len(s.episodes)} of {s.planned} planned episodes recorded)"
+
+
 def headline_section(s: ScreenData) -> str:
     """What won by how much, per tier, and the runtime readings that say more than their table."""
     lines = data.headline(s)
     if not lines:
-        return f'<h2 id="headline">Headline</h2><p class="missing">no steady decode call to rank: {NO_STEADY}</p>'
+        return f'<h2 id="headline">Headline</h2><p class="missing">no steady decode call to rank: {esc(_no_steady(s))}</p>'
     return '<h2 id="headline">Headline</h2><ul class="headline">' + "".join(f"<li>{esc(t)}</li>" for t in lines) + "</ul>"
 
 
@@ -337,14 +360,14 @@ def serving_section(s: ScreenData) -> str:
     """Serving figures per condition (docs/metrics.md), the runtime ratio of medians beside the
     frozen gate's summed walls, and the plan-position check."""
     rows = data.serving_rows(s)
-    srows = [[_name(r["condition"]), r["tier"], _num(r["episodes"], "{}"),
+    srows = [[name_cell(r["condition"]), r["tier"], _num(r["episodes"], "{}"),
               _ms_cell(r["ttft_s"], r["outliers"]["ttft_s"], first=r["ttft_first_s"]),
               _ms_cell(r["tpot_s"], r["outliers"]["tpot_s"]),
-              _two(_fmt(_ms(r["itl_p50_s"]), "{:.4g}"), _fmt(_ms(r["itl_p90_s"]), "p90 {:.4g}") + " / "
-                   + _fmt(_ms(r["itl_p99_s"]), "p99 {:.4g}")),
+              _two(_fmt(_ms(r["itl_p50_s"]), "{:.4g}"), "-" if r["itl_p90_s"] is None else (
+                   _fmt(_ms(r["itl_p90_s"]), "p90 {:.4g}") + " / " + _fmt(_ms(r["itl_p99_s"]), "p99 {:.4g}"))),
               _num(r["decode_tokens_per_s"], "{:,.4g}"), _ms_cell(r["wall_s"], r["outliers"]["wall_s"]),
               _two(_fmt(_ms(r["outside_s"]), "{:.4g}"), _fmt(_ms(r["outside_wall_s"]), "outside the wall {:.4g}")),
-              _two(_fmt(_ms(r["steady_call_s"]), "{:.4g}"), _once(r))] for r in rows]
+              _two(_fmt(_ms(r["steady_call_s"]), "{:.4g}"), _once(r), wrap=True)] for r in rows]
     table = html_table(["condition", "tier", "scored", "TTFT ms: warm, first use", "TPOT ms", "ITL ms: p50, p90 / p99", "decode tokens/s",
                         "wall ms", "outside the calls ms (the wall)", "decode call ms: steady, once per episode"],
                        srows, cls="conditions")
@@ -353,7 +376,7 @@ def serving_section(s: ScreenData) -> str:
     for r in ratios:
         m, gi = r["median"], r["gate_interval"]
         mi = m["interval"]
-        rrows.append([_name(r["condition"]), r["tier"], r["control"],
+        rrows.append([name_cell(r["condition"]), r["tier"], name_cell(r["control"]),
                       _passed(r["passed"]), _num(r["gate_value"], "{:.4g}"),
                       Markup(f'<td class="num">{esc("-" if not gi else f"[{gi[0]:.4g}, {gi[1]:.4g}]")}</td>'),
                       _num(m["value"], "{:.4g}"),
@@ -365,10 +388,10 @@ def serving_section(s: ScreenData) -> str:
                   else '<p class="missing">no runtime readings: no condition pairs with the reference</p>')
     previous = data.steady_by_previous(s)
     ptable = html_table(["condition", "tier", "steady decode call ms by what ran before it in the worker (episodes)"],
-                        [[_name(r["condition"]), r["tier"],
+                        [[name_cell(r["condition"]), r["tier"],
                           Markup(f'<td class="wrap">{esc(_previous_text(r["previous"]))}</td>')] for r in previous],
                         cls="conditions") if previous else (
-        f'<p class="missing">no steady decode call to split: {NO_STEADY}</p>')
+        f'<p class="missing">no steady decode call to split: {esc(_no_steady(s))}</p>')
     check = data.plan_positions([s])
     position = (f'<p id="position" class="{"fail" if check["flagged"] else ""}">{esc(serving.position_text(check))}'
                 f'; each episode\'s wall over its condition\'s median, against the {serving.NEIGHBOURS} plan '
@@ -406,7 +429,7 @@ def expert_cache_section(s: ScreenData) -> str:
     def pct(v):
         return _num(None if v is None else 100 * v, "{:.1f}%")
 
-    trows = [[_name(r["condition"]), r["tier"],
+    trows = [[name_cell(r["condition"]), r["tier"],
               r["cache"],
               pct(r["hit_rate"]), pct(r["belady_rate"]), pct(r["decode_hit_rate"]), pct(r["decode_belady_rate"]),
               pct(r["decode_ready_rate"]),
@@ -430,7 +453,7 @@ def _previous_text(rows: list[dict]) -> str:
 def summary_section(s: ScreenData) -> str:
     summary = data.condition_summary(s)
     approximate = any(r["tier"] == "approximate" for r in summary)
-    rows = [[_name(r["condition"]), r["tier"], _policy(r), _episodes(r),
+    rows = [[name_cell(r["condition"]), r["tier"], _policy(r), _episodes(r),
              _mb(r["prefill_h2d_per_call"]), _mb(r["decode_h2d_per_call"]), _spread(r["wall_s_spread"], "{:.3g}"),
              _spread(r["decode_ms_spread"], "{:.3g}"), _mib(r["peak_sampled_bytes"]),
              _two(_fmt(r["energy_j_per_episode"], "{:.4g} J"), _fmt(r["energy_j_per_token"], "{:.4g} J / token")),
@@ -463,7 +486,7 @@ def cost_section(s: ScreenData) -> str:
             'off, then recorded with both on. Every time on this page is the timing pass\'s; every byte, memory and '
             'energy figure the recording pass\'s. The ratio is the median over scored episodes of the recording '
             'wall over the timing wall of the same episode.</p>')
-    rows = [[_name(r["condition"]), _num(r["n"], "{}"),
+    rows = [[name_cell(r["condition"]), _num(r["n"], "{}"),
              _num(r["timing_wall_s"], "{:.4g} s"), _num(r["recording_wall_s"], "{:.4g} s"),
              _num(r["ratio"], "{:.4f}"),
              _two(_fmt(_ms(r["timing_decode_s"]), "{:.4g} ms"), _fmt(_ms(r["recording_decode_s"]), "recording {:.4g} ms"))]
@@ -497,13 +520,16 @@ def plots_section(s: ScreenData) -> str:
     union = data.union_sparsity(s)
     workload = data.workload_by_layer(s)
     cpu = _gpu(s) == "CPU"
+    intervals = data.runtime_intervals(s)
+    paired = any(i["value"] is not None for i in intervals)  # as wall_figure draws its ratio panel
     return "".join([
         '<h2 id="transfer">Host-to-device bytes per call</h2>',
         plot_figure("h2d", figs.h2d_figure(data.h2d_per_call(s), c, s.protocol.reference),
               "no call ledgers with byte counts (recording off, or no finished scored episode)"),
         '<h2 id="runtime">Episode wall and the paired runtime interval</h2>',
-        plot_figure("wall", figs.wall_figure(data.wall_per_episode(s), data.runtime_intervals(s), c),
-              "no finished scored episode"),
+        plot_figure("wall", figs.wall_figure(data.wall_per_episode(s), intervals, c),
+              "no finished scored episode", caption=None if paired else (
+                  "Wall time of every scored episode; no runtime ratio: no condition pairs with the control.")),
         '<h2 id="decode">Decode milliseconds per token</h2>',
         plot_figure("decode", figs.decode_figure(data.decode_ms_per_token(s), c), "no decode calls"),
         '<h2 id="memory">Sampled GPU memory against the allowance</h2>',
@@ -578,7 +604,8 @@ def html_page(title: str, lede: str, body: str, *, plural: str = "") -> str:
 
 def screen_page(s: ScreenData, *, audit: AuditStatus) -> str:
     passed = sum(bool(v["passed"]) for v in s.verdicts)
-    lede = (f"{data.model_label(s)}, {s.protocol.dtype}; {len(s.episodes)} of {s.planned} episodes; "
+    batch = f", batch {s.protocol.batch}" if s.protocol.batch > 1 else ""
+    lede = (f"{data.model_label(s)}, {s.protocol.dtype}{batch}; {len(s.episodes)} of {s.planned} episodes; "
             f"{passed} of {len(s.verdicts)} verdicts pass; {_gpu(s)}")
     with figs.style():
         plots = plots_section(s)
@@ -624,11 +651,12 @@ def compare_page(screens: list[ScreenData], audits: list[AuditStatus]) -> str:
     labels = [f"{chr(65 + n)}" for n in range(len(screens))]
     agreement = data.verdict_agreement(screens)
     conditions = list(dict.fromkeys(c for s in screens for c in s.conditions))
-    ident = html_table(["", "screen", "protocol", "frozen SHA-256", "machine", "GPU", "torch", "archive SHA-256",
-                        "audits"],
-                       [[labels[n], Markup(f'<td class="wrap">{esc(s.label)}</td>'), s.protocol.name,
+    ident = html_table(["", "screen", "protocol", "batch", "frozen SHA-256", "machine", "GPU", "torch",
+                        "archive SHA-256", "audits"],
+                       [[labels[n], Markup(f'<td class="wrap" style="overflow-wrap: anywhere">{esc(s.label)}</td>'), s.protocol.name,
+                         _num(s.protocol.batch, "{}"),
                          Markup(f'<td class="mono">{esc(s.protocol.sha256[:16])}</td>'),
-                         s.environment.get("host"), _gpu(s), s.environment.get("torch"),
+                         s.environment.get("host"), Markup(f'<td class="wrap">{esc(_gpu(s))}</td>'), s.environment.get("torch"),
                          Markup(f'<td class="mono">{esc(s.archive_sha256[:16])}</td>'),
                          "-" if a.source is None else (", ".join(r["result"] for r in a.rows) or "none")]
                         for n, (s, a) in enumerate(zip(screens, audits))])
@@ -636,7 +664,7 @@ def compare_page(screens: list[ScreenData], audits: list[AuditStatus]) -> str:
     what = "the same frozen protocol" if agreement["same_protocol"] else "different protocols"
     head = (f'<h2 id="agreement">Verdict agreement: {agree} of {judged} verdicts judged by every screen agree</h2>'
             f"<p>The screens ran {what}; a verdict any screen lacks is shown as -.</p>")
-    vrows = [[r["gate"], _name(r["condition"]), r["phase"], *[_passed(p) for p in r["passed"]],
+    vrows = [[r["gate"], name_cell(r["condition"]), r["phase"], *[_passed(p) for p in r["passed"]],
               (Markup('<td class="pass">agree</td>') if r["agree"] else Markup('<td class="fail">differ</td>')) if r["all_judged"]
               else Markup('<td class="none">not judged by all</td>')] for r in agreement["rows"]]
     vtable = html_table(["gate", "condition", "phase", *labels, "agreement"], vrows)
@@ -647,7 +675,7 @@ def compare_page(screens: list[ScreenData], audits: list[AuditStatus]) -> str:
             r = summ.get(c)
             if r is None:
                 continue
-            srows.append([_name(c), labels[n], _episodes(r), _mb(r["prefill_h2d_per_call"]),
+            srows.append([name_cell(c), labels[n], _episodes(r), _mb(r["prefill_h2d_per_call"]),
                           _mb(r["decode_h2d_per_call"]), _num(r["wall_s_mean"], "{:.4g} s"),
                           _spread(r["wall_s_spread"], "{:.3g}"), _spread(r["decode_ms_spread"], "{:.3g}"),
                           _mib(r["peak_sampled_bytes"]), _num(r["energy_j_per_token"], "{:.4g} J")])
@@ -658,7 +686,7 @@ def compare_page(screens: list[ScreenData], audits: list[AuditStatus]) -> str:
     for n, s in enumerate(screens):
         for r in data.runtime_ratios(s):
             gi, mi = r["gate_interval"], r["median"]["interval"]
-            ratio_rows.append([_name(r["condition"]), labels[n], r["control"], _num(r["gate_value"], "{:.4g}"),
+            ratio_rows.append([name_cell(r["condition"]), labels[n], name_cell(r["control"]), _num(r["gate_value"], "{:.4g}"),
                                Markup(f'<td class="num">{esc("-" if not gi else f"[{gi[0]:.4g}, {gi[1]:.4g}]")}</td>'),
                                _num(r["threshold"], "{!r}"), r["source"], _num(r["median"]["value"], "{:.4g}"),
                                Markup(f'<td class="num">{esc(f"[{mi[0]:.4g}, {mi[1]:.4g}]")}</td>'),
@@ -673,12 +701,12 @@ def compare_page(screens: list[ScreenData], audits: list[AuditStatus]) -> str:
             r = next((x for x in data.serving_rows(s) if x["condition"] == c), None)
             if r is None or not r["episodes"]:
                 continue
-            serving_rows.append([_name(c), labels[n], r["tier"],
+            serving_rows.append([name_cell(c), labels[n], r["tier"],
                                  _ms_cell(r["ttft_s"], r["outliers"]["ttft_s"], first=r["ttft_first_s"]),
                                  _ms_cell(r["tpot_s"], r["outliers"]["tpot_s"]),
                                  _two(_fmt(_ms(r["itl_p50_s"]), "{:.4g}"), _fmt(_ms(r["itl_p99_s"]), "p99 {:.4g}")),
                                  _num(r["decode_tokens_per_s"], "{:,.4g}"), _ms_cell(r["wall_s"], r["outliers"]["wall_s"]),
-                                 _two(_fmt(_ms(r["steady_call_s"]), "{:.4g}"), _once(r))])
+                                 _two(_fmt(_ms(r["steady_call_s"]), "{:.4g}"), _once(r), wrap=True)])
     stable_serving = html_table(["condition", "screen", "tier", "TTFT ms: warm, first use", "TPOT ms", "ITL ms: p50, p99",
                                  "decode tokens/s", "wall ms", "decode call ms: steady, once per episode"],
                                 serving_rows, cls="conditions")

@@ -13,7 +13,7 @@ from typing import Any
 
 import typer
 
-from packbench.cli.common import output_dir, write_output
+from packbench.cli.common import echo_json, output_dir, write_output
 from packbench.core.errors import PackbenchError
 
 
@@ -117,15 +117,27 @@ def plan_sweep(protocol: Path, specs: list[str], *, estimate_of: Callable[[Any],
                f"host-to-device, >= {sum(r['transfer_s'] for r in rows) * 1e3:,.4g} ms of transfer on a GPU")
 
 
-def report_sweep(store, sweep_id: str, out: Path | None) -> None:
-    """`report --sweep ID`: write the sweep's page."""
+def report_sweep(store, sweep_id: str, out: Path | None, *, json_out: bool = False) -> None:
+    """`report --sweep ID`: write the sweep's page; with `json_out` say so as one JSON document
+    (as `report SCREEN --json` does), where plain text was printed."""
     from packbench.cli.sweep_page import sweep_page
     from packbench.service.sweep import resolve_sweep, sweep_points
 
     sweep_id = resolve_sweep(store, sweep_id)
     pts = sweep_points(store, sweep_id)
     if not any(p.figures for p in pts):
-        raise PackbenchError(f"sweep {sweep_id} has no episodes yet; run its screens with `packbench dispatch`")
+        waiting = [p.screen_id for p in pts if p.status in ("queued", "running")]
+        if waiting:
+            raise PackbenchError(f"sweep {sweep_id} has no episodes yet; run its screens with `packbench dispatch`")
+        # Every screen stopped (failed or cancelled): dispatch runs none of them, so saying "run its
+        # screens with `packbench dispatch`" sent the user to a command that does nothing.
+        ended = ", ".join(f"{p.screen_id} {p.status}" for p in pts)
+        raise PackbenchError(f"sweep {sweep_id} has no finished scored episode and none to come (screens {ended}); "
+                             f"`packbench screens show N` says why, `packbench screens retry N` queues one again")
     path = out or Path(f"sweep-{sweep_id}.html")
     write_output(path, sweep_page(sweep_id, pts), "--out")
+    if json_out:
+        echo_json({"path": str(path), "bytes": path.stat().st_size, "sweep": sweep_id,
+                   "screens": [p.screen_id for p in pts]})
+        return
     typer.echo(f"wrote {path} ({path.stat().st_size:,} bytes)")

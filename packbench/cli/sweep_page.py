@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from packbench.cli import report_figures as figs
-from packbench.cli.report_page import html_facts, html_page, plot_figure, html_table
+from packbench.cli.report_page import html_facts, html_page, html_table, name_cell, plot_figure
 
 FIGURES = {"decode_ms_per_token": "decode ms per token (median over the scored ok episodes; bars: min-max)",
            "bytes_per_token": "host-to-device bytes per generated token (scored ok episodes)"}
@@ -95,7 +95,7 @@ def sweep_page(sweep_id: str, points: list) -> str:
     head = ["screen", "point", "status", "protocol", "condition", "decode ms/token: median [min-max]",
             "H2D bytes per token"]
     rows = [[str(p.screen_id), ", ".join(f"{k}={v}" for k, v in p.values.items()), p.status, p.protocol_sha256[:12],
-             c, _decode_cell(p.figures.get(c, {})), _fmt(p.figures.get(c, {}).get("bytes_per_token"), "{:,.0f}")]
+             name_cell(c), _decode_cell(p.figures.get(c, {})), _fmt(p.figures.get(c, {}).get("bytes_per_token"), "{:,.0f}")]
             for p in points for c in (_conditions([p]) or ["-"])]
     facts = html_facts([("sweep", sweep_id), ("points", len(points)),
                         ("fields", ", ".join(points[0].values) if points else "-")])

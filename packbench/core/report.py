@@ -359,13 +359,20 @@ def headline(screen: ScreenData) -> list[str]:
     """What won, by how much, one line per tier (exact and approximate are never ranked together):
     the conditions ordered by their steady decode call (the median decode call but each episode's
     first: one rule for every condition, docs/metrics.md), the fastest named with its factor over
-    the tier's slowest and over the reference, and its TPOT and once-per-episode cost apart; then
-    one line per runtime reading: the frozen gate beside the ratio of medians, and whether the two
+    the tier's slowest and over the reference, and its TPOT and once-per-episode cost apart, every
+    condition whose fidelity gate failed named `(fidelity FAIL)`; then one line per runtime reading: the frozen gate beside the ratio of medians, and whether the two
     disagree."""
     lines = []
     ref = screen.protocol.reference
     rows = serving_rows(screen)
     steady = {r["condition"]: r["steady_call_s"] for r in rows}
+    # An approximate condition whose fidelity gate failed is named so wherever it is ranked: an nf4
+    # of mean KL 0.47 read as its tier's plain winner.
+    failed = {v["condition"] for v in screen.verdicts if v.get("gate") == "fidelity" and not v.get("passed")}
+
+    def name(c: str) -> str:
+        return f"{c} (fidelity FAIL)" if c in failed else c
+
     for tier in ("exact", "approximate"):
         ranked = sorted((r for r in rows if r["tier"] == tier and r["steady_call_s"]), key=lambda r: r["steady_call_s"])
         if not ranked:
@@ -373,19 +380,19 @@ def headline(screen: ScreenData) -> list[str]:
         best, worst = ranked[0], ranked[-1]
         text = (f"{tier.capitalize()} tier, by the steady decode call ({best['episodes']} scored episode"
                 f"{'' if best['episodes'] == 1 else 's'}): "
-                f"{best['condition']} {best['steady_call_s'] * 1e3:.3g} ms")
+                f"{name(best['condition'])} {best['steady_call_s'] * 1e3:.3g} ms")
         # Its TPOT beside its own figure: after the slowest's or the reference's name it read as theirs.
         if best["tpot_s"] is not None:
             text += f" (its TPOT {best['tpot_s'] * 1e3:.3g} ms"
             once = best["first_decode_excess_s"]
             text += f", once per episode {once * 1e3:+.3g} ms)" if once is not None else ")"
         if len(ranked) > 1:
-            text += f", {worst['steady_call_s'] / best['steady_call_s']:.3g}x faster than the slowest, {worst['condition']}"
+            text += f", {worst['steady_call_s'] / best['steady_call_s']:.3g}x faster than the slowest, {name(worst['condition'])}"
         if ref not in (best["condition"], worst["condition"]) and steady.get(ref):
             factor = steady[ref] / best["steady_call_s"]  # below 1 where the reference (another tier) is faster
             text += (f", {factor:.3g}x faster than the reference" if factor >= 1 else
                      f", {1 / factor:.3g}x slower than the reference") + f" {ref} ({steady[ref] * 1e3:.3g} ms)"
-        text += "; order: " + ", ".join(f"{r['condition']} {r['steady_call_s'] * 1e3:.3g}" for r in ranked) + " ms"
+        text += "; order: " + ", ".join(f"{name(r['condition'])} {r['steady_call_s'] * 1e3:.3g}" for r in ranked) + " ms"
         lines.append(text)
     for r in runtime_ratios(screen):
         m = r["median"]

@@ -106,12 +106,12 @@ def test_a_short_condition_name_stays_on_one_line():
     """A squeezed table (the conditions table of the demo's report in Chromium) broke
     `dense-stream` at its hyphen over two lines; names up to SHORT_NAME characters now sit in a
     nowrap cell, and one character more wraps as a long name does."""
-    from packbench.cli.report_page import SHORT_NAME, _name
+    from packbench.cli.report_page import SHORT_NAME, name_cell
     from packbench.cli.report_template import CSS
 
-    assert str(_name("dense-stream")) == '<td class="name short">dense-stream</td>'
-    assert str(_name("x" * SHORT_NAME)) == f'<td class="name short">{"x" * SHORT_NAME}</td>'
-    assert str(_name("x" * (SHORT_NAME + 1))) == f'<td class="name">{"x" * (SHORT_NAME + 1)}</td>'
+    assert str(name_cell("dense-stream")) == '<td class="name short">dense-stream</td>'
+    assert str(name_cell("x" * SHORT_NAME)) == f'<td class="name short">{"x" * SHORT_NAME}</td>'
+    assert str(name_cell("x" * (SHORT_NAME + 1))) == f'<td class="name">{"x" * (SHORT_NAME + 1)}</td>'
     assert "td.name.short { white-space: nowrap;" in CSS
 
 
