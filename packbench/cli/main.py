@@ -558,9 +558,10 @@ def main() -> None:
         sys.exit(143)
     except OSError as e:
         if e is stdout.refused:
-            # `results > out.csv` on a full disk: where the output goes refused it, no bug
-            typer.echo(one_line(f"error: cannot write the output to stdout ({e.strerror or e}); free space "
-                                f"where stdout goes, or send it elsewhere"), err=True)
+            # `results > out.csv` on a full disk, or `results >&-`: where the output goes refused it, no bug
+            fix = ("stdout is closed: give the command one, e.g. `> out.txt` or `> /dev/null`" if e.errno == errno.EBADF
+                   else "free space where stdout goes, or send it elsewhere")
+            typer.echo(one_line(f"error: cannot write the output to stdout ({e.strerror or e}); {fix}"), err=True)
             stdout.silence()
             sys.exit(2)
         if e.errno != errno.ENAMETOOLONG:  # a bug, as below
@@ -589,17 +590,25 @@ class WatchedOutput:
 
     def write(self, text):
         try:
-            return self.stream.write(text)
+            return self._open().write(text)
         except OSError as e:
             self.refused = e
             raise
 
     def flush(self) -> None:
         try:
-            self.stream.flush()
+            self._open().flush()
         except OSError as e:
             self.refused = e
             raise
+
+    def _open(self):
+        """The stream; an OSError (EBADF) where there is none: the interpreter sets sys.stdout to None
+        when descriptor 1 was closed at start (`packbench results >&-`), and a write to None was an
+        AttributeError, reported as a packbench bug (exit 70)."""
+        if self.stream is None:
+            raise OSError(errno.EBADF, os.strerror(errno.EBADF))
+        return self.stream
 
     def silence(self) -> None:
         """Point stdout's descriptor at /dev/null: the interpreter's flush at exit would fail again

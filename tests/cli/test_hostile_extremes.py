@@ -213,6 +213,23 @@ def test_stdout_on_a_full_disk_is_one_line_not_a_bug(world, tmp_path):
                                              "free space where stdout goes, or send it elsewhere"], r.stderr
 
 
+@pytest.mark.parametrize("args", [["screens", "list", "--json"], ["db", "history"], ["--version"]])
+def test_a_closed_stdout_is_one_line_not_a_bug(world, tmp_path, args):
+    """`packbench screens list >&-` (descriptor 1 closed: the interpreter's sys.stdout is None)
+    said 'unexpected AttributeError: 'NoneType' object has no attribute 'write' ... this is a
+    packbench bug' and exited 70. One line naming the closed stdout and the fix, exit 2."""
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "packbench", *args], stdout=subprocess.DEVNULL,
+                       stderr=subprocess.PIPE, text=True, cwd=tmp_path, preexec_fn=lambda: os.close(1),
+                       env={**os.environ, "PACKBENCH_DB_URL": f"sqlite:///{tmp_path / 'pb.db'}"})
+    assert r.returncode == 2, (r.returncode, r.stderr)
+    assert r.stderr.strip().splitlines() == ["error: cannot write the output to stdout (Bad file descriptor); stdout "
+                                             "is closed: give the command one, e.g. `> out.txt` or `> /dev/null`"], \
+        r.stderr
+
+
 # ----------------------------------------------------------------------------- file arguments
 
 
