@@ -47,7 +47,11 @@ def report(
         _check_out(out)
         from packbench.cli.sweep import report_sweep
 
-        report_sweep(open_store(db), sweep, out)
+        path, sweep_id, ids = report_sweep(open_store(db), sweep, out)
+        if json_out:  # was ignored: `report --sweep ID --json` printed its text line
+            echo_json({"path": str(path), "bytes": path.stat().st_size, "sweep_id": sweep_id, "screens": ids})
+        else:
+            typer.echo(f"wrote {path} ({path.stat().st_size:,} bytes)")
         return
     if compare and len(screens) < 2:
         raise PackbenchError("--compare needs two or more screens, e.g. `packbench report --compare 3 4`")

@@ -117,8 +117,8 @@ def plan_sweep(protocol: Path, specs: list[str], *, estimate_of: Callable[[Any],
                f"host-to-device, >= {sum(r['transfer_s'] for r in rows) * 1e3:,.4g} ms of transfer on a GPU")
 
 
-def report_sweep(store, sweep_id: str, out: Path | None) -> None:
-    """`report --sweep ID`: write the sweep's page."""
+def report_sweep(store, sweep_id: str, out: Path | None) -> tuple[Path, str, list[int]]:
+    """`report --sweep ID`: write the sweep's page; the file written, the sweep's id and its screens."""
     from packbench.cli.sweep_page import sweep_page
     from packbench.service.sweep import resolve_sweep, sweep_points
 
@@ -128,4 +128,4 @@ def report_sweep(store, sweep_id: str, out: Path | None) -> None:
         raise PackbenchError(f"sweep {sweep_id} has no episodes yet; run its screens with `packbench dispatch`")
     path = out or Path(f"sweep-{sweep_id}.html")
     write_output(path, sweep_page(sweep_id, pts), "--out")
-    typer.echo(f"wrote {path} ({path.stat().st_size:,} bytes)")
+    return path, sweep_id, [p.screen_id for p in pts]

@@ -197,3 +197,18 @@ def test_plan_of_a_cpu_screen_without_rates_says_none_is_known(tmp_path):
     out = invoke("protocol", "plan", str(GATES), "--device", "cpu", "--db", f"sqlite:///{tmp_path / 'none.db'}")
     assert out.exit_code == 0 and "time: no rate is known for a CPU screen" in out.stdout
     assert not (tmp_path / "none.db").exists()  # planning creates no database
+
+
+def test_report_sweep_prints_one_document(tmp_path):
+    """`report --sweep ID --json` ignored --json: it printed `wrote sweep-....html (N bytes)`, no
+    JSON on stdout. One document names the page written, its size, the sweep and its screens."""
+    url = f"sqlite:///{tmp_path / 'pb.db'}"
+    earlier_screen(url)
+    with Store(url) as store:
+        store.set_sweep(1, sweep_id="sw-1", point={"prefix_tokens": 16})
+    page = tmp_path / "sweep.html"
+    assert document("report", "--sweep", "sw-1", "--out", str(page), "--db", url, "--json") == {
+        "path": str(page), "bytes": page.stat().st_size, "sweep_id": "sw-1", "screens": [1]}
+    assert document("report", "--sweep", "latest", "--out", str(page), "--db", url, "--json")["sweep_id"] == "sw-1"
+    text = invoke("report", "--sweep", "sw-1", "--out", str(page), "--db", url)
+    assert text.exit_code == 0 and text.stdout == f"wrote {page} ({page.stat().st_size:,} bytes)\n", text.stdout
