@@ -26,7 +26,7 @@ from packbench.core.settings import (DB_URL_ENV, DEFAULT_CONNECT_TIMEOUT_S, DEFA
                            WORKER_PIN_ENV, WORKER_THREADS_ENV, Settings, worker_pin, worker_threads)
 from packbench.core.moe import MOE_SHAPES
 from packbench.core.registry import NEWEST_PROFILE, DTYPE_NAMES, PROFILES, SYNTH_SHAPES, SynthArgumentError, synth_spec
-from packbench.core.text import one_line, show
+from packbench.core.text import error_line, one_line, show
 
 
 class PackbenchGroup(TyperGroup):
@@ -533,14 +533,14 @@ def main() -> None:
             sys.exit(2)
         ctx = getattr(e, "ctx", None)
         where = f"; see `{ctx.command_path} --help`" if ctx is not None else ""
-        typer.echo(f"error: {' '.join(e.format_message().split()).rstrip('.')}{where}", err=True)
+        typer.echo(error_line(f"error: {' '.join(e.format_message().split()).rstrip('.')}{where}"), err=True)
         sys.exit(2)
     except typer.Abort:
         typer.echo("aborted", err=True)
         sys.exit(1)
     except PackbenchError as e:
         # one_line: a message that quotes the input raw (`history $'\n'`'s hint) still prints one line
-        typer.echo(one_line(f"error: {e}"), err=True)
+        typer.echo(error_line(f"error: {e}"), err=True)
         if isinstance(e, ClusterUnreachable):
             # Ray may still be retrying the join in a background thread (and printing): leave now.
             sys.stdout.flush()
