@@ -84,6 +84,11 @@ def stats(
             raise PackbenchError(f"--trace {trace} exists; give a new file path")
         if not trace.parent.is_dir():
             raise PackbenchError(f"--trace {trace}: its directory does not exist; give a path in an existing directory")
+    if figure is not None and figure.suffix.lower() != ".svg":  # `--figure packbench.db` replaced the database
+        raise PackbenchError(f"--figure {figure}: write the figure to a .svg file")
+    if figure is not None and not figure.parent.is_dir():  # said before any prompt is routed
+        raise PackbenchError(f"--figure {figure}: the directory {figure.parent} does not exist; create it or choose "
+                             f"another --figure")
     if is_moe_dir(model_dir):  # routing statistics: the prefill's per-token routes are the trace
         if robustness:
             raise PackbenchError("--robustness measures OPT checkpoints (real OPT's figures are its targets); "
