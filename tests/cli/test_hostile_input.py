@@ -199,6 +199,17 @@ def test_keys_init_where_no_key_can_be_written_is_one_line(tmp_path, db, capsys)
     one_line_error(r, "--key /proc/x/key.pem: cannot write the key there")
 
 
+@pytest.mark.parametrize("existing", ["k.pem", "k.pem.pub"])
+def test_keys_init_names_the_key_file_already_there_and_keeps_it(tmp_path, db, capsys, existing):
+    """With only k.pem.pub there (another lab's public key, say), `keys init --key k.pem` said
+    'a key already exists at k.pem', a file that was not there: the line names the one that is."""
+    (tmp_path / existing).write_text("kept")
+    r = pb(capsys, "keys", "init", "--key", str(tmp_path / "k.pem"), "--no-db")
+    assert one_line_error(r) == (f"error: a key already exists at {tmp_path / existing}; keys are never overwritten "
+                                 f"(choose another --key)")
+    assert [p.name for p in tmp_path.glob("k.pem*")] == [existing] and (tmp_path / existing).read_text() == "kept"
+
+
 @pytest.mark.parametrize("name", ["evil\nname", "\x1b[2J", "", "a" * 100_000])
 def test_a_key_name_that_is_not_one_short_line_is_refused_before_any_key_is_written(tmp_path, db, capsys, name):
     """Catches `keys init --name` / `keys register --name` storing any text: a newline split every
