@@ -264,10 +264,14 @@ def options(
         raise PackbenchError("--placement-timeout and --connect-timeout must be > 0 seconds")
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    def typed(name: str, option: str) -> str | None:  # the option, when the command line gave it
+        return option if getattr(ctx.get_parameter_source(name), "name", None) == "COMMANDLINE" else None
+
     ctx.obj = Settings(verbose=verbose, placement_timeout_s=placement_timeout, connect_timeout_s=connect_timeout,
                        model_cache=model_cache, embedded_gpus=embedded_gpus, db_url=db or None, debug=debug,
                        signing_key=signing_key.expanduser() if signing_key else None,
-                       worker_threads=worker_threads(threads), worker_pin=worker_pin(pin))
+                       worker_threads=worker_threads(threads, typed("threads", "--worker-threads")),
+                       worker_pin=worker_pin(pin, typed("pin", "--worker-pin")))
 
 
 @app.command()
