@@ -527,6 +527,7 @@ def main() -> None:
     so do typer's usage errors (an unknown option, a missing argument), not rich's boxes. Any other
     exception is a bug: one line naming the file its traceback went to, exit 70."""
     stdout = sys.stdout = WatchedOutput(sys.stdout)
+    _drop_unusable_columns()
     try:
         code = app(standalone_mode=False, prog_name="packbench")  # usage errors reach us here: one line
         if isinstance(code, int) and code:
@@ -582,6 +583,17 @@ def main() -> None:
     finally:
         if sys.stdout is stdout:
             sys.stdout = stdout.stream
+
+
+MAX_COLUMNS = 10_000  # a help page wider than this is padding: 100,000 columns wrote 3.9 MB of --help
+
+
+def _drop_unusable_columns() -> None:
+    """Forget $COLUMNS when --help (rich) cannot draw at that width: 99999999999999999999 was an
+    OverflowError (exit 70), 0 a blank page. The terminal's own width (or 80) is used instead."""
+    text = os.environ.get("COLUMNS")
+    if text is not None and text.strip().isdigit() and not 1 <= int(text) <= MAX_COLUMNS:
+        del os.environ["COLUMNS"]
 
 
 class WatchedOutput:

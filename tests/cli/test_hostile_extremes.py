@@ -466,6 +466,18 @@ def test_help_shows_no_value_beside_a_flag(packbench_cli):
     assert "<bool>" not in wait, wait
 
 
+@pytest.mark.parametrize("columns", ["99999999999999999999", "0", "10001"])
+def test_help_at_a_terminal_width_it_cannot_draw_is_drawn_at_the_default(packbench_cli, columns):
+    """COLUMNS=99999999999999999999 made `packbench --help` an OverflowError in rich (exit 70), 0 a
+    blank page, 100,000 3.9 MB of padding: a width outside 1..10,000 is dropped, as if unset."""
+    r = packbench_cli("submit", "--help", env={"COLUMNS": columns})
+    default = packbench_cli("submit", "--help", env={"COLUMNS": "80"})
+    assert (r.returncode, r.stderr) == (0, ""), r.stderr
+    assert r.stdout == default.stdout and "Freeze a protocol" in r.stdout
+    assert packbench_cli(env={"COLUMNS": columns}).returncode == 2  # the bare command's help, as typer shows it
+    assert packbench_cli("submit", "--help", env={"COLUMNS": "10000"}).stdout != default.stdout  # the bound: used
+
+
 @pytest.mark.parametrize("kind", ["fifo", "device", "directory"])
 def test_a_key_file_that_is_no_regular_file_is_refused_before_anything_is_queued(tmp_path, world, tiny, fifo, kind):
     """A FIFO as --signing-key or --trust hung the command; /dev/zero read without end; and a
