@@ -44,7 +44,7 @@ def stats(
     device: Annotated[str, typer.Option(help="cpu, or cuda[:N].")] = "cpu",
     json_out: Annotated[bool, typer.Option("--json", metavar="", help="Print every figure (the whole union curve too) as JSON.")] = False,
     figure: Annotated[Optional[Path], typer.Option(
-        help="MoE checkpoints: also write the routing figure (load, reuse, LRU against Belady) as SVG here.")] = None,
+        help="MoE checkpoints: also write the routing figure (load, reuse, LRU against Belady) to this .svg file.")] = None,
     robustness: Annotated[bool, typer.Option(
         "--robustness", help="Instead: fake-quantization sensitivity (int8 per-channel, int4 and int3 per-channel "
                              "and group-128 RTN, nf4 block-64; every decoder Linear weight), teacher-forced on the "
