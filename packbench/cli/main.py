@@ -26,7 +26,7 @@ from packbench.core.settings import (DB_URL_ENV, DEFAULT_CONNECT_TIMEOUT_S, DEFA
                            WORKER_PIN_ENV, WORKER_THREADS_ENV, Settings, worker_pin, worker_threads)
 from packbench.core.moe import MOE_SHAPES
 from packbench.core.registry import NEWEST_PROFILE, DTYPE_NAMES, PROFILES, SYNTH_SHAPES, SynthArgumentError, synth_spec
-from packbench.core.text import one_line, show
+from packbench.core.text import error_line, one_line, show
 
 
 class PackbenchGroup(TyperGroup):
@@ -276,10 +276,14 @@ def options(
         # per deprecated Enum registration: six lines of noise above `model stats`' own (--verbose shows them).
         for name in ("torchao", "torch.utils._pytree"):
             logging.getLogger(name).setLevel(logging.ERROR)
+    def typed(name: str, option: str) -> str | None:  # the option, when the command line gave it
+        return option if getattr(ctx.get_parameter_source(name), "name", None) == "COMMANDLINE" else None
+
     ctx.obj = Settings(verbose=verbose, placement_timeout_s=placement_timeout, connect_timeout_s=connect_timeout,
                        model_cache=model_cache, embedded_gpus=embedded_gpus, db_url=db or None, debug=debug,
                        signing_key=signing_key.expanduser() if signing_key else None,
-                       worker_threads=worker_threads(threads), worker_pin=worker_pin(pin))
+                       worker_threads=worker_threads(threads, typed("threads", "--worker-threads")),
+                       worker_pin=worker_pin(pin, typed("pin", "--worker-pin")))
 
 
 @app.command()
@@ -535,6 +539,7 @@ def main() -> None:
     so do typer's usage errors (an unknown option, a missing argument), not rich's boxes. Any other
     exception is a bug: one line naming the file its traceback went to, exit 70."""
     stdout = sys.stdout = WatchedOutput(sys.stdout)
+    _drop_unusable_columns()
     try:
         code = app(standalone_mode=False, prog_name="packbench")  # usage errors reach us here: one line
         if isinstance(code, int) and code:
@@ -545,14 +550,14 @@ def main() -> None:
             sys.exit(2)
         ctx = getattr(e, "ctx", None)
         where = f"; see `{ctx.command_path} --help`" if ctx is not None else ""
-        typer.echo(f"error: {' '.join(e.format_message().split()).rstrip('.')}{where}", err=True)
+        typer.echo(error_line(f"error: {' '.join(e.format_message().split()).rstrip('.')}{where}"), err=True)
         sys.exit(2)
     except typer.Abort:
         typer.echo("aborted", err=True)
         sys.exit(1)
     except PackbenchError as e:
         # one_line: a message that quotes the input raw (`history $'\n'`'s hint) still prints one line
-        typer.echo(one_line(f"error: {e}"), err=True)
+        typer.echo(error_line(f"error: {e}"), err=True)
         if isinstance(e, ClusterUnreachable):
             # Ray may still be retrying the join in a background thread (and printing): leave now.
             sys.stdout.flush()
@@ -570,9 +575,10 @@ def main() -> None:
         sys.exit(143)
     except OSError as e:
         if e is stdout.refused:
-            # `results > out.csv` on a full disk: where the output goes refused it, no bug
-            typer.echo(one_line(f"error: cannot write the output to stdout ({e.strerror or e}); free space "
-                                f"where stdout goes, or send it elsewhere"), err=True)
+            # `results > out.csv` on a full disk, or `results >&-`: where the output goes refused it, no bug
+            fix = ("stdout is closed: give the command one, e.g. `> out.txt` or `> /dev/null`" if e.errno == errno.EBADF
+                   else "free space where stdout goes, or send it elsewhere")
+            typer.echo(one_line(f"error: cannot write the output to stdout ({e.strerror or e}); {fix}"), err=True)
             stdout.silence()
             sys.exit(2)
         if e.errno != errno.ENAMETOOLONG:  # a bug, as below
@@ -591,6 +597,17 @@ def main() -> None:
             sys.stdout = stdout.stream
 
 
+MAX_COLUMNS = 10_000  # a help page wider than this is padding: 100,000 columns wrote 3.9 MB of --help
+
+
+def _drop_unusable_columns() -> None:
+    """Forget $COLUMNS when --help (rich) cannot draw at that width: 99999999999999999999 was an
+    OverflowError (exit 70), 0 a blank page. The terminal's own width (or 80) is used instead."""
+    text = os.environ.get("COLUMNS")
+    if text is not None and text.strip().isdigit() and not 1 <= int(text) <= MAX_COLUMNS:
+        del os.environ["COLUMNS"]
+
+
 class WatchedOutput:
     """sys.stdout as it was, remembering the OSError a write or flush of it raised: what lets `main`
     tell a full disk under `results > out.csv` (no bug) from a failed write of packbench's own."""
@@ -601,17 +618,25 @@ class WatchedOutput:
 
     def write(self, text):
         try:
-            return self.stream.write(text)
+            return self._open().write(text)
         except OSError as e:
             self.refused = e
             raise
 
     def flush(self) -> None:
         try:
-            self.stream.flush()
+            self._open().flush()
         except OSError as e:
             self.refused = e
             raise
+
+    def _open(self):
+        """The stream; an OSError (EBADF) where there is none: the interpreter sets sys.stdout to None
+        when descriptor 1 was closed at start (`packbench results >&-`), and a write to None was an
+        AttributeError, reported as a packbench bug (exit 70)."""
+        if self.stream is None:
+            raise OSError(errno.EBADF, os.strerror(errno.EBADF))
+        return self.stream
 
     def silence(self) -> None:
         """Point stdout's descriptor at /dev/null: the interpreter's flush at exit would fail again

@@ -93,12 +93,10 @@ def stats(model_dir: Path, ids: list[list[int]], *, dtype: str, json_out: bool, 
     summary["published"] = {"name": published, **{k: v for k, v in PUBLISHED[published].items()}}
     summary["checks"] = check(summary, published)
     if figure is not None:
+        from packbench.cli.common import write_output
         from packbench.cli.report_figures import routing_figure
 
-        try:
-            figure.write_text(routing_figure(summary))
-        except OSError as e:
-            raise PackbenchError(f"--figure {figure}: cannot write it ({e.strerror}); choose another path") from None
+        write_output(figure, routing_figure(summary), "--figure")  # whole or not at all
     if json_out:
         typer.echo(json.dumps(_finite(summary), sort_keys=True, default=list))
         return

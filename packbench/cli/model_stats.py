@@ -44,7 +44,7 @@ def stats(
     device: Annotated[str, typer.Option(help="cpu, or cuda[:N].")] = "cpu",
     json_out: Annotated[bool, typer.Option("--json", metavar="", help="Print every figure (the whole union curve too) as JSON.")] = False,
     figure: Annotated[Optional[Path], typer.Option(
-        help="MoE checkpoints: also write the routing figure (load, reuse, LRU against Belady) as SVG here.")] = None,
+        help="MoE checkpoints: also write the routing figure (load, reuse, LRU against Belady) to this .svg file.")] = None,
     robustness: Annotated[bool, typer.Option(
         "--robustness", help="Instead: fake-quantization sensitivity (int8 per-channel, int4 and int3 per-channel "
                              "and group-128 RTN, nf4 block-64; every decoder Linear weight), teacher-forced on the "
@@ -84,6 +84,11 @@ def stats(
             raise PackbenchError(f"--trace {trace} exists; give a new file path")
         if not trace.parent.is_dir():
             raise PackbenchError(f"--trace {trace}: its directory does not exist; give a path in an existing directory")
+    if figure is not None and figure.suffix.lower() != ".svg":  # `--figure packbench.db` replaced the database
+        raise PackbenchError(f"--figure {figure}: write the figure to a .svg file")
+    if figure is not None and not figure.parent.is_dir():  # said before any prompt is routed
+        raise PackbenchError(f"--figure {figure}: the directory {figure.parent} does not exist; create it or choose "
+                             f"another --figure")
     if is_moe_dir(model_dir):  # routing statistics: the prefill's per-token routes are the trace
         if robustness:
             raise PackbenchError("--robustness measures OPT checkpoints (real OPT's figures are its targets); "

@@ -128,13 +128,24 @@ def _written_activity(model_dir):
     return None
 
 
+def rate(ctx: typer.Context, param: typer.CallbackParam, value: float) -> float:
+    """--h2d-gbps: a rate in GB/s within the bounds of a machine file's pinned_h2d_gbps. Below them
+    the transfer time overflows: 5e-324 GB/s printed `Infinity` in --json, which is no JSON."""
+    from packbench.core.simulate import MAX_VALUE, MIN_VALUE
+
+    value = finite(ctx, param, value)
+    if not MIN_VALUE <= value <= MAX_VALUE:
+        raise typer.BadParameter(f"{value:g} is not a rate in GB/s from {MIN_VALUE:g} to {MAX_VALUE:g}")
+    return value
+
+
 def plan_cmd(
     protocol: ProtocolFile,
     sparsity: Annotated[Optional[float], typer.Option(
         callback=finite, help="Fraction of post-ReLU activations exactly zero per token (default: model.synth's; required for "
              "model.path, e.g. 0.94: pretrained OPT shows 0.90-0.97).")] = None,
     h2d_gbps: Annotated[float, typer.Option(
-        "--h2d-gbps", callback=finite, help="Host-to-device rate for the transfer floor, GB/s (default: pinned copies on the H200).")]
+        "--h2d-gbps", callback=rate, help="Host-to-device rate for the transfer floor, GB/s (default: pinned copies on the H200).")]
     = 55.0,
     shape: Annotated[Optional[Shape], typer.Option(
         help="The model's shape when model.path's config.json is not on this machine.")] = None,
@@ -169,8 +180,6 @@ def plan_cmd(
                              f"checkpoint's shape from its config.json: plan where the checkpoint is)")
     if sparsity is not None and not 0 < sparsity < 1:
         raise PackbenchError(f"--sparsity {sparsity} is not in (0, 1)")
-    if h2d_gbps <= 0:
-        raise PackbenchError(f"--h2d-gbps {h2d_gbps} must be > 0")
     if sweep:
         from packbench.cli.sweep import plan_sweep
 
@@ -226,8 +235,6 @@ def _moe_plan(frozen: FrozenProtocol, *, h2d_gbps: float, json_out: bool) -> Non
     from packbench.engine.config import read_config
     from packbench.service.submit import check_family, check_positions
 
-    if h2d_gbps <= 0:
-        raise PackbenchError(f"--h2d-gbps {h2d_gbps} must be > 0")
     p = frozen.protocol
     if p.model.synth is not None:  # a synthetic MoE shape: the schema checked positions and conditions
         s: MoeShape = MoeShape.of(p.model.synth.shape, layers=p.model.synth.layers)

@@ -137,7 +137,7 @@ def report_sweep(store, sweep_id: str, out: Path | None, *, json_out: bool = Fal
     path = out or Path(f"sweep-{sweep_id}.html")
     write_output(path, sweep_page(sweep_id, pts), "--out")
     if json_out:
-        echo_json({"path": str(path), "bytes": path.stat().st_size, "sweep": sweep_id,
+        echo_json({"path": str(path), "bytes": path.stat().st_size, "sweep_id": sweep_id,
                    "screens": [p.screen_id for p in pts]})
         return
     typer.echo(f"wrote {path} ({path.stat().st_size:,} bytes)")

@@ -130,8 +130,9 @@ def generate_key(path: Path) -> tuple[Path, Path, str]:
     serialization, ed25519 = _crypto()
     path = Path(path)
     pub = path.with_name(path.name + ".pub")
-    if path.exists() or pub.exists():
-        raise ProvenanceError(f"a key already exists at {path}; keys are never overwritten (choose another --key)")
+    for there in (path, pub):  # the one that is there is named: `--key k` with only k.pub named k
+        if there.exists():
+            raise ProvenanceError(f"a key already exists at {there}; keys are never overwritten (choose another --key)")
     path.parent.mkdir(parents=True, exist_ok=True)
     key = ed25519.Ed25519PrivateKey.generate()
     private = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,

@@ -62,21 +62,33 @@ def environ_db_url(environ: Mapping[str, str] | None = None) -> str:
     return (os.environ if environ is None else environ).get(DB_URL_ENV) or DEFAULT_DB_URL
 
 
-def worker_threads(text: str | None) -> int | None:
-    """$PACKBENCH_WORKER_THREADS / --worker-threads as a count (None: unset)."""
+def _given(variable: str, option: str | None, text: str) -> tuple[str, str]:
+    """(the value as a message names it, how to drop it): the command line's option when `option`
+    is given (it was typed there), else the environment variable."""
+    if option is not None:
+        return f"{option} {text!r}", f"leave {option} out"
+    return f"{variable}={text!r}", "unset it"
+
+
+def worker_threads(text: str | None, option: str | None = None) -> int | None:
+    """$PACKBENCH_WORKER_THREADS / --worker-threads (`option`, when given on the command line) as
+    a count (None: unset)."""
     if text is None:
         return None
     if not (text.isdigit() and int(text) > 0):
-        raise PackbenchError(f"{WORKER_THREADS_ENV}={text!r} is not a number of threads; set it to a positive "
-                             f"integer or unset it (each worker then takes its share of the host's cores)")
+        value, drop = _given(WORKER_THREADS_ENV, option, text)
+        raise PackbenchError(f"{value} is not a number of threads; make it a positive integer or {drop} (each worker "
+                             f"then takes its share of the host's cores)")
     return int(text)
 
 
-def worker_pin(text: str | None) -> bool:
-    """$PACKBENCH_WORKER_PIN / --worker-pin: "1" pins, "0" or unset does not."""
+def worker_pin(text: str | None, option: str | None = None) -> bool:
+    """$PACKBENCH_WORKER_PIN / --worker-pin (`option`, when given on the command line): "1" pins,
+    "0" or unset does not."""
     if text is not None and text not in ("0", "1"):
-        raise PackbenchError(f"{WORKER_PIN_ENV}={text!r} must be 1 (pin each GPU worker to its share of the "
-                             f"host's cores) or 0; or unset it")
+        value, drop = _given(WORKER_PIN_ENV, option, text)
+        raise PackbenchError(f"{value} must be 1 (pin each GPU worker to its share of the host's cores) or 0; "
+                             f"or {drop}")
     return text == "1"
 
 

@@ -18,6 +18,21 @@ def one_line(text: str) -> str:
     return "".join(ch if ch.isprintable() else ascii(ch)[1:-1] for ch in text)
 
 
+ERROR_LINE_LIMIT = 1000  # characters: past any message packbench writes of its own, a dozen rows of a terminal
+
+
+def error_line(text: str, limit: int = ERROR_LINE_LIMIT) -> str:
+    """`text` as one line (`one_line`) of at most `limit` characters: a longer one keeps its start
+    (the cause) and its end (the fix) and says how many characters between were cut. An error
+    quoting its input (`--tag`, `--since`, an unknown command) printed a megabyte value whole."""
+    text = one_line(text)
+    if len(text) <= limit:
+        return text
+    keep = limit - 40  # room for the marker, ` ...[1,048,576 characters cut]... `
+    head = keep * 2 // 3
+    return f"{text[:head]} ...[{len(text) - keep:,} characters cut]... {text[len(text) - (keep - head):]}"
+
+
 def counted(n: int, noun: str) -> str:
     """`1 episode`, `2 episodes`: a count with its noun (plural by an added s)."""
     return f"{n:,} {noun}" if n == 1 else f"{n:,} {noun}s"

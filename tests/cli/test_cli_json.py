@@ -197,3 +197,35 @@ def test_plan_of_a_cpu_screen_without_rates_says_none_is_known(tmp_path):
     out = invoke("protocol", "plan", str(GATES), "--device", "cpu", "--db", f"sqlite:///{tmp_path / 'none.db'}")
     assert out.exit_code == 0 and "time: no rate is known for a CPU screen" in out.stdout
     assert not (tmp_path / "none.db").exists()  # planning creates no database
+
+
+def test_report_sweep_prints_one_document(tmp_path):
+    """`report --sweep ID --json` ignored --json: it printed `wrote sweep-....html (N bytes)`, no
+    JSON on stdout. One document names the page written, its size, the sweep and its screens."""
+    url = f"sqlite:///{tmp_path / 'pb.db'}"
+    earlier_screen(url)
+    with Store(url) as store:
+        store.set_sweep(1, sweep_id="sw-1", point={"prefix_tokens": 16})
+    page = tmp_path / "sweep.html"
+    assert document("report", "--sweep", "sw-1", "--out", str(page), "--db", url, "--json") == {
+        "path": str(page), "bytes": page.stat().st_size, "sweep_id": "sw-1", "screens": [1]}
+    assert document("report", "--sweep", "latest", "--out", str(page), "--db", url, "--json")["sweep_id"] == "sw-1"
+    text = invoke("report", "--sweep", "sw-1", "--out", str(page), "--db", url)
+    assert text.exit_code == 0 and text.stdout == f"wrote {page} ({page.stat().st_size:,} bytes)\n", text.stdout
+
+
+@pytest.mark.parametrize("args, env, line", [
+    (["--worker-threads", "0"], {}, "error: --worker-threads '0' is not a number of threads; make it a positive integer "
+     "or leave --worker-threads out (each worker then takes its share of the host's cores)"),
+    ([], {"PACKBENCH_WORKER_THREADS": "four"}, "error: PACKBENCH_WORKER_THREADS='four' is not a number of threads; make "
+     "it a positive integer or unset it (each worker then takes its share of the host's cores)"),
+    (["--worker-pin", "2"], {"PACKBENCH_WORKER_PIN": "1"}, "error: --worker-pin '2' must be 1 (pin each GPU worker to "
+     "its share of the host's cores) or 0; or leave --worker-pin out"),
+    ([], {"PACKBENCH_WORKER_PIN": "yes"}, "error: PACKBENCH_WORKER_PIN='yes' must be 1 (pin each GPU worker to its "
+     "share of the host's cores) or 0; or unset it"),
+])
+def test_a_bad_worker_setting_names_where_it_was_given(packbench_cli, tmp_path, args, env, line):
+    """`--worker-threads 0` was refused as `PACKBENCH_WORKER_THREADS='0' ...; unset it`, naming a
+    variable the user never set: the line names the option typed, or the variable when it was one."""
+    r = packbench_cli(*args, "status", env={"PACKBENCH_DB_URL": f"sqlite:///{tmp_path / 'none.db'}", **env})
+    assert (r.returncode, r.stdout, r.stderr.strip().splitlines()) == (2, "", [line])

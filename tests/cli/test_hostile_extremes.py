@@ -213,6 +213,23 @@ def test_stdout_on_a_full_disk_is_one_line_not_a_bug(world, tmp_path):
                                              "free space where stdout goes, or send it elsewhere"], r.stderr
 
 
+@pytest.mark.parametrize("args", [["screens", "list", "--json"], ["db", "history"], ["--version"]])
+def test_a_closed_stdout_is_one_line_not_a_bug(world, tmp_path, args):
+    """`packbench screens list >&-` (descriptor 1 closed: the interpreter's sys.stdout is None)
+    said 'unexpected AttributeError: 'NoneType' object has no attribute 'write' ... this is a
+    packbench bug' and exited 70. One line naming the closed stdout and the fix, exit 2."""
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "packbench", *args], stdout=subprocess.DEVNULL,
+                       stderr=subprocess.PIPE, text=True, cwd=tmp_path, preexec_fn=lambda: os.close(1),
+                       env={**os.environ, "PACKBENCH_DB_URL": f"sqlite:///{tmp_path / 'pb.db'}"})
+    assert r.returncode == 2, (r.returncode, r.stderr)
+    assert r.stderr.strip().splitlines() == ["error: cannot write the output to stdout (Bad file descriptor); stdout "
+                                             "is closed: give the command one, e.g. `> out.txt` or `> /dev/null`"], \
+        r.stderr
+
+
 # ----------------------------------------------------------------------------- file arguments
 
 
@@ -447,6 +464,18 @@ def test_help_shows_no_value_beside_a_flag(packbench_cli):
     assert r.returncode == 0
     wait = next(line for line in r.stdout.splitlines() if "--wait" in line and "Run the screen" in line)
     assert "<bool>" not in wait, wait
+
+
+@pytest.mark.parametrize("columns", ["99999999999999999999", "0", "10001"])
+def test_help_at_a_terminal_width_it_cannot_draw_is_drawn_at_the_default(packbench_cli, columns):
+    """COLUMNS=99999999999999999999 made `packbench --help` an OverflowError in rich (exit 70), 0 a
+    blank page, 100,000 3.9 MB of padding: a width outside 1..10,000 is dropped, as if unset."""
+    r = packbench_cli("submit", "--help", env={"COLUMNS": columns})
+    default = packbench_cli("submit", "--help", env={"COLUMNS": "80"})
+    assert (r.returncode, r.stderr) == (0, ""), r.stderr
+    assert r.stdout == default.stdout and "Freeze a protocol" in r.stdout
+    assert packbench_cli(env={"COLUMNS": columns}).returncode == 2  # the bare command's help, as typer shows it
+    assert packbench_cli("submit", "--help", env={"COLUMNS": "10000"}).stdout != default.stdout  # the bound: used
 
 
 @pytest.mark.parametrize("kind", ["fifo", "device", "directory"])

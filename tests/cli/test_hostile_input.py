@@ -199,6 +199,17 @@ def test_keys_init_where_no_key_can_be_written_is_one_line(tmp_path, db, capsys)
     one_line_error(r, "--key /proc/x/key.pem: cannot write the key there")
 
 
+@pytest.mark.parametrize("existing", ["k.pem", "k.pem.pub"])
+def test_keys_init_names_the_key_file_already_there_and_keeps_it(tmp_path, db, capsys, existing):
+    """With only k.pem.pub there (another lab's public key, say), `keys init --key k.pem` said
+    'a key already exists at k.pem', a file that was not there: the line names the one that is."""
+    (tmp_path / existing).write_text("kept")
+    r = pb(capsys, "keys", "init", "--key", str(tmp_path / "k.pem"), "--no-db")
+    assert one_line_error(r) == (f"error: a key already exists at {tmp_path / existing}; keys are never overwritten "
+                                 f"(choose another --key)")
+    assert [p.name for p in tmp_path.glob("k.pem*")] == [existing] and (tmp_path / existing).read_text() == "kept"
+
+
 @pytest.mark.parametrize("name", ["evil\nname", "\x1b[2J", "", "a" * 100_000])
 def test_a_key_name_that_is_not_one_short_line_is_refused_before_any_key_is_written(tmp_path, db, capsys, name):
     """Catches `keys init --name` / `keys register --name` storing any text: a newline split every
@@ -488,6 +499,53 @@ def test_an_error_quoting_input_with_a_newline_stays_one_line(tmp_path, db, caps
     (`screens list --protocol <newline>`). Every PackbenchError line is now escaped where it is printed."""
     line = one_line_error(pb(capsys, "history", "q\n\x1b[31m"), "no done screen of protocol")
     assert "\x1b" not in line and "--protocol q\\n\\x1b[31m" in line
+
+
+MEGABYTE = "x" * (1 << 20)
+
+
+@pytest.mark.parametrize("args, start, end", [
+    (["results", "--tag", MEGABYTE], "error: --tag 'xxx", "' is not KEY=VALUE; write e.g. --tag team=infra"),
+    (["results", "--since", MEGABYTE], "error: --since 'xxx", "is not an ISO date; use e.g. 2026-01-31 or "
+                                                               "2026-01-31T12:00:00+00:00"),
+    (["results", "--format", MEGABYTE], "error: unknown --format 'xxx", "'; use one of table, json, csv"),
+    (["screens", "list", "--status", MEGABYTE], "error: unknown screen status 'xxx", "use one of queued, running, done, "
+                                                                                "failed, cancelled"),
+    (["report", "--sweep", MEGABYTE], "error: no sweep 'xxx", "`packbench screens list` shows each screen's sweep"),
+    (["audit", "screen", "--since", MEGABYTE], "error: --since 'xxx", "write e.g. 2026-11-30 or 2026-11-30T18:00"),
+    (["submit", "p.yaml", "--sweep", MEGABYTE], "error: --sweep 'xxx", "write e.g. --sweep prefix_tokens=32,64"),
+    (["--worker-threads", MEGABYTE, "status"], "error: ", ""),
+    ([MEGABYTE], "error: No such command 'xxx", "'; see `packbench --help`"),
+    (["status", "--" + MEGABYTE], "error: No such option: --xxx", "; see `packbench status --help`"),
+])
+def test_an_error_quoting_a_megabyte_of_input_is_a_bounded_line_with_its_cause_and_fix(tmp_path, db, tiny, capsys,
+                                                                                       args, start, end):
+    """Each of these printed the megabyte value whole: a 1,048,6xx-character error line, its fix
+    a megabyte away from its cause. The line printed keeps both ends and says how much was cut."""
+    from packbench.core.text import ERROR_LINE_LIMIT
+
+    write(tmp_path / "p.yaml", yaml.safe_dump(quickstart(tiny)))
+    line = one_line_error(pb(capsys, *args), " characters cut]... ")
+    assert len(line) <= ERROR_LINE_LIMIT and line.startswith(start) and line.endswith(end), line
+    assert queued(db) == []
+
+
+def test_error_line_cuts_only_past_its_limit_and_keeps_both_ends():
+    from packbench.core.text import error_line
+
+    assert error_line("e" * 100, limit=100) == "e" * 100  # at the limit: whole
+    cut = error_line("a" * 61 + "b" * 40, limit=100)  # one past: 60 kept (40 first, 20 last), 41 cut
+    assert cut == "a" * 40 + " ...[41 characters cut]... " + "b" * 20 and len(cut) <= 100
+    assert error_line("cause \u202e\n fix") == "cause \\u202e\\n fix"  # one line, escaped
+
+
+def test_a_usage_error_quoting_a_bidi_override_prints_it_escaped(tmp_path, db, capsys):
+    """typer's own messages (an extra argument, an unknown option) printed U+202E and U+200B raw: a
+    terminal reorders the rest of the line. They are escaped as packbench's own errors are."""
+    line = one_line_error(pb(capsys, "results", "--passed", "\u202eevil\u200b"), "unexpected extra argument")
+    assert "\u202e" not in line and "\u200b" not in line and "(\\u202eevil\\u200b)" in line, line
+    line = one_line_error(pb(capsys, "status", "--\u202eevil"), "No such option")
+    assert "\u202e" not in line and "--\\u202eevil" in line, line
 
 
 @pytest.mark.parametrize("value, fragment", [

@@ -181,3 +181,27 @@ def test_moe_stats_stderr_holds_its_own_progress_alone(tmp_path):
                                "1", "--prefix", "8"], capture_output=True, text=True,
                               cwd=Path(__file__).resolve().parents[2])
         assert loud.returncode == 0 and "torchao" in loud.stderr, loud.stderr
+
+
+def test_stats_figure_never_replaces_a_file_that_is_no_svg(tmp_path, packbench_cli):
+    """`model stats MOE --figure packbench.db` wrote the SVG over the results database (and over an
+    archive given as --figure): --figure is a .svg file, checked before any prompt is routed, as
+    report --out and history --html are .html files; written whole or not at all."""
+    out = tmp_path / "olmoe"
+    assert packbench_cli("model", "synth", "--out", str(out), "--shape", "olmoe-tiny", "--layers", "1").returncode == 0
+    for name in ("packbench.db", "screen-00001-attempt-1.zip", "routing"):
+        kept = tmp_path / name
+        kept.write_bytes(b"SQLite format 3\x00 results")
+        r = packbench_cli("model", "stats", str(out), "--prefix", "8", "--count", "1", "--figure", str(kept))
+        assert (r.returncode, r.stdout) == (2, ""), (r.returncode, r.stderr)
+        assert r.stderr.strip().splitlines() == [f"error: --figure {kept}: write the figure to a .svg file"]
+        assert kept.read_bytes() == b"SQLite format 3\x00 results"
+    missing = tmp_path / "no" / "such" / "r.svg"
+    r = packbench_cli("model", "stats", str(out), "--prefix", "8", "--count", "1", "--figure", str(missing))
+    assert r.returncode == 2 and r.stderr.strip().splitlines() == [
+        f"error: --figure {missing}: the directory {missing.parent} does not exist; create it or choose another "
+        f"--figure"], r.stderr
+    svg = tmp_path / "routing.SVG"
+    r = packbench_cli("model", "stats", str(out), "--prefix", "8", "--count", "1", "--figure", str(svg))
+    assert r.returncode == 0, r.stderr
+    assert svg.read_text().startswith("<svg") and list(tmp_path.glob(".*.tmp")) == []

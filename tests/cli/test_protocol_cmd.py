@@ -297,3 +297,32 @@ def test_the_moe_plan_gives_a_tiny_experts_size_in_figures_that_are_not_zero(tmp
     assert r.exit_code == 0, (r.stdout, r.stderr)
     mib = MoeShape.of("qwen3-moe-tiny").expert_bytes("float32") / 2**20
     assert f"3 layers x 16 experts (top 4) of {mib:.3g} MiB;" in r.stdout and mib > 0.01
+
+
+def strict_json(text: str):
+    def refuse(constant):
+        raise ValueError(f"{constant} is no JSON")
+    return json.loads(text, parse_constant=refuse)
+
+
+@pytest.mark.parametrize("gbps", ["5e-324", "1e-300", "9.99e-10", "0", "-1", "1.01e12", "1e308"])
+def test_plan_refuses_an_h2d_rate_its_transfer_time_cannot_hold(packbench_cli, gbps):
+    """`protocol plan --h2d-gbps 5e-324 --json` printed `"total_transfer_s": Infinity` (no JSON;
+    its table `inf s`): the rate is bounded as a machine file's pinned_h2d_gbps is, for the OPT plan,
+    its --sweep and the MoE plan alike."""
+    for args in ([], ["--sweep", "prefix_tokens=16,32"]):
+        r = packbench_cli("protocol", "plan", str(GATES), "--h2d-gbps", gbps, "--json", *args)
+        assert r.returncode == 2 and r.stdout == "", (r.returncode, r.stdout)
+        assert r.stderr.strip().splitlines() == [
+            f"error: Invalid value for '--h2d-gbps': {float(gbps):g} is not a rate in GB/s from 1e-09 to 1e+12; "
+            f"see `packbench protocol plan --help`"], r.stderr
+
+
+@pytest.mark.parametrize("gbps", ["1e-9", "1e12"])
+def test_plan_at_the_h2d_rate_bounds_prints_strict_json(packbench_cli, tmp_path, gbps):
+    r = packbench_cli("protocol", "plan", str(GATES), "--h2d-gbps", gbps, "--json", "--device", "NVIDIA H200",
+                      "--db", f"sqlite:///{tmp_path / 'n.db'}")
+    assert r.returncode == 0, r.stderr
+    out = strict_json(r.stdout)
+    assert out["estimate"]["h2d_gbps"] == float(gbps)
+    assert all(0 < c["total_transfer_s"] < float("inf") for c in out["estimate"]["conditions"])

@@ -288,7 +288,7 @@ def test_report_sweep_json_prints_one_json_document(monkeypatch, tmp_path, capsy
     out = tmp_path / "s.html"
     report_sweep(None, "latest", out, json_out=True)
     printed = capsys.readouterr().out
-    assert json.loads(printed) == {"path": str(out), "bytes": out.stat().st_size, "sweep": "sw-1", "screens": [6]}
+    assert json.loads(printed) == {"path": str(out), "bytes": out.stat().st_size, "sweep_id": "sw-1", "screens": [6]}
     report_sweep(None, "latest", out)
     assert capsys.readouterr().out == f"wrote {out} ({out.stat().st_size:,} bytes)\n"
 
