@@ -147,7 +147,7 @@ done
 # zero-inference's CUDA test (its own process: DeepSpeed binds its accelerator at first import): built
 # under an allowance below the model's bytes, it decodes within it, logits dense-stream's.
 zi_limit=$(within 150)  # within DEADLINE like the screens (its 150 s after screens that used theirs overran the call)
-if [ -z "${TINY:-}" ] && [ -z "${SKIP_ZI_TEST:-}" ] && [ "$zi_limit" -le 40 ]; then
+if [ -z "${TINY:-}" ] && [ -z "${SKIP_ZI_TEST:-}" ] && [ "$zi_limit" -le 30 ]; then
   echo "== zero-inference CUDA test: skipped, $zi_limit s left of DEADLINE less RESERVE"
 elif [ -z "${TINY:-}" ] && [ -z "${SKIP_ZI_TEST:-}" ]; then
   timeout "$zi_limit" python3 -m pytest -q -m "deepspeed and gpu" -p no:cacheprovider tests/engine/test_zero_inference_cuda.py \

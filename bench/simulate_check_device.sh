@@ -98,6 +98,7 @@ else
   timeout "$budget" "${py:-python3}" -m packbench submit "$work/$shape.yaml" --wait > "$out/submit.log" 2>&1
   echo "-- submit rc $? in $(( $(date +%s) - t0 )) s (limit $budget s)"
   pb audit latest >> "$out/submit.log" 2>&1; echo "   audit rc $?"
+  verdict "$out/submit.log"
   grep -E "^(faithfulness|resources|capacity) " "$out/submit.log" | head -12
 fi
 

@@ -1,6 +1,7 @@
-"""bench/peers_device.sh's time rules, on the CPU in seconds: the script driven with a stub python3
-that logs each call (no Ray, no model), so what it would start within DEADLINE and RESERVE is seen
-without a device call (the TINY twin, `TINY=1 bash bench/peers_device.sh`, runs the real path)."""
+"""The device scripts' time rules and what they print, on the CPU in seconds: bench/peers_device.sh
+and bench/simulate_check_device.sh driven with a stub python3 that logs each call (no Ray, no model),
+so what they would start within DEADLINE and RESERVE is seen without a device call (their TINY twins,
+`TINY=1 bash bench/X.sh`, run the real path)."""
 
 import os
 import stat
@@ -68,7 +69,7 @@ def test_a_screen_with_enough_left_after_its_predraw_runs_and_is_audited(tmp_pat
 def test_the_zero_inference_cuda_test_keeps_within_the_deadline(tmp_path):
     """It ran for up to 150 s whatever the screens had used: after screens that took their
     DEADLINE less RESERVE the call ran past its 10 minutes."""
-    r, calls = run_script(tmp_path, {"SKIP_B1": "1", "DEADLINE": "45", "RESERVE": "10"}, tiny=False)
+    r, calls = run_script(tmp_path, {"SKIP_B1": "1", "DEADLINE": "40", "RESERVE": "10"}, tiny=False)
     assert r.returncode == 0, r.stderr
     assert "== zero-inference CUDA test: skipped, " in r.stdout and "s left of DEADLINE less RESERVE" in r.stdout
     assert not any("pytest" in c for c in calls), calls
@@ -76,3 +77,51 @@ def test_the_zero_inference_cuda_test_keeps_within_the_deadline(tmp_path):
     assert r.returncode == 0, r.stderr
     assert "== zero-inference CUDA test: rc 0" in r.stdout, r.stdout
     assert any(c.startswith("-m pytest -q -m deepspeed and gpu") for c in calls), calls
+
+
+# bench/simulate_check_device.sh with a stub python3 (TINY's `PYTHON`): the files its steps write
+# made empty, the submit sleeping SUBMIT_S, the audit saying AUDIT.
+SIM_STUB = """#!/bin/bash
+echo "$*" >> "$CALLS"
+want=""; for a in "$@"; do
+  case "$want" in out) mkdir -p "$a" ;; file) touch "$a" ;; esac
+  case "$a" in --out) [ "$2 $3" = "packbench model" ] && want=out || want=file ;;
+    --machine-out|--trace-out) want=file ;; *) want="" ;; esac
+done
+case "$2 $3" in
+  "packbench submit") sleep "${SUBMIT_S:-0}" ;;
+  "packbench audit") echo "$AUDIT" ;;
+esac
+exit 0
+"""
+
+
+def run_simulate_check(tmp_path, env):
+    stub = tmp_path / "python3"
+    stub.write_text(SIM_STUB)
+    stub.chmod(stat.S_IRWXU)
+    calls = tmp_path / "calls.log"
+    full = {"PATH": os.environ["PATH"], "HOME": str(tmp_path), "OUT": str(tmp_path / "out"), "CALLS": str(calls),
+            "TINY": "1", "PYTHON": str(stub), **env}
+    r = subprocess.run(["bash", "bench/simulate_check_device.sh"], cwd=ROOT, env=full, capture_output=True,
+                       text=True, timeout=60)
+    return r, calls.read_text().splitlines() if calls.exists() else []
+
+
+def test_simulate_check_prints_the_audits_verdict_not_only_its_exit_code(tmp_path):
+    """`audit rc 0` is also a PARTIAL audit of a screen its timeout cut short (an unfinished attempt
+    decides no exit code): the line that says which was in the log only."""
+    line = "audit of screen 1: PARTIAL (attempt 1 interrupted: 9 of 24 episodes)"
+    r, calls = run_simulate_check(tmp_path, {"DEADLINE": "200", "AUDIT": line})
+    assert r.returncode == 0, r.stderr
+    assert "   audit rc 0\n   " + line + "\n" in r.stdout, r.stdout
+    assert any(c.startswith("-m packbench submit") for c in calls), calls
+
+
+def test_simulate_check_skips_the_screen_under_a_minute_and_still_compares(tmp_path):
+    r, calls = run_simulate_check(tmp_path, {"DEADLINE": "100", "AUDIT": "audit of screen 1: AGREE"})
+    assert r.returncode == 0, r.stderr
+    assert "-- submit skipped: " in r.stdout and "s left of DEADLINE 100" in r.stdout, r.stdout
+    assert not any(c.startswith(("-m packbench submit", "-m packbench audit")) for c in calls), calls
+    assert any(c.startswith("-m bench.simulate_check compare") for c in calls), calls
+    assert r.stdout.rstrip().splitlines()[-1].startswith("done in ")
