@@ -126,9 +126,16 @@ PY
   timeout "$limit" python3 -m packbench submit "$work/$name.yaml" --wait 2>&1 \
     | while IFS= read -r line; do printf '%4d %s\n' $(( $(date +%s) - t0 )) "$line"; done > "$out/$name.log"
   echo "== $name (batch $batch, $prompts x $prefix + $CONT, $allowance MiB): submit rc ${PIPESTATUS[0]} in $(( $(date +%s) - t0 )) s (limit $limit s)"
-  python3 -m packbench audit latest >> "$out/$name.log" 2>&1; echo "   audit rc $?"
+  # the screen this submit ran, from its progress line: after a submit refused or stopped before its screen
+  # started, `audit latest` and `results --screen latest` were the previous screen's, under this one's name
+  local sid
+  sid=$(grep -m1 -oE "screen [0-9]+ attempt" "$out/$name.log" | cut -d' ' -f2)
+  if [ -z "$sid" ]; then
+    grep -E "rror" "$out/$name.log" | head -3; echo "   no screen started: nothing to audit"; return
+  fi
+  python3 -m packbench audit screen "$sid" >> "$out/$name.log" 2>&1; echo "   audit rc $?"
   grep -E "^(faithfulness|resources) |audit of|rror" "$out/$name.log" | sort -u | head -20
-  python3 -m packbench results --screen latest --json > "$out/$name.json" 2>/dev/null
+  python3 -m packbench results --screen "$sid" --json > "$out/$name.json" 2>/dev/null
 }
 [ -n "${SKIP_B1:-}" ] || screen peers-b1 1 "${PROMPTS:-2}" "${PREFIX:-512}" "${ALLOWANCE:-4800}"
 # Batched screens decode BATCH_CONT (8) tokens: 5 conditions x 2 episodes x 32 sequences' logits then

@@ -17,6 +17,7 @@ case "$1 $2 $3" in
   "-c "*) echo "deepspeed 0 transformers 0" ;;
   "- "*) cat > /dev/null; if [ -n "$2" ]; then sleep "${DRAW_S:-0}"; echo "   predraw: stub"; else echo table; fi ;;
   "-m packbench results") echo "{}" ;;
+  "-m packbench submit") echo "${SUBMIT_OUT-[    0.0 s] screen 7 attempt 1: 10 episodes on cpu}"; exit "${SUBMIT_RC:-0}" ;;
 esac
 exit 0
 """
@@ -64,6 +65,23 @@ def test_a_screen_with_enough_left_after_its_predraw_runs_and_is_audited(tmp_pat
     assert [c.split()[:3] for c in calls if c.startswith("-m packbench") and "upgrade" not in c] == [
         ["-m", "packbench", "protocol"], ["-m", "packbench", "submit"], ["-m", "packbench", "audit"],
         ["-m", "packbench", "results"]]
+    # the screen the submit's progress line named, not `latest`
+    assert "-m packbench audit screen 7" in calls and "-m packbench results --screen 7 --json" in calls, calls
+
+
+def test_a_refused_submit_audits_nothing_rather_than_the_previous_screen(tmp_path):
+    """`audit latest` and `results --screen latest` followed every submit: after a refused one
+    (a THEN_CONDITIONS screen with flexgen in float32, exit 2, nothing queued) they printed the
+    batch screen's AGREE and gates again under the second screen's heading and wrote its JSON as
+    peers-b4-then.json."""
+    line = "error: protocol field `dtype`: condition flexgen (flexgen) runs in float16 only"
+    r, calls = run_script(tmp_path, {"DEADLINE": "100", "SUBMIT_OUT": line, "SUBMIT_RC": "2"})
+    assert r.returncode == 0, r.stderr
+    assert "== peers-b1 (batch 1, 2 x 16 + 6, 64 MiB): submit rc 2 in " in r.stdout, r.stdout
+    assert "   0 " + line + "\n   no screen started: nothing to audit\n" in r.stdout, r.stdout
+    assert any(c.startswith("-m packbench submit") for c in calls), calls
+    assert not any(c.startswith(("-m packbench audit", "-m packbench results")) for c in calls), calls
+    assert not (tmp_path / "out" / "peers-b1.json").exists()
 
 
 def test_the_zero_inference_cuda_test_keeps_within_the_deadline(tmp_path):
