@@ -16,7 +16,8 @@
 #                                                ONLY=mixtral bash bench/simulate_check_device.sh
 # Logs under $OUT (or ./simulate-check-out). DEADLINE (s, default 560) bounds the call: the screen
 # gets what is left less the comparison's margin; REPS=1 if a shape runs short; OVERHEAD_FROM=FILE takes
-# the fixed costs from an earlier call's overhead.json instead of measuring them again. The CPU-sized
+# the fixed costs from an earlier call's overhead.json, or a machine file's overhead_us (bench/machines/h100.json;
+# its other rates are not taken), instead of measuring them again. The CPU-sized
 # version on the tiny shapes:
 #   TINY=1 bash bench/simulate_check_device.sh
 set -uo pipefail
