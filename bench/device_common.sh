@@ -32,6 +32,9 @@ product_env() {  # the wheels on the path, and a fresh database, archive and mod
   python3 -m packbench db upgrade > /dev/null
 }
 pb() { python3 -m packbench "$@"; }
+verdict() {  # LOG: its audit's verdict line (rc 0 is also a PARTIAL audit of a screen cut short: say which)
+  grep -E "^(error: )?audit of" "$1" | tail -1 | sed "s/^/   /"
+}
 
 # ----------------------------------------------------------------------------- the MoE scripts' preamble
 

@@ -49,6 +49,7 @@ YAML
   t0=$(date +%s)
   pb submit "$work/$shape.yaml" --wait > "$out/$shape-submit.log" 2>&1; echo "-- submit rc $? in $(( $(date +%s) - t0 )) s"
   pb audit latest >> "$out/$shape-submit.log" 2>&1; echo "   audit rc $?"
+  verdict "$out/$shape-submit.log"
   grep -E "^(faithfulness|resources|capacity) " "$out/$shape-submit.log" | head -12
   pb results --screen latest > "$out/$shape-results.txt" 2>&1; echo "   results rc $?"
   python3 -m bench.moe_cache "$work/archives" | tee "$out/$shape-table.txt"

@@ -52,6 +52,7 @@ YAML
     t0=$(date +%s)
     pb submit "$work/$shape.yaml" --wait > "$out/$shape-submit.log" 2>&1; echo "-- B: submit rc $? in $(( $(date +%s) - t0 )) s"
     pb audit latest >> "$out/$shape-submit.log" 2>&1; echo "   audit rc $?"
+    verdict "$out/$shape-submit.log"
     grep -E "^(faithfulness|resources|capacity) |condition|decode" "$out/$shape-submit.log" | head -14
   fi
   rm -rf "$dir"  # the next shape's checkpoint needs the disk

@@ -26,7 +26,8 @@
 # Knobs: SHAPE, PROFILE (opt4), SCORED (1: scored batches a condition at batch > 1), BATCH_CONT (8: their continuation), PROMPTS (2), PREFIX (512), ALLOWANCE (4800), BATCHES ("32"; "" for none), BATCH_PREFIX (64),
 # BATCH_ALLOWANCE (5700), CONDITIONS (the six names above; TINY: the five but flexgen), BATCH_CONDITIONS
 # (the batched screens': CONDITIONS, else the five but flexgen), SKIP_B1 (no batch-1 screen), SKIP_FLEXGEN,
-# FLEXGEN_BATCHES ("8,32"), PREDRAW (draw the checkpoint before each screen, timed), THEN_CONDITIONS (a second batched screen: below), PROBE_BATCHES (the probe's: "1,FLEXGEN_BATCHES"), SKIP_ZI_TEST (no zero-inference CUDA test), CONT (16), SCREEN_TIMEOUT (300), DEADLINE (560). A batch-B screen plans B
+# FLEXGEN_BATCHES ("8,32"), PREDRAW (draw the checkpoint before each screen, timed), THEN_CONDITIONS (a second batched screen: below), PROBE_BATCHES (the probe's: "1,FLEXGEN_BATCHES"), SKIP_ZI_TEST (no zero-inference CUDA test), CONT (16), SCREEN_TIMEOUT (300), DEADLINE (560), RESERVE (30: kept
+# after each screen, its predraw and the CUDA test for the audit and the table; a step with 30 s or less of its own left is skipped). A batch-B screen plans B
 # scored episodes per condition (one starting at each prompt), so batch 32 is the long one: where one
 # call cannot hold everything, split it (docs/experiments/competitors.md, "The H200 run"):
 #   BATCHES= bash bench/peers_device.sh                          # batch 1 + FlexGen's sweep
@@ -74,6 +75,10 @@ condition_line() {  # name -> its protocol entry
     *) echo "unknown condition $1" >&2; exit 2 ;;
   esac
 }
+within() {  # CAP: the seconds a step may run, CAP or what DEADLINE (560) leaves less RESERVE (30) if that is less
+  local left=$(( ${DEADLINE:-560} - ($(date +%s) - start) - ${RESERVE:-30} ))
+  echo $(( left < $1 ? left : $1 ))
+}
 screen() {  # name batch prompts prefix allowance
   local name=$1 batch=$2 prompts=$3 prefix=$4 allowance=$5
   { echo "name: $name"
@@ -96,10 +101,9 @@ screen() {  # name batch prompts prefix allowance
   local over
   over=$(python3 -m packbench protocol plan "$work/$name.yaml" 2>&1 >/dev/null | grep "over the audit bound")
   [ -z "$over" ] || { echo "== $name: skipped, ${over#warning: } (BATCH_CONT, BATCH_CONDITIONS or SCORED set it)"; return; }
-  local t0 limit=${SCREEN_TIMEOUT:-300} left
-  t0=$(date +%s); left=$(( ${DEADLINE:-560} - (t0 - start) - ${RESERVE:-30} ))
-  [ "$left" -lt "$limit" ] && limit=$left
-  [ "$limit" -gt 30 ] || { echo "== $name: skipped, $left s left of DEADLINE"; return; }
+  local t0 limit
+  limit=$(within "${SCREEN_TIMEOUT:-300}")
+  [ "$limit" -gt 30 ] || { echo "== $name: skipped, $limit s left of DEADLINE less RESERVE"; return; }
   if [ -n "${PREDRAW:-}" ]; then  # the checkpoint drawn into the model cache here, timed (the worker then finds it)
     python3 - "$work/$name.yaml" <<'PY' 2>&1 | tail -2
 import sys, time
@@ -112,15 +116,26 @@ t = time.time()
 path = model_dir_for(expand(dict(load(Path(sys.argv[1])).body)), None, cache=Path(os.environ["PACKBENCH_MODEL_CACHE"]))
 print(f"   predraw: {path.name} in {time.time() - t:.1f} s on {torch.get_num_threads()} threads")
 PY
-    t0=$(date +%s); left=$(( ${DEADLINE:-560} - (t0 - start) - ${RESERVE:-30} )); [ "$left" -lt "$limit" ] && limit=$left
+    # the draw has no limit of its own: what it left is checked again (`timeout 0` would never stop the
+    # screen, a negative limit would not start it and the audit below would be the previous screen's)
+    limit=$(within "$limit")
+    [ "$limit" -gt 30 ] || { echo "== $name: skipped after its predraw, $limit s left of DEADLINE less RESERVE"; return; }
   fi
+  t0=$(date +%s)
   # each log line stamped with the seconds since the submit began (where the screen's time went)
   timeout "$limit" python3 -m packbench submit "$work/$name.yaml" --wait 2>&1 \
     | while IFS= read -r line; do printf '%4d %s\n' $(( $(date +%s) - t0 )) "$line"; done > "$out/$name.log"
   echo "== $name (batch $batch, $prompts x $prefix + $CONT, $allowance MiB): submit rc ${PIPESTATUS[0]} in $(( $(date +%s) - t0 )) s (limit $limit s)"
-  python3 -m packbench audit latest >> "$out/$name.log" 2>&1; echo "   audit rc $?"
+  # the screen this submit ran, from its progress line: after a submit refused or stopped before its screen
+  # started, `audit latest` and `results --screen latest` were the previous screen's, under this one's name
+  local sid
+  sid=$(grep -m1 -oE "screen [0-9]+ attempt" "$out/$name.log" | cut -d' ' -f2)
+  if [ -z "$sid" ]; then
+    grep -E "rror" "$out/$name.log" | head -3; echo "   no screen started: nothing to audit"; return
+  fi
+  python3 -m packbench audit screen "$sid" >> "$out/$name.log" 2>&1; echo "   audit rc $?"
   grep -E "^(faithfulness|resources) |audit of|rror" "$out/$name.log" | sort -u | head -20
-  python3 -m packbench results --screen latest --json > "$out/$name.json" 2>/dev/null
+  python3 -m packbench results --screen "$sid" --json > "$out/$name.json" 2>/dev/null
 }
 [ -n "${SKIP_B1:-}" ] || screen peers-b1 1 "${PROMPTS:-2}" "${PREFIX:-512}" "${ALLOWANCE:-4800}"
 # Batched screens decode BATCH_CONT (8) tokens: 5 conditions x 2 episodes x 32 sequences' logits then
@@ -138,8 +153,11 @@ for b in ${BATCHES-32}; do
 done
 # zero-inference's CUDA test (its own process: DeepSpeed binds its accelerator at first import): built
 # under an allowance below the model's bytes, it decodes within it, logits dense-stream's.
-if [ -z "${TINY:-}" ] && [ -z "${SKIP_ZI_TEST:-}" ]; then
-  timeout 150 python3 -m pytest -q -m "deepspeed and gpu" -p no:cacheprovider tests/engine/test_zero_inference_cuda.py \
+zi_limit=$(within 150)  # within DEADLINE like the screens (its 150 s after screens that used theirs overran the call)
+if [ -z "${TINY:-}" ] && [ -z "${SKIP_ZI_TEST:-}" ] && [ "$zi_limit" -le 30 ]; then
+  echo "== zero-inference CUDA test: skipped, $zi_limit s left of DEADLINE less RESERVE"
+elif [ -z "${TINY:-}" ] && [ -z "${SKIP_ZI_TEST:-}" ]; then
+  timeout "$zi_limit" python3 -m pytest -q -m "deepspeed and gpu" -p no:cacheprovider tests/engine/test_zero_inference_cuda.py \
     > "$out/zi-cuda-test.log" 2>&1
   echo "== zero-inference CUDA test: rc $?"; grep -E "passed|failed|Error|assert" "$out/zi-cuda-test.log" | tail -6
 fi

@@ -49,6 +49,21 @@ def _today() -> str:
 # ----------------------------------------------------------------------------- measure
 
 
+def overhead_of(path: Path) -> dict:
+    """{"overhead_us": ...} from bench.moe_overhead's fragment, or from a machine file holding one
+    (bench/machines/*.json): only that term. Spread whole, a machine file's rates replaced the ones
+    this call measured (its copy rate, and a compute table without this shape's key)."""
+    try:
+        doc = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as e:
+        sys.exit(f"--overhead {path}: not a readable JSON file ({type(e).__name__}: {e}); give bench.moe_overhead's "
+                 f"--out file, or leave --overhead out")
+    if not isinstance(doc, dict) or not isinstance(doc.get("overhead_us"), dict):
+        sys.exit(f"--overhead {path}: no overhead_us object in it; give bench.moe_overhead's --out file (or a machine "
+                 f"file that holds one), or leave --overhead out")
+    return {"overhead_us": doc["overhead_us"]}
+
+
 def measure(a: argparse.Namespace) -> None:
     import numpy as np
     import torch
@@ -60,6 +75,7 @@ def measure(a: argparse.Namespace) -> None:
     from packbench.engine.moe.model import CpuFirstMoE
     from packbench.engine.tracing import Tracer
 
+    overhead = overhead_of(a.overhead) if a.overhead else {}  # before minutes are spent measuring
     device = torch.device(a.device)
     dtype = getattr(torch, a.dtype)
     if device.type == "cuda":  # the screen's worker's threads (engine/worker.py): its compute is what is predicted
@@ -95,7 +111,6 @@ def measure(a: argparse.Namespace) -> None:
     key = f"{trace.model.shape}:{trace.model.layers}"
     print(f"resident decode {compute:.2f} ms/token ({key}, median of {len(decode)} decode calls); trace of "
           f"{len(trace.calls)} calls to {a.trace_out}", flush=True)
-    fragment = json.loads(Path(a.overhead).read_text()) if a.overhead else {}
     kind = "pinned host-to-device copy" if device.type == "cuda" else "host memcpy (the CPU twin: no device)"
     machine = {
         "name": machine_name(device),
@@ -106,7 +121,7 @@ def measure(a: argparse.Namespace) -> None:
                                     "source": f"resident decode ms/token (steady decode call), {a.dtype}, 1 warm-up + "
                                               f"{a.repeats} episodes of the protocol's prompt (generator seed {a.seed}) x "
                                               f"{a.prefix} + {a.continuation}: {cmd}, {where}"}},
-        **fragment,
+        **overhead,
     }
     Path(a.machine_out).write_text(json.dumps(machine, indent=1) + "\n")
     print(f"wrote {a.machine_out}", flush=True)

@@ -16,7 +16,8 @@
 #                                                ONLY=mixtral bash bench/simulate_check_device.sh
 # Logs under $OUT (or ./simulate-check-out). DEADLINE (s, default 560) bounds the call: the screen
 # gets what is left less the comparison's margin; REPS=1 if a shape runs short; OVERHEAD_FROM=FILE takes
-# the fixed costs from an earlier call's overhead.json instead of measuring them again. The CPU-sized
+# the fixed costs from an earlier call's overhead.json, or a machine file's overhead_us (bench/machines/h100.json;
+# its other rates are not taken), instead of measuring them again. The CPU-sized
 # version on the tiny shapes:
 #   TINY=1 bash bench/simulate_check_device.sh
 set -uo pipefail
@@ -98,6 +99,7 @@ else
   timeout "$budget" "${py:-python3}" -m packbench submit "$work/$shape.yaml" --wait > "$out/submit.log" 2>&1
   echo "-- submit rc $? in $(( $(date +%s) - t0 )) s (limit $budget s)"
   pb audit latest >> "$out/submit.log" 2>&1; echo "   audit rc $?"
+  verdict "$out/submit.log"
   grep -E "^(faithfulness|resources|capacity) " "$out/submit.log" | head -12
 fi
 
