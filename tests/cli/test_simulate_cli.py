@@ -252,17 +252,14 @@ def test_a_trace_of_2_31_rows_a_layer_is_replayed_without_row_retention(opt_trac
              "--policy row-retention:rows_per_layer=8", "2147483647 rows is over")
 
 
-def test_nan_or_a_key_given_twice_in_a_trace_or_machine_file_is_one_line(opt_trace, packbench_cli, tmp_path):
-    """Catches a trace header or machine file read by Python's lenient JSON: NaN or Infinity in a
-    field no check reads (the trace's source, the machine's description) came back in `--json`'s
-    output, which was then no JSON; a key given twice (`"version": 7, "version": 2`, two
-    `pinned_h2d_gbps`) was read as its last value, where another reader keeps the first."""
+def header_rewriter(opt_trace, tmp_path, packbench_cli):
+    """The trace's header.json as text, and a function that writes the trace with another header
+    text to tmp_path/t.trace and runs `simulate ... --policy packet --json` on it."""
     import io
     import zipfile
 
     with zipfile.ZipFile(opt_trace) as zf:
         members = {n: zf.read(n) for n in zf.namelist()}
-    text = json.dumps(json.loads(members["header.json"]))
 
     def trace(header: str):
         buf = io.BytesIO()
@@ -271,6 +268,16 @@ def test_nan_or_a_key_given_twice_in_a_trace_or_machine_file_is_one_line(opt_tra
                 zf.writestr(n, v)
         (tmp_path / "t.trace").write_bytes(buf.getvalue())
         return packbench_cli("simulate", str(tmp_path / "t.trace"), "--policy", "packet", "--json")
+
+    return json.dumps(json.loads(members["header.json"])), trace
+
+
+def test_nan_or_a_key_given_twice_in_a_trace_or_machine_file_is_one_line(opt_trace, packbench_cli, tmp_path):
+    """Catches a trace header or machine file read by Python's lenient JSON: NaN or Infinity in a
+    field no check reads (the trace's source, the machine's description) came back in `--json`'s
+    output, which was then no JSON; a key given twice (`"version": 7, "version": 2`, two
+    `pinned_h2d_gbps`) was read as its last value, where another reader keeps the first."""
+    text, trace = header_rewriter(opt_trace, tmp_path, packbench_cli)
 
     one_line(trace(text.replace('"source": {', '"source": {"note": NaN, ', 1)),
              "TRACE: header.json holds NaN, which JSON does not have; rewrite the trace")
@@ -294,20 +301,7 @@ def test_a_number_beyond_a_double_or_a_huge_integer_in_a_trace_or_machine_file_i
     Python reads as inf): in the trace's source or a machine file's description it came back in
     `--json`'s output as Infinity or -Infinity, which is no JSON, exit 0; and an integer of 5000
     digits was said to be "not JSON" (Python's digit limit) without saying what to fix."""
-    import io
-    import zipfile
-
-    with zipfile.ZipFile(opt_trace) as zf:
-        members = {n: zf.read(n) for n in zf.namelist()}
-    text = json.dumps(json.loads(members["header.json"]))
-
-    def trace(header: str):
-        buf = io.BytesIO()
-        with zipfile.ZipFile(buf, "w") as zf:
-            for n, v in {**members, "header.json": header.encode()}.items():
-                zf.writestr(n, v)
-        (tmp_path / "t.trace").write_bytes(buf.getvalue())
-        return packbench_cli("simulate", str(tmp_path / "t.trace"), "--policy", "packet", "--json")
+    text, trace = header_rewriter(opt_trace, tmp_path, packbench_cli)
 
     one_line(trace(text.replace('"source": {', '"source": {"note": 1e999, ', 1)),
              "TRACE: header.json holds the number '1e999', beyond a double's range (read as infinity); rewrite the trace")

@@ -141,9 +141,8 @@ def test_the_audit_names_an_edited_flexgen_policy(cpu_flexgen, checkpoints, tmp_
     The bug it catches: the auditor never read `offload.policy`, so each audited AGREE."""
     import json
 
-    from cpu_screen import archive_screen
+    from cpu_screen import archive_screen, resealed
 
-    from packbench.core.archive import MANIFEST_NAME, ArchiveReader, ArchiveWriter
     from packbench.core.audit import audit_archive
     from packbench.core.canonical import canonical_json
     from packbench.core.protocol import freeze
@@ -159,24 +158,20 @@ def test_the_audit_names_an_edited_flexgen_policy(cpu_flexgen, checkpoints, tmp_
     assert audit_archive(path).agrees
     fg = next(e for e in episodes if e["condition"] == "flexgen" and e["role"] == "scored")
     member = f"episodes/{fg['plan_index']:05d}.json"
-    with ArchiveReader(path) as r:
-        data = {n: r.read_bytes(n) for n in r.names}
+
+    def policy_edited(edit):
+        def apply(members):
+            rec = json.loads(members[member])
+            rec["offload"]["policy"].update(edit)
+            members[member] = canonical_json(rec)
+        return apply
+
     for edit, line in [({"w_gpu_percent": 60}, "offload.policy: w_gpu_percent 60 is not the protocol's 50"),
                        ({"compress_weight": True}, "offload.policy: compress_weight recorded True, expected False"),
                        ({"chosen": True}, "offload.policy: chosen True is not the protocol's False")]:
         out = tmp_path / "forged.zip"
         out.unlink(missing_ok=True)
-        w = ArchiveWriter(out)
-        for name, raw in data.items():
-            if name == MANIFEST_NAME:
-                continue
-            if name == member:
-                rec = json.loads(raw)
-                rec["offload"]["policy"].update(edit)
-                raw = canonical_json(rec)
-            w.add_bytes(name, raw)
-        w.seal({k: v for k, v in json.loads(data[MANIFEST_NAME]).items() if k not in ("members", "format_version")})
-        report = audit_archive(out)
+        report = audit_archive(resealed(path, out, policy_edited(edit)))
         assert not report.agrees and any(p.startswith(f"{member}: {line}") for p in report.record["problems"]), \
             (line, report.record["problems"])
 

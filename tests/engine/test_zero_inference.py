@@ -339,9 +339,8 @@ def test_the_audit_names_an_edited_configuration_tier_policy_or_ledger_of_a_zero
     never read `offload` nor the record's `policy` and `params`, so a screen whose record said ZeRO
     stage 2, no offload, or another allowance audited AGREE. The unedited archive agrees, and the
     worker's budget is the torch-free arithmetic of the tiny shape (the check a synthetic model gets)."""
-    from cpu_screen import archive_screen
+    from cpu_screen import archive_screen, resealed
 
-    from packbench.core.archive import MANIFEST_NAME, ArchiveReader, ArchiveWriter
     from packbench.core.audit import audit_archive
     from packbench.core.canonical import canonical_json
     from packbench.core.conditions.base import RecordContext
@@ -362,21 +361,14 @@ def test_the_audit_names_an_edited_configuration_tier_policy_or_ledger_of_a_zero
     member = f"episodes/{zero['plan_index']:05d}.json"
 
     def forged(edit) -> list[str]:
-        with ArchiveReader(path) as r:
-            data = {n: r.read_bytes(n) for n in r.names}
+        def apply(members):
+            rec = json.loads(members[member])
+            edit(rec)
+            members[member] = canonical_json(rec)
+
         out = tmp_path / "forged.zip"
         out.unlink(missing_ok=True)
-        w = ArchiveWriter(out)
-        for name, raw in data.items():
-            if name == MANIFEST_NAME:
-                continue
-            if name == member:
-                rec = json.loads(raw)
-                edit(rec)
-                raw = canonical_json(rec)
-            w.add_bytes(name, raw)
-        w.seal({k: v for k, v in json.loads(data[MANIFEST_NAME]).items() if k not in ("members", "format_version")})
-        report = audit_archive(out)
+        report = audit_archive(resealed(path, out, apply))
         assert not report.agrees
         return report.record["problems"]
 
