@@ -383,6 +383,7 @@ def screens_show(
         typer.echo(no_attempts_advice(s.id, s.status))
         return
     tiers = store.condition_tiers([p.sha256]).get(p.sha256, {})
+    names = signer_names(store)
     attempts, verdicts, audits = [], [], []
     for d in detail.attempts:
         a = d.attempt
@@ -390,7 +391,7 @@ def screens_show(
                          "gpu": f"{a.gpu_name}:{a.gpu_index}", "started": _when(a.started_at),
                          "finished": _when(a.finished_at), "episodes": d.episodes, "failed": d.failed_episodes,
                          "archive": a.archive_path, "archive_sha256": (a.archive_sha256 or "")[:16] or None,
-                         "reconciled": _reconciled(a), "error": a.error})
+                         "signed by": _signer(a, names), "reconciled": _reconciled(a), "error": a.error})
         verdicts += [{"attempt": a.number, **verdict_record(v), "tier": tiers.get(v.condition)} for v in d.verdicts]
         audits += [{"attempt": a.number, "result": u.result, "digest": u.digest[:16], "kind": u.kind or "local",
                     "machine": u.machine, "node": (u.node or "")[:12] or "-", "finished": _when(u.finished_at),
@@ -406,6 +407,29 @@ def screens_show(
                if audits else "none; run `packbench audit`")
 
 
+def signer_names(store) -> dict[str, str]:
+    """Each registered signing key's name, by key id (`packbench keys`)."""
+    return {k.key_id: k.name for k in store.signers()}
+
+
+def _signer(attempt, names: dict[str, str]) -> str | None:
+    """The key that signed the attempt's archive and whose it is; None when unsigned."""
+    key = getattr(attempt, "signer_key_id", None)
+    if key is None:
+        return None
+    return f"{key} {one_line(names[key])!r}" if key in names else f"{key} (not registered here)"
+
+
+def provenance_text(attempt, names: dict[str, str]) -> str:
+    """Where an attempt's archive was made and who signed it, for a line: `compare` said only
+    "attempt 1 done", so a screen ingested from another lab read like one measured here."""
+    signed = _signer(attempt, names)
+    signed = "unsigned" if signed is None else f"signed by {signed}"
+    if getattr(attempt, "ingested_from", None) is None:
+        return signed
+    return f"ingested from {attempt.node or 'an unknown host'}, {signed}"
+
+
 def _reconciled(attempt) -> str | None:
     """When rows of the attempt came from its archive instead of the driver (db reconcile)."""
     if attempt.reconciled_at is None:
@@ -418,8 +442,11 @@ def attempt_time(attempt) -> dict[str, Any]:
     """Where an attempt's time went, from its archive: claim to end, the model's load (cold or
     warm), the episodes' own walls, and the worker's time around them (each policy's activation
     and the measurements; archives made before it was recorded show None)."""
+    # An ingested attempt's start and finish are when it was ingested here (an archive holds no
+    # clock time): its claim-to-end read 0 s, a time nothing measured.
+    ingested = getattr(attempt, "ingested_from", None) is not None
     row: dict[str, Any] = {"attempt": attempt.number, "model": attempt.model_state,
-                           "claim_to_end": None if attempt.finished_at is None else
+                           "claim_to_end": None if attempt.finished_at is None or ingested else
                            round((attempt.finished_at - attempt.started_at).total_seconds(), 3)}
     try:
         with ArchiveReader(attempt.archive_path) as archive:
@@ -438,7 +465,7 @@ def attempt_time(attempt) -> dict[str, Any]:
         load = None
     walls = [r.get("wall_s") or 0.0 for r in records]
     around = [r["episode_s"] - r["wall_s"] for r in records if r.get("wall_s") and r.get("episode_s")]
-    note = f"{len(records)} episodes"
+    note = f"{len(records)} episodes" + ("; ingested: its started and finished times are the ingest's" if ingested else "")
     shared = shared_gpu(records)
     if shared["episodes"]:
         note += (f"; GPU shared with pid {', '.join(map(str, sorted(shared['processes'])))} "
@@ -617,10 +644,12 @@ def compare(
     if None not in weights and weights[0] != weights[1]:
         typer.echo(f"warning: screens {c.a.screen_id} and {c.b.screen_id} measured different weights "
                    f"(checkpoint digests {weights[0][:12]} and {weights[1][:12]})", err=True)
+    names = signer_names(store)
     if out == "table":
-        for label, side in (("A", c.a), ("B", c.b)):
+        for label, side, attempt in (("A", c.a, attempts[0]), ("B", c.b, attempts[1])):
             typer.echo(one_line(f"{label}: screen {side.screen_id} ({side.protocol}, protocol "
-                                f"{side.protocol_sha256[:12]}), attempt {side.attempt} {side.attempt_status}"))
+                                f"{side.protocol_sha256[:12]}), attempt {side.attempt} {side.attempt_status}"
+                                + ("" if attempt is None else f", {provenance_text(attempt, names)}")))
         typer.echo("")
     tiers = store.condition_tiers([c.a.protocol_sha256, c.b.protocol_sha256])
     both = {**tiers.get(c.b.protocol_sha256, {}), **tiers.get(c.a.protocol_sha256, {})}
@@ -651,7 +680,10 @@ def compare(
                              "b": None if readings[1] is None else readings[1]["position"]},
                 "metrics": [{**dataclasses.asdict(m), "tier": tier(m.condition)} for m in c.metrics],
                 "verdicts": [{**dataclasses.asdict(v), "tier": tier(v.condition)} for v in c.verdicts],
-                "shared_host": {"a": sharing[0], "b": sharing[1]}}
+                "shared_host": {"a": sharing[0], "b": sharing[1]},
+                "provenance": {side: None if a is None else {
+                    "signer_key_id": a.signer_key_id, "signer_name": names.get(a.signer_key_id),
+                    "ingested_from": a.ingested_from} for side, a in zip("ab", attempts)}}
     _emit([Section([{**dataclasses.asdict(m), "tier": tier(m.condition)} for m in c.metrics],
                    ["condition", "tier", "metric", "A", "B", "B/A"],
                    title="scored episodes per condition (totals over ok episodes; peaks are maxima; energy over "

@@ -6,13 +6,14 @@ The commands run in this process through the console entry point (tests/in_proce
 tests through tests/conftest.py `packbench_cli`, the module's fixture directly)."""
 
 import hashlib
+import json
 from pathlib import Path
 
 import pytest
 
 from bench.audit import synthetic_protocol, write_synthetic_screen
 from packbench.core.archive import MANIFEST_NAME, ArchiveReader, file_sha256
-from packbench.core.provenance import Signer
+from packbench.core.provenance import Signer, generate_key
 from packbench.db.store import Store
 from in_process import run_packbench  # tests/in_process.py
 
@@ -291,3 +292,58 @@ def test_screen_ids_with_all_since_or_protocol_are_refused_not_half_heeded(world
             assert r.stderr.strip() == (f"error: screen ids and {named} both select screens, and {named} would go "
                                         f"unheeded: give the ids alone, or {named} without ids"), r.stderr
             assert r.stdout == ""
+
+
+def test_screens_show_and_compare_say_who_signed_an_ingested_screen(world, cli, tmp_path):
+    """Bug caught: `screens show` and `compare` never said that a screen was ingested nor whose key
+    signed it (`keys register --name` promised `compare` shows the name): an archive from another
+    lab read like one measured here. And an ingested attempt's claim-to-end read 0 s, its start
+    and finish being the ingest's own clock time. Both now say where it came from and who signed,
+    by key id and registered name; the claim-to-end is unknown (-)."""
+    d, db = world["dir"], tmp_path / "pb.db"
+    assert cli("db", "upgrade", cwd=d, db=db).returncode == 0
+    assert cli("keys", "register", str(world["pub"]), "--name", "Lab One", cwd=d, db=db).returncode == 0
+    other = tmp_path / "other.zip"  # a second archive, signed by a key registered nowhere
+    write_synthetic_screen(other, synthetic_protocol(prompts_n=3, repetitions=1))
+    with ArchiveReader(other) as reader:
+        manifest_sha = hashlib.sha256(reader.read_bytes(MANIFEST_NAME)).hexdigest()
+    other_key = Signer.load(generate_key(tmp_path / "other.pem")[0])
+    other_key.sign_archive(other, file_sha256(other), manifest_sha)
+    assert cli("ingest", str(world["signed"]), cwd=d, db=db).returncode == 0
+    r = cli("ingest", str(other), "--trust", str(tmp_path / "other.pem.pub"), cwd=d, db=db)
+    assert r.returncode == 0, (r.stdout, r.stderr)
+    kid, okid = world["key_id"], other_key.key_id
+
+    r = cli("screens", "show", "1", cwd=d, db=db)
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    header, row = lines[lines.index("attempts") + 1], lines[lines.index("attempts") + 2]
+    assert "signed by" in header and f"{kid} 'Lab One'" in row
+    time_header, time_row = lines[lines.index("time (s; from each attempt's archive)") + 1:][:2]
+    claim = time_header.index("claim_to_end")
+    assert time_row[claim:].split()[0] == "-"  # not 0: nothing claimed it here
+    assert "10 episodes; ingested: its started and finished times are the ingest's" in time_row
+
+    r = cli("compare", "1", "2", cwd=d, db=db)
+    assert r.returncode == 0, r.stderr
+    a, b = r.stdout.splitlines()[:2]
+    assert a.endswith(f"attempt 1 done, ingested from synthetic, signed by {kid} 'Lab One'"), a
+    assert b.endswith(f"attempt 1 done, ingested from synthetic, signed by {okid} 'other.pem.pub (--trust at ingest)'"), b
+    r = cli("compare", "1", "2", "--json", cwd=d, db=db)
+    assert json.loads(r.stdout)["provenance"] == {
+        "a": {"signer_key_id": kid, "signer_name": "Lab One", "ingested_from": f"synthetic (signed by {kid})"},
+        "b": {"signer_key_id": okid, "signer_name": "other.pem.pub (--trust at ingest)",
+              "ingested_from": f"synthetic (signed by {okid})"}}
+
+
+def test_a_local_attempt_says_unsigned_or_names_an_unregistered_signer():
+    """The words for an attempt measured here: unsigned, or a key the database does not hold."""
+    from types import SimpleNamespace
+
+    from packbench.cli.query import provenance_text
+
+    local = SimpleNamespace(signer_key_id=None, ingested_from=None, node="n1")
+    assert provenance_text(local, {}) == "unsigned"
+    signed = SimpleNamespace(signer_key_id="ab" * 8, ingested_from=None, node="n1")
+    assert provenance_text(signed, {"ab" * 8: "local"}) == f"signed by {'ab' * 8} 'local'"
+    assert provenance_text(signed, {}) == f"signed by {'ab' * 8} (not registered here)"
