@@ -211,3 +211,41 @@ def test_the_dispatcher_runs_its_screens_with_what_it_started_with_frozen_out_of
     assert outcome.status == "done" and len(frozen_at_episodes) == 4
     assert min(frozen_at_episodes) > before + 1000  # the interpreter's own objects and more
     assert gc.get_freeze_count() == 0
+
+
+def test_a_signing_key_the_database_lacks_is_registered_so_its_screens_audit(store, tmp_path):
+    """Bug caught: a dispatcher whose --signing-key was not registered in its database (made by
+    `keys init --no-db`, or for another database) signed every archive and recorded the signer, and
+    every later `audit SCREEN` checked the signature against the key the database names, found
+    none, and called each screen DISAGREE ("valid, but by key ..., which is not trusted here").
+    The dispatcher now registers its key's public half as this deployment's own, and says so; a
+    key already registered is left as it is (its name and locality kept)."""
+    from packbench.core.provenance import generate_key
+    from packbench.core.settings import Settings
+    from packbench.service.audit import audit_screens
+    from packbench.service.dispatcher import Dispatcher
+
+    key, _, key_id = generate_key(tmp_path / "deploy.pem")
+    (screen_id,) = submit(store, protocol_file(tmp_path))
+    said = []
+    d = Dispatcher(store, Settings(archive_dir=tmp_path / "archives", signing_key=key), FakePool(), lease_s=30,
+                   progress=lambda message, **event: said.append(message))
+    (outcome,) = d.run()
+    assert outcome.status == "done" and store.latest_attempt(screen_id).signer_key_id == key_id
+    (audit,) = audit_screens(store, [screen_id])
+    assert audit.result == "agree", audit.report.problems
+    assert audit.report.record["signature"] == {"status": "valid", "key_id": key_id}
+    (signer,) = store.signers()
+    assert (signer.key_id, signer.name, signer.local) == (key_id, "deploy.pem (--signing-key at dispatch)", True)
+    assert signer.public_key == d.signer.public_raw.hex()
+    assert (f"registered signing key {key_id} as this deployment's own ('deploy.pem (--signing-key at dispatch)'): "
+            f"audits of the archives it signs check their signatures against it") in said
+    # A second dispatcher with the key, now registered, registers nothing and says nothing of it.
+    store.put_signer(key_id="0" * 16, public_key="11" * 32, name="another", local=False)
+    (screen_id,) = submit(store, protocol_file(tmp_path, prompts=2))
+    said.clear()
+    d = Dispatcher(store, Settings(archive_dir=tmp_path / "archives", signing_key=key), FakePool(), lease_s=30,
+                   progress=lambda message, **event: said.append(message))
+    (outcome,) = d.run()
+    assert outcome.status == "done" and [s.key_id for s in store.signers()] == [key_id, "0" * 16]
+    assert not any("registered signing key" in m for m in said)

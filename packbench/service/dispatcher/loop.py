@@ -20,6 +20,7 @@ from packbench.core.errors import PackbenchError
 from packbench.core.provenance import Signer
 from packbench.core.settings import Settings
 from packbench.core.source import source_freeze
+from packbench.core.text import one_line
 from packbench.db.errors import DatabaseUnavailable
 from packbench.service.dispatcher.claims import Claims
 from packbench.service.dispatcher.fleet import Fleet
@@ -57,7 +58,7 @@ class Dispatcher:
                                  progress=progress)
         freeze = source_freeze()
         # The deployment's key signs every sealed archive (<archive>.sig, core/provenance.py).
-        signer = Signer.load(settings.signing_key) if settings.signing_key else None
+        self.signer = signer = Signer.load(settings.signing_key) if settings.signing_key else None
         self.lifecycle = Lifecycle(state, store, pool, self.watch, freeze=freeze, signer=signer,
                                    model_cache=None if settings.model_cache is None else str(settings.model_cache),
                                    progress=progress, on_outcome=on_outcome, observer=observer)
@@ -181,6 +182,7 @@ class Dispatcher:
                         time.sleep(wait)
                         continue
                     self.store.ping()  # one try per probe; the register below retries on its own
+                self._register_signer()
                 self.state.id = self.store.register_dispatcher(name, platform.node(), pid=os.getpid())
                 if self.state.outage is not None:
                     self._database_back()
@@ -189,6 +191,19 @@ class Dispatcher:
                 if not self.follow:
                     raise
                 self.watch.went_down(e)
+
+    def _register_signer(self) -> None:
+        """Register the signing key's public half as this deployment's own, unless the database
+        holds it. An audit of a signed attempt checks it against the key the database names
+        (service/audit.py `_signed_by`): a key made by `keys init --no-db` or for another database
+        signed every archive, and every later `audit SCREEN` called them DISAGREE, "not trusted here"."""
+        signer = self.signer
+        if signer is None or any(s.key_id == signer.key_id for s in self.store.signers()):
+            return
+        name = f"{one_line(Path(self.settings.signing_key).name)[:150]} (--signing-key at dispatch)"
+        self.store.put_signer(key_id=signer.key_id, public_key=signer.public_raw.hex(), name=name, local=True)
+        self.progress(f"registered signing key {signer.key_id} as this deployment's own ({name!r}): audits of the "
+                      f"archives it signs check their signatures against it")
 
     def _step(self) -> None:
         """One turn: upkeep, claims for idle workers, then whatever the workers returned."""
