@@ -408,7 +408,7 @@ def build_model(model_dir: Path, *, dtype: torch.dtype):
     """Stock transformers' OPTForCausalLM in host memory: built on `meta`, tensors assigned.
 
     Eager attention: on CUDA the default SDPA path is not reproducible run to run in decode
-    (shared/device/NOTES.md), and bit-identity is judged on logits.
+    (docs/engine.md), and bit-identity is judged on logits.
     """
     from transformers import OPTConfig, OPTForCausalLM
 

@@ -113,7 +113,7 @@ def stock_model(weights: OPTWeights, config: dict):
     from transformers import OPTConfig, OPTForCausalLM
 
     hf_config = OPTConfig(**{k: v for k, v in config.items() if k != "packbench_synth"})
-    hf_config._attn_implementation = "eager"  # SDPA is not reproducible in decode on CUDA (NOTES)
+    hf_config._attn_implementation = "eager"  # SDPA is not reproducible in decode on CUDA (docs/engine.md)
     with torch.device("meta"):
         model = OPTForCausalLM(hf_config)
     ours, theirs = weights.model.decoder, model.model.decoder
