@@ -164,6 +164,9 @@ class CpuFirstMoE:
         model.eval()
         t1 = time.perf_counter()
         self.experts_modules = _experts_modules(model)
+        # Each layer's forecast target (forecast_target), fixed by the model: found once, not per call.
+        with_experts = [i for i, e in enumerate(self.experts_modules) if e is not None]
+        self._targets = [next((n for n in with_experts if n > i), None) for i in range(len(self.experts_modules))]
         gate_up, down = [], []
         for experts in self.experts_modules:
             if experts is None:
@@ -244,8 +247,7 @@ class CpuFirstMoE:
         """The layer a forecast made in layer `layer` is for: the next layer with experts (l+1
         where every layer has them; a Qwen3-MoE with `mlp_only_layers` or `decoder_sparse_step`
         skips its dense layers), None after the last one."""
-        return next((n for n in range(layer + 1, len(self.experts_modules))
-                     if self.experts_modules[n] is not None), None)
+        return self._targets[layer]
 
     def forecast(self, layer: int, args: tuple, kwargs: dict) -> list[int] | None:
         """The experts the next layer with experts (`forecast_target`) picks by its router
