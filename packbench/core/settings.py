@@ -19,6 +19,12 @@ from packbench.core.errors import PackbenchError
 
 DEFAULT_PLACEMENT_TIMEOUT_S = 300.0
 DEFAULT_CONNECT_TIMEOUT_S = 15.0
+# An episode with no reply for this long is taken as hung (a deadlocked CUDA call, a stuck host
+# copy, a plugin that never returns): its worker is killed and replaced. The slowest episodes
+# measured take well under a minute (accelerate's offload of OPT-13B: 817 ms a decode token,
+# docs/benchmarks.md); a compile-mode episode's first compilation takes minutes. Half an hour
+# stops a hung screen without ever cutting a slow one short.
+DEFAULT_EPISODE_TIMEOUT_S = 1800.0
 DEFAULT_DB_URL = "sqlite:///packbench.db"
 # Near an allowance a fragmented allocator fails where a compact one fits: on the H200 an
 # opt-2.7b fp16 screen at 4800 MiB lost 15 of 66 episodes to OOM with the default allocator and
@@ -41,6 +47,8 @@ ENVIRONMENT: dict[str, tuple[str, str]] = {
     ARCHIVE_DIR_ENV: ("--archive-dir", "where raw archives are written (default archives)"),
     "PACKBENCH_PLACEMENT_TIMEOUT_S": ("--placement-timeout", "seconds a GPU worker may stay unplaced (300)"),
     "PACKBENCH_CONNECT_TIMEOUT_S": ("--connect-timeout", "seconds joining a Ray cluster may take (15)"),
+    "PACKBENCH_EPISODE_TIMEOUT_S": ("--episode-timeout", "seconds an episode may run before its worker is taken "
+                                                         "as hung, killed and replaced (1800)"),
     "PACKBENCH_EMBEDDED_GPUS": ("--embedded-gpus", "GPUs the embedded Ray declares (default: the host's)"),
     "PACKBENCH_MODEL_CACHE": ("--model-cache", "where workers generate synthetic checkpoints"),
     "PACKBENCH_SIGNING_KEY": ("--signing-key", "the Ed25519 private key that signs sealed archives"),
@@ -101,6 +109,8 @@ class Settings:
     address: a Ray cluster to join; None starts an embedded local Ray.
     placement_timeout_s: how long a GPU worker may stay unplaced before the screen waits queued.
     connect_timeout_s: how long joining a Ray cluster may take before one line and exit 2.
+    episode_timeout_s: how long a dispatcher waits for an episode's reply before its worker is
+      taken as hung: the attempt fails (a timed-out cause), the worker is killed and replaced.
     model_cache: where workers generate synthetic checkpoints (None: ~/.cache/packbench/models
       on each worker's node); passed to Worker.load explicitly.
     verbose: log events (logging at INFO) and let worker logs reach the driver.
@@ -120,6 +130,7 @@ class Settings:
     address: str | None = None
     placement_timeout_s: float = DEFAULT_PLACEMENT_TIMEOUT_S
     connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S
+    episode_timeout_s: float = DEFAULT_EPISODE_TIMEOUT_S
     model_cache: Path | None = None
     verbose: bool = False
     embedded_gpus: int | None = None
@@ -135,6 +146,8 @@ class Settings:
             raise ValueError(f"placement timeout {self.placement_timeout_s} s must be > 0")
         if not self.connect_timeout_s > 0:
             raise ValueError(f"connect timeout {self.connect_timeout_s} s must be > 0")
+        if not 0 < self.episode_timeout_s < float("inf"):
+            raise ValueError(f"episode timeout {self.episode_timeout_s} s must be a finite number > 0")
         if self.worker_threads is not None and not self.worker_threads > 0:
             raise ValueError(f"worker threads {self.worker_threads} must be > 0")
 
@@ -149,10 +162,13 @@ class Settings:
 
         def number(name: str, default: float) -> float:
             try:
-                return float(env.get(name) or default)
+                value = float(env.get(name) or default)
             except ValueError:
-                raise PackbenchError(f"{name}={env[name]!r} is not a number of seconds; set it to one or unset "
-                                     f"it") from None
+                value = float("nan")
+            if not 0 < value < float("inf"):
+                raise PackbenchError(f"{name}={env[name]!r} is not a number of seconds > 0; set it to one or unset "
+                                     f"it")
+            return value
 
         gpus = env.get("PACKBENCH_EMBEDDED_GPUS")
         if gpus and not (gpus.isdigit() and int(gpus) > 0):
@@ -162,6 +178,7 @@ class Settings:
                    address=env.get(RAY_ADDRESS_ENV) or None,
                    placement_timeout_s=number("PACKBENCH_PLACEMENT_TIMEOUT_S", DEFAULT_PLACEMENT_TIMEOUT_S),
                    connect_timeout_s=number("PACKBENCH_CONNECT_TIMEOUT_S", DEFAULT_CONNECT_TIMEOUT_S),
+                   episode_timeout_s=number("PACKBENCH_EPISODE_TIMEOUT_S", DEFAULT_EPISODE_TIMEOUT_S),
                    model_cache=path("PACKBENCH_MODEL_CACHE"), signing_key=path("PACKBENCH_SIGNING_KEY"),
                    embedded_gpus=int(gpus) if gpus else None, verbose=_yes(env.get("PACKBENCH_VERBOSE")),
                    debug=_yes(env.get("PACKBENCH_DEBUG")),

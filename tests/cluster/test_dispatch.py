@@ -241,6 +241,33 @@ def test_a_killed_worker_fails_its_attempt_and_the_screen_completes_on_another(c
     assert [o.status for o in outcomes] == ["failed", "done"]
 
 
+def test_a_hung_worker_is_timed_out_killed_and_the_screen_completes_on_another(cluster, tmp_path, models, store):
+    """A worker stopped mid-screen (SIGSTOP: it never replies, as a deadlocked CUDA call) is
+    taken as hung after the episode timeout: ray.kill ends it, its attempt fails saying it
+    timed out, and a replacement runs the screen (before, the screen stayed `running`)."""
+    (screen_id,) = submit(store, protocol_file(tmp_path, prompts=6, continuation=8))
+    d = dispatcher(store, settings(cluster, tmp_path, models, episode_timeout_s=3.0), lease_s=30)
+    stopped: dict = {}
+
+    def stop_mid_screen():
+        attempt = wait_for(running_attempt_with_episodes(store, screen_id, 2), what="two episodes")
+        stopped["pid"] = int(attempt.worker.rsplit("pid ", 1)[1])
+        os.kill(stopped["pid"], signal.SIGSTOP)
+
+    t = threading.Thread(target=stop_mid_screen)
+    t.start()
+    outcomes = d.run()
+    t.join()
+    first, second = store.attempts(screen_id)
+    assert first.status == "failed" and " timed out: no reply to episode " in first.error
+    assert "within 3 s (--episode-timeout); the worker was killed" in first.error
+    assert second.status == "done" and store.screen(screen_id).status == "done"
+    rows = episodes_of(store, screen_id)
+    assert rows[1] == list(range(len(rows[1]))) and rows[2] == list(range(14))
+    assert [o.status for o in outcomes] == ["failed", "done"]
+    wait_for(lambda: not os.path.exists(f"/proc/{stopped['pid']}"), what="the hung worker's process gone")
+
+
 def test_cancel_a_queued_and_a_running_screen(cluster, tmp_path, models, store):
     (never,) = submit(store, protocol_file(tmp_path), priority=-1)
     store.cancel_screen(never)

@@ -6,12 +6,14 @@ long on it after its earlier calls. Records have the shape of real episode recor
 tokens and logits that are the same for every condition of a prompt (no ledger, no memory
 figures: a gate that reads them fails on them). `fault(worker, entry)` decides per episode:
 None (it runs, ok), `EpisodeFails(error)` (it fails as the real worker's episodes fail: a record
-with status `failed`, its cause and a traceback, no logits), "die" (the worker dies: this call and
-every later one of that worker reply as died), or an exception (the call raises, the worker lives).
+with status `failed`, its cause and a traceback, no logits), `Slow(seconds)` (it runs ok, taking that
+long), "hang" (it never ends: the worker replies to nothing more), "die" (the worker dies: this call
+and every later one of that worker reply as died), or an exception (the call raises, the worker lives).
 """
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
@@ -28,6 +30,13 @@ class EpisodeFails:
     """A fault: the episode runs and fails with `error` (engine/worker.py Worker._failed's record)."""
 
     error: str
+
+
+@dataclass(frozen=True)
+class Slow:
+    """A fault: the episode runs ok and takes `seconds` of the real clock."""
+
+    seconds: float
 
 
 @dataclass(eq=False)
@@ -121,8 +130,10 @@ class FakePool:
                       for k in range(calls)]
             record.update(status="ok", error=None, tokens=[entry["prompt"] % vocab] * calls, wall_s=self.episode_s,
                           calls=ledger, **episode_totals(ledger), logits=logits, trace=None, forced_logits=None)
-        pending = self._send(worker, tag, self.episode_s, value=record)
-        if fault == "die":
+        pending = self._send(worker, tag, fault.seconds if isinstance(fault, Slow) else self.episode_s, value=record)
+        if fault == "hang":  # a deadlocked call: neither this reply nor any later one of the worker comes
+            pending.ready_at = worker.free_at = math.inf
+        elif fault == "die":
             worker.dead_at = pending.ready_at
         elif isinstance(fault, BaseException):
             pending.value, pending.error = None, fault

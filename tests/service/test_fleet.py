@@ -54,7 +54,7 @@ def test_a_lost_worker_hands_back_its_screens_and_is_replaced():
     slot.active = Active(slot=slot, run=None, protocol=None)
     slot.next = Active(slot=slot, run=None, protocol=None)
     held = slot.screens()
-    cause, lost = f.lose(slot, RuntimeError("segfault"), stopping=False)
+    cause, lost = f.lose(slot, "died: RuntimeError: segfault", stopping=False)
     assert cause.startswith("worker worker-1 (pid 1000, node node-0) died: RuntimeError: segfault")
     assert lost == held and slot.active is None and slot.next is None  # nothing promoted onto a dead worker
     assert [s.name for s in f.state.slots] == ["worker-2"] and pool.workers[0].killed
@@ -63,11 +63,11 @@ def test_a_lost_worker_hands_back_its_screens_and_is_replaced():
 def test_no_replacement_while_stopping_and_none_after_workers_keep_dying_unready():
     f, pool, _ = fleet(gpus=1)
     f.start()
-    f.lose(f.state.slots[0], RuntimeError("x"), stopping=True)
+    f.lose(f.state.slots[0], "died: RuntimeError: x", stopping=True)
     assert f.state.slots == []  # stopping: not replaced
     f.add()
     for _ in range(DEAD_ON_ARRIVAL_MAX - 1):  # never ready: each death counts
-        f.lose(f.state.slots[0], RuntimeError("bad install"), stopping=False)
+        f.lose(f.state.slots[0], "died: RuntimeError: bad install", stopping=False)
     assert f.state.slots == [] and "workers died before they were ready" in f.state.refusals[-1]
 
 

@@ -12,7 +12,6 @@ from typing import Callable
 
 from packbench.service.dispatcher.pool import WorkerPool
 from packbench.service.dispatcher.state import Active, Call, CallKind, Slot, State
-from packbench.service.screen import cause_of
 
 log = logging.getLogger("packbench.service.dispatcher")
 
@@ -68,11 +67,12 @@ class Fleet:
                 log.warning("%s was not placed within %.0f s; dropped", slot.name, timeout_s)
                 self.drop(slot)
 
-    def lose(self, slot: Slot, e: BaseException, *, stopping: bool) -> tuple[str, list[Active]]:
-        """The worker died: dropped, and replaced unless workers keep dying before they are
-        ready (or the dispatcher is stopping). Returns the cause naming it and the screens it
-        held (nothing is promoted onto a dead worker)."""
-        cause = f"worker {slot.name} (pid {slot.env.get('pid')}, node {slot.node[:8] or '?'}) died: {cause_of(e)}"
+    def lose(self, slot: Slot, what: str, *, stopping: bool) -> tuple[str, list[Active]]:
+        """The worker died, or hung and is killed (`what` ends the cause: "died: ...", "timed
+        out: ..."): dropped, and replaced unless workers keep dying before they are ready (or
+        the dispatcher is stopping). Returns the cause naming it and the screens it held
+        (nothing is promoted onto a lost worker)."""
+        cause = f"worker {slot.name} (pid {slot.env.get('pid')}, node {slot.node[:8] or '?'}) {what}"
         log.warning(cause)
         held = slot.screens()
         slot.active = slot.next = None

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from pathlib import Path
 from typing import Callable
 
@@ -145,6 +146,8 @@ class Lifecycle:
         if active.submitted >= len(active.entries) or active.stop or self.state.outage is not None:
             return  # an outage pauses the screen: `resume` submits again
         entry = active.entries[active.submitted]
+        if active.inflight == 0:  # the worker starts on it now (after an outage, too): its clock starts
+            active.since = time.monotonic()
         active.submitted += 1
         active.inflight += 1
         self.pool.run(active.slot.worker, Call(CallKind.EPISODE, active.slot, active), entry,
@@ -158,6 +161,7 @@ class Lifecycle:
                     self._submit_next(active)
 
     def _episode(self, active: Active, record: dict) -> None:
+        active.since = time.monotonic()  # the worker has gone on to the episode behind this one
         if active.stop == Stop.LOST:
             if active.inflight == 0:
                 self.end_stopped(active)

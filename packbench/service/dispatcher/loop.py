@@ -28,10 +28,10 @@ from packbench.service.dispatcher.holders import holder_alive, process_alive
 from packbench.service.dispatcher.lifecycle import Lifecycle
 from packbench.service.dispatcher.outage import OutageWatch
 from packbench.service.dispatcher.pool import Reply, WorkerPool
-from packbench.service.dispatcher.rules import OUTAGE_BACKOFF_S, held_by_silent
+from packbench.service.dispatcher.rules import OUTAGE_BACKOFF_S, held_by_silent, overdue
 from packbench.service.dispatcher.state import Active, CallKind, Outage, ScreenEvent, Slot, State, Stop
 from packbench.service.dispatcher.upkeep import Upkeep
-from packbench.service.screen import ScreenOutcome
+from packbench.service.screen import ScreenOutcome, cause_of
 
 log = logging.getLogger("packbench.service.dispatcher")
 
@@ -233,6 +233,7 @@ class Dispatcher:
         # (7.8 ms of queue path per episode, docs/benchmarks.md).
         for reply in self.pool.wait(0.2):
             self._handle(reply)
+        self._time_out_hung()
 
     def _ride_out(self) -> None:
         """One turn while the database is down: archive what the workers return; probe on time.
@@ -241,6 +242,7 @@ class Dispatcher:
         if self.pool.in_flight():
             for reply in self.pool.wait(wait, every=True):
                 self._handle(reply)
+            self._time_out_hung()
         else:
             time.sleep(wait)
         if self.watch.probe_in() > 0 or self.stopping:
@@ -269,7 +271,19 @@ class Dispatcher:
             self.lifecycle.reply(call, reply)
 
     def _worker_died(self, slot: Slot, e: BaseException) -> None:
-        cause, held = self.fleet.lose(slot, e, stopping=bool(self.stopping))
+        self._lose(slot, f"died: {cause_of(e)}")
+
+    def _time_out_hung(self) -> None:
+        """A worker that owes an episode's reply past the episode timeout is hung: it is lost as
+        a dead one is (killed, replaced, its attempt failed and the screen queued again); a
+        reply it sends later is dropped with it (the pool's `kill`)."""
+        limit = self.settings.episode_timeout_s
+        for slot, entry in overdue(self.slots, now=time.monotonic(), limit_s=limit):
+            self._lose(slot, f"timed out: no reply to episode {entry['index']} ({entry['condition']}) within "
+                             f"{limit:g} s (--episode-timeout); the worker was killed")
+
+    def _lose(self, slot: Slot, what: str) -> None:
+        cause, held = self.fleet.lose(slot, what, stopping=bool(self.stopping))
         for active in held:
             if active.stop != Stop.LOST:
                 self.lifecycle.fail(active, "failed", cause, requeue=True)

@@ -1,5 +1,5 @@
-"""The dispatcher's pure decisions: who holds a screen silently, why a queued screen cannot be
-placed, when to probe a database that is down. Values in, values out; tested in milliseconds.
+"""The dispatcher's pure decisions: which episode hung, who holds a screen silently, why a queued
+screen cannot be placed, when to probe a database that is down. Values in, values out; tested in milliseconds.
 """
 
 from __future__ import annotations
@@ -26,6 +26,18 @@ def outage_delays(first: float, cap: float) -> Iterator[float]:
     while True:
         yield delay
         delay = min(delay * 2, cap)
+
+
+def overdue(slots: list[Slot], *, now: float, limit_s: float) -> list[tuple[Slot, dict]]:
+    """Each worker whose running screen has waited longer than `limit_s` for an episode's reply
+    (a hung episode), with that episode's plan entry: the oldest one not back. Loads are not
+    judged: a screen's clock starts when its first episode goes out (`Active.since`)."""
+    out = []
+    for slot in slots:
+        a = slot.active
+        if a is not None and not a.ended and a.since is not None and a.inflight > 0 and now - a.since > limit_s:
+            out.append((slot, a.entries[a.submitted - a.inflight]))
+    return out
 
 
 def held_by_silent(status, *, host: str, alive: Callable[[int], bool]) -> list[str]:

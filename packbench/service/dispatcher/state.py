@@ -86,6 +86,7 @@ class Active:
     token_ids: list[list[int]] = field(default_factory=list)
     submitted: int = 0  # episodes handed to the worker
     inflight: int = 0  # calls not back yet (load included)
+    since: float | None = None  # time.monotonic() its worker began the oldest episode not back (the timeout's clock)
     stop: Stop | None = None  # no more episodes are submitted
     start: dict | None = None  # a `next` screen's load result, kept until it becomes the slot's active
     looked_ahead: bool = False  # its slot tried to claim its next screen (once: an empty queue is not polled)

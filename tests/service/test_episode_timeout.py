@@ -1,0 +1,159 @@
+"""The episode timeout (Settings.episode_timeout_s, `--episode-timeout`): a worker that owes an
+episode's reply past it is hung; it is lost as a dead worker is (killed, replaced, its attempt
+`failed` with a cause saying it timed out, the screen queued again while it has attempts left),
+on the fake pool (tests/service/fake_pool.py). Without it a hung episode (a deadlocked CUDA call,
+a plugin that never returns) held its screen `running` for ever: each test here would hang,
+and pytest-timeout stops it."""
+
+from __future__ import annotations
+
+import math
+import time
+from pathlib import Path
+
+import pytest
+
+from packbench.core.archive import ArchiveReader
+from packbench.core.errors import PackbenchError
+from packbench.core.settings import DEFAULT_EPISODE_TIMEOUT_S, Settings
+from packbench.service.dispatcher.rules import overdue
+from packbench.service.dispatcher.state import Active, Slot
+from packbench.service.submit import submit
+from tests.service.fake_pool import FakePool, Slow
+from tests.service.screens import dispatcher, protocol_file, rows
+
+
+def first_worker_hangs_at(index: int):
+    return lambda worker, entry: "hang" if worker.index == 0 and entry["index"] == index else None
+
+
+@pytest.mark.timeout(30)
+def test_a_hung_episode_times_out_its_attempt_is_kept_and_the_next_attempt_runs(store, tmp_path):
+    """Bug caught: an episode that never replied held its screen `running` with no end."""
+    (screen_id,) = submit(store, protocol_file(tmp_path, prompts=3))  # 8 episodes
+    pool = FakePool(fault=first_worker_hangs_at(3))
+    d = dispatcher(store, tmp_path, pool, workers=1, episode_timeout_s=0.3)
+    t0 = time.monotonic()
+    outcomes = d.run()
+    assert time.monotonic() - t0 >= 0.3  # not before the limit
+    first, second = store.attempts(screen_id)
+    cause = ("worker worker-1 (pid 1000, node node-0) timed out: no reply to episode 3 (packet) within 0.3 s "
+             "(--episode-timeout); the worker was killed")
+    assert (first.status, first.error) == ("failed", cause)
+    assert rows(store, first.id) == [0, 1, 2]  # what came back before the timeout stays recorded
+    assert [e.index for e in ArchiveReader(Path(first.archive_path)).episodes()] == [0, 1, 2]  # its archive kept
+    assert second.status == "done" and rows(store, second.id) == list(range(8))
+    assert [(o.status, o.screen_status) for o in outcomes] == [("failed", "queued"), ("done", "done")]
+    assert pool.workers[0].killed and len(pool.workers) == 2 and pool.workers[1].episodes == list(range(8))
+
+
+@pytest.mark.timeout(30)
+def test_a_screen_that_hangs_in_every_attempt_fails_when_its_attempts_are_spent(store, tmp_path):
+    """The retry rules of a dying worker hold: each timed-out attempt is kept, and the screen
+    ends `failed` after max_attempts instead of hanging or running again for ever."""
+    (screen_id,) = submit(store, protocol_file(tmp_path), max_attempts=2)
+    pool = FakePool(fault=lambda worker, entry: "hang" if entry["index"] == 1 else None)
+    outcomes = dispatcher(store, tmp_path, pool, workers=1, episode_timeout_s=0.2).run()
+    attempts = store.attempts(screen_id)
+    assert [a.status for a in attempts] == ["failed", "failed"]
+    assert [a.error.split(" timed out: ")[1] for a in attempts] == [
+        "no reply to episode 1 (packet) within 0.2 s (--episode-timeout); the worker was killed"] * 2
+    assert [rows(store, a.id) for a in attempts] == [[0], [0]]
+    assert store.screen(screen_id).status == "failed"
+    assert [o.screen_status for o in outcomes] == ["queued", "failed"]
+
+
+class DeliversLateReplies(FakePool):
+    """A transport that hands over a killed worker's reply already on its way (the fake's own
+    `kill` drops them, as RayPool's does)."""
+
+    def __init__(self, **options) -> None:
+        super().__init__(**options)
+        self.late: list = []  # replies of killed workers handed to the dispatcher
+
+    def kill(self, worker) -> None:
+        worker.killed = True
+
+    def wait(self, timeout, *, every=False):
+        for reply in super().wait(timeout, every=every):
+            if reply.tag.slot.worker.killed:
+                self.late.append(reply)
+            yield reply
+
+
+@pytest.mark.timeout(30)
+def test_a_reply_that_comes_after_the_timeout_is_not_recorded(store, tmp_path):
+    """An episode that answers after its attempt timed out is no result: neither the timed-out
+    attempt nor the one that runs the screen again records it."""
+    (screen_id,) = submit(store, protocol_file(tmp_path, prompts=3))  # 8 episodes
+    # Worker 0's episode 1 takes 0.6 s (timed out at about 0.25 s); worker 1 takes 8 x 0.15 s, so
+    # both late replies of worker 0 (episodes 1 and 2) come while the second attempt runs.
+    pool = DeliversLateReplies(episode_s=0.05, fault=lambda worker, entry: Slow(0.6) if worker.index == 0 and
+                               entry["index"] == 1 else Slow(0.15) if worker.index == 1 else None)
+    outcomes = dispatcher(store, tmp_path, pool, workers=1, episode_timeout_s=0.2).run()
+    first, second = store.attempts(screen_id)
+    assert first.status == "failed" and " timed out: no reply to episode 1 (packet) within 0.2 s" in first.error
+    assert [r.tag.kind.value for r in pool.late] == ["episode", "episode"]  # the late replies did come
+    assert rows(store, first.id) == [0]
+    assert [e.index for e in ArchiveReader(Path(first.archive_path)).episodes()] == [0]
+    assert second.status == "done" and rows(store, second.id) == list(range(8))  # each once, none of worker 0's
+    assert [o.status for o in outcomes] == ["failed", "done"]
+
+
+def test_which_episode_is_overdue_is_a_pure_decision():
+    slot = Slot(name="w", worker=None)
+    entries = [{"index": i, "condition": "c"} for i in range(4)]
+    # Episodes 0 and 1 back, 2 running and 3 waiting behind it since t = 10.
+    slot.active = active = Active(slot=slot, run=None, protocol=None, entries=entries, submitted=4, inflight=2,
+                                  since=10.0)
+    assert overdue([slot], now=12.0, limit_s=2.0) == []  # at the limit: not yet
+    assert overdue([slot], now=12.001, limit_s=2.0) == [(slot, entries[2])]
+    active.inflight = 0  # every episode back: nothing owed
+    assert overdue([slot], now=99.0, limit_s=2.0) == []
+    # Its load still out (no episode sent: no clock); a load is not an episode.
+    slot.active = Active(slot=slot, run=None, protocol=None, inflight=1)
+    assert overdue([slot], now=1e9, limit_s=2.0) == []
+    slot.active, slot.next = None, active  # a screen claimed behind: its worker owes it nothing yet
+    active.inflight = 2
+    assert overdue([slot], now=99.0, limit_s=2.0) == []
+
+
+@pytest.mark.parametrize("value", [0.0, -1.0, math.nan, math.inf])
+def test_the_setting_refuses_what_is_not_a_time(value):
+    with pytest.raises(ValueError, match="episode timeout .* must be a finite number > 0"):
+        Settings(episode_timeout_s=value)
+
+
+def test_the_setting_from_the_environment():
+    assert Settings().episode_timeout_s == Settings.from_environ({}).episode_timeout_s == DEFAULT_EPISODE_TIMEOUT_S
+    assert Settings.from_environ({"PACKBENCH_EPISODE_TIMEOUT_S": "0.5"}).episode_timeout_s == 0.5
+    for text in ("0", "-3", "ten", "inf", "nan"):
+        with pytest.raises(PackbenchError) as e:
+            Settings.from_environ({"PACKBENCH_EPISODE_TIMEOUT_S": text})
+        assert str(e.value) == (f"PACKBENCH_EPISODE_TIMEOUT_S={text!r} is not a number of seconds > 0; set it to "
+                                f"one or unset it")
+
+
+@pytest.mark.timeout(60)
+def test_submit_wait_takes_the_option_and_says_the_attempt_timed_out(tmp_path, monkeypatch):
+    import sys
+    from types import SimpleNamespace
+
+    from typer.testing import CliRunner
+
+    from packbench.cli.main import app
+    from packbench.db.store import Store
+
+    url = f"sqlite:///{tmp_path / 'cli.db'}"
+    with Store(url) as s:
+        s.upgrade()
+    monkeypatch.setitem(sys.modules, "packbench.cluster.pool",
+                        SimpleNamespace(RayPool=lambda settings: FakePool(fault=first_worker_hangs_at(2))))
+    monkeypatch.setattr("packbench.service.dispatcher.loop.source_freeze", lambda: {"git_commit": "test"})
+    out = CliRunner().invoke(app, ["--episode-timeout", "0.25", "submit", str(protocol_file(tmp_path)), "--wait",
+                                   "--db", url, "--archive-dir", str(tmp_path / "archives")])
+    assert out.exit_code == 0, out.output  # the second attempt, on the replacement worker, ran the screen
+    assert ("attempt 1 failed: worker worker-1 (pid 1000, node node-0) timed out: no reply to episode 2 "
+            "(dense-stream) within 0.25 s (--episode-timeout); the worker was killed; screen 1 queued for attempt 2"
+            in out.output)
+    assert "screen 1: done; archive: " in out.output
