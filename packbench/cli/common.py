@@ -103,20 +103,6 @@ def settings_of(ctx: typer.Context, **per_command) -> Settings:
     return dataclasses.replace(base, **{k: v for k, v in per_command.items() if v is not None})
 
 
-def utc(text: str | None, option: str):
-    """An ISO date or date/time as an aware UTC datetime (a naive one is UTC); None stays None."""
-    if text is None:
-        return None
-    from datetime import datetime, timezone
-
-    try:
-        moment = datetime.fromisoformat(text)
-    except ValueError:
-        raise PackbenchError(f"{option} {text!r} is not an ISO date or date/time; write e.g. 2026-11-30 or "
-                             f"2026-11-30T18:00") from None
-    return moment if moment.tzinfo else moment.replace(tzinfo=timezone.utc)
-
-
 def echo_json(document) -> None:
     """One JSON document on stdout (sorted keys; dates and paths as strings)."""
     import json

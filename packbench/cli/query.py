@@ -96,7 +96,8 @@ def results(
     json_out: Json = False,
 ) -> None:
     """List episodes matching filters, or show one screen's verdicts and episodes (no filters)."""
-    from packbench.db.queries import ResultFilter, parse_when
+    from packbench.core.dates import parse_when
+    from packbench.db.queries import ResultFilter
 
     filters = dict(protocol=protocol, model=model, dtype=dtype, condition=condition, gate=gate, phase=phase,
                    passed=passed, status=status, since=since, until=until, machine=machine,

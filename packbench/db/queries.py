@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass
-from datetime import UTC, date, datetime, timedelta
+from datetime import datetime
 from collections.abc import Iterable
 from typing import Any, NamedTuple
 
@@ -47,36 +47,6 @@ GATES: tuple[str, ...] = GATE_NAMES
 
 
 # -- filters ---------------------------------------------------------------------------------
-
-
-def parse_when(text: str, *, option: str, end: bool = False) -> datetime:
-    """An ISO date or date-time as an aware UTC datetime; naive input is taken as UTC.
-
-    A bare date names a whole day: as a start (`end=False`) its midnight, as an end
-    (`end=True`) the next midnight, so `--until 2026-01-31` includes the 31st.
-    """
-    try:
-        value = datetime.fromisoformat(text.strip())
-    except ValueError:
-        raise InvalidFilter(
-            f"{option} {text!r} is not an ISO date; use e.g. 2026-01-31 or 2026-01-31T12:00:00+00:00"
-        ) from None
-    try:
-        value = value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
-    except OverflowError:  # e.g. 0001-01-01T00:00+01:00: a moment before year 1 in UTC
-        raise InvalidFilter(f"{option} {text!r} is outside the years 1-9999 in UTC; give a date within them") from None
-    if end and _is_bare_date(text.strip()):
-        # the next midnight; after 9999-12-31 there is none, and the end of time includes that day
-        value = datetime.max.replace(tzinfo=UTC) if value.date() == date.max else value + timedelta(days=1)
-    return value
-
-
-def _is_bare_date(text: str) -> bool:
-    try:
-        date.fromisoformat(text)
-    except ValueError:
-        return False
-    return True
 
 
 def check_one_of(value: str | None, allowed: tuple[str, ...], what: str) -> None:
