@@ -344,7 +344,10 @@ def screens_list(
     db: DbUrl = None,
     json_out: Json = False,
 ) -> None:
-    """List screens, newest first, with attempts and their latest attempt's verdict counts."""
+    """List screens, newest first: each with its attempts, its latest attempt's status (`latest`)
+    and the verdicts that attempt stored (`passed`, `failed`; `-` where it stored none: it is
+    running, or it ended before its verdicts, as a worker that died does). An earlier attempt's
+    verdicts are in `packbench screens show ID`."""
     out = _output_format(fmt, json_out)
     limit = _limit(limit, default=50)
     store = open_store(db)
@@ -356,11 +359,18 @@ def screens_list(
                               limit=None if limit is None or ids is not None else limit + 1)
     rows = _truncated([r for r in rows if ids is None or r.id in ids], limit)
     records = [dataclasses.asdict(r) for r in rows]
-    columns = ["id", "protocol", "protocol_sha256", "status", "created_at", "attempts", "passed", "failed"]
+    columns = ["id", "protocol", "protocol_sha256", "status", "created_at", "attempts", "latest", "passed", "failed"]
     columns += labels.label_columns(store, records)
-    shown = [{**r, "protocol_sha256": r["protocol_sha256"][:12],
-              **({"tags": labels.tags_cell(r["tags"])} if "tags" in r else {})} for r in records]
+    shown = [{**r, "protocol_sha256": r["protocol_sha256"][:12], "latest": r["latest_status"] or "-",
+              **_verdict_counts(r), **({"tags": labels.tags_cell(r["tags"])} if "tags" in r else {})} for r in records]
     _emit([Section(records, columns, rows=shown, empty="no screens; submit one with `packbench submit`")], out)
+
+
+def _verdict_counts(row: dict) -> dict:
+    """A `screens list` row's counts as the table shows them: `-` where the latest attempt stored
+    no verdict, so a running or a died attempt does not read as "0 failed"."""
+    stored = row["passed"] or row["failed"]
+    return {"passed": row["passed"] if stored else "-", "failed": row["failed"] if stored else "-"}
 
 
 def screens_show(

@@ -22,7 +22,7 @@ from collections.abc import Iterable
 from typing import Any, NamedTuple
 
 from sqlalchemy import ColumnElement, and_, case, exists, func, or_, select
-from sqlalchemy.orm import Session
+from sqlalchemy.orm import Session, aliased
 
 from packbench.core.protocol import DTYPE_NAMES, GATE_NAMES, PHASES
 from packbench.core.record import SORT_NAMES
@@ -368,7 +368,9 @@ def _judged(episodes_json: str) -> frozenset[int] | None:
 
 @dataclass(frozen=True, slots=True)
 class ScreenSummary:
-    """A screen in `screens list`; verdict counts are those of its latest attempt."""
+    """A screen in `screens list`; `latest_status` is its latest attempt's status (None: it never
+    started), and the verdict counts are those that attempt stored (0 and 0: it stored none, as a
+    running attempt or one that ended before its verdicts)."""
 
     id: int
     protocol: str
@@ -377,6 +379,7 @@ class ScreenSummary:
     submitter: str
     created_at: datetime
     attempts: int
+    latest_status: str | None
     passed: int
     failed: int
 
@@ -484,13 +487,15 @@ def list_screens(
         .group_by(SqlAttempt.screen_id)
         .subquery()
     )
+    latest = aliased(SqlAttempt)
     query = (
         select(
             SqlScreen.id, SqlProtocol.name, SqlProtocol.sha256, SqlScreen.status, SqlScreen.submitter,
-            SqlScreen.created_at, attempts.c.attempts, verdicts.c.passed, verdicts.c.failed,
+            SqlScreen.created_at, attempts.c.attempts, verdicts.c.passed, verdicts.c.failed, latest.status,
         )
         .join(SqlProtocol, SqlProtocol.id == SqlScreen.protocol_id)
         .outerjoin(attempts, attempts.c.screen_id == SqlScreen.id)
+        .outerjoin(latest, and_(latest.screen_id == SqlScreen.id, latest.number == attempts.c.latest))
         .outerjoin(verdicts, verdicts.c.screen_id == SqlScreen.id)
         .order_by(SqlScreen.id.desc())
     )
@@ -503,7 +508,7 @@ def list_screens(
     return [
         ScreenSummary(
             id=row[0], protocol=row[1], protocol_sha256=row[2], status=row[3], submitter=row[4],
-            created_at=row[5], attempts=int(row[6] or 0), passed=int(row[7] or 0),
+            created_at=row[5], attempts=int(row[6] or 0), latest_status=row[9], passed=int(row[7] or 0),
             failed=int(row[8] or 0),
         )
         for row in session.execute(query)

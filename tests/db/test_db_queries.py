@@ -241,10 +241,10 @@ def test_unknown_gate_or_status_is_refused_before_any_query():
 def test_list_screens_newest_first_with_latest_attempt_verdicts(seeded):
     store, ids = seeded
     rows = store.list_screens()
-    assert [(r.id, r.protocol, r.status, r.attempts, r.passed, r.failed) for r in rows] == [
-        (ids["s3"], "quickstart", "queued", 0, 0, 0),
-        (ids["s2"], "big", "done", 1, 3, 2),
-        (ids["s1"], "quickstart", "done", 2, 3, 0),
+    assert [(r.id, r.protocol, r.status, r.attempts, r.latest_status, r.passed, r.failed) for r in rows] == [
+        (ids["s3"], "quickstart", "queued", 0, None, 0, 0),
+        (ids["s2"], "big", "done", 1, "done", 3, 2),
+        (ids["s1"], "quickstart", "done", 2, "done", 3, 0),
     ]
     assert rows[0].created_at.tzinfo is not None and rows[1].submitter == "bob"
     assert [r.id for r in store.list_screens(status="queued")] == [ids["s3"]]
