@@ -363,7 +363,10 @@ def screens_list(
     columns += labels.label_columns(store, records)
     shown = [{**r, "protocol_sha256": r["protocol_sha256"][:12], "latest": r["latest_status"] or "-",
               **_verdict_counts(r), **({"tags": labels.tags_cell(r["tags"])} if "tags" in r else {})} for r in records]
-    _emit([Section(records, columns, rows=shown, empty="no screens; submit one with `packbench submit`")], out)
+    filtered = any(v is not None for v in (status, protocol, tag, name))
+    empty = ("no screen matches; `packbench screens list` without filters lists every screen" if filtered
+             else "no screens; submit one with `packbench submit`")
+    _emit([Section(records, columns, rows=shown, empty=empty)], out)
 
 
 def _verdict_counts(row: dict) -> dict:
