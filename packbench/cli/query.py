@@ -182,6 +182,8 @@ def _screen_view(store, ref: str, *, json_out: bool) -> None:
         return
     typer.echo(one_line(f"screen {summary['screen_id']} ({summary['protocol']}, {summary['status']}) "
                         f"archive {summary['archive_path']}"))
+    if summary["error"]:  # why the latest attempt did not end done, as `screens show` and --json say
+        typer.echo(one_line(f"attempt {summary['attempt']} error: {summary['error']}"))
     columns = ["index", "condition", "tier", "role", "prompt", "status", "h2d_bytes", "d2h_bytes", "wall_s"]
     if any(e.get("fidelity_mean_kl") is not None for e in summary["episodes"]):
         columns += FIDELITY_COLUMNS

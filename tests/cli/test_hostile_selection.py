@@ -37,3 +37,16 @@ def test_audit_of_an_unknown_protocol_is_refused(packbench_cli, tmp_path, one_sc
                                               "`packbench screens list` shows each screen's protocol\n"), r.stderr
     r = packbench_cli("audit", "--protocol", "quickstart", "--db", one_screen, cwd=tmp_path)
     assert r.returncode == 0 and r.stderr == "no screens to audit\n"  # it exists, and has not run
+
+
+def test_results_screen_view_says_why_its_attempt_failed(packbench_cli, tmp_path, one_screen):
+    """Bug caught: `results --screen N` of a screen whose attempt died printed its (empty) tables and
+    "no verdicts", but not the attempt's stored error, which its --json and `screens show` give."""
+    with Store(one_screen) as store:
+        [screen] = store.list_screens()
+        attempt = store.start_attempt(screen_id=screen.id, worker="w", node="n", gpu_name="cpu", gpu_index=0,
+                                      machine_id=None, source_freeze={}, archive_path="gone.zip")
+        store.finish_attempt(attempt.id, status="interrupted", error="the worker's process died (exit 137)")
+    r = packbench_cli("results", "--screen", str(screen.id), "--db", one_screen, cwd=tmp_path)
+    assert r.returncode == 0 and r.stdout.splitlines()[1] == "attempt 1 error: the worker's process died (exit 137)", \
+        r.stdout
