@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from packbench.core.errors import PackbenchError
-from packbench.core.settings import Settings
+from packbench.core.settings import DB_URL_ENV, Settings
 from packbench.api.frames import Records
 
 ENDED = ("done", "failed", "cancelled")
@@ -30,12 +30,13 @@ def connect(url: str | None = None, *, upgrade: bool = False) -> Client:
     from packbench.db.session import sqlite_file
     from packbench.db.store import Store
 
-    missing = None if upgrade else sqlite_file(url)
+    setting = "connect()'s url" if url is not None else DB_URL_ENV  # what a refusal names as the fix
+    missing = None if upgrade else sqlite_file(url, setting=setting)
     if missing is not None and not missing.exists():  # opening it would leave an empty file there, then refuse it
         raise PackbenchError(f"no database at {missing} (no such file here); connect(url, upgrade=True) or "
                              f"`packbench db upgrade` creates it, or give the URL of the database that holds "
                              f"your screens")
-    store = Store(url)
+    store = Store(url, setting=setting)
     if upgrade:
         store.upgrade()
     store.check_head()

@@ -201,7 +201,8 @@ def _empty(json_out: bool) -> None:
 
 def _select(settings, screens, archive, *, all_screens, since, protocol):
     """(store, screen ids) of a database form; an archive file given with it belongs to one screen."""
-    from packbench.cli.common import open_store, utc
+    from packbench.cli.common import open_store
+    from packbench.core.dates import parse_when
     from packbench.service.audit import select_screens
 
     _no_files(screens)
@@ -210,9 +211,9 @@ def _select(settings, screens, archive, *, all_screens, since, protocol):
         if len(screens or []) != 1:
             raise PackbenchError("--archive with a database needs exactly one screen id (the archive's screen); "
                                  "an archive alone: `packbench audit archive FILE`")
+    since_utc = None if since is None else parse_when(since, option="--since")  # a bad date before the database
     store = open_store(settings.db_url)
-    return store, select_screens(store, screens or [], all_screens=all_screens, since=utc(since, "--since"),
-                                 protocol=protocol)
+    return store, select_screens(store, screens or [], all_screens=all_screens, since=since_utc, protocol=protocol)
 
 
 def _finish(outcomes, *, json_out: bool) -> None:

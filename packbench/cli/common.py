@@ -3,6 +3,7 @@
 import contextlib
 import dataclasses
 import tempfile
+from contextvars import ContextVar
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -28,7 +29,35 @@ def db_not_empty(ctx: typer.Context, param: typer.CallbackParam, value: str | No
     return value
 
 
+# The sources ("COMMANDLINE", "ENVIRONMENT", ...) of this command line's --db options, noted by
+# their callbacks as the line is parsed: the one moment an option's source is known (db_setting).
+_DB_SOURCES: ContextVar[tuple[str | None, ...]] = ContextVar("db_sources", default=())
+
+
+def note_db_source(ctx: typer.Context, param: typer.CallbackParam) -> None:
+    """Note where this --db came from; the top-level one (parsed first) starts a fresh line."""
+    source = getattr(ctx.get_parameter_source(param.name), "name", None)
+    _DB_SOURCES.set((() if ctx.parent is None else _DB_SOURCES.get()) + (source,))
+
+
+def db_setting() -> str:
+    """How this command was given its database URL, as a refusal names the thing to fix: "--db"
+    when typed (before or after the command's name), PACKBENCH_DB_URL when only the environment
+    set it, both when neither did (the default URL)."""
+    sources = _DB_SOURCES.get()
+    if "COMMANDLINE" in sources:
+        return "--db"
+    return DB_URL_ENV if "ENVIRONMENT" in sources else f"--db (or {DB_URL_ENV})"
+
+
+def top_db(ctx: typer.Context, param: typer.CallbackParam, value: str | None) -> str | None:
+    """`packbench --db URL COMMAND`'s callback."""
+    note_db_source(ctx, param)
+    return db_not_empty(ctx, param, value)
+
+
 def _db_option(ctx: typer.Context, param: typer.CallbackParam, value: str | None) -> str | None:
+    note_db_source(ctx, param)
     return db_not_empty(ctx, param, _db_given_first(ctx, param, value))
 
 
@@ -74,20 +103,6 @@ def settings_of(ctx: typer.Context, **per_command) -> Settings:
     return dataclasses.replace(base, **{k: v for k, v in per_command.items() if v is not None})
 
 
-def utc(text: str | None, option: str):
-    """An ISO date or date/time as an aware UTC datetime (a naive one is UTC); None stays None."""
-    if text is None:
-        return None
-    from datetime import datetime, timezone
-
-    try:
-        moment = datetime.fromisoformat(text)
-    except ValueError:
-        raise PackbenchError(f"{option} {text!r} is not an ISO date or date/time; write e.g. 2026-11-30 or "
-                             f"2026-11-30T18:00") from None
-    return moment if moment.tzinfo else moment.replace(tzinfo=timezone.utc)
-
-
 def echo_json(document) -> None:
     """One JSON document on stdout (sorted keys; dates and paths as strings)."""
     import json
@@ -102,15 +117,15 @@ def open_store(url: str | None, *, at_head: bool = True, must_exist: bool | None
     from packbench.db.session import sqlite_file, sqlite_in_memory
     from packbench.db.store import Store
 
-    if sqlite_in_memory(url):  # `db upgrade` migrated it and said so, then the next command found it empty
+    setting = db_setting()
+    if sqlite_in_memory(url, setting=setting):  # `db upgrade` migrated it and said so, then the next command found it empty
         raise PackbenchError("an in-memory SQLite database (sqlite://) ends with the command that opened it, so "
-                             "nothing it stores outlives that command; give --db (or PACKBENCH_DB_URL) a file, "
-                             f"e.g. {DEFAULT_DB_URL}")
-    missing = sqlite_file(url) if (at_head if must_exist is None else must_exist) else None
+                             f"nothing it stores outlives that command; give {setting} a file, e.g. {DEFAULT_DB_URL}")
+    missing = sqlite_file(url, setting=setting) if (at_head if must_exist is None else must_exist) else None
     if missing is not None and not missing.exists():  # SQLite would create an empty file, then refuse it
         raise PackbenchError(f"no database at {missing} (no such file here); run `packbench db upgrade` to create "
-                             f"it, or give --db (or PACKBENCH_DB_URL) the database that holds your screens")
-    store = Store(url)
+                             f"it, or give {setting} the database that holds your screens")
+    store = Store(url, setting=setting)
     if at_head:
         store.check_head()
     return store

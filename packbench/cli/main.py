@@ -18,7 +18,7 @@ from typer.core import TyperGroup
 from packbench.cli import (audit_cmd, history, ingest, keys, labels, model_moe, model_stats, protocol_cmd, query, report,
                            simulate_cmd)
 from packbench.cli.common import (DB_HELP, DB_INT_MAX, DB_INT_MIN, Address, ArchiveDir, DbUrl, Json,
-                                  db_not_empty, echo_json, open_store, seconds, output_dir, settings_of)
+                                  top_db, echo_json, open_store, seconds, output_dir, settings_of)
 from packbench.cli.summary import screen_summary, verdict_table
 from packbench.core import signals
 from packbench.core.errors import ClusterUnreachable, PackbenchError
@@ -261,7 +261,7 @@ def options(
                                              "sealed archive (ARCHIVE.sig).")] = None,
     debug: Annotated[bool, typer.Option("--debug", metavar="", envvar="PACKBENCH_DEBUG",
                                         help="On an error, print its traceback before the one-line message.")] = False,
-    db: Annotated[Optional[str], typer.Option("--db", envvar=DB_URL_ENV, callback=db_not_empty, help=DB_HELP)] = None,
+    db: Annotated[Optional[str], typer.Option("--db", envvar=DB_URL_ENV, callback=top_db, help=DB_HELP)] = None,
     threads: Annotated[Optional[str], typer.Option(
         "--worker-threads", envvar=WORKER_THREADS_ENV, show_default=False,
         help="Host threads of each GPU worker's gathers, or of a CPU worker's arithmetic (default: its share "

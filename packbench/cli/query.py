@@ -96,7 +96,8 @@ def results(
     json_out: Json = False,
 ) -> None:
     """List episodes matching filters, or show one screen's verdicts and episodes (no filters)."""
-    from packbench.db.queries import ResultFilter, parse_when
+    from packbench.core.dates import parse_when
+    from packbench.db.queries import ResultFilter
 
     filters = dict(protocol=protocol, model=model, dtype=dtype, condition=condition, gate=gate, phase=phase,
                    passed=passed, status=status, since=since, until=until, machine=machine,
@@ -181,6 +182,8 @@ def _screen_view(store, ref: str, *, json_out: bool) -> None:
         return
     typer.echo(one_line(f"screen {summary['screen_id']} ({summary['protocol']}, {summary['status']}) "
                         f"archive {summary['archive_path']}"))
+    if summary["error"]:  # why the latest attempt did not end done, as `screens show` and --json say
+        typer.echo(one_line(f"attempt {summary['attempt']} error: {summary['error']}"))
     columns = ["index", "condition", "tier", "role", "prompt", "status", "h2d_bytes", "d2h_bytes", "wall_s"]
     if any(e.get("fidelity_mean_kl") is not None for e in summary["episodes"]):
         columns += FIDELITY_COLUMNS
@@ -343,7 +346,10 @@ def screens_list(
     db: DbUrl = None,
     json_out: Json = False,
 ) -> None:
-    """List screens, newest first, with attempts and their latest attempt's verdict counts."""
+    """List screens, newest first: each with its attempts, its latest attempt's status (`latest`)
+    and the verdicts that attempt stored (`passed`, `failed`; `-` where it stored none: it is
+    running, or it ended before its verdicts, as a worker that died does). An earlier attempt's
+    verdicts are in `packbench screens show ID`."""
     out = _output_format(fmt, json_out)
     limit = _limit(limit, default=50)
     store = open_store(db)
@@ -355,11 +361,21 @@ def screens_list(
                               limit=None if limit is None or ids is not None else limit + 1)
     rows = _truncated([r for r in rows if ids is None or r.id in ids], limit)
     records = [dataclasses.asdict(r) for r in rows]
-    columns = ["id", "protocol", "protocol_sha256", "status", "created_at", "attempts", "passed", "failed"]
+    columns = ["id", "protocol", "protocol_sha256", "status", "created_at", "attempts", "latest", "passed", "failed"]
     columns += labels.label_columns(store, records)
-    shown = [{**r, "protocol_sha256": r["protocol_sha256"][:12],
-              **({"tags": labels.tags_cell(r["tags"])} if "tags" in r else {})} for r in records]
-    _emit([Section(records, columns, rows=shown, empty="no screens; submit one with `packbench submit`")], out)
+    shown = [{**r, "protocol_sha256": r["protocol_sha256"][:12], "latest": r["latest_status"] or "-",
+              **_verdict_counts(r), **({"tags": labels.tags_cell(r["tags"])} if "tags" in r else {})} for r in records]
+    filtered = any(v is not None for v in (status, protocol, tag, name))
+    empty = ("no screen matches; `packbench screens list` without filters lists every screen" if filtered
+             else "no screens; submit one with `packbench submit`")
+    _emit([Section(records, columns, rows=shown, empty=empty)], out)
+
+
+def _verdict_counts(row: dict) -> dict:
+    """A `screens list` row's counts as the table shows them: `-` where the latest attempt stored
+    no verdict, so a running or a died attempt does not read as "0 failed"."""
+    stored = row["passed"] or row["failed"]
+    return {"passed": row["passed"] if stored else "-", "failed": row["failed"] if stored else "-"}
 
 
 def screens_show(

@@ -72,6 +72,10 @@ def report(
                              f"to see which member") from e  # --debug shows where the page's code stopped
     path = out or Path(default)
     write_output(path, page, "--out")
+    for screen, audit in ([] if compare else loaded):
+        note = failure_note(screen, audit)
+        if note is not None:
+            typer.echo(note, err=True)  # stdout stays the path (or the JSON document)
     if json_out:
         echo_json({"path": str(path), "bytes": path.stat().st_size, "screens": list(screens)})
         return
@@ -145,16 +149,38 @@ def _audits(store, screen, *, screen_ref):
         if number is not None and a.number != number:
             continue
         if a.archive_sha256 == screen.archive_sha256:
-            return AuditStatus(source=source, rows=_audit_rows(d.audits))
+            return AuditStatus(source=source, rows=_audit_rows(d.audits), attempt=_attempt(a))
         if a.archive_sha256 is None and _same_file(a.archive_path, screen.path):
             # An attempt that did not finish stored no SHA-256 (its archive was never sealed): it is
             # found by its path, and only the audits that read these very bytes are its audits.
             mine = [u for u in d.audits if u.archive_sha256 == screen.archive_sha256]
             other = len(d.audits) - len(mine)
-            return AuditStatus(source=source, rows=_audit_rows(mine), note=None if not other else (
+            return AuditStatus(source=source, rows=_audit_rows(mine), attempt=_attempt(a), note=None if not other else (
                 f"{other} audit(s) of attempt {a.number} read other bytes at this path: the file changed since"))
     return AuditStatus(source=source, note=f"no attempt of screen {detail.screen.id} in the database stored this "
                                            f"file's SHA-256 {screen.archive_sha256[:16]}: not the audited archive")
+
+
+def _attempt(a) -> dict:
+    return {"number": a.number, "status": a.status, "error": a.error}
+
+
+def failure_note(screen, audit) -> str | None:
+    """The terminal's line about what failed on the page (the attempt's error, the failed
+    episodes' first error); None when nothing did."""
+    from packbench.core import report as data
+
+    said = []
+    a = audit.attempt
+    if a is not None and (a["status"] != "done" or a["error"]):
+        said.append(f"attempt {a['number']} ended {a['status']}" + (f": {a['error']}" if a["error"] else ""))
+    failures = data.failed_episodes(screen)
+    if failures:
+        first = failures[0]
+        count = sum(len(f["episodes"]) for f in failures)
+        said.append(f"{count} of {len(screen.episodes)} recorded episodes failed (first: episode {first['episodes'][0]} "
+                    f"({first['condition']}): {first['error']})")
+    return one_line("note: " + "; ".join(said)) if said else None
 
 
 def _audit_rows(audits) -> list[dict]:

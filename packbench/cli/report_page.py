@@ -50,11 +50,14 @@ PLOT_CAPTIONS = {
 class AuditStatus:
     """What the database says about audits of this archive: `rows` oldest first, each
     {result, machine, started, finished, digest, problems}; `source` None when no database
-    was consulted; `note` a line to show (e.g. the database holds another file)."""
+    was consulted; `note` a line to show (e.g. the database holds another file); `attempt` the
+    attempt that wrote it, {number, status, error}, where the database knows it (the error is
+    kept there only: a died worker writes no line of it into its archive)."""
 
     source: str | None = None
     rows: list[dict] = field(default_factory=list)
     note: str | None = None
+    attempt: dict | None = None
 
 
 # Bidirectional controls (embeddings, overrides, isolates, marks): a protocol named with U+202E
@@ -249,6 +252,35 @@ def verdict_section(s: ScreenData) -> str:
     caveat = fidelity_caveat(None if synth is None else synth.as_dict(), s.verdicts)
     return head + html_table(["gate", "condition", "tier", "phase", "verdict", "threshold", "value", "interval", "detail"],
                          rows) + (f'<p class="caveat">fidelity: {esc(caveat)}</p>' if caveat else "")
+
+
+MAX_LISTED = 12  # plan indexes named in a failure row; past that the count says the rest
+
+
+def failure_section(s: ScreenData, audit: AuditStatus) -> str:
+    """Why the attempt or its episodes failed: the attempt's stored error when it did not end
+    done, and each (condition, error) of the failed episodes with the episodes it struck. Empty
+    when nothing failed."""
+    parts = []
+    a = audit.attempt
+    if a is not None and (a["status"] != "done" or a["error"]):
+        parts.append(f'<p class="fail" id="attempt-error">Attempt {esc(a["number"])} ended {esc(a["status"])}'
+                     f'{": " + esc(a["error"]) if a["error"] else ""}</p>')
+    rows = [[name_cell(f["condition"]), Markup(f'<td class="num">{len(f["episodes"])}</td>'),
+             Markup(f'<td class="wrap">{esc(_indexes(f["episodes"]))}</td>'),
+             Markup(f'<td class="wrap fail">{esc(f["error"])}</td>')] for f in data.failed_episodes(s)]
+    if rows:
+        parts.append(html_table(["condition", "failed", "episodes (plan index)", "error"], rows))
+    if not parts:
+        return ""
+    failed = sum(len(f["episodes"]) for f in data.failed_episodes(s))
+    return (f'<h2 id="failures">Failures: {failed} of {len(s.episodes)} recorded episodes failed</h2>'
+            + "".join(parts))
+
+
+def _indexes(indexes: list[int]) -> str:
+    shown = ", ".join(str(i) for i in indexes[:MAX_LISTED])
+    return shown if len(indexes) <= MAX_LISTED else f"{shown} and {len(indexes) - MAX_LISTED} more"
 
 
 def _spread(sp: dict, fmt: str) -> str:
@@ -609,7 +641,8 @@ def screen_page(s: ScreenData, *, audit: AuditStatus) -> str:
             f"{passed} of {len(s.verdicts)} verdicts pass; {_gpu(s)}")
     with figs.style():
         plots = plots_section(s)
-    body = "".join([headline_section(s), verdict_section(s), summary_section(s), serving_section(s),
+    body = "".join([headline_section(s), failure_section(s, audit), verdict_section(s), summary_section(s),
+                    serving_section(s),
                     expert_cache_section(s), cost_section(s),
                     plots, protocol_section(s),
                     machine_section(s), audit_section(s, audit)])

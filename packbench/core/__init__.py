@@ -6,7 +6,7 @@ with numpy, yaml and the standard library alone. That is why the archive's write
 live here, below both service and engine, though they do file I/O.
 
 Pure (values in, values out; testable in milliseconds): ``canonical``, ``dispersion``,
-``errors``, ``estimate``, ``fidelity``, ``gates``, ``metrics``, ``passes``, ``record``, ``registry``, ``serving``,
+``dates``, ``errors``, ``estimate``, ``fidelity``, ``gates``, ``metrics``, ``passes``, ``record``, ``registry``, ``serving``,
 ``text``, ``workloads``; ``archive.layout`` / ``archive.zipformat`` / ``archive.problems``;
 ``protocol`` but for ``freeze.load`` and ``prompt_files``; ``plan`` for generator and inline
 prompts; ``reexecute``'s draw and comparisons.

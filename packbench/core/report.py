@@ -108,6 +108,17 @@ class ScreenData:
                 and (e.ok or not ok_only)]
 
 
+def failed_episodes(s: ScreenData) -> list[dict]:
+    """Why episodes failed, as their records say: one row per (condition, error), in plan order of
+    its first episode: {condition, error (its first line), episodes (plan indexes)}."""
+    groups: dict[tuple[str, str], list[int]] = {}
+    for e in s.episodes:
+        if not e.ok:
+            lines = str(e.record.get("error") or "no error recorded").splitlines() or [""]
+            groups.setdefault((str(e.condition), lines[0]), []).append(e.index)
+    return [{"condition": c, "error": error, "episodes": indexes} for (c, error), indexes in groups.items()]
+
+
 def _verdicts(path: Path, value: Any) -> list[dict]:
     """verdicts.json as every page reads it: a list of objects, each with a text gate and
     condition. A consistent forgery (manifest recomputed) may hold anything there: ArchiveError,

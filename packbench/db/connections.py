@@ -27,21 +27,22 @@ from sqlalchemy.pool import PoolProxiedConnection
 
 from packbench.db import ingest, queue
 from packbench.db.records import AttemptRow, ScreenRow
-from packbench.db.session import translate_errors
+from packbench.db.session import ENV_VAR, translate_errors
 
 
 class HeldConnections:
     """The episode writer's and the claimer's connections to `engine`, opened on demand."""
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, *, setting: str = ENV_VAR) -> None:
         self._engine = engine
+        self._setting = setting  # where the URL came from, as a refusal names it
         self._writer: Connection | None = None
         self._sqlite_writer: PoolProxiedConnection | None = None
         self._claimer: Connection | None = None
 
     def insert_episode(self, row: dict[str, Any]) -> bool:
         """One episode row (`db.ingest.episode_columns`) in its own transaction; True if new."""
-        with translate_errors(self._engine.url):
+        with translate_errors(self._engine.url, setting=self._setting):
             try:
                 if self._engine.dialect.name == "sqlite":
                     if self._sqlite_writer is None:
@@ -62,13 +63,13 @@ class HeldConnections:
             with self._claimer_connection() as connection:
                 return queue.claim_postgresql(connection, request)
         # A pooled connection (SQLite has no pre-ping): its BEGIN IMMEDIATE serializes claims.
-        with translate_errors(self._engine.url), self._engine.begin() as connection:
+        with translate_errors(self._engine.url, setting=self._setting), self._engine.begin() as connection:
             return queue.claim_sqlite(connection, request)
 
     @contextmanager
     def _claimer_connection(self) -> Iterator[Connection]:
         """The held autocommit connection (PostgreSQL); a failed one is dropped."""
-        with translate_errors(self._engine.url):
+        with translate_errors(self._engine.url, setting=self._setting):
             if self._claimer is None:
                 self._claimer = self._engine.connect().execution_options(isolation_level="AUTOCOMMIT")
             try:

@@ -17,12 +17,12 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass
-from datetime import UTC, date, datetime, timedelta
+from datetime import datetime
 from collections.abc import Iterable
 from typing import Any, NamedTuple
 
 from sqlalchemy import ColumnElement, and_, case, exists, func, or_, select
-from sqlalchemy.orm import Session
+from sqlalchemy.orm import Session, aliased
 
 from packbench.core.protocol import DTYPE_NAMES, GATE_NAMES, PHASES
 from packbench.core.record import SORT_NAMES
@@ -47,36 +47,6 @@ GATES: tuple[str, ...] = GATE_NAMES
 
 
 # -- filters ---------------------------------------------------------------------------------
-
-
-def parse_when(text: str, *, option: str, end: bool = False) -> datetime:
-    """An ISO date or date-time as an aware UTC datetime; naive input is taken as UTC.
-
-    A bare date names a whole day: as a start (`end=False`) its midnight, as an end
-    (`end=True`) the next midnight, so `--until 2026-01-31` includes the 31st.
-    """
-    try:
-        value = datetime.fromisoformat(text.strip())
-    except ValueError:
-        raise InvalidFilter(
-            f"{option} {text!r} is not an ISO date; use e.g. 2026-01-31 or 2026-01-31T12:00:00+00:00"
-        ) from None
-    try:
-        value = value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
-    except OverflowError:  # e.g. 0001-01-01T00:00+01:00: a moment before year 1 in UTC
-        raise InvalidFilter(f"{option} {text!r} is outside the years 1-9999 in UTC; give a date within them") from None
-    if end and _is_bare_date(text.strip()):
-        # the next midnight; after 9999-12-31 there is none, and the end of time includes that day
-        value = datetime.max.replace(tzinfo=UTC) if value.date() == date.max else value + timedelta(days=1)
-    return value
-
-
-def _is_bare_date(text: str) -> bool:
-    try:
-        date.fromisoformat(text)
-    except ValueError:
-        return False
-    return True
 
 
 def check_one_of(value: str | None, allowed: tuple[str, ...], what: str) -> None:
@@ -398,7 +368,9 @@ def _judged(episodes_json: str) -> frozenset[int] | None:
 
 @dataclass(frozen=True, slots=True)
 class ScreenSummary:
-    """A screen in `screens list`; verdict counts are those of its latest attempt."""
+    """A screen in `screens list`; `latest_status` is its latest attempt's status (None: it never
+    started), and the verdict counts are those that attempt stored (0 and 0: it stored none, as a
+    running attempt or one that ended before its verdicts)."""
 
     id: int
     protocol: str
@@ -407,6 +379,7 @@ class ScreenSummary:
     submitter: str
     created_at: datetime
     attempts: int
+    latest_status: str | None
     passed: int
     failed: int
 
@@ -514,13 +487,15 @@ def list_screens(
         .group_by(SqlAttempt.screen_id)
         .subquery()
     )
+    latest = aliased(SqlAttempt)
     query = (
         select(
             SqlScreen.id, SqlProtocol.name, SqlProtocol.sha256, SqlScreen.status, SqlScreen.submitter,
-            SqlScreen.created_at, attempts.c.attempts, verdicts.c.passed, verdicts.c.failed,
+            SqlScreen.created_at, attempts.c.attempts, verdicts.c.passed, verdicts.c.failed, latest.status,
         )
         .join(SqlProtocol, SqlProtocol.id == SqlScreen.protocol_id)
         .outerjoin(attempts, attempts.c.screen_id == SqlScreen.id)
+        .outerjoin(latest, and_(latest.screen_id == SqlScreen.id, latest.number == attempts.c.latest))
         .outerjoin(verdicts, verdicts.c.screen_id == SqlScreen.id)
         .order_by(SqlScreen.id.desc())
     )
@@ -533,7 +508,7 @@ def list_screens(
     return [
         ScreenSummary(
             id=row[0], protocol=row[1], protocol_sha256=row[2], status=row[3], submitter=row[4],
-            created_at=row[5], attempts=int(row[6] or 0), passed=int(row[7] or 0),
+            created_at=row[5], attempts=int(row[6] or 0), latest_status=row[9], passed=int(row[7] or 0),
             failed=int(row[8] or 0),
         )
         for row in session.execute(query)

@@ -29,6 +29,8 @@ from packbench.core.settings import DB_URL_ENV, DEFAULT_DB_URL, environ_db_url
 from packbench.db.errors import DatabaseError, DatabaseLocked, DatabaseUnavailable, SchemaNotAtHead
 
 ENV_VAR = DB_URL_ENV
+# Every refusal below names how the caller gave the URL as the thing to fix: `setting`, which the
+# CLI makes "--db" when the URL was typed (cli/common.py `db_setting`); the variable otherwise.
 DEFAULT_URL = DEFAULT_DB_URL
 SQLITE_BUSY_TIMEOUT_MS = 30_000
 PG_CONNECT_TIMEOUT_S = 10
@@ -41,18 +43,19 @@ def default_url() -> str:
     return environ_db_url()  # core/settings.py reads packbench's environment; the CLI passes --db down
 
 
-def make_engine(url: str | None = None) -> Engine:
-    """Create an engine for `url` (default: `default_url()`) without connecting yet.
+def make_engine(url: str | None = None, *, setting: str = ENV_VAR) -> Engine:
+    """Create an engine for `url` (default: `default_url()`) without connecting yet; `setting`
+    names where the URL came from in the refusals (`--db`, the variable).
 
     Raises `DatabaseError` for a URL that cannot be parsed, a backend other than SQLite or
     PostgreSQL, or a missing driver. Connection problems surface on first use, translated by
     `session_scope` / `translate_errors`.
     """
-    parsed = _parse(url if url is not None else default_url())
+    parsed = _parse(url if url is not None else default_url(), setting)
     backend = parsed.get_backend_name()
     try:
         if backend == "sqlite":
-            read_only = _read_only_sqlite(parsed)
+            read_only = _read_only_sqlite(parsed, setting)
             if read_only is not None:  # read it as it is: no WAL files to create, no write lock to take
                 import sqlite3  # here: a PostgreSQL URL never imports it
 
@@ -61,7 +64,7 @@ def make_engine(url: str | None = None) -> Engine:
                 engine.url = parsed  # messages name the file, not the URI
             else:
                 engine = create_engine(parsed)
-            _configure_sqlite(engine, read_only=read_only is not None)
+            _configure_sqlite(engine, read_only=read_only is not None, setting=setting)
         else:
             connect_args = {}
             if "connect_timeout" not in parsed.query:
@@ -78,17 +81,17 @@ def make_engine(url: str | None = None) -> Engine:
     return engine
 
 
-def _parse(text: str) -> URL:
+def _parse(text: str, setting: str = ENV_VAR) -> URL:
     # An int was a TypeError, a NUL the driver's ValueError; a line ending (a CRLF env file, a
     # newline pasted in) passed into the file name, and SQLite created `packbench.db\r` beside it.
     if not isinstance(text, (str, URL)) or any(ord(c) < 0x20 or c == "\x7f" for c in str(text)):
         raise DatabaseError(f"database URL {_redact(str(text))[:60]!r}: a URL is text without control characters "
-                            f"(NUL, a line ending); set {ENV_VAR}: {_URL_HINT}")
+                            f"(NUL, a line ending); set {setting}: {_URL_HINT}")
     try:
         parsed = make_url(text)
     except (ArgumentError, ValueError) as exc:  # ValueError: a port that is no number (`h:abc`, `[::1`)
         raise DatabaseError(
-            f"cannot parse database URL {_redact(text)!r}; set {ENV_VAR}: {_URL_HINT}"
+            f"cannot parse database URL {_redact(text)!r}; set {setting}: {_URL_HINT}"
         ) from exc
     if parsed.drivername in ("postgresql", "postgres"):
         # A bare postgresql:// would make SQLAlchemy look for psycopg2, which packbench does
@@ -96,7 +99,7 @@ def _parse(text: str) -> URL:
         parsed = parsed.set(drivername="postgresql+psycopg")
     if parsed.get_backend_name() not in ("sqlite", "postgresql"):
         raise DatabaseError(
-            f"unsupported database URL scheme {parsed.drivername!r}; set {ENV_VAR}: {_URL_HINT}"
+            f"unsupported database URL scheme {parsed.drivername!r}; set {setting}: {_URL_HINT}"
         )
     unread = sorted(set(parsed.query) - SQLITE_QUERY) if parsed.get_backend_name() == "sqlite" \
         and "uri" not in parsed.query else []
@@ -110,26 +113,26 @@ def _parse(text: str) -> URL:
 SQLITE_QUERY = {"uri", "timeout", "isolation_level", "detect_types", "check_same_thread", "cached_statements"}
 
 
-def sqlite_file(url: str | None = None) -> Path | None:
+def sqlite_file(url: str | None = None, *, setting: str = ENV_VAR) -> Path | None:
     """The file a SQLite URL names (None: PostgreSQL, or an in-memory database)."""
-    parsed = _parse(url if url is not None else default_url())
+    parsed = _parse(url if url is not None else default_url(), setting)
     if parsed.get_backend_name() != "sqlite" or parsed.database in (None, "", ":memory:") or "uri" in parsed.query \
             or parsed.database.startswith("file:"):  # a URI (`?uri=true`, `mode=ro`): SQLite's own business
         return None
     return Path(parsed.database)
 
 
-def sqlite_in_memory(url: str | None = None) -> bool:
+def sqlite_in_memory(url: str | None = None, *, setting: str = ENV_VAR) -> bool:
     """Whether the URL names an in-memory SQLite database (`sqlite://`, `sqlite:///:memory:`, a
     URI with `mode=memory`): one that lives as long as the process that opened it."""
-    parsed = _parse(url if url is not None else default_url())
+    parsed = _parse(url if url is not None else default_url(), setting)
     if parsed.get_backend_name() != "sqlite":
         return False
     return parsed.database in (None, "", ":memory:") or parsed.database.startswith("file::memory:") \
         or ("uri" in parsed.query and parsed.query.get("mode") == "memory")
 
 
-def _read_only_sqlite(parsed: URL) -> str | None:
+def _read_only_sqlite(parsed: URL, setting: str) -> str | None:
     """A `file:` URI that opens an existing SQLite file read-only when it, or the folder beside
     it that SQLite writes its WAL files into, cannot be written (a read-only mount, say); None
     otherwise. With no WAL file there it is opened immutable (nothing can be changing it); with
@@ -141,14 +144,14 @@ def _read_only_sqlite(parsed: URL) -> str | None:
         if not path.is_file() or (os.access(path, os.W_OK) and os.access(path.parent or Path("."), os.W_OK)):
             return None
     except OSError as exc:  # a name longer than the file system allows (ENAMETOOLONG)
-        raise DatabaseError(f"cannot use sqlite database {str(path)[:60]}... ({exc.strerror}); set {ENV_VAR} to a "
+        raise DatabaseError(f"cannot use sqlite database {str(path)[:60]}... ({exc.strerror}); set {setting} to a "
                             f"shorter path") from exc
     wal = path.with_name(path.name + "-wal")
     flags = "mode=ro" if wal.exists() else "mode=ro&immutable=1"
     return f"{path.absolute().as_uri()}?{flags}"
 
 
-def _configure_sqlite(engine: Engine, *, read_only: bool = False) -> None:
+def _configure_sqlite(engine: Engine, *, read_only: bool = False, setting: str = ENV_VAR) -> None:
     """Per-connection SQLite settings packbench relies on.
 
     - busy_timeout: concurrent writers wait (up to 30 s) for the lock instead of failing.
@@ -174,7 +177,7 @@ def _configure_sqlite(engine: Engine, *, read_only: bool = False) -> None:
         if path is not None and opened and opened[0] is not None and _file_identity(path) != opened[0]:
             raise DatabaseError(
                 f"sqlite database {path} was removed or replaced while packbench had it open (its rows since "
-                f"then would land in a file nobody reads); put the file back, or point {ENV_VAR} at the "
+                f"then would land in a file nobody reads); put the file back, or point {setting} at the "
                 f"database to use, and run the command again (`packbench db reconcile` inserts the rows of "
                 f"archived episodes)")
 
@@ -226,14 +229,14 @@ def _file_identity(path: Path) -> tuple[int, int] | None:
 
 
 @contextmanager
-def session_scope(engine: Engine) -> Iterator[Session]:
+def session_scope(engine: Engine, *, setting: str = ENV_VAR) -> Iterator[Session]:
     """One transaction: commit on success, roll back on any exception.
 
     Database exceptions leave as `DatabaseError` (one line, cause and fix); other exceptions
     (e.g. `NotFound`, `ValueError`) propagate unchanged after the rollback. Objects stay
     readable after commit (`expire_on_commit=False`) so they can be turned into records.
     """
-    with translate_errors(engine.url):
+    with translate_errors(engine.url, setting=setting):
         with Session(engine, expire_on_commit=False) as session:
             try:
                 yield session
@@ -244,7 +247,7 @@ def session_scope(engine: Engine) -> Iterator[Session]:
 
 
 @contextmanager
-def translate_errors(url: URL) -> Iterator[None]:
+def translate_errors(url: URL, *, setting: str = ENV_VAR) -> Iterator[None]:
     """Turn SQLAlchemy exceptions (which wrap DBAPI ones) raised inside the block into
     `DatabaseError`; any other exception passes through unchanged."""
     try:
@@ -252,7 +255,7 @@ def translate_errors(url: URL) -> Iterator[None]:
     except DatabaseError:
         raise
     except SQLAlchemyError as exc:
-        raise translate(exc, url) from exc
+        raise translate(exc, url, setting=setting) from exc
 
 
 # SQLite primary result codes (extended codes carry them in the low byte), from sqlite3.h; the
@@ -325,7 +328,7 @@ def _bad_option(detail: str) -> str | None:
     return found.group(0) if found else None
 
 
-def translate(exc: BaseException, url: URL) -> DatabaseError:
+def translate(exc: BaseException, url: URL, *, setting: str = ENV_VAR) -> DatabaseError:
     """Map a database exception to a one-line `DatabaseError` naming the cause and the fix.
 
     Classified by the driver's error code: sqlite3's result code (`sqlite_errorcode`) and
@@ -344,17 +347,17 @@ def translate(exc: BaseException, url: URL) -> DatabaseError:
         by_code = {
             _SQLITE_CANTOPEN:
                 f"cannot open {where}: it is a directory; name a file in it "
-                f"(sqlite:///{str(url.database).rstrip('/')}/packbench.db) or set {ENV_VAR}" if a_folder else
+                f"(sqlite:///{str(url.database).rstrip('/')}/packbench.db) or set {setting}" if a_folder else
                 f"cannot open {where} (unable to open database file); create its directory, "
-                f"fix its permissions or set {ENV_VAR}",
+                f"fix its permissions or set {setting}",
             _SQLITE_READONLY:
                 f"{where} is read-only ({detail}); make the file and its directory writable "
-                f"or set {ENV_VAR}",
+                f"or set {setting}",
             _SQLITE_BUSY:
                 f"{where} stayed locked by another writer for {SQLITE_BUSY_TIMEOUT_MS / 1000:g} s; "
                 f"retry, or use PostgreSQL for many concurrent writers",
             _SQLITE_NOTADB:
-                f"{url.database} is not a SQLite database; point {ENV_VAR} at a packbench database",
+                f"{url.database} is not a SQLite database; point {setting} at a packbench database",
             _SQLITE_FULL: f"{where}: the disk is full; free space and retry",
             _SQLITE_IOERR: f"{where}: disk I/O error; check the disk and retry",
         }
@@ -362,7 +365,7 @@ def translate(exc: BaseException, url: URL) -> DatabaseError:
         special = _special_file(url.database)
         if special is not None and _sqlite_code(orig) in (_SQLITE_CANTOPEN, _SQLITE_IOERR, _SQLITE_NOTADB):
             # SQLite called a FIFO or a device a disk I/O error: "check the disk" named no fix
-            message = f"cannot use {where}: it is {special}, not a database file; point {ENV_VAR} at a file"
+            message = f"cannot use {where}: it is {special}, not a database file; point {setting} at a file"
         if _sqlite_code(orig) == _SQLITE_BUSY:
             return DatabaseLocked(message)  # another connection holds it: it may let go
         if message is not None:
@@ -373,7 +376,7 @@ def translate(exc: BaseException, url: URL) -> DatabaseError:
         state = _sqlstate(orig)
         schema_error = state in _PG_SCHEMA
         if state is None and _operational(orig):
-            message = _pg_connect_message(lowered, detail, where, url)
+            message = _pg_connect_message(lowered, detail, where, url, setting)
             if message is not None:
                 return DatabaseUnavailable(message) if is_transient(exc) else DatabaseError(message)
         if is_transient(exc):
@@ -398,44 +401,44 @@ def translate(exc: BaseException, url: URL) -> DatabaseError:
         )
     if state == "25006":  # read_only_sql_transaction: a standby, or default_transaction_read_only
         return DatabaseError(
-            f"{where} accepts no writes here ({detail}); point {ENV_VAR} at the primary, or make the "
+            f"{where} accepts no writes here ({detail}); point {setting} at the primary, or make the "
             f"database writable"
         )
     upgrade = state is not None and state.startswith("42")  # syntax or access rule: maybe an old schema
     return DatabaseError(
         f"database error on {where} ({type(orig).__name__}: {detail}); check the database "
-        f"and {ENV_VAR}" + (", or run `packbench db upgrade` if packbench was updated" if upgrade else "")
+        f"and {setting}" + (", or run `packbench db upgrade` if packbench was updated" if upgrade else "")
     )
 
 
-def _pg_connect_message(lowered: str, detail: str, where: str, url: URL) -> str | None:
+def _pg_connect_message(lowered: str, detail: str, where: str, url: URL, setting: str) -> str | None:
     """The message for a libpq connection failure (no SQLSTATE: matched on libpq's text)."""
     server_says = _after_fatal(detail)
     rules: list[tuple[tuple[str, ...], str]] = [  # (substrings that must all occur, message)
         (("connection refused",),
-         f"cannot connect to {where} (connection refused); start the server or set {ENV_VAR}"),
+         f"cannot connect to {where} (connection refused); start the server or set {setting}"),
         (("password authentication failed",),
          f"cannot connect to {where} (authentication failed for user {url.username!r}); "
-         f"fix the user or password in {ENV_VAR}"),
+         f"fix the user or password in {setting}"),
         (("role ", "does not exist"),
-         f"cannot connect to {where} ({server_says}); fix the user in {ENV_VAR} or create the role"),
+         f"cannot connect to {where} ({server_says}); fix the user in {setting} or create the role"),
         (('database "', "does not exist"),
          f"cannot connect to {where} ({server_says}); create it (createdb {url.database}) "
-         f"or fix {ENV_VAR}"),
-        (("resolve host",), f"cannot connect to {where} (unknown host); fix the host in {ENV_VAR}"),
-        (("translate host name",), f"cannot connect to {where} (unknown host); fix the host in {ENV_VAR}"),
+         f"or fix {setting}"),
+        (("resolve host",), f"cannot connect to {where} (unknown host); fix the host in {setting}"),
+        (("translate host name",), f"cannot connect to {where} (unknown host); fix the host in {setting}"),
         (("timeout expired",),
          f"cannot connect to {where} (timed out after {url.query.get('connect_timeout', PG_CONNECT_TIMEOUT_S)} s); "
          f"check the "
-         f"host, port and firewall, or set {ENV_VAR}"),
+         f"host, port and firewall, or set {setting}"),
         (("connection failed",),
-         f"cannot connect to {where} ({server_says}); check the server and {ENV_VAR}"),
+         f"cannot connect to {where} ({server_says}); check the server and {setting}"),
     ]
     for needles, message in rules:
         if all(needle in lowered for needle in needles):
             return message
     if _bad_option(detail) is not None:  # the server was never asked: waiting or retrying changes nothing
-        return f"cannot connect to {where} ({_bad_option(detail)}); fix it in {ENV_VAR}"
+        return f"cannot connect to {where} ({_bad_option(detail)}); fix it in {setting}"
     return None
 
 

@@ -59,12 +59,13 @@ from packbench.db.records import (
     StoredVerdict,
 )
 from packbench.db.retry import RETRY_DELAYS_S, retried
-from packbench.db.session import display_url, make_engine, session_scope, translate_errors
+from packbench.db.session import ENV_VAR, display_url, make_engine, session_scope, translate_errors
 from packbench.db.status import QueueStatus
 
 
 class Store:
-    """The packbench database at `url` (default: `db.session.default_url()`).
+    """The packbench database at `url` (default: `db.session.default_url()`); `setting` names
+    where the URL came from in its refusals (`--db`, the variable).
 
     Creating a Store does not connect; the first method call does. Call `close()` (or use
     it as a context manager) to release pooled connections.
@@ -74,17 +75,19 @@ class Store:
         self,
         url: str | None = None,
         *,
+        setting: str = ENV_VAR,
         clock: Callable[[], datetime] = utcnow,
         retry_delays: Sequence[float] = RETRY_DELAYS_S,
     ) -> None:
-        self._engine: Engine = make_engine(url)
+        self._engine: Engine = make_engine(url, setting=setting)
+        self._setting = setting  # how the caller gave `url`, as a refusal names the fix
         self._schema_checked = False
         # The one time source for leases, heartbeats and timestamps (tests pass a fake one).
         self._clock = clock
         self._retry_delays = tuple(retry_delays)
         self._protocols: dict[int, ProtocolRow] = {}
         # The episode writer's and the claimer's connections, held between calls (db.connections).
-        self._held = HeldConnections(self._engine)
+        self._held = HeldConnections(self._engine, setting=setting)
 
     # -- lifecycle ---------------------------------------------------------------------
 
@@ -612,14 +615,14 @@ class Store:
     @contextmanager
     def _connection(self) -> Iterator[Any]:
         """A connection in a transaction, for Alembic; errors translated."""
-        with translate_errors(self._engine.url), self._engine.begin() as connection:
+        with translate_errors(self._engine.url, setting=self._setting), self._engine.begin() as connection:
             yield connection
 
     @contextmanager
     def _session(self) -> Iterator[Session]:
         """A session in a transaction, after making sure the schema is at head."""
         self._require_head()
-        with session_scope(self._engine) as session:
+        with session_scope(self._engine, setting=self._setting) as session:
             yield session
 
     def _require_head(self) -> None:

@@ -17,6 +17,7 @@ from packbench.core.canonical import sha256_hex
 from packbench.core.errors import ArchiveError, PackbenchError
 from packbench.core.record import STORED_FIELDS
 from packbench.core.settings import Settings
+from packbench.core.text import show
 
 MAX_THREADS = 4096  # past any host's cores: a larger recorded count is not taken
 
@@ -133,8 +134,12 @@ def select_screens(store, refs: list[str], *, all_screens: bool = False, since: 
         return [store.screen(r).id for r in refs]
     if not (all_screens or since or protocol):
         raise PackbenchError("say what to audit: screen ids, `latest`, --all, --since DATE or --protocol SHA")
+    screens = store.list_screens(protocol=protocol)
+    if protocol is not None and not screens:  # a mistyped name audited nothing and exited 0
+        raise PackbenchError(f"no screen of protocol {show(protocol)} (a name or SHA-256 prefix); "
+                       f"`packbench screens list` shows each screen's protocol")
     out = []
-    for s in store.list_screens(protocol=protocol):
+    for s in screens:
         attempt = store.latest_attempt(s.id)
         if attempt is None or (since is not None and attempt.started_at < since):
             continue

@@ -51,8 +51,8 @@ def test_screens_tag_then_filter_listings_and_results(url):
 
 def test_an_unlabelled_listing_reads_as_before(url):
     listed = json.loads(run("screens", "list", "--json", "--db", url))
-    assert all(set(s) == {"id", "protocol", "protocol_sha256", "status", "created_at", "attempts", "passed",
-                          "failed", "submitter"} for s in listed)
+    assert all(set(s) == {"id", "protocol", "protocol_sha256", "status", "created_at", "attempts", "latest_status",
+                          "passed", "failed", "submitter"} for s in listed)
 
 
 def test_submit_labels_what_it_queues(tmp_path, tiny):

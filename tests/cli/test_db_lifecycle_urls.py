@@ -33,7 +33,7 @@ def test_a_directory_as_the_sqlite_path_is_named_as_one(packbench_cli, tmp_path)
         ran = packbench_cli(*command, "--db", f"sqlite:///{folder}", cwd=tmp_path)
         assert ran.returncode == 2, ran
         assert ran.stderr == (f"error: cannot open sqlite database {folder}: it is a directory; name a file in it "
-                              f"(sqlite:///{folder}/packbench.db) or set PACKBENCH_DB_URL\n")
+                              f"(sqlite:///{folder}/packbench.db) or set --db\n")
     assert list(folder.iterdir()) == []
 
 
@@ -48,5 +48,5 @@ def test_a_fifo_as_the_sqlite_path_is_named_as_one(packbench_cli, tmp_path):
         ran = packbench_cli(*command, "--db", f"sqlite:///{fifo}", cwd=tmp_path)
         assert ran.returncode == 2, ran
         assert ran.stderr == (f"error: cannot use sqlite database {fifo}: it is a FIFO (named pipe), not a database "
-                              f"file; point PACKBENCH_DB_URL at a file\n")
+                              f"file; point --db at a file\n")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["pipe"]

@@ -165,8 +165,8 @@ def test_screens_list_and_show(db):
     assert [(s["id"], s["status"], s["attempts"], s["passed"], s["failed"]) for s in listed] == [
         (3, "queued", 0, 0, 0), (2, "done", 1, 2, 1), (1, "done", 1, 3, 0)]
     table = invoke(db, "screens", "list", "--status", "done").stdout.splitlines()
-    assert table[0].split() == ["id", "protocol", "protocol_sha256", "status", "created_at", "attempts", "passed",
-                                "failed"]
+    assert table[0].split() == ["id", "protocol", "protocol_sha256", "status", "created_at", "attempts", "latest",
+                                "passed", "failed"]
     assert [line.split()[0] for line in table[1:]] == ["2", "1"]
     shown = json.loads(invoke(db, "screens", "show", "2", "--json").stdout)
     [attempt] = shown["attempts"]
@@ -177,6 +177,33 @@ def test_screens_list_and_show(db):
     text = invoke(db, "screens", "show", "2").stdout
     assert "big" in text and "FAIL" in text and "none; run `packbench audit`" in text
     assert "no attempts yet" in invoke(db, "screens", "show", "latest").stdout
+
+
+def test_screens_list_says_which_attempt_its_verdicts_are_of(tmp_path):
+    """Bug caught: `screens list` showed "passed 0, failed 0" for a screen whose latest attempt was
+    running or had died (it stored no verdicts), which reads as "no gate failed", and never said
+    which attempt the counts were of: an earlier attempt's failed verdict was hidden behind zeros."""
+    url = f"sqlite:///{tmp_path / 'pb.db'}"
+    with Store(url) as store:
+        store.upgrade()
+        protocol = store.put_protocol(sha256="ab" * 32, name="quickstart",
+                                      canonical_json=body("quickstart", "models/tiny", "float32"))
+        machine = store.put_machine(host="box-a", gpu_name=None, driver=None, torch="2.11", cuda=None)
+        screen = store.create_screen(protocol_id=protocol, submitter="alice", max_attempts=3)
+        for number in (1, 2):
+            attempt = store.start_attempt(screen_id=screen, worker="w", node="n", gpu_name="cpu", gpu_index=0,
+                                          machine_id=machine, source_freeze={}, archive_path=f"{number}.zip")
+            if number == 1:
+                store.put_verdicts(attempt.id, [verdict("faithfulness", "packet", False)])
+                store.finish_attempt(attempt.id, status="failed", error="every episode failed")
+                store.retry_screen(screen)
+        store.finish_attempt(attempt.id, status="interrupted", error="worker died", requeue=True)
+    table = invoke(tmp_path / "pb.db", "screens", "list").stdout.splitlines()
+    assert table[1].split()[-3:] == ["interrupted", "-", "-"], table
+    [row] = json.loads(invoke(tmp_path / "pb.db", "screens", "list", "--json").stdout)
+    assert (row["attempts"], row["latest_status"], row["passed"], row["failed"]) == (2, "interrupted", 0, 0)
+    assert "its latest attempt's status (`latest`)" in " ".join(invoke(tmp_path / "pb.db", "screens", "list",
+                                                                         "--help").stdout.split())
 
 
 def test_compare(db):

@@ -22,7 +22,8 @@ from sqlalchemy import text
 
 from packbench.db.errors import InvalidFilter, NotFound
 from packbench.db.compare import ratio
-from packbench.db.queries import GATES, ResultFilter, parse_when
+from packbench.core.dates import parse_when
+from packbench.db.queries import GATES, ResultFilter
 from packbench.db.session import make_engine
 from packbench.db.store import Store
 
@@ -234,36 +235,16 @@ def test_unknown_gate_or_status_is_refused_before_any_query():
     assert isinstance(InvalidFilter("x"), ValueError)
 
 
-def test_parse_when():
-    assert parse_when("2026-01-31", option="--since") == datetime(2026, 1, 31, tzinfo=UTC)
-    assert parse_when("2026-01-31", option="--until", end=True) == datetime(2026, 2, 1, tzinfo=UTC)
-    assert parse_when("2026-01-31T12:00", option="--until", end=True) == datetime(2026, 1, 31, 12, tzinfo=UTC)
-    assert parse_when("2026-01-31T12:00+02:00", option="--since") == datetime(2026, 1, 31, 10, tzinfo=UTC)
-    with pytest.raises(InvalidFilter, match="--since 'yesterday' is not an ISO date"):
-        parse_when("yesterday", option="--since")
-
-
-def test_parse_when_at_the_ends_of_the_calendar_is_no_overflow():
-    """`--until 9999-12-31` (its next midnight does not exist) and a zone that moves a moment past
-    year 1 or 9999 in UTC ended in an OverflowError traceback; the first is the end of time, the
-    second one line naming the range."""
-    assert parse_when("9999-12-31", option="--until", end=True) == datetime.max.replace(tzinfo=UTC)
-    assert parse_when("9999-12-31", option="--since") == datetime(9999, 12, 31, tzinfo=UTC)
-    for moment in ("0001-01-01T00:00+01:00", "9999-12-31T23:59-01:00"):
-        with pytest.raises(InvalidFilter, match=r"outside the years 1-9999 in UTC"):
-            parse_when(moment, option="--since")
-
-
 # -- screens -------------------------------------------------------------------------------
 
 
 def test_list_screens_newest_first_with_latest_attempt_verdicts(seeded):
     store, ids = seeded
     rows = store.list_screens()
-    assert [(r.id, r.protocol, r.status, r.attempts, r.passed, r.failed) for r in rows] == [
-        (ids["s3"], "quickstart", "queued", 0, 0, 0),
-        (ids["s2"], "big", "done", 1, 3, 2),
-        (ids["s1"], "quickstart", "done", 2, 3, 0),
+    assert [(r.id, r.protocol, r.status, r.attempts, r.latest_status, r.passed, r.failed) for r in rows] == [
+        (ids["s3"], "quickstart", "queued", 0, None, 0, 0),
+        (ids["s2"], "big", "done", 1, "done", 3, 2),
+        (ids["s1"], "quickstart", "done", 2, "done", 3, 0),
     ]
     assert rows[0].created_at.tzinfo is not None and rows[1].submitter == "bob"
     assert [r.id for r in store.list_screens(status="queued")] == [ids["s3"]]

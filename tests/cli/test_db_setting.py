@@ -1,0 +1,59 @@
+"""A database refusal names what the user set the URL with: `--db` when typed, the variable when only
+the environment set it, both when neither did."""
+
+import pytest
+
+NOT_A_DB = b"not a database, just text\n" * 64
+
+
+@pytest.fixture
+def not_a_db(tmp_path):
+    path = tmp_path / "notdb"
+    path.write_bytes(NOT_A_DB)
+    return f"sqlite:///{path}"
+
+
+@pytest.mark.parametrize("where, expected", [
+    ("command", "point --db at a packbench database"),
+    ("top", "point --db at a packbench database"),
+    ("env", "point PACKBENCH_DB_URL at a packbench database"),
+    ("both", "point --db at a packbench database"),
+])
+def test_refusal_names_how_the_url_was_given(packbench_cli, monkeypatch, tmp_path, not_a_db, where, expected):
+    """Bug caught: every database refusal said "point PACKBENCH_DB_URL at ..." (or "set
+    PACKBENCH_DB_URL") when the user had typed `--db URL` and never set the variable."""
+    monkeypatch.delenv("PACKBENCH_DB_URL", raising=False)
+    args = {"command": ("results", "--db", not_a_db), "top": ("--db", not_a_db, "results"),
+            "env": ("results",), "both": ("results", "--db", not_a_db)}[where]
+    env = {"PACKBENCH_DB_URL": not_a_db if where == "env" else f"sqlite:///{tmp_path / 'other.db'}"} \
+        if where in ("env", "both") else {}
+    r = packbench_cli(*args, env=env, cwd=tmp_path)
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert expected in r.stderr, r.stderr
+    if where != "env":
+        assert "PACKBENCH_DB_URL" not in r.stderr, r.stderr
+
+
+def test_default_url_names_both(packbench_cli, monkeypatch, tmp_path):
+    """Bug caught: with neither --db nor the variable given, a refusal named only the variable."""
+    monkeypatch.delenv("PACKBENCH_DB_URL", raising=False)
+    (tmp_path / "packbench.db").mkdir()  # the default URL names a directory here
+    r = packbench_cli("results", cwd=tmp_path)
+    assert r.returncode == 2, r.stderr
+    assert "set --db (or PACKBENCH_DB_URL)" in r.stderr, r.stderr
+
+
+def test_parse_refusal_names_typed_option(packbench_cli, monkeypatch, tmp_path):
+    """Bug caught: `--db mysql://x` was told to "set PACKBENCH_DB_URL"."""
+    monkeypatch.delenv("PACKBENCH_DB_URL", raising=False)
+    r = packbench_cli("screens", "list", "--db", "mysql://x", cwd=tmp_path)
+    assert r.returncode == 2 and "set --db:" in r.stderr and "PACKBENCH_DB_URL" not in r.stderr, r.stderr
+
+
+def test_connect_names_its_argument(not_a_db):
+    """Bug caught: `packbench.connect(url)` told the caller to fix PACKBENCH_DB_URL, which it never read."""
+    import packbench
+    from packbench.core.errors import PackbenchError
+
+    with pytest.raises(PackbenchError, match=r"point connect\(\)'s url at"):
+        packbench.connect(not_a_db)
