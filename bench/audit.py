@@ -145,7 +145,7 @@ def write_synthetic_screen(path: Path, raw: dict | None = None, *, vocab: int = 
         calls = _calls(rng, policy, prefix=prefix, continuation=n, layers=layers, hidden=hidden, ffn=ffn,
                        itemsize=itemsize, batch=batch)
         for c in calls:
-            c["logits_d2h_bytes"] = vocab * 4
+            c["logits_d2h_bytes"] = batch * vocab * 4  # every sequence's last-position logits
         totals = episode_totals(calls)
         wall = totals["call_s"] + 0.001 * n
         for agg in totals["phases"].values():  # a worker may add a phase wall; the ledger cannot

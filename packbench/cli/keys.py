@@ -4,6 +4,9 @@ init      create an Ed25519 key (private PEM 0600, never in an archive or the da
           register its public half in the database as this deployment's own
 register  trust another lab's public key (for `packbench ingest`)
 list      the registered keys
+revoke    stop trusting a key (lost, or its lab no longer trusted): `ingest` refuses its archives,
+          the dispatcher refuses to sign with it, `screens show` / `compare` mark what it signed;
+          the key and every screen it signed are kept
 """
 
 from pathlib import Path
@@ -26,7 +29,7 @@ def key_name(ctx: typer.Context, param: typer.CallbackParam, value: str) -> str:
         raise typer.BadParameter(f"'{one_line(value[:40])}' must be one line of 1-{MAX_KEY_NAME} printable characters")
     return value
 
-keys_app = typer.Typer(no_args_is_help=True, help="Archive signing keys (Ed25519): create, trust, list.")
+keys_app = typer.Typer(no_args_is_help=True, help="Archive signing keys (Ed25519): create, trust, list, revoke.")
 
 
 @keys_app.command("init")
@@ -84,10 +87,31 @@ def keys_list(db: DbUrl = None, json_out: Json = False) -> None:
     """The registered public keys."""
     signers = open_store(db).signers()
     if json_out:
-        echo_json({"keys": [{"key_id": s.key_id, "name": s.name, "local": s.local} for s in signers]})
+        echo_json({"keys": [{"key_id": s.key_id, "name": s.name, "local": s.local,
+                             "revoked_at": None if s.revoked_at is None else s.revoked_at.isoformat()}
+                            for s in signers]})
         return
     for s in signers:
-        typer.echo(f"{s.key_id}  {'local ' if s.local else 'remote'}  {one_line(s.name)}")  # one row, whatever is stored
+        revoked = "" if s.revoked_at is None else f"  REVOKED {s.revoked_at:%Y-%m-%d %H:%M} UTC"
+        typer.echo(f"{s.key_id}  {'local ' if s.local else 'remote'}  {one_line(s.name)}{revoked}")  # one row, whatever is stored
+
+
+@keys_app.command("revoke")
+def keys_revoke(
+    key_id: Annotated[str, typer.Argument(help="The key id `packbench keys list` shows.")],
+    db: DbUrl = None,
+    json_out: Json = False,
+) -> None:
+    """Revoke a registered key: its archives are refused at `ingest` from now on, the dispatcher
+    refuses to sign with it, and the screens it signed are kept, shown as signed by a revoked key."""
+    row, revoking = open_store(db).revoke_signer(key_id)
+    if json_out:
+        echo_json({"key_id": row.key_id, "name": row.name, "local": row.local,
+                   "revoked_at": row.revoked_at.isoformat(), "revoked_now": revoking})
+        return
+    when = f"{row.revoked_at:%Y-%m-%d %H:%M} UTC"
+    typer.echo(f"revoked key {row.key_id} ({one_line(row.name)!r}) at {when}" if revoking
+               else f"key {row.key_id} ({one_line(row.name)!r}) was already revoked at {when}")
 
 
 def register(app: typer.Typer) -> None:

@@ -354,8 +354,12 @@ def submit(
         output_dir(settings.archive_dir, "--archive-dir")  # before a screen is queued
         if settings.signing_key is not None:  # an unreadable key fails here, not after queuing the screen
             from packbench.core.provenance import Signer
+            from packbench.service.dispatcher.rules import revoked_key_refusal
 
-            Signer.load(settings.signing_key)
+            refusal = revoked_key_refusal(Signer.load(settings.signing_key).key_id, settings.signing_key,
+                                          store.signers())
+            if refusal is not None:
+                raise PackbenchError(refusal)
     if wait and settings.address:
         from packbench.cluster.runtime import ensure_ray
 

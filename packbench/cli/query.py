@@ -399,7 +399,7 @@ def screens_show(
         typer.echo(no_attempts_advice(s.id, s.status))
         return
     tiers = store.condition_tiers([p.sha256]).get(p.sha256, {})
-    names = signer_names(store)
+    names, revoked = signer_names(store), signer_revocations(store)
     attempts, verdicts, audits = [], [], []
     for d in detail.attempts:
         a = d.attempt
@@ -407,7 +407,7 @@ def screens_show(
                          "gpu": f"{a.gpu_name}:{a.gpu_index}", "started": _when(a.started_at),
                          "finished": _when(a.finished_at), "episodes": d.episodes, "failed": d.failed_episodes,
                          "archive": a.archive_path, "archive_sha256": (a.archive_sha256 or "")[:16] or None,
-                         "signed by": _signer(a, names), "reconciled": _reconciled(a), "error": a.error})
+                         "signed by": _signer(a, names, revoked), "reconciled": _reconciled(a), "error": a.error})
         verdicts += [{"attempt": a.number, **verdict_record(v), "tier": tiers.get(v.condition)} for v in d.verdicts]
         audits += [{"attempt": a.number, "result": u.result, "digest": u.digest[:16], "kind": u.kind or "local",
                     "machine": u.machine, "node": (u.node or "")[:12] or "-", "finished": _when(u.finished_at),
@@ -428,18 +428,26 @@ def signer_names(store) -> dict[str, str]:
     return {k.key_id: k.name for k in store.signers()}
 
 
-def _signer(attempt, names: dict[str, str]) -> str | None:
-    """The key that signed the attempt's archive and whose it is; None when unsigned."""
+def signer_revocations(store) -> dict[str, datetime]:
+    """When each revoked signing key was revoked (`packbench keys revoke`), by key id."""
+    return {k.key_id: k.revoked_at for k in store.signers() if k.revoked_at is not None}
+
+
+def _signer(attempt, names: dict[str, str], revoked: dict[str, datetime] | None = None) -> str | None:
+    """The key that signed the attempt's archive, whose it is, and when it was revoked if it was;
+    None when unsigned."""
     key = getattr(attempt, "signer_key_id", None)
     if key is None:
         return None
-    return f"{key} {one_line(names[key])!r}" if key in names else f"{key} (not registered here)"
+    who = f"{key} {one_line(names[key])!r}" if key in names else f"{key} (not registered here)"
+    when = (revoked or {}).get(key)
+    return who if when is None else f"{who}, a key REVOKED at {_when(when)}"
 
 
-def provenance_text(attempt, names: dict[str, str]) -> str:
+def provenance_text(attempt, names: dict[str, str], revoked: dict[str, datetime] | None = None) -> str:
     """Where an attempt's archive was made and who signed it, for a line: `compare` said only
     "attempt 1 done", so a screen ingested from another lab read like one measured here."""
-    signed = _signer(attempt, names)
+    signed = _signer(attempt, names, revoked)
     signed = "unsigned" if signed is None else f"signed by {signed}"
     if getattr(attempt, "ingested_from", None) is None:
         return signed
@@ -660,12 +668,12 @@ def compare(
     if None not in weights and weights[0] != weights[1]:
         typer.echo(f"warning: screens {c.a.screen_id} and {c.b.screen_id} measured different weights "
                    f"(checkpoint digests {weights[0][:12]} and {weights[1][:12]})", err=True)
-    names = signer_names(store)
+    names, revoked = signer_names(store), signer_revocations(store)
     if out == "table":
         for label, side, attempt in (("A", c.a, attempts[0]), ("B", c.b, attempts[1])):
             typer.echo(one_line(f"{label}: screen {side.screen_id} ({side.protocol}, protocol "
                                 f"{side.protocol_sha256[:12]}), attempt {side.attempt} {side.attempt_status}"
-                                + ("" if attempt is None else f", {provenance_text(attempt, names)}")))
+                                + ("" if attempt is None else f", {provenance_text(attempt, names, revoked)}")))
         typer.echo("")
     tiers = store.condition_tiers([c.a.protocol_sha256, c.b.protocol_sha256])
     both = {**tiers.get(c.b.protocol_sha256, {}), **tiers.get(c.a.protocol_sha256, {})}
@@ -699,6 +707,7 @@ def compare(
                 "shared_host": {"a": sharing[0], "b": sharing[1]},
                 "provenance": {side: None if a is None else {
                     "signer_key_id": a.signer_key_id, "signer_name": names.get(a.signer_key_id),
+                    "signer_revoked_at": None if a.signer_key_id not in revoked else revoked[a.signer_key_id].isoformat(),
                     "ingested_from": a.ingested_from} for side, a in zip("ab", attempts)}}
     _emit([Section([{**dataclasses.asdict(m), "tier": tier(m.condition)} for m in c.metrics],
                    ["condition", "tier", "metric", "A", "B", "B/A"],

@@ -9,7 +9,8 @@ What is checked (each finding is one line in `problems`, naming the member or ep
 - plan.json is the plan of that protocol, and its prompts are the protocol's prompts;
 - every planned episode has a record that matches its plan entry; a finished one has a
   well-formed call ledger, one call per continuation token (prefill first), totals equal to
-  those recomputed from the ledger, and tokens that are the argmax of its stored logits; with
+  those recomputed from the ledger, tokens that are the argmax of its stored logits and each
+  call's logits read-back bytes those logits' (batch x vocab x 4); with
   separate passes, both passes' figures (core/passes.py); an expert cache's or forecast's hits,
   waste and Belady bound replayed from its recorded routing (core/expert_cache.py);
 - the verdicts recomputed from those records (with worker.json's start record) equal
@@ -331,6 +332,24 @@ def _traced(protocol: Protocol, condition: Any) -> bool:
             or kind_of(protocol.condition(condition).policy).competitor is None)
 
 
+def readback_problems(calls: list[dict], logits: Any, batch: int) -> list[str]:
+    """Every call read back its sequences' last-position float32 logits, and only those: its
+    `logits_d2h_bytes` is batch x vocab x 4, vocab the stored logits' last axis (the engine
+    writes `logits.numel() * 4` per call, engine/episode.py and engine/flexgen.py; every archive
+    since packbench 0.1 holds that). Empty where the logits' shape is not known: the token check
+    names that."""
+    if not isinstance(logits, np.ndarray) or logits.ndim < 2 or logits.shape[-1] < 1:
+        return []
+    want = batch * int(logits.shape[-1]) * 4
+    bad = [(k, c["logits_d2h_bytes"]) for k, c in enumerate(calls) if c["logits_d2h_bytes"] != want]
+    if not bad:
+        return []
+    k, got = bad[0]
+    more = f" ({len(bad)} calls differ)" if len(bad) > 1 else ""
+    return [f"call {k} logits_d2h_bytes {got} is not the {want} of its stored logits "
+            f"({batch} x {logits.shape[-1]} vocab x 4 bytes){more}"]
+
+
 def _episode_problems(name: str, rec: dict, logits: np.ndarray | None, protocol: Protocol,
                       row_bytes: list[int | None]) -> list[str]:
     """Recompute a finished episode's totals and tokens from its ledger and logits, and check
@@ -353,6 +372,7 @@ def _episode_problems(name: str, rec: dict, logits: np.ndarray | None, protocol:
                                                                protocol.condition(cond).params) == "int8")
     moved, row_bytes[slot] = row_bytes_problems(calls, row_bytes[slot])
     out += [f"{name}: impossible copy: {p}" for p in moved]
+    out += [f"{name}: {p}" for p in readback_problems(calls, logits, protocol.batch)]
     n, prefix, b = protocol.continuation_tokens, protocol.prefix_tokens, protocol.batch
     shape = [(c["phase"], c["tokens"]) for c in calls]
     if shape != [("prefill", b * prefix)] + [("decode", b)] * (n - 1):

@@ -78,6 +78,17 @@ def _read_small(path: Path, what: str) -> bytes:
         raise ProvenanceError(f"cannot read the {what} {path} ({e.strerror or e}); check the path") from None
 
 
+def private_mode_problem(path: Path, mode: int) -> str | None:
+    """Why a private key file of permission bits `mode` must not be used, or None: as ssh does, a
+    key that its group or others may read or write is refused (someone else may hold it, or swap
+    it for theirs, and sign as this deployment). The line names the file, its mode and the fix."""
+    if mode & 0o077 == 0:
+        return None
+    return (f"the signing key {path} has mode {mode & 0o7777:04o}: its group or others may read or write it, so it "
+            f"is not private; run `chmod 600 {path}` (and make a new key with `packbench keys init` if others may "
+            f"have read it)")
+
+
 @dataclass(frozen=True)
 class Signer:
     """A deployment's signing key, loaded once (the dispatcher holds one)."""
@@ -92,7 +103,10 @@ class Signer:
     @classmethod
     def load(cls, path: Path) -> "Signer":
         serialization, ed25519 = _crypto()
-        data = _read_small(path, "signing key")
+        data = _read_small(path, "signing key")  # first: a FIFO or a device is named as such
+        problem = private_mode_problem(path, os.stat(path).st_mode) if os.name == "posix" else None
+        if problem is not None:
+            raise ProvenanceError(problem)
         try:
             key = serialization.load_pem_private_key(data, password=None)
         except (ValueError, TypeError) as e:

@@ -534,10 +534,13 @@ class SqlSigner(Base):
     name: Mapped[str] = mapped_column(String)
     local: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
     created_at: Mapped[datetime] = mapped_column(UtcDateTime, default=utcnow)
+    # When `packbench keys revoke` revoked it (0013); NULL: in force. A revoked key is kept, never
+    # deleted: the screens it signed still name it.
+    revoked_at: Mapped[datetime | None] = mapped_column(UtcDateTime, nullable=True)
 
     def to_record(self) -> SignerRow:
         return SignerRow(id=self.id, key_id=self.key_id, public_key=self.public_key, name=self.name,
-                         local=self.local, created_at=self.created_at)
+                         local=self.local, created_at=self.created_at, revoked_at=self.revoked_at)
 
 
 class SqlScreenTag(Base):

@@ -177,6 +177,7 @@ class SignerRow:
     name: str
     local: bool
     created_at: datetime
+    revoked_at: datetime | None = None  # `packbench keys revoke`: no longer trusted nor used to sign
 
 
 @dataclass(frozen=True, slots=True)

@@ -38,7 +38,7 @@ from packbench.db import compare as compare_query, history, ingest, labels, migr
 from packbench.db.history import HistoryRun
 from packbench.db.compare import ScreenComparison
 from packbench.db.connections import HeldConnections
-from packbench.db.errors import SchemaNotAtHead
+from packbench.db.errors import NotFound, SchemaNotAtHead
 from packbench.db.ingest import EPISODE_KEY, RECONCILE_CHECKS, VERDICT_KEY
 from packbench.db.models import AUDIT_KINDS, SqlAttempt, SqlAudit, SqlEpisode, SqlMachine, SqlProtocol, SqlSigner, SqlVerdict, \
     json_text, utcnow
@@ -641,6 +641,20 @@ class Store:
                       "created_at": self._clock()}
             ingest.insert_ignore(session, SqlSigner, [values], ["key_id"])
             return session.scalars(select(SqlSigner).where(SqlSigner.key_id == key_id)).one().to_record()
+
+    @retried
+    def revoke_signer(self, key_id: str) -> tuple[SignerRow, bool]:
+        """Revoke the registered key `key_id` (kept, never deleted); (its row, whether this call
+        revoked it: False for a key revoked before, whose first revocation time stays)."""
+        with self._session() as session:
+            row = session.scalars(select(SqlSigner).where(SqlSigner.key_id == key_id)).one_or_none()
+            if row is None:
+                raise NotFound(f"no registered signing key {key_id[:40]!r}; `packbench keys list` shows the key ids")
+            revoking = row.revoked_at is None
+            if revoking:
+                row.revoked_at = self._clock()
+            session.flush()
+            return row.to_record(), revoking
 
     def signers(self) -> list[SignerRow]:
         with self._session() as session:

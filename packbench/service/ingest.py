@@ -3,8 +3,9 @@ lab and, only if it agrees (and its signature is by a trusted key), record its s
 database in one transaction, marked as ingested with its signer.
 
 Refused (nothing written): an archive that disagrees, is incomplete, unsigned, signed by a key
-that is not trusted, or already in this database. Trusted keys are the ones given with
-`--trust` plus every signer registered in the database (`packbench keys register`).
+that is not trusted, signed by a revoked key (`packbench keys revoke`; given with `--trust` too),
+or already in this database. Trusted keys are the ones given with `--trust` plus every signer
+registered in the database (`packbench keys register`) that is not revoked.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from packbench.core.audit import AuditReport, audit_archive
 from packbench.core.canonical import canonical_json
 from packbench.core.errors import ArchiveError, PackbenchError
 from packbench.core.provenance import key_id, load_public_key
+from packbench.core.text import one_line
 
 
 @dataclass(frozen=True)
@@ -34,18 +36,32 @@ class IngestOutcome:
         return self.attempt_id is not None
 
 
+def revoked_line(key: str | None, signers: list) -> str | None:
+    """Why an archive signed by `key` is refused when the key is revoked (`packbench keys
+    revoke`), or None: a revoked key vouches for nothing from then on, --trust or not."""
+    row = next((s for s in signers if s.key_id == key and s.revoked_at is not None), None)
+    if row is None:
+        return None
+    return (f"signature: by key {key} ({one_line(row.name)!r}), revoked at {row.revoked_at:%Y-%m-%d %H:%M} UTC; "
+            f"a revoked key's archives are never ingested: ask its lab for the archive signed by a key in force")
+
+
 def ingest(store, archive: Path, *, trust_files: list[Path]) -> IngestOutcome:
     """Audit `archive` against the trusted keys; if it agrees, write it to `store`."""
     archive = Path(archive)
     given = {key_id(raw): (raw, path) for path in trust_files for raw in [load_public_key(path)]}
-    registered = {s.key_id: bytes.fromhex(s.public_key) for s in store.signers()}
+    signers = store.signers()
+    registered = {s.key_id: bytes.fromhex(s.public_key) for s in signers}
     keys = [raw for raw, _ in given.values()] + list(registered.values())
     if not keys:
         raise PackbenchError("no trusted keys: pass --trust PUBKEY_FILE or register the lab's key with "
                              "`packbench keys register`; unsigned evidence is never ingested")
-    report = audit_archive(archive, trust=keys)
+    report = audit_archive(archive, trust=keys)  # revoked keys included: a signature by one is named below
     if not report.agrees:
         return IngestOutcome(report, None, None, list(report.problems) or ["the audit did not agree"])
+    revoked = revoked_line(report.record.get("signature", {}).get("key_id"), signers)
+    if revoked is not None:
+        return IngestOutcome(report, None, None, [revoked])
     try:
         with ArchiveReader(archive) as r:
             body = r.read_json(PROTOCOL_NAME)

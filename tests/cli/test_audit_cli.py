@@ -331,8 +331,9 @@ def test_screens_show_and_compare_say_who_signed_an_ingested_screen(world, cli, 
     assert b.endswith(f"attempt 1 done, ingested from synthetic, signed by {okid} 'other.pem.pub (--trust at ingest)'"), b
     r = cli("compare", "1", "2", "--json", cwd=d, db=db)
     assert json.loads(r.stdout)["provenance"] == {
-        "a": {"signer_key_id": kid, "signer_name": "Lab One", "ingested_from": f"synthetic (signed by {kid})"},
-        "b": {"signer_key_id": okid, "signer_name": "other.pem.pub (--trust at ingest)",
+        "a": {"signer_key_id": kid, "signer_name": "Lab One", "signer_revoked_at": None,
+              "ingested_from": f"synthetic (signed by {kid})"},
+        "b": {"signer_key_id": okid, "signer_name": "other.pem.pub (--trust at ingest)", "signer_revoked_at": None,
               "ingested_from": f"synthetic (signed by {okid})"}}
 
 

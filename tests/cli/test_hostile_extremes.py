@@ -497,6 +497,36 @@ def test_a_key_file_that_is_no_regular_file_is_refused_before_anything_is_queued
                        "public key")
 
 
+@pytest.mark.parametrize("mode", [0o644, 0o640, 0o604, 0o660, 0o602], ids=lambda m: f"{m:04o}")
+def test_a_signing_key_others_may_read_or_write_is_refused_as_ssh_does(tmp_path, world, tiny, mode):
+    """A private signing key readable (or writable) by its group or others was loaded silently by
+    `dispatch` and `submit --wait`: anyone who could read it could sign as this deployment. Now
+    one line names the file, its mode and `chmod 600 FILE`, before anything is queued or claimed;
+    after the chmod the key loads."""
+    from packbench.core.provenance import Signer, generate_key
+
+    key = generate_key(tmp_path / "lab.pem")[0]
+    os.chmod(key, mode)
+    fix = f"has mode {mode:04o}: its group or others may read or write it, so it is not private; run `chmod 600 {key}`"
+    p = protocol(tmp_path, {"path": str(tiny)})
+    one_line_error(world("--signing-key", str(key), "submit", str(p), "--wait"), f"the signing key {key} {fix}")
+    assert queued(tmp_path) == []
+    one_line_error(world("--signing-key", str(key), "dispatch", "--archive-dir", str(tmp_path / "a")), fix)
+    os.chmod(key, 0o600)
+    assert Signer.load(key).key_id
+
+
+def test_keys_init_writes_a_private_key_only_its_owner_reads(tmp_path, world):
+    """`keys init` writes the private key 0600 whatever the umask (the dispatcher refuses any
+    other), so a key it made is never refused."""
+    old = os.umask(0)
+    try:
+        assert world("keys", "init", "--key", str(tmp_path / "k.pem"), "--no-db").returncode == 0
+    finally:
+        os.umask(old)
+    assert os.stat(tmp_path / "k.pem").st_mode & 0o777 == 0o600
+
+
 # ----------------------------------------------------------------------------- every numeric option
 
 

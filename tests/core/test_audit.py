@@ -238,6 +238,32 @@ def test_forged_logits_change_the_recomputed_verdict(screen, tmp_path):
     assert not v["passed"] and v["value"] > 0
 
 
+def readbacks(value):
+    """A consistent forgery of every call's `logits_d2h_bytes` (`value(call index)`): the stored
+    total is the forged ledger's, so only the logits' shape can tell."""
+    def forge(rec):
+        for k, call in enumerate(rec["calls"]):
+            call["logits_d2h_bytes"] = value(k)
+        rec["logits_d2h_bytes"] = sum(c["logits_d2h_bytes"] for c in rec["calls"])
+    return forge
+
+
+@pytest.mark.parametrize("value, line", [
+    (lambda k: 0, "call 0 logits_d2h_bytes 0 is not the 256 of its stored logits (1 x 64 vocab x 4 bytes) "
+                  "(4 calls differ)"),
+    (lambda k: 256 if k else 10**9, "call 0 logits_d2h_bytes 1000000000 is not the 256 of its stored logits "
+                                    "(1 x 64 vocab x 4 bytes)"),
+    (lambda k: 512 if k == 3 else 256, "call 3 logits_d2h_bytes 512 is not the 256 of its stored logits "
+                                       "(1 x 64 vocab x 4 bytes)"),
+])
+def test_logits_readback_bytes_are_those_of_the_stored_logits(screen, tmp_path, value, line):
+    """Bug: no call's `logits_d2h_bytes` was checked, so an archive stating any readback (0, a
+    billion, one call's doubled) with a ledger total to match audited AGREE."""
+    name = "episodes/00003.json"
+    forged = reseal(screen["path"], tmp_path / "forged.zip", replace={name: readbacks(value)})
+    assert audit_archive(forged).problems == [f"{name}: {line}"]
+
+
 # ----------------------------------------------------------------------------- partial archives
 
 

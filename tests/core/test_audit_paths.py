@@ -255,6 +255,21 @@ def test_a_batch_call_shape_names_the_batch(batch, tmp_path):
             "(tokens count every sequence's)") in report.problems
 
 
+def test_a_batch_reads_back_every_sequences_logits(batch, tmp_path):
+    """Bug: a batch call's `logits_d2h_bytes` judged as one sequence's (vocab x 4) or not at
+    all: the engine reads back batch x vocab x 4 (engine/episode.py), and a record stating one
+    sequence's, with its total to match, audited AGREE."""
+    def one_sequence(r):
+        for call in r["calls"]:
+            call["logits_d2h_bytes"] = 64 * 4
+        r["logits_d2h_bytes"] = 64 * 4 * len(r["calls"])
+    with ArchiveReader(batch["path"]) as r:
+        assert {c["logits_d2h_bytes"] for c in json.loads(r.read_bytes("episodes/00002.json"))["calls"]} == {2 * 64 * 4}
+    report = audit_archive(forged(batch["path"], tmp_path / "r.zip", edit={"episodes/00002.json": one_sequence}))
+    assert report.problems == ["episodes/00002.json: call 0 logits_d2h_bytes 256 is not the 512 of its stored "
+                               "logits (2 x 64 vocab x 4 bytes) (4 calls differ)"]
+
+
 # ----------------------------------------------------------------------------- bounds on hostile records
 
 

@@ -271,7 +271,7 @@ def test_unhashed_audits_revision_stores_a_null_sha_and_refuses_to_go_down_over_
             store.downgrade("0011_partial_audits")
     assert _rows(db_url, "SELECT archive_sha256 FROM audits ORDER BY id") == [(None,), ("d" * 64,)]
     with Store(db_url) as store:
-        assert store.current() == "0012_unhashed_audits"
+        assert store.current() == store.head()  # the refused downgrade moved nothing
     _run(db_url, "DELETE FROM audits WHERE archive_sha256 IS NULL")
     with Store(db_url) as store:
         store.downgrade("0011_partial_audits")
@@ -321,4 +321,31 @@ def test_upgrades_run_at_once_all_succeed_and_migrate_once(db_url):
     assert all(s["from"] in (None, migrate.head()) for s in said), said
     with Store(db_url) as store:
         store.check_head()
+    assert schema_diff(db_url) == []
+
+
+def test_revoked_signers_revision_keeps_every_key_and_refuses_to_go_down_over_a_revoked_one(db_url):
+    """0013: keys registered at 0012 come up in force (revoked_at NULL), a revocation is stored,
+    and going down refuses while a key is revoked (the older revision would trust it again
+    without a word), keeping every row; once it is gone, down and up again."""
+    with Store(db_url) as store:
+        store.upgrade("0012_unhashed_audits")
+    when = "'2026-01-01 00:00:00'"
+    _run(db_url, *(f"INSERT INTO signers (id, key_id, public_key, name, local, created_at) VALUES "
+                   f"({i}, '{c * 16}', '{c * 64}', 'lab {i}', false, {when})" for i, c in ((1, "a"), (2, "b"))))
+    with Store(db_url) as store:
+        store.upgrade()
+        assert [(s.key_id, s.revoked_at) for s in store.signers()] == [("a" * 16, None), ("b" * 16, None)]
+        row, revoking = store.revoke_signer("b" * 16)
+        assert revoking and row.revoked_at is not None
+        assert store.revoke_signer("b" * 16) == (row, False)  # the first revocation time is kept
+        with pytest.raises(Exception, match="1 revoked signing key"):
+            store.downgrade("0012_unhashed_audits")
+    assert _rows(db_url, "SELECT key_id, revoked_at IS NOT NULL FROM signers ORDER BY id") == [
+        ("a" * 16, False), ("b" * 16, True)]
+    _run(db_url, "DELETE FROM signers WHERE revoked_at IS NOT NULL")
+    with Store(db_url) as store:
+        store.downgrade("0012_unhashed_audits")
+        assert store.current() == "0012_unhashed_audits"
+        store.upgrade()
     assert schema_diff(db_url) == []

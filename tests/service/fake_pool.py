@@ -123,10 +123,10 @@ class FakePool:
             prefix, calls, layers, vocab = worker.shape
             logits = np.zeros((calls, vocab), dtype=np.float32)
             logits[:, entry["prompt"] % vocab] = 1.0  # the same for every condition of a prompt: exact
-            zeros = [0] * layers  # a ledger that moved nothing: what the auditor recomputes, and agrees with
+            zeros = [0] * layers  # a ledger that moved nothing but its logits: what the auditor recomputes
             ledger = [{"index": k, "phase": "decode" if k else "prefill", "tokens": 1 if k else prefix,
                        "layers": layers, "active_rows": zeros, "rows_copied": zeros, "h2d_weight_bytes": zeros,
-                       "h2d_index_bytes": zeros, "d2h_bytes": zeros, "logits_d2h_bytes": 0, "wall_s": 0.0}
+                       "h2d_index_bytes": zeros, "d2h_bytes": zeros, "logits_d2h_bytes": vocab * 4, "wall_s": 0.0}
                       for k in range(calls)]
             record.update(status="ok", error=None, tokens=[entry["prompt"] % vocab] * calls, wall_s=self.episode_s,
                           calls=ledger, **episode_totals(ledger), logits=logits, trace=None, forced_logits=None)

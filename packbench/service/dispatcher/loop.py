@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Callable
 
 from packbench.core.errors import PackbenchError
-from packbench.core.provenance import Signer
+from packbench.core.provenance import ProvenanceError, Signer
 from packbench.core.settings import Settings
 from packbench.core.source import source_freeze
 from packbench.core.text import one_line
@@ -28,7 +28,7 @@ from packbench.service.dispatcher.holders import holder_alive, process_alive
 from packbench.service.dispatcher.lifecycle import Lifecycle
 from packbench.service.dispatcher.outage import OutageWatch
 from packbench.service.dispatcher.pool import Reply, WorkerPool
-from packbench.service.dispatcher.rules import OUTAGE_BACKOFF_S, held_by_silent, overdue
+from packbench.service.dispatcher.rules import OUTAGE_BACKOFF_S, held_by_silent, overdue, revoked_key_refusal
 from packbench.service.dispatcher.state import Active, CallKind, Outage, ScreenEvent, Slot, State, Stop
 from packbench.service.dispatcher.upkeep import Upkeep
 from packbench.service.screen import ScreenOutcome, cause_of
@@ -119,6 +119,8 @@ class Dispatcher:
 
     def run(self) -> list[ScreenOutcome]:
         """Until drained (or stopped); returns what became of every screen this dispatcher ran."""
+        if self.signer is not None and not self.follow:  # `follow` waits for a database down at start: _register
+            self._refuse_revoked_key(self.store.signers())
         if self.only_screen is not None and self.store.screen(self.only_screen).status in ("done", "failed",
                                                                                          "cancelled"):
             return self.outcomes  # no such screen (NotFound) or it has ended: no pool is started for it
@@ -192,13 +194,23 @@ class Dispatcher:
                     raise
                 self.watch.went_down(e)
 
+    def _refuse_revoked_key(self, signers: list) -> None:
+        """A signing key this database revoked (`packbench keys revoke`) signs nothing: one line."""
+        refusal = revoked_key_refusal(self.signer.key_id, self.settings.signing_key, signers)
+        if refusal is not None:
+            raise ProvenanceError(refusal)
+
     def _register_signer(self) -> None:
-        """Register the signing key's public half as this deployment's own, unless the database
-        holds it. An audit of a signed attempt checks it against the key the database names
+        """Refuse a signing key this database revoked; register its public half as this
+        deployment's own, unless the database holds it. An audit of a signed attempt checks it against the key the database names
         (service/audit.py `_signed_by`): a key made by `keys init --no-db` or for another database
         signed every archive, and every later `audit SCREEN` called them DISAGREE, "not trusted here"."""
         signer = self.signer
-        if signer is None or any(s.key_id == signer.key_id for s in self.store.signers()):
+        if signer is None:
+            return
+        signers = self.store.signers()
+        self._refuse_revoked_key(signers)
+        if any(s.key_id == signer.key_id for s in signers):
             return
         name = f"{one_line(Path(self.settings.signing_key).name)[:150]} (--signing-key at dispatch)"
         self.store.put_signer(key_id=signer.key_id, public_key=signer.public_raw.hex(), name=name, local=True)

@@ -1,5 +1,5 @@
 """The dispatcher's pure decisions: which episode hung, who holds a screen silently, why a queued
-screen cannot be placed, when to probe a database that is down. Values in, values out; tested in milliseconds.
+screen cannot be placed, when to probe a database that is down, whether its signing key is revoked. Values in, values out; tested in milliseconds.
 """
 
 from __future__ import annotations
@@ -98,3 +98,14 @@ def unplaceable_reason(screen, ready: list[Slot], *, replica_nodes: Callable[[st
 
 def show(resources: dict) -> str:
     return "{" + ", ".join(f"{k}: {v:g}" for k, v in sorted(resources.items())) + "}"
+
+
+def revoked_key_refusal(key_id: str, path: object, signers: list) -> str | None:
+    """Why the dispatcher must not sign with the key `key_id` of file `path` (one line naming the
+    file, the key, when it was revoked and the fix), or None: `packbench keys revoke` revoked it
+    in this database (the key was lost, or is no longer trusted), so what it signs proves nothing."""
+    row = next((s for s in signers if s.key_id == key_id and s.revoked_at is not None), None)
+    if row is None:
+        return None
+    return (f"the signing key {path} (key id {key_id}) was revoked at {row.revoked_at:%Y-%m-%d %H:%M} UTC; create a "
+            f"new one with `packbench keys init --key NEW.pem` and pass --signing-key NEW.pem")
