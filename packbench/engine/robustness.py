@@ -69,12 +69,25 @@ def nf4_blocks(w: torch.Tensor, *, block: int = 64) -> torch.Tensor:
     x = x.reshape(-1, block)
     code = torch.tensor(NF4_CODE, device=w.device)
     out = torch.empty_like(x)
-    for i in range(0, x.shape[0], 1 << 18):  # (blocks, block, 16) distances a chunk at a time: 1 GiB, not 16 weights' worth
-        chunk = x[i:i + (1 << 18)]
+    for i in range(0, x.shape[0], 1 << 12):  # a chunk of 4096 blocks: its temporaries stay in cache
+        chunk = x[i:i + (1 << 12)]
         scale = chunk.abs().amax(dim=1, keepdim=True).clamp_min(1e-12)
-        nearest = ((chunk / scale).unsqueeze(-1) - code).abs().argmin(dim=-1)  # (blocks, block)
-        out[i:i + (1 << 18)] = code[nearest] * scale
+        out[i:i + (1 << 12)] = nearest_code(chunk / scale, code) * scale
     return out.reshape(w.shape).to(w.dtype)
+
+
+def nearest_code(y: torch.Tensor, code: torch.Tensor) -> torch.Tensor:
+    """The value of ascending `code` (within [-1, 1], entries at least 1e-6 apart) nearest each entry
+    of `y` in [-1, 1], the lower one on a tie, code[0] for NaN: what
+    `(y.unsqueeze(-1) - code).abs().argmin(-1)` picks, bit for bit (|y - c| only falls towards y and
+    rises past it, so the nearest is one of the two codes around y), without its (..., len(code))
+    distances."""
+    flat = y.reshape(-1)
+    above = torch.searchsorted(code, flat, out_int32=True).clamp_(max=len(code) - 1)  # first code >= y
+    up = code.index_select(0, above)
+    down = code.index_select(0, above.sub_(1).clamp_(min=0))
+    nearest = torch.where((flat - up).abs() < (flat - down).abs(), up, down)
+    return nearest.masked_fill_(flat.isnan(), code[0]).view(y.shape)
 
 
 @dataclass(frozen=True)
@@ -259,17 +272,18 @@ def measure(model_dir: Path, sequences: list[list[int]], *, score_from: list[int
 
 
 def robustness(model_dir: Path, prompts: list[list[int]], *, sampled: int, seed: int, text: bool,
-               dtype: torch.dtype = torch.float32, device: str = "cpu",
+               variants: tuple[str, ...] = tuple(VARIANTS), dtype: torch.dtype = torch.float32, device: str = "cpu",
                progress: Callable[[str], None] | None = None) -> dict[str, dict]:
     """`measure` on the model's own text: each prompt followed by `sampled` tokens it samples at
     temperature 1 (scored: those tokens), or, `text` True, the prompts themselves (a text file's
-    tokens; scored: every token after the first)."""
+    tokens; scored: every token after the first). Each variant's figures are its own, whichever
+    others are measured beside it."""
     from packbench.engine.checkpoint import build_model
 
     model = build_model(Path(model_dir), dtype=dtype).to(device)
     if text:
-        return measure(model_dir, prompts, score_from=[1] * len(prompts), dtype=dtype, device=device, model=model,
-                       progress=progress)
+        return measure(model_dir, prompts, score_from=[1] * len(prompts), variants=variants, dtype=dtype,
+                       device=device, model=model, progress=progress)
     sequences = sample_continuations(model, prompts, tokens=sampled, seed=seed, device=device)
-    return measure(model_dir, sequences, score_from=[len(p) for p in prompts], dtype=dtype, device=device,
-                   model=model, progress=progress)
+    return measure(model_dir, sequences, score_from=[len(p) for p in prompts], variants=variants, dtype=dtype,
+                   device=device, model=model, progress=progress)

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from packbench.engine.robustness import (NF4_CODE, VARIANTS, absmax_symmetric, decoder_linears, mean_interval,
-                                         measure, minmax_asymmetric, nf4_blocks, real_opt, sample_continuations,
-                                         summarise, token_figures)
+                                         measure, minmax_asymmetric, nearest_code, nf4_blocks, real_opt,
+                                         sample_continuations, summarise, token_figures)
 
 
 def test_absmax_is_per_row_and_symmetric():
@@ -53,6 +53,27 @@ def test_nf4_maps_each_block_to_the_nearest_code_value():
     # block 1: absmax 1, 0.5 is nearer 0.4407 than 0.5626; block 2: absmax 2, 0.05 is nearer 0.0796 than 0
     expected = [[1.0, NF4_CODE[12]], [-2.0, 2 * NF4_CODE[8]]]
     assert torch.allclose(nf4_blocks(w, block=2), torch.tensor(expected))
+
+
+def test_nf4_picks_what_the_distance_argmin_picks_bit_for_bit():
+    """nf4 finds each entry's code from the two around it (`nearest_code`): the same bits as the
+    argmin over all sixteen distances, ties to the lower code and NaN to code[0] included, so a
+    checkpoint's nf4 figures stay what they were (a block holding inf or NaN included)."""
+    code = torch.tensor(NF4_CODE)
+    mid = (code[1:] + code[:-1]) / 2
+    edges = torch.cat([code, -code, mid, mid.nextafter(torch.tensor(2.0)), mid.nextafter(torch.tensor(-2.0)),
+                       torch.tensor([0.0, -0.0, 1e-30, -1e-30, float("nan")])])
+    y = torch.cat([edges, torch.empty(10_000).uniform_(-1, 1, generator=torch.Generator().manual_seed(0))])
+    argmin = code[(y.unsqueeze(-1) - code).abs().argmin(-1)]
+    assert torch.equal(nearest_code(y, code).view(torch.int32), argmin.view(torch.int32))
+    w = torch.randn(96, 64, generator=torch.Generator().manual_seed(1))
+    w[3, 5], w[5, 0], w[7] = float("nan"), float("inf"), 0.0
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        x = w.to(dtype).float().reshape(-1, 64)
+        scale = x.abs().amax(dim=1, keepdim=True).clamp_min(1e-12)
+        expected = (code[((x / scale).unsqueeze(-1) - code).abs().argmin(-1)] * scale).to(dtype)
+        got = nf4_blocks(w.to(dtype), block=64).reshape(-1, 64)
+        assert torch.equal(got.nan_to_num(7.0), expected.nan_to_num(7.0)) and torch.equal(got.isnan(), expected.isnan())
 
 
 def test_token_figures_by_hand():
@@ -154,6 +175,18 @@ def test_measure_restores_the_weights_and_leaves_embeddings_alone(tiny, tiny_mod
                                           "int3-g128"}
     assert out["int8-channel"]["tokens"] == 16 and out["int8-channel"]["mean_kl"] < out["int4-channel"]["mean_kl"]
     assert out["int4-channel"]["mean_kl"] < out["int3-channel"]["mean_kl"]  # fewer levels, larger steps
+
+
+def test_a_variant_measured_alone_has_the_figures_it_has_among_all(tiny):
+    """`robustness(..., variants=...)` measures the variants asked for, each with the figures the
+    full set gives it (tests/engine/test_synth.py measures only those it checks)."""
+    from packbench.engine.robustness import robustness
+
+    prompts = [[2, 5, 9, 11], [2, 7, 3, 8]]
+    every = robustness(tiny, prompts, sampled=8, seed=0, text=False)
+    alone = robustness(tiny, prompts, sampled=8, seed=0, text=False, variants=("nf4-b64", "int4-g128"))
+    assert list(alone) == ["nf4-b64", "int4-g128"] and list(every) == list(VARIANTS)
+    assert alone == {name: every[name] for name in alone}
 
 
 def test_each_sampled_token_sees_its_whole_context(tiny_model):
