@@ -158,7 +158,8 @@ def write_synthetic_screen(path: Path, raw: dict | None = None, *, vocab: int = 
                   "memory": {"peak_allocated_bytes": peak - MIB, "peak_reserved_bytes": peak,
                              "peak_sampled_bytes": peak + 5 * MIB, "kv_bytes": 4096,
                              "policy_device_bytes": 1 << 20, "host_outgoing_bytes": start["host_outgoing_bytes"]},
-                  "calls": calls}
+                  "calls": calls,
+                  "energy_j": float(rng.uniform(20.0, 30.0))}  # a GPU worker's reading (NVML), as "cuda:0" has
         if batch > 1:
             record["prompts"] = entry["prompts"]
         forced = None

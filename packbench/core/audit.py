@@ -406,7 +406,8 @@ def _token_problems(name: str, tokens: Any, logits: np.ndarray | None, calls: in
 
 # Record fields the gates (core/gates.py) and the database comparison (EPISODE_FIELDS) read.
 RETAINED = ("plan_index", "condition", "role", "prompt", "status", "error", "tokens", "wall_s", "call_s",
-            "first_logit_since_entry_s", "h2d_weight_bytes", "h2d_index_bytes", "d2h_bytes", "tier", "forced_from")
+            "first_logit_since_entry_s", "h2d_weight_bytes", "h2d_index_bytes", "d2h_bytes", "tier", "forced_from",
+            "energy_j")
 _DROPPED = "<dropped: not a small scalar>"
 
 

@@ -43,8 +43,10 @@ def db_episodes(screen) -> list[dict]:
     return rows
 
 
-# energy_j: a CPU screen has no reading (tests/service/test_audit_db_edits.py edits it)
-EXACT_COLUMNS = [c for c in EPISODE_FIELDS if not c.startswith("fidelity_") and c != "energy_j"]
+# energy_j included: the synthetic screen's records carry a GPU worker's reading. Left out, the
+# audit of every GPU screen disagreed unseen ("database episode 0 energy_j 23.1 != archive None":
+# the auditor dropped the record's energy before comparing), as the H100's first MoE check did.
+EXACT_COLUMNS = [c for c in EPISODE_FIELDS if not c.startswith("fidelity_")]
 
 
 def _up(x):
@@ -360,3 +362,15 @@ def test_records_cross_check_the_manifest_and_the_layout(screen, tmp_path):
     problems = sealed("strays.zip", extra=strays)
     assert problems == [f"member {n!r} is not part of the archive of this plan" for n in strays[:10]] + [
         "... and 3 more members that are not part of the archive of this plan"]
+
+
+def test_every_audited_column_is_kept_for_the_database_comparison():
+    """The audit keeps a record's RETAINED fields (and memory, phases, fidelity) after checking
+    it and compares the database's columns with what it kept: a column whose record field is not
+    kept compares the database against None. energy_j was not kept, so every GPU screen (the only
+    ones with a reading) audited DISAGREE."""
+    from packbench.core.audit import RETAINED
+    from packbench.core.record import AUDITED
+
+    kept = set(RETAINED) | {"memory", "phases", "fidelity"}
+    assert {column for column, path in AUDITED.items() if path[0] not in kept} == set()
