@@ -33,7 +33,9 @@ product_env() {  # the wheels on the path, and a fresh database, archive and mod
 }
 pb() { python3 -m packbench "$@"; }
 verdict() {  # LOG: its audit's verdict line (rc 0 is also a PARTIAL audit of a screen cut short: say which)
+  # and its first problem lines: a call brings back at most 8 files, so the log may not come back
   grep -E "^(error: )?audit of" "$1" | tail -1 | sed "s/^/   /"
+  grep -E "^problem: " "$1" | head -5 | cut -c1-400 | sed "s/^/   /"
 }
 
 # ----------------------------------------------------------------------------- the MoE scripts' preamble

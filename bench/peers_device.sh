@@ -135,6 +135,7 @@ PY
   fi
   python3 -m packbench audit screen "$sid" >> "$out/$name.log" 2>&1; echo "   audit rc $?"
   grep -E "^(faithfulness|resources) |audit of|rror" "$out/$name.log" | sort -u | head -20
+  grep -E "^problem: " "$out/$name.log" | head -5 | cut -c1-400 | sed "s/^/   /"  # the log may not come back (8 files a call)
   python3 -m packbench results --screen "$sid" --json > "$out/$name.json" 2>/dev/null
 }
 [ -n "${SKIP_B1:-}" ] || screen peers-b1 1 "${PROMPTS:-2}" "${PREFIX:-512}" "${ALLOWANCE:-4800}"
