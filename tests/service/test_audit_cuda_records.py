@@ -96,3 +96,15 @@ def test_results_compare_and_report_show_a_cuda_screens_figures(cuda_screen, pac
     assert r.returncode == 0, r.stderr
     page = (tmp_path / "r.html").read_text()
     assert "Sampled GPU memory against the allowance" in page and "NVML counter" in page
+
+
+def test_results_sorted_by_the_sampled_peak_shows_it(cuda_screen, packbench_cli):
+    """Bug caught: `results --sort peak_sampled_bytes` (NVML's peak, which only a GPU run has)
+    ranked the table by a column it did not show: the rows read as ordered by nothing shown, the
+    allocator's peak beside them."""
+    store, db, _, attempt = cuda_screen
+    top = max(e.peak_sampled_bytes for e in store.episodes(attempt.id))
+    r = packbench_cli("results", "--sort", "peak_sampled_bytes", "--desc", "--limit", "1",
+                      env={"PACKBENCH_DB_URL": f"sqlite:///{db}"})
+    header, row = r.stdout.splitlines()[-2:]
+    assert header.split()[-1] == "peak_sampled_bytes" and row.split()[-1] == str(top), r.stdout + r.stderr
