@@ -118,7 +118,7 @@ def results(
     rows = store.results(ResultFilter(**filters, descending=desc, screen_id=screen_id,
                                       limit=None if limit is None or ids is not None else limit + 1))
     rows = _truncated([r for r in rows if ids is None or r.screen_id in ids], limit)
-    records, columns = _result_records(store, rows, gated=gate is not None)
+    records, columns = _result_records(store, rows, gated=gate is not None, sort=sort)
     empty = "no episodes match"
     if not records and condition is not None:
         empty = _unknown_condition(store, condition) or empty
@@ -136,9 +136,11 @@ def _result_fields(*, gated: bool) -> list[str]:
     return fields if gated else [f for f in fields if f not in ("gate", "phase", "passed", "value", "threshold")]
 
 
-def _result_records(store, rows, *, gated: bool) -> tuple[list[dict], list[str]]:
+def _result_records(store, rows, *, gated: bool, sort: str | None = None) -> tuple[list[dict], list[str]]:
     """`results` rows as records with their tier, and the table's columns. Every row says its
-    tier: exact and approximate conditions are never ranked together unlabelled."""
+    tier: exact and approximate conditions are never ranked together unlabelled. The `--sort`
+    figure is a column: before, `--sort peak_sampled_bytes` (a GPU run's NVML peak) ranked the
+    table by a figure it did not show, beside the allocator's peak."""
     records = [r._asdict() for r in rows]
     tiers = store.condition_tiers(r["protocol_sha256"] for r in records)
     for record in records:
@@ -148,6 +150,8 @@ def _result_records(store, rows, *, gated: bool) -> tuple[list[dict], list[str]]
                 del record[key]
     columns = ["screen_id", "attempt", "protocol", "dtype", "plan_index", "condition", "tier", "role", "prompt",
                "status", "h2d_bytes", "d2h_bytes", "wall_s", "call_s", "peak_allocated_bytes", "energy_j"]
+    if sort is not None and sort not in columns:
+        columns.append(sort)
     if any(r["fidelity_mean_kl"] is not None for r in records):
         columns += FIDELITY_COLUMNS
     if gated:

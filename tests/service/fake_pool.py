@@ -9,6 +9,12 @@ None (it runs, ok), `EpisodeFails(error)` (it fails as the real worker's episode
 with status `failed`, its cause and a traceback, no logits), `Slow(seconds)` (it runs ok, taking that
 long), "hang" (it never ends: the worker replies to nothing more), "die" (the worker dies: this call
 and every later one of that worker reply as died), or an exception (the call raises, the worker lives).
+
+`FakePool(cuda=True)` answers as a CUDA worker does (engine/worker.py on "cuda:0"): its environment
+and start record name the device and the GPU, the start imposes the protocol's allowance beside a
+measured context, and each finished episode carries what only NVML and the CUDA allocator give: the
+allocator's and the sampled peaks, the sampler's summary and memory trace, an energy reading,
+pinned and context bytes, per-layer copy waits, and the other workers on the host.
 """
 
 from __future__ import annotations
@@ -51,12 +57,44 @@ class FakeWorker:
     episodes: list[int] = field(default_factory=list)  # plan indices it ran, in order
     # condition -> (policy, params) of the loaded protocol: what a real worker records (the auditor compares them)
     conditions: dict = field(default_factory=dict)
+    cuda: bool = False  # answers as a CUDA worker (module docstring)
+    allowance: int = 0  # the loaded protocol's allowance in bytes
+    held: dict = field(default_factory=dict)  # the loaded shape's parameter bytes (core/metrics.py opt_bytes)
+
+    @property
+    def device(self) -> str:
+        return "cuda:0" if self.cuda else "fake"
 
     @property
     def env(self) -> dict:
-        return {"host": "fake-host", "pid": 1000 + self.index, "python": "", "torch": "", "cuda": "",
-                "device": "fake", "gpu": "fake-gpu", "gpu_index": str(self.index), "driver": "",
-                "gpu_uuid": f"GPU-fake-{self.index}", "node_id": self.node}
+        return {"host": "fake-host", "pid": 1000 + self.index, "python": "", "torch": "",
+                "cuda": "12.4" if self.cuda else "", "device": self.device,
+                "gpu": "NVIDIA H100 80GB HBM3" if self.cuda else "fake-gpu", "gpu_index": str(self.index),
+                "threads": 8, "driver": "550.54.15" if self.cuda else "", "gpu_uuid": f"GPU-fake-{self.index}",
+                "node_id": self.node}
+
+
+CONTEXT_BYTES = 500 << 20  # the CUDA context NVML sees beside the allocator
+
+
+def cuda_measurements(worker: FakeWorker, entry: dict) -> dict:
+    """What a CUDA worker's finished episode adds (engine/worker.py `_finished`): the allocator's
+    and NVML's peaks (within the allowance), the sampler's summary and its memory trace, an energy
+    reading, pinned and context bytes, the other workers busy on the host."""
+    peak = worker.allowance // 2 + 4096 * entry["index"]
+    sampled = peak + (3 << 20)
+    trace = np.array([[0.0, float(peak)], [0.004, float(sampled)], [0.009, float(peak)]], dtype=np.float64)
+    return {"memory": {"peak_allocated_bytes": peak - (1 << 20), "peak_reserved_bytes": peak,
+                       "peak_sampled_bytes": sampled, "kv_bytes": 8192, "policy_device_bytes": 1 << 20,
+                       "host_outgoing_bytes": worker.held["host_outgoing_bytes"], "pinned_bytes": 1 << 20,
+                       "device_param_bytes": worker.held["device_param_bytes"],
+                       "host_rss_peak_bytes": 1 << 30, "context_bytes": CONTEXT_BYTES},
+            "sampler": {"samples": len(trace), "period_s": 0.005, "sampler_overhead_s": 0.0002, "scope": "process",
+                        "other_processes": []},
+            "energy_j": 12.5 + entry["index"] / 8, "trace": trace,
+            "engine": {"mode": "eager", "decode_graph": None, "buffers": 2},
+            "host_workers": [[2000 + worker.index, f"GPU-fake-{worker.index + 1}"]],
+            "host_load": {"cpu_s": 0.01, "cores": 0.1, "load": [0.5, 0.4, 0.3]}}
 
 
 @dataclass(eq=False)
@@ -72,8 +110,9 @@ class FakePool:
     """The dispatcher's WorkerPool (service/dispatcher/pool.py), in this process."""
 
     def __init__(self, *, gpus: int = 1, episode_s: float = 0.002, load_s: float = 0.0,
-                 fault: Callable[[FakeWorker, dict], Any] | None = None) -> None:
+                 fault: Callable[[FakeWorker, dict], Any] | None = None, cuda: bool = False) -> None:
         self.n_gpus, self.episode_s, self.load_s, self.fault = gpus, episode_s, load_s, fault
+        self.cuda = cuda
         self.workers: list[FakeWorker] = []
         self.pending: list[Pending] = []
         self.connected = False
@@ -88,7 +127,8 @@ class FakePool:
         return self.n_gpus
 
     def start_worker(self, tag: Any, *, pool_size: int) -> FakeWorker:
-        worker = FakeWorker(index=len(self.workers), node=f"node-{len(self.workers) % max(1, self.n_gpus)}")
+        worker = FakeWorker(index=len(self.workers), node=f"node-{len(self.workers) % max(1, self.n_gpus)}",
+                            cuda=self.cuda)
         self.workers.append(worker)
         self._send(worker, tag, 0.0, value=worker.env)
         return worker
@@ -100,14 +140,16 @@ class FakePool:
         dims = SHAPES[protocol.model.synth.shape if protocol.model.synth else "tiny"]
         worker.shape = (protocol.prefix_tokens, protocol.continuation_tokens, dims["layers"], dims["vocab"])
         worker.conditions = {c.name: (c.policy, dict(c.params)) for c in protocol.conditions}
+        worker.allowance = protocol.allowance_bytes
         self.loads.append((worker.index, state))
         shape = protocol.model.synth.shape if protocol.model.synth else "tiny"
-        held = opt_bytes(**SHAPES[shape], dtype=protocol.dtype)  # what the auditor expects of the shape
+        held = worker.held = opt_bytes(**SHAPES[shape], dtype=protocol.dtype)  # what the auditor expects of the shape
         self._send(worker, tag, self.load_s, value={
             "vocab": SHAPES[shape]["vocab"], "model_dir": model_dir or "", "model_state": state, "read_s": 0.0,
             "pin_s": 0.0, "place_s": 0.0, **{k: held[k] for k in ("param_bytes", "device_param_bytes",
                                                                 "host_outgoing_bytes")},
-            "cpu_first": True, "allowance_bytes": 0, "context_bytes": 0, "device": "fake",
+            "cpu_first": True, "allowance_bytes": protocol.allowance_bytes if worker.cuda else 0,
+            "context_bytes": CONTEXT_BYTES if worker.cuda else 0, "device": worker.device,
             "entry_to_loaded_s": 0.0})
 
     def run(self, worker: FakeWorker, tag: Any, entry: dict, prompt: list[int]) -> None:
@@ -128,8 +170,13 @@ class FakePool:
                        "layers": layers, "active_rows": zeros, "rows_copied": zeros, "h2d_weight_bytes": zeros,
                        "h2d_index_bytes": zeros, "d2h_bytes": zeros, "logits_d2h_bytes": vocab * 4, "wall_s": 0.0}
                       for k in range(calls)]
+            if worker.cuda:
+                for call in ledger:
+                    call["copy_wait_s"] = [0.0001 * (k + 1) for k in range(layers)]
             record.update(status="ok", error=None, tokens=[entry["prompt"] % vocab] * calls, wall_s=self.episode_s,
                           calls=ledger, **episode_totals(ledger), logits=logits, trace=None, forced_logits=None)
+            if worker.cuda:
+                record.update(cuda_measurements(worker, entry))
         pending = self._send(worker, tag, fault.seconds if isinstance(fault, Slow) else self.episode_s, value=record)
         if fault == "hang":  # a deadlocked call: neither this reply nor any later one of the worker comes
             pending.ready_at = worker.free_at = math.inf
