@@ -4,7 +4,8 @@
 # copy waits, graph mode, separate passes, zero-inference's pinned configuration, flexgen's policy,
 # an expert cache's side-stream forecast with a trace of active sets) meets the auditor, then
 # `results`, `compare`, `report` and `audit reexecute` read them. Each screen's audit verdict and
-# first problem lines are printed. Carry .whl (EXTRA=offload). CPU dry run: SKIP_WHEELS=1 DEVICE=cpu.
+# first problem lines are printed. Carry .whl (EXTRA=offload). SUBMIT_TIMEOUT (140 s) bounds each screen.
+# CPU dry run: SKIP_WHEELS=1 DEVICE=cpu NO_COMPETITORS=1 (python3 the venv's, PYTHONPATH the checkout).
 set -uo pipefail
 root=$PWD; out=${OUT:-$root/gpu-audit-out}; mkdir -p "$out"
 source bench/device_common.sh
@@ -70,7 +71,7 @@ YAML
 opt opt-eager eager together; opt opt-graph-separate graph separate; moe moe-traced
 for s in opt-eager opt-graph-separate moe-traced; do
   t0=$(date +%s)
-  timeout 140 python3 -m packbench submit "$work/$s.yaml" --wait > "$out/$s.log" 2>&1
+  timeout "${SUBMIT_TIMEOUT:-140}" python3 -m packbench submit "$work/$s.yaml" --wait > "$out/$s.log" 2>&1
   echo "== $s: submit rc $? in $(( $(date +%s) - t0 )) s"
   grep -E "^(error|  episode .* failed)" "$out/$s.log" | head -3 | cut -c1-300
   pb audit latest > "$out/$s-audit.log" 2>&1; echo "   audit rc $?"; verdict "$out/$s-audit.log"
