@@ -407,9 +407,12 @@ def headline(screen: ScreenData) -> list[str]:
         lines.append(text)
     for r in runtime_ratios(screen):
         m = r["median"]
-        gate = "" if r["gate_value"] is None else f"summed walls {r['gate_value']:.3g}"
+        # No summed walls where the gate has no reading (its pairs incomplete, or no runtime gate):
+        # the line says so rather than leaving an empty ": ;" before the ratio of medians.
+        gate = "no summed walls" if r["gate_value"] is None else f"summed walls {r['gate_value']:.3g}"
         if r["passed"] is not None:
-            gate = f"runtime gate {'PASS' if r['passed'] else 'FAIL'} ({gate}, bound {r['gate_interval'][1]:.3g})"
+            bound = f", bound {r['gate_interval'][1]:.3g}" if r["gate_interval"] else ""
+            gate = f"runtime gate {'PASS' if r['passed'] else 'FAIL'} ({gate}{bound})"
         text = (f"{r['condition']} ({r['tier']}) over {r['control']}: {gate}; ratio of medians {m['value']:.3g} "
                 f"[{m['interval'][0]:.3g}, {m['interval'][1]:.3g}]")
         if r["disagree"]:

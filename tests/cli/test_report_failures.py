@@ -73,3 +73,14 @@ def test_a_report_without_failures_has_no_failure_section():
 
     page = screen_page(data.read_screen(DATA / "gates-v2.zip"), audit=AuditStatus())
     assert 'id="failures"' not in page
+
+
+def test_a_runtime_line_without_summed_walls_says_so(tmp_path):
+    """Bug caught: where the runtime gate had no reading (an unfinished attempt whose failed
+    episodes leave its pairs incomplete), the headline read "packet (exact) over dense-stream: ;
+    ratio of medians ...", an empty reading before the semicolon."""
+    s = data.read_screen(interrupted_archive(tmp_path / "a.zip", failed={3: OOM}))
+    runtime = [line for line in data.headline(s) if " over dense-stream: " in line]
+    assert runtime and not any(": ;" in line for line in runtime)
+    bare = [line for line in runtime if line.startswith("packet ")]
+    assert bare and bare[0].startswith("packet (exact) over dense-stream: no summed walls; ratio of medians ")
