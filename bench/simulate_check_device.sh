@@ -2,8 +2,9 @@
 # One device call per shape (issue 45): is `packbench simulate`'s time a prediction? In order, for a
 # Qwen3-30B-A3B-shaped (12 of 48 layers) or Mixtral-8x7B-shaped (4 of 32) synthetic checkpoint, fp16:
 #   (i)   the rates into $OUT/machine.json: bench.moe_overhead's fixed costs (a tiny synthetic layer
-#         set, never the conditions below), the pinned copy rate and resident compute of this
-#         checkpoint (bench.simulate_check measure);
+#         set, never the conditions below), the pinned copy rate, resident compute of this
+#         checkpoint and its expert caches' own zero-copy compute (a cache of every expert, warm, on a
+#         held-out prompt: 0 B moved) (bench.simulate_check measure);
 #   (ii)  the routing the runs will see: one traced resident episode of the protocol's prompt, full
 #         depth, on the device ($OUT/routing.trace);
 #   (iii) `packbench simulate` on that trace with that machine file: $OUT/predictions.md (and .json),
@@ -58,7 +59,7 @@ python3 -m bench.simulate_check measure --model "$dir" --device "$DEV" --dtype "
   "${ov[@]}" --machine-out "$out/machine.json" --trace-out "$out/routing.trace" \
   > "$out/measure.log" 2>&1
 rc=$?; echo "-- (i)+(ii) copy rate, resident compute, trace: rc $rc in $(( $(date +%s) - t0 )) s"
-grep -E "^(copy rate|resident|wrote|WARNING)" "$out/measure.log"
+grep -E "^(copy rate|resident|expert-cache|wrote|WARNING)" "$out/measure.log"
 [ $rc = 0 ] || { tail -5 "$out/measure.log"; moe_end; exit 1; }
 sha256sum "$out/machine.json" "$out/routing.trace"
 

@@ -76,10 +76,13 @@ def simulate(
 
 ASSUMPTIONS = ("a simulation from a trace, not a measurement: bytes are the engine's ledger rules (core/charges.py) "
                "on the trace's sets, each episode with a fresh policy as a screen runs it; time per decode token = "
-               "the machine's measured resident compute + the decode bytes at its pinned copy rate, serial "
+               "the machine's measured compute (the policy family's own zero-copy decode where the machine file "
+               "has it, else resident's; each prediction's compute_source says which) + the decode bytes at its "
+               "pinned copy rate, serial "
                "(overlapped, the larger of the two, for OPT dense-stream) + the engine's fixed costs of MoE policies "
                "where the machine file measured them (overhead_us: per layer, per expert moved, per routed expert of "
-               "a cache, per forecast; serial; the output says where the term is missing); index bytes count as "
+               "a cache, per forecast; serial; a family's own compute holds its per-layer and per-routed terms; "
+               "the output says where the term is missing); index bytes count as "
                "copied bytes; an expert cache hit costs no copy, and a forecast's prefetch counts as serial copy time "
                "(its overlap is not modelled)")
 
@@ -177,6 +180,9 @@ def render(out: dict, *, per_call: bool = False) -> str:
                       f"({out['machine']['pinned_h2d_gbps']['source']})"]
         first = next((r["prediction"] for r in out["policies"]), {})
         lines.append("compute: " + (first.get("compute_source") or first.get("why", "-")))
+        for r in out["policies"]:  # a family's own compute where the machine file has it
+            if r["prediction"].get("compute_source", first.get("compute_source")) != first.get("compute_source"):
+                lines.append(f"compute of {r['policy']}: {r['prediction']['compute_source']}")
         for r in out["policies"]:
             if r["prediction"].get("overhead"):
                 lines.append(f"overhead of {r['policy']}: {r['prediction']['overhead']}")

@@ -27,6 +27,10 @@ synchronises the layer, the policy's per-layer bookkeeping), per expert moved (i
 and latency), per routed expert of a cache (read through the cache's view) and per forecast (the
 next router applied, read back, its prefetch issued), added serially (`overhead_ms`). A file
 without them still predicts compute + copy, and the prediction says the term is missing.
+Where the compute entry holds a policy family's own figure (`families`: that family's decode timed
+on the checkpoint with nothing moved, bench/simulate_check.py), it replaces resident compute for
+the family's policies, and the family's per-layer and per-routed terms, which that time already
+holds, are not added again; its per-moved term and the forecast's terms still are.
 It is a prediction from stated rates, never a measurement.
 
 Layer rule: core. numpy only.
@@ -437,7 +441,24 @@ def machine_problem(machine: object) -> str | None:
         if not isinstance(v, dict) or not _positive(v.get("value")) or not isinstance(v.get("source"), str):
             return (f"decode_compute_ms[{show(key)}] must be {{value: ms > 0, {MIN_VALUE:g} to {MAX_VALUE:g}, "
                     f"source: command and date}}")
+        problem = _families_problem(key, v.get("families", {}))
+        if problem:
+            return problem
     return _overhead_problem(machine.get("overhead_us", {}))
+
+
+def _families_problem(key: str, families: object) -> str | None:
+    """Why an entry's optional `families` (each policy family's own zero-copy compute) is refused."""
+    where = f"decode_compute_ms[{show(key)}]['families']"
+    if not isinstance(families, dict):
+        return f"{where} must map a policy family ({', '.join(COMPUTE_FAMILIES)}) to {{value, source}}"
+    for family, v in families.items():
+        if family not in COMPUTE_FAMILIES:
+            return f"{where} key {show(family)} must be one of {', '.join(COMPUTE_FAMILIES)}"
+        if not isinstance(v, dict) or not _positive(v.get("value")) or not isinstance(v.get("source"), str):
+            return (f"{where}[{family!r}] must be {{value: ms > 0, {MIN_VALUE:g} to {MAX_VALUE:g}, "
+                    f"source: command and date}}")
+    return None
 
 
 def _overhead_problem(overhead: object) -> str | None:
@@ -489,6 +510,13 @@ def _non_negative(v: object) -> bool:
 # others: per expert fetched on demand), `routed_us` per routed expert of the layer.
 OVERHEAD_FAMILIES = ("dense-stream", "packet", "packet-host", "expert-cache", "forecast")
 OVERHEAD_TERMS = ("layer_us", "moved_us", "routed_us")
+# The families whose decode can be timed on the checkpoint itself with no bytes moved, so that time
+# replaces resident compute (`decode_compute_ms[...]['families']`): a policy's first overhead family.
+# `forecast` rides on a cache and is never a policy's compute.
+COMPUTE_FAMILIES = ("dense-stream", "packet", "packet-host", "expert-cache")
+# The terms a family's own zero-copy compute already holds: every layer and routed expert it paid
+# with nothing moved. What moving adds (moved_us) and the forecast's family stay.
+IN_OWN_COMPUTE = ("layer_us", "routed_us")
 
 
 def overhead_families(unit: str, name: str, params: dict) -> tuple[str, ...] | None:
@@ -505,11 +533,20 @@ def overhead_families(unit: str, name: str, params: dict) -> tuple[str, ...] | N
     return ("expert-cache", "forecast") if needs_forecast(name, params) else ("expert-cache",)
 
 
-def overhead_ms(trace: Trace, name: str, params: dict, phase_totals: dict, machine: dict) -> tuple[float | None, str]:
+def compute_family(unit: str, name: str, params: dict) -> str | None:
+    """The family whose own measured compute prices the policy (its first overhead family), or None."""
+    families = overhead_families(unit, name, params)
+    return families[0] if families else None
+
+
+def overhead_ms(trace: Trace, name: str, params: dict, phase_totals: dict, machine: dict,
+                own: str | None = None) -> tuple[float | None, str]:
     """(ms per decode token of the engine's fixed costs, how they add up) from the machine's
     `overhead_us` and the decode calls' counts: layers with experts, experts routed, fetched on
     demand (moved less prefetched) and prefetched, layers that received a forecast. (None, why)
-    where the machine file or the model has no such term."""
+    where the machine file or the model has no such term. `own`: the family whose own zero-copy
+    compute the prediction uses; its per-layer and per-routed terms are in that compute already,
+    so only its per-moved term is added here (with every term of the other families)."""
     m = trace.model
     families = overhead_families(m.unit, name, params)
     if families is None:
@@ -537,32 +574,41 @@ def overhead_ms(trace: Trace, name: str, params: dict, phase_totals: dict, machi
     total, parts = 0.0, []
     for f in families:
         layers, moved, routed = counts.get(f, demand)
-        us = {term: float(table[f][term]["value"]) if term in table[f] else 0.0 for term in OVERHEAD_TERMS}
+        terms = [t for t in OVERHEAD_TERMS if t in table[f] and not (f == own and t in IN_OWN_COMPUTE)]
+        us = {term: float(table[f][term]["value"]) if term in terms else 0.0 for term in OVERHEAD_TERMS}
         part = (layers * us["layer_us"] + moved * us["moved_us"] + routed * us["routed_us"]) / d["tokens"] / 1e3
         total += part
         per_token = {"layer_us": (layers, "layers"), "moved_us": (moved, "moved"), "routed_us": (routed, "routed")}
-        parts.append(f"{f} {part:.2f} ms (" + " + ".join(
-            f"{n / d['tokens']:g} {what} x {us[term]:g} us" for term, (n, what) in per_token.items() if term in table[f])
-            + ")")
+        held = " (its layers and routed experts: in its own compute)" if f == own else ""
+        parts.append(f"{f} {part:.2f} ms (" + (" + ".join(
+            f"{n / d['tokens']:g} {what} x {us[term]:g} us" for term, (n, what) in per_token.items() if term in terms)
+            or "no term left") + ")" + held)
     return total, "; ".join(parts) + " per token"
 
 
-def compute_ms(machine: dict, model: TraceModel) -> tuple[float, str] | None:
-    """(ms of compute per decode token, how it was found) at the trace's shape and depth: the
-    measured entry of that depth, or one of the same shape scaled by layers; None without one."""
+def compute_ms(machine: dict, model: TraceModel, family: str | None = None) -> tuple[float, str, str | None] | None:
+    """(ms of compute per decode token, how it was found, the family whose own figure it is or None
+    for resident's) at the trace's shape and depth: the measured entry of that depth, or one of the
+    same shape scaled by layers; the entry's `families[family]` where it has one, else its resident
+    value; None without an entry."""
     entries = machine.get("decode_compute_ms", {})
     if model.shape is None:
         return None
-    exact = entries.get(f"{model.shape}:{model.layers}")
-    if exact is not None:
-        return float(exact["value"]), f"measured at {model.shape}:{model.layers} ({exact['source']})"
-    for key, v in sorted(entries.items()):
-        shape, _, layers = key.rpartition(":")
-        if shape == model.shape:
-            scaled = float(v["value"]) * model.layers / int(layers)
-            return scaled, (f"scaled by layers from {key}'s {v['value']} ms ({v['source']}): "
-                            f"{model.layers}/{layers} of it")
-    return None
+    key = f"{model.shape}:{model.layers}"
+    if key not in entries:
+        key = next((k for k in sorted(entries) if k.rpartition(":")[0] == model.shape), None)
+        if key is None:
+            return None
+    v, layers = entries[key], int(key.rpartition(":")[2])
+    own = v.get("families", {}).get(family) if family else None
+    figure = own or v
+    value = float(figure["value"]) * model.layers / layers
+    whose = "" if family is None else f"{family}'s own zero-copy compute, " if own else \
+        f"resident compute (the entry has no {family} figure; overhead_us adds its layer and routed terms), "
+    if layers == model.layers:
+        return value, f"{whose}measured at {key} ({figure['source']})", family if own else None
+    return value, (f"{whose}scaled by layers from {key}'s {figure['value']} ms ({figure['source']}): "
+                   f"{model.layers}/{layers} of it"), family if own else None
 
 
 def predict(trace: Trace, name: str, params: dict, phase_totals: dict, machine: dict) -> dict:
@@ -577,14 +623,14 @@ def predict(trace: Trace, name: str, params: dict, phase_totals: dict, machine: 
     if not d["tokens"]:
         return {**out, "decode_ms_per_token": None, "why": "the trace has no decode call"}
     copy_ms = (d["h2d_weight_bytes"] + d["h2d_index_bytes"]) / d["tokens"] / (rate * 1e9) * 1e3
-    found = compute_ms(machine, m)
+    found = compute_ms(machine, m, compute_family(m.unit, name, params))
     out["copy_ms_per_token"] = copy_ms
     if found is None:
         return {**out, "decode_ms_per_token": None,
                 "why": f"{machine['name']} has no measured compute rate for {m.shape or 'this unnamed shape'}; "
                        f"add decode_compute_ms['{m.shape or 'SHAPE'}:{m.layers}'] to the machine file"}
-    compute, how = found
+    compute, how, own = found
     total = max(compute, copy_ms) if out["overlap"] == "overlapped" else compute + copy_ms
-    extra, what = overhead_ms(trace, name, params, phase_totals, machine)
-    return {**out, "compute_ms_per_token": compute, "compute_source": how, "overhead_ms_per_token": extra,
-            "overhead": what, "decode_ms_per_token": total + (extra or 0.0)}
+    extra, what = overhead_ms(trace, name, params, phase_totals, machine, own=own)
+    return {**out, "compute_ms_per_token": compute, "compute_source": how, "compute_family": own,
+            "overhead_ms_per_token": extra, "overhead": what, "decode_ms_per_token": total + (extra or 0.0)}

@@ -195,6 +195,12 @@ def test_hostile_machine_files_are_one_line_exit_2(opt_trace, packbench_cli, tmp
              "shape:layers"),
             ("overhead", json.dumps({**good, "overhead_us": {"packet": {"layer_us": {"value": 1, "source": "s"}}}})
              .replace('"value": 1,', f'"value": {big},'), "overhead_us['packet']['layer_us']"),
+            ("family", json.dumps({**good, "decode_compute_ms": {"tiny:2": {
+                "value": 1, "source": "s", "families": {"expert-cache": {"value": 2, "source": "s"}}}}})
+             .replace('"value": 2,', f'"value": {big},'), "decode_compute_ms['tiny:2']['families']['expert-cache']"),
+            ("family-key", json.dumps({**good, "decode_compute_ms": {"tiny:2": {
+                "value": 1, "source": "s", "families": {"x" * 5000: {"value": 2, "source": "s"}}}}}),
+             "['families'] key"),
             ("deep", "[" * 100_000 + "]" * 100_000, "is not JSON")):
         path = tmp_path / f"{name}.json"
         path.write_text(text)
@@ -351,3 +357,27 @@ def test_one_episode_and_one_call_are_not_plural(tiny, tmp_path, packbench_cli):
         "simulate", str(out), "--policy", "packet").stdout
     r = run_packbench("model", "stats", str(tiny), "--prefix", "2", "--continuation", "2", "--count", "1")
     assert r.returncode == 0 and "; 1 prompt (" in r.stdout and "+ 1 decode call\n" in r.stdout, r.stdout
+
+
+def test_the_table_says_which_policies_use_their_family_s_own_compute(packbench_cli, tmp_path):
+    """A machine file whose entry holds expert-cache's own zero-copy compute: the caches' rows are
+    priced by it and the table says so per policy; the packet, without a figure, keeps resident's."""
+    import numpy as np
+
+    from packbench.core.trace import Trace, TraceCall, TraceModel, write_trace
+
+    ids = lambda *e: np.array(e, dtype=np.int64)  # noqa: E731
+    model = TraceModel(family="mixtral", unit="expert", layers=2, units=4, unit_bytes=1000, k=2, shape="box-moe")
+    write_trace(Trace(model=model, calls=[TraceCall(0, "prefill", 3), TraceCall(0, "decode", 1)],
+                      sets=[[ids(0, 1, 2), ids(1, 2, 3)], [ids(0, 1), ids(2, 3)]]), tmp_path / "t.trace")
+    machine = {"name": "box", "pinned_h2d_gbps": {"value": 1, "source": "s"},
+               "decode_compute_ms": {"box-moe:2": {"value": 10, "source": "r",
+                                                   "families": {"expert-cache": {"value": 12, "source": "z"}}}}}
+    (tmp_path / "m.json").write_text(json.dumps(machine))
+    r = packbench_cli("simulate", str(tmp_path / "t.trace"), "--machine", str(tmp_path / "m.json"),
+                      "--policy", "packet:gather=device", "--policy", "expert-cache:capacity=2,rule=lru")
+    assert r.returncode == 0, r.stderr
+    assert ("compute: resident compute (the entry has no packet figure; overhead_us adds its layer and routed "
+            "terms), measured at box-moe:2 (r)") in r.stdout
+    assert ("compute of expert-cache:capacity=2,rule=lru: expert-cache's own zero-copy compute, measured at "
+            "box-moe:2 (z)") in r.stdout
