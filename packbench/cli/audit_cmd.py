@@ -267,7 +267,8 @@ def audit_reexecute_cmd(
     """Re-run drawn episodes on a worker and compare what they measure with the archive (the only
     check that the numbers are true); recorded as an audit of kind reexecute.
 
-    Exit codes: 0 every re-execution agrees; 1 one disagrees; 2 bad input, an unreadable archive, or
+    Exit codes: 0 every re-execution agrees, or is partial (episodes whose archived placement this
+    device cannot hold are named, not judged); 1 one disagrees; 2 bad input, an unreadable archive, or
     (after printing the result) a re-execution that could not be recorded.
     """
     from packbench.service.audit import reexecute_archive, reexecute_screens
@@ -303,7 +304,7 @@ def audit_reexecute_cmd(
     for o in outcomes:
         if o.record_error is not None:
             typer.echo(f"error: the re-execution of screen {o.screen_id} was not recorded: {o.record_error}", err=True)
-    if not all(o.agrees for o in outcomes):
+    if any(o.disagrees for o in outcomes):
         raise typer.Exit(1)
     if any(o.record_error is not None for o in outcomes):
         raise typer.Exit(2)
@@ -334,6 +335,8 @@ def _print_reexecution(o, *, seed: int, json_out: bool) -> None:
                    f"{m['archived_s'] * 1e3:9.2f} ms archived")
     for p in o.problems:
         typer.echo(f"problem: {one_line(p)}")
+    for line in o.unjudged:
+        typer.echo(f"unjudged: {one_line(line)}")
     typer.echo(f"re-execution audit of {what}: {o.record['result'].upper()} ({reexecution_parts(o)}) (episodes "
                f"{', '.join(map(str, o.record['episodes']))}, seed {seed}, on {host_and_node(o.host, o.node)} "
                f"{o.record['accelerator'] or 'cpu'}, {o.seconds:.1f} s, digest {o.digest[:16]})")
@@ -345,6 +348,12 @@ def reexecution_parts(o) -> str:
     exact = ("exact part: logits, tokens and bytes all matched" if o.exact_agrees else
              f"exact part: {len(o.problems) - len(o.timing_problems)} difference(s) in logits, tokens, bytes or the "
              f"static audit")
+    if o.record.get("placements") == "archived":
+        exact += "; competitors re-ran their archived placements"
+    unjudged = getattr(o, "unjudged", [])
+    if unjudged:
+        exact += (f"; {len(unjudged)} episode(s) not judged: their archived placement does not fit this "
+                  f"device beside its context")
     factor = o.record.get("time_factor")
     if not o.timing_problems:
         return f"{exact}; timing part: medians within {factor:g}x"

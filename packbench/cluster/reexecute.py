@@ -51,11 +51,13 @@ def _one_line(e: BaseException) -> PackbenchError:
 
 def run_drawn(protocol_body: dict, model_dir: str | None, *, entries: list[dict], prompts: list[list[int]],
               runs: list[int], warmups: list[int], reference_twice: int | None, accelerator: str,
-              settings: Settings, progress=lambda msg: None, model_sha256: str | None = None) -> Rerun:
+              settings: Settings, progress=lambda msg: None, model_sha256: str | None = None,
+              placements: dict[int, dict] | None = None) -> Rerun:
     """Load the protocol's model cold on a fresh worker of `accelerator` ("" for a CPU-run
     archive) and run `warmups` (discarded), then `runs` in order (the reference one twice).
     `model_sha256`: the checkpoint digest the archive measured; a checkpoint loaded with another
-    is refused before any episode runs."""
+    is refused before any episode runs. `placements`: plan index -> the archived `offload` section
+    each such episode is handed (engine/worker.py `run`'s `placement`)."""
     ray = ensure_ray(settings)
     options = {}
     accel_type = _accelerator_type(ray, accelerator)
@@ -66,7 +68,7 @@ def run_drawn(protocol_body: dict, model_dir: str | None, *, entries: list[dict]
     try:
         return _run(ray, actor, protocol_body, model_dir, entries=entries, prompts=prompts, runs=runs, warmups=warmups,
                     reference_twice=reference_twice, accelerator=accelerator, accel_type=accel_type,
-                    settings=settings, progress=progress, t0=t0, model_sha256=model_sha256)
+                    settings=settings, progress=progress, t0=t0, model_sha256=model_sha256, placements=placements)
     except (ray.exceptions.RayError, PackbenchError) as e:
         raise _one_line(e) from None
     finally:
@@ -74,7 +76,7 @@ def run_drawn(protocol_body: dict, model_dir: str | None, *, entries: list[dict]
 
 
 def _run(ray, actor, protocol_body, model_dir, *, entries, prompts, runs, warmups, reference_twice, accelerator,
-         accel_type, settings, progress, t0, model_sha256=None) -> Rerun:
+         accel_type, settings, progress, t0, model_sha256=None, placements=None) -> Rerun:
     """run_drawn's body, on a started actor (placement, accelerator check, load, episodes)."""
     ready, _ = ray.wait([ref := actor.describe.remote()], timeout=settings.placement_timeout_s)
     if not ready:
@@ -102,13 +104,18 @@ def _run(ray, actor, protocol_body, model_dir, *, entries, prompts, runs, warmup
                              f"measured (another checkpoint, or this one changed since), so nothing was re-executed "
                              f"or recorded; {fix}")
     by_index = {e["index"]: e for e in entries}
+    placements = placements or {}
+
+    def run(i: int):
+        return actor.run.remote(by_index[i], episode_input(prompts, by_index[i]), placement=placements.get(i))
+
     for i in warmups:
-        ray.get(actor.run.remote(by_index[i], episode_input(prompts, by_index[i])))
+        ray.get(run(i))
     records, again = {}, None
     for n, i in enumerate(runs, 1):
         entry = by_index[i]
-        records[i] = ray.get(actor.run.remote(entry, episode_input(prompts, entry)))
+        records[i] = ray.get(run(i))
         progress(f"  re-executed episode {i:3d} {entry['condition']:>14} {records[i]['status']} ({n}/{len(runs)})")
         if i == reference_twice:
-            again = ray.get(actor.run.remote(entry, episode_input(prompts, entry)))
+            again = ray.get(run(i))
     return Rerun(env, start, records, again, time.perf_counter() - t0)

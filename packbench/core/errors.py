@@ -30,3 +30,10 @@ class ClusterUnreachable(PackbenchError):
 
     The CLI exits at once after printing it: Ray may still be retrying in a background thread.
     """
+
+
+class PlacementDoesNotFit(PackbenchError):
+    """A re-execution handed a competitor its archived placement (core/reexecute.py), and the
+    re-executing worker's device cannot hold it beside the CUDA context and what it holds there
+    now: the episode is not judged (a partial re-execution), since a placement chosen again
+    would move other bytes than the archive's."""

@@ -46,14 +46,20 @@ from packbench.core.canonical import canonical_json, canonical_sha256
 from packbench.core.plan import plan as make_plan
 from packbench.core.protocol import expand
 
-REEXECUTE_VERSION = 3  # bump when what a re-execution compares changes: the digest covers it
+REEXECUTE_VERSION = 4  # bump when what a re-execution compares changes: the digest covers it
 # 2: policy_device_bytes is compared only between episodes of the same engine buffer layout
 # 3: an expert cache's experts section (routing, counts, figures) is compared
+# 4: a competitor re-runs its archived placement (`placements`), its offload section is compared,
+#    and an episode whose placement the re-executing device cannot hold is `unjudged` (partial)
 TIME_FACTOR = 2.0  # re-run median wall within [1/2, 2] x the archived median of its condition ...
 TIME_SLACK_S = 0.010  # ... or within 10 ms of it (tiny CPU episodes are all noise)
 PEAK_TOLERANCE = {"peak_allocated_bytes": (0.05, 16 << 20), "peak_sampled_bytes": (0.10, 64 << 20)}
 EXACT_MEMORY = ("kv_bytes", "policy_device_bytes", "host_outgoing_bytes", "pinned_bytes", "device_param_bytes")
 MAX_PROBLEMS_PER_EPISODE = 8
+# Keys of an episode's `offload` section that the re-executing worker measures or that say how its
+# build came about (besides times, `_s`): not part of the placement it is handed and re-runs.
+MEASURED_OFFLOAD = ("state", "held_bytes")
+UNFIT = "PlacementDoesNotFit"  # core/errors.py: the re-executing device cannot hold the archived placement
 
 
 @dataclass(frozen=True)
@@ -106,6 +112,43 @@ def draw(protocol, entries: list[dict], statuses: dict[int, str], k: int, seed: 
         if name in drawn_conditions and first is not None and first not in chosen:
             warmups.append(first)
     return Draw(tuple(chosen), reference, tuple(warmups))
+
+
+def placement_of(offload: Any) -> dict | None:
+    """The placement an episode's `offload` section records (FlexGen's policy, DeepSpeed's budget
+    and configuration, accelerate's device budget, and what they placed): every key but times and
+    MEASURED_OFFLOAD. None where the episode recorded no section (not a competitor)."""
+    if not isinstance(offload, dict):
+        return None
+    return {k: v for k, v in offload.items() if not k.endswith("_s") and k not in MEASURED_OFFLOAD}
+
+
+def placement_identity(offload: dict) -> str:
+    """What tells two handed placements apart (a worker builds a competitor again for another)."""
+    return canonical_json(placement_of(offload))
+
+
+def archived_placements(records: dict[int, dict], indexes) -> dict[int, dict]:
+    """Plan index -> the archived `offload` section of each of `indexes` that has one: what the
+    re-executing worker is handed, so that a competitor whose placement was chosen from the device
+    memory its worker measured (FlexGen's `w_gpu_percent`, DeepSpeed's live parameters and prefetch
+    bucket, accelerate's `max_memory`) runs as archived instead of choosing again at a fresh
+    worker's context, which would move other bytes and call an honest archive DISAGREE."""
+    out = {}
+    for i in indexes:
+        offload = (records.get(i) or {}).get("offload")
+        if isinstance(offload, dict):
+            out[i] = offload
+    return out
+
+
+def unjudged(index: int, archived: dict, rerun: dict) -> str | None:
+    """One line where episode `index` finished in the archive and its re-run could not place the
+    archived placement on this device (UNFIT): not a disagreement, an episode not judged."""
+    if archived.get("status") == "ok" and rerun.get("status") == "failed" and _error_type(rerun.get("error")) == UNFIT:
+        why = str(rerun.get("error")).split(":", 1)[1].strip()
+        return f"episode {index} ({rerun.get('condition')}): not judged: {why}"
+    return None
 
 
 def same_logits(a: Any, b: Any) -> bool:
@@ -215,6 +258,11 @@ def compare_episode(index: int, archived: dict, archived_logits: Any, rerun: dic
             out.append(f"{name}: memory {key} archived {_show(a)}, re-executed {_show(r)} "
                        f"(tolerance {rel:.0%} + {slack >> 20} MiB)")
     out += _experts_problems(name, archived.get("experts"), rerun.get("experts"))
+    placed, again = placement_of(archived.get("offload")), placement_of(rerun.get("offload"))
+    if placed is not None:
+        again = json.loads(canonical_json(again)) if again is not None else {}  # tuples as the archive's lists
+        out += [f"{name}: offload {key} {_versus(placed[key], again.get(key))}"
+                for key in sorted(placed) if placed[key] != again.get(key)]
     if len(out) > MAX_PROBLEMS_PER_EPISODE:
         out = out[:MAX_PROBLEMS_PER_EPISODE] + [f"{name}: ... and {len(out) - MAX_PROBLEMS_PER_EPISODE} more differences"]
     return out
@@ -262,13 +310,19 @@ def compare_times(conditions: dict[str, tuple[list[float], list[float]]], factor
 
 
 def reexecution_record(*, archive_sha256: str | None, protocol_sha256: str | None, seed: int, k: int, drawn: Draw,
-                       problems: list[str], accelerator: str, time_factor: float = TIME_FACTOR) -> dict:
+                       problems: list[str], accelerator: str, time_factor: float = TIME_FACTOR,
+                       placements: int = 0, not_judged: list[str] = ()) -> dict:
     """The audit record of a re-execution. Its digest covers what was drawn and every problem;
-    times appear in problems only when out of tolerance (then the digest says so)."""
+    times appear in problems only when out of tolerance (then the digest says so). `placements`:
+    how many re-run episodes were handed their archived placement ("archived" in the record, None
+    for none); `not_judged`: episodes whose placement this device could not hold (`unjudged`):
+    without a problem the result is `partial`, not `agree`."""
+    result = "disagree" if problems else "partial" if not_judged else "agree"
     return {"reexecute_version": REEXECUTE_VERSION, "archive_sha256": archive_sha256,
             "protocol_sha256": protocol_sha256, "seed": seed, "k": k, "episodes": list(drawn.episodes),
             "reference_twice": drawn.reference_twice, "accelerator": accelerator, "time_factor": time_factor,
-            "problems": problems, "result": "disagree" if problems else "agree"}
+            "placements": "archived" if placements else None, "unjudged": list(not_judged),
+            "problems": problems, "result": result}
 
 
 def record_digest(record: dict) -> str:

@@ -188,7 +188,10 @@ class AcceleratedModel:
     mode = "eager"
 
     def __init__(self, model_dir: Path, *, dtype: torch.dtype, device: torch.device, allowance_bytes: int,
-                 context_bytes: int = 0, capacity: int = 0, batch: int = 1, host_bytes: int | None = None) -> None:
+                 context_bytes: int = 0, capacity: int = 0, batch: int = 1, host_bytes: int | None = None,
+                 archived: dict | None = None) -> None:
+        """`archived`: an archived episode's `offload` section, whose device budget a re-execution
+        places the model by again instead of sizing one at this worker's context (replay_max_memory)."""
         lib = library()
         from accelerate import dispatch_model, infer_auto_device_map
 
@@ -206,6 +209,10 @@ class AcceleratedModel:
         held = torch.cuda.memory_allocated(device) if cuda else 0
         reserve = context_bytes + kv_bytes(self.config, capacity, dtype) * batch + KV_MARGIN + held
         max_memory = max(0, allowance_bytes - reserve) if cuda else 0
+        if cuda and archived is not None:
+            from packbench.core.conditions.accelerate import replay_max_memory
+
+            max_memory = replay_max_memory(archived, allowance=allowance_bytes, reserve=reserve)
         if cuda:
             # Every host byte accelerate may use: the model is in host memory already.
             budget = {device.index or 0: max_memory, "cpu": host_bytes or (1 << 50)}

@@ -51,7 +51,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from packbench.core.conditions.flexgen import CPU_REFUSAL, EXTRA, cache_bytes, check_shape, choose_policy
+from packbench.core.conditions.flexgen import (CPU_REFUSAL, EXTRA, cache_bytes, check_shape, choose_policy,
+                                              replay_policy)
 from packbench.core.errors import PackbenchError
 from packbench.engine.episode import EpisodeOutput
 from packbench.engine.ledger import Recorder
@@ -257,9 +258,10 @@ class FlexGenModel:
 
     def __init__(self, model_dir: Path, *, dtype: torch.dtype, device: torch.device, params: dict,
                  allowance_bytes: int, context_bytes: int, capacity: int, batch: int, cache: Path,
-                 env=None) -> None:
+                 env=None, archived: dict | None = None) -> None:
         """`env`: FlexGen's ExecutionEnv (default: the process's one for `device`; tests give one
-        whose "gpu" is a second CPU device)."""
+        whose "gpu" is a second CPU device). `archived`: an archived episode's `offload` section,
+        whose policy a re-execution runs again instead of choosing one (replay_policy)."""
         why = refusal(device, dtype)
         if why is not None:
             raise FlexGenUnavailable(why)
@@ -277,8 +279,11 @@ class FlexGenModel:
         from packbench.core.conditions.flexgen import PolicyRefused
 
         try:
-            self.plan = choose_policy(config, params, allowance=allowance_bytes, context=context_bytes, held=held,
-                                      batch=batch, prompt=capacity, gen=0, cuda=cuda)
+            if archived is not None:  # a re-execution: the archived placement, not one chosen at this context
+                self.plan = replay_policy(archived.get("policy") or {}, context=context_bytes, held=held)
+            else:
+                self.plan = choose_policy(config, params, allowance=allowance_bytes, context=context_bytes, held=held,
+                                          batch=batch, prompt=capacity, gen=0, cuda=cuda)
         except PolicyRefused as e:
             raise FlexGenUnavailable(str(e)) from None
         env = env if env is not None else environment(device, root / "offload")

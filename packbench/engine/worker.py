@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from packbench.core.canonical import canonical_sha256
+from packbench.core.reexecute import placement_identity
 from packbench.core.files import read_json_object
 from packbench.core.errors import CheckpointError
 from packbench.core.metrics import episode_totals
@@ -190,6 +191,7 @@ class Worker:
         self.reference: str | None = None
         self.loads = 0
         self.previous: dict | None = None  # the last episode this worker ran: each record names it
+        self.placement: dict | None = None  # the running episode's archived placement (run's `placement`)
         self.conditions: dict[str, tuple[str, dict]] = {}
         self.separate_passes = False  # the loaded protocol's `passes: separate` (engine/passes.py)
         self.traced, self.protocol_sha = False, None  # the loaded protocol's `trace: true`, its hash
@@ -361,7 +363,9 @@ class Worker:
     def _competitor_key(self, policy: str, params: dict, runtime: CompetitorRuntime) -> tuple:
         """What identifies a built competitor: its policy, its runtime's identity of the params
         (a low-bit method, say), dtype and checkpoint."""
-        return (policy, runtime.identity(params), self.dtype, str(self.path))
+        # An archived placement is another build: a competitor placed otherwise is not reused.
+        placed = None if self.placement is None else placement_identity(self.placement)
+        return (policy, runtime.identity(params), self.dtype, str(self.path), placed)
 
     def lift_allowance(self) -> None:
         """No device cap for this episode (a speed reference): re-imposed after it, as after every one."""
@@ -412,7 +416,7 @@ class Worker:
         gc.unfreeze()  # the dropped model's cycles must be collectable
         self._free()
 
-    def run(self, entry: dict, prompt: list[int] | list[list[int]]) -> dict:
+    def run(self, entry: dict, prompt: list[int] | list[list[int]], *, placement: dict | None = None) -> dict:
         """One planned episode -> record (see core/gates.py for the fields the gates read).
 
         `prompt` is the entry's prompt token ids, or for a batch entry (one with `prompts`,
@@ -421,7 +425,11 @@ class Worker:
 
         `host_workers` names the other packbench workers on this host that were busy (loading or
         running an episode) at some moment of this one: they shared its cores and memory.
-        `host_load` is what any other process took meanwhile (engine/host_load.py)."""
+        `host_load` is what any other process took meanwhile (engine/host_load.py).
+
+        `placement`: the archived episode's `offload` section, handed over by a re-execution
+        (core/reexecute.py): a competitor is then placed as the archive says, not chosen again at
+        this worker's context, or fails with PlacementDoesNotFit where its device cannot hold it."""
         from packbench.engine.host_load import cpu_snapshot, host_load
 
         started = time.time()
@@ -429,9 +437,11 @@ class Worker:
         self.presence.busy()
         collecting = gc.isenabled()
         gc.disable()  # no collection inside an episode's wall (docs/metrics.md, "Plan position")
+        self.placement = placement
         try:
             record = self._run(entry, prompt)
         finally:
+            self.placement = None
             if collecting:
                 gc.enable()
             self.presence.idle()

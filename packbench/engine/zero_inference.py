@@ -50,7 +50,7 @@ from pathlib import Path
 
 import torch
 
-from packbench.core.conditions.zero_inference import SLACK, ZeroBudget, zero_config
+from packbench.core.conditions.zero_inference import SLACK, ZeroBudget, replay_budget, zero_config
 from packbench.core.errors import PackbenchError
 from packbench.engine.accelerate import layer_of
 from packbench.engine.checkpoint import build_weights
@@ -217,7 +217,9 @@ class ZeroInferenceModel:
     can_shelve = False
 
     def __init__(self, model_dir: Path, *, dtype: torch.dtype, device: torch.device, allowance_bytes: int | None = None,
-                 context_bytes: int = 0, capacity: int = 0, batch: int = 1) -> None:
+                 context_bytes: int = 0, capacity: int = 0, batch: int = 1, archived: dict | None = None) -> None:
+        """`archived`: an archived episode's `offload` section, whose budget a re-execution configures
+        DeepSpeed with again instead of sizing one at this worker's context (replay_budget)."""
         ds = library(device)
         cuda = device.type == "cuda"
         t0 = time.perf_counter()
@@ -226,9 +228,12 @@ class ZeroInferenceModel:
         model = stock_model(weights, vars(self.config)).eval()
         hidden = self.config.hidden_size
         before = torch.cuda.memory_allocated(device) if cuda else 0
-        self.budget = None if allowance_bytes is None else budget(
-            model, self.config, dtype=dtype, allowance=allowance_bytes, context=context_bytes, held=before,
-            capacity=capacity, batch=batch, cuda=cuda)
+        if archived and archived.get("budget") is not None:
+            self.budget = replay_budget(archived["budget"], context=context_bytes, held=before)
+        else:
+            self.budget = None if allowance_bytes is None else budget(
+                model, self.config, dtype=dtype, allowance=allowance_bytes, context=context_bytes, held=before,
+                capacity=capacity, batch=batch, cuda=cuda)
         # pinning needs a device; AllowanceTooSmall (one line) where the allowance cannot hold DeepSpeed's minimum
         self.ds_config = ds_config(hidden=hidden, dtype=dtype, pin_memory=cuda, plan=self.budget)
         init_process_group(ds, device)

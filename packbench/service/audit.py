@@ -255,6 +255,16 @@ class ReexecuteOutcome:
         return self.record["result"] == "agree"
 
     @property
+    def disagrees(self) -> bool:
+        """A problem was found (a partial re-execution, some episodes not judged, is not one)."""
+        return self.record["result"] == "disagree"
+
+    @property
+    def unjudged(self) -> list[str]:
+        """Episodes not judged: their archived placement does not fit the re-executing device."""
+        return self.record.get("unjudged") or []
+
+    @property
     def exact_agrees(self) -> bool:
         """Everything but the times agreed: logits, tokens, every byte, the static audit."""
         return len(self.problems) == len(self.timing_problems)
@@ -310,11 +320,16 @@ def reexecute_archive(path: Path, *, k: int, seed: int = 0, settings: Settings |
         # --worker-threads says.
         progress(f"re-executing on the archive's {threads} host thread(s)")
         settings = dataclasses.replace(settings, worker_threads=threads)
+    placements = rx.archived_placements(archived.records, [*drawn.warmups, *drawn.episodes])
+    if placements:
+        progress(f"re-running the archived placement of {len(placements)} competitor episode(s) (their offload "
+                 f"section), not one chosen again at this worker's device memory")
     rerun = run_drawn(archived.protocol_body, model_dir if model_dir is not None else archived.model_dir,
                       entries=archived.entries, prompts=archived.prompts, runs=list(drawn.episodes),
                       warmups=list(drawn.warmups), reference_twice=drawn.reference_twice, accelerator=accelerator,
                       settings=settings, progress=progress,
-                      model_sha256=archived.start.get("model_sha256") if isinstance(archived.start, dict) else None)
+                      model_sha256=archived.start.get("model_sha256") if isinstance(archived.start, dict) else None,
+                      placements=placements)
     problems = [f"static audit: {p}" for p in static.problems]
     if threads is not None and rerun.env.get("threads") != threads:
         problems.append(f"the re-execution worker ran {rerun.env.get('threads')} thread(s), the archive {threads}: "
@@ -332,8 +347,13 @@ def reexecute_archive(path: Path, *, k: int, seed: int = 0, settings: Settings |
         if isinstance(rec, dict) and rec.get("status") == "ok" and entry["role"] == "scored":
             walls.setdefault(entry["condition"], ([], []))[0].append(float(rec["wall_s"]))
     logits = rx.read_logits(path, drawn.episodes, batch=archived.protocol.batch)
+    not_judged = []
     for i in drawn.episodes:
         again = rerun.records[i]
+        why = rx.unjudged(i, archived.records[i], again)
+        if why is not None:  # the archived placement does not fit this device: nothing to compare it with
+            not_judged.append(why)
+            continue
         try:
             problems += rx.compare_episode(i, archived.records[i], logits[i], again)
         except Exception as e:  # a hostile record reached a path no check foresaw: a problem, not a crash
@@ -345,7 +365,8 @@ def reexecute_archive(path: Path, *, k: int, seed: int = 0, settings: Settings |
     problems += time_problems
     record = rx.reexecution_record(archive_sha256=static.record.get("archive_sha256"),
                                    protocol_sha256=static.record.get("protocol_sha256"), seed=seed, k=k, drawn=drawn,
-                                   problems=problems, accelerator=accelerator, time_factor=time_factor)
+                                   problems=problems, accelerator=accelerator, time_factor=time_factor,
+                                   placements=len(placements), not_judged=not_judged)
     return ReexecuteOutcome(screen_id, path, static, record, rx.record_digest(record),
                             rerun.env.get("node_id") or platform.node(), rerun.env.get("host") or platform.node(),
                             medians, rerun.seconds, timing_problems=tuple(time_problems),

@@ -219,3 +219,74 @@ def test_the_record_digest_covers_the_draw_and_the_tolerance(proto, entries):
     assert one["result"] == "agree" and rx.record_digest(one) == rx.record_digest(rx.reexecution_record(**base))
     assert rx.record_digest(rx.reexecution_record(**{**base, "time_factor": 3.0})) != rx.record_digest(one)
     assert rx.reexecution_record(**{**base, "problems": ["p"]})["result"] == "disagree"
+
+
+# Competitors that choose their placement from the device memory their worker measured (the CUDA
+# context, what is allocated already): a re-execution hands each episode its archived `offload`
+# section. CPU twins of what tests/engine/test_flexgen_cpu.py and test_zero_inference.py run through
+# a worker (their `flexgen` / `deepspeed` markers): the pure rules behind it.
+TINY_OPT = {"hidden_size": 64, "ffn_dim": 256, "num_hidden_layers": 2, "num_attention_heads": 4, "vocab_size": 512,
+            "max_position_embeddings": 64}
+
+
+def test_each_competitors_archived_placement_is_replayed_as_recorded_or_refused_where_it_no_longer_fits():
+    """The bug it catches: a fresh worker measured another context and chose another placement
+    (FlexGen's share, DeepSpeed's live limit, accelerate's device budget). Replayed, the placement
+    is the archive's whatever this worker measured, as long as the allowance still holds it beside
+    this worker's context; one byte short is PlacementDoesNotFit, not another placement."""
+    from packbench.core.conditions.accelerate import replay_max_memory
+    from packbench.core.conditions.flexgen import choose_policy, replay_policy
+    from packbench.core.conditions.zero_inference import ZeroBudget, model_terms, replay_budget
+    from packbench.core.errors import PlacementDoesNotFit
+
+    mib = 1 << 20
+    def policy(context, **share):
+        return choose_policy(TINY_OPT, share, allowance=256 * mib if not share else 1 << 40, context=context, held=0,
+                             batch=1, prompt=16, gen=0, cuda=True)
+
+    archived = policy(256 * mib - (policy(0, w_gpu_percent=0).needed + policy(0, w_gpu_percent=100).needed) // 2)
+    again = policy(0)
+    assert archived.w_gpu_percent < again.w_gpu_percent == 100  # what choosing again did
+    assert replay_policy(archived.as_dict(), context=0, held=0) == archived
+    room = archived.allowance - archived.needed + archived.context
+    with pytest.raises(PlacementDoesNotFit, match=r"w_gpu_percent \d+\) needs .* over the allowance of 256 MiB"):
+        replay_policy(archived.as_dict(), context=room + 1, held=0)
+    assert replay_policy(archived.as_dict(), context=room, held=0) == archived
+
+    t = model_terms(TINY_OPT, dtype="float16", capacity=16, batch=1)
+    budget = ZeroBudget(allowance=64 * mib, context=40 * mib, held=0, persistent=t["persistent"], kv=t["kv"],
+                        activations=t["activations"], largest_module=t["largest_module"], element_bytes=2,
+                        threshold=t["threshold"])
+    assert replay_budget(budget.as_dict(), context=0, held=mib) == budget
+    with pytest.raises(PlacementDoesNotFit, match="max live parameters"):
+        replay_budget(budget.as_dict(), context=40 * mib, held=1)
+
+    assert replay_max_memory({"max_memory_bytes": 30 * mib, "held_bytes": 0}, allowance=64 * mib, reserve=34 * mib) \
+        == 30 * mib
+    with pytest.raises(PlacementDoesNotFit, match="accelerate placement gave the device 30 MiB"):
+        replay_max_memory({"max_memory_bytes": 30 * mib}, allowance=64 * mib, reserve=34 * mib + 1)
+
+
+def test_the_offload_section_is_compared_and_an_unfit_placement_is_not_judged():
+    """A re-run that placed the competitor otherwise (its worker ignored the handed placement) is
+    named; its times, build state and held bytes are not placement. An episode whose archived
+    placement does not fit the re-executing device is one line and a partial result, not DISAGREE."""
+    offload = {"policy": {"w_gpu_percent": 40}, "device_bytes": 100, "held_bytes": 0, "load_s": 1.0,
+               "state": "cold"}
+    archived = record(condition="flexgen", offload=offload)
+    same = record(condition="flexgen", offload=dict(offload, held_bytes=5, load_s=2.0, state="warm"))
+    assert rx.compare_episode(3, archived, archived["logits"], same) == []
+    other = record(condition="flexgen", offload=dict(offload, policy={"w_gpu_percent": 100}))
+    assert rx.compare_episode(3, archived, archived["logits"], other) == [
+        "episode 3 (flexgen): offload policy archived {'w_gpu_percent': 40}, re-executed {'w_gpu_percent': 100}"]
+    assert rx.archived_placements({3: archived, 4: record()}, [3, 4]) == {3: offload}
+
+    unfit = {"condition": "flexgen", "status": "failed", "error": "PlacementDoesNotFit: it needs 70 MiB"}
+    assert rx.unjudged(3, archived, unfit) == "episode 3 (flexgen): not judged: it needs 70 MiB"
+    assert rx.unjudged(3, archived, {**unfit, "error": "OutOfMemoryError: CUDA"}) is None
+    drawn = rx.Draw((3,), None, ())
+    rec = rx.reexecution_record(archive_sha256="a", protocol_sha256="p", seed=0, k=1, drawn=drawn, problems=[],
+                                accelerator="", placements=1, not_judged=["episode 3 (flexgen): not judged: x"])
+    assert rec["result"] == "partial" and rec["placements"] == "archived"
+    assert rx.reexecution_record(archive_sha256="a", protocol_sha256="p", seed=0, k=1, drawn=drawn, problems=["p"],
+                                 accelerator="", not_judged=["x"])["result"] == "disagree"

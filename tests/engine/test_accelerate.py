@@ -172,9 +172,41 @@ def test_max_memory_leaves_room_for_the_whole_batchs_kv_cache(tiny, monkeypatch)
 
     class Holder:  # what the runtime reads of the worker
         path, dtype, device = tiny, torch.float32, torch.device("cuda", 0)
+        placement = None
 
     holder = Holder()
     holder.allowance, holder.context, holder.capacity, holder.batch = allowance, context, capacity, batch
     m = RUNTIME.build(holder, {})
     kv = kv_bytes(m.config, capacity, torch.float32) * batch
     assert budgets == [allowance - context - kv - KV_MARGIN] == [m.stats.max_memory_bytes]
+
+
+def test_a_re_execution_places_accelerate_by_the_archived_device_budget(tiny, monkeypatch):
+    """CPU twin of a CUDA re-execution: the archive's worker measured a 300 MiB context, the fresh
+    one 1 MiB. The bug it catches: `max_memory` sized again at the fresh context gave accelerate's
+    device map more layers on the device, and the re-run moved other bytes than the archive. Handed
+    the archived `offload`, it places by the archived budget; one the fresh worker cannot hold
+    beside its own reserve is PlacementDoesNotFit (core/reexecute.py: an episode not judged)."""
+    import accelerate
+
+    from packbench.core.errors import PlacementDoesNotFit
+    from packbench.engine.conditions.accelerate import RUNTIME
+
+    budgets = []
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 0)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(accelerate, "infer_auto_device_map",
+                        lambda model, max_memory, **kw: budgets.append(max_memory[0]) or {"": "cpu"})
+    monkeypatch.setattr(accelerate, "dispatch_model", lambda model, **kw: model)
+
+    class Holder:
+        path, dtype, device = tiny, torch.float32, torch.device("cuda", 0)
+        allowance, context, capacity, batch, placement = 1024 << 20, 300 << 20, 40, 1, None
+
+    archived = RUNTIME.build(Holder(), {}).stats.as_dict()
+    Holder.context, Holder.placement = 1 << 20, archived
+    assert RUNTIME.build(Holder(), {}).stats.max_memory_bytes == archived["max_memory_bytes"] == budgets[0]
+    assert budgets == [budgets[0]] * 2
+    Holder.context = 301 << 20
+    with pytest.raises(PlacementDoesNotFit, match="archived accelerate placement gave the device"):
+        RUNTIME.build(Holder(), {})

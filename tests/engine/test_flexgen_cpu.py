@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import json
 
 import numpy as np
 import pytest
@@ -190,3 +191,84 @@ def test_an_episode_after_a_failed_generate_runs(cpu_flexgen, checkpoints):
         run_episode(fg, PROMPTS[0], continuation=3)
     fg._lm.store_hidden = store
     assert len(run_episode(fg, PROMPTS[0], continuation=3).calls) == 3
+
+
+def _screen(ck, *, allowance_mib: int = 256):
+    from packbench.core.protocol import freeze
+
+    return freeze({"name": "fg", "model": {"path": str(ck)}, "dtype": "float16",
+                   "prompts": {"generator": {"seed": 0, "count": 2}}, "prefix_tokens": 8, "continuation_tokens": 3,
+                   "conditions": [{"policy": "dense-stream"}, {"policy": "flexgen"}], "reference": "dense-stream",
+                   "warmups": 1, "allowance_mib": allowance_mib,
+                   "gates": {"faithfulness": {}, "fidelity": {"min_top1": 0.5}}})
+
+
+def _measured_context(monkeypatch) -> dict:
+    """The worker's measured CUDA context, which a CPU worker has none of (0): what the test sets
+    in `measured["context"]` is what every build and episode of a Worker sees."""
+    from packbench.engine.worker import Worker
+
+    measured = {"context": 0}
+    monkeypatch.setattr(Worker, "context", property(lambda self: measured["context"], lambda self, value: None),
+                        raising=False)
+    return measured
+
+
+def test_a_re_execution_re_runs_the_archived_flexgen_placement_not_one_chosen_again(cpu_flexgen, checkpoints,
+                                                                                   tmp_path, monkeypatch):
+    """The archive chose `w_gpu_percent` under the context its worker measured; the re-execution
+    worker is fresh and measures another. The bug it catches: the re-run chose its placement again
+    (here every weight on the GPU), moved other bytes every call, and the exact comparison called an
+    honest archive DISAGREE. The archived policy is handed to the worker and run as it is."""
+    from cpu_screen import archive_screen
+    from rerun import rerun_here
+
+    from packbench.core.conditions.flexgen import choose_policy
+    from packbench.engine.worker import Worker
+    from packbench.service.audit import reexecute_archive
+
+    ck = checkpoints["float16"]
+    frozen = _screen(ck)
+    config = json.loads((ck / "config.json").read_text())
+    allowance = 256 << 20
+
+    def needed(share):
+        return choose_policy(config, {"w_gpu_percent": share}, allowance=1 << 40, context=0, held=0, batch=1,
+                             prompt=11, gen=0, cuda=False).needed
+
+    measured = _measured_context(monkeypatch)
+    measured["context"] = allowance - (needed(0) + needed(100)) // 2  # the archive's worker: room for some weights
+    _, episodes, _ = archive_screen(frozen, ck, tmp_path / "screen.zip")
+    shares = {e["offload"]["policy"]["w_gpu_percent"] for e in episodes if e["condition"] == "flexgen"}
+    assert all(e["status"] == "ok" for e in episodes) and len(shares) == 1 and 0 < shares.pop() < 100
+    measured["context"] = 0  # the re-execution's fresh worker measures another context
+    made = rerun_here(monkeypatch, lambda: Worker(device="cpu"))
+    out = reexecute_archive(tmp_path / "screen.zip", k=4, seed=0, time_factor=1e6, model_dir=str(ck))
+    assert made and out.exact_agrees and out.agrees, out.problems
+    assert out.record["placements"] == "archived"
+
+
+def test_an_archived_flexgen_placement_this_device_cannot_hold_is_not_judged_not_a_disagreement(
+        cpu_flexgen, checkpoints, tmp_path, monkeypatch, packbench_cli):
+    """The re-executing worker's context leaves no room for the archived placement (every weight on
+    the GPU): its episodes are named in one line each as not judged and the re-execution is partial
+    (exit 0), where choosing again would have moved other bytes and called the archive DISAGREE."""
+    from cpu_screen import archive_screen
+    from rerun import rerun_here
+
+    from packbench.engine.worker import Worker
+
+    ck = checkpoints["float16"]
+    measured = _measured_context(monkeypatch)
+    _, episodes, _ = archive_screen(_screen(ck), ck, tmp_path / "screen.zip")
+    assert all(e["offload"]["policy"]["w_gpu_percent"] == 100 for e in episodes if e["condition"] == "flexgen")
+    needed = next(e for e in episodes if e["condition"] == "flexgen")["offload"]["policy"]["needed_bytes"]
+    measured["context"] = (256 << 20) - needed + 1  # one byte short of the archived placement's room
+    rerun_here(monkeypatch, lambda: Worker(device="cpu"))
+    r = packbench_cli("audit", "reexecute", "--archive", str(tmp_path / "screen.zip"), "--count", "4",
+                      "--time-factor", "1000000", "--model-dir", str(ck))
+    assert r.returncode == 0, (r.stdout, r.stderr)
+    unjudged = [line for line in r.stdout.splitlines() if line.startswith("unjudged: ")]
+    assert unjudged and all("(flexgen): not judged: the archived flexgen placement (w_gpu_percent 100) needs"
+                            in line and "over the allowance of 256 MiB" in line for line in unjudged), r.stdout
+    assert "problem:" not in r.stdout and ": PARTIAL (" in r.stdout, r.stdout

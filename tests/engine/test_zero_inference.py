@@ -430,3 +430,38 @@ def test_a_steady_decode_calls_ledger_is_the_hand_count_of_the_checkpoints_offlo
         call = recorder.current
     assert [w + i for w, i in zip(call.h2d_weight_bytes, call.h2d_index_bytes)] == hand
     assert call.h2d_index_bytes == [0] * layers  # every tensor is whole hidden-sized rows
+
+
+def test_a_re_execution_configures_deepspeed_with_the_archived_budget_not_one_sized_again(tiny, tmp_path,
+                                                                                          monkeypatch):
+    """The archive sized DeepSpeed's live parameters and prefetch bucket from the CUDA context its
+    worker measured (stood in for here: a CPU worker measures none); the re-execution's fresh worker
+    measures another. The bug it catches: the re-run sized its configuration again, ran another
+    prefetch, and nothing compared the configuration, so the re-execution agreed only because the
+    bytes happened to match. The archived budget is handed over and its offload section compared."""
+    from cpu_screen import archive_screen
+    from rerun import rerun_here
+
+    from packbench.service.audit import reexecute_archive
+
+    measured = {"context": 0}
+    monkeypatch.setattr(Worker, "context", property(lambda self: measured["context"], lambda self, value: None),
+                        raising=False)
+    frozen = freeze({"name": "z", "model": {"path": str(tiny)}, "dtype": "float32",
+                     "prompts": {"generator": {"seed": 0, "count": 2}}, "prefix_tokens": 16, "continuation_tokens": 4,
+                     "conditions": [{"policy": "dense-stream"}, {"policy": "zero-inference"}],
+                     "reference": "dense-stream", "warmups": 1, "allowance_mib": 256, "gates": {"faithfulness": {}}})
+    measured["context"] = 200 << 20  # the archive's worker
+    _, episodes, _ = archive_screen(frozen, tiny, tmp_path / "screen.zip")
+    zero = [e for e in episodes if e["condition"] == "zero-inference"]
+    assert zero and all(e["status"] == "ok" and e["offload"]["budget"]["context"] == 200 << 20 for e in zero)
+    measured["context"] = 0  # the re-execution's fresh worker: a live limit 200 MiB larger, sized again
+    configs = []
+    import packbench.engine.zero_inference as zim
+
+    real = zim.ds_config
+    monkeypatch.setattr(zim, "ds_config", lambda **k: configs.append(real(**k)) or configs[-1])
+    rerun_here(monkeypatch, lambda: Worker(device="cpu"))
+    out = reexecute_archive(tmp_path / "screen.zip", k=3, seed=0, time_factor=1e6, model_dir=str(tiny))
+    assert out.agrees and out.record["placements"] == "archived", out.problems
+    assert configs and all(c == zero[0]["offload"]["ds_config"] for c in configs)

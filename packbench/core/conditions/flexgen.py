@@ -25,11 +25,12 @@ Torch-free: core. `config` below is an OPT config.json's fields.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from typing import Any, Mapping
 
 from packbench.core.conditions.base import (MODE_PARAM, CallInputs, ChoiceParam, Competitor, ConditionKind, IntParam,
                                             RecordContext, differs, int_fields)
+from packbench.core.errors import PlacementDoesNotFit
 
 LIBRARY = "flexgen"
 EXTRA = "offload"  # pyproject.toml's [offload] extra brings it (flexgen==0.1.8)
@@ -165,6 +166,26 @@ def choose_policy(config: Mapping[str, Any], params: Mapping[str, Any], *, allow
                         f"every weight on the CPU (KV cache {p.cache_gpu // MIB}, working space {p.working // MIB}), "
                         f"the protocol gives {allowance // MIB} MiB: raise allowance_mib, lower cache_gpu_percent "
                         f"or drop the condition")
+
+
+def replay_policy(recorded: Mapping[str, Any], *, context: int, held: int) -> PolicyPlan:
+    """The archived placement `recorded` (an episode's `offload.policy`) to run again as it is, on
+    a worker that measured `context` and `held` (a re-execution: choosing again at another context
+    would place other weights and move other bytes). PlacementDoesNotFit (one line) where its
+    weights, cache and working space no longer fit the allowance beside them."""
+    names = [f.name for f in fields(PolicyPlan) if f.name != "chosen"]
+    base = int_fields(recorded, names)
+    if base is None or type(recorded.get("chosen")) is not bool:
+        raise ValueError(f"the archived offload.policy is not FlexGen's placement (integers {', '.join(names)} "
+                         f"and chosen)")
+    plan = PolicyPlan(**base, chosen=recorded["chosen"])
+    here = replace(plan, context=context, held=held).needed
+    if here > plan.allowance:
+        raise PlacementDoesNotFit(
+            f"the archived flexgen placement (w_gpu_percent {plan.w_gpu_percent}) needs {-(-here // MIB)} MiB on this "
+            f"worker (context {context // MIB} MiB, holding {held // MIB} MiB; the archive's "
+            f"{plan.context // MIB} and {plan.held // MIB}), over the allowance of {plan.allowance // MIB} MiB")
+    return plan
 
 
 def h2d_bytes(params: Mapping[str, Any], call: CallInputs) -> float:

@@ -3,11 +3,12 @@ memory and gathered onto the device layer by layer with DeepSpeed's own prefetch
 stock transformers' modules, so tier exact, judged for faithfulness); its runtime is
 engine/conditions/zero_inference.py over engine/zero_inference.py."""
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from typing import Any, Mapping
 
 from packbench.core.conditions.base import (MODE_PARAM, CallInputs, Competitor, ConditionKind, RecordContext, differs,
                                             int_fields)
+from packbench.core.errors import PlacementDoesNotFit
 
 LIBRARY = "deepspeed"
 EXTRA = "offload"  # pyproject.toml's [offload] extra brings it
@@ -110,6 +111,26 @@ class ZeroBudget:
     def as_dict(self) -> dict:
         return {**asdict(self), "gather_bytes": self.gather_bytes, "needed_bytes": self.needed,
                 "max_live_parameters": self.max_live}
+
+
+def replay_budget(recorded: Mapping[str, Any], *, context: int, held: int) -> ZeroBudget:
+    """The archived budget `recorded` (an episode's `offload.budget`) to configure DeepSpeed with
+    again as it is, on a worker that measured `context` and `held` (a re-execution: sizing again at
+    another context would give another prefetch bucket and live-parameter limit). PlacementDoesNotFit
+    (one line) where the allowance, less them, no longer leaves the archived live limit."""
+    names = [f.name for f in fields(ZeroBudget)]
+    base = int_fields(recorded, names)
+    if base is None or base["element_bytes"] == 0:
+        raise ValueError(f"the archived offload.budget is not DeepSpeed's budget (integers {', '.join(names)})")
+    plan = ZeroBudget(**base)
+    here = replace(plan, context=context, held=held)
+    if not here.fits or here.max_live < plan.max_live:
+        raise PlacementDoesNotFit(
+            f"the archived zero-inference configuration (max live parameters {plan.max_live}) needs "
+            f"{-(-(plan.gather_bytes - here.gather_bytes) // MIB)} MiB more than the allowance of "
+            f"{plan.allowance // MIB} MiB leaves beside this worker's context {context // MIB} MiB and "
+            f"{held // MIB} MiB held (the archive's {plan.context // MIB} and {plan.held // MIB})")
+    return plan
 
 
 def zero_config(*, hidden: int, dtype: str, pin_memory: bool, plan: ZeroBudget | None = None) -> dict:

@@ -16,7 +16,7 @@ class AccelerateRuntime(CompetitorRuntime):
     def build(self, holder: Holder, params: dict) -> AcceleratedModel:
         return AcceleratedModel(holder.path, dtype=holder.dtype, device=holder.device,
                                 allowance_bytes=holder.allowance, context_bytes=holder.context,
-                                capacity=holder.capacity, batch=holder.batch)
+                                capacity=holder.capacity, batch=holder.batch, archived=holder.placement)
 
     def check(self, holder: Holder, conditions: Sequence[Condition]) -> None:
         library()  # not installed: AccelerateUnavailable, one line with the fix, before any episode

@@ -43,6 +43,9 @@ class Holder(Protocol):
     context: int  # the CUDA context's bytes
     capacity: int  # prefix + continuation tokens of an episode
     batch: int  # sequences decoded together (the protocol's batch)
+    # The archived `offload` section a re-execution hands over for this episode: a competitor
+    # places itself as the archive says instead of choosing again at this worker's context (None).
+    placement: dict | None
 
     def hold(self, policy: str, params: dict, runtime: CompetitorRuntime) -> tuple[Any, str]: ...
     def release_competitor(self) -> None: ...

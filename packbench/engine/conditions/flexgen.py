@@ -20,7 +20,8 @@ class FlexGenRuntime(CompetitorRuntime):
         return FlexGenModel(holder.path, dtype=holder.dtype, device=holder.device, params=params,
                             allowance_bytes=holder.allowance, context_bytes=holder.context,
                             capacity=holder.capacity, batch=holder.batch,
-                            cache=getattr(holder, "model_cache", None) or DEFAULT_MODEL_CACHE)
+                            cache=getattr(holder, "model_cache", None) or DEFAULT_MODEL_CACHE,
+                            archived=holder.placement)
 
     def identity(self, params: dict):
         return tuple(sorted(params.items()))  # the placement is the model: another policy, another build

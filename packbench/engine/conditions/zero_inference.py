@@ -16,7 +16,7 @@ class ZeroInferenceRuntime(CompetitorRuntime):
     def build(self, holder: Holder, params: dict) -> ZeroInferenceModel:
         return ZeroInferenceModel(holder.path, dtype=holder.dtype, device=holder.device,
                                   allowance_bytes=holder.allowance, context_bytes=holder.context,
-                                  capacity=holder.capacity, batch=holder.batch)
+                                  capacity=holder.capacity, batch=holder.batch, archived=holder.placement)
 
     def check(self, holder: Holder, conditions: Sequence[Condition]) -> None:
         library(holder.device)  # missing or bound to another accelerator: one line with the fix, before any episode
