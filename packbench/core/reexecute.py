@@ -58,7 +58,11 @@ EXACT_MEMORY = ("kv_bytes", "policy_device_bytes", "host_outgoing_bytes", "pinne
 MAX_PROBLEMS_PER_EPISODE = 8
 # Keys of an episode's `offload` section that the re-executing worker measures or that say how its
 # build came about (besides times, `_s`): not part of the placement it is handed and re-runs.
-MEASURED_OFFLOAD = ("state", "held_bytes")
+# device_bytes is torch.cuda.memory_allocated around the build: a library's own buffers (DeepSpeed's
+# communicator, cuBLAS workspaces) make it the process's figure, not the placement's, so comparing
+# it exactly could call an honest GPU archive DISAGREE; the placement itself and every call's bytes
+# are compared.
+MEASURED_OFFLOAD = ("state", "held_bytes", "device_bytes")
 UNFIT = "PlacementDoesNotFit"  # core/errors.py: the re-executing device cannot hold the archived placement
 
 

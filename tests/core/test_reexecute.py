@@ -269,12 +269,12 @@ def test_each_competitors_archived_placement_is_replayed_as_recorded_or_refused_
 
 def test_the_offload_section_is_compared_and_an_unfit_placement_is_not_judged():
     """A re-run that placed the competitor otherwise (its worker ignored the handed placement) is
-    named; its times, build state and held bytes are not placement. An episode whose archived
+    named; its times, build state, held bytes and measured device bytes are not placement. An episode whose archived
     placement does not fit the re-executing device is one line and a partial result, not DISAGREE."""
     offload = {"policy": {"w_gpu_percent": 40}, "device_bytes": 100, "held_bytes": 0, "load_s": 1.0,
                "state": "cold"}
     archived = record(condition="flexgen", offload=offload)
-    same = record(condition="flexgen", offload=dict(offload, held_bytes=5, load_s=2.0, state="warm"))
+    same = record(condition="flexgen", offload=dict(offload, held_bytes=5, load_s=2.0, state="warm", device_bytes=101))
     assert rx.compare_episode(3, archived, archived["logits"], same) == []
     other = record(condition="flexgen", offload=dict(offload, policy={"w_gpu_percent": 100}))
     assert rx.compare_episode(3, archived, archived["logits"], other) == [
