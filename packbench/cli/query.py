@@ -372,7 +372,10 @@ def screens_list(
     filtered = any(v is not None for v in (status, protocol, tag, name))
     empty = ("no screen matches; `packbench screens list` without filters lists every screen" if filtered
              else "no screens; submit one with `packbench submit`")
-    _emit([Section(records, columns, rows=shown, empty=empty)], out)
+    from packbench.db.queries import ScreenSummary
+
+    # CSV's header without a row is the rows' own (it was the table's: `latest` for `latest_status`)
+    _emit([Section(records, columns, rows=shown, empty=empty, fields=_field_names(ScreenSummary))], out)
 
 
 def _verdict_counts(row: dict) -> dict:
