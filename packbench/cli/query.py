@@ -96,7 +96,7 @@ def results(
     json_out: Json = False,
 ) -> None:
     """List episodes matching filters, or show one screen's verdicts and episodes (no filters)."""
-    from packbench.core.dates import parse_when
+    from packbench.core.dates import check_order, parse_when
     from packbench.db.queries import ResultFilter
 
     filters = dict(protocol=protocol, model=model, dtype=dtype, condition=condition, gate=gate, phase=phase,
@@ -111,6 +111,7 @@ def results(
     # Validate everything (unknown gate, bad dates) before touching the database.
     filters.update(since=None if since is None else parse_when(since, option="--since"),
                    until=None if until is None else parse_when(until, option="--until", end=True))
+    check_order(filters["since"], filters["until"], since_text=since or "", until_text=until or "")
     ResultFilter(**filters, descending=desc)
     store = open_store(db)
     screen_id = store.screen(screen).id if screen is not None else None
