@@ -191,7 +191,9 @@ def audit_screen_cmd(
     finally:
         if bar is not None:
             bar.close()
-    _finish(outcomes, json_out=json_out)
+    from packbench.cli.query import signer_revocations
+
+    _finish(outcomes, json_out=json_out, revoked=signer_revocations(store))
 
 
 def _empty(json_out: bool) -> None:
@@ -216,12 +218,13 @@ def _select(settings, screens, archive, *, all_screens, since, protocol):
     return store, select_screens(store, screens or [], all_screens=all_screens, since=since_utc, protocol=protocol)
 
 
-def _finish(outcomes, *, json_out: bool) -> None:
-    """Print every outcome; exit 2 for an unreadable archive, 1 for a disagreement, 2 for an unrecorded audit."""
+def _finish(outcomes, *, json_out: bool, revoked: dict | None = None) -> None:
+    """Print every outcome; exit 2 for an unreadable archive, 1 for a disagreement, 2 for an unrecorded audit.
+    `revoked`: when each revoked key of the database was revoked, by key id (`keys revoke`)."""
     from packbench.service.audit import repeat_disagreements
 
     for o in outcomes:
-        _print_audit(o, json_out=json_out, detail=len(outcomes) == 1)
+        _print_audit(o, json_out=json_out, detail=len(outcomes) == 1, revoked=revoked or {})
     differ = repeat_disagreements(outcomes)
     for line in differ:
         typer.echo(f"problem: {one_line(line)}", err=True)
@@ -364,7 +367,7 @@ def reexecution_parts(o) -> str:
     return f"{exact}; {timing}" + (f"; {'; '.join(busy)}" if busy else "")
 
 
-def _print_audit(o, *, json_out: bool, detail: bool) -> None:
+def _print_audit(o, *, json_out: bool, detail: bool, revoked: dict) -> None:
     what = f"screen {o.screen_id}" if o.screen_id is not None else str(o.archive_path)
     if o.no_archive is not None:
         if json_out:
@@ -417,7 +420,11 @@ def _print_audit(o, *, json_out: bool, detail: bool) -> None:
         typer.echo(f"problem: {what}: {one_line(named(report.problems[0]))}" + (f" (+{len(report.problems) - 1} more)"
                                                               if len(report.problems) > 1 else ""))
     sig = report.record.get("signature")
-    if sig is not None and sig["status"] == "valid":
+    if sig is not None and sig["status"] == "valid" and sig["key_id"] in revoked:
+        # the database's key, revoked since: "by trusted key" read as if `keys revoke` had not been run
+        typer.echo(f"signature: valid, by key {sig['key_id']}, REVOKED at {revoked[sig['key_id']]:%Y-%m-%d %H:%M} "
+                   f"UTC (anyone holding the key may have sealed it: it proves nothing about where)")
+    elif sig is not None and sig["status"] == "valid":
         typer.echo(f"signature: valid, by trusted key {sig['key_id']} (proves where it was sealed, not that the "
                    f"numbers are true)")
     # An attempt the database does not call done (lost, interrupted, failed, still running): a

@@ -114,7 +114,7 @@ def open_store(url: str | None, *, at_head: bool = True, must_exist: bool | None
     """The results store; refuses a database that is not at the migration head unless told not to
     (a SQLite file that does not exist is refused without being created, unless `must_exist` is
     False: `db upgrade` creates it; by default it must exist when it must be at the head)."""
-    from packbench.db.session import sqlite_file, sqlite_in_memory
+    from packbench.db.session import sqlite_file, sqlite_in_memory, upgrade_command
     from packbench.db.store import Store
 
     setting = db_setting()
@@ -123,8 +123,9 @@ def open_store(url: str | None, *, at_head: bool = True, must_exist: bool | None
                              f"nothing it stores outlives that command; give {setting} a file, e.g. {DEFAULT_DB_URL}")
     missing = sqlite_file(url, setting=setting) if (at_head if must_exist is None else must_exist) else None
     if missing is not None and not missing.exists():  # SQLite would create an empty file, then refuse it
-        raise PackbenchError(f"no database at {missing} (no such file here); run `packbench db upgrade` to create "
-                             f"it, or give {setting} the database that holds your screens")
+        raise PackbenchError(f"no database at {missing} (no such file here); run "
+                             f"{upgrade_command(str(url), setting=setting)} to create it, or give {setting} the "
+                             f"database that holds your screens")
     store = Store(url, setting=setting)
     if at_head:
         store.check_head()

@@ -76,6 +76,10 @@ def keys_register(
 
     raw = load_public_key(public_key)
     row = open_store(db).put_signer(key_id=key_id(raw), public_key=raw.hex(), name=name, local=False)
+    if row.revoked_at is not None:  # registering it again said "trusting key ...", and trusted nothing
+        raise PackbenchError(f"key {row.key_id} ({one_line(row.name)!r}) was revoked at {row.revoked_at:%Y-%m-%d %H:%M} "
+                             f"UTC and stays revoked: a revoked key is never trusted again (nothing changed); ask "
+                             f"its lab for a new key and register that")
     if json_out:
         echo_json({"key_id": row.key_id, "name": row.name, "local": False})
         return

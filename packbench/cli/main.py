@@ -207,7 +207,11 @@ def db_current(db: DbUrl = None, json_out: Json = False) -> None:
         typer.echo(f"{current} (unknown to this packbench, whose newest is {head}: a newer packbench wrote it; "
                    f"install that version)")
         return
-    typer.echo(f"{current or 'empty'}{' (head)' if current == head else f' (head is {head}: run `packbench db upgrade`)'}")
+    from packbench.cli.common import db_setting
+    from packbench.db.session import upgrade_command
+
+    upgrade = upgrade_command(store.url, setting=db_setting())
+    typer.echo(f"{current or 'empty'}{' (head)' if current == head else f' (head is {head}: run {upgrade})'}")
 
 
 @db_app.command("history")

@@ -96,7 +96,7 @@ def results(
     json_out: Json = False,
 ) -> None:
     """List episodes matching filters, or show one screen's verdicts and episodes (no filters)."""
-    from packbench.core.dates import parse_when
+    from packbench.core.dates import check_order, parse_when
     from packbench.db.queries import ResultFilter
 
     filters = dict(protocol=protocol, model=model, dtype=dtype, condition=condition, gate=gate, phase=phase,
@@ -111,6 +111,7 @@ def results(
     # Validate everything (unknown gate, bad dates) before touching the database.
     filters.update(since=None if since is None else parse_when(since, option="--since"),
                    until=None if until is None else parse_when(until, option="--until", end=True))
+    check_order(filters["since"], filters["until"], since_text=since or "", until_text=until or "")
     ResultFilter(**filters, descending=desc)
     store = open_store(db)
     screen_id = store.screen(screen).id if screen is not None else None
@@ -372,7 +373,10 @@ def screens_list(
     filtered = any(v is not None for v in (status, protocol, tag, name))
     empty = ("no screen matches; `packbench screens list` without filters lists every screen" if filtered
              else "no screens; submit one with `packbench submit`")
-    _emit([Section(records, columns, rows=shown, empty=empty)], out)
+    from packbench.db.queries import ScreenSummary
+
+    # CSV's header without a row is the rows' own (it was the table's: `latest` for `latest_status`)
+    _emit([Section(records, columns, rows=shown, empty=empty, fields=_field_names(ScreenSummary))], out)
 
 
 def _verdict_counts(row: dict) -> dict:

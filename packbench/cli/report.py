@@ -15,7 +15,7 @@ import typer
 
 from packbench.cli.common import DbUrl, Json, echo_json, not_a_file, open_store, write_output
 from packbench.core.errors import PackbenchError
-from packbench.core.text import one_line
+from packbench.core.text import error_line, one_line
 
 
 def register(app: typer.Typer) -> None:
@@ -168,11 +168,12 @@ def _attempt(a) -> dict:
 def failure_note(screen, audit) -> str | None:
     """The terminal's line about what failed on the page (the attempt's error, the failed
     episodes' first error); None when nothing did."""
+    from packbench.cli.report_page import attempt_failed
     from packbench.core import report as data
 
     said = []
     a = audit.attempt
-    if a is not None and (a["status"] != "done" or a["error"]):
+    if attempt_failed(a):
         said.append(f"attempt {a['number']} ended {a['status']}" + (f": {a['error']}" if a["error"] else ""))
     failures = data.failed_episodes(screen)
     if failures:
@@ -180,7 +181,8 @@ def failure_note(screen, audit) -> str | None:
         count = sum(len(f["episodes"]) for f in failures)
         said.append(f"{count} of {len(screen.episodes)} recorded episodes failed (first: episode {first['episodes'][0]} "
                     f"({first['condition']}): {first['error']})")
-    return one_line("note: " + "; ".join(said)) if said else None
+    # bounded as every error line is: an attempt's or episode's stored error may run to any length
+    return error_line("note: " + "; ".join(said)) if said else None
 
 
 def _audit_rows(audits) -> list[dict]:

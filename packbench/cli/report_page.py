@@ -257,13 +257,21 @@ def verdict_section(s: ScreenData) -> str:
 MAX_LISTED = 12  # plan indexes named in a failure row; past that the count says the rest
 
 
+def attempt_failed(attempt: dict | None) -> bool:
+    """Whether the report says how the attempt ({number, status, error}) ended: it ended other
+    than done, or stored an error. A running attempt has not ended: its page is of the episodes
+    archived so far, and said "Attempt 1 ended running" in red."""
+    return attempt is not None and attempt["status"] != "running" and (attempt["status"] != "done"
+                                                                          or bool(attempt["error"]))
+
+
 def failure_section(s: ScreenData, audit: AuditStatus) -> str:
     """Why the attempt or its episodes failed: the attempt's stored error when it did not end
     done, and each (condition, error) of the failed episodes with the episodes it struck. Empty
     when nothing failed."""
     parts = []
     a = audit.attempt
-    if a is not None and (a["status"] != "done" or a["error"]):
+    if attempt_failed(a):
         parts.append(f'<p class="fail" id="attempt-error">Attempt {esc(a["number"])} ended {esc(a["status"])}'
                      f'{": " + esc(a["error"]) if a["error"] else ""}</p>')
     rows = [[name_cell(f["condition"]), Markup(f'<td class="num">{len(f["episodes"])}</td>'),

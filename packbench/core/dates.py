@@ -47,3 +47,15 @@ def _is_bare_date(text: str) -> bool:
     except ValueError:
         return False
     return True
+
+
+def check_order(since: datetime | None, until: datetime | None, *, since_text: str, until_text: str) -> None:
+    """Refuse a `--since` not before `--until` (`parse_when`'s values of the texts typed), in the
+    words the user typed: a bare `--until` date is its next midnight, and the store's refusal,
+    which shows the values, read "since 2026-01-02T00:00 is not before until 2026-01-02T00:00"
+    for `--since 2026-01-02 --until 2026-01-01`."""
+    if since is None or until is None or since < until:
+        return
+    ends = f" (which ends at {until.isoformat()})" if _is_bare_date(until_text.strip()) else ""
+    raise InvalidDate(f"--since {show(since_text)} is not before --until {show(until_text)}{ends}; swap them or "
+                      f"widen the range")

@@ -61,17 +61,18 @@ def history() -> list[str]:
     ]
 
 
-def not_at_head(url: str, current: str | None) -> str | None:
+def not_at_head(url: str, current: str | None, *, upgrade: str = "`packbench db upgrade`") -> str | None:
     """Why a database at revision `current` (None: no packbench schema) cannot be used, as the
-    one line `SchemaNotAtHead` says, naming the fix; None when it is at head."""
+    one line `SchemaNotAtHead` says, naming the fix (`upgrade`, the command that migrates this
+    database: db/session.py `upgrade_command`); None when it is at head."""
     need = head()
     if current == need:
         return None
     if current is None:
-        return f"database {url} has no packbench schema (revision none, need {need}); run `packbench db upgrade`"
+        return f"database {url} has no packbench schema (revision none, need {need}); run {upgrade}"
     if current not in known_revisions():
         return unknown_revision(url, current)
-    return f"database {url} is at revision {current} but this packbench needs {need}; run `packbench db upgrade`"
+    return f"database {url} is at revision {current} but this packbench needs {need}; run {upgrade}"
 
 
 def unknown_revision(url: str, current: str) -> str:

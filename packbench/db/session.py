@@ -38,6 +38,17 @@ PG_CONNECT_TIMEOUT_S = 10
 _URL_HINT = "use sqlite:///path/to/packbench.db or postgresql+psycopg://user@host:5432/dbname"
 
 
+def upgrade_command(url: str, *, setting: str = ENV_VAR) -> str:
+    """The command that migrates the database at `url` (as shown: a password hidden), as a refusal
+    names it. A URL typed as --db is typed again: a bare `packbench db upgrade` migrates the
+    environment's or the default database, not the one refused."""
+    if setting != "--db":
+        return "`packbench db upgrade`"
+    import shlex
+
+    return f"`packbench --db {shlex.quote(url)} db upgrade`"
+
+
 def default_url() -> str:
     """The database URL to use when none is given: `$PACKBENCH_DB_URL`, else `sqlite:///packbench.db`."""
     return environ_db_url()  # core/settings.py reads packbench's environment; the CLI passes --db down
@@ -386,7 +397,8 @@ def translate(exc: BaseException, url: URL, *, setting: str = ENV_VAR) -> Databa
             )
     if schema_error:
         return SchemaNotAtHead(
-            f"{where} has no packbench schema or an old one ({detail}); run `packbench db upgrade`"
+            f"{where} has no packbench schema or an old one ({detail}); run "
+            f"{upgrade_command(display_url(url), setting=setting)}"
         )
     if isinstance(exc, IntegrityError):
         return DatabaseError(
@@ -407,7 +419,8 @@ def translate(exc: BaseException, url: URL, *, setting: str = ENV_VAR) -> Databa
     upgrade = state is not None and state.startswith("42")  # syntax or access rule: maybe an old schema
     return DatabaseError(
         f"database error on {where} ({type(orig).__name__}: {detail}); check the database "
-        f"and {setting}" + (", or run `packbench db upgrade` if packbench was updated" if upgrade else "")
+        f"and {setting}" + (f", or run {upgrade_command(display_url(url), setting=setting)} if packbench was "
+                            f"updated" if upgrade else "")
     )
 
 

@@ -59,7 +59,7 @@ from packbench.db.records import (
     StoredVerdict,
 )
 from packbench.db.retry import RETRY_DELAYS_S, retried
-from packbench.db.session import ENV_VAR, display_url, make_engine, session_scope, translate_errors
+from packbench.db.session import ENV_VAR, display_url, make_engine, session_scope, translate_errors, upgrade_command
 from packbench.db.status import QueueStatus
 
 
@@ -155,7 +155,7 @@ class Store:
 
     def check_head(self) -> None:
         """Raise `SchemaNotAtHead` unless the database is at `head()`; an empty one is not."""
-        refusal = migrate.not_at_head(self.url, self.current())
+        refusal = migrate.not_at_head(self.url, self.current(), upgrade=upgrade_command(self.url, setting=self._setting))
         if refusal is not None:
             raise SchemaNotAtHead(refusal)
         self._schema_checked = True

@@ -37,4 +37,4 @@ def test_an_older_revision_is_still_told_to_upgrade(tmp_path):
     store.close()
     out = CliRunner().invoke(app, ["db", "current", "--db", url])
     assert out.exit_code == 0 and out.output.startswith("0010_screen_labels (head is ")
-    assert "run `packbench db upgrade`" in out.output
+    assert f"run `packbench --db {url} db upgrade`" in out.output  # the database typed, not the default

@@ -57,3 +57,30 @@ def test_connect_names_its_argument(not_a_db):
 
     with pytest.raises(PackbenchError, match=r"point connect\(\)'s url at"):
         packbench.connect(not_a_db)
+
+
+@pytest.mark.parametrize("where", ["command", "top", "env"])
+def test_the_upgrade_a_refusal_names_migrates_the_refused_database(packbench_cli, monkeypatch, tmp_path, where):
+    """Bug caught: a database typed as --db and not at head (or missing) was told "run `packbench
+    db upgrade`", which migrates PACKBENCH_DB_URL's database (or the default) and left the
+    refused one as it was; the line now names the --db to type again."""
+    from packbench.db.store import Store
+
+    old, other = tmp_path / "old.db", tmp_path / "other.db"
+    with Store(f"sqlite:///{old}") as store:
+        store.upgrade("0012_unhashed_audits")
+    url = f"sqlite:///{old}"
+    args = {"command": ("screens", "list", "--db", url), "top": ("--db", url, "screens", "list"),
+            "env": ("screens", "list")}[where]
+    env = {"PACKBENCH_DB_URL": url if where == "env" else f"sqlite:///{other}"}
+    r = packbench_cli(*args, env=env, cwd=tmp_path)
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    fix = "`packbench db upgrade`" if where == "env" else f"`packbench --db {url} db upgrade`"
+    assert r.stderr.strip().endswith(f"run {fix}"), r.stderr
+    if where != "env":
+        r = packbench_cli("--db", url, "db", "current", env=env, cwd=tmp_path)
+        assert r.returncode == 0 and f"run `packbench --db {url} db upgrade`" in r.stdout, r.stdout
+        missing = f"sqlite:///{tmp_path / 'a b.db'}"
+        r = packbench_cli("results", "--db", missing, env=env, cwd=tmp_path)
+        assert r.returncode == 2 and f"run `packbench --db '{missing}' db upgrade` to create it" in r.stderr, r.stderr
+        assert not (tmp_path / "a b.db").exists()

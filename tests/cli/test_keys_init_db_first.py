@@ -21,7 +21,7 @@ def test_no_database_writes_no_key(tmp_path, capsys):
     key = tmp_path / "k.pem"
     url = f"sqlite:///{tmp_path / 'absent.db'}"
     code, out = pb(capsys, "--db", url, "keys", "init", "--key", str(key))
-    assert code == 2 and "packbench db upgrade" in out and len(out.splitlines()) == 1, out
+    assert code == 2 and f"packbench --db {url} db upgrade" in out and len(out.splitlines()) == 1, out
     assert not key.exists() and not (tmp_path / "k.pem.pub").exists()
 
 
@@ -32,7 +32,7 @@ def test_an_older_schema_writes_no_key_and_the_rerun_after_upgrade_registers_it(
     store.upgrade("0010_screen_labels")
     store.close()
     code, out = pb(capsys, "--db", url, "keys", "init", "--key", str(key))
-    assert code == 2 and "run `packbench db upgrade`" in out and len(out.splitlines()) == 1, out
+    assert code == 2 and f"run `packbench --db {url} db upgrade`" in out and len(out.splitlines()) == 1, out
     assert not key.exists()
     assert pb(capsys, "--db", url, "db", "upgrade")[0] == 0
     code, out = pb(capsys, "--db", url, "keys", "init", "--key", str(key))

@@ -104,3 +104,22 @@ def test_the_dispatcher_refuses_to_sign_with_a_revoked_local_key(lab, tmp_path, 
     with Store(f"sqlite:///{lab['db']}") as store:
         assert len(store.list_screens()) == 1  # only the ingested one: nothing queued
     assert not os.path.exists(tmp_path / "a") or not any((tmp_path / "a").iterdir())
+
+
+def test_registering_a_revoked_key_again_is_refused_and_audit_names_it_revoked(lab):
+    """Bugs caught: `keys register` of a revoked key said "trusting key ..." and exited 0, though
+    the key stayed revoked (nothing was trusted); `audit` of a screen it signed said "signature:
+    valid, by trusted key ..." after the key was revoked."""
+    pb, kid = lab["pb"], lab["kid"]
+    r = pb("audit", "1")
+    assert r.returncode == 0 and f"signature: valid, by trusted key {kid}" in r.stdout, (r.stdout, r.stderr)
+    assert pb("keys", "revoke", kid).returncode == 0
+    r = pb("keys", "register", str(lab["pub"]), "--name", "Lab One again")
+    assert r.returncode == 2 and "Traceback" not in r.stderr and "trusting" not in r.stdout, (r.stdout, r.stderr)
+    (line,) = r.stderr.strip().splitlines()
+    assert line.startswith(f"error: key {kid} ('Lab One') was revoked at ") and "stays revoked" in line, line
+    (row,) = json.loads(pb("keys", "list", "--json").stdout)["keys"]
+    assert row["revoked_at"] is not None and row["name"] == "Lab One"
+    r = pb("audit", "1")
+    assert r.returncode == 0, (r.stdout, r.stderr)
+    assert "trusted key" not in r.stdout and f"signature: valid, by key {kid}, REVOKED at " in r.stdout, r.stdout

@@ -206,6 +206,20 @@ def test_screens_list_says_which_attempt_its_verdicts_are_of(tmp_path):
                                                                          "--help").stdout.split())
 
 
+def test_screens_list_csv_header_is_the_same_with_and_without_rows(tmp_path, db):
+    """Bug caught: `screens list --format csv` with no screen wrote the table's header (`latest`,
+    no `submitter`), with screens the rows' (`latest_status`, `submitter`): a script reading the
+    header found a column named differently when nothing matched."""
+    empty = tmp_path / "empty.db"
+    with Store(f"sqlite:///{empty}") as store:
+        store.upgrade()
+    header = invoke(db, "screens", "list", "--format", "csv").stdout.splitlines()[0]
+    assert invoke(empty, "screens", "list", "--format", "csv").stdout.splitlines() == [header]
+    assert "latest_status" in header.split(",")
+    filtered = invoke(db, "screens", "list", "--status", "cancelled", "--format", "csv").stdout.splitlines()
+    assert filtered == [header]
+
+
 def test_compare(db):
     c = json.loads(invoke(db, "compare", "1", "2", "--json").stdout)
     h2d = {m["condition"]: m for m in c["metrics"] if m["metric"] == "h2d_bytes"}

@@ -84,3 +84,36 @@ def test_a_runtime_line_without_summed_walls_says_so(tmp_path):
     assert runtime and not any(": ;" in line for line in runtime)
     bare = [line for line in runtime if line.startswith("packet ")]
     assert bare and bare[0].startswith("packet (exact) over dense-stream: no summed walls; ratio of medians ")
+
+
+def test_a_running_attempt_is_not_reported_as_ended():
+    """Bug caught: `report` of a screen still running said "Attempt 1 ended running" in the
+    Failures section (in red) and "note: attempt 1 ended running" on the terminal."""
+    from packbench.cli.report import failure_note
+    from packbench.cli.report_page import AuditStatus, screen_page
+
+    s = data.read_screen(DATA / "gates-v2.zip")
+    running = AuditStatus(attempt={"number": 1, "status": "running", "error": None})
+    assert 'id="failures"' not in screen_page(s, audit=running)
+    assert failure_note(s, running) is None
+    died = AuditStatus(attempt={"number": 1, "status": "lost", "error": None})
+    assert "Attempt 1 ended lost" in page_text(screen_page(s, audit=died))
+
+
+def test_a_long_html_error_is_escaped_on_the_page_and_bounded_on_the_terminal(tmp_path):
+    """Bug caught: the terminal's note quoted a stored error whole (a 10,000-character error
+    made a 20,000-character line); the page must show it escaped, never as markup."""
+    from packbench.cli.report import failure_note
+    from packbench.cli.report_page import AuditStatus, screen_page
+    from packbench.core.text import ERROR_LINE_LIMIT
+
+    evil = "<script>alert(1)</script><b>x</b>&amp;" + "A" * 10_000
+    s = data.read_screen(interrupted_archive(tmp_path / "a.zip", failed={i: evil for i in range(18)}))
+    audit = AuditStatus(attempt={"number": 2, "status": "failed", "error": evil + "\n<img src=x onerror=alert(2)>"})
+    page = screen_page(s, audit=audit)
+    assert "<script>" not in page and "<img" not in page and "<b>x" not in page
+    assert "&lt;script&gt;alert(1)&lt;/script&gt;&lt;b&gt;x&lt;/b&gt;&amp;amp;" in page
+    assert "Failures: 18 of 18 recorded episodes failed" in page_text(page)
+    note = failure_note(s, audit)
+    assert len(note) <= ERROR_LINE_LIMIT and "\n" not in note
+    assert note.startswith("note: attempt 2 ended failed: <script>") and "characters cut" in note

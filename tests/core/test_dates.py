@@ -54,3 +54,21 @@ def test_bad_dates_are_one_short_line(text):
     assert message.startswith("--since ") and "2026-01-31" in message, message
     assert len(message) < 250 and message.isprintable(), message
     assert isinstance(caught.value, ValueError)
+
+
+def test_a_range_out_of_order_is_refused_in_the_words_typed(packbench_cli, tmp_path):
+    """Bug caught: `results --since 2026-01-02 --until 2026-01-01` said "since
+    2026-01-02T00:00:00+00:00 is not before until 2026-01-02T00:00:00+00:00" (the bare --until
+    is its next midnight): one moment "not before" itself, neither option as typed."""
+    from packbench.core.dates import check_order
+
+    since, until = parse_when("2026-01-02", option="--since"), parse_when("2026-01-01", option="--until", end=True)
+    with pytest.raises(InvalidDate) as caught:
+        check_order(since, until, since_text="2026-01-02", until_text="2026-01-01")
+    assert str(caught.value) == ("--since '2026-01-02' is not before --until '2026-01-01' (which ends at "
+                                 "2026-01-02T00:00:00+00:00); swap them or widen the range")
+    check_order(since, parse_when("2026-01-02", option="--until", end=True), since_text="", until_text="")
+    url = f"sqlite:///{tmp_path / 'pb.db'}"
+    assert packbench_cli("db", "upgrade", "--db", url, cwd=tmp_path).returncode == 0
+    r = packbench_cli("results", "--since", "2026-01-02", "--until", "2026-01-01", "--db", url, cwd=tmp_path)
+    assert r.returncode == 2 and r.stderr.startswith("error: --since '2026-01-02' is not before --until '2026-01-01'")
