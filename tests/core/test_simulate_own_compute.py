@@ -11,23 +11,11 @@ import numpy as np
 import pytest
 
 from packbench.core import simulate as sim
-from packbench.core.trace import Trace, TraceCall, TraceModel
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _ids(*e):
-    return np.array(e, dtype=np.int64)
-
-
-@pytest.fixture
-def trace():
-    """2 MoE layers of 4 experts of 1000 B, top 2: one prefill, two decode calls of one token."""
-    model = TraceModel(family="mixtral", unit="expert", layers=2, units=4, unit_bytes=1000, k=2, shape="box-moe")
-    calls = [TraceCall(0, "prefill", 3), TraceCall(0, "decode", 1), TraceCall(0, "decode", 1)]
-    sets = [[_ids(0, 1, 2), _ids(1, 2, 3)], [_ids(0, 1), _ids(2, 3)], [_ids(0, 2), _ids(1, 3)]]
-    forecasts = [[_ids(), _ids(1, 2)], [_ids(), _ids(2, 3)], [_ids(), _ids(0, 3)]]
-    return Trace(model=model, calls=calls, sets=sets, forecasts=forecasts)
+# `trace`: the 2-layer box of tests/core/conftest.py
 
 
 def _v(value):
