@@ -7,7 +7,6 @@ zero-copy time does not hold (per expert moved, the forecast's), and without it 
 import json
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from packbench.core import simulate as sim
