@@ -243,9 +243,13 @@ def _expert_cache(model: TraceModel, params: dict) -> Stepper:
     forecast (made in the layer with experts before it) accounted against the cache before its step."""
     if "capacity" not in params:
         raise SimulateError("expert-cache needs capacity (e.g. expert-cache:capacity=4,rule=lru,forecast=off)")
+    from packbench.core.moe import capacity_refusal
     from packbench.core.registry import check_param
 
     capacity, rule = check_param("expert-cache", "capacity", params["capacity"]), params.get("rule", "lru")
+    why = capacity_refusal(capacity, model.units, "the trace's model")
+    if why:
+        raise SimulateError(f"capacity {why}")
     forecasting = params.get("forecast", "off") == "on"
     caches = [LayerCache(capacity, rule) for _ in range(model.layers)]  # raises ValueError on a bad capacity
     eb, units = model.unit_bytes, model.units
