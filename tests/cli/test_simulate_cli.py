@@ -407,3 +407,16 @@ def test_a_cache_beyond_the_trace_s_experts_is_refused_as_at_submit(packbench_cl
         "simulate", str(trace), "--policy", "expert-cache:capacity=9").stderr
     r = packbench_cli("simulate", str(trace), "--policy", "expert-cache:capacity=8", "--json")
     assert r.returncode == 0, r.stderr
+
+
+@pytest.mark.parametrize("spec, fix", [("packet:", "write 'packet' alone or packet:key=value"),
+                                       ("packet:gather=device,", "write 'packet' alone or packet:key=value"),
+                                       ("packet:,gather=device", "write 'packet' alone or packet:key=value"),
+                                       ("resident:", "write 'resident' alone (it takes no parameters)")])
+def test_an_empty_parameter_part_is_refused(packbench_cli, tmp_path, spec, fix):
+    """Catches `--policy packet:` (and an empty item between commas) replayed as `packet` under the
+    label as typed, where --sweep FIELD= is refused: a separator with nothing after it is a typo."""
+    trace = _eight_expert_trace(tmp_path / "e8.trace")
+    one_line(packbench_cli("simulate", str(trace), "--policy", spec), f"policy {spec!r} has an empty parameter", fix)
+    assert sim.parse_policy("packet:gather=device", "expert") == ("packet", {"gather": "device"})
+    assert sim.parse_policy("packet", "expert") == ("packet", {})
