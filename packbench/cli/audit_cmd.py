@@ -220,11 +220,12 @@ def _select(settings, screens, archive, *, all_screens, since, protocol):
 
 def _finish(outcomes, *, json_out: bool, revoked: dict | None = None) -> None:
     """Print every outcome; exit 2 for an unreadable archive, 1 for a disagreement, 2 for an unrecorded audit.
-    `revoked`: when each revoked key of the database was revoked, by key id (`keys revoke`)."""
+    `revoked`: when each revoked key of the database was revoked, by key id (`keys revoke`); None
+    for archive files alone (no database: nothing known of revocations)."""
     from packbench.service.audit import repeat_disagreements
 
     for o in outcomes:
-        _print_audit(o, json_out=json_out, detail=len(outcomes) == 1, revoked=revoked or {})
+        _print_audit(o, json_out=json_out, detail=len(outcomes) == 1, revoked=revoked)
     differ = repeat_disagreements(outcomes)
     for line in differ:
         typer.echo(f"problem: {one_line(line)}", err=True)
@@ -367,7 +368,19 @@ def reexecution_parts(o) -> str:
     return f"{exact}; {timing}" + (f"; {'; '.join(busy)}" if busy else "")
 
 
-def _print_audit(o, *, json_out: bool, detail: bool, revoked: dict) -> None:
+def _signature_json(sig: dict | None, revoked: dict | None) -> dict:
+    """{"signature": ...} as --json prints it, or {} to keep the record's: in a database's audit
+    (`revoked` given) the signature also carries `revoked_at`, when its key was revoked (`keys
+    revoke`; ISO 8601 UTC, None while in force). The result stays the archive's: a revocation is
+    about trust from then on, not about bytes sealed before it; the record (and its digest) is
+    left as the audit computed it."""
+    if sig is None or revoked is None:
+        return {}
+    when = revoked.get(sig.get("key_id"))
+    return {"signature": {**sig, "revoked_at": None if when is None else when.isoformat()}}
+
+
+def _print_audit(o, *, json_out: bool, detail: bool, revoked: dict | None) -> None:
     what = f"screen {o.screen_id}" if o.screen_id is not None else str(o.archive_path)
     if o.no_archive is not None:
         if json_out:
@@ -405,6 +418,7 @@ def _print_audit(o, *, json_out: bool, detail: bool, revoked: dict) -> None:
     if json_out:
         typer.echo(json.dumps({"screen_id": o.screen_id, "attempt": o.attempt_number, "archive_path": str(o.archive_path),
                                "node": o.node, "host": o.host, "digest": report.digest, **report.record,
+                               **_signature_json(report.record.get("signature"), revoked),
                                "result": o.result, **({"partial": True} if o.unfinished else {})},
                               sort_keys=True, default=str))
         return
@@ -420,7 +434,7 @@ def _print_audit(o, *, json_out: bool, detail: bool, revoked: dict) -> None:
         typer.echo(f"problem: {what}: {one_line(named(report.problems[0]))}" + (f" (+{len(report.problems) - 1} more)"
                                                               if len(report.problems) > 1 else ""))
     sig = report.record.get("signature")
-    if sig is not None and sig["status"] == "valid" and sig["key_id"] in revoked:
+    if sig is not None and sig["status"] == "valid" and sig["key_id"] in (revoked or {}):
         # the database's key, revoked since: "by trusted key" read as if `keys revoke` had not been run
         typer.echo(f"signature: valid, by key {sig['key_id']}, REVOKED at {revoked[sig['key_id']]:%Y-%m-%d %H:%M} "
                    f"UTC (anyone holding the key may have sealed it: it proves nothing about where)")

@@ -10,7 +10,7 @@ from typing import Annotated, Optional
 import typer
 
 from packbench.core.errors import PackbenchError
-from packbench.core.settings import ARCHIVE_DIR_ENV, DB_URL_ENV, DEFAULT_DB_URL, RAY_ADDRESS_ENV, Settings
+from packbench.core.settings import ARCHIVE_DIR_ENV, DB_URL_ENV, DEFAULT_DB_URL, MAX_SECONDS, RAY_ADDRESS_ENV, Settings
 
 
 def _db_given_first(ctx: typer.Context, param: typer.CallbackParam, value: str | None) -> str | None:
@@ -65,10 +65,6 @@ def _db_option(ctx: typer.Context, param: typer.CallbackParam, value: str | None
 # a value beyond them is refused where it is read, not by the driver (an OverflowError on SQLite).
 DB_INT_MAX = 2**31 - 1
 DB_INT_MIN = -(2**31)
-# The longest wait an option may ask for: a `timedelta` holds ~2.7e11 days; a day of seconds
-# times ten thousand is far past any real lease or timeout and far inside every clock type.
-MAX_SECONDS = 86_400 * 10_000
-
 
 def finite(ctx: typer.Context, param: typer.CallbackParam, value: float | None) -> float | None:
     """A float option's callback: nan and +-inf are refused (click's ranges pass nan)."""
@@ -80,7 +76,8 @@ def finite(ctx: typer.Context, param: typer.CallbackParam, value: float | None) 
 
 
 def seconds(ctx: typer.Context, param: typer.CallbackParam, value: float | None) -> float | None:
-    """A duration option's callback: a finite number of seconds > 0, at most MAX_SECONDS."""
+    """A duration option's callback: a finite number of seconds > 0, at most MAX_SECONDS (the bound
+    Settings.from_environ holds the same variables to)."""
     value = finite(ctx, param, value)
     if value is not None and not 0 < value <= MAX_SECONDS:
         raise typer.BadParameter(f"{value} is not a number of seconds in (0, {MAX_SECONDS}]")

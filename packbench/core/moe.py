@@ -229,6 +229,15 @@ def moe_refusal(config: dict, *, dtype: str, conditions: list[tuple[str, str, di
                          allowance_bytes=allowance_bytes, model=model)
 
 
+def capacity_refusal(capacity: int, experts: int, model: str) -> str | None:
+    """Why an expert cache of `capacity` experts a layer cannot run on `model` of `experts` a layer,
+    or None. A capacity beyond the experts would run as a cache of all of them, labelled with a size
+    it never had: submit (shape_refusal) and `simulate` (core/simulate.py) both refuse it here."""
+    if capacity > experts:
+        return f"{capacity} experts a layer, but {model} has {experts}; give a capacity from 0 to {experts}"
+    return None
+
+
 def shape_refusal(s: MoeShape, family: str, *, dtype: str, conditions: list[tuple[str, str, dict]],
                   allowance_bytes: int, model: str) -> tuple[str, str] | None:
     """(field, why) a protocol's conditions cannot run on an MoE model of shape `s`, or None. Pure:
@@ -245,9 +254,9 @@ def shape_refusal(s: MoeShape, family: str, *, dtype: str, conditions: list[tupl
         if params.get("weights", "dtype") != "dtype":
             return (f"conditions[{i}].params.weights", f"{params['weights']} is not available for MoE models; "
                                                        f"drop it")
-        if policy == "expert-cache" and params["capacity"] > s.experts:
-            return (f"conditions[{i}].params.capacity", f"{params['capacity']} experts a layer, but {model} has "
-                                                        f"{s.experts}; give a capacity from 0 to {s.experts}")
+        why = capacity_refusal(params["capacity"], s.experts, model) if policy == "expert-cache" else None
+        if why:
+            return (f"conditions[{i}].params.capacity", why)
         if params.get("hot", 0) > s.experts:
             return (f"conditions[{i}].params.hot", f"{params['hot']} is more than the {s.experts} experts of a "
                                                    f"layer of {model}; give at most {s.experts}")

@@ -110,12 +110,14 @@ class ScreenData:
 
 def failed_episodes(s: ScreenData) -> list[dict]:
     """Why episodes failed, as their records say: one row per (condition, error), in plan order of
-    its first episode: {condition, error (its first line), episodes (plan indexes)}."""
+    its first episode: {condition, error (its first non-blank line), episodes (plan indexes)}."""
     groups: dict[tuple[str, str], list[int]] = {}
     for e in s.episodes:
         if not e.ok:
-            lines = str(e.record.get("error") or "no error recorded").splitlines() or [""]
-            groups.setdefault((str(e.condition), lines[0]), []).append(e.index)
+            # The first non-blank line: an error text that starts with a newline showed an empty cell.
+            error = next((line for line in str(e.record.get("error") or "").splitlines() if line.strip()),
+                         "no error recorded")
+            groups.setdefault((str(e.condition), error), []).append(e.index)
     return [{"condition": c, "error": error, "episodes": indexes} for (c, error), indexes in groups.items()]
 
 

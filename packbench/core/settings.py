@@ -25,6 +25,10 @@ DEFAULT_CONNECT_TIMEOUT_S = 15.0
 # docs/benchmarks.md); a compile-mode episode's first compilation takes minutes. Half an hour
 # stops a hung screen without ever cutting a slow one short.
 DEFAULT_EPISODE_TIMEOUT_S = 1800.0
+# The longest wait a timeout or lease may ask for, on the command line or in the environment: a
+# `timedelta` holds ~2.7e11 days; a day of seconds times ten thousand is far past any real lease
+# or timeout and far inside every clock type.
+MAX_SECONDS = 86_400 * 10_000
 DEFAULT_DB_URL = "sqlite:///packbench.db"
 # Near an allowance a fragmented allocator fails where a compact one fits: on the H200 an
 # opt-2.7b fp16 screen at 4800 MiB lost 15 of 66 episodes to OOM with the default allocator and
@@ -142,12 +146,10 @@ class Settings:
     debug: bool = False
 
     def __post_init__(self) -> None:
-        if not self.placement_timeout_s > 0:
-            raise ValueError(f"placement timeout {self.placement_timeout_s} s must be > 0")
-        if not self.connect_timeout_s > 0:
-            raise ValueError(f"connect timeout {self.connect_timeout_s} s must be > 0")
-        if not 0 < self.episode_timeout_s < float("inf"):
-            raise ValueError(f"episode timeout {self.episode_timeout_s} s must be a finite number > 0")
+        for what, value in (("placement", self.placement_timeout_s), ("connect", self.connect_timeout_s),
+                            ("episode", self.episode_timeout_s)):
+            if not 0 < value <= MAX_SECONDS:  # nan fails too
+                raise ValueError(f"{what} timeout {value} s must be a finite number > 0, at most {MAX_SECONDS}")
         if self.worker_threads is not None and not self.worker_threads > 0:
             raise ValueError(f"worker threads {self.worker_threads} must be > 0")
 
@@ -165,9 +167,9 @@ class Settings:
                 value = float(env.get(name) or default)
             except ValueError:
                 value = float("nan")
-            if not 0 < value < float("inf"):
-                raise PackbenchError(f"{name}={env[name]!r} is not a number of seconds > 0; set it to one or unset "
-                                     f"it")
+            if not 0 < value <= MAX_SECONDS:  # nan fails too
+                raise PackbenchError(f"{name}={env[name]!r} is not a number of seconds in (0, {MAX_SECONDS}]; set it "
+                                     f"to one or unset it")
             return value
 
         gpus = env.get("PACKBENCH_EMBEDDED_GPUS")

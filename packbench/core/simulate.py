@@ -243,9 +243,13 @@ def _expert_cache(model: TraceModel, params: dict) -> Stepper:
     forecast (made in the layer with experts before it) accounted against the cache before its step."""
     if "capacity" not in params:
         raise SimulateError("expert-cache needs capacity (e.g. expert-cache:capacity=4,rule=lru,forecast=off)")
+    from packbench.core.moe import capacity_refusal
     from packbench.core.registry import check_param
 
     capacity, rule = check_param("expert-cache", "capacity", params["capacity"]), params.get("rule", "lru")
+    why = capacity_refusal(capacity, model.units, "the trace's model")
+    if why:
+        raise SimulateError(f"capacity {why}")
     forecasting = params.get("forecast", "off") == "on"
     caches = [LayerCache(capacity, rule) for _ in range(model.layers)]  # raises ValueError on a bad capacity
     eb, units = model.unit_bytes, model.units
@@ -315,13 +319,19 @@ _PARAM_VALUES = {"gather": ("host", "device"), "weights": ("dtype", "int8"), "ru
 def parse_policy(text: str, unit: str) -> tuple[str, dict]:
     """`name` or `name:key=value,key=value` (e.g. `packet:gather=device`,
     `row-retention:rows_per_layer=512`) -> (name, params), checked against the table."""
-    name, _, rest = text.partition(":")
+    name, colon, rest = text.partition(":")
     if (unit, name) not in SIMULATED:
         names = sorted(n for u, n in SIMULATED if u == unit)
         raise SimulateError(f"policy {name!r} cannot be simulated on a trace of {unit}s; use one of {', '.join(names)}")
     allowed = SIMULATED[(unit, name)][1]
+    # As --sweep FIELD= is refused: a separator with nothing after it is a typo, not "no parameters"
+    # (`packet:` ran as packet under a label that said otherwise; so did `packet:gather=device,`).
+    if colon and not all(rest.split(",")):
+        fix = f"{name!r} alone or {name}:key=value,..." if allowed else f"{name!r} alone (it takes no parameters)"
+        raise SimulateError(f"policy {text!r} has an empty parameter (nothing after ':' or between commas); "
+                            f"write {fix}")
     params: dict = {}
-    for item in filter(None, rest.split(",")):
+    for item in rest.split(",") if colon else ():
         key, eq, value = item.partition("=")
         if not eq or key not in allowed:
             raise SimulateError(f"policy {name}: parameter {item!r} is not one of {', '.join(allowed)} (write "

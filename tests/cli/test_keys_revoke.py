@@ -123,3 +123,22 @@ def test_registering_a_revoked_key_again_is_refused_and_audit_names_it_revoked(l
     r = pb("audit", "1")
     assert r.returncode == 0, (r.stdout, r.stderr)
     assert "trusted key" not in r.stdout and f"signature: valid, by key {kid}, REVOKED at " in r.stdout, r.stdout
+
+
+def test_audit_json_carries_the_revocation_and_the_result_stays_the_archive_s(lab):
+    """Bug caught: `audit SCREEN` of a screen signed by a key revoked since said REVOKED on its
+    signature line, but `audit --json` printed signature {status: valid, key_id} alone: a script
+    could not tell a revoked signer from a trusted one. The result stays AGREE: the archive's
+    content is what the audit judges."""
+    pb, kid = lab["pb"], lab["kid"]
+    before = json.loads(pb("audit", "1", "--json").stdout)
+    assert before["signature"] == {"status": "valid", "key_id": kid, "revoked_at": None}
+    assert pb("keys", "revoke", kid).returncode == 0
+    (row,) = json.loads(pb("keys", "list", "--json").stdout)["keys"]
+    r = pb("audit", "1", "--json")
+    assert r.returncode == 0, (r.stdout, r.stderr)
+    after = json.loads(r.stdout)
+    assert after["result"] == "agree" and after["digest"] == before["digest"]
+    assert after["signature"]["status"] == "valid" and after["signature"]["key_id"] == kid
+    assert after["signature"]["revoked_at"] is not None
+    assert after["signature"]["revoked_at"][:16] == row["revoked_at"][:16]

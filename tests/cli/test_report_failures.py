@@ -117,3 +117,17 @@ def test_a_long_html_error_is_escaped_on_the_page_and_bounded_on_the_terminal(tm
     note = failure_note(s, audit)
     assert len(note) <= ERROR_LINE_LIMIT and "\n" not in note
     assert note.startswith("note: attempt 2 ended failed: <script>") and "characters cut" in note
+
+
+def test_an_error_that_starts_with_blank_lines_is_grouped_by_its_first_words(tmp_path, packbench_cli):
+    """Catches failed_episodes taking an error's first line as it stands: an error text that starts
+    with a newline (or blank lines) showed an empty error cell on the report page."""
+    failed = {3: "\n  \nValueError: x\nmore", 9: "\nValueError: x", 12: "\n\n"}  # all packet
+    archive = interrupted_archive(tmp_path / "a.zip", failed=failed)
+    assert data.failed_episodes(data.read_screen(archive)) == [
+        {"condition": "packet", "error": "ValueError: x", "episodes": [3, 9]},
+        {"condition": "packet", "error": "no error recorded", "episodes": [12]},
+    ]
+    r = packbench_cli("report", str(archive), "--out", "r.html", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert '<td class="wrap fail">ValueError: x</td>' in (tmp_path / "r.html").read_text()

@@ -381,3 +381,42 @@ def test_the_table_says_which_policies_use_their_family_s_own_compute(packbench_
             "terms), measured at box-moe:2 (r)") in r.stdout
     assert ("compute of expert-cache:capacity=2,rule=lru: expert-cache's own zero-copy compute, measured at "
             "box-moe:2 (z)") in r.stdout
+
+
+def _eight_expert_trace(path):
+    import numpy as np
+
+    from packbench.core.trace import Trace, TraceCall, TraceModel, write_trace
+
+    ids = lambda *e: np.array(e, dtype=np.int64)  # noqa: E731
+    model = TraceModel(family="mixtral", unit="expert", layers=2, units=8, unit_bytes=1000, k=2)
+    return write_trace(Trace(model=model, calls=[TraceCall(0, "prefill", 3), TraceCall(0, "decode", 1)],
+                             sets=[[ids(0, 1, 2), ids(1, 2, 3)], [ids(0, 1), ids(2, 3)]]), path)
+
+
+def test_a_cache_beyond_the_trace_s_experts_is_refused_as_at_submit(packbench_cli, tmp_path):
+    """Catches `simulate` replaying expert-cache:capacity=9 on an 8-expert trace as a cache of 8 (its
+    row labelled 9), where submit refuses the same condition (core/moe.py capacity_refusal)."""
+    from packbench.core.moe import capacity_refusal
+
+    trace = _eight_expert_trace(tmp_path / "e8.trace")
+    one_line(packbench_cli("simulate", str(trace), "--policy", "expert-cache:capacity=9"),
+             "--policy expert-cache:capacity=9", "capacity 9 experts a layer", "has 8",
+             "give a capacity from 0 to 8")
+    assert capacity_refusal(9, 8, "the trace's model") in packbench_cli(
+        "simulate", str(trace), "--policy", "expert-cache:capacity=9").stderr
+    r = packbench_cli("simulate", str(trace), "--policy", "expert-cache:capacity=8", "--json")
+    assert r.returncode == 0, r.stderr
+
+
+@pytest.mark.parametrize("spec, fix", [("packet:", "write 'packet' alone or packet:key=value"),
+                                       ("packet:gather=device,", "write 'packet' alone or packet:key=value"),
+                                       ("packet:,gather=device", "write 'packet' alone or packet:key=value"),
+                                       ("resident:", "write 'resident' alone (it takes no parameters)")])
+def test_an_empty_parameter_part_is_refused(packbench_cli, tmp_path, spec, fix):
+    """Catches `--policy packet:` (and an empty item between commas) replayed as `packet` under the
+    label as typed, where --sweep FIELD= is refused: a separator with nothing after it is a typo."""
+    trace = _eight_expert_trace(tmp_path / "e8.trace")
+    one_line(packbench_cli("simulate", str(trace), "--policy", spec), f"policy {spec!r} has an empty parameter", fix)
+    assert sim.parse_policy("packet:gather=device", "expert") == ("packet", {"gather": "device"})
+    assert sim.parse_policy("packet", "expert") == ("packet", {})
