@@ -104,18 +104,14 @@ def test_which_episode_is_overdue_is_a_pure_decision():
     slot = Slot(name="w", worker=None)
     entries = [{"index": i, "condition": "c"} for i in range(4)]
     # Episodes 0 and 1 back, 2 running and 3 waiting behind it since t = 10.
-    slot.active = active = Active(slot=slot, run=None, protocol=None, entries=entries, submitted=4, inflight=2,
-                                  since=10.0)
+    slot.owed, slot.since = entries[2:], 10.0
     assert overdue([slot], now=12.0, limit_s=2.0) == []  # at the limit: not yet
     assert overdue([slot], now=12.001, limit_s=2.0) == [(slot, entries[2])]
-    active.inflight = 0  # every episode back: nothing owed
-    assert overdue([slot], now=99.0, limit_s=2.0) == []
-    # Its load still out (no episode sent: no clock); a load is not an episode.
+    slot.active = None  # its screen ended (failed) with the episodes still on the worker: still owed
+    assert overdue([slot], now=12.001, limit_s=2.0) == [(slot, entries[2])]
+    slot.owed = []  # every episode back: nothing owed (a load in flight is not an episode)
     slot.active = Active(slot=slot, run=None, protocol=None, inflight=1)
     assert overdue([slot], now=1e9, limit_s=2.0) == []
-    slot.active, slot.next = None, active  # a screen claimed behind: its worker owes it nothing yet
-    active.inflight = 2
-    assert overdue([slot], now=99.0, limit_s=2.0) == []
 
 
 @pytest.mark.parametrize("value", [0.0, -1.0, math.nan, math.inf])
@@ -157,3 +153,25 @@ def test_submit_wait_takes_the_option_and_says_the_attempt_timed_out(tmp_path, m
             "(dense-stream) within 0.25 s (--episode-timeout); the worker was killed; screen 1 queued for attempt 2"
             in out.output)
     assert "screen 1: done; archive: " in out.output
+
+
+@pytest.mark.timeout(30)
+def test_an_episode_left_on_the_worker_by_a_failed_screen_is_timed(store, tmp_path):
+    """Bug caught: the clock was the screen's, so a screen that failed (an episode call raised)
+    while its look-ahead episode was still on the worker stopped timing it; that episode hung,
+    the next screen's load queued behind it never came back, and that screen stayed `running`
+    for ever. The worker owes the episode whatever became of its screen: it is timed."""
+    first_id, second_id = (*submit(store, protocol_file(tmp_path)), *submit(store, protocol_file(tmp_path)))
+
+    def fault(worker, entry):
+        if worker.index == 0 and entry["index"] == 1:
+            return RuntimeError("the episode call raised")
+        return "hang" if worker.index == 0 and entry["index"] == 2 else None
+
+    outcomes = dispatcher(store, tmp_path, FakePool(fault=fault), workers=1, episode_timeout_s=0.3).run()
+    assert store.attempts(first_id)[0].status == "failed"
+    (timed_out, second) = store.attempts(second_id)
+    assert (timed_out.status, rows(store, timed_out.id)) == ("failed", [])
+    assert " timed out: no reply to episode 2 (dense-stream) within 0.3 s" in timed_out.error
+    assert second.status == "done"
+    assert [o.status for o in outcomes][-1] == "done"

@@ -91,6 +91,9 @@ class Lifecycle:
     def reply(self, call: Call, reply: Reply) -> None:
         """A screen's load or episode came back, or raised (the screen fails, the worker lives)."""
         slot, active = call.slot, call.screen
+        if call.kind is CallKind.EPISODE and slot.owed:  # the worker has gone on to the episode behind it
+            slot.owed.pop(0)
+            slot.since = time.monotonic()
         if active is None or active not in (slot.active, slot.next):
             return  # a result for a screen already ended (a cancelled screen's look-ahead)
         active.inflight -= 1
@@ -146,8 +149,10 @@ class Lifecycle:
         if active.submitted >= len(active.entries) or active.stop or self.state.outage is not None:
             return  # an outage pauses the screen: `resume` submits again
         entry = active.entries[active.submitted]
-        if active.inflight == 0:  # the worker starts on it now (after an outage, too): its clock starts
-            active.since = time.monotonic()
+        slot = active.slot
+        if not slot.owed:  # the worker starts on it now (after an outage, too): its clock starts
+            slot.since = time.monotonic()
+        slot.owed.append(entry)
         active.submitted += 1
         active.inflight += 1
         self.pool.run(active.slot.worker, Call(CallKind.EPISODE, active.slot, active), entry,
@@ -161,7 +166,6 @@ class Lifecycle:
                     self._submit_next(active)
 
     def _episode(self, active: Active, record: dict) -> None:
-        active.since = time.monotonic()  # the worker has gone on to the episode behind this one
         if active.stop == Stop.LOST:
             if active.inflight == 0:
                 self.end_stopped(active)

@@ -29,15 +29,10 @@ def outage_delays(first: float, cap: float) -> Iterator[float]:
 
 
 def overdue(slots: list[Slot], *, now: float, limit_s: float) -> list[tuple[Slot, dict]]:
-    """Each worker whose running screen has waited longer than `limit_s` for an episode's reply
-    (a hung episode), with that episode's plan entry: the oldest one not back. Loads are not
-    judged: a screen's clock starts when its first episode goes out (`Active.since`)."""
-    out = []
-    for slot in slots:
-        a = slot.active
-        if a is not None and not a.ended and a.since is not None and a.inflight > 0 and now - a.since > limit_s:
-            out.append((slot, a.entries[a.submitted - a.inflight]))
-    return out
+    """Each worker that has waited longer than `limit_s` for an episode's reply (a hung episode),
+    with that episode's plan entry: the oldest one not back (`Slot.owed`), of a screen still
+    running or not. Loads are not judged: the clock runs only while an episode is owed."""
+    return [(s, s.owed[0]) for s in slots if s.owed and s.since is not None and now - s.since > limit_s]
 
 
 def held_by_silent(status, *, host: str, alive: Callable[[int], bool]) -> list[str]:

@@ -54,6 +54,11 @@ class Slot:
     active: "Active | None" = None
     next: "Active | None" = None  # claimed while `active` runs its last episodes; its load queued behind them
     placing_since: float | None = None  # set while the pool has not placed it yet
+    # Episode calls sent to the worker and not back, oldest first, whatever became of their screen
+    # (one that failed leaves its look-ahead episode on the worker, ahead of the next screen's load),
+    # and time.monotonic() the worker began the oldest of them: the episode timeout's clock.
+    owed: list[dict] = field(default_factory=list)
+    since: float | None = None
 
     @property
     def node(self) -> str:
@@ -86,7 +91,6 @@ class Active:
     token_ids: list[list[int]] = field(default_factory=list)
     submitted: int = 0  # episodes handed to the worker
     inflight: int = 0  # calls not back yet (load included)
-    since: float | None = None  # time.monotonic() its worker began the oldest episode not back (the timeout's clock)
     stop: Stop | None = None  # no more episodes are submitted
     start: dict | None = None  # a `next` screen's load result, kept until it becomes the slot's active
     looked_ahead: bool = False  # its slot tried to claim its next screen (once: an empty queue is not polled)
