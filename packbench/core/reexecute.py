@@ -150,7 +150,7 @@ def unjudged(index: int, archived: dict, rerun: dict) -> str | None:
     """One line where episode `index` finished in the archive and its re-run could not place the
     archived placement on this device (UNFIT): not a disagreement, an episode not judged."""
     if archived.get("status") == "ok" and rerun.get("status") == "failed" and _error_type(rerun.get("error")) == UNFIT:
-        why = str(rerun.get("error")).split(":", 1)[1].strip()
+        why = str(rerun.get("error")).partition(":")[2].strip() or "its archived placement does not fit this device"
         return f"episode {index} ({rerun.get('condition')}): not judged: {why}"
     return None
 

@@ -290,3 +290,13 @@ def test_the_offload_section_is_compared_and_an_unfit_placement_is_not_judged():
     assert rec["result"] == "partial" and rec["placements"] == "archived"
     assert rx.reexecution_record(archive_sha256="a", protocol_sha256="p", seed=0, k=1, drawn=drawn, problems=["p"],
                                  accelerator="", not_judged=["x"])["result"] == "disagree"
+
+
+def test_an_unfit_error_without_its_reason_is_still_one_unjudged_line():
+    """Bug caught: `unjudged` split the re-run's error on its first colon and took the second
+    part, so an error reading just "PlacementDoesNotFit" (a record edited, or written by another
+    worker) raised IndexError out of the audit instead of giving its one line."""
+    archived = record(condition="flexgen", offload={"policy": {"w_gpu_percent": 40}})
+    bare = {"condition": "flexgen", "status": "failed", "error": "PlacementDoesNotFit"}
+    assert rx.unjudged(3, archived, bare) == \
+        "episode 3 (flexgen): not judged: its archived placement does not fit this device"

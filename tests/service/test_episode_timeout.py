@@ -37,8 +37,8 @@ def test_a_hung_episode_times_out_its_attempt_is_kept_and_the_next_attempt_runs(
     outcomes = d.run()
     assert time.monotonic() - t0 >= 0.3  # not before the limit
     first, second = store.attempts(screen_id)
-    cause = ("worker worker-1 (pid 1000, node node-0) timed out: no reply to episode 3 (packet) within 0.3 s "
-             "(--episode-timeout); the worker was killed")
+    cause = (f"worker worker-1 (pid 1000, node node-0) timed out: no reply to episode 3 (packet) of screen {screen_id} "
+             "within 0.3 s (--episode-timeout); the worker was killed")
     assert (first.status, first.error) == ("failed", cause)
     assert rows(store, first.id) == [0, 1, 2]  # what came back before the timeout stays recorded
     assert [e.index for e in ArchiveReader(Path(first.archive_path)).episodes()] == [0, 1, 2]  # its archive kept
@@ -57,7 +57,7 @@ def test_a_screen_that_hangs_in_every_attempt_fails_when_its_attempts_are_spent(
     attempts = store.attempts(screen_id)
     assert [a.status for a in attempts] == ["failed", "failed"]
     assert [a.error.split(" timed out: ")[1] for a in attempts] == [
-        "no reply to episode 1 (packet) within 0.2 s (--episode-timeout); the worker was killed"] * 2
+        f"no reply to episode 1 (packet) of screen {screen_id} within 0.2 s (--episode-timeout); the worker was killed"] * 2
     assert [rows(store, a.id) for a in attempts] == [[0], [0]]
     assert store.screen(screen_id).status == "failed"
     assert [o.screen_status for o in outcomes] == ["queued", "failed"]
@@ -92,7 +92,7 @@ def test_a_reply_that_comes_after_the_timeout_is_not_recorded(store, tmp_path):
                                entry["index"] == 1 else Slow(0.15) if worker.index == 1 else None)
     outcomes = dispatcher(store, tmp_path, pool, workers=1, episode_timeout_s=0.2).run()
     first, second = store.attempts(screen_id)
-    assert first.status == "failed" and " timed out: no reply to episode 1 (packet) within 0.2 s" in first.error
+    assert first.status == "failed" and f" timed out: no reply to episode 1 (packet) of screen {screen_id} within 0.2 s" in first.error
     assert [r.tag.kind.value for r in pool.late] == ["episode", "episode"]  # the late replies did come
     assert rows(store, first.id) == [0]
     assert [e.index for e in ArchiveReader(Path(first.archive_path)).episodes()] == [0]
@@ -150,7 +150,7 @@ def test_submit_wait_takes_the_option_and_says_the_attempt_timed_out(tmp_path, m
                                    "--db", url, "--archive-dir", str(tmp_path / "archives")])
     assert out.exit_code == 0, out.output  # the second attempt, on the replacement worker, ran the screen
     assert ("attempt 1 failed: worker worker-1 (pid 1000, node node-0) timed out: no reply to episode 2 "
-            "(dense-stream) within 0.25 s (--episode-timeout); the worker was killed; screen 1 queued for attempt 2"
+            "(dense-stream) of screen 1 within 0.25 s (--episode-timeout); the worker was killed; screen 1 queued for attempt 2"
             in out.output)
     assert "screen 1: done; archive: " in out.output
 
@@ -172,6 +172,7 @@ def test_an_episode_left_on_the_worker_by_a_failed_screen_is_timed(store, tmp_pa
     assert store.attempts(first_id)[0].status == "failed"
     (timed_out, second) = store.attempts(second_id)
     assert (timed_out.status, rows(store, timed_out.id)) == ("failed", [])
-    assert " timed out: no reply to episode 2 (dense-stream) within 0.3 s" in timed_out.error
+    # the episode that hung was the failed screen's, and the cause says whose
+    assert f" timed out: no reply to episode 2 (dense-stream) of screen {first_id} within 0.3 s" in timed_out.error
     assert second.status == "done"
     assert [o.status for o in outcomes][-1] == "done"

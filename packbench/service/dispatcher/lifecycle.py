@@ -152,7 +152,7 @@ class Lifecycle:
         slot = active.slot
         if not slot.owed:  # the worker starts on it now (after an outage, too): its clock starts
             slot.since = time.monotonic()
-        slot.owed.append(entry)
+        slot.owed.append({**entry, "screen": active.run.screen.id})  # whose episode, should it hang
         active.submitted += 1
         active.inflight += 1
         self.pool.run(active.slot.worker, Call(CallKind.EPISODE, active.slot, active), entry,

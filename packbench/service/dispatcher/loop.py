@@ -291,7 +291,8 @@ class Dispatcher:
         reply it sends later is dropped with it (the pool's `kill`)."""
         limit = self.settings.episode_timeout_s
         for slot, entry in overdue(self.slots, now=time.monotonic(), limit_s=limit):
-            self._lose(slot, f"timed out: no reply to episode {entry['index']} ({entry['condition']}) within "
+            of = f" of screen {entry['screen']}" if entry.get("screen") is not None else ""
+            self._lose(slot, f"timed out: no reply to episode {entry['index']} ({entry['condition']}){of} within "
                              f"{limit:g} s (--episode-timeout); the worker was killed")
 
     def _lose(self, slot: Slot, what: str) -> None:
