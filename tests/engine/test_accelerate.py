@@ -152,15 +152,10 @@ def test_submit_wait_runs_and_audits_an_accelerate_screen(tmp_path, tiny, packbe
         in plan_out.stdout, plan_out.stdout
 
 
-def test_max_memory_leaves_room_for_the_whole_batchs_kv_cache(tiny, monkeypatch):
-    """accelerate's max_memory reserved one sequence's KV cache whatever the protocol's batch, so at
-    batch B it placed (B - 1) sequences' cache worth of weights into room the batch then needed (the
-    H200's batch-32 screen: out of memory in both accelerate episodes, 4.74 GiB allocated of the 4.83
-    allowed). The CUDA-only calls are stood in for so that the arithmetic runs on the CPU."""
+def device_budgets(monkeypatch) -> list[int]:
+    """CUDA's calls and accelerate's placement stood in for on the CPU: returns the list that
+    collects each device budget (max_memory[0]) accelerate is given."""
     import accelerate
-
-    from packbench.engine.accelerate import KV_MARGIN, kv_bytes
-    from packbench.engine.conditions.accelerate import RUNTIME
 
     budgets = []
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 0)
@@ -168,6 +163,18 @@ def test_max_memory_leaves_room_for_the_whole_batchs_kv_cache(tiny, monkeypatch)
     monkeypatch.setattr(accelerate, "infer_auto_device_map",
                         lambda model, max_memory, **kw: budgets.append(max_memory[0]) or {"": "cpu"})
     monkeypatch.setattr(accelerate, "dispatch_model", lambda model, **kw: model)
+    return budgets
+
+
+def test_max_memory_leaves_room_for_the_whole_batchs_kv_cache(tiny, monkeypatch):
+    """accelerate's max_memory reserved one sequence's KV cache whatever the protocol's batch, so at
+    batch B it placed (B - 1) sequences' cache worth of weights into room the batch then needed (the
+    H200's batch-32 screen: out of memory in both accelerate episodes, 4.74 GiB allocated of the 4.83
+    allowed). The CUDA-only calls are stood in for so that the arithmetic runs on the CPU."""
+    from packbench.engine.accelerate import KV_MARGIN, kv_bytes
+    from packbench.engine.conditions.accelerate import RUNTIME
+
+    budgets = device_budgets(monkeypatch)
     allowance, context, capacity, batch = 1024 << 20, 1 << 20, 40, 8
 
     class Holder:  # what the runtime reads of the worker
@@ -187,17 +194,10 @@ def test_a_re_execution_places_accelerate_by_the_archived_device_budget(tiny, mo
     device map more layers on the device, and the re-run moved other bytes than the archive. Handed
     the archived `offload`, it places by the archived budget; one the fresh worker cannot hold
     beside its own reserve is PlacementDoesNotFit (core/reexecute.py: an episode not judged)."""
-    import accelerate
-
     from packbench.core.errors import PlacementDoesNotFit
     from packbench.engine.conditions.accelerate import RUNTIME
 
-    budgets = []
-    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 0)
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
-    monkeypatch.setattr(accelerate, "infer_auto_device_map",
-                        lambda model, max_memory, **kw: budgets.append(max_memory[0]) or {"": "cpu"})
-    monkeypatch.setattr(accelerate, "dispatch_model", lambda model, **kw: model)
+    budgets = device_budgets(monkeypatch)
 
     class Holder:
         path, dtype, device = tiny, torch.float32, torch.device("cuda", 0)

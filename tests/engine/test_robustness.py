@@ -135,11 +135,7 @@ def test_group_128_figures_are_the_cited_tables_rtn_row_at_every_shape_it_prints
     # the table marks it, with a footnote that says what the mark means
     from packbench.cli.model_stats import render_robustness
 
-    real = real_opt("opt-125m")
-    figures = {"dce": 0.1, "dce_low": 0.0, "dce_high": 0.2, "mean_kl": 0.1, "p99_kl": 1.0, "top1": 0.8,
-               "tokens": 64, "sequences": 2}
-    s = {"model": {"dir": "m", "shape": "opt-125m", "dtype": "float32", "caveat": None}, "text": "two prompts",
-         "variants": {name: {"label": v.label, **figures, "real_opt": real.get(name)} for name, v in VARIANTS.items()}}
+    s = stats_of("opt-125m", "float32", dce=0.1, spread=0.1, mean_kl=0.1, p99_kl=1.0, top1=0.8)
     lines = render_robustness(s).splitlines()
     row = next(line for line in lines if line.startswith(VARIANTS["int4-g128"].label))
     assert f"*{math.log(30.47 / 27.65):.3f} [" in row
@@ -258,11 +254,8 @@ def test_the_table_prints_real_opt_beside_each_variant_with_its_source():
     from packbench.cli.model_stats import render_robustness
 
     real = real_opt("opt-2.7b")
-    figures = {"dce": 0.5, "dce_low": 0.4, "dce_high": 0.6, "mean_kl": 0.5, "p99_kl": 2.0, "top1": 0.7,
-               "tokens": 64, "sequences": 2}
-    s = {"model": {"dir": "m", "shape": "opt-2.7b", "dtype": "float16", "caveat": None}, "text": "two prompts",
-         "variants": {name: {"label": v.label, **figures, "real_opt": real.get(name)} for name, v in VARIANTS.items()}}
-    lines = render_robustness(s).splitlines()
+    lines = render_robustness(stats_of("opt-2.7b", "float16", dce=0.5, spread=0.1, mean_kl=0.5, p99_kl=2.0,
+                                       top1=0.7)).splitlines()
     row = next(line for line in lines if line.startswith(VARIANTS["int3-channel"].label))
     footnote = row.rsplit("[", 1)[1].rstrip("]")
     assert f"{math.log(1.6e4 / 12.47):.3f} [" in row
@@ -270,3 +263,13 @@ def test_the_table_prints_real_opt_beside_each_variant_with_its_source():
     row = next(line for line in lines if line.startswith(VARIANTS["int3-g128"].label))
     assert f"{math.log(298.00 / 12.47):.3f} [" in row
     assert next(line for line in lines if line.startswith(VARIANTS["nf4-b64"].label)).endswith("-")  # no figure
+
+
+def stats_of(shape: str, dtype: str, *, dce: float, spread: float, mean_kl: float, p99_kl: float, top1: float) -> dict:
+    """A `model stats --robustness` summary whose every variant has the same figures, with real
+    OPT's published figures at `shape` beside each (what render_robustness prints)."""
+    real = real_opt(shape)
+    figures = {"dce": dce, "dce_low": dce - spread, "dce_high": dce + spread, "mean_kl": mean_kl, "p99_kl": p99_kl,
+               "top1": top1, "tokens": 64, "sequences": 2}
+    return {"model": {"dir": "m", "shape": shape, "dtype": dtype, "caveat": None}, "text": "two prompts",
+            "variants": {name: {"label": v.label, **figures, "real_opt": real.get(name)} for name, v in VARIANTS.items()}}
