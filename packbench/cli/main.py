@@ -252,8 +252,9 @@ def options(
         callback=seconds, envvar="PACKBENCH_CONNECT_TIMEOUT_S", help="Seconds joining a Ray cluster (--address) may take.")] = DEFAULT_CONNECT_TIMEOUT_S,
     episode_timeout: Annotated[float, typer.Option(
         callback=seconds, envvar="PACKBENCH_EPISODE_TIMEOUT_S",
-        help="Seconds an episode may run before its worker is taken as hung: the attempt fails (timed "
-             "out), the worker is killed and replaced, the screen runs again while it has attempts left.")] = DEFAULT_EPISODE_TIMEOUT_S,
+        help="Seconds an episode, or a screen's model load, may run before its worker is taken as hung: the "
+             "attempt fails (timed out), the worker is killed and replaced, the screen runs again while it has "
+             "attempts left.")] = DEFAULT_EPISODE_TIMEOUT_S,
     embedded_gpus: Annotated[Optional[int], typer.Option(
         min=1, max=1024, envvar="PACKBENCH_EMBEDDED_GPUS",
         help="GPUs the embedded Ray declares (default: the host's; one logical GPU on a CPU-only machine).")] = None,

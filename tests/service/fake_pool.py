@@ -9,6 +9,7 @@ None (it runs, ok), `EpisodeFails(error)` (it fails as the real worker's episode
 with status `failed`, its cause and a traceback, no logits), `Slow(seconds)` (it runs ok, taking that
 long), "hang" (it never ends: the worker replies to nothing more), "die" (the worker dies: this call
 and every later one of that worker reply as died), or an exception (the call raises, the worker lives).
+`load_fault(worker)` decides per load: None, or "hang" (the load never ends).
 
 `FakePool(cuda=True)` answers as a CUDA worker does (engine/worker.py on "cuda:0"): its environment
 and start record name the device and the GPU, the start imposes the protocol's allowance beside a
@@ -110,8 +111,10 @@ class FakePool:
     """The dispatcher's WorkerPool (service/dispatcher/pool.py), in this process."""
 
     def __init__(self, *, gpus: int = 1, episode_s: float = 0.002, load_s: float = 0.0,
-                 fault: Callable[[FakeWorker, dict], Any] | None = None, cuda: bool = False) -> None:
+                 fault: Callable[[FakeWorker, dict], Any] | None = None, cuda: bool = False,
+                 load_fault: Callable[[FakeWorker], Any] | None = None) -> None:
         self.n_gpus, self.episode_s, self.load_s, self.fault = gpus, episode_s, load_s, fault
+        self.load_fault = load_fault  # per load: None, or "hang" (the load never ends)
         self.cuda = cuda
         self.workers: list[FakeWorker] = []
         self.pending: list[Pending] = []
@@ -144,13 +147,15 @@ class FakePool:
         self.loads.append((worker.index, state))
         shape = protocol.model.synth.shape if protocol.model.synth else "tiny"
         held = worker.held = opt_bytes(**SHAPES[shape], dtype=protocol.dtype)  # what the auditor expects of the shape
-        self._send(worker, tag, self.load_s, value={
+        pending = self._send(worker, tag, self.load_s, value={
             "vocab": SHAPES[shape]["vocab"], "model_dir": model_dir or "", "model_state": state, "read_s": 0.0,
             "pin_s": 0.0, "place_s": 0.0, **{k: held[k] for k in ("param_bytes", "device_param_bytes",
                                                                 "host_outgoing_bytes")},
             "cpu_first": True, "allowance_bytes": protocol.allowance_bytes if worker.cuda else 0,
             "context_bytes": CONTEXT_BYTES if worker.cuda else 0, "device": worker.device,
             "entry_to_loaded_s": 0.0})
+        if self.load_fault is not None and self.load_fault(worker) == "hang":  # a read that never returns
+            pending.ready_at = worker.free_at = math.inf
 
     def run(self, worker: FakeWorker, tag: Any, entry: dict, prompt: list[int]) -> None:
         fault = self.fault(worker, entry) if self.fault else None

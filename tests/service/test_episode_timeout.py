@@ -109,9 +109,62 @@ def test_which_episode_is_overdue_is_a_pure_decision():
     assert overdue([slot], now=12.001, limit_s=2.0) == [(slot, entries[2])]
     slot.active = None  # its screen ended (failed) with the episodes still on the worker: still owed
     assert overdue([slot], now=12.001, limit_s=2.0) == [(slot, entries[2])]
-    slot.owed = []  # every episode back: nothing owed (a load in flight is not an episode)
+    slot.owed = []  # every call back: nothing owed (an idle worker is not hung)
     slot.active = Active(slot=slot, run=None, protocol=None, inflight=1)
     assert overdue([slot], now=1e9, limit_s=2.0) == []
+    load = {"load": True, "screen": 7}  # a load in flight is owed as an episode is
+    slot.owed, slot.since = [load], 20.0
+    assert overdue([slot], now=22.0, limit_s=2.0) == [] and overdue([slot], now=22.001, limit_s=2.0) == [(slot, load)]
+
+
+@pytest.mark.timeout(30)
+def test_a_hung_load_times_out_and_the_next_attempt_runs(store, tmp_path):
+    """Bug caught: only episodes were timed, so a load that never returned (a read from a hung
+    network file system, a conversion stuck in a library) held its screen `running` for ever."""
+    (screen_id,) = submit(store, protocol_file(tmp_path))
+    pool = FakePool(load_fault=lambda worker: "hang" if worker.index == 0 else None)
+    t0 = time.monotonic()
+    outcomes = dispatcher(store, tmp_path, pool, workers=1, episode_timeout_s=0.3).run()
+    assert time.monotonic() - t0 >= 0.3
+    first, second = store.attempts(screen_id)
+    assert (first.status, first.error) == ("failed", f"worker worker-1 (pid 1000, node node-0) timed out: no reply to "
+                                                     f"the load of screen {screen_id} within 0.3 s (--episode-timeout); "
+                                                     "the worker was killed")
+    assert rows(store, first.id) == []
+    assert second.status == "done" and pool.workers[0].killed and pool.workers[1].episodes == list(range(4))
+    assert [o.status for o in outcomes] == ["failed", "done"]
+
+
+@pytest.mark.timeout(30)
+def test_a_slow_load_within_the_limit_is_not_timed_out(store, tmp_path):
+    """The limit is the load's own, not added to nothing: a load of 0.25 s under a 0.4 s limit,
+    then episodes each well within it, end `done` in one attempt (a clock that ran from the load
+    through the first episode, or one never reset after the load, would kill it)."""
+    (screen_id,) = submit(store, protocol_file(tmp_path))
+    pool = FakePool(load_s=0.25, fault=lambda worker, entry: Slow(0.25) if entry["index"] == 0 else None)
+    dispatcher(store, tmp_path, pool, workers=1, episode_timeout_s=0.4).run()
+    (attempt,) = store.attempts(screen_id)
+    assert attempt.status == "done" and rows(store, attempt.id) == list(range(4)) and len(pool.workers) == 1
+
+
+@pytest.mark.timeout(30)
+def test_a_load_queued_behind_episodes_is_timed_from_when_the_worker_begins_it(store, tmp_path):
+    """The second screen's load waits on the worker behind the first screen's last episodes; it
+    hangs: the cause names that load and that screen, and the first screen is done."""
+    first_id, second_id = (*submit(store, protocol_file(tmp_path)), *submit(store, protocol_file(tmp_path)))
+    loads = []
+
+    def load_fault(worker):
+        loads.append(worker.index)
+        return "hang" if len(loads) == 2 else None  # the first worker's second load
+
+    pool = FakePool(load_fault=load_fault)
+    outcomes = dispatcher(store, tmp_path, pool, workers=1, episode_timeout_s=0.3).run()
+    assert store.attempts(first_id)[0].status == "done"
+    timed_out, second = store.attempts(second_id)
+    assert timed_out.status == "failed" and timed_out.error.endswith(
+        f"timed out: no reply to the load of screen {second_id} within 0.3 s (--episode-timeout); the worker was killed")
+    assert second.status == "done" and [o.status for o in outcomes] == ["done", "failed", "done"]
 
 
 @pytest.mark.parametrize("value", [0.0, -1.0, math.nan, math.inf])

@@ -63,6 +63,7 @@ class Lifecycle:
             return active
         # A protocol that judges the cold start gets a cold model; any other reuses a warm one.
         reuse = protocol.gates.useful_latency is None
+        self._owe(slot, {"load": True, "screen": claim.screen.id})  # a load that hangs is timed as an episode is
         self.pool.load(slot.worker, Call(CallKind.LOAD, slot, active), protocol, claim.screen.model_dir,
                        model_cache=self.model_cache, reuse=reuse)
         active.inflight += 1
@@ -91,7 +92,7 @@ class Lifecycle:
     def reply(self, call: Call, reply: Reply) -> None:
         """A screen's load or episode came back, or raised (the screen fails, the worker lives)."""
         slot, active = call.slot, call.screen
-        if call.kind is CallKind.EPISODE and slot.owed:  # the worker has gone on to the episode behind it
+        if call.kind in (CallKind.EPISODE, CallKind.LOAD) and slot.owed:  # the worker has gone on to the call behind it
             slot.owed.pop(0)
             slot.since = time.monotonic()
         if active is None or active not in (slot.active, slot.next):
@@ -150,13 +151,21 @@ class Lifecycle:
             return  # an outage pauses the screen: `resume` submits again
         entry = active.entries[active.submitted]
         slot = active.slot
-        if not slot.owed:  # the worker starts on it now (after an outage, too): its clock starts
-            slot.since = time.monotonic()
-        slot.owed.append({**entry, "screen": active.run.screen.id})  # whose episode, should it hang
+        self._owe(slot, {**entry, "screen": active.run.screen.id})  # whose episode, should it hang
         active.submitted += 1
         active.inflight += 1
         self.pool.run(active.slot.worker, Call(CallKind.EPISODE, active.slot, active), entry,
                       episode_input(active.token_ids, entry))
+
+    @staticmethod
+    def _owe(slot: Slot, what: dict) -> None:
+        """A call sent to the worker that it must answer within the episode timeout: an episode's
+        plan entry, or `{"load": True}` for a screen's load (a read from a hung file system, a
+        conversion that never ends). The worker runs its calls in order, so the clock runs from
+        when it begins the oldest one not back."""
+        if not slot.owed:  # the worker starts on it now (after an outage, too): its clock starts
+            slot.since = time.monotonic()
+        slot.owed.append(what)
 
     def resume(self) -> None:
         """After an outage: every running screen gets its look-ahead episodes again."""

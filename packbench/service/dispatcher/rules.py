@@ -29,9 +29,10 @@ def outage_delays(first: float, cap: float) -> Iterator[float]:
 
 
 def overdue(slots: list[Slot], *, now: float, limit_s: float) -> list[tuple[Slot, dict]]:
-    """Each worker that has waited longer than `limit_s` for an episode's reply (a hung episode),
-    with that episode's plan entry: the oldest one not back (`Slot.owed`), of a screen still
-    running or not. Loads are not judged: the clock runs only while an episode is owed."""
+    """Each worker that has waited longer than `limit_s` for a reply (a hung episode or load),
+    with what it owes: the oldest call not back (`Slot.owed`: an episode's plan entry, or
+    `{"load": True, "screen": id}`), of a screen still running or not. The clock runs only while
+    a call is owed (an idle worker is not hung)."""
     return [(s, s.owed[0]) for s in slots if s.owed and s.since is not None and now - s.since > limit_s]
 
 

@@ -54,9 +54,9 @@ class Slot:
     active: "Active | None" = None
     next: "Active | None" = None  # claimed while `active` runs its last episodes; its load queued behind them
     placing_since: float | None = None  # set while the pool has not placed it yet
-    # Episode calls sent to the worker and not back, oldest first, whatever became of their screen
-    # (one that failed leaves its look-ahead episode on the worker, ahead of the next screen's load),
-    # and time.monotonic() the worker began the oldest of them: the episode timeout's clock.
+    # Episode and load calls sent to the worker and not back, oldest first, whatever became of their
+    # screen (one that failed leaves its look-ahead episode on the worker, ahead of the next screen's
+    # load), and time.monotonic() the worker began the oldest of them: the episode timeout's clock.
     owed: list[dict] = field(default_factory=list)
     since: float | None = None
 
