@@ -7,6 +7,11 @@ layers on the device until `max_memory` is spent and leaves the rest on the host
 copies its weights to the device before it runs and drops them after. The arithmetic is stock
 OPT's on the same device, so its logits are dense-stream's bit for bit (tests/engine/test_accelerate.py).
 
+Where the allowance leaves accelerate no room for even one decoder layer beside the one it keeps
+free for its hooks, its map places nothing on the device; the model is then dispatched with
+`force_hooks` (accelerate's full offload: every module copied each call, `device_bytes` 0) rather
+than left on the host, where its first call would fail on mixed devices (`places_on_device`).
+
 `max_memory` for the device is the protocol's allowance less what the worker holds there beside
 the weights: the CUDA context (measured, `context_bytes`), whatever is allocated already
 (`held_bytes`), the episode's KV cache at the protocol's batch and a working margin for activations (KV_MARGIN). Given the whole allowance, accelerate fills it with weights
@@ -220,7 +225,8 @@ class AcceleratedModel:
                                                dtype=dtype)
         else:
             device_map = {"": "cpu"}  # no device to offload to: accelerate places everything on the CPU
-        dispatch_model(model, device_map=device_map, main_device=device if cuda else None)
+        dispatch_model(model, device_map=device_map, main_device=device if cuda else None,
+                       force_hooks=cuda and not places_on_device(device_map))
         if cuda:
             torch.cuda.synchronize(device)
         self.device, self.dtype = device, dtype
@@ -251,6 +257,16 @@ class AcceleratedModel:
         batch 1, (B, vocab) for a batch."""
         out = self._model(input_ids=ids, use_cache=True, logits_to_keep=1, **{self._cache_kw: cache})
         return out.logits[0, -1] if ids.shape[0] == 1 else out.logits[:, -1]
+
+
+def places_on_device(device_map: dict) -> bool:
+    """Whether accelerate's device map puts any module on a device. Under an allowance too small
+    for one decoder layer beside the room `infer_auto_device_map` keeps for its largest one (a
+    Mixtral-8x7B layer is 2.7 GiB), the map is `{"": "cpu"}`; `dispatch_model` then moves the model
+    to the host whole and attaches no hook, and the first call fails on mixed devices (token ids on
+    the GPU, the embedding on the host). With `force_hooks` it runs as accelerate's full offload
+    instead (`cpu_offload`'s hooks: every module's weights copied to the device each call)."""
+    return any(where not in ("cpu", "disk") for where in device_map.values())
 
 
 def _bytes(model: torch.nn.Module, prefix: str) -> int:

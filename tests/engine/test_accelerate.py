@@ -210,3 +210,15 @@ def test_a_re_execution_places_accelerate_by_the_archived_device_budget(tiny, mo
     Holder.context = 301 << 20
     with pytest.raises(PlacementDoesNotFit, match="archived accelerate placement gave the device"):
         RUNTIME.build(Holder(), {})
+
+
+def test_a_device_map_that_places_nothing_on_the_device_is_told_apart():
+    """The rule that decides accelerate's full offload (engine/accelerate.py places_on_device):
+    a map of the host (and disk) only places nothing; any device entry, index or name, places
+    something. Bug caught: {"": "cpu"} dispatched unhooked, left on the host, failed its first call."""
+    from packbench.engine.accelerate import places_on_device
+
+    assert not places_on_device({"": "cpu"})
+    assert not places_on_device({"model.embed_tokens": "cpu", "model.layers": "disk", "lm_head": "cpu"})
+    assert places_on_device({"model.embed_tokens": 0, "model.layers": "cpu"})
+    assert places_on_device({"": "cuda:0"})

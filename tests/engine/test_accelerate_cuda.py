@@ -52,6 +52,42 @@ def test_accelerate_offloads_counts_its_copies_and_matches_dense_stream(opt125m)
     assert np.array_equal(out.logits, dense.logits) and out.tokens == dense.tokens
 
 
+@pytest.mark.parametrize("shape", ["opt-125m", "mixtral-tiny"])
+def test_an_allowance_with_room_for_no_layer_runs_accelerates_full_offload(opt125m, tmp_path, shape):
+    """Bug caught (Mixtral-8x7B at 4608 MiB on an H100): with no room for one decoder layer beside
+    the one accelerate keeps free, its device map is {"": "cpu"}; dispatch_model left the model
+    on the host unhooked, and every episode failed on mixed devices (token ids on the GPU, the
+    embedding on the host: "index is on cuda:0 ... wrapper_CUDA__index_select"). Now it runs as
+    accelerate's full offload: nothing placed on the device, every module copied each call,
+    the logits dense-stream's bit for bit."""
+    from packbench.engine.moe.model import CpuFirstMoE
+    from packbench.engine.moe.synth import synth_moe
+
+    cuda = torch.device("cuda", 0)
+    path = opt125m if shape == "opt-125m" else synth_moe(tmp_path / shape, shape=shape, seed=5, dtype="float16")
+    torch.cuda.empty_cache()
+    held = torch.cuda.memory_allocated(cuda)
+    acc = AcceleratedModel(path, dtype=torch.float16, device=cuda, allowance_bytes=held + MIB, capacity=72)
+    s = acc.stats
+    assert s.max_memory_bytes == 0 and s.device_bytes == 0 and s.offloaded_modules > 0, s
+    prompt = list(range(4, 36))
+    out = run_episode(acc, prompt, continuation=6)
+    per_call = [sum(c.h2d_weight_bytes) + sum(c.h2d_index_bytes) for c in out.calls]
+    assert per_call == [hooked_bytes(acc._model)] * 6 and per_call[0] >= s.offloaded_bytes, (per_call, s)
+    if shape != "opt-125m":  # whole experts: every layer's E experts a call, as rows
+        assert [sum(c.rows_copied) for c in out.calls] == [acc.config.num_local_experts
+                                                          * acc.config.num_hidden_layers] * 6
+    del acc
+    torch.cuda.empty_cache()
+    ref = CpuFirstModel(path, dtype=torch.float16, device=cuda) if shape == "opt-125m" else \
+        CpuFirstMoE(path, dtype=torch.float16, device=cuda)
+    ref.use("dense-stream")
+    dense = run_episode(ref, prompt, continuation=6)
+    again = run_episode(ref, prompt, continuation=6)
+    assert np.array_equal(again.logits, dense.logits)  # the reference reproduces itself
+    assert np.array_equal(out.logits, dense.logits) and out.tokens == dense.tokens
+
+
 def hooked_bytes(model) -> int:
     """The bytes accelerate's offloading hooks copy per forward call if each copies its own
     module's tensors from the host (a tensor two modules share, once per module)."""
