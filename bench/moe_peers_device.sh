@@ -87,6 +87,21 @@ YAML
   else echo "no archive: the screen did not start" > "$out/screen.txt"; false; fi; echo "   summary rc $?"
   grep -E "accelerate|offload" "$out/submit.log" | head -4
   cat "$out/screen.txt"
+  # accelerate's placement per episode (what max_memory it was given, what the device already held),
+  # and a failed episode's last traceback lines: the archive is too large to come back from a call
+  [ -n "$archive" ] && python3 - "$archive" <<'PY'
+import json, sys, zipfile
+z = zipfile.ZipFile(sys.argv[1])
+for name in sorted(n for n in z.namelist() if n.startswith("episodes/") and n.endswith(".json")):
+    r = json.loads(z.read(name))
+    o = r.get("offload") or {}
+    if o:
+        keys = ("max_memory_bytes", "held_bytes", "device_bytes", "offloaded_bytes", "offloaded_modules")
+        print(f"   offload {r.get('condition')} episode {r.get('plan_index')}: {json.dumps({k: o.get(k) for k in keys})}")
+    if r.get("status") != "ok":
+        tail = " | ".join((r.get("traceback") or "").strip().splitlines()[-4:])
+        print(f"   failed {r.get('condition')} episode {r.get('plan_index')}: {tail[:600]}")
+PY
 fi
 rm -rf "$dir"
 cp -r "$work/archives" "$out/" 2>/dev/null
