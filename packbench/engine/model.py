@@ -107,14 +107,20 @@ class CpuFirstModel:
     def use_policy(self, policy: LoaderPolicy) -> None:
         """Activate `policy`, a fresh policy object, releasing the previous one. Screens name
         policies (`use`); a bench may hand in a variant of its own (bench/engine.py)."""
-        if self.slot.policy is not None:
-            self.slot.policy.deactivate()
-            self.slot.policy = None
-            if self.device.type == "cuda":
-                torch.cuda.empty_cache()
+        self.release_policy()
         policy.activate(self.host, self.device, self.recorder)
         self.slot.policy = policy
         self._hook_fc1(policy.starts_early)
+
+    def release_policy(self) -> None:
+        """Deactivate the active loader policy, if any, and free its device buffers: before
+        another policy, or before a competitor that must have the allowance to itself."""
+        if self.slot.policy is not None:
+            self.slot.policy.deactivate()
+            self.slot.policy = None
+            self._hook_fc1(False)
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
 
     def _hook_fc1(self, wanted: bool) -> None:
         """Call `before_layer(i)` as layer i's fc1 starts, only for a policy that starts copies

@@ -344,9 +344,7 @@ class Worker:
         the one held. Returns it and "warm" (held already), "shelved" (moved back from the host)
         or "cold" (built now)."""
         key = self._competitor_key(policy, params, runtime)
-        if self.model.slot.policy is not None:  # the last exact condition's buffers are not its to hold
-            self.model.slot.policy.deactivate()
-            self.model.slot.policy = None
+        self.model.release_policy()  # the last exact condition's buffers are not its to hold
         self.park()
         if self.competitor is not None and self.competitor[0] == key:
             return self.competitor[1], "warm"
@@ -407,8 +405,8 @@ class Worker:
 
     def drop_model(self) -> None:
         """Release the loaded model (host and device memory) before another one is read."""
-        if self.model is not None and self.model.slot.policy is not None:
-            self.model.slot.policy.deactivate()
+        if self.model is not None:
+            self.model.release_policy()
         if self.competitor is not None:
             release(self.competitor[1])
         self.model, self.model_key = None, None
@@ -539,9 +537,7 @@ class Worker:
     def _failed(self, record: dict, failure: dict, t0: float) -> dict:
         """A failed episode's record, its cause on one line; the device freed of whatever the episode left."""
         self.sampler.stop()
-        if self.model.slot.policy is not None:
-            self.model.slot.policy.deactivate()
-            self.model.slot.policy = None
+        self.model.release_policy()
         # A failed competitor is dropped, not kept or shelved: it may be half built or half
         # moved, and it must not hold the device the next condition needs (an OOM must not
         # poison the episodes after it).

@@ -153,3 +153,36 @@ def test_the_worker_generates_a_synthetic_moe_model_from_the_protocol(tmp_path):
     records = [worker.run(e, ids[e["prompt"]]) for e in plan(b)]
     assert all(r["status"] == "ok" for r in records), [r.get("error") for r in records]
     assert all(np.array_equal(r["logits"], records[0]["logits"]) for r in records)
+
+
+def held_tensors(model) -> list:
+    """What the MoE model's experts modules still reference (a policy's device tensors, on a GPU)."""
+    return [t for e in model.experts_modules if e is not None for t in (e.gate_up_proj, e.down_proj) if t is not None]
+
+
+def test_a_competitor_and_a_failed_episode_find_the_loader_policy_released(moe_dir):
+    """Bug caught (Mixtral-8x7B on an H100: accelerate given less than its allowance, then a map
+    with nothing on the GPU): handing the device to a competitor, and cleaning up after a failed
+    episode, deactivated the loader policy but left the experts modules referencing its last
+    tensors (on a GPU: its device buffers, counted as held and taken off the competitor's
+    max_memory). Now both release it as switching policies does: no tensor referenced."""
+    pytest.importorskip("accelerate")
+    body = raw(moe_dir, conditions=[{"policy": "dense-stream"}, {"policy": "packet"}, {"policy": "accelerate"}])
+    b = freeze(body).body
+    worker = Worker(device="cpu")
+    start = worker.load(b, str(moe_dir))
+    ids = prompts(b, vocab=start["vocab"])
+    entries = {e["condition"]: e for e in plan(b)}
+    assert worker.run(entries["packet"], ids[0])["status"] == "ok"
+    assert held_tensors(worker.model)  # a loader episode leaves its last layer's experts referenced
+    assert worker.run(entries["accelerate"], ids[0])["status"] == "ok"
+    assert worker.model.slot.policy is None and held_tensors(worker.model) == []
+    assert worker.run(entries["packet"], ids[0])["status"] == "ok" and held_tensors(worker.model)
+
+    def fails(*args, **kwargs):
+        raise RuntimeError("an episode that fails mid-call")
+
+    worker.model.forward = fails
+    record = worker.run(entries["packet"], ids[0])
+    assert record["status"] == "failed" and "an episode that fails mid-call" in record["error"]
+    assert worker.model.slot.policy is None and held_tensors(worker.model) == []

@@ -297,6 +297,16 @@ class CpuFirstMoE:
                 raise MoeCheckpointError(f"policy {name} does not fit an MoE model; use one of "
                                          f"{', '.join(EXPERT_POLICIES)}")
             policy = _expert_policy(name, {"gather": getattr(policy, "gather", "host")})
+        self.release_policy()
+        self.routes = []
+        policy.activate(self.host, self.device, self.recorder)
+        self.slot.policy = policy
+
+    def release_policy(self) -> None:
+        """Deactivate the active policy, if any, and free its device buffers: its captured
+        layer graphs, and the experts modules' references to its tensors (which kept them alive
+        while a competitor ran). Before another policy, or a competitor that must have the
+        allowance to itself."""
         self.graphs.clear()  # a capture holds the previous policy's buffers
         if self.slot.policy is not None:
             self.slot.policy.deactivate()
@@ -304,9 +314,6 @@ class CpuFirstMoE:
             self._park_empty()
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
-        self.routes = []
-        policy.activate(self.host, self.device, self.recorder)
-        self.slot.policy = policy
 
     def expert_record(self) -> dict | None:
         """The episode record's `experts` section for a cache or forecast policy (None for the
