@@ -207,6 +207,7 @@ def predict(a: argparse.Namespace) -> None:
         rows.append({"condition": name, "policy": spec, "ms": pred.get("decode_ms_per_token"),
                      "compute_ms": pred.get("compute_ms_per_token"), "copy_ms": pred.get("copy_ms_per_token"),
                      "overhead_ms": pred.get("overhead_ms_per_token"), "overhead": pred.get("overhead"),
+                     "hidden_ms": pred.get("prefetch_hidden_ms_per_token"),
                      "compute_family": pred.get("compute_family"),
                      "mb": (d["h2d_weight_bytes"] + d["h2d_index_bytes"]) / d["tokens"] / 1e6 if d["tokens"] else None,
                      "hit_rate": d.get("hit_rate"), "belady_rate": d.get("belady_rate")})
@@ -215,12 +216,13 @@ def predict(a: argparse.Namespace) -> None:
              f"`packbench simulate {Path(a.trace).name} --machine {Path(a.machine).name}`, {_today()}; trace sha256 "
              f"{sha256(Path(a.trace))} ({out['calls']} calls, {out['episodes']} episode, recorded on the device "
              f"before the screen), machine file sha256 {sha256(Path(a.machine))}. A prediction, not a measurement.",
-             "", "| condition | policy | predicted decode ms/token | compute | copy | overhead | MB per decode token "
-                 "| hit % | Belady % |", "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+             "", "| condition | policy | predicted decode ms/token | compute | copy | prefetch hidden | overhead "
+                 "| MB per decode token | hit % | Belady % |",
+             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in rows:
         lines.append(f"| {r['condition']} | `{r['policy']}` | {_f(r['ms'])} | {_f(r['compute_ms'])} | "
-                     f"{_f(r['copy_ms'])} | {_f(r['overhead_ms'])} | {_f(r['mb'], ',.1f')} | {_pct(r['hit_rate'])} | "
-                     f"{_pct(r['belady_rate'])} |")
+                     f"{_f(r['copy_ms'])} | {_f(r['hidden_ms'])} | {_f(r['overhead_ms'])} | {_f(r['mb'], ',.1f')} | "
+                     f"{_pct(r['hit_rate'])} | {_pct(r['belady_rate'])} |")
     lines += ["", "Rates (the machine file, measured in this call before the predictions):", "",
               f"- copy: {machine['pinned_h2d_gbps']['value']} GB/s ({machine['pinned_h2d_gbps']['source']})"]
     for key, v in machine.get("decode_compute_ms", {}).items():

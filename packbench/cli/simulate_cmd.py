@@ -63,7 +63,7 @@ def simulate(
         totals = sim.totals(calls)
         row = {"policy": text, "name": name, "params": params, "totals": totals, "calls": calls}
         if rates is not None:
-            row["prediction"] = sim.predict(t, name, params, totals, rates)
+            row["prediction"] = sim.predict(t, name, params, calls, rates)
         rows.append(row)
     out = {"trace": str(trace), "model": m.as_dict(), "source": t.source, "calls": len(t.calls),
            "episodes": len(t.episodes()), "policies": rows,
@@ -83,8 +83,8 @@ ASSUMPTIONS = ("a simulation from a trace, not a measurement: bytes are the engi
                "where the machine file measured them (overhead_us: per layer, per expert moved, per routed expert of "
                "a cache, per forecast; serial; a family's own compute holds its per-layer and per-routed terms; "
                "the output says where the term is missing); index bytes count as "
-               "copied bytes; an expert cache hit costs no copy, and a forecast's prefetch counts as serial copy time "
-               "(its overlap is not modelled)")
+               "copied bytes; an expert cache hit costs no copy, and a forecast's prefetch overlaps one layer's share "
+               "of the compute (per decode call and layer the smaller of the two is hidden; the rest is serial)")
 
 
 def default_policies(model, *, has_forecasts: bool = True) -> list[str]:
@@ -186,6 +186,11 @@ def render(out: dict, *, per_call: bool = False) -> str:
         for r in out["policies"]:
             if r["prediction"].get("overhead"):
                 lines.append(f"overhead of {r['policy']}: {r['prediction']['overhead']}")
+        for r in out["policies"]:
+            hidden = r["prediction"].get("prefetch_hidden_ms_per_token")
+            if hidden is not None:
+                lines.append(f"prefetch of {r['policy']}: {hidden:.2f} ms a token of its "
+                             f"{r['prediction']['copy_ms_per_token']:.2f} ms copy hidden by compute")
     lines += ["", "MB: 10^6 bytes host-to-device (weights and indices). hits, misses, hit% (of routed), belady% "
                   "(Belady's optimal cache of the same capacity), prefetch and used (forecast): decode calls. "
               + out["assumptions"] + "."]

@@ -18,8 +18,10 @@ plus the decode call's host-to-device bytes at the machine's pinned copy rate: c
 compute run one after the other (every packet waits for its layer's activity; an MoE layer's
 experts are copied before its expert loop), except OPT's dense-stream, whose copies run on a
 stream of their own beside compute (engine/policies/dense.py), so its time is the larger of
-the two. An expert cache's hit moves nothing, so costs nothing; a forecast's prefetch is counted
-as serial copy time (the engine overlaps it with the previous layer's compute; not modelled).
+the two. An expert cache's hit moves nothing, so costs nothing; a forecast's prefetch runs on a
+side stream beside about one layer's compute (the layer with experts before it, then its own
+attention), so per decode call and layer the smaller of its copy and one layer's share of the
+compute is hidden and the rest is serial copy time (`prefetch_hidden_ms`).
 Where the machine file holds `overhead_us` (docs/traces.md, "Time: machines and the model"),
 each decode call also pays the engine's fixed costs beyond compute and bytes, measured on that
 machine at negligible bytes (bench/moe_overhead.py): per MoE layer (the routing readback that
@@ -621,15 +623,19 @@ def compute_ms(machine: dict, model: TraceModel, family: str | None = None) -> t
                    f"{model.layers}/{layers} of it"), family if own else None
 
 
-def predict(trace: Trace, name: str, params: dict, phase_totals: dict, machine: dict) -> dict:
-    """The predicted decode ms per token of `name` on `machine` (module doc: the model): compute +
-    copy (the larger of the two where overlapped) + the engine's fixed costs where the machine
-    file measured them (`overhead_ms_per_token`, None and `overhead` saying so where it did not)."""
+def predict(trace: Trace, name: str, params: dict, calls: list[dict], machine: dict) -> dict:
+    """The predicted decode ms per token of `name` on `machine` from its ledger `calls` (module
+    doc: the model): compute + copy (the larger of the two where overlapped; a forecast's prefetch
+    less what its layer's compute hides, `prefetch_hidden_ms`) + the engine's fixed costs where the
+    machine file measured them (`overhead_ms_per_token`, None and `overhead` saying so where it did not)."""
     m = trace.model
     rate = float(machine["pinned_h2d_gbps"]["value"])
+    phase_totals = totals(calls)
     d = phase_totals["decode"]
+    forecasting = m.unit == "expert" and needs_forecast(name, params)
     out = {"machine": machine["name"], "pinned_h2d_gbps": rate,
-           "overlap": "overlapped" if (m.unit, name) in OVERLAPPED else "serial"}
+           "overlap": "overlapped" if (m.unit, name) in OVERLAPPED else
+           "serial, a prefetch hidden by its layer's compute" if forecasting else "serial"}
     if not d["tokens"]:
         return {**out, "decode_ms_per_token": None, "why": "the trace has no decode call"}
     copy_ms = (d["h2d_weight_bytes"] + d["h2d_index_bytes"]) / d["tokens"] / (rate * 1e9) * 1e3
@@ -641,6 +647,29 @@ def predict(trace: Trace, name: str, params: dict, phase_totals: dict, machine: 
                        f"add decode_compute_ms['{m.shape or 'SHAPE'}:{m.layers}'] to the machine file"}
     compute, how, own = found
     total = max(compute, copy_ms) if out["overlap"] == "overlapped" else compute + copy_ms
+    if forecasting:
+        out["prefetch_hidden_ms_per_token"] = hidden = prefetch_hidden_ms(m, calls, compute, rate)
+        total -= hidden
     extra, what = overhead_ms(trace, name, params, phase_totals, machine, own=own)
     return {**out, "compute_ms_per_token": compute, "compute_source": how, "compute_family": own,
             "overhead_ms_per_token": extra, "overhead": what, "decode_ms_per_token": total + (extra or 0.0)}
+
+
+def prefetch_hidden_ms(model: TraceModel, calls: list[dict], compute_ms: float, rate_gbps: float) -> float:
+    """Per decode token, the copy time of forecast prefetches that compute hides. The engine issues
+    layer L's prefetch on a side stream once the layer with experts before it has routed, and waits
+    for it only when layer L's experts run: the copy overlaps about one layer's compute (that
+    layer's experts, then layer L's attention). So per decode call and layer, the hidden part is
+    the smaller of the prefetch's copy (its experts at the pinned rate) and one layer's share of
+    the call's compute (compute per token / layers x the call's tokens); a prefetch longer than that
+    is charged the rest, in series, as every other copy is."""
+    layer_ms = compute_ms / model.layers
+    hidden, tokens = 0.0, 0
+    for call in calls:
+        if call["phase"] != "decode":
+            continue
+        tokens += call["tokens"]
+        for n in call["prefetched"]:
+            if n:
+                hidden += min(n * model.unit_bytes / (rate_gbps * 1e9) * 1e3, layer_ms * call["tokens"])
+    return hidden / tokens if tokens else 0.0

@@ -163,7 +163,7 @@ def _machine(**extra):
 
 def _predict(t: Trace, spec: str, machine: dict) -> dict:
     name, params = sim.parse_policy(spec, t.model.unit)
-    return sim.predict(t, name, params, sim.totals(sim.ledger(t, name, params)), machine)
+    return sim.predict(t, name, params, sim.ledger(t, name, params), machine)
 
 
 def test_layer_overhead_counts_only_layers_with_experts():

@@ -467,8 +467,7 @@ def test_predicted_time_is_compute_plus_bytes_at_the_copy_rate():
     model = TraceModel(family="mixtral", unit="expert", layers=8, units=8, unit_bytes=10**6, k=2, shape="mixtral-8x7b")
     t = Trace(model=model, calls=[TraceCall(0, "prefill", 2)] + [TraceCall(0, "decode", 1)] * 2,
               sets=[[np.array([0, 1, 2])] * 8] + [[np.array([3, 4])] * 8] * 2)
-    totals = sim.totals(sim.ledger(t, "packet", {"gather": "device"}))
-    p = sim.predict(t, "packet", {"gather": "device"}, totals, MACHINE)
+    p = sim.predict(t, "packet", {"gather": "device"}, sim.ledger(t, "packet", {"gather": "device"}), MACHINE)
     # 2 experts x 8 layers x 1 MB a token at 50 GB/s = 0.32 ms; compute scaled 8/4 of 8 ms = 16 ms.
     assert p["copy_ms_per_token"] == pytest.approx(0.32)
     assert p["compute_ms_per_token"] == pytest.approx(16.0)
@@ -476,7 +475,7 @@ def test_predicted_time_is_compute_plus_bytes_at_the_copy_rate():
     assert "scaled by layers" in p["compute_source"] and p["overlap"] == "serial"
     unnamed = Trace(model=TraceModel(family="x", unit="expert", layers=1, units=8, unit_bytes=1), calls=t.calls[:2],
                     sets=[[np.array([0])]] * 2)
-    q = sim.predict(unnamed, "packet", {}, sim.totals(sim.ledger(unnamed, "packet", {})), MACHINE)
+    q = sim.predict(unnamed, "packet", {}, sim.ledger(unnamed, "packet", {}), MACHINE)
     assert q["decode_ms_per_token"] is None and "decode_compute_ms" in q["why"]
 
 
