@@ -160,7 +160,7 @@ def plan_cmd(
 ) -> None:
     """Print the ordered episodes and, per condition, the bytes the screen will move and its time:
     measured rates of earlier episodes on the same device (the database), else the GPU transfer floor."""
-    from packbench.core.estimate import archive_bytes, archive_warning, estimate
+    from packbench.core.estimate import archive_bytes, archive_warning, estimate, loader_device_warning
     from packbench.core.plan import plan
 
     frozen = _load(protocol)
@@ -199,9 +199,11 @@ def plan_cmd(
     timing = _timing(p, est, device=device or device_here(), db=db, model=model_key(p, model_dir=frozen.model_dir()))
     archive = archive_bytes(p, vocab=shape.vocab)  # the audit bound: docs/archive.md, "Bounds"
     warning = archive_warning(archive)
+    device_warning = loader_device_warning(est["loader_device"], batch=p.batch)
     if json_out:
         typer.echo(json.dumps({"protocol": p.name, "sha256": p.sha256, "entries": entries, "estimate": est,
-                               "time": timing, "archive": {**archive, "warning": warning}}, indent=2, sort_keys=True))
+                               "time": timing, "archive": {**archive, "warning": warning},
+                               "device_warning": device_warning}, indent=2, sort_keys=True))
         return
     typer.echo(f"{one_line(p.name)}: sha256 {p.sha256}")
     typer.echo(f"{len(entries)} episodes in this order, each 1 prefill call of {p.prefix_tokens} tokens + "
@@ -210,6 +212,8 @@ def plan_cmd(
     typer.echo("")
     _print_estimate(p, est, timing, shape=shape, h2d_gbps=h2d_gbps)
     _print_archive(archive, warning)
+    if device_warning is not None:
+        typer.echo(f"warning: {device_warning}", err=True)
 
 
 def _mib(n: int) -> str:
@@ -355,6 +359,12 @@ def _print_estimate(p, est: dict, timing: dict, *, shape, h2d_gbps: float) -> No
     typer.echo(f"parameters {_bytes(est['param_bytes'])} ({'exceed' if est['param_bytes'] > allowance else 'fit'} "
                f"the {p.allowance_mib} MiB allowance); outgoing weights {_bytes(est['outgoing_bytes'])} stay on the "
                f"host")
+    room = est["loader_device"]
+    if room is not None:
+        typer.echo(f"device: packbench's loaders hold {_bytes(room['device_bytes'])} + a KV cache of "
+                   f"{_bytes(room['kv_bytes'])} at batch {p.batch}; "
+                   f"{_bytes(room['left_bytes']) if room['left_bytes'] >= 0 else '-' + _bytes(-room['left_bytes'])} of the allowance left "
+                   f"for the CUDA context and activations")
 
 
 def _time_lines(timing: dict, *, h2d_gbps: float) -> list[str]:

@@ -144,12 +144,56 @@ def estimate(protocol: Protocol | dict, *, shape: ModelShape, activity: Activity
     params_bytes = shape.param_count() * DTYPE_BYTES[p.dtype]
     outgoing = shape.layers * shape.ffn * row_bytes
     return {"conditions": rows, "episodes": len(entries), "calls_per_episode": 1 + decode_calls,
+            "loader_device": loader_device(p, shape=shape),
             "h2d_gbps": h2d_gbps, "row_bytes": row_bytes,
             "prefill_active_fraction": activity.union_fraction(p.batch * p.prefix_tokens),
             "decode_active_fraction": activity.union_fraction(p.batch),
             "param_bytes": params_bytes, "outgoing_bytes": outgoing, "allowance_bytes": p.allowance_bytes,
             "total_bytes": sum(r["total_bytes"] for r in rows),
             "total_transfer_s": sum(r["total_transfer_s"] for r in rows)}
+
+
+# The CUDA context and lazily loaded kernels beside a worker's allowance, as workers measured it:
+# 748-760 MiB on H100s and the H200 (docs/experiments/competitors.md, the peers' configurations).
+TYPICAL_CONTEXT_BYTES = 750 << 20
+
+
+def loader_device(protocol: Protocol | dict, *, shape: ModelShape) -> dict | None:
+    """What packbench's own OPT loaders of `protocol` hold on the device beside activations: every
+    weight but the outgoing rows (a `resident` condition under the allowance: every weight), and
+    the KV cache of batch x (prefix + continuation) tokens in the protocol's dtype; `left_bytes` is
+    what the allowance leaves for the CUDA context and activations (negative: over it). The
+    tightest condition counts; None where the protocol has no such condition (competitors size
+    their own placement; `resident {allowance: unbounded}` runs without the cap)."""
+    p = expand(protocol)
+    size = DTYPE_BYTES[p.dtype]
+    params = shape.param_count() * size
+    outgoing = shape.layers * shape.ffn * shape.hidden * size
+    held = {c.name: params if c.policy == "resident" else params - outgoing for c in p.conditions
+            if CONDITIONS[c.policy].competitor is None and "opt" in CONDITIONS[c.policy].families
+            and dict(c.params).get("allowance") != "unbounded"}
+    if not held:
+        return None
+    device = max(held.values())
+    kv = 2 * shape.layers * shape.hidden * (p.prefix_tokens + p.continuation_tokens) * p.batch * size
+    return {"conditions": [n for n, b in held.items() if b == device], "device_bytes": device, "kv_bytes": kv,
+            "allowance_bytes": p.allowance_bytes, "left_bytes": p.allowance_bytes - device - kv}
+
+
+def loader_device_warning(room: dict | None, *, batch: int) -> str | None:
+    """One line when what packbench's loaders hold (loader_device) leaves less of the allowance than a
+    CUDA context takes: the screen's episodes of those conditions will run out of memory (OPT-13B at
+    batch 64 under 20480 MiB did). Not a refusal: the context is measured on the worker, not here."""
+    if room is None or room["left_bytes"] >= TYPICAL_CONTEXT_BYTES:
+        return None
+    mib = 1 << 20
+    names = ", ".join(room["conditions"])
+    return (f"{names} hold{'s' if len(room['conditions']) == 1 else ''} {room['device_bytes'] / mib:,.0f} MiB on the "
+            f"device (every weight but the outgoing rows) and the KV cache of batch {batch}, "
+            f"{room['kv_bytes'] / mib:,.0f} MiB: {room['left_bytes'] / mib:,.0f} MiB of the "
+            f"{room['allowance_bytes'] / mib:,.0f} MiB allowance is left for the CUDA context (about "
+            f"{TYPICAL_CONTEXT_BYTES / mib:,.0f} MiB on an H100 or H200) and activations, so expect them to run out "
+            f"of memory; raise allowance_mib or lower the batch")
 
 
 # What the writer archives besides the logits (measured on CPU screens of the tiny model,

@@ -129,3 +129,35 @@ def test_the_plan_estimate_charges_a_batch_the_union_of_its_sequences():
                                                activity=activity)["conditions"]}
     assert one["packet"]["decode_call_bytes"] < two["packet"]["decode_call_bytes"] < 2 * one["packet"]["decode_call_bytes"]
     assert two["dense-stream"]["decode_call_bytes"] == one["dense-stream"]["decode_call_bytes"]
+
+
+def test_the_plan_weighs_what_the_loaders_hold_on_the_device_against_the_allowance():
+    """core/estimate.py loader_device, hand-computed at the tiny shape (hidden 64, ffn 256, 2 layers,
+    vocab 512, 256 positions, float32): 149,376 parameters, 597,504 B; the outgoing rows 2 x 256 x
+    64 x 4 = 131,072 B stay on the host, so a loader holds 466,432 B; the KV cache is 2 (K and V) x
+    2 layers x 64 x (32 + 8 tokens) x 4 B = 40,960 B a sequence. Bug caught: a plan that said
+    nothing while OPT-13B at batch 64 could not fit its loaders' resident weights and KV cache
+    under 20480 MiB, and every such episode ran out of memory on the GPU."""
+    from packbench.core.estimate import (TYPICAL_CONTEXT_BYTES, Activity, ModelShape, estimate, loader_device,
+                                         loader_device_warning)
+
+    shape = ModelShape.of("tiny")
+    room = loader_device(freeze(protocol(TINY, batch=2, allowance_mib=1)).body, shape=shape)
+    assert room == {"conditions": ["dense-stream", "packet"], "device_bytes": 466_432, "kv_bytes": 81_920,
+                    "allowance_bytes": 1 << 20, "left_bytes": (1 << 20) - 466_432 - 81_920}
+    line = loader_device_warning(room, batch=2)
+    assert line.startswith("dense-stream, packet hold 0 MiB on the device") and "KV cache of batch 2" in line
+    assert line.endswith("so expect them to run out of memory; raise allowance_mib or lower the batch")
+    # The allowance with a context's room to spare: no warning; one byte short of it: the warning.
+    enough = 466_432 + 81_920 + TYPICAL_CONTEXT_BYTES
+    assert loader_device_warning({**room, "allowance_bytes": enough, "left_bytes": TYPICAL_CONTEXT_BYTES}, batch=2) is None
+    assert loader_device_warning({**room, "left_bytes": TYPICAL_CONTEXT_BYTES - 1}, batch=2) is not None
+    # resident under the allowance holds every weight (the tightest); unbounded, and competitors, size their own.
+    with_resident = protocol(TINY, conditions=[{"policy": "dense-stream"}, {"policy": "resident"},
+                                               {"policy": "accelerate"}])
+    r = loader_device(freeze(with_resident).body, shape=shape)
+    assert (r["conditions"], r["device_bytes"], r["kv_bytes"]) == (["resident"], 597_504, 40_960)
+    unbounded = protocol(TINY, conditions=[{"policy": "dense-stream"},
+                                           {"name": "r", "policy": "resident", "params": {"allowance": "unbounded"}}])
+    assert loader_device(freeze(unbounded).body, shape=shape)["conditions"] == ["dense-stream"]
+    assert estimate(freeze(protocol(TINY)).body, shape=shape, activity=Activity(0.94))["loader_device"]["kv_bytes"] == 40_960
