@@ -10,7 +10,10 @@ import logging
 import os
 import re
 import socket
+import sys
+import tempfile
 import threading
+from contextlib import contextmanager
 from typing import Any, Callable
 
 from packbench.core import signals
@@ -94,6 +97,35 @@ def _quiet_raylet_lines() -> None:
     ray_worker.print_to_stdstream = print_to_stdstream
 
 
+@contextmanager
+def _fd2_held(*, replay: bool):
+    """File descriptor 2 sent to a temporary file while Ray's C++ client tries the head: a
+    service that is not Ray's GCS but answers (another gRPC server, an HTTP/2 proxy) gets one
+    `gcs_client.cc: Failed to get cluster ID from GCS server` warning a second, written straight
+    to fd 2, ahead of the one-line refusal. Restored on leaving, the held text written out with
+    `replay` (--verbose). A join that goes on failing in the background may still write to
+    fd 2 after this; the CLI exits at once after its line (cli/main.py)."""
+    try:
+        sys.stderr.flush()
+        saved = os.dup(2)
+    except (OSError, ValueError):  # no fd 2 to hold (a closed stderr): nothing to keep quiet
+        yield
+        return
+    with tempfile.TemporaryFile() as sink:
+        os.dup2(sink.fileno(), 2)
+        try:
+            yield
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            if replay:
+                sink.seek(0)
+                held = sink.read()
+                if held:
+                    sys.stderr.write(held.decode("utf-8", "backslashreplace"))
+                    sys.stderr.flush()
+
+
 def ensure_ray(settings: Settings | None = None):
     """Start an embedded local Ray, or join `settings.address`. Idempotent within a process.
 
@@ -149,8 +181,10 @@ def ensure_ray(settings: Settings | None = None):
             done.set()
 
     # Another service on the port, or a head that never answers: Ray would retry for minutes.
-    threading.Thread(target=join, daemon=True, name="ray-join").start()
-    if not done.wait(settings.connect_timeout_s):
+    with _fd2_held(replay=settings.verbose):
+        threading.Thread(target=join, daemon=True, name="ray-join").start()
+        answered = done.wait(settings.connect_timeout_s)
+    if not answered:
         raise ClusterUnreachable(f"--address {address}: no Ray cluster answered within {settings.connect_timeout_s:.0f} s "
                              f"(another service on that port?); check `ray status` on the head node or raise "
                              f"`packbench --connect-timeout S` (an option before the command)")
