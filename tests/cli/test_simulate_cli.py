@@ -110,6 +110,22 @@ def test_moe_trace_decode_moves_k_experts_a_layer(tmp_path, packbench_cli):
     cells = fc_line.split()
     assert (int(cells[4]), int(cells[9]), int(cells[10])) == (fc["rows_wasted"], fc["prefetched"], fc["used"])
     assert fc["used"] + fc["rows_wasted"] == fc["prefetched"]
+    # With a machine file, a forecast's prediction hides its prefetch behind compute, as the library
+    # computes it from the same ledger, and the table says how much; a policy without one has none.
+    machine = {"name": "box", "pinned_h2d_gbps": {"value": 0.001, "source": "made up"},
+               "decode_compute_ms": {"mixtral-tiny:2": {"value": 4.0, "source": "made up"}}}
+    (tmp_path / "box.json").write_text(json.dumps(machine))
+    r = packbench_cli("simulate", str(tmp_path / "m.trace"), "--policy", "expert-forecast", "--policy", "packet",
+                      "--machine", str(tmp_path / "box.json"), "--json")
+    assert r.returncode == 0, r.stderr
+    preds = {p["policy"]: p["prediction"] for p in json.loads(r.stdout)["policies"]}
+    t = read_trace(tmp_path / "m.trace")
+    hidden = sim.prefetch_hidden_ms(t.model, sim.ledger(t, "expert-forecast", {}), 4.0, 0.001)
+    assert hidden > 0 and preds["expert-forecast"]["prefetch_hidden_ms_per_token"] == pytest.approx(hidden)
+    assert "prefetch_hidden_ms_per_token" not in preds["packet"]
+    text = packbench_cli("simulate", str(tmp_path / "m.trace"), "--policy", "expert-forecast", "--machine",
+                         str(tmp_path / "box.json"))
+    assert f"prefetch of expert-forecast: {hidden:.2f} ms a token of its " in text.stdout, text.stdout
 
 
 def test_forecast_policies_refuse_a_trace_without_forecasts(tmp_path, packbench_cli):
