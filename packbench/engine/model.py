@@ -118,7 +118,6 @@ class CpuFirstModel:
         if self.slot.policy is not None:
             self.slot.policy.deactivate()
             self.slot.policy = None
-            self._hook_fc1(False)
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
 
