@@ -198,9 +198,37 @@ def unjudged_warning(frozen: FrozenProtocol) -> str | None:
 
 
 def warnings_of(frozen: FrozenProtocol) -> list[str]:
-    """What `protocol validate` and `submit` say on stderr about a valid protocol: an archive over
-    the audit's bound, approximate conditions no gate judges."""
-    return [w for w in (archive_warning_of(frozen), unjudged_warning(frozen)) if w is not None]
+    """What `submit` says on stderr about a valid protocol: an archive over the audit's bound,
+    approximate conditions no gate judges, packbench's loaders and the batch's KV cache leaving no
+    room for a CUDA context."""
+    return [w for w in (archive_warning_of(frozen), unjudged_warning(frozen), loader_device_warning_of(frozen))
+            if w is not None]
+
+
+def loader_device_warning_of(frozen: FrozenProtocol) -> str | None:
+    """One line when packbench's OPT loaders and the KV cache at the batch leave less of the allowance
+    than a CUDA context takes (core/estimate.py loader_device), as `protocol plan` warns; None
+    otherwise, for an MoE model, or where config.json cannot say the shape (the worker then
+    refuses the checkpoint in its own words)."""
+    from packbench.core.estimate import ModelShape, loader_device, loader_device_warning
+
+    synth = frozen.protocol.model.synth
+    try:
+        if synth is not None:
+            if synth.is_moe:
+                return None
+            shape = ModelShape.of(synth.shape)
+        else:
+            from packbench.engine.config import read_config
+
+            c = read_config(frozen.model_dir())
+            if c.get("model_type", "opt") != "opt":
+                return None
+            shape = ModelShape(hidden=c["hidden_size"], ffn=c["ffn_dim"], layers=c["num_hidden_layers"],
+                               vocab=c.get("vocab_size", 50272), max_positions=c.get("max_position_embeddings", 2048))
+        return loader_device_warning(loader_device(frozen.protocol, shape=shape), batch=frozen.protocol.batch)
+    except (PackbenchError, OSError, ValueError, KeyError, TypeError, AttributeError, OverflowError):
+        return None
 
 
 def archive_warning_of(frozen: FrozenProtocol) -> str | None:

@@ -136,3 +136,31 @@ def test_the_same_batch_32_screen_scoring_one_batch_fits_the_bound():
     assert est["episodes"] == 10 and est["episode_logits_bytes"] == 32 * 8 * 50272 * 4 + 128
     assert archive_warning(est) is None
     assert archive_warning(archive_bytes(freeze({**body, "continuation_tokens": 16}).protocol, vocab=50272))
+
+
+@pytest.mark.parametrize("batch, warned", [(64, True), (32, False)])
+def test_submit_warns_where_the_loaders_leave_no_room_for_a_context(tmp_path, batch, warned):
+    """OPT-13B under 20480 MiB, 64 + 5 tokens: at batch 64 packbench's loaders (16,516 MiB) and the
+    KV cache (3,450 MiB) leave 514 MiB, less than a CUDA context, and every such episode ran out of
+    memory on an H100; at batch 32 (1,725 MiB of KV) they ran. Submit warns at 64 only, as the plan
+    does, and queues the screen either way (the context is the worker's to measure)."""
+    body = {"name": f"b{batch}", "model": {"synth": {"shape": "opt-13b", "dtype": "float16", "seed": 0}},
+            "dtype": "float16", "prompts": {"generator": {"seed": 0, "count": batch}}, "prefix_tokens": 64,
+            "continuation_tokens": 5, "batch": batch, "scored_prompts": 1, "warmups": 1, "reference": "dense-stream",
+            "allowance_mib": 20480, "conditions": [{"policy": "dense-stream"}, {"policy": "packet"},
+                                                   {"policy": "zero-inference"}],
+            "gates": {"faithfulness": {}}}
+    path = tmp_path / "p.yaml"
+    path.write_text(yaml.safe_dump(body))
+    db = f"sqlite:///{tmp_path / 's.db'}"
+    assert CliRunner().invoke(app, ["db", "upgrade", "--db", db]).exit_code == 0
+    r = CliRunner().invoke(app, ["submit", str(path), "--db", db, "--json"])
+    assert r.exit_code == 0 and json.loads(r.stdout) == {"queued": [1]}, (r.stdout, r.stderr)
+    lines = [line for line in r.stderr.splitlines() if "hold" in line]
+    if warned:
+        assert lines == ["warning: dense-stream, packet hold 16,516 MiB on the device (every weight but the outgoing "
+                         "rows) and the KV cache of batch 64, 3,450 MiB: 514 MiB of the 20,480 MiB allowance is left "
+                         "for the CUDA context (about 750 MiB on an H100 or H200) and activations, so expect them to "
+                         "run out of memory; raise allowance_mib or lower the batch"], r.stderr
+    else:
+        assert lines == [], r.stderr
