@@ -8,9 +8,9 @@ copies its weights to the device before it runs and drops them after. The arithm
 OPT's on the same device, so its logits are dense-stream's bit for bit (tests/engine/test_accelerate.py).
 
 Where the allowance leaves accelerate no room for even one decoder layer beside the one it keeps
-free for its hooks, its map places nothing on the device; the model is then dispatched with
-`force_hooks` (accelerate's full offload: every module copied each call, `device_bytes` 0) rather
-than left on the host, where its first call would fail on mixed devices (`places_on_device`).
+free for its hooks, its map places nothing on the device; the model then runs under accelerate's
+full offload (`cpu_offload`: every module copied each call, `device_bytes` 0) rather than left on
+the host, where its first call would fail on mixed devices (`places_on_device`, `full_offload`).
 
 `max_memory` for the device is the protocol's allowance less what the worker holds there beside
 the weights: the CUDA context (measured, `context_bytes`), whatever is allocated already
@@ -225,8 +225,10 @@ class AcceleratedModel:
                                                dtype=dtype)
         else:
             device_map = {"": "cpu"}  # no device to offload to: accelerate places everything on the CPU
-        dispatch_model(model, device_map=device_map, main_device=device if cuda else None,
-                       force_hooks=cuda and not places_on_device(device_map))
+        if cuda and not places_on_device(device_map):
+            full_offload(model, device)
+        else:
+            dispatch_model(model, device_map=device_map, main_device=device if cuda else None)
         if cuda:
             torch.cuda.synchronize(device)
         self.device, self.dtype = device, dtype
@@ -264,9 +266,19 @@ def places_on_device(device_map: dict) -> bool:
     for one decoder layer beside the room `infer_auto_device_map` keeps for its largest one (a
     Mixtral-8x7B layer is 2.7 GiB), the map is `{"": "cpu"}`; `dispatch_model` then moves the model
     to the host whole and attaches no hook, and the first call fails on mixed devices (token ids on
-    the GPU, the embedding on the host). With `force_hooks` it runs as accelerate's full offload
-    instead (`cpu_offload`'s hooks: every module's weights copied to the device each call)."""
+    the GPU, the embedding on the host); forced to hook it (`force_hooks`), it would extract the
+    offloaded weights of module "" by the prefix "." and find none. Such a model runs under
+    accelerate's full offload instead (`full_offload`)."""
     return any(where not in ("cpu", "disk") for where in device_map.values())
+
+
+def full_offload(model: torch.nn.Module, device: torch.device) -> None:
+    """accelerate's `cpu_offload`: every module with weights hooked to copy them from the host
+    state dict to `device` before it runs and drop them after (the hooks `count_copies` counts),
+    the model's inputs and outputs on `device`."""
+    from accelerate import cpu_offload
+
+    cpu_offload(model, execution_device=device)
 
 
 def _bytes(model: torch.nn.Module, prefix: str) -> int:

@@ -139,6 +139,33 @@ def test_accelerate_counts_an_offloaded_moe_layer_as_whole_experts(moe_checkpoin
     assert call.h2d_index_bytes == [0, 0, layer_bytes - s["experts"] * expert] and layer_bytes > s["experts"] * expert
 
 
+@pytest.mark.parametrize("shape", SHAPES)
+def test_full_offload_runs_every_module_from_the_host_copy_bit_for_bit(moe_checkpoints, shape):
+    """engine/accelerate.py full_offload (accelerate's cpu_offload, what an allowance with room for no
+    layer gets), run for real with the CPU as its execution device: every module with weights is
+    hooked and offloaded (its own tensors on `meta`, the host copy in the hook), and the logits are
+    dense-stream's bit for bit. Bug caught: the first fix dispatched `{"": "cpu"}` with force_hooks,
+    whose weights map for module "" is empty (accelerate extracts it by the prefix "."): no hook
+    would have found its weights."""
+    from packbench.engine.accelerate import EXPERT_TENSOR, full_offload
+
+    path = moe_checkpoints[(shape, "float32")]
+    ref_model = CpuFirstMoE(path, dtype=torch.float32, device=torch.device("cpu"))
+    ref_model.use("dense-stream")
+    ref = run_episode(ref_model, PROMPT, continuation=CONTINUATION)
+    acc = AcceleratedModel(path, dtype=torch.float32, device=torch.device("cpu"), allowance_bytes=64 << 20)
+    model = acc._model
+    with_weights = [m for m in model.modules() if any(True for _ in m.parameters(recurse=False))]
+    full_offload(model, torch.device("cpu"))
+    assert all(p.device.type == "meta" for p in model.parameters())  # every weight lives in a hook's copy
+    assert all(getattr(m, "_hf_hook", None) is not None and m._hf_hook.offload for m in with_weights)
+    hooked = count_copies(model, Recorder(MOE_SHAPES[shape]["layers"]), row_bytes=acc.row_bytes,
+                          is_row=EXPERT_TENSOR.search)
+    assert hooked >= len(with_weights) > 0  # every one counted (a module of buffers alone is hooked too)
+    out = run_episode(acc, PROMPT, continuation=CONTINUATION)
+    assert np.array_equal(out.logits, ref.logits) and out.tokens == ref.tokens
+
+
 def _raw(path, **changes) -> dict:
     return {"name": "moe-peers", "model": {"path": str(path)}, "dtype": "bfloat16",
             "prompts": {"generator": {"seed": 0, "count": 2}}, "prefix_tokens": 16, "continuation_tokens": 4,
