@@ -109,4 +109,8 @@ python3 -m bench.simulate_check compare --predictions "$out/predictions.json" --
   --out "$out/compare.md" | tee "$out/compare.txt"
 rm -rf "$dir"
 moe_end
+# A device call brings back at most 8 files (alphabetically first): the logs go into one tarball so
+# that the predictions, the rates, the routing trace and the comparison come back beside it (with
+# the caller's stdout.txt; the archive is too large to come back).
+(cd "$out" && tar czf logs.tgz --remove-files ./*.log ./*.err compare.txt 2>/dev/null)
 echo "done in $(( $(date +%s) - t_start )) s"
