@@ -23,7 +23,7 @@ from packbench.cli.summary import screen_summary, verdict_table
 from packbench.core import signals
 from packbench.core.errors import ClusterUnreachable, PackbenchError
 from packbench.core.settings import (DB_URL_ENV, DEFAULT_CONNECT_TIMEOUT_S, DEFAULT_EPISODE_TIMEOUT_S,
-                                     DEFAULT_PLACEMENT_TIMEOUT_S, ENVIRONMENT, WORKER_PIN_ENV,
+                                     DEFAULT_LOAD_TIMEOUT_S, DEFAULT_PLACEMENT_TIMEOUT_S, ENVIRONMENT, WORKER_PIN_ENV,
                                      WORKER_THREADS_ENV, Settings, worker_pin, worker_threads)
 from packbench.core.moe import MOE_SHAPES
 from packbench.core.registry import NEWEST_PROFILE, DTYPE_NAMES, PROFILES, SYNTH_SHAPES, SynthArgumentError, synth_spec
@@ -252,9 +252,12 @@ def options(
         callback=seconds, envvar="PACKBENCH_CONNECT_TIMEOUT_S", help="Seconds joining a Ray cluster (--address) may take.")] = DEFAULT_CONNECT_TIMEOUT_S,
     episode_timeout: Annotated[float, typer.Option(
         callback=seconds, envvar="PACKBENCH_EPISODE_TIMEOUT_S",
-        help="Seconds an episode, or a screen's model load, may run before its worker is taken as hung: the "
-             "attempt fails (timed out), the worker is killed and replaced, the screen runs again while it has "
-             "attempts left.")] = DEFAULT_EPISODE_TIMEOUT_S,
+        help="Seconds an episode may run before its worker is taken as hung: the attempt fails (timed "
+             "out), the worker is killed and replaced, the screen runs again while it has attempts left.")] = DEFAULT_EPISODE_TIMEOUT_S,
+    load_timeout: Annotated[float, typer.Option(
+        callback=seconds, envvar="PACKBENCH_LOAD_TIMEOUT_S",
+        help="Seconds a screen's model load may take before its worker is taken as hung (as --episode-timeout)."
+    )] = DEFAULT_LOAD_TIMEOUT_S,
     embedded_gpus: Annotated[Optional[int], typer.Option(
         min=1, max=1024, envvar="PACKBENCH_EMBEDDED_GPUS",
         help="GPUs the embedded Ray declares (default: the host's; one logical GPU on a CPU-only machine).")] = None,
@@ -290,7 +293,7 @@ def options(
         return option if getattr(ctx.get_parameter_source(name), "name", None) == "COMMANDLINE" else None
 
     ctx.obj = Settings(verbose=verbose, placement_timeout_s=placement_timeout, connect_timeout_s=connect_timeout,
-                       episode_timeout_s=episode_timeout,
+                       episode_timeout_s=episode_timeout, load_timeout_s=load_timeout,
                        model_cache=model_cache, embedded_gpus=embedded_gpus, db_url=db or None, debug=debug,
                        signing_key=signing_key.expanduser() if signing_key else None,
                        worker_threads=worker_threads(threads, typed("threads", "--worker-threads")),

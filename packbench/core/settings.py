@@ -25,6 +25,11 @@ DEFAULT_CONNECT_TIMEOUT_S = 15.0
 # docs/benchmarks.md); a compile-mode episode's first compilation takes minutes. Half an hour
 # stops a hung screen without ever cutting a slow one short.
 DEFAULT_EPISODE_TIMEOUT_S = 1800.0
+# A screen's model load with no reply for this long is taken as hung (a read from a file system that
+# stopped answering, a conversion stuck in a library). Loads take longer than episodes and vary more:
+# OPT-13B drawn on 16 threads took 34-68 s, converted for FlexGen about a minute more; a real
+# checkpoint of hundreds of GB read from a slow disk takes many minutes. An hour cuts none of them.
+DEFAULT_LOAD_TIMEOUT_S = 3600.0
 # The longest wait a timeout or lease may ask for, on the command line or in the environment: a
 # `timedelta` holds ~2.7e11 days; a day of seconds times ten thousand is far past any real lease
 # or timeout and far inside every clock type.
@@ -53,6 +58,8 @@ ENVIRONMENT: dict[str, tuple[str, str]] = {
     "PACKBENCH_CONNECT_TIMEOUT_S": ("--connect-timeout", "seconds joining a Ray cluster may take (15)"),
     "PACKBENCH_EPISODE_TIMEOUT_S": ("--episode-timeout", "seconds an episode may run before its worker is taken "
                                                          "as hung, killed and replaced (1800)"),
+    "PACKBENCH_LOAD_TIMEOUT_S": ("--load-timeout", "seconds a screen's model load may take before its worker is "
+                                                   "taken as hung, killed and replaced (3600)"),
     "PACKBENCH_EMBEDDED_GPUS": ("--embedded-gpus", "GPUs the embedded Ray declares (default: the host's)"),
     "PACKBENCH_MODEL_CACHE": ("--model-cache", "where workers generate synthetic checkpoints"),
     "PACKBENCH_SIGNING_KEY": ("--signing-key", "the Ed25519 private key that signs sealed archives"),
@@ -115,6 +122,7 @@ class Settings:
     connect_timeout_s: how long joining a Ray cluster may take before one line and exit 2.
     episode_timeout_s: how long a dispatcher waits for an episode's reply before its worker is
       taken as hung: the attempt fails (a timed-out cause), the worker is killed and replaced.
+    load_timeout_s: the same for a screen's model load.
     model_cache: where workers generate synthetic checkpoints (None: ~/.cache/packbench/models
       on each worker's node); passed to Worker.load explicitly.
     verbose: log events (logging at INFO) and let worker logs reach the driver.
@@ -135,6 +143,7 @@ class Settings:
     placement_timeout_s: float = DEFAULT_PLACEMENT_TIMEOUT_S
     connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S
     episode_timeout_s: float = DEFAULT_EPISODE_TIMEOUT_S
+    load_timeout_s: float = DEFAULT_LOAD_TIMEOUT_S
     model_cache: Path | None = None
     verbose: bool = False
     embedded_gpus: int | None = None
@@ -147,7 +156,7 @@ class Settings:
 
     def __post_init__(self) -> None:
         for what, value in (("placement", self.placement_timeout_s), ("connect", self.connect_timeout_s),
-                            ("episode", self.episode_timeout_s)):
+                            ("episode", self.episode_timeout_s), ("load", self.load_timeout_s)):
             if not 0 < value <= MAX_SECONDS:  # nan fails too
                 raise ValueError(f"{what} timeout {value} s must be a finite number > 0, at most {MAX_SECONDS}")
         if self.worker_threads is not None and not self.worker_threads > 0:
@@ -181,6 +190,7 @@ class Settings:
                    placement_timeout_s=number("PACKBENCH_PLACEMENT_TIMEOUT_S", DEFAULT_PLACEMENT_TIMEOUT_S),
                    connect_timeout_s=number("PACKBENCH_CONNECT_TIMEOUT_S", DEFAULT_CONNECT_TIMEOUT_S),
                    episode_timeout_s=number("PACKBENCH_EPISODE_TIMEOUT_S", DEFAULT_EPISODE_TIMEOUT_S),
+                   load_timeout_s=number("PACKBENCH_LOAD_TIMEOUT_S", DEFAULT_LOAD_TIMEOUT_S),
                    model_cache=path("PACKBENCH_MODEL_CACHE"), signing_key=path("PACKBENCH_SIGNING_KEY"),
                    embedded_gpus=int(gpus) if gpus else None, verbose=_yes(env.get("PACKBENCH_VERBOSE")),
                    debug=_yes(env.get("PACKBENCH_DEBUG")),

@@ -132,6 +132,8 @@ def huge_file(tmp_path) -> Path:
     (["--episode-timeout", "0", "status"], "not a number of seconds in (0, 864000000]"),
     (["--episode-timeout", "nan", "status"], "nan is not a finite number"),
     (["--episode-timeout", "1e308", "status"], "not a number of seconds"),
+    (["--load-timeout", "-1", "status"], "not a number of seconds in (0, 864000000]"),
+    (["--load-timeout", "nan", "status"], "nan is not a finite number"),
     (["--embedded-gpus", HUGE, "status"], "'--embedded-gpus'"),
     (["audit", "reexecute", "1", "--count", HUGE], "'--count'"),
     (["audit", "reexecute", "1", "--seed", HUGE], "'--seed'"),

@@ -7,7 +7,7 @@ from packbench.core.errors import PackbenchError
 from packbench.core.settings import MAX_SECONDS, Settings
 
 TIMEOUTS = {"PACKBENCH_PLACEMENT_TIMEOUT_S": "placement_timeout_s", "PACKBENCH_CONNECT_TIMEOUT_S": "connect_timeout_s",
-            "PACKBENCH_EPISODE_TIMEOUT_S": "episode_timeout_s"}
+            "PACKBENCH_EPISODE_TIMEOUT_S": "episode_timeout_s", "PACKBENCH_LOAD_TIMEOUT_S": "load_timeout_s"}
 
 
 @pytest.mark.parametrize("variable", sorted(TIMEOUTS))

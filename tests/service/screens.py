@@ -11,7 +11,7 @@ from pathlib import Path
 
 import yaml
 
-from packbench.core.settings import DEFAULT_EPISODE_TIMEOUT_S, Settings
+from packbench.core.settings import DEFAULT_EPISODE_TIMEOUT_S, DEFAULT_LOAD_TIMEOUT_S, Settings
 from packbench.service.dispatcher import Dispatcher
 
 
@@ -44,10 +44,11 @@ def interrupt_on_call(monkeypatch, module, name: str, n: int) -> tuple[list, obj
 
 
 def dispatcher(store, tmp_path, pool, *, episode_timeout_s: float = DEFAULT_EPISODE_TIMEOUT_S,
-               **options) -> Dispatcher:
+               load_timeout_s: float = DEFAULT_LOAD_TIMEOUT_S, **options) -> Dispatcher:
     said: list[str] = []
     options.setdefault("lease_s", 30)
-    s = Dispatcher(store, Settings(archive_dir=tmp_path / "archives", episode_timeout_s=episode_timeout_s), pool,
+    s = Dispatcher(store, Settings(archive_dir=tmp_path / "archives", episode_timeout_s=episode_timeout_s,
+                                   load_timeout_s=load_timeout_s), pool,
                   progress=lambda message, **event: said.append(message), **options)
     s.said = said  # type: ignore[attr-defined]
     return s

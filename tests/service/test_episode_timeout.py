@@ -15,7 +15,7 @@ import pytest
 
 from packbench.core.archive import ArchiveReader
 from packbench.core.errors import PackbenchError
-from packbench.core.settings import DEFAULT_EPISODE_TIMEOUT_S, MAX_SECONDS, Settings
+from packbench.core.settings import DEFAULT_EPISODE_TIMEOUT_S, DEFAULT_LOAD_TIMEOUT_S, MAX_SECONDS, Settings
 from packbench.service.dispatcher.rules import overdue
 from packbench.service.dispatcher.state import Active, Slot
 from packbench.service.submit import submit
@@ -105,16 +105,17 @@ def test_which_episode_is_overdue_is_a_pure_decision():
     entries = [{"index": i, "condition": "c"} for i in range(4)]
     # Episodes 0 and 1 back, 2 running and 3 waiting behind it since t = 10.
     slot.owed, slot.since = entries[2:], 10.0
-    assert overdue([slot], now=12.0, limit_s=2.0) == []  # at the limit: not yet
-    assert overdue([slot], now=12.001, limit_s=2.0) == [(slot, entries[2])]
+    assert overdue([slot], now=12.0, limit_s=2.0, load_limit_s=99.0) == []  # at the limit: not yet
+    assert overdue([slot], now=12.001, limit_s=2.0, load_limit_s=99.0) == [(slot, entries[2])]
     slot.active = None  # its screen ended (failed) with the episodes still on the worker: still owed
-    assert overdue([slot], now=12.001, limit_s=2.0) == [(slot, entries[2])]
+    assert overdue([slot], now=12.001, limit_s=2.0, load_limit_s=99.0) == [(slot, entries[2])]
     slot.owed = []  # every call back: nothing owed (an idle worker is not hung)
     slot.active = Active(slot=slot, run=None, protocol=None, inflight=1)
-    assert overdue([slot], now=1e9, limit_s=2.0) == []
-    load = {"load": True, "screen": 7}  # a load in flight is owed as an episode is
+    assert overdue([slot], now=1e9, limit_s=2.0, load_limit_s=2.0) == []
+    load = {"load": True, "screen": 7}  # a load in flight is owed, by its own limit
     slot.owed, slot.since = [load], 20.0
-    assert overdue([slot], now=22.0, limit_s=2.0) == [] and overdue([slot], now=22.001, limit_s=2.0) == [(slot, load)]
+    assert overdue([slot], now=25.0, limit_s=2.0, load_limit_s=5.0) == []
+    assert overdue([slot], now=25.001, limit_s=2.0, load_limit_s=5.0) == [(slot, load)]
 
 
 @pytest.mark.timeout(30)
@@ -124,11 +125,11 @@ def test_a_hung_load_times_out_and_the_next_attempt_runs(store, tmp_path):
     (screen_id,) = submit(store, protocol_file(tmp_path))
     pool = FakePool(load_fault=lambda worker: "hang" if worker.index == 0 else None)
     t0 = time.monotonic()
-    outcomes = dispatcher(store, tmp_path, pool, workers=1, episode_timeout_s=0.3).run()
+    outcomes = dispatcher(store, tmp_path, pool, workers=1, load_timeout_s=0.3).run()
     assert time.monotonic() - t0 >= 0.3
     first, second = store.attempts(screen_id)
     assert (first.status, first.error) == ("failed", f"worker worker-1 (pid 1000, node node-0) timed out: no reply to "
-                                                     f"the load of screen {screen_id} within 0.3 s (--episode-timeout); "
+                                                     f"the load of screen {screen_id} within 0.3 s (--load-timeout); "
                                                      "the worker was killed")
     assert rows(store, first.id) == []
     assert second.status == "done" and pool.workers[0].killed and pool.workers[1].episodes == list(range(4))
@@ -136,13 +137,14 @@ def test_a_hung_load_times_out_and_the_next_attempt_runs(store, tmp_path):
 
 
 @pytest.mark.timeout(30)
-def test_a_slow_load_within_the_limit_is_not_timed_out(store, tmp_path):
-    """The limit is the load's own, not added to nothing: a load of 0.25 s under a 0.4 s limit,
-    then episodes each well within it, end `done` in one attempt (a clock that ran from the load
-    through the first episode, or one never reset after the load, would kill it)."""
+def test_a_load_longer_than_an_episode_may_be_is_timed_by_its_own_limit(store, tmp_path):
+    """A load of 0.5 s under a 0.8 s load limit, with episodes limited to 0.4 s (each 0.25 s, the
+    first right after the load), ends `done` in one attempt. Bugs caught: a load judged by the
+    episode limit (a real checkpoint's read takes minutes where an episode takes seconds), a
+    clock that ran from the load through the first episode, or one never reset after the load."""
     (screen_id,) = submit(store, protocol_file(tmp_path))
-    pool = FakePool(load_s=0.25, fault=lambda worker, entry: Slow(0.25) if entry["index"] == 0 else None)
-    dispatcher(store, tmp_path, pool, workers=1, episode_timeout_s=0.4).run()
+    pool = FakePool(load_s=0.5, fault=lambda worker, entry: Slow(0.25) if entry["index"] == 0 else None)
+    dispatcher(store, tmp_path, pool, workers=1, episode_timeout_s=0.4, load_timeout_s=0.8).run()
     (attempt,) = store.attempts(screen_id)
     assert attempt.status == "done" and rows(store, attempt.id) == list(range(4)) and len(pool.workers) == 1
 
@@ -159,27 +161,30 @@ def test_a_load_queued_behind_episodes_is_timed_from_when_the_worker_begins_it(s
         return "hang" if len(loads) == 2 else None  # the first worker's second load
 
     pool = FakePool(load_fault=load_fault)
-    outcomes = dispatcher(store, tmp_path, pool, workers=1, episode_timeout_s=0.3).run()
+    outcomes = dispatcher(store, tmp_path, pool, workers=1, load_timeout_s=0.3).run()
     assert store.attempts(first_id)[0].status == "done"
     timed_out, second = store.attempts(second_id)
     assert timed_out.status == "failed" and timed_out.error.endswith(
-        f"timed out: no reply to the load of screen {second_id} within 0.3 s (--episode-timeout); the worker was killed")
+        f"timed out: no reply to the load of screen {second_id} within 0.3 s (--load-timeout); the worker was killed")
     assert second.status == "done" and [o.status for o in outcomes] == ["done", "failed", "done"]
 
 
 @pytest.mark.parametrize("value", [0.0, -1.0, math.nan, math.inf])
-def test_the_setting_refuses_what_is_not_a_time(value):
-    with pytest.raises(ValueError, match="episode timeout .* must be a finite number > 0"):
-        Settings(episode_timeout_s=value)
+@pytest.mark.parametrize("what", ["episode", "load"])
+def test_the_setting_refuses_what_is_not_a_time(value, what):
+    with pytest.raises(ValueError, match=f"{what} timeout .* must be a finite number > 0"):
+        Settings(**{f"{what}_timeout_s": value})
 
 
-def test_the_setting_from_the_environment():
-    assert Settings().episode_timeout_s == Settings.from_environ({}).episode_timeout_s == DEFAULT_EPISODE_TIMEOUT_S
-    assert Settings.from_environ({"PACKBENCH_EPISODE_TIMEOUT_S": "0.5"}).episode_timeout_s == 0.5
+@pytest.mark.parametrize("what, default", [("episode", DEFAULT_EPISODE_TIMEOUT_S), ("load", DEFAULT_LOAD_TIMEOUT_S)])
+def test_the_setting_from_the_environment(what, default):
+    field, variable = f"{what}_timeout_s", f"PACKBENCH_{what.upper()}_TIMEOUT_S"
+    assert getattr(Settings(), field) == getattr(Settings.from_environ({}), field) == default
+    assert getattr(Settings.from_environ({variable: "0.5"}), field) == 0.5
     for text in ("0", "-3", "ten", "inf", "nan"):
         with pytest.raises(PackbenchError) as e:
-            Settings.from_environ({"PACKBENCH_EPISODE_TIMEOUT_S": text})
-        assert str(e.value) == (f"PACKBENCH_EPISODE_TIMEOUT_S={text!r} is not a number of seconds in "
+            Settings.from_environ({variable: text})
+        assert str(e.value) == (f"{variable}={text!r} is not a number of seconds in "
                                 f"(0, {MAX_SECONDS}]; set it to one or unset it")
 
 

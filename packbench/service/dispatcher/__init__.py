@@ -22,8 +22,9 @@ pool is the transport and the placement engine.
   dispatcher on this host whose process is gone loses its leases at once.
 - A worker that dies fails its attempt with a cause naming it, and the screen is requeued
   (up to its max_attempts); a replacement worker is started. A worker that owes an episode's
-  or a load's reply past `Settings.episode_timeout_s` is hung: it is killed and lost the same
-  way, its attempt's cause saying it timed out (rules.py `overdue` decides).
+  reply past `Settings.episode_timeout_s`, or a load's past `Settings.load_timeout_s`, is hung:
+  it is killed and lost the same way, its attempt's cause saying it timed out (rules.py
+  `overdue` decides).
 - SIGINT/SIGTERM: stop claiming, give every held attempt back (`interrupted`, requeued), exit.
 - The database down (`DatabaseUnavailable`, after the Store's own retries): a one-shot
   dispatcher stops (`fatal`); `follow` waits it out however long it lasts (`Outage`): no new

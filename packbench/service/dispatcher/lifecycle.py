@@ -63,7 +63,7 @@ class Lifecycle:
             return active
         # A protocol that judges the cold start gets a cold model; any other reuses a warm one.
         reuse = protocol.gates.useful_latency is None
-        self._owe(slot, {"load": True, "screen": claim.screen.id})  # a load that hangs is timed as an episode is
+        self._owe(slot, {"load": True, "screen": claim.screen.id})  # a load that hangs is timed too
         self.pool.load(slot.worker, Call(CallKind.LOAD, slot, active), protocol, claim.screen.model_dir,
                        model_cache=self.model_cache, reuse=reuse)
         active.inflight += 1
@@ -159,10 +159,10 @@ class Lifecycle:
 
     @staticmethod
     def _owe(slot: Slot, what: dict) -> None:
-        """A call sent to the worker that it must answer within the episode timeout: an episode's
-        plan entry, or `{"load": True}` for a screen's load (a read from a hung file system, a
-        conversion that never ends). The worker runs its calls in order, so the clock runs from
-        when it begins the oldest one not back."""
+        """A call sent to the worker that it must answer in time: an episode's plan entry (the
+        episode timeout), or `{"load": True}` for a screen's load (the load timeout: a read from a
+        hung file system, a conversion that never ends). The worker runs its calls in order, so
+        the clock runs from when it begins the oldest one not back."""
         if not slot.owed:  # the worker starts on it now (after an outage, too): its clock starts
             slot.since = time.monotonic()
         slot.owed.append(what)

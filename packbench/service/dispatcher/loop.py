@@ -286,15 +286,17 @@ class Dispatcher:
         self._lose(slot, f"died: {cause_of(e)}")
 
     def _time_out_hung(self) -> None:
-        """A worker that owes an episode's or a load's reply past the episode timeout is hung: it
-        is lost as a dead one is (killed, replaced, its attempt failed and the screen queued
+        """A worker that owes an episode's reply past the episode timeout, or a load's past the load
+        timeout, is hung: it is lost as a dead one is (killed, replaced, its attempt failed and the screen queued
         again); a reply it sends later is dropped with it (the pool's `kill`)."""
-        limit = self.settings.episode_timeout_s
-        for slot, entry in overdue(self.slots, now=time.monotonic(), limit_s=limit):
+        episode, load = self.settings.episode_timeout_s, self.settings.load_timeout_s
+        for slot, entry in overdue(self.slots, now=time.monotonic(), limit_s=episode, load_limit_s=load):
             of = f" of screen {entry['screen']}" if entry.get("screen") is not None else ""
-            what = "the load" if entry.get("load") else f"episode {entry['index']} ({entry['condition']})"
-            self._lose(slot, f"timed out: no reply to {what}{of} within {limit:g} s (--episode-timeout); "
-                             "the worker was killed")
+            if entry.get("load"):
+                what, limit, option = "the load", load, "--load-timeout"
+            else:
+                what, limit, option = f"episode {entry['index']} ({entry['condition']})", episode, "--episode-timeout"
+            self._lose(slot, f"timed out: no reply to {what}{of} within {limit:g} s ({option}); the worker was killed")
 
     def _lose(self, slot: Slot, what: str) -> None:
         cause, held = self.fleet.lose(slot, what, stopping=bool(self.stopping))

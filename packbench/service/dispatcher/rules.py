@@ -28,12 +28,13 @@ def outage_delays(first: float, cap: float) -> Iterator[float]:
         delay = min(delay * 2, cap)
 
 
-def overdue(slots: list[Slot], *, now: float, limit_s: float) -> list[tuple[Slot, dict]]:
-    """Each worker that has waited longer than `limit_s` for a reply (a hung episode or load),
-    with what it owes: the oldest call not back (`Slot.owed`: an episode's plan entry, or
-    `{"load": True, "screen": id}`), of a screen still running or not. The clock runs only while
-    a call is owed (an idle worker is not hung)."""
-    return [(s, s.owed[0]) for s in slots if s.owed and s.since is not None and now - s.since > limit_s]
+def overdue(slots: list[Slot], *, now: float, limit_s: float, load_limit_s: float) -> list[tuple[Slot, dict]]:
+    """Each worker that has waited for a reply longer than its limit (a hung episode or load), with
+    what it owes: the oldest call not back (`Slot.owed`: an episode's plan entry, `limit_s`, or
+    `{"load": True, "screen": id}`, `load_limit_s`), of a screen still running or not. The clock
+    runs only while a call is owed (an idle worker is not hung)."""
+    return [(s, s.owed[0]) for s in slots if s.owed and s.since is not None
+            and now - s.since > (load_limit_s if s.owed[0].get("load") else limit_s)]
 
 
 def held_by_silent(status, *, host: str, alive: Callable[[int], bool]) -> list[str]:
