@@ -159,19 +159,19 @@ TYPICAL_CONTEXT_BYTES = 750 << 20
 
 
 def loader_device(protocol: Protocol | dict, *, shape: ModelShape) -> dict | None:
-    """What packbench's own OPT loaders of `protocol` hold on the device beside activations: every
-    weight but the outgoing rows (a `resident` condition under the allowance: every weight), and
-    the KV cache of batch x (prefix + continuation) tokens in the protocol's dtype; `left_bytes` is
-    what the allowance leaves for the CUDA context and activations (negative: over it). The
-    tightest condition counts; None where the protocol has no such condition (competitors size
-    their own placement; `resident {allowance: unbounded}` runs without the cap)."""
+    """What packbench's own OPT loaders of `protocol` hold on the device beside activations (each
+    kind's `holds`: every weight but the outgoing rows, or every weight), and the KV cache of batch
+    x (prefix + continuation) tokens in the protocol's dtype; `left_bytes` is what the allowance
+    leaves for the CUDA context and activations (negative: over it). The tightest condition counts;
+    None where the protocol has no such condition (competitors size their own placement; a kind
+    run without the cap holds none)."""
     p = expand(protocol)
     size = DTYPE_BYTES[p.dtype]
     params = shape.param_count() * size
     outgoing = shape.layers * shape.ffn * shape.hidden * size
-    held = {c.name: params if c.policy == "resident" else params - outgoing for c in p.conditions
-            if CONDITIONS[c.policy].competitor is None and "opt" in CONDITIONS[c.policy].families
-            and dict(c.params).get("allowance") != "unbounded"}
+    holding = {c.name: CONDITIONS[c.policy].holds(dict(c.params)) for c in p.conditions
+               if CONDITIONS[c.policy].competitor is None and "opt" in CONDITIONS[c.policy].families}
+    held = {name: params if what == "all" else params - outgoing for name, what in holding.items() if what}
     if not held:
         return None
     device = max(held.values())
@@ -183,8 +183,10 @@ def loader_device(protocol: Protocol | dict, *, shape: ModelShape) -> dict | Non
 def loader_device_warning(room: dict | None, *, batch: int) -> str | None:
     """One line when what packbench's loaders hold (loader_device) leaves less of the allowance than a
     CUDA context takes: the screen's episodes of those conditions will run out of memory (OPT-13B at
-    batch 64 under 20480 MiB did). Not a refusal: the context is measured on the worker, not here."""
-    if room is None or room["left_bytes"] >= TYPICAL_CONTEXT_BYTES:
+    batch 64 under 20480 MiB did). Not a refusal: the context is measured on the worker, not here.
+    None for an allowance no larger than a context: a CPU screen's (the quickstart's 64 MiB), where
+    the allowance is recorded, not imposed, and which a GPU could not run whatever its loaders held."""
+    if room is None or room["allowance_bytes"] <= TYPICAL_CONTEXT_BYTES or room["left_bytes"] >= TYPICAL_CONTEXT_BYTES:
         return None
     mib = 1 << 20
     names = ", ".join(room["conditions"])

@@ -123,6 +123,12 @@ def nothing_moves(params: Mapping[str, Any], call: CallInputs) -> float:
     return 0.0 * call.shape.layers
 
 
+def holds_incoming(params: Mapping[str, Any]) -> str | None:
+    """What a packbench loader keeps on the device under the allowance: every weight but the
+    outgoing rows, which stay on the host (core/estimate.py loader_device)."""
+    return "incoming"
+
+
 @dataclass(frozen=True)
 class RecordContext:
     """What the auditor knows of a competitor episode beyond its record (core/audit.py): the
@@ -206,7 +212,10 @@ class ConditionKind:
     `since`: the first schema that can say this kind (a protocol naming it freezes there);
     `schema_defaults`: per schema, what an omitted parameter means where that differs from its
     default (written into the frozen body, so old hashes hold); `competitor`: set for a kind
-    that is not packbench's own loader; `families`: the model families it runs on (MODEL_FAMILIES).
+    that is not packbench's own loader; `families`: the model families it runs on (MODEL_FAMILIES);
+    `holds(params)`: what a loader keeps on the device under the allowance beside its KV cache,
+    "incoming" (every weight but the outgoing rows) or "all", or None where it is not held to the
+    allowance (a competitor sizes its own placement).
     """
 
     name: str
@@ -219,6 +228,7 @@ class ConditionKind:
     schema_defaults: Mapping[int, Mapping[str, str]] = field(default_factory=dict)
     competitor: Competitor | None = None
     families: tuple[str, ...] = ("opt",)
+    holds: Callable[[Mapping[str, Any]], str | None] = holds_incoming
 
     def __post_init__(self) -> None:
         if self.tier not in TIERS:

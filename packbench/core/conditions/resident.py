@@ -10,4 +10,6 @@ KIND = ConditionKind(
     params={"allowance": ChoiceParam(choices=("held", "unbounded"), default="held", since=WEIGHTS_SCHEMA)},
     h2d_bytes=nothing_moves,  # the weights were placed once at start
     families=("opt", "moe"),  # an MoE model runs it at expert granularity (engine/moe/policies.py)
+    # every weight on the device, under the allowance unless told otherwise
+    holds=lambda params: None if params.get("allowance") == "unbounded" else "all",
 )
