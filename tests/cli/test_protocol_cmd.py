@@ -326,3 +326,23 @@ def test_plan_at_the_h2d_rate_bounds_prints_strict_json(packbench_cli, tmp_path,
     out = strict_json(r.stdout)
     assert out["estimate"]["h2d_gbps"] == float(gbps)
     assert all(0 < c["total_transfer_s"] < float("inf") for c in out["estimate"]["conditions"])
+
+
+@pytest.mark.parametrize("allowance, left", [(20480, "538.9 MB"), (16384, "-3.756 GB")])
+def test_plan_prints_the_loaders_device_room_even_when_it_is_negative(tmp_path, allowance, left):
+    """The plan's `device:` line: OPT-13B fp16 loaders hold 17.32 GB (every weight but the 8.389 GB
+    of outgoing rows), and 64 x (64 + 5) tokens' KV cache 3.618 GB; under 20480 MiB that leaves
+    538.9 MB, under 16384 MiB it is 3.756 GB short, printed with its sign. Bug caught: the plan's
+    byte formatter given a negative count prints it as raw bytes ("-3,756,... B")."""
+    body = {"name": "room", "model": {"synth": {"shape": "opt-13b", "dtype": "float16", "seed": 0}},
+            "dtype": "float16", "prompts": {"generator": {"seed": 0, "count": 64}}, "prefix_tokens": 64,
+            "continuation_tokens": 5, "batch": 64, "scored_prompts": 1, "warmups": 1, "reference": "dense-stream",
+            "allowance_mib": allowance, "conditions": [{"policy": "dense-stream"}, {"policy": "packet"}],
+            "gates": {"faithfulness": {}}}
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(body))
+    r = invoke("protocol", "plan", str(path), "--device", "cpu", "--db", f"sqlite:///{tmp_path / 'n.db'}")
+    assert r.exit_code == 0, (r.stdout, r.stderr)
+    assert (f"device: packbench's loaders hold 17.32 GB + a KV cache of 3.618 GB at batch 64; {left} of the "
+            f"allowance left for the CUDA context and activations") in r.stdout
+    assert "expect them to run out of memory" in r.stderr
