@@ -439,7 +439,7 @@ def machine_problem(machine: object) -> str | None:
     if not isinstance(machine, dict) or not isinstance(machine.get("name"), str):
         return "a machine file is a JSON object with name, pinned_h2d_gbps and decode_compute_ms"
     rate = machine.get("pinned_h2d_gbps")
-    if not isinstance(rate, dict) or not _positive(rate.get("value")) or not isinstance(rate.get("source"), str):
+    if not _figure(rate, _positive):
         return (f"pinned_h2d_gbps must be {{value: a rate > 0 in GB/s, {MIN_VALUE:g} to {MAX_VALUE:g}, source: the command "
                 f"and date that measured it}}")
     compute = machine.get("decode_compute_ms", {})
@@ -450,13 +450,18 @@ def machine_problem(machine: object) -> str | None:
         # ASCII digits only: "²".isdigit() holds, yet int("²") raises; and a layer count has few digits.
         if not shape or not (layers.isascii() and layers.isdigit()) or len(layers) > 6 or int(layers) < 1:
             return f"decode_compute_ms key {show(key)} must be shape:layers, e.g. qwen3-30b-a3b:12"
-        if not isinstance(v, dict) or not _positive(v.get("value")) or not isinstance(v.get("source"), str):
+        if not _figure(v, _positive):
             return (f"decode_compute_ms[{show(key)}] must be {{value: ms > 0, {MIN_VALUE:g} to {MAX_VALUE:g}, "
                     f"source: command and date}}")
         problem = _families_problem(key, v.get("families", {}))
         if problem:
             return problem
     return _overhead_problem(machine.get("overhead_us", {}))
+
+
+def _figure(v: object, valid: Callable[[object], bool]) -> bool:
+    """A machine file's measured figure: {value, source}, its value `valid`, its source text."""
+    return isinstance(v, dict) and valid(v.get("value")) and isinstance(v.get("source"), str)
 
 
 def _families_problem(key: str, families: object) -> str | None:
@@ -467,7 +472,7 @@ def _families_problem(key: str, families: object) -> str | None:
     for family, v in families.items():
         if family not in COMPUTE_FAMILIES:
             return f"{where} key {show(family)} must be one of {', '.join(COMPUTE_FAMILIES)}"
-        if not isinstance(v, dict) or not _positive(v.get("value")) or not isinstance(v.get("source"), str):
+        if not _figure(v, _positive):
             return (f"{where}[{family!r}] must be {{value: ms > 0, {MIN_VALUE:g} to {MAX_VALUE:g}, "
                     f"source: command and date}}")
     return None
@@ -484,7 +489,7 @@ def _overhead_problem(overhead: object) -> str | None:
         for term, v in terms.items():
             if term not in OVERHEAD_TERMS:
                 return f"overhead_us[{family!r}] key {show(term)} must be one of {', '.join(OVERHEAD_TERMS)}"
-            if not isinstance(v, dict) or not _non_negative(v.get("value")) or not isinstance(v.get("source"), str):
+            if not _figure(v, _non_negative):
                 return (f"overhead_us[{family!r}][{term!r}] must be {{value: microseconds >= 0, at most {MAX_VALUE:g}, "
                         f"source: command and date}}")
     return None
