@@ -239,12 +239,12 @@ class AcceleratedModel:
         self.row_bytes = row_bytes
         hooked = count_copies(model, self.recorder, row_bytes=row_bytes,
                               is_row=None if family is None else EXPERT_TENSOR.search)
-        on_device = sum(_bytes(model, prefix) for prefix, where in device_map.items() if where not in ("cpu", "disk"))
+        on_device, offloaded = placed_bytes(model, device_map) if cuda else (0, 0)
         self._cache_kw = cache_keyword(model)
         self.stats = OffloadStats(
             library_version=str(getattr(lib, "__version__", "")), load_s=time.perf_counter() - t0,
-            max_memory_bytes=max_memory, held_bytes=held, device_bytes=on_device if cuda else 0,
-            offloaded_bytes=_bytes(model, "") - (on_device if cuda else 0) if cuda else 0, offloaded_modules=hooked)
+            max_memory_bytes=max_memory, held_bytes=held, device_bytes=on_device,
+            offloaded_bytes=offloaded, offloaded_modules=hooked)
 
     def new_cache(self, capacity: int | None = None, *, mode: str | None = None, batch: int = 1):
         if (mode or self.mode) != "eager":
@@ -281,13 +281,26 @@ def full_offload(model: torch.nn.Module, device: torch.device) -> None:
     cpu_offload(model, execution_device=device)
 
 
-def _bytes(model: torch.nn.Module, prefix: str) -> int:
+def placed_bytes(model: torch.nn.Module, device_map: dict) -> tuple[int, int]:
+    """(bytes on the device, bytes offloaded to the host) once `model` is placed by `device_map`.
+    Under full offload (a map that places nothing, `full_offload`) `cpu_offload` hooks only the
+    parameters and moves buffers (a rotary embedding's inv_freq) to the device: they are the
+    device's, or the offloaded bytes would exceed what the hooks copy a call."""
+    if not places_on_device(device_map):
+        params = _bytes(model, "", buffers=False)
+        return _bytes(model, "") - params, params
+    on_device = sum(_bytes(model, prefix) for prefix, where in device_map.items() if where not in ("cpu", "disk"))
+    return on_device, _bytes(model, "") - on_device
+
+
+def _bytes(model: torch.nn.Module, prefix: str, *, buffers: bool = True) -> int:
     """Bytes of the checkpoint's tensors under module `prefix` ("" = all), tied ones once, read
-    from the host copies accelerate keeps (an offloaded tensor's own storage is `meta`)."""
+    from the host copies accelerate keeps (an offloaded tensor's own storage is `meta`);
+    `buffers=False`: parameters only."""
     module = model.get_submodule(prefix) if prefix else model
     seen: set[int] = set()
     total = 0
-    for name, t in [*module.named_parameters(), *module.named_buffers()]:
+    for name, t in [*module.named_parameters(), *(module.named_buffers() if buffers else ())]:
         if id(t) in seen:
             continue
         seen.add(id(t))

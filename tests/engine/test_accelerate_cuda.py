@@ -69,7 +69,8 @@ def test_an_allowance_with_room_for_no_layer_runs_accelerates_full_offload(opt12
     held = torch.cuda.memory_allocated(cuda)
     acc = AcceleratedModel(path, dtype=torch.float16, device=cuda, allowance_bytes=held + MIB, capacity=72)
     s = acc.stats
-    assert s.max_memory_bytes == 0 and s.device_bytes == 0 and s.offloaded_modules > 0, s
+    buffers = sum(b.numel() * b.element_size() for b in acc._model.buffers())  # cpu_offload leaves them on the device
+    assert s.max_memory_bytes == 0 and s.device_bytes == buffers and s.offloaded_modules > 0, s
     prompt = list(range(4, 36))
     out = run_episode(acc, prompt, continuation=6)
     per_call = [sum(c.h2d_weight_bytes) + sum(c.h2d_index_bytes) for c in out.calls]

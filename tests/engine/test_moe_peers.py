@@ -147,7 +147,9 @@ def test_full_offload_runs_every_module_from_the_host_copy_bit_for_bit(moe_check
     dense-stream's bit for bit. Bug caught: the first fix dispatched `{"": "cpu"}` with force_hooks,
     whose weights map for module "" is empty (accelerate extracts it by the prefix "."): no hook
     would have found its weights."""
-    from packbench.engine.accelerate import EXPERT_TENSOR, full_offload
+    from accelerate.utils import named_module_tensors
+
+    from packbench.engine.accelerate import EXPERT_TENSOR, full_offload, placed_bytes
 
     path = moe_checkpoints[(shape, "float32")]
     ref_model = CpuFirstMoE(path, dtype=torch.float32, device=torch.device("cpu"))
@@ -162,6 +164,14 @@ def test_full_offload_runs_every_module_from_the_host_copy_bit_for_bit(moe_check
     hooked = count_copies(model, Recorder(MOE_SHAPES[shape]["layers"]), row_bytes=acc.row_bytes,
                           is_row=EXPERT_TENSOR.search)
     assert hooked >= len(with_weights) > 0  # every one counted (a module of buffers alone is hooked too)
+    # What the stats call offloaded is what the hooks hold; buffers (rotary inv_freq) stay on the
+    # device. Bug caught on an H100: buffers were counted offloaded, 64 B more than a call copied.
+    held = {id(h.weights_map[n]): h.weights_map[n] for m in model.modules() if (h := getattr(m, "_hf_hook", None))
+            for n, _ in named_module_tensors(m, include_buffers=h.offload_buffers, recurse=h.place_submodules,
+                                             remove_non_persistent=True)}
+    buffers = sum(b.numel() * b.element_size() for b in model.buffers())
+    assert buffers > 0 and placed_bytes(model, {"": "cpu"}) == (buffers, sum(t.numel() * t.element_size()
+                                                                              for t in held.values()))
     out = run_episode(acc, PROMPT, continuation=CONTINUATION)
     assert np.array_equal(out.logits, ref.logits) and out.tokens == ref.tokens
 
