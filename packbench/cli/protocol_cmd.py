@@ -364,7 +364,7 @@ def _print_estimate(p, est: dict, timing: dict, *, shape, h2d_gbps: float) -> No
         typer.echo(f"device: packbench's loaders hold {_bytes(room['device_bytes'])} + a KV cache of "
                    f"{_bytes(room['kv_bytes'])} at batch {p.batch}; "
                    f"{_bytes(room['left_bytes']) if room['left_bytes'] >= 0 else '-' + _bytes(-room['left_bytes'])} of the allowance left "
-                   f"for the CUDA context and activations")
+                   f"for the CUDA context and activations (about {_bytes(room['activation_bytes'])} at this prefill)")
 
 
 def _time_lines(timing: dict, *, h2d_gbps: float) -> list[str]:

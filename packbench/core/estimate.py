@@ -177,16 +177,32 @@ def loader_device(protocol: Protocol | dict, *, shape: ModelShape) -> dict | Non
     device = max(held.values())
     kv = 2 * shape.layers * shape.hidden * (p.prefix_tokens + p.continuation_tokens) * p.batch * size
     return {"conditions": [n for n, b in held.items() if b == device], "device_bytes": device, "kv_bytes": kv,
+            "activation_bytes": working_bytes(shape, tokens=p.batch * p.prefix_tokens, size=size),
             "allowance_bytes": p.allowance_bytes, "left_bytes": p.allowance_bytes - device - kv}
+
+
+def working_bytes(shape: ModelShape, *, tokens: int, size: int) -> int:
+    """About what an OPT loader's prefill of `tokens` (batch x prefix) needs on the device beside
+    its resident weights and the KV cache: three layers' outgoing rows (the streamed or gathered
+    rows, in flight and being consumed) and three (hidden + ffn) activations a token. Checked
+    against the working sets the GPU runs left (peak sampled less context, resident weights and
+    KV cache; docs/experiments/competitors.md): OPT-13B dense-stream at batch 8 and 32 used 632 and
+    849 MiB (this gives 675 and 900); OPT-2.7B at batch 32 used 443 (this gives 300), and at batch
+    64 its loaders ran out of memory with 117 MiB left beside the context (this gives 450). A
+    guide for the warning below, not a bound."""
+    return 3 * shape.ffn * shape.hidden * size + 3 * tokens * (shape.hidden + shape.ffn) * size
 
 
 def loader_device_warning(room: dict | None, *, batch: int) -> str | None:
     """One line when what packbench's loaders hold (loader_device) leaves less of the allowance than a
-    CUDA context takes: the screen's episodes of those conditions will run out of memory (OPT-13B at
-    batch 64 under 20480 MiB did). Not a refusal: the context is measured on the worker, not here.
-    None for an allowance no larger than a context: a CPU screen's (the quickstart's 64 MiB), where
-    the allowance is recorded, not imposed, and which a GPU could not run whatever its loaders held."""
-    if room is None or room["allowance_bytes"] <= TYPICAL_CONTEXT_BYTES or room["left_bytes"] >= TYPICAL_CONTEXT_BYTES:
+    CUDA context and the prefill's working set (working_bytes) take: the screen's episodes of those
+    conditions will run out of memory (OPT-13B at batch 64 under 20480 MiB did, and OPT-2.7B at batch
+    64 under 5700 MiB with 862 MiB left). Not a refusal: the context is measured on the worker, not
+    here, and the working set is an estimate. None for an allowance no larger than a context: a CPU
+    screen's (the quickstart's 64 MiB), where the allowance is recorded, not imposed, and which a GPU
+    could not run whatever its loaders held."""
+    needed = TYPICAL_CONTEXT_BYTES + room["activation_bytes"] if room is not None else 0
+    if room is None or room["allowance_bytes"] <= TYPICAL_CONTEXT_BYTES or room["left_bytes"] >= needed:
         return None
     mib = 1 << 20
     names = ", ".join(room["conditions"])
@@ -194,8 +210,9 @@ def loader_device_warning(room: dict | None, *, batch: int) -> str | None:
             f"device (every weight but the outgoing rows) and the KV cache of batch {batch}, "
             f"{room['kv_bytes'] / mib:,.0f} MiB: {room['left_bytes'] / mib:,.0f} MiB of the "
             f"{room['allowance_bytes'] / mib:,.0f} MiB allowance is left for the CUDA context (about "
-            f"{TYPICAL_CONTEXT_BYTES / mib:,.0f} MiB on an H100 or H200) and activations, so expect them to run out "
-            f"of memory; raise allowance_mib or lower the batch")
+            f"{TYPICAL_CONTEXT_BYTES / mib:,.0f} MiB on an H100 or H200) and the prefill's activations (about "
+            f"{room['activation_bytes'] / mib:,.0f} MiB), so expect them to run out of memory; raise allowance_mib "
+            f"or lower the batch")
 
 
 # What the writer archives besides the logits (measured on CPU screens of the tiny model,
