@@ -54,6 +54,11 @@ def simulate(
     except sim.SimulateError as e:
         raise PackbenchError(f"--policy: {e}") from None
     rates = load_machine(machine) if machine is not None else None
+    for text, name, params in parsed:  # every refusal before any replay (a long trace takes a while)
+        try:
+            sim.check(t, name, params)
+        except (sim.SimulateError, ValueError) as e:
+            raise PackbenchError(f"--policy {text}: {e}") from None
     rows = []
     for text, name, params in parsed:
         try:

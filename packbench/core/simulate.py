@@ -358,6 +358,18 @@ def parse_policy(text: str, unit: str) -> tuple[str, dict]:
 CACHE_KEYS = ("hits", "misses", "prefetched", "used", "belady_hits")
 
 
+def check(trace: Trace, name: str, params: dict) -> Callable[[TraceModel, dict], Stepper]:
+    """Raise SimulateError where `name {params}` cannot be replayed on `trace` (everything `ledger`
+    refuses, before any call is replayed: a command given several policies refuses a bad one before
+    replaying the others); else the policy's stepper factory."""
+    make = SIMULATED[(trace.model.unit, name)][0]
+    if needs_forecast(name, params) and trace.forecasts is None:
+        raise SimulateError(f"{name} needs the trace's forecast sets, which this trace does not hold; record it "
+                            f"with packbench's tracer (trace version 2 or later) from the MoE checkpoint")
+    make(trace.model, params)  # its own parameter checks (capacity, rows_per_layer, int8's hidden size)
+    return make
+
+
 def ledger(trace: Trace, name: str, params: dict) -> list[dict]:
     """Per call, the engine's CallLedger fields (index, phase, tokens and the per-layer lists of
     LEDGER_KEYS) as `name {params}` would record them on this trace, plus per layer the cache's
@@ -367,10 +379,7 @@ def ledger(trace: Trace, name: str, params: dict) -> list[dict]:
     run that makes the most hits in that phase's calls (core/expert_cache.py `belady_by_phase`), so
     a phase's sum bounds every cache's hits in it."""
     m = trace.model
-    make = SIMULATED[(m.unit, name)][0]
-    if needs_forecast(name, params) and trace.forecasts is None:
-        raise SimulateError(f"{name} needs the trace's forecast sets, which this trace does not hold; record it "
-                            f"with packbench's tracer (trace version 2 or later) from the MoE checkpoint")
+    make = check(trace, name, params)
     skip = set(m.layers_without_units)
     calls = []
     for episode in trace.episodes():

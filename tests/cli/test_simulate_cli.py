@@ -436,3 +436,19 @@ def test_an_empty_parameter_part_is_refused(packbench_cli, tmp_path, spec, fix):
     one_line(packbench_cli("simulate", str(trace), "--policy", spec), f"policy {spec!r} has an empty parameter", fix)
     assert sim.parse_policy("packet:gather=device", "expert") == ("packet", {"gather": "device"})
     assert sim.parse_policy("packet", "expert") == ("packet", {})
+
+
+def test_a_refused_policy_is_refused_before_any_policy_is_replayed(opt_trace, monkeypatch):
+    """Several policies, the last refused (row-retention without rows_per_layer): one line, exit 2,
+    and no ledger replayed first. Bug caught: the earlier policies were replayed in full (minutes on
+    a long trace) and then discarded by the refusal of a later one."""
+    from in_process import run_packbench
+
+    replayed = []
+    real = sim.ledger
+    monkeypatch.setattr(sim, "ledger", lambda t, name, params: replayed.append(name) or real(t, name, params))
+    one_line(run_packbench("simulate", str(opt_trace), "--policy", "packet", "--policy", "dense-stream",
+                           "--policy", "row-retention"), "--policy row-retention: row-retention needs rows_per_layer")
+    assert replayed == []
+    r = run_packbench("simulate", str(opt_trace), "--policy", "packet", "--policy", "dense-stream", "--json")
+    assert r.returncode == 0 and replayed == ["packet", "dense-stream"], r.stderr
