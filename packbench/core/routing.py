@@ -25,8 +25,9 @@ routers). Every statistic is a function of traces alone:
   measure, counted over millions of tokens) as the trace grows; the uncorrected ratio stays
   beside it as `raw_lift`;
 - `cache`: the hit rates of an LRU, an LFU and Belady's optimal cache of c experts per layer,
-  each token's routed set one request (core/expert_cache.py, the module the engine's
-  `expert-cache` decides with: the same rules and tie-breaks).
+  each token's routed set one request, each prompt starting with an empty cache as a screen's
+  episode does (core/expert_cache.py, the module the engine's `expert-cache` decides with: the
+  same rules and tie-breaks).
 
 Layer rule: core. numpy and core only.
 """
@@ -145,6 +146,20 @@ def _finite_mean(values) -> float:
     return float(a.mean()) if a.size else float("nan")
 
 
+def cache_rates(prompts: list[list[list[int]]], capacity: int) -> dict[str, float]:
+    """Hit rates of an LRU, an LFU and Belady's cache of `capacity` experts over `prompts` (each a
+    list of requests, one per token), each prompt starting with an empty cache as a screen's
+    episode and `simulate`'s do: hits over requests summed across the prompts."""
+    hits = {"lru": 0, "lfu": 0, "belady": 0}
+    total = 0
+    for requests in prompts:
+        for name, count in (("lru", lru_hits), ("lfu", lfu_hits), ("belady", belady_hits)):
+            h, n = count(requests, capacity)
+            hits[name] += h
+        total += n
+    return {name: h / total for name, h in hits.items()}
+
+
 def summarise(traces: list[np.ndarray], *, experts: int, k: int, unions=(1, 32, 128, 512),
               apart=(1, 2, 4, 8), caches: tuple[int, ...] | None = None, seed: int = 0,
               layer_ids: list[int] | None = None) -> dict:
@@ -172,12 +187,8 @@ def summarise(traces: list[np.ndarray], *, experts: int, k: int, unions=(1, 32, 
             "union": {n: float(np.mean([union(s, n) for s in seqs])) for n in unions if n <= seqs[0].shape[0]},
             "cache": {},
         }
-        requests = [list(map(int, tok)) for s in seqs for tok in s]
         for c in caches:
-            lru, total = lru_hits(requests, c)
-            lfu, _ = lfu_hits(requests, c)
-            opt, _ = belady_hits(requests, c)
-            row["cache"][c] = {"lru": lru / total, "lfu": lfu / total, "belady": opt / total}
+            row["cache"][c] = cache_rates([[list(map(int, tok)) for tok in s] for s in seqs], c)
         if layer + 1 < layers:
             first_a = np.concatenate([s[:, 0] for s in seqs])
             first_b = np.concatenate([t[layer + 1][:, 0] for t in traces])

@@ -116,3 +116,18 @@ def test_a_one_token_trace_has_no_temporal_lift_to_judge():
     assert all(np.isnan(r["temporal_lift"]) for r in s["layers"])
     targets = [r["target"] for r in check(s, "mixtral")]
     assert not any(t.startswith("temporal lift") for t in targets) and targets[0].startswith("load skew")
+
+
+def test_cache_hit_rates_start_each_prompt_with_an_empty_cache():
+    """Two prompts of one layer, k = 1, a cache of 1 expert: prompt A routes 0, 0; prompt B 0, 1.
+    Each prompt cold: A hits once (its second 0), B never (its 0 starts cold, 1 misses): LRU 1 of 4.
+    One stream across prompts would hit B's first 0 too (2 of 4), so its rate was above what a
+    screen's episodes, each with a fresh cache, can reach. Bug caught: `model stats` replayed its
+    cache over all prompts as one stream. Belady cannot do better here (1 of 4) and bounds LRU."""
+    from packbench.core.routing import cache_rates
+
+    rates = cache_rates([[[0], [0]], [[0], [1]]], 1)
+    assert rates == {"lru": 0.25, "lfu": 0.25, "belady": 0.25}
+    traces = [np.array([[[0]], [[0]]]), np.array([[[0]], [[1]]])]  # (tokens, layers, k)
+    s = summarise([t.transpose(1, 0, 2) for t in traces], experts=2, k=1, caches=(1,))
+    assert s["layers"][0]["cache"][1] == rates
