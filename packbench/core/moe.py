@@ -203,10 +203,8 @@ def policy_need_bytes(shape: MoeShape, dtype: str, policy: str, gather: str = "h
     if policy in CACHE_POLICIES:
         slots = params.get("capacity", 0) * shape.moe_layers * shape.expert_bytes(dtype)
         return slots + (2 if forecasting(policy, params) else 1) * layer
-    if policy == "dense-stream" or gather == "device":
-        return layer
-    if gather == "mapped":  # the workspace and the k slots a batch-1 decode call gathers into
-        return layer + shape.k * shape.expert_bytes(dtype)
+    if policy == "dense-stream" or gather in ("device", "mapped"):
+        return layer  # the mapped gather's k one-token slots are the workspace's first k
     return layer + shape.experts * (shape.expert_bytes(dtype) + INDEX_BYTES)
 
 

@@ -101,6 +101,31 @@ def test_mapped_gathers_are_dense_stream_bit_for_bit_with_their_bytes(checkpoint
         assert model.graphs.graphs == {}
 
 
+def test_the_one_token_slots_are_the_workspaces_first_experts(checkpoints):
+    """After a prefill (the union into the workspace) and decode calls (k slots), the slots hold no
+    memory of their own and the policy's device bytes are the workspace and its counts. Bug caught:
+    separate slots, k experts more on the device (672 MiB at Mixtral-8x7B's shape), and the mapped
+    packet out of memory under 4608 MiB on an H100 where the device-gather packet ran."""
+    from packbench.core.moe import MoeShape, policy_need_bytes
+
+    path = checkpoints[("mixtral-tiny", "float32")]
+    model = CpuFirstMoE(path, dtype=torch.float32, device=torch.device("cpu"))
+    model.use("dense-stream")
+    ref = run_episode(model, PROMPT, continuation=CONTINUATION)
+    model.use("packet", gather="mapped")
+    out = run_episode(model, PROMPT, continuation=CONTINUATION)
+    assert (out.logits == ref.logits).all()
+    policy = model.slot.policy
+    ws, slots = policy.workspace, policy.slots
+    k = MOE_SHAPES["mixtral-tiny"]["k"]
+    assert slots.gate_up.shape[0] == k and slots.gate_up.data_ptr() == ws.gate_up.data_ptr()
+    assert slots.down.data_ptr() == ws.down.data_ptr()
+    assert policy.device_bytes() == ws.nbytes + policy.counts.numel() * policy.counts.element_size()
+    shape = MoeShape.of("mixtral-tiny")
+    assert policy_need_bytes(shape, "float32", "packet", "mapped") == policy_need_bytes(shape, "float32", "packet",
+                                                                                          "device")
+
+
 def test_the_mapped_policy_reads_only_the_routed_experts(checkpoints):
     """Scrambling an expert the decode token did not route leaves the logits; scrambling the
     mapped source of one it routed changes them (the gather reads host memory, not a stale copy)."""

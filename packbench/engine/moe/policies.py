@@ -321,10 +321,15 @@ class ExpertMappedPacket:
         raise RuntimeError("packet {gather: mapped} is handed the router's top-k (forward), never a routed set")
 
     def ensure_slots(self, k: int) -> Workspace:
+        """The k slots of a one-token call: the workspace's first k experts, not memory of their own.
+        A one-token call reads only its slots and a longer call re-gathers every expert it routes
+        into the workspace, so the two never need each other's contents; and every layer's gather
+        is queued on one stream after the previous layer's products. Bug caught: separate slots
+        cost k experts more on the device (672 MiB at Mixtral-8x7B's shape), and the mapped packet
+        ran out of memory under 4608 MiB where the device-gather packet ran."""
         if self.slots is None or self.slots.gate_up.shape[0] != k:
             ws = self.workspace
-            self.slots = Workspace(torch.zeros((k, *ws.gate_up.shape[1:]), dtype=ws.gate_up.dtype, device=self.device),
-                                   torch.zeros((k, *ws.down.shape[1:]), dtype=ws.down.dtype, device=self.device))
+            self.slots = Workspace(ws.gate_up[:k], ws.down[:k])
         return self.slots
 
     def single_token(self, layer: int, hidden: torch.Tensor, top_k_index: torch.Tensor,
@@ -372,7 +377,7 @@ class ExpertMappedPacket:
     def device_bytes(self) -> int:
         if self.workspace is None:
             return 0
-        return self.workspace.nbytes + (0 if self.slots is None else self.slots.nbytes) + _nbytes(self.counts)
+        return self.workspace.nbytes + _nbytes(self.counts)  # the slots are the workspace's (ensure_slots)
 
     def pinned_bytes(self) -> int:
         return 0  # the experts' own pinned memory, charged by the model (host.pinned_bytes)
