@@ -156,6 +156,7 @@ def estimate(protocol: Protocol | dict, *, shape: ModelShape, activity: Activity
 # The CUDA context and lazily loaded kernels beside a worker's allowance, as workers measured it:
 # 748-760 MiB on H100s and the H200 (docs/experiments/competitors.md, the peers' configurations).
 TYPICAL_CONTEXT_BYTES = 750 << 20
+WORKING_FIXED_BYTES = 192 << 20  # a prefill's working set beside rows and activations (working_bytes)
 
 
 def loader_device(protocol: Protocol | dict, *, shape: ModelShape) -> dict | None:
@@ -183,14 +184,17 @@ def loader_device(protocol: Protocol | dict, *, shape: ModelShape) -> dict | Non
 
 def working_bytes(shape: ModelShape, *, tokens: int, size: int) -> int:
     """About what an OPT loader's prefill of `tokens` (batch x prefix) needs on the device beside
-    its resident weights and the KV cache: three layers' outgoing rows (the streamed or gathered
-    rows, in flight and being consumed) and three (hidden + ffn) activations a token. Checked
-    against the working sets the GPU runs left (peak sampled less context, resident weights and
-    KV cache; docs/experiments/competitors.md): OPT-13B dense-stream at batch 8 and 32 used 632 and
-    849 MiB (this gives 675 and 900); OPT-2.7B at batch 32 used 443 (this gives 300), and at batch
-    64 its loaders ran out of memory with 117 MiB left beside the context (this gives 450). A
-    guide for the warning below, not a bound."""
-    return 3 * shape.ffn * shape.hidden * size + 3 * tokens * (shape.hidden + shape.ffn) * size
+    its resident weights and the KV cache: two layers' outgoing rows (the rows in flight and the
+    ones being consumed), three (hidden + ffn) activations a prefill token, and WORKING_FIXED_BYTES
+    (cuBLAS's workspace, the allocator's rounding). Fitted to the working sets the GPU runs left
+    (peak sampled less a 748 MiB context, the resident weights and the KV cache;
+    docs/experiments/competitors.md) and rounded up: OPT-13B dense-stream at batch 8 and 32 used
+    632 and 849 MiB (this gives 667 and 892), OPT-2.7B at batch 32 used 420 (this gives 442); at
+    batch 64 OPT-2.7B's loaders ran out of memory with about 115 MiB left beside the context (this
+    gives 592), and at batch 16 under 4800 MiB with 194 (this gives 367). A guide for the warning
+    below, not a bound."""
+    return (2 * shape.ffn * shape.hidden * size + 3 * tokens * (shape.hidden + shape.ffn) * size
+            + WORKING_FIXED_BYTES)
 
 
 def loader_device_warning(room: dict | None, *, batch: int) -> str | None:

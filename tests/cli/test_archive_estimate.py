@@ -161,6 +161,6 @@ def test_submit_warns_where_the_loaders_leave_no_room_for_a_context(tmp_path, ba
         assert lines == ["warning: dense-stream, packet hold 16,516 MiB on the device (every weight but the outgoing "
                          "rows) and the KV cache of batch 64, 3,450 MiB: 514 MiB of the 20,480 MiB allowance is left "
                          "for the CUDA context (about 750 MiB on an H100 or H200) and the prefill's activations (about "
-                         "1,200 MiB), so expect them to run out of memory; raise allowance_mib or lower the batch"], r.stderr
+                         "1,192 MiB), so expect them to run out of memory; raise allowance_mib or lower the batch"], r.stderr
     else:
         assert lines == [], r.stderr

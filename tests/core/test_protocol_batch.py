@@ -143,10 +143,10 @@ def test_the_plan_weighs_what_the_loaders_hold_on_the_device_against_the_allowan
 
     shape = ModelShape.of("tiny")
     room = loader_device(freeze(protocol(TINY, batch=2, allowance_mib=1)).body, shape=shape)
-    # the prefill's working set: three layers' outgoing rows, 3 x 65,536 B, and three (hidden + ffn)
-    # activations for each of 2 x 32 prefill tokens, 3 x 64 x 320 x 4 B
+    # the prefill's working set: two layers' outgoing rows, 2 x 65,536 B, three (hidden + ffn)
+    # activations for each of 2 x 32 prefill tokens, 3 x 64 x 320 x 4 B, and the fixed 192 MiB
     assert room == {"conditions": ["dense-stream", "packet"], "device_bytes": 466_432, "kv_bytes": 81_920,
-                    "activation_bytes": 196_608 + 245_760,
+                    "activation_bytes": 131_072 + 245_760 + (192 << 20),
                     "allowance_bytes": 1 << 20, "left_bytes": (1 << 20) - 466_432 - 81_920}
     # An allowance no larger than a CUDA context is a CPU screen's (recorded, not imposed): no warning,
     # or every CPU screen of the tiny model (the quickstart's 64 MiB) would carry one.
@@ -170,21 +170,22 @@ def test_the_plan_weighs_what_the_loaders_hold_on_the_device_against_the_allowan
     assert estimate(freeze(protocol(TINY)).body, shape=shape, activity=Activity(0.94))["loader_device"]["kv_bytes"] == 40_960
 
 
-@pytest.mark.parametrize("shape, allowance, batch, warned", [("opt-2.7b", 5700, 64, True), ("opt-2.7b", 5700, 32, False),
-                                                             ("opt-13b", 20480, 64, True), ("opt-13b", 20480, 32, False),
-                                                             ("opt-13b", 20480, 8, False)])
-def test_the_loader_warning_matches_what_the_gpu_ran(shape, allowance, batch, warned):
-    """Every OPT loader screen run on an H100 at 64-token prefixes (docs/experiments/competitors.md):
-    OPT-2.7B at batch 64 under 5700 MiB ran out of memory with 862 MiB left after its weights and KV
-    cache, more than a context, so a context alone did not warn; with the prefill's working set
-    (450 MiB there) it does. Batch 32 (OPT-2.7B and OPT-13B) and 8 ran and must not warn; OPT-13B at
-    64 ran out of memory. Bug caught: a plan that promised room to a screen whose loaders then all
-    failed."""
+@pytest.mark.parametrize("shape, allowance, batch, continuation, warned", [
+    ("opt-2.7b", 5700, 64, 5, True), ("opt-2.7b", 5700, 32, 7, False), ("opt-2.7b", 5700, 8, 7, False),
+    ("opt-2.7b", 4800, 16, 16, True), ("opt-2.7b", 4800, 8, 16, False),
+    ("opt-13b", 20480, 64, 5, True), ("opt-13b", 20480, 32, 7, False), ("opt-13b", 20480, 8, 7, False)])
+def test_the_loader_warning_matches_what_the_gpu_ran(shape, allowance, batch, continuation, warned):
+    """Every OPT loader screen run on a GPU at 64-token prefixes (docs/experiments/competitors.md,
+    batched.md): OPT-2.7B at batch 64 under 5700 MiB ran out of memory with 862 MiB left after its
+    weights and KV cache, more than a context, so a context alone did not warn; with the prefill's
+    working set (592 MiB there) it does. At batch 16 under 4800 MiB it ran out of memory too, and
+    OPT-13B at 64; the others ran and must not warn. Bug caught: a plan that promised room to a
+    screen whose loaders then all failed."""
     from packbench.core.estimate import ModelShape, loader_device, loader_device_warning
 
     body = {"name": "room", "model": {"synth": {"shape": shape, "dtype": "float16", "seed": 0}},
             "dtype": "float16", "prompts": {"generator": {"seed": 0, "count": batch}}, "prefix_tokens": 64,
-            "continuation_tokens": 5, "batch": batch, "scored_prompts": 1, "warmups": 1,
+            "continuation_tokens": continuation, "batch": batch, "scored_prompts": 1, "warmups": 1,
             "reference": "dense-stream", "allowance_mib": allowance,
             "conditions": [{"policy": "dense-stream"}, {"policy": "packet"}], "gates": {"faithfulness": {}}}
     room = loader_device(freeze(body).body, shape=ModelShape.of(shape))
