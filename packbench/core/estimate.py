@@ -188,7 +188,7 @@ def working_bytes(shape: ModelShape, *, tokens: int, size: int) -> int:
     ones being consumed), three (hidden + ffn) activations a prefill token, and WORKING_FIXED_BYTES
     (cuBLAS's workspace, the allocator's rounding). Fitted to the working sets the GPU runs left
     (peak sampled less a 748 MiB context, the resident weights and the KV cache;
-    docs/experiments/competitors.md) and rounded up: OPT-13B dense-stream at batch 8 and 32 used
+    docs/experiments/competitors.md) and rounded up: OPT-13B's streaming loader at batch 8 and 32 used
     632 and 849 MiB (this gives 667 and 892), OPT-2.7B at batch 32 used 420 (this gives 442); at
     batch 64 OPT-2.7B's loaders ran out of memory with about 115 MiB left beside the context (this
     gives 592), and at batch 16 under 4800 MiB with 194 (this gives 367). A guide for the warning
