@@ -184,10 +184,10 @@ def loader_device(protocol: Protocol | dict, *, shape: ModelShape) -> dict | Non
 
 def working_bytes(shape: ModelShape, *, tokens: int, size: int) -> int:
     """About what an OPT loader's prefill of `tokens` (batch x prefix) needs on the device beside
-    its resident weights and the KV cache: two layers' outgoing rows (the rows in flight and the
+    the weights it holds there and the KV cache: two layers' outgoing rows (the rows in flight and the
     ones being consumed), three (hidden + ffn) activations a prefill token, and WORKING_FIXED_BYTES
     (cuBLAS's workspace, the allocator's rounding). Fitted to the working sets the GPU runs left
-    (peak sampled less a 748 MiB context, the resident weights and the KV cache;
+    (peak sampled less a 748 MiB context, the weights held and the KV cache;
     docs/experiments/competitors.md) and rounded up: OPT-13B's streaming loader at batch 8 and 32 used
     632 and 849 MiB (this gives 667 and 892), OPT-2.7B at batch 32 used 420 (this gives 442); at
     batch 64 OPT-2.7B's loaders ran out of memory with about 115 MiB left beside the context (this
