@@ -6,9 +6,8 @@ by tensor buffer overrides: the two pieces a `llama-cpp` condition kind needs, t
 DIR is a packbench MoE checkpoint and FILE its GGUF conversion (`python -m bench.llamacpp_gguf`).
 The probe runs packbench's `dense-stream` on DIR (the reference: greedy tokens and every call's
 logits), then llama.cpp (llama-cpp-python) on FILE, fed the prompt and the reference's tokens
-(teacher-forced), and prints how far its logits are from the reference's: max |difference|, mean
-KL(reference || llama.cpp) and top-1 agreement, the fidelity gate's measures for an approximate
-condition.
+(teacher-forced), and prints how far its logits are from the reference's with the fidelity gate's own figures
+(core/fidelity.py): max |difference|, mean and p99 KL(reference || llama.cpp), top-1 agreement.
 
 Experts in host memory: llama-cpp-python 0.3.36's `Llama` passes no tensor buffer overrides (what
 llama.cpp's `--n-cpu-moe N` sets), and its `llama_model_params` declares `tensor_buft_overrides`
@@ -107,11 +106,6 @@ def llama_logits(gguf: Path, tokens: list[int], *, n_cpu_moe: int, gpu_layers: i
         lc.llama_model_free(model)
 
 
-def log_softmax(x: np.ndarray) -> np.ndarray:
-    x = x.astype(np.float64) - x.max(-1, keepdims=True)
-    return x - np.log(np.exp(x).sum(-1, keepdims=True))
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", type=Path, required=True, help="the packbench MoE checkpoint (the reference's)")
@@ -128,6 +122,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
+    from packbench.core.fidelity import fidelity
     from packbench.engine.episode import run_episode
     from packbench.engine.moe.model import CpuFirstMoE
 
@@ -140,11 +135,10 @@ def main(argv: list[str] | None = None) -> int:
     every = llama_logits(a.gguf, prompt + tokens[:-1], n_cpu_moe=a.n_cpu_moe, gpu_layers=a.gpu_layers,
                          threads=a.threads)
     got = every[len(prompt) - 1:]  # the prompt's last position, then each teacher-forced token's
-    lw, lg = log_softmax(want), log_softmax(got)
-    kl = (np.exp(lw) * (lw - lg)).sum(-1)
+    f = fidelity(want, got, reference_tokens=tokens, tokens=tokens)  # the gate's figures; its own tokens unknown
     print(f"llama.cpp teacher-forced against dense-stream ({a.model.name}, {len(tokens)} calls, experts of "
-          f"{a.n_cpu_moe} layers in host memory, n_gpu_layers {a.gpu_layers}): max |d| {np.abs(got - want).max():.4g}, "
-          f"mean KL {kl.mean():.3g}, worst KL {kl.max():.3g}, top-1 {(got.argmax(-1) == want.argmax(-1)).mean():.3f}")
+          f"{a.n_cpu_moe} layers in host memory, n_gpu_layers {a.gpu_layers}): max |d| {f.max_abs_logit:.4g}, "
+          f"mean KL {f.mean_kl:.3g}, p99 KL {f.p99_kl:.3g}, top-1 {f.top1:.3f}")
     return 0
 
 

@@ -205,8 +205,8 @@ def loader_device_warning(room: dict | None, *, batch: int) -> str | None:
     here, and the working set is an estimate. None for an allowance no larger than a context: a CPU
     screen's (the quickstart's 64 MiB), where the allowance is recorded, not imposed, and which a GPU
     could not run whatever its loaders held."""
-    needed = TYPICAL_CONTEXT_BYTES + room["activation_bytes"] if room is not None else 0
-    if room is None or room["allowance_bytes"] <= TYPICAL_CONTEXT_BYTES or room["left_bytes"] >= needed:
+    if (room is None or room["allowance_bytes"] <= TYPICAL_CONTEXT_BYTES
+            or room["left_bytes"] >= TYPICAL_CONTEXT_BYTES + room["activation_bytes"]):
         return None
     mib = 1 << 20
     names = ", ".join(room["conditions"])

@@ -150,14 +150,10 @@ def cache_rates(prompts: list[list[list[int]]], capacity: int) -> dict[str, floa
     """Hit rates of an LRU, an LFU and Belady's cache of `capacity` experts over `prompts` (each a
     list of requests, one per token), each prompt starting with an empty cache as a screen's
     episode and `simulate`'s do: hits over requests summed across the prompts."""
-    hits = {"lru": 0, "lfu": 0, "belady": 0}
-    total = 0
-    for requests in prompts:
-        for name, count in (("lru", lru_hits), ("lfu", lfu_hits), ("belady", belady_hits)):
-            h, n = count(requests, capacity)
-            hits[name] += h
-        total += n
-    return {name: h / total for name, h in hits.items()}
+    counted = {name: [count(requests, capacity) for requests in prompts]  # (hits, routed) a prompt
+               for name, count in (("lru", lru_hits), ("lfu", lfu_hits), ("belady", belady_hits))}
+    routed = sum(n for _, n in counted["lru"])  # the same for every rule
+    return {name: sum(h for h, _ in per_prompt) / routed for name, per_prompt in counted.items()}
 
 
 def summarise(traces: list[np.ndarray], *, experts: int, k: int, unions=(1, 32, 128, 512),

@@ -324,9 +324,9 @@ class ExpertMappedPacket:
         """The k slots of a one-token call: the workspace's first k experts, not memory of their own.
         A one-token call reads only its slots and a longer call re-gathers every expert it routes
         into the workspace, so the two never need each other's contents; and every layer's gather
-        is queued on one stream after the previous layer's products. Bug caught: separate slots
-        cost k experts more on the device (672 MiB at Mixtral-8x7B's shape), and the mapped packet
-        ran out of memory under 4608 MiB where the device-gather packet ran."""
+        is queued on one stream after the previous layer's products. Slots of their own would cost
+        k experts more on the device (672 MiB at Mixtral-8x7B's shape: enough to run the mapped
+        packet out of memory under 4608 MiB where the device-gather packet fits)."""
         if self.slots is None or self.slots.gate_up.shape[0] != k:
             ws = self.workspace
             self.slots = Workspace(ws.gate_up[:k], ws.down[:k])
