@@ -23,6 +23,15 @@ $(STAMP): pyproject.toml | $(BIN)/python
 	$(BIN)/python -m pip install -q --no-build-isolation -e '.[test,offload]'
 	touch $(STAMP)
 
+# The [llamacpp] extra for the llama-cpp tests (engine/llama_cpp.py), in `make test` only: llama-cpp-python
+# is an sdist that builds llama.cpp (about 3 min on 2 cores: its CPU backend, portable AVX2 code, the
+# multimodal library off; pip keeps the wheel it built in its cache). A CUDA build for a GPU worker:
+# CMAKE_ARGS='-DGGML_CUDA=on' pip install 'packbench[llamacpp]'.
+LLAMA_STAMP := $(VENV)/.installed-llamacpp
+$(LLAMA_STAMP): pyproject.toml | $(STAMP)
+	CMAKE_ARGS="$${CMAKE_ARGS:--DLLAVA_BUILD=OFF -DGGML_NATIVE=OFF}" $(BIN)/python -m pip install -q -e '.[llamacpp]'
+	touch $(LLAMA_STAMP)
+
 venv: $(STAMP)
 
 demo: $(STAMP)
@@ -45,7 +54,7 @@ browser:
 # process group for the life of a process (engine/zero_inference.py), state no other test should
 # run beside. The cause of their Ray test failing after the in-process ones (a rendezvous left in
 # the environment) is fixed, so the split isolates DeepSpeed's process-wide state, not a known bug.
-test: $(STAMP) browser
+test: $(STAMP) $(LLAMA_STAMP) browser
 	$(BIN)/python -m pytest -q --durations=15 -m "not gpu and not deepspeed and not flexgen"
 	$(BIN)/python -m pytest -q -m deepspeed tests/engine/test_zero_inference.py
 	$(BIN)/python -m pytest -q -m flexgen tests/engine/test_flexgen_cpu.py

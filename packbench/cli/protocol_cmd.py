@@ -251,8 +251,10 @@ def _moe_plan(frozen: FrozenProtocol, *, h2d_gbps: float, json_out: bool) -> Non
     for c in p.conditions:
         gather = c.resolved_params.get("gather", "device")
         hot = c.resolved_params.get("hot", 0)
-        pre = call_bytes(s, p.dtype, c.policy, tokens=batch * p.prefix_tokens, phase="prefill", gather=gather, hot=hot)
-        dec = call_bytes(s, p.dtype, c.policy, tokens=batch, phase="decode", gather=gather, hot=hot)
+        params = dict(c.resolved_params)
+        pre = call_bytes(s, p.dtype, c.policy, tokens=batch * p.prefix_tokens, phase="prefill", gather=gather, hot=hot,
+                         params=params)
+        dec = call_bytes(s, p.dtype, c.policy, tokens=batch, phase="decode", gather=gather, hot=hot, params=params)
         bound = call_bytes_bound(c.policy, dict(c.resolved_params), tokens=batch * p.prefix_tokens)  # the longest call
         rows.append({"condition": c.name, "policy": c.policy, "prefill_bytes": pre, "decode_bytes": dec, "bound": bound,
                      "decode_floor_ms": dec / (h2d_gbps * 1e9) * 1e3})

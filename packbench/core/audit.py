@@ -64,6 +64,7 @@ from packbench.core.metrics import (
     wall_problems,
 )
 from packbench.core.expert_cache import figure_problems
+from packbench.core.moe import is_moe_shape, moe_config
 from packbench.core.passes import pass_problems
 from packbench.core.provenance import check_signature, signature_path
 from packbench.core.plan import plan as make_plan
@@ -660,6 +661,8 @@ class _Audit:
             return
         synth = proto.model.synth
         config = shape_config(synth.shape) if synth is not None and synth.shape in SHAPES else None
+        if synth is not None and is_moe_shape(synth.shape):
+            config = moe_config(synth.shape, layers=synth.layers, dtype=proto.dtype)
         device = start.get("device") if isinstance(start, dict) else None
         ctx = RecordContext(allowance_bytes=proto.allowance_bytes, dtype=proto.dtype, batch=proto.batch,
                             capacity=proto.prefix_tokens + proto.continuation_tokens,

@@ -61,6 +61,25 @@ DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 INDEX_BYTES = 8  # engine/moe/policies.py INDEX_DTYPE is int64: core/charges.py INDEX_BYTES, the ledger's rule
 
 
+def moe_config(shape: str, *, layers: int | None = None, dtype: str = "float32") -> dict:
+    """The config.json of a synthetic checkpoint of `shape` (core/moe.py MOE_SHAPES)."""
+    s = MOE_SHAPES[shape]
+    common = dict(hidden_size=s["hidden"], num_hidden_layers=layers or s["layers"], num_attention_heads=s["heads"],
+                  num_key_value_heads=s["kv_heads"], head_dim=s["head_dim"], vocab_size=s["vocab"],
+                  num_experts_per_tok=s["k"], max_position_embeddings=MAX_POSITIONS, rms_norm_eps=1e-6,
+                  tie_word_embeddings=False, bos_token_id=None, eos_token_id=None, pad_token_id=None,
+                  dtype=dtype, output_router_logits=False, router_aux_loss_coef=0.0)
+    if s["family"] == "mixtral":
+        return dict(model_type="mixtral", architectures=["MixtralForCausalLM"], intermediate_size=s["intermediate"],
+                    num_local_experts=s["experts"], rope_theta=1e6, sliding_window=None, **common)
+    if s["family"] == "qwen3_moe":
+        return dict(model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"], moe_intermediate_size=s["intermediate"],
+                    intermediate_size=s["intermediate"] * 8, num_experts=s["experts"], decoder_sparse_step=1,
+                    mlp_only_layers=[], norm_topk_prob=s["norm_topk_prob"], rope_theta=1e6, **common)
+    return dict(model_type="olmoe", architectures=["OlmoeForCausalLM"], intermediate_size=s["intermediate"],
+                num_experts=s["experts"], norm_topk_prob=s["norm_topk_prob"], rope_theta=1e4, clip_qkv=None, **common)
+
+
 def is_moe_shape(shape: Any) -> bool:
     return isinstance(shape, str) and shape in MOE_SHAPES
 
@@ -282,10 +301,12 @@ def shape_refusal(s: MoeShape, family: str, *, dtype: str, conditions: list[tupl
 
 
 def call_bytes(shape: MoeShape, dtype: str, policy: str, *, tokens: int, phase: str, gather: str = "device",
-               hot: int = 0) -> int:
+               hot: int = 0, params: dict | None = None) -> int:
     """Host-to-device bytes one call moves, all MoE layers: exact for dense-stream, resident and
     host-experts (the experts' outputs coming back, one hidden-sized row a token a layer; its `hot`
-    experts a layer moved once, in the prefill call: at most the outputs then), at most for a
+    experts a layer moved once, in the prefill call: at most the outputs then), llama-cpp's by
+    llama.cpp's rules (its host layers' float32 expert outputs; with op offload, a call of 32 tokens
+    or more copies their experts: at most every one, `params` its n_cpu_moe, omitted every layer's), at most for a
     packet (the union of `tokens` tokens' k experts a layer is at most min(E, k x tokens)), for
     accelerate (every layer offloaded: its whole weights each call) and for an expert cache (only
     its misses move: at most the packet's experts, no index); for expert-forecast the packet's
@@ -296,6 +317,13 @@ def call_bytes(shape: MoeShape, dtype: str, policy: str, *, tokens: int, phase: 
     layer_all = shape.experts * shape.expert_bytes(dtype)
     if policy == "resident":
         return 0
+    if policy == "llama-cpp":  # by llama.cpp's scheduler's rules: core/conditions/llama_cpp.py
+        from packbench.core.conditions.llama_cpp import F32, OP_OFFLOAD_MIN_BATCH
+
+        params = params or {}
+        host = min(params.get("n_cpu_moe", shape.moe_layers), shape.moe_layers)
+        copied = params.get("op_offload", "on") == "on" and tokens >= OP_OFFLOAD_MIN_BATCH
+        return host * (tokens * shape.hidden * F32 + (layer_all if copied else 0))
     if policy == "host-experts":
         placed = min(hot, shape.experts) * shape.expert_bytes(dtype) if phase == "prefill" else 0
         return shape.moe_layers * (tokens * shape.hidden * DTYPE_BYTES[dtype] + placed)
@@ -316,6 +344,11 @@ def call_bytes_bound(policy: str, params: dict, *, tokens: int = 1) -> str:
     estimate; a cache that forecasts: fewer misses, some waste)."""
     if policy in ("resident", "dense-stream"):
         return "exact"
+    if policy == "llama-cpp":
+        from packbench.core.conditions.llama_cpp import OP_OFFLOAD_MIN_BATCH
+
+        copies = params.get("op_offload", "on") == "on" and tokens >= OP_OFFLOAD_MIN_BATCH
+        return "at most" if copies or params.get("n_cpu_moe") is None else "exact"
     if policy == "expert-forecast":
         return "at least" if tokens == 1 else "about"
     return "about" if forecasting(policy, params) else "at most"

@@ -260,6 +260,10 @@ def check_family(frozen: FrozenProtocol) -> None:
             from packbench.core.registry import shape_config
 
             check_offload(p, shape_config(p.model.synth.shape))
+        else:
+            from packbench.core.moe import moe_config
+
+            check_llama_cpp(p, moe_config(p.model.synth.shape, layers=p.model.synth.layers, dtype=p.dtype))
         return
     from packbench.core.moe import FAMILIES, family_refusal, moe_refusal
     from packbench.engine.config import read_config
@@ -282,6 +286,25 @@ def check_family(frozen: FrozenProtocol) -> None:
                           conditions=[(c.name, c.policy, dict(c.resolved_params)) for c in p.conditions])
     if refusal:
         raise ProtocolError(f"protocol field `{refusal[0]}`: {refusal[1]}")
+    check_llama_cpp(p, config)
+
+
+def check_llama_cpp(p: Protocol, config: dict) -> None:
+    """A llama-cpp condition whose placement the allowance cannot hold even before the CUDA context
+    (core/conditions/llama_cpp.py choose_placement, which the worker runs again with the context it
+    measures), or whose n_cpu_moe is more than the model's layers, is refused in one line."""
+    from packbench.core.conditions.llama_cpp import PlacementRefused, choose_placement
+
+    for i, c in enumerate(p.conditions):
+        if c.policy != "llama-cpp":
+            continue
+        try:
+            choose_placement(config, c.resolved_params, dtype=p.dtype, allowance=p.allowance_bytes, context=0,
+                             batch=p.batch, capacity=p.prefix_tokens + p.continuation_tokens)
+        except PlacementRefused as e:
+            field = f"conditions[{i}].params.n_cpu_moe" if c.resolved_params.get("n_cpu_moe") is not None \
+                else "allowance_mib"
+            raise ProtocolError(f"protocol field `{field}`: {e}") from None
 
 
 def check_weights(frozen: FrozenProtocol) -> None:

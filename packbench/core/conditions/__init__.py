@@ -11,8 +11,8 @@ Layer rule: core. Imports nothing outside core (no torch): validation runs on an
 """
 
 from packbench.core.conditions import (accelerate, dense_stream, early_forecast, expert_cache, expert_forecast,
-                                       flexgen, host_experts, packet, phase_switched, quantized, resident,
-                                       row_retention, sparse_extents, zero_inference)
+                                       flexgen, host_experts, llama_cpp, packet, phase_switched, quantized,
+                                       resident, row_retention, sparse_extents, zero_inference)
 from packbench.core.conditions.base import MAX_INT_PARAM, ConditionKind
 
 FAMILY_NAMES = {"opt": "OPT", "moe": "MoE"}  # base.MODEL_FAMILIES as the docs' table names them
@@ -21,7 +21,7 @@ FAMILY_NAMES = {"opt": "OPT", "moe": "MoE"}  # base.MODEL_FAMILIES as the docs' 
 # alone; then the competitors.
 CONDITIONS: dict[str, ConditionKind] = {m.KIND.name: m.KIND for m in (
     resident, dense_stream, sparse_extents, packet, phase_switched, row_retention, early_forecast,
-    expert_cache, expert_forecast, quantized, accelerate, zero_inference, host_experts, flexgen)}
+    expert_cache, expert_forecast, quantized, accelerate, zero_inference, host_experts, flexgen, llama_cpp)}
 
 
 def kinds_table() -> str:

@@ -10,8 +10,8 @@ through a new one.
 
 from packbench.core.conditions import CONDITIONS
 from packbench.engine.conditions import (accelerate, dense_stream, early_forecast, expert_cache, expert_forecast,
-                                         flexgen, host_experts, packet, phase_switched, quantized, resident, row_retention,
-                                         sparse_extents, zero_inference)
+                                         flexgen, host_experts, llama_cpp, packet, phase_switched, quantized, resident,
+                                         row_retention, sparse_extents, zero_inference)
 from packbench.engine.conditions.base import ConditionRuntime, LoaderRuntime
 from packbench.engine.policies.base import LoaderPolicy
 
@@ -30,6 +30,7 @@ RUNTIMES: dict[str, ConditionRuntime] = {
     "zero-inference": zero_inference.RUNTIME,
     "host-experts": host_experts.RUNTIME,
     "flexgen": flexgen.RUNTIME,
+    "llama-cpp": llama_cpp.RUNTIME,
 }
 
 

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from packbench.core.moe import MAX_POSITIONS, MOE_SHAPES, ROUTING_OF
+from packbench.core.moe import MOE_SHAPES, ROUTING_OF, moe_config
 from packbench.engine.moe.model import model_class
 from packbench.engine.synth import one_thread, os_errors
 
@@ -59,25 +59,6 @@ PROFILES: dict[str, RoutingProfile] = {
     # No locality, no skew, no cross-layer link: what a random router gives (the check's negative).
     "uniform": RoutingProfile(shared=0.0, skew=0.0, window=0.0, sharpness=0.0, context=0.0, rho=0.0, readout=6.0),
 }
-
-
-def moe_config(shape: str, *, layers: int | None = None, dtype: str = "float32") -> dict:
-    """The config.json of a synthetic checkpoint of `shape` (core/moe.py MOE_SHAPES)."""
-    s = MOE_SHAPES[shape]
-    common = dict(hidden_size=s["hidden"], num_hidden_layers=layers or s["layers"], num_attention_heads=s["heads"],
-                  num_key_value_heads=s["kv_heads"], head_dim=s["head_dim"], vocab_size=s["vocab"],
-                  num_experts_per_tok=s["k"], max_position_embeddings=MAX_POSITIONS, rms_norm_eps=1e-6,
-                  tie_word_embeddings=False, bos_token_id=None, eos_token_id=None, pad_token_id=None,
-                  dtype=dtype, output_router_logits=False, router_aux_loss_coef=0.0)
-    if s["family"] == "mixtral":
-        return dict(model_type="mixtral", architectures=["MixtralForCausalLM"], intermediate_size=s["intermediate"],
-                    num_local_experts=s["experts"], rope_theta=1e6, sliding_window=None, **common)
-    if s["family"] == "qwen3_moe":
-        return dict(model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"], moe_intermediate_size=s["intermediate"],
-                    intermediate_size=s["intermediate"] * 8, num_experts=s["experts"], decoder_sparse_step=1,
-                    mlp_only_layers=[], norm_topk_prob=s["norm_topk_prob"], rope_theta=1e6, **common)
-    return dict(model_type="olmoe", architectures=["OlmoeForCausalLM"], intermediate_size=s["intermediate"],
-                num_experts=s["experts"], norm_topk_prob=s["norm_topk_prob"], rope_theta=1e4, clip_qkv=None, **common)
 
 
 def _config(shape: str, layers: int | None, dtype: str):
