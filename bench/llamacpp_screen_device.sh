@@ -12,7 +12,8 @@
 #          SHAPE checkpoint (qwen3-30b-a3b, LAYERS=12 of 48, fp16, drawn on the GPU) screened under ALLOWANCE_MIB
 #          (7168: the share of the model 24 GiB is of the full one, as bench/moe_peers_device.sh): dense-stream,
 #          packet (mapped gather), host-experts, llama-cpp with n_cpu_moe chosen from the allowance, and
-#          llama-cpp with every layer's experts in host memory (n_cpu_moe LAYERS, llama.cpp's --cpu-moe);
+#          llama-cpp with every layer's experts in host memory (n_cpu_moe LAYERS, llama.cpp's --cpu-moe), and
+#          the chosen placement with op offload off (its prefill's host experts computed on the CPU);
 #          1 warm-up + 2 prompts of PREFIX + CONT tokens each; the audit; bench.moe_peers_screen's table.
 # Carry .whl (`EXTRA="gguf scikit-build-core pathspec pyproject-metadata packaging" bash ../shared/device/wheelhouse.sh`)
 # and .llama; make both calls on one warm machine:
@@ -52,9 +53,28 @@ fi
 if [ "${ONLY:-run}" = run ]; then
   ls "$wheel_dir"/llama_cpp_python-*.whl > /dev/null 2>&1 || { echo "no wheel in $wheel_dir: run ONLY=build first on this (warm) machine"; exit 1; }
   product_env
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site "$wheel_dir"/llama_cpp_python-*.whl
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site --upgrade "$wheel_dir"/llama_cpp_python-*.whl .whl/diskcache-*.whl .whl/gguf-*.whl
   device_header
   python3 -c "import llama_cpp; print('llama-cpp-python', llama_cpp.__version__, 'gpu offload', llama_cpp.llama_supports_gpu_offload())"
+  echo "== llama.cpp loads each tiny GGUF on the GPU (a process each: a crash is one line here)"
+  for shape in qwen3-moe-tiny mixtral-tiny; do for dt in float16 float32; do
+    timeout 60 python3 - "$shape" "$dt" "$work" > "$out/load-$shape-$dt.log" 2>&1 <<'PY'
+import sys, torch
+from pathlib import Path
+from packbench.engine.moe.synth import synth_moe
+from packbench.engine.llama_cpp import LlamaCppModel
+from packbench.engine.episode import run_episode
+shape, dt, work = sys.argv[1], sys.argv[2], Path(sys.argv[3])
+d = synth_moe(work / f"{shape}-{dt}", shape=shape, seed=3, dtype=dt, device="cuda")
+for n in (0, 3):
+    m = LlamaCppModel(d, dtype=getattr(torch, dt), device=torch.device("cuda"), params={"n_cpu_moe": n},
+                      allowance_bytes=1 << 31, context_bytes=0, capacity=64, batch=1, cache=work / "mc")
+    out = run_episode(m, [list(range(7, 47))], continuation=3)
+    print(f"{shape} {dt} n_cpu_moe {n}: ok, tokens {out.tokens[0]}, device {m.stats.device_bytes >> 20} MiB")
+    m.release()
+PY
+    echo "   $shape $dt: rc $? $(grep -h "ok," "$out/load-$shape-$dt.log" | tr '\n' ' ')"
+  done; done
   echo "== CUDA tests (llama-cpp)"
   timeout 150 python3 -m pytest -q -m "gpu and llamacpp" -p no:cacheprovider tests/engine/test_llama_cpp_cuda.py \
     > "$out/pytest.log" 2>&1; echo "pytest rc $?"; grep -E "passed|failed|Error|assert" "$out/pytest.log" | tail -6
@@ -74,6 +94,7 @@ conditions:
   - {policy: host-experts}
   - {name: llama-cpp, policy: llama-cpp}
   - {name: llama-cpp-host, policy: llama-cpp, params: {n_cpu_moe: $LAYERS}}
+  - {name: llama-cpp-nopo, policy: llama-cpp, params: {op_offload: "off"}}
 reference: dense-stream
 warmups: 1
 allowance_mib: $ALLOW

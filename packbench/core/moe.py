@@ -321,7 +321,8 @@ def call_bytes(shape: MoeShape, dtype: str, policy: str, *, tokens: int, phase: 
         from packbench.core.conditions.llama_cpp import F32, OP_OFFLOAD_MIN_BATCH
 
         params = params or {}
-        host = min(params.get("n_cpu_moe", shape.moe_layers), shape.moe_layers)
+        given = params.get("n_cpu_moe")  # None (omitted): chosen on the worker, at most every layer
+        host = shape.moe_layers if given is None else min(given, shape.moe_layers)
         copied = params.get("op_offload", "on") == "on" and tokens >= OP_OFFLOAD_MIN_BATCH
         return host * (tokens * shape.hidden * F32 + (layer_all if copied else 0))
     if policy == "host-experts":

@@ -270,6 +270,13 @@ def quiet_log():
     return lc.llama_log_callback(lambda level, text, user_data: None)
 
 
+@functools.cache
+def backend(lc) -> None:
+    """llama.cpp's process-wide start (llama.h: `llama_backend_init`, once), its log lines dropped."""
+    lc.llama_log_set(quiet_log(), ctypes.c_void_p(0))
+    lc.llama_backend_init()
+
+
 def _device_free(device: torch.device) -> int:
     torch.cuda.synchronize(device)
     return torch.cuda.mem_get_info(device)[0]
@@ -299,6 +306,9 @@ class LlamaCppModel:
 
     mode = "eager"
     can_shelve = False
+    # Its device memory is llama.cpp's, outside torch's allocator: the worker measures it as part of
+    # the context while it is held, and measures the context again once it is released.
+    outside_allocator = True
 
     def __init__(self, model_dir: Path, *, dtype: torch.dtype, device: torch.device, params: dict,
                  allowance_bytes: int, context_bytes: int, capacity: int, batch: int, cache: Path,
@@ -335,7 +345,7 @@ class LlamaCppModel:
         self.threads = threads or torch.get_num_threads()
         self.op_offload = params.get("op_offload", "on") == "on"
         self._lc = lc
-        lc.llama_log_set(quiet_log(), ctypes.c_void_p(0))
+        backend(lc)
         free0 = _device_free(device) if cuda else 0
         mp = lc.llama_model_default_params()
         mp.n_gpu_layers = self.layers + 1 if cuda else 0  # every layer and the output
@@ -362,7 +372,9 @@ class LlamaCppModel:
             raise LlamaCppUnavailable(f"llama.cpp's placement (n_cpu_moe {p.n_cpu_moe}) took {used // 2**20} MiB on the "
                                       f"device beside the {context_bytes // 2**20} MiB CUDA context, over the "
                                       f"allowance of {allowance_bytes // 2**20} MiB: give a larger n_cpu_moe")
-        self._expert_bytes = layer_bytes(config, dtype=dtype_name)["experts"]
+        self._expert_bytes = layer_bytes(config, dtype=dtype_name)["experts"]  # a layer's, all experts
+        self.experts = config.get("num_local_experts") or config["num_experts"]
+        self.link = cuda  # a CPU worker's llama.cpp moves nothing
         self.stats = LlamaCppStats(library_version=importlib.metadata.version("llama_cpp_python"),
                                    load_s=time.perf_counter() - t0, convert_s=convert_s,
                                    gguf_bytes=gguf_path.stat().st_size, placement=p.as_dict(), device_bytes=used,
@@ -390,14 +402,16 @@ class LlamaCppModel:
         raise TypeError("a llama-cpp model runs whole episodes (LlamaCppModel.episode), not calls")
 
     def _charge(self, tokens: int) -> None:
-        """One call's bytes by llama.cpp's scheduler's rules (module docstring), host layers only."""
-        if self.device.type != "cuda":
+        """One call's bytes by llama.cpp's scheduler's rules (module docstring), host layers only, on a
+        link (`self.link`: a CUDA worker's): with op offload a call of OP_OFFLOAD_MIN_BATCH tokens or
+        more copies each host layer's experts, charged as every one (rows of one expert each, at most)."""
+        if not self.link:
             return
-        h, k = self.config["hidden_size"], self.config["num_experts_per_tok"]
-        weights = self._expert_bytes if self.op_offload and tokens >= OP_OFFLOAD_MIN_BATCH else 0
+        h, k, e = self.config["hidden_size"], self.config["num_experts_per_tok"], self.experts
+        copied = self.op_offload and tokens >= OP_OFFLOAD_MIN_BATCH
         for layer in range(self.plan.n_cpu_moe):
-            self.recorder.add(layer, weight_bytes=weights, index_bytes=tokens * h * F32,
-                              d2h_bytes=tokens * (h + 2 * k) * F32)
+            self.recorder.add(layer, rows=e if copied else 0, weight_bytes=self._expert_bytes if copied else 0,
+                              index_bytes=tokens * h * F32, d2h_bytes=tokens * (h + 2 * k) * F32)
 
     def episode(self, prompts: list[list[int]], *, continuation: int, mode: str,
                 forced: list[list[int]] | None) -> EpisodeOutput:

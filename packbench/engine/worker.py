@@ -390,6 +390,7 @@ class Worker:
         if self.competitor is not None:
             key, model = self.competitor
             self.competitor = None
+            outside = getattr(model, "outside_allocator", False)
             if getattr(model, "can_shelve", False):
                 model.shelve()
                 self.shelf[key] = model
@@ -397,6 +398,10 @@ class Worker:
                 release(model)
             del model
             self._free()
+            if outside and self.device.type == "cuda":
+                # its memory was measured as context while it was held (engine/llama_cpp.py): measured
+                # again now it is gone, so the next condition's cap and sizing are not short of it
+                self.context = impose(self.device, self.allowance, self.nvml)
 
     def _free(self) -> None:
         gc.collect()

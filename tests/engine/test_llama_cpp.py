@@ -41,11 +41,11 @@ def moe(tmp_path_factory):
     return {s: synth_moe(root / s, shape=s, seed=3, dtype="float32") for s in SHAPES}
 
 
-def _llama(path: Path, cache: Path, **params):
+def _llama(path: Path, cache: Path, *, batch: int = 2, capacity: int = 32, **params):
     from packbench.engine.llama_cpp import LlamaCppModel
 
     return LlamaCppModel(path, dtype=torch.float32, device=torch.device("cpu"), params=params,
-                         allowance_bytes=1 << 30, context_bytes=0, capacity=32, batch=2, cache=cache, threads=1)
+                         allowance_bytes=1 << 30, context_bytes=0, capacity=capacity, batch=batch, cache=cache, threads=1)
 
 
 def _against_reference(path: Path, model) -> list:
@@ -101,6 +101,30 @@ def test_the_host_layers_change_where_experts_live_not_the_logits(moe, tmp_path)
                                          rb"blk\.1\.ffn_(up|down|gate|gate_up)_(ch|)exps", None]
     assert [r.buft for r in rows] == [1234, 1234, None]
     assert re.fullmatch(rows[1].pattern.decode() + r"\.weight", "blk.1.ffn_gate_exps.weight")
+
+
+def test_a_links_ledger_follows_llama_cpps_rules_and_the_audits_row_rule(moe, tmp_path):
+    """On a link (a CUDA worker's; forced here on the CPU): a prefill of 32 tokens or more copies each
+    host layer's experts, as rows of one expert (so the auditor's rows x row bytes rule holds: an
+    H100 screen's audit caught bytes charged with no rows); a decode call copies none; each host
+    layer sends hidden states, ids and weights down and the output up, in float32; other layers nothing."""
+    from packbench.core.metrics import row_bytes_problems
+
+    s = MOE_SHAPES["qwen3-moe-tiny"]
+    model = _llama(moe["qwen3-moe-tiny"], tmp_path, batch=1, capacity=48, n_cpu_moe=2)
+    model.link = True
+    out = run_episode(model, [list(range(7, 47))], continuation=3)  # 40 tokens, then 1 a call
+    expert = 3 * s["intermediate"] * s["hidden"] * 4
+    prefill, decode = out.calls[0], out.calls[1]
+    assert prefill.rows_copied == [s["experts"]] * 2 + [0] and prefill.h2d_weight_bytes == [s["experts"] * expert] * 2 + [0]
+    assert decode.rows_copied == [0] * 3 and decode.h2d_weight_bytes == [0] * 3
+    for call in (prefill, decode):
+        t = call.tokens
+        assert call.h2d_index_bytes == [t * 64 * 4] * 2 + [0]
+        assert call.d2h_bytes == [t * (64 + 2 * s["k"]) * 4] * 2 + [0]
+    assert row_bytes_problems([c.to_dict() for c in out.calls], expert) == ([], expert)
+    model.op_offload = False
+    assert run_episode(model, [list(range(7, 47))], continuation=2).calls[0].rows_copied == [0] * 3
 
 
 def test_the_gguf_is_written_once_per_checkpoint_and_dtype(moe, tmp_path):
@@ -160,7 +184,7 @@ def test_the_plan_counts_bytes_by_llama_cpps_rules():
 
 
 def _ctx(config=None) -> RecordContext:
-    return RecordContext(allowance_bytes=512 * MIB, dtype="float32", batch=2, capacity=32, cuda=False, config=config)
+    return RecordContext(allowance_bytes=1024 * MIB, dtype="float32", batch=2, capacity=32, cuda=False, config=config)
 
 
 def test_an_edited_placement_disagrees():
@@ -168,7 +192,7 @@ def test_an_edited_placement_disagrees():
     add up, an n_cpu_moe that is not the condition's, chosen where the condition gave it, a
     placement over the allowance, and (with the synthetic shape known) one the rule would not choose."""
     config = moe_config("qwen3-moe-tiny")
-    p = choose_placement(config, {}, dtype="float32", allowance=512 * MIB, context=0, batch=2, capacity=32)
+    p = choose_placement(config, {}, dtype="float32", allowance=1024 * MIB, context=0, batch=2, capacity=32)
     good = {"offload": {"placement": p.as_dict()}}
     assert record_problems({}, good, _ctx(config)) == []
 
@@ -179,7 +203,7 @@ def test_an_edited_placement_disagrees():
     assert any("n_cpu_moe 0 is not the protocol's 2" in x for x in record_problems({"n_cpu_moe": 2}, good, _ctx()))
     assert any("chosen True is not the protocol's False" in x
                for x in record_problems({"n_cpu_moe": 0}, good, _ctx()))
-    over = LlamaPlacement(**{**{k: v for k, v in p.as_dict().items() if k != "needed"}, "kv": 512 * MIB})
+    over = LlamaPlacement(**{**{k: v for k, v in p.as_dict().items() if k != "needed"}, "kv": 1024 * MIB})
     assert any("over the allowance" in x for x in record_problems({}, {"offload": {"placement": over.as_dict()}},
                                                                   _ctx()))
     lazy = LlamaPlacement(**{**{k: v for k, v in p.as_dict().items() if k != "needed"}, "n_cpu_moe": 1})
@@ -194,7 +218,7 @@ def _raw(path, **changes) -> dict:
             "conditions": [{"policy": "dense-stream"}, {"policy": "packet"}, {"policy": "host-experts"},
                            {"name": "llama-cpp", "policy": "llama-cpp"},
                            {"name": "llama-cpp-host", "policy": "llama-cpp", "params": {"n_cpu_moe": 3}}],
-            "reference": "dense-stream", "warmups": 1, "allowance_mib": 512,
+            "reference": "dense-stream", "warmups": 1, "allowance_mib": 1024,
             "gates": {"faithfulness": {}, "fidelity": {"max_mean_kl": 0.001, "min_top1": 0.99}}, **changes}
 
 
@@ -214,7 +238,7 @@ def test_the_screen_judges_llama_cpp_by_fidelity_in_its_tier(screen):
     ours = [e for e in episodes if e["policy"] == "llama-cpp"]
     assert {e["tier"] for e in ours} == {"approximate"} and all(e["forced_from"] is not None for e in ours)
     placed = {e["condition"]: e["offload"]["placement"] for e in ours}
-    assert placed["llama-cpp"]["chosen"] and placed["llama-cpp"]["n_cpu_moe"] == 0  # all fits in 512 MiB
+    assert placed["llama-cpp"]["chosen"] and placed["llama-cpp"]["n_cpu_moe"] == 0  # all fits in 1024 MiB
     assert not placed["llama-cpp-host"]["chosen"] and placed["llama-cpp-host"]["n_cpu_moe"] == 3
     assert all(e["offload"]["gguf_bytes"] > 0 and e["offload"]["flash_attn"] is False for e in ours)
     by_gate = {(v["gate"], v["condition"]): v for v in verdicts}

@@ -36,7 +36,10 @@ MIB = 1 << 20
 F32, KV_BYTES = 4, 2  # llama.cpp's activations and its default float16 KV cache
 OP_OFFLOAD_MIN_BATCH = 32  # ggml-cuda.cu: a host weight's op of at least this many tokens runs on the GPU
 KV_PAD = 256  # llama.cpp rounds its KV cache's cells up to a multiple of this
-SLACK = 256 * MIB  # cuBLAS' workspace and llama.cpp's small buffers, beside the estimate
+# cuBLAS' workspace, llama.cpp's CUDA pools and graphs, beside the estimate: on an H100 at Qwen3-30B-A3B's
+# shape (12 layers, fp16, 144 positions) llama.cpp took 434 MB beyond its weights and KV cache, which the
+# estimate without slack put at 35 MB (bench/llamacpp_screen_device.sh)
+SLACK = 512 * MIB
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 CAPTURE_REFUSAL = "llama.cpp captures its own CUDA graphs of each decode step (ggml-cuda's graph reuse)"
 
