@@ -50,6 +50,16 @@ if [ "${ONLY:-build}" = build ]; then
   echo "== llama-cpp-python CUDA wheel: rc $? in $(( $(date +%s) - t0 )) s"; ls -la "$wheel_dir"
   grep -iE "error|CMake Error" "$out/build.log" | head -8; rm -rf "$src"
 fi
+if [ "${ONLY:-}" = probe ]; then  # which loads crash: bench/llamacpp_load_probe.py, one process a variant
+  install_wheels
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site --upgrade "$wheel_dir"/llama_cpp_python-*.whl .whl/diskcache-*.whl .whl/gguf-*.whl
+  work_dir
+  for v in ${VARIANTS:-qwen3-moe-tiny:3:0 qwen3-moe-tiny:3:1 qwen3-moe-tiny:3:0:array qwen3-moe-tiny:3:0:registry qwen3-moe-tiny:3:0:nommap qwen3-30b-a3b:1:0 qwen3-30b-a3b:1:1 mixtral-tiny:3:3}; do
+    PACKBENCH_LLAMA_LOG=1 timeout 90 python3 -m bench.llamacpp_load_probe "$v" "$work" > "$out/probe-${v//:/_}.log" 2>&1
+    rc=$?; echo "   $v: rc $rc: $(grep -E "^$v: " "$out/probe-${v//:/_}.log" | tail -1)"
+    [ $rc = 0 ] || grep -vE "^W1|Warn|^  File|^Extension|^Thread|^Current|^Fatal|threading" "$out/probe-${v//:/_}.log" | tail -4 | cut -c1-200 | sed 's/^/      /'
+  done
+fi
 if [ "${ONLY:-run}" = run ]; then
   ls "$wheel_dir"/llama_cpp_python-*.whl > /dev/null 2>&1 || { echo "no wheel in $wheel_dir: run ONLY=build first on this (warm) machine"; exit 1; }
   product_env

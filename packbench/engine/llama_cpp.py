@@ -36,6 +36,7 @@ import hashlib
 import importlib
 import importlib.metadata
 import json
+import os
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -272,8 +273,10 @@ def quiet_log():
 
 @functools.cache
 def backend(lc) -> None:
-    """llama.cpp's process-wide start (llama.h: `llama_backend_init`, once), its log lines dropped."""
-    lc.llama_log_set(quiet_log(), ctypes.c_void_p(0))
+    """llama.cpp's process-wide start (llama.h: `llama_backend_init`, once), its log lines dropped
+    unless PACKBENCH_LLAMA_LOG is set (then on stderr, as llama.cpp writes them)."""
+    if not os.environ.get("PACKBENCH_LLAMA_LOG"):
+        lc.llama_log_set(quiet_log(), ctypes.c_void_p(0))
     lc.llama_backend_init()
 
 
