@@ -7,11 +7,14 @@ refusals in one line. Marked `llamacpp`: a bare pytest deselects them (the extra
 
 import json
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+import yaml
 
 from cpu_screen import archive_screen
 from packbench.core.audit import audit_archive
@@ -28,6 +31,7 @@ from packbench.engine.moe.synth import synth_moe
 from packbench.service.submit import check_family
 
 pytestmark = pytest.mark.llamacpp
+ROOT = Path(__file__).resolve().parents[2]
 SHAPES = ("mixtral-tiny", "qwen3-moe-tiny", "olmoe-tiny")
 PROMPTS = [list(range(7, 31)), list(range(40, 64))]  # a batch of two, 24 tokens each
 CONTINUATION = 5
@@ -280,3 +284,54 @@ def test_refusals_are_one_line_naming_the_field(moe, tiny):
     opt = _raw(tiny, conditions=[{"policy": "dense-stream"}, {"policy": "llama-cpp"}])
     with pytest.raises(ProtocolError, match=r"'llama-cpp' does not fit checkpoint .*, an OPT model"):
         check_family(freeze(opt))
+
+
+def _synth_protocol(tmp_path, params: dict) -> Path:
+    f = tmp_path / "p.yaml"
+    f.write_text(yaml.safe_dump({
+        "name": "llama-synth", "model": {"synth": {"shape": "qwen3-moe-tiny", "dtype": "float32", "seed": 0}},
+        "dtype": "float32", "prompts": {"generator": {"seed": 0, "count": 1}}, "prefix_tokens": 40,
+        "continuation_tokens": 2, "conditions": [{"policy": "dense-stream"}, {"policy": "llama-cpp", "params": params}],
+        "reference": "dense-stream", "allowance_mib": 1024, "gates": {"fidelity": {"max_mean_kl": 0.01}}}))
+    return f
+
+
+def test_protocol_plan_prints_llama_cpps_bytes_with_n_cpu_moe_omitted(tmp_path):
+    """`protocol plan` of a llama-cpp condition that leaves n_cpu_moe to the worker: every layer's host
+    traffic at most (bug caught on an H100: the plan compared None with the layer count, a traceback)."""
+    import json
+
+    r = subprocess.run([sys.executable, "-m", "packbench", "protocol", "plan", "--json", str(_synth_protocol(tmp_path, {}))],
+                       capture_output=True, text=True, cwd=ROOT)
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr[-800:]
+    row = next(m for m in json.loads(r.stdout)["moe"] if m["policy"] == "llama-cpp")
+    layer_all = 16 * 3 * 32 * 64 * 4  # qwen3-moe-tiny, float32: a layer's experts
+    assert row["decode_bytes"] == 3 * 64 * 4 and row["prefill_bytes"] == 3 * (40 * 64 * 4 + layer_all)
+    assert row["bound"] == "at most"
+
+
+def test_a_synthetic_shape_refuses_more_host_layers_than_it_has(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "packbench", "protocol", "validate",
+                        str(_synth_protocol(tmp_path, {"n_cpu_moe": 9}))], capture_output=True, text=True, cwd=ROOT)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert r.stderr.strip().splitlines()[-1] == ("error: protocol field `conditions[1].params.n_cpu_moe`: condition policy "
+                                                 "llama-cpp: n_cpu_moe 9 is more than the model's 3 layers; give at most 3")
+
+
+def test_a_checkpoint_missing_an_expert_is_one_line(moe, tmp_path):
+    """config.json saying 17 experts over a checkpoint of 16: the conversion names the first missing
+    tensor and the count, instead of a KeyError from safetensors."""
+    import shutil
+
+    from packbench.engine.llama_cpp import LlamaCppUnavailable, write_gguf
+
+    bad = tmp_path / "bad"
+    shutil.copytree(moe["qwen3-moe-tiny"], bad)
+    config = json.loads((bad / "config.json").read_text())
+    config["num_experts"] = 17
+    config.pop("num_local_experts", None)
+    (bad / "config.json").write_text(json.dumps(config))
+    with pytest.raises(LlamaCppUnavailable, match=r"lacks tensor model.layers.0.mlp.experts.16.gate_proj.weight "
+                                                  r"\(and 8 more\) that a qwen3_moe GGUF needs"):
+        write_gguf(bad, tmp_path / "x.gguf", dtype="float32")
+    assert not (tmp_path / "x.gguf").exists()
