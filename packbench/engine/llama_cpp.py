@@ -21,7 +21,7 @@ own `--n-cpu-moe` builds (common/arg.cpp). The device bytes llama.cpp's load and
 measured (the device's free memory before and after) and a placement over the allowance is refused.
 
 **Episodes.** One `llama_decode` a call: the prefill of every sequence together (one sequence id
-each, one KV cache), then a token a sequence per decode call, fed its argmax or the teacher-forced
+each, one KV cache, computed in llama.cpp's default micro-batches of 512 tokens), then a token a sequence per decode call, fed its argmax or the teacher-forced
 token; the last position's float32 logits of every sequence read back (what synchronises the call).
 Flash attention is off (the device build compiles without it, which halves its build time) and
 llama.cpp's CUDA graphs are its own. Bytes are counted by llama.cpp's scheduler's rules (the kind's
@@ -44,7 +44,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from packbench.core.conditions.llama_cpp import (EXTRA, F32, OP_OFFLOAD_MIN_BATCH, LlamaPlacement, PlacementRefused,
+from packbench.core.conditions.llama_cpp import (EXTRA, F32, OP_OFFLOAD_MIN_BATCH, UBATCH, LlamaPlacement, PlacementRefused,
                                                  choose_placement, kv_bytes, kv_cells, layer_bytes, placement)
 from packbench.core.errors import PackbenchError, PlacementDoesNotFit
 from packbench.engine.episode import EpisodeOutput
@@ -361,7 +361,8 @@ class LlamaCppModel:
             raise LlamaCppUnavailable(f"llama.cpp could not load {gguf_path} (the GGUF of {model_dir})")
         cp = lc.llama_context_default_params()
         cells = kv_cells(batch=batch, capacity=capacity)
-        cp.n_ctx, cp.n_batch, cp.n_ubatch, cp.n_seq_max = cells, cells, cells, batch
+        # one llama_decode a call (n_batch), computed in llama.cpp's default micro-batches (n_ubatch)
+        cp.n_ctx, cp.n_batch, cp.n_ubatch, cp.n_seq_max = cells, cells, min(cells, UBATCH), batch
         cp.n_threads = cp.n_threads_batch = self.threads
         cp.flash_attn_type = lc.LLAMA_FLASH_ATTN_TYPE_DISABLED
         cp.op_offload, cp.kv_unified, cp.no_perf = self.op_offload, True, True

@@ -335,3 +335,22 @@ def test_a_checkpoint_missing_an_expert_is_one_line(moe, tmp_path):
                                                   r"\(and 8 more\) that a qwen3_moe GGUF needs"):
         write_gguf(bad, tmp_path / "x.gguf", dtype="float32")
     assert not (tmp_path / "x.gguf").exists()
+
+
+def test_a_re_execution_runs_the_archived_placement(moe, tmp_path):
+    """The auditor's re-execution hands the archived `offload` section over: llama.cpp is placed as the
+    archive says (2 host layers, chosen) though this worker's allowance would choose none; a placement
+    this device cannot hold is PlacementDoesNotFit (the episode not judged), not another placement."""
+    from packbench.core.errors import PlacementDoesNotFit
+    from packbench.engine.llama_cpp import LlamaCppModel
+
+    def build(allowance: int):
+        return LlamaCppModel(moe["qwen3-moe-tiny"], dtype=torch.float32, device=torch.device("cpu"), params={},
+                             allowance_bytes=allowance, context_bytes=0, capacity=32, batch=2, cache=tmp_path,
+                             threads=1, archived={"placement": {"n_cpu_moe": 2, "chosen": True}})
+
+    model = build(1 << 30)
+    assert (model.plan.n_cpu_moe, model.plan.chosen) == (2, True)
+    assert model.stats.placement["n_cpu_moe"] == 2
+    with pytest.raises(PlacementDoesNotFit, match="archived llama.cpp placement"):
+        build(1 << 20)

@@ -36,6 +36,7 @@ MIB = 1 << 20
 F32, KV_BYTES = 4, 2  # llama.cpp's activations and its default float16 KV cache
 OP_OFFLOAD_MIN_BATCH = 32  # ggml-cuda.cu: a host weight's op of at least this many tokens runs on the GPU
 KV_PAD = 256  # llama.cpp rounds its KV cache's cells up to a multiple of this
+UBATCH = 512  # llama.cpp's default micro-batch (n_ubatch): a longer prefill is computed 512 tokens at a time
 # cuBLAS' workspace, llama.cpp's CUDA pools and graphs, beside the estimate: on an H100 at Qwen3-30B-A3B's
 # shape (12 layers, fp16, 144 positions) llama.cpp took 434 MB beyond its weights and KV cache, which the
 # estimate without slack put at 35 MB (bench/llamacpp_screen_device.sh)
@@ -82,11 +83,11 @@ def kv_bytes(config: Mapping[str, Any], *, batch: int, capacity: int) -> int:
 
 
 def working_bytes(config: Mapping[str, Any], *, batch: int, capacity: int) -> int:
-    """llama.cpp's compute buffer on the device, from above: a prefill of every sequence's capacity
-    in one micro-batch (the hidden states and the attention's and FFN's intermediates, float32, the
+    """llama.cpp's compute buffer on the device, from above: one micro-batch of a prefill (at most
+    UBATCH tokens: the hidden states and the attention's and FFN's intermediates, float32, the
     attention scores of every head against every cell, the routed experts' intermediates), logits
     of every sequence's last position, and SLACK."""
-    t = batch * capacity
+    t = min(batch * capacity, UBATCH)
     h, heads = config["hidden_size"], config["num_attention_heads"]
     hd = config.get("head_dim") or h // heads
     k = config["num_experts_per_tok"]
