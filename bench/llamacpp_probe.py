@@ -10,11 +10,11 @@ logits), then llama.cpp (llama-cpp-python) on FILE, fed the prompt and the refer
 (core/fidelity.py): max |difference|, mean and p99 KL(reference || llama.cpp), top-1 agreement.
 
 Experts in host memory: llama-cpp-python 0.3.36's `Llama` passes no tensor buffer overrides (what
-llama.cpp's `--n-cpu-moe N` sets), and its `llama_model_params` declares `tensor_buft_overrides`
-as an unused pointer; the probe fills that field itself, a NULL-terminated array of {pattern,
-buffer type} with the host's buffer type (`ggml_backend_dev_buffer_type` of the CPU device), for
-the expert tensors of the first N layers, as llama.cpp's own option does, and loads the model
-through the low-level API (`llama_model_load_from_file`; the context, batch and logits too).
+llama.cpp's `--n-cpu-moe N` sets), so the probe fills `tensor_buft_overrides` itself with the
+`llama-cpp` condition's helpers (engine/llama_cpp.py `expert_overrides`, `host_buffer_type`) and
+loads the model through the low-level API (`llama_model_load_from_file`; the context, batch and
+logits too). The condition itself (packbench's own GGUF conversion, the placement, whole episodes)
+superseded this probe; it stays as the one-decode check of a GGUF made by llama.cpp's converter.
 
 Needs llama-cpp-python (built with CUDA for a GPU run: `CMAKE_ARGS=-DGGML_CUDA=on`), numpy, torch
 and packbench. On the CPU (llama-cpp-python 0.3.36 from its sdist, 361 s to build on 2 cores),
@@ -26,55 +26,18 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import functools
 import sys
 from pathlib import Path
 
 import numpy as np
 
-# llama.cpp's `--n-cpu-moe` patterns: the routed experts' tensors of one layer (common/arg.cpp).
-EXPERT_TENSORS = r"\.ffn_(up|down|gate|gate_up)_(ch|)exps"
-CPU_DEVICE_TYPE = 0  # GGML_BACKEND_DEVICE_TYPE_CPU
-
-
-class BuftOverride(ctypes.Structure):
-    """llama.h `struct llama_model_tensor_buft_override { const char * pattern; ggml_backend_buffer_type_t buft; }`."""
-
-    _fields_ = [("pattern", ctypes.c_char_p), ("buft", ctypes.c_void_p)]
-
-
-def host_buffer_type(llama_cpp) -> int:
-    """The CPU device's buffer type (ggml-backend.h), from the libraries llama-cpp-python ships."""
-    lib = Path(llama_cpp.__file__).parent / "lib"
-    ggml, base = ctypes.CDLL(str(lib / "libggml.so")), ctypes.CDLL(str(lib / "libggml-base.so"))
-    ggml.ggml_backend_dev_by_type.restype, ggml.ggml_backend_dev_by_type.argtypes = ctypes.c_void_p, [ctypes.c_int]
-    base.ggml_backend_dev_buffer_type.restype = ctypes.c_void_p
-    base.ggml_backend_dev_buffer_type.argtypes = [ctypes.c_void_p]
-    device = ggml.ggml_backend_dev_by_type(CPU_DEVICE_TYPE)
-    if not device:
-        raise SystemExit("llama.cpp found no CPU device to keep the experts on")
-    return base.ggml_backend_dev_buffer_type(device)
-
-
-def expert_overrides(layers: int, buft: int) -> ctypes.Array:
-    """{pattern, buft} for the experts of layers 0..layers-1, NULL-terminated (kept alive by the caller)."""
-    rows = [BuftOverride(rf"blk\.{i}{EXPERT_TENSORS}".encode(), buft) for i in range(layers)]
-    return (BuftOverride * (len(rows) + 1))(*rows, BuftOverride(None, None))
-
-
-@functools.cache
-def quiet_log():
-    """A log callback that drops llama.cpp's lines, made once and kept alive (llama.cpp calls it later)."""
-    import llama_cpp as lc
-
-    return lc.llama_log_callback(lambda level, text, user_data: None)
-
 
 def llama_logits(gguf: Path, tokens: list[int], *, n_cpu_moe: int, gpu_layers: int, threads: int) -> np.ndarray:
     """(len(tokens), vocab) float32 logits of every position, one decode of the whole sequence."""
-    import llama_cpp as lc
+    from packbench.engine.llama_cpp import backend, expert_overrides, host_buffer_type, library
 
-    lc.llama_log_set(quiet_log(), ctypes.c_void_p(0))  # llama.cpp's load and context lines
+    lc = library()
+    backend(lc)  # once: llama.cpp's load and context lines dropped
     params = lc.llama_model_default_params()
     params.n_gpu_layers = gpu_layers
     overrides = expert_overrides(n_cpu_moe, host_buffer_type(lc)) if n_cpu_moe else None

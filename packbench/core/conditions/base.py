@@ -179,6 +179,24 @@ def differs(got: Any, want: Mapping[str, Any], prefix: str = "") -> str | None:
     return None
 
 
+def recorded_plan(record: Mapping[str, Any], key: str, cls: type, what: str) -> tuple[Any, list[str]]:
+    """A competitor's placement as an episode recorded it in `offload.<key>`, rebuilt as `cls` (a
+    dataclass of integers and a bool `chosen`, whose `as_dict` adds its derived sums), and what is
+    wrong with it: the record must be exactly `as_dict`'s (sums included). (None, one line) where it
+    is not such a record at all."""
+    import dataclasses
+
+    offload = record.get("offload")
+    got = offload.get(key) if isinstance(offload, Mapping) else None
+    names = [f.name for f in dataclasses.fields(cls) if f.name != "chosen"]
+    base = int_fields(got, names)
+    if base is None or type(got.get("chosen")) is not bool:
+        return None, [f"offload.{key}: not {what} (integers {', '.join(names)} and chosen)"]
+    plan = cls(**base, chosen=got["chosen"])
+    wrong = differs(got, plan.as_dict())
+    return plan, [f"offload.{key}: {wrong} (recomputed from its own figures)"] if wrong else []
+
+
 @dataclass(frozen=True)
 class Competitor:
     """What a competitor (a condition that is not packbench's own loader: it runs its own model

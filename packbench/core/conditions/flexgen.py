@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass, fields, replace
 from typing import Any, Mapping
 
 from packbench.core.conditions.base import (MODE_PARAM, CallInputs, ChoiceParam, Competitor, ConditionKind, IntParam,
-                                            RecordContext, differs, int_fields)
+                                            RecordContext, differs, int_fields, recorded_plan)
 from packbench.core.errors import PlacementDoesNotFit
 
 LIBRARY = "flexgen"
@@ -210,17 +210,10 @@ def record_problems(params: Mapping[str, Any], record: Mapping[str, Any], ctx: R
     and fit the allowance; for a synthetic shape, the whole plan is `choose_policy`'s at the
     recorded context and holdings (its weights, cache and working space, and a chosen share the
     largest that fits). An edited policy DISAGREEs."""
-    offload = record.get("offload")
-    policy = offload.get("policy") if isinstance(offload, Mapping) else None
-    names = [f.name for f in fields(PolicyPlan) if f.name != "chosen"]
-    base = int_fields(policy, names)
-    if base is None or type(policy.get("chosen")) is not bool:
-        return [f"offload.policy: not FlexGen's placement (integers {', '.join(names)} and chosen)"]
-    plan = PolicyPlan(**base, chosen=policy["chosen"])
-    out = []
-    wrong = differs(policy, plan.as_dict())
-    if wrong:
-        out.append(f"offload.policy: {wrong} (recomputed from its own figures)")
+    plan, out = recorded_plan(record, "policy", PolicyPlan, "FlexGen's placement")
+    if plan is None:
+        return out
+    policy = record["offload"]["policy"]
     given = params.get("w_gpu_percent")
     want = {"cache_gpu_percent": params.get("cache_gpu_percent", 100),
             "act_gpu_percent": 100 if params.get("activations", "gpu") == "gpu" else 0,

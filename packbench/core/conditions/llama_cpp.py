@@ -24,11 +24,11 @@ Torch-free: core. `config` below is an MoE config.json's fields (core/moe.py moe
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 from typing import Any, Mapping
 
 from packbench.core.conditions.base import (MODE_PARAM, CallInputs, ChoiceParam, Competitor, ConditionKind, IntParam,
-                                            RecordContext, differs, int_fields)
+                                            RecordContext, differs, recorded_plan)
 
 LIBRARY = "llama_cpp"  # llama-cpp-python's import name
 EXTRA = "llamacpp"  # pyproject.toml's [llamacpp] extra brings it (and gguf, the converter's writer)
@@ -174,17 +174,10 @@ def record_problems(params: Mapping[str, Any], record: Mapping[str, Any], ctx: R
     frozen n_cpu_moe (chosen on the worker exactly where the condition omits it), fitting the
     allowance, and for a synthetic shape the whole placement `choose_placement`'s at the recorded
     context. An edited placement DISAGREEs."""
-    offload = record.get("offload")
-    got = offload.get("placement") if isinstance(offload, Mapping) else None
-    names = [f.name for f in fields(LlamaPlacement) if f.name != "chosen"]
-    base = int_fields(got, names)
-    if base is None or type(got.get("chosen")) is not bool:
-        return [f"offload.placement: not llama.cpp's placement (integers {', '.join(names)} and chosen)"]
-    p = LlamaPlacement(**base, chosen=got["chosen"])
-    out = []
-    wrong = differs(got, p.as_dict())
-    if wrong:
-        out.append(f"offload.placement: {wrong} (recomputed from its own figures)")
+    p, out = recorded_plan(record, "placement", LlamaPlacement, "llama.cpp's placement")
+    if p is None:
+        return out
+    got = record["offload"]["placement"]
     given = params.get("n_cpu_moe")
     want = {"allowance": ctx.allowance_bytes, "chosen": given is None, **({} if given is None else {"n_cpu_moe": given})}
     out += [f"offload.placement: {k} {got[k]} is not the protocol's {v}" for k, v in want.items() if got[k] != v]
