@@ -13,7 +13,7 @@
 #          (7168: the share of the model 24 GiB is of the full one, as bench/moe_peers_device.sh): dense-stream,
 #          packet (mapped gather), host-experts, llama-cpp with n_cpu_moe chosen from the allowance, and
 #          llama-cpp with every layer's experts in host memory (n_cpu_moe LAYERS, llama.cpp's --cpu-moe), and
-#          the chosen placement with op offload off (its prefill's host experts computed on the CPU);
+#          the chosen placement with op offload on (llama.cpp's default: a prefill copies the host experts);
 #          1 warm-up + 2 prompts of PREFIX + CONT tokens each; the audit; bench.moe_peers_screen's table.
 # Carry .whl (`EXTRA="gguf scikit-build-core pathspec pyproject-metadata packaging" bash ../shared/device/wheelhouse.sh`)
 # and .llama; make both calls on one warm machine:
@@ -104,7 +104,7 @@ conditions:
   - {policy: host-experts}
   - {name: llama-cpp, policy: llama-cpp}
   - {name: llama-cpp-host, policy: llama-cpp, params: {n_cpu_moe: $LAYERS}}
-  - {name: llama-cpp-nopo, policy: llama-cpp, params: {op_offload: "off"}}
+  - {name: llama-cpp-po, policy: llama-cpp, params: {op_offload: "on"}}
 reference: dense-stream
 warmups: 1
 allowance_mib: $ALLOW

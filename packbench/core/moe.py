@@ -305,8 +305,8 @@ def call_bytes(shape: MoeShape, dtype: str, policy: str, *, tokens: int, phase: 
     """Host-to-device bytes one call moves, all MoE layers: exact for dense-stream, resident and
     host-experts (the experts' outputs coming back, one hidden-sized row a token a layer; its `hot`
     experts a layer moved once, in the prefill call: at most the outputs then), llama-cpp's by
-    llama.cpp's rules (its host layers' float32 expert outputs; with op offload, a call of 32 tokens
-    or more copies their experts: at most every one, `params` its n_cpu_moe, omitted every layer's), at most for a
+    llama.cpp's rules (its host layers' float32 expert outputs; with `op_offload: on`, a call of 32
+    tokens or more copies their experts: at most every one, `params` its n_cpu_moe, omitted every layer's), at most for a
     packet (the union of `tokens` tokens' k experts a layer is at most min(E, k x tokens)), for
     accelerate (every layer offloaded: its whole weights each call) and for an expert cache (only
     its misses move: at most the packet's experts, no index); for expert-forecast the packet's
@@ -323,7 +323,7 @@ def call_bytes(shape: MoeShape, dtype: str, policy: str, *, tokens: int, phase: 
         params = params or {}
         given = params.get("n_cpu_moe")  # None (omitted): chosen on the worker, at most every layer
         host = shape.moe_layers if given is None else min(given, shape.moe_layers)
-        copied = params.get("op_offload", "on") == "on" and tokens >= OP_OFFLOAD_MIN_BATCH
+        copied = params.get("op_offload", "off") == "on" and tokens >= OP_OFFLOAD_MIN_BATCH
         return host * (tokens * shape.hidden * F32 + (layer_all if copied else 0))
     if policy == "host-experts":
         placed = min(hot, shape.experts) * shape.expert_bytes(dtype) if phase == "prefill" else 0
@@ -348,7 +348,7 @@ def call_bytes_bound(policy: str, params: dict, *, tokens: int = 1) -> str:
     if policy == "llama-cpp":
         from packbench.core.conditions.llama_cpp import OP_OFFLOAD_MIN_BATCH
 
-        copies = params.get("op_offload", "on") == "on" and tokens >= OP_OFFLOAD_MIN_BATCH
+        copies = params.get("op_offload", "off") == "on" and tokens >= OP_OFFLOAD_MIN_BATCH
         return "at most" if copies or params.get("n_cpu_moe") is None else "exact"
     if policy == "expert-forecast":
         return "at least" if tokens == 1 else "about"

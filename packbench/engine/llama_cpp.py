@@ -346,7 +346,7 @@ class LlamaCppModel:
         self.vocab, self.layers = config["vocab_size"], config["num_hidden_layers"]
         self.recorder = Recorder(self.layers)
         self.threads = threads or torch.get_num_threads()
-        self.op_offload = params.get("op_offload", "on") == "on"
+        self.op_offload = params.get("op_offload", "off") == "on"
         self._lc = lc
         backend(lc)
         free0 = _device_free(device) if cuda else 0

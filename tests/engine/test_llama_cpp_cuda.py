@@ -34,7 +34,7 @@ def checks(ckpt: Path, cache: Path) -> dict:
     from packbench.engine.moe.model import CpuFirstMoE
 
     def llama(n: int, allowance: int = 1 << 31) -> LlamaCppModel:
-        return LlamaCppModel(ckpt, dtype=torch.float16, device=torch.device("cuda"), params={"n_cpu_moe": n},
+        return LlamaCppModel(ckpt, dtype=torch.float16, device=torch.device("cuda"), params={"n_cpu_moe": n, "op_offload": "on"},
                              allowance_bytes=allowance, context_bytes=0, capacity=64, batch=1, cache=cache)
 
     ref_model = CpuFirstMoE(ckpt, dtype=torch.float16, device=torch.device("cuda"))
