@@ -615,7 +615,9 @@ def condition_summary(screen: ScreenData) -> list[dict]:
             "condition": c, "policy": cond.policy, "tier": cond.tier,
             # approximate conditions: the worst scored episode's fidelity (the gate bounds each)
             "fidelity_mean_kl_max": max(kl) if kl else None, "fidelity_top1_min": min(top1) if top1 else None,
-            "params": ", ".join(f"{k}={v}" for k, v in cond.resolved_params.items()),  # defaults spelled out
+            # defaults spelled out; a parameter the worker chose (omitted: None) as its episodes recorded it
+            "params": ", ".join(f"{k}={v}" if v is not None else f"{k}={_chosen(k, scored)} (chosen)"
+                                for k, v in cond.resolved_params.items()),
             "scored": len(scored), "failed": sum(not e.ok for e in scored),
             "prefill_h2d_per_call": _mean(h2d[c]["prefill"]) if recorded else None,
             "decode_h2d_per_call": _mean(h2d[c]["decode"]) if recorded else None,
@@ -670,6 +672,19 @@ def frontier(screen: ScreenData) -> dict:
 
 def _mean(xs: list) -> float | None:
     return math.fsum(xs) / len(xs) if xs else None
+
+
+def _chosen(name: str, episodes) -> str:
+    """The value a worker chose for parameter `name` of a condition that left it out, as its finished
+    episodes recorded it in their `offload` section (flexgen's `policy.w_gpu_percent`, llama-cpp's
+    `placement.n_cpu_moe`): one value, or the distinct ones joined by "/", or "?" where none says."""
+    seen = []
+    for e in episodes:
+        offload = e.record.get("offload") if e.ok else None
+        for section in (offload or {}).values() if isinstance(offload, dict) else ():
+            if isinstance(section, dict) and name in section and section[name] not in seen:
+                seen.append(section[name])
+    return "/".join(str(v) for v in seen) or "?"
 
 
 def _median(xs: list) -> float | None:

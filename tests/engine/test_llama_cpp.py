@@ -251,6 +251,17 @@ def test_the_screen_judges_llama_cpp_by_fidelity_in_its_tier(screen):
         assert by_gate[("fidelity", name)]["passed"], by_gate[("fidelity", name)]
 
 
+def test_the_report_shows_the_placement_the_worker_chose(screen):
+    """A condition that left n_cpu_moe to the worker reads as the value its episodes recorded, not
+    `n_cpu_moe=None` (what the report printed before)."""
+    from packbench.core.report import condition_summary, read_screen
+
+    *_, path = screen
+    rows = {r["condition"]: r["params"] for r in condition_summary(read_screen(path))}
+    assert rows["llama-cpp"] == "n_cpu_moe=0 (chosen), op_offload=off, mode=eager"
+    assert rows["llama-cpp-host"] == "n_cpu_moe=3, op_offload=off, mode=eager"
+
+
 def test_the_screen_audits_agree_and_an_edited_placement_disagrees(screen, tmp_path):
     """Resealed over an edited record (every digest valid), the auditor names the edit itself."""
     from cpu_screen import resealed
