@@ -14,7 +14,8 @@
 #          packet (mapped gather), host-experts, llama-cpp with n_cpu_moe chosen from the allowance, and
 #          llama-cpp with every layer's experts in host memory (n_cpu_moe LAYERS, llama.cpp's --cpu-moe), and
 #          the chosen placement with op offload on (llama.cpp's default: a prefill copies the host experts);
-#          1 warm-up + 2 prompts of PREFIX + CONT tokens each; the audit; bench.moe_peers_screen's table.
+#          1 warm-up + 2 prompts of PREFIX + CONT tokens each (BATCH sequences together, default 1: at 32 and
+#          more a decode call crosses llama.cpp's op-offload threshold); the audit; bench.moe_peers_screen's table.
 # Carry .whl (`EXTRA="gguf scikit-build-core pathspec pyproject-metadata packaging" bash ../shared/device/wheelhouse.sh`)
 # and .llama; make both calls on one warm machine:
 #   run(carry=[".whl", ".llama"], command="ONLY=build bash bench/llamacpp_screen_device.sh")
@@ -89,15 +90,18 @@ PY
   timeout 150 python3 -m pytest -q -m "gpu and llamacpp" -p no:cacheprovider tests/engine/test_llama_cpp_cuda.py \
     > "$out/pytest.log" 2>&1; echo "pytest rc $?"; grep -E "passed|failed|Error|assert" "$out/pytest.log" | tail -6
   SHAPE=${SHAPE:-qwen3-30b-a3b}; LAYERS=${LAYERS:-12}; ALLOW=${ALLOWANCE_MIB:-7168}; P=${PREFIX:-128}; C=${CONT:-16}
+  BATCH=${BATCH:-1}  # sequences decoded together: llama.cpp's op offload copies experts from 32 tokens a call
   DEV=cuda; dir=$work/$SHAPE
   moe_synth "$SHAPE" "$LAYERS" "$dir"
   cat > "$work/llama.yaml" <<YAML
 name: llama-cpp-$SHAPE-$LAYERS
 model: {path: $dir}
 dtype: float16
-prompts: {generator: {seed: 0, count: 2}}
+prompts: {generator: {seed: 0, count: $(( BATCH > 2 ? BATCH : 2 ))}}
 prefix_tokens: $P
 continuation_tokens: $C
+batch: $BATCH
+scored_prompts: 2
 conditions:
   - {policy: dense-stream}
   - {name: packet-mapped, policy: packet, params: {gather: mapped}}
