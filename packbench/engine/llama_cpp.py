@@ -83,11 +83,29 @@ def library():
         raise LlamaCppUnavailable(f"condition policy llama-cpp requires llama-cpp-python ({e}): {fix()}") from None
 
 
+def model_config(model_dir: Path) -> dict:
+    """config.json as transformers reads it, its defaults filled in: what the reference runs with,
+    so the GGUF says the same (a rotary base or head width the file leaves out, say)."""
+    import transformers
+
+    from packbench.core.text import one_line
+
+    try:
+        return transformers.AutoConfig.from_pretrained(str(model_dir)).to_dict()
+    except Exception as e:  # noqa: BLE001 - any unreadable config is one line
+        raise LlamaCppUnavailable(f"transformers cannot read {model_dir}/config.json ({one_line(str(e))[:200]}); "
+                                  f"fix config.json") from None
+
+
 def refusal(device: torch.device, config: dict) -> str | None:
     """Why condition llama-cpp cannot run this model on this worker (None: it can)."""
     if config.get("model_type") not in ARCHS:
         return (f"condition policy llama-cpp converts {', '.join(ARCHS)} checkpoints to GGUF, this one is "
                 f"{config.get('model_type')!r}; drop the condition")
+    rope = (config.get("rope_parameters") or {}).get("rope_type") or "default"
+    if rope != "default" or config.get("rope_scaling"):
+        return (f"condition policy llama-cpp converts plain rotary embeddings only, this checkpoint's rope type is "
+                f"{rope if rope != 'default' else config.get('rope_scaling')!r}; drop the condition")
     if device.type == "cuda" and not library().llama_supports_gpu_offload():
         return ("condition policy llama-cpp on a GPU worker needs llama-cpp-python built with CUDA, and this one "
                 "runs on the CPU only: reinstall it with CMAKE_ARGS='-DGGML_CUDA=on' pip install --force-reinstall "
@@ -164,7 +182,7 @@ def write_gguf(model_dir: Path, out: Path, *, dtype: str) -> int:
     import gguf
     from safetensors import safe_open
 
-    config = json.loads((model_dir / "config.json").read_text())
+    config = model_config(model_dir)
     tdtype = getattr(torch, dtype)
     handles, where = [], {}
     for f in sorted(model_dir.glob("*.safetensors")):
@@ -320,7 +338,7 @@ class LlamaCppModel:
         again instead of choosing one."""
         self._ctx = self._model = None
         lc = library()
-        config = json.loads((Path(model_dir) / "config.json").read_text())
+        config = model_config(Path(model_dir))
         why = refusal(device, config)
         if why is not None:
             raise LlamaCppUnavailable(why)

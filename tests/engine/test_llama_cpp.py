@@ -365,3 +365,38 @@ def test_a_re_execution_runs_the_archived_placement(moe, tmp_path):
     assert model.stats.placement["n_cpu_moe"] == 2
     with pytest.raises(PlacementDoesNotFit, match="archived llama.cpp placement"):
         build(1 << 20)
+
+
+def _edited_copy(src: Path, dst: Path, edit) -> Path:
+    import shutil
+
+    shutil.copytree(src, dst)
+    config = json.loads((dst / "config.json").read_text())
+    edit(config)
+    (dst / "config.json").write_text(json.dumps(config))
+    return dst
+
+
+def test_the_gguf_takes_what_transformers_fills_in_for_keys_config_json_leaves_out(moe, tmp_path):
+    """A config.json without its rms epsilon and rotary base: the reference runs with transformers'
+    defaults for both, and so must the GGUF (catches a converter that reads config.json itself and
+    fails, or guesses other values: a rotary base off by 100x misses the reference)."""
+    def drop(config):
+        config.pop("rms_norm_eps")
+        config.pop("rope_parameters", None)
+        config.pop("rope_theta", None)
+
+    path = _edited_copy(moe["qwen3-moe-tiny"], tmp_path / "bare", drop)
+    figures, _ = _against_reference(path, _llama(path, tmp_path / "cache"))
+    assert all(f.top1 == 1.0 and f.mean_kl < 1e-3 for f in figures), figures
+
+
+def test_a_scaled_rotary_embedding_is_refused_in_one_line(moe, tmp_path):
+    from packbench.engine.llama_cpp import LlamaCppUnavailable
+
+    def linear(config):
+        config["rope_parameters"] = {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6}
+
+    path = _edited_copy(moe["qwen3-moe-tiny"], tmp_path / "linear", linear)
+    with pytest.raises(LlamaCppUnavailable, match="plain rotary embeddings only, this checkpoint's rope type is 'linear'"):
+        _llama(path, tmp_path / "cache")
