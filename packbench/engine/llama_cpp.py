@@ -8,7 +8,8 @@ which ships with llama.cpp's source, not with its wheels) would for these three 
 the `gguf` package (llama.cpp's gguf-py): Mixtral as architecture `llama` (its q and k projections
 permuted to llama.cpp's interleaved rotary pairs), Qwen3-MoE as `qwen3moe`, OLMoE as `olmoe`; each
 layer's experts stacked into one (experts, out, in) tensor a projection; the model's dtype kept,
-norms and routers in float32; config.json's own values (rms epsilon, rotary base) written out. A
+norms and routers in float32; config.json as transformers reads it (defaults filled: the rms epsilon
+and rotary base the reference runs with), a scaled rotary embedding refused. A
 synthetic checkpoint has no tokenizer and none is needed (token ids go in, logits come out), so the
 vocabulary is llama.cpp's `none` type of `vocab_size` placeholder tokens. Converted once per
 checkpoint and dtype, under the model cache.
