@@ -39,7 +39,6 @@ that may contain OPT's pad id (1), which the reference attends to.
 
 from __future__ import annotations
 
-import hashlib
 import importlib
 import importlib.metadata
 import json
@@ -56,7 +55,7 @@ from packbench.core.conditions.flexgen import (CPU_REFUSAL, EXTRA, cache_bytes, 
 from packbench.core.errors import PackbenchError
 from packbench.engine.episode import EpisodeOutput
 from packbench.engine.ledger import Recorder
-from packbench.engine.placed import place_once
+from packbench.engine.placed import files_key, place_once
 
 LAYOUT = "packbench-np"  # FlexGen reads `{path}/{config.name}-np/`: config.name is "packbench"
 
@@ -120,9 +119,7 @@ def converted(checkpoint: Path, cache: Path) -> Path:
     once (engine/placed.py: a loser uses the winner's copy; removing the winner's, as before, pulled
     the files from under its OptLM). A cache that refuses the copy (full, read-only) is one
     FlexGenUnavailable, the partial copy removed."""
-    files = sorted(checkpoint.glob("*.safetensors"))
-    key = hashlib.sha256(json.dumps([[f.name, f.stat().st_size, f.stat().st_mtime_ns] for f in files]).encode())
-    root = cache / "flexgen" / key.hexdigest()[:16]
+    root = cache / "flexgen" / files_key(sorted(checkpoint.glob("*.safetensors")))
 
     def build(tmp: Path) -> None:
         names = convert(checkpoint, tmp / LAYOUT)

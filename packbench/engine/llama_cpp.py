@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import importlib
 import importlib.metadata
 import json
@@ -46,11 +45,11 @@ import numpy as np
 import torch
 
 from packbench.core.conditions.llama_cpp import (EXTRA, F32, OP_OFFLOAD_MIN_BATCH, UBATCH, LlamaPlacement, PlacementRefused,
-                                                 choose_placement, kv_bytes, kv_cells, layer_bytes, placement)
+                                                 choose_placement, kv_bytes, kv_cells, layer_bytes, placement, shape)
 from packbench.core.errors import PackbenchError, PlacementDoesNotFit
 from packbench.engine.episode import EpisodeOutput
 from packbench.engine.ledger import Recorder
-from packbench.engine.placed import place_once
+from packbench.engine.placed import files_key, place_once
 
 # config.json's model_type -> llama.cpp's architecture name
 ARCHS = {"mixtral": "llama", "qwen3_moe": "qwen3moe", "olmoe": "olmoe"}
@@ -123,17 +122,13 @@ def permute(w: torch.Tensor, heads: int) -> torch.Tensor:
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _head_dim(config: dict) -> int:
-    return config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
-
-
 def gguf_plan(config: dict) -> list[tuple[str, tuple[str, ...], str]]:
     """Every GGUF tensor in file order: (name, the checkpoint tensors it is made of, how): `copy`,
     `f32` (kept in float32), `q`/`k` (permuted for llama's rotary pairs), `stack` (experts)."""
     fam, layers = config["model_type"], config["num_hidden_layers"]
     llama = ARCHS[fam] == "llama"
     out = [("token_embd.weight", ("model.embed_tokens.weight",), "copy")]
-    n_exp = config.get("num_local_experts") or config["num_experts"]
+    n_exp = shape(config).experts
     for i in range(layers):
         p = f"model.layers.{i}."
         out += [(f"blk.{i}.attn_norm.weight", (p + "input_layernorm.weight",), "f32"),
@@ -156,8 +151,8 @@ def gguf_plan(config: dict) -> list[tuple[str, tuple[str, ...], str]]:
 
 
 def _metadata(w, config: dict) -> None:
-    hd = _head_dim(config)
-    ff = config.get("moe_intermediate_size") or config["intermediate_size"]
+    s = shape(config)
+    hd, ff = s.head_dim, s.intermediate
     w.add_name("packbench synthetic checkpoint")
     w.add_context_length(config["max_position_embeddings"])
     w.add_embedding_length(config["hidden_size"])
@@ -171,7 +166,7 @@ def _metadata(w, config: dict) -> None:
     w.add_rope_dimension_count(hd)
     w.add_rope_freq_base(float(config.get("rope_theta") or (config.get("rope_parameters") or {}).get("rope_theta")))
     w.add_layer_norm_rms_eps(float(config["rms_norm_eps"]))
-    w.add_expert_count(config.get("num_local_experts") or config["num_experts"])
+    w.add_expert_count(s.experts)
     w.add_expert_used_count(config["num_experts_per_tok"])
     w.add_vocab_size(config["vocab_size"])
     w.add_tokenizer_model("none")  # no tokenizer: vocab_size placeholder tokens (module docstring)
@@ -185,10 +180,9 @@ def write_gguf(model_dir: Path, out: Path, *, dtype: str) -> int:
 
     config = model_config(model_dir)
     tdtype = getattr(torch, dtype)
-    handles, where = [], {}
+    where = {}  # tensor name -> its open file
     for f in sorted(model_dir.glob("*.safetensors")):
         h = safe_open(str(f), "pt")
-        handles.append(h)
         where.update({k: h for k in h.keys()})
     plan = gguf_plan(config)
     missing = [n for _, names, _ in plan for n in names if n not in where]
@@ -237,10 +231,7 @@ def converted(model_dir: Path, cache: Path, *, dtype: str) -> Path:
     """The GGUF of `model_dir` in `dtype`, written once per checkpoint (keyed by its files' names,
     sizes and mtimes) and dtype under `cache`; a half-written one (no `complete` marker) is written
     again. A cache that refuses it (full, read-only) is one LlamaCppUnavailable."""
-    files = sorted(model_dir.glob("*.safetensors")) + [model_dir / "config.json"]
-    key = hashlib.sha256(json.dumps([[f.name, f.stat().st_size, f.stat().st_mtime_ns] for f in files] + [dtype])
-                         .encode()).hexdigest()[:16]
-    root = cache / "gguf" / key
+    root = cache / "gguf" / files_key(sorted(model_dir.glob("*.safetensors")) + [model_dir / "config.json"], dtype)
 
     def build(tmp: Path) -> None:
         tmp.mkdir(parents=True)
@@ -348,16 +339,16 @@ class LlamaCppModel:
         t0 = time.perf_counter()
         gguf_path = converted(Path(model_dir), cache, dtype=dtype_name)
         convert_s = time.perf_counter() - t0
-        shape = dict(dtype=dtype_name, allowance=allowance_bytes, context=context_bytes, batch=batch, capacity=capacity)
+        sizing = dict(dtype=dtype_name, allowance=allowance_bytes, context=context_bytes, batch=batch, capacity=capacity)
         try:
             if archived is not None:  # a re-execution: the archived n_cpu_moe, not one chosen at this context
                 was = (archived.get("placement") or {})
-                p = placement(config, int(was.get("n_cpu_moe", 0)), chosen=bool(was.get("chosen")), **shape)
+                p = placement(config, int(was.get("n_cpu_moe", 0)), chosen=bool(was.get("chosen")), **sizing)
                 if p.needed > allowance_bytes:
                     raise PlacementDoesNotFit(f"the archived llama.cpp placement (n_cpu_moe {p.n_cpu_moe}) needs "
                                               f"{-(-p.needed // 2**20)} MiB on this device, over the allowance")
             else:
-                p = choose_placement(config, params, **shape)
+                p = choose_placement(config, params, **sizing)
         except PlacementRefused as e:
             raise LlamaCppUnavailable(str(e)) from None
         self.plan: LlamaPlacement = p
@@ -396,7 +387,7 @@ class LlamaCppModel:
                                       f"device beside the {context_bytes // 2**20} MiB CUDA context, over the "
                                       f"allowance of {allowance_bytes // 2**20} MiB: give a larger n_cpu_moe")
         self._expert_bytes = layer_bytes(config, dtype=dtype_name)["experts"]  # a layer's, all experts
-        self.experts = config.get("num_local_experts") or config["num_experts"]
+        self.experts = shape(config).experts
         self.link = cuda  # a CPU worker's llama.cpp moves nothing
         self.stats = LlamaCppStats(library_version=importlib.metadata.version("llama_cpp_python"),
                                    load_s=time.perf_counter() - t0, convert_s=convert_s,

@@ -45,29 +45,23 @@ DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 CAPTURE_REFUSAL = "llama.cpp captures its own CUDA graphs of each decode step (ggml-cuda's graph reuse)"
 
 
-def family(config: Mapping[str, Any]) -> str:
-    return config["model_type"]
+def shape(config: Mapping[str, Any]):
+    """The byte arithmetic's view of an MoE config.json (core/moe.py shape_of_config: its family's
+    keys, kv heads and head width defaulted as transformers does)."""
+    from packbench.core.moe import shape_of_config  # core/moe.py imports this package: not at import time
 
-
-def experts(config: Mapping[str, Any]) -> int:
-    return config.get("num_local_experts") or config["num_experts"]
-
-
-def expert_ffn(config: Mapping[str, Any]) -> int:
-    return config.get("moe_intermediate_size") or config["intermediate_size"]
+    return shape_of_config(config)
 
 
 def layer_bytes(config: Mapping[str, Any], *, dtype: str) -> dict[str, int]:
     """One decoder layer's GGUF tensors in bytes, by what llama.cpp does with them: `experts` (the
     three stacked expert tensors) and `rest` (attention projections in the model's dtype; norms, QK
     norms and the router in float32, as the converter writes them)."""
-    e = DTYPE_BYTES[dtype]
-    h, heads, kv, hd = (config["hidden_size"], config["num_attention_heads"], config["num_key_value_heads"],
-                        config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"])
-    attention = (2 * heads * hd * h + 2 * kv * hd * h) * e
-    norms = 2 * h + {"qwen3_moe": 2 * hd, "olmoe": heads * hd + kv * hd}.get(family(config), 0)
-    router = experts(config) * h
-    return {"experts": 3 * experts(config) * expert_ffn(config) * h * e, "rest": attention + (norms + router) * F32}
+    s, e = shape(config), DTYPE_BYTES[dtype]
+    attention = (2 * s.heads + 2 * s.kv_heads) * s.head_dim * s.hidden * e
+    qk_norms = {"qwen3_moe": 2 * s.head_dim, "olmoe": (s.heads + s.kv_heads) * s.head_dim}.get(config["model_type"], 0)
+    return {"experts": 3 * s.experts * s.intermediate * s.hidden * e,
+            "rest": attention + (2 * s.hidden + qk_norms + s.experts * s.hidden) * F32}
 
 
 def kv_cells(*, batch: int, capacity: int) -> int:
@@ -77,9 +71,8 @@ def kv_cells(*, batch: int, capacity: int) -> int:
 
 
 def kv_bytes(config: Mapping[str, Any], *, batch: int, capacity: int) -> int:
-    hd = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
-    return 2 * config["num_hidden_layers"] * kv_cells(batch=batch, capacity=capacity) * config["num_key_value_heads"] \
-        * hd * KV_BYTES
+    s = shape(config)
+    return 2 * s.layers * kv_cells(batch=batch, capacity=capacity) * s.kv_heads * s.head_dim * KV_BYTES
 
 
 def working_bytes(config: Mapping[str, Any], *, batch: int, capacity: int) -> int:
@@ -87,13 +80,10 @@ def working_bytes(config: Mapping[str, Any], *, batch: int, capacity: int) -> in
     UBATCH tokens: the hidden states and the attention's and FFN's intermediates, float32, the
     attention scores of every head against every cell, the routed experts' intermediates), logits
     of every sequence's last position, and SLACK."""
-    t = min(batch * capacity, UBATCH)
-    h, heads = config["hidden_size"], config["num_attention_heads"]
-    hd = config.get("head_dim") or h // heads
-    k = config["num_experts_per_tok"]
-    acts = t * (8 * h + 4 * heads * hd + 3 * k * expert_ffn(config) + experts(config)) * F32
-    scores = heads * t * kv_cells(batch=batch, capacity=capacity) * F32
-    return acts + scores + batch * config["vocab_size"] * F32 + SLACK
+    s, t = shape(config), min(batch * capacity, UBATCH)
+    acts = t * (8 * s.hidden + 4 * s.heads * s.head_dim + 3 * s.k * s.intermediate + s.experts) * F32
+    scores = s.heads * t * kv_cells(batch=batch, capacity=capacity) * F32
+    return acts + scores + batch * s.vocab * F32 + SLACK
 
 
 @dataclass(frozen=True)
@@ -124,10 +114,9 @@ class PlacementRefused(ValueError):
 
 def placement(config: Mapping[str, Any], n_cpu_moe: int, *, dtype: str, allowance: int, context: int, batch: int,
               capacity: int, chosen: bool) -> LlamaPlacement:
-    layers = config["num_hidden_layers"]
+    layers, h, v = config["num_hidden_layers"], config["hidden_size"], config["vocab_size"]
     per = layer_bytes(config, dtype=dtype)
     e = DTYPE_BYTES[dtype]
-    h, v = config["hidden_size"], config["vocab_size"]
     output = v * h * e + h * F32  # lm_head and the final norm
     gpu = layers * per["rest"] + (layers - n_cpu_moe) * per["experts"] + output
     host = v * h * e + n_cpu_moe * per["experts"]
