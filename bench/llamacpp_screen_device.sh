@@ -51,14 +51,29 @@ if [ "${ONLY:-build}" = build ]; then
   echo "== llama-cpp-python CUDA wheel: rc $? in $(( $(date +%s) - t0 )) s"; ls -la "$wheel_dir"
   grep -iE "error|CMake Error" "$out/build.log" | head -8; rm -rf "$src"
 fi
-if [ "${ONLY:-}" = probe ]; then  # which loads crash: bench/llamacpp_load_probe.py, one process a variant
+if [ "${ONLY:-}" = probe ]; then  # which loads crash: bench/llamacpp_load_probe.py, one process a variant, each
+  # with bench/segv_trace.c preloaded (a crash prints its native frames, named here by addr2line); a variant
+  # ending +quiet runs without llama.cpp's log, +omp1 with OMP_NUM_THREADS=1 CUDA_VISIBLE_DEVICES=0 (as Ray sets them)
   install_wheels
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site --upgrade "$wheel_dir"/llama_cpp_python-*.whl .whl/diskcache-*.whl .whl/gguf-*.whl
   work_dir
-  for v in ${VARIANTS:-qwen3-moe-tiny:3:0 qwen3-moe-tiny:3:1 qwen3-moe-tiny:3:0:array qwen3-moe-tiny:3:0:registry qwen3-moe-tiny:3:0:nommap qwen3-30b-a3b:1:0 qwen3-30b-a3b:1:1 mixtral-tiny:3:3}; do
-    PACKBENCH_LLAMA_LOG=1 timeout 90 python3 -m bench.llamacpp_load_probe "$v" "$work" > "$out/probe-${v//:/_}.log" 2>&1
-    rc=$?; echo "   $v: rc $rc: $(grep -E "^$v: " "$out/probe-${v//:/_}.log" | tail -1)"
-    [ $rc = 0 ] || grep -vE "^W1|Warn|^  File|^Extension|^Thread|^Current|^Fatal|threading" "$out/probe-${v//:/_}.log" | tail -4 | cut -c1-200 | sed 's/^/      /'
+  gcc -shared -fPIC -O1 -o /tmp/segv_trace.so bench/segv_trace.c || exit 1
+  echo "gdb: $(command -v gdb || echo none); addr2line: $(command -v addr2line || echo none); $(ldd --version | head -1)"
+  for v in ${VARIANTS:-qwen3-moe-tiny:3:0 qwen3-moe-tiny:3:0:ray qwen3-moe-tiny:3:0:first qwen3-moe-tiny:3:0+quiet qwen3-moe-tiny:3:0+omp1 qwen3-30b-a3b:12:0}; do
+    base=${v%+*}; log="$out/probe-${v//[:+]/_}.log"; envs=(PACKBENCH_LLAMA_LOG=1)
+    [[ $v == *+quiet ]] && envs=(PACKBENCH_LLAMA_LOG=)
+    [[ $v == *+omp1 ]] && envs+=(OMP_NUM_THREADS=1 CUDA_VISIBLE_DEVICES=0)
+    env "${envs[@]}" LD_PRELOAD=/tmp/segv_trace.so timeout 150 python3 -m bench.llamacpp_load_probe "$base" "$work" > "$log" 2>&1
+    rc=$?; echo "   $v: rc $rc: $(grep -E "^$base: (ok|the Ray)" "$log" | tail -1)"
+    [[ $v == qwen3-moe-tiny:3:0 || $v == *:ray ]] && grep -E ": mapped " "$log" | sed 's/^/      /'
+    if [ $rc != 0 ] || grep -q "segv_trace:" "$log"; then
+      grep -B3 -m1 "segv_trace:" "$log" | grep -vE "^(Fatal|Current|Thread|  File)" | cut -c1-160 | sed 's/^/      before: /'
+      grep -A40 -m1 "segv_trace:" "$log" | grep -E "^/.*lib(llama|ggml|stdc)" | head -14 | while read -r f; do
+        so=${f%%(*}; inner=${f#*(}; inner=${inner%%)*}
+        if [[ $inner == +* ]]; then echo "      ${so##*/} $(addr2line -f -C -e "$so" "${inner#+}" | head -1)"
+        else echo "      ${so##*/} $(echo "${inner%%+*}" | c++filt)"; fi
+      done
+    fi
   done
 fi
 if [ "${ONLY:-run}" = run ]; then

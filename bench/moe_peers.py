@@ -3,6 +3,11 @@ packbench's implementation) against exact expert packets and dense-stream, at ea
 the first batch where moving the weights (a packet) decodes faster than moving the activations
 to the experts on the host is where moving the weights starts to pay. `--hot N` adds host-experts
 with N experts a layer held on the device (`host-hot`, its hit rate printed beside its fidelity).
+`--conditions ...,llama-cpp,llama-cpp-po` adds llama.cpp (the `llama-cpp` condition kind's model,
+engine/llama_cpp.py; the [llamacpp] extra) with every layer's experts in host memory (`--n-cpu-moe`,
+default every layer, llama.cpp's `--cpu-moe`), op offload off (the CPU computes them) and on (from 32
+tokens a call llama.cpp's scheduler copies them to the GPU instead): llama.cpp's own crossover, the
+same question asked of its kernels; it is printed apart, as is packbench's.
 
   python -m bench.moe_peers --model DIR --dtype float16 --batches 1,2,4,8,16,32,64
 
@@ -39,7 +44,10 @@ from packbench.engine.episode import run_episode
 from packbench.engine.moe.model import CpuFirstMoE
 
 CONDITIONS = {"dense-stream": ("dense-stream", {}), "packet": ("packet", {"gather": "device"}),
-              "packet-mapped": ("packet", {"gather": "mapped"}), "host-experts": ("host-experts", {})}
+              "packet-mapped": ("packet", {"gather": "mapped"}), "host-experts": ("host-experts", {}),
+              "llama-cpp": ("llama-cpp", {"op_offload": "off"}), "llama-cpp-po": ("llama-cpp", {"op_offload": "on"})}
+LLAMA = "llama-cpp"  # conditions of this policy run in llama.cpp, a model of their own per batch
+DEFAULT = [n for n, (policy, _) in CONDITIONS.items() if policy != LLAMA]  # llama.cpp's need the extra: asked for
 REFERENCE = "dense-stream"
 # The crossover compares host-experts with each packet that moves the weights: the device gather
 # (routing read back to the host, then a copy of the routed experts) and the mapped gather (the
@@ -68,32 +76,56 @@ def figures(out, device_bytes: int) -> dict:
 
 
 def judge(name: str, runs: list, refs: list, model, prompts, continuation: int, *, conditions: dict) -> str:
-    """`exact` or `NOT EXACT` for a loader; fidelity figures for host-experts (teacher-forced on the
-    reference's tokens, rerun after the timed episodes)."""
-    if conditions[name][0] != HOST:
+    """`exact` or `NOT EXACT` for a loader; fidelity figures for host-experts and llama.cpp
+    (teacher-forced on the reference's tokens, rerun after the timed episodes)."""
+    policy = conditions[name][0]
+    if policy not in (HOST, LLAMA):
         same = all(np.array_equal(r.logits, q.logits) and r.tokens == q.tokens for r, q in zip(runs, refs))
         return "exact" if same else "NOT EXACT"
     ref = refs[0]
-    model.use(conditions[name][0], **conditions[name][1])
+    if policy == HOST:
+        model.use(policy, **conditions[name][1])
     forced = run_episode(model, prompts if len(prompts) > 1 else prompts[0], continuation=continuation,
                          forced=ref.tokens)
     f = fidelity(ref.logits, forced.logits, reference_tokens=ref.tokens, tokens=runs[0].tokens)
     div = "never" if f.divergence_step is None else f.divergence_step
-    hits = model.slot.policy.hit_rate if model.slot.policy.hot else None
+    hits = model.slot.policy.hit_rate if policy == HOST and model.slot.policy.hot else None
     return (f"KL {f.mean_kl:.2e} top1 {f.top1:.3f} max|d| {f.max_abs_logit:.3g} diverges {div}"
             + ("" if hits is None else f" hit rate {hits:.3f}"))
 
 
-def run_batch(model, batch: int, *, conditions: dict, prefix: int, continuation: int, rounds: int) -> dict:
-    names = list(conditions)
+def llama_models(model_dir: Path, names: list[str], *, conditions: dict, dtype: torch.dtype, device: torch.device,
+                 batch: int, capacity: int, n_cpu_moe: int | None, cache: Path) -> dict:
+    """The llama-cpp conditions' models at this batch (held together: their device parts are small with
+    the experts on the host), no allowance imposed."""
+    from packbench.engine.llama_cpp import LlamaCppModel
+
+    models = {}
+    for n in (n for n in names if conditions[n][0] == LLAMA):
+        params = {**conditions[n][1], **({} if n_cpu_moe is None else {"n_cpu_moe": n_cpu_moe})}
+        models[n] = LlamaCppModel(model_dir, dtype=dtype, device=device, params=params, allowance_bytes=1 << 50,
+                                  context_bytes=0, capacity=capacity, batch=batch, cache=cache)
+    return models
+
+
+def run_batch(model, batch: int, *, conditions: dict, prefix: int, continuation: int, rounds: int,
+              llama: dict | None = None) -> dict:
+    """`llama`: the llama-cpp conditions' models at this batch (llama_models), by condition name."""
+    names, llama = list(conditions), llama or {}
     prompts = batch_prompts(batch, length=prefix, vocab=model.vocab, seed=batch)
     episode_input = prompts if batch > 1 else prompts[0]
     cold, warm, outs = {}, {n: [] for n in names}, {n: [] for n in names}
-    for n in names:  # the warm-up episode at this batch: printed apart as cold
+
+    def ready(n: str):  # the model that runs condition n, and its device bytes
+        if n in llama:
+            return llama[n], llama[n].stats.device_bytes
         model.use(conditions[n][0], **conditions[n][1])
+        return model, model.slot.policy.device_bytes()
+
+    for n in names:  # the warm-up episode at this batch: printed apart as cold
         try:
-            cold[n] = figures(run_episode(model, episode_input, continuation=continuation),
-                              model.slot.policy.device_bytes())
+            m, held = ready(n)
+            cold[n] = figures(run_episode(m, episode_input, continuation=continuation), held)
         except Exception as e:  # an OOM at a large batch: reported, the run goes on
             cold[n] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:80] if str(e) else ''}"}
             if torch.cuda.is_available():
@@ -101,12 +133,12 @@ def run_batch(model, batch: int, *, conditions: dict, prefix: int, continuation:
     live = [n for n in names if "error" not in cold[n]]
     for r in range(rounds):
         for n in live[r % len(live):] + live[:r % len(live)]:
-            model.use(conditions[n][0], **conditions[n][1])
-            out = run_episode(model, episode_input, continuation=continuation)
+            m, held = ready(n)
+            out = run_episode(m, episode_input, continuation=continuation)
             outs[n].append(out)
-            warm[n].append(figures(out, model.slot.policy.device_bytes()))
-    verdicts = {n: (judge(n, outs[n], outs[REFERENCE], model, prompts, continuation, conditions=conditions)
-                    if REFERENCE in live and n in live else "-") for n in names}
+            warm[n].append(figures(out, held))
+    verdicts = {n: (judge(n, outs[n], outs[REFERENCE], llama.get(n, model), prompts, continuation,
+                          conditions=conditions) if REFERENCE in live and n in live else "-") for n in names}
     return {"cold": cold, "warm": warm, "verdict": verdicts}
 
 
@@ -120,12 +152,12 @@ def summary(figs: list[dict]) -> dict:
             "routed": statistics.mean(x for f in figs for x in f["routed"]) if any(f["routed"] for f in figs) else None}
 
 
-def crossover(decode_ms: dict[int, dict[str, float]], mover: str = "packet") -> int | None:
-    """The first batch from which `mover` (a packet) decodes at least as fast as host-experts at every
-    larger batch measured (None: never within the batches given). Pure."""
-    batches = sorted(b for b, d in decode_ms.items() if mover in d and HOST in d)
+def crossover(decode_ms: dict[int, dict[str, float]], mover: str = "packet", host: str = HOST) -> int | None:
+    """The first batch from which `mover` (a packet) decodes at least as fast as `host` (host-experts)
+    at every larger batch measured (None: never within the batches given). Pure."""
+    batches = sorted(b for b, d in decode_ms.items() if mover in d and host in d)
     for i, b in enumerate(batches):
-        if all(decode_ms[c][mover] <= decode_ms[c][HOST] for c in batches[i:]):
+        if all(decode_ms[c][mover] <= decode_ms[c][host] for c in batches[i:]):
             return b
     return None
 
@@ -139,7 +171,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--continuation", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--threads", type=int, default=None, help="host threads (host-experts' arithmetic)")
-    ap.add_argument("--conditions", default=",".join(CONDITIONS))
+    ap.add_argument("--conditions", default=",".join(DEFAULT))
+    ap.add_argument("--n-cpu-moe", type=int, default=None,
+                    help="llama-cpp conditions: the layers whose experts stay in host memory (default: every layer)")
+    ap.add_argument("--cache", type=Path, default=Path("moe-peers-cache"),
+                    help="llama-cpp conditions: where the GGUF conversion is kept")
     ap.add_argument("--hot", type=int, default=0,
                     help="also host-experts with this many experts a layer held on the device (condition host-hot)")
     a = ap.parse_args(argv)
@@ -162,7 +198,15 @@ def main(argv: list[str] | None = None) -> None:
     print(head, flush=True)
     decode_ms: dict[int, dict[str, float]] = {}
     for b in (int(x) for x in a.batches.split(",")):
-        res = run_batch(model, b, conditions=conditions, prefix=a.prefix, continuation=a.continuation, rounds=a.rounds)
+        llama = llama_models(a.model, names, conditions=conditions, dtype=getattr(torch, a.dtype), device=device,
+                             batch=b, capacity=a.prefix + a.continuation,
+                             n_cpu_moe=model.host.layers if a.n_cpu_moe is None else a.n_cpu_moe, cache=a.cache)
+        try:
+            res = run_batch(model, b, conditions=conditions, prefix=a.prefix, continuation=a.continuation,
+                            rounds=a.rounds, llama=llama)
+        finally:
+            for m in llama.values():
+                m.release()
         decode_ms[b] = {}
         for n in names:
             c = res["cold"][n]
@@ -176,13 +220,15 @@ def main(argv: list[str] | None = None) -> None:
                       f"{res['verdict'][n] if state == 'warm' else ''}", flush=True)
                 if state == "warm":
                     decode_ms[b][n] = s["decode_ms"]
-    for mover in (m for m in MOVERS if m in names):
-        at = crossover(decode_ms, mover)
-        ratios = "  ".join(f"B={b}: {d[HOST] / d[mover]:.2f}x" for b, d in sorted(decode_ms.items())
-                           if mover in d and HOST in d)
-        print(f"host-experts / {mover} decode time per call: {ratios}")
+    pairs = [(m, HOST) for m in MOVERS if m in names and HOST in names]
+    pairs += [("llama-cpp-po", "llama-cpp")] if {"llama-cpp-po", "llama-cpp"} <= set(names) else []
+    for mover, host in pairs:
+        at = crossover(decode_ms, mover, host)
+        ratios = "  ".join(f"B={b}: {d[host] / d[mover]:.2f}x" for b, d in sorted(decode_ms.items())
+                           if mover in d and host in d)
+        print(f"{host} / {mover} decode time per call: {ratios}")
         print(f"crossover: {mover + ' faster from batch ' + str(at) if at is not None else mover + ' never faster'} "
-              f"(decode, warm medians; {device})")
+              f"than {host} (decode, warm medians; {device})")
 
 
 if __name__ == "__main__":
