@@ -5,7 +5,8 @@ experts of the first N layers overridden to host memory, HOW one of `null` (no o
 the field left NULL; the default where N is 0), `array` (an array even for N 0: only its NULL end),
 `registry` (the CPU device's buffer type looked up before the load), `nommap`, `ray` (the same load
 inside a Ray actor holding the GPU, as packbench's worker runs it), `first` (llama_cpp imported before
-torch and everything else); then a context and one decode of 40 tokens. Prints the C++ runtime and
+torch and everything else, libstdc++ made global first as engine/llama_cpp.py library() does), `bare`
+(llama_cpp imported first, as is), `local` (without library()'s promotion of libstdc++); then a context and one decode of 40 tokens. Prints the C++ runtime and
 OpenMP libraries the process has mapped before the load, then `ok` with the argmax, else the process
 dies and the caller says how (with bench/segv_trace.c preloaded: the native frames).
 
@@ -14,8 +15,13 @@ dies and the caller says how (with bench/segv_trace.c preloaded: the native fram
 
 import sys
 
-if sys.argv[1].endswith(":first"):
-    import llama_cpp as _first  # noqa: F401  (before torch, numpy and ray)
+if sys.argv[1].endswith(":first"):  # before torch, numpy and ray, the runtime global first as library() does
+    import ctypes as _ctypes
+
+    _ctypes.CDLL("libstdc++.so.6", mode=_ctypes.RTLD_GLOBAL)
+    import llama_cpp as _first  # noqa: F401
+elif sys.argv[1].endswith(":bare"):  # before anything, as llama-cpp-python's users import it (no promotion)
+    import llama_cpp as _first  # noqa: F401
 
 import ctypes
 from pathlib import Path
@@ -66,6 +72,8 @@ def load(variant: str, work: Path) -> str:
         synth_moe(d, shape=shape, seed=3, dtype="float16", layers=int(layers),
                   device="cuda" if torch.cuda.is_available() else "cpu")
     gguf = llama_cpp.converted(d, work / "mc", dtype="float16")
+    if how == "local":
+        llama_cpp.cxx_runtime_global = lambda: None
     lc = llama_cpp.library()
     llama_cpp.backend(lc)
     buft = llama_cpp.host_buffer_type(lc) if how == "registry" or n or how == "array" else None

@@ -20,6 +20,9 @@
 # and .llama; make both calls on one warm machine:
 #   run(carry=[".whl", ".llama"], command="ONLY=build bash bench/llamacpp_screen_device.sh")
 #   run(carry=[".whl", ".llama"], command="ONLY=run bash bench/llamacpp_screen_device.sh")
+# ONLY=probe: which llama.cpp loads crash, a process each (bench/llamacpp_load_probe.py), with native frames;
+# ONLY=sweep: the llama-cpp CUDA tests, then bench.moe_peers over BATCHES with llama.cpp's op offload off and
+# on beside the packets and host-experts (llama.cpp's own crossover).
 # Logs under $OUT (or ./llamacpp-screen-out).
 set -uo pipefail
 t_start=$(date +%s)
@@ -59,7 +62,9 @@ if [ "${ONLY:-}" = probe ]; then  # which loads crash: bench/llamacpp_load_probe
   work_dir
   gcc -shared -fPIC -O1 -o /tmp/segv_trace.so bench/segv_trace.c || exit 1
   echo "gdb: $(command -v gdb || echo none); addr2line: $(command -v addr2line || echo none); $(ldd --version | head -1)"
-  for v in ${VARIANTS:-qwen3-moe-tiny:3:0 qwen3-moe-tiny:3:0:ray qwen3-moe-tiny:3:0:first qwen3-moe-tiny:3:0+quiet qwen3-moe-tiny:3:0+omp1 qwen3-30b-a3b:12:0}; do
+  cuda_lib=$(ls /tmp/site/llama_cpp/lib/libggml-cuda.so* | head -1)
+  echo "libggml-cuda's exported C++ runtime symbols: $(nm -D --defined-only "$cuda_lib" | c++filt | grep -cE ' std::(basic_ostream|locale|basic_ios|__cxx11::basic_string)') (e.g. $(nm -D --defined-only "$cuda_lib" | c++filt | grep -m1 -oE 'std::basic_ostream.*_M_insert<long>.*'))"
+  for v in ${VARIANTS:-qwen3-moe-tiny:3:0 qwen3-moe-tiny:3:0:local qwen3-moe-tiny:3:1 qwen3-moe-tiny:3:0:first qwen3-moe-tiny:3:0:bare qwen3-30b-a3b:12:0 mixtral-tiny:3:3}; do
     base=${v%+*}; log="$out/probe-${v//[:+]/_}.log"; envs=(PACKBENCH_LLAMA_LOG=1)
     [[ $v == *+quiet ]] && envs=(PACKBENCH_LLAMA_LOG=)
     [[ $v == *+omp1 ]] && envs+=(OMP_NUM_THREADS=1 CUDA_VISIBLE_DEVICES=0)
@@ -75,6 +80,25 @@ if [ "${ONLY:-}" = probe ]; then  # which loads crash: bench/llamacpp_load_probe
       done
     fi
   done
+fi
+if [ "${ONLY:-}" = sweep ]; then  # llama.cpp's crossover: bench.moe_peers over BATCHES, llama.cpp's op offload
+  # off (its CPU computes the host experts) and on (from 32 tokens a call it copies them to the GPU) beside
+  # the packets and host-experts, every layer's experts in host memory; the llama-cpp CUDA tests first
+  ls "$wheel_dir"/llama_cpp_python-*.whl > /dev/null 2>&1 || { echo "no wheel in $wheel_dir: run ONLY=build first on this (warm) machine"; exit 1; }
+  product_env
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site --upgrade "$wheel_dir"/llama_cpp_python-*.whl .whl/diskcache-*.whl .whl/gguf-*.whl
+  device_header
+  echo "== CUDA tests (llama-cpp)"
+  timeout 150 python3 -m pytest -q -m "gpu and llamacpp" -p no:cacheprovider tests/engine/test_llama_cpp_cuda.py \
+    > "$out/pytest.log" 2>&1; echo "pytest rc $?"; grep -E "passed|failed|Error|assert" "$out/pytest.log" | tail -6
+  SHAPE=${SHAPE:-qwen3-30b-a3b}; LAYERS=${LAYERS:-12}; DEV=cuda; dir=$work/$SHAPE
+  moe_synth "$SHAPE" "$LAYERS" "$dir"
+  limit=$(( $(left) - 15 )); [ "$limit" -ge 30 ] || limit=1
+  timeout "$limit" python3 -m bench.moe_peers --model "$dir" --dtype float16 --batches "${BATCHES:-1,8,32,64}" \
+    --prefix "${PREFIX:-32}" --continuation "${CONT:-8}" --rounds 2 --cache "$work/mc" \
+    --conditions packet,packet-mapped,host-experts,llama-cpp,llama-cpp-po > "$out/sweep.log" 2>&1
+  echo "-- sweep rc $? (limit $limit s)"; grep -vE "^(llama|load|print_info|graph|sched|W1|\s)" "$out/sweep.log" | tail -40 | cut -c1-220
+  rm -rf "$dir"
 fi
 if [ "${ONLY:-run}" = run ]; then
   ls "$wheel_dir"/llama_cpp_python-*.whl > /dev/null 2>&1 || { echo "no wheel in $wheel_dir: run ONLY=build first on this (warm) machine"; exit 1; }

@@ -75,9 +75,27 @@ def fix() -> str:
             f"CMAKE_ARGS='-DGGML_CUDA=on' first)")
 
 
+def cxx_runtime_global() -> None:
+    """The process's C++ runtime (libstdc++) made global before llama-cpp-python loads its libraries.
+
+    llama-cpp-python opens libllama and the ggml libraries RTLD_GLOBAL. A CUDA build of libggml-cuda
+    (nvcc) defines and exports template instances of the C++ runtime's own (`std::ostream::_M_insert<long>`,
+    locale parts); where libstdc++ is not yet in the global scope (a plain Python process that has
+    imported torch: its extensions load it RTLD_LOCAL), those exports come first in it, libllama's
+    stream output binds to them and crashes in its first `print_info` (SIGSEGV on an H100 machine,
+    torch 2.11, llama-cpp-python 0.3.36 built there; docs/experiments/competitors.md). A Ray worker had
+    libstdc++ global already, which is why the screens ran. Promoting the loaded libstdc++ to the
+    global scope first makes every such reference bind to the runtime itself."""
+    try:
+        ctypes.CDLL("libstdc++.so.6", mode=ctypes.RTLD_GLOBAL)
+    except OSError:  # no libstdc++ by that name (not glibc Linux): nothing to promote
+        pass
+
+
 def library():
     """llama-cpp-python's `llama_cpp` module; LlamaCppUnavailable (one line, with the fix) where it is missing."""
     try:
+        cxx_runtime_global()
         return importlib.import_module("llama_cpp")
     except (ImportError, OSError) as e:  # OSError: its shared library fails to load
         raise LlamaCppUnavailable(f"condition policy llama-cpp requires llama-cpp-python ({e}): {fix()}") from None
