@@ -400,3 +400,22 @@ def test_a_scaled_rotary_embedding_is_refused_in_one_line(moe, tmp_path):
     path = _edited_copy(moe["qwen3-moe-tiny"], tmp_path / "linear", linear)
     with pytest.raises(LlamaCppUnavailable, match="plain rotary embeddings only, this checkpoint's rope type is 'linear'"):
         _llama(path, tmp_path / "cache")
+
+
+def test_the_cxx_runtime_is_made_global_before_llama_cpp_is_imported(monkeypatch):
+    # Catches library() importing llama_cpp before libstdc++ is global: llama-cpp-python opens its
+    # libraries RTLD_GLOBAL, a CUDA build's libggml-cuda exports the runtime's stream instances, and
+    # bound first they crashed llama.cpp's print_info in a plain process on an H100. And a machine
+    # without a libstdc++ of that name still imports it (the promotion is skipped, not an error).
+    from packbench.engine import llama_cpp
+
+    calls = []
+
+    def cdll(name, mode=0):
+        calls.append(("dlopen", name, mode))
+        raise OSError("not here")
+
+    monkeypatch.setattr(llama_cpp.ctypes, "CDLL", cdll)
+    monkeypatch.setattr(llama_cpp.importlib, "import_module", lambda name: calls.append(("import", name)) or name)
+    assert llama_cpp.library() == "llama_cpp"
+    assert calls == [("dlopen", "libstdc++.so.6", llama_cpp.ctypes.RTLD_GLOBAL), ("import", "llama_cpp")]

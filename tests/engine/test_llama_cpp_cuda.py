@@ -3,9 +3,10 @@ are tests/engine/test_llama_cpp.py): within fidelity of dense-stream with every 
 the device and with every layer's in host memory, the ledger's bytes by llama.cpp's rules, and a
 placement over the allowance refused in one line.
 
-The llama.cpp part runs in a child process (this file run as a script): on an H100 llama.cpp's model
-load crashed (SIGSEGV, inside its print_info) in plain Python processes while it ran in packbench's
-Ray workers (docs/experiments/competitors.md), and a crash must fail this test, not end the run."""
+The llama.cpp part runs in a child process (this file run as a script), a fresh process that has
+imported torch before llama_cpp: where llama.cpp's load crashed on an H100 (libggml-cuda's exports of
+the C++ runtime bound first; engine/llama_cpp.py cxx_runtime_global, docs/experiments/competitors.md),
+and a crash must fail this test, not end the run."""
 
 import json
 import subprocess
