@@ -15,8 +15,8 @@ static void on_fault(int sig, siginfo_t *info, void *ctx) {
     const char *name = sig == SIGSEGV ? "SIGSEGV" : sig == SIGBUS ? "SIGBUS" : "SIGABRT";
     strcat(line, name);
     strcat(line, "; frames:\n");
-    write(2, line, strlen(line));
     (void)info;
+    if (write(2, line, strlen(line)) < 0) { /* stderr gone: the frames below will not show either */ }
     int n = backtrace(frames, 64);
     backtrace_symbols_fd(frames, n, 2);
     signal(sig, SIG_DFL);
