@@ -98,10 +98,13 @@ def llama_models(model_dir: Path, names: list[str], *, conditions: dict, dtype: 
                  batch: int, capacity: int, n_cpu_moe: int | None, cache: Path) -> dict:
     """The llama-cpp conditions' models at this batch (held together: their device parts are small with
     the experts on the host), no allowance imposed."""
+    wanted = [n for n in names if conditions[n][0] == LLAMA]
+    if not wanted:
+        return {}
     from packbench.engine.llama_cpp import LlamaCppModel
 
     models = {}
-    for n in (n for n in names if conditions[n][0] == LLAMA):
+    for n in wanted:
         params = {**conditions[n][1], **({} if n_cpu_moe is None else {"n_cpu_moe": n_cpu_moe})}
         models[n] = LlamaCppModel(model_dir, dtype=dtype, device=device, params=params, allowance_bytes=1 << 50,
                                   context_bytes=0, capacity=capacity, batch=batch, cache=cache)
