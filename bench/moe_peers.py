@@ -38,6 +38,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from packbench.core.errors import PackbenchError
 from packbench.core.fidelity import fidelity
 from packbench.core.plan import BOS
 from packbench.engine.episode import run_episode
@@ -201,9 +202,12 @@ def main(argv: list[str] | None = None) -> None:
     print(head, flush=True)
     decode_ms: dict[int, dict[str, float]] = {}
     for b in (int(x) for x in a.batches.split(",")):
-        llama = llama_models(a.model, names, conditions=conditions, dtype=getattr(torch, a.dtype), device=device,
-                             batch=b, capacity=a.prefix + a.continuation,
-                             n_cpu_moe=model.host.layers if a.n_cpu_moe is None else a.n_cpu_moe, cache=a.cache)
+        try:
+            llama = llama_models(a.model, names, conditions=conditions, dtype=getattr(torch, a.dtype), device=device,
+                                 batch=b, capacity=a.prefix + a.continuation,
+                                 n_cpu_moe=model.host.layers if a.n_cpu_moe is None else a.n_cpu_moe, cache=a.cache)
+        except PackbenchError as e:  # the extra missing, a placement refused: one line
+            raise SystemExit(f"error: {e}") from None
         try:
             res = run_batch(model, b, conditions=conditions, prefix=a.prefix, continuation=a.continuation,
                             rounds=a.rounds, llama=llama)
