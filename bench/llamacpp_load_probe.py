@@ -6,9 +6,10 @@ the field left NULL; the default where N is 0), `array` (an array even for N 0: 
 `registry` (the CPU device's buffer type looked up before the load), `nommap`, `ray` (the same load
 inside a Ray actor holding the GPU, as packbench's worker runs it), `first` (llama_cpp imported before
 torch and everything else, libstdc++ made global first as engine/llama_cpp.py library() does), `bare`
-(llama_cpp imported first, as is), `local` (without library()'s promotion of libstdc++); then a context and one decode of 40 tokens. Prints the C++ runtime and
-OpenMP libraries the process has mapped before the load, then `ok` with the argmax, else the process
-dies and the caller says how (with bench/segv_trace.c preloaded: the native frames).
+(llama_cpp imported first, as is), `local` (without library()'s promotion of libstdc++); then a
+context and one decode of 40 tokens. Prints the C++ runtime and OpenMP libraries the process has
+mapped before the load, then `ok` with the argmax, else the process dies and the caller says how
+(with bench/segv_trace.c preloaded: the native frames).
 
   PACKBENCH_LLAMA_LOG=1 python -m bench.llamacpp_load_probe VARIANT WORKDIR
 """
