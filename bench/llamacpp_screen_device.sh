@@ -97,7 +97,7 @@ if [ "${ONLY:-}" = sweep ]; then  # llama.cpp's crossover: bench.moe_peers over 
   timeout "$limit" python3 -m bench.moe_peers --model "$dir" --dtype float16 --batches "${BATCHES:-1,8,32,64}" \
     --prefix "${PREFIX:-32}" --continuation "${CONT:-8}" --rounds 2 --cache "$work/mc" \
     --conditions packet,packet-mapped,host-experts,llama-cpp,llama-cpp-po > "$out/sweep.log" 2>&1
-  echo "-- sweep rc $? (limit $limit s)"; grep -vE "^(llama|load|print_info|graph|sched|W1|\s)" "$out/sweep.log" | tail -40 | cut -c1-220
+  echo "-- sweep rc $? (limit $limit s)"; grep -E "^ *([0-9]+|B) |crossover|/ " "$out/sweep.log" | tail -50 | cut -c1-220
   rm -rf "$dir"
 fi
 if [ "${ONLY:-run}" = run ]; then
