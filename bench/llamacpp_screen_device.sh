@@ -21,8 +21,9 @@
 #   run(carry=[".whl", ".llama"], command="ONLY=build bash bench/llamacpp_screen_device.sh")
 #   run(carry=[".whl", ".llama"], command="ONLY=run bash bench/llamacpp_screen_device.sh")
 # ONLY=probe: which llama.cpp loads crash, a process each (bench/llamacpp_load_probe.py), with native frames;
-# ONLY=sweep: the llama-cpp CUDA tests, then bench.moe_peers over BATCHES with llama.cpp's op offload off and
-# on beside the packets and host-experts (llama.cpp's own crossover).
+# ONLY=sweep: the llama-cpp CUDA tests, then bench.moe_peers over BATCHES (default 1,8,32: what fits a call at
+# the Qwen3 shape; BATCHES=64 in a second) with llama.cpp's op offload off and on beside the packets and
+# host-experts (llama.cpp's own crossover).
 # Logs under $OUT (or ./llamacpp-screen-out).
 set -uo pipefail
 t_start=$(date +%s)
@@ -94,7 +95,7 @@ if [ "${ONLY:-}" = sweep ]; then  # llama.cpp's crossover: bench.moe_peers over 
   SHAPE=${SHAPE:-qwen3-30b-a3b}; LAYERS=${LAYERS:-12}; DEV=cuda; dir=$work/$SHAPE
   moe_synth "$SHAPE" "$LAYERS" "$dir"
   limit=$(( $(left) - 15 )); [ "$limit" -ge 30 ] || limit=1
-  timeout "$limit" python3 -m bench.moe_peers --model "$dir" --dtype float16 --batches "${BATCHES:-1,8,32,64}" \
+  timeout "$limit" python3 -m bench.moe_peers --model "$dir" --dtype float16 --batches "${BATCHES:-1,8,32}" \
     --prefix "${PREFIX:-32}" --continuation "${CONT:-8}" --rounds 2 --cache "$work/mc" \
     --conditions packet,packet-mapped,host-experts,llama-cpp,llama-cpp-po > "$out/sweep.log" 2>&1
   echo "-- sweep rc $? (limit $limit s)"; grep -E "^ *([0-9]+|B) |crossover|/ " "$out/sweep.log" | tail -50 | cut -c1-220
