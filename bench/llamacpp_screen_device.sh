@@ -44,6 +44,10 @@ fi
 out=${OUT:-$root/llamacpp-screen-out}; mkdir -p "$out"
 source bench/device_common.sh
 wheel_dir=$root/.llama-build
+llama_wheel() {  # the CUDA wheel ONLY=build made on this (warm) machine, and what it imports, into /tmp/site
+  ls "$wheel_dir"/llama_cpp_python-*.whl > /dev/null 2>&1 || { echo "no wheel in $wheel_dir: run ONLY=build first on this (warm) machine"; exit 1; }
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site --upgrade "$wheel_dir"/llama_cpp_python-*.whl .whl/diskcache-*.whl .whl/gguf-*.whl
+}
 if [ "${ONLY:-build}" = build ]; then
   install_wheels
   echo "cmake: $(cmake --version | head -1); nvcc: $(nvcc --version | tail -1); cores: $(nproc)"
@@ -59,7 +63,7 @@ if [ "${ONLY:-}" = probe ]; then  # which loads crash: bench/llamacpp_load_probe
   # with bench/segv_trace.c preloaded (a crash prints its native frames, named here by addr2line); a variant
   # ending +quiet runs without llama.cpp's log, +omp1 with OMP_NUM_THREADS=1 CUDA_VISIBLE_DEVICES=0 (as Ray sets them)
   install_wheels
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site --upgrade "$wheel_dir"/llama_cpp_python-*.whl .whl/diskcache-*.whl .whl/gguf-*.whl
+  llama_wheel
   work_dir
   gcc -shared -fPIC -O1 -o /tmp/segv_trace.so bench/segv_trace.c || exit 1
   echo "gdb: $(command -v gdb || echo none); addr2line: $(command -v addr2line || echo none); $(ldd --version | head -1)"
@@ -85,9 +89,8 @@ fi
 if [ "${ONLY:-}" = sweep ]; then  # llama.cpp's crossover: bench.moe_peers over BATCHES, llama.cpp's op offload
   # off (its CPU computes the host experts) and on (from 32 tokens a call it copies them to the GPU) beside
   # the packets and host-experts, every layer's experts in host memory; the llama-cpp CUDA tests first
-  ls "$wheel_dir"/llama_cpp_python-*.whl > /dev/null 2>&1 || { echo "no wheel in $wheel_dir: run ONLY=build first on this (warm) machine"; exit 1; }
   product_env
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site --upgrade "$wheel_dir"/llama_cpp_python-*.whl .whl/diskcache-*.whl .whl/gguf-*.whl
+  llama_wheel
   device_header
   echo "== CUDA tests (llama-cpp)"
   timeout 150 python3 -m pytest -q -m "gpu and llamacpp" -p no:cacheprovider tests/engine/test_llama_cpp_cuda.py \
@@ -102,9 +105,8 @@ if [ "${ONLY:-}" = sweep ]; then  # llama.cpp's crossover: bench.moe_peers over 
   rm -rf "$dir"
 fi
 if [ "${ONLY:-run}" = run ]; then
-  ls "$wheel_dir"/llama_cpp_python-*.whl > /dev/null 2>&1 || { echo "no wheel in $wheel_dir: run ONLY=build first on this (warm) machine"; exit 1; }
   product_env
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site --upgrade "$wheel_dir"/llama_cpp_python-*.whl .whl/diskcache-*.whl .whl/gguf-*.whl
+  llama_wheel
   device_header
   python3 -c "import llama_cpp; print('llama-cpp-python', llama_cpp.__version__, 'gpu offload', llama_cpp.llama_supports_gpu_offload())"
   echo "== llama.cpp loads each tiny GGUF on the GPU (a process each: a crash is one line here)"

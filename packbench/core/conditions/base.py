@@ -7,7 +7,7 @@ lives in engine/conditions/ under the same module name.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 if TYPE_CHECKING:  # annotations only: core/estimate.py imports this package
@@ -184,11 +184,9 @@ def recorded_plan(record: Mapping[str, Any], key: str, cls: type, what: str) -> 
     dataclass of integers and a bool `chosen`, whose `as_dict` adds its derived sums), and what is
     wrong with it: the record must be exactly `as_dict`'s (sums included). (None, one line) where it
     is not such a record at all."""
-    import dataclasses
-
     offload = record.get("offload")
     got = offload.get(key) if isinstance(offload, Mapping) else None
-    names = [f.name for f in dataclasses.fields(cls) if f.name != "chosen"]
+    names = [f.name for f in fields(cls) if f.name != "chosen"]
     base = int_fields(got, names)
     if base is None or type(got.get("chosen")) is not bool:
         return None, [f"offload.{key}: not {what} (integers {', '.join(names)} and chosen)"]
