@@ -10,6 +10,10 @@ with them (docs/experiments/simulate.md, "The check in one call").
             episode of a held-out prompt, then timed on it: 0 B moved; `families` of the entry);
             then the routing those runs will see: one traced episode of the same prompt, resident
             (every policy computes the same bits, so the same routing: engine/tracing.py).
+            With --rates-from ARCHIVE both compute figures come instead from a rates screen the
+            product's worker ran before (`resident` and `cache-all`, a cold cache of every expert,
+            on a held-out prompt: bench/simulate_check_device.sh step (i)), timed by the rule and
+            in the process that time the screen they predict; no episode here is timed.
   predict:  `packbench simulate TRACE --machine FILE --json` for each condition; writes
             predictions.md (the table, the rates and their sources, the trace's and machine's
             sha256) and predictions.json, and prints their sha256.
@@ -20,7 +24,7 @@ with them (docs/experiments/simulate.md, "The check in one call").
 
 Usage:
   python -m bench.simulate_check measure --model DIR --prefix P --continuation C --machine-out M.json \
-      --trace-out R.trace --overhead FRAGMENT.json [--device cuda] [--dtype float16]
+      --trace-out R.trace --overhead FRAGMENT.json [--rates-from RATES.zip] [--device cuda] [--dtype float16]
   python -m bench.simulate_check predict --trace R.trace --machine M.json --out predictions.md \
       --condition NAME=SPEC ...
   python -m bench.simulate_check compare --predictions predictions.json --archives DIR [--out compare.md]
@@ -94,6 +98,47 @@ def cache_compute(model, prompt: list[int], *, continuation: int, repeats: int) 
     return ms, n, moved_bytes(runs)
 
 
+RATES = ("resident", "cache-all")  # the rates screen's conditions (bench/simulate_check_device.sh step (i))
+
+
+def screen_rates(archive: Path, *, copy_bps: float, cmd: str, where: str) -> tuple[dict, dict]:
+    """The machine file's compute entry (value, source) and its `families` from a rates screen's
+    archive: `resident` as measured, `cache-all`'s steady decode call less the copy time of what its
+    decode calls moved (a cold cache of every expert, fresh each episode: the experts its prefill did
+    not route are fetched on first use, a few MB at most) at the copy rate. The worker timed both by
+    the rule and in the process that time the screen predicted (docs/metrics.md)."""
+    from packbench.core.report import read_screen
+
+    try:
+        screen = read_screen(archive)
+    except Exception as e:  # noqa: BLE001 - any unreadable archive: one line, nothing written
+        sys.exit(f"--rates-from {archive}: not a readable screen archive ({type(e).__name__}: {e}); give the rates "
+                 f"screen's archive (bench/simulate_check_device.sh step (i))")
+    got = measured_of(screen)
+    missing = [n for n in RATES if n not in got]
+    if missing:
+        sys.exit(f"--rates-from {archive}: no finished scored episode of {', '.join(missing)} in screen "
+                 f"{screen.protocol.name!r}; run the rates screen again (conditions {', '.join(RATES)})")
+    p = screen.protocol
+    what = (f"screen {p.name} ({archive.name}, sha256 {sha256(archive)[:16]}), {p.dtype}, "
+            f"{got['resident']['episodes']} scored episodes of a held-out prompt x {p.prefix_tokens} + "
+            f"{p.continuation_tokens}, timed by its worker: {cmd}, {where}")
+    resident = {"value": round(got["resident"]["ms"], 3),
+                "source": f"resident decode ms/token (steady decode call, as `packbench report` gives it; episodes "
+                          f"{_range(got['resident'])} ms) of {what}"}
+    c = got["cache-all"]
+    copy_ms = c["mb"] * 1e6 / copy_bps * 1e3
+    family = {"value": round(c["ms"] - copy_ms, 3),
+              "source": f"expert-cache of every expert (cache-all, cold each episode, decode hit rate "
+                        f"{_pct(c['hit_rate'])} %), decode ms/token {c['ms']:.2f} (episodes {_range(c)} ms) less its "
+                        f"{c['mb']:.1f} MB per decode token at the copy rate ({copy_ms:.2f} ms), of {what}"}
+    return resident, {"expert-cache": family}
+
+
+def _range(m: dict) -> str:
+    return f"{m['lo']:.2f}-{m['hi']:.2f}"
+
+
 def measure(a: argparse.Namespace) -> None:
     import numpy as np
     import torch
@@ -118,13 +163,14 @@ def measure(a: argparse.Namespace) -> None:
     where = f"{machine_name(device)}, {_today()}"
     rate = copy_rate(device, nbytes=(1 << 30) if device.type == "cuda" else (1 << 28))
     print(f"copy rate {rate / 1e9:.2f} GB/s", flush=True)
+    rates = screen_rates(a.rates_from, copy_bps=rate, cmd=cmd, where=where) if a.rates_from else None
     model = CpuFirstMoE(a.model, dtype=dtype, device=device)
     rng = np.random.Generator(np.random.PCG64(a.seed))  # the protocol's generator prompt (core/plan.py prompts)
     prompt = [BOS] + rng.integers(4, model.vocab, size=a.prefix - 1).tolist()
     model.use("resident")
     run_episode(model, prompt, continuation=min(a.continuation, 4))  # warm-up: kernels, allocator
-    runs = [run_episode(model, prompt, continuation=a.continuation) for _ in range(a.repeats)]
-    compute, n_decode = steady_ms(runs)  # the screen's steady decode call (docs/metrics.md)
+    timed = rates is None  # else the rates screen's worker timed them
+    runs = [run_episode(model, prompt, continuation=a.continuation) for _ in range(a.repeats if timed else 0)]
     tracer = Tracer(model, source={"checkpoint": str(a.model), "tool": "bench.simulate_check measure",
                                    "prompts": f"generator seed {a.seed}", "device": str(device)})
     try:
@@ -132,13 +178,20 @@ def measure(a: argparse.Namespace) -> None:
     finally:
         tracer.close()
     trace = tracer.trace()
-    if traced.tokens != runs[0].tokens:  # said, not fatal: the screen's hit columns will show it
+    if runs and traced.tokens != runs[0].tokens:  # said, not fatal: the screen's hit columns will show it
         print("WARNING: the traced episode's tokens differ from the timed ones; its routing may not be the runs'",
               flush=True)
     write_trace(trace, a.trace_out)
     key = f"{trace.model.shape}:{trace.model.layers}"
-    print(f"resident decode {compute:.2f} ms/token ({key}, median of {n_decode} decode calls); trace of "
-          f"{len(trace.calls)} calls to {a.trace_out}", flush=True)
+    print(f"trace of {len(trace.calls)} calls to {a.trace_out}", flush=True)
+    if rates is not None:
+        entry, families = rates
+        print(f"resident decode {entry['value']:.2f} ms/token ({key}), expert-cache's own "
+              f"{families['expert-cache']['value']:.2f} ms/token: the rates screen {a.rates_from.name}", flush=True)
+        write_machine(a, device, rate, key, entry, families, overhead, cmd, where)
+        return
+    compute, n_decode = steady_ms(runs)  # the screen's steady decode call (docs/metrics.md)
+    print(f"resident decode {compute:.2f} ms/token ({key}, median of {n_decode} decode calls)", flush=True)
     # expert-cache's own compute on a held-out prompt: the protocol's generator at seed + 1, the same
     # lengths. At one token a decode call routes k experts a layer whatever the prompt, so the work is
     # the screen's; the prompt is not the screen's, so the figure is a rate of the shape, not a replay
@@ -159,17 +212,23 @@ def measure(a: argparse.Namespace) -> None:
                       f"episode, decode ms/token (steady decode call, 0 B moved by its ledger), {a.dtype}, "
                       f"{a.repeats} episodes of a held-out prompt (generator seed {a.seed + 1}) x {a.prefix} + "
                       f"{a.continuation}: {cmd}, {where}"}
+    entry = {"value": round(compute, 3),
+             "source": f"resident decode ms/token (steady decode call), {a.dtype}, 1 warm-up + {a.repeats} episodes of "
+                       f"the protocol's prompt (generator seed {a.seed}) x {a.prefix} + {a.continuation}: {cmd}, {where}"}
+    write_machine(a, device, rate, key, entry, families, overhead, cmd, where)
+
+
+def write_machine(a: argparse.Namespace, device, rate: float, key: str, entry: dict, families: dict, overhead: dict,
+                  cmd: str, where: str) -> None:
+    from bench.moe_overhead import machine_name
+
     kind = "pinned host-to-device copy" if device.type == "cuda" else "host memcpy (the CPU twin: no device)"
     machine = {
         "name": machine_name(device),
         "description": f"Rates measured in one call by bench/simulate_check_device.sh before the runs they predict, {where}.",
         "pinned_h2d_gbps": {"value": round(rate / 1e9, 3),
                             "source": f"{kind} rate, median of 5 copies of {(1 << 30) if device.type == 'cuda' else (1 << 28)} B: {cmd}, {where}"},
-        "decode_compute_ms": {key: {"value": round(compute, 3),
-                                    "source": f"resident decode ms/token (steady decode call), {a.dtype}, 1 warm-up + "
-                                              f"{a.repeats} episodes of the protocol's prompt (generator seed {a.seed}) x "
-                                              f"{a.prefix} + {a.continuation}: {cmd}, {where}",
-                                    **({"families": families} if families else {})}},
+        "decode_compute_ms": {key: {**entry, **({"families": families} if families else {})}},
         **overhead,
     }
     Path(a.machine_out).write_text(json.dumps(machine, indent=1) + "\n")
@@ -260,7 +319,7 @@ def measured_of(screen) -> dict:
     decode call as `packbench report` gives it (core/serving.py condition_serving, docs/metrics.md):
     per scored episode the median decode call but its first, per condition the median over episodes."""
     from packbench.core.report import expert_cache_rows
-    from packbench.core.serving import condition_serving, scored_ok
+    from packbench.core.serving import condition_serving, episode_serving, scored_ok
 
     cache = {r["condition"]: r for r in expert_cache_rows(screen)}
     records = [e.record for e in screen.episodes]
@@ -271,7 +330,8 @@ def measured_of(screen) -> dict:
         steady = condition_serving(eps)["steady_call_s"]
         if steady is None:
             continue
-        out[c.name] = {"episodes": len(eps), "ms": steady * 1e3,
+        each = [f["steady_call_s"] * 1e3 for r in eps if (f := episode_serving(r)) and f["steady_call_s"] is not None]
+        out[c.name] = {"episodes": len(eps), "ms": steady * 1e3, "lo": min(each), "hi": max(each),
                        "mb": statistics.mean(sum(call["h2d_weight_bytes"]) + sum(call["h2d_index_bytes"])
                                              for call in calls) / 1e6,
                        "hit_rate": cache[c.name]["decode_hit_rate"] if c.name in cache else None}
@@ -297,12 +357,13 @@ def compare(a: argparse.Namespace) -> None:
         sys.exit(f"no archive under {a.archives}: the screen did not finish; nothing measured to compare")
     rows = judged(pred["rows"], measured(archives[-1]))
     print(f"{archives[-1].name}: predicted ({Path(a.predictions).name}, written before the screen) against measured")
-    print(f"{'condition':<20} {'eps':>3} {'pred ms':>9} {'meas ms':>9} {'meas/pred':>9} {'within 15%':>10} "
-          f"{'pred MB':>10} {'meas MB':>10} {'pred hit%':>9} {'meas hit%':>9}")
+    print(f"{'condition':<20} {'eps':>3} {'pred ms':>9} {'meas ms':>9} {'episodes ms':>15} {'meas/pred':>9} "
+          f"{'within 15%':>10} {'pred MB':>10} {'meas MB':>10} {'pred hit%':>9} {'meas hit%':>9}")
     for r in rows:
         m = r["measured"] or {}
         verdict = "not run" if not m else "-" if r["within"] is None else "yes" if r["within"] else "NO"
-        print(f"{r['condition']:<20} {m.get('episodes', 0):>3} {_f(r['ms']):>9} {_f(m.get('ms')):>9} "
+        spread = _range(m) if m else "-"
+        print(f"{r['condition']:<20} {m.get('episodes', 0):>3} {_f(r['ms']):>9} {_f(m.get('ms')):>9} {spread:>15} "
               f"{_f(r['ratio'], '.3f'):>9} {verdict:>10} {_f(r['mb'], ',.1f'):>10} {_f(m.get('mb'), ',.1f'):>10} "
               f"{_pct(r['hit_rate']):>9} {_pct(m.get('hit_rate')):>9}")
     done = [r for r in rows if r["within"] is not None]
@@ -310,13 +371,14 @@ def compare(a: argparse.Namespace) -> None:
     print(summary)
     if a.out is not None:  # the same table in markdown, for docs/experiments/simulate.md
         lines = [f"Screen {archives[-1].name} against {Path(a.predictions).name} (sha256 {sha256(Path(a.predictions))}).",
-                 "", "| condition | predicted ms | measured ms | measured / predicted | within 15 % | predicted MB / "
-                     "measured MB | predicted hit % / measured | scored episodes |",
-                 "| --- | ---: | ---: | ---: | --- | ---: | ---: | ---: |"]
+                 "", "| condition | predicted ms | measured ms | episodes' steady calls, ms | measured / predicted | "
+                     "within 15 % | predicted MB / measured MB | predicted hit % / measured | scored episodes |",
+                 "| --- | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: |"]
         for r in rows:
             m = r["measured"] or {}
             verdict = "not run" if not m else "-" if r["within"] is None else "yes" if r["within"] else "**no**"
-            lines.append(f"| {r['condition']} | {_f(r['ms'])} | {_f(m.get('ms'))} | {_f(r['ratio'])} | {verdict} | "
+            lines.append(f"| {r['condition']} | {_f(r['ms'])} | {_f(m.get('ms'))} | {_range(m) if m else '-'} | "
+                         f"{_f(r['ratio'])} | {verdict} | "
                          f"{_f(r['mb'], ',.1f')} / {_f(m.get('mb'), ',.1f')} | {_pct(r['hit_rate'])} / "
                          f"{_pct(m.get('hit_rate'))} | {m.get('episodes', 0)} |")
         Path(a.out).write_text("\n".join(lines + ["", summary + "."]) + "\n")
@@ -334,6 +396,8 @@ def main() -> None:
     m.add_argument("--seed", type=int, default=0)
     m.add_argument("--repeats", type=int, default=3)
     m.add_argument("--overhead", type=Path, default=None, help="bench.moe_overhead's fragment (JSON)")
+    m.add_argument("--rates-from", type=Path, default=None,
+                   help="the rates screen's archive: resident and cache-all timed by the worker (no episode timed here)")
     m.add_argument("--machine-out", type=Path, required=True)
     m.add_argument("--trace-out", type=Path, required=True)
     p = sub.add_parser("predict")

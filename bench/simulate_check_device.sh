@@ -2,9 +2,12 @@
 # One device call per shape (issue 45): is `packbench simulate`'s time a prediction? In order, for a
 # Qwen3-30B-A3B-shaped (12 of 48 layers) or Mixtral-8x7B-shaped (4 of 32) synthetic checkpoint, fp16:
 #   (i)   the rates into $OUT/machine.json: bench.moe_overhead's fixed costs (a tiny synthetic layer
-#         set, never the conditions below), the pinned copy rate, resident compute of this
-#         checkpoint and its expert caches' own zero-copy compute (a cache of every expert, warm, on a
-#         held-out prompt: 0 B moved) (bench.simulate_check measure);
+#         set, never the conditions below), the pinned copy rate (bench.simulate_check measure), and
+#         the compute: a rates screen through `packbench submit --wait` on a held-out prompt (the
+#         generator at seed 1), `resident` and `cache-all` (an expert cache of every expert), whose
+#         worker times them by the rule and in the process that time the screen below
+#         (`measure --rates-from`; RATES_REPS scored episodes each, default 5; its archive is kept
+#         apart, under rates/, and not audited);
 #   (ii)  the routing the runs will see: one traced resident episode of the protocol's prompt, full
 #         depth, on the device ($OUT/routing.trace);
 #   (iii) `packbench simulate` on that trace with that machine file: $OUT/predictions.md (and .json),
@@ -32,6 +35,7 @@ source bench/device_common.sh
 moe_begin
 DT=${DTYPE:-float16}
 REPS=${REPS:-2}
+RATES_REPS=${RATES_REPS:-5}  # two short conditions, alternated: an odd count whose median one slow episode cannot move
 DEADLINE=${DEADLINE:-560}
 left() { echo $(( DEADLINE - ($(date +%s) - t_start) )); }
 SHAPES=${ONLY:-qwen}
@@ -54,12 +58,36 @@ else
 fi
 moe_synth "$shape" "$layers" "$dir" "$DT"
 ov=(); [ -s "$out/overhead.json" ] && ov=(--overhead "$out/overhead.json")  # without it: predictions say the term is missing
+experts=$(python3 -c "import json, sys; c = json.load(open(sys.argv[1] + '/config.json'))
+print(c.get('num_experts') or c['num_local_experts'])" "$dir")
+cat > "$work/$shape-rates.yaml" <<YAML
+name: simulate-rates-$shape-$layers
+model: {path: $dir}
+dtype: $DT
+prompts: {generator: {seed: 1, count: 1}}
+prefix_tokens: $P
+continuation_tokens: $C
+conditions:
+  - {policy: resident}
+  - {name: cache-all, policy: expert-cache, params: {capacity: $experts}}
+reference: resident
+warmups: 1
+repetitions: $RATES_REPS
+allowance_mib: $ALLOW
+gates: {faithfulness: {}}
+YAML
+t0=$(date +%s)
+timeout 200 "${py:-python3}" -m packbench submit "$work/$shape-rates.yaml" --wait > "$out/rates.log" 2>&1
+rc=$?; echo "-- (i) the rates screen: rc $rc in $(( $(date +%s) - t0 )) s"
+mkdir -p "$work/rates"; mv "$work"/archives/* "$work/rates/" 2>/dev/null  # compare reads only the screen's
+rates=$(find "$work/rates" -name "*.zip" | head -1)
+[ $rc = 0 ] && [ -n "$rates" ] || { echo "-- no rates screen archive: nothing predicted"; tail -5 "$out/rates.log"; moe_end; exit 1; }
 t0=$(date +%s)
 python3 -m bench.simulate_check measure --model "$dir" --device "$DEV" --dtype "$DT" --prefix "$P" --continuation "$C" \
-  "${ov[@]}" --machine-out "$out/machine.json" --trace-out "$out/routing.trace" \
+  "${ov[@]}" --rates-from "$rates" --machine-out "$out/machine.json" --trace-out "$out/routing.trace" \
   > "$out/measure.log" 2>&1
-rc=$?; echo "-- (i)+(ii) copy rate, resident compute, trace: rc $rc in $(( $(date +%s) - t0 )) s"
-grep -E "^(copy rate|resident|expert-cache|wrote|WARNING)" "$out/measure.log"
+rc=$?; echo "-- (i)+(ii) copy rate, the rates screen's compute, trace: rc $rc in $(( $(date +%s) - t0 )) s"
+grep -E "^(copy rate|resident|trace|wrote|WARNING)" "$out/measure.log"
 [ $rc = 0 ] || { tail -5 "$out/measure.log"; moe_end; exit 1; }
 sha256sum "$out/machine.json" "$out/routing.trace"
 

@@ -98,7 +98,8 @@ def test_the_zero_inference_cuda_test_keeps_within_the_deadline(tmp_path):
 
 
 # bench/simulate_check_device.sh with a stub python3 (TINY's `PYTHON`): the files its steps write
-# made empty, the submit sleeping SUBMIT_S, the audit saying AUDIT.
+# made empty, the rates screen's submit leaving an (empty) archive, the screen's submit sleeping
+# SUBMIT_S, the audit saying AUDIT.
 SIM_STUB = """#!/bin/bash
 echo "$*" >> "$CALLS"
 want=""; for a in "$@"; do
@@ -107,7 +108,9 @@ want=""; for a in "$@"; do
     --machine-out|--trace-out) want=file ;; *) want="" ;; esac
 done
 case "$2 $3" in
-  "packbench submit") sleep "${SUBMIT_S:-0}" ;;
+  "packbench submit") case "$4" in
+    *-rates.yaml) mkdir -p "$PACKBENCH_ARCHIVE_DIR"; [ -n "${NO_RATES:-}" ] || touch "$PACKBENCH_ARCHIVE_DIR/r.zip" ;;
+    *) sleep "${SUBMIT_S:-0}" ;; esac ;;
   "packbench audit") echo "$AUDIT" ;;
 esac
 exit 0
@@ -140,6 +143,35 @@ def test_simulate_check_skips_the_screen_under_a_minute_and_still_compares(tmp_p
     r, calls = run_simulate_check(tmp_path, {"DEADLINE": "100", "AUDIT": "audit of screen 1: AGREE"})
     assert r.returncode == 0, r.stderr
     assert "-- submit skipped: " in r.stdout and "s left of DEADLINE 100" in r.stdout, r.stdout
-    assert not any(c.startswith(("-m packbench submit", "-m packbench audit")) for c in calls), calls
+    submits = [c for c in calls if c.startswith("-m packbench submit")]
+    assert len(submits) == 1 and submits[0].split()[3].endswith("-rates.yaml"), calls  # the rates screen only
+    assert not any(c.startswith("-m packbench audit") for c in calls), calls
     assert any(c.startswith("-m bench.simulate_check compare") for c in calls), calls
     assert r.stdout.rstrip().splitlines()[-1].startswith("done in ")
+
+
+def test_simulate_check_predicts_from_the_rates_screen_and_compares_only_the_screen(tmp_path):
+    """The compute rates come from a rates screen the worker ran (`measure --rates-from` its archive),
+    and that archive is moved out of the screens' folder before the screen: compare reads the newest
+    archive there, which would be the rates screen's whenever the screen left none."""
+    r, calls = run_simulate_check(tmp_path, {"DEADLINE": "200", "AUDIT": "audit of screen 2: AGREE"})
+    assert r.returncode == 0, r.stderr
+    steps = [" ".join(c.split()[1:3]) for c in calls if c.startswith("-m ") and "upgrade" not in c]
+    assert steps == ["bench.moe_overhead --device", "packbench model", "packbench submit", "bench.simulate_check measure",
+                     "bench.simulate_check predict", "packbench protocol", "packbench submit", "packbench audit",
+                     "bench.simulate_check compare"], steps
+    measure = next(c for c in calls if c.startswith("-m bench.simulate_check measure")).split()
+    rates = Path(measure[measure.index("--rates-from") + 1])
+    assert rates.name == "r.zip" and rates.parent.name == "rates", measure
+    compare = next(c for c in calls if c.startswith("-m bench.simulate_check compare")).split()
+    assert Path(compare[compare.index("--archives") + 1]).name == "archives" and rates.parent.name != "archives"
+
+
+def test_simulate_check_without_a_rates_archive_predicts_nothing(tmp_path):
+    """A rates screen that left no archive (refused, timed out) stops the call before predictions:
+    predicted from nothing, the check would compare nothing with the screen's runs."""
+    r, calls = run_simulate_check(tmp_path, {"DEADLINE": "200", "NO_RATES": "1", "AUDIT": ""})
+    assert r.returncode == 1
+    assert "-- no rates screen archive: nothing predicted" in r.stdout, r.stdout
+    assert not any(c.startswith(("-m bench.simulate_check", "-m packbench protocol")) for c in calls), calls
+    assert sum(c.startswith("-m packbench submit") for c in calls) == 1, calls

@@ -115,3 +115,4 @@ def test_the_comparison_measures_the_steady_decode_call_as_packbench_report_does
     assert got["ms"] == pytest.approx(2.0)  # the pooled median of 1, 1, 1, 2, 3 would be 1
     assert got["ms"] == pytest.approx(serving_rows(screen)[0]["steady_call_s"] * 1e3)
     assert got["mb"] == pytest.approx(2.0) and got["hit_rate"] is None
+    assert (got["lo"], got["hi"]) == (pytest.approx(1.0), pytest.approx(3.0))  # the episodes' figures, not calls'

@@ -84,3 +84,101 @@ def test_measure_writes_the_expert_cache_figure_beside_resident(tmp_path, monkey
     own = machine["decode_compute_ms"]["mixtral-tiny:3"]["families"]["expert-cache"]
     assert own["value"] > 0 and "0 B moved" in own["source"] and "generator seed 1" in own["source"]
     assert "capacity=8" in own["source"]
+
+
+# ----------------------------------------------------------------------------- the rates screen
+
+
+def rates_screen(conditions: dict[str, list[float]], *, mb: float = 0.0):
+    """A read screen (core/report.py ScreenData's fields measured_of reads): per condition, two scored
+    episodes whose steady decode calls take the given ms, every decode call moving `mb` MB."""
+    from types import SimpleNamespace
+
+    episodes = []
+    for name, steady in conditions.items():
+        for i, ms in enumerate(steady):
+            calls = [{"phase": p, "wall_s": w / 1e3, "tokens": 1, "h2d_weight_bytes": [int(mb * 1e6)] if p == "decode"
+                      else [0], "h2d_index_bytes": [0]} for p, w in (("prefill", 50.0), ("decode", 40.0),
+                                                                        ("decode", ms), ("decode", ms))]
+            record = {"condition": name, "role": "scored", "status": "ok", "plan_index": len(episodes), "calls": calls,
+                      "wall_s": 1.0}
+            episodes.append(SimpleNamespace(condition=name, scored=True, ok=True, calls=calls, record=record))
+    protocol = SimpleNamespace(name="simulate-rates-x", dtype="float16", prefix_tokens=128, continuation_tokens=16,
+                               conditions=[SimpleNamespace(name=n, tier="exact") for n in conditions])
+    return SimpleNamespace(protocol=protocol, episodes=episodes)
+
+
+def test_the_rates_screen_gives_resident_and_the_caches_compute_less_what_its_cache_moved(tmp_path, monkeypatch):
+    """`measure --rates-from`: resident's figure is the screen's steady decode call as measured; the
+    cache family's is cache-all's less the copy time of the MB its decode calls moved (a cold cache
+    fetches the experts the prefill did not route), so the caches are not charged a copy twice."""
+    import packbench.core.report as report
+
+    archive = tmp_path / "rates.zip"
+    archive.write_bytes(b"stands for the archive read_screen is given")
+    monkeypatch.setattr(report, "read_screen",
+                        lambda path: rates_screen({"resident": [30.0, 34.0, 32.0], "cache-all": [40.0, 44.0, 42.0]},
+                                                  mb=5.0))
+    resident, families = simulate_check.screen_rates(archive, copy_bps=50e9, cmd="cmd", where="here")
+    assert resident["value"] == pytest.approx(32.0)  # the median episode, not a mean or a pooled median
+    assert "episodes 30.00-34.00 ms" in resident["source"] and "simulate-rates-x" in resident["source"]
+    assert list(families) == ["expert-cache"]
+    assert families["expert-cache"]["value"] == pytest.approx(42.0 - 5e6 / 50e9 * 1e3)  # 0.1 ms of copies out
+    assert "less its 5.0 MB per decode token at the copy rate (0.10 ms)" in families["expert-cache"]["source"]
+
+
+@pytest.mark.parametrize("conditions, fragment", [
+    ({"resident": [30.0]}, "no finished scored episode of cache-all in screen 'simulate-rates-x'"),
+    ({"packet": [30.0]}, "no finished scored episode of resident, cache-all"),
+])
+def test_a_rates_screen_without_its_conditions_is_refused_in_one_line(tmp_path, monkeypatch, conditions, fragment):
+    import packbench.core.report as report
+
+    archive = tmp_path / "rates.zip"
+    archive.write_bytes(b"x")
+    monkeypatch.setattr(report, "read_screen", lambda path: rates_screen(conditions))
+    with pytest.raises(SystemExit) as e:
+        simulate_check.screen_rates(archive, copy_bps=50e9, cmd="cmd", where="here")
+    assert isinstance(e.value.code, str) and "\n" not in e.value.code
+    assert e.value.code.startswith(f"--rates-from {archive}: ") and fragment in e.value.code
+
+
+def test_a_junk_rates_archive_is_refused_in_one_line_before_any_model_is_read(tmp_path, monkeypatch):
+    junk = tmp_path / "rates.zip"
+    junk.write_bytes(b"not a zip")
+    model = tmp_path / "no-model-here"  # measure would fail on it, later, with a traceback of its own
+    monkeypatch.setattr(sys, "argv", ["simulate_check", "measure", "--model", str(model), "--device", "cpu",
+                                      "--dtype", "float32", "--rates-from", str(junk),
+                                      "--machine-out", str(tmp_path / "machine.json"),
+                                      "--trace-out", str(tmp_path / "routing.trace")])
+    with pytest.raises(SystemExit) as e:
+        simulate_check.main()
+    assert isinstance(e.value.code, str) and "\n" not in e.value.code
+    assert e.value.code.startswith(f"--rates-from {junk}: not a readable screen archive")
+    assert not (tmp_path / "machine.json").exists()
+
+
+def test_measure_with_a_rates_screen_writes_its_figures_and_times_nothing_itself(tmp_path, monkeypatch):
+    """With --rates-from, the machine file's compute is the rates screen's (the worker's timing), not
+    episodes run here: run_episode is called for the warm-up and the traced episode only."""
+    import packbench.core.report as report
+    import packbench.engine.episode as episode
+
+    archive = tmp_path / "rates.zip"
+    archive.write_bytes(b"x")
+    monkeypatch.setattr(report, "read_screen",
+                        lambda path: rates_screen({"resident": [7.0, 7.5, 8.0], "cache-all": [9.0, 9.5, 10.0]}))
+    runs = []
+    real = episode.run_episode
+    monkeypatch.setattr(episode, "run_episode", lambda *a, **k: runs.append(k["continuation"]) or real(*a, **k))
+    model = synth_moe(tmp_path / "mixtral", shape="mixtral-tiny", seed=2, dtype="float32")
+    monkeypatch.setattr(sys, "argv", ["simulate_check", "measure", "--model", str(model), "--device", "cpu",
+                                      "--dtype", "float32", "--prefix", "4", "--continuation", "3", "--repeats", "3",
+                                      "--rates-from", str(archive), "--machine-out", str(tmp_path / "machine.json"),
+                                      "--trace-out", str(tmp_path / "routing.trace")])
+    simulate_check.main()
+    entry = json.loads((tmp_path / "machine.json").read_text())["decode_compute_ms"]["mixtral-tiny:3"]
+    assert entry["value"] == pytest.approx(7.5) and entry["families"]["expert-cache"]["value"] == pytest.approx(9.5)
+    assert "timed by its worker" in entry["source"]
+    assert runs == [3, 3]  # the warm-up (min(3, 4) tokens) and the traced episode; no timed repeats
+    assert (tmp_path / "routing.trace").stat().st_size > 0
