@@ -182,3 +182,14 @@ def test_measure_with_a_rates_screen_writes_its_figures_and_times_nothing_itself
     assert "timed by its worker" in entry["source"]
     assert runs == [3, 3]  # the warm-up (min(3, 4) tokens) and the traced episode; no timed repeats
     assert (tmp_path / "routing.trace").stat().st_size > 0
+
+
+def test_copy_profile_reads_a_policy_spec_as_simulate_writes_it():
+    """bench.copy_profile takes `packbench simulate`'s --policy form: integers as integers (a capacity
+    of "4" would be refused by the cache), the rest as words, a bare name with no parameters."""
+    from bench.copy_profile import spec_of
+
+    assert spec_of("expert-cache:capacity=4,rule=lfu,forecast=on") == (
+        "expert-cache", {"capacity": 4, "rule": "lfu", "forecast": "on"})
+    assert spec_of("packet:gather=device") == ("packet", {"gather": "device"})
+    assert spec_of("expert-forecast") == ("expert-forecast", {})
