@@ -161,17 +161,19 @@ def render(out: dict, *, per_call: bool = False) -> str:
              f"source: {json.dumps(out['source'], sort_keys=True)}", "",
              f"{'policy':44} {'prefill MB/call':>16} {'decode MB/token':>16} {unit + '/decode':>14} "
              f"{'wasted':>8} {'hits':>8} {'misses':>8} {'hit%':>6} {'belady%':>8} {'prefetch':>8} {'used':>8} "
-             f"{'pred ms/token':>14}"]
+             f"{'pred ms/token':>14} {'pred steady ms':>14}"]
     for row in out["policies"]:
         p, d = row["totals"]["prefill"], row["totals"]["decode"]
         pre = (p["h2d_weight_bytes"] + p["h2d_index_bytes"]) / p["calls"] if p["calls"] else 0
         dec = (d["h2d_weight_bytes"] + d["h2d_index_bytes"]) / d["tokens"] if d["tokens"] else 0
         moved = d["rows_copied"] / d["calls"] if d["calls"] else 0
         pred = row.get("prediction", {}).get("decode_ms_per_token")
+        steady = row.get("prediction", {}).get("steady_call_ms")
         lines.append(f"{row['policy']:44} {_mb(pre):>16} {_mb(dec):>16} {moved:14.1f} "
                      f"{d['rows_wasted']:8d} {_opt(d.get('hits')):>8} {_opt(d.get('misses')):>8} "
                      f"{_pct(d.get('hit_rate')):>6} {_pct(d.get('belady_rate')):>8} {_opt(d.get('prefetched')):>8} "
-                     f"{_opt(d.get('used')):>8} {'-' if pred is None else f'{pred:.2f}':>14}")
+                     f"{_opt(d.get('used')):>8} {'-' if pred is None else f'{pred:.2f}':>14} "
+                     f"{'-' if steady is None else f'{steady:.2f}':>14}")
         if per_call:
             for c in row["calls"]:
                 cache = "".join(f", {key} {sum(v for v in c[key] if v is not None)}"
@@ -198,6 +200,9 @@ def render(out: dict, *, per_call: bool = False) -> str:
                              f"{r['prediction']['copy_ms_per_token']:.2f} ms copy hidden by compute")
     lines += ["", "MB: 10^6 bytes host-to-device (weights and indices). hits, misses, hit% (of routed), belady% "
                   "(Belady's optimal cache of the same capacity), prefetch and used (forecast): decode calls. "
+                  "pred ms/token: the mean over the decode calls; pred steady ms: the steady decode call (each "
+                  "call priced alone; per episode the median but the first call, then the median over episodes), "
+                  "what a screen reports as decode ms/token. "
               + out["assumptions"] + "."]
     # A trace's family, shape, dtype and source and a machine file's name and sources are free text:
     # each line is escaped (core/text.py), so a newline or a terminal escape in one cannot split or

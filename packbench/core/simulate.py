@@ -40,6 +40,7 @@ Layer rule: core. numpy only.
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -666,7 +667,40 @@ def predict(trace: Trace, name: str, params: dict, calls: list[dict], machine: d
         total -= hidden
     extra, what = overhead_ms(trace, name, params, phase_totals, machine, own=own)
     return {**out, "compute_ms_per_token": compute, "compute_source": how, "compute_family": own,
-            "overhead_ms_per_token": extra, "overhead": what, "decode_ms_per_token": total + (extra or 0.0)}
+            "overhead_ms_per_token": extra, "overhead": what, "decode_ms_per_token": total + (extra or 0.0),
+            "steady_call_ms": steady_call_ms(trace, name, params, calls, machine, compute, own)}
+
+
+def steady_call_ms(trace: Trace, name: str, params: dict, calls: list[dict], machine: dict, compute: float,
+                   own: str | None) -> float | None:
+    """The predicted steady decode call, the statistic a screen reports as decode ms/token
+    (core/serving.py `steady_call_s`): each decode call priced alone by the same model as
+    `predict` (compute x its tokens, its own bytes at the pinned rate, its own prefetch hidden, its
+    own overhead counts), then per episode the median over its decode calls but the first, and the
+    median over episodes. It differs from the mean per token where calls differ in bytes: a cache
+    whose misses clump in a few calls has a median call below its mean. None without a steady call."""
+    m = trace.model
+    rate = float(machine["pinned_h2d_gbps"]["value"])
+    overlapped = (m.unit, name) in OVERLAPPED
+    forecasting = m.unit == "expert" and needs_forecast(name, params)
+
+    def priced(call: dict) -> float:
+        d = totals([call])["decode"]
+        copy = (d["h2d_weight_bytes"] + d["h2d_index_bytes"]) / (rate * 1e9) * 1e3
+        work = compute * call["tokens"]
+        ms = max(work, copy) if overlapped else work + copy
+        if forecasting:
+            ms -= prefetch_hidden_ms(m, [call], compute, rate) * call["tokens"]
+        extra, _ = overhead_ms(trace, name, params, {"decode": d}, machine, own=own)
+        return ms + (extra or 0.0) * call["tokens"]
+
+    episodes: dict[int, list[dict]] = {}
+    for call in calls:
+        if call["phase"] == "decode":
+            episodes.setdefault(call["episode"], []).append(call)
+    medians = [statistics.median(priced(c) for c in sorted(mine, key=lambda c: c["index"])[1:])
+               for mine in episodes.values() if len(mine) > 1]
+    return statistics.median(medians) if medians else None
 
 
 def prefetch_hidden_ms(model: TraceModel, calls: list[dict], compute_ms: float, rate_gbps: float) -> float:

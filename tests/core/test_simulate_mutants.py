@@ -334,3 +334,31 @@ def test_refusals_and_notes_word_for_word():
         (None, "not modelled for OPT rows (overhead_us holds MoE policies' families)")
     t = moe([[0]], episodes=[(0, "prefill")])
     assert sim.overhead_ms(t, "resident", {}, {}, {}) == (0.0, "none: resident's time is the measured compute")
+
+
+def test_the_steady_call_is_each_episodes_median_call_but_its_first_then_the_median_over_episodes():
+    """simulate's `steady_call_ms` is the statistic a screen reports (core/serving.py steady_call_s):
+    an LRU 2 cache whose misses clump in a few calls has a median call far below its mean. Each
+    expert moved costs 1 ms (1000 B at 1 MB/s), 2 layers with experts, compute 2 ms a call.
+    Episode 0 decodes {0,1} {0,1} {2,3} {2,3} after a {0,1} prefill: calls of 2, 2, 6, 2 ms; its
+    steady calls (not the first) 2, 6, 2: median 2. Episode 1 decodes {2,3} {2,3} {0,1}: 6, 2, 6;
+    steady 2, 6: median 4. Over episodes: 3. Catches the mean per token (3.71), the first decode
+    call kept (episode 1's median 6), and every steady call pooled (median 2)."""
+    t = moe([[0, 1], [0, 1], [0, 1], [2, 3], [2, 3], [0, 1], [2, 3], [2, 3], [0, 1]],
+            episodes=[(0, "prefill")] + [(0, "decode")] * 4 + [(1, "prefill")] + [(1, "decode")] * 3)
+    m = {"name": "box", "pinned_h2d_gbps": {"value": 1e-3, "source": "s"},
+         "decode_compute_ms": {"box-moe:3": {"value": 2.0, "source": "s"}}}
+    p = _predict(t, "expert-cache:capacity=2,rule=lru", m)
+    assert p["decode_ms_per_token"] == pytest.approx(2.0 + 12.0 / 7)
+    assert p["steady_call_ms"] == pytest.approx(3.0)
+    packet = _predict(t, "packet:gather=device", m)  # every call moves its 4 experts: median = mean
+    assert packet["steady_call_ms"] == pytest.approx(packet["decode_ms_per_token"]) == pytest.approx(6.0)
+
+
+def test_no_steady_call_without_a_second_decode_call():
+    # One decode call an episode: nothing steady to predict (the screen's figure is None there too).
+    t = moe([[0, 1], [2, 3]], episodes=[(0, "prefill"), (0, "decode")])
+    m = {"name": "box", "pinned_h2d_gbps": {"value": 1e-3, "source": "s"},
+         "decode_compute_ms": {"box-moe:3": {"value": 2.0, "source": "s"}}}
+    p = _predict(t, "expert-cache:capacity=2,rule=lru", m)
+    assert p["decode_ms_per_token"] == pytest.approx(6.0) and p["steady_call_ms"] is None
