@@ -642,65 +642,51 @@ def predict(trace: Trace, name: str, params: dict, calls: list[dict], machine: d
     """The predicted decode ms per token of `name` on `machine` from its ledger `calls` (module
     doc: the model): compute + copy (the larger of the two where overlapped; a forecast's prefetch
     less what its layer's compute hides, `prefetch_hidden_ms`) + the engine's fixed costs where the
-    machine file measured them (`overhead_ms_per_token`, None and `overhead` saying so where it did not)."""
+    machine file measured them (`overhead_ms_per_token`, None and `overhead` saying so where it did
+    not), the mean over the decode calls; and `steady_call_ms`, the steady decode call a screen
+    reports (each call priced alone by the same model, per episode the median over its decode calls
+    but the first, then the median over episodes; None without a second decode call). The two differ
+    where calls differ in bytes: a cache whose misses clump in a few calls has a median call below
+    its mean."""
     m = trace.model
     rate = float(machine["pinned_h2d_gbps"]["value"])
-    phase_totals = totals(calls)
-    d = phase_totals["decode"]
+    d = totals(calls)["decode"]
     forecasting = m.unit == "expert" and needs_forecast(name, params)
     out = {"machine": machine["name"], "pinned_h2d_gbps": rate,
            "overlap": "overlapped" if (m.unit, name) in OVERLAPPED else
            "serial, a prefetch hidden by its layer's compute" if forecasting else "serial"}
     if not d["tokens"]:
         return {**out, "decode_ms_per_token": None, "why": "the trace has no decode call"}
-    copy_ms = (d["h2d_weight_bytes"] + d["h2d_index_bytes"]) / d["tokens"] / (rate * 1e9) * 1e3
+    out["copy_ms_per_token"] = (d["h2d_weight_bytes"] + d["h2d_index_bytes"]) / d["tokens"] / (rate * 1e9) * 1e3
     found = compute_ms(machine, m, compute_family(m.unit, name, params))
-    out["copy_ms_per_token"] = copy_ms
     if found is None:
         return {**out, "decode_ms_per_token": None,
                 "why": f"{machine['name']} has no measured compute rate for {m.shape or 'this unnamed shape'}; "
                        f"add decode_compute_ms['{m.shape or 'SHAPE'}:{m.layers}'] to the machine file"}
     compute, how, own = found
-    total = max(compute, copy_ms) if out["overlap"] == "overlapped" else compute + copy_ms
+
+    def per_token(mine: list[dict]) -> tuple[float, float | None, float | None, str]:
+        """(ms per token, prefetch hidden, overhead, how the overhead adds up) over decode calls `mine`."""
+        t = totals(mine)
+        moved = t["decode"]["h2d_weight_bytes"] + t["decode"]["h2d_index_bytes"]
+        copy = moved / t["decode"]["tokens"] / (rate * 1e9) * 1e3
+        total = max(compute, copy) if out["overlap"] == "overlapped" else compute + copy
+        hidden = prefetch_hidden_ms(m, mine, compute, rate) if forecasting else None
+        extra, what = overhead_ms(trace, name, params, t, machine, own=own)
+        return total - (hidden or 0.0) + (extra or 0.0), hidden, extra, what
+
+    decode = [c for c in calls if c["phase"] == "decode"]
+    total, hidden, extra, what = per_token(decode)
     if forecasting:
-        out["prefetch_hidden_ms_per_token"] = hidden = prefetch_hidden_ms(m, calls, compute, rate)
-        total -= hidden
-    extra, what = overhead_ms(trace, name, params, phase_totals, machine, own=own)
-    return {**out, "compute_ms_per_token": compute, "compute_source": how, "compute_family": own,
-            "overhead_ms_per_token": extra, "overhead": what, "decode_ms_per_token": total + (extra or 0.0),
-            "steady_call_ms": steady_call_ms(trace, name, params, calls, machine, compute, own)}
-
-
-def steady_call_ms(trace: Trace, name: str, params: dict, calls: list[dict], machine: dict, compute: float,
-                   own: str | None) -> float | None:
-    """The predicted steady decode call, the statistic a screen reports as decode ms/token
-    (core/serving.py `steady_call_s`): each decode call priced alone by the same model as
-    `predict` (compute x its tokens, its own bytes at the pinned rate, its own prefetch hidden, its
-    own overhead counts), then per episode the median over its decode calls but the first, and the
-    median over episodes. It differs from the mean per token where calls differ in bytes: a cache
-    whose misses clump in a few calls has a median call below its mean. None without a steady call."""
-    m = trace.model
-    rate = float(machine["pinned_h2d_gbps"]["value"])
-    overlapped = (m.unit, name) in OVERLAPPED
-    forecasting = m.unit == "expert" and needs_forecast(name, params)
-
-    def priced(call: dict) -> float:
-        d = totals([call])["decode"]
-        copy = (d["h2d_weight_bytes"] + d["h2d_index_bytes"]) / (rate * 1e9) * 1e3
-        work = compute * call["tokens"]
-        ms = max(work, copy) if overlapped else work + copy
-        if forecasting:
-            ms -= prefetch_hidden_ms(m, [call], compute, rate) * call["tokens"]
-        extra, _ = overhead_ms(trace, name, params, {"decode": d}, machine, own=own)
-        return ms + (extra or 0.0) * call["tokens"]
-
+        out["prefetch_hidden_ms_per_token"] = hidden
     episodes: dict[int, list[dict]] = {}
-    for call in calls:
-        if call["phase"] == "decode":
-            episodes.setdefault(call["episode"], []).append(call)
-    medians = [statistics.median(priced(c) for c in sorted(mine, key=lambda c: c["index"])[1:])
+    for call in decode:
+        episodes.setdefault(call["episode"], []).append(call)
+    medians = [statistics.median(per_token([c])[0] * c["tokens"] for c in sorted(mine, key=lambda c: c["index"])[1:])
                for mine in episodes.values() if len(mine) > 1]
-    return statistics.median(medians) if medians else None
+    return {**out, "compute_ms_per_token": compute, "compute_source": how, "compute_family": own,
+            "overhead_ms_per_token": extra, "overhead": what, "decode_ms_per_token": total,
+            "steady_call_ms": statistics.median(medians) if medians else None}
 
 
 def prefetch_hidden_ms(model: TraceModel, calls: list[dict], compute_ms: float, rate_gbps: float) -> float:
