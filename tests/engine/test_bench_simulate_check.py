@@ -13,11 +13,13 @@ from packbench.engine.moe.synth import synth_moe
 H100 = Path(__file__).resolve().parents[2] / "bench" / "machines" / "h100.json"
 
 
-def measure(tmp_path, monkeypatch, overhead: Path):
+def measure(tmp_path, monkeypatch, *args: str):
+    """`measure` on a tiny Mixtral on the CPU with `args` (--overhead, --rates-from, --repeats ...):
+    the machine file it wrote."""
     model = synth_moe(tmp_path / "mixtral", shape="mixtral-tiny", seed=2, dtype="float32")
     monkeypatch.setattr(sys, "argv", ["simulate_check", "measure", "--model", str(model), "--device", "cpu",
-                                      "--dtype", "float32", "--prefix", "4", "--continuation", "3", "--repeats", "1",
-                                      "--overhead", str(overhead), "--machine-out", str(tmp_path / "machine.json"),
+                                      "--dtype", "float32", "--prefix", "4", "--continuation", "3", *args,
+                                      "--machine-out", str(tmp_path / "machine.json"),
                                       "--trace-out", str(tmp_path / "routing.trace")])
     simulate_check.main()
     return json.loads((tmp_path / "machine.json").read_text())
@@ -28,7 +30,7 @@ def test_a_machine_file_as_overhead_gives_its_overhead_only(tmp_path, monkeypatc
     device call carries) was spread whole over the measured machine: its name, its H100 copy rate
     and its Qwen3-only compute table replaced this call's, so Mixtral's predictions had no compute."""
     h100 = json.loads(H100.read_text())
-    machine = measure(tmp_path, monkeypatch, H100)
+    machine = measure(tmp_path, monkeypatch, "--repeats", "1", "--overhead", str(H100))
     assert machine["overhead_us"] == h100["overhead_us"]
     assert list(machine["decode_compute_ms"]) == ["mixtral-tiny:3"]
     assert machine["decode_compute_ms"]["mixtral-tiny:3"]["value"] > 0
@@ -46,7 +48,7 @@ def test_an_overhead_file_without_the_term_is_refused_in_one_line_before_measuri
     bad = tmp_path / "overhead.json"
     bad.write_text(text)
     with pytest.raises(SystemExit) as e:
-        measure(tmp_path, monkeypatch, bad)
+        measure(tmp_path, monkeypatch, "--repeats", "1", "--overhead", str(bad))
     assert isinstance(e.value.code, str) and "\n" not in e.value.code
     assert e.value.code.startswith(f"--overhead {bad}: ") and fragment in e.value.code
     assert not (tmp_path / "machine.json").exists() and not (tmp_path / "routing.trace").exists()
@@ -80,7 +82,7 @@ def test_the_full_expert_cache_measurement_moves_zero_bytes(tmp_path, shape):
 def test_measure_writes_the_expert_cache_figure_beside_resident(tmp_path, monkeypatch):
     """The machine file of `measure` holds expert-cache's own zero-copy compute under the shape's
     entry (`families`), with its source naming the held-out prompt and the 0 B its ledger moved."""
-    machine = measure(tmp_path, monkeypatch, H100)
+    machine = measure(tmp_path, monkeypatch, "--repeats", "1", "--overhead", str(H100))
     own = machine["decode_compute_ms"]["mixtral-tiny:3"]["families"]["expert-cache"]
     assert own["value"] > 0 and "0 B moved" in own["source"] and "generator seed 1" in own["source"]
     assert "capacity=8" in own["source"]
@@ -171,13 +173,8 @@ def test_measure_with_a_rates_screen_writes_its_figures_and_times_nothing_itself
     runs = []
     real = episode.run_episode
     monkeypatch.setattr(episode, "run_episode", lambda *a, **k: runs.append(k["continuation"]) or real(*a, **k))
-    model = synth_moe(tmp_path / "mixtral", shape="mixtral-tiny", seed=2, dtype="float32")
-    monkeypatch.setattr(sys, "argv", ["simulate_check", "measure", "--model", str(model), "--device", "cpu",
-                                      "--dtype", "float32", "--prefix", "4", "--continuation", "3", "--repeats", "3",
-                                      "--rates-from", str(archive), "--machine-out", str(tmp_path / "machine.json"),
-                                      "--trace-out", str(tmp_path / "routing.trace")])
-    simulate_check.main()
-    entry = json.loads((tmp_path / "machine.json").read_text())["decode_compute_ms"]["mixtral-tiny:3"]
+    machine = measure(tmp_path, monkeypatch, "--repeats", "3", "--rates-from", str(archive))
+    entry = machine["decode_compute_ms"]["mixtral-tiny:3"]
     assert entry["value"] == pytest.approx(7.5) and entry["families"]["expert-cache"]["value"] == pytest.approx(9.5)
     assert "timed by its worker" in entry["source"]
     assert runs == [3, 3]  # the warm-up (min(3, 4) tokens) and the traced episode; no timed repeats
