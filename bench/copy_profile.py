@@ -1,14 +1,15 @@
-"""Where a decode call's host-to-device copies go, per MoE policy, from the CUDA profiler's own
-timeline: how many copies a decode call issues, their bytes, the copy engine's rate over them
-(bytes / summed copy durations), and how much of the call's wall the copies and kernels fill.
-Written to explain conditions whose measured decode time is below compute + bytes at the copy
-rate (docs/experiments/simulate.md): a higher rate on some copies, or host work hidden under them.
+"""Where a profiled episode's host-to-device copies go, per MoE policy, from the CUDA profiler's
+own timeline: how many expert copies it issues, their bytes, the copy engine's rate over them
+(bytes / summed copy durations), how much of them a kernel ran beside, and the kernels' and the
+calls' time. Written to explain conditions whose measured decode time is below compute + bytes at
+the copy rate (docs/experiments/simulate.md): a higher rate on some copies, or host work hidden
+under them.
 
   python -m bench.copy_profile --model DIR [--device cuda] [--dtype float16] [--policy SPEC ...]
 
-SPEC is `packet:gather=device`, `expert-cache:capacity=4,rule=lru` and so on (`packbench simulate`'s
---policy form). One warm episode each, then one profiled episode of the protocol's generator prompt
-(seed 0, PREFIX + CONT), the whole episode (prefill and decode).
+SPEC is `packet:gather=device`, `expert-cache:capacity=4,rule=lru` and so on, read by `packbench
+simulate`'s own --policy parser (core/simulate.py parse_policy). One warm episode each, then one
+profiled episode of the protocol's generator prompt (seed 0, PREFIX + CONT), prefill and decode.
 """
 
 from __future__ import annotations
@@ -18,14 +19,7 @@ import json
 import tempfile
 from pathlib import Path
 
-
-def spec_of(text: str) -> tuple[str, dict]:
-    name, _, rest = text.partition(":")
-    params = {}
-    for kv in filter(None, rest.split(",")):
-        k, _, v = kv.partition("=")
-        params[k] = int(v) if v.isdigit() else v
-    return name, params
+from packbench.core.simulate import parse_policy
 
 
 def main() -> None:
@@ -53,7 +47,7 @@ def main() -> None:
     print("per profiled episode (prefill and decode): expert copies (>= 1 MiB host to device), MB, the copy "
           "engine's rate over them, their ms, ms of them a kernel ran beside, kernel ms, the calls' wall ms, streams")
     for text in policies:
-        name, params = spec_of(text)
+        name, params = parse_policy(text, "expert")
         model.use(name, **params)
         run_episode(model, prompt, continuation=a.continuation)  # warm
         model.use(name, **params)

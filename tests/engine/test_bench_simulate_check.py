@@ -184,7 +184,10 @@ def test_measure_with_a_rates_screen_writes_its_figures_and_times_nothing_itself
 def test_copy_profile_reads_a_policy_spec_as_simulate_writes_it():
     """bench.copy_profile takes `packbench simulate`'s --policy form: integers as integers (a capacity
     of "4" would be refused by the cache), the rest as words, a bare name with no parameters."""
-    from bench.copy_profile import spec_of
+    from bench.copy_profile import parse_policy
+
+    def spec_of(text):
+        return parse_policy(text, "expert")
 
     assert spec_of("expert-cache:capacity=4,rule=lfu,forecast=on") == (
         "expert-cache", {"capacity": 4, "rule": "lfu", "forecast": "on"})
