@@ -76,6 +76,17 @@ moe_cache_caps() {  # SHAPE: "lo mid hi", the three expert-cache capacities of t
   if [ "$1" = "${QWEN_SHAPE:-qwen3-30b-a3b}" ]; then echo "${QWEN_CAPS:-16 32 64}"; else echo "${MIXTRAL_CAPS:-2 4 6}"; fi
 }
 
+moe_protocol_head() {  # NAME DIR SEED: a MoE screen's first lines (checkpoint DIR in $DT, one generated prompt, $P + $C tokens)
+  cat <<YAML
+name: $1
+model: {path: $2}
+dtype: $DT
+prompts: {generator: {seed: $3, count: 1}}
+prefix_tokens: $P
+continuation_tokens: $C
+YAML
+}
+
 moe_cache_conditions() {  # LO MID HI: the caches' and forecasts' protocol entries (after dense-stream and packet)
   cat <<YAML
   - {name: lru-$1, policy: expert-cache, params: {capacity: $1}}

@@ -30,12 +30,7 @@ for spec in "${specs[@]}"; do
   set -- $caps; lo=$1; mid=$2; hi=$3
   moe_synth "$shape" "$layers" "$dir" "$DT"
   cat > "$work/$shape.yaml" <<YAML
-name: moe-cache-$shape-$layers
-model: {path: $dir}
-dtype: $DT
-prompts: {generator: {seed: 0, count: 1}}
-prefix_tokens: $P
-continuation_tokens: $C
+$(moe_protocol_head "moe-cache-$shape-$layers" "$dir" 0)
 conditions:
   - {policy: dense-stream}
   - {policy: packet}

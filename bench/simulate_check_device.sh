@@ -61,12 +61,7 @@ ov=(); [ -s "$out/overhead.json" ] && ov=(--overhead "$out/overhead.json")  # wi
 experts=$(python3 -c "import json, sys; c = json.load(open(sys.argv[1] + '/config.json'))
 print(c.get('num_experts') or c['num_local_experts'])" "$dir")
 cat > "$work/$shape-rates.yaml" <<YAML
-name: simulate-rates-$shape-$layers
-model: {path: $dir}
-dtype: $DT
-prompts: {generator: {seed: 1, count: 1}}
-prefix_tokens: $P
-continuation_tokens: $C
+$(moe_protocol_head "simulate-rates-$shape-$layers" "$dir" 1)
 conditions:
   - {policy: resident}
   - {name: cache-all, policy: expert-cache, params: {capacity: $experts}}
@@ -103,12 +98,7 @@ rc=$?; echo "-- predict rc $rc"; [ $rc = 0 ] || { tail -5 "$out/predict.err"; mo
 
 echo "== (iv) the screen ($(left) s left)"
 cat > "$work/$shape.yaml" <<YAML
-name: simulate-check-$shape-$layers
-model: {path: $dir}
-dtype: $DT
-prompts: {generator: {seed: 0, count: 1}}
-prefix_tokens: $P
-continuation_tokens: $C
+$(moe_protocol_head "simulate-check-$shape-$layers" "$dir" 0)
 conditions:
   - {policy: dense-stream}
   - {policy: packet, params: {gather: device}}
